@@ -1,0 +1,154 @@
+"""The typer application: shared options, the command glue, and `main()` (errors -> exit codes).
+
+Commands live one per module in `ckpt_cli/commands/`; each registers itself on `app` and calls
+`run_command`, which runs one library call, renders its result (human or `--json`) and maps
+every failure to the exit codes documented in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from . import __version__
+from .errors import CkptError, Interrupted
+
+app = typer.Typer(
+    name="ckpt",
+    help=(
+        "Inspect, verify, convert, reshard, prune, download and diff sharded and resumable "
+        "training checkpoints (safetensors, PyTorch DCP, torch.save, Hugging Face Hub)."
+    ),
+    no_args_is_help=True,
+    add_completion=True,
+    rich_markup_mode="markdown",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
+)
+
+# options shared by several commands, so every command spells them the same way
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout (the ckpt_json envelope).")
+]
+FormatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--format",
+        "-f",
+        help="Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it.",
+    ),
+]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force", help="Replace DEST if it exists (only after the new output is complete)."
+    ),
+]
+SrcArg = Annotated[
+    str,
+    typer.Argument(
+        help="Checkpoint file or folder, or hf://org/repo[@revision][/subfolder].",
+        show_default=False,
+    ),
+]
+
+#: the order commands appear in `ckpt --help`; modules not listed follow alphabetically
+COMMAND_ORDER = ["inspect", "verify", "convert", "reshard", "prune", "latest", "download", "diff"]
+
+T = TypeVar("T")
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"ckpt {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            "-V",
+            help="Print the version and exit.",
+            callback=_version_callback,
+            is_eager=True,
+        ),
+    ] = False,
+) -> None:
+    """Inspect, verify, convert, reshard, prune, download and diff training checkpoints."""
+
+
+def run_command(
+    command: str,
+    json_output: bool,
+    action: Callable[[], T],
+    render_human: Callable[[T], None],
+    exit_code: Callable[[T], int] = lambda _result: 0,
+) -> None:
+    """Run one library call and render it; every failure becomes its documented exit code.
+
+    Args:
+        command: the subcommand name, for the JSON envelope.
+        json_output: print the JSON envelope instead of human output.
+        action: the library call; returns a pydantic model (or JSON-able value).
+        render_human: prints `result` for people (rich, stdout for data).
+        exit_code: 0, or 1 when the result reports problems (verify, diff).
+    """
+    from . import render
+
+    try:
+        result = action()
+    except CkptError as error:
+        render.emit_error(command, error, json_output)
+        raise typer.Exit(error.exit_code) from None
+    except KeyboardInterrupt:
+        interrupted = Interrupted("interrupted")
+        render.emit_error(command, interrupted, json_output)
+        raise typer.Exit(interrupted.exit_code) from None
+    except (typer.Exit, SystemExit):
+        raise
+    except Exception as exc:  # anything else is a bug: say so, keep the traceback for CKPT_DEBUG
+        if os.environ.get("CKPT_DEBUG"):
+            raise
+        render.emit_internal_error(command, exc, json_output)
+        raise typer.Exit(70) from None
+    code = exit_code(result)
+    if json_output:
+        render.emit_json(command, result, code)
+    else:
+        render_human(result)
+    if code:
+        raise typer.Exit(code)
+
+
+def load_commands() -> None:
+    """Import every module of `ckpt_cli.commands` so each registers its command on `app`."""
+    from . import commands
+
+    found = [m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_")]
+    ordered = [n for n in COMMAND_ORDER if n in found] + sorted(
+        n for n in found if n not in COMMAND_ORDER
+    )
+    for name in ordered:
+        importlib.import_module(f"{commands.__name__}.{name}")
+
+
+def get_app() -> typer.Typer:
+    """The fully populated typer app (used by tests and completion generation)."""
+    if not app.registered_commands:
+        load_commands()
+    return app
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Console entry point (`ckpt`)."""
+    get_app()
+    return app(args=argv if argv is not None else sys.argv[1:], prog_name="ckpt")

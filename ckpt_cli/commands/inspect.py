@@ -1,0 +1,47 @@
+"""`ckpt inspect`: what is inside a checkpoint, from headers and metadata only."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ..cli import FormatOpt, JsonOpt, SrcArg, app, run_command
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  ckpt inspect model.safetensors\n\n"
+        "  ckpt inspect out/checkpoint-500 --tensors --filter '*.layers.0.*'\n\n"
+        "  ckpt inspect hf://org/model@main --json"
+    )
+)
+def inspect(
+    src: SrcArg,
+    tensors: Annotated[
+        bool,
+        typer.Option("--tensors", "-t", help="List every entry: name, dtype, shape, bytes, file."),
+    ] = False,
+    filter: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--filter", "-k", help="Only entries whose name matches this glob (repeatable)."
+        ),
+    ] = None,
+    format: FormatOpt = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Show what a checkpoint holds: tensors, dtypes, shapes, bytes, files, training state.
+
+    Reads headers and metadata only; no tensor data is loaded.
+    """
+    from ..ops.inspect import inspect as run_inspect
+    from ..render.inspect import render_inspect
+
+    run_command(
+        "inspect",
+        json_output,
+        lambda: run_inspect(src, format=format, filters=filter),
+        lambda report: render_inspect(report, show_tensors=tensors),
+    )

@@ -1,0 +1,95 @@
+"""The error hierarchy: every expected failure is a `CkptError` with an exit code.
+
+A message names the file, the problem and the fix. The CLI prints `str(error)` and exits
+with `error.exit_code`; the JSON envelope carries `error.code` (a stable string) too.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePath
+from typing import ClassVar
+
+
+class CkptError(Exception):
+    """Base class of expected failures.
+
+    Args:
+        problem: what is wrong, as a sentence fragment ("header length 10 GB is past the end").
+        path: the file or location concerned; it leads the message.
+        fix: what the user can do about it ("re-download the shard", "pass --force").
+    """
+
+    exit_code: ClassVar[int] = 70
+    code: ClassVar[str] = "internal"
+
+    def __init__(self, problem: str, *, path: str | PurePath | None = None, fix: str | None = None):
+        self.problem = problem
+        self.path = str(path) if path is not None else None
+        self.fix = fix
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        """The full human message: `path: problem. fix`."""
+        text = f"{self.path}: {self.problem}" if self.path else self.problem
+        if self.fix:
+            text = f"{text.rstrip('.')}. {self.fix}"
+        return text
+
+    def to_json(self) -> dict[str, str | int | None]:
+        """The `error` member of the JSON envelope."""
+        return {
+            "code": self.code,
+            "exit_code": self.exit_code,
+            "message": self.message,
+            "path": self.path,
+            "problem": self.problem,
+            "fix": self.fix,
+        }
+
+
+class UsageError(CkptError):
+    """Bad arguments or option combinations (exit 2)."""
+
+    exit_code = 2
+    code = "usage"
+
+
+class NotFoundError(CkptError):
+    """A path, tensor, repository or revision that does not exist (exit 3)."""
+
+    exit_code = 3
+    code = "not_found"
+
+
+class FormatError(CkptError):
+    """A corrupt, hostile, unsupported, unrecognised or ambiguous checkpoint (exit 4)."""
+
+    exit_code = 4
+    code = "bad_checkpoint"
+
+
+class UnsafeInputError(FormatError):
+    """Input that tried to run code or escape the checkpoint folder (exit 4)."""
+
+    code = "unsafe_input"
+
+
+class DestinationExistsError(UsageError):
+    """An output that exists already and `--force` was not given (exit 2)."""
+
+    code = "destination_exists"
+
+
+class HubError(CkptError):
+    """A Hub, network or authentication failure (exit 5)."""
+
+    exit_code = 5
+    code = "hub"
+
+
+class Interrupted(CkptError):
+    """The user interrupted the run; partial outputs were removed (exit 130)."""
+
+    exit_code = 130
+    code = "interrupted"

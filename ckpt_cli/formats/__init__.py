@@ -1,0 +1,90 @@
+"""Format registry: maps format tokens to adapter classes, imported lazily.
+
+`open_checkpoint(src)` is the one entry point for reading: it resolves the location into a
+`Source`, picks the format (an explicit token wins over detection) and opens it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from ..errors import FormatError, NotFoundError, UsageError
+from ..storage import LocalStorage
+from ..uri import Location, parse_location
+from .base import Checkpoint, Format, Source
+
+#: token -> "module:Class"; modules import lazily so `ckpt --help` stays fast
+REGISTRY: dict[str, str] = {
+    "safetensors": "ckpt_cli.formats.safetensors:SafetensorsFormat",
+}
+#: formats a user may name in --format/--to
+FORMAT_NAMES = ("safetensors", "dcp", "torch", "hub")
+
+
+def get_format(name: str) -> type[Format]:
+    """The adapter class for a format token."""
+    if name not in REGISTRY:
+        raise UsageError(f"unknown format {name!r}", fix=f"Use one of: {', '.join(REGISTRY)}.")
+    module_name, cls_name = REGISTRY[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            raise FormatError(f"the {name} format is not available in this version") from None
+        raise
+    cls: type[Format] = getattr(module, cls_name)
+    return cls
+
+
+def resolve_source(location: Location | str) -> Source:
+    """Turn a location into a `Source` (storage + optional single target file)."""
+    loc = parse_location(location) if isinstance(location, str) else location
+    if loc.kind == "hf":
+        from .hub import hub_source
+
+        return hub_source(loc)
+    if loc.kind == "fsspec":
+        from .remote import fsspec_source
+
+        return fsspec_source(loc)
+    assert loc.path is not None
+    path: Path = loc.path
+    if not path.exists():
+        raise NotFoundError("no such file or folder", path=path, fix="Check the path.")
+    if path.is_dir():
+        return Source(location=loc, storage=LocalStorage(path))
+    return Source(location=loc, storage=LocalStorage(path.parent), target=path.name)
+
+
+def detect_format(source: Source) -> str:
+    """The one format token whose `detect` accepts the source; FormatError for none or many."""
+    matches = [name for name in REGISTRY if get_format(name).detect(source)]
+    if len(matches) == 1:
+        return matches[0]
+    where = source.location.raw
+    if not matches:
+        raise FormatError(
+            "is not a checkpoint this tool recognises (no safetensors, DCP .metadata/.distcp "
+            "or torch.save files found)",
+            path=where,
+            fix="Point at the checkpoint file or folder, or pass --format.",
+        )
+    raise FormatError(
+        f"looks like more than one format ({', '.join(matches)})",
+        path=where,
+        fix="Pass --format to say which one to read.",
+    )
+
+
+def open_checkpoint(location: Location | str, format: str | None = None) -> Checkpoint:
+    """Open a checkpoint for reading; `format` (a token) overrides detection."""
+    source = resolve_source(location)
+    if format == "hub":
+        if source.location.kind != "hf":
+            raise UsageError(
+                "--format hub needs an hf://org/repo location", path=source.location.raw
+            )
+        format = None
+    name = format or detect_format(source)
+    return get_format(name).open(source)

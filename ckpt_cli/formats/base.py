@@ -1,0 +1,185 @@
+"""The adapter layer's interfaces: `Source`, `Format`, `Checkpoint`, `Writer`.
+
+A `Format` recognises a source cheaply (`detect`, file names only), opens it into a
+`Checkpoint` whose `manifest` comes from metadata alone, and writes new checkpoints through
+a streaming `Writer`. Readers hand out one tensor (or one raw byte range) at a time, so peak
+memory follows the largest tensor, never the model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..errors import FormatError
+from ..models import Entry, FileInfo, Manifest
+from ..storage import Storage
+from ..uri import Location
+
+if TYPE_CHECKING:
+    import torch
+
+#: raw copies move this many bytes per read/write
+COPY_BLOCK = 8 << 20
+
+
+@dataclass
+class Source:
+    """A location opened for reading: its storage and, when SRC named one file, that file."""
+
+    location: Location
+    storage: Storage
+    target: str | None = None
+
+    @cached_property
+    def files(self) -> dict[str, int]:
+        """Files to consider (relative path -> size): the target alone, or the whole folder."""
+        if self.target is not None:
+            return {self.target: self.storage.size(self.target)}
+        return self.storage.list_files()
+
+    def top_level(self) -> list[str]:
+        """File names directly under the root (no subfolders)."""
+        return [name for name in self.files if "/" not in name]
+
+
+class Checkpoint(ABC):
+    """An opened checkpoint: its manifest, and reads of one entry at a time."""
+
+    def __init__(self, source: Source, manifest: Manifest):
+        self.source = source
+        self.manifest = manifest
+
+    @property
+    def storage(self) -> Storage:
+        """Where the files are read from."""
+        return self.source.storage
+
+    @abstractmethod
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor `name`, contiguous, on CPU."""
+
+    def read_object(self, name: str) -> Any:
+        """The value of a non-tensor entry (bytes, int, dict...)."""
+        raise FormatError(
+            f"entry {name!r} is not a readable object in a {self.manifest.format} checkpoint",
+            path=self.manifest.location,
+        )
+
+    def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        """A box of the global tensor `name`; formats storing chunks override this."""
+        tensor = self.read_tensor(name)
+        index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+        return tensor[index].contiguous() if index else tensor
+
+    def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
+        """The raw C-order bytes of a raw-stored tensor, in blocks (see `Entry.is_raw`)."""
+        entry = self.manifest.by_name[name]
+        if not entry.is_raw or entry.file is None or entry.offset is None:
+            raise FormatError(
+                f"tensor {name!r} is not stored as raw bytes", path=self.manifest.location
+            )
+        done = 0
+        while done < entry.nbytes:
+            n = min(block, entry.nbytes - done)
+            yield self.storage.read(entry.file, entry.offset + done, n)
+            done += n
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release open files."""
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class WriteOptions:
+    """How a writer lays out its output.
+
+    Attributes:
+        max_shard_size: split into shards of at most this many bytes (None: one file).
+        metadata: string metadata to store (safetensors `__metadata__`).
+        basename: stem for shard and index names (`model` -> `model-00001-of-00002.safetensors`).
+        single_file: DEST names one file rather than a folder.
+        dcp_serialization: `torch_save` or `safetensors` (DCP only).
+        world_size: number of ranks to lay DCP chunks out for.
+        extra: format-specific options.
+    """
+
+    max_shard_size: int | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    basename: str | None = None
+    single_file: bool = False
+    dcp_serialization: str = "torch_save"
+    world_size: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Writer(ABC):
+    """Streams entries into a new checkpoint inside a staging folder.
+
+    The writer is told every entry up front (`plan`: names, dtypes, shapes, bytes, in order)
+    so it can lay out shards and headers before data arrives; then it receives the data of
+    each entry in plan order and `finish` writes the commit marker (index / `.metadata`) last.
+    """
+
+    def __init__(self, staging: Path, plan: list[Entry], options: WriteOptions):
+        self.staging = staging
+        self.plan = plan
+        self.options = options
+
+    @abstractmethod
+    def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the data of tensor `name`."""
+
+    def write_raw(self, name: str, blocks: Iterator[bytes]) -> None:
+        """Write tensor `name` from its raw C-order bytes (formats that store raw bytes)."""
+        raise NotImplementedError
+
+    def write_object(self, name: str, value: Any) -> None:
+        """Write a non-tensor entry; formats that cannot hold objects raise FormatError."""
+        raise FormatError(f"{type(self).__name__} cannot store the non-tensor entry {name!r}")
+
+    @property
+    def accepts_raw(self) -> bool:
+        """Whether `write_raw` is supported (copies can then skip deserialisation)."""
+        return False
+
+    @property
+    def accepts_objects(self) -> bool:
+        """Whether non-tensor entries can be stored."""
+        return False
+
+    @abstractmethod
+    def finish(self) -> list[FileInfo]:
+        """Flush, fsync, write the commit marker; return the files written."""
+
+
+class Format(ABC):
+    """One checkpoint format: detection, opening, writing."""
+
+    name: ClassVar[str]
+    #: whether `writer` is implemented
+    writable: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def detect(cls, source: Source) -> bool:
+        """Cheap check from file names (and at most a few bytes)."""
+
+    @classmethod
+    @abstractmethod
+    def open(cls, source: Source) -> Checkpoint:
+        """Read metadata and return the opened checkpoint."""
+
+    @classmethod
+    def writer(cls, staging: Path, plan: list[Entry], options: WriteOptions) -> Writer:
+        """A streaming writer into `staging`."""
+        raise FormatError(f"writing the {cls.name} format is not supported")

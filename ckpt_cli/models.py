@@ -1,0 +1,195 @@
+"""Pydantic models shared by formats, operations and rendering.
+
+`Manifest` is the centre of the adapter layer: everything a checkpoint holds, read from
+metadata alone, with where each entry's bytes live.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .dtypes import FLOATING, numel
+
+
+class Chunk(BaseModel):
+    """One stored piece of a tensor (a DCP chunk): its place in the global tensor and its bytes.
+
+    Attributes:
+        offsets: start of the chunk in each dimension of the global tensor.
+        sizes: extent of the chunk in each dimension.
+        file: file holding the chunk, relative to the checkpoint root.
+        byte_offset: where the chunk's stored bytes start in `file`.
+        byte_length: how many stored bytes it spans (a torch.save blob or raw bytes).
+        raw: True when the stored bytes are the raw C-order little-endian data.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    offsets: list[int]
+    sizes: list[int]
+    file: str
+    byte_offset: int
+    byte_length: int
+    raw: bool = False
+
+
+class Entry(BaseModel):
+    """One named item of a checkpoint: a tensor or a non-tensor object.
+
+    Attributes:
+        name: the flattened dotted name (`model.layers.0.attn.wq.weight`).
+        kind: `tensor` or `object` (bytes, ints, dicts, RNG state...).
+        dtype: canonical dtype token (tensors only).
+        shape: global shape (tensors only; `[]` for 0-dim).
+        nbytes: size of the data in bytes (for objects: serialized size when known).
+        file: the file holding the data (the first one for chunked tensors).
+        offset: absolute byte offset of raw data in `file` (raw formats only).
+        chunks: stored pieces, for formats that split tensors (DCP).
+        py_type: Python type name of an object entry (`int`, `bytes`, `dict`...).
+        value: the value of a small scalar object when metadata holds it.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    kind: Literal["tensor", "object"] = "tensor"
+    dtype: str | None = None
+    shape: list[int] = Field(default_factory=list)
+    nbytes: int = 0
+    file: str | None = None
+    offset: int | None = None
+    chunks: list[Chunk] | None = None
+    py_type: str | None = None
+    value: Any = None
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (tensors)."""
+        return numel(self.shape)
+
+    @property
+    def is_raw(self) -> bool:
+        """True when the tensor is stored as one contiguous raw byte range (`file`, `offset`)."""
+        return self.kind == "tensor" and self.offset is not None and self.file is not None
+
+
+class FileInfo(BaseModel):
+    """One file of a checkpoint, with its size on disk and how many entries it holds."""
+
+    path: str
+    size: int | None = None
+    entries: int = 0
+
+
+class Manifest(BaseModel):
+    """Everything a checkpoint holds, from metadata alone.
+
+    Attributes:
+        format: format token (`safetensors`, `dcp`, `torch`, `hub`).
+        location: where it was read from, as the user wrote it.
+        files: the data and metadata files.
+        entries: tensors and objects in storage order.
+        metadata: free-form string metadata (safetensors `__metadata__`).
+        details: format specifics (DCP serialization and world size, index `total_size`...).
+    """
+
+    format: str
+    location: str
+    files: list[FileInfo] = Field(default_factory=list)
+    entries: list[Entry] = Field(default_factory=list)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    details: dict[str, Any] = Field(default_factory=dict)
+
+    @cached_property
+    def by_name(self) -> dict[str, Entry]:
+        """Entries keyed by name."""
+        return {entry.name: entry for entry in self.entries}
+
+    @property
+    def tensors(self) -> list[Entry]:
+        """Tensor entries only."""
+        return [e for e in self.entries if e.kind == "tensor"]
+
+    @property
+    def objects(self) -> list[Entry]:
+        """Non-tensor entries only."""
+        return [e for e in self.entries if e.kind == "object"]
+
+    def tensor_bytes(self) -> int:
+        """Total bytes of all tensors."""
+        return sum(e.nbytes for e in self.entries if e.kind == "tensor")
+
+    def parameters(self) -> int:
+        """Total element count of floating-point tensors (what people call parameters)."""
+        return sum(e.numel for e in self.entries if e.kind == "tensor" and e.dtype in FLOATING)
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        """Tensor bytes grouped by dtype, largest first."""
+        totals: dict[str, int] = {}
+        for e in self.entries:
+            if e.kind == "tensor" and e.dtype:
+                totals[e.dtype] = totals.get(e.dtype, 0) + e.nbytes
+        return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+class Problem(BaseModel):
+    """One problem found by `verify` or `diff`: a stable code, where, and what is wrong."""
+
+    code: str
+    message: str
+    file: str | None = None
+    tensor: str | None = None
+    severity: Literal["error", "warning"] = "error"
+
+
+class OptimizerState(BaseModel):
+    """What an optimizer state holds.
+
+    Attributes:
+        kind: optimizer class when recorded (AdamW...), else guessed from its state names.
+        states: per-parameter state names (`exp_avg`, `exp_avg_sq`, `step`...).
+        params: number of parameters the optimizer's param groups cover.
+        params_with_state: how many of those have per-parameter state.
+        complete: every parameter has every state.
+        source: where it was found (file or key prefix).
+    """
+
+    kind: str | None = None
+    states: list[str] = Field(default_factory=list)
+    params: int | None = None
+    params_with_state: int | None = None
+    complete: bool = True
+    source: str | None = None
+
+
+class TrainingState(BaseModel):
+    """The training state of a resumable checkpoint, and whether it is enough to resume.
+
+    Attributes:
+        layout: `hf-trainer`, `accelerate`, `torchtitan`, `lightning`, `deepspeed`, `torch-dict`,
+            `dcp` ... (how the state was recognised).
+        step / epoch: progress counters when recorded.
+        weights: tensors / parameters / bytes of the model weights.
+        optimizer: the optimizer state, if any.
+        scheduler: LR scheduler summary (class, last_epoch...), if any.
+        rng: RNG streams present (`python`, `numpy`, `torch_cpu`, `torch_cuda`...).
+        dataloader: data-loader / sampler state summary, if any.
+        components: component -> file or key prefix holding it.
+        resumable: everything needed to resume the same run is present.
+        missing: what is missing for `resumable`.
+    """
+
+    layout: str
+    step: int | None = None
+    epoch: float | None = None
+    weights: dict[str, int] = Field(default_factory=dict)
+    optimizer: OptimizerState | None = None
+    scheduler: dict[str, Any] | None = None
+    rng: list[str] = Field(default_factory=list)
+    dataloader: dict[str, Any] | None = None
+    components: dict[str, str] = Field(default_factory=dict)
+    resumable: bool = False
+    missing: list[str] = Field(default_factory=list)

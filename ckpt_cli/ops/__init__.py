@@ -1,0 +1,1 @@
+"""Library operations behind the commands; they return models and never print."""

@@ -1,0 +1,88 @@
+"""`inspect`: what a checkpoint holds, from metadata alone."""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from ..errors import NotFoundError
+from ..layouts import open_source
+from ..models import Entry, FileInfo, TrainingState
+from .tree import TreeNode, build_tree, collapse_chains
+
+
+class InspectReport(BaseModel):
+    """The result of `ckpt inspect`.
+
+    Attributes:
+        location / format: what was read and as which format.
+        files: the checkpoint's files with sizes.
+        tensors / objects: entry counts (after filters).
+        parameters: floating-point element count.
+        tensor_bytes / bytes_by_dtype: sizes.
+        metadata / details: format metadata (safetensors `__metadata__`, DCP details...).
+        training: the training state, for resumable checkpoints.
+        tree: folded module tree.
+        entries: every entry (after filters).
+        filters: the globs applied.
+    """
+
+    location: str
+    format: str
+    files: list[FileInfo]
+    tensors: int
+    objects: int
+    parameters: int
+    tensor_bytes: int
+    bytes_by_dtype: dict[str, int]
+    metadata: dict[str, str] = Field(default_factory=dict)
+    details: dict[str, Any] = Field(default_factory=dict)
+    training: TrainingState | None = None
+    tree: list[TreeNode] = Field(default_factory=list)
+    entries: list[Entry] = Field(default_factory=list)
+    filters: list[str] = Field(default_factory=list)
+
+
+def select(
+    entries: list[Entry], include: list[str] | None = None, exclude: list[str] | None = None
+) -> list[Entry]:
+    """Entries matching any `include` glob (all if none) and no `exclude` glob."""
+    chosen = entries
+    if include:
+        chosen = [e for e in chosen if any(fnmatchcase(e.name, g) for g in include)]
+    if exclude:
+        chosen = [e for e in chosen if not any(fnmatchcase(e.name, g) for g in exclude)]
+    return chosen
+
+
+def inspect(src: str, format: str | None = None, filters: list[str] | None = None) -> InspectReport:
+    """Read `src`'s metadata and summarise it (no tensor data is read)."""
+    opened = open_source(src, format)
+    with opened.checkpoint as checkpoint:
+        manifest = checkpoint.manifest
+        entries = select(manifest.entries, filters)
+        if filters and not entries:
+            raise NotFoundError(
+                f"no entry matches {' or '.join(filters)}",
+                path=src,
+                fix="Check the pattern; `ckpt inspect --tensors` lists every name.",
+            )
+        view = manifest.model_copy(update={"entries": entries}) if filters else manifest
+        return InspectReport(
+            location=manifest.location,
+            format=manifest.format,
+            files=manifest.files,
+            tensors=sum(1 for e in entries if e.kind == "tensor"),
+            objects=sum(1 for e in entries if e.kind == "object"),
+            parameters=view.parameters(),
+            tensor_bytes=view.tensor_bytes(),
+            bytes_by_dtype=view.bytes_by_dtype(),
+            metadata=manifest.metadata,
+            details=manifest.details,
+            training=opened.training,
+            tree=[collapse_chains(node) for node in build_tree(entries)],
+            entries=entries,
+            filters=list(filters or []),
+        )

@@ -1,0 +1,124 @@
+"""Human rendering of `ckpt inspect`."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.tree import Tree
+
+from ..ops.inspect import InspectReport
+from ..ops.tree import TreeNode
+from . import human_bytes, human_count, shape_str, stdout
+
+#: the tree stops unfolding below this many lines; --tensors shows everything
+MAX_TREE_CHILDREN = 40
+
+
+def _label(node: TreeNode) -> str:
+    if node.children:
+        return f"[bold]{node.name}[/]  [dim]{node.tensors} tensors, {human_bytes(node.nbytes)}[/]"
+    kind = node.dtype or "mixed"
+    shape = shape_str(node.shape) if node.shape is not None else "various shapes"
+    count = f" ×{node.tensors}" if node.tensors > 1 else ""
+    return f"{node.name}  [cyan]{kind}[/] {shape}{count}  [dim]{human_bytes(node.nbytes)}[/]"
+
+
+def _add(tree: Tree, nodes: list[TreeNode]) -> None:
+    for node in nodes[:MAX_TREE_CHILDREN]:
+        branch = tree.add(_label(node))
+        _add(branch, node.children)
+    if len(nodes) > MAX_TREE_CHILDREN:
+        tree.add(f"[dim]… {len(nodes) - MAX_TREE_CHILDREN} more (see --tensors)[/]")
+
+
+def render_training(report: InspectReport) -> None:
+    """The training-state block."""
+    state = report.training
+    if state is None:
+        return
+    verdict = (
+        "[green]yes[/]" if state.resumable else f"[red]no[/] (missing: {', '.join(state.missing)})"
+    )
+    stdout.print(f"\n[bold]Training state[/] ({state.layout})")
+    rows: list[tuple[str, str]] = []
+    if state.step is not None or state.epoch is not None:
+        rows.append(
+            (
+                "step / epoch",
+                f"{state.step if state.step is not None else '?'} / {state.epoch if state.epoch is not None else '?'}",
+            )
+        )
+    if state.weights:
+        rows.append(
+            (
+                "weights",
+                f"{state.weights.get('tensors', 0)} tensors, {human_count(state.weights.get('parameters', 0))} params, {human_bytes(state.weights.get('bytes', 0))}",
+            )
+        )
+    if state.optimizer is not None:
+        opt = state.optimizer
+        cover = f"{opt.params_with_state}/{opt.params}" if opt.params is not None else "?"
+        rows.append(
+            (
+                "optimizer",
+                f"{opt.kind or 'unknown'}: {', '.join(opt.states) or 'no state'} (params with state: {cover})",
+            )
+        )
+    else:
+        rows.append(("optimizer", "[dim]none[/]"))
+    rows.append(
+        (
+            "scheduler",
+            ", ".join(f"{k}={v}" for k, v in state.scheduler.items())
+            if state.scheduler
+            else "[dim]none[/]",
+        )
+    )
+    rows.append(("rng", ", ".join(state.rng) if state.rng else "[dim]none[/]"))
+    rows.append(
+        (
+            "data loader",
+            ", ".join(f"{k}={v}" for k, v in state.dataloader.items())
+            if state.dataloader
+            else "[dim]none[/]",
+        )
+    )
+    rows.append(("resumable", verdict))
+    for key, value in rows:
+        stdout.print(f"  {key:<12} {value}")
+
+
+def render_inspect(report: InspectReport, show_tensors: bool) -> None:
+    """Summary, training state, folded tree; every entry with `show_tensors`."""
+    files = len(report.files)
+    stdout.print(
+        f"[bold]{report.location}[/]  ({report.format}, {files} file{'s' if files != 1 else ''})"
+    )
+    dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in report.bytes_by_dtype.items()) or "-"
+    stdout.print(
+        f"  {report.tensors} tensors, {human_count(report.parameters)} parameters, "
+        f"{human_bytes(report.tensor_bytes)} ({dtypes})"
+        + (f"; {report.objects} non-tensor entries" if report.objects else "")
+    )
+    if report.metadata:
+        stdout.print("  metadata: " + ", ".join(f"{k}={v}" for k, v in report.metadata.items()))
+    render_training(report)
+    if show_tensors:
+        table = Table(box=None, pad_edge=False, show_edge=False)
+        for column in ("name", "kind/dtype", "shape", "bytes", "file"):
+            table.add_column(column, overflow="fold")
+        for e in report.entries:
+            table.add_row(
+                e.name,
+                e.dtype if e.kind == "tensor" else f"object:{e.py_type or '?'}",
+                shape_str(e.shape) if e.kind == "tensor" else "",
+                human_bytes(e.nbytes),
+                e.file or "",
+            )
+        stdout.print()
+        stdout.print(table)
+        return
+    if report.tree:
+        tree = Tree("[bold]tree[/]", guide_style="dim")
+        _add(tree, report.tree)
+        stdout.print()
+        stdout.print(tree)

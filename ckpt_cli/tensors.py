@@ -1,0 +1,85 @@
+"""Torch helpers for data paths (imported only by commands that move tensor data)."""
+
+from __future__ import annotations
+
+from typing import IO, TYPE_CHECKING
+
+from .dtypes import itemsize, numel
+
+if TYPE_CHECKING:
+    import torch
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a canonical dtype token."""
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise KeyError(name)
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The canonical token of a torch dtype (`torch.bfloat16` -> `bfloat16`)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_from_bytes(
+    data: bytes | bytearray | memoryview, dtype: str, shape: list[int]
+) -> torch.Tensor:
+    """A tensor viewing a copy of raw little-endian C-order bytes."""
+    import torch
+
+    expected = numel(shape) * itemsize(dtype)
+    if len(data) != expected:
+        raise ValueError(f"{len(data)} bytes for {dtype}{shape}, expected {expected}")
+    if expected == 0:
+        return torch.empty(shape, dtype=torch_dtype(dtype))
+    buf = data if isinstance(data, bytearray) else bytearray(data)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(torch_dtype(dtype)).reshape(shape)
+
+
+def read_tensor_from_fd(
+    fd: int, offset: int, dtype: str, shape: list[int], name: str
+) -> torch.Tensor:
+    """Read a raw tensor straight into a fresh tensor's memory with `os.preadv` (one copy)."""
+    import os
+
+    import torch
+
+    nbytes = numel(shape) * itemsize(dtype)
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
+        got = 0
+        while got < nbytes:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n <= 0:
+                from .errors import FormatError
+
+                raise FormatError(
+                    f"is truncated inside tensor {name!r} ({got} of {nbytes} bytes present)",
+                    path=name,
+                    fix="The file was cut short; write or fetch it again.",
+                )
+            got += n
+    return out.view(torch_dtype(dtype)).reshape(shape)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw C-order bytes of a CPU tensor, without copying when already contiguous."""
+    import torch
+
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def write_tensor_to(fh: IO[bytes], tensor: torch.Tensor) -> int:
+    """Write a tensor's raw bytes to a binary file; returns the count written."""
+    data = tensor_bytes(tensor)
+    fh.write(data)
+    return len(data)

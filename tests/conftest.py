@@ -1,0 +1,64 @@
+"""Shared test helpers: run the real CLI, build real checkpoints with the real writers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpt_cli.cli import get_app
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class CkptResult:
+    """What one `ckpt` run produced."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def json(self) -> dict[str, Any]:
+        """The --json envelope printed on stdout."""
+        doc: dict[str, Any] = json.loads(self.stdout)
+        return doc
+
+
+def run_ckpt(*args: str | os.PathLike[str], env: dict[str, str] | None = None) -> CkptResult:
+    """Run `ckpt ARGS…` in-process (fast) through typer's test runner."""
+    runner = CliRunner()
+    result = runner.invoke(get_app(), [str(a) for a in args], env=env, catch_exceptions=False)
+    return CkptResult(result.exit_code, result.stdout, result.stderr)
+
+
+def run_ckpt_process(
+    *args: str | os.PathLike[str], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> CkptResult:
+    """Run `python -m ckpt_cli ARGS…` as a real process (for import checks, signals, torchrun)."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpt_cli", *[str(a) for a in args]],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=300,
+    )
+    return CkptResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture
+def ckpt() -> Any:
+    """The in-process CLI runner."""
+    return run_ckpt

@@ -1,0 +1,76 @@
+"""The CLI shell: version, help, exit codes, the JSON envelope, completions, lazy torch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ckpt_cli import __version__
+from ckpt_cli.completions import render_all
+
+from .conftest import REPO, run_ckpt, run_ckpt_process
+
+
+def test_version_and_help_list_every_command() -> None:
+    assert run_ckpt("--version").stdout.strip() == f"ckpt {__version__}"
+    result = run_ckpt("--help")
+    assert result.exit_code == 0
+    assert "inspect" in result.stdout
+
+
+def test_every_command_has_examples_in_its_help() -> None:
+    from ckpt_cli.completions import describe_app
+
+    for command in describe_app():
+        result = run_ckpt(command.name, "--help")
+        assert result.exit_code == 0, command.name
+        assert "Examples" in result.stdout, f"`ckpt {command.name} --help` shows no examples"
+
+
+def test_missing_path_is_exit_3_with_the_path_named(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    result = run_ckpt("inspect", missing)
+    assert result.exit_code == 3
+    assert str(missing) in result.stderr
+    envelope = run_ckpt("inspect", missing, "--json").json
+    assert envelope["ckpt_json"] == 1
+    assert envelope["command"] == "inspect"
+    assert envelope["ok"] is False
+    assert envelope["exit_code"] == 3
+    assert envelope["error"]["code"] == "not_found"
+    assert envelope["result"] is None
+
+
+def test_unknown_option_is_usage_error_exit_2() -> None:
+    assert run_ckpt("inspect", "--no-such-option", "x").exit_code == 2
+
+
+def test_committed_completions_are_current() -> None:
+    for name, content in render_all().items():
+        committed = (REPO / "completions" / name).read_text()
+        assert committed == content, f"completions/{name} is stale: run `make completions`"
+
+
+def test_help_and_metadata_inspect_do_not_import_torch(tmp_path: Path) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros((2, 3), dtype=np.float32)}, str(tmp_path / "m.safetensors"))
+    probe = (
+        "import sys, runpy; sys.argv = ['ckpt'] + sys.argv[1:];"
+        "from ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
+    )
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for args in (["--help"], ["inspect", str(tmp_path / "m.safetensors"), "--json"]):
+        proc = subprocess.run(
+            [sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env
+        )
+        assert "NO_TORCH" in proc.stderr, (args, proc.stderr)
+    out = run_ckpt_process("inspect", tmp_path / "m.safetensors", "--json")
+    assert json.loads(out.stdout)["result"]["tensors"] == 1

@@ -1,0 +1,215 @@
+"""safetensors: inspect real files from the real writers; hostile headers get exit 4."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ckpt_cli.formats import open_checkpoint
+from ckpt_cli.formats.base import WriteOptions
+from ckpt_cli.formats.safetensors import SafetensorsFormat
+
+from .conftest import run_ckpt
+
+
+def sample_state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    state = {f"model.layers.{i}.mlp.weight": torch.randn(32, 16, generator=gen) for i in range(6)}
+    state["model.embed.weight"] = torch.randn(50, 16, generator=gen).to(torch.bfloat16)
+    state["model.step_mask"] = torch.tensor([True, False, True])
+    state["model.scalar"] = torch.tensor(3, dtype=torch.int64)
+    return state
+
+
+def test_inspect_single_file_counts_dtypes_shapes_bytes(tmp_path: Path) -> None:
+    state = sample_state()
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    result = run_ckpt("inspect", tmp_path / "model.safetensors", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["format"] == "safetensors"
+    assert report["tensors"] == len(state)
+    assert report["tensor_bytes"] == sum(t.numel() * t.element_size() for t in state.values())
+    assert report["metadata"] == {"format": "pt"}
+    by_name = {e["name"]: e for e in report["entries"]}
+    for name, tensor in state.items():
+        assert by_name[name]["dtype"] == str(tensor.dtype).removeprefix("torch.")
+        assert by_name[name]["shape"] == list(tensor.shape)
+    assert report["parameters"] == sum(t.numel() for t in state.values() if t.is_floating_point())
+    assert report["bytes_by_dtype"]["bfloat16"] == 50 * 16 * 2
+
+
+def test_inspect_sharded_folder_folds_layers_and_filters(tmp_path: Path) -> None:
+    state = sample_state()
+    save_torch_state_dict(state, tmp_path, max_shard_size=3000)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    report = run_ckpt("inspect", tmp_path, "--json").json["result"]
+    assert report["tensors"] == len(state)
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(report["files"]) == 1 + len(set(weight_map.values()))
+    human = run_ckpt("inspect", tmp_path)
+    assert "layers.{0..5}" in human.stdout
+    filtered = run_ckpt("inspect", tmp_path, "--filter", "*.layers.2.*", "--json").json["result"]
+    assert [e["name"] for e in filtered["entries"]] == ["model.layers.2.mlp.weight"]
+    assert run_ckpt("inspect", tmp_path, "--filter", "nothing*").exit_code == 3
+
+
+def test_read_tensor_is_bit_exact(tmp_path: Path) -> None:
+    state = sample_state()
+    save_torch_state_dict(state, tmp_path, max_shard_size=3000)
+    with open_checkpoint(str(tmp_path)) as checkpoint:
+        for name, tensor in state.items():
+            got = checkpoint.read_tensor(name)
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+
+
+def test_writer_round_trips_through_safe_open(tmp_path: Path) -> None:
+    state = sample_state()
+    save_file(state, tmp_path / "src.safetensors")
+    out = tmp_path / "out"
+    out.mkdir()
+    with open_checkpoint(str(tmp_path / "src.safetensors")) as src:
+        plan = src.manifest.entries
+        writer = SafetensorsFormat.writer(
+            out, plan, WriteOptions(max_shard_size=2500, metadata={"format": "pt"})
+        )
+        for entry in plan:
+            if entry.name.endswith("mlp.weight"):
+                writer.write_raw(entry.name, src.iter_raw(entry.name))
+            else:
+                writer.write_tensor(entry.name, src.read_tensor(entry.name))
+        files = writer.finish()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(state)
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in state.values()
+    )
+    assert len(files) == 1 + len(set(index["weight_map"].values()))
+    for name, shard in index["weight_map"].items():
+        with safe_open(out / shard, framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            assert torch.equal(f.get_tensor(name), state[name])
+
+
+# ---- hostile and corrupt inputs: clear error, exit 4, nothing read past the header ----
+
+
+def _write_raw(path: Path, header: dict, data: bytes = b"", length: int | None = None) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("header_past_end", "header"),
+        ("absurd_header", "absurd"),
+        ("invalid_json", "not valid JSON"),
+        ("unknown_dtype", "unknown dtype"),
+        ("shape_bytes_mismatch", "span"),
+        ("overlap", "overlaps"),
+        ("out_of_file", "past its end"),
+        ("too_short", "too short"),
+    ],
+)
+def test_corrupt_headers_are_exit_4_naming_the_file(
+    tmp_path: Path, case: str, expected: str
+) -> None:
+    path = tmp_path / "bad.safetensors"
+    f32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    if case == "header_past_end":
+        _write_raw(path, {"a": f32}, b"\0" * 8, length=10_000)
+    elif case == "absurd_header":
+        _write_raw(path, {"a": f32}, b"\0" * 8, length=1 << 60)
+    elif case == "invalid_json":
+        path.write_bytes(struct.pack("<Q", 5) + b"{nope" + b"\0" * 8)
+    elif case == "unknown_dtype":
+        _write_raw(path, {"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8)
+    elif case == "shape_bytes_mismatch":
+        _write_raw(path, {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8)
+    elif case == "overlap":
+        _write_raw(
+            path,
+            {"a": f32, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}},
+            b"\0" * 12,
+        )
+    elif case == "out_of_file":
+        _write_raw(path, {"a": f32}, b"\0" * 4)
+    elif case == "too_short":
+        path.write_bytes(b"\1\2")
+    result = run_ckpt("inspect", path)
+    assert result.exit_code == 4, (result.stdout, result.stderr)
+    assert str(path) in result.stderr
+    assert expected in result.stderr
+    envelope = run_ckpt("inspect", path, "--json").json
+    assert envelope["error"]["code"] == "bad_checkpoint"
+
+
+def test_truncated_shard_is_exit_4(tmp_path: Path) -> None:
+    save_file(sample_state(), tmp_path / "model.safetensors")
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-100])
+    result = run_ckpt("inspect", tmp_path / "model.safetensors")
+    assert result.exit_code == 4
+    assert "truncated" in result.stderr
+
+
+def _sharded(tmp_path: Path) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    save_torch_state_dict(sample_state(), tmp_path, max_shard_size=3000)
+    return tmp_path / "model.safetensors.index.json"
+
+
+def test_index_naming_a_missing_shard_is_named(tmp_path: Path) -> None:
+    index_path = _sharded(tmp_path)
+    shard = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))[1]
+    (tmp_path / shard).unlink()
+    result = run_ckpt("inspect", tmp_path)
+    assert result.exit_code == 3
+    assert shard in result.stderr
+
+
+@pytest.mark.parametrize(
+    "evil", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors"]
+)
+def test_weight_map_paths_leaving_the_checkpoint_are_refused(tmp_path: Path, evil: str) -> None:
+    index_path = _sharded(tmp_path / "ckpt")
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = evil
+    index_path.write_text(json.dumps(index))
+    save_file({"x": torch.zeros(1)}, tmp_path / "outside.safetensors")
+    result = run_ckpt("inspect", tmp_path / "ckpt", "--json")
+    assert result.exit_code == 4
+    assert result.json["error"]["code"] == "unsafe_input"
+    assert "outside" in result.stderr or "absolute" in result.stderr
+
+
+def test_symlinked_shard_pointing_outside_is_refused(tmp_path: Path) -> None:
+    index_path = _sharded(tmp_path / "ckpt")
+    shard = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))[0]
+    target = tmp_path / "elsewhere.safetensors"
+    (tmp_path / "ckpt" / shard).rename(target)
+    (tmp_path / "ckpt" / shard).symlink_to(target)
+    result = run_ckpt("inspect", tmp_path / "ckpt")
+    assert result.exit_code == 4
+    assert "outside the checkpoint" in result.stderr
+
+
+def test_many_shards_inspect_reads_headers_only(tmp_path: Path) -> None:
+    # 200 shards x 100 tensors: every tensor's offset comes from the header alone
+    for shard in range(200):
+        save_file(
+            {f"layers.{shard}.t{i}": torch.zeros(4) for i in range(100)},
+            tmp_path / f"s{shard:03d}.safetensors",
+        )
+    report = run_ckpt("inspect", tmp_path, "--json").json["result"]
+    assert report["tensors"] == 20_000
+    assert len(report["files"]) == 200
