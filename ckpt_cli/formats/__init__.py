@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from pathlib import Path
 
 from ..errors import FormatError, NotFoundError, UsageError
@@ -17,6 +18,8 @@ from .base import Checkpoint, Format, Source
 #: token -> "module:Class"; modules import lazily so `ckpt --help` stays fast
 REGISTRY: dict[str, str] = {
     "safetensors": "ckpt_cli.formats.safetensors:SafetensorsFormat",
+    "dcp": "ckpt_cli.formats.dcp:DcpFormat",
+    "torch": "ckpt_cli.formats.torch_save:TorchFormat",
 }
 #: formats a user may name in --format/--to
 FORMAT_NAMES = ("safetensors", "dcp", "torch", "hub")
@@ -57,9 +60,18 @@ def resolve_source(location: Location | str) -> Source:
     return Source(location=loc, storage=LocalStorage(path.parent), target=path.name)
 
 
+def available_formats() -> list[str]:
+    """Registered format tokens whose adapter module is present in this build."""
+    names = []
+    for name, target in REGISTRY.items():
+        if importlib.util.find_spec(target.split(":")[0]) is not None:
+            names.append(name)
+    return names
+
+
 def detect_format(source: Source) -> str:
     """The one format token whose `detect` accepts the source; FormatError for none or many."""
-    matches = [name for name in REGISTRY if get_format(name).detect(source)]
+    matches = [name for name in available_formats() if get_format(name).detect(source)]
     if len(matches) == 1:
         return matches[0]
     where = source.location.raw

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import FormatError
-from ..models import Entry, FileInfo, Manifest
+from ..models import Entry, FileInfo, Manifest, Problem
 from ..storage import Storage
 from ..uri import Location
 
@@ -183,3 +183,16 @@ class Format(ABC):
     def writer(cls, staging: Path, plan: list[Entry], options: WriteOptions) -> Writer:
         """A streaming writer into `staging`."""
         raise FormatError(f"writing the {cls.name} format is not supported")
+
+    @classmethod
+    def check(cls, source: Source) -> list[Problem]:
+        """Structural problems of `source` (metadata and file sizes only), all of them.
+
+        `ckpt verify` calls this. The default only reports what `open` refuses; formats
+        override it to report every problem instead of stopping at the first.
+        """
+        try:
+            cls.open(source).close()
+        except FormatError as error:
+            return [Problem(code=error.code, message=error.message, file=error.path)]
+        return []
