@@ -4,6 +4,7 @@ _ckpt() {
   local -a commands
   commands=(
     'inspect:Show what a checkpoint holds - tensors, dtypes, shapes, bytes, files, training state'
+    'reshard:Cut a checkpoint for another world size (DCP) or another shard size (safetensors)'
   )
   if (( CURRENT == 2 )); then
     _describe 'command' commands
@@ -11,6 +12,7 @@ _ckpt() {
   fi
   case $words[2] in
     inspect) _arguments -s '--tensors[List every entry - name, dtype, shape, bytes, file]' '-t[List every entry - name, dtype, shape, bytes, file]' '--filter[Only entries whose name matches this glob (repeatable)]:value:' '-k[Only entries whose name matches this glob (repeatable)]:value:' '--format[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '-f[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
+    reshard) _arguments -s '--world-size[DCP - rewrite as N ranks would have saved it (chunk r in __r_0.distcp)]:value:' '-n[DCP - rewrite as N ranks would have saved it (chunk r in __r_0.distcp)]:value:' '--max-shard-size[safetensors/torch - regroup into shards of at most this size (500MB, 2GB decimal as in huggingface_hub; 1.5GiB binary)]:value:' '--shard-dim[Placement rule GLOB=DIM or GLOB=replicate (repeatable; first match wins; default dim 0; optimizer state follows its parameter)]:value:' '--plan[JSON file of placement rules - {"GLOB" - DIM | "replicate", ...}, applied after --shard-dim rules]:value:' '--drop-rank-state[Leave out per-rank RNG / data-loader state when the world size changes]' '--keep-rank-state[Copy per-rank RNG / data-loader state as-is when the world size changes]' '--dcp-serialization[DCP output serialization - torch_save or safetensors (default - as the source)]:value:' '--format[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '-f[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '--force[Replace DEST if it exists (only after the new output is complete)]' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
   esac
 }
 _ckpt "$@"
