@@ -143,8 +143,9 @@ def load(jobs_path: Path) -> None:
             if isinstance(meta, BytesStorageMetadata):
                 state[fqn] = None
             elif isinstance(meta, TensorStorageMetadata):
-                if len(meta.size) == 0:
-                    state[fqn] = torch.zeros((), dtype=meta.properties.dtype)
+                if len(meta.size) == 0 or fqn.startswith("rng."):
+                    # scalars and per-rank RNG state load as plain tensors, as a trainer would
+                    state[fqn] = torch.zeros(meta.size, dtype=meta.properties.dtype)
                     continue
                 placement = placement_for(fqn, job["rules"])
                 placements[fqn] = placement

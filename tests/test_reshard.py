@@ -458,7 +458,12 @@ def test_output_files_hold_exactly_each_ranks_chunk(resharded: dict[str, Any]) -
         if index.fqn == "model.out.weight":
             rank = [list(c.offsets) for c in chunks].index(list(index.offset))
             assert item.relative_path == f"__{rank}_0.distcp"
-    # replicated entries are stored once
+    # 0-dim tensors and objects are stored once; so are tensors a rule replicates
     stored = [i.fqn for i in meta.storage_data]
-    assert stored.count("model.layers.0.norm.weight") == 1
+    assert stored.count("optimizer.state.embed.weight.step") == 1
     assert stored.count("train_state.step") == 1
+    assert stored.count("model.layers.0.norm.weight") == 4
+    tp = FileSystemReader(str(resharded["root"] / "two-tp-4")).read_metadata()
+    stored = [i.fqn for i in tp.storage_data]
+    assert stored.count("model.layers.0.norm.weight") == 1
+    assert stored.count("optimizer.state.layers.0.norm.weight.exp_avg") == 1

@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field
 
 from ..errors import FormatError, UsageError
 from ..formats import get_format, open_checkpoint
-from ..formats.base import Checkpoint, Source, WriteOptions
+from ..formats.base import Checkpoint, Source, WriteOptions, Writer
 from ..formats.safetensors import INDEX_SUFFIX
 from ..models import Chunk, Entry, FileInfo
 from ..output import check_destination, staged_output
@@ -356,7 +356,12 @@ def reshard_world_size(
         )
         chosen = serialization or str(manifest.details.get("serialization") or "torch_save")
         fmt = get_format("dcp")
-        options = WriteOptions(world_size=world_size, dcp_serialization=chosen)
+        options = WriteOptions(
+            world_size=world_size,
+            dcp_serialization=chosen,
+            # keeps the nested state-dict paths, so dcp.load of nested dicts still maps keys
+            extra={"dcp_planner_data": getattr(checkpoint, "planner_data", None)},
+        )
         total = sum(e.nbytes for e in plan if e.kind == "tensor")
         with staged_output(out, force=force) as staging:
             writer = fmt.writer(staging, plan, options)
@@ -368,7 +373,7 @@ def reshard_world_size(
             tensors = objects = 0
             for entry in plan:
                 if entry.kind == "object":
-                    writer.write_object(entry.name, checkpoint.read_object(entry.name))
+                    _copy_object(checkpoint, writer, entry.name)
                     objects += 1
                     continue
                 assert entry.chunks is not None
@@ -400,6 +405,16 @@ def reshard_world_size(
             rank_state_action=action,
             verified=True,
         )
+
+
+def _copy_object(checkpoint: Checkpoint, writer: Writer, name: str) -> None:
+    """Copy a non-tensor entry as its stored bytes (never unpickled) where both sides can."""
+    read_bytes = getattr(checkpoint, "read_object_bytes", None)
+    write_bytes = getattr(writer, "write_object_bytes", None)
+    if read_bytes is not None and write_bytes is not None:
+        write_bytes(name, read_bytes(name))
+    else:
+        writer.write_object(name, checkpoint.read_object(name))
 
 
 def _read_box(checkpoint: Checkpoint, entry: Entry, chunk: Chunk) -> torch.Tensor:
