@@ -16,6 +16,7 @@ writes a JSON summary next to JOBS.json.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -190,14 +191,16 @@ def load(jobs_path: Path) -> None:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    try:
-        if sys.argv[1] == "save":
-            save(Path(sys.argv[2]))
-        else:
-            load(Path(sys.argv[2]))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    if sys.argv[1] == "save":
+        save(Path(sys.argv[2]))
+    else:
+        load(Path(sys.argv[2]))
+    dist.barrier()
+    # every rank is done: leave without tearing gloo down, whose threads can otherwise abort
+    # a process at exit ("terminate called without an active exception") on a busy machine
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,15 @@ Two modes:
 - **world size** (`world_size`; DCP): every tensor re-cut as N ranks would have saved it
   (`Shard(0)` by default, `placement` rules for other dims or replication), chunk r in
   `__r_0.distcp`; each output chunk is read with `read_slice` from whichever source chunks
-  overlap it, so peak memory follows the largest chunk. Replicated entries are written once,
+  overlap it, so peak memory follows the largest chunk. Replicated tensors are written once,
   spread over the rank files the way `dcp.save`'s de-duplication spreads them (each to the
-  file holding the fewest bytes so far).
+  file holding the fewest bytes so far); objects are copied as stored bytes, once, into the
+  file the DCP writer keeps them in (rank 0's).
 
 Per-rank training state (`placement.rank_of`: RNG streams and data-loader positions keyed by
 rank) cannot be re-cut: it is carried unchanged when N equals the source world size; otherwise
-the caller must choose `drop` or `keep` (copied as-is, each entry into its rank's file when
-that rank still exists, else rank 0's).
+the caller must choose `drop` or `keep` (copied as-is; a per-rank tensor goes whole into its
+rank's file when that rank still exists, else rank 0's).
 
 Output is staged and published atomically after a structural check (the format's `check`).
 """
@@ -240,9 +241,10 @@ def plan_world_size(
 ) -> tuple[list[Entry], dict[str, int], int]:
     """Lay `entries` out for `world_size` ranks.
 
-    Returns the planned entries (tensors with `chunks`, objects with `file`), how many
-    tensors were sharded per dim, and how many were replicated. Per-rank entries in
-    `rank_state` (name -> rank) go whole into their rank's file (rank 0's if it is gone).
+    Returns the planned entries (tensors with `chunks`), how many tensors were sharded per
+    dim, and how many were replicated. Per-rank tensors in `rank_state` (name -> rank) go whole
+    into their rank's file (rank 0's if that rank is gone). Objects get a `file` too, for
+    writers that honour it (the DCP writer keeps objects in rank 0's file).
     """
     load = [0] * world_size
     planned: dict[str, Entry] = {}
