@@ -78,6 +78,7 @@ def shard_size_bench(work: Path, size_mb: int) -> list[str]:
         g = torch.Generator().manual_seed(0)
         sd = {f"model.layers.{i}.w": torch.randn(4096, 4096, generator=g).bfloat16() for i in range(n)}
         sd["model.norm.weight"] = torch.ones(4096)
+        import os; os.makedirs(sys.argv[1])
         save_torch_state_dict(sd, sys.argv[1], max_shard_size="500MB")
         """,
         str(src),
@@ -135,7 +136,7 @@ def shard_size_bench(work: Path, size_mb: int) -> list[str]:
 
 
 DCP_SAVE = """
-import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 mb, dest = int(sys.argv[1]), sys.argv[2]
@@ -147,13 +148,14 @@ if dist.is_torchelastic_launched():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
     dcp.save(sd, checkpoint_id=dest)
-    dist.destroy_process_group()
+    dist.barrier()
+    os._exit(0)  # gloo teardown can abort a busy process at exit; the work is done
 else:
     dcp.save(full, checkpoint_id=dest, no_dist=True)
 """
 
 DCP_RESHARD = """
-import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, zeros
@@ -165,7 +167,8 @@ sd = {k: zeros(m.size, dtype=m.properties.dtype, device_mesh=mesh, placements=[S
       for k, m in meta.state_dict_metadata.items()}
 dcp.load(sd, checkpoint_id=src)
 dcp.save(sd, checkpoint_id=dest)
-dist.destroy_process_group()
+dist.barrier()
+os._exit(0)
 """
 
 
@@ -237,12 +240,11 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-reshard-", dir=args.dir))
     try:
-        lines = shard_size_bench(work, args.size_mb)
+        print("\n".join(shard_size_bench(work, args.size_mb)), flush=True)
         if not args.skip_dcp:
-            lines += world_size_bench(work, args.dcp_mb)
+            print("\n".join(world_size_bench(work, args.dcp_mb)), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -510,3 +510,30 @@ def test_safetensors_serialization_puts_each_ranks_rows_in_its_file(
             assert torch.equal(tensors[name], want), (rank, name)
             rows = -(-expected[name].shape[0] // 3)
             assert sharding[name]["saved_offsets"] == [rank * rows, 0]
+
+
+def test_world_size_streams_chunks_never_whole_tensors(
+    resharded: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each output chunk comes from the stored chunks it overlaps, each loaded once in turn."""
+    from ckpt_cli.formats.dcp import DcpCheckpoint
+
+    loads: list[tuple[str, int]] = []
+    original = DcpCheckpoint.read_chunk
+
+    def counting(self: DcpCheckpoint, name: str, index: int) -> torch.Tensor:
+        loads.append((name, index))
+        return original(self, name, index)
+
+    def whole(self: DcpCheckpoint, name: str) -> torch.Tensor:
+        raise AssertionError(f"read the whole of {name}")
+
+    monkeypatch.setattr(DcpCheckpoint, "read_chunk", counting)
+    monkeypatch.setattr(DcpCheckpoint, "read_tensor", whole)
+    src = resharded["root"] / "two"
+    result = run_ckpt("reshard", src, tmp_path / "out", "--world-size", "3", "--drop-rank-state")
+    assert result.exit_code == 0, result.stderr
+    # embed (10 rows, 2 stored chunks of 5) -> 3 chunks of 4, 4, 2 rows: 2 loads, not 4
+    assert [i for n, i in loads if n == "model.embed.weight"] == [0, 1]
+    # wo was stored split on dim 1: every output row block needs both stored chunks
+    assert [i for n, i in loads if n == "model.layers.0.wo.weight"] == [0, 1] * 3

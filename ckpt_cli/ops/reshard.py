@@ -35,7 +35,7 @@ from ..formats.base import Checkpoint, Source, WriteOptions, Writer
 from ..formats.safetensors import INDEX_SUFFIX
 from ..models import Chunk, Entry, FileInfo
 from ..output import check_destination, staged_output
-from ..placement import Rule, placement_dim, rank_of, shard_boxes
+from ..placement import Box, Rule, overlaps, placement_dim, rank_of, shard_boxes
 from ..progress import NULL_PROGRESS, Progress
 from ..storage import LocalStorage
 from ..uri import parse_location
@@ -373,6 +373,7 @@ def reshard_world_size(
             chunk_writer: _ChunkWriter = writer  # type: ignore[assignment]
             progress.start(total, "resharding")
             tensors = objects = 0
+            reader = _BoxReader(checkpoint)
             for entry in plan:
                 if entry.kind == "object":
                     _copy_object(checkpoint, writer, entry.name)
@@ -380,10 +381,11 @@ def reshard_world_size(
                     continue
                 assert entry.chunks is not None
                 for index, chunk in enumerate(entry.chunks):
-                    piece = _read_box(checkpoint, entry, chunk)
+                    piece = reader.read(entry, chunk)
                     chunk_writer.write_chunk(entry.name, index, piece)
                     progress.advance(piece.numel() * piece.element_size())
                     del piece
+                reader.forget()
                 tensors += 1
             files = writer.finish()
             progress.finish()
@@ -419,16 +421,66 @@ def _copy_object(checkpoint: Checkpoint, writer: Writer, name: str) -> None:
         writer.write_object(name, checkpoint.read_object(name))
 
 
-def _read_box(checkpoint: Checkpoint, entry: Entry, chunk: Chunk) -> torch.Tensor:
-    """The source data of one output chunk (an empty box needs no read)."""
-    if any(s == 0 for s in chunk.sizes):
+class _BoxReader:
+    """Reads output boxes from the source, keeping the last stored chunk it loaded.
+
+    Output chunks of one tensor come in order, so consecutive boxes usually fall in the same
+    source chunk: a torch_save chunk is then loaded once, not once per output chunk (1 -> 4
+    ranks would load every tensor 4 times through `read_slice`). Memory stays at one source
+    chunk plus one output chunk, the same bound as `read_slice`. Raw (safetensors) chunks go
+    through `read_slice`, which reads only the rows a box needs.
+    """
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+        self._key: tuple[str, int] | None = None
+        self._chunk: torch.Tensor | None = None
+
+    def _stored(self, name: str, index: int) -> torch.Tensor:
+        if self._key != (name, index):
+            self._chunk = None  # drop the old chunk before loading the next
+            self._chunk = self.checkpoint.read_chunk(name, index)  # type: ignore[attr-defined]
+            self._key = (name, index)
+        assert self._chunk is not None
+        return self._chunk
+
+    def forget(self) -> None:
+        """Release the cached chunk (between tensors)."""
+        self._key, self._chunk = None, None
+
+    def read(self, entry: Entry, chunk: Chunk) -> torch.Tensor:
+        """The source data of one output chunk of `entry`."""
         import torch
 
         from ..tensors import torch_dtype
 
         assert entry.dtype is not None
-        return torch.empty(chunk.sizes, dtype=torch_dtype(entry.dtype))
-    return checkpoint.read_slice(entry.name, list(chunk.offsets), list(chunk.sizes))
+        if any(s == 0 for s in chunk.sizes):
+            return torch.empty(chunk.sizes, dtype=torch_dtype(entry.dtype))
+        source = self.checkpoint.manifest.by_name[entry.name]
+        stored = source.chunks or []
+        if not hasattr(self.checkpoint, "read_chunk") or not stored or any(c.raw for c in stored):
+            return self.checkpoint.read_slice(entry.name, list(chunk.offsets), list(chunk.sizes))
+        box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+        try:
+            pieces = overlaps(box, [Box(tuple(c.offsets), tuple(c.sizes)) for c in stored])
+        except ValueError as exc:
+            raise FormatError(
+                f"tensor {entry.name!r}: {exc}",
+                path=self.checkpoint.manifest.location,
+                fix="The checkpoint is missing data; `ckpt verify` lists every problem.",
+            ) from None
+        out = torch.empty(chunk.sizes, dtype=torch_dtype(entry.dtype))
+        for piece in pieces:
+            data = self._stored(entry.name, piece.chunk)
+            src = tuple(
+                slice(o, o + n) for o, n in zip(piece.src.offsets, piece.src.sizes, strict=True)
+            )
+            dst = tuple(
+                slice(o, o + n) for o, n in zip(piece.dst.offsets, piece.dst.sizes, strict=True)
+            )
+            out[dst] = data[src]
+        return out
 
 
 def run_reshard(
