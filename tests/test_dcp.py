@@ -77,9 +77,12 @@ def two_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     writer.write_object("train.step", 11)
     writer.finish()
     run_torchrun(
-        DIST_SCRIPT, 2, "--save", root / "saved", "--load", ours, root / "report", "train.step"
+        DIST_SCRIPT,
+        2,
+        *("--save", root / "saved", "--save-hf", root / "hf"),
+        *("--load", ours, root / "report", "train.step"),
     )
-    return {"saved": root / "saved", "ours": ours, "report": root / "report"}
+    return {"saved": root / "saved", "ours": ours, "report": root / "report", "hf": root / "hf"}
 
 
 # --- inspect and read what dcp.save wrote ------------------------------------------------------
@@ -216,6 +219,23 @@ def test_two_rank_save_inspects_and_reassembles(two_rank: dict[str, Path]) -> No
             checkpoint.read_slice("model.w", [2, 1], [2, 2]), full["model.w"][2:4, 1:3]
         )
     assert problems(saved) == []
+
+
+def test_hugging_face_writer_per_rank_shards_read_as_dcp(two_rank: dict[str, Path]) -> None:
+    hf = two_rank["hf"]
+    assert not (hf / ".metadata").exists()
+    report = run_ckpt("inspect", hf, "--json").json["result"]
+    assert report["format"] == "dcp"
+    assert report["details"]["serialization"] == "hf_safetensors"
+    assert report["details"]["world_size"] == 2
+    full = expected_state()
+    by_name = {e["name"]: e for e in report["entries"]}
+    assert set(by_name) == set(full)
+    with open_dcp(hf) as checkpoint:
+        for name, tensor in full.items():
+            assert by_name[name]["shape"] == list(tensor.shape), name
+            assert torch.equal(checkpoint.read_tensor(name), tensor), name
+    assert problems(hf) == []
 
 
 def test_writer_output_loads_into_shard0_dtensors_each_rank_its_own_file(

@@ -52,6 +52,7 @@ from .dcp_metadata import (
     load_metadata,
     peek_saved_object,
 )
+from .safetensors import DCP_HF_SHARD, is_dcp_hf_sharded, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -111,10 +112,13 @@ class _Layout:
         self.problems.append(Problem(code=code, message=message, file=file, tensor=tensor))
 
 
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
 def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, (tuple, list)) and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
-    ):
+    """`value` as a list of non-negative ints, or None when it is anything else."""
+    if isinstance(value, (tuple, list)) and all(map(_is_count, value)):
         return list(value)
     return None
 
@@ -147,6 +151,8 @@ def _analyse(source: Source) -> _Layout:
     storage = source.storage
     listing = storage.list_files() if source.target is not None else source.files
     where = storage.describe(METADATA)
+    if METADATA not in listing and is_dcp_hf_sharded([n for n in listing if "/" not in n]):
+        return _analyse_hf_shards(source, listing)
     if METADATA not in listing:
         distcp = sorted(n for n in listing if n.endswith(SUFFIX))
         raise FormatError(
@@ -289,6 +295,87 @@ def _analyse(source: Source) -> _Layout:
                 file=built[0].file if built else None,
                 offset=built[0].byte_offset if whole else None,
                 chunks=built,
+                py_type=None,
+                value=None,
+            )
+        )
+    _check_files(layout)
+    _check_coverage(layout)
+    return layout
+
+
+def _analyse_hf_shards(source: Source, listing: dict[str, int]) -> _Layout:
+    """The per-rank safetensors files of `HuggingFaceStorageWriter(save_distributed=True)`.
+
+    There is no `.metadata`: each `shard-{rank+1}-model-….safetensors` file holds that rank's
+    chunks keyed by fqn, with their offsets in the `DCP_SHARDING_INFO` metadata; the global
+    shape is the extent of the chunks (as torch's `HuggingFaceStorageReader` computes it).
+    """
+    storage = source.storage
+    layout = _Layout(files=dict(listing))
+    layout.serialization.add("hf_safetensors")
+    found: dict[str, list[tuple[str, Chunk]]] = {}
+    for name in sorted(n for n in listing if DCP_HF_SHARD.match(n)):
+        header = read_header(storage, name, listing[name])
+        try:
+            sharding = json.loads(header.metadata.get(SHARDING_INFO_KEY, "{}"))
+        except json.JSONDecodeError:
+            sharding = None
+        if not isinstance(sharding, dict):
+            layout.problem(
+                "dcp_bad_chunk", f"has unreadable {SHARDING_INFO_KEY} metadata", file=name
+            )
+            sharding = {}
+        for fqn, (dtype, shape, begin, end) in header.tensors.items():
+            info = sharding.get(fqn)
+            saved = _int_list(info.get("saved_offsets")) if isinstance(info, dict) else None
+            if saved is None or len(saved) != len(shape):
+                if info is not None:
+                    layout.problem(
+                        "dcp_bad_chunk",
+                        f"tensor {fqn!r} has invalid saved_offsets {info!r}",
+                        file=name,
+                        tensor=fqn,
+                    )
+                saved = [0] * len(shape)
+            chunk = Chunk(
+                offsets=saved,
+                sizes=list(shape),
+                file=name,
+                byte_offset=header.data_start + begin,
+                byte_length=end - begin,
+                raw=True,
+            )
+            found.setdefault(fqn, []).append((dtype, chunk))
+    for fqn, items in found.items():
+        kinds = {dtype for dtype, _ in items}
+        if len(kinds) > 1:
+            layout.problem(
+                "dcp_mismatch",
+                f"tensor {fqn!r} is stored with different dtypes ({', '.join(sorted(kinds))})",
+                tensor=fqn,
+            )
+        dtype = items[0][0]
+        chunks = [chunk for _, chunk in items]
+        rank = len(chunks[0].sizes)
+        if any(len(c.sizes) != rank for c in chunks):
+            layout.problem(
+                "dcp_mismatch", f"tensor {fqn!r} has chunks of different ranks", tensor=fqn
+            )
+            continue
+        shape = [max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(rank)]
+        layout.entries.append(
+            Entry.model_construct(
+                name=fqn,
+                kind="tensor",
+                dtype=dtype,
+                shape=shape,
+                nbytes=dtypes.numel(shape) * dtypes.itemsize(dtype),
+                file=chunks[0].file,
+                offset=chunks[0].byte_offset
+                if len(chunks) == 1 and chunks[0].sizes == shape
+                else None,
+                chunks=chunks,
                 py_type=None,
                 value=None,
             )
@@ -563,6 +650,9 @@ def _world_size(layout: _Layout) -> int:
         match = _RANK_FILE.match(name)
         if match:
             ranks.add(int(match.group(1)))
+        hf = DCP_HF_SHARD.match(name)
+        if hf:
+            ranks.add(int(hf.group(1)) - 1)
     return max(ranks) + 1 if ranks else len(names)
 
 
@@ -576,7 +666,8 @@ class DcpFormat(Format):
     def detect(cls, source: Source) -> bool:
         if source.target is not None:
             return source.target == METADATA or source.target.endswith(SUFFIX)
-        return any(n == METADATA or n.endswith(SUFFIX) for n in source.top_level())
+        names = source.top_level()
+        return any(n == METADATA or n.endswith(SUFFIX) for n in names) or is_dcp_hf_sharded(names)
 
     @classmethod
     def _folder(cls, source: Source) -> Source:
@@ -603,7 +694,7 @@ class DcpFormat(Format):
         files = [
             FileInfo(path=name, size=size, entries=0)
             for name, size in layout.files.items()
-            if name == METADATA or name.endswith(SUFFIX)
+            if name == METADATA or name.endswith(SUFFIX) or DCP_HF_SHARD.match(name)
         ]
         counts: dict[str, int] = {}
         for entry in layout.entries:

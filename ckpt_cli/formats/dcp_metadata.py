@@ -79,12 +79,10 @@ class _Record:
             state = {**(state[0] or {}), **state[1]}
         if not isinstance(state, dict):
             raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
+        own = self.__dict__
         for name in self._fields:
-            if not hasattr(self, name):
-                setattr(self, name, None)
-        for key, value in state.items():
-            if isinstance(key, str) and key in self._fields:
-                setattr(self, key, value)
+            if name in state:
+                own[name] = state[name]
 
     def __getattr__(self, name: str) -> Any:
         # NEWOBJ skips __init__: fields absent from the pickled state read as None
@@ -165,12 +163,11 @@ class StorageMeta(_Record):
     _fields = ("checkpoint_id", "save_id", "load_id", "modules")
 
 
-def _size(values: Any = ()) -> tuple[int, ...]:
-    """Stand-in for `torch.Size(...)`: a tuple of ints."""
-    out = tuple(values)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
-        raise pickle.UnpicklingError("torch.Size with non-integer entries")
-    return out
+def _size(values: Any = ()) -> tuple[Any, ...]:
+    """Stand-in for `torch.Size(...)`: a tuple (its entries are validated where they are used)."""
+    if not isinstance(values, (tuple, list)):
+        raise pickle.UnpicklingError("torch.Size of something that is not a sequence")
+    return tuple(values)
 
 
 def _get_layout(name: Any) -> str:
