@@ -462,3 +462,33 @@ def test_holes_and_overlaps_are_all_reported(two_rank: dict[str, Path], tmp_path
     }
     result = run_ckpt("inspect", ckpt, "--json")
     assert result.exit_code == 4 and "1 more problem" in result.json["error"]["message"]
+
+
+def test_writer_lays_out_tiny_and_empty_tensors_for_many_ranks(tmp_path: Path) -> None:
+    state = {
+        "one_row": torch.tensor([3.0]),
+        "no_rows": torch.zeros(0, 3),
+        "no_cols": torch.zeros(4, 0),
+        "scalar": torch.tensor(1, dtype=torch.int64),
+        "uneven": torch.randn(5, 2),
+    }
+    plan = [
+        Entry(name=k, dtype=str(v.dtype).removeprefix("torch."), shape=list(v.shape), nbytes=v.nbytes)
+        for k, v in state.items()
+    ]
+    writer = DcpFormat.writer(tmp_path, plan, WriteOptions(world_size=4))
+    for name, tensor in state.items():
+        writer.write_tensor(name, tensor)
+    writer.finish()
+    loaded = dcp_load_flat(tmp_path, {k: torch.full_like(v, 7) for k, v in state.items()})
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    manifest = open_dcp(tmp_path).manifest
+    uneven = manifest.by_name["uneven"].chunks or []
+    assert [(c.offsets[0], c.sizes[0], c.file) for c in uneven] == [
+        (0, 2, "__0_0.distcp"),
+        (2, 2, "__1_0.distcp"),
+        (4, 1, "__2_0.distcp"),
+        (5, 0, "__3_0.distcp"),
+    ]
+    assert [c.file for c in manifest.by_name["scalar"].chunks or []] == ["__0_0.distcp"]
+    assert problems(tmp_path) == []

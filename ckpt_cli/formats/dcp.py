@@ -1007,17 +1007,24 @@ class DcpWriter(Writer):
     def _plan_chunks(self, entry: Entry) -> list[Chunk]:
         shape = list(entry.shape)
         if entry.chunks is None:
-            pieces = shard0_chunks(shape, self.world_size)
-            return [
-                Chunk(
-                    offsets=o,
-                    sizes=s,
-                    file=rank_file(0 if not shape else r),
-                    byte_offset=0,
-                    byte_length=0,
+            chunks: list[Chunk] = []
+            seen: set[tuple[int, ...]] = set()
+            for rank, (offsets, sizes) in enumerate(shard0_chunks(shape, self.world_size)):
+                # ranks left with nothing share an offset; DCP keys chunks by offset, so
+                # (like its save-plan dedup) only the first of them is recorded
+                if tuple(offsets) in seen:
+                    continue
+                seen.add(tuple(offsets))
+                chunks.append(
+                    Chunk(
+                        offsets=offsets,
+                        sizes=sizes,
+                        file=rank_file(rank),
+                        byte_offset=0,
+                        byte_length=0,
+                    )
                 )
-                for r, (o, s) in enumerate(pieces)
-            ]
+            return chunks
         out = []
         for chunk in entry.chunks:
             if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
@@ -1033,6 +1040,11 @@ class DcpWriter(Writer):
                 chunk.model_copy(
                     update={"file": rel, "byte_offset": 0, "byte_length": 0, "raw": False}
                 )
+            )
+        if len({tuple(c.offsets) for c in out}) != len(out):
+            raise FormatError(
+                f"the write plan for {entry.name!r} has two chunks at the same offsets "
+                "(DCP keys chunks by their offsets)"
             )
         probe = _Layout(entries=[entry.model_copy(update={"chunks": out})])
         _check_coverage(probe)
