@@ -473,7 +473,9 @@ def test_writer_lays_out_tiny_and_empty_tensors_for_many_ranks(tmp_path: Path) -
         "uneven": torch.randn(5, 2),
     }
     plan = [
-        Entry(name=k, dtype=str(v.dtype).removeprefix("torch."), shape=list(v.shape), nbytes=v.nbytes)
+        Entry(
+            name=k, dtype=str(v.dtype).removeprefix("torch."), shape=list(v.shape), nbytes=v.nbytes
+        )
         for k, v in state.items()
     ]
     writer = DcpFormat.writer(tmp_path, plan, WriteOptions(world_size=4))
@@ -492,3 +494,20 @@ def test_writer_lays_out_tiny_and_empty_tensors_for_many_ranks(tmp_path: Path) -
     ]
     assert [c.file for c in manifest.by_name["scalar"].chunks or []] == ["__0_0.distcp"]
     assert problems(tmp_path) == []
+
+
+@pytest.mark.parametrize("serialization", SERIALIZATIONS)
+def test_dtype_and_size_disagreements_with_the_data_are_reported(
+    tmp_path: Path, serialization: str
+) -> None:
+    dcp_save(
+        {"embed": torch.ones(4, 2, dtype=torch.bfloat16), "w": torch.ones(3)},
+        tmp_path,
+        serialization,
+    )
+    md = torch_metadata(tmp_path)
+    md.state_dict_metadata["embed"].properties.dtype = torch.float16  # same item size
+    write_metadata(tmp_path, md)
+    found = DcpFormat.check(resolve_source(str(tmp_path)))
+    assert [(p.code, p.tensor) for p in found] == [("dcp_mismatch", "embed")]
+    assert "bfloat16" in found[0].message or "BF16" in found[0].message

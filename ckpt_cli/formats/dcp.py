@@ -51,6 +51,7 @@ from .dcp_metadata import (
     TensorStorageMetadata,
     load_metadata,
     peek_saved_object,
+    peek_saved_tensor,
 )
 from .safetensors import DCP_HF_SHARD, is_dcp_hf_sharded, read_header
 
@@ -560,6 +561,48 @@ def _check_files(layout: _Layout) -> None:
                     )
 
 
+#: how much of a torch_save chunk `check` reads to see what tensor it declares
+_TENSOR_HEAD = 4096
+
+
+def _check_saved_tensors(storage: Storage, layout: _Layout) -> None:
+    """Each torch_save chunk declares the dtype and sizes `.metadata` gives it (one small read each)."""
+    for entry in layout.entries:
+        if entry.kind != "tensor" or entry.dtype is None:
+            continue
+        for chunk in entry.chunks or []:
+            size = layout.files.get(chunk.file)
+            if chunk.raw or size is None or chunk.byte_offset + chunk.byte_length > size:
+                continue  # raw chunks are checked against their header; the rest is reported
+            head = storage.read(chunk.file, chunk.byte_offset, min(_TENSOR_HEAD, chunk.byte_length))
+            saved = peek_saved_tensor(head)
+            if saved is None:
+                layout.problem(
+                    "dcp_bad_chunk",
+                    f"tensor {entry.name!r}: the chunk at {chunk.offsets} (byte {chunk.byte_offset}) "
+                    "is not a readable torch.save blob of a tensor",
+                    file=chunk.file,
+                    tensor=entry.name,
+                )
+            elif saved.dtype != entry.dtype or saved.shape != chunk.sizes:
+                layout.problem(
+                    "dcp_mismatch",
+                    f"tensor {entry.name!r}: the chunk at {chunk.offsets} is "
+                    f"{entry.dtype}{chunk.sizes} in .metadata but the file holds "
+                    f"{saved.dtype}{saved.shape}",
+                    file=chunk.file,
+                    tensor=entry.name,
+                )
+            elif saved.storage_bytes > chunk.byte_length:
+                layout.problem(
+                    "dcp_mismatch",
+                    f"tensor {entry.name!r}: the chunk at {chunk.offsets} declares "
+                    f"{saved.storage_bytes} bytes of data in a {chunk.byte_length}-byte range",
+                    file=chunk.file,
+                    tensor=entry.name,
+                )
+
+
 def _overlap(a: Chunk, b: Chunk) -> bool:
     return all(
         ao < bo + bs and bo < ao + as_
@@ -727,6 +770,7 @@ class DcpFormat(Format):
             layout = _analyse(source)
         except (FormatError, NotFoundError) as error:
             return [Problem(code=error.code, message=error.message, file=error.path)]
+        _check_saved_tensors(source.storage, layout)
         return [
             p.model_copy(update={"file": source.storage.describe(p.file)}) if p.file else p
             for p in layout.problems
