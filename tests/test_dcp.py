@@ -24,6 +24,7 @@ from ckpt_cli.models import Chunk, Entry
 from .conftest import REPO, run_ckpt
 from .dcp_dist_script import expected_state
 from .dist_helpers import DIST_SCRIPT, dcp_load_flat, dcp_save, run_torchrun, training_state
+from .s3_fixtures import S3Server, upload_folder
 
 SERIALIZATIONS = ["torch_save", "safetensors"]
 
@@ -191,6 +192,32 @@ def test_unloadable_object_is_reported_not_executed(tmp_path: Path) -> None:
         checkpoint.read_object("evil")
     assert "weights_only" in str(caught.value) and "posix.system" in str(caught.value)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("serialization", SERIALIZATIONS)
+def test_dcp_in_an_object_store_reads_ranges_only(
+    tmp_path: Path, s3_server: S3Server, serialization: str
+) -> None:
+    state = training_state()
+    dcp_save(state, tmp_path / "ckpt", serialization)
+    upload_folder(s3_server.endpoint, "ckpts", "run/step-7", tmp_path / "ckpt")
+    s3_server.requests.clear()
+    result = run_ckpt("inspect", "s3://ckpts/run/step-7", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["format"] == "dcp" and report["details"]["serialization"] == serialization
+    assert next(e for e in report["entries"] if e["name"] == "step")["value"] == 7
+    data_gets = s3_server.object_gets(".distcp")
+    assert data_gets and all(r.range is not None for r in data_gets)
+    with open_dcp_url("s3://ckpts/run/step-7") as checkpoint:
+        got = checkpoint.read_tensor("model.0.weight")
+        assert torch.equal(got, state["model"]["0.weight"])
+
+
+def open_dcp_url(url: str) -> DcpCheckpoint:
+    checkpoint = open_checkpoint(url)
+    assert isinstance(checkpoint, DcpCheckpoint)
+    return checkpoint
 
 
 # --- 2 ranks under torchrun ------------------------------------------------------------------
