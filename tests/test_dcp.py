@@ -80,10 +80,11 @@ def two_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     run_torchrun(
         DIST_SCRIPT,
         2,
-        *("--save", root / "saved", "--save-hf", root / "hf"),
+        *("--save", root / "saved", "--save-nocoll", root / "nocoll", "--save-hf", root / "hf"),
         *("--load", ours, root / "report", "train.step"),
     )
-    return {"saved": root / "saved", "ours": ours, "report": root / "report", "hf": root / "hf"}
+    names = ("saved", "nocoll", "hf", "report")
+    return {"ours": ours, **{name: root / name for name in names}}
 
 
 # --- inspect and read what dcp.save wrote ------------------------------------------------------
@@ -246,6 +247,25 @@ def test_two_rank_save_inspects_and_reassembles(two_rank: dict[str, Path]) -> No
             checkpoint.read_slice("model.w", [2, 1], [2, 2]), full["model.w"][2:4, 1:3]
         )
     assert problems(saved) == []
+
+
+def test_save_without_collectives_reads_from_per_rank_metadata(
+    two_rank: dict[str, Path], tmp_path: Path
+) -> None:
+    nocoll = two_rank["nocoll"]
+    assert not (nocoll / ".metadata").exists() and (nocoll / "__1.metadata").exists()
+    report = run_ckpt("inspect", nocoll, "--json").json["result"]
+    assert report["details"]["world_size"] == 2
+    full = expected_state()
+    with open_dcp(nocoll) as checkpoint:
+        for name, tensor in full.items():
+            assert torch.equal(checkpoint.read_tensor(name), tensor), name
+    assert problems(nocoll) == []
+    # one rank's metadata missing: that rank's save was interrupted
+    copy = tmp_path / "copy"
+    shutil.copytree(nocoll, copy)
+    (copy / "__1.metadata").unlink()
+    assert {"dcp_interrupted", "dcp_hole"} <= set(problems(copy))
 
 
 def test_hugging_face_writer_per_rank_shards_read_as_dcp(two_rank: dict[str, Path]) -> None:

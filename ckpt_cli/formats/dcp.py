@@ -62,6 +62,8 @@ METADATA = ".metadata"
 SUFFIX = ".distcp"
 SERIALIZATIONS = ("torch_save", "safetensors")
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+#: per-rank metadata of `dcp.save(..., use_collectives=False)` (no global `.metadata`)
+_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 #: safetensors metadata keys torch's DCP writer puts in each embedded blob
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 _MAX_HEADER = 100 << 20
@@ -124,10 +126,67 @@ def _int_list(value: Any) -> list[int] | None:
     return None
 
 
-def _read_metadata(source: Source) -> Metadata:
+def _read_metadata(source: Source, listing: dict[str, int], layout: _Layout) -> Metadata:
+    """`.metadata`, or the union of the per-rank `__{r}.metadata` files that
+    `dcp.save(..., use_collectives=False)` writes instead."""
     storage = source.storage
-    where = storage.describe(METADATA)
-    return load_metadata(storage.read_all(METADATA), where)
+    if METADATA in listing:
+        return load_metadata(storage.read_all(METADATA), storage.describe(METADATA))
+    names = sorted(
+        (n for n in listing if _RANK_METADATA.match(n)),
+        key=lambda n: int(_RANK_METADATA.match(n).group(1)),  # type: ignore[union-attr]
+    )
+    merged = Metadata()
+    merged.state_dict_metadata, merged.storage_data, merged.planner_data = {}, {}, {}
+    for name in names:
+        where = storage.describe(name)
+        md = load_metadata(storage.read_all(name), where)
+        if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+            raise FormatError("is missing its state_dict_metadata or storage_data", path=where)
+        for fqn, item in md.state_dict_metadata.items():
+            have = merged.state_dict_metadata.get(fqn)
+            if have is None:
+                if isinstance(item, TensorStorageMetadata) and isinstance(item.chunks, list):
+                    copy = TensorStorageMetadata()
+                    copy.properties, copy.size, copy.chunks = (
+                        item.properties,
+                        item.size,
+                        list(item.chunks),
+                    )
+                    item = copy
+                merged.state_dict_metadata[fqn] = item
+            elif isinstance(have, TensorStorageMetadata) and isinstance(
+                item, TensorStorageMetadata
+            ):
+                if have.size != item.size or getattr(have.properties, "dtype", None) != getattr(
+                    item.properties, "dtype", None
+                ):
+                    layout.problem(
+                        "dcp_mismatch",
+                        f"tensor {fqn!r} has a different size or dtype than in an earlier "
+                        "rank's metadata",
+                        file=name,
+                        tensor=fqn,
+                    )
+                known = {tuple(getattr(c, "offsets", ()) or ()) for c in have.chunks}
+                for chunk in item.chunks if isinstance(item.chunks, list) else []:
+                    if tuple(getattr(chunk, "offsets", ()) or ()) not in known:
+                        have.chunks.append(chunk)
+        merged.storage_data.update(md.storage_data)
+        if isinstance(md.planner_data, dict):
+            merged.planner_data.update(md.planner_data)
+        merged.version = md.version
+    ranks = {int(m.group(1)) for n in names if (m := _RANK_METADATA.match(n))}
+    for name in listing:
+        match = _RANK_FILE.match(name)
+        if match and int(match.group(1)) not in ranks:
+            layout.problem(
+                "dcp_interrupted",
+                f"rank {match.group(1)} wrote {name} but no __{match.group(1)}.metadata: its "
+                "save looks interrupted",
+                file=name,
+            )
+    return merged
 
 
 def _storage_index(md: Metadata, where: str) -> dict[tuple[Any, Any], StorageInfo]:
@@ -154,7 +213,7 @@ def _analyse(source: Source) -> _Layout:
     where = storage.describe(METADATA)
     if METADATA not in listing and is_dcp_hf_sharded([n for n in listing if "/" not in n]):
         return _analyse_hf_shards(source, listing)
-    if METADATA not in listing:
+    if METADATA not in listing and not any(_RANK_METADATA.match(n) for n in listing):
         distcp = sorted(n for n in listing if n.endswith(SUFFIX))
         raise FormatError(
             f"has {len(distcp)} .distcp file(s) but no .metadata: the save looks interrupted "
@@ -164,12 +223,13 @@ def _analyse(source: Source) -> _Layout:
             path=source.location.raw,
             fix="Use the previous complete checkpoint or save again; this one cannot be loaded.",
         )
-    md = _read_metadata(source)
+    layout = _Layout(files=dict(listing))
+    md = _read_metadata(source, listing, layout)
     sdm = md.state_dict_metadata
     if not isinstance(sdm, dict):
         raise FormatError("has no state_dict_metadata map", path=where, fix="The file is corrupt.")
     index = _storage_index(md, where)
-    layout = _Layout(files=dict(listing), planner_data=md.planner_data)
+    layout.planner_data = md.planner_data
     layout.version = md.version if isinstance(md.version, str) else None
     # resolved file names, checked once each
     safe_names: dict[str, str] = {}
@@ -710,7 +770,9 @@ class DcpFormat(Format):
         if source.target is not None:
             return source.target == METADATA or source.target.endswith(SUFFIX)
         names = source.top_level()
-        return any(n == METADATA or n.endswith(SUFFIX) for n in names) or is_dcp_hf_sharded(names)
+        return any(
+            n == METADATA or n.endswith(SUFFIX) or _RANK_METADATA.match(n) for n in names
+        ) or is_dcp_hf_sharded(names)
 
     @classmethod
     def _folder(cls, source: Source) -> Source:
@@ -737,7 +799,10 @@ class DcpFormat(Format):
         files = [
             FileInfo(path=name, size=size, entries=0)
             for name, size in layout.files.items()
-            if name == METADATA or name.endswith(SUFFIX) or DCP_HF_SHARD.match(name)
+            if name == METADATA
+            or name.endswith(SUFFIX)
+            or DCP_HF_SHARD.match(name)
+            or _RANK_METADATA.match(name)
         ]
         counts: dict[str, int] = {}
         for entry in layout.entries:
