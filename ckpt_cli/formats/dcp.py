@@ -27,6 +27,7 @@ torch's own classes, so `dcp.load` reads it).
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -34,6 +35,7 @@ import re
 import struct
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -203,7 +205,30 @@ def _storage_index(md: Metadata, where: str) -> dict[tuple[Any, Any], StorageInf
     return index
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while building the manifest.
+
+    Unpickling `.metadata` and building entries creates hundreds of thousands of small objects
+    and no cycles; with the GC on, each allocation burst triggers full collections over the
+    growing heap, which made this 4-6x slower on a 40,000-chunk checkpoint.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _analyse(source: Source) -> _Layout:
+    """Read the layout of `source` (see `_analyse_unpaused`) with the GC paused."""
+    with _gc_paused():
+        return _analyse_unpaused(source)
+
+
+def _analyse_unpaused(source: Source) -> _Layout:
     """Read `.metadata` and check it against the files; collect every problem found.
 
     Raises FormatError only when the metadata itself cannot be read (missing, hostile, corrupt).
