@@ -459,7 +459,7 @@ def test_missing_metadata_reads_as_an_interrupted_save(tmp_path: Path) -> None:
     assert result.exit_code == 4
     assert "interrupted" in result.stderr and "no .metadata" in result.stderr
     found = DcpFormat.check(resolve_source(str(ckpt)))
-    assert len(found) == 1 and "interrupted" in found[0].message
+    assert [p.code for p in found] == ["dcp_interrupted"] and "interrupted" in found[0].message
 
 
 def broken_copy(two_rank: dict[str, Path], tmp_path: Path) -> Path:

@@ -205,6 +205,12 @@ def _storage_index(md: Metadata, where: str) -> dict[tuple[Any, Any], StorageInf
     return index
 
 
+class InterruptedSaveError(FormatError):
+    """A DCP folder with data files but no `.metadata`: the save did not finish (exit 4)."""
+
+    code = "dcp_interrupted"
+
+
 @contextmanager
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic GC while building the manifest.
@@ -239,12 +245,9 @@ def _analyse_unpaused(source: Source) -> _Layout:
     if METADATA not in listing and is_dcp_hf_sharded([n for n in listing if "/" not in n]):
         return _analyse_hf_shards(source, listing)
     if METADATA not in listing and not any(_RANK_METADATA.match(n) for n in listing):
-        distcp = sorted(n for n in listing if n.endswith(SUFFIX))
-        raise FormatError(
-            f"has {len(distcp)} .distcp file(s) but no .metadata: the save looks interrupted "
-            "(DCP writes .metadata last)"
-            if distcp
-            else "has no DCP .metadata file",
+        raise InterruptedSaveError(
+            f"has {sum(n.endswith(SUFFIX) for n in listing)} .distcp file(s) but no .metadata: "
+            "the save looks interrupted (DCP writes .metadata last)",
             path=source.location.raw,
             fix="Use the previous complete checkpoint or save again; this one cannot be loaded.",
         )
@@ -1110,6 +1113,11 @@ class DcpWriter(Writer):
             )
         if options.world_size < 1:
             raise FormatError(f"world size must be at least 1, not {options.world_size}")
+        if options.single_file:
+            raise FormatError(
+                "a DCP checkpoint is a folder (.metadata + .distcp files), not a single file",
+                fix="Give a folder as the destination.",
+            )
         self.serialization = options.dcp_serialization
         self.world_size = options.world_size
         self.entries: dict[str, Entry] = {}
