@@ -38,10 +38,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from .. import dtypes
-from ..errors import FormatError, NotFoundError
+from ..errors import CkptError, FormatError, NotFoundError
 from ..models import Chunk, Entry, FileInfo, Manifest, Problem
 from ..storage import LocalStorage, Storage, safe_relpath
 from .base import Checkpoint, Format, Source, WriteOptions, Writer
@@ -878,6 +878,50 @@ class DcpFormat(Format):
 # Reading data
 
 
+class _FileRange(io.RawIOBase):
+    """Bytes [start, start + length) of an open file, read with `os.pread` (no copy of the range).
+
+    `torch.load` of a chunk then reads straight from the file into the new tensor's storage,
+    so loading a torch_save chunk needs the chunk's size in memory once, not twice.
+    """
+
+    def __init__(self, fd: int, start: int, length: int, name: str):
+        super().__init__()
+        self._fd, self._start, self._length, self._pos, self.name = fd, start, length, 0, name
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = min(len(view), self._length - self._pos)
+        if want <= 0:
+            return 0
+        got = os.preadv(self._fd, [view[:want]], self._start + self._pos)
+        if got == 0:
+            raise FormatError(
+                f"is truncated: byte {self._start + self._pos} of a stored chunk is past its end",
+                path=self.name,
+                fix="The file was cut short; write or copy it again.",
+            )
+        self._pos += got
+        return got
+
+    def close(self) -> None:  # the fd belongs to the checkpoint
+        super().close()
+
+
 class DcpCheckpoint(Checkpoint):
     """An opened DCP checkpoint: reads assemble tensors from their chunks.
 
@@ -938,9 +982,14 @@ class DcpCheckpoint(Checkpoint):
 
         from ..tensors import dtype_name
 
-        data = self.storage.read(chunk.file, chunk.byte_offset, chunk.byte_length)
         try:
-            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            value = torch.load(
+                self._byte_range(chunk.file, chunk.byte_offset, chunk.byte_length),
+                map_location="cpu",
+                weights_only=True,
+            )
+        except CkptError:
+            raise
         except Exception as exc:
             raise FormatError(
                 f"tensor {entry.name!r}: the chunk at {chunk.offsets} (bytes "
@@ -962,6 +1011,15 @@ class DcpCheckpoint(Checkpoint):
                 path=where,
             )
         return value
+
+    def _byte_range(self, rel: str, offset: int, length: int) -> IO[bytes]:
+        """A seekable file object over one stored range (torch.load reads from it directly)."""
+        if isinstance(self.storage, LocalStorage):
+            fd = self._fds.get(rel)
+            if fd is None:
+                fd = self._fds[rel] = os.open(self.storage.path(rel), os.O_RDONLY)
+            return cast(IO[bytes], _FileRange(fd, offset, length, self.storage.describe(rel)))
+        return io.BytesIO(self.storage.read(rel, offset, length))
 
     def read_tensor(self, name: str) -> torch.Tensor:
         entry = self._entry(name, "tensor")
@@ -991,11 +1049,11 @@ class DcpCheckpoint(Checkpoint):
                 f"box at {offsets} of size {sizes} is not inside tensor {name!r} of shape {shape}",
                 path=self.manifest.location,
             )
+        # a box that is exactly one stored chunk: hand out the loaded chunk, no second copy
+        for chunk in entry.chunks:
+            if chunk.offsets == offsets and chunk.sizes == sizes:
+                return self._load_chunk(entry, chunk).contiguous()
         out = torch.empty(sizes, dtype=torch_dtype(entry.dtype))
-        if not shape:
-            piece = self._load_chunk(entry, entry.chunks[0])
-            out.copy_(piece)
-            return out
         if dtypes.numel(sizes) == 0:
             return out
         for chunk in entry.chunks:
