@@ -558,3 +558,15 @@ def test_dtype_and_size_disagreements_with_the_data_are_reported(
     found = DcpFormat.check(resolve_source(str(tmp_path)))
     assert [(p.code, p.tensor) for p in found] == [("dcp_mismatch", "embed")]
     assert "bfloat16" in found[0].message or "BF16" in found[0].message
+
+
+def test_rank_file_linked_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(3)}, ckpt)
+    outside = tmp_path / "elsewhere.distcp"
+    (ckpt / "__0_0.distcp").rename(outside)
+    (ckpt / "__0_0.distcp").symlink_to(outside)
+    result = run_ckpt("inspect", ckpt, "--json")
+    assert result.exit_code == 4
+    assert result.json["error"]["code"] == "unsafe_input"
+    assert "outside the checkpoint" in result.json["error"]["message"]
