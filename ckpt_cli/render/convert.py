@@ -1,0 +1,50 @@
+"""Human rendering of `ckpt convert`."""
+
+from __future__ import annotations
+
+from ..ops.convert import ConvertReport
+from . import human_bytes, stderr, stdout
+
+#: skipped entries listed by name before the rest are counted
+MAX_LISTED = 8
+
+
+def render_convert(report: ConvertReport) -> None:
+    """What was written where, then what was skipped or tied."""
+    files = len(report.files)
+    stdout.print(
+        f"[bold]{report.dest}[/]  ({report.format}, {files} file{'s' if files != 1 else ''})"
+        f"  [dim]from {report.source} ({report.source_format})[/]"
+    )
+    how = [f"{report.raw_copies} copied as raw bytes"] if report.raw_copies else []
+    if report.cast:
+        how.append(f"{report.casts} cast to {report.cast}")
+    if report.renamed:
+        how.append(f"{report.renamed} renamed")
+    line = f"  {report.tensors} tensors, {human_bytes(report.tensor_bytes)}"
+    if report.objects:
+        line += f"; {report.objects} non-tensor entries"
+    stdout.print(line + (f" ({', '.join(how)})" if how else ""))
+    layout = []
+    if report.max_shard_size:
+        layout.append(f"shards ≤ {human_bytes(report.max_shard_size)}")
+    if report.world_size:
+        layout.append(f"world size {report.world_size}, {report.dcp_serialization} serialization")
+    if layout:
+        stdout.print("  " + ", ".join(layout))
+    stdout.print("  [green]structure checked before publishing[/]")
+    for group in report.tied:
+        kept = group[0]
+        written_once = report.aliases and group[1] in report.aliases
+        note = "written once; aliases recorded in __metadata__" if written_once else "each written"
+        stdout.print(f"  tied: {', '.join(group)} share storage ({note}, kept {kept})")
+    if report.skipped:
+        stderr.print(
+            f"[yellow]skipped {len(report.skipped)} non-tensor entries[/] "
+            f"({report.skipped[0].reason}):",
+            highlight=False,
+        )
+        for entry in report.skipped[:MAX_LISTED]:
+            stderr.print(f"  {entry.name}", highlight=False)
+        if len(report.skipped) > MAX_LISTED:
+            stderr.print(f"  … {len(report.skipped) - MAX_LISTED} more (see --json)")
