@@ -5,6 +5,7 @@ _ckpt() {
   commands=(
     'inspect:Show what a checkpoint holds - tensors, dtypes, shapes, bytes, files, training state'
     'convert:Convert a checkpoint to safetensors, DCP or torch.save, one tensor at a time'
+    'diff:Compare two checkpoints - missing names, dtype/shape changes, tensor values, state values'
   )
   if (( CURRENT == 2 )); then
     _describe 'command' commands
@@ -13,6 +14,7 @@ _ckpt() {
   case $words[2] in
     inspect) _arguments -s '--tensors[List every entry - name, dtype, shape, bytes, file]' '-t[List every entry - name, dtype, shape, bytes, file]' '--filter[Only entries whose name matches this glob (repeatable)]:value:' '-k[Only entries whose name matches this glob (repeatable)]:value:' '--format[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '-f[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
     convert) _arguments -s '--to[Target format - safetensors, dcp or torch]:value:' '-t[Target format - safetensors, dcp or torch]:value:' '--max-shard-size[Split into shards of at most this size (5GB, 500MB, 2GiB) with an index.json]:value:' '--dtype[Cast floating tensors to bf16, fp16 or fp32 (ints and bools untouched)]:value:' '--include[Only entries whose source name matches (repeatable)]:value:' '-k[Only entries whose source name matches (repeatable)]:value:' '--exclude[Leave out entries whose source name matches (repeatable)]:value:' '-x[Leave out entries whose source name matches (repeatable)]:value:' '--rename[Rename a name prefix, OLD=NEW (repeatable; first match wins)]:value:' '--select[Extract the sub-tree under this prefix (e.g. model), stripping it]:value:' '--dcp-serialization[How a DCP output stores tensors - torch_save or safetensors]:value:' '--world-size[Lay a DCP output out for this many ranks (Shard(0))]:value:' '--format[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '-f[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '--force[Replace DEST if it exists (only after the new output is complete)]' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
+    diff) _arguments -s '--atol[Absolute tolerance - |a-b| <= atol + rtol*|b| counts as equal]:value:' '--rtol[Relative tolerance (to |b|); without tolerances, bit-exact]:value:' '--rename[Rename a name prefix on both sides, OLD=NEW (repeatable)]:value:' '--select[Compare the sub-tree under this prefix, stripped, on each side that has it]:value:' '--filter[Only names matching this glob (repeatable)]:value:' '-k[Only names matching this glob (repeatable)]:value:' '--format-a[Read A as this format instead of detecting it]:value:' '--format-b[Read B as this format instead of detecting it]:value:' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
   esac
 }
 _ckpt "$@"
