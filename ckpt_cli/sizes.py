@@ -1,8 +1,9 @@
-"""Parse byte sizes the way users write them (`5GB`, `500MB`, `2GiB`, `1000000`).
+"""Human sizes on the command line (`--max-shard-size 2GB`).
 
-Decimal units follow huggingface_hub's `max_shard_size` convention (`5GB` = 5 * 10**9 bytes),
-so `--max-shard-size 5GB` cuts the same shards as `save_torch_state_dict(max_shard_size="5GB")`;
-binary units (`KiB`, `MiB`, `GiB`, `TiB`) are accepted too, and a bare number is bytes.
+Units follow huggingface_hub's `parse_size_to_int` (which `save_torch_state_dict` and
+transformers' `max_shard_size` use): `KB`, `MB`, `GB`, `TB` are decimal (1 GB = 10^9 bytes),
+so `--max-shard-size 5GB` cuts the same shards as `save_pretrained(max_shard_size="5GB")`.
+The binary units `KiB`, `MiB`, `GiB`, `TiB` are powers of 1024; a bare number (or `B`) is bytes.
 """
 
 from __future__ import annotations
@@ -23,21 +24,19 @@ _UNITS = {
     "GIB": 1 << 30,
     "TIB": 1 << 40,
 }
-_SIZE = re.compile(r"^\s*(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 
 
-def parse_size(text: str | int) -> int:
-    """`'5GB'` -> 5_000_000_000, `'2GiB'` -> 2_147_483_648, `'4096'` -> 4096 (UsageError if bad)."""
-    if isinstance(text, int):
-        return text
+def parse_size(text: str, *, option: str = "--max-shard-size") -> int:
+    """`'2GB'` -> 2_000_000_000, `'1.5GiB'` -> 1_610_612_736, `'4096'` -> 4096."""
     match = _SIZE.match(text)
-    unit = match["unit"].upper() if match else ""
-    if not match or unit not in _UNITS:
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
         raise UsageError(
-            f"cannot read {text!r} as a size",
-            fix="Write a number of bytes or a number with a unit: 500MB, 5GB, 2GiB.",
+            f"{option} {text!r} is not a size",
+            fix="Write a number with an optional unit: 500MB, 2GB (decimal) or 1.5GiB (binary).",
         )
-    size = int(float(match["value"]) * _UNITS[unit])
-    if size <= 0:
-        raise UsageError(f"size {text!r} must be positive", fix="Use e.g. 5GB.")
-    return size
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UsageError(f"{option} {text!r} must be more than 0 bytes")
+    return value

@@ -1,0 +1,112 @@
+"""`ckpt reshard`: cut a checkpoint for another shard size or another world size, offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, run_command
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  ckpt reshard out/step-1000 out/step-1000-4ranks --world-size 4\n\n"
+        "  ckpt reshard step-1000 step-1000-tp2 --world-size 2 "
+        "--shard-dim '*.wo.weight=1' --shard-dim '*.norm.*=replicate'\n\n"
+        "  ckpt reshard step-1000 step-1000-8ranks --world-size 8 --drop-rank-state\n\n"
+        "  ckpt reshard model/ model-2GB/ --max-shard-size 2GB --json"
+    )
+)
+def reshard(
+    src: SrcArg,
+    dest: Annotated[str, typer.Argument(help="Folder to write (must not exist unless --force).")],
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size",
+            "-n",
+            min=1,
+            help="DCP: rewrite as N ranks would have saved it (chunk r in __r_0.distcp).",
+        ),
+    ] = None,
+    max_shard_size: Annotated[
+        str | None,
+        typer.Option(
+            "--max-shard-size",
+            help="safetensors/torch: regroup into shards of at most this size "
+            "(500MB, 2GB decimal as in huggingface_hub; 1.5GiB binary).",
+        ),
+    ] = None,
+    shard_dim: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--shard-dim",
+            help="Placement rule GLOB=DIM or GLOB=replicate (repeatable; first match wins; "
+            "default dim 0; optimizer state follows its parameter).",
+        ),
+    ] = None,
+    plan: Annotated[
+        Path | None,
+        typer.Option(
+            "--plan",
+            help='JSON file of placement rules: {"GLOB": DIM | "replicate", ...}, '
+            "applied after --shard-dim rules.",
+        ),
+    ] = None,
+    drop_rank_state: Annotated[
+        bool,
+        typer.Option(
+            "--drop-rank-state",
+            help="Leave out per-rank RNG / data-loader state when the world size changes.",
+        ),
+    ] = False,
+    keep_rank_state: Annotated[
+        bool,
+        typer.Option(
+            "--keep-rank-state",
+            help="Copy per-rank RNG / data-loader state as-is when the world size changes.",
+        ),
+    ] = False,
+    dcp_serialization: Annotated[
+        str | None,
+        typer.Option(
+            "--dcp-serialization",
+            help="DCP output serialization: torch_save or safetensors (default: as the source).",
+        ),
+    ] = None,
+    format: FormatOpt = None,
+    force: ForceOpt = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Cut a checkpoint for another world size (DCP) or another shard size (safetensors).
+
+    Streams one chunk at a time: memory follows the largest chunk, not the model. The output
+    is checked before it is published in one rename.
+    """
+    from ..ops.reshard import run_reshard
+    from ..render.progress import bar
+    from ..render.reshard import render_reshard
+
+    with bar(enabled=not json_output) as progress:
+        run_command(
+            "reshard",
+            json_output,
+            lambda: run_reshard(
+                src,
+                dest,
+                world_size=world_size,
+                max_shard_size=max_shard_size,
+                shard_dim=shard_dim or [],
+                plan=plan,
+                drop_rank_state=drop_rank_state,
+                keep_rank_state=keep_rank_state,
+                dcp_serialization=dcp_serialization,
+                format=format,
+                force=force,
+                progress=progress,
+            ),
+            render_reshard,
+        )

@@ -1,0 +1,483 @@
+"""`reshard`: the same checkpoint cut for another shard size or another world size.
+
+Two modes:
+
+- **shard size** (`max_shard_size`; safetensors, and sharded torch.save where its adapter
+  writes): tensors regrouped in order into shards of at most that size, Hugging Face names
+  and index, `__metadata__` kept; raw bytes are copied without deserialising (`ops.stream`).
+- **world size** (`world_size`; DCP): every tensor re-cut as N ranks would have saved it
+  (`Shard(0)` by default, `placement` rules for other dims or replication), chunk r in
+  `__r_0.distcp`; each output chunk is read with `read_slice` from whichever source chunks
+  overlap it, so peak memory follows the largest chunk. Replicated entries are written once,
+  spread over the rank files the way `dcp.save`'s de-duplication spreads them (each to the
+  file holding the fewest bytes so far).
+
+Per-rank training state (`placement.rank_of`: RNG streams and data-loader positions keyed by
+rank) cannot be re-cut: it is carried unchanged when N equals the source world size; otherwise
+the caller must choose `drop` or `keep` (copied as-is, each entry into its rank's file when
+that rank still exists, else rank 0's).
+
+Output is staged and published atomically after a structural check (the format's `check`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from pydantic import BaseModel, Field
+
+from ..errors import FormatError, UsageError
+from ..formats import get_format, open_checkpoint
+from ..formats.base import Checkpoint, Source, WriteOptions
+from ..formats.safetensors import INDEX_SUFFIX
+from ..models import Chunk, Entry, FileInfo
+from ..output import check_destination, staged_output
+from ..placement import Rule, placement_dim, rank_of, shard_boxes
+from ..progress import NULL_PROGRESS, Progress
+from ..storage import LocalStorage
+from ..uri import parse_location
+from .stream import copy_entries
+
+if TYPE_CHECKING:
+    import torch
+
+RankStateAction = Literal["carry", "drop", "keep"]
+#: formats whose shard size `--max-shard-size` can change
+SHARD_SIZE_FORMATS = ("safetensors", "torch")
+_DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+class RankStateEntry(BaseModel):
+    """A per-rank training-state entry (RNG stream, data-loader position...)."""
+
+    name: str
+    rank: int
+    kind: str
+    nbytes: int
+
+
+class ReshardReport(BaseModel):
+    """The result of `ckpt reshard`.
+
+    Attributes:
+        mode: `shard-size` or `world-size`.
+        source / destination: what was read and where the output was published.
+        format: format of both source and output.
+        files: the files written, with sizes.
+        tensors / objects: entries written.
+        tensor_bytes: tensor bytes written.
+        raw_copy: tensors copied as raw bytes, without deserialising (shard-size mode).
+        max_shard_size: the shard limit in bytes (shard-size mode).
+        source_world_size / world_size: ranks before and after (world-size mode).
+        serialization: DCP serialization of the output.
+        sharded: tensors split across ranks, by dim (`{"0": 12, "1": 4}`).
+        replicated: tensors written once, whole (0-dim, `replicate` rules).
+        rules: the placement rules applied, in order.
+        rank_state: per-rank training-state entries found in the source.
+        rank_state_action: `carry` (same world size), `keep`, `drop`, or None when there is none.
+        verified: the output passed the format's structural check before publishing.
+    """
+
+    mode: Literal["shard-size", "world-size"]
+    source: str
+    destination: str
+    format: str
+    files: list[FileInfo] = Field(default_factory=list)
+    tensors: int = 0
+    objects: int = 0
+    tensor_bytes: int = 0
+    raw_copy: int = 0
+    max_shard_size: int | None = None
+    source_world_size: int | None = None
+    world_size: int | None = None
+    serialization: str | None = None
+    sharded: dict[str, int] = Field(default_factory=dict)
+    replicated: int = 0
+    rules: list[str] = Field(default_factory=list)
+    rank_state: list[RankStateEntry] = Field(default_factory=list)
+    rank_state_action: RankStateAction | None = None
+    verified: bool = False
+
+
+class _ChunkWriter(Protocol):
+    def write_chunk(self, name: str, chunk_index: int, piece: torch.Tensor) -> None: ...
+
+
+def _verify(format_name: str, staging: Path, dest: str) -> None:
+    """Structural check of the staged output; any problem aborts before publishing."""
+    fmt = get_format(format_name)
+    source = Source(location=parse_location(str(staging)), storage=LocalStorage(staging))
+    problems = fmt.check(source)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        listing = "; ".join(p.message for p in errors[:5])
+        raise FormatError(
+            f"the resharded output failed its structural check ({listing})",
+            path=dest,
+            fix="Nothing was published. This is a bug in ckpt; please report it.",
+        )
+
+
+def _local_dest(dest: str) -> Path:
+    loc = parse_location(dest)
+    if loc.kind != "local" or loc.path is None:
+        raise UsageError(
+            "reshard writes to a local folder", path=dest, fix="Give a local DEST path."
+        )
+    return loc.path
+
+
+def reshard_shard_size(
+    src: str,
+    dest: str,
+    max_shard_size: int,
+    *,
+    format: str | None = None,
+    force: bool = False,
+    progress: Progress = NULL_PROGRESS,
+) -> ReshardReport:
+    """Regroup `src`'s tensors, in order, into shards of at most `max_shard_size` bytes."""
+    out = _local_dest(dest)
+    check_destination(out.absolute(), force)
+    with open_checkpoint(src, format) as checkpoint:
+        manifest = checkpoint.manifest
+        if manifest.format not in SHARD_SIZE_FORMATS:
+            raise UsageError(
+                f"--max-shard-size regroups safetensors or torch.save shards; "
+                f"this is a {manifest.format} checkpoint",
+                path=src,
+                fix="For DCP, change the world size with --world-size N.",
+            )
+        fmt = get_format(manifest.format)
+        if not fmt.writable:
+            raise UsageError(
+                f"writing {manifest.format} is not supported in this version", path=src
+            )
+        plan = list(manifest.entries)
+        options = WriteOptions(
+            max_shard_size=max_shard_size,
+            metadata=dict(manifest.metadata),
+            basename=_basename(checkpoint),
+        )
+        total = sum(e.nbytes for e in plan if e.kind == "tensor")
+        with staged_output(out, force=force) as staging:
+            writer = fmt.writer(staging, plan, options)
+            progress.start(total, "resharding")
+            stats = copy_entries(checkpoint, writer, plan, progress)
+            files = writer.finish()
+            progress.finish()
+            _verify(manifest.format, staging, dest)
+        return ReshardReport(
+            mode="shard-size",
+            source=manifest.location,
+            destination=str(out),
+            format=manifest.format,
+            files=files,
+            tensors=stats.tensors,
+            objects=stats.objects,
+            tensor_bytes=stats.bytes,
+            raw_copy=stats.raw_tensors,
+            max_shard_size=max_shard_size,
+            verified=True,
+        )
+
+
+def _basename(checkpoint: Checkpoint) -> str:
+    """The stem of the source's shard names (`model`, `diffusion_pytorch_model`...)."""
+    details = checkpoint.manifest.details
+    index = details.get("index")
+    if isinstance(index, str):
+        name = index.rsplit("/", 1)[-1]
+        for suffix in (INDEX_SUFFIX, ".bin.index.json", ".index.json"):
+            if name.endswith(suffix):
+                return name[: -len(suffix)]
+    files = [f.path for f in checkpoint.manifest.files]
+    if len(files) == 1:
+        stem = files[0].rsplit("/", 1)[-1].split(".", 1)[0]
+        # a single shard named like `model-00001-of-00001` keeps the stem before the counter
+        return re.sub(r"-\d{5}-of-\d{5}$", "", stem) or "model"
+    return "model"
+
+
+def source_world_size(checkpoint: Checkpoint) -> int:
+    """How many ranks saved a DCP checkpoint: recorded by the adapter, else from file names."""
+    recorded = checkpoint.manifest.details.get("world_size")
+    if isinstance(recorded, int) and recorded > 0:
+        return recorded
+    ranks = [
+        int(m.group(1))
+        for f in checkpoint.manifest.files
+        if (m := _DISTCP.match(f.path.rsplit("/", 1)[-1]))
+    ]
+    return max(ranks) + 1 if ranks else 1
+
+
+def find_rank_state(entries: list[Entry]) -> list[RankStateEntry]:
+    """Per-rank training-state entries (see `placement.rank_of`)."""
+    found = []
+    for entry in entries:
+        rank = rank_of(entry.name)
+        if rank is not None:
+            found.append(
+                RankStateEntry(name=entry.name, rank=rank, kind=entry.kind, nbytes=entry.nbytes)
+            )
+    return found
+
+
+def rank_file(rank: int) -> str:
+    """The DCP data file rank `rank` writes (`__3_0.distcp`)."""
+    return f"__{rank}_0.distcp"
+
+
+def plan_world_size(
+    entries: list[Entry],
+    world_size: int,
+    rules: list[Rule],
+    rank_state: dict[str, int],
+    drop: set[str],
+) -> tuple[list[Entry], dict[str, int], int]:
+    """Lay `entries` out for `world_size` ranks.
+
+    Returns the planned entries (tensors with `chunks`, objects with `file`), how many
+    tensors were sharded per dim, and how many were replicated. Per-rank entries in
+    `rank_state` (name -> rank) go whole into their rank's file (rank 0's if it is gone).
+    """
+    load = [0] * world_size
+    planned: dict[str, Entry] = {}
+    sharded: dict[str, int] = {}
+    whole: list[Entry] = []
+    for entry in entries:
+        if entry.name in drop:
+            continue
+        if entry.name in rank_state or entry.kind == "object":
+            whole.append(entry)
+            continue
+        dim = placement_dim(entry.name, entry.shape, rules)
+        if dim is None:
+            whole.append(entry)
+            continue
+        itemsize = entry.nbytes // entry.numel if entry.numel else 0
+        chunks = []
+        for rank, box in enumerate(shard_boxes(entry.shape, world_size, dim)):
+            chunks.append(
+                Chunk(
+                    offsets=list(box.offsets),
+                    sizes=list(box.sizes),
+                    file=rank_file(rank),
+                    byte_offset=0,
+                    byte_length=0,
+                )
+            )
+            load[rank] += box.numel * itemsize
+        planned[entry.name] = entry.model_copy(
+            update={"chunks": chunks, "file": rank_file(0), "offset": None}
+        )
+        sharded[str(dim)] = sharded.get(str(dim), 0) + 1
+    replicated = 0
+    for entry in whole:
+        if entry.name in rank_state:
+            rank = rank_state[entry.name]
+            rank = rank if rank < world_size else 0
+        else:
+            # like dcp.save's de-duplication: the file holding the fewest bytes so far
+            rank = min(range(world_size), key=lambda r: load[r])
+        load[rank] += entry.nbytes
+        update: dict[str, Any] = {"file": rank_file(rank), "offset": None}
+        if entry.kind == "tensor":
+            replicated += 1
+            update["chunks"] = [
+                Chunk(
+                    offsets=[0] * len(entry.shape),
+                    sizes=list(entry.shape),
+                    file=rank_file(rank),
+                    byte_offset=0,
+                    byte_length=0,
+                )
+            ]
+        planned[entry.name] = entry.model_copy(update=update)
+    # keep the source's entry order
+    return [planned[e.name] for e in entries if e.name in planned], sharded, replicated
+
+
+def reshard_world_size(
+    src: str,
+    dest: str,
+    world_size: int,
+    *,
+    rules: list[Rule] | None = None,
+    rank_state_action: Literal["drop", "keep"] | None = None,
+    serialization: str | None = None,
+    format: str | None = None,
+    force: bool = False,
+    progress: Progress = NULL_PROGRESS,
+) -> ReshardReport:
+    """Rewrite a DCP checkpoint as `world_size` ranks would have saved it."""
+    if world_size < 1:
+        raise UsageError(f"--world-size must be at least 1, got {world_size}")
+    rules = list(rules or [])
+    out = _local_dest(dest)
+    check_destination(out.absolute(), force)
+    with open_checkpoint(src, format) as checkpoint:
+        manifest = checkpoint.manifest
+        if manifest.format != "dcp":
+            raise UsageError(
+                f"--world-size re-cuts DCP checkpoints; this is a {manifest.format} checkpoint",
+                path=src,
+                fix="Use `ckpt convert SRC DEST --to dcp --world-size N` to make a DCP one, "
+                "or --max-shard-size to regroup shards.",
+            )
+        before = source_world_size(checkpoint)
+        rank_entries = find_rank_state(manifest.entries)
+        action: RankStateAction | None = None
+        if rank_entries:
+            if rank_state_action is not None:
+                action = rank_state_action
+            elif world_size == before:
+                action = "carry"
+            else:
+                names = ", ".join(e.name for e in rank_entries[:8])
+                more = f" and {len(rank_entries) - 8} more" if len(rank_entries) > 8 else ""
+                raise UsageError(
+                    f"holds per-rank training state that cannot be resharded from "
+                    f"{before} to {world_size} ranks: {names}{more}",
+                    path=src,
+                    fix="Pass --drop-rank-state to leave it out (each rank starts fresh RNG / "
+                    "data-loader state) or --keep-rank-state to copy it as-is.",
+                )
+        drop = {e.name for e in rank_entries} if action == "drop" else set()
+        plan, sharded, replicated = plan_world_size(
+            manifest.entries,
+            world_size,
+            rules,
+            {e.name: e.rank for e in rank_entries},
+            drop,
+        )
+        chosen = serialization or str(manifest.details.get("serialization") or "torch_save")
+        fmt = get_format("dcp")
+        options = WriteOptions(world_size=world_size, dcp_serialization=chosen)
+        total = sum(e.nbytes for e in plan if e.kind == "tensor")
+        with staged_output(out, force=force) as staging:
+            writer = fmt.writer(staging, plan, options)
+            write_chunk = getattr(writer, "write_chunk", None)
+            if write_chunk is None:
+                raise FormatError("the DCP writer of this version cannot write planned chunks")
+            chunk_writer: _ChunkWriter = writer  # type: ignore[assignment]
+            progress.start(total, "resharding")
+            tensors = objects = 0
+            for entry in plan:
+                if entry.kind == "object":
+                    writer.write_object(entry.name, checkpoint.read_object(entry.name))
+                    objects += 1
+                    continue
+                assert entry.chunks is not None
+                for index, chunk in enumerate(entry.chunks):
+                    piece = _read_box(checkpoint, entry, chunk)
+                    chunk_writer.write_chunk(entry.name, index, piece)
+                    progress.advance(piece.numel() * piece.element_size())
+                    del piece
+                tensors += 1
+            files = writer.finish()
+            progress.finish()
+            _verify("dcp", staging, dest)
+        return ReshardReport(
+            mode="world-size",
+            source=manifest.location,
+            destination=str(out),
+            format="dcp",
+            files=files,
+            tensors=tensors,
+            objects=objects,
+            tensor_bytes=total,
+            source_world_size=before,
+            world_size=world_size,
+            serialization=chosen,
+            sharded=sharded,
+            replicated=replicated,
+            rules=[str(r) for r in rules],
+            rank_state=rank_entries,
+            rank_state_action=action,
+            verified=True,
+        )
+
+
+def _read_box(checkpoint: Checkpoint, entry: Entry, chunk: Chunk) -> torch.Tensor:
+    """The source data of one output chunk (an empty box needs no read)."""
+    if any(s == 0 for s in chunk.sizes):
+        import torch
+
+        from ..tensors import torch_dtype
+
+        assert entry.dtype is not None
+        return torch.empty(chunk.sizes, dtype=torch_dtype(entry.dtype))
+    return checkpoint.read_slice(entry.name, list(chunk.offsets), list(chunk.sizes))
+
+
+def run_reshard(
+    src: str,
+    dest: str,
+    *,
+    world_size: int | None = None,
+    max_shard_size: str | int | None = None,
+    shard_dim: list[str] | None = None,
+    plan: Path | None = None,
+    drop_rank_state: bool = False,
+    keep_rank_state: bool = False,
+    dcp_serialization: str | None = None,
+    format: str | None = None,
+    force: bool = False,
+    progress: Progress = NULL_PROGRESS,
+) -> ReshardReport:
+    """Check the option combination, parse sizes and rules, and run the chosen mode."""
+    from ..placement import load_plan, parse_rule
+    from ..sizes import parse_size
+
+    if (world_size is None) == (max_shard_size is None):
+        raise UsageError(
+            "say what to change: --world-size N (DCP) or --max-shard-size SIZE (safetensors)",
+            fix="Pass exactly one of them.",
+        )
+    if drop_rank_state and keep_rank_state:
+        raise UsageError("--drop-rank-state and --keep-rank-state exclude each other")
+    if dcp_serialization not in (None, "torch_save", "safetensors"):
+        raise UsageError(
+            f"--dcp-serialization {dcp_serialization!r} is not torch_save or safetensors"
+        )
+    if max_shard_size is not None:
+        given = [
+            flag
+            for flag, on in (
+                ("--shard-dim", bool(shard_dim)),
+                ("--plan", plan is not None),
+                ("--drop-rank-state", drop_rank_state),
+                ("--keep-rank-state", keep_rank_state),
+                ("--dcp-serialization", dcp_serialization is not None),
+            )
+            if on
+        ]
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} only apply with --world-size",
+                fix="Drop them, or reshard a DCP checkpoint with --world-size N.",
+            )
+        limit = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
+        return reshard_shard_size(src, dest, limit, format=format, force=force, progress=progress)
+    assert world_size is not None
+    rules = [parse_rule(text) for text in shard_dim or []]
+    if plan is not None:
+        rules += load_plan(plan)
+    action: Literal["drop", "keep"] | None = (
+        "drop" if drop_rank_state else "keep" if keep_rank_state else None
+    )
+    return reshard_world_size(
+        src,
+        dest,
+        world_size,
+        rules=rules,
+        rank_state_action=action,
+        serialization=dcp_serialization,
+        format=format,
+        force=force,
+        progress=progress,
+    )
