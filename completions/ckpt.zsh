@@ -4,6 +4,7 @@ _ckpt() {
   local -a commands
   commands=(
     'inspect:Show what a checkpoint holds - tensors, dtypes, shapes, bytes, files, training state'
+    'verify:Check that a checkpoint is complete and intact; report every problem found'
   )
   if (( CURRENT == 2 )); then
     _describe 'command' commands
@@ -11,6 +12,7 @@ _ckpt() {
   fi
   case $words[2] in
     inspect) _arguments -s '--tensors[List every entry - name, dtype, shape, bytes, file]' '-t[List every entry - name, dtype, shape, bytes, file]' '--filter[Only entries whose name matches this glob (repeatable)]:value:' '-k[Only entries whose name matches this glob (repeatable)]:value:' '--format[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '-f[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
+    verify) _arguments -s '--checksums[Hash every file and compare with the checksum manifest]' '-c[Hash every file and compare with the checksum manifest]' '--write-manifest[Hash every file and record sizes and digests in a manifest (ckpt-manifest.json in the checkpoint folder, or --manifest PATH)]' '--manifest[The checksum manifest to check against or write (default - ckpt-manifest.json in the checkpoint folder)]:value:' '-m[The checksum manifest to check against or write (default - ckpt-manifest.json in the checkpoint folder)]:value:' '--algo[Hash algorithm for --write-manifest - sha256 (default, the Hubs LFS oid), blake3 or xxh3 (faster; `pip install ckpt-cli(fast)`)]:value:' '--deep[Read every tensor - check it deserialises and count NaN/Inf values]' '--resumable[Require the full training state - optimizer for every parameter, scheduler, step, RNG and data-loader state]' '--force[Let --write-manifest replace an existing manifest]' '--format[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '-f[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
   esac
 }
 _ckpt "$@"

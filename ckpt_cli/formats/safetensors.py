@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -189,7 +190,7 @@ def parse_header(
             )
         if end > previous_end:
             previous_end, previous_name = end, name
-    if findings.thorough and previous_end < data_size:
+    if findings.thorough and not rejected and previous_end < data_size:
         findings.add(
             "trailing_bytes",
             f"has {data_size - previous_end} bytes after the last tensor's data (the header "
@@ -367,8 +368,16 @@ class SafetensorsFormat(Format):
                 findings.problems.append(problem_from_error(error, code="bad_index"))
         listing = storage.list_files() if source.target is not None else source.files
         top_shards = [n for n in listing if "/" not in n and n.endswith(".safetensors")]
+        strays: list[str] = []
         if weight_map is not None:
-            shards = sorted(set(weight_map.values()))
+            assert index_rel is not None
+            named = set(weight_map.values())
+            siblings = _same_save(index_rel, named)
+            # an unnamed shard that belongs to the same save (same name and count) is checked
+            # like the others, so tensors in it show up as "not in the index"
+            unnamed = [n for n in top_shards if n not in named]
+            shards = sorted(named | {n for n in unnamed if siblings(n)})
+            strays = [n for n in unnamed if not siblings(n)]
         elif source.target is not None and index_rel is None:
             shards = [source.target]
         else:
@@ -408,15 +417,14 @@ class SafetensorsFormat(Format):
                 )
         if index_rel is not None and weight_map is not None:
             _check_index(findings, source, index_rel, weight_map, index_meta, headers, found)
-            for shard in top_shards:
-                if shard not in set(weight_map.values()):
-                    findings.add(
-                        "unreferenced_shard",
-                        f"is not named by {index_rel} (a leftover of another save?)",
-                        file=storage.describe(shard),
-                        severity="warning",
-                        fix="Remove it, or check that the index is the right one.",
-                    )
+            for shard in strays:
+                findings.add(
+                    "unreferenced_shard",
+                    f"is not named by {index_rel} (a leftover of another save?)",
+                    file=storage.describe(shard),
+                    severity="warning",
+                    fix="Remove it, or check that the index is the right one.",
+                )
         return findings.problems
 
     @classmethod
@@ -427,6 +435,19 @@ class SafetensorsFormat(Format):
 def problem_from_error(error: CkptError, code: str | None = None) -> Problem:
     """A `Problem` carrying what an exception said."""
     return Problem(code=code or error.code, message=error.message, file=error.path)
+
+
+def _same_save(index_rel: str, named: set[str]) -> Callable[[str], bool]:
+    """Whether a shard name follows the naming of the index's own shards (`stem-i-of-N`)."""
+    stem = re.escape(_stem_of_index(index_rel))
+    pattern = re.compile(rf"^{stem}-\d{{5}}-of-(\d{{5}})\.safetensors$")
+    counts = {m.group(1) for m in map(pattern.match, named) if m}
+
+    def belongs(name: str) -> bool:
+        match = pattern.match(name)
+        return bool(match and match.group(1) in counts)
+
+    return belongs
 
 
 def _some(names: list[str], limit: int = 3) -> str:
@@ -486,7 +507,7 @@ def _check_index(
             file=index_where,
         )
         return
-    complete = all(s in headers for s in set(weight_map.values()))
+    complete = all(s in headers and not headers[s].rejected for s in set(weight_map.values()))
     actual = sum(end - begin for h in headers.values() for (_, _, begin, end) in h.tensors.values())
     if complete and total != actual:
         # huggingface_hub/transformers sum the tensors' *storage* sizes, which exceed the tensor

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
+
 from ..ops.verify import VerifyReport
 from . import human_bytes, stdout
 
@@ -23,7 +25,7 @@ def render_verify(report: VerifyReport) -> None:
         verdict = f"[bold red]FAILED[/]: {report.errors} problem{'s' if report.errors != 1 else ''}"
     if report.warnings:
         verdict += f", {report.warnings} warning{'s' if report.warnings != 1 else ''}"
-    stdout.print(f"{report.location} ({report.format}): {verdict}", soft_wrap=True)
+    stdout.print(f"{escape(report.location)} ({report.format}): {verdict}", soft_wrap=True)
     stdout.print(f"[dim]checked: {checks} — {what}[/]", soft_wrap=True)
     if report.manifest_written:
         stdout.print(f"manifest written: {report.manifest}")
@@ -35,7 +37,9 @@ def render_verify(report: VerifyReport) -> None:
         tag = "[red]error[/]" if problem.severity == "error" else "[yellow]warning[/]"
         # one line per problem, never wrapped, so CI logs can be grepped
         stdout.print(
-            f"  {tag} [bold]{problem.code}[/] {problem.message}", highlight=False, soft_wrap=True
+            f"  {tag} [bold]{problem.code}[/] {escape(problem.message)}",
+            highlight=False,
+            soft_wrap=True,
         )
     for code, count in shown.items():
         if count > MAX_PER_CODE:
