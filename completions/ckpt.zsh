@@ -4,6 +4,8 @@ _ckpt() {
   local -a commands
   commands=(
     'inspect:Show what a checkpoint holds - tensors, dtypes, shapes, bytes, files, training state'
+    'prune:Keep the checkpoints that matter in a run folder and delete the rest'
+    'latest:Print the path of the newest COMPLETE checkpoint in RUN_DIR (exit 3 if there is none)'
   )
   if (( CURRENT == 2 )); then
     _describe 'command' commands
@@ -11,6 +13,8 @@ _ckpt() {
   fi
   case $words[2] in
     inspect) _arguments -s '--tensors[List every entry - name, dtype, shape, bytes, file]' '-t[List every entry - name, dtype, shape, bytes, file]' '--filter[Only entries whose name matches this glob (repeatable)]:value:' '-k[Only entries whose name matches this glob (repeatable)]:value:' '--format[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '-f[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
+    prune) _arguments -s '--keep-last[Keep the newest N complete checkpoints]:value:' '--keep-every[Keep checkpoints whose step is divisible by K]:value:' '--keep-best[Keep the best checkpoint by this metric (metrics.jsonl, trainer_state.json log_history or Lightning file names)]:value:' '--mode[Whether the best --keep-best value is the min or the max]:value:' '--keep[Never delete the checkpoint of this step (repeatable)]:value:' '--incomplete[Delete interrupted and incomplete saves older than the newest complete one]' '--yes[Delete; without it only the plan is printed]' '-y[Delete; without it only the plan is printed]' '--watch[Re-apply the policy every SECONDS while a job runs (needs --yes; Ctrl-C stops)]:value:' '--max-iterations[With --watch - stop after N rounds]:value:' '--settle[Seconds - a checkpoint with a file modified more recently is never touched]:value:' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
+    latest) _arguments -s '--settle[Seconds - an incomplete save modified more recently counts as still being written]:value:' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
   esac
 }
 _ckpt "$@"
