@@ -37,7 +37,8 @@ def render_run(report: RunReport) -> None:
     """The run table: every checkpoint, its status, size, age and markers."""
     stdout.print(
         f"[bold]{report.run_dir}[/]  (run folder: {', '.join(report.layouts) or 'no checkpoints'}, "
-        f"{len(report.checkpoints)} checkpoint{'s' if len(report.checkpoints) != 1 else ''})"
+        f"{len(report.checkpoints)} checkpoint{'s' if len(report.checkpoints) != 1 else ''})",
+        soft_wrap=True,
     )
     table = Table(box=None, pad_edge=False, show_edge=False)
     for column in ("checkpoint", "step", "status", "size", "modified", "notes"):
@@ -61,14 +62,16 @@ def render_run(report: RunReport) -> None:
         )
     if report.checkpoints:
         stdout.print(table)
-    stdout.print(f"latest complete: {report.latest or '[red]none[/]'}")
+    stdout.print(f"latest complete: {report.latest or '[red]none[/]'}", soft_wrap=True)
     if report.trainer_best:
         metric = (
             f" (best_metric {report.trainer_best_metric:g})"
             if report.trainer_best_metric is not None
             else ""
         )
-        stdout.print(f"Trainer best_model_checkpoint: {report.trainer_best}{metric}")
+        stdout.print(
+            f"Trainer best_model_checkpoint: {report.trainer_best}{metric}", soft_wrap=True
+        )
     if report.deepspeed_latest:
         stdout.print(f"DeepSpeed latest: {report.deepspeed_latest}")
 
@@ -94,7 +97,7 @@ def render_prune(report: PruneReport) -> None:
             action,
             rule,
         )
-    stdout.print(f"[bold]{report.run_dir}[/]")
+    stdout.print(f"[bold]{report.run_dir}[/]", soft_wrap=True)
     if report.decisions:
         stdout.print(table)
     if report.applied:
@@ -140,8 +143,10 @@ def render_latest(report: RunReport) -> None:
         sys.stdout.flush()
         return
     if not report.checkpoints:
-        stderr.print(f"ckpt latest: {report.run_dir}: no step checkpoints found")
+        stderr.print(f"ckpt latest: {report.run_dir}: no step checkpoints found", soft_wrap=True)
         return
-    stderr.print(f"ckpt latest: {report.run_dir}: no complete checkpoint")
+    stderr.print(f"ckpt latest: {report.run_dir}: no complete checkpoint", soft_wrap=True)
     for c in reversed(report.checkpoints):
-        stderr.print(f"  {c.name}: {c.status}: {c.reason}", markup=False, highlight=False)
+        stderr.print(
+            f"  {c.name}: {c.status}: {c.reason}", markup=False, highlight=False, soft_wrap=True
+        )
