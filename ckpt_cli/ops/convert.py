@@ -159,7 +159,7 @@ def convert(
             "DEST must be a local path", path=dest, fix="Convert locally, then upload."
         )
     dest_path = dest_loc.path.absolute()
-    shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
+    shard_size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     if shard_size and to == "dcp":
         raise UsageError(
             "--max-shard-size does not apply to DCP (one file per rank)",

@@ -143,20 +143,29 @@ def top_level_keys(entries: Iterable[Entry]) -> list[str]:
     return sorted({e.name.split(".", 1)[0] for e in entries})
 
 
-def tied_groups(entries: Iterable[Entry]) -> list[list[str]]:
-    """Groups of tensor names that point at the same stored bytes, from metadata alone.
+def tied_groups(manifest: Manifest, names: Iterable[str] | None = None) -> list[list[str]]:
+    """Groups of tensor names that share stored bytes, from the manifest alone.
 
-    Two entries are tied when they name the same file, byte offset, dtype and shape (torch.save
-    storages shared between state-dict keys, e.g. tied embeddings). safetensors never has ties:
-    its reader refuses overlapping ranges.
+    The torch adapter records tensors that view the same storage (tied embeddings) in
+    `details["shared_tensors"]`; otherwise two entries are tied when they name the same file,
+    byte offset, dtype and shape. safetensors never has ties (its reader refuses overlapping
+    ranges). With `names`, groups are restricted to those names (and dropped below two).
     """
-    groups: dict[tuple[object, ...], list[str]] = {}
-    for entry in entries:
+    wanted = set(names) if names is not None else None
+    raw: list[list[str]] = [list(g) for g in manifest.details.get("shared_tensors") or []]
+    by_place: dict[tuple[object, ...], list[str]] = {}
+    for entry in manifest.entries:
         if entry.kind != "tensor" or entry.file is None or entry.offset is None:
             continue
         key = (entry.file, entry.offset, entry.dtype, tuple(entry.shape))
-        groups.setdefault(key, []).append(entry.name)
-    return [names for names in groups.values() if len(names) > 1]
+        by_place.setdefault(key, []).append(entry.name)
+    raw.extend(by_place.values())
+    groups = []
+    for group in raw:
+        kept = [n for n in group if wanted is None or n in wanted]
+        if len(kept) > 1:
+            groups.append(kept)
+    return groups
 
 
 def plan_transfer(
@@ -217,23 +226,31 @@ def plan_transfer(
                     )
                 )
                 continue
-            plan.items.append(Item(entry, entry.model_copy(update={"name": new_name})))
+            target = entry.model_copy(
+                update={"name": new_name, "file": None, "offset": None, "chunks": None}
+            )
+            plan.items.append(Item(entry, target))
             continue
         cast = None
         target_dtype = entry.dtype
         if dtype and entry.dtype in dtypes.FLOATING and entry.dtype != dtype:
             cast, target_dtype = dtype, dtype
         assert target_dtype is not None
-        target = Entry(
-            name=new_name,
-            kind="tensor",
-            dtype=target_dtype,
-            shape=list(entry.shape),
-            nbytes=dtypes.numel(entry.shape) * dtypes.itemsize(target_dtype),
+        # a copy keeps adapter-specific fields (torch key paths, so nesting survives a
+        # torch -> torch conversion); where the bytes live is for the writer to decide
+        target = entry.model_copy(
+            update={
+                "name": new_name,
+                "dtype": target_dtype,
+                "nbytes": dtypes.numel(entry.shape) * dtypes.itemsize(target_dtype),
+                "file": None,
+                "offset": None,
+                "chunks": None,
+            }
         )
         plan.items.append(Item(entry, target, cast))
     renamed = {item.source.name: item.target.name for item in plan.items}
-    for group in tied_groups(item.source for item in plan.items):
+    for group in tied_groups(manifest, renamed):
         names = [renamed[n] for n in group]
         plan.tied.append(names)
         if dedupe_tied:

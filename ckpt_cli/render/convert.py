@@ -34,10 +34,11 @@ def render_convert(report: ConvertReport) -> None:
         stdout.print("  " + ", ".join(layout))
     stdout.print("  [green]structure checked before publishing[/]")
     for group in report.tied:
-        kept = group[0]
-        written_once = report.aliases and group[1] in report.aliases
-        note = "written once; aliases recorded in __metadata__" if written_once else "each written"
-        stdout.print(f"  tied: {', '.join(group)} share storage ({note}, kept {kept})")
+        if group[1] in report.aliases:
+            note = f"written once as {group[0]}; the aliases are recorded in __metadata__"
+        else:
+            note = "each name written"
+        stdout.print(f"  tied: {', '.join(group)} share storage ({note})", highlight=False)
     if report.skipped:
         stderr.print(
             f"[yellow]skipped {len(report.skipped)} non-tensor entries[/] "
