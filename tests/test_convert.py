@@ -411,3 +411,174 @@ def test_every_pair_of_formats_converts_bit_exact(tmp_path: Path, source: str, t
     assert again.exit_code == 0, again.stderr
     assert_same(load_with_real_reader(source, back, state), state)
     assert run_ckpt("diff", src, back).exit_code == 0
+
+
+def training_checkpoint(path: Path) -> tuple[Path, torch.nn.Module]:
+    """A plain torch.save training dict: model (with tied weights), AdamW state, step, RNG."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(12, 4), torch.nn.Linear(4, 12))
+    model[1].weight = model[0].weight  # tied input/output embedding
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    optimizer.step()
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": 7,
+            "rng": torch.get_rng_state(),
+        },
+        path / "train.pt",
+    )
+    return path / "train.pt", model
+
+
+def test_select_model_extracts_weights_of_a_training_checkpoint(tmp_path: Path) -> None:
+    src, model = training_checkpoint(tmp_path)
+    result = run_ckpt(
+        "convert",
+        src,
+        tmp_path / "w.safetensors",
+        "--to",
+        "safetensors",
+        "--select",
+        "model",
+        "--json",
+    )
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["tied"] == [["0.weight", "1.weight"]]
+    assert report["aliases"] == {"1.weight": "0.weight"}
+    got, metadata = read_safetensors_folder(tmp_path / "w.safetensors")
+    # written once (safetensors cannot share storage), the alias recorded as safetensors' own
+    # save_model and huggingface_hub do
+    assert set(got) == {"0.weight", "1.bias"}
+    assert metadata == {"format": "pt", "1.weight": "0.weight"}
+    for name in got:
+        assert torch.equal(got[name], model.state_dict()[name])
+    # non-tensor entries of the whole checkpoint are reported as skipped for safetensors
+    whole = run_ckpt("convert", src, tmp_path / "all.safetensors", "--to", "safetensors", "--json")
+    skipped = {s["name"] for s in whole.json["result"]["skipped"]}
+    assert "step" in skipped and "optimizer.param_groups.0.lr" in skipped
+    human = run_ckpt("convert", src, tmp_path / "all2.safetensors", "--to", "safetensors")
+    assert "skipped" in human.stderr and "step" in human.stderr
+
+
+def test_training_state_is_carried_to_torch_and_dcp(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    src, _ = training_checkpoint(tmp_path)
+    original = torch.load(src, weights_only=True)
+    assert run_ckpt("convert", src, tmp_path / "copy.pt", "--to", "torch").exit_code == 0
+    copy = torch.load(tmp_path / "copy.pt", weights_only=True)
+    assert copy["step"] == 7 and torch.equal(copy["rng"], original["rng"])
+    assert copy["optimizer"]["param_groups"] == original["optimizer"]["param_groups"]
+    # the tie survives: torch.save stores the shared storage once
+    assert copy["model"]["0.weight"].data_ptr() == copy["model"]["1.weight"].data_ptr()
+    assert run_ckpt("convert", src, tmp_path / "dcp", "--to", "dcp").exit_code == 0
+    state = {
+        "model": {k: torch.empty_like(v) for k, v in original["model"].items()},
+        "step": 0,
+        "rng": torch.empty_like(original["rng"]),
+    }
+    dcp.load(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert state["step"] == 7 and torch.equal(state["rng"], original["rng"])
+    for name, tensor in original["model"].items():
+        assert torch.equal(state["model"][name], tensor)
+    assert run_ckpt("diff", src, tmp_path / "dcp").exit_code == 0
+
+
+def test_dtype_cast_across_formats_equals_tensor_to(tmp_path: Path) -> None:
+    state = mixed_state()
+    src = save_with_real_writer("dcp", state, tmp_path)
+    dest = tmp_path / "bf16"
+    result = run_ckpt(
+        "convert", src, dest, "--to", "safetensors", "--dtype", "bf16", "--max-shard-size", "200"
+    )
+    assert result.exit_code == 0, result.stderr
+    want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+    assert_same(read_safetensors_folder(dest)[0], want)
+    assert run_ckpt("diff", src, dest).exit_code == 1
+    close = run_ckpt("diff", src, dest, "--filter", "layers.0.*", "--json").json["result"]
+    assert {d["status"] for d in close["differences"]} == {"dtype"}
+
+
+_TORCHRUN_SAVE = """
+import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+gen = torch.Generator().manual_seed(5)
+full = {"w": torch.randn(10, 6, generator=gen), "b": torch.randn(7, generator=gen).to(torch.bfloat16),
+        "scale": torch.tensor(2.0)}
+state = {k: (distribute_tensor(v, mesh, [Shard(0)]) if v.dim() else v) for k, v in full.items()}
+dcp.save({"model": state, "step": 3}, checkpoint_id=sys.argv[1])
+if dist.get_rank() == 0:
+    torch.save(full, sys.argv[2])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torchrun
+def test_two_rank_dcp_from_torchrun_to_safetensors_and_back(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    script = tmp_path / "save.py"
+    script.write_text(_TORCHRUN_SAVE)
+    src = tmp_path / "dcp2"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(src),
+            str(tmp_path / "full.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in src.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    result = run_ckpt(
+        "convert",
+        src,
+        tmp_path / "hf",
+        "--to",
+        "safetensors",
+        "--select",
+        "model",
+        "--max-shard-size",
+        "200",
+        "--json",
+    )
+    assert result.exit_code == 0, result.stderr
+    assert [s["name"] for s in result.json["result"]["skipped"]] == []
+    assert_same(read_safetensors_folder(tmp_path / "hf")[0], full)
+    back = tmp_path / "back"
+    assert (
+        run_ckpt(
+            "convert",
+            tmp_path / "hf",
+            back,
+            "--to",
+            "dcp",
+            "--world-size",
+            "2",
+            "--rename",
+            "=model.",
+        ).exit_code
+        == 0
+    )
+    assert sorted(p.name for p in back.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    target = {"model": {k: torch.empty_like(v) for k, v in full.items()}}
+    dcp.load(target, checkpoint_id=back, no_dist=True)
+    assert_same(target["model"], full)
+    assert run_ckpt("diff", src, back, "--filter", "model.*").exit_code == 0

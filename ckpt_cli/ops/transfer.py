@@ -102,14 +102,17 @@ class TransferPlan:
 
 
 def parse_renames(specs: Sequence[str] | None) -> list[tuple[str, str]]:
-    """`['model.=', 'tok_=embed_']` -> [('model.', ''), ('tok_', 'embed_')] (prefix renames)."""
+    """`['model.=', '=model.']` -> [('model.', ''), ('', 'model.')] (prefix renames).
+
+    An empty OLD matches every name, so `=model.` adds a prefix; an empty NEW strips one.
+    """
     out = []
     for spec in specs or ():
-        if "=" not in spec or not spec.split("=", 1)[0]:
+        if "=" not in spec or spec == "=":
             raise UsageError(
                 f"--rename {spec!r} is not OLD=NEW",
-                fix="Write the old and the new prefix, e.g. --rename 'model.=' or "
-                "--rename 'transformer.h.=model.layers.'.",
+                fix="Write the old and the new prefix, e.g. --rename 'model.=' (strip), "
+                "--rename '=model.' (add) or --rename 'transformer.h.=model.layers.'.",
             )
         old, new = spec.split("=", 1)
         out.append((old, new))

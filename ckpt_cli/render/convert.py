@@ -40,12 +40,15 @@ def render_convert(report: ConvertReport) -> None:
             note = "each name written"
         stdout.print(f"  tied: {', '.join(group)} share storage ({note})", highlight=False)
     if report.skipped:
+        # grouped by parent so 50 optimizer hyper-parameters read as one line
+        groups: dict[str, int] = {}
+        for entry in report.skipped:
+            parent = entry.name.rsplit(".", 1)[0] if "." in entry.name else entry.name
+            groups[parent] = groups.get(parent, 0) + 1
+        listed = [f"{name}.* ({n})" if n > 1 else name for name, n in groups.items()]
+        more = f", … {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
         stderr.print(
             f"[yellow]skipped {len(report.skipped)} non-tensor entries[/] "
-            f"({report.skipped[0].reason}):",
+            f"({report.skipped[0].reason}): {', '.join(listed[:MAX_LISTED])}{more}",
             highlight=False,
         )
-        for entry in report.skipped[:MAX_LISTED]:
-            stderr.print(f"  {entry.name}", highlight=False)
-        if len(report.skipped) > MAX_LISTED:
-            stderr.print(f"  … {len(report.skipped) - MAX_LISTED} more (see --json)")
