@@ -90,6 +90,8 @@ class DiffReport(BaseModel):
         compared: pairs compared; equal: bit-identical pairs; close: within tolerance.
         only_a / only_b: names present on one side only.
         differences: differing pairs, largest first (structure, then values, then objects).
+        components: differing entries (and names on one side only) per top-level key
+            (`model`, `optimizer`, `rng`...): where a resumed run diverged.
         within_tolerance: pairs that differ but are within tolerance.
     """
 
@@ -108,6 +110,7 @@ class DiffReport(BaseModel):
     only_a: list[str] = Field(default_factory=list)
     only_b: list[str] = Field(default_factory=list)
     differences: list[EntryDiff] = Field(default_factory=list)
+    components: dict[str, int] = Field(default_factory=dict)
     within_tolerance: list[EntryDiff] = Field(default_factory=list)
 
 
@@ -402,6 +405,9 @@ def diff(
             progress.finish()
     report.differences.sort(key=_order)
     report.within_tolerance.sort(key=_order)
+    for name in [d.name for d in report.differences] + report.only_a + report.only_b:
+        top = name.split(".", 1)[0]
+        report.components[top] = report.components.get(top, 0) + 1
     report.identical = not (report.differences or report.only_a or report.only_b)
     report.verdict = _verdict(report)
     return report

@@ -50,6 +50,9 @@ def render_diff(report: DiffReport) -> None:
     stdout.print(f"  B  {report.b}  [dim]({report.format_b})[/]", highlight=False)
     if report.atol is not None or report.rtol is not None:
         stdout.print(f"  tolerance: atol={report.atol or 0:g}, rtol={report.rtol or 0:g}")
+    if report.components:
+        parts = [f"{name} ({n})" for name, n in report.components.items()]
+        stdout.print("  differs in: " + ", ".join(parts), highlight=False)
     if report.differences:
         stdout.print("[bold]largest differences[/]")
         width = min(60, max(len(d.name) for d in report.differences[:MAX_SHOWN]))
