@@ -319,7 +319,7 @@ _STRUCTURE = {"kind": 0, "shape": 1, "dtype": 2}
 
 def _order(d: EntryDiff) -> tuple[int, float, str]:
     if d.status in _STRUCTURE:
-        return (_STRUCTURE[d.status], 0.0, d.name)
+        return (_STRUCTURE[d.status], -(d.max_abs or 0.0), d.name)
     if d.status == "value":
         return (4, 0.0, d.name)
     return (3, -(d.max_abs or 0.0), d.name)

@@ -20,13 +20,14 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from pydantic import BaseModel, Field
 
 from .. import dtypes
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import get_format
-from ..formats.base import Checkpoint, Source, WriteOptions
+from ..formats.base import COPY_BLOCK, Checkpoint, Source, WriteOptions
 from ..models import Entry, FileInfo, Manifest
 from ..output import staged_output
 from ..progress import NULL_PROGRESS, Progress
@@ -271,8 +272,46 @@ def _delay() -> float:
         return 0.0
 
 
-def _counted(blocks: Iterator[bytes], progress: Progress) -> Iterator[bytes]:
-    for block in blocks:
+def raw_blocks(
+    checkpoint: Checkpoint, name: str, block: int = COPY_BLOCK
+) -> Iterator[bytes | memoryview]:
+    """The raw bytes of a raw-stored tensor, in blocks; each block is valid until the next.
+
+    Local files are read with `os.preadv` into one reused buffer: no allocation and no fresh
+    page faults per block, which is what made the plain `pread` loop lose to `cp`. (A buffered
+    copy measured as fast as `os.copy_file_range` and `os.sendfile` here, see bench/, and
+    unlike them works for every writer.) Remote storage falls back to `Checkpoint.iter_raw`.
+    """
+    entry = checkpoint.manifest.by_name[name]
+    local = (
+        checkpoint.storage.local_path(entry.file)
+        if entry.is_raw and entry.file is not None
+        else None
+    )
+    if local is None or entry.offset is None:
+        yield from checkpoint.iter_raw(name, block)
+        return
+    view = memoryview(bytearray(max(1, min(block, entry.nbytes))))
+    fd = os.open(local, os.O_RDONLY)
+    try:
+        done = 0
+        while done < entry.nbytes:
+            n = os.preadv(fd, [view[: min(len(view), entry.nbytes - done)]], entry.offset + done)
+            if n <= 0:
+                raise FormatError(
+                    f"is truncated inside tensor {name!r} ({done} of {entry.nbytes} bytes present)",
+                    path=str(local),
+                    fix="The file was cut short; write or fetch it again.",
+                )
+            yield view[:n]
+            done += n
+    finally:
+        os.close(fd)
+
+
+def _counted(blocks: Iterable[bytes | memoryview], progress: Progress) -> Iterator[bytes]:
+    # writers only pass blocks to file.write, which takes any buffer; typed as bytes for them
+    for block in cast(Iterable[bytes], blocks):
         yield block
         progress.advance(len(block))
 
@@ -299,7 +338,7 @@ def copy_entries(
             writer.write_object(target.name, checkpoint.read_object(source.name))
             how = "object"
         elif item.cast is None and source.is_raw and writer.accepts_raw:
-            writer.write_raw(target.name, _counted(checkpoint.iter_raw(source.name), progress))
+            writer.write_raw(target.name, _counted(raw_blocks(checkpoint, source.name), progress))
             how = "raw"
         else:
             tensor = checkpoint.read_tensor(source.name)
