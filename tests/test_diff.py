@@ -100,3 +100,30 @@ def test_nan_in_the_same_place_is_equal_and_against_a_number_is_infinite() -> No
     same = tensor_stats(a, a.clone(), None, None)
     assert same[0] == 0
     assert tensor_stats(torch.tensor([0.0]), torch.tensor([-0.0]), None, None)[0] == 1
+
+
+def test_non_tensor_entries_are_compared_by_value_across_formats(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    weights = {"w": torch.randn(4, 4)}
+    base = {"model": weights, "step": 7, "dataloader": {"epoch": 1, "position": 16}}
+    torch.save(base, tmp_path / "a.pt")
+    dcp.save(
+        {
+            "model": {"w": weights["w"].clone()},
+            "step": 7,
+            "dataloader": {"epoch": 1, "position": 16},
+        },
+        checkpoint_id=tmp_path / "a-dcp",
+        no_dist=True,
+    )
+    assert run_ckpt("diff", tmp_path / "a.pt", tmp_path / "a-dcp").exit_code == 0
+    torch.save({**base, "step": 8, "dataloader": {"epoch": 1, "position": 24}}, tmp_path / "b.pt")
+    result = run_ckpt("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--json")
+    assert result.exit_code == 1
+    by_name = {d["name"]: d for d in result.json["result"]["differences"]}
+    assert set(by_name) == {"step", "dataloader.position"}
+    assert (by_name["step"]["value_a"], by_name["step"]["value_b"]) == ("7", "8")
+    assert by_name["step"]["status"] == "value"
+    human = run_ckpt("diff", tmp_path / "a.pt", tmp_path / "b.pt")
+    assert "7 → 8" in human.stdout and "16 → 24" in human.stdout
