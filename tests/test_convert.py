@@ -582,3 +582,37 @@ def test_two_rank_dcp_from_torchrun_to_safetensors_and_back(tmp_path: Path) -> N
     dcp.load(target, checkpoint_id=back, no_dist=True)
     assert_same(target["model"], full)
     assert run_ckpt("diff", src, back, "--filter", "model.*").exit_code == 0
+
+
+@pytest.mark.parametrize("serialization", ["torch_save", "safetensors"])
+def test_safetensors_to_dcp_for_three_ranks_and_back(tmp_path: Path, serialization: str) -> None:
+    state = mixed_state()
+    save_file(state, tmp_path / "m.safetensors")
+    result = run_ckpt(
+        "convert",
+        tmp_path / "m.safetensors",
+        tmp_path / "dcp",
+        "--to",
+        "dcp",
+        "--world-size",
+        "3",
+        "--dcp-serialization",
+        serialization,
+        "--json",
+    )
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["world_size"] == 3 and report["dcp_serialization"] == serialization
+    # raw bytes go straight into the safetensors serialization's blobs
+    assert report["raw_copies"] == (len(state) if serialization == "safetensors" else 0)
+    files = sorted(p.name for p in (tmp_path / "dcp").glob("*.distcp"))
+    assert files == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    if serialization == "torch_save":
+        assert_same(load_with_real_reader("dcp", tmp_path / "dcp", state), state)
+    assert (
+        run_ckpt(
+            "convert", tmp_path / "dcp", tmp_path / "back.safetensors", "--to", "safetensors"
+        ).exit_code
+        == 0
+    )
+    assert_same(read_safetensors_folder(tmp_path / "back.safetensors")[0], state)

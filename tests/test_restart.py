@@ -35,6 +35,7 @@ def train() -> Iterator[ModuleType]:
     torch.set_rng_state(rng)
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_ends_bit_identical(tmp_path: Path) -> None:
     # the whole recipe as a user runs it: real processes, SIGKILL mid-run, `ckpt latest`
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

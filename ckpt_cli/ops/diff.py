@@ -26,7 +26,7 @@ from ..layouts import open_source
 from ..models import Entry
 from ..progress import NULL_PROGRESS, Progress
 from .inspect import select as select_globs
-from .transfer import parse_renames, rename, select_prefix
+from .transfer import parse_renames, raw_blocks, rename, select_prefix
 
 if TYPE_CHECKING:
     import torch
@@ -209,8 +209,8 @@ def tensor_stats(
 
 def _raw_equal(ca: Checkpoint, cb: Checkpoint, ea: Entry, eb: Entry) -> bool:
     """Byte-compare two raw-stored tensors block by block (no tensors built)."""
-    blocks_b = cb.iter_raw(eb.name)
-    for block_a in ca.iter_raw(ea.name):
+    blocks_b = raw_blocks(cb, eb.name)
+    for block_a in raw_blocks(ca, ea.name):
         block_b = next(blocks_b, None)
         if block_b is None or bytes(block_a) != bytes(block_b):
             return False

@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 from .. import dtypes
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import get_format
-from ..formats.base import COPY_BLOCK, Checkpoint, Source, WriteOptions
+from ..formats.base import COPY_BLOCK, Checkpoint, Source, WriteOptions, Writer
 from ..models import Entry, FileInfo, Manifest
 from ..output import staged_output
 from ..progress import NULL_PROGRESS, Progress
@@ -318,7 +318,7 @@ def _counted(blocks: Iterable[bytes | memoryview], progress: Progress) -> Iterat
 
 def copy_entries(
     checkpoint: Checkpoint,
-    writer: object,
+    writer: Writer,
     items: list[Item],
     progress: Progress = NULL_PROGRESS,
 ) -> list[WrittenEntry]:
@@ -327,9 +327,6 @@ def copy_entries(
     Raw byte copies are used whenever the entry is stored raw, no cast is asked for and the
     writer accepts raw bytes; everything else goes through one tensor in memory.
     """
-    from ..formats.base import Writer
-
-    assert isinstance(writer, Writer)
     delay = _delay()
     written: list[WrittenEntry] = []
     for item in items:
