@@ -2,12 +2,17 @@
 _ckpt() {
   local cur="${COMP_WORDS[COMP_CWORD]}" opts=""
   if [ "$COMP_CWORD" -eq 1 ]; then
-    COMPREPLY=( $(compgen -W "inspect reshard --help --version" -- "$cur") )
+    COMPREPLY=( $(compgen -W "inspect verify convert reshard prune latest diff --help --version" -- "$cur") )
     return
   fi
   case "${COMP_WORDS[1]}" in
     inspect) opts="--tensors -t --filter -k --format -f --json --help -h" ;;
+    verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --force --format -f --json --help -h" ;;
+    convert) opts="--to -t --max-shard-size --dtype --include -k --exclude -x --rename --select --dcp-serialization --world-size --format -f --force --json --help -h" ;;
     reshard) opts="--world-size -n --max-shard-size --shard-dim --plan --drop-rank-state --keep-rank-state --dcp-serialization --format -f --force --json --help -h" ;;
+    prune) opts="--keep-last --keep-every --keep-best --mode --keep --incomplete --yes -y --watch --max-iterations --settle --json --help -h" ;;
+    latest) opts="--settle --json --help -h" ;;
+    diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --json --help -h" ;;
   esac
   if [[ "$cur" == -* ]]; then
     COMPREPLY=( $(compgen -W "$opts" -- "$cur") )

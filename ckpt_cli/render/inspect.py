@@ -89,6 +89,11 @@ def render_training(report: InspectReport) -> None:
 
 def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     """Summary, training state, folded tree; every entry with `show_tensors`."""
+    if report.run is not None:
+        from .prune import render_run
+
+        render_run(report.run)
+        return
     files = len(report.files)
     stdout.print(
         f"[bold]{report.location}[/]  ({report.format}, {files} file{'s' if files != 1 else ''})"

@@ -1,0 +1,120 @@
+"""`ckpt convert`: the same tensors in another format, streamed in bounded memory."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, run_command
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  ckpt convert step-1000/ hf-model/ --to safetensors --select model --max-shard-size 5GB\n\n"
+        "  ckpt convert model.safetensors model-bf16.safetensors --to safetensors --dtype bf16\n\n"
+        "  ckpt convert hf://org/model hf-dcp/ --to dcp --world-size 8\n\n"
+        "  ckpt convert ckpt.pt weights.safetensors --to safetensors --select model "
+        "--exclude '*.rotary_emb.*' --rename 'module.='"
+    )
+)
+def convert(
+    src: SrcArg,
+    dest: Annotated[
+        str,
+        typer.Argument(
+            help="Output file or folder (a .safetensors/.pt name writes one file).",
+            show_default=False,
+        ),
+    ],
+    to: Annotated[
+        str,
+        typer.Option("--to", "-t", help="Target format: safetensors, dcp or torch."),
+    ],
+    max_shard_size: Annotated[
+        str | None,
+        typer.Option(
+            "--max-shard-size",
+            help="Split into shards of at most this size (5GB, 500MB, 2GiB) with an index.json.",
+        ),
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="Cast floating tensors to bf16, fp16 or fp32 (ints and bools untouched).",
+        ),
+    ] = None,
+    include: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--include", "-k", help="Only entries whose source name matches (repeatable)."
+        ),
+    ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--exclude", "-x", help="Leave out entries whose source name matches (repeatable)."
+        ),
+    ] = None,
+    rename: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rename", help="Rename a name prefix, OLD=NEW (repeatable; first match wins)."
+        ),
+    ] = None,
+    select: Annotated[
+        str | None,
+        typer.Option(
+            "--select", help="Extract the sub-tree under this prefix (e.g. model), stripping it."
+        ),
+    ] = None,
+    dcp_serialization: Annotated[
+        str,
+        typer.Option(
+            "--dcp-serialization",
+            help="How a DCP output stores tensors: torch_save or safetensors.",
+        ),
+    ] = "torch_save",
+    world_size: Annotated[
+        int,
+        typer.Option("--world-size", help="Lay a DCP output out for this many ranks (Shard(0))."),
+    ] = 1,
+    format: FormatOpt = None,
+    force: ForceOpt = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Convert a checkpoint to safetensors, DCP or torch.save, one tensor at a time.
+
+    Peak memory is the largest tensor, not the model. Tensors stored as raw bytes on both sides
+    are copied without deserialising. Non-tensor entries (optimizer step, RNG, data-loader
+    state) are carried to DCP and torch outputs and reported as skipped for safetensors. The
+    output is written beside DEST, checked, and published with one rename.
+    """
+    from ..ops.convert import convert as run_convert
+    from ..render.convert import render_convert
+    from ..render.progress import bar
+
+    with bar(enabled=not json_output) as progress:
+        run_command(
+            "convert",
+            json_output,
+            lambda: run_convert(
+                src,
+                dest,
+                to,
+                format=format,
+                max_shard_size=max_shard_size,
+                dtype=dtype,
+                include=include,
+                exclude=exclude,
+                renames=rename,
+                select=select,
+                dcp_serialization=dcp_serialization,
+                world_size=world_size,
+                force=force,
+                progress=progress,
+            ),
+            render_convert,
+        )

@@ -1,0 +1,91 @@
+"""`ckpt diff`: compare two checkpoints of any formats entry by entry."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ..cli import JsonOpt, app, run_command
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  ckpt diff run-a/step-1000 run-b/step-1000\n\n"
+        "  ckpt diff step-1000/ hf-model/ --select model\n\n"
+        "  ckpt diff model.safetensors model-bf16.safetensors --atol 1e-2 --rtol 1e-2\n\n"
+        "  ckpt diff a.pt b.pt --filter 'optimizer.*' --json"
+    )
+)
+def diff(
+    a: Annotated[
+        str, typer.Argument(help="First checkpoint (file, folder or URL).", show_default=False)
+    ],
+    b: Annotated[
+        str, typer.Argument(help="Second checkpoint (file, folder or URL).", show_default=False)
+    ],
+    atol: Annotated[
+        float | None,
+        typer.Option(
+            "--atol", help="Absolute tolerance: |a-b| <= atol + rtol*|b| counts as equal."
+        ),
+    ] = None,
+    rtol: Annotated[
+        float | None,
+        typer.Option("--rtol", help="Relative tolerance (to |b|); without tolerances, bit-exact."),
+    ] = None,
+    rename: Annotated[
+        list[str] | None,
+        typer.Option("--rename", help="Rename a name prefix on both sides, OLD=NEW (repeatable)."),
+    ] = None,
+    select: Annotated[
+        str | None,
+        typer.Option(
+            "--select",
+            help="Compare the sub-tree under this prefix, stripped, on each side that has it.",
+        ),
+    ] = None,
+    filter: Annotated[
+        list[str] | None,
+        typer.Option("--filter", "-k", help="Only names matching this glob (repeatable)."),
+    ] = None,
+    format_a: Annotated[
+        str | None,
+        typer.Option("--format-a", help="Read A as this format instead of detecting it."),
+    ] = None,
+    format_b: Annotated[
+        str | None,
+        typer.Option("--format-b", help="Read B as this format instead of detecting it."),
+    ] = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Compare two checkpoints: missing names, dtype/shape changes, tensor values, state values.
+
+    Exit 0 when identical (bit-exact, or within --atol/--rtol), 1 when they differ. Tensors are
+    read one pair at a time; non-tensor entries (step, RNG, scheduler, data loader) are compared
+    by value.
+    """
+    from ..ops.diff import diff as run_diff
+    from ..render.diff import render_diff
+    from ..render.progress import bar
+
+    with bar(enabled=not json_output) as progress:
+        run_command(
+            "diff",
+            json_output,
+            lambda: run_diff(
+                a,
+                b,
+                format_a=format_a,
+                format_b=format_b,
+                atol=atol,
+                rtol=rtol,
+                renames=rename,
+                select=select,
+                filters=filter,
+                progress=progress,
+            ),
+            render_diff,
+            exit_code=lambda report: 0 if report.identical else 1,
+        )

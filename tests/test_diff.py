@@ -1,0 +1,129 @@
+"""`ckpt diff`: verdicts, exit codes and the numbers it reports, on real checkpoints."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .conftest import run_ckpt
+from .test_convert import hf_save, tiny_state
+
+
+def test_identical_across_layouts_is_exit_0(tmp_path: Path) -> None:
+    state = tiny_state()
+    hf_save(state, tmp_path / "sharded", "1KB")
+    save_file(state, tmp_path / "one.safetensors")
+    result = run_ckpt("diff", tmp_path / "sharded", tmp_path / "one.safetensors")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("IDENTICAL")
+    report = run_ckpt("diff", tmp_path / "sharded", tmp_path / "one.safetensors", "--json").json
+    assert report["ok"] is True
+    assert report["result"]["compared"] == report["result"]["equal"] == len(state)
+
+
+def test_every_kind_of_difference_is_found_and_the_largest_leads(tmp_path: Path) -> None:
+    state = tiny_state()
+    save_file(state, tmp_path / "a.safetensors")
+    changed = dict(state)
+    changed["layers.0.weight"] = state["layers.0.weight"].clone()
+    changed["layers.0.weight"][3, 4] += 0.5
+    changed["layers.1.weight"] = state["layers.1.weight"].clone()
+    changed["layers.1.weight"][0, :2] += 2.0
+    changed["norm.weight"] = state["norm.weight"].to(torch.float16)
+    changed["layers.2.bias"] = torch.zeros(17)
+    del changed["mask"]
+    changed["extra"] = torch.ones(2)
+    save_file(changed, tmp_path / "b.safetensors")
+    result = run_ckpt("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--json")
+    assert result.exit_code == 1
+    report = result.json["result"]
+    assert report["identical"] is False
+    assert report["only_a"] == ["mask"] and report["only_b"] == ["extra"]
+    by_name = {d["name"]: d for d in report["differences"]}
+    assert by_name["layers.2.bias"]["status"] == "shape"
+    assert by_name["norm.weight"]["status"] == "dtype"
+    w0 = by_name["layers.0.weight"]
+    assert w0["status"] == "values" and w0["differing"] == 1 and w0["numel"] == 256
+    assert math.isclose(w0["max_abs"], 0.5, rel_tol=1e-6)
+    expected_rel = 0.5 / abs(float(changed["layers.0.weight"][3, 4]))
+    assert math.isclose(w0["max_rel"], expected_rel, rel_tol=1e-6)
+    assert by_name["layers.1.weight"]["differing"] == 2
+    values = [d["name"] for d in report["differences"] if d["status"] == "values"]
+    assert values == ["layers.1.weight", "layers.0.weight"]  # largest max abs first
+    human = run_ckpt("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    lines = human.stdout.splitlines()
+    assert lines[0].startswith("DIFFERENT") and "1 only in A" in lines[0]
+    assert "layers.1.weight" in human.stdout and "only in B (1): extra" in human.stdout
+
+
+def test_tolerances_turn_tiny_differences_into_identical(tmp_path: Path) -> None:
+    state = {"w": torch.linspace(1, 2, 1000), "i": torch.arange(5)}
+    save_file(state, tmp_path / "a.safetensors")
+    save_file({"w": state["w"] * (1 + 1e-6), "i": state["i"]}, tmp_path / "b.safetensors")
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    assert run_ckpt("diff", a, b).exit_code == 1
+    close = run_ckpt("diff", a, b, "--rtol", "1e-5", "--json")
+    assert close.exit_code == 0
+    assert close.json["result"]["close"] == 1
+    assert close.json["result"]["within_tolerance"][0]["outside_tolerance"] == 0
+    assert run_ckpt("diff", a, b, "--atol", "1e-9").exit_code == 1
+    assert run_ckpt("diff", a, b, "--atol", "-1").exit_code == 2
+
+
+def test_select_and_rename_line_up_naming_schemes(tmp_path: Path) -> None:
+    state = tiny_state()
+    save_file({f"model.{k}": v for k, v in state.items()}, tmp_path / "train.safetensors")
+    save_file(state, tmp_path / "weights.safetensors")
+    a, b = tmp_path / "train.safetensors", tmp_path / "weights.safetensors"
+    plain = run_ckpt("diff", a, b, "--json").json["result"]
+    assert len(plain["only_a"]) == len(plain["only_b"]) == len(state)
+    selected = run_ckpt("diff", a, b, "--select", "model", "--json")
+    assert selected.exit_code == 0
+    assert selected.json["result"]["select_applied"] == {"a": True, "b": False}
+    assert run_ckpt("diff", a, b, "--rename", "model.=").exit_code == 0
+    filtered = run_ckpt("diff", a, b, "--select", "model", "--filter", "layers.*", "--json")
+    assert filtered.json["result"]["compared"] == 8
+    assert run_ckpt("diff", a, b, "--select", "optimizer").exit_code == 3
+
+
+def test_nan_in_the_same_place_is_equal_and_against_a_number_is_infinite() -> None:
+    from ckpt_cli.ops.diff import tensor_stats
+
+    a = torch.tensor([1.0, float("nan"), 3.0, float("nan")])
+    b = torch.tensor([1.0, float("nan"), 3.5, 4.0])
+    differing, outside, max_abs, max_rel = tensor_stats(a, b, atol=1.0, rtol=None)
+    assert differing == 2 and outside == 1
+    assert max_abs == math.inf and max_rel == math.inf
+    same = tensor_stats(a, a.clone(), None, None)
+    assert same[0] == 0
+    assert tensor_stats(torch.tensor([0.0]), torch.tensor([-0.0]), None, None)[0] == 1
+
+
+def test_non_tensor_entries_are_compared_by_value_across_formats(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    weights = {"w": torch.randn(4, 4)}
+    base = {"model": weights, "step": 7, "dataloader": {"epoch": 1, "position": 16}}
+    torch.save(base, tmp_path / "a.pt")
+    dcp.save(
+        {
+            "model": {"w": weights["w"].clone()},
+            "step": 7,
+            "dataloader": {"epoch": 1, "position": 16},
+        },
+        checkpoint_id=tmp_path / "a-dcp",
+        no_dist=True,
+    )
+    assert run_ckpt("diff", tmp_path / "a.pt", tmp_path / "a-dcp").exit_code == 0
+    torch.save({**base, "step": 8, "dataloader": {"epoch": 1, "position": 24}}, tmp_path / "b.pt")
+    result = run_ckpt("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--json")
+    assert result.exit_code == 1
+    by_name = {d["name"]: d for d in result.json["result"]["differences"]}
+    assert set(by_name) == {"step", "dataloader.position"}
+    assert (by_name["step"]["value_a"], by_name["step"]["value_b"]) == ("7", "8")
+    assert by_name["step"]["status"] == "value"
+    human = run_ckpt("diff", tmp_path / "a.pt", tmp_path / "b.pt")
+    assert "7 → 8" in human.stdout and "16 → 24" in human.stdout
