@@ -537,3 +537,29 @@ def test_world_size_streams_chunks_never_whole_tensors(
     assert [i for n, i in loads if n == "model.embed.weight"] == [0, 1]
     # wo was stored split on dim 1: every output row block needs both stored chunks
     assert [i for n, i in loads if n == "model.layers.0.wo.weight"] == [0, 1] * 3
+
+
+def test_max_shard_size_regroups_sharded_torch_save(tmp_path: Path) -> None:
+    """Hugging Face `pytorch_model-*.bin` shards, regrouped and read back through the index."""
+    gen = torch.Generator().manual_seed(9)
+    state = {f"model.layers.{i}.weight": torch.randn(32, 32, generator=gen) for i in range(6)}
+    state["model.count"] = torch.tensor(5)
+    src = tmp_path / "bin"
+    src.mkdir()
+    save_torch_state_dict(state, src, max_shard_size="10KB", safe_serialization=False)
+    assert (src / "pytorch_model.bin.index.json").exists()
+    dest = tmp_path / "regrouped"
+    result = run_ckpt("reshard", src, dest, "--max-shard-size", "9KB", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["format"] == "torch"
+    index = json.loads((dest / "pytorch_model.bin.index.json").read_text())
+    loaded: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        part = torch.load(dest / shard, weights_only=True)
+        assert all(index["weight_map"][name] == shard for name in part)
+        loaded.update(part)
+    # 4096-byte tensors, two per 9000-byte shard; the 8-byte count joins the last one
+    assert len(set(index["weight_map"].values())) == 3
+    assert set(loaded) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(loaded[name], tensor)
