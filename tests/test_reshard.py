@@ -8,10 +8,7 @@ stories regroup safetensors and read them back with `safe_open` and an index-bas
 from __future__ import annotations
 
 import json
-import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +37,8 @@ from ckpt_cli.placement import (
 )
 from ckpt_cli.sizes import parse_size
 
-from .conftest import REPO, run_ckpt
+from .conftest import run_ckpt
+from .dist_helpers import run_torchrun
 from .reshard_worker import TP_RULES, build_model
 
 # --- placement: the same cut as DTensor -------------------------------------------------
@@ -276,23 +274,7 @@ TP_ARGS = ["--shard-dim", "*.wo.weight=1", "--shard-dim", "*.norm.*=replicate"]
 
 def torchrun(nproc: int, *args: str | Path) -> None:
     """Run the reshard worker under torchrun (gloo, CPU) on `nproc` ranks."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(WORKER),
-            *[str(a) for a in args],
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_torchrun(WORKER, nproc, *args)
 
 
 def save_one_rank(folder: Path) -> None:
