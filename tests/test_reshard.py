@@ -8,6 +8,7 @@ stories regroup safetensors and read them back with `safe_open` and an index-bas
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from ckpt_cli.placement import (
 from ckpt_cli.sizes import parse_size
 
 from .conftest import run_ckpt
-from .dist_helpers import run_torchrun
+from .dist_helpers import dcp_load_flat, run_torchrun
 from .reshard_worker import TP_RULES, build_model
 
 # --- placement: the same cut as DTensor -------------------------------------------------
@@ -492,6 +493,16 @@ def test_safetensors_serialization_puts_each_ranks_rows_in_its_file(
             assert torch.equal(tensors[name], want), (rank, name)
             rows = -(-expected[name].shape[0] // 3)
             assert sharding[name]["saved_offsets"] == [rank * rows, 0]
+    # and back from raw safetensors chunks to torch_save on 2 ranks: dcp.load reads it bit-exact
+    back = root / "two-st-3-back-2"
+    result = run_ckpt(
+        "reshard", dest, back, "--world-size", "2", "--dcp-serialization", "torch_save"
+    )
+    assert result.exit_code == 0, result.stderr
+    template = {name: torch.zeros_like(t) for name, t in expected.items() if "rng." not in name}
+    loaded = dcp_load_flat(back, template)
+    for name in template:
+        assert torch.equal(loaded[name], expected[name]), name
 
 
 def test_world_size_streams_chunks_never_whole_tensors(
@@ -545,3 +556,24 @@ def test_max_shard_size_regroups_sharded_torch_save(tmp_path: Path) -> None:
     assert set(loaded) == set(state)
     for name, tensor in state.items():
         assert torch.equal(loaded[name], tensor)
+
+
+def test_raw_copy_falls_back_when_the_kernel_refuses_copy_file_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-kernel copies are an optimisation: a refusal (EXDEV, ENOSYS...) still copies exactly."""
+    src, state = hf_model(tmp_path)
+    calls: list[int] = []
+
+    def refuse(*args: Any) -> int:
+        calls.append(1)
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    dest = tmp_path / "fallback"
+    result = run_ckpt("reshard", src, dest, "--max-shard-size", "30KB", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert calls and result.json["result"]["raw_copy"] == len(state)
+    tensors, _, _ = read_with_index(dest)
+    for name, tensor in state.items():
+        assert torch.equal(tensors[name], tensor), name
