@@ -27,6 +27,7 @@ torch's own classes, so `dcp.load` reads it).
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -34,12 +35,13 @@ import re
 import struct
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from .. import dtypes
-from ..errors import FormatError, NotFoundError
+from ..errors import CkptError, FormatError, NotFoundError
 from ..models import Chunk, Entry, FileInfo, Manifest, Problem
 from ..storage import LocalStorage, Storage, safe_relpath
 from .base import Checkpoint, Format, Source, WriteOptions, Writer
@@ -50,7 +52,10 @@ from .dcp_metadata import (
     StorageInfo,
     TensorStorageMetadata,
     load_metadata,
+    peek_saved_object,
+    peek_saved_tensor,
 )
+from .safetensors import DCP_HF_SHARD, is_dcp_hf_sharded, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -59,6 +64,8 @@ METADATA = ".metadata"
 SUFFIX = ".distcp"
 SERIALIZATIONS = ("torch_save", "safetensors")
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+#: per-rank metadata of `dcp.save(..., use_collectives=False)` (no global `.metadata`)
+_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 #: safetensors metadata keys torch's DCP writer puts in each embedded blob
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 _MAX_HEADER = 100 << 20
@@ -110,18 +117,78 @@ class _Layout:
         self.problems.append(Problem(code=code, message=message, file=file, tensor=tensor))
 
 
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
 def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, (tuple, list)) and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
-    ):
+    """`value` as a list of non-negative ints, or None when it is anything else."""
+    if isinstance(value, (tuple, list)) and all(map(_is_count, value)):
         return list(value)
     return None
 
 
-def _read_metadata(source: Source) -> Metadata:
+def _read_metadata(source: Source, listing: dict[str, int], layout: _Layout) -> Metadata:
+    """`.metadata`, or the union of the per-rank `__{r}.metadata` files that
+    `dcp.save(..., use_collectives=False)` writes instead."""
     storage = source.storage
-    where = storage.describe(METADATA)
-    return load_metadata(storage.read_all(METADATA), where)
+    if METADATA in listing:
+        return load_metadata(storage.read_all(METADATA), storage.describe(METADATA))
+    names = sorted(
+        (n for n in listing if _RANK_METADATA.match(n)),
+        key=lambda n: int(_RANK_METADATA.match(n).group(1)),  # type: ignore[union-attr]
+    )
+    merged = Metadata()
+    merged.state_dict_metadata, merged.storage_data, merged.planner_data = {}, {}, {}
+    for name in names:
+        where = storage.describe(name)
+        md = load_metadata(storage.read_all(name), where)
+        if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+            raise FormatError("is missing its state_dict_metadata or storage_data", path=where)
+        for fqn, item in md.state_dict_metadata.items():
+            have = merged.state_dict_metadata.get(fqn)
+            if have is None:
+                if isinstance(item, TensorStorageMetadata) and isinstance(item.chunks, list):
+                    copy = TensorStorageMetadata()
+                    copy.properties, copy.size, copy.chunks = (
+                        item.properties,
+                        item.size,
+                        list(item.chunks),
+                    )
+                    item = copy
+                merged.state_dict_metadata[fqn] = item
+            elif isinstance(have, TensorStorageMetadata) and isinstance(
+                item, TensorStorageMetadata
+            ):
+                if have.size != item.size or getattr(have.properties, "dtype", None) != getattr(
+                    item.properties, "dtype", None
+                ):
+                    layout.problem(
+                        "dcp_mismatch",
+                        f"tensor {fqn!r} has a different size or dtype than in an earlier "
+                        "rank's metadata",
+                        file=name,
+                        tensor=fqn,
+                    )
+                known = {tuple(getattr(c, "offsets", ()) or ()) for c in have.chunks}
+                for chunk in item.chunks if isinstance(item.chunks, list) else []:
+                    if tuple(getattr(chunk, "offsets", ()) or ()) not in known:
+                        have.chunks.append(chunk)
+        merged.storage_data.update(md.storage_data)
+        if isinstance(md.planner_data, dict):
+            merged.planner_data.update(md.planner_data)
+        merged.version = md.version
+    ranks = {int(m.group(1)) for n in names if (m := _RANK_METADATA.match(n))}
+    for name in listing:
+        match = _RANK_FILE.match(name)
+        if match and int(match.group(1)) not in ranks:
+            layout.problem(
+                "dcp_interrupted",
+                f"rank {match.group(1)} wrote {name} but no __{match.group(1)}.metadata: its "
+                "save looks interrupted",
+                file=name,
+            )
+    return merged
 
 
 def _storage_index(md: Metadata, where: str) -> dict[tuple[Any, Any], StorageInfo]:
@@ -138,7 +205,36 @@ def _storage_index(md: Metadata, where: str) -> dict[tuple[Any, Any], StorageInf
     return index
 
 
+class InterruptedSaveError(FormatError):
+    """A DCP folder with data files but no `.metadata`: the save did not finish (exit 4)."""
+
+    code = "dcp_interrupted"
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while building the manifest.
+
+    Unpickling `.metadata` and building entries creates hundreds of thousands of small objects
+    and no cycles; with the GC on, each allocation burst triggers full collections over the
+    growing heap, which made this 4-6x slower on a 40,000-chunk checkpoint.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _analyse(source: Source) -> _Layout:
+    """Read the layout of `source` (see `_analyse_unpaused`) with the GC paused."""
+    with _gc_paused():
+        return _analyse_unpaused(source)
+
+
+def _analyse_unpaused(source: Source) -> _Layout:
     """Read `.metadata` and check it against the files; collect every problem found.
 
     Raises FormatError only when the metadata itself cannot be read (missing, hostile, corrupt).
@@ -146,22 +242,22 @@ def _analyse(source: Source) -> _Layout:
     storage = source.storage
     listing = storage.list_files() if source.target is not None else source.files
     where = storage.describe(METADATA)
-    if METADATA not in listing:
-        distcp = sorted(n for n in listing if n.endswith(SUFFIX))
-        raise FormatError(
-            f"has {len(distcp)} .distcp file(s) but no .metadata: the save looks interrupted "
-            "(DCP writes .metadata last)"
-            if distcp
-            else "has no DCP .metadata file",
+    if METADATA not in listing and is_dcp_hf_sharded([n for n in listing if "/" not in n]):
+        return _analyse_hf_shards(source, listing)
+    if METADATA not in listing and not any(_RANK_METADATA.match(n) for n in listing):
+        raise InterruptedSaveError(
+            f"has {sum(n.endswith(SUFFIX) for n in listing)} .distcp file(s) but no .metadata: "
+            "the save looks interrupted (DCP writes .metadata last)",
             path=source.location.raw,
             fix="Use the previous complete checkpoint or save again; this one cannot be loaded.",
         )
-    md = _read_metadata(source)
+    layout = _Layout(files=dict(listing))
+    md = _read_metadata(source, listing, layout)
     sdm = md.state_dict_metadata
     if not isinstance(sdm, dict):
         raise FormatError("has no state_dict_metadata map", path=where, fix="The file is corrupt.")
     index = _storage_index(md, where)
-    layout = _Layout(files=dict(listing), planner_data=md.planner_data)
+    layout.planner_data = md.planner_data
     layout.version = md.version if isinstance(md.version, str) else None
     # resolved file names, checked once each
     safe_names: dict[str, str] = {}
@@ -288,6 +384,87 @@ def _analyse(source: Source) -> _Layout:
                 file=built[0].file if built else None,
                 offset=built[0].byte_offset if whole else None,
                 chunks=built,
+                py_type=None,
+                value=None,
+            )
+        )
+    _check_files(layout)
+    _check_coverage(layout)
+    return layout
+
+
+def _analyse_hf_shards(source: Source, listing: dict[str, int]) -> _Layout:
+    """The per-rank safetensors files of `HuggingFaceStorageWriter(save_distributed=True)`.
+
+    There is no `.metadata`: each `shard-{rank+1}-model-….safetensors` file holds that rank's
+    chunks keyed by fqn, with their offsets in the `DCP_SHARDING_INFO` metadata; the global
+    shape is the extent of the chunks (as torch's `HuggingFaceStorageReader` computes it).
+    """
+    storage = source.storage
+    layout = _Layout(files=dict(listing))
+    layout.serialization.add("hf_safetensors")
+    found: dict[str, list[tuple[str, Chunk]]] = {}
+    for name in sorted(n for n in listing if DCP_HF_SHARD.match(n)):
+        header = read_header(storage, name, listing[name])
+        try:
+            sharding = json.loads(header.metadata.get(SHARDING_INFO_KEY, "{}"))
+        except json.JSONDecodeError:
+            sharding = None
+        if not isinstance(sharding, dict):
+            layout.problem(
+                "dcp_bad_chunk", f"has unreadable {SHARDING_INFO_KEY} metadata", file=name
+            )
+            sharding = {}
+        for fqn, (dtype, shape, begin, end) in header.tensors.items():
+            info = sharding.get(fqn)
+            saved = _int_list(info.get("saved_offsets")) if isinstance(info, dict) else None
+            if saved is None or len(saved) != len(shape):
+                if info is not None:
+                    layout.problem(
+                        "dcp_bad_chunk",
+                        f"tensor {fqn!r} has invalid saved_offsets {info!r}",
+                        file=name,
+                        tensor=fqn,
+                    )
+                saved = [0] * len(shape)
+            chunk = Chunk(
+                offsets=saved,
+                sizes=list(shape),
+                file=name,
+                byte_offset=header.data_start + begin,
+                byte_length=end - begin,
+                raw=True,
+            )
+            found.setdefault(fqn, []).append((dtype, chunk))
+    for fqn, items in found.items():
+        kinds = {dtype for dtype, _ in items}
+        if len(kinds) > 1:
+            layout.problem(
+                "dcp_mismatch",
+                f"tensor {fqn!r} is stored with different dtypes ({', '.join(sorted(kinds))})",
+                tensor=fqn,
+            )
+        dtype = items[0][0]
+        chunks = [chunk for _, chunk in items]
+        rank = len(chunks[0].sizes)
+        if any(len(c.sizes) != rank for c in chunks):
+            layout.problem(
+                "dcp_mismatch", f"tensor {fqn!r} has chunks of different ranks", tensor=fqn
+            )
+            continue
+        shape = [max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(rank)]
+        layout.entries.append(
+            Entry.model_construct(
+                name=fqn,
+                kind="tensor",
+                dtype=dtype,
+                shape=shape,
+                nbytes=dtypes.numel(shape) * dtypes.itemsize(dtype),
+                file=chunks[0].file,
+                offset=chunks[0].byte_offset
+                if len(chunks) == 1 and chunks[0].sizes == shape
+                else None,
+                chunks=chunks,
                 py_type=None,
                 value=None,
             )
@@ -472,6 +649,48 @@ def _check_files(layout: _Layout) -> None:
                     )
 
 
+#: how much of a torch_save chunk `check` reads to see what tensor it declares
+_TENSOR_HEAD = 4096
+
+
+def _check_saved_tensors(storage: Storage, layout: _Layout) -> None:
+    """Each torch_save chunk declares the dtype and sizes `.metadata` gives it (one small read each)."""
+    for entry in layout.entries:
+        if entry.kind != "tensor" or entry.dtype is None:
+            continue
+        for chunk in entry.chunks or []:
+            size = layout.files.get(chunk.file)
+            if chunk.raw or size is None or chunk.byte_offset + chunk.byte_length > size:
+                continue  # raw chunks are checked against their header; the rest is reported
+            head = storage.read(chunk.file, chunk.byte_offset, min(_TENSOR_HEAD, chunk.byte_length))
+            saved = peek_saved_tensor(head)
+            if saved is None:
+                layout.problem(
+                    "dcp_bad_chunk",
+                    f"tensor {entry.name!r}: the chunk at {chunk.offsets} (byte {chunk.byte_offset}) "
+                    "is not a readable torch.save blob of a tensor",
+                    file=chunk.file,
+                    tensor=entry.name,
+                )
+            elif saved.dtype != entry.dtype or saved.shape != chunk.sizes:
+                layout.problem(
+                    "dcp_mismatch",
+                    f"tensor {entry.name!r}: the chunk at {chunk.offsets} is "
+                    f"{entry.dtype}{chunk.sizes} in .metadata but the file holds "
+                    f"{saved.dtype}{saved.shape}",
+                    file=chunk.file,
+                    tensor=entry.name,
+                )
+            elif saved.storage_bytes > chunk.byte_length:
+                layout.problem(
+                    "dcp_mismatch",
+                    f"tensor {entry.name!r}: the chunk at {chunk.offsets} declares "
+                    f"{saved.storage_bytes} bytes of data in a {chunk.byte_length}-byte range",
+                    file=chunk.file,
+                    tensor=entry.name,
+                )
+
+
 def _overlap(a: Chunk, b: Chunk) -> bool:
     return all(
         ao < bo + bs and bo < ao + as_
@@ -535,6 +754,24 @@ def _check_coverage(layout: _Layout) -> None:
             )
 
 
+#: object blobs larger than this are not peeked at (their type stays unknown)
+_PEEK_LIMIT = 1 << 20
+_PEEK_TOTAL = 32 << 20
+
+
+def _peek_objects(storage: Storage, layout: _Layout) -> None:
+    """Fill in py_type (and small values: step counters, hyper-parameters) of object entries."""
+    budget = _PEEK_TOTAL
+    for index, entry in enumerate(layout.entries):
+        if entry.kind != "object" or entry.file is None or entry.offset is None:
+            continue
+        if entry.nbytes > _PEEK_LIMIT or entry.nbytes > budget:
+            continue
+        budget -= entry.nbytes
+        py_type, value = peek_saved_object(storage.read(entry.file, entry.offset, entry.nbytes))
+        layout.entries[index] = entry.model_copy(update={"py_type": py_type, "value": value})
+
+
 def _world_size(layout: _Layout) -> int:
     ranks = set()
     names = {c.file for e in layout.entries for c in (e.chunks or [])}
@@ -544,6 +781,9 @@ def _world_size(layout: _Layout) -> int:
         match = _RANK_FILE.match(name)
         if match:
             ranks.add(int(match.group(1)))
+        hf = DCP_HF_SHARD.match(name)
+        if hf:
+            ranks.add(int(hf.group(1)) - 1)
     return max(ranks) + 1 if ranks else len(names)
 
 
@@ -557,7 +797,10 @@ class DcpFormat(Format):
     def detect(cls, source: Source) -> bool:
         if source.target is not None:
             return source.target == METADATA or source.target.endswith(SUFFIX)
-        return any(n == METADATA or n.endswith(SUFFIX) for n in source.top_level())
+        names = source.top_level()
+        return any(
+            n == METADATA or n.endswith(SUFFIX) or _RANK_METADATA.match(n) for n in names
+        ) or is_dcp_hf_sharded(names)
 
     @classmethod
     def _folder(cls, source: Source) -> Source:
@@ -580,10 +823,14 @@ class DcpFormat(Format):
                 path=where,
                 fix="`ckpt verify` lists every problem; use a complete copy of the checkpoint.",
             )
+        _peek_objects(source.storage, layout)
         files = [
             FileInfo(path=name, size=size, entries=0)
             for name, size in layout.files.items()
-            if name == METADATA or name.endswith(SUFFIX)
+            if name == METADATA
+            or name.endswith(SUFFIX)
+            or DCP_HF_SHARD.match(name)
+            or _RANK_METADATA.match(name)
         ]
         counts: dict[str, int] = {}
         for entry in layout.entries:
@@ -616,6 +863,7 @@ class DcpFormat(Format):
             layout = _analyse(source)
         except (FormatError, NotFoundError) as error:
             return [Problem(code=error.code, message=error.message, file=error.path)]
+        _check_saved_tensors(source.storage, layout)
         return [
             p.model_copy(update={"file": source.storage.describe(p.file)}) if p.file else p
             for p in layout.problems
@@ -628,6 +876,50 @@ class DcpFormat(Format):
 
 # --------------------------------------------------------------------------------------------
 # Reading data
+
+
+class _FileRange(io.RawIOBase):
+    """Bytes [start, start + length) of an open file, read with `os.pread` (no copy of the range).
+
+    `torch.load` of a chunk then reads straight from the file into the new tensor's storage,
+    so loading a torch_save chunk needs the chunk's size in memory once, not twice.
+    """
+
+    def __init__(self, fd: int, start: int, length: int, name: str):
+        super().__init__()
+        self._fd, self._start, self._length, self._pos, self.name = fd, start, length, 0, name
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = min(len(view), self._length - self._pos)
+        if want <= 0:
+            return 0
+        got = os.preadv(self._fd, [view[:want]], self._start + self._pos)
+        if got == 0:
+            raise FormatError(
+                f"is truncated: byte {self._start + self._pos} of a stored chunk is past its end",
+                path=self.name,
+                fix="The file was cut short; write or copy it again.",
+            )
+        self._pos += got
+        return got
+
+    def close(self) -> None:  # the fd belongs to the checkpoint
+        super().close()
 
 
 class DcpCheckpoint(Checkpoint):
@@ -690,9 +982,14 @@ class DcpCheckpoint(Checkpoint):
 
         from ..tensors import dtype_name
 
-        data = self.storage.read(chunk.file, chunk.byte_offset, chunk.byte_length)
         try:
-            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            value = torch.load(
+                self._byte_range(chunk.file, chunk.byte_offset, chunk.byte_length),
+                map_location="cpu",
+                weights_only=True,
+            )
+        except CkptError:
+            raise
         except Exception as exc:
             raise FormatError(
                 f"tensor {entry.name!r}: the chunk at {chunk.offsets} (bytes "
@@ -714,6 +1011,15 @@ class DcpCheckpoint(Checkpoint):
                 path=where,
             )
         return value
+
+    def _byte_range(self, rel: str, offset: int, length: int) -> IO[bytes]:
+        """A seekable file object over one stored range (torch.load reads from it directly)."""
+        if isinstance(self.storage, LocalStorage):
+            fd = self._fds.get(rel)
+            if fd is None:
+                fd = self._fds[rel] = os.open(self.storage.path(rel), os.O_RDONLY)
+            return cast(IO[bytes], _FileRange(fd, offset, length, self.storage.describe(rel)))
+        return io.BytesIO(self.storage.read(rel, offset, length))
 
     def read_tensor(self, name: str) -> torch.Tensor:
         entry = self._entry(name, "tensor")
@@ -743,11 +1049,11 @@ class DcpCheckpoint(Checkpoint):
                 f"box at {offsets} of size {sizes} is not inside tensor {name!r} of shape {shape}",
                 path=self.manifest.location,
             )
+        # a box that is exactly one stored chunk: hand out the loaded chunk, no second copy
+        for chunk in entry.chunks:
+            if chunk.offsets == offsets and chunk.sizes == sizes:
+                return self._load_chunk(entry, chunk).contiguous()
         out = torch.empty(sizes, dtype=torch_dtype(entry.dtype))
-        if not shape:
-            piece = self._load_chunk(entry, entry.chunks[0])
-            out.copy_(piece)
-            return out
         if dtypes.numel(sizes) == 0:
             return out
         for chunk in entry.chunks:
@@ -795,10 +1101,10 @@ class DcpCheckpoint(Checkpoint):
         except pickle.UnpicklingError as exc:
             raise FormatError(
                 f"object {name!r} needs more than torch.load(weights_only=True) allows "
-                f"({str(exc).splitlines()[-1][:300] if str(exc) else 'refused'}); it was not executed",
+                f"({_weights_only_reason(exc)}); it was not executed",
                 path=self.storage.describe(entry.file or ""),
                 fix="If you trust this checkpoint, load it with torch yourself; ckpt never "
-                "unpickles arbitrary objects.",
+                "unpickles arbitrary objects",
             ) from None
         except Exception as exc:
             raise FormatError(
@@ -811,6 +1117,19 @@ class DcpCheckpoint(Checkpoint):
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def _weights_only_reason(exc: Exception) -> str:
+    """The one informative line of torch's long weights_only refusal."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        match = re.search(r"(Unsupported global: GLOBAL [\w.]+|unsupported GLOBAL [\w.]+)", line)
+        if match:
+            return match.group(1)
+    for line in lines:
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip()[:200] or "refused"
+    return lines[0][:200] if lines else "refused"
 
 
 # --------------------------------------------------------------------------------------------
@@ -852,6 +1171,11 @@ class DcpWriter(Writer):
             )
         if options.world_size < 1:
             raise FormatError(f"world size must be at least 1, not {options.world_size}")
+        if options.single_file:
+            raise FormatError(
+                "a DCP checkpoint is a folder (.metadata + .distcp files), not a single file",
+                fix="Give a folder as the destination.",
+            )
         self.serialization = options.dcp_serialization
         self.world_size = options.world_size
         self.entries: dict[str, Entry] = {}
@@ -883,17 +1207,24 @@ class DcpWriter(Writer):
     def _plan_chunks(self, entry: Entry) -> list[Chunk]:
         shape = list(entry.shape)
         if entry.chunks is None:
-            pieces = shard0_chunks(shape, self.world_size)
-            return [
-                Chunk(
-                    offsets=o,
-                    sizes=s,
-                    file=rank_file(0 if not shape else r),
-                    byte_offset=0,
-                    byte_length=0,
+            chunks: list[Chunk] = []
+            seen: set[tuple[int, ...]] = set()
+            for rank, (offsets, sizes) in enumerate(shard0_chunks(shape, self.world_size)):
+                # ranks left with nothing share an offset; DCP keys chunks by offset, so
+                # (like its save-plan dedup) only the first of them is recorded
+                if tuple(offsets) in seen:
+                    continue
+                seen.add(tuple(offsets))
+                chunks.append(
+                    Chunk(
+                        offsets=offsets,
+                        sizes=sizes,
+                        file=rank_file(rank),
+                        byte_offset=0,
+                        byte_length=0,
+                    )
                 )
-                for r, (o, s) in enumerate(pieces)
-            ]
+            return chunks
         out = []
         for chunk in entry.chunks:
             if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
@@ -909,6 +1240,11 @@ class DcpWriter(Writer):
                 chunk.model_copy(
                     update={"file": rel, "byte_offset": 0, "byte_length": 0, "raw": False}
                 )
+            )
+        if len({tuple(c.offsets) for c in out}) != len(out):
+            raise FormatError(
+                f"the write plan for {entry.name!r} has two chunks at the same offsets "
+                "(DCP keys chunks by their offsets)"
             )
         probe = _Layout(entries=[entry.model_copy(update={"chunks": out})])
         _check_coverage(probe)

@@ -79,12 +79,10 @@ class _Record:
             state = {**(state[0] or {}), **state[1]}
         if not isinstance(state, dict):
             raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
+        own = self.__dict__
         for name in self._fields:
-            if not hasattr(self, name):
-                setattr(self, name, None)
-        for key, value in state.items():
-            if isinstance(key, str) and key in self._fields:
-                setattr(self, key, value)
+            if name in state:
+                own[name] = state[name]
 
     def __getattr__(self, name: str) -> Any:
         # NEWOBJ skips __init__: fields absent from the pickled state read as None
@@ -101,12 +99,20 @@ class Metadata(_Record):
     """Stand-in for `torch.distributed.checkpoint.metadata.Metadata`."""
 
     _fields = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+    state_dict_metadata: Any
+    planner_data: Any
+    storage_data: Any
+    storage_meta: Any
+    version: Any
 
 
 class TensorStorageMetadata(_Record):
     """Stand-in for `TensorStorageMetadata`: properties, global size, chunks."""
 
     _fields = ("properties", "size", "chunks")
+    properties: Any
+    size: Any
+    chunks: Any
 
 
 class BytesStorageMetadata(_Record):
@@ -165,12 +171,11 @@ class StorageMeta(_Record):
     _fields = ("checkpoint_id", "save_id", "load_id", "modules")
 
 
-def _size(values: Any = ()) -> tuple[int, ...]:
-    """Stand-in for `torch.Size(...)`: a tuple of ints."""
-    out = tuple(values)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
-        raise pickle.UnpicklingError("torch.Size with non-integer entries")
-    return out
+def _size(values: Any = ()) -> tuple[Any, ...]:
+    """Stand-in for `torch.Size(...)`: a tuple (its entries are validated where they are used)."""
+    if not isinstance(values, (tuple, list)):
+        raise pickle.UnpicklingError("torch.Size of something that is not a sequence")
+    return tuple(values)
 
 
 def _get_layout(name: Any) -> str:
@@ -274,3 +279,187 @@ def load_metadata(data: bytes, where: str) -> Metadata:
             fix="This is not a torch.distributed.checkpoint folder.",
         )
     return result
+
+
+class _Opaque(Exception):
+    """Raised by the peeking unpickler at the first global or tensor: the value is not plain."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+def _latin1_encode(text: Any, encoding: str = "latin1") -> bytes:
+    """How pickle protocol 2 stores bytes: `_codecs.encode(str, 'latin1')`."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise _Opaque("_codecs.encode")
+    return text.encode("latin1")
+
+
+_PLAIN_GLOBALS: dict[tuple[str, str], Any] = {
+    ("_codecs", "encode"): _latin1_encode,
+    ("collections", "OrderedDict"): dict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
+_KNOWN_TYPES = {
+    "numpy._core.multiarray._reconstruct": "numpy.ndarray",
+    "numpy.core.multiarray._reconstruct": "numpy.ndarray",
+    "torch._utils._rebuild_tensor_v2": "tensor",
+}
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles only plain Python data (no globals at all, no tensors)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        plain = _PLAIN_GLOBALS.get((module, name))
+        if plain is not None:
+            return plain
+        raise _Opaque(_KNOWN_TYPES.get(f"{module}.{name}", f"{module}.{name}"))
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Opaque("tensor")
+
+
+def _small(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float)):
+        return True
+    if isinstance(value, str):
+        return len(value) <= 200
+    if isinstance(value, (list, tuple)):
+        return len(value) <= 16 and all(
+            v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 60)
+            for v in value
+        )
+    return False
+
+
+def peek_saved_object(blob: bytes) -> tuple[str | None, Any]:
+    """(type name, value if small) of a `torch.save` blob holding plain Python data.
+
+    Without torch: opens the zip, unpickles `data.pkl` with an unpickler that admits no globals,
+    so only ints, floats, strings, bytes, lists, tuples, dicts run through it. A blob holding
+    anything else reports the first global it names (e.g. `numpy._core.multiarray._reconstruct`)
+    or `tensor`, and no value.
+    """
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(names) != 1 or archive.getinfo(names[0]).file_size > len(blob) * 4:
+                return None, None
+            data = archive.read(names[0])
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return None, None
+    try:
+        value = _PlainUnpickler(io.BytesIO(data)).load()
+    except _Opaque as opaque:
+        return opaque.what, None
+    except Exception:
+        return None, None
+    return type(value).__name__, (list(value) if isinstance(value, tuple) else value) if _small(
+        value
+    ) else None
+
+
+_STORAGE_DTYPES = {
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+}
+
+
+class SavedTensor:
+    """What the `data.pkl` of a `torch.save`d tensor declares (read without torch).
+
+    Attributes:
+        dtype: canonical dtype name.
+        shape: the tensor's shape.
+        storage_bytes: size of the storage the blob carries (a view saves all of it).
+    """
+
+    def __init__(self, dtype: str, shape: list[int], storage_bytes: int):
+        self.dtype = dtype
+        self.shape = shape
+        self.storage_bytes = storage_bytes
+
+
+class _Storage:
+    def __init__(self, dtype: str | None, numel: int):
+        self.dtype = dtype
+        self.numel = numel
+
+
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
+    dtype = storage.dtype if isinstance(storage, _Storage) else None
+    # v3 (new dtypes): (..., requires_grad, hooks, dtype[, metadata]) over an UntypedStorage
+    if len(rest) >= 3 and isinstance(rest[2], DType):
+        dtype = str(rest[2])
+    if dtype is None or not isinstance(size, tuple):
+        raise _Opaque("tensor")
+    from ..dtypes import is_known, itemsize
+
+    if not is_known(dtype):
+        raise _Opaque("tensor")
+    per = 1 if storage.dtype is None else itemsize(dtype)
+    return SavedTensor(dtype, [int(d) for d in size], storage.numel * per)
+
+
+class _TensorHeaderUnpickler(pickle.Unpickler):
+    """Reads the declaration of a saved tensor: no torch, nothing callable but `_rebuild`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+            return _rebuild
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return None
+        if module == "torch" and name in TORCH_DTYPES:
+            return DType(_ALIASES.get(name, name))
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise _Opaque(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise _Opaque("storage")
+        dtype, numel = pid[1], pid[4]
+        if not isinstance(numel, int):
+            raise _Opaque("storage")
+        return _Storage(dtype if isinstance(dtype, str) else None, numel)
+
+
+def peek_saved_tensor(head: bytes) -> SavedTensor | None:
+    """Dtype and shape declared by a `torch.save`d tensor, from the first bytes of the blob.
+
+    `torch.save` writes `data.pkl` first and uncompressed, so the local zip header plus a few
+    hundred bytes suffice. None when the blob does not look like that (then nothing is claimed).
+    """
+    if len(head) < 30 or not head.startswith(b"PK\x03\x04"):
+        return None
+    method, name_len, extra_len = (
+        int.from_bytes(head[8:10], "little"),
+        int.from_bytes(head[26:28], "little"),
+        int.from_bytes(head[28:30], "little"),
+    )
+    name = head[30 : 30 + name_len]
+    if method != 0 or not name.endswith(b"data.pkl"):
+        return None
+    start = 30 + name_len + extra_len
+    try:
+        value = _TensorHeaderUnpickler(io.BytesIO(head[start:])).load()
+    except Exception:
+        return None
+    return value if isinstance(value, SavedTensor) else None
