@@ -401,7 +401,10 @@ def _deepspeed(source: Source) -> OpenedSource | None:
     else:
         for comp in folder.components:
             if comp.startswith("optim_states"):
-                prefixes["optimizer"] = f"{comp}.optimizer_state_dict."
+                # ZeRO keeps the wrapped optimizer's state (over flat partitions) one level down
+                inner = f"{comp}.optimizer_state_dict.base_optimizer_state."
+                has_inner = any(n.startswith(inner) for n in names)
+                prefixes["optimizer"] = inner if has_inner else f"{comp}.optimizer_state_dict."
                 break
     if any(n.startswith("model_states.lr_scheduler.") for n in names):
         prefixes["scheduler"] = "model_states.lr_scheduler."
@@ -893,6 +896,8 @@ def _shape_problems(opened: OpenedSource) -> list[Problem]:
     if model_prefix is None or opt_prefix is None:
         return []
     checkpoint = opened.checkpoint
+    if "base_optimizer_state" in opt_prefix:
+        return []  # ZeRO state covers flat partitions, not individual weights
     view = analyse_optimizer(checkpoint, opt_prefix)
     if view is None:
         return []
