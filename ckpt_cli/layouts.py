@@ -472,7 +472,11 @@ def _value(checkpoint: Checkpoint, name: str) -> Any:
         return None
     if entry.kind == "object" and entry.value is not None:
         return entry.value
+    if entry.kind == "tensor" and entry.numel != 1:
+        return None  # counters are scalars; never read a large tensor here
     try:
+        if entry.kind == "tensor":
+            return checkpoint.read_tensor(name).item()
         value = checkpoint.read_object(name)
     except CkptError:
         return None
@@ -539,7 +543,9 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> _OptimizerView | N
     by_fqn = bool(per_param) and not all(pid.isdigit() for pid in per_param)
     params: int | None = None
     group_keys: dict[str, Any] = {}
-    if group_names and not by_fqn:
+    listed = [n for n in group_names if n.endswith(".params")]
+    if listed:
+        # param_groups is a list whose `params` name the parameters (ids, or FQNs in DCP)
         total = 0
         for name in group_names:
             if name.endswith(".params"):

@@ -328,3 +328,39 @@ def test_complete_torch_dict_is_resumable_and_checks_pass(tmp_path: Path) -> Non
     weights_only = tmp_path / "weights.pt"
     torch.save(model.state_dict(), weights_only)
     assert [p.code for p in training_checks(open_source(str(weights_only)))] == ["not_resumable"]
+
+
+def test_torchtitan_step_folder_from_dcp_save(tmp_path: Path) -> None:
+    import io
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LinearLR(opt)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {
+        "model": model_sd,
+        "optimizer": optim_sd,
+        "lr_scheduler": sched.state_dict(),
+        "dataloader": {"rank_0": io.BytesIO(b"sampler position")},
+        "train_state": {"step": torch.tensor(5), "ntokens_seen": torch.tensor(100)},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "step-5"), no_dist=True)
+    training = run_ckpt("inspect", tmp_path / "step-5", "--json").json["result"]["training"]
+    assert training["layout"] == "torchtitan"
+    assert training["step"] == 5
+    assert training["weights"]["tensors"] == 4
+    assert training["optimizer"]["kind"] == "AdamW"
+    assert training["optimizer"]["params"] == training["optimizer"]["params_with_state"] == 4
+    assert training["dataloader"] is not None
+    # torchtitan keeps no RNG state in the checkpoint
+    assert training["missing"] == ["rng"]
+    codes = [p.code for p in training_checks(open_source(str(tmp_path / "step-5")))]
+    assert codes == ["missing_rng"]
