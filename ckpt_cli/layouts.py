@@ -55,11 +55,13 @@ class OpenedSource:
         checkpoint: where entries are read from (a composite for multi-file training folders).
         training: the training state, when the layout holds one.
         problems: components that were found but could not be read (unsafe or corrupt files).
+        parts: for a multi-file folder, component -> (its main file, its format token).
     """
 
     checkpoint: Checkpoint
     training: TrainingState | None = None
     problems: list[Problem] = field(default_factory=list)
+    parts: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -220,6 +222,7 @@ class _Folder:
         self.unreadable: dict[str, str] = {}
         self.problems: list[Problem] = []
         self.used: set[str] = set()
+        self.parts: dict[str, tuple[str, str]] = {}
         self.names = {
             n[len(base) :] for n in source.files if n.startswith(base) and "/" not in n[len(base) :]
         }
@@ -258,6 +261,7 @@ class _Folder:
         if fmt != "opaque":
             self.used.update(f.path for f in checkpoint.manifest.files)
         self.components[comp] = checkpoint
+        self.parts[comp] = (rel, fmt)
         return checkpoint
 
     def add_model(self, stems: tuple[str, ...] = ("model", "pytorch_model")) -> str | None:
@@ -369,6 +373,9 @@ def _accelerate(source: Source) -> OpenedSource | None:
     return _finish(checkpoint, state, folder)
 
 
+_DS_MODEL = re.compile(r"mp_rank_\d+_model_states\.pt$")
+
+
 def _deepspeed(source: Source) -> OpenedSource | None:
     top = {n for n in source.files if "/" not in n}
     base = ""
@@ -377,6 +384,8 @@ def _deepspeed(source: Source) -> OpenedSource | None:
         tag = safe_relpath(tag, source=source.storage.describe("latest"))
         base = f"{tag}/"
         if not any(n.startswith(base) for n in source.files):
+            if not any(_DS_MODEL.search(n) for n in source.files):
+                return None  # some other tool's `latest` file
             raise NotFoundError(
                 f"`latest` names {tag!r}, which is missing",
                 path=source.storage.describe("latest"),
@@ -457,8 +466,13 @@ def _finish(
     if folder is not None:
         state.unreadable = dict(folder.unreadable)
     _verdict(state)
+    if folder is None:
+        return OpenedSource(checkpoint=checkpoint, training=state)
     return OpenedSource(
-        checkpoint=checkpoint, training=state, problems=list(folder.problems) if folder else []
+        checkpoint=checkpoint,
+        training=state,
+        problems=list(folder.problems),
+        parts=dict(folder.parts),
     )
 
 
@@ -818,6 +832,19 @@ def _lightning(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState:
 # --------------------------------------------------------------------------- entry point
 
 
+def _open_layout(source: Source) -> OpenedSource | None:
+    """The training folder layout of a local folder, if it is one (DCP folders excepted)."""
+    if source.target is not None or source.location.kind != "local":
+        return None
+    if ".metadata" in set(source.top_level()):
+        return None
+    for recognise in (_deepspeed, _trainer, _accelerate):
+        opened = recognise(source)
+        if opened is not None:
+            return opened
+    return None
+
+
 def open_source(src: str, format: str | None = None) -> OpenedSource:
     """Open `src` (local path or URL), recognising training layouts unless `format` is given.
 
@@ -825,14 +852,9 @@ def open_source(src: str, format: str | None = None) -> OpenedSource:
     still gets its training state (it is the same single checkpoint).
     """
     if format is None:
-        source = resolve_source(src)
-        if source.target is None and source.location.kind == "local":
-            names = set(source.top_level())
-            if ".metadata" not in names:
-                for recognise in (_deepspeed, _trainer, _accelerate):
-                    opened = recognise(source)
-                    if opened is not None:
-                        return opened
+        opened = _open_layout(resolve_source(src))
+        if opened is not None:
+            return opened
     checkpoint = open_checkpoint(src, format)
     if checkpoint.manifest.format not in ("torch", "dcp"):
         return OpenedSource(checkpoint=checkpoint)
@@ -840,6 +862,34 @@ def open_source(src: str, format: str | None = None) -> OpenedSource:
 
 
 # --------------------------------------------------------------------------- checks
+
+
+def check_source(src: str, format: str | None = None) -> list[Problem]:
+    """Structural problems of any SRC, training folders included (what plain `verify` runs).
+
+    A training folder gets its format's `check` on every component (the model's index against
+    its shards, every torch file loading with weights_only...) plus the components that could
+    not be read; anything else gets its format's `check`. Sources that cannot be opened at all
+    (a `latest` naming a missing tag) become one problem.
+    """
+    try:
+        source = resolve_source(src)
+        opened = _open_layout(source) if format is None else None
+        if opened is None:
+            from .formats import detect_format
+
+            name = format or detect_format(source)
+            return list(get_format(name).check(source))
+    except CkptError as error:
+        return [Problem(code=error.code, message=error.message, file=error.path or src)]
+    problems = component_problems(opened)
+    with opened.checkpoint:
+        for rel, fmt in opened.parts.values():
+            if fmt in ("json", "opaque"):
+                continue
+            part = Source(location=source.location, storage=source.storage, target=rel)
+            problems.extend(get_format(fmt).check(part))
+    return problems
 
 
 def component_problems(opened: OpenedSource) -> list[Problem]:

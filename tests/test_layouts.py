@@ -364,3 +364,54 @@ def test_torchtitan_step_folder_from_dcp_save(tmp_path: Path) -> None:
     assert training["missing"] == ["rng"]
     codes = [p.code for p in training_checks(open_source(str(tmp_path / "step-5")))]
     assert codes == ["missing_rng"]
+
+
+def test_check_source_runs_every_component_check(trainer_run: Path, tmp_path: Path) -> None:
+    from ckpt_cli.layouts import check_source
+
+    assert check_source(str(trainer_run)) == []
+    folder = _copy(trainer_run, tmp_path / "checkpoint-4")
+    data = (folder / "scheduler.pt").read_bytes()
+    (folder / "scheduler.pt").write_bytes(data[: len(data) // 2])
+    problems = check_source(str(folder))
+    assert problems and all("scheduler.pt" in (p.file or "") for p in problems)
+    # DeepSpeed's `latest` naming a tag that is gone: one problem, not a crash
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "latest").write_text("global_step9")
+    torch.save({"module": {}}, ds / "mp_rank_00_model_states.pt")
+    assert [p.code for p in check_source(str(ds))] == ["not_found"]
+
+
+def test_trainer_folder_written_as_one_torch_training_dict(
+    trainer_run: Path, tmp_path: Path
+) -> None:
+    from ckpt_cli.formats.base import WriteOptions
+    from ckpt_cli.formats.torch_save import TorchFormat
+
+    from .test_torch_format import assert_same
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with open_source(str(trainer_run)).checkpoint as checkpoint:
+        plan = [e for e in checkpoint.manifest.entries if e.name != "training_args"]
+        writer = TorchFormat.writer(out, plan, WriteOptions())
+        for entry in plan:
+            if entry.kind == "tensor":
+                writer.write_tensor(entry.name, checkpoint.read_tensor(entry.name))
+            else:
+                writer.write_object(entry.name, checkpoint.read_object(entry.name))
+        writer.finish()
+    allow = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(allow):
+        back = torch.load(out / "pytorch_model.bin", weights_only=True)
+        rng = torch.load(trainer_run / "rng_state.pth", weights_only=True)
+    assert list(back) == ["model", "optimizer", "scheduler", "rng", "trainer_state"]
+    assert_same(back["optimizer"], torch.load(trainer_run / "optimizer.pt", weights_only=True))
+    assert_same(back["scheduler"], torch.load(trainer_run / "scheduler.pt", weights_only=True))
+    assert_same(back["rng"], rng)
+    assert back["trainer_state"]["global_step"] == 4
+    model = _demo().TinyLM()
+    model.load_state_dict(back["model"])
+    for name, tensor in load_file(trainer_run / "model.safetensors").items():
+        assert torch.equal(back["model"][name], tensor)
