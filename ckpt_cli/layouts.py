@@ -411,9 +411,15 @@ def _deepspeed(source: Source) -> OpenedSource | None:
         for comp in folder.components:
             if comp.startswith("optim_states"):
                 # ZeRO keeps the wrapped optimizer's state (over flat partitions) one level down
-                inner = f"{comp}.optimizer_state_dict.base_optimizer_state."
-                has_inner = any(n.startswith(inner) for n in names)
-                prefixes["optimizer"] = inner if has_inner else f"{comp}.optimizer_state_dict."
+                # ZeRO-1/2 keep the wrapped optimizer's state under `base_optimizer_state`,
+                # ZeRO-3 under a second `optimizer_state_dict` (both over flat partitions)
+                prefixes["optimizer"] = f"{comp}.optimizer_state_dict."
+                for inner in ("base_optimizer_state.", "optimizer_state_dict."):
+                    if any(
+                        n.startswith(f"{comp}.optimizer_state_dict.{inner}state.") for n in names
+                    ):
+                        prefixes["optimizer"] = f"{comp}.optimizer_state_dict.{inner}"
+                        break
                 break
     if any(n.startswith("model_states.lr_scheduler.") for n in names):
         prefixes["scheduler"] = "model_states.lr_scheduler."
@@ -434,7 +440,42 @@ def _deepspeed(source: Source) -> OpenedSource | None:
     step = _value(checkpoint, "model_states.global_steps")
     if isinstance(step, int):
         state.step = step
+    configured = _value(checkpoint, "model_states.ds_config.optimizer.type")
+    if state.optimizer is not None and isinstance(configured, str):
+        state.optimizer.kind = configured
+    if not state.weights.get("tensors"):
+        state.weights = _zero3_weights(checkpoint)
     return _finish(checkpoint, state, folder)
+
+
+def _zero3_weights(checkpoint: Checkpoint) -> dict[str, int]:
+    """ZeRO-3 keeps no weights in the model states: count them from `param_shapes` and the
+    fp32 partitions the optimizer files hold (what `zero_to_fp32.py` reassembles)."""
+    manifest = checkpoint.manifest
+    shapes = [
+        e.value
+        for e in _under(manifest, "model_states.param_shapes.")
+        if isinstance(e.value, list) and all(isinstance(d, int) for d in e.value)
+    ]
+    flat = [
+        e
+        for e in manifest.entries
+        if e.kind == "tensor"
+        and (".fp32_flat_groups." in e.name or ".single_partition_of_fp32_groups." in e.name)
+    ]
+    if not shapes or not flat:
+        return {}
+    parameters = 0
+    for shape in shapes:
+        count = 1
+        for dim in shape:
+            count *= dim
+        parameters += count
+    return {
+        "tensors": len(shapes),
+        "parameters": parameters,
+        "bytes": sum(e.nbytes for e in flat),
+    }
 
 
 def _component_files(folder: _Folder) -> dict[str, str]:
@@ -952,8 +993,8 @@ def _shape_problems(opened: OpenedSource) -> list[Problem]:
     if model_prefix is None or opt_prefix is None:
         return []
     checkpoint = opened.checkpoint
-    if "base_optimizer_state" in opt_prefix:
-        return []  # ZeRO state covers flat partitions, not individual weights
+    if opt_prefix.startswith("optim_states"):
+        return []  # DeepSpeed ZeRO state covers flat partitions, not individual weights
     view = analyse_optimizer(checkpoint, opt_prefix)
     if view is None:
         return []

@@ -415,3 +415,44 @@ def test_trainer_folder_written_as_one_torch_training_dict(
     model.load_state_dict(back["model"])
     for name, tensor in load_file(trainer_run / "model.safetensors").items():
         assert torch.equal(back["model"][name], tensor)
+
+
+def test_deepspeed_zero3_counts_weights_from_partitions(tmp_path: Path) -> None:
+    classes = _fake_deepspeed_classes()
+    model = torch.nn.Linear(4, 2)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    tag = tmp_path / "global_step3"
+    tag.mkdir()
+    torch.save(
+        {
+            "module": {},
+            "param_shapes": [{"weight": torch.Size([2, 4]), "bias": torch.Size([2])}],
+            "lr_scheduler": {"last_epoch": 3, "_step_count": 4, "_last_lr": [0.001]},
+            "global_steps": 3,
+            "ds_config": {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}},
+        },
+        tag / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+    )
+    torch.save(
+        {
+            "optimizer_state_dict": {
+                "zero_stage": classes["ZeroStageEnum"].gradients,
+                "loss_scaler": classes["LossScaler"](),
+                "partition_count": 1,
+                "optimizer_state_dict": {
+                    "state": {0: {"exp_avg": flat * 0, "exp_avg_sq": flat * 0}},
+                    "param_groups": [{"lr": 0.001, "params": [0]}],
+                },
+                "fp32_flat_groups": [flat.clone()],
+            },
+        },
+        tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    )
+    for name in list(sys.modules):
+        if name.startswith("deepspeed"):
+            del sys.modules[name]
+    training = run_ckpt("inspect", tag, "--json").json["result"]["training"]
+    assert training["layout"] == "deepspeed" and training["step"] == 3
+    assert training["weights"] == {"tensors": 2, "parameters": 10, "bytes": 40}
+    assert training["optimizer"]["kind"] == "AdamW" and training["optimizer"]["complete"]
+    assert training["missing"] == ["rng", "dataloader"]
