@@ -38,7 +38,8 @@ from .formats import get_format, open_checkpoint, resolve_source
 from .formats.base import Checkpoint, Source
 from .formats.safetensors import INDEX_SUFFIX
 from .models import Entry, FileInfo, Manifest, OptimizerState, Problem, TrainingState
-from .storage import safe_relpath
+from .storage import LocalStorage, safe_relpath
+from .uri import parse_location
 
 if TYPE_CHECKING:
     import torch
@@ -148,8 +149,13 @@ class CompositeCheckpoint(Checkpoint):
         components: dict[str, Checkpoint],
         layout: str,
         other_files: list[FileInfo],
+        subfolders: dict[str, str] | None = None,
+        wrappers: dict[str, str] | None = None,
     ):
         from .formats.torch_save import TorchEntry
+
+        subfolders = subfolders or {}
+        wrappers = wrappers or {}
 
         self.components = components
         self.layout = layout
@@ -159,14 +165,27 @@ class CompositeCheckpoint(Checkpoint):
         formats: dict[str, str] = {}
         for comp, checkpoint in components.items():
             formats[comp] = checkpoint.manifest.format
-            files.extend(checkpoint.manifest.files)
+            # a component in a subfolder (an FSDP DCP folder): file names relative to the root
+            sub = subfolders.get(comp, "")
+            files.extend(
+                f.model_copy(update={"path": f"{sub}{f.path}"}) for f in checkpoint.manifest.files
+            )
+            # DCP components saved as {"model": ...} would read `model.model.x`: drop the wrapper
+            wrapper = wrappers.get(comp, "")
             for entry in checkpoint.manifest.entries:
-                name = f"{comp}.{entry.name}" if entry.name else comp
-                inner = getattr(entry, "key_path", None) or (
-                    (("dict", entry.name),) if entry.name else ()
+                short = entry.name[len(wrapper) :] if wrapper else entry.name
+                name = f"{comp}.{short}" if short else comp
+                inner = (None if wrapper else getattr(entry, "key_path", None)) or (
+                    (("dict", short),) if short else ()
                 )
                 fields = {k: getattr(entry, k) for k in Entry.model_fields}
                 fields["name"] = name
+                if sub:
+                    fields["file"] = f"{sub}{entry.file}" if entry.file else None
+                    if entry.chunks:
+                        fields["chunks"] = [
+                            c.model_copy(update={"file": f"{sub}{c.file}"}) for c in entry.chunks
+                        ]
                 # the key path lets the torch writer rebuild {"model": {...}, "optimizer": {...}}
                 entries.append(
                     TorchEntry.model_construct(**fields, key_path=(("dict", comp), *inner))
@@ -223,6 +242,8 @@ class _Folder:
         self.problems: list[Problem] = []
         self.used: set[str] = set()
         self.parts: dict[str, tuple[str, str]] = {}
+        self.subfolders: dict[str, str] = {}
+        self.wrappers: dict[str, str] = {}
         self.names = {
             n[len(base) :] for n in source.files if n.startswith(base) and "/" not in n[len(base) :]
         }
@@ -264,6 +285,37 @@ class _Folder:
         self.parts[comp] = (rel, fmt)
         return checkpoint
 
+    def has_dir(self, sub: str, marker: str = ".metadata") -> bool:
+        return f"{self.base}{sub}/{marker}" in self.source.files
+
+    def add_dir(self, comp: str, sub: str, fmt: str) -> Checkpoint | None:
+        """A component that is a folder of its own (an FSDP `pytorch_model_fsdp_0/` DCP)."""
+        rel = self.rel(sub)
+        try:
+            root = self.source.storage.local_path(rel)
+            if root is None:
+                raise FormatError("subfolder components need a local folder", path=rel)
+            part = Source(location=parse_location(str(root)), storage=LocalStorage(root))
+            checkpoint = get_format(fmt).open(part)
+        except CkptError as error:
+            self.unreadable[f"{rel}/"] = error.problem
+            self.problems.append(
+                Problem(
+                    code="unreadable_component",
+                    message=error.message,
+                    file=error.path or self.source.storage.describe(rel),
+                )
+            )
+            return None
+        self.used.update(n for n in self.source.files if n.startswith(f"{rel}/"))
+        self.components[comp] = checkpoint
+        self.parts[comp] = (f"{rel}/", fmt)
+        self.subfolders[comp] = f"{rel}/"
+        names = [e.name for e in checkpoint.manifest.entries]
+        if names and all(n.startswith(f"{comp}.") for n in names):
+            self.wrappers[comp] = f"{comp}."
+        return checkpoint
+
     def add_model(self, stems: tuple[str, ...] = ("model", "pytorch_model")) -> str | None:
         """The model weights: a safetensors or bin index, or one file; returns its file."""
         for stem in stems:
@@ -276,6 +328,10 @@ class _Folder:
                 if self.has(name):
                     self.add("model", name, fmt)
                     return name
+        for sub in ("pytorch_model_fsdp_0", "model_0"):
+            if self.has_dir(sub):
+                self.add_dir("model", sub, "dcp")
+                return f"{sub}/"
         adapters = self.matching(r"adapter_model\.(safetensors|bin)")
         if adapters:
             name = adapters[0]
@@ -300,7 +356,9 @@ class _Folder:
             FileInfo(path=rel, size=self.source.files.get(rel), entries=0)
             for rel in sorted(self.unreadable)
         ]
-        return CompositeCheckpoint(self.source, self.components, layout, other)
+        return CompositeCheckpoint(
+            self.source, self.components, layout, other, self.subfolders, self.wrappers
+        )
 
 
 def _trainer(source: Source) -> OpenedSource | None:
@@ -313,6 +371,8 @@ def _trainer(source: Source) -> OpenedSource | None:
     for comp, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt")):
         if folder.has(name):
             folder.add(comp, name, "torch")
+    if "optimizer" not in folder.components and folder.has_dir("optimizer_0"):
+        folder.add_dir("optimizer", "optimizer_0", "dcp")  # FSDP sharded optimizer state
     if folder.has("scaler.pt"):
         folder.add("scaler", "scaler.pt", "torch")
     folder.add_many("rng", rng, "torch")
@@ -928,7 +988,12 @@ def check_source(src: str, format: str | None = None) -> list[Problem]:
         for rel, fmt in opened.parts.values():
             if fmt in ("json", "opaque"):
                 continue
-            part = Source(location=source.location, storage=source.storage, target=rel)
+            if rel.endswith("/"):
+                root = source.storage.local_path(rel.rstrip("/"))
+                assert root is not None  # folder components exist for local sources only
+                part = Source(location=parse_location(str(root)), storage=LocalStorage(root))
+            else:
+                part = Source(location=source.location, storage=source.storage, target=rel)
             problems.extend(get_format(fmt).check(part))
     return problems
 

@@ -456,3 +456,46 @@ def test_deepspeed_zero3_counts_weights_from_partitions(tmp_path: Path) -> None:
     assert training["weights"] == {"tensors": 2, "parameters": 10, "bytes": 40}
     assert training["optimizer"]["kind"] == "AdamW" and training["optimizer"]["complete"]
     assert training["missing"] == ["rng", "dataloader"]
+
+
+def test_trainer_fsdp_folder_with_dcp_model_and_optimizer(
+    trainer_run: Path, tmp_path: Path
+) -> None:
+    """FSDP with SHARDED_STATE_DICT: the Trainer (through accelerate) saves the model and the
+    optimizer as DCP folders wrapped in {"model": ...} / {"optimizer": ...}."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    folder = _copy(trainer_run, tmp_path / "checkpoint-4")
+    (folder / "model.safetensors").unlink()
+    (folder / "optimizer.pt").unlink()
+    model = _demo().TinyLM()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 64, (2, 5))).sum().backward()
+    opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"model": model_sd}, checkpoint_id=str(folder / "pytorch_model_fsdp_0"), no_dist=True
+        )
+        dcp.save({"optimizer": optim_sd}, checkpoint_id=str(folder / "optimizer_0"), no_dist=True)
+    report = run_ckpt("inspect", folder, "--json").json["result"]
+    training = report["training"]
+    assert training["layout"] == "hf-trainer"
+    assert training["weights"]["tensors"] == len(model_sd)
+    assert training["optimizer"]["kind"] == "AdamW"
+    assert training["optimizer"]["params"] == training["optimizer"]["params_with_state"] == 8
+    assert training["resumable"] is True, training["missing"]
+    names = {e["name"]: e for e in report["entries"]}
+    assert names["model.head.weight"]["file"].startswith("pytorch_model_fsdp_0/")
+    assert "optimizer.state.head.weight.exp_avg" in names
+    opened = open_source(str(folder))
+    assert training_checks(opened) == []
+    with opened.checkpoint as checkpoint:
+        assert torch.equal(checkpoint.read_tensor("model.fc1.weight"), model_sd["fc1.weight"])
+    from ckpt_cli.layouts import check_source
+
+    assert check_source(str(folder)) == []
