@@ -400,3 +400,122 @@ def test_leftover_file_of_another_save_only_warns(tmp_path: Path) -> None:
     assert [(p["code"], p["severity"], Path(p["file"]).name) for p in found] == [
         ("unreferenced_shard", "warning", "model-00001-of-00003.safetensors")
     ]
+
+
+# ------------------------------------------------------------------ DCP
+
+
+def dcp_checkpoint(path: Path) -> Path:
+    """A single-process DCP save (torch_save serialization) of a tiny model + step counter."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    gen = torch.Generator().manual_seed(5)
+    state = {"model": {"w": torch.randn(4, 4, generator=gen), "b": torch.randn(4, generator=gen)}}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+    return path
+
+
+def rewrite_metadata(folder: Path, change: Any) -> None:
+    """Edit `.metadata` with torch's own classes (DCP's reader unpickles it; we never do)."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    change(metadata)
+    with open(folder / ".metadata", "wb") as fh:
+        pickle.dump(metadata, fh)
+
+
+def test_good_dcp_passes_structure_and_deep(tmp_path: Path) -> None:
+    folder = dcp_checkpoint(tmp_path / "step-1")
+    result = run_ckpt("verify", folder, "--deep", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["format"] == "dcp" and report["tensors"] == 2
+
+
+def test_dcp_without_metadata_is_an_interrupted_save(tmp_path: Path) -> None:
+    folder = dcp_checkpoint(tmp_path / "step-1")
+    (folder / ".metadata").unlink()
+    code, found = problems(folder)
+    assert code == 1
+    [problem] = found
+    assert "no .metadata" in problem["message"] and "interrupted" in problem["message"]
+
+
+def test_dcp_with_a_missing_distcp_file(tmp_path: Path) -> None:
+    folder = dcp_checkpoint(tmp_path / "step-1")
+    (folder / "__0_0.distcp").unlink()
+    code, found = problems(folder)
+    assert code == 1
+    assert {p["code"] for p in errors(found)} == {"dcp_missing_file"}
+    assert "__0_0.distcp" in errors(found)[0]["message"]
+
+
+def test_dcp_chunks_with_a_hole(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint.metadata as m
+
+    folder = dcp_checkpoint(tmp_path / "step-1")
+
+    def grow(metadata: Any) -> None:
+        # the one stored chunk now covers only half of a tensor twice as tall
+        old = metadata.state_dict_metadata["model.w"]
+        metadata.state_dict_metadata["model.w"] = m.TensorStorageMetadata(
+            old.properties, torch.Size([8, 4]), old.chunks
+        )
+
+    rewrite_metadata(folder, grow)
+    code, found = problems(folder)
+    assert code == 1
+    assert [(p["code"], p["tensor"]) for p in errors(found)] == [("dcp_hole", "model.w")]
+
+
+def test_dcp_chunks_that_overlap(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint.metadata as m
+
+    folder = dcp_checkpoint(tmp_path / "step-1")
+
+    def overlap(metadata: Any) -> None:
+        # a second chunk of rows 2..5 of a 6-row tensor, stored in the first chunk's bytes
+        old = metadata.state_dict_metadata["model.w"]
+        second = m.ChunkStorageMetadata(offsets=torch.Size([2, 0]), sizes=torch.Size([4, 4]))
+        metadata.state_dict_metadata["model.w"] = m.TensorStorageMetadata(
+            old.properties, torch.Size([6, 4]), [*old.chunks, second]
+        )
+        first = m.MetadataIndex("model.w", torch.Size([0, 0]), 0)
+        info = metadata.storage_data[first]
+        metadata.storage_data[m.MetadataIndex("model.w", torch.Size([2, 0]), 1)] = info
+
+    rewrite_metadata(folder, overlap)
+    code, found = problems(folder)
+    assert code == 1
+    assert ("dcp_overlap", "model.w") in [(p["code"], p["tensor"]) for p in errors(found)]
+
+
+# ------------------------------------------------------------------ torch.save
+
+
+def test_good_torch_file_passes_and_hostile_pickle_is_not_executed(tmp_path: Path) -> None:
+    torch.save(weights(), tmp_path / "model.pt")
+    result = run_ckpt("verify", tmp_path / "model.pt", "--deep", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["format"] == "torch"
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"w": torch.zeros(2), "evil": Evil()}, tmp_path / "evil.pt")
+    code, found = problems(tmp_path / "evil.pt")
+    assert code in (1, 4)
+    assert found and "system" in found[0]["message"]
+    code, found = problems(tmp_path / "evil.pt", "--deep", "--resumable")
+    assert code in (1, 4)
+    assert not marker.exists()
