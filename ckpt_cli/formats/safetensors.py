@@ -278,9 +278,11 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
     ):
         raise FormatError("has no valid weight_map (tensor name -> shard file)", path=where)
     base = posixpath_dir(rel)
-    safe = {
-        name: _join(base, safe_relpath(shard, source=where)) for name, shard in weight_map.items()
+    # thousands of tensors share a few shard names: check each name once
+    resolved = {
+        shard: _join(base, safe_relpath(shard, source=where)) for shard in set(weight_map.values())
     }
+    safe = {name: resolved[shard] for name, shard in weight_map.items()}
     metadata = index.get("metadata") or {}
     return safe, metadata if isinstance(metadata, dict) else {}
 
