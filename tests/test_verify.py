@@ -519,3 +519,24 @@ def test_good_torch_file_passes_and_hostile_pickle_is_not_executed(tmp_path: Pat
     code, found = problems(tmp_path / "evil.pt", "--deep", "--resumable")
     assert code in (1, 4)
     assert not marker.exists()
+
+
+def test_one_file_is_checked_against_the_folder_manifest(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    assert run_ckpt("verify", folder, "--write-manifest").exit_code == 0
+    first, second = sorted(folder.glob("*.safetensors"))[:2]
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 0x10
+    second.write_bytes(bytes(data))
+    assert run_ckpt("verify", first, "--checksums").exit_code == 0
+    code, found = problems(second, "--checksums")
+    assert code == 1
+    assert [(p["code"], p["file"]) for p in found] == [("checksum_mismatch", str(second))]
+
+
+def test_single_file_manifest_lies_beside_it(tmp_path: Path) -> None:
+    save_file(weights(), tmp_path / "one.safetensors")
+    assert run_ckpt("verify", tmp_path / "one.safetensors", "--write-manifest").exit_code == 0
+    manifest = json.loads((tmp_path / "ckpt-manifest.json").read_text())
+    assert list(manifest["files"]) == ["one.safetensors"]
+    assert run_ckpt("verify", tmp_path / "one.safetensors", "--checksums").exit_code == 0

@@ -443,9 +443,22 @@ def _checksum_checks(
             fix="Drop --algo (checks use the manifest's algorithm) or write a new manifest.",
         )
     report.algorithm = recorded.algorithm
+    expected = recorded.files
+    if source.target is not None:
+        # SRC named one file: check that file against its record, whatever else is recorded
+        expected = {n: d for n, d in expected.items() if n == source.target}
+        if not expected:
+            problems.append(
+                Problem(
+                    code="unlisted_file",
+                    message=f"{root / source.target}: is not in the manifest {path}",
+                    file=str(root / source.target),
+                )
+            )
+            return
     sizes = files_size(files)
     to_hash: dict[str, Path] = {}
-    for name, want in recorded.files.items():
+    for name, want in expected.items():
         if name not in files:
             problems.append(
                 Problem(
@@ -465,7 +478,7 @@ def _checksum_checks(
             )
         else:
             to_hash[name] = files[name]
-    for name in sorted(set(files) - set(recorded.files)):
+    for name in sorted(set(files) - set(expected)):
         problems.append(
             Problem(
                 code="unlisted_file",
