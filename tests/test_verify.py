@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import struct
 import sys
 from pathlib import Path
@@ -624,3 +625,86 @@ def test_trainer_folder_with_a_truncated_model_is_named(tmp_path: Path) -> None:
     code, found = problems(folder)
     assert code == 1
     assert any(p["file"] == str(model) and "truncated" in p["message"] for p in errors(found))
+
+
+# ------------------------------------------------------------------ the Hub
+
+
+def test_hub_checkpoint_structure_through_ranged_reads(hub: Any, tmp_path: Path) -> None:
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    result = run_ckpt("verify", "hf://org/model", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["format"] == "safetensors"
+
+    # a broken commit: the index sends a tensor to the wrong shard
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "src", broken)
+    index = index_of(broken)
+    right = index["weight_map"]["model.layers.0.mlp.weight"]
+    wrong = next(s for s in sorted(set(index["weight_map"].values())) if s != right)
+    index["weight_map"]["model.layers.0.mlp.weight"] = wrong
+    write_index(broken, index)
+    hub.add_repo("org/broken", broken)
+    code, found = problems("hf://org/broken")
+    assert code == 1
+    [problem] = errors(found)
+    assert problem["code"] == "wrong_shard" and problem["file"].startswith("hf://org/broken@")
+
+
+def test_local_copy_against_the_hubs_digests(hub: Any, tmp_path: Path) -> None:
+    from huggingface_hub import snapshot_download
+
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    copy = tmp_path / "copy"
+    snapshot_download("org/model", local_dir=copy, endpoint=hub.url)
+    args = ("--checksums", "--manifest", "hf://org/model")
+    result = run_ckpt("verify", copy, *args, "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["problems"] == []
+    assert report["hashed_bytes"] == sum(
+        p.stat().st_size for p in (tmp_path / "src").iterdir()
+    ) + len(b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+
+    shard = sorted(copy.glob("*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x04
+    shard.write_bytes(bytes(data))
+    (copy / "config.json").write_text('{"model_type": "other"}\n')
+    code, found = problems(copy, *args)
+    assert code == 1
+    assert sorted((p["code"], Path(p["file"]).name) for p in errors(found)) == [
+        ("checksum_mismatch", shard.name),
+        ("size_changed", "config.json"),
+    ]
+
+
+def test_hub_cache_against_the_hubs_digests(hub: Any, tmp_path: Path) -> None:
+    import os
+
+    from huggingface_hub import snapshot_download
+
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    code, found = problems("hf://org/model", "--checksums")
+    assert code == 0 and [p["code"] for p in found] == ["no_local_copy"]
+    snapshot = Path(
+        snapshot_download(
+            "org/model", endpoint=hub.url, cache_dir=str(Path(os.environ["HF_HOME"]) / "hub")
+        )
+    )
+    assert run_ckpt("verify", "hf://org/model", "--checksums").exit_code == 0
+    blob = (snapshot / "model-00002-of-00007.safetensors").resolve()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0x01
+    blob.write_bytes(bytes(data))
+    code, found = problems("hf://org/model", "--checksums")
+    assert code == 1
+    [problem] = found
+    assert problem["code"] == "checksum_mismatch"
+    assert "model-00002-of-00007.safetensors" in problem["file"]

@@ -420,13 +420,21 @@ def _checksum_checks(
     force: bool,
     progress: Progress,
 ) -> None:
+    if not write and source.location.kind == "hf":
+        report.checks.append("checksums")
+        _hub_cache_checksums(report, problems, source, progress)
+        return
     if not isinstance(source.storage, LocalStorage):
         raise UsageError(
             "--checksums and --write-manifest need a local checkpoint",
             path=source.location.raw,
-            fix="Download it first (`ckpt download`); Hub files are checked against the Hub's "
-            "own sha256 by plain `ckpt verify` on the local copy.",
+            fix="Download it first (`ckpt download`), then check the copy against the Hub with "
+            "`ckpt verify DEST --checksums --manifest hf://org/repo@revision`.",
         )
+    if not write and manifest is not None and manifest.startswith("hf://"):
+        report.checks.append("checksums")
+        _local_against_hub(report, problems, source, manifest, progress)
+        return
     path = Path(manifest) if manifest else default_manifest_path(source)
     report.manifest = str(path)
     root = _local_root(source)
@@ -598,3 +606,130 @@ def _write_manifest(path: Path, record: ChecksumManifest, force: bool) -> None:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+# ---------------------------------------------------------------- against the Hub's digests
+
+
+def _hub_cache_checksums(
+    report: VerifyReport, problems: list[Problem], source: Source, progress: Progress
+) -> None:
+    """`verify hf://… --checksums`: the files in the local HF cache against the Hub's digests."""
+    from ..formats.hub import HubStorage
+
+    storage = source.storage
+    assert isinstance(storage, HubStorage)
+    remote = storage.repo.files
+    names = [source.target] if source.target is not None else sorted(remote)
+    local: dict[str, Path] = {}
+    for name in names:
+        path = storage.local_path(name)
+        if path is not None:
+            local[name] = path
+    report.manifest = storage.repo.display()
+    if not local:
+        problems.append(
+            Problem(
+                code="no_local_copy",
+                message=f"{storage.repo.display()}: no file of this commit is in the local HF "
+                "cache, so there is nothing to check against the Hub's digests",
+                file=storage.repo.display(),
+                severity="warning",
+            )
+        )
+        return
+    _compare_with_hub(
+        report, problems, local, {n: remote[n] for n in names}, storage.describe, progress
+    )
+
+
+def _local_against_hub(
+    report: VerifyReport, problems: list[Problem], source: Source, hub: str, progress: Progress
+) -> None:
+    """`verify DIR --checksums --manifest hf://…`: a downloaded copy against the Hub's digests."""
+    from ..formats.hub import HubStorage
+
+    hub_side = resolve_source(hub)
+    storage = hub_side.storage
+    assert isinstance(storage, HubStorage)
+    report.manifest = storage.repo.display()
+    root = _local_root(source)
+    local = {
+        name: root / name
+        for name in source.files
+        # huggingface_hub keeps its download bookkeeping there; ckpt its manifest
+        if not name.startswith(".cache/huggingface/") and name != MANIFEST_NAME
+    }
+    remote = storage.repo.files
+    if source.target is not None:
+        remote = {n: f for n, f in remote.items() if n == source.target}
+    for name in sorted(set(remote) - set(local)):
+        problems.append(
+            Problem(
+                code="missing_file",
+                message=f"{root / name}: is not in the local copy ({storage.describe(name)} has "
+                f"{remote[name].size} bytes)",
+                file=str(root / name),
+                severity="warning",
+            )
+        )
+    for name in sorted(set(local) - set(remote)):
+        problems.append(
+            Problem(
+                code="unlisted_file",
+                message=f"{root / name}: is not in {storage.repo.display()}",
+                file=str(root / name),
+                severity="warning",
+            )
+        )
+    both = {n: local[n] for n in sorted(set(local) & set(remote))}
+    _compare_with_hub(report, problems, both, remote, lambda n: str(root / n), progress)
+
+
+def _compare_with_hub(
+    report: VerifyReport,
+    problems: list[Problem],
+    local: dict[str, Path],
+    remote: dict[str, Any],
+    describe: Any,
+    progress: Progress,
+) -> None:
+    """Sizes, then the Hub's own digests: LFS sha256 (hashed in parallel), git blob sha1."""
+    from huggingface_hub.utils.sha import git_hash
+
+    report.algorithm = "sha256 (LFS) / git-sha1"
+    sizes = files_size(local)
+    lfs: dict[str, Path] = {}
+    for name, path in local.items():
+        want = remote[name]
+        if sizes[name] != want.size:
+            problems.append(
+                Problem(
+                    code="size_changed",
+                    message=f"{describe(name)}: is {sizes[name]} bytes, the Hub records "
+                    f"{want.size}",
+                    file=describe(name),
+                )
+            )
+        elif want.sha256:
+            lfs[name] = path
+        elif want.blob_id:
+            # regular (non-LFS) git files are small: the Hub caps them at 10 MB
+            actual = git_hash(path.read_bytes())
+            report.hashed_bytes += sizes[name]
+            if actual != want.blob_id:
+                problems.append(_hub_mismatch(describe(name), "git-sha1", actual, want.blob_id))
+    digests = _hash(lfs, "sha256", progress)
+    report.hashed_bytes += sum(sizes[n] for n in lfs)
+    for name, digest in digests.items():
+        if digest != remote[name].sha256:
+            problems.append(_hub_mismatch(describe(name), "sha256", digest, remote[name].sha256))
+
+
+def _hub_mismatch(file: str, algo: str, actual: str, expected: str) -> Problem:
+    return Problem(
+        code="checksum_mismatch",
+        message=f"{file}: {algo} {actual[:16]}… differs from the Hub's {expected[:16]}… (the "
+        "local copy is corrupt or from another revision)",
+        file=file,
+    )
