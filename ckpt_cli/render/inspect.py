@@ -92,9 +92,12 @@ def render_training(report: InspectReport) -> None:
 def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     """Summary, training state, folded tree; every entry with `show_tensors`."""
     files = len(report.files)
-    stdout.print(
-        f"[bold]{report.location}[/]  ({report.format}, {files} file{'s' if files != 1 else ''})"
-    )
+    kind = report.format
+    if kind == "composite":
+        # a training folder: its layout and the formats of its components
+        formats = sorted(set(report.details.get("components", {}).values()) - {"json", "opaque"})
+        kind = f"{report.details.get('layout', 'composite')}: {' + '.join(formats) or 'composite'}"
+    stdout.print(f"[bold]{report.location}[/]  ({kind}, {files} file{'s' if files != 1 else ''})")
     dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in report.bytes_by_dtype.items()) or "-"
     stdout.print(
         f"  {report.tensors} tensors, {human_count(report.parameters)} parameters, "
