@@ -193,7 +193,7 @@ class TestHub:
     # -- faults --------------------------------------------------------------------------------
 
     def drop_after(self, repo_id: str, path: str, nbytes: int) -> None:
-        """Close the connection after `nbytes` body bytes of the next GET of `path` (once)."""
+        """Close the connection after `nbytes` body bytes of the next longer GET of `path` (once)."""
         self._drops[(repo_id, path)] = nbytes
 
     def fail(
@@ -239,9 +239,14 @@ class TestHub:
                     return int(status), code  # type: ignore[call-overload]
         return None
 
-    def _take_drop(self, repo_id: str, path: str) -> int | None:
+    def _take_drop(self, repo_id: str, path: str, length: int) -> int | None:
+        """The armed drop for this file if this response is long enough to be cut (once)."""
         with self._lock:
-            return self._drops.pop((repo_id, path), None)
+            drop = self._drops.get((repo_id, path))
+            if drop is None or drop >= length:
+                return None
+            del self._drops[(repo_id, path)]
+            return drop
 
     def _count(self, repo_id: str, path: str, n: int) -> None:
         with self._lock:
@@ -468,9 +473,9 @@ class _Handler(BaseHTTPRequestHandler):
         if head:
             self._record(status, file=key)
             return
-        drop = self.server_hub._take_drop(repo.repo_id, rel)
         body = f.data[start:end]
-        if drop is not None and drop < len(body):
+        drop = self.server_hub._take_drop(repo.repo_id, rel, len(body))
+        if drop is not None:
             self.wfile.write(body[:drop])
             self.wfile.flush()
             self.server_hub._count(repo.repo_id, rel, drop)

@@ -357,6 +357,9 @@ class HubStorage(Storage):
         requests: HTTP requests made for file data.
     """
 
+    #: first read of a safetensors header: most shard headers fit; larger ones take a second read
+    header_probe = 16 << 10
+
     def __init__(self, repo: HubRepo):
         self.repo = repo
         self.display = repo.display()
@@ -436,16 +439,16 @@ class HubStorage(Storage):
             headers["Accept-Encoding"] = "identity"
             self.requests += 1
             try:
-                with (
-                    hub_errors(where),
-                    get_session().stream(
-                        "GET", url, headers=headers, follow_redirects=True
-                    ) as response,
-                ):
-                    hf_raise_for_status(response)
+                with get_session().stream(
+                    "GET", url, headers=headers, follow_redirects=True
+                ) as response:
+                    with hub_errors(where):
+                        hf_raise_for_status(response)
                     # a 200 means the server ignored Range: discard what comes before `pos`
                     skip = pos if response.status_code == 200 else 0
-                    for block in response.iter_bytes(chunk):
+                    # no chunk size: blocks are yielded as they arrive, so after a dropped
+                    # connection the retry starts at the last byte received, not at a block edge
+                    for block in response.iter_bytes():
                         self.bytes_fetched += len(block)
                         if skip:
                             cut = min(skip, len(block))
@@ -458,18 +461,19 @@ class HubStorage(Storage):
                         yield block
                         if pos >= end:
                             break
-            except HubError:
-                raise
             except (httpx2.RemoteProtocolError, httpx2.ReadError, httpx2.TimeoutException) as exc:
                 failures += 1
                 if failures > READ_RETRIES:
                     raise HubError(
                         f"the connection kept failing while reading bytes {pos}..{end} ({exc})",
                         path=where,
-                        fix="Check the network and run the command again; completed work is kept.",
+                        fix="Check the network and run the command again.",
                     ) from None
                 time.sleep(min(0.2 * 2**failures, 5.0))
                 continue
+            except httpx2.TransportError:
+                with hub_errors(where):
+                    raise
             if pos < end:
                 failures += 1
                 if failures > READ_RETRIES:
