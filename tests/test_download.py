@@ -202,6 +202,34 @@ def test_dropped_connection_resumes_without_refetching(hub: TestHub, tmp_path: P
     assert hub.bytes_sent("org/model", other) - gets[0].sent == entry_bytes
 
 
+def test_interrupted_run_resumes_with_the_shards_it_lacks(hub: TestHub, tmp_path: Path) -> None:
+    state, weight_map = publish(hub, tmp_path)
+    shards = sorted(set(weight_map.values()))
+    broken = shards[1]
+    hub.fail(f"/resolve/.*/{broken}$", 403)
+    dest = tmp_path / "interrupted"
+    first = run_ckpt("download", "hf://org/model", dest, "--no-extras")
+    assert first.exit_code == 5, first.stderr
+    assert broken in first.stderr
+    assert not dest.exists() and not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
+    fetched_before = {s: hub.bytes_sent("org/model", s) for s in shards}
+    hub.reset_counters()
+    second = run_ckpt("download", "hf://org/model", dest, "--no-extras", "--json")
+    assert second.exit_code == 0, second.stderr
+    status = {f["path"]: f["status"] for f in second.json["result"]["files"]}
+    for shard in shards:
+        size = (tmp_path / "src" / shard).stat().st_size
+        if fetched_before[shard] == size:  # completed by the first run: not fetched again
+            assert status[shard] == "cached" and hub.bytes_sent("org/model", shard) == 0
+        else:
+            assert status[shard] == "fetched" and hub.bytes_sent("org/model", shard) == size
+    assert status[broken] == "fetched"
+    assert "cached" in status.values()  # the first run's completed shards were kept
+    got = read_all(dest)
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[n], state[n]) for n in state)
+
+
 def test_dry_run_fetches_nothing(hub: TestHub, tmp_path: Path) -> None:
     _, weight_map = publish(hub, tmp_path)
     dest = tmp_path / "never"

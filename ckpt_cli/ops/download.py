@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -70,6 +71,8 @@ COALESCE_MAX_GAP = 1 << 20
 #: output shards of a tensors-mode download are at most this large when the source is one file
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 _HASH_BLOCK = 8 << 20
+#: files fetched at once in shards mode (snapshot_download's default)
+FETCH_WORKERS = 8
 
 
 class DownloadFile(BaseModel):
@@ -322,33 +325,14 @@ def _download_shards(
         plan.extend((rel, "extra") for rel in _extras(repo, set(needed) | {index_rel or ""}))
     report.metadata_bytes = storage.bytes_fetched
 
-    for rel, kind in plan:
-        remote = storage.remote(rel)
-        cached = repo.cached_path(rel)
-        report.files.append(
-            DownloadFile(
-                path=rel,
-                size=remote.size,
-                kind=kind,
-                status="cached" if cached else "planned",
-                sha256=remote.sha256,
-                cache_path=cached,
-            )
-        )
+    report.files = [f for rel, kind in plan for f in _planned(repo, [rel], kind)]
     report.bytes_planned = sum(f.size for f in report.files if f.status == "planned")
     if report.dry_run:
         if subset:
             report.files.insert(0, _rewritten_index_info(index_rel, 0, "planned"))
         return
 
-    received = _fetch_files(repo, report, progress)
-    report.bytes_transferred = received
-    for info in report.files:
-        assert info.cache_path is not None
-        _check_against_hub(
-            Path(info.cache_path), storage.remote(info.path), storage.describe(info.path)
-        )
-        info.verified = repo.snapshot is None  # offline: no recorded checksums to compare with
+    report.bytes_transferred = _fetch_files(repo, report, progress)
 
     if report.cache_only:
         return
@@ -364,6 +348,25 @@ def _download_shards(
             data = _narrowed_index(staging, weight_map, set(needed))
             (staging / index_rel).write_bytes(data)
             report.files.insert(0, _rewritten_index_info(index_rel, len(data), "rewritten"))
+
+
+def _planned(repo: HubRepo, rels: list[str], kind: Any) -> list[DownloadFile]:
+    """Download entries for `rels`, marked `cached` when the HF cache holds them already."""
+    out = []
+    for rel in rels:
+        remote = repo.files[rel]
+        cached = repo.cached_path(rel)
+        out.append(
+            DownloadFile(
+                path=rel,
+                size=remote.size,
+                kind=kind,
+                status="cached" if cached else "planned",
+                sha256=remote.sha256,
+                cache_path=cached,
+            )
+        )
+    return out
 
 
 def _rewritten_index_info(index_rel: str | None, size: int, status: Any) -> DownloadFile:
@@ -386,9 +389,17 @@ def _narrowed_index(staging: Path, weight_map: dict[str, str], shards: set[str])
 
 
 def _fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> int:
-    """hf_hub_download every planned file into the HF cache; returns bytes received."""
+    """Fetch every file of `report` not yet in the HF cache, and check each against the Hub.
+
+    Files are fetched with `hf_hub_download` (pinned to the commit) by `FETCH_WORKERS` threads,
+    as `snapshot_download` does; each is hashed as soon as it lands (hashlib releases the GIL,
+    so hashing overlaps the other transfers). Returns the bytes received.
+    """
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
     from huggingface_hub import hf_hub_download
 
+    lock = threading.Lock()
     received = [0]
 
     class _Bar:
@@ -399,8 +410,9 @@ def _fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> i
 
         def update(self, n: float | None = 1) -> None:
             amount = int(n or 0)
-            received[0] += amount
-            progress.advance(amount)
+            with lock:
+                received[0] += amount
+                progress.advance(amount)
 
         def close(self) -> None:
             pass
@@ -411,12 +423,11 @@ def _fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> i
         def __exit__(self, *exc: object) -> None:
             pass
 
-    progress.start(report.bytes_planned, f"{repo.repo_id}")
-    try:
-        for info in report.files:
-            if info.status == "cached":
-                continue
-            with hub_errors(repo.display(info.path)):
+    storage_where = repo.display
+
+    def fetch(info: DownloadFile) -> None:
+        if info.status != "cached":
+            with hub_errors(storage_where(info.path)):
                 path = hf_hub_download(
                     repo.repo_id,
                     repo.repo_path(info.path),
@@ -430,7 +441,20 @@ def _fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> i
                 )
             info.cache_path = str(path)
             info.status = "fetched"
+        assert info.cache_path is not None
+        _check_against_hub(Path(info.cache_path), repo.files[info.path], storage_where(info.path))
+        info.verified = repo.snapshot is None  # offline: no recorded checksums to compare with
+
+    progress.start(report.bytes_planned, repo.repo_id)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(FETCH_WORKERS, len(report.files))))
+    try:
+        futures = [pool.submit(fetch, info) for info in report.files]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            if future in done and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         progress.finish()
     return received[0]
 
@@ -564,13 +588,11 @@ def _download_tensors(
     extra_files = (
         _extras(repo, {h.file for h in checkpoint.headers} | {index_rel or ""}) if extras else []
     )
-    report.bytes_planned += sum(storage.size(rel) for rel in extra_files)
+    extra_plan = _planned(repo, extra_files, "extra")
+    report.bytes_planned += sum(f.size for f in extra_plan if f.status == "planned")
     report.metadata_bytes = storage.bytes_fetched
     if report.dry_run:
-        report.files = [
-            DownloadFile(path=rel, size=storage.size(rel), kind="extra", status="planned")
-            for rel in extra_files
-        ]
+        report.files = extra_plan
         return
     assert dest is not None
 
@@ -615,26 +637,9 @@ def _download_tensors(
             for f in written
         ]
         if extra_files:
-            extra_report = report.model_copy(update={"files": []})
-            for rel in extra_files:
-                remote = storage.remote(rel)
-                cached = repo.cached_path(rel)
-                extra_report.files.append(
-                    DownloadFile(
-                        path=rel,
-                        size=remote.size,
-                        kind="extra",
-                        status="cached" if cached else "planned",
-                        sha256=remote.sha256,
-                        cache_path=cached,
-                    )
-                )
-            report.bytes_transferred += _fetch_files(repo, extra_report, NULL_PROGRESS)
-            for info in extra_report.files:
+            extra = report.model_copy(update={"files": _planned(repo, extra_files, "extra")})
+            report.bytes_transferred += _fetch_files(repo, extra, NULL_PROGRESS)
+            for info in extra.files:
                 assert info.cache_path is not None
-                _check_against_hub(
-                    Path(info.cache_path), storage.remote(info.path), storage.describe(info.path)
-                )
-                info.verified = repo.snapshot is None
                 shutil.copyfile(info.cache_path, staging / info.path)
-            report.files.extend(extra_report.files)
+            report.files.extend(extra.files)
