@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -142,6 +143,29 @@ def test_tensors_mode_fetches_only_the_selected_ranges(hub: TestHub, tmp_path: P
         assert got[name].dtype == state[name].dtype and torch.equal(got[name], state[name]), name
     verify = run_ckpt("inspect", dest, "--json")
     assert verify.exit_code == 0 and verify.json["result"]["tensors"] == len(selected)
+
+
+def test_tensors_mode_splits_large_ranges_into_parallel_parts(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_cli.ops import download as download_ops
+
+    state, _ = publish(hub, tmp_path)
+    monkeypatch.setattr(download_ops, "PART_SIZE", 5000)  # a 64 KiB tensor takes 14 requests
+    monkeypatch.setattr(download_ops, "PARTS_IN_FLIGHT", 4)
+    dest = tmp_path / "parts"
+    result = run_ckpt(
+        "download", "hf://org/model", dest, "--mode", "tensors", "--no-extras", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["bytes_transferred"] == report["selected_bytes"]  # every tensor is contiguous
+    gets = [r for r in hub.file_requests("org/model") if r.method == "GET"]
+    assert len(gets) > report["selected_bytes"] // 5000
+    got = read_all(dest)
+    assert got.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(got[name], tensor), name
 
 
 def test_tensors_mode_output_is_sharded_with_an_index_when_large(

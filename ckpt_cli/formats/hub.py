@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -365,6 +366,8 @@ class HubStorage(Storage):
         self.display = repo.display()
         self.bytes_fetched = 0
         self.requests = 0
+        # reads may run on several threads (parallel range fetches)
+        self._lock = threading.Lock()
 
     def list_files(self) -> dict[str, int]:
         return {rel: f.size for rel, f in self.repo.files.items()}
@@ -437,7 +440,8 @@ class HubStorage(Storage):
             headers = build_hf_headers(token=self.repo.settings.token)
             headers["Range"] = f"bytes={pos}-{end - 1}"
             headers["Accept-Encoding"] = "identity"
-            self.requests += 1
+            with self._lock:
+                self.requests += 1
             try:
                 with get_session().stream(
                     "GET", url, headers=headers, follow_redirects=True
@@ -449,7 +453,8 @@ class HubStorage(Storage):
                     # no chunk size: blocks are yielded as they arrive, so after a dropped
                     # connection the retry starts at the last byte received, not at a block edge
                     for block in response.iter_bytes():
-                        self.bytes_fetched += len(block)
+                        with self._lock:
+                            self.bytes_fetched += len(block)
                         if skip:
                             cut = min(skip, len(block))
                             block, skip = block[cut:], skip - cut

@@ -20,11 +20,14 @@ DEST is published atomically (`output.staged_output`); `--dry-run` reads metadat
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
+import itertools
 import json
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -73,6 +76,10 @@ DEFAULT_SHARD_SIZE = 5 * 1000**3
 _HASH_BLOCK = 8 << 20
 #: files fetched at once in shards mode (snapshot_download's default)
 FETCH_WORKERS = 8
+#: tensors mode: range requests at once, bytes per request, requests held in memory
+RANGE_WORKERS = 8
+PART_SIZE = 8 << 20
+PARTS_IN_FLIGHT = 16
 
 
 class DownloadFile(BaseModel):
@@ -525,6 +532,39 @@ def plan_ranges(entries: list[Entry]) -> list[DownloadRange]:
     return ranges
 
 
+def _ordered_parts(
+    storage: HubStorage, ranges: list[DownloadRange]
+) -> Generator[bytes, None, None]:
+    """The bytes of `ranges`, in order, as parts of at most `PART_SIZE` fetched in parallel.
+
+    Up to `RANGE_WORKERS` range requests run at once and at most `PARTS_IN_FLIGHT` parts are
+    held, so memory stays bounded (parts in flight × part size) whatever the tensor sizes,
+    while many small or distant tensors do not pay one round trip each in sequence.
+    """
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    def parts() -> Iterator[tuple[str, int, int]]:
+        for request in ranges:
+            for start in range(request.start, request.end, PART_SIZE):
+                yield request.file, start, min(PART_SIZE, request.end - start)
+
+    todo = parts()
+    pending: collections.deque[Future[bytes]] = collections.deque()
+    pool = ThreadPoolExecutor(max_workers=RANGE_WORKERS)
+    try:
+        for rel, start, length in itertools.islice(todo, PARTS_IN_FLIGHT):
+            pending.append(pool.submit(storage.read, rel, start, length))
+        while pending:
+            data = pending.popleft().result()
+            for rel, start, length in itertools.islice(todo, 1):
+                pending.append(pool.submit(storage.read, rel, start, length))
+            yield data
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 class _Cursor:
     """Reads a ranged stream sequentially: `skip(n)` and `take(n)` in order."""
 
@@ -610,15 +650,17 @@ def _download_tensors(
         writer = SafetensorsFormat.writer(staging, plan, options)
         progress.start(report.selected_bytes, repo.repo_id)
         try:
-            for request in report.ranges:
-                cursor = _Cursor(storage.stream(request.file, request.start, request.end))
-                pos = request.start
-                for name in request.tensors:
-                    entry = by_name[name]
-                    assert entry.offset is not None
-                    cursor.skip(entry.offset - pos)
-                    writer.write_raw(name, cursor.take(entry.nbytes, name, progress))
-                    pos = entry.offset + entry.nbytes
+            with contextlib.closing(_ordered_parts(storage, report.ranges)) as parts:
+                for request in report.ranges:
+                    count = -(-request.length // PART_SIZE)
+                    cursor = _Cursor(itertools.islice(parts, count))
+                    pos = request.start
+                    for name in request.tensors:
+                        entry = by_name[name]
+                        assert entry.offset is not None
+                        cursor.skip(entry.offset - pos)
+                        writer.write_raw(name, cursor.take(entry.nbytes, name, progress))
+                        pos = entry.offset + entry.nbytes
         finally:
             progress.finish()
         written = writer.finish()

@@ -39,7 +39,8 @@ def render_download(report: DownloadReport) -> None:
             table.add_column(column, overflow="fold")
         for f in report.files:
             status = f.status + (" ✓" if f.verified else "")
-            table.add_row(f.path, human_bytes(f.size), status)
+            size = "-" if f.kind == "index" and not f.size else human_bytes(f.size)
+            table.add_row(f.path, size, status)
         stdout.print(table)
     if report.dry_run:
         stdout.print(f"  {verb} {human_bytes(report.bytes_planned)}; nothing was downloaded")
