@@ -272,6 +272,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:  # silence stderr
         pass
 
+    def setup(self) -> None:
+        super().setup()
+        # headers and body go out in separate writes: without NODELAY, Nagle's algorithm and
+        # delayed ACKs add 40 ms to every small response on loopback
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def do_GET(self) -> None:
         self._handle(head=False)
 
@@ -344,6 +350,11 @@ class _Handler(BaseHTTPRequestHandler):
         if fault is not None:
             status, code = fault
             self._error(status, code, f"injected HTTP {status}")
+            return
+        if url.path == "/_testhub/bytes_sent":  # counters, for a server run in another process
+            with self.server_hub._lock:
+                counts = {f"{r}:{p}": n for (r, p), n in self.server_hub._sent.items()}
+            self._json(counts)
             return
         if match := _API.match(url.path):
             self._api(match, parse_qs(url.query))
@@ -504,3 +515,27 @@ def _lfs_pointer(f: HubFile) -> bytes:
     return (
         f"version https://git-lfs.github.com/spec/v1\noid sha256:{f.sha256}\nsize {len(f.data)}\n"
     ).encode()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve folders as repositories until interrupted (for benchmarks in another process).
+
+    Usage: python -m tests.hub_server ORG/NAME=FOLDER [...]; prints the endpoint URL on stdout.
+    `GET /_testhub/bytes_sent` returns the per-file byte counters as JSON.
+    """
+    import sys
+
+    hub = TestHub()
+    for spec in argv if argv is not None else sys.argv[1:]:
+        repo_id, _, folder = spec.partition("=")
+        hub.add_repo(repo_id, Path(folder))
+    hub.start()
+    print(hub.url, flush=True)
+    try:
+        hub._thread.join()
+    except KeyboardInterrupt:
+        hub.stop()
+
+
+if __name__ == "__main__":
+    main()
