@@ -1118,3 +1118,12 @@ def _shape_problems(opened: OpenedSource) -> list[Problem]:
             )
         )
     return problems
+
+
+def recognise_layout(source: Source) -> OpenedSource | None:
+    """The training layout of a local folder when it is one, else None (cheap: names first).
+
+    Unlike `open_source`, nothing else is opened, so a caller can still run a format's `check`
+    on a broken plain checkpoint (what `verify` does).
+    """
+    return _open_layout(source)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,16 +32,10 @@ from ..errors import (
     UnsafeInputError,
     UsageError,
 )
-from ..formats import REGISTRY, detect_format, get_format, resolve_source
+from ..formats import detect_format, get_format, resolve_source
 from ..formats.base import Checkpoint, Source
 from ..hashing import ALGORITHMS, hash_files
-from ..layouts import (
-    CompositeCheckpoint,
-    OpenedSource,
-    component_problems,
-    open_source,
-    training_checks,
-)
+from ..layouts import OpenedSource, check_source, open_source, recognise_layout, training_checks
 from ..models import Problem, TrainingState
 from ..output import staged_output
 from ..progress import NULL_PROGRESS, Progress
@@ -169,15 +162,14 @@ def verify(
     if algo is not None and algo not in ALGORITHMS:
         raise UsageError(f"unknown --algo {algo!r}", fix=f"Use one of {', '.join(ALGORITHMS)}.")
     source = resolve_source(src)
-    opened: OpenedSource | None = None
-    if format is None and _maybe_training_folder(source):
-        opened = _open_layout(src)
-    name = _format_name(source, format) if opened is None else ""
+    # a training folder (Trainer, accelerate, DeepSpeed) is checked component by component
+    opened = recognise_layout(source) if format is None else None
     if opened is None:
+        name = _format_name(source, format)
         problems = list(get_format(name).check(source))
     else:
         name = opened.training.layout if opened.training else opened.checkpoint.manifest.format
-        problems = composite_problems(opened)
+        problems = check_source(src)
     report = VerifyReport(location=source.location.raw, format=name, ok=True, checks=["structure"])
     # the manifest is not part of what it describes
     considered = {n: size for n, size in source.files.items() if n != MANIFEST_NAME}
@@ -224,47 +216,6 @@ def _format_name(source: Source, format: str | None) -> str:
             )
         format = None
     return format or detect_format(source)
-
-
-#: names of training-state files (Trainer, accelerate, DeepSpeed) that make a folder a layout
-_TRAINING_NAMES = re.compile(
-    r"(trainer_state\.json|training_args\.bin|latest|(optimizer|scheduler|scaler|sampler)"
-    r"(_\d+)?\.(pt|bin)|rng_state(_\d+)?\.pth|random_states_\d+\.pkl|global_step\d+/.*)"
-)
-
-
-def _maybe_training_folder(source: Source) -> bool:
-    """Cheap look at file names: could this folder be a training layout?"""
-    if source.target is not None or not isinstance(source.storage, LocalStorage):
-        return False
-    names = source.files
-    if ".metadata" in names:
-        return False  # DCP: the format adapter itself knows its training dicts
-    return any(_TRAINING_NAMES.fullmatch(n) for n in names if n.count("/") <= 1)
-
-
-def _open_layout(src: str) -> OpenedSource | None:
-    """The training layout at `src` when it is one (None for anything else)."""
-    try:
-        opened = open_source(src)
-    except CkptError:
-        return None
-    if isinstance(opened.checkpoint, CompositeCheckpoint):
-        return opened
-    opened.checkpoint.close()
-    return None
-
-
-def composite_problems(opened: OpenedSource) -> list[Problem]:
-    """Structural problems of every component of a training folder, and unreadable ones."""
-    problems = component_problems(opened)
-    checkpoint = opened.checkpoint
-    assert isinstance(checkpoint, CompositeCheckpoint)
-    for component in checkpoint.components.values():
-        fmt = component.manifest.format
-        if fmt in REGISTRY:
-            problems.extend(get_format(fmt).check(component.source))
-    return problems
 
 
 # ---------------------------------------------------------------- training state and --deep
