@@ -708,3 +708,22 @@ def test_hub_cache_against_the_hubs_digests(hub: Any, tmp_path: Path) -> None:
     [problem] = found
     assert problem["code"] == "checksum_mismatch"
     assert "model-00002-of-00007.safetensors" in problem["file"]
+
+
+def test_verify_modifies_no_training_or_dcp_file(tmp_path: Path) -> None:
+    trainer = trainer_checkpoint(tmp_path / "run")
+    step = dcp_checkpoint(tmp_path / "step-1")
+    for folder in (trainer, step):
+        before = snapshot(folder)
+        assert run_ckpt("verify", folder, "--deep", "--resumable").exit_code in (0, 1)
+        assert (
+            run_ckpt(
+                "verify", folder, "--write-manifest", "--manifest", tmp_path / "m.json", "--force"
+            ).exit_code
+            == 0
+        )
+        assert (
+            run_ckpt("verify", folder, "--checksums", "--manifest", tmp_path / "m.json").exit_code
+            == 0
+        )
+        assert snapshot(folder) == before
