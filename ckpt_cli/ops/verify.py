@@ -164,32 +164,36 @@ def verify(
     source = resolve_source(src)
     # a training folder (Trainer, accelerate, DeepSpeed) is checked component by component
     opened = recognise_layout(source) if format is None else None
-    if opened is None:
-        name = _format_name(source, format)
-        problems = list(get_format(name).check(source))
-    else:
-        name = opened.training.layout if opened.training else opened.checkpoint.manifest.format
-        problems = check_source(src)
-    report = VerifyReport(location=source.location.raw, format=name, ok=True, checks=["structure"])
-    # the manifest is not part of what it describes
-    considered = {n: size for n, size in source.files.items() if n != MANIFEST_NAME}
-    report.files = len(considered)
-    report.bytes = sum(considered.values())
-
-    if resumable or deep:
-        _open_checks(
-            report,
-            problems,
-            src,
-            format,
-            opened,
-            resumable=resumable,
-            deep=deep,
-            progress=progress,
+    try:
+        if opened is None:
+            name = _format_name(source, format)
+            problems = list(get_format(name).check(source))
+        else:
+            training = opened.training
+            name = training.layout if training else opened.checkpoint.manifest.format
+            problems = check_source(src)
+        report = VerifyReport(
+            location=source.location.raw, format=name, ok=True, checks=["structure"]
         )
-    elif opened is not None:
-        report.training = opened.training
-        opened.checkpoint.close()
+        # the manifest is not part of what it describes
+        considered = {n: size for n, size in source.files.items() if n != MANIFEST_NAME}
+        report.files = len(considered)
+        report.bytes = sum(considered.values())
+        report.training = opened.training if opened is not None else None
+        if resumable or deep:
+            _open_checks(
+                report,
+                problems,
+                src,
+                format,
+                opened,
+                resumable=resumable,
+                deep=deep,
+                progress=progress,
+            )
+    finally:
+        if opened is not None:
+            opened.checkpoint.close()
     if checksums or write_manifest:
         _checksum_checks(
             report,
@@ -244,8 +248,6 @@ def _open_checks(
                 severity="warning",
             )
         )
-        if opened is not None:
-            opened.checkpoint.close()
         return
     if opened is None:
         try:
