@@ -437,6 +437,10 @@ def test_good_dcp_passes_structure_and_deep(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.stdout
     report = result.json["result"]
     assert report["format"] == "dcp" and report["tensors"] == 2
+    # naming the .metadata file means the folder, for checksums too
+    assert run_ckpt("verify", folder / ".metadata", "--write-manifest").exit_code == 0
+    recorded = json.loads((folder / "ckpt-manifest.json").read_text())["files"]
+    assert sorted(recorded) == [".metadata", "__0_0.distcp"]
 
 
 def test_dcp_without_metadata_is_an_interrupted_save(tmp_path: Path) -> None:

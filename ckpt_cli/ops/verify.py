@@ -167,6 +167,9 @@ def verify(
     try:
         if opened is None:
             name = _format_name(source, format)
+            if name == "dcp" and source.target is not None:
+                # SRC named the .metadata or one .distcp file: the checkpoint is the folder
+                source = Source(location=source.location, storage=source.storage)
             problems = list(get_format(name).check(source))
         else:
             training = opened.training
