@@ -731,3 +731,24 @@ def test_verify_modifies_no_training_or_dcp_file(tmp_path: Path) -> None:
             == 0
         )
         assert snapshot(folder) == before
+
+
+def test_structural_verify_and_checksums_do_not_import_torch(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from .conftest import REPO
+
+    folder = sharded(tmp_path / "m")
+    probe = (
+        "import sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
+        "from ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO_TORCH', code, file=sys.stderr)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for args in (["verify", str(folder)], ["verify", str(folder), "--write-manifest"]):
+        proc = subprocess.run(
+            [sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env
+        )
+        assert "NO_TORCH 0" in proc.stderr, (args, proc.stderr)
