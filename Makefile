@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(PY) examples/make_demo.py $(DEMO)
 	$(CKPT) inspect $(DEMO)/model
 	$(CKPT) inspect $(DEMO)/checkpoint-4
+	$(CKPT) verify $(DEMO)/model
 
 test: $(STAMP) lint typecheck pytest
 
