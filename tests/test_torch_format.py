@@ -3,6 +3,7 @@ writer round-trips state dicts and training dicts bit-exactly through torch.load
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -300,3 +301,60 @@ def test_accelerate_pkl_written_by_torch_save_is_read(tmp_path: Path) -> None:
 
     (tmp_path / "plain.pkl").write_bytes(pickle.dumps({"a": 1}))
     assert run_ckpt("inspect", tmp_path / "plain.pkl").exit_code == 4  # not a torch.save zip
+
+
+def test_remote_file_lists_from_ranged_reads_and_reads_tensors(tmp_path: Path) -> None:
+    """On remote storage only the zip directory and the pickle are fetched to list a file."""
+    import fsspec
+
+    from ckpt_cli.formats.base import Source
+    from ckpt_cli.storage import FsspecStorage
+    from ckpt_cli.uri import parse_location
+
+    sd = {f"layers.{i}.weight": torch.randn(128, 256) for i in range(4)}
+    torch.save(sd, tmp_path / "model.bin")
+    fs = fsspec.filesystem("memory")
+    data = (tmp_path / "model.bin").read_bytes()
+    fs.pipe("/remote/model.bin", data)
+
+    class CountingStorage(FsspecStorage):
+        fetched = 0
+
+        def read(self, rel: str, offset: int, length: int) -> bytes:
+            CountingStorage.fetched += length
+            return super().read(rel, offset, length)
+
+        def open(self, rel: str) -> Any:
+            return Counting(fs.open(f"/remote/{rel}", "rb"))
+
+    class Counting(io.RawIOBase):
+        """A remote file that counts every byte handed out."""
+
+        def __init__(self, handle: Any):
+            self.handle = handle
+
+        def readable(self) -> bool:
+            return True
+
+        def seekable(self) -> bool:
+            return True
+
+        def seek(self, offset: int, whence: int = 0) -> int:
+            return int(self.handle.seek(offset, whence))
+
+        def tell(self) -> int:
+            return int(self.handle.tell())
+
+        def readinto(self, buffer: Any) -> int:
+            data = self.handle.read(len(buffer))
+            buffer[: len(data)] = data
+            CountingStorage.fetched += len(data)
+            return len(data)
+
+    storage = CountingStorage(fs, "/remote", "memory://remote")
+    source = Source(location=parse_location("memory://remote"), storage=storage, target="model.bin")
+    with TorchFormat.open(source) as checkpoint:
+        assert [e.shape for e in checkpoint.manifest.tensors] == [[128, 256]] * 4
+        assert CountingStorage.fetched < len(data) // 10
+        for name, tensor in sd.items():
+            assert torch.equal(checkpoint.read_tensor(name), tensor)

@@ -6,13 +6,17 @@ loads it with `torch.load(weights_only=True, mmap=True, map_location="cpu")`: th
 unpickled by torch's restricted unpickler (nothing outside its allow-list can run; a file that
 asks for anything else is refused with `UnsafeInputError`, exit 4) and storages are memory-mapped,
 so listing dtypes and shapes reads no tensor data. Old (pre-1.6, non-zip) files cannot be
-mapped; they are loaded whole, still with `weights_only=True`. Remote files are read into memory.
+mapped; they are loaded whole, still with `weights_only=True`.
 
 Nested containers are flattened to dotted names (`optimizer.state.0.exp_avg`); every entry
 remembers its real key path (`TorchEntry.key_path`) so the writer can rebuild the exact
 nesting. Leaves that are not tensors are `object` entries with their Python type and, for small
 scalars, their value. numpy arrays and scalars (found in RNG states) are admitted as data, as
 transformers and accelerate do; they cannot run code.
+
+Remote files (the Hub, object stores) load with `map_location="meta"`: only the zip
+directory and the pickle are fetched by ranged reads; reading a tensor then fetches its file
+once (one file held at a time).
 
 The writer saves one file (nesting rebuilt from key paths when entries came from a torch.save
 file and were not renamed, otherwise flat keys), or, with `max_shard_size`, Hugging Face style
@@ -172,10 +176,12 @@ def is_zip(storage: Storage, rel: str) -> bool:
         return False
 
 
-def load_torch_file(storage: Storage, rel: str) -> tuple[Any, bool]:
+def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[Any, bool]:
     """Load one torch.save file safely: (the object, whether it is the legacy non-zip format).
 
-    Tensors are memory-mapped for zip files on local storage (no data read). Raises
+    Tensors are memory-mapped for zip files on local storage (no data read). With `meta`, a
+    zip file on remote storage loads with `map_location="meta"`: only the zip directory and
+    the pickle are fetched (ranged reads), tensors come back shape-and-dtype only. Raises
     `UnsafeInputError` when the pickle asks for anything outside torch's weights_only
     allow-list (nothing is executed), `FormatError` when the file is not a readable
     torch.save file.
@@ -196,9 +202,13 @@ def load_torch_file(storage: Storage, rel: str) -> tuple[Any, bool]:
             warnings.simplefilter("ignore")
             if local is not None:
                 obj = torch.load(local, weights_only=True, mmap=zipped, map_location="cpu")
-            else:
+            elif meta and zipped:
                 with storage.open(rel) as fh:
-                    obj = torch.load(io.BytesIO(fh.read()), weights_only=True, map_location="cpu")
+                    obj = torch.load(fh, weights_only=True, map_location="meta")
+            else:
+                obj = torch.load(
+                    io.BytesIO(storage.read_all(rel)), weights_only=True, map_location="cpu"
+                )
     except pickle.UnpicklingError as exc:
         text = str(exc)
         globals_ = _refused_globals(exc, local if zipped else None)
@@ -516,7 +526,7 @@ class TorchFormat(Format):
                 )
                 continue
             try:
-                obj, _ = load_torch_file(storage, shard)
+                obj, _ = load_torch_file(storage, shard, meta=storage.local_path(shard) is None)
             except FormatError as error:
                 problems.append(Problem(code=error.code, message=error.message, file=error.path))
                 continue
@@ -598,6 +608,8 @@ class TorchCheckpoint(Checkpoint):
         super().__init__(source, manifest)
         self.objects = objects
         self.leaves = leaves
+        #: the one remote file whose real tensors are held: (file, name -> leaf)
+        self._loaded: tuple[str, dict[str, Any]] | None = None
 
     @classmethod
     def load(
@@ -617,7 +629,9 @@ class TorchCheckpoint(Checkpoint):
         shared: list[list[str]] = []
         legacy: list[str] = []
         for shard in shards:
-            obj, is_legacy = load_torch_file(storage, shard)
+            # remote files: metadata only now, one whole file when a tensor of it is read
+            remote = storage.local_path(shard) is None
+            obj, is_legacy = load_torch_file(storage, shard, meta=remote)
             if is_legacy:
                 legacy.append(shard)
             objects[shard] = obj
@@ -681,8 +695,21 @@ class TorchCheckpoint(Checkpoint):
                 f"entry {name!r} is a {_type_name(leaf)}, not a tensor",
                 path=self.manifest.location,
             )
+        if leaf.device.type == "meta":
+            leaf = self._real_leaf(name)
         # memory-mapped: pages are read on first touch, one tensor at a time
         return leaf.detach().contiguous()
+
+    def _real_leaf(self, name: str) -> Any:
+        """A remote file's real tensor: the whole file is fetched once, one file at a time."""
+        file = self.manifest.by_name[name].file
+        assert file is not None
+        if self._loaded is None or self._loaded[0] != file:
+            self._loaded = None  # drop the previous file before fetching the next
+            obj, _ = load_torch_file(self.storage, file, meta=False)
+            _, leaves, _ = build_entries(obj, file)
+            self._loaded = (file, leaves)
+        return self._loaded[1][name]
 
     def read_object(self, name: str) -> Any:
         leaf = self._leaf(name)
@@ -693,6 +720,7 @@ class TorchCheckpoint(Checkpoint):
     def close(self) -> None:
         self.objects.clear()
         self.leaves.clear()
+        self._loaded = None
 
 
 # --------------------------------------------------------------------------- writer
