@@ -3,7 +3,6 @@ writer round-trips state dicts and training dicts bit-exactly through torch.load
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import random
@@ -311,7 +310,7 @@ def test_remote_file_lists_from_ranged_reads_and_reads_tensors(tmp_path: Path) -
     from ckpt_cli.storage import FsspecStorage
     from ckpt_cli.uri import parse_location
 
-    sd = {f"layers.{i}.weight": torch.randn(128, 256) for i in range(4)}
+    sd = {f"layers.{i}.weight": torch.randn(256, 512) for i in range(4)}
     torch.save(sd, tmp_path / "model.bin")
     fs = fsspec.filesystem("memory")
     data = (tmp_path / "model.bin").read_bytes()
@@ -324,37 +323,27 @@ def test_remote_file_lists_from_ranged_reads_and_reads_tensors(tmp_path: Path) -
             CountingStorage.fetched += length
             return super().read(rel, offset, length)
 
-        def open(self, rel: str) -> Any:
-            return Counting(fs.open(f"/remote/{rel}", "rb"))
-
-    class Counting(io.RawIOBase):
-        """A remote file that counts every byte handed out."""
-
-        def __init__(self, handle: Any):
-            self.handle = handle
-
-        def readable(self) -> bool:
-            return True
-
-        def seekable(self) -> bool:
-            return True
-
-        def seek(self, offset: int, whence: int = 0) -> int:
-            return int(self.handle.seek(offset, whence))
-
-        def tell(self) -> int:
-            return int(self.handle.tell())
-
-        def readinto(self, buffer: Any) -> int:
-            data = self.handle.read(len(buffer))
-            buffer[: len(data)] = data
-            CountingStorage.fetched += len(data)
-            return len(data)
-
     storage = CountingStorage(fs, "/remote", "memory://remote")
     source = Source(location=parse_location("memory://remote"), storage=storage, target="model.bin")
     with TorchFormat.open(source) as checkpoint:
-        assert [e.shape for e in checkpoint.manifest.tensors] == [[128, 256]] * 4
+        assert [e.shape for e in checkpoint.manifest.tensors] == [[256, 512]] * 4
         assert CountingStorage.fetched < len(data) // 10
+        for name, tensor in sd.items():
+            assert torch.equal(checkpoint.read_tensor(name), tensor)
+
+
+def test_sharded_bin_repo_on_the_hub_lists_without_downloading(hub: Any, tmp_path: Path) -> None:
+    sd = {f"layers.{i}.weight": torch.randn(256, 512) for i in range(6)}
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    save_torch_state_dict(sd, folder, max_shard_size=1_100_000, safe_serialization=False)
+    hub.add_repo("org/bins", folder)
+    total = sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".bin")
+    result = run_ckpt("inspect", "hf://org/bins", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["format"] == "torch" and report["tensors"] == len(sd)
+    assert hub.bytes_sent("org/bins") < total // 4
+    with open_checkpoint("hf://org/bins") as checkpoint:
         for name, tensor in sd.items():
             assert torch.equal(checkpoint.read_tensor(name), tensor)
