@@ -265,7 +265,10 @@ def overlaps(box: Box, chunks: Sequence[Box]) -> list[Piece]:
 
 
 #: per-rank training state: a name segment like `rank3`, `rank_3`, `dp_rank_3`, `rank-3`
-_RANK_SEGMENT = re.compile(r"^(?:[a-z]+_)?rank[_-]?(\d+)$", re.IGNORECASE)
+#: (only parallelism prefixes, so a module named `lora_rank_8` is not mistaken for one)
+_RANK_SEGMENT = re.compile(
+    r"^(?:(?:dp|tp|pp|cp|ep|fsdp|data|global|local|world)_)?rank[_-]?(\d+)$", re.IGNORECASE
+)
 #: ... or a numeric segment right under an RNG / data-loader prefix (`rng.3`, `dataloader.3.pos`)
 _RANK_PREFIXES = re.compile(
     r"^(?:rng|rngs|rng_state|rng_states|random|random_state|generator|generators|"
@@ -277,8 +280,9 @@ _RANK_PREFIXES = re.compile(
 def rank_of(name: str) -> int | None:
     """The rank a per-rank training-state entry belongs to, or None for shared entries.
 
-    Recognised: any name segment `rank{r}`, `rank_{r}`, `rank-{r}` or `<word>_rank_{r}`
-    (torchtitan's `dataloader.dp_rank_{r}`), and a numeric segment directly under an RNG or
+    Recognised: any name segment `rank{r}`, `rank_{r}`, `rank-{r}` or `dp_rank_{r}` (also
+    `tp_`, `pp_`, `cp_`, `ep_`, `fsdp_`, `data_`, `global_`, `local_`, `world_`; torchtitan's
+    `dataloader.dp_rank_{r}`), and a numeric segment directly under an RNG or
     data-loader segment (`rng.{r}`, `dataloader.{r}.position`, `rng_state.{r}`).
     """
     parts = name.split(".")

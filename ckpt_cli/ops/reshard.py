@@ -8,14 +8,15 @@ Two modes:
 - **world size** (`world_size`; DCP): every tensor re-cut as N ranks would have saved it
   (`Shard(0)` by default, `placement` rules for other dims or replication), chunk r in
   `__r_0.distcp`; each output chunk is read with `read_slice` from whichever source chunks
-  overlap it, so peak memory follows the largest chunk. Replicated entries are written once,
+  overlap it, so peak memory follows the largest chunk. Replicated tensors are written once,
   spread over the rank files the way `dcp.save`'s de-duplication spreads them (each to the
-  file holding the fewest bytes so far).
+  file holding the fewest bytes so far); objects are copied as stored bytes, once, into the
+  file the DCP writer keeps them in (rank 0's).
 
 Per-rank training state (`placement.rank_of`: RNG streams and data-loader positions keyed by
 rank) cannot be re-cut: it is carried unchanged when N equals the source world size; otherwise
-the caller must choose `drop` or `keep` (copied as-is, each entry into its rank's file when
-that rank still exists, else rank 0's).
+the caller must choose `drop` or `keep` (copied as-is; a per-rank tensor goes whole into its
+rank's file when that rank still exists, else rank 0's).
 
 Output is staged and published atomically after a structural check (the format's `check`).
 """
@@ -30,11 +31,11 @@ from pydantic import BaseModel, Field
 
 from ..errors import FormatError, UsageError
 from ..formats import get_format, open_checkpoint
-from ..formats.base import Checkpoint, Source, WriteOptions
+from ..formats.base import Checkpoint, Source, WriteOptions, Writer
 from ..formats.safetensors import INDEX_SUFFIX
 from ..models import Chunk, Entry, FileInfo
 from ..output import check_destination, staged_output
-from ..placement import Rule, placement_dim, rank_of, shard_boxes
+from ..placement import Box, Rule, overlaps, placement_dim, rank_of, shard_boxes
 from ..progress import NULL_PROGRESS, Progress
 from ..storage import LocalStorage
 from ..uri import parse_location
@@ -240,9 +241,10 @@ def plan_world_size(
 ) -> tuple[list[Entry], dict[str, int], int]:
     """Lay `entries` out for `world_size` ranks.
 
-    Returns the planned entries (tensors with `chunks`, objects with `file`), how many
-    tensors were sharded per dim, and how many were replicated. Per-rank entries in
-    `rank_state` (name -> rank) go whole into their rank's file (rank 0's if it is gone).
+    Returns the planned entries (tensors with `chunks`), how many tensors were sharded per
+    dim, and how many were replicated. Per-rank tensors in `rank_state` (name -> rank) go whole
+    into their rank's file (rank 0's if that rank is gone). Objects get a `file` too, for
+    writers that honour it (the DCP writer keeps objects in rank 0's file).
     """
     load = [0] * world_size
     planned: dict[str, Entry] = {}
@@ -356,7 +358,12 @@ def reshard_world_size(
         )
         chosen = serialization or str(manifest.details.get("serialization") or "torch_save")
         fmt = get_format("dcp")
-        options = WriteOptions(world_size=world_size, dcp_serialization=chosen)
+        options = WriteOptions(
+            world_size=world_size,
+            dcp_serialization=chosen,
+            # keeps the nested state-dict paths, so dcp.load of nested dicts still maps keys
+            extra={"dcp_planner_data": getattr(checkpoint, "planner_data", None)},
+        )
         total = sum(e.nbytes for e in plan if e.kind == "tensor")
         with staged_output(out, force=force) as staging:
             writer = fmt.writer(staging, plan, options)
@@ -366,17 +373,19 @@ def reshard_world_size(
             chunk_writer: _ChunkWriter = writer  # type: ignore[assignment]
             progress.start(total, "resharding")
             tensors = objects = 0
+            reader = _BoxReader(checkpoint)
             for entry in plan:
                 if entry.kind == "object":
-                    writer.write_object(entry.name, checkpoint.read_object(entry.name))
+                    _copy_object(checkpoint, writer, entry.name)
                     objects += 1
                     continue
                 assert entry.chunks is not None
                 for index, chunk in enumerate(entry.chunks):
-                    piece = _read_box(checkpoint, entry, chunk)
+                    piece = reader.read(entry, chunk)
                     chunk_writer.write_chunk(entry.name, index, piece)
                     progress.advance(piece.numel() * piece.element_size())
                     del piece
+                reader.forget()
                 tensors += 1
             files = writer.finish()
             progress.finish()
@@ -402,16 +411,76 @@ def reshard_world_size(
         )
 
 
-def _read_box(checkpoint: Checkpoint, entry: Entry, chunk: Chunk) -> torch.Tensor:
-    """The source data of one output chunk (an empty box needs no read)."""
-    if any(s == 0 for s in chunk.sizes):
+def _copy_object(checkpoint: Checkpoint, writer: Writer, name: str) -> None:
+    """Copy a non-tensor entry as its stored bytes (never unpickled) where both sides can."""
+    read_bytes = getattr(checkpoint, "read_object_bytes", None)
+    write_bytes = getattr(writer, "write_object_bytes", None)
+    if read_bytes is not None and write_bytes is not None:
+        write_bytes(name, read_bytes(name))
+    else:
+        writer.write_object(name, checkpoint.read_object(name))
+
+
+class _BoxReader:
+    """Reads output boxes from the source, keeping the last stored chunk it loaded.
+
+    Output chunks of one tensor come in order, so consecutive boxes usually fall in the same
+    source chunk: a torch_save chunk is then loaded once, not once per output chunk (1 -> 4
+    ranks would load every tensor 4 times through `read_slice`). Memory stays at one source
+    chunk plus one output chunk, the same bound as `read_slice`. Raw (safetensors) chunks go
+    through `read_slice`, which reads only the rows a box needs.
+    """
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+        self._key: tuple[str, int] | None = None
+        self._chunk: torch.Tensor | None = None
+
+    def _stored(self, name: str, index: int) -> torch.Tensor:
+        if self._key != (name, index):
+            self._chunk = None  # drop the old chunk before loading the next
+            self._chunk = self.checkpoint.read_chunk(name, index)  # type: ignore[attr-defined]
+            self._key = (name, index)
+        assert self._chunk is not None
+        return self._chunk
+
+    def forget(self) -> None:
+        """Release the cached chunk (between tensors)."""
+        self._key, self._chunk = None, None
+
+    def read(self, entry: Entry, chunk: Chunk) -> torch.Tensor:
+        """The source data of one output chunk of `entry`."""
         import torch
 
         from ..tensors import torch_dtype
 
         assert entry.dtype is not None
-        return torch.empty(chunk.sizes, dtype=torch_dtype(entry.dtype))
-    return checkpoint.read_slice(entry.name, list(chunk.offsets), list(chunk.sizes))
+        if any(s == 0 for s in chunk.sizes):
+            return torch.empty(chunk.sizes, dtype=torch_dtype(entry.dtype))
+        source = self.checkpoint.manifest.by_name[entry.name]
+        stored = source.chunks or []
+        if not hasattr(self.checkpoint, "read_chunk") or not stored or any(c.raw for c in stored):
+            return self.checkpoint.read_slice(entry.name, list(chunk.offsets), list(chunk.sizes))
+        box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+        try:
+            pieces = overlaps(box, [Box(tuple(c.offsets), tuple(c.sizes)) for c in stored])
+        except ValueError as exc:
+            raise FormatError(
+                f"tensor {entry.name!r}: {exc}",
+                path=self.checkpoint.manifest.location,
+                fix="The checkpoint is missing data; `ckpt verify` lists every problem.",
+            ) from None
+        out = torch.empty(chunk.sizes, dtype=torch_dtype(entry.dtype))
+        for piece in pieces:
+            data = self._stored(entry.name, piece.chunk)
+            src = tuple(
+                slice(o, o + n) for o, n in zip(piece.src.offsets, piece.src.sizes, strict=True)
+            )
+            dst = tuple(
+                slice(o, o + n) for o, n in zip(piece.dst.offsets, piece.dst.sizes, strict=True)
+            )
+            out[dst] = data[src]
+        return out
 
 
 def run_reshard(
