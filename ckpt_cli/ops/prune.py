@@ -177,7 +177,8 @@ def _decide(
 ) -> tuple[Literal["keep", "delete"], str]:
     if c.status == "writing":
         return "keep", "still being written"
-    if now - c.mtime < policy.settle:
+    # unlinking a symlink never harms what a writer may be writing through it
+    if not c.symlink and now - c.mtime < policy.settle:
         return "keep", f"modified in the last {policy.settle:g} s"
     protections = {
         "newest": "newest complete",
@@ -267,7 +268,7 @@ def _delete_one(run_dir: Path, path: Path, settle: float) -> str | None:
     try:
         if not _confined(run_dir, path):
             return "outside the run folder; not deleted"
-        if time.time() - _newest_write(path) < settle:
+        if not path.is_symlink() and time.time() - _newest_write(path) < settle:
             return "modified since the plan was made; not deleted"
         remove_checkpoint(path)
     except FileNotFoundError:
