@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import FormatError, NotFoundError, UnsafeInputError
+from .errors import CkptError, FormatError, HubError, NotFoundError, UnsafeInputError
 
 
 def safe_relpath(name: str, *, source: str) -> str:
@@ -170,6 +170,19 @@ def _pread_exact(fd: int, offset: int, length: int, name: str) -> bytes:
     return b"".join(chunks)
 
 
+def remote_failure(exc: BaseException, where: str) -> CkptError:
+    """A remote filesystem's exception as a ckpt error (exit 3 for missing, else exit 5)."""
+    if isinstance(exc, CkptError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        return NotFoundError("no such remote file", path=where)
+    return HubError(
+        f"cannot read from the remote store ({type(exc).__name__}: {exc})",
+        path=where,
+        fix="Check the network, the endpoint and your credentials.",
+    )
+
+
 class FsspecStorage(Storage):
     """Any fsspec filesystem (the Hub through `HfFileSystem`, S3, GCS...), with ranged reads."""
 
@@ -185,7 +198,10 @@ class FsspecStorage(Storage):
 
     def list_files(self) -> dict[str, int]:
         if self._sizes is None:
-            found = self.fs.find(self.root, detail=True)
+            try:
+                found = self.fs.find(self.root, detail=True)
+            except Exception as exc:
+                raise remote_failure(exc, self.display) from None
             prefix = f"{self.root}/" if self.root else ""
             self._sizes = {
                 name[len(prefix) :]: int(info.get("size") or 0)
@@ -204,7 +220,10 @@ class FsspecStorage(Storage):
     def read(self, rel: str, offset: int, length: int) -> bytes:
         if length == 0:
             return b""
-        data = self.fs.cat_file(self._full(rel), start=offset, end=offset + length)
+        try:
+            data = self.fs.cat_file(self._full(rel), start=offset, end=offset + length)
+        except Exception as exc:
+            raise remote_failure(exc, self.describe(rel)) from None
         if len(data) != length:
             raise FormatError(
                 f"is truncated: wanted {length} bytes at offset {offset}, got {len(data)}",
@@ -213,5 +232,8 @@ class FsspecStorage(Storage):
         return bytes(data)
 
     def open(self, rel: str) -> IO[bytes]:
-        handle: IO[bytes] = self.fs.open(self._full(rel), "rb")
+        try:
+            handle: IO[bytes] = self.fs.open(self._full(rel), "rb")
+        except Exception as exc:
+            raise remote_failure(exc, self.describe(rel)) from None
         return handle

@@ -1,0 +1,97 @@
+"""A real S3-compatible server (moto's server mode) on 127.0.0.1, with a request log.
+
+The server is moto's WSGI application served by werkzeug in a thread; a small middleware
+records every request's method, path and Range header, so tests can prove that metadata
+commands made ranged reads only.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class S3Request:
+    """One request the server answered."""
+
+    method: str
+    path: str
+    range: str | None
+
+
+@dataclass
+class S3Server:
+    """A running server: its endpoint and what it was asked."""
+
+    endpoint: str
+    requests: list[S3Request] = field(default_factory=list)
+
+    def object_gets(self, key_suffix: str) -> list[S3Request]:
+        """GET requests for objects whose path ends with `key_suffix`."""
+        return [r for r in self.requests if r.method == "GET" and r.path.endswith(key_suffix)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
+    """Start moto's S3 server on a free loopback port and point AWS clients at it."""
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    port = _free_port()
+    server = S3Server(endpoint=f"http://127.0.0.1:{port}")
+    moto_app = DomainDispatcherApplication(create_backend_app)
+
+    def logged(environ: dict[str, Any], start_response: Any) -> Any:
+        server.requests.append(
+            S3Request(
+                environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("HTTP_RANGE")
+            )
+        )
+        return moto_app(environ, start_response)
+
+    import s3fs
+
+    # fsspec caches filesystem instances; a cached one would still talk to an old server
+    s3fs.S3FileSystem.clear_instance_cache()
+    httpd = make_server("127.0.0.1", port, logged, threaded=True)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    for key, value in {
+        "AWS_ENDPOINT_URL": server.endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "FSSPEC_S3_ENDPOINT_URL": server.endpoint,
+    }.items():
+        monkeypatch.setenv(key, value)
+    try:
+        yield server
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        httpd.shutdown()
+        thread.join(timeout=5)
+
+
+def upload_folder(endpoint: str, bucket: str, prefix: str, folder: Any) -> None:
+    """Upload every file under `folder` to s3://bucket/prefix/ with boto3."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+    if bucket not in existing:
+        client.create_bucket(Bucket=bucket)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")

@@ -1,0 +1,65 @@
+"""Checkpoints in an object store: inspect reads headers with ranged GETs only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import save_torch_state_dict
+
+from .conftest import run_ckpt
+from .s3_fixtures import S3Server, upload_folder
+
+
+def _model() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {f"layers.{i}.weight": torch.randn(64, 64, generator=gen) for i in range(4)}
+
+
+def test_inspect_s3_sharded_checkpoint_reads_only_headers(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    state = _model()
+    (tmp_path / "model").mkdir()
+    save_torch_state_dict(state, tmp_path / "model", max_shard_size=40_000)
+    upload_folder(s3_server.endpoint, "ckpts", "run1/model", tmp_path / "model")
+    s3_server.requests.clear()
+
+    result = run_ckpt("inspect", "s3://ckpts/run1/model", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["tensors"] == 4
+    assert report["tensor_bytes"] == 4 * 64 * 64 * 4
+    shard_gets = [
+        r for r in s3_server.requests if r.method == "GET" and r.path.endswith(".safetensors")
+    ]
+    assert shard_gets, "the shard headers were not read"
+    assert all(r.range is not None for r in shard_gets), "a shard was fetched whole"
+
+
+def test_missing_s3_prefix_is_exit_3(s3_server: S3Server, tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    save_torch_state_dict(_model(), tmp_path / "m")
+    upload_folder(s3_server.endpoint, "ckpts", "exists", tmp_path / "m")
+    result = run_ckpt("inspect", "s3://ckpts/does-not-exist")
+    assert result.exit_code == 3
+    assert "s3://ckpts/does-not-exist" in result.stderr
+
+
+def test_unreachable_store_is_exit_5(monkeypatch: pytest.MonkeyPatch) -> None:
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    for key, value in {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+        "FSSPEC_S3_ENDPOINT_URL": "http://127.0.0.1:9",
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "AWS_MAX_ATTEMPTS": "1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    result = run_ckpt("inspect", "s3://nowhere/ckpt", "--json")
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert result.exit_code == 5, result.stderr
+    assert result.json["error"]["code"] == "hub"
