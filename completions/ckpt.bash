@@ -2,11 +2,12 @@
 _ckpt() {
   local cur="${COMP_WORDS[COMP_CWORD]}" opts=""
   if [ "$COMP_CWORD" -eq 1 ]; then
-    COMPREPLY=( $(compgen -W "inspect prune latest --help --version" -- "$cur") )
+    COMPREPLY=( $(compgen -W "inspect verify prune latest --help --version" -- "$cur") )
     return
   fi
   case "${COMP_WORDS[1]}" in
     inspect) opts="--tensors -t --filter -k --format -f --json --help -h" ;;
+    verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --force --format -f --json --help -h" ;;
     prune) opts="--keep-last --keep-every --keep-best --mode --keep --incomplete --yes -y --watch --max-iterations --settle --json --help -h" ;;
     latest) opts="--settle --json --help -h" ;;
   esac

@@ -1,0 +1,276 @@
+"""Reading DCP's `.metadata` pickle safely, without torch.
+
+`torch.distributed.checkpoint` writes `.metadata` with a plain `pickle.dump` of its `Metadata`
+dataclass and reads it back with a plain `pickle.load`, so a hostile `.metadata` runs code
+when torch opens it. This module reads it with a `pickle.Unpickler` whose `find_class` admits
+only the globals `dcp.save` actually pickles (checked against torch 2.13, both serializations,
+single- and multi-rank saves) and maps each one to a small local stand-in; anything else, such
+as `os.system` or `builtins.eval`, raises `UnsafeInputError` before it can be called.
+
+What torch 2.13 pickles (protocol 4): the dataclasses of `torch.distributed.checkpoint.metadata`
+(`Metadata`, `TensorStorageMetadata`, `BytesStorageMetadata`, `ChunkStorageMetadata`,
+`TensorProperties`, `MetadataIndex`, `StorageMeta`, `_MEM_FORMAT_ENCODING`) and `filesystem._StorageInfo`
+through NEWOBJ + BUILD; `torch.Size`, `torch.serialization._get_layout`, `_MEM_FORMAT_ENCODING` and
+`pathlib.PosixPath` (the `checkpoint_id`) through REDUCE; dtypes as plain globals (`torch.float32`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, ClassVar
+
+from ..errors import FormatError, UnsafeInputError
+
+_METADATA_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    # torch <= 2.1 kept TensorProperties here; old checkpoints still name it
+    "torch.distributed._shard.sharded_tensor.metadata",
+)
+
+#: every dtype name torch has had; mapped to a `DType` stand-in holding the name
+TORCH_DTYPES = frozenset(
+    {
+        "float64", "float32", "float16", "bfloat16", "complex32", "complex64", "complex128",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "float4_e2m1fn_x2", "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16",
+        "uint8", "bool", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8", "bits16",
+        "bits1x8", "bits2x4", "bits4x2", "uint1", "uint2", "uint3", "uint4", "uint5", "uint6",
+        "uint7", "int1", "int2", "int3", "int4", "int5", "int6", "int7",
+        "double", "float", "half", "cfloat", "cdouble", "long", "int", "short",
+    }
+)  # fmt: skip
+_ALIASES = {
+    "double": "float64",
+    "float": "float32",
+    "half": "float16",
+    "cfloat": "complex64",
+    "cdouble": "complex128",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+}
+_LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "_mkldnn"})
+_MEMORY_FORMATS = frozenset({"contiguous_format", "channels_last", "preserve_format"})
+_MEM_ENCODING = {0: "contiguous_format", 1: "channels_last", 2: "preserve_format"}
+
+
+class DType(str):
+    """A torch dtype read from a pickle, as its canonical name (`float32`)."""
+
+
+class _Record:
+    """Base of the stand-ins: built by pickle's NEWOBJ + BUILD with a `__dict__` state."""
+
+    _fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for name in self._fields:
+            setattr(self, name, None)
+        for name, value in zip(self._fields, args, strict=False):
+            setattr(self, name, value)
+        for name, value in kwargs.items():
+            if name in self._fields:
+                setattr(self, name, value)
+
+    def __setstate__(self, state: Any) -> None:
+        # dataclasses with __slots__ pickle (None, slots); ours always use __dict__ states
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}
+        if not isinstance(state, dict):
+            raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
+        for name in self._fields:
+            if not hasattr(self, name):
+                setattr(self, name, None)
+        for key, value in state.items():
+            if isinstance(key, str) and key in self._fields:
+                setattr(self, key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # NEWOBJ skips __init__: fields absent from the pickled state read as None
+        if name in type(self)._fields:
+            return None
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._fields)
+        return f"{type(self).__name__}({inner})"
+
+
+class Metadata(_Record):
+    """Stand-in for `torch.distributed.checkpoint.metadata.Metadata`."""
+
+    _fields = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+
+
+class TensorStorageMetadata(_Record):
+    """Stand-in for `TensorStorageMetadata`: properties, global size, chunks."""
+
+    _fields = ("properties", "size", "chunks")
+
+
+class BytesStorageMetadata(_Record):
+    """Stand-in for `BytesStorageMetadata` (a non-tensor entry)."""
+
+
+class ChunkStorageMetadata(_Record):
+    """Stand-in for `ChunkStorageMetadata`: offsets and sizes of one chunk."""
+
+    _fields = ("offsets", "sizes")
+
+
+class TensorProperties(_Record):
+    """Stand-in for `TensorProperties` (pickled as a 5-tuple by its `__getstate__`)."""
+
+    _fields = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 5:
+            dtype, layout, requires_grad, memory_format, pin_memory = state
+            self.dtype = dtype
+            self.layout = layout
+            self.requires_grad = requires_grad
+            self.memory_format = memory_format
+            self.pin_memory = pin_memory
+            return
+        super().__setstate__(state)
+
+
+class MetadataIndex(_Record):
+    """Stand-in for `MetadataIndex`: the key of `storage_data` (fqn, chunk offsets)."""
+
+    _fields = ("fqn", "offset", "index")
+
+    def key(self) -> tuple[Any, Any]:
+        """What identifies the chunk (the `index` hint is not part of it, as in torch)."""
+        offset = self.offset
+        return (self.fqn, tuple(offset) if isinstance(offset, (tuple, list)) else offset)
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MetadataIndex) and self.key() == other.key()
+
+
+class StorageInfo(_Record):
+    """Stand-in for `filesystem._StorageInfo`: where an item's bytes are."""
+
+    _fields = ("relative_path", "offset", "length", "transform_descriptors")
+
+
+class StorageMeta(_Record):
+    """Stand-in for `StorageMeta` (checkpoint id, save id...)."""
+
+    _fields = ("checkpoint_id", "save_id", "load_id", "modules")
+
+
+def _size(values: Any = ()) -> tuple[int, ...]:
+    """Stand-in for `torch.Size(...)`: a tuple of ints."""
+    out = tuple(values)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
+        raise pickle.UnpicklingError("torch.Size with non-integer entries")
+    return out
+
+
+def _get_layout(name: Any) -> str:
+    """Stand-in for `torch.serialization._get_layout('torch.strided')`."""
+    if not isinstance(name, str) or name.removeprefix("torch.") not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"unknown tensor layout {name!r}")
+    return name.removeprefix("torch.")
+
+
+def _mem_format_encoding(value: Any) -> str:
+    """Stand-in for `_MEM_FORMAT_ENCODING(n)`."""
+    if value not in _MEM_ENCODING:
+        raise pickle.UnpicklingError(f"unknown memory format encoding {value!r}")
+    return _MEM_ENCODING[value]
+
+
+def _path(*parts: Any) -> str:
+    """Stand-in for `pathlib.PosixPath(*parts)` (the recorded checkpoint_id): a string."""
+    if not all(isinstance(p, str) for p in parts):
+        raise pickle.UnpicklingError("path with non-string parts")
+    return "/".join(parts).replace("//", "/")
+
+
+_CLASSES: dict[str, Any] = {
+    "Metadata": Metadata,
+    "TensorStorageMetadata": TensorStorageMetadata,
+    "BytesStorageMetadata": BytesStorageMetadata,
+    "ChunkStorageMetadata": ChunkStorageMetadata,
+    "TensorProperties": TensorProperties,
+    "MetadataIndex": MetadataIndex,
+    "StorageMeta": StorageMeta,
+    "_MEM_FORMAT_ENCODING": _mem_format_encoding,
+}
+_ALLOWED: dict[tuple[str, str], Any] = {
+    **{(module, name): value for module in _METADATA_MODULES for name, value in _CLASSES.items()},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
+    ("torch.distributed.checkpoint._fsspec_filesystem", "_StorageInfo"): StorageInfo,
+    ("torch", "Size"): _size,
+    ("torch.serialization", "_get_layout"): _get_layout,
+    ("pathlib", "PosixPath"): _path,
+    ("pathlib", "PurePosixPath"): _path,
+    ("pathlib", "WindowsPath"): _path,
+    ("pathlib", "PureWindowsPath"): _path,
+    ("pathlib", "Path"): _path,
+    ("collections", "OrderedDict"): dict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that admits only DCP metadata globals, mapped to the stand-ins above."""
+
+    def __init__(self, data: bytes, where: str):
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = _ALLOWED.get((module, name))
+        if allowed is not None:
+            return allowed
+        if module == "torch":
+            if name in TORCH_DTYPES:
+                return DType(_ALIASES.get(name, name))
+            if name in _LAYOUTS:
+                return name
+            if name in _MEMORY_FORMATS:
+                return name
+        raise UnsafeInputError(
+            f"is a pickle that calls {module}.{name}, which is not part of DCP metadata; "
+            "it was not run",
+            path=self.where,
+            fix="This file is corrupt or hostile; do not load it with torch either.",
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeInputError(
+            "is a pickle with persistent ids, which DCP metadata never has; it was not loaded",
+            path=self.where,
+        )
+
+
+def load_metadata(data: bytes, where: str) -> Metadata:
+    """Unpickle a `.metadata` file's bytes into stand-ins, refusing anything not on the list."""
+    try:
+        result = MetadataUnpickler(data, where).load()
+    except UnsafeInputError:
+        raise
+    except RecursionError:
+        raise FormatError("is a pickle nested too deeply to be DCP metadata", path=where) from None
+    except Exception as exc:
+        raise FormatError(
+            f"is not a readable DCP metadata pickle ({type(exc).__name__}: {exc})",
+            path=where,
+            fix="The file is truncated or corrupt; the save was probably interrupted.",
+        ) from None
+    if not isinstance(result, Metadata):
+        raise FormatError(
+            f"holds a {type(result).__name__}, not DCP Metadata",
+            path=where,
+            fix="This is not a torch.distributed.checkpoint folder.",
+        )
+    return result
