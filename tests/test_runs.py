@@ -23,6 +23,10 @@ from .run_fixtures import (
 )
 
 
+class HParams(dict):  # type: ignore[type-arg]
+    """Stands in for Lightning's AttributeDict."""
+
+
 def table(run_dir: Path) -> dict[str, dict]:  # type: ignore[type-arg]
     result = run_ckpt("latest", run_dir, "--json")
     return {c["name"]: c for c in result.json["result"]["checkpoints"]}
@@ -132,8 +136,10 @@ def test_accelerate_deepspeed_lightning_and_plain_layouts(tmp_path: Path) -> Non
     pl = tmp_path / "pl" / "checkpoints"
     pl.mkdir(parents=True)
     for epoch, step, loss in ((0, 50, 0.8), (1, 100, 0.3), (2, 150, 0.5)):
+        # Lightning pickles its hyper-parameters as a dict subclass weights_only refuses:
+        # the file is whole all the same
         torch.save(
-            {"state_dict": weights(step), "global_step": step},
+            {"state_dict": weights(step), "global_step": step, "hyper_parameters": HParams(lr=1)},
             pl / f"epoch={epoch}-step={step}-val_loss={loss}.ckpt",
         )
     blob = (pl / "epoch=2-step=150-val_loss=0.5.ckpt").read_bytes()
