@@ -652,6 +652,17 @@ def load_metrics(
 # --------------------------------------------------------------------------- entry point
 
 
+def _name_order(item: _Found) -> tuple[float, float, float]:
+    """Newest-first order known before judging: step, epoch, then the entry's own time."""
+    try:
+        mtime = item.paths[0].lstat().st_mtime
+    except OSError:
+        mtime = 0.0
+    step = float(item.step) if item.step is not None else -math.inf
+    epoch = item.epoch if item.epoch is not None else -math.inf
+    return (step, epoch, mtime)
+
+
 def scan_run(
     run_dir: str | Path,
     *,
@@ -659,6 +670,7 @@ def scan_run(
     mode: Literal["min", "max"] = "min",
     settle: float = DEFAULT_SETTLE,
     now: float | None = None,
+    until_latest: bool = False,
 ) -> RunReport:
     """List and judge the checkpoints of `run_dir` (see the module docstring for the rules).
 
@@ -668,6 +680,8 @@ def scan_run(
         mode: `min` or `max`: which end of `metric` is best.
         settle: seconds since the last write below which an incomplete save is `writing`.
         now: the current time (tests of the settle window pass one).
+        until_latest: judge from the newest save down and stop at the first complete one
+            (`checkpoints` then holds only those): what `ckpt latest` needs, and no more.
     """
     root = Path(run_dir)
     if not root.exists():
@@ -682,9 +696,12 @@ def scan_run(
     found = _discover(root)
     ds_latest = _deepspeed_latest(root)
     ds_step = _int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
-    checkpoints = sorted(
-        (_judge(item, root, now, settle, ds_step) for item in found), key=lambda c: c.order
-    )
+    judged: list[RunCheckpoint] = []
+    for item in sorted(found, key=_name_order, reverse=True):
+        judged.append(_judge(item, root, now, settle, ds_step))
+        if until_latest and judged[-1].complete:
+            break
+    checkpoints = sorted(judged, key=lambda c: c.order)
     report = RunReport(
         run_dir=str(root),
         layouts=sorted({c.layout for c in checkpoints}),
@@ -764,7 +781,7 @@ def looks_like_run(path: str | Path) -> bool:
 
     A folder named like a step checkpoint (`checkpoint-500`, which may hold a DeepSpeed
     `global_step500/`) is a checkpoint; otherwise one layout folder or Lightning file, or plain
-    checkpoints at two different steps, make a run folder.
+    checkpoints at two different steps and no unnumbered checkpoint file, make a run folder.
     """
     root = Path(path)
     if not root.is_dir():
@@ -775,4 +792,11 @@ def looks_like_run(path: str | Path) -> bool:
     found = [f for f in _discover(root) if not f.temporary]
     if any(f.layout != "plain" for f in found):
         return True
+    # numbered files beside unnumbered ones are parts of one checkpoint (accelerate writes
+    # model.safetensors, model_1.safetensors...), not steps
+    numbered = {p.name for f in found for p in f.paths}
+    for entry in root.iterdir():
+        is_part = entry.name.endswith(_CKPT_EXT) or entry.name == ".metadata"
+        if is_part and entry.name not in numbered:
+            return False
     return len({f.step for f in found}) >= 2

@@ -196,6 +196,17 @@ def test_inspect_of_a_run_folder_shows_the_table(tmp_path: Path) -> None:
     assert human.exit_code == 0
     assert "checkpoint-300" in human.stdout and "incomplete" in human.stdout
     assert f"latest complete: {out / 'checkpoint-200'}" in human.stdout
+    # accelerate's save_state numbers the parts of ONE checkpoint: not a run folder
+    state = tmp_path / "state"
+    state.mkdir()
+    for name in ("model.safetensors", "model_1.safetensors", "model_2.safetensors"):
+        save_file(weights(1), state / name)
+    assert not looks_like_run(state)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for step in (10, 20):
+        save_file(weights(step), plain / f"model_{step}.safetensors")
+    assert looks_like_run(plain)
     # a checkpoint folder itself is still inspected as a checkpoint
     single = run_ckpt("inspect", out / "checkpoint-100" / "model.safetensors", "--json")
     assert single.json["result"]["format"] == "safetensors"
