@@ -300,3 +300,36 @@ def test_usage_errors(tmp_path: Path) -> None:
     assert run_ckpt("prune", out, "--keep-best", "x", "--mode", "avg").exit_code == 2
     assert run_ckpt("prune", tmp_path / "missing", "--keep-last", "1").exit_code == 3
     assert tree(out) == before
+
+
+def test_watch_in_a_real_process_exits_cleanly_on_sigint(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import REPO
+
+    out = trainer_run(tmp_path, steps=(100, 300))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "prune", str(out), "--keep-last", "1"]
+        + ["--watch", "3600", "--yes", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while survivors(out) != ["checkpoint-300"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # wait for the first round, then interrupt the sleep
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    report = json.loads(stdout)["result"]
+    assert report["stopped"] == "interrupted"
+    assert report["iterations"] >= 1
+    assert survivors(out) == ["checkpoint-300"]
