@@ -313,8 +313,19 @@ def test_watch_in_a_real_process_exits_cleanly_on_sigint(tmp_path: Path) -> None
     out = trainer_run(tmp_path, steps=(100, 300))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_cli", "prune", str(out), "--keep-last", "1"]
-        + ["--watch", "3600", "--yes", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "ckpt_cli",
+            "prune",
+            str(out),
+            "--keep-last",
+            "1",
+            "--watch",
+            "3600",
+            "--yes",
+            "--json",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
