@@ -49,7 +49,7 @@ import stat
 import time
 import zipfile
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -204,7 +204,6 @@ class _Found:
     epoch: float | None
     paths: list[Path]
     temporary: bool = False
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def _match_name(name: str, is_dir: bool) -> tuple[str, int | None, float | None] | None:
@@ -279,10 +278,7 @@ def _classify(entry: Path) -> _Found | None:
     plain_folder = layout == "plain" and is_dir and not entry.is_symlink()
     if plain_folder and not _looks_like_checkpoint_folder(entry):
         return None
-    found = _Found(layout, step, epoch, [entry])
-    if layout == "lightning":
-        found.metrics = _lightning_metrics(name)
-    return found
+    return _Found(layout, step, epoch, [entry])
 
 
 def _scan_dirs(run_dir: Path) -> list[Path]:
@@ -362,38 +358,23 @@ def _newest_mtime_following(paths: list[Path]) -> float:
 
 
 def _check_with_format(fmt_name: str, path: Path) -> str | None:
-    """The first structural problem `fmt_name`'s `check` finds in `path`, or None.
-
-    Returns the fallback check's answer when the format's adapter is not in this build.
-    """
+    """The first structural problem `fmt_name`'s `check` (the one `ckpt verify` runs) finds."""
     from .formats import get_format, resolve_source
 
     try:
-        fmt = get_format(fmt_name)
-    except CkptError:
-        return _FALLBACKS[fmt_name](path)
-    try:
-        problems = fmt.check(resolve_source(str(path)))
+        problems = get_format(fmt_name).check(resolve_source(str(path)))
     except CkptError as error:
         return error.message
     errors = [p for p in problems if p.severity == "error"]
     if errors and fmt_name == "torch" and all(p.code == "unsafe_input" for p in errors):
         # A whole file whose pickle names classes weights_only refuses (Lightning's
         # hyper_parameters, say) is complete all the same: judge its structure instead.
-        return _fallback_torch(path)
+        return _torch_structure(path)
     return errors[0].message if errors else None
 
 
-def _fallback_dcp(path: Path) -> str | None:
-    meta = path / ".metadata"
-    if not meta.is_file():
-        return f"{path}: DCP folder without .metadata (the commit marker dcp.save writes last)"
-    if meta.stat().st_size == 0:
-        return f"{meta}: empty .metadata"
-    return None
-
-
-def _fallback_torch(path: Path) -> str | None:
+def _torch_structure(path: Path) -> str | None:
+    """Whether a torch.save file (or bin index) is whole, without unpickling anything."""
     size = path.stat().st_size
     if size == 0:
         return f"{path}: empty file"
@@ -421,13 +402,6 @@ def _check_torch_index(path: Path) -> str | None:
         if not isinstance(shard, str) or not (path.parent / shard).is_file():
             return f"{path}: the index names shard {shard!r}, which is missing"
     return None
-
-
-def _fallback_safetensors(path: Path) -> str | None:  # pragma: no cover - adapter is built in
-    return None if path.stat().st_size > 8 else f"{path}: truncated safetensors file"
-
-
-_FALLBACKS = {"dcp": _fallback_dcp, "torch": _fallback_torch, "safetensors": _fallback_safetensors}
 
 
 def _components(root: Path) -> list[tuple[str, Path]]:
