@@ -168,6 +168,31 @@ def test_plain_files_of_one_step_go_together(tmp_path: Path) -> None:
     assert all(torch.equal(loaded[k], v) for k, v in weights(2000).items())
 
 
+def test_lightning_best_from_file_names_and_the_last_ckpt_link(tmp_path: Path) -> None:
+    run = tmp_path / "lightning_logs" / "version_0"
+    ckpts = run / "checkpoints"
+    ckpts.mkdir(parents=True)
+    names = {}
+    for epoch, step, acc in ((0, 100, 0.71), (1, 200, 0.93), (2, 300, 0.88), (3, 400, 0.90)):
+        names[step] = f"epoch={epoch}-step={step}-val_acc={acc}.ckpt"
+        torch.save({"state_dict": weights(step), "global_step": step}, ckpts / names[step])
+    os.symlink(names[300], ckpts / "last.ckpt")  # save_last="link"
+    age(run)
+    plan = decisions(run_ckpt("prune", run, "--keep-best", "val_acc", "--mode", "max", "--json"))
+    assert plan == {
+        f"checkpoints/{names[100]}": ("delete", "not kept by any rule"),
+        f"checkpoints/{names[200]}": ("keep", "best val_acc (0.93)"),
+        f"checkpoints/{names[300]}": ("keep", "a symlink in the run folder points at it"),
+        f"checkpoints/{names[400]}": ("keep", "newest complete"),
+    }
+    assert run_ckpt("prune", run, "--keep-best", "val_acc", "--mode", "max", "--yes").exit_code == 0
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted(
+        [names[200], names[300], names[400], "last.ckpt"]
+    )
+    loaded = torch.load(ckpts / "last.ckpt", weights_only=True)
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in weights(300).items())
+
+
 def test_unknown_metric_is_an_error_not_a_massacre(tmp_path: Path) -> None:
     out = trainer_run(tmp_path, steps=(100, 200, 300))
     before = tree(out)

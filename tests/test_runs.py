@@ -217,3 +217,27 @@ def test_latest_on_missing_or_empty_folders(tmp_path: Path) -> None:
     empty = run_ckpt("latest", tmp_path)
     assert empty.exit_code == 3
     assert "no step checkpoints" in empty.stderr
+
+
+def test_latest_of_a_dcp_run_does_not_import_torch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    run = tmp_path / "run"
+    for step in (10, 20):
+        dcp_save(run / f"step-{step}", step)
+    age(run)
+    probe = (
+        "import sys; sys.argv = ['ckpt', 'latest', sys.argv[1]]\n"
+        "from ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(run)], capture_output=True, text=True, env=env
+    )
+    assert proc.stdout.strip() == str(run / "step-20")
+    assert "NO_TORCH" in proc.stderr, proc.stderr
