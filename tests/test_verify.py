@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .conftest import run_ckpt, run_ckpt_process
@@ -519,3 +520,107 @@ def test_good_torch_file_passes_and_hostile_pickle_is_not_executed(tmp_path: Pat
     code, found = problems(tmp_path / "evil.pt", "--deep", "--resumable")
     assert code in (1, 4)
     assert not marker.exists()
+
+
+def test_one_file_is_checked_against_the_folder_manifest(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    assert run_ckpt("verify", folder, "--write-manifest").exit_code == 0
+    first, second = sorted(folder.glob("*.safetensors"))[:2]
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 0x10
+    second.write_bytes(bytes(data))
+    assert run_ckpt("verify", first, "--checksums").exit_code == 0
+    code, found = problems(second, "--checksums")
+    assert code == 1
+    assert [(p["code"], p["file"]) for p in found] == [("checksum_mismatch", str(second))]
+
+
+def test_single_file_manifest_lies_beside_it(tmp_path: Path) -> None:
+    save_file(weights(), tmp_path / "one.safetensors")
+    assert run_ckpt("verify", tmp_path / "one.safetensors", "--write-manifest").exit_code == 0
+    manifest = json.loads((tmp_path / "ckpt-manifest.json").read_text())
+    assert list(manifest["files"]) == ["one.safetensors"]
+    assert run_ckpt("verify", tmp_path / "one.safetensors", "--checksums").exit_code == 0
+
+
+# ------------------------------------------------------------------ training folders
+
+
+def trainer_checkpoint(run_dir: Path) -> Path:
+    """A Hugging Face Trainer `checkpoint-4/` saved like the Trainer does (see examples/)."""
+    import importlib.util
+
+    from .conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("make_demo", REPO / "examples" / "make_demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_demo", module)  # its dataclass needs a home module
+    spec.loader.exec_module(sys.modules["make_demo"])
+    module = sys.modules["make_demo"]
+    folder: Path = module.save_trainer_checkpoint(run_dir)
+    return folder
+
+
+def test_trainer_folder_is_resumable_and_deep_reads_every_component(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    result = run_ckpt("verify", folder, "--resumable", "--deep", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["format"] == "hf-trainer"
+    assert report["training"]["resumable"] is True
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    with safe_open(folder / "model.safetensors", "pt") as model:
+        weights_count = len(list(model.keys()))
+    per_param = sum(
+        1 for state in optimizer["state"].values() for v in state.values() if torch.is_tensor(v)
+    )
+    # every weight and every optimizer tensor was read (plus scheduler / RNG tensors)
+    assert report["tensors"] >= per_param + weights_count
+
+
+def test_trainer_folder_without_optimizer_is_not_resumable(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    (folder / "optimizer.pt").unlink()
+    assert run_ckpt("verify", folder).exit_code == 0  # intact, just not resumable
+    code, found = problems(folder, "--resumable")
+    assert code == 1
+    assert [p["code"] for p in found] == ["missing_optimizer"]
+    assert "optimizer" in run_ckpt("verify", folder, "--resumable").stdout
+
+
+def test_optimizer_state_with_a_wrong_shape(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    optimizer["state"][0]["exp_avg"] = torch.zeros(3, 3)
+    torch.save(optimizer, folder / "optimizer.pt")
+    code, found = problems(folder, "--resumable")
+    assert code == 1
+    assert [p["code"] for p in found] == ["optimizer_shape_mismatch"]
+    assert "[3, 3]" in found[0]["message"]
+
+
+def test_hostile_component_of_a_trainer_folder_is_reported_not_run(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"python": Evil()}, folder / "rng_state.pth")
+    code, found = problems(folder, "--resumable", "--deep")
+    assert code == 1
+    assert any("rng_state.pth" in (p["file"] or "") for p in errors(found))
+    assert not marker.exists()
+
+
+def test_trainer_folder_with_a_truncated_model_is_named(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    model = folder / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:-10])
+    code, found = problems(folder)
+    assert code == 1
+    assert any(p["file"] == str(model) and "truncated" in p["message"] for p in errors(found))

@@ -50,6 +50,7 @@ from .dcp_metadata import (
     StorageInfo,
     TensorStorageMetadata,
     load_metadata,
+    peek_saved_object,
 )
 
 if TYPE_CHECKING:
@@ -535,6 +536,24 @@ def _check_coverage(layout: _Layout) -> None:
             )
 
 
+#: object blobs larger than this are not peeked at (their type stays unknown)
+_PEEK_LIMIT = 1 << 20
+_PEEK_TOTAL = 32 << 20
+
+
+def _peek_objects(storage: Storage, layout: _Layout) -> None:
+    """Fill in py_type (and small values: step counters, hyper-parameters) of object entries."""
+    budget = _PEEK_TOTAL
+    for index, entry in enumerate(layout.entries):
+        if entry.kind != "object" or entry.file is None or entry.offset is None:
+            continue
+        if entry.nbytes > _PEEK_LIMIT or entry.nbytes > budget:
+            continue
+        budget -= entry.nbytes
+        py_type, value = peek_saved_object(storage.read(entry.file, entry.offset, entry.nbytes))
+        layout.entries[index] = entry.model_copy(update={"py_type": py_type, "value": value})
+
+
 def _world_size(layout: _Layout) -> int:
     ranks = set()
     names = {c.file for e in layout.entries for c in (e.chunks or [])}
@@ -580,6 +599,7 @@ class DcpFormat(Format):
                 path=where,
                 fix="`ckpt verify` lists every problem; use a complete copy of the checkpoint.",
             )
+        _peek_objects(source.storage, layout)
         files = [
             FileInfo(path=name, size=size, entries=0)
             for name, size in layout.files.items()
@@ -795,10 +815,10 @@ class DcpCheckpoint(Checkpoint):
         except pickle.UnpicklingError as exc:
             raise FormatError(
                 f"object {name!r} needs more than torch.load(weights_only=True) allows "
-                f"({str(exc).splitlines()[-1][:300] if str(exc) else 'refused'}); it was not executed",
+                f"({_weights_only_reason(exc)}); it was not executed",
                 path=self.storage.describe(entry.file or ""),
                 fix="If you trust this checkpoint, load it with torch yourself; ckpt never "
-                "unpickles arbitrary objects.",
+                "unpickles arbitrary objects",
             ) from None
         except Exception as exc:
             raise FormatError(
@@ -811,6 +831,19 @@ class DcpCheckpoint(Checkpoint):
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def _weights_only_reason(exc: Exception) -> str:
+    """The one informative line of torch's long weights_only refusal."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        match = re.search(r"(Unsupported global: GLOBAL [\w.]+|unsupported GLOBAL [\w.]+)", line)
+        if match:
+            return match.group(1)
+    for line in lines:
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip()[:200] or "refused"
+    return lines[0][:200] if lines else "refused"
 
 
 # --------------------------------------------------------------------------------------------

@@ -274,3 +274,86 @@ def load_metadata(data: bytes, where: str) -> Metadata:
             fix="This is not a torch.distributed.checkpoint folder.",
         )
     return result
+
+
+class _Opaque(Exception):
+    """Raised by the peeking unpickler at the first global or tensor: the value is not plain."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+def _latin1_encode(text: Any, encoding: str = "latin1") -> bytes:
+    """How pickle protocol 2 stores bytes: `_codecs.encode(str, 'latin1')`."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise _Opaque("_codecs.encode")
+    return text.encode("latin1")
+
+
+_PLAIN_GLOBALS: dict[tuple[str, str], Any] = {
+    ("_codecs", "encode"): _latin1_encode,
+    ("collections", "OrderedDict"): dict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
+_KNOWN_TYPES = {
+    "numpy._core.multiarray._reconstruct": "numpy.ndarray",
+    "numpy.core.multiarray._reconstruct": "numpy.ndarray",
+    "torch._utils._rebuild_tensor_v2": "tensor",
+}
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles only plain Python data (no globals at all, no tensors)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        plain = _PLAIN_GLOBALS.get((module, name))
+        if plain is not None:
+            return plain
+        raise _Opaque(_KNOWN_TYPES.get(f"{module}.{name}", f"{module}.{name}"))
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Opaque("tensor")
+
+
+def _small(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float)):
+        return True
+    if isinstance(value, str):
+        return len(value) <= 200
+    if isinstance(value, (list, tuple)):
+        return len(value) <= 16 and all(
+            v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 60)
+            for v in value
+        )
+    return False
+
+
+def peek_saved_object(blob: bytes) -> tuple[str | None, Any]:
+    """(type name, value if small) of a `torch.save` blob holding plain Python data.
+
+    Without torch: opens the zip, unpickles `data.pkl` with an unpickler that admits no globals,
+    so only ints, floats, strings, bytes, lists, tuples, dicts run through it. A blob holding
+    anything else reports the first global it names (e.g. `numpy._core.multiarray._reconstruct`)
+    or `tensor`, and no value.
+    """
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(names) != 1 or archive.getinfo(names[0]).file_size > len(blob) * 4:
+                return None, None
+            data = archive.read(names[0])
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return None, None
+    try:
+        value = _PlainUnpickler(io.BytesIO(data)).load()
+    except _Opaque as opaque:
+        return opaque.what, None
+    except Exception:
+        return None, None
+    return type(value).__name__, (list(value) if isinstance(value, tuple) else value) if _small(
+        value
+    ) else None

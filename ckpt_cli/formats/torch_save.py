@@ -29,11 +29,12 @@ import math
 import os
 import pickle
 import re
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import FormatError, NotFoundError, UnsafeInputError
 from ..models import Entry, FileInfo, Manifest, Problem
@@ -100,11 +101,50 @@ def _numpy_allowlist() -> list[Any]:
     return allow
 
 
+#: classes DeepSpeed pickles into its checkpoints that only carry data (loss scaler settings,
+#: the ZeRO stage, parameter fragment addresses). They load as inert records: their pickled
+#: state is kept, their code is never imported or run. Without them no ZeRO optimizer file
+#: loads under weights_only.
+INERT_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+class InertObject:
+    """A stand-in for an allow-listed class: holds the pickled arguments and state, no code."""
+
+    original: ClassVar[str] = ""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args = args
+        self.state: Any = kwargs or None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.args == other.args and self.state == other.state
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<inert {self.original} args={self.args!r} state={self.state!r}>"
+
+
+_INERT: dict[str, type[InertObject]] = {
+    name: type(name.rsplit(".", 1)[1], (InertObject,), {"original": name}) for name in INERT_CLASSES
+}
+
+
 @contextmanager
 def _safe_globals() -> Iterator[None]:
     import torch
 
-    with torch.serialization.safe_globals(_numpy_allowlist()):
+    inert = [(cls, name) for name, cls in _INERT.items()]
+    with torch.serialization.safe_globals([*_numpy_allowlist(), *inert]):
         yield
 
 
@@ -151,7 +191,9 @@ def load_torch_file(storage: Storage, rel: str) -> tuple[Any, bool]:
     zipped = is_zip(storage, rel)
     local = storage.local_path(rel)
     try:
-        with _safe_globals():
+        # torch warns about pickle protocols and legacy files on stderr; errors say it instead
+        with _safe_globals(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             if local is not None:
                 obj = torch.load(local, weights_only=True, mmap=zipped, map_location="cpu")
             else:
@@ -279,6 +321,8 @@ def _object_size(obj: Any) -> int:
 
 
 def _type_name(obj: Any) -> str:
+    if isinstance(obj, InertObject):
+        return obj.original
     cls = type(obj)
     return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 

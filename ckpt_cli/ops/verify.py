@@ -18,17 +18,31 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
 from .. import __version__
-from ..errors import CkptError, DestinationExistsError, FormatError, NotFoundError, UsageError
-from ..formats import detect_format, get_format, resolve_source
+from ..errors import (
+    CkptError,
+    DestinationExistsError,
+    FormatError,
+    NotFoundError,
+    UnsafeInputError,
+    UsageError,
+)
+from ..formats import REGISTRY, detect_format, get_format, resolve_source
 from ..formats.base import Checkpoint, Source
 from ..hashing import ALGORITHMS, hash_files
-from ..layouts import open_source
+from ..layouts import (
+    CompositeCheckpoint,
+    OpenedSource,
+    component_problems,
+    open_source,
+    training_checks,
+)
 from ..models import Problem, TrainingState
 from ..output import staged_output
 from ..progress import NULL_PROGRESS, Progress
@@ -155,10 +169,16 @@ def verify(
     if algo is not None and algo not in ALGORITHMS:
         raise UsageError(f"unknown --algo {algo!r}", fix=f"Use one of {', '.join(ALGORITHMS)}.")
     source = resolve_source(src)
-    name = _format_name(source, format)
-    checks = ["structure"]
-    problems = list(get_format(name).check(source))
-    report = VerifyReport(location=source.location.raw, format=name, ok=True, checks=checks)
+    opened: OpenedSource | None = None
+    if format is None and _maybe_training_folder(source):
+        opened = _open_layout(src)
+    name = _format_name(source, format) if opened is None else ""
+    if opened is None:
+        problems = list(get_format(name).check(source))
+    else:
+        name = opened.training.layout if opened.training else opened.checkpoint.manifest.format
+        problems = composite_problems(opened)
+    report = VerifyReport(location=source.location.raw, format=name, ok=True, checks=["structure"])
     # the manifest is not part of what it describes
     considered = {n: size for n, size in source.files.items() if n != MANIFEST_NAME}
     report.files = len(considered)
@@ -166,8 +186,18 @@ def verify(
 
     if resumable or deep:
         _open_checks(
-            report, problems, src, format, resumable=resumable, deep=deep, progress=progress
+            report,
+            problems,
+            src,
+            format,
+            opened,
+            resumable=resumable,
+            deep=deep,
+            progress=progress,
         )
+    elif opened is not None:
+        report.training = opened.training
+        opened.checkpoint.close()
     if checksums or write_manifest:
         _checksum_checks(
             report,
@@ -196,6 +226,47 @@ def _format_name(source: Source, format: str | None) -> str:
     return format or detect_format(source)
 
 
+#: names of training-state files (Trainer, accelerate, DeepSpeed) that make a folder a layout
+_TRAINING_NAMES = re.compile(
+    r"(trainer_state\.json|training_args\.bin|latest|(optimizer|scheduler|scaler|sampler)"
+    r"(_\d+)?\.(pt|bin)|rng_state(_\d+)?\.pth|random_states_\d+\.pkl|global_step\d+/.*)"
+)
+
+
+def _maybe_training_folder(source: Source) -> bool:
+    """Cheap look at file names: could this folder be a training layout?"""
+    if source.target is not None or not isinstance(source.storage, LocalStorage):
+        return False
+    names = source.files
+    if ".metadata" in names:
+        return False  # DCP: the format adapter itself knows its training dicts
+    return any(_TRAINING_NAMES.fullmatch(n) for n in names if n.count("/") <= 1)
+
+
+def _open_layout(src: str) -> OpenedSource | None:
+    """The training layout at `src` when it is one (None for anything else)."""
+    try:
+        opened = open_source(src)
+    except CkptError:
+        return None
+    if isinstance(opened.checkpoint, CompositeCheckpoint):
+        return opened
+    opened.checkpoint.close()
+    return None
+
+
+def composite_problems(opened: OpenedSource) -> list[Problem]:
+    """Structural problems of every component of a training folder, and unreadable ones."""
+    problems = component_problems(opened)
+    checkpoint = opened.checkpoint
+    assert isinstance(checkpoint, CompositeCheckpoint)
+    for component in checkpoint.components.values():
+        fmt = component.manifest.format
+        if fmt in REGISTRY:
+            problems.extend(get_format(fmt).check(component.source))
+    return problems
+
+
 # ---------------------------------------------------------------- training state and --deep
 
 
@@ -204,6 +275,7 @@ def _open_checks(
     problems: list[Problem],
     src: str,
     format: str | None,
+    opened: OpenedSource | None,
     *,
     resumable: bool,
     deep: bool,
@@ -212,76 +284,32 @@ def _open_checks(
     """Checks that need the checkpoint opened: resumability and reading every entry."""
     if any(p.severity == "error" for p in problems):
         # the structural problems are the story; reading on would only repeat them
+        skipped = " and ".join(c for c, on in (("resumability", resumable), ("deep", deep)) if on)
         problems.append(
             Problem(
                 code="not_checked",
-                message=f"{src}: skipped the {'deep and ' if deep and resumable else ''}"
-                f"{'deep' if deep and not resumable else 'resumability'} checks because of "
-                "the structural problems above",
+                message=f"{src}: skipped the {skipped} checks because of the problems above",
                 file=src,
                 severity="warning",
             )
         )
+        if opened is not None:
+            opened.checkpoint.close()
         return
-    try:
-        opened = open_source(src, format)
-    except CkptError as error:
-        problems.append(Problem(code=error.code, message=error.message, file=error.path))
-        return
+    if opened is None:
+        try:
+            opened = open_source(src, format)
+        except CkptError as error:
+            problems.append(Problem(code=error.code, message=error.message, file=error.path))
+            return
     report.training = opened.training
     with opened.checkpoint as checkpoint:
         if resumable:
             report.checks.append("resumable")
-            problems.extend(resumable_problems(src, opened.training))
+            problems.extend(training_checks(opened))
         if deep:
             report.checks.append("deep")
             _deep(report, problems, checkpoint, progress)
-
-
-def resumable_problems(src: str, training: TrainingState | None) -> list[Problem]:
-    """Why a checkpoint cannot resume training (nothing when it can)."""
-    if training is None:
-        return [
-            Problem(
-                code="not_resumable",
-                message=f"{src}: holds model weights only (no optimizer, scheduler, step, RNG "
-                "or data-loader state), so training cannot resume from it",
-                file=src,
-            )
-        ]
-    found: list[Problem] = []
-    for missing in training.missing:
-        found.append(
-            Problem(
-                code="missing_state",
-                message=f"{src}: the {training.layout} checkpoint has no {missing} state; "
-                "resuming would not continue the same run",
-                file=training.components.get(missing, src),
-            )
-        )
-    optimizer = training.optimizer
-    if optimizer is not None and not optimizer.complete:
-        cover = (
-            f"{optimizer.params_with_state} of {optimizer.params}"
-            if optimizer.params is not None
-            else "not all"
-        )
-        found.append(
-            Problem(
-                code="optimizer_incomplete",
-                message=f"{optimizer.source or src}: optimizer state covers {cover} parameters",
-                file=optimizer.source or src,
-            )
-        )
-    if not found and not training.resumable:
-        found.append(
-            Problem(
-                code="not_resumable",
-                message=f"{src}: the {training.layout} checkpoint is not resumable",
-                file=src,
-            )
-        )
-    return found
 
 
 def _deep(
@@ -297,6 +325,8 @@ def _deep(
             if entry.kind != "tensor":
                 try:
                     checkpoint.read_object(entry.name)
+                except UnsafeInputError:
+                    pass  # listed on purpose but never unpickled (training_args.bin)
                 except Exception as exc:  # any failure to deserialise is the finding itself
                     problems.append(_unreadable(entry.name, file, exc, "object"))
                 continue
@@ -443,9 +473,22 @@ def _checksum_checks(
             fix="Drop --algo (checks use the manifest's algorithm) or write a new manifest.",
         )
     report.algorithm = recorded.algorithm
+    expected = recorded.files
+    if source.target is not None:
+        # SRC named one file: check that file against its record, whatever else is recorded
+        expected = {n: d for n, d in expected.items() if n == source.target}
+        if not expected:
+            problems.append(
+                Problem(
+                    code="unlisted_file",
+                    message=f"{root / source.target}: is not in the manifest {path}",
+                    file=str(root / source.target),
+                )
+            )
+            return
     sizes = files_size(files)
     to_hash: dict[str, Path] = {}
-    for name, want in recorded.files.items():
+    for name, want in expected.items():
         if name not in files:
             problems.append(
                 Problem(
@@ -465,7 +508,7 @@ def _checksum_checks(
             )
         else:
             to_hash[name] = files[name]
-    for name in sorted(set(files) - set(recorded.files)):
+    for name in sorted(set(files) - set(expected)):
         problems.append(
             Problem(
                 code="unlisted_file",

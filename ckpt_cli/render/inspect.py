@@ -82,6 +82,8 @@ def render_training(report: InspectReport) -> None:
             else "[dim]none[/]",
         )
     )
+    for rel, why in state.unreadable.items():
+        rows.append(("unreadable", f"[yellow]{rel}[/]: {why}"))
     rows.append(("resumable", verdict))
     for key, value in rows:
         stdout.print(f"  {key:<12} {value}")

@@ -1,0 +1,97 @@
+"""Helpers for tests that build DCP checkpoints with the real `dcp.save` and load with `dcp.load`.
+
+Other areas (convert, reshard, verify) import these:
+
+* `training_state(seed)`: a small model + AdamW state after one step, a step counter, RNG
+  state and data-loader position: what a resumable training checkpoint holds.
+* `dcp_save(state, path, serialization)`: `dcp.save` in one process (`no_dist=True`).
+* `run_torchrun(script, nproc, *args)`: run a script under `torchrun --standalone` with gloo
+  on CPU (the script reads the rank from the environment); raises with its output on failure.
+* `DIST_SCRIPT`: `tests/dcp_dist_script.py`, whose `save` and `load` modes save a DTensor
+  `Shard(0)` checkpoint and load one back into `Shard(0)` DTensors, recording per rank which
+  files it read.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DIST_SCRIPT = Path(__file__).resolve().parent / "dcp_dist_script.py"
+
+
+def training_state(seed: int = 0) -> dict[str, Any]:
+    """A small resumable training state: model, AdamW after one step, step, RNG, data loader."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    return {
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "step": 7,
+        "rng": {"torch": torch.get_rng_state(), "python": random.Random(seed).getstate()},
+        "rng_bytes": bytes(range(16)),
+        "dataloader": {"epoch": 1, "position": 42},
+        "embed": torch.randn(5, 4).to(torch.bfloat16),
+    }
+
+
+def dcp_save(state: dict[str, Any], path: Path, serialization: str = "torch_save") -> None:
+    """`dcp.save` in this process (no process group), with the given serialization."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    writer = FileSystemWriter(str(path), serialization_format=SerializationFormat(serialization))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+def dcp_load_flat(path: Path, template: dict[str, Any]) -> dict[str, Any]:
+    """`dcp.load` (no process group) into a copy of `template` (flat fqn -> tensor or None)."""
+    import torch.distributed.checkpoint as dcp
+
+    target = dict(template)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(path), no_dist=True)
+    return target
+
+
+def run_torchrun(
+    script: Path, nproc: int, *args: str | os.PathLike[str], timeout: int = 300
+) -> str:
+    """Run `script` under `torchrun --standalone --nproc-per-node nproc`; return its output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(script),
+            *[str(a) for a in args],
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script.name} {args} failed ({proc.returncode}):\n{output}")
+    return output

@@ -1,0 +1,444 @@
+"""DCP: inspect and read real `dcp.save` output (1 and 2 ranks, both serializations), write
+checkpoints `dcp.load` restores bit-exact, and refuse hostile or broken folders (exit 4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from ckpt_cli.formats import open_checkpoint, resolve_source
+from ckpt_cli.formats.base import WriteOptions
+from ckpt_cli.formats.dcp import DcpCheckpoint, DcpFormat, shard0_chunks
+from ckpt_cli.models import Chunk, Entry
+
+from .conftest import REPO, run_ckpt
+from .dcp_dist_script import expected_state
+from .dist_helpers import DIST_SCRIPT, dcp_load_flat, dcp_save, run_torchrun, training_state
+
+SERIALIZATIONS = ["torch_save", "safetensors"]
+
+
+def torch_metadata(path: Path) -> Any:
+    """The metadata as torch's own reader sees it (our own fixtures only: it is a plain pickle)."""
+    return FileSystemReader(str(path)).read_metadata()
+
+
+def write_metadata(path: Path, metadata: Any) -> None:
+    with open(path / ".metadata", "wb") as fh:
+        pickle.dump(metadata, fh)
+
+
+def open_dcp(path: Path) -> DcpCheckpoint:
+    checkpoint = open_checkpoint(str(path))
+    assert isinstance(checkpoint, DcpCheckpoint)
+    return checkpoint
+
+
+def problems(path: Path) -> list[str]:
+    return [p.code for p in DcpFormat.check(resolve_source(str(path)))]
+
+
+@pytest.fixture(scope="module", params=SERIALIZATIONS)
+def single(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A training state saved by `dcp.save` in one process, with each serialization."""
+    path = tmp_path_factory.mktemp("dcp") / request.param
+    dcp_save(training_state(), path, request.param)
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One torchrun launch (2 ranks, gloo): `dcp.save` of Shard(0) DTensors, and `dcp.load`
+    into Shard(0) DTensors of a 2-rank checkpoint written by our writer."""
+    root = tmp_path_factory.mktemp("dist")
+    ours = root / "ours"
+    ours.mkdir()
+    state = expected_state()
+    plan = [
+        Entry(
+            name=k, dtype=str(v.dtype).removeprefix("torch."), shape=list(v.shape), nbytes=v.nbytes
+        )
+        for k, v in state.items()
+    ]
+    plan.append(Entry(name="train.step", kind="object"))
+    writer = DcpFormat.writer(ours, plan, WriteOptions(world_size=2))
+    for name, tensor in state.items():
+        writer.write_tensor(name, tensor)
+    writer.write_object("train.step", 11)
+    writer.finish()
+    run_torchrun(
+        DIST_SCRIPT, 2, "--save", root / "saved", "--load", ours, root / "report", "train.step"
+    )
+    return {"saved": root / "saved", "ours": ours, "report": root / "report"}
+
+
+# --- inspect and read what dcp.save wrote ------------------------------------------------------
+
+
+def test_inspect_lists_every_entry_as_torch_records_it(single: Path) -> None:
+    result = run_ckpt("inspect", single, "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    md = torch_metadata(single)
+    assert report["format"] == "dcp"
+    assert report["details"]["serialization"] == single.name
+    assert report["details"]["world_size"] == 1
+    by_name = {e["name"]: e for e in report["entries"]}
+    assert set(by_name) == set(md.state_dict_metadata)
+    lengths = {index.fqn: info.length for index, info in md.storage_data.items()}
+    tensors = 0
+    for fqn, item in md.state_dict_metadata.items():
+        entry = by_name[fqn]
+        if hasattr(item, "size"):
+            tensors += 1
+            assert entry["kind"] == "tensor"
+            assert entry["dtype"] == str(item.properties.dtype).removeprefix("torch.")
+            assert entry["shape"] == list(item.size)
+            assert entry["nbytes"] == item.size.numel() * item.properties.dtype.itemsize
+        else:
+            assert entry["kind"] == "object"
+            assert entry["nbytes"] == lengths[fqn] > 0
+    assert report["tensors"] == tensors and report["objects"] == len(by_name) - tensors
+    state = training_state()
+    assert by_name["model.0.weight"]["shape"] == [6, 8]
+    assert by_name["embed"]["dtype"] == "bfloat16"
+    assert by_name["rng.torch"]["nbytes"] == state["rng"]["torch"].numel()
+    assert (by_name["step"]["py_type"], by_name["step"]["value"]) == ("int", 7)
+    assert by_name["rng_bytes"]["py_type"] == "bytes"
+    assert by_name["dataloader.position"]["value"] == 42
+    human = run_ckpt("inspect", single, "--tensors")
+    assert (
+        human.exit_code == 0
+        and "object:int" in human.stdout
+        and "dataloader.position" in human.stdout
+    )
+
+
+def test_tensors_and_objects_read_back_bit_exact(single: Path) -> None:
+    state = training_state()
+    with open_dcp(single) as checkpoint:
+        for name, tensor in state["model"].items():
+            got = checkpoint.read_tensor(f"model.{name}")
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+        for pid, per_param in state["optimizer"]["state"].items():
+            for key, value in per_param.items():
+                assert torch.equal(checkpoint.read_tensor(f"optimizer.state.{pid}.{key}"), value)
+        assert torch.equal(checkpoint.read_tensor("embed"), state["embed"])
+        assert torch.equal(checkpoint.read_tensor("rng.torch"), state["rng"]["torch"])
+        assert checkpoint.read_object("step") == 7
+        assert checkpoint.read_object("rng_bytes") == state["rng_bytes"]
+        assert checkpoint.read_object("rng.python") == state["rng"]["python"]
+        assert checkpoint.read_object("optimizer.param_groups.0.lr") == 1e-3
+        box = checkpoint.read_slice("model.0.weight", [2, 3], [3, 4])
+        assert torch.equal(box, state["model"]["0.weight"][2:5, 3:7])
+
+
+def test_safetensors_serialization_exposes_raw_chunks(tmp_path: Path) -> None:
+    state = training_state()
+    dcp_save(state, tmp_path, "safetensors")
+    with open_dcp(tmp_path) as checkpoint:
+        entry = checkpoint.manifest.by_name["model.2.weight"]
+        assert entry.chunks and all(c.raw for c in entry.chunks) and entry.is_raw
+        raw = b"".join(checkpoint.iter_raw("model.2.weight"))
+        expected = state["model"]["2.weight"].contiguous().view(torch.uint8).numpy().tobytes()
+        assert raw == expected
+
+
+def test_metadata_inspect_does_not_import_torch(single: Path) -> None:
+    probe = (
+        "import sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
+        "from ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, "inspect", str(single), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert json.loads(proc.stdout)["result"]["format"] == "dcp"
+    assert "NO_TORCH" in proc.stderr, proc.stderr
+
+
+def test_unloadable_object_is_reported_not_executed(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {marker}",))
+
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(2), "evil": Evil()}, ckpt)
+    report = run_ckpt("inspect", ckpt, "--json").json["result"]
+    evil = next(e for e in report["entries"] if e["name"] == "evil")
+    assert evil["kind"] == "object" and evil["py_type"] == "posix.system"
+    with open_dcp(ckpt) as checkpoint, pytest.raises(Exception) as caught:
+        checkpoint.read_object("evil")
+    assert "weights_only" in str(caught.value) and "posix.system" in str(caught.value)
+    assert not marker.exists()
+
+
+# --- 2 ranks under torchrun ------------------------------------------------------------------
+
+
+def test_two_rank_save_inspects_and_reassembles(two_rank: dict[str, Path]) -> None:
+    saved = two_rank["saved"]
+    report = run_ckpt("inspect", saved, "--json").json["result"]
+    assert report["details"]["world_size"] == 2
+    assert {f["path"] for f in report["files"]} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    by_name = {e["name"]: e for e in report["entries"]}
+    full = expected_state()
+    assert report["tensors"] == len(full) and report["objects"] == 1
+    assert by_name["train.step"]["value"] == 11
+    w = by_name["model.w"]
+    assert w["shape"] == [5, 3] and w["nbytes"] == 60
+    assert [(c["offsets"], c["sizes"], c["file"]) for c in w["chunks"]] == [
+        ([0, 0], [3, 3], "__0_0.distcp"),
+        ([3, 0], [2, 3], "__1_0.distcp"),
+    ]
+    with open_dcp(saved) as checkpoint:
+        for name, tensor in full.items():
+            assert torch.equal(checkpoint.read_tensor(name), tensor), name
+        # a box across the rank boundary reads both chunks
+        assert torch.equal(
+            checkpoint.read_slice("model.w", [2, 1], [2, 2]), full["model.w"][2:4, 1:3]
+        )
+    assert problems(saved) == []
+
+
+def test_writer_output_loads_into_shard0_dtensors_each_rank_its_own_file(
+    two_rank: dict[str, Path],
+) -> None:
+    for rank in range(2):
+        report = json.loads((two_rank["report"] / f"rank{rank}.json").read_text())
+        assert report["ok"], report["mismatches"]
+        assert report["objects"] == {"train.step": 11}
+        for name, tensor in expected_state().items():
+            if tensor.dim() and shard0_chunks(list(tensor.shape), 2)[rank][1][0] > 0:
+                assert report["files_read"][name] == [f"__{rank}_0.distcp"], name
+    # and the same output has the layout dcp.save itself gives those DTensors
+    ours = open_dcp(two_rank["ours"]).manifest
+    theirs = open_dcp(two_rank["saved"]).manifest
+    for entry in theirs.tensors:
+        mine = ours.by_name[entry.name]
+        assert {(tuple(c.offsets), tuple(c.sizes)) for c in mine.chunks or []} == {
+            (tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks or []
+        }
+
+
+# --- the writer ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_writer_round_trips_through_dcp_load(tmp_path: Path, world_size: int) -> None:
+    src = tmp_path / "src"
+    dcp_save(training_state(), src)
+    out = tmp_path / "out"
+    out.mkdir()
+    with open_dcp(src) as source:
+        plan = [e.model_copy(update={"chunks": None}) for e in source.manifest.entries]
+        options = WriteOptions(
+            world_size=world_size, extra={"dcp_planner_data": source.planner_data}
+        )
+        writer = DcpFormat.writer(out, plan, options)
+        for entry in plan:
+            if entry.kind == "tensor":
+                writer.write_tensor(entry.name, source.read_tensor(entry.name))
+            else:
+                writer.write_object_bytes(entry.name, source.read_object_bytes(entry.name))
+        files = writer.finish()
+        assert files[0].path == ".metadata"
+        assert {f.path for f in files[1:]} == {f"__{r}_0.distcp" for r in range(world_size)}
+        template: dict[str, Any] = {
+            e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype or ""))
+            if e.kind == "tensor"
+            else None
+            for e in plan
+        }
+        loaded = dcp_load_flat(out, template)
+        for entry in plan:
+            if entry.kind == "tensor":
+                assert torch.equal(loaded[entry.name], source.read_tensor(entry.name)), entry.name
+            else:
+                assert loaded[entry.name] == source.read_object(entry.name), entry.name
+    chunks = open_dcp(out).manifest.by_name["model.0.weight"].chunks or []
+    assert [c.sizes for c in chunks] == [s for _, s in shard0_chunks([6, 8], world_size)]
+    assert problems(out) == []
+
+
+def test_write_chunk_streams_a_planned_tensor_parallel_layout(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(5)
+    wo = torch.randn(4, 6, generator=gen)
+    # split along dim 1 (tensor-parallel style), one box per rank file
+    chunks = [
+        Chunk(offsets=[0, 0], sizes=[4, 3], file="__0_0.distcp", byte_offset=0, byte_length=0),
+        Chunk(offsets=[0, 3], sizes=[4, 3], file="__1_0.distcp", byte_offset=0, byte_length=0),
+    ]
+    plan = [Entry(name="wo", dtype="float32", shape=[4, 6], nbytes=96, chunks=chunks)]
+    out = tmp_path / "tp"
+    out.mkdir()
+    writer = DcpFormat.writer(out, plan, WriteOptions(world_size=2))
+    for index, chunk in reversed(list(enumerate(chunks))):  # any order
+        writer.write_chunk("wo", index, wo[:, chunk.offsets[1] : chunk.offsets[1] + 3])
+    writer.finish()
+    assert torch.equal(dcp_load_flat(out, {"wo": torch.empty(4, 6)})["wo"], wo)
+    with open_dcp(out) as checkpoint:
+        assert [c.file for c in checkpoint.manifest.by_name["wo"].chunks or []] == [
+            c.file for c in chunks
+        ]
+        assert torch.equal(checkpoint.read_slice("wo", [1, 2], [2, 2]), wo[1:3, 2:4])
+
+
+def test_writer_safetensors_serialization_matches_dcp_save_and_takes_raw_bytes(
+    tmp_path: Path,
+) -> None:
+    state = training_state()
+    theirs = tmp_path / "theirs"
+    dcp_save(state, theirs, "safetensors")
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    with open_dcp(theirs) as source:
+        plan = [e.model_copy(update={"chunks": None}) for e in source.manifest.entries]
+        writer = DcpFormat.writer(
+            ours, plan, WriteOptions(world_size=2, dcp_serialization="safetensors")
+        )
+        assert writer.accepts_raw
+        for entry in plan:
+            if entry.kind == "tensor":
+                writer.write_raw(entry.name, source.iter_raw(entry.name, block=7))
+            else:
+                writer.write_object(entry.name, source.read_object(entry.name))
+        writer.finish()
+        with open_dcp(ours) as back:
+            assert back.manifest.details["serialization"] == "safetensors"
+            assert back.manifest.details["world_size"] == 2
+            for entry in source.manifest.tensors:
+                assert torch.equal(back.read_tensor(entry.name), source.read_tensor(entry.name))
+                assert all(c.raw for c in back.manifest.by_name[entry.name].chunks or [])
+            assert back.read_object("step") == 7
+    # the embedded safetensors blob carries DCP's sharding info, as dcp.save writes it
+    from safetensors import safe_open
+
+    blob = ours / "__1_0.distcp"
+    with safe_open(str(blob), framework="pt") as f:
+        info = json.loads(f.metadata()["DCP_SHARDING_INFO"])
+        assert info["model.0.weight"]["saved_offsets"] == [3, 0]
+        assert torch.equal(f.get_tensor("model.0.weight"), state["model"]["0.weight"][3:])
+
+
+# --- hostile and broken folders ----------------------------------------------------------------
+
+
+class _Hostile:
+    def __init__(self, call: Any, arg: str):
+        self.call, self.arg = call, arg
+
+    def __reduce__(self) -> Any:
+        return (self.call, (self.arg,))
+
+
+@pytest.mark.parametrize("kind", ["os.system", "builtins.eval-inside-metadata"])
+def test_hostile_metadata_pickle_is_refused_and_not_run(tmp_path: Path, kind: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(3)}, ckpt)
+    marker = tmp_path / "pwned"
+    if kind == "os.system":
+        payload: Any = _Hostile(os.system, f"touch {marker}")
+    else:
+        payload = torch_metadata(ckpt)
+        payload.planner_data = _Hostile(eval, f"open({str(marker)!r}, 'w').close()")
+    write_metadata(ckpt, payload)
+    result = run_ckpt("inspect", ckpt, "--json")
+    assert result.exit_code == 4
+    error = result.json["error"]
+    assert error["code"] == "unsafe_input"
+    assert error["path"].endswith(".metadata")
+    assert ("posix.system" if kind == "os.system" else "builtins.eval") in error["message"]
+    assert not marker.exists()
+    assert problems(ckpt) == ["unsafe_input"]
+    assert not marker.exists()
+
+
+def test_traversal_path_in_metadata_is_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(3), "step": 1}, ckpt)
+    md = torch_metadata(ckpt)
+    for info in md.storage_data.values():
+        info.relative_path = "../outside.distcp"
+    write_metadata(ckpt, md)
+    result = run_ckpt("inspect", ckpt, "--json")
+    assert result.exit_code == 4
+    assert result.json["error"]["code"] == "unsafe_input"
+    assert "outside the checkpoint" in result.json["error"]["message"]
+
+
+def test_missing_metadata_reads_as_an_interrupted_save(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(3)}, ckpt)
+    (ckpt / ".metadata").unlink()
+    result = run_ckpt("inspect", ckpt)
+    assert result.exit_code == 4
+    assert "interrupted" in result.stderr and "no .metadata" in result.stderr
+    found = DcpFormat.check(resolve_source(str(ckpt)))
+    assert len(found) == 1 and "interrupted" in found[0].message
+
+
+def broken_copy(two_rank: dict[str, Path], tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(two_rank["saved"], copy)
+    return copy
+
+
+def test_missing_rank_file_is_reported(two_rank: dict[str, Path], tmp_path: Path) -> None:
+    ckpt = broken_copy(two_rank, tmp_path)
+    (ckpt / "__1_0.distcp").unlink()
+    result = run_ckpt("inspect", ckpt, "--json")
+    assert result.exit_code == 4
+    assert "__1_0.distcp is missing" in result.json["error"]["message"]
+    assert problems(ckpt) == ["dcp_missing_file"]
+
+
+def test_truncated_rank_file_is_reported(two_rank: dict[str, Path], tmp_path: Path) -> None:
+    ckpt = broken_copy(two_rank, tmp_path)
+    data = ckpt / "__0_0.distcp"
+    os.truncate(data, data.stat().st_size - 100)
+    assert run_ckpt("inspect", ckpt).exit_code == 4
+    found = DcpFormat.check(resolve_source(str(ckpt)))
+    assert {p.code for p in found} == {"dcp_truncated"}
+    assert all(p.file and p.file.endswith("__0_0.distcp") for p in found)
+
+
+def test_holes_and_overlaps_are_all_reported(two_rank: dict[str, Path], tmp_path: Path) -> None:
+    ckpt = broken_copy(two_rank, tmp_path)
+    md = torch_metadata(ckpt)
+    # hole: forget the second chunk of model.w
+    md.state_dict_metadata["model.w"].chunks.pop()
+    # overlap: claim rank 1's chunk of model.emb starts one row earlier
+    emb = md.state_dict_metadata["model.emb"]
+    old = emb.chunks[1]
+    new_offsets = torch.Size([old.offsets[0] - 1, 0])
+    for index in list(md.storage_data):
+        if index.fqn == "model.emb" and index.offset == old.offsets:
+            info = md.storage_data.pop(index)
+            md.storage_data[type(index)("model.emb", new_offsets, 1)] = info
+    old.offsets = new_offsets
+    write_metadata(ckpt, md)
+    found = DcpFormat.check(resolve_source(str(ckpt)))
+    assert {(p.code, p.tensor) for p in found} == {
+        ("dcp_hole", "model.w"),
+        ("dcp_overlap", "model.emb"),
+    }
+    result = run_ckpt("inspect", ckpt, "--json")
+    assert result.exit_code == 4 and "1 more problem" in result.json["error"]["message"]
