@@ -756,6 +756,8 @@ def looks_like_run(path: str | Path) -> bool:
     A folder named like a step checkpoint (`checkpoint-500`, which may hold a DeepSpeed
     `global_step500/`) is a checkpoint; otherwise one layout folder or Lightning file, or plain
     checkpoints at two different steps and no unnumbered checkpoint file, make a run folder.
+    A DeepSpeed save folder with a `latest` file and a single `global_stepN/` is that
+    checkpoint (as DeepSpeed reads it); with several tags it is a run folder.
     """
     root = Path(path)
     if not root.is_dir():
@@ -764,6 +766,8 @@ def looks_like_run(path: str | Path) -> bool:
     if own is not None and own[0] != "plain":
         return False
     found = [f for f in _discover(root) if not f.temporary]
+    if (root / "latest").is_file() and len(found) == 1 and found[0].layout == "deepspeed":
+        return False  # DeepSpeed's save folder with its one tag: `load_checkpoint(dir)` reads it
     if any(f.layout != "plain" for f in found):
         return True
     # numbered files beside unnumbered ones are parts of one checkpoint (accelerate writes

@@ -159,6 +159,14 @@ def test_accelerate_deepspeed_lightning_and_plain_layouts(tmp_path: Path) -> Non
     assert {r["layout"] for r in acc_rows.values()} == {"accelerate"}
     assert all(r["complete"] for r in acc_rows.values())
 
+    # with two tags the DeepSpeed save folder is a run; with one, inspect opens that checkpoint
+    assert looks_like_run(ds)
+    single = tmp_path / "ds1"
+    shutil.copytree(ds / "global_step10", single / "global_step10")
+    (single / "latest").write_text("global_step10")
+    assert not looks_like_run(single)
+    assert run_ckpt("inspect", ds, "--json").json["result"]["format"] == "run"
+
     ds_rows = table(ds)
     assert ds_rows["global_step10"]["markers"] == ["newest", "deepspeed-latest"]
     assert ds_rows["global_step20"]["status"] == "incomplete"
