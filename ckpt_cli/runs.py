@@ -500,9 +500,8 @@ def _judge(
         return _with_status(entry, "incomplete", f"dangling link to {entry.link_target}")
     problem, formats = _judge_components(item.paths)
     entry.formats = formats
-    trainer_folder = item.layout == "hf-trainer" and primary.is_dir()
-    if problem is None and trainer_folder and not (primary / "trainer_state.json").is_file():
-        problem = "no trainer_state.json (the Trainer writes it last)"
+    if problem is None and item.layout == "hf-trainer" and primary.is_dir():
+        problem = _trainer_state_problem(primary / "trainer_state.json")
     if (
         problem is None
         and item.layout == "deepspeed"
@@ -519,6 +518,17 @@ def _judge(
     if recent:
         return _with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
     return _with_status(entry, "incomplete", problem)
+
+
+def _trainer_state_problem(path: Path) -> str | None:
+    """The Trainer writes `trainer_state.json` last: missing or cut short, the save is not done."""
+    if not path.is_file():
+        return "no trainer_state.json (the Trainer writes it last)"
+    try:
+        json.loads(path.read_bytes())
+    except (ValueError, OSError) as exc:
+        return f"{path}: not valid JSON, cut short? ({exc})"
+    return None
 
 
 def _with_status(entry: RunCheckpoint, status: Status, reason: str) -> RunCheckpoint:
