@@ -56,7 +56,8 @@ class PruneDecision(BaseModel):
     """The fate of one checkpoint.
 
     Attributes:
-        name / path / step / status / size / markers: the checkpoint (see `RunCheckpoint`).
+        name / path / step / status / size / markers / metric: the checkpoint (see
+            `ckpt_cli.runs.RunCheckpoint`).
         action: `keep` or `delete`.
         rule: the rule that decided.
         deleted: with `--yes`, whether it is gone.
