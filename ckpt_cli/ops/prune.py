@@ -381,19 +381,30 @@ def watch(
     return result
 
 
-def usage_check(mode: str, watch: float | None, yes: bool, max_iterations: int | None) -> None:
-    """Refuse option combinations that make no sense, before touching anything."""
-    if mode not in ("min", "max"):
-        raise UsageError(f"--mode must be min or max (got {mode!r})")
-    if watch is not None and not yes:
+def run(
+    run_dir: str | Path,
+    policy: PrunePolicy,
+    *,
+    yes: bool = False,
+    watch_seconds: float | None = None,
+    max_iterations: int | None = None,
+    on_round: Callable[[PruneReport], None] | None = None,
+) -> PruneReport | WatchReport:
+    """What `ckpt prune` does: one plan (deleting with `yes`), or `--watch` rounds."""
+    if watch_seconds is not None and not yes:
         raise UsageError(
             "--watch deletes as it goes and needs --yes",
             fix="Run without --watch to see the plan first, then add --watch SECONDS --yes.",
         )
-    if max_iterations is not None and watch is None:
+    if max_iterations is not None and watch_seconds is None:
         raise UsageError("--max-iterations only applies with --watch")
+    if watch_seconds is None:
+        return prune(run_dir, policy, yes=yes)
+    return watch(run_dir, policy, watch_seconds, max_iterations=max_iterations, on_round=on_round)
 
 
-def watch_exit_code(report: WatchReport) -> int:
-    """1 when some deletion failed in any round."""
-    return 1 if any(r.failed for r in report.rounds) else 0
+def exit_code(report: PruneReport | WatchReport) -> int:
+    """1 when a deletion failed (in any round)."""
+    if isinstance(report, WatchReport):
+        return 1 if any(r.failed for r in report.rounds) else 0
+    return 1 if report.failed else 0
