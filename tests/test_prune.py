@@ -262,6 +262,24 @@ def test_a_crash_mid_delete_leaves_nothing_that_looks_complete(
     assert survivors(out) == ["checkpoint-200", "checkpoint-300"]
 
 
+def test_a_checkpoint_removed_by_someone_else_first_is_not_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = trainer_run(tmp_path, steps=(100, 300, 400))
+    real_remove = prune_ops.remove_checkpoint
+
+    def trainer_rotates_first(path: Path) -> None:
+        shutil.rmtree(path)  # the Trainer's save_total_limit got there first
+        real_remove(path)
+
+    monkeypatch.setattr(prune_ops, "remove_checkpoint", trainer_rotates_first)
+    result = run_ckpt("prune", out, "--keep-last", "1", "--yes", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["failed"] == [] and report["deleted"] == []
+    assert survivors(out) == ["checkpoint-400"]
+
+
 def test_watch_prunes_as_the_run_goes_and_never_touches_a_save_in_progress(
     tmp_path: Path,
 ) -> None:

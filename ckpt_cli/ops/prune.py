@@ -125,6 +125,10 @@ class WatchReport(BaseModel):
     stopped: Literal["max-iterations", "interrupted"] = "interrupted"
 
 
+#: why a checkpoint was not deleted when something else removed it first
+VANISHED = "vanished before it was deleted (removed by someone else)"
+
+
 def _validate(policy: PrunePolicy) -> None:
     if not (policy.retains or policy.incomplete):
         raise UsageError(
@@ -273,7 +277,7 @@ def _delete_one(run_dir: Path, path: Path, settle: float) -> str | None:
             return "modified since the plan was made; not deleted"
         remove_checkpoint(path)
     except FileNotFoundError:
-        return "vanished before it was deleted"
+        return VANISHED
     except OSError as exc:
         return f"could not delete: {exc.strerror or exc}"
     return None
@@ -340,7 +344,10 @@ def prune(
             d.error = next((e.error for e in parts if e.error), None)
         report.deleted = [d.name for d in decisions if d.deleted]
         report.bytes_freed = sum(d.size for d in decisions if d.deleted)
-        report.failed = [f"{d.name}: {d.error}" for d in decisions if d.error]
+        # gone already (the trainer's own rotation, say) is what was wanted: not a failure
+        report.failed = [
+            f"{d.name}: {d.error}" for d in decisions if d.error not in (None, VANISHED)
+        ]
     return report
 
 
