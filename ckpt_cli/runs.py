@@ -20,7 +20,9 @@ no tensor data): each DCP folder has its `.metadata`, each safetensors index nam
 that exist with valid headers, each safetensors / torch.save file is whole. Layout rules come on
 top: a Trainer folder needs its `trainer_state.json` (the Trainer writes it last), a DeepSpeed
 `global_stepN/` newer than the step the `latest` file names is unfinished (DeepSpeed writes
-`latest` after every rank is done). Staging folders of interrupted saves are never complete:
+`latest` after every rank is done). accelerate and plain folders have no marker at all: one that lacks a
+digit-free file (`optimizer.bin`) which at least two other saves of the run all have is
+incomplete. Staging folders of interrupted saves are never complete:
 ckpt's own `.NAME.ckpt-tmp-*` (see `output.py`; `prune` also renames what it deletes to such a
 name first), the Trainer's `tmp-checkpoint-N`, and `NAME.tmp` / `.partial` / `.incomplete`.
 
@@ -469,7 +471,12 @@ def _judge_components(paths: list[Path]) -> tuple[str | None, list[str]]:
 
 
 def _judge(
-    item: _Found, root: Path, now: float, settle: float, ds_latest_step: int | None
+    item: _Found,
+    root: Path,
+    now: float,
+    settle: float,
+    ds_latest_step: int | None,
+    expected: set[str] | None = None,
 ) -> RunCheckpoint:
     primary = item.paths[0]
     symlink = primary.is_symlink()
@@ -502,6 +509,13 @@ def _judge(
     entry.formats = formats
     if problem is None and item.layout == "hf-trainer" and primary.is_dir():
         problem = _trainer_state_problem(primary / "trainer_state.json")
+    if problem is None and expected:
+        missing = expected - _part_names(primary)
+        if missing:
+            problem = (
+                f"lacks {', '.join(sorted(missing))}, which every other save of this run has "
+                "(no commit marker in this layout: an interrupted save?)"
+            )
     if (
         problem is None
         and item.layout == "deepspeed"
@@ -636,6 +650,49 @@ def load_metrics(
 # --------------------------------------------------------------------------- entry point
 
 
+#: layouts with no commit marker of their own: their saves are compared with each other
+_UNMARKED = ("accelerate", "plain")
+
+
+def _part_names(folder: Path) -> set[str]:
+    """Top-level file names of a checkpoint folder without digits (`optimizer.bin`, not
+    `random_states_3.pkl`, whose count follows the number of processes)."""
+    try:
+        return {
+            e.name
+            for e in folder.iterdir()
+            if e.is_file() and not any(ch.isdigit() for ch in e.name)
+        }
+    except OSError:
+        return set()
+
+
+def _expected_parts(found: list[_Found]) -> dict[int, set[str]]:
+    """For folders of unmarked layouts: the files every *other* save of the run has.
+
+    accelerate's `save_state` writes model, optimizer, scheduler, sampler... with no marker
+    at the end, so a save cut short after the model looks whole on its own. Against at least
+    two other saves of the same run it does not. Names are compared, nothing is read.
+    """
+    out: dict[int, set[str]] = {}
+    for layout in _UNMARKED:
+        folders = [
+            f
+            for f in found
+            if f.layout == layout
+            and not f.temporary
+            and f.paths[0].is_dir()
+            and not f.paths[0].is_symlink()
+        ]
+        if len(folders) < 3:
+            continue
+        names = {id(f): _part_names(f.paths[0]) for f in folders}
+        for f in folders:
+            others = [names[id(o)] for o in folders if o is not f]
+            out[id(f)] = set.intersection(*others)
+    return out
+
+
 def _name_order(item: _Found) -> tuple[float, float, float]:
     """Newest-first order known before judging: step, epoch, then the entry's own time."""
     try:
@@ -680,9 +737,10 @@ def scan_run(
     found = _discover(root)
     ds_latest = _deepspeed_latest(root)
     ds_step = _int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
+    expected = _expected_parts(found)
     judged: list[RunCheckpoint] = []
     for item in sorted(found, key=_name_order, reverse=True):
-        judged.append(_judge(item, root, now, settle, ds_step))
+        judged.append(_judge(item, root, now, settle, ds_step, expected.get(id(item))))
         if until_latest and judged[-1].complete:
             break
     checkpoints = sorted(judged, key=lambda c: c.order)

@@ -127,6 +127,10 @@ def test_accelerate_deepspeed_lightning_and_plain_layouts(tmp_path: Path) -> Non
         folder.mkdir(parents=True)
         save_file(weights(i), folder / "model.safetensors")
         torch.save({"state": {}, "param_groups": []}, folder / "optimizer.bin")
+        torch.save({"cpu": torch.random.get_rng_state()}, folder / f"random_states_{i}.pkl")
+    # save_state of step 3 died after the model: nothing marks the end of an accelerate save
+    (acc / "checkpoints" / "checkpoint_3").mkdir()
+    save_file(weights(3), acc / "checkpoints" / "checkpoint_3" / "model.safetensors")
     ds = tmp_path / "ds"
     for step in (10, 20):
         (ds / f"global_step{step}").mkdir(parents=True)
@@ -156,9 +160,11 @@ def test_accelerate_deepspeed_lightning_and_plain_layouts(tmp_path: Path) -> Non
         age(folder)
 
     acc_rows = table(acc)
-    assert list(acc_rows) == [f"checkpoints/checkpoint_{i}" for i in range(3)]
+    assert list(acc_rows) == [f"checkpoints/checkpoint_{i}" for i in range(4)]
     assert {r["layout"] for r in acc_rows.values()} == {"accelerate"}
-    assert all(r["complete"] for r in acc_rows.values())
+    assert [r["complete"] for r in acc_rows.values()] == [True, True, True, False]
+    assert "lacks optimizer.bin" in acc_rows["checkpoints/checkpoint_3"]["reason"]
+    assert run_ckpt("latest", acc).stdout.strip() == str(acc / "checkpoints" / "checkpoint_2")
 
     # with two tags the DeepSpeed save folder is a run; with one, inspect opens that checkpoint
     assert looks_like_run(ds)
