@@ -62,6 +62,8 @@ from .output import TMP_MARKER
 
 #: files modified within this many seconds mark a checkpoint as possibly still being written
 DEFAULT_SETTLE = 120.0
+#: `prune` renames what it deletes to `.NAME.ckpt-tmp-del-*` first
+DELETING = "del-"
 #: metric file read from the run folder
 METRICS_FILE = "metrics.jsonl"
 
@@ -496,12 +498,13 @@ def _judge(
         link_target=os.readlink(primary) if symlink else None,
     )
     if item.temporary:
+        what = "deletion" if f"{TMP_MARKER}{DELETING}" in primary.name else "save"
         return _with_status(
             entry,
             "writing" if recent else "interrupted",
-            "staging folder of a save in progress"
+            f"staging folder of a {what} in progress"
             if recent
-            else "staging folder left by an interrupted save",
+            else f"staging folder left by an interrupted {what}",
         )
     if symlink and not primary.exists():
         return _with_status(entry, "incomplete", f"dangling link to {entry.link_target}")

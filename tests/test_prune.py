@@ -256,7 +256,9 @@ def test_a_crash_mid_delete_leaves_nothing_that_looks_complete(
     assert len(hidden) == 1 and hidden[0].startswith(".checkpoint-100.ckpt-tmp-del-")
     assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-300")
     rows = run_ckpt("latest", out, "--json", "--settle", "0").json["result"]["checkpoints"]
-    assert {r["name"]: r["status"] for r in rows}[hidden[0]] == "interrupted"
+    leftover = {r["name"]: r for r in rows}[hidden[0]]
+    assert leftover["status"] == "interrupted"
+    assert leftover["reason"] == "staging folder left by an interrupted deletion"
     cleaned = run_ckpt("prune", out, "--incomplete", "--settle", "0", "--yes")
     assert cleaned.exit_code == 0
     assert survivors(out) == ["checkpoint-200", "checkpoint-300"]

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from ..errors import NotFoundError, UsageError
 from ..output import TMP_MARKER, fsync_dir
-from ..runs import DEFAULT_SETTLE, BestMetric, RunCheckpoint, RunReport, scan_run
+from ..runs import DEFAULT_SETTLE, DELETING, BestMetric, RunCheckpoint, RunReport, scan_run
 
 
 class PrunePolicy(BaseModel):
@@ -243,7 +243,7 @@ def remove_checkpoint(path: Path) -> None:
     the links inside it. If interrupted while removing, the removal is finished before the
     interrupt propagates, so at worst a hidden `.NAME.ckpt-tmp-del-*` is left.
     """
-    hidden = path.with_name(f".{path.name}{TMP_MARKER}del-{os.getpid()}-{time.time_ns()}")
+    hidden = path.with_name(f".{path.name}{TMP_MARKER}{DELETING}{os.getpid()}-{time.time_ns()}")
     os.rename(path, hidden)
     fsync_dir(path.parent)
     try:
