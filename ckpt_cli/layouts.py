@@ -33,12 +33,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import CkptError, FormatError, NotFoundError, UnsafeInputError
+from .errors import CkptError, FormatError, NotFoundError
 from .formats import get_format, open_checkpoint, resolve_source
 from .formats.base import Checkpoint, Source
 from .formats.safetensors import INDEX_SUFFIX
 from .models import Entry, FileInfo, Manifest, OptimizerState, Problem, TrainingState
-from .storage import safe_relpath
+from .storage import LocalStorage, safe_relpath
+from .uri import parse_location
 
 if TYPE_CHECKING:
     import torch
@@ -55,18 +56,20 @@ class OpenedSource:
         checkpoint: where entries are read from (a composite for multi-file training folders).
         training: the training state, when the layout holds one.
         problems: components that were found but could not be read (unsafe or corrupt files).
+        parts: for a multi-file folder, component -> (its main file, its format token).
     """
 
     checkpoint: Checkpoint
     training: TrainingState | None = None
     problems: list[Problem] = field(default_factory=list)
+    parts: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- checkpoints
 
 
 class ObjectsCheckpoint(Checkpoint):
-    """Non-tensor entries held in memory (a JSON file's values), or listed but never loaded."""
+    """Non-tensor entries held in memory (a JSON file's top-level values)."""
 
     def __init__(self, source: Source, manifest: Manifest, values: dict[str, Any]):
         super().__init__(source, manifest)
@@ -76,15 +79,9 @@ class ObjectsCheckpoint(Checkpoint):
         raise FormatError(f"entry {name!r} is not a tensor", path=self.manifest.location)
 
     def read_object(self, name: str) -> Any:
-        if name not in self.manifest.by_name:
-            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
         if name not in self.values:
-            raise UnsafeInputError(
-                f"entry {name!r} is a pickle of arbitrary Python classes; ckpt lists it but "
-                "never unpickles it",
-                path=self.manifest.location,
-            )
-        return json.loads(json.dumps(self.values[name]))
+            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
+        return json.loads(json.dumps(self.values[name]))  # a copy callers may change
 
 
 def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
@@ -118,20 +115,6 @@ def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
     return ObjectsCheckpoint(source, manifest, {str(k): v for k, v in doc.items()})
 
 
-def opaque_component(source: Source, rel: str) -> ObjectsCheckpoint:
-    """A file listed without loading it (`training_args.bin`: a pickled dataclass)."""
-    size = source.storage.size(rel)
-    # an empty inner name: the composite names the entry by the component alone
-    entry = Entry(name="", kind="object", nbytes=size, file=rel, py_type="pickle (not loaded)")
-    manifest = Manifest(
-        format="opaque",
-        location=source.location.raw,
-        files=[FileInfo(path=rel, size=size, entries=1)],
-        entries=[entry],
-    )
-    return ObjectsCheckpoint(source, manifest, {})
-
-
 class CompositeCheckpoint(Checkpoint):
     """Several component checkpoints of one folder read as one; see the module docstring.
 
@@ -146,8 +129,13 @@ class CompositeCheckpoint(Checkpoint):
         components: dict[str, Checkpoint],
         layout: str,
         other_files: list[FileInfo],
+        subfolders: dict[str, str] | None = None,
+        wrappers: dict[str, str] | None = None,
     ):
         from .formats.torch_save import TorchEntry
+
+        subfolders = subfolders or {}
+        wrappers = wrappers or {}
 
         self.components = components
         self.layout = layout
@@ -157,14 +145,27 @@ class CompositeCheckpoint(Checkpoint):
         formats: dict[str, str] = {}
         for comp, checkpoint in components.items():
             formats[comp] = checkpoint.manifest.format
-            files.extend(checkpoint.manifest.files)
+            # a component in a subfolder (an FSDP DCP folder): file names relative to the root
+            sub = subfolders.get(comp, "")
+            files.extend(
+                f.model_copy(update={"path": f"{sub}{f.path}"}) for f in checkpoint.manifest.files
+            )
+            # DCP components saved as {"model": ...} would read `model.model.x`: drop the wrapper
+            wrapper = wrappers.get(comp, "")
             for entry in checkpoint.manifest.entries:
-                name = f"{comp}.{entry.name}" if entry.name else comp
-                inner = getattr(entry, "key_path", None) or (
-                    (("dict", entry.name),) if entry.name else ()
+                short = entry.name[len(wrapper) :] if wrapper else entry.name
+                name = f"{comp}.{short}" if short else comp
+                inner = (None if wrapper else getattr(entry, "key_path", None)) or (
+                    (("dict", short),) if short else ()
                 )
                 fields = {k: getattr(entry, k) for k in Entry.model_fields}
                 fields["name"] = name
+                if sub:
+                    fields["file"] = f"{sub}{entry.file}" if entry.file else None
+                    if entry.chunks:
+                        fields["chunks"] = [
+                            c.model_copy(update={"file": f"{sub}{c.file}"}) for c in entry.chunks
+                        ]
                 # the key path lets the torch writer rebuild {"model": {...}, "optimizer": {...}}
                 entries.append(
                     TorchEntry.model_construct(**fields, key_path=(("dict", comp), *inner))
@@ -220,6 +221,11 @@ class _Folder:
         self.unreadable: dict[str, str] = {}
         self.problems: list[Problem] = []
         self.used: set[str] = set()
+        self.parts: dict[str, tuple[str, str]] = {}
+        self.subfolders: dict[str, str] = {}
+        #: components present but deliberately not loaded: component -> description
+        self.listed: dict[str, str] = {}
+        self.wrappers: dict[str, str] = {}
         self.names = {
             n[len(base) :] for n in source.files if n.startswith(base) and "/" not in n[len(base) :]
         }
@@ -241,8 +247,6 @@ class _Folder:
         try:
             if fmt == "json":
                 checkpoint: Checkpoint = json_component(sub, rel)
-            elif fmt == "opaque":
-                checkpoint = opaque_component(sub, rel)
             else:
                 checkpoint = get_format(fmt).open(sub)
         except CkptError as error:
@@ -255,9 +259,40 @@ class _Folder:
                 )
             )
             return None
-        if fmt != "opaque":
-            self.used.update(f.path for f in checkpoint.manifest.files)
+        self.used.update(f.path for f in checkpoint.manifest.files)
         self.components[comp] = checkpoint
+        self.parts[comp] = (rel, fmt)
+        return checkpoint
+
+    def has_dir(self, sub: str, marker: str = ".metadata") -> bool:
+        return f"{self.base}{sub}/{marker}" in self.source.files
+
+    def add_dir(self, comp: str, sub: str, fmt: str) -> Checkpoint | None:
+        """A component that is a folder of its own (an FSDP `pytorch_model_fsdp_0/` DCP)."""
+        rel = self.rel(sub)
+        try:
+            root = self.source.storage.local_path(rel)
+            if root is None:
+                raise FormatError("subfolder components need a local folder", path=rel)
+            part = Source(location=parse_location(str(root)), storage=LocalStorage(root))
+            checkpoint = get_format(fmt).open(part)
+        except CkptError as error:
+            self.unreadable[f"{rel}/"] = error.problem
+            self.problems.append(
+                Problem(
+                    code="unreadable_component",
+                    message=error.message,
+                    file=error.path or self.source.storage.describe(rel),
+                )
+            )
+            return None
+        self.used.update(n for n in self.source.files if n.startswith(f"{rel}/"))
+        self.components[comp] = checkpoint
+        self.parts[comp] = (f"{rel}/", fmt)
+        self.subfolders[comp] = f"{rel}/"
+        names = [e.name for e in checkpoint.manifest.entries]
+        if names and all(n.startswith(f"{comp}.") for n in names):
+            self.wrappers[comp] = f"{comp}."
         return checkpoint
 
     def add_model(self, stems: tuple[str, ...] = ("model", "pytorch_model")) -> str | None:
@@ -272,6 +307,10 @@ class _Folder:
                 if self.has(name):
                     self.add("model", name, fmt)
                     return name
+        for sub in ("pytorch_model_fsdp_0", "model_0"):
+            if self.has_dir(sub):
+                self.add_dir("model", sub, "dcp")
+                return f"{sub}/"
         adapters = self.matching(r"adapter_model\.(safetensors|bin)")
         if adapters:
             name = adapters[0]
@@ -296,7 +335,9 @@ class _Folder:
             FileInfo(path=rel, size=self.source.files.get(rel), entries=0)
             for rel in sorted(self.unreadable)
         ]
-        return CompositeCheckpoint(self.source, self.components, layout, other)
+        return CompositeCheckpoint(
+            self.source, self.components, layout, other, self.subfolders, self.wrappers
+        )
 
 
 def _trainer(source: Source) -> OpenedSource | None:
@@ -309,13 +350,17 @@ def _trainer(source: Source) -> OpenedSource | None:
     for comp, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt")):
         if folder.has(name):
             folder.add(comp, name, "torch")
+    if "optimizer" not in folder.components and folder.has_dir("optimizer_0"):
+        folder.add_dir("optimizer", "optimizer_0", "dcp")  # FSDP sharded optimizer state
     if folder.has("scaler.pt"):
         folder.add("scaler", "scaler.pt", "torch")
     folder.add_many("rng", rng, "torch")
     if folder.has("trainer_state.json"):
         folder.add("trainer_state", "trainer_state.json", "json")
     if folder.has("training_args.bin"):
-        folder.add("training_args", "training_args.bin", "opaque")
+        # a pickle of transformers' TrainingArguments dataclass: weights_only refuses it and
+        # nothing else may unpickle it, so it is listed (files, components) and never read
+        folder.listed["training_args"] = "training_args.bin (not loaded)"
     checkpoint = folder.composite("hf-trainer")
     state = _analyse(checkpoint, "hf-trainer", _prefixes(checkpoint))
     state.components = _component_files(folder)
@@ -369,6 +414,9 @@ def _accelerate(source: Source) -> OpenedSource | None:
     return _finish(checkpoint, state, folder)
 
 
+_DS_MODEL = re.compile(r"mp_rank_\d+_model_states\.pt$")
+
+
 def _deepspeed(source: Source) -> OpenedSource | None:
     top = {n for n in source.files if "/" not in n}
     base = ""
@@ -377,6 +425,8 @@ def _deepspeed(source: Source) -> OpenedSource | None:
         tag = safe_relpath(tag, source=source.storage.describe("latest"))
         base = f"{tag}/"
         if not any(n.startswith(base) for n in source.files):
+            if not any(_DS_MODEL.search(n) for n in source.files):
+                return None  # some other tool's `latest` file
             raise NotFoundError(
                 f"`latest` names {tag!r}, which is missing",
                 path=source.storage.describe("latest"),
@@ -402,9 +452,15 @@ def _deepspeed(source: Source) -> OpenedSource | None:
         for comp in folder.components:
             if comp.startswith("optim_states"):
                 # ZeRO keeps the wrapped optimizer's state (over flat partitions) one level down
-                inner = f"{comp}.optimizer_state_dict.base_optimizer_state."
-                has_inner = any(n.startswith(inner) for n in names)
-                prefixes["optimizer"] = inner if has_inner else f"{comp}.optimizer_state_dict."
+                # ZeRO-1/2 keep the wrapped optimizer's state under `base_optimizer_state`,
+                # ZeRO-3 under a second `optimizer_state_dict` (both over flat partitions)
+                prefixes["optimizer"] = f"{comp}.optimizer_state_dict."
+                for inner in ("base_optimizer_state.", "optimizer_state_dict."):
+                    if any(
+                        n.startswith(f"{comp}.optimizer_state_dict.{inner}state.") for n in names
+                    ):
+                        prefixes["optimizer"] = f"{comp}.optimizer_state_dict.{inner}"
+                        break
                 break
     if any(n.startswith("model_states.lr_scheduler.") for n in names):
         prefixes["scheduler"] = "model_states.lr_scheduler."
@@ -425,7 +481,42 @@ def _deepspeed(source: Source) -> OpenedSource | None:
     step = _value(checkpoint, "model_states.global_steps")
     if isinstance(step, int):
         state.step = step
+    configured = _value(checkpoint, "model_states.ds_config.optimizer.type")
+    if state.optimizer is not None and isinstance(configured, str):
+        state.optimizer.kind = configured
+    if not state.weights.get("tensors"):
+        state.weights = _zero3_weights(checkpoint)
     return _finish(checkpoint, state, folder)
+
+
+def _zero3_weights(checkpoint: Checkpoint) -> dict[str, int]:
+    """ZeRO-3 keeps no weights in the model states: count them from `param_shapes` and the
+    fp32 partitions the optimizer files hold (what `zero_to_fp32.py` reassembles)."""
+    manifest = checkpoint.manifest
+    shapes = [
+        e.value
+        for e in _under(manifest, "model_states.param_shapes.")
+        if isinstance(e.value, list) and all(isinstance(d, int) for d in e.value)
+    ]
+    flat = [
+        e
+        for e in manifest.entries
+        if e.kind == "tensor"
+        and (".fp32_flat_groups." in e.name or ".single_partition_of_fp32_groups." in e.name)
+    ]
+    if not shapes or not flat:
+        return {}
+    parameters = 0
+    for shape in shapes:
+        count = 1
+        for dim in shape:
+            count *= dim
+        parameters += count
+    return {
+        "tensors": len(shapes),
+        "parameters": parameters,
+        "bytes": sum(e.nbytes for e in flat),
+    }
 
 
 def _component_files(folder: _Folder) -> dict[str, str]:
@@ -433,6 +524,7 @@ def _component_files(folder: _Folder) -> dict[str, str]:
     for comp, checkpoint in folder.components.items():
         paths = [f.path for f in checkpoint.manifest.files]
         out[comp] = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
+    out.update(folder.listed)
     for rel, why in folder.unreadable.items():
         out[rel] = f"unreadable: {why}"
     return out
@@ -457,8 +549,13 @@ def _finish(
     if folder is not None:
         state.unreadable = dict(folder.unreadable)
     _verdict(state)
+    if folder is None:
+        return OpenedSource(checkpoint=checkpoint, training=state)
     return OpenedSource(
-        checkpoint=checkpoint, training=state, problems=list(folder.problems) if folder else []
+        checkpoint=checkpoint,
+        training=state,
+        problems=list(folder.problems),
+        parts=dict(folder.parts),
     )
 
 
@@ -472,7 +569,11 @@ def _value(checkpoint: Checkpoint, name: str) -> Any:
         return None
     if entry.kind == "object" and entry.value is not None:
         return entry.value
+    if entry.kind == "tensor" and entry.numel != 1:
+        return None  # counters are scalars; never read a large tensor here
     try:
+        if entry.kind == "tensor":
+            return checkpoint.read_tensor(name).item()
         value = checkpoint.read_object(name)
     except CkptError:
         return None
@@ -539,7 +640,9 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> _OptimizerView | N
     by_fqn = bool(per_param) and not all(pid.isdigit() for pid in per_param)
     params: int | None = None
     group_keys: dict[str, Any] = {}
-    if group_names and not by_fqn:
+    listed = [n for n in group_names if n.endswith(".params")]
+    if listed:
+        # param_groups is a list whose `params` name the parameters (ids, or FQNs in DCP)
         total = 0
         for name in group_names:
             if name.endswith(".params"):
@@ -812,6 +915,19 @@ def _lightning(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState:
 # --------------------------------------------------------------------------- entry point
 
 
+def _open_layout(source: Source) -> OpenedSource | None:
+    """The training folder layout of a local folder, if it is one (DCP folders excepted)."""
+    if source.target is not None or source.location.kind != "local":
+        return None
+    if ".metadata" in set(source.top_level()):
+        return None
+    for recognise in (_deepspeed, _trainer, _accelerate):
+        opened = recognise(source)
+        if opened is not None:
+            return opened
+    return None
+
+
 def open_source(src: str, format: str | None = None) -> OpenedSource:
     """Open `src` (local path or URL), recognising training layouts unless `format` is given.
 
@@ -819,14 +935,9 @@ def open_source(src: str, format: str | None = None) -> OpenedSource:
     still gets its training state (it is the same single checkpoint).
     """
     if format is None:
-        source = resolve_source(src)
-        if source.target is None and source.location.kind == "local":
-            names = set(source.top_level())
-            if ".metadata" not in names:
-                for recognise in (_deepspeed, _trainer, _accelerate):
-                    opened = recognise(source)
-                    if opened is not None:
-                        return opened
+        opened = _open_layout(resolve_source(src))
+        if opened is not None:
+            return opened
     checkpoint = open_checkpoint(src, format)
     if checkpoint.manifest.format not in ("torch", "dcp"):
         return OpenedSource(checkpoint=checkpoint)
@@ -834,6 +945,39 @@ def open_source(src: str, format: str | None = None) -> OpenedSource:
 
 
 # --------------------------------------------------------------------------- checks
+
+
+def check_source(src: str, format: str | None = None) -> list[Problem]:
+    """Structural problems of any SRC, training folders included (what plain `verify` runs).
+
+    A training folder gets its format's `check` on every component (the model's index against
+    its shards, every torch file loading with weights_only...) plus the components that could
+    not be read; anything else gets its format's `check`. Sources that cannot be opened at all
+    (a `latest` naming a missing tag) become one problem.
+    """
+    try:
+        source = resolve_source(src)
+        opened = _open_layout(source) if format is None else None
+        if opened is None:
+            from .formats import detect_format
+
+            name = format or detect_format(source)
+            return list(get_format(name).check(source))
+    except CkptError as error:
+        return [Problem(code=error.code, message=error.message, file=error.path or src)]
+    problems = component_problems(opened)
+    with opened.checkpoint:
+        for rel, fmt in opened.parts.values():
+            if fmt == "json":
+                continue
+            if rel.endswith("/"):
+                root = source.storage.local_path(rel.rstrip("/"))
+                assert root is not None  # folder components exist for local sources only
+                part = Source(location=parse_location(str(root)), storage=LocalStorage(root))
+            else:
+                part = Source(location=source.location, storage=source.storage, target=rel)
+            problems.extend(get_format(fmt).check(part))
+    return problems
 
 
 def component_problems(opened: OpenedSource) -> list[Problem]:
@@ -896,8 +1040,8 @@ def _shape_problems(opened: OpenedSource) -> list[Problem]:
     if model_prefix is None or opt_prefix is None:
         return []
     checkpoint = opened.checkpoint
-    if "base_optimizer_state" in opt_prefix:
-        return []  # ZeRO state covers flat partitions, not individual weights
+    if opt_prefix.startswith("optim_states"):
+        return []  # DeepSpeed ZeRO state covers flat partitions, not individual weights
     view = analyse_optimizer(checkpoint, opt_prefix)
     if view is None:
         return []
@@ -956,3 +1100,12 @@ def _shape_problems(opened: OpenedSource) -> list[Problem]:
             )
         )
     return problems
+
+
+def recognise_layout(source: Source) -> OpenedSource | None:
+    """The training layout of a local folder when it is one, else None (cheap: names first).
+
+    Unlike `open_source`, nothing else is opened, so a caller can still run a format's `check`
+    on a broken plain checkpoint (what `verify` does).
+    """
+    return _open_layout(source)
