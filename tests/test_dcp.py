@@ -24,6 +24,7 @@ from ckpt_cli.models import Chunk, Entry
 from .conftest import REPO, run_ckpt
 from .dcp_dist_script import expected_state
 from .dist_helpers import DIST_SCRIPT, dcp_load_flat, dcp_save, run_torchrun, training_state
+from .s3_fixtures import S3Server, upload_folder
 
 SERIALIZATIONS = ["torch_save", "safetensors"]
 
@@ -77,9 +78,13 @@ def two_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     writer.write_object("train.step", 11)
     writer.finish()
     run_torchrun(
-        DIST_SCRIPT, 2, "--save", root / "saved", "--load", ours, root / "report", "train.step"
+        DIST_SCRIPT,
+        2,
+        *("--save", root / "saved", "--save-nocoll", root / "nocoll", "--save-hf", root / "hf"),
+        *("--load", ours, root / "report", "train.step"),
     )
-    return {"saved": root / "saved", "ours": ours, "report": root / "report"}
+    names = ("saved", "nocoll", "hf", "report")
+    return {"ours": ours, **{name: root / name for name in names}}
 
 
 # --- inspect and read what dcp.save wrote ------------------------------------------------------
@@ -190,6 +195,32 @@ def test_unloadable_object_is_reported_not_executed(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("serialization", SERIALIZATIONS)
+def test_dcp_in_an_object_store_reads_ranges_only(
+    tmp_path: Path, s3_server: S3Server, serialization: str
+) -> None:
+    state = training_state()
+    dcp_save(state, tmp_path / "ckpt", serialization)
+    upload_folder(s3_server.endpoint, "ckpts", "run/step-7", tmp_path / "ckpt")
+    s3_server.requests.clear()
+    result = run_ckpt("inspect", "s3://ckpts/run/step-7", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["format"] == "dcp" and report["details"]["serialization"] == serialization
+    assert next(e for e in report["entries"] if e["name"] == "step")["value"] == 7
+    data_gets = s3_server.object_gets(".distcp")
+    assert data_gets and all(r.range is not None for r in data_gets)
+    with open_dcp_url("s3://ckpts/run/step-7") as checkpoint:
+        got = checkpoint.read_tensor("model.0.weight")
+        assert torch.equal(got, state["model"]["0.weight"])
+
+
+def open_dcp_url(url: str) -> DcpCheckpoint:
+    checkpoint = open_checkpoint(url)
+    assert isinstance(checkpoint, DcpCheckpoint)
+    return checkpoint
+
+
 # --- 2 ranks under torchrun ------------------------------------------------------------------
 
 
@@ -216,6 +247,42 @@ def test_two_rank_save_inspects_and_reassembles(two_rank: dict[str, Path]) -> No
             checkpoint.read_slice("model.w", [2, 1], [2, 2]), full["model.w"][2:4, 1:3]
         )
     assert problems(saved) == []
+
+
+def test_save_without_collectives_reads_from_per_rank_metadata(
+    two_rank: dict[str, Path], tmp_path: Path
+) -> None:
+    nocoll = two_rank["nocoll"]
+    assert not (nocoll / ".metadata").exists() and (nocoll / "__1.metadata").exists()
+    report = run_ckpt("inspect", nocoll, "--json").json["result"]
+    assert report["details"]["world_size"] == 2
+    full = expected_state()
+    with open_dcp(nocoll) as checkpoint:
+        for name, tensor in full.items():
+            assert torch.equal(checkpoint.read_tensor(name), tensor), name
+    assert problems(nocoll) == []
+    # one rank's metadata missing: that rank's save was interrupted
+    copy = tmp_path / "copy"
+    shutil.copytree(nocoll, copy)
+    (copy / "__1.metadata").unlink()
+    assert {"dcp_interrupted", "dcp_hole"} <= set(problems(copy))
+
+
+def test_hugging_face_writer_per_rank_shards_read_as_dcp(two_rank: dict[str, Path]) -> None:
+    hf = two_rank["hf"]
+    assert not (hf / ".metadata").exists()
+    report = run_ckpt("inspect", hf, "--json").json["result"]
+    assert report["format"] == "dcp"
+    assert report["details"]["serialization"] == "hf_safetensors"
+    assert report["details"]["world_size"] == 2
+    full = expected_state()
+    by_name = {e["name"]: e for e in report["entries"]}
+    assert set(by_name) == set(full)
+    with open_dcp(hf) as checkpoint:
+        for name, tensor in full.items():
+            assert by_name[name]["shape"] == list(tensor.shape), name
+            assert torch.equal(checkpoint.read_tensor(name), tensor), name
+    assert problems(hf) == []
 
 
 def test_writer_output_loads_into_shard0_dtensors_each_rank_its_own_file(
@@ -442,3 +509,52 @@ def test_holes_and_overlaps_are_all_reported(two_rank: dict[str, Path], tmp_path
     }
     result = run_ckpt("inspect", ckpt, "--json")
     assert result.exit_code == 4 and "1 more problem" in result.json["error"]["message"]
+
+
+def test_writer_lays_out_tiny_and_empty_tensors_for_many_ranks(tmp_path: Path) -> None:
+    state = {
+        "one_row": torch.tensor([3.0]),
+        "no_rows": torch.zeros(0, 3),
+        "no_cols": torch.zeros(4, 0),
+        "scalar": torch.tensor(1, dtype=torch.int64),
+        "uneven": torch.randn(5, 2),
+    }
+    plan = [
+        Entry(
+            name=k, dtype=str(v.dtype).removeprefix("torch."), shape=list(v.shape), nbytes=v.nbytes
+        )
+        for k, v in state.items()
+    ]
+    writer = DcpFormat.writer(tmp_path, plan, WriteOptions(world_size=4))
+    for name, tensor in state.items():
+        writer.write_tensor(name, tensor)
+    writer.finish()
+    loaded = dcp_load_flat(tmp_path, {k: torch.full_like(v, 7) for k, v in state.items()})
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    manifest = open_dcp(tmp_path).manifest
+    uneven = manifest.by_name["uneven"].chunks or []
+    assert [(c.offsets[0], c.sizes[0], c.file) for c in uneven] == [
+        (0, 2, "__0_0.distcp"),
+        (2, 2, "__1_0.distcp"),
+        (4, 1, "__2_0.distcp"),
+        (5, 0, "__3_0.distcp"),
+    ]
+    assert [c.file for c in manifest.by_name["scalar"].chunks or []] == ["__0_0.distcp"]
+    assert problems(tmp_path) == []
+
+
+@pytest.mark.parametrize("serialization", SERIALIZATIONS)
+def test_dtype_and_size_disagreements_with_the_data_are_reported(
+    tmp_path: Path, serialization: str
+) -> None:
+    dcp_save(
+        {"embed": torch.ones(4, 2, dtype=torch.bfloat16), "w": torch.ones(3)},
+        tmp_path,
+        serialization,
+    )
+    md = torch_metadata(tmp_path)
+    md.state_dict_metadata["embed"].properties.dtype = torch.float16  # same item size
+    write_metadata(tmp_path, md)
+    found = DcpFormat.check(resolve_source(str(tmp_path)))
+    assert [(p.code, p.tensor) for p in found] == [("dcp_mismatch", "embed")]
+    assert "bfloat16" in found[0].message or "BF16" in found[0].message

@@ -51,7 +51,9 @@ from .dcp_metadata import (
     TensorStorageMetadata,
     load_metadata,
     peek_saved_object,
+    peek_saved_tensor,
 )
+from .safetensors import DCP_HF_SHARD, is_dcp_hf_sharded, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +62,8 @@ METADATA = ".metadata"
 SUFFIX = ".distcp"
 SERIALIZATIONS = ("torch_save", "safetensors")
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+#: per-rank metadata of `dcp.save(..., use_collectives=False)` (no global `.metadata`)
+_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 #: safetensors metadata keys torch's DCP writer puts in each embedded blob
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 _MAX_HEADER = 100 << 20
@@ -111,18 +115,78 @@ class _Layout:
         self.problems.append(Problem(code=code, message=message, file=file, tensor=tensor))
 
 
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
 def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, (tuple, list)) and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
-    ):
+    """`value` as a list of non-negative ints, or None when it is anything else."""
+    if isinstance(value, (tuple, list)) and all(map(_is_count, value)):
         return list(value)
     return None
 
 
-def _read_metadata(source: Source) -> Metadata:
+def _read_metadata(source: Source, listing: dict[str, int], layout: _Layout) -> Metadata:
+    """`.metadata`, or the union of the per-rank `__{r}.metadata` files that
+    `dcp.save(..., use_collectives=False)` writes instead."""
     storage = source.storage
-    where = storage.describe(METADATA)
-    return load_metadata(storage.read_all(METADATA), where)
+    if METADATA in listing:
+        return load_metadata(storage.read_all(METADATA), storage.describe(METADATA))
+    names = sorted(
+        (n for n in listing if _RANK_METADATA.match(n)),
+        key=lambda n: int(_RANK_METADATA.match(n).group(1)),  # type: ignore[union-attr]
+    )
+    merged = Metadata()
+    merged.state_dict_metadata, merged.storage_data, merged.planner_data = {}, {}, {}
+    for name in names:
+        where = storage.describe(name)
+        md = load_metadata(storage.read_all(name), where)
+        if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+            raise FormatError("is missing its state_dict_metadata or storage_data", path=where)
+        for fqn, item in md.state_dict_metadata.items():
+            have = merged.state_dict_metadata.get(fqn)
+            if have is None:
+                if isinstance(item, TensorStorageMetadata) and isinstance(item.chunks, list):
+                    copy = TensorStorageMetadata()
+                    copy.properties, copy.size, copy.chunks = (
+                        item.properties,
+                        item.size,
+                        list(item.chunks),
+                    )
+                    item = copy
+                merged.state_dict_metadata[fqn] = item
+            elif isinstance(have, TensorStorageMetadata) and isinstance(
+                item, TensorStorageMetadata
+            ):
+                if have.size != item.size or getattr(have.properties, "dtype", None) != getattr(
+                    item.properties, "dtype", None
+                ):
+                    layout.problem(
+                        "dcp_mismatch",
+                        f"tensor {fqn!r} has a different size or dtype than in an earlier "
+                        "rank's metadata",
+                        file=name,
+                        tensor=fqn,
+                    )
+                known = {tuple(getattr(c, "offsets", ()) or ()) for c in have.chunks}
+                for chunk in item.chunks if isinstance(item.chunks, list) else []:
+                    if tuple(getattr(chunk, "offsets", ()) or ()) not in known:
+                        have.chunks.append(chunk)
+        merged.storage_data.update(md.storage_data)
+        if isinstance(md.planner_data, dict):
+            merged.planner_data.update(md.planner_data)
+        merged.version = md.version
+    ranks = {int(m.group(1)) for n in names if (m := _RANK_METADATA.match(n))}
+    for name in listing:
+        match = _RANK_FILE.match(name)
+        if match and int(match.group(1)) not in ranks:
+            layout.problem(
+                "dcp_interrupted",
+                f"rank {match.group(1)} wrote {name} but no __{match.group(1)}.metadata: its "
+                "save looks interrupted",
+                file=name,
+            )
+    return merged
 
 
 def _storage_index(md: Metadata, where: str) -> dict[tuple[Any, Any], StorageInfo]:
@@ -147,7 +211,9 @@ def _analyse(source: Source) -> _Layout:
     storage = source.storage
     listing = storage.list_files() if source.target is not None else source.files
     where = storage.describe(METADATA)
-    if METADATA not in listing:
+    if METADATA not in listing and is_dcp_hf_sharded([n for n in listing if "/" not in n]):
+        return _analyse_hf_shards(source, listing)
+    if METADATA not in listing and not any(_RANK_METADATA.match(n) for n in listing):
         distcp = sorted(n for n in listing if n.endswith(SUFFIX))
         raise FormatError(
             f"has {len(distcp)} .distcp file(s) but no .metadata: the save looks interrupted "
@@ -157,12 +223,13 @@ def _analyse(source: Source) -> _Layout:
             path=source.location.raw,
             fix="Use the previous complete checkpoint or save again; this one cannot be loaded.",
         )
-    md = _read_metadata(source)
+    layout = _Layout(files=dict(listing))
+    md = _read_metadata(source, listing, layout)
     sdm = md.state_dict_metadata
     if not isinstance(sdm, dict):
         raise FormatError("has no state_dict_metadata map", path=where, fix="The file is corrupt.")
     index = _storage_index(md, where)
-    layout = _Layout(files=dict(listing), planner_data=md.planner_data)
+    layout.planner_data = md.planner_data
     layout.version = md.version if isinstance(md.version, str) else None
     # resolved file names, checked once each
     safe_names: dict[str, str] = {}
@@ -289,6 +356,87 @@ def _analyse(source: Source) -> _Layout:
                 file=built[0].file if built else None,
                 offset=built[0].byte_offset if whole else None,
                 chunks=built,
+                py_type=None,
+                value=None,
+            )
+        )
+    _check_files(layout)
+    _check_coverage(layout)
+    return layout
+
+
+def _analyse_hf_shards(source: Source, listing: dict[str, int]) -> _Layout:
+    """The per-rank safetensors files of `HuggingFaceStorageWriter(save_distributed=True)`.
+
+    There is no `.metadata`: each `shard-{rank+1}-model-….safetensors` file holds that rank's
+    chunks keyed by fqn, with their offsets in the `DCP_SHARDING_INFO` metadata; the global
+    shape is the extent of the chunks (as torch's `HuggingFaceStorageReader` computes it).
+    """
+    storage = source.storage
+    layout = _Layout(files=dict(listing))
+    layout.serialization.add("hf_safetensors")
+    found: dict[str, list[tuple[str, Chunk]]] = {}
+    for name in sorted(n for n in listing if DCP_HF_SHARD.match(n)):
+        header = read_header(storage, name, listing[name])
+        try:
+            sharding = json.loads(header.metadata.get(SHARDING_INFO_KEY, "{}"))
+        except json.JSONDecodeError:
+            sharding = None
+        if not isinstance(sharding, dict):
+            layout.problem(
+                "dcp_bad_chunk", f"has unreadable {SHARDING_INFO_KEY} metadata", file=name
+            )
+            sharding = {}
+        for fqn, (dtype, shape, begin, end) in header.tensors.items():
+            info = sharding.get(fqn)
+            saved = _int_list(info.get("saved_offsets")) if isinstance(info, dict) else None
+            if saved is None or len(saved) != len(shape):
+                if info is not None:
+                    layout.problem(
+                        "dcp_bad_chunk",
+                        f"tensor {fqn!r} has invalid saved_offsets {info!r}",
+                        file=name,
+                        tensor=fqn,
+                    )
+                saved = [0] * len(shape)
+            chunk = Chunk(
+                offsets=saved,
+                sizes=list(shape),
+                file=name,
+                byte_offset=header.data_start + begin,
+                byte_length=end - begin,
+                raw=True,
+            )
+            found.setdefault(fqn, []).append((dtype, chunk))
+    for fqn, items in found.items():
+        kinds = {dtype for dtype, _ in items}
+        if len(kinds) > 1:
+            layout.problem(
+                "dcp_mismatch",
+                f"tensor {fqn!r} is stored with different dtypes ({', '.join(sorted(kinds))})",
+                tensor=fqn,
+            )
+        dtype = items[0][0]
+        chunks = [chunk for _, chunk in items]
+        rank = len(chunks[0].sizes)
+        if any(len(c.sizes) != rank for c in chunks):
+            layout.problem(
+                "dcp_mismatch", f"tensor {fqn!r} has chunks of different ranks", tensor=fqn
+            )
+            continue
+        shape = [max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(rank)]
+        layout.entries.append(
+            Entry.model_construct(
+                name=fqn,
+                kind="tensor",
+                dtype=dtype,
+                shape=shape,
+                nbytes=dtypes.numel(shape) * dtypes.itemsize(dtype),
+                file=chunks[0].file,
+                offset=chunks[0].byte_offset
+                if len(chunks) == 1 and chunks[0].sizes == shape
+                else None,
+                chunks=chunks,
                 py_type=None,
                 value=None,
             )
@@ -473,6 +621,48 @@ def _check_files(layout: _Layout) -> None:
                     )
 
 
+#: how much of a torch_save chunk `check` reads to see what tensor it declares
+_TENSOR_HEAD = 4096
+
+
+def _check_saved_tensors(storage: Storage, layout: _Layout) -> None:
+    """Each torch_save chunk declares the dtype and sizes `.metadata` gives it (one small read each)."""
+    for entry in layout.entries:
+        if entry.kind != "tensor" or entry.dtype is None:
+            continue
+        for chunk in entry.chunks or []:
+            size = layout.files.get(chunk.file)
+            if chunk.raw or size is None or chunk.byte_offset + chunk.byte_length > size:
+                continue  # raw chunks are checked against their header; the rest is reported
+            head = storage.read(chunk.file, chunk.byte_offset, min(_TENSOR_HEAD, chunk.byte_length))
+            saved = peek_saved_tensor(head)
+            if saved is None:
+                layout.problem(
+                    "dcp_bad_chunk",
+                    f"tensor {entry.name!r}: the chunk at {chunk.offsets} (byte {chunk.byte_offset}) "
+                    "is not a readable torch.save blob of a tensor",
+                    file=chunk.file,
+                    tensor=entry.name,
+                )
+            elif saved.dtype != entry.dtype or saved.shape != chunk.sizes:
+                layout.problem(
+                    "dcp_mismatch",
+                    f"tensor {entry.name!r}: the chunk at {chunk.offsets} is "
+                    f"{entry.dtype}{chunk.sizes} in .metadata but the file holds "
+                    f"{saved.dtype}{saved.shape}",
+                    file=chunk.file,
+                    tensor=entry.name,
+                )
+            elif saved.storage_bytes > chunk.byte_length:
+                layout.problem(
+                    "dcp_mismatch",
+                    f"tensor {entry.name!r}: the chunk at {chunk.offsets} declares "
+                    f"{saved.storage_bytes} bytes of data in a {chunk.byte_length}-byte range",
+                    file=chunk.file,
+                    tensor=entry.name,
+                )
+
+
 def _overlap(a: Chunk, b: Chunk) -> bool:
     return all(
         ao < bo + bs and bo < ao + as_
@@ -563,6 +753,9 @@ def _world_size(layout: _Layout) -> int:
         match = _RANK_FILE.match(name)
         if match:
             ranks.add(int(match.group(1)))
+        hf = DCP_HF_SHARD.match(name)
+        if hf:
+            ranks.add(int(hf.group(1)) - 1)
     return max(ranks) + 1 if ranks else len(names)
 
 
@@ -576,7 +769,10 @@ class DcpFormat(Format):
     def detect(cls, source: Source) -> bool:
         if source.target is not None:
             return source.target == METADATA or source.target.endswith(SUFFIX)
-        return any(n == METADATA or n.endswith(SUFFIX) for n in source.top_level())
+        names = source.top_level()
+        return any(
+            n == METADATA or n.endswith(SUFFIX) or _RANK_METADATA.match(n) for n in names
+        ) or is_dcp_hf_sharded(names)
 
     @classmethod
     def _folder(cls, source: Source) -> Source:
@@ -603,7 +799,10 @@ class DcpFormat(Format):
         files = [
             FileInfo(path=name, size=size, entries=0)
             for name, size in layout.files.items()
-            if name == METADATA or name.endswith(SUFFIX)
+            if name == METADATA
+            or name.endswith(SUFFIX)
+            or DCP_HF_SHARD.match(name)
+            or _RANK_METADATA.match(name)
         ]
         counts: dict[str, int] = {}
         for entry in layout.entries:
@@ -636,6 +835,7 @@ class DcpFormat(Format):
             layout = _analyse(source)
         except (FormatError, NotFoundError) as error:
             return [Problem(code=error.code, message=error.message, file=error.path)]
+        _check_saved_tensors(source.storage, layout)
         return [
             p.model_copy(update={"file": source.storage.describe(p.file)}) if p.file else p
             for p in layout.problems
@@ -916,17 +1116,24 @@ class DcpWriter(Writer):
     def _plan_chunks(self, entry: Entry) -> list[Chunk]:
         shape = list(entry.shape)
         if entry.chunks is None:
-            pieces = shard0_chunks(shape, self.world_size)
-            return [
-                Chunk(
-                    offsets=o,
-                    sizes=s,
-                    file=rank_file(0 if not shape else r),
-                    byte_offset=0,
-                    byte_length=0,
+            chunks: list[Chunk] = []
+            seen: set[tuple[int, ...]] = set()
+            for rank, (offsets, sizes) in enumerate(shard0_chunks(shape, self.world_size)):
+                # ranks left with nothing share an offset; DCP keys chunks by offset, so
+                # (like its save-plan dedup) only the first of them is recorded
+                if tuple(offsets) in seen:
+                    continue
+                seen.add(tuple(offsets))
+                chunks.append(
+                    Chunk(
+                        offsets=offsets,
+                        sizes=sizes,
+                        file=rank_file(rank),
+                        byte_offset=0,
+                        byte_length=0,
+                    )
                 )
-                for r, (o, s) in enumerate(pieces)
-            ]
+            return chunks
         out = []
         for chunk in entry.chunks:
             if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
@@ -942,6 +1149,11 @@ class DcpWriter(Writer):
                 chunk.model_copy(
                     update={"file": rel, "byte_offset": 0, "byte_length": 0, "raw": False}
                 )
+            )
+        if len({tuple(c.offsets) for c in out}) != len(out):
+            raise FormatError(
+                f"the write plan for {entry.name!r} has two chunks at the same offsets "
+                "(DCP keys chunks by their offsets)"
             )
         probe = _Layout(entries=[entry.model_copy(update={"chunks": out})])
         _check_coverage(probe)

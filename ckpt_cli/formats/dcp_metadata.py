@@ -79,12 +79,10 @@ class _Record:
             state = {**(state[0] or {}), **state[1]}
         if not isinstance(state, dict):
             raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
+        own = self.__dict__
         for name in self._fields:
-            if not hasattr(self, name):
-                setattr(self, name, None)
-        for key, value in state.items():
-            if isinstance(key, str) and key in self._fields:
-                setattr(self, key, value)
+            if name in state:
+                own[name] = state[name]
 
     def __getattr__(self, name: str) -> Any:
         # NEWOBJ skips __init__: fields absent from the pickled state read as None
@@ -101,12 +99,20 @@ class Metadata(_Record):
     """Stand-in for `torch.distributed.checkpoint.metadata.Metadata`."""
 
     _fields = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+    state_dict_metadata: Any
+    planner_data: Any
+    storage_data: Any
+    storage_meta: Any
+    version: Any
 
 
 class TensorStorageMetadata(_Record):
     """Stand-in for `TensorStorageMetadata`: properties, global size, chunks."""
 
     _fields = ("properties", "size", "chunks")
+    properties: Any
+    size: Any
+    chunks: Any
 
 
 class BytesStorageMetadata(_Record):
@@ -165,12 +171,11 @@ class StorageMeta(_Record):
     _fields = ("checkpoint_id", "save_id", "load_id", "modules")
 
 
-def _size(values: Any = ()) -> tuple[int, ...]:
-    """Stand-in for `torch.Size(...)`: a tuple of ints."""
-    out = tuple(values)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
-        raise pickle.UnpicklingError("torch.Size with non-integer entries")
-    return out
+def _size(values: Any = ()) -> tuple[Any, ...]:
+    """Stand-in for `torch.Size(...)`: a tuple (its entries are validated where they are used)."""
+    if not isinstance(values, (tuple, list)):
+        raise pickle.UnpicklingError("torch.Size of something that is not a sequence")
+    return tuple(values)
 
 
 def _get_layout(name: Any) -> str:
@@ -357,3 +362,104 @@ def peek_saved_object(blob: bytes) -> tuple[str | None, Any]:
     return type(value).__name__, (list(value) if isinstance(value, tuple) else value) if _small(
         value
     ) else None
+
+
+_STORAGE_DTYPES = {
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+}
+
+
+class SavedTensor:
+    """What the `data.pkl` of a `torch.save`d tensor declares (read without torch).
+
+    Attributes:
+        dtype: canonical dtype name.
+        shape: the tensor's shape.
+        storage_bytes: size of the storage the blob carries (a view saves all of it).
+    """
+
+    def __init__(self, dtype: str, shape: list[int], storage_bytes: int):
+        self.dtype = dtype
+        self.shape = shape
+        self.storage_bytes = storage_bytes
+
+
+class _Storage:
+    def __init__(self, dtype: str | None, numel: int):
+        self.dtype = dtype
+        self.numel = numel
+
+
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
+    dtype = storage.dtype if isinstance(storage, _Storage) else None
+    # v3 (new dtypes): (..., requires_grad, hooks, dtype[, metadata]) over an UntypedStorage
+    if len(rest) >= 3 and isinstance(rest[2], DType):
+        dtype = str(rest[2])
+    if dtype is None or not isinstance(size, tuple):
+        raise _Opaque("tensor")
+    from ..dtypes import is_known, itemsize
+
+    if not is_known(dtype):
+        raise _Opaque("tensor")
+    per = 1 if storage.dtype is None else itemsize(dtype)
+    return SavedTensor(dtype, [int(d) for d in size], storage.numel * per)
+
+
+class _TensorHeaderUnpickler(pickle.Unpickler):
+    """Reads the declaration of a saved tensor: no torch, nothing callable but `_rebuild`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+            return _rebuild
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return None
+        if module == "torch" and name in TORCH_DTYPES:
+            return DType(_ALIASES.get(name, name))
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise _Opaque(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise _Opaque("storage")
+        dtype, numel = pid[1], pid[4]
+        if not isinstance(numel, int):
+            raise _Opaque("storage")
+        return _Storage(dtype if isinstance(dtype, str) else None, numel)
+
+
+def peek_saved_tensor(head: bytes) -> SavedTensor | None:
+    """Dtype and shape declared by a `torch.save`d tensor, from the first bytes of the blob.
+
+    `torch.save` writes `data.pkl` first and uncompressed, so the local zip header plus a few
+    hundred bytes suffice. None when the blob does not look like that (then nothing is claimed).
+    """
+    if len(head) < 30 or not head.startswith(b"PK\x03\x04"):
+        return None
+    method, name_len, extra_len = (
+        int.from_bytes(head[8:10], "little"),
+        int.from_bytes(head[26:28], "little"),
+        int.from_bytes(head[28:30], "little"),
+    )
+    name = head[30 : 30 + name_len]
+    if method != 0 or not name.endswith(b"data.pkl"):
+        return None
+    start = 30 + name_len + extra_len
+    try:
+        value = _TensorHeaderUnpickler(io.BytesIO(head[start:])).load()
+    except Exception:
+        return None
+    return value if isinstance(value, SavedTensor) else None

@@ -27,9 +27,22 @@ if TYPE_CHECKING:
     import torch
 
 INDEX_SUFFIX = ".safetensors.index.json"
+#: per-rank files of torch DCP's `HuggingFaceStorageWriter(save_distributed=True)`: the same
+#: tensor names in every file (chunks of one tensor), so the folder is read as `dcp`
+DCP_HF_SHARD = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 #: no sane header is this large; a bigger length field is corruption or an attack
 MAX_HEADER = 100 << 20
 _PROBE = 64 << 10
+
+
+def is_dcp_hf_sharded(names: list[str]) -> bool:
+    """Whether top-level `names` are the per-rank shards of DCP's HuggingFaceStorageWriter."""
+    shards = [n for n in names if n.endswith(".safetensors")]
+    return (
+        bool(shards)
+        and all(DCP_HF_SHARD.match(n) for n in shards)
+        and not any(n.endswith(INDEX_SUFFIX) for n in names)
+    )
 
 
 def _stem_of_index(name: str) -> str:
@@ -321,7 +334,10 @@ class SafetensorsFormat(Format):
     def detect(cls, source: Source) -> bool:
         if source.target is not None:
             return source.target.endswith((".safetensors", INDEX_SUFFIX))
-        return any(n.endswith((".safetensors", INDEX_SUFFIX)) for n in source.top_level())
+        names = source.top_level()
+        if is_dcp_hf_sharded(names):
+            return False
+        return any(n.endswith((".safetensors", INDEX_SUFFIX)) for n in names)
 
     @classmethod
     def open(cls, source: Source) -> SafetensorsCheckpoint:
