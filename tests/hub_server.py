@@ -127,7 +127,9 @@ class TestHub:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.05,), daemon=True
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -193,7 +195,7 @@ class TestHub:
     # -- faults --------------------------------------------------------------------------------
 
     def drop_after(self, repo_id: str, path: str, nbytes: int) -> None:
-        """Close the connection after `nbytes` body bytes of the next GET of `path` (once)."""
+        """Close the connection after `nbytes` body bytes of the next longer GET of `path` (once)."""
         self._drops[(repo_id, path)] = nbytes
 
     def fail(
@@ -239,9 +241,14 @@ class TestHub:
                     return int(status), code  # type: ignore[call-overload]
         return None
 
-    def _take_drop(self, repo_id: str, path: str) -> int | None:
+    def _take_drop(self, repo_id: str, path: str, length: int) -> int | None:
+        """The armed drop for this file if this response is long enough to be cut (once)."""
         with self._lock:
-            return self._drops.pop((repo_id, path), None)
+            drop = self._drops.get((repo_id, path))
+            if drop is None or drop >= length:
+                return None
+            del self._drops[(repo_id, path)]
+            return drop
 
     def _count(self, repo_id: str, path: str, n: int) -> None:
         with self._lock:
@@ -264,6 +271,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:  # silence stderr
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        # headers and body go out in separate writes: without NODELAY, Nagle's algorithm and
+        # delayed ACKs add 40 ms to every small response on loopback
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def do_GET(self) -> None:
         self._handle(head=False)
@@ -337,6 +350,11 @@ class _Handler(BaseHTTPRequestHandler):
         if fault is not None:
             status, code = fault
             self._error(status, code, f"injected HTTP {status}")
+            return
+        if url.path == "/_testhub/bytes_sent":  # counters, for a server run in another process
+            with self.server_hub._lock:
+                counts = {f"{r}:{p}": n for (r, p), n in self.server_hub._sent.items()}
+            self._json(counts)
             return
         if match := _API.match(url.path):
             self._api(match, parse_qs(url.query))
@@ -468,9 +486,9 @@ class _Handler(BaseHTTPRequestHandler):
         if head:
             self._record(status, file=key)
             return
-        drop = self.server_hub._take_drop(repo.repo_id, rel)
         body = f.data[start:end]
-        if drop is not None and drop < len(body):
+        drop = self.server_hub._take_drop(repo.repo_id, rel, len(body))
+        if drop is not None:
             self.wfile.write(body[:drop])
             self.wfile.flush()
             self.server_hub._count(repo.repo_id, rel, drop)
@@ -497,3 +515,27 @@ def _lfs_pointer(f: HubFile) -> bytes:
     return (
         f"version https://git-lfs.github.com/spec/v1\noid sha256:{f.sha256}\nsize {len(f.data)}\n"
     ).encode()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve folders as repositories until interrupted (for benchmarks in another process).
+
+    Usage: python -m tests.hub_server ORG/NAME=FOLDER [...]; prints the endpoint URL on stdout.
+    `GET /_testhub/bytes_sent` returns the per-file byte counters as JSON.
+    """
+    import sys
+
+    hub = TestHub()
+    for spec in argv if argv is not None else sys.argv[1:]:
+        repo_id, _, folder = spec.partition("=")
+        hub.add_repo(repo_id, Path(folder))
+    hub.start()
+    print(hub.url, flush=True)
+    try:
+        hub._thread.join()
+    except KeyboardInterrupt:
+        hub.stop()
+
+
+if __name__ == "__main__":
+    main()

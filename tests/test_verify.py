@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import struct
 import sys
 from pathlib import Path
@@ -436,6 +437,10 @@ def test_good_dcp_passes_structure_and_deep(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.stdout
     report = result.json["result"]
     assert report["format"] == "dcp" and report["tensors"] == 2
+    # naming the .metadata file means the folder, for checksums too
+    assert run_ckpt("verify", folder / ".metadata", "--write-manifest").exit_code == 0
+    recorded = json.loads((folder / "ckpt-manifest.json").read_text())["files"]
+    assert sorted(recorded) == [".metadata", "__0_0.distcp"]
 
 
 def test_dcp_without_metadata_is_an_interrupted_save(tmp_path: Path) -> None:
@@ -624,3 +629,126 @@ def test_trainer_folder_with_a_truncated_model_is_named(tmp_path: Path) -> None:
     code, found = problems(folder)
     assert code == 1
     assert any(p["file"] == str(model) and "truncated" in p["message"] for p in errors(found))
+
+
+# ------------------------------------------------------------------ the Hub
+
+
+def test_hub_checkpoint_structure_through_ranged_reads(hub: Any, tmp_path: Path) -> None:
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    result = run_ckpt("verify", "hf://org/model", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["format"] == "safetensors"
+
+    # a broken commit: the index sends a tensor to the wrong shard
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "src", broken)
+    index = index_of(broken)
+    right = index["weight_map"]["model.layers.0.mlp.weight"]
+    wrong = next(s for s in sorted(set(index["weight_map"].values())) if s != right)
+    index["weight_map"]["model.layers.0.mlp.weight"] = wrong
+    write_index(broken, index)
+    hub.add_repo("org/broken", broken)
+    code, found = problems("hf://org/broken")
+    assert code == 1
+    [problem] = errors(found)
+    assert problem["code"] == "wrong_shard" and problem["file"].startswith("hf://org/broken@")
+
+
+def test_local_copy_against_the_hubs_digests(hub: Any, tmp_path: Path) -> None:
+    from huggingface_hub import snapshot_download
+
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    copy = tmp_path / "copy"
+    snapshot_download("org/model", local_dir=copy, endpoint=hub.url)
+    args = ("--checksums", "--manifest", "hf://org/model")
+    result = run_ckpt("verify", copy, *args, "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["problems"] == []
+    assert report["hashed_bytes"] == sum(
+        p.stat().st_size for p in (tmp_path / "src").iterdir()
+    ) + len(b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+
+    shard = sorted(copy.glob("*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x04
+    shard.write_bytes(bytes(data))
+    (copy / "config.json").write_text('{"model_type": "other"}\n')
+    code, found = problems(copy, *args)
+    assert code == 1
+    assert sorted((p["code"], Path(p["file"]).name) for p in errors(found)) == [
+        ("checksum_mismatch", shard.name),
+        ("size_changed", "config.json"),
+    ]
+
+
+def test_hub_cache_against_the_hubs_digests(hub: Any, tmp_path: Path) -> None:
+    import os
+
+    from huggingface_hub import snapshot_download
+
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    code, found = problems("hf://org/model", "--checksums")
+    assert code == 0 and [p["code"] for p in found] == ["no_local_copy"]
+    snapshot = Path(
+        snapshot_download(
+            "org/model", endpoint=hub.url, cache_dir=str(Path(os.environ["HF_HOME"]) / "hub")
+        )
+    )
+    assert run_ckpt("verify", "hf://org/model", "--checksums").exit_code == 0
+    blob = (snapshot / "model-00002-of-00007.safetensors").resolve()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0x01
+    blob.write_bytes(bytes(data))
+    code, found = problems("hf://org/model", "--checksums")
+    assert code == 1
+    [problem] = found
+    assert problem["code"] == "checksum_mismatch"
+    assert "model-00002-of-00007.safetensors" in problem["file"]
+
+
+def test_verify_modifies_no_training_or_dcp_file(tmp_path: Path) -> None:
+    trainer = trainer_checkpoint(tmp_path / "run")
+    step = dcp_checkpoint(tmp_path / "step-1")
+    for folder in (trainer, step):
+        before = snapshot(folder)
+        assert run_ckpt("verify", folder, "--deep", "--resumable").exit_code in (0, 1)
+        assert (
+            run_ckpt(
+                "verify", folder, "--write-manifest", "--manifest", tmp_path / "m.json", "--force"
+            ).exit_code
+            == 0
+        )
+        assert (
+            run_ckpt("verify", folder, "--checksums", "--manifest", tmp_path / "m.json").exit_code
+            == 0
+        )
+        assert snapshot(folder) == before
+
+
+def test_structural_verify_and_checksums_do_not_import_torch(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from .conftest import REPO
+
+    folder = sharded(tmp_path / "m")
+    probe = (
+        "import sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
+        "from ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO_TORCH', code, file=sys.stderr)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for args in (["verify", str(folder)], ["verify", str(folder), "--write-manifest"]):
+        proc = subprocess.run(
+            [sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env
+        )
+        assert "NO_TORCH 0" in proc.stderr, (args, proc.stderr)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -357,11 +358,16 @@ class HubStorage(Storage):
         requests: HTTP requests made for file data.
     """
 
+    #: first read of a safetensors header: most shard headers fit; larger ones take a second read
+    header_probe = 16 << 10
+
     def __init__(self, repo: HubRepo):
         self.repo = repo
         self.display = repo.display()
         self.bytes_fetched = 0
         self.requests = 0
+        # reads may run on several threads (parallel range fetches)
+        self._lock = threading.Lock()
 
     def list_files(self) -> dict[str, int]:
         return {rel: f.size for rel, f in self.repo.files.items()}
@@ -434,19 +440,21 @@ class HubStorage(Storage):
             headers = build_hf_headers(token=self.repo.settings.token)
             headers["Range"] = f"bytes={pos}-{end - 1}"
             headers["Accept-Encoding"] = "identity"
-            self.requests += 1
+            with self._lock:
+                self.requests += 1
             try:
-                with (
-                    hub_errors(where),
-                    get_session().stream(
-                        "GET", url, headers=headers, follow_redirects=True
-                    ) as response,
-                ):
-                    hf_raise_for_status(response)
+                with get_session().stream(
+                    "GET", url, headers=headers, follow_redirects=True
+                ) as response:
+                    with hub_errors(where):
+                        hf_raise_for_status(response)
                     # a 200 means the server ignored Range: discard what comes before `pos`
                     skip = pos if response.status_code == 200 else 0
-                    for block in response.iter_bytes(chunk):
-                        self.bytes_fetched += len(block)
+                    # no chunk size: blocks are yielded as they arrive, so after a dropped
+                    # connection the retry starts at the last byte received, not at a block edge
+                    for block in response.iter_bytes():
+                        with self._lock:
+                            self.bytes_fetched += len(block)
                         if skip:
                             cut = min(skip, len(block))
                             block, skip = block[cut:], skip - cut
@@ -458,18 +466,19 @@ class HubStorage(Storage):
                         yield block
                         if pos >= end:
                             break
-            except HubError:
-                raise
             except (httpx2.RemoteProtocolError, httpx2.ReadError, httpx2.TimeoutException) as exc:
                 failures += 1
                 if failures > READ_RETRIES:
                     raise HubError(
                         f"the connection kept failing while reading bytes {pos}..{end} ({exc})",
                         path=where,
-                        fix="Check the network and run the command again; completed work is kept.",
+                        fix="Check the network and run the command again.",
                     ) from None
                 time.sleep(min(0.2 * 2**failures, 5.0))
                 continue
+            except httpx2.TransportError:
+                with hub_errors(where):
+                    raise
             if pos < end:
                 failures += 1
                 if failures > READ_RETRIES:

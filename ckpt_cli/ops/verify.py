@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,16 +32,10 @@ from ..errors import (
     UnsafeInputError,
     UsageError,
 )
-from ..formats import REGISTRY, detect_format, get_format, resolve_source
+from ..formats import detect_format, get_format, resolve_source
 from ..formats.base import Checkpoint, Source
 from ..hashing import ALGORITHMS, hash_files
-from ..layouts import (
-    CompositeCheckpoint,
-    OpenedSource,
-    component_problems,
-    open_source,
-    training_checks,
-)
+from ..layouts import OpenedSource, check_source, open_source, recognise_layout, training_checks
 from ..models import Problem, TrainingState
 from ..output import staged_output
 from ..progress import NULL_PROGRESS, Progress
@@ -169,35 +162,41 @@ def verify(
     if algo is not None and algo not in ALGORITHMS:
         raise UsageError(f"unknown --algo {algo!r}", fix=f"Use one of {', '.join(ALGORITHMS)}.")
     source = resolve_source(src)
-    opened: OpenedSource | None = None
-    if format is None and _maybe_training_folder(source):
-        opened = _open_layout(src)
-    name = _format_name(source, format) if opened is None else ""
-    if opened is None:
-        problems = list(get_format(name).check(source))
-    else:
-        name = opened.training.layout if opened.training else opened.checkpoint.manifest.format
-        problems = composite_problems(opened)
-    report = VerifyReport(location=source.location.raw, format=name, ok=True, checks=["structure"])
-    # the manifest is not part of what it describes
-    considered = {n: size for n, size in source.files.items() if n != MANIFEST_NAME}
-    report.files = len(considered)
-    report.bytes = sum(considered.values())
-
-    if resumable or deep:
-        _open_checks(
-            report,
-            problems,
-            src,
-            format,
-            opened,
-            resumable=resumable,
-            deep=deep,
-            progress=progress,
+    # a training folder (Trainer, accelerate, DeepSpeed) is checked component by component
+    opened = recognise_layout(source) if format is None else None
+    try:
+        if opened is None:
+            name = _format_name(source, format)
+            if name == "dcp" and source.target is not None:
+                # SRC named the .metadata or one .distcp file: the checkpoint is the folder
+                source = Source(location=source.location, storage=source.storage)
+            problems = list(get_format(name).check(source))
+        else:
+            training = opened.training
+            name = training.layout if training else opened.checkpoint.manifest.format
+            problems = check_source(src)
+        report = VerifyReport(
+            location=source.location.raw, format=name, ok=True, checks=["structure"]
         )
-    elif opened is not None:
-        report.training = opened.training
-        opened.checkpoint.close()
+        # the manifest is not part of what it describes
+        considered = {n: size for n, size in source.files.items() if n != MANIFEST_NAME}
+        report.files = len(considered)
+        report.bytes = sum(considered.values())
+        report.training = opened.training if opened is not None else None
+        if resumable or deep:
+            _open_checks(
+                report,
+                problems,
+                src,
+                format,
+                opened,
+                resumable=resumable,
+                deep=deep,
+                progress=progress,
+            )
+    finally:
+        if opened is not None:
+            opened.checkpoint.close()
     if checksums or write_manifest:
         _checksum_checks(
             report,
@@ -226,47 +225,6 @@ def _format_name(source: Source, format: str | None) -> str:
     return format or detect_format(source)
 
 
-#: names of training-state files (Trainer, accelerate, DeepSpeed) that make a folder a layout
-_TRAINING_NAMES = re.compile(
-    r"(trainer_state\.json|training_args\.bin|latest|(optimizer|scheduler|scaler|sampler)"
-    r"(_\d+)?\.(pt|bin)|rng_state(_\d+)?\.pth|random_states_\d+\.pkl|global_step\d+/.*)"
-)
-
-
-def _maybe_training_folder(source: Source) -> bool:
-    """Cheap look at file names: could this folder be a training layout?"""
-    if source.target is not None or not isinstance(source.storage, LocalStorage):
-        return False
-    names = source.files
-    if ".metadata" in names:
-        return False  # DCP: the format adapter itself knows its training dicts
-    return any(_TRAINING_NAMES.fullmatch(n) for n in names if n.count("/") <= 1)
-
-
-def _open_layout(src: str) -> OpenedSource | None:
-    """The training layout at `src` when it is one (None for anything else)."""
-    try:
-        opened = open_source(src)
-    except CkptError:
-        return None
-    if isinstance(opened.checkpoint, CompositeCheckpoint):
-        return opened
-    opened.checkpoint.close()
-    return None
-
-
-def composite_problems(opened: OpenedSource) -> list[Problem]:
-    """Structural problems of every component of a training folder, and unreadable ones."""
-    problems = component_problems(opened)
-    checkpoint = opened.checkpoint
-    assert isinstance(checkpoint, CompositeCheckpoint)
-    for component in checkpoint.components.values():
-        fmt = component.manifest.format
-        if fmt in REGISTRY:
-            problems.extend(get_format(fmt).check(component.source))
-    return problems
-
-
 # ---------------------------------------------------------------- training state and --deep
 
 
@@ -293,8 +251,6 @@ def _open_checks(
                 severity="warning",
             )
         )
-        if opened is not None:
-            opened.checkpoint.close()
         return
     if opened is None:
         try:
@@ -420,13 +376,21 @@ def _checksum_checks(
     force: bool,
     progress: Progress,
 ) -> None:
+    if not write and source.location.kind == "hf":
+        report.checks.append("checksums")
+        _hub_cache_checksums(report, problems, source, progress)
+        return
     if not isinstance(source.storage, LocalStorage):
         raise UsageError(
             "--checksums and --write-manifest need a local checkpoint",
             path=source.location.raw,
-            fix="Download it first (`ckpt download`); Hub files are checked against the Hub's "
-            "own sha256 by plain `ckpt verify` on the local copy.",
+            fix="Download it first (`ckpt download`), then check the copy against the Hub with "
+            "`ckpt verify DEST --checksums --manifest hf://org/repo@revision`.",
         )
+    if not write and manifest is not None and manifest.startswith("hf://"):
+        report.checks.append("checksums")
+        _local_against_hub(report, problems, source, manifest, progress)
+        return
     path = Path(manifest) if manifest else default_manifest_path(source)
     report.manifest = str(path)
     root = _local_root(source)
@@ -598,3 +562,130 @@ def _write_manifest(path: Path, record: ChecksumManifest, force: bool) -> None:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+# ---------------------------------------------------------------- against the Hub's digests
+
+
+def _hub_cache_checksums(
+    report: VerifyReport, problems: list[Problem], source: Source, progress: Progress
+) -> None:
+    """`verify hf://… --checksums`: the files in the local HF cache against the Hub's digests."""
+    from ..formats.hub import HubStorage
+
+    storage = source.storage
+    assert isinstance(storage, HubStorage)
+    remote = storage.repo.files
+    names = [source.target] if source.target is not None else sorted(remote)
+    local: dict[str, Path] = {}
+    for name in names:
+        path = storage.local_path(name)
+        if path is not None:
+            local[name] = path
+    report.manifest = storage.repo.display()
+    if not local:
+        problems.append(
+            Problem(
+                code="no_local_copy",
+                message=f"{storage.repo.display()}: no file of this commit is in the local HF "
+                "cache, so there is nothing to check against the Hub's digests",
+                file=storage.repo.display(),
+                severity="warning",
+            )
+        )
+        return
+    _compare_with_hub(
+        report, problems, local, {n: remote[n] for n in names}, storage.describe, progress
+    )
+
+
+def _local_against_hub(
+    report: VerifyReport, problems: list[Problem], source: Source, hub: str, progress: Progress
+) -> None:
+    """`verify DIR --checksums --manifest hf://…`: a downloaded copy against the Hub's digests."""
+    from ..formats.hub import HubStorage
+
+    hub_side = resolve_source(hub)
+    storage = hub_side.storage
+    assert isinstance(storage, HubStorage)
+    report.manifest = storage.repo.display()
+    root = _local_root(source)
+    local = {
+        name: root / name
+        for name in source.files
+        # huggingface_hub keeps its download bookkeeping there; ckpt its manifest
+        if not name.startswith(".cache/huggingface/") and name != MANIFEST_NAME
+    }
+    remote = storage.repo.files
+    if source.target is not None:
+        remote = {n: f for n, f in remote.items() if n == source.target}
+    for name in sorted(set(remote) - set(local)):
+        problems.append(
+            Problem(
+                code="missing_file",
+                message=f"{root / name}: is not in the local copy ({storage.describe(name)} has "
+                f"{remote[name].size} bytes)",
+                file=str(root / name),
+                severity="warning",
+            )
+        )
+    for name in sorted(set(local) - set(remote)):
+        problems.append(
+            Problem(
+                code="unlisted_file",
+                message=f"{root / name}: is not in {storage.repo.display()}",
+                file=str(root / name),
+                severity="warning",
+            )
+        )
+    both = {n: local[n] for n in sorted(set(local) & set(remote))}
+    _compare_with_hub(report, problems, both, remote, lambda n: str(root / n), progress)
+
+
+def _compare_with_hub(
+    report: VerifyReport,
+    problems: list[Problem],
+    local: dict[str, Path],
+    remote: dict[str, Any],
+    describe: Any,
+    progress: Progress,
+) -> None:
+    """Sizes, then the Hub's own digests: LFS sha256 (hashed in parallel), git blob sha1."""
+    from huggingface_hub.utils.sha import git_hash
+
+    report.algorithm = "sha256 (LFS) / git-sha1"
+    sizes = files_size(local)
+    lfs: dict[str, Path] = {}
+    for name, path in local.items():
+        want = remote[name]
+        if sizes[name] != want.size:
+            problems.append(
+                Problem(
+                    code="size_changed",
+                    message=f"{describe(name)}: is {sizes[name]} bytes, the Hub records "
+                    f"{want.size}",
+                    file=describe(name),
+                )
+            )
+        elif want.sha256:
+            lfs[name] = path
+        elif want.blob_id:
+            # regular (non-LFS) git files are small: the Hub caps them at 10 MB
+            actual = git_hash(path.read_bytes())
+            report.hashed_bytes += sizes[name]
+            if actual != want.blob_id:
+                problems.append(_hub_mismatch(describe(name), "git-sha1", actual, want.blob_id))
+    digests = _hash(lfs, "sha256", progress)
+    report.hashed_bytes += sum(sizes[n] for n in lfs)
+    for name, digest in digests.items():
+        if digest != remote[name].sha256:
+            problems.append(_hub_mismatch(describe(name), "sha256", digest, remote[name].sha256))
+
+
+def _hub_mismatch(file: str, algo: str, actual: str, expected: str) -> Problem:
+    return Problem(
+        code="checksum_mismatch",
+        message=f"{file}: {algo} {actual[:16]}… differs from the Hub's {expected[:16]}… (the "
+        "local copy is corrupt or from another revision)",
+        file=file,
+    )
