@@ -727,7 +727,13 @@ def scan_run(
         until_latest: judge from the newest save down and stop at the first complete one
             (`checkpoints` then holds only those): what `ckpt latest` needs, and no more.
     """
-    root = Path(run_dir)
+    if "://" in str(run_dir) and not str(run_dir).startswith("file://"):
+        raise UsageError(
+            "run folders are read on this machine only",
+            path=str(run_dir),
+            fix="Run ckpt where the training job writes its checkpoints.",
+        )
+    root = Path(str(run_dir).removeprefix("file://"))
     if not root.exists():
         raise NotFoundError("no such folder", path=root, fix="Check the run folder's path.")
     if not root.is_dir():
