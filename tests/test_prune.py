@@ -168,6 +168,26 @@ def test_plain_files_of_one_step_go_together(tmp_path: Path) -> None:
     assert all(torch.equal(loaded[k], v) for k, v in weights(2000).items())
 
 
+def test_a_multi_file_checkpoint_leaves_its_names_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "plain"
+    run.mkdir()
+    for step in (1000, 2000):
+        torch.save(weights(step), run / f"model_{step}.pt")
+        torch.save({"step": step}, run / f"optim_{step}.pt")
+    age(run)
+
+    def dies(path: Path) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(prune_ops, "_remove", dies)
+    result = run_ckpt("prune", run, "--keep-last", "1", "--yes", "--json")
+    assert result.exit_code == 1
+    visible = sorted(p.name for p in run.iterdir() if not p.name.startswith("."))
+    assert visible == ["model_2000.pt", "optim_2000.pt"]  # no lone optim_1000.pt left behind
+
+
 def test_lightning_best_from_file_names_and_the_last_ckpt_link(tmp_path: Path) -> None:
     run = tmp_path / "lightning_logs" / "version_0"
     ckpts = run / "checkpoints"
@@ -270,9 +290,10 @@ def test_a_checkpoint_removed_by_someone_else_first_is_not_a_failure(
     out = trainer_run(tmp_path, steps=(100, 300, 400))
     real_remove = prune_ops.remove_checkpoint
 
-    def trainer_rotates_first(path: Path) -> None:
-        shutil.rmtree(path)  # the Trainer's save_total_limit got there first
-        real_remove(path)
+    def trainer_rotates_first(paths: list[Path]) -> None:
+        for path in paths:
+            shutil.rmtree(path)  # the Trainer's save_total_limit got there first
+        real_remove(paths)
 
     monkeypatch.setattr(prune_ops, "remove_checkpoint", trainer_rotates_first)
     result = run_ckpt("prune", out, "--keep-last", "1", "--yes", "--json")

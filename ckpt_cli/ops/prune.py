@@ -56,7 +56,7 @@ class PruneDecision(BaseModel):
     """The fate of one checkpoint.
 
     Attributes:
-        name / path / step / status / size / markers / metric: the checkpoint (see
+        name / path / paths / step / status / size / markers / metric: the checkpoint (see
             `ckpt_cli.runs.RunCheckpoint`).
         action: `keep` or `delete`.
         rule: the rule that decided.
@@ -66,6 +66,7 @@ class PruneDecision(BaseModel):
 
     name: str
     path: str
+    paths: list[str]
     step: int | None
     status: str
     size: int
@@ -160,6 +161,7 @@ def plan(run: RunReport, policy: PrunePolicy) -> list[PruneDecision]:
             PruneDecision(
                 name=c.name,
                 path=c.path,
+                paths=c.paths,
                 step=c.step,
                 status=c.status,
                 size=c.size,
@@ -236,20 +238,28 @@ def _newest_write(path: Path) -> float:
     return newest
 
 
-def remove_checkpoint(path: Path) -> None:
-    """Delete one checkpoint path: rename to a hidden staging name, then remove.
+def remove_checkpoint(paths: list[Path]) -> None:
+    """Delete one checkpoint: rename each of its paths to a hidden staging name, then remove.
 
-    A symlink is unlinked (its target is never touched); a folder is removed without following
-    the links inside it. If interrupted while removing, the removal is finished before the
-    interrupt propagates, so at worst a hidden `.NAME.ckpt-tmp-del-*` is left.
+    Every path is renamed before anything is removed, so the checkpoint leaves its real names
+    in one quick step. A symlink is unlinked (its target is never touched); a folder is
+    removed without following the links inside it. If interrupted while removing, the removal
+    is finished before the interrupt propagates: at worst hidden `.NAME.ckpt-tmp-del-*` remain.
     """
-    hidden = path.with_name(f".{path.name}{TMP_MARKER}{DELETING}{os.getpid()}-{time.time_ns()}")
-    os.rename(path, hidden)
-    fsync_dir(path.parent)
+    hidden: list[Path] = []
+    for path in paths:
+        tag = f"{TMP_MARKER}{DELETING}{os.getpid()}-{time.time_ns()}"
+        target = path.with_name(f".{path.name}{tag}")
+        os.rename(path, target)
+        hidden.append(target)
+    for folder in {p.parent for p in paths}:
+        fsync_dir(folder)
     try:
-        _remove(hidden)
+        for target in hidden:
+            _remove(target)
     except KeyboardInterrupt:
-        _remove(hidden)
+        for target in hidden:
+            _remove(target)
         raise
 
 
@@ -264,36 +274,24 @@ def apply(run_dir: Path, decisions: list[PruneDecision], settle: float) -> None:
     """Carry out the deletions of a plan, re-checking each checkpoint just before."""
     for d in decisions:
         if d.action == "delete":
-            d.error = _delete_one(run_dir, Path(d.path), settle)
+            d.error = _delete_one(run_dir, [Path(p) for p in d.paths], settle)
             d.deleted = d.error is None
 
 
-def _delete_one(run_dir: Path, path: Path, settle: float) -> str | None:
-    """Delete one path; the reason it was not deleted, or None."""
+def _delete_one(run_dir: Path, paths: list[Path], settle: float) -> str | None:
+    """Delete one checkpoint; the reason it was not deleted, or None."""
     try:
-        if not _confined(run_dir, path):
-            return "outside the run folder; not deleted"
-        if not path.is_symlink() and time.time() - _newest_write(path) < settle:
-            return "modified since the plan was made; not deleted"
-        remove_checkpoint(path)
+        for path in paths:
+            if not _confined(run_dir, path):
+                return "outside the run folder; not deleted"
+            if not path.is_symlink() and time.time() - _newest_write(path) < settle:
+                return "modified since the plan was made; not deleted"
+        remove_checkpoint(paths)
     except FileNotFoundError:
         return VANISHED
     except OSError as exc:
         return f"could not delete: {exc.strerror or exc}"
     return None
-
-
-def _expand(decisions: list[PruneDecision], run: RunReport) -> list[PruneDecision]:
-    """Plain checkpoints made of several files get one decision per file to delete."""
-    paths = {c.name: c.paths for c in run.checkpoints}
-    out: list[PruneDecision] = []
-    for d in decisions:
-        members = paths.get(d.name, [d.path])
-        if d.action == "delete" and len(members) > 1:
-            out.extend(d.model_copy(update={"path": p}) for p in members)
-        else:
-            out.append(d)
-    return out
 
 
 def prune(
@@ -334,14 +332,7 @@ def prune(
         best=run.best,
     )
     if yes and doomed:
-        expanded = _expand(decisions, run)
-        apply(root, expanded, policy.settle)
-        for d in decisions:
-            if d.action != "delete":
-                continue
-            parts = [e for e in expanded if e.name == d.name]
-            d.deleted = all(e.deleted for e in parts)
-            d.error = next((e.error for e in parts if e.error), None)
+        apply(root, decisions, policy.settle)
         report.deleted = [d.name for d in decisions if d.deleted]
         report.bytes_freed = sum(d.size for d in decisions if d.deleted)
         # gone already (the trainer's own rotation, say) is what was wanted: not a failure
