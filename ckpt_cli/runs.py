@@ -17,14 +17,16 @@ checkpoint.
 **Completeness.** A checkpoint is complete when every component it holds has its commit
 marker and passes its format's structural check (`Format.check`: metadata and file sizes,
 no tensor data): each DCP folder has its `.metadata`, each safetensors index names only shards
-that exist with valid headers, each safetensors / torch.save file is whole. Layout rules come on
-top: a Trainer folder needs its `trainer_state.json` (the Trainer writes it last), a DeepSpeed
-`global_stepN/` newer than the step the `latest` file names is unfinished (DeepSpeed writes
-`latest` after every rank is done). accelerate and plain folders have no marker at all: one that lacks a
-digit-free file (`optimizer.bin`) which at least two other saves of the run all have is
-incomplete. Staging folders of interrupted saves are never complete:
-ckpt's own `.NAME.ckpt-tmp-*` (see `output.py`; `prune` also renames what it deletes to such a
-name first), the Trainer's `tmp-checkpoint-N`, and `NAME.tmp` / `.partial` / `.incomplete`.
+that exist with valid headers, each safetensors / torch.save file is whole. Layout rules come
+on top: a Trainer folder needs a whole `trainer_state.json` (recent transformers write it
+last), a DeepSpeed `global_stepN/` newer than the step the `latest` file names is unfinished
+(DeepSpeed writes `latest` after every rank is done), and accelerate and plain folders, which
+have no marker at all, are incomplete when they lack a digit-free file (`optimizer.bin`) that
+at least two other saves of the run all have. Staging folders of interrupted saves are never
+complete: ckpt's own `.NAME.ckpt-tmp-*` (see `output.py`; `prune` also renames what it deletes
+to such a name first), the Trainer's `tmp-checkpoint-N`, and `NAME.tmp` / `.partial` /
+`.incomplete`. A torch.save file whose pickle names classes `weights_only` refuses (Lightning's
+hyper-parameters) is judged by its zip structure, without unpickling.
 
 **Still being written.** Nothing tells a reader that another process is writing, so ckpt uses
 time: an incomplete checkpoint or a staging folder with a file modified within the last
