@@ -78,7 +78,7 @@ def by_hand(folder: Path) -> Path | None:
     for ckpt in sorted(folder.iterdir()):
         try:
             with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
-                for key in f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                     f.get_slice(key)
             for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
                 torch.load(ckpt / name, weights_only=True, mmap=True)
