@@ -237,6 +237,20 @@ def test_incomplete_removes_only_interrupted_saves_older_than_the_newest(tmp_pat
     assert survivors(out) == ["checkpoint-100", "checkpoint-300", "checkpoint-400"]
 
 
+def test_incomplete_removes_nothing_when_no_save_is_complete(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    interrupted_trainer_save(out, 100)
+    interrupted_trainer_save(out, 200)
+    age(out)
+    before = tree(out)
+    result = run_ckpt("prune", out, "--incomplete", "--keep-last", "1", "--yes", "--json")
+    assert result.exit_code == 0
+    assert result.json["result"]["deleted"] == []
+    assert tree(out) == before
+    assert run_ckpt("latest", out).exit_code == 3
+
+
 def test_symlinked_checkpoint_is_unlinked_and_its_target_untouched(tmp_path: Path) -> None:
     elsewhere = tmp_path / "archive" / "checkpoint-50"
     trainer_checkpoint(elsewhere, 50)

@@ -85,12 +85,16 @@ def test_index_naming_a_missing_shard_and_missing_trainer_state(tmp_path: Path) 
 
 def test_torchtitan_dcp_without_metadata_is_incomplete(tmp_path: Path) -> None:
     run = tmp_path / "dump" / "checkpoint"
-    for step in (10, 20, 30):
+    for step in (5, 10, 20, 30):
         dcp_save(run / f"step-{step}", step)
     (run / "step-30" / ".metadata").unlink()  # killed before the commit marker
+    for data in (run / "step-5").glob("*.distcp"):
+        data.unlink()  # the marker is there, a rank's data is not
     age(run)
     rows = table(tmp_path / "dump")  # the torchtitan dump folder: checkpoints under checkpoint/
-    assert set(rows) == {"checkpoint/step-10", "checkpoint/step-20", "checkpoint/step-30"}
+    assert set(rows) == {f"checkpoint/step-{n}" for n in (5, 10, 20, 30)}
+    assert rows["checkpoint/step-5"]["status"] == "incomplete"
+    assert ".distcp" in rows["checkpoint/step-5"]["reason"]
     assert rows["checkpoint/step-30"]["status"] == "incomplete"
     assert ".metadata" in rows["checkpoint/step-30"]["reason"]
     assert rows["checkpoint/step-20"]["formats"] == ["dcp"]
