@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import CkptError, FormatError, NotFoundError, UnsafeInputError
+from .errors import CkptError, FormatError, NotFoundError
 from .formats import get_format, open_checkpoint, resolve_source
 from .formats.base import Checkpoint, Source
 from .formats.safetensors import INDEX_SUFFIX
@@ -69,7 +69,7 @@ class OpenedSource:
 
 
 class ObjectsCheckpoint(Checkpoint):
-    """Non-tensor entries held in memory (a JSON file's values), or listed but never loaded."""
+    """Non-tensor entries held in memory (a JSON file's top-level values)."""
 
     def __init__(self, source: Source, manifest: Manifest, values: dict[str, Any]):
         super().__init__(source, manifest)
@@ -79,15 +79,9 @@ class ObjectsCheckpoint(Checkpoint):
         raise FormatError(f"entry {name!r} is not a tensor", path=self.manifest.location)
 
     def read_object(self, name: str) -> Any:
-        if name not in self.manifest.by_name:
-            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
         if name not in self.values:
-            raise UnsafeInputError(
-                f"entry {name!r} is a pickle of arbitrary Python classes; ckpt lists it but "
-                "never unpickles it",
-                path=self.manifest.location,
-            )
-        return json.loads(json.dumps(self.values[name]))
+            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
+        return json.loads(json.dumps(self.values[name]))  # a copy callers may change
 
 
 def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
@@ -119,20 +113,6 @@ def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
         entries=entries,
     )
     return ObjectsCheckpoint(source, manifest, {str(k): v for k, v in doc.items()})
-
-
-def opaque_component(source: Source, rel: str) -> ObjectsCheckpoint:
-    """A file listed without loading it (`training_args.bin`: a pickled dataclass)."""
-    size = source.storage.size(rel)
-    # an empty inner name: the composite names the entry by the component alone
-    entry = Entry(name="", kind="object", nbytes=size, file=rel, py_type="pickle (not loaded)")
-    manifest = Manifest(
-        format="opaque",
-        location=source.location.raw,
-        files=[FileInfo(path=rel, size=size, entries=1)],
-        entries=[entry],
-    )
-    return ObjectsCheckpoint(source, manifest, {})
 
 
 class CompositeCheckpoint(Checkpoint):
@@ -243,6 +223,8 @@ class _Folder:
         self.used: set[str] = set()
         self.parts: dict[str, tuple[str, str]] = {}
         self.subfolders: dict[str, str] = {}
+        #: components present but deliberately not loaded: component -> description
+        self.listed: dict[str, str] = {}
         self.wrappers: dict[str, str] = {}
         self.names = {
             n[len(base) :] for n in source.files if n.startswith(base) and "/" not in n[len(base) :]
@@ -265,8 +247,6 @@ class _Folder:
         try:
             if fmt == "json":
                 checkpoint: Checkpoint = json_component(sub, rel)
-            elif fmt == "opaque":
-                checkpoint = opaque_component(sub, rel)
             else:
                 checkpoint = get_format(fmt).open(sub)
         except CkptError as error:
@@ -279,8 +259,7 @@ class _Folder:
                 )
             )
             return None
-        if fmt != "opaque":
-            self.used.update(f.path for f in checkpoint.manifest.files)
+        self.used.update(f.path for f in checkpoint.manifest.files)
         self.components[comp] = checkpoint
         self.parts[comp] = (rel, fmt)
         return checkpoint
@@ -379,7 +358,9 @@ def _trainer(source: Source) -> OpenedSource | None:
     if folder.has("trainer_state.json"):
         folder.add("trainer_state", "trainer_state.json", "json")
     if folder.has("training_args.bin"):
-        folder.add("training_args", "training_args.bin", "opaque")
+        # a pickle of transformers' TrainingArguments dataclass: weights_only refuses it and
+        # nothing else may unpickle it, so it is listed (files, components) and never read
+        folder.listed["training_args"] = "training_args.bin (not loaded)"
     checkpoint = folder.composite("hf-trainer")
     state = _analyse(checkpoint, "hf-trainer", _prefixes(checkpoint))
     state.components = _component_files(folder)
@@ -543,6 +524,7 @@ def _component_files(folder: _Folder) -> dict[str, str]:
     for comp, checkpoint in folder.components.items():
         paths = [f.path for f in checkpoint.manifest.files]
         out[comp] = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
+    out.update(folder.listed)
     for rel, why in folder.unreadable.items():
         out[rel] = f"unreadable: {why}"
     return out
@@ -986,7 +968,7 @@ def check_source(src: str, format: str | None = None) -> list[Problem]:
     problems = component_problems(opened)
     with opened.checkpoint:
         for rel, fmt in opened.parts.values():
-            if fmt in ("json", "opaque"):
+            if fmt == "json":
                 continue
             if rel.endswith("/"):
                 root = source.storage.local_path(rel.rstrip("/"))

@@ -273,3 +273,30 @@ def test_detect_by_suffix(tmp_path: Path, name: str) -> None:
     torch.save({"w": torch.arange(3)}, tmp_path / name)
     report = run_ckpt("inspect", tmp_path / name, "--json").json["result"]
     assert report["format"] == "torch" and report["tensors"] == 1
+
+
+def test_tied_weights_are_reported_and_stay_tied(tmp_path: Path) -> None:
+    embed = torch.randn(10, 4)
+    big = torch.arange(1000, dtype=torch.float32)
+    torch.save(
+        {"embed.weight": embed, "lm_head.weight": embed, "slice": big[:3]}, tmp_path / "src.pt"
+    )
+    report = run_ckpt("inspect", tmp_path / "src.pt", "--json").json["result"]
+    assert report["details"]["shared_tensors"] == [["embed.weight", "lm_head.weight"]]
+    copy_with_writer(tmp_path / "src.pt", tmp_path / "out")
+    back = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    # tied tensors are stored once and load tied; a slice does not drag its whole buffer along
+    assert back["embed.weight"].data_ptr() == back["lm_head.weight"].data_ptr()
+    assert torch.equal(back["lm_head.weight"], embed)
+    assert back["slice"].untyped_storage().nbytes() == 3 * 4
+    assert torch.equal(back["slice"], big[:3])
+
+
+def test_accelerate_pkl_written_by_torch_save_is_read(tmp_path: Path) -> None:
+    torch.save({"step": 3, "torch_manual_seed": torch.get_rng_state()}, tmp_path / "rs_0.pkl")
+    report = run_ckpt("inspect", tmp_path / "rs_0.pkl", "--json").json["result"]
+    assert report["format"] == "torch" and report["objects"] == 1 and report["tensors"] == 1
+    import pickle
+
+    (tmp_path / "plain.pkl").write_bytes(pickle.dumps({"a": 1}))
+    assert run_ckpt("inspect", tmp_path / "plain.pkl").exit_code == 4  # not a torch.save zip

@@ -82,6 +82,8 @@ def render_training(report: InspectReport) -> None:
             else "[dim]none[/]",
         )
     )
+    if state.components:
+        rows.append(("components", ", ".join(f"{k}={v}" for k, v in state.components.items())))
     for rel, why in state.unreadable.items():
         rows.append(("unreadable", f"[yellow]{rel}[/]: {why}"))
     rows.append(("resumable", verdict))
@@ -115,7 +117,11 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
             table.add_row(
                 e.name,
                 e.dtype if e.kind == "tensor" else f"object:{e.py_type or '?'}",
-                shape_str(e.shape) if e.kind == "tensor" else "",
+                shape_str(e.shape)
+                if e.kind == "tensor"
+                else f"= {e.value!r}"
+                if e.value is not None and len(repr(e.value)) <= 40
+                else "",
                 human_bytes(e.nbytes),
                 e.file or "",
             )
