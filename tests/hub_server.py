@@ -29,6 +29,7 @@ import socket
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -60,11 +61,11 @@ class HubFile:
     data: bytes
     lfs: bool
 
-    @property
+    @cached_property
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
-    @property
+    @cached_property
     def etag(self) -> str:
         return self.sha256 if self.lfs else git_blob_id(self.data)
 
