@@ -254,6 +254,29 @@ def test_interrupted_run_resumes_with_the_shards_it_lacks(hub: TestHub, tmp_path
     assert all(torch.equal(got[n], state[n]) for n in state)
 
 
+def test_a_corrupt_file_in_the_cache_is_caught_by_the_hub_checksum(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    _, weight_map = publish(hub, tmp_path)
+    shard = weight_map["lm_head.weight"]
+    first = run_ckpt(
+        "download", "hf://org/model", "--cache-only", "--tensors", "lm_head.*", "--json"
+    )
+    assert first.exit_code == 0, first.stderr
+    cached = Path(
+        next(f["cache_path"] for f in first.json["result"]["files"] if f["path"] == shard)
+    )
+    blob = cached.resolve()  # the snapshot entry links to the blob
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    dest = tmp_path / "corrupt"
+    result = run_ckpt("download", "hf://org/model", dest, "--tensors", "lm_head.*")
+    assert result.exit_code == 4
+    assert shard in result.stderr and "sha256" in result.stderr and "hf cache rm" in result.stderr
+    assert not dest.exists()
+
+
 def test_dry_run_fetches_nothing(hub: TestHub, tmp_path: Path) -> None:
     _, weight_map = publish(hub, tmp_path)
     dest = tmp_path / "never"

@@ -83,6 +83,8 @@ def test_revision_tag_and_subfolder_resolve_to_a_commit(hub: TestHub, tmp_path: 
     assert tagged["details"]["hub"]["revision"] == "v1.0"
     by_commit = run_ckpt("inspect", f"hf://org/evolving@{first}", "--json").json["result"]
     assert by_commit["tensors"] == 1
+    explicit = run_ckpt("inspect", f"hf://org/evolving@{first}", "--format", "hub", "--json")
+    assert explicit.exit_code == 0 and explicit.json["result"]["tensors"] == 1
     sub = run_ckpt("inspect", "hf://org/evolving/unet", "--json").json["result"]
     assert sub["tensors"] == 2
     assert sub["details"]["hub"]["subfolder"] == "unet"
@@ -125,6 +127,10 @@ def test_gated_repo_needs_a_token_exit_5(hub: TestHub, tmp_path: Path) -> None:
     assert allowed.exit_code == 0, allowed.stderr
     assert allowed.json["result"]["tensors"] == 1
     assert any(r.authorization == "Bearer hf_secret" for r in hub.log)
+    # the token `hf auth login` saves under HF_HOME is used too
+    (Path(os.environ["HF_HOME"]) / "token").write_text("hf_secret\n")
+    saved = run_ckpt("inspect", "hf://org/gated")
+    assert saved.exit_code == 0, saved.stderr
 
 
 def test_server_errors_and_unreachable_hub_exit_5(hub: TestHub, tmp_path: Path) -> None:

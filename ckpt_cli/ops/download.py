@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import itertools
 import json
 import shutil
@@ -35,7 +34,7 @@ from pydantic import BaseModel, Field
 
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats.base import Source, WriteOptions
-from ..formats.hub import HubRepo, HubStorage, RemoteFile, hub_errors, open_repo
+from ..formats.hub import HubRepo, HubStorage, RemoteFile, hub_errors, hub_mismatch, open_repo
 from ..formats.safetensors import (
     INDEX_SUFFIX,
     SafetensorsCheckpoint,
@@ -73,7 +72,6 @@ COALESCE_SHARE = 0.01
 COALESCE_MAX_GAP = 1 << 20
 #: output shards of a tensors-mode download are at most this large when the source is one file
 DEFAULT_SHARD_SIZE = 5 * 1000**3
-_HASH_BLOCK = 8 << 20
 #: files fetched at once in shards mode (snapshot_download's default)
 FETCH_WORKERS = 8
 #: tensors mode: range requests at once, bytes per request, requests held in memory
@@ -466,32 +464,15 @@ def _fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> i
     return received[0]
 
 
-def file_digest(path: Path, algorithm: str) -> str:
-    """sha256 of a file, or (`git`) its git blob id, reading block by block."""
-    size = path.stat().st_size
-    digest = hashlib.sha256() if algorithm == "sha256" else hashlib.sha1(b"blob %d\x00" % size)
-    with open(path, "rb") as fh:
-        while block := fh.read(_HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _check_against_hub(path: Path, remote: RemoteFile, where: str) -> None:
-    """The local copy has the Hub's recorded size and sha256 / git blob id (FormatError if not)."""
-    size = path.stat().st_size
-    if size != remote.size:
+    """The local copy has the Hub's recorded size and checksum (FormatError if not)."""
+    problem = hub_mismatch(path, remote)
+    if problem is not None:
         raise FormatError(
-            f"was downloaded with {size} bytes but the Hub records {remote.size}",
+            problem,
             path=where,
             fix=f"Delete {path} from the HF cache (`hf cache rm`) and run the download again.",
         )
-    for algorithm, expected in (("sha256", remote.sha256), ("git", remote.blob_id)):
-        if expected and file_digest(path, algorithm) != expected:
-            raise FormatError(
-                f"does not match the Hub's recorded {'sha256' if algorithm == 'sha256' else 'git blob id'}",
-                path=where,
-                fix=f"Delete {path} from the HF cache (`hf cache rm`) and run the download again.",
-            )
 
 
 # -- tensors mode ----------------------------------------------------------------------------
