@@ -574,13 +574,17 @@ def hub_source(location: Location) -> Source:
     target = None
     try:
         repo = open_repo(location)
-    except NotFoundError:
+    except (NotFoundError, HubError) as error:
         if not location.subfolder:
             raise
+        # the path may name a file rather than a folder: list its folder and look for it
         parent, _, name = location.subfolder.rpartition("/")
-        repo = open_repo(replace(location, subfolder=parent))
+        try:
+            repo = open_repo(replace(location, subfolder=parent))
+        except CkptError:
+            raise error from None
         if name not in repo.files:
-            raise
+            raise error from None
         target = name
     return Source(
         location=location,
