@@ -60,10 +60,11 @@ def test_inspect_sharded_hub_repo_reads_only_header_ranges(hub: TestHub, tmp_pat
     for shard in shards:
         size = (tmp_path / "src" / shard).stat().st_size
         gets = [r for r in hub.file_requests("org/tiny", shard) if r.method == "GET"]
-        assert gets and all(r.range is not None and r.status == 206 for r in gets)
+        data = [r for r in gets if r.status != 302]  # LFS files redirect to the "CDN" first
+        assert data and all(r.range is not None and r.status == 206 for r in data)
         assert hub.bytes_sent("org/tiny", shard) < size / 2
     # and every data request named the resolved commit, not the branch
-    assert all(f"/resolve/{commit}/" in r.path for r in hub.file_requests("org/tiny"))
+    assert all(f"/{commit}/" in r.path for r in hub.file_requests("org/tiny"))
 
 
 def test_revision_tag_and_subfolder_resolve_to_a_commit(hub: TestHub, tmp_path: Path) -> None:

@@ -405,6 +405,7 @@ class HubStorage(Storage):
         self.requests = 0
         # reads may run on several threads (parallel range fetches)
         self._lock = threading.Lock()
+        self._direct: dict[str, str] = {}
 
     def list_files(self) -> dict[str, int]:
         return {rel: f.size for rel, f in self.repo.files.items()}
@@ -471,20 +472,30 @@ class HubStorage(Storage):
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
         where = self.describe(rel)
-        url = self.repo.url(rel)
         pos, failures = start, 0
         while pos < end:
-            headers = build_hf_headers(token=self.repo.settings.token)
+            # LFS files redirect to a signed CDN URL: once known, ranges go there directly
+            # (one round trip instead of two); an expired one falls back to `resolve`
+            with self._lock:
+                direct = self._direct.get(rel)
+                self.requests += 1
+            url = direct or self.repo.url(rel)
+            headers = {} if direct else build_hf_headers(token=self.repo.settings.token)
             headers["Range"] = f"bytes={pos}-{end - 1}"
             headers["Accept-Encoding"] = "identity"
-            with self._lock:
-                self.requests += 1
             try:
                 with get_session().stream(
                     "GET", url, headers=headers, follow_redirects=True
                 ) as response:
+                    if direct and response.status_code in (401, 403, 404, 410):
+                        with self._lock:
+                            self._direct.pop(rel, None)
+                        continue
                     with hub_errors(where):
                         hf_raise_for_status(response)
+                    if not direct and response.history:
+                        with self._lock:
+                            self._direct[rel] = str(response.url)
                     # a 200 means the server ignored Range: discard what comes before `pos`
                     skip = pos if response.status_code == 200 else 0
                     # no chunk size: blocks are yielded as they arrive, so after a dropped
