@@ -94,6 +94,25 @@ def test_revision_tag_and_subfolder_resolve_to_a_commit(hub: TestHub, tmp_path: 
     assert one_file.json["result"]["tensors"] == 2
 
 
+def test_dataset_repositories_use_their_own_urls(hub: TestHub, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    state = {"embeddings": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    (tmp_path / "ds").mkdir()
+    save_file(state, tmp_path / "ds" / "vectors.safetensors")
+    hub.add_repo("org/data", tmp_path / "ds", repo_type="dataset")
+    assert run_ckpt("inspect", "hf://org/data").exit_code == 3  # not a model repository
+    hub.reset_counters()
+    result = run_ckpt("inspect", "hf://datasets/org/data", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["details"]["hub"]["repo_type"] == "dataset"
+    dest = tmp_path / "out"
+    got = run_ckpt("download", "hf://datasets/org/data", dest, "--mode", "tensors")
+    assert got.exit_code == 0, got.stderr
+    assert (dest / "vectors.safetensors").exists()  # a single file keeps its name
+    assert all(r.path.startswith(("/api/datasets/", "/datasets/", "/_cdn/datasets/")) for r in hub.log)
+
+
 def test_read_tensor_from_hub_is_bit_exact(hub: TestHub, tmp_path: Path) -> None:
     state = layered_state(2)
     publish_model(hub, "org/exact", tmp_path / "src", state, max_shard_size=SHARD_LIMIT)

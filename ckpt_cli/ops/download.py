@@ -620,7 +620,12 @@ def _download_tensors(
     # keep the source's shard size (so the output is sharded like the source) and its names
     shard_sizes = [h.size for h in checkpoint.headers]
     max_shard = max(shard_sizes) if index_rel is not None else DEFAULT_SHARD_SIZE
-    basename = Path(index_rel).name[: -len(INDEX_SUFFIX)] if index_rel else "model"
+    if index_rel:
+        basename = Path(index_rel).name[: -len(INDEX_SUFFIX)]
+    elif len(checkpoint.headers) == 1:  # one file keeps its name
+        basename = Path(checkpoint.headers[0].file).name[: -len(".safetensors")]
+    else:
+        basename = "model"
     order = {name: i for i, name in enumerate(n for r in report.ranges for n in r.tensors)}
     plan = sorted(chosen, key=lambda e: order[e.name])
     options = WriteOptions(
