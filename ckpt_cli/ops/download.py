@@ -297,26 +297,17 @@ def _download_shards(
     if index_rel is not None:
         weight_map, _ = read_index(storage, index_rel)
         entries = _index_entries(weight_map)
+    elif SafetensorsFormat.detect(source):
+        # no index: the headers (ranged reads) name the tensors
+        entries = SafetensorsFormat.open(source).manifest.tensors
     else:
-        shards = [n for n in source.top_level() if n.endswith(".safetensors")]
-        if not shards:
-            raise _no_safetensors(src)
-        if include or exclude:
-            opened = SafetensorsFormat.open(source)
-            entries = opened.manifest.tensors
-            report.selected_bytes = 0
-        else:
-            entries = []
-            for shard in shards:
-                entries.extend(
-                    _index_entries({name: shard for name in read_header(storage, shard).tensors})
-                )
+        raise _no_safetensors(src)
     chosen = select(entries, include, exclude)
     if not chosen:
         raise _no_match(src, include, exclude)
     report.tensors_total = len(entries)
     report.tensors_selected = len(chosen)
-    if report.selected_bytes is not None:
+    if weight_map is None:  # sizes are known only when the headers were read
         report.selected_bytes = sum(e.nbytes for e in chosen)
     needed = sorted({e.file for e in chosen if e.file is not None})
     all_shards = sorted({e.file for e in entries if e.file is not None})
