@@ -449,6 +449,7 @@ def test_dcp_without_metadata_is_an_interrupted_save(tmp_path: Path) -> None:
     code, found = problems(folder)
     assert code == 1
     [problem] = found
+    assert problem["code"] == "dcp_interrupted"
     assert "no .metadata" in problem["message"] and "interrupted" in problem["message"]
 
 
