@@ -32,7 +32,12 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO))
 
 
 def measure(cmd: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS in MiB) of one command."""
+    """(seconds, peak RSS in MiB) of one command, started with no dirty pages pending.
+
+    ckpt fsyncs what it writes; without the `sync` first, that fsync would also pay for the
+    write-back of whatever the previous step left dirty.
+    """
+    subprocess.run(["sync"], check=True)
     out = subprocess.run(
         ["/usr/bin/time", "-f", "%e %M", *cmd],
         env=ENV,
@@ -125,7 +130,7 @@ def copy_strategies(path: Path, work: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("workdir", nargs="?", type=Path, default=Path("build/bench-convert"))
-    parser.add_argument("--gb", type=float, default=1.0)
+    parser.add_argument("--gb", type=float, default=2.0)
     args = parser.parse_args()
     work: Path = args.workdir.absolute()
     shutil.rmtree(work, ignore_errors=True)
