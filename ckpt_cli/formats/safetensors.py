@@ -738,8 +738,11 @@ class SafetensorsWriter(Writer):
     def _close_shard(self) -> None:
         if self._fh is None:
             return
+        # fsync is deferred to `finish`: an fsync per shard makes the copy wait for the disk
+        # after every shard, while syncing them all at the end lets write-back overlap the
+        # copy (measured on 2 GB: 3.9-7 s with an fsync per shard, 1.9 s at the end, the
+        # same as `cp && sync`)
         self._fh.flush()
-        os.fsync(self._fh.fileno())
         size = self._fh.tell()
         self._fh.close()
         self._fh = None
@@ -769,6 +772,12 @@ class SafetensorsWriter(Writer):
         while self._shard < len(self.groups) - 1:
             self._open_next_shard()
         self._close_shard()
+        for info in self._written:
+            fd = os.open(self.staging / info.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         if len(self.groups) > 1:
             index = {
                 "metadata": {"total_size": sum(e.nbytes for e in self.plan)},
