@@ -21,6 +21,8 @@ demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(PY) examples/make_demo.py $(DEMO)
 	$(CKPT) inspect $(DEMO)/model
+	$(CKPT) inspect $(DEMO)/checkpoint-4
+	$(CKPT) verify $(DEMO)/model
 
 test: $(STAMP) lint typecheck pytest
 

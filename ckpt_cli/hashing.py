@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from .errors import UsageError
+from .errors import NotFoundError, UsageError
 from .progress import NULL_PROGRESS, Progress
 
 ALGORITHMS = ("sha256", "blake3", "xxh3")
@@ -69,15 +69,30 @@ def hasher_factory(algo: str, parallel_files: int = 2) -> Callable[[], Hasher]:
         ) from None
 
 
-def hash_file(path: Path, new: Callable[[], Hasher], progress: Progress = NULL_PROGRESS) -> str:
-    """The hex digest of one file, read in `BLOCK`-sized pieces."""
+def hash_file(
+    path: Path,
+    new: Callable[[], Hasher],
+    progress: Progress = NULL_PROGRESS,
+    stop: threading.Event | None = None,
+) -> str:
+    """The hex digest of one file, read in `BLOCK`-sized pieces (abandoned once `stop` is set)."""
     hasher = new()
     buffer = bytearray(BLOCK)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as fh:
+    try:
+        fh = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise NotFoundError(
+            "disappeared while the checkpoint was being hashed",
+            path=path,
+            fix="Something is changing the checkpoint; run again once it is written.",
+        ) from None
+    except PermissionError:
+        raise UsageError("cannot be read (permission denied)", path=path) from None
+    with fh:
         while True:
             n = fh.readinto(buffer)
-            if not n:
+            if not n or (stop is not None and stop.is_set()):
                 break
             hasher.update(view[:n])
             progress.advance(n)
@@ -103,11 +118,18 @@ def hash_files(
     workers = workers or default_workers()
     new = hasher_factory(algo, parallel_files=min(workers, len(paths)))
     sink = _LockedProgress(progress)
+    stop = threading.Event()
     order = sorted(paths, key=lambda name: -_size(paths[name]))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-hash") as pool:
-        digests = dict(
-            zip(order, pool.map(lambda n: hash_file(paths[n], new, sink), order), strict=True)
-        )
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-hash")
+    try:
+        results = pool.map(lambda n: hash_file(paths[n], new, sink, stop), order)
+        digests = dict(zip(order, results, strict=True))
+    except BaseException:
+        # Ctrl-C or a failed file: running threads stop at their next block, queued ones never start
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
     return {name: digests[name] for name in paths}
 
 

@@ -17,12 +17,16 @@ checkpoint.
 **Completeness.** A checkpoint is complete when every component it holds has its commit
 marker and passes its format's structural check (`Format.check`: metadata and file sizes,
 no tensor data): each DCP folder has its `.metadata`, each safetensors index names only shards
-that exist with valid headers, each safetensors / torch.save file is whole. Layout rules come on
-top: a Trainer folder needs its `trainer_state.json` (the Trainer writes it last), a DeepSpeed
-`global_stepN/` newer than the step the `latest` file names is unfinished (DeepSpeed writes
-`latest` after every rank is done). Staging folders of interrupted saves are never complete:
-ckpt's own `.NAME.ckpt-tmp-*` (see `output.py`; `prune` also renames what it deletes to such a
-name first), the Trainer's `tmp-checkpoint-N`, and `NAME.tmp` / `.partial` / `.incomplete`.
+that exist with valid headers, each safetensors / torch.save file is whole. Layout rules come
+on top: a Trainer folder needs a whole `trainer_state.json` (recent transformers write it
+last), a DeepSpeed `global_stepN/` newer than the step the `latest` file names is unfinished
+(DeepSpeed writes `latest` after every rank is done), and accelerate and plain folders, which
+have no marker at all, are incomplete when they lack a digit-free file (`optimizer.bin`) that
+at least two other saves of the run all have. Staging folders of interrupted saves are never
+complete: ckpt's own `.NAME.ckpt-tmp-*` (see `output.py`; `prune` also renames what it deletes
+to such a name first), the Trainer's `tmp-checkpoint-N`, and `NAME.tmp` / `.partial` /
+`.incomplete`. A torch.save file whose pickle names classes `weights_only` refuses (Lightning's
+hyper-parameters) is judged by its zip structure, without unpickling.
 
 **Still being written.** Nothing tells a reader that another process is writing, so ckpt uses
 time: an incomplete checkpoint or a staging folder with a file modified within the last
@@ -49,7 +53,7 @@ import stat
 import time
 import zipfile
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,6 +64,8 @@ from .output import TMP_MARKER
 
 #: files modified within this many seconds mark a checkpoint as possibly still being written
 DEFAULT_SETTLE = 120.0
+#: `prune` renames what it deletes to `.NAME.ckpt-tmp-del-*` first
+DELETING = "del-"
 #: metric file read from the run folder
 METRICS_FILE = "metrics.jsonl"
 
@@ -204,7 +210,6 @@ class _Found:
     epoch: float | None
     paths: list[Path]
     temporary: bool = False
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def _match_name(name: str, is_dir: bool) -> tuple[str, int | None, float | None] | None:
@@ -279,10 +284,7 @@ def _classify(entry: Path) -> _Found | None:
     plain_folder = layout == "plain" and is_dir and not entry.is_symlink()
     if plain_folder and not _looks_like_checkpoint_folder(entry):
         return None
-    found = _Found(layout, step, epoch, [entry])
-    if layout == "lightning":
-        found.metrics = _lightning_metrics(name)
-    return found
+    return _Found(layout, step, epoch, [entry])
 
 
 def _scan_dirs(run_dir: Path) -> list[Path]:
@@ -362,34 +364,23 @@ def _newest_mtime_following(paths: list[Path]) -> float:
 
 
 def _check_with_format(fmt_name: str, path: Path) -> str | None:
-    """The first structural problem `fmt_name`'s `check` finds in `path`, or None.
-
-    Returns the fallback check's answer when the format's adapter is not in this build.
-    """
+    """The first structural problem `fmt_name`'s `check` (the one `ckpt verify` runs) finds."""
     from .formats import get_format, resolve_source
 
     try:
-        fmt = get_format(fmt_name)
-    except CkptError:
-        return _FALLBACKS[fmt_name](path)
-    try:
-        problems = fmt.check(resolve_source(str(path)))
+        problems = get_format(fmt_name).check(resolve_source(str(path)))
     except CkptError as error:
         return error.message
     errors = [p for p in problems if p.severity == "error"]
+    if errors and fmt_name == "torch" and all(p.code == "unsafe_input" for p in errors):
+        # A whole file whose pickle names classes weights_only refuses (Lightning's
+        # hyper_parameters, say) is complete all the same: judge its structure instead.
+        return _torch_structure(path)
     return errors[0].message if errors else None
 
 
-def _fallback_dcp(path: Path) -> str | None:
-    meta = path / ".metadata"
-    if not meta.is_file():
-        return f"{path}: DCP folder without .metadata (the commit marker dcp.save writes last)"
-    if meta.stat().st_size == 0:
-        return f"{meta}: empty .metadata"
-    return None
-
-
-def _fallback_torch(path: Path) -> str | None:
+def _torch_structure(path: Path) -> str | None:
+    """Whether a torch.save file (or bin index) is whole, without unpickling anything."""
     size = path.stat().st_size
     if size == 0:
         return f"{path}: empty file"
@@ -417,13 +408,6 @@ def _check_torch_index(path: Path) -> str | None:
         if not isinstance(shard, str) or not (path.parent / shard).is_file():
             return f"{path}: the index names shard {shard!r}, which is missing"
     return None
-
-
-def _fallback_safetensors(path: Path) -> str | None:  # pragma: no cover - adapter is built in
-    return None
-
-
-_FALLBACKS = {"dcp": _fallback_dcp, "torch": _fallback_torch, "safetensors": _fallback_safetensors}
 
 
 def _components(root: Path) -> list[tuple[str, Path]]:
@@ -491,7 +475,12 @@ def _judge_components(paths: list[Path]) -> tuple[str | None, list[str]]:
 
 
 def _judge(
-    item: _Found, root: Path, now: float, settle: float, ds_latest_step: int | None
+    item: _Found,
+    root: Path,
+    now: float,
+    settle: float,
+    ds_latest_step: int | None,
+    expected: set[str] | None = None,
 ) -> RunCheckpoint:
     primary = item.paths[0]
     symlink = primary.is_symlink()
@@ -511,20 +500,27 @@ def _judge(
         link_target=os.readlink(primary) if symlink else None,
     )
     if item.temporary:
+        what = "deletion" if f"{TMP_MARKER}{DELETING}" in primary.name else "save"
         return _with_status(
             entry,
             "writing" if recent else "interrupted",
-            "staging folder of a save in progress"
+            f"staging folder of a {what} in progress"
             if recent
-            else "staging folder left by an interrupted save",
+            else f"staging folder left by an interrupted {what}",
         )
     if symlink and not primary.exists():
         return _with_status(entry, "incomplete", f"dangling link to {entry.link_target}")
     problem, formats = _judge_components(item.paths)
     entry.formats = formats
-    trainer_folder = item.layout == "hf-trainer" and primary.is_dir()
-    if problem is None and trainer_folder and not (primary / "trainer_state.json").is_file():
-        problem = "no trainer_state.json (the Trainer writes it last)"
+    if problem is None and item.layout == "hf-trainer" and primary.is_dir():
+        problem = _trainer_state_problem(primary / "trainer_state.json")
+    if problem is None and expected:
+        missing = expected - _part_names(primary)
+        if missing:
+            problem = (
+                f"lacks {', '.join(sorted(missing))}, which every other save of this run has "
+                "(no commit marker in this layout: an interrupted save?)"
+            )
     if (
         problem is None
         and item.layout == "deepspeed"
@@ -541,6 +537,17 @@ def _judge(
     if recent:
         return _with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
     return _with_status(entry, "incomplete", problem)
+
+
+def _trainer_state_problem(path: Path) -> str | None:
+    """The Trainer writes `trainer_state.json` last: missing or cut short, the save is not done."""
+    if not path.is_file():
+        return "no trainer_state.json (the Trainer writes it last)"
+    try:
+        json.loads(path.read_bytes())
+    except (ValueError, OSError) as exc:
+        return f"{path}: not valid JSON, cut short? ({exc})"
+    return None
 
 
 def _with_status(entry: RunCheckpoint, status: Status, reason: str) -> RunCheckpoint:
@@ -648,6 +655,60 @@ def load_metrics(
 # --------------------------------------------------------------------------- entry point
 
 
+#: layouts with no commit marker of their own: their saves are compared with each other
+_UNMARKED = ("accelerate", "plain")
+
+
+def _part_names(folder: Path) -> set[str]:
+    """Top-level file names of a checkpoint folder without digits (`optimizer.bin`, not
+    `random_states_3.pkl`, whose count follows the number of processes)."""
+    try:
+        return {
+            e.name
+            for e in folder.iterdir()
+            if e.is_file() and not any(ch.isdigit() for ch in e.name)
+        }
+    except OSError:
+        return set()
+
+
+def _expected_parts(found: list[_Found]) -> dict[int, set[str]]:
+    """For folders of unmarked layouts: the files every *other* save of the run has.
+
+    accelerate's `save_state` writes model, optimizer, scheduler, sampler... with no marker
+    at the end, so a save cut short after the model looks whole on its own. Against at least
+    two other saves of the same run it does not. Names are compared, nothing is read.
+    """
+    out: dict[int, set[str]] = {}
+    for layout in _UNMARKED:
+        folders = [
+            f
+            for f in found
+            if f.layout == layout
+            and not f.temporary
+            and f.paths[0].is_dir()
+            and not f.paths[0].is_symlink()
+        ]
+        if len(folders) < 3:
+            continue
+        names = {id(f): _part_names(f.paths[0]) for f in folders}
+        for f in folders:
+            others = [names[id(o)] for o in folders if o is not f]
+            out[id(f)] = set.intersection(*others)
+    return out
+
+
+def _name_order(item: _Found) -> tuple[float, float, float]:
+    """Newest-first order known before judging: step, epoch, then the entry's own time."""
+    try:
+        mtime = item.paths[0].lstat().st_mtime
+    except OSError:
+        mtime = 0.0
+    step = float(item.step) if item.step is not None else -math.inf
+    epoch = item.epoch if item.epoch is not None else -math.inf
+    return (step, epoch, mtime)
+
+
 def scan_run(
     run_dir: str | Path,
     *,
@@ -655,6 +716,7 @@ def scan_run(
     mode: Literal["min", "max"] = "min",
     settle: float = DEFAULT_SETTLE,
     now: float | None = None,
+    until_latest: bool = False,
 ) -> RunReport:
     """List and judge the checkpoints of `run_dir` (see the module docstring for the rules).
 
@@ -664,8 +726,16 @@ def scan_run(
         mode: `min` or `max`: which end of `metric` is best.
         settle: seconds since the last write below which an incomplete save is `writing`.
         now: the current time (tests of the settle window pass one).
+        until_latest: judge from the newest save down and stop at the first complete one
+            (`checkpoints` then holds only those): what `ckpt latest` needs, and no more.
     """
-    root = Path(run_dir)
+    if "://" in str(run_dir) and not str(run_dir).startswith("file://"):
+        raise UsageError(
+            "run folders are read on this machine only",
+            path=str(run_dir),
+            fix="Run ckpt where the training job writes its checkpoints.",
+        )
+    root = Path(str(run_dir).removeprefix("file://"))
     if not root.exists():
         raise NotFoundError("no such folder", path=root, fix="Check the run folder's path.")
     if not root.is_dir():
@@ -678,9 +748,13 @@ def scan_run(
     found = _discover(root)
     ds_latest = _deepspeed_latest(root)
     ds_step = _int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
-    checkpoints = sorted(
-        (_judge(item, root, now, settle, ds_step) for item in found), key=lambda c: c.order
-    )
+    expected = _expected_parts(found)
+    judged: list[RunCheckpoint] = []
+    for item in sorted(found, key=_name_order, reverse=True):
+        judged.append(_judge(item, root, now, settle, ds_step, expected.get(id(item))))
+        if until_latest and judged[-1].complete:
+            break
+    checkpoints = sorted(judged, key=lambda c: c.order)
     report = RunReport(
         run_dir=str(root),
         layouts=sorted({c.layout for c in checkpoints}),
@@ -760,7 +834,9 @@ def looks_like_run(path: str | Path) -> bool:
 
     A folder named like a step checkpoint (`checkpoint-500`, which may hold a DeepSpeed
     `global_step500/`) is a checkpoint; otherwise one layout folder or Lightning file, or plain
-    checkpoints at two different steps, make a run folder.
+    checkpoints at two different steps and no unnumbered checkpoint file, make a run folder.
+    A DeepSpeed save folder with a `latest` file and a single `global_stepN/` is that
+    checkpoint (as DeepSpeed reads it); with several tags it is a run folder.
     """
     root = Path(path)
     if not root.is_dir():
@@ -769,6 +845,15 @@ def looks_like_run(path: str | Path) -> bool:
     if own is not None and own[0] != "plain":
         return False
     found = [f for f in _discover(root) if not f.temporary]
+    if (root / "latest").is_file() and len(found) == 1 and found[0].layout == "deepspeed":
+        return False  # DeepSpeed's save folder with its one tag: `load_checkpoint(dir)` reads it
     if any(f.layout != "plain" for f in found):
         return True
+    # numbered files beside unnumbered ones are parts of one checkpoint (accelerate writes
+    # model.safetensors, model_1.safetensors...), not steps
+    numbered = {p.name for f in found for p in f.paths}
+    for entry in root.iterdir():
+        is_part = entry.name.endswith(_CKPT_EXT) or entry.name == ".metadata"
+        if is_part and entry.name not in numbered:
+            return False
     return len({f.step for f in found}) >= 2

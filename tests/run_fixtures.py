@@ -41,8 +41,7 @@ def age(path: Path, seconds: float = HOUR) -> None:
         for dirpath, dirs, files in os.walk(path):
             targets += [Path(dirpath, n) for n in dirs + files]
     for target in targets:
-        if not target.is_symlink():
-            os.utime(target, (stamp, stamp))
+        os.utime(target, (stamp, stamp), follow_symlinks=False)
 
 
 def trainer_checkpoint(folder: Path, step: int, *, shards: bool = False) -> None:
@@ -72,12 +71,13 @@ def trainer_checkpoint(folder: Path, step: int, *, shards: bool = False) -> None
         if s <= step
         for row in ({"step": s, "loss": loss + 0.1}, {"step": s, "eval_loss": loss})
     ]
-    best = min((s for s in EVAL_LOSS if s <= step), key=lambda s: EVAL_LOSS[s])
+    logged = [s for s in EVAL_LOSS if s <= step]
+    best = min(logged, key=lambda s: EVAL_LOSS[s]) if logged else None
     state = {
         "global_step": step,
         "epoch": step / 100,
-        "best_metric": EVAL_LOSS[best],
-        "best_model_checkpoint": f"out/checkpoint-{best}",
+        "best_metric": EVAL_LOSS[best] if best else None,
+        "best_model_checkpoint": f"out/checkpoint-{best}" if best else None,
         "log_history": history,
     }
     (folder / "trainer_state.json").write_text(json.dumps(state))

@@ -570,3 +570,31 @@ def test_rank_file_linked_outside_the_checkpoint_is_refused(tmp_path: Path) -> N
     assert result.exit_code == 4
     assert result.json["error"]["code"] == "unsafe_input"
     assert "outside the checkpoint" in result.json["error"]["message"]
+
+
+@pytest.mark.parametrize("serialization", SERIALIZATIONS)
+def test_read_slice_loads_only_the_chunks_and_rows_it_needs(
+    tmp_path: Path, serialization: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensor = torch.arange(60.0).reshape(12, 5)
+    plan = [Entry(name="w", dtype="float32", shape=[12, 5], nbytes=240)]
+    writer = DcpFormat.writer(
+        tmp_path, plan, WriteOptions(world_size=4, dcp_serialization=serialization)
+    )
+    writer.write_tensor("w", tensor)
+    writer.finish()
+    with open_dcp(tmp_path) as checkpoint:
+        loads: list[tuple[list[int], Any]] = []
+        real = checkpoint._load_chunk
+
+        def spy(entry: Entry, chunk: Chunk, rows: Any = None) -> torch.Tensor:
+            loads.append((chunk.offsets, rows))
+            return real(entry, chunk, rows)
+
+        monkeypatch.setattr(checkpoint, "_load_chunk", spy)
+        # rows 4..6 lie in rank 1's chunk (rows 3..5) and rank 2's (rows 6..8)
+        box = checkpoint.read_slice("w", [4, 1], [3, 2])
+        assert torch.equal(box, tensor[4:7, 1:3])
+    assert [offsets for offsets, _ in loads] == [[3, 0], [6, 0]]
+    if serialization == "safetensors":  # raw chunks: only the rows needed are read
+        assert [rows for _, rows in loads] == [(1, 3), (0, 1)]

@@ -49,6 +49,7 @@ def test_killed_and_resumed_run_ends_bit_identical(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "killed the run (SIGKILL) after it saved step" in proc.stdout
     assert "(ckpt latest)" in proc.stdout
+    assert "ckpt verify --resumable: exit 0" in proc.stdout
     assert "IDENTICAL" in proc.stdout
     final_a = torch.load(tmp_path / "straight" / "step-16" / "state.pt", weights_only=True)
     final_b = torch.load(tmp_path / "resumed" / "step-16" / "state.pt", weights_only=True)
@@ -63,6 +64,11 @@ def test_leaving_state_out_of_the_save_is_caught_by_diff(
 ) -> None:
     assert train.main(["--run-dir", str(tmp_path / "a"), "--steps", "12", f"--omit={omit}"]) == 0
     resume = tmp_path / "a" / "step-8"
+    # verify names the missing component up front...
+    verify = run_ckpt("verify", "--resumable", resume, "--json")
+    assert verify.exit_code == 1
+    codes = {p["code"] for p in verify.json["result"]["problems"]}
+    assert codes == {f"missing_{omit}"}
     assert (
         train.main(
             [
@@ -85,6 +91,9 @@ def test_leaving_state_out_of_the_save_is_caught_by_diff(
     assert omit not in report["components"]  # absent on both sides: the loss shows elsewhere
     human = run_ckpt("diff", tmp_path / "a" / "step-12", tmp_path / "b" / "step-12")
     assert human.stdout.startswith("DIFFERENT") and "model." in human.stdout
+    # ...and the full save passes it
+    assert train.main(["--run-dir", str(tmp_path / "full"), "--steps", "4"]) == 0
+    assert run_ckpt("verify", "--resumable", tmp_path / "full" / "step-4").exit_code == 0
 
 
 def test_dcp_checkpoints_resume_bit_identical(tmp_path: Path, train: ModuleType) -> None:
@@ -108,6 +117,7 @@ def test_dcp_checkpoints_resume_bit_identical(tmp_path: Path, train: ModuleType)
     assert result.exit_code == 0, result.stdout
     report = result.json["result"]
     assert report["format_a"] == "dcp" and report["equal"] == report["compared"] > 50
+    assert run_ckpt("verify", "--resumable", tmp_path / "b" / "step-8").exit_code == 0
     # and the DCP run's weights equal those of its torch.save twin
     assert train.main(["--run-dir", str(tmp_path / "t"), "--steps", "8", "--save-every", "4"]) == 0
     twin = run_ckpt(

@@ -23,6 +23,10 @@ from .run_fixtures import (
 )
 
 
+class HParams(dict):  # type: ignore[type-arg]
+    """Stands in for Lightning's AttributeDict."""
+
+
 def table(run_dir: Path) -> dict[str, dict]:  # type: ignore[type-arg]
     result = run_ckpt("latest", run_dir, "--json")
     return {c["name"]: c for c in result.json["result"]["checkpoints"]}
@@ -64,13 +68,14 @@ def test_index_naming_a_missing_shard_and_missing_trainer_state(tmp_path: Path) 
     index = json.loads((out / "checkpoint-300" / "model.safetensors.index.json").read_text())
     shard = sorted(set(index["weight_map"].values()))[-1]
     (out / "checkpoint-300" / shard).unlink()
-    (out / "checkpoint-100" / "trainer_state.json").unlink()
+    state = out / "checkpoint-100" / "trainer_state.json"
+    state.write_text(state.read_text()[:40])  # cut short while being written
     age(out)
     rows = table(out)
     assert rows["checkpoint-300"]["status"] == "incomplete"
     assert shard in rows["checkpoint-300"]["reason"]
     assert rows["checkpoint-100"]["status"] == "incomplete"
-    assert "trainer_state.json" in rows["checkpoint-100"]["reason"]
+    assert "trainer_state.json: not valid JSON" in rows["checkpoint-100"]["reason"]
     result = run_ckpt("latest", out)
     assert result.exit_code == 3
     assert "no complete checkpoint" in result.stderr
@@ -80,12 +85,16 @@ def test_index_naming_a_missing_shard_and_missing_trainer_state(tmp_path: Path) 
 
 def test_torchtitan_dcp_without_metadata_is_incomplete(tmp_path: Path) -> None:
     run = tmp_path / "dump" / "checkpoint"
-    for step in (10, 20, 30):
+    for step in (5, 10, 20, 30):
         dcp_save(run / f"step-{step}", step)
     (run / "step-30" / ".metadata").unlink()  # killed before the commit marker
+    for data in (run / "step-5").glob("*.distcp"):
+        data.unlink()  # the marker is there, a rank's data is not
     age(run)
     rows = table(tmp_path / "dump")  # the torchtitan dump folder: checkpoints under checkpoint/
-    assert set(rows) == {"checkpoint/step-10", "checkpoint/step-20", "checkpoint/step-30"}
+    assert set(rows) == {f"checkpoint/step-{n}" for n in (5, 10, 20, 30)}
+    assert rows["checkpoint/step-5"]["status"] == "incomplete"
+    assert ".distcp" in rows["checkpoint/step-5"]["reason"]
     assert rows["checkpoint/step-30"]["status"] == "incomplete"
     assert ".metadata" in rows["checkpoint/step-30"]["reason"]
     assert rows["checkpoint/step-20"]["formats"] == ["dcp"]
@@ -122,6 +131,10 @@ def test_accelerate_deepspeed_lightning_and_plain_layouts(tmp_path: Path) -> Non
         folder.mkdir(parents=True)
         save_file(weights(i), folder / "model.safetensors")
         torch.save({"state": {}, "param_groups": []}, folder / "optimizer.bin")
+        torch.save({"cpu": torch.random.get_rng_state()}, folder / f"random_states_{i}.pkl")
+    # save_state of step 3 died after the model: nothing marks the end of an accelerate save
+    (acc / "checkpoints" / "checkpoint_3").mkdir()
+    save_file(weights(3), acc / "checkpoints" / "checkpoint_3" / "model.safetensors")
     ds = tmp_path / "ds"
     for step in (10, 20):
         (ds / f"global_step{step}").mkdir(parents=True)
@@ -132,8 +145,10 @@ def test_accelerate_deepspeed_lightning_and_plain_layouts(tmp_path: Path) -> Non
     pl = tmp_path / "pl" / "checkpoints"
     pl.mkdir(parents=True)
     for epoch, step, loss in ((0, 50, 0.8), (1, 100, 0.3), (2, 150, 0.5)):
+        # Lightning pickles its hyper-parameters as a dict subclass weights_only refuses:
+        # the file is whole all the same
         torch.save(
-            {"state_dict": weights(step), "global_step": step},
+            {"state_dict": weights(step), "global_step": step, "hyper_parameters": HParams(lr=1)},
             pl / f"epoch={epoch}-step={step}-val_loss={loss}.ckpt",
         )
     blob = (pl / "epoch=2-step=150-val_loss=0.5.ckpt").read_bytes()
@@ -149,9 +164,19 @@ def test_accelerate_deepspeed_lightning_and_plain_layouts(tmp_path: Path) -> Non
         age(folder)
 
     acc_rows = table(acc)
-    assert list(acc_rows) == [f"checkpoints/checkpoint_{i}" for i in range(3)]
+    assert list(acc_rows) == [f"checkpoints/checkpoint_{i}" for i in range(4)]
     assert {r["layout"] for r in acc_rows.values()} == {"accelerate"}
-    assert all(r["complete"] for r in acc_rows.values())
+    assert [r["complete"] for r in acc_rows.values()] == [True, True, True, False]
+    assert "lacks optimizer.bin" in acc_rows["checkpoints/checkpoint_3"]["reason"]
+    assert run_ckpt("latest", acc).stdout.strip() == str(acc / "checkpoints" / "checkpoint_2")
+
+    # with two tags the DeepSpeed save folder is a run; with one, inspect opens that checkpoint
+    assert looks_like_run(ds)
+    single = tmp_path / "ds1"
+    shutil.copytree(ds / "global_step10", single / "global_step10")
+    (single / "latest").write_text("global_step10")
+    assert not looks_like_run(single)
+    assert run_ckpt("inspect", ds, "--json").json["result"]["format"] == "run"
 
     ds_rows = table(ds)
     assert ds_rows["global_step10"]["markers"] == ["newest", "deepspeed-latest"]
@@ -190,6 +215,17 @@ def test_inspect_of_a_run_folder_shows_the_table(tmp_path: Path) -> None:
     assert human.exit_code == 0
     assert "checkpoint-300" in human.stdout and "incomplete" in human.stdout
     assert f"latest complete: {out / 'checkpoint-200'}" in human.stdout
+    # accelerate's save_state numbers the parts of ONE checkpoint: not a run folder
+    state = tmp_path / "state"
+    state.mkdir()
+    for name in ("model.safetensors", "model_1.safetensors", "model_2.safetensors"):
+        save_file(weights(1), state / name)
+    assert not looks_like_run(state)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for step in (10, 20):
+        save_file(weights(step), plain / f"model_{step}.safetensors")
+    assert looks_like_run(plain)
     # a checkpoint folder itself is still inspected as a checkpoint
     single = run_ckpt("inspect", out / "checkpoint-100" / "model.safetensors", "--json")
     assert single.json["result"]["format"] == "safetensors"
@@ -197,6 +233,31 @@ def test_inspect_of_a_run_folder_shows_the_table(tmp_path: Path) -> None:
 
 def test_latest_on_missing_or_empty_folders(tmp_path: Path) -> None:
     assert run_ckpt("latest", tmp_path / "nope").exit_code == 3
+    assert run_ckpt("latest", "hf://org/model").exit_code == 2
     empty = run_ckpt("latest", tmp_path)
     assert empty.exit_code == 3
     assert "no step checkpoints" in empty.stderr
+
+
+def test_latest_of_a_dcp_run_does_not_import_torch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    run = tmp_path / "run"
+    for step in (10, 20):
+        dcp_save(run / f"step-{step}", step)
+    age(run)
+    probe = (
+        "import sys; sys.argv = ['ckpt', 'latest', sys.argv[1]]\n"
+        "from ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(run)], capture_output=True, text=True, env=env
+    )
+    assert proc.stdout.strip() == str(run / "step-20")
+    assert "NO_TORCH" in proc.stderr, proc.stderr

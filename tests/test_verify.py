@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import struct
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .conftest import run_ckpt, run_ckpt_process
@@ -399,4 +401,384 @@ def test_leftover_file_of_another_save_only_warns(tmp_path: Path) -> None:
     assert code == 0
     assert [(p["code"], p["severity"], Path(p["file"]).name) for p in found] == [
         ("unreferenced_shard", "warning", "model-00001-of-00003.safetensors")
+    ]
+
+
+# ------------------------------------------------------------------ DCP
+
+
+def dcp_checkpoint(path: Path) -> Path:
+    """A single-process DCP save (torch_save serialization) of a tiny model + step counter."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    gen = torch.Generator().manual_seed(5)
+    state = {"model": {"w": torch.randn(4, 4, generator=gen), "b": torch.randn(4, generator=gen)}}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+    return path
+
+
+def rewrite_metadata(folder: Path, change: Any) -> None:
+    """Edit `.metadata` with torch's own classes (DCP's reader unpickles it; we never do)."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    change(metadata)
+    with open(folder / ".metadata", "wb") as fh:
+        pickle.dump(metadata, fh)
+
+
+def test_good_dcp_passes_structure_and_deep(tmp_path: Path) -> None:
+    folder = dcp_checkpoint(tmp_path / "step-1")
+    result = run_ckpt("verify", folder, "--deep", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["format"] == "dcp" and report["tensors"] == 2
+    # naming the .metadata file means the folder, for checksums too
+    assert run_ckpt("verify", folder / ".metadata", "--write-manifest").exit_code == 0
+    recorded = json.loads((folder / "ckpt-manifest.json").read_text())["files"]
+    assert sorted(recorded) == [".metadata", "__0_0.distcp"]
+
+
+def test_dcp_without_metadata_is_an_interrupted_save(tmp_path: Path) -> None:
+    folder = dcp_checkpoint(tmp_path / "step-1")
+    (folder / ".metadata").unlink()
+    code, found = problems(folder)
+    assert code == 1
+    [problem] = found
+    assert problem["code"] == "dcp_interrupted"
+    assert "no .metadata" in problem["message"] and "interrupted" in problem["message"]
+
+
+def test_dcp_with_a_missing_distcp_file(tmp_path: Path) -> None:
+    folder = dcp_checkpoint(tmp_path / "step-1")
+    (folder / "__0_0.distcp").unlink()
+    code, found = problems(folder)
+    assert code == 1
+    assert {p["code"] for p in errors(found)} == {"dcp_missing_file"}
+    assert "__0_0.distcp" in errors(found)[0]["message"]
+
+
+def test_dcp_chunks_with_a_hole(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint.metadata as m
+
+    folder = dcp_checkpoint(tmp_path / "step-1")
+
+    def grow(metadata: Any) -> None:
+        # the one stored chunk now covers only half of a tensor twice as tall
+        old = metadata.state_dict_metadata["model.w"]
+        metadata.state_dict_metadata["model.w"] = m.TensorStorageMetadata(
+            old.properties, torch.Size([8, 4]), old.chunks
+        )
+
+    rewrite_metadata(folder, grow)
+    code, found = problems(folder)
+    assert code == 1
+    assert [(p["code"], p["tensor"]) for p in errors(found)] == [("dcp_hole", "model.w")]
+
+
+def test_dcp_chunks_that_overlap(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint.metadata as m
+
+    folder = dcp_checkpoint(tmp_path / "step-1")
+
+    def overlap(metadata: Any) -> None:
+        # a second chunk of rows 2..5 of a 6-row tensor, stored in the first chunk's bytes
+        old = metadata.state_dict_metadata["model.w"]
+        second = m.ChunkStorageMetadata(offsets=torch.Size([2, 0]), sizes=torch.Size([4, 4]))
+        metadata.state_dict_metadata["model.w"] = m.TensorStorageMetadata(
+            old.properties, torch.Size([6, 4]), [*old.chunks, second]
+        )
+        first = m.MetadataIndex("model.w", torch.Size([0, 0]), 0)
+        info = metadata.storage_data[first]
+        metadata.storage_data[m.MetadataIndex("model.w", torch.Size([2, 0]), 1)] = info
+
+    rewrite_metadata(folder, overlap)
+    code, found = problems(folder)
+    assert code == 1
+    assert ("dcp_overlap", "model.w") in [(p["code"], p["tensor"]) for p in errors(found)]
+
+
+# ------------------------------------------------------------------ torch.save
+
+
+def test_good_torch_file_passes_and_hostile_pickle_is_not_executed(tmp_path: Path) -> None:
+    torch.save(weights(), tmp_path / "model.pt")
+    result = run_ckpt("verify", tmp_path / "model.pt", "--deep", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["format"] == "torch"
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"w": torch.zeros(2), "evil": Evil()}, tmp_path / "evil.pt")
+    code, found = problems(tmp_path / "evil.pt")
+    assert code in (1, 4)
+    assert found and "system" in found[0]["message"]
+    code, found = problems(tmp_path / "evil.pt", "--deep", "--resumable")
+    assert code in (1, 4)
+    assert not marker.exists()
+
+
+def test_one_file_is_checked_against_the_folder_manifest(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    assert run_ckpt("verify", folder, "--write-manifest").exit_code == 0
+    first, second = sorted(folder.glob("*.safetensors"))[:2]
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 0x10
+    second.write_bytes(bytes(data))
+    assert run_ckpt("verify", first, "--checksums").exit_code == 0
+    code, found = problems(second, "--checksums")
+    assert code == 1
+    assert [(p["code"], p["file"]) for p in found] == [("checksum_mismatch", str(second))]
+
+
+def test_single_file_manifest_lies_beside_it(tmp_path: Path) -> None:
+    save_file(weights(), tmp_path / "one.safetensors")
+    assert run_ckpt("verify", tmp_path / "one.safetensors", "--write-manifest").exit_code == 0
+    manifest = json.loads((tmp_path / "ckpt-manifest.json").read_text())
+    assert list(manifest["files"]) == ["one.safetensors"]
+    assert run_ckpt("verify", tmp_path / "one.safetensors", "--checksums").exit_code == 0
+
+
+# ------------------------------------------------------------------ training folders
+
+
+def trainer_checkpoint(run_dir: Path) -> Path:
+    """A Hugging Face Trainer `checkpoint-4/` saved like the Trainer does (see examples/)."""
+    import importlib.util
+
+    from .conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("make_demo", REPO / "examples" / "make_demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_demo", module)  # its dataclass needs a home module
+    spec.loader.exec_module(sys.modules["make_demo"])
+    module = sys.modules["make_demo"]
+    folder: Path = module.save_trainer_checkpoint(run_dir)
+    return folder
+
+
+def test_trainer_folder_is_resumable_and_deep_reads_every_component(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    result = run_ckpt("verify", folder, "--resumable", "--deep", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["format"] == "hf-trainer"
+    assert report["training"]["resumable"] is True
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    with safe_open(folder / "model.safetensors", "pt") as model:
+        weights_count = len(list(model.keys()))
+    per_param = sum(
+        1 for state in optimizer["state"].values() for v in state.values() if torch.is_tensor(v)
+    )
+    # every weight and every optimizer tensor was read (plus scheduler / RNG tensors)
+    assert report["tensors"] >= per_param + weights_count
+
+
+def test_trainer_folder_without_optimizer_is_not_resumable(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    (folder / "optimizer.pt").unlink()
+    assert run_ckpt("verify", folder).exit_code == 0  # intact, just not resumable
+    code, found = problems(folder, "--resumable")
+    assert code == 1
+    assert [p["code"] for p in found] == ["missing_optimizer"]
+    assert "optimizer" in run_ckpt("verify", folder, "--resumable").stdout
+
+
+def test_optimizer_state_with_a_wrong_shape(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    optimizer["state"][0]["exp_avg"] = torch.zeros(3, 3)
+    torch.save(optimizer, folder / "optimizer.pt")
+    code, found = problems(folder, "--resumable")
+    assert code == 1
+    assert [p["code"] for p in found] == ["optimizer_shape_mismatch"]
+    assert "[3, 3]" in found[0]["message"]
+
+
+def test_hostile_component_of_a_trainer_folder_is_reported_not_run(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"python": Evil()}, folder / "rng_state.pth")
+    code, found = problems(folder, "--resumable", "--deep")
+    assert code == 1
+    assert any("rng_state.pth" in (p["file"] or "") for p in errors(found))
+    assert not marker.exists()
+
+
+def test_trainer_folder_with_a_truncated_model_is_named(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    model = folder / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:-10])
+    code, found = problems(folder)
+    assert code == 1
+    assert any(p["file"] == str(model) and "truncated" in p["message"] for p in errors(found))
+
+
+# ------------------------------------------------------------------ the Hub
+
+
+def test_hub_checkpoint_structure_through_ranged_reads(hub: Any, tmp_path: Path) -> None:
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    result = run_ckpt("verify", "hf://org/model", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["format"] == "safetensors"
+
+    # a broken commit: the index sends a tensor to the wrong shard
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "src", broken)
+    index = index_of(broken)
+    right = index["weight_map"]["model.layers.0.mlp.weight"]
+    wrong = next(s for s in sorted(set(index["weight_map"].values())) if s != right)
+    index["weight_map"]["model.layers.0.mlp.weight"] = wrong
+    write_index(broken, index)
+    hub.add_repo("org/broken", broken)
+    code, found = problems("hf://org/broken")
+    assert code == 1
+    [problem] = errors(found)
+    assert problem["code"] == "wrong_shard" and problem["file"].startswith("hf://org/broken@")
+
+
+def test_local_copy_against_the_hubs_digests(hub: Any, tmp_path: Path) -> None:
+    from huggingface_hub import snapshot_download
+
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    copy = tmp_path / "copy"
+    snapshot_download("org/model", local_dir=copy, endpoint=hub.url)
+    args = ("--checksums", "--manifest", "hf://org/model")
+    result = run_ckpt("verify", copy, *args, "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["problems"] == []
+    assert report["hashed_bytes"] == sum(
+        p.stat().st_size for p in (tmp_path / "src").iterdir()
+    ) + len(b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+
+    shard = sorted(copy.glob("*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x04
+    shard.write_bytes(bytes(data))
+    (copy / "config.json").write_text('{"model_type": "other"}\n')
+    code, found = problems(copy, *args)
+    assert code == 1
+    assert sorted((p["code"], Path(p["file"]).name) for p in errors(found)) == [
+        ("checksum_mismatch", shard.name),
+        ("size_changed", "config.json"),
+    ]
+
+
+def test_hub_cache_against_the_hubs_digests(hub: Any, tmp_path: Path) -> None:
+    import os
+
+    from huggingface_hub import snapshot_download
+
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    code, found = problems("hf://org/model", "--checksums")
+    assert code == 0 and [p["code"] for p in found] == ["no_local_copy"]
+    snapshot = Path(
+        snapshot_download(
+            "org/model", endpoint=hub.url, cache_dir=str(Path(os.environ["HF_HOME"]) / "hub")
+        )
+    )
+    assert run_ckpt("verify", "hf://org/model", "--checksums").exit_code == 0
+    blob = (snapshot / "model-00002-of-00007.safetensors").resolve()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0x01
+    blob.write_bytes(bytes(data))
+    code, found = problems("hf://org/model", "--checksums")
+    assert code == 1
+    [problem] = found
+    assert problem["code"] == "checksum_mismatch"
+    assert "model-00002-of-00007.safetensors" in problem["file"]
+
+
+def test_verify_modifies_no_training_or_dcp_file(tmp_path: Path) -> None:
+    trainer = trainer_checkpoint(tmp_path / "run")
+    step = dcp_checkpoint(tmp_path / "step-1")
+    for folder in (trainer, step):
+        before = snapshot(folder)
+        assert run_ckpt("verify", folder, "--deep", "--resumable").exit_code in (0, 1)
+        assert (
+            run_ckpt(
+                "verify", folder, "--write-manifest", "--manifest", tmp_path / "m.json", "--force"
+            ).exit_code
+            == 0
+        )
+        assert (
+            run_ckpt("verify", folder, "--checksums", "--manifest", tmp_path / "m.json").exit_code
+            == 0
+        )
+        assert snapshot(folder) == before
+
+
+def test_structural_verify_and_checksums_do_not_import_torch(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from .conftest import REPO
+
+    folder = sharded(tmp_path / "m")
+    probe = (
+        "import sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
+        "from ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO_TORCH', code, file=sys.stderr)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for args in (["verify", str(folder)], ["verify", str(folder), "--write-manifest"]):
+        proc = subprocess.run(
+            [sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env
+        )
+        assert "NO_TORCH 0" in proc.stderr, (args, proc.stderr)
+
+
+def test_content_checks_report_progress_in_bytes(tmp_path: Path) -> None:
+    from ckpt_cli.ops.verify import verify
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.phases: list[tuple[str, int, int]] = []
+
+        def start(self, total: int, description: str) -> None:
+            self.phases.append((description, total, 0))
+
+        def advance(self, amount: int) -> None:
+            name, total, done = self.phases[-1]
+            self.phases[-1] = (name, total, done + amount)
+
+        def finish(self) -> None:
+            pass
+
+    folder = sharded(tmp_path / "m")
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    recorder = Recorder()
+    report = verify(str(folder), write_manifest=True, deep=True, progress=recorder)
+    assert report.ok and report.manifest_written
+    tensor_bytes = sum(t.numel() * t.element_size() for t in weights().values())
+    assert recorder.phases == [
+        ("reading tensors", tensor_bytes, tensor_bytes),
+        ("hashing (sha256)", size, size),
     ]

@@ -46,7 +46,7 @@ def latest(
     run_command(
         "latest",
         json_output,
-        lambda: run_latest(run_dir, settle=settle),
+        lambda: run_latest(run_dir, settle=settle, full=json_output),
         render_latest,
         exit_code,
     )

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Annotated
 
 import typer
 
 from ..cli import JsonOpt, app, run_command
+
+
+class Mode(str, Enum):
+    """Which end of a metric is best."""
+
+    min = "min"
+    max = "max"
 
 
 @app.command(
@@ -43,9 +51,9 @@ def prune(
         ),
     ] = None,
     mode: Annotated[
-        str,
+        Mode,
         typer.Option("--mode", help="Whether the best --keep-best value is the min or the max."),
-    ] = "min",
+    ] = Mode.min,
     keep: Annotated[
         list[int] | None,
         typer.Option("--keep", help="Never delete the checkpoint of this step (repeatable)."),
@@ -88,43 +96,29 @@ def prune(
     (a symlinked checkpoint is unlinked, its target untouched). Without `--yes` nothing is
     deleted: every checkpoint is listed with keep/delete and the rule that decided.
     """
-    from ..ops.prune import PrunePolicy, usage_check, watch_exit_code
-    from ..ops.prune import prune as run_prune
-    from ..ops.prune import watch as run_watch
-    from ..render.prune import render_prune, render_watch, render_watch_round
+    from ..ops.prune import PrunePolicy, exit_code
+    from ..ops.prune import run as run_prune
+    from ..render.prune import render_prune_result, render_watch_round
 
-    def policy() -> PrunePolicy:
-        usage_check(mode, watch, yes, max_iterations)
-        return PrunePolicy(
-            keep_last=keep_last,
-            keep_every=keep_every,
-            keep_best=keep_best,
-            mode="max" if mode == "max" else "min",
-            keep=list(keep or []),
-            incomplete=incomplete,
-            settle=settle,
-        )
-
-    if watch is None:
-        run_command(
-            "prune",
-            json_output,
-            lambda: run_prune(run_dir, policy(), yes=yes),
-            render_prune,
-            lambda report: 1 if report.failed else 0,
-        )
-        return
-    interval = watch
     run_command(
         "prune",
         json_output,
-        lambda: run_watch(
+        lambda: run_prune(
             run_dir,
-            policy(),
-            interval,
+            PrunePolicy(
+                keep_last=keep_last,
+                keep_every=keep_every,
+                keep_best=keep_best,
+                mode=mode.value,
+                keep=list(keep or []),
+                incomplete=incomplete,
+                settle=settle,
+            ),
+            yes=yes,
+            watch_seconds=watch,
             max_iterations=max_iterations,
             on_round=None if json_output else render_watch_round,
         ),
-        render_watch,
-        watch_exit_code,
+        render_prune_result,
+        exit_code,
     )

@@ -16,7 +16,8 @@ from ..cli import FormatOpt, JsonOpt, SrcArg, app, run_command
         "  ckpt verify out/checkpoint-500 --resumable --deep\n\n"
         "  ckpt verify model/ --write-manifest          # once, on a known-good copy\n\n"
         "  ckpt verify model/ --checksums --json        # later, in CI\n\n"
-        "  ckpt verify hf://org/model@main"
+        "  ckpt verify hf://org/model@main\n\n"
+        "  ckpt verify ./model --checksums --manifest hf://org/model@main"
     )
 )
 def verify(
@@ -24,7 +25,10 @@ def verify(
     checksums: Annotated[
         bool,
         typer.Option(
-            "--checksums", "-c", help="Hash every file and compare with the checksum manifest."
+            "--checksums",
+            "-c",
+            help="Hash every file and compare with the checksum manifest (for hf:// SRC: the "
+            "files in the local HF cache against the Hub's digests).",
         ),
     ] = False,
     write_manifest: Annotated[
@@ -41,7 +45,8 @@ def verify(
             "--manifest",
             "-m",
             help="The checksum manifest to check against or write (default: "
-            "ckpt-manifest.json in the checkpoint folder).",
+            "ckpt-manifest.json in the checkpoint folder); hf://org/repo[@rev] checks a "
+            "downloaded copy against the Hub's own sha256 digests.",
         ),
     ] = None,
     algo: Annotated[

@@ -140,7 +140,9 @@ def parse_header(
             fix="The file is truncated or not safetensors; write or fetch it again.",
         )
         return None
-    head = storage.read(rel, 0, min(size, _PROBE))
+    # remote storages may ask for a smaller first read (bytes cost more than a round trip there)
+    probe = getattr(storage, "header_probe", _PROBE)
+    head = storage.read(rel, 0, min(size, probe))
     (header_len,) = struct.unpack("<Q", head[:8])
     if header_len > MAX_HEADER or header_len > size - 8:
         findings.add(
@@ -291,9 +293,11 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
     ):
         raise FormatError("has no valid weight_map (tensor name -> shard file)", path=where)
     base = posixpath_dir(rel)
-    safe = {
-        name: _join(base, safe_relpath(shard, source=where)) for name, shard in weight_map.items()
+    # thousands of tensors share a few shard names: check each name once
+    resolved = {
+        shard: _join(base, safe_relpath(shard, source=where)) for shard in set(weight_map.values())
     }
+    safe = {name: resolved[shard] for name, shard in weight_map.items()}
     metadata = index.get("metadata") or {}
     return safe, metadata if isinstance(metadata, dict) else {}
 
@@ -734,8 +738,11 @@ class SafetensorsWriter(Writer):
     def _close_shard(self) -> None:
         if self._fh is None:
             return
+        # fsync is deferred to `finish`: an fsync per shard makes the copy wait for the disk
+        # after every shard, while syncing them all at the end lets write-back overlap the
+        # copy (measured on 2 GB: 3.9-7 s with an fsync per shard, 1.9 s at the end, the
+        # same as `cp && sync`)
         self._fh.flush()
-        os.fsync(self._fh.fileno())
         size = self._fh.tell()
         self._fh.close()
         self._fh = None
@@ -771,6 +778,12 @@ class SafetensorsWriter(Writer):
         while self._shard < len(self.groups) - 1:
             self._open_next_shard()
         self._close_shard()
+        for info in self._written:
+            fd = os.open(self.staging / info.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         if len(self.groups) > 1:
             index = {
                 "metadata": {"total_size": sum(e.nbytes for e in self.plan)},

@@ -7,9 +7,12 @@ from pathlib import Path
 from ..runs import DEFAULT_SETTLE, RunReport, scan_run
 
 
-def latest(run_dir: str | Path, *, settle: float = DEFAULT_SETTLE) -> RunReport:
-    """Scan `run_dir`; `report.latest` is the newest complete checkpoint's path, or None."""
-    return scan_run(run_dir, settle=settle)
+def latest(run_dir: str | Path, *, settle: float = DEFAULT_SETTLE, full: bool = True) -> RunReport:
+    """Scan `run_dir`; `report.latest` is the newest complete checkpoint's path, or None.
+
+    Without `full`, judging stops at the newest complete checkpoint (older ones are not read).
+    """
+    return scan_run(run_dir, settle=settle, until_latest=not full)
 
 
 def exit_code(report: RunReport) -> int:

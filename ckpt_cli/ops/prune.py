@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from ..errors import NotFoundError, UsageError
 from ..output import TMP_MARKER, fsync_dir
-from ..runs import DEFAULT_SETTLE, BestMetric, RunCheckpoint, RunReport, scan_run
+from ..runs import DEFAULT_SETTLE, DELETING, BestMetric, RunCheckpoint, RunReport, scan_run
 
 
 class PrunePolicy(BaseModel):
@@ -56,7 +56,8 @@ class PruneDecision(BaseModel):
     """The fate of one checkpoint.
 
     Attributes:
-        name / path / step / status / size / markers: the checkpoint (see `RunCheckpoint`).
+        name / path / paths / step / status / size / markers / metric: the checkpoint (see
+            `ckpt_cli.runs.RunCheckpoint`).
         action: `keep` or `delete`.
         rule: the rule that decided.
         deleted: with `--yes`, whether it is gone.
@@ -65,6 +66,7 @@ class PruneDecision(BaseModel):
 
     name: str
     path: str
+    paths: list[str]
     step: int | None
     status: str
     size: int
@@ -124,6 +126,10 @@ class WatchReport(BaseModel):
     stopped: Literal["max-iterations", "interrupted"] = "interrupted"
 
 
+#: why a checkpoint was not deleted when something else removed it first
+VANISHED = "vanished before it was deleted (removed by someone else)"
+
+
 def _validate(policy: PrunePolicy) -> None:
     if not (policy.retains or policy.incomplete):
         raise UsageError(
@@ -155,6 +161,7 @@ def plan(run: RunReport, policy: PrunePolicy) -> list[PruneDecision]:
             PruneDecision(
                 name=c.name,
                 path=c.path,
+                paths=c.paths,
                 step=c.step,
                 status=c.status,
                 size=c.size,
@@ -177,7 +184,8 @@ def _decide(
 ) -> tuple[Literal["keep", "delete"], str]:
     if c.status == "writing":
         return "keep", "still being written"
-    if now - c.mtime < policy.settle:
+    # unlinking a symlink never harms what a writer may be writing through it
+    if not c.symlink and now - c.mtime < policy.settle:
         return "keep", f"modified in the last {policy.settle:g} s"
     protections = {
         "newest": "newest complete",
@@ -230,20 +238,28 @@ def _newest_write(path: Path) -> float:
     return newest
 
 
-def remove_checkpoint(path: Path) -> None:
-    """Delete one checkpoint path: rename to a hidden staging name, then remove.
+def remove_checkpoint(paths: list[Path]) -> None:
+    """Delete one checkpoint: rename each of its paths to a hidden staging name, then remove.
 
-    A symlink is unlinked (its target is never touched); a folder is removed without following
-    the links inside it. If interrupted while removing, the removal is finished before the
-    interrupt propagates, so at worst a hidden `.NAME.ckpt-tmp-del-*` is left.
+    Every path is renamed before anything is removed, so the checkpoint leaves its real names
+    in one quick step. A symlink is unlinked (its target is never touched); a folder is
+    removed without following the links inside it. If interrupted while removing, the removal
+    is finished before the interrupt propagates: at worst hidden `.NAME.ckpt-tmp-del-*` remain.
     """
-    hidden = path.with_name(f".{path.name}{TMP_MARKER}del-{os.getpid()}-{time.time_ns()}")
-    os.rename(path, hidden)
-    fsync_dir(path.parent)
+    hidden: list[Path] = []
+    for path in paths:
+        tag = f"{TMP_MARKER}{DELETING}{os.getpid()}-{time.time_ns()}"
+        target = path.with_name(f".{path.name}{tag}")
+        os.rename(path, target)
+        hidden.append(target)
+    for folder in {p.parent for p in paths}:
+        fsync_dir(folder)
     try:
-        _remove(hidden)
+        for target in hidden:
+            _remove(target)
     except KeyboardInterrupt:
-        _remove(hidden)
+        for target in hidden:
+            _remove(target)
         raise
 
 
@@ -258,36 +274,24 @@ def apply(run_dir: Path, decisions: list[PruneDecision], settle: float) -> None:
     """Carry out the deletions of a plan, re-checking each checkpoint just before."""
     for d in decisions:
         if d.action == "delete":
-            d.error = _delete_one(run_dir, Path(d.path), settle)
+            d.error = _delete_one(run_dir, [Path(p) for p in d.paths], settle)
             d.deleted = d.error is None
 
 
-def _delete_one(run_dir: Path, path: Path, settle: float) -> str | None:
-    """Delete one path; the reason it was not deleted, or None."""
+def _delete_one(run_dir: Path, paths: list[Path], settle: float) -> str | None:
+    """Delete one checkpoint; the reason it was not deleted, or None."""
     try:
-        if not _confined(run_dir, path):
-            return "outside the run folder; not deleted"
-        if time.time() - _newest_write(path) < settle:
-            return "modified since the plan was made; not deleted"
-        remove_checkpoint(path)
+        for path in paths:
+            if not _confined(run_dir, path):
+                return "outside the run folder; not deleted"
+            if not path.is_symlink() and time.time() - _newest_write(path) < settle:
+                return "modified since the plan was made; not deleted"
+        remove_checkpoint(paths)
     except FileNotFoundError:
-        return "vanished before it was deleted"
+        return VANISHED
     except OSError as exc:
         return f"could not delete: {exc.strerror or exc}"
     return None
-
-
-def _expand(decisions: list[PruneDecision], run: RunReport) -> list[PruneDecision]:
-    """Plain checkpoints made of several files get one decision per file to delete."""
-    paths = {c.name: c.paths for c in run.checkpoints}
-    out: list[PruneDecision] = []
-    for d in decisions:
-        members = paths.get(d.name, [d.path])
-        if d.action == "delete" and len(members) > 1:
-            out.extend(d.model_copy(update={"path": p}) for p in members)
-        else:
-            out.append(d)
-    return out
 
 
 def prune(
@@ -328,17 +332,13 @@ def prune(
         best=run.best,
     )
     if yes and doomed:
-        expanded = _expand(decisions, run)
-        apply(root, expanded, policy.settle)
-        for d in decisions:
-            if d.action != "delete":
-                continue
-            parts = [e for e in expanded if e.name == d.name]
-            d.deleted = all(e.deleted for e in parts)
-            d.error = next((e.error for e in parts if e.error), None)
+        apply(root, decisions, policy.settle)
         report.deleted = [d.name for d in decisions if d.deleted]
         report.bytes_freed = sum(d.size for d in decisions if d.deleted)
-        report.failed = [f"{d.name}: {d.error}" for d in decisions if d.error]
+        # gone already (the trainer's own rotation, say) is what was wanted: not a failure
+        report.failed = [
+            f"{d.name}: {d.error}" for d in decisions if d.error not in (None, VANISHED)
+        ]
     return report
 
 
@@ -379,19 +379,30 @@ def watch(
     return result
 
 
-def usage_check(mode: str, watch: float | None, yes: bool, max_iterations: int | None) -> None:
-    """Refuse option combinations that make no sense, before touching anything."""
-    if mode not in ("min", "max"):
-        raise UsageError(f"--mode must be min or max (got {mode!r})")
-    if watch is not None and not yes:
+def run(
+    run_dir: str | Path,
+    policy: PrunePolicy,
+    *,
+    yes: bool = False,
+    watch_seconds: float | None = None,
+    max_iterations: int | None = None,
+    on_round: Callable[[PruneReport], None] | None = None,
+) -> PruneReport | WatchReport:
+    """What `ckpt prune` does: one plan (deleting with `yes`), or `--watch` rounds."""
+    if watch_seconds is not None and not yes:
         raise UsageError(
             "--watch deletes as it goes and needs --yes",
             fix="Run without --watch to see the plan first, then add --watch SECONDS --yes.",
         )
-    if max_iterations is not None and watch is None:
+    if max_iterations is not None and watch_seconds is None:
         raise UsageError("--max-iterations only applies with --watch")
+    if watch_seconds is None:
+        return prune(run_dir, policy, yes=yes)
+    return watch(run_dir, policy, watch_seconds, max_iterations=max_iterations, on_round=on_round)
 
 
-def watch_exit_code(report: WatchReport) -> int:
-    """1 when some deletion failed in any round."""
-    return 1 if any(r.failed for r in report.rounds) else 0
+def exit_code(report: PruneReport | WatchReport) -> int:
+    """1 when a deletion failed (in any round)."""
+    if isinstance(report, WatchReport):
+        return 1 if any(r.failed for r in report.rounds) else 0
+    return 1 if report.failed else 0

@@ -24,11 +24,18 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from .. import __version__
-from ..errors import CkptError, DestinationExistsError, FormatError, NotFoundError, UsageError
+from ..errors import (
+    CkptError,
+    DestinationExistsError,
+    FormatError,
+    NotFoundError,
+    UnsafeInputError,
+    UsageError,
+)
 from ..formats import detect_format, get_format, resolve_source
 from ..formats.base import Checkpoint, Source
 from ..hashing import ALGORITHMS, hash_files
-from ..layouts import open_source
+from ..layouts import OpenedSource, check_source, open_source, recognise_layout, training_checks
 from ..models import Problem, TrainingState
 from ..output import staged_output
 from ..progress import NULL_PROGRESS, Progress
@@ -155,19 +162,41 @@ def verify(
     if algo is not None and algo not in ALGORITHMS:
         raise UsageError(f"unknown --algo {algo!r}", fix=f"Use one of {', '.join(ALGORITHMS)}.")
     source = resolve_source(src)
-    name = _format_name(source, format)
-    checks = ["structure"]
-    problems = list(get_format(name).check(source))
-    report = VerifyReport(location=source.location.raw, format=name, ok=True, checks=checks)
-    # the manifest is not part of what it describes
-    considered = {n: size for n, size in source.files.items() if n != MANIFEST_NAME}
-    report.files = len(considered)
-    report.bytes = sum(considered.values())
-
-    if resumable or deep:
-        _open_checks(
-            report, problems, src, format, resumable=resumable, deep=deep, progress=progress
+    # a training folder (Trainer, accelerate, DeepSpeed) is checked component by component
+    opened = recognise_layout(source) if format is None else None
+    try:
+        if opened is None:
+            name = _format_name(source, format)
+            if name == "dcp" and source.target is not None:
+                # SRC named the .metadata or one .distcp file: the checkpoint is the folder
+                source = Source(location=source.location, storage=source.storage)
+            problems = list(get_format(name).check(source))
+        else:
+            training = opened.training
+            name = training.layout if training else opened.checkpoint.manifest.format
+            problems = check_source(src)
+        report = VerifyReport(
+            location=source.location.raw, format=name, ok=True, checks=["structure"]
         )
+        # the manifest is not part of what it describes
+        considered = {n: size for n, size in source.files.items() if n != MANIFEST_NAME}
+        report.files = len(considered)
+        report.bytes = sum(considered.values())
+        report.training = opened.training if opened is not None else None
+        if resumable or deep:
+            _open_checks(
+                report,
+                problems,
+                src,
+                format,
+                opened,
+                resumable=resumable,
+                deep=deep,
+                progress=progress,
+            )
+    finally:
+        if opened is not None:
+            opened.checkpoint.close()
     if checksums or write_manifest:
         _checksum_checks(
             report,
@@ -204,6 +233,7 @@ def _open_checks(
     problems: list[Problem],
     src: str,
     format: str | None,
+    opened: OpenedSource | None,
     *,
     resumable: bool,
     deep: bool,
@@ -212,76 +242,30 @@ def _open_checks(
     """Checks that need the checkpoint opened: resumability and reading every entry."""
     if any(p.severity == "error" for p in problems):
         # the structural problems are the story; reading on would only repeat them
+        skipped = " and ".join(c for c, on in (("resumability", resumable), ("deep", deep)) if on)
         problems.append(
             Problem(
                 code="not_checked",
-                message=f"{src}: skipped the {'deep and ' if deep and resumable else ''}"
-                f"{'deep' if deep and not resumable else 'resumability'} checks because of "
-                "the structural problems above",
+                message=f"{src}: skipped the {skipped} checks because of the problems above",
                 file=src,
                 severity="warning",
             )
         )
         return
-    try:
-        opened = open_source(src, format)
-    except CkptError as error:
-        problems.append(Problem(code=error.code, message=error.message, file=error.path))
-        return
+    if opened is None:
+        try:
+            opened = open_source(src, format)
+        except CkptError as error:
+            problems.append(Problem(code=error.code, message=error.message, file=error.path))
+            return
     report.training = opened.training
     with opened.checkpoint as checkpoint:
         if resumable:
             report.checks.append("resumable")
-            problems.extend(resumable_problems(src, opened.training))
+            problems.extend(training_checks(opened))
         if deep:
             report.checks.append("deep")
             _deep(report, problems, checkpoint, progress)
-
-
-def resumable_problems(src: str, training: TrainingState | None) -> list[Problem]:
-    """Why a checkpoint cannot resume training (nothing when it can)."""
-    if training is None:
-        return [
-            Problem(
-                code="not_resumable",
-                message=f"{src}: holds model weights only (no optimizer, scheduler, step, RNG "
-                "or data-loader state), so training cannot resume from it",
-                file=src,
-            )
-        ]
-    found: list[Problem] = []
-    for missing in training.missing:
-        found.append(
-            Problem(
-                code="missing_state",
-                message=f"{src}: the {training.layout} checkpoint has no {missing} state; "
-                "resuming would not continue the same run",
-                file=training.components.get(missing, src),
-            )
-        )
-    optimizer = training.optimizer
-    if optimizer is not None and not optimizer.complete:
-        cover = (
-            f"{optimizer.params_with_state} of {optimizer.params}"
-            if optimizer.params is not None
-            else "not all"
-        )
-        found.append(
-            Problem(
-                code="optimizer_incomplete",
-                message=f"{optimizer.source or src}: optimizer state covers {cover} parameters",
-                file=optimizer.source or src,
-            )
-        )
-    if not found and not training.resumable:
-        found.append(
-            Problem(
-                code="not_resumable",
-                message=f"{src}: the {training.layout} checkpoint is not resumable",
-                file=src,
-            )
-        )
-    return found
 
 
 def _deep(
@@ -297,6 +281,8 @@ def _deep(
             if entry.kind != "tensor":
                 try:
                     checkpoint.read_object(entry.name)
+                except UnsafeInputError:
+                    pass  # listed on purpose but never unpickled (training_args.bin)
                 except Exception as exc:  # any failure to deserialise is the finding itself
                     problems.append(_unreadable(entry.name, file, exc, "object"))
                 continue
@@ -390,13 +376,21 @@ def _checksum_checks(
     force: bool,
     progress: Progress,
 ) -> None:
+    if not write and source.location.kind == "hf":
+        report.checks.append("checksums")
+        _hub_cache_checksums(report, problems, source, progress)
+        return
     if not isinstance(source.storage, LocalStorage):
         raise UsageError(
             "--checksums and --write-manifest need a local checkpoint",
             path=source.location.raw,
-            fix="Download it first (`ckpt download`); Hub files are checked against the Hub's "
-            "own sha256 by plain `ckpt verify` on the local copy.",
+            fix="Download it first (`ckpt download`), then check the copy against the Hub with "
+            "`ckpt verify DEST --checksums --manifest hf://org/repo@revision`.",
         )
+    if not write and manifest is not None and manifest.startswith("hf://"):
+        report.checks.append("checksums")
+        _local_against_hub(report, problems, source, manifest, progress)
+        return
     path = Path(manifest) if manifest else default_manifest_path(source)
     report.manifest = str(path)
     root = _local_root(source)
@@ -443,9 +437,22 @@ def _checksum_checks(
             fix="Drop --algo (checks use the manifest's algorithm) or write a new manifest.",
         )
     report.algorithm = recorded.algorithm
+    expected = recorded.files
+    if source.target is not None:
+        # SRC named one file: check that file against its record, whatever else is recorded
+        expected = {n: d for n, d in expected.items() if n == source.target}
+        if not expected:
+            problems.append(
+                Problem(
+                    code="unlisted_file",
+                    message=f"{root / source.target}: is not in the manifest {path}",
+                    file=str(root / source.target),
+                )
+            )
+            return
     sizes = files_size(files)
     to_hash: dict[str, Path] = {}
-    for name, want in recorded.files.items():
+    for name, want in expected.items():
         if name not in files:
             problems.append(
                 Problem(
@@ -465,7 +472,7 @@ def _checksum_checks(
             )
         else:
             to_hash[name] = files[name]
-    for name in sorted(set(files) - set(recorded.files)):
+    for name in sorted(set(files) - set(expected)):
         problems.append(
             Problem(
                 code="unlisted_file",
@@ -555,3 +562,130 @@ def _write_manifest(path: Path, record: ChecksumManifest, force: bool) -> None:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+# ---------------------------------------------------------------- against the Hub's digests
+
+
+def _hub_cache_checksums(
+    report: VerifyReport, problems: list[Problem], source: Source, progress: Progress
+) -> None:
+    """`verify hf://… --checksums`: the files in the local HF cache against the Hub's digests."""
+    from ..formats.hub import HubStorage
+
+    storage = source.storage
+    assert isinstance(storage, HubStorage)
+    remote = storage.repo.files
+    names = [source.target] if source.target is not None else sorted(remote)
+    local: dict[str, Path] = {}
+    for name in names:
+        path = storage.local_path(name)
+        if path is not None:
+            local[name] = path
+    report.manifest = storage.repo.display()
+    if not local:
+        problems.append(
+            Problem(
+                code="no_local_copy",
+                message=f"{storage.repo.display()}: no file of this commit is in the local HF "
+                "cache, so there is nothing to check against the Hub's digests",
+                file=storage.repo.display(),
+                severity="warning",
+            )
+        )
+        return
+    _compare_with_hub(
+        report, problems, local, {n: remote[n] for n in names}, storage.describe, progress
+    )
+
+
+def _local_against_hub(
+    report: VerifyReport, problems: list[Problem], source: Source, hub: str, progress: Progress
+) -> None:
+    """`verify DIR --checksums --manifest hf://…`: a downloaded copy against the Hub's digests."""
+    from ..formats.hub import HubStorage
+
+    hub_side = resolve_source(hub)
+    storage = hub_side.storage
+    assert isinstance(storage, HubStorage)
+    report.manifest = storage.repo.display()
+    root = _local_root(source)
+    local = {
+        name: root / name
+        for name in source.files
+        # huggingface_hub keeps its download bookkeeping there; ckpt its manifest
+        if not name.startswith(".cache/huggingface/") and name != MANIFEST_NAME
+    }
+    remote = storage.repo.files
+    if source.target is not None:
+        remote = {n: f for n, f in remote.items() if n == source.target}
+    for name in sorted(set(remote) - set(local)):
+        problems.append(
+            Problem(
+                code="missing_file",
+                message=f"{root / name}: is not in the local copy ({storage.describe(name)} has "
+                f"{remote[name].size} bytes)",
+                file=str(root / name),
+                severity="warning",
+            )
+        )
+    for name in sorted(set(local) - set(remote)):
+        problems.append(
+            Problem(
+                code="unlisted_file",
+                message=f"{root / name}: is not in {storage.repo.display()}",
+                file=str(root / name),
+                severity="warning",
+            )
+        )
+    both = {n: local[n] for n in sorted(set(local) & set(remote))}
+    _compare_with_hub(report, problems, both, remote, lambda n: str(root / n), progress)
+
+
+def _compare_with_hub(
+    report: VerifyReport,
+    problems: list[Problem],
+    local: dict[str, Path],
+    remote: dict[str, Any],
+    describe: Any,
+    progress: Progress,
+) -> None:
+    """Sizes, then the Hub's own digests: LFS sha256 (hashed in parallel), git blob sha1."""
+    from ..formats.hub import file_digest
+
+    report.algorithm = "sha256 (LFS) / git-sha1"
+    sizes = files_size(local)
+    lfs: dict[str, Path] = {}
+    for name, path in local.items():
+        want = remote[name]
+        if sizes[name] != want.size:
+            problems.append(
+                Problem(
+                    code="size_changed",
+                    message=f"{describe(name)}: is {sizes[name]} bytes, the Hub records "
+                    f"{want.size}",
+                    file=describe(name),
+                )
+            )
+        elif want.sha256:
+            lfs[name] = path
+        elif want.blob_id:
+            # regular (non-LFS) git files are small (the Hub caps them at 10 MB): no threads
+            actual = file_digest(path, "git")
+            report.hashed_bytes += sizes[name]
+            if actual != want.blob_id:
+                problems.append(_hub_mismatch(describe(name), "git-sha1", actual, want.blob_id))
+    digests = _hash(lfs, "sha256", progress)
+    report.hashed_bytes += sum(sizes[n] for n in lfs)
+    for name, digest in digests.items():
+        if digest != remote[name].sha256:
+            problems.append(_hub_mismatch(describe(name), "sha256", digest, remote[name].sha256))
+
+
+def _hub_mismatch(file: str, algo: str, actual: str, expected: str) -> Problem:
+    return Problem(
+        code="checksum_mismatch",
+        message=f"{file}: {algo} {actual[:16]}… differs from the Hub's {expected[:16]}… (the "
+        "local copy is corrupt or from another revision)",
+        file=file,
+    )

@@ -82,6 +82,10 @@ def render_training(report: InspectReport) -> None:
             else "[dim]none[/]",
         )
     )
+    if state.components:
+        rows.append(("components", ", ".join(f"{k}={v}" for k, v in state.components.items())))
+    for rel, why in state.unreadable.items():
+        rows.append(("unreadable", f"[yellow]{rel}[/]: {why}"))
     rows.append(("resumable", verdict))
     for key, value in rows:
         stdout.print(f"  {key:<12} {value}")
@@ -95,9 +99,12 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
         render_run(report.run)
         return
     files = len(report.files)
-    stdout.print(
-        f"[bold]{report.location}[/]  ({report.format}, {files} file{'s' if files != 1 else ''})"
-    )
+    kind = report.format
+    if kind == "composite":
+        # a training folder: its layout and the formats of its components
+        formats = sorted(set(report.details.get("components", {}).values()) - {"json", "opaque"})
+        kind = f"{report.details.get('layout', 'composite')}: {' + '.join(formats) or 'composite'}"
+    stdout.print(f"[bold]{report.location}[/]  ({kind}, {files} file{'s' if files != 1 else ''})")
     dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in report.bytes_by_dtype.items()) or "-"
     stdout.print(
         f"  {report.tensors} tensors, {human_count(report.parameters)} parameters, "
@@ -115,7 +122,11 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
             table.add_row(
                 e.name,
                 e.dtype if e.kind == "tensor" else f"object:{e.py_type or '?'}",
-                shape_str(e.shape) if e.kind == "tensor" else "",
+                shape_str(e.shape)
+                if e.kind == "tensor"
+                else f"= {e.value!r}"
+                if e.value is not None and len(repr(e.value)) <= 40
+                else "",
                 human_bytes(e.nbytes),
                 e.file or "",
             )

@@ -150,3 +150,11 @@ def render_latest(report: RunReport) -> None:
         stderr.print(
             f"  {c.name}: {c.status}: {c.reason}", markup=False, highlight=False, soft_wrap=True
         )
+
+
+def render_prune_result(report: PruneReport | WatchReport) -> None:
+    """A plan or its deletions; for `--watch`, the closing summary."""
+    if isinstance(report, WatchReport):
+        render_watch(report)
+    else:
+        render_prune(report)

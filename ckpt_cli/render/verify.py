@@ -34,10 +34,13 @@ def render_verify(report: VerifyReport) -> None:
         shown[problem.code] = shown.get(problem.code, 0) + 1
         if shown[problem.code] > MAX_PER_CODE:
             continue
+        text = problem.message
+        if problem.file and problem.file not in text:
+            text = f"{problem.file}: {text}"
         tag = "[red]error[/]" if problem.severity == "error" else "[yellow]warning[/]"
         # one line per problem, never wrapped, so CI logs can be grepped
         stdout.print(
-            f"  {tag} [bold]{problem.code}[/] {escape(problem.message)}",
+            f"  {tag} [bold]{problem.code}[/] {escape(text)}",
             highlight=False,
             soft_wrap=True,
         )

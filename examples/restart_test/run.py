@@ -3,7 +3,8 @@
 1. Train `--steps` steps straight through (`straight/`).
 2. Train again (`resumed/`), kill the process with SIGKILL once it has saved a checkpoint past
    the half-way step, i.e. mid-run and possibly mid-save, without asking it to stop.
-3. Ask `ckpt latest` for the newest complete checkpoint of `resumed/` and resume from it.
+3. Ask `ckpt latest` for the newest complete checkpoint of `resumed/`, show what
+   `ckpt verify --resumable` says about it, and resume from it.
 4. `ckpt diff` the two final checkpoints: exit 0 (bit-identical) means the checkpoint held
    everything the run needed; exit 1 shows what diverged.
 
@@ -88,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     checkpoint = latest.stdout.strip()
     print(f"resuming from {checkpoint} (ckpt latest)")
+    # what the checkpoint claims before it is put to the test (exit 1 names what is missing)
+    verify = subprocess.run(
+        [*CKPT, "verify", "--resumable", checkpoint], capture_output=True, text=True
+    )
+    print(f"ckpt verify --resumable: exit {verify.returncode}")
+    print(verify.stdout.strip())
     subprocess.run(
         train(resumed, args, "--resume", checkpoint), check=True, stdout=subprocess.DEVNULL
     )
