@@ -21,6 +21,14 @@ Layouts, as torch 2.13's `FileSystemWriter` writes them:
   the chunk's byte count as its length, so the real ranges come from the embedded header.
   (torch 2.13's own `FileSystemReader` cannot load this layout: it calls `torch.load` on it.)
 
+Also read: `dcp.save(..., use_collectives=False)` folders (per-rank `__{r}.metadata`, merged)
+and the per-rank `shard-NNNNN-model-…safetensors` files of `HuggingFaceStorageWriter(
+save_distributed=True)` (no `.metadata`; chunk offsets from `DCP_SHARDING_INFO`).
+
+Manifest: tensor entries carry `chunks` (box, file, byte range, `raw`); object entries carry
+`file`, `offset` and `nbytes` of their stored `torch.save` blob, and `py_type`/`value` when the
+blob holds plain Python data.
+
 The writer streams chunks into `__{rank}_0.distcp` files and writes `.metadata` last (with
 torch's own classes, so `dcp.load` reads it).
 """
@@ -269,7 +277,7 @@ def _analyse_unpaused(source: Source) -> _Layout:
         if rel not in safe_names:
             safe_names[rel] = safe_relpath(rel, source=where)
         offset, length = info.offset, info.length
-        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 <= length):
+        if not (_is_count(offset) and _is_count(length)):
             raise FormatError(f"entry {name!r} has an invalid byte range", path=where)
         if info.transform_descriptors:
             raise FormatError(
