@@ -67,12 +67,18 @@ def main() -> None:
             "m = HfApi().get_safetensors_metadata('bench/model'); "
             "print(sum(len(f.tensors) for f in m.files_metadata.values()))"
         )
+
+        def bytes_sent() -> int:
+            with urllib.request.urlopen(f"{url}/_testhub/bytes_sent") as response:
+                return int(sum(json.load(response).values()))
+
         start = time.perf_counter()
         base = subprocess.run(
             [sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True
         )
         baseline = time.perf_counter() - start
         assert int(base.stdout.strip()) == len(state)
+        base_bytes = bytes_sent()
 
         start = time.perf_counter()
         out = subprocess.run(
@@ -81,12 +87,11 @@ def main() -> None:
         )  # fmt: skip
         ours = time.perf_counter() - start
         assert json.loads(out.stdout)["result"]["tensors"] == len(state)
-        with urllib.request.urlopen(f"{url}/_testhub/bytes_sent") as response:
-            sent = sum(json.load(response).values())
+        sent = bytes_sent() - base_bytes
         print(
             f"| `ckpt inspect hf://…`, {shards} shards, {args.latency * 1000:.0f} ms per request "
             f"| {ours:.2f} s | `get_safetensors_metadata` {baseline:.2f} s "
-            f"| {baseline / ours:.1f}× | {sent / 2**10:.0f} KiB sent in all |"
+            f"| {baseline / ours:.1f}× | {sent / 2**10:.0f} KiB vs {base_bytes / 2**10:.0f} KiB |"
         )
     finally:
         server.terminate()

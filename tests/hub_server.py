@@ -130,7 +130,7 @@ class TestHub:
         class Handler(_Handler):
             server_hub = hub
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(
@@ -272,6 +272,12 @@ _CDN = re.compile(
     r"^/_cdn/(?:(?P<type>datasets|spaces)/)?(?P<repo>[^/]+/[^/]+)/(?P<commit>[0-9a-f]{40})/(?P<path>.+)$"
 )
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+class _Server(ThreadingHTTPServer):
+    # the default listen backlog of 5 drops the SYNs of a client opening 16 connections at
+    # once, which then wait a second for the retransmit
+    request_queue_size = 128
 
 
 class _Handler(BaseHTTPRequestHandler):
