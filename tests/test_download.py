@@ -285,6 +285,29 @@ def test_a_corrupt_file_in_the_cache_is_caught_by_the_hub_checksum(
     assert not dest.exists()
 
 
+def test_torch_bin_shards_with_an_index(hub: TestHub, tmp_path: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    state = model_state()
+    src = tmp_path / "bin"
+    src.mkdir()
+    save_torch_state_dict(state, src, max_shard_size=SHARD_LIMIT, safe_serialization=False)
+    weight_map = json.loads((src / "pytorch_model.bin.index.json").read_text())["weight_map"]
+    hub.add_repo("org/old", src)
+    dest = tmp_path / "old"
+    result = run_ckpt("download", "hf://org/old", dest, "--tensors", "lm_head.*", "--json")
+    assert result.exit_code == 0, result.stderr
+    shard = weight_map["lm_head.weight"]
+    assert (dest / shard).read_bytes() == (src / shard).read_bytes()
+    index = json.loads((dest / "pytorch_model.bin.index.json").read_text())
+    assert set(index["weight_map"].values()) == {shard}
+    assert set(index["weight_map"]) == {n for n, s in weight_map.items() if s == shard}
+    loaded = torch.load(dest / shard, weights_only=True)
+    assert torch.equal(loaded["lm_head.weight"], state["lm_head.weight"])
+    ranges = run_ckpt("download", "hf://org/old", tmp_path / "x", "--mode", "tensors")
+    assert ranges.exit_code == 4 and "--mode shards" in ranges.stderr
+
+
 def test_dry_run_fetches_nothing(hub: TestHub, tmp_path: Path) -> None:
     _, weight_map = publish(hub, tmp_path)
     dest = tmp_path / "never"
