@@ -308,6 +308,27 @@ def test_torch_bin_shards_with_an_index(hub: TestHub, tmp_path: Path) -> None:
     assert ranges.exit_code == 4 and "--mode shards" in ranges.stderr
 
 
+def test_hostile_index_and_header_on_the_hub_are_refused(hub: TestHub, tmp_path: Path) -> None:
+    import struct
+
+    evil_index = json.dumps(
+        {"metadata": {}, "weight_map": {"w": "../../outside.safetensors"}}
+    ).encode()
+    hub.add_repo("org/evil", {"model.safetensors.index.json": evil_index, "config.json": b"{}"})
+    dest = tmp_path / "evil"
+    for mode in ("shards", "tensors"):
+        result = run_ckpt("download", "hf://org/evil", dest, "--mode", mode, "--json")
+        assert result.exit_code == 4, (mode, result.stderr)
+        assert result.json["error"]["code"] == "unsafe_input"
+    # a header that claims to be far larger than the file: refused before any tensor is fetched
+    bogus = struct.pack("<Q", 1 << 40) + b"{}" * 100
+    hub.add_repo("org/bogus", {"model.safetensors": bogus})
+    result = run_ckpt("download", "hf://org/bogus", dest, "--mode", "tensors")
+    assert result.exit_code == 4 and "header" in result.stderr
+    assert not dest.exists()
+    assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
+
+
 def test_dry_run_fetches_nothing(hub: TestHub, tmp_path: Path) -> None:
     _, weight_map = publish(hub, tmp_path)
     dest = tmp_path / "never"
@@ -384,6 +405,14 @@ def test_cache_only_fills_the_hf_cache(hub: TestHub, tmp_path: Path) -> None:
     cached = {f["path"]: f["cache_path"] for f in files}
     assert cached[shard].startswith(os.environ["HF_HOME"])
     assert Path(cached[shard]).read_bytes() == (tmp_path / "src" / shard).read_bytes()
+    # tensors mode reads the ranges of a cached shard from disk
+    picked = run_ckpt(
+        "download", "hf://org/model", tmp_path / "from-cache", "--mode", "tensors",
+        "--tensors", "model.embed_tokens.*", "--no-extras", "--json",
+    )  # fmt: skip
+    assert picked.exit_code == 0, picked.stderr
+    assert picked.json["result"]["bytes_transferred"] == 0
+    assert picked.json["result"]["bytes_from_cache"] == 128 * 128 * 4
     # offline, the same download is served from that cache
     hub.reset_counters()
     dest = tmp_path / "offline"

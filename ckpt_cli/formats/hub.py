@@ -395,6 +395,7 @@ class HubStorage(Storage):
     Attributes:
         repo: the pinned repository.
         bytes_fetched: bytes received over the network so far (cache reads do not count).
+        bytes_from_cache: bytes read from files already in the local HF cache.
         requests: HTTP requests made for file data.
     """
 
@@ -405,6 +406,7 @@ class HubStorage(Storage):
         self.repo = repo
         self.display = repo.display()
         self.bytes_fetched = 0
+        self.bytes_from_cache = 0
         self.requests = 0
         # reads may run on several threads (parallel range fetches)
         self._lock = threading.Lock()
@@ -505,6 +507,8 @@ class HubStorage(Storage):
                             fix="Delete it from the HF cache (`hf cache rm`) and fetch it again.",
                         )
                     pos += len(block)
+                    with self._lock:
+                        self.bytes_from_cache += len(block)
                     yield block
             return
         if self.repo.snapshot is not None:

@@ -142,6 +142,7 @@ class DownloadReport(BaseModel):
         ranges: the range requests (tensors mode).
         bytes_planned: bytes the download needs from the network (cached files excluded).
         bytes_transferred: bytes received for file data (0 for a dry run).
+        bytes_from_cache: tensors mode: selected bytes read from shards already in the HF cache.
         metadata_bytes: bytes received for headers and indexes.
         filters: the --tensors and --exclude globs.
     """
@@ -161,6 +162,7 @@ class DownloadReport(BaseModel):
     ranges: list[DownloadRange] = Field(default_factory=list)
     bytes_planned: int = 0
     bytes_transferred: int = 0
+    bytes_from_cache: int = 0
     metadata_bytes: int = 0
     filters: dict[str, list[str]] = Field(default_factory=dict)
 
@@ -621,6 +623,7 @@ def _download_tensors(
     extra_plan = _planned(repo, extra_files, "extra")
     report.bytes_planned += sum(f.size for f in extra_plan if f.status == "planned")
     report.metadata_bytes = storage.bytes_fetched
+    cache_before = storage.bytes_from_cache
     if report.dry_run:
         report.files = extra_plan
         return
@@ -660,6 +663,7 @@ def _download_tensors(
             progress.finish()
         written = writer.finish()
         report.bytes_transferred = storage.bytes_fetched - report.metadata_bytes
+        report.bytes_from_cache = storage.bytes_from_cache - cache_before
         # the output must open as a valid checkpoint before it is published
         local = Location(raw=str(dest), kind="local", path=staging)
         SafetensorsFormat.open(Source(location=local, storage=LocalStorage(staging))).close()
