@@ -89,6 +89,17 @@ def test_revision_tag_and_subfolder_resolve_to_a_commit(hub: TestHub, tmp_path: 
     sub = run_ckpt("inspect", "hf://org/evolving/unet", "--json").json["result"]
     assert sub["tensors"] == 2
     assert sub["details"]["hub"]["subfolder"] == "unet"
+    dest = tmp_path / "unet-copy"
+    fetched = run_ckpt("download", "hf://org/evolving/unet", dest)
+    assert fetched.exit_code == 0, fetched.stderr
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert (dest / "model.safetensors").read_bytes() == (
+        tmp_path / "v2" / "unet" / "model.safetensors"
+    ).read_bytes()
     one_file = run_ckpt("inspect", "hf://org/evolving/unet/model.safetensors", "--json")
     assert one_file.exit_code == 0, one_file.stderr
     assert one_file.json["result"]["tensors"] == 2
