@@ -385,7 +385,8 @@ def _open_cached(location: Location, settings: HubSettings, commit: str) -> HubR
             fix="Unset HF_HUB_OFFLINE, or download it first with `ckpt download --cache-only`.",
         )
     listing = LocalStorage(root).list_files()
-    files = {rel: RemoteFile(path=rel, size=size) for rel, size in listing.items()}
+    prefix = f"{location.subfolder}/" if location.subfolder else ""
+    files = {rel: RemoteFile(path=prefix + rel, size=size) for rel, size in listing.items()}
     return HubRepo(location=location, settings=settings, commit=commit, files=files, snapshot=root)
 
 
