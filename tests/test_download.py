@@ -191,7 +191,7 @@ def test_tensors_mode_output_is_sharded_with_an_index_when_large(
     assert (dest / "config.json").read_bytes() == CONFIG_JSON
 
 
-def test_dropped_connection_resumes_without_refetching(hub: TestHub, tmp_path: Path) -> None:
+def test_dropped_connection_mid_file_resumes(hub: TestHub, tmp_path: Path) -> None:
     state, weight_map = publish(hub, tmp_path)
     shard = weight_map["model.layers.2.mlp.weight"]
     size = (tmp_path / "src" / shard).stat().st_size
