@@ -4,6 +4,7 @@ _ckpt() {
   local -a commands
   commands=(
     'inspect:Show what a checkpoint holds - tensors, dtypes, shapes, bytes, files, training state'
+    'download:Download only the shards, or only the bytes, that hold the tensors you ask for'
   )
   if (( CURRENT == 2 )); then
     _describe 'command' commands
@@ -11,6 +12,7 @@ _ckpt() {
   fi
   case $words[2] in
     inspect) _arguments -s '--tensors[List every entry - name, dtype, shape, bytes, file]' '-t[List every entry - name, dtype, shape, bytes, file]' '--filter[Only entries whose name matches this glob (repeatable)]:value:' '-k[Only entries whose name matches this glob (repeatable)]:value:' '--format[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '-f[Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it]:value:' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
+    download) _arguments -s '--tensors[Fetch the tensors whose name matches this glob (repeatable)]:value:' '-t[Fetch the tensors whose name matches this glob (repeatable)]:value:' '--exclude[Leave out tensors matching this glob (repeatable)]:value:' '-x[Leave out tensors matching this glob (repeatable)]:value:' '--mode[shards - whole shards through the HF cache; tensors - only the selected tensors byte ranges, written as a new safetensors checkpoint]:value:' '-m[shards - whole shards through the HF cache; tensors - only the selected tensors byte ranges, written as a new safetensors checkpoint]:value:' '--no-extras[Skip config, tokenizer and model-card files]' '--cache-only[Shards mode - fill the Hugging Face cache only; no DEST]' '--dry-run[Show the files or ranges and bytes; fetch only metadata]' '-n[Show the files or ranges and bytes; fetch only metadata]' '--force[Replace DEST if it exists (only after the new output is complete)]' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
   esac
 }
 _ckpt "$@"

@@ -99,4 +99,7 @@ def open_checkpoint(location: Location | str, format: str | None = None) -> Chec
             )
         format = None
     name = format or detect_format(source)
-    return get_format(name).open(source)
+    checkpoint = get_format(name).open(source)
+    if source.origin:
+        checkpoint.manifest.details.update(source.origin)
+    return checkpoint

@@ -29,11 +29,16 @@ COPY_BLOCK = 8 << 20
 
 @dataclass
 class Source:
-    """A location opened for reading: its storage and, when SRC named one file, that file."""
+    """A location opened for reading: its storage and, when SRC named one file, that file.
+
+    `origin` holds facts about where the files came from that belong in the manifest's
+    `details` (for the Hub: repository, requested revision, resolved commit).
+    """
 
     location: Location
     storage: Storage
     target: str | None = None
+    origin: dict[str, Any] = field(default_factory=dict)
 
     @cached_property
     def files(self) -> dict[str, int]:

@@ -86,7 +86,9 @@ def read_header(storage: Storage, rel: str, size: int | None = None) -> Safetens
             path=where,
             fix="The file is truncated or not safetensors; write or fetch it again.",
         )
-    head = storage.read(rel, 0, min(size, _PROBE))
+    # remote storages may ask for a smaller first read (bytes cost more than a round trip there)
+    probe = getattr(storage, "header_probe", _PROBE)
+    head = storage.read(rel, 0, min(size, probe))
     (header_len,) = struct.unpack("<Q", head[:8])
     if header_len > MAX_HEADER or header_len > size - 8:
         raise FormatError(

@@ -1,0 +1,109 @@
+"""`ckpt download`: only the Hub shards, or only the bytes, that hold the tensors you ask for."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..cli import ForceOpt, JsonOpt, app, run_command
+
+
+class Mode(str, Enum):
+    """How `ckpt download` fetches: whole shards, or only the selected tensors' bytes."""
+
+    shards = "shards"
+    tensors = "tensors"
+
+
+@app.command(
+    # the escaped stars keep the markdown help rendering from eating the glob stars
+    epilog=(
+        "Examples:\n\n"
+        "  ckpt download hf://org/model ./model\n\n"
+        "  ckpt download hf://org/model@v1.0 ./emb --tensors 'model.embed_tokens.\\*' "
+        "--tensors 'model.layers.0.\\*'\n\n"
+        "  ckpt download hf://org/model ./l0 --mode tensors --tensors 'model.layers.0.\\*' --no-extras\n\n"
+        "  ckpt download hf://org/model --cache-only --exclude 'lm_head.\\*'\n\n"
+        "  ckpt download hf://org/model ./x --mode tensors --tensors '\\*.q_proj.\\*' --dry-run --json"
+    )
+)
+def download(
+    src: Annotated[
+        str,
+        typer.Argument(help="hf://org/repo[@revision][/subfolder].", show_default=False),
+    ],
+    dest: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Folder to create (refused if it exists, unless --force).", show_default=False
+        ),
+    ] = None,
+    tensors: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--tensors", "-t", help="Fetch the tensors whose name matches this glob (repeatable)."
+        ),
+    ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option("--exclude", "-x", help="Leave out tensors matching this glob (repeatable)."),
+    ] = None,
+    mode: Annotated[
+        Mode,
+        typer.Option(
+            "--mode",
+            "-m",
+            help="shards: whole shards through the HF cache; tensors: only the selected "
+            "tensors' byte ranges, written as a new safetensors checkpoint.",
+        ),
+    ] = Mode.shards,
+    no_extras: Annotated[
+        bool,
+        typer.Option("--no-extras", help="Skip config, tokenizer and model-card files."),
+    ] = False,
+    cache_only: Annotated[
+        bool,
+        typer.Option(
+            "--cache-only", help="Shards mode: fill the Hugging Face cache only; no DEST."
+        ),
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", "-n", help="Show the files or ranges and bytes; fetch only metadata."
+        ),
+    ] = False,
+    force: ForceOpt = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Download only the shards, or only the bytes, that hold the tensors you ask for.
+
+    Resolves the revision to a commit once, reads the safetensors index or headers (range
+    requests), selects tensors by --tensors/--exclude, and fetches: whole shards through the
+    Hugging Face cache (--mode shards, checked against the Hub's sha256), or only the selected
+    tensors' byte ranges (--mode tensors). DEST appears atomically. HF_TOKEN, HF_ENDPOINT,
+    HF_HOME and HF_HUB_OFFLINE apply as in huggingface_hub.
+    """
+    from ..ops.download import download as run_download
+    from ..render.download import render_download
+    from ..render.progress import bar
+
+    def action():  # type: ignore[no-untyped-def]
+        with bar(enabled=not json_output) as progress:
+            return run_download(
+                src,
+                dest,
+                tensors=tensors,
+                exclude=exclude,
+                mode=mode.value,
+                extras=not no_extras,
+                cache_only=cache_only,
+                dry_run=dry_run,
+                force=force,
+                progress=progress,
+            )
+
+    run_command("download", json_output, action, render_download)

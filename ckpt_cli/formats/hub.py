@@ -1,0 +1,660 @@
+"""hub: `hf://org/repo[@revision][/subfolder]` on the Hugging Face Hub, read through huggingface_hub.
+
+I/O strategy: the revision is resolved to a commit once (`HfApi.resolve_revision`, which also
+falls back on the local cache's `refs/` when the Hub cannot be reached), and every later
+request names that commit, so all reads see one consistent snapshot. The file listing (sizes,
+LFS sha256) comes from one recursive tree listing. Reads are HTTP range requests on the
+`resolve` URL through huggingface_hub's own HTTP session (so `HF_ENDPOINT`, `HF_TOKEN`, proxies
+and its user agent apply): a safetensors header costs one small ranged GET per shard and no
+shard is downloaded. Files already in the local HF cache for that commit are read from disk
+instead. With `HF_HUB_OFFLINE=1` the snapshot in the cache is read and nothing is requested.
+
+The Hub is not a checkpoint format of its own: the files found there are opened by the format
+adapters (safetensors, DCP, torch) through `HubStorage`, and the manifest's `details["hub"]`
+records the repository, the requested revision and the commit it resolved to.
+
+Settings are read from the environment when a location is opened, not when huggingface_hub was
+imported, so a long-lived process (or a test) that changes `HF_ENDPOINT`/`HF_HOME` is honoured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import posixpath
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any
+
+from ..errors import CkptError, FormatError, HubError, NotFoundError
+from ..storage import LocalStorage, Storage, safe_relpath
+from ..uri import Location
+from .base import Source
+
+#: a ranged read that breaks mid-transfer is resumed from where it stopped this many times
+READ_RETRIES = 5
+#: bytes per chunk when streaming a range
+STREAM_CHUNK = 1 << 20
+#: shard headers fetched at once when a sharded checkpoint is opened
+HEAD_WORKERS = 16
+#: bytes per read when hashing local files
+HASH_BLOCK = 8 << 20
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """How to reach the Hub, read from the environment at call time.
+
+    Attributes:
+        endpoint: `HF_ENDPOINT` (default https://huggingface.co).
+        token: `HF_TOKEN`, else the token saved by `hf auth login` (None: anonymous).
+        cache_dir: the HF hub cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`).
+        offline: `HF_HUB_OFFLINE` is set: only the local cache is used.
+    """
+
+    endpoint: str
+    token: str | None
+    cache_dir: str
+    offline: bool
+
+    @classmethod
+    def from_env(cls) -> HubSettings:
+        """The settings huggingface_hub would use if it were imported now."""
+        from huggingface_hub import constants, get_token
+
+        endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+        home = os.environ.get("HF_HOME")
+        cache = os.environ.get("HF_HUB_CACHE") or (
+            os.path.join(home, "hub") if home else constants.HF_HUB_CACHE
+        )
+        offline_env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+        offline = (
+            offline_env.strip().lower() in _TRUE
+            if offline_env is not None
+            else constants.HF_HUB_OFFLINE
+        )
+        token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+        token_file = os.environ.get("HF_TOKEN_PATH") or (
+            os.path.join(home, "token") if home else None
+        )
+        if not token and token_file:
+            # `hf auth login` saved it under the HF_HOME in effect now
+            try:
+                token = Path(token_file).expanduser().read_text().strip()
+            except OSError:
+                token = None
+        elif not token:
+            token = get_token()
+        return cls(
+            endpoint=endpoint,
+            token=token or None,
+            cache_dir=os.path.expanduser(cache),
+            offline=offline,
+        )
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file of a Hub snapshot.
+
+    Attributes:
+        path: path in the repository.
+        size: size in bytes (the real file, not the LFS pointer).
+        sha256: the LFS object id (sha256 of the content), for LFS files.
+        blob_id: the git blob id (sha1 of `blob <size>\\0<content>`), for regular files.
+    """
+
+    path: str
+    size: int
+    sha256: str | None = None
+    blob_id: str | None = None
+
+
+@dataclass
+class HubRepo:
+    """A repository pinned to one commit, with its files under `subfolder`.
+
+    Attributes:
+        location: the parsed `hf://` location.
+        settings: endpoint, token, cache and offline mode in use.
+        commit: the 40-hex commit the revision resolved to.
+        files: files under the subfolder (path relative to it -> RemoteFile).
+        snapshot: the local snapshot folder when reading from the cache offline.
+    """
+
+    location: Location
+    settings: HubSettings
+    commit: str
+    files: dict[str, RemoteFile]
+    snapshot: Path | None = None
+    _cached: dict[str, str | None] = field(default_factory=dict)
+
+    @property
+    def repo_id(self) -> str:
+        """`org/name`."""
+        assert self.location.repo_id is not None
+        return self.location.repo_id
+
+    @property
+    def repo_type(self) -> str:
+        """`model`, `dataset` or `space`."""
+        return self.location.repo_type
+
+    @property
+    def subfolder(self) -> str:
+        """Folder inside the repository ('' for the root)."""
+        return self.location.subfolder
+
+    def repo_path(self, rel: str) -> str:
+        """Path in the repository of `rel` (relative to the subfolder)."""
+        return f"{self.subfolder}/{rel}" if self.subfolder else rel
+
+    def url(self, rel: str) -> str:
+        """The `resolve` URL of `rel` at the pinned commit."""
+        from huggingface_hub import hf_hub_url
+
+        return hf_hub_url(
+            self.repo_id,
+            self.repo_path(rel),
+            repo_type=self.repo_type,
+            revision=self.commit,
+            endpoint=self.settings.endpoint,
+        )
+
+    def display(self, rel: str = "") -> str:
+        """How to name the repository (or one of its files) in messages."""
+        prefix = "" if self.repo_type == "model" else f"{self.repo_type}s/"
+        base = f"hf://{prefix}{self.repo_id}@{self.commit[:12]}"
+        path = self.repo_path(rel) if rel else self.subfolder
+        return f"{base}/{path}" if path else base
+
+    def cached_path(self, rel: str) -> str | None:
+        """The file in the local HF cache for this commit, if it is there."""
+        if rel not in self._cached:
+            if self.snapshot is not None:
+                candidate = self.snapshot / rel
+                self._cached[rel] = str(candidate) if candidate.is_file() else None
+            else:
+                from huggingface_hub import try_to_load_from_cache
+
+                found = try_to_load_from_cache(
+                    self.repo_id,
+                    self.repo_path(rel),
+                    cache_dir=self.settings.cache_dir,
+                    revision=self.commit,
+                    repo_type=self.repo_type,
+                )
+                self._cached[rel] = found if isinstance(found, str) else None
+        return self._cached[rel]
+
+    def details(self) -> dict[str, Any]:
+        """What `Manifest.details["hub"]` records."""
+        return {
+            "repo": self.repo_id,
+            "repo_type": self.repo_type,
+            "revision": self.location.revision or "main",
+            "commit": self.commit,
+            "subfolder": self.subfolder,
+            "endpoint": self.settings.endpoint,
+            "offline": self.snapshot is not None,
+        }
+
+
+def file_digest(path: Path, algorithm: str) -> str:
+    """A local file's `sha256`, or (`git`) its git blob id, read block by block."""
+    size = path.stat().st_size
+    digest = hashlib.sha256() if algorithm == "sha256" else hashlib.sha1(b"blob %d\x00" % size)
+    with open(path, "rb") as fh:
+        while block := fh.read(HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hub_mismatch(path: Path, remote: RemoteFile) -> str | None:
+    """Why a local copy differs from the Hub's record of the file (size, sha256 or git blob
+    id), or None when it matches. `ckpt download` and `ckpt verify` use this."""
+    size = path.stat().st_size
+    if size != remote.size:
+        return f"is {size} bytes but the Hub records {remote.size} for {remote.path}"
+    if remote.sha256 and file_digest(path, "sha256") != remote.sha256:
+        return f"does not match the sha256 the Hub records for {remote.path}"
+    if remote.blob_id and not remote.sha256 and file_digest(path, "git") != remote.blob_id:
+        return f"does not match the git blob id the Hub records for {remote.path}"
+    return None
+
+
+def _auth_fix() -> str:
+    return (
+        "If the repository is private or gated, accept its terms on the Hub, then set HF_TOKEN "
+        "or run `hf auth login`."
+    )
+
+
+@contextmanager
+def hub_errors(where: str) -> Iterator[None]:
+    """Map huggingface_hub and network exceptions to ckpt errors naming `where`.
+
+    Missing repository, revision or file: NotFoundError (exit 3). Authentication, gated or
+    private repositories, offline misses, connection and server failures: HubError (exit 5).
+    """
+    import httpx2
+    from huggingface_hub import errors as hf
+
+    try:
+        yield
+    except CkptError:
+        raise
+    except hf.GatedRepoError:
+        raise HubError(
+            "is a gated repository and no valid token was sent",
+            path=where,
+            fix="Accept its terms on the Hub, then set HF_TOKEN or run `hf auth login`.",
+        ) from None
+    except hf.RepositoryNotFoundError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        if status in (401, 403):
+            raise HubError(
+                "was refused (HTTP 401): the repository does not exist, or it is private or gated "
+                "and no valid token was sent",
+                path=where,
+                fix=f"Check the name. {_auth_fix()}",
+            ) from None
+        raise NotFoundError(
+            "no such repository on the Hub", path=where, fix="Check the org/name spelling."
+        ) from None
+    except hf.RevisionNotFoundError:
+        raise NotFoundError(
+            "no such revision (branch, tag or commit) in this repository",
+            path=where,
+            fix="Check the part after '@'; `hf://org/repo` reads the default branch.",
+        ) from None
+    except hf.LocalEntryNotFoundError as exc:
+        raise HubError(
+            f"is not in the local cache and the Hub could not be used ({_first_line(exc)})",
+            path=where,
+            fix="Check the connection and HF_ENDPOINT, or unset HF_HUB_OFFLINE.",
+        ) from None
+    except hf.EntryNotFoundError:
+        raise NotFoundError(
+            "no such file or folder in this repository at this revision",
+            path=where,
+            fix="Check the path after the repository name; `ckpt inspect hf://org/repo` lists the files.",
+        ) from None
+    except hf.RevisionResolutionError as exc:
+        raise HubError(
+            f"cannot be reached and nothing is cached for this revision ({_first_line(exc)})",
+            path=where,
+            fix="Check the connection and HF_ENDPOINT, or download it once while online.",
+        ) from None
+    except hf.HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        if status in (401, 403):
+            raise HubError(f"was refused (HTTP {status})", path=where, fix=_auth_fix()) from None
+        if status == 404:
+            raise NotFoundError("not found on the Hub (HTTP 404)", path=where) from None
+        raise HubError(
+            f"the Hub answered HTTP {status} ({_first_line(exc)})",
+            path=where,
+            fix="Try again later; check HF_ENDPOINT if you use a mirror.",
+        ) from None
+    except (httpx2.TransportError, hf.OfflineModeIsEnabled, ConnectionError, TimeoutError) as exc:
+        raise HubError(
+            f"the Hub could not be reached ({type(exc).__name__}: {_first_line(exc)})",
+            path=where,
+            fix="Check the network connection and HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use the cache.",
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def open_repo(location: Location, settings: HubSettings | None = None) -> HubRepo:
+    """Resolve `location`'s revision to a commit and list its files (sizes, sha256)."""
+    from huggingface_hub import HfApi
+
+    settings = settings or HubSettings.from_env()
+    where = location.raw
+    api = HfApi(endpoint=settings.endpoint, token=settings.token)
+    with hub_errors(where):
+        commit = str(
+            api.resolve_revision(
+                location.repo_id or "",
+                repo_type=location.repo_type,
+                revision=location.revision,
+                cache_dir=settings.cache_dir,
+                local_files_only=settings.offline,
+            ).resolved
+        )
+    if settings.offline:
+        return _open_cached(location, settings, commit)
+    files: dict[str, RemoteFile] = {}
+    prefix = f"{location.subfolder}/" if location.subfolder else ""
+    with hub_errors(where):
+        for item in api.list_repo_tree(
+            location.repo_id or "",
+            path_in_repo=location.subfolder or None,
+            recursive=True,
+            revision=commit,
+            repo_type=location.repo_type,
+        ):
+            size = getattr(item, "size", None)
+            if size is None:  # a folder
+                continue
+            if not item.path.startswith(prefix):
+                continue
+            rel = safe_relpath(item.path[len(prefix) :], source=where)
+            lfs = getattr(item, "lfs", None)
+            files[rel] = RemoteFile(
+                path=item.path,
+                size=int(lfs.size if lfs is not None else size),
+                sha256=lfs.sha256 if lfs is not None else None,
+                blob_id=None if lfs is not None else getattr(item, "blob_id", None),
+            )
+    if not files:
+        raise NotFoundError(
+            "holds no files at this revision" + (" under this folder" if prefix else ""),
+            path=where,
+            fix="Check the repository and the subfolder.",
+        )
+    return HubRepo(
+        location=location, settings=settings, commit=commit, files=dict(sorted(files.items()))
+    )
+
+
+def _open_cached(location: Location, settings: HubSettings, commit: str) -> HubRepo:
+    from huggingface_hub.file_download import repo_folder_name
+
+    assert location.repo_id is not None
+    folder = Path(settings.cache_dir) / repo_folder_name(
+        repo_id=location.repo_id, repo_type=location.repo_type
+    )
+    snapshot = folder / "snapshots" / commit
+    root = snapshot / location.subfolder if location.subfolder else snapshot
+    if not root.is_dir():
+        raise HubError(
+            f"is not in the local cache (HF_HUB_OFFLINE is set; looked in {root})",
+            path=location.raw,
+            fix="Unset HF_HUB_OFFLINE, or download it first with `ckpt download --cache-only`.",
+        )
+    listing = LocalStorage(root).list_files()
+    prefix = f"{location.subfolder}/" if location.subfolder else ""
+    files = {rel: RemoteFile(path=prefix + rel, size=size) for rel, size in listing.items()}
+    return HubRepo(location=location, settings=settings, commit=commit, files=files, snapshot=root)
+
+
+class HubStorage(Storage):
+    """The files of a Hub snapshot, read with HTTP range requests (or from the local cache).
+
+    Attributes:
+        repo: the pinned repository.
+        bytes_fetched: bytes received over the network so far (cache reads do not count).
+        bytes_from_cache: bytes read from files already in the local HF cache.
+        requests: HTTP requests made for file data.
+    """
+
+    #: first read of a safetensors header: most shard headers fit; larger ones take a second read
+    header_probe = 16 << 10
+
+    def __init__(self, repo: HubRepo):
+        self.repo = repo
+        self.display = repo.display()
+        self.bytes_fetched = 0
+        self.bytes_from_cache = 0
+        self.requests = 0
+        # reads may run on several threads (parallel range fetches)
+        self._lock = threading.Lock()
+        self._direct: dict[str, str] = {}
+        #: fetch all shard headers of a folder at once (off when SRC names one file)
+        self.prefetch_heads = True
+        self._heads: dict[str, bytes | None] = {}
+
+    def list_files(self) -> dict[str, int]:
+        return {rel: f.size for rel, f in self.repo.files.items()}
+
+    def size(self, rel: str) -> int:
+        return self.remote(rel).size
+
+    def remote(self, rel: str) -> RemoteFile:
+        """The listing entry of `rel` (NotFoundError if absent)."""
+        rel = safe_relpath(rel, source=self.display)
+        try:
+            return self.repo.files[rel]
+        except KeyError:
+            raise NotFoundError(
+                "file not found in the repository", path=self.describe(rel)
+            ) from None
+
+    def describe(self, rel: str) -> str:
+        return self.repo.display(rel)
+
+    def local_path(self, rel: str) -> Path | None:
+        cached = self.repo.cached_path(safe_relpath(rel, source=self.display))
+        return Path(cached) if cached else None
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        size = self.size(rel)
+        if offset + length > size:
+            raise FormatError(
+                f"is truncated: wanted {length} bytes at offset {offset}, the file is {size} bytes",
+                path=self.describe(rel),
+            )
+        if length == 0:
+            return b""
+        if offset == 0 and length <= self.header_probe and rel.endswith(".safetensors"):
+            head = self._head(rel)
+            if head is not None and len(head) >= length:
+                return head[:length]
+        return b"".join(self.stream(rel, offset, offset + length))
+
+    def _head(self, rel: str) -> bytes | None:
+        """The first `header_probe` bytes of `rel`, fetched together with its sibling shards.
+
+        Opening a sharded checkpoint reads every shard's header; one at a time that is one round
+        trip per shard (200 shards: seconds). The first header read fetches the heads of all
+        `.safetensors` files in that folder at once, `HEAD_WORKERS` requests in parallel.
+        """
+        if not self.prefetch_heads:
+            return None
+        with self._lock:
+            if rel in self._heads:
+                return self._heads[rel]
+            folder = posixpath.dirname(rel)
+            names = [
+                n
+                for n in self.repo.files
+                if n.endswith(".safetensors")
+                and posixpath.dirname(n) == folder
+                and n not in self._heads
+                and self.repo.cached_path(n) is None
+            ]
+            for name in names:
+                self._heads[name] = None  # claimed: fetched below, once
+        if rel not in names:
+            return None
+
+        def fetch(name: str) -> bytes:
+            length = min(self.size(name), self.header_probe)
+            return b"".join(self.stream(name, 0, length)) if length else b""
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=max(1, min(HEAD_WORKERS, len(names)))) as pool:
+            heads = dict(zip(names, pool.map(fetch, names), strict=True))
+        with self._lock:
+            self._heads.update(heads)
+        return heads[rel]
+
+    def stream(self, rel: str, start: int, end: int, chunk: int = STREAM_CHUNK) -> Iterator[bytes]:
+        """Bytes `start..end` of `rel` in chunks: one ranged GET, resumed if the connection drops."""
+        cached = self.local_path(rel)
+        if cached is not None:
+            with open(cached, "rb") as fh:
+                fh.seek(start)
+                pos = start
+                while pos < end:
+                    block = fh.read(min(chunk, end - pos))
+                    if not block:
+                        raise FormatError(
+                            f"is shorter in the local cache than on the Hub ({pos} < {end} bytes)",
+                            path=str(cached),
+                            fix="Delete it from the HF cache (`hf cache rm`) and fetch it again.",
+                        )
+                    pos += len(block)
+                    with self._lock:
+                        self.bytes_from_cache += len(block)
+                    yield block
+            return
+        if self.repo.snapshot is not None:
+            raise HubError(
+                "is not in the local cache (HF_HUB_OFFLINE is set)",
+                path=self.describe(rel),
+                fix="Unset HF_HUB_OFFLINE to fetch it.",
+            )
+        yield from self._stream_remote(rel, start, end, chunk)
+
+    def _stream_remote(self, rel: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+        import httpx2
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        where = self.describe(rel)
+        pos, failures = start, 0
+        while pos < end:
+            # LFS files redirect to a signed CDN URL: once known, ranges go there directly
+            # (one round trip instead of two); an expired one falls back to `resolve`
+            with self._lock:
+                direct = self._direct.get(rel)
+                self.requests += 1
+            url = direct or self.repo.url(rel)
+            headers = {} if direct else build_hf_headers(token=self.repo.settings.token)
+            headers["Range"] = f"bytes={pos}-{end - 1}"
+            headers["Accept-Encoding"] = "identity"
+            try:
+                with get_session().stream(
+                    "GET", url, headers=headers, follow_redirects=True
+                ) as response:
+                    if direct and response.status_code in (401, 403, 404, 410):
+                        with self._lock:
+                            self._direct.pop(rel, None)
+                        continue
+                    with hub_errors(where):
+                        hf_raise_for_status(response)
+                    if not direct and response.history:
+                        with self._lock:
+                            self._direct[rel] = str(response.url)
+                    # a 200 means the server ignored Range: discard what comes before `pos`
+                    skip = pos if response.status_code == 200 else 0
+                    # no chunk size: blocks are yielded as they arrive, so after a dropped
+                    # connection the retry starts at the last byte received, not at a block edge
+                    for block in response.iter_bytes():
+                        with self._lock:
+                            self.bytes_fetched += len(block)
+                        if skip:
+                            cut = min(skip, len(block))
+                            block, skip = block[cut:], skip - cut
+                        if not block:
+                            continue
+                        block = block[: end - pos]
+                        pos += len(block)
+                        failures = 0
+                        yield block
+                        if pos >= end:
+                            break
+            except (httpx2.RemoteProtocolError, httpx2.ReadError, httpx2.TimeoutException) as exc:
+                failures += 1
+                if failures > READ_RETRIES:
+                    raise HubError(
+                        f"the connection kept failing while reading bytes {pos}..{end} ({exc})",
+                        path=where,
+                        fix="Check the network and run the command again.",
+                    ) from None
+                time.sleep(min(0.2 * 2**failures, 5.0))
+                continue
+            except httpx2.TransportError:
+                with hub_errors(where):
+                    raise
+            if pos < end:
+                failures += 1
+                if failures > READ_RETRIES:
+                    raise HubError(
+                        f"the Hub sent fewer bytes than asked ({pos - start} of {end - start})",
+                        path=where,
+                        fix="Run the command again.",
+                    )
+
+    def open(self, rel: str) -> IO[bytes]:
+        cached = self.local_path(rel)
+        if cached is not None:
+            return open(cached, "rb")
+        return io.BufferedReader(_RangeFile(self, rel), buffer_size=STREAM_CHUNK)
+
+
+class _RangeFile(io.RawIOBase):
+    """A seekable read-only file over ranged reads (for readers that need a file object)."""
+
+    def __init__(self, storage: HubStorage, rel: str):
+        self._storage = storage
+        self._rel = rel
+        self._size = storage.size(rel)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._size - self._pos)
+        if n <= 0:
+            return 0
+        data = self._storage.read(self._rel, self._pos, n)
+        view[:n] = data
+        self._pos += n
+        return n
+
+
+def hub_source(location: Location) -> Source:
+    """Open an `hf://` location: resolve the revision once, list the files, read by ranges.
+
+    A location whose path names one file (`hf://org/repo/model.safetensors`) opens that file.
+    """
+    target = None
+    try:
+        repo = open_repo(location)
+    except (NotFoundError, HubError) as error:
+        if not location.subfolder:
+            raise
+        # the path may name a file rather than a folder: list its folder and look for it
+        parent, _, name = location.subfolder.rpartition("/")
+        try:
+            repo = open_repo(replace(location, subfolder=parent))
+        except CkptError:
+            raise error from None
+        if name not in repo.files:
+            raise error from None
+        target = name
+    storage = HubStorage(repo)
+    storage.prefetch_heads = target is None
+    return Source(
+        location=location,
+        storage=storage,
+        target=target,
+        origin={"hub": repo.details()},
+    )

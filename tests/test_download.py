@@ -1,0 +1,429 @@
+"""`ckpt download`: only the shards, or only the byte ranges, that hold the selected tensors.
+
+A real HTTP Hub on 127.0.0.1 serves repositories written by `save_torch_state_dict`; results are
+read back with `safetensors.safe_open` and compared bit for bit; the server's byte counts prove
+what each mode transferred.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from .conftest import run_ckpt
+from .hub_fixtures import CONFIG_JSON, publish_model
+from .hub_server import TestHub
+
+SHARD_LIMIT = 150_000
+
+
+def model_state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    state: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(128, 128, generator=gen)
+    }
+    for i in range(4):
+        state[f"model.layers.{i}.mlp.weight"] = torch.randn(128, 128, generator=gen)
+        state[f"model.layers.{i}.norm.weight"] = torch.randn(128, generator=gen).to(torch.bfloat16)
+    state["lm_head.weight"] = torch.randn(128, 128, generator=gen)
+    return state
+
+
+def read_all(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a local safetensors folder, through the real reader."""
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                out[name] = fh.get_tensor(name)
+    return out
+
+
+def publish(
+    hub: TestHub, tmp_path: Path, repo: str = "org/model"
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    state = model_state()
+    publish_model(hub, repo, tmp_path / "src", state, max_shard_size=SHARD_LIMIT)
+    index = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())
+    hub.reset_counters()
+    return state, index["weight_map"]
+
+
+def test_shards_mode_fetches_only_the_shards_holding_the_selection(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    state, weight_map = publish(hub, tmp_path)
+    shards = sorted(set(weight_map.values()))
+    assert len(shards) >= 3
+    wanted_shard = weight_map["model.layers.1.mlp.weight"]
+    dest = tmp_path / "out"
+    result = run_ckpt(
+        "download", "hf://org/model", dest, "--tensors", "model.layers.1.mlp.*", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["tensors_selected"] == 1
+    # only that shard's bytes (plus the extras) crossed the wire
+    for shard in shards:
+        sent = hub.bytes_sent("org/model", shard)
+        size = (tmp_path / "src" / shard).stat().st_size
+        if shard == wanted_shard:
+            assert sent == size
+        else:
+            assert sent < 1024, (shard, sent)  # at most nothing; the index alone named the shard
+    assert hub.bytes_sent("org/model", "config.json") == len(CONFIG_JSON)
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        ["config.json", "tokenizer.json", "model.safetensors.index.json", wanted_shard]
+    )
+    # DEST is a complete checkpoint: its index names exactly the fetched shard and its tensors
+    got = read_all(dest)
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {wanted_shard}
+    assert set(index["weight_map"]) == set(got)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, state[name]), name
+    assert all(f["verified"] for f in report["files"] if f["status"] != "rewritten")
+    assert run_ckpt("inspect", dest, "--json").json["result"]["tensors"] == len(got)
+
+
+def test_shards_mode_whole_repo_is_the_source_byte_for_byte(hub: TestHub, tmp_path: Path) -> None:
+    state, _ = publish(hub, tmp_path)
+    dest = tmp_path / "all"
+    result = run_ckpt("download", "hf://org/model", dest, "--no-extras")
+    assert result.exit_code == 0, result.stderr
+    for path in (tmp_path / "src").glob("*.safetensors*"):
+        assert (dest / path.name).read_bytes() == path.read_bytes(), path.name
+    assert not (dest / "config.json").exists()
+    assert {k: v for k, v in read_all(dest).items()}.keys() == state.keys()
+    # a second run is served from the HF cache: nothing is fetched again
+    hub.reset_counters()
+    again = run_ckpt("download", "hf://org/model", tmp_path / "again", "--json")
+    assert again.exit_code == 0, again.stderr
+    shard_bytes = sum(
+        hub.bytes_sent("org/model", p.name) for p in (tmp_path / "src").glob("*.safetensors")
+    )
+    assert shard_bytes == 0
+    assert {f["status"] for f in again.json["result"]["files"] if f["kind"] == "weights"} == {
+        "cached"
+    }
+
+
+def test_tensors_mode_fetches_only_the_selected_ranges(hub: TestHub, tmp_path: Path) -> None:
+    state, _ = publish(hub, tmp_path)
+    dest = tmp_path / "picked"
+    globs = ["model.layers.0.*", "model.layers.3.mlp.weight", "lm_head.*"]
+    args = [a for g in globs for a in ("--tensors", g)]
+    result = run_ckpt(
+        "download", "hf://org/model", dest, "--mode", "tensors", "--no-extras", *args, "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    selected = {
+        n
+        for n in state
+        if n.startswith("model.layers.0.") or n in ("model.layers.3.mlp.weight", "lm_head.weight")
+    }
+    selected_bytes = sum(state[n].numel() * state[n].element_size() for n in selected)
+    assert report["tensors_selected"] == len(selected)
+    assert report["selected_bytes"] == selected_bytes
+    # data bytes within 1% of the selection; everything the server sent within headers of that
+    assert selected_bytes <= report["bytes_transferred"] <= selected_bytes * 1.01
+    total_sent = hub.bytes_sent("org/model")
+    assert total_sent == report["bytes_transferred"] + report["metadata_bytes"]
+    assert report["metadata_bytes"] < 0.5 * selected_bytes
+    assert all(r.range is not None for r in hub.file_requests("org/model") if r.method == "GET")
+    got = read_all(dest)
+    assert set(got) == selected
+    for name in selected:
+        assert got[name].dtype == state[name].dtype and torch.equal(got[name], state[name]), name
+    verify = run_ckpt("inspect", dest, "--json")
+    assert verify.exit_code == 0 and verify.json["result"]["tensors"] == len(selected)
+
+
+def test_tensors_mode_splits_large_ranges_into_parallel_parts(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_cli.ops import download as download_ops
+
+    state, _ = publish(hub, tmp_path)
+    monkeypatch.setattr(download_ops, "PART_SIZE", 5000)  # a 64 KiB tensor takes 14 requests
+    monkeypatch.setattr(download_ops, "PARTS_IN_FLIGHT", 4)
+    dest = tmp_path / "parts"
+    result = run_ckpt(
+        "download", "hf://org/model", dest, "--mode", "tensors", "--no-extras", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["bytes_transferred"] == report["selected_bytes"]  # every tensor is contiguous
+    gets = [r for r in hub.file_requests("org/model") if r.method == "GET"]
+    data = [r for r in gets if r.status == 206]
+    assert len(data) > report["selected_bytes"] // 5000
+    # once a shard's CDN URL is known, its ranges go there directly, not through `resolve`
+    redirects = [r for r in gets if r.status == 302]
+    assert len(redirects) < len(data) / 4
+    got = read_all(dest)
+    assert got.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_tensors_mode_output_is_sharded_with_an_index_when_large(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    state, _ = publish(hub, tmp_path)
+    dest = tmp_path / "big"
+    result = run_ckpt(
+        "download", "hf://org/model", dest, "--mode", "tensors", "--exclude", "*.norm.*"
+    )
+    assert result.exit_code == 0, result.stderr
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    expected = {n for n in state if ".norm." not in n}
+    assert set(index["weight_map"]) == expected
+    got = read_all(dest)
+    assert set(got) == expected
+    for name in expected:
+        assert torch.equal(got[name], state[name]), name
+    assert (dest / "config.json").read_bytes() == CONFIG_JSON
+
+
+def test_dropped_connection_mid_file_resumes(hub: TestHub, tmp_path: Path) -> None:
+    state, weight_map = publish(hub, tmp_path)
+    shard = weight_map["model.layers.2.mlp.weight"]
+    size = (tmp_path / "src" / shard).stat().st_size
+    hub.drop_after("org/model", shard, size // 3)
+    dest = tmp_path / "resumed"
+    result = run_ckpt("download", "hf://org/model", dest, "--tensors", "model.layers.2.mlp.weight")
+    assert result.exit_code == 0, result.stderr
+    # huggingface_hub retried after the drop; it resumes from its last complete 10 MB block,
+    # which for a shard this small is the start: the shard crossed the wire once more, no more
+    gets = [
+        r for r in hub.file_requests("org/model", shard) if r.method == "GET" and r.status != 302
+    ]
+    assert len(gets) == 2 and gets[0].sent == size // 3
+    assert hub.bytes_sent("org/model", shard) == size + size // 3
+    assert (dest / shard).read_bytes() == (tmp_path / "src" / shard).read_bytes()
+
+    # the same in tensors mode (another shard: the first one is in the HF cache now): the
+    # range request resumes exactly where the connection broke
+    hub.reset_counters()
+    other = weight_map["lm_head.weight"]
+    assert other != shard
+    entry_bytes = 128 * 128 * 4
+    hub.drop_after("org/model", other, entry_bytes // 2)
+    dest2 = tmp_path / "resumed-tensors"
+    result = run_ckpt(
+        "download", "hf://org/model", dest2, "--mode", "tensors", "--no-extras",
+        "--tensors", "lm_head.weight",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    got = read_all(dest2)
+    assert torch.equal(got["lm_head.weight"], state["lm_head.weight"])
+    gets = [
+        r for r in hub.file_requests("org/model", other) if r.method == "GET" and r.status != 302
+    ]
+    assert len(gets) == 3  # header probe, broken range, resumed range
+    assert gets[1].sent == entry_bytes // 2
+    assert gets[2].range is not None and gets[1].range is not None
+    resumed_from = int(gets[2].range.split("=")[1].split("-")[0])
+    assert resumed_from == int(gets[1].range.split("=")[1].split("-")[0]) + entry_bytes // 2
+    assert hub.bytes_sent("org/model", other) - gets[0].sent == entry_bytes
+
+
+def test_interrupted_run_resumes_with_the_shards_it_lacks(hub: TestHub, tmp_path: Path) -> None:
+    state, weight_map = publish(hub, tmp_path)
+    shards = sorted(set(weight_map.values()))
+    broken = shards[1]
+    hub.fail(f"/resolve/.*/{broken}$", 403)
+    dest = tmp_path / "interrupted"
+    first = run_ckpt("download", "hf://org/model", dest, "--no-extras")
+    assert first.exit_code == 5, first.stderr
+    assert broken in first.stderr
+    assert not dest.exists() and not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
+    fetched_before = {s: hub.bytes_sent("org/model", s) for s in shards}
+    hub.reset_counters()
+    second = run_ckpt("download", "hf://org/model", dest, "--no-extras", "--json")
+    assert second.exit_code == 0, second.stderr
+    status = {f["path"]: f["status"] for f in second.json["result"]["files"]}
+    for shard in shards:
+        size = (tmp_path / "src" / shard).stat().st_size
+        if fetched_before[shard] == size:  # completed by the first run: not fetched again
+            assert status[shard] == "cached" and hub.bytes_sent("org/model", shard) == 0
+        else:
+            assert status[shard] == "fetched" and hub.bytes_sent("org/model", shard) == size
+    assert status[broken] == "fetched"
+    assert "cached" in status.values()  # the first run's completed shards were kept
+    got = read_all(dest)
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[n], state[n]) for n in state)
+
+
+def test_a_corrupt_file_in_the_cache_is_caught_by_the_hub_checksum(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    _, weight_map = publish(hub, tmp_path)
+    shard = weight_map["lm_head.weight"]
+    first = run_ckpt(
+        "download", "hf://org/model", "--cache-only", "--tensors", "lm_head.*", "--json"
+    )
+    assert first.exit_code == 0, first.stderr
+    cached = Path(
+        next(f["cache_path"] for f in first.json["result"]["files"] if f["path"] == shard)
+    )
+    blob = cached.resolve()  # the snapshot entry links to the blob
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    dest = tmp_path / "corrupt"
+    result = run_ckpt("download", "hf://org/model", dest, "--tensors", "lm_head.*")
+    assert result.exit_code == 4
+    assert shard in result.stderr and "sha256" in result.stderr and "hf cache rm" in result.stderr
+    assert not dest.exists()
+
+
+def test_torch_bin_shards_with_an_index(hub: TestHub, tmp_path: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    state = model_state()
+    src = tmp_path / "bin"
+    src.mkdir()
+    save_torch_state_dict(state, src, max_shard_size=SHARD_LIMIT, safe_serialization=False)
+    weight_map = json.loads((src / "pytorch_model.bin.index.json").read_text())["weight_map"]
+    hub.add_repo("org/old", src)
+    dest = tmp_path / "old"
+    result = run_ckpt("download", "hf://org/old", dest, "--tensors", "lm_head.*", "--json")
+    assert result.exit_code == 0, result.stderr
+    shard = weight_map["lm_head.weight"]
+    assert (dest / shard).read_bytes() == (src / shard).read_bytes()
+    index = json.loads((dest / "pytorch_model.bin.index.json").read_text())
+    assert set(index["weight_map"].values()) == {shard}
+    assert set(index["weight_map"]) == {n for n, s in weight_map.items() if s == shard}
+    loaded = torch.load(dest / shard, weights_only=True)
+    assert torch.equal(loaded["lm_head.weight"], state["lm_head.weight"])
+    ranges = run_ckpt("download", "hf://org/old", tmp_path / "x", "--mode", "tensors")
+    assert ranges.exit_code == 4 and "--mode shards" in ranges.stderr
+
+
+def test_hostile_index_and_header_on_the_hub_are_refused(hub: TestHub, tmp_path: Path) -> None:
+    import struct
+
+    evil_index = json.dumps(
+        {"metadata": {}, "weight_map": {"w": "../../outside.safetensors"}}
+    ).encode()
+    hub.add_repo("org/evil", {"model.safetensors.index.json": evil_index, "config.json": b"{}"})
+    dest = tmp_path / "evil"
+    for mode in ("shards", "tensors"):
+        result = run_ckpt("download", "hf://org/evil", dest, "--mode", mode, "--json")
+        assert result.exit_code == 4, (mode, result.stderr)
+        assert result.json["error"]["code"] == "unsafe_input"
+    # a header that claims to be far larger than the file: refused before any tensor is fetched
+    bogus = struct.pack("<Q", 1 << 40) + b"{}" * 100
+    hub.add_repo("org/bogus", {"model.safetensors": bogus})
+    result = run_ckpt("download", "hf://org/bogus", dest, "--mode", "tensors")
+    assert result.exit_code == 4 and "header" in result.stderr
+    assert not dest.exists()
+    assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
+
+
+def test_dry_run_fetches_nothing(hub: TestHub, tmp_path: Path) -> None:
+    _, weight_map = publish(hub, tmp_path)
+    dest = tmp_path / "never"
+    shards = publish_shards = sorted(set(weight_map.values()))
+    del publish_shards
+    plan = run_ckpt(
+        "download", "hf://org/model", dest, "--tensors", "model.layers.0.*", "--dry-run", "--json"
+    )
+    assert plan.exit_code == 0, plan.stderr
+    report = plan.json["result"]
+    assert report["dry_run"] and report["bytes_transferred"] == 0
+    assert report["bytes_planned"] > 0
+    assert {f["status"] for f in report["files"]} == {"planned"}
+    assert not dest.exists()
+    assert all(hub.bytes_sent("org/model", s) == 0 for s in shards)
+    assert not [r for r in hub.log if r.method == "HEAD"]
+
+    ranges = run_ckpt(
+        "download",
+        "hf://org/model",
+        dest,
+        "--mode",
+        "tensors",
+        "--tensors",
+        "lm_head.*",
+        "--dry-run",
+    )
+    assert ranges.exit_code == 0, ranges.stderr
+    assert "lm_head.weight" in ranges.stdout and "nothing was downloaded" in ranges.stdout
+    assert not dest.exists()
+    for shard in shards:  # only header probes: at most 16 KiB of any shard
+        assert hub.bytes_sent("org/model", shard) <= 16 << 10
+
+
+def test_errors_no_match_missing_gated_and_existing_dest(hub: TestHub, tmp_path: Path) -> None:
+    publish(hub, tmp_path)
+    publish_model(hub, "org/gated", tmp_path / "gated", {"w": torch.zeros(2)}, token="hf_ok")
+    dest = tmp_path / "d"
+    nothing = run_ckpt("download", "hf://org/model", dest, "--tensors", "no.such.*", "--json")
+    assert nothing.exit_code == 3
+    assert "no.such.*" in nothing.json["error"]["message"]
+    assert run_ckpt("download", "hf://org/absent", dest).exit_code == 3
+    assert run_ckpt("download", "hf://org/model@v9", dest).exit_code == 3
+    gated = run_ckpt("download", "hf://org/gated", dest)
+    assert gated.exit_code == 5 and "HF_TOKEN" in gated.stderr
+    ok = run_ckpt("download", "hf://org/gated", dest, env={"HF_TOKEN": "hf_ok"})
+    assert ok.exit_code == 0, ok.stderr
+    again = run_ckpt("download", "hf://org/gated", dest, env={"HF_TOKEN": "hf_ok"})
+    assert again.exit_code == 2 and "--force" in again.stderr
+    forced = run_ckpt("download", "hf://org/gated", dest, "--force", env={"HF_TOKEN": "hf_ok"})
+    assert forced.exit_code == 0
+    assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
+
+
+def test_file_missing_on_the_hub_is_exit_3_and_leaves_no_dest(hub: TestHub, tmp_path: Path) -> None:
+    _, weight_map = publish(hub, tmp_path)
+    shard = weight_map["lm_head.weight"]
+    hub.fail(f"/resolve/.*/{shard}$", 404, times=5, error_code="EntryNotFound")
+    dest = tmp_path / "partial"
+    result = run_ckpt("download", "hf://org/model", dest, "--tensors", "lm_head.*")
+    assert result.exit_code == 3, result.stderr
+    assert not dest.exists()
+    assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
+
+
+def test_cache_only_fills_the_hf_cache(hub: TestHub, tmp_path: Path) -> None:
+    _, weight_map = publish(hub, tmp_path)
+    result = run_ckpt(
+        "download", "hf://org/model", "--cache-only", "--tensors", "model.embed_tokens.*", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    files = result.json["result"]["files"]
+    shard = weight_map["model.embed_tokens.weight"]
+    cached = {f["path"]: f["cache_path"] for f in files}
+    assert cached[shard].startswith(os.environ["HF_HOME"])
+    assert Path(cached[shard]).read_bytes() == (tmp_path / "src" / shard).read_bytes()
+    # tensors mode reads the ranges of a cached shard from disk
+    picked = run_ckpt(
+        "download", "hf://org/model", tmp_path / "from-cache", "--mode", "tensors",
+        "--tensors", "model.embed_tokens.*", "--no-extras", "--json",
+    )  # fmt: skip
+    assert picked.exit_code == 0, picked.stderr
+    assert picked.json["result"]["bytes_transferred"] == 0
+    assert picked.json["result"]["bytes_from_cache"] == 128 * 128 * 4
+    # offline, the same download is served from that cache
+    hub.reset_counters()
+    dest = tmp_path / "offline"
+    offline = run_ckpt(
+        "download",
+        "hf://org/model",
+        dest,
+        "--tensors",
+        "model.embed_tokens.*",
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+    assert offline.exit_code == 0, offline.stderr
+    assert hub.log == []
+    assert (dest / shard).read_bytes() == (tmp_path / "src" / shard).read_bytes()

@@ -1,0 +1,216 @@
+"""The Hub adapter: `ckpt inspect hf://…` against a real HTTP Hub on 127.0.0.1.
+
+The manifest must come from ranged reads of the shard headers (no shard is downloaded), the
+revision must resolve to one commit, and Hub failures map to exit 3 (missing) or 5 (auth).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ckpt_cli.formats import open_checkpoint
+
+from .conftest import REPO, run_ckpt
+from .hub_fixtures import publish_model
+from .hub_server import TestHub
+
+SHARD_LIMIT = 200_000
+
+
+def layered_state(layers: int = 6) -> dict[str, torch.Tensor]:
+    """Tensors big enough (64 KiB+) that a header probe is far smaller than a shard."""
+    gen = torch.Generator().manual_seed(7)
+    state: dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        state[f"model.layers.{i}.mlp.weight"] = torch.randn(128, 128, generator=gen)
+        state[f"model.layers.{i}.norm.weight"] = torch.randn(128, generator=gen).to(torch.bfloat16)
+    state["model.embed_tokens.weight"] = torch.randn(256, 128, generator=gen)
+    return state
+
+
+def test_inspect_sharded_hub_repo_reads_only_header_ranges(hub: TestHub, tmp_path: Path) -> None:
+    state = layered_state()
+    commit = publish_model(hub, "org/tiny", tmp_path / "src", state, max_shard_size=SHARD_LIMIT)
+    index = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3
+
+    result = run_ckpt("inspect", "hf://org/tiny", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["format"] == "safetensors"
+    assert report["tensors"] == len(state)
+    assert report["tensor_bytes"] == sum(t.numel() * t.element_size() for t in state.values())
+    by_name = {e["name"]: e for e in report["entries"]}
+    for name, tensor in state.items():
+        assert by_name[name]["shape"] == list(tensor.shape)
+        assert by_name[name]["dtype"] == str(tensor.dtype).removeprefix("torch.")
+        assert by_name[name]["file"] == index["weight_map"][name]
+    assert report["details"]["hub"]["repo"] == "org/tiny"
+    assert report["details"]["hub"]["revision"] == "main"
+    assert report["details"]["hub"]["commit"] == commit
+
+    # every shard was read with a Range request, and far less than the shard was sent
+    for shard in shards:
+        size = (tmp_path / "src" / shard).stat().st_size
+        gets = [r for r in hub.file_requests("org/tiny", shard) if r.method == "GET"]
+        data = [r for r in gets if r.status != 302]  # LFS files redirect to the "CDN" first
+        assert len(data) == 1 and data[0].range is not None and data[0].status == 206
+        assert hub.bytes_sent("org/tiny", shard) < size / 2
+    # and every data request named the resolved commit, not the branch
+    assert all(f"/{commit}/" in r.path for r in hub.file_requests("org/tiny"))
+
+
+def test_revision_tag_and_subfolder_resolve_to_a_commit(hub: TestHub, tmp_path: Path) -> None:
+    old = {"w": torch.zeros(4, 4)}
+    new = {"w": torch.ones(4, 4), "b": torch.ones(4)}
+    publish_model(hub, "org/evolving", tmp_path / "v1", old)
+    first = hub.repos["model/org/evolving"].refs["main"]
+    hub.repos["model/org/evolving"].refs["v1.0"] = first
+    (tmp_path / "v2" / "unet").mkdir(parents=True)
+    publish_model(hub, "org/evolving", tmp_path / "v2" / "unet", new)
+    # republish with the weights in a subfolder as the new main
+    hub.add_repo("org/evolving", tmp_path / "v2")
+
+    tagged = run_ckpt("inspect", "hf://org/evolving@v1.0", "--json").json["result"]
+    assert tagged["tensors"] == 1
+    assert tagged["details"]["hub"]["commit"] == first
+    assert tagged["details"]["hub"]["revision"] == "v1.0"
+    by_commit = run_ckpt("inspect", f"hf://org/evolving@{first}", "--json").json["result"]
+    assert by_commit["tensors"] == 1
+    explicit = run_ckpt("inspect", f"hf://org/evolving@{first}", "--format", "hub", "--json")
+    assert explicit.exit_code == 0 and explicit.json["result"]["tensors"] == 1
+    sub = run_ckpt("inspect", "hf://org/evolving/unet", "--json").json["result"]
+    assert sub["tensors"] == 2
+    assert sub["details"]["hub"]["subfolder"] == "unet"
+    dest = tmp_path / "unet-copy"
+    fetched = run_ckpt("download", "hf://org/evolving/unet", dest)
+    assert fetched.exit_code == 0, fetched.stderr
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert (dest / "model.safetensors").read_bytes() == (
+        tmp_path / "v2" / "unet" / "model.safetensors"
+    ).read_bytes()
+    one_file = run_ckpt("inspect", "hf://org/evolving/unet/model.safetensors", "--json")
+    assert one_file.exit_code == 0, one_file.stderr
+    assert one_file.json["result"]["tensors"] == 2
+
+
+def test_dataset_repositories_use_their_own_urls(hub: TestHub, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    state = {"embeddings": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    (tmp_path / "ds").mkdir()
+    save_file(state, tmp_path / "ds" / "vectors.safetensors")
+    hub.add_repo("org/data", tmp_path / "ds", repo_type="dataset")
+    assert run_ckpt("inspect", "hf://org/data").exit_code == 3  # not a model repository
+    hub.reset_counters()
+    result = run_ckpt("inspect", "hf://datasets/org/data", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["details"]["hub"]["repo_type"] == "dataset"
+    dest = tmp_path / "out"
+    got = run_ckpt("download", "hf://datasets/org/data", dest, "--mode", "tensors")
+    assert got.exit_code == 0, got.stderr
+    assert (dest / "vectors.safetensors").exists()  # a single file keeps its name
+    assert all(
+        r.path.startswith(("/api/datasets/", "/datasets/", "/_cdn/datasets/")) for r in hub.log
+    )
+
+
+def test_read_tensor_from_hub_is_bit_exact(hub: TestHub, tmp_path: Path) -> None:
+    state = layered_state(2)
+    publish_model(hub, "org/exact", tmp_path / "src", state, max_shard_size=SHARD_LIMIT)
+    with open_checkpoint("hf://org/exact") as checkpoint:
+        for name, tensor in state.items():
+            got = checkpoint.read_tensor(name)
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+
+
+def test_missing_repo_revision_and_folder_exit_3(hub: TestHub, tmp_path: Path) -> None:
+    publish_model(hub, "org/present", tmp_path / "src", {"w": torch.zeros(2)})
+    missing_repo = run_ckpt("inspect", "hf://org/absent", "--json")
+    assert missing_repo.exit_code == 3
+    assert missing_repo.json["error"]["code"] == "not_found"
+    assert "hf://org/absent" in missing_repo.stderr
+    missing_rev = run_ckpt("inspect", "hf://org/present@no-such-branch")
+    assert missing_rev.exit_code == 3
+    assert "revision" in missing_rev.stderr
+    missing_dir = run_ckpt("inspect", "hf://org/present/nowhere")
+    assert missing_dir.exit_code == 3
+
+
+def test_gated_repo_needs_a_token_exit_5(hub: TestHub, tmp_path: Path) -> None:
+    publish_model(hub, "org/gated", tmp_path / "src", {"w": torch.zeros(2)}, token="hf_secret")
+    refused = run_ckpt("inspect", "hf://org/gated", "--json")
+    assert refused.exit_code == 5
+    assert refused.json["error"]["code"] == "hub"
+    assert "HF_TOKEN" in refused.stderr and "hf auth login" in refused.stderr
+    wrong = run_ckpt("inspect", "hf://org/gated", env={"HF_TOKEN": "hf_wrong"})
+    assert wrong.exit_code == 5
+    allowed = run_ckpt("inspect", "hf://org/gated", "--json", env={"HF_TOKEN": "hf_secret"})
+    assert allowed.exit_code == 0, allowed.stderr
+    assert allowed.json["result"]["tensors"] == 1
+    assert any(r.authorization == "Bearer hf_secret" for r in hub.log)
+    # the token `hf auth login` saves under HF_HOME is used too
+    (Path(os.environ["HF_HOME"]) / "token").write_text("hf_secret\n")
+    saved = run_ckpt("inspect", "hf://org/gated")
+    assert saved.exit_code == 0, saved.stderr
+
+
+def test_server_errors_and_unreachable_hub_exit_5(hub: TestHub, tmp_path: Path) -> None:
+    publish_model(hub, "org/flaky", tmp_path / "src", {"w": torch.zeros(2)})
+    hub.fail(r"^/api/models/org/flaky", 403)
+    forbidden = run_ckpt("inspect", "hf://org/flaky")
+    assert forbidden.exit_code == 5
+    unreachable = run_ckpt("inspect", "hf://org/flaky", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert unreachable.exit_code == 5
+    assert "reached" in unreachable.stderr
+
+
+def test_offline_mode_reads_the_local_cache(hub: TestHub, tmp_path: Path) -> None:
+    from huggingface_hub import snapshot_download
+
+    state = layered_state(1)
+    publish_model(hub, "org/cached", tmp_path / "src", state)
+    snapshot_download(
+        "org/cached", endpoint=hub.url, cache_dir=str(Path(os.environ["HF_HOME"]) / "hub")
+    )
+    hub.reset_counters()
+    offline = run_ckpt("inspect", "hf://org/cached", "--json", env={"HF_HUB_OFFLINE": "1"})
+    assert offline.exit_code == 0, offline.stderr
+    assert offline.json["result"]["tensors"] == len(state)
+    assert hub.log == []  # nothing asked of the Hub
+    # online, files already in the cache are read from disk, not fetched again
+    online = run_ckpt("inspect", "hf://org/cached", "--json")
+    assert online.exit_code == 0
+    assert hub.bytes_sent("org/cached") == 0
+    missing = run_ckpt("inspect", "hf://org/never", env={"HF_HUB_OFFLINE": "1"})
+    assert missing.exit_code == 5
+
+
+def test_hub_inspect_does_not_import_torch(hub: TestHub, tmp_path: Path) -> None:
+    publish_model(hub, "org/light", tmp_path / "src", layered_state(1))
+    probe = (
+        "import sys\nfrom ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+        "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', code, file=sys.stderr)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, "inspect", "hf://org/light", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert "NO_TORCH 0" in proc.stderr, proc.stderr
+    assert json.loads(proc.stdout)["result"]["tensors"] == 3
