@@ -1,10 +1,11 @@
 """Run under torchrun (gloo, CPU): save or load a DCP checkpoint of DTensors placed Shard(0).
 
     torchrun --standalone --nproc-per-node N tests/dcp_dist_script.py \
-        [--save OUT_DIR] [--save-hf OUT_DIR] [--load CKPT_DIR REPORT_DIR [OBJECT_NAME ...]]
+        [--save OUT_DIR] [--save-nocoll OUT_DIR] [--save-hf OUT_DIR] [--load CKPT_DIR REPORT_DIR [OBJECT_NAME ...]]
 
 `--save`: the full tensors of `expected_state()` distributed Shard(0) (0-dim ones replicated),
 plus the object `train.step` = 11, saved with `dcp.save`.
+`--save-nocoll`: the same with `use_collectives=False` (per-rank `__r.metadata`, no `.metadata`).
 `--save-hf`: the same tensors (no objects: that writer holds tensors only) saved with
 `HuggingFaceStorageWriter(save_distributed=True)`: one safetensors file per rank, no `.metadata`.
 `--load`: for every tensor of `expected_state()` an empty DTensor placed Shard(0) (0-dim:
@@ -73,6 +74,12 @@ def main() -> None:
         state: dict = {k: distribute_tensor(v, mesh, placement(v)) for k, v in full.items()}
         state["train.step"] = 11
         dcp.save(state, checkpoint_id=str(out))
+    if args and args[0] == "--save-nocoll":
+        out = Path(args[1])
+        args = args[2:]
+        state = {k: distribute_tensor(v, mesh, placement(v)) for k, v in full.items()}
+        state["train.step"] = 11
+        dcp.save(state, checkpoint_id=str(out), use_collectives=False)
     if args and args[0] == "--save-hf":
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 

@@ -24,6 +24,7 @@ from ckpt_cli.models import Chunk, Entry
 from .conftest import REPO, run_ckpt
 from .dcp_dist_script import expected_state
 from .dist_helpers import DIST_SCRIPT, dcp_load_flat, dcp_save, run_torchrun, training_state
+from .s3_fixtures import S3Server, upload_folder
 
 SERIALIZATIONS = ["torch_save", "safetensors"]
 
@@ -79,10 +80,11 @@ def two_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     run_torchrun(
         DIST_SCRIPT,
         2,
-        *("--save", root / "saved", "--save-hf", root / "hf"),
+        *("--save", root / "saved", "--save-nocoll", root / "nocoll", "--save-hf", root / "hf"),
         *("--load", ours, root / "report", "train.step"),
     )
-    return {"saved": root / "saved", "ours": ours, "report": root / "report", "hf": root / "hf"}
+    names = ("saved", "nocoll", "hf", "report")
+    return {"ours": ours, **{name: root / name for name in names}}
 
 
 # --- inspect and read what dcp.save wrote ------------------------------------------------------
@@ -193,6 +195,32 @@ def test_unloadable_object_is_reported_not_executed(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("serialization", SERIALIZATIONS)
+def test_dcp_in_an_object_store_reads_ranges_only(
+    tmp_path: Path, s3_server: S3Server, serialization: str
+) -> None:
+    state = training_state()
+    dcp_save(state, tmp_path / "ckpt", serialization)
+    upload_folder(s3_server.endpoint, "ckpts", "run/step-7", tmp_path / "ckpt")
+    s3_server.requests.clear()
+    result = run_ckpt("inspect", "s3://ckpts/run/step-7", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["format"] == "dcp" and report["details"]["serialization"] == serialization
+    assert next(e for e in report["entries"] if e["name"] == "step")["value"] == 7
+    data_gets = s3_server.object_gets(".distcp")
+    assert data_gets and all(r.range is not None for r in data_gets)
+    with open_dcp_url("s3://ckpts/run/step-7") as checkpoint:
+        got = checkpoint.read_tensor("model.0.weight")
+        assert torch.equal(got, state["model"]["0.weight"])
+
+
+def open_dcp_url(url: str) -> DcpCheckpoint:
+    checkpoint = open_checkpoint(url)
+    assert isinstance(checkpoint, DcpCheckpoint)
+    return checkpoint
+
+
 # --- 2 ranks under torchrun ------------------------------------------------------------------
 
 
@@ -219,6 +247,25 @@ def test_two_rank_save_inspects_and_reassembles(two_rank: dict[str, Path]) -> No
             checkpoint.read_slice("model.w", [2, 1], [2, 2]), full["model.w"][2:4, 1:3]
         )
     assert problems(saved) == []
+
+
+def test_save_without_collectives_reads_from_per_rank_metadata(
+    two_rank: dict[str, Path], tmp_path: Path
+) -> None:
+    nocoll = two_rank["nocoll"]
+    assert not (nocoll / ".metadata").exists() and (nocoll / "__1.metadata").exists()
+    report = run_ckpt("inspect", nocoll, "--json").json["result"]
+    assert report["details"]["world_size"] == 2
+    full = expected_state()
+    with open_dcp(nocoll) as checkpoint:
+        for name, tensor in full.items():
+            assert torch.equal(checkpoint.read_tensor(name), tensor), name
+    assert problems(nocoll) == []
+    # one rank's metadata missing: that rank's save was interrupted
+    copy = tmp_path / "copy"
+    shutil.copytree(nocoll, copy)
+    (copy / "__1.metadata").unlink()
+    assert {"dcp_interrupted", "dcp_hole"} <= set(problems(copy))
 
 
 def test_hugging_face_writer_per_rank_shards_read_as_dcp(two_rank: dict[str, Path]) -> None:
@@ -348,6 +395,12 @@ def test_writer_safetensors_serialization_matches_dcp_save_and_takes_raw_bytes(
                 assert torch.equal(back.read_tensor(entry.name), source.read_tensor(entry.name))
                 assert all(c.raw for c in back.manifest.by_name[entry.name].chunks or [])
             assert back.read_object("step") == 7
+    # and from the 2-rank output the raw bytes stream back in order, across rank files
+    with open_dcp(ours) as back:
+        weight = state["model"]["0.weight"]
+        assert len(back.manifest.by_name["model.0.weight"].chunks or []) == 2
+        raw = b"".join(back.iter_raw("model.0.weight", block=5))
+        assert raw == weight.contiguous().view(torch.uint8).numpy().tobytes()
     # the embedded safetensors blob carries DCP's sharding info, as dcp.save writes it
     from safetensors import safe_open
 
@@ -412,7 +465,7 @@ def test_missing_metadata_reads_as_an_interrupted_save(tmp_path: Path) -> None:
     assert result.exit_code == 4
     assert "interrupted" in result.stderr and "no .metadata" in result.stderr
     found = DcpFormat.check(resolve_source(str(ckpt)))
-    assert len(found) == 1 and "interrupted" in found[0].message
+    assert [p.code for p in found] == ["dcp_interrupted"] and "interrupted" in found[0].message
 
 
 def broken_copy(two_rank: dict[str, Path], tmp_path: Path) -> Path:
@@ -511,3 +564,43 @@ def test_dtype_and_size_disagreements_with_the_data_are_reported(
     found = DcpFormat.check(resolve_source(str(tmp_path)))
     assert [(p.code, p.tensor) for p in found] == [("dcp_mismatch", "embed")]
     assert "bfloat16" in found[0].message or "BF16" in found[0].message
+
+
+def test_rank_file_linked_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(3)}, ckpt)
+    outside = tmp_path / "elsewhere.distcp"
+    (ckpt / "__0_0.distcp").rename(outside)
+    (ckpt / "__0_0.distcp").symlink_to(outside)
+    result = run_ckpt("inspect", ckpt, "--json")
+    assert result.exit_code == 4
+    assert result.json["error"]["code"] == "unsafe_input"
+    assert "outside the checkpoint" in result.json["error"]["message"]
+
+
+@pytest.mark.parametrize("serialization", SERIALIZATIONS)
+def test_read_slice_loads_only_the_chunks_and_rows_it_needs(
+    tmp_path: Path, serialization: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensor = torch.arange(60.0).reshape(12, 5)
+    plan = [Entry(name="w", dtype="float32", shape=[12, 5], nbytes=240)]
+    writer = DcpFormat.writer(
+        tmp_path, plan, WriteOptions(world_size=4, dcp_serialization=serialization)
+    )
+    writer.write_tensor("w", tensor)
+    writer.finish()
+    with open_dcp(tmp_path) as checkpoint:
+        loads: list[tuple[list[int], Any]] = []
+        real = checkpoint._load_chunk
+
+        def spy(entry: Entry, chunk: Chunk, rows: Any = None) -> torch.Tensor:
+            loads.append((chunk.offsets, rows))
+            return real(entry, chunk, rows)
+
+        monkeypatch.setattr(checkpoint, "_load_chunk", spy)
+        # rows 4..6 lie in rank 1's chunk (rows 3..5) and rank 2's (rows 6..8)
+        box = checkpoint.read_slice("w", [4, 1], [3, 2])
+        assert torch.equal(box, tensor[4:7, 1:3])
+    assert [offsets for offsets, _ in loads] == [[3, 0], [6, 0]]
+    if serialization == "safetensors":  # raw chunks: only the rows needed are read
+        assert [rows for _, rows in loads] == [(1, 3), (0, 1)]

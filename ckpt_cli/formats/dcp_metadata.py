@@ -99,12 +99,20 @@ class Metadata(_Record):
     """Stand-in for `torch.distributed.checkpoint.metadata.Metadata`."""
 
     _fields = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+    state_dict_metadata: Any
+    planner_data: Any
+    storage_data: Any
+    storage_meta: Any
+    version: Any
 
 
 class TensorStorageMetadata(_Record):
     """Stand-in for `TensorStorageMetadata`: properties, global size, chunks."""
 
     _fields = ("properties", "size", "chunks")
+    properties: Any
+    size: Any
+    chunks: Any
 
 
 class BytesStorageMetadata(_Record):
