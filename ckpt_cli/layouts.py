@@ -421,7 +421,9 @@ def _deepspeed(source: Source) -> OpenedSource | None:
     top = {n for n in source.files if "/" not in n}
     base = ""
     if "latest" in top:
-        tag = source.storage.read_all("latest").decode("utf-8", "replace").strip()
+        # a tag name is short; never read more than a few KB of whatever `latest` holds
+        size = min(source.storage.size("latest"), 4096)
+        tag = source.storage.read("latest", 0, size).decode("utf-8", "replace").strip()
         tag = safe_relpath(tag, source=source.storage.describe("latest"))
         base = f"{tag}/"
         if not any(n.startswith(base) for n in source.files):
