@@ -21,6 +21,9 @@ demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(PY) examples/make_demo.py $(DEMO)
 	$(CKPT) inspect $(DEMO)/model
+	$(CKPT) inspect $(DEMO)/checkpoint-4
+	$(CKPT) verify $(DEMO)/model
+	$(CKPT) verify --resumable $(DEMO)/checkpoint-4
 
 test: $(STAMP) lint typecheck pytest
 

@@ -177,7 +177,11 @@ class TrainingState(BaseModel):
         scheduler: LR scheduler summary (class, last_epoch...), if any.
         rng: RNG streams present (`python`, `numpy`, `torch_cpu`, `torch_cuda`...).
         dataloader: data-loader / sampler state summary, if any.
-        components: component -> file or key prefix holding it.
+        components: component -> the file(s) holding it (or the key prefix, inside one file).
+        prefixes: component -> the prefix of its entry names in the opened checkpoint
+            (`model.`, `optimizer.`, or `state_dict.` in a Lightning file); what
+            `convert --select` and `diff` use to line components up.
+        unreadable: file -> why it could not be read safely (listed, never unpickled).
         resumable: everything needed to resume the same run is present.
         missing: what is missing for `resumable`.
     """
@@ -191,5 +195,7 @@ class TrainingState(BaseModel):
     rng: list[str] = Field(default_factory=list)
     dataloader: dict[str, Any] | None = None
     components: dict[str, str] = Field(default_factory=dict)
+    prefixes: dict[str, str] = Field(default_factory=dict)
+    unreadable: dict[str, str] = Field(default_factory=dict)
     resumable: bool = False
     missing: list[str] = Field(default_factory=list)

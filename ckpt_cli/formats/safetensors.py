@@ -13,13 +13,13 @@ import json
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .. import dtypes
-from ..errors import FormatError, NotFoundError
-from ..models import Entry, FileInfo, Manifest
+from ..errors import CkptError, FormatError, NotFoundError
+from ..models import Entry, FileInfo, Manifest, Problem
 from ..storage import LocalStorage, Storage, safe_relpath
 from .base import Checkpoint, Format, Source, WriteOptions, Writer
 
@@ -59,6 +59,7 @@ class SafetensorsHeader:
         tensors: name -> (dtype, shape, begin, end) with offsets relative to `data_start`,
             in file order.
         metadata: the `__metadata__` strings.
+        rejected: names of header entries that failed validation (only when collecting).
     """
 
     def __init__(
@@ -74,98 +75,206 @@ class SafetensorsHeader:
         self.data_start = data_start
         self.tensors = tensors
         self.metadata = metadata
+        self.rejected: set[str] = set()
+
+
+class Findings:
+    """Where header and index validation sends what it finds.
+
+    Strict findings (`strict=True`, what `open` uses) raise the first flaw as a FormatError;
+    collecting findings (what `check` uses) record every flaw as a `Problem` and let the
+    validation carry on, so `ckpt verify` reports all of them. Some flaws (data gaps, trailing
+    bytes) do not stop a reader and are only looked for when collecting (`thorough`).
+    """
+
+    def __init__(self, strict: bool = True):
+        self.strict = strict
+        self.problems: list[Problem] = []
+
+    @property
+    def thorough(self) -> bool:
+        """Whether checks beyond what reading needs should run."""
+        return not self.strict
+
+    def add(
+        self,
+        code: str,
+        problem: str,
+        *,
+        file: str,
+        tensor: str | None = None,
+        fix: str | None = None,
+        severity: Literal["error", "warning"] = "error",
+    ) -> None:
+        """Record one flaw of `file` (a display path), or raise it when strict."""
+        if self.strict:
+            raise FormatError(problem, path=file, fix=fix)
+        error = FormatError(problem, path=file, fix=fix)
+        self.problems.append(
+            Problem(code=code, message=error.message, file=file, tensor=tensor, severity=severity)
+        )
 
 
 def read_header(storage: Storage, rel: str, size: int | None = None) -> SafetensorsHeader:
     """Read and validate one safetensors header (FormatError naming the file on any flaw)."""
+    header = parse_header(storage, rel, size, Findings(strict=True))
+    assert header is not None  # strict findings raise instead
+    return header
+
+
+def parse_header(
+    storage: Storage, rel: str, size: int | None, findings: Findings
+) -> SafetensorsHeader | None:
+    """Parse one safetensors header, sending every flaw to `findings`.
+
+    Returns the header with the tensors that passed validation, or None when the header
+    cannot be parsed at all (too short, bad length, not JSON).
+    """
     where = storage.describe(rel)
     size = storage.size(rel) if size is None else size
     if size < 8:
-        raise FormatError(
+        findings.add(
+            "truncated",
             f"is {size} bytes long, too short to be a safetensors file",
-            path=where,
+            file=where,
             fix="The file is truncated or not safetensors; write or fetch it again.",
         )
+        return None
     # remote storages may ask for a smaller first read (bytes cost more than a round trip there)
     probe = getattr(storage, "header_probe", _PROBE)
     head = storage.read(rel, 0, min(size, probe))
     (header_len,) = struct.unpack("<Q", head[:8])
     if header_len > MAX_HEADER or header_len > size - 8:
-        raise FormatError(
+        findings.add(
+            "truncated" if header_len <= MAX_HEADER else "bad_header",
             f"declares a {header_len}-byte header but the file is {size} bytes"
             if header_len <= MAX_HEADER
             else f"declares an absurd {header_len}-byte header",
-            path=where,
+            file=where,
             fix="The file is truncated or corrupt; write or fetch it again.",
         )
+        return None
     raw = head[8 : 8 + header_len]
     if len(raw) < header_len:
         raw += storage.read(rel, 8 + len(raw), header_len - len(raw))
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"has a header that is not valid JSON ({exc})", path=where) from None
+        findings.add("bad_header", f"has a header that is not valid JSON ({exc})", file=where)
+        return None
     if not isinstance(header, dict):
-        raise FormatError("has a header that is not a JSON object", path=where)
+        findings.add("bad_header", "has a header that is not a JSON object", file=where)
+        return None
     data_start = 8 + header_len
     data_size = size - data_start
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
-        raise FormatError("has __metadata__ that is not a string-to-string map", path=where)
+        findings.add(
+            "bad_header", "has __metadata__ that is not a string-to-string map", file=where
+        )
+        metadata = {}
     tensors: dict[str, tuple[str, list[int], int, int]] = {}
+    rejected: set[str] = set()
     for name, info in header.items():
-        tensors[name] = _validate_tensor(name, info, data_size, where)
+        valid = _validate_tensor(name, info, data_size, where, findings)
+        if valid is not None:
+            tensors[name] = valid
+        else:
+            rejected.add(name)
     order = sorted(tensors.items(), key=lambda kv: kv[1][2])
     previous_end, previous_name = 0, None
     for name, (_, _, begin, end) in order:
         if begin < previous_end:
-            raise FormatError(
+            findings.add(
+                "overlap",
                 f"tensor {name!r} overlaps {previous_name!r} (bytes {begin}..{end} start before {previous_end})",
-                path=where,
+                file=where,
+                tensor=name,
                 fix="The header is corrupt or hostile; do not use this file.",
             )
-        previous_end, previous_name = end, name
-    return SafetensorsHeader(rel, size, data_start, dict(order), metadata)
+        elif begin > previous_end and findings.thorough:
+            findings.add(
+                "gap",
+                f"has {begin - previous_end} unused bytes before tensor {name!r} (bytes "
+                f"{previous_end}..{begin}); safetensors requires contiguous data",
+                file=where,
+                tensor=name,
+                fix="The header is corrupt; safetensors' own loader refuses this file.",
+            )
+        if end > previous_end:
+            previous_end, previous_name = end, name
+    if findings.thorough and not rejected and previous_end < data_size:
+        findings.add(
+            "trailing_bytes",
+            f"has {data_size - previous_end} bytes after the last tensor's data (the header "
+            f"accounts for {data_start + previous_end} of {size} bytes)",
+            file=where,
+            fix="Trailing garbage: the file was appended to or overwritten in place; write it again.",
+        )
+    parsed = SafetensorsHeader(rel, size, data_start, dict(order), metadata)
+    parsed.rejected = rejected
+    return parsed
 
 
 def _validate_tensor(
-    name: str, info: Any, data_size: int, where: str
-) -> tuple[str, list[int], int, int]:
+    name: str, info: Any, data_size: int, where: str, findings: Findings
+) -> tuple[str, list[int], int, int] | None:
     if not isinstance(info, dict):
-        raise FormatError(f"tensor {name!r} has a malformed header entry", path=where)
+        findings.add(
+            "bad_header", f"tensor {name!r} has a malformed header entry", file=where, tensor=name
+        )
+        return None
     code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     dtype = dtypes.from_safetensors(code) if isinstance(code, str) else None
     if dtype is None:
-        raise FormatError(
+        findings.add(
+            "unknown_dtype",
             f"tensor {name!r} has unknown dtype {code!r}",
-            path=where,
+            file=where,
+            tensor=name,
             fix="Upgrade ckpt if this is a new dtype; otherwise the header is corrupt.",
         )
+        return None
     if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise FormatError(f"tensor {name!r} has an invalid shape {shape!r}", path=where)
+        findings.add(
+            "bad_header", f"tensor {name!r} has an invalid shape {shape!r}", file=where, tensor=name
+        )
+        return None
     if not (
         isinstance(offsets, list)
         and len(offsets) == 2
         and all(isinstance(o, int) and o >= 0 for o in offsets)
         and offsets[0] <= offsets[1]
     ):
-        raise FormatError(f"tensor {name!r} has invalid data_offsets {offsets!r}", path=where)
+        findings.add(
+            "bad_header",
+            f"tensor {name!r} has invalid data_offsets {offsets!r}",
+            file=where,
+            tensor=name,
+        )
+        return None
     begin, end = offsets
     expected = dtypes.numel(shape) * dtypes.itemsize(dtype)
     if end - begin != expected:
-        raise FormatError(
+        findings.add(
+            "size_mismatch",
             f"tensor {name!r} is {dtype}{shape} ({expected} bytes) but its data_offsets span {end - begin} bytes",
-            path=where,
+            file=where,
+            tensor=name,
             fix="The header is corrupt; write or fetch the file again.",
         )
+        return None
     if end > data_size:
-        raise FormatError(
+        findings.add(
+            "truncated",
             f"tensor {name!r} ends at byte {end} of the data section, past its end ({data_size} bytes)",
-            path=where,
+            file=where,
+            tensor=name,
             fix="The file is truncated; write or fetch it again.",
         )
+        return None
     return dtype, shape, begin, end
 
 
@@ -184,9 +293,11 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
     ):
         raise FormatError("has no valid weight_map (tensor name -> shard file)", path=where)
     base = posixpath_dir(rel)
-    safe = {
-        name: _join(base, safe_relpath(shard, source=where)) for name, shard in weight_map.items()
+    # thousands of tensors share a few shard names: check each name once
+    resolved = {
+        shard: _join(base, safe_relpath(shard, source=where)) for shard in set(weight_map.values())
     }
+    safe = {name: resolved[shard] for name, shard in weight_map.items()}
     metadata = index.get("metadata") or {}
     return safe, metadata if isinstance(metadata, dict) else {}
 
@@ -260,8 +371,174 @@ class SafetensorsFormat(Format):
         )
 
     @classmethod
+    def check(cls, source: Source) -> list[Problem]:
+        """Every structural problem: headers, offsets, file sizes, and index against shards."""
+        findings = Findings(strict=False)
+        storage = source.storage
+        try:
+            index_rel = find_index(source)
+        except CkptError as error:
+            return [problem_from_error(error)]
+        weight_map: dict[str, str] | None = None
+        index_meta: dict[str, Any] = {}
+        if index_rel is not None:
+            try:
+                weight_map, index_meta = read_index(storage, index_rel)
+            except CkptError as error:
+                findings.problems.append(problem_from_error(error, code="bad_index"))
+        listing = storage.list_files() if source.target is not None else source.files
+        top_shards = [n for n in listing if "/" not in n and n.endswith(".safetensors")]
+        strays: list[str] = []
+        if weight_map is not None:
+            assert index_rel is not None
+            named = set(weight_map.values())
+            siblings = _same_save(index_rel, named)
+            # an unnamed shard that belongs to the same save (same name and count) is checked
+            # like the others, so tensors in it show up as "not in the index"
+            unnamed = [n for n in top_shards if n not in named]
+            shards = sorted(named | {n for n in unnamed if siblings(n)})
+            strays = [n for n in unnamed if not siblings(n)]
+        elif source.target is not None and index_rel is None:
+            shards = [source.target]
+        else:
+            shards = top_shards
+        headers: dict[str, SafetensorsHeader] = {}
+        for shard in shards:
+            if shard not in listing:
+                assert index_rel is not None and weight_map is not None
+                names = sorted(n for n, s in weight_map.items() if s == shard)
+                findings.add(
+                    "missing_shard",
+                    f"is missing; the index {index_rel} maps {len(names)} tensors to it "
+                    f"({_some(names)})",
+                    file=storage.describe(shard),
+                    fix="Fetch or copy the missing shard again.",
+                )
+                continue
+            try:
+                header = parse_header(storage, shard, listing[shard], findings)
+            except CkptError as error:
+                findings.problems.append(problem_from_error(error))
+                continue
+            if header is not None:
+                headers[shard] = header
+        found: dict[str, list[str]] = {}
+        for shard, header in headers.items():
+            for name in header.tensors:
+                found.setdefault(name, []).append(shard)
+        for name, where in found.items():
+            if len(where) > 1:
+                findings.add(
+                    "duplicate_tensor",
+                    f"tensor {name!r} is stored in {len(where)} shards ({', '.join(where)})",
+                    file=storage.describe(where[1]),
+                    tensor=name,
+                    fix="The checkpoint mixes two saves; write it again.",
+                )
+        if index_rel is not None and weight_map is not None:
+            _check_index(findings, source, index_rel, weight_map, index_meta, headers, found)
+            for shard in strays:
+                findings.add(
+                    "unreferenced_shard",
+                    f"is not named by {index_rel} (a leftover of another save?)",
+                    file=storage.describe(shard),
+                    severity="warning",
+                    fix="Remove it, or check that the index is the right one.",
+                )
+        return findings.problems
+
+    @classmethod
     def writer(cls, staging: Path, plan: list[Entry], options: WriteOptions) -> Writer:
         return SafetensorsWriter(staging, plan, options)
+
+
+def problem_from_error(error: CkptError, code: str | None = None) -> Problem:
+    """A `Problem` carrying what an exception said."""
+    return Problem(code=code or error.code, message=error.message, file=error.path)
+
+
+def _same_save(index_rel: str, named: set[str]) -> Callable[[str], bool]:
+    """Whether a shard name follows the naming of the index's own shards (`stem-i-of-N`)."""
+    stem = re.escape(_stem_of_index(index_rel))
+    pattern = re.compile(rf"^{stem}-\d{{5}}-of-(\d{{5}})\.safetensors$")
+    counts = {m.group(1) for m in map(pattern.match, named) if m}
+
+    def belongs(name: str) -> bool:
+        match = pattern.match(name)
+        return bool(match and match.group(1) in counts)
+
+    return belongs
+
+
+def _some(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_index(
+    findings: Findings,
+    source: Source,
+    index_rel: str,
+    weight_map: dict[str, str],
+    index_meta: dict[str, Any],
+    headers: dict[str, SafetensorsHeader],
+    found: dict[str, list[str]],
+) -> None:
+    """The index against the shard headers: every entry where it says, every tensor indexed."""
+    storage = source.storage
+    index_where = storage.describe(index_rel)
+    for name, shard in weight_map.items():
+        header = headers.get(shard)
+        if header is None or name in header.tensors or name in header.rejected:
+            continue  # a missing or unreadable shard, or a bad entry, is reported already
+        elsewhere = found.get(name)
+        if elsewhere:
+            findings.add(
+                "wrong_shard",
+                f"maps tensor {name!r} to {shard}, but it is stored in {', '.join(elsewhere)}",
+                file=index_where,
+                tensor=name,
+                fix="The index does not belong to these shards; write the checkpoint again.",
+            )
+        else:
+            findings.add(
+                "missing_tensor",
+                f"maps tensor {name!r} to {shard}, which does not hold it (no shard does)",
+                file=index_where,
+                tensor=name,
+                fix="The shard is from another save or incomplete; write the checkpoint again.",
+            )
+    for name, shards in found.items():
+        if name not in weight_map:
+            findings.add(
+                "not_in_index",
+                f"holds tensor {name!r}, which the index {index_rel} does not list",
+                file=storage.describe(shards[0]),
+                tensor=name,
+                fix="Loaders that follow the index will not load it; write the checkpoint again.",
+            )
+    total = index_meta.get("total_size")
+    if total is None:
+        return
+    if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+        findings.add(
+            "bad_index",
+            f"has metadata.total_size {total!r}, which is not a byte count",
+            file=index_where,
+        )
+        return
+    complete = all(s in headers and not headers[s].rejected for s in set(weight_map.values()))
+    actual = sum(end - begin for h in headers.values() for (_, _, begin, end) in h.tensors.values())
+    if complete and total != actual:
+        # huggingface_hub/transformers sum the tensors' *storage* sizes, which exceed the tensor
+        # bytes when a saved tensor was a view; loaders ignore the field, so this only warns
+        findings.add(
+            "total_size",
+            f"says metadata.total_size is {total} bytes but the shards hold {actual} bytes of tensors",
+            file=index_where,
+            severity="warning",
+            fix="Harmless for loading; rewrite the index if tools rely on it.",
+        )
 
 
 class SafetensorsCheckpoint(Checkpoint):

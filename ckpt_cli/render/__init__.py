@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 from rich.console import Console
+from rich.markup import escape
 
 from ..errors import CkptError
 
@@ -57,8 +58,9 @@ def emit_error(command: str, error: CkptError, json_output: bool) -> None:
     """Report an expected failure: envelope on stdout with --json, a message on stderr always."""
     if json_output:
         _print_json(envelope(command, None, error.exit_code, error))
+    # the message is plain text: brackets in it (`ckpt-cli[fast]`) are not markup
     stderr.print(
-        f"[bold red]ckpt {command}: error:[/] {error.message}", markup=True, highlight=False
+        f"[bold red]ckpt {command}: error:[/] {escape(error.message)}", markup=True, highlight=False
     )
 
 
@@ -70,7 +72,7 @@ def emit_internal_error(command: str, exc: BaseException, json_output: bool) -> 
     )
     if json_output:
         _print_json(envelope(command, None, 70, error))
-    stderr.print(f"[bold red]ckpt {command}: {error.message}[/]", highlight=False)
+    stderr.print(f"[bold red]ckpt {command}: {escape(error.message)}[/]", highlight=False)
 
 
 def human_bytes(n: int | float | None) -> str:

@@ -17,9 +17,14 @@ def _label(node: TreeNode) -> str:
     if node.children:
         objects = f", {node.objects} objects" if node.objects else ""
         return f"[bold]{node.name}[/]  [dim]{node.tensors} tensors{objects}, {human_bytes(node.nbytes)}[/]"
+    copies = node.tensors + node.objects
+    if node.objects and not node.tensors:
+        # a non-tensor leaf (step counter, hyper-parameter, RNG state): its Python type
+        count = f" ×{copies}" if copies > 1 else ""
+        kind = f"object:{node.dtype}" if node.dtype else "objects"
+        return f"{node.name}  [magenta]{kind}[/]{count}  [dim]{human_bytes(node.nbytes)}[/]"
     kind = node.dtype or "mixed"
     shape = shape_str(node.shape) if node.shape is not None else "various shapes"
-    copies = node.tensors + node.objects
     count = f" ×{copies}" if copies > 1 else ""
     return f"{node.name}  [cyan]{kind}[/] {shape}{count}  [dim]{human_bytes(node.nbytes)}[/]"
 
@@ -84,6 +89,10 @@ def render_training(report: InspectReport) -> None:
             else "[dim]none[/]",
         )
     )
+    if state.components:
+        rows.append(("components", ", ".join(f"{k}={v}" for k, v in state.components.items())))
+    for rel, why in state.unreadable.items():
+        rows.append(("unreadable", f"[yellow]{rel}[/]: {why}"))
     rows.append(("resumable", verdict))
     for key, value in rows:
         stdout.print(f"  {key:<12} {value}")
@@ -92,9 +101,12 @@ def render_training(report: InspectReport) -> None:
 def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     """Summary, training state, folded tree; every entry with `show_tensors`."""
     files = len(report.files)
-    stdout.print(
-        f"[bold]{report.location}[/]  ({report.format}, {files} file{'s' if files != 1 else ''})"
-    )
+    kind = report.format
+    if kind == "composite":
+        # a training folder: its layout and the formats of its components
+        formats = sorted(set(report.details.get("components", {}).values()) - {"json", "opaque"})
+        kind = f"{report.details.get('layout', 'composite')}: {' + '.join(formats) or 'composite'}"
+    stdout.print(f"[bold]{report.location}[/]  ({kind}, {files} file{'s' if files != 1 else ''})")
     dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in report.bytes_by_dtype.items()) or "-"
     stdout.print(
         f"  {report.tensors} tensors, {human_count(report.parameters)} parameters, "
@@ -112,7 +124,11 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
             table.add_row(
                 e.name,
                 e.dtype if e.kind == "tensor" else f"object:{e.py_type or '?'}",
-                shape_str(e.shape) if e.kind == "tensor" else "",
+                shape_str(e.shape)
+                if e.kind == "tensor"
+                else f"= {e.value!r}"
+                if e.value is not None and len(repr(e.value)) <= 40
+                else "",
                 human_bytes(e.nbytes),
                 e.file or "",
             )

@@ -1,0 +1,980 @@
+"""torch: files written by `torch.save` (`.pt/.pth/.bin/.ckpt`), and sharded
+`pytorch_model.bin.index.json` folders.
+
+I/O strategy: a torch.save file is a zip of one pickle plus one record per storage. `open`
+loads it with `torch.load(weights_only=True, mmap=True, map_location="cpu")`: the pickle is
+unpickled by torch's restricted unpickler (nothing outside its allow-list can run; a file that
+asks for anything else is refused with `UnsafeInputError`, exit 4) and storages are memory-mapped,
+so listing dtypes and shapes reads no tensor data. Old (pre-1.6, non-zip) files cannot be
+mapped; they are loaded whole, still with `weights_only=True`.
+
+Nested containers are flattened to dotted names (`optimizer.state.0.exp_avg`); every entry
+remembers its real key path (`TorchEntry.key_path`) so the writer can rebuild the exact
+nesting. Leaves that are not tensors are `object` entries with their Python type and, for small
+scalars, their value. numpy arrays and scalars (found in RNG states) are admitted as data, as
+transformers and accelerate do; they cannot run code.
+
+Remote files (the Hub, object stores) load with `map_location="meta"`: only the zip
+directory and the pickle are fetched by ranged reads; reading a tensor then fetches its file
+once (one file held at a time).
+
+The writer saves one file (nesting rebuilt from key paths when entries came from a torch.save
+file and were not renamed, otherwise flat keys), or, with `max_shard_size`, Hugging Face style
+flat shards `pytorch_model-00001-of-00002.bin` plus `pytorch_model.bin.index.json`, written last.
+It holds at most one shard's tensors in memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import os
+import pickle
+import re
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..errors import FormatError, NotFoundError, UnsafeInputError
+from ..models import Entry, FileInfo, Manifest, Problem
+from ..storage import Storage, safe_relpath
+from .base import Checkpoint, Format, Source, WriteOptions, Writer
+from .safetensors import plan_shards, posixpath_dir
+
+if TYPE_CHECKING:
+    import torch
+
+#: file suffixes torch.save files usually carry
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+#: suffix of a sharded torch checkpoint's index (`pytorch_model.bin.index.json`)
+BIN_INDEX_SUFFIX = ".bin.index.json"
+ZIP_MAGIC = b"PK\x03\x04"
+#: longest string an object entry shows as its value
+MAX_VALUE_STR = 200
+#: longest list of scalars an object entry shows as its value
+MAX_VALUE_ITEMS = 16
+
+#: one step of a key path: (kind of the container holding the key, the key)
+KeyStep = tuple[str, str | int]
+
+
+class TorchEntry(Entry):
+    """An entry of a torch.save file, with the real key path inside the saved object.
+
+    Attributes:
+        key_path: the keys from the saved object's root to this leaf, each with the kind of
+            container holding it (`dict`, `odict`, `list`, `tuple`). The writer rebuilds the
+            nesting from it while `name` still equals the dotted join of the keys.
+    """
+
+    key_path: tuple[KeyStep, ...] = ()
+
+
+def dotted(key_path: tuple[KeyStep, ...] | list[KeyStep]) -> str:
+    """The flattened name of a key path (`optimizer.state.0.exp_avg`)."""
+    return ".".join(str(key) for _, key in key_path)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _numpy_allowlist() -> list[Any]:
+    """numpy globals that only build arrays and scalars from bytes (RNG states hold them).
+
+    transformers and accelerate allow-list the same ones for `rng_state.pth` and
+    `random_states_*.pkl`; none of them can call arbitrary code.
+    """
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch wheels
+        return []
+    core = getattr(np, "_core", None) or np.core
+    allow: list[Any] = [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype]
+    # files written under numpy 1.x name the same functions under `numpy.core`
+    allow += [
+        (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+        (core.multiarray.scalar, "numpy.core.multiarray.scalar"),
+    ]
+    for code in "?bBhHiIlLqQefdgFDGSUV":
+        allow.append(type(np.dtype(code)))
+    return allow
+
+
+#: classes DeepSpeed pickles into its checkpoints that only carry data (loss scaler settings,
+#: the ZeRO stage, parameter fragment addresses). They load as inert records: their pickled
+#: state is kept, their code is never imported or run. Without them no ZeRO optimizer file
+#: loads under weights_only.
+INERT_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    # hyper-parameters of older Lightning checkpoints
+    "argparse.Namespace",
+)
+#: dict subclasses that carry plain mappings (Lightning's hyper-parameters): loaded as dicts
+INERT_DICTS = (
+    "lightning.fabric.utilities.data.AttributeDict",
+    "lightning_fabric.utilities.data.AttributeDict",
+    "pytorch_lightning.utilities.parsing.AttributeDict",
+)
+
+
+class InertObject:
+    """A stand-in for an allow-listed class: holds the pickled arguments and state, no code."""
+
+    original: ClassVar[str] = ""
+    # class-level defaults: NEWOBJ builds instances without calling __init__
+    args: tuple[Any, ...] = ()
+    state: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args = args
+        self.state = kwargs or None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InertObject:
+        new = type(self).__new__(type(self))
+        new.args = copy.deepcopy(self.args, memo)
+        new.state = copy.deepcopy(self.state, memo)
+        return new
+
+    def as_plain(self) -> dict[str, Any]:
+        """What the torch writer stores instead (the original class is not importable here)."""
+        return {"__class__": self.original, "args": list(self.args), "state": self.state}
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.args == other.args and self.state == other.state
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<inert {self.original} args={self.args!r} state={self.state!r}>"
+
+
+class InertDict:
+    """A stand-in for an allow-listed dict subclass: unpickles as a plain dict (its items follow
+    through SETITEMS, which torch's loader allows on plain dicts only)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return {}
+
+
+_INERT: dict[str, type] = {
+    name: type(name.rsplit(".", 1)[1], (InertObject,), {"original": name}) for name in INERT_CLASSES
+}
+_INERT.update(
+    {name: type(name.rsplit(".", 1)[1], (InertDict,), {"original": name}) for name in INERT_DICTS}
+)
+
+
+@contextmanager
+def _safe_globals() -> Iterator[None]:
+    import torch
+
+    inert = [(cls, name) for name, cls in _INERT.items()]
+    with torch.serialization.safe_globals([*_numpy_allowlist(), *inert]):
+        yield
+
+
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _refused_globals(exc: BaseException, path: Path | None) -> list[str]:
+    """Names of the globals weights_only refused, from the error or a scan of the pickle."""
+    names = _GLOBAL_RE.findall(str(exc))
+    if not names and path is not None:
+        import torch
+
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:
+            names = []
+    return sorted(set(names))
+
+
+def is_zip(storage: Storage, rel: str) -> bool:
+    """Whether the file is a zip-format torch.save file (the format since torch 1.6)."""
+    try:
+        return storage.read(rel, 0, 4) == ZIP_MAGIC
+    except FormatError:
+        return False
+
+
+#: read-ahead of remote metadata reads: torch seeks between the zip directory and a few small
+#: records, so a small buffer keeps each seek from fetching much more than it needs
+_RANGE_BUF = 16 << 10
+
+
+class _RangedFile(io.RawIOBase):
+    """A seekable file over `Storage.read` (ranged reads), for torch.load on remote files."""
+
+    def __init__(self, storage: Storage, rel: str, size: int):
+        self._storage = storage
+        self._rel = rel
+        self._size = size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._size - self._pos)
+        if n <= 0:
+            return 0
+        view[:n] = self._storage.read(self._rel, self._pos, n)
+        self._pos += n
+        return n
+
+
+def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[Any, bool]:
+    """Load one torch.save file safely: (the object, whether it is the legacy non-zip format).
+
+    Tensors are memory-mapped for zip files on local storage (no data read). With `meta`, a
+    zip file on remote storage loads with `map_location="meta"`: only the zip directory and
+    the pickle are fetched (ranged reads), tensors come back shape-and-dtype only. Raises
+    `UnsafeInputError` when the pickle asks for anything outside torch's weights_only
+    allow-list (nothing is executed), `FormatError` when the file is not a readable
+    torch.save file.
+    """
+    import torch
+
+    where = storage.describe(rel)
+    size = storage.size(rel)
+    if size == 0:
+        raise FormatError(
+            "is empty", path=where, fix="The save was interrupted; write the file again."
+        )
+    zipped = is_zip(storage, rel)
+    local = storage.local_path(rel)
+    try:
+        # torch warns about pickle protocols and legacy files on stderr; errors say it instead
+        with _safe_globals(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if local is not None:
+                obj = torch.load(local, weights_only=True, mmap=zipped, map_location="cpu")
+            elif meta and zipped:
+                reader = io.BufferedReader(_RangedFile(storage, rel, size), buffer_size=_RANGE_BUF)
+                obj = torch.load(reader, weights_only=True, map_location="meta")
+            else:
+                obj = torch.load(
+                    io.BytesIO(storage.read_all(rel)), weights_only=True, map_location="cpu"
+                )
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if "GLOBAL" in text:
+            globals_ = _refused_globals(exc, local if zipped else None)
+            raise UnsafeInputError(
+                "holds a pickle that asks to call "
+                + (", ".join(globals_) if globals_ else "a function")
+                + ", which torch's weights_only loader refuses; nothing was executed",
+                path=where,
+                fix="Only load this file with weights_only=False if you fully trust who wrote it; "
+                "ckpt never does.",
+            ) from None
+        raise FormatError(
+            "is not a torch.save file torch's weights_only loader accepts "
+            f"({_first_line(text, 'WeightsUnpickler error:')})",
+            path=where,
+            fix="Plain pickles are never unpickled by ckpt; re-save it with torch.save.",
+        ) from None
+    except (RuntimeError, EOFError, ValueError, OSError, KeyError, AttributeError) as exc:
+        raise FormatError(
+            f"is not a readable torch.save file ({_first_line(str(exc))})",
+            path=where,
+            fix="The file is truncated or corrupt; write or fetch it again.",
+        ) from None
+    return obj, not zipped
+
+
+def _first_line(text: str, after: str | None = None) -> str:
+    if after and after in text:
+        text = text.split(after, 1)[1]
+    for line in text.strip().splitlines():
+        if line.strip():
+            return line.strip()[:300]
+    return "unknown error"
+
+
+# --------------------------------------------------------------------------- flattening
+
+
+def _is_tensor(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, torch.Tensor)
+
+
+def _holds(obj: Any, dicts: bool, depth: int = 0) -> bool:
+    """Whether a list/tuple holds a tensor (or, with `dicts`, a dict) worth flattening into."""
+    if depth > 8:
+        return False
+    for item in obj:
+        if _is_tensor(item) or (dicts and isinstance(item, dict)):
+            return True
+        if isinstance(item, (list, tuple)) and _holds(item, dicts, depth + 1):
+            return True
+        if isinstance(item, dict) and _holds(list(item.values()), dicts, depth + 1):
+            return True
+    return False
+
+
+def _container_kind(obj: Any) -> str | None:
+    """How a container is flattened: `dict`, `odict`, `list`, `tuple`, or None for a leaf."""
+    if isinstance(obj, dict):
+        if obj and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in obj):
+            return "odict" if isinstance(obj, OrderedDict) else "dict"
+        return None
+    # a list is a container of records (param_groups, optimizer_states) or of tensors; a list
+    # of numbers stays one value. Tuples are values (betas, RNG states) unless they hold tensors.
+    if type(obj) is list and obj and _holds(obj, dicts=True):
+        return "list"
+    if type(obj) is tuple and obj and _holds(obj, dicts=False):
+        return "tuple"
+    return None
+
+
+def flatten(obj: Any) -> Iterator[tuple[tuple[KeyStep, ...], Any]]:
+    """Every leaf of a loaded object with its key path, in the saved order."""
+    stack: list[tuple[tuple[KeyStep, ...], Any]] = [((), obj)]
+    while stack:
+        path, node = stack.pop()
+        kind = _container_kind(node)
+        if kind is None:
+            yield path, node
+            continue
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        children = [((*path, (kind, key)), value) for key, value in items]
+        stack.extend(reversed(children))
+
+
+def _jsonable_value(obj: Any) -> tuple[bool, Any]:
+    """(has a value to show, the value) for small scalars and short lists of them."""
+    if obj is None or isinstance(obj, bool | int):
+        return True, obj
+    if isinstance(obj, float):
+        return (True, obj) if math.isfinite(obj) else (False, None)
+    if isinstance(obj, str):
+        return (True, obj) if len(obj) <= MAX_VALUE_STR else (False, None)
+    if isinstance(obj, (list, tuple)) and len(obj) <= MAX_VALUE_ITEMS:
+        values = []
+        for item in obj:
+            ok, value = _jsonable_value(item)
+            if not ok or isinstance(item, (list, tuple, dict)):
+                return False, None
+            values.append(value)
+        return True, values
+    if isinstance(obj, dict) and not obj:
+        return True, {}
+    return False, None
+
+
+def _object_size(obj: Any) -> int:
+    if isinstance(obj, (bytes, bytearray, str)):
+        return len(obj)
+    nbytes = getattr(obj, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    try:
+        return len(pickle.dumps(obj, protocol=4))
+    except Exception:
+        return 0
+
+
+def _type_name(obj: Any) -> str:
+    if isinstance(obj, InertObject):
+        return obj.original
+    cls = type(obj)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def build_entries(obj: Any, file: str) -> tuple[list[TorchEntry], dict[str, Any], list[list[str]]]:
+    """Entries for a loaded object: (entries, name -> leaf, groups of tensors sharing memory)."""
+    from ..tensors import dtype_name
+
+    entries: list[TorchEntry] = []
+    leaves: dict[str, Any] = {}
+    views: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
+    for path, leaf in flatten(obj):
+        name = dotted(path) if path else "tensor" if _is_tensor(leaf) else "object"
+        base, n = name, 1
+        while name in leaves:  # {"a.b": x, "a": {"b": y}} flatten to the same name
+            name, n = f"{base}~{n}", n + 1
+        leaves[name] = leaf
+        if _is_tensor(leaf):
+            dtype = dtype_name(leaf.dtype)
+            shape = list(leaf.shape)
+            nbytes = leaf.numel() * leaf.element_size()
+            entries.append(
+                TorchEntry.model_construct(
+                    name=name,
+                    kind="tensor",
+                    dtype=dtype,
+                    shape=shape,
+                    nbytes=nbytes,
+                    file=file,
+                    offset=None,
+                    chunks=None,
+                    py_type=None,
+                    value=None,
+                    key_path=path,
+                )
+            )
+            if nbytes and leaf.device.type == "cpu":
+                key = (
+                    leaf.untyped_storage().data_ptr(),
+                    leaf.storage_offset(),
+                    tuple(leaf.shape),
+                    tuple(leaf.stride()),
+                )
+                views.setdefault(key, []).append(name)
+        else:
+            has_value, value = _jsonable_value(leaf)
+            entries.append(
+                TorchEntry.model_construct(
+                    name=name,
+                    kind="object",
+                    dtype=None,
+                    shape=[],
+                    nbytes=_object_size(leaf),
+                    file=file,
+                    offset=None,
+                    chunks=None,
+                    py_type=_type_name(leaf),
+                    value=value if has_value else None,
+                    key_path=path,
+                )
+            )
+    shared = [names for names in views.values() if len(names) > 1]
+    return entries, leaves, shared
+
+
+# --------------------------------------------------------------------------- index
+
+
+def read_bin_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """Read a `*.bin.index.json`: (weight_map with safe relative shard paths, metadata)."""
+    where = storage.describe(rel)
+    try:
+        index = json.loads(storage.read_all(rel))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(
+            f"is not valid JSON ({exc})", path=where, fix="Write or fetch the index again."
+        ) from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise FormatError("has no valid weight_map (tensor name -> shard file)", path=where)
+    base = posixpath_dir(rel)
+    safe = {}
+    for name, shard in weight_map.items():
+        shard = safe_relpath(shard, source=where)
+        safe[name] = f"{base}/{shard}" if base else shard
+    metadata = index.get("metadata") or {}
+    return safe, metadata if isinstance(metadata, dict) else {}
+
+
+def find_bin_index(source: Source) -> str | None:
+    """The bin index to use: the target if it is one, else the single one in the root."""
+    if source.target is not None:
+        return source.target if source.target.endswith(BIN_INDEX_SUFFIX) else None
+    indexes = sorted(n for n in source.top_level() if n.endswith(BIN_INDEX_SUFFIX))
+    if len(indexes) > 1:
+        raise FormatError(
+            f"holds several torch indexes ({', '.join(indexes)})",
+            path=source.location.raw,
+            fix=f"Point at the index you mean, e.g. {source.location.raw.rstrip('/')}/{indexes[0]}.",
+        )
+    return indexes[0] if indexes else None
+
+
+def _torch_files(source: Source) -> list[str]:
+    return sorted(n for n in source.top_level() if n.endswith(TORCH_SUFFIXES))
+
+
+# --------------------------------------------------------------------------- format
+
+
+class TorchFormat(Format):
+    """torch.save files, single or sharded with `pytorch_model.bin.index.json`."""
+
+    name = "torch"
+    writable = True
+
+    @classmethod
+    def detect(cls, source: Source) -> bool:
+        if source.target is not None:
+            target = source.target
+            if target.endswith((*TORCH_SUFFIXES, BIN_INDEX_SUFFIX)):
+                return True
+            # accelerate writes torch.save files named `*.pkl`
+            return target.endswith(".pkl") and is_zip(source.storage, target)
+        names = source.top_level()
+        if any(n.endswith(BIN_INDEX_SUFFIX) for n in names):
+            return True
+        # a folder is a torch checkpoint when its one torch file is the model, not a side file
+        # of another format's training folder (those are the layouts' business)
+        files = _torch_files(source)
+        return len(files) == 1 and not any(n.endswith(".safetensors") for n in names)
+
+    @classmethod
+    def open(cls, source: Source) -> TorchCheckpoint:
+        storage = source.storage
+        index_rel = find_bin_index(source)
+        if index_rel is not None:
+            weight_map, index_meta = read_bin_index(storage, index_rel)
+            shards = sorted(set(weight_map.values()))
+            for shard in shards:
+                if not storage.exists(shard):
+                    raise NotFoundError(
+                        f"the index names shard {shard!r}, which is missing",
+                        path=storage.describe(index_rel),
+                        fix="Fetch or copy the missing shard; `ckpt verify` lists every problem.",
+                    )
+        elif source.target is not None:
+            shards, weight_map, index_meta = [source.target], None, {}
+        else:
+            shards, weight_map, index_meta = _torch_files(source), None, {}
+            if len(shards) != 1:
+                raise FormatError(
+                    f"holds {len(shards)} torch.save files and no index",
+                    path=source.location.raw,
+                    fix="Point at one of the files.",
+                )
+        return TorchCheckpoint.load(source, shards, index_rel, weight_map, index_meta)
+
+    @classmethod
+    def writer(cls, staging: Path, plan: list[Entry], options: WriteOptions) -> Writer:
+        return TorchWriter(staging, plan, options)
+
+    @classmethod
+    def check(cls, source: Source) -> list[Problem]:
+        """Every file loads with weights_only=True; a bin index agrees with its shards."""
+        storage = source.storage
+        try:
+            index_rel = find_bin_index(source)
+        except FormatError as error:
+            return [Problem(code=error.code, message=error.message, file=error.path)]
+        if index_rel is None:
+            return super().check(source)
+        try:
+            weight_map, meta = read_bin_index(storage, index_rel)
+        except FormatError as error:
+            return [Problem(code=error.code, message=error.message, file=error.path)]
+        problems: list[Problem] = []
+        index_where = storage.describe(index_rel)
+        found: dict[str, str] = {}
+        total = 0
+        for shard in sorted(set(weight_map.values())):
+            if not storage.exists(shard):
+                problems.append(
+                    Problem(
+                        code="missing_shard",
+                        message=f"{index_where}: names shard {shard!r}, which is missing",
+                        file=storage.describe(shard),
+                    )
+                )
+                continue
+            try:
+                obj, _ = load_torch_file(storage, shard, meta=storage.local_path(shard) is None)
+            except FormatError as error:
+                problems.append(Problem(code=error.code, message=error.message, file=error.path))
+                continue
+            entries, _, _ = build_entries(obj, shard)
+            for entry in entries:
+                total += entry.nbytes if entry.kind == "tensor" else 0
+                if entry.name in found:
+                    problems.append(
+                        Problem(
+                            code="duplicate_tensor",
+                            message=f"{entry.name!r} is in both {found[entry.name]} and {shard}",
+                            file=storage.describe(shard),
+                            tensor=entry.name,
+                        )
+                    )
+                    continue
+                found[entry.name] = shard
+                indexed = weight_map.get(entry.name)
+                if indexed is None:
+                    problems.append(
+                        Problem(
+                            code="not_in_index",
+                            message=f"{storage.describe(shard)}: holds {entry.name!r}, "
+                            f"which {index_rel} does not list",
+                            file=storage.describe(shard),
+                            tensor=entry.name,
+                        )
+                    )
+                elif indexed != shard:
+                    problems.append(
+                        Problem(
+                            code="wrong_shard",
+                            message=f"{index_where}: maps {entry.name!r} to {indexed}, "
+                            f"but it is stored in {shard}",
+                            file=storage.describe(indexed),
+                            tensor=entry.name,
+                        )
+                    )
+        missing_shards = {s for s in weight_map.values() if not storage.exists(s)}
+        for name, shard in weight_map.items():
+            if name not in found and shard not in missing_shards:
+                problems.append(
+                    Problem(
+                        code="missing_tensor",
+                        message=f"{index_where}: maps {name!r} to {shard}, which does not hold it",
+                        file=storage.describe(shard),
+                        tensor=name,
+                    )
+                )
+        declared = meta.get("total_size")
+        if not problems and isinstance(declared, int) and declared != total:
+            problems.append(
+                Problem(
+                    code="total_size_mismatch",
+                    message=f"{index_where}: declares total_size {declared}, "
+                    f"the shards hold {total} bytes of tensors",
+                    file=index_where,
+                    severity="warning",
+                )
+            )
+        return problems
+
+
+class TorchCheckpoint(Checkpoint):
+    """An opened torch.save checkpoint: the loaded (memory-mapped) objects of its files.
+
+    Attributes:
+        objects: file -> the object torch.load returned for it.
+        leaves: entry name -> the loaded leaf (tensor or value).
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        manifest: Manifest,
+        objects: dict[str, Any],
+        leaves: dict[str, Any],
+    ):
+        super().__init__(source, manifest)
+        self.objects = objects
+        self.leaves = leaves
+        #: the one remote file whose real tensors are held: (file, name -> leaf)
+        self._loaded: tuple[str, dict[str, Any]] | None = None
+
+    @classmethod
+    def load(
+        cls,
+        source: Source,
+        shards: list[str],
+        index_rel: str | None,
+        weight_map: dict[str, str] | None,
+        index_meta: dict[str, Any],
+    ) -> TorchCheckpoint:
+        """Load every file (memory-mapped) and build the manifest."""
+        storage = source.storage
+        objects: dict[str, Any] = {}
+        leaves: dict[str, Any] = {}
+        entries: list[Entry] = []
+        files: list[FileInfo] = []
+        shared: list[list[str]] = []
+        legacy: list[str] = []
+        for shard in shards:
+            # remote files: metadata only now, one whole file when a tensor of it is read
+            remote = storage.local_path(shard) is None
+            obj, is_legacy = load_torch_file(storage, shard, meta=remote)
+            if is_legacy:
+                legacy.append(shard)
+            objects[shard] = obj
+            shard_entries, shard_leaves, shard_shared = build_entries(obj, shard)
+            for entry in shard_entries:
+                if entry.name in leaves:
+                    raise FormatError(
+                        f"entry {entry.name!r} appears in more than one shard",
+                        path=storage.describe(shard),
+                        fix="The checkpoint is inconsistent; `ckpt verify` lists every problem.",
+                    )
+                if weight_map is not None and weight_map.get(entry.name, shard) != shard:
+                    raise FormatError(
+                        f"the index maps {entry.name!r} to {weight_map[entry.name]}, "
+                        "but it is stored here",
+                        path=storage.describe(shard),
+                        fix="The index is inconsistent; `ckpt verify` lists every problem.",
+                    )
+            entries.extend(shard_entries)
+            leaves.update(shard_leaves)
+            shared.extend(shard_shared)
+            files.append(FileInfo(path=shard, size=storage.size(shard), entries=len(shard_entries)))
+        details: dict[str, Any] = {"sharded": index_rel is not None}
+        if index_rel is not None:
+            files.insert(0, FileInfo(path=index_rel, size=storage.size(index_rel), entries=0))
+            details["index"] = index_rel
+            details["weight_map_size"] = len(weight_map or {})
+            if "total_size" in index_meta:
+                details["total_size"] = index_meta["total_size"]
+            missing = sorted(set(weight_map or {}) - set(leaves))
+            if missing:
+                raise FormatError(
+                    f"the index lists {len(missing)} entries no shard holds "
+                    f"(first: {missing[0]!r})",
+                    path=storage.describe(index_rel),
+                    fix="The index is inconsistent; `ckpt verify` lists every problem.",
+                )
+        if shared:
+            details["shared_tensors"] = shared
+        if legacy:
+            details["legacy_format"] = legacy
+        manifest = Manifest(
+            format="torch",
+            location=source.location.raw,
+            files=files,
+            entries=entries,
+            details=details,
+        )
+        return cls(source, manifest, objects, leaves)
+
+    def _leaf(self, name: str) -> Any:
+        try:
+            return self.leaves[name]
+        except KeyError:
+            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location) from None
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        leaf = self._leaf(name)
+        if not _is_tensor(leaf):
+            raise FormatError(
+                f"entry {name!r} is a {_type_name(leaf)}, not a tensor",
+                path=self.manifest.location,
+            )
+        if leaf.device.type == "meta":
+            leaf = self._real_leaf(name)
+        # memory-mapped: pages are read on first touch, one tensor at a time
+        return leaf.detach().contiguous()
+
+    def _real_leaf(self, name: str) -> Any:
+        """A remote file's real tensor: the whole file is fetched once, one file at a time."""
+        file = self.manifest.by_name[name].file
+        assert file is not None
+        if self._loaded is None or self._loaded[0] != file:
+            self._loaded = None  # drop the previous file before fetching the next
+            obj, _ = load_torch_file(self.storage, file, meta=False)
+            _, leaves, _ = build_entries(obj, file)
+            self._loaded = (file, leaves)
+        return self._loaded[1][name]
+
+    def read_object(self, name: str) -> Any:
+        leaf = self._leaf(name)
+        if _is_tensor(leaf):
+            return self.read_tensor(name)
+        return copy.deepcopy(leaf)
+
+    def close(self) -> None:
+        self.objects.clear()
+        self.leaves.clear()
+        self._loaded = None
+
+
+# --------------------------------------------------------------------------- writer
+
+
+def shard_names(basename: str, count: int) -> list[str]:
+    """Hugging Face names: `pytorch_model.bin` or `pytorch_model-00001-of-00002.bin`..."""
+    if count == 1:
+        return [f"{basename}.bin"]
+    return [f"{basename}-{i:05d}-of-{count:05d}.bin" for i in range(1, count + 1)]
+
+
+class _Node:
+    """A container being rebuilt from key paths."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.children: dict[str | int, Any] = {}
+
+    def materialize(self) -> Any:
+        values = {
+            k: v.materialize() if isinstance(v, _Node) else v for k, v in self.children.items()
+        }
+        if self.kind == "list":
+            return [values[k] for k in sorted(values, key=lambda k: int(k))]
+        if self.kind == "tuple":
+            return tuple(values[k] for k in sorted(values, key=lambda k: int(k)))
+        if self.kind == "odict":
+            return OrderedDict(values)
+        return dict(values)
+
+
+def rebuild(items: list[tuple[Entry, Any]]) -> Any:
+    """The saved object for (entry, value) pairs: nesting from key paths where they still fit.
+
+    An entry keeps its original place when it carries a key path (it came from a torch.save
+    file) whose dotted join is still its name (it was not renamed). Every other entry becomes a
+    top-level key named by its full name, which is the flat state_dict layout transformers uses.
+    """
+    if len(items) == 1 and isinstance(items[0][0], TorchEntry) and items[0][0].key_path == ():
+        return items[0][1]  # torch.save(tensor): the root itself
+    paths: list[tuple[KeyStep, ...]] = []
+    for entry, _ in items:
+        path: tuple[KeyStep, ...] = getattr(entry, "key_path", ())
+        joined = dotted(path)
+        if not path or (entry.name != joined and not entry.name.startswith(joined + "~")):
+            path = (("dict", entry.name),)
+        paths.append(path)
+    root_kinds = {path[0][0] for path in paths if path}
+    root = _Node(root_kinds.pop() if len(root_kinds) == 1 else "dict")
+    for (entry, value), path in zip(items, paths, strict=True):
+        if path[0][0] != root.kind:
+            path = ((root.kind, entry.name),)
+        node = root
+        ok = True
+        for depth, (_, key) in enumerate(path[:-1]):
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = _Node(path[depth + 1][0])
+            elif not isinstance(child, _Node):
+                ok = False
+                break
+            node = child
+        last = path[-1][1]
+        if not ok or last in node.children:
+            root.children[entry.name] = value
+        else:
+            node.children[last] = value
+    return root.materialize()
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor torch.save writes without dragging along a larger storage it views into."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        # a slice of a bigger buffer: torch.save would write the whole buffer
+        tensor = tensor.clone()
+    return tensor
+
+
+def _plain(value: Any) -> Any:
+    """`value` with inert records (DeepSpeed loss scalers...) replaced by plain dicts."""
+    if isinstance(value, InertObject):
+        return value.as_plain()
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _plain(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+class TorchWriter(Writer):
+    """torch.save, single file or Hugging Face shards; at most one shard in memory.
+
+    Entries may arrive in any order. Without `max_shard_size` everything is saved at `finish`
+    as one file whose nesting is rebuilt (see `rebuild`); with it, each shard is a flat
+    name -> value dict saved as soon as all its entries have arrived, and the index
+    `<basename>.bin.index.json` is written last.
+    """
+
+    def __init__(self, staging: Path, plan: list[Entry], options: WriteOptions):
+        super().__init__(staging, plan, options)
+        self.basename = options.basename or "pytorch_model"
+        self.groups = plan_shards(plan, options.max_shard_size)
+        if options.single_file and len(self.groups) > 1:
+            raise FormatError("a single-file destination cannot be split into shards")
+        self.names = shard_names(self.basename, len(self.groups))
+        self._where = {e.name: i for i, group in enumerate(self.groups) for e in group}
+        self._entries = {e.name: e for e in plan}
+        self._pending: list[dict[str, Any]] = [{} for _ in self.groups]
+        self._saved: set[int] = set()
+        self._written: list[FileInfo] = []
+
+    @property
+    def accepts_objects(self) -> bool:
+        return True
+
+    def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        self._put(name, _own_storage(tensor))
+
+    def write_object(self, name: str, value: Any) -> None:
+        self._put(name, _plain(value))
+
+    def _put(self, name: str, value: Any) -> None:
+        shard = self._where.get(name)
+        if shard is None:
+            raise RuntimeError(f"writer got {name!r}, which is not in the plan")
+        if name in self._pending[shard] or shard in self._saved:
+            raise RuntimeError(f"writer got {name!r} twice")
+        self._pending[shard][name] = value
+        if len(self.groups) > 1 and len(self._pending[shard]) == len(self.groups[shard]):
+            self._save_shard(shard)
+
+    def _save_file(self, fname: str, obj: Any, entries: int) -> None:
+        import torch
+
+        path = self.staging / fname
+        with open(path, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._written.append(FileInfo(path=fname, size=path.stat().st_size, entries=entries))
+
+    def _save_shard(self, shard: int) -> None:
+        values = self._pending[shard]
+        # shards are flat name -> value dicts, in plan order, as transformers writes them
+        ordered = {e.name: values[e.name] for e in self.groups[shard]}
+        self._save_file(self.names[shard], ordered, len(ordered))
+        self._pending[shard] = {}
+        self._saved.add(shard)
+
+    def finish(self) -> list[FileInfo]:
+        missing = [
+            e.name
+            for i, group in enumerate(self.groups)
+            if i not in self._saved
+            for e in group
+            if e.name not in self._pending[i]
+        ]
+        if missing:
+            raise RuntimeError(
+                f"writer finished with {len(missing)} entries unwritten: {missing[:3]}"
+            )
+        if len(self.groups) == 1:
+            values = self._pending[0]
+            items = [(self._entries[e.name], values[e.name]) for e in self.plan]
+            self._save_file(self.names[0], rebuild(items), len(items))
+            self._pending[0] = {}
+            return self._written
+        for shard in range(len(self.groups)):
+            if shard not in self._saved:
+                self._save_shard(shard)
+        index = {
+            "metadata": {"total_size": sum(e.nbytes for e in self.plan if e.kind == "tensor")},
+            "weight_map": {name: self.names[i] for name, i in sorted(self._where.items())},
+        }
+        index_name = f"{self.basename}{BIN_INDEX_SUFFIX}"
+        data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+        with open(self.staging / index_name, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._written.sort(key=lambda f: f.path)
+        self._written.insert(0, FileInfo(path=index_name, size=len(data), entries=0))
+        return self._written

@@ -1,0 +1,148 @@
+"""File digests for `ckpt verify --checksums` / `--write-manifest`, hashed in parallel threads.
+
+Throughput strategy: every file is read with unbuffered `readinto` into one reusable 4 MiB
+buffer per thread (measured on the 2-core dev machine: 256 KiB..16 MiB blocks are all within
+10% for sha256, 4 MiB was best for blake3 and xxh3), and the hash functions release the GIL
+for buffers this large (hashlib above 2 KiB, blake3 and xxhash always), so threads hash
+different files truly in parallel and the run is bound by I/O, not by the interpreter.
+sha256 is the default because it is what the Hub records as a file's LFS oid; blake3 and xxh3
+come from the optional `fast` extra (`pip install 'ckpt-cli[fast]'`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+from .errors import UsageError
+from .progress import NULL_PROGRESS, Progress
+
+ALGORITHMS = ("sha256", "blake3", "xxh3")
+#: bytes per read: large enough that the GIL is released for nearly all of the hashing
+BLOCK = 4 << 20
+
+
+class Hasher(Protocol):
+    """What every hash object offers (hashlib, blake3, xxhash)."""
+
+    def update(self, data: Any, /) -> Any:
+        """Feed more bytes."""
+
+    def hexdigest(self) -> str:
+        """The digest as lowercase hex."""
+
+
+def hasher_factory(algo: str, parallel_files: int = 2) -> Callable[[], Hasher]:
+    """A constructor of fresh hash objects for `algo`; UsageError for unknown or missing ones.
+
+    Args:
+        algo: `sha256`, `blake3` or `xxh3` (128-bit XXH3).
+        parallel_files: how many files are hashed at once; with one, blake3 uses its own
+            threads inside the file instead.
+    """
+    if algo == "sha256":
+        return hashlib.sha256
+    if algo not in ALGORITHMS:
+        raise UsageError(
+            f"unknown hash algorithm {algo!r}", fix=f"Use one of {', '.join(ALGORITHMS)}."
+        )
+    module = "blake3" if algo == "blake3" else "xxhash"
+    try:
+        if algo == "blake3":
+            import blake3
+
+            if parallel_files <= 1:
+                return lambda: blake3.blake3(max_threads=blake3.blake3.AUTO)
+            return blake3.blake3
+        import xxhash
+
+        return xxhash.xxh3_128
+    except ImportError:
+        raise UsageError(
+            f"--algo {algo} needs the {module!r} package, which is not installed",
+            fix="Install it with `pip install 'ckpt-cli[fast]'`, or use --algo sha256.",
+        ) from None
+
+
+def hash_file(
+    path: Path,
+    new: Callable[[], Hasher],
+    progress: Progress = NULL_PROGRESS,
+    stop: threading.Event | None = None,
+) -> str:
+    """The hex digest of one file, read in `BLOCK`-sized pieces (abandoned once `stop` is set)."""
+    hasher = new()
+    buffer = bytearray(BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            n = fh.readinto(buffer)
+            if not n or (stop is not None and stop.is_set()):
+                break
+            hasher.update(view[:n])
+            progress.advance(n)
+    return hasher.hexdigest()
+
+
+def default_workers() -> int:
+    """Threads to hash with: one per core, at least two (so I/O and hashing overlap), at most 8."""
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+def hash_files(
+    paths: Mapping[str, Path],
+    algo: str = "sha256",
+    *,
+    workers: int | None = None,
+    progress: Progress = NULL_PROGRESS,
+) -> dict[str, str]:
+    """Digest every file (name -> path) in parallel threads; returns name -> hex digest.
+
+    Files are handed out largest first so one big shard does not finish last alone.
+    """
+    workers = workers or default_workers()
+    new = hasher_factory(algo, parallel_files=min(workers, len(paths)))
+    sink = _LockedProgress(progress)
+    stop = threading.Event()
+    order = sorted(paths, key=lambda name: -_size(paths[name]))
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-hash")
+    try:
+        results = pool.map(lambda n: hash_file(paths[n], new, sink, stop), order)
+        digests = dict(zip(order, results, strict=True))
+    except BaseException:
+        # Ctrl-C or a failed file: running threads stop at their next block, queued ones never start
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return {name: digests[name] for name in paths}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class _LockedProgress:
+    """Serialises `advance` calls from the hashing threads."""
+
+    def __init__(self, inner: Progress):
+        self._inner = inner
+        self._lock = threading.Lock()
+
+    def start(self, total: int, description: str) -> None:
+        self._inner.start(total, description)
+
+    def advance(self, amount: int) -> None:
+        with self._lock:
+            self._inner.advance(amount)
+
+    def finish(self) -> None:
+        self._inner.finish()

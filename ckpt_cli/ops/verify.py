@@ -1,0 +1,691 @@
+"""`verify`: is a checkpoint complete, intact and resumable? Every problem, not just the first.
+
+Checks, cheapest first:
+
+* structure (always): the format adapter's `check` (headers, offsets, file sizes, index
+  against shards, DCP chunk coverage...), from metadata and file sizes only;
+* `resumable`: the training state is complete enough to resume the run;
+* `checksums` / `write_manifest`: every file hashed in parallel threads and compared with (or
+  recorded in) a `ckpt-manifest.json`;
+* `deep`: every tensor read, one at a time, and counted for NaN/Inf.
+
+Nothing here writes to the checkpoint except the manifest `write_manifest` asks for (written
+atomically, and only when no problem was found).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, Field
+
+from .. import __version__
+from ..errors import (
+    CkptError,
+    DestinationExistsError,
+    FormatError,
+    NotFoundError,
+    UnsafeInputError,
+    UsageError,
+)
+from ..formats import detect_format, get_format, resolve_source
+from ..formats.base import Checkpoint, Source
+from ..hashing import ALGORITHMS, hash_files
+from ..layouts import OpenedSource, check_source, open_source, recognise_layout, training_checks
+from ..models import Problem, TrainingState
+from ..output import staged_output
+from ..progress import NULL_PROGRESS, Progress
+from ..storage import LocalStorage
+
+if TYPE_CHECKING:
+    import torch
+
+#: default manifest file name, inside a checkpoint folder (or beside a single-file checkpoint)
+MANIFEST_NAME = "ckpt-manifest.json"
+MANIFEST_VERSION = 1
+#: elements per NaN/Inf counting step: bounds the temporary masks for huge tensors
+_COUNT_STEP = 1 << 24
+
+
+class FileDigest(BaseModel):
+    """One file recorded in a checksum manifest."""
+
+    size: int
+    digest: str
+
+
+class ChecksumManifest(BaseModel):
+    """The content of `ckpt-manifest.json`.
+
+    Attributes:
+        ckpt_manifest: file format version.
+        algorithm: `sha256`, `blake3` or `xxh3` (XXH3-128).
+        created: when it was written (UTC, ISO 8601).
+        tool: the ckpt version that wrote it.
+        format: the checkpoint format token.
+        files: path relative to the checkpoint root -> size and hex digest.
+    """
+
+    ckpt_manifest: int = MANIFEST_VERSION
+    algorithm: str
+    created: str
+    tool: str
+    format: str | None = None
+    files: dict[str, FileDigest]
+
+
+class TensorHealth(BaseModel):
+    """Non-finite values found in one tensor by `--deep`."""
+
+    name: str
+    file: str | None = None
+    nan: int = 0
+    inf: int = 0
+
+
+class VerifyReport(BaseModel):
+    """The result of `ckpt verify`.
+
+    Attributes:
+        location / format: what was checked and as which format.
+        ok: no error-level problem was found.
+        checks: which checks ran (`structure`, `resumable`, `checksums`, `deep`, `write-manifest`).
+        files / bytes: files of the checkpoint considered and their total size.
+        tensors: tensor entries checked by `--deep` (0 otherwise).
+        hashed_bytes: bytes hashed for checksums.
+        algorithm / manifest: the hash algorithm and manifest path, for checksum runs.
+        manifest_written: `--write-manifest` wrote the manifest (False when problems stopped it).
+        nonfinite: tensors holding NaN or Inf (`--deep`).
+        training: the training state, when the source is a training checkpoint.
+        problems: every problem found, errors and warnings.
+        errors / warnings: counts by severity.
+    """
+
+    location: str
+    format: str | None = None
+    ok: bool
+    checks: list[str]
+    files: int = 0
+    bytes: int = 0
+    tensors: int = 0
+    hashed_bytes: int = 0
+    algorithm: str | None = None
+    manifest: str | None = None
+    manifest_written: bool = False
+    nonfinite: list[TensorHealth] = Field(default_factory=list)
+    training: TrainingState | None = None
+    problems: list[Problem] = Field(default_factory=list)
+    errors: int = 0
+    warnings: int = 0
+
+
+def verify(
+    src: str,
+    *,
+    format: str | None = None,
+    checksums: bool = False,
+    write_manifest: bool = False,
+    manifest: str | None = None,
+    algo: str | None = None,
+    deep: bool = False,
+    resumable: bool = False,
+    force: bool = False,
+    progress: Progress = NULL_PROGRESS,
+) -> VerifyReport:
+    """Check `src` and report every problem found.
+
+    Args:
+        src: checkpoint file or folder, or `hf://` location.
+        format: read as this format instead of detecting it.
+        checksums: hash every file and compare with the manifest.
+        write_manifest: hash every file and record the digests in a manifest.
+        manifest: manifest path (default `ckpt-manifest.json` in the checkpoint folder).
+        algo: hash algorithm for `write_manifest` (checks use the manifest's own).
+        deep: read every tensor, count NaN/Inf, check every entry deserialises.
+        resumable: a missing optimizer / scheduler / step / RNG / data-loader state is an error.
+        force: let `write_manifest` replace an existing manifest.
+        progress: receives hashing and reading progress.
+
+    Raises:
+        NotFoundError (exit 3) or FormatError (exit 4) when SRC cannot be read at all;
+        UsageError for contradictory options. Problems found are returned, not raised.
+    """
+    if checksums and write_manifest:
+        raise UsageError(
+            "--checksums and --write-manifest do not go together",
+            fix="Write the manifest once (--write-manifest), then check with --checksums.",
+        )
+    if algo is not None and algo not in ALGORITHMS:
+        raise UsageError(f"unknown --algo {algo!r}", fix=f"Use one of {', '.join(ALGORITHMS)}.")
+    source = resolve_source(src)
+    # a training folder (Trainer, accelerate, DeepSpeed) is checked component by component
+    opened = recognise_layout(source) if format is None else None
+    try:
+        if opened is None:
+            name = _format_name(source, format)
+            if name == "dcp" and source.target is not None:
+                # SRC named the .metadata or one .distcp file: the checkpoint is the folder
+                source = Source(location=source.location, storage=source.storage)
+            problems = list(get_format(name).check(source))
+        else:
+            training = opened.training
+            name = training.layout if training else opened.checkpoint.manifest.format
+            problems = check_source(src)
+        report = VerifyReport(
+            location=source.location.raw, format=name, ok=True, checks=["structure"]
+        )
+        # the manifest is not part of what it describes
+        considered = {n: size for n, size in source.files.items() if n != MANIFEST_NAME}
+        report.files = len(considered)
+        report.bytes = sum(considered.values())
+        report.training = opened.training if opened is not None else None
+        if resumable or deep:
+            _open_checks(
+                report,
+                problems,
+                src,
+                format,
+                opened,
+                resumable=resumable,
+                deep=deep,
+                progress=progress,
+            )
+    finally:
+        if opened is not None:
+            opened.checkpoint.close()
+    if checksums or write_manifest:
+        _checksum_checks(
+            report,
+            problems,
+            source,
+            write=write_manifest,
+            manifest=manifest,
+            algo=algo,
+            force=force,
+            progress=progress,
+        )
+    report.problems = problems
+    report.errors = sum(1 for p in problems if p.severity == "error")
+    report.warnings = len(problems) - report.errors
+    report.ok = report.errors == 0
+    return report
+
+
+def _format_name(source: Source, format: str | None) -> str:
+    if format == "hub":
+        if source.location.kind != "hf":
+            raise UsageError(
+                "--format hub needs an hf://org/repo location", path=source.location.raw
+            )
+        format = None
+    return format or detect_format(source)
+
+
+# ---------------------------------------------------------------- training state and --deep
+
+
+def _open_checks(
+    report: VerifyReport,
+    problems: list[Problem],
+    src: str,
+    format: str | None,
+    opened: OpenedSource | None,
+    *,
+    resumable: bool,
+    deep: bool,
+    progress: Progress,
+) -> None:
+    """Checks that need the checkpoint opened: resumability and reading every entry."""
+    if any(p.severity == "error" for p in problems):
+        # the structural problems are the story; reading on would only repeat them
+        skipped = " and ".join(c for c, on in (("resumability", resumable), ("deep", deep)) if on)
+        problems.append(
+            Problem(
+                code="not_checked",
+                message=f"{src}: skipped the {skipped} checks because of the problems above",
+                file=src,
+                severity="warning",
+            )
+        )
+        return
+    if opened is None:
+        try:
+            opened = open_source(src, format)
+        except CkptError as error:
+            problems.append(Problem(code=error.code, message=error.message, file=error.path))
+            return
+    report.training = opened.training
+    with opened.checkpoint as checkpoint:
+        if resumable:
+            report.checks.append("resumable")
+            problems.extend(training_checks(opened))
+        if deep:
+            report.checks.append("deep")
+            _deep(report, problems, checkpoint, progress)
+
+
+def _deep(
+    report: VerifyReport, problems: list[Problem], checkpoint: Checkpoint, progress: Progress
+) -> None:
+    """Read every entry once; count NaN/Inf of floating tensors."""
+    manifest = checkpoint.manifest
+    where = manifest.location
+    progress.start(manifest.tensor_bytes(), "reading tensors")
+    try:
+        for entry in manifest.entries:
+            file = checkpoint.storage.describe(entry.file) if entry.file else where
+            if entry.kind != "tensor":
+                try:
+                    checkpoint.read_object(entry.name)
+                except UnsafeInputError:
+                    pass  # listed on purpose but never unpickled (training_args.bin)
+                except Exception as exc:  # any failure to deserialise is the finding itself
+                    problems.append(_unreadable(entry.name, file, exc, "object"))
+                continue
+            try:
+                tensor = checkpoint.read_tensor(entry.name)
+            except Exception as exc:
+                problems.append(_unreadable(entry.name, file, exc, "tensor"))
+                progress.advance(entry.nbytes)
+                continue
+            report.tensors += 1
+            if list(tensor.shape) != list(entry.shape):
+                problems.append(
+                    Problem(
+                        code="shape_mismatch",
+                        message=f"{file}: tensor {entry.name!r} reads as shape "
+                        f"{list(tensor.shape)}, its metadata says {entry.shape}",
+                        file=file,
+                        tensor=entry.name,
+                    )
+                )
+            nan, inf = count_nonfinite(tensor)
+            if nan or inf:
+                report.nonfinite.append(TensorHealth(name=entry.name, file=file, nan=nan, inf=inf))
+                problems.append(
+                    Problem(
+                        code="nonfinite",
+                        message=f"{file}: tensor {entry.name!r} holds {nan} NaN and {inf} Inf "
+                        f"values (of {tensor.numel()})",
+                        file=file,
+                        tensor=entry.name,
+                    )
+                )
+            del tensor
+            progress.advance(entry.nbytes)
+    finally:
+        progress.finish()
+
+
+def _unreadable(name: str, file: str, exc: Exception, kind: str) -> Problem:
+    text = exc.message if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}"
+    return Problem(
+        code="unreadable",
+        message=f"{file}: {kind} {name!r} does not deserialise ({text})",
+        file=file,
+        tensor=name,
+    )
+
+
+def count_nonfinite(tensor: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, Inf count) of a floating tensor, in bounded slices; (0, 0) for others."""
+    import torch
+
+    if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
+        return 0, 0
+    flat = tensor.reshape(-1)
+    nan = inf = 0
+    for start in range(0, flat.numel(), _COUNT_STEP):
+        part = flat[start : start + _COUNT_STEP]
+        if part.dtype.itemsize == 1:  # float8 kinds have no isfinite kernel on CPU
+            part = part.float()
+        finite = torch.isfinite(part)
+        if bool(finite.all()):
+            continue
+        nan += int(torch.isnan(part).sum())
+        inf += int(torch.isinf(part).sum())
+    return nan, inf
+
+
+# ---------------------------------------------------------------- checksums and the manifest
+
+
+def default_manifest_path(source: Source) -> Path:
+    """`ckpt-manifest.json` in the checkpoint folder (beside the file for a single file)."""
+    return _local_root(source) / MANIFEST_NAME
+
+
+def _local_root(source: Source) -> Path:
+    storage = source.storage
+    assert isinstance(storage, LocalStorage)
+    return storage.root
+
+
+def _checksum_checks(
+    report: VerifyReport,
+    problems: list[Problem],
+    source: Source,
+    *,
+    write: bool,
+    manifest: str | None,
+    algo: str | None,
+    force: bool,
+    progress: Progress,
+) -> None:
+    if not write and source.location.kind == "hf":
+        report.checks.append("checksums")
+        _hub_cache_checksums(report, problems, source, progress)
+        return
+    if not isinstance(source.storage, LocalStorage):
+        raise UsageError(
+            "--checksums and --write-manifest need a local checkpoint",
+            path=source.location.raw,
+            fix="Download it first (`ckpt download`), then check the copy against the Hub with "
+            "`ckpt verify DEST --checksums --manifest hf://org/repo@revision`.",
+        )
+    if not write and manifest is not None and manifest.startswith("hf://"):
+        report.checks.append("checksums")
+        _local_against_hub(report, problems, source, manifest, progress)
+        return
+    path = Path(manifest) if manifest else default_manifest_path(source)
+    report.manifest = str(path)
+    root = _local_root(source)
+    files = _files_to_hash(source, root, path)
+    if write:
+        report.checks.append("write-manifest")
+        algorithm = algo or "sha256"
+        if path.exists() and not force:
+            raise DestinationExistsError(
+                "already exists",
+                path=path,
+                fix="Check against it with --checksums, or pass --force to replace it.",
+            )
+        report.algorithm = algorithm
+        if any(p.severity == "error" for p in problems):
+            problems.append(
+                Problem(
+                    code="manifest_not_written",
+                    message=f"{path}: not written, because the checkpoint has the problems "
+                    "above; a manifest must not bless a broken checkpoint",
+                    file=str(path),
+                )
+            )
+            return
+        digests = _hash(files, algorithm, progress)
+        sizes = files_size(files)
+        report.hashed_bytes = sum(sizes.values())
+        record = ChecksumManifest(
+            algorithm=algorithm,
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            tool=f"ckpt {__version__}",
+            format=report.format,
+            files={n: FileDigest(size=sizes[n], digest=digests[n]) for n in sorted(files)},
+        )
+        _write_manifest(path, record, force)
+        report.manifest_written = True
+        return
+    report.checks.append("checksums")
+    recorded = read_manifest(path)
+    if algo is not None and algo != recorded.algorithm:
+        raise UsageError(
+            f"--algo {algo} asked, but the manifest records {recorded.algorithm} digests",
+            path=path,
+            fix="Drop --algo (checks use the manifest's algorithm) or write a new manifest.",
+        )
+    report.algorithm = recorded.algorithm
+    expected = recorded.files
+    if source.target is not None:
+        # SRC named one file: check that file against its record, whatever else is recorded
+        expected = {n: d for n, d in expected.items() if n == source.target}
+        if not expected:
+            problems.append(
+                Problem(
+                    code="unlisted_file",
+                    message=f"{root / source.target}: is not in the manifest {path}",
+                    file=str(root / source.target),
+                )
+            )
+            return
+    sizes = files_size(files)
+    to_hash: dict[str, Path] = {}
+    for name, want in expected.items():
+        if name not in files:
+            problems.append(
+                Problem(
+                    code="missing_file",
+                    message=f"{root / name}: is missing (the manifest records {want.size} bytes)",
+                    file=str(root / name),
+                )
+            )
+        elif sizes[name] != want.size:
+            problems.append(
+                Problem(
+                    code="size_changed",
+                    message=f"{root / name}: is {sizes[name]} bytes, the manifest records "
+                    f"{want.size} (truncated or rewritten since the manifest was written)",
+                    file=str(root / name),
+                )
+            )
+        else:
+            to_hash[name] = files[name]
+    for name in sorted(set(files) - set(expected)):
+        problems.append(
+            Problem(
+                code="unlisted_file",
+                message=f"{root / name}: is not in the manifest {path} (added after it was written)",
+                file=str(root / name),
+                severity="warning",
+            )
+        )
+    digests = _hash(to_hash, recorded.algorithm, progress)
+    report.hashed_bytes = sum(sizes[n] for n in to_hash)
+    for name, digest in digests.items():
+        if digest != recorded.files[name].digest:
+            problems.append(
+                Problem(
+                    code="checksum_mismatch",
+                    message=f"{root / name}: {recorded.algorithm} digest {digest[:16]}… differs "
+                    f"from the manifest's {recorded.files[name].digest[:16]}… (the content changed "
+                    "or is corrupt)",
+                    file=str(root / name),
+                )
+            )
+
+
+def _files_to_hash(source: Source, root: Path, manifest: Path) -> dict[str, Path]:
+    """The checkpoint's files (name -> path), the manifest itself excluded."""
+    skip = manifest.resolve()
+    out: dict[str, Path] = {}
+    for name in source.files:
+        path = root / name
+        if path.resolve() != skip:
+            out[name] = path
+    return out
+
+
+def files_size(files: dict[str, Path]) -> dict[str, int]:
+    """Current sizes of the files (0 for ones that vanished)."""
+    sizes = {}
+    for name, path in files.items():
+        try:
+            sizes[name] = path.stat().st_size
+        except OSError:
+            sizes[name] = 0
+    return sizes
+
+
+def _hash(files: dict[str, Path], algo: str, progress: Progress) -> dict[str, str]:
+    total = sum(files_size(files).values())
+    progress.start(total, f"hashing ({algo})")
+    try:
+        return hash_files(files, algo, progress=progress)
+    finally:
+        progress.finish()
+
+
+def read_manifest(path: Path) -> ChecksumManifest:
+    """Load a checksum manifest; NotFoundError / FormatError with the fix when unusable."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise NotFoundError(
+            "no checksum manifest here",
+            path=path,
+            fix="Write one from a known-good copy with `ckpt verify SRC --write-manifest`, or "
+            "name it with --manifest PATH.",
+        ) from None
+    try:
+        data: Any = json.loads(raw)
+        manifest = ChecksumManifest.model_validate(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(
+            f"is not a valid ckpt checksum manifest ({str(exc).splitlines()[0]})",
+            path=path,
+            fix="Write it again with `ckpt verify SRC --write-manifest --force`.",
+        ) from None
+    if manifest.algorithm not in ALGORITHMS:
+        raise FormatError(f"records digests of unknown algorithm {manifest.algorithm!r}", path=path)
+    return manifest
+
+
+def _write_manifest(path: Path, record: ChecksumManifest, force: bool) -> None:
+    """Publish the manifest atomically (temporary sibling + one rename)."""
+    data = (json.dumps(record.model_dump(mode="json"), indent=2) + "\n").encode()
+    with (
+        staged_output(path, force=force, single_file=True) as staging,
+        open(staging / path.name, "wb") as fh,
+    ):
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+# ---------------------------------------------------------------- against the Hub's digests
+
+
+def _hub_cache_checksums(
+    report: VerifyReport, problems: list[Problem], source: Source, progress: Progress
+) -> None:
+    """`verify hf://… --checksums`: the files in the local HF cache against the Hub's digests."""
+    from ..formats.hub import HubStorage
+
+    storage = source.storage
+    assert isinstance(storage, HubStorage)
+    remote = storage.repo.files
+    names = [source.target] if source.target is not None else sorted(remote)
+    local: dict[str, Path] = {}
+    for name in names:
+        path = storage.local_path(name)
+        if path is not None:
+            local[name] = path
+    report.manifest = storage.repo.display()
+    if not local:
+        problems.append(
+            Problem(
+                code="no_local_copy",
+                message=f"{storage.repo.display()}: no file of this commit is in the local HF "
+                "cache, so there is nothing to check against the Hub's digests",
+                file=storage.repo.display(),
+                severity="warning",
+            )
+        )
+        return
+    _compare_with_hub(
+        report, problems, local, {n: remote[n] for n in names}, storage.describe, progress
+    )
+
+
+def _local_against_hub(
+    report: VerifyReport, problems: list[Problem], source: Source, hub: str, progress: Progress
+) -> None:
+    """`verify DIR --checksums --manifest hf://…`: a downloaded copy against the Hub's digests."""
+    from ..formats.hub import HubStorage
+
+    hub_side = resolve_source(hub)
+    storage = hub_side.storage
+    assert isinstance(storage, HubStorage)
+    report.manifest = storage.repo.display()
+    root = _local_root(source)
+    local = {
+        name: root / name
+        for name in source.files
+        # huggingface_hub keeps its download bookkeeping there; ckpt its manifest
+        if not name.startswith(".cache/huggingface/") and name != MANIFEST_NAME
+    }
+    remote = storage.repo.files
+    if source.target is not None:
+        remote = {n: f for n, f in remote.items() if n == source.target}
+    for name in sorted(set(remote) - set(local)):
+        problems.append(
+            Problem(
+                code="missing_file",
+                message=f"{root / name}: is not in the local copy ({storage.describe(name)} has "
+                f"{remote[name].size} bytes)",
+                file=str(root / name),
+                severity="warning",
+            )
+        )
+    for name in sorted(set(local) - set(remote)):
+        problems.append(
+            Problem(
+                code="unlisted_file",
+                message=f"{root / name}: is not in {storage.repo.display()}",
+                file=str(root / name),
+                severity="warning",
+            )
+        )
+    both = {n: local[n] for n in sorted(set(local) & set(remote))}
+    _compare_with_hub(report, problems, both, remote, lambda n: str(root / n), progress)
+
+
+def _compare_with_hub(
+    report: VerifyReport,
+    problems: list[Problem],
+    local: dict[str, Path],
+    remote: dict[str, Any],
+    describe: Any,
+    progress: Progress,
+) -> None:
+    """Sizes, then the Hub's own digests: LFS sha256 (hashed in parallel), git blob sha1."""
+    from huggingface_hub.utils.sha import git_hash
+
+    report.algorithm = "sha256 (LFS) / git-sha1"
+    sizes = files_size(local)
+    lfs: dict[str, Path] = {}
+    for name, path in local.items():
+        want = remote[name]
+        if sizes[name] != want.size:
+            problems.append(
+                Problem(
+                    code="size_changed",
+                    message=f"{describe(name)}: is {sizes[name]} bytes, the Hub records "
+                    f"{want.size}",
+                    file=describe(name),
+                )
+            )
+        elif want.sha256:
+            lfs[name] = path
+        elif want.blob_id:
+            # regular (non-LFS) git files are small: the Hub caps them at 10 MB
+            actual = git_hash(path.read_bytes())
+            report.hashed_bytes += sizes[name]
+            if actual != want.blob_id:
+                problems.append(_hub_mismatch(describe(name), "git-sha1", actual, want.blob_id))
+    digests = _hash(lfs, "sha256", progress)
+    report.hashed_bytes += sum(sizes[n] for n in lfs)
+    for name, digest in digests.items():
+        if digest != remote[name].sha256:
+            problems.append(_hub_mismatch(describe(name), "sha256", digest, remote[name].sha256))
+
+
+def _hub_mismatch(file: str, algo: str, actual: str, expected: str) -> Problem:
+    return Problem(
+        code="checksum_mismatch",
+        message=f"{file}: {algo} {actual[:16]}… differs from the Hub's {expected[:16]}… (the "
+        "local copy is corrupt or from another revision)",
+        file=file,
+    )

@@ -1,0 +1,517 @@
+"""Training layouts: a Trainer folder from real training, accelerate, Lightning, DeepSpeed and
+plain torch dicts built with torch.save in their real key structure; inspect says what they
+hold and whether they can resume; `training_checks` names what is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import shutil
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpt_cli.layouts import open_source, training_checks
+
+from .conftest import REPO, run_ckpt
+
+
+def _demo() -> Any:
+    spec = importlib.util.spec_from_file_location("make_demo", REPO / "examples" / "make_demo.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["make_demo"] = module  # dataclasses pickled by training_args.bin need it
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Trainer-style checkpoint-4/ saved after four real AdamW steps."""
+    return Path(_demo().save_trainer_checkpoint(tmp_path_factory.mktemp("run")))
+
+
+def _copy(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest
+
+
+def _hostile(marker: Path) -> Any:
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {marker}",))
+
+    return Evil()
+
+
+def test_trainer_checkpoint_is_recognised_and_resumable(trainer_run: Path) -> None:
+    report = run_ckpt("inspect", trainer_run, "--json").json["result"]
+    assert report["format"] == "composite"
+    training = report["training"]
+    assert training["layout"] == "hf-trainer"
+    assert training["step"] == 4 and training["epoch"] == 0.5
+    weights = load_file(trainer_run / "model.safetensors")
+    assert training["weights"] == {
+        "tensors": len(weights),
+        "parameters": sum(t.numel() for t in weights.values()),
+        "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+    }
+    opt = training["optimizer"]
+    assert opt["kind"] == "AdamW" and opt["states"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert opt["params"] == opt["params_with_state"] == len(weights) and opt["complete"]
+    assert training["scheduler"]["kind"] == "LambdaLR" and training["scheduler"]["last_epoch"] == 4
+    assert training["rng"] == ["python", "numpy", "torch_cpu"]
+    assert training["resumable"] is True and training["missing"] == []
+    assert training["prefixes"]["model"] == "model."
+    names = {e["name"]: e for e in report["entries"]}
+    assert "training_args" not in names  # a pickled dataclass: listed, never loaded
+    assert training["components"]["training_args"].startswith("training_args.bin")
+    assert "training_args.bin" in [f["path"] for f in report["files"]]
+    assert names["trainer_state.global_step"]["value"] == 4
+    assert "optimizer.state.0.exp_avg" in names
+    human = run_ckpt("inspect", trainer_run).stdout
+    assert "hf-trainer" in human and "AdamW" in human and "yes" in human
+
+    opened = open_source(str(trainer_run))
+    with opened.checkpoint as checkpoint:
+        for name, tensor in weights.items():
+            assert torch.equal(checkpoint.read_tensor(f"model.{name}"), tensor)
+        saved = torch.load(trainer_run / "optimizer.pt", weights_only=True)
+        assert torch.equal(
+            checkpoint.read_tensor("optimizer.state.3.exp_avg"), saved["state"][3]["exp_avg"]
+        )
+        assert checkpoint.read_object("trainer_state.global_step") == 4
+    assert training_checks(opened) == []
+
+
+def test_trainer_without_optimizer_is_not_resumable(trainer_run: Path, tmp_path: Path) -> None:
+    folder = _copy(trainer_run, tmp_path / "checkpoint-4")
+    (folder / "optimizer.pt").unlink()
+    training = run_ckpt("inspect", folder, "--json").json["result"]["training"]
+    assert training["resumable"] is False and training["missing"] == ["optimizer"]
+    codes = [p.code for p in training_checks(open_source(str(folder)))]
+    assert codes == ["missing_optimizer"]
+
+
+def test_optimizer_of_another_model_is_a_shape_mismatch(trainer_run: Path, tmp_path: Path) -> None:
+    folder = _copy(trainer_run, tmp_path / "checkpoint-4")
+    other = _demo().TinyLM(dim=16)
+    opt = torch.optim.AdamW(other.parameters())
+    other(torch.randint(0, 64, (2, 5))).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), folder / "optimizer.pt")
+    problems = training_checks(open_source(str(folder)))
+    assert problems and all(p.code == "optimizer_shape_mismatch" for p in problems)
+
+
+def test_hostile_files_in_a_trainer_folder_are_listed_not_run(
+    trainer_run: Path, tmp_path: Path
+) -> None:
+    folder = _copy(trainer_run, tmp_path / "checkpoint-4")
+    marker = tmp_path / "PWNED"
+    torch.save({"python": _hostile(marker)}, folder / "rng_state.pth")
+    torch.save(_hostile(marker), folder / "training_args.bin")
+    result = run_ckpt("inspect", folder, "--json")
+    assert result.exit_code == 0, result.stderr
+    training = result.json["result"]["training"]
+    assert "rng_state.pth" in training["unreadable"]
+    assert training["resumable"] is False
+    problems = training_checks(open_source(str(folder)))
+    assert "unreadable_component" in [p.code for p in problems]
+    assert "missing_rng" in [p.code for p in problems]
+    assert not marker.exists()
+
+
+def test_accelerate_save_state_folder(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    folder = tmp_path / "checkpoint_7"
+    folder.mkdir()
+    from safetensors.torch import save_file
+
+    save_file(model.state_dict(), str(folder / "model.safetensors"))
+    torch.save(opt.state_dict(), folder / "optimizer.bin")
+    torch.save(sched.state_dict(), folder / "scheduler.bin")
+    torch.save({"epoch": 0, "batches_seen": 7}, folder / "sampler.bin")
+    torch.save(
+        {
+            "step": 7,
+            "random_state": random.getstate(),
+            "numpy_random_seed": np.random.get_state(),
+            "torch_manual_seed": torch.get_rng_state(),
+        },
+        folder / "random_states_0.pkl",
+    )
+    torch.save({"best": 0.5}, folder / "custom_checkpoint_0.pkl")
+    training = run_ckpt("inspect", folder, "--json").json["result"]["training"]
+    assert training["layout"] == "accelerate"
+    assert training["step"] == 7
+    assert training["optimizer"]["kind"] == "SGD" and training["optimizer"]["complete"]
+    assert training["scheduler"]["kind"] == "CosineAnnealingLR"
+    assert training["rng"] == ["python", "numpy", "torch_cpu"]
+    assert training["resumable"] is True, training["missing"]
+
+
+def test_lightning_ckpt(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 5)
+    ckpt = {
+        "epoch": 2,
+        "global_step": 30,
+        "pytorch-lightning_version": "2.4.0",
+        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        "loops": {
+            "fit_loop": {
+                "state_dict": {},
+                "epoch_progress": {"total": {"ready": 3, "completed": 2}},
+                "epoch_loop.batch_progress": {"total": {"ready": 30, "completed": 30}},
+            }
+        },
+        "callbacks": {"ModelCheckpoint{'monitor': None}": {"best_model_path": ""}},
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [sched.state_dict()],
+    }
+    torch.save(ckpt, tmp_path / "epoch=2-step=30.ckpt")
+    training = run_ckpt("inspect", tmp_path / "epoch=2-step=30.ckpt", "--json").json["result"][
+        "training"
+    ]
+    assert training["layout"] == "lightning"
+    assert training["step"] == 30 and training["epoch"] == 2.0
+    assert training["weights"]["tensors"] == 2
+    assert training["optimizer"]["kind"] == "Adam" and training["optimizer"]["complete"]
+    assert training["scheduler"]["kind"] == "StepLR"
+    assert training["prefixes"]["model"] == "state_dict."
+    # Lightning saves no RNG state by default: say so
+    assert training["resumable"] is False and training["missing"] == ["rng"]
+
+
+def _fake_deepspeed_classes() -> dict[str, Any]:
+    """DeepSpeed's pickled data classes under their real module names (deepspeed itself is not
+    installed): what a real ZeRO optimizer file refers to."""
+    import enum
+
+    for name in (
+        "deepspeed",
+        "deepspeed.runtime",
+        "deepspeed.runtime.fp16",
+        "deepspeed.runtime.fp16.loss_scaler",
+        "deepspeed.runtime.zero",
+        "deepspeed.runtime.zero.config",
+    ):
+        sys.modules.setdefault(name, types.ModuleType(name))
+
+    class LossScaler:
+        def __init__(self, scale: float = 1.0):
+            self.cur_scale = scale
+            self.dynamic = False
+
+    class ZeroStageEnum(int, enum.Enum):
+        disabled = 0
+        optimizer_states = 1
+        gradients = 2
+
+    for cls, module in (
+        (LossScaler, "deepspeed.runtime.fp16.loss_scaler"),
+        (ZeroStageEnum, "deepspeed.runtime.zero.config"),
+    ):
+        cls.__module__ = module
+        cls.__qualname__ = cls.__name__
+        setattr(sys.modules[module], cls.__name__, cls)
+    return {"LossScaler": LossScaler, "ZeroStageEnum": ZeroStageEnum}
+
+
+def test_deepspeed_zero2_global_step_with_latest(tmp_path: Path) -> None:
+    classes = _fake_deepspeed_classes()
+    model = torch.nn.Linear(4, 2)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    tag = tmp_path / "global_step12"
+    tag.mkdir()
+    (tmp_path / "latest").write_text("global_step12")
+    torch.save(
+        {
+            "module": model.state_dict(),
+            "buffer_names": [],
+            "optimizer": None,
+            "param_shapes": [{"weight": torch.Size([2, 4]), "bias": torch.Size([2])}],
+            "lr_scheduler": {"last_epoch": 12, "_step_count": 13, "_last_lr": [0.001]},
+            "sparse_tensor_module_names": set(),
+            "skipped_steps": 0,
+            "global_steps": 12,
+            "global_samples": 96,
+            "dp_world_size": 1,
+            "mp_world_size": 1,
+            "ds_config": {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}},
+            "ds_version": "0.15.0",
+        },
+        tag / "mp_rank_00_model_states.pt",
+    )
+    torch.save(
+        {
+            "optimizer_state_dict": {
+                "loss_scaler": classes["LossScaler"](),
+                "dynamic_loss_scale": False,
+                "overflow": False,
+                "clip_grad": 1.0,
+                "base_optimizer_state": {
+                    "state": {
+                        0: {
+                            "step": torch.tensor(12.0),
+                            "exp_avg": torch.zeros_like(flat),
+                            "exp_avg_sq": torch.zeros_like(flat),
+                        }
+                    },
+                    "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), "params": [0]}],
+                },
+                "single_partition_of_fp32_groups": [flat.clone()],
+                "zero_stage": classes["ZeroStageEnum"].gradients,
+                "group_paddings": [0],
+                "partition_count": [1],
+                "ds_version": "0.15.0",
+            },
+            "ds_config": {"zero_optimization": {"stage": 2}},
+            "ds_version": "0.15.0",
+        },
+        tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    )
+    for name in list(sys.modules):
+        if name.startswith("deepspeed"):
+            del sys.modules[name]  # the reader must not need deepspeed
+    result = run_ckpt("inspect", tmp_path, "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    training = report["training"]
+    assert training["layout"] == "deepspeed"
+    assert training["step"] == 12
+    assert training["weights"]["tensors"] == 2
+    assert training["optimizer"]["states"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert training["optimizer"]["complete"]
+    assert training["scheduler"]["last_epoch"] == 12
+    assert training["unreadable"] == {}
+    # DeepSpeed saves no RNG or data-loader state unless the client state adds them
+    assert training["missing"] == ["rng", "dataloader"]
+    names = {e["name"]: e for e in report["entries"]}
+    assert names["optim_states.optimizer_state_dict.loss_scaler"]["py_type"].endswith("LossScaler")
+
+
+def test_complete_torch_dict_is_resumable_and_checks_pass(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LinearLR(opt)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "step": 1,
+            "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+            "dataloader": {"epoch": 0, "index": 3, "perm": torch.randperm(8)},
+        },
+        tmp_path / "last.pt",
+    )
+    opened = open_source(str(tmp_path / "last.pt"))
+    assert opened.training is not None and opened.training.resumable
+    assert training_checks(opened) == []
+    weights_only = tmp_path / "weights.pt"
+    torch.save(model.state_dict(), weights_only)
+    assert [p.code for p in training_checks(open_source(str(weights_only)))] == ["not_resumable"]
+
+
+def test_torchtitan_step_folder_from_dcp_save(tmp_path: Path) -> None:
+    import io
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LinearLR(opt)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {
+        "model": model_sd,
+        "optimizer": optim_sd,
+        "lr_scheduler": sched.state_dict(),
+        "dataloader": {"rank_0": io.BytesIO(b"sampler position")},
+        "train_state": {"step": torch.tensor(5), "ntokens_seen": torch.tensor(100)},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "step-5"), no_dist=True)
+    training = run_ckpt("inspect", tmp_path / "step-5", "--json").json["result"]["training"]
+    assert training["layout"] == "torchtitan"
+    assert training["step"] == 5
+    assert training["weights"]["tensors"] == 4
+    assert training["optimizer"]["kind"] == "AdamW"
+    assert training["optimizer"]["params"] == training["optimizer"]["params_with_state"] == 4
+    assert training["dataloader"] is not None
+    # torchtitan keeps no RNG state in the checkpoint
+    assert training["missing"] == ["rng"]
+    codes = [p.code for p in training_checks(open_source(str(tmp_path / "step-5")))]
+    assert codes == ["missing_rng"]
+
+
+def test_check_source_runs_every_component_check(trainer_run: Path, tmp_path: Path) -> None:
+    from ckpt_cli.layouts import check_source
+
+    assert check_source(str(trainer_run)) == []
+    folder = _copy(trainer_run, tmp_path / "checkpoint-4")
+    data = (folder / "scheduler.pt").read_bytes()
+    (folder / "scheduler.pt").write_bytes(data[: len(data) // 2])
+    problems = check_source(str(folder))
+    assert problems and all("scheduler.pt" in (p.file or "") for p in problems)
+    # DeepSpeed's `latest` naming a tag that is gone: one problem, not a crash
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "latest").write_text("global_step9")
+    torch.save({"module": {}}, ds / "mp_rank_00_model_states.pt")
+    assert [p.code for p in check_source(str(ds))] == ["not_found"]
+
+
+def test_trainer_folder_written_as_one_torch_training_dict(
+    trainer_run: Path, tmp_path: Path
+) -> None:
+    from ckpt_cli.formats.base import WriteOptions
+    from ckpt_cli.formats.torch_save import TorchFormat
+
+    from .test_torch_format import assert_same
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with open_source(str(trainer_run)).checkpoint as checkpoint:
+        plan = checkpoint.manifest.entries
+        writer = TorchFormat.writer(out, plan, WriteOptions())
+        for entry in plan:
+            if entry.kind == "tensor":
+                writer.write_tensor(entry.name, checkpoint.read_tensor(entry.name))
+            else:
+                writer.write_object(entry.name, checkpoint.read_object(entry.name))
+        writer.finish()
+    allow = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(allow):
+        back = torch.load(out / "pytorch_model.bin", weights_only=True)
+        rng = torch.load(trainer_run / "rng_state.pth", weights_only=True)
+    assert list(back) == ["model", "optimizer", "scheduler", "rng", "trainer_state"]
+    assert_same(back["optimizer"], torch.load(trainer_run / "optimizer.pt", weights_only=True))
+    assert_same(back["scheduler"], torch.load(trainer_run / "scheduler.pt", weights_only=True))
+    assert_same(back["rng"], rng)
+    assert back["trainer_state"]["global_step"] == 4
+    model = _demo().TinyLM()
+    model.load_state_dict(back["model"])
+    for name, tensor in load_file(trainer_run / "model.safetensors").items():
+        assert torch.equal(back["model"][name], tensor)
+
+
+def test_deepspeed_zero3_counts_weights_from_partitions(tmp_path: Path) -> None:
+    classes = _fake_deepspeed_classes()
+    model = torch.nn.Linear(4, 2)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    tag = tmp_path / "global_step3"
+    tag.mkdir()
+    torch.save(
+        {
+            "module": {},
+            "param_shapes": [{"weight": torch.Size([2, 4]), "bias": torch.Size([2])}],
+            "lr_scheduler": {"last_epoch": 3, "_step_count": 4, "_last_lr": [0.001]},
+            "global_steps": 3,
+            "ds_config": {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}},
+        },
+        tag / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+    )
+    torch.save(
+        {
+            "optimizer_state_dict": {
+                "zero_stage": classes["ZeroStageEnum"].gradients,
+                "loss_scaler": classes["LossScaler"](),
+                "partition_count": 1,
+                "optimizer_state_dict": {
+                    "state": {0: {"exp_avg": flat * 0, "exp_avg_sq": flat * 0}},
+                    "param_groups": [{"lr": 0.001, "params": [0]}],
+                },
+                "fp32_flat_groups": [flat.clone()],
+            },
+        },
+        tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    )
+    for name in list(sys.modules):
+        if name.startswith("deepspeed"):
+            del sys.modules[name]
+    training = run_ckpt("inspect", tag, "--json").json["result"]["training"]
+    assert training["layout"] == "deepspeed" and training["step"] == 3
+    assert training["weights"] == {"tensors": 2, "parameters": 10, "bytes": 40}
+    assert training["optimizer"]["kind"] == "AdamW" and training["optimizer"]["complete"]
+    assert training["missing"] == ["rng", "dataloader"]
+
+
+def test_trainer_fsdp_folder_with_dcp_model_and_optimizer(
+    trainer_run: Path, tmp_path: Path
+) -> None:
+    """FSDP with SHARDED_STATE_DICT: the Trainer (through accelerate) saves the model and the
+    optimizer as DCP folders wrapped in {"model": ...} / {"optimizer": ...}."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    folder = _copy(trainer_run, tmp_path / "checkpoint-4")
+    (folder / "model.safetensors").unlink()
+    (folder / "optimizer.pt").unlink()
+    model = _demo().TinyLM()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 64, (2, 5))).sum().backward()
+    opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"model": model_sd}, checkpoint_id=str(folder / "pytorch_model_fsdp_0"), no_dist=True
+        )
+        dcp.save({"optimizer": optim_sd}, checkpoint_id=str(folder / "optimizer_0"), no_dist=True)
+    report = run_ckpt("inspect", folder, "--json").json["result"]
+    training = report["training"]
+    assert training["layout"] == "hf-trainer"
+    assert training["weights"]["tensors"] == len(model_sd)
+    assert training["optimizer"]["kind"] == "AdamW"
+    assert training["optimizer"]["params"] == training["optimizer"]["params_with_state"] == 8
+    assert training["resumable"] is True, training["missing"]
+    names = {e["name"]: e for e in report["entries"]}
+    assert names["model.head.weight"]["file"].startswith("pytorch_model_fsdp_0/")
+    assert "optimizer.state.head.weight.exp_avg" in names
+    opened = open_source(str(folder))
+    assert training_checks(opened) == []
+    with opened.checkpoint as checkpoint:
+        assert torch.equal(checkpoint.read_tensor("model.fc1.weight"), model_sd["fc1.weight"])
+    from ckpt_cli.layouts import check_source
+
+    assert check_source(str(folder)) == []
+
+
+def test_plain_sgd_needs_no_per_parameter_state(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    torch.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}, tmp_path / "c.pt"
+    )
+    training = run_ckpt("inspect", tmp_path / "c.pt", "--json").json["result"]["training"]
+    assert training["optimizer"]["kind"] == "SGD" and training["optimizer"]["complete"]
+    assert "optimizer state for every parameter" not in training["missing"]
+    assert training["missing"] == ["scheduler", "rng", "dataloader"]

@@ -1,0 +1,389 @@
+"""torch: inspect real torch.save files and sharded bins; hostile pickles never run; the
+writer round-trips state dicts and training dicts bit-exactly through torch.load."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from huggingface_hub import save_torch_state_dict
+
+from ckpt_cli.formats import open_checkpoint, resolve_source
+from ckpt_cli.formats.base import WriteOptions
+from ckpt_cli.formats.torch_save import TorchFormat
+from ckpt_cli.output import staged_output
+
+from .conftest import run_ckpt
+
+
+def state_dict() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    sd: dict[str, torch.Tensor] = {
+        f"layers.{i}.weight": torch.randn(16, 8, generator=gen) for i in range(4)
+    }
+    sd["embed.weight"] = torch.randn(20, 8, generator=gen).to(torch.bfloat16)
+    sd["mask"] = torch.tensor([True, False])
+    sd["count"] = torch.tensor(7, dtype=torch.int64)
+    return sd
+
+
+def training_dict() -> dict[str, Any]:
+    """What users save: {model, optimizer, scheduler, step, rng} after a real step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "step": 1,
+        "rng": {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        },
+    }
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Deep, type-exact equality; tensors bit-exact."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def copy_with_writer(src: Path, dest: Path, options: WriteOptions | None = None) -> None:
+    with open_checkpoint(str(src)) as checkpoint, staged_output(dest) as staging:
+        plan = checkpoint.manifest.entries
+        writer = TorchFormat.writer(staging, plan, options or WriteOptions())
+        for entry in plan:
+            if entry.kind == "tensor":
+                writer.write_tensor(entry.name, checkpoint.read_tensor(entry.name))
+            else:
+                writer.write_object(entry.name, checkpoint.read_object(entry.name))
+        writer.finish()
+
+
+def test_inspect_state_dict_counts_dtypes_shapes_bytes(tmp_path: Path) -> None:
+    sd = state_dict()
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    report = run_ckpt("inspect", tmp_path / "pytorch_model.bin", "--json").json["result"]
+    assert report["format"] == "torch"
+    assert report["tensors"] == len(sd) and report["objects"] == 0
+    assert report["tensor_bytes"] == sum(t.numel() * t.element_size() for t in sd.values())
+    assert report["parameters"] == sum(t.numel() for t in sd.values() if t.is_floating_point())
+    by_name = {e["name"]: e for e in report["entries"]}
+    for name, tensor in sd.items():
+        assert by_name[name]["dtype"] == str(tensor.dtype).removeprefix("torch.")
+        assert by_name[name]["shape"] == list(tensor.shape)
+    assert report["training"] is None  # weights only
+    # a folder holding just that file is the same checkpoint
+    assert run_ckpt("inspect", tmp_path, "--json").json["result"]["tensors"] == len(sd)
+
+
+def test_training_dict_is_flattened_with_objects_and_values(tmp_path: Path) -> None:
+    ckpt = training_dict()
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    report = run_ckpt("inspect", tmp_path / "ckpt.pt", "--json").json["result"]
+    by_name = {e["name"]: e for e in report["entries"]}
+    assert by_name["optimizer.state.0.exp_avg"]["shape"] == [8, 4]
+    assert by_name["model.0.weight"]["dtype"] == "float32"
+    assert by_name["step"] == {**by_name["step"], "kind": "object", "py_type": "int", "value": 1}
+    assert by_name["optimizer.param_groups.0.betas"]["value"] == [0.9, 0.999]
+    assert by_name["rng.python"]["py_type"] == "tuple"
+    assert by_name["rng.numpy"]["kind"] == "object"  # numpy RNG state loads as data
+    assert by_name["rng.torch"]["dtype"] == "uint8"
+    training = report["training"]
+    assert training["layout"] == "torch-dict"
+    assert training["optimizer"]["kind"] == "AdamW"
+    assert training["optimizer"]["params"] == training["optimizer"]["params_with_state"] == 4
+    assert training["step"] == 1 and training["rng"] == ["python", "numpy", "torch_cpu"]
+    # no data-loader state saved: not resumable, and it says why
+    assert training["resumable"] is False and training["missing"] == ["dataloader"]
+    with open_checkpoint(str(tmp_path / "ckpt.pt")) as checkpoint:
+        assert torch.equal(
+            checkpoint.read_tensor("optimizer.state.2.exp_avg_sq"),
+            ckpt["optimizer"]["state"][2]["exp_avg_sq"],
+        )
+        assert checkpoint.read_object("scheduler.last_epoch") == 1
+        assert_same(checkpoint.read_object("rng.python"), ckpt["rng"]["python"])
+
+
+def test_sharded_bin_written_like_transformers(tmp_path: Path) -> None:
+    sd = state_dict()
+    save_torch_state_dict(sd, tmp_path, max_shard_size=1200, safe_serialization=False)
+    index = json.loads((tmp_path / "pytorch_model.bin.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    report = run_ckpt("inspect", tmp_path, "--json").json["result"]
+    assert report["format"] == "torch" and report["tensors"] == len(sd)
+    assert [f["path"] for f in report["files"]] == ["pytorch_model.bin.index.json", *shards]
+    by_name = {e["name"]: e for e in report["entries"]}
+    assert all(by_name[n]["file"] == index["weight_map"][n] for n in sd)
+    with open_checkpoint(str(tmp_path)) as checkpoint:
+        for name, tensor in sd.items():
+            assert torch.equal(checkpoint.read_tensor(name), tensor), name
+    assert TorchFormat.check(resolve_source(str(tmp_path))) == []
+
+
+def test_hostile_pickle_is_refused_and_not_executed(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"weight": torch.ones(2), "payload": Evil()}, tmp_path / "evil.pt")
+    result = run_ckpt("inspect", tmp_path / "evil.pt", "--json")
+    assert result.exit_code == 4
+    error = result.json["error"]
+    assert error["code"] == "unsafe_input"
+    assert "evil.pt" in error["message"] and "system" in error["message"]
+    assert not marker.exists()
+    problems = TorchFormat.check(resolve_source(str(tmp_path / "evil.pt")))
+    assert [p.code for p in problems] == ["unsafe_input"]
+    assert not marker.exists()
+
+
+def test_corrupt_truncated_and_plain_pickle_files_are_exit_4(tmp_path: Path) -> None:
+    torch.save(state_dict(), tmp_path / "good.pt")
+    data = (tmp_path / "good.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    (tmp_path / "empty.pt").write_bytes(b"")
+    import pickle
+
+    (tmp_path / "plain.pt").write_bytes(pickle.dumps({"a": 1}, protocol=4))
+    for name in ("cut.pt", "empty.pt", "plain.pt"):
+        result = run_ckpt("inspect", tmp_path / name)
+        assert result.exit_code == 4, (name, result.stderr)
+        assert name in result.stderr
+
+
+def test_legacy_non_zip_file_is_read(tmp_path: Path) -> None:
+    sd = state_dict()
+    torch.save(sd, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    report = run_ckpt("inspect", tmp_path / "old.pt", "--json").json["result"]
+    assert report["tensors"] == len(sd)
+    assert report["details"]["legacy_format"] == ["old.pt"]
+    with open_checkpoint(str(tmp_path / "old.pt")) as checkpoint:
+        assert torch.equal(checkpoint.read_tensor("layers.2.weight"), sd["layers.2.weight"])
+
+
+def test_index_traversal_and_missing_shard(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model-00001-of-00001.bin")
+    index = tmp_path / "pytorch_model.bin.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "../outside.bin"}}))
+    result = run_ckpt("inspect", tmp_path, "--json")
+    assert result.exit_code == 4 and result.json["error"]["code"] == "unsafe_input"
+    index.write_text(json.dumps({"weight_map": {"w": "pytorch_model-00002-of-00002.bin"}}))
+    result = run_ckpt("inspect", tmp_path)
+    assert result.exit_code == 3 and "pytorch_model-00002-of-00002.bin" in result.stderr
+
+
+def test_check_reports_every_index_problem(tmp_path: Path) -> None:
+    torch.save({"a": torch.ones(2), "b": torch.zeros(3)}, tmp_path / "s1.bin")
+    torch.save({"c": torch.ones(4), "stray": torch.ones(1)}, tmp_path / "s2.bin")
+    weight_map = {"a": "s1.bin", "b": "s2.bin", "c": "s2.bin", "d": "s3.bin"}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    problems = TorchFormat.check(resolve_source(str(tmp_path)))
+    found = {(p.code, p.tensor) for p in problems}
+    assert ("missing_shard", None) in found
+    assert ("wrong_shard", "b") in found
+    assert ("not_in_index", "stray") in found
+    assert run_ckpt("inspect", tmp_path).exit_code in (3, 4)
+
+
+def test_writer_sharded_state_dict_round_trip(tmp_path: Path) -> None:
+    sd = state_dict()
+    torch.save(sd, tmp_path / "src.bin")
+    out = tmp_path / "out"
+    copy_with_writer(tmp_path / "src.bin", out, WriteOptions(max_shard_size=1200))
+    index = json.loads((out / "pytorch_model.bin.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards[0] == f"pytorch_model-00001-of-{len(shards):05d}.bin" and len(shards) > 1
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in sd.values())
+    merged: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        part = torch.load(out / shard, weights_only=True)
+        assert all(index["weight_map"][k] == shard for k in part)
+        merged.update(part)
+    assert set(merged) == set(sd)
+    for name, tensor in sd.items():
+        assert merged[name].dtype == tensor.dtype and torch.equal(merged[name], tensor)
+    assert TorchFormat.check(resolve_source(str(out))) == []
+
+
+def test_writer_training_dict_round_trip_is_exact(tmp_path: Path) -> None:
+    ckpt = training_dict()
+    torch.save(ckpt, tmp_path / "src.pt")
+    copy_with_writer(tmp_path / "src.pt", tmp_path / "out")
+    with torch.serialization.safe_globals(
+        [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    ):
+        back = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    assert_same(torch.load(tmp_path / "src.pt", weights_only=False), back)
+    assert isinstance(back["model"], OrderedDict)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model.load_state_dict(back["model"])
+    torch.optim.AdamW(model.parameters()).load_state_dict(back["optimizer"])
+
+
+def test_writer_flat_keys_for_renamed_entries(tmp_path: Path) -> None:
+    torch.save({"model": {"layer.weight": torch.ones(2, 2)}, "step": 3}, tmp_path / "src.pt")
+    with open_checkpoint(str(tmp_path / "src.pt")) as checkpoint:
+        out = tmp_path / "out"
+        out.mkdir()
+        renamed = [
+            e.model_copy(update={"name": e.name.removeprefix("model.")})
+            for e in checkpoint.manifest.entries
+            if e.name.startswith("model.")
+        ]
+        writer = TorchFormat.writer(out, renamed, WriteOptions())
+        writer.write_tensor("layer.weight", checkpoint.read_tensor("model.layer.weight"))
+        writer.finish()
+    back = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert list(back) == ["layer.weight"] and torch.equal(back["layer.weight"], torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("name", ["w.pt", "w.pth", "w.ckpt"])
+def test_detect_by_suffix(tmp_path: Path, name: str) -> None:
+    torch.save({"w": torch.arange(3)}, tmp_path / name)
+    report = run_ckpt("inspect", tmp_path / name, "--json").json["result"]
+    assert report["format"] == "torch" and report["tensors"] == 1
+
+
+def test_tied_weights_are_reported_and_stay_tied(tmp_path: Path) -> None:
+    embed = torch.randn(10, 4)
+    big = torch.arange(1000, dtype=torch.float32)
+    torch.save(
+        {"embed.weight": embed, "lm_head.weight": embed, "slice": big[:3]}, tmp_path / "src.pt"
+    )
+    report = run_ckpt("inspect", tmp_path / "src.pt", "--json").json["result"]
+    assert report["details"]["shared_tensors"] == [["embed.weight", "lm_head.weight"]]
+    copy_with_writer(tmp_path / "src.pt", tmp_path / "out")
+    back = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    # tied tensors are stored once and load tied; a slice does not drag its whole buffer along
+    assert back["embed.weight"].data_ptr() == back["lm_head.weight"].data_ptr()
+    assert torch.equal(back["lm_head.weight"], embed)
+    assert back["slice"].untyped_storage().nbytes() == 3 * 4
+    assert torch.equal(back["slice"], big[:3])
+
+
+def test_accelerate_pkl_written_by_torch_save_is_read(tmp_path: Path) -> None:
+    torch.save({"step": 3, "torch_manual_seed": torch.get_rng_state()}, tmp_path / "rs_0.pkl")
+    report = run_ckpt("inspect", tmp_path / "rs_0.pkl", "--json").json["result"]
+    assert report["format"] == "torch" and report["objects"] == 1 and report["tensors"] == 1
+    import pickle
+
+    (tmp_path / "plain.pkl").write_bytes(pickle.dumps({"a": 1}))
+    assert run_ckpt("inspect", tmp_path / "plain.pkl").exit_code == 4  # not a torch.save zip
+
+
+def test_remote_file_lists_from_ranged_reads_and_reads_tensors(tmp_path: Path) -> None:
+    """On remote storage only the zip directory and the pickle are fetched to list a file."""
+    import fsspec
+
+    from ckpt_cli.formats.base import Source
+    from ckpt_cli.storage import FsspecStorage
+    from ckpt_cli.uri import parse_location
+
+    sd = {f"layers.{i}.weight": torch.randn(256, 512) for i in range(4)}
+    torch.save(sd, tmp_path / "model.bin")
+    fs = fsspec.filesystem("memory")
+    data = (tmp_path / "model.bin").read_bytes()
+    fs.pipe("/remote/model.bin", data)
+
+    class CountingStorage(FsspecStorage):
+        fetched = 0
+
+        def read(self, rel: str, offset: int, length: int) -> bytes:
+            CountingStorage.fetched += length
+            return super().read(rel, offset, length)
+
+    storage = CountingStorage(fs, "/remote", "memory://remote")
+    source = Source(location=parse_location("memory://remote"), storage=storage, target="model.bin")
+    with TorchFormat.open(source) as checkpoint:
+        assert [e.shape for e in checkpoint.manifest.tensors] == [[256, 512]] * 4
+        assert CountingStorage.fetched < len(data) // 10
+        for name, tensor in sd.items():
+            assert torch.equal(checkpoint.read_tensor(name), tensor)
+
+
+def test_sharded_bin_repo_on_the_hub_lists_without_downloading(hub: Any, tmp_path: Path) -> None:
+    sd = {f"layers.{i}.weight": torch.randn(256, 512) for i in range(6)}
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    save_torch_state_dict(sd, folder, max_shard_size=1_100_000, safe_serialization=False)
+    hub.add_repo("org/bins", folder)
+    total = sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".bin")
+    result = run_ckpt("inspect", "hf://org/bins", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["format"] == "torch" and report["tensors"] == len(sd)
+    assert hub.bytes_sent("org/bins") < total // 4
+    with open_checkpoint("hf://org/bins") as checkpoint:
+        for name, tensor in sd.items():
+            assert torch.equal(checkpoint.read_tensor(name), tensor)
+
+
+def test_known_data_classes_load_as_inert_records(tmp_path: Path) -> None:
+    """Lightning hyper-parameters (AttributeDict, argparse.Namespace) load as data, never as
+    code; the writer stores such records as plain dicts."""
+    import argparse
+    import sys
+    import types
+
+    modules = ["lightning", "lightning.fabric", "lightning.fabric.utilities"]
+    modules.append("lightning.fabric.utilities.data")
+    for name in modules:
+        sys.modules[name] = types.ModuleType(name)
+
+    class AttributeDict(dict):  # type: ignore[type-arg]
+        pass
+
+    AttributeDict.__module__ = "lightning.fabric.utilities.data"
+    AttributeDict.__qualname__ = "AttributeDict"
+    sys.modules["lightning.fabric.utilities.data"].AttributeDict = AttributeDict  # type: ignore[attr-defined]
+    try:
+        torch.save(
+            {
+                "state_dict": {"w": torch.ones(2)},
+                "hyper_parameters": AttributeDict(lr=0.1, layers=2),
+                "args": argparse.Namespace(seed=7),
+            },
+            tmp_path / "last.ckpt",
+        )
+    finally:
+        for name in modules:
+            del sys.modules[name]
+    report = run_ckpt("inspect", tmp_path / "last.ckpt", "--json").json["result"]
+    by_name = {e["name"]: e for e in report["entries"]}
+    assert by_name["hyper_parameters.lr"]["value"] == 0.1
+    assert by_name["args"]["py_type"] == "argparse.Namespace"
+    copy_with_writer(tmp_path / "last.ckpt", tmp_path / "out")
+    back = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    assert back["hyper_parameters"] == {"lr": 0.1, "layers": 2}
+    assert back["args"] == {"__class__": "argparse.Namespace", "args": [], "state": {"seed": 7}}

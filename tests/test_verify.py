@@ -1,0 +1,754 @@
+"""`ckpt verify`: good checkpoints pass, every corruption is found and named, nothing is modified."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .conftest import run_ckpt, run_ckpt_process
+
+
+def weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    state = {f"model.layers.{i}.mlp.weight": torch.randn(32, 16, generator=gen) for i in range(6)}
+    state["model.embed.weight"] = torch.randn(40, 16, generator=gen).to(torch.bfloat16)
+    state["model.mask"] = torch.tensor([True, False, True])
+    return state
+
+
+def sharded(path: Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """A Hugging Face sharded safetensors folder written by huggingface_hub itself."""
+    path.mkdir()
+    save_torch_state_dict(state or weights(), path, max_shard_size=3000)
+    assert len(list(path.glob("*.safetensors"))) > 2
+    return path
+
+
+def index_of(folder: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((folder / "model.safetensors.index.json").read_text())
+    return data
+
+
+def write_index(folder: Path, index: dict[str, Any]) -> None:
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def problems(folder: Path | str, *args: str) -> tuple[int, list[dict[str, Any]]]:
+    result = run_ckpt("verify", folder, *args, "--json")
+    envelope = result.json
+    assert envelope["command"] == "verify"
+    return result.exit_code, envelope["result"]["problems"] if envelope["result"] else []
+
+
+def errors(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [p for p in found if p["severity"] == "error"]
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+# ------------------------------------------------------------------ good checkpoints
+
+
+def test_good_single_file_and_sharded_folder_pass(tmp_path: Path) -> None:
+    save_file(weights(), tmp_path / "one.safetensors")
+    folder = sharded(tmp_path / "sharded")
+    for src in (tmp_path / "one.safetensors", folder, folder / "model.safetensors.index.json"):
+        result = run_ckpt("verify", src, "--json")
+        assert result.exit_code == 0, result.stdout
+        report = result.json["result"]
+        assert report["ok"] is True and report["problems"] == []
+        assert report["format"] == "safetensors"
+    human = run_ckpt("verify", folder)
+    assert human.exit_code == 0
+    assert "OK" in human.stdout
+
+
+def test_deep_and_checksums_on_good_checkpoint_modify_nothing(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    assert run_ckpt("verify", folder, "--write-manifest").exit_code == 0
+    before = snapshot(folder)
+    result = run_ckpt("verify", folder, "--checksums", "--deep", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["tensors"] == len(weights())
+    assert report["hashed_bytes"] == sum(
+        p.stat().st_size for p in folder.iterdir() if p.name != "ckpt-manifest.json"
+    )
+    assert set(report["checks"]) == {"structure", "checksums", "deep"}
+    assert snapshot(folder) == before
+
+
+# ------------------------------------------------------------------ safetensors corruptions
+
+
+def test_truncated_shard_is_named_with_its_tensor(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    shard = sorted(folder.glob("*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1])
+    code, found = problems(folder)
+    assert code == 1
+    [problem] = errors(found)
+    assert problem["code"] == "truncated"
+    assert problem["file"] == str(shard)
+    assert problem["tensor"] in index_of(folder)["weight_map"]
+    assert index_of(folder)["weight_map"][problem["tensor"]] == shard.name
+
+
+def test_trailing_garbage_is_reported(tmp_path: Path) -> None:
+    save_file(weights(), tmp_path / "one.safetensors")
+    with open(tmp_path / "one.safetensors", "ab") as fh:
+        fh.write(b"garbage!")
+    code, found = problems(tmp_path / "one.safetensors")
+    assert code == 1
+    assert [p["code"] for p in errors(found)] == ["trailing_bytes"]
+    assert "8 bytes after the last tensor" in found[0]["message"]
+
+
+def test_gap_between_tensors_is_reported(tmp_path: Path) -> None:
+    # a hand-written header leaving 4 unused bytes between two tensors
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]},
+    }
+    raw = json.dumps(header).encode()
+    (tmp_path / "gap.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(20))
+    code, found = problems(tmp_path / "gap.safetensors")
+    assert code == 1
+    [problem] = errors(found)
+    assert (problem["code"], problem["tensor"]) == ("gap", "b")
+
+
+def test_missing_shard_names_the_shard_and_its_tensors(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    lost = sorted(n for n, s in index_of(folder)["weight_map"].items() if s == shard.name)
+    shard.unlink()
+    code, found = problems(folder)
+    assert code == 1
+    [problem] = errors(found)
+    assert problem["code"] == "missing_shard"
+    assert problem["file"] == str(shard)
+    assert lost[0] in problem["message"]
+
+
+def test_index_entry_pointing_at_the_wrong_shard(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    index = index_of(folder)
+    name = "model.layers.0.mlp.weight"
+    right = index["weight_map"][name]
+    wrong = next(s for s in sorted(set(index["weight_map"].values())) if s != right)
+    index["weight_map"][name] = wrong
+    write_index(folder, index)
+    code, found = problems(folder)
+    assert code == 1
+    [problem] = errors(found)
+    assert (problem["code"], problem["tensor"]) == ("wrong_shard", name)
+    assert right in problem["message"] and wrong in problem["message"]
+
+
+def test_tensor_in_no_index(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    index = index_of(folder)
+    name = "model.embed.weight"
+    shard = index["weight_map"].pop(name)
+    write_index(folder, index)
+    code, found = problems(folder)
+    assert code == 1
+    [problem] = errors(found)
+    assert (problem["code"], problem["tensor"]) == ("not_in_index", name)
+    assert problem["file"] == str(folder / shard)
+
+
+def test_index_naming_a_tensor_no_shard_holds(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    index = index_of(folder)
+    index["weight_map"]["model.ghost"] = index["weight_map"]["model.mask"]
+    write_index(folder, index)
+    code, found = problems(folder)
+    assert code == 1
+    assert [(p["code"], p["tensor"]) for p in errors(found)] == [("missing_tensor", "model.ghost")]
+
+
+def test_tensor_stored_twice(tmp_path: Path) -> None:
+    state = {"a": torch.zeros(3), "b": torch.ones(3)}
+    folder = tmp_path / "m"
+    folder.mkdir()
+    save_file({"a": state["a"], "b": state["b"]}, folder / "model-00001-of-00002.safetensors")
+    save_file({"b": state["b"]}, folder / "model-00002-of-00002.safetensors")
+    write_index(
+        folder,
+        {
+            "metadata": {"total_size": 24},
+            "weight_map": {
+                "a": "model-00001-of-00002.safetensors",
+                "b": "model-00002-of-00002.safetensors",
+            },
+        },
+    )
+    code, found = problems(folder)
+    assert code == 1
+    assert [(p["code"], p["tensor"]) for p in errors(found)] == [("duplicate_tensor", "b")]
+
+
+def test_total_size_mismatch_is_a_warning_only(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    index = index_of(folder)
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in weights().values()
+    )
+    index["metadata"]["total_size"] += 4
+    write_index(folder, index)
+    code, found = problems(folder)
+    assert code == 0
+    assert [(p["code"], p["severity"]) for p in found] == [("total_size", "warning")]
+
+
+def test_all_problems_are_reported_not_just_the_first(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    shards = sorted(folder.glob("*.safetensors"))
+    shards[0].unlink()
+    shards[1].write_bytes(shards[1].read_bytes()[:-50])
+    index = index_of(folder)
+    index["weight_map"].pop(next(n for n, s in index["weight_map"].items() if s == shards[2].name))
+    write_index(folder, index)
+    code, found = problems(folder)
+    assert code == 1
+    assert sorted(p["code"] for p in errors(found)) == [
+        "missing_shard",
+        "not_in_index",
+        "truncated",
+    ]
+    for problem in found:
+        assert set(problem) >= {"code", "file", "tensor", "message"}
+        assert problem["file"] and problem["file"] in problem["message"]
+    human = run_ckpt("verify", folder)
+    assert human.exit_code == 1
+    assert "FAILED: 3 problems" in human.stdout
+    for problem in found:
+        assert problem["code"] in human.stdout
+
+
+# ------------------------------------------------------------------ checksums
+
+
+def test_flipped_byte_is_caught_by_checksums(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    assert run_ckpt("verify", folder, "--write-manifest").exit_code == 0
+    manifest = json.loads((folder / "ckpt-manifest.json").read_text())
+    assert manifest["algorithm"] == "sha256"
+    shard = sorted(folder.glob("*.safetensors"))[2]
+    # the manifest's sha256 is what sha256sum (and the Hub's LFS oid) would say
+    assert manifest["files"][shard.name] == {
+        "size": shard.stat().st_size,
+        "digest": hashlib.sha256(shard.read_bytes()).hexdigest(),
+    }
+    data = bytearray(shard.read_bytes())
+    data[-7] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert run_ckpt("verify", folder).exit_code == 0  # structurally still fine
+    code, found = problems(folder, "--checksums")
+    assert code == 1
+    [problem] = found
+    assert problem["code"] == "checksum_mismatch"
+    assert problem["file"] == str(shard)
+
+
+def test_checksums_find_missing_resized_and_added_files(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    manifest = tmp_path / "elsewhere.json"
+    assert run_ckpt("verify", folder, "--write-manifest", "--manifest", manifest).exit_code == 0
+    assert not (folder / "ckpt-manifest.json").exists()
+    shards = sorted(folder.glob("*.safetensors"))
+    shards[0].unlink()
+    (folder / "README.md").write_text("added later")
+    index = folder / "model.safetensors.index.json"
+    index.write_text(index.read_text() + "\n")
+    code, found = problems(folder, "--checksums", "--manifest", str(manifest))
+    assert code == 1
+    got = {(p["code"], Path(p["file"]).name, p["severity"]) for p in found}
+    assert ("missing_file", shards[0].name, "error") in got
+    assert ("size_changed", index.name, "error") in got
+    assert ("unlisted_file", "README.md", "warning") in got
+
+
+@pytest.mark.parametrize("algo", ["blake3", "xxh3"])
+def test_fast_algorithms_round_trip(tmp_path: Path, algo: str) -> None:
+    folder = sharded(tmp_path / "m")
+    assert run_ckpt("verify", folder, "--write-manifest", "--algo", algo).exit_code == 0
+    manifest = json.loads((folder / "ckpt-manifest.json").read_text())
+    assert manifest["algorithm"] == algo
+    assert run_ckpt("verify", folder, "--checksums").exit_code == 0
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x80
+    shard.write_bytes(bytes(data))
+    code, found = problems(folder, "--checksums")
+    assert code == 1 and [p["code"] for p in found] == ["checksum_mismatch"]
+
+
+def test_missing_fast_package_is_a_clear_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = sharded(tmp_path / "m")
+    monkeypatch.setitem(sys.modules, "blake3", None)  # import blake3 -> ImportError
+    result = run_ckpt("verify", folder, "--write-manifest", "--algo", "blake3")
+    assert result.exit_code == 2
+    assert "ckpt-cli[fast]" in result.stderr
+    assert not (folder / "ckpt-manifest.json").exists()
+
+
+def test_manifest_errors(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    missing = run_ckpt("verify", folder, "--checksums")
+    assert missing.exit_code == 3
+    assert "ckpt-manifest.json" in missing.stderr and "--write-manifest" in missing.stderr
+    assert run_ckpt("verify", folder, "--write-manifest").exit_code == 0
+    again = run_ckpt("verify", folder, "--write-manifest")
+    assert again.exit_code == 2 and "--force" in again.stderr
+    assert (
+        run_ckpt("verify", folder, "--write-manifest", "--force", "--algo", "xxh3").exit_code == 0
+    )
+    assert json.loads((folder / "ckpt-manifest.json").read_text())["algorithm"] == "xxh3"
+    assert run_ckpt("verify", folder, "--checksums", "--algo", "sha256").exit_code == 2
+    assert run_ckpt("verify", folder, "--checksums", "--write-manifest").exit_code == 2
+    (folder / "ckpt-manifest.json").write_text("{not json")
+    assert run_ckpt("verify", folder, "--checksums").exit_code == 4
+
+
+def test_no_manifest_is_written_for_a_broken_checkpoint(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    sorted(folder.glob("*.safetensors"))[0].unlink()
+    code, found = problems(folder, "--write-manifest")
+    assert code == 1
+    assert "manifest_not_written" in [p["code"] for p in found]
+    assert not (folder / "ckpt-manifest.json").exists()
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]
+
+
+# ------------------------------------------------------------------ --deep, --resumable, bad input
+
+
+def test_deep_counts_nan_and_inf_per_tensor(tmp_path: Path) -> None:
+    state = weights()
+    bad = state["model.layers.2.mlp.weight"]
+    bad[0, 0] = float("nan")
+    bad[1, 1] = float("nan")
+    bad[2, 2] = float("inf")
+    state["model.embed.weight"][3, 3] = float("-inf")
+    state["model.f8"] = torch.tensor([1.0, float("nan")]).to(torch.float8_e5m2)
+    save_file(state, tmp_path / "w.safetensors")
+    assert run_ckpt("verify", tmp_path / "w.safetensors").exit_code == 0  # structure is fine
+    result = run_ckpt("verify", tmp_path / "w.safetensors", "--deep", "--json")
+    assert result.exit_code == 1
+    report = result.json["result"]
+    counts = {t["name"]: (t["nan"], t["inf"]) for t in report["nonfinite"]}
+    assert counts == {
+        "model.layers.2.mlp.weight": (2, 1),
+        "model.embed.weight": (0, 1),
+        "model.f8": (1, 0),
+    }
+    assert {p["tensor"] for p in report["problems"] if p["code"] == "nonfinite"} == set(counts)
+    assert report["tensors"] == len(state)
+
+
+def test_resumable_on_weights_only_fails(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    code, found = problems(folder, "--resumable")
+    assert code == 1
+    assert [p["code"] for p in found] == ["not_resumable"]
+
+
+def test_unreadable_inputs_are_3_and_4(tmp_path: Path) -> None:
+    assert run_ckpt("verify", tmp_path / "nope").exit_code == 3
+    (tmp_path / "notes.txt").write_text("hello")
+    assert run_ckpt("verify", tmp_path / "notes.txt").exit_code == 4
+
+
+def test_real_process_exit_code_and_clean_stdout(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    assert run_ckpt_process("verify", folder, "--write-manifest").exit_code == 0
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1])
+    result = run_ckpt_process("verify", folder, "--checksums", "--json")
+    assert result.exit_code == 1
+    envelope = json.loads(result.stdout)
+    assert envelope["ok"] is False and envelope["exit_code"] == 1
+    assert {p["code"] for p in envelope["result"]["problems"]} == {"truncated", "size_changed"}
+
+
+def test_leftover_file_of_another_save_only_warns(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    save_file({"old": torch.zeros(2)}, folder / "model-00001-of-00003.safetensors")
+    code, found = problems(folder)
+    assert code == 0
+    assert [(p["code"], p["severity"], Path(p["file"]).name) for p in found] == [
+        ("unreferenced_shard", "warning", "model-00001-of-00003.safetensors")
+    ]
+
+
+# ------------------------------------------------------------------ DCP
+
+
+def dcp_checkpoint(path: Path) -> Path:
+    """A single-process DCP save (torch_save serialization) of a tiny model + step counter."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    gen = torch.Generator().manual_seed(5)
+    state = {"model": {"w": torch.randn(4, 4, generator=gen), "b": torch.randn(4, generator=gen)}}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+    return path
+
+
+def rewrite_metadata(folder: Path, change: Any) -> None:
+    """Edit `.metadata` with torch's own classes (DCP's reader unpickles it; we never do)."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    change(metadata)
+    with open(folder / ".metadata", "wb") as fh:
+        pickle.dump(metadata, fh)
+
+
+def test_good_dcp_passes_structure_and_deep(tmp_path: Path) -> None:
+    folder = dcp_checkpoint(tmp_path / "step-1")
+    result = run_ckpt("verify", folder, "--deep", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["format"] == "dcp" and report["tensors"] == 2
+    # naming the .metadata file means the folder, for checksums too
+    assert run_ckpt("verify", folder / ".metadata", "--write-manifest").exit_code == 0
+    recorded = json.loads((folder / "ckpt-manifest.json").read_text())["files"]
+    assert sorted(recorded) == [".metadata", "__0_0.distcp"]
+
+
+def test_dcp_without_metadata_is_an_interrupted_save(tmp_path: Path) -> None:
+    folder = dcp_checkpoint(tmp_path / "step-1")
+    (folder / ".metadata").unlink()
+    code, found = problems(folder)
+    assert code == 1
+    [problem] = found
+    assert "no .metadata" in problem["message"] and "interrupted" in problem["message"]
+
+
+def test_dcp_with_a_missing_distcp_file(tmp_path: Path) -> None:
+    folder = dcp_checkpoint(tmp_path / "step-1")
+    (folder / "__0_0.distcp").unlink()
+    code, found = problems(folder)
+    assert code == 1
+    assert {p["code"] for p in errors(found)} == {"dcp_missing_file"}
+    assert "__0_0.distcp" in errors(found)[0]["message"]
+
+
+def test_dcp_chunks_with_a_hole(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint.metadata as m
+
+    folder = dcp_checkpoint(tmp_path / "step-1")
+
+    def grow(metadata: Any) -> None:
+        # the one stored chunk now covers only half of a tensor twice as tall
+        old = metadata.state_dict_metadata["model.w"]
+        metadata.state_dict_metadata["model.w"] = m.TensorStorageMetadata(
+            old.properties, torch.Size([8, 4]), old.chunks
+        )
+
+    rewrite_metadata(folder, grow)
+    code, found = problems(folder)
+    assert code == 1
+    assert [(p["code"], p["tensor"]) for p in errors(found)] == [("dcp_hole", "model.w")]
+
+
+def test_dcp_chunks_that_overlap(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint.metadata as m
+
+    folder = dcp_checkpoint(tmp_path / "step-1")
+
+    def overlap(metadata: Any) -> None:
+        # a second chunk of rows 2..5 of a 6-row tensor, stored in the first chunk's bytes
+        old = metadata.state_dict_metadata["model.w"]
+        second = m.ChunkStorageMetadata(offsets=torch.Size([2, 0]), sizes=torch.Size([4, 4]))
+        metadata.state_dict_metadata["model.w"] = m.TensorStorageMetadata(
+            old.properties, torch.Size([6, 4]), [*old.chunks, second]
+        )
+        first = m.MetadataIndex("model.w", torch.Size([0, 0]), 0)
+        info = metadata.storage_data[first]
+        metadata.storage_data[m.MetadataIndex("model.w", torch.Size([2, 0]), 1)] = info
+
+    rewrite_metadata(folder, overlap)
+    code, found = problems(folder)
+    assert code == 1
+    assert ("dcp_overlap", "model.w") in [(p["code"], p["tensor"]) for p in errors(found)]
+
+
+# ------------------------------------------------------------------ torch.save
+
+
+def test_good_torch_file_passes_and_hostile_pickle_is_not_executed(tmp_path: Path) -> None:
+    torch.save(weights(), tmp_path / "model.pt")
+    result = run_ckpt("verify", tmp_path / "model.pt", "--deep", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["format"] == "torch"
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"w": torch.zeros(2), "evil": Evil()}, tmp_path / "evil.pt")
+    code, found = problems(tmp_path / "evil.pt")
+    assert code in (1, 4)
+    assert found and "system" in found[0]["message"]
+    code, found = problems(tmp_path / "evil.pt", "--deep", "--resumable")
+    assert code in (1, 4)
+    assert not marker.exists()
+
+
+def test_one_file_is_checked_against_the_folder_manifest(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "m")
+    assert run_ckpt("verify", folder, "--write-manifest").exit_code == 0
+    first, second = sorted(folder.glob("*.safetensors"))[:2]
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 0x10
+    second.write_bytes(bytes(data))
+    assert run_ckpt("verify", first, "--checksums").exit_code == 0
+    code, found = problems(second, "--checksums")
+    assert code == 1
+    assert [(p["code"], p["file"]) for p in found] == [("checksum_mismatch", str(second))]
+
+
+def test_single_file_manifest_lies_beside_it(tmp_path: Path) -> None:
+    save_file(weights(), tmp_path / "one.safetensors")
+    assert run_ckpt("verify", tmp_path / "one.safetensors", "--write-manifest").exit_code == 0
+    manifest = json.loads((tmp_path / "ckpt-manifest.json").read_text())
+    assert list(manifest["files"]) == ["one.safetensors"]
+    assert run_ckpt("verify", tmp_path / "one.safetensors", "--checksums").exit_code == 0
+
+
+# ------------------------------------------------------------------ training folders
+
+
+def trainer_checkpoint(run_dir: Path) -> Path:
+    """A Hugging Face Trainer `checkpoint-4/` saved like the Trainer does (see examples/)."""
+    import importlib.util
+
+    from .conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("make_demo", REPO / "examples" / "make_demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_demo", module)  # its dataclass needs a home module
+    spec.loader.exec_module(sys.modules["make_demo"])
+    module = sys.modules["make_demo"]
+    folder: Path = module.save_trainer_checkpoint(run_dir)
+    return folder
+
+
+def test_trainer_folder_is_resumable_and_deep_reads_every_component(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    result = run_ckpt("verify", folder, "--resumable", "--deep", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["format"] == "hf-trainer"
+    assert report["training"]["resumable"] is True
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    with safe_open(folder / "model.safetensors", "pt") as model:
+        weights_count = len(list(model.keys()))
+    per_param = sum(
+        1 for state in optimizer["state"].values() for v in state.values() if torch.is_tensor(v)
+    )
+    # every weight and every optimizer tensor was read (plus scheduler / RNG tensors)
+    assert report["tensors"] >= per_param + weights_count
+
+
+def test_trainer_folder_without_optimizer_is_not_resumable(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    (folder / "optimizer.pt").unlink()
+    assert run_ckpt("verify", folder).exit_code == 0  # intact, just not resumable
+    code, found = problems(folder, "--resumable")
+    assert code == 1
+    assert [p["code"] for p in found] == ["missing_optimizer"]
+    assert "optimizer" in run_ckpt("verify", folder, "--resumable").stdout
+
+
+def test_optimizer_state_with_a_wrong_shape(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    optimizer["state"][0]["exp_avg"] = torch.zeros(3, 3)
+    torch.save(optimizer, folder / "optimizer.pt")
+    code, found = problems(folder, "--resumable")
+    assert code == 1
+    assert [p["code"] for p in found] == ["optimizer_shape_mismatch"]
+    assert "[3, 3]" in found[0]["message"]
+
+
+def test_hostile_component_of_a_trainer_folder_is_reported_not_run(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"python": Evil()}, folder / "rng_state.pth")
+    code, found = problems(folder, "--resumable", "--deep")
+    assert code == 1
+    assert any("rng_state.pth" in (p["file"] or "") for p in errors(found))
+    assert not marker.exists()
+
+
+def test_trainer_folder_with_a_truncated_model_is_named(tmp_path: Path) -> None:
+    folder = trainer_checkpoint(tmp_path / "run")
+    model = folder / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:-10])
+    code, found = problems(folder)
+    assert code == 1
+    assert any(p["file"] == str(model) and "truncated" in p["message"] for p in errors(found))
+
+
+# ------------------------------------------------------------------ the Hub
+
+
+def test_hub_checkpoint_structure_through_ranged_reads(hub: Any, tmp_path: Path) -> None:
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    result = run_ckpt("verify", "hf://org/model", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["format"] == "safetensors"
+
+    # a broken commit: the index sends a tensor to the wrong shard
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "src", broken)
+    index = index_of(broken)
+    right = index["weight_map"]["model.layers.0.mlp.weight"]
+    wrong = next(s for s in sorted(set(index["weight_map"].values())) if s != right)
+    index["weight_map"]["model.layers.0.mlp.weight"] = wrong
+    write_index(broken, index)
+    hub.add_repo("org/broken", broken)
+    code, found = problems("hf://org/broken")
+    assert code == 1
+    [problem] = errors(found)
+    assert problem["code"] == "wrong_shard" and problem["file"].startswith("hf://org/broken@")
+
+
+def test_local_copy_against_the_hubs_digests(hub: Any, tmp_path: Path) -> None:
+    from huggingface_hub import snapshot_download
+
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    copy = tmp_path / "copy"
+    snapshot_download("org/model", local_dir=copy, endpoint=hub.url)
+    args = ("--checksums", "--manifest", "hf://org/model")
+    result = run_ckpt("verify", copy, *args, "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["problems"] == []
+    assert report["hashed_bytes"] == sum(
+        p.stat().st_size for p in (tmp_path / "src").iterdir()
+    ) + len(b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+
+    shard = sorted(copy.glob("*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x04
+    shard.write_bytes(bytes(data))
+    (copy / "config.json").write_text('{"model_type": "other"}\n')
+    code, found = problems(copy, *args)
+    assert code == 1
+    assert sorted((p["code"], Path(p["file"]).name) for p in errors(found)) == [
+        ("checksum_mismatch", shard.name),
+        ("size_changed", "config.json"),
+    ]
+
+
+def test_hub_cache_against_the_hubs_digests(hub: Any, tmp_path: Path) -> None:
+    import os
+
+    from huggingface_hub import snapshot_download
+
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    code, found = problems("hf://org/model", "--checksums")
+    assert code == 0 and [p["code"] for p in found] == ["no_local_copy"]
+    snapshot = Path(
+        snapshot_download(
+            "org/model", endpoint=hub.url, cache_dir=str(Path(os.environ["HF_HOME"]) / "hub")
+        )
+    )
+    assert run_ckpt("verify", "hf://org/model", "--checksums").exit_code == 0
+    blob = (snapshot / "model-00002-of-00007.safetensors").resolve()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0x01
+    blob.write_bytes(bytes(data))
+    code, found = problems("hf://org/model", "--checksums")
+    assert code == 1
+    [problem] = found
+    assert problem["code"] == "checksum_mismatch"
+    assert "model-00002-of-00007.safetensors" in problem["file"]
+
+
+def test_verify_modifies_no_training_or_dcp_file(tmp_path: Path) -> None:
+    trainer = trainer_checkpoint(tmp_path / "run")
+    step = dcp_checkpoint(tmp_path / "step-1")
+    for folder in (trainer, step):
+        before = snapshot(folder)
+        assert run_ckpt("verify", folder, "--deep", "--resumable").exit_code in (0, 1)
+        assert (
+            run_ckpt(
+                "verify", folder, "--write-manifest", "--manifest", tmp_path / "m.json", "--force"
+            ).exit_code
+            == 0
+        )
+        assert (
+            run_ckpt("verify", folder, "--checksums", "--manifest", tmp_path / "m.json").exit_code
+            == 0
+        )
+        assert snapshot(folder) == before
+
+
+def test_structural_verify_and_checksums_do_not_import_torch(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from .conftest import REPO
+
+    folder = sharded(tmp_path / "m")
+    probe = (
+        "import sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
+        "from ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO_TORCH', code, file=sys.stderr)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for args in (["verify", str(folder)], ["verify", str(folder), "--write-manifest"]):
+        proc = subprocess.run(
+            [sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env
+        )
+        assert "NO_TORCH 0" in proc.stderr, (args, proc.stderr)
