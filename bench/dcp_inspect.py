@@ -1,14 +1,14 @@
 """Benchmark: `ckpt inspect` of a DCP checkpoint against torch's own `FileSystemReader.read_metadata()`.
 
-Builds (once, under bench/data/) a DCP checkpoint of N tensors laid out for R ranks with
-ckpt's DCP writer (safetensors serialization keeps the data small), then times, best of 5:
+Builds (once, under bench/data/) a DCP checkpoint of N small tensors laid out for R ranks with
+ckpt's DCP writer (either serialization), then times, best of 5:
 
 * torch: `FileSystemReader(path).read_metadata()` in a warm process (torch already imported),
   and end to end as a fresh process (`python -c 'import torch.distributed.checkpoint; ...'`);
 * ckpt: `ops.inspect.inspect(path)` in a warm process (full manifest: every chunk, file sizes,
   embedded headers), and `ckpt inspect PATH --json` end to end as a fresh process.
 
-Usage: python bench/dcp_inspect.py [--tensors 5000] [--ranks 8]
+Usage: python bench/dcp_inspect.py [--tensors 5000] [--ranks 8] [--serialization safetensors]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def build(path: Path, tensors: int, ranks: int) -> None:
+def build(path: Path, tensors: int, ranks: int, serialization: str) -> None:
     import torch
 
     from ckpt_cli.formats.base import WriteOptions
@@ -45,7 +45,7 @@ def build(path: Path, tensors: int, ranks: int) -> None:
     ]
     plan.append(Entry(name="step", kind="object"))
     writer = DcpFormat.writer(
-        staging, plan, WriteOptions(world_size=ranks, dcp_serialization="safetensors")
+        staging, plan, WriteOptions(world_size=ranks, dcp_serialization=serialization)
     )
     value = torch.ones(16, 8, dtype=torch.bfloat16)
     for entry in plan[:-1]:
@@ -68,10 +68,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tensors", type=int, default=5000)
     parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--serialization", default="safetensors")
     args = parser.parse_args()
-    path = ROOT / "bench" / "data" / f"dcp-{args.tensors}x{args.ranks}"
+    path = ROOT / "bench" / "data" / f"dcp-{args.serialization}-{args.tensors}x{args.ranks}"
     if not path.exists():
-        build(path, args.tensors, args.ranks)
+        build(path, args.tensors, args.ranks, args.serialization)
 
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -102,7 +103,9 @@ def main() -> None:
         3,
     )
     chunks = args.tensors * args.ranks
-    print(f"DCP: {args.tensors} tensors x {args.ranks} ranks = {chunks} chunks")
+    print(
+        f"DCP ({args.serialization}): {args.tensors} tensors x {args.ranks} ranks = {chunks} chunks"
+    )
     print(f"warm  torch read_metadata   {torch_warm * 1000:8.1f} ms")
     print(
         f"warm  ckpt inspect (ops)    {ckpt_warm * 1000:8.1f} ms  ({ckpt_warm / torch_warm:.2f}x torch)"
