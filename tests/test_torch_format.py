@@ -300,3 +300,90 @@ def test_accelerate_pkl_written_by_torch_save_is_read(tmp_path: Path) -> None:
 
     (tmp_path / "plain.pkl").write_bytes(pickle.dumps({"a": 1}))
     assert run_ckpt("inspect", tmp_path / "plain.pkl").exit_code == 4  # not a torch.save zip
+
+
+def test_remote_file_lists_from_ranged_reads_and_reads_tensors(tmp_path: Path) -> None:
+    """On remote storage only the zip directory and the pickle are fetched to list a file."""
+    import fsspec
+
+    from ckpt_cli.formats.base import Source
+    from ckpt_cli.storage import FsspecStorage
+    from ckpt_cli.uri import parse_location
+
+    sd = {f"layers.{i}.weight": torch.randn(256, 512) for i in range(4)}
+    torch.save(sd, tmp_path / "model.bin")
+    fs = fsspec.filesystem("memory")
+    data = (tmp_path / "model.bin").read_bytes()
+    fs.pipe("/remote/model.bin", data)
+
+    class CountingStorage(FsspecStorage):
+        fetched = 0
+
+        def read(self, rel: str, offset: int, length: int) -> bytes:
+            CountingStorage.fetched += length
+            return super().read(rel, offset, length)
+
+    storage = CountingStorage(fs, "/remote", "memory://remote")
+    source = Source(location=parse_location("memory://remote"), storage=storage, target="model.bin")
+    with TorchFormat.open(source) as checkpoint:
+        assert [e.shape for e in checkpoint.manifest.tensors] == [[256, 512]] * 4
+        assert CountingStorage.fetched < len(data) // 10
+        for name, tensor in sd.items():
+            assert torch.equal(checkpoint.read_tensor(name), tensor)
+
+
+def test_sharded_bin_repo_on_the_hub_lists_without_downloading(hub: Any, tmp_path: Path) -> None:
+    sd = {f"layers.{i}.weight": torch.randn(256, 512) for i in range(6)}
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    save_torch_state_dict(sd, folder, max_shard_size=1_100_000, safe_serialization=False)
+    hub.add_repo("org/bins", folder)
+    total = sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".bin")
+    result = run_ckpt("inspect", "hf://org/bins", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["format"] == "torch" and report["tensors"] == len(sd)
+    assert hub.bytes_sent("org/bins") < total // 4
+    with open_checkpoint("hf://org/bins") as checkpoint:
+        for name, tensor in sd.items():
+            assert torch.equal(checkpoint.read_tensor(name), tensor)
+
+
+def test_known_data_classes_load_as_inert_records(tmp_path: Path) -> None:
+    """Lightning hyper-parameters (AttributeDict, argparse.Namespace) load as data, never as
+    code; the writer stores such records as plain dicts."""
+    import argparse
+    import sys
+    import types
+
+    modules = ["lightning", "lightning.fabric", "lightning.fabric.utilities"]
+    modules.append("lightning.fabric.utilities.data")
+    for name in modules:
+        sys.modules[name] = types.ModuleType(name)
+
+    class AttributeDict(dict):  # type: ignore[type-arg]
+        pass
+
+    AttributeDict.__module__ = "lightning.fabric.utilities.data"
+    AttributeDict.__qualname__ = "AttributeDict"
+    sys.modules["lightning.fabric.utilities.data"].AttributeDict = AttributeDict  # type: ignore[attr-defined]
+    try:
+        torch.save(
+            {
+                "state_dict": {"w": torch.ones(2)},
+                "hyper_parameters": AttributeDict(lr=0.1, layers=2),
+                "args": argparse.Namespace(seed=7),
+            },
+            tmp_path / "last.ckpt",
+        )
+    finally:
+        for name in modules:
+            del sys.modules[name]
+    report = run_ckpt("inspect", tmp_path / "last.ckpt", "--json").json["result"]
+    by_name = {e["name"]: e for e in report["entries"]}
+    assert by_name["hyper_parameters.lr"]["value"] == 0.1
+    assert by_name["args"]["py_type"] == "argparse.Namespace"
+    copy_with_writer(tmp_path / "last.ckpt", tmp_path / "out")
+    back = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    assert back["hyper_parameters"] == {"lr": 0.1, "layers": 2}
+    assert back["args"] == {"__class__": "argparse.Namespace", "args": [], "state": {"seed": 7}}

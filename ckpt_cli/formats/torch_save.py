@@ -6,13 +6,17 @@ loads it with `torch.load(weights_only=True, mmap=True, map_location="cpu")`: th
 unpickled by torch's restricted unpickler (nothing outside its allow-list can run; a file that
 asks for anything else is refused with `UnsafeInputError`, exit 4) and storages are memory-mapped,
 so listing dtypes and shapes reads no tensor data. Old (pre-1.6, non-zip) files cannot be
-mapped; they are loaded whole, still with `weights_only=True`. Remote files are read into memory.
+mapped; they are loaded whole, still with `weights_only=True`.
 
 Nested containers are flattened to dotted names (`optimizer.state.0.exp_avg`); every entry
 remembers its real key path (`TorchEntry.key_path`) so the writer can rebuild the exact
 nesting. Leaves that are not tensors are `object` entries with their Python type and, for small
 scalars, their value. numpy arrays and scalars (found in RNG states) are admitted as data, as
 transformers and accelerate do; they cannot run code.
+
+Remote files (the Hub, object stores) load with `map_location="meta"`: only the zip
+directory and the pickle are fetched by ranged reads; reading a tensor then fetches its file
+once (one file held at a time).
 
 The writer saves one file (nesting rebuilt from key paths when entries came from a torch.save
 file and were not renamed, otherwise flat keys), or, with `max_shard_size`, Hugging Face style
@@ -110,6 +114,14 @@ INERT_CLASSES = (
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
+    # hyper-parameters of older Lightning checkpoints
+    "argparse.Namespace",
+)
+#: dict subclasses that carry plain mappings (Lightning's hyper-parameters): loaded as dicts
+INERT_DICTS = (
+    "lightning.fabric.utilities.data.AttributeDict",
+    "lightning_fabric.utilities.data.AttributeDict",
+    "pytorch_lightning.utilities.parsing.AttributeDict",
 )
 
 
@@ -117,13 +129,26 @@ class InertObject:
     """A stand-in for an allow-listed class: holds the pickled arguments and state, no code."""
 
     original: ClassVar[str] = ""
+    # class-level defaults: NEWOBJ builds instances without calling __init__
+    args: tuple[Any, ...] = ()
+    state: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any):
         self.args = args
-        self.state: Any = kwargs or None
+        self.state = kwargs or None
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InertObject:
+        new = type(self).__new__(type(self))
+        new.args = copy.deepcopy(self.args, memo)
+        new.state = copy.deepcopy(self.state, memo)
+        return new
+
+    def as_plain(self) -> dict[str, Any]:
+        """What the torch writer stores instead (the original class is not importable here)."""
+        return {"__class__": self.original, "args": list(self.args), "state": self.state}
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and self.args == other.args and self.state == other.state
@@ -134,9 +159,20 @@ class InertObject:
         return f"<inert {self.original} args={self.args!r} state={self.state!r}>"
 
 
-_INERT: dict[str, type[InertObject]] = {
+class InertDict:
+    """A stand-in for an allow-listed dict subclass: unpickles as a plain dict (its items follow
+    through SETITEMS, which torch's loader allows on plain dicts only)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return {}
+
+
+_INERT: dict[str, type] = {
     name: type(name.rsplit(".", 1)[1], (InertObject,), {"original": name}) for name in INERT_CLASSES
 }
+_INERT.update(
+    {name: type(name.rsplit(".", 1)[1], (InertDict,), {"original": name}) for name in INERT_DICTS}
+)
 
 
 @contextmanager
@@ -172,10 +208,50 @@ def is_zip(storage: Storage, rel: str) -> bool:
         return False
 
 
-def load_torch_file(storage: Storage, rel: str) -> tuple[Any, bool]:
+#: read-ahead of remote metadata reads: torch seeks between the zip directory and a few small
+#: records, so a small buffer keeps each seek from fetching much more than it needs
+_RANGE_BUF = 16 << 10
+
+
+class _RangedFile(io.RawIOBase):
+    """A seekable file over `Storage.read` (ranged reads), for torch.load on remote files."""
+
+    def __init__(self, storage: Storage, rel: str, size: int):
+        self._storage = storage
+        self._rel = rel
+        self._size = size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._size - self._pos)
+        if n <= 0:
+            return 0
+        view[:n] = self._storage.read(self._rel, self._pos, n)
+        self._pos += n
+        return n
+
+
+def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[Any, bool]:
     """Load one torch.save file safely: (the object, whether it is the legacy non-zip format).
 
-    Tensors are memory-mapped for zip files on local storage (no data read). Raises
+    Tensors are memory-mapped for zip files on local storage (no data read). With `meta`, a
+    zip file on remote storage loads with `map_location="meta"`: only the zip directory and
+    the pickle are fetched (ranged reads), tensors come back shape-and-dtype only. Raises
     `UnsafeInputError` when the pickle asks for anything outside torch's weights_only
     allow-list (nothing is executed), `FormatError` when the file is not a readable
     torch.save file.
@@ -196,13 +272,17 @@ def load_torch_file(storage: Storage, rel: str) -> tuple[Any, bool]:
             warnings.simplefilter("ignore")
             if local is not None:
                 obj = torch.load(local, weights_only=True, mmap=zipped, map_location="cpu")
+            elif meta and zipped:
+                reader = io.BufferedReader(_RangedFile(storage, rel, size), buffer_size=_RANGE_BUF)
+                obj = torch.load(reader, weights_only=True, map_location="meta")
             else:
-                with storage.open(rel) as fh:
-                    obj = torch.load(io.BytesIO(fh.read()), weights_only=True, map_location="cpu")
+                obj = torch.load(
+                    io.BytesIO(storage.read_all(rel)), weights_only=True, map_location="cpu"
+                )
     except pickle.UnpicklingError as exc:
         text = str(exc)
-        globals_ = _refused_globals(exc, local if zipped else None)
-        if globals_ or "GLOBAL" in text:
+        if "GLOBAL" in text:
+            globals_ = _refused_globals(exc, local if zipped else None)
             raise UnsafeInputError(
                 "holds a pickle that asks to call "
                 + (", ".join(globals_) if globals_ else "a function")
@@ -516,7 +596,7 @@ class TorchFormat(Format):
                 )
                 continue
             try:
-                obj, _ = load_torch_file(storage, shard)
+                obj, _ = load_torch_file(storage, shard, meta=storage.local_path(shard) is None)
             except FormatError as error:
                 problems.append(Problem(code=error.code, message=error.message, file=error.path))
                 continue
@@ -598,6 +678,8 @@ class TorchCheckpoint(Checkpoint):
         super().__init__(source, manifest)
         self.objects = objects
         self.leaves = leaves
+        #: the one remote file whose real tensors are held: (file, name -> leaf)
+        self._loaded: tuple[str, dict[str, Any]] | None = None
 
     @classmethod
     def load(
@@ -617,7 +699,9 @@ class TorchCheckpoint(Checkpoint):
         shared: list[list[str]] = []
         legacy: list[str] = []
         for shard in shards:
-            obj, is_legacy = load_torch_file(storage, shard)
+            # remote files: metadata only now, one whole file when a tensor of it is read
+            remote = storage.local_path(shard) is None
+            obj, is_legacy = load_torch_file(storage, shard, meta=remote)
             if is_legacy:
                 legacy.append(shard)
             objects[shard] = obj
@@ -681,8 +765,21 @@ class TorchCheckpoint(Checkpoint):
                 f"entry {name!r} is a {_type_name(leaf)}, not a tensor",
                 path=self.manifest.location,
             )
+        if leaf.device.type == "meta":
+            leaf = self._real_leaf(name)
         # memory-mapped: pages are read on first touch, one tensor at a time
         return leaf.detach().contiguous()
+
+    def _real_leaf(self, name: str) -> Any:
+        """A remote file's real tensor: the whole file is fetched once, one file at a time."""
+        file = self.manifest.by_name[name].file
+        assert file is not None
+        if self._loaded is None or self._loaded[0] != file:
+            self._loaded = None  # drop the previous file before fetching the next
+            obj, _ = load_torch_file(self.storage, file, meta=False)
+            _, leaves, _ = build_entries(obj, file)
+            self._loaded = (file, leaves)
+        return self._loaded[1][name]
 
     def read_object(self, name: str) -> Any:
         leaf = self._leaf(name)
@@ -693,6 +790,7 @@ class TorchCheckpoint(Checkpoint):
     def close(self) -> None:
         self.objects.clear()
         self.leaves.clear()
+        self._loaded = None
 
 
 # --------------------------------------------------------------------------- writer
@@ -775,6 +873,17 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _plain(value: Any) -> Any:
+    """`value` with inert records (DeepSpeed loss scalers...) replaced by plain dicts."""
+    if isinstance(value, InertObject):
+        return value.as_plain()
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _plain(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
 class TorchWriter(Writer):
     """torch.save, single file or Hugging Face shards; at most one shard in memory.
 
@@ -805,7 +914,7 @@ class TorchWriter(Writer):
         self._put(name, _own_storage(tensor))
 
     def write_object(self, name: str, value: Any) -> None:
-        self._put(name, value)
+        self._put(name, _plain(value))
 
     def _put(self, name: str, value: Any) -> None:
         shard = self._where.get(name)
