@@ -1,9 +1,10 @@
 """Benchmark `ckpt download` against fetching whole shards (what `hf download --include` does).
 
 Serves a sharded safetensors model (written by `save_torch_state_dict`) from the test Hub on
-127.0.0.1 and, for a few tensor selections, measures bytes sent by the server and wall time of:
+127.0.0.1 (in its own process, so it does not share the client's GIL) and, for a few tensor selections, measures bytes sent by the server and wall time of:
 
-* baseline: `hf_hub_download` of every `*.safetensors` shard (`hf download --include '*.safetensors'`),
+* baseline: `hf_hub_download(local_dir=DEST)` of every shard (`hf download --include '*.safetensors'
+  --local-dir DEST`, the usual way to get some tensors of a model),
 * `ckpt download --mode shards` (the shards holding the selection),
 * `ckpt download --mode tensors` (the selected byte ranges only).
 
@@ -15,11 +16,14 @@ over to real networks, the time ratios grow with a slower link.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,7 +32,6 @@ import torch
 from huggingface_hub import hf_hub_download, save_torch_state_dict
 
 from ckpt_cli.ops.download import download
-from tests.hub_server import TestHub
 
 
 def build(folder: Path, mib: int) -> dict[str, int]:
@@ -54,6 +57,10 @@ def build(folder: Path, mib: int) -> dict[str, int]:
     return {n: t.numel() * t.element_size() for n, t in state.items()}
 
 
+def human(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
 def timed(fn: object) -> float:
     start = time.perf_counter()
     fn()  # type: ignore[operator]
@@ -65,12 +72,23 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-download-"))
-    hub = TestHub().start()
-    os.environ["HF_ENDPOINT"] = hub.url
+    sizes = build(work / "src", args.mib)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tests.hub_server", f"bench/model={work / 'src'}"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert server.stdout is not None
+    url = server.stdout.readline().strip()
+    os.environ["HF_ENDPOINT"] = url
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+
+    def bytes_sent() -> int:
+        with urllib.request.urlopen(f"{url}/_testhub/bytes_sent") as response:
+            return sum(json.load(response).values())
+
     try:
-        sizes = build(work / "src", args.mib)
-        hub.add_repo("bench/model", work / "src")
         shards = sorted(p.name for p in (work / "src").glob("*.safetensors"))
         total = sum((work / "src" / s).stat().st_size for s in shards)
         selections = {
@@ -89,14 +107,12 @@ def main() -> None:
             for method in ("baseline", "shards", "tensors"):
                 home = work / f"home-{method}"
                 os.environ["HF_HOME"] = str(home)
-                hub.reset_counters()
+                before = bytes_sent()
                 dest = work / f"out-{method}"
                 if method == "baseline":
                     seconds = timed(
-                        lambda home=home: [
-                            hf_hub_download(
-                                "bench/model", s, endpoint=hub.url, cache_dir=str(home / "hub")
-                            )
+                        lambda dest=dest: [
+                            hf_hub_download("bench/model", s, endpoint=url, local_dir=str(dest))
                             for s in shards
                         ]
                     )
@@ -110,23 +126,26 @@ def main() -> None:
                             extras=False,  # type: ignore[arg-type]
                         )
                     )
-                results[method] = (hub.bytes_sent("bench/model"), seconds)
+                results[method] = (bytes_sent() - before, seconds)
                 shutil.rmtree(home, ignore_errors=True)
                 shutil.rmtree(dest, ignore_errors=True)
             base_bytes, base_time = results["baseline"]
             for method in ("shards", "tensors"):
                 sent, seconds = results[method]
                 rows.append(
-                    f"| {label} ({wanted / 2**20:.1f} MiB) | `--mode {method}` | {sent / 2**20:.1f} MiB "
-                    f"| {base_bytes / sent:.1f}× fewer | {seconds:.2f} s | {base_time / seconds:.1f}× faster |"
+                    f"| {label} ({human(wanted)}) | `--mode {method}` | {human(sent)} "
+                    f"| {base_bytes / sent:.1f}× | {seconds:.2f} s vs {base_time:.2f} s |"
                 )
         print(f"Model: {len(sizes)} tensors, {len(shards)} shards, {total / 2**20:.0f} MiB; "
-              f"baseline fetches every shard ({total / 2**20:.0f} MiB).\n")  # fmt: skip
-        print("| selection | ckpt download | bytes sent | vs all shards | time | vs all shards |")
-        print("|---|---|---|---|---|---|")
+              f"the baseline fetches every shard ({total / 2**20:.0f} MiB).\n")  # fmt: skip
+        print(
+            "| selection | ckpt download | bytes sent | fewer bytes than all shards | time vs all shards |"
+        )
+        print("|---|---|---|---|---|")
         print("\n".join(rows))
     finally:
-        hub.stop()
+        server.terminate()
+        server.wait()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -29,9 +29,10 @@ import socket
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 #: files stored in LFS on the Hub (by suffix; the Hub also uses LFS for anything >10 MB)
 LFS_SUFFIXES = (
@@ -60,11 +61,11 @@ class HubFile:
     data: bytes
     lfs: bool
 
-    @property
+    @cached_property
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
-    @property
+    @cached_property
     def etag(self) -> str:
         return self.sha256 if self.lfs else git_blob_id(self.data)
 
@@ -115,6 +116,8 @@ class TestHub:
     def __init__(self) -> None:
         self.repos: dict[str, HubRepo] = {}
         self.log: list[LoggedRequest] = []
+        #: LFS files answer `resolve` with a 302 to a CDN URL on another host name, as the Hub does
+        self.lfs_redirect = True
         self._sent: Counter[tuple[str, str]] = Counter()
         self._drops: dict[tuple[str, str], int] = {}
         self._fails: list[list[object]] = []
@@ -262,6 +265,9 @@ _API = re.compile(
 _RESOLVE = re.compile(
     r"^/(?:(?P<type>datasets|spaces)/)?(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"
 )
+_CDN = re.compile(
+    r"^/_cdn/(?:(?P<type>datasets|spaces)/)?(?P<repo>[^/]+/[^/]+)/(?P<commit>[0-9a-f]{40})/(?P<path>.+)$"
+)
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
@@ -360,6 +366,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._api(match, parse_qs(url.query))
         elif match := _RESOLVE.match(url.path):
             self._resolve(match, head)
+        elif match := _CDN.match(url.path):
+            self._cdn(match, head)
         else:
             self._error(404, None, "Not Found")
 
@@ -449,6 +457,43 @@ class _Handler(BaseHTTPRequestHandler):
         if f is None:
             self._error(404, "EntryNotFound", f"{rel} does not exist", {"X-Repo-Commit": commit})
             return
+        if f.lfs and self.server_hub.lfs_redirect:
+            # like the Hub: LFS files redirect to a CDN host with a signed URL; the metadata
+            # huggingface_hub needs is on the redirect itself
+            host = (
+                "localhost"
+                if urlsplit(self.server_hub.url).hostname == "127.0.0.1"
+                else "127.0.0.1"
+            )
+            port = urlsplit(self.server_hub.url).port
+            prefix = "" if repo.repo_type == "model" else f"{repo.repo_type}s/"
+            location = (
+                f"http://{host}:{port}/_cdn/{prefix}{repo.repo_id}/{commit}/{quote(rel)}?sig=test"
+            )
+            self.send_response(302)
+            self.send_header("Location", location)
+            self.send_header("Content-Length", "0")
+            self.send_header("ETag", f'"{git_blob_id(_lfs_pointer(f))}"')
+            self.send_header("X-Repo-Commit", commit)
+            self.send_header("X-Linked-Etag", f'"{f.sha256}"')
+            self.send_header("X-Linked-Size", str(len(f.data)))
+            self.end_headers()
+            self._record(302, file=key)
+            return
+        self._serve(repo, commit, rel, f, head)
+
+    def _cdn(self, match: re.Match[str], head: bool) -> None:
+        singular = {"datasets": "dataset", "spaces": "space", None: "model"}
+        repo = self.server_hub.repos.get(f"{singular[match['type']]}/{unquote(match['repo'])}")
+        commit, rel = match["commit"], unquote(match["path"])
+        f = repo.commits.get(commit, {}).get(rel) if repo is not None else None
+        if repo is None or f is None:
+            self._error(404, None, "no such object")
+            return
+        self._serve(repo, commit, rel, f, head)
+
+    def _serve(self, repo: HubRepo, commit: str, rel: str, f: HubFile, head: bool) -> None:
+        key = f"{repo.repo_id}:{rel}"
         size = len(f.data)
         start, end = 0, size  # end exclusive
         status = 200

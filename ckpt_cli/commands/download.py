@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -10,15 +11,23 @@ import typer
 from ..cli import ForceOpt, JsonOpt, app, run_command
 
 
+class Mode(str, Enum):
+    """How `ckpt download` fetches: whole shards, or only the selected tensors' bytes."""
+
+    shards = "shards"
+    tensors = "tensors"
+
+
 @app.command(
+    # the escaped stars keep the markdown help rendering from eating the glob stars
     epilog=(
         "Examples:\n\n"
         "  ckpt download hf://org/model ./model\n\n"
-        "  ckpt download hf://org/model@v1.0 ./emb --tensors 'model.embed_tokens.*' "
-        "--tensors 'model.layers.0.*'\n\n"
-        "  ckpt download hf://org/model ./l0 --mode tensors --tensors 'model.layers.0.*' --no-extras\n\n"
-        "  ckpt download hf://org/model --cache-only --exclude 'lm_head.*'\n\n"
-        "  ckpt download hf://org/model ./x --mode tensors --tensors '*.q_proj.*' --dry-run --json"
+        "  ckpt download hf://org/model@v1.0 ./emb --tensors 'model.embed_tokens.\\*' "
+        "--tensors 'model.layers.0.\\*'\n\n"
+        "  ckpt download hf://org/model ./l0 --mode tensors --tensors 'model.layers.0.\\*' --no-extras\n\n"
+        "  ckpt download hf://org/model --cache-only --exclude 'lm_head.\\*'\n\n"
+        "  ckpt download hf://org/model ./x --mode tensors --tensors '\\*.q_proj.\\*' --dry-run --json"
     )
 )
 def download(
@@ -43,14 +52,14 @@ def download(
         typer.Option("--exclude", "-x", help="Leave out tensors matching this glob (repeatable)."),
     ] = None,
     mode: Annotated[
-        str,
+        Mode,
         typer.Option(
             "--mode",
             "-m",
             help="shards: whole shards through the HF cache; tensors: only the selected "
             "tensors' byte ranges, written as a new safetensors checkpoint.",
         ),
-    ] = "shards",
+    ] = Mode.shards,
     no_extras: Annotated[
         bool,
         typer.Option("--no-extras", help="Skip config, tokenizer and model-card files."),
@@ -89,7 +98,7 @@ def download(
                 dest,
                 tensors=tensors,
                 exclude=exclude,
-                mode=mode,  # type: ignore[arg-type]
+                mode=mode.value,
                 extras=not no_extras,
                 cache_only=cache_only,
                 dry_run=dry_run,

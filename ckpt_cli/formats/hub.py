@@ -19,6 +19,7 @@ imported, so a long-lived process (or a test) that changes `HF_ENDPOINT`/`HF_HOM
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import threading
@@ -38,6 +39,8 @@ from .base import Source
 READ_RETRIES = 5
 #: bytes per chunk when streaming a range
 STREAM_CHUNK = 1 << 20
+#: bytes per read when hashing local files
+HASH_BLOCK = 8 << 20
 _TRUE = {"1", "true", "yes", "on"}
 
 
@@ -73,7 +76,18 @@ class HubSettings:
             if offline_env is not None
             else constants.HF_HUB_OFFLINE
         )
-        token = os.environ.get("HF_TOKEN") or get_token()
+        token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+        token_file = os.environ.get("HF_TOKEN_PATH") or (
+            os.path.join(home, "token") if home else None
+        )
+        if not token and token_file:
+            # `hf auth login` saved it under the HF_HOME in effect now
+            try:
+                token = Path(token_file).expanduser().read_text().strip()
+            except OSError:
+                token = None
+        elif not token:
+            token = get_token()
         return cls(
             endpoint=endpoint,
             token=token or None,
@@ -187,6 +201,29 @@ class HubRepo:
             "endpoint": self.settings.endpoint,
             "offline": self.snapshot is not None,
         }
+
+
+def file_digest(path: Path, algorithm: str) -> str:
+    """A local file's `sha256`, or (`git`) its git blob id, read block by block."""
+    size = path.stat().st_size
+    digest = hashlib.sha256() if algorithm == "sha256" else hashlib.sha1(b"blob %d\x00" % size)
+    with open(path, "rb") as fh:
+        while block := fh.read(HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hub_mismatch(path: Path, remote: RemoteFile) -> str | None:
+    """Why a local copy differs from the Hub's record of the file (size, sha256 or git blob
+    id), or None when it matches. `ckpt download` and `ckpt verify` use this."""
+    size = path.stat().st_size
+    if size != remote.size:
+        return f"is {size} bytes but the Hub records {remote.size} for {remote.path}"
+    if remote.sha256 and file_digest(path, "sha256") != remote.sha256:
+        return f"does not match the sha256 the Hub records for {remote.path}"
+    if remote.blob_id and not remote.sha256 and file_digest(path, "git") != remote.blob_id:
+        return f"does not match the git blob id the Hub records for {remote.path}"
+    return None
 
 
 def _auth_fix() -> str:
@@ -368,6 +405,7 @@ class HubStorage(Storage):
         self.requests = 0
         # reads may run on several threads (parallel range fetches)
         self._lock = threading.Lock()
+        self._direct: dict[str, str] = {}
 
     def list_files(self) -> dict[str, int]:
         return {rel: f.size for rel, f in self.repo.files.items()}
@@ -434,20 +472,30 @@ class HubStorage(Storage):
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
         where = self.describe(rel)
-        url = self.repo.url(rel)
         pos, failures = start, 0
         while pos < end:
-            headers = build_hf_headers(token=self.repo.settings.token)
+            # LFS files redirect to a signed CDN URL: once known, ranges go there directly
+            # (one round trip instead of two); an expired one falls back to `resolve`
+            with self._lock:
+                direct = self._direct.get(rel)
+                self.requests += 1
+            url = direct or self.repo.url(rel)
+            headers = {} if direct else build_hf_headers(token=self.repo.settings.token)
             headers["Range"] = f"bytes={pos}-{end - 1}"
             headers["Accept-Encoding"] = "identity"
-            with self._lock:
-                self.requests += 1
             try:
                 with get_session().stream(
                     "GET", url, headers=headers, follow_redirects=True
                 ) as response:
+                    if direct and response.status_code in (401, 403, 404, 410):
+                        with self._lock:
+                            self._direct.pop(rel, None)
+                        continue
                     with hub_errors(where):
                         hf_raise_for_status(response)
+                    if not direct and response.history:
+                        with self._lock:
+                            self._direct[rel] = str(response.url)
                     # a 200 means the server ignored Range: discard what comes before `pos`
                     skip = pos if response.status_code == 200 else 0
                     # no chunk size: blocks are yielded as they arrive, so after a dropped
@@ -537,13 +585,17 @@ def hub_source(location: Location) -> Source:
     target = None
     try:
         repo = open_repo(location)
-    except NotFoundError:
+    except (NotFoundError, HubError) as error:
         if not location.subfolder:
             raise
+        # the path may name a file rather than a folder: list its folder and look for it
         parent, _, name = location.subfolder.rpartition("/")
-        repo = open_repo(replace(location, subfolder=parent))
+        try:
+            repo = open_repo(replace(location, subfolder=parent))
+        except CkptError:
+            raise error from None
         if name not in repo.files:
-            raise
+            raise error from None
         target = name
     return Source(
         location=location,

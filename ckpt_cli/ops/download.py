@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import itertools
 import json
 import shutil
@@ -35,7 +34,7 @@ from pydantic import BaseModel, Field
 
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats.base import Source, WriteOptions
-from ..formats.hub import HubRepo, HubStorage, RemoteFile, hub_errors, open_repo
+from ..formats.hub import HubRepo, HubStorage, RemoteFile, hub_errors, hub_mismatch, open_repo
 from ..formats.safetensors import (
     INDEX_SUFFIX,
     SafetensorsCheckpoint,
@@ -73,7 +72,6 @@ COALESCE_SHARE = 0.01
 COALESCE_MAX_GAP = 1 << 20
 #: output shards of a tensors-mode download are at most this large when the source is one file
 DEFAULT_SHARD_SIZE = 5 * 1000**3
-_HASH_BLOCK = 8 << 20
 #: files fetched at once in shards mode (snapshot_download's default)
 FETCH_WORKERS = 8
 #: tensors mode: range requests at once, bytes per request, requests held in memory
@@ -299,26 +297,17 @@ def _download_shards(
     if index_rel is not None:
         weight_map, _ = read_index(storage, index_rel)
         entries = _index_entries(weight_map)
+    elif SafetensorsFormat.detect(source):
+        # no index: the headers (ranged reads) name the tensors
+        entries = SafetensorsFormat.open(source).manifest.tensors
     else:
-        shards = [n for n in source.top_level() if n.endswith(".safetensors")]
-        if not shards:
-            raise _no_safetensors(src)
-        if include or exclude:
-            opened = SafetensorsFormat.open(source)
-            entries = opened.manifest.tensors
-            report.selected_bytes = 0
-        else:
-            entries = []
-            for shard in shards:
-                entries.extend(
-                    _index_entries({name: shard for name in read_header(storage, shard).tensors})
-                )
+        raise _no_safetensors(src)
     chosen = select(entries, include, exclude)
     if not chosen:
         raise _no_match(src, include, exclude)
     report.tensors_total = len(entries)
     report.tensors_selected = len(chosen)
-    if report.selected_bytes is not None:
+    if weight_map is None:  # sizes are known only when the headers were read
         report.selected_bytes = sum(e.nbytes for e in chosen)
     needed = sorted({e.file for e in chosen if e.file is not None})
     all_shards = sorted({e.file for e in entries if e.file is not None})
@@ -466,32 +455,15 @@ def _fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> i
     return received[0]
 
 
-def file_digest(path: Path, algorithm: str) -> str:
-    """sha256 of a file, or (`git`) its git blob id, reading block by block."""
-    size = path.stat().st_size
-    digest = hashlib.sha256() if algorithm == "sha256" else hashlib.sha1(b"blob %d\x00" % size)
-    with open(path, "rb") as fh:
-        while block := fh.read(_HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _check_against_hub(path: Path, remote: RemoteFile, where: str) -> None:
-    """The local copy has the Hub's recorded size and sha256 / git blob id (FormatError if not)."""
-    size = path.stat().st_size
-    if size != remote.size:
+    """The local copy has the Hub's recorded size and checksum (FormatError if not)."""
+    problem = hub_mismatch(path, remote)
+    if problem is not None:
         raise FormatError(
-            f"was downloaded with {size} bytes but the Hub records {remote.size}",
+            problem,
             path=where,
             fix=f"Delete {path} from the HF cache (`hf cache rm`) and run the download again.",
         )
-    for algorithm, expected in (("sha256", remote.sha256), ("git", remote.blob_id)):
-        if expected and file_digest(path, algorithm) != expected:
-            raise FormatError(
-                f"does not match the Hub's recorded {'sha256' if algorithm == 'sha256' else 'git blob id'}",
-                path=where,
-                fix=f"Delete {path} from the HF cache (`hf cache rm`) and run the download again.",
-            )
 
 
 # -- tensors mode ----------------------------------------------------------------------------
@@ -639,7 +611,12 @@ def _download_tensors(
     # keep the source's shard size (so the output is sharded like the source) and its names
     shard_sizes = [h.size for h in checkpoint.headers]
     max_shard = max(shard_sizes) if index_rel is not None else DEFAULT_SHARD_SIZE
-    basename = Path(index_rel).name[: -len(INDEX_SUFFIX)] if index_rel else "model"
+    if index_rel:
+        basename = Path(index_rel).name[: -len(INDEX_SUFFIX)]
+    elif len(checkpoint.headers) == 1:  # one file keeps its name
+        basename = Path(checkpoint.headers[0].file).name[: -len(".safetensors")]
+    else:
+        basename = "model"
     order = {name: i for i, name in enumerate(n for r in report.ranges for n in r.tensors)}
     plan = sorted(chosen, key=lambda e: order[e.name])
     options = WriteOptions(
