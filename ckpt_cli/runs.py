@@ -143,11 +143,6 @@ class RunCheckpoint(BaseModel):
         epoch = self.epoch if self.epoch is not None else -math.inf
         return (step, epoch, self.mtime)
 
-    @property
-    def recent(self) -> bool:
-        """Whether the status says a writer may still be at work."""
-        return self.status == "writing"
-
 
 class BestMetric(BaseModel):
     """Where the best checkpoint by a metric comes from.
