@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from .errors import UsageError
+from .errors import NotFoundError, UsageError
 from .progress import NULL_PROGRESS, Progress
 
 ALGORITHMS = ("sha256", "blake3", "xxh3")
@@ -79,7 +79,17 @@ def hash_file(
     hasher = new()
     buffer = bytearray(BLOCK)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as fh:
+    try:
+        fh = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise NotFoundError(
+            "disappeared while the checkpoint was being hashed",
+            path=path,
+            fix="Something is changing the checkpoint; run again once it is written.",
+        ) from None
+    except PermissionError:
+        raise UsageError("cannot be read (permission denied)", path=path) from None
+    with fh:
         while True:
             n = fh.readinto(buffer)
             if not n or (stop is not None and stop.is_set()):

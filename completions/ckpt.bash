@@ -2,12 +2,14 @@
 _ckpt() {
   local cur="${COMP_WORDS[COMP_CWORD]}" opts=""
   if [ "$COMP_CWORD" -eq 1 ]; then
-    COMPREPLY=( $(compgen -W "inspect verify download --help --version" -- "$cur") )
+    COMPREPLY=( $(compgen -W "inspect verify prune latest download --help --version" -- "$cur") )
     return
   fi
   case "${COMP_WORDS[1]}" in
     inspect) opts="--tensors -t --filter -k --format -f --json --help -h" ;;
     verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --force --format -f --json --help -h" ;;
+    prune) opts="--keep-last --keep-every --keep-best --mode --keep --incomplete --yes -y --watch --max-iterations --settle --json --help -h" ;;
+    latest) opts="--settle --json --help -h" ;;
     download) opts="--tensors -t --exclude -x --mode -m --no-extras --cache-only --dry-run -n --force --json --help -h" ;;
   esac
   if [[ "$cur" == -* ]]; then

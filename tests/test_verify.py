@@ -449,6 +449,7 @@ def test_dcp_without_metadata_is_an_interrupted_save(tmp_path: Path) -> None:
     code, found = problems(folder)
     assert code == 1
     [problem] = found
+    assert problem["code"] == "dcp_interrupted"
     assert "no .metadata" in problem["message"] and "interrupted" in problem["message"]
 
 
@@ -752,3 +753,32 @@ def test_structural_verify_and_checksums_do_not_import_torch(tmp_path: Path) -> 
             [sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env
         )
         assert "NO_TORCH 0" in proc.stderr, (args, proc.stderr)
+
+
+def test_content_checks_report_progress_in_bytes(tmp_path: Path) -> None:
+    from ckpt_cli.ops.verify import verify
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.phases: list[tuple[str, int, int]] = []
+
+        def start(self, total: int, description: str) -> None:
+            self.phases.append((description, total, 0))
+
+        def advance(self, amount: int) -> None:
+            name, total, done = self.phases[-1]
+            self.phases[-1] = (name, total, done + amount)
+
+        def finish(self) -> None:
+            pass
+
+    folder = sharded(tmp_path / "m")
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    recorder = Recorder()
+    report = verify(str(folder), write_manifest=True, deep=True, progress=recorder)
+    assert report.ok and report.manifest_written
+    tensor_bytes = sum(t.numel() * t.element_size() for t in weights().values())
+    assert recorder.phases == [
+        ("reading tensors", tensor_bytes, tensor_bytes),
+        ("hashing (sha256)", size, size),
+    ]

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 from ..errors import NotFoundError
 from ..layouts import open_source
 from ..models import Entry, FileInfo, TrainingState
+from ..runs import RunReport
 from .tree import TreeNode, build_tree, collapse_chains
 
 
@@ -27,6 +28,7 @@ class InspectReport(BaseModel):
         tree: folded module tree.
         entries: every entry (after filters).
         filters: the globs applied.
+        run: for a run folder (`format` is `run`): its step checkpoints (see `ckpt_cli.runs`).
     """
 
     location: str
@@ -43,6 +45,7 @@ class InspectReport(BaseModel):
     tree: list[TreeNode] = Field(default_factory=list)
     entries: list[Entry] = Field(default_factory=list)
     filters: list[str] = Field(default_factory=list)
+    run: RunReport | None = None
 
 
 def select(
@@ -58,7 +61,27 @@ def select(
 
 
 def inspect(src: str, format: str | None = None, filters: list[str] | None = None) -> InspectReport:
-    """Read `src`'s metadata and summarise it (no tensor data is read)."""
+    """Read `src`'s metadata and summarise it (no tensor data is read).
+
+    A local run folder (one holding step checkpoints: `checkpoint-N/`, `step-N/`...) is
+    reported as its table of checkpoints instead; `format` forces reading it as a checkpoint.
+    """
+    if format is None and not filters:
+        from ..runs import looks_like_run, scan_run
+
+        if looks_like_run(src):
+            run = scan_run(src)
+            return InspectReport(
+                location=src,
+                format="run",
+                files=[],
+                tensors=0,
+                objects=0,
+                parameters=0,
+                tensor_bytes=0,
+                bytes_by_dtype={},
+                run=run,
+            )
     opened = open_source(src, format)
     with opened.checkpoint as checkpoint:
         manifest = checkpoint.manifest

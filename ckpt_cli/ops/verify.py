@@ -651,7 +651,7 @@ def _compare_with_hub(
     progress: Progress,
 ) -> None:
     """Sizes, then the Hub's own digests: LFS sha256 (hashed in parallel), git blob sha1."""
-    from huggingface_hub.utils.sha import git_hash
+    from ..formats.hub import file_digest
 
     report.algorithm = "sha256 (LFS) / git-sha1"
     sizes = files_size(local)
@@ -670,8 +670,8 @@ def _compare_with_hub(
         elif want.sha256:
             lfs[name] = path
         elif want.blob_id:
-            # regular (non-LFS) git files are small: the Hub caps them at 10 MB
-            actual = git_hash(path.read_bytes())
+            # regular (non-LFS) git files are small (the Hub caps them at 10 MB): no threads
+            actual = file_digest(path, "git")
             report.hashed_bytes += sizes[name]
             if actual != want.blob_id:
                 problems.append(_hub_mismatch(describe(name), "git-sha1", actual, want.blob_id))

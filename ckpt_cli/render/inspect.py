@@ -100,6 +100,11 @@ def render_training(report: InspectReport) -> None:
 
 def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     """Summary, training state, folded tree; every entry with `show_tensors`."""
+    if report.run is not None:
+        from .prune import render_run
+
+        render_run(report.run)
+        return
     files = len(report.files)
     kind = report.format
     if kind == "composite":

@@ -1,0 +1,124 @@
+"""`ckpt prune`: retention over a run folder; a plan unless `--yes`."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from ..cli import JsonOpt, app, run_command
+
+
+class Mode(str, Enum):
+    """Which end of a metric is best."""
+
+    min = "min"
+    max = "max"
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  ckpt prune out/ --keep-last 3                      # show the plan\n\n"
+        "  ckpt prune out/ --keep-last 2 --keep-best eval_loss --incomplete --yes\n\n"
+        "  ckpt prune out/ --keep-every 1000 --keep 2500 --yes --json\n\n"
+        "  ckpt prune out/ --keep-last 3 --incomplete --watch 300 --yes   # while training runs"
+    )
+)
+def prune(
+    run_dir: Annotated[
+        str,
+        typer.Argument(
+            help="Run folder holding step checkpoints (checkpoint-N/, step-N/, *.ckpt...).",
+            show_default=False,
+        ),
+    ],
+    keep_last: Annotated[
+        int | None,
+        typer.Option("--keep-last", min=1, help="Keep the newest N complete checkpoints."),
+    ] = None,
+    keep_every: Annotated[
+        int | None,
+        typer.Option("--keep-every", min=1, help="Keep checkpoints whose step is divisible by K."),
+    ] = None,
+    keep_best: Annotated[
+        str | None,
+        typer.Option(
+            "--keep-best",
+            help="Keep the best checkpoint by this metric (metrics.jsonl, trainer_state.json "
+            "log_history or Lightning file names).",
+        ),
+    ] = None,
+    mode: Annotated[
+        Mode,
+        typer.Option("--mode", help="Whether the best --keep-best value is the min or the max."),
+    ] = Mode.min,
+    keep: Annotated[
+        list[int] | None,
+        typer.Option("--keep", help="Never delete the checkpoint of this step (repeatable)."),
+    ] = None,
+    incomplete: Annotated[
+        bool,
+        typer.Option(
+            "--incomplete",
+            help="Delete interrupted and incomplete saves older than the newest complete one.",
+        ),
+    ] = False,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Delete; without it only the plan is printed.")
+    ] = False,
+    watch: Annotated[
+        float | None,
+        typer.Option(
+            "--watch",
+            help="Re-apply the policy every SECONDS while a job runs (needs --yes; Ctrl-C stops).",
+        ),
+    ] = None,
+    max_iterations: Annotated[
+        int | None,
+        typer.Option("--max-iterations", min=1, help="With --watch: stop after N rounds."),
+    ] = None,
+    settle: Annotated[
+        float,
+        typer.Option(
+            "--settle",
+            help="Seconds: a checkpoint with a file modified more recently is never touched.",
+        ),
+    ] = 120.0,
+    json_output: JsonOpt = False,
+) -> None:
+    """Keep the checkpoints that matter in a run folder and delete the rest.
+
+    Policies combine (a checkpoint survives if any rule keeps it). Never deleted: the newest
+    complete checkpoint, the best one, the one a DeepSpeed `latest` file or the Trainer's
+    `best_model_checkpoint` points at, one still being written, anything outside RUN_DIR
+    (a symlinked checkpoint is unlinked, its target untouched). Without `--yes` nothing is
+    deleted: every checkpoint is listed with keep/delete and the rule that decided.
+    """
+    from ..ops.prune import PrunePolicy, exit_code
+    from ..ops.prune import run as run_prune
+    from ..render.prune import render_prune_result, render_watch_round
+
+    run_command(
+        "prune",
+        json_output,
+        lambda: run_prune(
+            run_dir,
+            PrunePolicy(
+                keep_last=keep_last,
+                keep_every=keep_every,
+                keep_best=keep_best,
+                mode=mode.value,
+                keep=list(keep or []),
+                incomplete=incomplete,
+                settle=settle,
+            ),
+            yes=yes,
+            watch_seconds=watch,
+            max_iterations=max_iterations,
+            on_round=None if json_output else render_watch_round,
+        ),
+        render_prune_result,
+        exit_code,
+    )

@@ -1,0 +1,113 @@
+"""Run folders in the layouts training jobs leave behind, written by the real writers.
+
+Every builder writes tiny checkpoints, then ages them (an hour old) so they are outside the
+settle window, the way a finished save looks to a later `ckpt prune`; tests that need a save
+"still being written" write one afterwards and leave it fresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from huggingface_hub import save_torch_state_dict
+from safetensors.torch import save_file
+
+HOUR = 3600.0
+
+#: eval_loss logged at each Trainer save: the best (200) is not the newest
+EVAL_LOSS = {100: 0.90, 200: 0.40, 300: 0.70, 400: 0.65, 500: 0.60}
+
+
+def weights(step: int) -> dict[str, torch.Tensor]:
+    """A tiny model whose values depend on the step (so copies can be told apart)."""
+    gen = torch.Generator().manual_seed(step)
+    return {
+        "model.layers.0.weight": torch.randn(8, 4, generator=gen),
+        "model.layers.1.weight": torch.randn(8, 4, generator=gen),
+        "model.embed.weight": torch.randn(16, 4, generator=gen).to(torch.bfloat16),
+    }
+
+
+def age(path: Path, seconds: float = HOUR) -> None:
+    """Set the mtime of `path` and everything under it `seconds` into the past."""
+    stamp = time.time() - seconds
+    targets = [path]
+    if path.is_dir() and not path.is_symlink():
+        for dirpath, dirs, files in os.walk(path):
+            targets += [Path(dirpath, n) for n in dirs + files]
+    for target in targets:
+        os.utime(target, (stamp, stamp), follow_symlinks=False)
+
+
+def trainer_checkpoint(folder: Path, step: int, *, shards: bool = False) -> None:
+    """A Hugging Face Trainer `checkpoint-N/`: model, optimizer, scheduler, rng, trainer_state."""
+    folder.mkdir(parents=True)
+    model = weights(step)
+    if shards:
+        save_torch_state_dict(model, folder, max_shard_size=300)
+    else:
+        save_file(model, folder / "model.safetensors", metadata={"format": "pt"})
+    params = list(model)
+    torch.save(
+        {
+            "state": {
+                i: {"step": torch.tensor(float(step)), "exp_avg": t}
+                for i, t in enumerate(model.values())
+            },
+            "param_groups": [{"lr": 1e-3, "params": list(range(len(params)))}],
+        },
+        folder / "optimizer.pt",
+    )
+    torch.save({"last_epoch": step, "_last_lr": [1e-3]}, folder / "scheduler.pt")
+    torch.save({"cpu": torch.random.get_rng_state()}, folder / "rng_state.pth")
+    history = [
+        row
+        for s, loss in EVAL_LOSS.items()
+        if s <= step
+        for row in ({"step": s, "loss": loss + 0.1}, {"step": s, "eval_loss": loss})
+    ]
+    logged = [s for s in EVAL_LOSS if s <= step]
+    best = min(logged, key=lambda s: EVAL_LOSS[s]) if logged else None
+    state = {
+        "global_step": step,
+        "epoch": step / 100,
+        "best_metric": EVAL_LOSS[best] if best else None,
+        "best_model_checkpoint": f"out/checkpoint-{best}" if best else None,
+        "log_history": history,
+    }
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+def trainer_run(root: Path, steps: tuple[int, ...] = (100, 200, 300, 400, 500)) -> Path:
+    """`out/checkpoint-N` for each step, aged; the best by eval_loss is checkpoint-200."""
+    out = root / "out"
+    for step in steps:
+        trainer_checkpoint(out / f"checkpoint-{step}", step, shards=step == 300)
+    age(out)
+    return out
+
+
+def interrupted_trainer_save(out: Path, step: int) -> Path:
+    """A preempted Trainer save: model file cut short, no trainer_state.json, aged."""
+    folder = out / f"checkpoint-{step}"
+    folder.mkdir()
+    save_file(weights(step), folder / "model.safetensors")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    age(folder)
+    return folder
+
+
+def dcp_save(folder: Path, step: int) -> None:
+    """One torchtitan-style DCP step folder, written by `dcp.save` in a single process."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": weights(step), "train_state": {"step": step}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)

@@ -1,0 +1,425 @@
+"""`ckpt prune`: plans first, deletions only with --yes, and the good saves always survive."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpt_cli.ops import prune as prune_ops
+from ckpt_cli.ops.prune import PrunePolicy, watch
+
+from .conftest import run_ckpt, run_ckpt_process
+from .run_fixtures import (
+    age,
+    dcp_save,
+    interrupted_trainer_save,
+    trainer_checkpoint,
+    trainer_run,
+    weights,
+)
+
+
+def tree(root: Path) -> dict[str, int]:
+    """Every path under `root` (links not followed) with its size: a snapshot to compare."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            full = Path(dirpath, name)
+            out[str(full.relative_to(root))] = full.lstat().st_size
+    return out
+
+
+def decisions(result: Any) -> dict[str, tuple[str, str]]:
+    return {d["name"]: (d["action"], d["rule"]) for d in result.json["result"]["decisions"]}
+
+
+def survivors(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir())
+
+
+def assert_model(folder: Path, step: int) -> None:
+    """The model of a surviving checkpoint is intact, bit for bit."""
+    loaded = load_file(folder / "model.safetensors")
+    for name, tensor in weights(step).items():
+        assert torch.equal(loaded[name], tensor)
+
+
+def test_plan_deletes_nothing_and_says_why(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path, steps=(100, 200, 400, 500))
+    interrupted_trainer_save(out, 600)
+    before = tree(out)
+    result = run_ckpt("prune", out, "--keep-last", "1", "--incomplete", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert tree(out) == before
+    report = result.json["result"]
+    assert report["applied"] is False
+    assert decisions(result) == {
+        "checkpoint-100": ("delete", "not kept by any rule"),
+        "checkpoint-200": ("keep", "Trainer best_model_checkpoint"),
+        "checkpoint-400": ("delete", "not kept by any rule"),
+        "checkpoint-500": ("keep", "newest complete"),
+        "checkpoint-600": ("keep", "incomplete, newer than the newest complete checkpoint"),
+    }
+    sizes = {d["name"]: d["size"] for d in report["decisions"]}
+    assert report["bytes_to_free"] == sizes["checkpoint-100"] + sizes["checkpoint-400"]
+    human = run_ckpt("prune", out, "--keep-last", "1")
+    assert "would delete 2 checkpoints" in human.stdout
+    assert "nothing was deleted" in human.stdout
+    assert tree(out) == before
+
+
+def test_yes_deletes_exactly_the_plan(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path)
+    plan = decisions(run_ckpt("prune", out, "--keep-last", "2", "--json"))
+    result = run_ckpt_process("prune", out, "--keep-last", "2", "--yes", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    doomed = sorted(name for name, (action, _rule) in plan.items() if action == "delete")
+    assert doomed == ["checkpoint-100", "checkpoint-300"]
+    assert sorted(report["deleted"]) == doomed
+    assert report["bytes_freed"] == report["bytes_to_free"] > 0
+    assert survivors(out) == ["checkpoint-200", "checkpoint-400", "checkpoint-500"]
+    for step in (200, 400, 500):
+        assert_model(out / f"checkpoint-{step}", step)
+    # nothing hidden left behind, and the next plan has nothing to do
+    assert not any(p.name.startswith(".") for p in out.iterdir())
+    again = run_ckpt("prune", out, "--keep-last", "2", "--json").json["result"]
+    assert again["to_delete"] == 0
+
+
+POLICIES = [
+    ["--keep-last", "1"],
+    ["--keep-every", "1000"],
+    ["--keep-best", "eval_loss"],
+    ["--keep-best", "eval_loss", "--mode", "max"],
+    ["--incomplete"],
+    ["--keep-last", "1", "--keep-every", "7", "--incomplete"],
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=" ".join)
+def test_newest_complete_and_best_survive_every_policy(tmp_path: Path, policy: list[str]) -> None:
+    out = trainer_run(tmp_path, steps=(100, 200, 300, 400))
+    interrupted_trainer_save(out, 500)
+    result = run_ckpt("prune", out, *policy, "--yes", "--json")
+    assert result.exit_code == 0, result.stderr
+    left = survivors(out)
+    assert "checkpoint-400" in left  # newest complete
+    assert "checkpoint-200" in left  # best eval_loss, and the Trainer's best_model_checkpoint
+    assert "checkpoint-500" in left  # incomplete but newer: never removed
+    assert_model(out / "checkpoint-400", 400)
+    assert_model(out / "checkpoint-200", 200)
+
+
+def test_keep_best_every_and_pins_on_a_dcp_run_with_metrics_file(tmp_path: Path) -> None:
+    run = tmp_path / "titan"
+    losses = {10: 3.0, 20: 2.0, 30: 2.5, 40: 2.2, 50: 2.4, 60: 2.6}
+    for step in losses:
+        dcp_save(run / f"step-{step}", step)
+    (run / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": s, "val_loss": v, "lr": 0.1}) for s, v in losses.items())
+    )
+    age(run)
+    args = ["--keep-best", "val_loss", "--keep-every", "30", "--keep", "10", "--json"]
+    plan = decisions(run_ckpt("prune", run, *args))
+    assert plan == {
+        "step-10": ("keep", "--keep 10"),
+        "step-20": ("keep", "best val_loss (2)"),
+        "step-30": ("keep", "--keep-every 30"),
+        "step-40": ("delete", "not kept by any rule"),
+        "step-50": ("delete", "not kept by any rule"),
+        "step-60": ("keep", "newest complete"),
+    }
+    result = run_ckpt("prune", run, *args, "--yes")
+    assert result.exit_code == 0
+    assert survivors(run) == ["metrics.jsonl", "step-10", "step-20", "step-30", "step-60"]
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {k: torch.zeros_like(v) for k, v in weights(20).items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(run / "step-20"), no_dist=True)
+    for name, tensor in weights(20).items():
+        assert torch.equal(state["model"][name], tensor)
+    maxed = decisions(run_ckpt("prune", run, "--keep-best", "val_loss", "--mode", "max", "--json"))
+    assert maxed["step-30"] == ("delete", "not kept by any rule")
+    assert maxed["step-60"] == ("keep", "newest complete")  # also the max, newest wins the rule
+
+
+def test_plain_files_of_one_step_go_together(tmp_path: Path) -> None:
+    run = tmp_path / "plain"
+    run.mkdir()
+    for step in (1000, 2000, 3000):
+        torch.save(weights(step), run / f"model_{step}.pt")
+        torch.save({"step": step}, run / f"optim_{step}.pt")
+    age(run)
+    result = run_ckpt("prune", run, "--keep-last", "2", "--yes", "--json")
+    assert result.json["result"]["deleted"] == ["model_1000.pt"]
+    assert survivors(run) == ["model_2000.pt", "model_3000.pt", "optim_2000.pt", "optim_3000.pt"]
+    loaded = torch.load(run / "model_2000.pt", weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in weights(2000).items())
+
+
+def test_a_multi_file_checkpoint_leaves_its_names_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "plain"
+    run.mkdir()
+    for step in (1000, 2000):
+        torch.save(weights(step), run / f"model_{step}.pt")
+        torch.save({"step": step}, run / f"optim_{step}.pt")
+    age(run)
+
+    def dies(path: Path) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(prune_ops, "_remove", dies)
+    result = run_ckpt("prune", run, "--keep-last", "1", "--yes", "--json")
+    assert result.exit_code == 1
+    visible = sorted(p.name for p in run.iterdir() if not p.name.startswith("."))
+    assert visible == ["model_2000.pt", "optim_2000.pt"]  # no lone optim_1000.pt left behind
+
+
+def test_lightning_best_from_file_names_and_the_last_ckpt_link(tmp_path: Path) -> None:
+    run = tmp_path / "lightning_logs" / "version_0"
+    ckpts = run / "checkpoints"
+    ckpts.mkdir(parents=True)
+    names = {}
+    for epoch, step, acc in ((0, 100, 0.71), (1, 200, 0.93), (2, 300, 0.88), (3, 400, 0.90)):
+        names[step] = f"epoch={epoch}-step={step}-val_acc={acc}.ckpt"
+        torch.save({"state_dict": weights(step), "global_step": step}, ckpts / names[step])
+    os.symlink(names[300], ckpts / "last.ckpt")  # save_last="link"
+    age(run)
+    plan = decisions(run_ckpt("prune", run, "--keep-best", "val_acc", "--mode", "max", "--json"))
+    assert plan == {
+        f"checkpoints/{names[100]}": ("delete", "not kept by any rule"),
+        f"checkpoints/{names[200]}": ("keep", "best val_acc (0.93)"),
+        f"checkpoints/{names[300]}": ("keep", "a symlink in the run folder points at it"),
+        f"checkpoints/{names[400]}": ("keep", "newest complete"),
+    }
+    assert run_ckpt("prune", run, "--keep-best", "val_acc", "--mode", "max", "--yes").exit_code == 0
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted(
+        [names[200], names[300], names[400], "last.ckpt"]
+    )
+    loaded = torch.load(ckpts / "last.ckpt", weights_only=True)
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in weights(300).items())
+
+
+def test_unknown_metric_is_an_error_not_a_massacre(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    before = tree(out)
+    result = run_ckpt("prune", out, "--keep-best", "eval_acc", "--yes")
+    assert result.exit_code == 3
+    assert "eval_acc" in result.stderr
+    assert tree(out) == before
+
+
+def test_incomplete_removes_only_interrupted_saves_older_than_the_newest(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path, steps=(100, 300))
+    interrupted_trainer_save(out, 250)
+    shutil.copytree(out / "checkpoint-100", out / ".checkpoint-260.ckpt-tmp-k2j4")
+    interrupted_trainer_save(out, 400)
+    age(out)
+    result = run_ckpt("prune", out, "--incomplete", "--yes", "--json")
+    assert result.exit_code == 0
+    assert sorted(result.json["result"]["deleted"]) == [
+        ".checkpoint-260.ckpt-tmp-k2j4",
+        "checkpoint-250",
+    ]
+    assert survivors(out) == ["checkpoint-100", "checkpoint-300", "checkpoint-400"]
+
+
+def test_incomplete_removes_nothing_when_no_save_is_complete(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    interrupted_trainer_save(out, 100)
+    interrupted_trainer_save(out, 200)
+    age(out)
+    before = tree(out)
+    result = run_ckpt("prune", out, "--incomplete", "--keep-last", "1", "--yes", "--json")
+    assert result.exit_code == 0
+    assert result.json["result"]["deleted"] == []
+    assert tree(out) == before
+    assert run_ckpt("latest", out).exit_code == 3
+
+
+def test_symlinked_checkpoint_is_unlinked_and_its_target_untouched(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "archive" / "checkpoint-50"
+    trainer_checkpoint(elsewhere, 50)
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    os.symlink(elsewhere, out / "checkpoint-50")
+    # a link inside a checkpoint that points out of the run folder must not be followed either
+    os.symlink(elsewhere / "model.safetensors", out / "checkpoint-100" / "base_model.link")
+    age(out)
+    target_before = tree(elsewhere.parent)
+    plan = decisions(run_ckpt("prune", out, "--keep-last", "1", "--json"))
+    assert plan["checkpoint-50"] == ("delete", "not kept by any rule")
+    report = run_ckpt("prune", out, "--keep-last", "1", "--yes", "--json").json["result"]
+    sizes = {d["name"]: d["size"] for d in report["decisions"]}
+    assert sizes["checkpoint-50"] == 0  # unlinking frees nothing
+    assert not (out / "checkpoint-50").is_symlink()
+    assert not (out / "checkpoint-100").exists()
+    assert tree(elsewhere.parent) == target_before
+    assert_model(elsewhere, 50)
+
+
+def test_a_crash_mid_delete_leaves_nothing_that_looks_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+
+    def dies_halfway(path: Path, *args: Any, **kwargs: Any) -> None:
+        (Path(path) / "model.safetensors").unlink()  # part of the folder is gone...
+        raise OSError(5, "Input/output error")  # ...then the process dies
+
+    monkeypatch.setattr(prune_ops.shutil, "rmtree", dies_halfway)
+    result = run_ckpt("prune", out, "--keep-last", "1", "--yes", "--json")
+    assert result.exit_code == 1
+    assert "checkpoint-100" in result.json["result"]["failed"][0]
+    monkeypatch.undo()
+    assert not (out / "checkpoint-100").exists()
+    hidden = [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert len(hidden) == 1 and hidden[0].startswith(".checkpoint-100.ckpt-tmp-del-")
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-300")
+    rows = run_ckpt("latest", out, "--json", "--settle", "0").json["result"]["checkpoints"]
+    leftover = {r["name"]: r for r in rows}[hidden[0]]
+    assert leftover["status"] == "interrupted"
+    assert leftover["reason"] == "staging folder left by an interrupted deletion"
+    cleaned = run_ckpt("prune", out, "--incomplete", "--settle", "0", "--yes")
+    assert cleaned.exit_code == 0
+    assert survivors(out) == ["checkpoint-200", "checkpoint-300"]
+
+
+def test_a_checkpoint_removed_by_someone_else_first_is_not_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = trainer_run(tmp_path, steps=(100, 300, 400))
+    real_remove = prune_ops.remove_checkpoint
+
+    def trainer_rotates_first(paths: list[Path]) -> None:
+        for path in paths:
+            shutil.rmtree(path)  # the Trainer's save_total_limit got there first
+        real_remove(paths)
+
+    monkeypatch.setattr(prune_ops, "remove_checkpoint", trainer_rotates_first)
+    result = run_ckpt("prune", out, "--keep-last", "1", "--yes", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["failed"] == [] and report["deleted"] == []
+    assert survivors(out) == ["checkpoint-400"]
+
+
+def test_watch_prunes_as_the_run_goes_and_never_touches_a_save_in_progress(
+    tmp_path: Path,
+) -> None:
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    ticks: list[float] = []
+    pending: dict[Path, str] = {}
+
+    def next_save(seconds: float) -> None:
+        """Between rounds the job finishes its save in progress and starts the next one."""
+        ticks.append(seconds)
+        for state_file, text in pending.items():
+            state_file.write_text(text)
+        pending.clear()
+        age(out)
+        step = 300 + 100 * len(ticks)
+        trainer_checkpoint(out / f"checkpoint-{step}", step)
+        state_file = out / f"checkpoint-{step}" / "trainer_state.json"
+        pending[state_file] = state_file.read_text()
+        state_file.unlink()  # the Trainer writes it last: this save is not finished
+
+    rounds: list[set[str]] = []
+    result = watch(
+        out,
+        PrunePolicy(keep_last=1),
+        60,
+        max_iterations=3,
+        on_round=lambda r: rounds.append(set(r.deleted)),
+        sleep=next_save,
+    )
+    assert result.iterations == 3 and result.stopped == "max-iterations"
+    assert ticks == [60, 60]
+    # 200 is the Trainer's best; 400 is kept while it is written, then is the newest complete
+    assert rounds == [{"checkpoint-100"}, set(), {"checkpoint-300"}]
+    assert result.deleted == ["checkpoint-100", "checkpoint-300"]
+    assert survivors(out) == ["checkpoint-200", "checkpoint-400", "checkpoint-500"]
+    assert not (out / "checkpoint-500" / "trainer_state.json").exists()  # still in progress
+
+
+def test_watch_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path, steps=(100, 300))
+
+    def interrupted(_seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    result = watch(out, PrunePolicy(keep_last=1), 5, sleep=interrupted)
+    assert result.stopped == "interrupted" and result.iterations == 1
+    assert result.deleted == ["checkpoint-100"]
+    via_cli = run_ckpt(
+        "prune", out, "--keep-last", "1", "--watch", "1", "--max-iterations", "1", "--yes", "--json"
+    )
+    assert via_cli.exit_code == 0
+    assert via_cli.json["result"]["stopped"] == "max-iterations"
+
+
+def test_usage_errors(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path, steps=(100, 200))
+    before = tree(out)
+    assert run_ckpt("prune", out).exit_code == 2  # no policy
+    assert run_ckpt("prune", out, "--keep-last", "0").exit_code == 2
+    assert run_ckpt("prune", out, "--keep-last", "1", "--watch", "5").exit_code == 2  # no --yes
+    assert run_ckpt("prune", out, "--keep-best", "x", "--mode", "avg").exit_code == 2
+    assert run_ckpt("prune", tmp_path / "missing", "--keep-last", "1").exit_code == 3
+    assert tree(out) == before
+
+
+def test_watch_in_a_real_process_exits_cleanly_on_sigint(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import REPO
+
+    out = trainer_run(tmp_path, steps=(100, 300))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ckpt_cli",
+            "prune",
+            str(out),
+            "--keep-last",
+            "1",
+            "--watch",
+            "3600",
+            "--yes",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while survivors(out) != ["checkpoint-300"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # wait for the first round, then interrupt the sleep
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    report = json.loads(stdout)["result"]
+    assert report["stopped"] == "interrupted"  # (the signal may land before round 1 is counted)
+    assert survivors(out) == ["checkpoint-300"]

@@ -1,0 +1,268 @@
+"""Run folders: every layout found, completeness judged, `ckpt latest` never picks a broken save."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ckpt_cli.runs import looks_like_run, scan_run
+
+from .conftest import run_ckpt, run_ckpt_process
+from .run_fixtures import (
+    age,
+    dcp_save,
+    interrupted_trainer_save,
+    trainer_checkpoint,
+    trainer_run,
+    weights,
+)
+
+
+class HParams(dict):  # type: ignore[type-arg]
+    """Stands in for Lightning's AttributeDict."""
+
+
+def table(run_dir: Path) -> dict[str, dict]:  # type: ignore[type-arg]
+    result = run_ckpt("latest", run_dir, "--json")
+    return {c["name"]: c for c in result.json["result"]["checkpoints"]}
+
+
+def test_latest_skips_an_interrupted_newer_save(tmp_path: Path) -> None:
+    """The `get_last_checkpoint` trap: the highest step is a preempted, half-written save."""
+    out = trainer_run(tmp_path, steps=(100, 200))
+    interrupted_trainer_save(out, 300)
+    result = run_ckpt_process("latest", out)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == f"{out / 'checkpoint-200'}\n"
+    resumed = load_file(result.stdout.strip() + "/model.safetensors")
+    for name, tensor in weights(200).items():
+        assert torch.equal(resumed[name], tensor)
+    rows = table(out)
+    assert rows["checkpoint-300"]["status"] == "incomplete"
+    assert "truncated" in rows["checkpoint-300"]["reason"]
+    assert "newest" in rows["checkpoint-200"]["markers"]
+
+
+def test_trainer_table_markers_and_sharded_model(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path)
+    report = scan_run(out)
+    assert [c.step for c in report.checkpoints] == [100, 200, 300, 400, 500]
+    assert all(c.complete and c.layout == "hf-trainer" for c in report.checkpoints)
+    assert report.checkpoints[2].formats == ["safetensors", "torch"]  # sharded + index
+    assert report.trainer_best == "checkpoint-200"
+    assert report.trainer_best_metric == 0.40
+    assert "trainer-best" in report.checkpoints[1].markers
+    assert report.latest == str(out / "checkpoint-500")
+    sizes = {c.name: c.size for c in report.checkpoints}
+    folder = out / "checkpoint-100"
+    assert sizes["checkpoint-100"] == sum(p.stat().st_size for p in folder.iterdir())
+
+
+def test_index_naming_a_missing_shard_and_missing_trainer_state(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path, steps=(100, 300))
+    index = json.loads((out / "checkpoint-300" / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (out / "checkpoint-300" / shard).unlink()
+    state = out / "checkpoint-100" / "trainer_state.json"
+    state.write_text(state.read_text()[:40])  # cut short while being written
+    age(out)
+    rows = table(out)
+    assert rows["checkpoint-300"]["status"] == "incomplete"
+    assert shard in rows["checkpoint-300"]["reason"]
+    assert rows["checkpoint-100"]["status"] == "incomplete"
+    assert "trainer_state.json: not valid JSON" in rows["checkpoint-100"]["reason"]
+    result = run_ckpt("latest", out)
+    assert result.exit_code == 3
+    assert "no complete checkpoint" in result.stderr
+    envelope = run_ckpt("latest", out, "--json").json
+    assert envelope["exit_code"] == 3 and envelope["result"]["latest"] is None
+
+
+def test_torchtitan_dcp_without_metadata_is_incomplete(tmp_path: Path) -> None:
+    run = tmp_path / "dump" / "checkpoint"
+    for step in (5, 10, 20, 30):
+        dcp_save(run / f"step-{step}", step)
+    (run / "step-30" / ".metadata").unlink()  # killed before the commit marker
+    for data in (run / "step-5").glob("*.distcp"):
+        data.unlink()  # the marker is there, a rank's data is not
+    age(run)
+    rows = table(tmp_path / "dump")  # the torchtitan dump folder: checkpoints under checkpoint/
+    assert set(rows) == {f"checkpoint/step-{n}" for n in (5, 10, 20, 30)}
+    assert rows["checkpoint/step-5"]["status"] == "incomplete"
+    assert ".distcp" in rows["checkpoint/step-5"]["reason"]
+    assert rows["checkpoint/step-30"]["status"] == "incomplete"
+    assert ".metadata" in rows["checkpoint/step-30"]["reason"]
+    assert rows["checkpoint/step-20"]["formats"] == ["dcp"]
+    assert run_ckpt("latest", tmp_path / "dump").stdout.strip() == str(run / "step-20")
+
+
+def test_staging_folders_are_interrupted_or_still_being_written(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path, steps=(100, 200))
+    # ckpt's own staging name (output.py) and the Trainer's tmp-checkpoint-N, both old
+    shutil.copytree(out / "checkpoint-200", out / ".checkpoint-300.ckpt-tmp-abc123")
+    shutil.copytree(out / "checkpoint-200", out / "tmp-checkpoint-400")
+    age(out)
+    # a save in progress right now: no trainer_state.json yet, files just written
+    trainer_checkpoint(out / "checkpoint-500", 500)
+    (out / "checkpoint-500" / "trainer_state.json").unlink()
+    rows = table(out)
+    assert rows[".checkpoint-300.ckpt-tmp-abc123"]["status"] == "interrupted"
+    assert rows[".checkpoint-300.ckpt-tmp-abc123"]["step"] == 300
+    assert rows["tmp-checkpoint-400"]["status"] == "interrupted"
+    assert rows["checkpoint-500"]["status"] == "writing"
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-200")
+    # with no settle window the same save is plainly incomplete
+    rows = {
+        c["name"]: c
+        for c in run_ckpt("latest", out, "--settle", "0", "--json").json["result"]["checkpoints"]
+    }
+    assert rows["checkpoint-500"]["status"] == "incomplete"
+
+
+def test_accelerate_deepspeed_lightning_and_plain_layouts(tmp_path: Path) -> None:
+    acc = tmp_path / "acc"
+    for i in range(3):
+        folder = acc / "checkpoints" / f"checkpoint_{i}"
+        folder.mkdir(parents=True)
+        save_file(weights(i), folder / "model.safetensors")
+        torch.save({"state": {}, "param_groups": []}, folder / "optimizer.bin")
+        torch.save({"cpu": torch.random.get_rng_state()}, folder / f"random_states_{i}.pkl")
+    # save_state of step 3 died after the model: nothing marks the end of an accelerate save
+    (acc / "checkpoints" / "checkpoint_3").mkdir()
+    save_file(weights(3), acc / "checkpoints" / "checkpoint_3" / "model.safetensors")
+    ds = tmp_path / "ds"
+    for step in (10, 20):
+        (ds / f"global_step{step}").mkdir(parents=True)
+        torch.save(
+            {"module": weights(step)}, ds / f"global_step{step}" / "mp_rank_00_model_states.pt"
+        )
+    (ds / "latest").write_text("global_step10")  # the step-20 save never finished
+    pl = tmp_path / "pl" / "checkpoints"
+    pl.mkdir(parents=True)
+    for epoch, step, loss in ((0, 50, 0.8), (1, 100, 0.3), (2, 150, 0.5)):
+        # Lightning pickles its hyper-parameters as a dict subclass weights_only refuses:
+        # the file is whole all the same
+        torch.save(
+            {"state_dict": weights(step), "global_step": step, "hyper_parameters": HParams(lr=1)},
+            pl / f"epoch={epoch}-step={step}-val_loss={loss}.ckpt",
+        )
+    blob = (pl / "epoch=2-step=150-val_loss=0.5.ckpt").read_bytes()
+    (pl / "epoch=2-step=150-val_loss=0.5.ckpt").write_bytes(blob[:-100])  # truncated
+    os.symlink("epoch=1-step=100-val_loss=0.3.ckpt", pl / "last.ckpt")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for step in (1000, 2000):
+        torch.save(weights(step), plain / f"model_{step}.pt")
+        torch.save({"state": {}}, plain / f"optim_{step}.pt")
+    (plain / "notes_3000.txt").write_text("not a checkpoint")
+    for folder in (acc, ds, pl.parent, plain):
+        age(folder)
+
+    acc_rows = table(acc)
+    assert list(acc_rows) == [f"checkpoints/checkpoint_{i}" for i in range(4)]
+    assert {r["layout"] for r in acc_rows.values()} == {"accelerate"}
+    assert [r["complete"] for r in acc_rows.values()] == [True, True, True, False]
+    assert "lacks optimizer.bin" in acc_rows["checkpoints/checkpoint_3"]["reason"]
+    assert run_ckpt("latest", acc).stdout.strip() == str(acc / "checkpoints" / "checkpoint_2")
+
+    # with two tags the DeepSpeed save folder is a run; with one, inspect opens that checkpoint
+    assert looks_like_run(ds)
+    single = tmp_path / "ds1"
+    shutil.copytree(ds / "global_step10", single / "global_step10")
+    (single / "latest").write_text("global_step10")
+    assert not looks_like_run(single)
+    assert run_ckpt("inspect", ds, "--json").json["result"]["format"] == "run"
+
+    ds_rows = table(ds)
+    assert ds_rows["global_step10"]["markers"] == ["newest", "deepspeed-latest"]
+    assert ds_rows["global_step20"]["status"] == "incomplete"
+    assert "latest" in ds_rows["global_step20"]["reason"]
+
+    pl_rows = table(pl.parent)
+    assert pl_rows["checkpoints/epoch=1-step=100-val_loss=0.3.ckpt"]["epoch"] == 1
+    assert "link-target" in pl_rows["checkpoints/epoch=1-step=100-val_loss=0.3.ckpt"]["markers"]
+    assert pl_rows["checkpoints/epoch=2-step=150-val_loss=0.5.ckpt"]["status"] == "incomplete"
+    assert run_ckpt("latest", pl.parent).stdout.strip() == str(
+        pl / "epoch=1-step=100-val_loss=0.3.ckpt"
+    )
+
+    plain_rows = table(plain)
+    assert list(plain_rows) == ["model_1000.pt", "model_2000.pt"]
+    assert plain_rows["model_2000.pt"]["paths"] == [
+        str(plain / "model_2000.pt"),
+        str(plain / "optim_2000.pt"),
+    ]
+
+
+def test_inspect_of_a_run_folder_shows_the_table(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path, steps=(100, 200))
+    interrupted_trainer_save(out, 300)
+    save_file(weights(200), out / "model.safetensors")  # trainer.save_model() at the end
+    age(out)
+    assert looks_like_run(out)
+    assert not looks_like_run(out / "checkpoint-100")
+    report = run_ckpt("inspect", out, "--json").json["result"]
+    assert report["format"] == "run"
+    assert [c["status"] for c in report["run"]["checkpoints"]] == [
+        "complete",
+        "complete",
+        "incomplete",
+    ]
+    human = run_ckpt("inspect", out)
+    assert human.exit_code == 0
+    assert "checkpoint-300" in human.stdout and "incomplete" in human.stdout
+    assert f"latest complete: {out / 'checkpoint-200'}" in human.stdout
+    assert "also in the folder itself: model.safetensors" in human.stdout
+    final = run_ckpt("inspect", out, "--format", "safetensors", "--json").json["result"]
+    assert final["format"] == "safetensors" and final["tensors"] == len(weights(200))
+    # accelerate's save_state numbers the parts of ONE checkpoint: not a run folder
+    state = tmp_path / "state"
+    state.mkdir()
+    for name in ("model.safetensors", "model_1.safetensors", "model_2.safetensors"):
+        save_file(weights(1), state / name)
+    assert not looks_like_run(state)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for step in (10, 20):
+        save_file(weights(step), plain / f"model_{step}.safetensors")
+    assert looks_like_run(plain)
+    # a checkpoint folder itself is still inspected as a checkpoint
+    single = run_ckpt("inspect", out / "checkpoint-100" / "model.safetensors", "--json")
+    assert single.json["result"]["format"] == "safetensors"
+
+
+def test_latest_on_missing_or_empty_folders(tmp_path: Path) -> None:
+    assert run_ckpt("latest", tmp_path / "nope").exit_code == 3
+    assert run_ckpt("latest", "hf://org/model").exit_code == 2
+    empty = run_ckpt("latest", tmp_path)
+    assert empty.exit_code == 3
+    assert "no step checkpoints" in empty.stderr
+
+
+def test_latest_of_a_dcp_run_does_not_import_torch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    run = tmp_path / "run"
+    for step in (10, 20):
+        dcp_save(run / f"step-{step}", step)
+    age(run)
+    probe = (
+        "import sys; sys.argv = ['ckpt', 'latest', sys.argv[1]]\n"
+        "from ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(run)], capture_output=True, text=True, env=env
+    )
+    assert proc.stdout.strip() == str(run / "step-20")
+    assert "NO_TORCH" in proc.stderr, proc.stderr
