@@ -577,3 +577,29 @@ def test_raw_copy_falls_back_when_the_kernel_refuses_copy_file_range(
     tensors, _, _ = read_with_index(dest)
     for name, tensor in state.items():
         assert torch.equal(tensors[name], tensor), name
+
+
+def test_interrupted_reshard_leaves_no_destination(
+    resharded: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C half-way: exit 130, no DEST, no temporary sibling, the source untouched."""
+    from ckpt_cli.formats.dcp import DcpWriter
+
+    src = resharded["root"] / "two"
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    written: list[str] = []
+    original = DcpWriter.write_chunk
+
+    def interrupt(self: DcpWriter, name: str, index: int, piece: torch.Tensor) -> None:
+        if len(written) == 5:
+            raise KeyboardInterrupt
+        written.append(name)
+        original(self, name, index, piece)
+
+    monkeypatch.setattr(DcpWriter, "write_chunk", interrupt)
+    dest = tmp_path / "out"
+    result = run_ckpt("reshard", src, dest, "--world-size", "3", "--drop-rank-state")
+    assert result.exit_code == 130
+    assert not dest.exists()
+    assert list(tmp_path.iterdir()) == []
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
