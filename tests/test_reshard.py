@@ -376,6 +376,20 @@ def test_two_rank_reports_name_rank_state_and_placements(resharded: dict[str, An
     # wo weights and their exp_avg/exp_avg_sq on dim 1; norms and their state replicated
     assert tp["sharded"]["1"] == 2 * 3
     assert tp["rules"] == ["*.wo.weight=1", "*.norm.*=replicate"]
+    assert tp["unused_rules"] == []
+    # a rule that matches nothing is reported (most likely a typo in the glob)
+    out = resharded["root"] / "typo"
+    result = run_ckpt(
+        "reshard",
+        resharded["root"] / "two",
+        out,
+        "--world-size",
+        "2",
+        "--shard-dim",
+        "*.w0.weight=1",
+    )
+    assert result.exit_code == 0
+    assert "*.w0.weight=1 matched no tensor" in result.stderr
 
 
 def test_load_on_1_rank(resharded: dict[str, Any]) -> None:

@@ -36,7 +36,15 @@ from ..formats.base import Checkpoint, WriteOptions, Writer
 from ..formats.safetensors import INDEX_SUFFIX
 from ..models import Chunk, Entry, FileInfo
 from ..output import check_destination, staged_output
-from ..placement import Box, Rule, overlaps, placement_dim, rank_of, shard_boxes
+from ..placement import (
+    Box,
+    Rule,
+    overlaps,
+    placement_dim,
+    rank_of,
+    rule_for,
+    shard_boxes,
+)
 from ..progress import NULL_PROGRESS, Progress
 from ..uri import parse_location
 from .transfer import check_staged
@@ -76,6 +84,7 @@ class ReshardReport(BaseModel):
         sharded: tensors split across ranks, by dim (`{"0": 12, "1": 4}`).
         replicated: tensors written once, whole (0-dim, `replicate` rules).
         rules: the placement rules applied, in order.
+        unused_rules: rules that matched no tensor (a typo in a glob, most likely).
         rank_state: per-rank training-state entries found in the source.
         rank_state_action: `carry` (same world size), `keep`, `drop`, or None when there is none.
         verified: the output passed the format's structural check before publishing.
@@ -97,6 +106,7 @@ class ReshardReport(BaseModel):
     sharded: dict[str, int] = Field(default_factory=dict)
     replicated: int = 0
     rules: list[str] = Field(default_factory=list)
+    unused_rules: list[str] = Field(default_factory=list)
     rank_state: list[RankStateEntry] = Field(default_factory=list)
     rank_state_action: RankStateAction | None = None
     verified: bool = False
@@ -386,6 +396,11 @@ def reshard_world_size(
             sharded=sharded,
             replicated=replicated,
             rules=[str(r) for r in rules],
+            unused_rules=[
+                str(r)
+                for r in rules
+                if not any(rule_for(e.name, [r]) for e in manifest.tensors if e.shape)
+            ],
             rank_state=rank_entries,
             rank_state_action=action,
             verified=True,
