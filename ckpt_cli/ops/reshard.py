@@ -8,8 +8,9 @@ Two modes:
   pipeline, `ops.transfer`).
 - **world size** (`world_size`; DCP): every tensor re-cut as N ranks would have saved it
   (`Shard(0)` by default, `placement` rules for other dims or replication), chunk r in
-  `__r_0.distcp`; each output chunk is read with `read_slice` from whichever source chunks
-  overlap it, so peak memory follows the largest chunk. Replicated tensors are written once,
+  `__r_0.distcp`; each output chunk is assembled from whichever source chunks overlap it
+  (`_BoxReader`: stored chunks loaded once per run of output chunks, raw ones through
+  `read_slice` for just the rows needed), so peak memory follows the largest chunk. Replicated tensors are written once,
   spread over the rank files the way `dcp.save`'s de-duplication spreads them (each to the
   file holding the fewest bytes so far); objects are copied as stored bytes, once, into the
   file the DCP writer keeps them in (rank 0's).
