@@ -4,6 +4,23 @@ A crash, a SIGKILL or Ctrl-C mid-write leaves at most a `.<name>.ckpt-tmp-*` sib
 `ckpt prune --incomplete` and `ckpt latest` treat as an interrupted save), never a DEST that
 looks complete. An existing DEST is refused unless `force` is given; then it is replaced only
 after the new output is complete.
+
+DEST may also be an fsspec URL (`s3://bucket/prefix`, `gs://…`): `resolve_destination` turns
+it into a `RemoteDest` and `staged_output` then
+
+1. stages the output in a local temporary folder (`TMPDIR`), where the writers work exactly as
+   for a local DEST (`pwrite`, in-kernel copies, fsync) and the format's structural check runs;
+2. streams every file to a hidden temporary prefix beside DEST
+   (`s3://bucket/.NAME.ckpt-tmp-XXXX/…`, multipart uploads through `fs.open("wb")`), the
+   commit marker (`*.index.json`, `.metadata`) last;
+3. publishes by copying the objects into DEST (server-side copies), the marker last, and
+   removes the temporary prefix.
+
+Object stores have no rename and no multi-object transaction, so this is as atomic as they
+allow: each object appears whole or not at all, and DEST gets its commit marker only after
+every other file is in place. A failure at any step removes what was uploaded or copied, so
+DEST never holds a marker without its files. Writers stay unchanged (they write local files),
+at the price of local disk for one output.
 """
 
 from __future__ import annotations
@@ -11,17 +28,105 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 from .errors import DestinationExistsError, Interrupted, UsageError
+from .progress import NULL_PROGRESS, Progress
+from .storage import remote_failure
+from .uri import parse_location
 
 TMP_MARKER = ".ckpt-tmp-"
+#: bytes per read/write when streaming a staged file to an object store (and the part size
+#: asked of filesystems that upload in parts; S3 needs at least 5 MiB)
+UPLOAD_BLOCK = 16 << 20
 
 
-def check_destination(dest: Path, force: bool) -> None:
+@dataclass(frozen=True)
+class RemoteDest:
+    """A destination in an fsspec filesystem (an object-store prefix or object).
+
+    Attributes:
+        url: the URL as the user wrote it (trailing slashes dropped).
+        fs: the fsspec filesystem (credentials and endpoint from its usual env/config).
+        path: the path inside `fs` (`bucket/prefix/name`).
+    """
+
+    url: str
+    fs: Any
+    path: str
+
+    @property
+    def name(self) -> str:
+        """The last component (the folder or file name)."""
+        return PurePosixPath(self.path).name
+
+    @property
+    def suffix(self) -> str:
+        """The file suffix of `name` (`.safetensors`), as `Path.suffix`."""
+        return PurePosixPath(self.path).suffix
+
+    @property
+    def stem(self) -> str:
+        """`name` without its suffix, as `Path.stem`."""
+        return PurePosixPath(self.path).stem
+
+    def __str__(self) -> str:
+        return self.url
+
+
+Destination = Path | RemoteDest
+
+
+def resolve_destination(dest: str | Path) -> Destination:
+    """A DEST argument as an absolute local `Path` or a `RemoteDest` (fsspec URL).
+
+    `hf://` is refused: publishing to the Hub is a commit, which `huggingface-cli upload` does.
+    """
+    loc = parse_location(str(dest))
+    if loc.kind == "local":
+        assert loc.path is not None
+        return loc.path.absolute()
+    if loc.kind == "hf":
+        raise UsageError(
+            "cannot write to the Hub",
+            path=str(dest),
+            fix="Write to a local folder, then publish it with `huggingface-cli upload`.",
+        )
+    from .formats.remote import filesystem_for
+
+    fs, path = filesystem_for(loc)
+    path = path.rstrip("/")
+    if "/" not in path.strip("/"):
+        raise UsageError(
+            "DEST names a bucket, not a prefix inside it",
+            path=str(dest),
+            fix="Name a folder-like prefix, e.g. s3://bucket/checkpoints/step-1000.",
+        )
+    return RemoteDest(url=str(dest).rstrip("/"), fs=fs, path=path)
+
+
+def _remote_exists(dest: RemoteDest) -> bool:
+    try:
+        return bool(dest.fs.exists(dest.path))
+    except Exception as exc:  # each filesystem package raises its own network/auth errors
+        raise remote_failure(exc, dest.url) from None
+
+
+def check_destination(dest: Destination, force: bool) -> None:
     """Refuse an existing destination without --force, before any work is done."""
+    if isinstance(dest, RemoteDest):
+        if _remote_exists(dest) and not force:
+            raise DestinationExistsError(
+                "already exists (objects under this prefix)",
+                path=dest.url,
+                fix="Choose another destination or pass --force to replace it.",
+            )
+        return
     if (dest.exists() or dest.is_symlink()) and not force:
         raise DestinationExistsError(
             "already exists",
@@ -49,13 +154,24 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextmanager
-def staged_output(dest: Path, *, force: bool = False, single_file: bool = False) -> Iterator[Path]:
+def staged_output(
+    dest: Destination,
+    *,
+    force: bool = False,
+    single_file: bool = False,
+    progress: Progress = NULL_PROGRESS,
+) -> Iterator[Path]:
     """Yield a fresh staging folder beside `dest`; on success publish it as `dest`.
 
     With `single_file`, the staging folder must hold exactly one file, which becomes `dest`.
     On any exception (KeyboardInterrupt included) the staging folder is removed and `dest` is
-    left as it was.
+    left as it was. A `RemoteDest` is staged locally and uploaded (see the module docstring);
+    `progress` then reports the bytes uploaded.
     """
+    if isinstance(dest, RemoteDest):
+        with _staged_remote(dest, force=force, single_file=single_file, progress=progress) as s:
+            yield s
+        return
     dest = dest.absolute()
     check_destination(dest, force)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
@@ -102,3 +218,115 @@ def _publish(source: Path, dest: Path, force: bool) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         old.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- object stores
+
+
+def is_commit_marker(name: str) -> bool:
+    """Files that make a checkpoint look complete: indexes and DCP `.metadata` (written last)."""
+    base = name.rsplit("/", 1)[-1]
+    return base == ".metadata" or base.endswith(".index.json")
+
+
+def publish_order(names: list[str]) -> list[str]:
+    """`names` sorted with the commit markers last."""
+    return sorted(names, key=lambda n: (is_commit_marker(n), n))
+
+
+@contextmanager
+def _staged_remote(
+    dest: RemoteDest, *, force: bool, single_file: bool, progress: Progress
+) -> Iterator[Path]:
+    check_destination(dest, force)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}"))
+    parent = dest.path.rsplit("/", 1)[0]
+    tmp_prefix = f"{parent}/.{dest.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+    try:
+        yield staging
+        files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+        if single_file and len(files) != 1:
+            raise RuntimeError(f"expected one output file, the writer produced {len(files)}")
+        try:
+            _upload(dest, staging, files, tmp_prefix, progress)
+            _publish_remote(dest, files, tmp_prefix, single_file, force)
+        except Exception as exc:
+            raise remote_failure(exc, dest.url) from None
+    except KeyboardInterrupt:
+        _remove_remote(dest, [tmp_prefix])
+        raise Interrupted("interrupted; the partial output was removed", path=dest.url) from None
+    except BaseException:
+        _remove_remote(dest, [tmp_prefix])
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _remove_remote(dest, [tmp_prefix])
+
+
+def _upload(
+    dest: RemoteDest, staging: Path, files: list[str], tmp_prefix: str, progress: Progress
+) -> None:
+    """Stream every staged file to the temporary prefix, commit markers last."""
+    total = sum((staging / f).stat().st_size for f in files)
+    progress.start(total, f"uploading → {dest.url}")
+    try:
+        for rel in publish_order(files):
+            with (
+                open(staging / rel, "rb") as src,
+                dest.fs.open(f"{tmp_prefix}/{rel}", "wb", block_size=UPLOAD_BLOCK) as out,
+            ):
+                while block := src.read(UPLOAD_BLOCK):
+                    out.write(block)
+                    progress.advance(len(block))
+    finally:
+        progress.finish()
+
+
+def _publish_remote(
+    dest: RemoteDest, files: list[str], tmp_prefix: str, single_file: bool, force: bool
+) -> None:
+    """Copy the uploaded objects into DEST, the commit marker last; undo on failure."""
+    fs = dest.fs
+    if fs.exists(dest.path):
+        if not force:
+            raise DestinationExistsError(
+                "appeared while writing", path=dest.url, fix="Pass --force to replace it."
+            )
+        # no rename in an object store: the old output goes first, its markers before its
+        # data, so no moment shows a marker over a mix of old and new files
+        old = _remote_files(dest)
+        for rel in sorted(old, key=lambda n: (not is_commit_marker(n), n)):
+            fs.rm_file(f"{dest.path}/{rel}" if rel else dest.path)
+    if single_file:
+        fs.copy(f"{tmp_prefix}/{files[0]}", dest.path)
+        return
+    copied: list[str] = []
+    try:
+        for rel in publish_order(files):
+            target = f"{dest.path}/{rel}"
+            fs.copy(f"{tmp_prefix}/{rel}", target)
+            copied.append(target)
+    except BaseException:
+        _remove_remote(dest, copied)
+        raise
+
+
+def _remote_files(dest: RemoteDest) -> list[str]:
+    """Objects at DEST, relative to it ('' for DEST itself being one object)."""
+    fs = dest.fs
+    if fs.isfile(dest.path):
+        return [""]
+    found = fs.find(dest.path)
+    prefix = dest.path + "/"
+    return [n[len(prefix) :] for n in found if n.startswith(prefix)]
+
+
+def _remove_remote(dest: RemoteDest, paths: list[str]) -> None:
+    """Best-effort removal of uploaded objects or prefixes (cleanup must not mask the error)."""
+    fs = dest.fs
+    for path in paths:
+        with suppress(Exception):
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+        with suppress(Exception):
+            fs.invalidate_cache(path)

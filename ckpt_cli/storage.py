@@ -186,6 +186,10 @@ def remote_failure(exc: BaseException, where: str) -> CkptError:
 class FsspecStorage(Storage):
     """Any fsspec filesystem (the Hub through `HfFileSystem`, S3, GCS...), with ranged reads."""
 
+    #: first read of a safetensors header: enough for the headers of typical shards, small
+    #: enough that inspecting a checkpoint of small tensors still never fetches tensor data
+    header_probe = 16 << 10
+
     def __init__(self, fs: Any, root: str, display: str):
         self.fs = fs
         self.root = root.rstrip("/")

@@ -2,14 +2,15 @@
 
 The server is moto's WSGI application served by werkzeug in a thread; a small middleware
 records every request's method, path and Range header, so tests can prove that metadata
-commands made ranged reads only.
+commands made ranged reads only, and can refuse chosen requests (`S3Server.refuse`) the way a
+store refuses a write it is not allowed (403 AccessDenied), to test failures mid-upload.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ class S3Server:
 
     endpoint: str
     requests: list[S3Request] = field(default_factory=list)
+    #: requests for which this returns True are answered 403 AccessDenied
+    refuse: Callable[[S3Request], bool] | None = None
 
     def object_gets(self, key_suffix: str) -> list[S3Request]:
         """GET requests for objects whose path ends with `key_suffix`."""
@@ -55,11 +58,16 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
     moto_app = DomainDispatcherApplication(create_backend_app)
 
     def logged(environ: dict[str, Any], start_response: Any) -> Any:
-        server.requests.append(
-            S3Request(
-                environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("HTTP_RANGE")
-            )
+        request = S3Request(
+            environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("HTTP_RANGE")
         )
+        server.requests.append(request)
+        if server.refuse is not None and server.refuse(request):
+            start_response("403 Forbidden", [("Content-Type", "application/xml")])
+            return [
+                b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
+                b"<Message>Access Denied</Message></Error>"
+            ]
         return moto_app(environ, start_response)
 
     import s3fs
@@ -95,3 +103,28 @@ def upload_folder(endpoint: str, bucket: str, prefix: str, folder: Any) -> None:
         client.create_bucket(Bucket=bucket)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+
+
+def fetch_prefix(endpoint: str, bucket: str, prefix: str, folder: Any) -> list[str]:
+    """Download every object under s3://bucket/prefix/ into `folder`; returns the keys' names."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    names = []
+    listing = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/")
+    for item in listing.get("Contents", []):
+        rel = item["Key"][len(prefix) + 1 :]
+        target = folder / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        client.download_file(bucket, item["Key"], str(target))
+        names.append(rel)
+    return sorted(names)
+
+
+def list_keys(endpoint: str, bucket: str, prefix: str = "") -> list[str]:
+    """Every key in the bucket under `prefix`."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    listing = client.list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return sorted(item["Key"] for item in listing.get("Contents", []))

@@ -7,7 +7,7 @@ The work is `ops.transfer`'s pipeline; this module turns the command's options i
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from pathlib import PurePath
 
 from pydantic import BaseModel, Field
 
@@ -16,6 +16,7 @@ from ..errors import UsageError
 from ..formats.base import WriteOptions
 from ..layouts import open_source
 from ..models import FileInfo
+from ..output import Destination, RemoteDest, resolve_destination
 from ..progress import NULL_PROGRESS, Progress
 from ..sizes import parse_size
 from ..uri import parse_location
@@ -70,30 +71,35 @@ class ConvertReport(BaseModel):
     entries: list[WrittenEntry] = Field(default_factory=list)
 
 
-def _guard_paths(src: str, dest: Path) -> None:
+def _guard_paths(src: str, dest: Destination) -> None:
     """Refuse a DEST that is, contains or lies inside the source: sources are never modified."""
     loc = parse_location(src)
-    if not loc.is_local or loc.path is None:
+    if isinstance(dest, RemoteDest):
+        if loc.kind != "fsspec" or loc.url is None:
+            return
+        # same store: compare the URLs as paths (an object store has no links to resolve)
+        source, target, sep = loc.url.rstrip("/"), dest.url, "/"
+    elif not loc.is_local or loc.path is None:
         return
-    source = os.path.realpath(loc.path)
-    target = os.path.realpath(dest)
+    else:
+        source, target, sep = os.path.realpath(loc.path), os.path.realpath(dest), os.sep
     for a, b in ((source, target), (target, source)):
-        if a == b or b.startswith(a.rstrip(os.sep) + os.sep):
+        if a == b or b.startswith(a.rstrip(sep) + sep):
             raise UsageError(
                 "DEST overlaps the source checkpoint",
-                path=dest,
+                path=str(dest),
                 fix="Write the converted checkpoint somewhere outside the source.",
             )
 
 
 def _layout(
-    to: str, dest: Path, max_shard_size: int | None
+    to: str, dest: PurePath | RemoteDest, max_shard_size: int | None
 ) -> tuple[bool, str | None]:  # (single_file, basename)
     if to == "safetensors" and dest.suffix == ".safetensors":
         if max_shard_size:
             raise UsageError(
                 "a sharded output needs a folder, not a .safetensors file name",
-                path=dest,
+                path=str(dest),
                 fix="Name a folder as DEST (shards and model.safetensors.index.json go in it).",
             )
         return True, dest.stem
@@ -101,7 +107,7 @@ def _layout(
         if max_shard_size:
             raise UsageError(
                 f"a sharded output needs a folder, not a {dest.suffix} file name",
-                path=dest,
+                path=str(dest),
                 fix="Name a folder as DEST.",
             )
         return True, dest.stem
@@ -129,7 +135,8 @@ def convert(
 
     Args:
         src: checkpoint file, folder or URL.
-        dest: local output file or folder (refused if it exists, unless `force`).
+        dest: output file or folder, local or an fsspec URL such as `s3://bucket/prefix`
+            (refused if it exists, unless `force`).
         to: target format token (`safetensors`, `dcp`, `torch`).
         format: read `src` as this format instead of detecting it.
         max_shard_size: split the output into shards of at most this size (`5GB`, bytes).
@@ -153,12 +160,7 @@ def convert(
         raise UsageError("--world-size must be at least 1")
     if to != "dcp" and world_size != 1:
         raise UsageError("--world-size applies to --to dcp only")
-    dest_loc = parse_location(dest)
-    if not dest_loc.is_local or dest_loc.path is None:
-        raise UsageError(
-            "DEST must be a local path", path=dest, fix="Convert locally, then upload."
-        )
-    dest_path = dest_loc.path.absolute()
+    dest_path = resolve_destination(dest)
     shard_size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     if shard_size and to == "dcp":
         raise UsageError(

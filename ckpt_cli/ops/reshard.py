@@ -36,7 +36,7 @@ from ..formats import get_format, open_checkpoint
 from ..formats.base import Checkpoint, WriteOptions, Writer
 from ..formats.safetensors import INDEX_SUFFIX
 from ..models import Chunk, Entry, FileInfo
-from ..output import check_destination, staged_output
+from ..output import check_destination, resolve_destination, staged_output
 from ..placement import (
     Box,
     Rule,
@@ -47,7 +47,6 @@ from ..placement import (
     shard_boxes,
 )
 from ..progress import NULL_PROGRESS, Progress
-from ..uri import parse_location
 from .transfer import check_staged
 
 if TYPE_CHECKING:
@@ -117,15 +116,6 @@ class _ChunkWriter(Protocol):
     def write_chunk(self, name: str, chunk_index: int, piece: torch.Tensor) -> None: ...
 
 
-def _local_dest(dest: str) -> Path:
-    loc = parse_location(dest)
-    if loc.kind != "local" or loc.path is None:
-        raise UsageError(
-            "reshard writes to a local folder", path=dest, fix="Give a local DEST path."
-        )
-    return loc.path
-
-
 def reshard_shard_size(
     src: str,
     dest: str,
@@ -142,8 +132,8 @@ def reshard_shard_size(
     """
     from .transfer import HOLDS_OBJECTS, plan_transfer, write_checkpoint
 
-    out = _local_dest(dest)
-    check_destination(out.absolute(), force)
+    out = resolve_destination(dest)
+    check_destination(out, force)
     with open_checkpoint(src, format) as checkpoint:
         manifest = checkpoint.manifest
         if manifest.format not in SHARD_SIZE_FORMATS:
@@ -311,8 +301,8 @@ def reshard_world_size(
     if world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
     rules = list(rules or [])
-    out = _local_dest(dest)
-    check_destination(out.absolute(), force)
+    out = resolve_destination(dest)
+    check_destination(out, force)
     with open_checkpoint(src, format) as checkpoint:
         manifest = checkpoint.manifest
         if manifest.format != "dcp":
@@ -357,7 +347,7 @@ def reshard_world_size(
             extra={"dcp_planner_data": getattr(checkpoint, "planner_data", None)},
         )
         total = sum(e.nbytes for e in plan if e.kind == "tensor")
-        with staged_output(out, force=force) as staging:
+        with staged_output(out, force=force, progress=progress) as staging:
             writer = fmt.writer(staging, plan, options)
             write_chunk = getattr(writer, "write_chunk", None)
             if write_chunk is None:

@@ -29,7 +29,7 @@ from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import get_format
 from ..formats.base import COPY_BLOCK, Checkpoint, FileRange, Source, WriteOptions, Writer
 from ..models import Entry, FileInfo, Manifest
-from ..output import staged_output
+from ..output import Destination, staged_output
 from ..progress import NULL_PROGRESS, Progress
 from ..storage import LocalStorage
 from ..uri import parse_location
@@ -393,7 +393,7 @@ def check_staged(format_name: str, staging: Path, single_file: bool) -> None:
 def write_checkpoint(
     checkpoint: Checkpoint,
     plan: TransferPlan,
-    dest: Path,
+    dest: Destination,
     to: str,
     options: WriteOptions,
     *,
@@ -405,11 +405,15 @@ def write_checkpoint(
     The writer streams into a hidden sibling of `dest`; the result is checked with the format's
     `check` hook and published with one rename only when it passes. Returns the files written
     (relative to `dest`, or `dest`'s own name for a single file) and the entries written.
+    A remote `dest` (object store) is staged locally, checked, then uploaded and published
+    (`output.staged_output`).
     """
     fmt = get_format(to)
     if not fmt.writable:
         raise UsageError(f"writing {to} is not supported in this version")
-    with staged_output(dest, force=force, single_file=options.single_file) as staging:
+    with staged_output(
+        dest, force=force, single_file=options.single_file, progress=progress
+    ) as staging:
         writer = fmt.writer(staging, [item.target for item in plan.items], options)
         progress.start(plan.total_bytes, f"{to} → {dest.name}")
         try:

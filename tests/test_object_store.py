@@ -1,0 +1,258 @@
+"""Checkpoints in an S3-compatible store (moto's server on 127.0.0.1, through s3fs).
+
+Reads are proven ranged from the server's request log; writes are judged by fetching the
+published objects back and opening them with the real readers, bit-exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
+
+from .conftest import run_ckpt
+from .s3_fixtures import S3Request, S3Server, fetch_prefix, list_keys, upload_folder
+
+
+def _model(seed: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # tensors larger than the header probe, so a whole-shard read would show in the log
+    state = {f"layers.{i}.weight": torch.randn(128, 128, generator=gen) for i in range(4)}
+    state["embed.weight"] = torch.randn(64, 128, generator=gen).to(torch.bfloat16)
+    state["positions"] = torch.arange(10, dtype=torch.int64)
+    return state
+
+
+def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name], tensor), name
+
+
+def _dcp_load(folder: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    state = {k: torch.empty_like(v) for k, v in like.items()}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return state
+
+
+def _shard_gets(server: S3Server, suffix: str) -> list[S3Request]:
+    return [r for r in server.requests if r.method == "GET" and r.path.endswith(suffix)]
+
+
+@pytest.fixture
+def sharded_on_s3(tmp_path: Path, s3_server: S3Server) -> dict[str, torch.Tensor]:
+    """A sharded safetensors model (Hub layout) at s3://ckpts/run/model."""
+    state = _model()
+    (tmp_path / "src").mkdir()
+    save_torch_state_dict(state, tmp_path / "src", max_shard_size=150_000)
+    assert len(list((tmp_path / "src").glob("*.safetensors"))) > 1
+    upload_folder(s3_server.endpoint, "ckpts", "run/model", tmp_path / "src")
+    s3_server.requests.clear()
+    return state
+
+
+def test_inspect_and_verify_read_only_headers(
+    sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server
+) -> None:
+    inspected = run_ckpt("inspect", "s3://ckpts/run/model", "--json")
+    assert inspected.exit_code == 0, inspected.stderr
+    assert inspected.json["result"]["tensors"] == len(sharded_on_s3)
+
+    verified = run_ckpt("verify", "s3://ckpts/run/model", "--json")
+    assert verified.exit_code == 0, verified.stderr
+    assert verified.json["result"]["ok"] is True
+
+    gets = _shard_gets(s3_server, ".safetensors")
+    assert gets, "the shard headers were never read"
+    assert all(r.range is not None for r in gets), "a shard was fetched whole"
+    # headers only: no range reaches into the tensor data (the first 16 KiB at most)
+    ends = [int(r.range.split("-")[1]) for r in gets if r.range]
+    assert max(ends) < 16 << 10
+
+
+def test_verify_checksums_streams_remote_files(
+    sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server, tmp_path: Path
+) -> None:
+    manifest = tmp_path / "manifest.json"
+    written = run_ckpt(
+        "verify", "s3://ckpts/run/model", "--write-manifest", "--manifest", manifest, "--json"
+    )
+    assert written.exit_code == 0, written.stderr
+    assert written.json["result"]["manifest_written"] is True
+    assert all(r.range is not None for r in _shard_gets(s3_server, ".safetensors"))
+
+    checked = run_ckpt("verify", "s3://ckpts/run/model", "--checksums", "--manifest", manifest)
+    assert checked.exit_code == 0, checked.stderr
+
+    # the same manifest can also live in the store, beside the checkpoint
+    remote = run_ckpt("verify", "s3://ckpts/run/model", "--write-manifest", "--json")
+    assert remote.exit_code == 0, remote.stderr
+    assert "run/model/ckpt-manifest.json" in "\n".join(list_keys(s3_server.endpoint, "ckpts"))
+    assert run_ckpt("verify", "s3://ckpts/run/model", "--checksums").exit_code == 0
+
+    # a shard rewritten in the store is caught
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    shard = next(k for k in list_keys(s3_server.endpoint, "ckpts") if k.endswith(".safetensors"))
+    body = bytearray(client.get_object(Bucket="ckpts", Key=shard)["Body"].read())
+    body[-1] ^= 0xFF
+    client.put_object(Bucket="ckpts", Key=shard, Body=bytes(body))
+    bad = run_ckpt("verify", "s3://ckpts/run/model", "--checksums", "--json")
+    assert bad.exit_code == 1
+    codes = {p["code"] for p in bad.json["result"]["problems"]}
+    assert "checksum_mismatch" in codes
+
+
+def test_convert_s3_to_local_dcp_reads_one_tensor_at_a_time(
+    sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server, tmp_path: Path
+) -> None:
+    out = tmp_path / "dcp"
+    result = run_ckpt("convert", "s3://ckpts/run/model", out, "--to", "dcp", "--json")
+    assert result.exit_code == 0, result.stderr
+    _assert_same(_dcp_load(out, sharded_on_s3), sharded_on_s3)
+    gets = _shard_gets(s3_server, ".safetensors")
+    assert gets and all(r.range is not None for r in gets), "a shard was fetched whole"
+    largest = max(t.numel() * t.element_size() for t in sharded_on_s3.values())
+    for r in gets:
+        assert r.range is not None
+        start, end = (int(x) for x in r.range.removeprefix("bytes=").split("-"))
+        assert end - start + 1 <= max(largest, 16 << 10), f"{r.range} spans more than a tensor"
+
+
+def test_convert_local_to_s3_publishes_marker_last(s3_server: S3Server, tmp_path: Path) -> None:
+    state = _model()
+    torch.save(state, tmp_path / "weights.pt")
+    s3_server.requests.clear()
+    result = run_ckpt(
+        "convert",
+        tmp_path / "weights.pt",
+        "s3://ckpts/exports/model",
+        "--to",
+        "safetensors",
+        "--max-shard-size",
+        "100KB",
+        "--json",
+    )
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["dest"] == "s3://ckpts/exports/model"
+    keys = list_keys(s3_server.endpoint, "ckpts")
+    assert all(".ckpt-tmp-" not in k for k in keys), "the temporary prefix was left behind"
+    fetched = fetch_prefix(s3_server.endpoint, "ckpts", "exports/model", tmp_path / "back")
+    assert "model.safetensors.index.json" in fetched and len(fetched) > 2
+    _assert_same(_safetensors(tmp_path / "back"), state)
+    # the index is published into DEST after every shard
+    puts = [
+        r.path
+        for r in s3_server.requests
+        if r.method == "PUT" and "/exports/model/" in r.path and ".ckpt-tmp-" not in r.path
+    ]
+    assert puts[-1].endswith("model.safetensors.index.json")
+
+
+def test_convert_s3_to_s3_and_back_through_every_format(
+    sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server, tmp_path: Path
+) -> None:
+    dcp_url = "s3://ckpts/conv/dcp"
+    torch_url = "s3://ckpts/conv/model.pt"
+    st_url = "s3://ckpts/conv/roundtrip"
+    assert run_ckpt("convert", "s3://ckpts/run/model", dcp_url, "--to", "dcp").exit_code == 0
+    to_torch = run_ckpt("convert", dcp_url, torch_url, "--to", "torch")
+    assert to_torch.exit_code == 0, to_torch.stderr
+    back = run_ckpt("convert", torch_url, st_url, "--to", "safetensors")
+    assert back.exit_code == 0, back.stderr
+
+    fetch_prefix(s3_server.endpoint, "ckpts", "conv/dcp", tmp_path / "dcp")
+    _assert_same(_dcp_load(tmp_path / "dcp", sharded_on_s3), sharded_on_s3)
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_server.endpoint).download_file(
+        "ckpts", "conv/model.pt", str(tmp_path / "model.pt")
+    )
+    _assert_same(torch.load(tmp_path / "model.pt", weights_only=True), sharded_on_s3)
+    fetch_prefix(s3_server.endpoint, "ckpts", "conv/roundtrip", tmp_path / "st")
+    _assert_same(_safetensors(tmp_path / "st"), sharded_on_s3)
+
+    diff = run_ckpt("diff", "s3://ckpts/run/model", dcp_url)
+    assert diff.exit_code == 0, diff.stderr
+
+
+def test_reshard_dcp_on_s3_to_another_world_size(s3_server: S3Server, tmp_path: Path) -> None:
+    state = _model()
+    dcp.save(state, checkpoint_id=str(tmp_path / "src"), no_dist=True)
+    upload_folder(s3_server.endpoint, "ckpts", "run/step-10", tmp_path / "src")
+    s3_server.requests.clear()
+    result = run_ckpt(
+        "reshard", "s3://ckpts/run/step-10", "s3://ckpts/run/step-10-ws2", "--world-size", "2"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert all(r.range is not None for r in _shard_gets(s3_server, ".distcp"))
+    fetched = fetch_prefix(s3_server.endpoint, "ckpts", "run/step-10-ws2", tmp_path / "out")
+    assert ".metadata" in fetched and len([f for f in fetched if f.endswith(".distcp")]) == 2
+    _assert_same(_dcp_load(tmp_path / "out", state), state)
+
+
+def test_existing_destination_is_refused_without_force(
+    sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server, tmp_path: Path
+) -> None:
+    dest = "s3://ckpts/out/dcp"
+    assert run_ckpt("convert", "s3://ckpts/run/model", dest, "--to", "dcp").exit_code == 0
+    before = list_keys(s3_server.endpoint, "ckpts", "out/")
+    again = run_ckpt("convert", "s3://ckpts/run/model", dest, "--to", "safetensors", "--json")
+    assert again.exit_code == 2
+    assert again.json["error"]["code"] == "destination_exists"
+    assert list_keys(s3_server.endpoint, "ckpts", "out/") == before
+
+    forced = run_ckpt("convert", "s3://ckpts/run/model", dest, "--to", "safetensors", "--force")
+    assert forced.exit_code == 0, forced.stderr
+    keys = list_keys(s3_server.endpoint, "ckpts", "out/")
+    assert not any(k.endswith((".metadata", ".distcp")) for k in keys), "old files survived"
+    fetch_prefix(s3_server.endpoint, "ckpts", "out/dcp", tmp_path / "back")
+    _assert_same(_safetensors(tmp_path / "back"), sharded_on_s3)
+
+
+@pytest.mark.parametrize("stage", ["upload", "publish"])
+def test_failure_mid_upload_leaves_no_committed_destination(
+    sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server, stage: str
+) -> None:
+    """The store refuses the commit marker: while uploading to the temporary prefix, or
+    while copying into DEST after every shard is already there."""
+
+    def refuse(request: S3Request) -> bool:
+        in_tmp = ".ckpt-tmp-" in request.path
+        return (
+            request.method == "PUT"
+            and request.path.endswith(".index.json")
+            and in_tmp == (stage == "upload")
+        )
+
+    s3_server.refuse = refuse
+    result = run_ckpt(
+        "convert",
+        "s3://ckpts/run/model",
+        "s3://ckpts/failed/model",
+        "--to",
+        "safetensors",
+        "--max-shard-size",
+        "100KB",
+        "--json",
+    )
+    s3_server.refuse = None
+    assert result.exit_code == 5, result.stderr
+    assert "s3://ckpts/failed/model" in result.json["error"]["message"]
+    # neither DEST nor the temporary prefix beside it is left
+    assert list_keys(s3_server.endpoint, "ckpts", "failed/") == []
