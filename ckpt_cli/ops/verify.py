@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,12 +35,13 @@ from ..errors import (
 )
 from ..formats import detect_format, get_format, resolve_source
 from ..formats.base import Checkpoint, Source
-from ..hashing import ALGORITHMS, hash_files
+from ..hashing import ALGORITHMS, Hashable, StoredFile, hash_files
 from ..layouts import OpenedSource, check_source, open_source, recognise_layout, training_checks
 from ..models import Problem, TrainingState
-from ..output import staged_output
+from ..output import Destination, RemoteDest, check_destination, resolve_destination, staged_output
 from ..progress import NULL_PROGRESS, Progress
-from ..storage import LocalStorage
+from ..storage import FsspecStorage, LocalStorage, remote_failure
+from ..uri import parse_location
 
 if TYPE_CHECKING:
     import torch
@@ -359,6 +361,24 @@ def default_manifest_path(source: Source) -> Path:
     return _local_root(source) / MANIFEST_NAME
 
 
+def _manifest_location(source: Source, manifest: str | None) -> Destination:
+    """Where the checksum manifest is: `--manifest` (a path or URL), else in the checkpoint."""
+    if manifest is not None:
+        loc = parse_location(manifest)
+        if loc.kind == "local":
+            return Path(manifest)
+        return resolve_destination(manifest)
+    storage = source.storage
+    if isinstance(storage, FsspecStorage):
+        # in the object store, beside the checkpoint's files
+        return RemoteDest(
+            url=f"{storage.display.rstrip('/')}/{MANIFEST_NAME}",
+            fs=storage.fs,
+            path=f"{storage.root}/{MANIFEST_NAME}",
+        )
+    return default_manifest_path(source)
+
+
 def _local_root(source: Source) -> Path:
     storage = source.storage
     assert isinstance(storage, LocalStorage)
@@ -380,30 +400,38 @@ def _checksum_checks(
         report.checks.append("checksums")
         _hub_cache_checksums(report, problems, source, progress)
         return
-    if not isinstance(source.storage, LocalStorage):
+    if not isinstance(source.storage, LocalStorage | FsspecStorage):
         raise UsageError(
-            "--checksums and --write-manifest need a local checkpoint",
+            "--checksums and --write-manifest need a local or object-store checkpoint",
             path=source.location.raw,
             fix="Download it first (`ckpt download`), then check the copy against the Hub with "
             "`ckpt verify DEST --checksums --manifest hf://org/repo@revision`.",
         )
+    if not isinstance(source.storage, LocalStorage):
+        # hub-digest checks need a local copy; object stores are hashed in place
+        _refuse_hub_manifest(manifest, source)
     if not write and manifest is not None and manifest.startswith("hf://"):
         report.checks.append("checksums")
         _local_against_hub(report, problems, source, manifest, progress)
         return
-    path = Path(manifest) if manifest else default_manifest_path(source)
+    path = _manifest_location(source, manifest)
     report.manifest = str(path)
-    root = _local_root(source)
-    files = _files_to_hash(source, root, path)
+    storage = source.storage
+    files = _files_to_hash(source, path)
     if write:
         report.checks.append("write-manifest")
         algorithm = algo or "sha256"
-        if path.exists() and not force:
-            raise DestinationExistsError(
-                "already exists",
-                path=path,
-                fix="Check against it with --checksums, or pass --force to replace it.",
-            )
+        if not force:
+            try:
+                check_destination(path, force=False)
+            except DestinationExistsError:
+                raise DestinationExistsError(
+                    "already exists",
+                    path=str(path),
+                    fix="Check against it with --checksums, or pass --force to replace it.",
+                ) from None
+            except UsageError:
+                pass  # a missing parent folder is reported when the manifest is written
         report.algorithm = algorithm
         if any(p.severity == "error" for p in problems):
             problems.append(
@@ -433,7 +461,7 @@ def _checksum_checks(
     if algo is not None and algo != recorded.algorithm:
         raise UsageError(
             f"--algo {algo} asked, but the manifest records {recorded.algorithm} digests",
-            path=path,
+            path=str(path),
             fix="Drop --algo (checks use the manifest's algorithm) or write a new manifest.",
         )
     report.algorithm = recorded.algorithm
@@ -445,29 +473,29 @@ def _checksum_checks(
             problems.append(
                 Problem(
                     code="unlisted_file",
-                    message=f"{root / source.target}: is not in the manifest {path}",
-                    file=str(root / source.target),
+                    message=f"{storage.describe(source.target)}: is not in the manifest {path}",
+                    file=storage.describe(source.target),
                 )
             )
             return
     sizes = files_size(files)
-    to_hash: dict[str, Path] = {}
+    to_hash: dict[str, Hashable] = {}
     for name, want in expected.items():
         if name not in files:
             problems.append(
                 Problem(
                     code="missing_file",
-                    message=f"{root / name}: is missing (the manifest records {want.size} bytes)",
-                    file=str(root / name),
+                    message=f"{storage.describe(name)}: is missing (the manifest records {want.size} bytes)",
+                    file=storage.describe(name),
                 )
             )
         elif sizes[name] != want.size:
             problems.append(
                 Problem(
                     code="size_changed",
-                    message=f"{root / name}: is {sizes[name]} bytes, the manifest records "
+                    message=f"{storage.describe(name)}: is {sizes[name]} bytes, the manifest records "
                     f"{want.size} (truncated or rewritten since the manifest was written)",
-                    file=str(root / name),
+                    file=storage.describe(name),
                 )
             )
         else:
@@ -476,8 +504,8 @@ def _checksum_checks(
         problems.append(
             Problem(
                 code="unlisted_file",
-                message=f"{root / name}: is not in the manifest {path} (added after it was written)",
-                file=str(root / name),
+                message=f"{storage.describe(name)}: is not in the manifest {path} (added after it was written)",
+                file=storage.describe(name),
                 severity="warning",
             )
         )
@@ -488,29 +516,40 @@ def _checksum_checks(
             problems.append(
                 Problem(
                     code="checksum_mismatch",
-                    message=f"{root / name}: {recorded.algorithm} digest {digest[:16]}… differs "
+                    message=f"{storage.describe(name)}: {recorded.algorithm} digest {digest[:16]}… differs "
                     f"from the manifest's {recorded.files[name].digest[:16]}… (the content changed "
                     "or is corrupt)",
-                    file=str(root / name),
+                    file=storage.describe(name),
                 )
             )
 
 
-def _files_to_hash(source: Source, root: Path, manifest: Path) -> dict[str, Path]:
-    """The checkpoint's files (name -> path), the manifest itself excluded."""
-    skip = manifest.resolve()
-    out: dict[str, Path] = {}
-    for name in source.files:
-        path = root / name
-        if path.resolve() != skip:
-            out[name] = path
+def _files_to_hash(source: Source, manifest: Destination) -> dict[str, Hashable]:
+    """The checkpoint's files (name -> local path or stored file), the manifest excluded."""
+    storage = source.storage
+    out: dict[str, Hashable] = {}
+    if isinstance(storage, LocalStorage):
+        skip = Path(manifest).resolve() if isinstance(manifest, Path) else None
+        for name in source.files:
+            path = storage.root / name
+            if path.resolve() != skip:
+                out[name] = path
+        return out
+    assert isinstance(storage, FsspecStorage)
+    skip_name = manifest.path if isinstance(manifest, RemoteDest) else None
+    for name, size in source.files.items():
+        if f"{storage.root}/{name}" != skip_name:
+            out[name] = StoredFile(storage, name, size)
     return out
 
 
-def files_size(files: dict[str, Path]) -> dict[str, int]:
+def files_size(files: Mapping[str, Hashable]) -> dict[str, int]:
     """Current sizes of the files (0 for ones that vanished)."""
     sizes = {}
     for name, path in files.items():
+        if isinstance(path, StoredFile):
+            sizes[name] = path.size
+            continue
         try:
             sizes[name] = path.stat().st_size
         except OSError:
@@ -518,7 +557,7 @@ def files_size(files: dict[str, Path]) -> dict[str, int]:
     return sizes
 
 
-def _hash(files: dict[str, Path], algo: str, progress: Progress) -> dict[str, str]:
+def _hash(files: Mapping[str, Hashable], algo: str, progress: Progress) -> dict[str, str]:
     total = sum(files_size(files).values())
     progress.start(total, f"hashing ({algo})")
     try:
@@ -527,14 +566,35 @@ def _hash(files: dict[str, Path], algo: str, progress: Progress) -> dict[str, st
         progress.finish()
 
 
-def read_manifest(path: Path) -> ChecksumManifest:
+def _refuse_hub_manifest(manifest: str | None, source: Source) -> None:
+    if manifest is not None and manifest.startswith("hf://"):
+        raise UsageError(
+            "--manifest hf://… checks a local copy against the Hub's digests",
+            path=source.location.raw,
+            fix="Check the Hub repository against a manifest file instead.",
+        )
+
+
+def _read_bytes(path: Destination) -> bytes:
+    if isinstance(path, Path):
+        return path.read_bytes()
+    try:
+        data: bytes = path.fs.cat_file(path.path)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise remote_failure(exc, path.url) from None
+    return data
+
+
+def read_manifest(path: Destination) -> ChecksumManifest:
     """Load a checksum manifest; NotFoundError / FormatError with the fix when unusable."""
     try:
-        raw = path.read_bytes()
+        raw = _read_bytes(path)
     except FileNotFoundError:
         raise NotFoundError(
             "no checksum manifest here",
-            path=path,
+            path=str(path),
             fix="Write one from a known-good copy with `ckpt verify SRC --write-manifest`, or "
             "name it with --manifest PATH.",
         ) from None
@@ -544,16 +604,18 @@ def read_manifest(path: Path) -> ChecksumManifest:
     except (UnicodeDecodeError, ValueError) as exc:
         raise FormatError(
             f"is not a valid ckpt checksum manifest ({str(exc).splitlines()[0]})",
-            path=path,
+            path=str(path),
             fix="Write it again with `ckpt verify SRC --write-manifest --force`.",
         ) from None
     if manifest.algorithm not in ALGORITHMS:
-        raise FormatError(f"records digests of unknown algorithm {manifest.algorithm!r}", path=path)
+        raise FormatError(
+            f"records digests of unknown algorithm {manifest.algorithm!r}", path=str(path)
+        )
     return manifest
 
 
-def _write_manifest(path: Path, record: ChecksumManifest, force: bool) -> None:
-    """Publish the manifest atomically (temporary sibling + one rename)."""
+def _write_manifest(path: Destination, record: ChecksumManifest, force: bool) -> None:
+    """Publish the manifest atomically (temporary sibling + one rename, or an upload)."""
     data = (json.dumps(record.model_dump(mode="json"), indent=2) + "\n").encode()
     with (
         staged_output(path, force=force, single_file=True) as staging,
