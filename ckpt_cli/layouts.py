@@ -38,7 +38,7 @@ from .formats import get_format, open_checkpoint, resolve_source
 from .formats.base import Checkpoint, Source
 from .formats.safetensors import INDEX_SUFFIX
 from .models import Entry, FileInfo, Manifest, OptimizerState, Problem, TrainingState
-from .storage import LocalStorage, safe_relpath
+from .storage import safe_relpath
 from .uri import parse_location
 
 if TYPE_CHECKING:
@@ -271,10 +271,7 @@ class _Folder:
         """A component that is a folder of its own (an FSDP `pytorch_model_fsdp_0/` DCP)."""
         rel = self.rel(sub)
         try:
-            root = self.source.storage.local_path(rel)
-            if root is None:
-                raise FormatError("subfolder components need a local folder", path=rel)
-            part = Source(location=parse_location(str(root)), storage=LocalStorage(root))
+            part = subfolder_source(self.source, rel)
             checkpoint = get_format(fmt).open(part)
         except CkptError as error:
             self.unreadable[f"{rel}/"] = error.problem
@@ -927,8 +924,9 @@ def _lightning(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState:
 
 
 def _open_layout(source: Source) -> OpenedSource | None:
-    """The training folder layout of a local folder, if it is one (DCP folders excepted)."""
-    if source.target is not None or source.location.kind != "local":
+    """The training folder layout of a local or object-store folder, if it is one (DCP folders
+    excepted). The Hub is read as a model repository (its own adapter), never as a run folder."""
+    if source.target is not None or source.location.kind == "hf":
         return None
     if ".metadata" in set(source.top_level()):
         return None
@@ -937,6 +935,16 @@ def _open_layout(source: Source) -> OpenedSource | None:
         if opened is not None:
             return opened
     return None
+
+
+def subfolder_source(source: Source, rel: str) -> Source:
+    """A component folder of `source` (an FSDP `pytorch_model_fsdp_0/` DCP) as its own source."""
+    storage = source.storage.subfolder(rel)
+    if storage is None:
+        raise FormatError(
+            "subfolder components cannot be read from this storage", path=source.location.raw
+        )
+    return Source(location=parse_location(storage.display), storage=storage)
 
 
 def open_source(src: str, format: str | None = None) -> OpenedSource:
@@ -982,9 +990,7 @@ def check_source(src: str, format: str | None = None) -> list[Problem]:
             if fmt == "json":
                 continue
             if rel.endswith("/"):
-                root = source.storage.local_path(rel.rstrip("/"))
-                assert root is not None  # folder components exist for local sources only
-                part = Source(location=parse_location(str(root)), storage=LocalStorage(root))
+                part = subfolder_source(source, rel.rstrip("/"))
             else:
                 part = Source(location=source.location, storage=source.storage, target=rel)
             problems.extend(get_format(fmt).check(part))

@@ -86,6 +86,10 @@ class Storage(ABC):
         """How to name a file of this storage in messages."""
         return f"{self.display.rstrip('/')}/{rel}"
 
+    def subfolder(self, rel: str) -> Storage | None:
+        """A storage rooted at the subfolder `rel` (a component folder), or None if unsupported."""
+        return None
+
 
 class LocalStorage(Storage):
     """A folder on this machine; reads use `os.pread` so nothing is read that is not asked for."""
@@ -146,6 +150,9 @@ class LocalStorage(Storage):
 
     def local_path(self, rel: str) -> Path | None:
         return self.path(rel)
+
+    def subfolder(self, rel: str) -> Storage | None:
+        return LocalStorage(self.path(rel))
 
     def describe(self, rel: str) -> str:
         return str(self.root / rel)
@@ -234,6 +241,10 @@ class FsspecStorage(Storage):
                 path=self.describe(rel),
             )
         return bytes(data)
+
+    def subfolder(self, rel: str) -> Storage | None:
+        rel = safe_relpath(rel, source=self.display)
+        return FsspecStorage(self.fs, self._full(rel), self.describe(rel))
 
     def open(self, rel: str) -> IO[bytes]:
         try:

@@ -15,6 +15,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 
 from .conftest import run_ckpt
+from .run_fixtures import trainer_checkpoint, weights
 from .s3_fixtures import S3Request, S3Server, fetch_prefix, list_keys, upload_folder
 
 
@@ -256,3 +257,29 @@ def test_failure_mid_upload_leaves_no_committed_destination(
     assert "s3://ckpts/failed/model" in result.json["error"]["message"]
     # neither DEST nor the temporary prefix beside it is left
     assert list_keys(s3_server.endpoint, "ckpts", "failed/") == []
+
+
+def test_trainer_checkpoint_with_fsdp_dcp_folder_on_s3(s3_server: S3Server, tmp_path: Path) -> None:
+    """A Trainer `checkpoint-N/` whose model is an FSDP DCP subfolder, read from the store."""
+    folder = tmp_path / "checkpoint-200"
+    trainer_checkpoint(folder, 200)
+    (folder / "model.safetensors").unlink()
+    model = weights(200)
+    dcp.save({"model": model}, checkpoint_id=str(folder / "pytorch_model_fsdp_0"), no_dist=True)
+    upload_folder(s3_server.endpoint, "ckpts", "run/checkpoint-200", folder)
+    url = "s3://ckpts/run/checkpoint-200"
+
+    local = run_ckpt("inspect", folder, "--json").json["result"]
+    remote = run_ckpt("inspect", url, "--json")
+    assert remote.exit_code == 0, remote.stderr
+    training = remote.json["result"]["training"]
+    assert training["layout"] == "hf-trainer"
+    assert training["weights"]["tensors"] == len(model)
+    assert remote.json["result"]["tensors"] == local["tensors"]
+    verified = run_ckpt("verify", url, "--json")
+    assert verified.exit_code == 0, verified.stderr
+
+    out = tmp_path / "weights"
+    converted = run_ckpt("convert", url, out, "--to", "safetensors", "--select", "model")
+    assert converted.exit_code == 0, converted.stderr
+    _assert_same(_safetensors(out), model)
