@@ -126,6 +126,13 @@ def check_destination(dest: Destination, force: bool) -> None:
                 path=dest.url,
                 fix="Choose another destination or pass --force to replace it.",
             )
+        bucket = dest.path.split("/", 1)[0]
+        if not _remote_exists(RemoteDest(url=dest.url, fs=dest.fs, path=bucket)):
+            raise UsageError(
+                f"the bucket {bucket!r} does not exist",
+                path=dest.url,
+                fix="Create it first (e.g. `aws s3 mb`), or check the endpoint and credentials.",
+            )
         return
     if (dest.exists() or dest.is_symlink()) and not force:
         raise DestinationExistsError(

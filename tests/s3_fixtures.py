@@ -77,6 +77,13 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
     httpd = make_server("127.0.0.1", port, logged, threaded=True)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
+    # moto keeps its buckets in module-level state: start every test with an empty store
+    import urllib.request
+
+    urllib.request.urlopen(
+        urllib.request.Request(f"{server.endpoint}/moto-api/reset", method="POST"), timeout=10
+    ).close()
+    server.requests.clear()
     for key, value in {
         "AWS_ENDPOINT_URL": server.endpoint,
         "AWS_ACCESS_KEY_ID": "testing",
@@ -93,14 +100,22 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
         thread.join(timeout=5)
 
 
-def upload_folder(endpoint: str, bucket: str, prefix: str, folder: Any) -> None:
-    """Upload every file under `folder` to s3://bucket/prefix/ with boto3."""
+def make_bucket(endpoint: str, bucket: str) -> None:
+    """Create the bucket unless it exists."""
     import boto3
 
     client = boto3.client("s3", endpoint_url=endpoint)
     existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
     if bucket not in existing:
         client.create_bucket(Bucket=bucket)
+
+
+def upload_folder(endpoint: str, bucket: str, prefix: str, folder: Any) -> None:
+    """Upload every file under `folder` to s3://bucket/prefix/ with boto3."""
+    import boto3
+
+    make_bucket(endpoint, bucket)
+    client = boto3.client("s3", endpoint_url=endpoint)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
 

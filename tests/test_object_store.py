@@ -15,8 +15,10 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 
 from .conftest import run_ckpt
+from .hub_fixtures import publish_model
+from .hub_server import TestHub
 from .run_fixtures import trainer_checkpoint, weights
-from .s3_fixtures import S3Request, S3Server, fetch_prefix, list_keys, upload_folder
+from .s3_fixtures import S3Request, S3Server, fetch_prefix, list_keys, make_bucket, upload_folder
 
 
 def _model(seed: int = 3) -> dict[str, torch.Tensor]:
@@ -138,6 +140,10 @@ def test_convert_s3_to_local_dcp_reads_one_tensor_at_a_time(
 def test_convert_local_to_s3_publishes_marker_last(s3_server: S3Server, tmp_path: Path) -> None:
     state = _model()
     torch.save(state, tmp_path / "weights.pt")
+    missing = run_ckpt("convert", tmp_path / "weights.pt", "s3://ckpts/m", "--to", "safetensors")
+    assert missing.exit_code == 2
+    assert "bucket 'ckpts' does not exist" in missing.stderr
+    make_bucket(s3_server.endpoint, "ckpts")
     s3_server.requests.clear()
     result = run_ckpt(
         "convert",
@@ -283,3 +289,47 @@ def test_trainer_checkpoint_with_fsdp_dcp_folder_on_s3(s3_server: S3Server, tmp_
     converted = run_ckpt("convert", url, out, "--to", "safetensors", "--select", "model")
     assert converted.exit_code == 0, converted.stderr
     _assert_same(_safetensors(out), model)
+
+
+def test_hub_to_s3_convert_and_diff(hub: TestHub, s3_server: S3Server, tmp_path: Path) -> None:
+    """hf:// (huggingface_hub's own filesystem) as SRC for convert and diff, DEST in S3."""
+    state = _model()
+    publish_model(hub, "org/model", tmp_path / "pub", state, max_shard_size=150_000, extras=False)
+    make_bucket(s3_server.endpoint, "ckpts")
+    converted = run_ckpt("convert", "hf://org/model", "s3://ckpts/mirror/dcp", "--to", "dcp")
+    assert converted.exit_code == 0, converted.stderr
+    fetch_prefix(s3_server.endpoint, "ckpts", "mirror/dcp", tmp_path / "dcp")
+    _assert_same(_dcp_load(tmp_path / "dcp", state), state)
+
+    same = run_ckpt("diff", "hf://org/model", "s3://ckpts/mirror/dcp", "--json")
+    assert same.exit_code == 0, same.stderr
+
+    changed = dict(state)
+    changed["layers.1.weight"] = state["layers.1.weight"] + 1
+    publish_model(hub, "org/other", tmp_path / "pub2", changed, extras=False)
+    differs = run_ckpt("diff", "hf://org/other", "s3://ckpts/mirror/dcp", "--json")
+    assert differs.exit_code == 1, differs.stderr
+    assert "layers.1.weight" in differs.stdout
+
+
+@pytest.mark.parametrize("mode", ["shards", "tensors"])
+def test_download_from_the_hub_into_s3(
+    hub: TestHub, s3_server: S3Server, tmp_path: Path, mode: str
+) -> None:
+    state = _model()
+    publish_model(hub, "org/model", tmp_path / "pub", state, max_shard_size=150_000)
+    make_bucket(s3_server.endpoint, "ckpts")
+    dest = "s3://ckpts/hub/model"
+    result = run_ckpt(
+        "download", "hf://org/model", dest, "--mode", mode, "--tensors", "layers.*", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    fetched = fetch_prefix(s3_server.endpoint, "ckpts", "hub/model", tmp_path / "back")
+    assert "model.safetensors.index.json" in fetched
+    assert all(".ckpt-tmp-" not in k for k in list_keys(s3_server.endpoint, "ckpts"))
+    got = _safetensors(tmp_path / "back")
+    # shards mode fetches whole shards, so a shard's other tensors come along
+    want = {k: v for k, v in state.items() if k.startswith("layers.") or mode == "shards"}
+    _assert_same(got, {k: v for k, v in want.items() if k in got or k.startswith("layers.")})
+    again = run_ckpt("download", "hf://org/model", dest, "--mode", mode)
+    assert again.exit_code == 2

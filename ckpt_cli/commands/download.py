@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from enum import Enum
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -36,9 +35,11 @@ def download(
         typer.Argument(help="hf://org/repo[@revision][/subfolder].", show_default=False),
     ],
     dest: Annotated[
-        Path | None,
+        str | None,
         typer.Argument(
-            help="Folder to create (refused if it exists, unless --force).", show_default=False
+            help="Folder to create, local or an object-store URL such as s3://bucket/prefix "
+            "(refused if it exists, unless --force).",
+            show_default=False,
         ),
     ] = None,
     tensors: Annotated[

@@ -44,7 +44,7 @@ from ..formats.safetensors import (
     read_index,
 )
 from ..models import Entry
-from ..output import check_destination, staged_output
+from ..output import Destination, check_destination, resolve_destination, staged_output
 from ..progress import NULL_PROGRESS, Progress
 from ..storage import LocalStorage
 from ..uri import Location, parse_location
@@ -169,7 +169,7 @@ class DownloadReport(BaseModel):
 
 def download(
     src: str,
-    dest: Path | None,
+    dest: str | Path | None,
     *,
     tensors: list[str] | None = None,
     exclude: list[str] | None = None,
@@ -184,7 +184,9 @@ def download(
 
     Args:
         src: `hf://org/repo[@revision][/subfolder]`.
-        dest: the folder to create (None only with `cache_only` or `dry_run`).
+        dest: the folder to create, local or an fsspec URL (`s3://bucket/prefix`: staged
+            locally, then uploaded and published with the commit marker last); None only with
+            `cache_only` or `dry_run`.
         tensors: globs of tensor names to fetch (all when empty).
         exclude: globs of tensor names to leave out.
         mode: `shards` (whole shards through the HF cache) or `tensors` (byte ranges only).
@@ -210,8 +212,9 @@ def download(
         )
     if dest is None and not (cache_only or dry_run):
         raise UsageError("DEST is missing", fix="Name the folder to create, or pass --cache-only.")
-    if dest is not None and not dry_run and not cache_only:
-        check_destination(dest.absolute(), force)
+    out = resolve_destination(dest) if dest is not None else None
+    if out is not None and not dry_run and not cache_only:
+        check_destination(out, force)
     repo = open_repo(location)
     storage = HubStorage(repo)
     source = Source(location=location, storage=storage, origin={"hub": repo.details()})
@@ -227,10 +230,10 @@ def download(
         filters={"tensors": list(tensors or []), "exclude": list(exclude or [])},
     )
     if mode == "shards":
-        _download_shards(source, repo, report, dest, tensors, exclude, extras, force, progress)
+        _download_shards(source, repo, report, out, tensors, exclude, extras, force, progress)
     else:
-        assert dest is not None or dry_run
-        _download_tensors(source, repo, report, dest, tensors, exclude, extras, force, progress)
+        assert out is not None or dry_run
+        _download_tensors(source, repo, report, out, tensors, exclude, extras, force, progress)
     return report
 
 
@@ -286,7 +289,7 @@ def _download_shards(
     source: Source,
     repo: HubRepo,
     report: DownloadReport,
-    dest: Path | None,
+    dest: Destination | None,
     include: list[str] | None,
     exclude: list[str] | None,
     extras: bool,
@@ -589,7 +592,7 @@ def _download_tensors(
     source: Source,
     repo: HubRepo,
     report: DownloadReport,
-    dest: Path | None,
+    dest: Destination | None,
     include: list[str] | None,
     exclude: list[str] | None,
     extras: bool,
