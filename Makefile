@@ -23,6 +23,7 @@ demo: $(STAMP)
 	$(CKPT) inspect $(DEMO)/model
 	$(CKPT) inspect $(DEMO)/checkpoint-4
 	$(CKPT) verify $(DEMO)/model
+	$(CKPT) verify --resumable $(DEMO)/checkpoint-4
 
 test: $(STAMP) lint typecheck pytest
 

@@ -12,7 +12,9 @@ World size: a DCP checkpoint saved on 1 rank (`--dcp-mb`) resharded 1 -> 4, and 
   - `ckpt reshard --world-size N` (one process),
   - `dcp.load` into Shard(0) DTensors + `dcp.save` under torchrun on N ranks (gloo, CPU).
 Each run is a separate process measured with /usr/bin/time -v (wall, peak RSS; for torchrun
-the peak of the largest rank, and the sum over ranks). The page cache is warm for everyone
+the peak of the largest rank). Shard-size tools all end with `sync` (ckpt fsyncs each shard
+itself), so every one pays for getting the bytes to disk; rounds are interleaved and the median
+wall time is reported (the machine is shared). The page cache is warm for everyone
 (each source is read once before timing).
 """
 
@@ -22,6 +24,7 @@ import argparse
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,7 +71,7 @@ def row(name: str, wall: float, rss: float, nbytes: int, base: float | None) -> 
     return f"| {name} | {wall:.2f} s | {rate:.0f} MB/s | {ratio} | {rss:.0f} MiB |"
 
 
-def shard_size_bench(work: Path, size_mb: int) -> list[str]:
+def shard_size_bench(work: Path, size_mb: int, repeat: int) -> list[str]:
     src = work / "hf"
     run_py(
         """
@@ -86,51 +89,44 @@ def shard_size_bench(work: Path, size_mb: int) -> list[str]:
     )
     nbytes = warm(src)
     out: list[str] = [
-        f"Shard size: {nbytes / 1e9:.2f} GB safetensors (500 MB shards) -> 200 MB shards",
+        f"Shard size: {nbytes / 1e9:.2f} GB safetensors (500 MB shards) -> 200 MB shards, "
+        f"median of {repeat} interleaved runs",
         "",
         "| tool | wall | throughput | vs cp + sync | peak RSS |",
         "|---|---|---|---|---|",
     ]
-    results: dict[str, tuple[float, float]] = {}
-    for name, cmd in {
-        "cp -r": ["cp", "-r", str(src), str(work / "cp")],
-        "cp -r + sync": ["sh", "-c", f"cp -r {src} {work / 'cps'} && sync"],
-        "ckpt reshard --max-shard-size 200MB": [
-            PY,
-            "-m",
-            "ckpt_cli",
-            "reshard",
-            str(src),
-            str(work / "ckpt"),
-            "--max-shard-size",
-            "200MB",
-        ],
-        "load_file + save_torch_state_dict": [
-            PY,
-            "-c",
-            textwrap.dedent(
-                """
-                import sys, glob
-                from safetensors.torch import load_file
-                from huggingface_hub import save_torch_state_dict
-                sd = {}
-                for f in sorted(glob.glob(sys.argv[1] + "/*.safetensors")):
-                    sd.update(load_file(f))
-                save_torch_state_dict(sd, sys.argv[2], max_shard_size="200MB")
-                """
-            ),
-            str(src),
-            str(work / "script"),
-        ],
-    }.items():
-        if name.startswith("load_file"):
-            (work / "script").mkdir()
-        results[name] = timed(cmd)
+    script = textwrap.dedent(
+        """
+        import sys, glob
+        from safetensors.torch import load_file
+        from huggingface_hub import save_torch_state_dict
+        sd = {}
+        for f in sorted(glob.glob(sys.argv[1] + "/*.safetensors")):
+            sd.update(load_file(f))
+        save_torch_state_dict(sd, sys.argv[2], max_shard_size="200MB")
+        """
+    )
+    tools = {
+        "cp -r (no sync)": f"cp -r {src} {work / 'out'}",
+        "cp -r + sync": f"cp -r {src} {work / 'out'} && sync",
+        "ckpt reshard --max-shard-size 200MB (fsyncs each shard)": f"{PY} -m ckpt_cli reshard "
+        f"{src} {work / 'out'} --max-shard-size 200MB && sync",
+        "load_file + save_torch_state_dict + sync": f"mkdir {work / 'out'} && {PY} -c '{script}' "
+        f"{src} {work / 'out'} && sync",
+    }
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in tools}
+    # interleaved rounds, median wall: the machine is shared, one run can be unlucky
+    for _ in range(repeat):
+        for name, cmd in tools.items():
+            runs[name].append(timed(["sh", "-c", cmd]))
+            shutil.rmtree(work / "out", ignore_errors=True)
+    results = {
+        name: (statistics.median(w for w, _ in got), max(r for _, r in got))
+        for name, got in runs.items()
+    }
     base = results["cp -r + sync"][0]
     for name, (wall, rss) in results.items():
         out.append(row(name, wall, rss, nbytes, base))
-    for name in ("cp", "cps", "ckpt", "script"):
-        shutil.rmtree(work / name, ignore_errors=True)
     shutil.rmtree(src)
     return out
 
@@ -235,12 +231,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--dcp-mb", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip-dcp", action="store_true")
     parser.add_argument("--dir", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-reshard-", dir=args.dir))
     try:
-        print("\n".join(shard_size_bench(work, args.size_mb)), flush=True)
+        print("\n".join(shard_size_bench(work, args.size_mb, args.repeat)), flush=True)
         if not args.skip_dcp:
             print("\n".join(world_size_bench(work, args.dcp_mb)), flush=True)
     finally:

@@ -100,8 +100,9 @@ def hash_file(
 
 
 def default_workers() -> int:
-    """Threads to hash with: one per core, at least two (so I/O and hashing overlap), at most 8."""
-    return max(2, min(8, os.cpu_count() or 2))
+    """Threads to hash with: one per core, at least 4 (reads of cold files queue up on the
+    device while other threads hash), at most 8."""
+    return max(4, min(8, os.cpu_count() or 4))
 
 
 def hash_files(

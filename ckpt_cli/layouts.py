@@ -421,7 +421,9 @@ def _deepspeed(source: Source) -> OpenedSource | None:
     top = {n for n in source.files if "/" not in n}
     base = ""
     if "latest" in top:
-        tag = source.storage.read_all("latest").decode("utf-8", "replace").strip()
+        # a tag name is short; never read more than a few KB of whatever `latest` holds
+        size = min(source.storage.size("latest"), 4096)
+        tag = source.storage.read("latest", 0, size).decode("utf-8", "replace").strip()
         tag = safe_relpath(tag, source=source.storage.describe("latest"))
         base = f"{tag}/"
         if not any(n.startswith(base) for n in source.files):
@@ -672,6 +674,9 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> _OptimizerView | N
     if params is None:
         params = len(per_param)
     complete = params > 0 and with_state == params and len(per_param) == params
+    if not per_param and params and _stateless_sgd(checkpoint, groups_prefix, group_names):
+        # SGD without momentum keeps no per-parameter state: nothing is missing
+        kind, complete = "SGD", True
     return _OptimizerView(
         state=OptimizerState(
             kind=kind,
@@ -684,6 +689,12 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> _OptimizerView | N
         per_param=per_param,
         by_fqn=by_fqn,
     )
+
+
+def _stateless_sgd(checkpoint: Checkpoint, groups_prefix: str, group_names: list[str]) -> bool:
+    momenta = [n for n in group_names if n.endswith(".momentum")]
+    dampening = any(n.endswith(".dampening") for n in group_names)
+    return bool(momenta) and dampening and all(_value(checkpoint, n) == 0 for n in momenta)
 
 
 _SCHEDULERS = (

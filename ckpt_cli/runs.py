@@ -143,11 +143,6 @@ class RunCheckpoint(BaseModel):
         epoch = self.epoch if self.epoch is not None else -math.inf
         return (step, epoch, self.mtime)
 
-    @property
-    def recent(self) -> bool:
-        """Whether the status says a writer may still be at work."""
-        return self.status == "writing"
-
 
 class BestMetric(BaseModel):
     """Where the best checkpoint by a metric comes from.
@@ -180,6 +175,8 @@ class RunReport(BaseModel):
         deepspeed_latest: the folder the DeepSpeed `latest` file names.
         best: best-by-metric, when a metric was asked for.
         settle: the settle window used (seconds).
+        root_files: checkpoint files directly in the run folder that belong to no step
+            checkpoint (the Trainer's final `model.safetensors`, say).
     """
 
     run_dir: str
@@ -192,6 +189,7 @@ class RunReport(BaseModel):
     deepspeed_latest: str | None = None
     best: BestMetric | None = None
     settle: float = DEFAULT_SETTLE
+    root_files: list[str] = Field(default_factory=list)
 
     @property
     def newest_complete(self) -> RunCheckpoint | None:
@@ -760,6 +758,7 @@ def scan_run(
         layouts=sorted({c.layout for c in checkpoints}),
         checkpoints=checkpoints,
         settle=settle,
+        root_files=_root_files(root, found),
     )
     newest = report.newest_complete
     if newest is not None:
@@ -788,6 +787,15 @@ def scan_run(
     if metric:
         report.best = _best_by_metric(root, metric, mode, trainer_doc, checkpoints)
     return report
+
+
+def _root_files(root: Path, found: list[_Found]) -> list[str]:
+    claimed = {p for f in found for p in f.paths}
+    return sorted(
+        e.name
+        for e in root.iterdir()
+        if e.is_file() and e.name.endswith(_CKPT_EXT) and e not in claimed
+    )
 
 
 def _mark_link_targets(root: Path, checkpoints: list[RunCheckpoint]) -> None:

@@ -9,7 +9,7 @@ The fixture is registered in `tests/conftest.py` (`pytest_plugins`); import the 
         assert hub.bytes_sent("org/model", "model-00001-of-00003.safetensors") < 4096
 
 The fixture sets `HF_ENDPOINT` to the server, `HF_HOME` (so the HF cache) to a fresh temporary
-folder, and clears `HF_TOKEN`, `HF_HUB_CACHE` and `HF_HUB_OFFLINE`, for the test's duration.
+folder, and clears the token, cache and offline variables, for the test's duration.
 """
 
 from __future__ import annotations
@@ -40,7 +40,14 @@ def hub(
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_CACHE", "HF_HUB_OFFLINE"):
+    for name in (
+        "HF_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "HF_TOKEN_PATH",
+        "HF_HUB_CACHE",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+    ):
         monkeypatch.delenv(name, raising=False)
     try:
         yield server

@@ -27,6 +27,7 @@ import json
 import re
 import socket
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -118,6 +119,8 @@ class TestHub:
         self.log: list[LoggedRequest] = []
         #: LFS files answer `resolve` with a 302 to a CDN URL on another host name, as the Hub does
         self.lfs_redirect = True
+        #: seconds each request waits before it is answered (a far-away server, for benchmarks)
+        self.latency = 0.0
         self._sent: Counter[tuple[str, str]] = Counter()
         self._drops: dict[tuple[str, str], int] = {}
         self._fails: list[list[object]] = []
@@ -127,7 +130,7 @@ class TestHub:
         class Handler(_Handler):
             server_hub = hub
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(
@@ -271,6 +274,12 @@ _CDN = re.compile(
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
+class _Server(ThreadingHTTPServer):
+    # the default listen backlog of 5 drops the SYNs of a client opening 16 connections at
+    # once, which then wait a second for the retransmit
+    request_queue_size = 128
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_hub: TestHub
@@ -350,6 +359,8 @@ class _Handler(BaseHTTPRequestHandler):
         return repo
 
     def _handle(self, head: bool) -> None:
+        if self.server_hub.latency:
+            time.sleep(self.server_hub.latency)
         url = urlsplit(self.path)
         path = unquote(url.path)
         fault = self.server_hub._take_fault(path)
@@ -565,13 +576,17 @@ def _lfs_pointer(f: HubFile) -> bytes:
 def main(argv: list[str] | None = None) -> None:
     """Serve folders as repositories until interrupted (for benchmarks in another process).
 
-    Usage: python -m tests.hub_server ORG/NAME=FOLDER [...]; prints the endpoint URL on stdout.
+    Usage: python -m tests.hub_server [--latency=SECONDS] ORG/NAME=FOLDER [...]; prints the
+    endpoint URL on stdout.
     `GET /_testhub/bytes_sent` returns the per-file byte counters as JSON.
     """
     import sys
 
     hub = TestHub()
-    for spec in argv if argv is not None else sys.argv[1:]:
+    args = list(argv if argv is not None else sys.argv[1:])
+    if args and args[0].startswith("--latency="):
+        hub.latency = float(args.pop(0).split("=", 1)[1])
+    for spec in args:
         repo_id, _, folder = spec.partition("=")
         hub.add_repo(repo_id, Path(folder))
     hub.start()

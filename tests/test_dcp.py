@@ -395,6 +395,12 @@ def test_writer_safetensors_serialization_matches_dcp_save_and_takes_raw_bytes(
                 assert torch.equal(back.read_tensor(entry.name), source.read_tensor(entry.name))
                 assert all(c.raw for c in back.manifest.by_name[entry.name].chunks or [])
             assert back.read_object("step") == 7
+    # and from the 2-rank output the raw bytes stream back in order, across rank files
+    with open_dcp(ours) as back:
+        weight = state["model"]["0.weight"]
+        assert len(back.manifest.by_name["model.0.weight"].chunks or []) == 2
+        raw = b"".join(back.iter_raw("model.0.weight", block=5))
+        assert raw == weight.contiguous().view(torch.uint8).numpy().tobytes()
     # the embedded safetensors blob carries DCP's sharding info, as dcp.save writes it
     from safetensors import safe_open
 

@@ -191,7 +191,7 @@ def test_tensors_mode_output_is_sharded_with_an_index_when_large(
     assert (dest / "config.json").read_bytes() == CONFIG_JSON
 
 
-def test_dropped_connection_resumes_without_refetching(hub: TestHub, tmp_path: Path) -> None:
+def test_dropped_connection_mid_file_resumes(hub: TestHub, tmp_path: Path) -> None:
     state, weight_map = publish(hub, tmp_path)
     shard = weight_map["model.layers.2.mlp.weight"]
     size = (tmp_path / "src" / shard).stat().st_size
@@ -285,6 +285,50 @@ def test_a_corrupt_file_in_the_cache_is_caught_by_the_hub_checksum(
     assert not dest.exists()
 
 
+def test_torch_bin_shards_with_an_index(hub: TestHub, tmp_path: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    state = model_state()
+    src = tmp_path / "bin"
+    src.mkdir()
+    save_torch_state_dict(state, src, max_shard_size=SHARD_LIMIT, safe_serialization=False)
+    weight_map = json.loads((src / "pytorch_model.bin.index.json").read_text())["weight_map"]
+    hub.add_repo("org/old", src)
+    dest = tmp_path / "old"
+    result = run_ckpt("download", "hf://org/old", dest, "--tensors", "lm_head.*", "--json")
+    assert result.exit_code == 0, result.stderr
+    shard = weight_map["lm_head.weight"]
+    assert (dest / shard).read_bytes() == (src / shard).read_bytes()
+    index = json.loads((dest / "pytorch_model.bin.index.json").read_text())
+    assert set(index["weight_map"].values()) == {shard}
+    assert set(index["weight_map"]) == {n for n, s in weight_map.items() if s == shard}
+    loaded = torch.load(dest / shard, weights_only=True)
+    assert torch.equal(loaded["lm_head.weight"], state["lm_head.weight"])
+    ranges = run_ckpt("download", "hf://org/old", tmp_path / "x", "--mode", "tensors")
+    assert ranges.exit_code == 4 and "--mode shards" in ranges.stderr
+
+
+def test_hostile_index_and_header_on_the_hub_are_refused(hub: TestHub, tmp_path: Path) -> None:
+    import struct
+
+    evil_index = json.dumps(
+        {"metadata": {}, "weight_map": {"w": "../../outside.safetensors"}}
+    ).encode()
+    hub.add_repo("org/evil", {"model.safetensors.index.json": evil_index, "config.json": b"{}"})
+    dest = tmp_path / "evil"
+    for mode in ("shards", "tensors"):
+        result = run_ckpt("download", "hf://org/evil", dest, "--mode", mode, "--json")
+        assert result.exit_code == 4, (mode, result.stderr)
+        assert result.json["error"]["code"] == "unsafe_input"
+    # a header that claims to be far larger than the file: refused before any tensor is fetched
+    bogus = struct.pack("<Q", 1 << 40) + b"{}" * 100
+    hub.add_repo("org/bogus", {"model.safetensors": bogus})
+    result = run_ckpt("download", "hf://org/bogus", dest, "--mode", "tensors")
+    assert result.exit_code == 4 and "header" in result.stderr
+    assert not dest.exists()
+    assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
+
+
 def test_dry_run_fetches_nothing(hub: TestHub, tmp_path: Path) -> None:
     _, weight_map = publish(hub, tmp_path)
     dest = tmp_path / "never"
@@ -361,6 +405,14 @@ def test_cache_only_fills_the_hf_cache(hub: TestHub, tmp_path: Path) -> None:
     cached = {f["path"]: f["cache_path"] for f in files}
     assert cached[shard].startswith(os.environ["HF_HOME"])
     assert Path(cached[shard]).read_bytes() == (tmp_path / "src" / shard).read_bytes()
+    # tensors mode reads the ranges of a cached shard from disk
+    picked = run_ckpt(
+        "download", "hf://org/model", tmp_path / "from-cache", "--mode", "tensors",
+        "--tensors", "model.embed_tokens.*", "--no-extras", "--json",
+    )  # fmt: skip
+    assert picked.exit_code == 0, picked.stderr
+    assert picked.json["result"]["bytes_transferred"] == 0
+    assert picked.json["result"]["bytes_from_cache"] == 128 * 128 * 4
     # offline, the same download is served from that cache
     hub.reset_counters()
     dest = tmp_path / "offline"

@@ -61,7 +61,7 @@ def test_inspect_sharded_hub_repo_reads_only_header_ranges(hub: TestHub, tmp_pat
         size = (tmp_path / "src" / shard).stat().st_size
         gets = [r for r in hub.file_requests("org/tiny", shard) if r.method == "GET"]
         data = [r for r in gets if r.status != 302]  # LFS files redirect to the "CDN" first
-        assert data and all(r.range is not None and r.status == 206 for r in data)
+        assert len(data) == 1 and data[0].range is not None and data[0].status == 206
         assert hub.bytes_sent("org/tiny", shard) < size / 2
     # and every data request named the resolved commit, not the branch
     assert all(f"/{commit}/" in r.path for r in hub.file_requests("org/tiny"))
@@ -89,6 +89,17 @@ def test_revision_tag_and_subfolder_resolve_to_a_commit(hub: TestHub, tmp_path: 
     sub = run_ckpt("inspect", "hf://org/evolving/unet", "--json").json["result"]
     assert sub["tensors"] == 2
     assert sub["details"]["hub"]["subfolder"] == "unet"
+    dest = tmp_path / "unet-copy"
+    fetched = run_ckpt("download", "hf://org/evolving/unet", dest)
+    assert fetched.exit_code == 0, fetched.stderr
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert (dest / "model.safetensors").read_bytes() == (
+        tmp_path / "v2" / "unet" / "model.safetensors"
+    ).read_bytes()
     one_file = run_ckpt("inspect", "hf://org/evolving/unet/model.safetensors", "--json")
     assert one_file.exit_code == 0, one_file.stderr
     assert one_file.json["result"]["tensors"] == 2

@@ -501,3 +501,17 @@ def test_trainer_fsdp_folder_with_dcp_model_and_optimizer(
     from ckpt_cli.layouts import check_source
 
     assert check_source(str(folder)) == []
+
+
+def test_plain_sgd_needs_no_per_parameter_state(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    torch.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}, tmp_path / "c.pt"
+    )
+    training = run_ckpt("inspect", tmp_path / "c.pt", "--json").json["result"]["training"]
+    assert training["optimizer"]["kind"] == "SGD" and training["optimizer"]["complete"]
+    assert "optimizer state for every parameter" not in training["missing"]
+    assert training["missing"] == ["scheduler", "rng", "dataloader"]

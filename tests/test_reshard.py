@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +38,8 @@ from ckpt_cli.placement import (
 )
 from ckpt_cli.sizes import parse_size
 
-from .conftest import REPO, run_ckpt
+from .conftest import run_ckpt
+from .dist_helpers import dcp_load_flat, run_torchrun
 from .reshard_worker import TP_RULES, build_model
 
 # --- placement: the same cut as DTensor -------------------------------------------------
@@ -276,23 +275,7 @@ TP_ARGS = ["--shard-dim", "*.wo.weight=1", "--shard-dim", "*.norm.*=replicate"]
 
 def torchrun(nproc: int, *args: str | Path) -> None:
     """Run the reshard worker under torchrun (gloo, CPU) on `nproc` ranks."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(WORKER),
-            *[str(a) for a in args],
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_torchrun(WORKER, nproc, *args)
 
 
 def save_one_rank(folder: Path) -> None:
@@ -393,6 +376,20 @@ def test_two_rank_reports_name_rank_state_and_placements(resharded: dict[str, An
     # wo weights and their exp_avg/exp_avg_sq on dim 1; norms and their state replicated
     assert tp["sharded"]["1"] == 2 * 3
     assert tp["rules"] == ["*.wo.weight=1", "*.norm.*=replicate"]
+    assert tp["unused_rules"] == []
+    # a rule that matches nothing is reported (most likely a typo in the glob)
+    out = resharded["root"] / "typo"
+    result = run_ckpt(
+        "reshard",
+        resharded["root"] / "two",
+        out,
+        "--world-size",
+        "2",
+        "--shard-dim",
+        "*.w0.weight=1",
+    )
+    assert result.exit_code == 0
+    assert "*.w0.weight=1 matched no tensor" in result.stderr
 
 
 def test_load_on_1_rank(resharded: dict[str, Any]) -> None:
@@ -510,6 +507,16 @@ def test_safetensors_serialization_puts_each_ranks_rows_in_its_file(
             assert torch.equal(tensors[name], want), (rank, name)
             rows = -(-expected[name].shape[0] // 3)
             assert sharding[name]["saved_offsets"] == [rank * rows, 0]
+    # and back from raw safetensors chunks to torch_save on 2 ranks: dcp.load reads it bit-exact
+    back = root / "two-st-3-back-2"
+    result = run_ckpt(
+        "reshard", dest, back, "--world-size", "2", "--dcp-serialization", "torch_save"
+    )
+    assert result.exit_code == 0, result.stderr
+    template = {name: torch.zeros_like(t) for name, t in expected.items() if "rng." not in name}
+    loaded = dcp_load_flat(back, template)
+    for name in template:
+        assert torch.equal(loaded[name], expected[name]), name
 
 
 def test_world_size_streams_chunks_never_whole_tensors(
@@ -537,3 +544,76 @@ def test_world_size_streams_chunks_never_whole_tensors(
     assert [i for n, i in loads if n == "model.embed.weight"] == [0, 1]
     # wo was stored split on dim 1: every output row block needs both stored chunks
     assert [i for n, i in loads if n == "model.layers.0.wo.weight"] == [0, 1] * 3
+
+
+def test_max_shard_size_regroups_sharded_torch_save(tmp_path: Path) -> None:
+    """Hugging Face `pytorch_model-*.bin` shards, regrouped and read back through the index."""
+    gen = torch.Generator().manual_seed(9)
+    state = {f"model.layers.{i}.weight": torch.randn(32, 32, generator=gen) for i in range(6)}
+    state["model.count"] = torch.tensor(5)
+    src = tmp_path / "bin"
+    src.mkdir()
+    save_torch_state_dict(state, src, max_shard_size="10KB", safe_serialization=False)
+    assert (src / "pytorch_model.bin.index.json").exists()
+    dest = tmp_path / "regrouped"
+    result = run_ckpt("reshard", src, dest, "--max-shard-size", "9KB", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["format"] == "torch"
+    index = json.loads((dest / "pytorch_model.bin.index.json").read_text())
+    loaded: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        part = torch.load(dest / shard, weights_only=True)
+        assert all(index["weight_map"][name] == shard for name in part)
+        loaded.update(part)
+    # 4096-byte tensors, two per 9000-byte shard; the 8-byte count joins the last one
+    assert len(set(index["weight_map"].values())) == 3
+    assert set(loaded) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(loaded[name], tensor)
+
+
+def test_raw_copy_falls_back_when_the_kernel_refuses_copy_file_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-kernel copies are an optimisation: a refusal (EXDEV, ENOSYS...) still copies exactly."""
+    src, state = hf_model(tmp_path)
+    calls: list[int] = []
+
+    def refuse(*args: Any) -> int:
+        calls.append(1)
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    dest = tmp_path / "fallback"
+    result = run_ckpt("reshard", src, dest, "--max-shard-size", "30KB", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert calls and result.json["result"]["raw_copy"] == len(state)
+    tensors, _, _ = read_with_index(dest)
+    for name, tensor in state.items():
+        assert torch.equal(tensors[name], tensor), name
+
+
+def test_interrupted_reshard_leaves_no_destination(
+    resharded: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C half-way: exit 130, no DEST, no temporary sibling, the source untouched."""
+    from ckpt_cli.formats.dcp import DcpWriter
+
+    src = resharded["root"] / "two"
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    written: list[str] = []
+    original = DcpWriter.write_chunk
+
+    def interrupt(self: DcpWriter, name: str, index: int, piece: torch.Tensor) -> None:
+        if len(written) == 5:
+            raise KeyboardInterrupt
+        written.append(name)
+        original(self, name, index, piece)
+
+    monkeypatch.setattr(DcpWriter, "write_chunk", interrupt)
+    dest = tmp_path / "out"
+    result = run_ckpt("reshard", src, dest, "--world-size", "3", "--drop-rank-state")
+    assert result.exit_code == 130
+    assert not dest.exists()
+    assert list(tmp_path.iterdir()) == []
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before

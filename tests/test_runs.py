@@ -202,6 +202,8 @@ def test_accelerate_deepspeed_lightning_and_plain_layouts(tmp_path: Path) -> Non
 def test_inspect_of_a_run_folder_shows_the_table(tmp_path: Path) -> None:
     out = trainer_run(tmp_path, steps=(100, 200))
     interrupted_trainer_save(out, 300)
+    save_file(weights(200), out / "model.safetensors")  # trainer.save_model() at the end
+    age(out)
     assert looks_like_run(out)
     assert not looks_like_run(out / "checkpoint-100")
     report = run_ckpt("inspect", out, "--json").json["result"]
@@ -215,6 +217,9 @@ def test_inspect_of_a_run_folder_shows_the_table(tmp_path: Path) -> None:
     assert human.exit_code == 0
     assert "checkpoint-300" in human.stdout and "incomplete" in human.stdout
     assert f"latest complete: {out / 'checkpoint-200'}" in human.stdout
+    assert "also in the folder itself: model.safetensors" in human.stdout
+    final = run_ckpt("inspect", out, "--format", "safetensors", "--json").json["result"]
+    assert final["format"] == "safetensors" and final["tensors"] == len(weights(200))
     # accelerate's save_state numbers the parts of ONE checkpoint: not a run folder
     state = tmp_path / "state"
     state.mkdir()

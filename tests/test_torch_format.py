@@ -347,3 +347,43 @@ def test_sharded_bin_repo_on_the_hub_lists_without_downloading(hub: Any, tmp_pat
     with open_checkpoint("hf://org/bins") as checkpoint:
         for name, tensor in sd.items():
             assert torch.equal(checkpoint.read_tensor(name), tensor)
+
+
+def test_known_data_classes_load_as_inert_records(tmp_path: Path) -> None:
+    """Lightning hyper-parameters (AttributeDict, argparse.Namespace) load as data, never as
+    code; the writer stores such records as plain dicts."""
+    import argparse
+    import sys
+    import types
+
+    modules = ["lightning", "lightning.fabric", "lightning.fabric.utilities"]
+    modules.append("lightning.fabric.utilities.data")
+    for name in modules:
+        sys.modules[name] = types.ModuleType(name)
+
+    class AttributeDict(dict):  # type: ignore[type-arg]
+        pass
+
+    AttributeDict.__module__ = "lightning.fabric.utilities.data"
+    AttributeDict.__qualname__ = "AttributeDict"
+    sys.modules["lightning.fabric.utilities.data"].AttributeDict = AttributeDict  # type: ignore[attr-defined]
+    try:
+        torch.save(
+            {
+                "state_dict": {"w": torch.ones(2)},
+                "hyper_parameters": AttributeDict(lr=0.1, layers=2),
+                "args": argparse.Namespace(seed=7),
+            },
+            tmp_path / "last.ckpt",
+        )
+    finally:
+        for name in modules:
+            del sys.modules[name]
+    report = run_ckpt("inspect", tmp_path / "last.ckpt", "--json").json["result"]
+    by_name = {e["name"]: e for e in report["entries"]}
+    assert by_name["hyper_parameters.lr"]["value"] == 0.1
+    assert by_name["args"]["py_type"] == "argparse.Namespace"
+    copy_with_writer(tmp_path / "last.ckpt", tmp_path / "out")
+    back = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    assert back["hyper_parameters"] == {"lr": 0.1, "layers": 2}
+    assert back["args"] == {"__class__": "argparse.Namespace", "args": [], "state": {"seed": 7}}

@@ -13,7 +13,7 @@ from ..cli import FormatOpt, JsonOpt, SrcArg, app, run_command
     epilog=(
         "Examples:\n\n"
         "  ckpt inspect model.safetensors\n\n"
-        "  ckpt inspect out/checkpoint-500 --tensors --filter '*.layers.0.*'\n\n"
+        "  ckpt inspect out/checkpoint-500 --tensors --filter '\\*.layers.0.\\*'\n\n"
         "  ckpt inspect hf://org/model@main --json"
     )
 )

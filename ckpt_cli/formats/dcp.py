@@ -21,6 +21,14 @@ Layouts, as torch 2.13's `FileSystemWriter` writes them:
   the chunk's byte count as its length, so the real ranges come from the embedded header.
   (torch 2.13's own `FileSystemReader` cannot load this layout: it calls `torch.load` on it.)
 
+Also read: `dcp.save(..., use_collectives=False)` folders (per-rank `__{r}.metadata`, merged)
+and the per-rank `shard-NNNNN-model-…safetensors` files of `HuggingFaceStorageWriter(
+save_distributed=True)` (no `.metadata`; chunk offsets from `DCP_SHARDING_INFO`).
+
+Manifest: tensor entries carry `chunks` (box, file, byte range, `raw`); object entries carry
+`file`, `offset` and `nbytes` of their stored `torch.save` blob, and `py_type`/`value` when the
+blob holds plain Python data.
+
 The writer streams chunks into `__{rank}_0.distcp` files and writes `.metadata` last (with
 torch's own classes, so `dcp.load` reads it).
 """
@@ -44,7 +52,7 @@ from .. import dtypes
 from ..errors import CkptError, FormatError, NotFoundError
 from ..models import Chunk, Entry, FileInfo, Manifest, Problem
 from ..storage import LocalStorage, Storage, safe_relpath
-from .base import Checkpoint, Format, Source, WriteOptions, Writer
+from .base import COPY_BLOCK, Checkpoint, Format, Source, WriteOptions, Writer
 from .dcp_metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -269,7 +277,7 @@ def _analyse_unpaused(source: Source) -> _Layout:
         if rel not in safe_names:
             safe_names[rel] = safe_relpath(rel, source=where)
         offset, length = info.offset, info.length
-        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 <= length):
+        if not (_is_count(offset) and _is_count(length)):
             raise FormatError(f"entry {name!r} has an invalid byte range", path=where)
         if info.transform_descriptors:
             raise FormatError(
@@ -1081,6 +1089,44 @@ class DcpCheckpoint(Checkpoint):
             out[dst_index] = piece[src_index]
             del piece
         return out
+
+    def raw_chunks_in_order(self, name: str) -> list[Chunk] | None:
+        """The chunks of `name` in global C order when their raw bytes, concatenated, ARE the
+        tensor's bytes (raw chunks split along dim 0 only); None otherwise.
+
+        This is what lets a copy to a raw format skip deserialisation for multi-rank saves
+        with the safetensors serialization (see `iter_raw`).
+        """
+        entry = self.manifest.by_name.get(name)
+        if entry is None or entry.kind != "tensor" or not entry.chunks or entry.dtype is None:
+            return None
+        chunks = [c for c in entry.chunks if dtypes.numel(c.sizes) > 0 or not entry.shape]
+        if not chunks or not all(c.raw for c in chunks):
+            return None
+        if entry.shape and any(c.sizes[1:] != entry.shape[1:] for c in chunks):
+            return None
+        ordered = sorted(chunks, key=lambda c: c.offsets[0] if c.offsets else 0)
+        row = 0
+        for chunk in ordered:
+            if entry.shape and chunk.offsets[0] != row:
+                return None
+            row += chunk.sizes[0] if entry.shape else 1
+        return ordered
+
+    def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
+        """The raw C-order bytes of tensor `name`, in blocks, straight from raw chunks."""
+        ordered = self.raw_chunks_in_order(name)
+        if ordered is None:
+            raise FormatError(
+                f"tensor {name!r} is not stored as raw bytes in dim-0 pieces",
+                path=self.manifest.location,
+            )
+        for chunk in ordered:
+            done = 0
+            while done < chunk.byte_length:
+                n = min(block, chunk.byte_length - done)
+                yield self.storage.read(chunk.file, chunk.byte_offset + done, n)
+                done += n
 
     def read_object_bytes(self, name: str) -> bytes:
         """The stored bytes of a non-tensor entry (a `torch.save` blob), without loading it."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import posixpath
 import threading
 import time
 from collections.abc import Iterator
@@ -39,6 +40,8 @@ from .base import Source
 READ_RETRIES = 5
 #: bytes per chunk when streaming a range
 STREAM_CHUNK = 1 << 20
+#: shard headers fetched at once when a sharded checkpoint is opened
+HEAD_WORKERS = 16
 #: bytes per read when hashing local files
 HASH_BLOCK = 8 << 20
 _TRUE = {"1", "true", "yes", "on"}
@@ -382,7 +385,8 @@ def _open_cached(location: Location, settings: HubSettings, commit: str) -> HubR
             fix="Unset HF_HUB_OFFLINE, or download it first with `ckpt download --cache-only`.",
         )
     listing = LocalStorage(root).list_files()
-    files = {rel: RemoteFile(path=rel, size=size) for rel, size in listing.items()}
+    prefix = f"{location.subfolder}/" if location.subfolder else ""
+    files = {rel: RemoteFile(path=prefix + rel, size=size) for rel, size in listing.items()}
     return HubRepo(location=location, settings=settings, commit=commit, files=files, snapshot=root)
 
 
@@ -392,6 +396,7 @@ class HubStorage(Storage):
     Attributes:
         repo: the pinned repository.
         bytes_fetched: bytes received over the network so far (cache reads do not count).
+        bytes_from_cache: bytes read from files already in the local HF cache.
         requests: HTTP requests made for file data.
     """
 
@@ -402,10 +407,14 @@ class HubStorage(Storage):
         self.repo = repo
         self.display = repo.display()
         self.bytes_fetched = 0
+        self.bytes_from_cache = 0
         self.requests = 0
         # reads may run on several threads (parallel range fetches)
         self._lock = threading.Lock()
         self._direct: dict[str, str] = {}
+        #: fetch all shard headers of a folder at once (off when SRC names one file)
+        self.prefetch_heads = True
+        self._heads: dict[str, bytes | None] = {}
 
     def list_files(self) -> dict[str, int]:
         return {rel: f.size for rel, f in self.repo.files.items()}
@@ -439,7 +448,49 @@ class HubStorage(Storage):
             )
         if length == 0:
             return b""
+        if offset == 0 and length <= self.header_probe and rel.endswith(".safetensors"):
+            head = self._head(rel)
+            if head is not None and len(head) >= length:
+                return head[:length]
         return b"".join(self.stream(rel, offset, offset + length))
+
+    def _head(self, rel: str) -> bytes | None:
+        """The first `header_probe` bytes of `rel`, fetched together with its sibling shards.
+
+        Opening a sharded checkpoint reads every shard's header; one at a time that is one round
+        trip per shard (200 shards: seconds). The first header read fetches the heads of all
+        `.safetensors` files in that folder at once, `HEAD_WORKERS` requests in parallel.
+        """
+        if not self.prefetch_heads:
+            return None
+        with self._lock:
+            if rel in self._heads:
+                return self._heads[rel]
+            folder = posixpath.dirname(rel)
+            names = [
+                n
+                for n in self.repo.files
+                if n.endswith(".safetensors")
+                and posixpath.dirname(n) == folder
+                and n not in self._heads
+                and self.repo.cached_path(n) is None
+            ]
+            for name in names:
+                self._heads[name] = None  # claimed: fetched below, once
+        if rel not in names:
+            return None
+
+        def fetch(name: str) -> bytes:
+            length = min(self.size(name), self.header_probe)
+            return b"".join(self.stream(name, 0, length)) if length else b""
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=max(1, min(HEAD_WORKERS, len(names)))) as pool:
+            heads = dict(zip(names, pool.map(fetch, names), strict=True))
+        with self._lock:
+            self._heads.update(heads)
+        return heads[rel]
 
     def stream(self, rel: str, start: int, end: int, chunk: int = STREAM_CHUNK) -> Iterator[bytes]:
         """Bytes `start..end` of `rel` in chunks: one ranged GET, resumed if the connection drops."""
@@ -457,6 +508,8 @@ class HubStorage(Storage):
                             fix="Delete it from the HF cache (`hf cache rm`) and fetch it again.",
                         )
                     pos += len(block)
+                    with self._lock:
+                        self.bytes_from_cache += len(block)
                     yield block
             return
         if self.repo.snapshot is not None:
@@ -597,9 +650,11 @@ def hub_source(location: Location) -> Source:
         if name not in repo.files:
             raise error from None
         target = name
+    storage = HubStorage(repo)
+    storage.prefetch_heads = target is None
     return Source(
         location=location,
-        storage=HubStorage(repo),
+        storage=storage,
         target=target,
         origin={"hub": repo.details()},
     )

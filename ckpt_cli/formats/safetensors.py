@@ -21,7 +21,7 @@ from .. import dtypes
 from ..errors import CkptError, FormatError, NotFoundError
 from ..models import Entry, FileInfo, Manifest, Problem
 from ..storage import LocalStorage, Storage, safe_relpath
-from .base import Checkpoint, Format, Source, WriteOptions, Writer
+from .base import Checkpoint, FileRange, Format, Source, WriteOptions, Writer
 
 if TYPE_CHECKING:
     import torch
@@ -762,6 +762,12 @@ class SafetensorsWriter(Writer):
 
     def write_raw(self, name: str, blocks: Iterator[bytes]) -> None:
         self._advance(name)
+        if isinstance(blocks, FileRange):
+            # a local source range: copied in the kernel, past Python's buffer
+            self._fh.flush()
+            position = self._fh.tell()
+            self._fh.seek(position + blocks.copy_to(self._fh.fileno(), position))
+            return
         for block in blocks:
             self._fh.write(block)
 

@@ -114,6 +114,14 @@ INERT_CLASSES = (
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
+    # hyper-parameters of older Lightning checkpoints
+    "argparse.Namespace",
+)
+#: dict subclasses that carry plain mappings (Lightning's hyper-parameters): loaded as dicts
+INERT_DICTS = (
+    "lightning.fabric.utilities.data.AttributeDict",
+    "lightning_fabric.utilities.data.AttributeDict",
+    "pytorch_lightning.utilities.parsing.AttributeDict",
 )
 
 
@@ -121,13 +129,26 @@ class InertObject:
     """A stand-in for an allow-listed class: holds the pickled arguments and state, no code."""
 
     original: ClassVar[str] = ""
+    # class-level defaults: NEWOBJ builds instances without calling __init__
+    args: tuple[Any, ...] = ()
+    state: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any):
         self.args = args
-        self.state: Any = kwargs or None
+        self.state = kwargs or None
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InertObject:
+        new = type(self).__new__(type(self))
+        new.args = copy.deepcopy(self.args, memo)
+        new.state = copy.deepcopy(self.state, memo)
+        return new
+
+    def as_plain(self) -> dict[str, Any]:
+        """What the torch writer stores instead (the original class is not importable here)."""
+        return {"__class__": self.original, "args": list(self.args), "state": self.state}
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and self.args == other.args and self.state == other.state
@@ -138,9 +159,20 @@ class InertObject:
         return f"<inert {self.original} args={self.args!r} state={self.state!r}>"
 
 
-_INERT: dict[str, type[InertObject]] = {
+class InertDict:
+    """A stand-in for an allow-listed dict subclass: unpickles as a plain dict (its items follow
+    through SETITEMS, which torch's loader allows on plain dicts only)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return {}
+
+
+_INERT: dict[str, type] = {
     name: type(name.rsplit(".", 1)[1], (InertObject,), {"original": name}) for name in INERT_CLASSES
 }
+_INERT.update(
+    {name: type(name.rsplit(".", 1)[1], (InertDict,), {"original": name}) for name in INERT_DICTS}
+)
 
 
 @contextmanager
@@ -249,8 +281,8 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
                 )
     except pickle.UnpicklingError as exc:
         text = str(exc)
-        globals_ = _refused_globals(exc, local if zipped else None)
-        if globals_ or "GLOBAL" in text:
+        if "GLOBAL" in text:
+            globals_ = _refused_globals(exc, local if zipped else None)
             raise UnsafeInputError(
                 "holds a pickle that asks to call "
                 + (", ".join(globals_) if globals_ else "a function")
@@ -841,6 +873,17 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _plain(value: Any) -> Any:
+    """`value` with inert records (DeepSpeed loss scalers...) replaced by plain dicts."""
+    if isinstance(value, InertObject):
+        return value.as_plain()
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _plain(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
 class TorchWriter(Writer):
     """torch.save, single file or Hugging Face shards; at most one shard in memory.
 
@@ -871,7 +914,7 @@ class TorchWriter(Writer):
         self._put(name, _own_storage(tensor))
 
     def write_object(self, name: str, value: Any) -> None:
-        self._put(name, value)
+        self._put(name, _plain(value))
 
     def _put(self, name: str, value: Any) -> None:
         shard = self._where.get(name)

@@ -66,6 +66,8 @@ WEIGHT_SUFFIXES = (
     ".onnx",
     ".gguf",
 )
+#: the index of sharded torch.save checkpoints (`pytorch_model.bin.index.json`)
+BIN_INDEX_SUFFIX = ".bin.index.json"
 #: a gap between two selected tensors is fetched (not split) when it costs at most this share
 COALESCE_SHARE = 0.01
 #: ... and is at most this many bytes
@@ -140,6 +142,7 @@ class DownloadReport(BaseModel):
         ranges: the range requests (tensors mode).
         bytes_planned: bytes the download needs from the network (cached files excluded).
         bytes_transferred: bytes received for file data (0 for a dry run).
+        bytes_from_cache: tensors mode: selected bytes read from shards already in the HF cache.
         metadata_bytes: bytes received for headers and indexes.
         filters: the --tensors and --exclude globs.
     """
@@ -159,6 +162,7 @@ class DownloadReport(BaseModel):
     ranges: list[DownloadRange] = Field(default_factory=list)
     bytes_planned: int = 0
     bytes_transferred: int = 0
+    bytes_from_cache: int = 0
     metadata_bytes: int = 0
     filters: dict[str, list[str]] = Field(default_factory=dict)
 
@@ -268,9 +272,9 @@ def _index_entries(weight_map: dict[str, str]) -> list[Entry]:
 
 def _no_safetensors(src: str) -> FormatError:
     return FormatError(
-        "holds no safetensors checkpoint at this revision",
+        "holds no safetensors checkpoint (nor a pytorch_model.bin.index.json) at this revision",
         path=src,
-        fix="Point at the folder holding *.safetensors (hf://org/repo/subfolder), or use "
+        fix="Point at the folder holding the weights (hf://org/repo/subfolder), or use "
         "`hf download` for other files.",
     )
 
@@ -301,7 +305,13 @@ def _download_shards(
         # no index: the headers (ranged reads) name the tensors
         entries = SafetensorsFormat.open(source).manifest.tensors
     else:
-        raise _no_safetensors(src)
+        # older repositories: torch.save shards with `pytorch_model.bin.index.json` (same JSON)
+        bin_indexes = [n for n in source.top_level() if n.endswith(BIN_INDEX_SUFFIX)]
+        if len(bin_indexes) != 1:
+            raise _no_safetensors(src)
+        index_rel = bin_indexes[0]
+        weight_map, _ = read_index(storage, index_rel)
+        entries = _index_entries(weight_map)
     chosen = select(entries, include, exclude)
     if not chosen:
         raise _no_match(src, include, exclude)
@@ -371,9 +381,15 @@ def _rewritten_index_info(index_rel: str | None, size: int, status: Any) -> Down
 
 
 def _narrowed_index(staging: Path, weight_map: dict[str, str], shards: set[str]) -> bytes:
-    """An index naming only `shards` and every tensor they hold (read from their headers)."""
+    """An index naming only `shards` and every tensor they hold (read from their headers).
+
+    torch.save shards have no header to read without unpickling: their index keeps the
+    source's entries for those shards and leaves `total_size` out.
+    """
     local = LocalStorage(staging)
     kept = {name: shard for name, shard in weight_map.items() if shard in shards}
+    if not all(shard.endswith(".safetensors") for shard in shards):
+        return (json.dumps({"metadata": {}, "weight_map": kept}, indent=2) + "\n").encode()
     total = 0
     for shard in sorted(shards):
         header = read_header(local, shard)
@@ -584,7 +600,11 @@ def _download_tensors(
     assert isinstance(storage, HubStorage)
     src = report.source
     if not SafetensorsFormat.detect(source):
-        raise _no_safetensors(src)
+        raise FormatError(
+            "holds no safetensors files: --mode tensors needs raw byte ranges to fetch",
+            path=src,
+            fix="Use --mode shards (torch.save shards are fetched whole).",
+        )
     with hub_errors(src):
         checkpoint: SafetensorsCheckpoint = SafetensorsFormat.open(source)
     manifest = checkpoint.manifest
@@ -603,6 +623,7 @@ def _download_tensors(
     extra_plan = _planned(repo, extra_files, "extra")
     report.bytes_planned += sum(f.size for f in extra_plan if f.status == "planned")
     report.metadata_bytes = storage.bytes_fetched
+    cache_before = storage.bytes_from_cache
     if report.dry_run:
         report.files = extra_plan
         return
@@ -642,6 +663,7 @@ def _download_tensors(
             progress.finish()
         written = writer.finish()
         report.bytes_transferred = storage.bytes_fetched - report.metadata_bytes
+        report.bytes_from_cache = storage.bytes_from_cache - cache_before
         # the output must open as a valid checkpoint before it is published
         local = Location(raw=str(dest), kind="local", path=staging)
         SafetensorsFormat.open(Source(location=local, storage=LocalStorage(staging))).close()

@@ -105,11 +105,7 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
             metadata=manifest.metadata,
             details=manifest.details,
             training=opened.training,
-            # the tree shows the module structure; objects are counted and listed by --tensors
-            tree=[
-                collapse_chains(node)
-                for node in build_tree([e for e in entries if e.kind == "tensor"])
-            ],
+            tree=[collapse_chains(node) for node in build_tree(entries)],
             entries=entries,
             filters=list(filters or []),
         )

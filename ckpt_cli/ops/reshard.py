@@ -4,11 +4,13 @@ Two modes:
 
 - **shard size** (`max_shard_size`; safetensors, and sharded torch.save where its adapter
   writes): tensors regrouped in order into shards of at most that size, Hugging Face names
-  and index, `__metadata__` kept; raw bytes are copied without deserialising (`ops.stream`).
+  and index, `__metadata__` kept; raw bytes are copied without deserialising (`convert`'s
+  pipeline, `ops.transfer`).
 - **world size** (`world_size`; DCP): every tensor re-cut as N ranks would have saved it
   (`Shard(0)` by default, `placement` rules for other dims or replication), chunk r in
-  `__r_0.distcp`; each output chunk is read with `read_slice` from whichever source chunks
-  overlap it, so peak memory follows the largest chunk. Replicated tensors are written once,
+  `__r_0.distcp`; each output chunk is assembled from whichever source chunks overlap it
+  (`_BoxReader`: stored chunks loaded once per run of output chunks, raw ones through
+  `read_slice` for just the rows needed), so peak memory follows the largest chunk. Replicated tensors are written once,
   spread over the rank files the way `dcp.save`'s de-duplication spreads them (each to the
   file holding the fewest bytes so far); objects are copied as stored bytes, once, into the
   file the DCP writer keeps them in (rank 0's).
@@ -31,15 +33,22 @@ from pydantic import BaseModel, Field
 
 from ..errors import FormatError, UsageError
 from ..formats import get_format, open_checkpoint
-from ..formats.base import Checkpoint, Source, WriteOptions, Writer
+from ..formats.base import Checkpoint, WriteOptions, Writer
 from ..formats.safetensors import INDEX_SUFFIX
 from ..models import Chunk, Entry, FileInfo
 from ..output import check_destination, staged_output
-from ..placement import Box, Rule, overlaps, placement_dim, rank_of, shard_boxes
+from ..placement import (
+    Box,
+    Rule,
+    overlaps,
+    placement_dim,
+    rank_of,
+    rule_for,
+    shard_boxes,
+)
 from ..progress import NULL_PROGRESS, Progress
-from ..storage import LocalStorage
 from ..uri import parse_location
-from .stream import copy_entries
+from .transfer import check_staged
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +85,7 @@ class ReshardReport(BaseModel):
         sharded: tensors split across ranks, by dim (`{"0": 12, "1": 4}`).
         replicated: tensors written once, whole (0-dim, `replicate` rules).
         rules: the placement rules applied, in order.
+        unused_rules: rules that matched no tensor (a typo in a glob, most likely).
         rank_state: per-rank training-state entries found in the source.
         rank_state_action: `carry` (same world size), `keep`, `drop`, or None when there is none.
         verified: the output passed the format's structural check before publishing.
@@ -97,6 +107,7 @@ class ReshardReport(BaseModel):
     sharded: dict[str, int] = Field(default_factory=dict)
     replicated: int = 0
     rules: list[str] = Field(default_factory=list)
+    unused_rules: list[str] = Field(default_factory=list)
     rank_state: list[RankStateEntry] = Field(default_factory=list)
     rank_state_action: RankStateAction | None = None
     verified: bool = False
@@ -104,21 +115,6 @@ class ReshardReport(BaseModel):
 
 class _ChunkWriter(Protocol):
     def write_chunk(self, name: str, chunk_index: int, piece: torch.Tensor) -> None: ...
-
-
-def _verify(format_name: str, staging: Path, dest: str) -> None:
-    """Structural check of the staged output; any problem aborts before publishing."""
-    fmt = get_format(format_name)
-    source = Source(location=parse_location(str(staging)), storage=LocalStorage(staging))
-    problems = fmt.check(source)
-    errors = [p for p in problems if p.severity == "error"]
-    if errors:
-        listing = "; ".join(p.message for p in errors[:5])
-        raise FormatError(
-            f"the resharded output failed its structural check ({listing})",
-            path=dest,
-            fix="Nothing was published. This is a bug in ckpt; please report it.",
-        )
 
 
 def _local_dest(dest: str) -> Path:
@@ -139,7 +135,13 @@ def reshard_shard_size(
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
 ) -> ReshardReport:
-    """Regroup `src`'s tensors, in order, into shards of at most `max_shard_size` bytes."""
+    """Regroup `src`'s entries, in order, into shards of at most `max_shard_size` bytes.
+
+    Runs `convert`'s pipeline (`ops.transfer`) with the source's own format as the target:
+    raw byte copies for safetensors; torch.save shards hold one shard in memory at a time.
+    """
+    from .transfer import HOLDS_OBJECTS, plan_transfer, write_checkpoint
+
     out = _local_dest(dest)
     check_destination(out.absolute(), force)
     with open_checkpoint(src, format) as checkpoint:
@@ -151,35 +153,25 @@ def reshard_shard_size(
                 path=src,
                 fix="For DCP, change the world size with --world-size N.",
             )
-        fmt = get_format(manifest.format)
-        if not fmt.writable:
-            raise UsageError(
-                f"writing {manifest.format} is not supported in this version", path=src
-            )
-        plan = list(manifest.entries)
+        plan = plan_transfer(manifest, keep_objects=manifest.format in HOLDS_OBJECTS)
         options = WriteOptions(
             max_shard_size=max_shard_size,
             metadata=dict(manifest.metadata),
             basename=_basename(checkpoint),
         )
-        total = sum(e.nbytes for e in plan if e.kind == "tensor")
-        with staged_output(out, force=force) as staging:
-            writer = fmt.writer(staging, plan, options)
-            progress.start(total, "resharding")
-            stats = copy_entries(checkpoint, writer, plan, progress)
-            files = writer.finish()
-            progress.finish()
-            _verify(manifest.format, staging, dest)
+        files, written = write_checkpoint(
+            checkpoint, plan, out, manifest.format, options, force=force, progress=progress
+        )
         return ReshardReport(
             mode="shard-size",
             source=manifest.location,
             destination=str(out),
             format=manifest.format,
             files=files,
-            tensors=stats.tensors,
-            objects=stats.objects,
-            tensor_bytes=stats.bytes,
-            raw_copy=stats.raw_tensors,
+            tensors=sum(1 for w in written if w.kind == "tensor"),
+            objects=sum(1 for w in written if w.kind != "tensor"),
+            tensor_bytes=sum(w.nbytes for w in written if w.kind == "tensor"),
+            raw_copy=sum(1 for w in written if w.how == "raw"),
             max_shard_size=max_shard_size,
             verified=True,
         )
@@ -389,7 +381,7 @@ def reshard_world_size(
                 tensors += 1
             files = writer.finish()
             progress.finish()
-            _verify("dcp", staging, dest)
+            check_staged("dcp", staging, single_file=False)
         return ReshardReport(
             mode="world-size",
             source=manifest.location,
@@ -405,6 +397,11 @@ def reshard_world_size(
             sharded=sharded,
             replicated=replicated,
             rules=[str(r) for r in rules],
+            unused_rules=[
+                str(r)
+                for r in rules
+                if not any(rule_for(e.name, [r]) for e in manifest.tensors if e.shape)
+            ],
             rank_state=rank_entries,
             rank_state_action=action,
             verified=True,

@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 from .. import dtypes
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import get_format
-from ..formats.base import COPY_BLOCK, Checkpoint, Source, WriteOptions, Writer
+from ..formats.base import COPY_BLOCK, Checkpoint, FileRange, Source, WriteOptions, Writer
 from ..models import Entry, FileInfo, Manifest
 from ..output import staged_output
 from ..progress import NULL_PROGRESS, Progress
@@ -335,7 +335,15 @@ def copy_entries(
             writer.write_object(target.name, checkpoint.read_object(source.name))
             how = "object"
         elif item.cast is None and source.is_raw and writer.accepts_raw:
-            writer.write_raw(target.name, _counted(raw_blocks(checkpoint, source.name), progress))
+            local = checkpoint.storage.local_path(source.file) if source.file else None
+            if local is not None and source.offset is not None:
+                # writers may copy a local range in the kernel (FileRange.copy_to)
+                blocks: Iterator[bytes] = FileRange(
+                    local, source.offset, source.nbytes, on_progress=progress.advance
+                )
+            else:
+                blocks = _counted(raw_blocks(checkpoint, source.name), progress)
+            writer.write_raw(target.name, blocks)
             how = "raw"
         else:
             tensor = checkpoint.read_tensor(source.name)

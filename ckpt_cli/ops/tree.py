@@ -17,6 +17,7 @@ class TreeNode(BaseModel):
     Attributes:
         name: the path component, or `{0..31}` for folded numeric components.
         tensors: tensors under this node (counting every folded copy).
+        objects: non-tensor entries under this node.
         nbytes: bytes under this node.
         dtype / shape: of the leaf tensor, when every folded copy agrees.
         children: child nodes in first-seen order.
@@ -24,6 +25,7 @@ class TreeNode(BaseModel):
 
     name: str
     tensors: int = 0
+    objects: int = 0
     nbytes: int = 0
     dtype: str | None = None
     shape: list[int] | None = None
@@ -50,12 +52,16 @@ class _Builder:
         self.children: dict[str, _Builder] = {}
         self.indices: list[int] = []
         self.tensors = 0
+        self.objects = 0
         self.nbytes = 0
         self.dtypes: set[str | None] = set()
         self.shapes: set[tuple[int, ...]] = set()
 
     def add(self, parts: list[str], entry: Entry) -> None:
-        self.tensors += 1
+        if entry.kind == "tensor":
+            self.tensors += 1
+        else:
+            self.objects += 1
         self.nbytes += entry.nbytes
         if not parts:
             self.dtypes.add(entry.dtype if entry.kind == "tensor" else entry.py_type)
@@ -75,6 +81,7 @@ class _Builder:
         return TreeNode(
             name=name,
             tensors=self.tensors,
+            objects=self.objects,
             nbytes=self.nbytes,
             dtype=next(iter(self.dtypes)) if leaf and len(self.dtypes) == 1 else None,
             shape=list(next(iter(self.shapes))) if leaf and len(self.shapes) == 1 else None,
@@ -93,7 +100,11 @@ def build_tree(entries: list[Entry]) -> list[TreeNode]:
 def collapse_chains(node: TreeNode) -> TreeNode:
     """Join single-child chains (`model` -> `model.embed_tokens.weight`) to save lines."""
     children = [collapse_chains(c) for c in node.children]
-    if len(children) == 1 and children[0].children and node.tensors == children[0].tensors:
+    if (
+        len(children) == 1
+        and children[0].children
+        and (node.tensors, node.objects) == (children[0].tensors, children[0].objects)
+    ):
         only = children[0]
         return only.model_copy(update={"name": f"{node.name}.{only.name}"})
     if len(children) == 1 and not children[0].children:

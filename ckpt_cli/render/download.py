@@ -48,6 +48,11 @@ def render_download(report: DownloadReport) -> None:
     stdout.print(
         f"  {verb} {human_bytes(report.bytes_transferred)}"
         f" (+{human_bytes(report.metadata_bytes)} of headers and indexes)"
+        + (
+            f"; {human_bytes(report.bytes_from_cache)} read from the HF cache"
+            if report.bytes_from_cache
+            else ""
+        )
     )
     if report.dest:
         stdout.print(f"  wrote {report.dest}")

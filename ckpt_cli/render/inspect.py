@@ -15,10 +15,17 @@ MAX_TREE_CHILDREN = 40
 
 def _label(node: TreeNode) -> str:
     if node.children:
-        return f"[bold]{node.name}[/]  [dim]{node.tensors} tensors, {human_bytes(node.nbytes)}[/]"
+        objects = f", {node.objects} objects" if node.objects else ""
+        return f"[bold]{node.name}[/]  [dim]{node.tensors} tensors{objects}, {human_bytes(node.nbytes)}[/]"
+    copies = node.tensors + node.objects
+    if node.objects and not node.tensors:
+        # a non-tensor leaf (step counter, hyper-parameter, RNG state): its Python type
+        count = f" ×{copies}" if copies > 1 else ""
+        kind = f"object:{node.dtype}" if node.dtype else "objects"
+        return f"{node.name}  [magenta]{kind}[/]{count}  [dim]{human_bytes(node.nbytes)}[/]"
     kind = node.dtype or "mixed"
     shape = shape_str(node.shape) if node.shape is not None else "various shapes"
-    count = f" ×{node.tensors}" if node.tensors > 1 else ""
+    count = f" ×{copies}" if copies > 1 else ""
     return f"{node.name}  [cyan]{kind}[/] {shape}{count}  [dim]{human_bytes(node.nbytes)}[/]"
 
 

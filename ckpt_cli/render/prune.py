@@ -74,6 +74,12 @@ def render_run(report: RunReport) -> None:
         )
     if report.deepspeed_latest:
         stdout.print(f"DeepSpeed latest: {report.deepspeed_latest}")
+    if report.root_files:
+        stdout.print(
+            f"also in the folder itself: {', '.join(report.root_files)} "
+            "(inspect them with --format or by file name)",
+            soft_wrap=True,
+        )
 
 
 def render_prune(report: PruneReport) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..ops.reshard import ReshardReport
-from . import human_bytes, stdout
+from . import human_bytes, stderr, stdout
 
 _ACTIONS = {
     "carry": "carried unchanged (same world size)",
@@ -39,6 +39,8 @@ def render_reshard(report: ReshardReport) -> None:
     )
     if report.rules:
         stdout.print(f"  rules: {'  '.join(report.rules)}")
+    for rule in report.unused_rules:
+        stderr.print(f"[yellow]ckpt reshard: warning:[/] rule {rule} matched no tensor")
     if report.rank_state and report.rank_state_action:
         names = ", ".join(e.name for e in report.rank_state[:6])
         more = f" +{len(report.rank_state) - 6} more" if len(report.rank_state) > 6 else ""
