@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+import typing
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +30,14 @@ from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import get_format
 from ..formats.base import COPY_BLOCK, Checkpoint, FileRange, Source, WriteOptions, Writer
 from ..models import Entry, FileInfo, Manifest
-from ..output import Destination, staged_output
+from ..output import staged_output
 from ..progress import NULL_PROGRESS, Progress
 from ..storage import LocalStorage
 from ..uri import parse_location
 from .inspect import select as select_globs
+
+if typing.TYPE_CHECKING:  # only the annotation: DEST may be a local path or an object store
+    from ..output import Destination
 
 #: formats whose writers can hold non-tensor entries (DCP bytes entries, torch.save objects)
 HOLDS_OBJECTS = frozenset({"dcp", "torch"})
@@ -405,15 +409,11 @@ def write_checkpoint(
     The writer streams into a hidden sibling of `dest`; the result is checked with the format's
     `check` hook and published with one rename only when it passes. Returns the files written
     (relative to `dest`, or `dest`'s own name for a single file) and the entries written.
-    A remote `dest` (object store) is staged locally, checked, then uploaded and published
-    (`output.staged_output`).
     """
     fmt = get_format(to)
     if not fmt.writable:
         raise UsageError(f"writing {to} is not supported in this version")
-    with staged_output(
-        dest, force=force, single_file=options.single_file, progress=progress
-    ) as staging:
+    with staged_output(dest, force=force, single_file=options.single_file) as staging:
         writer = fmt.writer(staging, [item.target for item in plan.items], options)
         progress.start(plan.total_bytes, f"{to} → {dest.name}")
         try:
