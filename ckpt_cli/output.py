@@ -75,6 +75,10 @@ class RemoteDest:
         """`name` without its suffix, as `Path.stem`."""
         return PurePosixPath(self.path).stem
 
+    def absolute(self) -> RemoteDest:
+        """Itself (a URL is absolute); lets callers treat a DEST like a `Path`."""
+        return self
+
     def __str__(self) -> str:
         return self.url
 

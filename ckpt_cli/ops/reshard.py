@@ -36,7 +36,7 @@ from ..formats import get_format, open_checkpoint
 from ..formats.base import Checkpoint, WriteOptions, Writer
 from ..formats.safetensors import INDEX_SUFFIX
 from ..models import Chunk, Entry, FileInfo
-from ..output import check_destination, resolve_destination, staged_output
+from ..output import check_destination, staged_output
 from ..placement import (
     Box,
     Rule,
@@ -47,10 +47,13 @@ from ..placement import (
     shard_boxes,
 )
 from ..progress import NULL_PROGRESS, Progress
+from ..uri import parse_location
 from .transfer import check_staged
 
 if TYPE_CHECKING:
     import torch
+
+    from ..output import Destination
 
 RankStateAction = Literal["carry", "drop", "keep"]
 #: formats whose shard size `--max-shard-size` can change
@@ -116,6 +119,16 @@ class _ChunkWriter(Protocol):
     def write_chunk(self, name: str, chunk_index: int, piece: torch.Tensor) -> None: ...
 
 
+def _local_dest(dest: str) -> Destination:
+    """DEST as a local path or an object-store location (`s3://…`: staged, then uploaded)."""
+    from ..output import resolve_destination
+
+    loc = parse_location(dest)
+    if loc.kind == "local" and loc.path is not None:
+        return loc.path
+    return resolve_destination(dest)
+
+
 def reshard_shard_size(
     src: str,
     dest: str,
@@ -132,8 +145,8 @@ def reshard_shard_size(
     """
     from .transfer import HOLDS_OBJECTS, plan_transfer, write_checkpoint
 
-    out = resolve_destination(dest)
-    check_destination(out, force)
+    out = _local_dest(dest)
+    check_destination(out.absolute(), force)
     with open_checkpoint(src, format) as checkpoint:
         manifest = checkpoint.manifest
         if manifest.format not in SHARD_SIZE_FORMATS:
@@ -301,8 +314,8 @@ def reshard_world_size(
     if world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
     rules = list(rules or [])
-    out = resolve_destination(dest)
-    check_destination(out, force)
+    out = _local_dest(dest)
+    check_destination(out.absolute(), force)
     with open_checkpoint(src, format) as checkpoint:
         manifest = checkpoint.manifest
         if manifest.format != "dcp":
@@ -347,7 +360,7 @@ def reshard_world_size(
             extra={"dcp_planner_data": getattr(checkpoint, "planner_data", None)},
         )
         total = sum(e.nbytes for e in plan if e.kind == "tensor")
-        with staged_output(out, force=force, progress=progress) as staging:
+        with staged_output(out, force=force) as staging:
             writer = fmt.writer(staging, plan, options)
             write_chunk = getattr(writer, "write_chunk", None)
             if write_chunk is None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +43,8 @@ from ..storage import FsspecStorage, LocalStorage, remote_failure
 from ..uri import parse_location
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import torch
 
 #: default manifest file name, inside a checkpoint folder (or beside a single-file checkpoint)
