@@ -333,3 +333,24 @@ def test_download_from_the_hub_into_s3(
     _assert_same(got, {k: v for k, v in want.items() if k in got or k.startswith("layers.")})
     again = run_ckpt("download", "hf://org/model", dest, "--mode", mode)
     assert again.exit_code == 2
+
+
+def test_any_fsspec_filesystem_and_refused_destinations(tmp_path: Path) -> None:
+    """Not only S3: fsspec's in-memory filesystem as DEST and SRC; the Hub is never a DEST."""
+    import fsspec
+
+    state = _model()
+    torch.save(state, tmp_path / "w.pt")
+    result = run_ckpt("convert", tmp_path / "w.pt", "memory://store/out", "--to", "safetensors")
+    assert result.exit_code == 0, result.stderr
+    fs = fsspec.filesystem("memory")
+    assert not [p for p in fs.find("/store") if ".ckpt-tmp-" in p]
+    fs.get("/store/out/model.safetensors", str(tmp_path / "back.safetensors"))
+    with safe_open(tmp_path / "back.safetensors", framework="pt") as f:
+        _assert_same({k: f.get_tensor(k) for k in f.keys()}, state)  # noqa: SIM118
+    assert run_ckpt("diff", "memory://store/out", tmp_path / "w.pt").exit_code == 0
+
+    to_hub = run_ckpt("convert", tmp_path / "w.pt", "hf://org/model", "--to", "safetensors")
+    assert to_hub.exit_code == 2
+    assert "huggingface-cli upload" in to_hub.stderr
+    fs.rm("/store", recursive=True)
