@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import os
 import posixpath
+import threading
 from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -190,18 +193,53 @@ def remote_failure(exc: BaseException, where: str) -> CkptError:
     )
 
 
+@dataclass
+class _Ahead:
+    """A byte range of one file being fetched in the background."""
+
+    start: int
+    end: int
+    data: Future[bytes]
+
+
+#: background fetches for every FsspecStorage (sequential read-ahead); created on first use
+_READ_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    global _READ_POOL
+    with _POOL_LOCK:
+        if _READ_POOL is None:
+            _READ_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-readahead")
+        return _READ_POOL
+
+
 class FsspecStorage(Storage):
-    """Any fsspec filesystem (the Hub through `HfFileSystem`, S3, GCS...), with ranged reads."""
+    """Any fsspec filesystem (the Hub through `HfFileSystem`, S3, GCS...), with ranged reads.
+
+    Sequential reads of data (at least `readahead_min` bytes: tensor data and hashing, never
+    header probes) fetch the next `readahead` bytes of the same file in a background thread, so
+    the next request's round trip overlaps the work on this one; a read that does not continue
+    where the last one ended drops the windows. Memory: at most two windows per file being read.
+    """
 
     #: first read of a safetensors header: enough for the headers of typical shards, small
     #: enough that inspecting a checkpoint of small tensors still never fetches tensor data
     header_probe = 16 << 10
+
+    #: reads this large are taken as a sequential data read and trigger the read-ahead
+    readahead_min = 1 << 20
+    #: bytes fetched ahead (at least the size of the read that triggered it)
+    readahead = 16 << 20
 
     def __init__(self, fs: Any, root: str, display: str):
         self.fs = fs
         self.root = root.rstrip("/")
         self.display = display
         self._sizes: dict[str, int] | None = None
+        self._ahead: dict[str, list[_Ahead]] = {}
+        self._lock = threading.Lock()
 
     def _full(self, rel: str) -> str:
         rel = safe_relpath(rel, source=self.display)
@@ -231,16 +269,56 @@ class FsspecStorage(Storage):
     def read(self, rel: str, offset: int, length: int) -> bytes:
         if length == 0:
             return b""
+        end = offset + length
+        with self._lock:
+            windows = self._ahead.pop(rel, [])
+        parts: list[bytes] = []
+        at = offset
+        for window in windows:
+            if window.start <= at < window.end:
+                try:
+                    data = window.data.result()
+                except Exception:
+                    break  # the direct read below reports the failure properly
+                piece = data[at - window.start : end - window.start]
+                parts.append(piece)
+                at += len(piece)
+                if at >= end:
+                    break
+        if at < end:
+            parts.append(self._fetch(rel, at, end))
+        # keep only what lies ahead of this read; a jump elsewhere drops every window
+        kept = [w for w in windows if w.end > end and w.start <= end] if at > offset else []
+        with self._lock:
+            self._ahead[rel] = kept
+        if length >= self.readahead_min:
+            self._read_ahead(rel, end, length)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _fetch(self, rel: str, start: int, end: int) -> bytes:
         try:
-            data = self.fs.cat_file(self._full(rel), start=offset, end=offset + length)
+            data = self.fs.cat_file(self._full(rel), start=start, end=end)
         except Exception as exc:
             raise remote_failure(exc, self.describe(rel)) from None
-        if len(data) != length:
+        if len(data) != end - start:
             raise FormatError(
-                f"is truncated: wanted {length} bytes at offset {offset}, got {len(data)}",
+                f"is truncated: wanted {end - start} bytes at offset {start}, got {len(data)}",
                 path=self.describe(rel),
             )
         return bytes(data)
+
+    def _read_ahead(self, rel: str, start: int, length: int) -> None:
+        """Keep about a window (`readahead` or `length` bytes) fetched or in flight past `start`."""
+        size = self.list_files().get(safe_relpath(rel, source=self.display), 0)
+        window = max(self.readahead, length)
+        with self._lock:
+            windows = self._ahead.setdefault(rel, [])
+            last = windows[-1].end if windows else start
+            # a new window once less than half of one is left ahead: at most two per file
+            if last >= size or last - start >= window // 2:
+                return
+            end = min(size, last + window)
+            windows.append(_Ahead(last, end, _read_pool().submit(self._fetch, rel, last, end)))
 
     def subfolder(self, rel: str) -> Storage | None:
         rel = safe_relpath(rel, source=self.display)
