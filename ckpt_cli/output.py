@@ -11,10 +11,10 @@ it into a `RemoteDest` and `staged_output` then
 1. stages the output in a local temporary folder (`TMPDIR`), where the writers work exactly as
    for a local DEST (`pwrite`, in-kernel copies, fsync) and the format's structural check runs;
 2. streams every file to a hidden temporary prefix beside DEST
-   (`s3://bucket/.NAME.ckpt-tmp-XXXX/…`, multipart uploads through `fs.open("wb")`), the
-   commit marker (`*.index.json`, `.metadata`) last;
-3. publishes by copying the objects into DEST (server-side copies), the marker last, and
-   removes the temporary prefix.
+   (`s3://bucket/.NAME.ckpt-tmp-XXXX/…`, multipart uploads through `fs.open("wb")`, four
+   files at a time), the commit marker (`*.index.json`, `.metadata`) last;
+3. publishes by copying the objects into DEST (server-side copies, four at a time), the
+   marker last, and removes the temporary prefix.
 
 Object stores have no rename and no multi-object transaction, so this is as atomic as they
 allow: each object appears whole or not at all, and DEST gets its commit marker only after
@@ -28,8 +28,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -44,6 +46,8 @@ TMP_MARKER = ".ckpt-tmp-"
 #: bytes per read/write when streaming a staged file to an object store (and the part size
 #: asked of filesystems that upload in parts; S3 needs at least 5 MiB)
 UPLOAD_BLOCK = 16 << 20
+#: files uploaded (and objects copied) at once: object stores scale with connections
+PARALLEL_TRANSFERS = 4
 
 
 @dataclass(frozen=True)
@@ -274,21 +278,38 @@ def _staged_remote(
     _remove_remote(dest, [tmp_prefix])
 
 
+def _in_parallel(work: Callable[[str], None], names: list[str]) -> None:
+    """Run `work` on every name, `PARALLEL_TRANSFERS` at a time; the first error is raised."""
+    if len(names) <= 1:
+        for name in names:
+            work(name)
+        return
+    with ThreadPoolExecutor(PARALLEL_TRANSFERS, thread_name_prefix="ckpt-upload") as pool:
+        for future in [pool.submit(work, name) for name in names]:
+            future.result()
+
+
 def _upload(
     dest: RemoteDest, staging: Path, files: list[str], tmp_prefix: str, progress: Progress
 ) -> None:
-    """Stream every staged file to the temporary prefix, commit markers last."""
+    """Stream every staged file to the temporary prefix (data files in parallel), markers last."""
     total = sum((staging / f).stat().st_size for f in files)
     progress.start(total, f"uploading → {dest.url}")
-    try:
-        for rel in publish_order(files):
-            with (
-                open(staging / rel, "rb") as src,
-                dest.fs.open(f"{tmp_prefix}/{rel}", "wb", block_size=UPLOAD_BLOCK) as out,
-            ):
-                while block := src.read(UPLOAD_BLOCK):
-                    out.write(block)
+    lock = threading.Lock()
+
+    def upload(rel: str) -> None:
+        with (
+            open(staging / rel, "rb") as src,
+            dest.fs.open(f"{tmp_prefix}/{rel}", "wb", block_size=UPLOAD_BLOCK) as out,
+        ):
+            while block := src.read(UPLOAD_BLOCK):
+                out.write(block)
+                with lock:
                     progress.advance(len(block))
+
+    try:
+        _in_parallel(upload, [f for f in files if not is_commit_marker(f)])
+        _in_parallel(upload, [f for f in publish_order(files) if is_commit_marker(f)])
     finally:
         progress.finish()
 
@@ -312,11 +333,17 @@ def _publish_remote(
         fs.copy(f"{tmp_prefix}/{files[0]}", dest.path)
         return
     copied: list[str] = []
+
+    def copy(rel: str) -> None:
+        target = f"{dest.path}/{rel}"
+        copied.append(target)  # before the copy: a half-done copy is removed too
+        fs.copy(f"{tmp_prefix}/{rel}", target)
+
     try:
+        _in_parallel(copy, [f for f in files if not is_commit_marker(f)])
         for rel in publish_order(files):
-            target = f"{dest.path}/{rel}"
-            fs.copy(f"{tmp_prefix}/{rel}", target)
-            copied.append(target)
+            if is_commit_marker(rel):
+                copy(rel)
     except BaseException:
         _remove_remote(dest, copied)
         raise
