@@ -35,8 +35,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def start_server() -> tuple[str, dict[str, int]]:
     """moto's S3 app on a free port; returns the endpoint and a live byte counter."""
+    import logging
+
     from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
