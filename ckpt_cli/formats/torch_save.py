@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import FormatError, NotFoundError, UnsafeInputError
 from ..models import Entry, FileInfo, Manifest, Problem
-from ..storage import Storage, safe_relpath
+from ..storage import Storage, StorageRangeFile, safe_relpath
 from .base import Checkpoint, Format, Source, WriteOptions, Writer
 from .safetensors import plan_shards, posixpath_dir
 
@@ -213,39 +213,6 @@ def is_zip(storage: Storage, rel: str) -> bool:
 _RANGE_BUF = 16 << 10
 
 
-class _RangedFile(io.RawIOBase):
-    """A seekable file over `Storage.read` (ranged reads), for torch.load on remote files."""
-
-    def __init__(self, storage: Storage, rel: str, size: int):
-        self._storage = storage
-        self._rel = rel
-        self._size = size
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = min(len(view), self._size - self._pos)
-        if n <= 0:
-            return 0
-        view[:n] = self._storage.read(self._rel, self._pos, n)
-        self._pos += n
-        return n
-
-
 def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[Any, bool]:
     """Load one torch.save file safely: (the object, whether it is the legacy non-zip format).
 
@@ -273,7 +240,9 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
             if local is not None:
                 obj = torch.load(local, weights_only=True, mmap=zipped, map_location="cpu")
             elif meta and zipped:
-                reader = io.BufferedReader(_RangedFile(storage, rel, size), buffer_size=_RANGE_BUF)
+                reader = io.BufferedReader(
+                    StorageRangeFile(storage, rel, size), buffer_size=_RANGE_BUF
+                )
                 obj = torch.load(reader, weights_only=True, map_location="meta")
             else:
                 obj = torch.load(
