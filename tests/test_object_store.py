@@ -107,6 +107,14 @@ def test_verify_checksums_streams_remote_files(
     assert "run/model/ckpt-manifest.json" in "\n".join(list_keys(s3_server.endpoint, "ckpts"))
     assert run_ckpt("verify", "s3://ckpts/run/model", "--checksums").exit_code == 0
 
+    # or anywhere else in a store
+    elsewhere = "s3://ckpts/manifests/model.json"
+    wrote = run_ckpt("verify", "s3://ckpts/run/model", "--write-manifest", "--manifest", elsewhere)
+    assert wrote.exit_code == 0, wrote.stderr
+    assert "manifests/model.json" in list_keys(s3_server.endpoint, "ckpts", "manifests/")[0]
+    again = run_ckpt("verify", "s3://ckpts/run/model", "--checksums", "--manifest", elsewhere)
+    assert again.exit_code == 0, again.stderr
+
     # a shard rewritten in the store is caught
     import boto3
 
@@ -211,6 +219,17 @@ def test_reshard_dcp_on_s3_to_another_world_size(s3_server: S3Server, tmp_path: 
     fetched = fetch_prefix(s3_server.endpoint, "ckpts", "run/step-10-ws2", tmp_path / "out")
     assert ".metadata" in fetched and len([f for f in fetched if f.endswith(".distcp")]) == 2
     _assert_same(_dcp_load(tmp_path / "out", state), state)
+
+
+def test_reshard_safetensors_on_s3_to_a_new_shard_size(
+    sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server, tmp_path: Path
+) -> None:
+    dest = "s3://ckpts/run/model-70k"
+    result = run_ckpt("reshard", "s3://ckpts/run/model", dest, "--max-shard-size", "70KB")
+    assert result.exit_code == 0, result.stderr
+    fetched = fetch_prefix(s3_server.endpoint, "ckpts", "run/model-70k", tmp_path / "out")
+    assert len([f for f in fetched if f.endswith(".safetensors")]) > 3
+    _assert_same(_safetensors(tmp_path / "out"), sharded_on_s3)
 
 
 def test_existing_destination_is_refused_without_force(
