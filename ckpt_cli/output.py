@@ -284,9 +284,15 @@ def _in_parallel(work: Callable[[str], None], names: list[str]) -> None:
         for name in names:
             work(name)
         return
-    with ThreadPoolExecutor(PARALLEL_TRANSFERS, thread_name_prefix="ckpt-upload") as pool:
+    pool = ThreadPoolExecutor(PARALLEL_TRANSFERS, thread_name_prefix="ckpt-upload")
+    try:
         for future in [pool.submit(work, name) for name in names]:
             future.result()
+    except BaseException:
+        # a failure or Ctrl-C: queued transfers never start; running ones finish before cleanup
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
 
 
 def _upload(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ class S3Server:
     requests: list[S3Request] = field(default_factory=list)
     #: requests for which this returns True are answered 403 AccessDenied
     refuse: Callable[[S3Request], bool] | None = None
+    #: requests for which this returns True are answered one second late (a slow link)
+    slow: Callable[[S3Request], bool] | None = None
 
     def object_gets(self, key_suffix: str) -> list[S3Request]:
         """GET requests for objects whose path ends with `key_suffix`."""
@@ -62,6 +65,8 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
             environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("HTTP_RANGE")
         )
         server.requests.append(request)
+        if server.slow is not None and server.slow(request):
+            time.sleep(1.0)
         if server.refuse is not None and server.refuse(request):
             start_response("403 Forbidden", [("Content-Type", "application/xml")])
             return [

@@ -418,3 +418,38 @@ def test_sequential_reads_are_served_by_the_read_ahead(
     (tmp_path / "local").mkdir()
     local = run_ckpt("verify", tmp_path / "src", "--checksums", "--manifest", tmp_path / "m")
     assert local.exit_code == 0, local.stderr  # the remote digests match the local files
+
+
+def test_ctrl_c_during_the_upload_removes_everything(
+    sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server
+) -> None:
+    """A real process interrupted while its shards are on the way: exit 130, nothing left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import REPO
+
+    s3_server.slow = lambda r: r.method == "PUT" and ".ckpt-tmp-" in r.path
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    args = ["s3://ckpts/run/model", "s3://ckpts/int/model", "--to", "safetensors"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "convert", *args, "--max-shard-size", "100KB"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not any(s3_server.slow(r) for r in list(s3_server.requests)):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the upload never started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    s3_server.slow = None
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert list_keys(s3_server.endpoint, "ckpts", "int/") == []
