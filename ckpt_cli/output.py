@@ -266,7 +266,7 @@ def _staged_remote(
             _upload(dest, staging, files, tmp_prefix, progress)
             _publish_remote(dest, files, tmp_prefix, single_file, force)
         except Exception as exc:
-            raise remote_failure(exc, dest.url) from None
+            raise remote_failure(exc, dest.url, writing=True) from None
     except KeyboardInterrupt:
         _remove_remote(dest, [tmp_prefix])
         raise Interrupted("interrupted; the partial output was removed", path=dest.url) from None

@@ -236,16 +236,18 @@ class StorageRangeFile(RangeFile):
         return len(data)
 
 
-def remote_failure(exc: BaseException, where: str) -> CkptError:
+def remote_failure(exc: BaseException, where: str, *, writing: bool = False) -> CkptError:
     """A remote filesystem's exception as a ckpt error (exit 3 for missing, else exit 5)."""
     if isinstance(exc, CkptError):
         return exc
-    if isinstance(exc, FileNotFoundError):
+    if isinstance(exc, FileNotFoundError) and not writing:
         return NotFoundError("no such remote file", path=where)
+    action = "write to" if writing else "read from"
     return HubError(
-        f"cannot read from the remote store ({type(exc).__name__}: {exc})",
+        f"cannot {action} the remote store ({type(exc).__name__}: {exc})",
         path=where,
-        fix="Check the network, the endpoint and your credentials.",
+        fix="Check the network, the endpoint and your credentials"
+        + (" (and that they allow writing here)." if writing else "."),
     )
 
 

@@ -280,6 +280,7 @@ def test_failure_mid_upload_leaves_no_committed_destination(
     s3_server.refuse = None
     assert result.exit_code == 5, result.stderr
     assert "s3://ckpts/failed/model" in result.json["error"]["message"]
+    assert "cannot write to the remote store" in result.json["error"]["message"]
     # neither DEST nor the temporary prefix beside it is left
     assert list_keys(s3_server.endpoint, "ckpts", "failed/") == []
 
