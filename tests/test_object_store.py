@@ -211,6 +211,16 @@ def test_reshard_dcp_on_s3_to_another_world_size(s3_server: S3Server, tmp_path: 
     dcp.save(state, checkpoint_id=str(tmp_path / "src"), no_dist=True)
     upload_folder(s3_server.endpoint, "ckpts", "run/step-10", tmp_path / "src")
     s3_server.requests.clear()
+    inspected = run_ckpt("inspect", "s3://ckpts/run/step-10", "--json")
+    assert inspected.exit_code == 0, inspected.stderr
+    assert inspected.json["result"]["tensors"] == len(state)
+    assert run_ckpt("verify", "s3://ckpts/run/step-10").exit_code == 0
+    # metadata only: .metadata, and at most small ranged peeks into the data files
+    for r in _shard_gets(s3_server, ".distcp"):
+        assert r.range is not None
+        start, end = (int(x) for x in r.range.removeprefix("bytes=").split("-"))
+        assert end - start < 4096, r.range
+    s3_server.requests.clear()
     result = run_ckpt(
         "reshard", "s3://ckpts/run/step-10", "s3://ckpts/run/step-10-ws2", "--world-size", "2"
     )
