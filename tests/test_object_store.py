@@ -205,6 +205,10 @@ def test_convert_s3_to_s3_and_back_through_every_format(
     diff = run_ckpt("diff", "s3://ckpts/run/model", dcp_url)
     assert diff.exit_code == 0, diff.stderr
 
+    inside = run_ckpt("convert", "s3://ckpts/run/model", "s3://ckpts/run/model/x", "--to", "dcp")
+    assert inside.exit_code == 2
+    assert "overlaps the source" in inside.stderr
+
 
 def test_reshard_dcp_on_s3_to_another_world_size(s3_server: S3Server, tmp_path: Path) -> None:
     state = _model()
