@@ -15,6 +15,7 @@ from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_comma
         "ckpt convert model.safetensors model-bf16.safetensors --to safetensors --dtype bf16",
         "ckpt convert hf://org/model hf-dcp/ --to dcp --world-size 8",
         "ckpt convert ckpt.pt weights.safetensors --to safetensors --select model --exclude '*.rotary_emb.*' --rename 'module.='",
+        "ckpt convert s3://ckpts/run/step-1000 s3://ckpts/export/model --to safetensors --dtype bf16",
     )
 )
 def convert(
@@ -22,7 +23,8 @@ def convert(
     dest: Annotated[
         str,
         typer.Argument(
-            help="Output file or folder (a .safetensors/.pt name writes one file).",
+            help="Output file or folder, local or an object-store URL (s3://bucket/prefix); "
+            "a .safetensors/.pt name writes one file.",
             show_default=False,
         ),
     ],
@@ -88,7 +90,8 @@ def convert(
     Peak memory is the largest tensor, not the model. Tensors stored as raw bytes on both sides
     are copied without deserialising. Non-tensor entries (optimizer step, RNG, data-loader
     state) are carried to DCP and torch outputs and reported as skipped for safetensors. The
-    output is written beside DEST, checked, and published with one rename.
+    output is written beside DEST, checked, and published with one rename (to an object
+    store: uploaded under a hidden prefix, then copied into DEST, the index or .metadata last).
     """
     from ..ops.convert import convert as run_convert
     from ..render.convert import render_convert

@@ -25,6 +25,7 @@ class Mode(str, Enum):
         "ckpt download hf://org/model ./l0 --mode tensors --tensors 'model.layers.0.*' --no-extras",
         "ckpt download hf://org/model --cache-only --exclude 'lm_head.*'",
         "ckpt download hf://org/model ./x --mode tensors --tensors '*.q_proj.*' --dry-run --json",
+        "ckpt download hf://org/model s3://mirror/org/model",
     )
 )
 def download(

@@ -20,7 +20,12 @@ from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_comma
 )
 def reshard(
     src: SrcArg,
-    dest: Annotated[str, typer.Argument(help="Folder to write (must not exist unless --force).")],
+    dest: Annotated[
+        str,
+        typer.Argument(
+            help="Folder to write, local or an object-store URL (must not exist unless --force)."
+        ),
+    ],
     world_size: Annotated[
         int | None,
         typer.Option(
