@@ -276,17 +276,20 @@ def _read_pool() -> ThreadPoolExecutor:
 class FsspecStorage(Storage):
     """Any fsspec filesystem (the Hub through `HfFileSystem`, S3, GCS...), with ranged reads.
 
-    Sequential reads of data (at least `readahead_min` bytes: tensor data and hashing, never
-    header probes) fetch the next `readahead` bytes of the same file in a background thread, so
-    the next request's round trip overlaps the work on this one; a read that does not continue
-    where the last one ended drops the windows. Memory: at most two windows per file being read.
+    Sequential data reads fetch ahead: a read that continues a run of contiguous reads of one
+    file, after a read of at least `readahead_min` bytes in that run (tensor after tensor, block
+    after block, hashing), has the next `readahead` bytes of the file fetched in a background
+    thread, so the next request's round trip overlaps the work on this one. Metadata reads never
+    qualify (a header probe is small, and a long header's second read is the first large one of
+    its run), so `inspect` fetches no tensor data. A read elsewhere starts a new run and drops
+    the windows. Memory: at most two windows per file being read.
     """
 
     #: first read of a safetensors header: enough for the headers of typical shards, small
     #: enough that inspecting a checkpoint of small tensors still never fetches tensor data
     header_probe = 16 << 10
 
-    #: reads this large are taken as a sequential data read and trigger the read-ahead
+    #: a run of contiguous reads holding one this large is a sequential data read: read ahead
     readahead_min = 1 << 20
     #: bytes fetched ahead (at least the size of the read that triggered it)
     readahead = 16 << 20
@@ -297,6 +300,8 @@ class FsspecStorage(Storage):
         self.display = display
         self._sizes: dict[str, int] | None = None
         self._ahead: dict[str, list[_Ahead]] = {}
+        #: per file: where the last read ended, and whether its run had a large read before
+        self._runs: dict[str, tuple[int, bool]] = {}
         self._lock = threading.Lock()
 
     def _full(self, rel: str) -> str:
@@ -349,7 +354,10 @@ class FsspecStorage(Storage):
         kept = [w for w in windows if w.end > end and w.start <= end] if at > offset else []
         with self._lock:
             self._ahead[rel] = kept
-        if length >= self.readahead_min:
+            last_end, had_large = self._runs.get(rel, (-1, False))
+            sequential = last_end == offset and had_large
+            self._runs[rel] = (end, sequential or length >= self.readahead_min)
+        if sequential:
             self._read_ahead(rel, end, length)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 

@@ -412,9 +412,17 @@ def test_sequential_reads_are_served_by_the_read_ahead(
     for offset, length in pieces:
         assert storage.read("data.bin", offset, length) == payload[offset : offset + length]
     ranges = {r.range for r in _shard_gets(s3_server, "data.bin")}
-    # the first read fetched a window ahead that served the second and third reads
-    assert "bytes=20000-69999" in ranges
-    assert not {"bytes=20000-49999", "bytes=50000-119999"} & ranges
+    # the second read made a run: a window ahead served the next reads, in part or whole
+    assert "bytes=50000-99999" in ranges
+    assert not {"bytes=50000-119999", "bytes=120000-120004", "bytes=120005-220004"} & ranges
+
+    # a header probe and the rest of a long header: no data fetched ahead
+    s3_server.requests.clear()
+    fresh = FsspecStorage(s3fs.S3FileSystem(), "ckpts/blob", "s3://ckpts/blob")
+    fresh.readahead_min, fresh.readahead = 1000, 50_000
+    assert fresh.read("data.bin", 0, 800) + fresh.read("data.bin", 800, 60_000) == payload[:60_800]
+    ranges = {r.range for r in _shard_gets(s3_server, "data.bin")}
+    assert ranges == {"bytes=0-799", "bytes=800-60799"}
 
     # the whole pipeline with a tiny read-ahead: converted bit-exact
     monkeypatch.setattr(FsspecStorage, "readahead_min", 1)
