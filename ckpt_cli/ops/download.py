@@ -346,7 +346,7 @@ def _download_shards(
     if report.cache_only:
         return
     assert dest is not None
-    with staged_output(dest, force=force) as staging:
+    with staged_output(dest, force=force, progress=progress) as staging:
         for info in report.files:
             assert info.cache_path is not None
             target = staging / info.path
@@ -647,7 +647,7 @@ def _download_tensors(
         max_shard_size=max_shard, metadata=dict(manifest.metadata), basename=basename
     )
     by_name = manifest.by_name
-    with staged_output(dest, force=force) as staging:
+    with staged_output(dest, force=force, progress=progress) as staging:
         writer = SafetensorsFormat.writer(staging, plan, options)
         progress.start(report.selected_bytes, repo.repo_id)
         try:
