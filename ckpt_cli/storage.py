@@ -10,6 +10,7 @@ Formats read through a `Storage` and never build paths themselves, so that
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import posixpath
@@ -85,6 +86,9 @@ class Storage(ABC):
     def local_path(self, rel: str) -> Path | None:
         """The file's path on this machine, or None for remote storage."""
         return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Finish background work (remote read-ahead); the storage stays usable."""
 
     def describe(self, rel: str) -> str:
         """How to name a file of this storage in messages."""
@@ -302,6 +306,8 @@ class FsspecStorage(Storage):
         self._ahead: dict[str, list[_Ahead]] = {}
         #: per file: where the last read ended, and whether its run had a large read before
         self._runs: dict[str, tuple[int, bool]] = {}
+        #: fetches dropped by a jump but maybe still in flight (waited for by `close`)
+        self._dropped: list[Future[bytes]] = []
         self._lock = threading.Lock()
 
     def _full(self, rel: str) -> str:
@@ -354,6 +360,8 @@ class FsspecStorage(Storage):
         kept = [w for w in windows if w.end > end and w.start <= end] if at > offset else []
         with self._lock:
             self._ahead[rel] = kept
+            self._dropped = [f for f in self._dropped if not f.done()]
+            self._dropped += [w.data for w in windows if w not in kept and not w.data.done()]
             last_end, had_large = self._runs.get(rel, (-1, False))
             sequential = last_end == offset and had_large
             self._runs[rel] = (end, sequential or length >= self.readahead_min)
@@ -385,6 +393,19 @@ class FsspecStorage(Storage):
                 return
             end = min(size, last + window)
             windows.append(_Ahead(last, end, _read_pool().submit(self._fetch, rel, last, end)))
+
+    def close(self) -> None:
+        """Wait for (or cancel) background fetches, so no request outlives the reader."""
+        with self._lock:
+            pending = [w.data for windows in self._ahead.values() for w in windows]
+            pending += self._dropped
+            self._ahead.clear()
+            self._dropped = []
+        for future in pending:
+            if not future.cancel():
+                # a read-ahead nobody will use: its failure does not matter
+                with contextlib.suppress(Exception):
+                    future.result()
 
     def subfolder(self, rel: str) -> Storage | None:
         rel = safe_relpath(rel, source=self.display)
