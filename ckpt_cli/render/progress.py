@@ -15,6 +15,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from ..distributed import active
 from . import stderr
 
 
@@ -27,6 +28,10 @@ class RichProgress:
 
     def start(self, total: int, description: str) -> None:
         self.finish()
+        workers = active()
+        if workers.distributed:
+            # rank 0 draws its own share; the per-rank summary comes with the result
+            description = f"rank {workers.rank}/{workers.size}: {description}"
         self._task = self._progress.add_task(description, total=total)
 
     def advance(self, amount: int) -> None:
@@ -50,7 +55,8 @@ def bar(enabled: bool = True) -> Iterator[RichProgress]:
         TimeRemainingColumn(),
         console=stderr,
         transient=True,
-        disable=not enabled or not stderr.is_terminal,
+        # under torchrun only rank 0 draws (one terminal, K processes)
+        disable=not enabled or not stderr.is_terminal or not active().leader,
     )
     with progress:
         yield RichProgress(progress)

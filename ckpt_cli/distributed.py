@@ -1,0 +1,244 @@
+"""Running one `ckpt` command across the ranks of a `torchrun` launch.
+
+`torchrun --nproc-per-node K -m ckpt_cli convert|reshard|verify …` starts K copies of the
+command; the launcher sets `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`.
+`launched()` (called by the CLI's `main`) recognises that, joins the process group and makes a
+`Workers` object the active one; the operations then ask `active()` how to split their work:
+
+* `Workers.assign` hands weighted work items (output shards, rank files, files to hash) to
+  ranks: longest-processing-time greedy by bytes, computed identically on every rank from the
+  same metadata, so no rank has to tell another what to do.
+* `Workers.all_gather` / `broadcast` exchange results. Values go over the wire as JSON text
+  (our own report data, never inputs), so what a rank receives is plain data.
+* `Workers.together` is the collective failure step: every rank reports whether its part
+  raised; if any did, every rank raises the same `RankFailedError` naming the rank(s) and the
+  error, so all ranks exit with the same documented code and the staged output is removed.
+
+A plain (non-torchrun) run gets `Workers()`, rank 0 of 1, whose methods do nothing and which
+never imports torch: metadata commands stay torch-free. Library callers opt in explicitly
+(`with use(workers): ...`), so calling `ckpt_cli` from inside a training job under torchrun
+does not silently turn collective.
+
+Backend: gloo (CPU, no GPU needed) unless `CKPT_DIST_BACKEND` names another
+(`nccl`, `cpu:gloo,cuda:nccl`); a process group the caller already initialised is reused.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CkptError
+
+#: overrides the process-group backend (default gloo)
+BACKEND_ENV = "CKPT_DIST_BACKEND"
+#: set only by the tests: the rank named here raises inside its part of the work
+FAIL_RANK_ENV = "CKPT_TEST_FAIL_RANK"
+_LAUNCH_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class RankFailedError(CkptError):
+    """One or more ranks of a distributed run failed; every rank raises this.
+
+    The exit code is the one the first failing rank's own error carries (4 for a bad
+    checkpoint, 70 for a bug...), so every rank of the launch exits with the same code.
+    """
+
+    exit_code = 70
+    code = "rank_failed"
+
+    def __init__(self, failures: list[tuple[int, dict[str, Any]]], size: int):
+        self.failures = failures
+        first_rank, first = failures[0]
+        ranks = ", ".join(str(r) for r, _ in failures)
+        label = "rank" if len(failures) == 1 else "ranks"
+        super().__init__(
+            f"{label} {ranks} of {size} failed: {first['message']}",
+            fix="Nothing was published; fix the problem and run the command again.",
+        )
+        # the class default is 70; instances carry the failing rank's code
+        self.exit_code = int(first.get("exit_code") or 70)  # type: ignore[misc]
+        self.error_code = str(first.get("code") or "internal")
+        self.first_rank = first_rank
+
+
+@dataclass(frozen=True)
+class Workers:
+    """The ranks sharing one command run, and the collectives the operations need.
+
+    Attributes:
+        rank: this process's rank (0 in a single-process run).
+        size: how many ranks take part (1 in a single-process run).
+    """
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        """More than one rank takes part."""
+        return self.size > 1
+
+    @property
+    def leader(self) -> bool:
+        """This is rank 0: it writes the commit marker, publishes and prints."""
+        return self.rank == 0
+
+    def assign(self, weights: Sequence[int]) -> list[int]:
+        """The rank that does each item: longest-processing-time greedy on `weights` (bytes).
+
+        Items are taken heaviest first (ties by position) and each goes to the rank with the
+        least work so far (ties to the lowest rank); the result depends only on `weights` and
+        `size`, so every rank computes the same assignment without talking.
+        """
+        owner = [0] * len(weights)
+        load = [0] * self.size
+        order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+        for index in order:
+            rank = min(range(self.size), key=lambda r: (load[r], r))
+            owner[index] = rank
+            load[rank] += weights[index]
+        return owner
+
+    def mine(self, weights: Sequence[int]) -> list[int]:
+        """Indices of the items `assign` gives this rank, in their original order."""
+        return [i for i, r in enumerate(self.assign(weights)) if r == self.rank]
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (JSON-able), indexed by rank, on every rank."""
+        if not self.distributed:
+            return [value]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, json.dumps(value))
+        return [json.loads(text) for text in out]
+
+    def broadcast(self, value: Any, src: int = 0) -> Any:
+        """Rank `src`'s `value` (JSON-able), on every rank."""
+        if not self.distributed:
+            return value
+        import torch.distributed as dist
+
+        box = [json.dumps(value) if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return json.loads(box[0])  # type: ignore[arg-type]
+
+    def settle(self, error: BaseException | None) -> None:
+        """Collective: raise `RankFailedError` on every rank if any rank passes an error."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        mine = None if error is None else describe(error)
+        reports = self.all_gather(mine)
+        failures = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+        if failures:
+            raise RankFailedError(failures, self.size) from error
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """Run the body on every rank; afterwards, fail every rank if any rank's body raised."""
+        if not self.distributed:
+            yield
+            return
+        try:
+            yield
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+            self.settle(exc)
+            raise  # pragma: no cover - settle always raises when given an error
+        self.settle(None)
+
+    def test_failure_point(self, where: str) -> None:
+        """Raise here when the tests ask this rank to fail (`CKPT_TEST_FAIL_RANK`)."""
+        wanted = os.environ.get(FAIL_RANK_ENV)
+        if wanted is not None and wanted.strip() == str(self.rank) and self.distributed:
+            from .errors import FormatError
+
+            raise FormatError(f"injected failure on rank {self.rank} during {where}")
+
+
+def describe(error: BaseException) -> dict[str, Any]:
+    """A JSON-able summary of `error` for the other ranks."""
+    if isinstance(error, CkptError):
+        return {"code": error.code, "exit_code": error.exit_code, "message": error.message}
+    if isinstance(error, KeyboardInterrupt):
+        return {"code": "interrupted", "exit_code": 130, "message": "interrupted"}
+    return {
+        "code": "internal",
+        "exit_code": 70,
+        "message": f"internal error {type(error).__name__}: {error}",
+    }
+
+
+SINGLE = Workers()
+_ACTIVE: contextvars.ContextVar[Workers] = contextvars.ContextVar("ckpt_workers", default=SINGLE)
+
+
+def active() -> Workers:
+    """The workers the current command runs on (`Workers()` unless under `use`/`launched`)."""
+    return _ACTIVE.get()
+
+
+@contextmanager
+def use(workers: Workers) -> Iterator[Workers]:
+    """Make `workers` the active ones for the operations called inside."""
+    token = _ACTIVE.set(workers)
+    try:
+        yield workers
+    finally:
+        _ACTIVE.reset(token)
+
+
+def launch_environment() -> tuple[int, int] | None:
+    """(rank, world size) when torchrun (or another launcher) set the usual variables."""
+    if not all(os.environ.get(name) for name in _LAUNCH_VARS):
+        return None
+    try:
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        return None
+    if size < 1 or not 0 <= rank < size:
+        return None
+    return rank, size
+
+
+@contextmanager
+def launched() -> Iterator[Workers]:
+    """Join the launcher's process group (if any) and make its ranks the active workers.
+
+    Outside a launch, or with a world size of 1, this yields `Workers()` and imports nothing.
+    """
+    found = launch_environment()
+    if found is None or found[1] == 1:
+        yield SINGLE
+        return
+    import torch.distributed as dist
+
+    created = False
+    if not dist.is_initialized():
+        backend = os.environ.get(BACKEND_ENV) or "gloo"
+        dist.init_process_group(backend=backend)
+        created = True
+    workers = Workers(rank=dist.get_rank(), size=dist.get_world_size())
+    try:
+        with use(workers):
+            yield workers
+    finally:
+        if created:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - teardown of a failed run must not mask its error
+                pass
