@@ -28,12 +28,19 @@ from __future__ import annotations
 import contextvars
 import json
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, Field
 
 from .errors import CkptError
+from .output import staged_output
+
+T = TypeVar("T")
 
 #: overrides the process-group backend (default gloo)
 BACKEND_ENV = "CKPT_DIST_BACKEND"
@@ -156,7 +163,7 @@ class Workers:
             return
         try:
             yield
-        except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+        except BaseException as exc:  # reported to every rank, then re-raised
             self.settle(exc)
             raise  # pragma: no cover - settle always raises when given an error
         self.settle(None)
@@ -238,7 +245,69 @@ def launched() -> Iterator[Workers]:
             yield workers
     finally:
         if created:
-            try:
+            # teardown of a failed run must not mask its error
+            with suppress(Exception):
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - teardown of a failed run must not mask its error
-                pass
+
+
+class RankShare(BaseModel):
+    """What one rank of a split run did (reports list one per rank; empty in a single run).
+
+    Attributes:
+        rank: the rank.
+        files: the output files it wrote (or the files it hashed, for verify).
+        bytes: the bytes it moved (or hashed).
+        seconds: how long its share took.
+    """
+
+    rank: int
+    files: list[str] = Field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+def split_output(
+    workers: Workers,
+    dest: Path,
+    *,
+    force: bool,
+    single_file: bool = False,
+    work: Callable[[Path], T],
+    commit: Callable[[Path, list[T]], Any],
+) -> Any:
+    """Write one output at `dest` with every rank, published atomically by rank 0.
+
+    Each rank runs `work(staging)` (its share of the data files; returns a JSON-able part).
+    After every rank's part is in (a failure anywhere fails every rank, see `together`), rank 0
+    runs `commit(staging, parts)` (the commit marker, then the structural check) and publishes
+    with one rename. Returns `commit`'s JSON-able result on every rank. Rank 0 alone creates the
+    staging folder (its path is broadcast: the ranks share a filesystem) and alone renames or
+    removes it. A single-process run is `commit(staging, [work(staging)])` in `staged_output`.
+    """
+    if not workers.distributed:
+        with staged_output(dest, force=force, single_file=single_file) as staging:
+            return commit(staging, [work(staging)])
+    stack = ExitStack()
+    try:
+        path = None
+        with workers.together():
+            if workers.leader:
+                staged = staged_output(dest, force=force, single_file=single_file)
+                path = str(stack.enter_context(staged))
+        staging = Path(workers.broadcast(path))
+        part: Any = None
+        with workers.together():
+            part = work(staging)
+        parts = workers.all_gather(part)
+        result = None
+        with workers.together():
+            if workers.leader:
+                result = commit(staging, parts)
+                # the publishing rename: still inside `together`, so if it fails, all fail
+                stack.close()
+        return workers.broadcast(result)
+    except BaseException:
+        # rank 0's staged_output removes the staging folder; the other ranks hold nothing
+        if not stack.__exit__(*sys.exc_info()):
+            raise
+        raise  # pragma: no cover - staged_output never swallows an error

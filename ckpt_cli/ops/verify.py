@@ -18,12 +18,14 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
 from .. import __version__
+from ..distributed import RankShare, active
 from ..errors import (
     CkptError,
     DestinationExistsError,
@@ -103,6 +105,7 @@ class VerifyReport(BaseModel):
         training: the training state, when the source is a training checkpoint.
         problems: every problem found, errors and warnings.
         errors / warnings: counts by severity.
+        ranks: under torchrun, which files each rank hashed (empty in a single-process run).
     """
 
     location: str
@@ -121,6 +124,7 @@ class VerifyReport(BaseModel):
     problems: list[Problem] = Field(default_factory=list)
     errors: int = 0
     warnings: int = 0
+    ranks: list[RankShare] = Field(default_factory=list)
 
 
 def verify(
@@ -415,7 +419,7 @@ def _checksum_checks(
                 )
             )
             return
-        digests = _hash(files, algorithm, progress)
+        digests = _hash(files, algorithm, progress, report)
         sizes = files_size(files)
         report.hashed_bytes = sum(sizes.values())
         record = ChecksumManifest(
@@ -425,7 +429,11 @@ def _checksum_checks(
             format=report.format,
             files={n: FileDigest(size=sizes[n], digest=digests[n]) for n in sorted(files)},
         )
-        _write_manifest(path, record, force)
+        workers = active()
+        # rank 0 alone writes; a failure there fails every rank of a torchrun launch
+        with workers.together():
+            if workers.leader:
+                _write_manifest(path, record, force)
         report.manifest_written = True
         return
     report.checks.append("checksums")
@@ -481,7 +489,7 @@ def _checksum_checks(
                 severity="warning",
             )
         )
-    digests = _hash(to_hash, recorded.algorithm, progress)
+    digests = _hash(to_hash, recorded.algorithm, progress, report)
     report.hashed_bytes = sum(sizes[n] for n in to_hash)
     for name, digest in digests.items():
         if digest != recorded.files[name].digest:
@@ -518,13 +526,35 @@ def files_size(files: dict[str, Path]) -> dict[str, int]:
     return sizes
 
 
-def _hash(files: dict[str, Path], algo: str, progress: Progress) -> dict[str, str]:
-    total = sum(files_size(files).values())
-    progress.start(total, f"hashing ({algo})")
-    try:
-        return hash_files(files, algo, progress=progress)
-    finally:
-        progress.finish()
+def _hash(
+    files: dict[str, Path], algo: str, progress: Progress, report: VerifyReport | None = None
+) -> dict[str, str]:
+    """Digest `files`; under torchrun each rank hashes a byte-balanced share, all get all."""
+    workers = active()
+    sizes = files_size(files)
+    names = list(files)
+    mine = [names[i] for i in workers.mine([sizes[n] for n in names])]
+    started = time.perf_counter()
+    total = sum(sizes[n] for n in mine)
+    digests: dict[str, str] = {}
+    with workers.together():
+        progress.start(total, f"hashing ({algo})")
+        try:
+            digests = hash_files({n: files[n] for n in mine}, algo, progress=progress)
+        finally:
+            progress.finish()
+        workers.test_failure_point("hashing")
+    if not workers.distributed:
+        return digests
+    share = RankShare(
+        rank=workers.rank, files=mine, bytes=total, seconds=time.perf_counter() - started
+    )
+    merged: dict[str, str] = {}
+    for got in workers.all_gather({"digests": digests, "share": share.model_dump(mode="json")}):
+        merged.update(got["digests"])
+        if report is not None:
+            report.ranks.append(RankShare.model_validate(got["share"]))
+    return {name: merged[name] for name in names}
 
 
 def read_manifest(path: Path) -> ChecksumManifest:
@@ -675,7 +705,7 @@ def _compare_with_hub(
             report.hashed_bytes += sizes[name]
             if actual != want.blob_id:
                 problems.append(_hub_mismatch(describe(name), "git-sha1", actual, want.blob_id))
-    digests = _hash(lfs, "sha256", progress)
+    digests = _hash(lfs, "sha256", progress, report)
     report.hashed_bytes += sum(sizes[n] for n in lfs)
     for name, digest in digests.items():
         if digest != remote[name].sha256:
