@@ -706,9 +706,11 @@ class SafetensorsWriter(Writer):
             raise FormatError("a single-file destination cannot be split into shards")
         self.names = shard_names(self.basename, len(self.groups))
         self._where: dict[str, int] = {}
+        self._positions: dict[str, int] = {}
         for index, group in enumerate(self.groups):
-            for entry in group:
+            for position, entry in enumerate(group):
                 self._where[entry.name] = index
+                self._positions[entry.name] = position
         self._order = [e.name for e in plan]
         #: shard indices this writer writes (all of them unless `restrict`ed)
         self._owned = set(range(len(self.groups)))
@@ -777,7 +779,7 @@ class SafetensorsWriter(Writer):
 
         self._advance(name)
         data = tensor_bytes(tensor)
-        expected = self.plan[self._next - 1].nbytes
+        expected = self.groups[self._shard][self._positions[name]].nbytes
         if len(data) != expected:
             raise RuntimeError(f"tensor {name!r} has {len(data)} bytes, the plan said {expected}")
         self._fh.write(data)
