@@ -10,6 +10,7 @@ Formats read through a `Storage` and never build paths themselves, so that
 
 from __future__ import annotations
 
+import io
 import os
 import posixpath
 from abc import ABC, abstractmethod
@@ -168,6 +169,61 @@ def _pread_exact(fd: int, offset: int, length: int, name: str) -> bytes:
         chunks.append(more)
         got += len(more)
     return b"".join(chunks)
+
+
+class RangeFile(io.RawIOBase):
+    """A seekable read-only file over `size` bytes fetched on demand by `_read_into`.
+
+    For readers that want a file object (`torch.load`, zip directories) while we control how
+    bytes arrive: ranged remote reads, or `preadv` of one byte range of a local file.
+    """
+
+    def __init__(self, size: int, name: str = ""):
+        super().__init__()
+        self._size = size
+        self._pos = 0
+        self.name = name
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = min(len(view), self._size - self._pos)
+        if want <= 0:
+            return 0
+        got = self._read_into(view[:want], self._pos)
+        self._pos += got
+        return got
+
+    def _read_into(self, view: memoryview, position: int) -> int:
+        """Fill `view` from `position`; return how many bytes were read (at least one)."""
+        raise NotImplementedError
+
+
+class StorageRangeFile(RangeFile):
+    """One file of a `Storage` as a seekable file object, read through `Storage.read`."""
+
+    def __init__(self, storage: Storage, rel: str, size: int | None = None):
+        super().__init__(storage.size(rel) if size is None else size, storage.describe(rel))
+        self._storage = storage
+        self._rel = rel
+
+    def _read_into(self, view: memoryview, position: int) -> int:
+        data = self._storage.read(self._rel, position, len(view))
+        view[: len(data)] = data
+        return len(data)
 
 
 def remote_failure(exc: BaseException, where: str) -> CkptError:

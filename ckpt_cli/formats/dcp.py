@@ -51,7 +51,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 from .. import dtypes
 from ..errors import CkptError, FormatError, NotFoundError
 from ..models import Chunk, Entry, FileInfo, Manifest, Problem
-from ..storage import LocalStorage, Storage, safe_relpath
+from ..storage import LocalStorage, RangeFile, Storage, safe_relpath
 from .base import COPY_BLOCK, Checkpoint, Format, Source, WriteOptions, Writer
 from .dcp_metadata import (
     BytesStorageMetadata,
@@ -886,44 +886,25 @@ class DcpFormat(Format):
 # Reading data
 
 
-class _FileRange(io.RawIOBase):
-    """Bytes [start, start + length) of an open file, read with `os.pread` (no copy of the range).
+class _FileRange(RangeFile):
+    """Bytes [start, start + length) of an open file, read with `os.preadv` (no copy of the range).
 
     `torch.load` of a chunk then reads straight from the file into the new tensor's storage,
     so loading a torch_save chunk needs the chunk's size in memory once, not twice.
     """
 
     def __init__(self, fd: int, start: int, length: int, name: str):
-        super().__init__()
-        self._fd, self._start, self._length, self._pos, self.name = fd, start, length, 0, name
+        super().__init__(length, name)
+        self._fd, self._start = fd, start
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        want = min(len(view), self._length - self._pos)
-        if want <= 0:
-            return 0
-        got = os.preadv(self._fd, [view[:want]], self._start + self._pos)
+    def _read_into(self, view: memoryview, position: int) -> int:
+        got = os.preadv(self._fd, [view], self._start + position)
         if got == 0:
             raise FormatError(
-                f"is truncated: byte {self._start + self._pos} of a stored chunk is past its end",
+                f"is truncated: byte {self._start + position} of a stored chunk is past its end",
                 path=self.name,
                 fix="The file was cut short; write or copy it again.",
             )
-        self._pos += got
         return got
 
     def close(self) -> None:  # the fd belongs to the checkpoint

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError
-from ..storage import LocalStorage, Storage, safe_relpath
+from ..storage import LocalStorage, Storage, StorageRangeFile, safe_relpath
 from ..uri import Location
 from .base import Source
 
@@ -593,41 +593,7 @@ class HubStorage(Storage):
         cached = self.local_path(rel)
         if cached is not None:
             return open(cached, "rb")
-        return io.BufferedReader(_RangeFile(self, rel), buffer_size=STREAM_CHUNK)
-
-
-class _RangeFile(io.RawIOBase):
-    """A seekable read-only file over ranged reads (for readers that need a file object)."""
-
-    def __init__(self, storage: HubStorage, rel: str):
-        self._storage = storage
-        self._rel = rel
-        self._size = storage.size(rel)
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = min(len(view), self._size - self._pos)
-        if n <= 0:
-            return 0
-        data = self._storage.read(self._rel, self._pos, n)
-        view[:n] = data
-        self._pos += n
-        return n
+        return io.BufferedReader(StorageRangeFile(self, rel), buffer_size=STREAM_CHUNK)
 
 
 def hub_source(location: Location) -> Source:

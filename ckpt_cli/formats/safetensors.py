@@ -279,7 +279,11 @@ def _validate_tensor(
 
 
 def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, Any]]:
-    """Read a `*.safetensors.index.json`: (weight_map with safe relative shard paths, metadata)."""
+    """Read a weight-map index (`*.safetensors.index.json`, `*.bin.index.json`).
+
+    Returns (tensor name -> shard path relative to the root, each checked by `safe_relpath`;
+    the index's `metadata`).
+    """
     where = storage.describe(rel)
     try:
         index = json.loads(storage.read_all(rel))
@@ -311,17 +315,19 @@ def _join(base: str, rel: str) -> str:
     return f"{base}/{rel}" if base else rel
 
 
-def find_index(source: Source) -> str | None:
-    """The index file to use: the target if it is one, else the single one in the root."""
+def find_index(source: Source, suffix: str = INDEX_SUFFIX, kind: str = "safetensors") -> str | None:
+    """The weight-map index to use: the target if it is one, else the single one in the root.
+
+    Shared with the torch adapter (`suffix=".bin.index.json"`), whose indexes have the same shape.
+    """
     if source.target is not None:
-        return source.target if source.target.endswith(INDEX_SUFFIX) else None
-    indexes = [n for n in source.top_level() if n.endswith(INDEX_SUFFIX)]
+        return source.target if source.target.endswith(suffix) else None
+    indexes = sorted(n for n in source.top_level() if n.endswith(suffix))
     if len(indexes) > 1:
         raise FormatError(
-            f"holds several safetensors indexes ({', '.join(sorted(indexes))})",
+            f"holds several {kind} indexes ({', '.join(indexes)})",
             path=source.location.raw,
-            fix="Point at the index you mean, e.g. "
-            + f"{source.location.raw.rstrip('/')}/{sorted(indexes)[0]}.",
+            fix=f"Point at the index you mean, e.g. {source.location.raw.rstrip('/')}/{indexes[0]}.",
         )
     return indexes[0] if indexes else None
 

@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import FormatError, NotFoundError, UnsafeInputError
 from ..models import Entry, FileInfo, Manifest, Problem
-from ..storage import Storage, safe_relpath
+from ..storage import Storage, StorageRangeFile
 from .base import Checkpoint, Format, Source, WriteOptions, Writer
-from .safetensors import plan_shards, posixpath_dir
+from .safetensors import find_index, plan_shards, read_index
 
 if TYPE_CHECKING:
     import torch
@@ -213,39 +213,6 @@ def is_zip(storage: Storage, rel: str) -> bool:
 _RANGE_BUF = 16 << 10
 
 
-class _RangedFile(io.RawIOBase):
-    """A seekable file over `Storage.read` (ranged reads), for torch.load on remote files."""
-
-    def __init__(self, storage: Storage, rel: str, size: int):
-        self._storage = storage
-        self._rel = rel
-        self._size = size
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = min(len(view), self._size - self._pos)
-        if n <= 0:
-            return 0
-        view[:n] = self._storage.read(self._rel, self._pos, n)
-        self._pos += n
-        return n
-
-
 def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[Any, bool]:
     """Load one torch.save file safely: (the object, whether it is the legacy non-zip format).
 
@@ -273,7 +240,9 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
             if local is not None:
                 obj = torch.load(local, weights_only=True, mmap=zipped, map_location="cpu")
             elif meta and zipped:
-                reader = io.BufferedReader(_RangedFile(storage, rel, size), buffer_size=_RANGE_BUF)
+                reader = io.BufferedReader(
+                    StorageRangeFile(storage, rel, size), buffer_size=_RANGE_BUF
+                )
                 obj = torch.load(reader, weights_only=True, map_location="meta")
             else:
                 obj = torch.load(
@@ -472,40 +441,13 @@ def build_entries(obj: Any, file: str) -> tuple[list[TorchEntry], dict[str, Any]
 
 
 def read_bin_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, Any]]:
-    """Read a `*.bin.index.json`: (weight_map with safe relative shard paths, metadata)."""
-    where = storage.describe(rel)
-    try:
-        index = json.loads(storage.read_all(rel))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(
-            f"is not valid JSON ({exc})", path=where, fix="Write or fetch the index again."
-        ) from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise FormatError("has no valid weight_map (tensor name -> shard file)", path=where)
-    base = posixpath_dir(rel)
-    safe = {}
-    for name, shard in weight_map.items():
-        shard = safe_relpath(shard, source=where)
-        safe[name] = f"{base}/{shard}" if base else shard
-    metadata = index.get("metadata") or {}
-    return safe, metadata if isinstance(metadata, dict) else {}
+    """Read a `*.bin.index.json`: the same shape as the safetensors index."""
+    return read_index(storage, rel)
 
 
 def find_bin_index(source: Source) -> str | None:
     """The bin index to use: the target if it is one, else the single one in the root."""
-    if source.target is not None:
-        return source.target if source.target.endswith(BIN_INDEX_SUFFIX) else None
-    indexes = sorted(n for n in source.top_level() if n.endswith(BIN_INDEX_SUFFIX))
-    if len(indexes) > 1:
-        raise FormatError(
-            f"holds several torch indexes ({', '.join(indexes)})",
-            path=source.location.raw,
-            fix=f"Point at the index you mean, e.g. {source.location.raw.rstrip('/')}/{indexes[0]}.",
-        )
-    return indexes[0] if indexes else None
+    return find_index(source, BIN_INDEX_SUFFIX, "torch")
 
 
 def _torch_files(source: Source) -> list[str]:

@@ -15,8 +15,10 @@ MAX_TREE_CHILDREN = 40
 
 def _label(node: TreeNode) -> str:
     if node.children:
-        objects = f", {node.objects} objects" if node.objects else ""
-        return f"[bold]{node.name}[/]  [dim]{node.tensors} tensors{objects}, {human_bytes(node.nbytes)}[/]"
+        counts = [
+            f"{n} {word}" for n, word in ((node.tensors, "tensors"), (node.objects, "objects")) if n
+        ]
+        return f"[bold]{node.name}[/]  [dim]{', '.join(counts)}, {human_bytes(node.nbytes)}[/]"
     copies = node.tensors + node.objects
     if node.objects and not node.tensors:
         # a non-tensor leaf (step counter, hyper-parameter, RNG state): its Python type
