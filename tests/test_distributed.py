@@ -351,3 +351,17 @@ def test_the_collective_error_carries_the_first_failing_ranks_code() -> None:
     assert error.exit_code == 3
     assert "ranks 1, 2 of 3 failed: x: gone" in error.message
     assert os.environ.get("CKPT_TEST_FAIL_RANK") is None
+
+
+def test_a_rank_reads_only_the_rows_of_its_chunks_from_safetensors(
+    sources: dict[str, Path],
+) -> None:
+    from ckpt_cli.formats import open_checkpoint
+
+    want = model_state()
+    with open_checkpoint(str(sources["model"])) as checkpoint:
+        rows = checkpoint.read_slice("layers.3.weight", [16, 0], [16, 40])
+        assert torch.equal(rows, want["layers.3.weight"][16:32])
+        box = checkpoint.read_slice("layers.3.weight", [0, 8], [48, 8])  # not whole rows
+        assert torch.equal(box, want["layers.3.weight"][:, 8:16])
+        assert torch.equal(checkpoint.read_slice("embed", [99, 0], [1, 16]), want["embed"][99:])

@@ -635,6 +635,34 @@ class SafetensorsCheckpoint(Checkpoint):
         data = storage.read(entry.file, entry.offset, entry.nbytes)
         return tensor_from_bytes(data, entry.dtype, entry.shape)
 
+    def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        """A box of tensor `name`; a run of whole rows (dim-0 split) reads only its bytes."""
+        from ..tensors import read_tensor_from_fd, tensor_from_bytes
+
+        entry = self._entry(name)
+        shape = list(entry.shape)
+        if (
+            not shape
+            or list(sizes[1:]) != shape[1:]
+            or any(offsets[1:])
+            or entry.offset is None
+            or entry.file is None
+            or entry.dtype is None
+        ):
+            return super().read_slice(name, offsets, sizes)
+        row = dtypes.numel(shape[1:]) * dtypes.itemsize(entry.dtype)
+        start = entry.offset + offsets[0] * row
+        storage = self.storage
+        if isinstance(storage, LocalStorage):
+            fd = self._fds.get(entry.file)
+            if fd is None:
+                fd = self._fds[entry.file] = os.open(storage.path(entry.file), os.O_RDONLY)
+            return read_tensor_from_fd(
+                fd, start, entry.dtype, list(sizes), storage.describe(entry.file)
+            )
+        data = storage.read(entry.file, start, sizes[0] * row)
+        return tensor_from_bytes(data, entry.dtype, list(sizes))
+
     def _entry(self, name: str) -> Entry:
         try:
             return self.manifest.by_name[name]
