@@ -103,14 +103,14 @@ def run_command(
         exit_code: 0, or 1 when the result reports problems (verify, diff).
     """
     from . import render
-    from .distributed import RankFailedError, active
+    from .distributed import RankFailedError, joined
 
-    # under torchrun every rank runs the command; rank 0 speaks for the run, the others
-    # print only errors of their own (the collective RankFailedError is rank 0's to report)
-    leader = active().leader
     try:
         result = action()
     except CkptError as error:
+        # under torchrun, a command that split its work speaks through rank 0; the others print
+        # only errors of their own (the collective RankFailedError is rank 0's to report)
+        leader = joined().leader
         if leader:
             render.emit_error(command, error, json_output)
         elif not isinstance(error, RankFailedError):
@@ -125,10 +125,10 @@ def run_command(
     except Exception as exc:  # anything else is a bug: say so, keep the traceback for CKPT_DEBUG
         if os.environ.get("CKPT_DEBUG"):
             raise
-        render.emit_internal_error(command, exc, json_output and leader)
+        render.emit_internal_error(command, exc, json_output and joined().leader)
         raise typer.Exit(70) from None
     code = exit_code(result)
-    if not leader:
+    if not joined().leader:
         pass
     elif json_output:
         render.emit_json(command, result, code)

@@ -3,7 +3,8 @@
 `torchrun --nproc-per-node K -m ckpt_cli convert|reshard|verify …` starts K copies of the
 command; the launcher sets `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`.
 `launched()` (called by the CLI's `main`) recognises that, joins the process group and makes a
-`Workers` object the active one; the operations then ask `active()` how to split their work:
+`Workers` object the active one (joining when the first operation asks `active()`, so commands
+that do not split never touch torch.distributed); the operations then split their work:
 
 * `Workers.assign` hands weighted work items (output shards, rank files, files to hash) to
   ranks: longest-processing-time greedy by bytes, computed identically on every rank from the
@@ -44,6 +45,8 @@ T = TypeVar("T")
 
 #: overrides the process-group backend (default gloo)
 BACKEND_ENV = "CKPT_DIST_BACKEND"
+#: `0` runs a plain process even where launcher variables are set
+DISABLE_ENV = "CKPT_DISTRIBUTED"
 #: set only by the tests: the rank named here raises inside its part of the work
 FAIL_RANK_ENV = "CKPT_TEST_FAIL_RANK"
 _LAUNCH_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -192,10 +195,36 @@ def describe(error: BaseException) -> dict[str, Any]:
 
 SINGLE = Workers()
 _ACTIVE: contextvars.ContextVar[Workers] = contextvars.ContextVar("ckpt_workers", default=SINGLE)
+#: (rank, size) of a launch seen by `launched()` but not joined yet
+_PENDING: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "ckpt_pending_launch", default=None
+)
+_CREATED: list[bool] = []
 
 
 def active() -> Workers:
-    """The workers the current command runs on (`Workers()` unless under `use`/`launched`)."""
+    """The workers the current command runs on; joins a pending launch's process group.
+
+    `Workers()` unless inside `use(...)`, or inside `launched()` under torchrun, where the first
+    call (from an operation that splits its work) joins the process group. Commands that never
+    ask (inspect, prune, download...) never join it and never import torch.distributed.
+    """
+    workers = _ACTIVE.get()
+    pending = _PENDING.get()
+    if pending is None or workers.distributed:
+        return workers
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend=os.environ.get(BACKEND_ENV) or "gloo")
+        _CREATED.append(True)
+    workers = Workers(rank=dist.get_rank(), size=dist.get_world_size())
+    _ACTIVE.set(workers)
+    return workers
+
+
+def joined() -> Workers:
+    """The active workers without joining anything (rank 0 of 1 until an operation joined)."""
     return _ACTIVE.get()
 
 
@@ -210,7 +239,13 @@ def use(workers: Workers) -> Iterator[Workers]:
 
 
 def launch_environment() -> tuple[int, int] | None:
-    """(rank, world size) when torchrun (or another launcher) set the usual variables."""
+    """(rank, world size) when torchrun (or another launcher) set the usual variables.
+
+    `CKPT_DISTRIBUTED=0` hides a launch: a `ckpt` started from inside a launched program
+    inherits its variables, and must then run as a plain process.
+    """
+    if os.environ.get(DISABLE_ENV, "").strip() == "0":
+        return None
     if not all(os.environ.get(name) for name in _LAUNCH_VARS):
         return None
     try:
@@ -223,28 +258,27 @@ def launch_environment() -> tuple[int, int] | None:
 
 
 @contextmanager
-def launched() -> Iterator[Workers]:
-    """Join the launcher's process group (if any) and make its ranks the active workers.
+def launched() -> Iterator[None]:
+    """Under a launch of more than one rank, let operations join its process group.
 
-    Outside a launch, or with a world size of 1, this yields `Workers()` and imports nothing.
+    Joining waits for the first `active()` call, so only the commands that split their work
+    join (and import torch.distributed); the group is destroyed on the way out.
     """
     found = launch_environment()
     if found is None or found[1] == 1:
-        yield SINGLE
+        yield
         return
-    import torch.distributed as dist
-
-    created = False
-    if not dist.is_initialized():
-        backend = os.environ.get(BACKEND_ENV) or "gloo"
-        dist.init_process_group(backend=backend)
-        created = True
-    workers = Workers(rank=dist.get_rank(), size=dist.get_world_size())
+    pending = _PENDING.set(found)
+    token = _ACTIVE.set(SINGLE)
     try:
-        with use(workers):
-            yield workers
+        yield
     finally:
-        if created:
+        _ACTIVE.reset(token)
+        _PENDING.reset(pending)
+        if _CREATED:
+            _CREATED.clear()
+            import torch.distributed as dist
+
             # teardown of a failed run must not mask its error
             with suppress(Exception):
                 dist.destroy_process_group()

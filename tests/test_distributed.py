@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_cli.distributed import SINGLE, RankFailedError, Workers, launched
+from ckpt_cli.distributed import SINGLE, RankFailedError, Workers, active, launched
 
 from .conftest import run_ckpt
 from .dist_helpers import (
@@ -303,29 +303,39 @@ def test_one_failing_rank_fails_every_rank_with_its_error_and_publishes_nothing(
 
 
 def test_a_plain_run_is_rank_0_of_1_and_never_imports_torch_distributed(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, sources: dict[str, Path]
 ) -> None:
     for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    with launched() as workers:
+    with launched():
+        workers = active()
         assert workers is SINGLE
         assert (workers.rank, workers.size, workers.distributed) == (0, 1, False)
         assert workers.all_gather({"a": 1}) == [{"a": 1}]
         assert workers.mine([5, 1, 3]) == [0, 1, 2]
     # a launch of one rank is a plain run too
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "1")
-    with launched() as workers:
-        assert workers is SINGLE
+    launch = {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for name, value in launch.items():
+        monkeypatch.setenv(name, value)
+    with launched():
+        assert active() is SINGLE
+    # a command that splits nothing never joins a launch (here: a launch variable set that
+    # points nowhere, as a `ckpt` started from inside a launched program inherits them)
+    env = {**launch, "WORLD_SIZE": "2", "RANK": "1"}
     code = (
-        "import sys, ckpt_cli.distributed as d\n"
-        "with d.launched() as w: assert w.size == 1\n"
+        "import sys\n"
+        "from ckpt_cli.cli import main\n"
+        "try:\n"
+        f"    main(['inspect', {str(sources['model'])!r}, '--json'])\n"
+        "except SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
-    env = {k: v for k, v in torchrun_env().items() if k not in ("WORLD_SIZE", "RANK")}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=torchrun_env(env), capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["ok"] is True  # it printed, though its RANK says 1
 
 
 def test_work_is_balanced_by_bytes_and_the_same_on_every_rank() -> None:

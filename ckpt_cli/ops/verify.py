@@ -158,6 +158,8 @@ def verify(
         NotFoundError (exit 3) or FormatError (exit 4) when SRC cannot be read at all;
         UsageError for contradictory options. Problems found are returned, not raised.
     """
+    # under torchrun: join the launch now, so rank 0 alone reports even when nothing is hashed
+    active()
     if checksums and write_manifest:
         raise UsageError(
             "--checksums and --write-manifest do not go together",

@@ -15,7 +15,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from ..distributed import active
+from ..distributed import joined
 from . import stderr
 
 
@@ -28,7 +28,9 @@ class RichProgress:
 
     def start(self, total: int, description: str) -> None:
         self.finish()
-        workers = active()
+        workers = joined()
+        if not workers.leader:
+            return  # under torchrun only rank 0 draws (one terminal, K processes)
         if workers.distributed:
             # rank 0 draws its own share; the per-rank summary comes with the result
             description = f"rank {workers.rank}/{workers.size}: {description}"
@@ -55,8 +57,7 @@ def bar(enabled: bool = True) -> Iterator[RichProgress]:
         TimeRemainingColumn(),
         console=stderr,
         transient=True,
-        # under torchrun only rank 0 draws (one terminal, K processes)
-        disable=not enabled or not stderr.is_terminal or not active().leader,
+        disable=not enabled or not stderr.is_terminal,
     )
     with progress:
         yield RichProgress(progress)
