@@ -421,7 +421,7 @@ def _checksum_checks(
                 )
             )
             return
-        digests = _hash(files, algorithm, progress, report)
+        digests = _hash_split(files, algorithm, progress, report)
         sizes = files_size(files)
         report.hashed_bytes = sum(sizes.values())
         record = ChecksumManifest(
@@ -491,7 +491,7 @@ def _checksum_checks(
                 severity="warning",
             )
         )
-    digests = _hash(to_hash, recorded.algorithm, progress, report)
+    digests = _hash_split(to_hash, recorded.algorithm, progress, report)
     report.hashed_bytes = sum(sizes[n] for n in to_hash)
     for name, digest in digests.items():
         if digest != recorded.files[name].digest:
@@ -528,34 +528,40 @@ def files_size(files: dict[str, Path]) -> dict[str, int]:
     return sizes
 
 
-def _hash(
-    files: dict[str, Path], algo: str, progress: Progress, report: VerifyReport | None = None
+def _hash(files: dict[str, Path], algo: str, progress: Progress) -> dict[str, str]:
+    total = sum(files_size(files).values())
+    progress.start(total, f"hashing ({algo})")
+    try:
+        return hash_files(files, algo, progress=progress)
+    finally:
+        progress.finish()
+
+
+def _hash_split(
+    files: dict[str, Path], algo: str, progress: Progress, report: VerifyReport
 ) -> dict[str, str]:
-    """Digest `files`; under torchrun each rank hashes a byte-balanced share, all get all."""
+    """`_hash`; under torchrun each rank hashes a byte-balanced share and every rank gets all."""
     workers = active()
+    if not workers.distributed:
+        return _hash(files, algo, progress)
     sizes = files_size(files)
     names = list(files)
     mine = [names[i] for i in workers.mine([sizes[n] for n in names])]
     started = time.perf_counter()
-    total = sum(sizes[n] for n in mine)
     digests: dict[str, str] = {}
     with workers.together():
-        progress.start(total, f"hashing ({algo})")
-        try:
-            digests = hash_files({n: files[n] for n in mine}, algo, progress=progress)
-        finally:
-            progress.finish()
+        digests = _hash({n: files[n] for n in mine}, algo, progress)
         workers.test_failure_point("hashing")
-    if not workers.distributed:
-        return digests
     share = RankShare(
-        rank=workers.rank, files=mine, bytes=total, seconds=time.perf_counter() - started
+        rank=workers.rank,
+        files=mine,
+        bytes=sum(sizes[n] for n in mine),
+        seconds=time.perf_counter() - started,
     )
     merged: dict[str, str] = {}
     for got in workers.all_gather({"digests": digests, "share": share.model_dump(mode="json")}):
         merged.update(got["digests"])
-        if report is not None:
-            report.ranks.append(RankShare.model_validate(got["share"]))
+        report.ranks.append(RankShare.model_validate(got["share"]))
     return {name: merged[name] for name in names}
 
 
@@ -707,7 +713,7 @@ def _compare_with_hub(
             report.hashed_bytes += sizes[name]
             if actual != want.blob_id:
                 problems.append(_hub_mismatch(describe(name), "git-sha1", actual, want.blob_id))
-    digests = _hash(lfs, "sha256", progress, report)
+    digests = _hash_split(lfs, "sha256", progress, report)
     report.hashed_bytes += sum(sizes[n] for n in lfs)
     for name, digest in digests.items():
         if digest != remote[name].sha256:
