@@ -537,34 +537,6 @@ def _hash(files: dict[str, Path], algo: str, progress: Progress) -> dict[str, st
         progress.finish()
 
 
-def _hash_split(
-    files: dict[str, Path], algo: str, progress: Progress, report: VerifyReport
-) -> dict[str, str]:
-    """`_hash`; under torchrun each rank hashes a byte-balanced share and every rank gets all."""
-    workers = active()
-    if not workers.distributed:
-        return _hash(files, algo, progress)
-    sizes = files_size(files)
-    names = list(files)
-    mine = [names[i] for i in workers.mine([sizes[n] for n in names])]
-    started = time.perf_counter()
-    digests: dict[str, str] = {}
-    with workers.together():
-        digests = _hash({n: files[n] for n in mine}, algo, progress)
-        workers.test_failure_point("hashing")
-    share = RankShare(
-        rank=workers.rank,
-        files=mine,
-        bytes=sum(sizes[n] for n in mine),
-        seconds=time.perf_counter() - started,
-    )
-    merged: dict[str, str] = {}
-    for got in workers.all_gather({"digests": digests, "share": share.model_dump(mode="json")}):
-        merged.update(got["digests"])
-        report.ranks.append(RankShare.model_validate(got["share"]))
-    return {name: merged[name] for name in names}
-
-
 def read_manifest(path: Path) -> ChecksumManifest:
     """Load a checksum manifest; NotFoundError / FormatError with the fix when unusable."""
     try:
@@ -727,3 +699,34 @@ def _hub_mismatch(file: str, algo: str, actual: str, expected: str) -> Problem:
         "local copy is corrupt or from another revision)",
         file=file,
     )
+
+
+# ---------------------------------------------------------------- split across torchrun ranks
+
+
+def _hash_split(
+    files: dict[str, Path], algo: str, progress: Progress, report: VerifyReport
+) -> dict[str, str]:
+    """`_hash`; under torchrun each rank hashes a byte-balanced share and every rank gets all."""
+    workers = active()
+    if not workers.distributed:
+        return _hash(files, algo, progress)
+    sizes = files_size(files)
+    names = list(files)
+    mine = [names[i] for i in workers.mine([sizes[n] for n in names])]
+    started = time.perf_counter()
+    digests: dict[str, str] = {}
+    with workers.together():
+        digests = _hash({n: files[n] for n in mine}, algo, progress)
+        workers.test_failure_point("hashing")
+    share = RankShare(
+        rank=workers.rank,
+        files=mine,
+        bytes=sum(sizes[n] for n in mine),
+        seconds=time.perf_counter() - started,
+    )
+    merged: dict[str, str] = {}
+    for got in workers.all_gather({"digests": digests, "share": share.model_dump(mode="json")}):
+        merged.update(got["digests"])
+        report.ranks.append(RankShare.model_validate(got["share"]))
+    return {name: merged[name] for name in names}
