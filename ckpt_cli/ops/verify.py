@@ -19,6 +19,7 @@ import datetime as _dt
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -705,13 +706,13 @@ def _hub_mismatch(file: str, algo: str, actual: str, expected: str) -> Problem:
 
 
 def _hash_split(
-    files: dict[str, Path], algo: str, progress: Progress, report: VerifyReport
+    files: Mapping[str, Any], algo: str, progress: Progress, report: VerifyReport
 ) -> dict[str, str]:
     """`_hash`; under torchrun each rank hashes a byte-balanced share and every rank gets all."""
     workers = active()
     if not workers.distributed:
-        return _hash(files, algo, progress)
-    sizes = files_size(files)
+        return _hash(dict(files), algo, progress)
+    sizes = files_size(dict(files))
     names = list(files)
     mine = [names[i] for i in workers.mine([sizes[n] for n in names])]
     started = time.perf_counter()
