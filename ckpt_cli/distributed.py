@@ -302,7 +302,7 @@ class RankShare(BaseModel):
 
 def split_output(
     workers: Workers,
-    dest: Path,
+    dest: Any,
     *,
     force: bool,
     single_file: bool = False,
@@ -317,10 +317,19 @@ def split_output(
     with one rename. Returns `commit`'s JSON-able result on every rank. Rank 0 alone creates the
     staging folder (its path is broadcast: the ranks share a filesystem) and alone renames or
     removes it. A single-process run is `commit(staging, [work(staging)])` in `staged_output`.
+    `dest` is whatever `staged_output` accepts; a split run needs a local (shared) path.
     """
     if not workers.distributed:
         with staged_output(dest, force=force, single_file=single_file) as staging:
             return commit(staging, [work(staging)])
+    if not isinstance(dest, Path):
+        from .errors import UsageError
+
+        raise UsageError(
+            "a run split across torchrun ranks writes to a filesystem every rank sees",
+            path=str(dest),
+            fix="Give a DEST on a shared filesystem, or run as one process to write to a URL.",
+        )
     stack = ExitStack()
     try:
         path = None
