@@ -40,8 +40,9 @@ pytest: $(STAMP)
 completions: $(STAMP)
 	$(PY) -m ckpt_cli.completions completions
 
+# every benchmark with its defaults (several minutes, a few GB of scratch data); see bench/README.md
 bench: $(STAMP)
-	$(PY) bench/run.py
+	for script in bench/*.py; do echo "== $$script"; PYTHONPATH=$(CURDIR) $(PY) $$script || exit 1; done
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache

@@ -64,6 +64,15 @@ COMMAND_ORDER = ["inspect", "verify", "convert", "reshard", "prune", "latest", "
 T = TypeVar("T")
 
 
+def examples(*commands: str) -> str:
+    """A command's help epilog listing example invocations.
+
+    Help text is rendered as markdown, where `*` starts emphasis; globs keep their stars here.
+    """
+    lines = ["  " + command.replace("*", "\\*") for command in commands]
+    return "Examples:\n\n" + "\n\n".join(lines)
+
+
 def _version_callback(value: bool) -> None:
     if value:
         typer.echo(f"ckpt {__version__}")

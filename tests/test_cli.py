@@ -25,6 +25,8 @@ def test_every_command_has_examples_in_its_help() -> None:
         result = run_ckpt(command.name, "--help")
         assert result.exit_code == 0, command.name
         assert "Examples" in result.stdout, f"`ckpt {command.name} --help` shows no examples"
+    # help is rendered as markdown: the globs in the examples must keep their stars
+    assert "--filter '*.layers.0.*'" in run_ckpt("inspect", "--help").stdout
 
 
 def test_missing_path_is_exit_3_with_the_path_named(tmp_path: Path) -> None:

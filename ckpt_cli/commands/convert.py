@@ -6,17 +6,15 @@ from typing import Annotated
 
 import typer
 
-from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, run_command
+from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_command
 
 
 @app.command(
-    epilog=(
-        "Examples:\n\n"
-        "  ckpt convert step-1000/ hf-model/ --to safetensors --select model --max-shard-size 5GB\n\n"
-        "  ckpt convert model.safetensors model-bf16.safetensors --to safetensors --dtype bf16\n\n"
-        "  ckpt convert hf://org/model hf-dcp/ --to dcp --world-size 8\n\n"
-        "  ckpt convert ckpt.pt weights.safetensors --to safetensors --select model "
-        "--exclude '*.rotary_emb.*' --rename 'module.='"
+    epilog=examples(
+        "ckpt convert step-1000/ hf-model/ --to safetensors --select model --max-shard-size 5GB",
+        "ckpt convert model.safetensors model-bf16.safetensors --to safetensors --dtype bf16",
+        "ckpt convert hf://org/model hf-dcp/ --to dcp --world-size 8",
+        "ckpt convert ckpt.pt weights.safetensors --to safetensors --select model --exclude '*.rotary_emb.*' --rename 'module.='",
     )
 )
 def convert(

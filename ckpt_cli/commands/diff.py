@@ -6,16 +6,15 @@ from typing import Annotated
 
 import typer
 
-from ..cli import JsonOpt, app, run_command
+from ..cli import JsonOpt, app, examples, run_command
 
 
 @app.command(
-    epilog=(
-        "Examples:\n\n"
-        "  ckpt diff run-a/step-1000 run-b/step-1000\n\n"
-        "  ckpt diff step-1000/ hf-model/ --select model\n\n"
-        "  ckpt diff model.safetensors model-bf16.safetensors --atol 1e-2 --rtol 1e-2\n\n"
-        "  ckpt diff a.pt b.pt --filter 'optimizer.*' --json"
+    epilog=examples(
+        "ckpt diff run-a/step-1000 run-b/step-1000",
+        "ckpt diff step-1000/ hf-model/ --select model",
+        "ckpt diff model.safetensors model-bf16.safetensors --atol 1e-2 --rtol 1e-2",
+        "ckpt diff a.pt b.pt --filter 'optimizer.*' --json",
     )
 )
 def diff(

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ..cli import ForceOpt, JsonOpt, app, run_command
+from ..cli import ForceOpt, JsonOpt, app, examples, run_command
 
 
 class Mode(str, Enum):
@@ -20,14 +20,12 @@ class Mode(str, Enum):
 
 @app.command(
     # the escaped stars keep the markdown help rendering from eating the glob stars
-    epilog=(
-        "Examples:\n\n"
-        "  ckpt download hf://org/model ./model\n\n"
-        "  ckpt download hf://org/model@v1.0 ./emb --tensors 'model.embed_tokens.\\*' "
-        "--tensors 'model.layers.0.\\*'\n\n"
-        "  ckpt download hf://org/model ./l0 --mode tensors --tensors 'model.layers.0.\\*' --no-extras\n\n"
-        "  ckpt download hf://org/model --cache-only --exclude 'lm_head.\\*'\n\n"
-        "  ckpt download hf://org/model ./x --mode tensors --tensors '\\*.q_proj.\\*' --dry-run --json"
+    epilog=examples(
+        "ckpt download hf://org/model ./model",
+        "ckpt download hf://org/model@v1.0 ./emb --tensors 'model.embed_tokens.*' --tensors 'model.layers.0.*'",
+        "ckpt download hf://org/model ./l0 --mode tensors --tensors 'model.layers.0.*' --no-extras",
+        "ckpt download hf://org/model --cache-only --exclude 'lm_head.*'",
+        "ckpt download hf://org/model ./x --mode tensors --tensors '*.q_proj.*' --dry-run --json",
     )
 )
 def download(

@@ -6,15 +6,14 @@ from typing import Annotated
 
 import typer
 
-from ..cli import FormatOpt, JsonOpt, SrcArg, app, run_command
+from ..cli import FormatOpt, JsonOpt, SrcArg, app, examples, run_command
 
 
 @app.command(
-    epilog=(
-        "Examples:\n\n"
-        "  ckpt inspect model.safetensors\n\n"
-        "  ckpt inspect out/checkpoint-500 --tensors --filter '\\*.layers.0.\\*'\n\n"
-        "  ckpt inspect hf://org/model@main --json"
+    epilog=examples(
+        "ckpt inspect model.safetensors",
+        "ckpt inspect out/checkpoint-500 --tensors --filter '*.layers.0.*'",
+        "ckpt inspect hf://org/model@main --json",
     )
 )
 def inspect(

@@ -6,15 +6,14 @@ from typing import Annotated
 
 import typer
 
-from ..cli import JsonOpt, app, run_command
+from ..cli import JsonOpt, app, examples, run_command
 
 
 @app.command(
-    epilog=(
-        "Examples:\n\n"
-        "  ckpt latest out/\n\n"
-        '  python train.py --resume_from_checkpoint "$(ckpt latest out/)"\n\n'
-        "  ckpt latest out/ --json   # every checkpoint: step, size, status, reason"
+    epilog=examples(
+        "ckpt latest out/",
+        'python train.py --resume_from_checkpoint "$(ckpt latest out/)"',
+        "ckpt latest out/ --json   # every checkpoint: step, size, status, reason",
     )
 )
 def latest(

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..cli import JsonOpt, app, run_command
+from ..cli import JsonOpt, app, examples, run_command
 
 
 class Mode(str, Enum):
@@ -18,12 +18,11 @@ class Mode(str, Enum):
 
 
 @app.command(
-    epilog=(
-        "Examples:\n\n"
-        "  ckpt prune out/ --keep-last 3                      # show the plan\n\n"
-        "  ckpt prune out/ --keep-last 2 --keep-best eval_loss --incomplete --yes\n\n"
-        "  ckpt prune out/ --keep-every 1000 --keep 2500 --yes --json\n\n"
-        "  ckpt prune out/ --keep-last 3 --incomplete --watch 300 --yes   # while training runs"
+    epilog=examples(
+        "ckpt prune out/ --keep-last 3                      # show the plan",
+        "ckpt prune out/ --keep-last 2 --keep-best eval_loss --incomplete --yes",
+        "ckpt prune out/ --keep-every 1000 --keep 2500 --yes --json",
+        "ckpt prune out/ --keep-last 3 --incomplete --watch 300 --yes   # while training runs",
     )
 )
 def prune(

@@ -7,17 +7,15 @@ from typing import Annotated
 
 import typer
 
-from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, run_command
+from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_command
 
 
 @app.command(
-    epilog=(
-        "Examples:\n\n"
-        "  ckpt reshard out/step-1000 out/step-1000-4ranks --world-size 4\n\n"
-        "  ckpt reshard step-1000 step-1000-tp2 --world-size 2 "
-        "--shard-dim '*.wo.weight=1' --shard-dim '*.norm.*=replicate'\n\n"
-        "  ckpt reshard step-1000 step-1000-8ranks --world-size 8 --drop-rank-state\n\n"
-        "  ckpt reshard model/ model-2GB/ --max-shard-size 2GB --json"
+    epilog=examples(
+        "ckpt reshard out/step-1000 out/step-1000-4ranks --world-size 4",
+        "ckpt reshard step-1000 step-1000-tp2 --world-size 2 --shard-dim '*.wo.weight=1' --shard-dim '*.norm.*=replicate'",
+        "ckpt reshard step-1000 step-1000-8ranks --world-size 8 --drop-rank-state",
+        "ckpt reshard model/ model-2GB/ --max-shard-size 2GB --json",
     )
 )
 def reshard(

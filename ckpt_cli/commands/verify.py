@@ -6,18 +6,17 @@ from typing import Annotated
 
 import typer
 
-from ..cli import FormatOpt, JsonOpt, SrcArg, app, run_command
+from ..cli import FormatOpt, JsonOpt, SrcArg, app, examples, run_command
 
 
 @app.command(
-    epilog=(
-        "Examples:\n\n"
-        "  ckpt verify out/checkpoint-500\n\n"
-        "  ckpt verify out/checkpoint-500 --resumable --deep\n\n"
-        "  ckpt verify model/ --write-manifest          # once, on a known-good copy\n\n"
-        "  ckpt verify model/ --checksums --json        # later, in CI\n\n"
-        "  ckpt verify hf://org/model@main\n\n"
-        "  ckpt verify ./model --checksums --manifest hf://org/model@main"
+    epilog=examples(
+        "ckpt verify out/checkpoint-500",
+        "ckpt verify out/checkpoint-500 --resumable --deep",
+        "ckpt verify model/ --write-manifest          # once, on a known-good copy",
+        "ckpt verify model/ --checksums --json        # later, in CI",
+        "ckpt verify hf://org/model@main",
+        "ckpt verify ./model --checksums --manifest hf://org/model@main",
     )
 )
 def verify(
