@@ -30,6 +30,7 @@ import contextvars
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
@@ -282,6 +283,106 @@ def launched() -> Iterator[None]:
             # teardown of a failed run must not mask its error
             with suppress(Exception):
                 dist.destroy_process_group()
+
+
+class CombinedProgress:
+    """Progress of every rank, drawn by rank 0 as one bar.
+
+    Every rank calls `start(total_of_all_ranks, ...)` and `advance(its own units)`. The other
+    ranks publish their count in the launch's key-value store (the rendezvous store torchrun
+    already runs) at most every `interval` seconds; rank 0 adds what they published to its own
+    count when it draws. Without a store (or a single process) this is `inner` unchanged.
+
+    Args:
+        inner: rank 0's real progress sink (the other ranks' is not drawn).
+        workers: the ranks.
+        store: a `torch.distributed.Store`-like object (`add(key, amount) -> int`); by default
+            the process group's own store.
+        interval: seconds between store round trips on each rank.
+        total: the units of all ranks together, when the caller's `start` gets its own only.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        workers: Workers,
+        store: Any = None,
+        interval: float = 0.25,
+        total: int | None = None,
+    ):
+        self.inner = inner
+        self.total = total
+        self.workers = workers
+        self.store = store if store is not None or not workers.distributed else _default_store()
+        self.interval = interval
+        self._phase = 0
+        self._unsent = 0
+        self._seen = [0] * workers.size
+        self._last = 0.0
+
+    @property
+    def combined(self) -> bool:
+        """Whether the other ranks' progress reaches rank 0."""
+        return self.workers.distributed and self.store is not None
+
+    def _key(self, rank: int) -> str:
+        return f"ckpt/progress/{self._phase}/{rank}"
+
+    def start(self, total: int, description: str) -> None:
+        # phases are numbered alike on every rank: the operations call start symmetrically
+        self._phase += 1
+        self._unsent = 0
+        self._seen = [0] * self.workers.size
+        self._last = time.monotonic()
+        if self.combined:
+            description = f"{description} ({self.workers.size} ranks)"
+            total = self.total if self.total is not None else total
+        elif self.workers.distributed:
+            description = f"{description} (rank 0's share)"
+        self.inner.start(total, description)
+
+    def advance(self, amount: int) -> None:
+        if not self.combined:
+            self.inner.advance(amount)
+            return
+        if self.workers.leader:
+            self.inner.advance(amount)
+        else:
+            self._unsent += amount
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            self._last = now
+            self._sync()
+
+    def _sync(self) -> None:
+        try:
+            if not self.workers.leader:
+                if self._unsent:
+                    self.store.add(self._key(self.workers.rank), self._unsent)
+                    self._unsent = 0
+                return
+            for rank in range(1, self.workers.size):
+                seen = int(self.store.add(self._key(rank), 0))
+                if seen > self._seen[rank]:
+                    self.inner.advance(seen - self._seen[rank])
+                    self._seen[rank] = seen
+        except Exception:  # progress is cosmetic: a store hiccup must not fail the run
+            self.store = None
+
+    def finish(self) -> None:
+        if self.combined:
+            self._sync()
+        self.inner.finish()
+
+
+def _default_store() -> Any:
+    """The default process group's key-value store, or None where torch hides it."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # a private accessor: without it rank 0 draws its own share only
+        return None
 
 
 class RankShare(BaseModel):

@@ -23,7 +23,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_cli.distributed import SINGLE, RankFailedError, Workers, active, launched
+from ckpt_cli.distributed import (
+    SINGLE,
+    CombinedProgress,
+    RankFailedError,
+    Workers,
+    active,
+    launched,
+)
 
 from .conftest import run_ckpt
 from .dist_helpers import (
@@ -375,3 +382,58 @@ def test_a_rank_reads_only_the_rows_of_its_chunks_from_safetensors(
         box = checkpoint.read_slice("layers.3.weight", [0, 8], [48, 8])  # not whole rows
         assert torch.equal(box, want["layers.3.weight"][:, 8:16])
         assert torch.equal(checkpoint.read_slice("embed", [99, 0], [1, 16]), want["embed"][99:])
+
+
+class Recorded:
+    """A progress sink that remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.done = 0
+        self.description = ""
+
+    def start(self, total: int, description: str) -> None:
+        self.total, self.description, self.done = total, description, 0
+
+    def advance(self, amount: int) -> None:
+        self.done += amount
+
+    def finish(self) -> None:
+        pass
+
+
+class DictStore:
+    """The `add` of a torch.distributed store, in memory."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+
+    def add(self, key: str, amount: int) -> int:
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+
+def test_rank_0_draws_one_bar_for_the_bytes_of_every_rank() -> None:
+    store = DictStore()
+    bars = [Recorded(), Recorded()]
+    ranks = [
+        CombinedProgress(bars[r], Workers(r, 2), store=store, interval=0.0, total=300)
+        for r in range(2)
+    ]
+    for progress in ranks:
+        progress.start(120, "hashing")
+    ranks[1].advance(100)  # rank 1 publishes its share...
+    ranks[0].advance(20)  # ...and rank 0 picks it up when it draws
+    assert (bars[0].total, bars[0].done) == (300, 120)
+    assert bars[0].description == "hashing (2 ranks)"
+    ranks[1].advance(80)
+    ranks[1].finish()
+    ranks[0].finish()
+    assert bars[0].done == 200
+    assert bars[1].done == 0  # the other ranks draw nothing
+    # a later phase counts afresh
+    for progress in ranks:
+        progress.start(10, "next")
+    ranks[1].advance(5)
+    ranks[0].advance(0)
+    assert bars[0].done == 5

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
-from ..distributed import RankShare, active, split_output
+from ..distributed import CombinedProgress, RankShare, active, split_output
 from ..errors import FormatError, UsageError
 from ..formats import get_format, open_checkpoint
 from ..formats.base import Checkpoint, WriteOptions, Writer
@@ -387,7 +387,7 @@ def reshard_world_size(
                 mine = [names[i] for i in workers.mine([sizes[n] for n in names])]
                 writer.restrict(mine)
             owns = getattr(writer, "owns", lambda _file: True)
-            counted = CountingProgress(progress)
+            counted = CountingProgress(CombinedProgress(progress, workers))
             counted.start(total, "resharding")
             try:
                 reader = _BoxReader(checkpoint)

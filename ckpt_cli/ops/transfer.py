@@ -25,7 +25,7 @@ from typing import Any, cast
 from pydantic import BaseModel, Field
 
 from .. import dtypes
-from ..distributed import RankShare, Workers, active, split_output
+from ..distributed import CombinedProgress, RankShare, Workers, active, split_output
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import get_format
 from ..formats.base import COPY_BLOCK, Checkpoint, FileRange, Source, WriteOptions, Writer
@@ -354,7 +354,8 @@ def copy_entries(
                 if item.cast is not None:
                     piece = piece.to(torch_dtype(item.cast))
                 writer.write_chunk(target.name, index, piece)  # type: ignore[attr-defined]
-                progress.advance(piece.numel() * piece.element_size())
+                # counted in source bytes, like the whole-entry paths below
+                progress.advance(dtypes.numel(sizes) * dtypes.itemsize(source.dtype or "uint8"))
                 del piece
             how = "raw" if raw else "cast" if item.cast else "tensor"
         elif target.kind != "tensor":
@@ -462,7 +463,8 @@ def write_checkpoint(
             writer.restrict(mine)
             items = [item for item in plan.items if writer.wants(item.target.name)]
         total = sum(i.source.nbytes for i in items if i.source.kind == "tensor")
-        counted = CountingProgress(progress)
+        # every rank counts its share; rank 0 draws all of them (CombinedProgress)
+        counted = CountingProgress(CombinedProgress(progress, workers, total=plan.total_bytes))
         counted.start(total, f"{to} → {dest.name}")
         try:
             done = copy_entries(checkpoint, writer, items, counted)

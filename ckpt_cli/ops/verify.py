@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from .. import __version__
-from ..distributed import RankShare, active
+from ..distributed import CombinedProgress, RankShare, active
 from ..errors import (
     CkptError,
     DestinationExistsError,
@@ -718,7 +718,8 @@ def _hash_split(
     started = time.perf_counter()
     digests: dict[str, str] = {}
     with workers.together():
-        digests = _hash({n: files[n] for n in mine}, algo, progress)
+        combined = CombinedProgress(progress, workers, total=sum(sizes.values()))
+        digests = _hash({n: files[n] for n in mine}, algo, combined)
         workers.test_failure_point("hashing")
     share = RankShare(
         rank=workers.rank,

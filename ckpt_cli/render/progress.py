@@ -31,9 +31,6 @@ class RichProgress:
         workers = joined()
         if not workers.leader:
             return  # under torchrun only rank 0 draws (one terminal, K processes)
-        if workers.distributed:
-            # rank 0 draws its own share; the per-rank summary comes with the result
-            description = f"rank {workers.rank}/{workers.size}: {description}"
         self._task = self._progress.add_task(description, total=total)
 
     def advance(self, amount: int) -> None:
