@@ -181,11 +181,24 @@ def test_convert_reshard_and_verify_split_over_two_ranks_write_what_one_process_
     assert [r.exit_code for r in wanted] == [0] * 6, [r.stderr for r in wanted]
     checks = ["verify", str(tmp_path / "hashed-single"), "--checksums", "--json"]
     corrupt = ["verify", str(tmp_path / "hashed-corrupt"), "--checksums", "--json"]
-    ranks = run_split(tmp_path, 2, [*commands(split, tmp_path / "hashed-split"), checks, corrupt])
+    # --deep reads every tensor: each rank reads a share, the findings come back in order
+    unhealthy = model_state()
+    unhealthy["layers.2.weight"][3, :5] = float("nan")
+    unhealthy["layers.6.weight"][0, 0] = float("inf")
+    save_file(unhealthy, str(tmp_path / "unhealthy.safetensors"))
+    deep = [
+        ["verify", str(tmp_path / "unhealthy.safetensors"), "--deep", "--json"],
+        ["verify", str(dcp), "--deep", "--json"],
+    ]
+    deep_wanted = [run_ckpt(*argv) for argv in deep]
+    assert [r.exit_code for r in deep_wanted] == [1, 0]
+    ranks = run_split(
+        tmp_path, 2, [*commands(split, tmp_path / "hashed-split"), checks, corrupt, *deep]
+    )
 
     # every rank exits as one process would; only rank 0 prints
-    assert [c["code"] for c in ranks[0]] == [0] * 7 + [1]
-    assert [c["code"] for c in ranks[1]] == [0] * 7 + [1]
+    assert [c["code"] for c in ranks[0]] == [0] * 7 + [1, 1, 0]
+    assert [c["code"] for c in ranks[1]] == [0] * 7 + [1, 1, 0]
     assert all(c["stdout"] == "" for c in ranks[1])
     docs = [json.loads(c["stdout"]) for c in ranks[0]]
     for name in ("st", "dcp", "from-dcp", "ws3", "bigger"):
@@ -221,6 +234,12 @@ def test_convert_reshard_and_verify_split_over_two_ranks_write_what_one_process_
     # the corrupt shard is found whichever rank hashed it
     assert docs[7]["exit_code"] == 1
     assert [p["file"] for p in docs[7]["result"]["problems"]] == [str(victim)]
+    for doc, ref in zip(docs[8:], deep_wanted, strict=True):
+        assert doc["result"] == ref.json["result"]
+    assert [h["name"] for h in docs[8]["result"]["nonfinite"]] == [
+        "layers.2.weight",
+        "layers.6.weight",
+    ]
 
 
 def test_three_ranks_of_torchrun_m_ckpt_cli_convert_like_one_process(

@@ -39,7 +39,7 @@ from ..formats import detect_format, get_format, resolve_source
 from ..formats.base import Checkpoint, Source
 from ..hashing import ALGORITHMS, hash_files
 from ..layouts import OpenedSource, check_source, open_source, recognise_layout, training_checks
-from ..models import Problem, TrainingState
+from ..models import Entry, Problem, TrainingState
 from ..output import staged_output
 from ..progress import NULL_PROGRESS, Progress
 from ..storage import LocalStorage
@@ -278,54 +278,99 @@ def _open_checks(
 def _deep(
     report: VerifyReport, problems: list[Problem], checkpoint: Checkpoint, progress: Progress
 ) -> None:
-    """Read every entry once; count NaN/Inf of floating tensors."""
+    """Read every entry once; count NaN/Inf of floating tensors.
+
+    Under torchrun each rank reads a byte-balanced share of the entries; the findings are
+    gathered and kept in manifest order, so every rank reports what one process would.
+    """
     manifest = checkpoint.manifest
-    where = manifest.location
-    progress.start(manifest.tensor_bytes(), "reading tensors")
+    workers = active()
+    entries = manifest.entries
+    mine = workers.mine([e.nbytes for e in entries]) if workers.distributed else range(len(entries))
+    progress = CombinedProgress(progress, workers, total=manifest.tensor_bytes())
+    progress.start(
+        sum(entries[i].nbytes for i in mine if entries[i].kind == "tensor"), "reading tensors"
+    )
+    found: list[dict[str, Any]] = []
     try:
-        for entry in manifest.entries:
-            file = checkpoint.storage.describe(entry.file) if entry.file else where
-            if entry.kind != "tensor":
-                try:
-                    checkpoint.read_object(entry.name)
-                except UnsafeInputError:
-                    pass  # listed on purpose but never unpickled (training_args.bin)
-                except Exception as exc:  # any failure to deserialise is the finding itself
-                    problems.append(_unreadable(entry.name, file, exc, "object"))
-                continue
-            try:
-                tensor = checkpoint.read_tensor(entry.name)
-            except Exception as exc:
-                problems.append(_unreadable(entry.name, file, exc, "tensor"))
-                progress.advance(entry.nbytes)
-                continue
-            report.tensors += 1
-            if list(tensor.shape) != list(entry.shape):
-                problems.append(
-                    Problem(
-                        code="shape_mismatch",
-                        message=f"{file}: tensor {entry.name!r} reads as shape "
-                        f"{list(tensor.shape)}, its metadata says {entry.shape}",
-                        file=file,
-                        tensor=entry.name,
+        with workers.together():
+            for index in mine:
+                part = VerifyReport(location=report.location, ok=True, checks=[])
+                part_problems: list[Problem] = []
+                _deep_entry(part, part_problems, checkpoint, entries[index], progress)
+                if workers.distributed:
+                    found.append(
+                        {
+                            "index": index,
+                            "tensors": part.tensors,
+                            "nonfinite": [h.model_dump(mode="json") for h in part.nonfinite],
+                            "problems": [p.model_dump(mode="json") for p in part_problems],
+                        }
                     )
-                )
-            nan, inf = count_nonfinite(tensor)
-            if nan or inf:
-                report.nonfinite.append(TensorHealth(name=entry.name, file=file, nan=nan, inf=inf))
-                problems.append(
-                    Problem(
-                        code="nonfinite",
-                        message=f"{file}: tensor {entry.name!r} holds {nan} NaN and {inf} Inf "
-                        f"values (of {tensor.numel()})",
-                        file=file,
-                        tensor=entry.name,
-                    )
-                )
-            del tensor
-            progress.advance(entry.nbytes)
+                else:
+                    report.tensors += part.tensors
+                    report.nonfinite.extend(part.nonfinite)
+                    problems.extend(part_problems)
     finally:
         progress.finish()
+    if not workers.distributed:
+        return
+    merged = sorted((f for got in workers.all_gather(found) for f in got), key=lambda f: f["index"])
+    for f in merged:
+        report.tensors += f["tensors"]
+        report.nonfinite.extend(TensorHealth.model_validate(h) for h in f["nonfinite"])
+        problems.extend(Problem.model_validate(p) for p in f["problems"])
+
+
+def _deep_entry(
+    report: VerifyReport,
+    problems: list[Problem],
+    checkpoint: Checkpoint,
+    entry: Entry,
+    progress: Progress,
+) -> None:
+    """Read one entry; record what is wrong with it."""
+    where = checkpoint.manifest.location
+    file = checkpoint.storage.describe(entry.file) if entry.file else where
+    if entry.kind != "tensor":
+        try:
+            checkpoint.read_object(entry.name)
+        except UnsafeInputError:
+            pass  # listed on purpose but never unpickled (training_args.bin)
+        except Exception as exc:  # any failure to deserialise is the finding itself
+            problems.append(_unreadable(entry.name, file, exc, "object"))
+        return
+    try:
+        tensor = checkpoint.read_tensor(entry.name)
+    except Exception as exc:
+        problems.append(_unreadable(entry.name, file, exc, "tensor"))
+        progress.advance(entry.nbytes)
+        return
+    report.tensors += 1
+    if list(tensor.shape) != list(entry.shape):
+        problems.append(
+            Problem(
+                code="shape_mismatch",
+                message=f"{file}: tensor {entry.name!r} reads as shape "
+                f"{list(tensor.shape)}, its metadata says {entry.shape}",
+                file=file,
+                tensor=entry.name,
+            )
+        )
+    nan, inf = count_nonfinite(tensor)
+    if nan or inf:
+        report.nonfinite.append(TensorHealth(name=entry.name, file=file, nan=nan, inf=inf))
+        problems.append(
+            Problem(
+                code="nonfinite",
+                message=f"{file}: tensor {entry.name!r} holds {nan} NaN and {inf} Inf "
+                f"values (of {tensor.numel()})",
+                file=file,
+                tensor=entry.name,
+            )
+        )
+    del tensor
+    progress.advance(entry.nbytes)
 
 
 def _unreadable(name: str, file: str, exc: Exception, kind: str) -> Problem:
