@@ -435,9 +435,8 @@ def write_checkpoint(
     `check` hook and published with one rename only when it passes. Under torchrun (`workers`,
     by default the active ones) every rank writes the data files `Workers.assign` gives it and
     rank 0 writes the index / `.metadata`, checks and publishes (`distributed.split_output`);
-    `shares`, when given, receives what each rank did.
-    Returns the files written
-    (relative to `dest`, or `dest`'s own name for a single file) and the entries written.
+    `shares`, when given, receives what each rank did. Returns the files written (relative to
+    `dest`, or `dest`'s own name for a single file) and the entries written.
     """
     fmt = get_format(to)
     if not fmt.writable:
