@@ -450,8 +450,14 @@ def split_output(
                 # the publishing rename: still inside `together`, so if it fails, all fail
                 stack.close()
         return workers.broadcast(result)
-    except BaseException:
-        # rank 0's staged_output removes the staging folder; the other ranks hold nothing
-        if not stack.__exit__(*sys.exc_info()):
-            raise
-        raise  # pragma: no cover - staged_output never swallows an error
+    except BaseException as error:
+        try:
+            # rank 0's staged_output removes the staging folder; the other ranks hold nothing
+            stack.__exit__(*sys.exc_info())
+        finally:
+            if isinstance(error, RankFailedError):
+                # every rank failed together: the others wait until rank 0 has removed the
+                # staging folder, since torchrun stops the remaining ranks once one exits
+                with suppress(Exception):
+                    workers.barrier()
+        raise

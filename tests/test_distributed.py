@@ -327,6 +327,18 @@ def test_one_failing_rank_fails_every_rank_with_its_error_and_publishes_nothing(
     assert not dest.exists()
     assert no_leftovers(tmp_path) == []
 
+    # under torchrun itself, which stops the other ranks as soon as one exits: rank 0 still
+    # removes its staging folder (the other ranks wait for it) and the launch fails
+    dest = tmp_path / "converted"
+    proc = torchrun_ckpt(
+        2, "convert", sources["model"], dest, "--to", "safetensors", "--max-shard-size", "8KB",
+        env={"CKPT_TEST_FAIL_RANK": "1"},
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "rank 1 of 2 failed: injected failure on rank 1" in proc.stderr
+    assert not dest.exists()
+    assert no_leftovers(tmp_path) == []
+
 
 def test_a_plain_run_is_rank_0_of_1_and_never_imports_torch_distributed(
     monkeypatch: pytest.MonkeyPatch, sources: dict[str, Path]
