@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from .. import __version__
+from .. import __version__, models
 from ..distributed import CombinedProgress, RankShare, active
 from ..errors import (
     CkptError,
@@ -39,7 +39,7 @@ from ..formats import detect_format, get_format, resolve_source
 from ..formats.base import Checkpoint, Source
 from ..hashing import ALGORITHMS, hash_files
 from ..layouts import OpenedSource, check_source, open_source, recognise_layout, training_checks
-from ..models import Entry, Problem, TrainingState
+from ..models import Problem, TrainingState
 from ..output import staged_output
 from ..progress import NULL_PROGRESS, Progress
 from ..storage import LocalStorage
@@ -326,7 +326,7 @@ def _deep_entry(
     report: VerifyReport,
     problems: list[Problem],
     checkpoint: Checkpoint,
-    entry: Entry,
+    entry: models.Entry,
     progress: Progress,
 ) -> None:
     """Read one entry; record what is wrong with it."""
