@@ -112,11 +112,18 @@ def run_command(
         exit_code: 0, or 1 when the result reports problems (verify, diff).
     """
     from . import render
+    from .distributed import RankFailedError, joined
 
     try:
         result = action()
     except CkptError as error:
-        render.emit_error(command, error, json_output)
+        # under torchrun, a command that split its work speaks through rank 0; the others print
+        # only errors of their own (the collective RankFailedError is rank 0's to report)
+        leader = joined().leader
+        if leader:
+            render.emit_error(command, error, json_output)
+        elif not isinstance(error, RankFailedError):
+            render.emit_error(command, error, False)
         raise typer.Exit(error.exit_code) from None
     except KeyboardInterrupt:
         interrupted = Interrupted("interrupted")
@@ -127,10 +134,12 @@ def run_command(
     except Exception as exc:  # anything else is a bug: say so, keep the traceback for CKPT_DEBUG
         if os.environ.get("CKPT_DEBUG"):
             raise
-        render.emit_internal_error(command, exc, json_output)
+        render.emit_internal_error(command, exc, json_output and joined().leader)
         raise typer.Exit(70) from None
     code = exit_code(result)
-    if json_output:
+    if not joined().leader:
+        pass
+    elif json_output:
         render.emit_json(command, result, code)
     else:
         render_human(result)
@@ -158,6 +167,9 @@ def get_app() -> typer.Typer:
 
 
 def main(argv: list[str] | None = None) -> Any:
-    """Console entry point (`ckpt`)."""
+    """Console entry point (`ckpt`); under torchrun, joins the launch's process group first."""
+    from .distributed import launched
+
     get_app()
-    return app(args=argv if argv is not None else sys.argv[1:], prog_name="ckpt")
+    with launched():
+        return app(args=argv if argv is not None else sys.argv[1:], prog_name="ckpt")

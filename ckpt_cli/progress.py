@@ -36,3 +36,21 @@ class NullProgress:
 
 
 NULL_PROGRESS = NullProgress()
+
+
+class CountingProgress:
+    """Passes progress on to `inner` and counts the units advanced (`done`)."""
+
+    def __init__(self, inner: Progress):
+        self.inner = inner
+        self.done = 0
+
+    def start(self, total: int, description: str) -> None:
+        self.inner.start(total, description)
+
+    def advance(self, amount: int) -> None:
+        self.done += amount
+        self.inner.advance(amount)
+
+    def finish(self) -> None:
+        self.inner.finish()

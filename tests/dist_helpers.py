@@ -7,6 +7,7 @@ Other areas (convert, reshard, verify) import these:
 * `dcp_save(state, path, serialization)`: `dcp.save` in one process (`no_dist=True`).
 * `run_torchrun(script, nproc, *args)`: run a script under `torchrun --standalone` with gloo
   on CPU (the script reads the rank from the environment); raises with its output on failure.
+* `torchrun_ckpt(nproc, *args)`: `torchrun --standalone -m ckpt_cli ARGS…`; returns the process.
 * `DIST_SCRIPT`: `tests/dcp_dist_script.py`, whose `save` and `load` modes save a DTensor
   `Shard(0)` checkpoint and load one back into `Shard(0)` DTensors, recording per rank which
   files it read.
@@ -69,29 +70,50 @@ def dcp_load_flat(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     return target
 
 
-def run_torchrun(
-    script: Path, nproc: int, *args: str | os.PathLike[str], timeout: int = 300
-) -> str:
-    """Run `script` under `torchrun --standalone --nproc-per-node nproc`; return its output."""
+def torchrun_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for launched ranks: this checkout first on the path, one thread each."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
+    env.update(extra or {})
+    return env
+
+
+def _torchrun(
+    nproc: int, target: list[str], env: dict[str, str] | None, timeout: int
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={nproc}",
-            str(script),
-            *[str(a) for a in args],
+            *target,
         ],
         capture_output=True,
         text=True,
-        env=env,
+        env=torchrun_env(env),
         timeout=timeout,
     )
+
+
+def run_torchrun(
+    script: Path, nproc: int, *args: str | os.PathLike[str], timeout: int = 300
+) -> str:
+    """Run `script` under `torchrun --standalone --nproc-per-node nproc`; return its output."""
+    proc = _torchrun(nproc, [str(script), *[str(a) for a in args]], None, timeout)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script.name} {args} failed ({proc.returncode}):\n{output}")
     return output
+
+
+def torchrun_ckpt(
+    nproc: int,
+    *args: str | os.PathLike[str],
+    env: dict[str, str] | None = None,
+    timeout: int = 300,
+) -> subprocess.CompletedProcess[str]:
+    """`torchrun --standalone --nproc-per-node nproc -m ckpt_cli ARGS…` (not checked)."""
+    return _torchrun(nproc, ["-m", "ckpt_cli", *[str(a) for a in args]], env, timeout)

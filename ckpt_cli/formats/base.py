@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -262,6 +262,37 @@ class Writer(ABC):
     @abstractmethod
     def finish(self) -> list[FileInfo]:
         """Flush, fsync, write the commit marker; return the files written."""
+
+    # Split writing (torchrun, see `ckpt_cli.distributed`): every rank builds the same writer
+    # from the same plan, `restrict`s it to the data files assigned to it, receives only the
+    # entries it `wants`, and returns `finish_part()`; rank 0 then `commit`s all the parts,
+    # writing the commit marker last. A writer that splits has `finish() ==
+    # commit([finish_part()])`, so a split run writes the same bytes as a single one.
+
+    @property
+    def splittable(self) -> bool:
+        """Whether `output_files` / `restrict` / `finish_part` / `commit` are implemented."""
+        return False
+
+    def output_files(self) -> dict[str, int]:
+        """The data files the plan produces (commit marker excluded), with their planned bytes."""
+        raise NotImplementedError
+
+    def restrict(self, files: Collection[str]) -> None:
+        """Write only these data files (call before any entry is written)."""
+        raise NotImplementedError
+
+    def wants(self, name: str) -> bool:
+        """Whether entry `name` has data in the files this writer writes."""
+        return True
+
+    def finish_part(self) -> dict[str, Any]:
+        """Flush and fsync this writer's files; a JSON-able record of them for `commit`."""
+        raise NotImplementedError
+
+    def commit(self, parts: list[dict[str, Any]]) -> list[FileInfo]:
+        """Write the commit marker from every rank's `finish_part`; return all files written."""
+        raise NotImplementedError
 
 
 class Format(ABC):

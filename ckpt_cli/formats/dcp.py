@@ -42,7 +42,7 @@ import os
 import re
 import struct
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1228,8 +1228,47 @@ class DcpWriter(Writer):
         self.files: dict[str, _FileState] = {name: _FileState(name) for name in files}
         # safetensors: the embedded header lists every chunk of the file up front
         self._raw_at: dict[tuple[str, int], int] = {}
-        for name in self.files:
+        #: files this writer writes (all unless `restrict`ed); each is opened on first use
+        self._owned = set(self.files)
+        self._started = False
+
+    @property
+    def splittable(self) -> bool:
+        return True
+
+    def output_files(self) -> dict[str, int]:
+        weights = dict.fromkeys(self.files, 0)
+        for name, chunks in self.layout.items():
+            entry = self.entries[name]
+            assert entry.dtype is not None
+            for chunk in chunks:
+                weights[chunk.file] += dtypes.numel(chunk.sizes) * dtypes.itemsize(entry.dtype)
+        for name, rel in self._object_file.items():
+            weights[rel] += self.entries[name].nbytes
+        return weights
+
+    def restrict(self, files: Collection[str]) -> None:
+        if self._started:
+            raise RuntimeError("restrict() after entries were written")
+        self._owned = set(files) & set(self.files)
+
+    def owns(self, file: str) -> bool:
+        """Whether this writer writes the data file `file`."""
+        return file in self._owned
+
+    def wants(self, name: str) -> bool:
+        if name in self._object_file:
+            return self._object_file[name] in self._owned
+        return any(c.file in self._owned for c in self.layout.get(name, ()))
+
+    def _state(self, name: str) -> _FileState:
+        if name not in self._owned:
+            raise RuntimeError(f"{name} is written by another rank")
+        self._started = True
+        state = self.files[name]
+        if state.fh is None:
             self._open(name)
+        return state
 
     def _plan_chunks(self, entry: Entry) -> list[Chunk]:
         shape = list(entry.shape)
@@ -1362,6 +1401,8 @@ class DcpWriter(Writer):
                 f"tensor {name!r} has shape {list(tensor.shape)}, the plan says {entry.shape}"
             )
         for index, chunk in enumerate(chunks):
+            if chunk.file not in self._owned:
+                continue
             box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
             self.write_chunk(name, index, tensor[box] if box else tensor)
 
@@ -1381,7 +1422,7 @@ class DcpWriter(Writer):
             )
         if self.results[name][chunk_index] is not None:
             raise FormatError(f"tensor {name!r}: chunk {chunk_index} was written twice")
-        state = self.files[chunk.file]
+        state = self._state(chunk.file)
         if self.serialization == "safetensors":
             at = self._raw_at[(name, chunk_index)]
             data = tensor_bytes(piece)
@@ -1423,10 +1464,10 @@ class DcpWriter(Writer):
                 for start, length, index in targets:
                     if start <= done < start + length:
                         n = min(len(view), start + length - done)
-                        state = self.files[chunks[index].file]
-                        os.pwrite(
-                            state.fh.fileno(), view[:n], self._raw_at[(name, index)] + done - start
-                        )
+                        if chunks[index].file in self._owned:
+                            state = self._state(chunks[index].file)
+                            at = self._raw_at[(name, index)] + done - start
+                            os.pwrite(state.fh.fileno(), view[:n], at)
                         done += n
                         view = view[n:]
                         break
@@ -1437,6 +1478,8 @@ class DcpWriter(Writer):
         for index, (chunk, (_start, length, _i)) in enumerate(
             zip(chunks, sorted(targets, key=lambda t: t[2]), strict=True)
         ):
+            if chunk.file not in self._owned:
+                continue
             self.results[name][index] = (self.files[chunk.file].blob_start, length)
             self.files[chunk.file].entries += 1
 
@@ -1461,28 +1504,69 @@ class DcpWriter(Writer):
             raise FormatError(f"object {name!r} is not in the write plan")
         if self.results[name][0] is not None:
             raise FormatError(f"object {name!r} was written twice")
-        state = self.files[rel]
+        state = self._state(rel)
         self.results[name][0] = self._append(state, data)
         state.entries += 1
 
     def finish(self) -> list[FileInfo]:
         """fsync every data file, then write `.metadata` (the commit marker) last."""
+        return self.commit([self.finish_part()])
+
+    def _chunk_files(self, name: str) -> list[str]:
+        if name in self._object_file:
+            return [self._object_file[name]]
+        return [c.file for c in self.layout[name]]
+
+    def finish_part(self) -> dict[str, Any]:
+        """fsync this writer's data files; their sizes and the byte ranges of what they hold."""
+        missing = [
+            f"{name}[{i}]"
+            for name, results in self.results.items()
+            for i, (r, file) in enumerate(zip(results, self._chunk_files(name), strict=True))
+            if r is None and file in self._owned
+        ]
+        if missing:
+            raise RuntimeError(
+                f"DCP writer finished with unwritten entries: {', '.join(missing[:5])}"
+            )
+        files: dict[str, list[int]] = {}
+        for name, state in self.files.items():
+            if name not in self._owned:
+                continue
+            if state.fh is None:
+                self._open(name)  # a rank with nothing to hold still gets its (empty) file
+            state.fh.flush()
+            os.fsync(state.fh.fileno())
+            state.fh.close()
+            files[name] = [state.append_at, state.entries]
+        results = {
+            name: [[i, r[0], r[1]] for i, r in enumerate(found) if r is not None]
+            for name, found in self.results.items()
+        }
+        return {"files": files, "results": {n: r for n, r in results.items() if r}}
+
+    def commit(self, parts: list[dict[str, Any]]) -> list[FileInfo]:
+        """Merge every rank's part, then write `.metadata` (the commit marker) last."""
+        sizes: dict[str, list[int]] = {}
+        for part in parts:
+            sizes.update(part["files"])
+            for name, found in part["results"].items():
+                for index, start, length in found:
+                    self.results[name][index] = (start, length)
         missing = [
             f"{name}[{i}]"
             for name, results in self.results.items()
             for i, r in enumerate(results)
             if r is None
         ]
-        if missing:
+        absent = [name for name in self.files if name not in sizes]
+        if missing or absent:
             raise RuntimeError(
-                f"DCP writer finished with unwritten entries: {', '.join(missing[:5])}"
+                f"DCP writer finished with unwritten entries: {', '.join((missing + absent)[:5])}"
             )
-        written: list[FileInfo] = []
-        for state in self.files.values():
-            state.fh.flush()
-            os.fsync(state.fh.fileno())
-            state.fh.close()
-            written.append(FileInfo(path=state.name, size=state.append_at, entries=state.entries))
+        written = [
+            FileInfo(path=name, size=sizes[name][0], entries=sizes[name][1]) for name in self.files
+        ]
         data = self._metadata_bytes()
         tmp = self.staging / f"{METADATA}.tmp"
         with open(tmp, "wb") as fh:

@@ -13,7 +13,7 @@ import json
 import os
 import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -635,6 +635,34 @@ class SafetensorsCheckpoint(Checkpoint):
         data = storage.read(entry.file, entry.offset, entry.nbytes)
         return tensor_from_bytes(data, entry.dtype, entry.shape)
 
+    def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        """A box of tensor `name`; a run of whole rows (dim-0 split) reads only its bytes."""
+        from ..tensors import read_tensor_from_fd, tensor_from_bytes
+
+        entry = self._entry(name)
+        shape = list(entry.shape)
+        if (
+            not shape
+            or list(sizes[1:]) != shape[1:]
+            or any(offsets[1:])
+            or entry.offset is None
+            or entry.file is None
+            or entry.dtype is None
+        ):
+            return super().read_slice(name, offsets, sizes)
+        row = dtypes.numel(shape[1:]) * dtypes.itemsize(entry.dtype)
+        start = entry.offset + offsets[0] * row
+        storage = self.storage
+        if isinstance(storage, LocalStorage):
+            fd = self._fds.get(entry.file)
+            if fd is None:
+                fd = self._fds[entry.file] = os.open(storage.path(entry.file), os.O_RDONLY)
+            return read_tensor_from_fd(
+                fd, start, entry.dtype, list(sizes), storage.describe(entry.file)
+            )
+        data = storage.read(entry.file, start, sizes[0] * row)
+        return tensor_from_bytes(data, entry.dtype, list(sizes))
+
     def _entry(self, name: str) -> Entry:
         try:
             return self.manifest.by_name[name]
@@ -712,10 +740,14 @@ class SafetensorsWriter(Writer):
             raise FormatError("a single-file destination cannot be split into shards")
         self.names = shard_names(self.basename, len(self.groups))
         self._where: dict[str, int] = {}
+        self._positions: dict[str, int] = {}
         for index, group in enumerate(self.groups):
-            for entry in group:
+            for position, entry in enumerate(group):
                 self._where[entry.name] = index
+                self._positions[entry.name] = position
         self._order = [e.name for e in plan]
+        #: shard indices this writer writes (all of them unless `restrict`ed)
+        self._owned = set(range(len(self.groups)))
         self._next = 0
         self._fh: Any = None
         self._shard = -1
@@ -725,21 +757,41 @@ class SafetensorsWriter(Writer):
     def accepts_raw(self) -> bool:
         return True
 
+    @property
+    def splittable(self) -> bool:
+        return True
+
+    def output_files(self) -> dict[str, int]:
+        return {
+            name: sum(e.nbytes for e in group)
+            for name, group in zip(self.names, self.groups, strict=True)
+        }
+
+    def restrict(self, files: Collection[str]) -> None:
+        if self._next:
+            raise RuntimeError("restrict() after entries were written")
+        wanted = set(files)
+        self._owned = {i for i, name in enumerate(self.names) if name in wanted}
+        self._order = [e.name for e in self.plan if self._where[e.name] in self._owned]
+
+    def wants(self, name: str) -> bool:
+        return self._where.get(name) in self._owned
+
     def _advance(self, name: str) -> None:
         if self._next >= len(self._order) or self._order[self._next] != name:
             expected = self._order[self._next] if self._next < len(self._order) else "nothing"
             raise RuntimeError(f"writer got {name!r} out of plan order (expected {expected!r})")
         self._next += 1
         shard = self._where[name]
-        while self._shard < shard:
-            self._open_next_shard()
+        if self._shard != shard:
+            self._open_shard(shard)
 
-    def _open_next_shard(self) -> None:
+    def _open_shard(self, shard: int) -> None:
         self._close_shard()
-        self._shard += 1
+        self._shard = shard
         # shards stay open across write calls: the writer streams one tensor at a time
-        self._fh = open(self.staging / self.names[self._shard], "wb")
-        self._fh.write(encode_header(self.groups[self._shard], self.metadata))
+        self._fh = open(self.staging / self.names[shard], "wb")
+        self._fh.write(encode_header(self.groups[shard], self.metadata))
 
     def _close_shard(self) -> None:
         if self._fh is None:
@@ -761,7 +813,7 @@ class SafetensorsWriter(Writer):
 
         self._advance(name)
         data = tensor_bytes(tensor)
-        expected = self.plan[self._next - 1].nbytes
+        expected = self.groups[self._shard][self._positions[name]].nbytes
         if len(data) != expected:
             raise RuntimeError(f"tensor {name!r} has {len(data)} bytes, the plan said {expected}")
         self._fh.write(data)
@@ -778,11 +830,18 @@ class SafetensorsWriter(Writer):
             self._fh.write(block)
 
     def finish(self) -> list[FileInfo]:
+        return self.commit([self.finish_part()])
+
+    def finish_part(self) -> dict[str, Any]:
         if self._next != len(self._order):
             raise RuntimeError(f"writer finished after {self._next} of {len(self._order)} entries")
-        # empty shards (an empty plan) still get their header written
-        while self._shard < len(self.groups) - 1:
-            self._open_next_shard()
+        # shards with no entries (an empty plan) still get their header written
+        opened = {info.path for info in self._written}
+        if self._fh is not None:
+            opened.add(self.names[self._shard])
+        for shard in sorted(self._owned):
+            if self.names[shard] not in opened:
+                self._open_shard(shard)
         self._close_shard()
         for info in self._written:
             fd = os.open(self.staging / info.path, os.O_RDONLY)
@@ -790,6 +849,16 @@ class SafetensorsWriter(Writer):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        return {"files": [info.model_dump(mode="json") for info in self._written]}
+
+    def commit(self, parts: list[dict[str, Any]]) -> list[FileInfo]:
+        by_name = {
+            info["path"]: FileInfo.model_validate(info) for part in parts for info in part["files"]
+        }
+        missing = [name for name in self.names if name not in by_name]
+        if missing:
+            raise RuntimeError(f"no rank wrote the shards {', '.join(missing[:3])}")
+        written = [by_name[name] for name in self.names]
         if len(self.groups) > 1:
             index = {
                 "metadata": {"total_size": sum(e.nbytes for e in self.plan)},
@@ -801,5 +870,5 @@ class SafetensorsWriter(Writer):
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
-            self._written.insert(0, FileInfo(path=index_name, size=len(data), entries=0))
-        return self._written
+            written.insert(0, FileInfo(path=index_name, size=len(data), entries=0))
+        return written

@@ -12,6 +12,7 @@ from pathlib import PurePath
 from pydantic import BaseModel, Field
 
 from .. import dtypes
+from ..distributed import RankShare
 from ..errors import UsageError
 from ..formats.base import WriteOptions
 from ..layouts import open_source
@@ -47,6 +48,7 @@ class ConvertReport(BaseModel):
         max_shard_size / dcp_serialization / world_size: the layout asked for.
         checked: the output passed the format's structural check before it was published.
         entries: every entry written.
+        ranks: under torchrun, what each rank wrote (empty in a single-process run).
     """
 
     source: str
@@ -69,6 +71,7 @@ class ConvertReport(BaseModel):
     world_size: int | None = None
     checked: bool = True
     entries: list[WrittenEntry] = Field(default_factory=list)
+    ranks: list[RankShare] = Field(default_factory=list)
 
 
 def _guard_paths(src: str, dest: Destination) -> None:
@@ -198,8 +201,9 @@ def convert(
             dcp_serialization=dcp_serialization,
             world_size=world_size,
         )
+        shares: list[RankShare] = []
         files, written = run_write(
-            checkpoint, plan, dest_path, to, options, force=force, progress=progress
+            checkpoint, plan, dest_path, to, options, force=force, progress=progress, shares=shares
         )
     tensors = [w for w in written if w.kind == "tensor"]
     return ConvertReport(
@@ -222,4 +226,5 @@ def convert(
         dcp_serialization=dcp_serialization if to == "dcp" else None,
         world_size=world_size if to == "dcp" else None,
         entries=written,
+        ranks=shares,
     )

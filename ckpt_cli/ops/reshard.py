@@ -26,17 +26,19 @@ Output is staged and published atomically after a structural check (the format's
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
+from ..distributed import CombinedProgress, RankShare, active, split_output
 from ..errors import FormatError, UsageError
 from ..formats import get_format, open_checkpoint
 from ..formats.base import Checkpoint, WriteOptions, Writer
 from ..formats.safetensors import INDEX_SUFFIX
 from ..models import Chunk, Entry, FileInfo
-from ..output import check_destination, staged_output
+from ..output import check_destination
 from ..placement import (
     Box,
     Rule,
@@ -46,7 +48,7 @@ from ..placement import (
     rule_for,
     shard_boxes,
 )
-from ..progress import NULL_PROGRESS, Progress
+from ..progress import NULL_PROGRESS, CountingProgress, Progress
 from ..uri import parse_location
 from .transfer import check_staged
 
@@ -113,6 +115,7 @@ class ReshardReport(BaseModel):
     rank_state: list[RankStateEntry] = Field(default_factory=list)
     rank_state_action: RankStateAction | None = None
     verified: bool = False
+    ranks: list[RankShare] = Field(default_factory=list)
 
 
 class _ChunkWriter(Protocol):
@@ -162,8 +165,16 @@ def reshard_shard_size(
             metadata=dict(manifest.metadata),
             basename=_basename(checkpoint),
         )
+        shares: list[RankShare] = []
         files, written = write_checkpoint(
-            checkpoint, plan, out, manifest.format, options, force=force, progress=progress
+            checkpoint,
+            plan,
+            out,
+            manifest.format,
+            options,
+            force=force,
+            progress=progress,
+            shares=shares,
         )
         return ReshardReport(
             mode="shard-size",
@@ -177,6 +188,7 @@ def reshard_shard_size(
             raw_copy=sum(1 for w in written if w.how == "raw"),
             max_shard_size=max_shard_size,
             verified=True,
+            ranks=shares,
         )
 
 
@@ -360,31 +372,67 @@ def reshard_world_size(
             extra={"dcp_planner_data": getattr(checkpoint, "planner_data", None)},
         )
         total = sum(e.nbytes for e in plan if e.kind == "tensor")
-        with staged_output(out, force=force) as staging:
+        workers = active()
+        writers: list[Writer] = []
+
+        def work(staging: Path) -> dict[str, Any]:
+            started = time.perf_counter()
             writer = fmt.writer(staging, plan, options)
+            writers.append(writer)
             write_chunk = getattr(writer, "write_chunk", None)
             if write_chunk is None:
                 raise FormatError("the DCP writer of this version cannot write planned chunks")
             chunk_writer: _ChunkWriter = writer  # type: ignore[assignment]
-            progress.start(total, "resharding")
-            tensors = objects = 0
-            reader = _BoxReader(checkpoint)
-            for entry in plan:
-                if entry.kind == "object":
-                    _copy_object(checkpoint, writer, entry.name)
-                    objects += 1
-                    continue
-                assert entry.chunks is not None
-                for index, chunk in enumerate(entry.chunks):
-                    piece = reader.read(entry, chunk)
-                    chunk_writer.write_chunk(entry.name, index, piece)
-                    progress.advance(piece.numel() * piece.element_size())
-                    del piece
-                reader.forget()
-                tensors += 1
-            files = writer.finish()
-            progress.finish()
+            mine: list[str] = []
+            if workers.distributed:
+                sizes = writer.output_files()
+                names = list(sizes)
+                mine = [names[i] for i in workers.mine([sizes[n] for n in names])]
+                writer.restrict(mine)
+            owns = getattr(writer, "owns", lambda _file: True)
+            counted = CountingProgress(CombinedProgress(progress, workers))
+            counted.start(total, "resharding")
+            try:
+                reader = _BoxReader(checkpoint)
+                for entry in plan:
+                    if not writer.wants(entry.name):
+                        continue
+                    if entry.kind == "object":
+                        _copy_object(checkpoint, writer, entry.name)
+                        continue
+                    assert entry.chunks is not None
+                    for index, chunk in enumerate(entry.chunks):
+                        if not owns(chunk.file):
+                            continue
+                        piece = reader.read(entry, chunk)
+                        chunk_writer.write_chunk(entry.name, index, piece)
+                        counted.advance(piece.numel() * piece.element_size())
+                        del piece
+                    reader.forget()
+                workers.test_failure_point("the reshard")
+                part = writer.finish_part()
+            finally:
+                counted.finish()
+            share = RankShare(
+                rank=workers.rank,
+                files=mine,
+                bytes=counted.done,
+                seconds=time.perf_counter() - started,
+            )
+            return {"part": part, "share": share.model_dump(mode="json")}
+
+        def commit(staging: Path, parts: list[dict[str, Any]]) -> dict[str, Any]:
+            files = writers[0].commit([p["part"] for p in parts])
             check_staged("dcp", staging, single_file=False)
+            return {
+                "files": [f.model_dump(mode="json") for f in files],
+                "shares": [p["share"] for p in parts] if workers.distributed else [],
+            }
+
+        result = split_output(workers, out, force=force, work=work, commit=commit)
+        files = [FileInfo.model_validate(f) for f in result["files"]]
+        tensors = sum(1 for e in plan if e.kind != "object")
+        objects = len(plan) - tensors
         return ReshardReport(
             mode="world-size",
             source=manifest.location,
@@ -408,6 +456,7 @@ def reshard_world_size(
             rank_state=rank_entries,
             rank_state_action=action,
             verified=True,
+            ranks=[RankShare.model_validate(r) for r in result["shares"]],
         )
 
 

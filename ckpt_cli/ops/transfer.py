@@ -21,17 +21,17 @@ import typing
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from pydantic import BaseModel, Field
 
 from .. import dtypes
+from ..distributed import CombinedProgress, RankShare, Workers, active, split_output
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import get_format
 from ..formats.base import COPY_BLOCK, Checkpoint, FileRange, Source, WriteOptions, Writer
 from ..models import Entry, FileInfo, Manifest
-from ..output import staged_output
-from ..progress import NULL_PROGRESS, Progress
+from ..progress import NULL_PROGRESS, CountingProgress, Progress
 from ..storage import LocalStorage
 from ..uri import parse_location
 from .inspect import select as select_globs
@@ -320,6 +320,17 @@ def _counted(blocks: Iterable[bytes | memoryview], progress: Progress) -> Iterat
         progress.advance(len(block))
 
 
+def _partial_chunks(writer: Writer, name: str) -> list[tuple[int, list[int], list[int]]] | None:
+    """The chunks of `name` a restricted DCP-like writer writes, when it writes only some."""
+    owns = getattr(writer, "owns", None)
+    chunks_of = getattr(writer, "chunks_of", None)
+    if owns is None or chunks_of is None:
+        return None
+    chunks = chunks_of(name)
+    mine = [(i, c.offsets, c.sizes) for i, c in enumerate(chunks) if owns(c.file)]
+    return mine if len(mine) < len(chunks) else None
+
+
 def copy_entries(
     checkpoint: Checkpoint,
     writer: Writer,
@@ -329,16 +340,32 @@ def copy_entries(
     """Stream every item from `checkpoint` into `writer`, in order, one entry at a time.
 
     Raw byte copies are used whenever the entry is stored raw, no cast is asked for and the
-    writer accepts raw bytes; everything else goes through one tensor in memory.
+    writer accepts raw bytes; everything else goes through one tensor in memory. A writer
+    restricted to some of its files (a rank of a split run) that holds only some chunks of a
+    tensor gets just those boxes (`read_slice`); `how` still says what a whole copy would be.
     """
     delay = _delay()
     written: list[WrittenEntry] = []
     for item in items:
         source, target = item.source, item.target
-        if target.kind != "tensor":
+        raw = item.cast is None and source.is_raw and writer.accepts_raw
+        partial = _partial_chunks(writer, target.name) if target.kind == "tensor" else None
+        if partial is not None:
+            from ..tensors import torch_dtype
+
+            for index, offsets, sizes in partial:
+                piece = checkpoint.read_slice(source.name, offsets, sizes)
+                if item.cast is not None:
+                    piece = piece.to(torch_dtype(item.cast))
+                writer.write_chunk(target.name, index, piece)  # type: ignore[attr-defined]
+                # counted in source bytes, like the whole-entry paths below
+                progress.advance(dtypes.numel(sizes) * dtypes.itemsize(source.dtype or "uint8"))
+                del piece
+            how = "raw" if raw else "cast" if item.cast else "tensor"
+        elif target.kind != "tensor":
             writer.write_object(target.name, checkpoint.read_object(source.name))
             how = "object"
-        elif item.cast is None and source.is_raw and writer.accepts_raw:
+        elif raw:
             local = checkpoint.storage.local_path(source.file) if source.file else None
             if local is not None and source.offset is not None:
                 # writers may copy a local range in the kernel (FileRange.copy_to)
@@ -403,25 +430,87 @@ def write_checkpoint(
     *,
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
+    workers: Workers | None = None,
+    shares: list[RankShare] | None = None,
 ) -> tuple[list[FileInfo], list[WrittenEntry]]:
     """Write `plan` from `checkpoint` as format `to` at `dest`, atomically.
 
     The writer streams into a hidden sibling of `dest`; the result is checked with the format's
-    `check` hook and published with one rename only when it passes. Returns the files written
-    (relative to `dest`, or `dest`'s own name for a single file) and the entries written.
+    `check` hook and published with one rename only when it passes. Under torchrun (`workers`,
+    by default the active ones) every rank writes the data files `Workers.assign` gives it and
+    rank 0 writes the index / `.metadata`, checks and publishes (`distributed.split_output`);
+    `shares`, when given, receives what each rank did. Returns the files written (relative to
+    `dest`, or `dest`'s own name for a single file) and the entries written.
     """
     fmt = get_format(to)
     if not fmt.writable:
         raise UsageError(f"writing {to} is not supported in this version")
-    with staged_output(dest, force=force, single_file=options.single_file) as staging:
+    workers = workers or active()
+    writers: list[Writer] = []
+
+    def work(staging: Path) -> dict[str, Any]:
         writer = fmt.writer(staging, [item.target for item in plan.items], options)
-        progress.start(plan.total_bytes, f"{to} → {dest.name}")
+        writers.append(writer)
+        items = plan.items
+        started = time.perf_counter()
+        mine: list[str] = []
+        if workers.distributed:
+            if not writer.splittable:
+                raise UsageError(
+                    f"writing {to} cannot be split across ranks",
+                    fix="Run this conversion as one process (without torchrun).",
+                )
+            sizes = writer.output_files()
+            names = list(sizes)
+            mine = [names[i] for i in workers.mine([sizes[n] for n in names])]
+            writer.restrict(mine)
+            items = [item for item in plan.items if writer.wants(item.target.name)]
+        total = sum(i.source.nbytes for i in items if i.source.kind == "tensor")
+        # every rank counts its share; rank 0 draws all of them (CombinedProgress)
+        counted = CountingProgress(CombinedProgress(progress, workers, total=plan.total_bytes))
+        counted.start(total, f"{to} → {dest.name}")
         try:
-            written = copy_entries(checkpoint, writer, plan.items, progress)
-            files = writer.finish()
+            done = copy_entries(checkpoint, writer, items, counted)
+            workers.test_failure_point("the copy")
+            part = writer.finish_part() if workers.distributed else None
+            files = None if part is not None else writer.finish()
         finally:
-            progress.finish()
+            counted.finish()
+        share = RankShare(
+            rank=workers.rank, files=mine, bytes=counted.done, seconds=time.perf_counter() - started
+        )
+        return {
+            "share": share.model_dump(mode="json"),
+            "part": part,
+            "files": None if files is None else [f.model_dump(mode="json") for f in files],
+            "written": [w.model_dump(mode="json") for w in done],
+        }
+
+    def commit(staging: Path, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        if workers.distributed:
+            files = writers[0].commit([p["part"] for p in parts])
+        else:
+            files = [FileInfo.model_validate(f) for f in parts[0]["files"]]
         check_staged(to, staging, options.single_file)
+        # an entry split over several ranks' files is reported once, in plan order
+        by_name: dict[str, Any] = {}
+        for p in parts:
+            for w in p["written"]:
+                by_name.setdefault(w["name"], w)
+        order = [by_name[i.target.name] for i in plan.items if i.target.name in by_name]
+        return {
+            "files": [f.model_dump(mode="json") for f in files],
+            "written": order,
+            "shares": [p["share"] for p in parts] if workers.distributed else [],
+        }
+
+    result = split_output(
+        workers, dest, force=force, single_file=options.single_file, work=work, commit=commit
+    )
+    files = [FileInfo.model_validate(f) for f in result["files"]]
+    written = [WrittenEntry.model_validate(w) for w in result["written"]]
+    if shares is not None:
+        shares.extend(RankShare.model_validate(s) for s in result["shares"])
     if options.single_file and files:
         files = [files[0].model_copy(update={"path": dest.name})]
     return files, written

@@ -18,12 +18,15 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from .. import __version__
+from .. import __version__, models
+from ..distributed import CombinedProgress, RankShare, active
 from ..errors import (
     CkptError,
     DestinationExistsError,
@@ -106,6 +109,7 @@ class VerifyReport(BaseModel):
         training: the training state, when the source is a training checkpoint.
         problems: every problem found, errors and warnings.
         errors / warnings: counts by severity.
+        ranks: under torchrun, which files each rank hashed (empty in a single-process run).
     """
 
     location: str
@@ -124,6 +128,7 @@ class VerifyReport(BaseModel):
     problems: list[Problem] = Field(default_factory=list)
     errors: int = 0
     warnings: int = 0
+    ranks: list[RankShare] = Field(default_factory=list)
 
 
 def verify(
@@ -157,6 +162,8 @@ def verify(
         NotFoundError (exit 3) or FormatError (exit 4) when SRC cannot be read at all;
         UsageError for contradictory options. Problems found are returned, not raised.
     """
+    # under torchrun: join the launch now, so rank 0 alone reports even when nothing is hashed
+    active()
     if checksums and write_manifest:
         raise UsageError(
             "--checksums and --write-manifest do not go together",
@@ -274,54 +281,99 @@ def _open_checks(
 def _deep(
     report: VerifyReport, problems: list[Problem], checkpoint: Checkpoint, progress: Progress
 ) -> None:
-    """Read every entry once; count NaN/Inf of floating tensors."""
+    """Read every entry once; count NaN/Inf of floating tensors.
+
+    Under torchrun each rank reads a byte-balanced share of the entries; the findings are
+    gathered and kept in manifest order, so every rank reports what one process would.
+    """
     manifest = checkpoint.manifest
-    where = manifest.location
-    progress.start(manifest.tensor_bytes(), "reading tensors")
+    workers = active()
+    entries = manifest.entries
+    mine = workers.mine([e.nbytes for e in entries]) if workers.distributed else range(len(entries))
+    progress = CombinedProgress(progress, workers, total=manifest.tensor_bytes())
+    progress.start(
+        sum(entries[i].nbytes for i in mine if entries[i].kind == "tensor"), "reading tensors"
+    )
+    found: list[dict[str, Any]] = []
     try:
-        for entry in manifest.entries:
-            file = checkpoint.storage.describe(entry.file) if entry.file else where
-            if entry.kind != "tensor":
-                try:
-                    checkpoint.read_object(entry.name)
-                except UnsafeInputError:
-                    pass  # listed on purpose but never unpickled (training_args.bin)
-                except Exception as exc:  # any failure to deserialise is the finding itself
-                    problems.append(_unreadable(entry.name, file, exc, "object"))
-                continue
-            try:
-                tensor = checkpoint.read_tensor(entry.name)
-            except Exception as exc:
-                problems.append(_unreadable(entry.name, file, exc, "tensor"))
-                progress.advance(entry.nbytes)
-                continue
-            report.tensors += 1
-            if list(tensor.shape) != list(entry.shape):
-                problems.append(
-                    Problem(
-                        code="shape_mismatch",
-                        message=f"{file}: tensor {entry.name!r} reads as shape "
-                        f"{list(tensor.shape)}, its metadata says {entry.shape}",
-                        file=file,
-                        tensor=entry.name,
+        with workers.together():
+            for index in mine:
+                part = VerifyReport(location=report.location, ok=True, checks=[])
+                part_problems: list[Problem] = []
+                _deep_entry(part, part_problems, checkpoint, entries[index], progress)
+                if workers.distributed:
+                    found.append(
+                        {
+                            "index": index,
+                            "tensors": part.tensors,
+                            "nonfinite": [h.model_dump(mode="json") for h in part.nonfinite],
+                            "problems": [p.model_dump(mode="json") for p in part_problems],
+                        }
                     )
-                )
-            nan, inf = count_nonfinite(tensor)
-            if nan or inf:
-                report.nonfinite.append(TensorHealth(name=entry.name, file=file, nan=nan, inf=inf))
-                problems.append(
-                    Problem(
-                        code="nonfinite",
-                        message=f"{file}: tensor {entry.name!r} holds {nan} NaN and {inf} Inf "
-                        f"values (of {tensor.numel()})",
-                        file=file,
-                        tensor=entry.name,
-                    )
-                )
-            del tensor
-            progress.advance(entry.nbytes)
+                else:
+                    report.tensors += part.tensors
+                    report.nonfinite.extend(part.nonfinite)
+                    problems.extend(part_problems)
     finally:
         progress.finish()
+    if not workers.distributed:
+        return
+    merged = sorted((f for got in workers.all_gather(found) for f in got), key=lambda f: f["index"])
+    for f in merged:
+        report.tensors += f["tensors"]
+        report.nonfinite.extend(TensorHealth.model_validate(h) for h in f["nonfinite"])
+        problems.extend(Problem.model_validate(p) for p in f["problems"])
+
+
+def _deep_entry(
+    report: VerifyReport,
+    problems: list[Problem],
+    checkpoint: Checkpoint,
+    entry: models.Entry,
+    progress: Progress,
+) -> None:
+    """Read one entry; record what is wrong with it."""
+    where = checkpoint.manifest.location
+    file = checkpoint.storage.describe(entry.file) if entry.file else where
+    if entry.kind != "tensor":
+        try:
+            checkpoint.read_object(entry.name)
+        except UnsafeInputError:
+            pass  # listed on purpose but never unpickled (training_args.bin)
+        except Exception as exc:  # any failure to deserialise is the finding itself
+            problems.append(_unreadable(entry.name, file, exc, "object"))
+        return
+    try:
+        tensor = checkpoint.read_tensor(entry.name)
+    except Exception as exc:
+        problems.append(_unreadable(entry.name, file, exc, "tensor"))
+        progress.advance(entry.nbytes)
+        return
+    report.tensors += 1
+    if list(tensor.shape) != list(entry.shape):
+        problems.append(
+            Problem(
+                code="shape_mismatch",
+                message=f"{file}: tensor {entry.name!r} reads as shape "
+                f"{list(tensor.shape)}, its metadata says {entry.shape}",
+                file=file,
+                tensor=entry.name,
+            )
+        )
+    nan, inf = count_nonfinite(tensor)
+    if nan or inf:
+        report.nonfinite.append(TensorHealth(name=entry.name, file=file, nan=nan, inf=inf))
+        problems.append(
+            Problem(
+                code="nonfinite",
+                message=f"{file}: tensor {entry.name!r} holds {nan} NaN and {inf} Inf "
+                f"values (of {tensor.numel()})",
+                file=file,
+                tensor=entry.name,
+            )
+        )
+    del tensor
+    progress.advance(entry.nbytes)
 
 
 def _unreadable(name: str, file: str, exc: Exception, kind: str) -> Problem:
@@ -444,7 +496,7 @@ def _checksum_checks(
                 )
             )
             return
-        digests = _hash(files, algorithm, progress)
+        digests = _hash_split(files, algorithm, progress, report)
         sizes = files_size(files)
         report.hashed_bytes = sum(sizes.values())
         record = ChecksumManifest(
@@ -454,7 +506,11 @@ def _checksum_checks(
             format=report.format,
             files={n: FileDigest(size=sizes[n], digest=digests[n]) for n in sorted(files)},
         )
-        _write_manifest(path, record, force)
+        workers = active()
+        # rank 0 alone writes; a failure there fails every rank of a torchrun launch
+        with workers.together():
+            if workers.leader:
+                _write_manifest(path, record, force)
         report.manifest_written = True
         return
     report.checks.append("checksums")
@@ -510,7 +566,7 @@ def _checksum_checks(
                 severity="warning",
             )
         )
-    digests = _hash(to_hash, recorded.algorithm, progress)
+    digests = _hash_split(to_hash, recorded.algorithm, progress, report)
     report.hashed_bytes = sum(sizes[n] for n in to_hash)
     for name, digest in digests.items():
         if digest != recorded.files[name].digest:
@@ -738,7 +794,7 @@ def _compare_with_hub(
             report.hashed_bytes += sizes[name]
             if actual != want.blob_id:
                 problems.append(_hub_mismatch(describe(name), "git-sha1", actual, want.blob_id))
-    digests = _hash(lfs, "sha256", progress)
+    digests = _hash_split(lfs, "sha256", progress, report)
     report.hashed_bytes += sum(sizes[n] for n in lfs)
     for name, digest in digests.items():
         if digest != remote[name].sha256:
@@ -752,3 +808,35 @@ def _hub_mismatch(file: str, algo: str, actual: str, expected: str) -> Problem:
         "local copy is corrupt or from another revision)",
         file=file,
     )
+
+
+# ---------------------------------------------------------------- split across torchrun ranks
+
+
+def _hash_split(
+    files: Mapping[str, Any], algo: str, progress: Progress, report: VerifyReport
+) -> dict[str, str]:
+    """`_hash`; under torchrun each rank hashes a byte-balanced share and every rank gets all."""
+    workers = active()
+    if not workers.distributed:
+        return _hash(dict(files), algo, progress)
+    sizes = files_size(dict(files))
+    names = list(files)
+    mine = [names[i] for i in workers.mine([sizes[n] for n in names])]
+    started = time.perf_counter()
+    digests: dict[str, str] = {}
+    with workers.together():
+        combined = CombinedProgress(progress, workers, total=sum(sizes.values()))
+        digests = _hash({n: files[n] for n in mine}, algo, combined)
+        workers.test_failure_point("hashing")
+    share = RankShare(
+        rank=workers.rank,
+        files=mine,
+        bytes=sum(sizes[n] for n in mine),
+        seconds=time.perf_counter() - started,
+    )
+    merged: dict[str, str] = {}
+    for got in workers.all_gather({"digests": digests, "share": share.model_dump(mode="json")}):
+        merged.update(got["digests"])
+        report.ranks.append(RankShare.model_validate(got["share"]))
+    return {name: merged[name] for name in names}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..ops.convert import ConvertReport
 from . import human_bytes, stderr, stdout
+from .ranks import render_ranks
 
 #: skipped entries listed by name before the rest are counted
 MAX_LISTED = 8
@@ -33,6 +34,7 @@ def render_convert(report: ConvertReport) -> None:
     if layout:
         stdout.print("  " + ", ".join(layout))
     stdout.print("  [green]structure checked before publishing[/]")
+    render_ranks(report.ranks)
     for group in report.tied:
         if group[1] in report.aliases:
             note = f"written once as {group[0]}; the aliases are recorded in __metadata__"

@@ -15,6 +15,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from ..distributed import joined
 from . import stderr
 
 
@@ -27,6 +28,9 @@ class RichProgress:
 
     def start(self, total: int, description: str) -> None:
         self.finish()
+        workers = joined()
+        if not workers.leader:
+            return  # under torchrun only rank 0 draws (one terminal, K processes)
         self._task = self._progress.add_task(description, total=total)
 
     def advance(self, amount: int) -> None:

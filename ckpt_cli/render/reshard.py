@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..ops.reshard import ReshardReport
 from . import human_bytes, stderr, stdout
+from .ranks import render_ranks
 
 _ACTIONS = {
     "carry": "carried unchanged (same world size)",
@@ -49,3 +50,4 @@ def render_reshard(report: ReshardReport) -> None:
             f"{_ACTIONS[report.rank_state_action]}"
         )
     stdout.print("  [green]verified[/] before publishing" if report.verified else "")
+    render_ranks(report.ranks)

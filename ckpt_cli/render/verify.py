@@ -6,6 +6,7 @@ from rich.markup import escape
 
 from ..ops.verify import VerifyReport
 from . import human_bytes, stdout
+from .ranks import render_ranks
 
 #: problems beyond this many per code are summarised (the JSON output has them all)
 MAX_PER_CODE = 50
@@ -29,6 +30,7 @@ def render_verify(report: VerifyReport) -> None:
     stdout.print(f"[dim]checked: {checks} — {what}[/]", soft_wrap=True)
     if report.manifest_written:
         stdout.print(f"manifest written: {report.manifest}")
+    render_ranks(report.ranks, verb="hashed")
     shown: dict[str, int] = {}
     for problem in report.problems:
         shown[problem.code] = shown.get(problem.code, 0) + 1
