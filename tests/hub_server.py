@@ -205,10 +205,18 @@ class TestHub:
         self._drops[(repo_id, path)] = nbytes
 
     def fail(
-        self, pattern: str, status: int, times: int = 1, error_code: str | None = None
+        self,
+        pattern: str,
+        status: int,
+        times: int = 1,
+        error_code: str | None = None,
+        after: int = 0,
     ) -> None:
-        """Answer `status` to the next `times` requests whose URL path matches regex `pattern`."""
-        self._fails.append([re.compile(pattern), status, times, error_code])
+        """Answer `status` to the next `times` requests whose URL path matches regex `pattern`.
+
+        With `after`, the first `after` matching requests are served normally (a fault midway).
+        """
+        self._fails.append([re.compile(pattern), status, times, error_code, after])
 
     # -- observations --------------------------------------------------------------------------
 
@@ -241,8 +249,11 @@ class TestHub:
     def _take_fault(self, path: str) -> tuple[int, str | None] | None:
         with self._lock:
             for fault in self._fails:
-                pattern, status, times, code = fault
+                pattern, status, times, code, after = fault
                 if times and pattern.search(path):  # type: ignore[attr-defined]
+                    if after:
+                        fault[4] = int(after) - 1  # type: ignore[call-overload]
+                        continue
                     fault[2] = int(times) - 1  # type: ignore[call-overload]
                     return int(status), code  # type: ignore[call-overload]
         return None

@@ -427,3 +427,85 @@ def test_cache_only_fills_the_hf_cache(hub: TestHub, tmp_path: Path) -> None:
     assert offline.exit_code == 0, offline.stderr
     assert hub.log == []
     assert (dest / shard).read_bytes() == (tmp_path / "src" / shard).read_bytes()
+
+
+def fail_midway(
+    hub: TestHub, monkeypatch: pytest.MonkeyPatch, weight_map: dict[str, str], parts_ok: int
+) -> None:
+    """Small parts fetched one at a time; the Hub answers 403 after `parts_ok` data parts."""
+    from ckpt_cli.ops import download as download_ops
+
+    monkeypatch.setattr(download_ops, "PART_SIZE", 4096)
+    monkeypatch.setattr(download_ops, "RANGE_WORKERS", 1)
+    monkeypatch.setattr(download_ops, "PARTS_IN_FLIGHT", 1)
+    # the CDN serves one header probe per shard, then the data parts; the failed part's retry
+    # through `resolve` is redirected to the CDN again and refused too
+    probes = len(set(weight_map.values()))
+    hub.fail(r"^/_cdn/", 403, times=2, after=probes + parts_ok)
+
+
+def test_tensors_mode_rerun_after_a_failure_fetches_only_what_it_lacks(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, weight_map = publish(hub, tmp_path)
+    fail_midway(hub, monkeypatch, weight_map, parts_ok=40)
+    dest = tmp_path / "resumable"
+    args = ["download", "hf://org/model", dest, "--mode", "tensors", "--no-extras", "--json"]
+    first = run_ckpt(*args)
+    assert first.exit_code == 5, first.stderr
+    assert "403" in first.stderr or "denied" in first.stderr.lower(), first.stderr
+    assert not dest.exists() and not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
+    partial = tmp_path / ".resumable.ckpt-partial"
+    assert partial.is_dir()
+    first_sent = hub.bytes_sent("org/model")
+
+    # a dry run says what is already there, fetches no data and keeps the pieces
+    hub.reset_counters()
+    plan = run_ckpt(*args, "--dry-run")
+    assert plan.exit_code == 0, plan.stderr
+    present = plan.json["result"]["bytes_resumed"]
+    selected = plan.json["result"]["selected_bytes"]
+    assert 40 * 4096 * 0.9 <= present < selected
+    assert plan.json["result"]["bytes_planned"] == selected - present
+    human = run_ckpt(*args[:-1], "--dry-run")
+    assert "already present from an unfinished run" in human.stdout
+
+    hub.reset_counters()
+    second = run_ckpt(*args)
+    assert second.exit_code == 0, second.stderr
+    report = second.json["result"]
+    assert report["bytes_resumed"] == present
+    # only the remainder crossed the wire: the ranges are contiguous, so selected == planned
+    assert report["bytes_transferred"] == selected - present
+    assert hub.bytes_sent("org/model") == report["bytes_transferred"] + report["metadata_bytes"]
+    # and across both runs every data byte was sent exactly once
+    assert first_sent - report["metadata_bytes"] == present
+    got = read_all(dest)
+    assert got.keys() == state.keys()
+    for name, tensor in state.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    assert not partial.exists()  # published: the kept ranges are gone
+
+
+def test_tensors_mode_rerun_after_a_new_commit_refetches_everything(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, weight_map = publish(hub, tmp_path)
+    fail_midway(hub, monkeypatch, weight_map, parts_ok=40)
+    dest = tmp_path / "moving"
+    args = ["download", "hf://org/model", dest, "--mode", "tensors", "--no-extras", "--json"]
+    assert run_ckpt(*args).exit_code == 5
+    assert (tmp_path / ".moving.ckpt-partial").is_dir()
+    # the branch moves: same names, shapes and offsets, other values
+    newer = {name: tensor * 2 for name, tensor in state.items()}
+    publish_model(hub, "org/model", tmp_path / "src2", newer, max_shard_size=SHARD_LIMIT)
+    hub.reset_counters()
+    second = run_ckpt(*args)
+    assert second.exit_code == 0, second.stderr
+    report = second.json["result"]
+    assert report["bytes_resumed"] == 0
+    assert report["bytes_transferred"] == report["selected_bytes"]
+    got = read_all(dest)
+    for name, tensor in newer.items():
+        assert torch.equal(got[name], tensor), name
+    assert not (tmp_path / ".moving.ckpt-partial").exists()

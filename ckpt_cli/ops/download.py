@@ -14,18 +14,25 @@ file's header) to map tensor names to shards.
   of the selected tensors (neighbours coalesced when the gap between them costs at most 1% of
   the range), streaming each range straight into the safetensors writer: peak memory is one
   block, and DEST is a valid safetensors checkpoint (sharded with an index when large).
+  Every part fetched is also kept in a hidden partial folder beside DEST
+  (`.NAME.ckpt-partial/`, see `PartialPieces`) until DEST is published, so a run that fails or
+  is killed leaves what it fetched: the rerun reads those bytes locally and fetches only the rest.
 
 DEST is published atomically (`output.staged_output`); `--dry-run` reads metadata only.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
+import hashlib
 import itertools
 import json
+import os
 import shutil
 import threading
+import uuid
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -44,7 +51,7 @@ from ..formats.safetensors import (
     read_index,
 )
 from ..models import Entry
-from ..output import Destination, check_destination, resolve_destination, staged_output
+from ..output import Destination, RemoteDest, check_destination, resolve_destination, staged_output
 from ..progress import NULL_PROGRESS, Progress
 from ..storage import LocalStorage
 from ..uri import Location, parse_location
@@ -80,6 +87,8 @@ FETCH_WORKERS = 8
 RANGE_WORKERS = 8
 PART_SIZE = 8 << 20
 PARTS_IN_FLIGHT = 16
+#: the folder beside DEST that keeps the ranges of an unfinished tensors-mode run
+PARTIAL_MARKER = ".ckpt-partial"
 
 
 class DownloadFile(BaseModel):
@@ -140,9 +149,15 @@ class DownloadReport(BaseModel):
         selected_bytes: data bytes of the selected tensors (when the headers were read).
         files: the files fetched, found in the cache or written.
         ranges: the range requests (tensors mode).
-        bytes_planned: bytes the download needs from the network (cached files excluded).
+        bytes_planned: bytes the download needs from the network (files in the HF cache and
+            ranges kept by an unfinished earlier run excluded).
         bytes_transferred: bytes received for file data (0 for a dry run).
         bytes_from_cache: tensors mode: selected bytes read from shards already in the HF cache.
+        bytes_resumed: tensors mode: range bytes an earlier, unfinished run of this download
+            had fetched (same commit), read from its partial folder instead of fetched again
+            (with --dry-run: the bytes already present).
+        partial: tensors mode: the partial folder that keeps fetched ranges until DEST is
+            published (removed on success).
         metadata_bytes: bytes received for headers and indexes.
         filters: the --tensors and --exclude globs.
     """
@@ -163,6 +178,8 @@ class DownloadReport(BaseModel):
     bytes_planned: int = 0
     bytes_transferred: int = 0
     bytes_from_cache: int = 0
+    bytes_resumed: int = 0
+    partial: str | None = None
     metadata_bytes: int = 0
     filters: dict[str, list[str]] = Field(default_factory=dict)
 
@@ -523,14 +540,153 @@ def plan_ranges(entries: list[Entry]) -> list[DownloadRange]:
     return ranges
 
 
+class PartialPieces:
+    """The byte ranges a tensors-mode download has fetched, kept on disk until DEST is published.
+
+    Layout of the folder (`.NAME.ckpt-partial/` beside a local DEST; under the HF cache for an
+    object-store DEST)::
+
+        journal.json                      {"version", "repo", "commit"}: whose bytes these are
+        pieces/<sha1(file)[:16]>/<start>-<end>   the bytes start..end (exclusive) of that file
+
+    A piece appears whole or not at all (written to a temporary name, then renamed), so the
+    folder listing is the journal of completed ranges and a SIGKILL at any moment leaves it
+    consistent. Pieces are trusted only for the commit the journal names: a different commit
+    (the branch moved) discards them all, so stale bytes are never reused; a piece whose size
+    is not its name's length is discarded too. Any later selection reuses whatever pieces
+    overlap the ranges it needs, and fetches only the gaps.
+    """
+
+    def __init__(self, folder: Path, repo_id: str, commit: str, *, dry_run: bool = False):
+        self.folder = folder
+        self.journal = {"version": 1, "repo": repo_id, "commit": commit}
+        self.dry_run = dry_run
+        #: bytes served from pieces (or, on a dry run, found present)
+        self.resumed = 0
+        self._lock = threading.Lock()
+        self._pieces: dict[str, list[tuple[int, int]]] = {}
+        self._starts: dict[str, list[int]] = {}
+        self._load()
+
+    @staticmethod
+    def for_destination(dest: Destination) -> Path:
+        """Where the partial folder of `dest` lives."""
+        if isinstance(dest, RemoteDest):
+            from huggingface_hub import constants
+
+            key = hashlib.sha1(dest.url.encode()).hexdigest()[:16]
+            return Path(constants.HF_HUB_CACHE) / PARTIAL_MARKER / key
+        return dest.parent / f".{dest.name}{PARTIAL_MARKER}"
+
+    @staticmethod
+    def _key(rel: str) -> str:
+        return hashlib.sha1(rel.encode()).hexdigest()[:16]
+
+    def _load(self) -> None:
+        try:
+            found = json.loads((self.folder / "journal.json").read_text())
+        except (OSError, ValueError):
+            found = None
+        if found != self.journal:
+            # another commit (or no journal): nothing here may be reused
+            if not self.dry_run and (self.folder / "pieces").exists():
+                shutil.rmtree(self.folder / "pieces", ignore_errors=True)
+            return
+        for sub in (self.folder / "pieces").glob("*"):
+            good: list[tuple[int, int]] = []
+            for piece in sub.iterdir():
+                start_s, _, end_s = piece.name.partition("-")
+                if not (start_s.isdigit() and end_s.isdigit()):
+                    continue  # a temporary file of a write that never finished
+                start, end = int(start_s), int(end_s)
+                if end > start and piece.stat().st_size == end - start:
+                    good.append((start, end))
+                elif not self.dry_run:
+                    piece.unlink(missing_ok=True)
+            # keep only pieces not inside another: then ends rise with starts (see `_cover`)
+            good.sort(key=lambda p: (p[0], -p[1]))
+            kept: list[tuple[int, int]] = []
+            for start, end in good:
+                if not kept or end > kept[-1][1]:
+                    kept.append((start, end))
+            self._pieces[sub.name] = kept
+            self._starts[sub.name] = [p[0] for p in kept]
+
+    def _cover(self, rel: str, start: int, end: int) -> list[tuple[int, int, bool]]:
+        """`start..end` as consecutive segments `(s, e, present)`."""
+        key = self._key(rel)
+        pieces, starts = self._pieces.get(key, []), self._starts.get(key, [])
+        out: list[tuple[int, int, bool]] = []
+        pos = start
+        while pos < end:
+            i = bisect.bisect_right(starts, pos)
+            if i and pieces[i - 1][1] > pos:
+                stop = min(end, pieces[i - 1][1])
+                out.append((pos, stop, True))
+            else:
+                stop = min(end, starts[i]) if i < len(starts) else end
+                out.append((pos, stop, False))
+            pos = stop
+        return out
+
+    def present(self, rel: str, start: int, end: int) -> int:
+        """Bytes of `start..end` of `rel` that pieces hold."""
+        return sum(e - s for s, e, have in self._cover(rel, start, end) if have)
+
+    def read(self, storage: HubStorage, rel: str, start: int, length: int, keep: bool) -> bytes:
+        """Bytes `start..start+length` of `rel`: from pieces where present, else fetched.
+
+        With `keep`, each fetched segment is saved as a piece before it is returned.
+        """
+        blocks = []
+        key = self._key(rel)
+        for s, e, have in self._cover(rel, start, start + length):
+            if have:
+                i = bisect.bisect_right(self._starts[key], s) - 1
+                p_start, p_end = self._pieces[key][i]
+                with open(self.folder / "pieces" / key / f"{p_start}-{p_end}", "rb") as fh:
+                    fh.seek(s - p_start)
+                    data = fh.read(e - s)
+                if len(data) != e - s:  # changed under us: fetch it instead
+                    data = storage.read(rel, s, e - s)
+                else:
+                    with self._lock:
+                        self.resumed += len(data)
+            else:
+                data = storage.read(rel, s, e - s)
+                if keep:
+                    self._save(key, s, data)
+            blocks.append(data)
+        return blocks[0] if len(blocks) == 1 else b"".join(blocks)
+
+    def _save(self, key: str, start: int, data: bytes) -> None:
+        folder = self.folder / "pieces" / key
+        with self._lock:
+            if not (self.folder / "journal.json").exists():
+                self.folder.mkdir(parents=True, exist_ok=True)
+                tmp = self.folder / f".journal-{uuid.uuid4().hex}"
+                tmp.write_text(json.dumps(self.journal))
+                os.replace(tmp, self.folder / "journal.json")
+            folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".tmp-{uuid.uuid4().hex}"
+        tmp.write_bytes(data)
+        os.replace(tmp, folder / f"{start}-{start + len(data)}")
+
+    def remove(self) -> None:
+        """Delete the folder (DEST is published: its bytes are no longer needed)."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def _ordered_parts(
-    storage: HubStorage, ranges: list[DownloadRange]
+    storage: HubStorage, ranges: list[DownloadRange], pieces: PartialPieces | None = None
 ) -> Generator[bytes, None, None]:
     """The bytes of `ranges`, in order, as parts of at most `PART_SIZE` fetched in parallel.
 
     Up to `RANGE_WORKERS` range requests run at once and at most `PARTS_IN_FLIGHT` parts are
     held, so memory stays bounded (parts in flight × part size) whatever the tensor sizes,
-    while many small or distant tensors do not pay one round trip each in sequence.
+    while many small or distant tensors do not pay one round trip each in sequence. With
+    `pieces`, bytes an earlier run fetched are read from disk and each part fetched now is
+    saved as it arrives (on the worker thread, so parts completed before a failure are kept).
     """
     from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -539,16 +695,24 @@ def _ordered_parts(
             for start in range(request.start, request.end, PART_SIZE):
                 yield request.file, start, min(PART_SIZE, request.end - start)
 
+    # ranges of shards already in the HF cache are local: no need to keep them twice
+    keep = {r.file: storage.local_path(r.file) is None for r in ranges}
+
+    def read(rel: str, start: int, length: int) -> bytes:
+        if pieces is None:
+            return storage.read(rel, start, length)
+        return pieces.read(storage, rel, start, length, keep[rel])
+
     todo = parts()
     pending: collections.deque[Future[bytes]] = collections.deque()
     pool = ThreadPoolExecutor(max_workers=RANGE_WORKERS)
     try:
         for rel, start, length in itertools.islice(todo, PARTS_IN_FLIGHT):
-            pending.append(pool.submit(storage.read, rel, start, length))
+            pending.append(pool.submit(read, rel, start, length))
         while pending:
             data = pending.popleft().result()
             for rel, start, length in itertools.islice(todo, 1):
-                pending.append(pool.submit(storage.read, rel, start, length))
+                pending.append(pool.submit(read, rel, start, length))
             yield data
     finally:
         for future in pending:
@@ -627,10 +791,19 @@ def _download_tensors(
     report.bytes_planned += sum(f.size for f in extra_plan if f.status == "planned")
     report.metadata_bytes = storage.bytes_fetched
     cache_before = storage.bytes_from_cache
+    pieces: PartialPieces | None = None
+    if dest is not None:
+        folder = PartialPieces.for_destination(dest)
+        pieces = PartialPieces(folder, repo.repo_id, repo.commit, dry_run=report.dry_run)
+        present = sum(pieces.present(r.file, r.start, r.end) for r in report.ranges)
+        report.partial = str(folder)
+        report.bytes_planned -= present
+        if report.dry_run:
+            report.bytes_resumed = present
     if report.dry_run:
         report.files = extra_plan
         return
-    assert dest is not None
+    assert dest is not None and pieces is not None
 
     # keep the source's shard size (so the output is sharded like the source) and its names
     shard_sizes = [h.size for h in checkpoint.headers]
@@ -651,7 +824,7 @@ def _download_tensors(
         writer = SafetensorsFormat.writer(staging, plan, options)
         progress.start(report.selected_bytes, repo.repo_id)
         try:
-            with contextlib.closing(_ordered_parts(storage, report.ranges)) as parts:
+            with contextlib.closing(_ordered_parts(storage, report.ranges, pieces)) as parts:
                 for request in report.ranges:
                     count = -(-request.length // PART_SIZE)
                     cursor = _Cursor(itertools.islice(parts, count))
@@ -667,6 +840,7 @@ def _download_tensors(
         written = writer.finish()
         report.bytes_transferred = storage.bytes_fetched - report.metadata_bytes
         report.bytes_from_cache = storage.bytes_from_cache - cache_before
+        report.bytes_resumed = pieces.resumed
         # the output must open as a valid checkpoint before it is published
         local = Location(raw=str(dest), kind="local", path=staging)
         SafetensorsFormat.open(Source(location=local, storage=LocalStorage(staging))).close()
@@ -687,3 +861,5 @@ def _download_tensors(
                 assert info.cache_path is not None
                 shutil.copyfile(info.cache_path, staging / info.path)
             report.files.extend(extra.files)
+    # DEST is published: the kept ranges have served their purpose
+    pieces.remove()

@@ -43,7 +43,15 @@ def render_download(report: DownloadReport) -> None:
             table.add_row(f.path, size, status)
         stdout.print(table)
     if report.dry_run:
-        stdout.print(f"  {verb} {human_bytes(report.bytes_planned)}; nothing was downloaded")
+        stdout.print(
+            f"  {verb} {human_bytes(report.bytes_planned)}"
+            + (
+                f" ({human_bytes(report.bytes_resumed)} already present from an unfinished run)"
+                if report.bytes_resumed
+                else ""
+            )
+            + "; nothing was downloaded"
+        )
         return
     stdout.print(
         f"  {verb} {human_bytes(report.bytes_transferred)}"
@@ -51,6 +59,11 @@ def render_download(report: DownloadReport) -> None:
         + (
             f"; {human_bytes(report.bytes_from_cache)} read from the HF cache"
             if report.bytes_from_cache
+            else ""
+        )
+        + (
+            f"; {human_bytes(report.bytes_resumed)} resumed from an unfinished run"
+            if report.bytes_resumed
             else ""
         )
     )
