@@ -487,7 +487,7 @@ def test_tensors_mode_rerun_after_a_failure_fetches_only_what_it_lacks(
     assert not partial.exists()  # published: the kept ranges are gone
 
 
-def test_tensors_mode_rerun_after_a_new_commit_refetches_everything(
+def test_tensors_mode_rerun_after_a_new_commit_never_reuses_old_pieces(
     hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state, weight_map = publish(hub, tmp_path)
@@ -499,13 +499,62 @@ def test_tensors_mode_rerun_after_a_new_commit_refetches_everything(
     # the branch moves: same names, shapes and offsets, other values
     newer = {name: tensor * 2 for name, tensor in state.items()}
     publish_model(hub, "org/model", tmp_path / "src2", newer, max_shard_size=SHARD_LIMIT)
+    # the rerun discards the old commit's pieces; it fails midway too, keeping the new ones
+    hub.fail(r"^/_cdn/", 403, times=2, after=len(set(weight_map.values())) + 10)
+    assert run_ckpt(*args).exit_code == 5
     hub.reset_counters()
-    second = run_ckpt(*args)
-    assert second.exit_code == 0, second.stderr
-    report = second.json["result"]
-    assert report["bytes_resumed"] == 0
-    assert report["bytes_transferred"] == report["selected_bytes"]
+    third = run_ckpt(*args)
+    assert third.exit_code == 0, third.stderr
+    report = third.json["result"]
+    assert 10 * 4096 * 0.9 <= report["bytes_resumed"] < 40 * 4096 * 0.9
+    assert report["bytes_transferred"] == report["selected_bytes"] - report["bytes_resumed"]
     got = read_all(dest)
     for name, tensor in newer.items():
         assert torch.equal(got[name], tensor), name
     assert not (tmp_path / ".moving.ckpt-partial").exists()
+
+
+def test_tensors_mode_resumes_after_sigkill(hub: TestHub, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import REPO
+
+    state, _ = publish(hub, tmp_path)
+    hub.latency = 0.05  # a slow link: the run is still fetching when it is killed
+    dest = tmp_path / "killed"
+    partial = tmp_path / ".killed.ckpt-partial"
+    # a real process, with small parts fetched one at a time (set before the CLI runs)
+    boot = (
+        "import ckpt_cli.ops.download as d; d.PART_SIZE = 4096; d.RANGE_WORKERS = 1; "
+        "d.PARTS_IN_FLIGHT = 1; from ckpt_cli.cli import main; main()"
+    )
+    args = ["download", "hf://org/model", str(dest), "--mode", "tensors", "--no-extras"]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", boot, *args], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(partial.glob("pieces/*/*-*"))) < 10:
+            assert proc.poll() is None, "the download ended before it could be killed"
+            assert time.monotonic() < deadline, "no range was kept"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not dest.exists()
+    hub.latency = 0.0
+    hub.reset_counters()
+    again = run_ckpt(*args, "--json")
+    assert again.exit_code == 0, again.stderr
+    report = again.json["result"]
+    assert report["bytes_resumed"] >= 10 * 4096 * 0.9
+    assert report["bytes_transferred"] == report["selected_bytes"] - report["bytes_resumed"]
+    got = read_all(dest)
+    assert got.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(got[name], tensor), name
+    assert not partial.exists()

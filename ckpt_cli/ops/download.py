@@ -569,13 +569,11 @@ class PartialPieces:
         self._load()
 
     @staticmethod
-    def for_destination(dest: Destination) -> Path:
-        """Where the partial folder of `dest` lives."""
+    def for_destination(dest: Destination, cache_dir: str) -> Path:
+        """Where the partial folder of `dest` lives (an object-store DEST: in the HF cache)."""
         if isinstance(dest, RemoteDest):
-            from huggingface_hub import constants
-
             key = hashlib.sha1(dest.url.encode()).hexdigest()[:16]
-            return Path(constants.HF_HUB_CACHE) / PARTIAL_MARKER / key
+            return Path(cache_dir) / PARTIAL_MARKER / key
         return dest.parent / f".{dest.name}{PARTIAL_MARKER}"
 
     @staticmethod
@@ -589,8 +587,8 @@ class PartialPieces:
             found = None
         if found != self.journal:
             # another commit (or no journal): nothing here may be reused
-            if not self.dry_run and (self.folder / "pieces").exists():
-                shutil.rmtree(self.folder / "pieces", ignore_errors=True)
+            if not self.dry_run and self.folder.exists():
+                shutil.rmtree(self.folder, ignore_errors=True)
             return
         for sub in (self.folder / "pieces").glob("*"):
             good: list[tuple[int, int]] = []
@@ -793,7 +791,7 @@ def _download_tensors(
     cache_before = storage.bytes_from_cache
     pieces: PartialPieces | None = None
     if dest is not None:
-        folder = PartialPieces.for_destination(dest)
+        folder = PartialPieces.for_destination(dest, repo.settings.cache_dir)
         pieces = PartialPieces(folder, repo.repo_id, repo.commit, dry_run=report.dry_run)
         present = sum(pieces.present(r.file, r.start, r.end) for r in report.ranges)
         report.partial = str(folder)
