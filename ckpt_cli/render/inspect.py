@@ -7,7 +7,7 @@ from rich.tree import Tree
 
 from ..ops.inspect import InspectReport
 from ..ops.tree import TreeNode
-from . import human_bytes, human_count, shape_str, stdout
+from . import counted, human_bytes, human_count, shape_str, stdout
 
 #: the tree stops unfolding below this many lines; --tensors shows everything
 MAX_TREE_CHILDREN = 40
@@ -116,7 +116,7 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     stdout.print(f"[bold]{report.location}[/]  ({kind}, {files} file{'s' if files != 1 else ''})")
     dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in report.bytes_by_dtype.items()) or "-"
     stdout.print(
-        f"  {report.tensors} tensors, {human_count(report.parameters)} parameters, "
+        f"  {counted(report.tensors, 'tensor')}, {human_count(report.parameters)} parameters, "
         f"{human_bytes(report.tensor_bytes)} ({dtypes})"
         + (f"; {report.objects} non-tensor entries" if report.objects else "")
     )

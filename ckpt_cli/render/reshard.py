@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..ops.reshard import ReshardReport
-from . import human_bytes, stderr, stdout
+from . import counted, human_bytes, stderr, stdout
 from .ranks import render_ranks
 
 _ACTIONS = {
@@ -34,7 +34,7 @@ def render_reshard(report: ReshardReport) -> None:
     )
     stdout.print(f"  {how}")
     stdout.print(
-        f"  {report.tensors} tensors, {report.objects} objects, "
+        f"  {counted(report.tensors, 'tensor')}, {counted(report.objects, 'object')}, "
         f"{human_bytes(report.tensor_bytes)} of tensor data in {len(files)} files "
         f"({human_bytes(size)})"
     )

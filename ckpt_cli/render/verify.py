@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.markup import escape
 
 from ..ops.verify import VerifyReport
-from . import human_bytes, stdout
+from . import counted, human_bytes, stdout
 from .ranks import render_ranks
 
 #: problems beyond this many per code are summarised (the JSON output has them all)
@@ -14,7 +14,7 @@ MAX_PER_CODE = 50
 
 def render_verify(report: VerifyReport) -> None:
     """Print the verdict line, what was checked, and the problems grouped by code."""
-    what = f"{report.files} files, {human_bytes(report.bytes)}"
+    what = f"{counted(report.files, 'file')}, {human_bytes(report.bytes)}"
     if report.tensors:
         what += f", {report.tensors} tensors read"
     if report.hashed_bytes:
