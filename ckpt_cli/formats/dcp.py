@@ -51,7 +51,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 from .. import dtypes
 from ..errors import CkptError, FormatError, NotFoundError
 from ..models import Chunk, Entry, FileInfo, Manifest, Problem
-from ..placement import shard_dim0_boxes
+from ..placement import Box, shard_dim0_boxes
 from ..storage import LocalStorage, RangeFile, Storage, safe_relpath
 from .base import COPY_BLOCK, Checkpoint, Format, Source, WriteOptions, Writer
 from .dcp_metadata import (
@@ -84,6 +84,17 @@ _ZIP_MAGIC = b"PK\x03\x04"
 def rank_file(rank: int) -> str:
     """The data file DCP's FileSystemWriter gives rank `rank` (single file per rank)."""
     return f"__{rank}_0{SUFFIX}"
+
+
+def rank_chunk(rank: int, box: Box) -> Chunk:
+    """The chunk `box` as rank `rank` writes it, into its own `rank_file` (bytes not yet placed)."""
+    return Chunk(
+        offsets=list(box.offsets),
+        sizes=list(box.sizes),
+        file=rank_file(rank),
+        byte_offset=0,
+        byte_length=0,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -1163,8 +1174,8 @@ class DcpWriter(Writer):
     Layout: each planned tensor Entry may carry `chunks` (offsets, sizes, file; the writer fills
     in byte_offset/byte_length) deciding which file holds which box; without `chunks` the
     tensor is laid out for `options.world_size` ranks with DTensor `Shard(0)` placement
-    (`placement.shard_dim0_boxes`), chunk r in `__r_0.distcp`; 0-dim tensors and objects are written once,
-    in rank 0's file. `.metadata` is written last by `finish`, with torch's own classes.
+    (`placement.shard_dim0_boxes`), chunk r in `__r_0.distcp`; 0-dim tensors and objects are
+    written once, in rank 0's file. `.metadata` is written last by `finish`, with torch's own classes.
 
     Options: `options.dcp_serialization` (`torch_save` | `safetensors`);
     `options.extra["dcp_planner_data"]` keeps a source's planner_data (default: the fqn split
@@ -1263,15 +1274,7 @@ class DcpWriter(Writer):
                 if box.offsets in seen:
                     continue
                 seen.add(box.offsets)
-                chunks.append(
-                    Chunk(
-                        offsets=list(box.offsets),
-                        sizes=list(box.sizes),
-                        file=rank_file(rank),
-                        byte_offset=0,
-                        byte_length=0,
-                    )
-                )
+                chunks.append(rank_chunk(rank, box))
             return chunks
         out = []
         for chunk in entry.chunks:
