@@ -257,8 +257,8 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
                 + (", ".join(globals_) if globals_ else "a function")
                 + ", which torch's weights_only loader refuses; nothing was executed",
                 path=where,
-                fix="Only load this file with weights_only=False if you fully trust who wrote it; "
-                "ckpt never does.",
+                fix="ckpt never runs code from a checkpoint. If you trust whoever wrote it, "
+                "re-save its tensors and plain values (dicts, lists, numbers, strings) and inspect that.",
             ) from None
         raise FormatError(
             "is not a torch.save file torch's weights_only loader accepts "
