@@ -64,11 +64,6 @@ def to_safetensors(dtype: str) -> str:
     return _TABLE[dtype][1]
 
 
-def from_torch_name(name: str) -> str:
-    """Canonical name for `str(torch_dtype)` or a DCP pickled dtype name (`torch.float32`)."""
-    return name.removeprefix("torch.")
-
-
 def parse_user_dtype(text: str) -> str:
     """Parse a `--dtype` value (bf16, fp16, fp32, float32, ...) into a canonical floating name."""
     name = _ALIASES.get(text.lower(), text.lower())

@@ -250,19 +250,23 @@ class _Folder:
             else:
                 checkpoint = get_format(fmt).open(sub)
         except CkptError as error:
-            self.unreadable[rel] = error.problem
-            self.problems.append(
-                Problem(
-                    code="unreadable_component",
-                    message=error.message,
-                    file=error.path or self.source.storage.describe(rel),
-                )
-            )
+            self._unreadable(rel, rel, error)
             return None
         self.used.update(f.path for f in checkpoint.manifest.files)
         self.components[comp] = checkpoint
         self.parts[comp] = (rel, fmt)
         return checkpoint
+
+    def _unreadable(self, key: str, rel: str, error: CkptError) -> None:
+        """Record component `key` (file `rel`) as unreadable: its problem, and one finding."""
+        self.unreadable[key] = error.problem
+        self.problems.append(
+            Problem(
+                code="unreadable_component",
+                message=error.message,
+                file=error.path or self.source.storage.describe(rel),
+            )
+        )
 
     def has_dir(self, sub: str, marker: str = ".metadata") -> bool:
         return f"{self.base}{sub}/{marker}" in self.source.files
@@ -274,14 +278,7 @@ class _Folder:
             part = subfolder_source(self.source, rel)
             checkpoint = get_format(fmt).open(part)
         except CkptError as error:
-            self.unreadable[f"{rel}/"] = error.problem
-            self.problems.append(
-                Problem(
-                    code="unreadable_component",
-                    message=error.message,
-                    file=error.path or self.source.storage.describe(rel),
-                )
-            )
+            self._unreadable(f"{rel}/", rel, error)
             return None
         self.used.update(n for n in self.source.files if n.startswith(f"{rel}/"))
         self.components[comp] = checkpoint

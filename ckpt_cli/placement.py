@@ -83,7 +83,12 @@ def shard_boxes(shape: Sequence[int], world_size: int, dim: int = 0) -> list[Box
 
 
 def shard_dim0_boxes(shape: Sequence[int], world_size: int) -> list[Box]:
-    """`shard_boxes` on dim 0: FSDP's layout."""
+    """`shard_boxes` on dim 0: FSDP's layout (DTensor `Shard(0)`), one box per rank.
+
+    0-dim tensors are not split: one box, the whole (scalar) tensor.
+    """
+    if not shape:
+        return [full_box(shape)]
     return shard_boxes(shape, world_size, 0)
 
 

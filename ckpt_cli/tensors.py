@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 from .dtypes import itemsize, numel
 
@@ -76,10 +76,3 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-
-
-def write_tensor_to(fh: IO[bytes], tensor: torch.Tensor) -> int:
-    """Write a tensor's raw bytes to a binary file; returns the count written."""
-    data = tensor_bytes(tensor)
-    fh.write(data)
-    return len(data)

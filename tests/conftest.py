@@ -65,3 +65,36 @@ def run_ckpt_process(
 def ckpt() -> Any:
     """The in-process CLI runner."""
     return run_ckpt
+
+
+class RecordingProgress:
+    """A progress sink (`ckpt_cli.progress.Progress`) that remembers every phase it was told.
+
+    `phases` holds (description, total, done) per `start`; `description`, `total` and `done`
+    speak of the latest phase (empty and 0 before any).
+    """
+
+    def __init__(self) -> None:
+        self.phases: list[tuple[str, int, int]] = []
+
+    def start(self, total: int, description: str) -> None:
+        self.phases.append((description, total, 0))
+
+    def advance(self, amount: int) -> None:
+        name, total, done = self.phases[-1] if self.phases else ("", 0, 0)
+        self.phases[-1:] = [(name, total, done + amount)]
+
+    def finish(self) -> None:
+        pass
+
+    @property
+    def description(self) -> str:
+        return self.phases[-1][0] if self.phases else ""
+
+    @property
+    def total(self) -> int:
+        return self.phases[-1][1] if self.phases else 0
+
+    @property
+    def done(self) -> int:
+        return self.phases[-1][2] if self.phases else 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from ckpt_cli import __version__
 from ckpt_cli.completions import render_all
 
@@ -41,6 +43,27 @@ def test_missing_path_is_exit_3_with_the_path_named(tmp_path: Path) -> None:
     assert envelope["exit_code"] == 3
     assert envelope["error"]["code"] == "not_found"
     assert envelope["result"] is None
+
+
+def test_a_bug_is_exit_70_without_a_traceback_unless_ckpt_debug(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_cli.ops import inspect as inspect_ops
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("a bug in the library")
+
+    monkeypatch.setattr(inspect_ops, "inspect", broken)
+    result = run_ckpt("inspect", tmp_path)
+    assert result.exit_code == 70
+    assert "internal error: RuntimeError: a bug in the library" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    envelope = run_ckpt("inspect", tmp_path, "--json").json
+    assert envelope["exit_code"] == 70 and envelope["ok"] is False
+    assert "CKPT_DEBUG=1" in envelope["error"]["fix"]
+    # with CKPT_DEBUG the exception itself comes out, traceback and all
+    with pytest.raises(RuntimeError, match="a bug in the library"):
+        run_ckpt("inspect", tmp_path, env={"CKPT_DEBUG": "1"})
 
 
 def test_unknown_option_is_usage_error_exit_2() -> None:

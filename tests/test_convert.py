@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from ckpt_cli.formats import open_checkpoint
 
-from .conftest import REPO, run_ckpt
+from .conftest import REPO, RecordingProgress, run_ckpt
 from .dist_helpers import run_torchrun
 from .hub_fixtures import publish_model
 from .hub_server import TestHub
@@ -200,6 +200,21 @@ def test_include_exclude_rename_select_do_what_they_say(tmp_path: Path) -> None:
         not (tmp_path / "none.safetensors").exists()
         and not (tmp_path / "clash.safetensors").exists()
     )
+
+
+def test_progress_counts_every_byte_written_once(tmp_path: Path) -> None:
+    from ckpt_cli.ops.convert import convert
+
+    state = tiny_state()
+    save_file(state, tmp_path / "model.safetensors")
+    recorder = RecordingProgress()
+    report = convert(
+        str(tmp_path / "model.safetensors"), str(tmp_path / "out"), "dcp", progress=recorder
+    )
+    assert report.checked
+    tensor_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    assert [(total, done) for _, total, done in recorder.phases] == [(tensor_bytes, tensor_bytes)]
+    assert "dcp" in recorder.description
 
 
 def test_existing_dest_is_refused_without_force_and_replaced_with_it(tmp_path: Path) -> None:

@@ -18,8 +18,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from ckpt_cli.formats import open_checkpoint, resolve_source
 from ckpt_cli.formats.base import WriteOptions
-from ckpt_cli.formats.dcp import DcpCheckpoint, DcpFormat, shard0_chunks
+from ckpt_cli.formats.dcp import DcpCheckpoint, DcpFormat
 from ckpt_cli.models import Chunk, Entry
+from ckpt_cli.placement import shard_dim0_boxes
 
 from .conftest import REPO, run_ckpt
 from .dcp_dist_script import expected_state
@@ -293,7 +294,7 @@ def test_writer_output_loads_into_shard0_dtensors_each_rank_its_own_file(
         assert report["ok"], report["mismatches"]
         assert report["objects"] == {"train.step": 11}
         for name, tensor in expected_state().items():
-            if tensor.dim() and shard0_chunks(list(tensor.shape), 2)[rank][1][0] > 0:
+            if tensor.dim() and shard_dim0_boxes(list(tensor.shape), 2)[rank].sizes[0] > 0:
                 assert report["files_read"][name] == [f"__{rank}_0.distcp"], name
     # and the same output has the layout dcp.save itself gives those DTensors
     ours = open_dcp(two_rank["ours"]).manifest
@@ -341,7 +342,9 @@ def test_writer_round_trips_through_dcp_load(tmp_path: Path, world_size: int) ->
             else:
                 assert loaded[entry.name] == source.read_object(entry.name), entry.name
     chunks = open_dcp(out).manifest.by_name["model.0.weight"].chunks or []
-    assert [c.sizes for c in chunks] == [s for _, s in shard0_chunks([6, 8], world_size)]
+    assert [c.sizes for c in chunks] == [
+        list(b.sizes) for b in shard_dim0_boxes([6, 8], world_size)
+    ]
     assert problems(out) == []
 
 

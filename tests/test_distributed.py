@@ -32,7 +32,7 @@ from ckpt_cli.distributed import (
     launched,
 )
 
-from .conftest import run_ckpt
+from .conftest import RecordingProgress, run_ckpt
 from .dist_helpers import (
     dcp_load_flat,
     dcp_save,
@@ -415,24 +415,6 @@ def test_a_rank_reads_only_the_rows_of_its_chunks_from_safetensors(
         assert torch.equal(checkpoint.read_slice("embed", [99, 0], [1, 16]), want["embed"][99:])
 
 
-class Recorded:
-    """A progress sink that remembers what it was told."""
-
-    def __init__(self) -> None:
-        self.total = 0
-        self.done = 0
-        self.description = ""
-
-    def start(self, total: int, description: str) -> None:
-        self.total, self.description, self.done = total, description, 0
-
-    def advance(self, amount: int) -> None:
-        self.done += amount
-
-    def finish(self) -> None:
-        pass
-
-
 class DictStore:
     """The `add` of a torch.distributed store, in memory."""
 
@@ -446,7 +428,7 @@ class DictStore:
 
 def test_rank_0_draws_one_bar_for_the_bytes_of_every_rank() -> None:
     store = DictStore()
-    bars = [Recorded(), Recorded()]
+    bars = [RecordingProgress(), RecordingProgress()]
     ranks = [
         CombinedProgress(bars[r], Workers(r, 2), store=store, interval=0.0, total=300)
         for r in range(2)

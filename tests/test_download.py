@@ -89,6 +89,7 @@ def test_shards_mode_fetches_only_the_shards_holding_the_selection(
         assert torch.equal(tensor, state[name]), name
     assert all(f["verified"] for f in report["files"] if f["status"] != "rewritten")
     assert run_ckpt("inspect", dest, "--json").json["result"]["tensors"] == len(got)
+    assert run_ckpt("verify", dest).exit_code == 0
 
 
 def test_shards_mode_whole_repo_is_the_source_byte_for_byte(hub: TestHub, tmp_path: Path) -> None:
@@ -143,6 +144,7 @@ def test_tensors_mode_fetches_only_the_selected_ranges(hub: TestHub, tmp_path: P
         assert got[name].dtype == state[name].dtype and torch.equal(got[name], state[name]), name
     verify = run_ckpt("inspect", dest, "--json")
     assert verify.exit_code == 0 and verify.json["result"]["tensors"] == len(selected)
+    assert run_ckpt("verify", dest).exit_code == 0
 
 
 def test_tensors_mode_splits_large_ranges_into_parallel_parts(

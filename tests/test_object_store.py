@@ -390,6 +390,21 @@ def test_any_fsspec_filesystem_and_refused_destinations(tmp_path: Path) -> None:
     fs.rm("/store", recursive=True)
 
 
+def test_file_urls_read_and_write_like_local_paths(tmp_path: Path) -> None:
+    """`file://` SRC and DEST: fsspec's local filesystem, published like any other."""
+    state = _model()
+    torch.save(state, tmp_path / "w.pt")
+    url = f"file://{tmp_path}"
+    result = run_ckpt("convert", f"{url}/w.pt", f"{url}/out", "--to", "safetensors")
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "w.pt"]
+    with safe_open(tmp_path / "out" / "model.safetensors", framework="pt") as f:
+        _assert_same({k: f.get_tensor(k) for k in f.keys()}, state)  # noqa: SIM118
+    assert run_ckpt("verify", f"{url}/out").exit_code == 0
+    again = run_ckpt("convert", f"{url}/w.pt", f"{url}/out", "--to", "safetensors")
+    assert again.exit_code == 2, again.stderr
+
+
 def test_sequential_reads_are_served_by_the_read_ahead(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

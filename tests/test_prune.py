@@ -154,6 +154,29 @@ def test_keep_best_every_and_pins_on_a_dcp_run_with_metrics_file(tmp_path: Path)
     assert maxed["step-60"] == ("keep", "newest complete")  # also the max, newest wins the rule
 
 
+def test_deepspeed_run_keeps_the_save_its_latest_file_names(tmp_path: Path) -> None:
+    out = tmp_path / "ds"
+    for step in (10, 20, 30):
+        (out / f"global_step{step}").mkdir(parents=True)
+        torch.save(
+            {"module": weights(step)}, out / f"global_step{step}" / "mp_rank_00_model_states.pt"
+        )
+    (out / "latest").write_text("global_step20")  # the step-30 save never finished
+    age(out)
+    result = run_ckpt("prune", out, "--keep-last", "1", "--incomplete", "--yes", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert decisions(result) == {
+        "global_step10": ("delete", "not kept by any rule"),
+        "global_step20": ("keep", "newest complete"),
+        "global_step30": ("keep", "incomplete, newer than the newest complete checkpoint"),
+    }
+    assert survivors(out) == ["global_step20", "global_step30", "latest"]
+    model = torch.load(out / "global_step20" / "mp_rank_00_model_states.pt", weights_only=True)
+    for name, tensor in weights(20).items():
+        assert torch.equal(model["module"][name], tensor)
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "global_step20")
+
+
 def test_plain_files_of_one_step_go_together(tmp_path: Path) -> None:
     run = tmp_path / "plain"
     run.mkdir()

@@ -16,7 +16,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .conftest import run_ckpt, run_ckpt_process
+from .conftest import RecordingProgress, run_ckpt, run_ckpt_process
 
 
 def weights() -> dict[str, torch.Tensor]:
@@ -758,23 +758,9 @@ def test_structural_verify_and_checksums_do_not_import_torch(tmp_path: Path) -> 
 def test_content_checks_report_progress_in_bytes(tmp_path: Path) -> None:
     from ckpt_cli.ops.verify import verify
 
-    class Recorder:
-        def __init__(self) -> None:
-            self.phases: list[tuple[str, int, int]] = []
-
-        def start(self, total: int, description: str) -> None:
-            self.phases.append((description, total, 0))
-
-        def advance(self, amount: int) -> None:
-            name, total, done = self.phases[-1]
-            self.phases[-1] = (name, total, done + amount)
-
-        def finish(self) -> None:
-            pass
-
     folder = sharded(tmp_path / "m")
     size = sum(p.stat().st_size for p in folder.iterdir())
-    recorder = Recorder()
+    recorder = RecordingProgress()
     report = verify(str(folder), write_manifest=True, deep=True, progress=recorder)
     assert report.ok and report.manifest_written
     tensor_bytes = sum(t.numel() * t.element_size() for t in weights().values())

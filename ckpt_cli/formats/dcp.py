@@ -51,6 +51,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 from .. import dtypes
 from ..errors import CkptError, FormatError, NotFoundError
 from ..models import Chunk, Entry, FileInfo, Manifest, Problem
+from ..placement import Box, shard_dim0_boxes
 from ..storage import LocalStorage, RangeFile, Storage, safe_relpath
 from .base import COPY_BLOCK, Checkpoint, Format, Source, WriteOptions, Writer
 from .dcp_metadata import (
@@ -85,23 +86,15 @@ def rank_file(rank: int) -> str:
     return f"__{rank}_0{SUFFIX}"
 
 
-def shard0_chunks(shape: list[int], world_size: int) -> list[tuple[list[int], list[int]]]:
-    """(offsets, sizes) of rank r's piece under DTensor `Shard(0)`, for r in 0..world_size-1.
-
-    The same split as `torch.chunk` / DTensor: ceil(n / world_size) rows per rank, the last
-    ranks get fewer or none (an empty piece still has its offset, as DTensor records it).
-    0-dim tensors are not split (one piece).
-    """
-    if not shape:
-        return [([], [])]
-    rows = shape[0]
-    step = -(-rows // world_size) if rows else 0
-    out = []
-    for rank in range(world_size):
-        start = min(rank * step, rows)
-        stop = min(start + step, rows)
-        out.append(([start] + [0] * (len(shape) - 1), [stop - start, *shape[1:]]))
-    return out
+def rank_chunk(rank: int, box: Box) -> Chunk:
+    """The chunk `box` as rank `rank` writes it, into its own `rank_file` (bytes not yet placed)."""
+    return Chunk(
+        offsets=list(box.offsets),
+        sizes=list(box.sizes),
+        file=rank_file(rank),
+        byte_offset=0,
+        byte_length=0,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -1181,8 +1174,8 @@ class DcpWriter(Writer):
     Layout: each planned tensor Entry may carry `chunks` (offsets, sizes, file; the writer fills
     in byte_offset/byte_length) deciding which file holds which box; without `chunks` the
     tensor is laid out for `options.world_size` ranks with DTensor `Shard(0)` placement
-    (`shard0_chunks`), chunk r in `__r_0.distcp`; 0-dim tensors and objects are written once,
-    in rank 0's file. `.metadata` is written last by `finish`, with torch's own classes.
+    (`placement.shard_dim0_boxes`), chunk r in `__r_0.distcp`; 0-dim tensors and objects are
+    written once, in rank 0's file. `.metadata` is written last by `finish`, with torch's own classes.
 
     Options: `options.dcp_serialization` (`torch_save` | `safetensors`);
     `options.extra["dcp_planner_data"]` keeps a source's planner_data (default: the fqn split
@@ -1275,21 +1268,13 @@ class DcpWriter(Writer):
         if entry.chunks is None:
             chunks: list[Chunk] = []
             seen: set[tuple[int, ...]] = set()
-            for rank, (offsets, sizes) in enumerate(shard0_chunks(shape, self.world_size)):
+            for rank, box in enumerate(shard_dim0_boxes(shape, self.world_size)):
                 # ranks left with nothing share an offset; DCP keys chunks by offset, so
                 # (like its save-plan dedup) only the first of them is recorded
-                if tuple(offsets) in seen:
+                if box.offsets in seen:
                     continue
-                seen.add(tuple(offsets))
-                chunks.append(
-                    Chunk(
-                        offsets=offsets,
-                        sizes=sizes,
-                        file=rank_file(rank),
-                        byte_offset=0,
-                        byte_length=0,
-                    )
-                )
+                seen.add(box.offsets)
+                chunks.append(rank_chunk(rank, box))
             return chunks
         out = []
         for chunk in entry.chunks:

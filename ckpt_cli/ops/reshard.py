@@ -36,12 +36,14 @@ from ..distributed import CombinedProgress, RankShare, active, split_output
 from ..errors import FormatError, UsageError
 from ..formats import get_format, open_checkpoint
 from ..formats.base import Checkpoint, WriteOptions, Writer
+from ..formats.dcp import rank_chunk, rank_file
 from ..formats.safetensors import INDEX_SUFFIX
 from ..models import Chunk, Entry, FileInfo
 from ..output import check_destination
 from ..placement import (
     Box,
     Rule,
+    full_box,
     overlaps,
     placement_dim,
     rank_of,
@@ -234,11 +236,6 @@ def find_rank_state(entries: list[Entry]) -> list[RankStateEntry]:
     return found
 
 
-def rank_file(rank: int) -> str:
-    """The DCP data file rank `rank` writes (`__3_0.distcp`)."""
-    return f"__{rank}_0.distcp"
-
-
 def plan_world_size(
     entries: list[Entry],
     world_size: int,
@@ -270,15 +267,7 @@ def plan_world_size(
         itemsize = entry.nbytes // entry.numel if entry.numel else 0
         chunks = []
         for rank, box in enumerate(shard_boxes(entry.shape, world_size, dim)):
-            chunks.append(
-                Chunk(
-                    offsets=list(box.offsets),
-                    sizes=list(box.sizes),
-                    file=rank_file(rank),
-                    byte_offset=0,
-                    byte_length=0,
-                )
-            )
+            chunks.append(rank_chunk(rank, box))
             load[rank] += box.numel * itemsize
         planned[entry.name] = entry.model_copy(
             update={"chunks": chunks, "file": rank_file(0), "offset": None}
@@ -296,15 +285,7 @@ def plan_world_size(
         update: dict[str, Any] = {"file": rank_file(rank), "offset": None}
         if entry.kind == "tensor":
             replicated += 1
-            update["chunks"] = [
-                Chunk(
-                    offsets=[0] * len(entry.shape),
-                    sizes=list(entry.shape),
-                    file=rank_file(rank),
-                    byte_offset=0,
-                    byte_length=0,
-                )
-            ]
+            update["chunks"] = [rank_chunk(rank, full_box(entry.shape))]
         planned[entry.name] = entry.model_copy(update=update)
     # keep the source's entry order
     return [planned[e.name] for e in entries if e.name in planned], sharded, replicated
