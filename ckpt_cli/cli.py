@@ -137,12 +137,11 @@ def run_command(
         render.emit_internal_error(command, exc, json_output and joined().leader)
         raise typer.Exit(70) from None
     code = exit_code(result)
-    if not joined().leader:
-        pass
-    elif json_output:
-        render.emit_json(command, result, code)
-    else:
-        render_human(result)
+    if joined().leader:  # under torchrun only rank 0 prints the result
+        if json_output:
+            render.emit_json(command, result, code)
+        else:
+            render_human(result)
     if code:
         raise typer.Exit(code)
 
