@@ -61,6 +61,14 @@ def run_ckpt_process(
     return CkptResult(proc.returncode, proc.stdout, proc.stderr)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Remember the running test, so launch helpers can check it carries the torchrun marker."""
+    from . import dist_helpers
+
+    dist_helpers.CURRENT_TEST = item
+
+
 @pytest.fixture
 def ckpt() -> Any:
     """The in-process CLI runner."""

@@ -79,9 +79,27 @@ def torchrun_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: the pytest item being run, set by conftest's `pytest_runtest_setup` (None outside pytest)
+CURRENT_TEST: Any = None
+
+
+def require_torchrun_marker() -> None:
+    """Fail a test that launches ranks without the `torchrun` marker.
+
+    `pytest -m "not torchrun"` is the fast loop; it stays fast only if every test that starts a
+    multi-process launch says so, including tests whose module fixtures start one.
+    """
+    item = CURRENT_TEST
+    if item is not None and item.get_closest_marker("torchrun") is None:
+        raise AssertionError(
+            f"{item.nodeid} launches torchrun: mark it (or its module) @pytest.mark.torchrun"
+        )
+
+
 def _torchrun(
     nproc: int, target: list[str], env: dict[str, str] | None, timeout: int
 ) -> subprocess.CompletedProcess[str]:
+    require_torchrun_marker()
     return subprocess.run(
         [
             sys.executable,

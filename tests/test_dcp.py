@@ -225,6 +225,7 @@ def open_dcp_url(url: str) -> DcpCheckpoint:
 # --- 2 ranks under torchrun ------------------------------------------------------------------
 
 
+@pytest.mark.torchrun
 def test_two_rank_save_inspects_and_reassembles(two_rank: dict[str, Path]) -> None:
     saved = two_rank["saved"]
     report = run_ckpt("inspect", saved, "--json").json["result"]
@@ -250,6 +251,7 @@ def test_two_rank_save_inspects_and_reassembles(two_rank: dict[str, Path]) -> No
     assert problems(saved) == []
 
 
+@pytest.mark.torchrun
 def test_save_without_collectives_reads_from_per_rank_metadata(
     two_rank: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -269,6 +271,7 @@ def test_save_without_collectives_reads_from_per_rank_metadata(
     assert {"dcp_interrupted", "dcp_hole"} <= set(problems(copy))
 
 
+@pytest.mark.torchrun
 def test_hugging_face_writer_per_rank_shards_read_as_dcp(two_rank: dict[str, Path]) -> None:
     hf = two_rank["hf"]
     assert not (hf / ".metadata").exists()
@@ -286,6 +289,7 @@ def test_hugging_face_writer_per_rank_shards_read_as_dcp(two_rank: dict[str, Pat
     assert problems(hf) == []
 
 
+@pytest.mark.torchrun
 def test_writer_output_loads_into_shard0_dtensors_each_rank_its_own_file(
     two_rank: dict[str, Path],
 ) -> None:
@@ -477,6 +481,7 @@ def broken_copy(two_rank: dict[str, Path], tmp_path: Path) -> Path:
     return copy
 
 
+@pytest.mark.torchrun
 def test_missing_rank_file_is_reported(two_rank: dict[str, Path], tmp_path: Path) -> None:
     ckpt = broken_copy(two_rank, tmp_path)
     (ckpt / "__1_0.distcp").unlink()
@@ -486,6 +491,7 @@ def test_missing_rank_file_is_reported(two_rank: dict[str, Path], tmp_path: Path
     assert problems(ckpt) == ["dcp_missing_file"]
 
 
+@pytest.mark.torchrun
 def test_truncated_rank_file_is_reported(two_rank: dict[str, Path], tmp_path: Path) -> None:
     ckpt = broken_copy(two_rank, tmp_path)
     data = ckpt / "__0_0.distcp"
@@ -496,6 +502,7 @@ def test_truncated_rank_file_is_reported(two_rank: dict[str, Path], tmp_path: Pa
     assert all(p.file and p.file.endswith("__0_0.distcp") for p in found)
 
 
+@pytest.mark.torchrun
 def test_holes_and_overlaps_are_all_reported(two_rank: dict[str, Path], tmp_path: Path) -> None:
     ckpt = broken_copy(two_rank, tmp_path)
     md = torch_metadata(ckpt)

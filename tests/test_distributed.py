@@ -36,6 +36,7 @@ from .conftest import RecordingProgress, run_ckpt
 from .dist_helpers import (
     dcp_load_flat,
     dcp_save,
+    require_torchrun_marker,
     torchrun_ckpt,
     torchrun_env,
     training_state,
@@ -85,6 +86,7 @@ def no_leftovers(parent: Path) -> list[str]:
 
 def run_split(tmp_path: Path, nproc: int, commands: list[list[str]]) -> list[list[dict[str, Any]]]:
     """Run `commands` in one torchrun launch of `nproc` ranks; per rank, per command results."""
+    require_torchrun_marker()
     spec = tmp_path / "commands.json"
     spec.write_text(json.dumps(commands))
     out = tmp_path / "ranks"
@@ -120,6 +122,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"model": model, "dcp": dcp}
 
 
+@pytest.mark.torchrun
 def test_convert_reshard_and_verify_split_over_two_ranks_write_what_one_process_writes(
     tmp_path: Path, sources: dict[str, Path]
 ) -> None:
@@ -242,6 +245,7 @@ def test_convert_reshard_and_verify_split_over_two_ranks_write_what_one_process_
     ]
 
 
+@pytest.mark.torchrun
 def test_three_ranks_of_torchrun_m_ckpt_cli_convert_like_one_process(
     tmp_path: Path, sources: dict[str, Path]
 ) -> None:
@@ -285,6 +289,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.torchrun
 def test_one_failing_rank_fails_every_rank_with_its_error_and_publishes_nothing(
     tmp_path: Path, sources: dict[str, Path]
 ) -> None:

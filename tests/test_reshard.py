@@ -350,6 +350,7 @@ def load_on(n: int, resharded: dict[str, Any], jobs: list[tuple[str, str, bool]]
         assert job["sharded"] > 0 and job["entries"] > 0
 
 
+@pytest.mark.torchrun
 def test_one_rank_save_resharded_to_1_2_3_4_loads_bit_exact(resharded: dict[str, Any]) -> None:
     """Covered by the per-world-size loads below; here: what the reports say."""
     for n in (1, 2, 3, 4):
@@ -362,6 +363,7 @@ def test_one_rank_save_resharded_to_1_2_3_4_loads_bit_exact(resharded: dict[str,
         assert report["verified"]
 
 
+@pytest.mark.torchrun
 def test_two_rank_reports_name_rank_state_and_placements(resharded: dict[str, Any]) -> None:
     two = resharded["two-2"]
     assert two["source_world_size"] == 2 and two["rank_state_action"] == "carry"
@@ -392,18 +394,21 @@ def test_two_rank_reports_name_rank_state_and_placements(resharded: dict[str, An
     assert "*.w0.weight=1 matched no tensor" in result.stderr
 
 
+@pytest.mark.torchrun
 def test_load_on_1_rank(resharded: dict[str, Any]) -> None:
     load_on(
         1, resharded, [("one-1", "one", False), ("two-1", "two", False), ("two-tp-1", "two", True)]
     )
 
 
+@pytest.mark.torchrun
 def test_load_on_2_ranks(resharded: dict[str, Any]) -> None:
     load_on(
         2, resharded, [("one-2", "one", False), ("two-2", "two", False), ("two-tp-2", "two", True)]
     )
 
 
+@pytest.mark.torchrun
 def test_load_on_3_ranks_including_dcp_own_resharding(resharded: dict[str, Any]) -> None:
     # two-4 on 3 ranks: not our layout for 3, so DCP reshards at load time; still bit-exact
     load_on(
@@ -418,12 +423,14 @@ def test_load_on_3_ranks_including_dcp_own_resharding(resharded: dict[str, Any])
     )
 
 
+@pytest.mark.torchrun
 def test_load_on_4_ranks(resharded: dict[str, Any]) -> None:
     load_on(
         4, resharded, [("one-4", "one", False), ("two-4", "two", False), ("two-tp-4", "two", True)]
     )
 
 
+@pytest.mark.torchrun
 def test_rank_state_needs_a_choice_when_the_world_size_changes(
     resharded: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -443,6 +450,7 @@ def test_rank_state_needs_a_choice_when_the_world_size_changes(
     assert {"rng.rank0", "rng.rank1"} <= set(kept.state_dict_metadata)
 
 
+@pytest.mark.torchrun
 def test_output_files_hold_exactly_each_ranks_chunk(resharded: dict[str, Any]) -> None:
     """Read `.metadata` with DCP's own reader: chunk r of every sharded tensor in __r_0.distcp."""
     meta = FileSystemReader(str(resharded["root"] / "two-4")).read_metadata()
@@ -468,6 +476,7 @@ def test_output_files_hold_exactly_each_ranks_chunk(resharded: dict[str, Any]) -
     assert stored.count("optimizer.state.layers.0.norm.weight.exp_avg") == 1
 
 
+@pytest.mark.torchrun
 def test_safetensors_serialization_puts_each_ranks_rows_in_its_file(
     resharded: dict[str, Any],
 ) -> None:
@@ -519,6 +528,7 @@ def test_safetensors_serialization_puts_each_ranks_rows_in_its_file(
         assert torch.equal(loaded[name], expected[name]), name
 
 
+@pytest.mark.torchrun
 def test_world_size_streams_chunks_never_whole_tensors(
     resharded: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -593,6 +603,7 @@ def test_raw_copy_falls_back_when_the_kernel_refuses_copy_file_range(
         assert torch.equal(tensors[name], tensor), name
 
 
+@pytest.mark.torchrun
 def test_interrupted_reshard_leaves_no_destination(
     resharded: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
