@@ -48,6 +48,8 @@ def _ranges(indices: list[int]) -> str:
 
 
 class _Builder:
+    __slots__ = ("children", "dtypes", "indices", "nbytes", "objects", "shapes", "tensors")
+
     def __init__(self) -> None:
         self.children: dict[str, _Builder] = {}
         self.indices: list[int] = []
@@ -57,28 +59,12 @@ class _Builder:
         self.dtypes: set[str | None] = set()
         self.shapes: set[tuple[int, ...]] = set()
 
-    def add(self, parts: list[str], entry: Entry) -> None:
-        if entry.kind == "tensor":
-            self.tensors += 1
-        else:
-            self.objects += 1
-        self.nbytes += entry.nbytes
-        if not parts:
-            self.dtypes.add(entry.dtype if entry.kind == "tensor" else entry.py_type)
-            self.shapes.add(tuple(entry.shape))
-            return
-        head, rest = parts[0], parts[1:]
-        key = "#" if head.isdigit() else head
-        child = self.children.setdefault(key, _Builder())
-        if head.isdigit():
-            child.indices.append(int(head))
-        child.add(rest, entry)
-
     def build(self, name: str) -> TreeNode:
         if name == "#":
             name = _ranges(self.indices)
         leaf = not self.children
-        return TreeNode(
+        # every value was computed here from checked entries: no validation pass needed
+        return TreeNode.model_construct(
             name=name,
             tensors=self.tensors,
             objects=self.objects,
@@ -90,10 +76,29 @@ class _Builder:
 
 
 def build_tree(entries: list[Entry]) -> list[TreeNode]:
-    """The folded tree of `entries` (top-level nodes)."""
+    """The folded tree of `entries` (top-level nodes), in one pass over the names."""
     root = _Builder()
     for entry in entries:
-        root.add(entry.name.split("."), entry)
+        is_tensor = entry.kind == "tensor"
+        nbytes = entry.nbytes
+        node = root
+        for part in entry.name.split("."):
+            node.tensors += is_tensor
+            node.objects += not is_tensor
+            node.nbytes += nbytes
+            numeric = part.isdigit()
+            key = "#" if numeric else part
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = _Builder()
+            if numeric:
+                child.indices.append(int(part))
+            node = child
+        node.tensors += is_tensor
+        node.objects += not is_tensor
+        node.nbytes += nbytes
+        node.dtypes.add(entry.dtype if is_tensor else entry.py_type)
+        node.shapes.add(tuple(entry.shape))
     return [child.build(key) for key, child in root.children.items()]
 
 
