@@ -30,7 +30,6 @@ def reshard(
         int | None,
         typer.Option(
             "--world-size",
-            "-n",
             min=1,
             help="DCP: rewrite as N ranks would have saved it (chunk r in __r_0.distcp).",
         ),

@@ -82,6 +82,7 @@ def verify(
     chunk coverage). Exit 0 when all holds, 1 when problems were found, 3/4 when SRC cannot be
     read at all. Never modifies the checkpoint (except writing the manifest when asked).
     """
+    from ..errors import ProblemsFound
     from ..ops.verify import verify as run_verify
     from ..render.progress import bar
     from ..render.verify import render_verify
@@ -104,4 +105,9 @@ def verify(
             ),
             render_verify,
             exit_code=lambda report: 0 if report.ok else 1,
+            failure=lambda report, _code: ProblemsFound(
+                f"{report.errors} error(s) and {report.warnings} warning(s) found",
+                path=src,
+                fix="result.problems lists each one with its file and fix",
+            ),
         )
