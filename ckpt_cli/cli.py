@@ -345,14 +345,9 @@ class CkptGroup(typer.core.TyperGroup):
 
 
 def _closed_pipe() -> NoReturn:
-    """The reader went away (`| head -1`): stop quietly with 141, as a SIGPIPE'd tool does."""
-    try:
-        # later flushes (at exit too) must not raise again: point stdout at /dev/null
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass  # not a real file descriptor (the in-process test runner)
-    raise typer.Exit(141)
+    from .render import closed_pipe_exit
+
+    closed_pipe_exit()
 
 
 def _is_parser_error(exc: BaseException) -> bool:
@@ -377,6 +372,7 @@ def _rewrite_renamed(argv: list[str]) -> list[str]:
         return argv
     from . import render
 
+    quiet = any(t in ("-q", "--quiet") for t in argv)
     out: list[str] = []
     seen_command = False
     for i, token in enumerate(argv):
@@ -392,10 +388,11 @@ def _rewrite_renamed(argv: list[str]) -> list[str]:
         if new is None:
             out.append(token)
             continue
-        render.warn(
-            command or "ckpt",
-            f"{old} is renamed {new}; the old spelling goes away in {ALIASES_REMOVED_IN}",
-        )
+        if not quiet:
+            render.warn(
+                command or "ckpt",
+                f"{old} is renamed {new}; the old spelling goes away in {ALIASES_REMOVED_IN}",
+            )
         out.append(new + sep + value)
     return out
 

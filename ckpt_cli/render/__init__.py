@@ -6,10 +6,12 @@ errors, warnings and progress go to stderr.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import BaseModel
 from rich.console import Console, ConsoleDimensions
@@ -46,12 +48,13 @@ class SafeConsole(Console):
     """A rich Console that escapes control/bidi characters and never wraps off a terminal.
 
     Off a terminal (pipes, files, CI logs) one record is one line: the console claims a width
-    nothing reaches, so tables are space-aligned and never folded, and text is never wrapped.
+    nothing reaches (whatever COLUMNS says), so tables are space-aligned and never folded, and
+    text is never wrapped. A closed pipe (`| head -1`) ends the run quietly with 141.
     """
 
     @property
     def size(self) -> ConsoleDimensions:
-        if not self.is_terminal and self._width is None:
+        if not self.is_terminal:
             return ConsoleDimensions(UNWRAPPED_WIDTH, 25)
         return super().size
 
@@ -60,8 +63,28 @@ class SafeConsole(Console):
         width, height = new_size
         self._width, self._height = width, height
 
+    def on_broken_pipe(self) -> None:
+        # rich's default exits 1, which scripts read as "problems found"
+        self.quiet = True
+        closed_pipe_exit()
+
     def render_str(self, text: str, **kwargs: Any) -> Text:
         return super().render_str(safe_text(text), **kwargs)
+
+
+#: the status of a run whose reader went away: 128 + SIGPIPE, what a shell reports for `yes | head`
+CLOSED_PIPE_EXIT = 141
+
+
+def closed_pipe_exit() -> NoReturn:
+    """Stop quietly with 141 after stdout's reader went away (`| head -1`)."""
+    try:
+        # later flushes (at exit too) must not raise again: point stdout at /dev/null
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # not a real file descriptor (the in-process test runner)
+    raise SystemExit(CLOSED_PIPE_EXIT)
 
 
 stdout = SafeConsole(highlight=False, soft_wrap=False)
