@@ -305,7 +305,7 @@ def _options() -> Iterator[tuple[str, str, list[str]]]:
 def test_no_short_flag_means_two_things() -> None:
     meaning: dict[str, set[str]] = {}
     for command, short, longs in _options():
-        meaning.setdefault(short, set()).add(longs[0])
+        meaning.setdefault(short, set()).add(f"{longs[0]} ({command})".split(" (")[0])
     double = {short: longs for short, longs in meaning.items() if len(longs) > 1}
     assert not double, f"short flags with two meanings: {double}"
 
