@@ -53,7 +53,6 @@ RENAMED_OPTIONS: dict[str, dict[str, str]] = {
         "-t": "--to",
     },
     "download": {"--tensors": "--filter", "-t": "--filter", "-x": "--filter-out", "-m": "--mode"},
-    "reshard": {"-n": "--world-size"},
 }
 
 #: the metavar help shows for an option's value, by long name; others fall back on the type

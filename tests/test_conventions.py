@@ -332,6 +332,10 @@ def test_old_spellings_still_work_hidden_with_a_warning(world: dict[str, Path]) 
     new = run_ckpt("inspect", world["model"], "--list")
     assert old.exit_code == 0 and old.stdout == new.stdout
     assert "-t is renamed --list" in old.stderr
+    # an old spelling never shadows a current option of the same command
+    for command in describe_app():
+        current = {n for o in command.options for n in o.longs + o.shorts}
+        assert not current & set(RENAMED_OPTIONS.get(command.name, {})), command.name
     # hidden: neither help nor completions offer them
     for command, renamed in RENAMED_OPTIONS.items():
         for spelling in renamed:

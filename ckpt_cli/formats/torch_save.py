@@ -267,6 +267,18 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
             fix="Plain pickles are never unpickled by ckpt; re-save it with torch.save.",
         ) from None
     except (RuntimeError, EOFError, ValueError, OSError, KeyError, AttributeError) as exc:
+        from ..sniff import SNIFF_BYTES, what_is
+
+        kind = what_is(storage.read(rel, 0, min(size, SNIFF_BYTES)), size)
+        if not zipped and not kind.startswith("a plain pickle"):
+            # neither zip nor pickle: not a torch.save file at all, whatever its name says
+            raise FormatError(
+                f"is not a torch.save file: it is {kind} (torch.save writes a ZIP archive, "
+                "or a pickle for legacy files)",
+                path=where,
+                fix="Check the path; if it is a checkpoint of another format, name it by that "
+                "format's suffix or pass --format.",
+            ) from None
         raise FormatError(
             f"is not a readable torch.save file ({_first_line(str(exc))})",
             path=where,

@@ -208,9 +208,9 @@ def plan_transfer(
         )
     if (include or exclude) and not chosen:
         raise NotFoundError(
-            "the --include/--exclude patterns leave no entry to write",
+            "the --filter/--filter-out patterns leave no entry to write",
             path=manifest.location,
-            fix="Check the patterns against `ckpt inspect --tensors`.",
+            fix="Check the patterns against `ckpt inspect --list`.",
         )
     plan = TransferPlan(items=[])
     seen: dict[str, str] = {}

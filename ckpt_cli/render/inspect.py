@@ -120,6 +120,10 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
         f"{human_bytes(report.tensor_bytes)} ({dtypes})"
         + (f"; {report.objects} non-tensor entries" if report.objects else "")
     )
+    if report.state_elements:
+        # optimizer moments and other state are not parameters: their own figures
+        parts = [f"{name} {human_count(n)}" for name, n in report.state_elements.items()]
+        stdout.print(f"  state elements (not parameters): {', '.join(parts)}")
     if report.metadata:
         stdout.print("  metadata: " + ", ".join(f"{k}={v}" for k, v in report.metadata.items()))
     render_training(report)
