@@ -7,9 +7,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from ..dtypes import FLOATING
 from ..errors import NotFoundError
 from ..layouts import open_source
-from ..dtypes import FLOATING
 from ..models import Entry, FileInfo, Manifest, TrainingState
 from ..runs import RunReport
 from .tree import TreeNode, build_tree, collapse_chains
