@@ -321,7 +321,7 @@ def _no_match(src: str, include: list[str] | None, exclude: list[str] | None) ->
     return NotFoundError(
         f"no tensor matches {what}",
         path=src,
-        fix="Check the pattern; `ckpt inspect --tensors " + src + "` lists every name.",
+        fix="Check the pattern; `ckpt inspect --list " + src + "` lists every name.",
     )
 
 

@@ -96,7 +96,7 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
             raise NotFoundError(
                 f"no entry matches {' or '.join(filters)}",
                 path=src,
-                fix="Check the pattern; `ckpt inspect --tensors` lists every name.",
+                fix="Check the pattern; `ckpt inspect --list` lists every name.",
             )
         view = manifest.model_copy(update={"entries": entries}) if filters else manifest
         parameters, state_elements = _split_parameters(view, opened.training)

@@ -3,7 +3,7 @@
 Three steps, each usable on its own:
 
 1. `plan_transfer` decides, from the source manifest alone, which entries go out under which
-   names and dtypes (`--select`, `--include/--exclude`, `--rename`, `--dtype`), which are skipped
+   names and dtypes (`--select`, `--filter/--filter-out`, `--rename`, `--dtype`), which are skipped
    and why (non-tensor entries for a tensor-only target), and which tensors share storage.
 2. `copy_entries` moves the data one entry at a time into a format `Writer`: a raw byte range
    (`Checkpoint.iter_raw` -> `Writer.write_raw`, no deserialisation) when neither dtype nor
