@@ -288,16 +288,27 @@ def _conventions(function: Callable[..., Any]) -> Callable[..., Any]:
             if quiet and verbose:
                 raise UsageError("--quiet and --verbose contradict each other", fix="Pick one.")
             render.set_verbosity(-1 if quiet else 1 if verbose else 0)
-            for location in locations:
-                if isinstance(kwargs.get(location), str):
-                    kwargs[location] = _hub_location(kwargs[location], revision, repo_type)
+            given = [n for n in locations if isinstance(kwargs.get(n), str)]
+            # with two locations (diff A B) the Hub options apply to the hf:// one(s)
+            hub = [n for n in given if kwargs[n].startswith("hf://")] if len(given) > 1 else given
+            for location in hub or given[:1]:
+                kwargs[location] = _hub_location(kwargs[location], revision, repo_type)
         except CkptError as error:
             render.emit_error(name, error, json_output)
             raise typer.Exit(error.exit_code) from None
-        if token is not None:
-            # huggingface_hub and ckpt's Hub settings read the token from the environment
-            os.environ["HF_TOKEN"] = token
-        return function(*args, **kwargs)
+        if token is None:
+            return function(*args, **kwargs)
+        # huggingface_hub and ckpt's Hub settings read the token from the environment; put it
+        # back afterwards so an in-process caller's environment is left as it was
+        saved = os.environ.get("HF_TOKEN")
+        os.environ["HF_TOKEN"] = token
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if saved is None:
+                os.environ.pop("HF_TOKEN", None)
+            else:
+                os.environ["HF_TOKEN"] = saved
 
     command.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
     command.__annotations__ = {p.name: p.annotation for p in params}

@@ -267,3 +267,25 @@ def test_parameters_count_the_model_and_optimizer_state_is_its_own_figure(tmp_pa
     plain = run_ckpt("inspect", tmp_path / "m.safetensors", "--json").json["result"]
     assert plain["parameters"] == 6 * 64 and plain["state_elements"] == {}
     assert json.dumps(plain)  # the envelope stays JSON
+
+
+def test_token_option_opens_a_gated_repo_and_leaves_the_environment_alone(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    import os
+
+    import torch
+
+    publish_model(hub, "org/gated", tmp_path / "src", {"w": torch.zeros(2)}, token="hf_secret")
+    assert run_ckpt("inspect", "hf://org/gated").exit_code == 5
+    result = run_ckpt("inspect", "hf://org/gated", "--token", "hf_secret", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["tensors"] == 1
+    assert "HF_TOKEN" not in os.environ
+
+
+def test_diff_applies_revision_to_its_hub_side(published: TestHub, tmp_path: Path) -> None:
+    fetched = run_ckpt("download", "hf://org/model", tmp_path / "local")
+    assert fetched.exit_code == 0, fetched.stderr
+    same = run_ckpt("diff", tmp_path / "local", "hf://org/model", "--revision", "main")
+    assert same.exit_code == 0, same.stdout + same.stderr
