@@ -412,10 +412,11 @@ def _report_parser_error(exc: Any, argv: list[str]) -> int:
     from . import render
 
     ctx = getattr(exc, "ctx", None)
-    command = None
+    command = "ckpt"  # the root's own error (no such command): no subcommand was recognised
     if ctx is not None and getattr(ctx, "parent", None) is not None:
-        command = ctx.info_name
-    command = command or _command_of(argv) or "ckpt"
+        command = ctx.info_name or "ckpt"
+    elif ctx is None:
+        command = _command_of(argv) or "ckpt"
     message = str(exc.format_message()).strip()
     if type(exc).__name__ == "NoArgsIsHelpError":
         # `ckpt` alone: the help is the message, for people; not an error box

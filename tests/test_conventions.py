@@ -390,3 +390,28 @@ def test_revision_on_a_local_path_is_refused(world: dict[str, Path]) -> None:
     result = run_ckpt("inspect", world["model"], "--revision", "v1", "--json")
     assert result.exit_code == 2
     assert "--revision" in result.json["error"]["message"]
+
+
+def test_an_unknown_command_is_the_root_s_usage_error(validator: Any) -> None:
+    result = run_ckpt("nosuch", "--json")
+    doc = envelope_of(result, validator)
+    assert doc["command"] == "ckpt" and doc["exit_code"] == 2
+    assert "No such command 'nosuch'" in doc["error"]["message"]
+    assert "Run 'ckpt --help'" in doc["error"]["fix"]
+    assert result.stderr.startswith("ckpt: error: No such command")
+
+
+def test_verbose_shows_the_traceback_of_a_bug(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_cli.ops import inspect as inspect_ops
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("a bug in the library")
+
+    monkeypatch.setattr(inspect_ops, "inspect", broken)
+    quiet = run_ckpt("inspect", tmp_path)
+    assert quiet.exit_code == 70 and "Traceback" not in quiet.stderr
+    loud = run_ckpt("inspect", tmp_path, "-v")
+    assert loud.exit_code == 70
+    assert "Traceback" in loud.stderr and "RuntimeError: a bug in the library" in loud.stderr

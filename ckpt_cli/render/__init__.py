@@ -106,7 +106,12 @@ def set_verbosity(level: int) -> None:
 
 def warn(command: str, message: str) -> None:
     """A warning on stderr (`ckpt CMD: warning: ...`), silenced by --quiet."""
-    stderr.print(f"[yellow]ckpt {command}: warning:[/] {escape(message)}", highlight=False)
+    stderr.print(f"[yellow]{_prog(command)}: warning:[/] {escape(message)}", highlight=False)
+
+
+def _prog(command: str) -> str:
+    # `ckpt inspect: error: ...`, or `ckpt: error: ...` before a command was recognised
+    return "ckpt" if command == "ckpt" else f"ckpt {command}"
 
 
 def stdout_text(text: str) -> None:
@@ -162,7 +167,9 @@ def emit_error(
         _print_json(envelope(command, None, code, error))
     # the message is plain text: brackets in it (`ckpt-cli[fast]`) are not markup
     errors.print(
-        f"[bold red]ckpt {command}: error:[/] {escape(error.message)}", markup=True, highlight=False
+        f"[bold red]{_prog(command)}: error:[/] {escape(error.message)}",
+        markup=True,
+        highlight=False,
     )
     if verbosity > 0:
         errors.print(f"  (error code {error.code}, exit {code})", markup=False, highlight=False)
