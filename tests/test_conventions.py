@@ -415,3 +415,24 @@ def test_verbose_shows_the_traceback_of_a_bug(
     loud = run_ckpt("inspect", tmp_path, "-v")
     assert loud.exit_code == 70
     assert "Traceback" in loud.stderr and "RuntimeError: a bug in the library" in loud.stderr
+
+
+def test_download_runs_with_pipes_and_with_a_terminal(hub: Any, tmp_path: Path) -> None:
+    import torch
+
+    from .hub_fixtures import publish_model
+
+    state = {LONG: torch.zeros(4), EVIL: torch.ones(1), "model.norm.weight": torch.ones(3)}
+    publish_model(hub, "org/model", tmp_path / "src", state)
+    args = ["download", "hf://org/model", str(tmp_path / "d"), "--mode", "tensors", "--dry-run"]
+    piped = run_ckpt_process(*args, env={"COLUMNS": "40"})
+    assert piped.exit_code == 0, piped.stderr
+    # the range table: one line per request, the long name whole on it
+    assert any(LONG in line and "B" in line for line in piped.stdout.splitlines())
+    assert "\x1b" not in piped.stdout
+    tty = run_in_pty(*args)
+    assert tty.exit_code == 0, tty.stdout
+    assert "\x1b[2J" not in tty.stdout and "\u202e" not in tty.stdout
+    fetched = run_in_pty("download", "hf://org/model", tmp_path / "real")
+    assert fetched.exit_code == 0, fetched.stdout
+    assert (tmp_path / "real" / "model.safetensors").is_file()
