@@ -255,7 +255,12 @@ def _conventions(function: Callable[..., Any]) -> Callable[..., Any]:
     ]
     taken = {p.name for p in params}
     locations = [name for name in LOCATION_PARAMS if name in taken]
-    extra: list[tuple[str, Any]] = [("ckpt_quiet", QuietOpt), ("ckpt_verbose", VerboseOpt)]
+    # a command that defines its own --quiet/--verbose keeps them (and must mean the same)
+    extra: list[tuple[str, Any]] = [
+        (name, opt)
+        for name, opt in (("ckpt_quiet", QuietOpt), ("ckpt_verbose", VerboseOpt))
+        if name.removeprefix("ckpt_") not in taken
+    ]
     if locations and "revision" not in taken:
         extra += [
             ("ckpt_revision", RevisionOpt),

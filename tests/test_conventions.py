@@ -120,6 +120,13 @@ def test_piped_output_is_one_record_per_line_never_wrapped(world: dict[str, Path
     assert not any(ch in result.stdout for ch in "│╭╰─┃")
 
 
+def test_long_error_messages_off_a_terminal_are_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / ("a-folder-name-long-enough-to-wrap-" * 4)
+    result = run_ckpt_process("verify", missing, env={"COLUMNS": "40"})
+    assert result.exit_code == 3
+    assert result.stderr.count("\n") == 1 and str(missing) in result.stderr
+
+
 def test_parser_errors_off_a_terminal_are_one_line_without_a_box() -> None:
     result = run_ckpt_process("inspect", "--no-such-option", "x")
     assert result.exit_code == 2
@@ -134,8 +141,12 @@ def test_every_command_runs_with_pipes_and_with_a_terminal(
 ) -> None:
     runs = invocations(world, tmp_path)
     for name, args in runs.items():
-        piped = run_ckpt_process(*args)
+        piped = run_ckpt_process(*args, env={"COLUMNS": "30"})
         assert piped.exit_code in (0, 1), (name, piped.stderr)
+        if name in ("prune", "latest"):
+            # a run table row is one line: name, step, status, size, age, notes
+            rows = [line for line in piped.stdout.splitlines() if "checkpoint-100" in line]
+            assert name == "latest" or ("complete" in rows[0] and "delete" in rows[0]), rows
         assert "Traceback" not in piped.stderr
         for line in piped.stdout.splitlines():
             assert "\x1b" not in line, (name, line)  # no colour codes into a pipe
