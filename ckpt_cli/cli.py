@@ -245,8 +245,12 @@ def hub_hint(text: str) -> str | None:
     return None
 
 
-def _conventions(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a command function: -q/-v, Hub options for its SRC, metavars (see above)."""
+def _conventions(function: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
+    """Wrap a command function: -q/-v, Hub options for its SRC, metavars (see above).
+
+    `name` is the command's name when it is not the function's (`@app.command("sync")`).
+    """
+    command_name = name or function.__name__.replace("_", "-")
     signature = inspect.signature(function, eval_str=True)
     hints = typing.get_type_hints(function, include_extras=True)
     params = [
@@ -287,7 +291,6 @@ def _conventions(function: Callable[..., Any]) -> Callable[..., Any]:
         revision = kwargs.pop("ckpt_revision", None)
         repo_type = kwargs.pop("ckpt_repo_type", None)
         token = kwargs.pop("ckpt_token", None)
-        name = function.__name__.replace("_", "-")
         json_output = bool(kwargs.get("json_output"))
         try:
             if quiet and verbose:
@@ -299,7 +302,7 @@ def _conventions(function: Callable[..., Any]) -> Callable[..., Any]:
             for location in hub or given[:1]:
                 kwargs[location] = _hub_location(kwargs[location], revision, repo_type)
         except CkptError as error:
-            render.emit_error(name, error, json_output)
+            render.emit_error(command_name, error, json_output)
             raise typer.Exit(error.exit_code) from None
         if token is None:
             return function(*args, **kwargs)
@@ -344,6 +347,9 @@ class CkptGroup(typer.core.TyperGroup):
         standalone_mode: bool = True,
         **extra: Any,
     ) -> Any:
+        from . import render
+
+        render.set_verbosity(0)  # a parser error comes before any command sets it
         argv = _rewrite_renamed(list(sys.argv[1:] if args is None else args))
         try:
             code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
@@ -472,8 +478,10 @@ class CkptTyper(typer.Typer):
         kwargs.setdefault("cls", CkptCommand)
         register = super().command(*args, **kwargs)
 
+        name = args[0] if args and isinstance(args[0], str) else kwargs.get("name")
+
         def decorator(function: Callable[..., T]) -> Callable[..., T]:
-            register(_conventions(function))
+            register(_conventions(function, name))
             return function
 
         return decorator
