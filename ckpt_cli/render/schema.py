@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from . import JSON_VERSION
 
-SCHEMA_ID = "https://github.com/ckpt-cli/ckpt/schema/ckpt-json.schema.json"
+#: a URN, not a URL: the schema ships in the repository and the package, not on a server
+SCHEMA_ID = "urn:ckpt-cli:ckpt-json:1"
 DEFAULT_PATH = Path("schema") / "ckpt-json.schema.json"
 
 #: command -> the report model(s) its `result` is, as "module:Class" (one of them)
