@@ -189,6 +189,8 @@ def fish_script(commands: list[_Command]) -> str:
                     parts.append(f"-f -a '{' '.join(o.values)}'")
                 elif o.is_path:
                     parts.append("-F")
+                else:
+                    parts.append("-f")  # a size, glob or number: no file names offered
             parts.append(f"-d '{_sq(o.help)}'")
             lines.append(" ".join(parts))
     lines.append("")
