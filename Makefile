@@ -39,6 +39,7 @@ pytest: $(STAMP)
 
 completions: $(STAMP)
 	$(PY) -m ckpt_cli.completions completions
+	$(PY) -m ckpt_cli.render.schema schema/ckpt-json.schema.json
 
 # every benchmark with its defaults (several minutes, a few GB of scratch data); see bench/README.md
 bench: $(STAMP)

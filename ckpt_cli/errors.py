@@ -48,6 +48,17 @@ class CkptError(Exception):
         }
 
 
+class ProblemsFound(CkptError):
+    """A run that finished and found problems: verify, diff, a failed deletion (exit 1).
+
+    Not raised by the library: the CLI puts it in the JSON envelope of an exit-1 result, so
+    every non-zero exit carries an error object (code, message, fix).
+    """
+
+    exit_code = 1
+    code = "problems_found"
+
+
 class UsageError(CkptError):
     """Bad arguments or option combinations (exit 2)."""
 

@@ -179,7 +179,7 @@ def test_include_exclude_rename_select_do_what_they_say(tmp_path: Path) -> None:
     assert_same(
         got, {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
     )
-    assert run("inc.safetensors", "--include", "*.layers.*", "--exclude", "*.bias").exit_code == 0
+    assert run("inc.safetensors", "--filter", "*.layers.*", "--filter-out", "*.bias").exit_code == 0
     got, _ = read_safetensors_folder(tmp_path / "inc.safetensors")
     assert set(got) == {f"model.layers.{i}.weight" for i in range(4)}
     assert (
@@ -636,7 +636,7 @@ def test_convert_from_the_hub_fetches_only_the_selected_tensors(
         tmp_path / "l0.safetensors",
         "--to",
         "safetensors",
-        "--include",
+        "--filter",
         "layers.0.*",
         "--json",
     )

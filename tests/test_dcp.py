@@ -122,7 +122,7 @@ def test_inspect_lists_every_entry_as_torch_records_it(single: Path) -> None:
     assert (by_name["step"]["py_type"], by_name["step"]["value"]) == ("int", 7)
     assert by_name["rng_bytes"]["py_type"] == "bytes"
     assert by_name["dataloader.position"]["value"] == 42
-    human = run_ckpt("inspect", single, "--tensors")
+    human = run_ckpt("inspect", single, "--list")
     assert (
         human.exit_code == 0
         and "object:int" in human.stdout

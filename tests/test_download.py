@@ -63,7 +63,7 @@ def test_shards_mode_fetches_only_the_shards_holding_the_selection(
     wanted_shard = weight_map["model.layers.1.mlp.weight"]
     dest = tmp_path / "out"
     result = run_ckpt(
-        "download", "hf://org/model", dest, "--tensors", "model.layers.1.mlp.*", "--json"
+        "download", "hf://org/model", dest, "--filter", "model.layers.1.mlp.*", "--json"
     )
     assert result.exit_code == 0, result.stderr
     report = result.json["result"]
@@ -118,7 +118,7 @@ def test_tensors_mode_fetches_only_the_selected_ranges(hub: TestHub, tmp_path: P
     state, _ = publish(hub, tmp_path)
     dest = tmp_path / "picked"
     globs = ["model.layers.0.*", "model.layers.3.mlp.weight", "lm_head.*"]
-    args = [a for g in globs for a in ("--tensors", g)]
+    args = [a for g in globs for a in ("--filter", g)]
     result = run_ckpt(
         "download", "hf://org/model", dest, "--mode", "tensors", "--no-extras", *args, "--json"
     )
@@ -180,7 +180,7 @@ def test_tensors_mode_output_is_sharded_with_an_index_when_large(
     state, _ = publish(hub, tmp_path)
     dest = tmp_path / "big"
     result = run_ckpt(
-        "download", "hf://org/model", dest, "--mode", "tensors", "--exclude", "*.norm.*"
+        "download", "hf://org/model", dest, "--mode", "tensors", "--filter-out", "*.norm.*"
     )
     assert result.exit_code == 0, result.stderr
     index = json.loads((dest / "model.safetensors.index.json").read_text())
@@ -199,7 +199,7 @@ def test_dropped_connection_mid_file_resumes(hub: TestHub, tmp_path: Path) -> No
     size = (tmp_path / "src" / shard).stat().st_size
     hub.drop_after("org/model", shard, size // 3)
     dest = tmp_path / "resumed"
-    result = run_ckpt("download", "hf://org/model", dest, "--tensors", "model.layers.2.mlp.weight")
+    result = run_ckpt("download", "hf://org/model", dest, "--filter", "model.layers.2.mlp.weight")
     assert result.exit_code == 0, result.stderr
     # huggingface_hub retried after the drop; it resumes from its last complete 10 MB block,
     # which for a shard this small is the start: the shard crossed the wire once more, no more
@@ -220,7 +220,7 @@ def test_dropped_connection_mid_file_resumes(hub: TestHub, tmp_path: Path) -> No
     dest2 = tmp_path / "resumed-tensors"
     result = run_ckpt(
         "download", "hf://org/model", dest2, "--mode", "tensors", "--no-extras",
-        "--tensors", "lm_head.weight",
+        "--filter", "lm_head.weight",
     )  # fmt: skip
     assert result.exit_code == 0, result.stderr
     got = read_all(dest2)
@@ -282,7 +282,7 @@ def test_a_corrupt_file_in_the_cache_is_caught_by_the_hub_checksum(
     _, weight_map = publish(hub, tmp_path)
     shard = weight_map["lm_head.weight"]
     first = run_ckpt(
-        "download", "hf://org/model", "--cache-only", "--tensors", "lm_head.*", "--json"
+        "download", "hf://org/model", "--cache-only", "--filter", "lm_head.*", "--json"
     )
     assert first.exit_code == 0, first.stderr
     cached = Path(
@@ -293,7 +293,7 @@ def test_a_corrupt_file_in_the_cache_is_caught_by_the_hub_checksum(
     data[-1] ^= 0xFF
     blob.write_bytes(bytes(data))
     dest = tmp_path / "corrupt"
-    result = run_ckpt("download", "hf://org/model", dest, "--tensors", "lm_head.*")
+    result = run_ckpt("download", "hf://org/model", dest, "--filter", "lm_head.*")
     assert result.exit_code == 4
     assert shard in result.stderr and "sha256" in result.stderr and "hf cache rm" in result.stderr
     assert not dest.exists()
@@ -309,7 +309,7 @@ def test_torch_bin_shards_with_an_index(hub: TestHub, tmp_path: Path) -> None:
     weight_map = json.loads((src / "pytorch_model.bin.index.json").read_text())["weight_map"]
     hub.add_repo("org/old", src)
     dest = tmp_path / "old"
-    result = run_ckpt("download", "hf://org/old", dest, "--tensors", "lm_head.*", "--json")
+    result = run_ckpt("download", "hf://org/old", dest, "--filter", "lm_head.*", "--json")
     assert result.exit_code == 0, result.stderr
     shard = weight_map["lm_head.weight"]
     assert (dest / shard).read_bytes() == (src / shard).read_bytes()
@@ -349,7 +349,7 @@ def test_dry_run_fetches_nothing(hub: TestHub, tmp_path: Path) -> None:
     shards = publish_shards = sorted(set(weight_map.values()))
     del publish_shards
     plan = run_ckpt(
-        "download", "hf://org/model", dest, "--tensors", "model.layers.0.*", "--dry-run", "--json"
+        "download", "hf://org/model", dest, "--filter", "model.layers.0.*", "--dry-run", "--json"
     )
     assert plan.exit_code == 0, plan.stderr
     report = plan.json["result"]
@@ -366,7 +366,7 @@ def test_dry_run_fetches_nothing(hub: TestHub, tmp_path: Path) -> None:
         dest,
         "--mode",
         "tensors",
-        "--tensors",
+        "--filter",
         "lm_head.*",
         "--dry-run",
     )
@@ -381,7 +381,7 @@ def test_errors_no_match_missing_gated_and_existing_dest(hub: TestHub, tmp_path:
     publish(hub, tmp_path)
     publish_model(hub, "org/gated", tmp_path / "gated", {"w": torch.zeros(2)}, token="hf_ok")
     dest = tmp_path / "d"
-    nothing = run_ckpt("download", "hf://org/model", dest, "--tensors", "no.such.*", "--json")
+    nothing = run_ckpt("download", "hf://org/model", dest, "--filter", "no.such.*", "--json")
     assert nothing.exit_code == 3
     assert "no.such.*" in nothing.json["error"]["message"]
     assert run_ckpt("download", "hf://org/absent", dest).exit_code == 3
@@ -402,7 +402,7 @@ def test_file_missing_on_the_hub_is_exit_3_and_leaves_no_dest(hub: TestHub, tmp_
     shard = weight_map["lm_head.weight"]
     hub.fail(f"/resolve/.*/{shard}$", 404, times=5, error_code="EntryNotFound")
     dest = tmp_path / "partial"
-    result = run_ckpt("download", "hf://org/model", dest, "--tensors", "lm_head.*")
+    result = run_ckpt("download", "hf://org/model", dest, "--filter", "lm_head.*")
     assert result.exit_code == 3, result.stderr
     assert not dest.exists()
     assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
@@ -411,7 +411,7 @@ def test_file_missing_on_the_hub_is_exit_3_and_leaves_no_dest(hub: TestHub, tmp_
 def test_cache_only_fills_the_hf_cache(hub: TestHub, tmp_path: Path) -> None:
     _, weight_map = publish(hub, tmp_path)
     result = run_ckpt(
-        "download", "hf://org/model", "--cache-only", "--tensors", "model.embed_tokens.*", "--json"
+        "download", "hf://org/model", "--cache-only", "--filter", "model.embed_tokens.*", "--json"
     )
     assert result.exit_code == 0, result.stderr
     files = result.json["result"]["files"]
@@ -422,7 +422,7 @@ def test_cache_only_fills_the_hf_cache(hub: TestHub, tmp_path: Path) -> None:
     # tensors mode reads the ranges of a cached shard from disk
     picked = run_ckpt(
         "download", "hf://org/model", tmp_path / "from-cache", "--mode", "tensors",
-        "--tensors", "model.embed_tokens.*", "--no-extras", "--json",
+        "--filter", "model.embed_tokens.*", "--no-extras", "--json",
     )  # fmt: skip
     assert picked.exit_code == 0, picked.stderr
     assert picked.json["result"]["bytes_transferred"] == 0
@@ -434,7 +434,7 @@ def test_cache_only_fills_the_hf_cache(hub: TestHub, tmp_path: Path) -> None:
         "download",
         "hf://org/model",
         dest,
-        "--tensors",
+        "--filter",
         "model.embed_tokens.*",
         env={"HF_HUB_OFFLINE": "1"},
     )

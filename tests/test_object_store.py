@@ -355,7 +355,7 @@ def test_download_from_the_hub_into_s3(
     make_bucket(s3_server.endpoint, "ckpts")
     dest = "s3://ckpts/hub/model"
     result = run_ckpt(
-        "download", "hf://org/model", dest, "--mode", mode, "--tensors", "layers.*", "--json"
+        "download", "hf://org/model", dest, "--mode", mode, "--filter", "layers.*", "--json"
     )
     assert result.exit_code == 0, result.stderr
     fetched = fetch_prefix(s3_server.endpoint, "ckpts", "hub/model", tmp_path / "back")

@@ -14,7 +14,8 @@ from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_comma
         "ckpt convert step-1000/ hf-model/ --to safetensors --select model --max-shard-size 5GB",
         "ckpt convert model.safetensors model-bf16.safetensors --to safetensors --dtype bf16",
         "ckpt convert hf://org/model hf-dcp/ --to dcp --world-size 8",
-        "ckpt convert ckpt.pt weights.safetensors --to safetensors --select model --exclude '*.rotary_emb.*' --rename 'module.='",
+        "ckpt convert step-1000/ hf-model/ --to safetensors --max-shard-size 2GB --dry-run",
+        "ckpt convert ckpt.pt weights.safetensors --to safetensors --select model --filter-out '*.rotary_emb.*' --rename 'module.='",
         "ckpt convert s3://ckpts/run/step-1000 s3://ckpts/export/model --to safetensors --dtype bf16",
     )
 )
@@ -30,7 +31,7 @@ def convert(
     ],
     to: Annotated[
         str,
-        typer.Option("--to", "-t", help="Target format: safetensors, dcp or torch."),
+        typer.Option("--to", help="Target format: safetensors, dcp or torch."),
     ],
     max_shard_size: Annotated[
         str | None,
@@ -49,13 +50,14 @@ def convert(
     include: Annotated[
         list[str] | None,
         typer.Option(
-            "--include", "-k", help="Only entries whose source name matches (repeatable)."
+            "--filter", "-k", help="Only entries whose source name matches this glob (repeatable)."
         ),
     ] = None,
     exclude: Annotated[
         list[str] | None,
         typer.Option(
-            "--exclude", "-x", help="Leave out entries whose source name matches (repeatable)."
+            "--filter-out",
+            help="Leave out entries whose source name matches this glob (repeatable).",
         ),
     ] = None,
     rename: Annotated[
@@ -81,6 +83,14 @@ def convert(
         int,
         typer.Option("--world-size", help="Lay a DCP output out for this many ranks (Shard(0))."),
     ] = 1,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            "-n",
+            help="Show the files, sizes and entries that would be written; write nothing.",
+        ),
+    ] = False,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -116,6 +126,7 @@ def convert(
                 world_size=world_size,
                 force=force,
                 progress=progress,
+                dry_run=dry_run,
             ),
             render_convert,
         )

@@ -65,6 +65,7 @@ def diff(
     read one pair at a time; non-tensor entries (step, RNG, scheduler, data loader) are compared
     by value.
     """
+    from ..errors import ProblemsFound
     from ..ops.diff import diff as run_diff
     from ..render.diff import render_diff
     from ..render.progress import bar
@@ -87,4 +88,8 @@ def diff(
             ),
             render_diff,
             exit_code=lambda report: 0 if report.identical else 1,
+            failure=lambda report, _code: ProblemsFound(
+                f"{a} and {b} differ: {report.verdict}",
+                fix="result.differences, only_a and only_b list what differs",
+            ),
         )

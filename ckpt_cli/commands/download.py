@@ -21,10 +21,10 @@ class Mode(str, Enum):
     # the escaped stars keep the markdown help rendering from eating the glob stars
     epilog=examples(
         "ckpt download hf://org/model ./model",
-        "ckpt download hf://org/model@v1.0 ./emb --tensors 'model.embed_tokens.*' --tensors 'model.layers.0.*'",
-        "ckpt download hf://org/model ./l0 --mode tensors --tensors 'model.layers.0.*' --no-extras",
-        "ckpt download hf://org/model --cache-only --exclude 'lm_head.*'",
-        "ckpt download hf://org/model ./x --mode tensors --tensors '*.q_proj.*' --dry-run --json",
+        "ckpt download hf://org/model@v1.0 ./emb --filter 'model.embed_tokens.*' --filter 'model.layers.0.*'",
+        "ckpt download hf://org/model ./l0 --mode tensors --filter 'model.layers.0.*' --no-extras",
+        "ckpt download hf://org/model --cache-only --filter-out 'lm_head.*'",
+        "ckpt download hf://org/model ./x --mode tensors --filter '*.q_proj.*' --dry-run --json",
         "ckpt download hf://org/model s3://mirror/org/model",
     )
 )
@@ -44,22 +44,41 @@ def download(
     tensors: Annotated[
         list[str] | None,
         typer.Option(
-            "--tensors", "-t", help="Fetch the tensors whose name matches this glob (repeatable)."
+            "--filter", "-k", help="Fetch the tensors whose name matches this glob (repeatable)."
         ),
     ] = None,
     exclude: Annotated[
         list[str] | None,
-        typer.Option("--exclude", "-x", help="Leave out tensors matching this glob (repeatable)."),
+        typer.Option("--filter-out", help="Leave out tensors matching this glob (repeatable)."),
     ] = None,
     mode: Annotated[
         Mode,
         typer.Option(
             "--mode",
-            "-m",
             help="shards: whole shards through the HF cache; tensors: only the selected "
             "tensors' byte ranges, written as a new safetensors checkpoint.",
         ),
     ] = Mode.shards,
+    include_files: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--include",
+            help="Fetch the repository files matching this glob besides the weights, as hf "
+            "download does (default: config, tokenizer and card files; repeatable).",
+        ),
+    ] = None,
+    exclude_files: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--exclude", help="Leave out repository files matching this glob (repeatable)."
+        ),
+    ] = None,
+    local_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--local-dir", help="DEST, spelled as in hf download (give one or the other)."
+        ),
+    ] = None,
     no_extras: Annotated[
         bool,
         typer.Option("--no-extras", help="Skip config, tokenizer and model-card files."),
@@ -82,20 +101,29 @@ def download(
     """Download only the shards, or only the bytes, that hold the tensors you ask for.
 
     Resolves the revision to a commit once, reads the safetensors index or headers (range
-    requests), selects tensors by --tensors/--exclude, and fetches: whole shards through the
+    requests), selects tensors by --filter/--filter-out, and fetches: whole shards through the
     Hugging Face cache (--mode shards, checked against the Hub's sha256), or only the selected
     tensors' byte ranges (--mode tensors). DEST appears atomically. HF_TOKEN, HF_ENDPOINT,
     HF_HOME and HF_HUB_OFFLINE apply as in huggingface_hub.
     """
+    from ..errors import UsageError
     from ..ops.download import download as run_download
     from ..render.download import render_download
     from ..render.progress import bar
 
     def action():  # type: ignore[no-untyped-def]
+        target = dest
+        if local_dir is not None:
+            if dest is not None and dest != local_dir:
+                raise UsageError(
+                    f"DEST {dest!r} and --local-dir {local_dir!r} name two destinations",
+                    fix="Give one of them.",
+                )
+            target = local_dir
         with bar(enabled=not json_output) as progress:
             return run_download(
                 src,
-                dest,
+                target,
                 tensors=tensors,
                 exclude=exclude,
                 mode=mode.value,
@@ -104,6 +132,8 @@ def download(
                 dry_run=dry_run,
                 force=force,
                 progress=progress,
+                include_files=include_files,
+                exclude_files=exclude_files,
             )
 
     run_command("download", json_output, action, render_download)

@@ -12,7 +12,8 @@ from ..cli import FormatOpt, JsonOpt, SrcArg, app, examples, run_command
 @app.command(
     epilog=examples(
         "ckpt inspect model.safetensors",
-        "ckpt inspect out/checkpoint-500 --tensors --filter '*.layers.0.*'",
+        "ckpt inspect out/checkpoint-500 --list --filter '*.layers.0.*'",
+        "ckpt inspect model.safetensors -l | grep lm_head",
         "ckpt inspect hf://org/model@main --json",
     )
 )
@@ -20,7 +21,9 @@ def inspect(
     src: SrcArg,
     tensors: Annotated[
         bool,
-        typer.Option("--tensors", "-t", help="List every entry: name, dtype, shape, bytes, file."),
+        typer.Option(
+            "--list", "-l", help="List every entry, one per line: name, dtype, shape, bytes, file."
+        ),
     ] = False,
     filter: Annotated[
         list[str] | None,

@@ -38,6 +38,7 @@ def latest(
     Unlike resume logic that takes the highest step, saves that were interrupted or are still
     being written are skipped. `--json` gives the whole table of checkpoints.
     """
+    from ..errors import NotFoundError
     from ..ops.latest import exit_code
     from ..ops.latest import latest as run_latest
     from ..render.prune import render_latest
@@ -48,4 +49,11 @@ def latest(
         lambda: run_latest(run_dir, settle=settle, full=json_output),
         render_latest,
         exit_code,
+        failure=lambda report, _code: NotFoundError(
+            "no complete checkpoint" if report.checkpoints else "no step checkpoints found",
+            path=run_dir,
+            fix="result.checkpoints gives each checkpoint's status and reason"
+            if report.checkpoints
+            else "Point at the folder that holds checkpoint-N/, step-N/ or *.ckpt saves",
+        ),
     )

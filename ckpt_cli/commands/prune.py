@@ -95,6 +95,7 @@ def prune(
     (a symlinked checkpoint is unlinked, its target untouched). Without `--yes` nothing is
     deleted: every checkpoint is listed with keep/delete and the rule that decided.
     """
+    from ..errors import ProblemsFound
     from ..ops.prune import PrunePolicy, exit_code
     from ..ops.prune import run as run_prune
     from ..render.prune import render_prune_result, render_watch_round
@@ -120,4 +121,9 @@ def prune(
         ),
         render_prune_result,
         exit_code,
+        failure=lambda _report, _code: ProblemsFound(
+            "some deletions failed",
+            path=run_dir,
+            fix="result.failed names each checkpoint not deleted and why",
+        ),
     )

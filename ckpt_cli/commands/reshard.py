@@ -16,6 +16,7 @@ from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_comma
         "ckpt reshard step-1000 step-1000-tp2 --world-size 2 --shard-dim '*.wo.weight=1' --shard-dim '*.norm.*=replicate'",
         "ckpt reshard step-1000 step-1000-8ranks --world-size 8 --drop-rank-state",
         "ckpt reshard model/ model-2GB/ --max-shard-size 2GB --json",
+        "ckpt reshard out/step-1000 out/step-1000-4ranks --world-size 4 --dry-run",
     )
 )
 def reshard(
@@ -30,7 +31,6 @@ def reshard(
         int | None,
         typer.Option(
             "--world-size",
-            "-n",
             min=1,
             help="DCP: rewrite as N ranks would have saved it (chunk r in __r_0.distcp).",
         ),
@@ -80,6 +80,12 @@ def reshard(
             help="DCP output serialization: torch_save or safetensors (default: as the source).",
         ),
     ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", "-n", help="Show the files and sizes that would be written; write nothing."
+        ),
+    ] = False,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -110,6 +116,7 @@ def reshard(
                 format=format,
                 force=force,
                 progress=progress,
+                dry_run=dry_run,
             ),
             render_reshard,
         )

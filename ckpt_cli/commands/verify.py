@@ -82,7 +82,23 @@ def verify(
     chunk coverage). Exit 0 when all holds, 1 when problems were found, 3/4 when SRC cannot be
     read at all. Never modifies the checkpoint (except writing the manifest when asked).
     """
+    from ..errors import ProblemsFound, UsageError
     from ..ops.verify import verify as run_verify
+
+    if algo is not None and not write_manifest:
+        # checking uses the algorithm the manifest records; --algo would silently do nothing
+        from ..render import emit_error
+
+        emit_error(
+            "verify",
+            UsageError(
+                f"--algo {algo} applies to --write-manifest only (checking uses the algorithm "
+                "the manifest records)",
+                fix="Add --write-manifest to record a manifest with it, or leave --algo out.",
+            ),
+            json_output,
+        )
+        raise typer.Exit(2)
     from ..render.progress import bar
     from ..render.verify import render_verify
 
@@ -104,4 +120,9 @@ def verify(
             ),
             render_verify,
             exit_code=lambda report: 0 if report.ok else 1,
+            failure=lambda report, _code: ProblemsFound(
+                f"{report.errors} error(s) and {report.warnings} warning(s) found",
+                path=src,
+                fix="result.problems lists each one with its file and fix",
+            ),
         )

@@ -245,6 +245,18 @@ def _analyse_unpaused(source: Source) -> _Layout:
     where = storage.describe(METADATA)
     if METADATA not in listing and is_dcp_hf_sharded([n for n in listing if "/" not in n]):
         return _analyse_hf_shards(source, listing)
+    if METADATA not in listing and not any(n.endswith(SUFFIX) for n in listing):
+        # not an interrupted DCP save: nothing of DCP at all (`--format dcp` on another format)
+        others = sorted({n.rsplit(".", 1)[-1] for n in listing if "." in n.lstrip(".")})
+        holds = (
+            f"it holds {', '.join('.' + o for o in others[:5])} files" if others else "it is empty"
+        )
+        raise FormatError(
+            f"is not a DCP checkpoint: no .metadata and no .distcp files ({holds})",
+            path=source.location.raw,
+            fix="Leave out --format to detect the format, or pass the format it is "
+            "(--format safetensors, --format torch).",
+        )
     if METADATA not in listing and not any(_RANK_METADATA.match(n) for n in listing):
         raise InterruptedSaveError(
             f"has {sum(n.endswith(SUFFIX) for n in listing)} .distcp file(s) but no .metadata: "

@@ -240,6 +240,35 @@ def _auth_fix() -> str:
 def hub_errors(where: str) -> Iterator[None]:
     """Map huggingface_hub and network exceptions to ckpt errors naming `where`.
 
+    Under HF_HUB_OFFLINE=1 a miss says that offline mode is on, not that the Hub "cannot be
+    reached" (nothing was tried).
+    """
+    with _mapped_hub_errors(where), _offline_misses(where):
+        yield
+
+
+@contextmanager
+def _offline_misses(where: str) -> Iterator[None]:
+    from huggingface_hub import errors as hf
+
+    try:
+        yield
+    except (hf.OfflineModeIsEnabled, hf.LocalEntryNotFoundError, hf.RevisionResolutionError):
+        if not HubSettings.from_env().offline:
+            raise
+        raise HubError(
+            "is not in the local cache, and offline mode is on (HF_HUB_OFFLINE=1), so the Hub "
+            "was not asked",
+            path=where,
+            fix="Unset HF_HUB_OFFLINE (or set it to 0) to fetch it, or fetch it once while "
+            "online (`ckpt download --cache-only`).",
+        ) from None
+
+
+@contextmanager
+def _mapped_hub_errors(where: str) -> Iterator[None]:
+    """Map huggingface_hub and network exceptions to ckpt errors naming `where`.
+
     Missing repository, revision or file: NotFoundError (exit 3). Authentication, gated or
     private repositories, offline misses, connection and server failures: HubError (exit 5).
     """
@@ -380,9 +409,11 @@ def _open_cached(location: Location, settings: HubSettings, commit: str) -> HubR
     root = snapshot / location.subfolder if location.subfolder else snapshot
     if not root.is_dir():
         raise HubError(
-            f"is not in the local cache (HF_HUB_OFFLINE is set; looked in {root})",
+            f"is not in the local cache, and offline mode is on (HF_HUB_OFFLINE=1; looked in "
+            f"{root})",
             path=location.raw,
-            fix="Unset HF_HUB_OFFLINE, or download it first with `ckpt download --cache-only`.",
+            fix="Unset HF_HUB_OFFLINE to fetch it, or download it first with "
+            "`ckpt download --cache-only`.",
         )
     listing = LocalStorage(root).list_files()
     prefix = f"{location.subfolder}/" if location.subfolder else ""

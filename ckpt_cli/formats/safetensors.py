@@ -133,9 +133,12 @@ def parse_header(
     where = storage.describe(rel)
     size = storage.size(rel) if size is None else size
     if size < 8:
+        from ..sniff import what_is
+
+        kind = what_is(storage.read(rel, 0, size) if size else b"", size)
         findings.add(
             "truncated",
-            f"is {size} bytes long, too short to be a safetensors file",
+            f"is {size} bytes long, too short to be a safetensors file: it is {kind}",
             file=where,
             fix="The file is truncated or not safetensors; write or fetch it again.",
         )
@@ -144,6 +147,19 @@ def parse_header(
     probe = getattr(storage, "header_probe", _PROBE)
     head = storage.read(rel, 0, min(size, probe))
     (header_len,) = struct.unpack("<Q", head[:8])
+    if header_len > MAX_HEADER and head[8:9] != b"{":
+        from ..sniff import what_is
+
+        # not a damaged safetensors file but another kind of file under a safetensors name
+        findings.add(
+            "bad_header",
+            f"is not a safetensors file: it is {what_is(head, size)} (a safetensors file "
+            "starts with an 8-byte header length, then a JSON header)",
+            file=where,
+            fix="Check the path; if it is a checkpoint of another format, name it by that "
+            "format's suffix or pass --format.",
+        )
+        return None
     if header_len > MAX_HEADER or header_len > size - 8:
         findings.add(
             "truncated" if header_len <= MAX_HEADER else "bad_header",

@@ -232,6 +232,8 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
             "is empty", path=where, fix="The save was interrupted; write the file again."
         )
     zipped = is_zip(storage, rel)
+    if not zipped:
+        _refuse_non_pickle(storage, rel, where, size)
     local = storage.local_path(rel)
     try:
         # torch warns about pickle protocols and legacy files on stderr; errors say it instead
@@ -273,6 +275,22 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
             fix="The file is truncated or corrupt; write or fetch it again.",
         ) from None
     return obj, not zipped
+
+
+def _refuse_non_pickle(storage: Storage, rel: str, where: str, size: int) -> None:
+    """A file that is neither a ZIP archive nor a pickle is no torch.save file: say what it is."""
+    from ..sniff import SNIFF_BYTES, what_is
+
+    head = storage.read(rel, 0, min(size, SNIFF_BYTES))
+    if head[:1] == b"\x80":  # a pickle protocol marker: legacy torch.save, judged by the loader
+        return
+    raise FormatError(
+        f"is not a torch.save file: it is {what_is(head, size)} (torch.save writes a ZIP "
+        "archive, or a pickle for legacy files)",
+        path=where,
+        fix="Check the path; if it is a checkpoint of another format, name it by that "
+        "format's suffix or pass --format.",
+    )
 
 
 def _first_line(text: str, after: str | None = None) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import PurePath
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -21,7 +22,14 @@ from ..output import Destination, RemoteDest, resolve_destination
 from ..progress import NULL_PROGRESS, Progress
 from ..sizes import parse_size
 from ..uri import parse_location
-from .transfer import HOLDS_OBJECTS, SkippedEntry, WrittenEntry, parse_renames, plan_transfer
+from .transfer import (
+    HOLDS_OBJECTS,
+    SkippedEntry,
+    TransferPlan,
+    WrittenEntry,
+    parse_renames,
+    plan_transfer,
+)
 from .transfer import write_checkpoint as run_write
 
 #: formats `--to` accepts
@@ -49,6 +57,9 @@ class ConvertReport(BaseModel):
         checked: the output passed the format's structural check before it was published.
         entries: every entry written.
         ranks: under torchrun, what each rank wrote (empty in a single-process run).
+        dry_run: nothing was written: `files` and `entries` are what would be (file sizes
+            exact for safetensors outputs, None where the writer decides them).
+        warnings: options that had no effect (a --rename rule that matches no entry).
     """
 
     source: str
@@ -72,6 +83,8 @@ class ConvertReport(BaseModel):
     checked: bool = True
     entries: list[WrittenEntry] = Field(default_factory=list)
     ranks: list[RankShare] = Field(default_factory=list)
+    dry_run: bool = False
+    warnings: list[str] = Field(default_factory=list)
 
 
 def _guard_paths(src: str, dest: Destination) -> None:
@@ -114,7 +127,32 @@ def _layout(
                 fix="Name a folder as DEST.",
             )
         return True, dest.stem
+    named = _FILE_KINDS.get(dest.suffix)
+    if named is not None:
+        # `x.safetensors --to torch` would create a folder named x.safetensors
+        wanted = {"torch": "a .pt file", "safetensors": "a .safetensors file", "dcp": "a folder"}
+        raise UsageError(
+            f"DEST names {named}, but --to {to} writes {wanted[to]} or a folder",
+            path=str(dest),
+            fix=f"Use --to {_FILE_FORMATS[dest.suffix]}, or name DEST "
+            + (
+                f"{dest.stem}.pt"
+                if to == "torch"
+                else f"{dest.stem}.safetensors"
+                if to == "safetensors"
+                else dest.stem
+            )
+            + " to write that format.",
+        )
     return False, None
+
+
+#: file suffixes that name one file of a format, for DEST names that contradict --to
+_FILE_KINDS = {
+    ".safetensors": "a safetensors file",
+    **{s: "a torch.save file" for s in _TORCH_FILE_SUFFIXES},
+}
+_FILE_FORMATS = {".safetensors": "safetensors", **{s: "torch" for s in _TORCH_FILE_SUFFIXES}}
 
 
 def convert(
@@ -133,6 +171,7 @@ def convert(
     world_size: int = 1,
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
+    dry_run: bool = False,
 ) -> ConvertReport:
     """Convert `src` into format `to` at `dest`, streaming one tensor or byte range at a time.
 
@@ -151,6 +190,7 @@ def convert(
         world_size: ranks to lay a DCP output out for (DCP target only).
         force: replace an existing `dest` once the new output is complete.
         progress: progress sink (bytes).
+        dry_run: plan only: read metadata, write nothing, report what would be written.
     """
     if to not in TARGETS:
         raise UsageError(f"cannot convert to {to!r}", fix=f"Use --to {' | '.join(TARGETS)}.")
@@ -193,6 +233,22 @@ def convert(
             metadata.update(manifest.metadata)
             metadata.update(plan.aliases)
             metadata["format"] = "pt"
+        warnings = _unused_renames(plan, rename_pairs, select)
+        if dry_run:
+            return _dry_run_report(
+                manifest,
+                plan,
+                dest_path,
+                to,
+                metadata,
+                shard_size,
+                basename,
+                single_file,
+                cast,
+                dcp_serialization,
+                world_size,
+                warnings,
+            )
         options = WriteOptions(
             max_shard_size=shard_size,
             metadata=metadata,
@@ -227,4 +283,106 @@ def convert(
         world_size=world_size if to == "dcp" else None,
         entries=written,
         ranks=shares,
+        warnings=warnings,
+    )
+
+
+def _unused_renames(
+    plan: TransferPlan, renames: list[tuple[str, str]], select: str | None
+) -> list[str]:
+    """A --rename rule that renames no entry has no effect: say so (reshard warns likewise)."""
+    strip = f"{select}." if select else ""
+    names = [i.source.name.removeprefix(strip) for i in plan.items]
+    names += [s.name.removeprefix(strip) for s in plan.skipped]
+    used = set()
+    for name in names:
+        for n, (old, _new) in enumerate(renames):
+            if name.startswith(old):
+                used.add(n)
+                break  # first match wins
+    return [
+        f"--rename {old}={new} matches no entry (names are matched after --select; "
+        "see `ckpt inspect --list`)"
+        for n, (old, new) in enumerate(renames)
+        if n not in used
+    ]
+
+
+def _dry_run_report(
+    manifest: Any,
+    plan: TransferPlan,
+    dest: Destination,
+    to: str,
+    metadata: dict[str, str],
+    shard_size: int | None,
+    basename: str | None,
+    single_file: bool,
+    cast: str | None,
+    dcp_serialization: str,
+    world_size: int,
+    warnings: list[str],
+) -> ConvertReport:
+    """What `convert` would write, from the plan alone: entries, files, sizes."""
+    from ..formats.safetensors import encode_header, plan_shards, shard_names
+
+    entries = [
+        WrittenEntry(
+            name=i.target.name,
+            source=i.source.name,
+            kind=i.target.kind,
+            dtype=i.target.dtype,
+            shape=list(i.target.shape or []),
+            nbytes=i.target.nbytes,
+            how="object" if i.target.kind != "tensor" else "cast" if i.cast else "tensor",
+        )
+        for i in plan.items
+    ]
+    tensors = [i.target for i in plan.items if i.target.kind == "tensor"]
+    files: list[FileInfo] = []
+    if to == "safetensors":
+        shards = plan_shards(tensors, shard_size)
+        stem = basename or "model"
+        names = [PurePath(str(dest)).name] if single_file else shard_names(stem, len(shards))
+        for name, shard in zip(names, shards, strict=True):
+            size = len(encode_header(shard, metadata)) + sum(e.nbytes for e in shard)
+            files.append(FileInfo(path=name, size=size, entries=len(shard)))
+        if len(shards) > 1:
+            files.append(FileInfo(path=f"{stem}.safetensors.index.json", entries=len(tensors)))
+    elif to == "torch":
+        from ..formats import torch_save
+
+        if single_file:
+            files.append(FileInfo(path=PurePath(str(dest)).name, entries=len(entries)))
+        else:
+            groups = plan_shards([i.target for i in plan.items], shard_size)
+            stem = basename or "pytorch_model"
+            for name, group in zip(torch_save.shard_names(stem, len(groups)), groups, strict=True):
+                files.append(FileInfo(path=name, entries=len(group)))
+            if len(groups) > 1:
+                files.append(FileInfo(path=f"{stem}.bin.index.json", entries=len(entries)))
+    else:
+        files += [FileInfo(path=f"__{r}_0.distcp") for r in range(world_size)]
+        files.append(FileInfo(path=".metadata", entries=len(entries)))
+    return ConvertReport(
+        source=manifest.location,
+        source_format=manifest.format,
+        dest=str(dest),
+        format=to,
+        files=files,
+        tensors=len(tensors),
+        objects=len(entries) - len(tensors),
+        tensor_bytes=sum(e.nbytes for e in tensors),
+        raw_copies=0,
+        cast=cast,
+        casts=sum(1 for i in plan.items if i.cast),
+        renamed=sum(1 for e in entries if e.name != e.source),
+        skipped=plan.skipped,
+        tied=plan.tied,
+        aliases=plan.aliases,
+        max_shard_size=shard_size,
+        dcp_serialization=dcp_serialization if to == "dcp" else None,
+        world_size=world_size if to == "dcp" else None,
+        entries=entries,
+        dry_run=True,
+        warnings=warnings,
     )

@@ -370,7 +370,7 @@ def diff(
             raise NotFoundError(
                 f"no entry matches {' or '.join(filters)} on either side",
                 path=a,
-                fix="Check the pattern against `ckpt inspect --tensors`.",
+                fix="Check the pattern against `ckpt inspect --list`.",
             )
         report = DiffReport(
             a=ca.manifest.location,

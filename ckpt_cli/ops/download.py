@@ -159,7 +159,9 @@ class DownloadReport(BaseModel):
         partial: tensors mode: the partial folder that keeps fetched ranges until DEST is
             published (removed on success).
         metadata_bytes: bytes received for headers and indexes.
-        filters: the --tensors and --exclude globs.
+        filters: the tensor globs (--filter as `tensors`, --filter-out as `exclude`) and the
+            file globs (--include as `files_include`, --exclude as `files_exclude`).
+        warnings: options that had no effect (a file glob that matches no file).
     """
 
     source: str
@@ -182,6 +184,7 @@ class DownloadReport(BaseModel):
     partial: str | None = None
     metadata_bytes: int = 0
     filters: dict[str, list[str]] = Field(default_factory=dict)
+    warnings: list[str] = Field(default_factory=list)
 
 
 def download(
@@ -196,6 +199,8 @@ def download(
     dry_run: bool = False,
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
+    include_files: list[str] | None = None,
+    exclude_files: list[str] | None = None,
 ) -> DownloadReport:
     """Download the tensors of `src` (an hf:// location) matching `tensors` into `dest`.
 
@@ -212,6 +217,10 @@ def download(
         dry_run: say what would be fetched; fetch only metadata.
         force: replace an existing DEST.
         progress: receives bytes as they arrive.
+        include_files / exclude_files: file globs (as `hf download --include/--exclude`) over
+            the repository's other files: with `include_files`, the files fetched besides the
+            weights are those it matches (any file, not only config and tokenizer files);
+            `exclude_files` leaves files out. Weights are chosen by `tensors` / `exclude`.
     """
     location = parse_location(src)
     if location.kind != "hf":
@@ -244,8 +253,14 @@ def download(
         dest=None if (cache_only or dry_run or dest is None) else str(dest),
         dry_run=dry_run,
         cache_only=cache_only,
-        filters={"tensors": list(tensors or []), "exclude": list(exclude or [])},
+        filters={
+            "tensors": list(tensors or []),
+            "exclude": list(exclude or []),
+            "files_include": list(include_files or []),
+            "files_exclude": list(exclude_files or []),
+        },
     )
+    _check_file_globs(repo, report)
     if mode == "shards":
         _download_shards(source, repo, report, out, tensors, exclude, extras, force, progress)
     else:
@@ -257,17 +272,46 @@ def download(
 # -- choosing what to fetch ------------------------------------------------------------------
 
 
-def _extras(repo: HubRepo, weights: set[str]) -> list[str]:
-    """Top-level config/tokenizer/card files (weight files and weight indexes excluded)."""
+def _extras(
+    repo: HubRepo, weights: set[str], filters: dict[str, list[str]] | None = None
+) -> list[str]:
+    """Top-level config/tokenizer/card files (weight files and weight indexes excluded).
+
+    `filters` carries the --include/--exclude file globs: --include picks the other files
+    (any of them), --exclude leaves files out.
+    """
+    import fnmatch
+
+    include = (filters or {}).get("files_include") or []
+    exclude = (filters or {}).get("files_exclude") or []
     out = []
     for rel in repo.files:
-        if "/" in rel or rel in weights or rel.startswith("."):
+        if rel in weights or rel.startswith(".") or rel.endswith(WEIGHT_SUFFIXES):
             continue
-        if rel.endswith(WEIGHT_SUFFIXES) or rel.endswith(".index.json"):
+        if rel.endswith(".index.json"):
             continue
-        if rel.endswith(EXTRA_SUFFIXES):
-            out.append(rel)
+        if include:
+            if not any(fnmatch.fnmatchcase(rel, g) for g in include):
+                continue
+        elif "/" in rel or not rel.endswith(EXTRA_SUFFIXES):
+            continue
+        if any(fnmatch.fnmatchcase(rel, g) for g in exclude):
+            continue
+        out.append(rel)
     return out
+
+
+def _check_file_globs(repo: HubRepo, report: DownloadReport) -> None:
+    """A file glob that matches no file of the repository has no effect: say so."""
+    import fnmatch
+
+    for option, key in (("--include", "files_include"), ("--exclude", "files_exclude")):
+        for glob in report.filters.get(key, []):
+            if not any(fnmatch.fnmatchcase(rel, glob) for rel in repo.files):
+                report.warnings.append(
+                    f"{option} {glob!r} matches no file of {repo.repo_id} (file globs, as in "
+                    "hf download); to select tensors by name use --filter / --filter-out"
+                )
 
 
 def _no_match(src: str, include: list[str] | None, exclude: list[str] | None) -> NotFoundError:
@@ -277,7 +321,7 @@ def _no_match(src: str, include: list[str] | None, exclude: list[str] | None) ->
     return NotFoundError(
         f"no tensor matches {what}",
         path=src,
-        fix="Check the pattern; `ckpt inspect --tensors " + src + "` lists every name.",
+        fix="Check the pattern; `ckpt inspect --list " + src + "` lists every name.",
     )
 
 
@@ -348,7 +392,9 @@ def _download_shards(
     if index_rel is not None and not subset:
         plan.insert(0, (index_rel, "index"))
     if extras:
-        plan.extend((rel, "extra") for rel in _extras(repo, set(needed) | {index_rel or ""}))
+        plan.extend(
+            (rel, "extra") for rel in _extras(repo, set(needed) | {index_rel or ""}, report.filters)
+        )
     report.metadata_bytes = storage.bytes_fetched
 
     report.files = [f for rel, kind in plan for f in _planned(repo, [rel], kind)]
@@ -783,7 +829,9 @@ def _download_tensors(
     report.bytes_planned = sum(r.length for r in report.ranges)
     index_rel = checkpoint.index
     extra_files = (
-        _extras(repo, {h.file for h in checkpoint.headers} | {index_rel or ""}) if extras else []
+        _extras(repo, {h.file for h in checkpoint.headers} | {index_rel or ""}, report.filters)
+        if extras
+        else []
     )
     extra_plan = _planned(repo, extra_files, "extra")
     report.bytes_planned += sum(f.size for f in extra_plan if f.status == "planned")

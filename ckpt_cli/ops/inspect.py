@@ -7,9 +7,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from ..dtypes import FLOATING
 from ..errors import NotFoundError
 from ..layouts import open_source
-from ..models import Entry, FileInfo, TrainingState
+from ..models import Entry, FileInfo, Manifest, TrainingState
 from ..runs import RunReport
 from .tree import TreeNode, build_tree, collapse_chains
 
@@ -21,7 +22,11 @@ class InspectReport(BaseModel):
         location / format: what was read and as which format.
         files: the checkpoint's files with sizes.
         tensors / objects: entry counts (after filters).
-        parameters: floating-point element count.
+        parameters: floating-point element count of the model: in a training checkpoint,
+            the model's weights only (optimizer and other state are in `state_elements`).
+        state_elements: floating-point element count of each non-model component of a
+            training checkpoint (`optimizer`, `rng`...; `other` for the rest), so
+            `parameters` is never inflated by optimizer state.
         tensor_bytes / bytes_by_dtype: sizes.
         metadata / details: format metadata (safetensors `__metadata__`, DCP details...).
         training: the training state, for resumable checkpoints.
@@ -37,6 +42,7 @@ class InspectReport(BaseModel):
     tensors: int
     objects: int
     parameters: int
+    state_elements: dict[str, int] = Field(default_factory=dict)
     tensor_bytes: int
     bytes_by_dtype: dict[str, int]
     metadata: dict[str, str] = Field(default_factory=dict)
@@ -90,16 +96,18 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
             raise NotFoundError(
                 f"no entry matches {' or '.join(filters)}",
                 path=src,
-                fix="Check the pattern; `ckpt inspect --tensors` lists every name.",
+                fix="Check the pattern; `ckpt inspect --list` lists every name.",
             )
         view = manifest.model_copy(update={"entries": entries}) if filters else manifest
+        parameters, state_elements = _split_parameters(view, opened.training)
         return InspectReport(
             location=manifest.location,
             format=manifest.format,
             files=manifest.files,
             tensors=sum(1 for e in entries if e.kind == "tensor"),
             objects=sum(1 for e in entries if e.kind == "object"),
-            parameters=view.parameters(),
+            parameters=parameters,
+            state_elements=state_elements,
             tensor_bytes=view.tensor_bytes(),
             bytes_by_dtype=view.bytes_by_dtype(),
             metadata=manifest.metadata,
@@ -109,3 +117,24 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
             entries=entries,
             filters=list(filters or []),
         )
+
+
+def _split_parameters(view: Manifest, training: TrainingState | None) -> tuple[int, dict[str, int]]:
+    """(model parameters, floating elements of every other component) of a checkpoint.
+
+    In a training folder entries are named `<component>.<key>`; the `model*` components are
+    the parameters, everything else (optimizer moments, RNG, ...) is state of its own.
+    """
+    total = view.parameters()
+    if training is None or not training.components:
+        return total, {}
+    per: dict[str, int] = {}
+    for e in view.entries:
+        if e.kind == "tensor" and e.dtype in FLOATING:
+            component = e.name.split(".", 1)[0]
+            key = component if component in training.components else "other"
+            per[key] = per.get(key, 0) + e.numel
+    model = sum(n for k, n in per.items() if k.startswith("model"))
+    if not model:
+        return total, {}
+    return model, {k: n for k, n in per.items() if not k.startswith("model") and n}

@@ -95,6 +95,8 @@ class ReshardReport(BaseModel):
         rank_state: per-rank training-state entries found in the source.
         rank_state_action: `carry` (same world size), `keep`, `drop`, or None when there is none.
         verified: the output passed the format's structural check before publishing.
+        dry_run: nothing was written; `files` are what would be (sizes are data bytes for
+            DCP outputs, exact file sizes for safetensors).
     """
 
     mode: Literal["shard-size", "world-size"]
@@ -118,6 +120,7 @@ class ReshardReport(BaseModel):
     rank_state_action: RankStateAction | None = None
     verified: bool = False
     ranks: list[RankShare] = Field(default_factory=list)
+    dry_run: bool = False
 
 
 class _ChunkWriter(Protocol):
@@ -142,6 +145,7 @@ def reshard_shard_size(
     format: str | None = None,
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
+    dry_run: bool = False,
 ) -> ReshardReport:
     """Regroup `src`'s entries, in order, into shards of at most `max_shard_size` bytes.
 
@@ -162,6 +166,36 @@ def reshard_shard_size(
                 fix="For DCP, change the world size with --world-size N.",
             )
         plan = plan_transfer(manifest, keep_objects=manifest.format in HOLDS_OBJECTS)
+        if dry_run:
+            from .convert import _dry_run_report
+
+            planned = _dry_run_report(
+                manifest,
+                plan,
+                out,
+                manifest.format,
+                dict(manifest.metadata),
+                max_shard_size,
+                _basename(checkpoint),
+                False,
+                None,
+                "torch_save",
+                1,
+                [],
+            )
+            return ReshardReport(
+                mode="shard-size",
+                source=manifest.location,
+                destination=str(out),
+                format=manifest.format,
+                files=planned.files,
+                tensors=planned.tensors,
+                objects=planned.objects,
+                tensor_bytes=planned.tensor_bytes,
+                max_shard_size=max_shard_size,
+                verified=False,
+                dry_run=True,
+            )
         options = WriteOptions(
             max_shard_size=max_shard_size,
             metadata=dict(manifest.metadata),
@@ -302,6 +336,7 @@ def reshard_world_size(
     format: str | None = None,
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
+    dry_run: bool = False,
 ) -> ReshardReport:
     """Rewrite a DCP checkpoint as `world_size` ranks would have saved it."""
     if world_size < 1:
@@ -345,6 +380,20 @@ def reshard_world_size(
             drop,
         )
         chosen = serialization or str(manifest.details.get("serialization") or "torch_save")
+        if dry_run:
+            return _planned_world_size(
+                manifest,
+                out,
+                plan,
+                world_size,
+                before,
+                chosen,
+                sharded,
+                replicated,
+                rules,
+                rank_entries,
+                action,
+            )
         fmt = get_format("dcp")
         options = WriteOptions(
             world_size=world_size,
@@ -441,6 +490,64 @@ def reshard_world_size(
         )
 
 
+def _planned_world_size(
+    manifest: Any,
+    out: Any,
+    plan: list[Entry],
+    world_size: int,
+    before: int,
+    serialization: str,
+    sharded: dict[str, int],
+    replicated: int,
+    rules: list[Rule],
+    rank_entries: list[RankStateEntry],
+    action: RankStateAction | None,
+) -> ReshardReport:
+    """`--dry-run` of a world-size reshard: each rank's file and the data bytes it would hold."""
+    data: dict[str, int] = {rank_file(r): 0 for r in range(world_size)}
+    held: dict[str, int] = dict.fromkeys(data, 0)
+    for entry in plan:
+        if entry.kind == "object" or not entry.chunks:
+            held[entry.file or rank_file(0)] = held.get(entry.file or rank_file(0), 0) + 1
+            data[entry.file or rank_file(0)] += entry.nbytes
+            continue
+        itemsize = entry.nbytes // entry.numel if entry.numel else 0
+        for chunk in entry.chunks:
+            numel = 1
+            for size in chunk.sizes:
+                numel *= size
+            data[chunk.file] = data.get(chunk.file, 0) + numel * itemsize
+            held[chunk.file] = held.get(chunk.file, 0) + 1
+    files = [FileInfo(path=name, size=size, entries=held[name]) for name, size in data.items()]
+    files.append(FileInfo(path=".metadata", entries=len(plan)))
+    tensors = sum(1 for e in plan if e.kind != "object")
+    return ReshardReport(
+        mode="world-size",
+        source=manifest.location,
+        destination=str(out),
+        format="dcp",
+        files=files,
+        tensors=tensors,
+        objects=len(plan) - tensors,
+        tensor_bytes=sum(e.nbytes for e in plan if e.kind == "tensor"),
+        source_world_size=before,
+        world_size=world_size,
+        serialization=serialization,
+        sharded=sharded,
+        replicated=replicated,
+        rules=[str(r) for r in rules],
+        unused_rules=[
+            str(r)
+            for r in rules
+            if not any(rule_for(e.name, [r]) for e in manifest.tensors if e.shape)
+        ],
+        rank_state=rank_entries,
+        rank_state_action=action,
+        verified=False,
+        dry_run=True,
+    )
+
+
 def _copy_object(checkpoint: Checkpoint, writer: Writer, name: str) -> None:
     """Copy a non-tensor entry as its stored bytes (never unpickled) where both sides can."""
     read_bytes = getattr(checkpoint, "read_object_bytes", None)
@@ -527,8 +634,12 @@ def run_reshard(
     format: str | None = None,
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
+    dry_run: bool = False,
 ) -> ReshardReport:
-    """Check the option combination, parse sizes and rules, and run the chosen mode."""
+    """Check the option combination, parse sizes and rules, and run the chosen mode.
+
+    With `dry_run`, only metadata is read and nothing is written: the report says what would be.
+    """
     from ..placement import load_plan, parse_rule
     from ..sizes import parse_size
 
@@ -561,7 +672,9 @@ def run_reshard(
                 fix="Drop them, or reshard a DCP checkpoint with --world-size N.",
             )
         limit = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
-        return reshard_shard_size(src, dest, limit, format=format, force=force, progress=progress)
+        return reshard_shard_size(
+            src, dest, limit, format=format, force=force, progress=progress, dry_run=dry_run
+        )
     assert world_size is not None
     rules = [parse_rule(text) for text in shard_dim or []]
     if plan is not None:
@@ -579,4 +692,5 @@ def run_reshard(
         format=format,
         force=force,
         progress=progress,
+        dry_run=dry_run,
     )

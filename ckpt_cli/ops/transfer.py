@@ -3,7 +3,7 @@
 Three steps, each usable on its own:
 
 1. `plan_transfer` decides, from the source manifest alone, which entries go out under which
-   names and dtypes (`--select`, `--include/--exclude`, `--rename`, `--dtype`), which are skipped
+   names and dtypes (`--select`, `--filter/--filter-out`, `--rename`, `--dtype`), which are skipped
    and why (non-tensor entries for a tensor-only target), and which tensors share storage.
 2. `copy_entries` moves the data one entry at a time into a format `Writer`: a raw byte range
    (`Checkpoint.iter_raw` -> `Writer.write_raw`, no deserialisation) when neither dtype nor
@@ -208,9 +208,9 @@ def plan_transfer(
         )
     if (include or exclude) and not chosen:
         raise NotFoundError(
-            "the --include/--exclude patterns leave no entry to write",
+            "the --filter/--filter-out patterns leave no entry to write",
             path=manifest.location,
-            fix="Check the patterns against `ckpt inspect --tensors`.",
+            fix="Check the patterns against `ckpt inspect --list`.",
         )
     plan = TransferPlan(items=[])
     seen: dict[str, str] = {}

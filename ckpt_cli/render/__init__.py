@@ -6,20 +6,118 @@ errors, warnings and progress go to stderr.
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import re
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import BaseModel
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
+from rich.text import Text
 
 from ..errors import CkptError
 
 JSON_VERSION = 1
 
-stdout = Console(highlight=False, soft_wrap=False)
-stderr = Console(stderr=True, highlight=False)
+#: the width a console claims when it is not a terminal: wide enough that nothing wraps
+UNWRAPPED_WIDTH = 1_000_000
+
+# C0 controls but newline, DEL, C1 controls, and the bidi / direction marks and overrides
+# (U+061C, U+200E-F, U+202A-E, U+2066-9): characters a name must never send to a terminal
+_UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def safe_text(text: str) -> str:
+    """`text` with control and bidi characters written as visible escapes (`\\x1b`, `\\u202e`).
+
+    Names come from checkpoints, i.e. from anyone: `ESC[2J` must not clear the user's screen,
+    and U+202E must not make `gpj.exe` read as `exe.jpg`. JSON output keeps the real names.
+    """
+    return _UNSAFE.sub(_escape_char, text)
+
+
+class SafeConsole(Console):
+    """A rich Console that escapes control/bidi characters and never wraps off a terminal.
+
+    Off a terminal (pipes, files, CI logs) one record is one line: the console claims a width
+    nothing reaches (whatever COLUMNS says), so tables are space-aligned and never folded, and
+    text is never wrapped. A closed pipe (`| head -1`) ends the run quietly with 141.
+    """
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        if not self.is_terminal:
+            return ConsoleDimensions(UNWRAPPED_WIDTH, 25)
+        return super().size
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        width, height = new_size
+        self._width, self._height = width, height
+
+    def on_broken_pipe(self) -> None:
+        # rich's default exits 1, which scripts read as "problems found"
+        self.quiet = True
+        closed_pipe_exit()
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        return super().render_str(safe_text(text), **kwargs)
+
+
+#: the status of a run whose reader went away: 128 + SIGPIPE, what a shell reports for `yes | head`
+CLOSED_PIPE_EXIT = 141
+
+
+def closed_pipe_exit() -> NoReturn:
+    """Stop quietly with 141 after stdout's reader went away (`| head -1`)."""
+    try:
+        # later flushes (at exit too) must not raise again: point stdout at /dev/null
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # not a real file descriptor (the in-process test runner)
+    raise SystemExit(CLOSED_PIPE_EXIT)
+
+
+stdout = SafeConsole(highlight=False, soft_wrap=False)
+#: warnings, notes and progress: silenced by --quiet
+stderr = SafeConsole(stderr=True, highlight=False)
+#: errors: printed whatever the verbosity
+errors = SafeConsole(stderr=True, highlight=False)
+
+#: -1 with --quiet, 1 with --verbose, 0 otherwise (set once per command run)
+verbosity = 0
+
+
+def set_verbosity(level: int) -> None:
+    """Apply -q/-v: quiet silences everything on stderr but errors."""
+    global verbosity
+    verbosity = level
+    stderr.quiet = level < 0
+
+
+def warn(command: str, message: str) -> None:
+    """A warning on stderr (`ckpt CMD: warning: ...`), silenced by --quiet."""
+    stderr.print(f"[yellow]{_prog(command)}: warning:[/] {escape(message)}", highlight=False)
+
+
+def _prog(command: str) -> str:
+    # `ckpt inspect: error: ...`, or `ckpt: error: ...` before a command was recognised
+    return "ckpt" if command == "ckpt" else f"ckpt {command}"
+
+
+def stdout_text(text: str) -> None:
+    """Plain text on stdout, control characters escaped."""
+    sys.stdout.write(safe_text(text) + "\n")
+    sys.stdout.flush()
 
 
 def _jsonable(result: Any) -> Any:
@@ -38,8 +136,14 @@ def envelope(
         "ok": exit_code == 0,
         "exit_code": exit_code,
         "result": _jsonable(result),
-        "error": error.to_json() if error is not None else None,
+        "error": _error_json(error, exit_code) if error is not None else None,
     }
+
+
+def _error_json(error: CkptError, exit_code: int) -> dict[str, Any]:
+    doc = error.to_json()
+    doc["exit_code"] = exit_code
+    return doc
 
 
 def _print_json(doc: dict[str, Any]) -> None:
@@ -49,19 +153,26 @@ def _print_json(doc: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def emit_json(command: str, result: Any, exit_code: int) -> None:
-    """Print a successful (or problems-found) result as the JSON envelope."""
-    _print_json(envelope(command, result, exit_code))
+def emit_json(command: str, result: Any, exit_code: int, error: CkptError | None = None) -> None:
+    """Print a result as the JSON envelope; a non-zero exit carries its error object."""
+    _print_json(envelope(command, result, exit_code, error))
 
 
-def emit_error(command: str, error: CkptError, json_output: bool) -> None:
+def emit_error(
+    command: str, error: CkptError, json_output: bool, exit_code: int | None = None
+) -> None:
     """Report an expected failure: envelope on stdout with --json, a message on stderr always."""
+    code = error.exit_code if exit_code is None else exit_code
     if json_output:
-        _print_json(envelope(command, None, error.exit_code, error))
+        _print_json(envelope(command, None, code, error))
     # the message is plain text: brackets in it (`ckpt-cli[fast]`) are not markup
-    stderr.print(
-        f"[bold red]ckpt {command}: error:[/] {escape(error.message)}", markup=True, highlight=False
+    errors.print(
+        f"[bold red]{_prog(command)}: error:[/] {escape(error.message)}",
+        markup=True,
+        highlight=False,
     )
+    if verbosity > 0:
+        errors.print(f"  (error code {error.code}, exit {code})", markup=False, highlight=False)
 
 
 def emit_internal_error(command: str, exc: BaseException, json_output: bool) -> None:
@@ -72,7 +183,13 @@ def emit_internal_error(command: str, exc: BaseException, json_output: bool) -> 
     )
     if json_output:
         _print_json(envelope(command, None, 70, error))
-    stderr.print(f"[bold red]ckpt {command}: {escape(error.message)}[/]", highlight=False)
+    errors.print(f"[bold red]ckpt {command}: {escape(error.message)}[/]", highlight=False)
+    if verbosity > 0:
+        import traceback
+
+        errors.print(
+            "".join(traceback.format_exception(exc)), markup=False, highlight=False, soft_wrap=True
+        )
 
 
 def human_bytes(n: int | float | None) -> str:

@@ -12,6 +12,9 @@ MAX_LISTED = 8
 
 def render_convert(report: ConvertReport) -> None:
     """What was written where, then what was skipped or tied."""
+    if report.dry_run:
+        render_plan(report)
+        return
     files = len(report.files)
     stdout.print(
         f"[bold]{report.dest}[/]  ({report.format}, {files} file{'s' if files != 1 else ''})"
@@ -54,3 +57,24 @@ def render_convert(report: ConvertReport) -> None:
             f"({report.skipped[0].reason}): {', '.join(listed[:MAX_LISTED])}{more}",
             highlight=False,
         )
+
+
+def render_plan(report: ConvertReport) -> None:
+    """`--dry-run`: the files and entries that would be written, one per line."""
+    stdout.print(
+        f"[bold]{report.dest}[/]  (would write {report.format}, {len(report.files)} file"
+        f"{'s' if len(report.files) != 1 else ''})  [dim]from {report.source} "
+        f"({report.source_format})[/]"
+    )
+    stdout.print(f"  {report.tensors} tensors, {human_bytes(report.tensor_bytes)}")
+    for f in report.files:
+        size = human_bytes(f.size) if f.size is not None else "size decided when written"
+        stdout.print(f"  file  {f.path}  {size}  ({f.entries} entries)", markup=False)
+    for e in report.entries:
+        shape = "[" + ", ".join(str(d) for d in e.shape) + "]"
+        renamed = f"  (from {e.source})" if e.source != e.name else ""
+        stdout.print(
+            f"  entry {e.name}  {e.dtype or e.kind}  {shape}  {human_bytes(e.nbytes)}{renamed}",
+            markup=False,
+        )
+    stdout.print("  nothing was written (--dry-run)")

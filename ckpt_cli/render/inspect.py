@@ -9,7 +9,7 @@ from ..ops.inspect import InspectReport
 from ..ops.tree import TreeNode
 from . import counted, human_bytes, human_count, shape_str, stdout
 
-#: the tree stops unfolding below this many lines; --tensors shows everything
+#: the tree stops unfolding below this many lines; --list shows everything
 MAX_TREE_CHILDREN = 40
 
 
@@ -36,7 +36,7 @@ def _add(tree: Tree, nodes: list[TreeNode]) -> None:
         branch = tree.add(_label(node))
         _add(branch, node.children)
     if len(nodes) > MAX_TREE_CHILDREN:
-        tree.add(f"[dim]… {len(nodes) - MAX_TREE_CHILDREN} more (see --tensors)[/]")
+        tree.add(f"[dim]… {len(nodes) - MAX_TREE_CHILDREN} more (see --list)[/]")
 
 
 def render_training(report: InspectReport) -> None:
@@ -120,6 +120,10 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
         f"{human_bytes(report.tensor_bytes)} ({dtypes})"
         + (f"; {report.objects} non-tensor entries" if report.objects else "")
     )
+    if report.state_elements:
+        # optimizer moments and other state are not parameters: their own figures
+        parts = [f"{name} {human_count(n)}" for name, n in report.state_elements.items()]
+        stdout.print(f"  state elements (not parameters): {', '.join(parts)}")
     if report.metadata:
         stdout.print("  metadata: " + ", ".join(f"{k}={v}" for k, v in report.metadata.items()))
     render_training(report)

@@ -54,7 +54,7 @@ def bar(enabled: bool = True) -> Iterator[RichProgress]:
         TimeRemainingColumn(),
         console=stderr,
         transient=True,
-        disable=not enabled or not stderr.is_terminal,
+        disable=not enabled or not stderr.is_terminal or stderr.quiet,
     )
     with progress:
         yield RichProgress(progress)

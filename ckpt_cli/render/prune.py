@@ -9,7 +9,7 @@ from rich.table import Table
 
 from ..ops.prune import PruneReport, WatchReport
 from ..runs import RunCheckpoint, RunReport
-from . import human_bytes, stderr, stdout
+from . import human_bytes, safe_text, stderr, stdout
 
 _STATUS_STYLE = {
     "complete": "green",
@@ -145,7 +145,9 @@ def render_watch(report: WatchReport) -> None:
 def render_latest(report: RunReport) -> None:
     """Only the path on stdout (for `$(ckpt latest out/)`); the reason for none on stderr."""
     if report.latest is not None:
-        sys.stdout.write(report.latest + "\n")
+        # the real path for `$(ckpt latest out/)`; on a terminal, a name cannot drive it
+        path = report.latest if not sys.stdout.isatty() else safe_text(report.latest)
+        sys.stdout.write(path + "\n")
         sys.stdout.flush()
         return
     if not report.checkpoints:

@@ -28,9 +28,9 @@ def render_reshard(report: ReshardReport) -> None:
             f"({cuts or 'none'} sharded, {report.replicated} replicated; "
             f"{report.serialization} serialization)"
         )
+    verb = "[bold]would reshard[/]" if report.dry_run else "[bold green]resharded[/]"
     stdout.print(
-        f"[bold green]resharded[/] {report.source} -> [bold]{report.destination}[/]  "
-        f"[dim]{report.format}[/]"
+        f"{verb} {report.source} -> [bold]{report.destination}[/]  [dim]{report.format}[/]"
     )
     stdout.print(f"  {how}")
     stdout.print(
@@ -49,5 +49,11 @@ def render_reshard(report: ReshardReport) -> None:
             f"  per-rank state ({len(report.rank_state)}: {names}{more}): "
             f"{_ACTIONS[report.rank_state_action]}"
         )
+    if report.dry_run:
+        for f in files:
+            size_text = human_bytes(f.size) if f.size is not None else "size decided when written"
+            stdout.print(f"  file  {f.path}  {size_text}  ({f.entries} entries)", markup=False)
+        stdout.print("  nothing was written (--dry-run)")
+        return
     stdout.print("  [green]verified[/] before publishing" if report.verified else "")
     render_ranks(report.ranks)

@@ -1,0 +1,447 @@
+"""The CLI's conventions (issue #13): pipes and terminals, one JSON envelope per outcome,
+one option vocabulary, Hub habits, and names that cannot drive the terminal (#19 item 14).
+
+Each command runs as a real process with stdout/stderr as pipes and as a pseudo-terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt_cli.cli import RENAMED_OPTIONS
+from ckpt_cli.completions import describe_app, render_all
+
+from .conftest import REPO, CkptResult, run_ckpt, run_ckpt_process
+from .run_fixtures import trainer_run
+
+#: a name long enough that an 80-column wrap would split it
+LONG = "model.layers.0.self_attn.q_proj.a_name_long_enough_to_wrap_at_eighty_columns.weight"
+#: a hostile name: clears the screen, turns text red, and reverses what follows
+EVIL = "evil\x1b[2J\x1b[31mred\u202egpj.exe"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("COLUMNS", None)
+    return env
+
+
+def run_in_pty(*args: str | os.PathLike[str], columns: int = 80) -> CkptResult:
+    """Run `python -m ckpt_cli ARGS` with stdout and stderr on one pseudo-terminal."""
+    master, slave = pty.openpty()
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", *[str(a) for a in args]],
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+        env=_env(),
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        ready, _, _ = select.select([master], [], [], 120)
+        if not ready:
+            proc.kill()
+            break
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    code = proc.wait(timeout=120)
+    text = b"".join(chunks).decode("utf-8", "replace")
+    return CkptResult(code, text, text)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A safetensors file with long and hostile names, its converted copy, a Trainer run."""
+    import torch
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("world")
+    state = {f"model.layers.{i}.mlp.weight": torch.full((2, 3), float(i)) for i in range(3)}
+    state[LONG] = torch.zeros(4)
+    state[EVIL] = torch.ones(1)
+    model = root / "model.safetensors"
+    save_file(state, model)
+    other = dict(state)
+    other["model.layers.0.mlp.weight"] = torch.full((2, 3), 9.0)
+    save_file(other, root / "other.safetensors")
+    (root / "empty-run").mkdir()
+    return {"model": model, "other": root / "other.safetensors", "root": root}
+
+
+def invocations(world: dict[str, Path], tmp: Path) -> dict[str, list[str]]:
+    """One real invocation per command (each writes into `tmp`)."""
+    model = str(world["model"])
+    run = trainer_run(tmp)
+    return {
+        "inspect": ["inspect", model, "--list"],
+        "verify": ["verify", model],
+        "convert": ["convert", model, str(tmp / "out.safetensors"), "--to", "safetensors"],
+        "reshard": ["reshard", model, str(tmp / "resharded"), "--max-shard-size", "64B"],
+        "prune": ["prune", str(run), "--keep-last", "2"],
+        "latest": ["latest", str(run)],
+        "diff": ["diff", model, str(world["other"])],
+    }
+
+
+# -- pipes and terminals ----------------------------------------------------------------------
+
+
+def test_piped_output_is_one_record_per_line_never_wrapped(world: dict[str, Path]) -> None:
+    result = run_ckpt_process("inspect", world["model"], "--list", env={"COLUMNS": "40"})
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    # `ckpt inspect X -l | grep NAME` finds the whole record on one line
+    [record] = [line for line in lines if LONG in line]
+    assert "float32" in record and "[4]" in record and "model.safetensors" in record
+    # no box drawing off a terminal
+    assert not any(ch in result.stdout for ch in "│╭╰─┃")
+
+
+def test_long_error_messages_off_a_terminal_are_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / ("a-folder-name-long-enough-to-wrap-" * 4)
+    result = run_ckpt_process("verify", missing, env={"COLUMNS": "40"})
+    assert result.exit_code == 3
+    assert result.stderr.count("\n") == 1 and str(missing) in result.stderr
+
+
+def test_parser_errors_off_a_terminal_are_one_line_without_a_box() -> None:
+    result = run_ckpt_process("inspect", "--no-such-option", "x")
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "No such option: --no-such-option" in result.stderr
+    assert "ckpt inspect --help" in result.stderr
+    assert not any(ch in result.stderr for ch in "│╭╰─")
+
+
+def test_every_command_runs_with_pipes_and_with_a_terminal(
+    world: dict[str, Path], tmp_path: Path
+) -> None:
+    runs = invocations(world, tmp_path)
+    for name, args in runs.items():
+        piped = run_ckpt_process(*args, env={"COLUMNS": "30"})
+        assert piped.exit_code in (0, 1), (name, piped.stderr)
+        if name in ("prune", "latest"):
+            # a run table row is one line: name, step, status, size, age, notes
+            rows = [line for line in piped.stdout.splitlines() if "checkpoint-100" in line]
+            assert name == "latest" or ("complete" in rows[0] and "delete" in rows[0]), rows
+        assert "Traceback" not in piped.stderr
+        for line in piped.stdout.splitlines():
+            assert "\x1b" not in line, (name, line)  # no colour codes into a pipe
+        # the same command on a terminal (fresh outputs for the writers)
+        if name in ("convert", "reshard"):
+            args = [*args[:2], args[2] + "-tty", *args[3:]]
+        tty = run_in_pty(*args)
+        assert tty.exit_code == piped.exit_code, (name, tty.stdout)
+        assert "Traceback" not in tty.stdout
+        # names from the checkpoint never reach the terminal raw
+        assert "\x1b[2J" not in tty.stdout and "\u202e" not in tty.stdout, name
+    for command in describe_app():  # commands added later get at least their help checked
+        assert run_ckpt_process(command.name, "--help").exit_code == 0
+        assert run_in_pty(command.name, "--help").exit_code == 0
+
+
+def test_a_closed_pipe_exits_quietly_with_141(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    # far more than a pipe buffer holds, so the writer meets the closed pipe mid-output
+    state = {f"{LONG}.{i}": torch.zeros(1) for i in range(3000)}
+    save_file(state, tmp_path / "big.safetensors")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "inspect", str(tmp_path / "big.safetensors"), "-l"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()  # `| head -1`
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    code = proc.wait(timeout=120)
+    assert first.startswith(str(tmp_path).encode())
+    assert code == 141, stderr
+    assert stderr == ""  # no traceback, no "Exception ignored", no error message
+
+
+def test_help_into_a_closed_pipe_exits_141_too() -> None:
+    # `ckpt --help | true`: the reader is gone before ckpt writes
+    reader, writer = os.pipe()
+    os.close(reader)
+    done = subprocess.run(
+        [sys.executable, "-m", "ckpt_cli", "convert", "--help"],
+        stdout=writer,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        timeout=120,
+    )
+    os.close(writer)
+    assert done.returncode == 141, done.stderr
+    assert b"Traceback" not in done.stderr
+
+
+# -- terminal escape injection (#19 item 14) ---------------------------------------------------
+
+
+def test_control_and_bidi_characters_in_names_are_escaped_in_human_output(
+    world: dict[str, Path],
+) -> None:
+    human = run_ckpt("inspect", world["model"], "--list")
+    assert human.exit_code == 0
+    assert "\x1b" not in human.stdout and "\u202e" not in human.stdout
+    assert "evil\\x1b[2J\\x1b[31mred\\u202egpj.exe" in human.stdout
+    # JSON keeps the real name, escaped by the encoder
+    names = [
+        e["name"] for e in run_ckpt("inspect", world["model"], "--json").json["result"]["entries"]
+    ]
+    assert EVIL in names
+    # error messages too: a path holding an escape sequence
+    missing = run_ckpt("inspect", str(world["root"] / "no\x1b[2Jsuch"))
+    assert missing.exit_code == 3
+    assert "\x1b[2J" not in missing.stderr and "no\\x1b[2Jsuch" in missing.stderr
+    # and on a real terminal, where rich adds its own colours
+    tty = run_in_pty("diff", world["model"], world["other"])
+    assert "\x1b[2J" not in tty.stdout and "\u202e" not in tty.stdout
+
+
+# -- one JSON envelope per outcome -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def validator() -> Any:
+    import jsonschema
+
+    schema = json.loads((REPO / "schema" / "ckpt-json.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def envelope_of(result: CkptResult, validator: Any) -> dict[str, Any]:
+    """The one envelope on stdout, valid against the published schema."""
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stdout  # exactly one document, compact off a terminal
+    doc: dict[str, Any] = json.loads(lines[0])
+    errors = [e.message for e in validator.iter_errors(doc)]
+    assert not errors, errors
+    assert doc["exit_code"] == result.exit_code
+    if result.exit_code:
+        assert doc["error"]["code"] and doc["error"]["message"] and doc["error"]["fix"]
+    return doc
+
+
+def test_the_published_schema_is_current() -> None:
+    from ckpt_cli.render.schema import render_schema
+
+    committed = (REPO / "schema" / "ckpt-json.schema.json").read_text()
+    assert committed == render_schema(), "schema is stale: run `make completions`"
+
+
+def test_every_command_prints_one_valid_envelope_for_every_outcome(
+    world: dict[str, Path], tmp_path: Path, validator: Any
+) -> None:
+    for name, args in invocations(world, tmp_path).items():
+        doc = envelope_of(run_ckpt_process(*args, "--json"), validator)
+        assert doc["command"] == name
+    # problems found (diff: exit 1) carry an error object
+    differ = envelope_of(run_ckpt("diff", world["model"], world["other"], "--json"), validator)
+    assert differ["exit_code"] == 1 and differ["error"]["code"] == "problems_found"
+    # `ckpt latest EMPTY --json` is exit 3 with an error, not `error: null`
+    empty = envelope_of(run_ckpt("latest", world["root"] / "empty-run", "--json"), validator)
+    assert empty["exit_code"] == 3 and empty["error"]["code"] == "not_found"
+    # parser errors, for every command (later ones included): unknown option, missing argument
+    for command in describe_app():
+        unknown = run_ckpt_process(command.name, "--no-such-option", "--json")
+        doc = envelope_of(unknown, validator)
+        assert (doc["command"], doc["exit_code"]) == (command.name, 2)
+        assert "--no-such-option" in doc["error"]["message"]
+        needs_argument = any(
+            p.param_type_name == "argument" and p.required for p in _click_params(command.name)
+        )
+        if needs_argument:
+            missing = envelope_of(run_ckpt(command.name, "--json"), validator)
+            assert missing["exit_code"] == 2 and "Missing argument" in missing["error"]["message"]
+
+
+def test_a_truncated_file_gives_a_bad_checkpoint_envelope(tmp_path: Path, validator: Any) -> None:
+    (tmp_path / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    doc = envelope_of(run_ckpt("verify", tmp_path / "cut.safetensors", "--json"), validator)
+    assert doc["exit_code"] in (1, 4)
+
+
+def _click_params(name: str) -> list[Any]:
+    import typer.main
+
+    from ckpt_cli.cli import get_app
+
+    group = typer.main.get_command(get_app())
+    return list(group.commands[name].params)  # type: ignore[attr-defined]
+
+
+# -- one vocabulary for options ----------------------------------------------------------------
+
+
+def _options() -> Iterator[tuple[str, str, list[str]]]:
+    for command in describe_app():
+        for option in command.options:
+            for short in option.shorts:
+                yield command.name, short, option.longs
+
+
+def test_no_short_flag_means_two_things() -> None:
+    meaning: dict[str, set[str]] = {}
+    users: dict[str, set[str]] = {}
+    for command, short, longs in _options():
+        meaning.setdefault(short, set()).add(longs[0])
+        users.setdefault(short, set()).add(command)
+    double = {s: (longs, users[s]) for s, longs in meaning.items() if len(longs) > 1}
+    assert not double, f"short flags with two meanings: {double}"
+
+
+def test_every_command_has_quiet_and_verbose_and_real_metavars() -> None:
+    for command in describe_app():
+        longs = {n for o in command.options for n in o.longs}
+        assert {"--quiet", "--verbose", "--json"} <= longs, command.name
+        text = run_ckpt(command.name, "--help").stdout
+        assert "-q, --quiet" in text and "-v, --verbose" in text
+        # no `{src}`, `<str>`, `<bool>`: real metavars, and flags take no value
+        usage = text.splitlines()[0]
+        assert "{" not in usage and "<" not in usage, usage
+        for bad in ("<str>", "<bool>", "<int>", "<list", " TEXT", " BOOLEAN", " INTEGER"):
+            assert bad not in text.split("Examples")[0], (command.name, bad)
+        assert "  --json  " in text  # a flag: no value after it
+    assert "--max-shard-size SIZE" in run_ckpt("convert", "--help").stdout
+    assert "-k, --filter GLOB" in run_ckpt("inspect", "--help").stdout
+    assert "Usage: ckpt convert [OPTIONS] SRC DEST" in run_ckpt("convert", "--help").stdout
+
+
+def test_old_spellings_still_work_hidden_with_a_warning(world: dict[str, Path]) -> None:
+    old = run_ckpt("inspect", world["model"], "-t")  # 0.1.0's `inspect -t`
+    new = run_ckpt("inspect", world["model"], "--list")
+    assert old.exit_code == 0 and old.stdout == new.stdout
+    assert "-t is renamed --list" in old.stderr
+    # an old spelling never shadows a current option of the same command
+    for command in describe_app():
+        current = {n for o in command.options for n in o.longs + o.shorts}
+        assert not current & set(RENAMED_OPTIONS.get(command.name, {})), command.name
+    # hidden: neither help nor completions offer them
+    for command, renamed in RENAMED_OPTIONS.items():
+        for spelling in renamed:
+            if spelling.startswith("--"):
+                assert spelling not in run_ckpt(command, "--help").stdout.split("Examples")[0]
+    assert "--tensors" not in render_all()["ckpt.bash"].split("download)")[1].split(";;")[0]
+
+
+def test_quiet_silences_warnings_and_quiet_with_verbose_is_refused(world: dict[str, Path]) -> None:
+    loud = run_ckpt("inspect", world["model"], "-t")
+    quiet = run_ckpt("inspect", world["model"], "-t", "-q")
+    assert "warning" in loud.stderr and quiet.stderr == ""
+    both = run_ckpt("inspect", world["model"], "-q", "-v")
+    assert both.exit_code == 2 and "contradict" in both.stderr
+    verbose = run_ckpt("inspect", world["root"] / "nope", "-v")
+    assert "(error code not_found, exit 3)" in verbose.stderr
+
+
+def test_completions_offer_option_values_and_keep_descriptions_intact() -> None:
+    scripts = render_all()
+    assert (
+        'convert\\ --to) COMPREPLY=( $(compgen -W "safetensors dcp torch"' in scripts["ckpt.bash"]
+    )
+    assert 'download\\ --mode) COMPREPLY=( $(compgen -W "shards tensors"' in scripts["ckpt.bash"]
+    assert ":ALGO:(sha256 blake3 xxh3)" in scripts["ckpt.zsh"]
+    assert ":PATH:_files" in scripts["ckpt.zsh"]  # verify --manifest completes paths
+    assert "-f -a 'bf16 fp16 fp32'" in scripts["ckpt.fish"]
+    # descriptions are not mangled: `hf://` stays `hf://` (0.1.0 wrote `hf -//`)
+    assert "hf -//" not in scripts["ckpt.zsh"] and "hf://org/repo" in scripts["ckpt.zsh"]
+
+
+def test_bash_completion_completes_values_in_a_real_bash(tmp_path: Path) -> None:
+    script = tmp_path / "c.sh"
+    script.write_text(
+        render_all()["ckpt.bash"]
+        + 'COMP_WORDS=(ckpt convert a b --to s); COMP_CWORD=5; _ckpt; echo "${COMPREPLY[@]}"\n'
+    )
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["safetensors"]
+
+
+# -- Hub habits ---------------------------------------------------------------------------------
+
+
+def test_a_bare_org_repo_that_is_no_path_gets_the_hf_hint(tmp_path: Path) -> None:
+    result = run_ckpt_process("inspect", "someorg/somemodel", cwd=tmp_path)
+    assert result.exit_code == 3
+    assert "did you mean hf://someorg/somemodel?" in result.stderr.lower()
+
+
+def test_revision_on_a_local_path_is_refused(world: dict[str, Path]) -> None:
+    result = run_ckpt("inspect", world["model"], "--revision", "v1", "--json")
+    assert result.exit_code == 2
+    assert "--revision" in result.json["error"]["message"]
+
+
+def test_an_unknown_command_is_the_root_s_usage_error(validator: Any) -> None:
+    result = run_ckpt("nosuch", "--json")
+    doc = envelope_of(result, validator)
+    assert doc["command"] == "ckpt" and doc["exit_code"] == 2
+    assert "No such command 'nosuch'" in doc["error"]["message"]
+    assert "Run 'ckpt --help'" in doc["error"]["fix"]
+    assert result.stderr.startswith("ckpt: error: No such command")
+
+
+def test_verbose_shows_the_traceback_of_a_bug(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_cli.ops import inspect as inspect_ops
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("a bug in the library")
+
+    monkeypatch.setattr(inspect_ops, "inspect", broken)
+    quiet = run_ckpt("inspect", tmp_path)
+    assert quiet.exit_code == 70 and "Traceback" not in quiet.stderr
+    loud = run_ckpt("inspect", tmp_path, "-v")
+    assert loud.exit_code == 70
+    assert "Traceback" in loud.stderr and "RuntimeError: a bug in the library" in loud.stderr
+
+
+def test_download_runs_with_pipes_and_with_a_terminal(hub: Any, tmp_path: Path) -> None:
+    import torch
+
+    from .hub_fixtures import publish_model
+
+    state = {LONG: torch.zeros(4), EVIL: torch.ones(1), "model.norm.weight": torch.ones(3)}
+    publish_model(hub, "org/model", tmp_path / "src", state)
+    args = ["download", "hf://org/model", str(tmp_path / "d"), "--mode", "tensors", "--dry-run"]
+    piped = run_ckpt_process(*args, env={"COLUMNS": "40"})
+    assert piped.exit_code == 0, piped.stderr
+    # the range table: one line per request, the long name whole on it
+    assert any(LONG in line and "B" in line for line in piped.stdout.splitlines())
+    assert "\x1b" not in piped.stdout
+    tty = run_in_pty(*args)
+    assert tty.exit_code == 0, tty.stdout
+    assert "\x1b[2J" not in tty.stdout and "\u202e" not in tty.stdout
+    fetched = run_in_pty("download", "hf://org/model", tmp_path / "real")
+    assert fetched.exit_code == 0, fetched.stdout
+    assert (tmp_path / "real" / "model.safetensors").is_file()

@@ -1,0 +1,291 @@
+"""Messages and option effects a user meets first (issue #13): what a file is when it is not a
+checkpoint, options that would do nothing, --dry-run, Hub habits, what "parameters" counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .conftest import run_ckpt
+from .hub_fixtures import publish_model
+from .hub_server import TestHub
+from .run_fixtures import trainer_checkpoint
+
+
+def _model(path: Path, n: int = 6) -> dict[str, object]:
+    import torch
+    from safetensors.torch import save_file
+
+    state = {f"model.layers.{i}.weight": torch.full((16, 4), float(i)) for i in range(n)}
+    save_file(state, path)
+    return dict(state)
+
+
+# -- detection: say what the file is ----------------------------------------------------------
+
+
+def test_a_text_file_named_fake_pt_is_called_a_text_file(tmp_path: Path) -> None:
+    (tmp_path / "fake.pt").write_text("this is not a checkpoint\n")
+    result = run_ckpt("inspect", tmp_path / "fake.pt")
+    assert result.exit_code == 4
+    assert "is not a torch.save file: it is a text file" in result.stderr
+    assert "'this is not a checkpoint'" in result.stderr
+    assert "(101)" not in result.stderr and "544502645" not in result.stderr
+
+
+def test_a_text_file_named_safetensors_is_not_an_absurd_header(tmp_path: Path) -> None:
+    (tmp_path / ".safetensors").write_text("hello world, this is text\n")
+    result = run_ckpt("inspect", tmp_path / ".safetensors")
+    assert result.exit_code == 4
+    assert "is not a safetensors file: it is a text file" in result.stderr
+    assert "absurd" not in result.stderr
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    empty = run_ckpt("inspect", tmp_path / "empty.safetensors")
+    assert empty.exit_code == 4 and "it is an empty file" in empty.stderr
+
+
+def test_format_dcp_on_a_safetensors_folder_is_not_an_interrupted_save(tmp_path: Path) -> None:
+    (tmp_path / "hf").mkdir()
+    _model(tmp_path / "hf" / "model.safetensors")
+    result = run_ckpt("inspect", tmp_path / "hf", "--format", "dcp")
+    assert result.exit_code == 4
+    assert "is not a DCP checkpoint" in result.stderr and ".safetensors files" in result.stderr
+    assert "interrupted" not in result.stderr
+    assert "--format safetensors" in result.stderr
+
+
+# -- options with no effect are errors or warnings ---------------------------------------------
+
+
+def test_a_dest_suffix_contradicting_to_is_refused_and_creates_nothing(tmp_path: Path) -> None:
+    _model(tmp_path / "m.safetensors")
+    result = run_ckpt(
+        "convert", tmp_path / "m.safetensors", tmp_path / "x.safetensors", "--to", "torch"
+    )
+    assert result.exit_code == 2
+    assert "x.pt" in result.stderr and "--to safetensors" in result.stderr
+    assert not (tmp_path / "x.safetensors").exists()  # 0.1.0 made a folder of that name
+    ok = run_ckpt("convert", tmp_path / "m.safetensors", tmp_path / "x.pt", "--to", "torch")
+    assert ok.exit_code == 0 and (tmp_path / "x.pt").is_file()
+
+
+def test_verify_algo_without_a_manifest_operation_is_a_usage_error(tmp_path: Path) -> None:
+    _model(tmp_path / "m.safetensors")
+    result = run_ckpt("verify", tmp_path / "m.safetensors", "--algo", "sha256", "--json")
+    assert result.exit_code == 2
+    assert "--algo sha256 applies to --write-manifest" in result.json["error"]["message"]
+    (tmp_path / "d").mkdir()
+    _model(tmp_path / "d" / "model.safetensors")
+    written = run_ckpt("verify", tmp_path / "d", "--write-manifest", "--algo", "sha256")
+    assert written.exit_code == 0, written.stderr
+
+
+def test_a_rename_rule_that_matches_nothing_warns(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    _model(tmp_path / "m.safetensors")
+    result = run_ckpt(
+        "convert",
+        tmp_path / "m.safetensors",
+        tmp_path / "o.safetensors",
+        "--to",
+        "safetensors",
+        "--rename",
+        "model.=",
+        "--rename",
+        "transformer.h.=layers.",
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "--rename transformer.h.=layers. matches no entry" in result.stderr
+    assert "model.=" not in result.stderr  # the rule that applied is not warned about
+    with safe_open(tmp_path / "o.safetensors", "pt") as f:
+        names = list(f.keys())
+        assert "layers.0.weight" in names
+    quiet = run_ckpt(
+        "convert",
+        tmp_path / "m.safetensors",
+        tmp_path / "q.safetensors",
+        "--to",
+        "safetensors",
+        "--rename",
+        "nothing.=x.",
+        "--json",
+    )
+    assert quiet.json["result"]["warnings"] == [
+        "--rename nothing.=x. matches no entry (names are matched after --select; see "
+        "`ckpt inspect --list`)"
+    ]
+
+
+# -- --dry-run -----------------------------------------------------------------------------------
+
+
+def test_convert_dry_run_predicts_the_files_and_writes_nothing(tmp_path: Path) -> None:
+    _model(tmp_path / "m.safetensors", n=12)
+    dest = tmp_path / "sharded"
+    args = (
+        "convert",
+        tmp_path / "m.safetensors",
+        dest,
+        "--to",
+        "safetensors",
+        "--max-shard-size",
+        "1KB",
+    )
+    plan = run_ckpt(*args, "--dry-run", "--json")
+    assert plan.exit_code == 0, plan.stderr
+    assert not dest.exists()
+    human = run_ckpt(*args, "-n")
+    assert "nothing was written (--dry-run)" in human.stdout and not dest.exists()
+    assert "model-00001-of-" in human.stdout
+    done = run_ckpt(*args)
+    assert done.exit_code == 0
+    planned = {f["path"]: f["size"] for f in plan.json["result"]["files"]}
+    written = {p.name: p.stat().st_size for p in dest.iterdir()}
+    assert set(planned) == set(written)
+    for name, size in planned.items():
+        if size is not None:  # shard sizes are exact; the index is sized when written
+            assert written[name] == size, name
+    assert len(plan.json["result"]["entries"]) == 12
+
+
+def test_reshard_dry_run_lists_files_and_writes_nothing(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    _model(tmp_path / "m.safetensors", n=12)
+    plan = run_ckpt(
+        "reshard",
+        tmp_path / "m.safetensors",
+        tmp_path / "r",
+        "--max-shard-size",
+        "2KB",
+        "--dry-run",
+        "--json",
+    )
+    assert plan.exit_code == 0, plan.stderr
+    assert not (tmp_path / "r").exists()
+    real = run_ckpt(
+        "reshard", tmp_path / "m.safetensors", tmp_path / "r", "--max-shard-size", "2KB", "--json"
+    )
+    assert real.exit_code == 0, real.stderr
+    planned = {f["path"]: f["size"] for f in plan.json["result"]["files"] if f["size"] is not None}
+    written = {p.name: p.stat().st_size for p in (tmp_path / "r").iterdir()}
+    assert planned and all(written[name] == size for name, size in planned.items())
+
+    state = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(8)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    world = run_ckpt(
+        "reshard", tmp_path / "dcp", tmp_path / "d4", "--world-size", "4", "--dry-run", "--json"
+    )
+    assert world.exit_code == 0, world.stderr
+    assert not (tmp_path / "d4").exists()
+    names = [f["path"] for f in world.json["result"]["files"]]
+    assert names == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", ".metadata"]
+    assert sum(f["size"] or 0 for f in world.json["result"]["files"]) == 64 * 4 + 8 * 4
+
+
+# -- Hub habits ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def published(hub: TestHub, tmp_path: Path) -> TestHub:
+    import torch
+
+    state = {f"model.layers.{i}.weight": torch.full((8, 8), float(i)) for i in range(3)}
+    publish_model(hub, "org/model", tmp_path / "src", state)
+    return hub
+
+
+def test_download_include_exclude_are_file_globs_as_in_hf_download(
+    published: TestHub, tmp_path: Path
+) -> None:
+    only_config = run_ckpt(
+        "download", "hf://org/model", "--local-dir", tmp_path / "a", "--include", "config.json"
+    )
+    assert only_config.exit_code == 0, only_config.stderr
+    files = {p.name for p in (tmp_path / "a").iterdir()}
+    assert "config.json" in files and "tokenizer.json" not in files
+    assert "model.safetensors" in files  # weights are chosen by tensor, never by file glob
+    no_tok = run_ckpt("download", "hf://org/model", tmp_path / "b", "--exclude", "tokenizer.*")
+    assert no_tok.exit_code == 0
+    assert (
+        not (tmp_path / "b" / "tokenizer.json").exists()
+        and (tmp_path / "b" / "config.json").exists()
+    )
+    # a tensor glob passed as a file glob (0.1.0's --exclude) matches no file: a warning says so
+    stray = run_ckpt(
+        "download", "hf://org/model", tmp_path / "c", "--exclude", "model.layers.0.*", "--json"
+    )
+    assert stray.exit_code == 0
+    [warning] = stray.json["result"]["warnings"]
+    assert "matches no file" in warning and "--filter-out" in warning
+    both = run_ckpt("download", "hf://org/model", tmp_path / "d", "--local-dir", tmp_path / "e")
+    assert both.exit_code == 2 and "two destinations" in both.stderr
+
+
+def test_revision_and_repo_type_options_fold_into_the_hub_location(published: TestHub) -> None:
+    pinned = run_ckpt("inspect", "hf://org/model", "--revision", "main", "--json")
+    assert pinned.exit_code == 0, pinned.stderr
+    assert run_ckpt("inspect", "hf://org/model@main", "--json").json["result"]["tensors"] == 3
+    wrong = run_ckpt("inspect", "hf://org/model@main", "--revision", "v2")
+    assert wrong.exit_code == 2 and "contradicts" in wrong.stderr
+    dataset = run_ckpt("inspect", "hf://org/model", "--repo-type", "dataset", "--json")
+    assert dataset.exit_code in (3, 5)  # no such dataset: it asked for datasets/org/model
+    bad = run_ckpt("inspect", "hf://org/model", "--repo-type", "notebook")
+    assert bad.exit_code == 2 and "model, dataset or space" in bad.stderr
+
+
+def test_offline_mode_says_offline_mode_is_on(
+    published: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = run_ckpt("inspect", "hf://org/model", "--json")
+    assert result.exit_code == 5
+    message = result.json["error"]["message"]
+    assert "offline mode is on (HF_HUB_OFFLINE=1)" in message
+    assert "could not be reached" not in message and "cannot be reached" not in message
+
+
+# -- parameters ------------------------------------------------------------------------------------
+
+
+def test_parameters_count_the_model_and_optimizer_state_is_its_own_figure(tmp_path: Path) -> None:
+    trainer_checkpoint(tmp_path / "checkpoint-100", 100)
+    result = run_ckpt("inspect", tmp_path / "checkpoint-100", "--json")
+    report = result.json["result"]
+    weights = report["training"]["weights"]["parameters"]
+    assert report["parameters"] == weights
+    assert report["state_elements"]["optimizer"] > 0
+    human = run_ckpt("inspect", tmp_path / "checkpoint-100")
+    assert f"{weights} parameters" in human.stdout
+    assert "state elements (not parameters): optimizer" in human.stdout
+    # a plain weights file is all parameters
+    _model(tmp_path / "m.safetensors")
+    plain = run_ckpt("inspect", tmp_path / "m.safetensors", "--json").json["result"]
+    assert plain["parameters"] == 6 * 64 and plain["state_elements"] == {}
+    assert json.dumps(plain)  # the envelope stays JSON
+
+
+def test_token_option_opens_a_gated_repo_and_leaves_the_environment_alone(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    import os
+
+    import torch
+
+    publish_model(hub, "org/gated", tmp_path / "src", {"w": torch.zeros(2)}, token="hf_secret")
+    assert run_ckpt("inspect", "hf://org/gated").exit_code == 5
+    result = run_ckpt("inspect", "hf://org/gated", "--token", "hf_secret", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["tensors"] == 1
+    assert "HF_TOKEN" not in os.environ
+
+
+def test_diff_applies_revision_to_its_hub_side(published: TestHub, tmp_path: Path) -> None:
+    fetched = run_ckpt("download", "hf://org/model", tmp_path / "local")
+    assert fetched.exit_code == 0, fetched.stderr
+    same = run_ckpt("diff", tmp_path / "local", "hf://org/model", "--revision", "main")
+    assert same.exit_code == 0, same.stdout + same.stderr
