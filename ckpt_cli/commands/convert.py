@@ -16,6 +16,7 @@ from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_comma
         "ckpt convert hf://org/model hf-dcp/ --to dcp --world-size 8",
         "ckpt convert ckpt.pt weights.safetensors --to safetensors --select model --exclude '*.rotary_emb.*' --rename 'module.='",
         "ckpt convert s3://ckpts/run/step-1000 s3://ckpts/export/model --to safetensors --dtype bf16",
+        "ckpt convert DeepSeek-V3-FP8/ deepseek-bf16/ --to safetensors --dequantize --dtype bf16",
     )
 )
 def convert(
@@ -81,6 +82,14 @@ def convert(
         int,
         typer.Option("--world-size", help="Lay a DCP output out for this many ranks (Shard(0))."),
     ] = 1,
+    dequantize: Annotated[
+        bool,
+        typer.Option(
+            "--dequantize",
+            help="Write FP8 / MXFP4 / NVFP4 weights dequantized (to --dtype or the model's "
+            "dtype) and drop their scales and the config's quantization section.",
+        ),
+    ] = False,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -115,6 +124,7 @@ def convert(
                 dcp_serialization=dcp_serialization,
                 world_size=world_size,
                 force=force,
+                dequantize=dequantize,
                 progress=progress,
             ),
             render_convert,

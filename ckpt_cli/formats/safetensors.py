@@ -737,22 +737,35 @@ class SafetensorsCheckpoint(Checkpoint):
         self._fds.clear()
 
 
-def plan_shards(plan: list[Entry], max_shard_size: int | None) -> list[list[Entry]]:
+def plan_shards(
+    plan: list[Entry], max_shard_size: int | None, together: list[list[str]] | None = None
+) -> list[list[Entry]]:
     """Group entries, in order, into shards of at most `max_shard_size` bytes.
 
     A tensor larger than the limit gets a shard of its own; `None` means one shard.
+    `together` names groups (a quantized weight and its scales) that must share a shard:
+    consecutive members of a group are placed as one unit.
     """
     if not max_shard_size:
         return [list(plan)]
+    group_of = {name: i for i, names in enumerate(together or []) for name in names}
+    units: list[list[Entry]] = []
+    for entry in plan:
+        group = group_of.get(entry.name)
+        if units and group is not None and group_of.get(units[-1][-1].name) == group:
+            units[-1].append(entry)
+        else:
+            units.append([entry])
     shards: list[list[Entry]] = []
     current: list[Entry] = []
     size = 0
-    for entry in plan:
-        if current and size + entry.nbytes > max_shard_size:
+    for unit in units:
+        unit_size = sum(e.nbytes for e in unit)
+        if current and size + unit_size > max_shard_size:
             shards.append(current)
             current, size = [], 0
-        current.append(entry)
-        size += entry.nbytes
+        current.extend(unit)
+        size += unit_size
     if current or not shards:
         shards.append(current)
     return shards
@@ -801,7 +814,7 @@ class SafetensorsWriter(Writer):
             )
         self.metadata = dict(options.metadata)
         self.basename = options.basename or "model"
-        self.groups = plan_shards(plan, options.max_shard_size)
+        self.groups = plan_shards(plan, options.max_shard_size, options.extra.get("together"))
         if options.single_file and len(self.groups) > 1:
             raise FormatError("a single-file destination cannot be split into shards")
         self.names = shard_names(self.basename, len(self.groups))

@@ -9,8 +9,10 @@ from pydantic import BaseModel, Field
 
 from ..errors import NotFoundError
 from ..layouts import open_source
-from ..models import Entry, FileInfo, TrainingState
+from ..models import Entry, FileInfo, Manifest, TrainingState
+from ..quant import QuantSummary
 from ..runs import RunReport
+from ..storage import Storage
 from .tree import TreeNode, build_tree, collapse_chains
 
 
@@ -29,6 +31,8 @@ class InspectReport(BaseModel):
         entries: every entry (after filters).
         filters: the globs applied.
         run: for a run folder (`format` is `run`): its step checkpoints (see `ckpt_cli.runs`).
+        quantization: for a quantized checkpoint: the scheme per module group, logical
+            parameters next to stored bytes, unquantized modules (see `ckpt_cli.quant`).
     """
 
     location: str
@@ -46,6 +50,7 @@ class InspectReport(BaseModel):
     entries: list[Entry] = Field(default_factory=list)
     filters: list[str] = Field(default_factory=list)
     run: RunReport | None = None
+    quantization: QuantSummary | None = None
 
 
 def select(
@@ -108,4 +113,15 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
             tree=[collapse_chains(node) for node in build_tree(entries)],
             entries=entries,
             filters=list(filters or []),
+            quantization=quantization_of(checkpoint.manifest, checkpoint.storage),
         )
+
+
+def quantization_of(manifest: Manifest, storage: Storage) -> QuantSummary | None:
+    """The quantization summary, when the headers or the config files say it is quantized."""
+    from ..quant import analyse_checkpoint, summarise
+
+    analysis = analyse_checkpoint(manifest, storage)
+    if not analysis.quantized and analysis.config.method is None:
+        return None
+    return summarise(manifest, analysis)

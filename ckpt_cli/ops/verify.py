@@ -193,6 +193,8 @@ def verify(
         report.files = len(considered)
         report.bytes = sum(considered.values())
         report.training = opened.training if opened is not None else None
+        if not any(p.severity == "error" for p in problems):
+            _quant_checks(report, problems, src, format, opened, deep=deep)
         if resumable or deep:
             _open_checks(
                 report,
@@ -223,6 +225,38 @@ def verify(
     report.warnings = len(problems) - report.errors
     report.ok = report.errors == 0
     return report
+
+
+def _quant_checks(
+    report: VerifyReport,
+    problems: list[Problem],
+    src: str,
+    format: str | None,
+    opened: OpenedSource | None,
+    *,
+    deep: bool,
+) -> None:
+    """Quantized weights against their sidecars and the config (headers; scale values with deep)."""
+    from ..quant import analyse_checkpoint
+
+    try:
+        own = opened if opened is not None else open_source(src, format)
+    except CkptError:
+        return  # what stops opening is already a structural problem
+    try:
+        checkpoint = own.checkpoint
+        analysis = analyse_checkpoint(checkpoint.manifest, checkpoint.storage)
+        if not analysis.quantized and analysis.config.method is None:
+            return
+        report.checks.append("quantization")
+        problems.extend(analysis.problems)
+        if deep:
+            from ..quant.dequant import scale_value_problems
+
+            problems.extend(scale_value_problems(checkpoint, analysis))
+    finally:
+        if opened is None:
+            own.checkpoint.close()
 
 
 def _format_name(source: Source, format: str | None) -> str:
