@@ -656,14 +656,19 @@ def _fp8_grid(
     if len(shape) >= 1 and scale in ([shape[0]], [shape[0], 1]):
         return "fp8-channel", f"[{shape[0]}, 1]"
     if len(shape) == 2:
+        # no config to say the block size: any common square block whose grid fits
+        for size in (128, 64, 32, 16, 256, 512):
+            if scale == [math.ceil(shape[0] / size), math.ceil(shape[1] / size)]:
+                return "fp8-block", f"{size}x{size} blocks"
         want = [math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)]
-        if scale == want:
-            return "fp8-block", str(want)
         return None, f"{want} (128x128 blocks), [{shape[0]}, 1] (per channel) or one value"
     return None, "one value or one per output channel"
 
 
 def _infer_block(shape: list[int], scale: list[int]) -> tuple[int, int]:
+    for size in (128, 64, 32, 16, 256, 512):
+        if scale == [math.ceil(shape[0] / size), math.ceil(shape[1] / size)]:
+            return (size, size)
     return (math.ceil(shape[0] / scale[0]), math.ceil(shape[1] / scale[1]))
 
 
