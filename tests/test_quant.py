@@ -690,3 +690,43 @@ def test_dequantize_on_a_plain_checkpoint_is_a_usage_error(tmp_path: Path) -> No
         "--dequantize",
     )
     assert result.exit_code == 2 and "no quantized weight" in result.stderr
+
+
+# ---------------------------------------------------------------- download: a weight brings its scales
+
+
+@pytest.mark.parametrize("mode", ["shards", "tensors"])
+def test_download_of_a_quantized_weight_brings_its_scales(hub, tmp_path: Path, mode: str) -> None:
+    src = tmp_path / "fp8"
+    write_fp8_block(src, fp8_source())
+    hub.add_repo("org/fp8", src)
+    dest = tmp_path / "picked"
+    result = run_ckpt(
+        "download",
+        "hf://org/fp8",
+        dest,
+        "--mode",
+        mode,
+        "--no-extras",
+        "--tensors",
+        "model.layers.1.mlp.down_proj.weight",
+        "--tensors",
+        "lm_head.weight",
+        "--json",
+    )
+    assert result.exit_code == 0, result.stderr
+    got: dict[str, torch.Tensor] = {}
+    for shard in dest.glob("*.safetensors"):
+        got.update(load_file(shard))
+    assert {
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.1.mlp.down_proj.weight_scale_inv",
+    } <= set(got)
+    if mode == "tensors":  # byte ranges: exactly the selection and its scale
+        assert set(got) == {
+            "model.layers.1.mlp.down_proj.weight",
+            "model.layers.1.mlp.down_proj.weight_scale_inv",
+            "lm_head.weight",
+        }
+    # the scale counts as selected in both modes (shards mode fetches its shard for it)
+    assert result.json["result"]["tensors_selected"] == 3
