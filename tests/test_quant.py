@@ -363,6 +363,13 @@ def test_convert_without_dequantize_keeps_scales_beside_their_weights_and_uncast
         else:
             assert t.dtype == torch.float16  # --dtype applied to the unquantized ones
     assert run_ckpt("verify", out).exit_code == 0
+    # reshard to small shards keeps every weight with its scale too
+    resharded = tmp_path / "small"
+    assert run_ckpt("reshard", src, resharded, "--max-shard-size", "2KB").exit_code == 0
+    small = json.loads((resharded / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(small.values())) > 3
+    for module in FP8_LINEARS:
+        assert small[f"{module}.weight"] == small[f"{module}.weight_scale_inv"]
 
 
 # ---------------------------------------------------------------- MXFP4 (gpt-oss)

@@ -308,6 +308,12 @@ def _family(scheme: str) -> str:
     return "fp8" if scheme.startswith("fp8") else "mx" if scheme.startswith("mx") else scheme
 
 
+def label(scheme: str, block: tuple[int, int] | None = None) -> str:
+    """The human label of a scheme (`FP8 block 128x128`)."""
+    text = LABELS[scheme].format(block=f"{block[0]}x{block[1]}" if block else "")
+    return text.rstrip()
+
+
 def _problem(
     code: str, where: str, tensor: str, message: str, fix: str, warn: bool = False
 ) -> Problem:
@@ -367,7 +373,7 @@ def analyse(manifest: Manifest, config: QuantConfig, where: str | None = None) -
                 "missing_scale",
                 where,
                 weight,
-                f"quantized weight {weight!r} ({LABELS[scheme].format(block='')}) has no "
+                f"quantized weight {weight!r} ({label(scheme)}) has no "
                 f"{sidecar!r}: loaded without it, its values are off by the scale",
                 "Fetch or re-export the shard holding the scale; do not load this checkpoint.",
             )
@@ -596,7 +602,7 @@ def analyse(manifest: Manifest, config: QuantConfig, where: str | None = None) -
                         "config_mismatch",
                         where,
                         weight.payload,
-                        f"{weight.payload!r} is {LABELS[weight.scheme].format(block='')}, but "
+                        f"{weight.payload!r} is {label(weight.scheme)}, but "
                         f"{config.file} declares {config.method} ({config.algo or 'any'})",
                         "Loaders follow the config; fix the config or re-export the weights.",
                     )
@@ -615,6 +621,7 @@ def analyse(manifest: Manifest, config: QuantConfig, where: str | None = None) -
                     warn=True,
                 )
             )
+    _name_files(out.problems, tensors, where)
     if found & {"mx", "nvfp4", "nvfp4-ct"} and config.file is None:
         out.problems.append(
             _problem(
@@ -627,6 +634,20 @@ def analyse(manifest: Manifest, config: QuantConfig, where: str | None = None) -
             )
         )
     return out
+
+
+def _name_files(problems: list[Problem], tensors: dict[str, Entry], where: str) -> None:
+    """Point each problem at the file holding its tensor (or the weight that lacks a scale)."""
+    for i, problem in enumerate(problems):
+        entry = tensors.get(problem.tensor or "")
+        if entry is None or not entry.file or problem.file != where:
+            continue
+        if where.rstrip("/").endswith("/" + entry.file) or where == entry.file:
+            continue  # SRC named the file itself
+        file = f"{where.rstrip('/')}/{entry.file}"
+        problems[i] = problem.model_copy(
+            update={"file": file, "message": file + problem.message[len(where) :]}
+        )
 
 
 def _fp8_siblings(tensors: dict[str, Entry]) -> bool:
@@ -710,7 +731,7 @@ def _count(n: int) -> str:
 
 
 def _bytes(n: int) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
@@ -722,13 +743,12 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
     target = logical_dtype(analysis)
     groups: dict[str, QuantGroup] = {}
     for weight in analysis.weights.values():
-        block = f"{weight.block[0]}x{weight.block[1]}"
         group = groups.get(weight.scheme)
         if group is None:
             payload = tensors[weight.payload]
             group = groups[weight.scheme] = QuantGroup(
                 scheme=weight.scheme,
-                label=LABELS[weight.scheme].format(block=block),
+                label=label(weight.scheme, weight.block),
                 stored_dtype=payload.dtype,
                 logical_dtype=target,
                 example={
