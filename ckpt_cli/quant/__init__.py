@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from .. import dtypes
+from ..errors import CkptError
 from ..models import Entry, Manifest, Problem
 from ..storage import Storage
 
@@ -195,8 +196,8 @@ def _json(storage: Storage, rel: str) -> dict[str, Any] | None:
         if not storage.exists(rel) or storage.size(rel) > _MAX_CONFIG:
             return None
         doc = json.loads(storage.read_all(rel))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
+    except (OSError, ValueError, UnicodeDecodeError, CkptError):
+        return None  # an unreadable config is no config: the headers still tell the scheme
     return doc if isinstance(doc, dict) else None
 
 
