@@ -737,3 +737,92 @@ def test_download_of_a_quantized_weight_brings_its_scales(hub, tmp_path: Path, m
         }
     # the scale counts as selected in both modes (shards mode fetches its shard for it)
     assert result.json["result"]["tensors_selected"] == 3
+
+
+def test_inspect_and_plain_verify_of_a_quantized_checkpoint_never_import_torch(
+    tmp_path: Path,
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    src = tmp_path / "gpt-oss"
+    write_gpt_oss(src)
+    probe = (
+        "import sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
+        "from ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for command in ("inspect", "verify"):
+        proc = subprocess.run(
+            [sys.executable, "-c", probe, command, str(src), "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert "NO_TORCH" in proc.stderr, (command, proc.stderr)
+        result = json.loads(proc.stdout)["result"]
+        if command == "verify":
+            assert "quantization" in result["checks"]
+        else:
+            assert result["quantization"]["schemes"][0]["scheme"] == "mxfp4"
+
+
+@pytest.mark.parametrize(
+    ("preset", "scheme"),
+    [("FP8", "fp8-tensor"), ("FP8_DYNAMIC", "fp8-channel"), ("FP8_BLOCK", "fp8-block")],
+)
+def test_compressed_tensors_fp8_matches_its_own_decompressor(
+    tmp_path: Path, preset: str, scheme: str
+) -> None:
+    """FP8 per tensor, per channel and in 128x128 blocks, written by compressed-tensors itself."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    qscheme = preset_name_to_scheme(preset, ["Linear"])
+    gen = torch.Generator().manual_seed(7)
+    state: dict[str, torch.Tensor] = {}
+    for module in NV_LINEARS:
+        w = torch.randn(256, 384, generator=gen).to(torch.bfloat16)
+        f = w.float()
+        if qscheme.weights.strategy == "tensor":
+            low, high = f.amin(), f.amax()
+        elif qscheme.weights.strategy == "channel":
+            low, high = f.amin(1, keepdim=True), f.amax(1, keepdim=True)
+        else:
+            blocks = f.reshape(2, 128, 3, 128)
+            low, high = blocks.amin((1, 3)), blocks.amax((1, 3))
+        scale, _ = calculate_qparams(low, high, qscheme.weights)
+        packed = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, qscheme)
+        state.update({f"{module}.{k}": v for k, v in packed.items()})
+    config = QuantizationConfig(
+        config_groups={"group_0": qscheme},
+        format="float-quantized",
+        quantization_status="compressed",
+    ).model_dump(mode="json")
+    src = tmp_path / "ct-fp8"
+    hf_shards(src, [state], {"torch_dtype": "bfloat16", "quantization_config": config})
+
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    assert [g["scheme"] for g in shown["schemes"]] == [scheme]
+    assert run_ckpt("verify", src, "--deep").exit_code == 0
+    out = tmp_path / "fp32"
+    assert (
+        run_ckpt(
+            "convert", src, out, "--to", "safetensors", "--dequantize", "--dtype", "fp32"
+        ).exit_code
+        == 0
+    )
+    got = load_file(out / "model.safetensors")
+    for module in NV_LINEARS:
+        mine = {
+            k.removeprefix(module + "."): v for k, v in state.items() if k.startswith(module + ".")
+        }
+        ref = FloatQuantizationCompressor.decompress(mine, qscheme)["weight"]
+        assert ref.dtype == torch.float32
+        assert torch.equal(got[f"{module}.weight"], ref), module
