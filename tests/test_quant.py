@@ -826,3 +826,28 @@ def test_compressed_tensors_fp8_matches_its_own_decompressor(
         ref = FloatQuantizationCompressor.decompress(mine, qscheme)["weight"]
         assert ref.dtype == torch.float32
         assert torch.equal(got[f"{module}.weight"], ref), module
+
+
+def test_a_scheme_ckpt_does_not_dequantize_raises_no_false_problems(tmp_path: Path) -> None:
+    """compressed-tensors int4 `pack-quantized` (its own compressor): declared, not misread."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    qscheme = preset_name_to_scheme("W4A16", ["Linear"])
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    groups = w.float().reshape(64, 2, 128)
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), qscheme.weights)
+    packed = PackedQuantizationCompressor.compress(
+        {"weight": w, "weight_scale": scale.to(torch.bfloat16)}, qscheme
+    )
+    state = {f"model.layers.0.mlp.down_proj.{k}": v for k, v in packed.items()}
+    config = QuantizationConfig(
+        config_groups={"g": qscheme}, format="pack-quantized", quantization_status="compressed"
+    ).model_dump(mode="json")
+    src = tmp_path / "int4"
+    hf_shards(src, [state], {"quantization_config": config})
+    result = run_ckpt("verify", src, "--json").json["result"]
+    assert result["ok"] and result["problems"] == [] and "quantization" in result["checks"]
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    assert shown["schemes"] == [] and "pack-quantized declared" in shown["label"]

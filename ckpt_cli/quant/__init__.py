@@ -564,11 +564,11 @@ def analyse(manifest: Manifest, config: QuantConfig, where: str | None = None) -
             continue
         suffix = next(s for s in SIDECAR_SUFFIXES if name.endswith(s))
         base = name[: -len(suffix)]
-        if suffix in (".input_scale", ".input_global_scale", ".scale_input") and (
-            base + ".weight" in tensors or base + ".weight_packed" in tensors
-        ):
-            continue  # an activation scale of an unquantized weight (kept as it is)
         wanted = base + "_blocks" if suffix == "_scales" else base + ".weight"
+        if wanted in tensors or (suffix != "_scales" and base + ".weight_packed" in tensors):
+            # its weight is there but not of a scheme this tool dequantizes (an activation scale
+            # of a plain weight, compressed-tensors' int4 packing...): not an orphan
+            continue
         out.orphans.append(name)
         out.problems.append(
             _problem(
@@ -779,7 +779,10 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
                 unquantized.append(pattern)
     parameters = others + sum(g.parameters for g in groups.values())
     stored = sum(e.nbytes for e in tensors.values())
-    labels = ", ".join(g.label for g in groups.values()) or "not quantized"
+    declared = " ".join(x for x in (analysis.config.method, analysis.config.algo) if x)
+    labels = ", ".join(g.label for g in groups.values()) or (
+        f"{declared} declared, no weight of a scheme ckpt reads" if declared else "not quantized"
+    )
     return QuantSummary(
         label=f"{_count(parameters)} parameters, {labels}, {_bytes(stored)}",
         config=analysis.config,
