@@ -851,3 +851,55 @@ def test_a_scheme_ckpt_does_not_dequantize_raises_no_false_problems(tmp_path: Pa
     assert result["ok"] and result["problems"] == [] and "quantization" in result["checks"]
     shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
     assert shown["schemes"] == [] and "pack-quantized declared" in shown["label"]
+
+
+def test_fp8_llama_dequantized_equals_transformers_and_loads_with_from_pretrained(
+    tmp_path: Path,
+) -> None:
+    """A tiny Llama saved by `save_pretrained`, block-FP8 quantized, read by transformers itself.
+
+    On a machine without a GPU, transformers' FP8 quantizer dequantizes a pre-quantized
+    checkpoint to bf16 at load time: the real loader is the judge of ckpt's values, and the
+    dequantized output (config without `quantization_config`) must load as a plain model.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    full = tmp_path / "full"
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(full)
+    quantized: dict[str, torch.Tensor] = {}
+    for name, t in load_file(full / "model.safetensors").items():
+        if name.endswith("proj.weight"):
+            quantized[name], quantized[name.replace(".weight", ".weight_scale_inv")] = (
+                quantize_fp8_block(t, BLOCK)
+            )
+        else:
+            quantized[name] = t
+    src = tmp_path / "fp8"
+    src.mkdir()
+    save_file(quantized, src / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((full / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [BLOCK, BLOCK],
+    }
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert run_ckpt("verify", src, "--deep").exit_code == 0
+
+    out = tmp_path / "bf16"
+    assert run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize").exit_code == 0
+    reference = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert getattr(ours.config, "quantization_config", None) is None
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor.view(torch.int16), reference[name].view(torch.int16)), name
