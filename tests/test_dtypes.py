@@ -116,6 +116,7 @@ def test_a_tensor_of_an_unknown_dtype_is_reported_and_the_rest_still_read(tmp_pa
     result = shown.json["result"]
     assert [e["name"] for e in result["entries"]] == ["good"]
     assert result["details"]["unsupported_tensors"] == {"future": "Q7_NEW"}
+    assert "future (Q7_NEW)" in run_ckpt("inspect", src).stdout
 
     checked = run_ckpt("verify", src, "--json")
     assert checked.exit_code == 1

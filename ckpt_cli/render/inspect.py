@@ -160,6 +160,16 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     )
     if report.metadata:
         stdout.print("  metadata: " + ", ".join(f"{k}={v}" for k, v in report.metadata.items()))
+    unsupported = report.details.get("unsupported_tensors") or {}
+    if unsupported:
+        listed = ", ".join(
+            f"{escape(n)} ({escape(str(c))})" for n, c in list(unsupported.items())[:5]
+        )
+        more = f" … {len(unsupported) - 5} more" if len(unsupported) > 5 else ""
+        stdout.print(
+            f"  [yellow]{len(unsupported)} tensors of a dtype ckpt does not know, left out[/]: "
+            f"{listed}{more}"
+        )
     render_training(report)
     render_quantization(report)
     if show_tensors:
