@@ -22,7 +22,7 @@ from .. import dtypes
 from ..errors import FormatError
 from ..formats.base import COPY_BLOCK, Checkpoint
 from ..models import Entry, Manifest, Problem
-from . import QuantAnalysis, QuantWeight
+from .schemes import QuantAnalysis, QuantWeight
 
 if TYPE_CHECKING:
     import torch
