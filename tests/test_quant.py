@@ -903,3 +903,21 @@ def test_fp8_llama_dequantized_equals_transformers_and_loads_with_from_pretraine
     assert getattr(ours.config, "quantization_config", None) is None
     for name, tensor in ours.state_dict().items():
         assert torch.equal(tensor.view(torch.int16), reference[name].view(torch.int16)), name
+
+
+def test_nvfp4_missing_global_scale_wrong_grid_and_orphan_input_scale(tmp_path: Path) -> None:
+    src = tmp_path / "nvfp4"
+    write_modelopt(src)
+    shard = src / "model-00001-of-00001.safetensors"
+    state = load_file(shard)
+    q, d = "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"
+    del state[f"{q}.weight_scale_2"]
+    state[f"{d}.weight_scale"] = state[f"{d}.weight_scale"][:, :2].contiguous()  # in/32, not in/16
+    state["model.layers.0.mlp.up_proj.input_scale"] = torch.tensor(0.5)  # its weight is gone
+    save_file(state, shard)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(state, shard.name)}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    problems = _problems(run_ckpt("verify", src, "--json").json["result"])
+    assert ("missing_scale", f"{q}.weight") in problems
+    assert ("scale_grid", f"{d}.weight_scale") in problems
+    assert ("orphan_scale", "model.layers.0.mlp.up_proj.input_scale") in problems
