@@ -29,10 +29,34 @@ _TABLE: dict[str, tuple[int, str]] = {
     "bool": (1, "BOOL"),
     "complex64": (8, "C64"),
 }
+# safetensors 0.8's byte-sized additions (what `safetensors.torch` writes for torch's fnuz kinds)
+_TABLE.update(
+    {
+        "float8_e4m3fnuz": (1, "F8_E4M3FNUZ"),
+        "float8_e5m2fnuz": (1, "F8_E5M2FNUZ"),
+        # torch's packed FP4 (two E2M1 values a byte): safetensors stores it as F4 with the
+        # last dimension counted in 4-bit values, see `torch_layout`
+        "float4_e2m1fn_x2": (1, "F4"),
+    }
+)
+#: sub-byte dtypes of safetensors 0.8: canonical name (ml_dtypes' spelling: torch has no
+#: unpacked kind) -> (bits per element, safetensors code). Shapes count elements; a tensor's
+#: bytes are numel * bits / 8 and must end on a byte boundary.
+SUB_BYTE: dict[str, tuple[int, str]] = {
+    "float4_e2m1fn": (4, "F4"),
+    "float6_e2m3fn": (6, "F6_E2M3"),
+    "float6_e3m2fn": (6, "F6_E3M2"),
+}
 _FROM_SAFETENSORS = {code: name for name, (_, code) in _TABLE.items()}
+# an F4 header entry is read as 4-bit elements, not as torch's packed pairs
+_FROM_SAFETENSORS.update({code: name for name, (_, code) in SUB_BYTE.items()})
 FLOATING = frozenset(
     {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"}
+    | {"float8_e4m3fnuz", "float8_e5m2fnuz"}
 )
+#: low-precision floating kinds that are storage formats (quantized payloads and scales):
+#: counted as parameters, never a `--dtype` target
+STORAGE_FLOATING = frozenset(SUB_BYTE) | {"float4_e2m1fn_x2"}
 _ALIASES = {
     "bf16": "bfloat16",
     "fp16": "float16",
@@ -45,13 +69,46 @@ _ALIASES = {
 
 
 def itemsize(dtype: str) -> int:
-    """Bytes per element of a canonical dtype."""
+    """Bytes per element of a canonical byte-sized dtype (KeyError for sub-byte ones)."""
     return _TABLE[dtype][0]
+
+
+def bitsize(dtype: str) -> int:
+    """Bits per element of any canonical dtype, sub-byte ones included."""
+    if dtype in SUB_BYTE:
+        return SUB_BYTE[dtype][0]
+    return _TABLE[dtype][0] * 8
+
+
+def storage_nbytes(dtype: str, shape: list[int] | tuple[int, ...]) -> int | None:
+    """Bytes of a dense tensor of `dtype` and `shape`; None when they do not end on a byte.
+
+    safetensors refuses a sub-byte tensor (or slice) whose bits are not a whole number of
+    bytes, so callers report that tensor instead of rounding.
+    """
+    bits = numel(shape) * bitsize(dtype)
+    return None if bits % 8 else bits // 8
+
+
+def torch_layout(dtype: str, shape: list[int]) -> tuple[str, list[int]] | None:
+    """The torch dtype token and shape that hold a tensor's bytes, or None if torch has none.
+
+    Byte-sized dtypes map to themselves. safetensors' F4 becomes torch's packed
+    `float4_e2m1fn_x2` with the last dimension halved (what `safetensors.torch` returns);
+    an odd last dimension, or the F6 kinds, have no torch dtype.
+    """
+    if dtype == "float4_e2m1fn":
+        if not shape or shape[-1] % 2:
+            return None
+        return "float4_e2m1fn_x2", [*shape[:-1], shape[-1] // 2]
+    if dtype in SUB_BYTE:
+        return None
+    return dtype, list(shape)
 
 
 def is_known(dtype: str) -> bool:
     """Whether `dtype` is a canonical token this tool understands."""
-    return dtype in _TABLE
+    return dtype in _TABLE or dtype in SUB_BYTE
 
 
 def from_safetensors(code: str) -> str | None:
@@ -61,6 +118,8 @@ def from_safetensors(code: str) -> str | None:
 
 def to_safetensors(dtype: str) -> str:
     """Safetensors dtype code for a canonical name."""
+    if dtype in SUB_BYTE:
+        return SUB_BYTE[dtype][1]
     return _TABLE[dtype][1]
 
 

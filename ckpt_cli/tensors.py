@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .dtypes import itemsize, numel
+from .dtypes import storage_nbytes, torch_layout
 
 if TYPE_CHECKING:
     import torch
@@ -25,15 +25,34 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def torch_view(dtype: str, shape: list[int], name: str = "") -> tuple[str, list[int]]:
+    """The torch dtype token and shape holding a stored tensor (`dtypes.torch_layout`).
+
+    Raises FormatError naming the tensor when torch has no dtype for it (F6, odd F4), so a
+    caller reading many tensors reports that one and goes on.
+    """
+    layout = torch_layout(dtype, shape)
+    if layout is None:
+        from .errors import FormatError
+
+        raise FormatError(
+            f"tensor {name!r} is {dtype}{shape}, which torch has no dtype for",
+            path=name or dtype,
+            fix="Copy it as raw bytes (convert --to safetensors), or leave it out with --exclude.",
+        )
+    return layout
+
+
 def tensor_from_bytes(
     data: bytes | bytearray | memoryview, dtype: str, shape: list[int]
 ) -> torch.Tensor:
     """A tensor viewing a copy of raw little-endian C-order bytes."""
     import torch
 
-    expected = numel(shape) * itemsize(dtype)
+    expected = storage_nbytes(dtype, shape)
     if len(data) != expected:
         raise ValueError(f"{len(data)} bytes for {dtype}{shape}, expected {expected}")
+    dtype, shape = torch_view(dtype, shape)
     if expected == 0:
         return torch.empty(shape, dtype=torch_dtype(dtype))
     buf = data if isinstance(data, bytearray) else bytearray(data)
@@ -49,7 +68,8 @@ def read_tensor_from_fd(
 
     import torch
 
-    nbytes = numel(shape) * itemsize(dtype)
+    dtype, shape = torch_view(dtype, shape, name)
+    nbytes = storage_nbytes(dtype, shape) or 0
     out = torch.empty(nbytes, dtype=torch.uint8)
     if nbytes:
         view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]

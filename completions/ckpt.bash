@@ -8,12 +8,12 @@ _ckpt() {
   case "${COMP_WORDS[1]}" in
     inspect) opts="--list -l --filter -k --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --force --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     reshard) opts="--world-size --max-shard-size --shard-dim --plan --drop-rank-state --keep-rank-state --dcp-serialization --dry-run -n --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     prune) opts="--keep-last --keep-every --keep-best --mode --keep --incomplete --yes -y --watch --max-iterations --settle --json --quiet -q --verbose -v --help -h" ;;
     latest) opts="--settle --json --quiet -q --verbose -v --help -h" ;;
     download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --dequantize --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
   esac
   case "${COMP_WORDS[1]} $prev" in
     inspect\ --filter|inspect\ -k) COMPREPLY=(); return ;;

@@ -17,6 +17,7 @@ from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_comma
         "ckpt convert step-1000/ hf-model/ --to safetensors --max-shard-size 2GB --dry-run",
         "ckpt convert ckpt.pt weights.safetensors --to safetensors --select model --filter-out '*.rotary_emb.*' --rename 'module.='",
         "ckpt convert s3://ckpts/run/step-1000 s3://ckpts/export/model --to safetensors --dtype bf16",
+        "ckpt convert DeepSeek-V3-FP8/ deepseek-bf16/ --to safetensors --dequantize --dtype bf16",
     )
 )
 def convert(
@@ -91,6 +92,14 @@ def convert(
             help="Show the files, sizes and entries that would be written; write nothing.",
         ),
     ] = False,
+    dequantize: Annotated[
+        bool,
+        typer.Option(
+            "--dequantize",
+            help="Write FP8 / MXFP4 / NVFP4 weights dequantized (to --dtype or the model's "
+            "dtype) and drop their scales and the config's quantization section.",
+        ),
+    ] = False,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -125,6 +134,7 @@ def convert(
                 dcp_serialization=dcp_serialization,
                 world_size=world_size,
                 force=force,
+                dequantize=dequantize,
                 progress=progress,
                 dry_run=dry_run,
             ),

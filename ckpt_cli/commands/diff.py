@@ -15,6 +15,7 @@ from ..cli import JsonOpt, app, examples, run_command
         "ckpt diff step-1000/ hf-model/ --select model",
         "ckpt diff model.safetensors model-bf16.safetensors --atol 1e-2 --rtol 1e-2",
         "ckpt diff a.pt b.pt --filter 'optimizer.*' --json",
+        "ckpt diff model-fp8/ model-bf16/ --dequantize --rtol 0.1",
     )
 )
 def diff(
@@ -57,6 +58,14 @@ def diff(
         str | None,
         typer.Option("--format-b", help="Read B as this format instead of detecting it."),
     ] = None,
+    dequantize: Annotated[
+        bool,
+        typer.Option(
+            "--dequantize",
+            help="Compare FP8 / MXFP4 / NVFP4 weights by their dequantized values, with "
+            "per-weight error statistics (max abs, relative RMS).",
+        ),
+    ] = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Compare two checkpoints: missing names, dtype/shape changes, tensor values, state values.
@@ -84,6 +93,7 @@ def diff(
                 renames=rename,
                 select=select,
                 filters=filter,
+                dequantize=dequantize,
                 progress=progress,
             ),
             render_diff,

@@ -60,6 +60,8 @@ class SafetensorsHeader:
             in file order.
         metadata: the `__metadata__` strings.
         rejected: names of header entries that failed validation (only when collecting).
+        unsupported: name -> dtype code of tensors whose dtype this tool does not know; a
+            strict read leaves them out and goes on with the rest (`Manifest.details`).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class SafetensorsHeader:
         self.tensors = tensors
         self.metadata = metadata
         self.rejected: set[str] = set()
+        self.unsupported: dict[str, str] = {}
 
 
 class Findings:
@@ -193,13 +196,35 @@ def parse_header(
         metadata = {}
     tensors: dict[str, tuple[str, list[int], int, int]] = {}
     rejected: set[str] = set()
+    unsupported: dict[str, str] = {}
+    placed: dict[str, tuple[str, list[int], int, int]] = {}
     for name, info in header.items():
+        unknown = _unknown_dtype(info, data_size)
+        if unknown is not None and findings.strict:
+            # one tensor of a dtype this tool does not know must not make the whole file
+            # unreadable: leave it out, keep its bytes in the overlap check, say so
+            unsupported[name] = unknown[0]
+            placed[name] = unknown
+            continue
         valid = _validate_tensor(name, info, data_size, where, findings)
         if valid is not None:
             tensors[name] = valid
+            placed[name] = valid
         else:
             rejected.add(name)
-    order = sorted(tensors.items(), key=lambda kv: kv[1][2])
+            if unknown is not None:
+                placed[name] = unknown
+    if unsupported and not tensors:
+        name, code = next(iter(unsupported.items()))
+        findings.add(
+            "unknown_dtype",
+            f"tensor {name!r} has unknown dtype {code!r}, and no tensor of the file has a "
+            "dtype this tool reads",
+            file=where,
+            tensor=name,
+            fix="Upgrade ckpt if this is a new dtype; otherwise the header is corrupt.",
+        )
+    order = sorted(placed.items(), key=lambda kv: kv[1][2])
     previous_end, previous_name = 0, None
     for name, (_, _, begin, end) in order:
         if begin < previous_end:
@@ -229,9 +254,31 @@ def parse_header(
             file=where,
             fix="Trailing garbage: the file was appended to or overwritten in place; write it again.",
         )
-    parsed = SafetensorsHeader(rel, size, data_start, dict(order), metadata)
+    parsed = SafetensorsHeader(
+        rel, size, data_start, {n: v for n, v in order if n in tensors}, metadata
+    )
     parsed.rejected = rejected
+    parsed.unsupported = unsupported
     return parsed
+
+
+def _unknown_dtype(info: Any, data_size: int) -> tuple[str, list[int], int, int] | None:
+    """(code, shape, begin, end) of a well-formed entry whose dtype code is unknown, else None."""
+    if not isinstance(info, dict):
+        return None
+    code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(code, str) or dtypes.from_safetensors(code) is not None:
+        return None
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        return None
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and o >= 0 for o in offsets)
+        and offsets[0] <= offsets[1] <= data_size
+    ):
+        return None
+    return code, shape, offsets[0], offsets[1]
 
 
 def _validate_tensor(
@@ -272,7 +319,17 @@ def _validate_tensor(
         )
         return None
     begin, end = offsets
-    expected = dtypes.numel(shape) * dtypes.itemsize(dtype)
+    expected = dtypes.storage_nbytes(dtype, shape)
+    if expected is None:
+        findings.add(
+            "misaligned",
+            f"tensor {name!r} is {code}{shape}: {dtypes.numel(shape)} values of "
+            f"{dtypes.bitsize(dtype)} bits do not end on a byte boundary",
+            file=where,
+            tensor=name,
+            fix="safetensors refuses such a tensor; the header is corrupt or the writer is broken.",
+        )
+        return None
     if end - begin != expected:
         findings.add(
             "size_mismatch",
@@ -620,6 +677,9 @@ class SafetensorsCheckpoint(Checkpoint):
                 0, FileInfo(path=index_rel, size=source.storage.size(index_rel), entries=0)
             )
         details: dict[str, Any] = {"sharded": index_rel is not None}
+        unsupported = {n: c for h in headers for n, c in h.unsupported.items()}
+        if unsupported:
+            details["unsupported_tensors"] = unsupported
         if index_rel is not None:
             details["index"] = index_rel
             details["weight_map_size"] = len(weight_map or {})
@@ -666,6 +726,8 @@ class SafetensorsCheckpoint(Checkpoint):
             or entry.dtype is None
         ):
             return super().read_slice(name, offsets, sizes)
+        if dtypes.torch_layout(entry.dtype, shape) != (entry.dtype, shape):
+            return super().read_slice(name, offsets, sizes)  # sub-byte: whole rows of packed bits
         row = dtypes.numel(shape[1:]) * dtypes.itemsize(entry.dtype)
         start = entry.offset + offsets[0] * row
         storage = self.storage
@@ -691,22 +753,35 @@ class SafetensorsCheckpoint(Checkpoint):
         self._fds.clear()
 
 
-def plan_shards(plan: list[Entry], max_shard_size: int | None) -> list[list[Entry]]:
+def plan_shards(
+    plan: list[Entry], max_shard_size: int | None, together: list[list[str]] | None = None
+) -> list[list[Entry]]:
     """Group entries, in order, into shards of at most `max_shard_size` bytes.
 
     A tensor larger than the limit gets a shard of its own; `None` means one shard.
+    `together` names groups (a quantized weight and its scales) that must share a shard:
+    consecutive members of a group are placed as one unit.
     """
     if not max_shard_size:
         return [list(plan)]
+    group_of = {name: i for i, names in enumerate(together or []) for name in names}
+    units: list[list[Entry]] = []
+    for entry in plan:
+        group = group_of.get(entry.name)
+        if units and group is not None and group_of.get(units[-1][-1].name) == group:
+            units[-1].append(entry)
+        else:
+            units.append([entry])
     shards: list[list[Entry]] = []
     current: list[Entry] = []
     size = 0
-    for entry in plan:
-        if current and size + entry.nbytes > max_shard_size:
+    for unit in units:
+        unit_size = sum(e.nbytes for e in unit)
+        if current and size + unit_size > max_shard_size:
             shards.append(current)
             current, size = [], 0
-        current.append(entry)
-        size += entry.nbytes
+        current.extend(unit)
+        size += unit_size
     if current or not shards:
         shards.append(current)
     return shards
@@ -727,9 +802,13 @@ def encode_header(entries: list[Entry], metadata: dict[str, str]) -> bytes:
     offset = 0
     for entry in entries:
         assert entry.dtype is not None
+        shape = list(entry.shape)
+        if entry.dtype == "float4_e2m1fn_x2" and shape:
+            # safetensors counts F4 in 4-bit values: torch's packed pairs are twice as many
+            shape[-1] *= 2
         header[entry.name] = {
             "dtype": dtypes.to_safetensors(entry.dtype),
-            "shape": list(entry.shape),
+            "shape": shape,
             "data_offsets": [offset, offset + entry.nbytes],
         }
         offset += entry.nbytes
@@ -751,7 +830,7 @@ class SafetensorsWriter(Writer):
             )
         self.metadata = dict(options.metadata)
         self.basename = options.basename or "model"
-        self.groups = plan_shards(plan, options.max_shard_size)
+        self.groups = plan_shards(plan, options.max_shard_size, options.extra.get("together"))
         if options.single_file and len(self.groups) > 1:
             raise FormatError("a single-file destination cannot be split into shards")
         self.names = shard_names(self.basename, len(self.groups))

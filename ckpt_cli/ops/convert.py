@@ -7,7 +7,7 @@ The work is `ops.transfer`'s pipeline; this module turns the command's options i
 from __future__ import annotations
 
 import os
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -15,15 +15,18 @@ from pydantic import BaseModel, Field
 from .. import dtypes
 from ..distributed import RankShare
 from ..errors import UsageError
-from ..formats.base import WriteOptions
+from ..formats.base import Checkpoint, WriteOptions
 from ..layouts import open_source
 from ..models import FileInfo
 from ..output import Destination, RemoteDest, resolve_destination
 from ..progress import NULL_PROGRESS, Progress
+from ..quant import QuantAnalysis
 from ..sizes import parse_size
+from ..storage import Storage
 from ..uri import parse_location
 from .transfer import (
     HOLDS_OBJECTS,
+    Item,
     SkippedEntry,
     TransferPlan,
     WrittenEntry,
@@ -60,6 +63,11 @@ class ConvertReport(BaseModel):
         dry_run: nothing was written: `files` and `entries` are what would be (file sizes
             exact for safetensors outputs, None where the writer decides them).
         warnings: options that had no effect (a --rename rule that matches no entry).
+        dequantized: quantized weights written dequantized (`--dequantize`).
+        quantized_kept: quantized weights and scales written as stored although `--dtype`
+            was given (`--dtype` applies to unquantized tensors only).
+        config_written: `config.json` written beside the output without its quantization
+            section (`--dequantize`).
     """
 
     source: str
@@ -85,6 +93,9 @@ class ConvertReport(BaseModel):
     ranks: list[RankShare] = Field(default_factory=list)
     dry_run: bool = False
     warnings: list[str] = Field(default_factory=list)
+    dequantized: int = 0
+    quantized_kept: int = 0
+    config_written: str | None = None
 
 
 def _guard_paths(src: str, dest: Destination) -> None:
@@ -170,6 +181,7 @@ def convert(
     dcp_serialization: str = "torch_save",
     world_size: int = 1,
     force: bool = False,
+    dequantize: bool = False,
     progress: Progress = NULL_PROGRESS,
     dry_run: bool = False,
 ) -> ConvertReport:
@@ -189,6 +201,9 @@ def convert(
         dcp_serialization: `torch_save` or `safetensors` (DCP target only).
         world_size: ranks to lay a DCP output out for (DCP target only).
         force: replace an existing `dest` once the new output is complete.
+        dequantize: write quantized weights (FP8, MXFP4, NVFP4) dequantized to `dtype` (or the
+            model's dtype) and drop their scales; without it quantized weights and their
+            scales are copied as stored, in one shard, and never cast.
         progress: progress sink (bytes).
         dry_run: plan only: read metadata, write nothing, report what would be written.
     """
@@ -215,7 +230,21 @@ def convert(
     _guard_paths(src, dest_path)
     single_file, basename = _layout(to, dest_path, shard_size)
     opened = open_source(src, format)
-    with opened.checkpoint as checkpoint:
+    with opened.checkpoint as base:
+        from ..quant import analyse_checkpoint, logical_dtype
+
+        analysis = analyse_checkpoint(base.manifest, base.storage)
+        checkpoint: Checkpoint = base
+        if dequantize:
+            if not analysis.quantized:
+                raise UsageError(
+                    "--dequantize: no quantized weight found (FP8, MXFP4, NVFP4)",
+                    path=src,
+                    fix="Drop --dequantize; `ckpt inspect` shows what the checkpoint holds.",
+                )
+            from ..quant.dequant import DequantizedCheckpoint
+
+            checkpoint = DequantizedCheckpoint(base, analysis, logical_dtype(analysis, cast))
         manifest = checkpoint.manifest
         plan = plan_transfer(
             manifest,
@@ -227,6 +256,7 @@ def convert(
             keep_objects=to in HOLDS_OBJECTS,
             dedupe_tied=to == "safetensors",
         )
+        kept = 0 if dequantize else keep_quantized(plan, analysis)
         metadata: dict[str, str] = {}
         if to == "safetensors":
             # carry the source's string metadata; transformers needs format=pt to load it
@@ -257,10 +287,18 @@ def convert(
             dcp_serialization=dcp_serialization,
             world_size=world_size,
         )
+        if analysis.quantized and not dequantize:
+            renamed = {i.source.name: i.target.name for i in plan.items}
+            options.extra["together"] = [
+                [renamed[n] for n in group if n in renamed] for group in analysis.together()
+            ]
         shares: list[RankShare] = []
         files, written = run_write(
             checkpoint, plan, dest_path, to, options, force=force, progress=progress, shares=shares
         )
+        config_written = None
+        if dequantize and not single_file:
+            config_written = write_dequantized_config(base.storage, dest_path)
     tensors = [w for w in written if w.kind == "tensor"]
     return ConvertReport(
         source=manifest.location,
@@ -283,6 +321,9 @@ def convert(
         world_size=world_size if to == "dcp" else None,
         entries=written,
         ranks=shares,
+        dequantized=len(getattr(checkpoint, "logical", {})),
+        quantized_kept=kept,
+        config_written=config_written,
         warnings=warnings,
     )
 
@@ -386,3 +427,65 @@ def _dry_run_report(
         dry_run=True,
         warnings=warnings,
     )
+
+
+def keep_quantized(plan: TransferPlan, analysis: QuantAnalysis) -> int:
+    """Never cast a quantized weight or its scales; keep each weight's scales right after it.
+
+    Returns how many tensors a `--dtype` cast would have touched but was kept as stored.
+    """
+    if not analysis.quantized:
+        return 0
+    kept = 0
+    for item in plan.items:
+        if item.source.name in analysis.owner and item.cast is not None:
+            item.cast = None
+            item.target = item.target.model_copy(
+                update={"dtype": item.source.dtype, "nbytes": item.source.nbytes}
+            )
+            kept += 1
+    # scales follow their weight, so a shard split never separates them
+    by_name = {item.source.name: item for item in plan.items}
+    ordered: list[Item] = []
+    placed: set[str] = set()
+    for item in plan.items:
+        name = item.source.name
+        if name in placed:
+            continue
+        owner = analysis.owner.get(name)
+        members = analysis.weights[owner].members if owner is not None else [name]
+        for member in members:
+            if member in by_name and member not in placed:
+                ordered.append(by_name[member])
+                placed.add(member)
+        if name not in placed:
+            ordered.append(item)
+            placed.add(name)
+    plan.items = ordered
+    return kept
+
+
+def write_dequantized_config(storage: Storage, dest: Destination) -> str | None:
+    """Write the source's `config.json` into `dest` without its quantization section.
+
+    Until convert carries config files itself, the dequantizing path writes this one: a
+    `config.json` that still declares quantization would make loaders expect scales that the
+    output no longer has.
+    """
+    import json
+
+    from ..quant import without_quantization
+
+    if isinstance(dest, RemoteDest) or not storage.exists("config.json"):
+        return None
+    try:
+        config = json.loads(storage.read_all("config.json"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    target = Path(dest) / "config.json"
+    tmp = target.with_name(".config.json.tmp")
+    tmp.write_text(json.dumps(without_quantization(config), indent=2) + "\n")
+    os.replace(tmp, target)
+    return str(target)

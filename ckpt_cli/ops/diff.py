@@ -78,6 +78,23 @@ class EntryDiff(BaseModel):
         return self.status != "close"
 
 
+class QuantError(BaseModel):
+    """How far one dequantized weight is from the other side's tensor (`diff --dequantize`).
+
+    Attributes:
+        name: the lined-up name; scheme: the quantization scheme of the dequantized side.
+        numel: elements compared.
+        max_abs: largest |a - b|.
+        rel_rms: sqrt(sum((a - b)^2) / sum(b^2)), the error relative to the weight's size.
+    """
+
+    name: str
+    scheme: str
+    numel: int
+    max_abs: float
+    rel_rms: float
+
+
 class DiffReport(BaseModel):
     """The result of `ckpt diff`.
 
@@ -93,6 +110,8 @@ class DiffReport(BaseModel):
         components: differing entries (and names on one side only) per top-level key
             (`model`, `optimizer`, `rng`...): where a resumed run diverged.
         within_tolerance: pairs that differ but are within tolerance.
+        dequantized: with `--dequantize`, how many weights of each side were dequantized.
+        quant_errors: per dequantized weight, the error statistics, worst first.
     """
 
     a: str
@@ -112,6 +131,8 @@ class DiffReport(BaseModel):
     differences: list[EntryDiff] = Field(default_factory=list)
     components: dict[str, int] = Field(default_factory=dict)
     within_tolerance: list[EntryDiff] = Field(default_factory=list)
+    dequantized: dict[str, int] = Field(default_factory=dict)
+    quant_errors: list[QuantError] = Field(default_factory=list)
 
 
 def _align(
@@ -267,6 +288,24 @@ def _read_value(checkpoint: Checkpoint, entry: Entry) -> Any:
     return checkpoint.read_object(entry.name)
 
 
+def error_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max |a-b|, relative RMS error sqrt(sum((a-b)^2) / sum(b^2))), over slices in float64."""
+    import torch
+
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    max_abs, err, ref = 0.0, 0.0, 0.0
+    for start in range(0, fa.numel(), STATS_SLICE):
+        va = fa[start : start + STATS_SLICE].to(torch.float64)
+        vb = fb[start : start + STATS_SLICE].to(torch.float64)
+        d = va - vb
+        if d.numel():
+            max_abs = max(max_abs, float(d.abs().max()))
+        err += float((d * d).sum())
+        ref += float((vb * vb).sum())
+    rel = math.sqrt(err / ref) if ref else (0.0 if err == 0 else math.inf)
+    return max_abs, rel
+
+
 def _compare(
     ca: Checkpoint,
     cb: Checkpoint,
@@ -275,7 +314,10 @@ def _compare(
     eb: Entry,
     atol: float | None,
     rtol: float | None,
+    quant: dict[str, Any] | None = None,
 ) -> EntryDiff | None:
+    """Compare one pair; with `quant` (a dequantized weight's scheme -> errors list), a dtype
+    change is expected and the pair's error statistics are recorded."""
     base: dict[str, Any] = {
         "name": name,
         "name_a": ea.name,
@@ -299,10 +341,18 @@ def _compare(
     tb = cb.read_tensor(eb.name)
     differing, outside, max_abs, max_rel = tensor_stats(ta, tb, atol, rtol)
     numel = ta.numel()
+    if quant is not None:
+        worst, rel_rms = error_stats(ta, tb)
+        quant["errors"].append(
+            QuantError(
+                name=name, scheme=quant["scheme"], numel=numel, max_abs=worst, rel_rms=rel_rms
+            )
+        )
     del ta, tb
-    if ea.dtype == eb.dtype and differing == 0:
+    same_dtype = ea.dtype == eb.dtype or quant is not None
+    if same_dtype and differing == 0:
         return None
-    status = "dtype" if ea.dtype != eb.dtype else ("close" if outside == 0 else "values")
+    status = "dtype" if not same_dtype else ("close" if outside == 0 else "values")
     return EntryDiff(
         status=status,
         numel=numel,
@@ -336,6 +386,7 @@ def diff(
     renames: list[str] | None = None,
     select: str | None = None,
     filters: list[str] | None = None,
+    dequantize: bool = False,
     progress: Progress = NULL_PROGRESS,
 ) -> DiffReport:
     """Compare checkpoints `a` and `b` entry by entry.
@@ -349,6 +400,8 @@ def diff(
             it (a side without it is compared whole: `--select model` lines a training
             checkpoint up with a weights-only file).
         filters: globs on the lined-up names.
+        dequantize: compare quantized weights (FP8, MXFP4, NVFP4) by their dequantized values
+            (in float32), with per-weight error statistics; their scales are not compared.
         progress: progress sink (bytes of A).
     """
     for value, flag in ((atol, "--atol"), (rtol, "--rtol")):
@@ -357,7 +410,12 @@ def diff(
     rename_pairs = parse_renames(renames)
     opened_a = open_source(a, format_a)
     opened_b = open_source(b, format_b)
-    with opened_a.checkpoint as ca, opened_b.checkpoint as cb:
+    with opened_a.checkpoint as base_a, opened_b.checkpoint as base_b:
+        ca, cb = base_a, base_b
+        schemes: dict[str, str] = {}
+        counts: dict[str, int] = {}
+        if dequantize:
+            ca, cb = (_dequantized(c, side, schemes, counts) for c, side in ((ca, "a"), (cb, "b")))
         left, applied_a = _align(ca.manifest.entries, select, rename_pairs, filters or [])
         right, applied_b = _align(cb.manifest.entries, select, rename_pairs, filters or [])
         if select and not (applied_a or applied_b):
@@ -377,6 +435,7 @@ def diff(
             b=cb.manifest.location,
             format_a=ca.manifest.format,
             format_b=cb.manifest.format,
+            dequantized=counts,
             identical=False,
             verdict="",
             atol=atol,
@@ -390,7 +449,13 @@ def diff(
         try:
             for name in common:
                 ea, eb = left[name], right[name]
-                found = _compare(ca, cb, name, ea, eb, atol, rtol)
+                scheme = schemes.get("a:" + ea.name) or schemes.get("b:" + eb.name)
+                quant = (
+                    {"scheme": scheme, "errors": report.quant_errors}
+                    if scheme is not None and ea.kind == eb.kind == "tensor"
+                    else None
+                )
+                found = _compare(ca, cb, name, ea, eb, atol, rtol, quant)
                 report.compared += 1
                 if found is None:
                     report.equal += 1
@@ -403,6 +468,7 @@ def diff(
                     progress.advance(ea.nbytes)
         finally:
             progress.finish()
+    report.quant_errors.sort(key=lambda e: -e.rel_rms)
     report.differences.sort(key=_order)
     report.within_tolerance.sort(key=_order)
     for name in [d.name for d in report.differences] + report.only_a + report.only_b:
@@ -411,6 +477,23 @@ def diff(
     report.identical = not (report.differences or report.only_a or report.only_b)
     report.verdict = _verdict(report)
     return report
+
+
+def _dequantized(
+    checkpoint: Checkpoint, side: str, schemes: dict[str, str], counts: dict[str, int]
+) -> Checkpoint:
+    """`checkpoint` seen dequantized to float32 when it holds quantized weights."""
+    from ..quant import analyse_checkpoint
+    from ..quant.dequant import DequantizedCheckpoint
+
+    analysis = analyse_checkpoint(checkpoint.manifest, checkpoint.storage)
+    if not analysis.quantized:
+        return checkpoint
+    wrapped = DequantizedCheckpoint(checkpoint, analysis, "float32")
+    for name, weight in wrapped.logical.items():
+        schemes[f"{side}:{name}"] = weight.scheme
+    counts[side] = len(wrapped.logical)
+    return wrapped
 
 
 def _verdict(r: DiffReport) -> str:

@@ -53,6 +53,7 @@ from ..formats.safetensors import (
 from ..models import Entry
 from ..output import Destination, RemoteDest, check_destination, resolve_destination, staged_output
 from ..progress import NULL_PROGRESS, Progress
+from ..quant import with_sidecars
 from ..storage import LocalStorage
 from ..uri import Location, parse_location
 from .inspect import select
@@ -379,6 +380,8 @@ def _download_shards(
     chosen = select(entries, include, exclude)
     if not chosen:
         raise _no_match(src, include, exclude)
+    if include:
+        chosen = with_sidecars(chosen, entries, exclude)  # a weight needs its scales
     report.tensors_total = len(entries)
     report.tensors_selected = len(chosen)
     if weight_map is None:  # sizes are known only when the headers were read
@@ -819,7 +822,10 @@ def _download_tensors(
     with hub_errors(src):
         checkpoint: SafetensorsCheckpoint = SafetensorsFormat.open(source)
     manifest = checkpoint.manifest
-    chosen = [e for e in select(manifest.tensors, include, exclude) if e.is_raw]
+    chosen = select(manifest.tensors, include, exclude)
+    if include:
+        chosen = with_sidecars(chosen, manifest.tensors, exclude)  # a weight needs its scales
+    chosen = [e for e in chosen if e.is_raw]
     if not chosen:
         raise _no_match(src, include, exclude)
     report.tensors_total = len(manifest.tensors)

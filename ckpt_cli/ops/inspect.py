@@ -11,7 +11,9 @@ from ..dtypes import FLOATING
 from ..errors import NotFoundError
 from ..layouts import open_source
 from ..models import Entry, FileInfo, Manifest, TrainingState
+from ..quant import QuantSummary
 from ..runs import RunReport
+from ..storage import Storage
 from .tree import TreeNode, build_tree, collapse_chains
 
 
@@ -34,6 +36,8 @@ class InspectReport(BaseModel):
         entries: every entry (after filters).
         filters: the globs applied.
         run: for a run folder (`format` is `run`): its step checkpoints (see `ckpt_cli.runs`).
+        quantization: for a quantized checkpoint: the scheme per module group, logical
+            parameters next to stored bytes, unquantized modules (see `ckpt_cli.quant`).
     """
 
     location: str
@@ -52,6 +56,7 @@ class InspectReport(BaseModel):
     entries: list[Entry] = Field(default_factory=list)
     filters: list[str] = Field(default_factory=list)
     run: RunReport | None = None
+    quantization: QuantSummary | None = None
 
 
 def select(
@@ -116,6 +121,7 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
             tree=[collapse_chains(node) for node in build_tree(entries)],
             entries=entries,
             filters=list(filters or []),
+            quantization=quantization_of(checkpoint.manifest, checkpoint.storage),
         )
 
 
@@ -138,3 +144,13 @@ def _split_parameters(view: Manifest, training: TrainingState | None) -> tuple[i
     if not model:
         return total, {}
     return model, {k: n for k, n in per.items() if not k.startswith("model") and n}
+
+
+def quantization_of(manifest: Manifest, storage: Storage) -> QuantSummary | None:
+    """The quantization summary, when the headers or the config files say it is quantized."""
+    from ..quant import analyse_checkpoint, summarise
+
+    analysis = analyse_checkpoint(manifest, storage)
+    if not analysis.quantized and analysis.config.method is None:
+        return None
+    return summarise(manifest, analysis)

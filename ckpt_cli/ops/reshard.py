@@ -201,6 +201,14 @@ def reshard_shard_size(
             metadata=dict(manifest.metadata),
             basename=_basename(checkpoint),
         )
+        from ..quant import analyse_checkpoint
+        from .convert import keep_quantized
+
+        # a quantized weight and its scales are never split across shards
+        analysis = analyse_checkpoint(manifest, checkpoint.storage)
+        if analysis.quantized:
+            keep_quantized(plan, analysis)
+            options.extra["together"] = analysis.together()
         shares: list[RankShare] = []
         files, written = write_checkpoint(
             checkpoint,

@@ -241,16 +241,34 @@ def plan_transfer(
             continue
         cast = None
         target_dtype = entry.dtype
+        assert target_dtype is not None
+        target_shape = list(entry.shape)
         if dtype and entry.dtype in dtypes.FLOATING and entry.dtype != dtype:
             cast, target_dtype = dtype, dtype
-        assert target_dtype is not None
+        elif keep_objects and target_dtype in dtypes.SUB_BYTE:
+            # a torch-native target holds what torch holds: F4 as packed pairs, F6 not at all
+            layout = dtypes.torch_layout(target_dtype, target_shape)
+            if layout is None:
+                plan.skipped.append(
+                    SkippedEntry(
+                        name=entry.name,
+                        kind=entry.kind,
+                        reason=f"torch has no dtype for {target_dtype}{target_shape}; "
+                        "convert --to safetensors keeps it",
+                    )
+                )
+                continue
+            target_dtype, target_shape = layout
         # a copy keeps adapter-specific fields (torch key paths, so nesting survives a
         # torch -> torch conversion); where the bytes live is for the writer to decide
         target = entry.model_copy(
             update={
                 "name": new_name,
                 "dtype": target_dtype,
-                "nbytes": dtypes.numel(entry.shape) * dtypes.itemsize(target_dtype),
+                "shape": target_shape,
+                "nbytes": entry.nbytes
+                if cast is None
+                else dtypes.numel(entry.shape) * dtypes.itemsize(target_dtype),
                 "file": None,
                 "offset": None,
                 "chunks": None,

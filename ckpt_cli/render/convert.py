@@ -25,6 +25,8 @@ def render_convert(report: ConvertReport) -> None:
         how.append(f"{report.casts} cast to {report.cast}")
     if report.renamed:
         how.append(f"{report.renamed} renamed")
+    if report.dequantized:
+        how.append(f"{report.dequantized} quantized weights dequantized")
     line = f"  {report.tensors} tensors, {human_bytes(report.tensor_bytes)}"
     if report.objects:
         line += f"; {report.objects} non-tensor entries"
@@ -36,6 +38,13 @@ def render_convert(report: ConvertReport) -> None:
         layout.append(f"world size {report.world_size}, {report.dcp_serialization} serialization")
     if layout:
         stdout.print("  " + ", ".join(layout))
+    if report.quantized_kept:
+        stdout.print(
+            f"  --dtype applies to unquantized tensors: {report.quantized_kept} quantized "
+            "weights and scales kept as stored (use --dequantize to convert them)"
+        )
+    if report.config_written:
+        stdout.print("  config.json written without its quantization section")
     stdout.print("  [green]structure checked before publishing[/]")
     render_ranks(report.ranks)
     for group in report.tied:

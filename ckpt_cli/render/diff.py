@@ -60,6 +60,18 @@ def render_diff(report: DiffReport) -> None:
             stdout.print(f"  {d.name:<{width}}  {describe(d)}", highlight=False, markup=False)
         if len(report.differences) > MAX_SHOWN:
             stdout.print(f"  … {len(report.differences) - MAX_SHOWN} more (see --json)")
+    if report.quant_errors:
+        sides = ", ".join(f"{n} in {side.upper()}" for side, n in report.dequantized.items())
+        stdout.print(f"[bold]dequantized weights[/] ({sides}), worst relative RMS error first")
+        width = min(60, max(len(e.name) for e in report.quant_errors[:MAX_SHOWN]))
+        for e in report.quant_errors[:MAX_SHOWN]:
+            stdout.print(
+                f"  {e.name:<{width}}  {e.scheme:<10} rel RMS {e.rel_rms:.3e}  max abs {e.max_abs:.3e}",
+                highlight=False,
+                markup=False,
+            )
+        if len(report.quant_errors) > MAX_SHOWN:
+            stdout.print(f"  … {len(report.quant_errors) - MAX_SHOWN} more (see --json)")
     _names("A", report.only_a)
     _names("B", report.only_b)
     if report.close:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
@@ -100,6 +101,43 @@ def render_training(report: InspectReport) -> None:
         stdout.print(f"  {key:<12} {value}")
 
 
+def render_quantization(report: InspectReport) -> None:
+    """The quantization block: one line per scheme, then what is left unquantized."""
+    quant = report.quantization
+    if quant is None:
+        return
+    stdout.print(f"\n[bold]Quantization[/]  {escape(quant.label)}")
+    config = quant.config
+    if config.file:
+        said = config.method or "?"
+        if config.algo:
+            said += f" {config.algo}"
+        if config.block:
+            said += f", weight_block_size {config.block}"
+        stdout.print(f"  config       {escape(config.file)}: {escape(said)}")
+    for group in quant.schemes:
+        example = group.example
+        stdout.print(
+            f"  [cyan]{escape(group.label)}[/]  {group.modules} weights, "
+            f"{human_count(group.parameters)} parameters, {human_bytes(group.stored_bytes)} stored"
+        )
+        stdout.print(
+            f"    stored {group.stored_dtype} {shape_str(example.get('stored_shape', []))} + "
+            + ", ".join(f"{r} {shape_str(s)}" for r, s in example.get("scales", {}).items())
+            + f" -> logical {group.logical_dtype} {shape_str(example.get('logical_shape', []))}"
+        )
+        stdout.print(f"    [dim]{escape(', '.join(group.patterns[:6]))}[/]")
+    if quant.unquantized:
+        more = len(quant.unquantized) - 8
+        stdout.print(
+            "  unquantized  "
+            + escape(", ".join(quant.unquantized[:8]))
+            + (f" … {more} more" if more > 0 else "")
+        )
+    if quant.orphans:
+        stdout.print(f"  [red]orphan scales[/] {escape(', '.join(quant.orphans[:5]))}")
+
+
 def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     """Summary, training state, folded tree; every entry with `show_tensors`."""
     if report.run is not None:
@@ -126,7 +164,18 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
         stdout.print(f"  state elements (not parameters): {', '.join(parts)}")
     if report.metadata:
         stdout.print("  metadata: " + ", ".join(f"{k}={v}" for k, v in report.metadata.items()))
+    unsupported = report.details.get("unsupported_tensors") or {}
+    if unsupported:
+        listed = ", ".join(
+            f"{escape(n)} ({escape(str(c))})" for n, c in list(unsupported.items())[:5]
+        )
+        more = f" … {len(unsupported) - 5} more" if len(unsupported) > 5 else ""
+        stdout.print(
+            f"  [yellow]{len(unsupported)} tensors of a dtype ckpt does not know, left out[/]: "
+            f"{listed}{more}"
+        )
     render_training(report)
+    render_quantization(report)
     if show_tensors:
         table = Table(box=None, pad_edge=False, show_edge=False)
         for column in ("name", "kind/dtype", "shape", "bytes", "file"):

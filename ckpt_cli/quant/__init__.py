@@ -1,0 +1,55 @@
+"""Quantized checkpoints: which weights are quantized, how, and whether their scales are right.
+
+Recognition reads tensor names, dtypes and shapes from the manifest plus the checkpoint's own
+`config.json` (`quantization_config`) and ModelOpt's `hf_quant_config.json`: never tensor data,
+never torch, so `inspect` and plain `verify` stay metadata-only. The schemes:
+
+| scheme | payload | sidecars (per module) | grid the scheme implies |
+|---|---|---|---|
+| `fp8-block` | `*.weight` F8_E4M3 `[o, i]` | `weight_scale_inv` (DeepSeek/Qwen) or `weight_scale` (compressed-tensors) | `[ceil(o/bo), ceil(i/bi)]`, `weight_block_size` (128x128) |
+| `fp8-channel` / `fp8-tensor` | `*.weight` F8 | `weight_scale_inv`, `weight_scale` or `scale_weight` (diffusion) | `[o, 1]` / one value |
+| `mxfp4` / `mxfp8` | `*_blocks` U8 (two E2M1 a byte) / F8 `[..., G, B]` | `*_scales` E8M0 (often U8) | `[..., G]`, 32 values a group |
+| `nvfp4` (ModelOpt) | `*.weight` U8 `[o, i/2]` | `weight_scale` F8_E4M3 `[o, i/16]`, `weight_scale_2` F32 | `weight_scale_2` one value |
+| `nvfp4-ct` (compressed-tensors) | `*.weight_packed` U8 `[o, i/2]` | `weight_scale` F8_E4M3 `[o, i/16]`, `weight_global_scale` F32 `[1]` | global scale the reciprocal of ModelOpt's |
+
+Recognition and header checks live in `quant.schemes`; dequantization (torch, one weight and
+its sidecars at a time) in `quant.dequant`.
+"""
+
+from __future__ import annotations
+
+from .schemes import (
+    QuantAnalysis,
+    QuantConfig,
+    QuantGroup,
+    QuantSummary,
+    QuantWeight,
+    analyse,
+    analyse_checkpoint,
+    ignored,
+    label,
+    logical_dtype,
+    read_config,
+    sidecar_names,
+    summarise,
+    with_sidecars,
+    without_quantization,
+)
+
+__all__ = [
+    "QuantAnalysis",
+    "QuantConfig",
+    "QuantGroup",
+    "QuantSummary",
+    "QuantWeight",
+    "analyse",
+    "analyse_checkpoint",
+    "ignored",
+    "label",
+    "logical_dtype",
+    "read_config",
+    "sidecar_names",
+    "summarise",
+    "with_sidecars",
+    "without_quantization",
+]

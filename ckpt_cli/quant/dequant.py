@@ -1,0 +1,340 @@
+"""Dequantization: one quantized weight and its scales in, one plain tensor out.
+
+Each function follows the scheme's published formula, in the operation order of the reference
+implementation, so results are bit-identical to it: torch's
+`QuantizedHuggingFaceStorageReader` for block FP8 and MXFP4, compressed-tensors'
+`NVFP4PackedCompressor.decompress` for its NVFP4, ModelOpt's `fp4 * (weight_scale *
+weight_scale_2)` for ModelOpt NVFP4. Work is done in row chunks, so the temporaries stay a
+fraction of the weight: peak memory is the quantized weight, its scales and the output.
+
+`DequantizedCheckpoint` wraps an opened checkpoint: its manifest lists dequantized weights in
+place of payload + sidecars, and `read_tensor` dequantizes on the fly, so `convert` and `diff`
+stream a quantized checkpoint through their usual one-tensor-at-a-time pipelines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from .. import dtypes
+from ..errors import FormatError
+from ..formats.base import COPY_BLOCK, Checkpoint
+from ..models import Entry, Manifest, Problem
+from .schemes import QuantAnalysis, QuantWeight
+
+if TYPE_CHECKING:
+    import torch
+
+#: E2M1 values by 4-bit code (sign in bit 3), as OCP MX and NVFP4 define them
+FP4_VALUES = [
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+]
+#: rows per step of the chunked loops (bounds the float32 temporaries)
+ROWS = 1 << 14
+
+
+def _dtype(name: str) -> torch.dtype:
+    from ..tensors import torch_dtype
+
+    return torch_dtype(name)
+
+
+def fp8_block(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: str
+) -> torch.Tensor:
+    """Block-scaled FP8: every `block` of the weight times its scale (`weight_scale_inv`)."""
+    import torch
+
+    rows, cols = weight.shape
+    bo, bi = block
+    out = torch.empty(rows, cols, dtype=_dtype(dtype))
+    for b in range(math.ceil(rows / bo)):
+        r0, r1 = b * bo, min((b + 1) * bo, rows)
+        factor = scale[b].to(torch.float32).repeat_interleave(bi)[:cols]
+        out[r0:r1] = (weight[r0:r1].to(torch.float32) * factor).to(out.dtype)
+    return out
+
+
+def fp8_scaled(weight: torch.Tensor, scale: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Per-tensor or per-output-channel FP8: the weight times its scale."""
+    import torch
+
+    target = _dtype(dtype)
+    factor = scale.to(torch.float32)
+    factor = (
+        factor.reshape(()) if factor.numel() == 1 else factor.reshape(-1, *[1] * (weight.dim() - 1))
+    )
+    if weight.dim() == 0:
+        return (weight.to(torch.float32) * factor).to(target)
+    out = torch.empty(weight.shape, dtype=target)
+    for r0 in range(0, weight.shape[0], ROWS):
+        part = factor if factor.dim() == 0 else factor[r0 : r0 + ROWS]
+        out[r0 : r0 + ROWS] = (weight[r0 : r0 + ROWS].to(torch.float32) * part).to(target)
+    return out
+
+
+def _exponents(scales: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    # E8M0 stored as its own dtype or as U8: the byte is the biased exponent either way
+    raw = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    return raw.to(torch.int32) - 127
+
+
+def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: str) -> torch.Tensor:
+    """MXFP4 (gpt-oss): `[..., G, 16]` bytes of E2M1 pairs (low nibble first) times 2^(scale-127)."""
+    import torch
+
+    target = _dtype(dtype)
+    exponents = _exponents(scales)
+    lut = torch.tensor(FP4_VALUES, dtype=target)
+    *prefix, groups, width = blocks.shape
+    rows = math.prod(prefix) * groups
+    flat = blocks.reshape(rows, width)
+    exponents = exponents.reshape(rows, 1)
+    out = torch.empty(rows, width * 2, dtype=target)
+    for r0 in range(0, rows, ROWS):
+        r1 = min(r0 + ROWS, rows)
+        blk = flat[r0:r1]
+        sub = out[r0:r1]
+        sub[:, 0::2] = lut[(blk & 0x0F).to(torch.long)]
+        sub[:, 1::2] = lut[(blk >> 4).to(torch.long)]
+        torch.ldexp(sub, exponents[r0:r1], out=sub)
+    return out.reshape(*prefix, groups * width * 2)
+
+
+def mxfp8(blocks: torch.Tensor, scales: torch.Tensor, dtype: str) -> torch.Tensor:
+    """MXFP8: `[..., G, 32]` FP8 values times 2^(scale-127)."""
+    import torch
+
+    *prefix, groups, width = blocks.shape
+    exponents = _exponents(scales).unsqueeze(-1)
+    values = torch.ldexp(blocks.to(torch.float32), exponents)
+    return values.to(_dtype(dtype)).reshape(*prefix, groups * width)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """`[o, i/2]` bytes -> `[o, i]` float32 E2M1 values (low nibble first)."""
+    import torch
+
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    out = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+    out[:, 0::2] = lut[(packed & 0x0F).to(torch.long)]
+    out[:, 1::2] = lut[(packed >> 4).to(torch.long)]
+    return out
+
+
+def nvfp4(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    dtype: str,
+    *,
+    reciprocal: bool,
+) -> torch.Tensor:
+    """NVFP4: E2M1 values times their FP8 group scale times the global scale.
+
+    ModelOpt stores `weight_scale_2` (multiply); compressed-tensors stores
+    `weight_global_scale`, its reciprocal (divide): `reciprocal=True`.
+    """
+    import torch
+
+    target = _dtype(dtype)
+    rows, half = packed.shape
+    cols = half * 2
+    groups = scale.shape[1]
+    g = global_scale.to(torch.float32).reshape(())
+    out = torch.empty(rows, cols, dtype=target)
+    for r0 in range(0, rows, ROWS):
+        r1 = min(r0 + ROWS, rows)
+        values = unpack_fp4(packed[r0:r1]).reshape(r1 - r0, groups, cols // groups)
+        s = scale[r0:r1].to(torch.float32)
+        s = s / g if reciprocal else s * g
+        out[r0:r1] = (values * s.unsqueeze(-1)).reshape(r1 - r0, cols).to(target)
+    return out
+
+
+def dequantize(weight: QuantWeight, tensors: dict[str, torch.Tensor], dtype: str) -> torch.Tensor:
+    """The dequantized value of `weight` from its stored tensors (payload and sidecars by name)."""
+    payload = tensors[weight.payload]
+    side = {role: tensors[name] for role, name in weight.sidecars.items()}
+    if weight.scheme == "fp8-block":
+        return fp8_block(payload, side["scale"], weight.block, dtype)
+    if weight.scheme in ("fp8-tensor", "fp8-channel"):
+        return fp8_scaled(payload, side["scale"], dtype)
+    if weight.scheme == "mxfp4":
+        return mxfp4(payload, side["scale"], dtype)
+    if weight.scheme == "mxfp8":
+        return mxfp8(payload, side["scale"], dtype)
+    if weight.scheme == "nvfp4":
+        return nvfp4(payload, side["scale"], side["scale_2"], dtype, reciprocal=False)
+    if weight.scheme == "nvfp4-ct":
+        return nvfp4(payload, side["scale"], side["global"], dtype, reciprocal=True)
+    raise ValueError(f"no dequantization for scheme {weight.scheme!r}")
+
+
+#: sidecars a weight needs before it can be dequantized
+REQUIRED = {
+    "fp8-block": ("scale",),
+    "fp8-tensor": ("scale",),
+    "fp8-channel": ("scale",),
+    "mxfp4": ("scale",),
+    "mxfp8": ("scale",),
+    "nvfp4": ("scale", "scale_2"),
+    "nvfp4-ct": ("scale", "global"),
+}
+
+
+class DequantizedCheckpoint(Checkpoint):
+    """A quantized checkpoint seen as the plain checkpoint it dequantizes to.
+
+    Every quantized weight is one entry of `dtype` and its logical shape, in the payload's
+    place; its scales (and activation scales) are gone; every other entry is the source's own,
+    still stored raw where it was. Refuses (FormatError naming the weight) when a weight lacks
+    a scale, since its values could not be right.
+    """
+
+    def __init__(self, base: Checkpoint, analysis: QuantAnalysis, dtype: str):
+        for weight in analysis.weights.values():
+            lacking = [r for r in REQUIRED[weight.scheme] if r not in weight.sidecars]
+            if lacking:
+                raise FormatError(
+                    f"quantized weight {weight.payload!r} has no {', '.join(lacking)} scale, so "
+                    "it cannot be dequantized",
+                    path=base.manifest.location,
+                    fix="`ckpt verify` lists every missing sidecar; fetch or re-export them.",
+                )
+        self.base = base
+        self.analysis = analysis
+        self.dtype = dtype
+        self.logical: dict[str, QuantWeight] = {}
+        entries: list[Entry] = []
+        itemsize = dtypes.itemsize(dtype)
+        for entry in base.manifest.entries:
+            owner = analysis.owner.get(entry.name)
+            if owner is None:
+                entries.append(entry)
+                continue
+            weight = analysis.weights[owner]
+            if entry.name != weight.payload:
+                continue
+            self.logical[weight.output] = weight
+            entries.append(
+                Entry(
+                    name=weight.output,
+                    kind="tensor",
+                    dtype=dtype,
+                    shape=list(weight.logical_shape),
+                    nbytes=dtypes.numel(weight.logical_shape) * itemsize,
+                )
+            )
+        manifest = base.manifest
+        super().__init__(
+            base.source,
+            Manifest(
+                format=manifest.format,
+                location=manifest.location,
+                files=manifest.files,
+                entries=entries,
+                metadata=manifest.metadata,
+                details={**manifest.details, "dequantized": len(self.logical)},
+            ),
+        )
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        weight = self.logical.get(name)
+        if weight is None:
+            return self.base.read_tensor(name)
+        stored = {member: self.base.read_tensor(member) for member in weight.members}
+        return dequantize(weight, stored, self.dtype)
+
+    def read_object(self, name: str) -> Any:
+        return self.base.read_object(name)
+
+    def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
+        return self.base.iter_raw(name, block)
+
+    def close(self) -> None:
+        self.base.close()
+
+
+def scale_value_problems(checkpoint: Checkpoint, analysis: QuantAnalysis) -> list[Problem]:
+    """`verify --deep`: every scale finite and positive; global-scale conventions plausible.
+
+    Reads the sidecars only (a small fraction of the checkpoint). A ModelOpt `weight_scale_2`
+    above 1, or a compressed-tensors `weight_global_scale` below 1, means weights larger than
+    6 x 448 in absolute value: far likelier the other convention's reciprocal was stored.
+    """
+    import torch
+
+    problems: list[Problem] = []
+    where = checkpoint.manifest.location
+    for weight in analysis.weights.values():
+        for role, name in weight.sidecars.items():
+            tensor = checkpoint.read_tensor(name)
+            if tensor.dtype == torch.uint8 or tensor.dtype == getattr(
+                torch, "float8_e8m0fnu", None
+            ):
+                bad = int((tensor.view(torch.uint8) == 255).sum())  # E8M0's NaN
+                if bad:
+                    problems.append(
+                        Problem(
+                            code="bad_scale",
+                            message=f"{where}: scale {name!r} of {weight.payload!r} holds {bad} "
+                            "NaN exponents (0xFF). Re-export the checkpoint.",
+                            file=where,
+                            tensor=name,
+                        )
+                    )
+                continue
+            values = tensor.to(torch.float32)
+            nonfinite = int((~torch.isfinite(values)).sum())
+            nonpositive = int((values <= 0).sum())
+            if nonfinite or (nonpositive and role not in ("input", "input_global")):
+                problems.append(
+                    Problem(
+                        code="bad_scale",
+                        message=f"{where}: scale {name!r} of {weight.payload!r} holds "
+                        f"{nonfinite} non-finite and {nonpositive} zero or negative values (of "
+                        f"{values.numel()}). Dequantized, those weights are wrong; re-export.",
+                        file=where,
+                        tensor=name,
+                    )
+                )
+                continue
+            if role in ("scale_2", "global") and values.numel() == 1:
+                value = float(values.reshape(()))
+                flipped = value > 1.0 if role == "scale_2" else value < 1.0
+                if flipped:
+                    other = "weight_global_scale" if role == "scale_2" else "weight_scale_2"
+                    problems.append(
+                        Problem(
+                            code="reciprocal_scale",
+                            message=f"{where}: {name!r} is {value:g}, which looks like a "
+                            f"{other} (the reciprocal convention): dequantized, "
+                            f"{weight.payload!r} would be off by a factor of about "
+                            f"{max(value, 1 / value) ** 2:.3g}. Check how the scale was "
+                            "converted.",
+                            file=where,
+                            tensor=name,
+                            severity="warning",
+                        )
+                    )
+    return problems

@@ -1,0 +1,923 @@
+"""Quantized checkpoints: FP8 block, MXFP4, NVFP4 (ModelOpt and compressed-tensors), mixed,
+scaled FP8 diffusion weights: inspect, verify, dequantizing convert and diff.
+
+Fixtures are real tensors written by `safetensors.torch.save_file` (or compressed-tensors' own
+compressor), quantized here from the published schemes, with the config files those projects
+write. Dequantized values are judged by torch's `QuantizedHuggingFaceStorageReader` (FP8,
+MXFP4), compressed-tensors' own decompressor, and the published NVFP4 formula.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .conftest import run_ckpt
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+FP4_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+FP8_MAX = 448.0
+
+
+# ---------------------------------------------------------------- quantizers (published schemes)
+
+
+def to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 code (sign in bit 3) of every value of `x` (already divided by its scale)."""
+    mag = x.abs().clamp(max=6.0)
+    index = (mag.unsqueeze(-1) - E2M1).abs().argmin(dim=-1)
+    return (index | ((x < 0).to(torch.long) << 3)).to(torch.uint8)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes a byte, the first in the low nibble (gpt-oss, ModelOpt, compressed-tensors)."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 block FP8: per block, scale_inv = amax / 448, weight = w / scale_inv."""
+    rows, cols = w.shape
+    grid = [math.ceil(rows / block), math.ceil(cols / block)]
+    scale_inv = torch.empty(grid, dtype=torch.float32)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            part = w[i * block : (i + 1) * block, j * block : (j + 1) * block].float()
+            s = part.abs().max().clamp(min=1e-12) / FP8_MAX
+            scale_inv[i, j] = s
+            q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (part / s).to(
+                torch.float8_e4m3fn
+            )
+    return q, scale_inv
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MXFP4 in gpt-oss's layout: `[..., in]` -> blocks `[..., in/32, 16]`, U8 scales `[..., in/32]`."""
+    *prefix, cols = w.shape
+    groups = w.float().reshape(*prefix, cols // 32, 32)
+    amax = groups.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exponent = torch.floor(torch.log2(amax)) - 2  # E2M1's largest value is 1.5 * 2^2
+    codes = to_e2m1_codes(groups / torch.exp2(exponent).unsqueeze(-1))
+    return pack_nibbles(codes), (exponent + 127).to(torch.uint8)
+
+
+def quantize_nvfp4_modelopt(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ModelOpt NVFP4: weight_scale_2 = amax / (6 * 448), FP8 scale per 16, E2M1 values."""
+    rows, cols = w.shape
+    scale_2 = w.float().abs().max() / (6.0 * FP8_MAX)
+    groups = w.float().reshape(rows, cols // 16, 16)
+    scale = (groups.abs().amax(dim=-1) / 6.0 / scale_2).to(torch.float8_e4m3fn)
+    per = (scale.float() * scale_2).clamp(min=1e-12).unsqueeze(-1)
+    codes = to_e2m1_codes(groups / per).reshape(rows, cols)
+    return {
+        "weight": pack_nibbles(codes),
+        "weight_scale": scale,
+        "weight_scale_2": scale_2.reshape(()),
+        "input_scale": torch.tensor(0.02),
+    }
+
+
+def nvfp4_reference(
+    packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor
+) -> torch.Tensor:
+    """The published NVFP4 formula: E2M1 value x FP8 group scale x global scale (float32)."""
+    values = torch.stack(
+        [FP4_VALUES[(packed & 0x0F).long()], FP4_VALUES[(packed >> 4).long()]], dim=-1
+    )
+    values = values.reshape(packed.shape[0], -1)
+    per = (scale.float() * scale_2.float()).repeat_interleave(16, dim=1)
+    return values * per
+
+
+def hf_shards(folder: Path, shards: list[dict[str, torch.Tensor]], config: dict | None) -> None:
+    """Shards + `model.safetensors.index.json` as transformers writes them, and config.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    total = 0
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        for key, t in shard.items():
+            weight_map[key] = name
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def torch_reader_load(
+    folder: Path, shapes: dict[str, list[int]], block: int
+) -> dict[str, torch.Tensor]:
+    """What torch's own QuantizedHuggingFaceStorageReader dequantizes (bf16)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.quantized_hf_storage import (
+        QuantizedHuggingFaceStorageReader,
+    )
+
+    state = {k: torch.empty(s, dtype=torch.bfloat16) for k, s in shapes.items()}
+    reader = QuantizedHuggingFaceStorageReader(
+        str(folder), target_dtype=torch.bfloat16, block_size=block
+    )
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def torch_mxfp4(folder: Path, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """torch's own MXFP4 dequantization (QuantizedHuggingFaceStorageReader), whole tensor.
+
+    Called on the reader's dequantization step directly: in torch 2.13 a `dcp.load` through
+    this reader plans MXFP4 reads from the stored chunk sizes (`[..., G, 1]` of the 4-D blocks),
+    so it fills only the first value of every group (checked below).
+    """
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.quantized_hf_storage import (
+        QuantizedHuggingFaceStorageReader,
+    )
+
+    reader = QuantizedHuggingFaceStorageReader(str(folder), target_dtype=torch.bfloat16)
+    *prefix, groups, width = blocks.shape
+    request = SimpleNamespace(
+        storage_offsets=[0] * (len(prefix) + 1), lengths=[*prefix, groups * width * 2]
+    )
+    return reader._dequantize_tensor_mxfp4(blocks, scales, request, 0, 0)
+
+
+def _problems(result: dict) -> list[tuple[str, str | None]]:
+    return [(p["code"], p["tensor"]) for p in result["problems"]]
+
+
+# ---------------------------------------------------------------- FP8 block (DeepSeek-V3)
+
+BLOCK = 16  # weight_block_size [16, 16]: real multi-block grids at test size
+FP8_LINEARS = {
+    "model.layers.0.self_attn.q_proj": (40, 48),  # partial blocks: grid [3, 3]
+    "model.layers.0.mlp.down_proj": (48, 32),
+    "model.layers.1.self_attn.q_proj": (40, 48),
+    "model.layers.1.mlp.down_proj": (48, 32),
+}
+
+
+def fp8_source() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    full = {
+        f"{m}.weight": torch.randn(*s, generator=gen).to(torch.bfloat16)
+        for m, s in FP8_LINEARS.items()
+    }
+    full["model.embed_tokens.weight"] = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+    full["model.layers.0.input_layernorm.weight"] = torch.ones(48, dtype=torch.bfloat16)
+    full["model.layers.1.input_layernorm.weight"] = torch.ones(48, dtype=torch.bfloat16)
+    full["lm_head.weight"] = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+    return full
+
+
+def write_fp8_block(folder: Path, full: dict[str, torch.Tensor]) -> None:
+    quantized: dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        module = name.removesuffix(".weight")
+        if module in FP8_LINEARS:
+            q, s = quantize_fp8_block(t, BLOCK)
+            quantized[name], quantized[f"{module}.weight_scale_inv"] = q, s
+        else:
+            quantized[name] = t
+    names = list(quantized)
+    # two shards, a weight and its scale in the same shard (as DeepSeek's are)
+    first = {n: quantized[n] for n in names if ".layers.1." not in n}
+    second = {n: quantized[n] for n in names if ".layers.1." in n}
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "torch_dtype": "bfloat16",
+        "quantization_config": {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [BLOCK, BLOCK],
+        },
+    }
+    hf_shards(folder, [first, second], config)
+
+
+def test_fp8_block_is_inspected_verified_dequantized_like_torch_and_diffed(tmp_path: Path) -> None:
+    full = fp8_source()
+    src = tmp_path / "fp8"
+    write_fp8_block(src, full)
+
+    shown = run_ckpt("inspect", src, "--json")
+    assert shown.exit_code == 0, shown.stderr
+    quant = shown.json["result"]["quantization"]
+    (group,) = quant["schemes"]
+    assert group["scheme"] == "fp8-block" and group["label"] == "FP8 block 16x16"
+    assert group["modules"] == 4
+    assert set(group["patterns"]) == {
+        "model.layers.*.self_attn.q_proj",
+        "model.layers.*.mlp.down_proj",
+    }
+    assert group["example"]["name"] == "model.layers.0.mlp.down_proj.weight"
+    assert group["example"]["scales"] == {"scale": [3, 2]}  # [48, 32] in 16x16 blocks
+    assert quant["parameters"] == sum(t.numel() for t in full.values())
+    assert set(quant["unquantized"]) == {
+        "model.embed_tokens",
+        "model.layers.*.input_layernorm",
+        "lm_head",
+    }
+    human = run_ckpt("inspect", src)
+    assert "FP8 block 16x16" in human.stdout and "unquantized" in human.stdout
+
+    ok = run_ckpt("verify", src, "--deep", "--json")
+    assert ok.exit_code == 0, ok.stdout
+    assert "quantization" in ok.json["result"]["checks"]
+
+    out = tmp_path / "bf16"
+    conv = run_ckpt(
+        "convert", src, out, "--to", "safetensors", "--dequantize", "--dtype", "bf16", "--json"
+    )
+    assert conv.exit_code == 0, conv.stdout
+    assert conv.json["result"]["dequantized"] == 4
+    got = load_file(out / "model.safetensors")
+    assert not any("scale" in n for n in got)
+    expected = torch_reader_load(src, {n: list(t.shape) for n, t in full.items()}, BLOCK)
+    for name, tensor in expected.items():
+        assert got[name].dtype == torch.bfloat16
+        assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), name
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "deepseek_v3"
+
+    # the quantized checkpoint against its full-precision source: per-module error statistics
+    fp = tmp_path / "full"
+    hf_shards(fp, [full], None)
+    diff = run_ckpt("diff", src, fp, "--dequantize", "--rtol", "0.1", "--atol", "0.02", "--json")
+    report = diff.json["result"]
+    errors = {e["name"]: e for e in report["quant_errors"]}
+    assert set(errors) == {f"{m}.weight" for m in FP8_LINEARS}
+    for name, e in errors.items():
+        ref = full[name].double()
+        deq = expected[name].double()  # bf16 dequantized; the diff works in float32
+        assert 0 < e["rel_rms"] < 0.1 and e["scheme"] == "fp8-block"
+        assert e["max_abs"] >= float((deq - ref).abs().max()) * 0.5
+    assert report["only_a"] == [] and report["only_b"] == []
+    assert diff.exit_code == 0, diff.stdout  # within the tolerance the user gave
+    assert "relative RMS" in run_ckpt("diff", src, fp, "--dequantize").stdout
+
+
+@pytest.mark.parametrize(
+    "damage", ["scale_removed", "wrong_grid", "orphan", "wrong_dtype", "config"]
+)
+def test_fp8_verify_names_the_weight_and_the_sidecar(tmp_path: Path, damage: str) -> None:
+    full = fp8_source()
+    src = tmp_path / "fp8"
+    write_fp8_block(src, full)
+    shard = src / "model-00002-of-00002.safetensors"
+    tensors = load_file(shard)
+    weight = "model.layers.1.mlp.down_proj.weight"
+    scale = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    if damage == "scale_removed":
+        del tensors[scale]
+        expected = ("missing_scale", weight)
+    elif damage == "wrong_grid":
+        tensors[scale] = torch.ones(2, 3)  # a [48, 32] weight in 16x16 blocks needs [3, 2]
+        expected = ("scale_grid", scale)
+    elif damage == "orphan":
+        del tensors[weight]
+        expected = ("orphan_scale", scale)
+    elif damage == "wrong_dtype":
+        tensors[scale] = tensors[scale].to(torch.float8_e4m3fn)
+        expected = ("scale_dtype", scale)
+    else:
+        config = json.loads((src / "config.json").read_text())
+        config["quantization_config"]["weight_block_size"] = [128, 128]
+        (src / "config.json").write_text(json.dumps(config))
+        expected = ("scale_grid", scale)
+    if damage != "config":
+        save_file(tensors, shard, metadata={"format": "pt"})
+        index = json.loads((src / "model.safetensors.index.json").read_text())
+        index["weight_map"] = {
+            k: v for k, v in index["weight_map"].items() if k in tensors or "00001" in v
+        }
+        (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    checked = run_ckpt("verify", src, "--json")
+    assert checked.exit_code == 1, checked.stdout
+    problems = _problems(checked.json["result"])
+    assert expected in problems, problems
+    message = next(
+        p["message"]
+        for p in checked.json["result"]["problems"]
+        if (p["code"], p["tensor"]) == expected
+    )
+    assert weight in message and (scale in message or damage == "scale_removed")
+    if damage == "scale_removed":
+        assert scale in message  # the missing sidecar is named too
+        refused = run_ckpt("convert", src, tmp_path / "out", "--to", "safetensors", "--dequantize")
+        assert refused.exit_code == 4 and weight in refused.stderr
+
+
+def test_convert_without_dequantize_keeps_scales_beside_their_weights_and_uncast(
+    tmp_path: Path,
+) -> None:
+    src = tmp_path / "fp8"
+    write_fp8_block(src, fp8_source())
+    before = {}
+    for shard in src.glob("*.safetensors"):
+        before.update(load_file(shard))
+    out = tmp_path / "resharded"
+    conv = run_ckpt(
+        "convert",
+        src,
+        out,
+        "--to",
+        "safetensors",
+        "--dtype",
+        "fp16",
+        "--max-shard-size",
+        "3KB",
+        "--json",
+    )
+    assert conv.exit_code == 0, conv.stdout
+    assert conv.json["result"]["quantized_kept"] == 8  # 4 weights + 4 scales never cast
+    assert (
+        "--dtype applies to unquantized"
+        in run_ckpt(
+            "convert", src, tmp_path / "again", "--to", "safetensors", "--dtype", "fp16"
+        ).stdout
+    )
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 2
+    for module in FP8_LINEARS:
+        assert index[f"{module}.weight"] == index[f"{module}.weight_scale_inv"]
+    for name, shard in index.items():
+        with safe_open(out / shard, framework="pt") as f:
+            t = f.get_tensor(name)
+        if name.endswith(("_proj.weight", "scale_inv")):
+            assert t.dtype == before[name].dtype and torch.equal(
+                t.view(torch.uint8), before[name].view(torch.uint8)
+            )
+        else:
+            assert t.dtype == torch.float16  # --dtype applied to the unquantized ones
+    assert run_ckpt("verify", out).exit_code == 0
+    # reshard to small shards keeps every weight with its scale too
+    resharded = tmp_path / "small"
+    assert run_ckpt("reshard", src, resharded, "--max-shard-size", "2KB").exit_code == 0
+    small = json.loads((resharded / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(small.values())) > 3
+    for module in FP8_LINEARS:
+        assert small[f"{module}.weight"] == small[f"{module}.weight_scale_inv"]
+
+
+# ---------------------------------------------------------------- MXFP4 (gpt-oss)
+
+GPT_OSS_CONFIG = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "torch_dtype": "bfloat16",
+    "quantization_config": {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    },
+}
+
+
+def write_gpt_oss(folder: Path) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    state: dict[str, torch.Tensor] = {}
+    full: dict[str, torch.Tensor] = {}
+    for layer in range(2):
+        p = f"model.layers.{layer}"
+        for proj, shape in (("gate_up_proj", (2, 32, 64)), ("down_proj", (2, 16, 32))):
+            w = torch.randn(*shape, generator=gen) * 0.05
+            blocks, scales = quantize_mxfp4(w)
+            state[f"{p}.mlp.experts.{proj}_blocks"] = blocks
+            state[f"{p}.mlp.experts.{proj}_scales"] = scales
+            state[f"{p}.mlp.experts.{proj}_bias"] = torch.zeros(shape[:2], dtype=torch.bfloat16)
+            full[f"{p}.mlp.experts.{proj}"] = w.to(torch.bfloat16)
+        state[f"{p}.self_attn.q_proj.weight"] = torch.randn(16, 16, generator=gen).to(
+            torch.bfloat16
+        )
+        state[f"{p}.mlp.router.weight"] = torch.randn(2, 16, generator=gen).to(torch.bfloat16)
+    state["model.embed_tokens.weight"] = torch.randn(32, 16, generator=gen).to(torch.bfloat16)
+    hf_shards(folder, [state], GPT_OSS_CONFIG)
+    return full
+
+
+def test_mxfp4_gpt_oss_layout_dequantizes_like_torch_reader(tmp_path: Path) -> None:
+    src = tmp_path / "gpt-oss"
+    write_gpt_oss(src)
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    (group,) = shown["schemes"]
+    assert group["scheme"] == "mxfp4" and group["modules"] == 4
+    assert group["example"]["name"] == "model.layers.0.mlp.experts.down_proj_blocks"
+    assert group["example"]["stored_shape"] == [2, 16, 1, 16]
+    assert group["example"]["logical_shape"] == [2, 16, 32]
+    assert "model.layers.*.self_attn.q_proj" in shown["unquantized"]
+    assert run_ckpt("verify", src, "--deep").exit_code == 0
+
+    out = tmp_path / "bf16"
+    assert run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize").exit_code == 0
+    got = load_file(out / "model.safetensors")
+    blocks = {
+        n: t
+        for n, t in load_file(src / "model-00001-of-00001.safetensors").items()
+        if n.endswith("_blocks")
+    }
+    scales = load_file(src / "model-00001-of-00001.safetensors")
+    for name, tensor in blocks.items():
+        expected = torch_mxfp4(src, tensor, scales[name.replace("_blocks", "_scales")])
+        # torch's reader keeps the `_blocks` name; ckpt names the weight as transformers does
+        mine = got[name.removesuffix("_blocks")]
+        assert mine.shape == expected.shape
+        assert torch.equal(mine.view(torch.int16), expected.view(torch.int16)), name
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def test_mxfp4_missing_and_misshapen_scales_are_named(tmp_path: Path) -> None:
+    src = tmp_path / "gpt-oss"
+    write_gpt_oss(src)
+    shard = src / "model-00001-of-00001.safetensors"
+    state = load_file(shard)
+    del state["model.layers.0.mlp.experts.down_proj_scales"]
+    state["model.layers.1.mlp.experts.gate_up_proj_scales"] = torch.zeros(
+        2, 32, 4, dtype=torch.uint8
+    )
+    save_file(state, shard)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.0.mlp.experts.down_proj_scales"]
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    result = run_ckpt("verify", src, "--json").json["result"]
+    problems = _problems(result)
+    assert ("missing_scale", "model.layers.0.mlp.experts.down_proj_blocks") in problems
+    assert ("scale_grid", "model.layers.1.mlp.experts.gate_up_proj_scales") in problems
+
+
+# ---------------------------------------------------------------- NVFP4 (ModelOpt and compressed-tensors)
+
+MODELOPT_CONFIG = {
+    "producer": {"name": "modelopt", "version": "0.29.0"},
+    "quantization": {
+        "quant_algo": "NVFP4",
+        "kv_cache_quant_algo": None,
+        "group_size": 16,
+        "exclude_modules": ["lm_head"],
+    },
+}
+NV_LINEARS = ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj")
+
+
+def write_modelopt(folder: Path) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    state: dict[str, torch.Tensor] = {}
+    for module in NV_LINEARS:
+        for key, t in quantize_nvfp4_modelopt(torch.randn(32, 64, generator=gen) * 0.1).items():
+            state[f"{module}.{key}"] = t
+    state["lm_head.weight"] = torch.randn(16, 64, generator=gen).to(torch.bfloat16)
+    hf_shards(folder, [state], {"model_type": "llama", "torch_dtype": "bfloat16"})
+    (folder / "hf_quant_config.json").write_text(json.dumps(MODELOPT_CONFIG, indent=4))
+    return state
+
+
+def test_nvfp4_modelopt_dequantizes_by_the_published_formula(tmp_path: Path) -> None:
+    src = tmp_path / "nvfp4"
+    state = write_modelopt(src)
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    (group,) = shown["schemes"]
+    assert group["scheme"] == "nvfp4" and group["example"]["logical_shape"] == [32, 64]
+    assert shown["config"]["file"] == "hf_quant_config.json"
+    assert shown["unquantized"] == ["lm_head"]
+    assert run_ckpt("verify", src, "--deep").exit_code == 0
+
+    out = tmp_path / "fp32"
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize", "--dtype", "fp32")
+    assert conv.exit_code == 0, conv.stdout
+    got = load_file(out / "model.safetensors")
+    assert set(got) == {f"{m}.weight" for m in NV_LINEARS} | {"lm_head.weight"}
+    for module in NV_LINEARS:
+        ref = nvfp4_reference(
+            state[f"{module}.weight"],
+            state[f"{module}.weight_scale"],
+            state[f"{module}.weight_scale_2"],
+        )
+        assert torch.equal(got[f"{module}.weight"], ref), module
+
+
+def test_nvfp4_reciprocal_global_scale_and_mixed_conventions_are_flagged(tmp_path: Path) -> None:
+    src = tmp_path / "nvfp4"
+    write_modelopt(src)
+    shard = src / "model-00001-of-00001.safetensors"
+    state = load_file(shard)
+    # a converter stored compressed-tensors' global scale (the reciprocal) as weight_scale_2
+    name = "model.layers.0.mlp.down_proj.weight_scale_2"
+    state[name] = 1.0 / state[name]
+    save_file(state, shard)
+    plain = run_ckpt("verify", src, "--json").json["result"]
+    assert plain["ok"]  # headers alone cannot tell
+    deep = run_ckpt("verify", src, "--deep", "--json").json["result"]
+    assert ("reciprocal_scale", name) in _problems(deep)
+
+    # compressed-tensors' names under a ModelOpt config: the conventions are mixed up
+    state["model.layers.0.self_attn.q_proj.weight_global_scale"] = torch.tensor([400.0])
+    save_file(state, shard)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.self_attn.q_proj.weight_global_scale"] = shard.name
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    mixed = run_ckpt("verify", src, "--json").json["result"]
+    assert ("config_mismatch", "model.layers.0.self_attn.q_proj.weight_global_scale") in _problems(
+        mixed
+    )
+
+
+def _ct_nvfp4(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Linear weights compressed by compressed-tensors' own NVFP4 compressor."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    scheme = preset_name_to_scheme("NVFP4", ["Linear"])
+    gen = torch.Generator().manual_seed(4)
+    state: dict[str, torch.Tensor] = {}
+    for module in NV_LINEARS:
+        w = (torch.randn(32, 64, generator=gen) * 0.1).to(torch.bfloat16)
+        gs = generate_gparam(w.float().min(), w.float().max())
+        groups = w.float().reshape(32, 4, 16)
+        scale, _ = calculate_qparams(
+            groups.amin(-1), groups.amax(-1), scheme.weights, global_scale=gs
+        )
+        packed = NVFP4PackedCompressor.compress(
+            {"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme
+        )
+        for key, t in packed.items():
+            state[f"{module}.{key}"] = t
+    state["lm_head.weight"] = torch.randn(16, 64, generator=gen).to(torch.bfloat16)
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format="nvfp4-pack-quantized",
+        quantization_status="compressed",
+        ignore=["lm_head"],
+    ).model_dump(mode="json")
+    hf_shards(
+        folder,
+        [state],
+        {"model_type": "llama", "torch_dtype": "bfloat16", "quantization_config": config},
+    )
+    return state, {"scheme": scheme}
+
+
+def test_nvfp4_compressed_tensors_matches_its_own_decompressor(tmp_path: Path) -> None:
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+
+    src = tmp_path / "ct"
+    state, extra = _ct_nvfp4(src)
+    assert list(state["model.layers.0.mlp.down_proj.weight_global_scale"].shape) == [1]
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    (group,) = shown["schemes"]
+    assert group["scheme"] == "nvfp4-ct" and group["stored_dtype"] == "uint8"
+    assert shown["config"]["algo"] == "nvfp4-pack-quantized"
+    assert run_ckpt("verify", src, "--deep").exit_code == 0
+
+    out = tmp_path / "bf16"
+    assert run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize").exit_code == 0
+    got = load_file(out / "model.safetensors")
+    for module in NV_LINEARS:
+        mine = {
+            k.removeprefix(module + "."): v for k, v in state.items() if k.startswith(module + ".")
+        }
+        ref = NVFP4PackedCompressor.decompress(mine, extra["scheme"])["weight"]
+        assert got[f"{module}.weight"].dtype == ref.dtype == torch.bfloat16
+        assert torch.equal(got[f"{module}.weight"].view(torch.int16), ref.view(torch.int16)), module
+
+    # a ModelOpt-convention scale under the compressed-tensors names is flagged with --deep
+    shard = src / "model-00001-of-00001.safetensors"
+    name = "model.layers.0.mlp.down_proj.weight_global_scale"
+    state[name] = 1.0 / state[name]
+    save_file(state, shard)
+    deep = run_ckpt("verify", src, "--deep", "--json").json["result"]
+    assert ("reciprocal_scale", name) in _problems(deep)
+
+
+def test_mixed_fp8_and_nvfp4_modelopt_checkpoint(tmp_path: Path) -> None:
+    src = tmp_path / "mixed"
+    gen = torch.Generator().manual_seed(5)
+    state = dict(
+        (f"model.layers.0.self_attn.q_proj.{k}", v)
+        for k, v in quantize_nvfp4_modelopt(torch.randn(32, 64, generator=gen) * 0.1).items()
+    )
+    w = torch.randn(32, 64, generator=gen)
+    scale = w.abs().max() / FP8_MAX
+    state["model.layers.0.mlp.down_proj.weight"] = (w / scale).to(torch.float8_e4m3fn)
+    state["model.layers.0.mlp.down_proj.weight_scale"] = scale.reshape(())
+    state["model.layers.0.mlp.down_proj.input_scale"] = torch.tensor(0.01)
+    hf_shards(src, [state], {"torch_dtype": "bfloat16"})
+    config = {
+        "producer": {"name": "modelopt", "version": "0.29.0"},
+        "quantization": {
+            "quant_algo": "MIXED_PRECISION",
+            "kv_cache_quant_algo": None,
+            "quantized_layers": {
+                "model.layers.0.self_attn.q_proj": {"quant_algo": "NVFP4", "group_size": 16},
+                "model.layers.0.mlp.down_proj": {"quant_algo": "FP8"},
+            },
+        },
+    }
+    (src / "hf_quant_config.json").write_text(json.dumps(config))
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    assert {g["scheme"] for g in shown["schemes"]} == {"nvfp4", "fp8-tensor"}
+    assert run_ckpt("verify", src, "--deep").exit_code == 0
+    out = tmp_path / "fp32"
+    assert (
+        run_ckpt(
+            "convert", src, out, "--to", "safetensors", "--dequantize", "--dtype", "fp32"
+        ).exit_code
+        == 0
+    )
+    got = load_file(out / "model.safetensors")
+    fp8 = state["model.layers.0.mlp.down_proj.weight"].float() * scale
+    assert torch.equal(got["model.layers.0.mlp.down_proj.weight"], fp8)
+    assert set(got) == {
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+    }
+
+
+# ---------------------------------------------------------------- scaled FP8 diffusion weights
+
+
+@pytest.mark.parametrize("spelling", ["scale_weight", "weight_scale"])
+def test_scaled_fp8_diffusion_weights_both_spellings(tmp_path: Path, spelling: str) -> None:
+    gen = torch.Generator().manual_seed(6)
+    state: dict[str, torch.Tensor] = {}
+    expected: dict[str, torch.Tensor] = {}
+    for i in range(2):
+        module = f"model.diffusion_model.blocks.{i}.attn.qkv"
+        w = torch.randn(48, 16, generator=gen)
+        scale = w.abs().max() / FP8_MAX
+        state[f"{module}.weight"] = (w / scale).to(torch.float8_e4m3fn)
+        state[f"{module}.{spelling}"] = scale.reshape(())
+        expected[f"{module}.weight"] = (state[f"{module}.weight"].float() * scale).to(
+            torch.bfloat16
+        )
+    state["model.diffusion_model.blocks.0.norm.weight"] = torch.ones(16, dtype=torch.bfloat16)
+    src = tmp_path / "flux-fp8.safetensors"
+    save_file(state, src)
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    (group,) = shown["schemes"]
+    assert group["scheme"] == "fp8-tensor" and group["modules"] == 2
+    assert run_ckpt("verify", src, "--deep").exit_code == 0
+    # one block lost its scale: the others say it should have one
+    broken = dict(state)
+    del broken[f"model.diffusion_model.blocks.1.attn.qkv.{spelling}"]
+    save_file(broken, tmp_path / "broken.safetensors")
+    result = run_ckpt("verify", tmp_path / "broken.safetensors", "--json").json["result"]
+    assert ("missing_scale", "model.diffusion_model.blocks.1.attn.qkv.weight") in _problems(result)
+    out = tmp_path / "bf16.safetensors"
+    assert run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize").exit_code == 0
+    got = load_file(out)
+    for name, t in expected.items():
+        assert torch.equal(got[name].view(torch.int16), t.view(torch.int16))
+
+
+def test_dequantize_on_a_plain_checkpoint_is_a_usage_error(tmp_path: Path) -> None:
+    save_file({"w": torch.zeros(2, 2)}, tmp_path / "plain.safetensors")
+    result = run_ckpt(
+        "convert",
+        tmp_path / "plain.safetensors",
+        tmp_path / "o.safetensors",
+        "--to",
+        "safetensors",
+        "--dequantize",
+    )
+    assert result.exit_code == 2 and "no quantized weight" in result.stderr
+
+
+# ---------------------------------------------------------------- download: a weight brings its scales
+
+
+@pytest.mark.parametrize("mode", ["shards", "tensors"])
+def test_download_of_a_quantized_weight_brings_its_scales(hub, tmp_path: Path, mode: str) -> None:
+    src = tmp_path / "fp8"
+    write_fp8_block(src, fp8_source())
+    hub.add_repo("org/fp8", src)
+    dest = tmp_path / "picked"
+    result = run_ckpt(
+        "download",
+        "hf://org/fp8",
+        dest,
+        "--mode",
+        mode,
+        "--no-extras",
+        "--tensors",
+        "model.layers.1.mlp.down_proj.weight",
+        "--tensors",
+        "lm_head.weight",
+        "--json",
+    )
+    assert result.exit_code == 0, result.stderr
+    got: dict[str, torch.Tensor] = {}
+    for shard in dest.glob("*.safetensors"):
+        got.update(load_file(shard))
+    assert {
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.1.mlp.down_proj.weight_scale_inv",
+    } <= set(got)
+    if mode == "tensors":  # byte ranges: exactly the selection and its scale
+        assert set(got) == {
+            "model.layers.1.mlp.down_proj.weight",
+            "model.layers.1.mlp.down_proj.weight_scale_inv",
+            "lm_head.weight",
+        }
+    # the scale counts as selected in both modes (shards mode fetches its shard for it)
+    assert result.json["result"]["tensors_selected"] == 3
+
+
+def test_inspect_and_plain_verify_of_a_quantized_checkpoint_never_import_torch(
+    tmp_path: Path,
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    src = tmp_path / "gpt-oss"
+    write_gpt_oss(src)
+    probe = (
+        "import sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
+        "from ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for command in ("inspect", "verify"):
+        proc = subprocess.run(
+            [sys.executable, "-c", probe, command, str(src), "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert "NO_TORCH" in proc.stderr, (command, proc.stderr)
+        result = json.loads(proc.stdout)["result"]
+        if command == "verify":
+            assert "quantization" in result["checks"]
+        else:
+            assert result["quantization"]["schemes"][0]["scheme"] == "mxfp4"
+
+
+@pytest.mark.parametrize(
+    ("preset", "scheme"),
+    [("FP8", "fp8-tensor"), ("FP8_DYNAMIC", "fp8-channel"), ("FP8_BLOCK", "fp8-block")],
+)
+def test_compressed_tensors_fp8_matches_its_own_decompressor(
+    tmp_path: Path, preset: str, scheme: str
+) -> None:
+    """FP8 per tensor, per channel and in 128x128 blocks, written by compressed-tensors itself."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    qscheme = preset_name_to_scheme(preset, ["Linear"])
+    gen = torch.Generator().manual_seed(7)
+    state: dict[str, torch.Tensor] = {}
+    for module in NV_LINEARS:
+        w = torch.randn(256, 384, generator=gen).to(torch.bfloat16)
+        f = w.float()
+        if qscheme.weights.strategy == "tensor":
+            low, high = f.amin(), f.amax()
+        elif qscheme.weights.strategy == "channel":
+            low, high = f.amin(1, keepdim=True), f.amax(1, keepdim=True)
+        else:
+            blocks = f.reshape(2, 128, 3, 128)
+            low, high = blocks.amin((1, 3)), blocks.amax((1, 3))
+        scale, _ = calculate_qparams(low, high, qscheme.weights)
+        packed = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, qscheme)
+        state.update({f"{module}.{k}": v for k, v in packed.items()})
+    config = QuantizationConfig(
+        config_groups={"group_0": qscheme},
+        format="float-quantized",
+        quantization_status="compressed",
+    ).model_dump(mode="json")
+    src = tmp_path / "ct-fp8"
+    hf_shards(src, [state], {"torch_dtype": "bfloat16", "quantization_config": config})
+
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    assert [g["scheme"] for g in shown["schemes"]] == [scheme]
+    assert run_ckpt("verify", src, "--deep").exit_code == 0
+    out = tmp_path / "fp32"
+    assert (
+        run_ckpt(
+            "convert", src, out, "--to", "safetensors", "--dequantize", "--dtype", "fp32"
+        ).exit_code
+        == 0
+    )
+    got = load_file(out / "model.safetensors")
+    for module in NV_LINEARS:
+        mine = {
+            k.removeprefix(module + "."): v for k, v in state.items() if k.startswith(module + ".")
+        }
+        ref = FloatQuantizationCompressor.decompress(mine, qscheme)["weight"]
+        assert ref.dtype == torch.float32
+        assert torch.equal(got[f"{module}.weight"], ref), module
+
+
+def test_a_scheme_ckpt_does_not_dequantize_raises_no_false_problems(tmp_path: Path) -> None:
+    """compressed-tensors int4 `pack-quantized` (its own compressor): declared, not misread."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    qscheme = preset_name_to_scheme("W4A16", ["Linear"])
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    groups = w.float().reshape(64, 2, 128)
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), qscheme.weights)
+    packed = PackedQuantizationCompressor.compress(
+        {"weight": w, "weight_scale": scale.to(torch.bfloat16)}, qscheme
+    )
+    state = {f"model.layers.0.mlp.down_proj.{k}": v for k, v in packed.items()}
+    config = QuantizationConfig(
+        config_groups={"g": qscheme}, format="pack-quantized", quantization_status="compressed"
+    ).model_dump(mode="json")
+    src = tmp_path / "int4"
+    hf_shards(src, [state], {"quantization_config": config})
+    result = run_ckpt("verify", src, "--json").json["result"]
+    assert result["ok"] and result["problems"] == [] and "quantization" in result["checks"]
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    assert shown["schemes"] == [] and "pack-quantized declared" in shown["label"]
+
+
+def test_fp8_llama_dequantized_equals_transformers_and_loads_with_from_pretrained(
+    tmp_path: Path,
+) -> None:
+    """A tiny Llama saved by `save_pretrained`, block-FP8 quantized, read by transformers itself.
+
+    On a machine without a GPU, transformers' FP8 quantizer dequantizes a pre-quantized
+    checkpoint to bf16 at load time: the real loader is the judge of ckpt's values, and the
+    dequantized output (config without `quantization_config`) must load as a plain model.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    full = tmp_path / "full"
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(full)
+    quantized: dict[str, torch.Tensor] = {}
+    for name, t in load_file(full / "model.safetensors").items():
+        if name.endswith("proj.weight"):
+            quantized[name], quantized[name.replace(".weight", ".weight_scale_inv")] = (
+                quantize_fp8_block(t, BLOCK)
+            )
+        else:
+            quantized[name] = t
+    src = tmp_path / "fp8"
+    src.mkdir()
+    save_file(quantized, src / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((full / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [BLOCK, BLOCK],
+    }
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert run_ckpt("verify", src, "--deep").exit_code == 0
+
+    out = tmp_path / "bf16"
+    assert run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize").exit_code == 0
+    reference = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert getattr(ours.config, "quantization_config", None) is None
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor.view(torch.int16), reference[name].view(torch.int16)), name
+
+
+def test_nvfp4_missing_global_scale_wrong_grid_and_orphan_input_scale(tmp_path: Path) -> None:
+    src = tmp_path / "nvfp4"
+    write_modelopt(src)
+    shard = src / "model-00001-of-00001.safetensors"
+    state = load_file(shard)
+    q, d = "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"
+    del state[f"{q}.weight_scale_2"]
+    state[f"{d}.weight_scale"] = state[f"{d}.weight_scale"][:, :2].contiguous()  # in/32, not in/16
+    state["model.layers.0.mlp.up_proj.input_scale"] = torch.tensor(0.5)  # its weight is gone
+    save_file(state, shard)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(state, shard.name)}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    problems = _problems(run_ckpt("verify", src, "--json").json["result"])
+    assert ("missing_scale", f"{q}.weight") in problems
+    assert ("scale_grid", f"{d}.weight_scale") in problems
+    assert ("orphan_scale", "model.layers.0.mlp.up_proj.input_scale") in problems
