@@ -68,6 +68,10 @@ DEFAULT_SETTLE = 120.0
 DELETING = "del-"
 #: metric file read from the run folder
 METRICS_FILE = "metrics.jsonl"
+#: written into a checkpoint folder that `prune --slim-older-than` slimmed to its weights
+SLIM_RECORD = "ckpt-slim.json"
+#: the run folder's record of slimmed single-file checkpoints (name -> size, mtime_ns...)
+RUN_SLIM_RECORD = ".ckpt-slim.json"
 
 Status = Literal["complete", "incomplete", "interrupted", "writing"]
 
@@ -117,6 +121,8 @@ class RunCheckpoint(BaseModel):
             `best_model_checkpoint`), `deepspeed-latest` (named by the `latest` file),
             `link-target` (a symlink in the run folder points at it), `best` (best by metric).
         metric: the value of the metric asked for, at this checkpoint's step.
+        slim: `prune --slim-older-than` removed its optimizer / RNG / data-loader state: it
+            holds weights only, is complete but not a resume point (marker `weights-only`).
     """
 
     name: str
@@ -135,6 +141,7 @@ class RunCheckpoint(BaseModel):
     link_target: str | None = None
     markers: list[str] = Field(default_factory=list)
     metric: float | None = None
+    slim: bool = False
 
     @property
     def order(self) -> tuple[float, float, float]:
@@ -193,8 +200,8 @@ class RunReport(BaseModel):
 
     @property
     def newest_complete(self) -> RunCheckpoint | None:
-        """The newest complete checkpoint, if any."""
-        done = [c for c in self.checkpoints if c.complete]
+        """The newest complete checkpoint a run can resume from (slimmed saves are not)."""
+        done = [c for c in self.checkpoints if c.complete and not c.slim]
         return max(done, key=lambda c: c.order) if done else None
 
 
@@ -512,7 +519,10 @@ def _judge(
     entry.formats = formats
     if problem is None and item.layout == "hf-trainer" and primary.is_dir():
         problem = _trainer_state_problem(primary / "trainer_state.json")
-    if problem is None and expected:
+    entry.slim = _is_slim(primary, root)
+    if entry.slim:
+        entry.markers.append("weights-only")
+    if problem is None and expected and not entry.slim:
         missing = expected - _part_names(primary)
         if missing:
             problem = (
@@ -535,6 +545,27 @@ def _judge(
     if recent:
         return _with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
     return _with_status(entry, "incomplete", problem)
+
+
+def _is_slim(primary: Path, root: Path) -> bool:
+    """Whether `prune --slim-older-than` slimmed this checkpoint (see `ops.slim`)."""
+    if primary.is_dir():
+        return (primary / SLIM_RECORD).is_file()
+    record = primary.parent / RUN_SLIM_RECORD
+    if not record.is_file():
+        return False
+    try:
+        doc = json.loads(record.read_text())
+        entry = doc.get(primary.name) if isinstance(doc, dict) else None
+        st = primary.stat()
+    except (OSError, ValueError):
+        return False
+    # a save written later under the same name is not the slimmed one
+    return (
+        isinstance(entry, dict)
+        and entry.get("size") == st.st_size
+        and entry.get("mtime_ns") == st.st_mtime_ns
+    )
 
 
 def _trainer_state_problem(path: Path) -> str | None:
@@ -690,8 +721,12 @@ def _expected_parts(found: list[_Found]) -> dict[int, set[str]]:
         if len(folders) < 3:
             continue
         names = {id(f): _part_names(f.paths[0]) for f in folders}
+        # slimmed saves lack their optimizer on purpose: they say nothing about the others
+        full = [f for f in folders if SLIM_RECORD not in names[id(f)]]
+        if len(full) < 3:
+            continue
         for f in folders:
-            others = [names[id(o)] for o in folders if o is not f]
+            others = [names[id(o)] for o in full if o is not f]
             out[id(f)] = set.intersection(*others)
     return out
 
@@ -750,7 +785,7 @@ def scan_run(
     judged: list[RunCheckpoint] = []
     for item in sorted(found, key=_name_order, reverse=True):
         judged.append(_judge(item, root, now, settle, ds_step, expected.get(id(item))))
-        if until_latest and judged[-1].complete:
+        if until_latest and judged[-1].complete and not judged[-1].slim:
             break
     checkpoints = sorted(judged, key=lambda c: c.order)
     report = RunReport(
