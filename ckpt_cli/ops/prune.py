@@ -24,7 +24,15 @@ from pydantic import BaseModel, Field
 
 from ..errors import CkptError, NotFoundError, UsageError
 from ..output import TMP_MARKER, fsync_dir
-from ..runs import DEFAULT_SETTLE, DELETING, BestMetric, RunCheckpoint, RunReport, scan_run
+from ..runs import (
+    DEFAULT_SETTLE,
+    DELETING,
+    BestMetric,
+    RunCheckpoint,
+    RunReport,
+    is_remote,
+    scan_run,
+)
 from .slim import SlimAction, slim, slim_plan
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
@@ -426,6 +434,46 @@ def apply(run_dir: Path, decisions: list[PruneDecision], settle: float) -> None:
             d.deleted = d.error is None
 
 
+#: objects of a remote checkpoint deleted first: with them gone it no longer looks complete
+_REMOTE_MARKERS = ("ckpt-manifest.json", "trainer_state.json")
+
+
+def apply_remote(run_url: str, decisions: list[PruneDecision]) -> None:
+    """Delete a plan's checkpoints from an object store, each one's commit markers first.
+
+    Object stores have no rename: the manifest, `.metadata`, indexes and `trainer_state.json`
+    go first, so a listing taken midway shows an incomplete save, never a complete-looking
+    one with files missing; then the rest of its objects.
+    """
+    from ..formats.remote import filesystem_for
+    from ..output import is_commit_marker
+    from ..storage import remote_failure
+    from ..uri import parse_location
+
+    fs, root = filesystem_for(parse_location(run_url))
+    root = root.rstrip("/")
+    for d in decisions:
+        if d.action != "delete":
+            continue
+        target = f"{root}/{d.name}"
+        try:
+            objects = sorted(fs.find(target)) or ([target] if fs.isfile(target) else [])
+            if not objects:
+                d.error = VANISHED
+                continue
+            first = [o for o in objects if is_commit_marker(o) or o.endswith(_REMOTE_MARKERS)]
+            if first:
+                fs.rm(first)
+            rest = [o for o in objects if o not in first]
+            if rest:
+                fs.rm(rest)
+            fs.invalidate_cache(target)
+            d.deleted = True
+        except Exception as exc:  # each filesystem package raises its own errors
+            d.error = remote_failure(exc, f"{run_url}/{d.name}", writing=True).message
+    fs.invalidate_cache(root)
+
+
 def _slim_one(run_dir: Path, d: PruneDecision, settle: float) -> str | None:
     """Slim one checkpoint; the reason it was not slimmed, or None."""
     assert d.slim is not None
@@ -474,7 +522,21 @@ def prune(
             round passes False and keeps everything until values appear).
     """
     _validate(policy)
-    root = Path(run_dir)
+    remote = is_remote(run_dir)
+    if remote and policy.slim_older_than:
+        raise UsageError(
+            "--slim-older-than rewrites checkpoints and works on local run folders only",
+            path=str(run_dir),
+            fix="Slim the local run folder, then `ckpt sync` it; remote saves can be pruned.",
+        )
+    if remote and yes and str(run_dir).startswith("hf://"):
+        raise UsageError(
+            "deleting from a Hub repository is a commit, which ckpt does not make",
+            path=str(run_dir),
+            fix="Read the plan without --yes, then delete the folders with "
+            "`huggingface-cli repo-files REPO delete checkpoint-N/` or HfApi.delete_folder.",
+        )
+    root: Path | str = str(run_dir).rstrip("/") if remote else Path(run_dir)
     run = scan_run(root, metric=policy.keep_best, mode=policy.mode, settle=policy.settle)
     if strict_metric and run.best is not None and run.best.name is None:
         raise NotFoundError(
@@ -501,7 +563,15 @@ def prune(
         latest=run.latest,
         best=run.best,
     )
-    if yes and (doomed or slims):
+    if yes and remote and doomed:
+        apply_remote(str(root), decisions)
+        report.deleted = [d.name for d in decisions if d.deleted]
+        report.bytes_freed = sum(d.size for d in decisions if d.deleted)
+        report.failed = [
+            f"{d.name}: {d.error}" for d in decisions if d.error not in (None, VANISHED)
+        ]
+    elif yes and (doomed or slims):
+        assert isinstance(root, Path)
         apply(root, decisions, policy.settle)
         report.deleted = [d.name for d in decisions if d.deleted and d.action == "delete"]
         report.bytes_freed = sum(d.size for d in decisions if d.deleted and d.action == "delete")
