@@ -1300,8 +1300,8 @@ def looks_like_remote_run(path: str) -> bool:
     """Whether a remote location holds step checkpoints and no checkpoint of its own."""
     try:
         files = run_storage(path).list_files()
-    except CkptError:
-        return False
+    except (NotFoundError, UsageError):
+        return False  # not a folder-like location: opened as a checkpoint, which says why
     top = {rel.split("/", 1)[0] for rel in files}
     if ".metadata" in top or any(t.endswith(_CKPT_EXT) and "-of-" in t for t in top):
         return False
