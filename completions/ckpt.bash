@@ -2,7 +2,7 @@
 _ckpt() {
   local cur="${COMP_WORDS[COMP_CWORD]}" opts=""
   if [ "$COMP_CWORD" -eq 1 ]; then
-    COMPREPLY=( $(compgen -W "inspect verify convert reshard prune latest download diff --help --version" -- "$cur") )
+    COMPREPLY=( $(compgen -W "inspect verify convert reshard prune latest sync download diff --help --version" -- "$cur") )
     return
   fi
   case "${COMP_WORDS[1]}" in
@@ -10,8 +10,9 @@ _ckpt() {
     verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --force --format -f --json --help -h" ;;
     convert) opts="--to -t --max-shard-size --dtype --include -k --exclude -x --rename --select --dcp-serialization --world-size --format -f --force --json --help -h" ;;
     reshard) opts="--world-size -n --max-shard-size --shard-dim --plan --drop-rank-state --keep-rank-state --dcp-serialization --format -f --force --json --help -h" ;;
-    prune) opts="--keep-last --keep-every --keep-best --mode --keep --incomplete --yes -y --watch --max-iterations --settle --json --help -h" ;;
+    prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --watch --max-iterations --settle --json --help -h" ;;
     latest) opts="--settle --json --help -h" ;;
+    sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --json --help -h" ;;
     download) opts="--tensors -t --exclude -x --mode -m --no-extras --cache-only --dry-run -n --force --json --help -h" ;;
     diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --json --help -h" ;;
   esac

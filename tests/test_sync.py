@@ -24,6 +24,7 @@ import torch
 from ckpt_cli.ops.sync import RateLimit, sync
 
 from .conftest import REPO, run_ckpt
+from .hub_server import TestHub
 from .run_fixtures import interrupted_trainer_save, trainer_checkpoint, trainer_run
 from .s3_fixtures import S3Server, list_keys, make_bucket
 
@@ -303,3 +304,18 @@ def test_train_sync_lose_the_machine_pull_latest_and_resume_bit_identical(
     assert diff.exit_code == 0, diff.stdout
     assert diff.json["result"]["equal"] == diff.json["result"]["compared"] > 50
     assert torch  # the example trains with torch
+
+
+def test_pull_latest_from_a_hub_repo_of_trainer_checkpoints(hub: TestHub, tmp_path: Path) -> None:
+    # what Trainer's push_to_hub(hub_strategy="all_checkpoints") leaves: no ckpt manifest
+    out = trainer_run(tmp_path, steps=(100, 200))
+    interrupted_trainer_save(out, 300)
+    hub.add_repo("org/run", out)
+    fresh = tmp_path / "fresh"
+    pulled = run_ckpt("sync", "hf://org/run", fresh, "--latest", "--json")
+    assert pulled.exit_code == 0, pulled.stdout
+    done = pulled.json["result"]["checkpoints"][0]
+    assert done["name"] == "checkpoint-200" and done["action"] == "downloaded"
+    assert done["verified"] is False  # no manifest to check against: structure only
+    assert local_files(fresh / "checkpoint-200") == local_files(out / "checkpoint-200")
+    assert run_ckpt("latest", fresh).stdout.strip() == str(fresh / "checkpoint-200")
