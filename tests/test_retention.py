@@ -281,3 +281,51 @@ def test_a_slimmed_dcp_save_loads_its_weights_verifies_and_is_no_resume_point(
         ]["to_slim"]
         == 0
     )
+
+
+def test_slimming_lightning_files_rewrites_them_without_optimizer_state(tmp_path: Path) -> None:
+    run = tmp_path / "lightning_logs" / "version_0"
+    ckpts = run / "checkpoints"
+    ckpts.mkdir(parents=True)
+    names = {}
+    for epoch, step in ((0, 100), (1, 200), (2, 300)):
+        model = {k: v.float() for k, v in weights(step).items()}
+        params = [torch.nn.Parameter(t.clone()) for t in model.values()]
+        optimizer = torch.optim.AdamW(params)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        names[step] = f"epoch={epoch}-step={step}.ckpt"
+        torch.save(
+            {
+                "epoch": epoch,
+                "global_step": step,
+                "pytorch-lightning_version": "2.4.0",
+                "state_dict": model,
+                "loops": {"fit_loop": {"epoch_progress": {"total": {"completed": epoch}}}},
+                "callbacks": {},
+                "optimizer_states": [optimizer.state_dict()],
+                "lr_schedulers": [],
+            },
+            ckpts / names[step],
+        )
+        set_mtime(ckpts / names[step], time.time() - DAY)
+    old = ckpts / names[100]
+    size_before = old.stat().st_size
+    result = run_ckpt("prune", run, "--keep-last", "3", "--slim-older-than", "1", "--yes", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert sorted(result.json["result"]["slimmed"]) == [
+        f"checkpoints/{names[100]}",
+        f"checkpoints/{names[200]}",
+    ]
+    assert old.is_file() and old.stat().st_size < size_before
+    slimmed = torch.load(old, weights_only=True)
+    assert "optimizer_states" not in slimmed and slimmed["global_step"] == 100
+    assert all(torch.equal(slimmed["state_dict"][k], v.float()) for k, v in weights(100).items())
+    assert run_ckpt("verify", old).exit_code == 0
+    table = run_ckpt("inspect", run, "--json").json["result"]["run"]
+    marked = {c["name"] for c in table["checkpoints"] if "weights-only" in c["markers"]}
+    assert marked == {f"checkpoints/{names[100]}", f"checkpoints/{names[200]}"}
+    assert table["latest"] == str(ckpts / names[300])
+    # no leftovers: the files, and the record of which ones are slimmed
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([*names.values(), ".ckpt-slim.json"])

@@ -177,6 +177,9 @@ def _rewrite(action: SlimAction, target: Path) -> None:
 
     assert action.format in ("dcp", "torch"), action.format
     staged = _hidden(target, "slim-")
+    if target.is_file():
+        # convert writes one file when DEST ends like one (`.pt`, `.ckpt`...)
+        staged = staged.with_name(staged.name + target.suffix)
     mode = target.stat().st_mode & 0o7777
     convert(
         str(target),
