@@ -319,3 +319,15 @@ def test_pull_latest_from_a_hub_repo_of_trainer_checkpoints(hub: TestHub, tmp_pa
     assert done["verified"] is False  # no manifest to check against: structure only
     assert local_files(fresh / "checkpoint-200") == local_files(out / "checkpoint-200")
     assert run_ckpt("latest", fresh).stdout.strip() == str(fresh / "checkpoint-200")
+
+
+def test_watch_stops_cleanly_on_ctrl_c(s3_server: S3Server, tmp_path: Path) -> None:
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+
+    def interrupted(_seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    report = sync(str(out), f"s3://{BUCKET}/run/", watch_seconds=5, sleep=interrupted)
+    assert report.stopped == "interrupted" and report.iterations == 1
+    assert report.transferred == ["checkpoint-100"] and not report.failed

@@ -133,7 +133,7 @@ def sync(
 
     def policy() -> PrunePolicy | None:
         if not prune_remote:
-            if keep_last or keep_every or keep_best or keep_within or keep_every_duration:
+            if any((keep_last, keep_every, keep_best, keep_top, keep_within, keep_every_duration)):
                 from ..errors import UsageError
 
                 raise UsageError(
