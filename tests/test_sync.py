@@ -331,3 +331,39 @@ def test_watch_stops_cleanly_on_ctrl_c(s3_server: S3Server, tmp_path: Path) -> N
     report = sync(str(out), f"s3://{BUCKET}/run/", watch_seconds=5, sleep=interrupted)
     assert report.stopped == "interrupted" and report.iterations == 1
     assert report.transferred == ["checkpoint-100"] and not report.failed
+
+
+def test_multipart_uploads_are_checked_by_etag_and_reused_on_resume(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    import boto3
+    from safetensors.torch import save_file
+
+    from ckpt_cli.output import UPLOAD_BLOCK
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    run = tmp_path / "dump"
+    for step in (1, 2):
+        folder = run / f"step-{step}"
+        folder.mkdir(parents=True)
+        big = torch.arange(UPLOAD_BLOCK // 4 + 1000, dtype=torch.float32) * step
+        save_file({"w": big}, folder / "model.safetensors")  # two parts: 16 MiB + the rest
+        os.utime(folder / "model.safetensors", (time.time() - 7200,) * 2)
+    first = run_ckpt("sync", run, f"s3://{BUCKET}/big/", "--json")
+    assert first.exit_code == 0, first.stdout
+    # verified from the ETag S3 computed over the parts: nothing was read back (the only
+    # reads are the header probes of `latest` on the bucket)
+    reads = [r for r in s3_server.requests if r.method == "GET" and "model" in r.path]
+    for r in reads:
+        assert r.range is not None
+        start, end = (int(x) for x in r.range.removeprefix("bytes=").split("-"))
+        assert end - start < 64 << 10, r
+    # the manifest lost (a sync killed right before it): the data is reused, not re-sent
+    boto3.client("s3", endpoint_url=s3_server.endpoint).delete_object(
+        Bucket=BUCKET, Key="big/step-2/ckpt-manifest.json"
+    )
+    s3_server.requests.clear()
+    again = run_ckpt("sync", run, f"s3://{BUCKET}/big/", "--json").json["result"]
+    by_name = {c["name"]: c for c in again["checkpoints"]}
+    assert by_name["step-2"]["files_reused"] == 1 and again["bytes_sent"] == 0
+    assert s3_server.bytes_uploaded() < 4096  # only the manifest

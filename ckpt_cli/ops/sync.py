@@ -193,9 +193,14 @@ def _order(rels: list[str]) -> list[str]:
     return sorted(rels, key=lambda r: (late(r), r))
 
 
-def s3_etag(parts: list[bytes]) -> str:
-    """The ETag S3 gives an object uploaded in these parts' MD5 digests."""
-    if len(parts) == 1:
+def s3_etag(parts: list[bytes], size: int = 0) -> str:
+    """The ETag S3 gives an object uploaded in these parts' MD5 digests.
+
+    s3fs sends a file smaller than its block size with one PUT (ETag: the MD5) and a larger
+    one as a multipart upload of `UPLOAD_BLOCK` parts, as written (ETag: MD5 of the parts'
+    MD5s, `-N`), even when N is 1.
+    """
+    if len(parts) == 1 and size < UPLOAD_BLOCK:
         return parts[0].hex()
     return f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
 
@@ -340,7 +345,7 @@ class _Uploader:
         existing = self.listing().get(rel)
         if existing is not None and int(existing.get("size") or 0) == size:
             digest, local_parts = self._hash_local(path, new)
-            if _remote_etag(existing) == s3_etag(local_parts):
+            if _remote_etag(existing) == s3_etag(local_parts, size):
                 return digest, False
         hasher = new()
         parts: list[bytes] = []
@@ -387,7 +392,7 @@ class _Uploader:
                 path=f"{self.dest}/{rel}",
                 fix="Run the sync again; the object is re-sent.",
             )
-        if _remote_etag(info) == s3_etag(parts):
+        if _remote_etag(info) == s3_etag(parts, size):
             return
         # no ETag we can compute (another store, other part sizes): read it back
         hasher = new()
