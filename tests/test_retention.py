@@ -187,6 +187,9 @@ def test_slimming_a_real_trainer_run_keeps_weights_and_drops_resume_state(tmp_pa
         "best_model_checkpoint"
     ]
     weights_before = {p.name: load_file(p / "model.safetensors") for p in out.iterdir()}
+    for folder in out.iterdir():  # checksum manifests, which slimming must keep true
+        assert run_ckpt("verify", folder, "--write-manifest").exit_code == 0
+        set_mtime(folder, time.time() - DAY)
     decided = run_ckpt("prune", out, "--keep-last", "3", "--slim-older-than", "1", "--json")
     assert decided.exit_code == 0, decided.stderr
     report = decided.json["result"]
@@ -211,6 +214,8 @@ def test_slimming_a_real_trainer_run_keeps_weights_and_drops_resume_state(tmp_pa
         assert reloaded.keys() == weights_before[name].keys()
         assert all(torch.equal(reloaded[k], v) for k, v in weights_before[name].items())
         assert run_ckpt("verify", folder).exit_code == 0
+        checked = run_ckpt("verify", folder, "--checksums")
+        assert checked.exit_code == 0, checked.stdout
         inspected = run_ckpt("inspect", folder, "--json").json["result"]["training"]
         assert inspected["resumable"] is False and "optimizer" in inspected["missing"]
     # the whole saves are untouched, and `latest` still resumes from the newest

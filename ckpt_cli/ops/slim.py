@@ -166,7 +166,37 @@ def slim(action: SlimAction, checkpoint: str | Path) -> int:
         "bytes_freed": freed,
     }
     _write_record(root, record)
+    _refresh_manifest(root)
     return freed
+
+
+def _refresh_manifest(root: Path) -> None:
+    """A checksum manifest in a slimmed folder is rewritten for what the folder now holds
+    (same algorithm), so `verify --checksums` and `ckpt sync` keep working on it."""
+    from .. import __version__
+    from ..hashing import hash_files
+    from .verify import MANIFEST_NAME, ChecksumManifest, FileDigest, read_manifest
+
+    path = root / MANIFEST_NAME
+    if not root.is_dir() or not path.is_file():
+        return
+    old = read_manifest(path)
+    files = {
+        p.relative_to(root).as_posix(): p
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink() and p.name != MANIFEST_NAME
+    }
+    digests = hash_files(files, old.algorithm)
+    record = ChecksumManifest(
+        algorithm=old.algorithm,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        tool=f"ckpt {__version__} prune --slim-older-than",
+        format=old.format,
+        files={
+            rel: FileDigest(size=p.stat().st_size, digest=digests[rel]) for rel, p in files.items()
+        },
+    )
+    _atomic_json(path, record.model_dump(mode="json"))
 
 
 def _rewrite(action: SlimAction, target: Path) -> None:
