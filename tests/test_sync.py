@@ -367,3 +367,27 @@ def test_multipart_uploads_are_checked_by_etag_and_reused_on_resume(
     by_name = {c["name"]: c for c in again["checkpoints"]}
     assert by_name["step-2"]["files_reused"] == 1 and again["bytes_sent"] == 0
     assert s3_server.bytes_uploaded() < 4096  # only the manifest
+
+
+def test_a_save_slimmed_after_its_sync_is_replaced_remotely(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    assert (
+        run_ckpt("prune", out, "--keep-last", "3", "--slim-older-than", "1", "--yes").exit_code == 0
+    )
+    again = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert again.exit_code == 0, again.stdout
+    # 200 is the Trainer's best: never slimmed, so already in the bucket as it is
+    assert again.json["result"]["transferred"] == ["checkpoint-100"]
+    keys = list_keys(s3_server.endpoint, BUCKET, "run/checkpoint-100/")
+    assert "run/checkpoint-100/optimizer.pt" not in keys
+    assert "run/checkpoint-100/ckpt-slim.json" in keys
+    table = run_ckpt("latest", f"s3://{BUCKET}/run", "--json").json["result"]
+    marked = {c["name"] for c in table["checkpoints"] if "weights-only" in c["markers"]}
+    assert marked == {"checkpoint-100"}
+    assert table["latest"] == f"s3://{BUCKET}/run/checkpoint-300"
+    checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-100", "--checksums")
+    assert checked.exit_code == 0, checked.stdout

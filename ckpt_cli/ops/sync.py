@@ -283,6 +283,9 @@ class _Uploader:
             result.action = "present"
             result.verified = True
             return result
+        if manifest_rel in self.listing():
+            # synced before, changed since (slimmed, say): not synced while it is replaced
+            self._remove([manifest_rel])
         algo = own_manifest.algorithm if own_manifest else SYNC_ALGORITHM
         new = hasher_factory(algo)
         digests: dict[str, FileDigest] = {}
@@ -326,8 +329,25 @@ class _Uploader:
             )
             data = (json.dumps(record.model_dump(mode="json"), indent=2) + "\n").encode()
         self._put(manifest_rel, data)
+        if is_dir:
+            # objects of an older version of this checkpoint that it no longer has
+            stale = [
+                rel
+                for rel in self.listing()
+                if rel.startswith(f"{c.name}/") and rel not in files and rel != manifest_rel
+            ]
+            self._remove(stale)
         result.verified = True
         return result
+
+    def _remove(self, rels: list[str]) -> None:
+        if not rels:
+            return
+        try:
+            self.fs.rm([f"{self.root}/{rel}" for rel in rels])
+            self.fs.invalidate_cache(self.root)
+        except Exception as exc:
+            raise remote_failure(exc, f"{self.dest}/{rels[0]}", writing=True) from None
 
     def _put(self, rel: str, data: bytes) -> None:
         try:
