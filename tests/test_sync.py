@@ -391,3 +391,23 @@ def test_a_save_slimmed_after_its_sync_is_replaced_remotely(
     assert table["latest"] == f"s3://{BUCKET}/run/checkpoint-300"
     checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-100", "--checksums")
     assert checked.exit_code == 0, checked.stdout
+
+
+def test_plain_files_of_one_step_travel_together(s3_server: S3Server, tmp_path: Path) -> None:
+    from .run_fixtures import age, weights
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (10, 20):
+        torch.save(weights(step), run / f"model_{step}.pt")
+        torch.save({"step": step}, run / f"optim_{step}.pt")
+    age(run)
+    up = run_ckpt("sync", run, f"s3://{BUCKET}/plain/", "--settle", "0", "--json")
+    assert up.exit_code == 0, up.stdout
+    assert "plain/model_20.pt.ckpt-manifest.json" in list_keys(s3_server.endpoint, BUCKET)
+    back = tmp_path / "back"
+    down = run_ckpt("sync", f"s3://{BUCKET}/plain/", back, "--json")
+    assert down.exit_code == 0, down.stdout
+    assert all(c["verified"] for c in down.json["result"]["checkpoints"])
+    assert local_files(back) == local_files(run)

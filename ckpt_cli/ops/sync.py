@@ -522,7 +522,7 @@ def _download(
     limit: RateLimit,
 ) -> SyncedCheckpoint:
     """Stream one remote checkpoint into a staging folder, verified, then publish it."""
-    is_dir = not (len(files) == 1 and c.name in files)
+    is_dir = c.name not in files
     result = SyncedCheckpoint(
         name=c.name,
         step=c.step,
@@ -537,7 +537,7 @@ def _download(
     new = hasher_factory(manifest.algorithm) if manifest else None
     try:
         for rel, size in sorted(files.items()):
-            inside = rel.removeprefix(f"{c.name}/") if is_dir else final.name
+            inside = rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
             target = staging / inside
             target.parent.mkdir(parents=True, exist_ok=True)
             hasher = new() if new else None
@@ -566,7 +566,8 @@ def _download(
                     )
         if manifest is not None:
             missing = set(manifest.files) - {
-                rel.removeprefix(f"{c.name}/") if is_dir else final.name for rel in files
+                rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
+                for rel in files
             }
             if missing:
                 raise FormatError(
@@ -580,7 +581,9 @@ def _download(
         if is_dir:
             os.rename(staging, final)
         else:
-            os.rename(staging / final.name, final)
+            # plain files of one step (`model_500.pt`, `optim_500.pt`) land side by side
+            for rel in files:
+                os.rename(staging / rel.rsplit("/", 1)[-1], dest_root / rel)
         fsync_dir(final.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -623,10 +626,11 @@ def sync_down(
     for c in wanted:
         is_dir = c.name not in listing
         manifest_rel = _manifest_rel(c, is_dir)
+        own = {p.removeprefix(remote.run_dir.rstrip("/") + "/") for p in c.paths}
         files = {
             rel: size
             for rel, size in listing.items()
-            if (rel.startswith(f"{c.name}/") if is_dir else rel == c.name) and rel != manifest_rel
+            if (rel.startswith(f"{c.name}/") if is_dir else rel in own) and rel != manifest_rel
         }
         if (dest_root / c.name).exists():
             report.checkpoints.append(
