@@ -184,13 +184,14 @@ def _manifest_rel(c: RunCheckpoint, is_dir: bool) -> str:
     return f"{c.name}/{MANIFEST_NAME}" if is_dir else f"{c.name}.{MANIFEST_NAME}"
 
 
+def _late(rel: str) -> bool:
+    """Commit markers and `trainer_state.json`: uploaded once the data is in place."""
+    return is_commit_marker(rel) or rel.rsplit("/", 1)[-1] in _LATE
+
+
 def _order(rels: list[str]) -> list[str]:
     """Data first, then commit markers and `trainer_state.json` (the manifest goes after)."""
-
-    def late(rel: str) -> bool:
-        return is_commit_marker(rel) or rel.rsplit("/", 1)[-1] in _LATE
-
-    return sorted(rels, key=lambda r: (late(r), r))
+    return sorted(rels, key=lambda r: (_late(r), r))
 
 
 def s3_etag(parts: list[bytes], size: int = 0) -> str:
@@ -231,6 +232,8 @@ class _Uploader:
             )
         self.limit = limit
         self._listing: dict[str, dict[str, Any]] | None = None
+        #: uploads of the current checkpoint not yet checked against the store
+        self._pending: list[tuple[str, str, int, list[bytes], str, Any]] = []
 
     def listing(self) -> dict[str, dict[str, Any]]:
         """Objects under the destination prefix, relative name -> info (one listing a round)."""
@@ -290,7 +293,10 @@ class _Uploader:
         new = hasher_factory(algo)
         digests: dict[str, FileDigest] = {}
         stamps = {rel: path.stat().st_mtime_ns for rel, path in files.items()}
+        prefix = c.name if is_dir else None
         for rel in _order(list(files)):
+            if _late(rel):
+                self._check_pending(prefix)  # the data is verified before any marker lands
             digest, sent = self._upload_file(files[rel], rel, sizes[rel], new)
             inside = rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
             if own_manifest is not None:
@@ -308,6 +314,7 @@ class _Uploader:
                 result.bytes_sent += sizes[rel]
             else:
                 result.files_reused += 1
+        self._check_pending(prefix)
         # a file rewritten while it was uploaded would make the remote copy a mix
         for rel, path in files.items():
             st = path.stat()
@@ -385,8 +392,21 @@ class _Uploader:
             raise
         except Exception as exc:
             raise remote_failure(exc, f"{self.dest}/{rel}", writing=True) from None
-        self._check_upload(target, rel, size, parts, hasher.hexdigest(), new)
+        self._pending.append((target, rel, size, parts, hasher.hexdigest(), new))
         return hasher.hexdigest(), True
+
+    def _check_pending(self, prefix: str | None) -> None:
+        """Check the objects uploaded for one checkpoint, from one listing of its prefix."""
+        infos: dict[str, dict[str, Any]] = {}
+        if prefix is not None and self._pending:
+            try:
+                self.fs.invalidate_cache(f"{self.root}/{prefix}")
+                infos = self.fs.find(f"{self.root}/{prefix}", detail=True)
+            except Exception as exc:
+                raise remote_failure(exc, f"{self.dest}/{prefix}") from None
+        pending, self._pending = self._pending, []
+        for target, rel, size, parts, digest, new in pending:
+            self._check_upload(target, rel, size, parts, digest, new, infos.get(target))
 
     def _hash_local(self, path: Path, new: Callable[[], Any]) -> tuple[str, list[bytes]]:
         hasher = new()
@@ -398,14 +418,22 @@ class _Uploader:
         return hasher.hexdigest(), parts or [hashlib.md5(b"").digest()]
 
     def _check_upload(
-        self, target: str, rel: str, size: int, parts: list[bytes], digest: str, new: Any
+        self,
+        target: str,
+        rel: str,
+        size: int,
+        parts: list[bytes],
+        digest: str,
+        new: Any,
+        info: dict[str, Any] | None = None,
     ) -> None:
         """The uploaded object has the size and the bytes that were sent."""
-        try:
-            self.fs.invalidate_cache(target)
-            info = self.fs.info(target)
-        except Exception as exc:
-            raise remote_failure(exc, f"{self.dest}/{rel}") from None
+        if info is None:
+            try:
+                self.fs.invalidate_cache(target)
+                info = self.fs.info(target)
+            except Exception as exc:
+                raise remote_failure(exc, f"{self.dest}/{rel}") from None
         if int(info.get("size") or 0) != size:
             raise FormatError(
                 f"the uploaded object has {info.get('size')} bytes, the file {size}",
