@@ -529,7 +529,17 @@ SrcArg = Annotated[
 ]
 
 #: the order commands appear in `ckpt --help`; modules not listed follow alphabetically
-COMMAND_ORDER = ["inspect", "verify", "convert", "reshard", "prune", "latest", "download", "diff"]
+COMMAND_ORDER = [
+    "inspect",
+    "verify",
+    "convert",
+    "reshard",
+    "prune",
+    "latest",
+    "sync",
+    "download",
+    "diff",
+]
 
 
 def examples(*commands: str) -> str:

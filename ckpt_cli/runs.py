@@ -45,6 +45,7 @@ The library never prints; `ops.prune` and `commands/latest.py` build on this mod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -61,6 +62,7 @@ from pydantic import BaseModel, Field
 
 from .errors import CkptError, NotFoundError, UsageError
 from .output import TMP_MARKER
+from .storage import Storage
 
 #: files modified within this many seconds mark a checkpoint as possibly still being written
 DEFAULT_SETTLE = 120.0
@@ -68,6 +70,10 @@ DEFAULT_SETTLE = 120.0
 DELETING = "del-"
 #: metric file read from the run folder
 METRICS_FILE = "metrics.jsonl"
+#: written into a checkpoint folder that `prune --slim-older-than` slimmed to its weights
+SLIM_RECORD = "ckpt-slim.json"
+#: the run folder's record of slimmed single-file checkpoints (name -> size, mtime_ns...)
+RUN_SLIM_RECORD = ".ckpt-slim.json"
 
 Status = Literal["complete", "incomplete", "interrupted", "writing"]
 
@@ -117,6 +123,8 @@ class RunCheckpoint(BaseModel):
             `best_model_checkpoint`), `deepspeed-latest` (named by the `latest` file),
             `link-target` (a symlink in the run folder points at it), `best` (best by metric).
         metric: the value of the metric asked for, at this checkpoint's step.
+        slim: `prune --slim-older-than` removed its optimizer / RNG / data-loader state: it
+            holds weights only, is complete but not a resume point (marker `weights-only`).
     """
 
     name: str
@@ -135,6 +143,7 @@ class RunCheckpoint(BaseModel):
     link_target: str | None = None
     markers: list[str] = Field(default_factory=list)
     metric: float | None = None
+    slim: bool = False
 
     @property
     def order(self) -> tuple[float, float, float]:
@@ -193,8 +202,8 @@ class RunReport(BaseModel):
 
     @property
     def newest_complete(self) -> RunCheckpoint | None:
-        """The newest complete checkpoint, if any."""
-        done = [c for c in self.checkpoints if c.complete]
+        """The newest complete checkpoint a run can resume from (slimmed saves are not)."""
+        done = [c for c in self.checkpoints if c.complete and not c.slim]
         return max(done, key=lambda c: c.order) if done else None
 
 
@@ -512,7 +521,10 @@ def _judge(
     entry.formats = formats
     if problem is None and item.layout == "hf-trainer" and primary.is_dir():
         problem = _trainer_state_problem(primary / "trainer_state.json")
-    if problem is None and expected:
+    entry.slim = _is_slim(primary, root)
+    if entry.slim:
+        entry.markers.append("weights-only")
+    if problem is None and expected and not entry.slim:
         missing = expected - _part_names(primary)
         if missing:
             problem = (
@@ -535,6 +547,27 @@ def _judge(
     if recent:
         return _with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
     return _with_status(entry, "incomplete", problem)
+
+
+def _is_slim(primary: Path, root: Path) -> bool:
+    """Whether `prune --slim-older-than` slimmed this checkpoint (see `ops.slim`)."""
+    if primary.is_dir():
+        return (primary / SLIM_RECORD).is_file()
+    record = primary.parent / RUN_SLIM_RECORD
+    if not record.is_file():
+        return False
+    try:
+        doc = json.loads(record.read_text())
+        entry = doc.get(primary.name) if isinstance(doc, dict) else None
+        st = primary.stat()
+    except (OSError, ValueError):
+        return False
+    # a save written later under the same name is not the slimmed one
+    return (
+        isinstance(entry, dict)
+        and entry.get("size") == st.st_size
+        and entry.get("mtime_ns") == st.st_mtime_ns
+    )
 
 
 def _trainer_state_problem(path: Path) -> str | None:
@@ -608,13 +641,22 @@ def load_metrics(
     metric: str,
     trainer_state: dict[str, Any] | None,
     checkpoints: list[RunCheckpoint],
+    metrics_file: tuple[str, str] | None = None,
 ) -> tuple[dict[int, float], dict[str, float], str | None]:
-    """Values of `metric`: (by step, by checkpoint name, source description)."""
-    path = run_dir / METRICS_FILE
+    """Values of `metric`: (by step, by checkpoint name, source description).
+
+    `metrics_file` is (where, text) of a metrics file read elsewhere (a remote run folder).
+    """
+    path: Path | str = run_dir / METRICS_FILE
     by_step: dict[int, float] = {}
     source: str | None = None
-    if path.is_file():
-        for number, line in enumerate(path.read_text().splitlines(), 1):
+    text: str | None = None
+    if metrics_file is not None:
+        path, text = metrics_file
+    elif isinstance(path, Path) and path.is_file():
+        text = path.read_text()
+    if text is not None:
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -642,7 +684,7 @@ def load_metrics(
     by_name: dict[str, float] = {}
     for c in checkpoints:
         if c.layout == "lightning":
-            value = _lightning_metrics(Path(c.path).name).get(metric)
+            value = _lightning_metrics(c.name.rsplit("/", 1)[-1]).get(metric)
             if value is not None:
                 by_name[c.name] = value
     if by_name and source is None:
@@ -690,8 +732,12 @@ def _expected_parts(found: list[_Found]) -> dict[int, set[str]]:
         if len(folders) < 3:
             continue
         names = {id(f): _part_names(f.paths[0]) for f in folders}
+        # slimmed saves lack their optimizer on purpose: they say nothing about the others
+        full = [f for f in folders if SLIM_RECORD not in names[id(f)]]
+        if len(full) < 3:
+            continue
         for f in folders:
-            others = [names[id(o)] for o in folders if o is not f]
+            others = [names[id(o)] for o in full if o is not f]
             out[id(f)] = set.intersection(*others)
     return out
 
@@ -727,11 +773,14 @@ def scan_run(
         until_latest: judge from the newest save down and stop at the first complete one
             (`checkpoints` then holds only those): what `ckpt latest` needs, and no more.
     """
-    if "://" in str(run_dir) and not str(run_dir).startswith("file://"):
-        raise UsageError(
-            "run folders are read on this machine only",
-            path=str(run_dir),
-            fix="Run ckpt where the training job writes its checkpoints.",
+    if is_remote(run_dir):
+        return scan_remote_run(
+            str(run_dir),
+            metric=metric,
+            mode=mode,
+            settle=settle,
+            now=now,
+            until_latest=until_latest,
         )
     root = Path(str(run_dir).removeprefix("file://"))
     if not root.exists():
@@ -750,7 +799,7 @@ def scan_run(
     judged: list[RunCheckpoint] = []
     for item in sorted(found, key=_name_order, reverse=True):
         judged.append(_judge(item, root, now, settle, ds_step, expected.get(id(item))))
-        if until_latest and judged[-1].complete:
+        if until_latest and judged[-1].complete and not judged[-1].slim:
             break
     checkpoints = sorted(judged, key=lambda c: c.order)
     report = RunReport(
@@ -819,8 +868,9 @@ def _best_by_metric(
     mode: Literal["min", "max"],
     trainer_doc: dict[str, Any] | None,
     checkpoints: list[RunCheckpoint],
+    metrics_file: tuple[str, str] | None = None,
 ) -> BestMetric:
-    by_step, by_name, source = load_metrics(root, metric, trainer_doc, checkpoints)
+    by_step, by_name, source = load_metrics(root, metric, trainer_doc, checkpoints, metrics_file)
     best = BestMetric(metric=metric, mode=mode, source=source)
     for c in checkpoints:
         if c.name in by_name:
@@ -846,6 +896,8 @@ def looks_like_run(path: str | Path) -> bool:
     A DeepSpeed save folder with a `latest` file and a single `global_stepN/` is that
     checkpoint (as DeepSpeed reads it); with several tags it is a run folder.
     """
+    if is_remote(path):
+        return looks_like_remote_run(str(path))
     root = Path(path)
     if not root.is_dir():
         return False
@@ -865,3 +917,394 @@ def looks_like_run(path: str | Path) -> bool:
         if is_part and entry.name not in numbered:
             return False
     return len({f.step for f in found}) >= 2
+
+
+# --------------------------------------------------------------------------- remote run folders
+#
+# A run folder in an object store (`s3://bucket/run/`) or on the Hub (`hf://org/repo`, whose
+# subfolders are `checkpoint-N/` as the Trainer's `push_to_hub(hub_strategy="all_checkpoints")`
+# writes) is scanned through its `Storage`: one listing (names, sizes and, for object stores,
+# modification times), then headers only: each safetensors header, the end of each torch.save
+# zip, the JSON of indexes and `trainer_state.json`. The naming and the rules are the local ones.
+
+#: bytes of a safetensors header read at most when judging a remote file
+_MAX_HEADER = 100 << 20
+#: the end of a torch.save zip read to find its end-of-central-directory record
+_ZIP_TAIL = 1024
+
+
+def is_remote(run_dir: str | Path) -> bool:
+    """Whether `run_dir` is a URL (`s3://…`, `hf://…`) rather than a folder on this machine."""
+    text = str(run_dir)
+    return "://" in text and not text.startswith("file://")
+
+
+def run_storage(run_dir: str) -> Storage:
+    """The `Storage` of a remote run folder (NotFoundError when it does not exist)."""
+    from .formats import resolve_source
+
+    source = resolve_source(run_dir)
+    if source.target is not None:
+        raise UsageError(
+            "names one file, not a run folder",
+            path=run_dir,
+            fix="Pass the prefix (or repo) that holds the step checkpoints.",
+        )
+    return source.storage
+
+
+@dataclass
+class _RemoteItem:
+    layout: str
+    step: int | None
+    epoch: float | None
+    #: paths relative to the run root: one folder or one file (several plain files of a step)
+    rels: list[str]
+    is_dir: bool
+    #: for a folder: its files relative to the folder, with sizes; for files: rel -> size
+    files: dict[str, int]
+    temporary: bool = False
+
+
+def _remote_items(files: dict[str, int]) -> list[_RemoteItem]:
+    """Group a listing into the entries of the run folder and its checkpoint sub-folders."""
+    groups: dict[tuple[str, bool], dict[str, int]] = {}
+    for rel, size in files.items():
+        parts = rel.split("/")
+        if parts[0] in _SUBFOLDERS and len(parts) >= 2:
+            base, rest = "/".join(parts[:2]), parts[2:]
+        else:
+            base, rest = parts[0], parts[1:]
+        if rest:
+            groups.setdefault((base, True), {})["/".join(rest)] = size
+        else:
+            groups.setdefault((base, False), {})[base] = size
+    items: list[_RemoteItem] = []
+    plain_files: dict[tuple[str, int | None], _RemoteItem] = {}
+    for (base, is_dir), inside in sorted(groups.items()):
+        name = base.rsplit("/", 1)[-1]
+        parent = base.rsplit("/", 1)[0] if "/" in base else ""
+        item = _classify_remote(name, is_dir, inside)
+        if item is None:
+            continue
+        item.rels = [base]
+        if item.layout == "plain" and not item.temporary and not is_dir:
+            key = (parent, item.step)
+            if key in plain_files:
+                plain_files[key].rels.append(base)
+                plain_files[key].files.update(inside)
+                continue
+            plain_files[key] = item
+        items.append(item)
+    return items
+
+
+def _classify_remote(name: str, is_dir: bool, inside: dict[str, int]) -> _RemoteItem | None:
+    for pattern in _TEMP_NAMES:
+        m = pattern.fullmatch(name)
+        if m:
+            inner = m.group("name")
+            matched = _match_name(inner, is_dir) or _match_name(inner, not is_dir)
+            if matched is None and TMP_MARKER not in name:
+                continue
+            layout, step, epoch = matched or ("plain", None, None)
+            return _RemoteItem(layout, step, epoch, [], is_dir, dict(inside), temporary=True)
+    matched = _match_name(name, is_dir)
+    if matched is None:
+        return None
+    layout, step, epoch = matched
+    if (
+        layout == "plain"
+        and is_dir
+        and not any(f.endswith(_CKPT_EXT) or f.endswith(".metadata") for f in inside)
+    ):
+        return None
+    return _RemoteItem(layout, step, epoch, [], is_dir, dict(inside))
+
+
+def _remote_file_problem(storage: Storage, rel: str, size: int) -> str | None:
+    """Whether one remote safetensors / torch.save file is whole, from its header or its end."""
+    where = storage.describe(rel)
+    if size == 0:
+        return f"{where}: empty file"
+    try:
+        if rel.endswith(".safetensors"):
+            if size < 8:
+                return f"{where}: truncated safetensors file"
+            length = int.from_bytes(storage.read(rel, 0, 8), "little")
+            if length > min(_MAX_HEADER, size - 8):
+                return f"{where}: truncated or corrupt safetensors header"
+            header = json.loads(storage.read(rel, 8, length))
+            ends = [
+                int(v["data_offsets"][1])
+                for k, v in header.items()
+                if k != "__metadata__" and isinstance(v, dict)
+            ]
+            if 8 + length + max(ends, default=0) > size:
+                return f"{where}: truncated (the header names more bytes than the file has)"
+            return None
+        if rel.endswith(_TORCH_EXT):
+            if storage.read(rel, 0, min(4, size)) != b"PK\x03\x04":
+                return None  # legacy torch.save format: no cheap structural check
+            tail = storage.read(rel, max(0, size - _ZIP_TAIL), min(size, _ZIP_TAIL))
+            if b"PK\x05\x06" not in tail:
+                return f"{where}: truncated torch.save file (no end of zip directory)"
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"{where}: unreadable header ({exc})"
+    except CkptError as error:
+        return error.message
+    return None
+
+
+def _remote_components(
+    storage: Storage, base: str, is_dir: bool, files: dict[str, int]
+) -> tuple[str | None, list[str]]:
+    """(first problem, formats) over the components of one remote checkpoint."""
+    if not is_dir:
+        formats: list[str] = []
+        for rel, size in files.items():
+            kind = "safetensors" if rel.endswith(".safetensors") else "torch"
+            formats.append(kind)
+            problem = _remote_file_problem(storage, rel, size)
+            if problem:
+                return problem, formats
+        return None, sorted(set(formats))
+    formats = []
+    folders: dict[str, dict[str, int]] = {}
+    for rel, size in files.items():
+        folder, _, fname = rel.rpartition("/")
+        folders.setdefault(folder, {})[fname] = size
+    any_component = False
+    for folder, names in sorted(folders.items()):
+        prefix = f"{base}/{folder}/" if folder else f"{base}/"
+        if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+            any_component = True
+            formats.append("dcp")
+            if ".metadata" not in names:
+                return f"{storage.describe(prefix)}: no .metadata (DCP writes it last)", formats
+            continue
+        claimed: set[str] = set()
+        for fname in sorted(names):
+            if fname.endswith(".index.json") and fname.removesuffix(".index.json").endswith(
+                (".safetensors", *_TORCH_EXT)
+            ):
+                any_component = True
+                kind = "safetensors" if ".safetensors." in fname else "torch"
+                formats.append(kind)
+                try:
+                    index = json.loads(storage.read_all(prefix + fname))
+                    shards = {v for v in index["weight_map"].values() if isinstance(v, str)}
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    return f"{storage.describe(prefix + fname)}: unreadable index ({exc})", formats
+                for shard in sorted(shards):
+                    if shard not in names:
+                        return (
+                            f"{storage.describe(prefix + fname)}: names shard {shard!r}, "
+                            "which is missing",
+                            formats,
+                        )
+                claimed |= shards
+        for fname, size in sorted(names.items()):
+            if fname in claimed or not fname.endswith((".safetensors", *_TORCH_EXT)):
+                continue
+            any_component = True
+            formats.append("safetensors" if fname.endswith(".safetensors") else "torch")
+            problem = _remote_file_problem(storage, prefix + fname, size)
+            if problem:
+                return problem, sorted(set(formats))
+    if not any_component:
+        return "holds no checkpoint files (safetensors, DCP, torch.save)", formats
+    return None, sorted(set(formats))
+
+
+def _remote_json(storage: Storage, rel: str) -> Any:
+    try:
+        return json.loads(storage.read_all(rel))
+    except (ValueError, UnicodeDecodeError, CkptError):
+        return None
+
+
+def scan_remote_run(
+    run_dir: str,
+    *,
+    metric: str | None = None,
+    mode: Literal["min", "max"] = "min",
+    settle: float = DEFAULT_SETTLE,
+    now: float | None = None,
+    until_latest: bool = False,
+) -> RunReport:
+    """`scan_run` for a run folder in an object store or on the Hub (listings and headers)."""
+    storage = run_storage(run_dir)
+    files = storage.list_files()
+    now = time.time() if now is None else now
+    root_url = run_dir.rstrip("/")
+    items = _remote_items(files)
+    ds_latest: str | None = None
+    if "latest" in files and files["latest"] <= 4096:
+        with contextlib.suppress(CkptError, UnicodeDecodeError):
+            ds_latest = storage.read_all("latest").decode().strip() or None
+    ds_step = _int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
+    unmarked = _remote_expected_parts(items)
+
+    def order(item: _RemoteItem) -> tuple[float, float, float]:
+        step = float(item.step) if item.step is not None else -math.inf
+        epoch = item.epoch if item.epoch is not None else -math.inf
+        return (step, epoch, _remote_mtime(storage, item))
+
+    judged: list[RunCheckpoint] = []
+    for item in sorted(items, key=order, reverse=True):
+        judged.append(
+            _judge_remote(storage, root_url, item, now, settle, ds_step, unmarked.get(id(item)))
+        )
+        if until_latest and judged[-1].complete and not judged[-1].slim:
+            break
+    checkpoints = sorted(judged, key=lambda c: c.order)
+    report = RunReport(
+        run_dir=root_url,
+        layouts=sorted({c.layout for c in checkpoints}),
+        checkpoints=checkpoints,
+        settle=settle,
+        root_files=sorted(
+            rel
+            for rel in files
+            if "/" not in rel and rel.endswith(_CKPT_EXT) and not any(rel in i.rels for i in items)
+        ),
+    )
+    newest = report.newest_complete
+    if newest is not None:
+        newest.markers.append("newest")
+        report.latest = newest.path
+    if ds_latest:
+        for c in checkpoints:
+            if c.layout == "deepspeed" and c.name.rsplit("/", 1)[-1] == ds_latest:
+                c.markers.append("deepspeed-latest")
+                report.deepspeed_latest = c.name
+    trainer_doc = None
+    trainers = [c for c in checkpoints if c.layout == "hf-trainer" and c.complete]
+    for rel in [f"{trainers[-1].name}/trainer_state.json"] if trainers else []:
+        doc = _remote_json(storage, rel)
+        if isinstance(doc, dict):
+            trainer_doc = doc
+            report.trainer_state = storage.describe(rel)
+    if trainer_doc is not None:
+        pointer = trainer_doc.get("best_model_checkpoint")
+        if isinstance(pointer, str) and pointer:
+            base = pointer.rstrip("/").rsplit("/", 1)[-1]
+            report.trainer_best = next(
+                (c.name for c in checkpoints if c.name.rsplit("/", 1)[-1] == base), None
+            )
+            best_metric = trainer_doc.get("best_metric")
+            if isinstance(best_metric, int | float):
+                report.trainer_best_metric = float(best_metric)
+            for c in checkpoints:
+                if c.name == report.trainer_best:
+                    c.markers.append("trainer-best")
+    if metric:
+        metrics_file = None
+        if METRICS_FILE in files:
+            raw = storage.read_all(METRICS_FILE)
+            metrics_file = (storage.describe(METRICS_FILE), raw.decode("utf-8", "replace"))
+        report.best = _best_by_metric(
+            Path("."), metric, mode, trainer_doc, checkpoints, metrics_file or ("", "")
+        )
+        if report.best.source == "":
+            report.best.source = None
+    storage.close()
+    return report
+
+
+def _remote_mtime(storage: Storage, item: _RemoteItem) -> float:
+    stamps = [
+        storage.modified(f"{item.rels[0]}/{rel}" if item.is_dir else rel) for rel in item.files
+    ]
+    return max((s for s in stamps if s is not None), default=0.0)
+
+
+def _remote_expected_parts(items: list[_RemoteItem]) -> dict[int, set[str]]:
+    """The remote twin of `_expected_parts`: names every other save of an unmarked layout has."""
+    out: dict[int, set[str]] = {}
+    for layout in _UNMARKED:
+        folders = [i for i in items if i.layout == layout and i.is_dir and not i.temporary]
+        names = {
+            id(f): {n for n in f.files if "/" not in n and not any(ch.isdigit() for ch in n)}
+            for f in folders
+        }
+        full = [f for f in folders if SLIM_RECORD not in names[id(f)]]
+        if len(full) < 3:
+            continue
+        for f in folders:
+            out[id(f)] = set.intersection(*[names[id(o)] for o in full if o is not f])
+    return out
+
+
+def _judge_remote(
+    storage: Storage,
+    root_url: str,
+    item: _RemoteItem,
+    now: float,
+    settle: float,
+    ds_latest_step: int | None,
+    expected: set[str] | None,
+) -> RunCheckpoint:
+    base = item.rels[0]
+    mtime = _remote_mtime(storage, item)
+    entry = RunCheckpoint(
+        name=base,
+        path=f"{root_url}/{base}",
+        paths=[f"{root_url}/{rel}" for rel in item.rels],
+        layout=item.layout,
+        step=item.step,
+        epoch=item.epoch,
+        size=sum(item.files.values()),
+        mtime=mtime,
+    )
+    recent = mtime > 0 and now - mtime < settle
+    if item.temporary:
+        return _with_status(
+            entry,
+            "writing" if recent else "interrupted",
+            "staging prefix of a save in progress" if recent else "staging prefix left behind",
+        )
+    entry.slim = item.is_dir and SLIM_RECORD in item.files
+    if entry.slim:
+        entry.markers.append("weights-only")
+    problem, entry.formats = _remote_components(storage, base, item.is_dir, item.files)
+    if problem is None and item.layout == "hf-trainer" and item.is_dir:
+        if "trainer_state.json" not in item.files:
+            problem = "no trainer_state.json (the Trainer writes it last)"
+        elif _remote_json(storage, f"{base}/trainer_state.json") is None:
+            problem = f"{storage.describe(base + '/trainer_state.json')}: not valid JSON"
+    if problem is None and expected and not entry.slim:
+        missing = expected - set(item.files)
+        if missing:
+            problem = (
+                f"lacks {', '.join(sorted(missing))}, which every other save of this run has "
+                "(no commit marker in this layout: an interrupted save?)"
+            )
+    if (
+        problem is None
+        and item.layout == "deepspeed"
+        and ds_latest_step is not None
+        and item.step is not None
+        and item.step > ds_latest_step
+    ):
+        problem = f"newer than global_step{ds_latest_step} named by the `latest` file"
+    if problem is None:
+        return entry
+    if recent:
+        return _with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
+    return _with_status(entry, "incomplete", problem)
+
+
+def looks_like_remote_run(path: str) -> bool:
+    """Whether a remote location holds step checkpoints and no checkpoint of its own."""
+    try:
+        files = run_storage(path).list_files()
+    except (NotFoundError, UsageError):
+        return False  # not a folder-like location: opened as a checkpoint, which says why
+    top = {rel.split("/", 1)[0] for rel in files}
+    if ".metadata" in top or any(t.endswith(_CKPT_EXT) and "-of-" in t for t in top):
+        return False
+    if any(t.endswith(".index.json") for t in top) or "model.safetensors" in top:
+        return False
+    return any(not i.temporary and i.layout != "plain" for i in _remote_items(files))

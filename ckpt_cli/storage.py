@@ -87,6 +87,11 @@ class Storage(ABC):
         """The file's path on this machine, or None for remote storage."""
         return None
 
+    def modified(self, rel: str) -> float | None:
+        """When the file was last written (seconds since the epoch), from the listing when the
+        storage reports it (object stores do); None when unknown."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Finish background work (remote read-ahead); the storage stays usable."""
 
@@ -277,6 +282,19 @@ def _read_pool() -> ThreadPoolExecutor:
         return _READ_POOL
 
 
+def _listing_time(info: dict[str, Any]) -> float | None:
+    """A listing entry's modification time: S3's `LastModified`, or `mtime` / `created`."""
+    for key in ("LastModified", "last_modified", "mtime", "updated", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        if isinstance(value, int | float):
+            return float(value)
+    return None
+
+
 class FsspecStorage(Storage):
     """Any fsspec filesystem (the Hub through `HfFileSystem`, S3, GCS...), with ranged reads.
 
@@ -303,6 +321,7 @@ class FsspecStorage(Storage):
         self.root = root.rstrip("/")
         self.display = display
         self._sizes: dict[str, int] | None = None
+        self._mtimes: dict[str, float] = {}
         self._ahead: dict[str, list[_Ahead]] = {}
         #: per file: where the last read ended, and whether its run had a large read before
         self._runs: dict[str, tuple[int, bool]] = {}
@@ -326,7 +345,15 @@ class FsspecStorage(Storage):
                 for name, info in sorted(found.items())
                 if info.get("type") != "directory" and name.startswith(prefix)
             }
+            for name, info in found.items():
+                stamp = _listing_time(info)
+                if stamp is not None and name.startswith(prefix):
+                    self._mtimes[name[len(prefix) :]] = stamp
         return self._sizes
+
+    def modified(self, rel: str) -> float | None:
+        self.list_files()
+        return self._mtimes.get(rel)
 
     def size(self, rel: str) -> int:
         rel = safe_relpath(rel, source=self.display)

@@ -2,7 +2,7 @@
 _ckpt() {
   local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" opts=""
   if [ "$COMP_CWORD" -eq 1 ]; then
-    COMPREPLY=( $(compgen -W "inspect verify convert reshard prune latest download diff --help --version" -- "$cur") )
+    COMPREPLY=( $(compgen -W "inspect verify convert reshard prune latest sync download diff --help --version" -- "$cur") )
     return
   fi
   case "${COMP_WORDS[1]}" in
@@ -10,8 +10,9 @@ _ckpt() {
     verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --force --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     reshard) opts="--world-size --max-shard-size --shard-dim --plan --drop-rank-state --keep-rank-state --dcp-serialization --dry-run -n --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    prune) opts="--keep-last --keep-every --keep-best --mode --keep --incomplete --yes -y --watch --max-iterations --settle --json --quiet -q --verbose -v --help -h" ;;
+    prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --watch --max-iterations --settle --json --quiet -q --verbose -v --help -h" ;;
     latest) opts="--settle --json --quiet -q --verbose -v --help -h" ;;
+    sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --dequantize --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
   esac
@@ -54,10 +55,28 @@ _ckpt() {
     prune\ --keep-best) COMPREPLY=(); return ;;
     prune\ --mode) COMPREPLY=( $(compgen -W "min max" -- "$cur") ); return ;;
     prune\ --keep) COMPREPLY=(); return ;;
+    prune\ --keep-top) COMPREPLY=(); return ;;
+    prune\ --keep-within) COMPREPLY=(); return ;;
+    prune\ --keep-every-duration) COMPREPLY=(); return ;;
+    prune\ --slim-older-than) COMPREPLY=(); return ;;
     prune\ --watch) COMPREPLY=(); return ;;
     prune\ --max-iterations) COMPREPLY=(); return ;;
     prune\ --settle) COMPREPLY=(); return ;;
     latest\ --settle) COMPREPLY=(); return ;;
+    sync\ --watch) COMPREPLY=(); return ;;
+    sync\ --max-iterations) COMPREPLY=(); return ;;
+    sync\ --max-rate) COMPREPLY=(); return ;;
+    sync\ --keep-last) COMPREPLY=(); return ;;
+    sync\ --keep-every) COMPREPLY=(); return ;;
+    sync\ --keep-best) COMPREPLY=(); return ;;
+    sync\ --keep-top) COMPREPLY=(); return ;;
+    sync\ --mode) COMPREPLY=( $(compgen -W "min max" -- "$cur") ); return ;;
+    sync\ --keep-within) COMPREPLY=(); return ;;
+    sync\ --keep-every-duration) COMPREPLY=(); return ;;
+    sync\ --settle) COMPREPLY=(); return ;;
+    sync\ --revision) COMPREPLY=(); return ;;
+    sync\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
+    sync\ --token) COMPREPLY=(); return ;;
     download\ --filter|download\ -k) COMPREPLY=(); return ;;
     download\ --filter-out) COMPREPLY=(); return ;;
     download\ --mode) COMPREPLY=( $(compgen -W "shards tensors" -- "$cur") ); return ;;

@@ -25,6 +25,8 @@ class S3Request:
     method: str
     path: str
     range: str | None
+    #: bytes of the request body (what an upload sent)
+    length: int = 0
 
 
 @dataclass
@@ -37,6 +39,10 @@ class S3Server:
     refuse: Callable[[S3Request], bool] | None = None
     #: requests for which this returns True are answered one second late (a slow link)
     slow: Callable[[S3Request], bool] | None = None
+
+    def bytes_uploaded(self) -> int:
+        """Body bytes of every PUT and POST (object uploads, multipart parts)."""
+        return sum(r.length for r in self.requests if r.method in ("PUT", "POST"))
 
     def object_gets(self, key_suffix: str) -> list[S3Request]:
         """GET requests for objects whose path ends with `key_suffix`."""
@@ -62,7 +68,10 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
 
     def logged(environ: dict[str, Any], start_response: Any) -> Any:
         request = S3Request(
-            environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("HTTP_RANGE")
+            environ["REQUEST_METHOD"],
+            environ.get("PATH_INFO", ""),
+            environ.get("HTTP_RANGE"),
+            int(environ.get("CONTENT_LENGTH") or 0),
         )
         server.requests.append(request)
         if server.slow is not None and server.slow(request):

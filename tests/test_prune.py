@@ -65,7 +65,7 @@ def test_plan_deletes_nothing_and_says_why(tmp_path: Path) -> None:
         "checkpoint-100": ("delete", "not kept by any rule"),
         "checkpoint-200": ("keep", "Trainer best_model_checkpoint"),
         "checkpoint-400": ("delete", "not kept by any rule"),
-        "checkpoint-500": ("keep", "newest complete"),
+        "checkpoint-500": ("keep", "newest complete; --keep-last 1"),
         "checkpoint-600": ("keep", "incomplete, newer than the newest complete checkpoint"),
     }
     sizes = {d["name"]: d["size"] for d in report["decisions"]}
@@ -136,7 +136,7 @@ def test_keep_best_every_and_pins_on_a_dcp_run_with_metrics_file(tmp_path: Path)
         "step-30": ("keep", "--keep-every 30"),
         "step-40": ("delete", "not kept by any rule"),
         "step-50": ("delete", "not kept by any rule"),
-        "step-60": ("keep", "newest complete"),
+        "step-60": ("keep", "newest complete; --keep-every 30"),
     }
     result = run_ckpt("prune", run, *args, "--yes")
     assert result.exit_code == 0
@@ -167,7 +167,10 @@ def test_deepspeed_run_keeps_the_save_its_latest_file_names(tmp_path: Path) -> N
     assert result.exit_code == 0, result.stderr
     assert decisions(result) == {
         "global_step10": ("delete", "not kept by any rule"),
-        "global_step20": ("keep", "newest complete"),
+        "global_step20": (
+            "keep",
+            "newest complete; named by the DeepSpeed latest file; --keep-last 1",
+        ),
         "global_step30": ("keep", "incomplete, newer than the newest complete checkpoint"),
     }
     assert survivors(out) == ["global_step20", "global_step30", "latest"]

@@ -238,7 +238,6 @@ def test_inspect_of_a_run_folder_shows_the_table(tmp_path: Path) -> None:
 
 def test_latest_on_missing_or_empty_folders(tmp_path: Path) -> None:
     assert run_ckpt("latest", tmp_path / "nope").exit_code == 3
-    assert run_ckpt("latest", "hf://org/model").exit_code == 2
     empty = run_ckpt("latest", tmp_path)
     assert empty.exit_code == 3
     assert "no step checkpoints" in empty.stderr

@@ -88,13 +88,19 @@ def render_prune(report: PruneReport) -> None:
     for column in ("checkpoint", "step", "status", "size", "action", "rule"):
         table.add_column(column, overflow="fold")
     for d in report.decisions:
+        d_rule = d.rule
         if d.action == "keep":
             action = "[green]keep[/]"
+        elif d.action == "slim":
+            done = "slimmed" if d.deleted else "[yellow]not slimmed[/]"
+            action = f"[cyan]{done if report.applied else 'slim'}[/]"
+            freed = d.slim.bytes if d.slim is not None else 0
+            d_rule = f"{d.rule}; frees {'' if report.applied else '~'}{human_bytes(freed)}"
         elif report.applied:
             action = "[red]deleted[/]" if d.deleted else "[yellow]not deleted[/]"
         else:
             action = "[red]delete[/]"
-        rule = d.rule + (f" ({d.error})" if d.error else "")
+        rule = (d_rule if d.action == "slim" else d.rule) + (f" ({d.error})" if d.error else "")
         table.add_row(
             d.name,
             str(d.step) if d.step is not None else "?",
@@ -111,14 +117,26 @@ def render_prune(report: PruneReport) -> None:
             f"deleted {len(report.deleted)} checkpoint{'s' if len(report.deleted) != 1 else ''}, "
             f"freed {human_bytes(report.bytes_freed)}"
         )
+        if report.slimmed:
+            stdout.print(
+                f"slimmed {len(report.slimmed)} checkpoint{'s' if len(report.slimmed) != 1 else ''}"
+                f" to weights only, freed {human_bytes(report.bytes_slimmed)}"
+            )
         for failure in report.failed:
             stderr.print(f"[yellow]not deleted:[/] {failure}")
-    elif report.to_delete:
-        stdout.print(
-            f"would delete {report.to_delete} checkpoint{'s' if report.to_delete != 1 else ''}, "
-            f"freeing {human_bytes(report.bytes_to_free)}; nothing was deleted "
-            "(run again with --yes to delete)"
-        )
+    elif report.to_delete or report.to_slim:
+        if report.to_slim:
+            stdout.print(
+                f"would slim {report.to_slim} checkpoint{'s' if report.to_slim != 1 else ''} "
+                f"to weights only, freeing ~{human_bytes(report.bytes_to_slim)}"
+            )
+        if report.to_delete:
+            stdout.print(
+                f"would delete {report.to_delete} "
+                f"checkpoint{'s' if report.to_delete != 1 else ''}, "
+                f"freeing {human_bytes(report.bytes_to_free)}"
+            )
+        stdout.print("nothing was deleted (run again with --yes to delete)")
     else:
         stdout.print("nothing to delete")
 
@@ -127,7 +145,10 @@ def render_watch_round(report: PruneReport) -> None:
     """One line per deletion during `--watch` (quiet rounds print nothing)."""
     stamp = time.strftime("%H:%M:%S")
     for d in report.decisions:
-        if d.deleted:
+        if d.deleted and d.action == "slim":
+            freed = d.slim.bytes if d.slim is not None else 0
+            stdout.print(f"{stamp} slimmed {d.name}, freed {human_bytes(freed)}")
+        elif d.deleted:
             stdout.print(f"{stamp} deleted {d.name} ({d.rule}), freed {human_bytes(d.size)}")
     for failure in report.failed:
         stderr.print(f"{stamp} [yellow]not deleted:[/] {failure}")

@@ -1,0 +1,111 @@
+"""Run folders in an object store (moto's S3 server) and on the Hub (the test Hub server):
+`ckpt latest`, `ckpt prune` and `ckpt inspect RUN_DIR` read listings and headers only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .conftest import run_ckpt
+from .hub_server import TestHub
+from .run_fixtures import interrupted_trainer_save, trainer_run
+from .s3_fixtures import S3Server, list_keys, upload_folder
+
+
+def _data_files(keys: list[str]) -> list[str]:
+    return [k for k in keys if k.endswith((".safetensors", ".pt", ".pth"))]
+
+
+def test_latest_and_prune_on_an_s3_run_folder(s3_server: S3Server, tmp_path: Path) -> None:
+    out = trainer_run(tmp_path)  # checkpoint-100 ... -500; the Trainer's best is 200
+    interrupted_trainer_save(out, 600)  # preempted: model cut short, no trainer_state.json
+    upload_folder(s3_server.endpoint, "ckpts", "run", out)
+    s3_server.requests.clear()
+    latest = run_ckpt("latest", "s3://ckpts/run/")
+    assert latest.exit_code == 0, latest.stderr
+    assert latest.stdout.strip() == "s3://ckpts/run/checkpoint-500"
+    # headers only: every read of a data file is a small ranged read
+    reads = [r for r in s3_server.requests if r.method == "GET" and "list-type" not in r.path]
+    data_reads = [r for r in reads if r.path.endswith((".safetensors", ".pt", ".pth"))]
+    assert data_reads and all(r.range is not None for r in data_reads)
+    table = run_ckpt("latest", "s3://ckpts/run", "--json").json["result"]
+    status = {c["name"]: c["status"] for c in table["checkpoints"]}
+    # the objects were written seconds ago (S3 LastModified): a broken save may still be going
+    assert status["checkpoint-600"] == "writing" and status["checkpoint-300"] == "complete"
+    table = run_ckpt("latest", "s3://ckpts/run", "--settle", "0", "--json").json["result"]
+    status = {c["name"]: c["status"] for c in table["checkpoints"]}
+    assert status["checkpoint-600"] == "incomplete"
+    assert table["trainer_best"] == "checkpoint-200"
+    inspected = run_ckpt("inspect", "s3://ckpts/run", "--json")
+    assert inspected.exit_code == 0, inspected.stderr
+    assert inspected.json["result"]["format"] == "run"
+    assert len(inspected.json["result"]["run"]["checkpoints"]) == 6
+
+    plan = run_ckpt("prune", "s3://ckpts/run", "--keep-last", "2", "--settle", "0", "--json")
+    assert plan.exit_code == 0, plan.stderr
+    actions = {d["name"]: d["action"] for d in plan.json["result"]["decisions"]}
+    assert actions == {
+        "checkpoint-100": "delete",
+        "checkpoint-200": "keep",  # the Trainer's best_model_checkpoint
+        "checkpoint-300": "delete",
+        "checkpoint-400": "keep",
+        "checkpoint-500": "keep",
+        "checkpoint-600": "keep",  # incomplete: only --incomplete removes it
+    }
+    before = list_keys(s3_server.endpoint, "ckpts")
+    assert plan.json["result"]["bytes_to_free"] > 0
+    assert list_keys(s3_server.endpoint, "ckpts") == before  # a plan deletes nothing
+    done = run_ckpt(
+        "prune", "s3://ckpts/run", "--keep-last", "2", "--settle", "0", "--yes", "--json"
+    )
+    assert done.exit_code == 0, done.stderr
+    assert sorted(done.json["result"]["deleted"]) == ["checkpoint-100", "checkpoint-300"]
+    left = {k.split("/")[1] for k in list_keys(s3_server.endpoint, "ckpts")}
+    assert left == {"checkpoint-200", "checkpoint-400", "checkpoint-500", "checkpoint-600"}
+    # what is left still reads back whole
+    assert run_ckpt("verify", "s3://ckpts/run/checkpoint-400").exit_code == 0
+
+
+def test_a_dcp_run_in_s3_skips_a_save_without_metadata(s3_server: S3Server, tmp_path: Path) -> None:
+    from .run_fixtures import dcp_save
+
+    run = tmp_path / "dump"
+    for step in (10, 20, 30):
+        dcp_save(run / f"step-{step}", step)
+    (run / "step-30" / ".metadata").unlink()  # the writer was evicted before its commit marker
+    upload_folder(s3_server.endpoint, "ckpts", "titan", run)
+    latest = run_ckpt("latest", "s3://ckpts/titan")
+    assert latest.stdout.strip() == "s3://ckpts/titan/step-20", latest.stderr
+    table = run_ckpt("latest", "s3://ckpts/titan", "--json").json["result"]
+    reasons = {c["name"]: c["reason"] for c in table["checkpoints"]}
+    assert ".metadata" in (reasons["step-30"] or "")
+
+
+def test_latest_and_prune_plan_on_a_hub_repo_of_checkpoints(hub: TestHub, tmp_path: Path) -> None:
+    # the repo Trainer's push_to_hub(hub_strategy="all_checkpoints") leaves: checkpoint-N/ folders
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    interrupted_trainer_save(out, 400)
+    hub.add_repo("org/run", out)
+    latest = run_ckpt("latest", "hf://org/run")
+    assert latest.exit_code == 0, latest.stderr
+    assert latest.stdout.strip() == "hf://org/run/checkpoint-300"
+    # no file was downloaded whole: only headers and the small JSON files
+    for path in (out / "checkpoint-300").iterdir():
+        if path.suffix in (".safetensors", ".pt", ".pth"):
+            sent = hub.bytes_sent("org/run", f"checkpoint-300/{path.name}")
+            assert sent < path.stat().st_size, path.name
+    plan = run_ckpt("prune", "hf://org/run", "--keep-last", "1", "--json")
+    assert plan.exit_code == 0, plan.stderr
+    actions = {d["name"]: d["action"] for d in plan.json["result"]["decisions"]}
+    assert actions == {
+        "checkpoint-100": "delete",
+        "checkpoint-200": "keep",
+        "checkpoint-300": "keep",
+        "checkpoint-400": "keep",
+    }
+    refused = run_ckpt("prune", "hf://org/run", "--keep-last", "1", "--yes")
+    assert refused.exit_code == 2 and "commit" in refused.stderr
+    inspected = run_ckpt("inspect", "hf://org/run", "--json").json["result"]
+    assert inspected["format"] == "run" and inspected["run"]["latest"] == latest.stdout.strip()
+    assert torch  # torch is the writer of the fixtures' optimizer files

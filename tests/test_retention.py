@@ -1,0 +1,336 @@
+"""Retention beyond last-N: the N best, time windows, and old saves slimmed to their weights.
+
+Run folders are written by the real writers (transformers' Trainer, `dcp.save`, torch.save in
+Lightning's file naming); times are controlled by setting mtimes, never by waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .conftest import run_ckpt
+from .run_fixtures import HOUR, dcp_save, trainer_run, weights
+
+DAY = 24 * HOUR
+
+
+def set_mtime(path: Path, stamp: float) -> None:
+    """Give `path` and everything under it the modification time `stamp`."""
+    targets = [path]
+    if path.is_dir():
+        targets += list(path.rglob("*"))
+    for target in targets:
+        os.utime(target, (stamp, stamp), follow_symlinks=False)
+
+
+def plan(result: Any) -> dict[str, tuple[str, list[str]]]:
+    assert result.exit_code == 0, result.stdout + result.stderr
+    return {d["name"]: (d["action"], d["rules"]) for d in result.json["result"]["decisions"]}
+
+
+def test_keep_top_and_keep_within_are_a_union_naming_every_rule(tmp_path: Path) -> None:
+    # eval_loss by step: 100 .90, 200 .40, 300 .70, 400 .65, 500 .60 (run_fixtures.EVAL_LOSS)
+    out = trainer_run(tmp_path)
+    now = time.time()
+    for step, hours_ago in ((100, 50), (200, 40), (300, 30), (400, 3), (500, 1)):
+        set_mtime(out / f"checkpoint-{step}", now - hours_ago * HOUR)
+    result = run_ckpt(
+        "prune",
+        out,
+        "--keep-best",
+        "eval_loss",
+        "--keep-top",
+        "2",
+        "--keep-within",
+        "4h",
+        "--json",
+    )
+    decided = plan(result)
+    assert decided["checkpoint-100"] == ("delete", [])
+    assert decided["checkpoint-300"] == ("delete", [])
+    action, rules = decided["checkpoint-200"]
+    assert action == "keep"
+    assert rules == [
+        "best eval_loss (0.4)",
+        "Trainer best_model_checkpoint",
+        "--keep-top 2 (#1 eval_loss=0.4)",
+    ]
+    assert decided["checkpoint-400"] == ("keep", ["--keep-within 4h"])
+    assert decided["checkpoint-500"] == (
+        "keep",
+        ["newest complete", "--keep-top 2 (#2 eval_loss=0.6)", "--keep-within 4h"],
+    )
+    assert (
+        run_ckpt(
+            "prune",
+            out,
+            "--keep-best",
+            "eval_loss",
+            "--keep-top",
+            "2",
+            "--keep-within",
+            "4h",
+            "--yes",
+        ).exit_code
+        == 0
+    )
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoint-200",
+        "checkpoint-400",
+        "checkpoint-500",
+    ]
+
+
+def test_keep_every_duration_keeps_the_save_closest_to_each_window_start(tmp_path: Path) -> None:
+    run = tmp_path / "dump"
+    window = 6 * HOUR
+    # three 6 h windows, far in the past; saves every 2 h, the first ones 1 h into a window
+    base = (int(time.time() // window) - 10) * window
+    stamps = {}
+    for i, step in enumerate(range(10, 100, 10)):
+        dcp_save(run / f"step-{step}", step)
+        stamps[step] = base + HOUR + i * 2 * HOUR
+        set_mtime(run / f"step-{step}", stamps[step])
+    decided = plan(run_ckpt("prune", run, "--keep-every-duration", "6h", "--json"))
+    kept = {name for name, (action, _rules) in decided.items() if action == "keep"}
+    # windows [base, +6h) holds 10 (1h), 20 (3h), 30 (5h); the next 40 (7h), 50, 60; then 70...
+    assert kept == {"step-10", "step-40", "step-70", "step-90"}
+    assert decided["step-40"][1] == [
+        "--keep-every-duration 6h (window from "
+        + time.strftime("%Y-%m-%d %H:%M", time.gmtime(base + window))
+        + " UTC)"
+    ]
+    assert decided["step-90"][1] == ["newest complete"]
+    # the union with --keep-last: both rules named where both keep
+    both = plan(run_ckpt("prune", run, "--keep-every-duration", "6h", "--keep-last", "3", "--json"))
+    assert both["step-70"][1][0].startswith("--keep-last 3") is True
+    assert both["step-70"][1][1].startswith("--keep-every-duration 6h")
+    assert both["step-80"] == ("keep", ["--keep-last 3"])
+    assert both["step-20"] == ("delete", [])
+
+
+def test_keep_top_on_lightning_file_names(tmp_path: Path) -> None:
+    ckpts = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    names = {}
+    for epoch, step, loss in ((0, 100, 0.9), (1, 200, 0.3), (2, 300, 0.5), (3, 400, 0.7)):
+        names[step] = f"epoch={epoch}-step={step}-val_loss={loss}.ckpt"
+        torch.save({"state_dict": weights(step), "global_step": step}, ckpts / names[step])
+        set_mtime(ckpts / names[step], time.time() - DAY)
+    run = ckpts.parent
+    decided = plan(run_ckpt("prune", run, "--keep-best", "val_loss", "--keep-top", "2", "--json"))
+    assert decided[f"checkpoints/{names[300]}"] == ("keep", ["--keep-top 2 (#2 val_loss=0.5)"])
+    assert decided[f"checkpoints/{names[100]}"] == ("delete", [])
+    assert decided[f"checkpoints/{names[400]}"] == ("keep", ["newest complete"])
+
+
+def test_policy_usage_errors(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path, steps=(100, 200))
+    top = run_ckpt("prune", out, "--keep-top", "2")
+    assert top.exit_code == 2 and "--keep-best" in top.stderr
+    bad = run_ckpt("prune", out, "--keep-within", "two days")
+    assert bad.exit_code == 2 and "not a duration" in bad.stderr
+
+
+# --------------------------------------------------------------------------- slimming
+
+
+def _train_with_the_real_trainer(out: Path) -> None:
+    """transformers' Trainer on a 2-layer GPT-2 (hidden 16): checkpoint-2, -4, -6."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32)
+    )
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=6,
+        save_steps=2,
+        per_device_train_batch_size=4,
+        eval_strategy="steps",
+        eval_steps=2,
+        metric_for_best_model="eval_loss",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens()).train()
+
+
+def test_slimming_a_real_trainer_run_keeps_weights_and_drops_resume_state(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    _train_with_the_real_trainer(out)
+    for folder in out.iterdir():
+        set_mtime(folder, time.time() - DAY)
+    best = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())[
+        "best_model_checkpoint"
+    ]
+    weights_before = {p.name: load_file(p / "model.safetensors") for p in out.iterdir()}
+    for folder in out.iterdir():  # checksum manifests, which slimming must keep true
+        assert run_ckpt("verify", folder, "--write-manifest").exit_code == 0
+        set_mtime(folder, time.time() - DAY)
+    decided = run_ckpt("prune", out, "--keep-last", "3", "--slim-older-than", "1", "--json")
+    assert decided.exit_code == 0, decided.stderr
+    report = decided.json["result"]
+    slimmed = {d["name"]: d for d in report["decisions"] if d["action"] == "slim"}
+    # never the newest complete, never the Trainer's best
+    assert "checkpoint-6" not in slimmed and Path(best).name not in slimmed
+    assert slimmed, report
+    for d in slimmed.values():
+        assert d["slim"]["files"] == ["optimizer.pt", "rng_state.pth"]
+        folder = Path(d["path"])
+        assert d["slim"]["bytes"] == sum((folder / f).stat().st_size for f in d["slim"]["files"])
+    assert report["bytes_to_slim"] == sum(d["slim"]["bytes"] for d in slimmed.values())
+    human = run_ckpt("prune", out, "--keep-last", "3", "--slim-older-than", "1")
+    assert "would slim" in human.stdout and "frees ~" in human.stdout
+    assert (
+        run_ckpt("prune", out, "--keep-last", "3", "--slim-older-than", "1", "--yes").exit_code == 0
+    )
+    for name in slimmed:
+        folder = out / name
+        assert not (folder / "optimizer.pt").exists() and not (folder / "rng_state.pth").exists()
+        reloaded = load_file(folder / "model.safetensors")
+        assert reloaded.keys() == weights_before[name].keys()
+        assert all(torch.equal(reloaded[k], v) for k, v in weights_before[name].items())
+        assert run_ckpt("verify", folder).exit_code == 0
+        checked = run_ckpt("verify", folder, "--checksums")
+        assert checked.exit_code == 0, checked.stdout
+        inspected = run_ckpt("inspect", folder, "--json").json["result"]["training"]
+        assert inspected["resumable"] is False and "optimizer" in inspected["missing"]
+    # the whole saves are untouched, and `latest` still resumes from the newest
+    assert (out / "checkpoint-6" / "optimizer.pt").exists()
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-6")
+    table = run_ckpt("inspect", out, "--json").json["result"]["run"]["checkpoints"]
+    assert {c["name"] for c in table if "weights-only" in c["markers"]} == set(slimmed)
+
+
+def load_model(folder: Path, inspected: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The `model.*` tensors of a DCP folder, read by `dcp.load` into fresh tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    model = {
+        e["name"].removeprefix("model."): torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+        for e in inspected["entries"]
+        if e["name"].startswith("model.")
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"model": model}, checkpoint_id=str(folder), no_dist=True)
+    return model
+
+
+def test_a_slimmed_dcp_save_loads_its_weights_verifies_and_is_no_resume_point(
+    tmp_path: Path,
+) -> None:
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples" / "restart_test"))
+    try:
+        import train as restart_train
+    finally:
+        sys.path.pop(0)
+    run = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert (
+            restart_train.main(
+                ["--run-dir", str(run), "--steps", "8", "--save-every", "4", "--format", "dcp"]
+            )
+            == 0
+        )
+    for folder in run.iterdir():
+        set_mtime(folder, time.time() - DAY)
+    mode = (run / "step-4").stat().st_mode
+    before = run_ckpt("inspect", run / "step-4", "--json").json["result"]
+    original = load_model(run / "step-4", before)
+    assert (
+        run_ckpt("prune", run, "--keep-last", "2", "--slim-older-than", "1", "--yes").exit_code == 0
+    )
+    slim = run / "step-4"
+    assert (slim / "ckpt-slim.json").is_file() and slim.stat().st_mode == mode
+    after = run_ckpt("inspect", slim, "--json").json["result"]
+    names_after = {e["name"] for e in after["entries"]}
+    assert not any(n.startswith(("optimizer.", "rng.", "dataloader.")) for n in names_after)
+    assert {e["name"] for e in before["entries"] if e["name"].startswith("model.")} <= names_after
+    assert after["training"]["resumable"] is False
+    assert run_ckpt("verify", slim).exit_code == 0
+    # dcp.load reads the weights back, bit-equal to what the full save held
+    assert load_model(slim, before).keys() == original.keys()
+    restored = load_model(slim, before)
+    assert all(torch.equal(restored[k], v) for k, v in original.items())
+    latest = run_ckpt("latest", run, "--json").json["result"]
+    assert latest["latest"] == str(run / "step-8")
+    # slim everything but the newest: the newest is never slimmed
+    assert (
+        run_ckpt("prune", run, "--keep-last", "2", "--slim-older-than", "1", "--json").json[
+            "result"
+        ]["to_slim"]
+        == 0
+    )
+
+
+def test_slimming_lightning_files_rewrites_them_without_optimizer_state(tmp_path: Path) -> None:
+    run = tmp_path / "lightning_logs" / "version_0"
+    ckpts = run / "checkpoints"
+    ckpts.mkdir(parents=True)
+    names = {}
+    for epoch, step in ((0, 100), (1, 200), (2, 300)):
+        model = {k: v.float() for k, v in weights(step).items()}
+        params = [torch.nn.Parameter(t.clone()) for t in model.values()]
+        optimizer = torch.optim.AdamW(params)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        names[step] = f"epoch={epoch}-step={step}.ckpt"
+        torch.save(
+            {
+                "epoch": epoch,
+                "global_step": step,
+                "pytorch-lightning_version": "2.4.0",
+                "state_dict": model,
+                "loops": {"fit_loop": {"epoch_progress": {"total": {"completed": epoch}}}},
+                "callbacks": {},
+                "optimizer_states": [optimizer.state_dict()],
+                "lr_schedulers": [],
+            },
+            ckpts / names[step],
+        )
+        set_mtime(ckpts / names[step], time.time() - DAY)
+    old = ckpts / names[100]
+    size_before = old.stat().st_size
+    result = run_ckpt("prune", run, "--keep-last", "3", "--slim-older-than", "1", "--yes", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert sorted(result.json["result"]["slimmed"]) == [
+        f"checkpoints/{names[100]}",
+        f"checkpoints/{names[200]}",
+    ]
+    assert old.is_file() and old.stat().st_size < size_before
+    slimmed = torch.load(old, weights_only=True)
+    assert "optimizer_states" not in slimmed and slimmed["global_step"] == 100
+    assert all(torch.equal(slimmed["state_dict"][k], v.float()) for k, v in weights(100).items())
+    assert run_ckpt("verify", old).exit_code == 0
+    table = run_ckpt("inspect", run, "--json").json["result"]["run"]
+    marked = {c["name"] for c in table["checkpoints"] if "weights-only" in c["markers"]}
+    assert marked == {f"checkpoints/{names[100]}", f"checkpoints/{names[200]}"}
+    assert table["latest"] == str(ckpts / names[300])
+    # no leftovers: the files, and the record of which ones are slimmed
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([*names.values(), ".ckpt-slim.json"])

@@ -1,0 +1,413 @@
+"""`ckpt sync`: a run's complete checkpoints to moto's S3 server and back, verified.
+
+The preemptible-training story: a job saves into out/, `ckpt sync` copies each complete
+save to the bucket (never one being written), a killed sync resumes without re-sending
+finished files, and a fresh machine pulls the newest complete save and resumes from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_cli.ops.sync import RateLimit, sync
+
+from .conftest import REPO, run_ckpt
+from .hub_server import TestHub
+from .run_fixtures import interrupted_trainer_save, trainer_checkpoint, trainer_run
+from .s3_fixtures import S3Server, list_keys, make_bucket
+
+BUCKET = "ckpts"
+
+
+def local_files(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def remote_checkpoints(endpoint: str, prefix: str = "run") -> set[str]:
+    return {k.split("/")[1] for k in list_keys(endpoint, BUCKET, prefix + "/") if k.count("/") > 1}
+
+
+def fresh_save(out: Path, step: int) -> Path:
+    """A Trainer save still being written: weights and optimizer, no trainer_state.json yet."""
+    folder = out / f"checkpoint-{step}"
+    trainer_checkpoint(folder, step)
+    (folder / "trainer_state.json").unlink()
+    return folder
+
+
+def test_sync_uploads_complete_saves_only_verified_and_once(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    interrupted_trainer_save(out, 400)
+    fresh_save(out, 500)
+    result = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json["result"]
+    actions = {c["name"]: c["action"] for c in report["checkpoints"]}
+    assert actions == {
+        "checkpoint-100": "uploaded",
+        "checkpoint-200": "uploaded",
+        "checkpoint-300": "uploaded",
+        "checkpoint-400": "skipped",  # interrupted
+        "checkpoint-500": "skipped",  # still being written
+    }
+    assert remote_checkpoints(s3_server.endpoint) == {
+        "checkpoint-100",
+        "checkpoint-200",
+        "checkpoint-300",
+    }
+    assert report["latest"] == f"s3://{BUCKET}/run/checkpoint-300"
+    # the manifest went last, and `ckpt verify` on the remote copy checks against it
+    puts = [r.path for r in s3_server.requests if r.method == "PUT"]
+    ours = [p for p in puts if "/checkpoint-300/" in p]
+    assert ours[-1].endswith("/checkpoint-300/ckpt-manifest.json")
+    assert ours[-2].endswith(("trainer_state.json", "index.json"))
+    checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-300", "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout
+    assert checked.json["result"]["files"] == len(local_files(out / "checkpoint-300"))
+    # a second sync sends nothing
+    s3_server.requests.clear()
+    again = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json").json["result"]
+    assert again["bytes_sent"] == 0 and again["transferred"] == []
+    assert s3_server.bytes_uploaded() == 0
+    # the save in progress finishes: the next sync takes it
+    trainer_checkpoint(tmp_path / "done", 500)
+    shutil.copy(tmp_path / "done" / "trainer_state.json", out / "checkpoint-500")
+    third = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json").json["result"]
+    assert third["transferred"] == ["checkpoint-500"]
+    human = run_ckpt("sync", out, f"s3://{BUCKET}/run/")
+    assert "uploaded 0 checkpoints" in human.stdout and "present" in human.stdout
+
+
+def test_a_killed_upload_resumes_without_resending_finished_files(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    target = "/checkpoint-200/optimizer.pt"
+    s3_server.slow = lambda r: r.method == "PUT" and r.path.endswith(target)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "sync", str(out), f"s3://{BUCKET}/run/"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not any(r.path.endswith(target) for r in s3_server.requests):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # preempted mid-upload: no cleanup of any kind
+    proc.wait(timeout=30)
+    s3_server.slow = None
+    # the server may still store the request it was holding when the client died; what is
+    # in the bucket once it settles is what the next sync can reuse
+    time.sleep(1.5)
+    keys = set(list_keys(s3_server.endpoint, BUCKET, "run/"))
+    assert "run/checkpoint-200/ckpt-manifest.json" not in keys  # not synced: no manifest
+    assert any(k.startswith("run/checkpoint-200/") for k in keys)  # but some files are there
+    missing = sum(
+        p.stat().st_size
+        for p in out.rglob("*")
+        if p.is_file() and f"run/{p.relative_to(out).as_posix()}" not in keys
+    )
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    # meanwhile the remote side says the half-uploaded save is not complete
+    half = run_ckpt("latest", f"s3://{BUCKET}/run", "--settle", "0").stdout.strip()
+    assert half == f"s3://{BUCKET}/run/checkpoint-100"
+    s3_server.requests.clear()
+    resumed = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert resumed.exit_code == 0, resumed.stdout
+    report = resumed.json["result"]
+    by_name = {c["name"]: c for c in report["checkpoints"]}
+    assert by_name["checkpoint-100"]["action"] == "present"
+    assert by_name["checkpoint-200"]["files_reused"] > 0
+    # bytes sent the second time are exactly what was missing (files) plus two manifests
+    assert report["bytes_sent"] == missing < total
+    manifests = [r for r in s3_server.requests if r.method == "PUT" and "manifest" in r.path]
+    assert len(manifests) == 2
+    assert s3_server.bytes_uploaded() - sum(r.length for r in manifests) == missing
+    pulled = tmp_path / "pulled"
+    assert run_ckpt("sync", f"s3://{BUCKET}/run/", pulled).exit_code == 0
+    for step in (100, 200, 300):
+        name = f"checkpoint-{step}"
+        assert local_files(pulled / name) == {
+            **local_files(out / name),
+            "ckpt-manifest.json": (pulled / name / "ckpt-manifest.json").read_bytes(),
+        }
+
+
+def test_pull_latest_is_verified_and_a_damaged_remote_copy_is_refused(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    import boto3
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run").exit_code == 0
+    fresh = tmp_path / "fresh-machine" / "out"
+    pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--latest", "--json")
+    assert pulled.exit_code == 0, pulled.stdout
+    assert pulled.json["result"]["latest"] == str(fresh / "checkpoint-200")
+    assert [c["name"] for c in pulled.json["result"]["checkpoints"]] == ["checkpoint-200"]
+    assert pulled.json["result"]["checkpoints"][0]["verified"] is True
+    assert run_ckpt("latest", fresh).stdout.strip() == str(fresh / "checkpoint-200")
+    original = local_files(out / "checkpoint-200")
+    assert {k: v for k, v in local_files(fresh / "checkpoint-200").items() if k in original} == (
+        original
+    )
+    # a flipped byte in the bucket: the pull fails and publishes nothing
+    key = "run/checkpoint-200/model.safetensors"
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    data = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[-1] ^= 0xFF
+    client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    other = tmp_path / "other"
+    bad = run_ckpt("sync", f"s3://{BUCKET}/run/", other, "--latest", "--json")
+    assert bad.exit_code == 1
+    assert "does not match the checkpoint's checksum manifest" in bad.stdout
+    assert not (other / "checkpoint-200").exists()
+    assert [p.name for p in other.iterdir()] == []  # no staging folder left either
+
+
+def test_prune_remote_applies_retention_on_the_bucket(s3_server: S3Server, tmp_path: Path) -> None:
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path)  # 100..500; the Trainer's best is 200
+    result = run_ckpt(
+        "sync", out, f"s3://{BUCKET}/run/", "--prune-remote", "--keep-last", "2", "--json"
+    )
+    assert result.exit_code == 0, result.stdout
+    assert sorted(result.json["result"]["pruned"]["deleted"]) == [
+        "checkpoint-100",
+        "checkpoint-300",
+    ]
+    assert remote_checkpoints(s3_server.endpoint) == {
+        "checkpoint-200",
+        "checkpoint-400",
+        "checkpoint-500",
+    }
+    assert sorted(p.name for p in out.iterdir()) == [
+        f"checkpoint-{s}" for s in range(100, 501, 100)
+    ]
+    needs = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--keep-last", "2")
+    assert needs.exit_code == 2 and "--prune-remote" in needs.stderr
+
+
+def test_watch_uploads_each_new_save_within_one_interval(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    steps = iter((200, 300))
+    seen: list[list[str]] = []
+
+    def training_goes_on(_seconds: float) -> None:
+        trainer_checkpoint(out / f"checkpoint-{next(steps)}", 0)
+
+    report = sync(
+        str(out),
+        f"s3://{BUCKET}/run/",
+        watch_seconds=60,
+        max_iterations=3,
+        on_round=lambda r: seen.append(r.transferred),
+        sleep=training_goes_on,
+    )
+    assert seen == [["checkpoint-100"], ["checkpoint-200"], ["checkpoint-300"]]
+    assert report.stopped == "max-iterations" and report.iterations == 3
+    assert report.latest == f"s3://{BUCKET}/run/checkpoint-300"
+
+
+def test_max_rate_paces_the_bytes() -> None:
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    limit = RateLimit(1000, clock=lambda: now[0], sleep=sleep)
+    for _ in range(5):
+        limit.take(500)
+    assert sum(slept) == pytest.approx(2.5)  # 2500 bytes at 1000 B/s
+    RateLimit(None, clock=lambda: now[0], sleep=sleep).take(10**9)
+    assert sum(slept) == pytest.approx(2.5)
+
+
+def test_parity_travels_with_the_checkpoint(s3_server: S3Server, tmp_path: Path) -> None:
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    parity = out / "checkpoint-100" / ".ckpt-parity"
+    parity.mkdir()
+    (parity / "model.safetensors.p0").write_bytes(hashlib.sha256(b"parity").digest() * 8)
+    os.utime(parity / "model.safetensors.p0", (time.time() - 7200, time.time() - 7200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run").exit_code == 0
+    assert run_ckpt("sync", f"s3://{BUCKET}/run", tmp_path / "back").exit_code == 0
+    manifest = json.loads((tmp_path / "back" / "checkpoint-100" / "ckpt-manifest.json").read_text())
+    assert ".ckpt-parity/model.safetensors.p0" in manifest["files"]
+    assert (
+        tmp_path / "back" / "checkpoint-100" / ".ckpt-parity" / "model.safetensors.p0"
+    ).read_bytes() == (parity / "model.safetensors.p0").read_bytes()
+
+
+def test_usage_errors(tmp_path: Path) -> None:
+    both_local = run_ckpt("sync", tmp_path, tmp_path / "b")
+    assert both_local.exit_code == 2 and "local run folder" in both_local.stderr
+    to_hub = run_ckpt("sync", tmp_path, "hf://org/run")
+    assert to_hub.exit_code == 2 and "commit" in to_hub.stderr
+
+
+@pytest.mark.slow
+def test_train_sync_lose_the_machine_pull_latest_and_resume_bit_identical(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    # examples/restart_test: the straight run is the reference
+    sys.path.insert(0, str(REPO / "examples" / "restart_test"))
+    try:
+        import train
+    finally:
+        sys.path.pop(0)
+    make_bucket(s3_server.endpoint, BUCKET)
+    args = ["--steps", "8", "--save-every", "4", "--format", "dcp"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert train.main(["--run-dir", str(tmp_path / "straight"), *args]) == 0
+        # the spot machine: trains to step 4, syncs, is evicted (its disk is gone)
+        spot = tmp_path / "spot"
+        assert train.main(["--run-dir", str(spot), *args[:1], "4", *args[2:]]) == 0
+        assert run_ckpt("sync", spot, f"s3://{BUCKET}/run/").exit_code == 0
+        shutil.rmtree(spot)
+        # the next machine: pull the newest complete save, resume from `ckpt latest`
+        fresh = tmp_path / "fresh"
+        assert run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--latest").exit_code == 0
+        resume = run_ckpt("latest", fresh).stdout.strip()
+        assert resume == str(fresh / "step-4")
+        assert train.main(["--run-dir", str(fresh), *args, "--resume", resume]) == 0
+    diff = run_ckpt("diff", tmp_path / "straight" / "step-8", fresh / "step-8", "--json")
+    assert diff.exit_code == 0, diff.stdout
+    assert diff.json["result"]["equal"] == diff.json["result"]["compared"] > 50
+    assert torch  # the example trains with torch
+
+
+def test_pull_latest_from_a_hub_repo_of_trainer_checkpoints(hub: TestHub, tmp_path: Path) -> None:
+    # what Trainer's push_to_hub(hub_strategy="all_checkpoints") leaves: no ckpt manifest
+    out = trainer_run(tmp_path, steps=(100, 200))
+    interrupted_trainer_save(out, 300)
+    hub.add_repo("org/run", out)
+    fresh = tmp_path / "fresh"
+    pulled = run_ckpt("sync", "hf://org/run", fresh, "--latest", "--json")
+    assert pulled.exit_code == 0, pulled.stdout
+    done = pulled.json["result"]["checkpoints"][0]
+    assert done["name"] == "checkpoint-200" and done["action"] == "downloaded"
+    assert done["verified"] is False  # no manifest to check against: structure only
+    assert local_files(fresh / "checkpoint-200") == local_files(out / "checkpoint-200")
+    assert run_ckpt("latest", fresh).stdout.strip() == str(fresh / "checkpoint-200")
+
+
+def test_watch_stops_cleanly_on_ctrl_c(s3_server: S3Server, tmp_path: Path) -> None:
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+
+    def interrupted(_seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    report = sync(str(out), f"s3://{BUCKET}/run/", watch_seconds=5, sleep=interrupted)
+    assert report.stopped == "interrupted" and report.iterations == 1
+    assert report.transferred == ["checkpoint-100"] and not report.failed
+
+
+def test_multipart_uploads_are_checked_by_etag_and_reused_on_resume(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    import boto3
+    from safetensors.torch import save_file
+
+    from ckpt_cli.output import UPLOAD_BLOCK
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    run = tmp_path / "dump"
+    for step in (1, 2):
+        folder = run / f"step-{step}"
+        folder.mkdir(parents=True)
+        big = torch.arange(UPLOAD_BLOCK // 4 + 1000, dtype=torch.float32) * step
+        save_file({"w": big}, folder / "model.safetensors")  # two parts: 16 MiB + the rest
+        os.utime(folder / "model.safetensors", (time.time() - 7200,) * 2)
+    first = run_ckpt("sync", run, f"s3://{BUCKET}/big/", "--json")
+    assert first.exit_code == 0, first.stdout
+    # verified from the ETag S3 computed over the parts: nothing was read back (the only
+    # reads are the header probes of `latest` on the bucket)
+    reads = [r for r in s3_server.requests if r.method == "GET" and "model" in r.path]
+    for r in reads:
+        assert r.range is not None
+        start, end = (int(x) for x in r.range.removeprefix("bytes=").split("-"))
+        assert end - start < 64 << 10, r
+    # the manifest lost (a sync killed right before it): the data is reused, not re-sent
+    boto3.client("s3", endpoint_url=s3_server.endpoint).delete_object(
+        Bucket=BUCKET, Key="big/step-2/ckpt-manifest.json"
+    )
+    s3_server.requests.clear()
+    again = run_ckpt("sync", run, f"s3://{BUCKET}/big/", "--json").json["result"]
+    by_name = {c["name"]: c for c in again["checkpoints"]}
+    assert by_name["step-2"]["files_reused"] == 1 and again["bytes_sent"] == 0
+    assert s3_server.bytes_uploaded() < 4096  # only the manifest
+
+
+def test_a_save_slimmed_after_its_sync_is_replaced_remotely(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    assert (
+        run_ckpt("prune", out, "--keep-last", "3", "--slim-older-than", "1", "--yes").exit_code == 0
+    )
+    again = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert again.exit_code == 0, again.stdout
+    # 200 is the Trainer's best: never slimmed, so already in the bucket as it is
+    assert again.json["result"]["transferred"] == ["checkpoint-100"]
+    keys = list_keys(s3_server.endpoint, BUCKET, "run/checkpoint-100/")
+    assert "run/checkpoint-100/optimizer.pt" not in keys
+    assert "run/checkpoint-100/ckpt-slim.json" in keys
+    table = run_ckpt("latest", f"s3://{BUCKET}/run", "--json").json["result"]
+    marked = {c["name"] for c in table["checkpoints"] if "weights-only" in c["markers"]}
+    assert marked == {"checkpoint-100"}
+    assert table["latest"] == f"s3://{BUCKET}/run/checkpoint-300"
+    checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-100", "--checksums")
+    assert checked.exit_code == 0, checked.stdout
+
+
+def test_plain_files_of_one_step_travel_together(s3_server: S3Server, tmp_path: Path) -> None:
+    from .run_fixtures import age, weights
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (10, 20):
+        torch.save(weights(step), run / f"model_{step}.pt")
+        torch.save({"step": step}, run / f"optim_{step}.pt")
+    age(run)
+    up = run_ckpt("sync", run, f"s3://{BUCKET}/plain/", "--settle", "0", "--json")
+    assert up.exit_code == 0, up.stdout
+    assert "plain/model_20.pt.ckpt-manifest.json" in list_keys(s3_server.endpoint, BUCKET)
+    back = tmp_path / "back"
+    down = run_ckpt("sync", f"s3://{BUCKET}/plain/", back, "--json")
+    assert down.exit_code == 0, down.stdout
+    assert all(c["verified"] for c in down.json["result"]["checkpoints"])
+    assert local_files(back) == local_files(run)
