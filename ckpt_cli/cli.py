@@ -59,7 +59,18 @@ SrcArg = Annotated[
 ]
 
 #: the order commands appear in `ckpt --help`; modules not listed follow alphabetically
-COMMAND_ORDER = ["inspect", "verify", "convert", "reshard", "prune", "latest", "download", "diff"]
+COMMAND_ORDER = [
+    "inspect",
+    "verify",
+    "convert",
+    "reshard",
+    "prune",
+    "latest",
+    "download",
+    "diff",
+    "protect",
+    "repair",
+]
 
 T = TypeVar("T")
 
