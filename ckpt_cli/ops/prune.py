@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 from ..errors import NotFoundError, UsageError
 from ..output import TMP_MARKER, fsync_dir
 from ..runs import DEFAULT_SETTLE, DELETING, BestMetric, RunCheckpoint, RunReport, scan_run
+from ..storage import PARITY_DIR
 
 
 class PrunePolicy(BaseModel):
@@ -247,6 +248,15 @@ def remove_checkpoint(paths: list[Path]) -> None:
     is finished before the interrupt propagates: at worst hidden `.NAME.ckpt-tmp-del-*` remain.
     """
     hidden: list[Path] = []
+    # a single-file checkpoint's parity (`ckpt protect FILE`) lives beside it; it goes too
+    # (a folder checkpoint's parity is inside the folder)
+    paths = paths + [
+        parity
+        for p in paths
+        if not p.is_dir()
+        and (parity := p.parent / PARITY_DIR / p.name).is_dir()
+        and not parity.is_symlink()
+    ]
     for path in paths:
         tag = f"{TMP_MARKER}{DELETING}{os.getpid()}-{time.time_ns()}"
         target = path.with_name(f".{path.name}{tag}")

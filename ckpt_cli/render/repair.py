@@ -4,26 +4,8 @@ from __future__ import annotations
 
 from rich.markup import escape
 
-from ..ops.parity import DamagedFile, RepairReport
+from ..ops.parity import RepairReport, damage_text
 from . import human_bytes, stdout
-
-#: damaged byte ranges shown per file before the rest are counted
-MAX_RANGES = 4
-
-
-def damage_text(d: DamagedFile) -> str:
-    """One line about a damaged file: its state and the damaged byte ranges."""
-    if d.state == "missing":
-        what = "missing"
-    else:
-        shown = ", ".join(f"bytes {lo}-{hi}" for lo, hi in d.ranges[:MAX_RANGES])
-        more = len(d.ranges) - MAX_RANGES
-        what = ("size changed; " if d.state == "size_changed" else "corrupt: ") + (
-            shown or "extra bytes past the recorded size"
-        )
-        if more > 0:
-            what += f" (+{more} more ranges)"
-    return f"{d.path}: {what}"
 
 
 def render_repair(report: RepairReport) -> None:
