@@ -255,7 +255,7 @@ def test_parity_folder_is_never_copied_into_a_converted_output(tmp_path: Path) -
     assert result.exit_code == 0, result.stdout + result.stderr
     assert [p.name for p in tmp_path.iterdir() if "parity" in p.name] == []
     with safe_open(str(out), framework="pt") as f:
-        assert sorted(f.keys()) == sorted(state)  # noqa: SIM118
+        assert sorted(f.keys()) == sorted(state)
     resharded = tmp_path / "resharded"
     result = run_ckpt("reshard", model, resharded, "--max-shard-size", "64KB")
     assert result.exit_code == 0, result.stdout + result.stderr
