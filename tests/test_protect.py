@@ -7,6 +7,7 @@ torch.save); every repaired checkpoint is judged by the real reader, bit-exact.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -371,3 +372,24 @@ def test_sigkill_during_protect_and_repair_leaves_nothing_that_looks_complete(
     assert result.exit_code == 0, result.stdout + result.stderr
     _assert_same(_read_safetensors(model), state)
     assert run_ckpt("verify", model, "--checksums").exit_code == 0
+
+
+@pytest.mark.torchrun
+def test_a_dead_ranks_distcp_of_a_two_rank_save_is_rebuilt_for_dcp_load(tmp_path: Path) -> None:
+    from .dist_helpers import DIST_SCRIPT, run_torchrun, torchrun_ckpt
+
+    saved = tmp_path / "saved"
+    run_torchrun(DIST_SCRIPT, 2, "--save", saved)
+    assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert run_ckpt("protect", saved, "--block-size", "4KiB").exit_code == 0
+    (saved / "__1_0.distcp").unlink()
+    # repair launched under torchrun: rank 0 rebuilds, rank 1 waits; no race on the staging
+    proc = torchrun_ckpt(2, "repair", saved, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert run_ckpt("verify", saved, "--checksums").exit_code == 0
+    for nproc in (1, 2):
+        report = tmp_path / f"report{nproc}"
+        run_torchrun(DIST_SCRIPT, nproc, "--load", saved, report, "train.step")
+        for rank in range(nproc):
+            got = json.loads((report / f"rank{rank}.json").read_text())
+            assert got["ok"] and got["objects"] == {"train.step": 11}, got

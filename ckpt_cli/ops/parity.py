@@ -27,7 +27,7 @@ files store raw payloads and the headers are regenerated from a zero stripe when
 Memory is one stripe: (W + K) blocks. Reads and writes go through `Storage` (local `pread`,
 or fsspec ranged reads for `s3://`); outputs are staged and published with one rename (or, in
 an object store, uploaded whole with the manifest last). Under torchrun the work is not split
-across ranks (rank 0 does it all and the others wait).
+across ranks yet: rank 0 does it all, the others wait and report its result.
 """
 
 from __future__ import annotations
@@ -41,15 +41,16 @@ import shutil
 import tempfile
 import uuid
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
 from .. import __version__
+from ..distributed import active
 from ..errors import DestinationExistsError, FormatError, NotFoundError, UsageError
 from ..formats import resolve_source
 from ..formats.base import Source
@@ -451,6 +452,27 @@ def _pad(data: bytes, size: int) -> bytes:
 # ------------------------------------------------------------------------------ protect
 
 
+M = TypeVar("M", bound=BaseModel)
+
+
+def _on_leader(work: Callable[[], M], model: type[M]) -> M:
+    """Run `work` on rank 0 only (under torchrun the others wait), the result on every rank.
+
+    Every rank writing the same parity or rebuilding the same file would race on one staging
+    name; splitting the stripes across ranks is not done yet.
+    """
+    workers = active()
+    result: M | None = None
+    with workers.together():
+        if workers.leader:
+            result = work()
+    if not workers.distributed:
+        assert result is not None
+        return result
+    shared = workers.broadcast(result.model_dump(mode="json") if result is not None else None)
+    return model.model_validate(shared)
+
+
 def protect(
     src: str,
     *,
@@ -472,6 +494,15 @@ def protect(
         DestinationExistsError: the checkpoint is protected already (without `force`).
         UsageError: parity or block size out of range.
     """
+    return _on_leader(
+        lambda: _protect(src, parity=parity, block_size=block_size, force=force, progress=progress),
+        ProtectReport,
+    )
+
+
+def _protect(
+    src: str, *, parity: int, block_size: str | int, force: bool, progress: Progress
+) -> ProtectReport:
     if not 1 <= parity <= MAX_PARITY:
         raise UsageError(f"--parity {parity} is out of range", fix=f"Use 1 to {MAX_PARITY}.")
     block = _parse_size(block_size)
@@ -872,6 +903,10 @@ def repair(src: str, *, dry_run: bool = False, progress: Progress = NULL_PROGRES
         NotFoundError: the checkpoint has no parity (run `ckpt protect` first).
         FormatError: a rebuilt file does not match its recorded sha256 (nothing published).
     """
+    return _on_leader(lambda: _repair(src, dry_run=dry_run, progress=progress), RepairReport)
+
+
+def _repair(src: str, *, dry_run: bool, progress: Progress) -> RepairReport:
     target = _target(src)
     m = read_parity_manifest(target)
     if m is None:

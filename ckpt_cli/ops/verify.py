@@ -282,7 +282,7 @@ def _parity_problems(report: VerifyReport, problems: list[Problem], parity: Pari
                 code=code,
                 message=f"{damage_text(d)} (against the parity manifest; {verdict})",
                 file=d.path,
-                severity=severity,  # type: ignore[arg-type]
+                severity=severity,
                 repairable=d.repairable,
             )
         )
