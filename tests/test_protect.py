@@ -21,6 +21,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 
 from .conftest import REPO, run_ckpt, run_ckpt_process
+from .hub_server import TestHub
 from .s3_fixtures import S3Server, fetch_prefix, list_keys, upload_folder
 
 
@@ -393,3 +394,64 @@ def test_a_dead_ranks_distcp_of_a_two_rank_save_is_rebuilt_for_dcp_load(tmp_path
         for rank in range(nproc):
             got = json.loads((report / f"rank{rank}.json").read_text())
             assert got["ok"] and got["objects"] == {"train.step": 11}, got
+
+
+def test_download_of_a_protected_repo_never_fetches_the_parity(
+    tmp_path: Path, hub: TestHub
+) -> None:
+    folder = tmp_path / "published"
+    state = _safetensors_model(folder)
+    assert run_ckpt("protect", folder).exit_code == 0
+    hub.add_repo("org/model", folder)
+    assert run_ckpt("verify", "hf://org/model").exit_code == 0
+    dest = tmp_path / "dest"
+    result = run_ckpt("download", "hf://org/model", dest)
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert not (dest / ".ckpt-parity").exists()
+    assert not any("parity" in p.name for p in dest.rglob("*"))
+    _assert_same(_read_safetensors(dest), state)
+
+
+def test_stale_parity_and_files_added_after_protect_are_reported(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    state = _safetensors_model(model)
+    assert run_ckpt("protect", model).exit_code == 0
+    shard = model / "model-00004-of-00004.safetensors"
+    # the data rewritten on purpose (same tensors, new values) after protect
+    later = time.time() + 5
+    tensors = {k: v + 1 for k, v in state.items() if k in {"layers.6.weight", "layers.7.weight"}}
+    save_file(tensors, shard, metadata={"format": "pt"})
+    os.utime(shard, (later, later))
+    (model / "notes.txt").write_text("added later")
+    result = run_ckpt("verify", model, "--json")
+    codes = {p["code"]: p for p in result.json["result"]["problems"]}
+    assert codes["parity_stale"]["file"] == str(shard)
+    assert codes["unprotected_file"]["file"] == str(model / "notes.txt")
+    # with --checksums the changed blocks are named; repair would restore the protected content
+    checked = run_ckpt("verify", model, "--checksums", "--json")
+    assert checked.exit_code == 1
+    assert any(p["code"] == "damaged_blocks" for p in checked.json["result"]["problems"])
+    assert run_ckpt("protect", model, "--force").exit_code == 0
+    assert run_ckpt("verify", model, "--checksums").exit_code == 0
+
+
+def test_protected_trainer_checkpoint_stays_resumable_and_latest(tmp_path: Path) -> None:
+    from .run_fixtures import trainer_checkpoint
+
+    run = tmp_path / "out"
+    ckpt_dir = run / "checkpoint-20"
+    trainer_checkpoint(ckpt_dir, 20)
+    optimizer = ckpt_dir / "optimizer.pt"
+    want = torch.load(optimizer, weights_only=True)
+    assert run_ckpt("protect", ckpt_dir, "--block-size", "4KiB").exit_code == 0
+    assert run_ckpt("verify", ckpt_dir, "--resumable").exit_code == 0
+    latest = run_ckpt("latest", run, "--settle", "0")
+    assert latest.exit_code == 0 and latest.stdout.strip() == str(ckpt_dir)
+    optimizer.unlink()
+    assert run_ckpt("verify", ckpt_dir, "--resumable").exit_code == 1
+    assert run_ckpt("repair", ckpt_dir).exit_code == 0
+    got = torch.load(optimizer, weights_only=True)
+    assert got["state"][0]["exp_avg"].equal(want["state"][0]["exp_avg"])
+    assert run_ckpt("verify", ckpt_dir, "--resumable", "--checksums").exit_code == 0
