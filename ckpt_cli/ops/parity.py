@@ -39,9 +39,11 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +76,8 @@ MAX_PARITY = 16
 BLOCK_ALIGN = 4096
 CODEC = "pyeclib"
 EC_TYPE = "isa_l_rs_cauchy"
+#: threads reading and hashing the blocks of one stripe (hashlib and xxhash release the GIL)
+HASH_THREADS = min(8, max(2, os.cpu_count() or 2))
 #: pyeclib fragment header size (checked against the library at start)
 _HEADER = 80
 
@@ -559,29 +563,48 @@ def _protect(
             p_hash = [hashlib.sha256() for _ in range(parity)]
             p_digests: list[list[str]] = [[] for _ in range(parity)]
             try:
-                for s in range(stripes):
-                    shares = []
+                pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="ckpt-protect")
+
+                def load(fi: int, bi: int, update: bool) -> bytes:
+                    f = files[fi]
+                    lo, hi = layout.extent(f.size, bi)
+                    data = reader.read(f.path, lo, hi - lo)
+                    if update:
+                        hashers[fi].update(data)
+                    digests[fi][bi] = _digest(data)
+                    progress.advance(len(data))
+                    return _pad(data, block)
+
+                def submit(stripe: int) -> list[Future[bytes] | None]:
+                    # decided here, in stripe order: whether a block continues its file's sha256
+                    futures: list[Future[bytes] | None] = []
                     for c in range(width):
-                        where = layout.block(c, s)
+                        where = layout.block(c, stripe)
                         if where is None:
-                            shares.append(bytes(block))
+                            futures.append(None)
                             continue
                         fi, bi = where
-                        f = files[fi]
-                        lo, hi = layout.extent(f.size, bi)
-                        data = reader.read(f.path, lo, hi - lo)
-                        if expected[fi] == bi:
-                            hashers[fi].update(data)
-                            expected[fi] += 1
-                        else:
-                            expected[fi] = -1
-                        digests[fi][bi] = _digest(data)
-                        shares.append(_pad(data, block))
-                        progress.advance(len(data))
-                    for j, par in enumerate(codec.encode(shares)):
-                        outs[j].write(par)
-                        p_hash[j].update(par)
-                        p_digests[j].append(_digest(par))
+                        update = expected[fi] == bi
+                        expected[fi] = expected[fi] + 1 if update else -1
+                        futures.append(pool.submit(load, fi, bi, update))
+                    return futures
+
+                zeros = bytes(block)
+                try:
+                    # stripe s+1 is read and hashed in threads while stripe s is encoded; a
+                    # stripe's reads finish before the next stripe's start, so every file's
+                    # sha256 sees its blocks in order
+                    pending = submit(0)
+                    for s in range(stripes):
+                        shares = [zeros if f is None else f.result() for f in pending]
+                        if s + 1 < stripes:
+                            pending = submit(s + 1)
+                        for j, par in enumerate(codec.encode(shares)):
+                            outs[j].write(par)
+                            p_hash[j].update(par)
+                            p_digests[j].append(_digest(par))
+                finally:
+                    pool.shutdown(wait=True, cancel_futures=True)
                 for out in outs:
                     out.flush()
                     os.fsync(out.fileno())
@@ -654,6 +677,7 @@ class _Reader:
     def __init__(self, storage: Storage):
         self.storage = storage
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def read(self, rel: str, offset: int, length: int) -> bytes:
         if length == 0:
@@ -661,13 +685,14 @@ class _Reader:
         path = self.storage.local_path(rel) if isinstance(self.storage, LocalStorage) else None
         if path is None:
             return self.storage.read(rel, offset, length)
-        fd = self._fds.get(rel)
-        if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise NotFoundError("file not found", path=str(path)) from None
-            self._fds[rel] = fd
+        with self._lock:  # blocks are read from several threads
+            fd = self._fds.get(rel)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise NotFoundError("file not found", path=str(path)) from None
+                self._fds[rel] = fd
         data = os.pread(fd, length, offset)
         if len(data) != length:
             return self.storage.read(rel, offset, length)  # raises the truncation error
