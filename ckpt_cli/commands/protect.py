@@ -34,7 +34,7 @@ def protect(
         str,
         typer.Option(
             "--block-size",
-            help="Bytes per block (e.g. 1MiB, 4MiB): the unit damage is located and rebuilt "
+            help="Bytes per block at most (e.g. 1MiB, 4MiB; smaller for small files): the unit damage is located and rebuilt "
             "in; memory is about block size x (files + K).",
         ),
     ] = "1MiB",

@@ -76,6 +76,8 @@ MAX_PARITY = 16
 BLOCK_ALIGN = 4096
 CODEC = "pyeclib"
 EC_TYPE = "isa_l_rs_cauchy"
+#: blocks of the longest file at least (smaller blocks for small files: less padding)
+MIN_BLOCKS_PER_FILE = 64
 #: threads reading and hashing the blocks of one stripe (hashlib and xxhash release the GIL)
 HASH_THREADS = min(8, max(2, os.cpu_count() or 2))
 #: pyeclib fragment header size (checked against the library at start)
@@ -403,6 +405,16 @@ def plan_layout(sizes: list[int], block_size: int) -> _Plan:
     return _Plan(width, -(-total // width), starts, width == 1)
 
 
+def _small_block(longest: int) -> int:
+    """The largest power-of-two block with at least `MIN_BLOCKS_PER_FILE` in the longest file.
+
+    Files are padded to whole blocks; with blocks this small the padding stays under ~2% of
+    a small checkpoint (large checkpoints keep the requested size).
+    """
+    target = max(BLOCK_ALIGN, longest // MIN_BLOCKS_PER_FILE)
+    return max(BLOCK_ALIGN, 1 << (target.bit_length() - 1))
+
+
 def _parse_size(text: str | int) -> int:
     if isinstance(text, int):
         return text
@@ -525,6 +537,7 @@ def _protect(
         )
     names = list(target.files)
     sizes = [target.files[n] for n in names]
+    block = min(block, _small_block(max(sizes)))
     plan = plan_layout(sizes, block)
     width, stripes, whole = plan.width, plan.stripes, plan.whole_files
     files = [
