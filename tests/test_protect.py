@@ -455,3 +455,33 @@ def test_protected_trainer_checkpoint_stays_resumable_and_latest(tmp_path: Path)
     got = torch.load(optimizer, weights_only=True)
     assert got["state"][0]["exp_avg"].equal(want["state"][0]["exp_avg"])
     assert run_ckpt("verify", ckpt_dir, "--resumable", "--checksums").exit_code == 0
+
+
+@pytest.mark.parametrize("how", ["garbage", "traversal"])
+def test_corrupt_or_hostile_parity_manifest_is_refused_and_nothing_written(
+    tmp_path: Path, how: str
+) -> None:
+    import json as _json
+
+    model = tmp_path / "ckpts" / "model"
+    model.parent.mkdir()
+    _safetensors_model(model)
+    assert run_ckpt("protect", model).exit_code == 0
+    manifest = model / ".ckpt-parity" / "parity.index.json"
+    if how == "garbage":
+        manifest.write_bytes(b"\x00not json")
+    else:
+        doc = _json.loads(manifest.read_text())
+        doc["files"][0]["path"] = "../outside.safetensors"
+        manifest.write_text(_json.dumps(doc))
+    (model / "model-00001-of-00004.safetensors").unlink()
+    before = _digests(tmp_path)
+    result = run_ckpt("repair", model)
+    assert result.exit_code == 4, result.stdout + result.stderr
+    message = " ".join(result.stderr.split())
+    if how == "garbage":
+        assert "not a valid ckpt parity manifest" in message and "--force" in message
+    else:
+        assert "a path outside the checkpoint" in message
+    assert _digests(tmp_path) == before
+    assert not (tmp_path / "ckpts" / "outside.safetensors").exists()

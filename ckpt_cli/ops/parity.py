@@ -58,7 +58,15 @@ from ..formats import resolve_source
 from ..formats.base import Source
 from ..output import TMP_MARKER, RemoteDest, fsync_dir, is_commit_marker, staged_output
 from ..progress import NULL_PROGRESS, Progress
-from ..storage import PARITY_DIR, FsspecStorage, LocalStorage, Storage, remote_failure
+from ..storage import (
+    PARITY_DIR,
+    FsspecStorage,
+    LocalStorage,
+    Storage,
+    is_parity_path,
+    remote_failure,
+    safe_relpath,
+)
 
 PARITY_VERSION = 1
 #: the parity manifest; its `.index.json` suffix makes object-store uploads publish it last
@@ -339,6 +347,12 @@ def _check_manifest(m: ParityManifest, where: str) -> None:
         or len(m.shares) != m.parity
         or any(len(s.blocks) != m.stripes or s.size != m.stripes * m.block_size for s in m.shares)
     )
+    # every name must stay inside the checkpoint (repair writes to these names)
+    for f in m.files:
+        if safe_relpath(f.path, source=where) != f.path or is_parity_path(f.path):
+            bad = True
+    if [s.path for s in m.shares] != [f"parity-{j}.bin" for j in range(len(m.shares))]:
+        bad = True
     spans = []
     total = 0
     for f in m.files:
