@@ -530,9 +530,10 @@ def protect(
     )
 
 
-def _protect(
-    src: str, *, parity: int, block_size: str | int, force: bool, progress: Progress
-) -> ProtectReport:
+def _prepare(
+    src: str, *, parity: int, block_size: str | int, force: bool, check: bool = True
+) -> tuple[_Target, ParityManifest]:
+    """Validate the options and plan the layout: the manifest without digests yet."""
     if not 1 <= parity <= MAX_PARITY:
         raise UsageError(f"--parity {parity} is out of range", fix=f"Use 1 to {MAX_PARITY}.")
     block = _parse_size(block_size)
@@ -543,7 +544,7 @@ def _protect(
     block = -(-block // BLOCK_ALIGN) * BLOCK_ALIGN
     target = _target(src)
     storage = target.storage
-    if not force and read_parity_manifest(target) is not None:
+    if check and not force and read_parity_manifest(target) is not None:
         raise DestinationExistsError(
             "is protected already",
             path=storage.describe(target.manifest_rel),
@@ -553,24 +554,52 @@ def _protect(
     sizes = [target.files[n] for n in names]
     block = min(block, _small_block(max(sizes)))
     plan = plan_layout(sizes, block)
-    width, stripes, whole = plan.width, plan.stripes, plan.whole_files
     files = [
         ProtectedFile(path=name, size=size, sha256="", start=start)
         for name, size, start in zip(names, sizes, plan.starts, strict=True)
     ]
-    at = sum(-(-size // block) for size in sizes)
     manifest = ParityManifest(
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         tool=f"ckpt {__version__}",
         block_size=block,
-        width=width,
+        width=plan.width,
         parity=parity,
-        stripes=stripes,
-        total_blocks=at,
-        whole_files=whole,
+        stripes=plan.stripes,
+        total_blocks=sum(-(-size // block) for size in sizes),
+        whole_files=plan.whole_files,
         files=files,
         shares=[],
     )
+    return target, manifest
+
+
+def _report(target: _Target, m: ParityManifest, dest: Path | RemoteDest) -> ProtectReport:
+    total = sum(f.size for f in m.files)
+    parity_bytes = m.parity * m.stripes * m.block_size
+    return ProtectReport(
+        location=target.source.location.raw,
+        parity_dir=str(dest),
+        files=len(m.files),
+        bytes=total,
+        parity_bytes=parity_bytes,
+        overhead=parity_bytes / total if total else 0.0,
+        block_size=m.block_size,
+        width=m.width,
+        parity=m.parity,
+        stripes=m.stripes,
+        whole_files=m.whole_files,
+        codec=f"{CODEC} {m.ec_type}",
+    )
+
+
+def _protect(
+    src: str, *, parity: int, block_size: str | int, force: bool, progress: Progress
+) -> ProtectReport:
+    target, manifest = _prepare(src, parity=parity, block_size=block_size, force=force)
+    storage = target.storage
+    files = manifest.files
+    sizes = [f.size for f in files]
+    block, width, stripes = manifest.block_size, manifest.width, manifest.stripes
     layout = _Layout(manifest)
     codec = Codec(width, parity, block)
     hashers = [hashlib.sha256() for _ in files]
@@ -662,22 +691,7 @@ def _protect(
     finally:
         reader.close()
         progress.finish()
-    total = sum(sizes)
-    parity_bytes = parity * stripes * block
-    return ProtectReport(
-        location=target.source.location.raw,
-        parity_dir=str(dest),
-        files=len(files),
-        bytes=total,
-        parity_bytes=parity_bytes,
-        overhead=parity_bytes / total if total else 0.0,
-        block_size=block,
-        width=width,
-        parity=parity,
-        stripes=stripes,
-        whole_files=whole,
-        codec=f"{CODEC} {EC_TYPE}",
-    )
+    return _report(target, manifest, dest)
 
 
 def _check_unchanged(target: _Target) -> None:
