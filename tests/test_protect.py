@@ -485,3 +485,33 @@ def test_corrupt_or_hostile_parity_manifest_is_refused_and_nothing_written(
         assert "a path outside the checkpoint" in message
     assert _digests(tmp_path) == before
     assert not (tmp_path / "ckpts" / "outside.safetensors").exists()
+
+
+@pytest.mark.torchrun
+def test_protect_split_across_two_ranks_writes_the_same_parity_as_one_process(
+    tmp_path: Path,
+) -> None:
+    import shutil
+
+    from .dist_helpers import torchrun_ckpt
+
+    one = tmp_path / "one"
+    state = _safetensors_model(one)
+    two = tmp_path / "two"
+    shutil.copytree(one, two)
+    assert run_ckpt("protect", one, "--block-size", "4KiB").exit_code == 0
+    proc = torchrun_ckpt(2, "protect", two, "--block-size", "4KiB", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["result"]["parity"] == 2  # one document, from rank 0
+    for name in ("parity-0.bin", "parity-1.bin"):
+        assert (one / ".ckpt-parity" / name).read_bytes() == (
+            two / ".ckpt-parity" / name
+        ).read_bytes()
+    docs = [json.loads((d / ".ckpt-parity" / "parity.index.json").read_text()) for d in (one, two)]
+    for doc in docs:
+        doc.pop("created")
+    assert docs[0] == docs[1]
+    assert not any(p.name.startswith("..ckpt-parity") for p in two.iterdir())
+    (two / "model-00004-of-00004.safetensors").unlink()
+    assert run_ckpt("repair", two).exit_code == 0
+    _assert_same(_read_safetensors(two), state)

@@ -26,8 +26,10 @@ files store raw payloads and the headers are regenerated from a zero stripe when
 
 Memory is one stripe: (W + K) blocks. Reads and writes go through `Storage` (local `pread`,
 or fsspec ranged reads for `s3://`); outputs are staged and published with one rename (or, in
-an object store, uploaded whole with the manifest last). Under torchrun the work is not split
-across ranks yet: rank 0 does it all, the others wait and report its result.
+an object store, uploaded whole with the manifest last). Under torchrun, `protect` of a local
+(shared-filesystem) checkpoint splits the stripes and the whole-file hashing across ranks; the
+parity is byte-identical to a single process's. `repair`, and `protect` of an object store,
+run on rank 0 while the others wait and report its result.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import uuid
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -489,7 +491,7 @@ def _on_leader(work: Callable[[], M], model: type[M]) -> M:
     """Run `work` on rank 0 only (under torchrun the others wait), the result on every rank.
 
     Every rank writing the same parity or rebuilding the same file would race on one staging
-    name; splitting the stripes across ranks is not done yet.
+    name (a repair rebuilds a few files: one process suffices).
     """
     workers = active()
     result: M | None = None
@@ -524,10 +526,127 @@ def protect(
         DestinationExistsError: the checkpoint is protected already (without `force`).
         UsageError: parity or block size out of range.
     """
+    workers = active()
+    if workers.distributed and resolve_source(src).location.kind == "local":
+        return _protect_split(src, parity=parity, block_size=block_size, force=force)
     return _on_leader(
         lambda: _protect(src, parity=parity, block_size=block_size, force=force, progress=progress),
         ProtectReport,
     )
+
+
+def _protect_split(src: str, *, parity: int, block_size: str | int, force: bool) -> ProtectReport:
+    """Protect under torchrun: every rank encodes a contiguous range of stripes.
+
+    The checkpoint must be on a filesystem every rank sees (as for `verify` under torchrun).
+    Rank 0 creates the staging folder and the parity files; each rank reads its stripes,
+    writes their parity blocks in place (`pwrite` at the stripe's offset) and hashes the whole
+    files and parity shares assigned to it (longest first); rank 0 gathers the digests,
+    writes the manifest and publishes. A failure on any rank fails all and removes the staging.
+    """
+    workers = active()
+    with ExitStack() as stack:
+        shared: dict[str, Any] = {}
+        with workers.together():
+            target, manifest = _prepare(
+                src, parity=parity, block_size=block_size, force=force, check=workers.leader
+            )
+            dest = _parity_dest(target)
+            assert isinstance(dest, Path)
+            if workers.leader:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                staging = stack.enter_context(staged_output(dest, force=force))
+                for j in range(parity):
+                    with open(staging / f"parity-{j}.bin", "wb") as fh:
+                        fh.truncate(manifest.stripes * manifest.block_size)
+                shared = {"staging": str(staging), "manifest": manifest.model_dump(mode="json")}
+        shared = workers.broadcast(shared)
+        staging = Path(shared["staging"])
+        # every rank works from rank 0's plan (one `created`, one layout)
+        manifest = ParityManifest.model_validate(shared["manifest"])
+        m = manifest
+        layout = _Layout(m)
+        storage = target.storage
+        reader = _Reader(storage)
+        mine: dict[str, Any] = {"blocks": [], "parity": [], "sha": {}, "share_sha": {}}
+        with workers.together():
+            try:
+                codec = Codec(m.width, m.parity, m.block_size)
+                first = m.stripes * workers.rank // workers.size
+                last = m.stripes * (workers.rank + 1) // workers.size
+                fds = [os.open(staging / f"parity-{j}.bin", os.O_WRONLY) for j in range(m.parity)]
+                try:
+                    for stripe in range(first, last):
+                        shares = []
+                        for c in range(m.width):
+                            where = layout.block(c, stripe)
+                            if where is None:
+                                shares.append(bytes(m.block_size))
+                                continue
+                            fi, bi = where
+                            lo, hi = layout.extent(m.files[fi].size, bi)
+                            data = reader.read(m.files[fi].path, lo, hi - lo)
+                            mine["blocks"].append([fi, bi, _digest(data)])
+                            shares.append(_pad(data, m.block_size))
+                        for j, par in enumerate(codec.encode(shares)):
+                            _pwrite_all(fds[j], par, stripe * m.block_size)
+                            mine["parity"].append([j, stripe, _digest(par)])
+                    for fd in fds:
+                        os.fsync(fd)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+            finally:
+                reader.close()
+        # every parity block is written: now the whole-file digests, shared out by size
+        weights = [f.size for f in m.files] + [m.stripes * m.block_size] * m.parity
+        with workers.together():
+            hasher = _Reader(storage)
+            try:
+                for i in workers.mine(weights):
+                    if i < len(m.files):
+                        f = m.files[i]
+                        mine["sha"][str(i)] = _sha256_storage(hasher, f.path, f.size)
+                    else:
+                        j = i - len(m.files)
+                        mine["share_sha"][str(j)] = _sha256_file(staging / f"parity-{j}.bin")
+            finally:
+                hasher.close()
+        gathered = workers.all_gather(mine)
+        report: dict[str, Any] | None = None
+        with workers.together():
+            if workers.leader:
+                digests = [[""] * -(-f.size // m.block_size) for f in m.files]
+                p_digests = [[""] * m.stripes for _ in range(m.parity)]
+                sha: dict[str, str] = {}
+                share_sha: dict[str, str] = {}
+                for part in gathered:
+                    for fi, bi, digest in part["blocks"]:
+                        digests[fi][bi] = digest
+                    for j, stripe, digest in part["parity"]:
+                        p_digests[j][stripe] = digest
+                    sha.update(part["sha"])
+                    share_sha.update(part["share_sha"])
+                for i, f in enumerate(m.files):
+                    f.sha256 = sha[str(i)]
+                    f.blocks = digests[i]
+                m.shares = [
+                    ProtectedFile(
+                        path=f"parity-{j}.bin",
+                        size=m.stripes * m.block_size,
+                        sha256=share_sha[str(j)],
+                        blocks=p_digests[j],
+                    )
+                    for j in range(m.parity)
+                ]
+                _check_unchanged(target)
+                with open(staging / MANIFEST_NAME, "wb") as fh:
+                    fh.write((json.dumps(m.model_dump(mode="json")) + "\n").encode())
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                stack.close()  # publish: the staging folder becomes the parity folder
+                report = _report(target, m, dest).model_dump(mode="json")
+    return ProtectReport.model_validate(workers.broadcast(report))
 
 
 def _prepare(
