@@ -82,7 +82,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from diff' -l format-b -r -d 'Read B
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l json -d 'Print one JSON document on stdout (the ckpt_json envelope)'
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l help -s h -d 'Show help and exit'
 complete -c ckpt -n '__fish_seen_subcommand_from protect' -l parity -r -d 'K - losses per stripe that can be rebuilt (any K whole files of a sharded checkpoint); parity is about K / (number of files) of the checkpoint'
-complete -c ckpt -n '__fish_seen_subcommand_from protect' -l block-size -r -d 'Bytes per block at most (e.g. 1MiB, 4MiB; smaller for small files) - the unit damage is located and rebuilt in; memory is about block size x (files + K)'
+complete -c ckpt -n '__fish_seen_subcommand_from protect' -l block-size -r -d 'Bytes per block at most (e.g. 1MiB, 4MiB; smaller for small files) - the unit damage is located and rebuilt in; memory is about 2 x block size x (columns + K), columns <= 32'
 complete -c ckpt -n '__fish_seen_subcommand_from protect' -l force -d 'Replace DEST if it exists (only after the new output is complete)'
 complete -c ckpt -n '__fish_seen_subcommand_from protect' -l json -d 'Print one JSON document on stdout (the ckpt_json envelope)'
 complete -c ckpt -n '__fish_seen_subcommand_from protect' -l help -s h -d 'Show help and exit'

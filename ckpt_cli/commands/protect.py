@@ -34,8 +34,9 @@ def protect(
         str,
         typer.Option(
             "--block-size",
-            help="Bytes per block at most (e.g. 1MiB, 4MiB; smaller for small files): the unit damage is located and rebuilt "
-            "in; memory is about block size x (files + K).",
+            help="Bytes per block at most (e.g. 1MiB, 4MiB; smaller for small files): the unit "
+            "damage is located and rebuilt in; memory is about 2 x block size x (columns + K), "
+            "columns <= 32.",
         ),
     ] = "1MiB",
     force: ForceOpt = False,

@@ -24,7 +24,7 @@ bench/bench_erasure.py; see the README). pyeclib wraps every fragment in a fixed
 that depends only on the code and the fragment length, never on the content, so the parity
 files store raw payloads and the headers are regenerated from a zero stripe when decoding.
 
-Memory is one stripe: (W + K) blocks. Reads and writes go through `Storage` (local `pread`,
+Memory is two stripes: 2 × (W + K) blocks (the next stripe is read while one is encoded). Reads and writes go through `Storage` (local `pread`,
 or fsspec ranged reads for `s3://`); outputs are staged and published with one rename (or, in
 an object store, uploaded whole with the manifest last). Under torchrun, `protect` of a local
 (shared-filesystem) checkpoint splits the stripes and the whole-file hashing across ranks; the
