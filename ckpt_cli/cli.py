@@ -539,6 +539,8 @@ COMMAND_ORDER = [
     "sync",
     "download",
     "diff",
+    "protect",
+    "repair",
 ]
 
 

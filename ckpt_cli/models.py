@@ -143,6 +143,9 @@ class Problem(BaseModel):
     file: str | None = None
     tensor: str | None = None
     severity: Literal["error", "warning"] = "error"
+    #: on a checkpoint protected by `ckpt protect`: whether `ckpt repair` can rebuild the file
+    #: (None when the checkpoint has no parity or the problem is not about file contents)
+    repairable: bool | None = None
 
 
 class OptimizerState(BaseModel):

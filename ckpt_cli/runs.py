@@ -62,7 +62,7 @@ from pydantic import BaseModel, Field
 
 from .errors import CkptError, NotFoundError, UsageError
 from .output import TMP_MARKER
-from .storage import Storage
+from .storage import Storage, is_parity_path
 
 #: files modified within this many seconds mark a checkpoint as possibly still being written
 DEFAULT_SETTLE = 120.0
@@ -266,7 +266,8 @@ def _lightning_metrics(name: str) -> dict[str, float]:
 
 def _looks_like_checkpoint_folder(path: Path) -> bool:
     """A plain `NAME-N/` folder counts only when it holds checkpoint files (not logs)."""
-    for _dirpath, _dirs, files in os.walk(path):
+    for _dirpath, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if not is_parity_path(d)]  # `ckpt protect`'s parity
         if any(f.endswith(_CKPT_EXT) or f == ".metadata" for f in files):
             return True
     return False
@@ -434,7 +435,8 @@ def _components(root: Path) -> list[tuple[str, Path]]:
     out: list[tuple[str, Path]] = []
     for dirpath, dirs, files in os.walk(root):
         here = Path(dirpath)
-        dirs.sort()
+        # the parity of `ckpt protect` is not a checkpoint part (its .bin files are no torch.save)
+        dirs[:] = sorted(d for d in dirs if not is_parity_path(d))
         if ".metadata" in files or any(f.endswith(".distcp") for f in files):
             out.append(("dcp", here))
             continue

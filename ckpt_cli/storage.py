@@ -23,6 +23,16 @@ from typing import IO, Any
 
 from .errors import CkptError, FormatError, HubError, NotFoundError, UnsafeInputError
 
+#: the folder `ckpt protect` writes parity into (inside the checkpoint folder, or beside a
+#: single-file checkpoint); it is never part of the checkpoint's data, so listings skip it
+PARITY_DIR = ".ckpt-parity"
+
+
+def is_parity_path(rel: str) -> bool:
+    """Whether `rel` lies in the parity folder or in one of its staging siblings."""
+    top = rel.split("/", 1)[0]
+    return top == PARITY_DIR or top.startswith(f".{PARITY_DIR}")
+
 
 def safe_relpath(name: str, *, source: str) -> str:
     """Normalise a file name read from an input and refuse anything that leaves the root.
@@ -57,7 +67,10 @@ class Storage(ABC):
 
     @abstractmethod
     def list_files(self) -> dict[str, int]:
-        """All files under the root (recursively), relative POSIX path -> size in bytes."""
+        """All files under the root (recursively), relative POSIX path -> size in bytes.
+
+        The parity folder (`PARITY_DIR`) is not part of the checkpoint and is never listed.
+        """
 
     @abstractmethod
     def size(self, rel: str) -> int:
@@ -127,7 +140,9 @@ class LocalStorage(Storage):
 
     def list_files(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for dirpath, _dirs, files in os.walk(self.root):
+        for dirpath, dirs, files in os.walk(self.root):
+            if dirpath == str(self.root):
+                dirs[:] = [d for d in dirs if not is_parity_path(d)]
             for fname in files:
                 full = os.path.join(dirpath, fname)
                 rel = os.path.relpath(full, self.root).replace(os.sep, "/")
@@ -334,6 +349,10 @@ class FsspecStorage(Storage):
         return f"{self.root}/{rel}" if self.root else rel
 
     def list_files(self) -> dict[str, int]:
+        return {rel: size for rel, size in self.all_files().items() if not is_parity_path(rel)}
+
+    def all_files(self) -> dict[str, int]:
+        """Every object under the root, the parity folder included (listed once, cached)."""
         if self._sizes is None:
             try:
                 found = self.fs.find(self.root, detail=True)
@@ -357,7 +376,7 @@ class FsspecStorage(Storage):
 
     def size(self, rel: str) -> int:
         rel = safe_relpath(rel, source=self.display)
-        files = self.list_files()
+        files = self.all_files()
         if rel not in files:
             raise NotFoundError("file not found", path=self.describe(rel))
         return files[rel]
@@ -410,7 +429,7 @@ class FsspecStorage(Storage):
 
     def _read_ahead(self, rel: str, start: int, length: int) -> None:
         """Keep about a window (`readahead` or `length` bytes) fetched or in flight past `start`."""
-        size = self.list_files().get(safe_relpath(rel, source=self.display), 0)
+        size = self.all_files().get(safe_relpath(rel, source=self.display), 0)
         window = max(self.readahead, length)
         with self._lock:
             windows = self._ahead.setdefault(rel, [])

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError
-from ..storage import LocalStorage, Storage, StorageRangeFile, safe_relpath
+from ..storage import LocalStorage, Storage, StorageRangeFile, is_parity_path, safe_relpath
 from ..uri import Location
 from .base import Source
 
@@ -448,7 +448,7 @@ class HubStorage(Storage):
         self._heads: dict[str, bytes | None] = {}
 
     def list_files(self) -> dict[str, int]:
-        return {rel: f.size for rel, f in self.repo.files.items()}
+        return {rel: f.size for rel, f in self.repo.files.items() if not is_parity_path(rel)}
 
     def size(self, rel: str) -> int:
         return self.remote(rel).size

@@ -33,6 +33,7 @@ from ..runs import (
     is_remote,
     scan_run,
 )
+from ..storage import PARITY_DIR
 from .slim import SlimAction, slim, slim_plan
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
@@ -400,6 +401,15 @@ def remove_checkpoint(paths: list[Path]) -> None:
     is finished before the interrupt propagates: at worst hidden `.NAME.ckpt-tmp-del-*` remain.
     """
     hidden: list[Path] = []
+    # a single-file checkpoint's parity (`ckpt protect FILE`) lives beside it; it goes too
+    # (a folder checkpoint's parity is inside the folder)
+    paths = paths + [
+        parity
+        for p in paths
+        if not p.is_dir()
+        and (parity := p.parent / PARITY_DIR / p.name).is_dir()
+        and not parity.is_symlink()
+    ]
     for path in paths:
         tag = f"{TMP_MARKER}{DELETING}{os.getpid()}-{time.time_ns()}"
         target = path.with_name(f".{path.name}{tag}")

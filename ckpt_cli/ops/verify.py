@@ -44,6 +44,7 @@ from ..output import Destination, RemoteDest, check_destination, resolve_destina
 from ..progress import NULL_PROGRESS, Progress
 from ..storage import FsspecStorage, LocalStorage, remote_failure
 from ..uri import parse_location
+from .parity import ParityCheck, check_parity, damage_text
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -129,6 +130,7 @@ class VerifyReport(BaseModel):
     errors: int = 0
     warnings: int = 0
     ranks: list[RankShare] = Field(default_factory=list)
+    parity: ParityCheck | None = None
 
 
 def verify(
@@ -209,6 +211,21 @@ def verify(
     finally:
         if opened is not None:
             opened.checkpoint.close()
+    parity = (
+        check_parity(src, checksums=checksums, progress=progress)
+        if source.location.kind != "hf"
+        else None
+    )
+    # a protected checkpoint carries its own digests: without a ckpt-manifest.json the parity
+    # manifest's per-block digests are the checksums
+    if (
+        checksums
+        and manifest is None
+        and parity is not None
+        and not _manifest_exists(_manifest_location(source, None))
+    ):
+        checksums = False
+        report.checks.append("checksums")
     if checksums or write_manifest:
         _checksum_checks(
             report,
@@ -220,6 +237,8 @@ def verify(
             force=force,
             progress=progress,
         )
+    if parity is not None:
+        _parity_problems(report, problems, parity)
     report.problems = problems
     report.errors = sum(1 for p in problems if p.severity == "error")
     report.warnings = len(problems) - report.errors
@@ -257,6 +276,71 @@ def _quant_checks(
     finally:
         if opened is None:
             own.checkpoint.close()
+
+
+def _manifest_exists(path: Destination) -> bool:
+    if isinstance(path, Path):
+        return path.exists()
+    try:
+        return bool(path.fs.exists(path.path))
+    except Exception as exc:
+        raise remote_failure(exc, path.url) from None
+
+
+def _parity_problems(report: VerifyReport, problems: list[Problem], parity: ParityCheck) -> None:
+    """What the parity manifest says: damage located to the block, and what repair can do."""
+    report.checks.append("parity")
+    report.parity = parity
+    report.hashed_bytes += parity.hashed_bytes
+    if report.algorithm is None and parity.hashed_bytes:
+        report.algorithm = "xxh3 blocks"
+    damaged = {d.path: d for d in parity.damaged}
+    # the problems other checks found in these files get the repair verdict too
+    for problem in problems:
+        if problem.file in damaged:
+            problem.repairable = damaged[problem.file].repairable
+    for d in parity.damaged:
+        verdict = (
+            "repairable: run `ckpt repair`"
+            if d.repairable
+            else f"NOT repairable: more than {parity.parity} losses in a stripe"
+        )
+        if d.kind == "parity":
+            code, severity = "parity_damaged", "warning"
+        elif d.state == "missing":
+            code, severity = "lost_file", "error"
+        else:
+            code, severity = "damaged_blocks", "error"
+        problems.append(
+            Problem(
+                code=code,
+                message=f"{damage_text(d)} (against the parity manifest; {verdict})",
+                file=d.path,
+                severity=severity,
+                repairable=d.repairable,
+            )
+        )
+    for name in parity.stale:
+        problems.append(
+            Problem(
+                code="parity_stale",
+                message=f"{name}: modified after `ckpt protect` wrote the parity; if the change "
+                "was intended run `ckpt protect SRC --force`, else `ckpt repair SRC` restores it "
+                "(check with `ckpt verify SRC --checksums`)",
+                file=name,
+                severity="warning",
+            )
+        )
+    for name in parity.unprotected:
+        problems.append(
+            Problem(
+                code="unprotected_file",
+                message=f"{name}: added after `ckpt protect` (no parity covers it); run "
+                "`ckpt protect SRC --force` to cover it",
+                file=name,
+                severity="warning",
+            )
+        )
 
 
 def _format_name(source: Source, format: str | None) -> str:
