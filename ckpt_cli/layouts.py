@@ -439,9 +439,22 @@ def _deepspeed(source: Source) -> OpenedSource | None:
         folder.add(extra.removesuffix(".pt"), extra, "torch")
     optim = folder.matching(r".*optim_states\.pt")
     folder.add_many("optim_states", optim, "torch", index=r"rank_(\d+)_")
+    from .zero import zero_partitions
+
+    # ZeRO: every rank's partition must be there; the fp32 weights are rebuilt from them
+    zero = zero_partitions(source, base, folder.parts, folder.components)
+    if zero is not None:
+        folder.problems.extend(zero.problems)
+        if zero.weights is not None:
+            folder.components["model"] = zero.weights
+            folder.listed["model"] = (
+                f"fp32 weights rebuilt from {zero.weights.world_size} "
+                f"ZeRO-{zero.weights.stage} partitions"
+            )
     checkpoint = folder.composite("deepspeed")
     names = checkpoint.manifest.by_name
-    prefixes: dict[str, str] = {"model": "model_states.module."}
+    rebuilt = zero is not None and zero.weights is not None
+    prefixes: dict[str, str] = {"model": "model." if rebuilt else "model_states.module."}
     if any(n.startswith("model_states.optimizer.state.") for n in names):
         prefixes["optimizer"] = "model_states.optimizer."
     else:
@@ -519,6 +532,8 @@ def _component_files(folder: _Folder) -> dict[str, str]:
     out = {}
     for comp, checkpoint in folder.components.items():
         paths = [f.path for f in checkpoint.manifest.files]
+        if not paths:
+            continue  # a virtual component (ZeRO weights): described in `listed`
         out[comp] = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
     out.update(folder.listed)
     for rel, why in folder.unreadable.items():
