@@ -37,6 +37,7 @@ from .errors import CkptError, FormatError, NotFoundError
 from .formats import get_format, open_checkpoint, resolve_source
 from .formats.base import Checkpoint, Source
 from .formats.safetensors import INDEX_SUFFIX
+from .model_layouts import LayoutInfo
 from .models import Entry, FileInfo, Manifest, OptimizerState, Problem, TrainingState
 from .storage import safe_relpath
 from .uri import parse_location
@@ -63,6 +64,8 @@ class OpenedSource:
     training: TrainingState | None = None
     problems: list[Problem] = field(default_factory=list)
     parts: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: the library layout of a model folder (PEFT adapter, diffusers pipeline...), if any
+    layout: LayoutInfo | None = None
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -965,14 +968,26 @@ def open_source(src: str, format: str | None = None) -> OpenedSource:
     With `format`, the source is read as that format alone; a torch.save or DCP training dict
     still gets its training state (it is the same single checkpoint).
     """
+    layout: LayoutInfo | None = None
     if format is None:
-        opened = _open_layout(resolve_source(src))
+        source = resolve_source(src)
+        opened = _open_layout(source)
         if opened is not None:
             return opened
+        layout = describe_model_folder(source)
     checkpoint = open_checkpoint(src, format)
     if checkpoint.manifest.format not in ("torch", "dcp"):
-        return OpenedSource(checkpoint=checkpoint)
-    return OpenedSource(checkpoint=checkpoint, training=analyse_single(checkpoint))
+        return OpenedSource(checkpoint=checkpoint, layout=layout)
+    return OpenedSource(checkpoint=checkpoint, training=analyse_single(checkpoint), layout=layout)
+
+
+def describe_model_folder(source: Source) -> LayoutInfo | None:
+    """The library layout of a local or remote model folder (PEFT...), from its JSON files."""
+    from .model_layouts import peft_info
+
+    if source.target is not None:
+        return None
+    return peft_info(source)
 
 
 # --------------------------------------------------------------------------- checks

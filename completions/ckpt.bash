@@ -2,7 +2,7 @@
 _ckpt() {
   local cur="${COMP_WORDS[COMP_CWORD]}" opts=""
   if [ "$COMP_CWORD" -eq 1 ]; then
-    COMPREPLY=( $(compgen -W "inspect verify convert reshard prune latest download diff --help --version" -- "$cur") )
+    COMPREPLY=( $(compgen -W "inspect verify convert reshard prune latest download diff merge --help --version" -- "$cur") )
     return
   fi
   case "${COMP_WORDS[1]}" in
@@ -14,6 +14,7 @@ _ckpt() {
     latest) opts="--settle --json --help -h" ;;
     download) opts="--tensors -t --exclude -x --mode -m --no-extras --cache-only --dry-run -n --force --json --help -h" ;;
     diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --json --help -h" ;;
+    merge) opts="--force --json --help -h" ;;
   esac
   if [[ "$cur" == -* ]]; then
     COMPREPLY=( $(compgen -W "$opts" -- "$cur") )

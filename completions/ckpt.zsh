@@ -11,6 +11,7 @@ _ckpt() {
     'latest:Print the path of the newest COMPLETE checkpoint in RUN_DIR (exit 3 if there is none)'
     'download:Download only the shards, or only the bytes, that hold the tensors you ask for'
     'diff:Compare two checkpoints - missing names, dtype/shape changes, tensor values, state values'
+    'merge:Merge a LoRA ADAPTER into BASE and write the merged model to DEST'
   )
   if (( CURRENT == 2 )); then
     _describe 'command' commands
@@ -25,6 +26,7 @@ _ckpt() {
     latest) _arguments -s '--settle[Seconds - an incomplete save modified more recently counts as still being written]:value:' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
     download) _arguments -s '--tensors[Fetch the tensors whose name matches this glob (repeatable)]:value:' '-t[Fetch the tensors whose name matches this glob (repeatable)]:value:' '--exclude[Leave out tensors matching this glob (repeatable)]:value:' '-x[Leave out tensors matching this glob (repeatable)]:value:' '--mode[shards - whole shards through the HF cache; tensors - only the selected tensors byte ranges, written as a new safetensors checkpoint]:value:' '-m[shards - whole shards through the HF cache; tensors - only the selected tensors byte ranges, written as a new safetensors checkpoint]:value:' '--no-extras[Skip config, tokenizer and model-card files]' '--cache-only[Shards mode - fill the Hugging Face cache only; no DEST]' '--dry-run[Show the files or ranges and bytes; fetch only metadata]' '-n[Show the files or ranges and bytes; fetch only metadata]' '--force[Replace DEST if it exists (only after the new output is complete)]' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
     diff) _arguments -s '--atol[Absolute tolerance - |a-b| <= atol + rtol*|b| counts as equal]:value:' '--rtol[Relative tolerance (to |b|); without tolerances, bit-exact]:value:' '--rename[Rename a name prefix on both sides, OLD=NEW (repeatable)]:value:' '--select[Compare the sub-tree under this prefix, stripped, on each side that has it]:value:' '--filter[Only names matching this glob (repeatable)]:value:' '-k[Only names matching this glob (repeatable)]:value:' '--format-a[Read A as this format instead of detecting it]:value:' '--format-b[Read B as this format instead of detecting it]:value:' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
+    merge) _arguments -s '--force[Replace DEST if it exists (once the new one is complete)]' '--json[Print one JSON document on stdout (the ckpt_json envelope)]' '--help[Show help and exit]' '-h[Show help and exit]' '*:file:_files' ;;
   esac
 }
 _ckpt "$@"

@@ -932,7 +932,8 @@ class TorchWriter(Writer):
             "metadata": {"total_size": sum(e.nbytes for e in self.plan if e.kind == "tensor")},
             "weight_map": {name: self.names[i] for name, i in sorted(self._where.items())},
         }
-        index_name = f"{self.basename}{BIN_INDEX_SUFFIX}"
+        # a naming convention may spell the index itself (diffusers variants)
+        index_name = self.options.extra.get("index_name") or f"{self.basename}{BIN_INDEX_SUFFIX}"
         data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
         with open(self.staging / index_name, "wb") as fh:
             fh.write(data)

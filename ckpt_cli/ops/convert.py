@@ -201,6 +201,11 @@ def convert(
             dcp_serialization=dcp_serialization,
             world_size=world_size,
         )
+        if not single_file and to in ("safetensors", "torch") and format is None:
+            # keep the source library's file names (adapter_model, diffusion_pytorch_model...)
+            from ..model_layouts import apply_naming
+
+            apply_naming(src, to, options)
         shares: list[RankShare] = []
         files, written = run_write(
             checkpoint, plan, dest_path, to, options, force=force, progress=progress, shares=shares

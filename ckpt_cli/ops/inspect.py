@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from ..errors import NotFoundError
 from ..layouts import open_source
+from ..model_layouts import LayoutInfo
 from ..models import Entry, FileInfo, TrainingState
 from ..runs import RunReport
 from .tree import TreeNode, build_tree, collapse_chains
@@ -29,6 +30,7 @@ class InspectReport(BaseModel):
         entries: every entry (after filters).
         filters: the globs applied.
         run: for a run folder (`format` is `run`): its step checkpoints (see `ckpt_cli.runs`).
+        layout: the library layout of a model folder (PEFT adapter, diffusers pipeline...).
     """
 
     location: str
@@ -46,6 +48,7 @@ class InspectReport(BaseModel):
     entries: list[Entry] = Field(default_factory=list)
     filters: list[str] = Field(default_factory=list)
     run: RunReport | None = None
+    layout: LayoutInfo | None = None
 
 
 def select(
@@ -108,4 +111,5 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
             tree=[collapse_chains(node) for node in build_tree(entries)],
             entries=entries,
             filters=list(filters or []),
+            layout=opened.layout,
         )

@@ -167,6 +167,11 @@ def reshard_shard_size(
             metadata=dict(manifest.metadata),
             basename=_basename(checkpoint),
         )
+        if format is None:
+            # keep the source library's file names and companions (PEFT, diffusers variants)
+            from ..model_layouts import apply_naming
+
+            apply_naming(src, manifest.format, options)
         shares: list[RankShare] = []
         files, written = write_checkpoint(
             checkpoint,

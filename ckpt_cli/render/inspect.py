@@ -100,6 +100,22 @@ def render_training(report: InspectReport) -> None:
         stdout.print(f"  {key:<12} {value}")
 
 
+def render_layout(report: InspectReport) -> None:
+    """The library layout line, and one line per component of a multi-folder model."""
+    layout = report.layout
+    if layout is None:
+        return
+    stdout.print(f"  [bold]{layout.layout}[/]: {layout.description}", highlight=False)
+    for comp in layout.components:
+        what = (
+            f"{counted(comp.tensors, 'tensor')}, {human_count(comp.parameters)} parameters, "
+            f"{human_bytes(comp.bytes)}"
+            if comp.tensors
+            else "no weights"
+        )
+        stdout.print(f"    {comp.name:<16} {comp.kind or '?'}: {what}", highlight=False)
+
+
 def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     """Summary, training state, folded tree; every entry with `show_tensors`."""
     if report.run is not None:
@@ -122,6 +138,7 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     )
     if report.metadata:
         stdout.print("  metadata: " + ", ".join(f"{k}={v}" for k, v in report.metadata.items()))
+    render_layout(report)
     render_training(report)
     if show_tensors:
         table = Table(box=None, pad_edge=False, show_edge=False)
