@@ -32,7 +32,7 @@ from .formats.base import Source
 MAX_JSON = 4 << 20
 
 _DIFFUSERS_WEIGHTS = re.compile(
-    r"diffusion_pytorch_model(?:\.(?P<variant>[\w-]+))?(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)$"
+    r"diffusion_pytorch_model(?:\.(?P<variant>\w+))?(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)$"
 )
 _DIFFUSERS_INDEX = re.compile(
     r"diffusion_pytorch_model\.(?:safetensors|bin)\.index(?:\.(?P<variant>[\w-]+))?\.json$"
@@ -232,3 +232,84 @@ def apply_naming(src: str, to: str, options: Any) -> Naming | None:
     if companions:
         options.extra.setdefault("companions", {}).update(companions)
     return convention
+
+
+# --------------------------------------------------------------------------- multi-folder
+
+
+@dataclass
+class Component:
+    """One weight-holding or weightless component of a multi-folder model.
+
+    Attributes:
+        name: its name (`unet`, `2_Dense`, `0_Transformer`).
+        path: its folder (`unet`; `` for a sentence-transformers root module).
+        kind: the class that owns it.
+        weights: the file (or index) its weights are read from, relative to the root; None for
+            weightless components (schedulers, tokenizers, pooling).
+    """
+
+    name: str
+    path: str
+    kind: str | None
+    weights: str | None
+
+
+def _weights_in(names: set[str], folder: str) -> str | None:
+    """The weights a component folder is read from: its default (non-variant) weights first."""
+    prefix = f"{folder}/" if folder else ""
+    local = {n[len(prefix) :] for n in names if n.startswith(prefix)}
+    local = {n for n in local if "/" not in n}
+    for stem in ("diffusion_pytorch_model", "model", "pytorch_model"):
+        for name in (
+            f"{stem}.safetensors.index.json",
+            f"{stem}.safetensors",
+            f"{stem}.bin.index.json",
+            f"{stem}.bin",
+        ):
+            if name in local:
+                return f"{prefix}{name}"
+    variants = sorted(
+        n for n in local if _DIFFUSERS_INDEX.fullmatch(n) or _DIFFUSERS_WEIGHTS.fullmatch(n)
+    )
+    indexes = [n for n in variants if n.endswith(".json")]
+    if indexes:
+        return f"{prefix}{indexes[0]}"
+    singles = [n for n in variants if not re.search(r"-\d{5}-of-\d{5}\.", n)]
+    return f"{prefix}{singles[0]}" if singles else None
+
+
+def multi_folder(source: Source) -> tuple[str, list[Component], dict[str, Any]] | None:
+    """(layout, components, details) of a diffusers pipeline root or a sentence-transformers
+    folder; None for anything else. Only `model_index.json` / `modules.json` are read."""
+    if source.target is not None:
+        return None
+    names = set(source.files)
+    if "model_index.json" in names:
+        index = read_json(source, "model_index.json")
+        if not isinstance(index, dict):
+            return None
+        components = []
+        for key, value in index.items():
+            if key.startswith("_") or not isinstance(value, list) or len(value) != 2:
+                continue
+            if value[0] is None or not any(n.startswith(f"{key}/") for n in names):
+                continue  # an optional component saved as null
+            kind = f"{value[0]}.{value[1]}"
+            components.append(Component(str(key), str(key), kind, _weights_in(names, str(key))))
+        details = {"pipeline": index.get("_class_name"), "version": index.get("_diffusers_version")}
+        return "diffusers-pipeline", components, details
+    if "modules.json" in names:
+        modules = read_json(source, "modules.json")
+        if not isinstance(modules, list):
+            return None
+        components = []
+        for module in modules:
+            if not isinstance(module, dict) or not isinstance(module.get("path"), str):
+                continue
+            path = module["path"].strip("/")
+            kind = str(module.get("type") or "")
+            name = path or f"{module.get('idx', 0)}_{kind.rsplit('.', 1)[-1] or 'Module'}"
+            components.append(Component(name, path, kind or None, _weights_in(names, path)))
+        return "sentence-transformers", components, {"modules": len(components)}
+    return None

@@ -54,3 +54,85 @@ def lora_adapter(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         warnings.simplefilter("ignore")
         get_peft_model(base, config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def diffusers_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An `LDMPipeline` (vqvae/ + unet/ + scheduler/, model_index.json) of tiny components,
+    saved by diffusers' `save_pretrained`."""
+    import torch
+    from diffusers import DDIMScheduler, LDMPipeline, UNet2DModel, VQModel
+
+    torch.manual_seed(0)
+    unet = UNet2DModel(
+        sample_size=8,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        norm_num_groups=4,
+    )
+    vqvae = VQModel(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=3,
+        block_out_channels=(8,),
+        layers_per_block=1,
+        norm_num_groups=4,
+        num_vq_embeddings=16,
+        vq_embed_dim=3,
+    )
+    path = tmp_path_factory.mktemp("diffusers") / "pipeline"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        LDMPipeline(vqvae=vqvae, unet=unet, scheduler=DDIMScheduler()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def fp16_variant_unet(diffusers_pipeline: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pipeline's UNet saved again as the `fp16` variant in 20 KB shards
+    (`diffusion_pytorch_model.fp16-0000k-of-0000n.safetensors` +
+    `diffusion_pytorch_model.safetensors.index.fp16.json`)."""
+    import torch
+    from diffusers import UNet2DModel
+
+    path = tmp_path_factory.mktemp("variant") / "unet"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unet = UNet2DModel.from_pretrained(diffusers_pipeline / "unet").to(torch.float16)
+        unet.save_pretrained(path, variant="fp16", max_shard_size="20KB")
+    return path
+
+
+@pytest.fixture(scope="session")
+def sentence_transformer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SentenceTransformer (BERT root module, 1_Pooling/, 2_Dense/) saved by `.save`."""
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    torch.manual_seed(0)
+    work = tmp_path_factory.mktemp("st")
+    bert = work / "bert"
+    bert.mkdir()
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(27)]
+    (bert / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizer(str(bert / "vocab.txt")).save_pretrained(bert)
+    config = BertConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    BertModel(config).save_pretrained(bert)
+    path = work / "st"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        modules = [models.Transformer(str(bert)), models.Pooling(16), models.Dense(16, 8)]
+        SentenceTransformer(modules=modules, device="cpu").save(str(path))
+    return path

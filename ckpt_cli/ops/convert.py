@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import PurePath
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -173,6 +174,28 @@ def convert(
     cast = dtypes.parse_user_dtype(dtype) if dtype else None
     rename_pairs = parse_renames(renames)
     _guard_paths(src, dest_path)
+    if format is None:
+        from .components import component_source, components_of
+
+        found = components_of(src)
+        if found is not None:
+            # a diffusers pipeline / sentence-transformers folder: one component, or each
+            again = dict(
+                max_shard_size=shard_size,
+                dtype=dtype,
+                include=include,
+                exclude=exclude,
+                renames=renames,
+                dcp_serialization=dcp_serialization,
+                world_size=world_size,
+                progress=progress,
+            )
+            if select:
+                sub = component_source(src, found[1], select)
+                if sub is not None:
+                    return convert(sub, dest, to, force=force, **again)  # type: ignore[arg-type]
+            else:
+                return _convert_components(src, dest, to, found, again, force)
     single_file, basename = _layout(to, dest_path, shard_size)
     opened = open_source(src, format)
     with opened.checkpoint as checkpoint:
@@ -232,4 +255,40 @@ def convert(
         world_size=world_size if to == "dcp" else None,
         entries=written,
         ranks=shares,
+    )
+
+
+def _convert_components(
+    src: str,
+    dest: str,
+    to: str,
+    found: tuple[str, list[Any]],
+    again: dict[str, Any],
+    force: bool,
+) -> ConvertReport:
+    """Every component of a multi-folder model converted with its own naming, one DEST."""
+    from .components import write_components
+
+    layout, components = found
+
+    def one(inner_src: str, inner_dest: str, target: str) -> ConvertReport:
+        return convert(inner_src, inner_dest, target, **again)
+
+    files, reports = write_components(src, dest, layout, components, to, one, force=force)
+    return ConvertReport(
+        source=src,
+        source_format=layout,
+        dest=dest,
+        format=to,
+        files=files,
+        tensors=sum(r.tensors for r in reports),
+        objects=sum(r.objects for r in reports),
+        tensor_bytes=sum(r.tensor_bytes for r in reports),
+        raw_copies=sum(r.raw_copies for r in reports),
+        cast=next((r.cast for r in reports if r.cast), None),
+        casts=sum(r.casts for r in reports),
+        renamed=sum(r.renamed for r in reports),
+        skipped=[s for r in reports for s in r.skipped],
+        max_shard_size=again.get("max_shard_size"),
+        entries=[e for r in reports for e in r.entries],
     )

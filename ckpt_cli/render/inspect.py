@@ -113,7 +113,8 @@ def render_layout(report: InspectReport) -> None:
             if comp.tensors
             else "no weights"
         )
-        stdout.print(f"    {comp.name:<16} {comp.kind or '?'}: {what}", highlight=False)
+        kind = (comp.kind or "?").rsplit(".", 1)[-1]
+        stdout.print(f"    {comp.name:<16} {kind}: {what}", highlight=False)
 
 
 def render_inspect(report: InspectReport, show_tensors: bool) -> None:
