@@ -1022,6 +1022,10 @@ def open_source(src: str, format: str | None = None) -> OpenedSource:
             return opened
         layout = describe_model_folder(source)
     checkpoint = open_checkpoint(src, format)
+    if checkpoint.manifest.format == "gguf":
+        from .model_layouts import gguf_info
+
+        layout = gguf_info(checkpoint.manifest)
     if checkpoint.manifest.format not in ("torch", "dcp"):
         return OpenedSource(checkpoint=checkpoint, layout=layout)
     return OpenedSource(checkpoint=checkpoint, training=analyse_single(checkpoint), layout=layout)

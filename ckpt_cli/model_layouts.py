@@ -313,3 +313,20 @@ def multi_folder(source: Source) -> tuple[str, list[Component], dict[str, Any]] 
             components.append(Component(name, path, kind or None, _weights_in(names, path)))
         return "sentence-transformers", components, {"modules": len(components)}
     return None
+
+
+def gguf_info(manifest: Any) -> LayoutInfo:
+    """The GGUF header in one line: version, architecture, tensor types, metadata keys."""
+    details = manifest.details
+    types = details.get("tensor_types") or {}
+    shown = ", ".join(f"{k} ×{v}" for k, v in types.items())
+    keys = len(details.get("metadata") or {})
+    split = details.get("split")
+    parts = [f"GGUF v{details.get('gguf_version')}"]
+    if details.get("architecture"):
+        parts.append(f"architecture {details['architecture']}")
+    parts.append(f"tensors {shown or 'none'}")
+    parts.append(f"{keys} metadata keys")
+    if split:
+        parts.append(f"split in {split['count']} files")
+    return LayoutInfo(layout="gguf", description="; ".join(parts), details=dict(details))

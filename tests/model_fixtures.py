@@ -136,3 +136,40 @@ def sentence_transformer(tmp_path_factory: pytest.TempPathFactory) -> Path:
         modules = [models.Transformer(str(bert)), models.Pooling(16), models.Dense(16, 8)]
         SentenceTransformer(modules=modules, device="cpu").save(str(path))
     return path
+
+
+def write_gguf(path: Path, split_max_tensors: int = 0) -> None:
+    """A tiny llama-architecture GGUF written by gguf's own `GGUFWriter`: F32, F16 and BF16
+    tensors, one Q8_0 tensor, a token list; split into files of at most N tensors if asked."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
+    writer.add_name("tiny")
+    writer.add_block_count(2)
+    writer.add_context_length(32)
+    writer.add_token_list([f"t{i}" for i in range(40)])
+    writer.add_tensor("token_embd.weight", rng.standard_normal((8, 4), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", rng.standard_normal((4, 4)).astype(np.float16))
+    bf16 = (rng.standard_normal((2, 4), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    writer.add_tensor(
+        "blk.0.ffn_up.weight", bf16, raw_shape=(2, 4), raw_dtype=GGMLQuantizationType.BF16
+    )
+    q8 = quantize(rng.standard_normal((2, 32), dtype=np.float32), GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.1.attn_q.weight", q8, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="session")
+def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny.gguf` and `split/tiny-0000k-of-00002.gguf` (two tensors per file)."""
+    root = tmp_path_factory.mktemp("gguf")
+    write_gguf(root / "tiny.gguf")
+    (root / "split").mkdir()
+    write_gguf(root / "split" / "tiny.gguf", split_max_tensors=2)
+    return root

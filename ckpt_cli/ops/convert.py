@@ -210,6 +210,14 @@ def convert(
             keep_objects=to in HOLDS_OBJECTS,
             dedupe_tied=to == "safetensors",
         )
+        if manifest.format == "gguf":
+            # quantized GGUF tensors are reported as such, not as generic objects
+            from ..formats.gguf import skip_reason
+
+            for skipped in plan.skipped:
+                reason = skip_reason(manifest.by_name[skipped.name])
+                if reason:
+                    skipped.reason = reason
         metadata: dict[str, str] = {}
         if to == "safetensors":
             # carry the source's string metadata; transformers needs format=pt to load it
