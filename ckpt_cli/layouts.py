@@ -917,8 +917,12 @@ def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
     if not (optimizer or scheduler or step or is_titan):
         return None
     prefixes: dict[str, str] = {}
+    titan_model = titan_model_keys(manifest) if is_titan and not model else []
     if model:
         prefixes["model"] = f"{model}."
+    elif titan_model:
+        # torchtitan >= 0.2 saves the model's FQNs at the top level, beside its other states
+        prefixes["model"] = ""
     if optimizer:
         prefixes["optimizer"] = f"{optimizer}."
     if scheduler:
@@ -931,6 +935,14 @@ def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
         prefixes["dataloader"] = keys[loader]
     layout = "torchtitan" if is_titan else "dcp" if manifest.format == "dcp" else "torch-dict"
     state = _analyse(checkpoint, layout, prefixes)
+    if titan_model:
+        view = Manifest(format=manifest.format, location=manifest.location)
+        view.entries = [e for e in model_entries(manifest, titan_model) if e.kind == "tensor"]
+        state.weights = {
+            "tensors": len(view.entries),
+            "parameters": view.parameters(),
+            "bytes": view.tensor_bytes(),
+        }
     if rng and not state.rng:
         # a stream under an unrecognised key name still counts as RNG state
         state.rng = [rng]
@@ -942,8 +954,46 @@ def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
     if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
         state.epoch = float(epoch)
     state.components = {c: p.rstrip(".") for c, p in prefixes.items()}
+    if titan_model:
+        state.components["model"] = f"top-level keys ({', '.join(titan_model)})"
     _verdict(state)
     return state
+
+
+#: the top-level states torchtitan's CheckpointManager saves beside the model's own keys
+_TITAN_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def titan_model_keys(manifest: Manifest) -> list[str]:
+    """The top-level keys of a torchtitan DCP that are the model's (`tok_embeddings`, `layers`,
+    `norm`, `output`...): every key but the CheckpointManager's other states."""
+    keys = _top_keys(manifest)
+    return [k for k in keys if k not in _TITAN_STATES]
+
+
+def model_entries(manifest: Manifest, keys: list[str]) -> list[Entry]:
+    """The entries under the top-level `keys`."""
+    wanted = set(keys)
+
+    def top(entry: Entry) -> str:
+        path = getattr(entry, "key_path", None)
+        return str(path[0][1]) if path else entry.name.split(".", 1)[0]
+
+    return [e for e in manifest.entries if top(e) in wanted]
+
+
+def select_view(opened: OpenedSource, select: str | None) -> Manifest | None:
+    """For `--select model` on a layout whose model keys sit at the top level (torchtitan
+    0.3), the manifest of just those entries (names unchanged); None otherwise."""
+    state = opened.training
+    if not select or select.rstrip(".") != "model" or state is None:
+        return None
+    if state.layout != "torchtitan" or state.prefixes.get("model") != "":
+        return None
+    manifest = opened.checkpoint.manifest
+    return manifest.model_copy(
+        update={"entries": model_entries(manifest, titan_model_keys(manifest))}
+    )
 
 
 def _as_int(value: Any) -> int | None:

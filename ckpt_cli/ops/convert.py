@@ -200,9 +200,13 @@ def convert(
     opened = open_source(src, format)
     with opened.checkpoint as checkpoint:
         manifest = checkpoint.manifest
+        from ..layouts import select_view
+
+        # torchtitan keeps the model's keys at the top level: `--select model` takes them as-is
+        view = select_view(opened, select)
         plan = plan_transfer(
-            manifest,
-            select=select,
+            view or manifest,
+            select=None if view is not None else select,
             include=include,
             exclude=exclude,
             renames=rename_pairs,
