@@ -173,3 +173,40 @@ def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "split").mkdir()
     write_gguf(root / "split" / "tiny.gguf", split_max_tensors=2)
     return root
+
+
+def _train(model_dir: Path, out: Path, *, save_only_model: bool, steps: int) -> Path:
+    """Train the tiny Llama for `steps` steps with transformers' Trainer, saving every step."""
+    import torch
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    data = [{"input_ids": torch.arange(8) % 64, "labels": torch.arange(8) % 64} for _ in range(8)]
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=steps,
+        save_steps=1,
+        save_strategy="steps",
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        save_only_model=save_only_model,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Trainer(model=model, args=args, train_dataset=data).train()
+    return out
+
+
+@pytest.fixture(scope="session")
+def trainer_runs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two real Trainer runs of the tiny Llama: `full/` (checkpoint-1, checkpoint-2 with
+    optimizer and scheduler) and `model_only/` (save_only_model=True, checkpoint-1)."""
+    root = tmp_path_factory.mktemp("trainer")
+    return {
+        "full": _train(tiny_llama, root / "full", save_only_model=False, steps=2),
+        "model_only": _train(tiny_llama, root / "model_only", save_only_model=True, steps=1),
+    }

@@ -404,6 +404,10 @@ def build_entries(obj: Any, file: str) -> tuple[list[TorchEntry], dict[str, Any]
     leaves: dict[str, Any] = {}
     views: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
     for path, leaf in flatten(obj):
+        if not path and type(leaf) in (dict, OrderedDict) and not leaf:
+            # an empty state dict (a safetensors file with no tensors, saved by torch) holds
+            # no entries; it is not one object named `object`
+            continue
         name = dotted(path) if path else "tensor" if _is_tensor(leaf) else "object"
         base, n = name, 1
         while name in leaves:  # {"a.b": x, "a": {"b": y}} flatten to the same name
