@@ -100,3 +100,15 @@ def test_merge_refuses_what_it_cannot_merge(
     assert not (tmp_path / "out").exists()
     result = run_ckpt("merge", tiny_llama, tmp_path, tmp_path / "out2")
     assert result.exit_code == 3 and "adapter_config.json" in result.stderr
+
+
+def test_verify_good_and_damaged_adapter(lora_adapter: Path, tmp_path: Path) -> None:
+    assert run_ckpt("verify", lora_adapter).exit_code == 0
+    damaged = shutil.copytree(lora_adapter, tmp_path / "damaged")
+    weights = damaged / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    result = run_ckpt("verify", damaged, "--json")
+    assert result.exit_code == 1
+    assert any(
+        "adapter_model.safetensors" in (p["file"] or "") for p in result.json["result"]["problems"]
+    )

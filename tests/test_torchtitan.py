@@ -119,3 +119,16 @@ def test_select_model_extracts_the_weights_with_their_fqns(
         warnings.simplefilter("ignore")
         dcp.load(target, checkpoint_id=str(copy), no_dist=True)
     assert all(torch.equal(target[k], weights[k]) for k in weights)
+
+
+def test_verify_good_and_damaged_step(
+    titan_step: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    import shutil
+
+    path, _ = titan_step
+    assert run_ckpt("verify", path).exit_code == 0
+    damaged = shutil.copytree(path, tmp_path / "step-2")
+    for shard in damaged.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    assert run_ckpt("verify", damaged).exit_code == 1
