@@ -25,10 +25,14 @@ _TARGETS = ("safetensors", "torch")
 
 
 def components_of(src: str) -> tuple[str, list[Component]] | None:
-    """(layout, components) when `src` is a local multi-folder model, else None."""
+    """(layout, components) when `src` is a local multi-folder model, else None (without
+    listing anything for a file or a remote location)."""
+    from ..uri import parse_location
+
+    location = parse_location(src)
+    if not location.is_local or location.path is None or not location.path.is_dir():
+        return None  # multi-folder models are converted from local folders
     source = resolve_source(src)
-    if source.location.kind == "hf":
-        return None
     found = multi_folder(source)
     if found is None:
         return None
