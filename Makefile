@@ -6,16 +6,26 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CKPT := $(VENV)/bin/ckpt
 STAMP := $(VENV)/.ckpt-installed
+FRAMEWORKS := $(VENV)/.ckpt-frameworks
 DEMO := build/demo
 PIP := $(PY) -m pip install -qqq --disable-pip-version-check
 
-.PHONY: demo test lint typecheck pytest bench completions clean
+.PHONY: demo test lint typecheck pytest frameworks bench completions clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev]'
 	touch $(STAMP)
+
+# the frameworks the tests build fixtures with; DeepSpeed needs its ops left unbuilt (no CUDA)
+# and the installed torch visible to its build (no build isolation)
+$(FRAMEWORKS): $(STAMP)
+	$(PIP) torch==2.13.0 -e '.[dev,frameworks]'
+	DS_BUILD_OPS=0 $(PIP) --no-build-isolation torch==2.13.0 deepspeed
+	touch $(FRAMEWORKS)
+
+frameworks: $(FRAMEWORKS)
 
 demo: $(STAMP)
 	rm -rf $(DEMO)
@@ -34,7 +44,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP)
+pytest: $(FRAMEWORKS)
 	$(PY) -m pytest -q
 
 completions: $(STAMP)

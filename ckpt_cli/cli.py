@@ -539,6 +539,7 @@ COMMAND_ORDER = [
     "sync",
     "download",
     "diff",
+    "merge",
     "protect",
     "repair",
 ]

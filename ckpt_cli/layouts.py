@@ -11,7 +11,8 @@ Layouts recognised (from file names, then from the keys of the loaded objects):
 | `hf-trainer` | Hugging Face Trainer `checkpoint-N/`: model weights, `optimizer.pt`, `scheduler.pt`, `rng_state*.pth`, `trainer_state.json`, `training_args.bin` |
 | `accelerate` | `Accelerator.save_state` folders: `model.safetensors`, `optimizer.bin`, `scheduler.bin`, `sampler.bin`, `random_states_N.pkl`, `custom_checkpoint_N.pkl` |
 | `deepspeed` | `global_stepN/` (`mp_rank_00_model_states.pt`, `*_optim_states.pt`), or its parent with `latest` |
-| `torchtitan` | DCP folders whose keys are `model.` / `optimizer.` / `lr_scheduler.` / `dataloader.` / `train_state.` |
+| `torchtitan` | DCP folders with `optimizer.` / `lr_scheduler.` / `dataloader.` / `train_state.` keys beside the model's top-level keys (0.3), or `model.` (older) |
+| `diffusers-pipeline` / `sentence-transformers` | `model_index.json` / `modules.json` folders: one composite of their components (`ckpt_cli.model_layouts`) |
 | `lightning` | a Lightning `.ckpt`: `state_dict`, `optimizer_states`, `lr_schedulers`, `epoch`, `global_step`, `loops` |
 | `torch-dict` | a torch.save dict with model / optimizer / scheduler / step / rng keys |
 
@@ -26,6 +27,7 @@ gives each component's prefix (`state_dict.` for the weights inside a Lightning 
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import Counter
@@ -37,6 +39,7 @@ from .errors import CkptError, FormatError, NotFoundError
 from .formats import get_format, open_checkpoint, resolve_source
 from .formats.base import Checkpoint, Source
 from .formats.safetensors import INDEX_SUFFIX
+from .model_layouts import LayoutInfo
 from .models import Entry, FileInfo, Manifest, OptimizerState, Problem, TrainingState
 from .storage import safe_relpath
 from .uri import parse_location
@@ -63,6 +66,8 @@ class OpenedSource:
     training: TrainingState | None = None
     problems: list[Problem] = field(default_factory=list)
     parts: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: the library layout of a model folder (PEFT adapter, diffusers pipeline...), if any
+    layout: LayoutInfo | None = None
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -355,6 +360,7 @@ def _trainer(source: Source) -> OpenedSource | None:
         # a pickle of transformers' TrainingArguments dataclass: weights_only refuses it and
         # nothing else may unpickle it, so it is listed (files, components) and never read
         folder.listed["training_args"] = "training_args.bin (not loaded)"
+    folder.problems.extend(_trainer_missing(source, folder))
     checkpoint = folder.composite("hf-trainer")
     state = _analyse(checkpoint, "hf-trainer", _prefixes(checkpoint))
     state.components = _component_files(folder)
@@ -371,6 +377,89 @@ def _trainer(source: Source) -> OpenedSource | None:
         if state.step is not None:
             state.dataloader = {"kind": "replayed", "skips_batches": state.step}
     return _finish(checkpoint, state, folder)
+
+
+#: what a Trainer saves beside the weights unless `save_only_model` is set
+_TRAINER_STATE_FILES = ("optimizer.pt", "scheduler.pt")
+
+
+def _save_only_model(source: Source, rel: str) -> bool | None:
+    """`save_only_model` from `training_args.bin`, read from the pickle's opcodes alone.
+
+    The file is a torch.save zip of transformers' `TrainingArguments`; nothing in it is ever
+    unpickled (it would import and run transformers code). Its `data.pkl` stores the dataclass
+    fields as key, value pairs, so the opcode after the `save_only_model` string is the value.
+    """
+    import io
+    import pickletools
+    import zipfile
+
+    size = source.storage.size(rel)
+    if size > 16 << 20:
+        return None
+    data = source.storage.read_all(rel)
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            member = next((n for n in archive.namelist() if n.endswith("/data.pkl")), None)
+            if member is None or archive.getinfo(member).file_size > 16 << 20:
+                return None
+            data = archive.read(member)
+    except zipfile.BadZipFile:
+        pass  # an old-style (non-zip) torch.save: the pickle itself
+    try:
+        ops = list(pickletools.genops(data))
+    except Exception:
+        return None
+    # the memo bookkeeping between a key and its value carries no data
+    ops = [op for op in ops if op[0].name not in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE")]
+    for (_, arg, _), (op, _, _) in itertools.pairwise(ops):
+        if arg == "save_only_model":
+            if op.name == "NEWTRUE":
+                return True
+            if op.name == "NEWFALSE":
+                return False
+            return None
+    return None
+
+
+def _trainer_missing(source: Source, folder: _Folder) -> list[Problem]:
+    """Optimizer / scheduler files a Trainer checkpoint should have but lacks, when its own
+    training arguments (`save_only_model` false) or its sibling checkpoints say so."""
+    if folder.has_dir("optimizer_0") or any(n.startswith("global_step") for n in source.files):
+        return []  # FSDP or DeepSpeed state: saved in another shape
+    missing = [n for n in _TRAINER_STATE_FILES if not folder.has(n)]
+    if not missing:
+        return []
+    reasons: dict[str, str] = {}
+    if folder.has("training_args.bin"):
+        only_model = _save_only_model(source, "training_args.bin")
+        if only_model is False:
+            for name in missing:
+                reasons[name] = "training_args.bin says save_only_model=False"
+        elif only_model is True:
+            return []
+    loc = source.location
+    if loc.is_local and loc.path is not None:
+        here = loc.path.resolve()
+        siblings = sorted(
+            p
+            for p in here.parent.glob("checkpoint-*")
+            if p.is_dir() and p != here and re.fullmatch(r"checkpoint-\d+", p.name)
+        )
+        for name in missing:
+            having = [p.name for p in siblings if (p / name).is_file()]
+            if having and name not in reasons:
+                reasons[name] = f"the sibling checkpoint {having[-1]} has one"
+    where = loc.raw
+    return [
+        Problem(
+            code="missing_component",
+            message=f"{where}: {name} is missing, but {why}; this checkpoint cannot resume "
+            "training where it stopped",
+            file=source.storage.describe(name),
+        )
+        for name, why in reasons.items()
+    ]
 
 
 def _accelerate(source: Source) -> OpenedSource | None:
@@ -439,9 +528,22 @@ def _deepspeed(source: Source) -> OpenedSource | None:
         folder.add(extra.removesuffix(".pt"), extra, "torch")
     optim = folder.matching(r".*optim_states\.pt")
     folder.add_many("optim_states", optim, "torch", index=r"rank_(\d+)_")
+    from .zero import zero_partitions
+
+    # ZeRO: every rank's partition must be there; the fp32 weights are rebuilt from them
+    zero = zero_partitions(source, base, folder.parts, folder.components)
+    if zero is not None:
+        folder.problems.extend(zero.problems)
+        if zero.weights is not None:
+            folder.components["model"] = zero.weights
+            folder.listed["model"] = (
+                f"fp32 weights rebuilt from {zero.weights.world_size} "
+                f"ZeRO-{zero.weights.stage} partitions"
+            )
     checkpoint = folder.composite("deepspeed")
     names = checkpoint.manifest.by_name
-    prefixes: dict[str, str] = {"model": "model_states.module."}
+    rebuilt = zero is not None and zero.weights is not None
+    prefixes: dict[str, str] = {"model": "model." if rebuilt else "model_states.module."}
     if any(n.startswith("model_states.optimizer.state.") for n in names):
         prefixes["optimizer"] = "model_states.optimizer."
     else:
@@ -515,10 +617,58 @@ def _zero3_weights(checkpoint: Checkpoint) -> dict[str, int]:
     }
 
 
+def _components(source: Source) -> OpenedSource | None:
+    """A diffusers pipeline root or a sentence-transformers folder: one checkpoint of components.
+
+    Each weight-holding component opens with its own format (`unet.` entries come from
+    `unet/diffusion_pytorch_model.safetensors`); weightless ones (schedulers, tokenizers,
+    pooling) are listed. The layout block reports every component with its totals.
+    """
+    from .model_layouts import ComponentInfo, multi_folder
+
+    found = multi_folder(source)
+    if found is None:
+        return None
+    layout, components, details = found
+    folder = _Folder(source)
+    infos: list[ComponentInfo] = []
+    for comp in components:
+        info = ComponentInfo(name=comp.name, path=comp.path, kind=comp.kind)
+        prefix = f"{comp.path}/" if comp.path else ""
+        info.files = sorted(
+            n for n in source.files if n.startswith(prefix) and (comp.path or "/" not in n)
+        )
+        if comp.weights is not None:
+            fmt = "torch" if comp.weights.endswith((".bin", ".bin.index.json")) else "safetensors"
+            checkpoint = folder.add(comp.name, comp.weights, fmt)
+            if checkpoint is not None:
+                manifest = checkpoint.manifest
+                info.tensors = sum(1 for e in manifest.entries if e.kind == "tensor")
+                info.parameters = manifest.parameters()
+                info.bytes = manifest.tensor_bytes()
+        infos.append(info)
+    checkpoint = folder.composite(layout)
+    weighted = [i for i in infos if i.tensors]
+    label = details.get("pipeline") or "SentenceTransformer"
+    description = (
+        f"{label}: {len(infos)} components ({', '.join(i.name for i in infos)}), "
+        f"{len(weighted)} with weights"
+    )
+    summary = LayoutInfo(layout=layout, description=description, details=details, components=infos)
+    return OpenedSource(
+        checkpoint=checkpoint,
+        problems=list(folder.problems),
+        parts=dict(folder.parts),
+        layout=summary,
+    )
+
+
 def _component_files(folder: _Folder) -> dict[str, str]:
     out = {}
     for comp, checkpoint in folder.components.items():
         paths = [f.path for f in checkpoint.manifest.files]
+        if not paths:
+            continue  # a virtual component (ZeRO weights): described in `listed`
         out[comp] = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
     out.update(folder.listed)
     for rel, why in folder.unreadable.items():
@@ -853,8 +1003,12 @@ def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
     if not (optimizer or scheduler or step or is_titan):
         return None
     prefixes: dict[str, str] = {}
+    titan_model = titan_model_keys(manifest) if is_titan and not model else []
     if model:
         prefixes["model"] = f"{model}."
+    elif titan_model:
+        # torchtitan >= 0.2 saves the model's FQNs at the top level, beside its other states
+        prefixes["model"] = ""
     if optimizer:
         prefixes["optimizer"] = f"{optimizer}."
     if scheduler:
@@ -867,6 +1021,14 @@ def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
         prefixes["dataloader"] = keys[loader]
     layout = "torchtitan" if is_titan else "dcp" if manifest.format == "dcp" else "torch-dict"
     state = _analyse(checkpoint, layout, prefixes)
+    if titan_model:
+        view = Manifest(format=manifest.format, location=manifest.location)
+        view.entries = [e for e in model_entries(manifest, titan_model) if e.kind == "tensor"]
+        state.weights = {
+            "tensors": len(view.entries),
+            "parameters": view.parameters(),
+            "bytes": view.tensor_bytes(),
+        }
     if rng and not state.rng:
         # a stream under an unrecognised key name still counts as RNG state
         state.rng = [rng]
@@ -878,8 +1040,46 @@ def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
     if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
         state.epoch = float(epoch)
     state.components = {c: p.rstrip(".") for c, p in prefixes.items()}
+    if titan_model:
+        state.components["model"] = f"top-level keys ({', '.join(titan_model)})"
     _verdict(state)
     return state
+
+
+#: the top-level states torchtitan's CheckpointManager saves beside the model's own keys
+_TITAN_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def titan_model_keys(manifest: Manifest) -> list[str]:
+    """The top-level keys of a torchtitan DCP that are the model's (`tok_embeddings`, `layers`,
+    `norm`, `output`...): every key but the CheckpointManager's other states."""
+    keys = _top_keys(manifest)
+    return [k for k in keys if k not in _TITAN_STATES]
+
+
+def model_entries(manifest: Manifest, keys: list[str]) -> list[Entry]:
+    """The entries under the top-level `keys`."""
+    wanted = set(keys)
+
+    def top(entry: Entry) -> str:
+        path = getattr(entry, "key_path", None)
+        return str(path[0][1]) if path else entry.name.split(".", 1)[0]
+
+    return [e for e in manifest.entries if top(e) in wanted]
+
+
+def select_view(opened: OpenedSource, select: str | None) -> Manifest | None:
+    """For `--select model` on a layout whose model keys sit at the top level (torchtitan
+    0.3), the manifest of just those entries (names unchanged); None otherwise."""
+    state = opened.training
+    if not select or select.rstrip(".") != "model" or state is None:
+        return None
+    if state.layout != "torchtitan" or state.prefixes.get("model") != "":
+        return None
+    manifest = opened.checkpoint.manifest
+    return manifest.model_copy(
+        update={"entries": model_entries(manifest, titan_model_keys(manifest))}
+    )
 
 
 def _as_int(value: Any) -> int | None:
@@ -927,7 +1127,7 @@ def _open_layout(source: Source) -> OpenedSource | None:
         return None
     if ".metadata" in set(source.top_level()):
         return None
-    for recognise in (_deepspeed, _trainer, _accelerate):
+    for recognise in (_deepspeed, _trainer, _accelerate, _components):
         opened = recognise(source)
         if opened is not None:
             return opened
@@ -950,14 +1150,30 @@ def open_source(src: str, format: str | None = None) -> OpenedSource:
     With `format`, the source is read as that format alone; a torch.save or DCP training dict
     still gets its training state (it is the same single checkpoint).
     """
+    layout: LayoutInfo | None = None
     if format is None:
-        opened = _open_layout(resolve_source(src))
+        source = resolve_source(src)
+        opened = _open_layout(source)
         if opened is not None:
             return opened
+        layout = describe_model_folder(source)
     checkpoint = open_checkpoint(src, format)
+    if checkpoint.manifest.format == "gguf":
+        from .model_layouts import gguf_info
+
+        layout = gguf_info(checkpoint.manifest)
     if checkpoint.manifest.format not in ("torch", "dcp"):
-        return OpenedSource(checkpoint=checkpoint)
-    return OpenedSource(checkpoint=checkpoint, training=analyse_single(checkpoint))
+        return OpenedSource(checkpoint=checkpoint, layout=layout)
+    return OpenedSource(checkpoint=checkpoint, training=analyse_single(checkpoint), layout=layout)
+
+
+def describe_model_folder(source: Source) -> LayoutInfo | None:
+    """The library layout of a local or remote model folder (PEFT...), from its JSON files."""
+    from .model_layouts import peft_info
+
+    if source.target is not None:
+        return None
+    return peft_info(source)
 
 
 # --------------------------------------------------------------------------- checks

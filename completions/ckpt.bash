@@ -2,7 +2,7 @@
 _ckpt() {
   local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" opts=""
   if [ "$COMP_CWORD" -eq 1 ]; then
-    COMPREPLY=( $(compgen -W "inspect verify convert reshard prune latest sync download diff protect repair --help --version" -- "$cur") )
+    COMPREPLY=( $(compgen -W "inspect verify convert reshard prune latest sync download diff merge protect repair --help --version" -- "$cur") )
     return
   fi
   case "${COMP_WORDS[1]}" in
@@ -15,6 +15,7 @@ _ckpt() {
     sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --dequantize --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    merge) opts="--force --json --quiet -q --verbose -v --help -h" ;;
     protect) opts="--parity --block-size --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     repair) opts="--dry-run --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
   esac

@@ -387,3 +387,19 @@ def test_known_data_classes_load_as_inert_records(tmp_path: Path) -> None:
     back = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
     assert back["hyper_parameters"] == {"lr": 0.1, "layers": 2}
     assert back["args"] == {"__class__": "argparse.Namespace", "args": [], "state": {"seed": 7}}
+
+
+def test_safetensors_with_no_tensors_round_trips_through_torch_as_empty(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    empty = tmp_path / "empty.safetensors"
+    save_file({}, str(empty), metadata={"format": "pt"})
+    as_torch = tmp_path / "empty.pt"
+    assert run_ckpt("convert", empty, as_torch, "--to", "torch").exit_code == 0
+    assert torch.load(as_torch, weights_only=True) == {}
+    report = run_ckpt("inspect", as_torch, "--json").json["result"]
+    assert report["entries"] == [] and report["objects"] == 0
+    assert run_ckpt("diff", empty, as_torch).exit_code == 0
+    back = tmp_path / "back.safetensors"
+    result = run_ckpt("convert", as_torch, back, "--to", "safetensors", "--json")
+    assert result.exit_code == 0 and result.json["result"]["skipped"] == []

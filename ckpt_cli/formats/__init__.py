@@ -20,9 +20,10 @@ REGISTRY: dict[str, str] = {
     "safetensors": "ckpt_cli.formats.safetensors:SafetensorsFormat",
     "dcp": "ckpt_cli.formats.dcp:DcpFormat",
     "torch": "ckpt_cli.formats.torch_save:TorchFormat",
+    "gguf": "ckpt_cli.formats.gguf:GgufFormat",
 }
 #: formats a user may name in --format/--to
-FORMAT_NAMES = ("safetensors", "dcp", "torch", "hub")
+FORMAT_NAMES = ("safetensors", "dcp", "torch", "hub", "gguf")
 
 
 def get_format(name: str) -> type[Format]:

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     import torch
 
 INDEX_SUFFIX = ".safetensors.index.json"
+#: a weight variant's index as diffusers names it (`….safetensors.index.fp16.json`)
+VARIANT_INDEX = re.compile(r"[^/]+\.safetensors\.index\.[\w-]+\.json")
 #: per-rank files of torch DCP's `HuggingFaceStorageWriter(save_distributed=True)`: the same
 #: tensor names in every file (chunks of one tensor), so the folder is read as `dcp`
 DCP_HF_SHARD = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
@@ -46,7 +48,13 @@ def is_dcp_hf_sharded(names: list[str]) -> bool:
 
 
 def _stem_of_index(name: str) -> str:
-    return Path(name).name[: -len(INDEX_SUFFIX)]
+    base = Path(name).name
+    variant = VARIANT_INDEX.fullmatch(base)
+    if variant and not base.endswith(INDEX_SUFFIX):
+        # `diffusion_pytorch_model.safetensors.index.fp16.json` indexes `…model.fp16-0000k-of-…`
+        stem, _, rest = base.partition(".safetensors.index.")
+        return f"{stem}.{rest.removesuffix('.json')}"
+    return base[: -len(INDEX_SUFFIX)]
 
 
 class SafetensorsHeader:
@@ -394,8 +402,13 @@ def find_index(source: Source, suffix: str = INDEX_SUFFIX, kind: str = "safetens
     Shared with the torch adapter (`suffix=".bin.index.json"`), whose indexes have the same shape.
     """
     if source.target is not None:
+        if suffix == INDEX_SUFFIX and VARIANT_INDEX.fullmatch(source.target):
+            return source.target
         return source.target if source.target.endswith(suffix) else None
     indexes = sorted(n for n in source.top_level() if n.endswith(suffix))
+    if not indexes and suffix == INDEX_SUFFIX:
+        # diffusers spells a variant's index `diffusion_pytorch_model.safetensors.index.fp16.json`
+        indexes = sorted(n for n in source.top_level() if VARIANT_INDEX.fullmatch(n))
     if len(indexes) > 1:
         raise FormatError(
             f"holds several {kind} indexes ({', '.join(indexes)})",
@@ -959,7 +972,8 @@ class SafetensorsWriter(Writer):
                 "metadata": {"total_size": sum(e.nbytes for e in self.plan)},
                 "weight_map": {name: self.names[self._where[name]] for name in sorted(self._where)},
             }
-            index_name = f"{self.basename}{INDEX_SUFFIX}"
+            # a naming convention may spell the index itself (diffusers variants)
+            index_name = self.options.extra.get("index_name") or f"{self.basename}{INDEX_SUFFIX}"
             data = (json.dumps(index, indent=2) + "\n").encode()
             with open(self.staging / index_name, "wb") as fh:
                 fh.write(data)

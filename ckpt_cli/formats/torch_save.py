@@ -345,6 +345,7 @@ def flatten(obj: Any) -> Iterator[tuple[tuple[KeyStep, ...], Any]]:
     stack: list[tuple[tuple[KeyStep, ...], Any]] = [((), obj)]
     while stack:
         path, node = stack.pop()
+        node = _revive(node)
         kind = _container_kind(node)
         if kind is None:
             yield path, node
@@ -352,6 +353,25 @@ def flatten(obj: Any) -> Iterator[tuple[tuple[KeyStep, ...], Any]]:
         items = node.items() if isinstance(node, dict) else enumerate(node)
         children = [((*path, (kind, key)), value) for key, value in items]
         stack.extend(reversed(children))
+
+
+def _revive(node: Any) -> Any:
+    """The inert record a plain `{"__class__", "args", "state"}` dict stands for.
+
+    ckpt's writers store inert records (DeepSpeed's `LossScaler`...) as such dicts, since the
+    original classes are not importable here; reading one back as the record it was keeps the
+    entry names and values of a conversion equal to its source's. Only allow-listed names are
+    revived, as the stand-in class (no code of the original runs).
+    """
+    if type(node) is not dict or set(node) != {"__class__", "args", "state"}:
+        return node
+    cls = _INERT.get(node["__class__"]) if isinstance(node["__class__"], str) else None
+    if cls is None or not issubclass(cls, InertObject) or not isinstance(node["args"], list):
+        return node
+    record = cls.__new__(cls)
+    record.args = tuple(node["args"])
+    record.state = node["state"]
+    return record
 
 
 def _jsonable_value(obj: Any) -> tuple[bool, Any]:
@@ -402,6 +422,10 @@ def build_entries(obj: Any, file: str) -> tuple[list[TorchEntry], dict[str, Any]
     leaves: dict[str, Any] = {}
     views: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
     for path, leaf in flatten(obj):
+        if not path and type(leaf) in (dict, OrderedDict) and not leaf:
+            # an empty state dict (a safetensors file with no tensors, saved by torch) holds
+            # no entries; it is not one object named `object`
+            continue
         name = dotted(path) if path else "tensor" if _is_tensor(leaf) else "object"
         base, n = name, 1
         while name in leaves:  # {"a.b": x, "a": {"b": y}} flatten to the same name
@@ -745,7 +769,8 @@ class TorchCheckpoint(Checkpoint):
         leaf = self._leaf(name)
         if _is_tensor(leaf):
             return self.read_tensor(name)
-        return copy.deepcopy(leaf)
+        # inert records as plain dicts: what every writer can store and every reader load
+        return _plain(copy.deepcopy(leaf))
 
     def close(self) -> None:
         self.objects.clear()
@@ -929,7 +954,8 @@ class TorchWriter(Writer):
             "metadata": {"total_size": sum(e.nbytes for e in self.plan if e.kind == "tensor")},
             "weight_map": {name: self.names[i] for name, i in sorted(self._where.items())},
         }
-        index_name = f"{self.basename}{BIN_INDEX_SUFFIX}"
+        # a naming convention may spell the index itself (diffusers variants)
+        index_name = self.options.extra.get("index_name") or f"{self.basename}{BIN_INDEX_SUFFIX}"
         data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
         with open(self.staging / index_name, "wb") as fh:
             fh.write(data)

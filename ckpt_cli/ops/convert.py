@@ -228,6 +228,28 @@ def convert(
     cast = dtypes.parse_user_dtype(dtype) if dtype else None
     rename_pairs = parse_renames(renames)
     _guard_paths(src, dest_path)
+    if format is None:
+        from .components import component_source, components_of
+
+        found = components_of(src)
+        if found is not None:
+            # a diffusers pipeline / sentence-transformers folder: one component, or each
+            again = dict(
+                max_shard_size=shard_size,
+                dtype=dtype,
+                include=include,
+                exclude=exclude,
+                renames=renames,
+                dcp_serialization=dcp_serialization,
+                world_size=world_size,
+                progress=progress,
+            )
+            if select:
+                sub = component_source(src, found[1], select)
+                if sub is not None:
+                    return convert(sub, dest, to, force=force, **again)  # type: ignore[arg-type]
+            else:
+                return _convert_components(src, dest, to, found, again, force)
     single_file, basename = _layout(to, dest_path, shard_size)
     opened = open_source(src, format)
     with opened.checkpoint as base:
@@ -246,9 +268,13 @@ def convert(
 
             checkpoint = DequantizedCheckpoint(base, analysis, logical_dtype(analysis, cast))
         manifest = checkpoint.manifest
+        from ..layouts import select_view
+
+        # torchtitan keeps the model's keys at the top level: `--select model` takes them as-is
+        view = select_view(opened, select)
         plan = plan_transfer(
-            manifest,
-            select=select,
+            view or manifest,
+            select=None if view is not None else select,
             include=include,
             exclude=exclude,
             renames=rename_pairs,
@@ -257,6 +283,14 @@ def convert(
             dedupe_tied=to == "safetensors",
         )
         kept = 0 if dequantize else keep_quantized(plan, analysis)
+        if manifest.format == "gguf":
+            # quantized GGUF tensors are reported as such, not as generic objects
+            from ..formats.gguf import skip_reason
+
+            for skipped in plan.skipped:
+                reason = skip_reason(manifest.by_name[skipped.name])
+                if reason:
+                    skipped.reason = reason
         metadata: dict[str, str] = {}
         if to == "safetensors":
             # carry the source's string metadata; transformers needs format=pt to load it
@@ -292,6 +326,11 @@ def convert(
             options.extra["together"] = [
                 [renamed[n] for n in group if n in renamed] for group in analysis.together()
             ]
+        if not single_file and to in ("safetensors", "torch") and format is None:
+            # keep the source library's file names (adapter_model, diffusion_pytorch_model...)
+            from ..model_layouts import apply_naming
+
+            apply_naming(src, to, options)
         shares: list[RankShare] = []
         files, written = run_write(
             checkpoint, plan, dest_path, to, options, force=force, progress=progress, shares=shares
@@ -489,3 +528,39 @@ def write_dequantized_config(storage: Storage, dest: Destination) -> str | None:
     tmp.write_text(json.dumps(without_quantization(config), indent=2) + "\n")
     os.replace(tmp, target)
     return str(target)
+
+
+def _convert_components(
+    src: str,
+    dest: str,
+    to: str,
+    found: tuple[str, list[Any]],
+    again: dict[str, Any],
+    force: bool,
+) -> ConvertReport:
+    """Every component of a multi-folder model converted with its own naming, one DEST."""
+    from .components import write_components
+
+    layout, components = found
+
+    def one(inner_src: str, inner_dest: str, target: str) -> ConvertReport:
+        return convert(inner_src, inner_dest, target, **again)
+
+    files, reports = write_components(src, dest, layout, components, to, one, force=force)
+    return ConvertReport(
+        source=src,
+        source_format=layout,
+        dest=dest,
+        format=to,
+        files=files,
+        tensors=sum(r.tensors for r in reports),
+        objects=sum(r.objects for r in reports),
+        tensor_bytes=sum(r.tensor_bytes for r in reports),
+        raw_copies=sum(r.raw_copies for r in reports),
+        cast=next((r.cast for r in reports if r.cast), None),
+        casts=sum(r.casts for r in reports),
+        renamed=sum(r.renamed for r in reports),
+        skipped=[s for r in reports for s in r.skipped],
+        max_shard_size=again.get("max_shard_size"),
+        entries=[e for r in reports for e in r.entries],
+    )

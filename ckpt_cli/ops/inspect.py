@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 from ..dtypes import FLOATING
 from ..errors import NotFoundError
 from ..layouts import open_source
+from ..model_layouts import LayoutInfo
 from ..models import Entry, FileInfo, Manifest, TrainingState
 from ..quant import QuantSummary
 from ..runs import RunReport
@@ -38,6 +39,7 @@ class InspectReport(BaseModel):
         run: for a run folder (`format` is `run`): its step checkpoints (see `ckpt_cli.runs`).
         quantization: for a quantized checkpoint: the scheme per module group, logical
             parameters next to stored bytes, unquantized modules (see `ckpt_cli.quant`).
+        layout: the library layout of a model folder (PEFT adapter, diffusers pipeline...).
     """
 
     location: str
@@ -57,6 +59,7 @@ class InspectReport(BaseModel):
     filters: list[str] = Field(default_factory=list)
     run: RunReport | None = None
     quantization: QuantSummary | None = None
+    layout: LayoutInfo | None = None
 
 
 def select(
@@ -122,6 +125,7 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
             entries=entries,
             filters=list(filters or []),
             quantization=quantization_of(checkpoint.manifest, checkpoint.storage),
+            layout=opened.layout,
         )
 
 

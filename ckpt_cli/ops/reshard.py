@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 
 from ..distributed import CombinedProgress, RankShare, active, split_output
 from ..errors import FormatError, UsageError
-from ..formats import get_format, open_checkpoint
+from ..formats import get_format, open_checkpoint, resolve_source
 from ..formats.base import Checkpoint, WriteOptions, Writer
 from ..formats.dcp import rank_chunk, rank_file
 from ..formats.safetensors import INDEX_SUFFIX
@@ -209,6 +209,11 @@ def reshard_shard_size(
         if analysis.quantized:
             keep_quantized(plan, analysis)
             options.extra["together"] = analysis.together()
+        if format is None:
+            # keep the source library's file names and companions (PEFT, diffusers variants)
+            from ..model_layouts import apply_naming
+
+            apply_naming(src, manifest.format, options)
         shares: list[RankShare] = []
         files, written = write_checkpoint(
             checkpoint,
@@ -680,6 +685,20 @@ def run_reshard(
                 fix="Drop them, or reshard a DCP checkpoint with --world-size N.",
             )
         limit = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
+        if format is None:
+            from .components import components_of
+
+            found = components_of(src)
+            if found is not None:
+                if dry_run:
+                    raise UsageError(
+                        "--dry-run does not plan a multi-folder model (diffusers pipeline, "
+                        "sentence-transformers) yet",
+                        path=src,
+                        fix="Run --dry-run on one component folder (e.g. SRC/unet).",
+                    )
+                # a diffusers pipeline / sentence-transformers folder: component by component
+                return _reshard_components(src, dest, limit, *found, force=force, progress=progress)
         return reshard_shard_size(
             src, dest, limit, format=format, force=force, progress=progress, dry_run=dry_run
         )
@@ -701,4 +720,43 @@ def run_reshard(
         force=force,
         progress=progress,
         dry_run=dry_run,
+    )
+
+
+def _reshard_components(
+    src: str,
+    dest: str,
+    limit: int,
+    layout: str,
+    components: list[Any],
+    *,
+    force: bool,
+    progress: Progress,
+) -> ReshardReport:
+    """Reshard every weight-holding component of a multi-folder model with its own naming."""
+    from .components import write_components
+
+    def one(inner_src: str, inner_dest: str, to: str) -> ReshardReport:
+        return reshard_shard_size(inner_src, inner_dest, limit, progress=progress)
+
+    source = resolve_source(src)
+    formats = {
+        "torch" if (c.weights or "").endswith((".bin", ".bin.index.json")) else "safetensors"
+        for c in components
+        if c.weights
+    }
+    to = formats.pop() if len(formats) == 1 else "safetensors"
+    files, reports = write_components(src, dest, layout, components, to, one, force=force)
+    return ReshardReport(
+        mode="shard-size",
+        source=source.location.raw,
+        destination=dest,
+        format=layout,
+        files=files,
+        tensors=sum(r.tensors for r in reports),
+        objects=sum(r.objects for r in reports),
+        tensor_bytes=sum(r.tensor_bytes for r in reports),
+        raw_copy=sum(r.raw_copy for r in reports),
+        max_shard_size=limit,
+        verified=True,
     )

@@ -509,6 +509,12 @@ def write_checkpoint(
             files = writers[0].commit([p["part"] for p in parts])
         else:
             files = [FileInfo.model_validate(f) for f in parts[0]["files"]]
+        # the layout's small non-weight files (adapter_config.json...), published with the weights
+        for rel, data in (options.extra.get("companions") or {}).items():
+            target = staging / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            files.append(FileInfo(path=rel, size=len(data), entries=0))
         check_staged(to, staging, options.single_file)
         # an entry split over several ranks' files is reported once, in plan order
         by_name: dict[str, Any] = {}

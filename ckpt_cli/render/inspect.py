@@ -138,6 +138,23 @@ def render_quantization(report: InspectReport) -> None:
         stdout.print(f"  [red]orphan scales[/] {escape(', '.join(quant.orphans[:5]))}")
 
 
+def render_layout(report: InspectReport) -> None:
+    """The library layout line, and one line per component of a multi-folder model."""
+    layout = report.layout
+    if layout is None:
+        return
+    stdout.print(f"  [bold]{layout.layout}[/]: {layout.description}", highlight=False)
+    for comp in layout.components:
+        what = (
+            f"{counted(comp.tensors, 'tensor')}, {human_count(comp.parameters)} parameters, "
+            f"{human_bytes(comp.bytes)}"
+            if comp.tensors
+            else "no weights"
+        )
+        kind = (comp.kind or "?").rsplit(".", 1)[-1]
+        stdout.print(f"    {comp.name:<16} {kind}: {what}", highlight=False)
+
+
 def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     """Summary, training state, folded tree; every entry with `show_tensors`."""
     if report.run is not None:
@@ -174,6 +191,7 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
             f"  [yellow]{len(unsupported)} tensors of a dtype ckpt does not know, left out[/]: "
             f"{listed}{more}"
         )
+    render_layout(report)
     render_training(report)
     render_quantization(report)
     if show_tensors:

@@ -1,0 +1,122 @@
+"""convert / reshard of a multi-folder model (a diffusers pipeline, a sentence-transformers
+folder): every component with its own naming, into one atomically published DEST.
+
+Each weight-holding component is converted (or resharded) on its own, by the single-checkpoint
+operation, into its folder inside a staging sibling of DEST, so it keeps the names its library
+loads (`unet/diffusion_pytorch_model.safetensors`, `2_Dense/model.safetensors`) and its
+`config.json`. Every other file of the source (`model_index.json`, `modules.json`, schedulers,
+tokenizers, pooling configs) is copied byte for byte. The staging folder becomes DEST with one
+rename once every component is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import UsageError
+from ..formats import resolve_source
+from ..model_layouts import Component, multi_folder
+from ..models import FileInfo
+from ..output import RemoteDest, resolve_destination, staged_output
+
+#: the targets a multi-folder model converts to (what its libraries load)
+_TARGETS = ("safetensors", "torch")
+
+
+def components_of(src: str) -> tuple[str, list[Component]] | None:
+    """(layout, components) when `src` is a local multi-folder model, else None (without
+    listing anything for a file or a remote location)."""
+    from ..uri import parse_location
+
+    location = parse_location(src)
+    if not location.is_local or location.path is None or not location.path.is_dir():
+        return None  # multi-folder models are converted from local folders
+    source = resolve_source(src)
+    found = multi_folder(source)
+    if found is None:
+        return None
+    return found[0], found[1]
+
+
+def component_source(src: str, components: list[Component], name: str) -> str | None:
+    """The location of component `name` (`--select unet`), None when it is not a subfolder."""
+    for comp in components:
+        if comp.name == name.rstrip("."):
+            if not comp.path:
+                return None  # a root module: selected by prefix like any composite
+            return f"{src.rstrip('/')}/{comp.path}"
+    return None
+
+
+def write_components(
+    src: str,
+    dest: str,
+    layout: str,
+    components: list[Component],
+    to: str,
+    one: Callable[[str, str, str], Any],
+    *,
+    force: bool,
+) -> tuple[list[FileInfo], list[Any]]:
+    """Write every component with `one(component_src, component_dest, target)`, copy the
+    other files, publish DEST. Returns (files written, the per-component reports)."""
+    if to not in _TARGETS:
+        raise UsageError(
+            f"a {layout} folder converts component by component to safetensors or torch",
+            path=src,
+            fix=f"Pick one component for --to {to}, e.g. --select {components[0].name}.",
+        )
+    dest_path = resolve_destination(dest)
+    if isinstance(dest_path, RemoteDest):
+        raise UsageError(f"a {layout} folder is written to a local folder", path=dest)
+    source = resolve_source(src)
+    root = src.rstrip("/")
+    reports: list[Any] = []
+    files: list[FileInfo] = []
+    weight_files: set[str] = set()
+    with staged_output(dest_path, force=force) as staging:
+        for comp in components:
+            if comp.weights is None:
+                continue
+            if comp.path:
+                prefix = f"{comp.path}/"
+                inner_src, inner_dest = f"{root}/{comp.path}", staging / comp.path
+                # the component's own files are the single-checkpoint operation's to write
+                weight_files.update(
+                    n
+                    for n in source.files
+                    if n.startswith(prefix)
+                    and "/" not in n[len(prefix) :]
+                    and _is_weights(n[len(prefix) :])
+                )
+            else:
+                # a root module (sentence-transformers' transformer): written into a scratch
+                # folder, then moved up beside the other components' folders
+                inner_src = f"{root}/{comp.weights}"
+                inner_dest = staging / ".root-weights"
+                weight_files.update(n for n in source.files if "/" not in n and _is_weights(n))
+            report = one(inner_src, str(inner_dest), to)
+            reports.append(report)
+            if not comp.path:
+                for child in sorted(inner_dest.iterdir()):
+                    child.rename(staging / child.name)
+                inner_dest.rmdir()
+            base = f"{comp.path}/" if comp.path else ""
+            for info in getattr(report, "files", []):
+                files.append(info.model_copy(update={"path": f"{base}{info.path}"}))
+        for rel in sorted(source.files):
+            if rel in weight_files or (staging / rel).exists():
+                continue
+            target = staging / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            data = source.storage.read_all(rel)
+            target.write_bytes(data)
+            files.append(FileInfo(path=rel, size=len(data), entries=0))
+    return files, reports
+
+
+def _is_weights(name: str) -> bool:
+    return name.endswith((".safetensors", ".bin", ".pt", ".pth")) or (
+        name.endswith(".json") and ".index" in name
+    )

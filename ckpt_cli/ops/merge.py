@@ -1,0 +1,355 @@
+"""`merge`: a LoRA adapter folded into its base model, one weight at a time.
+
+peft's `merge_and_unload` builds the whole model in memory. Here the base checkpoint is read one
+tensor at a time: a weight some LoRA module targets gets `W + scaling · (B @ A)` (transposed for
+`fan_in_fan_out` layers and embeddings), with `scaling = lora_alpha / r` (`/ sqrt(r)` with
+rsLoRA, per-module `rank_pattern` / `alpha_pattern` honoured), computed in float32 and stored
+in the base weight's dtype, as peft does on CPU; weights listed in `modules_to_save` are
+replaced by the adapter's copy; every other tensor is copied as raw bytes. Peak memory is one
+base weight plus its two low-rank factors.
+
+The output keeps the base's naming (one `model.safetensors`, or its shard size and index) and
+carries the base's non-weight files (`config.json`, tokenizer, generation config), so it loads
+with `from_pretrained` like the base did. It is written beside DEST and published with one
+rename.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, Field
+
+from ..errors import FormatError, NotFoundError, UsageError
+from ..formats import open_checkpoint, resolve_source
+from ..formats.base import Checkpoint, WriteOptions
+from ..formats.safetensors import INDEX_SUFFIX
+from ..model_layouts import read_json
+from ..models import Entry, FileInfo
+from ..output import Destination, RemoteDest, resolve_destination, staged_output
+from ..progress import NULL_PROGRESS, Progress
+from .transfer import plan_transfer
+from .transfer import write_checkpoint as run_write
+
+if TYPE_CHECKING:
+    import torch
+
+_PEFT_PREFIX = "base_model.model."
+_LORA = re.compile(
+    r"(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$"
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+
+
+class MergeReport(BaseModel):
+    """The result of `ckpt merge`.
+
+    Attributes:
+        base / adapter / dest: what was read and written.
+        adapter_type / base_model: from `adapter_config.json`.
+        r / lora_alpha: the adapter's default rank and alpha.
+        merged: base weights that received a LoRA update.
+        replaced: base weights replaced by the adapter's `modules_to_save` copy.
+        copied: base tensors written unchanged.
+        files: the files written (weights and carried companions).
+    """
+
+    base: str
+    adapter: str
+    dest: str
+    adapter_type: str
+    base_model: str | None = None
+    r: int | None = None
+    lora_alpha: int | float | None = None
+    merged: list[str] = Field(default_factory=list)
+    replaced: list[str] = Field(default_factory=list)
+    copied: int = 0
+    files: list[FileInfo] = Field(default_factory=list)
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """peft's rule: a `rank_pattern` / `alpha_pattern` key matches a module name's tail."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+class _Update:
+    """One base weight's LoRA factors."""
+
+    def __init__(self, module: str):
+        self.module = module
+        self.a: str | None = None
+        self.b: str | None = None
+        self.embedding = False
+
+
+class MergedCheckpoint(Checkpoint):
+    """The base checkpoint as seen through the adapter: merged weights on read."""
+
+    def __init__(
+        self,
+        base: Checkpoint,
+        adapter: Checkpoint,
+        updates: dict[str, _Update],
+        replaced: dict[str, str],
+        config: dict[str, Any],
+    ):
+        entries: list[Entry] = []
+        for entry in base.manifest.entries:
+            if entry.name in updates or entry.name in replaced:
+                # computed on read: never copied as the base's raw bytes
+                entry = entry.model_copy(update={"offset": None})
+            entries.append(entry)
+        super().__init__(base.source, base.manifest.model_copy(update={"entries": entries}))
+        self.base = base
+        self.adapter = adapter
+        self.updates = updates
+        self.replaced = replaced
+        self.config = config
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        if name in self.replaced:
+            from ..tensors import torch_dtype
+
+            tensor = self.adapter.read_tensor(self.replaced[name])
+            dtype = self.base.manifest.by_name[name].dtype
+            return tensor.to(torch_dtype(dtype)) if dtype else tensor
+        weight = self.base.read_tensor(name)
+        update = self.updates.get(name)
+        if update is None:
+            return weight
+        import torch
+
+        assert update.a is not None and update.b is not None
+        a = self.adapter.read_tensor(update.a)
+        b = self.adapter.read_tensor(update.b)
+        r = _pattern_value(self.config.get("rank_pattern") or {}, update.module, self.config["r"])
+        alpha = _pattern_value(
+            self.config.get("alpha_pattern") or {}, update.module, self.config["lora_alpha"]
+        )
+        scaling = alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r
+        # peft computes the delta in float32 on CPU, then adds it in the weight's dtype
+        delta = (b.float() @ a.float()) * scaling
+        if update.embedding or self.config.get("fan_in_fan_out"):
+            delta = delta.T
+        if tuple(delta.shape) != tuple(weight.shape):
+            raise FormatError(
+                f"the LoRA update of {update.module!r} has shape {list(delta.shape)}, "
+                f"the base weight {name!r} is {list(weight.shape)}",
+                path=self.adapter.manifest.location,
+                fix="Check that the adapter was trained on this base model.",
+            )
+        delta = delta.to(a.dtype)
+        return torch.add(weight, delta.to(weight.dtype)).contiguous()
+
+    def read_object(self, name: str) -> Any:
+        return self.base.read_object(name)
+
+    def close(self) -> None:
+        self.base.close()
+        self.adapter.close()
+
+
+def _base_name(module: str, suffix: str, names: set[str]) -> str | None:
+    """The base tensor a peft module path addresses (exact, else the one name ending so)."""
+    exact = f"{module}.{suffix}"
+    if exact in names:
+        return exact
+    tails = [n for n in names if n.endswith(f".{exact}") or exact.endswith(f".{n}")]
+    return tails[0] if len(tails) == 1 else None
+
+
+def _plan_updates(
+    base: Checkpoint, adapter: Checkpoint, config: dict[str, Any]
+) -> tuple[dict[str, _Update], dict[str, str]]:
+    names = {e.name for e in base.manifest.entries if e.kind == "tensor"}
+    updates: dict[str, _Update] = {}
+    replaced: dict[str, str] = {}
+    where = adapter.manifest.location
+    for entry in adapter.manifest.entries:
+        if entry.kind != "tensor":
+            continue
+        key = entry.name.removeprefix(_PEFT_PREFIX)
+        if "lora_magnitude_vector" in key:
+            raise FormatError(
+                "is a DoRA adapter (lora_magnitude_vector), which `ckpt merge` does not merge",
+                path=where,
+                fix="Merge it with peft's merge_and_unload.",
+            )
+        match = _LORA.fullmatch(key)
+        if match is None:
+            if ".lora_" in key:
+                raise FormatError(
+                    f"holds {entry.name!r}, a LoRA tensor `ckpt merge` does not know",
+                    path=where,
+                    fix="Merge it with peft's merge_and_unload.",
+                )
+            # a `modules_to_save` copy: the adapter's tensor replaces the base's
+            target = _base_name(key.rsplit(".", 1)[0], key.rsplit(".", 1)[-1], names)
+            if target is None:
+                raise NotFoundError(
+                    f"{entry.name!r} replaces a base weight {key!r} the base does not have",
+                    path=where,
+                    fix="Check that the adapter was trained on this base model.",
+                )
+            replaced[target] = entry.name
+            continue
+        module, part = match.group("module"), match.group("part")
+        if len(entry.shape) != 2:
+            raise FormatError(
+                f"{entry.name!r} has shape {entry.shape}: only LoRA on linear and embedding "
+                "layers is merged",
+                path=where,
+                fix="Merge convolution LoRA with peft's merge_and_unload.",
+            )
+        target = _base_name(module, "weight", names)
+        if target is None:
+            raise NotFoundError(
+                f"the adapter targets {module!r}, which has no weight in the base",
+                path=where,
+                fix="Check that the adapter was trained on this base model.",
+            )
+        update = updates.setdefault(target, _Update(module))
+        update.embedding = part.startswith("lora_embedding")
+        if part.endswith("A"):
+            update.a = entry.name
+        else:
+            update.b = entry.name
+    for update in updates.values():
+        if update.a is None or update.b is None:
+            raise FormatError(
+                f"{update.module!r} has only one of its two LoRA factors",
+                path=where,
+                fix="The adapter file is incomplete; save it again.",
+            )
+    return updates, replaced
+
+
+def _companions(base_src: str) -> list[str]:
+    """The base's top-level non-weight files (config, tokenizer, generation config...)."""
+    source = resolve_source(base_src)
+    if source.target is not None:
+        return []
+    return sorted(
+        n
+        for n in source.files
+        if "/" not in n
+        and not n.endswith(_WEIGHT_SUFFIXES)
+        and not n.endswith((INDEX_SUFFIX, ".bin.index.json"))
+        and not n.startswith(".")
+    )
+
+
+def merge(
+    base: str,
+    adapter: str,
+    dest: str,
+    *,
+    force: bool = False,
+    progress: Progress = NULL_PROGRESS,
+) -> MergeReport:
+    """Merge the LoRA adapter folder `adapter` into the base model `base`, writing `dest`.
+
+    Args:
+        base: the base model folder (or one safetensors / torch file).
+        adapter: a PEFT LoRA adapter folder (`adapter_config.json` + `adapter_model.*`).
+        dest: the output folder (refused if it exists, unless `force`).
+        force: replace an existing `dest` once the new output is complete.
+        progress: progress sink (bytes).
+    """
+    adapter_source = resolve_source(adapter)
+    config = read_json(adapter_source, "adapter_config.json")
+    if not isinstance(config, dict):
+        raise NotFoundError(
+            "has no readable adapter_config.json",
+            path=adapter,
+            fix="Point ADAPTER at the folder peft's save_pretrained wrote.",
+        )
+    kind = str(config.get("peft_type") or "")
+    if kind.upper() != "LORA":
+        raise FormatError(
+            f"is a {kind or 'non-LoRA'} adapter; `ckpt merge` merges LoRA adapters",
+            path=adapter,
+            fix="Merge it with peft's merge_and_unload.",
+        )
+    if not isinstance(config.get("r"), int) or not isinstance(
+        config.get("lora_alpha"), (int, float)
+    ):
+        raise FormatError("adapter_config.json lacks r or lora_alpha", path=adapter)
+    if config.get("use_dora"):
+        raise FormatError(
+            "is a DoRA adapter, which `ckpt merge` does not merge",
+            path=adapter,
+            fix="Merge it with peft's merge_and_unload.",
+        )
+    weights = next(
+        (
+            n
+            for n in ("adapter_model.safetensors", "adapter_model.bin")
+            if n in adapter_source.files
+        ),
+        None,
+    )
+    if weights is None:
+        raise NotFoundError(
+            "has no adapter_model.safetensors or adapter_model.bin",
+            path=adapter,
+            fix="Point ADAPTER at the folder peft's save_pretrained wrote.",
+        )
+    dest_path: Destination = resolve_destination(dest)
+    if isinstance(dest_path, RemoteDest):
+        raise UsageError("merge writes to a local folder", path=dest)
+    base_checkpoint = open_checkpoint(base)
+    try:
+        adapter_checkpoint = open_checkpoint(f"{adapter.rstrip('/')}/{weights}")
+    except BaseException:
+        base_checkpoint.close()
+        raise
+    updates, replaced = _plan_updates(base_checkpoint, adapter_checkpoint, config)
+    merged = MergedCheckpoint(base_checkpoint, adapter_checkpoint, updates, replaced, config)
+    companions = _companions(base)
+    base_source = resolve_source(base)
+    shard = _shard_size(base_checkpoint)
+    with merged:
+        plan = plan_transfer(merged.manifest, keep_objects=False, dedupe_tied=True)
+        metadata = dict(base_checkpoint.manifest.metadata)
+        metadata.update(plan.aliases)
+        metadata["format"] = "pt"
+        options = WriteOptions(max_shard_size=shard, metadata=metadata, basename="model")
+        with staged_output(dest_path, force=force) as staging:
+            inner = staging / "weights"
+            files, written = run_write(
+                merged, plan, inner, "safetensors", options, progress=progress
+            )
+            for child in inner.iterdir():
+                child.rename(staging / child.name)
+            inner.rmdir()
+            for rel in companions:
+                data = base_source.storage.read_all(rel)
+                (staging / rel).write_bytes(data)
+                files.append(FileInfo(path=rel, size=len(data), entries=0))
+    return MergeReport(
+        base=base,
+        adapter=adapter,
+        dest=str(dest_path),
+        adapter_type="LoRA",
+        base_model=config.get("base_model_name_or_path"),
+        r=config["r"],
+        lora_alpha=config["lora_alpha"],
+        merged=sorted(updates),
+        replaced=sorted(replaced),
+        copied=sum(1 for w in written if w.name not in updates and w.name not in replaced),
+        files=files,
+    )
+
+
+def _shard_size(checkpoint: Checkpoint) -> int | None:
+    """The base's own shard size (its largest shard), so the output is cut the same way."""
+    files = [f for f in checkpoint.manifest.files if f.path.endswith(".safetensors")]
+    if len(files) <= 1:
+        return None
+    return max(f.size or 0 for f in files) or None

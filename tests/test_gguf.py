@@ -1,0 +1,103 @@
+"""GGUF files written by gguf's own GGUFWriter: inspect reads headers only (metadata, tensor
+infos, quantization types, split files), verify checks structure and offsets, convert writes
+the unquantized tensors to safetensors bit-exact and reports the quantized ones."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from .conftest import run_ckpt
+from .dist_helpers import torchrun_env
+
+
+def _reader(path: Path):  # type: ignore[no-untyped-def]
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))
+
+
+def test_inspect_lists_header_ground_truth(gguf_files: Path) -> None:
+    path = gguf_files / "tiny.gguf"
+    reader = _reader(path)
+    report = run_ckpt("inspect", path, "--json").json["result"]
+    assert report["format"] == "gguf"
+    by_name = {e["name"]: e for e in report["entries"]}
+    assert set(by_name) == {t.name for t in reader.tensors}
+    for tensor in reader.tensors:
+        entry = by_name[tensor.name]
+        assert entry["nbytes"] == tensor.n_bytes
+        if tensor.tensor_type.name == "Q8_0":
+            assert entry["kind"] == "object" and "Q8_0" in entry["py_type"]
+        else:
+            # row-major, as torch and safetensors see it: GGUF's ne reversed
+            assert entry["shape"] == list(reversed([int(d) for d in tensor.shape]))
+    details = report["details"]
+    assert details["tensor_types"] == {"BF16": 1, "F16": 1, "F32": 1, "Q8_0": 1}
+    assert details["metadata"]["general.name"] == "tiny"
+    assert details["metadata"]["tokenizer.ggml.tokens"] == "[40 × str]"
+    assert report["layout"]["layout"] == "gguf"
+
+    split = run_ckpt("inspect", gguf_files / "split", "--json").json["result"]
+    assert len(split["files"]) == 2 and split["details"]["split"]["count"] == 2
+    assert {e["name"] for e in split["entries"]} == set(by_name)
+
+
+def test_inspect_and_verify_never_import_torch(gguf_files: Path) -> None:
+    code = (
+        "import sys\n"
+        "from ckpt_cli.cli import main\n"
+        "for cmd in ('inspect', 'verify'):\n"
+        "    try:\n"
+        f"        main([cmd, {str(gguf_files / 'tiny.gguf')!r}, '--json'])\n"
+        "    except SystemExit as e:\n"
+        "        assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=torchrun_env(), capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_verify_finds_truncation_and_a_missing_split(gguf_files: Path, tmp_path: Path) -> None:
+    assert run_ckpt("verify", gguf_files / "tiny.gguf").exit_code == 0
+    assert run_ckpt("verify", gguf_files / "split").exit_code == 0
+    cut = tmp_path / "cut.gguf"
+    data = (gguf_files / "tiny.gguf").read_bytes()
+    cut.write_bytes(data[: len(data) - 40])
+    result = run_ckpt("verify", cut, "--json")
+    assert result.exit_code == 1
+    assert {p["code"] for p in result.json["result"]["problems"]} & {"truncated", "bad_checkpoint"}
+    split = shutil.copytree(gguf_files / "split", tmp_path / "split")
+    (split / "tiny-00002-of-00002.gguf").unlink()
+    result = run_ckpt("verify", split, "--json")
+    assert result.exit_code == 1
+    codes = [p["code"] for p in result.json["result"]["problems"]]
+    assert "missing_split" in codes
+
+
+def test_convert_writes_unquantized_tensors_and_reports_quantized(
+    gguf_files: Path, tmp_path: Path
+) -> None:
+    for src in (gguf_files / "tiny.gguf", gguf_files / "split"):
+        out = tmp_path / f"{src.stem}.safetensors"
+        result = run_ckpt("convert", src, out, "--to", "safetensors", "--json")
+        assert result.exit_code == 0, result.stdout
+        report = result.json["result"]
+        assert [s["name"] for s in report["skipped"]] == ["blk.1.attn_q.weight"]
+        assert "Q8_0" in report["skipped"][0]["reason"]
+        got = load_file(out)
+        files = [src] if src.is_file() else sorted(src.glob("*.gguf"))
+        expected = {t.name: t for f in files for t in _reader(f).tensors}
+        assert set(got) == {n for n, t in expected.items() if t.tensor_type.name != "Q8_0"}
+        for name, tensor in got.items():
+            raw = np.asarray(expected[name].data)
+            want = torch.from_numpy(raw.copy())
+            if expected[name].tensor_type.name == "BF16":
+                want = want.view(torch.bfloat16).reshape(tensor.shape)
+            assert tensor.dtype == want.dtype and torch.equal(tensor, want), name

@@ -1,0 +1,162 @@
+"""Multi-folder models written by their libraries: a diffusers pipeline root (model_index.json +
+unet/ + vqvae/ + scheduler/) and a sentence-transformers folder (root BERT, 1_Pooling/,
+2_Dense/) are one checkpoint of components. inspect and verify cover every component; convert
+and reshard write each with its own naming, and the owning library loads every output."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .conftest import run_ckpt
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """The libraries' deprecation chatter off while they load an output."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def test_pipeline_inspect_reports_every_component(diffusers_pipeline: Path) -> None:
+    report = run_ckpt("inspect", diffusers_pipeline, "--json").json["result"]
+    layout = report["layout"]
+    assert layout["layout"] == "diffusers-pipeline"
+    assert layout["details"]["pipeline"] == "LDMPipeline"
+    by_name = {c["name"]: c for c in layout["components"]}
+    assert set(by_name) == {"unet", "vqvae", "scheduler"}
+    for name in ("unet", "vqvae"):
+        tensors = load_file(diffusers_pipeline / name / "diffusion_pytorch_model.safetensors")
+        assert by_name[name]["tensors"] == len(tensors)
+        assert by_name[name]["parameters"] == sum(t.numel() for t in tensors.values())
+    assert by_name["scheduler"]["tensors"] == 0
+    assert report["tensors"] == by_name["unet"]["tensors"] + by_name["vqvae"]["tensors"]
+    human = run_ckpt("inspect", diffusers_pipeline).stdout
+    assert "UNet2DModel" in human and "VQModel" in human and "DDIMScheduler" in human
+
+
+def test_pipeline_verify_checks_every_component(diffusers_pipeline: Path, tmp_path: Path) -> None:
+    assert run_ckpt("verify", diffusers_pipeline).exit_code == 0
+    damaged = shutil.copytree(diffusers_pipeline, tmp_path / "damaged")
+    weights = damaged / "vqvae" / "diffusion_pytorch_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 100])
+    result = run_ckpt("verify", damaged, "--json")
+    assert result.exit_code == 1
+    problems = result.json["result"]["problems"]
+    assert problems and all("vqvae" in (p["file"] or "") for p in problems)
+
+
+def test_pipeline_converts_component_by_component(diffusers_pipeline: Path, tmp_path: Path) -> None:
+    from diffusers import DiffusionPipeline, UNet2DModel
+
+    out = tmp_path / "fp16"
+    result = run_ckpt("convert", diffusers_pipeline, out, "--to", "safetensors", "--dtype", "fp16")
+    assert result.exit_code == 0, result.stderr
+    assert (out / "model_index.json").read_bytes() == (
+        diffusers_pipeline / "model_index.json"
+    ).read_bytes()
+    assert (out / "scheduler" / "scheduler_config.json").exists()
+    with _quiet():
+        pipe = DiffusionPipeline.from_pretrained(out, torch_dtype=torch.float16)
+        original = DiffusionPipeline.from_pretrained(diffusers_pipeline)
+    for component in ("unet", "vqvae"):
+        want = getattr(original, component).state_dict()
+        got = getattr(pipe, component).state_dict()
+        assert want.keys() == got.keys()
+        assert all(torch.equal(got[k], want[k].half()) for k in want), component
+
+    # one component alone, with its own naming and config
+    unet_out = tmp_path / "unet"
+    result = run_ckpt(
+        "convert", diffusers_pipeline, unet_out, "--to", "safetensors", "--select", "unet"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert {p.name for p in unet_out.iterdir()} == {
+        "config.json",
+        "diffusion_pytorch_model.safetensors",
+    }
+    with _quiet():
+        unet = UNet2DModel.from_pretrained(unet_out)
+    want = original.unet.state_dict()
+    assert all(torch.equal(unet.state_dict()[k], want[k]) for k in want)
+    assert run_ckpt("convert", diffusers_pipeline, tmp_path / "d", "--to", "dcp").exit_code == 2
+
+
+def test_fp16_variant_names_survive_convert_and_reshard(
+    fp16_variant_unet: Path, tmp_path: Path
+) -> None:
+    from diffusers import UNet2DModel
+
+    with _quiet():
+        want = UNet2DModel.from_pretrained(fp16_variant_unet, variant="fp16").state_dict()
+    single = tmp_path / "single"
+    assert run_ckpt("convert", fp16_variant_unet, single, "--to", "safetensors").exit_code == 0
+    assert {p.name for p in single.iterdir()} == {
+        "config.json",
+        "diffusion_pytorch_model.fp16.safetensors",
+    }
+    sharded = tmp_path / "sharded"
+    assert (
+        run_ckpt("reshard", fp16_variant_unet, sharded, "--max-shard-size", "40KB").exit_code == 0
+    )
+    names = {p.name for p in sharded.iterdir()}
+    assert "diffusion_pytorch_model.safetensors.index.fp16.json" in names
+    assert any(n.startswith("diffusion_pytorch_model.fp16-00001-of-") for n in names)
+    for out in (single, sharded):
+        with _quiet():
+            got = UNet2DModel.from_pretrained(out, variant="fp16").state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_sentence_transformers_folder_includes_dense(
+    sentence_transformer: Path, tmp_path: Path
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    report = run_ckpt("inspect", sentence_transformer, "--json").json["result"]
+    layout = report["layout"]
+    assert layout["layout"] == "sentence-transformers"
+    by_name = {c["name"]: c for c in layout["components"]}
+    assert set(by_name) == {"0_Transformer", "1_Pooling", "2_Dense"}
+    dense = load_file(sentence_transformer / "2_Dense" / "model.safetensors")
+    assert by_name["2_Dense"]["tensors"] == len(dense) == 2
+    assert any(e["name"].startswith("2_Dense.") for e in report["entries"])
+
+    with _quiet():
+        model = SentenceTransformer(str(sentence_transformer), device="cpu")
+        want = model.encode(["w1 w2 w3", "w4"], convert_to_tensor=True)
+    outputs = {
+        "torch": ("convert", sentence_transformer, tmp_path / "torch", "--to", "torch"),
+        "resharded": (
+            "reshard",
+            sentence_transformer,
+            tmp_path / "resharded",
+            "--max-shard-size",
+            "8KB",
+        ),
+    }
+    for label, args in outputs.items():
+        result = run_ckpt(*args)
+        assert result.exit_code == 0, (label, result.stderr)
+        with _quiet():
+            got = SentenceTransformer(str(args[2]), device="cpu").encode(
+                ["w1 w2 w3", "w4"], convert_to_tensor=True
+            )
+        assert torch.equal(got, want), label
+    assert (tmp_path / "torch" / "2_Dense" / "pytorch_model.bin").exists()
+    assert (tmp_path / "resharded" / "model.safetensors.index.json").exists()
+
+    damaged = shutil.copytree(sentence_transformer, tmp_path / "damaged")
+    (damaged / "2_Dense" / "model.safetensors").write_bytes(b"\x08" * 16)
+    result = run_ckpt("verify", damaged, "--json")
+    assert result.exit_code == 1
+    assert any("2_Dense" in (p["file"] or "") for p in result.json["result"]["problems"])

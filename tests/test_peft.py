@@ -1,0 +1,114 @@
+"""PEFT adapters written by peft itself: labelled by inspect, converted and resharded under
+their own file names (so `PeftModel.from_pretrained` still loads them), and merged into their
+base by `ckpt merge` exactly as peft's `merge_and_unload` does."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .conftest import run_ckpt
+
+
+def _load_peft(base: Path, adapter: Path) -> dict[str, torch.Tensor]:
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), adapter)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_adapter_is_labelled_from_its_config(lora_adapter: Path, tiny_llama: Path) -> None:
+    result = run_ckpt("inspect", lora_adapter, "--json")
+    assert result.exit_code == 0
+    layout = result.json["result"]["layout"]
+    assert layout["layout"] == "peft"
+    details = layout["details"]
+    assert details["peft_type"] == "LORA" and details["r"] == 4 and details["lora_alpha"] == 8
+    assert details["target_modules"] == ["q_proj", "v_proj"]
+    assert details["base_model_name_or_path"] == str(tiny_llama)
+    human = run_ckpt("inspect", lora_adapter).stdout
+    assert "LoRA adapter for" in human and "r=4" in human and "q_proj, v_proj" in human
+
+
+def test_convert_and_reshard_keep_the_peft_names(
+    lora_adapter: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    expected = _load_peft(tiny_llama, lora_adapter)
+    out = tmp_path / "converted"
+    assert run_ckpt("convert", lora_adapter, out, "--to", "safetensors").exit_code == 0
+    assert {p.name for p in out.iterdir()} >= {"adapter_model.safetensors", "adapter_config.json"}
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    got = _load_peft(tiny_llama, out)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+    resharded = tmp_path / "resharded"
+    assert run_ckpt("reshard", lora_adapter, resharded, "--max-shard-size", "1KB").exit_code == 0
+    names = {p.name for p in resharded.iterdir()}
+    assert "adapter_model.safetensors.index.json" in names and "adapter_config.json" in names
+    assert any(n.startswith("adapter_model-00001-of-") for n in names)
+
+
+def test_merge_equals_peft_merge_and_unload(
+    lora_adapter: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "merged"
+    result = run_ckpt("merge", tiny_llama, lora_adapter, out, "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    # q_proj and v_proj of both layers
+    assert len(report["merged"]) == 4 and all("_proj.weight" in n for n in report["merged"])
+    assert {p.name for p in out.iterdir()} >= {"model.safetensors", "config.json"}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = PeftModel.from_pretrained(
+            LlamaForCausalLM.from_pretrained(tiny_llama), lora_adapter
+        ).merge_and_unload()
+        merged = LlamaForCausalLM.from_pretrained(out)
+    want, got = reference.state_dict(), merged.state_dict()
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6)
+    # the LoRA really changed those weights; the rest are the base's bytes
+    base = load_file(tiny_llama / "model.safetensors")
+    written = load_file(out / "model.safetensors")
+    for name in base:
+        assert torch.equal(written[name], base[name]) == (name not in report["merged"])
+
+
+def test_merge_refuses_what_it_cannot_merge(
+    lora_adapter: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    not_lora = shutil.copytree(lora_adapter, tmp_path / "ia3")
+    config = json.loads((not_lora / "adapter_config.json").read_text())
+    config["peft_type"] = "IA3"
+    (not_lora / "adapter_config.json").write_text(json.dumps(config))
+    result = run_ckpt("merge", tiny_llama, not_lora, tmp_path / "out")
+    assert result.exit_code == 4 and "IA3" in result.stderr
+    assert not (tmp_path / "out").exists()
+    result = run_ckpt("merge", tiny_llama, tmp_path, tmp_path / "out2")
+    assert result.exit_code == 3 and "adapter_config.json" in result.stderr
+
+
+def test_verify_good_and_damaged_adapter(lora_adapter: Path, tmp_path: Path) -> None:
+    assert run_ckpt("verify", lora_adapter).exit_code == 0
+    damaged = shutil.copytree(lora_adapter, tmp_path / "damaged")
+    weights = damaged / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    result = run_ckpt("verify", damaged, "--json")
+    assert result.exit_code == 1
+    assert any(
+        "adapter_model.safetensors" in (p["file"] or "") for p in result.json["result"]["problems"]
+    )
