@@ -597,7 +597,6 @@ def run_command(
     import time
 
     from . import render
-    from .distributed import RankFailedError, joined
 
     started = time.monotonic()
     try:
@@ -609,14 +608,7 @@ def run_command(
             error.fix += hint[0].upper() + hint[1:]
         _report_failure(command, error, json_output)
     except CkptError as error:
-        # under torchrun, a command that split its work speaks through rank 0; the others print
-        # only errors of their own (the collective RankFailedError is rank 0's to report)
-        leader = joined().leader
-        if leader:
-            render.emit_error(command, error, json_output)
-        elif not isinstance(error, RankFailedError):
-            render.emit_error(command, error, False)
-        raise typer.Exit(error.exit_code) from None
+        _report_failure(command, error, json_output)
     except KeyboardInterrupt:
         interrupted = Interrupted("interrupted")
         render.emit_error(command, interrupted, json_output)
@@ -626,10 +618,10 @@ def run_command(
     except Exception as exc:  # anything else is a bug: say so, keep the traceback for CKPT_DEBUG
         if os.environ.get("CKPT_DEBUG"):
             raise
-        render.emit_internal_error(command, exc, json_output and joined().leader)
+        render.emit_internal_error(command, exc, json_output and _leader())
         raise typer.Exit(70) from None
     code = exit_code(result)
-    if joined().leader:  # under torchrun only rank 0 prints the result
+    if _leader():  # under torchrun only rank 0 prints the result
         if json_output:
             found: CkptError | None = None
             if code:
@@ -665,13 +657,29 @@ def _mentioned(error: CkptError) -> list[str]:
     return [error.path] if error.path else []
 
 
-def _report_failure(command: str, error: CkptError, json_output: bool) -> NoReturn:
-    from . import render
-    from .distributed import RankFailedError, joined
+def _leader() -> bool:
+    """Whether this process prints results: rank 0 of a split run, or a plain process.
 
-    if joined().leader:
+    Ranks exist only once `ckpt_cli.distributed` was imported (by a launch, or a library
+    caller's `use(...)`), so a plain run answers without importing it.
+    """
+    distributed = sys.modules.get("ckpt_cli.distributed")
+    return distributed is None or bool(distributed.joined().leader)
+
+
+def _report_failure(command: str, error: CkptError, json_output: bool) -> NoReturn:
+    """Print `error` and exit with its code.
+
+    Under torchrun a command that split its work speaks through rank 0; the others print only
+    errors of their own (the collective RankFailedError is rank 0's to report).
+    """
+    from . import render
+
+    distributed = sys.modules.get("ckpt_cli.distributed")
+    collective = distributed is not None and isinstance(error, distributed.RankFailedError)
+    if _leader():
         render.emit_error(command, error, json_output)
-    elif not isinstance(error, RankFailedError):
+    elif not collective:
         render.emit_error(command, error, False)
     raise typer.Exit(error.exit_code) from None
 
@@ -697,8 +705,13 @@ def get_app() -> typer.Typer:
 
 def main(argv: list[str] | None = None) -> Any:
     """Console entry point (`ckpt`); under torchrun, joins the launch's process group first."""
-    from .distributed import launched
+    from .launch import is_multi_rank_launch
 
     get_app()
+    args = argv if argv is not None else sys.argv[1:]
+    if not is_multi_rank_launch():
+        return app(args=args, prog_name="ckpt")
+    from .distributed import launched
+
     with launched():
-        return app(args=argv if argv is not None else sys.argv[1:], prog_name="ckpt")
+        return app(args=args, prog_name="ckpt")

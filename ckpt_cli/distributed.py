@@ -40,17 +40,15 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, Field
 
 from .errors import CkptError
+from .launch import launch_environment
 from .output import staged_output
 
 T = TypeVar("T")
 
 #: overrides the process-group backend (default gloo)
 BACKEND_ENV = "CKPT_DIST_BACKEND"
-#: `0` runs a plain process even where launcher variables are set
-DISABLE_ENV = "CKPT_DISTRIBUTED"
 #: set only by the tests: the rank named here raises inside its part of the work
 FAIL_RANK_ENV = "CKPT_TEST_FAIL_RANK"
-_LAUNCH_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 class RankFailedError(CkptError):
@@ -237,25 +235,6 @@ def use(workers: Workers) -> Iterator[Workers]:
         yield workers
     finally:
         _ACTIVE.reset(token)
-
-
-def launch_environment() -> tuple[int, int] | None:
-    """(rank, world size) when torchrun (or another launcher) set the usual variables.
-
-    `CKPT_DISTRIBUTED=0` hides a launch: a `ckpt` started from inside a launched program
-    inherits its variables, and must then run as a plain process.
-    """
-    if os.environ.get(DISABLE_ENV, "").strip() == "0":
-        return None
-    if not all(os.environ.get(name) for name in _LAUNCH_VARS):
-        return None
-    try:
-        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    except ValueError:
-        return None
-    if size < 1 or not 0 <= rank < size:
-        return None
-    return rank, size
 
 
 @contextmanager

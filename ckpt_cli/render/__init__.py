@@ -13,7 +13,6 @@ import re
 import sys
 from typing import Any, NoReturn
 
-from pydantic import BaseModel
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.text import Text
@@ -121,6 +120,8 @@ def stdout_text(text: str) -> None:
 
 
 def _jsonable(result: Any) -> Any:
+    from pydantic import BaseModel  # here, not at import: `ckpt --help` needs no pydantic
+
     if isinstance(result, BaseModel):
         return result.model_dump(mode="json")
     return result
