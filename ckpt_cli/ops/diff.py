@@ -223,6 +223,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _is_ndarray(value: Any) -> bool:
+    """Whether `value` is a numpy array or numpy scalar (without importing numpy for others)."""
+    return type(value).__module__ == "numpy" and hasattr(value, "tobytes")
+
+
 def values_equal(x: Any, y: Any) -> bool:
     """Deep equality for non-tensor entries (tensors bit-exact, NaN equal to NaN)."""
     import torch
@@ -235,6 +240,16 @@ def values_equal(x: Any, y: Any) -> bool:
             and x.dtype == y.dtype
             and x.shape == y.shape
             and bool((_bits(x.contiguous()) == _bits(y.contiguous())).all())
+        )
+    if _is_ndarray(x) or _is_ndarray(y):
+        # RNG states (`('MT19937', array([...]), ...)`) hold numpy arrays, whose `==` is
+        # element-wise: compare dtype, shape and bytes instead
+        return (
+            _is_ndarray(x)
+            and _is_ndarray(y)
+            and x.dtype == y.dtype
+            and x.shape == y.shape
+            and x.tobytes() == y.tobytes()
         )
     if isinstance(x, dict) and isinstance(y, dict):
         return x.keys() == y.keys() and all(values_equal(x[k], y[k]) for k in x)
