@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from transformers import LlamaForCausalLM
 from transformers.trainer_pt_utils import safe_globals
 
 from .conftest import run_ckpt
@@ -102,3 +104,166 @@ def test_trainer_state_copy_with_changed_log_history_is_told_apart(
     assert [d["name"] for d in result.json["result"]["differences"]] == [
         "trainer_state.log_history.1.loss"
     ]
+
+
+# --------------------------------------------------------------------------- diff tolerance, select
+
+
+def test_fp32_model_against_its_bf16_cast_within_tolerance(hf_model: Path, tmp_path: Path) -> None:
+    cast = tmp_path / "model-bf16.safetensors"
+    made = run_ckpt("convert", hf_model, cast, "--to", "safetensors", "--dtype", "bf16")
+    assert made.exit_code == 0, made.stderr
+    tol = ("--atol", "1e-2", "--rtol", "1e-2")
+    # the dtype change is reported, values are within tolerance: the verdict says both
+    strict = run_ckpt("diff", hf_model, cast, *tol, "--json")
+    assert strict.exit_code == 1
+    report = strict.json["result"]
+    assert report["dtype_changes"] == report["compared"] == 21
+    assert {d["status"] for d in report["differences"]} == {"dtype"}
+    assert all(d["outside_tolerance"] == 0 for d in report["differences"])
+    human = run_ckpt("diff", hf_model, cast, *tol)
+    assert "changed dtype" in human.stdout and "--ignore-dtype" in human.stdout
+    # the help example: with --ignore-dtype the cast is accepted
+    accepted = run_ckpt("diff", hf_model, cast, *tol, "--ignore-dtype")
+    assert accepted.exit_code == 0, accepted.stdout
+    assert accepted.stdout.startswith("IDENTICAL") and "dtype change" in accepted.stdout
+    # a tolerance too tight for bf16 still fails, dtype ignored or not
+    tight = run_ckpt("diff", hf_model, cast, "--atol", "1e-7", "--ignore-dtype", "--json")
+    assert tight.exit_code == 1
+    assert {d["status"] for d in tight.json["result"]["differences"]} == {"values"}
+    # and the bf16 values really are those the reader casts back
+    with safe_open(cast, "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+
+
+def test_select_model_lines_a_trainer_checkpoint_up_with_its_exported_weights(
+    trainer_run: Path, tmp_path: Path
+) -> None:
+    step = trainer_run / "straight" / "checkpoint-4"
+    hf = tmp_path / "hf"
+    made = run_ckpt("convert", step, hf, "--to", "safetensors", "--select", "model")
+    assert made.exit_code == 0, made.stderr
+    # the causal LM's own keys start with `model.`: the exported side is compared whole
+    result = run_ckpt("diff", step, hf, "--select", "model", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["identical"] and report["compared"] == 21
+    assert report["select_applied"] == {"a": True, "b": False}
+    assert run_ckpt("diff", hf, step, "--select", "model").stdout.startswith("IDENTICAL")
+    # the export is what from_pretrained loads, with the Trainer's own weights
+    for name in ("config.json", "generation_config.json"):
+        assert (hf / name).is_file()
+    model = LlamaForCausalLM.from_pretrained(hf)
+    with safe_open(step / "model.safetensors", "pt") as f:
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, f.get_tensor(name)), name
+
+
+# --------------------------------------------------------------------------- extras, reshard
+
+
+def _same_model(folder: Path, reference: Path) -> None:
+    """`from_pretrained(folder)` builds the reference's model: same config, same weights."""
+    model = LlamaForCausalLM.from_pretrained(folder)
+    ref = LlamaForCausalLM.from_pretrained(reference)
+    config, expected = model.config.to_dict(), ref.config.to_dict()
+    config.pop("_name_or_path"), expected.pop("_name_or_path")
+    assert config == expected
+    assert model.generation_config.to_dict() == ref.generation_config.to_dict()
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_convert_and_reshard_carry_the_model_folder_files(hf_model: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    extras = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    sharded = tmp_path / "sharded"
+    result = run_ckpt("reshard", hf_model, sharded, "--max-shard-size", "10KB", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["extras"] == extras
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    _same_model(sharded, hf_model)
+    assert LlamaForCausalLM.from_pretrained(sharded).generation_config.max_new_tokens == 7
+    tokenizer = AutoTokenizer.from_pretrained(sharded)
+    assert tokenizer("w3 w5")["input_ids"] == [3, 5]
+    # convert to torch shards, listed in the human report too
+    bins = tmp_path / "bins"
+    human = run_ckpt("convert", sharded, bins, "--to", "torch")
+    assert human.exit_code == 0, human.stderr
+    assert "carried: " + ", ".join(extras) in " ".join(human.stdout.split())
+    _same_model(bins, hf_model)
+    # --no-extras leaves them out: the folder then holds only weights
+    bare = tmp_path / "bare"
+    assert run_ckpt("convert", hf_model, bare, "--to", "safetensors", "--no-extras").exit_code == 0
+    assert sorted(p.name for p in bare.iterdir()) == ["model.safetensors"]
+    bare2 = tmp_path / "bare2"
+    assert (
+        run_ckpt("reshard", hf_model, bare2, "--max-shard-size", "10KB", "--no-extras").exit_code
+        == 0
+    )
+    assert not (bare2 / "config.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("run", "step"),
+    [("trainer_run", "checkpoint-4"), ("accelerate_run", "step-4")],
+)
+def test_reshard_of_a_training_folder_carries_every_component(
+    request: pytest.FixtureRequest, run: str, step: str, tmp_path: Path
+) -> None:
+    src: Path = request.getfixturevalue(run) / "straight" / step
+    out = tmp_path / "resharded"
+    result = run_ckpt("reshard", src, out, "--max-shard-size", "10KB", "--json")
+    assert result.exit_code == 0, result.stdout
+    carried = result.json["result"]["carried"]
+    assert any(n.startswith(("optimizer.", "random_states", "rng_state")) for n in carried)
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    # nothing lost: every entry (optimizer, scheduler, RNG, trainer state) equals its source
+    same = run_ckpt("diff", src, out)
+    assert same.exit_code == 0 and same.stdout.startswith("IDENTICAL"), same.stdout
+    # and what verify --resumable says of the source it says of the output
+    before = run_ckpt("verify", "--resumable", src, "--json")
+    after = run_ckpt("verify", "--resumable", out, "--json")
+    assert after.exit_code == before.exit_code
+    codes = [{p["code"] for p in r.json["result"]["problems"]} for r in (before, after)]
+    assert codes[0] == codes[1]
+    if run == "trainer_run":
+        _same_model(out, src)
+
+
+def test_dcp_with_safetensors_serialization_warns_at_write_time(
+    hf_model: Path, tmp_path: Path
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    out = tmp_path / "dcp"
+    result = run_ckpt("convert", hf_model, out, "--to", "dcp", "--dcp-serialization", "safetensors")
+    assert result.exit_code == 0, result.stderr
+    assert "warning" in result.stderr and f"torch {torch.__version__}" in result.stderr
+    assert "dcp.load" in result.stderr
+    as_json = run_ckpt(
+        "convert",
+        hf_model,
+        tmp_path / "dcp2",
+        "--to",
+        "dcp",
+        "--dcp-serialization",
+        "safetensors",
+        "--json",
+    )
+    assert as_json.json["result"]["warnings"]
+    # the warning is true: torch's own loader refuses what it names
+    with safe_open(hf_model / "model.safetensors", "pt") as f:
+        state = {k: torch.empty_like(f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118
+    with pytest.raises(CheckpointException, match="Weights only load failed"):
+        dcp.load(state, checkpoint_id=str(out), no_dist=True)
+    # the default serialization warns nothing and dcp.load restores it
+    plain = tmp_path / "plain"
+    quiet = run_ckpt("convert", hf_model, plain, "--to", "dcp")
+    assert quiet.exit_code == 0 and "warning" not in quiet.stderr
+    dcp.load(state, checkpoint_id=str(plain), no_dist=True)
+    with safe_open(hf_model / "model.safetensors", "pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            assert torch.equal(state[name], f.get_tensor(name)), name

@@ -81,6 +81,13 @@ def convert(
         int,
         typer.Option("--world-size", help="Lay a DCP output out for this many ranks (Shard(0))."),
     ] = 1,
+    no_extras: Annotated[
+        bool,
+        typer.Option(
+            "--no-extras",
+            help="Leave out the source folder's non-weight files (config.json, tokenizer...).",
+        ),
+    ] = False,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -116,6 +123,7 @@ def convert(
                 world_size=world_size,
                 force=force,
                 progress=progress,
+                extras=not no_extras,
             ),
             render_convert,
         )

@@ -13,7 +13,7 @@ from ..cli import JsonOpt, app, examples, run_command
     epilog=examples(
         "ckpt diff run-a/step-1000 run-b/step-1000",
         "ckpt diff step-1000/ hf-model/ --select model",
-        "ckpt diff model.safetensors model-bf16.safetensors --atol 1e-2 --rtol 1e-2",
+        "ckpt diff model.safetensors model-bf16.safetensors --atol 1e-2 --rtol 1e-2 --ignore-dtype",
         "ckpt diff a.pt b.pt --filter 'optimizer.*' --json",
     )
 )
@@ -57,6 +57,13 @@ def diff(
         str | None,
         typer.Option("--format-b", help="Read B as this format instead of detecting it."),
     ] = None,
+    ignore_dtype: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-dtype",
+            help="A dtype change alone is no difference: judge such pairs by their values.",
+        ),
+    ] = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Compare two checkpoints: missing names, dtype/shape changes, tensor values, state values.
@@ -84,6 +91,7 @@ def diff(
                 select=select,
                 filters=filter,
                 progress=progress,
+                ignore_dtype=ignore_dtype,
             ),
             render_diff,
             exit_code=lambda report: 0 if report.identical else 1,

@@ -80,6 +80,13 @@ def reshard(
             help="DCP output serialization: torch_save or safetensors (default: as the source).",
         ),
     ] = None,
+    no_extras: Annotated[
+        bool,
+        typer.Option(
+            "--no-extras",
+            help="Leave out the source folder's non-weight files (config.json, tokenizer...).",
+        ),
+    ] = False,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -110,6 +117,7 @@ def reshard(
                 format=format,
                 force=force,
                 progress=progress,
+                extras=not no_extras,
             ),
             render_reshard,
         )

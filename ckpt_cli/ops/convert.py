@@ -21,7 +21,14 @@ from ..output import Destination, RemoteDest, resolve_destination
 from ..progress import NULL_PROGRESS, Progress
 from ..sizes import parse_size
 from ..uri import parse_location
-from .transfer import HOLDS_OBJECTS, SkippedEntry, WrittenEntry, parse_renames, plan_transfer
+from .transfer import (
+    HOLDS_OBJECTS,
+    SkippedEntry,
+    WrittenEntry,
+    extra_files,
+    parse_renames,
+    plan_transfer,
+)
 from .transfer import write_checkpoint as run_write
 
 #: formats `--to` accepts
@@ -49,6 +56,10 @@ class ConvertReport(BaseModel):
         checked: the output passed the format's structural check before it was published.
         entries: every entry written.
         ranks: under torchrun, what each rank wrote (empty in a single-process run).
+        extras: non-weight files of the source folder copied unchanged into DEST
+            (`config.json`, `generation_config.json`, tokenizer files...; see
+            `transfer.extra_files`); empty with `extras=False` or a single-file DEST.
+        warnings: things the user should know about the output (a DCP torch cannot load).
     """
 
     source: str
@@ -72,6 +83,8 @@ class ConvertReport(BaseModel):
     checked: bool = True
     entries: list[WrittenEntry] = Field(default_factory=list)
     ranks: list[RankShare] = Field(default_factory=list)
+    extras: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
 
 
 def _guard_paths(src: str, dest: Destination) -> None:
@@ -133,6 +146,7 @@ def convert(
     world_size: int = 1,
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
+    extras: bool = True,
 ) -> ConvertReport:
     """Convert `src` into format `to` at `dest`, streaming one tensor or byte range at a time.
 
@@ -151,6 +165,8 @@ def convert(
         world_size: ranks to lay a DCP output out for (DCP target only).
         force: replace an existing `dest` once the new output is complete.
         progress: progress sink (bytes).
+        extras: carry the source folder's non-weight files (config, tokenizer...) into a
+            folder DEST, so `from_pretrained(DEST)` builds the same model.
     """
     if to not in TARGETS:
         raise UsageError(f"cannot convert to {to!r}", fix=f"Use --to {' | '.join(TARGETS)}.")
@@ -202,8 +218,17 @@ def convert(
             world_size=world_size,
         )
         shares: list[RankShare] = []
+        carried = extra_files(checkpoint) if extras and not single_file else []
         files, written = run_write(
-            checkpoint, plan, dest_path, to, options, force=force, progress=progress, shares=shares
+            checkpoint,
+            plan,
+            dest_path,
+            to,
+            options,
+            force=force,
+            progress=progress,
+            shares=shares,
+            extras=carried,
         )
     tensors = [w for w in written if w.kind == "tensor"]
     return ConvertReport(
@@ -227,4 +252,19 @@ def convert(
         world_size=world_size if to == "dcp" else None,
         entries=written,
         ranks=shares,
+        extras=carried,
+        warnings=dcp_warnings(dcp_serialization) if to == "dcp" else [],
     )
+
+
+def dcp_warnings(dcp_serialization: str) -> list[str]:
+    """What to tell a user about a DCP output of this serialization (written by ckpt)."""
+    if dcp_serialization == "safetensors":
+        import torch
+
+        return [
+            f"a DCP with safetensors serialization cannot be read by torch {torch.__version__}'s "
+            "dcp.load (its loader reads torch_save serialization only); ckpt reads it, and "
+            "--dcp-serialization torch_save writes one dcp.load restores"
+        ]
+    return []

@@ -34,6 +34,10 @@ def render_convert(report: ConvertReport) -> None:
     if layout:
         stdout.print("  " + ", ".join(layout))
     stdout.print("  [green]structure checked before publishing[/]")
+    if report.extras:
+        stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)
+    for warning in report.warnings:
+        stderr.print(f"[yellow]ckpt convert: warning:[/] {warning}", highlight=False)
     render_ranks(report.ranks)
     for group in report.tied:
         if group[1] in report.aliases:
