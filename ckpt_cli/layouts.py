@@ -839,6 +839,10 @@ def _analyse(checkpoint: Checkpoint, layout: str, prefixes: dict[str, str]) -> T
 
 
 def _verdict(state: TrainingState) -> None:
+    """Two levels: `resumable` (training can continue: weights, optimizer, a progress counter)
+    and `exact` (the resumed run is bit-identical: also scheduler, step, RNG, data loader).
+    Lightning and torchtitan saves without RNG, or torch dicts without data-loader state, are
+    resumable (their users resume from them every day), not exact."""
     missing = []
     if not state.weights.get("tensors"):
         missing.append("weights")
@@ -846,18 +850,24 @@ def _verdict(state: TrainingState) -> None:
         missing.append("optimizer")
     elif not state.optimizer.complete:
         missing.append("optimizer state for every parameter")
-    if not state.scheduler:
-        missing.append("scheduler")
-    if state.step is None and state.epoch is None:
+    counted = state.step is not None or state.epoch is not None
+    if not counted and not state.scheduler:
         missing.append("step")
-    if not state.rng:
-        missing.append("rng")
-    if not state.dataloader:
-        missing.append("dataloader")
     for rel, why in state.unreadable.items():
         missing.append(f"{rel} (unreadable: {why})")
+    extra = []
+    if not state.scheduler:
+        extra.append("scheduler")
+    if not counted and "step" not in missing:
+        extra.append("step")
+    if not state.rng:
+        extra.append("rng")
+    if not state.dataloader:
+        extra.append("dataloader")
     state.missing = missing
     state.resumable = not missing
+    state.missing_exact = extra
+    state.exact = state.resumable and not extra
 
 
 # --------------------------------------------------------------------------- single files
@@ -936,6 +946,15 @@ def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
         state.step = _as_int(_value(checkpoint, step))
     if is_titan:
         state.step = _as_int(_value(checkpoint, "train_state.step"))
+    if "trainer_state" in keys and state.step is None:
+        # a Trainer folder converted to one torch / DCP checkpoint: its trainer_state came along
+        state.step = _as_int(_value(checkpoint, "trainer_state.global_step"))
+        if state.step is not None and state.dataloader is None:
+            # the Trainer replays its data order from the seed and skips `global_step` batches
+            state.dataloader = {"kind": "replayed", "skips_batches": state.step}
+        epoch = _value(checkpoint, "trainer_state.epoch")
+        if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
+            state.epoch = float(epoch)
     epoch = _value(checkpoint, "epoch") if "epoch" in keys else None
     if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
         state.epoch = float(epoch)
@@ -1061,12 +1080,14 @@ def component_problems(opened: OpenedSource) -> list[Problem]:
     return list(opened.problems)
 
 
-def training_checks(opened: OpenedSource) -> list[Problem]:
+def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
     """What `verify --resumable` reports: every reason the checkpoint cannot resume the run.
 
-    Missing weights, optimizer, scheduler, step, RNG or data-loader state; optimizer state that
-    does not exist for every parameter; optimizer state whose shapes do not match the weights;
-    components that could not be read. A source with no training state at all is one problem.
+    Errors: missing weights, optimizer or progress counter; optimizer state that does not
+    exist for every parameter or whose shapes do not match the weights; components that could
+    not be read. What only an exact (bit-identical) resume needs (scheduler, step, RNG,
+    data-loader state) is a warning, an error with `exact`. A source with no training state
+    at all is one problem.
     """
     where = opened.checkpoint.manifest.location
     state = opened.training
@@ -1092,6 +1113,15 @@ def training_checks(opened: OpenedSource) -> list[Problem]:
         if item in state.missing:
             problems.append(
                 Problem(code=f"missing_{item}", message=f"{where}: {labels[item]}", file=where)
+            )
+        elif item in state.missing_exact:
+            problems.append(
+                Problem(
+                    code=f"missing_{item}",
+                    message=f"{where}: {labels[item]}; resumable, but not exactly",
+                    file=where,
+                    severity="error" if exact else "warning",
+                )
             )
     opt = state.optimizer
     if opt is not None and not opt.complete:

@@ -1,11 +1,11 @@
 """Checkpoints written by the frameworks' own save code, built once per test session.
 
-- `trainer_run`: a transformers `Trainer` run (tiny Llama, 2 layers, hidden 16, vocab 64) of
+- `real_trainer_run`: a transformers `Trainer` run (tiny Llama, 2 layers, hidden 16, vocab 64) of
   4 steps saving every 2 (`straight/checkpoint-2`, `straight/checkpoint-4`), and the same run
   resumed from `checkpoint-2` with `resume_from_checkpoint` (`resumed/checkpoint-4`).
-- `accelerate_run`: an accelerate loop (`Accelerator.save_state` / `load_state`) of 4 steps
+- `real_accelerate_run`: an accelerate loop (`Accelerator.save_state` / `load_state`) of 4 steps
   saving `step-2` and `step-4`, and the run resumed from `step-2` (`resumed/step-4`).
-- `hf_model`: `save_pretrained` of the same tiny Llama with its generation config and a real
+- `real_hf_model`: `save_pretrained` of the same tiny Llama with its generation config and a real
   (tokenizers-built) fast tokenizer: the folder `from_pretrained` reads.
 
 Each builder runs in its own Python process (`python -m tests.framework_fixtures KIND DIR`):
@@ -168,19 +168,19 @@ def _build(kind: str, out: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def real_trainer_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real Trainer run folder: `straight/checkpoint-{2,4}` and `resumed/checkpoint-4`."""
     return _build("trainer", tmp_path_factory.mktemp("trainer_run"))
 
 
 @pytest.fixture(scope="session")
-def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def real_accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real accelerate run folder: `straight/step-{2,4}` and `resumed/step-4`."""
     return _build("accelerate", tmp_path_factory.mktemp("accelerate_run"))
 
 
 @pytest.fixture(scope="session")
-def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def real_hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real `save_pretrained` model folder (config, generation config, tokenizer, weights)."""
     return _build("hf_model", tmp_path_factory.mktemp("hf_model") / "model")
 

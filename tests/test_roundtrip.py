@@ -21,7 +21,7 @@ from .conftest import run_ckpt
 
 @pytest.mark.parametrize(
     ("run", "step"),
-    [("trainer_run", "checkpoint-4"), ("accelerate_run", "step-4")],
+    [("real_trainer_run", "checkpoint-4"), ("real_accelerate_run", "step-4")],
 )
 def test_restart_recipe_holds_for_trainer_and_accelerate_runs(
     request: pytest.FixtureRequest, run: str, step: str
@@ -73,9 +73,9 @@ def test_numpy_arrays_compare_by_dtype_shape_and_bytes_inside_containers(tmp_pat
 
 
 def test_trainer_folder_converted_to_torch_diffs_identical_to_its_source(
-    trainer_run: Path, tmp_path: Path
+    real_trainer_run: Path, tmp_path: Path
 ) -> None:
-    src = trainer_run / "straight" / "checkpoint-4"
+    src = real_trainer_run / "straight" / "checkpoint-4"
     dest = tmp_path / "state.pt"
     assert run_ckpt("convert", src, dest, "--to", "torch").exit_code == 0
     result = run_ckpt("diff", src, dest, "--json")
@@ -91,9 +91,9 @@ def test_trainer_folder_converted_to_torch_diffs_identical_to_its_source(
 
 
 def test_trainer_state_copy_with_changed_log_history_is_told_apart(
-    trainer_run: Path, tmp_path: Path
+    real_trainer_run: Path, tmp_path: Path
 ) -> None:
-    src = trainer_run / "straight" / "checkpoint-4"
+    src = real_trainer_run / "straight" / "checkpoint-4"
     copy = tmp_path / "checkpoint-4"
     shutil.copytree(src, copy)
     state = json.loads((copy / "trainer_state.json").read_text())
@@ -109,26 +109,28 @@ def test_trainer_state_copy_with_changed_log_history_is_told_apart(
 # --------------------------------------------------------------------------- diff tolerance, select
 
 
-def test_fp32_model_against_its_bf16_cast_within_tolerance(hf_model: Path, tmp_path: Path) -> None:
+def test_fp32_model_against_its_bf16_cast_within_tolerance(
+    real_hf_model: Path, tmp_path: Path
+) -> None:
     cast = tmp_path / "model-bf16.safetensors"
-    made = run_ckpt("convert", hf_model, cast, "--to", "safetensors", "--dtype", "bf16")
+    made = run_ckpt("convert", real_hf_model, cast, "--to", "safetensors", "--dtype", "bf16")
     assert made.exit_code == 0, made.stderr
     tol = ("--atol", "1e-2", "--rtol", "1e-2")
     # the dtype change is reported, values are within tolerance: the verdict says both
-    strict = run_ckpt("diff", hf_model, cast, *tol, "--json")
+    strict = run_ckpt("diff", real_hf_model, cast, *tol, "--json")
     assert strict.exit_code == 1
     report = strict.json["result"]
     assert report["dtype_changes"] == report["compared"] == 21
     assert {d["status"] for d in report["differences"]} == {"dtype"}
     assert all(d["outside_tolerance"] == 0 for d in report["differences"])
-    human = run_ckpt("diff", hf_model, cast, *tol)
+    human = run_ckpt("diff", real_hf_model, cast, *tol)
     assert "changed dtype" in human.stdout and "--ignore-dtype" in human.stdout
     # the help example: with --ignore-dtype the cast is accepted
-    accepted = run_ckpt("diff", hf_model, cast, *tol, "--ignore-dtype")
+    accepted = run_ckpt("diff", real_hf_model, cast, *tol, "--ignore-dtype")
     assert accepted.exit_code == 0, accepted.stdout
     assert accepted.stdout.startswith("IDENTICAL") and "dtype change" in accepted.stdout
     # a tolerance too tight for bf16 still fails, dtype ignored or not
-    tight = run_ckpt("diff", hf_model, cast, "--atol", "1e-7", "--ignore-dtype", "--json")
+    tight = run_ckpt("diff", real_hf_model, cast, "--atol", "1e-7", "--ignore-dtype", "--json")
     assert tight.exit_code == 1
     assert {d["status"] for d in tight.json["result"]["differences"]} == {"values"}
     # and the bf16 values really are those the reader casts back
@@ -137,9 +139,9 @@ def test_fp32_model_against_its_bf16_cast_within_tolerance(hf_model: Path, tmp_p
 
 
 def test_select_model_lines_a_trainer_checkpoint_up_with_its_exported_weights(
-    trainer_run: Path, tmp_path: Path
+    real_trainer_run: Path, tmp_path: Path
 ) -> None:
-    step = trainer_run / "straight" / "checkpoint-4"
+    step = real_trainer_run / "straight" / "checkpoint-4"
     hf = tmp_path / "hf"
     made = run_ckpt("convert", step, hf, "--to", "safetensors", "--select", "model")
     assert made.exit_code == 0, made.stderr
@@ -174,16 +176,18 @@ def _same_model(folder: Path, reference: Path) -> None:
         assert torch.equal(model.state_dict()[name], tensor), name
 
 
-def test_convert_and_reshard_carry_the_model_folder_files(hf_model: Path, tmp_path: Path) -> None:
+def test_convert_and_reshard_carry_the_model_folder_files(
+    real_hf_model: Path, tmp_path: Path
+) -> None:
     from transformers import AutoTokenizer
 
     extras = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
     sharded = tmp_path / "sharded"
-    result = run_ckpt("reshard", hf_model, sharded, "--max-shard-size", "10KB", "--json")
+    result = run_ckpt("reshard", real_hf_model, sharded, "--max-shard-size", "10KB", "--json")
     assert result.exit_code == 0, result.stdout
     assert result.json["result"]["extras"] == extras
     assert len(list(sharded.glob("model-*.safetensors"))) > 1
-    _same_model(sharded, hf_model)
+    _same_model(sharded, real_hf_model)
     assert LlamaForCausalLM.from_pretrained(sharded).generation_config.max_new_tokens == 7
     tokenizer = AutoTokenizer.from_pretrained(sharded)
     assert tokenizer("w3 w5")["input_ids"] == [3, 5]
@@ -192,14 +196,19 @@ def test_convert_and_reshard_carry_the_model_folder_files(hf_model: Path, tmp_pa
     human = run_ckpt("convert", sharded, bins, "--to", "torch")
     assert human.exit_code == 0, human.stderr
     assert "carried: " + ", ".join(extras) in " ".join(human.stdout.split())
-    _same_model(bins, hf_model)
+    _same_model(bins, real_hf_model)
     # --no-extras leaves them out: the folder then holds only weights
     bare = tmp_path / "bare"
-    assert run_ckpt("convert", hf_model, bare, "--to", "safetensors", "--no-extras").exit_code == 0
+    assert (
+        run_ckpt("convert", real_hf_model, bare, "--to", "safetensors", "--no-extras").exit_code
+        == 0
+    )
     assert sorted(p.name for p in bare.iterdir()) == ["model.safetensors"]
     bare2 = tmp_path / "bare2"
     assert (
-        run_ckpt("reshard", hf_model, bare2, "--max-shard-size", "10KB", "--no-extras").exit_code
+        run_ckpt(
+            "reshard", real_hf_model, bare2, "--max-shard-size", "10KB", "--no-extras"
+        ).exit_code
         == 0
     )
     assert not (bare2 / "config.json").exists()
@@ -207,7 +216,7 @@ def test_convert_and_reshard_carry_the_model_folder_files(hf_model: Path, tmp_pa
 
 @pytest.mark.parametrize(
     ("run", "step"),
-    [("trainer_run", "checkpoint-4"), ("accelerate_run", "step-4")],
+    [("real_trainer_run", "checkpoint-4"), ("real_accelerate_run", "step-4")],
 )
 def test_reshard_of_a_training_folder_carries_every_component(
     request: pytest.FixtureRequest, run: str, step: str, tmp_path: Path
@@ -228,24 +237,26 @@ def test_reshard_of_a_training_folder_carries_every_component(
     assert after.exit_code == before.exit_code
     codes = [{p["code"] for p in r.json["result"]["problems"]} for r in (before, after)]
     assert codes[0] == codes[1]
-    if run == "trainer_run":
+    if run == "real_trainer_run":
         _same_model(out, src)
 
 
 def test_dcp_with_safetensors_serialization_warns_at_write_time(
-    hf_model: Path, tmp_path: Path
+    real_hf_model: Path, tmp_path: Path
 ) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     out = tmp_path / "dcp"
-    result = run_ckpt("convert", hf_model, out, "--to", "dcp", "--dcp-serialization", "safetensors")
+    result = run_ckpt(
+        "convert", real_hf_model, out, "--to", "dcp", "--dcp-serialization", "safetensors"
+    )
     assert result.exit_code == 0, result.stderr
     assert "warning" in result.stderr and f"torch {torch.__version__}" in result.stderr
     assert "dcp.load" in result.stderr
     as_json = run_ckpt(
         "convert",
-        hf_model,
+        real_hf_model,
         tmp_path / "dcp2",
         "--to",
         "dcp",
@@ -255,15 +266,83 @@ def test_dcp_with_safetensors_serialization_warns_at_write_time(
     )
     assert as_json.json["result"]["warnings"]
     # the warning is true: torch's own loader refuses what it names
-    with safe_open(hf_model / "model.safetensors", "pt") as f:
+    with safe_open(real_hf_model / "model.safetensors", "pt") as f:
         state = {k: torch.empty_like(f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118
     with pytest.raises(CheckpointException, match="Weights only load failed"):
         dcp.load(state, checkpoint_id=str(out), no_dist=True)
     # the default serialization warns nothing and dcp.load restores it
     plain = tmp_path / "plain"
-    quiet = run_ckpt("convert", hf_model, plain, "--to", "dcp")
+    quiet = run_ckpt("convert", real_hf_model, plain, "--to", "dcp")
     assert quiet.exit_code == 0 and "warning" not in quiet.stderr
     dcp.load(state, checkpoint_id=str(plain), no_dist=True)
-    with safe_open(hf_model / "model.safetensors", "pt") as f:
+    with safe_open(real_hf_model / "model.safetensors", "pt") as f:
         for name in f.keys():  # noqa: SIM118
             assert torch.equal(state[name], f.get_tensor(name)), name
+
+
+# --------------------------------------------------------------------------- resumable vs exact
+
+
+@pytest.mark.parametrize("to", ["dcp", "torch"])
+def test_what_passed_resumable_before_a_convert_passes_it_after(
+    real_trainer_run: Path, tmp_path: Path, to: str
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    src = real_trainer_run / "straight" / "checkpoint-4"
+    out = tmp_path / ("out" if to == "dcp" else "out.pt")
+    assert run_ckpt("convert", src, out, "--to", to).exit_code == 0
+    for level in ("--resumable", "--exact"):
+        before = run_ckpt("verify", level, src, "--json")
+        after = run_ckpt("verify", level, out, "--json")
+        assert before.exit_code == after.exit_code == 0, after.stdout
+        assert after.json["result"]["problems"] == []
+    training = after.json["result"]["training"]
+    assert training["step"] == 4 and training["resumable"] and training["exact"]
+    if to == "dcp":
+        # torch's own loader reads the step the Trainer saved
+        state = {"trainer_state": {"global_step": 0}}
+        dcp.load(state, checkpoint_id=str(out), no_dist=True)
+        assert state["trainer_state"]["global_step"] == 4
+
+
+def test_two_levels_resumable_and_exact_in_text_and_json(
+    real_accelerate_run: Path, tmp_path: Path
+) -> None:
+    # a plain torch.save training dict without data-loader state: training continues, not exactly
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "step": 1,
+            "rng": {"torch": torch.get_rng_state()},
+        },
+        tmp_path / "ckpt.pt",
+    )
+    result = run_ckpt("verify", "--resumable", tmp_path / "ckpt.pt", "--json")
+    assert result.exit_code == 0, result.stdout
+    training = result.json["result"]["training"]
+    assert (training["resumable"], training["exact"]) == (True, False)
+    assert training["missing"] == [] and training["missing_exact"] == ["scheduler", "dataloader"]
+    warnings = {(p["code"], p["severity"]) for p in result.json["result"]["problems"]}
+    assert warnings == {("missing_scheduler", "warning"), ("missing_dataloader", "warning")}
+    text = run_ckpt("verify", "--resumable", tmp_path / "ckpt.pt")
+    assert "resumable: yes; exact: no (missing: scheduler, dataloader)" in text.stdout
+    strict = run_ckpt("verify", "--exact", tmp_path / "ckpt.pt")
+    assert strict.exit_code == 1 and "error missing_dataloader" in strict.stdout
+    inspect = run_ckpt("inspect", tmp_path / "ckpt.pt")
+    assert "exact" in inspect.stdout and "missing: scheduler, dataloader" in inspect.stdout
+    # weights only is neither
+    torch.save({"model": model.state_dict(), "step": 1}, tmp_path / "weights.pt")
+    none = run_ckpt("verify", "--resumable", tmp_path / "weights.pt", "--json")
+    assert none.exit_code == 1
+    assert {p["code"] for p in none.json["result"]["problems"]} >= {"missing_optimizer"}
+    # accelerate keeps the data order in its seeded sampler, which the folder does not record
+    step = real_accelerate_run / "straight" / "step-4"
+    acc = run_ckpt("verify", "--resumable", step, "--json").json["result"]
+    assert acc["ok"] and acc["training"]["resumable"]
+    assert acc["training"]["missing_exact"] == ["dataloader"]

@@ -143,6 +143,7 @@ def verify(
     resumable: bool = False,
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
+    exact: bool = False,
 ) -> VerifyReport:
     """Check `src` and report every problem found.
 
@@ -154,7 +155,10 @@ def verify(
         manifest: manifest path (default `ckpt-manifest.json` in the checkpoint folder).
         algo: hash algorithm for `write_manifest` (checks use the manifest's own).
         deep: read every tensor, count NaN/Inf, check every entry deserialises.
-        resumable: a missing optimizer / scheduler / step / RNG / data-loader state is an error.
+        resumable: training must be able to continue: missing weights, optimizer state or
+            progress counter is an error; what only an exact resume needs (scheduler, step,
+            RNG, data-loader state) is a warning.
+        exact: (implies `resumable`) the resumed run must be bit-identical: those are errors.
         force: let `write_manifest` replace an existing manifest.
         progress: receives hashing and reading progress.
 
@@ -171,6 +175,7 @@ def verify(
         )
     if algo is not None and algo not in ALGORITHMS:
         raise UsageError(f"unknown --algo {algo!r}", fix=f"Use one of {', '.join(ALGORITHMS)}.")
+    resumable = resumable or exact
     source = resolve_source(src)
     # a training folder (Trainer, accelerate, DeepSpeed) is checked component by component
     opened = recognise_layout(source) if format is None else None
@@ -203,6 +208,7 @@ def verify(
                 resumable=resumable,
                 deep=deep,
                 progress=progress,
+                exact=exact,
             )
     finally:
         if opened is not None:
@@ -248,6 +254,7 @@ def _open_checks(
     resumable: bool,
     deep: bool,
     progress: Progress,
+    exact: bool = False,
 ) -> None:
     """Checks that need the checkpoint opened: resumability and reading every entry."""
     if any(p.severity == "error" for p in problems):
@@ -272,7 +279,7 @@ def _open_checks(
     with opened.checkpoint as checkpoint:
         if resumable:
             report.checks.append("resumable")
-            problems.extend(training_checks(opened))
+            problems.extend(training_checks(opened, exact=exact))
         if deep:
             report.checks.append("deep")
             _deep(report, problems, checkpoint, progress)

@@ -96,6 +96,15 @@ def render_training(report: InspectReport) -> None:
     for rel, why in state.unreadable.items():
         rows.append(("unreadable", f"[yellow]{rel}[/]: {why}"))
     rows.append(("resumable", verdict))
+    if state.resumable:
+        rows.append(
+            (
+                "exact",
+                "[green]yes[/]"
+                if state.exact
+                else f"[yellow]no[/] (missing: {', '.join(state.missing_exact)})",
+            )
+        )
     for key, value in rows:
         stdout.print(f"  {key:<12} {value}")
 
