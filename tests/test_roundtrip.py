@@ -15,6 +15,8 @@ from transformers import LlamaForCausalLM
 from transformers.trainer_pt_utils import safe_globals
 
 from .conftest import run_ckpt
+from .hub_fixtures import publish_model
+from .hub_server import TestHub
 
 # --------------------------------------------------------------------------- diff of RNG states
 
@@ -346,3 +348,25 @@ def test_two_levels_resumable_and_exact_in_text_and_json(
     acc = run_ckpt("verify", "--resumable", step, "--json").json["result"]
     assert acc["ok"] and acc["training"]["resumable"]
     assert acc["training"]["missing_exact"] == ["dataloader"]
+
+
+# --------------------------------------------------------------------------- download
+
+
+def test_download_of_a_repo_that_does_not_exist_exits_3_with_the_gated_hint(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    # the Hub answers 401 RepoNotFound without a token; huggingface_hub raises this
+    with pytest.raises(RepositoryNotFoundError):
+        HfApi(endpoint=hub.url).model_info("org/nope")
+    result = run_ckpt("download", "hf://org/nope", tmp_path / "d", "--json")
+    assert result.exit_code == 3, result.stderr
+    assert result.json["error"]["code"] == "not_found"
+    assert "HF_TOKEN" in result.stderr and "private or gated" in result.stderr
+    assert not (tmp_path / "d").exists()
+    # a gated repository without a token is still an auth failure (5)
+    publish_model(hub, "org/gated", tmp_path / "g", {"w": torch.zeros(2)}, token="hf_ok")
+    assert run_ckpt("download", "hf://org/gated", tmp_path / "d").exit_code == 5
