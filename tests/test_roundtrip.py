@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 from transformers.trainer_pt_utils import safe_globals
 
@@ -370,3 +371,76 @@ def test_download_of_a_repo_that_does_not_exist_exits_3_with_the_gated_hint(
     # a gated repository without a token is still an auth failure (5)
     publish_model(hub, "org/gated", tmp_path / "g", {"w": torch.zeros(2)}, token="hf_ok")
     assert run_ckpt("download", "hf://org/gated", tmp_path / "d").exit_code == 5
+
+
+# --------------------------------------------------------------------------- safetensors rules
+
+
+def _raw_safetensors(path: Path, header: str, data: bytes) -> None:
+    """A safetensors file with a hand-written header (what a crafted or broken file holds)."""
+    encoded = header.encode()
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+
+
+def test_duplicate_keys_in_a_safetensors_header_are_refused_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    data = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    entry = '{"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}'
+    other = '{"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}'
+    cases = {
+        "tensor.safetensors": (f'{{"w": {entry}, "w": {other}}}', "'w' twice"),
+        "meta.safetensors": (
+            f'{{"__metadata__": {{"format": "pt", "format": "tf"}}, "w": {entry}, "v": {other}}}',
+            "__metadata__ has the key 'format' twice",
+        ),
+    }
+    for name, (header, said) in cases.items():
+        path = tmp_path / name
+        _raw_safetensors(path, header, data)
+        inspect = run_ckpt("inspect", path, "--json")
+        assert inspect.exit_code == 4, inspect.stdout
+        assert said in inspect.json["error"]["message"]
+        verify = run_ckpt("verify", path, "--json")
+        assert verify.exit_code == 1
+        problems = verify.json["result"]["problems"]
+        assert problems[0]["code"] == "duplicate_key" and said in problems[0]["message"]
+    # a clean file written by safetensors itself passes both
+    save_file({"w": torch.zeros(2), "v": torch.ones(2)}, tmp_path / "ok.safetensors")
+    assert run_ckpt("inspect", tmp_path / "ok.safetensors").exit_code == 0
+    assert run_ckpt("verify", tmp_path / "ok.safetensors").exit_code == 0
+
+
+def test_inspect_says_a_malformed_safetensors_file_is_malformed(tmp_path: Path) -> None:
+    save_file({"w": torch.arange(4, dtype=torch.float32)}, tmp_path / "good.safetensors")
+    good = (tmp_path / "good.safetensors").read_bytes()
+    data = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    trailing = tmp_path / "trailing.safetensors"
+    trailing.write_bytes(good + b"\0" * 8)
+    hole = tmp_path / "hole.safetensors"
+    _raw_safetensors(
+        hole,
+        '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},'
+        ' "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}}',
+        data[:8] + b"\0" * 4 + data[8:],
+    )
+    late = tmp_path / "late.safetensors"
+    _raw_safetensors(
+        late, '{"w": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}', b"\0" * 8 + data
+    )
+    for path, code in ((trailing, "trailing_bytes"), (hole, "gap"), (late, "gap")):
+        # the reference library refuses each of them
+        with pytest.raises(SafetensorError), safe_open(path, "pt") as f:
+            [f.get_tensor(k) for k in f.keys()]  # noqa: SIM118
+        shown = run_ckpt("inspect", path)
+        assert shown.exit_code == 4, (path.name, shown.stdout, shown.stderr)
+        assert "tensor" in shown.stdout  # what can be shown is shown
+        assert "malformed" in shown.stderr and code in shown.stderr
+        as_json = run_ckpt("inspect", path, "--json")
+        assert as_json.exit_code == 4
+        assert [p["code"] for p in as_json.json["result"]["problems"]] == [code]
+        # consistent with verify
+        verify = run_ckpt("verify", path, "--json")
+        assert verify.exit_code == 1
+        assert code in {p["code"] for p in verify.json["result"]["problems"]}
+    assert run_ckpt("inspect", tmp_path / "good.safetensors").exit_code == 0

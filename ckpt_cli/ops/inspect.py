@@ -8,8 +8,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ..errors import NotFoundError
+from ..formats.base import Checkpoint
 from ..layouts import open_source
-from ..models import Entry, FileInfo, TrainingState
+from ..models import Entry, FileInfo, Problem, TrainingState
 from ..runs import RunReport
 from .tree import TreeNode, build_tree, collapse_chains
 
@@ -29,6 +30,9 @@ class InspectReport(BaseModel):
         entries: every entry (after filters).
         filters: the globs applied.
         run: for a run folder (`format` is `run`): its step checkpoints (see `ckpt_cli.runs`).
+        problems: format-rule violations that do not stop reading (a safetensors file with
+            trailing bytes, a hole between tensors, a first tensor not at offset 0): what
+            `verify` reports too; `ckpt inspect` exits 4 when there are any.
     """
 
     location: str
@@ -46,6 +50,7 @@ class InspectReport(BaseModel):
     entries: list[Entry] = Field(default_factory=list)
     filters: list[str] = Field(default_factory=list)
     run: RunReport | None = None
+    problems: list[Problem] = Field(default_factory=list)
 
 
 def select(
@@ -108,4 +113,20 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
             tree=[collapse_chains(node) for node in build_tree(entries)],
             entries=entries,
             filters=list(filters or []),
+            problems=malformed(checkpoint),
         )
+
+
+def malformed(checkpoint: Checkpoint) -> list[Problem]:
+    """The format-rule violations of a local checkpoint's safetensors files that its reader
+    tolerates (data not contiguous from offset 0, bytes after the last tensor): headers only."""
+    from ..formats.safetensors import Findings, parse_header
+
+    source = checkpoint.source
+    if not source.location.is_local:
+        return []  # a remote header costs a request; `verify` checks those
+    findings = Findings(strict=False)
+    for info in checkpoint.manifest.files:
+        if info.path.endswith(".safetensors") and info.entries:
+            parse_header(source.storage, info.path, info.size, findings)
+    return findings.problems

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
 from ..ops.inspect import InspectReport
 from ..ops.tree import TreeNode
-from . import counted, human_bytes, human_count, shape_str, stdout
+from . import counted, human_bytes, human_count, shape_str, stderr, stdout
 
 #: the tree stops unfolding below this many lines; --tensors shows everything
 MAX_TREE_CHILDREN = 40
@@ -131,6 +132,14 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     )
     if report.metadata:
         stdout.print("  metadata: " + ", ".join(f"{k}={v}" for k, v in report.metadata.items()))
+    for problem in report.problems:
+        # on stderr, so the data on stdout stays what the file holds
+        stderr.print(
+            f"[yellow]ckpt inspect: warning:[/] malformed ({problem.code}): "
+            f"{escape(problem.message)}",
+            highlight=False,
+            soft_wrap=True,
+        )
     render_training(report)
     if show_tensors:
         table = Table(box=None, pad_edge=False, show_edge=False)
