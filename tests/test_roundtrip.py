@@ -4,7 +4,10 @@ is lossless, and `ckpt` judges it right (issue #12)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +18,7 @@ from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 from transformers.trainer_pt_utils import safe_globals
 
-from .conftest import run_ckpt
+from .conftest import REPO, run_ckpt
 from .hub_fixtures import publish_model
 from .hub_server import TestHub
 
@@ -444,3 +447,69 @@ def test_inspect_says_a_malformed_safetensors_file_is_malformed(tmp_path: Path) 
         assert verify.exit_code == 1
         assert code in {p["code"] for p in verify.json["result"]["problems"]}
     assert run_ckpt("inspect", tmp_path / "good.safetensors").exit_code == 0
+
+
+# --------------------------------------------------------------------------- DCP object entries
+
+
+class _Evil:
+    """Pickles as a call to os.system: what a hostile object entry holds."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_plain_verify_names_a_dcp_object_entry_the_restricted_reader_refuses(
+    real_trainer_run: Path, tmp_path: Path
+) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "PWNED"
+    state = {
+        "model": {"w": torch.ones(2, 2)},
+        "step": 3,
+        "extra": {"hook": _Evil(marker), "note": "plain"},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "hostile"), no_dist=True)
+    result = run_ckpt("verify", tmp_path / "hostile", "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = result.json["result"]["problems"]
+    assert [(p["code"], p["tensor"]) for p in problems] == [("unloadable_object", "extra.hook")]
+    assert "posix.system" in problems[0]["message"] or "os.system" in problems[0]["message"]
+    assert not marker.exists()
+    # --deep agrees (it loads with the restricted reader), and nothing ran there either
+    assert run_ckpt("verify", "--deep", tmp_path / "hostile").exit_code == 1
+    assert not marker.exists()
+    # plain verify stays metadata-and-opcodes only: no torch import
+    probe = (
+        "import sys; from ckpt_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, "verify", str(tmp_path / "hostile")],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=120,
+    )
+    assert "unloadable_object" in proc.stdout and "NO_TORCH" in proc.stderr, proc.stderr
+    # what dcp.save writes for ordinary values passes: a Trainer checkpoint as DCP
+    out = tmp_path / "trainer-dcp"
+    assert (
+        run_ckpt(
+            "convert", real_trainer_run / "straight" / "checkpoint-4", out, "--to", "dcp"
+        ).exit_code
+        == 0
+    )
+    clean = run_ckpt("verify", out, "--json")
+    assert [p for p in clean.json["result"]["problems"] if p["code"] == "unloadable_object"] == []

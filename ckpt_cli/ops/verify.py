@@ -186,6 +186,8 @@ def verify(
                 # SRC named the .metadata or one .distcp file: the checkpoint is the folder
                 source = Source(location=source.location, storage=source.storage)
             problems = list(get_format(name).check(source))
+            if name == "dcp" and not any(p.severity == "error" for p in problems):
+                problems.extend(dcp_object_problems(source))
         else:
             training = opened.training
             name = training.layout if training else opened.checkpoint.manifest.format
@@ -847,3 +849,41 @@ def _hash_split(
         merged.update(got["digests"])
         report.ranks.append(RankShare.model_validate(got["share"]))
     return {name: merged[name] for name in names}
+
+
+def dcp_object_problems(source: Source) -> list[Problem]:
+    """Every non-tensor (BYTE_IO) entry of a DCP checkpoint whose pickle needs a global that
+    ckpt's restricted reader refuses: found by reading opcodes (nothing runs, no torch), so
+    plain `verify` names the entry that `convert`, `diff` or `--deep` would refuse."""
+    from ..formats.dcp import DcpCheckpoint
+    from ..pickle_scan import refused_globals
+
+    problems: list[Problem] = []
+    try:
+        checkpoint = get_format("dcp").open(source)
+    except CkptError as error:
+        return [Problem(code=error.code, message=error.message, file=error.path)]
+    with checkpoint:
+        if not isinstance(checkpoint, DcpCheckpoint):
+            return []
+        for entry in checkpoint.manifest.entries:
+            if entry.kind != "object" or entry.file is None or entry.offset is None:
+                continue
+            where = checkpoint.storage.describe(entry.file)
+            try:
+                refused = refused_globals(checkpoint.read_object_bytes(entry.name))
+            except CkptError as error:
+                problems.append(Problem(code=error.code, message=error.message, file=where))
+                continue
+            if refused:
+                problems.append(
+                    Problem(
+                        code="unloadable_object",
+                        message=f"object entry {entry.name!r} needs "
+                        f"{', '.join(refused[:5])}, which ckpt's restricted reader "
+                        "(torch.load weights_only) refuses; nothing was executed",
+                        file=where,
+                        tensor=entry.name,
+                    )
+                )
+    return problems
