@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 from transformers.trainer_pt_utils import safe_globals
 
-from .conftest import REPO, run_ckpt
+from .conftest import REPO, run_ckpt, run_ckpt_process
 from .hub_fixtures import publish_model
 from .hub_server import TestHub
 
@@ -513,3 +513,44 @@ def test_plain_verify_names_a_dcp_object_entry_the_restricted_reader_refuses(
     )
     clean = run_ckpt("verify", out, "--json")
     assert [p for p in clean.json["result"]["problems"] if p["code"] == "unloadable_object"] == []
+
+
+# --------------------------------------------------------------------------- HF cache snapshots
+
+
+def test_hf_cache_snapshots_are_read_and_links_leaving_the_repo_refused(
+    hub: TestHub, real_hf_model: Path, tmp_path: Path
+) -> None:
+    from huggingface_hub import snapshot_download
+
+    hub.add_repo("org/tiny", real_hf_model)
+    cache = tmp_path / "hub-cache"
+    snapshot = Path(snapshot_download("org/tiny", endpoint=hub.url, cache_dir=str(cache)))
+    assert (snapshot / "model.safetensors").is_symlink()  # -> ../../blobs/<sha256>
+    shown = run_ckpt("inspect", snapshot, "--json")
+    assert shown.exit_code == 0, shown.stderr
+    assert shown.json["result"]["tensors"] == 21
+    assert run_ckpt("verify", snapshot).exit_code == 0
+    out = tmp_path / "export"
+    assert run_ckpt("convert", snapshot, out, "--to", "safetensors").exit_code == 0
+    _same_model(out, real_hf_model)
+    # `ckpt inspect org/name` finds the cached snapshot, as `hf` users expect
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    by_name = run_ckpt_process("inspect", "org/tiny", "--json", env=env)
+    assert by_name.exit_code == 0, by_name.stderr
+    assert by_name.json["result"]["tensors"] == 21
+    missing = run_ckpt_process("inspect", "org/absent", env=env)
+    assert missing.exit_code == 3 and "hf://org/absent" in missing.stderr
+    # a link that leaves the cache repository folder is still refused
+    secret = tmp_path / "elsewhere.safetensors"
+    save_file({"w": torch.zeros(2)}, secret)
+    evil = cache / "models--org--evil" / "snapshots" / ("b" * 40)
+    evil.mkdir(parents=True)
+    (evil / "model.safetensors").symlink_to(secret)
+    refused = run_ckpt("inspect", evil)
+    assert refused.exit_code == 4 and "outside" in refused.stderr
+    # and outside a cache, a link to a sibling folder is refused as before
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "model.safetensors").symlink_to(snapshot / "model.safetensors")
+    assert run_ckpt("inspect", plain).exit_code == 4
