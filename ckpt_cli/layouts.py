@@ -74,41 +74,103 @@ class OpenedSource:
 
 
 class ObjectsCheckpoint(Checkpoint):
-    """Non-tensor entries held in memory (a JSON file's top-level values)."""
+    """Non-tensor entries held in memory (a JSON file's values).
 
-    def __init__(self, source: Source, manifest: Manifest, values: dict[str, Any]):
+    Attributes:
+        values: the document's top-level keys and their values, as parsed.
+        leaves: entry name -> value (the flattened leaves `read_object` returns); defaults to
+            `values`.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        manifest: Manifest,
+        values: dict[str, Any],
+        leaves: dict[str, Any] | None = None,
+    ):
         super().__init__(source, manifest)
         self.values = values
+        self.leaves = values if leaves is None else leaves
 
     def read_tensor(self, name: str) -> torch.Tensor:
         raise FormatError(f"entry {name!r} is not a tensor", path=self.manifest.location)
 
     def read_object(self, name: str) -> Any:
-        if name not in self.values:
+        if name not in self.leaves:
             raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
-        return json.loads(json.dumps(self.values[name]))  # a copy callers may change
+        return json.loads(json.dumps(self.leaves[name]))  # a copy callers may change
+
+
+def _json_container(node: Any) -> str | None:
+    """How a JSON value is flattened; the rules of `torch_save.flatten` (dicts with keys, lists
+    holding a dict at any depth are containers; other lists are one value), so a JSON
+    component and the same values after `convert --to torch` have the same entry names."""
+    if isinstance(node, dict):
+        return "dict" if node else None
+    if isinstance(node, list) and node:
+
+        def holds_dict(items: list[Any], depth: int) -> bool:
+            return depth <= 8 and any(
+                isinstance(i, dict) or (isinstance(i, list) and holds_dict(i, depth + 1))
+                for i in items
+            )
+
+        return "list" if holds_dict(node, 0) else None
+    return None
+
+
+def _flatten_json(doc: dict[str, Any]) -> Iterator[tuple[tuple[tuple[str, Any], ...], Any]]:
+    stack: list[tuple[tuple[tuple[str, Any], ...], Any]] = [
+        ((("dict", str(k)),), v) for k, v in reversed(list(doc.items()))
+    ]
+    while stack:
+        path, node = stack.pop()
+        kind = _json_container(node)
+        if kind is None:
+            yield path, node
+            continue
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        children = [((*path, (kind, key)), value) for key, value in items]
+        stack.extend(reversed(children))
 
 
 def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
-    """A JSON file (`trainer_state.json`) as object entries, one per top-level key."""
+    """A JSON file (`trainer_state.json`) as object entries, flattened like a torch.save dict
+    (`log_history.0.loss`), each entry remembering its key path for the torch writer."""
+    from .formats.torch_save import TorchEntry
+
     where = source.storage.describe(rel)
     try:
         doc = json.loads(source.storage.read_all(rel))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"is not valid JSON ({exc})", path=where) from None
+    except RecursionError:
+        raise FormatError("nests too deeply to be read", path=where) from None
     if not isinstance(doc, dict):
         raise FormatError("is not a JSON object", path=where)
-    entries = []
-    for key, value in doc.items():
+    entries: list[Entry] = []
+    leaves: dict[str, Any] = {}
+    for path, value in _flatten_json(doc):
+        name = ".".join(str(key) for _, key in path)
+        base, n = name, 1
+        while name in leaves:  # {"a.b": 1, "a": {"b": 2}}
+            name, n = f"{base}~{n}", n + 1
+        leaves[name] = value
         scalar = value is None or isinstance(value, (bool, int, float, str))
         entries.append(
-            Entry(
-                name=str(key),
+            TorchEntry.model_construct(
+                name=name,
                 kind="object",
+                dtype=None,
+                shape=[],
                 nbytes=len(json.dumps(value)),
                 file=rel,
+                offset=None,
+                chunks=None,
                 py_type=type(value).__name__,
                 value=value if scalar else None,
+                key_path=path,
             )
         )
     manifest = Manifest(
@@ -117,7 +179,7 @@ def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
         files=[FileInfo(path=rel, size=source.storage.size(rel), entries=len(entries))],
         entries=entries,
     )
-    return ObjectsCheckpoint(source, manifest, {str(k): v for k, v in doc.items()})
+    return ObjectsCheckpoint(source, manifest, {str(k): v for k, v in doc.items()}, leaves)
 
 
 class CompositeCheckpoint(Checkpoint):
@@ -927,6 +989,10 @@ def _analyse(checkpoint: Checkpoint, layout: str, prefixes: dict[str, str]) -> T
 
 
 def _verdict(state: TrainingState) -> None:
+    """Two levels: `resumable` (training can continue: weights, optimizer, a progress counter)
+    and `exact` (the resumed run is bit-identical: also scheduler, step, RNG, data loader).
+    Lightning and torchtitan saves without RNG, or torch dicts without data-loader state, are
+    resumable (their users resume from them every day), not exact."""
     missing = []
     if not state.weights.get("tensors"):
         missing.append("weights")
@@ -934,18 +1000,24 @@ def _verdict(state: TrainingState) -> None:
         missing.append("optimizer")
     elif not state.optimizer.complete:
         missing.append("optimizer state for every parameter")
-    if not state.scheduler:
-        missing.append("scheduler")
-    if state.step is None and state.epoch is None:
+    counted = state.step is not None or state.epoch is not None
+    if not counted and not state.scheduler:
         missing.append("step")
-    if not state.rng:
-        missing.append("rng")
-    if not state.dataloader:
-        missing.append("dataloader")
     for rel, why in state.unreadable.items():
         missing.append(f"{rel} (unreadable: {why})")
+    extra = []
+    if not state.scheduler:
+        extra.append("scheduler")
+    if not counted and "step" not in missing:
+        extra.append("step")
+    if not state.rng:
+        extra.append("rng")
+    if not state.dataloader:
+        extra.append("dataloader")
     state.missing = missing
     state.resumable = not missing
+    state.missing_exact = extra
+    state.exact = state.resumable and not extra
 
 
 # --------------------------------------------------------------------------- single files
@@ -1036,6 +1108,15 @@ def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
         state.step = _as_int(_value(checkpoint, step))
     if is_titan:
         state.step = _as_int(_value(checkpoint, "train_state.step"))
+    if "trainer_state" in keys and state.step is None:
+        # a Trainer folder converted to one torch / DCP checkpoint: its trainer_state came along
+        state.step = _as_int(_value(checkpoint, "trainer_state.global_step"))
+        if state.step is not None and state.dataloader is None:
+            # the Trainer replays its data order from the seed and skips `global_step` batches
+            state.dataloader = {"kind": "replayed", "skips_batches": state.step}
+        epoch = _value(checkpoint, "trainer_state.epoch")
+        if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
+            state.epoch = float(epoch)
     epoch = _value(checkpoint, "epoch") if "epoch" in keys else None
     if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
         state.epoch = float(epoch)
@@ -1215,12 +1296,14 @@ def component_problems(opened: OpenedSource) -> list[Problem]:
     return list(opened.problems)
 
 
-def training_checks(opened: OpenedSource) -> list[Problem]:
+def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
     """What `verify --resumable` reports: every reason the checkpoint cannot resume the run.
 
-    Missing weights, optimizer, scheduler, step, RNG or data-loader state; optimizer state that
-    does not exist for every parameter; optimizer state whose shapes do not match the weights;
-    components that could not be read. A source with no training state at all is one problem.
+    Errors: missing weights, optimizer or progress counter; optimizer state that does not
+    exist for every parameter or whose shapes do not match the weights; components that could
+    not be read. What only an exact (bit-identical) resume needs (scheduler, step, RNG,
+    data-loader state) is a warning, an error with `exact`. A source with no training state
+    at all is one problem.
     """
     where = opened.checkpoint.manifest.location
     state = opened.training
@@ -1246,6 +1329,15 @@ def training_checks(opened: OpenedSource) -> list[Problem]:
         if item in state.missing:
             problems.append(
                 Problem(code=f"missing_{item}", message=f"{where}: {labels[item]}", file=where)
+            )
+        elif item in state.missing_exact:
+            problems.append(
+                Problem(
+                    code=f"missing_{item}",
+                    message=f"{where}: {labels[item]}; resumable, but not exactly",
+                    file=where,
+                    severity="error" if exact else "warning",
+                )
             )
     opt = state.optimizer
     if opt is not None and not opt.complete:

@@ -185,8 +185,13 @@ class TrainingState(BaseModel):
             (`model.`, `optimizer.`, or `state_dict.` in a Lightning file); what
             `convert --select` and `diff` use to line components up.
         unreadable: file -> why it could not be read safely (listed, never unpickled).
-        resumable: everything needed to resume the same run is present.
+        resumable: training can continue from it: model weights, optimizer state for every
+            parameter, and a progress counter (step / epoch, or the LR scheduler's state).
         missing: what is missing for `resumable`.
+        exact: also resumes bit-identically: scheduler, step, RNG and data-loader position
+            are saved too (implies `resumable`).
+        missing_exact: what `exact` lacks beyond `resumable` (`scheduler`, `step`, `rng`,
+            `dataloader`).
     """
 
     layout: str
@@ -202,3 +207,5 @@ class TrainingState(BaseModel):
     unreadable: dict[str, str] = Field(default_factory=dict)
     resumable: bool = False
     missing: list[str] = Field(default_factory=list)
+    exact: bool = False
+    missing_exact: list[str] = Field(default_factory=list)

@@ -14,6 +14,7 @@ import contextlib
 import io
 import os
 import posixpath
+import re
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -117,6 +118,20 @@ class Storage(ABC):
         return None
 
 
+#: a Hugging Face cache repository folder: `models--org--name` (also datasets--, spaces--)
+_HF_CACHE_REPO = re.compile(r"^(models|datasets|spaces)--[^/]+$")
+
+
+def hf_cache_repo(real_root: str) -> str | None:
+    """The cache repository folder (`.../models--org--name`) when `real_root` (a resolved path)
+    is, or is inside, one of its `snapshots/<revision>/` folders; else None."""
+    parts = real_root.split(os.sep)
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "snapshots" and _HF_CACHE_REPO.match(parts[i - 1]) and i + 1 < len(parts):
+            return os.sep.join(parts[:i])
+    return None
+
+
 class LocalStorage(Storage):
     """A folder on this machine; reads use `os.pread` so nothing is read that is not asked for."""
 
@@ -124,13 +139,17 @@ class LocalStorage(Storage):
         self.root = root
         self.display = str(root)
         self._real_root = os.path.realpath(root)
+        # links may resolve anywhere inside this folder: the root, or for a Hugging Face cache
+        # snapshot its repository folder (`models--org--name/`, files link to `../../blobs/`)
+        self._link_root = hf_cache_repo(self._real_root) or self._real_root
 
     def path(self, rel: str) -> Path:
-        """Absolute path of `rel`, refusing names and symlinks that leave the root."""
+        """Absolute path of `rel`, refusing names and symlinks that leave the root (or, in a
+        Hugging Face cache snapshot, the cache's repository folder)."""
         rel = safe_relpath(rel, source=self.display)
         full = self.root / rel
         real = os.path.realpath(full)
-        if real != self._real_root and not real.startswith(self._real_root + os.sep):
+        if real != self._link_root and not real.startswith(self._link_root + os.sep):
             raise UnsafeInputError(
                 f"{rel!r} is a link that points outside the checkpoint ({real})",
                 path=self.display,

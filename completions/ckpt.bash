@@ -7,14 +7,14 @@ _ckpt() {
   fi
   case "${COMP_WORDS[1]}" in
     inspect) opts="--list -l --filter -k --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --force --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    reshard) opts="--world-size --max-shard-size --shard-dim --plan --drop-rank-state --keep-rank-state --dcp-serialization --dry-run -n --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --exact --force --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --no-extras --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    reshard) opts="--world-size --max-shard-size --shard-dim --plan --drop-rank-state --keep-rank-state --dcp-serialization --dry-run -n --no-extras --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --watch --max-iterations --settle --json --quiet -q --verbose -v --help -h" ;;
     latest) opts="--settle --json --quiet -q --verbose -v --help -h" ;;
     sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --dequantize --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --dequantize --ignore-dtype --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     merge) opts="--force --json --quiet -q --verbose -v --help -h" ;;
     protect) opts="--parity --block-size --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     repair) opts="--dry-run --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;

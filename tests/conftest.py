@@ -18,7 +18,12 @@ from ckpt_cli.cli import get_app
 REPO = Path(__file__).resolve().parents[1]
 
 # fixture modules shared across test files
-pytest_plugins = ["tests.s3_fixtures", "tests.hub_fixtures", "tests.model_fixtures"]
+pytest_plugins = [
+    "tests.s3_fixtures",
+    "tests.hub_fixtures",
+    "tests.model_fixtures",
+    "tests.framework_fixtures",
+]
 
 
 @dataclass

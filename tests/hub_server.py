@@ -358,7 +358,10 @@ class _Handler(BaseHTTPRequestHandler):
         singular = {"models": "model", "datasets": "dataset", "spaces": "space", None: "model"}
         repo = self.server_hub.repos.get(f"{singular[type_]}/{repo_id}")
         if repo is None:
-            self._error(404, "RepoNotFound", "Repository not found")
+            # like the real Hub: without a token an unknown repository is a 401, so that
+            # private repositories cannot be told from absent ones
+            status = 404 if self.headers.get("Authorization") else 401
+            self._error(status, "RepoNotFound", "Repository not found")
             return None
         if repo.token is not None and self.headers.get("Authorization") != f"Bearer {repo.token}":
             self._error(

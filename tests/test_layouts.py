@@ -195,8 +195,9 @@ def test_lightning_ckpt(tmp_path: Path) -> None:
     assert training["optimizer"]["kind"] == "Adam" and training["optimizer"]["complete"]
     assert training["scheduler"]["kind"] == "StepLR"
     assert training["prefixes"]["model"] == "state_dict."
-    # Lightning saves no RNG state by default: say so
-    assert training["resumable"] is False and training["missing"] == ["rng"]
+    # Lightning saves no RNG state by default: resumable, not exactly
+    assert training["resumable"] is True and training["missing"] == []
+    assert training["exact"] is False and training["missing_exact"] == ["rng"]
 
 
 def _fake_deepspeed_classes() -> dict[str, Any]:
@@ -302,7 +303,7 @@ def test_deepspeed_zero2_global_step_with_latest(tmp_path: Path) -> None:
     assert training["scheduler"]["last_epoch"] == 12
     assert training["unreadable"] == {}
     # DeepSpeed saves no RNG or data-loader state unless the client state adds them
-    assert training["missing"] == ["rng", "dataloader"]
+    assert training["missing"] == [] and training["missing_exact"] == ["rng", "dataloader"]
     names = {e["name"]: e for e in report["entries"]}
     assert names["optim_states.optimizer_state_dict.loss_scaler"]["py_type"].endswith("LossScaler")
 
@@ -362,10 +363,13 @@ def test_torchtitan_step_folder_from_dcp_save(tmp_path: Path) -> None:
     assert training["optimizer"]["kind"] == "AdamW"
     assert training["optimizer"]["params"] == training["optimizer"]["params_with_state"] == 4
     assert training["dataloader"] is not None
-    # torchtitan keeps no RNG state in the checkpoint
-    assert training["missing"] == ["rng"]
-    codes = [p.code for p in training_checks(open_source(str(tmp_path / "step-5")))]
-    assert codes == ["missing_rng"]
+    # torchtitan keeps no RNG state in the checkpoint: resumable, not exactly
+    assert training["resumable"] is True and training["missing"] == []
+    assert training["exact"] is False and training["missing_exact"] == ["rng"]
+    problems = training_checks(open_source(str(tmp_path / "step-5")))
+    assert [(p.code, p.severity) for p in problems] == [("missing_rng", "warning")]
+    exact = training_checks(open_source(str(tmp_path / "step-5")), exact=True)
+    assert [(p.code, p.severity) for p in exact] == [("missing_rng", "error")]
 
 
 def test_check_source_runs_every_component_check(trainer_run: Path, tmp_path: Path) -> None:
@@ -457,7 +461,7 @@ def test_deepspeed_zero3_counts_weights_from_partitions(tmp_path: Path) -> None:
     assert training["layout"] == "deepspeed" and training["step"] == 3
     assert training["weights"] == {"tensors": 2, "parameters": 10, "bytes": 40}
     assert training["optimizer"]["kind"] == "AdamW" and training["optimizer"]["complete"]
-    assert training["missing"] == ["rng", "dataloader"]
+    assert training["missing"] == [] and training["missing_exact"] == ["rng", "dataloader"]
 
 
 def test_trainer_fsdp_folder_with_dcp_model_and_optimizer(
@@ -514,4 +518,5 @@ def test_plain_sgd_needs_no_per_parameter_state(tmp_path: Path) -> None:
     training = run_ckpt("inspect", tmp_path / "c.pt", "--json").json["result"]["training"]
     assert training["optimizer"]["kind"] == "SGD" and training["optimizer"]["complete"]
     assert "optimizer state for every parameter" not in training["missing"]
-    assert training["missing"] == ["scheduler", "rng", "dataloader"]
+    assert training["missing"] == []
+    assert training["missing_exact"] == ["scheduler", "rng", "dataloader"]

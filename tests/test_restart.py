@@ -64,11 +64,15 @@ def test_leaving_state_out_of_the_save_is_caught_by_diff(
 ) -> None:
     assert train.main(["--run-dir", str(tmp_path / "a"), "--steps", "12", f"--omit={omit}"]) == 0
     resume = tmp_path / "a" / "step-8"
-    # verify names the missing component up front...
+    # verify names the missing component up front: resumable, but not exactly...
     verify = run_ckpt("verify", "--resumable", resume, "--json")
-    assert verify.exit_code == 1
-    codes = {p["code"] for p in verify.json["result"]["problems"]}
-    assert codes == {f"missing_{omit}"}
+    assert verify.exit_code == 0
+    found = {(p["code"], p["severity"]) for p in verify.json["result"]["problems"]}
+    assert found == {(f"missing_{omit}", "warning")}
+    assert verify.json["result"]["training"]["missing_exact"] == [omit]
+    exact = run_ckpt("verify", "--exact", resume, "--json")
+    assert exact.exit_code == 1
+    assert {p["code"] for p in exact.json["result"]["problems"]} == {f"missing_{omit}"}
     assert (
         train.main(
             [
@@ -93,7 +97,7 @@ def test_leaving_state_out_of_the_save_is_caught_by_diff(
     assert human.stdout.startswith("DIFFERENT") and "model." in human.stdout
     # ...and the full save passes it
     assert train.main(["--run-dir", str(tmp_path / "full"), "--steps", "4"]) == 0
-    assert run_ckpt("verify", "--resumable", tmp_path / "full" / "step-4").exit_code == 0
+    assert run_ckpt("verify", "--exact", tmp_path / "full" / "step-4").exit_code == 0
 
 
 def test_dcp_checkpoints_resume_bit_identical(tmp_path: Path, train: ModuleType) -> None:

@@ -121,8 +121,9 @@ def test_training_dict_is_flattened_with_objects_and_values(tmp_path: Path) -> N
     assert training["optimizer"]["kind"] == "AdamW"
     assert training["optimizer"]["params"] == training["optimizer"]["params_with_state"] == 4
     assert training["step"] == 1 and training["rng"] == ["python", "numpy", "torch_cpu"]
-    # no data-loader state saved: not resumable, and it says why
-    assert training["resumable"] is False and training["missing"] == ["dataloader"]
+    # no data-loader state saved: resumable, not exactly, and it says why
+    assert training["resumable"] is True and training["missing"] == []
+    assert training["exact"] is False and training["missing_exact"] == ["dataloader"]
     with open_checkpoint(str(tmp_path / "ckpt.pt")) as checkpoint:
         assert torch.equal(
             checkpoint.read_tensor("optimizer.state.2.exp_avg_sq"),

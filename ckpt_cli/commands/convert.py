@@ -100,6 +100,13 @@ def convert(
             "dtype) and drop their scales and the config's quantization section.",
         ),
     ] = False,
+    no_extras: Annotated[
+        bool,
+        typer.Option(
+            "--no-extras",
+            help="Leave out the source folder's non-weight files (config.json, tokenizer...).",
+        ),
+    ] = False,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -137,6 +144,7 @@ def convert(
                 dequantize=dequantize,
                 progress=progress,
                 dry_run=dry_run,
+                extras=not no_extras,
             ),
             render_convert,
         )

@@ -13,7 +13,7 @@ from ..cli import JsonOpt, app, examples, run_command
     epilog=examples(
         "ckpt diff run-a/step-1000 run-b/step-1000",
         "ckpt diff step-1000/ hf-model/ --select model",
-        "ckpt diff model.safetensors model-bf16.safetensors --atol 1e-2 --rtol 1e-2",
+        "ckpt diff model.safetensors model-bf16.safetensors --atol 1e-2 --rtol 1e-2 --ignore-dtype",
         "ckpt diff a.pt b.pt --filter 'optimizer.*' --json",
         "ckpt diff model-fp8/ model-bf16/ --dequantize --rtol 0.1",
     )
@@ -66,6 +66,13 @@ def diff(
             "per-weight error statistics (max abs, relative RMS).",
         ),
     ] = False,
+    ignore_dtype: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-dtype",
+            help="A dtype change alone is no difference: judge such pairs by their values.",
+        ),
+    ] = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Compare two checkpoints: missing names, dtype/shape changes, tensor values, state values.
@@ -95,6 +102,7 @@ def diff(
                 filters=filter,
                 dequantize=dequantize,
                 progress=progress,
+                ignore_dtype=ignore_dtype,
             ),
             render_diff,
             exit_code=lambda report: 0 if report.identical else 1,

@@ -46,4 +46,6 @@ def inspect(
         json_output,
         lambda: run_inspect(src, format=format, filters=filter),
         lambda report: render_inspect(report, show_tensors=tensors),
+        # shown, but a malformed file is a bad checkpoint (exit 4), as `verify` judges it
+        exit_code=lambda report: 4 if any(p.severity == "error" for p in report.problems) else 0,
     )

@@ -86,6 +86,13 @@ def reshard(
             "--dry-run", "-n", help="Show the files and sizes that would be written; write nothing."
         ),
     ] = False,
+    no_extras: Annotated[
+        bool,
+        typer.Option(
+            "--no-extras",
+            help="Leave out the source folder's non-weight files (config.json, tokenizer...).",
+        ),
+    ] = False,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -117,6 +124,7 @@ def reshard(
                 force=force,
                 progress=progress,
                 dry_run=dry_run,
+                extras=not no_extras,
             ),
             render_reshard,
         )

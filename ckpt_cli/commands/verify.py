@@ -66,8 +66,16 @@ def verify(
         bool,
         typer.Option(
             "--resumable",
-            help="Require the full training state: optimizer for every parameter, scheduler, "
-            "step, RNG and data-loader state.",
+            help="Require what training needs to continue: weights, optimizer state for every "
+            "parameter, a step/epoch or scheduler; what an exact resume also needs is a warning.",
+        ),
+    ] = False,
+    exact: Annotated[
+        bool,
+        typer.Option(
+            "--exact",
+            help="Require a bit-identical resume (implies --resumable): scheduler, step, RNG "
+            "and data-loader state too.",
         ),
     ] = False,
     force: Annotated[
@@ -117,6 +125,7 @@ def verify(
                 resumable=resumable,
                 force=force,
                 progress=progress,
+                exact=exact,
             ),
             render_verify,
             exit_code=lambda report: 0 if report.ok else 1,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 from pathlib import Path
 
 from ..errors import FormatError, NotFoundError, UsageError
@@ -55,10 +56,46 @@ def resolve_source(location: Location | str) -> Source:
     assert loc.path is not None
     path: Path = loc.path
     if not path.exists():
-        raise NotFoundError("no such file or folder", path=path, fix="Check the path.")
+        cached = cached_snapshot(loc.raw)
+        if cached is None:
+            hint = " (or write hf://" + loc.raw + " to read it from the Hub)"
+            raise NotFoundError(
+                "no such file or folder, nor a cached Hugging Face snapshot of that name"
+                if _REPO_ID.match(loc.raw)
+                else "no such file or folder",
+                path=path,
+                fix="Check the path" + (hint if _REPO_ID.match(loc.raw) else "") + ".",
+            )
+        path = cached
+        loc = Location(raw=loc.raw, kind="local", path=cached)
     if path.is_dir():
         return Source(location=loc, storage=LocalStorage(path))
     return Source(location=loc, storage=LocalStorage(path.parent), target=path.name)
+
+
+_REPO_ID = re.compile(r"^([\w.-]+)/([\w.-]+)(?:@([\w./-]+))?$")
+
+
+def cached_snapshot(text: str) -> Path | None:
+    """The Hugging Face cache snapshot of `org/name[@revision]` (the way `hf` users name a
+    model), when one is cached locally: `HF_HUB_CACHE/models--org--name/snapshots/<commit>/`
+    for the commit `refs/<revision or main>` records, or that commit itself. None otherwise."""
+    match = _REPO_ID.match(text)
+    if match is None:
+        return None
+    from huggingface_hub import constants
+
+    org, name, revision = match.groups()
+    repo = Path(constants.HF_HUB_CACHE) / f"models--{org}--{name}"
+    revision = revision or "main"
+    ref = repo / "refs" / revision
+    commit = revision
+    if ref.is_file():
+        commit = ref.read_text(encoding="utf-8", errors="replace").strip()
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        return None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if snapshot.is_dir() else None
 
 
 def available_formats() -> list[str]:

@@ -269,8 +269,10 @@ def _offline_misses(where: str) -> Iterator[None]:
 def _mapped_hub_errors(where: str) -> Iterator[None]:
     """Map huggingface_hub and network exceptions to ckpt errors naming `where`.
 
-    Missing repository, revision or file: NotFoundError (exit 3). Authentication, gated or
-    private repositories, offline misses, connection and server failures: HubError (exit 5).
+    Missing repository (also the Hub's 401 `RepoNotFound`, which a private repository gets
+    too: the message keeps the token hint), revision or file: NotFoundError (exit 3). Gated
+    repositories, refused tokens, offline misses, connection and server failures: HubError
+    (exit 5).
     """
     import httpx2
     from huggingface_hub import errors as hf
@@ -286,16 +288,15 @@ def _mapped_hub_errors(where: str) -> Iterator[None]:
             fix="Accept its terms on the Hub, then set HF_TOKEN or run `hf auth login`.",
         ) from None
     except hf.RepositoryNotFoundError as exc:
+        # the Hub answers 401 (not 404) for a repository that does not exist when no token is
+        # sent, so it cannot tell "absent" from "private": not found (3), with the auth hint
         status = exc.response.status_code if exc.response is not None else None
-        if status in (401, 403):
-            raise HubError(
-                "was refused (HTTP 401): the repository does not exist, or it is private or gated "
-                "and no valid token was sent",
-                path=where,
-                fix=f"Check the name. {_auth_fix()}",
-            ) from None
+        refused = f" (HTTP {status})" if status in (401, 403) else ""
         raise NotFoundError(
-            "no such repository on the Hub", path=where, fix="Check the org/name spelling."
+            f"no such repository on the Hub{refused}, or it is private or gated and no valid "
+            "token was sent",
+            path=where,
+            fix=f"Check the org/name spelling. {_auth_fix()}",
         ) from None
     except hf.RevisionNotFoundError:
         raise NotFoundError(

@@ -184,14 +184,45 @@ def parse_header(
     raw = head[8 : 8 + header_len]
     if len(raw) < header_len:
         raw += storage.read(rel, 8 + len(raw), header_len - len(raw))
+    duplicates: list[tuple[str, frozenset[str]]] = []
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        # json.loads keeps the last of two equal keys, as the reference library does; the
+        # spec forbids them, and two readers could then disagree on what a file holds
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                duplicates.append((key, frozenset(k for k, _ in pairs)))
+            seen.add(key)
+        return dict(pairs)
+
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         findings.add("bad_header", f"has a header that is not valid JSON ({exc})", file=where)
+        return None
+    except RecursionError:
+        findings.add("bad_header", "has a header nested too deeply to be read", file=where)
         return None
     if not isinstance(header, dict):
         findings.add("bad_header", "has a header that is not a JSON object", file=where)
         return None
+    meta_keys = header.get("__metadata__")
+    for key, keys in duplicates:
+        if keys == frozenset(header):
+            place = "the header names" if key != "__metadata__" else "the header has"
+            what = f"{place} {key!r} twice"
+        elif isinstance(meta_keys, dict) and keys == frozenset(meta_keys):
+            what = f"__metadata__ has the key {key!r} twice"
+        else:
+            what = f"a header entry has the field {key!r} twice"
+        findings.add(
+            "duplicate_key",
+            f"{what}; safetensors forbids duplicate keys (readers disagree on which one counts)",
+            file=where,
+            tensor=key if keys == frozenset(header) else None,
+            fix="The file is corrupt or crafted; write it again with a safetensors writer.",
+        )
     data_start = 8 + header_len
     data_size = size - data_start
     metadata = header.pop("__metadata__", None) or {}

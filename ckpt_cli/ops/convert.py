@@ -7,7 +7,7 @@ The work is `ops.transfer`'s pipeline; this module turns the command's options i
 from __future__ import annotations
 
 import os
-from pathlib import Path, PurePath
+from pathlib import PurePath
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -30,6 +30,7 @@ from .transfer import (
     SkippedEntry,
     TransferPlan,
     WrittenEntry,
+    extra_files,
     parse_renames,
     plan_transfer,
 )
@@ -62,12 +63,16 @@ class ConvertReport(BaseModel):
         ranks: under torchrun, what each rank wrote (empty in a single-process run).
         dry_run: nothing was written: `files` and `entries` are what would be (file sizes
             exact for safetensors outputs, None where the writer decides them).
-        warnings: options that had no effect (a --rename rule that matches no entry).
         dequantized: quantized weights written dequantized (`--dequantize`).
         quantized_kept: quantized weights and scales written as stored although `--dtype`
             was given (`--dtype` applies to unquantized tensors only).
         config_written: `config.json` written beside the output without its quantization
             section (`--dequantize`).
+        extras: non-weight files of the source folder copied unchanged into DEST
+            (`config.json`, `generation_config.json`, tokenizer files...; see
+            `transfer.extra_files`); empty with `extras=False` or a single-file DEST.
+        warnings: things the user should know: options that had no effect (a --rename rule
+            that matches no entry), an output torch cannot load (DCP safetensors serialization).
     """
 
     source: str
@@ -96,6 +101,7 @@ class ConvertReport(BaseModel):
     dequantized: int = 0
     quantized_kept: int = 0
     config_written: str | None = None
+    extras: list[str] = Field(default_factory=list)
 
 
 def _guard_paths(src: str, dest: Destination) -> None:
@@ -184,6 +190,7 @@ def convert(
     dequantize: bool = False,
     progress: Progress = NULL_PROGRESS,
     dry_run: bool = False,
+    extras: bool = True,
 ) -> ConvertReport:
     """Convert `src` into format `to` at `dest`, streaming one tensor or byte range at a time.
 
@@ -206,6 +213,8 @@ def convert(
             scales are copied as stored, in one shard, and never cast.
         progress: progress sink (bytes).
         dry_run: plan only: read metadata, write nothing, report what would be written.
+        extras: carry the source folder's non-weight files (config, tokenizer...) into a
+            folder DEST, so `from_pretrained(DEST)` builds the same model.
     """
     if to not in TARGETS:
         raise UsageError(f"cannot convert to {to!r}", fix=f"Use --to {' | '.join(TARGETS)}.")
@@ -332,12 +341,25 @@ def convert(
 
             apply_naming(src, to, options)
         shares: list[RankShare] = []
-        files, written = run_write(
-            checkpoint, plan, dest_path, to, options, force=force, progress=progress, shares=shares
-        )
+        carried = extra_files(checkpoint) if extras and not single_file else []
         config_written = None
         if dequantize and not single_file:
-            config_written = write_dequantized_config(base.storage, dest_path)
+            # published with the weights (a companion), never the source's quantized config
+            rewritten = dequantized_config(base.storage)
+            if rewritten is not None:
+                options.extra.setdefault("companions", {})["config.json"] = rewritten
+                config_written = str(PurePath(str(dest_path)) / "config.json")
+        files, written = run_write(
+            checkpoint,
+            plan,
+            dest_path,
+            to,
+            options,
+            force=force,
+            progress=progress,
+            shares=shares,
+            extras=carried,
+        )
     tensors = [w for w in written if w.kind == "tensor"]
     return ConvertReport(
         source=manifest.location,
@@ -363,7 +385,8 @@ def convert(
         dequantized=len(getattr(checkpoint, "logical", {})),
         quantized_kept=kept,
         config_written=config_written,
-        warnings=warnings,
+        extras=carried,
+        warnings=warnings + (dcp_warnings(dcp_serialization) if to == "dcp" else []),
     )
 
 
@@ -504,18 +527,17 @@ def keep_quantized(plan: TransferPlan, analysis: QuantAnalysis) -> int:
     return kept
 
 
-def write_dequantized_config(storage: Storage, dest: Destination) -> str | None:
-    """Write the source's `config.json` into `dest` without its quantization section.
+def dequantized_config(storage: Storage) -> bytes | None:
+    """The source's `config.json` without its quantization section (None when it has none).
 
-    Until convert carries config files itself, the dequantizing path writes this one: a
-    `config.json` that still declares quantization would make loaders expect scales that the
-    output no longer has.
+    A `config.json` that still declares quantization would make loaders expect scales that a
+    dequantized output no longer has.
     """
     import json
 
     from ..quant import without_quantization
 
-    if isinstance(dest, RemoteDest) or not storage.exists("config.json"):
+    if not storage.exists("config.json"):
         return None
     try:
         config = json.loads(storage.read_all("config.json"))
@@ -523,11 +545,7 @@ def write_dequantized_config(storage: Storage, dest: Destination) -> str | None:
         return None
     if not isinstance(config, dict):
         return None
-    target = Path(dest) / "config.json"
-    tmp = target.with_name(".config.json.tmp")
-    tmp.write_text(json.dumps(without_quantization(config), indent=2) + "\n")
-    os.replace(tmp, target)
-    return str(target)
+    return (json.dumps(without_quantization(config), indent=2) + "\n").encode()
 
 
 def _convert_components(
@@ -564,3 +582,16 @@ def _convert_components(
         max_shard_size=again.get("max_shard_size"),
         entries=[e for r in reports for e in r.entries],
     )
+
+
+def dcp_warnings(dcp_serialization: str) -> list[str]:
+    """What to tell a user about a DCP output of this serialization (written by ckpt)."""
+    if dcp_serialization == "safetensors":
+        import torch
+
+        return [
+            f"a DCP with safetensors serialization cannot be read by torch {torch.__version__}'s "
+            "dcp.load (its loader reads torch_save serialization only); ckpt reads it, and "
+            "--dcp-serialization torch_save writes one dcp.load restores"
+        ]
+    return []

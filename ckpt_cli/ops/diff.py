@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from ..errors import NotFoundError, UsageError
 from ..formats.base import Checkpoint
-from ..layouts import open_source
+from ..layouts import OpenedSource, open_source
 from ..models import Entry
 from ..progress import NULL_PROGRESS, Progress
 from .inspect import select as select_globs
@@ -52,6 +52,8 @@ class EntryDiff(BaseModel):
         outside_tolerance: elements failing |a-b| <= atol + rtol*|b| (when tolerances are set).
         max_abs / max_rel: largest absolute and relative (to |b|) difference.
         value_a / value_b: short representations of differing non-tensor values.
+        dtype_changed: the two sides store the tensor in different dtypes (its values were
+            compared after casting both to float64 / complex128, exact for every dtype).
     """
 
     name: str
@@ -71,6 +73,7 @@ class EntryDiff(BaseModel):
     max_rel: float | None = None
     value_a: str | None = None
     value_b: str | None = None
+    dtype_changed: bool = False
 
     @property
     def is_difference(self) -> bool:
@@ -112,6 +115,10 @@ class DiffReport(BaseModel):
         within_tolerance: pairs that differ but are within tolerance.
         dequantized: with `--dequantize`, how many weights of each side were dequantized.
         quant_errors: per dequantized weight, the error statistics, worst first.
+        ignore_dtype: dtype changes were accepted (`--ignore-dtype`): such a pair counts by
+            its values alone.
+        dtype_changes: pairs whose dtype differs between the sides (differences unless
+            `ignore_dtype`).
     """
 
     a: str
@@ -133,18 +140,51 @@ class DiffReport(BaseModel):
     within_tolerance: list[EntryDiff] = Field(default_factory=list)
     dequantized: dict[str, int] = Field(default_factory=dict)
     quant_errors: list[QuantError] = Field(default_factory=list)
+    ignore_dtype: bool = False
+    dtype_changes: int = 0
+
+
+def _component(opened: OpenedSource, select: str | None) -> str | None:
+    """The entry prefix of training component `select` (`model` -> `model.`, or `state_dict.`
+    in a Lightning file) when the side is a training checkpoint that has it."""
+    if not select or opened.training is None:
+        return None
+    return opened.training.prefixes.get(select.rstrip("."))
+
+
+def _selected(
+    entries: list[Entry],
+    select: str | None,
+    component: str | None,
+    other: list[str] | None,
+) -> tuple[list[tuple[Entry, str]], bool]:
+    """(entry, name after --select) pairs of one side, and whether a prefix was stripped.
+
+    A training checkpoint strips its component's own prefix. A side without that component
+    (a weights file exported from it) strips `select` only where that lines it up better with
+    `other` (the other side's selected names): the exported weights of an HF causal LM start
+    with `model.` themselves (`model.layers.0...`, beside `lm_head.weight`).
+    """
+    whole = [(e, e.name) for e in entries]
+    if not select:
+        return whole, False
+    if component is not None:
+        return select_prefix(entries, component), True
+    chosen = select_prefix(entries, select)
+    if not chosen:
+        return whole, False
+    if other is not None:
+        names = set(other)
+        if sum(n in names for _, n in whole) > sum(n in names for _, n in chosen):
+            return whole, False
+    return chosen, True
 
 
 def _align(
-    entries: list[Entry],
-    select: str | None,
+    chosen: list[tuple[Entry, str]],
     renames: Sequence[tuple[str, str]],
     filters: Sequence[str],
-) -> tuple[dict[str, Entry], bool]:
-    chosen = select_prefix(entries, select)
-    applied = bool(select) and bool(chosen)
-    if select and not chosen:
-        chosen = [(e, e.name) for e in entries]
+) -> dict[str, Entry]:
     aligned: dict[str, Entry] = {}
     for entry, name in chosen:
         new = rename(name, renames)
@@ -162,7 +202,7 @@ def _align(
             )
         }
         aligned = {n: e for n, e in aligned.items() if n in kept}
-    return aligned, applied
+    return aligned
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -244,6 +284,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _is_ndarray(value: Any) -> bool:
+    """Whether `value` is a numpy array or numpy scalar (without importing numpy for others)."""
+    return type(value).__module__ == "numpy" and hasattr(value, "tobytes")
+
+
 def values_equal(x: Any, y: Any) -> bool:
     """Deep equality for non-tensor entries (tensors bit-exact, NaN equal to NaN)."""
     import torch
@@ -256,6 +301,16 @@ def values_equal(x: Any, y: Any) -> bool:
             and x.dtype == y.dtype
             and x.shape == y.shape
             and bool((_bits(x.contiguous()) == _bits(y.contiguous())).all())
+        )
+    if _is_ndarray(x) or _is_ndarray(y):
+        # RNG states (`('MT19937', array([...]), ...)`) hold numpy arrays, whose `==` is
+        # element-wise: compare dtype, shape and bytes instead
+        return (
+            _is_ndarray(x)
+            and _is_ndarray(y)
+            and x.dtype == y.dtype
+            and x.shape == y.shape
+            and x.tobytes() == y.tobytes()
         )
     if isinstance(x, dict) and isinstance(y, dict):
         return x.keys() == y.keys() and all(values_equal(x[k], y[k]) for k in x)
@@ -315,6 +370,7 @@ def _compare(
     atol: float | None,
     rtol: float | None,
     quant: dict[str, Any] | None = None,
+    ignore_dtype: bool = False,
 ) -> EntryDiff | None:
     """Compare one pair; with `quant` (a dequantized weight's scheme -> errors list), a dtype
     change is expected and the pair's error statistics are recorded."""
@@ -349,10 +405,11 @@ def _compare(
             )
         )
     del ta, tb
-    same_dtype = ea.dtype == eb.dtype or quant is not None
-    if same_dtype and differing == 0:
+    changed = ea.dtype != eb.dtype and quant is None
+    if not changed and differing == 0:
         return None
-    status = "dtype" if not same_dtype else ("close" if outside == 0 else "values")
+    within = outside == 0 if outside is not None else differing == 0
+    status = "dtype" if changed and not ignore_dtype else "close" if within else "values"
     return EntryDiff(
         status=status,
         numel=numel,
@@ -360,6 +417,7 @@ def _compare(
         outside_tolerance=outside,
         max_abs=max_abs,
         max_rel=max_rel,
+        dtype_changed=changed,
         **base,
     )
 
@@ -388,6 +446,7 @@ def diff(
     filters: list[str] | None = None,
     dequantize: bool = False,
     progress: Progress = NULL_PROGRESS,
+    ignore_dtype: bool = False,
 ) -> DiffReport:
     """Compare checkpoints `a` and `b` entry by entry.
 
@@ -403,6 +462,8 @@ def diff(
         dequantize: compare quantized weights (FP8, MXFP4, NVFP4) by their dequantized values
             (in float32), with per-weight error statistics; their scales are not compared.
         progress: progress sink (bytes of A).
+        ignore_dtype: a dtype change is no difference by itself: the pair is judged by its
+            values (cast to float64 on both sides), bit-exact or within the tolerances.
     """
     for value, flag in ((atol, "--atol"), (rtol, "--rtol")):
         if value is not None and (value < 0 or math.isnan(value)):
@@ -416,8 +477,20 @@ def diff(
         counts: dict[str, int] = {}
         if dequantize:
             ca, cb = (_dequantized(c, side, schemes, counts) for c, side in ((ca, "a"), (cb, "b")))
-        left, applied_a = _align(ca.manifest.entries, select, rename_pairs, filters or [])
-        right, applied_b = _align(cb.manifest.entries, select, rename_pairs, filters or [])
+        comp_a, comp_b = _component(opened_a, select), _component(opened_b, select)
+        chosen_a, applied_a = _selected(ca.manifest.entries, select, comp_a, None)
+        chosen_b, applied_b = _selected(
+            cb.manifest.entries,
+            select,
+            comp_b,
+            [n for _, n in chosen_a] if comp_a and not comp_b else None,
+        )
+        if comp_b and not comp_a:
+            chosen_a, applied_a = _selected(
+                ca.manifest.entries, select, None, [n for _, n in chosen_b]
+            )
+        left = _align(chosen_a, rename_pairs, filters or [])
+        right = _align(chosen_b, rename_pairs, filters or [])
         if select and not (applied_a or applied_b):
             raise NotFoundError(
                 f"neither checkpoint has entries under {select!r}",
@@ -440,6 +513,7 @@ def diff(
             verdict="",
             atol=atol,
             rtol=rtol,
+            ignore_dtype=ignore_dtype,
             select_applied={"a": applied_a, "b": applied_b} if select else {},
             only_a=[n for n in left if n not in right],
             only_b=[n for n in right if n not in left],
@@ -455,7 +529,9 @@ def diff(
                     if scheme is not None and ea.kind == eb.kind == "tensor"
                     else None
                 )
-                found = _compare(ca, cb, name, ea, eb, atol, rtol, quant)
+                found = _compare(ca, cb, name, ea, eb, atol, rtol, quant, ignore_dtype)
+                if found is not None and found.dtype_changed and quant is None:
+                    report.dtype_changes += 1
                 report.compared += 1
                 if found is None:
                     report.equal += 1
@@ -499,7 +575,15 @@ def _dequantized(
 def _verdict(r: DiffReport) -> str:
     if r.identical:
         how = "bit-identical" if not r.close else f"equal ({r.close} within tolerance)"
+        if r.dtype_changes:
+            how += f", {r.dtype_changes} with a dtype change (ignored)"
         return f"IDENTICAL: {r.compared} entries {how}"
+    dtype_only = [d for d in r.differences if d.status == "dtype" and d.outside_tolerance == 0]
+    if dtype_only and len(dtype_only) == len(r.differences) and not (r.only_a or r.only_b):
+        return (
+            f"DIFFERENT: {len(dtype_only)} of {r.compared} entries changed dtype "
+            "(values within tolerance; --ignore-dtype accepts that)"
+        )
     parts = []
     if r.differences:
         parts.append(f"{len(r.differences)} of {r.compared} entries differ")

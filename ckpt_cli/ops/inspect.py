@@ -9,9 +9,10 @@ from pydantic import BaseModel, Field
 
 from ..dtypes import FLOATING
 from ..errors import NotFoundError
+from ..formats.base import Checkpoint
 from ..layouts import open_source
 from ..model_layouts import LayoutInfo
-from ..models import Entry, FileInfo, Manifest, TrainingState
+from ..models import Entry, FileInfo, Manifest, Problem, TrainingState
 from ..quant import QuantSummary
 from ..runs import RunReport
 from ..storage import Storage
@@ -40,6 +41,9 @@ class InspectReport(BaseModel):
         quantization: for a quantized checkpoint: the scheme per module group, logical
             parameters next to stored bytes, unquantized modules (see `ckpt_cli.quant`).
         layout: the library layout of a model folder (PEFT adapter, diffusers pipeline...).
+        problems: format-rule violations that do not stop reading (a safetensors file with
+            trailing bytes, a hole between tensors, a first tensor not at offset 0): what
+            `verify` reports too; `ckpt inspect` exits 4 when there are any.
     """
 
     location: str
@@ -60,6 +64,7 @@ class InspectReport(BaseModel):
     run: RunReport | None = None
     quantization: QuantSummary | None = None
     layout: LayoutInfo | None = None
+    problems: list[Problem] = Field(default_factory=list)
 
 
 def select(
@@ -126,6 +131,7 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
             filters=list(filters or []),
             quantization=quantization_of(checkpoint.manifest, checkpoint.storage),
             layout=opened.layout,
+            problems=malformed(checkpoint),
         )
 
 
@@ -158,3 +164,18 @@ def quantization_of(manifest: Manifest, storage: Storage) -> QuantSummary | None
     if not analysis.quantized and analysis.config.method is None:
         return None
     return summarise(manifest, analysis)
+
+
+def malformed(checkpoint: Checkpoint) -> list[Problem]:
+    """The format-rule violations of a local checkpoint's safetensors files that its reader
+    tolerates (data not contiguous from offset 0, bytes after the last tensor): headers only."""
+    from ..formats.safetensors import Findings, parse_header
+
+    source = checkpoint.source
+    if not source.location.is_local:
+        return []  # a remote header costs a request; `verify` checks those
+    findings = Findings(strict=False)
+    for info in checkpoint.manifest.files:
+        if info.path.endswith(".safetensors") and info.entries:
+            parse_header(source.storage, info.path, info.size, findings)
+    return findings.problems

@@ -97,6 +97,11 @@ class ReshardReport(BaseModel):
         verified: the output passed the format's structural check before publishing.
         dry_run: nothing was written; `files` are what would be (sizes are data bytes for
             DCP outputs, exact file sizes for safetensors).
+        carried: training-state files of a training folder (optimizer, scheduler, RNG,
+            trainer state...) copied unchanged beside the resharded weights (shard-size mode).
+        extras: non-weight files of the source folder copied unchanged (`config.json`,
+            tokenizer files...); empty with `extras=False`.
+        warnings: things the user should know about the output (a DCP torch cannot load).
     """
 
     mode: Literal["shard-size", "world-size"]
@@ -121,6 +126,9 @@ class ReshardReport(BaseModel):
     verified: bool = False
     ranks: list[RankShare] = Field(default_factory=list)
     dry_run: bool = False
+    carried: list[str] = Field(default_factory=list)
+    extras: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
 
 
 class _ChunkWriter(Protocol):
@@ -146,17 +154,24 @@ def reshard_shard_size(
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
     dry_run: bool = False,
+    extras: bool = True,
 ) -> ReshardReport:
     """Regroup `src`'s entries, in order, into shards of at most `max_shard_size` bytes.
 
     Runs `convert`'s pipeline (`ops.transfer`) with the source's own format as the target:
     raw byte copies for safetensors; torch.save shards hold one shard in memory at a time.
+    In a training folder (Trainer `checkpoint-N/`, accelerate `save_state`) the weights are
+    resharded and every other component (optimizer, scheduler, RNG, trainer state) is copied
+    unchanged, so the output resumes the run as the source did.
     """
     from .transfer import HOLDS_OBJECTS, plan_transfer, write_checkpoint
 
     out = _local_dest(dest)
     check_destination(out.absolute(), force)
     with open_checkpoint(src, format) as checkpoint:
+        carried, extra = _carried_files(src, checkpoint, format)
+        if not extras:
+            extra = []
         manifest = checkpoint.manifest
         if manifest.format not in SHARD_SIZE_FORMATS:
             raise UsageError(
@@ -224,8 +239,11 @@ def reshard_shard_size(
             force=force,
             progress=progress,
             shares=shares,
+            extras=[*carried, *extra],
         )
         return ReshardReport(
+            carried=carried,
+            extras=extra,
             mode="shard-size",
             source=manifest.location,
             destination=str(out),
@@ -239,6 +257,33 @@ def reshard_shard_size(
             verified=True,
             ranks=shares,
         )
+
+
+def _carried_files(
+    src: str, weights: Checkpoint, format: str | None
+) -> tuple[list[str], list[str]]:
+    """(training-state files, extra files) of `src` to copy beside its resharded weights."""
+    from ..formats import resolve_source
+    from ..layouts import recognise_layout
+    from .transfer import extra_files
+
+    if weights.source.target is not None:
+        return [], []
+    opened = recognise_layout(resolve_source(src)) if format is None else None
+    if opened is None:
+        return [], extra_files(weights)
+    with opened.checkpoint as composite:
+        extra = extra_files(composite)
+    index = weights.manifest.details.get("index")
+    own = {f.path for f in weights.manifest.files} | ({index} if isinstance(index, str) else set())
+    carried = [
+        rel
+        for rel in sorted(weights.source.files)
+        if rel not in own
+        and rel not in extra
+        and not any(part.startswith(".") for part in rel.split("/"))
+    ]
+    return carried, extra
 
 
 def _basename(checkpoint: Checkpoint) -> str:
@@ -350,8 +395,12 @@ def reshard_world_size(
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
     dry_run: bool = False,
+    extras: bool = True,
 ) -> ReshardReport:
-    """Rewrite a DCP checkpoint as `world_size` ranks would have saved it."""
+    """Rewrite a DCP checkpoint as `world_size` ranks would have saved it (the folder's
+    config/tokenizer files copied beside it unless `extras=False`)."""
+    from .transfer import copy_files, extra_files
+
     if world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
     rules = list(rules or [])
@@ -464,8 +513,11 @@ def reshard_world_size(
             )
             return {"part": part, "share": share.model_dump(mode="json")}
 
+        carried_extras = extra_files(checkpoint) if extras else []
+
         def commit(staging: Path, parts: list[dict[str, Any]]) -> dict[str, Any]:
             files = writers[0].commit([p["part"] for p in parts])
+            copy_files(checkpoint, carried_extras, staging)
             check_staged("dcp", staging, single_file=False)
             return {
                 "files": [f.model_dump(mode="json") for f in files],
@@ -498,6 +550,8 @@ def reshard_world_size(
             ],
             rank_state=rank_entries,
             rank_state_action=action,
+            extras=carried_extras,
+            warnings=_dcp_warnings(chosen),
             verified=True,
             ranks=[RankShare.model_validate(r) for r in result["shares"]],
         )
@@ -559,6 +613,12 @@ def _planned_world_size(
         verified=False,
         dry_run=True,
     )
+
+
+def _dcp_warnings(serialization: str) -> list[str]:
+    from .convert import dcp_warnings
+
+    return dcp_warnings(serialization)
 
 
 def _copy_object(checkpoint: Checkpoint, writer: Writer, name: str) -> None:
@@ -648,10 +708,12 @@ def run_reshard(
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
     dry_run: bool = False,
+    extras: bool = True,
 ) -> ReshardReport:
     """Check the option combination, parse sizes and rules, and run the chosen mode.
 
     With `dry_run`, only metadata is read and nothing is written: the report says what would be.
+    `extras=False` leaves the source folder's config/tokenizer files out of the output.
     """
     from ..placement import load_plan, parse_rule
     from ..sizes import parse_size
@@ -700,7 +762,14 @@ def run_reshard(
                 # a diffusers pipeline / sentence-transformers folder: component by component
                 return _reshard_components(src, dest, limit, *found, force=force, progress=progress)
         return reshard_shard_size(
-            src, dest, limit, format=format, force=force, progress=progress, dry_run=dry_run
+            src,
+            dest,
+            limit,
+            format=format,
+            force=force,
+            progress=progress,
+            dry_run=dry_run,
+            extras=extras,
         )
     assert world_size is not None
     rules = [parse_rule(text) for text in shard_dim or []]
@@ -719,6 +788,7 @@ def run_reshard(
         format=format,
         force=force,
         progress=progress,
+        extras=extras,
         dry_run=dry_run,
     )
 

@@ -439,6 +439,67 @@ def check_staged(format_name: str, staging: Path, single_file: bool) -> None:
         )
 
 
+#: top-level files that belong with a model folder (config, tokenizer, card, custom code)
+EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".spm", ".md", ".py")
+#: weight (and training-state) files: never extras
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".onnx",
+    ".gguf",
+    ".distcp",
+    ".pkl",
+)
+#: an extra file larger than this is no config or tokenizer file: not carried
+MAX_EXTRA_BYTES = 64 << 20
+
+
+def extra_files(checkpoint: Checkpoint) -> list[str]:
+    """The non-weight files beside a checkpoint's weights: `config.json`,
+    `generation_config.json`, tokenizer files, README, custom code (top level only).
+
+    Files the checkpoint reads entries from (weights, indexes, JSON components such as
+    `trainer_state.json`) are not extras; nor is anything when the source is one file.
+    """
+    source = checkpoint.source
+    if source.target is not None:
+        return []
+    used = {f.path for f in checkpoint.manifest.files if f.entries}
+    out = []
+    for rel, size in sorted(source.files.items()):
+        name = rel.rsplit("/", 1)[-1]
+        if "/" in rel or rel in used or name.startswith("."):
+            continue
+        if rel.endswith(WEIGHT_SUFFIXES) or _is_weight_index(name):
+            continue
+        if rel.endswith(EXTRA_SUFFIXES) and (size or 0) <= MAX_EXTRA_BYTES:
+            out.append(rel)
+    return out
+
+
+def _is_weight_index(name: str) -> bool:
+    """A weight index: `*.index.json`, or diffusers' variant spelling `*.index.fp16.json`.
+
+    An index is rewritten by the writer for the new shards; the source's own never travels.
+    """
+    return name.endswith(".index.json") or (".index." in name and name.endswith(".json"))
+
+
+def copy_files(checkpoint: Checkpoint, rels: Sequence[str], staging: Path) -> None:
+    """Copy source files `rels` (relative, already confined to the source) into `staging`."""
+    from ..storage import safe_relpath
+
+    for rel in rels:
+        target = staging / safe_relpath(rel, source=checkpoint.manifest.location)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(checkpoint.source.storage.read_all(rel))
+
+
 def write_checkpoint(
     checkpoint: Checkpoint,
     plan: TransferPlan,
@@ -450,6 +511,7 @@ def write_checkpoint(
     progress: Progress = NULL_PROGRESS,
     workers: Workers | None = None,
     shares: list[RankShare] | None = None,
+    extras: Sequence[str] = (),
 ) -> tuple[list[FileInfo], list[WrittenEntry]]:
     """Write `plan` from `checkpoint` as format `to` at `dest`, atomically.
 
@@ -458,7 +520,8 @@ def write_checkpoint(
     by default the active ones) every rank writes the data files `Workers.assign` gives it and
     rank 0 writes the index / `.metadata`, checks and publishes (`distributed.split_output`);
     `shares`, when given, receives what each rank did. Returns the files written (relative to
-    `dest`, or `dest`'s own name for a single file) and the entries written.
+    `dest`, or `dest`'s own name for a single file) and the entries written. `extras` are
+    source files (`extra_files`) copied unchanged into the output folder before it is checked.
     """
     fmt = get_format(to)
     if not fmt.writable:
@@ -510,11 +573,14 @@ def write_checkpoint(
         else:
             files = [FileInfo.model_validate(f) for f in parts[0]["files"]]
         # the layout's small non-weight files (adapter_config.json...), published with the weights
-        for rel, data in (options.extra.get("companions") or {}).items():
+        companions = options.extra.get("companions") or {}
+        for rel, data in companions.items():
             target = staging / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
             files.append(FileInfo(path=rel, size=len(data), entries=0))
+        if extras and not options.single_file:
+            copy_files(checkpoint, [rel for rel in extras if rel not in companions], staging)
         check_staged(to, staging, options.single_file)
         # an entry split over several ranks' files is reported once, in plan order
         by_name: dict[str, Any] = {}

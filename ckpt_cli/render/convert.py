@@ -46,6 +46,10 @@ def render_convert(report: ConvertReport) -> None:
     if report.config_written:
         stdout.print("  config.json written without its quantization section")
     stdout.print("  [green]structure checked before publishing[/]")
+    if report.extras:
+        stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)
+    for warning in report.warnings:
+        stderr.print(f"[yellow]ckpt convert: warning:[/] {warning}", highlight=False)
     render_ranks(report.ranks)
     for group in report.tied:
         if group[1] in report.aliases:

@@ -8,7 +8,7 @@ from rich.tree import Tree
 
 from ..ops.inspect import InspectReport
 from ..ops.tree import TreeNode
-from . import counted, human_bytes, human_count, shape_str, stdout
+from . import counted, human_bytes, human_count, shape_str, stderr, stdout
 
 #: the tree stops unfolding below this many lines; --list shows everything
 MAX_TREE_CHILDREN = 40
@@ -97,6 +97,15 @@ def render_training(report: InspectReport) -> None:
     for rel, why in state.unreadable.items():
         rows.append(("unreadable", f"[yellow]{rel}[/]: {why}"))
     rows.append(("resumable", verdict))
+    if state.resumable:
+        rows.append(
+            (
+                "exact",
+                "[green]yes[/]"
+                if state.exact
+                else f"[yellow]no[/] (missing: {', '.join(state.missing_exact)})",
+            )
+        )
     for key, value in rows:
         stdout.print(f"  {key:<12} {value}")
 
@@ -192,6 +201,14 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
             f"{listed}{more}"
         )
     render_layout(report)
+    for problem in report.problems:
+        # on stderr, so the data on stdout stays what the file holds
+        stderr.print(
+            f"[yellow]ckpt inspect: warning:[/] malformed ({problem.code}): "
+            f"{escape(problem.message)}",
+            highlight=False,
+            soft_wrap=True,
+        )
     render_training(report)
     render_quantization(report)
     if show_tensors:

@@ -38,6 +38,16 @@ def render_reshard(report: ReshardReport) -> None:
         f"{human_bytes(report.tensor_bytes)} of tensor data in {len(files)} files "
         f"({human_bytes(size)})"
     )
+    if report.carried:
+        stdout.print(
+            f"  training state copied unchanged: {', '.join(report.carried)}",
+            highlight=False,
+            markup=False,
+        )
+    if report.extras:
+        stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)
+    for warning in report.warnings:
+        stderr.print(f"[yellow]ckpt reshard: warning:[/] {warning}", highlight=False)
     if report.rules:
         stdout.print(f"  rules: {'  '.join(report.rules)}")
     for rule in report.unused_rules:

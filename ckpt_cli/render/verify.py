@@ -28,6 +28,16 @@ def render_verify(report: VerifyReport) -> None:
         verdict += f", {report.warnings} warning{'s' if report.warnings != 1 else ''}"
     stdout.print(f"{escape(report.location)} ({report.format}): {verdict}", soft_wrap=True)
     stdout.print(f"[dim]checked: {checks} — {what}[/]", soft_wrap=True)
+    state = report.training
+    if "resumable" in report.checks and state is not None:
+        levels = "resumable: " + (
+            "yes" if state.resumable else f"no (missing: {', '.join(state.missing)})"
+        )
+        if state.resumable:
+            levels += "; exact: " + (
+                "yes" if state.exact else f"no (missing: {', '.join(state.missing_exact)})"
+            )
+        stdout.print(escape(levels), soft_wrap=True, highlight=False)
     if report.manifest_written:
         stdout.print(f"manifest written: {report.manifest}")
     render_ranks(report.ranks, verb="hashed")
