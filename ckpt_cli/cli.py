@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from . import __version__
+from . import __version__, faults
 from .errors import CkptError, Interrupted
 
 app = typer.Typer(
@@ -117,6 +117,8 @@ def run_command(
     try:
         result = action()
     except CkptError as error:
+        if faults.received is not None and not isinstance(error, Interrupted):
+            error = faults.interruption()  # a failure caused by the signal's exception
         # under torchrun, a command that split its work speaks through rank 0; the others print
         # only errors of their own (the collective RankFailedError is rank 0's to report)
         leader = joined().leader
@@ -125,13 +127,21 @@ def run_command(
         elif not isinstance(error, RankFailedError):
             render.emit_error(command, error, False)
         raise typer.Exit(error.exit_code) from None
-    except KeyboardInterrupt:
-        interrupted = Interrupted("interrupted")
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP (see faults.py)
+        interrupted = faults.interruption(exc)
         render.emit_error(command, interrupted, json_output)
         raise typer.Exit(interrupted.exit_code) from None
     except (typer.Exit, SystemExit):
         raise
+    except OSError as exc:  # disk full, EIO, read-only, EACCES...: not a bug (exit 74)
+        failure: CkptError = faults.interruption() if faults.received else faults.io_failure(exc)
+        render.emit_error(command, failure, json_output)
+        raise typer.Exit(failure.exit_code) from None
     except Exception as exc:  # anything else is a bug: say so, keep the traceback for CKPT_DEBUG
+        if faults.received is not None:  # torch's C++ writer wraps our KeyboardInterrupt
+            interrupted = faults.interruption()
+            render.emit_error(command, interrupted, json_output)
+            raise typer.Exit(interrupted.exit_code) from None
         if os.environ.get("CKPT_DEBUG"):
             raise
         render.emit_internal_error(command, exc, json_output and joined().leader)
@@ -169,6 +179,7 @@ def main(argv: list[str] | None = None) -> Any:
     """Console entry point (`ckpt`); under torchrun, joins the launch's process group first."""
     from .distributed import launched
 
+    faults.install_handlers()
     get_app()
     with launched():
         return app(args=argv if argv is not None else sys.argv[1:], prog_name="ckpt")

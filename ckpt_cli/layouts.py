@@ -89,7 +89,7 @@ def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
     where = source.storage.describe(rel)
     try:
         doc = json.loads(source.storage.read_all(rel))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # too deep: hostile
         raise FormatError(f"is not valid JSON ({exc})", path=where) from None
     if not isinstance(doc, dict):
         raise FormatError("is not a JSON object", path=where)

@@ -61,6 +61,7 @@ from pydantic import BaseModel, Field
 
 from .errors import CkptError, NotFoundError, UsageError
 from .output import TMP_MARKER
+from .storage import read_regular
 
 #: files modified within this many seconds mark a checkpoint as possibly still being written
 DEFAULT_SETTLE = 120.0
@@ -398,9 +399,9 @@ def _torch_structure(path: Path) -> str | None:
 
 def _check_torch_index(path: Path) -> str | None:
     try:
-        index = json.loads(path.read_text())
+        index = json.loads(read_regular(path))
         shards = set(index["weight_map"].values())
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CkptError) as exc:
         return f"{path}: unreadable index ({exc})"
     for shard in sorted(shards):
         if not isinstance(shard, str) or not (path.parent / shard).is_file():
@@ -449,9 +450,9 @@ def _components(root: Path) -> list[tuple[str, Path]]:
 
 def _index_shards(index: Path) -> set[str]:
     try:
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = json.loads(read_regular(index)).get("weight_map", {})
         return {v for v in weight_map.values() if isinstance(v, str)}
-    except (ValueError, AttributeError, OSError):
+    except (ValueError, AttributeError, OSError, RecursionError, CkptError):
         return set()
 
 
@@ -542,8 +543,8 @@ def _trainer_state_problem(path: Path) -> str | None:
     if not path.is_file():
         return "no trainer_state.json (the Trainer writes it last)"
     try:
-        json.loads(path.read_bytes())
-    except (ValueError, OSError) as exc:
+        json.loads(read_regular(path))
+    except (ValueError, OSError, RecursionError, CkptError) as exc:
         return f"{path}: not valid JSON, cut short? ({exc})"
     return None
 
@@ -583,8 +584,8 @@ def _trainer_state(
         if not path.is_file():
             continue
         try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError, UnicodeDecodeError):
+            doc = json.loads(read_regular(path))
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError, CkptError):
             continue
         if isinstance(doc, dict):
             states.append((float(doc.get("global_step") or 0), path, doc))

@@ -54,6 +54,16 @@ def resolve_source(location: Location | str) -> Source:
     assert loc.path is not None
     path: Path = loc.path
     if not path.exists():
+        from ..output import leftover_old_copies
+
+        old = leftover_old_copies(path.absolute())
+        if old:  # a `--force` replace was killed between its two renames
+            raise NotFoundError(
+                f"no such file or folder, but {old[-1]} holds the copy that a killed "
+                "`--force` replace had moved aside",
+                path=path,
+                fix=f"Recover it with `mv {old[-1]} {path}`.",
+            )
         raise NotFoundError("no such file or folder", path=path, fix="Check the path.")
     if path.is_dir():
         return Source(location=loc, storage=LocalStorage(path))

@@ -159,7 +159,7 @@ def parse_header(
         raw += storage.read(rel, 8 + len(raw), header_len - len(raw))
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # too deep: hostile
         findings.add("bad_header", f"has a header that is not valid JSON ({exc})", file=where)
         return None
     if not isinstance(header, dict):
@@ -287,7 +287,7 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
     where = storage.describe(rel)
     try:
         index = json.loads(storage.read_all(rel))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # too deep: hostile
         raise FormatError(
             f"is not valid JSON ({exc})", path=where, fix="Write or fetch the index again."
         ) from None

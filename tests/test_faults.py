@@ -1,0 +1,303 @@
+"""Faults and hostile inputs (#19): nothing published wrong, nothing destroyed, no hang.
+
+Each test reproduces one failure of 0.1.0 with a real checkpoint written by the real writer,
+then judges the outcome with the real reader (`safe_open`, `torch.load(weights_only=True)`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .conftest import REPO, run_ckpt, run_ckpt_process
+from .run_fixtures import trainer_checkpoint, weights
+
+
+def sharded_model(folder: Path) -> dict[str, torch.Tensor]:
+    """A three-shard safetensors checkpoint (huggingface_hub's writer); returns its state."""
+    state = {f"layer.{i}.weight": torch.full((16, 16), float(i)) for i in range(6)}
+    folder.mkdir(parents=True)
+    save_torch_state_dict(state, folder, max_shard_size=2500)
+    return state
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as fh:
+        return {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118
+
+
+# -- item 2: a manifest path that is a checkpoint file ---------------------------------------
+
+
+def test_write_manifest_over_a_shard_is_refused_even_with_force(tmp_path: Path) -> None:
+    src = tmp_path / "c"
+    sharded_model(src)
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    before = shard.read_bytes()
+    for extra in ([], ["--force"]):
+        result = run_ckpt("verify", src, "--write-manifest", "--manifest", shard, *extra, "--json")
+        assert result.exit_code == 2, result.stdout
+        assert "is a file of the checkpoint" in result.json["error"]["message"]
+        assert shard.read_bytes() == before
+    # a shard given as SRC: its siblings are files of the same checkpoint too
+    sibling = sorted(src.glob("model-*.safetensors"))[1]
+    kept = sibling.read_bytes()
+    result = run_ckpt(
+        "verify", shard, "--write-manifest", "--manifest", sibling, "--force", "--json"
+    )
+    assert result.exit_code == 2
+    assert sibling.read_bytes() == kept
+    # any existing file that is not a manifest is refused too, whatever the flags
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}')
+    result = run_ckpt("verify", src, "--write-manifest", "--manifest", notes, "--force")
+    assert result.exit_code == 2
+    assert json.loads(notes.read_text()) == {"mine": True}
+    # and a real manifest is still replaced with --force
+    ok = run_ckpt("verify", src, "--write-manifest")
+    assert ok.exit_code == 0, ok.stdout
+    again = run_ckpt("verify", src, "--write-manifest", "--force")
+    assert again.exit_code == 0, again.stdout
+
+
+# -- item 5: reshard into its own source -----------------------------------------------------
+
+
+def test_reshard_into_its_own_source_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "s"
+    sharded_model(src)
+    listing = sorted(p.name for p in src.iterdir())
+    result = run_ckpt("reshard", src, src / "rs", "--max-shard-size", "4KB", "--json")
+    assert result.exit_code == 2, result.stdout
+    assert "overlaps the source" in result.json["error"]["message"]
+    assert sorted(p.name for p in src.iterdir()) == listing
+
+
+# -- item 6: ckpt's own staging names are never part of a checkpoint -------------------------
+
+
+def test_staging_debris_is_never_part_of_a_manifest_or_listing(tmp_path: Path) -> None:
+    src = tmp_path / "c"
+    sharded_model(src)
+    # what a SIGKILLed `verify --write-manifest` and a killed convert leave behind
+    debris = src / ".ckpt-manifest.json.ckpt-tmp-k2j4x"
+    debris.mkdir()
+    (debris / "ckpt-manifest.json").write_text("{")
+    (src / ".model.ckpt-old-1234").mkdir()
+    (src / ".model.ckpt-old-1234" / "x.safetensors").write_bytes(b"junk")
+    written = run_ckpt("verify", src, "--write-manifest", "--json")
+    assert written.exit_code == 0, written.stdout
+    recorded = json.loads((src / "ckpt-manifest.json").read_text())["files"]
+    assert all(".ckpt-" not in name for name in recorded), recorded
+    # the debris vanishes (as a later cleanup does): the checksums still hold
+    (debris / "ckpt-manifest.json").unlink()
+    debris.rmdir()
+    checked = run_ckpt("verify", src, "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout
+    listing = run_ckpt("inspect", src, "--json")
+    assert listing.exit_code == 0
+    assert ".ckpt-" not in json.dumps(listing.json["result"].get("files", []))
+
+
+# -- item 4 and #12: publishing --------------------------------------------------------------
+
+
+def test_published_outputs_get_umask_permissions_not_0700(tmp_path: Path) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    old = os.umask(0o022)
+    try:
+        folder = run_ckpt("convert", src, tmp_path / "out", "--to", "safetensors")
+        single = run_ckpt("convert", src, tmp_path / "one.safetensors", "--to", "safetensors")
+        torch_file = run_ckpt("convert", src, tmp_path / "m.pt", "--to", "torch")
+    finally:
+        os.umask(old)
+    assert folder.exit_code == single.exit_code == torch_file.exit_code == 0
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "one.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "m.pt").stat().st_mode) == 0o644
+    for inner in (tmp_path / "out").iterdir():
+        assert stat.S_IMODE(inner.stat().st_mode) == 0o644
+
+
+#: runs `ckpt convert --force` in a real process that dies (os._exit, as SIGKILL would) at
+#: rename number KILL_AT + 1 of the publish step, or (KILL_AT=rmtree) just before the old copy
+#: is removed
+KILLED_PUBLISH = textwrap.dedent(
+    """
+    import os, shutil, sys
+
+    calls = [0]
+    real_rename, real_rmtree = os.rename, shutil.rmtree
+    kill_at = os.environ["KILL_AT"]
+
+    def rename(a, b, *args, **kwargs):
+        calls[0] += 1
+        if kill_at != "rmtree" and calls[0] > int(kill_at):
+            os._exit(137)
+        return real_rename(a, b, *args, **kwargs)
+
+    def rmtree(path, *args, **kwargs):
+        if kill_at == "rmtree" and ".ckpt-old-" in str(path):
+            os._exit(137)
+        return real_rmtree(path, *args, **kwargs)
+
+    import ckpt_cli.output as output
+    output.os.rename = rename
+    output.shutil.rmtree = rmtree
+    from ckpt_cli.__main__ import entry
+    sys.argv = ["ckpt", *sys.argv[1:]]
+    entry()
+    """
+)
+
+
+def _killed_force_convert(src: Path, dest: Path, kill_at: str, exchange: bool) -> int:
+    env = dict(os.environ, PYTHONPATH=str(REPO), KILL_AT=str(kill_at))
+    if not exchange:
+        env["CKPT_NO_RENAME_EXCHANGE"] = "1"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            KILLED_PUBLISH,
+            "convert",
+            str(src),
+            str(dest),
+            "--to",
+            "safetensors",
+            "--force",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc.returncode
+
+
+def test_force_swaps_atomically_and_a_killed_replace_leaves_a_complete_dest(
+    tmp_path: Path,
+) -> None:
+    old_src, new_src = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    save_file(weights(1), old_src)
+    save_file(weights(2), new_src)
+    dest = tmp_path / "dest"
+    assert run_ckpt("convert", old_src, dest, "--to", "safetensors").exit_code == 0
+    # killed right after the swap (renameat2 RENAME_EXCHANGE: one atomic step), before the
+    # old copy is removed: DEST is the complete new output
+    assert _killed_force_convert(new_src, dest, kill_at="rmtree", exchange=True) == 137
+    got = read_safetensors(next(dest.glob("*.safetensors")))
+    assert all(torch.equal(got[k], v) for k, v in weights(2).items())
+    # the old copy waits whole under a name of its own (not `.ckpt-tmp-`: prune's debris)
+    assert not list(tmp_path.glob(".dest.ckpt-tmp-*"))
+    (old,) = tmp_path.glob(".dest.ckpt-old-*")
+    kept = read_safetensors(next(old.glob("*.safetensors")))
+    assert all(torch.equal(kept[k], v) for k, v in weights(1).items())
+    # killed at any rename of the publish: DEST is always a complete checkpoint
+    for kill_at in ("0", "1", "2"):
+        _killed_force_convert(old_src, dest, kill_at=kill_at, exchange=True)
+        assert read_safetensors(next(dest.glob("*.safetensors")))
+
+
+def test_a_replace_killed_between_two_renames_says_where_the_old_copy_is(
+    tmp_path: Path,
+) -> None:
+    old_src, new_src = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    save_file(weights(1), old_src)
+    save_file(weights(2), new_src)
+    dest = tmp_path / "dest"
+    assert run_ckpt("convert", old_src, dest, "--to", "safetensors").exit_code == 0
+    # the fallback (no renameat2): killed after moving the old DEST aside
+    assert _killed_force_convert(new_src, dest, kill_at="3", exchange=False) == 137
+    assert not dest.exists()
+    old = list(tmp_path.glob(".dest.ckpt-old-*"))
+    assert len(old) == 1
+    result = run_ckpt("inspect", dest, "--json")
+    assert result.exit_code == 3
+    message = result.json["error"]["message"]
+    assert str(old[0]) in message and "mv " in message
+    # the old copy is whole: moving it back recovers the checkpoint
+    old[0].rename(dest)
+    got = read_safetensors(next(dest.glob("*.safetensors")))
+    assert all(torch.equal(got[k], v) for k, v in weights(1).items())
+    # prune --incomplete does not call it debris
+    assert TMP_NOT_IN(old[0].name)
+
+
+def TMP_NOT_IN(name: str) -> bool:
+    from ckpt_cli.output import TMP_MARKER
+
+    return TMP_MARKER not in name
+
+
+# -- item 9: FIFOs and other non-regular files never block -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [".metadata", "model.safetensors.index.json", "model.safetensors", "model.pt", "config.json"],
+)
+def test_a_fifo_in_a_checkpoint_never_hangs(tmp_path: Path, name: str) -> None:
+    folder = tmp_path / "c"
+    folder.mkdir()
+    if name == "config.json":  # beside real weights: a Trainer-like folder
+        save_file(weights(1), folder / "model.safetensors")
+    os.mkfifo(folder / name)
+    for command in (["inspect"], ["verify"], ["verify", "--checksums"]):
+        result = run_ckpt_process(*command, folder, "--json", timeout=60)
+        assert result.exit_code in (0, 1, 3, 4), result.stderr
+        assert "internal error" not in result.stdout + result.stderr
+
+
+def test_a_fifo_in_a_run_folder_never_hangs(tmp_path: Path) -> None:
+    run = tmp_path / "out"
+    trainer_checkpoint(run / "checkpoint-100", 100)
+    trainer_checkpoint(run / "checkpoint-200", 200)
+    (run / "checkpoint-200" / "trainer_state.json").unlink()
+    os.mkfifo(run / "checkpoint-200" / "trainer_state.json")
+    for command in (["latest", run], ["inspect", run], ["prune", run, "--keep-last", "1"]):
+        result = run_ckpt_process(*command, "--json", timeout=60)
+        assert "internal error" not in result.stdout + result.stderr, result.stderr
+    latest = run_ckpt_process("latest", run, "--json", timeout=60)
+    assert latest.exit_code == 0
+    assert "checkpoint-100" in json.dumps(latest.json["result"]["latest"])
+
+
+# -- item 11: deeply nested JSON -------------------------------------------------------------
+
+
+def test_json_nested_100000_deep_exits_4_naming_the_file(tmp_path: Path) -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    # a safetensors header
+    header = f'{{"__metadata__": {{"x": "y"}}, "t": {deep}}}'.encode()
+    bad = tmp_path / "deep.safetensors"
+    bad.write_bytes(len(header).to_bytes(8, "little") + header)
+    # an index
+    idx = tmp_path / "idx"
+    idx.mkdir()
+    save_file(weights(1), idx / "model-00001-of-00001.safetensors")
+    (idx / "model.safetensors.index.json").write_text(f'{{"weight_map": {deep}}}')
+    # a Trainer JSON component
+    trainer = tmp_path / "checkpoint-5"
+    trainer_checkpoint(trainer, 5)
+    (trainer / "trainer_state.json").write_text(f'{{"log_history": {deep}}}')
+    for target, named in ((bad, bad), (idx, idx / "model.safetensors.index.json")):
+        result = run_ckpt_process("inspect", target, "--json", timeout=60)
+        assert result.exit_code == 4, result.stdout + result.stderr
+        assert str(named) in result.json["error"]["message"]
+    result = run_ckpt_process("verify", trainer, "--json", timeout=60)
+    assert result.exit_code in (1, 4), result.stdout + result.stderr
+    assert "trainer_state.json" in result.stdout
+    assert "internal" not in result.stdout
