@@ -45,6 +45,7 @@ The library never prints; `ops.prune` and `commands/latest.py` build on this mod
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -691,9 +692,15 @@ def _expected_parts(found: list[_Found]) -> dict[int, set[str]]:
         if len(folders) < 3:
             continue
         names = {id(f): _part_names(f.paths[0]) for f in folders}
+        # the names every *other* folder has, for all folders in one pass (not N² set
+        # intersections): those in all N folders, plus those missing from this one alone
+        counts: collections.Counter[str] = collections.Counter()
+        for parts in names.values():
+            counts.update(parts)
+        everywhere = {n for n, c in counts.items() if c == len(folders)}
+        all_but_one = {n for n, c in counts.items() if c == len(folders) - 1}
         for f in folders:
-            others = [names[id(o)] for o in folders if o is not f]
-            out[id(f)] = set.intersection(*others)
+            out[id(f)] = everywhere | (all_but_one - names[id(f)])
     return out
 
 

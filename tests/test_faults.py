@@ -6,12 +6,14 @@ then judges the outcome with the real reader (`safe_open`, `torch.load(weights_o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .conftest import REPO, run_ckpt, run_ckpt_process
+from .conftest import REPO, CkptResult, run_ckpt, run_ckpt_process
 from .run_fixtures import trainer_checkpoint, weights
 
 
@@ -301,3 +303,104 @@ def test_json_nested_100000_deep_exits_4_naming_the_file(tmp_path: Path) -> None
     assert result.exit_code in (1, 4), result.stdout + result.stderr
     assert "trainer_state.json" in result.stdout
     assert "internal" not in result.stdout
+
+
+# -- item 8: budgets for the restricted reader's output --------------------------------------
+
+
+def _billion_laughs(path: Path) -> None:
+    """2 KB on disk, 2^40 paths: each of 40 nested dicts holds the next one twice."""
+    node: dict[str, object] = {"w": torch.zeros(2)}
+    for _ in range(40):
+        node = {"a": node, "b": node}
+    torch.save({"model": node}, path)
+
+
+def test_a_billion_laughs_torch_file_exits_4_quickly_in_bounded_memory(tmp_path: Path) -> None:
+    bomb = tmp_path / "optimizer.pt"
+    _billion_laughs(bomb)
+    assert bomb.stat().st_size < 4096
+    runs = [
+        ("inspect", bomb),
+        ("verify", bomb),
+        ("convert", bomb, tmp_path / "out", "--to", "safetensors"),
+    ]
+    for args in runs:
+        # generous bounds (0.1.0: past 60 s and 1.6 GB RSS, still rising)
+        result = _bounded(*args, "--json")
+        assert result.exit_code in (1, 4), result.stdout
+        assert str(bomb) in result.stdout and "billion laughs" in result.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_shared_sub_objects_are_flattened_once(tmp_path: Path) -> None:
+    # modest sharing (a real file may reference one dict twice): read fine, nothing doubled
+    shared = {"lr": 0.1, "betas": [0.9, 0.99]}
+    torch.save({"w": torch.ones(3), "g1": shared, "g2": shared}, tmp_path / "s.pt")
+    result = run_ckpt("inspect", tmp_path / "s.pt", "--json")
+    assert result.exit_code == 0
+    assert result.json["result"]["tensors"] == 1
+    out = tmp_path / "s2.pt"
+    assert run_ckpt("convert", tmp_path / "s.pt", out, "--to", "torch").exit_code == 0
+    back = torch.load(out, weights_only=True)
+    assert back["g1"] == back["g2"] == shared
+    assert run_ckpt("diff", tmp_path / "s.pt", out).exit_code == 0
+
+
+def _bounded(*args: str | os.PathLike[str]) -> CkptResult:
+    """Run `ckpt ARGS` as a real process; fail past 120 s of wall time or 1.2 GB of RSS."""
+    import tempfile
+
+    import psutil
+
+    started = time.monotonic()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # output to files, not pipes: a large report must not block on a full pipe
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = psutil.Popen(
+            [sys.executable, "-m", "ckpt_cli", *[str(a) for a in args]],
+            env=env,
+            stdout=out,
+            stderr=err,
+        )
+        peak = 0
+        try:
+            while proc.poll() is None:
+                peak = max(peak, proc.memory_info().rss)
+                assert peak < 1_200_000_000, f"RSS {peak} past 1.2 GB"
+                with contextlib.suppress(psutil.TimeoutExpired):
+                    proc.wait(timeout=0.2)
+                assert time.monotonic() - started < 120, "past 120 s"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return CkptResult(proc.returncode, out.read(), err.read())
+
+
+# -- item 10: run-folder and shard discovery is linear ---------------------------------------
+
+
+def test_a_folder_of_10000_numbered_files_is_inspected_in_bounded_time(tmp_path: Path) -> None:
+    # 0.1.0 listed the whole folder once per file (3,000 files: 300 s; 10,000: hours)
+    run = tmp_path / "files"
+    run.mkdir()
+    for i in range(10_000):
+        (run / f"step-{i}.safetensors").touch()
+    result = _bounded("inspect", run, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert len(result.json["result"]["run"]["checkpoints"]) == 10_000
+
+
+def test_a_run_of_1000_accelerate_like_folders_is_judged_in_bounded_time(tmp_path: Path) -> None:
+    # unmarked layouts are judged against the other saves: once each, not N² intersections
+    run = tmp_path / "folders"
+    for i in range(1_000):
+        (run / f"checkpoint_{i}").mkdir(parents=True)
+        (run / f"checkpoint_{i}" / "model.safetensors").touch()
+        if i % 2:
+            (run / f"checkpoint_{i}" / "optimizer.bin").touch()
+    result = _bounded("latest", run, "--json")
+    assert result.exit_code in (0, 3), result.stderr

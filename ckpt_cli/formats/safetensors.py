@@ -392,7 +392,9 @@ class SafetensorsFormat(Format):
                 weight_map, index_meta = read_index(storage, index_rel)
             except CkptError as error:
                 findings.problems.append(problem_from_error(error, code="bad_index"))
-        listing = storage.list_files() if source.target is not None else source.files
+        # a single shard needs no listing of its folder (a run folder of 10,000 files would
+        # list it once per file); an index given as the target needs its siblings
+        listing = storage.list_files() if index_rel is not None else source.files
         top_shards = [n for n in listing if "/" not in n and n.endswith(".safetensors")]
         strays: list[str] = []
         if weight_map is not None:

@@ -322,18 +322,94 @@ def _container_kind(obj: Any) -> str | None:
     return None
 
 
-def flatten(obj: Any) -> Iterator[tuple[tuple[KeyStep, ...], Any]]:
-    """Every leaf of a loaded object with its key path, in the saved order."""
+#: budgets of the flattening of one loaded file (a hostile pickle can describe a huge graph
+#: in a few bytes): leaves, containers walked, nesting depth
+MAX_LEAVES = 1_000_000
+MAX_VISITED = 10_000_000
+MAX_DEPTH = 1_000
+
+
+def flatten(obj: Any, where: str | None = None) -> Iterator[tuple[tuple[KeyStep, ...], Any]]:
+    """Every leaf of a loaded object with its key path, in the saved order.
+
+    A shared sub-object (pickle's memo lets 2 KB describe a "billion laughs" graph of 2^40
+    paths) is measured first, each container once (`_expanded_leaves`): a graph naming more
+    than `MAX_LEAVES` entries is refused before any is built. Depth and containers walked
+    have budgets too; past one, FormatError naming `where`. Modest sharing (one dict
+    referenced twice) flattens as before: one entry per path.
+    """
+    expanded = _expanded_leaves(obj, where)
+    if expanded > MAX_LEAVES:
+        raise _over_budget(
+            where,
+            f"a graph of shared sub-objects that names more than {MAX_LEAVES:,} entries "
+            "(a 'billion laughs' structure)",
+        )
+    leaves = visited = 0
     stack: list[tuple[tuple[KeyStep, ...], Any]] = [((), obj)]
     while stack:
         path, node = stack.pop()
         kind = _container_kind(node)
         if kind is None:
+            leaves += 1
+            if leaves > MAX_LEAVES:
+                raise _over_budget(where, f"more than {MAX_LEAVES:,} entries")
             yield path, node
             continue
+        visited += 1
+        if visited > MAX_VISITED:
+            raise _over_budget(where, f"more than {MAX_VISITED:,} nested containers")
+        if len(path) >= MAX_DEPTH:
+            raise _over_budget(where, f"containers nested more than {MAX_DEPTH} deep")
         items = node.items() if isinstance(node, dict) else enumerate(node)
         children = [((*path, (kind, key)), value) for key, value in items]
         stack.extend(reversed(children))
+
+
+def _expanded_leaves(obj: Any, where: str | None) -> int:
+    """How many leaves `obj` names if every shared sub-object counted once per path to it.
+
+    Counted over the graph (each container once, bottom-up, no recursion), so a 2 KB file whose
+    40 nested dicts each hold the next one twice is measured in microseconds as 2^40. The
+    count stops growing past `MAX_LEAVES` (the caller refuses), and a cycle counts as a leaf.
+    """
+    counts: dict[int, int] = {}
+    active: set[int] = set()
+    visited = 0
+    stack: list[tuple[Any, bool, int]] = [(obj, False, 0)]
+    while stack:
+        node, ready, depth = stack.pop()
+        key = id(node)
+        if key in counts:
+            continue
+        kind = _container_kind(node)
+        if kind is None:
+            continue
+        children = list(node.values() if isinstance(node, dict) else node)
+        if not ready:
+            if key in active:
+                continue
+            visited += 1
+            if visited > MAX_VISITED:
+                raise _over_budget(where, f"more than {MAX_VISITED:,} nested containers")
+            if depth >= MAX_DEPTH:
+                raise _over_budget(where, f"containers nested more than {MAX_DEPTH} deep")
+            active.add(key)
+            stack.append((node, True, depth))
+            stack.extend((c, False, depth + 1) for c in children if id(c) not in counts)
+            continue
+        active.discard(key)
+        total = sum(counts.get(id(c), 1) for c in children)
+        counts[key] = min(total, MAX_LEAVES + 1)
+    return counts.get(id(obj), 1)
+
+
+def _over_budget(where: str | None, what: str) -> FormatError:
+    return FormatError(
+        f"holds {what}; ckpt refuses it (a hostile or corrupt file)",
+        path=where,
+        fix="Re-save the checkpoint as a flat state dict of tensors.",
+    )
 
 
 def _jsonable_value(obj: Any) -> tuple[bool, Any]:
@@ -376,14 +452,19 @@ def _type_name(obj: Any) -> str:
     return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
-def build_entries(obj: Any, file: str) -> tuple[list[TorchEntry], dict[str, Any], list[list[str]]]:
-    """Entries for a loaded object: (entries, name -> leaf, groups of tensors sharing memory)."""
+def build_entries(
+    obj: Any, file: str, where: str | None = None
+) -> tuple[list[TorchEntry], dict[str, Any], list[list[str]]]:
+    """Entries for a loaded object: (entries, name -> leaf, groups of tensors sharing memory).
+
+    `where` names the file in errors (a flattening budget exceeded); `file` by default.
+    """
     from ..tensors import dtype_name
 
     entries: list[TorchEntry] = []
     leaves: dict[str, Any] = {}
     views: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
-    for path, leaf in flatten(obj):
+    for path, leaf in flatten(obj, where or file):
         name = dotted(path) if path else "tensor" if _is_tensor(leaf) else "object"
         base, n = name, 1
         while name in leaves:  # {"a.b": x, "a": {"b": y}} flatten to the same name
@@ -542,7 +623,11 @@ class TorchFormat(Format):
             except FormatError as error:
                 problems.append(Problem(code=error.code, message=error.message, file=error.path))
                 continue
-            entries, _, _ = build_entries(obj, shard)
+            try:
+                entries, _, _ = build_entries(obj, shard, storage.describe(shard))
+            except FormatError as error:
+                problems.append(Problem(code=error.code, message=error.message, file=error.path))
+                continue
             for entry in entries:
                 total += entry.nbytes if entry.kind == "tensor" else 0
                 if entry.name in found:
@@ -647,7 +732,9 @@ class TorchCheckpoint(Checkpoint):
             if is_legacy:
                 legacy.append(shard)
             objects[shard] = obj
-            shard_entries, shard_leaves, shard_shared = build_entries(obj, shard)
+            shard_entries, shard_leaves, shard_shared = build_entries(
+                obj, shard, storage.describe(shard)
+            )
             for entry in shard_entries:
                 if entry.name in leaves:
                     raise FormatError(
@@ -719,7 +806,7 @@ class TorchCheckpoint(Checkpoint):
         if self._loaded is None or self._loaded[0] != file:
             self._loaded = None  # drop the previous file before fetching the next
             obj, _ = load_torch_file(self.storage, file, meta=False)
-            _, leaves, _ = build_entries(obj, file)
+            _, leaves, _ = build_entries(obj, file, self.storage.describe(file))
             self._loaded = (file, leaves)
         return self._loaded[1][name]
 
@@ -815,15 +902,27 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _plain(value: Any) -> Any:
-    """`value` with inert records (DeepSpeed loss scalers...) replaced by plain dicts."""
+def _plain(value: Any, memo: dict[int, Any] | None = None) -> Any:
+    """`value` with inert records (DeepSpeed loss scalers...) replaced by plain dicts.
+
+    A shared sub-object is converted once and stays shared (`memo`, by id): a "billion
+    laughs" graph costs its size in memory, not its 2^N paths.
+    """
     if isinstance(value, InertObject):
         return value.as_plain()
-    if type(value) in (dict, OrderedDict):
-        return type(value)((k, _plain(v)) for k, v in value.items())
-    if type(value) in (list, tuple):
-        return type(value)(_plain(v) for v in value)
-    return value
+    kind = type(value)
+    if kind not in (dict, OrderedDict, list, tuple):
+        return value
+    memo = {} if memo is None else memo
+    done = memo.get(id(value))
+    if done is not None:
+        return done
+    if kind in (dict, OrderedDict):
+        out: Any = kind((k, _plain(v, memo)) for k, v in value.items())
+    else:
+        out = kind(_plain(v, memo) for v in value)
+    memo[id(value)] = out
+    return out
 
 
 class TorchWriter(Writer):
