@@ -205,6 +205,10 @@ class LocalStorage(Storage):
         fd = open_regular(path)
         try:
             return _pread_exact(fd, offset, length, str(path))
+        except OSError as exc:  # EIO on a failing disk: exit 74 naming the file
+            from .faults import io_failure
+
+            raise io_failure(exc, path, f"reading {length} bytes at offset {offset}") from None
         finally:
             os.close(fd)
 

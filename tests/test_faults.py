@@ -7,6 +7,7 @@ then judges the outcome with the real reader (`safe_open`, `torch.load(weights_o
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -404,3 +406,93 @@ def test_a_run_of_1000_accelerate_like_folders_is_judged_in_bounded_time(tmp_pat
             (run / f"checkpoint_{i}" / "optimizer.bin").touch()
     result = _bounded("latest", run, "--json")
     assert result.exit_code in (0, 3), result.stderr
+
+
+# -- item 12: OS errors are expected failures (exit 74), staging cleaned ---------------------
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs (needs root / CAP_SYS_ADMIN: skipped with the reason otherwise)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("to", ["torch", "safetensors", "dcp"])
+def test_a_full_disk_exits_74_naming_dest_and_errno_and_removes_staging(
+    tmp_path: Path, tiny_fs: Path, to: str
+) -> None:
+    src = tmp_path / "big.safetensors"
+    save_file({"w": torch.randn(1024, 1024), "b": torch.randn(1024)}, src)  # 4 MiB
+    dest = tiny_fs / f"out-{to}"
+    result = run_ckpt_process("convert", src, dest, "--to", to, "--json")
+    assert result.exit_code == 74, result.stdout + result.stderr
+    error = result.json["error"]
+    assert error["code"] == "io_error" and "ENOSPC" in error["message"]
+    assert str(dest) in error["message"]
+    assert list(tiny_fs.iterdir()) == []  # no staging left behind
+
+
+def test_a_full_disk_under_reshard_exits_74(tmp_path: Path, tiny_fs: Path) -> None:
+    src = tmp_path / "s"
+    src.mkdir()
+    save_file({f"w{i}": torch.randn(256, 1024) for i in range(4)}, src / "model.safetensors")
+    result = run_ckpt_process("reshard", src, tiny_fs / "rs", "--max-shard-size", "1MB", "--json")
+    assert result.exit_code == 74, result.stdout + result.stderr
+    assert list(tiny_fs.iterdir()) == []
+
+
+def test_a_read_only_filesystem_exits_74(tmp_path: Path, tiny_fs: Path) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
+    result = run_ckpt_process("convert", src, tiny_fs / "out", "--to", "torch", "--json")
+    assert result.exit_code == 74, result.stdout + result.stderr
+    assert "EROFS" in result.json["error"]["message"]
+
+
+def test_eio_on_read_exits_74_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+
+    def failing_pread(fd: int, n: int, offset: int) -> bytes:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))  # a bad sector under the header
+
+    monkeypatch.setattr(os, "pread", failing_pread)
+    result = run_ckpt("inspect", src, "--json")
+    assert result.exit_code == 74, result.stdout
+    assert "EIO" in result.json["error"]["message"] and str(src) in result.json["error"]["message"]
+
+
+@pytest.mark.parametrize("code", [errno.EXDEV, errno.EACCES])
+def test_a_failed_rename_on_publish_exits_74_and_removes_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def failing_rename(a: str, b: str) -> None:
+        raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+    import ckpt_cli.output
+
+    monkeypatch.setattr(ckpt_cli.output.os, "rename", failing_rename)
+    result = run_ckpt("convert", src, out / "dest", "--to", "torch", "--json")
+    assert result.exit_code == 74, result.stdout
+    assert errno.errorcode[code] in result.json["error"]["message"]
+    assert list(out.iterdir()) == []

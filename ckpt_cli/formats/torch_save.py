@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from ..errors import FormatError, NotFoundError, UnsafeInputError
 from ..models import Entry, FileInfo, Manifest, Problem
@@ -925,6 +925,25 @@ def _plain(value: Any, memo: dict[int, Any] | None = None) -> Any:
     return out
 
 
+class _RecordingWriter:
+    """A binary file for `torch.save` that remembers the first exception its `write` raised."""
+
+    def __init__(self, fh: IO[bytes]):
+        self._fh = fh
+        self.error: BaseException | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self._fh.write(data)
+        except BaseException as exc:  # KeyboardInterrupt too: a signal lands in Python code
+            if self.error is None:
+                self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+
 class TorchWriter(Writer):
     """torch.save, single file or Hugging Face shards; at most one shard in memory.
 
@@ -972,7 +991,15 @@ class TorchWriter(Writer):
 
         path = self.staging / fname
         with open(path, "wb") as fh:
-            torch.save(obj, fh)
+            out = _RecordingWriter(fh)
+            try:
+                torch.save(obj, out)  # type: ignore[arg-type]
+            except Exception:
+                # torch's C++ zip writer turns what our write() raised (ENOSPC, EIO, Ctrl-C)
+                # into "unexpected pos": raise the real error instead
+                if out.error is not None:
+                    raise out.error from None
+                raise
             fh.flush()
             os.fsync(fh.fileno())
         self._written.append(FileInfo(path=fname, size=path.stat().st_size, entries=entries))
