@@ -10,6 +10,7 @@ import contextlib
 import errno
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -496,3 +497,110 @@ def test_a_failed_rename_on_publish_exits_74_and_removes_staging(
     assert result.exit_code == 74, result.stdout
     assert errno.errorcode[code] in result.json["error"]["message"]
     assert list(out.iterdir()) == []
+
+
+# -- item 13: SIGTERM and SIGHUP are handled like Ctrl-C -------------------------------------
+
+
+def _ckpt_popen(*args: str | os.PathLike[str], delay: float = 0.0) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if delay:
+        env["CKPT_TEST_COPY_DELAY"] = str(delay)  # seconds per entry: the signal lands mid-copy
+    return subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", *[str(a) for a in args]],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_staging(parent: Path, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 120
+    while not list(parent.glob(".*.ckpt-tmp-*")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no staging folder appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)]
+)
+@pytest.mark.parametrize("command", ["convert", "reshard"])
+def test_a_signal_mid_write_cleans_up_and_exits_with_its_code(
+    tmp_path: Path, signum: int, code: int, command: str
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({f"w{i}": torch.randn(64, 64) for i in range(20)}, src / "model.safetensors")
+    dest = tmp_path / "out" / "dest"
+    dest.parent.mkdir()
+    args = (
+        ["convert", src, dest, "--to", "torch"]
+        if command == "convert"
+        else ["reshard", src, dest, "--max-shard-size", "40KB"]
+    )
+    proc = _ckpt_popen(*args, delay=0.3)
+    _wait_for_staging(dest.parent, proc)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr and "partial output was removed" in " ".join(stderr.split())
+    assert list(dest.parent.iterdir()) == []  # no DEST, no staging
+
+
+def test_ctrl_c_in_the_first_second_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    # from 0.4 s on the interpreter itself is up (before that, Python prints its own error)
+    for wait in (0.4, 0.7, 1.0):
+        proc = _ckpt_popen("inspect", src)
+        time.sleep(wait)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+        if proc.returncode == 0:
+            continue  # finished before the signal arrived
+        assert proc.returncode == 130, stderr
+        assert "Traceback" not in stderr, stderr
+
+
+def test_ctrl_c_while_torch_save_writes_exits_130_cleanly(tmp_path: Path) -> None:
+    src = tmp_path / "big.safetensors"
+    save_file({"w": torch.randn(2048, 2048)}, src)  # 16 MiB: torch.save takes a while
+    dest = tmp_path / "out" / "big.pt"
+    dest.parent.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # slow each write of torch.save's zip writer so the signal lands inside torch.save
+    script = textwrap.dedent(
+        """
+        import sys, time
+        import ckpt_cli.formats.torch_save as ts
+
+        real = ts._RecordingWriter.write
+        def slow(self, data):
+            time.sleep(0.01)
+            return real(self, data)
+        ts._RecordingWriter.write = slow
+        from ckpt_cli.__main__ import entry
+        sys.argv = ["ckpt", *sys.argv[1:]]
+        entry()
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "convert", str(src), str(dest), "--to", "torch"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not any(p.is_file() for p in dest.parent.glob(".*.ckpt-tmp-*/*")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "internal error" not in stderr and "Traceback" not in stderr
+    assert list(dest.parent.iterdir()) == []
