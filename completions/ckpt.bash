@@ -12,7 +12,7 @@ _ckpt() {
     reshard) opts="--world-size -n --max-shard-size --shard-dim --plan --drop-rank-state --keep-rank-state --dcp-serialization --format -f --force --json --help -h" ;;
     prune) opts="--keep-last --keep-every --keep-best --mode --keep --incomplete --yes -y --watch --max-iterations --settle --json --help -h" ;;
     latest) opts="--settle --json --help -h" ;;
-    download) opts="--tensors -t --exclude -x --mode -m --no-extras --cache-only --dry-run -n --force --json --help -h" ;;
+    download) opts="--tensors -t --exclude -x --mode -m --no-extras --cache-only --dry-run -n --verify-ranges --force --json --help -h" ;;
     diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --json --help -h" ;;
   esac
   if [[ "$cur" == -* ]]; then
