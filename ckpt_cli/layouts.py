@@ -57,12 +57,15 @@ class OpenedSource:
         training: the training state, when the layout holds one.
         problems: components that were found but could not be read (unsafe or corrupt files).
         parts: for a multi-file folder, component -> (its main file, its format token).
+        unreadable: components found but not readable: component -> (where, the problem);
+            a command that writes the checkpoint must not drop them silently.
     """
 
     checkpoint: Checkpoint
     training: TrainingState | None = None
     problems: list[Problem] = field(default_factory=list)
     parts: dict[str, tuple[str, str]] = field(default_factory=dict)
+    unreadable: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -220,6 +223,8 @@ class _Folder:
         self.components: dict[str, Checkpoint] = {}
         self.unreadable: dict[str, str] = {}
         self.problems: list[Problem] = []
+        #: component -> (file, problem) of the components that could not be read
+        self.unreadable_parts: dict[str, tuple[str, str]] = {}
         self.used: set[str] = set()
         self.parts: dict[str, tuple[str, str]] = {}
         self.subfolders: dict[str, str] = {}
@@ -251,6 +256,10 @@ class _Folder:
                 checkpoint = get_format(fmt).open(sub)
         except CkptError as error:
             self._unreadable(rel, rel, error)
+            self.unreadable_parts[comp] = (
+                error.path or self.source.storage.describe(rel),
+                error.problem,
+            )
             return None
         self.used.update(f.path for f in checkpoint.manifest.files)
         self.components[comp] = checkpoint
@@ -279,6 +288,10 @@ class _Folder:
             checkpoint = get_format(fmt).open(part)
         except CkptError as error:
             self._unreadable(f"{rel}/", rel, error)
+            self.unreadable_parts[comp] = (
+                error.path or self.source.storage.describe(rel),
+                error.problem,
+            )
             return None
         self.used.update(n for n in self.source.files if n.startswith(f"{rel}/"))
         self.components[comp] = checkpoint
@@ -552,6 +565,7 @@ def _finish(
         training=state,
         problems=list(folder.problems),
         parts=dict(folder.parts),
+        unreadable=dict(folder.unreadable_parts),
     )
 
 

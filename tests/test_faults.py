@@ -604,3 +604,42 @@ def test_ctrl_c_while_torch_save_writes_exits_130_cleanly(tmp_path: Path) -> Non
     assert proc.returncode == 130, stderr
     assert "internal error" not in stderr and "Traceback" not in stderr
     assert list(dest.parent.iterdir()) == []
+
+
+# -- item 3: convert never drops an unreadable component silently ----------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncated", "hostile"])
+def test_convert_fails_on_an_unreadable_component_unless_excluded(
+    tmp_path: Path, damage: str
+) -> None:
+    src = tmp_path / "checkpoint-5"
+    trainer_checkpoint(src, 5)
+    optimizer = src / "optimizer.pt"
+    if damage == "truncated":
+        optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    else:
+        import pickle
+
+        class Evil:
+            def __reduce__(self) -> tuple[object, tuple[str]]:
+                return (os.system, ("echo pwned",))
+
+        optimizer.write_bytes(pickle.dumps({"state": Evil()}))
+    for to in ("safetensors", "torch"):
+        dest = tmp_path / f"out-{to}"
+        result = run_ckpt("convert", src, dest, "--to", to, "--json")
+        assert result.exit_code == 4, result.stdout
+        message = result.json["error"]["message"]
+        assert "optimizer" in message and str(optimizer) in message and "--exclude" in message
+        assert not dest.exists()
+        # left out explicitly: converted, and `skipped` says what and why
+        kept = run_ckpt("convert", src, dest, "--to", to, "--exclude", "optimizer*", "--json")
+        assert kept.exit_code == 0, kept.stdout
+        skipped = [s for s in kept.json["result"]["skipped"] if s["kind"] == "component"]
+        assert [s["name"] for s in skipped] == ["optimizer"]
+        assert "unreadable" in skipped[0]["reason"] and "--exclude" in skipped[0]["reason"]
+    # the real reader: the weights are there, no optimizer entry
+    files = [p for p in (tmp_path / "out-torch").rglob("*") if p.suffix in (".pt", ".bin")]
+    loaded = {k: v for f in files for k, v in torch.load(f, weights_only=True).items()}
+    assert loaded and not any(k.startswith("optimizer") for k in loaded)
