@@ -643,3 +643,17 @@ def test_convert_fails_on_an_unreadable_component_unless_excluded(
     files = [p for p in (tmp_path / "out-torch").rglob("*") if p.suffix in (".pt", ".bin")]
     loaded = {k: v for f in files for k, v in torch.load(f, weights_only=True).items()}
     assert loaded and not any(k.startswith("optimizer") for k in loaded)
+
+
+def test_a_4_tib_stride_0_tensor_in_a_tiny_file_is_refused(tmp_path: Path) -> None:
+    bomb = tmp_path / "stride0.pt"
+    torch.save({"big": torch.zeros(1).expand(2**40)}, bomb)  # 4 TiB named, 4 bytes stored
+    assert bomb.stat().st_size < 4096
+    verify = _bounded("verify", bomb, "--json")
+    assert verify.exit_code == 1, verify.stdout  # 0.1.0 called it OK
+    assert "stride [0]" in verify.stdout
+    for args in (("inspect", bomb), ("convert", bomb, tmp_path / "out", "--to", "safetensors")):
+        result = _bounded(*args, "--json")
+        assert result.exit_code == 4, result.stdout
+        assert str(bomb) in result.json["error"]["message"]
+    assert not (tmp_path / "out").exists()

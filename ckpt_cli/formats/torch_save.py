@@ -404,6 +404,28 @@ def _expanded_leaves(obj: Any, where: str | None) -> int:
     return counts.get(id(obj), 1)
 
 
+#: a tensor may name at most this many times the bytes its storage holds (stride-0 views)...
+MAX_EXPANSION = 64
+#: ... once it is larger than this: small broadcast buffers stay readable
+EXPANSION_FLOOR = 1 << 30
+
+
+def _refuse_expanded(tensor: Any, name: str, nbytes: int, where: str | None) -> None:
+    """Refuse a tensor whose logical size dwarfs its stored bytes (a stride-0 4 TiB view kept in
+    a 1 KB file): every reader or writer that materialises it would exhaust memory or disk."""
+    if nbytes <= EXPANSION_FLOOR or tensor.device.type == "meta":
+        return
+    stored = tensor.untyped_storage().nbytes()
+    if nbytes > MAX_EXPANSION * max(stored, 1):
+        raise FormatError(
+            f"tensor {name!r} claims {nbytes:,} bytes (shape {list(tensor.shape)}, stride "
+            f"{list(tensor.stride())}) over {stored:,} bytes of stored data; ckpt refuses "
+            "views that expand their storage this much",
+            path=where,
+            fix="Save the tensor contiguous (`.contiguous()` or `.clone()`) if it is meant.",
+        )
+
+
 def _over_budget(where: str | None, what: str) -> FormatError:
     return FormatError(
         f"holds {what}; ckpt refuses it (a hostile or corrupt file)",
@@ -474,6 +496,7 @@ def build_entries(
             dtype = dtype_name(leaf.dtype)
             shape = list(leaf.shape)
             nbytes = leaf.numel() * leaf.element_size()
+            _refuse_expanded(leaf, name, nbytes, where or file)
             entries.append(
                 TorchEntry.model_construct(
                     name=name,
