@@ -1,6 +1,26 @@
-"""`python -m ckpt_cli` (also what torchrun launches)."""
+"""`python -m ckpt_cli` (also what torchrun launches, and the `ckpt` console script).
 
-from .cli import main
+Ctrl-C, SIGTERM or SIGHUP while the CLI is still importing (the first second) exits with the
+signal's code and no traceback: the handlers are installed before the heavy imports.
+"""
+
+import sys
+
+
+def entry() -> None:
+    """Install the signal handlers, then import and run the CLI."""
+    from . import faults
+
+    faults.install_handlers()
+    try:
+        from .cli import main
+
+        main()
+    except KeyboardInterrupt as exc:  # arrived outside a command (imports, argument parsing)
+        error = faults.interruption(exc)
+        sys.stderr.write(f"ckpt: {error.message}\n")
+        sys.exit(error.exit_code)
+
 
 if __name__ == "__main__":
-    main()
+    entry()

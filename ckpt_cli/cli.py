@@ -26,7 +26,7 @@ import typer
 import typer.core
 import typer.models
 
-from . import __version__
+from . import __version__, faults
 from .errors import CkptError, Interrupted, NotFoundError, ProblemsFound, UsageError
 
 T = TypeVar("T")
@@ -608,14 +608,24 @@ def run_command(
             error.fix += hint[0].upper() + hint[1:]
         _report_failure(command, error, json_output)
     except CkptError as error:
+        if faults.received is not None and not isinstance(error, Interrupted):
+            error = faults.interruption()  # a failure caused by the signal's exception
         _report_failure(command, error, json_output)
-    except KeyboardInterrupt:
-        interrupted = Interrupted("interrupted")
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP (see faults.py)
+        interrupted = faults.interruption(exc)
         render.emit_error(command, interrupted, json_output)
         raise typer.Exit(interrupted.exit_code) from None
     except (typer.Exit, SystemExit):
         raise
+    except OSError as exc:  # disk full, EIO, read-only, EACCES...: not a bug (exit 74)
+        io_error: CkptError = faults.interruption() if faults.received else faults.io_failure(exc)
+        render.emit_error(command, io_error, json_output)
+        raise typer.Exit(io_error.exit_code) from None
     except Exception as exc:  # anything else is a bug: say so, keep the traceback for CKPT_DEBUG
+        if faults.received is not None:  # torch's C++ writer wraps our KeyboardInterrupt
+            interrupted = faults.interruption()
+            render.emit_error(command, interrupted, json_output)
+            raise typer.Exit(interrupted.exit_code) from None
         if os.environ.get("CKPT_DEBUG"):
             raise
         render.emit_internal_error(command, exc, json_output and _leader())
@@ -707,6 +717,7 @@ def main(argv: list[str] | None = None) -> Any:
     """Console entry point (`ckpt`); under torchrun, joins the launch's process group first."""
     from .launch import is_multi_rank_launch
 
+    faults.install_handlers()
     get_app()
     args = argv if argv is not None else sys.argv[1:]
     if not is_multi_rank_launch():

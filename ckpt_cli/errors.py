@@ -104,3 +104,28 @@ class Interrupted(CkptError):
 
     exit_code = 130
     code = "interrupted"
+
+
+class IOFailure(CkptError):
+    """The operating system refused a read or a write (disk full, I/O error, read-only
+    filesystem, permission denied, cross-device rename, a short transfer): exit 74, as
+    sysexits' EX_IOERR. Nothing is wrong with ckpt or (necessarily) with the checkpoint; the
+    partial output was removed.
+    """
+
+    exit_code = 74
+    code = "io_error"
+
+
+class Terminated(Interrupted):
+    """Stopped by SIGTERM; partial outputs were removed (exit 143 = 128 + SIGTERM)."""
+
+    exit_code = 143
+    code = "terminated"
+
+
+class HungUp(Terminated):
+    """Stopped by SIGHUP (the terminal went away); partial outputs were removed (exit 129)."""
+
+    exit_code = 129
+    code = "hangup"

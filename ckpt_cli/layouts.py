@@ -60,6 +60,8 @@ class OpenedSource:
         training: the training state, when the layout holds one.
         problems: components that were found but could not be read (unsafe or corrupt files).
         parts: for a multi-file folder, component -> (its main file, its format token).
+        unreadable: components found but not readable: component -> (where, the problem);
+            a command that writes the checkpoint must not drop them silently.
     """
 
     checkpoint: Checkpoint
@@ -68,6 +70,7 @@ class OpenedSource:
     parts: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: the library layout of a model folder (PEFT adapter, diffusers pipeline...), if any
     layout: LayoutInfo | None = None
+    unreadable: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -287,6 +290,8 @@ class _Folder:
         self.components: dict[str, Checkpoint] = {}
         self.unreadable: dict[str, str] = {}
         self.problems: list[Problem] = []
+        #: component -> (file, problem) of the components that could not be read
+        self.unreadable_parts: dict[str, tuple[str, str]] = {}
         self.used: set[str] = set()
         self.parts: dict[str, tuple[str, str]] = {}
         self.subfolders: dict[str, str] = {}
@@ -318,6 +323,10 @@ class _Folder:
                 checkpoint = get_format(fmt).open(sub)
         except CkptError as error:
             self._unreadable(rel, rel, error)
+            self.unreadable_parts[comp] = (
+                error.path or self.source.storage.describe(rel),
+                error.problem,
+            )
             return None
         self.used.update(f.path for f in checkpoint.manifest.files)
         self.components[comp] = checkpoint
@@ -346,6 +355,10 @@ class _Folder:
             checkpoint = get_format(fmt).open(part)
         except CkptError as error:
             self._unreadable(f"{rel}/", rel, error)
+            self.unreadable_parts[comp] = (
+                error.path or self.source.storage.describe(rel),
+                error.problem,
+            )
             return None
         self.used.update(n for n in self.source.files if n.startswith(f"{rel}/"))
         self.components[comp] = checkpoint
@@ -492,6 +505,10 @@ def _trainer_missing(source: Source, folder: _Folder) -> list[Problem]:
     missing = [n for n in _TRAINER_STATE_FILES if not folder.has(n)]
     if not missing:
         return []
+    from .runs import SLIM_RECORD
+
+    if folder.has(SLIM_RECORD):
+        return []  # `ckpt prune --slim-older-than` removed them on purpose: a weights-only save
     reasons: dict[str, str] = {}
     if folder.has("training_args.bin"):
         only_model = _save_only_model(source, "training_args.bin")
@@ -764,6 +781,7 @@ def _finish(
         training=state,
         problems=list(folder.problems),
         parts=dict(folder.parts),
+        unreadable=dict(folder.unreadable_parts),
     )
 
 

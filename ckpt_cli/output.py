@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import DestinationExistsError, Interrupted, UsageError
+from .errors import DestinationExistsError, IOFailure, UsageError
+from .faults import interruption, io_failure
 from .progress import NULL_PROGRESS, Progress
 from .storage import remote_failure
 from .uri import parse_location
@@ -189,7 +190,12 @@ def staged_output(
         return
     dest = dest.absolute()
     check_destination(dest, force)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
+    except OSError as exc:
+        raise io_failure(exc, dest.parent, "creating the staging folder") from None
+    # mkdtemp makes the folder 0700; a published output gets what a plain mkdir would give
+    _apply_umask(staging, directory=True)
     try:
         yield staging
         if single_file:
@@ -202,15 +208,84 @@ def staged_output(
             source = staging
         _publish(source, dest, force)
         fsync_dir(dest.parent)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP
         shutil.rmtree(staging, ignore_errors=True)
-        raise Interrupted("interrupted; the partial output was removed", path=dest) from None
+        raise interruption(exc, "interrupted; the partial output was removed", dest) from None
+    except OSError as exc:  # disk full, EIO, read-only, EACCES, EXDEV: exit 74, staging gone
+        shutil.rmtree(staging, ignore_errors=True)
+        failure = io_failure(exc, dest, f"writing {dest.name}")
+        raise IOFailure(
+            failure.problem + "; the partial output was removed", path=failure.path, fix=failure.fix
+        ) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     else:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _apply_umask(path: Path, *, directory: bool) -> None:
+    """Give `path` the mode a plain `mkdir` (0777) or `open` (0666) would under the umask."""
+    base = 0o777 if directory else 0o666
+    with suppress(OSError):
+        os.chmod(path, base & ~current_umask())
+
+
+#: the marker of an old DEST moved aside by `--force` (never debris: a whole checkpoint)
+OLD_MARKER = ".ckpt-old-"
+#: renameat2 flag: swap two paths atomically (Linux >= 3.15)
+RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap `a` and `b` in one atomic step with renameat2(RENAME_EXCHANGE).
+
+    Returns False where the platform, libc or filesystem cannot (the caller then falls back
+    to two renames); other OS errors are raised.
+    """
+    import ctypes
+    import errno
+    import sys
+
+    if not sys.platform.startswith("linux") or os.environ.get("CKPT_NO_RENAME_EXCHANGE"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # glibc < 2.28, or a libc without it
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+    renameat2.argtypes.append(ctypes.c_uint)
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def old_copy_name(dest: Path) -> Path:
+    """Where `--force` keeps the old DEST while the new one is published."""
+    return dest.with_name(f".{dest.name}{OLD_MARKER}{os.getpid()}")
+
+
+def leftover_old_copies(dest: Path) -> list[Path]:
+    """Old copies of `dest` left by a `--force` replace that was killed mid-way."""
+    import glob
+
+    try:
+        return sorted(dest.parent.glob(f".{glob.escape(dest.name)}{OLD_MARKER}*"))
+    except OSError:
+        return []
 
 
 def _publish(source: Path, dest: Path, force: bool) -> None:
@@ -221,14 +296,24 @@ def _publish(source: Path, dest: Path, force: bool) -> None:
         raise DestinationExistsError(
             "appeared while writing", path=dest, fix="Pass --force to replace it."
         )
-    # move the old one aside first so there is never a moment without a complete dest
-    old = dest.with_name(f".{dest.name}{TMP_MARKER}old-{os.getpid()}")
-    os.rename(dest, old)
-    try:
-        os.rename(source, dest)
-    except BaseException:
-        os.rename(old, dest)
-        raise
+    old = old_copy_name(dest)
+    # the complete new output takes the `.DEST.ckpt-old-PID` name first, so whatever a kill
+    # leaves under that name is a whole checkpoint, never debris
+    os.rename(source, old)
+    if _exchange(old, dest):
+        # one atomic step: DEST is now the new output and `old` holds the replaced one
+        pass
+    else:
+        os.rename(old, source)
+        # two renames: the old DEST waits under a name that says what it is
+        # (`.DEST.ckpt-old-PID`, never treated as debris); ckpt names it if DEST is missing
+        os.rename(dest, old)
+        try:
+            os.rename(source, dest)
+        except BaseException:
+            os.rename(old, dest)
+            raise
+    fsync_dir(dest.parent)
     if old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)
     else:
@@ -267,9 +352,9 @@ def _staged_remote(
             _publish_remote(dest, files, tmp_prefix, single_file, force)
         except Exception as exc:
             raise remote_failure(exc, dest.url, writing=True) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         _remove_remote(dest, [tmp_prefix])
-        raise Interrupted("interrupted; the partial output was removed", path=dest.url) from None
+        raise interruption(exc, "interrupted; the partial output was removed", dest.url) from None
     except BaseException:
         _remove_remote(dest, [tmp_prefix])
         raise

@@ -45,6 +45,7 @@ The library never prints; `ops.prune` and `commands/latest.py` build on this mod
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -62,7 +63,7 @@ from pydantic import BaseModel, Field
 
 from .errors import CkptError, NotFoundError, UsageError
 from .output import TMP_MARKER
-from .storage import Storage, is_parity_path
+from .storage import Storage, is_parity_path, read_regular
 
 #: files modified within this many seconds mark a checkpoint as possibly still being written
 DEFAULT_SETTLE = 120.0
@@ -408,9 +409,9 @@ def _torch_structure(path: Path) -> str | None:
 
 def _check_torch_index(path: Path) -> str | None:
     try:
-        index = json.loads(path.read_text())
+        index = json.loads(read_regular(path))
         shards = set(index["weight_map"].values())
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CkptError) as exc:
         return f"{path}: unreadable index ({exc})"
     for shard in sorted(shards):
         if not isinstance(shard, str) or not (path.parent / shard).is_file():
@@ -460,9 +461,9 @@ def _components(root: Path) -> list[tuple[str, Path]]:
 
 def _index_shards(index: Path) -> set[str]:
     try:
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = json.loads(read_regular(index)).get("weight_map", {})
         return {v for v in weight_map.values() if isinstance(v, str)}
-    except (ValueError, AttributeError, OSError):
+    except (ValueError, AttributeError, OSError, RecursionError, CkptError):
         return set()
 
 
@@ -577,8 +578,8 @@ def _trainer_state_problem(path: Path) -> str | None:
     if not path.is_file():
         return "no trainer_state.json (the Trainer writes it last)"
     try:
-        json.loads(path.read_bytes())
-    except (ValueError, OSError) as exc:
+        json.loads(read_regular(path))
+    except (ValueError, OSError, RecursionError, CkptError) as exc:
         return f"{path}: not valid JSON, cut short? ({exc})"
     return None
 
@@ -618,8 +619,8 @@ def _trainer_state(
         if not path.is_file():
             continue
         try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError, UnicodeDecodeError):
+            doc = json.loads(read_regular(path))
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError, CkptError):
             continue
         if isinstance(doc, dict):
             states.append((float(doc.get("global_step") or 0), path, doc))
@@ -738,9 +739,17 @@ def _expected_parts(found: list[_Found]) -> dict[int, set[str]]:
         full = [f for f in folders if SLIM_RECORD not in names[id(f)]]
         if len(full) < 3:
             continue
+        # the names every *other* full folder has, for all folders in one pass (not N² set
+        # intersections): those in all of them, plus, for a full folder, those missing from
+        # it alone
+        counts: collections.Counter[str] = collections.Counter()
+        for f in full:
+            counts.update(names[id(f)])
+        everywhere = {n for n, c in counts.items() if c == len(full)}
+        all_but_one = {n for n, c in counts.items() if c == len(full) - 1}
+        in_full = {id(f) for f in full}
         for f in folders:
-            others = [names[id(o)] for o in full if o is not f]
-            out[id(f)] = set.intersection(*others)
+            out[id(f)] = everywhere | (all_but_one - names[id(f)] if id(f) in in_full else set())
     return out
 
 

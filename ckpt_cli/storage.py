@@ -15,6 +15,7 @@ import io
 import os
 import posixpath
 import re
+import stat
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,64 @@ def is_parity_path(rel: str) -> bool:
     """Whether `rel` lies in the parity folder or in one of its staging siblings."""
     top = rel.split("/", 1)[0]
     return top == PARITY_DIR or top.startswith(f".{PARITY_DIR}")
+
+
+#: name parts of ckpt's own staging and bookkeeping (see output.py, ops/download.py): a hidden
+#: `.NAME.ckpt-tmp-*` staging folder, `.NAME.ckpt-old-*` (an old DEST a `--force` replace moved
+#: aside) and `.NAME.ckpt-partial` (ranges kept by an unfinished download) are never part of a
+#: checkpoint, whatever folder they are found in
+STAGING_MARKERS = (".ckpt-tmp-", ".ckpt-old-", ".ckpt-partial")
+
+
+def is_staging_name(name: str) -> bool:
+    """Whether one path component is one of ckpt's own staging names."""
+    return name.startswith(".") and any(marker in name for marker in STAGING_MARKERS)
+
+
+def open_regular(path: str | os.PathLike[str], where: str | None = None) -> int:
+    """Open a file for reading only if it is a regular file; returns the descriptor.
+
+    The open itself never blocks: a FIFO opened for reading waits for a writer forever, so
+    the file is opened with O_NONBLOCK, checked with fstat, and only then made blocking again.
+    A FIFO, socket or device is refused (FormatError naming it); a missing file raises
+    NotFoundError.
+    """
+    name = where or str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise NotFoundError("file not found", path=name) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = (
+                "a FIFO (named pipe)"
+                if stat.S_ISFIFO(mode)
+                else "a socket"
+                if stat.S_ISSOCK(mode)
+                else "a device"
+                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a folder"
+                if stat.S_ISDIR(mode)
+                else "not a regular file"
+            )
+            raise FormatError(
+                f"is {kind}, not a regular file; ckpt reads only regular files",
+                path=name,
+                fix="Replace it with the real file.",
+            )
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | os.PathLike[str], where: str | None = None) -> bytes:
+    """The whole content of a regular file (see `open_regular`)."""
+    with os.fdopen(open_regular(path, where), "rb") as fh:
+        return fh.read()
 
 
 def safe_relpath(name: str, *, source: str) -> str:
@@ -160,9 +219,13 @@ class LocalStorage(Storage):
     def list_files(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for dirpath, dirs, files in os.walk(self.root):
+            # ckpt's own staging folders are not part of the checkpoint (nor walked into)
+            dirs[:] = [d for d in dirs if not is_staging_name(d)]
             if dirpath == str(self.root):
                 dirs[:] = [d for d in dirs if not is_parity_path(d)]
             for fname in files:
+                if is_staging_name(fname):
+                    continue
                 full = os.path.join(dirpath, fname)
                 rel = os.path.relpath(full, self.root).replace(os.sep, "/")
                 try:
@@ -179,21 +242,19 @@ class LocalStorage(Storage):
 
     def read(self, rel: str, offset: int, length: int) -> bytes:
         path = self.path(rel)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise NotFoundError("file not found", path=str(path)) from None
+        fd = open_regular(path)
         try:
             return _pread_exact(fd, offset, length, str(path))
+        except OSError as exc:  # EIO on a failing disk: exit 74 naming the file
+            from .faults import io_failure
+
+            raise io_failure(exc, path, f"reading {length} bytes at offset {offset}") from None
         finally:
             os.close(fd)
 
     def open(self, rel: str) -> IO[bytes]:
         path = self.path(rel)
-        try:
-            return open(path, "rb")
-        except FileNotFoundError:
-            raise NotFoundError("file not found", path=str(path)) from None
+        return os.fdopen(open_regular(path), "rb")
 
     def local_path(self, rel: str) -> Path | None:
         return self.path(rel)

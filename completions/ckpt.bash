@@ -13,7 +13,7 @@ _ckpt() {
     prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --watch --max-iterations --settle --json --quiet -q --verbose -v --help -h" ;;
     latest) opts="--settle --json --quiet -q --verbose -v --help -h" ;;
     sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --verify-ranges --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --dequantize --ignore-dtype --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     merge) opts="--force --json --quiet -q --verbose -v --help -h" ;;
     protect) opts="--parity --block-size --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;

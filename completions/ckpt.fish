@@ -128,6 +128,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from download' -l local-dir -r -f -d
 complete -c ckpt -n '__fish_seen_subcommand_from download' -l no-extras -d 'Skip config, tokenizer and model-card files'
 complete -c ckpt -n '__fish_seen_subcommand_from download' -l cache-only -d 'Shards mode: fill the Hugging Face cache only; no DEST'
 complete -c ckpt -n '__fish_seen_subcommand_from download' -l dry-run -s n -d 'Show the files or ranges and bytes; fetch only metadata'
+complete -c ckpt -n '__fish_seen_subcommand_from download' -l verify-ranges -d 'Tensors mode: also fetch the source shards whole (or read them from the HF cache) to check every ranged byte against the Hub'\''s sha256. Without it, ranges are checked for size and position only (the Hub hashes whole files)'
 complete -c ckpt -n '__fish_seen_subcommand_from download' -l force -d 'Replace DEST if it exists (only after the new output is complete)'
 complete -c ckpt -n '__fish_seen_subcommand_from download' -l json -d 'Print one JSON document on stdout (the ckpt_json envelope)'
 complete -c ckpt -n '__fish_seen_subcommand_from download' -l quiet -s q -d 'Print nothing on stderr but errors: no progress, warnings or notes'

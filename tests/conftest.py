@@ -49,7 +49,10 @@ def run_ckpt(*args: str | os.PathLike[str], env: dict[str, str] | None = None) -
 
 
 def run_ckpt_process(
-    *args: str | os.PathLike[str], env: dict[str, str] | None = None, cwd: Path | None = None
+    *args: str | os.PathLike[str],
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 300,
 ) -> CkptResult:
     """Run `python -m ckpt_cli ARGS…` as a real process (for import checks, signals, torchrun)."""
     full_env = dict(os.environ)
@@ -61,7 +64,7 @@ def run_ckpt_process(
         text=True,
         env=full_env,
         cwd=cwd,
-        timeout=300,
+        timeout=timeout,
     )
     return CkptResult(proc.returncode, proc.stdout, proc.stderr)
 

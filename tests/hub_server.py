@@ -124,6 +124,7 @@ class TestHub:
         self._sent: Counter[tuple[str, str]] = Counter()
         self._drops: dict[tuple[str, str], int] = {}
         self._fails: list[list[object]] = []
+        self._corrupt: dict[tuple[str, str], list[object]] = {}
         self._lock = threading.Lock()
         hub = self
 
@@ -218,6 +219,18 @@ class TestHub:
         """
         self._fails.append([re.compile(pattern), status, times, error_code, after])
 
+    def corrupt_ranges(self, repo_id: str, path: str, how: str, times: int = 1_000_000) -> None:
+        """Answer the next `times` GETs of `path` (ranges past byte 0, or whole) wrongly.
+
+        `how`: `flip` (right headers, one byte of the body inverted), `shift` (the bytes one
+        further on, with an honest Content-Range saying so), `lie` (the bytes one further on
+        under the Content-Range asked for), `short` (one byte fewer, Content-Length saying
+        so), `whole` (ignore Range: a 200 with the whole file, which is legal HTTP), `part200`
+        (a 200 with only the asked bytes). Ranges at byte 0 (headers) are served normally; a
+        GET of the whole file gets only `flip`.
+        """
+        self._corrupt[(repo_id, path)] = [how, times]
+
     # -- observations --------------------------------------------------------------------------
 
     def bytes_sent(self, repo_id: str, path: str | None = None) -> int:
@@ -266,6 +279,14 @@ class TestHub:
                 return None
             del self._drops[(repo_id, path)]
             return drop
+
+    def _take_corruption(self, repo_id: str, path: str) -> str | None:
+        with self._lock:
+            fault = self._corrupt.get((repo_id, path))
+            if fault is None or not fault[1]:
+                return None
+            fault[1] = int(fault[1]) - 1  # type: ignore[call-overload]
+            return str(fault[0])
 
     def _count(self, repo_id: str, path: str, n: int) -> None:
         with self._lock:
@@ -541,9 +562,35 @@ class _Handler(BaseHTTPRequestHandler):
                 self._record(416, file=key)
                 return
             status = 206
+        header_range = (start, end)
+        body = f.data[start:end]
+        # header reads (ranges at byte 0) are spared; a whole-file GET gets `flip` faults too
+        how = (
+            None
+            if head or (wanted and start == 0)
+            else self.server_hub._take_corruption(repo.repo_id, rel)
+        )
+        if not wanted and how != "flip":
+            how = None
+        if how == "flip":
+            middle = len(body) // 2
+            body = body[:middle] + bytes([body[middle] ^ 0xFF]) + body[middle + 1 :]
+        elif how == "shift":
+            body = f.data[start + 1 : end + 1]
+            header_range = (start + 1, start + 1 + len(body))
+        elif how == "lie":  # the right length, the wrong bytes
+            body = f.data[start + 1 : end + 1].ljust(end - start, b"\0")
+        elif how == "short":
+            body = body[:-1]
+            header_range = (start, end - 1)
+        elif how == "whole":
+            status, body, header_range = 200, f.data, (0, size)
+        elif how == "part200":
+            status = 200
+        start, end = header_range
         self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(end - start))
+        self.send_header("Content-Length", str(len(body)))
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("ETag", f'"{f.etag}"')
         self.send_header("X-Repo-Commit", commit)
@@ -556,7 +603,6 @@ class _Handler(BaseHTTPRequestHandler):
         if head:
             self._record(status, file=key)
             return
-        body = f.data[start:end]
         drop = self.server_hub._take_drop(repo.repo_id, rel, len(body))
         if drop is not None:
             self.wfile.write(body[:drop])

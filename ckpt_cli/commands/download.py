@@ -95,6 +95,15 @@ def download(
             "--dry-run", "-n", help="Show the files or ranges and bytes; fetch only metadata."
         ),
     ] = False,
+    verify_ranges: Annotated[
+        bool,
+        typer.Option(
+            "--verify-ranges",
+            help="Tensors mode: also fetch the source shards whole (or read them from the HF "
+            "cache) to check every ranged byte against the Hub's sha256. Without it, ranges are "
+            "checked for size and position only (the Hub hashes whole files).",
+        ),
+    ] = False,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
@@ -131,6 +140,7 @@ def download(
                 cache_only=cache_only,
                 dry_run=dry_run,
                 force=force,
+                verify_ranges=verify_ranges,
                 progress=progress,
                 include_files=include_files,
                 exclude_files=exclude_files,

@@ -58,13 +58,26 @@ def resolve_source(location: Location | str) -> Source:
     if not path.exists():
         cached = cached_snapshot(loc.raw)
         if cached is None:
-            hint = " (or write hf://" + loc.raw + " to read it from the Hub)"
+            from ..output import leftover_old_copies
+
+            old = leftover_old_copies(path.absolute())
+            if old:  # a `--force` replace was killed between its two renames
+                raise NotFoundError(
+                    f"no such file or folder, but {old[-1]} holds the copy that a killed "
+                    "`--force` replace had moved aside",
+                    path=path,
+                    fix=f"Recover it with `mv {old[-1]} {path}`.",
+                )
+            repo_like = _REPO_ID.match(loc.raw) is not None
             raise NotFoundError(
                 "no such file or folder, nor a cached Hugging Face snapshot of that name"
-                if _REPO_ID.match(loc.raw)
+                if repo_like
                 else "no such file or folder",
                 path=path,
-                fix="Check the path" + (hint if _REPO_ID.match(loc.raw) else "") + ".",
+                # the same words as the CLI's hint (`cli.hub_hint`) for other not-found errors
+                fix=f"Check the path; did you mean hf://{loc.raw}?"
+                if repo_like
+                else "Check the path.",
             )
         path = cached
         loc = Location(raw=loc.raw, kind="local", path=cached)

@@ -580,7 +580,7 @@ def _read_embedded_header(
         return None
     try:
         header = json.loads(storage.read(rel, start + 8, header_len))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         header = None
     if not isinstance(header, dict):
         layout.problem(

@@ -23,6 +23,7 @@ import hashlib
 import io
 import os
 import posixpath
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -581,7 +582,20 @@ class HubStorage(Storage):
                     if not direct and response.history:
                         with self._lock:
                             self._direct[rel] = str(response.url)
-                    # a 200 means the server ignored Range: discard what comes before `pos`
+                    wrong = _wrong_range(response, pos, end, self.size(rel))
+                    if wrong is not None:
+                        # bytes other than those asked: never written, asked again, then refused
+                        failures += 1
+                        if failures > READ_RETRIES:
+                            raise HubError(
+                                f"the server answered other bytes than asked ({wrong})",
+                                path=where,
+                                fix="The Hub or a proxy/CDN in between returned a wrong range; "
+                                "run again later, or use --mode shards (sha256-checked).",
+                            )
+                        time.sleep(min(0.2 * 2**failures, 5.0))
+                        continue
+                    # a 200 carries the whole file (checked above): skip what precedes `pos`
                     skip = pos if response.status_code == 200 else 0
                     # no chunk size: blocks are yielded as they arrive, so after a dropped
                     # connection the retry starts at the last byte received, not at a block edge
@@ -626,6 +640,37 @@ class HubStorage(Storage):
         if cached is not None:
             return open(cached, "rb")
         return io.BufferedReader(StorageRangeFile(self, rel), buffer_size=STREAM_CHUNK)
+
+
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+def _wrong_range(response: Any, start: int, end: int, size: int) -> str | None:
+    """Why a response to `Range: bytes=start-(end-1)` does not carry exactly those bytes.
+
+    A 206 must say `Content-Range: bytes start-(end-1)/size` and carry `end - start` bytes; a
+    200 (the server ignored Range) must carry the whole file, `size` bytes. Anything else is
+    refused: a shifted or resized range would otherwise be written as the tensor's bytes.
+    """
+    status = response.status_code
+    length = response.headers.get("Content-Length")
+    if status == 200:
+        if length is not None and int(length) != size:
+            return f"status 200 with {length} bytes; the whole file is {size} bytes"
+        return None
+    if status != 206:
+        return f"status {status} to a range request"
+    got = _CONTENT_RANGE.match(response.headers.get("Content-Range", "").strip())
+    if got is None:
+        return (
+            f"status 206 without a valid Content-Range ({response.headers.get('Content-Range')!r})"
+        )
+    first, last, total = int(got[1]), int(got[2]), got[3]
+    if (first, last) != (start, end - 1) or (total != "*" and int(total) != size):
+        return f"asked bytes {start}-{end - 1}/{size}, got Content-Range bytes {got[1]}-{got[2]}/{total}"
+    if length is not None and int(length) != end - start:
+        return f"asked {end - start} bytes, Content-Length says {length}"
+    return None
 
 
 def hub_source(location: Location) -> Source:

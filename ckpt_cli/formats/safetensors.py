@@ -399,7 +399,7 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
     where = storage.describe(rel)
     try:
         index = json.loads(storage.read_all(rel))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # too deep: hostile
         raise FormatError(
             f"is not valid JSON ({exc})", path=where, fix="Write or fetch the index again."
         ) from None
@@ -509,7 +509,9 @@ class SafetensorsFormat(Format):
                 weight_map, index_meta = read_index(storage, index_rel)
             except CkptError as error:
                 findings.problems.append(problem_from_error(error, code="bad_index"))
-        listing = storage.list_files() if source.target is not None else source.files
+        # a single shard needs no listing of its folder (a run folder of 10,000 files would
+        # list it once per file); an index given as the target needs its siblings
+        listing = storage.list_files() if index_rel is not None else source.files
         top_shards = [n for n in listing if "/" not in n and n.endswith(".safetensors")]
         strays: list[str] = []
         if weight_map is not None:

@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from ..errors import FormatError, NotFoundError, UnsafeInputError
 from ..models import Entry, FileInfo, Manifest, Problem
@@ -340,16 +340,46 @@ def _container_kind(obj: Any) -> str | None:
     return None
 
 
-def flatten(obj: Any) -> Iterator[tuple[tuple[KeyStep, ...], Any]]:
-    """Every leaf of a loaded object with its key path, in the saved order."""
+#: budgets of the flattening of one loaded file (a hostile pickle can describe a huge graph
+#: in a few bytes): leaves, containers walked, nesting depth
+MAX_LEAVES = 1_000_000
+MAX_VISITED = 10_000_000
+MAX_DEPTH = 1_000
+
+
+def flatten(obj: Any, where: str | None = None) -> Iterator[tuple[tuple[KeyStep, ...], Any]]:
+    """Every leaf of a loaded object with its key path, in the saved order.
+
+    A shared sub-object (pickle's memo lets 2 KB describe a "billion laughs" graph of 2^40
+    paths) is measured first, each container once (`_expanded_leaves`): a graph naming more
+    than `MAX_LEAVES` entries is refused before any is built. Depth and containers walked
+    have budgets too; past one, FormatError naming `where`. Modest sharing (one dict
+    referenced twice) flattens as before: one entry per path.
+    """
+    expanded = _expanded_leaves(obj, where)
+    if expanded > MAX_LEAVES:
+        raise _over_budget(
+            where,
+            f"a graph of shared sub-objects that names more than {MAX_LEAVES:,} entries "
+            "(a 'billion laughs' structure)",
+        )
+    leaves = visited = 0
     stack: list[tuple[tuple[KeyStep, ...], Any]] = [((), obj)]
     while stack:
         path, node = stack.pop()
         node = _revive(node)
         kind = _container_kind(node)
         if kind is None:
+            leaves += 1
+            if leaves > MAX_LEAVES:
+                raise _over_budget(where, f"more than {MAX_LEAVES:,} entries")
             yield path, node
             continue
+        visited += 1
+        if visited > MAX_VISITED:
+            raise _over_budget(where, f"more than {MAX_VISITED:,} nested containers")
+        if len(path) >= MAX_DEPTH:
+            raise _over_budget(where, f"containers nested more than {MAX_DEPTH} deep")
         items = node.items() if isinstance(node, dict) else enumerate(node)
         children = [((*path, (kind, key)), value) for key, value in items]
         stack.extend(reversed(children))
@@ -372,6 +402,74 @@ def _revive(node: Any) -> Any:
     record.args = tuple(node["args"])
     record.state = node["state"]
     return record
+
+
+def _expanded_leaves(obj: Any, where: str | None) -> int:
+    """How many leaves `obj` names if every shared sub-object counted once per path to it.
+
+    Counted over the graph (each container once, bottom-up, no recursion), so a 2 KB file whose
+    40 nested dicts each hold the next one twice is measured in microseconds as 2^40. The
+    count stops growing past `MAX_LEAVES` (the caller refuses), and a cycle counts as a leaf.
+    """
+    counts: dict[int, int] = {}
+    active: set[int] = set()
+    visited = 0
+    stack: list[tuple[Any, bool, int]] = [(obj, False, 0)]
+    while stack:
+        node, ready, depth = stack.pop()
+        key = id(node)
+        if key in counts:
+            continue
+        kind = _container_kind(node)
+        if kind is None:
+            continue
+        children = list(node.values() if isinstance(node, dict) else node)
+        if not ready:
+            if key in active:
+                continue
+            visited += 1
+            if visited > MAX_VISITED:
+                raise _over_budget(where, f"more than {MAX_VISITED:,} nested containers")
+            if depth >= MAX_DEPTH:
+                raise _over_budget(where, f"containers nested more than {MAX_DEPTH} deep")
+            active.add(key)
+            stack.append((node, True, depth))
+            stack.extend((c, False, depth + 1) for c in children if id(c) not in counts)
+            continue
+        active.discard(key)
+        total = sum(counts.get(id(c), 1) for c in children)
+        counts[key] = min(total, MAX_LEAVES + 1)
+    return counts.get(id(obj), 1)
+
+
+#: a tensor may name at most this many times the bytes its storage holds (stride-0 views)...
+MAX_EXPANSION = 64
+#: ... once it is larger than this: small broadcast buffers stay readable
+EXPANSION_FLOOR = 1 << 30
+
+
+def _refuse_expanded(tensor: Any, name: str, nbytes: int, where: str | None) -> None:
+    """Refuse a tensor whose logical size dwarfs its stored bytes (a stride-0 4 TiB view kept in
+    a 1 KB file): every reader or writer that materialises it would exhaust memory or disk."""
+    if nbytes <= EXPANSION_FLOOR or tensor.device.type == "meta":
+        return
+    stored = tensor.untyped_storage().nbytes()
+    if nbytes > MAX_EXPANSION * max(stored, 1):
+        raise FormatError(
+            f"tensor {name!r} claims {nbytes:,} bytes (shape {list(tensor.shape)}, stride "
+            f"{list(tensor.stride())}) over {stored:,} bytes of stored data; ckpt refuses "
+            "views that expand their storage this much",
+            path=where,
+            fix="Save the tensor contiguous (`.contiguous()` or `.clone()`) if it is meant.",
+        )
+
+
+def _over_budget(where: str | None, what: str) -> FormatError:
+    return FormatError(
+        f"holds {what}; ckpt refuses it (a hostile or corrupt file)",
+        path=where,
+        fix="Re-save the checkpoint as a flat state dict of tensors.",
+    )
 
 
 def _jsonable_value(obj: Any) -> tuple[bool, Any]:
@@ -414,14 +512,19 @@ def _type_name(obj: Any) -> str:
     return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
-def build_entries(obj: Any, file: str) -> tuple[list[TorchEntry], dict[str, Any], list[list[str]]]:
-    """Entries for a loaded object: (entries, name -> leaf, groups of tensors sharing memory)."""
+def build_entries(
+    obj: Any, file: str, where: str | None = None
+) -> tuple[list[TorchEntry], dict[str, Any], list[list[str]]]:
+    """Entries for a loaded object: (entries, name -> leaf, groups of tensors sharing memory).
+
+    `where` names the file in errors (a flattening budget exceeded); `file` by default.
+    """
     from ..tensors import dtype_name
 
     entries: list[TorchEntry] = []
     leaves: dict[str, Any] = {}
     views: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
-    for path, leaf in flatten(obj):
+    for path, leaf in flatten(obj, where or file):
         if not path and type(leaf) in (dict, OrderedDict) and not leaf:
             # an empty state dict (a safetensors file with no tensors, saved by torch) holds
             # no entries; it is not one object named `object`
@@ -435,6 +538,7 @@ def build_entries(obj: Any, file: str) -> tuple[list[TorchEntry], dict[str, Any]
             dtype = dtype_name(leaf.dtype)
             shape = list(leaf.shape)
             nbytes = leaf.numel() * leaf.element_size()
+            _refuse_expanded(leaf, name, nbytes, where or file)
             entries.append(
                 TorchEntry.model_construct(
                     name=name,
@@ -584,7 +688,11 @@ class TorchFormat(Format):
             except FormatError as error:
                 problems.append(Problem(code=error.code, message=error.message, file=error.path))
                 continue
-            entries, _, _ = build_entries(obj, shard)
+            try:
+                entries, _, _ = build_entries(obj, shard, storage.describe(shard))
+            except FormatError as error:
+                problems.append(Problem(code=error.code, message=error.message, file=error.path))
+                continue
             for entry in entries:
                 total += entry.nbytes if entry.kind == "tensor" else 0
                 if entry.name in found:
@@ -689,7 +797,9 @@ class TorchCheckpoint(Checkpoint):
             if is_legacy:
                 legacy.append(shard)
             objects[shard] = obj
-            shard_entries, shard_leaves, shard_shared = build_entries(obj, shard)
+            shard_entries, shard_leaves, shard_shared = build_entries(
+                obj, shard, storage.describe(shard)
+            )
             for entry in shard_entries:
                 if entry.name in leaves:
                     raise FormatError(
@@ -761,7 +871,7 @@ class TorchCheckpoint(Checkpoint):
         if self._loaded is None or self._loaded[0] != file:
             self._loaded = None  # drop the previous file before fetching the next
             obj, _ = load_torch_file(self.storage, file, meta=False)
-            _, leaves, _ = build_entries(obj, file)
+            _, leaves, _ = build_entries(obj, file, self.storage.describe(file))
             self._loaded = (file, leaves)
         return self._loaded[1][name]
 
@@ -858,15 +968,46 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _plain(value: Any) -> Any:
-    """`value` with inert records (DeepSpeed loss scalers...) replaced by plain dicts."""
+def _plain(value: Any, memo: dict[int, Any] | None = None) -> Any:
+    """`value` with inert records (DeepSpeed loss scalers...) replaced by plain dicts.
+
+    A shared sub-object is converted once and stays shared (`memo`, by id): a "billion
+    laughs" graph costs its size in memory, not its 2^N paths.
+    """
     if isinstance(value, InertObject):
         return value.as_plain()
-    if type(value) in (dict, OrderedDict):
-        return type(value)((k, _plain(v)) for k, v in value.items())
-    if type(value) in (list, tuple):
-        return type(value)(_plain(v) for v in value)
-    return value
+    kind = type(value)
+    if kind not in (dict, OrderedDict, list, tuple):
+        return value
+    memo = {} if memo is None else memo
+    done = memo.get(id(value))
+    if done is not None:
+        return done
+    if kind in (dict, OrderedDict):
+        out: Any = kind((k, _plain(v, memo)) for k, v in value.items())
+    else:
+        out = kind(_plain(v, memo) for v in value)
+    memo[id(value)] = out
+    return out
+
+
+class _RecordingWriter:
+    """A binary file for `torch.save` that remembers the first exception its `write` raised."""
+
+    def __init__(self, fh: IO[bytes]):
+        self._fh = fh
+        self.error: BaseException | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self._fh.write(data)
+        except BaseException as exc:  # KeyboardInterrupt too: a signal lands in Python code
+            if self.error is None:
+                self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._fh.flush()
 
 
 class TorchWriter(Writer):
@@ -916,7 +1057,15 @@ class TorchWriter(Writer):
 
         path = self.staging / fname
         with open(path, "wb") as fh:
-            torch.save(obj, fh)
+            out = _RecordingWriter(fh)
+            try:
+                torch.save(obj, out)  # type: ignore[arg-type]
+            except Exception:
+                # torch's C++ zip writer turns what our write() raised (ENOSPC, EIO, Ctrl-C)
+                # into "unexpected pos": raise the real error instead
+                if out.error is not None:
+                    raise out.error from None
+                raise
             fh.flush()
             os.fsync(fh.fileno())
         self._written.append(FileInfo(path=fname, size=path.stat().st_size, entries=entries))

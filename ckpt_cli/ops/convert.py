@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from .. import dtypes
 from ..distributed import RankShare
-from ..errors import UsageError
+from ..errors import FormatError, UsageError
 from ..formats.base import Checkpoint, WriteOptions
 from ..layouts import open_source
 from ..models import FileInfo
@@ -123,6 +123,46 @@ def _guard_paths(src: str, dest: Destination) -> None:
                 path=str(dest),
                 fix="Write the converted checkpoint somewhere outside the source.",
             )
+
+
+def _unreadable_components(
+    unreadable: dict[str, tuple[str, str]],
+    skipped: list[SkippedEntry],
+    select: str | None,
+    include: list[str] | None,
+    exclude: list[str] | None,
+) -> None:
+    """Fail on a component that cannot be read, unless the user left it out explicitly.
+
+    A truncated or hostile `optimizer.pt` must never vanish from the output with exit 0:
+    it fails the convert (exit 4, naming it) unless `--exclude` (or `--select` / `--include`
+    choosing other entries) leaves it out; then it is listed in `skipped` with why.
+    """
+    import fnmatch
+
+    def left_out(comp: str) -> str | None:
+        probes = (comp, f"{comp}.", f"{comp}.x")
+        if exclude and any(fnmatch.fnmatchcase(p, g) for g in exclude for p in probes):
+            return "left out by --exclude"
+        if select is not None and comp != select.rstrip(".") and not comp.startswith(select):
+            return "outside --select"
+        if include and not any(fnmatch.fnmatchcase(p, g) for g in include for p in probes):
+            return "not matched by --include"
+        return None
+
+    for comp, (where, problem) in sorted(unreadable.items()):
+        why = left_out(comp)
+        if why is None:
+            raise FormatError(
+                f"the {comp} component cannot be read, so it cannot be converted: {problem}",
+                path=where,
+                fix=f"Repair or re-save it, or leave it out explicitly with --exclude '{comp}*'.",
+            )
+        skipped.append(
+            SkippedEntry(
+                name=comp, kind="component", reason=f"unreadable: {where}: {problem}; {why}"
+            )
+        )
 
 
 def _layout(
@@ -300,6 +340,7 @@ def convert(
                 reason = skip_reason(manifest.by_name[skipped.name])
                 if reason:
                     skipped.reason = reason
+        _unreadable_components(opened.unreadable, plan.skipped, select, include, exclude)
         metadata: dict[str, str] = {}
         if to == "safetensors":
             # carry the source's string metadata; transformers needs format=pt to load it

@@ -289,10 +289,19 @@ def _is_ndarray(value: Any) -> bool:
     return type(value).__module__ == "numpy" and hasattr(value, "tobytes")
 
 
-def values_equal(x: Any, y: Any) -> bool:
-    """Deep equality for non-tensor entries (tensors bit-exact, NaN equal to NaN)."""
+def values_equal(x: Any, y: Any, _seen: set[tuple[int, int]] | None = None) -> bool:
+    """Deep equality for non-tensor entries (tensors bit-exact, NaN equal to NaN).
+
+    A pair of shared sub-objects is compared once (`_seen`): a "billion laughs" graph of
+    2^40 paths costs its size, not its paths.
+    """
     import torch
 
+    _seen = set() if _seen is None else _seen
+    if isinstance(x, dict | list | tuple) and isinstance(y, dict | list | tuple):
+        if (id(x), id(y)) in _seen:
+            return True  # compared already (or being compared, up the stack)
+        _seen.add((id(x), id(y)))
     x, y = _plain(x), _plain(y)
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
         return (
@@ -313,9 +322,11 @@ def values_equal(x: Any, y: Any) -> bool:
             and x.tobytes() == y.tobytes()
         )
     if isinstance(x, dict) and isinstance(y, dict):
-        return x.keys() == y.keys() and all(values_equal(x[k], y[k]) for k in x)
+        return x.keys() == y.keys() and all(values_equal(x[k], y[k], _seen) for k in x)
     if isinstance(x, list | tuple) and isinstance(y, list | tuple):
-        return len(x) == len(y) and all(values_equal(p, q) for p, q in zip(x, y, strict=True))
+        return len(x) == len(y) and all(
+            values_equal(p, q, _seen) for p, q in zip(x, y, strict=True)
+        )
     if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
         return True
     try:

@@ -102,7 +102,14 @@ class DownloadFile(BaseModel):
         status: `fetched`, `cached` (already in the HF cache), `planned` (dry run), `written`
             (assembled from ranges), `rewritten` (index narrowed to the fetched shards).
         sha256: the Hub's recorded sha256 (LFS files).
-        verified: the local file matched the Hub's size and checksum.
+        verified: the bytes were checked by hash: the file matched the Hub's size and checksum
+            (shards mode), or, tensors mode with `--verify-ranges`, the source shards matched
+            the Hub's sha256 and every tensor written matched them. Never true for bytes
+            checked only for size and position.
+        checked: how the bytes were checked: `sha256` / `git-blob` (the whole file against the
+            Hub's record), `ranges-sha256` (tensors mode, `--verify-ranges`), `size-and-position`
+            (tensors mode: each range response was the range asked, of the exact length; no
+            hash covers ranges), None (not checked: offline, or planned).
         cache_path: where the file is in the HF cache.
     """
 
@@ -112,6 +119,7 @@ class DownloadFile(BaseModel):
     status: Literal["fetched", "cached", "planned", "written", "rewritten"]
     sha256: str | None = None
     verified: bool = False
+    checked: str | None = None
     cache_path: str | None = None
 
 
@@ -162,6 +170,11 @@ class DownloadReport(BaseModel):
         metadata_bytes: bytes received for headers and indexes.
         filters: the tensor globs (--filter as `tensors`, --filter-out as `exclude`) and the
             file globs (--include as `files_include`, --exclude as `files_exclude`).
+        verify_ranges: tensors mode: the source shards were fetched whole and hashed to check
+            the ranged bytes (`--verify-ranges`).
+        integrity: tensors mode: what the written bytes were checked for, in words.
+        quarantined: shards mode: files ckpt found not to match the Hub's record and removed
+            from the HF cache (so no tool reads them and a rerun fetches them again).
         warnings: options that had no effect (a file glob that matches no file).
     """
 
@@ -186,6 +199,21 @@ class DownloadReport(BaseModel):
     metadata_bytes: int = 0
     filters: dict[str, list[str]] = Field(default_factory=dict)
     warnings: list[str] = Field(default_factory=list)
+    verify_ranges: bool = False
+    integrity: str | None = None
+    quarantined: list[str] = Field(default_factory=list)
+
+
+#: what a tensors-mode download can prove without --verify-ranges (report and DEST metadata)
+RANGES_UNHASHED = (
+    "size and position only: every range response was checked to be the range asked "
+    "(206, Content-Range, exact length), but the Hub records a sha256 for whole files only, "
+    "so the bytes of a range are not covered by a hash; --verify-ranges checks them"
+)
+RANGES_HASHED = (
+    "sha256: the source shards were fetched whole (--verify-ranges), matched the Hub's "
+    "recorded sha256, and every tensor written matched their bytes"
+)
 
 
 def download(
@@ -199,6 +227,7 @@ def download(
     cache_only: bool = False,
     dry_run: bool = False,
     force: bool = False,
+    verify_ranges: bool = False,
     progress: Progress = NULL_PROGRESS,
     include_files: list[str] | None = None,
     exclude_files: list[str] | None = None,
@@ -217,6 +246,8 @@ def download(
         cache_only: shards mode: fill the HF cache, write no DEST.
         dry_run: say what would be fetched; fetch only metadata.
         force: replace an existing DEST.
+        verify_ranges: tensors mode: also fetch the source shards whole and check them against
+            the Hub's sha256 and the written tensors against them (costs the whole shards).
         progress: receives bytes as they arrive.
         include_files / exclude_files: file globs (as `hf download --include/--exclude`) over
             the repository's other files: with `include_files`, the files fetched besides the
@@ -236,6 +267,11 @@ def download(
         raise UsageError(
             "--cache-only applies to --mode shards (tensors mode assembles a new checkpoint)",
             fix="Drop --cache-only or use --mode shards.",
+        )
+    if verify_ranges and mode != "tensors":
+        raise UsageError(
+            "--verify-ranges applies to --mode tensors (shards are always sha256-checked)",
+            fix="Drop --verify-ranges, or use --mode tensors.",
         )
     if dest is None and not (cache_only or dry_run):
         raise UsageError("DEST is missing", fix="Name the folder to create, or pass --cache-only.")
@@ -260,6 +296,7 @@ def download(
             "files_include": list(include_files or []),
             "files_exclude": list(exclude_files or []),
         },
+        verify_ranges=verify_ranges,
     )
     _check_file_globs(repo, report)
     if mode == "shards":
@@ -523,8 +560,24 @@ def _fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> i
             info.cache_path = str(path)
             info.status = "fetched"
         assert info.cache_path is not None
-        _check_against_hub(Path(info.cache_path), repo.files[info.path], storage_where(info.path))
+        remote = repo.files[info.path]
+        try:
+            _check_against_hub(Path(info.cache_path), remote, storage_where(info.path))
+        except FormatError as error:
+            # ckpt found it wrong: out of the shared cache, so no tool reads it and a rerun
+            # fetches it again
+            removed = _quarantine(Path(info.cache_path))
+            with lock:
+                report.quarantined += removed
+            raise FormatError(
+                f"{error.problem}; ckpt removed it from the HF cache ({', '.join(removed)})",
+                path=error.path,
+                fix="Run the download again to fetch it again; if it keeps failing, the Hub "
+                "or a proxy serves a bad copy.",
+            ) from None
         info.verified = repo.snapshot is None  # offline: no recorded checksums to compare with
+        if info.verified:
+            info.checked = "sha256" if remote.sha256 else "git-blob"
 
     progress.start(report.bytes_planned, repo.repo_id)
     pool = ThreadPoolExecutor(max_workers=max(1, min(FETCH_WORKERS, len(report.files))))
@@ -538,6 +591,23 @@ def _fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> i
         pool.shutdown(wait=True, cancel_futures=True)
         progress.finish()
     return received[0]
+
+
+def _quarantine(cached: Path) -> list[str]:
+    """Remove a bad file from the HF cache: its snapshot link and the blob it points to.
+
+    Only what ckpt itself found wrong; returns the paths removed. A blob is shared by every
+    snapshot of the same content, so all of them would serve the bad bytes: it goes too.
+    """
+    removed: list[str] = []
+    targets = [cached]
+    if cached.is_symlink():
+        targets.append(cached.resolve())
+    for path in targets:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(str(path))
+    return removed
 
 
 def _check_against_hub(path: Path, remote: RemoteFile, where: str) -> None:
@@ -868,10 +938,16 @@ def _download_tensors(
         basename = "model"
     order = {name: i for i, name in enumerate(n for r in report.ranges for n in r.tensors)}
     plan = sorted(chosen, key=lambda e: order[e.name])
-    options = WriteOptions(
-        max_shard_size=max_shard, metadata=dict(manifest.metadata), basename=basename
+    report.integrity = RANGES_HASHED if report.verify_ranges else RANGES_UNHASHED
+    # DEST says itself where its bytes came from and what they were checked for
+    metadata = dict(manifest.metadata)
+    metadata["ckpt.download.source"] = f"hf://{repo.repo_id}@{repo.commit}"
+    metadata["ckpt.download.checked"] = (
+        "ranges-sha256" if report.verify_ranges else "size-and-position"
     )
+    options = WriteOptions(max_shard_size=max_shard, metadata=metadata, basename=basename)
     by_name = manifest.by_name
+    digests: dict[str, str] = {}
     with staged_output(dest, force=force, progress=progress) as staging:
         writer = SafetensorsFormat.writer(staging, plan, options)
         progress.start(report.selected_bytes, repo.repo_id)
@@ -885,11 +961,20 @@ def _download_tensors(
                         entry = by_name[name]
                         assert entry.offset is not None
                         cursor.skip(entry.offset - pos)
-                        writer.write_raw(name, cursor.take(entry.nbytes, name, progress))
+                        blocks = cursor.take(entry.nbytes, name, progress)
+                        if report.verify_ranges:
+                            blocks = _hashed(blocks, name, digests)
+                        writer.write_raw(name, blocks)
                         pos = entry.offset + entry.nbytes
         finally:
             progress.finish()
         written = writer.finish()
+        if report.verify_ranges:
+            try:
+                _verify_ranges(storage, repo, plan, digests, progress)
+            except FormatError:
+                pieces.remove()  # which kept range was wrong is unknown: keep none of them
+                raise
         report.bytes_transferred = storage.bytes_fetched - report.metadata_bytes
         report.bytes_from_cache = storage.bytes_from_cache - cache_before
         report.bytes_resumed = pieces.resumed
@@ -902,7 +987,8 @@ def _download_tensors(
                 size=f.size or 0,
                 kind="index" if f.path.endswith(INDEX_SUFFIX) else "weights",
                 status="written",
-                verified=True,
+                verified=report.verify_ranges,
+                checked="ranges-sha256" if report.verify_ranges else "size-and-position",
             )
             for f in written
         ]
@@ -915,3 +1001,76 @@ def _download_tensors(
             report.files.extend(extra.files)
     # DEST is published: the kept ranges have served their purpose
     pieces.remove()
+
+
+def _hashed(blocks: Iterator[bytes], name: str, digests: dict[str, str]) -> Iterator[bytes]:
+    """`blocks` unchanged; their sha256 is recorded as `digests[name]` once they are all read."""
+    digest = hashlib.sha256()
+    for block in blocks:
+        digest.update(block)
+        yield block
+    digests[name] = digest.hexdigest()
+
+
+def _verify_ranges(
+    storage: HubStorage,
+    repo: HubRepo,
+    entries: list[Entry],
+    digests: dict[str, str],
+    progress: Progress,
+) -> None:
+    """Check the ranged bytes by hash: each source shard, streamed whole, must match the Hub's
+    recorded sha256, and each tensor written must match that shard's bytes at its offsets.
+
+    The Hub hashes whole files only, so this is what it takes to prove a range: the whole shard
+    (read from the HF cache when it is there). One pass per shard, one block in memory.
+    """
+    by_file: dict[str, list[Entry]] = {}
+    for entry in entries:
+        assert entry.file is not None
+        by_file.setdefault(entry.file, []).append(entry)
+    wrong: list[str] = []
+    progress.start(sum(storage.size(rel) for rel in by_file), "verifying ranges")
+    try:
+        for rel, group in sorted(by_file.items()):
+            remote = repo.files[rel]
+            group.sort(key=lambda e: e.offset or 0)
+            whole = hashlib.sha256()
+            tensor_digests = {e.name: hashlib.sha256() for e in group}
+            pos = 0
+            for block in storage.stream(rel, 0, remote.size):
+                whole.update(block)
+                end = pos + len(block)
+                for e in group:
+                    assert e.offset is not None
+                    lo, hi = max(pos, e.offset), min(end, e.offset + e.nbytes)
+                    if lo < hi:
+                        tensor_digests[e.name].update(block[lo - pos : hi - pos])
+                pos = end
+                progress.advance(len(block))
+            if remote.sha256 is None:
+                raise FormatError(
+                    "has no sha256 on the Hub (not an LFS file), so its ranges cannot be checked",
+                    path=storage.describe(rel),
+                    fix="Use --mode shards, which checks its git blob id.",
+                )
+            if whole.hexdigest() != remote.sha256:
+                raise FormatError(
+                    f"the bytes served do not match the Hub's recorded sha256 {remote.sha256[:16]}…",
+                    path=storage.describe(rel),
+                    fix="Run again later; nothing was written to DEST.",
+                )
+            wrong += [
+                e.name for e in group if tensor_digests[e.name].hexdigest() != digests[e.name]
+            ]
+    finally:
+        progress.finish()
+    if wrong:
+        shown = ", ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
+        raise FormatError(
+            f"{len(wrong)} tensor(s) came back wrong in range responses ({shown}): the whole "
+            "shards match the Hub's sha256, the ranges did not",
+            path=repo.display(),
+            fix="A proxy or CDN served wrong ranges; nothing was written to DEST. Run again, or "
+            "use --mode shards.",
+        )

@@ -52,6 +52,7 @@ from ..placement import (
 )
 from ..progress import NULL_PROGRESS, CountingProgress, Progress
 from ..uri import parse_location
+from .convert import _guard_paths
 from .transfer import check_staged
 
 if TYPE_CHECKING:
@@ -167,6 +168,7 @@ def reshard_shard_size(
     from .transfer import HOLDS_OBJECTS, plan_transfer, write_checkpoint
 
     out = _local_dest(dest)
+    _guard_paths(src, out)  # as convert: a DEST in (or over) the source is refused
     check_destination(out.absolute(), force)
     with open_checkpoint(src, format) as checkpoint:
         carried, extra = _carried_files(src, checkpoint, format)
@@ -405,6 +407,7 @@ def reshard_world_size(
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
     rules = list(rules or [])
     out = _local_dest(dest)
+    _guard_paths(src, out)  # as convert: a DEST in (or over) the source is refused
     check_destination(out.absolute(), force)
     with open_checkpoint(src, format) as checkpoint:
         manifest = checkpoint.manifest

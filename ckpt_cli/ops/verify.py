@@ -16,6 +16,7 @@ atomically, and only when no problem was found).
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
 import time
@@ -42,7 +43,7 @@ from ..layouts import OpenedSource, check_source, open_source, recognise_layout,
 from ..models import Problem, TrainingState
 from ..output import Destination, RemoteDest, check_destination, resolve_destination, staged_output
 from ..progress import NULL_PROGRESS, Progress
-from ..storage import FsspecStorage, LocalStorage, remote_failure
+from ..storage import FsspecStorage, LocalStorage, read_regular, remote_failure
 from ..uri import parse_location
 from .parity import ParityCheck, check_parity, damage_text
 
@@ -579,6 +580,38 @@ def _manifest_location(source: Source, manifest: str | None) -> Destination:
     return default_manifest_path(source)
 
 
+def _refuse_manifest_over_checkpoint(source: Source, path: Destination) -> None:
+    """Refuse to write the manifest over a file of the checkpoint, whatever the flags.
+
+    The manifest may replace (`--force`) only a manifest: a path that is one of the
+    checkpoint's files, or any existing file that is not a ckpt manifest, is refused.
+    """
+    if not isinstance(path, Path) or not isinstance(source.storage, LocalStorage):
+        return
+    target = path.resolve()
+    root = source.storage.root
+    listed = set(source.storage.list_files()) | set(source.files)
+    if source.target is not None:
+        # a single shard's siblings (the rest of its checkpoint) count too
+        listed |= set(LocalStorage(root).list_files())
+    for name in sorted(listed):
+        if name != MANIFEST_NAME and (root / name).resolve() == target:
+            raise UsageError(
+                "is a file of the checkpoint; writing the manifest there would destroy it",
+                path=str(path),
+                fix=f"Name another --manifest path (the default is {root / MANIFEST_NAME}).",
+            )
+    if path.exists() or path.is_symlink():
+        try:
+            ChecksumManifest.model_validate(json.loads(_read_bytes(path)))
+        except (CkptError, OSError, UnicodeDecodeError, ValueError, RecursionError):
+            raise UsageError(
+                "exists and is not a ckpt checksum manifest; --force replaces only a manifest",
+                path=str(path),
+                fix="Name another --manifest path, or move that file away yourself.",
+            ) from None
+
+
 def _local_root(source: Source) -> Path:
     storage = source.storage
     assert isinstance(storage, LocalStorage)
@@ -621,6 +654,7 @@ def _checksum_checks(
     if write:
         report.checks.append("write-manifest")
         algorithm = algo or "sha256"
+        _refuse_manifest_over_checkpoint(source, path)
         if not force:
             try:
                 check_destination(path, force=False)
@@ -781,7 +815,9 @@ def _refuse_hub_manifest(manifest: str | None, source: Source) -> None:
 
 def _read_bytes(path: Destination) -> bytes:
     if isinstance(path, Path):
-        return path.read_bytes()
+        if not path.exists():
+            raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
+        return read_regular(path)  # a FIFO named like the manifest must not hang
     try:
         data: bytes = path.fs.cat_file(path.path)
     except FileNotFoundError:
@@ -805,7 +841,7 @@ def read_manifest(path: Destination) -> ChecksumManifest:
     try:
         data: Any = json.loads(raw)
         manifest = ChecksumManifest.model_validate(data)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(
             f"is not a valid ckpt checksum manifest ({str(exc).splitlines()[0]})",
             path=str(path),

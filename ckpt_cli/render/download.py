@@ -42,6 +42,11 @@ def render_download(report: DownloadReport) -> None:
             size = "-" if f.kind == "index" and not f.size else human_bytes(f.size)
             table.add_row(f.path, size, status)
         stdout.print(table)
+    if report.integrity and not report.dry_run:
+        # what a ranged download can prove, said plainly (stderr: not data)
+        from . import stderr
+
+        stderr.print(f"  checked: {report.integrity}", highlight=False, markup=False)
     if report.dry_run:
         stdout.print(
             f"  {verb} {human_bytes(report.bytes_planned)}"

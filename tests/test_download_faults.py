@@ -1,0 +1,150 @@
+"""`ckpt download` against a Hub that answers wrong (#19 items 1 and 7).
+
+The test Hub (tests/hub_server.py) corrupts, shifts, shortens or widens range responses, or
+flips a byte of a whole-file GET. A wrong byte is never published as verified: a wrong range is
+refused, ranges are called "checked for size and position" unless `--verify-ranges` hashes the
+source shards, and a file found not to match the Hub's sha256 leaves the HF cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from .conftest import run_ckpt
+from .hub_fixtures import publish_model
+from .hub_server import TestHub, git_blob_id
+from .test_download import SHARD_LIMIT, model_state, read_all
+
+TENSORS = ["--mode", "tensors", "--no-extras", "--tensors", "model.layers.*"]
+
+
+@pytest.fixture(autouse=True)
+def _fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a wrong range is asked again READ_RETRIES times with back-off; one retry keeps tests quick
+    monkeypatch.setattr("ckpt_cli.formats.hub.READ_RETRIES", 1)
+
+
+def publish(hub: TestHub, tmp_path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    state = model_state()
+    publish_model(hub, "org/model", tmp_path / "src", state, max_shard_size=SHARD_LIMIT)
+    shards = sorted(p.name for p in (tmp_path / "src").glob("*.safetensors"))
+    return state, shards
+
+
+def selected(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in state.items() if n.startswith("model.layers.")}
+
+
+@pytest.mark.parametrize("how", ["shift", "short", "part200"])
+def test_a_shifted_or_resized_range_is_refused_and_nothing_is_published(
+    hub: TestHub, tmp_path: Path, how: str
+) -> None:
+    _, shards = publish(hub, tmp_path)
+    for shard in shards:
+        hub.corrupt_ranges("org/model", shard, how)
+    dest = tmp_path / "picked"
+    result = run_ckpt("download", "hf://org/model", dest, *TENSORS, "--json")
+    assert result.exit_code == 5, result.stdout
+    assert "other bytes than asked" in result.json["error"]["message"]
+    assert not dest.exists()
+
+
+def test_a_200_with_the_whole_file_is_handled_and_the_bytes_are_right(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    state, shards = publish(hub, tmp_path)
+    for shard in shards:
+        hub.corrupt_ranges("org/model", shard, "whole")
+    dest = tmp_path / "picked"
+    result = run_ckpt("download", "hf://org/model", dest, *TENSORS, "--json")
+    assert result.exit_code == 0, result.stdout
+    got = read_all(dest)
+    assert got.keys() == selected(state).keys()
+    assert all(torch.equal(got[n], t) for n, t in selected(state).items())
+
+
+def test_ranged_bytes_are_never_called_verified_without_a_hash(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    publish(hub, tmp_path)
+    dest = tmp_path / "picked"
+    result = run_ckpt("download", "hf://org/model", dest, *TENSORS, "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    weights = [f for f in report["files"] if f["kind"] == "weights"]
+    assert weights and not any(f["verified"] for f in weights)
+    assert {f["checked"] for f in weights} == {"size-and-position"}
+    assert "not covered by a hash" in report["integrity"]
+    # DEST says so itself, in every shard's metadata
+    for shard in dest.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as fh:
+            meta = fh.metadata()
+        assert meta["ckpt.download.checked"] == "size-and-position"
+        assert meta["ckpt.download.source"].startswith("hf://org/model@")
+    human = run_ckpt("download", "hf://org/model", tmp_path / "again", *TENSORS)
+    assert "size and position only" in human.stderr
+
+
+def test_verify_ranges_catches_a_corrupted_range_and_publishes_nothing(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    state, shards = publish(hub, tmp_path)
+    for shard in shards:
+        hub.corrupt_ranges("org/model", shard, "flip", times=1)
+    dest = tmp_path / "picked"
+    result = run_ckpt("download", "hf://org/model", dest, *TENSORS, "--verify-ranges", "--json")
+    assert result.exit_code == 4, result.stdout
+    message = result.json["error"]["message"]
+    assert "came back wrong in range responses" in message and "model.layers." in message
+    assert not dest.exists()
+    # the kept pieces were discarded: the rerun (the server behaves now) is right and verified
+    again = run_ckpt("download", "hf://org/model", dest, *TENSORS, "--verify-ranges", "--json")
+    assert again.exit_code == 0, again.stdout
+    weights = [f for f in again.json["result"]["files"] if f["kind"] == "weights"]
+    assert all(f["verified"] and f["checked"] == "ranges-sha256" for f in weights)
+    got = read_all(dest)
+    assert all(torch.equal(got[n], t) for n, t in selected(state).items())
+
+
+def test_verify_ranges_catches_a_lying_content_range(hub: TestHub, tmp_path: Path) -> None:
+    _, shards = publish(hub, tmp_path)
+    for shard in shards:
+        hub.corrupt_ranges("org/model", shard, "lie", times=4)
+    dest = tmp_path / "picked"
+    result = run_ckpt("download", "hf://org/model", dest, *TENSORS, "--verify-ranges", "--json")
+    assert result.exit_code == 4, result.stdout
+    assert not dest.exists()
+
+
+def test_a_corrupt_shard_leaves_the_hf_cache_and_the_rerun_succeeds(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    state, shards = publish(hub, tmp_path)
+    hub.corrupt_ranges("org/model", shards[0], "flip", times=1)
+    dest = tmp_path / "model"
+    result = run_ckpt("download", "hf://org/model", dest, "--json")
+    assert result.exit_code == 4, result.stdout
+    message = result.json["error"]["message"]
+    assert "removed it from the HF cache" in message
+    assert not dest.exists()
+    # nothing that ckpt found wrong stays in the shared cache: every blob is named by the
+    # hash of its content (sha256 for LFS files, the git blob id for small ones)
+    home = Path(os.environ["HF_HOME"])
+    blobs = [b for b in home.rglob("blobs/*") if b.is_file()]
+    for blob in blobs:
+        data = blob.read_bytes()
+        assert blob.name in (hashlib.sha256(data).hexdigest(), git_blob_id(data)), blob
+    assert result.json["error"]["message"].count(str(home)) >= 1
+    # the rerun fetches the shard again and succeeds (no hand cleanup)
+    again = run_ckpt("download", "hf://org/model", dest, "--json")
+    assert again.exit_code == 0, again.stdout
+    got = read_all(dest)
+    assert all(torch.equal(got[n], t) for n, t in state.items())
+    assert json.loads((dest / "model.safetensors.index.json").read_text())["weight_map"]

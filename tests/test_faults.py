@@ -1,0 +1,677 @@
+"""Faults and hostile inputs (#19): nothing published wrong, nothing destroyed, no hang.
+
+Each test reproduces one failure of 0.1.0 with a real checkpoint written by the real writer,
+then judges the outcome with the real reader (`safe_open`, `torch.load(weights_only=True)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .conftest import REPO, CkptResult, run_ckpt, run_ckpt_process
+from .run_fixtures import trainer_checkpoint, weights
+
+
+def sharded_model(folder: Path) -> dict[str, torch.Tensor]:
+    """A three-shard safetensors checkpoint (huggingface_hub's writer); returns its state."""
+    state = {f"layer.{i}.weight": torch.full((16, 16), float(i)) for i in range(6)}
+    folder.mkdir(parents=True)
+    save_torch_state_dict(state, folder, max_shard_size=2500)
+    return state
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as fh:
+        return {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118
+
+
+# -- item 2: a manifest path that is a checkpoint file ---------------------------------------
+
+
+def test_write_manifest_over_a_shard_is_refused_even_with_force(tmp_path: Path) -> None:
+    src = tmp_path / "c"
+    sharded_model(src)
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    before = shard.read_bytes()
+    for extra in ([], ["--force"]):
+        result = run_ckpt("verify", src, "--write-manifest", "--manifest", shard, *extra, "--json")
+        assert result.exit_code == 2, result.stdout
+        assert "is a file of the checkpoint" in result.json["error"]["message"]
+        assert shard.read_bytes() == before
+    # a shard given as SRC: its siblings are files of the same checkpoint too
+    sibling = sorted(src.glob("model-*.safetensors"))[1]
+    kept = sibling.read_bytes()
+    result = run_ckpt(
+        "verify", shard, "--write-manifest", "--manifest", sibling, "--force", "--json"
+    )
+    assert result.exit_code == 2
+    assert sibling.read_bytes() == kept
+    # any existing file that is not a manifest is refused too, whatever the flags
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}')
+    result = run_ckpt("verify", src, "--write-manifest", "--manifest", notes, "--force")
+    assert result.exit_code == 2
+    assert json.loads(notes.read_text()) == {"mine": True}
+    # and a real manifest is still replaced with --force
+    ok = run_ckpt("verify", src, "--write-manifest")
+    assert ok.exit_code == 0, ok.stdout
+    again = run_ckpt("verify", src, "--write-manifest", "--force")
+    assert again.exit_code == 0, again.stdout
+
+
+# -- item 5: reshard into its own source -----------------------------------------------------
+
+
+def test_reshard_into_its_own_source_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "s"
+    sharded_model(src)
+    listing = sorted(p.name for p in src.iterdir())
+    result = run_ckpt("reshard", src, src / "rs", "--max-shard-size", "4KB", "--json")
+    assert result.exit_code == 2, result.stdout
+    assert "overlaps the source" in result.json["error"]["message"]
+    assert sorted(p.name for p in src.iterdir()) == listing
+
+
+# -- item 6: ckpt's own staging names are never part of a checkpoint -------------------------
+
+
+def test_staging_debris_is_never_part_of_a_manifest_or_listing(tmp_path: Path) -> None:
+    src = tmp_path / "c"
+    sharded_model(src)
+    # what a SIGKILLed `verify --write-manifest` and a killed convert leave behind
+    debris = src / ".ckpt-manifest.json.ckpt-tmp-k2j4x"
+    debris.mkdir()
+    (debris / "ckpt-manifest.json").write_text("{")
+    (src / ".model.ckpt-old-1234").mkdir()
+    (src / ".model.ckpt-old-1234" / "x.safetensors").write_bytes(b"junk")
+    written = run_ckpt("verify", src, "--write-manifest", "--json")
+    assert written.exit_code == 0, written.stdout
+    recorded = json.loads((src / "ckpt-manifest.json").read_text())["files"]
+    assert all(".ckpt-" not in name for name in recorded), recorded
+    # the debris vanishes (as a later cleanup does): the checksums still hold
+    (debris / "ckpt-manifest.json").unlink()
+    debris.rmdir()
+    checked = run_ckpt("verify", src, "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout
+    listing = run_ckpt("inspect", src, "--json")
+    assert listing.exit_code == 0
+    assert ".ckpt-" not in json.dumps(listing.json["result"].get("files", []))
+
+
+# -- item 4 and #12: publishing --------------------------------------------------------------
+
+
+def test_published_outputs_get_umask_permissions_not_0700(tmp_path: Path) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    old = os.umask(0o022)
+    try:
+        folder = run_ckpt("convert", src, tmp_path / "out", "--to", "safetensors")
+        single = run_ckpt("convert", src, tmp_path / "one.safetensors", "--to", "safetensors")
+        torch_file = run_ckpt("convert", src, tmp_path / "m.pt", "--to", "torch")
+    finally:
+        os.umask(old)
+    assert folder.exit_code == single.exit_code == torch_file.exit_code == 0
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "one.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "m.pt").stat().st_mode) == 0o644
+    for inner in (tmp_path / "out").iterdir():
+        assert stat.S_IMODE(inner.stat().st_mode) == 0o644
+
+
+#: runs `ckpt convert --force` in a real process that dies (os._exit, as SIGKILL would) at
+#: rename number KILL_AT + 1 of the publish step, or (KILL_AT=rmtree) just before the old copy
+#: is removed
+KILLED_PUBLISH = textwrap.dedent(
+    """
+    import os, shutil, sys
+
+    calls = [0]
+    real_rename, real_rmtree = os.rename, shutil.rmtree
+    kill_at = os.environ["KILL_AT"]
+
+    def rename(a, b, *args, **kwargs):
+        calls[0] += 1
+        if kill_at != "rmtree" and calls[0] > int(kill_at):
+            os._exit(137)
+        return real_rename(a, b, *args, **kwargs)
+
+    def rmtree(path, *args, **kwargs):
+        if kill_at == "rmtree" and ".ckpt-old-" in str(path):
+            os._exit(137)
+        return real_rmtree(path, *args, **kwargs)
+
+    import ckpt_cli.output as output
+    output.os.rename = rename
+    output.shutil.rmtree = rmtree
+    from ckpt_cli.__main__ import entry
+    sys.argv = ["ckpt", *sys.argv[1:]]
+    entry()
+    """
+)
+
+
+def _killed_force_convert(src: Path, dest: Path, kill_at: str, exchange: bool) -> int:
+    env = dict(os.environ, PYTHONPATH=str(REPO), KILL_AT=str(kill_at))
+    if not exchange:
+        env["CKPT_NO_RENAME_EXCHANGE"] = "1"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            KILLED_PUBLISH,
+            "convert",
+            str(src),
+            str(dest),
+            "--to",
+            "safetensors",
+            "--force",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc.returncode
+
+
+def test_force_swaps_atomically_and_a_killed_replace_leaves_a_complete_dest(
+    tmp_path: Path,
+) -> None:
+    old_src, new_src = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    save_file(weights(1), old_src)
+    save_file(weights(2), new_src)
+    dest = tmp_path / "dest"
+    assert run_ckpt("convert", old_src, dest, "--to", "safetensors").exit_code == 0
+    # killed right after the swap (renameat2 RENAME_EXCHANGE: one atomic step), before the
+    # old copy is removed: DEST is the complete new output
+    assert _killed_force_convert(new_src, dest, kill_at="rmtree", exchange=True) == 137
+    got = read_safetensors(next(dest.glob("*.safetensors")))
+    assert all(torch.equal(got[k], v) for k, v in weights(2).items())
+    # the old copy waits whole under a name of its own (not `.ckpt-tmp-`: prune's debris)
+    assert not list(tmp_path.glob(".dest.ckpt-tmp-*"))
+    (old,) = tmp_path.glob(".dest.ckpt-old-*")
+    kept = read_safetensors(next(old.glob("*.safetensors")))
+    assert all(torch.equal(kept[k], v) for k, v in weights(1).items())
+    # killed at any rename of the publish: DEST is always a complete checkpoint
+    for kill_at in ("0", "1", "2"):
+        _killed_force_convert(old_src, dest, kill_at=kill_at, exchange=True)
+        assert read_safetensors(next(dest.glob("*.safetensors")))
+
+
+def test_a_replace_killed_between_two_renames_says_where_the_old_copy_is(
+    tmp_path: Path,
+) -> None:
+    old_src, new_src = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    save_file(weights(1), old_src)
+    save_file(weights(2), new_src)
+    dest = tmp_path / "dest"
+    assert run_ckpt("convert", old_src, dest, "--to", "safetensors").exit_code == 0
+    # the fallback (no renameat2): killed after moving the old DEST aside
+    assert _killed_force_convert(new_src, dest, kill_at="3", exchange=False) == 137
+    assert not dest.exists()
+    old = list(tmp_path.glob(".dest.ckpt-old-*"))
+    assert len(old) == 1
+    result = run_ckpt("inspect", dest, "--json")
+    assert result.exit_code == 3
+    message = result.json["error"]["message"]
+    assert str(old[0]) in message and "mv " in message
+    # the old copy is whole: moving it back recovers the checkpoint
+    old[0].rename(dest)
+    got = read_safetensors(next(dest.glob("*.safetensors")))
+    assert all(torch.equal(got[k], v) for k, v in weights(1).items())
+    # prune --incomplete does not call it debris
+    assert TMP_NOT_IN(old[0].name)
+
+
+def TMP_NOT_IN(name: str) -> bool:
+    from ckpt_cli.output import TMP_MARKER
+
+    return TMP_MARKER not in name
+
+
+# -- item 9: FIFOs and other non-regular files never block -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [".metadata", "model.safetensors.index.json", "model.safetensors", "model.pt", "config.json"],
+)
+def test_a_fifo_in_a_checkpoint_never_hangs(tmp_path: Path, name: str) -> None:
+    folder = tmp_path / "c"
+    folder.mkdir()
+    if name == "config.json":  # beside real weights: a Trainer-like folder
+        save_file(weights(1), folder / "model.safetensors")
+    os.mkfifo(folder / name)
+    for command in (["inspect"], ["verify"], ["verify", "--checksums"]):
+        result = run_ckpt_process(*command, folder, "--json", timeout=60)
+        assert result.exit_code in (0, 1, 3, 4), result.stderr
+        assert "internal error" not in result.stdout + result.stderr
+
+
+def test_a_fifo_in_a_run_folder_never_hangs(tmp_path: Path) -> None:
+    run = tmp_path / "out"
+    trainer_checkpoint(run / "checkpoint-100", 100)
+    trainer_checkpoint(run / "checkpoint-200", 200)
+    (run / "checkpoint-200" / "trainer_state.json").unlink()
+    os.mkfifo(run / "checkpoint-200" / "trainer_state.json")
+    for command in (["latest", run], ["inspect", run], ["prune", run, "--keep-last", "1"]):
+        result = run_ckpt_process(*command, "--json", timeout=60)
+        assert "internal error" not in result.stdout + result.stderr, result.stderr
+    latest = run_ckpt_process("latest", run, "--json", timeout=60)
+    assert latest.exit_code == 0
+    assert "checkpoint-100" in json.dumps(latest.json["result"]["latest"])
+
+
+# -- item 11: deeply nested JSON -------------------------------------------------------------
+
+
+def test_json_nested_100000_deep_exits_4_naming_the_file(tmp_path: Path) -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    # a safetensors header
+    header = f'{{"__metadata__": {{"x": "y"}}, "t": {deep}}}'.encode()
+    bad = tmp_path / "deep.safetensors"
+    bad.write_bytes(len(header).to_bytes(8, "little") + header)
+    # an index
+    idx = tmp_path / "idx"
+    idx.mkdir()
+    save_file(weights(1), idx / "model-00001-of-00001.safetensors")
+    (idx / "model.safetensors.index.json").write_text(f'{{"weight_map": {deep}}}')
+    # a Trainer JSON component
+    trainer = tmp_path / "checkpoint-5"
+    trainer_checkpoint(trainer, 5)
+    (trainer / "trainer_state.json").write_text(f'{{"log_history": {deep}}}')
+    for target, named in ((bad, bad), (idx, idx / "model.safetensors.index.json")):
+        result = run_ckpt_process("inspect", target, "--json", timeout=60)
+        assert result.exit_code == 4, result.stdout + result.stderr
+        assert str(named) in result.json["error"]["message"]
+    result = run_ckpt_process("verify", trainer, "--json", timeout=60)
+    assert result.exit_code in (1, 4), result.stdout + result.stderr
+    assert "trainer_state.json" in result.stdout
+    assert "internal" not in result.stdout
+
+
+# -- item 8: budgets for the restricted reader's output --------------------------------------
+
+
+def _billion_laughs(path: Path) -> None:
+    """2 KB on disk, 2^40 paths: each of 40 nested dicts holds the next one twice."""
+    node: dict[str, object] = {"w": torch.zeros(2)}
+    for _ in range(40):
+        node = {"a": node, "b": node}
+    torch.save({"model": node}, path)
+
+
+def test_a_billion_laughs_torch_file_exits_4_quickly_in_bounded_memory(tmp_path: Path) -> None:
+    bomb = tmp_path / "optimizer.pt"
+    _billion_laughs(bomb)
+    assert bomb.stat().st_size < 4096
+    runs = [
+        ("inspect", bomb),
+        ("verify", bomb),
+        ("convert", bomb, tmp_path / "out", "--to", "safetensors"),
+    ]
+    for args in runs:
+        # generous bounds (0.1.0: past 60 s and 1.6 GB RSS, still rising)
+        result = _bounded(*args, "--json")
+        assert result.exit_code in (1, 4), result.stdout
+        assert str(bomb) in result.stdout and "billion laughs" in result.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_shared_sub_objects_are_flattened_once(tmp_path: Path) -> None:
+    # modest sharing (a real file may reference one dict twice): read fine, nothing doubled
+    shared = {"lr": 0.1, "betas": [0.9, 0.99]}
+    torch.save({"w": torch.ones(3), "g1": shared, "g2": shared}, tmp_path / "s.pt")
+    result = run_ckpt("inspect", tmp_path / "s.pt", "--json")
+    assert result.exit_code == 0
+    assert result.json["result"]["tensors"] == 1
+    out = tmp_path / "s2.pt"
+    assert run_ckpt("convert", tmp_path / "s.pt", out, "--to", "torch").exit_code == 0
+    back = torch.load(out, weights_only=True)
+    assert back["g1"] == back["g2"] == shared
+    assert run_ckpt("diff", tmp_path / "s.pt", out).exit_code == 0
+
+
+def _bounded(*args: str | os.PathLike[str]) -> CkptResult:
+    """Run `ckpt ARGS` as a real process; fail past 120 s of wall time or 1.2 GB of RSS."""
+    import tempfile
+
+    import psutil
+
+    started = time.monotonic()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # output to files, not pipes: a large report must not block on a full pipe
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = psutil.Popen(
+            [sys.executable, "-m", "ckpt_cli", *[str(a) for a in args]],
+            env=env,
+            stdout=out,
+            stderr=err,
+        )
+        peak = 0
+        try:
+            while proc.poll() is None:
+                peak = max(peak, proc.memory_info().rss)
+                assert peak < 1_200_000_000, f"RSS {peak} past 1.2 GB"
+                with contextlib.suppress(psutil.TimeoutExpired):
+                    proc.wait(timeout=0.2)
+                assert time.monotonic() - started < 120, "past 120 s"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return CkptResult(proc.returncode, out.read(), err.read())
+
+
+# -- item 10: run-folder and shard discovery is linear ---------------------------------------
+
+
+def test_a_folder_of_10000_numbered_files_is_inspected_in_bounded_time(tmp_path: Path) -> None:
+    # 0.1.0 listed the whole folder once per file (3,000 files: 300 s; 10,000: hours)
+    run = tmp_path / "files"
+    run.mkdir()
+    for i in range(10_000):
+        (run / f"step-{i}.safetensors").touch()
+    result = _bounded("inspect", run, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert len(result.json["result"]["run"]["checkpoints"]) == 10_000
+
+
+def test_a_run_of_1000_accelerate_like_folders_is_judged_in_bounded_time(tmp_path: Path) -> None:
+    # unmarked layouts are judged against the other saves: once each, not N² intersections
+    run = tmp_path / "folders"
+    for i in range(1_000):
+        (run / f"checkpoint_{i}").mkdir(parents=True)
+        (run / f"checkpoint_{i}" / "model.safetensors").touch()
+        if i % 2:
+            (run / f"checkpoint_{i}" / "optimizer.bin").touch()
+    result = _bounded("latest", run, "--json")
+    assert result.exit_code in (0, 3), result.stderr
+
+
+# -- item 12: OS errors are expected failures (exit 74), staging cleaned ---------------------
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs (needs root / CAP_SYS_ADMIN: skipped with the reason otherwise)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("to", ["torch", "safetensors", "dcp"])
+def test_a_full_disk_exits_74_naming_dest_and_errno_and_removes_staging(
+    tmp_path: Path, tiny_fs: Path, to: str
+) -> None:
+    src = tmp_path / "big.safetensors"
+    save_file({"w": torch.randn(1024, 1024), "b": torch.randn(1024)}, src)  # 4 MiB
+    dest = tiny_fs / f"out-{to}"
+    result = run_ckpt_process("convert", src, dest, "--to", to, "--json")
+    assert result.exit_code == 74, result.stdout + result.stderr
+    error = result.json["error"]
+    assert error["code"] == "io_error" and "ENOSPC" in error["message"]
+    assert str(dest) in error["message"]
+    assert list(tiny_fs.iterdir()) == []  # no staging left behind
+
+
+def test_a_full_disk_under_reshard_exits_74(tmp_path: Path, tiny_fs: Path) -> None:
+    src = tmp_path / "s"
+    src.mkdir()
+    save_file({f"w{i}": torch.randn(256, 1024) for i in range(4)}, src / "model.safetensors")
+    result = run_ckpt_process("reshard", src, tiny_fs / "rs", "--max-shard-size", "1MB", "--json")
+    assert result.exit_code == 74, result.stdout + result.stderr
+    assert list(tiny_fs.iterdir()) == []
+
+
+def test_a_read_only_filesystem_exits_74(tmp_path: Path, tiny_fs: Path) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
+    result = run_ckpt_process("convert", src, tiny_fs / "out", "--to", "torch", "--json")
+    assert result.exit_code == 74, result.stdout + result.stderr
+    assert "EROFS" in result.json["error"]["message"]
+
+
+def test_eio_on_read_exits_74_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+
+    def failing_pread(fd: int, n: int, offset: int) -> bytes:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))  # a bad sector under the header
+
+    monkeypatch.setattr(os, "pread", failing_pread)
+    result = run_ckpt("inspect", src, "--json")
+    assert result.exit_code == 74, result.stdout
+    assert "EIO" in result.json["error"]["message"] and str(src) in result.json["error"]["message"]
+
+
+@pytest.mark.parametrize("code", [errno.EXDEV, errno.EACCES])
+def test_a_failed_rename_on_publish_exits_74_and_removes_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def failing_rename(a: str, b: str) -> None:
+        raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+    import ckpt_cli.output
+
+    monkeypatch.setattr(ckpt_cli.output.os, "rename", failing_rename)
+    result = run_ckpt("convert", src, out / "dest", "--to", "torch", "--json")
+    assert result.exit_code == 74, result.stdout
+    assert errno.errorcode[code] in result.json["error"]["message"]
+    assert list(out.iterdir()) == []
+
+
+# -- item 13: SIGTERM and SIGHUP are handled like Ctrl-C -------------------------------------
+
+
+def _ckpt_popen(*args: str | os.PathLike[str], delay: float = 0.0) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if delay:
+        env["CKPT_TEST_COPY_DELAY"] = str(delay)  # seconds per entry: the signal lands mid-copy
+    return subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", *[str(a) for a in args]],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_staging(parent: Path, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 120
+    while not list(parent.glob(".*.ckpt-tmp-*")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no staging folder appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)]
+)
+@pytest.mark.parametrize("command", ["convert", "reshard"])
+def test_a_signal_mid_write_cleans_up_and_exits_with_its_code(
+    tmp_path: Path, signum: int, code: int, command: str
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({f"w{i}": torch.randn(64, 64) for i in range(20)}, src / "model.safetensors")
+    dest = tmp_path / "out" / "dest"
+    dest.parent.mkdir()
+    args = (
+        ["convert", src, dest, "--to", "torch"]
+        if command == "convert"
+        else ["reshard", src, dest, "--max-shard-size", "40KB"]
+    )
+    proc = _ckpt_popen(*args, delay=0.3)
+    _wait_for_staging(dest.parent, proc)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr and "partial output was removed" in " ".join(stderr.split())
+    assert list(dest.parent.iterdir()) == []  # no DEST, no staging
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (the SigCgt mask of /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def test_ctrl_c_in_the_first_second_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    for wait in (0.0, 0.1, 0.3):
+        proc = _ckpt_popen("inspect", src)
+        # ckpt's handlers are installed first thing (SIGTERM shows as caught in /proc), before
+        # the heavy imports; before that moment the interpreter itself is still starting
+        deadline = time.monotonic() + 60
+        while not _catches(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None, "ckpt ran to the end without handling SIGTERM"
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        time.sleep(wait)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+        if proc.returncode == 0:
+            continue  # finished before the signal arrived
+        assert proc.returncode == 130, stderr
+        assert "Traceback" not in stderr, stderr
+
+
+def test_ctrl_c_while_torch_save_writes_exits_130_cleanly(tmp_path: Path) -> None:
+    src = tmp_path / "big.safetensors"
+    save_file({"w": torch.randn(2048, 2048)}, src)  # 16 MiB: torch.save takes a while
+    dest = tmp_path / "out" / "big.pt"
+    dest.parent.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # slow each write of torch.save's zip writer so the signal lands inside torch.save
+    script = textwrap.dedent(
+        """
+        import sys, time
+        import ckpt_cli.formats.torch_save as ts
+
+        real = ts._RecordingWriter.write
+        def slow(self, data):
+            time.sleep(0.01)
+            return real(self, data)
+        ts._RecordingWriter.write = slow
+        from ckpt_cli.__main__ import entry
+        sys.argv = ["ckpt", *sys.argv[1:]]
+        entry()
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "convert", str(src), str(dest), "--to", "torch"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not any(p.is_file() for p in dest.parent.glob(".*.ckpt-tmp-*/*")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "internal error" not in stderr and "Traceback" not in stderr
+    assert list(dest.parent.iterdir()) == []
+
+
+# -- item 3: convert never drops an unreadable component silently ----------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncated", "hostile"])
+def test_convert_fails_on_an_unreadable_component_unless_excluded(
+    tmp_path: Path, damage: str
+) -> None:
+    src = tmp_path / "checkpoint-5"
+    trainer_checkpoint(src, 5)
+    optimizer = src / "optimizer.pt"
+    if damage == "truncated":
+        optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    else:
+        import pickle
+
+        class Evil:
+            def __reduce__(self) -> tuple[object, tuple[str]]:
+                return (os.system, ("echo pwned",))
+
+        optimizer.write_bytes(pickle.dumps({"state": Evil()}))
+    for to in ("safetensors", "torch"):
+        dest = tmp_path / f"out-{to}"
+        result = run_ckpt("convert", src, dest, "--to", to, "--json")
+        assert result.exit_code == 4, result.stdout
+        message = result.json["error"]["message"]
+        assert "optimizer" in message and str(optimizer) in message and "--exclude" in message
+        assert not dest.exists()
+        # left out explicitly: converted, and `skipped` says what and why
+        kept = run_ckpt("convert", src, dest, "--to", to, "--exclude", "optimizer*", "--json")
+        assert kept.exit_code == 0, kept.stdout
+        skipped = [s for s in kept.json["result"]["skipped"] if s["kind"] == "component"]
+        assert [s["name"] for s in skipped] == ["optimizer"]
+        assert "unreadable" in skipped[0]["reason"] and "--exclude" in skipped[0]["reason"]
+    # the real reader: the weights are there, no optimizer entry
+    files = [p for p in (tmp_path / "out-torch").rglob("*") if p.suffix in (".pt", ".bin")]
+    loaded = {k: v for f in files for k, v in torch.load(f, weights_only=True).items()}
+    assert loaded and not any(k.startswith("optimizer") for k in loaded)
+
+
+def test_a_4_tib_stride_0_tensor_in_a_tiny_file_is_refused(tmp_path: Path) -> None:
+    bomb = tmp_path / "stride0.pt"
+    torch.save({"big": torch.zeros(1).expand(2**40)}, bomb)  # 4 TiB named, 4 bytes stored
+    assert bomb.stat().st_size < 4096
+    verify = _bounded("verify", bomb, "--json")
+    assert verify.exit_code == 1, verify.stdout  # 0.1.0 called it OK
+    assert "stride [0]" in verify.stdout
+    for args in (("inspect", bomb), ("convert", bomb, tmp_path / "out", "--to", "safetensors")):
+        result = _bounded(*args, "--json")
+        assert result.exit_code == 4, result.stdout
+        assert str(bomb) in result.json["error"]["message"]
+    assert not (tmp_path / "out").exists()
