@@ -266,7 +266,13 @@ def plan_world_size(
             continue
         itemsize = entry.nbytes // entry.numel if entry.numel else 0
         chunks = []
+        seen: set[tuple[int, ...]] = set()
         for rank, box in enumerate(shard_boxes(entry.shape, world_size, dim)):
+            # ranks past the end get empty boxes at the same offset; DCP keys chunks by
+            # offset, so (like dcp.save's plan dedup and our convert) only the first is kept
+            if box.offsets in seen:
+                continue
+            seen.add(box.offsets)
             chunks.append(rank_chunk(rank, box))
             load[rank] += box.numel * itemsize
         planned[entry.name] = entry.model_copy(
