@@ -7,6 +7,7 @@ torchrun with gloo) and every output is judged by `dcp.load`, bit-exact.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,54 @@ def test_three_rank_save_with_empty_shards_reshards_to_three_and_two(tmp_path: P
         run_torchrun(HERE / "reshard_worker.py", n, "load", jobs_file)
         summary = json.loads(Path(f"{jobs_file}.result.json").read_text())
         assert summary[0]["problems"] == [] and summary[0]["sharded"] == 4, summary
+
+
+# --- dtypes DCP round-trips ------------------------------------------------------------------
+
+
+def exotic_state() -> dict[str, torch.Tensor]:
+    """One tensor of each dtype `dcp.save` round-trips that 0.1.0 did not know."""
+    torch.manual_seed(0)
+    return {
+        "f32": torch.randn(3, 2),
+        "e4m3fnuz": torch.randn(4, 2).to(torch.float8_e4m3fnuz),
+        "e5m2fnuz": torch.randn(4, 2).to(torch.float8_e5m2fnuz),
+        "c128": torch.randn(3, dtype=torch.complex128),
+        "c32": torch.randn(3, dtype=torch.complex64).to(torch.complex32),
+        "f4x2": torch.randint(0, 255, (4, 2), dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+        "u16": torch.randint(0, 60000, (3,), dtype=torch.int32).to(torch.uint16),
+        "u32": torch.randint(0, 1 << 31, (3,), dtype=torch.int64).to(torch.uint32),
+        "u64": torch.randint(0, 1 << 62, (3,), dtype=torch.int64).to(torch.uint64),
+    }
+
+
+def test_dtypes_dcp_round_trips_are_read_converted_and_resharded(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex32 is "experimental"
+        state = exotic_state()
+        dcp_save(state, tmp_path / "src")
+    inspect = run_ckpt("inspect", tmp_path / "src", "--json")
+    assert inspect.exit_code == 0, inspect.stdout + inspect.stderr
+    tensors = {t["name"]: t for t in inspect.json["result"]["entries"]}
+    for name, value in state.items():
+        assert tensors[name]["dtype"] == str(value.dtype).removeprefix("torch.")
+        assert tensors[name]["nbytes"] == value.numel() * value.element_size()
+    verify = run_ckpt("verify", tmp_path / "src", "--deep")
+    assert verify.exit_code == 0, verify.stdout + verify.stderr
+    for args in (["convert", "--to", "dcp"], ["reshard", "--world-size", "2"]):
+        out = tmp_path / args[0]
+        result = run_ckpt(args[0], tmp_path / "src", out, *args[1:])
+        assert result.exit_code == 0, result.stdout + result.stderr
+        assert_same(load_like(out, state), state)
+        assert run_ckpt("diff", tmp_path / "src", out).exit_code == 0
+    result = run_ckpt("convert", tmp_path / "src", tmp_path / "t.pt", "--to", "torch")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert_same(torch.load(tmp_path / "t.pt", weights_only=True), state)
+
+
+def test_dtype_safetensors_cannot_store_is_a_clear_refusal(tmp_path: Path) -> None:
+    dcp_save({"c128": torch.randn(3, dtype=torch.complex128)}, tmp_path / "src")
+    result = run_ckpt("convert", tmp_path / "src", tmp_path / "out", "--to", "safetensors")
+    assert result.exit_code == 4
+    assert "complex128" in result.stderr and "c128" in result.stderr
+    assert not (tmp_path / "out").exists()

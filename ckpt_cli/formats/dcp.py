@@ -1213,6 +1213,12 @@ class DcpWriter(Writer):
                 continue
             if entry.dtype is None or not dtypes.is_known(entry.dtype):
                 raise FormatError(f"tensor {entry.name!r} has no supported dtype ({entry.dtype!r})")
+            if self.serialization == "safetensors" and not dtypes.has_safetensors_code(entry.dtype):
+                raise FormatError(
+                    f"tensor {entry.name!r} is {entry.dtype}, which the safetensors "
+                    "serialization cannot store",
+                    fix="Use --dcp-serialization torch_save (the default), which keeps it.",
+                )
             chunks = self._plan_chunks(entry)
             self.layout[entry.name] = chunks
             self.results[entry.name] = [None] * len(chunks)

@@ -733,6 +733,15 @@ class SafetensorsWriter(Writer):
                 f"safetensors holds tensors only; {len(objects)} non-tensor entries were planned",
                 fix="Exclude them (the convert operation reports them as skipped).",
             )
+        unstorable = [e.name for e in plan if e.dtype and not dtypes.has_safetensors_code(e.dtype)]
+        if unstorable:
+            first = next(e for e in plan if e.name == unstorable[0])
+            raise FormatError(
+                f"safetensors has no dtype code for {first.dtype} (tensor {first.name!r}"
+                + (f" and {len(unstorable) - 1} more" if len(unstorable) > 1 else "")
+                + ")",
+                fix="Leave them out with --exclude, or convert to dcp or torch, which keep them.",
+            )
         self.metadata = dict(options.metadata)
         self.basename = options.basename or "model"
         self.groups = plan_shards(plan, options.max_shard_size)

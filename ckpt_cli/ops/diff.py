@@ -157,6 +157,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _values(t: torch.Tensor) -> torch.Tensor:
     import torch
 
+    if t.dtype == getattr(torch, "float4_e2m1fn_x2", None):
+        # packed 4-bit pairs have no conversion kernels: compare (and measure) the raw bytes
+        return t.view(torch.uint8).to(torch.float64)
     return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
 
 
