@@ -7,13 +7,17 @@ torchrun with gloo) and every output is judged by `dcp.load`, bit-exact.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+
+from ckpt_cli.formats.torch_save import object_allowlist
 
 from .conftest import run_ckpt
 from .dist_helpers import dcp_load_flat, dcp_save, run_torchrun
@@ -131,3 +135,131 @@ def test_dtype_safetensors_cannot_store_is_a_clear_refusal(tmp_path: Path) -> No
     assert result.exit_code == 4
     assert "complex128" in result.stderr and "c128" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+# --- numpy RNG state and torch.Generator objects ---------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """What training loops put in a DCP: numpy's legacy and Generator states, a torch.Generator."""
+    np.random.seed(3)
+    return {
+        "w": torch.randn(3),
+        "rng.numpy": np.random.get_state(),
+        "rng.generator": torch.Generator().manual_seed(5),
+        "rng.numpy_generator": np.random.default_rng(3).bit_generator.state,
+    }
+
+
+def assert_rng_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert torch.equal(got["w"], want["w"])
+    kind, keys, pos, has_gauss, cached = got["rng.numpy"]
+    assert (kind, pos, has_gauss, cached) == (want["rng.numpy"][0], *want["rng.numpy"][2:])
+    assert keys.dtype == want["rng.numpy"][1].dtype and (keys == want["rng.numpy"][1]).all()
+    assert isinstance(got["rng.generator"], torch.Generator)
+    assert torch.equal(got["rng.generator"].get_state(), want["rng.generator"].get_state())
+
+
+def test_numpy_rng_state_and_generator_objects_are_read_and_carried(tmp_path: Path) -> None:
+    state = rng_state()
+    dcp_save(state, tmp_path / "src")
+    inspect = run_ckpt("inspect", tmp_path / "src", "--json").json["result"]
+    types = {e["name"]: e["py_type"] for e in inspect["entries"] if e["kind"] == "object"}
+    assert types["rng.numpy"] == "tuple"  # numpy's state tuple, not "numpy.ndarray"
+    verify = run_ckpt("verify", tmp_path / "src", "--deep")
+    assert verify.exit_code == 0, verify.stdout + verify.stderr
+    for to in ("dcp", "torch"):
+        out = tmp_path / to
+        result = run_ckpt("convert", tmp_path / "src", out, "--to", to)
+        assert result.exit_code == 0, result.stdout + result.stderr
+        diff = run_ckpt("diff", tmp_path / "src", out)
+        assert diff.exit_code == 0, diff.stdout + diff.stderr
+        assert run_ckpt("verify", out, "--deep").exit_code == 0
+    back = tmp_path / "back"
+    assert run_ckpt("convert", tmp_path / "torch", back, "--to", "dcp").exit_code == 0
+    for folder in (tmp_path / "dcp", back):
+        assert_rng_equal(
+            dcp_load_flat(folder, {"w": torch.zeros(3), "rng.numpy": None, "rng.generator": None}),
+            state,
+        )
+
+
+def test_hostile_object_next_to_numpy_state_is_still_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {marker}",))
+
+    dcp_save(
+        {"w": torch.ones(2), "rng.numpy": np.random.get_state(), "evil": Evil()}, tmp_path / "src"
+    )
+    verify = run_ckpt("verify", tmp_path / "src", "--deep", "--json")
+    assert verify.exit_code == 1
+    problems = verify.json["result"]["problems"]
+    assert [p["tensor"] for p in problems if p["code"] == "unreadable"] == ["evil"]
+    assert run_ckpt("convert", tmp_path / "src", tmp_path / "out", "--to", "torch").exit_code == 4
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+TRAINER_SCRIPT = """
+import sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self):
+        self.x = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+torch.manual_seed(0)
+config = LlamaConfig(
+    vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+)
+args = TrainingArguments(
+    output_dir=sys.argv[1], max_steps=2, save_steps=2, per_device_train_batch_size=4,
+    use_cpu=True, report_to=[], dataloader_num_workers=0,
+)
+Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=Rows()).train()
+"""
+
+
+def test_trainer_checkpoint_converted_to_dcp_reads_back_its_numpy_rng(tmp_path: Path) -> None:
+    """#12: `convert --to dcp` of a real Trainer checkpoint, then ckpt's own readers on it."""
+    import subprocess
+    import sys
+
+    subprocess.run(
+        [sys.executable, "-c", TRAINER_SCRIPT, str(tmp_path / "run")],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    step = tmp_path / "run" / "checkpoint-2"
+    as_dcp = tmp_path / "dcp"
+    assert run_ckpt("convert", step, as_dcp, "--to", "dcp").exit_code == 0
+    verify = run_ckpt("verify", as_dcp, "--deep")
+    assert verify.exit_code == 0, verify.stdout + verify.stderr
+    back = tmp_path / "back.pt"
+    result = run_ckpt("convert", as_dcp, back, "--to", "torch")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    # (trainer_state's JSON flattening is #12's other bullet, judged in the roundtrip tests)
+    filters = ["-k", "rng.*", "-k", "model.*", "-k", "optimizer.*", "-k", "scheduler.*"]
+    diff = run_ckpt("diff", as_dcp, back, *filters, "--json")
+    assert diff.exit_code == 0, diff.stdout + diff.stderr
+    assert diff.json["result"]["compared"] > 80
+    # dcp.load restores the Trainer's numpy state exactly as rng_state.pth holds it
+    with torch.serialization.safe_globals(object_allowlist()):
+        saved = torch.load(step / "rng_state.pth", weights_only=True)
+    loaded = dcp_load_flat(as_dcp, {"rng.numpy": None})
+    assert loaded["rng.numpy"][0] == saved["numpy"][0] == "MT19937"
+    assert (loaded["rng.numpy"][1] == saved["numpy"][1]).all()
+    assert loaded["rng.numpy"][2:] == saved["numpy"][2:]

@@ -1109,15 +1109,23 @@ class DcpCheckpoint(Checkpoint):
         return self.storage.read(entry.file, entry.offset, entry.nbytes)
 
     def read_object(self, name: str) -> Any:
-        """The value of a non-tensor entry, loaded with `torch.load(weights_only=True)`."""
+        """The value of a non-tensor entry, loaded with `torch.load(weights_only=True)`.
+
+        Beyond torch's own set, only `torch_save.object_allowlist()` is admitted: numpy arrays
+        and dtypes (RNG states) and `torch.Generator`.
+        """
         import pickle
 
         import torch
 
+        from .torch_save import object_allowlist
+
         data = self.read_object_bytes(name)
         entry = self.manifest.by_name[name]
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            # numpy RNG states and torch.Generator objects, which dcp.load restores too
+            with torch.serialization.safe_globals(object_allowlist()):
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             raise FormatError(
                 f"object {name!r} needs more than torch.load(weights_only=True) allows "

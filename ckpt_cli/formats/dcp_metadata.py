@@ -296,11 +296,36 @@ def _latin1_encode(text: Any, encoding: str = "latin1") -> bytes:
     return text.encode("latin1")
 
 
+class _NumpyStub:
+    """What the peek makes of a numpy array or dtype: nothing is built, the state is dropped.
+
+    Lets a container holding arrays (numpy's `get_state()` tuple) be named by its own type
+    (`tuple`) rather than by the first global inside it."""
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _numpy_stub(*args: Any) -> _NumpyStub:
+    return _NumpyStub()
+
+
 _PLAIN_GLOBALS: dict[tuple[str, str], Any] = {
     ("_codecs", "encode"): _latin1_encode,
     ("collections", "OrderedDict"): dict,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
+    # the globals numpy arrays pickle through (as in torch_save.object_allowlist); only stubs
+    **{
+        (module, name): _numpy_stub
+        for module in ("numpy._core.multiarray", "numpy.core.multiarray")
+        for name in ("_reconstruct", "scalar")
+    },
+    ("numpy", "ndarray"): _NumpyStub,
+    ("numpy", "dtype"): _numpy_stub,
 }
 _KNOWN_TYPES = {
     "numpy._core.multiarray._reconstruct": "numpy.ndarray",
@@ -359,6 +384,8 @@ def peek_saved_object(blob: bytes) -> tuple[str | None, Any]:
         return opaque.what, None
     except Exception:
         return None, None
+    if isinstance(value, _NumpyStub):
+        return "numpy.ndarray", None
     return type(value).__name__, (list(value) if isinstance(value, tuple) else value) if _small(
         value
     ) else None

@@ -105,6 +105,26 @@ def _numpy_allowlist() -> list[Any]:
     return allow
 
 
+def _generator_allowlist() -> list[Any]:
+    """`torch.Generator`, which `torch.save` pickles as `Generator(device)` + its state tensor.
+
+    Rebuilding one only sets an RNG state (`Generator.__setstate__`); `dcp.load` restores such
+    objects, so ckpt's readers must too.
+    """
+    import torch
+
+    return [(torch.Generator, "torch._C.Generator")]
+
+
+def object_allowlist() -> list[Any]:
+    """What ckpt admits beyond torch's own weights_only set when loading saved objects.
+
+    The numpy array and dtype globals transformers and accelerate allow-list for RNG states,
+    and `torch.Generator`; nothing that can call arbitrary code. Shared by the DCP reader.
+    """
+    return [*_numpy_allowlist(), *_generator_allowlist()]
+
+
 #: classes DeepSpeed pickles into its checkpoints that only carry data (loss scaler settings,
 #: the ZeRO stage, parameter fragment addresses). They load as inert records: their pickled
 #: state is kept, their code is never imported or run. Without them no ZeRO optimizer file
@@ -180,7 +200,7 @@ def _safe_globals() -> Iterator[None]:
     import torch
 
     inert = [(cls, name) for name, cls in _INERT.items()]
-    with torch.serialization.safe_globals([*_numpy_allowlist(), *inert]):
+    with torch.serialization.safe_globals([*object_allowlist(), *inert]):
         yield
 
 

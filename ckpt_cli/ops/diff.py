@@ -223,6 +223,13 @@ def _raw_equal(ca: Checkpoint, cb: Checkpoint, ea: Entry, eb: Entry) -> bool:
 def _plain(value: Any) -> Any:
     if isinstance(value, io.BytesIO):
         return value.getvalue()
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ == "ndarray":
+        # arrays (numpy RNG states) compare by dtype, shape and bytes, not elementwise `==`
+        return ("numpy.ndarray", value.dtype.str, value.shape, value.tobytes())
+    if f"{kind.__module__}.{kind.__name__}" in ("torch.Generator", "torch._C.Generator"):
+        # a Generator compares by identity; its device and RNG state are what it holds
+        return ("torch.Generator", str(value.device), value.get_state())
     return value
 
 
