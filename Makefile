@@ -14,7 +14,7 @@ PIP := $(PY) -m pip install -qqq --disable-pip-version-check
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev]'
+	$(PIP) torch==2.13.0 -e '.[dev,frameworks]'
 	touch $(STAMP)
 
 demo: $(STAMP)

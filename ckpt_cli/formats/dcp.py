@@ -60,7 +60,9 @@ from .dcp_metadata import (
     MetadataIndex,
     StorageInfo,
     TensorStorageMetadata,
+    common_leaf,
     load_metadata,
+    peek_saved_mapping,
     peek_saved_object,
     peek_saved_tensor,
 )
@@ -111,6 +113,8 @@ class _Layout:
     files: dict[str, int] = field(default_factory=dict)
     planner_data: Any = None
     version: str | None = None
+    #: Megatron-Core torch_dist: metadata.json's backend fields and common.pt's keys
+    megatron: dict[str, Any] | None = None
 
     def problem(
         self, code: str, message: str, file: str | None = None, tensor: str | None = None
@@ -391,7 +395,94 @@ def _analyse_unpaused(source: Source) -> _Layout:
         )
     _check_files(layout)
     _check_coverage(layout)
+    _read_megatron_common(storage, listing, layout)
     return layout
+
+
+#: Megatron-Core `dist_checkpointing` (`torch_dist` backend) writes these beside the DCP files
+MEGATRON_COMMON = "common.pt"
+MEGATRON_METADATA = "metadata.json"
+_MEGATRON_COMMON_MAX = 256 << 20
+_MEGATRON_METADATA_MAX = 1 << 20
+
+
+def _read_megatron_common(storage: Storage, listing: dict[str, int], layout: _Layout) -> None:
+    """Megatron-Core torch_dist: `metadata.json` (backend names) and `common.pt` (the state
+    every rank shares: iteration, args, ...), whose top-level keys Megatron merges into the
+    sharded state on load. Each key becomes an object entry read from `common.pt`; the peek
+    uses no torch and resolves no global (`peek_saved_mapping`)."""
+    if MEGATRON_METADATA not in listing and MEGATRON_COMMON not in listing:
+        return
+    info: dict[str, Any] = {}
+    if MEGATRON_METADATA in listing:
+        try:
+            if listing[MEGATRON_METADATA] > _MEGATRON_METADATA_MAX:
+                raise ValueError("larger than 1 MiB")
+            doc = json.loads(storage.read_all(MEGATRON_METADATA))
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError) as exc:
+            layout.problem(
+                "megatron_metadata",
+                f"{MEGATRON_METADATA} is not Megatron-Core's backend description ({exc})",
+                file=MEGATRON_METADATA,
+            )
+            doc = {}
+        info["metadata"] = {k: v for k, v in doc.items() if isinstance(v, (str, int, float))}
+        if doc.get("sharded_backend") not in (None, "torch_dist"):
+            layout.problem(
+                "megatron_backend",
+                f"{MEGATRON_METADATA} names sharded backend {doc.get('sharded_backend')!r}; "
+                "only torch_dist (a DCP) is read",
+                file=MEGATRON_METADATA,
+            )
+    if MEGATRON_COMMON not in listing:
+        layout.problem(
+            "megatron_missing_common",
+            f"{MEGATRON_COMMON} is missing: Megatron-Core keeps the state every rank shares "
+            "(iteration, args...) in it, and its load needs it",
+            file=MEGATRON_COMMON,
+        )
+        layout.megatron = info
+        return
+    keys = None
+    if listing[MEGATRON_COMMON] <= _MEGATRON_COMMON_MAX:
+        keys = peek_saved_mapping(storage.read_all(MEGATRON_COMMON))
+    if keys is None:
+        layout.problem(
+            "megatron_common",
+            f"{MEGATRON_COMMON} is not a torch.save file of a dict with string keys (or is "
+            "larger than 256 MiB)",
+            file=MEGATRON_COMMON,
+        )
+        keys = {}
+    taken = {e.name for e in layout.entries}
+    for key, (py_type, value) in keys.items():
+        if key in taken:
+            layout.problem(
+                "megatron_common_clash",
+                f"{MEGATRON_COMMON} key {key!r} is also a sharded entry; the sharded one is read",
+                file=MEGATRON_COMMON,
+                tensor=key,
+            )
+            layout.problems[-1] = layout.problems[-1].model_copy(update={"severity": "warning"})
+            continue
+        layout.entries.append(
+            Entry.model_construct(
+                name=key,
+                kind="object",
+                dtype=None,
+                shape=[],
+                nbytes=0,
+                file=MEGATRON_COMMON,
+                offset=None,
+                chunks=None,
+                py_type=py_type,
+                value=value,
+            )
+        )
+    info["common"] = sorted(keys)
+    layout.megatron = info
 
 
 def _analyse_hf_shards(source: Source, listing: dict[str, int]) -> _Layout:
@@ -828,7 +919,7 @@ class DcpFormat(Format):
         files = [
             FileInfo(path=name, size=size, entries=0)
             for name, size in layout.files.items()
-            if name == METADATA
+            if name in (METADATA, MEGATRON_COMMON, MEGATRON_METADATA)
             or name.endswith(SUFFIX)
             or DCP_HF_SHARD.match(name)
             or _RANK_METADATA.match(name)
@@ -848,6 +939,9 @@ class DcpFormat(Format):
             "objects_bytes": sum(e.nbytes for e in layout.entries if e.kind == "object"),
             "version": layout.version,
         }
+        if layout.megatron is not None:
+            details["layout"] = "megatron_torch_dist"
+            details["megatron"] = layout.megatron
         manifest = Manifest(
             format="dcp",
             location=source.location.raw,
@@ -917,6 +1011,7 @@ class DcpCheckpoint(Checkpoint):
         super().__init__(source, manifest)
         self.planner_data = planner_data
         self._fds: dict[str, int] = {}
+        self._common: dict[str, Any] | None = None
 
     def _entry(self, name: str, kind: str) -> Entry:
         entry = self.manifest.by_name.get(name)
@@ -1105,6 +1200,13 @@ class DcpCheckpoint(Checkpoint):
     def read_object_bytes(self, name: str) -> bytes:
         """The stored bytes of a non-tensor entry (a `torch.save` blob), without loading it."""
         entry = self._entry(name, "object")
+        if entry.file == MEGATRON_COMMON and entry.offset is None:
+            # one key of Megatron's common.pt: stored as DCP stores an object, a torch.save blob
+            import torch
+
+            buffer = io.BytesIO()
+            torch.save(common_leaf(self._megatron_common(), name), buffer)
+            return buffer.getvalue()
         assert entry.file is not None and entry.offset is not None
         return self.storage.read(entry.file, entry.offset, entry.nbytes)
 
@@ -1120,8 +1222,10 @@ class DcpCheckpoint(Checkpoint):
 
         from .torch_save import object_allowlist
 
+        entry = self._entry(name, "object")
+        if entry.file == MEGATRON_COMMON and entry.offset is None:
+            return common_leaf(self._megatron_common(), name)
         data = self.read_object_bytes(name)
-        entry = self.manifest.by_name[name]
         try:
             # numpy RNG states and torch.Generator objects, which dcp.load restores too
             with torch.serialization.safe_globals(object_allowlist()):
@@ -1140,6 +1244,19 @@ class DcpCheckpoint(Checkpoint):
                 path=self.storage.describe(entry.file or ""),
                 fix="The file is truncated or corrupt.",
             ) from None
+
+    def _megatron_common(self) -> dict[str, Any]:
+        """Megatron-Core's `common.pt`, loaded once (weights_only, ckpt's allow-list)."""
+        if self._common is None:
+            from .torch_save import load_torch_file
+
+            value, _ = load_torch_file(self.storage, MEGATRON_COMMON)
+            if not isinstance(value, dict):
+                raise FormatError(
+                    "does not hold a dict", path=self.storage.describe(MEGATRON_COMMON)
+                )
+            self._common = value
+        return self._common
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -496,6 +496,9 @@ class TorchFormat(Format):
             return True
         # a folder is a torch checkpoint when its one torch file is the model, not a side file
         # of another format's training folder (those are the layouts' business)
+        if ".metadata" in names and "common.pt" in names:
+            # Megatron-Core torch_dist: common.pt is the non-sharded half of that DCP
+            return False
         files = _torch_files(source)
         return len(files) == 1 and not any(n.endswith(".safetensors") for n in names)
 

@@ -122,6 +122,15 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     )
     if report.metadata:
         stdout.print("  metadata: " + ", ".join(f"{k}={v}" for k, v in report.metadata.items()))
+    megatron = report.details.get("megatron")
+    if isinstance(megatron, dict):
+        backend = ", ".join(f"{k}={v}" for k, v in megatron.get("metadata", {}).items())
+        common = megatron.get("common", [])
+        stdout.print(
+            f"  Megatron-Core torch_dist: metadata.json {backend or 'missing'}; "
+            f"common.pt {counted(len(common), 'key')}"
+            + (f" ({', '.join(common[:8])}{', …' if len(common) > 8 else ''})" if common else "")
+        )
     render_training(report)
     if show_tensors:
         table = Table(box=None, pad_edge=False, show_edge=False)
