@@ -8,8 +8,8 @@ _ckpt() {
   case "${COMP_WORDS[1]}" in
     inspect) opts="--tensors -t --filter -k --format -f --json --help -h" ;;
     verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --force --format -f --json --help -h" ;;
-    convert) opts="--to -t --max-shard-size --dtype --include -k --exclude -x --rename --select --dcp-serialization --world-size --format -f --force --json --help -h" ;;
-    reshard) opts="--world-size -n --max-shard-size --shard-dim --plan --drop-rank-state --keep-rank-state --dcp-serialization --format -f --force --json --help -h" ;;
+    convert) opts="--to -t --max-shard-size --dtype --include -k --exclude -x --rename --select --dcp-serialization --world-size --dcp-compression --format -f --force --json --help -h" ;;
+    reshard) opts="--world-size -n --max-shard-size --shard-dim --plan --drop-rank-state --keep-rank-state --dcp-serialization --dcp-compression --format -f --force --json --help -h" ;;
     prune) opts="--keep-last --keep-every --keep-best --mode --keep --incomplete --yes -y --watch --max-iterations --settle --json --help -h" ;;
     latest) opts="--settle --json --help -h" ;;
     download) opts="--tensors -t --exclude -x --mode -m --no-extras --cache-only --dry-run -n --force --json --help -h" ;;

@@ -81,6 +81,13 @@ def convert(
         int,
         typer.Option("--world-size", help="Lay a DCP output out for this many ranks (Shard(0))."),
     ] = 1,
+    dcp_compression: Annotated[
+        str | None,
+        typer.Option(
+            "--dcp-compression",
+            help="DCP output compression: zstd (DCP's ZStandard extension) or none (default).",
+        ),
+    ] = None,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -113,6 +120,7 @@ def convert(
                 renames=rename,
                 select=select,
                 dcp_serialization=dcp_serialization,
+                dcp_compression=dcp_compression,
                 world_size=world_size,
                 force=force,
                 progress=progress,

@@ -80,6 +80,13 @@ def reshard(
             help="DCP output serialization: torch_save or safetensors (default: as the source).",
         ),
     ] = None,
+    dcp_compression: Annotated[
+        str | None,
+        typer.Option(
+            "--dcp-compression",
+            help="DCP output compression: zstd (DCP's ZStandard extension) or none (default: as the source).",
+        ),
+    ] = None,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -107,6 +114,7 @@ def reshard(
                 drop_rank_state=drop_rank_state,
                 keep_rank_state=keep_rank_state,
                 dcp_serialization=dcp_serialization,
+                dcp_compression=dcp_compression,
                 format=format,
                 force=force,
                 progress=progress,

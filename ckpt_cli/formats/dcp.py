@@ -115,6 +115,8 @@ class _Layout:
     version: str | None = None
     #: Megatron-Core torch_dist: metadata.json's backend fields and common.pt's keys
     megatron: dict[str, Any] | None = None
+    #: (file, byte offset) -> stream transform of items stored through one (`zstd`)
+    transforms: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def problem(
         self, code: str, message: str, file: str | None = None, tensor: str | None = None
@@ -210,6 +212,57 @@ def _storage_index(md: Metadata, where: str) -> dict[tuple[Any, Any], StorageInf
     return index
 
 
+#: DCP's `ZStandard` stream extension (`torch.distributed.checkpoint._extension`)
+ZSTD_DESCRIPTOR = "stream.zstd/1"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+#: what a compressed torch_save item may grow to beyond its tensor bytes (zip + pickle)
+_SAVE_OVERHEAD = 1 << 20
+#: the cap for a compressed object entry: no decompression bomb exhausts memory
+_OBJECT_INFLATE_MAX = 256 << 20
+
+
+def _transform_of(descriptors: Any, name: str, where: str) -> str:
+    """The transform an item's `transform_descriptors` name; only `stream.zstd/1.*` is read."""
+    if isinstance(descriptors, (list, tuple)) and len(descriptors) == 1:
+        registry, _, version = str(descriptors[0]).partition("/")
+        if registry == "stream.zstd" and version.partition(".")[0] == "1":
+            return "zstd"
+    raise FormatError(
+        f"entry {name!r} is stored through stream transforms {list(descriptors)!r}; this tool "
+        f"reads {ZSTD_DESCRIPTOR} (DCP's ZStandard extension) only",
+        path=where,
+        fix="Save with FileSystemWriter(..., _extensions=[ZStandard()]) or without _extensions.",
+    )
+
+
+def inflate(source: IO[bytes] | bytes, limit: int, where: str, what: str) -> bytes:
+    """Decompress one zstd-compressed DCP item (at most `limit` bytes, else FormatError)."""
+    import zstandard
+
+    out = bytearray()
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
+        while True:
+            piece = reader.read(1 << 20)
+            if not piece:
+                break
+            out += piece
+            if len(out) > limit:
+                raise FormatError(
+                    f"{what}: the zstd stream inflates past {limit} bytes, more than the item "
+                    "can hold",
+                    path=where,
+                    fix="The file is corrupt or hostile; it was not loaded.",
+                )
+    except zstandard.ZstdError as exc:
+        raise FormatError(
+            f"{what}: not a valid zstd stream ({exc})",
+            path=where,
+            fix="The file is corrupt or truncated; use a complete copy of the checkpoint.",
+        ) from None
+    return bytes(out)
+
+
 class InterruptedSaveError(FormatError):
     """A DCP folder with data files but no `.metadata`: the save did not finish (exit 4)."""
 
@@ -277,11 +330,8 @@ def _analyse_unpaused(source: Source) -> _Layout:
         if not (_is_count(offset) and _is_count(length)):
             raise FormatError(f"entry {name!r} has an invalid byte range", path=where)
         if info.transform_descriptors:
-            raise FormatError(
-                f"entry {name!r} is stored through stream transforms "
-                f"{list(info.transform_descriptors)!r}, which this tool does not read",
-                path=where,
-                fix="Save without _extensions (compression) to use ckpt on it.",
+            layout.transforms[(safe_names[rel], offset)] = _transform_of(
+                info.transform_descriptors, name, where
             )
         return safe_names[rel], offset, length
 
@@ -592,6 +642,10 @@ def _locate_raw_chunks(
         if head.startswith(_ZIP_MAGIC):
             layout.serialization.add("torch_save")
             continue
+        if (rel, first) in layout.transforms:
+            # zstd-compressed items are torch_save blobs (DCP's extensions apply to that layout)
+            layout.serialization.add("torch_save")
+            continue
         if len(item_starts) > 1:
             layout.problem(
                 "dcp_bad_chunk",
@@ -745,6 +799,19 @@ def _check_files(layout: _Layout) -> None:
 _TENSOR_HEAD = 4096
 
 
+def _inflate_head(stored: bytes, size: int) -> bytes | None:
+    """The first `size` bytes a (possibly cut) zstd stream inflates to; None if it is not zstd."""
+    import zstandard
+
+    if not stored.startswith(_ZSTD_MAGIC):
+        return None
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=True)
+        return bytes(reader.read(size))
+    except zstandard.ZstdError:
+        return None
+
+
 def _check_saved_tensors(storage: Storage, layout: _Layout) -> None:
     """Each torch_save chunk declares the dtype and sizes `.metadata` gives it (one small read each)."""
     for entry in layout.entries:
@@ -754,8 +821,18 @@ def _check_saved_tensors(storage: Storage, layout: _Layout) -> None:
             size = layout.files.get(chunk.file)
             if chunk.raw or size is None or chunk.byte_offset + chunk.byte_length > size:
                 continue  # raw chunks are checked against their header; the rest is reported
-            head = storage.read(chunk.file, chunk.byte_offset, min(_TENSOR_HEAD, chunk.byte_length))
-            saved = peek_saved_tensor(head)
+            compressed = (chunk.file, chunk.byte_offset) in layout.transforms
+            if compressed:
+                # the first bytes of the zstd stream inflate to the blob's zip header + pickle
+                stored = storage.read(
+                    chunk.file, chunk.byte_offset, min(1 << 16, chunk.byte_length)
+                )
+                head = _inflate_head(stored, _TENSOR_HEAD)
+            else:
+                head = storage.read(
+                    chunk.file, chunk.byte_offset, min(_TENSOR_HEAD, chunk.byte_length)
+                )
+            saved = peek_saved_tensor(head) if head is not None else None
             if saved is None:
                 layout.problem(
                     "dcp_bad_chunk",
@@ -773,7 +850,7 @@ def _check_saved_tensors(storage: Storage, layout: _Layout) -> None:
                     file=chunk.file,
                     tensor=entry.name,
                 )
-            elif saved.storage_bytes > chunk.byte_length:
+            elif not compressed and saved.storage_bytes > chunk.byte_length:
                 layout.problem(
                     "dcp_mismatch",
                     f"tensor {entry.name!r}: the chunk at {chunk.offsets} declares "
@@ -860,7 +937,13 @@ def _peek_objects(storage: Storage, layout: _Layout) -> None:
         if entry.nbytes > _PEEK_LIMIT or entry.nbytes > budget:
             continue
         budget -= entry.nbytes
-        py_type, value = peek_saved_object(storage.read(entry.file, entry.offset, entry.nbytes))
+        blob = storage.read(entry.file, entry.offset, entry.nbytes)
+        if (entry.file, entry.offset) in layout.transforms:
+            try:
+                blob = inflate(blob, _PEEK_LIMIT * 64, entry.file, entry.name)
+            except FormatError:
+                continue  # verify --deep and reads report it; inspect just shows no type
+        py_type, value = peek_saved_object(blob)
         layout.entries[index] = entry.model_copy(update={"py_type": py_type, "value": value})
 
 
@@ -939,6 +1022,8 @@ class DcpFormat(Format):
             "objects_bytes": sum(e.nbytes for e in layout.entries if e.kind == "object"),
             "version": layout.version,
         }
+        if layout.transforms:
+            details["compression"] = {"zstd": len(layout.transforms)}
         if layout.megatron is not None:
             details["layout"] = "megatron_torch_dist"
             details["megatron"] = layout.megatron
@@ -949,7 +1034,9 @@ class DcpFormat(Format):
             entries=layout.entries,
             details=details,
         )
-        return DcpCheckpoint(source, manifest, layout.planner_data)
+        checkpoint = DcpCheckpoint(source, manifest, layout.planner_data)
+        checkpoint.transforms = dict(layout.transforms)
+        return checkpoint
 
     @classmethod
     def check(cls, source: Source) -> list[Problem]:
@@ -1012,6 +1099,8 @@ class DcpCheckpoint(Checkpoint):
         self.planner_data = planner_data
         self._fds: dict[str, int] = {}
         self._common: dict[str, Any] | None = None
+        #: (file, offset) -> transform of compressed items (`zstd`); set by `DcpFormat.open`
+        self.transforms: dict[tuple[str, int], str] = {}
 
     def _entry(self, name: str, kind: str) -> Entry:
         entry = self.manifest.by_name.get(name)
@@ -1059,12 +1148,14 @@ class DcpCheckpoint(Checkpoint):
 
         from ..tensors import dtype_name
 
-        try:
-            value = torch.load(
-                self._byte_range(chunk.file, chunk.byte_offset, chunk.byte_length),
-                map_location="cpu",
-                weights_only=True,
+        stored: IO[bytes] = self._byte_range(chunk.file, chunk.byte_offset, chunk.byte_length)
+        if (chunk.file, chunk.byte_offset) in self.transforms:
+            limit = dtypes.numel(chunk.sizes) * dtypes.itemsize(entry.dtype) + _SAVE_OVERHEAD
+            stored = io.BytesIO(
+                inflate(stored, limit, where, f"tensor {entry.name!r} chunk {chunk.offsets}")
             )
+        try:
+            value = torch.load(stored, map_location="cpu", weights_only=True)
         except CkptError:
             raise
         except Exception as exc:
@@ -1208,7 +1299,11 @@ class DcpCheckpoint(Checkpoint):
             torch.save(common_leaf(self._megatron_common(), name), buffer)
             return buffer.getvalue()
         assert entry.file is not None and entry.offset is not None
-        return self.storage.read(entry.file, entry.offset, entry.nbytes)
+        data = self.storage.read(entry.file, entry.offset, entry.nbytes)
+        if (entry.file, entry.offset) in self.transforms:
+            limit = _OBJECT_INFLATE_MAX + 64 * entry.nbytes
+            data = inflate(data, limit, self.storage.describe(entry.file), f"object {name!r}")
+        return data
 
     def read_object(self, name: str) -> Any:
         """The value of a non-tensor entry, loaded with `torch.load(weights_only=True)`.
@@ -1322,6 +1417,18 @@ class DcpWriter(Writer):
                 fix="Give a folder as the destination.",
             )
         self.serialization = options.dcp_serialization
+        #: `zstd`: every item goes through DCP's ZStandard stream extension (`stream.zstd/1`)
+        self.compression: str | None = options.extra.get("dcp_compression") or None
+        if self.compression not in (None, "zstd"):
+            raise FormatError(
+                f"unknown DCP compression {self.compression!r}",
+                fix="Use --dcp-compression zstd or none.",
+            )
+        if self.compression and self.serialization == "safetensors":
+            raise FormatError(
+                "DCP compression applies to the torch_save serialization only",
+                fix="Drop --dcp-compression, or write --dcp-serialization torch_save.",
+            )
         self.world_size = options.world_size
         self.entries: dict[str, Entry] = {}
         self.layout: dict[str, list[Chunk]] = {}
@@ -1600,6 +1707,11 @@ class DcpWriter(Writer):
             self.files[chunk.file].entries += 1
 
     def _append(self, state: _FileState, data: bytes | memoryview) -> tuple[int, int]:
+        if self.compression == "zstd":
+            import zstandard
+
+            # what ZStandard().transform_to writes: one zstd frame per item
+            data = zstandard.ZstdCompressor().compress(data)
         start = state.append_at
         os.pwrite(state.fh.fileno(), data, start)
         state.append_at += len(data)
@@ -1724,13 +1836,14 @@ class DcpWriter(Writer):
 
         state_dict_metadata: dict[str, Any] = {}
         storage_data: dict[Any, Any] = {}
+        transforms = [ZSTD_DESCRIPTOR] if self.compression == "zstd" else None
         for entry in self.plan:
             results = self.results[entry.name]
             if entry.kind == "object":
                 state_dict_metadata[entry.name] = TorchBytes()
                 start, length = results[0]  # type: ignore[misc]
                 storage_data[TorchIndex(entry.name)] = _StorageInfo(
-                    self._object_file[entry.name], start, length
+                    self._object_file[entry.name], start, length, transforms
                 )
                 continue
             assert entry.dtype is not None
@@ -1746,7 +1859,7 @@ class DcpWriter(Writer):
             for index, (chunk, result) in enumerate(zip(chunks, results, strict=True)):
                 assert result is not None
                 storage_data[TorchIndex(entry.name, chunk.offsets, index)] = _StorageInfo(
-                    chunk.file, result[0], result[1]
+                    chunk.file, result[0], result[1], transforms
                 )
         planner_data = self.options.extra.get("dcp_planner_data")
         if not isinstance(planner_data, dict):

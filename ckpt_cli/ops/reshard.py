@@ -305,11 +305,18 @@ def reshard_world_size(
     rules: list[Rule] | None = None,
     rank_state_action: Literal["drop", "keep"] | None = None,
     serialization: str | None = None,
+    compression: str | None = None,
     format: str | None = None,
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
 ) -> ReshardReport:
-    """Rewrite a DCP checkpoint as `world_size` ranks would have saved it."""
+    """Rewrite a DCP checkpoint as `world_size` ranks would have saved it.
+
+    `compression` (`zstd` or `none`) defaults to the source's when the serialization stays
+    torch_save: a zstd-compressed DCP is re-cut compressed.
+    """
+    if compression not in (None, "none", "zstd"):
+        raise UsageError(f"--dcp-compression {compression!r} is not zstd or none")
     if world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
     rules = list(rules or [])
@@ -351,12 +358,19 @@ def reshard_world_size(
             drop,
         )
         chosen = serialization or str(manifest.details.get("serialization") or "torch_save")
+        if compression is None:
+            compression = (
+                "zstd" if manifest.details.get("compression") and chosen == "torch_save" else None
+            )
         fmt = get_format("dcp")
         options = WriteOptions(
             world_size=world_size,
             dcp_serialization=chosen,
             # keeps the nested state-dict paths, so dcp.load of nested dicts still maps keys
-            extra={"dcp_planner_data": getattr(checkpoint, "planner_data", None)},
+            extra={
+                "dcp_planner_data": getattr(checkpoint, "planner_data", None),
+                "dcp_compression": None if compression == "none" else compression,
+            },
         )
         total = sum(e.nbytes for e in plan if e.kind == "tensor")
         workers = active()
@@ -530,6 +544,7 @@ def run_reshard(
     drop_rank_state: bool = False,
     keep_rank_state: bool = False,
     dcp_serialization: str | None = None,
+    dcp_compression: str | None = None,
     format: str | None = None,
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
@@ -558,6 +573,7 @@ def run_reshard(
                 ("--drop-rank-state", drop_rank_state),
                 ("--keep-rank-state", keep_rank_state),
                 ("--dcp-serialization", dcp_serialization is not None),
+                ("--dcp-compression", dcp_compression is not None),
             )
             if on
         ]
@@ -582,6 +598,7 @@ def run_reshard(
         rules=rules,
         rank_state_action=action,
         serialization=dcp_serialization,
+        compression=dcp_compression,
         format=format,
         force=force,
         progress=progress,

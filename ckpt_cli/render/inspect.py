@@ -122,6 +122,12 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     )
     if report.metadata:
         stdout.print("  metadata: " + ", ".join(f"{k}={v}" for k, v in report.metadata.items()))
+    compression = report.details.get("compression")
+    if isinstance(compression, dict) and compression:
+        stdout.print(
+            "  compression: "
+            + ", ".join(f"{k} ({counted(int(v), 'item')})" for k, v in compression.items())
+        )
     megatron = report.details.get("megatron")
     if isinstance(megatron, dict):
         backend = ", ".join(f"{k}={v}" for k, v in megatron.get("metadata", {}).items())
