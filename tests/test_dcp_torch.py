@@ -336,3 +336,38 @@ def test_zstd_dcp_with_a_damaged_stream_fails_verify(tmp_path: Path) -> None:
         assert result.exit_code == 1
         errors = [p for p in result.json["result"]["problems"] if p["severity"] == "error"]
         assert [(p["code"], p["tensor"]) for p in errors] == [("dcp_bad_chunk", "w")]
+
+
+# --- tuples: one container rule in every format -----------------------------------------------
+
+
+def test_tuples_of_tensors_are_one_entry_in_dcp_and_torch(tmp_path: Path) -> None:
+    """dcp.save keeps a tuple as one object; ckpt's torch reader now names it the same way."""
+    torch.manual_seed(0)
+    state: dict[str, Any] = {
+        "w": torch.randn(3),
+        "pair": (torch.ones(2), torch.arange(3)),
+        "nested": {"t": (torch.zeros(2, 2), 5)},
+    }
+    dcp_save(state, tmp_path / "src")
+    inspect = run_ckpt("inspect", tmp_path / "src", "--json").json["result"]
+    types = {e["name"]: e["py_type"] for e in inspect["entries"] if e["kind"] == "object"}
+    assert types == {"pair": "tuple", "nested.t": "tuple"}
+    as_torch = tmp_path / "model.pt"
+    assert run_ckpt("convert", tmp_path / "src", as_torch, "--to", "torch").exit_code == 0
+    names = {e["name"] for e in run_ckpt("inspect", as_torch, "--json").json["result"]["entries"]}
+    assert names == {"w", "pair", "nested.t"}
+    diff = run_ckpt("diff", tmp_path / "src", as_torch)
+    assert diff.exit_code == 0, diff.stdout + diff.stderr
+    back = tmp_path / "back"
+    assert run_ckpt("convert", as_torch, back, "--to", "dcp").exit_code == 0
+    assert run_ckpt("diff", tmp_path / "src", back).exit_code == 0
+    # DCP -> torch -> DCP loads into the original (nested) state dict
+    target: dict[str, Any] = {"w": torch.zeros(3), "pair": None, "nested": {"t": None}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(back), no_dist=True)
+    assert torch.equal(target["w"], state["w"])
+    assert all(torch.equal(a, b) for a, b in zip(target["pair"], state["pair"], strict=True))
+    assert torch.equal(target["nested"]["t"][0], state["nested"]["t"][0])
+    assert target["nested"]["t"][1] == 5

@@ -394,17 +394,33 @@ _KNOWN_TYPES = {
 }
 
 
+class _TensorStub(_NumpyStub):
+    """What the peek makes of a tensor (and its storage): nothing is built or read."""
+
+
+def _tensor_stub(*args: Any) -> _TensorStub:
+    return _TensorStub()
+
+
 class _PlainUnpickler(pickle.Unpickler):
-    """Unpickles only plain Python data (no globals at all, no tensors)."""
+    """Unpickles only plain Python data; tensors and numpy arrays become inert stubs, so a
+    container holding them (a tuple of tensors) is named by its own type."""
 
     def find_class(self, module: str, name: str) -> Any:
         plain = _PLAIN_GLOBALS.get((module, name))
         if plain is not None:
             return plain
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+            return _tensor_stub
+        if (module == "torch" and (name.endswith("Storage") or name in TORCH_DTYPES)) or (
+            module,
+            name,
+        ) == ("torch.storage", "UntypedStorage"):
+            return _tensor_stub
         raise _Opaque(_KNOWN_TYPES.get(f"{module}.{name}", f"{module}.{name}"))
 
     def persistent_load(self, pid: Any) -> Any:
-        raise _Opaque("tensor")
+        return _TensorStub()
 
 
 def _small(value: Any) -> bool:
@@ -444,6 +460,8 @@ def peek_saved_object(blob: bytes) -> tuple[str | None, Any]:
         return opaque.what, None
     except Exception:
         return None, None
+    if isinstance(value, _TensorStub):
+        return "tensor", None
     if isinstance(value, _NumpyStub):
         return "numpy.ndarray", None
     return type(value).__name__, (list(value) if isinstance(value, tuple) else value) if _small(

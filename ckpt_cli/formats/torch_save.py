@@ -334,11 +334,11 @@ def _container_kind(obj: Any) -> str | None:
             return "odict" if isinstance(obj, OrderedDict) else "dict"
         return None
     # a list is a container of records (param_groups, optimizer_states) or of tensors; a list
-    # of numbers stays one value. Tuples are values (betas, RNG states) unless they hold tensors.
+    # of numbers stays one value. A tuple is always one value, even of tensors: that is
+    # dcp.save's rule (`_traverse.traverse_state_dict`), so a name means the same in every format
+    # and DCP -> torch -> DCP still loads into the original state dict.
     if type(obj) is list and obj and _holds(obj, dicts=True):
         return "list"
-    if type(obj) is tuple and obj and _holds(obj, dicts=False):
-        return "tuple"
     return None
 
 
