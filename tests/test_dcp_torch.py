@@ -371,3 +371,75 @@ def test_tuples_of_tensors_are_one_entry_in_dcp_and_torch(tmp_path: Path) -> Non
     assert all(torch.equal(a, b) for a, b in zip(target["pair"], state["pair"], strict=True))
     assert torch.equal(target["nested"]["t"][0], state["nested"]["t"][0])
     assert target["nested"]["t"][1] == 5
+
+
+# --- HuggingFaceStorageWriter output --------------------------------------------------------
+
+
+def hf_save(path: Path, state: dict[str, torch.Tensor], **kwargs: Any) -> None:
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(path), **kwargs), no_dist=True)
+
+
+def hf_load(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    target = {k: torch.zeros_like(v) for k, v in like.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=True)
+    return target
+
+
+def hf_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {f"layers.{i}.w": torch.randn(4, 3) for i in range(8)}
+
+
+def test_hf_storage_writer_output_converted_and_resharded_reads_in_torchs_hf_reader(
+    tmp_path: Path,
+) -> None:
+    state = hf_state()
+    mapping = {k: 1 + i % 3 for i, k in enumerate(state)}
+    hf_save(tmp_path / "src", state, fqn_to_index_mapping=mapping)
+    for args in (
+        ["convert", "--to", "safetensors", "--max-shard-size", "100"],
+        ["reshard", "--max-shard-size", "100"],
+    ):
+        out = tmp_path / args[0]
+        result = run_ckpt(args[0], tmp_path / "src", out, *args[1:])
+        assert result.exit_code == 0, result.stdout + result.stderr
+        assert len(list(out.glob("*.safetensors"))) == 4
+        assert_same(hf_load(out, state), state)  # each shard's DCP_SHARDING_INFO is its own
+
+
+def test_hf_per_rank_files_reshard_by_default_and_diff_names_the_one_change(
+    tmp_path: Path,
+) -> None:
+    state = hf_state()
+    hf_save(tmp_path / "src", state, save_distributed=True)
+    assert [p.name for p in (tmp_path / "src").iterdir()] == [
+        "shard-00001-model-00001-of-00001.safetensors"
+    ]
+    out = tmp_path / "out"
+    result = run_ckpt("reshard", tmp_path / "src", out, "--world-size", "2")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert_same(load_like(out, state), state)
+    changed = dict(state, **{"layers.3.w": state["layers.3.w"] + 1})
+    hf_save(tmp_path / "changed", changed, save_distributed=True)
+    diff = run_ckpt("diff", tmp_path / "src", tmp_path / "changed", "--json")
+    assert diff.exit_code == 1
+    differing = [d["name"] for d in diff.json["result"]["differences"]]
+    assert differing == ["layers.3.w"]
+    # a flipped byte is caught against the manifest written while it was good
+    assert run_ckpt("verify", tmp_path / "src", "--write-manifest").exit_code == 0
+    shard = next((tmp_path / "src").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 1
+    shard.write_bytes(bytes(data))
+    result = run_ckpt("verify", tmp_path / "src", "--checksums", "--json")
+    assert result.exit_code == 1
+    assert {p["code"] for p in result.json["result"]["problems"]} == {"checksum_mismatch"}

@@ -762,6 +762,15 @@ class SafetensorsWriter(Writer):
         self._shard = -1
         self._written: list[FileInfo] = []
 
+    def _shard_metadata(self, shard: int) -> dict[str, str]:
+        """The string metadata of one shard. A carried `DCP_SHARDING_INFO` (torch's
+        HuggingFaceStorageWriter output) is rewritten per shard for the tensors it holds, whole
+        tensors at offset 0, so torch's HuggingFaceStorageReader reads every output shard."""
+        if "DCP_SHARDING_INFO" not in self.metadata:
+            return self.metadata
+        info = {e.name: {"saved_offsets": [0] * len(e.shape)} for e in self.groups[shard]}
+        return {**self.metadata, "DCP_SHARDING_INFO": json.dumps(info)}
+
     @property
     def accepts_raw(self) -> bool:
         return True
@@ -800,7 +809,7 @@ class SafetensorsWriter(Writer):
         self._shard = shard
         # shards stay open across write calls: the writer streams one tensor at a time
         self._fh = open(self.staging / self.names[shard], "wb")
-        self._fh.write(encode_header(self.groups[shard], self.metadata))
+        self._fh.write(encode_header(self.groups[shard], self._shard_metadata(shard)))
 
     def _close_shard(self) -> None:
         if self._fh is None:

@@ -358,6 +358,10 @@ def reshard_world_size(
             drop,
         )
         chosen = serialization or str(manifest.details.get("serialization") or "torch_save")
+        if chosen not in ("torch_save", "safetensors"):
+            # HuggingFaceStorageWriter's per-rank files ("hf_safetensors") and mixed folders
+            # become a regular DCP that dcp.load reads
+            chosen = "torch_save"
         if compression is None:
             compression = (
                 "zstd" if manifest.details.get("compression") and chosen == "torch_save" else None
