@@ -1658,9 +1658,19 @@ class DcpWriter(Writer):
             piece = piece.detach().cpu().contiguous()
             if piece.untyped_storage().nbytes() != piece.numel() * piece.element_size():
                 piece = piece.clone()  # torch.save would store the whole underlying storage
-            buffer = io.BytesIO()
-            torch.save(piece, buffer)
-            self.results[name][chunk_index] = self._append(state, buffer.getbuffer())
+            if self.compression is None:
+                # straight into the file: no second in-memory copy of the chunk (peak memory
+                # stays one source chunk + one output chunk)
+                start = state.append_at
+                state.fh.seek(start)
+                torch.save(piece, state.fh)
+                state.fh.flush()
+                state.append_at = state.fh.tell()
+                self.results[name][chunk_index] = (start, state.append_at - start)
+            else:
+                buffer = io.BytesIO()
+                torch.save(piece, buffer)
+                self.results[name][chunk_index] = self._append(state, buffer.getbuffer())
         state.entries += 1
 
     def write_raw(self, name: str, blocks: Iterator[bytes]) -> None:
