@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ...errors import NotFoundError, UsageError
 from ...runs import DEFAULT_SETTLE, is_remote
-from ..prune import PrunePolicy
+from ..retention import PrunePolicy
 from .model import RateLimit, SyncedCheckpoint, SyncReport
 from .pull import sync_down
 from .push import sync_up

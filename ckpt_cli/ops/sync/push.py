@@ -16,7 +16,8 @@ from ...output import UPLOAD_BLOCK
 from ...runs import DEFAULT_SETTLE, RunCheckpoint, scan_run
 from ...storage import remote_failure
 from ...uri import parse_location
-from ..prune import PrunePolicy, prune
+from ..prune import prune
+from ..retention import PrunePolicy
 from ..verify import ChecksumManifest, FileDigest
 from .model import SYNC_ALGORITHM, RateLimit, SyncedCheckpoint, SyncReport, _now_iso
 from .plan import (
