@@ -32,7 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ckpt_cli.ops.prune import PrunePolicy, prune
+from ckpt_cli.ops.prune import prune
+from ckpt_cli.ops.retention import PrunePolicy
 from ckpt_cli.runs import scan_run
 
 

@@ -37,8 +37,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "VerifyReport": ("ckpt_cli.ops.verify", "VerifyReport"),
     "ConvertReport": ("ckpt_cli.ops.convert", "ConvertReport"),
     "ReshardReport": ("ckpt_cli.ops.reshard", "ReshardReport"),
-    "PrunePolicy": ("ckpt_cli.ops.prune", "PrunePolicy"),
-    "PruneReport": ("ckpt_cli.ops.prune", "PruneReport"),
+    "PrunePolicy": ("ckpt_cli.ops.retention", "PrunePolicy"),
+    "PruneReport": ("ckpt_cli.ops.retention", "PruneReport"),
     "RunReport": ("ckpt_cli.runs", "RunReport"),
     "DownloadReport": ("ckpt_cli.ops.download", "DownloadReport"),
     "DiffReport": ("ckpt_cli.ops.diff", "DiffReport"),
@@ -75,9 +75,10 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .ops.download import DownloadReport, download
     from .ops.inspect import InspectReport, inspect
     from .ops.latest import latest
-    from .ops.prune import PrunePolicy, PruneReport, prune
+    from .ops.prune import prune
     from .ops.reshard import ReshardReport
     from .ops.reshard import run_reshard as reshard
+    from .ops.retention import PrunePolicy, PruneReport
     from .ops.verify import VerifyReport, verify
     from .runs import RunReport
 

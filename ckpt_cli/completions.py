@@ -15,7 +15,8 @@ from typing import Any
 
 import typer.main
 
-from .cli import OPTION_VALUES, get_app
+from .cli import get_app
+from .conventions import OPTION_VALUES
 
 #: metavars whose value is a file or folder
 PATH_METAVARS = {"PATH", "FILE", "DIR", "DEST", "SRC"}

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from ckpt_cli.cli import RENAMED_OPTIONS
 from ckpt_cli.completions import describe_app, render_all
+from ckpt_cli.conventions import RENAMED_OPTIONS
 
 from .conftest import REPO, CkptResult, run_ckpt, run_ckpt_process
 from .run_fixtures import trainer_run

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from ckpt_cli.ops import prune as prune_ops
-from ckpt_cli.ops.prune import PrunePolicy, watch
+from ckpt_cli.ops.prune import watch
+from ckpt_cli.ops.retention import PrunePolicy
 
 from .conftest import run_ckpt, run_ckpt_process
 from .run_fixtures import (

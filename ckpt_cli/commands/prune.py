@@ -138,8 +138,9 @@ def prune(
     deleted: every checkpoint is listed with keep/delete and the rule that decided.
     """
     from ..errors import ProblemsFound
-    from ..ops.prune import PrunePolicy, exit_code, parse_duration
+    from ..ops.prune import exit_code
     from ..ops.prune import run as run_prune
+    from ..ops.retention import PrunePolicy, parse_duration
     from ..render.prune import render_prune_result, render_watch_round
 
     def policy() -> PrunePolicy:

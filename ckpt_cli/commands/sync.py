@@ -125,7 +125,7 @@ def sync(
     resumes without sending finished files again. Pulling (SRC remote, DEST local): the
     checkpoints are checked against their manifests and appear in DEST with one rename.
     """
-    from ..ops.prune import PrunePolicy, parse_duration
+    from ..ops.retention import PrunePolicy, parse_duration
     from ..ops.sync import SyncReport, exit_code
     from ..ops.sync import sync as run_sync
     from ..render.sync import render_sync, render_sync_round
@@ -154,7 +154,7 @@ def sync(
         )
 
     def action() -> SyncReport:
-        from ..ops.prune import _validate
+        from ..ops.retention import _validate
 
         chosen = policy()
         if chosen is not None:

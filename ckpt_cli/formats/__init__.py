@@ -74,7 +74,7 @@ def resolve_source(location: Location | str) -> Source:
                 if repo_like
                 else "no such file or folder",
                 path=path,
-                # the same words as the CLI's hint (`cli.hub_hint`) for other not-found errors
+                # the same words as the CLI's hint (`conventions.hub_hint`) for other not-found errors
                 fix=f"Check the path; did you mean hf://{loc.raw}?"
                 if repo_like
                 else "Check the path.",

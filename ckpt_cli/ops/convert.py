@@ -314,6 +314,7 @@ def convert(
 
         analysis = analyse_checkpoint(base.manifest, base.storage)
         checkpoint: Checkpoint = base
+        dequantized = 0  # weights a DequantizedCheckpoint turned into plain entries
         if dequantize:
             if not analysis.quantized:
                 raise UsageError(
@@ -323,7 +324,8 @@ def convert(
                 )
             from ..quant.dequant import DequantizedCheckpoint
 
-            checkpoint = DequantizedCheckpoint(base, analysis, logical_dtype(analysis, cast))
+            plain = DequantizedCheckpoint(base, analysis, logical_dtype(analysis, cast))
+            checkpoint, dequantized = plain, len(plain.logical)
         manifest = checkpoint.manifest
         from ..layouts import select_view
 
@@ -432,7 +434,7 @@ def convert(
         world_size=world_size if to == "dcp" else None,
         entries=written,
         ranks=shares,
-        dequantized=len(getattr(checkpoint, "logical", {})),
+        dequantized=dequantized,
         quantized_kept=kept,
         config_written=config_written,
         extras=carried,

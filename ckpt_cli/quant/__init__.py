@@ -12,20 +12,20 @@ never torch, so `inspect` and plain `verify` stay metadata-only. The schemes:
 | `nvfp4` (ModelOpt) | `*.weight` U8 `[o, i/2]` | `weight_scale` F8_E4M3 `[o, i/16]`, `weight_scale_2` F32 | `weight_scale_2` one value |
 | `nvfp4-ct` (compressed-tensors) | `*.weight_packed` U8 `[o, i/2]` | `weight_scale` F8_E4M3 `[o, i/16]`, `weight_global_scale` F32 `[1]` | global scale the reciprocal of ModelOpt's |
 
-Recognition and header checks live in `quant.schemes`; dequantization (torch, one weight and
-its sidecars at a time) in `quant.dequant`.
+The scheme models and config reading live in `quant.schemes`, recognition per scheme family in
+`quant.recognise`, the sidecar, grid and config checks in `quant.checks`; dequantization (torch,
+one weight and its sidecars at a time) in `quant.dequant`.
 """
 
 from __future__ import annotations
 
+from .recognise import analyse, analyse_checkpoint
 from .schemes import (
     QuantAnalysis,
     QuantConfig,
     QuantGroup,
     QuantSummary,
     QuantWeight,
-    analyse,
-    analyse_checkpoint,
     ignored,
     label,
     logical_dtype,

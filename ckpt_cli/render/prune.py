@@ -7,7 +7,7 @@ import time
 
 from rich.table import Table
 
-from ..ops.prune import PruneReport, WatchReport
+from ..ops.retention import PruneReport, WatchReport
 from ..runs import RunCheckpoint, RunReport
 from . import human_bytes, safe_text, stderr, stdout
 

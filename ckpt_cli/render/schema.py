@@ -28,7 +28,7 @@ RESULT_MODELS: dict[str, list[str]] = {
     "verify": ["ckpt_cli.ops.verify:VerifyReport"],
     "convert": ["ckpt_cli.ops.convert:ConvertReport"],
     "reshard": ["ckpt_cli.ops.reshard:ReshardReport"],
-    "prune": ["ckpt_cli.ops.prune:PruneReport", "ckpt_cli.ops.prune:WatchReport"],
+    "prune": ["ckpt_cli.ops.retention:PruneReport", "ckpt_cli.ops.retention:WatchReport"],
     "latest": ["ckpt_cli.runs:RunReport"],
     "download": ["ckpt_cli.ops.download:DownloadReport"],
     "diff": ["ckpt_cli.ops.diff:DiffReport"],

@@ -1,0 +1,198 @@
+"""The parity manifest and the reports of `protect`, `repair` and verify's parity check."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+PARITY_VERSION = 1
+#: the parity manifest; its `.index.json` suffix makes object-store uploads publish it last
+MANIFEST_NAME = "parity.index.json"
+#: the checksum manifest of `ckpt verify --write-manifest` is not protected (it is rewritten)
+CHECKSUM_MANIFEST = "ckpt-manifest.json"
+DEFAULT_PARITY = 2
+DEFAULT_BLOCK_SIZE = 1 << 20
+#: most data columns per stripe: repair of one block reads this many
+MAX_WIDTH = 32
+#: columns a checkpoint dominated by one file is striped over, within itself
+SELF_WIDTH = 8
+MAX_PARITY = 16
+#: block sizes are whole pages (the codec's alignment; also keeps reads aligned)
+BLOCK_ALIGN = 4096
+CODEC = "pyeclib"
+EC_TYPE = "isa_l_rs_cauchy"
+#: blocks of the longest file at least (smaller blocks for small files: less padding)
+MIN_BLOCKS_PER_FILE = 64
+#: threads reading and hashing the blocks of one stripe (hashlib and xxhash release the GIL)
+HASH_THREADS = min(8, max(2, os.cpu_count() or 2))
+
+
+# ------------------------------------------------------------------------------ models
+
+
+class ProtectedFile(BaseModel):
+    """One data file or parity share recorded in the parity manifest.
+
+    Attributes:
+        path: relative to the checkpoint root (parity shares: to the parity folder).
+        size: bytes.
+        sha256: hex digest of the whole file.
+        start: index of its first block in the sequence of all blocks (data files).
+        blocks: hex XXH3-128 digest of each block (the last one short).
+    """
+
+    path: str
+    size: int
+    sha256: str
+    start: int = 0
+    blocks: list[str] = Field(default_factory=list)
+
+
+class ParityManifest(BaseModel):
+    """The content of `.ckpt-parity/parity.index.json`.
+
+    Attributes:
+        ckpt_parity: file format version.
+        codec / ec_type: the erasure code (pyeclib and its liberasurecode backend).
+        created / tool: when and by which ckpt it was written.
+        block_size: bytes per block.
+        width: W, data blocks per stripe (columns).
+        parity: K, parity blocks per stripe (parity shares); any K losses per stripe rebuild.
+        stripes: L, blocks per column (and blocks per parity share).
+        total_blocks: T, data blocks of all files together.
+        whole_files: any K whole files lost can be rebuilt (False: striped within itself).
+        files: the data files, in block order.
+        shares: the parity shares `parity-0.bin` ... `parity-{K-1}.bin`.
+    """
+
+    ckpt_parity: int = PARITY_VERSION
+    codec: str = CODEC
+    ec_type: str = EC_TYPE
+    created: str
+    tool: str
+    block_size: int
+    width: int
+    parity: int
+    stripes: int
+    total_blocks: int
+    whole_files: bool
+    files: list[ProtectedFile]
+    shares: list[ProtectedFile]
+
+
+class DamagedFile(BaseModel):
+    """A file (data or parity share) found missing or damaged.
+
+    Attributes:
+        path: as shown to users (full path or URL).
+        kind: `data` or `parity`.
+        state: `missing`, `size_changed` (truncated or grown) or `corrupt`.
+        blocks: indexes of the damaged blocks of this file.
+        ranges: the damaged byte ranges `[start, end)` (adjacent blocks merged).
+        repairable: every damaged block lies in a stripe with at most K losses.
+    """
+
+    path: str
+    kind: Literal["data", "parity"]
+    state: Literal["missing", "size_changed", "corrupt"]
+    blocks: list[int] = Field(default_factory=list)
+    ranges: list[tuple[int, int]] = Field(default_factory=list)
+    repairable: bool = True
+
+
+class ProtectReport(BaseModel):
+    """The result of `ckpt protect`.
+
+    Attributes:
+        location: the checkpoint.
+        parity_dir: where the parity was written.
+        files / bytes: data files protected and their size.
+        parity_bytes: size of the parity shares; overhead = parity_bytes / bytes.
+        block_size / width / parity / stripes: the code's layout (see the module docstring).
+        whole_files: any `parity` whole files lost can be rebuilt.
+        codec: the erasure code used.
+    """
+
+    location: str
+    parity_dir: str
+    files: int
+    bytes: int
+    parity_bytes: int
+    overhead: float
+    block_size: int
+    width: int
+    parity: int
+    stripes: int
+    whole_files: bool
+    codec: str
+
+
+class RepairReport(BaseModel):
+    """The result of `ckpt repair` (or its `--dry-run` plan).
+
+    Attributes:
+        location: the checkpoint.
+        ok: nothing is left damaged (all was intact, or every damage was rebuilt).
+        dry_run: only the plan; nothing was written.
+        damaged: every damaged file found, with its blocks and whether it can be rebuilt.
+        rebuilt: files rebuilt and published (verified against the manifest's sha256).
+        unrecoverable: files that cannot be rebuilt (more than K losses in a stripe).
+        hashed_bytes: bytes read and checked.
+    """
+
+    location: str
+    ok: bool
+    dry_run: bool = False
+    damaged: list[DamagedFile] = Field(default_factory=list)
+    rebuilt: list[str] = Field(default_factory=list)
+    unrecoverable: list[str] = Field(default_factory=list)
+    hashed_bytes: int = 0
+
+
+#: damaged byte ranges shown per file before the rest are counted
+MAX_RANGES = 4
+
+
+def damage_text(d: DamagedFile) -> str:
+    """One line about a damaged file: its state and the damaged byte ranges."""
+    if d.state == "missing":
+        what = "missing"
+    else:
+        shown = ", ".join(f"bytes {lo}-{hi}" for lo, hi in d.ranges[:MAX_RANGES])
+        more = len(d.ranges) - MAX_RANGES
+        what = ("size changed; " if d.state == "size_changed" else "corrupt: ") + (
+            shown or "extra bytes past the recorded size"
+        )
+        if more > 0:
+            what += f" (+{more} more ranges)"
+    return f"{d.path}: {what}"
+
+
+# ------------------------------------------------------------------------------ verify hook
+
+
+class ParityCheck(BaseModel):
+    """What `verify` learnt from the parity manifest (None when not protected).
+
+    Attributes:
+        manifest: where the parity manifest is.
+        parity / width: K and W of the code.
+        damaged: damaged or missing files with their byte ranges and repairability.
+        stale: data files modified after the parity was written.
+        unprotected: files added after the parity was written.
+    """
+
+    manifest: str
+    parity: int
+    width: int
+    damaged: list[DamagedFile] = Field(default_factory=list)
+    stale: list[str] = Field(default_factory=list)
+    unprotected: list[str] = Field(default_factory=list)
+    hashed_bytes: int = 0
+
+
+def describe_layout(m: ParityManifest) -> dict[str, Any]:
+    """The code parameters, for reports."""
+    return {"width": m.width, "parity": m.parity, "block_size": m.block_size}

@@ -1,0 +1,353 @@
+"""`protect`: compute and publish the parity of a checkpoint (split across ranks under torchrun)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from ... import __version__
+from ...distributed import active
+from ...errors import DestinationExistsError, UsageError
+from ...formats import resolve_source
+from ...output import RemoteDest, staged_output
+from ...progress import NULL_PROGRESS, Progress
+from .codec import Codec, _digest, _pad
+from .layout import _Layout, _parse_size, _small_block, plan_layout
+from .model import (
+    BLOCK_ALIGN,
+    CODEC,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_PARITY,
+    HASH_THREADS,
+    MANIFEST_NAME,
+    MAX_PARITY,
+    ParityManifest,
+    ProtectedFile,
+    ProtectReport,
+)
+from .target import (
+    _check_unchanged,
+    _on_leader,
+    _parity_dest,
+    _pwrite_all,
+    _Reader,
+    _sha256_file,
+    _sha256_storage,
+    _Target,
+    _target,
+    read_parity_manifest,
+)
+
+
+def protect(
+    src: str,
+    *,
+    parity: int = DEFAULT_PARITY,
+    block_size: str | int = DEFAULT_BLOCK_SIZE,
+    force: bool = False,
+    progress: Progress = NULL_PROGRESS,
+) -> ProtectReport:
+    """Write Reed–Solomon parity for the checkpoint at `src` into its parity folder.
+
+    Args:
+        src: checkpoint folder or file, local or an fsspec URL (`s3://...`).
+        parity: K, losses per stripe that can be rebuilt (parity shares written).
+        block_size: bytes per block (a size like `4MiB`); rounded up to whole 4 KiB pages.
+        force: replace existing parity.
+        progress: receives the bytes read.
+
+    Raises:
+        DestinationExistsError: the checkpoint is protected already (without `force`).
+        UsageError: parity or block size out of range.
+    """
+    workers = active()
+    if workers.distributed and resolve_source(src).location.kind == "local":
+        return _protect_split(src, parity=parity, block_size=block_size, force=force)
+    return _on_leader(
+        lambda: _protect(src, parity=parity, block_size=block_size, force=force, progress=progress),
+        ProtectReport,
+    )
+
+
+def _protect_split(src: str, *, parity: int, block_size: str | int, force: bool) -> ProtectReport:
+    """Protect under torchrun: every rank encodes a contiguous range of stripes.
+
+    The checkpoint must be on a filesystem every rank sees (as for `verify` under torchrun).
+    Rank 0 creates the staging folder and the parity files; each rank reads its stripes,
+    writes their parity blocks in place (`pwrite` at the stripe's offset) and hashes the whole
+    files and parity shares assigned to it (longest first); rank 0 gathers the digests,
+    writes the manifest and publishes. A failure on any rank fails all and removes the staging.
+    """
+    workers = active()
+    with ExitStack() as stack:
+        shared: dict[str, Any] = {}
+        with workers.together():
+            target, manifest = _prepare(
+                src, parity=parity, block_size=block_size, force=force, check=workers.leader
+            )
+            dest = _parity_dest(target)
+            assert isinstance(dest, Path)
+            if workers.leader:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                staging = stack.enter_context(staged_output(dest, force=force))
+                for j in range(parity):
+                    with open(staging / f"parity-{j}.bin", "wb") as fh:
+                        fh.truncate(manifest.stripes * manifest.block_size)
+                shared = {"staging": str(staging), "manifest": manifest.model_dump(mode="json")}
+        shared = workers.broadcast(shared)
+        staging = Path(shared["staging"])
+        # every rank works from rank 0's plan (one `created`, one layout)
+        manifest = ParityManifest.model_validate(shared["manifest"])
+        m = manifest
+        layout = _Layout(m)
+        storage = target.storage
+        reader = _Reader(storage)
+        mine: dict[str, Any] = {"blocks": [], "parity": [], "sha": {}, "share_sha": {}}
+        with workers.together():
+            try:
+                codec = Codec(m.width, m.parity, m.block_size)
+                first = m.stripes * workers.rank // workers.size
+                last = m.stripes * (workers.rank + 1) // workers.size
+                fds = [os.open(staging / f"parity-{j}.bin", os.O_WRONLY) for j in range(m.parity)]
+                try:
+                    for stripe in range(first, last):
+                        shares = []
+                        for c in range(m.width):
+                            where = layout.block(c, stripe)
+                            if where is None:
+                                shares.append(bytes(m.block_size))
+                                continue
+                            fi, bi = where
+                            lo, hi = layout.extent(m.files[fi].size, bi)
+                            data = reader.read(m.files[fi].path, lo, hi - lo)
+                            mine["blocks"].append([fi, bi, _digest(data)])
+                            shares.append(_pad(data, m.block_size))
+                        for j, par in enumerate(codec.encode(shares)):
+                            _pwrite_all(fds[j], par, stripe * m.block_size)
+                            mine["parity"].append([j, stripe, _digest(par)])
+                    for fd in fds:
+                        os.fsync(fd)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+            finally:
+                reader.close()
+        # every parity block is written: now the whole-file digests, shared out by size
+        weights = [f.size for f in m.files] + [m.stripes * m.block_size] * m.parity
+        with workers.together():
+            hasher = _Reader(storage)
+            try:
+                for i in workers.mine(weights):
+                    if i < len(m.files):
+                        f = m.files[i]
+                        mine["sha"][str(i)] = _sha256_storage(hasher, f.path, f.size)
+                    else:
+                        j = i - len(m.files)
+                        mine["share_sha"][str(j)] = _sha256_file(staging / f"parity-{j}.bin")
+            finally:
+                hasher.close()
+        gathered = workers.all_gather(mine)
+        report: dict[str, Any] | None = None
+        with workers.together():
+            if workers.leader:
+                digests = [[""] * -(-f.size // m.block_size) for f in m.files]
+                p_digests = [[""] * m.stripes for _ in range(m.parity)]
+                sha: dict[str, str] = {}
+                share_sha: dict[str, str] = {}
+                for part in gathered:
+                    for fi, bi, digest in part["blocks"]:
+                        digests[fi][bi] = digest
+                    for j, stripe, digest in part["parity"]:
+                        p_digests[j][stripe] = digest
+                    sha.update(part["sha"])
+                    share_sha.update(part["share_sha"])
+                for i, f in enumerate(m.files):
+                    f.sha256 = sha[str(i)]
+                    f.blocks = digests[i]
+                m.shares = [
+                    ProtectedFile(
+                        path=f"parity-{j}.bin",
+                        size=m.stripes * m.block_size,
+                        sha256=share_sha[str(j)],
+                        blocks=p_digests[j],
+                    )
+                    for j in range(m.parity)
+                ]
+                _check_unchanged(target)
+                with open(staging / MANIFEST_NAME, "wb") as fh:
+                    fh.write((json.dumps(m.model_dump(mode="json")) + "\n").encode())
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                stack.close()  # publish: the staging folder becomes the parity folder
+                report = _report(target, m, dest).model_dump(mode="json")
+    return ProtectReport.model_validate(workers.broadcast(report))
+
+
+def _prepare(
+    src: str, *, parity: int, block_size: str | int, force: bool, check: bool = True
+) -> tuple[_Target, ParityManifest]:
+    """Validate the options and plan the layout: the manifest without digests yet."""
+    if not 1 <= parity <= MAX_PARITY:
+        raise UsageError(f"--parity {parity} is out of range", fix=f"Use 1 to {MAX_PARITY}.")
+    block = _parse_size(block_size)
+    if not BLOCK_ALIGN <= block <= 1 << 30:
+        raise UsageError(
+            f"--block-size {block_size} is out of range", fix="Use 4KiB to 1GiB (e.g. 1MiB)."
+        )
+    block = -(-block // BLOCK_ALIGN) * BLOCK_ALIGN
+    target = _target(src)
+    storage = target.storage
+    if check and not force and read_parity_manifest(target) is not None:
+        raise DestinationExistsError(
+            "is protected already",
+            path=storage.describe(target.manifest_rel),
+            fix="Check it with `ckpt verify SRC`, or pass --force to write new parity.",
+        )
+    names = list(target.files)
+    sizes = [target.files[n] for n in names]
+    block = min(block, _small_block(max(sizes)))
+    plan = plan_layout(sizes, block)
+    files = [
+        ProtectedFile(path=name, size=size, sha256="", start=start)
+        for name, size, start in zip(names, sizes, plan.starts, strict=True)
+    ]
+    manifest = ParityManifest(
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        tool=f"ckpt {__version__}",
+        block_size=block,
+        width=plan.width,
+        parity=parity,
+        stripes=plan.stripes,
+        total_blocks=sum(-(-size // block) for size in sizes),
+        whole_files=plan.whole_files,
+        files=files,
+        shares=[],
+    )
+    return target, manifest
+
+
+def _report(target: _Target, m: ParityManifest, dest: Path | RemoteDest) -> ProtectReport:
+    total = sum(f.size for f in m.files)
+    parity_bytes = m.parity * m.stripes * m.block_size
+    return ProtectReport(
+        location=target.source.location.raw,
+        parity_dir=str(dest),
+        files=len(m.files),
+        bytes=total,
+        parity_bytes=parity_bytes,
+        overhead=parity_bytes / total if total else 0.0,
+        block_size=m.block_size,
+        width=m.width,
+        parity=m.parity,
+        stripes=m.stripes,
+        whole_files=m.whole_files,
+        codec=f"{CODEC} {m.ec_type}",
+    )
+
+
+def _protect(
+    src: str, *, parity: int, block_size: str | int, force: bool, progress: Progress
+) -> ProtectReport:
+    target, manifest = _prepare(src, parity=parity, block_size=block_size, force=force)
+    storage = target.storage
+    files = manifest.files
+    sizes = [f.size for f in files]
+    block, width, stripes = manifest.block_size, manifest.width, manifest.stripes
+    layout = _Layout(manifest)
+    codec = Codec(width, parity, block)
+    hashers = [hashlib.sha256() for _ in files]
+    #: the next block each file's sha256 expects; a file striped across columns arrives out
+    #: of order and is hashed again sequentially afterwards
+    expected = [0] * len(files)
+    digests: list[list[str]] = [[""] * -(-f.size // block) for f in files]
+    dest = _parity_dest(target)
+    local_parent = dest.parent if isinstance(dest, Path) else None
+    if local_parent is not None and not local_parent.exists():
+        local_parent.mkdir(parents=True)
+    reader = _Reader(storage)
+    progress.start(sum(sizes), f"protecting (K={parity}, W={width})")
+    try:
+        with staged_output(dest, force=force) as staging:
+            outs = [open(staging / f"parity-{j}.bin", "wb") for j in range(parity)]
+            p_hash = [hashlib.sha256() for _ in range(parity)]
+            p_digests: list[list[str]] = [[] for _ in range(parity)]
+            try:
+                pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="ckpt-protect")
+
+                def load(fi: int, bi: int, update: bool) -> bytes:
+                    f = files[fi]
+                    lo, hi = layout.extent(f.size, bi)
+                    data = reader.read(f.path, lo, hi - lo)
+                    if update:
+                        hashers[fi].update(data)
+                    digests[fi][bi] = _digest(data)
+                    progress.advance(len(data))
+                    return _pad(data, block)
+
+                def submit(stripe: int) -> list[Future[bytes] | None]:
+                    # decided here, in stripe order: whether a block continues its file's sha256
+                    futures: list[Future[bytes] | None] = []
+                    for c in range(width):
+                        where = layout.block(c, stripe)
+                        if where is None:
+                            futures.append(None)
+                            continue
+                        fi, bi = where
+                        update = expected[fi] == bi
+                        expected[fi] = expected[fi] + 1 if update else -1
+                        futures.append(pool.submit(load, fi, bi, update))
+                    return futures
+
+                zeros = bytes(block)
+                try:
+                    # stripe s+1 is read and hashed in threads while stripe s is encoded; a
+                    # stripe's reads finish before the next stripe's start, so every file's
+                    # sha256 sees its blocks in order
+                    pending = submit(0)
+                    for s in range(stripes):
+                        shares = [zeros if f is None else f.result() for f in pending]
+                        if s + 1 < stripes:
+                            pending = submit(s + 1)
+                        for j, par in enumerate(codec.encode(shares)):
+                            outs[j].write(par)
+                            p_hash[j].update(par)
+                            p_digests[j].append(_digest(par))
+                finally:
+                    pool.shutdown(wait=True, cancel_futures=True)
+                for out in outs:
+                    out.flush()
+                    os.fsync(out.fileno())
+            finally:
+                for out in outs:
+                    out.close()
+            for fi, f in enumerate(files):
+                f.sha256 = (
+                    hashers[fi].hexdigest()
+                    if expected[fi] == len(digests[fi])
+                    else _sha256_storage(reader, f.path, f.size)
+                )
+                f.blocks = digests[fi]
+            manifest.shares = [
+                ProtectedFile(
+                    path=f"parity-{j}.bin",
+                    size=stripes * block,
+                    sha256=p_hash[j].hexdigest(),
+                    blocks=p_digests[j],
+                )
+                for j in range(parity)
+            ]
+            _check_unchanged(target)
+            with open(staging / MANIFEST_NAME, "wb") as fh:
+                fh.write((json.dumps(manifest.model_dump(mode="json")) + "\n").encode())
+                fh.flush()
+                os.fsync(fh.fileno())
+    finally:
+        reader.close()
+        progress.finish()
+    return _report(target, manifest, dest)

@@ -1,0 +1,221 @@
+"""`repair`: rebuild lost or damaged files bit-exact from the parity, and publish them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from ...errors import FormatError, NotFoundError
+from ...output import TMP_MARKER, fsync_dir, is_commit_marker
+from ...progress import NULL_PROGRESS, Progress
+from ...storage import (
+    FsspecStorage,
+    LocalStorage,
+    remote_failure,
+)
+from .codec import Codec, _pad
+from .layout import _Layout
+from .model import ProtectedFile, RepairReport
+from .scan import _damage_list, _Scan, _scan
+from .target import (
+    _on_leader,
+    _pwrite_all,
+    _Reader,
+    _sha256_file,
+    _Target,
+    _target,
+    read_parity_manifest,
+)
+
+# ------------------------------------------------------------------------------ repair
+
+
+def repair(src: str, *, dry_run: bool = False, progress: Progress = NULL_PROGRESS) -> RepairReport:
+    """Rebuild missing or corrupt files of a protected checkpoint, bit-exact, atomically.
+
+    Every block of every file is checked against its digest; the damaged ones are rebuilt
+    stripe by stripe from the surviving data and parity, each rebuilt file is checked against
+    the manifest's sha256 in staging, then published with one rename per file (commit markers
+    last). With more than K losses in a stripe nothing is changed and the report names the
+    files that cannot be rebuilt (exit 1).
+
+    Raises:
+        NotFoundError: the checkpoint has no parity (run `ckpt protect` first).
+        FormatError: a rebuilt file does not match its recorded sha256 (nothing published).
+    """
+    return _on_leader(lambda: _repair(src, dry_run=dry_run, progress=progress), RepairReport)
+
+
+def _repair(src: str, *, dry_run: bool, progress: Progress) -> RepairReport:
+    target = _target(src)
+    m = read_parity_manifest(target)
+    if m is None:
+        raise NotFoundError(
+            "has no parity to repair from",
+            path=target.source.location.raw,
+            fix="Protect checkpoints while they are intact: `ckpt protect SRC`.",
+        )
+    scan = _scan(target, m, checksums=True, progress=progress)
+    report = RepairReport(
+        location=target.source.location.raw,
+        ok=True,
+        dry_run=dry_run,
+        damaged=_damage_list(target, scan),
+        hashed_bytes=scan.hashed,
+    )
+    if not report.damaged:
+        return report
+    report.unrecoverable = [d.path for d in report.damaged if not d.repairable]
+    if report.unrecoverable:
+        report.ok = False
+        return report
+    if dry_run:
+        report.ok = False  # damage remains until a real run
+        return report
+    with _repair_staging(target) as staging:
+        staged = _rebuild(target, scan, staging, progress)
+        _publish_repaired(target, staged)
+    report.rebuilt = [d.path for d in report.damaged]
+    return report
+
+
+@contextmanager
+def _repair_staging(target: _Target) -> Iterator[Path]:
+    """A staging folder for rebuilt files: hidden in the parity folder (local: same filesystem,
+    so publishing is a rename), or a local temporary folder for an object store."""
+    storage = target.storage
+    if isinstance(storage, LocalStorage):
+        parent = storage.root / target.parity_rel
+        folder = Path(tempfile.mkdtemp(prefix=f".repair{TMP_MARKER}", dir=parent))
+    else:
+        folder = Path(tempfile.mkdtemp(prefix=f".ckpt-repair{TMP_MARKER}"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _rebuild(
+    target: _Target, scan: _Scan, staging: Path, progress: Progress
+) -> list[tuple[str, Path, ProtectedFile]]:
+    """Write every damaged file whole into `staging`; each checked against its sha256."""
+    m = scan.manifest
+    layout = _Layout(m)
+    codec = Codec(m.width, m.parity, m.block_size, m.ec_type)
+    storage = target.storage
+    reader = _Reader(storage)
+    w = m.width
+    damaged = scan.damaged
+    # staged output files, pre-sized; good blocks are copied, bad ones come from the decoder
+    staged: dict[tuple[str, int], tuple[str, Path, ProtectedFile, int]] = {}
+    for n, (kind, idx) in enumerate(sorted(damaged)):
+        f = m.files[idx] if kind == "data" else m.shares[idx]
+        rel = f.path if kind == "data" else f"{target.parity_rel}/{f.path}"
+        path = staging / f"{n}.part"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(fd, f.size)
+        staged[(kind, idx)] = (rel, path, f, fd)
+    losses = scan.losses()
+    total = sum(len(b) for _s, b in damaged.values()) * m.block_size
+    progress.start(total, "rebuilding")
+    try:
+        for stripe in sorted(losses):
+            lost = losses[stripe]
+            shares: dict[int, bytes] = {}
+            for c in range(w + m.parity):
+                if len(shares) == w:
+                    break
+                if c in lost:
+                    continue
+                if c < w:
+                    where = layout.block(c, stripe)
+                    if where is None:
+                        shares[c] = bytes(m.block_size)
+                        continue
+                    fi, bi = where
+                    f = m.files[fi]
+                    lo, hi = layout.extent(f.size, bi)
+                    shares[c] = _pad(reader.read(f.path, lo, hi - lo), m.block_size)
+                else:
+                    lo = stripe * m.block_size
+                    rel = f"{target.parity_rel}/{m.shares[c - w].path}"
+                    shares[c] = reader.read(rel, lo, m.block_size)
+            rebuilt = codec.rebuild(shares, sorted(lost))
+            for c, data in rebuilt.items():
+                if c < w:
+                    where = layout.block(c, stripe)
+                    if where is None:
+                        continue
+                    fi, bi = where
+                    key: tuple[str, int] = ("data", fi)
+                    lo, hi = layout.extent(m.files[fi].size, bi)
+                else:
+                    key, bi = ("parity", c - w), stripe
+                    lo, hi = stripe * m.block_size, (stripe + 1) * m.block_size
+                fd = staged[key][3]
+                _pwrite_all(fd, data[: hi - lo], lo)
+                progress.advance(hi - lo)
+        # the intact blocks of damaged (not missing) files
+        for key, (state, bad) in damaged.items():
+            rel, _path, f, fd = staged[key]
+            if state == "missing":
+                continue
+            for bi in range(len(f.blocks)):
+                if bi in bad:
+                    continue
+                lo, hi = bi * m.block_size, min(f.size, (bi + 1) * m.block_size)
+                _pwrite_all(fd, reader.read(rel, lo, hi - lo), lo)
+        for _rel, _path, _f, fd in staged.values():
+            os.fsync(fd)
+    finally:
+        for _rel, _path, _f, fd in staged.values():
+            with suppress(OSError):
+                os.close(fd)
+        reader.close()
+        progress.finish()
+    out = []
+    for rel, path, f, _fd in staged.values():
+        digest = _sha256_file(path)
+        if digest != f.sha256:
+            raise FormatError(
+                f"rebuilt from parity, but its sha256 {digest[:16]}… differs from the "
+                f"manifest's {f.sha256[:16]}…; nothing was changed",
+                path=storage.describe(rel),
+                fix="The parity or the surviving files are damaged beyond their digests; "
+                "restore this checkpoint from another copy.",
+            )
+        out.append((rel, path, f))
+    return out
+
+
+def _publish_repaired(target: _Target, staged: list[tuple[str, Path, ProtectedFile]]) -> None:
+    """Put each rebuilt file in place: data first, commit markers (index, .metadata) last."""
+    storage = target.storage
+    ordered = sorted(staged, key=lambda item: (is_commit_marker(item[0]), item[0]))
+    for rel, path, _f in ordered:
+        if isinstance(storage, LocalStorage):
+            final = storage.root / rel
+            final.parent.mkdir(parents=True, exist_ok=True)
+            # a damaged file may be a link or read-only; replace the name, never write through it
+            os.replace(path, final)
+            fsync_dir(final.parent)
+            continue
+        assert isinstance(storage, FsspecStorage)
+        key = f"{storage.root}/{rel}"
+        tmp = f"{storage.root}/{target.parity_rel}/.repair{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+        try:
+            # an object appears whole on upload; the copy makes the final key appear at once
+            storage.fs.put_file(str(path), tmp)
+            storage.fs.copy(tmp, key)
+        except Exception as exc:
+            raise remote_failure(exc, storage.describe(rel), writing=True) from None
+        finally:
+            with suppress(Exception):
+                storage.fs.rm_file(tmp)
+        with suppress(Exception):
+            storage.fs.invalidate_cache(key)

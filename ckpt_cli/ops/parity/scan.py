@@ -1,0 +1,179 @@
+"""Locating damage from the parity manifest's digests; the parity check of `ckpt verify`."""
+
+from __future__ import annotations
+
+from contextlib import suppress
+from dataclasses import dataclass, field
+
+from ...errors import NotFoundError, UsageError
+from ...progress import NULL_PROGRESS, Progress
+from ...storage import (
+    FsspecStorage,
+)
+from .codec import _digest
+from .layout import _Layout
+from .model import DamagedFile, ParityCheck, ParityManifest, ProtectedFile
+from .target import _Reader, _Target, _target, read_parity_manifest
+
+# ------------------------------------------------------------------------------ scan
+
+
+@dataclass
+class _Scan:
+    """What a scan found: bad blocks per file and per stripe."""
+
+    manifest: ParityManifest
+    #: (kind, index) -> state, bad block indexes
+    damaged: dict[tuple[str, int], tuple[str, set[int]]] = field(default_factory=dict)
+    hashed: int = 0
+
+    def losses(self) -> dict[int, set[int]]:
+        """stripe -> share indexes lost (0..W-1 columns, W.. parity)."""
+        layout = _Layout(self.manifest)
+        out: dict[int, set[int]] = {}
+        for (kind, idx), (_state, blocks) in self.damaged.items():
+            for bi in blocks:
+                if kind == "data":
+                    column, stripe = layout.position(idx, bi)
+                    out.setdefault(stripe, set()).add(column)
+                else:
+                    out.setdefault(bi, set()).add(self.manifest.width + idx)
+        return out
+
+    def unrecoverable_stripes(self) -> set[int]:
+        return {s for s, lost in self.losses().items() if len(lost) > self.manifest.parity}
+
+
+def _scan(
+    target: _Target, m: ParityManifest, *, checksums: bool, progress: Progress = NULL_PROGRESS
+) -> _Scan:
+    """Find missing, resized and (with `checksums`) corrupt blocks of data and parity files."""
+    storage = target.storage
+    scan = _Scan(m)
+    entries: list[tuple[str, int, ProtectedFile, str]] = [
+        ("data", i, f, f.path) for i, f in enumerate(m.files)
+    ] + [("parity", j, s, f"{target.parity_rel}/{s.path}") for j, s in enumerate(m.shares)]
+    listing = (
+        storage.all_files() if isinstance(storage, FsspecStorage) else None  # local: stat each file
+    )
+    present: dict[str, int | None] = {}
+    for _kind, _i, _f, rel in entries:
+        if listing is not None:
+            present[rel] = listing.get(rel)
+        else:
+            try:
+                present[rel] = storage.size(rel)
+            except NotFoundError:
+                present[rel] = None
+    if checksums:
+        progress.start(sum(p or 0 for p in present.values()), "checking blocks (xxh3)")
+    reader = _Reader(storage)
+    try:
+        for kind, i, f, rel in entries:
+            size = present[rel]
+            n = len(f.blocks)
+            if size is None:
+                scan.damaged[(kind, i)] = ("missing", set(range(n)))
+                continue
+            bad: set[int] = set()
+            state = "size_changed" if size != f.size else "corrupt"
+            if size != f.size:
+                # blocks not wholly present are lost; those present are still checked below
+                bad |= {bi for bi in range(n) if min(f.size, (bi + 1) * m.block_size) > size}
+            if checksums or size != f.size:
+                for bi in range(n):
+                    if bi in bad:
+                        continue
+                    lo = bi * m.block_size
+                    hi = min(f.size, lo + m.block_size)
+                    data = reader.read(rel, lo, hi - lo)
+                    scan.hashed += len(data)
+                    progress.advance(len(data))
+                    if _digest(data) != f.blocks[bi]:
+                        bad.add(bi)
+            if bad or size != f.size:
+                scan.damaged[(kind, i)] = (state, bad)
+    finally:
+        reader.close()
+        if checksums:
+            progress.finish()
+    return scan
+
+
+def _ranges(blocks: set[int], size: int, block_size: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for bi in sorted(blocks):
+        lo, hi = bi * block_size, min(size, (bi + 1) * block_size)
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _damage_list(target: _Target, scan: _Scan) -> list[DamagedFile]:
+    m = scan.manifest
+    bad_stripes = scan.unrecoverable_stripes()
+    layout = _Layout(m)
+    out = []
+    for (kind, idx), (state, blocks) in sorted(scan.damaged.items()):
+        if kind == "data":
+            f = m.files[idx]
+            where = target.storage.describe(f.path)
+            stripes = {layout.position(idx, bi)[1] for bi in blocks}
+        else:
+            f = m.shares[idx]
+            where = target.storage.describe(f"{target.parity_rel}/{f.path}")
+            stripes = set(blocks)
+        out.append(
+            DamagedFile(
+                path=where,
+                kind="data" if kind == "data" else "parity",
+                state=state,
+                blocks=sorted(blocks),
+                ranges=_ranges(blocks, f.size, m.block_size),
+                repairable=not (stripes & bad_stripes),
+            )
+        )
+    return out
+
+
+def check_parity(
+    src: str, *, checksums: bool, progress: Progress = NULL_PROGRESS
+) -> ParityCheck | None:
+    """For `verify`: the parity manifest checked against the files (None: not protected).
+
+    Without `checksums` only presence and sizes are compared (and, locally, modification
+    times: a file changed after `protect` makes the parity stale); with `checksums` every block
+    is hashed and compared with its digest, which names the damaged byte ranges.
+    """
+    try:
+        target = _target(src)
+    except (UsageError, NotFoundError):
+        return None
+    m = read_parity_manifest(target)
+    if m is None:
+        return None
+    storage = target.storage
+    scan = _scan(target, m, checksums=checksums, progress=progress)
+    report = ParityCheck(
+        manifest=storage.describe(target.manifest_rel),
+        parity=m.parity,
+        width=m.width,
+        damaged=_damage_list(target, scan),
+        hashed_bytes=scan.hashed,
+    )
+    recorded = {f.path for f in m.files}
+    if target.source.target is None:
+        report.unprotected = [storage.describe(n) for n in target.files if n not in recorded]
+    manifest_path = storage.local_path(target.manifest_rel)
+    if manifest_path is not None:
+        written = manifest_path.stat().st_mtime
+        damaged = {d.path for d in report.damaged}
+        for f in m.files:
+            path = storage.local_path(f.path)
+            where = storage.describe(f.path)
+            with suppress(OSError):
+                if path is not None and path.stat().st_mtime > written and where not in damaged:
+                    report.stale.append(where)
+    return report

@@ -1,0 +1,254 @@
+"""The checkpoint being protected or repaired: its files, storage and parity manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import threading
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from ...distributed import active
+from ...errors import FormatError, NotFoundError, UsageError
+from ...formats import resolve_source
+from ...formats.base import Source
+from ...output import TMP_MARKER, RemoteDest
+from ...storage import (
+    PARITY_DIR,
+    FsspecStorage,
+    LocalStorage,
+    Storage,
+    is_parity_path,
+    safe_relpath,
+)
+from .model import (
+    BLOCK_ALIGN,
+    CHECKSUM_MANIFEST,
+    CODEC,
+    MANIFEST_NAME,
+    MAX_PARITY,
+    MAX_WIDTH,
+    PARITY_VERSION,
+    ParityManifest,
+)
+
+# ------------------------------------------------------------------------------ where things are
+
+
+@dataclass
+class _Target:
+    """A checkpoint as protect/repair see it: its storage, data files and parity folder."""
+
+    source: Source
+    storage: Storage
+    #: data file name -> size (the parity folder and ckpt-manifest.json excluded)
+    files: dict[str, int]
+    #: the parity folder, relative to the storage root
+    parity_rel: str
+
+    @property
+    def manifest_rel(self) -> str:
+        return f"{self.parity_rel}/{MANIFEST_NAME}"
+
+
+def _target(src: str) -> _Target:
+    source = resolve_source(src)
+    storage = source.storage
+    if not isinstance(storage, LocalStorage | FsspecStorage):
+        raise UsageError(
+            "protect and repair work on local folders and object stores",
+            path=source.location.raw,
+            fix="Download the checkpoint first (`ckpt download`), then protect the copy.",
+        )
+    if source.target is not None:
+        files = {source.target: source.files[source.target]}
+        parity_rel = f"{PARITY_DIR}/{source.target}"
+    else:
+        files = {
+            name: size
+            for name, size in source.files.items()
+            if name != CHECKSUM_MANIFEST and TMP_MARKER not in name
+        }
+        parity_rel = PARITY_DIR
+    if not files:
+        raise NotFoundError("holds no files to protect", path=source.location.raw)
+    return _Target(source, storage, files, parity_rel)
+
+
+def _parity_dest(target: _Target) -> Path | RemoteDest:
+    storage = target.storage
+    if isinstance(storage, LocalStorage):
+        return storage.root / target.parity_rel
+    assert isinstance(storage, FsspecStorage)
+    return RemoteDest(
+        url=storage.describe(target.parity_rel),
+        fs=storage.fs,
+        path=f"{storage.root}/{target.parity_rel}",
+    )
+
+
+def read_parity_manifest(target: _Target) -> ParityManifest | None:
+    """The parity manifest of the checkpoint, or None when it is not protected."""
+    storage = target.storage
+    try:
+        raw = storage.read_all(target.manifest_rel)
+    except NotFoundError:
+        return None
+    try:
+        manifest = ParityManifest.model_validate(json.loads(raw))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(
+            f"is not a valid ckpt parity manifest ({str(exc).splitlines()[0]})",
+            path=storage.describe(target.manifest_rel),
+            fix="Protect the checkpoint again: `ckpt protect SRC --force`.",
+        ) from None
+    _check_manifest(manifest, storage.describe(target.manifest_rel))
+    return manifest
+
+
+def _check_manifest(m: ParityManifest, where: str) -> None:
+    """Refuse manifests whose numbers do not add up (corrupt or hostile): no huge allocations."""
+    bad = (
+        m.ckpt_parity != PARITY_VERSION
+        or m.codec != CODEC
+        or not 1 <= m.width <= MAX_WIDTH
+        or not 1 <= m.parity <= MAX_PARITY
+        or m.block_size <= 0
+        or m.block_size % BLOCK_ALIGN
+        or m.block_size > 1 << 30
+        or m.stripes < 1
+        or len(m.shares) != m.parity
+        or any(len(s.blocks) != m.stripes or s.size != m.stripes * m.block_size for s in m.shares)
+    )
+    # every name must stay inside the checkpoint (repair writes to these names)
+    for f in m.files:
+        if safe_relpath(f.path, source=where) != f.path or is_parity_path(f.path):
+            bad = True
+    if [s.path for s in m.shares] != [f"parity-{j}.bin" for j in range(len(m.shares))]:
+        bad = True
+    spans = []
+    total = 0
+    for f in m.files:
+        n = -(-f.size // m.block_size)
+        total += n
+        if f.size < 0 or len(f.blocks) != n:
+            bad = True
+        if n:
+            spans.append((f.start, f.start + n))
+    spans.sort()
+    if any(a[1] > b[0] for a, b in itertools.pairwise(spans)):
+        bad = True  # two files claim one block
+    if spans and (spans[0][0] < 0 or spans[-1][1] > m.width * m.stripes):
+        bad = True
+    if bad or total != m.total_blocks:
+        raise FormatError(
+            "is not a consistent ckpt parity manifest",
+            path=where,
+            fix="Protect the checkpoint again: `ckpt protect SRC --force`.",
+        )
+
+
+# ------------------------------------------------------------------------------ protect
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _on_leader(work: Callable[[], M], model: type[M]) -> M:
+    """Run `work` on rank 0 only (under torchrun the others wait), the result on every rank.
+
+    Every rank writing the same parity or rebuilding the same file would race on one staging
+    name (a repair rebuilds a few files: one process suffices).
+    """
+    workers = active()
+    result: M | None = None
+    with workers.together():
+        if workers.leader:
+            result = work()
+    if not workers.distributed:
+        assert result is not None
+        return result
+    shared = workers.broadcast(result.model_dump(mode="json") if result is not None else None)
+    return model.model_validate(shared)
+
+
+def _check_unchanged(target: _Target) -> None:
+    """Refuse to bless parity of files that changed size while they were read."""
+    storage = target.storage
+    if isinstance(storage, FsspecStorage):
+        return  # listed once; objects are replaced whole, not rewritten in place
+    for name, size in target.files.items():
+        try:
+            now = storage.size(name)
+        except NotFoundError:
+            now = -1
+        if now != size:
+            raise FormatError(
+                "changed while it was being protected",
+                path=storage.describe(name),
+                fix="Protect the checkpoint once its writer has finished.",
+            )
+
+
+class _Reader:
+    """Reads blocks, keeping local files open (one `pread` per block, no reopen)."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        path = self.storage.local_path(rel) if isinstance(self.storage, LocalStorage) else None
+        if path is None:
+            return self.storage.read(rel, offset, length)
+        with self._lock:  # blocks are read from several threads
+            fd = self._fds.get(rel)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise NotFoundError("file not found", path=str(path)) from None
+                self._fds[rel] = fd
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            return self.storage.read(rel, offset, length)  # raises the truncation error
+        return data
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            with suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+        self.storage.close()
+
+
+def _sha256_storage(reader: _Reader, rel: str, size: int) -> str:
+    h = hashlib.sha256()
+    for lo in range(0, size, 4 << 20):
+        h.update(reader.read(rel, lo, min(4 << 20, size - lo)))
+    return h.hexdigest()
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

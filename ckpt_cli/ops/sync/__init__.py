@@ -1,0 +1,143 @@
+"""`sync`: a run's complete checkpoints copied between a local run folder and an object store.
+
+Up (`ckpt sync out/ s3://bucket/run/`): every *complete* checkpoint of the local run folder
+(judged by `ckpt_cli.runs`, so never one still being written, never an interrupted one) that
+the destination does not hold yet is uploaded under its own name. The order inside one
+checkpoint is the one ckpt's object-store writer uses (`output.publish_order`): data files
+first, then the commit markers (`.metadata`, `*.index.json`, `trainer_state.json`), and last
+the checksum manifest `ckpt-manifest.json` (the checkpoint's own when it has one, else one
+computed while uploading; for a single-file checkpoint `NAME.ckpt-manifest.json` beside it).
+The manifest is what makes a remote copy *synced*: a destination holds a checkpoint when its
+manifest is there and every file it lists has the recorded size.
+
+Verification: each file is hashed while it is read for the upload; a checkpoint that has a
+manifest must match it (a corrupt local copy is never published), and each uploaded object
+must carry the ETag S3 computes from the bytes it received (MD5, or the MD5 of the parts'
+MD5s for a multipart upload); where a store reports no usable ETag the object is read back
+and hashed.
+
+Resume: a file whose object already exists with the same size and ETag (an earlier,
+interrupted sync uploaded it) is not sent again; S3 creates an object only when its upload
+completes, so a file cut midway is simply missing and sent whole.
+
+Down (`ckpt sync s3://bucket/run/ out/ --latest`): the newest complete remote checkpoint (or
+every one missing locally) is streamed into a hidden staging folder in the run folder,
+hashed on the way and checked against its manifest, then published with one rename.
+
+`--watch` repeats rounds every interval; `--max-rate` bounds the bytes per second sent or
+received; `--prune-remote` applies a retention policy on the remote side after each round.
+The parity folder `.ckpt-parity/` of `ckpt protect` lies inside the checkpoint folder and
+travels with it like any other file.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from ...errors import NotFoundError, UsageError
+from ...runs import DEFAULT_SETTLE, is_remote
+from ..retention import PrunePolicy
+from .model import RateLimit, SyncedCheckpoint, SyncReport
+from .pull import sync_down
+from .push import sync_up
+
+__all__ = ["RateLimit", "SyncReport", "SyncedCheckpoint", "exit_code", "sync"]
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def sync(
+    src: str,
+    dest: str,
+    *,
+    latest_only: bool = False,
+    settle: float = DEFAULT_SETTLE,
+    max_rate: int | None = None,
+    prune_policy: PrunePolicy | None = None,
+    watch_seconds: float | None = None,
+    max_iterations: int | None = None,
+    on_round: Callable[[SyncReport], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> SyncReport:
+    """What `ckpt sync SRC DEST` does: one round, or `--watch` rounds until Ctrl-C.
+
+    Args:
+        src / dest: a local run folder and an object-store prefix, either way round (the
+            remote side may also be a Hub repo when pulling).
+        latest_only: pulling: only the newest complete checkpoint.
+        settle: seconds; see `ckpt_cli.runs` (saves of marker-less layouts this fresh wait).
+        max_rate: bytes per second at most.
+        prune_policy: pushing: retention applied on the remote side after each round.
+        watch_seconds / max_iterations: repeat every interval (and stop after N rounds).
+        on_round: called with each round's report (the CLI prints progress with it).
+    """
+    up = is_remote(dest) and not is_remote(src)
+    down = is_remote(src) and not is_remote(dest)
+    if not (up or down):
+        raise UsageError(
+            "one side of a sync is a local run folder, the other an object store",
+            fix="ckpt sync out/ s3://bucket/run/   or   ckpt sync s3://bucket/run/ out/ --latest",
+        )
+    if up and dest.startswith("hf://"):
+        raise UsageError(
+            "cannot sync to the Hub: publishing there is a commit",
+            path=dest,
+            fix="Use the Trainer's push_to_hub, or `huggingface-cli upload`; sync to an object "
+            "store (s3://, gs://...) instead.",
+        )
+    if up and not Path(src).is_dir():
+        raise NotFoundError("no such run folder", path=src, fix="Check the path.")
+    if latest_only and up:
+        raise UsageError("--latest applies when pulling (SRC remote, DEST local)")
+    if prune_policy is not None and down:
+        raise UsageError("--prune-remote applies when pushing (SRC local, DEST remote)")
+    if max_iterations is not None and watch_seconds is None:
+        raise UsageError("--max-iterations only applies with --watch")
+    if watch_seconds is not None and watch_seconds <= 0:
+        raise UsageError(f"--watch needs a positive number of seconds (got {watch_seconds:g})")
+    limit = RateLimit(max_rate)
+
+    def one_round() -> SyncReport:
+        if up:
+            return sync_up(src, dest, settle=settle, limit=limit, prune_policy=prune_policy)
+        return sync_down(src, dest, latest_only=latest_only, limit=limit)
+
+    if watch_seconds is None:
+        report = one_round()
+        report.iterations = 1
+        return report
+    total = SyncReport(source=src, dest=dest, direction="up" if up else "down")
+    try:
+        for _ in _rounds(max_iterations):
+            report = one_round()
+            total.iterations += 1
+            total.checkpoints = report.checkpoints
+            total.bytes_sent += report.bytes_sent
+            total.transferred += report.transferred
+            total.failed += report.failed
+            total.latest = report.latest
+            total.pruned = report.pruned
+            if on_round is not None:
+                on_round(report)
+            if max_iterations is not None and total.iterations >= max_iterations:
+                total.stopped = "max-iterations"
+                break
+            sleep(watch_seconds)
+    except KeyboardInterrupt:
+        total.stopped = "interrupted"
+    return total
+
+
+def _rounds(limit: int | None) -> Iterator[int]:
+    count = 0
+    while limit is None or count < limit:
+        yield count
+        count += 1
+
+
+def exit_code(report: SyncReport) -> int:
+    """1 when a checkpoint failed to sync or verify."""
+    return 1 if report.failed else 0

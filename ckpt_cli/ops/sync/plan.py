@@ -1,0 +1,99 @@
+"""What `sync` sends and in which order, on either side: files of a checkpoint, manifests, ETags."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ...errors import FormatError, NotFoundError
+from ...output import UPLOAD_BLOCK, is_commit_marker
+from ...runs import _UNMARKED, RunCheckpoint
+from ...storage import Storage
+from ..verify import MANIFEST_NAME, ChecksumManifest
+
+#: files written after a checkpoint's data, in this order (the manifest always last)
+_LATE = ("trainer_state.json",)
+#: small run-folder files carried along so the remote run keeps its pointers and metrics
+_ROOT_FILES = ("latest", "metrics.jsonl")
+
+
+def _local_files(run_root: Path, c: RunCheckpoint) -> dict[str, Path]:
+    """The files of a local checkpoint, by path relative to the run folder (hidden ones too:
+    the `.ckpt-parity/` folder travels with the checkpoint)."""
+    out: dict[str, Path] = {}
+    for raw in c.paths:
+        path = Path(raw)
+        if path.is_file():
+            out[path.relative_to(run_root).as_posix()] = path
+            continue
+        for dirpath, dirs, files in os.walk(path):
+            dirs.sort()
+            for fname in sorted(files):
+                full = Path(dirpath, fname)
+                if not full.is_symlink():
+                    out[full.relative_to(run_root).as_posix()] = full
+    return out
+
+
+def _manifest_rel(c: RunCheckpoint, is_dir: bool) -> str:
+    """Where a checkpoint's manifest lives, relative to the run folder."""
+    return f"{c.name}/{MANIFEST_NAME}" if is_dir else f"{c.name}.{MANIFEST_NAME}"
+
+
+def _late(rel: str) -> bool:
+    """Commit markers and `trainer_state.json`: uploaded once the data is in place."""
+    return is_commit_marker(rel) or rel.rsplit("/", 1)[-1] in _LATE
+
+
+def _order(rels: list[str]) -> list[str]:
+    """Data first, then commit markers and `trainer_state.json` (the manifest goes after)."""
+    return sorted(rels, key=lambda r: (_late(r), r))
+
+
+def s3_etag(parts: list[bytes], size: int = 0) -> str:
+    """The ETag S3 gives an object uploaded in these parts' MD5 digests.
+
+    s3fs sends a file smaller than its block size with one PUT (ETag: the MD5) and a larger
+    one as a multipart upload of `UPLOAD_BLOCK` parts, as written (ETag: MD5 of the parts'
+    MD5s, `-N`), even when N is 1.
+    """
+    if len(parts) == 1 and size < UPLOAD_BLOCK:
+        return parts[0].hex()
+    return f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
+
+
+def _remote_etag(info: dict[str, Any]) -> str | None:
+    etag = info.get("ETag") or info.get("etag")
+    return str(etag).strip('"') if etag else None
+
+
+def _uploadable(c: RunCheckpoint, settle: float, now: float) -> str | None:
+    """Why a local checkpoint is not uploaded now, or None."""
+    if not c.complete:
+        return f"{c.status}: {c.reason}"
+    if c.symlink:
+        return "a symlink (its target is synced under its own name)"
+    # layouts with no commit marker of their own look complete while still being written
+    if c.layout in _UNMARKED and now - c.mtime < settle:
+        return f"modified in the last {settle:g} s (no commit marker in this layout)"
+    return None
+
+
+# --------------------------------------------------------------------------- down
+
+
+def _remote_manifest(storage: Storage, rel: str) -> ChecksumManifest | None:
+    try:
+        raw = storage.read_all(rel)
+    except NotFoundError:
+        return None
+    try:
+        return ChecksumManifest.model_validate(json.loads(raw))
+    except ValueError as exc:
+        raise FormatError(
+            f"is not a valid ckpt checksum manifest ({str(exc).splitlines()[0]})",
+            path=storage.describe(rel),
+        ) from None

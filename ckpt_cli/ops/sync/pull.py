@@ -1,0 +1,162 @@
+"""`sync` down: remote checkpoints streamed into staging, checked against their manifest, published."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ...errors import CkptError, FormatError, NotFoundError
+from ...hashing import hasher_factory
+from ...output import TMP_MARKER, UPLOAD_BLOCK, fsync_dir
+from ...runs import RunCheckpoint, run_storage, scan_run
+from ...storage import Storage
+from ..verify import MANIFEST_NAME, ChecksumManifest
+from .model import RateLimit, SyncedCheckpoint, SyncReport
+from .plan import _ROOT_FILES, _manifest_rel, _remote_manifest
+
+
+def _download(
+    storage: Storage,
+    c: RunCheckpoint,
+    files: dict[str, int],
+    manifest: ChecksumManifest | None,
+    manifest_rel: str,
+    dest_root: Path,
+    limit: RateLimit,
+) -> SyncedCheckpoint:
+    """Stream one remote checkpoint into a staging folder, verified, then publish it."""
+    is_dir = c.name not in files
+    result = SyncedCheckpoint(
+        name=c.name,
+        step=c.step,
+        action="downloaded",
+        files=len(files),
+        bytes=sum(files.values()),
+        manifest="checkpoint" if manifest else None,
+    )
+    final = dest_root / c.name
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}{TMP_MARKER}", dir=final.parent))
+    new = hasher_factory(manifest.algorithm) if manifest else None
+    try:
+        for rel, size in sorted(files.items()):
+            inside = rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
+            target = staging / inside
+            target.parent.mkdir(parents=True, exist_ok=True)
+            hasher = new() if new else None
+            with open(target, "wb") as out:
+                offset = 0
+                while offset < size:
+                    block = storage.read(rel, offset, min(UPLOAD_BLOCK, size - offset))
+                    out.write(block)
+                    if hasher is not None:
+                        hasher.update(block)
+                    offset += len(block)
+                    limit.take(len(block))
+                out.flush()
+                os.fsync(out.fileno())
+            result.files_sent += 1
+            result.bytes_sent += size
+            if manifest is not None and hasher is not None:
+                key = inside
+                expected = manifest.files.get(key)
+                if expected is None or expected.digest != hasher.hexdigest():
+                    raise FormatError(
+                        f"{rel} does not match the checkpoint's checksum manifest",
+                        path=storage.describe(manifest_rel),
+                        fix="The remote copy is damaged; pull an older checkpoint, or sync "
+                        "it again from a machine that has it whole.",
+                    )
+        if manifest is not None:
+            missing = set(manifest.files) - {
+                rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
+                for rel in files
+            }
+            if missing:
+                raise FormatError(
+                    f"the remote checkpoint lacks {', '.join(sorted(missing))}, "
+                    "which its manifest lists",
+                    path=storage.describe(manifest_rel),
+                )
+            if is_dir:
+                (staging / MANIFEST_NAME).write_bytes(storage.read_all(manifest_rel))
+        fsync_dir(staging)
+        if is_dir:
+            os.rename(staging, final)
+        else:
+            # plain files of one step (`model_500.pt`, `optim_500.pt`) land side by side
+            for rel in files:
+                os.rename(staging / rel.rsplit("/", 1)[-1], dest_root / rel)
+        fsync_dir(final.parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if manifest is None:
+        # nothing to check the bytes against: the structure is checked instead
+        from ..verify import verify
+
+        if not verify(str(final)).ok:
+            result.action = "failed"
+            result.reason = "no checksum manifest, and the structural check failed"
+            return result
+    result.verified = manifest is not None
+    return result
+
+
+def sync_down(
+    src: str,
+    dest: str,
+    *,
+    latest_only: bool = False,
+    limit: RateLimit | None = None,
+) -> SyncReport:
+    """`ckpt sync s3://… RUN_DIR`: pull the newest (or every missing) complete checkpoint."""
+    limit = limit or RateLimit(None)
+    remote = scan_run(src.rstrip("/"), settle=0.0)
+    storage = run_storage(src.rstrip("/"))
+    listing = storage.list_files()
+    dest_root = Path(dest)
+    dest_root.mkdir(parents=True, exist_ok=True)
+    report = SyncReport(source=src, dest=dest, direction="down")
+    wanted = [c for c in remote.checkpoints if c.complete and not c.slim]
+    if latest_only:
+        if not wanted:
+            raise NotFoundError(
+                "no complete checkpoint in the remote run folder",
+                path=src,
+                fix="`ckpt latest` on it lists every checkpoint and why it is not complete.",
+            )
+        wanted = wanted[-1:]
+    for c in wanted:
+        is_dir = c.name not in listing
+        manifest_rel = _manifest_rel(c, is_dir)
+        own = {p.removeprefix(remote.run_dir.rstrip("/") + "/") for p in c.paths}
+        files = {
+            rel: size
+            for rel, size in listing.items()
+            if (rel.startswith(f"{c.name}/") if is_dir else rel in own) and rel != manifest_rel
+        }
+        if (dest_root / c.name).exists():
+            report.checkpoints.append(
+                SyncedCheckpoint(name=c.name, step=c.step, action="present", files=len(files))
+            )
+            continue
+        manifest = _remote_manifest(storage, manifest_rel) if manifest_rel in listing else None
+        try:
+            done = _download(storage, c, files, manifest, manifest_rel, dest_root, limit)
+        except CkptError as error:
+            done = SyncedCheckpoint(name=c.name, step=c.step, action="failed", reason=str(error))
+        if done.action == "failed":
+            report.failed.append(f"{c.name}: {done.reason}")
+        report.checkpoints.append(done)
+        report.bytes_sent += done.bytes_sent
+        if done.action == "downloaded":
+            report.transferred.append(c.name)
+    for name in _ROOT_FILES:
+        if name in listing and listing[name] <= 16 << 20 and not (dest_root / name).exists():
+            (dest_root / name).write_bytes(storage.read_all(name))
+    storage.close()
+    local = scan_run(dest_root, settle=0.0, until_latest=True)
+    report.latest = local.latest
+    return report

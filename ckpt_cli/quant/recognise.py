@@ -1,0 +1,252 @@
+"""Recognition of quantized weights, one function per scheme family, from the headers only.
+
+Each recogniser claims a payload with its sidecars and records, through `checks.Checks`, what
+is wrong with them; `analyse` runs them over every tensor, then the orphan and config checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models import Entry, Manifest
+from ..storage import Storage
+from .checks import (
+    Checks,
+    check_config,
+    check_nvfp4,
+    check_orphans,
+    fp8_grid,
+    fp8_siblings,
+    infer_block,
+)
+from .schemes import (
+    FP8,
+    SCALE_DTYPES,
+    QuantAnalysis,
+    QuantConfig,
+    QuantWeight,
+    _config_families,
+    ignored,
+    read_config,
+)
+
+#: activation scales a weight may carry (kept with it)
+_ACTIVATION = {"input": ".input_scale", "input_global": ".input_global_scale"}
+
+
+@dataclass
+class _Recognition:
+    """What the recognisers share: the checks being built and what the config expects."""
+
+    checks: Checks
+    config: QuantConfig
+    block: tuple[int, int] | None
+    expects: set[str]
+    fp8_scaled_elsewhere: bool
+
+
+def analyse(manifest: Manifest, config: QuantConfig, where: str | None = None) -> QuantAnalysis:
+    """Recognise every quantized weight of `manifest` and check its sidecars from headers.
+
+    Problems (each names the tensor and the sidecar): `missing_scale`, `scale_grid`,
+    `scale_dtype`, `orphan_scale`, `config_mismatch`.
+    """
+    where = where or manifest.location
+    tensors = {e.name: e for e in manifest.entries if e.kind == "tensor"}
+    out = QuantAnalysis(config=config)
+    block: tuple[int, int] | None = (config.block[0], config.block[1]) if config.block else None
+    families = _config_families(config)
+    checks = Checks(where, tensors, out)
+    r = _Recognition(checks, config, block, families or set(), fp8_siblings(tensors))
+    # --- payloads with their sidecars
+    for name, entry in tensors.items():
+        _recognise(r, name, entry)
+    # --- scales no weight owns, then the config against the headers
+    check_orphans(checks)
+    check_config(checks, config, families)
+    return out
+
+
+def analyse_checkpoint(
+    manifest: Manifest, storage: Storage, where: str | None = None
+) -> QuantAnalysis:
+    """`analyse` with the config files read from the checkpoint's root."""
+    return analyse(manifest, read_config(storage), where)
+
+
+def _recognise(r: _Recognition, name: str, entry: Entry) -> None:
+    """Hand one tensor to the recogniser of the scheme family its name and dtype point to."""
+    if name.endswith("_blocks") and "_blocks" not in name[:-7]:
+        _mx(r, name, entry)
+        return
+    if name.endswith(".weight_packed"):
+        _nvfp4_ct(r, name, entry)
+        return
+    if not name.endswith(".weight"):
+        return
+    module = name[: -len(".weight")]
+    if entry.dtype in FP8:
+        _fp8(r, name, module, entry)
+        return
+    if entry.dtype == "uint8" and len(list(entry.shape)) == 2:
+        _nvfp4(r, name, module, entry)
+
+
+def _mx(r: _Recognition, name: str, entry: Entry) -> None:
+    """MXFP4 / MXFP8: `*_blocks` payloads with `*_scales`, 32 values a group."""
+    ck, tensors = r.checks, r.checks.tensors
+    base = name[: -len("_blocks")]
+    scales = base + "_scales"
+    shape = list(entry.shape)
+    scheme = "mxfp4" if entry.dtype == "uint8" else "mxfp8" if entry.dtype in FP8 else None
+    if scheme is None or len(shape) < 2:
+        return
+    per = shape[-1] * (2 if scheme == "mxfp4" else 1)
+    weight = QuantWeight(
+        module=base.rsplit(".", 1)[0] if "." in base else base,
+        scheme=scheme,
+        payload=name,
+        output=base,
+        sidecars={},
+        logical_shape=[*shape[:-2], shape[-2] * per],
+        block=(1, per),
+    )
+    if scales not in tensors:
+        ck.missing(name, scales, scheme)
+    else:
+        weight.sidecars["scale"] = scales
+        if list(tensors[scales].shape) != shape[:-1]:
+            ck.grid_problem(
+                name, scales, list(tensors[scales].shape), f"{shape[:-1]} (one per group)"
+            )
+        ck.check_dtype(name, {"scale": scales}, {"scale": "mx_scale"})
+        if per != 32:
+            ck.grid_problem(name, scales, list(tensors[scales].shape), "groups of 32 values")
+    ck.claim(weight)
+
+
+def _nvfp4_ct(r: _Recognition, name: str, entry: Entry) -> None:
+    """NVFP4 as compressed-tensors writes it: `weight_packed` with a global scale."""
+    ck, tensors = r.checks, r.checks.tensors
+    module = name[: -len(".weight_packed")]
+    shape = list(entry.shape)
+    if entry.dtype != "uint8" or len(shape) != 2:
+        return
+    sidecars = ck.optional(module, {"scale": ".weight_scale", "global": ".weight_global_scale"})
+    scale = sidecars.get("scale")
+    if (
+        scale is not None
+        and tensors[scale].dtype not in SCALE_DTYPES["group_scale"]
+        and (r.config.algo or "") != "nvfp4-pack-quantized"
+    ):
+        return  # compressed-tensors int4/int8 pack-quantized: not an NVFP4 weight
+    weight = QuantWeight(
+        module=module,
+        scheme="nvfp4-ct",
+        payload=name,
+        output=module + ".weight",
+        sidecars={**sidecars, **ck.optional(module, _ACTIVATION)},
+        logical_shape=[shape[0], shape[1] * 2],
+        block=(1, 16),
+    )
+    check_nvfp4(ck, weight)
+    ck.check_dtype(
+        name,
+        weight.sidecars,
+        {"scale": "group_scale", "global": "global", "input_global": "global"},
+    )
+    if module + ".weight_scale_2" in tensors:
+        ck.add(
+            "config_mismatch",
+            module + ".weight_scale_2",
+            f"{module!r} mixes compressed-tensors' weight_packed/weight_global_scale "
+            "with ModelOpt's weight_scale_2; the two global scales are reciprocals "
+            "of each other",
+            "Keep one convention per checkpoint; re-export it.",
+        )
+    ck.claim(weight)
+
+
+def _fp8(r: _Recognition, name: str, module: str, entry: Entry) -> None:
+    """FP8 per block, per channel or per tensor: the scale's grid says which."""
+    ck, tensors, config, block = r.checks, r.checks.tensors, r.config, r.block
+    shape = list(entry.shape)
+    sidecars = ck.optional(
+        module,
+        {"inv": ".weight_scale_inv", "mul": ".weight_scale", "comfy": ".scale_weight"},
+    )
+    scale_name = sidecars.get("inv") or sidecars.get("mul") or sidecars.get("comfy")
+    if scale_name is None:
+        if ("fp8" in r.expects or r.fp8_scaled_elsewhere) and not ignored(module, config.ignore):
+            sidecar = module + (
+                ".weight_scale"
+                if config.method == "compressed-tensors" or config.method == "modelopt"
+                else ".weight_scale_inv"
+            )
+            scheme = "fp8-block" if block else "fp8-tensor"
+            ck.missing(name, sidecar, scheme)
+            ck.claim(QuantWeight(module, scheme, name, name, {}, shape, block or (1, 1)))
+        return
+    scale_shape = list(tensors[scale_name].shape)
+    found, implied = fp8_grid(shape, scale_shape, block)
+    if found is None:
+        ck.grid_problem(name, scale_name, scale_shape, implied)
+        found = "fp8-block" if block else "fp8-tensor"
+    roles = {
+        "scale": scale_name,
+        **ck.optional(module, {**_ACTIVATION, "input_comfy": ".scale_input"}),
+    }
+    weight = QuantWeight(
+        module,
+        found,
+        name,
+        name,
+        roles,
+        shape,
+        (block or (128, 128)) if found == "fp8-block" else (1, 1),
+    )
+    if found == "fp8-block" and block is None:
+        weight.block = infer_block(shape, scale_shape)
+    ck.check_dtype(name, {"scale": scale_name}, {"scale": "scale"})
+    ck.claim(weight)
+
+
+def _nvfp4(r: _Recognition, name: str, module: str, entry: Entry) -> None:
+    """NVFP4 as ModelOpt writes it: a uint8 `weight` with `weight_scale` and `weight_scale_2`."""
+    ck, tensors = r.checks, r.checks.tensors
+    shape = list(entry.shape)
+    sidecars = ck.optional(module, {"scale": ".weight_scale", "scale_2": ".weight_scale_2"})
+    nv_expected = "nvfp4" in r.expects and not ignored(module, r.config.ignore)
+    scale = sidecars.get("scale")
+    if scale is None and "scale_2" not in sidecars and not nv_expected:
+        return  # a plain uint8 tensor
+    if (
+        scale is not None
+        and tensors[scale].dtype not in SCALE_DTYPES["group_scale"]
+        and not nv_expected
+    ):
+        return
+    weight = QuantWeight(
+        module=module,
+        scheme="nvfp4",
+        payload=name,
+        output=name,
+        sidecars={**sidecars, **ck.optional(module, _ACTIVATION)},
+        logical_shape=[shape[0], shape[1] * 2],
+        block=(1, 16),
+    )
+    check_nvfp4(ck, weight)
+    ck.check_dtype(
+        name,
+        weight.sidecars,
+        {"scale": "group_scale", "scale_2": "global", "input": "input"},
+    )
+    if module + ".weight_global_scale" in tensors:
+        ck.add(
+            "config_mismatch",
+            module + ".weight_global_scale",
+            f"{module!r} mixes ModelOpt's weight_scale_2 with compressed-tensors' "
+            "weight_global_scale; the two global scales are reciprocals of each other",
+            "Keep one convention per checkpoint; re-export it.",
+        )
+    ck.claim(weight)
