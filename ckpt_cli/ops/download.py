@@ -41,7 +41,6 @@ from pydantic import BaseModel, Field
 
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats.base import Source, WriteOptions
-from ..formats.hub import HubRepo, HubStorage, RemoteFile, hub_errors, hub_mismatch, open_repo
 from ..formats.safetensors import (
     INDEX_SUFFIX,
     SafetensorsCheckpoint,
@@ -55,6 +54,7 @@ from ..output import Destination, RemoteDest, check_destination, resolve_destina
 from ..progress import NULL_PROGRESS, Progress
 from ..quant import with_sidecars
 from ..storage import LocalStorage
+from ..storage.hub import HubRepo, HubStorage, RemoteFile, hub_errors, hub_mismatch, open_repo
 from ..uri import Location, parse_location
 from .inspect import select
 

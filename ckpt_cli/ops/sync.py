@@ -218,7 +218,7 @@ class _Uploader:
     """Uploads checkpoints of one local run folder into one object-store prefix."""
 
     def __init__(self, run_root: Path, dest: str, limit: RateLimit):
-        from ..formats.remote import filesystem_for
+        from ..storage import filesystem_for
 
         self.run_root = run_root
         self.dest = dest.rstrip("/")

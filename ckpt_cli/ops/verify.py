@@ -873,7 +873,7 @@ def _hub_cache_checksums(
     report: VerifyReport, problems: list[Problem], source: Source, progress: Progress
 ) -> None:
     """`verify hf://… --checksums`: the files in the local HF cache against the Hub's digests."""
-    from ..formats.hub import HubStorage
+    from ..storage.hub import HubStorage
 
     storage = source.storage
     assert isinstance(storage, HubStorage)
@@ -905,7 +905,7 @@ def _local_against_hub(
     report: VerifyReport, problems: list[Problem], source: Source, hub: str, progress: Progress
 ) -> None:
     """`verify DIR --checksums --manifest hf://…`: a downloaded copy against the Hub's digests."""
-    from ..formats.hub import HubStorage
+    from ..storage.hub import HubStorage
 
     hub_side = resolve_source(hub)
     storage = hub_side.storage
@@ -953,7 +953,7 @@ def _compare_with_hub(
     progress: Progress,
 ) -> None:
     """Sizes, then the Hub's own digests: LFS sha256 (hashed in parallel), git blob sha1."""
-    from ..formats.hub import file_digest
+    from ..storage.hub import file_digest
 
     report.algorithm = "sha256 (LFS) / git-sha1"
     sizes = files_size(local)

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError
-from ..storage import LocalStorage, Storage, StorageRangeFile, is_parity_path, safe_relpath
 from ..uri import Location
-from .base import Source
+from .base import Storage, StorageRangeFile, is_parity_path
+from .local import LocalStorage, safe_relpath
 
 #: a ranged read that breaks mid-transfer is resumed from where it stopped this many times
 READ_RETRIES = 5
@@ -673,8 +673,10 @@ def _wrong_range(response: Any, start: int, end: int, size: int) -> str | None:
     return None
 
 
-def hub_source(location: Location) -> Source:
+def open_hub(location: Location) -> tuple[HubStorage, str | None]:
     """Open an `hf://` location: resolve the revision once, list the files, read by ranges.
+
+    Returns the storage and the file the location names (None for a folder).
 
     A location whose path names one file (`hf://org/repo/model.safetensors`) opens that file.
     """
@@ -695,9 +697,4 @@ def hub_source(location: Location) -> Source:
         target = name
     storage = HubStorage(repo)
     storage.prefetch_heads = target is None
-    return Source(
-        location=location,
-        storage=storage,
-        target=target,
-        origin={"hub": repo.details()},
-    )
+    return storage, target
