@@ -300,10 +300,10 @@ def download(
     )
     _check_file_globs(repo, report)
     if mode == "shards":
-        _download_shards(source, repo, report, out, tensors, exclude, extras, force, progress)
+        _download_shards(source, storage, report, out, tensors, exclude, extras, force, progress)
     else:
         assert out is not None or dry_run
-        _download_tensors(source, repo, report, out, tensors, exclude, extras, force, progress)
+        _download_tensors(source, storage, report, out, tensors, exclude, extras, force, progress)
     return report
 
 
@@ -386,7 +386,7 @@ def _no_safetensors(src: str) -> FormatError:
 
 def _download_shards(
     source: Source,
-    repo: HubRepo,
+    storage: HubStorage,
     report: DownloadReport,
     dest: Destination | None,
     include: list[str] | None,
@@ -395,8 +395,7 @@ def _download_shards(
     force: bool,
     progress: Progress,
 ) -> None:
-    storage = source.storage
-    assert isinstance(storage, HubStorage)
+    repo = storage.repo
     src = report.source
     index_rel = find_index(source)
     weight_map: dict[str, str] | None = None
@@ -871,7 +870,7 @@ class _Cursor:
 
 def _download_tensors(
     source: Source,
-    repo: HubRepo,
+    storage: HubStorage,
     report: DownloadReport,
     dest: Destination | None,
     include: list[str] | None,
@@ -880,8 +879,7 @@ def _download_tensors(
     force: bool,
     progress: Progress,
 ) -> None:
-    storage = source.storage
-    assert isinstance(storage, HubStorage)
+    repo = storage.repo
     src = report.source
     if not SafetensorsFormat.detect(source):
         raise FormatError(

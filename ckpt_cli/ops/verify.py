@@ -43,7 +43,7 @@ from ..layouts import OpenedSource, check_source, open_source, recognise_layout,
 from ..models import Problem, TrainingState
 from ..output import Destination, RemoteDest, check_destination, resolve_destination, staged_output
 from ..progress import NULL_PROGRESS, Progress
-from ..storage import FsspecStorage, LocalStorage, read_regular, remote_failure
+from ..storage import LocalStorage, read_regular, remote_failure
 from ..uri import parse_location
 from .parity import ParityCheck, check_parity, damage_text
 
@@ -570,13 +570,11 @@ def _manifest_location(source: Source, manifest: str | None) -> Destination:
             return Path(manifest)
         return resolve_destination(manifest)
     storage = source.storage
-    if isinstance(storage, FsspecStorage):
+    remote = storage.fs_path(MANIFEST_NAME)
+    if remote is not None:
         # in the object store, beside the checkpoint's files
-        return RemoteDest(
-            url=f"{storage.display.rstrip('/')}/{MANIFEST_NAME}",
-            fs=storage.fs,
-            path=f"{storage.root}/{MANIFEST_NAME}",
-        )
+        fs, path = remote
+        return RemoteDest(url=storage.describe(MANIFEST_NAME), fs=fs, path=path)
     return default_manifest_path(source)
 
 
@@ -586,10 +584,10 @@ def _refuse_manifest_over_checkpoint(source: Source, path: Destination) -> None:
     The manifest may replace (`--force`) only a manifest: a path that is one of the
     checkpoint's files, or any existing file that is not a ckpt manifest, is refused.
     """
-    if not isinstance(path, Path) or not isinstance(source.storage, LocalStorage):
+    root = source.storage.local_root
+    if not isinstance(path, Path) or root is None:
         return
     target = path.resolve()
-    root = source.storage.root
     listed = set(source.storage.list_files()) | set(source.files)
     if source.target is not None:
         # a single shard's siblings (the rest of its checkpoint) count too
@@ -613,9 +611,9 @@ def _refuse_manifest_over_checkpoint(source: Source, path: Destination) -> None:
 
 
 def _local_root(source: Source) -> Path:
-    storage = source.storage
-    assert isinstance(storage, LocalStorage)
-    return storage.root
+    root = source.storage.local_root
+    assert root is not None, "callers check for a local checkpoint first"
+    return root
 
 
 def _checksum_checks(
@@ -629,18 +627,18 @@ def _checksum_checks(
     force: bool,
     progress: Progress,
 ) -> None:
-    if not write and source.location.kind == "hf":
+    if not write and source.storage.server_digests() is not None:
         report.checks.append("checksums")
         _hub_cache_checksums(report, problems, source, progress)
         return
-    if not isinstance(source.storage, LocalStorage | FsspecStorage):
+    if not source.storage.hashes_in_place:
         raise UsageError(
             "--checksums and --write-manifest need a local or object-store checkpoint",
             path=source.location.raw,
             fix="Download it first (`ckpt download`), then check the copy against the Hub with "
             "`ckpt verify DEST --checksums --manifest hf://org/repo@revision`.",
         )
-    if not isinstance(source.storage, LocalStorage):
+    if source.storage.local_root is None:
         # hub-digest checks need a local copy; object stores are hashed in place
         _refuse_hub_manifest(manifest, source)
     if not write and manifest is not None and manifest.startswith("hf://"):
@@ -766,17 +764,18 @@ def _files_to_hash(source: Source, manifest: Destination) -> dict[str, Hashable]
     """The checkpoint's files (name -> local path or stored file), the manifest excluded."""
     storage = source.storage
     out: dict[str, Hashable] = {}
-    if isinstance(storage, LocalStorage):
+    root = storage.local_root
+    if root is not None:
         skip = Path(manifest).resolve() if isinstance(manifest, Path) else None
         for name in source.files:
-            path = storage.root / name
+            path = root / name
             if path.resolve() != skip:
                 out[name] = path
         return out
-    assert isinstance(storage, FsspecStorage)
     skip_name = manifest.path if isinstance(manifest, RemoteDest) else None
     for name, size in source.files.items():
-        if f"{storage.root}/{name}" != skip_name:
+        remote = storage.fs_path(name)
+        if remote is None or remote[1] != skip_name:
             out[name] = StoredFile(storage, name, size)
     return out
 
@@ -873,25 +872,24 @@ def _hub_cache_checksums(
     report: VerifyReport, problems: list[Problem], source: Source, progress: Progress
 ) -> None:
     """`verify hf://… --checksums`: the files in the local HF cache against the Hub's digests."""
-    from ..storage.hub import HubStorage
-
     storage = source.storage
-    assert isinstance(storage, HubStorage)
-    remote = storage.repo.files
+    digests = storage.server_digests()
+    assert digests is not None, "called for a storage whose server records digests"
+    remote = dict(digests)
     names = [source.target] if source.target is not None else sorted(remote)
     local: dict[str, Path] = {}
     for name in names:
         path = storage.local_path(name)
         if path is not None:
             local[name] = path
-    report.manifest = storage.repo.display()
+    report.manifest = storage.display
     if not local:
         problems.append(
             Problem(
                 code="no_local_copy",
-                message=f"{storage.repo.display()}: no file of this commit is in the local HF "
+                message=f"{storage.display}: no file of this commit is in the local HF "
                 "cache, so there is nothing to check against the Hub's digests",
-                file=storage.repo.display(),
+                file=storage.display,
                 severity="warning",
             )
         )
@@ -905,12 +903,11 @@ def _local_against_hub(
     report: VerifyReport, problems: list[Problem], source: Source, hub: str, progress: Progress
 ) -> None:
     """`verify DIR --checksums --manifest hf://…`: a downloaded copy against the Hub's digests."""
-    from ..storage.hub import HubStorage
-
     hub_side = resolve_source(hub)
     storage = hub_side.storage
-    assert isinstance(storage, HubStorage)
-    report.manifest = storage.repo.display()
+    digests = storage.server_digests()
+    assert digests is not None, "an hf:// location opens a Hub storage, which records digests"
+    report.manifest = storage.display
     root = _local_root(source)
     local = {
         name: root / name
@@ -918,7 +915,7 @@ def _local_against_hub(
         # huggingface_hub keeps its download bookkeeping there; ckpt its manifest
         if not name.startswith(".cache/huggingface/") and name != MANIFEST_NAME
     }
-    remote = storage.repo.files
+    remote = dict(digests)
     if source.target is not None:
         remote = {n: f for n, f in remote.items() if n == source.target}
     for name in sorted(set(remote) - set(local)):
@@ -935,7 +932,7 @@ def _local_against_hub(
         problems.append(
             Problem(
                 code="unlisted_file",
-                message=f"{root / name}: is not in {storage.repo.display()}",
+                message=f"{root / name}: is not in {storage.display}",
                 file=str(root / name),
                 severity="warning",
             )

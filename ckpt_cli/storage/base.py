@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import io
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 
 from ..errors import NotFoundError
 
@@ -40,11 +42,47 @@ def is_staging_name(name: str) -> bool:
     return name.startswith(".") and any(marker in name for marker in STAGING_MARKERS)
 
 
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file as a server lists it, with the digests the server records (the Hub does).
+
+    Attributes:
+        path: path in the repository.
+        size: size in bytes (the real file, not the LFS pointer).
+        sha256: the LFS object id (sha256 of the content), for LFS files.
+        blob_id: the git blob id (sha1 of `blob <size>\\0<content>`), for regular files.
+    """
+
+    path: str
+    size: int
+    sha256: str | None = None
+    blob_id: str | None = None
+
+
 class Storage(ABC):
-    """Read access to the files under one checkpoint root."""
+    """Read access to the files under one checkpoint root.
+
+    What a storage can do is declared here, so that operations choose their strategy from
+    these declarations and never from the storage's class:
+
+    * `ranged_reads`: reading a byte range costs about that range (no whole-file fetch);
+    * `hashes_in_place`: a file's digest can be computed by reading it through this storage
+      (a local folder, an object store), so checksum manifests can be written and checked here;
+    * `server_digests()`: the digests the server itself records for every file (the Hub's LFS
+      sha256 and git blob ids), or None;
+    * `local_root`: the folder on this machine, or None;
+    * `fs_path()`: the fsspec filesystem and path of a file (objects stores), or None;
+    * `modified()`: a file's modification time when the listing reports one, else None;
+    * `local_path()`: a file's path on this machine (local folders, cached Hub files), or None.
+    """
 
     #: how the root is shown in messages
     display: str
+
+    #: reading `length` bytes at an offset fetches about `length` bytes
+    ranged_reads: ClassVar[bool] = True
+    #: files can be hashed through `read`, and a manifest written beside them
+    hashes_in_place: ClassVar[bool] = False
 
     @abstractmethod
     def list_files(self) -> dict[str, int]:
@@ -79,6 +117,19 @@ class Storage(ABC):
 
     def local_path(self, rel: str) -> Path | None:
         """The file's path on this machine, or None for remote storage."""
+        return None
+
+    @property
+    def local_root(self) -> Path | None:
+        """The checkpoint folder on this machine, or None when the storage is not a local folder."""
+        return None
+
+    def fs_path(self, rel: str) -> tuple[Any, str] | None:
+        """The fsspec filesystem holding `rel` and its path there, or None (not an fsspec store)."""
+        return None
+
+    def server_digests(self) -> Mapping[str, RemoteFile] | None:
+        """Every file with the digests the server records for it, or None when it records none."""
         return None
 
     def modified(self, rel: str) -> float | None:

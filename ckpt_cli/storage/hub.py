@@ -26,7 +26,7 @@ import posixpath
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError
 from ..uri import Location
-from .base import Storage, StorageRangeFile, is_parity_path
+from .base import RemoteFile, Storage, StorageRangeFile, is_parity_path
 from .local import LocalStorage, safe_relpath
 
 #: a ranged read that breaks mid-transfer is resumed from where it stopped this many times
@@ -98,23 +98,6 @@ class HubSettings:
             cache_dir=os.path.expanduser(cache),
             offline=offline,
         )
-
-
-@dataclass(frozen=True)
-class RemoteFile:
-    """One file of a Hub snapshot.
-
-    Attributes:
-        path: path in the repository.
-        size: size in bytes (the real file, not the LFS pointer).
-        sha256: the LFS object id (sha256 of the content), for LFS files.
-        blob_id: the git blob id (sha1 of `blob <size>\\0<content>`), for regular files.
-    """
-
-    path: str
-    size: int
-    sha256: str | None = None
-    blob_id: str | None = None
 
 
 @dataclass
@@ -423,6 +406,19 @@ def _open_cached(location: Location, settings: HubSettings, commit: str) -> HubR
     return HubRepo(location=location, settings=settings, commit=commit, files=files, snapshot=root)
 
 
+__all__ = [
+    "HubRepo",
+    "HubSettings",
+    "HubStorage",
+    "RemoteFile",
+    "file_digest",
+    "hub_errors",
+    "hub_mismatch",
+    "open_hub",
+    "open_repo",
+]
+
+
 class HubStorage(Storage):
     """The files of a Hub snapshot, read with HTTP range requests (or from the local cache).
 
@@ -454,6 +450,9 @@ class HubStorage(Storage):
 
     def size(self, rel: str) -> int:
         return self.remote(rel).size
+
+    def server_digests(self) -> Mapping[str, RemoteFile] | None:
+        return self.repo.files
 
     def remote(self, rel: str) -> RemoteFile:
         """The listing entry of `rel` (NotFoundError if absent)."""

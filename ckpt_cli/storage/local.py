@@ -101,6 +101,8 @@ def hf_cache_repo(real_root: str) -> str | None:
 class LocalStorage(Storage):
     """A folder on this machine; reads use `os.pread` so nothing is read that is not asked for."""
 
+    hashes_in_place = True
+
     def __init__(self, root: Path):
         self.root = root
         self.display = str(root)
@@ -165,6 +167,10 @@ class LocalStorage(Storage):
 
     def local_path(self, rel: str) -> Path | None:
         return self.path(rel)
+
+    @property
+    def local_root(self) -> Path | None:
+        return self.root
 
     def subfolder(self, rel: str) -> Storage | None:
         return LocalStorage(self.path(rel))

@@ -91,6 +91,8 @@ class FsspecStorage(Storage):
     #: bytes fetched ahead (at least the size of the read that triggered it)
     readahead = 16 << 20
 
+    hashes_in_place = True
+
     def __init__(self, fs: Any, root: str, display: str):
         self.fs = fs
         self.root = root.rstrip("/")
@@ -129,6 +131,9 @@ class FsspecStorage(Storage):
                 if stamp is not None and name.startswith(prefix):
                     self._mtimes[name[len(prefix) :]] = stamp
         return self._sizes
+
+    def fs_path(self, rel: str) -> tuple[Any, str] | None:
+        return self.fs, f"{self.root}/{rel}"
 
     def modified(self, rel: str) -> float | None:
         self.list_files()
