@@ -53,8 +53,8 @@ from ..output import TMP_MARKER, UPLOAD_BLOCK, fsync_dir, is_commit_marker
 from ..runs import _UNMARKED, DEFAULT_SETTLE, RunCheckpoint, is_remote, run_storage, scan_run
 from ..storage import Storage, remote_failure
 from ..uri import parse_location
+from .checksums import MANIFEST_NAME, ChecksumManifest, FileDigest
 from .prune import PrunePolicy, PruneReport, prune
-from .verify import MANIFEST_NAME, ChecksumManifest, FileDigest
 
 #: hash algorithm of manifests sync computes (the one `verify --write-manifest` defaults to)
 SYNC_ALGORITHM = "sha256"
@@ -269,7 +269,7 @@ class _Uploader:
         own_manifest: ChecksumManifest | None = None
         local_manifest = self.run_root / manifest_rel
         if is_dir and manifest_rel in files:
-            from .verify import read_manifest
+            from .checksums import read_manifest
 
             own_manifest = read_manifest(local_manifest)
             del files[manifest_rel]
