@@ -1,0 +1,384 @@
+"""A Hugging Face Hub repository pinned to one commit: settings from the environment, the
+revision resolved once (or from the local cache's `refs/` when offline), the file listing with
+the Hub's recorded digests, and the Hub's errors as ckpt errors.
+
+Settings are read from the environment when a location is opened, not when huggingface_hub was
+imported, so a long-lived process (or a test) that changes `HF_ENDPOINT`/`HF_HOME` is honoured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CkptError, HubError, NotFoundError
+from ..uri import Location
+from .base import RemoteFile
+from .local import LocalStorage, safe_relpath
+
+#: bytes per read when hashing local files
+HASH_BLOCK = 8 << 20
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """How to reach the Hub, read from the environment at call time.
+
+    Attributes:
+        endpoint: `HF_ENDPOINT` (default https://huggingface.co).
+        token: `HF_TOKEN`, else the token saved by `hf auth login` (None: anonymous).
+        cache_dir: the HF hub cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`).
+        offline: `HF_HUB_OFFLINE` is set: only the local cache is used.
+    """
+
+    endpoint: str
+    token: str | None
+    cache_dir: str
+    offline: bool
+
+    @classmethod
+    def from_env(cls) -> HubSettings:
+        """The settings huggingface_hub would use if it were imported now."""
+        from huggingface_hub import constants, get_token
+
+        endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+        home = os.environ.get("HF_HOME")
+        cache = os.environ.get("HF_HUB_CACHE") or (
+            os.path.join(home, "hub") if home else constants.HF_HUB_CACHE
+        )
+        offline_env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+        offline = (
+            offline_env.strip().lower() in _TRUE
+            if offline_env is not None
+            else constants.HF_HUB_OFFLINE
+        )
+        token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+        token_file = os.environ.get("HF_TOKEN_PATH") or (
+            os.path.join(home, "token") if home else None
+        )
+        if not token and token_file:
+            # `hf auth login` saved it under the HF_HOME in effect now
+            try:
+                token = Path(token_file).expanduser().read_text().strip()
+            except OSError:
+                token = None
+        elif not token:
+            token = get_token()
+        return cls(
+            endpoint=endpoint,
+            token=token or None,
+            cache_dir=os.path.expanduser(cache),
+            offline=offline,
+        )
+
+
+@dataclass
+class HubRepo:
+    """A repository pinned to one commit, with its files under `subfolder`.
+
+    Attributes:
+        location: the parsed `hf://` location.
+        settings: endpoint, token, cache and offline mode in use.
+        commit: the 40-hex commit the revision resolved to.
+        files: files under the subfolder (path relative to it -> RemoteFile).
+        snapshot: the local snapshot folder when reading from the cache offline.
+    """
+
+    location: Location
+    settings: HubSettings
+    commit: str
+    files: dict[str, RemoteFile]
+    snapshot: Path | None = None
+    _cached: dict[str, str | None] = field(default_factory=dict)
+
+    @property
+    def repo_id(self) -> str:
+        """`org/name`."""
+        assert self.location.repo_id is not None
+        return self.location.repo_id
+
+    @property
+    def repo_type(self) -> str:
+        """`model`, `dataset` or `space`."""
+        return self.location.repo_type
+
+    @property
+    def subfolder(self) -> str:
+        """Folder inside the repository ('' for the root)."""
+        return self.location.subfolder
+
+    def repo_path(self, rel: str) -> str:
+        """Path in the repository of `rel` (relative to the subfolder)."""
+        return f"{self.subfolder}/{rel}" if self.subfolder else rel
+
+    def url(self, rel: str) -> str:
+        """The `resolve` URL of `rel` at the pinned commit."""
+        from huggingface_hub import hf_hub_url
+
+        return hf_hub_url(
+            self.repo_id,
+            self.repo_path(rel),
+            repo_type=self.repo_type,
+            revision=self.commit,
+            endpoint=self.settings.endpoint,
+        )
+
+    def display(self, rel: str = "") -> str:
+        """How to name the repository (or one of its files) in messages."""
+        prefix = "" if self.repo_type == "model" else f"{self.repo_type}s/"
+        base = f"hf://{prefix}{self.repo_id}@{self.commit[:12]}"
+        path = self.repo_path(rel) if rel else self.subfolder
+        return f"{base}/{path}" if path else base
+
+    def cached_path(self, rel: str) -> str | None:
+        """The file in the local HF cache for this commit, if it is there."""
+        if rel not in self._cached:
+            if self.snapshot is not None:
+                candidate = self.snapshot / rel
+                self._cached[rel] = str(candidate) if candidate.is_file() else None
+            else:
+                from huggingface_hub import try_to_load_from_cache
+
+                found = try_to_load_from_cache(
+                    self.repo_id,
+                    self.repo_path(rel),
+                    cache_dir=self.settings.cache_dir,
+                    revision=self.commit,
+                    repo_type=self.repo_type,
+                )
+                self._cached[rel] = found if isinstance(found, str) else None
+        return self._cached[rel]
+
+    def details(self) -> dict[str, Any]:
+        """What `Manifest.details["hub"]` records."""
+        return {
+            "repo": self.repo_id,
+            "repo_type": self.repo_type,
+            "revision": self.location.revision or "main",
+            "commit": self.commit,
+            "subfolder": self.subfolder,
+            "endpoint": self.settings.endpoint,
+            "offline": self.snapshot is not None,
+        }
+
+
+def file_digest(path: Path, algorithm: str) -> str:
+    """A local file's `sha256`, or (`git`) its git blob id, read block by block."""
+    size = path.stat().st_size
+    digest = hashlib.sha256() if algorithm == "sha256" else hashlib.sha1(b"blob %d\x00" % size)
+    with open(path, "rb") as fh:
+        while block := fh.read(HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hub_mismatch(path: Path, remote: RemoteFile) -> str | None:
+    """Why a local copy differs from the Hub's record of the file (size, sha256 or git blob
+    id), or None when it matches. `ckpt download` and `ckpt verify` use this."""
+    size = path.stat().st_size
+    if size != remote.size:
+        return f"is {size} bytes but the Hub records {remote.size} for {remote.path}"
+    if remote.sha256 and file_digest(path, "sha256") != remote.sha256:
+        return f"does not match the sha256 the Hub records for {remote.path}"
+    if remote.blob_id and not remote.sha256 and file_digest(path, "git") != remote.blob_id:
+        return f"does not match the git blob id the Hub records for {remote.path}"
+    return None
+
+
+def _auth_fix() -> str:
+    return (
+        "If the repository is private or gated, accept its terms on the Hub, then set HF_TOKEN "
+        "or run `hf auth login`."
+    )
+
+
+@contextmanager
+def hub_errors(where: str) -> Iterator[None]:
+    """Map huggingface_hub and network exceptions to ckpt errors naming `where`.
+
+    Under HF_HUB_OFFLINE=1 a miss says that offline mode is on, not that the Hub "cannot be
+    reached" (nothing was tried).
+    """
+    with _mapped_hub_errors(where), _offline_misses(where):
+        yield
+
+
+@contextmanager
+def _offline_misses(where: str) -> Iterator[None]:
+    from huggingface_hub import errors as hf
+
+    try:
+        yield
+    except (hf.OfflineModeIsEnabled, hf.LocalEntryNotFoundError, hf.RevisionResolutionError):
+        if not HubSettings.from_env().offline:
+            raise
+        raise HubError(
+            "is not in the local cache, and offline mode is on (HF_HUB_OFFLINE=1), so the Hub "
+            "was not asked",
+            path=where,
+            fix="Unset HF_HUB_OFFLINE (or set it to 0) to fetch it, or fetch it once while "
+            "online (`ckpt download --cache-only`).",
+        ) from None
+
+
+@contextmanager
+def _mapped_hub_errors(where: str) -> Iterator[None]:
+    """Map huggingface_hub and network exceptions to ckpt errors naming `where`.
+
+    Missing repository (also the Hub's 401 `RepoNotFound`, which a private repository gets
+    too: the message keeps the token hint), revision or file: NotFoundError (exit 3). Gated
+    repositories, refused tokens, offline misses, connection and server failures: HubError
+    (exit 5).
+    """
+    import httpx2
+    from huggingface_hub import errors as hf
+
+    try:
+        yield
+    except CkptError:
+        raise
+    except hf.GatedRepoError:
+        raise HubError(
+            "is a gated repository and no valid token was sent",
+            path=where,
+            fix="Accept its terms on the Hub, then set HF_TOKEN or run `hf auth login`.",
+        ) from None
+    except hf.RepositoryNotFoundError as exc:
+        # the Hub answers 401 (not 404) for a repository that does not exist when no token is
+        # sent, so it cannot tell "absent" from "private": not found (3), with the auth hint
+        status = exc.response.status_code if exc.response is not None else None
+        refused = f" (HTTP {status})" if status in (401, 403) else ""
+        raise NotFoundError(
+            f"no such repository on the Hub{refused}, or it is private or gated and no valid "
+            "token was sent",
+            path=where,
+            fix=f"Check the org/name spelling. {_auth_fix()}",
+        ) from None
+    except hf.RevisionNotFoundError:
+        raise NotFoundError(
+            "no such revision (branch, tag or commit) in this repository",
+            path=where,
+            fix="Check the part after '@'; `hf://org/repo` reads the default branch.",
+        ) from None
+    except hf.LocalEntryNotFoundError as exc:
+        raise HubError(
+            f"is not in the local cache and the Hub could not be used ({_first_line(exc)})",
+            path=where,
+            fix="Check the connection and HF_ENDPOINT, or unset HF_HUB_OFFLINE.",
+        ) from None
+    except hf.EntryNotFoundError:
+        raise NotFoundError(
+            "no such file or folder in this repository at this revision",
+            path=where,
+            fix="Check the path after the repository name; `ckpt inspect hf://org/repo` lists the files.",
+        ) from None
+    except hf.RevisionResolutionError as exc:
+        raise HubError(
+            f"cannot be reached and nothing is cached for this revision ({_first_line(exc)})",
+            path=where,
+            fix="Check the connection and HF_ENDPOINT, or download it once while online.",
+        ) from None
+    except hf.HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        if status in (401, 403):
+            raise HubError(f"was refused (HTTP {status})", path=where, fix=_auth_fix()) from None
+        if status == 404:
+            raise NotFoundError("not found on the Hub (HTTP 404)", path=where) from None
+        raise HubError(
+            f"the Hub answered HTTP {status} ({_first_line(exc)})",
+            path=where,
+            fix="Try again later; check HF_ENDPOINT if you use a mirror.",
+        ) from None
+    except (httpx2.TransportError, hf.OfflineModeIsEnabled, ConnectionError, TimeoutError) as exc:
+        raise HubError(
+            f"the Hub could not be reached ({type(exc).__name__}: {_first_line(exc)})",
+            path=where,
+            fix="Check the network connection and HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use the cache.",
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def open_repo(location: Location, settings: HubSettings | None = None) -> HubRepo:
+    """Resolve `location`'s revision to a commit and list its files (sizes, sha256)."""
+    from huggingface_hub import HfApi
+
+    settings = settings or HubSettings.from_env()
+    where = location.raw
+    api = HfApi(endpoint=settings.endpoint, token=settings.token)
+    with hub_errors(where):
+        commit = str(
+            api.resolve_revision(
+                location.repo_id or "",
+                repo_type=location.repo_type,
+                revision=location.revision,
+                cache_dir=settings.cache_dir,
+                local_files_only=settings.offline,
+            ).resolved
+        )
+    if settings.offline:
+        return _open_cached(location, settings, commit)
+    files: dict[str, RemoteFile] = {}
+    prefix = f"{location.subfolder}/" if location.subfolder else ""
+    with hub_errors(where):
+        for item in api.list_repo_tree(
+            location.repo_id or "",
+            path_in_repo=location.subfolder or None,
+            recursive=True,
+            revision=commit,
+            repo_type=location.repo_type,
+        ):
+            size = getattr(item, "size", None)
+            if size is None:  # a folder
+                continue
+            if not item.path.startswith(prefix):
+                continue
+            rel = safe_relpath(item.path[len(prefix) :], source=where)
+            lfs = getattr(item, "lfs", None)
+            files[rel] = RemoteFile(
+                path=item.path,
+                size=int(lfs.size if lfs is not None else size),
+                sha256=lfs.sha256 if lfs is not None else None,
+                blob_id=None if lfs is not None else getattr(item, "blob_id", None),
+            )
+    if not files:
+        raise NotFoundError(
+            "holds no files at this revision" + (" under this folder" if prefix else ""),
+            path=where,
+            fix="Check the repository and the subfolder.",
+        )
+    return HubRepo(
+        location=location, settings=settings, commit=commit, files=dict(sorted(files.items()))
+    )
+
+
+def _open_cached(location: Location, settings: HubSettings, commit: str) -> HubRepo:
+    from huggingface_hub.file_download import repo_folder_name
+
+    assert location.repo_id is not None
+    folder = Path(settings.cache_dir) / repo_folder_name(
+        repo_id=location.repo_id, repo_type=location.repo_type
+    )
+    snapshot = folder / "snapshots" / commit
+    root = snapshot / location.subfolder if location.subfolder else snapshot
+    if not root.is_dir():
+        raise HubError(
+            f"is not in the local cache, and offline mode is on (HF_HUB_OFFLINE=1; looked in "
+            f"{root})",
+            path=location.raw,
+            fix="Unset HF_HUB_OFFLINE to fetch it, or download it first with "
+            "`ckpt download --cache-only`.",
+        )
+    listing = LocalStorage(root).list_files()
+    prefix = f"{location.subfolder}/" if location.subfolder else ""
+    files = {rel: RemoteFile(path=prefix + rel, size=size) for rel, size in listing.items()}
+    return HubRepo(location=location, settings=settings, commit=commit, files=files, snapshot=root)
