@@ -106,7 +106,7 @@ def resolve_destination(dest: str | Path) -> Destination:
             path=str(dest),
             fix="Write to a local folder, then publish it with `huggingface-cli upload`.",
         )
-    from .formats.remote import filesystem_for
+    from .storage import filesystem_for
 
     fs, path = filesystem_for(loc)
     path = path.rstrip("/")

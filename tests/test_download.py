@@ -150,7 +150,7 @@ def test_tensors_mode_fetches_only_the_selected_ranges(hub: TestHub, tmp_path: P
 def test_tensors_mode_splits_large_ranges_into_parallel_parts(
     hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckpt_cli.ops import download as download_ops
+    from ckpt_cli.ops.download import tensors as download_ops
 
     state, _ = publish(hub, tmp_path)
     monkeypatch.setattr(download_ops, "PART_SIZE", 5000)  # a 64 KiB tensor takes 14 requests
@@ -452,7 +452,7 @@ def fail_midway(
     hub: TestHub, monkeypatch: pytest.MonkeyPatch, weight_map: dict[str, str], parts_ok: int
 ) -> None:
     """Small parts fetched one at a time; the Hub answers 403 after `parts_ok` data parts."""
-    from ckpt_cli.ops import download as download_ops
+    from ckpt_cli.ops.download import tensors as download_ops
 
     monkeypatch.setattr(download_ops, "PART_SIZE", 4096)
     monkeypatch.setattr(download_ops, "RANGE_WORKERS", 1)
@@ -547,7 +547,7 @@ def test_tensors_mode_resumes_after_sigkill(hub: TestHub, tmp_path: Path) -> Non
     partial = tmp_path / ".killed.ckpt-partial"
     # a real process, with small parts fetched one at a time (set before the CLI runs)
     boot = (
-        "import ckpt_cli.ops.download as d; d.PART_SIZE = 4096; d.RANGE_WORKERS = 1; "
+        "import ckpt_cli.ops.download.tensors as d; d.PART_SIZE = 4096; d.RANGE_WORKERS = 1; "
         "d.PARTS_IN_FLIGHT = 1; from ckpt_cli.cli import main; main()"
     )
     args = ["download", "hf://org/model", str(dest), "--mode", "tensors", "--no-extras"]

@@ -28,7 +28,7 @@ TENSORS = ["--mode", "tensors", "--no-extras", "--tensors", "model.layers.*"]
 @pytest.fixture(autouse=True)
 def _fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     # a wrong range is asked again READ_RETRIES times with back-off; one retry keeps tests quick
-    monkeypatch.setattr("ckpt_cli.formats.hub.READ_RETRIES", 1)
+    monkeypatch.setattr("ckpt_cli.storage.hub.READ_RETRIES", 1)
 
 
 def publish(hub: TestHub, tmp_path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:

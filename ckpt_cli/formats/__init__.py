@@ -46,13 +46,15 @@ def resolve_source(location: Location | str) -> Source:
     """Turn a location into a `Source` (storage + optional single target file)."""
     loc = parse_location(location) if isinstance(location, str) else location
     if loc.kind == "hf":
-        from .hub import hub_source
+        from ..storage.hub import open_hub
 
-        return hub_source(loc)
+        hub, target = open_hub(loc)
+        return Source(location=loc, storage=hub, target=target, origin={"hub": hub.repo.details()})
     if loc.kind == "fsspec":
-        from .remote import fsspec_source
+        from ..storage.remote import open_fsspec
 
-        return fsspec_source(loc)
+        remote, target = open_fsspec(loc)
+        return Source(location=loc, storage=remote, target=target)
     assert loc.path is not None
     path: Path = loc.path
     if not path.exists():

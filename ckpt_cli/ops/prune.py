@@ -110,9 +110,8 @@ def apply_remote(run_url: str, decisions: list[PruneDecision]) -> None:
     go first, so a listing taken midway shows an incomplete save, never a complete-looking
     one with files missing; then the rest of its objects.
     """
-    from ..formats.remote import filesystem_for
     from ..output import is_commit_marker
-    from ..storage import remote_failure
+    from ..storage import filesystem_for, remote_failure
     from ..uri import parse_location
 
     fs, root = filesystem_for(parse_location(run_url))

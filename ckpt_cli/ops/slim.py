@@ -175,7 +175,7 @@ def _refresh_manifest(root: Path) -> None:
     (same algorithm), so `verify --checksums` and `ckpt sync` keep working on it."""
     from .. import __version__
     from ..hashing import hash_files
-    from .verify import MANIFEST_NAME, ChecksumManifest, FileDigest, read_manifest
+    from .checksums import MANIFEST_NAME, ChecksumManifest, FileDigest, read_manifest
 
     path = root / MANIFEST_NAME
     if not root.is_dir() or not path.is_file():

@@ -12,7 +12,7 @@ from ...errors import FormatError, NotFoundError
 from ...output import UPLOAD_BLOCK, is_commit_marker
 from ...runs import _UNMARKED, RunCheckpoint
 from ...storage import Storage
-from ..verify import MANIFEST_NAME, ChecksumManifest
+from ..checksums import MANIFEST_NAME, ChecksumManifest
 
 #: files written after a checkpoint's data, in this order (the manifest always last)
 _LATE = ("trainer_state.json",)

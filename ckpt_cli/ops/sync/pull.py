@@ -12,7 +12,7 @@ from ...hashing import hasher_factory
 from ...output import TMP_MARKER, UPLOAD_BLOCK, fsync_dir
 from ...runs import RunCheckpoint, run_storage, scan_run
 from ...storage import Storage
-from ..verify import MANIFEST_NAME, ChecksumManifest
+from ..checksums import MANIFEST_NAME, ChecksumManifest
 from .model import RateLimit, SyncedCheckpoint, SyncReport
 from .plan import _ROOT_FILES, _manifest_rel, _remote_manifest
 

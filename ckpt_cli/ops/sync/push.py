@@ -16,9 +16,9 @@ from ...output import UPLOAD_BLOCK
 from ...runs import DEFAULT_SETTLE, RunCheckpoint, scan_run
 from ...storage import remote_failure
 from ...uri import parse_location
+from ..checksums import ChecksumManifest, FileDigest
 from ..prune import prune
 from ..retention import PrunePolicy
-from ..verify import ChecksumManifest, FileDigest
 from .model import SYNC_ALGORITHM, RateLimit, SyncedCheckpoint, SyncReport, _now_iso
 from .plan import (
     _ROOT_FILES,
@@ -38,7 +38,7 @@ class _Uploader:
     """Uploads checkpoints of one local run folder into one object-store prefix."""
 
     def __init__(self, run_root: Path, dest: str, limit: RateLimit):
-        from ...formats.remote import filesystem_for
+        from ...storage import filesystem_for
 
         self.run_root = run_root
         self.dest = dest.rstrip("/")
@@ -89,7 +89,7 @@ class _Uploader:
         own_manifest: ChecksumManifest | None = None
         local_manifest = self.run_root / manifest_rel
         if is_dir and manifest_rel in files:
-            from ..verify import read_manifest
+            from ..checksums import read_manifest
 
             own_manifest = read_manifest(local_manifest)
             del files[manifest_rel]

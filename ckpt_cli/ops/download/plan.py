@@ -1,0 +1,262 @@
+"""What a `download` fetches: the report models, the settings and the choice of files and
+tensors, shared by both modes (`shards`, `tensors`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from ...errors import FormatError, NotFoundError
+from ...models import Entry
+from ...storage.hub import HubRepo
+
+Mode = Literal["shards", "tensors"]
+
+#: top-level files that belong with a model (config, tokenizer, card, custom code)
+EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".spm", ".md", ".py")
+#: weight files: never "extras"
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".onnx",
+    ".gguf",
+)
+#: the index of sharded torch.save checkpoints (`pytorch_model.bin.index.json`)
+BIN_INDEX_SUFFIX = ".bin.index.json"
+#: a gap between two selected tensors is fetched (not split) when it costs at most this share
+COALESCE_SHARE = 0.01
+#: ... and is at most this many bytes
+COALESCE_MAX_GAP = 1 << 20
+#: output shards of a tensors-mode download are at most this large when the source is one file
+DEFAULT_SHARD_SIZE = 5 * 1000**3
+#: files fetched at once in shards mode (snapshot_download's default)
+FETCH_WORKERS = 8
+#: tensors mode: range requests at once, bytes per request, requests held in memory
+RANGE_WORKERS = 8
+PART_SIZE = 8 << 20
+PARTS_IN_FLIGHT = 16
+#: the folder beside DEST that keeps the ranges of an unfinished tensors-mode run
+PARTIAL_MARKER = ".ckpt-partial"
+
+
+class DownloadFile(BaseModel):
+    """One file of a download.
+
+    Attributes:
+        path: path relative to the checkpoint (and to DEST).
+        size: size in bytes as the Hub records it (or as written, for tensors-mode shards).
+        kind: `weights`, `index` or `extra`.
+        status: `fetched`, `cached` (already in the HF cache), `planned` (dry run), `written`
+            (assembled from ranges), `rewritten` (index narrowed to the fetched shards).
+        sha256: the Hub's recorded sha256 (LFS files).
+        verified: the bytes were checked by hash: the file matched the Hub's size and checksum
+            (shards mode), or, tensors mode with `--verify-ranges`, the source shards matched
+            the Hub's sha256 and every tensor written matched them. Never true for bytes
+            checked only for size and position.
+        checked: how the bytes were checked: `sha256` / `git-blob` (the whole file against the
+            Hub's record), `ranges-sha256` (tensors mode, `--verify-ranges`), `size-and-position`
+            (tensors mode: each range response was the range asked, of the exact length; no
+            hash covers ranges), None (not checked: offline, or planned).
+        cache_path: where the file is in the HF cache.
+    """
+
+    path: str
+    size: int
+    kind: Literal["weights", "index", "extra"]
+    status: Literal["fetched", "cached", "planned", "written", "rewritten"]
+    sha256: str | None = None
+    verified: bool = False
+    checked: str | None = None
+    cache_path: str | None = None
+
+
+class DownloadRange(BaseModel):
+    """One HTTP range request of a tensors-mode download.
+
+    Attributes:
+        file: the shard it reads.
+        start / end: absolute byte offsets (end exclusive).
+        tensors: the selected tensors it covers, in file order.
+        waste: bytes in the range that belong to no selected tensor (coalesced gaps).
+    """
+
+    file: str
+    start: int
+    end: int
+    tensors: list[str]
+    waste: int = 0
+
+    @property
+    def length(self) -> int:
+        """Bytes the range covers."""
+        return self.end - self.start
+
+
+class DownloadReport(BaseModel):
+    """The result of `ckpt download`.
+
+    Attributes:
+        source: the hf:// location as given.
+        repo / revision / commit: the repository, the revision asked for, the commit it names.
+        mode: `shards` or `tensors`.
+        dest: the folder written (None with --cache-only or --dry-run).
+        dry_run / cache_only: how it ran.
+        tensors_selected / tensors_total: selected tensors and all tensors of the checkpoint.
+        selected_bytes: data bytes of the selected tensors (when the headers were read).
+        files: the files fetched, found in the cache or written.
+        ranges: the range requests (tensors mode).
+        bytes_planned: bytes the download needs from the network (files in the HF cache and
+            ranges kept by an unfinished earlier run excluded).
+        bytes_transferred: bytes received for file data (0 for a dry run).
+        bytes_from_cache: tensors mode: selected bytes read from shards already in the HF cache.
+        bytes_resumed: tensors mode: range bytes an earlier, unfinished run of this download
+            had fetched (same commit), read from its partial folder instead of fetched again
+            (with --dry-run: the bytes already present).
+        partial: tensors mode: the partial folder that keeps fetched ranges until DEST is
+            published (removed on success).
+        metadata_bytes: bytes received for headers and indexes.
+        filters: the tensor globs (--filter as `tensors`, --filter-out as `exclude`) and the
+            file globs (--include as `files_include`, --exclude as `files_exclude`).
+        verify_ranges: tensors mode: the source shards were fetched whole and hashed to check
+            the ranged bytes (`--verify-ranges`).
+        integrity: tensors mode: what the written bytes were checked for, in words.
+        quarantined: shards mode: files ckpt found not to match the Hub's record and removed
+            from the HF cache (so no tool reads them and a rerun fetches them again).
+        warnings: options that had no effect (a file glob that matches no file).
+    """
+
+    source: str
+    repo: str
+    revision: str
+    commit: str
+    mode: Mode
+    dest: str | None = None
+    dry_run: bool = False
+    cache_only: bool = False
+    tensors_selected: int = 0
+    tensors_total: int = 0
+    selected_bytes: int | None = None
+    files: list[DownloadFile] = Field(default_factory=list)
+    ranges: list[DownloadRange] = Field(default_factory=list)
+    bytes_planned: int = 0
+    bytes_transferred: int = 0
+    bytes_from_cache: int = 0
+    bytes_resumed: int = 0
+    partial: str | None = None
+    metadata_bytes: int = 0
+    filters: dict[str, list[str]] = Field(default_factory=dict)
+    warnings: list[str] = Field(default_factory=list)
+    verify_ranges: bool = False
+    integrity: str | None = None
+    quarantined: list[str] = Field(default_factory=list)
+
+
+#: what a tensors-mode download can prove without --verify-ranges (report and DEST metadata)
+RANGES_UNHASHED = (
+    "size and position only: every range response was checked to be the range asked "
+    "(206, Content-Range, exact length), but the Hub records a sha256 for whole files only, "
+    "so the bytes of a range are not covered by a hash; --verify-ranges checks them"
+)
+RANGES_HASHED = (
+    "sha256: the source shards were fetched whole (--verify-ranges), matched the Hub's "
+    "recorded sha256, and every tensor written matched their bytes"
+)
+
+
+# -- choosing what to fetch ------------------------------------------------------------------
+
+
+def _extras(
+    repo: HubRepo, weights: set[str], filters: dict[str, list[str]] | None = None
+) -> list[str]:
+    """Top-level config/tokenizer/card files (weight files and weight indexes excluded).
+
+    `filters` carries the --include/--exclude file globs: --include picks the other files
+    (any of them), --exclude leaves files out.
+    """
+    import fnmatch
+
+    include = (filters or {}).get("files_include") or []
+    exclude = (filters or {}).get("files_exclude") or []
+    out = []
+    for rel in repo.files:
+        if rel in weights or rel.startswith(".") or rel.endswith(WEIGHT_SUFFIXES):
+            continue
+        if rel.endswith(".index.json"):
+            continue
+        if include:
+            if not any(fnmatch.fnmatchcase(rel, g) for g in include):
+                continue
+        elif "/" in rel or not rel.endswith(EXTRA_SUFFIXES):
+            continue
+        if any(fnmatch.fnmatchcase(rel, g) for g in exclude):
+            continue
+        out.append(rel)
+    return out
+
+
+def _check_file_globs(repo: HubRepo, report: DownloadReport) -> None:
+    """A file glob that matches no file of the repository has no effect: say so."""
+    import fnmatch
+
+    for option, key in (("--include", "files_include"), ("--exclude", "files_exclude")):
+        for glob in report.filters.get(key, []):
+            if not any(fnmatch.fnmatchcase(rel, glob) for rel in repo.files):
+                report.warnings.append(
+                    f"{option} {glob!r} matches no file of {repo.repo_id} (file globs, as in "
+                    "hf download); to select tensors by name use --filter / --filter-out"
+                )
+
+
+def _no_match(src: str, include: list[str] | None, exclude: list[str] | None) -> NotFoundError:
+    what = " or ".join(include or ["*"])
+    if exclude:
+        what += f" (excluding {' or '.join(exclude)})"
+    return NotFoundError(
+        f"no tensor matches {what}",
+        path=src,
+        fix="Check the pattern; `ckpt inspect --list " + src + "` lists every name.",
+    )
+
+
+def _index_entries(weight_map: dict[str, str]) -> list[Entry]:
+    return [
+        Entry.model_construct(
+            name=name, kind="tensor", dtype=None, shape=[], nbytes=0, file=shard, offset=None
+        )
+        for name, shard in weight_map.items()
+    ]
+
+
+def _no_safetensors(src: str) -> FormatError:
+    return FormatError(
+        "holds no safetensors checkpoint (nor a pytorch_model.bin.index.json) at this revision",
+        path=src,
+        fix="Point at the folder holding the weights (hf://org/repo/subfolder), or use "
+        "`hf download` for other files.",
+    )
+
+
+def _planned(repo: HubRepo, rels: list[str], kind: Any) -> list[DownloadFile]:
+    """Download entries for `rels`, marked `cached` when the HF cache holds them already."""
+    out = []
+    for rel in rels:
+        remote = repo.files[rel]
+        cached = repo.cached_path(rel)
+        out.append(
+            DownloadFile(
+                path=rel,
+                size=remote.size,
+                kind=kind,
+                status="cached" if cached else "planned",
+                sha256=remote.sha256,
+                cache_path=cached,
+            )
+        )
+    return out

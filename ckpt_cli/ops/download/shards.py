@@ -1,0 +1,256 @@
+"""`download --mode shards`: whole files through `huggingface_hub.hf_hub_download`, pinned to
+the commit, checked against the Hub's size and sha256 / git blob id, copied into DEST."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+from ...errors import FormatError
+from ...formats.base import Source
+from ...formats.safetensors import (
+    SafetensorsFormat,
+    find_index,
+    read_header,
+    read_index,
+)
+from ...output import Destination, staged_output
+from ...progress import Progress
+from ...quant import with_sidecars
+from ...storage import LocalStorage
+from ...storage.hub import HubRepo, HubStorage, RemoteFile, hub_errors, hub_mismatch
+from ..inspect import select
+from .plan import (
+    BIN_INDEX_SUFFIX,
+    FETCH_WORKERS,
+    DownloadFile,
+    DownloadReport,
+    _extras,
+    _index_entries,
+    _no_match,
+    _no_safetensors,
+    _planned,
+)
+
+# -- shards mode -----------------------------------------------------------------------------
+
+
+def _download_shards(
+    source: Source,
+    storage: HubStorage,
+    report: DownloadReport,
+    dest: Destination | None,
+    include: list[str] | None,
+    exclude: list[str] | None,
+    extras: bool,
+    force: bool,
+    progress: Progress,
+) -> None:
+    repo = storage.repo
+    src = report.source
+    index_rel = find_index(source)
+    weight_map: dict[str, str] | None = None
+    if index_rel is not None:
+        weight_map, _ = read_index(storage, index_rel)
+        entries = _index_entries(weight_map)
+    elif SafetensorsFormat.detect(source):
+        # no index: the headers (ranged reads) name the tensors
+        entries = SafetensorsFormat.open(source).manifest.tensors
+    else:
+        # older repositories: torch.save shards with `pytorch_model.bin.index.json` (same JSON)
+        bin_indexes = [n for n in source.top_level() if n.endswith(BIN_INDEX_SUFFIX)]
+        if len(bin_indexes) != 1:
+            raise _no_safetensors(src)
+        index_rel = bin_indexes[0]
+        weight_map, _ = read_index(storage, index_rel)
+        entries = _index_entries(weight_map)
+    chosen = select(entries, include, exclude)
+    if not chosen:
+        raise _no_match(src, include, exclude)
+    if include:
+        chosen = with_sidecars(chosen, entries, exclude)  # a weight needs its scales
+    report.tensors_total = len(entries)
+    report.tensors_selected = len(chosen)
+    if weight_map is None:  # sizes are known only when the headers were read
+        report.selected_bytes = sum(e.nbytes for e in chosen)
+    needed = sorted({e.file for e in chosen if e.file is not None})
+    all_shards = sorted({e.file for e in entries if e.file is not None})
+    for shard in needed:
+        storage.remote(shard)  # NotFoundError if the index names a shard the repo lacks
+    subset = weight_map is not None and needed != all_shards
+    plan: list[tuple[str, Literal["weights", "index", "extra"]]] = [(s, "weights") for s in needed]
+    if index_rel is not None and not subset:
+        plan.insert(0, (index_rel, "index"))
+    if extras:
+        plan.extend(
+            (rel, "extra") for rel in _extras(repo, set(needed) | {index_rel or ""}, report.filters)
+        )
+    report.metadata_bytes = storage.bytes_fetched
+
+    report.files = [f for rel, kind in plan for f in _planned(repo, [rel], kind)]
+    report.bytes_planned = sum(f.size for f in report.files if f.status == "planned")
+    if report.dry_run:
+        if subset:
+            report.files.insert(0, _rewritten_index_info(index_rel, 0, "planned"))
+        return
+
+    report.bytes_transferred = _fetch_files(repo, report, progress)
+
+    if report.cache_only:
+        return
+    assert dest is not None
+    with staged_output(dest, force=force, progress=progress) as staging:
+        for info in report.files:
+            assert info.cache_path is not None
+            target = staging / info.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(info.cache_path, target)
+        if subset:
+            assert weight_map is not None and index_rel is not None
+            data = _narrowed_index(staging, weight_map, set(needed))
+            (staging / index_rel).write_bytes(data)
+            report.files.insert(0, _rewritten_index_info(index_rel, len(data), "rewritten"))
+
+
+def _rewritten_index_info(index_rel: str | None, size: int, status: Any) -> DownloadFile:
+    assert index_rel is not None
+    return DownloadFile(path=index_rel, size=size, kind="index", status=status)
+
+
+def _narrowed_index(staging: Path, weight_map: dict[str, str], shards: set[str]) -> bytes:
+    """An index naming only `shards` and every tensor they hold (read from their headers).
+
+    torch.save shards have no header to read without unpickling: their index keeps the
+    source's entries for those shards and leaves `total_size` out.
+    """
+    local = LocalStorage(staging)
+    kept = {name: shard for name, shard in weight_map.items() if shard in shards}
+    if not all(shard.endswith(".safetensors") for shard in shards):
+        return (json.dumps({"metadata": {}, "weight_map": kept}, indent=2) + "\n").encode()
+    total = 0
+    for shard in sorted(shards):
+        header = read_header(local, shard)
+        for name, (_dtype, _shape, begin, end) in header.tensors.items():
+            kept.setdefault(name, shard)
+            total += end - begin
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(kept.items()))}
+    return (json.dumps(index, indent=2) + "\n").encode()
+
+
+def _fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> int:
+    """Fetch every file of `report` not yet in the HF cache, and check each against the Hub.
+
+    Files are fetched with `hf_hub_download` (pinned to the commit) by `FETCH_WORKERS` threads,
+    as `snapshot_download` does; each is hashed as soon as it lands (hashlib releases the GIL,
+    so hashing overlaps the other transfers). Returns the bytes received.
+    """
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    from huggingface_hub import hf_hub_download
+
+    lock = threading.Lock()
+    received = [0]
+
+    class _Bar:
+        """Stands in for tqdm inside huggingface_hub: forwards bytes to our progress."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def update(self, n: float | None = 1) -> None:
+            amount = int(n or 0)
+            with lock:
+                received[0] += amount
+                progress.advance(amount)
+
+        def close(self) -> None:
+            pass
+
+        def __enter__(self) -> _Bar:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    storage_where = repo.display
+
+    def fetch(info: DownloadFile) -> None:
+        if info.status != "cached":
+            with hub_errors(storage_where(info.path)):
+                path = hf_hub_download(
+                    repo.repo_id,
+                    repo.repo_path(info.path),
+                    repo_type=repo.repo_type,
+                    revision=repo.commit,
+                    cache_dir=repo.settings.cache_dir,
+                    endpoint=repo.settings.endpoint,
+                    token=repo.settings.token or None,
+                    local_files_only=repo.settings.offline,
+                    tqdm_class=_Bar,
+                )
+            info.cache_path = str(path)
+            info.status = "fetched"
+        assert info.cache_path is not None
+        remote = repo.files[info.path]
+        try:
+            _check_against_hub(Path(info.cache_path), remote, storage_where(info.path))
+        except FormatError as error:
+            # ckpt found it wrong: out of the shared cache, so no tool reads it and a rerun
+            # fetches it again
+            removed = _quarantine(Path(info.cache_path))
+            with lock:
+                report.quarantined += removed
+            raise FormatError(
+                f"{error.problem}; ckpt removed it from the HF cache ({', '.join(removed)})",
+                path=error.path,
+                fix="Run the download again to fetch it again; if it keeps failing, the Hub "
+                "or a proxy serves a bad copy.",
+            ) from None
+        info.verified = repo.snapshot is None  # offline: no recorded checksums to compare with
+        if info.verified:
+            info.checked = "sha256" if remote.sha256 else "git-blob"
+
+    progress.start(report.bytes_planned, repo.repo_id)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(FETCH_WORKERS, len(report.files))))
+    try:
+        futures = [pool.submit(fetch, info) for info in report.files]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            if future in done and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        progress.finish()
+    return received[0]
+
+
+def _quarantine(cached: Path) -> list[str]:
+    """Remove a bad file from the HF cache: its snapshot link and the blob it points to.
+
+    Only what ckpt itself found wrong; returns the paths removed. A blob is shared by every
+    snapshot of the same content, so all of them would serve the bad bytes: it goes too.
+    """
+    removed: list[str] = []
+    targets = [cached]
+    if cached.is_symlink():
+        targets.append(cached.resolve())
+    for path in targets:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(str(path))
+    return removed
+
+
+def _check_against_hub(path: Path, remote: RemoteFile, where: str) -> None:
+    """The local copy has the Hub's recorded size and checksum (FormatError if not)."""
+    problem = hub_mismatch(path, remote)
+    if problem is not None:
+        raise FormatError(
+            problem,
+            path=where,
+            fix=f"Delete {path} from the HF cache (`hf cache rm`) and run the download again.",
+        )

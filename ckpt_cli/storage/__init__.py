@@ -1,0 +1,45 @@
+"""Byte access to a checkpoint's files, local or remote, confined to the checkpoint root.
+
+Formats read through a `Storage` and never build paths themselves, so that
+
+* every file name taken from an input (index `weight_map`, DCP `relative_path`) is checked
+  to stay inside the root (`safe_relpath`), and
+* the same format code reads local folders (`os.pread`, no full reads) and remote ones
+  (fsspec ranged reads on S3, GCS...; HTTP range requests on the Hugging Face Hub).
+
+Modules: `base` (the `Storage` interface and its capability declarations), `local` (folders
+on this machine), `remote` (fsspec filesystems: object stores), `hub` (Hugging Face Hub
+repositories; imported on demand, not re-exported here).
+"""
+
+from .base import (
+    PARITY_DIR,
+    STAGING_MARKERS,
+    RangeFile,
+    RemoteFile,
+    Storage,
+    StorageRangeFile,
+    is_parity_path,
+    is_staging_name,
+)
+from .local import LocalStorage, hf_cache_repo, open_regular, read_regular, safe_relpath
+from .remote import FsspecStorage, filesystem_for, remote_failure
+
+__all__ = [
+    "PARITY_DIR",
+    "STAGING_MARKERS",
+    "FsspecStorage",
+    "LocalStorage",
+    "RangeFile",
+    "RemoteFile",
+    "Storage",
+    "StorageRangeFile",
+    "filesystem_for",
+    "hf_cache_repo",
+    "is_parity_path",
+    "is_staging_name",
+    "open_regular",
+    "read_regular",
+    "remote_failure",
+    "safe_relpath",
+]

@@ -1,0 +1,204 @@
+"""The `Storage` interface: byte access to a checkpoint's files, local or remote, confined to the checkpoint root.
+
+Formats read through a `Storage` and never build paths themselves, so that
+
+* every file name taken from an input (index `weight_map`, DCP `relative_path`) is checked
+  to stay inside the root (`safe_relpath`), and
+* the same format code reads local folders (`os.pread`, no full reads) and remote ones
+  (fsspec ranged reads: the Hub through huggingface_hub's `HfFileSystem`, S3, ...).
+"""
+
+from __future__ import annotations
+
+import io
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, ClassVar
+
+from ..errors import NotFoundError
+
+#: the folder `ckpt protect` writes parity into (inside the checkpoint folder, or beside a
+#: single-file checkpoint); it is never part of the checkpoint's data, so listings skip it
+PARITY_DIR = ".ckpt-parity"
+
+
+def is_parity_path(rel: str) -> bool:
+    """Whether `rel` lies in the parity folder or in one of its staging siblings."""
+    top = rel.split("/", 1)[0]
+    return top == PARITY_DIR or top.startswith(f".{PARITY_DIR}")
+
+
+#: name parts of ckpt's own staging and bookkeeping (see output.py, ops/download.py): a hidden
+#: `.NAME.ckpt-tmp-*` staging folder, `.NAME.ckpt-old-*` (an old DEST a `--force` replace moved
+#: aside) and `.NAME.ckpt-partial` (ranges kept by an unfinished download) are never part of a
+#: checkpoint, whatever folder they are found in
+STAGING_MARKERS = (".ckpt-tmp-", ".ckpt-old-", ".ckpt-partial")
+
+
+def is_staging_name(name: str) -> bool:
+    """Whether one path component is one of ckpt's own staging names."""
+    return name.startswith(".") and any(marker in name for marker in STAGING_MARKERS)
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file as a server lists it, with the digests the server records (the Hub does).
+
+    Attributes:
+        path: path in the repository.
+        size: size in bytes (the real file, not the LFS pointer).
+        sha256: the LFS object id (sha256 of the content), for LFS files.
+        blob_id: the git blob id (sha1 of `blob <size>\\0<content>`), for regular files.
+    """
+
+    path: str
+    size: int
+    sha256: str | None = None
+    blob_id: str | None = None
+
+
+class Storage(ABC):
+    """Read access to the files under one checkpoint root.
+
+    What a storage can do is declared here, so that operations choose their strategy from
+    these declarations and never from the storage's class:
+
+    * `ranged_reads`: reading a byte range costs about that range (no whole-file fetch);
+    * `hashes_in_place`: a file's digest can be computed by reading it through this storage
+      (a local folder, an object store), so checksum manifests can be written and checked here;
+    * `server_digests()`: the digests the server itself records for every file (the Hub's LFS
+      sha256 and git blob ids), or None;
+    * `local_root`: the folder on this machine, or None;
+    * `fs_path()`: the fsspec filesystem and path of a file (objects stores), or None;
+    * `modified()`: a file's modification time when the listing reports one, else None;
+    * `local_path()`: a file's path on this machine (local folders, cached Hub files), or None.
+    """
+
+    #: how the root is shown in messages
+    display: str
+
+    #: reading `length` bytes at an offset fetches about `length` bytes
+    ranged_reads: ClassVar[bool] = True
+    #: files can be hashed through `read`, and a manifest written beside them
+    hashes_in_place: ClassVar[bool] = False
+
+    @abstractmethod
+    def list_files(self) -> dict[str, int]:
+        """All files under the root (recursively), relative POSIX path -> size in bytes.
+
+        The parity folder (`PARITY_DIR`) is not part of the checkpoint and is never listed.
+        """
+
+    @abstractmethod
+    def size(self, rel: str) -> int:
+        """Size of one file; NotFoundError if it is missing."""
+
+    @abstractmethod
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        """Read exactly `length` bytes at `offset` (FormatError if the file is shorter)."""
+
+    @abstractmethod
+    def open(self, rel: str) -> IO[bytes]:
+        """A seekable binary file object (for readers that need one, e.g. torch.load)."""
+
+    def exists(self, rel: str) -> bool:
+        """Whether the file exists."""
+        try:
+            self.size(rel)
+        except NotFoundError:
+            return False
+        return True
+
+    def read_all(self, rel: str) -> bytes:
+        """The whole file (for small files: indexes, metadata)."""
+        return self.read(rel, 0, self.size(rel))
+
+    def local_path(self, rel: str) -> Path | None:
+        """The file's path on this machine, or None for remote storage."""
+        return None
+
+    @property
+    def local_root(self) -> Path | None:
+        """The checkpoint folder on this machine, or None when the storage is not a local folder."""
+        return None
+
+    def fs_path(self, rel: str) -> tuple[Any, str] | None:
+        """The fsspec filesystem holding `rel` and its path there, or None (not an fsspec store)."""
+        return None
+
+    def server_digests(self) -> Mapping[str, RemoteFile] | None:
+        """Every file with the digests the server records for it, or None when it records none."""
+        return None
+
+    def modified(self, rel: str) -> float | None:
+        """When the file was last written (seconds since the epoch), from the listing when the
+        storage reports it (object stores do); None when unknown."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Finish background work (remote read-ahead); the storage stays usable."""
+
+    def describe(self, rel: str) -> str:
+        """How to name a file of this storage in messages."""
+        return f"{self.display.rstrip('/')}/{rel}"
+
+    def subfolder(self, rel: str) -> Storage | None:
+        """A storage rooted at the subfolder `rel` (a component folder), or None if unsupported."""
+        return None
+
+
+class RangeFile(io.RawIOBase):
+    """A seekable read-only file over `size` bytes fetched on demand by `_read_into`.
+
+    For readers that want a file object (`torch.load`, zip directories) while we control how
+    bytes arrive: ranged remote reads, or `preadv` of one byte range of a local file.
+    """
+
+    def __init__(self, size: int, name: str = ""):
+        super().__init__()
+        self._size = size
+        self._pos = 0
+        self.name = name
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = min(len(view), self._size - self._pos)
+        if want <= 0:
+            return 0
+        got = self._read_into(view[:want], self._pos)
+        self._pos += got
+        return got
+
+    def _read_into(self, view: memoryview, position: int) -> int:
+        """Fill `view` from `position`; return how many bytes were read (at least one)."""
+        raise NotImplementedError
+
+
+class StorageRangeFile(RangeFile):
+    """One file of a `Storage` as a seekable file object, read through `Storage.read`."""
+
+    def __init__(self, storage: Storage, rel: str, size: int | None = None):
+        super().__init__(storage.size(rel) if size is None else size, storage.describe(rel))
+        self._storage = storage
+        self._rel = rel
+
+    def _read_into(self, view: memoryview, position: int) -> int:
+        data = self._storage.read(self._rel, position, len(view))
+        view[: len(data)] = data
+        return len(data)

@@ -1,0 +1,341 @@
+"""hub: `hf://org/repo[@revision][/subfolder]` on the Hugging Face Hub, read through huggingface_hub.
+
+I/O strategy: the revision is resolved to a commit once (`HfApi.resolve_revision`, which also
+falls back on the local cache's `refs/` when the Hub cannot be reached), and every later
+request names that commit, so all reads see one consistent snapshot. The file listing (sizes,
+LFS sha256) comes from one recursive tree listing. Reads are HTTP range requests on the
+`resolve` URL through huggingface_hub's own HTTP session (so `HF_ENDPOINT`, `HF_TOKEN`, proxies
+and its user agent apply): a safetensors header costs one small ranged GET per shard and no
+shard is downloaded. Files already in the local HF cache for that commit are read from disk
+instead. With `HF_HUB_OFFLINE=1` the snapshot in the cache is read and nothing is requested.
+
+The Hub is not a checkpoint format of its own: the files found there are opened by the format
+adapters (safetensors, DCP, torch) through `HubStorage`, and the manifest's `details["hub"]`
+records the repository, the requested revision and the commit it resolved to.
+
+Settings are read from the environment when a location is opened, not when huggingface_hub was
+imported, so a long-lived process (or a test) that changes `HF_ENDPOINT`/`HF_HOME` is honoured.
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import IO, Any
+
+from ..errors import CkptError, FormatError, HubError, NotFoundError
+from ..uri import Location
+from .base import RemoteFile, Storage, StorageRangeFile, is_parity_path
+from .hub_repo import (
+    HubRepo,
+    HubSettings,
+    file_digest,
+    hub_errors,
+    hub_mismatch,
+    open_repo,
+)
+from .local import safe_relpath
+
+#: a ranged read that breaks mid-transfer is resumed from where it stopped this many times
+READ_RETRIES = 5
+#: bytes per chunk when streaming a range
+STREAM_CHUNK = 1 << 20
+#: shard headers fetched at once when a sharded checkpoint is opened
+HEAD_WORKERS = 16
+__all__ = [
+    "HubRepo",
+    "HubSettings",
+    "HubStorage",
+    "RemoteFile",
+    "file_digest",
+    "hub_errors",
+    "hub_mismatch",
+    "open_hub",
+    "open_repo",
+]
+
+
+class HubStorage(Storage):
+    """The files of a Hub snapshot, read with HTTP range requests (or from the local cache).
+
+    Attributes:
+        repo: the pinned repository.
+        bytes_fetched: bytes received over the network so far (cache reads do not count).
+        bytes_from_cache: bytes read from files already in the local HF cache.
+        requests: HTTP requests made for file data.
+    """
+
+    #: first read of a safetensors header: most shard headers fit; larger ones take a second read
+    header_probe = 16 << 10
+
+    def __init__(self, repo: HubRepo):
+        self.repo = repo
+        self.display = repo.display()
+        self.bytes_fetched = 0
+        self.bytes_from_cache = 0
+        self.requests = 0
+        # reads may run on several threads (parallel range fetches)
+        self._lock = threading.Lock()
+        self._direct: dict[str, str] = {}
+        #: fetch all shard headers of a folder at once (off when SRC names one file)
+        self.prefetch_heads = True
+        self._heads: dict[str, bytes | None] = {}
+
+    def list_files(self) -> dict[str, int]:
+        return {rel: f.size for rel, f in self.repo.files.items() if not is_parity_path(rel)}
+
+    def size(self, rel: str) -> int:
+        return self.remote(rel).size
+
+    def server_digests(self) -> Mapping[str, RemoteFile] | None:
+        return self.repo.files
+
+    def remote(self, rel: str) -> RemoteFile:
+        """The listing entry of `rel` (NotFoundError if absent)."""
+        rel = safe_relpath(rel, source=self.display)
+        try:
+            return self.repo.files[rel]
+        except KeyError:
+            raise NotFoundError(
+                "file not found in the repository", path=self.describe(rel)
+            ) from None
+
+    def describe(self, rel: str) -> str:
+        return self.repo.display(rel)
+
+    def local_path(self, rel: str) -> Path | None:
+        cached = self.repo.cached_path(safe_relpath(rel, source=self.display))
+        return Path(cached) if cached else None
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        size = self.size(rel)
+        if offset + length > size:
+            raise FormatError(
+                f"is truncated: wanted {length} bytes at offset {offset}, the file is {size} bytes",
+                path=self.describe(rel),
+            )
+        if length == 0:
+            return b""
+        if offset == 0 and length <= self.header_probe and rel.endswith(".safetensors"):
+            head = self._head(rel)
+            if head is not None and len(head) >= length:
+                return head[:length]
+        return b"".join(self.stream(rel, offset, offset + length))
+
+    def _head(self, rel: str) -> bytes | None:
+        """The first `header_probe` bytes of `rel`, fetched together with its sibling shards.
+
+        Opening a sharded checkpoint reads every shard's header; one at a time that is one round
+        trip per shard (200 shards: seconds). The first header read fetches the heads of all
+        `.safetensors` files in that folder at once, `HEAD_WORKERS` requests in parallel.
+        """
+        if not self.prefetch_heads:
+            return None
+        with self._lock:
+            if rel in self._heads:
+                return self._heads[rel]
+            folder = posixpath.dirname(rel)
+            names = [
+                n
+                for n in self.repo.files
+                if n.endswith(".safetensors")
+                and posixpath.dirname(n) == folder
+                and n not in self._heads
+                and self.repo.cached_path(n) is None
+            ]
+            for name in names:
+                self._heads[name] = None  # claimed: fetched below, once
+        if rel not in names:
+            return None
+
+        def fetch(name: str) -> bytes:
+            length = min(self.size(name), self.header_probe)
+            return b"".join(self.stream(name, 0, length)) if length else b""
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=max(1, min(HEAD_WORKERS, len(names)))) as pool:
+            heads = dict(zip(names, pool.map(fetch, names), strict=True))
+        with self._lock:
+            self._heads.update(heads)
+        return heads[rel]
+
+    def stream(self, rel: str, start: int, end: int, chunk: int = STREAM_CHUNK) -> Iterator[bytes]:
+        """Bytes `start..end` of `rel` in chunks: one ranged GET, resumed if the connection drops."""
+        cached = self.local_path(rel)
+        if cached is not None:
+            with open(cached, "rb") as fh:
+                fh.seek(start)
+                pos = start
+                while pos < end:
+                    block = fh.read(min(chunk, end - pos))
+                    if not block:
+                        raise FormatError(
+                            f"is shorter in the local cache than on the Hub ({pos} < {end} bytes)",
+                            path=str(cached),
+                            fix="Delete it from the HF cache (`hf cache rm`) and fetch it again.",
+                        )
+                    pos += len(block)
+                    with self._lock:
+                        self.bytes_from_cache += len(block)
+                    yield block
+            return
+        if self.repo.snapshot is not None:
+            raise HubError(
+                "is not in the local cache (HF_HUB_OFFLINE is set)",
+                path=self.describe(rel),
+                fix="Unset HF_HUB_OFFLINE to fetch it.",
+            )
+        yield from self._stream_remote(rel, start, end, chunk)
+
+    def _stream_remote(self, rel: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+        import httpx2
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        where = self.describe(rel)
+        pos, failures = start, 0
+        while pos < end:
+            # LFS files redirect to a signed CDN URL: once known, ranges go there directly
+            # (one round trip instead of two); an expired one falls back to `resolve`
+            with self._lock:
+                direct = self._direct.get(rel)
+                self.requests += 1
+            url = direct or self.repo.url(rel)
+            headers = {} if direct else build_hf_headers(token=self.repo.settings.token)
+            headers["Range"] = f"bytes={pos}-{end - 1}"
+            headers["Accept-Encoding"] = "identity"
+            try:
+                with get_session().stream(
+                    "GET", url, headers=headers, follow_redirects=True
+                ) as response:
+                    if direct and response.status_code in (401, 403, 404, 410):
+                        with self._lock:
+                            self._direct.pop(rel, None)
+                        continue
+                    with hub_errors(where):
+                        hf_raise_for_status(response)
+                    if not direct and response.history:
+                        with self._lock:
+                            self._direct[rel] = str(response.url)
+                    wrong = _wrong_range(response, pos, end, self.size(rel))
+                    if wrong is not None:
+                        # bytes other than those asked: never written, asked again, then refused
+                        failures += 1
+                        if failures > READ_RETRIES:
+                            raise HubError(
+                                f"the server answered other bytes than asked ({wrong})",
+                                path=where,
+                                fix="The Hub or a proxy/CDN in between returned a wrong range; "
+                                "run again later, or use --mode shards (sha256-checked).",
+                            )
+                        time.sleep(min(0.2 * 2**failures, 5.0))
+                        continue
+                    # a 200 carries the whole file (checked above): skip what precedes `pos`
+                    skip = pos if response.status_code == 200 else 0
+                    # no chunk size: blocks are yielded as they arrive, so after a dropped
+                    # connection the retry starts at the last byte received, not at a block edge
+                    for block in response.iter_bytes():
+                        with self._lock:
+                            self.bytes_fetched += len(block)
+                        if skip:
+                            cut = min(skip, len(block))
+                            block, skip = block[cut:], skip - cut
+                        if not block:
+                            continue
+                        block = block[: end - pos]
+                        pos += len(block)
+                        failures = 0
+                        yield block
+                        if pos >= end:
+                            break
+            except (httpx2.RemoteProtocolError, httpx2.ReadError, httpx2.TimeoutException) as exc:
+                failures += 1
+                if failures > READ_RETRIES:
+                    raise HubError(
+                        f"the connection kept failing while reading bytes {pos}..{end} ({exc})",
+                        path=where,
+                        fix="Check the network and run the command again.",
+                    ) from None
+                time.sleep(min(0.2 * 2**failures, 5.0))
+                continue
+            except httpx2.TransportError:
+                with hub_errors(where):
+                    raise
+            if pos < end:
+                failures += 1
+                if failures > READ_RETRIES:
+                    raise HubError(
+                        f"the Hub sent fewer bytes than asked ({pos - start} of {end - start})",
+                        path=where,
+                        fix="Run the command again.",
+                    )
+
+    def open(self, rel: str) -> IO[bytes]:
+        cached = self.local_path(rel)
+        if cached is not None:
+            return open(cached, "rb")
+        return io.BufferedReader(StorageRangeFile(self, rel), buffer_size=STREAM_CHUNK)
+
+
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+def _wrong_range(response: Any, start: int, end: int, size: int) -> str | None:
+    """Why a response to `Range: bytes=start-(end-1)` does not carry exactly those bytes.
+
+    A 206 must say `Content-Range: bytes start-(end-1)/size` and carry `end - start` bytes; a
+    200 (the server ignored Range) must carry the whole file, `size` bytes. Anything else is
+    refused: a shifted or resized range would otherwise be written as the tensor's bytes.
+    """
+    status = response.status_code
+    length = response.headers.get("Content-Length")
+    if status == 200:
+        if length is not None and int(length) != size:
+            return f"status 200 with {length} bytes; the whole file is {size} bytes"
+        return None
+    if status != 206:
+        return f"status {status} to a range request"
+    got = _CONTENT_RANGE.match(response.headers.get("Content-Range", "").strip())
+    if got is None:
+        return (
+            f"status 206 without a valid Content-Range ({response.headers.get('Content-Range')!r})"
+        )
+    first, last, total = int(got[1]), int(got[2]), got[3]
+    if (first, last) != (start, end - 1) or (total != "*" and int(total) != size):
+        return f"asked bytes {start}-{end - 1}/{size}, got Content-Range bytes {got[1]}-{got[2]}/{total}"
+    if length is not None and int(length) != end - start:
+        return f"asked {end - start} bytes, Content-Length says {length}"
+    return None
+
+
+def open_hub(location: Location) -> tuple[HubStorage, str | None]:
+    """Open an `hf://` location: resolve the revision once, list the files, read by ranges.
+
+    Returns the storage and the file the location names (None for a folder).
+
+    A location whose path names one file (`hf://org/repo/model.safetensors`) opens that file.
+    """
+    target = None
+    try:
+        repo = open_repo(location)
+    except (NotFoundError, HubError) as error:
+        if not location.subfolder:
+            raise
+        # the path may name a file rather than a folder: list its folder and look for it
+        parent, _, name = location.subfolder.rpartition("/")
+        try:
+            repo = open_repo(replace(location, subfolder=parent))
+        except CkptError:
+            raise error from None
+        if name not in repo.files:
+            raise error from None
+        target = name
+    storage = HubStorage(repo)
+    storage.prefetch_heads = target is None
+    return storage, target

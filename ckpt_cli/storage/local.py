@@ -1,0 +1,198 @@
+"""Folders on this machine: path confinement (`safe_relpath`), regular-file opening, `LocalStorage`."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import stat
+from pathlib import Path
+from typing import IO
+
+from ..errors import FormatError, NotFoundError, UnsafeInputError
+from .base import Storage, is_parity_path, is_staging_name
+
+
+def open_regular(path: str | os.PathLike[str], where: str | None = None) -> int:
+    """Open a file for reading only if it is a regular file; returns the descriptor.
+
+    The open itself never blocks: a FIFO opened for reading waits for a writer forever, so
+    the file is opened with O_NONBLOCK, checked with fstat, and only then made blocking again.
+    A FIFO, socket or device is refused (FormatError naming it); a missing file raises
+    NotFoundError.
+    """
+    name = where or str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise NotFoundError("file not found", path=name) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = (
+                "a FIFO (named pipe)"
+                if stat.S_ISFIFO(mode)
+                else "a socket"
+                if stat.S_ISSOCK(mode)
+                else "a device"
+                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a folder"
+                if stat.S_ISDIR(mode)
+                else "not a regular file"
+            )
+            raise FormatError(
+                f"is {kind}, not a regular file; ckpt reads only regular files",
+                path=name,
+                fix="Replace it with the real file.",
+            )
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | os.PathLike[str], where: str | None = None) -> bytes:
+    """The whole content of a regular file (see `open_regular`)."""
+    with os.fdopen(open_regular(path, where), "rb") as fh:
+        return fh.read()
+
+
+def safe_relpath(name: str, *, source: str) -> str:
+    """Normalise a file name read from an input and refuse anything that leaves the root.
+
+    Args:
+        name: the file name as written in the input.
+        source: the file that named it, for the error message.
+    """
+    if not name or "\x00" in name:
+        raise UnsafeInputError(f"names an empty or invalid file name {name!r}", path=source)
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":") or "\\" in name:
+        raise UnsafeInputError(
+            f"names the absolute path {name!r}; checkpoint files must be relative to the checkpoint",
+            path=source,
+            fix="This file is corrupt or hostile; do not use it.",
+        )
+    norm = posixpath.normpath(name)
+    if norm == ".." or norm.startswith("../") or "/../" in f"/{name}/":
+        raise UnsafeInputError(
+            f"names {name!r}, a path outside the checkpoint",
+            path=source,
+            fix="This file is corrupt or hostile; do not use it.",
+        )
+    return norm
+
+
+#: a Hugging Face cache repository folder: `models--org--name` (also datasets--, spaces--)
+_HF_CACHE_REPO = re.compile(r"^(models|datasets|spaces)--[^/]+$")
+
+
+def hf_cache_repo(real_root: str) -> str | None:
+    """The cache repository folder (`.../models--org--name`) when `real_root` (a resolved path)
+    is, or is inside, one of its `snapshots/<revision>/` folders; else None."""
+    parts = real_root.split(os.sep)
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "snapshots" and _HF_CACHE_REPO.match(parts[i - 1]) and i + 1 < len(parts):
+            return os.sep.join(parts[:i])
+    return None
+
+
+class LocalStorage(Storage):
+    """A folder on this machine; reads use `os.pread` so nothing is read that is not asked for."""
+
+    hashes_in_place = True
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.display = str(root)
+        self._real_root = os.path.realpath(root)
+        # links may resolve anywhere inside this folder: the root, or for a Hugging Face cache
+        # snapshot its repository folder (`models--org--name/`, files link to `../../blobs/`)
+        self._link_root = hf_cache_repo(self._real_root) or self._real_root
+
+    def path(self, rel: str) -> Path:
+        """Absolute path of `rel`, refusing names and symlinks that leave the root (or, in a
+        Hugging Face cache snapshot, the cache's repository folder)."""
+        rel = safe_relpath(rel, source=self.display)
+        full = self.root / rel
+        real = os.path.realpath(full)
+        if real != self._link_root and not real.startswith(self._link_root + os.sep):
+            raise UnsafeInputError(
+                f"{rel!r} is a link that points outside the checkpoint ({real})",
+                path=self.display,
+                fix="Copy the file into the checkpoint folder instead of linking it.",
+            )
+        return full
+
+    def list_files(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for dirpath, dirs, files in os.walk(self.root):
+            # ckpt's own staging folders are not part of the checkpoint (nor walked into)
+            dirs[:] = [d for d in dirs if not is_staging_name(d)]
+            if dirpath == str(self.root):
+                dirs[:] = [d for d in dirs if not is_parity_path(d)]
+            for fname in files:
+                if is_staging_name(fname):
+                    continue
+                full = os.path.join(dirpath, fname)
+                rel = os.path.relpath(full, self.root).replace(os.sep, "/")
+                try:
+                    out[rel] = os.stat(full).st_size
+                except OSError:
+                    continue
+        return dict(sorted(out.items()))
+
+    def size(self, rel: str) -> int:
+        try:
+            return self.path(rel).stat().st_size
+        except FileNotFoundError:
+            raise NotFoundError("file not found", path=self.describe(rel)) from None
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        path = self.path(rel)
+        fd = open_regular(path)
+        try:
+            return _pread_exact(fd, offset, length, str(path))
+        except OSError as exc:  # EIO on a failing disk: exit 74 naming the file
+            from ..faults import io_failure
+
+            raise io_failure(exc, path, f"reading {length} bytes at offset {offset}") from None
+        finally:
+            os.close(fd)
+
+    def open(self, rel: str) -> IO[bytes]:
+        path = self.path(rel)
+        return os.fdopen(open_regular(path), "rb")
+
+    def local_path(self, rel: str) -> Path | None:
+        return self.path(rel)
+
+    @property
+    def local_root(self) -> Path | None:
+        return self.root
+
+    def subfolder(self, rel: str) -> Storage | None:
+        return LocalStorage(self.path(rel))
+
+    def describe(self, rel: str) -> str:
+        return str(self.root / rel)
+
+
+def _pread_exact(fd: int, offset: int, length: int, name: str) -> bytes:
+    data = os.pread(fd, length, offset)
+    if len(data) == length:
+        return data
+    chunks = [data]
+    got = len(data)
+    while got < length:
+        more = os.pread(fd, length - got, offset + got)
+        if not more:
+            raise FormatError(
+                f"is truncated: wanted {length} bytes at offset {offset}, the file ends after {got}",
+                path=name,
+                fix="The file was cut short (interrupted save or download); write or fetch it again.",
+            )
+        chunks.append(more)
+        got += len(more)
+    return b"".join(chunks)

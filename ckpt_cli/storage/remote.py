@@ -1,0 +1,277 @@
+"""Object stores and other fsspec URLs (`s3://`, `gs://`, `memory://`...) as checkpoint storage.
+
+I/O strategy: the location is resolved once with `fsspec.core.url_to_fs` (credentials and
+endpoints come from each filesystem package's usual environment and config, e.g.
+`AWS_ENDPOINT_URL`, `AWS_PROFILE`); files are listed once and read with ranged reads
+(`cat_file(start, end)`), so inspecting a checkpoint fetches headers and metadata only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import IO, Any
+
+from ..errors import CkptError, FormatError, HubError, NotFoundError, UsageError
+from ..uri import Location
+from .base import Storage, is_parity_path
+from .local import safe_relpath
+
+
+def remote_failure(exc: BaseException, where: str, *, writing: bool = False) -> CkptError:
+    """A remote filesystem's exception as a ckpt error (exit 3 for missing, else exit 5)."""
+    if isinstance(exc, CkptError):
+        return exc
+    if isinstance(exc, FileNotFoundError) and not writing:
+        return NotFoundError("no such remote file", path=where)
+    action = "write to" if writing else "read from"
+    return HubError(
+        f"cannot {action} the remote store ({type(exc).__name__}: {exc})",
+        path=where,
+        fix="Check the network, the endpoint and your credentials"
+        + (" (and that they allow writing here)." if writing else "."),
+    )
+
+
+@dataclass
+class _Ahead:
+    """A byte range of one file being fetched in the background."""
+
+    start: int
+    end: int
+    data: Future[bytes]
+
+
+#: background fetches for every FsspecStorage (sequential read-ahead); created on first use
+_READ_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    global _READ_POOL
+    with _POOL_LOCK:
+        if _READ_POOL is None:
+            _READ_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-readahead")
+        return _READ_POOL
+
+
+def _listing_time(info: dict[str, Any]) -> float | None:
+    """A listing entry's modification time: S3's `LastModified`, or `mtime` / `created`."""
+    for key in ("LastModified", "last_modified", "mtime", "updated", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        if isinstance(value, int | float):
+            return float(value)
+    return None
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem (the Hub through `HfFileSystem`, S3, GCS...), with ranged reads.
+
+    Sequential data reads fetch ahead: a read that continues a run of contiguous reads of one
+    file, after a read of at least `readahead_min` bytes in that run (tensor after tensor, block
+    after block, hashing), has the next `readahead` bytes of the file fetched in a background
+    thread, so the next request's round trip overlaps the work on this one. Metadata reads never
+    qualify (a header probe is small, and a long header's second read is the first large one of
+    its run), so `inspect` fetches no tensor data. A read elsewhere starts a new run and drops
+    the windows. Memory: at most two windows per file being read.
+    """
+
+    #: first read of a safetensors header: enough for the headers of typical shards, small
+    #: enough that inspecting a checkpoint of small tensors still never fetches tensor data
+    header_probe = 16 << 10
+
+    #: a run of contiguous reads holding one this large is a sequential data read: read ahead
+    readahead_min = 1 << 20
+    #: bytes fetched ahead (at least the size of the read that triggered it)
+    readahead = 16 << 20
+
+    hashes_in_place = True
+
+    def __init__(self, fs: Any, root: str, display: str):
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.display = display
+        self._sizes: dict[str, int] | None = None
+        self._mtimes: dict[str, float] = {}
+        self._ahead: dict[str, list[_Ahead]] = {}
+        #: per file: where the last read ended, and whether its run had a large read before
+        self._runs: dict[str, tuple[int, bool]] = {}
+        #: fetches dropped by a jump but maybe still in flight (waited for by `close`)
+        self._dropped: list[Future[bytes]] = []
+        self._lock = threading.Lock()
+
+    def _full(self, rel: str) -> str:
+        rel = safe_relpath(rel, source=self.display)
+        return f"{self.root}/{rel}" if self.root else rel
+
+    def list_files(self) -> dict[str, int]:
+        return {rel: size for rel, size in self.all_files().items() if not is_parity_path(rel)}
+
+    def all_files(self) -> dict[str, int]:
+        """Every object under the root, the parity folder included (listed once, cached)."""
+        if self._sizes is None:
+            try:
+                found = self.fs.find(self.root, detail=True)
+            except Exception as exc:
+                raise remote_failure(exc, self.display) from None
+            prefix = f"{self.root}/" if self.root else ""
+            self._sizes = {
+                name[len(prefix) :]: int(info.get("size") or 0)
+                for name, info in sorted(found.items())
+                if info.get("type") != "directory" and name.startswith(prefix)
+            }
+            for name, info in found.items():
+                stamp = _listing_time(info)
+                if stamp is not None and name.startswith(prefix):
+                    self._mtimes[name[len(prefix) :]] = stamp
+        return self._sizes
+
+    def fs_path(self, rel: str) -> tuple[Any, str] | None:
+        return self.fs, f"{self.root}/{rel}"
+
+    def modified(self, rel: str) -> float | None:
+        self.list_files()
+        return self._mtimes.get(rel)
+
+    def size(self, rel: str) -> int:
+        rel = safe_relpath(rel, source=self.display)
+        files = self.all_files()
+        if rel not in files:
+            raise NotFoundError("file not found", path=self.describe(rel))
+        return files[rel]
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        end = offset + length
+        with self._lock:
+            windows = self._ahead.pop(rel, [])
+        parts: list[bytes] = []
+        at = offset
+        for window in windows:
+            if window.start <= at < window.end:
+                try:
+                    data = window.data.result()
+                except Exception:
+                    break  # the direct read below reports the failure properly
+                piece = data[at - window.start : end - window.start]
+                parts.append(piece)
+                at += len(piece)
+                if at >= end:
+                    break
+        if at < end:
+            parts.append(self._fetch(rel, at, end))
+        # keep only what lies ahead of this read; a jump elsewhere drops every window
+        kept = [w for w in windows if w.end > end and w.start <= end] if at > offset else []
+        with self._lock:
+            self._ahead[rel] = kept
+            self._dropped = [f for f in self._dropped if not f.done()]
+            self._dropped += [w.data for w in windows if w not in kept and not w.data.done()]
+            last_end, had_large = self._runs.get(rel, (-1, False))
+            sequential = last_end == offset and had_large
+            self._runs[rel] = (end, sequential or length >= self.readahead_min)
+        if sequential:
+            self._read_ahead(rel, end, length)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _fetch(self, rel: str, start: int, end: int) -> bytes:
+        try:
+            data = self.fs.cat_file(self._full(rel), start=start, end=end)
+        except Exception as exc:
+            raise remote_failure(exc, self.describe(rel)) from None
+        if len(data) != end - start:
+            raise FormatError(
+                f"is truncated: wanted {end - start} bytes at offset {start}, got {len(data)}",
+                path=self.describe(rel),
+            )
+        return bytes(data)
+
+    def _read_ahead(self, rel: str, start: int, length: int) -> None:
+        """Keep about a window (`readahead` or `length` bytes) fetched or in flight past `start`."""
+        size = self.all_files().get(safe_relpath(rel, source=self.display), 0)
+        window = max(self.readahead, length)
+        with self._lock:
+            windows = self._ahead.setdefault(rel, [])
+            last = windows[-1].end if windows else start
+            # a new window once less than half of one is left ahead: at most two per file
+            if last >= size or last - start >= window // 2:
+                return
+            end = min(size, last + window)
+            windows.append(_Ahead(last, end, _read_pool().submit(self._fetch, rel, last, end)))
+
+    def close(self) -> None:
+        """Wait for (or cancel) background fetches, so no request outlives the reader."""
+        with self._lock:
+            pending = [w.data for windows in self._ahead.values() for w in windows]
+            pending += self._dropped
+            self._ahead.clear()
+            self._dropped = []
+        for future in pending:
+            if not future.cancel():
+                # a read-ahead nobody will use: its failure does not matter
+                with contextlib.suppress(Exception):
+                    future.result()
+
+    def subfolder(self, rel: str) -> Storage | None:
+        rel = safe_relpath(rel, source=self.display)
+        return FsspecStorage(self.fs, self._full(rel), self.describe(rel))
+
+    def open(self, rel: str) -> IO[bytes]:
+        try:
+            handle: IO[bytes] = self.fs.open(self._full(rel), "rb")
+        except Exception as exc:
+            raise remote_failure(exc, self.describe(rel)) from None
+        return handle
+
+
+def filesystem_for(location: Location) -> tuple[Any, str]:
+    """The fsspec filesystem and the path inside it for an fsspec URL."""
+    assert location.url is not None
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - fsspec ships with huggingface_hub
+        raise UsageError(
+            "fsspec is not installed", path=location.raw, fix="pip install fsspec"
+        ) from None
+    try:
+        fs, path = fsspec.core.url_to_fs(location.url)
+    except (ImportError, ValueError) as exc:
+        scheme = location.url.split("://", 1)[0]
+        extra = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}.get(
+            scheme
+        )
+        fix = (
+            f"Install its filesystem package (pip install {extra})."
+            if extra
+            else "Check the URL scheme."
+        )
+        raise UsageError(
+            f"cannot open {scheme}:// URLs ({exc})", path=location.raw, fix=fix
+        ) from None
+    return fs, str(path)
+
+
+def open_fsspec(location: Location) -> tuple[FsspecStorage, str | None]:
+    """The storage of an fsspec URL and the file it names: a folder-like prefix (no file), or
+    one object (its parent prefix, and its name)."""
+    fs, path = filesystem_for(location)
+    try:
+        if fs.isdir(path):
+            return FsspecStorage(fs, path, location.raw), None
+        if fs.isfile(path):
+            parent, _, name = path.rstrip("/").rpartition("/")
+            display = location.raw.rstrip("/").rpartition("/")[0]
+            return FsspecStorage(fs, parent, display), name
+    except FileNotFoundError:
+        raise NotFoundError("no such object or prefix", path=location.raw) from None
+    except Exception as exc:  # each filesystem package raises its own network/auth errors
+        raise remote_failure(exc, location.raw) from None
+    raise NotFoundError(
+        "no such object or prefix", path=location.raw, fix="Check the bucket and path."
+    )
