@@ -169,13 +169,22 @@ def quantization_of(manifest: Manifest, storage: Storage) -> QuantSummary | None
 def malformed(checkpoint: Checkpoint) -> list[Problem]:
     """The format-rule violations of a local checkpoint's safetensors files that its reader
     tolerates (data not contiguous from offset 0, bytes after the last tensor): headers only."""
-    from ..formats.safetensors import Findings, parse_header
+    from ..formats.safetensors import Findings, SafetensorsCheckpoint, parse_header
 
     source = checkpoint.source
     if not source.location.is_local:
         return []  # a remote header costs a request; `verify` checks those
+    # the opening parse already noted them; a header with tensors of unknown dtype is parsed
+    # again, as the collecting parse also reports those tensors
+    noted = {}
+    if isinstance(checkpoint, SafetensorsCheckpoint):
+        noted = {h.file: h for h in checkpoint.headers if not h.unsupported}
     findings = Findings(strict=False)
     for info in checkpoint.manifest.files:
         if info.path.endswith(".safetensors") and info.entries:
-            parse_header(source.storage, info.path, info.size, findings)
+            header = noted.get(info.path)
+            if header is not None:
+                findings.problems.extend(header.tolerated)
+            else:
+                parse_header(source.storage, info.path, info.size, findings)
     return findings.problems
