@@ -21,7 +21,8 @@ once (one file held at a time).
 The writer saves one file (nesting rebuilt from key paths when entries came from a torch.save
 file and were not renamed, otherwise flat keys), or, with `max_shard_size`, Hugging Face style
 flat shards `pytorch_model-00001-of-00002.bin` plus `pytorch_model.bin.index.json`, written last.
-It holds at most one shard's tensors in memory.
+Each tensor is streamed into its file's zip container as it arrives (`torch_zip`): one tensor
+in memory at a time, whatever the file or shard size.
 """
 
 from __future__ import annotations
