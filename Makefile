@@ -15,7 +15,7 @@ PIP := $(PY) -m pip install -qqq --disable-pip-version-check
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,frameworks]'
+	$(PIP) torch==2.13.0 -e '.[dev,frameworks]'
 	touch $(STAMP)
 
 # the frameworks the tests build fixtures with; DeepSpeed needs its ops left unbuilt (no CUDA)

@@ -50,6 +50,22 @@ SUB_BYTE: dict[str, tuple[int, str]] = {
 _FROM_SAFETENSORS = {code: name for name, (_, code) in _TABLE.items()}
 # an F4 header entry is read as 4-bit elements, not as torch's packed pairs
 _FROM_SAFETENSORS.update({code: name for name, (_, code) in SUB_BYTE.items()})
+#: torch dtypes DCP and `torch.save` round-trip that have no safetensors code in `_TABLE`:
+#: item size only (`float4_e2m1fn_x2` packs two 4-bit values per byte, its shape counts bytes)
+_TORCH_ONLY: dict[str, int] = {
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "complex128": 16,
+    "complex32": 4,
+    "float4_e2m1fn_x2": 1,
+    # torch's bit-width shells: one byte (two for bits16) per element as torch stores them
+    **{f"{kind}{bits}": 1 for kind in ("uint", "int") for bits in range(1, 8)},
+    "bits8": 1,
+    "bits16": 2,
+    "bits1x8": 1,
+    "bits2x4": 1,
+    "bits4x2": 1,
+}
 FLOATING = frozenset(
     {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"}
     | {"float8_e4m3fnuz", "float8_e5m2fnuz"}
@@ -70,6 +86,8 @@ _ALIASES = {
 
 def itemsize(dtype: str) -> int:
     """Bytes per element of a canonical byte-sized dtype (KeyError for sub-byte ones)."""
+    if dtype not in _TABLE and dtype in _TORCH_ONLY:
+        return _TORCH_ONLY[dtype]
     return _TABLE[dtype][0]
 
 
@@ -108,6 +126,11 @@ def torch_layout(dtype: str, shape: list[int]) -> tuple[str, list[int]] | None:
 
 def is_known(dtype: str) -> bool:
     """Whether `dtype` is a canonical token this tool understands."""
+    return dtype in _TABLE or dtype in SUB_BYTE or dtype in _TORCH_ONLY
+
+
+def has_safetensors_code(dtype: str) -> bool:
+    """Whether safetensors can store `dtype` (`to_safetensors` raises KeyError otherwise)."""
     return dtype in _TABLE or dtype in SUB_BYTE
 
 

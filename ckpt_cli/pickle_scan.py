@@ -30,6 +30,7 @@ _ALLOWED = re.compile(
     r"|builtins\.(?:set|frozenset|bytearray|complex|slice|range|int|float|bool|str|bytes"
     r"|tuple|list|dict)"
     r"|_codecs\.encode"
+    r"|torch\._C\.Generator|torch\.Generator"  # RNG state: `formats.torch_save` admits it too
     r"|numpy\.(?:_core|core)\.multiarray\.(?:_reconstruct|scalar)"
     r"|numpy\.(?:ndarray|dtype)"
     r"|numpy\.dtypes\.\w+DType"

@@ -107,6 +107,13 @@ def convert(
             help="Leave out the source folder's non-weight files (config.json, tokenizer...).",
         ),
     ] = False,
+    dcp_compression: Annotated[
+        str | None,
+        typer.Option(
+            "--dcp-compression",
+            help="DCP output compression: zstd (DCP's ZStandard extension) or none (default).",
+        ),
+    ] = None,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -139,6 +146,7 @@ def convert(
                 renames=rename,
                 select=select,
                 dcp_serialization=dcp_serialization,
+                dcp_compression=dcp_compression,
                 world_size=world_size,
                 force=force,
                 dequantize=dequantize,

@@ -93,6 +93,13 @@ def reshard(
             help="Leave out the source folder's non-weight files (config.json, tokenizer...).",
         ),
     ] = False,
+    dcp_compression: Annotated[
+        str | None,
+        typer.Option(
+            "--dcp-compression",
+            help="DCP output compression: zstd (DCP's ZStandard extension) or none (default: as the source).",
+        ),
+    ] = None,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -120,6 +127,7 @@ def reshard(
                 drop_rank_state=drop_rank_state,
                 keep_rank_state=keep_rank_state,
                 dcp_serialization=dcp_serialization,
+                dcp_compression=dcp_compression,
                 format=format,
                 force=force,
                 progress=progress,

@@ -60,7 +60,9 @@ from .dcp_metadata import (
     MetadataIndex,
     StorageInfo,
     TensorStorageMetadata,
+    common_leaf,
     load_metadata,
+    peek_saved_mapping,
     peek_saved_object,
     peek_saved_tensor,
 )
@@ -111,6 +113,10 @@ class _Layout:
     files: dict[str, int] = field(default_factory=dict)
     planner_data: Any = None
     version: str | None = None
+    #: Megatron-Core torch_dist: metadata.json's backend fields and common.pt's keys
+    megatron: dict[str, Any] | None = None
+    #: (file, byte offset) -> stream transform of items stored through one (`zstd`)
+    transforms: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def problem(
         self, code: str, message: str, file: str | None = None, tensor: str | None = None
@@ -206,6 +212,57 @@ def _storage_index(md: Metadata, where: str) -> dict[tuple[Any, Any], StorageInf
     return index
 
 
+#: DCP's `ZStandard` stream extension (`torch.distributed.checkpoint._extension`)
+ZSTD_DESCRIPTOR = "stream.zstd/1"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+#: what a compressed torch_save item may grow to beyond its tensor bytes (zip + pickle)
+_SAVE_OVERHEAD = 1 << 20
+#: the cap for a compressed object entry: no decompression bomb exhausts memory
+_OBJECT_INFLATE_MAX = 256 << 20
+
+
+def _transform_of(descriptors: Any, name: str, where: str) -> str:
+    """The transform an item's `transform_descriptors` name; only `stream.zstd/1.*` is read."""
+    if isinstance(descriptors, (list, tuple)) and len(descriptors) == 1:
+        registry, _, version = str(descriptors[0]).partition("/")
+        if registry == "stream.zstd" and version.partition(".")[0] == "1":
+            return "zstd"
+    raise FormatError(
+        f"entry {name!r} is stored through stream transforms {list(descriptors)!r}; this tool "
+        f"reads {ZSTD_DESCRIPTOR} (DCP's ZStandard extension) only",
+        path=where,
+        fix="Save with FileSystemWriter(..., _extensions=[ZStandard()]) or without _extensions.",
+    )
+
+
+def inflate(source: IO[bytes] | bytes, limit: int, where: str, what: str) -> bytes:
+    """Decompress one zstd-compressed DCP item (at most `limit` bytes, else FormatError)."""
+    import zstandard
+
+    out = bytearray()
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
+        while True:
+            piece = reader.read(1 << 20)
+            if not piece:
+                break
+            out += piece
+            if len(out) > limit:
+                raise FormatError(
+                    f"{what}: the zstd stream inflates past {limit} bytes, more than the item "
+                    "can hold",
+                    path=where,
+                    fix="The file is corrupt or hostile; it was not loaded.",
+                )
+    except zstandard.ZstdError as exc:
+        raise FormatError(
+            f"{what}: not a valid zstd stream ({exc})",
+            path=where,
+            fix="The file is corrupt or truncated; use a complete copy of the checkpoint.",
+        ) from None
+    return bytes(out)
+
+
 class InterruptedSaveError(FormatError):
     """A DCP folder with data files but no `.metadata`: the save did not finish (exit 4)."""
 
@@ -285,11 +342,8 @@ def _analyse_unpaused(source: Source) -> _Layout:
         if not (_is_count(offset) and _is_count(length)):
             raise FormatError(f"entry {name!r} has an invalid byte range", path=where)
         if info.transform_descriptors:
-            raise FormatError(
-                f"entry {name!r} is stored through stream transforms "
-                f"{list(info.transform_descriptors)!r}, which this tool does not read",
-                path=where,
-                fix="Save without _extensions (compression) to use ckpt on it.",
+            layout.transforms[(safe_names[rel], offset)] = _transform_of(
+                info.transform_descriptors, name, where
             )
         return safe_names[rel], offset, length
 
@@ -403,7 +457,94 @@ def _analyse_unpaused(source: Source) -> _Layout:
         )
     _check_files(layout)
     _check_coverage(layout)
+    _read_megatron_common(storage, listing, layout)
     return layout
+
+
+#: Megatron-Core `dist_checkpointing` (`torch_dist` backend) writes these beside the DCP files
+MEGATRON_COMMON = "common.pt"
+MEGATRON_METADATA = "metadata.json"
+_MEGATRON_COMMON_MAX = 256 << 20
+_MEGATRON_METADATA_MAX = 1 << 20
+
+
+def _read_megatron_common(storage: Storage, listing: dict[str, int], layout: _Layout) -> None:
+    """Megatron-Core torch_dist: `metadata.json` (backend names) and `common.pt` (the state
+    every rank shares: iteration, args, ...), whose top-level keys Megatron merges into the
+    sharded state on load. Each key becomes an object entry read from `common.pt`; the peek
+    uses no torch and resolves no global (`peek_saved_mapping`)."""
+    if MEGATRON_METADATA not in listing and MEGATRON_COMMON not in listing:
+        return
+    info: dict[str, Any] = {}
+    if MEGATRON_METADATA in listing:
+        try:
+            if listing[MEGATRON_METADATA] > _MEGATRON_METADATA_MAX:
+                raise ValueError("larger than 1 MiB")
+            doc = json.loads(storage.read_all(MEGATRON_METADATA))
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError) as exc:
+            layout.problem(
+                "megatron_metadata",
+                f"{MEGATRON_METADATA} is not Megatron-Core's backend description ({exc})",
+                file=MEGATRON_METADATA,
+            )
+            doc = {}
+        info["metadata"] = {k: v for k, v in doc.items() if isinstance(v, (str, int, float))}
+        if doc.get("sharded_backend") not in (None, "torch_dist"):
+            layout.problem(
+                "megatron_backend",
+                f"{MEGATRON_METADATA} names sharded backend {doc.get('sharded_backend')!r}; "
+                "only torch_dist (a DCP) is read",
+                file=MEGATRON_METADATA,
+            )
+    if MEGATRON_COMMON not in listing:
+        layout.problem(
+            "megatron_missing_common",
+            f"{MEGATRON_COMMON} is missing: Megatron-Core keeps the state every rank shares "
+            "(iteration, args...) in it, and its load needs it",
+            file=MEGATRON_COMMON,
+        )
+        layout.megatron = info
+        return
+    keys = None
+    if listing[MEGATRON_COMMON] <= _MEGATRON_COMMON_MAX:
+        keys = peek_saved_mapping(storage.read_all(MEGATRON_COMMON))
+    if keys is None:
+        layout.problem(
+            "megatron_common",
+            f"{MEGATRON_COMMON} is not a torch.save file of a dict with string keys (or is "
+            "larger than 256 MiB)",
+            file=MEGATRON_COMMON,
+        )
+        keys = {}
+    taken = {e.name for e in layout.entries}
+    for key, (py_type, value) in keys.items():
+        if key in taken:
+            layout.problem(
+                "megatron_common_clash",
+                f"{MEGATRON_COMMON} key {key!r} is also a sharded entry; the sharded one is read",
+                file=MEGATRON_COMMON,
+                tensor=key,
+            )
+            layout.problems[-1] = layout.problems[-1].model_copy(update={"severity": "warning"})
+            continue
+        layout.entries.append(
+            Entry.model_construct(
+                name=key,
+                kind="object",
+                dtype=None,
+                shape=[],
+                nbytes=0,
+                file=MEGATRON_COMMON,
+                offset=None,
+                chunks=None,
+                py_type=py_type,
+                value=value,
+            )
+        )
+    info["common"] = sorted(keys)
+    layout.megatron = info
 
 
 def _analyse_hf_shards(source: Source, listing: dict[str, int]) -> _Layout:
@@ -511,6 +652,10 @@ def _locate_raw_chunks(
             continue  # reported by _check_files as a range past the end of the file
         head = storage.read(rel, first, 16)
         if head.startswith(_ZIP_MAGIC):
+            layout.serialization.add("torch_save")
+            continue
+        if (rel, first) in layout.transforms:
+            # zstd-compressed items are torch_save blobs (DCP's extensions apply to that layout)
             layout.serialization.add("torch_save")
             continue
         if len(item_starts) > 1:
@@ -666,6 +811,19 @@ def _check_files(layout: _Layout) -> None:
 _TENSOR_HEAD = 4096
 
 
+def _inflate_head(stored: bytes, size: int) -> bytes | None:
+    """The first `size` bytes a (possibly cut) zstd stream inflates to; None if it is not zstd."""
+    import zstandard
+
+    if not stored.startswith(_ZSTD_MAGIC):
+        return None
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=True)
+        return bytes(reader.read(size))
+    except zstandard.ZstdError:
+        return None
+
+
 def _check_saved_tensors(storage: Storage, layout: _Layout) -> None:
     """Each torch_save chunk declares the dtype and sizes `.metadata` gives it (one small read each)."""
     for entry in layout.entries:
@@ -675,8 +833,18 @@ def _check_saved_tensors(storage: Storage, layout: _Layout) -> None:
             size = layout.files.get(chunk.file)
             if chunk.raw or size is None or chunk.byte_offset + chunk.byte_length > size:
                 continue  # raw chunks are checked against their header; the rest is reported
-            head = storage.read(chunk.file, chunk.byte_offset, min(_TENSOR_HEAD, chunk.byte_length))
-            saved = peek_saved_tensor(head)
+            compressed = (chunk.file, chunk.byte_offset) in layout.transforms
+            if compressed:
+                # the first bytes of the zstd stream inflate to the blob's zip header + pickle
+                stored = storage.read(
+                    chunk.file, chunk.byte_offset, min(1 << 16, chunk.byte_length)
+                )
+                head = _inflate_head(stored, _TENSOR_HEAD)
+            else:
+                head = storage.read(
+                    chunk.file, chunk.byte_offset, min(_TENSOR_HEAD, chunk.byte_length)
+                )
+            saved = peek_saved_tensor(head) if head is not None else None
             if saved is None:
                 layout.problem(
                     "dcp_bad_chunk",
@@ -694,7 +862,7 @@ def _check_saved_tensors(storage: Storage, layout: _Layout) -> None:
                     file=chunk.file,
                     tensor=entry.name,
                 )
-            elif saved.storage_bytes > chunk.byte_length:
+            elif not compressed and saved.storage_bytes > chunk.byte_length:
                 layout.problem(
                     "dcp_mismatch",
                     f"tensor {entry.name!r}: the chunk at {chunk.offsets} declares "
@@ -781,7 +949,13 @@ def _peek_objects(storage: Storage, layout: _Layout) -> None:
         if entry.nbytes > _PEEK_LIMIT or entry.nbytes > budget:
             continue
         budget -= entry.nbytes
-        py_type, value = peek_saved_object(storage.read(entry.file, entry.offset, entry.nbytes))
+        blob = storage.read(entry.file, entry.offset, entry.nbytes)
+        if (entry.file, entry.offset) in layout.transforms:
+            try:
+                blob = inflate(blob, _PEEK_LIMIT * 64, entry.file, entry.name)
+            except FormatError:
+                continue  # verify --deep and reads report it; inspect just shows no type
+        py_type, value = peek_saved_object(blob)
         layout.entries[index] = entry.model_copy(update={"py_type": py_type, "value": value})
 
 
@@ -840,7 +1014,7 @@ class DcpFormat(Format):
         files = [
             FileInfo(path=name, size=size, entries=0)
             for name, size in layout.files.items()
-            if name == METADATA
+            if name in (METADATA, MEGATRON_COMMON, MEGATRON_METADATA)
             or name.endswith(SUFFIX)
             or DCP_HF_SHARD.match(name)
             or _RANK_METADATA.match(name)
@@ -860,6 +1034,11 @@ class DcpFormat(Format):
             "objects_bytes": sum(e.nbytes for e in layout.entries if e.kind == "object"),
             "version": layout.version,
         }
+        if layout.transforms:
+            details["compression"] = {"zstd": len(layout.transforms)}
+        if layout.megatron is not None:
+            details["layout"] = "megatron_torch_dist"
+            details["megatron"] = layout.megatron
         manifest = Manifest(
             format="dcp",
             location=source.location.raw,
@@ -867,7 +1046,9 @@ class DcpFormat(Format):
             entries=layout.entries,
             details=details,
         )
-        return DcpCheckpoint(source, manifest, layout.planner_data)
+        checkpoint = DcpCheckpoint(source, manifest, layout.planner_data)
+        checkpoint.transforms = dict(layout.transforms)
+        return checkpoint
 
     @classmethod
     def check(cls, source: Source) -> list[Problem]:
@@ -929,6 +1110,9 @@ class DcpCheckpoint(Checkpoint):
         super().__init__(source, manifest)
         self.planner_data = planner_data
         self._fds: dict[str, int] = {}
+        self._common: dict[str, Any] | None = None
+        #: (file, offset) -> transform of compressed items (`zstd`); set by `DcpFormat.open`
+        self.transforms: dict[tuple[str, int], str] = {}
 
     def _entry(self, name: str, kind: str) -> Entry:
         entry = self.manifest.by_name.get(name)
@@ -976,12 +1160,14 @@ class DcpCheckpoint(Checkpoint):
 
         from ..tensors import dtype_name
 
-        try:
-            value = torch.load(
-                self._byte_range(chunk.file, chunk.byte_offset, chunk.byte_length),
-                map_location="cpu",
-                weights_only=True,
+        stored: IO[bytes] = self._byte_range(chunk.file, chunk.byte_offset, chunk.byte_length)
+        if (chunk.file, chunk.byte_offset) in self.transforms:
+            limit = dtypes.numel(chunk.sizes) * dtypes.itemsize(entry.dtype) + _SAVE_OVERHEAD
+            stored = io.BytesIO(
+                inflate(stored, limit, where, f"tensor {entry.name!r} chunk {chunk.offsets}")
             )
+        try:
+            value = torch.load(stored, map_location="cpu", weights_only=True)
         except CkptError:
             raise
         except Exception as exc:
@@ -1117,19 +1303,40 @@ class DcpCheckpoint(Checkpoint):
     def read_object_bytes(self, name: str) -> bytes:
         """The stored bytes of a non-tensor entry (a `torch.save` blob), without loading it."""
         entry = self._entry(name, "object")
+        if entry.file == MEGATRON_COMMON and entry.offset is None:
+            # one key of Megatron's common.pt: stored as DCP stores an object, a torch.save blob
+            import torch
+
+            buffer = io.BytesIO()
+            torch.save(common_leaf(self._megatron_common(), name), buffer)
+            return buffer.getvalue()
         assert entry.file is not None and entry.offset is not None
-        return self.storage.read(entry.file, entry.offset, entry.nbytes)
+        data = self.storage.read(entry.file, entry.offset, entry.nbytes)
+        if (entry.file, entry.offset) in self.transforms:
+            limit = _OBJECT_INFLATE_MAX + 64 * entry.nbytes
+            data = inflate(data, limit, self.storage.describe(entry.file), f"object {name!r}")
+        return data
 
     def read_object(self, name: str) -> Any:
-        """The value of a non-tensor entry, loaded with `torch.load(weights_only=True)`."""
+        """The value of a non-tensor entry, loaded with `torch.load(weights_only=True)`.
+
+        Beyond torch's own set, only `torch_save.object_allowlist()` is admitted: numpy arrays
+        and dtypes (RNG states) and `torch.Generator`.
+        """
         import pickle
 
         import torch
 
+        from .torch_save import object_allowlist
+
+        entry = self._entry(name, "object")
+        if entry.file == MEGATRON_COMMON and entry.offset is None:
+            return common_leaf(self._megatron_common(), name)
         data = self.read_object_bytes(name)
-        entry = self.manifest.by_name[name]
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            # numpy RNG states and torch.Generator objects, which dcp.load restores too
+            with torch.serialization.safe_globals(object_allowlist()):
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             raise FormatError(
                 f"object {name!r} needs more than torch.load(weights_only=True) allows "
@@ -1144,6 +1351,19 @@ class DcpCheckpoint(Checkpoint):
                 path=self.storage.describe(entry.file or ""),
                 fix="The file is truncated or corrupt.",
             ) from None
+
+    def _megatron_common(self) -> dict[str, Any]:
+        """Megatron-Core's `common.pt`, loaded once (weights_only, ckpt's allow-list)."""
+        if self._common is None:
+            from .torch_save import load_torch_file
+
+            value, _ = load_torch_file(self.storage, MEGATRON_COMMON)
+            if not isinstance(value, dict):
+                raise FormatError(
+                    "does not hold a dict", path=self.storage.describe(MEGATRON_COMMON)
+                )
+            self._common = value
+        return self._common
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -1209,6 +1429,18 @@ class DcpWriter(Writer):
                 fix="Give a folder as the destination.",
             )
         self.serialization = options.dcp_serialization
+        #: `zstd`: every item goes through DCP's ZStandard stream extension (`stream.zstd/1`)
+        self.compression: str | None = options.extra.get("dcp_compression") or None
+        if self.compression not in (None, "zstd"):
+            raise FormatError(
+                f"unknown DCP compression {self.compression!r}",
+                fix="Use --dcp-compression zstd or none.",
+            )
+        if self.compression and self.serialization == "safetensors":
+            raise FormatError(
+                "DCP compression applies to the torch_save serialization only",
+                fix="Drop --dcp-compression, or write --dcp-serialization torch_save.",
+            )
         self.world_size = options.world_size
         self.entries: dict[str, Entry] = {}
         self.layout: dict[str, list[Chunk]] = {}
@@ -1225,6 +1457,12 @@ class DcpWriter(Writer):
                 continue
             if entry.dtype is None or not dtypes.is_known(entry.dtype):
                 raise FormatError(f"tensor {entry.name!r} has no supported dtype ({entry.dtype!r})")
+            if self.serialization == "safetensors" and not dtypes.has_safetensors_code(entry.dtype):
+                raise FormatError(
+                    f"tensor {entry.name!r} is {entry.dtype}, which the safetensors "
+                    "serialization cannot store",
+                    fix="Use --dcp-serialization torch_save (the default), which keeps it.",
+                )
             chunks = self._plan_chunks(entry)
             self.layout[entry.name] = chunks
             self.results[entry.name] = [None] * len(chunks)
@@ -1432,9 +1670,19 @@ class DcpWriter(Writer):
             piece = piece.detach().cpu().contiguous()
             if piece.untyped_storage().nbytes() != piece.numel() * piece.element_size():
                 piece = piece.clone()  # torch.save would store the whole underlying storage
-            buffer = io.BytesIO()
-            torch.save(piece, buffer)
-            self.results[name][chunk_index] = self._append(state, buffer.getbuffer())
+            if self.compression is None:
+                # straight into the file: no second in-memory copy of the chunk (peak memory
+                # stays one source chunk + one output chunk)
+                start = state.append_at
+                state.fh.seek(start)
+                torch.save(piece, state.fh)
+                state.fh.flush()
+                state.append_at = state.fh.tell()
+                self.results[name][chunk_index] = (start, state.append_at - start)
+            else:
+                buffer = io.BytesIO()
+                torch.save(piece, buffer)
+                self.results[name][chunk_index] = self._append(state, buffer.getbuffer())
         state.entries += 1
 
     def write_raw(self, name: str, blocks: Iterator[bytes]) -> None:
@@ -1481,6 +1729,11 @@ class DcpWriter(Writer):
             self.files[chunk.file].entries += 1
 
     def _append(self, state: _FileState, data: bytes | memoryview) -> tuple[int, int]:
+        if self.compression == "zstd":
+            import zstandard
+
+            # what ZStandard().transform_to writes: one zstd frame per item
+            data = zstandard.ZstdCompressor().compress(data)
         start = state.append_at
         os.pwrite(state.fh.fileno(), data, start)
         state.append_at += len(data)
@@ -1605,13 +1858,14 @@ class DcpWriter(Writer):
 
         state_dict_metadata: dict[str, Any] = {}
         storage_data: dict[Any, Any] = {}
+        transforms = [ZSTD_DESCRIPTOR] if self.compression == "zstd" else None
         for entry in self.plan:
             results = self.results[entry.name]
             if entry.kind == "object":
                 state_dict_metadata[entry.name] = TorchBytes()
                 start, length = results[0]  # type: ignore[misc]
                 storage_data[TorchIndex(entry.name)] = _StorageInfo(
-                    self._object_file[entry.name], start, length
+                    self._object_file[entry.name], start, length, transforms
                 )
                 continue
             assert entry.dtype is not None
@@ -1627,7 +1881,7 @@ class DcpWriter(Writer):
             for index, (chunk, result) in enumerate(zip(chunks, results, strict=True)):
                 assert result is not None
                 storage_data[TorchIndex(entry.name, chunk.offsets, index)] = _StorageInfo(
-                    chunk.file, result[0], result[1]
+                    chunk.file, result[0], result[1], transforms
                 )
         planner_data = self.options.extra.get("dcp_planner_data")
         if not isinstance(planner_data, dict):

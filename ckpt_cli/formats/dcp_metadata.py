@@ -12,12 +12,16 @@ What torch 2.13 pickles (protocol 4): the dataclasses of `torch.distributed.chec
 `TensorProperties`, `MetadataIndex`, `StorageMeta`, `_MEM_FORMAT_ENCODING`) and `filesystem._StorageInfo`
 through NEWOBJ + BUILD; `torch.Size`, `torch.serialization._get_layout`, `_MEM_FORMAT_ENCODING` and
 `pathlib.PosixPath` (the `checkpoint_id`) through REDUCE; dtypes as plain globals (`torch.float32`).
+Megatron-Core's `torch_dist` writer also stores each rank's save plan (`Metadata.all_local_plans`):
+`planner.SavePlan`, `WriteItem`, `WriteItemType`, `TensorWriteData`, `BytesIOWriteData` and
+`filesystem._StoragePrefix`, admitted as stand-ins too; `LoadPlan`/`ReadItem` never are.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from ..errors import FormatError, UnsafeInputError
@@ -98,7 +102,15 @@ class _Record:
 class Metadata(_Record):
     """Stand-in for `torch.distributed.checkpoint.metadata.Metadata`."""
 
-    _fields = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+    _fields = (
+        "state_dict_metadata",
+        "planner_data",
+        "storage_data",
+        "storage_meta",
+        "version",
+        # set by Megatron-Core's torch_dist writer (a SavePlan per rank), not by torch
+        "all_local_plans",
+    )
     state_dict_metadata: Any
     planner_data: Any
     storage_data: Any
@@ -165,6 +177,47 @@ class StorageInfo(_Record):
     _fields = ("relative_path", "offset", "length", "transform_descriptors")
 
 
+class SavePlan(_Record):
+    """Stand-in for `planner.SavePlan`: Megatron-Core keeps every rank's plan in `.metadata`
+    (`Metadata.all_local_plans`) to reuse it on the next save."""
+
+    _fields = ("items", "storage_data", "planner_data", "usable")
+
+
+class WriteItem(_Record):
+    """Stand-in for `planner.WriteItem` (one item of a save plan)."""
+
+    _fields = ("index", "type", "bytes_io_data", "tensor_data")
+
+
+class TensorWriteData(_Record):
+    """Stand-in for `planner.TensorWriteData`: chunk, properties and size of a planned write."""
+
+    _fields = ("chunk", "properties", "size")
+
+
+class BytesIOWriteData(_Record):
+    """Stand-in for `planner.BytesIOWriteData`: the byte count of a planned object write."""
+
+    _fields = ("nbytes",)
+
+
+class StoragePrefix(_Record):
+    """Stand-in for `filesystem._StoragePrefix`, a save plan's `storage_data`."""
+
+    _fields = ("prefix",)
+
+
+_WRITE_ITEM_TYPES = {0: "TENSOR", 1: "SHARD", 2: "BYTE_IO"}
+
+
+def _write_item_type(value: Any) -> str:
+    """Stand-in for the enum call `WriteItemType(n)`: its member name."""
+    if value not in _WRITE_ITEM_TYPES:
+        raise pickle.UnpicklingError(f"unknown WriteItemType {value!r}")
+    return _WRITE_ITEM_TYPES[value]
+
+
 class StorageMeta(_Record):
     """Stand-in for `StorageMeta` (checkpoint id, save id...)."""
 
@@ -213,6 +266,13 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     **{(module, name): value for module in _METADATA_MODULES for name, value in _CLASSES.items()},
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
     ("torch.distributed.checkpoint._fsspec_filesystem", "_StorageInfo"): StorageInfo,
+    # the save-plan classes Megatron-Core's torch_dist writer pickles into `.metadata`
+    ("torch.distributed.checkpoint.planner", "SavePlan"): SavePlan,
+    ("torch.distributed.checkpoint.planner", "WriteItem"): WriteItem,
+    ("torch.distributed.checkpoint.planner", "WriteItemType"): _write_item_type,
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"): TensorWriteData,
+    ("torch.distributed.checkpoint.planner", "BytesIOWriteData"): BytesIOWriteData,
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): StoragePrefix,
     ("torch", "Size"): _size,
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): _path,
@@ -296,11 +356,36 @@ def _latin1_encode(text: Any, encoding: str = "latin1") -> bytes:
     return text.encode("latin1")
 
 
+class _NumpyStub:
+    """What the peek makes of a numpy array or dtype: nothing is built, the state is dropped.
+
+    Lets a container holding arrays (numpy's `get_state()` tuple) be named by its own type
+    (`tuple`) rather than by the first global inside it."""
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _numpy_stub(*args: Any) -> _NumpyStub:
+    return _NumpyStub()
+
+
 _PLAIN_GLOBALS: dict[tuple[str, str], Any] = {
     ("_codecs", "encode"): _latin1_encode,
     ("collections", "OrderedDict"): dict,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
+    # the globals numpy arrays pickle through (as in torch_save.object_allowlist); only stubs
+    **{
+        (module, name): _numpy_stub
+        for module in ("numpy._core.multiarray", "numpy.core.multiarray")
+        for name in ("_reconstruct", "scalar")
+    },
+    ("numpy", "ndarray"): _NumpyStub,
+    ("numpy", "dtype"): _numpy_stub,
 }
 _KNOWN_TYPES = {
     "numpy._core.multiarray._reconstruct": "numpy.ndarray",
@@ -309,17 +394,33 @@ _KNOWN_TYPES = {
 }
 
 
+class _TensorStub(_NumpyStub):
+    """What the peek makes of a tensor (and its storage): nothing is built or read."""
+
+
+def _tensor_stub(*args: Any) -> _TensorStub:
+    return _TensorStub()
+
+
 class _PlainUnpickler(pickle.Unpickler):
-    """Unpickles only plain Python data (no globals at all, no tensors)."""
+    """Unpickles only plain Python data; tensors and numpy arrays become inert stubs, so a
+    container holding them (a tuple of tensors) is named by its own type."""
 
     def find_class(self, module: str, name: str) -> Any:
         plain = _PLAIN_GLOBALS.get((module, name))
         if plain is not None:
             return plain
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+            return _tensor_stub
+        if (module == "torch" and (name.endswith("Storage") or name in TORCH_DTYPES)) or (
+            module,
+            name,
+        ) == ("torch.storage", "UntypedStorage"):
+            return _tensor_stub
         raise _Opaque(_KNOWN_TYPES.get(f"{module}.{name}", f"{module}.{name}"))
 
     def persistent_load(self, pid: Any) -> Any:
-        raise _Opaque("tensor")
+        return _TensorStub()
 
 
 def _small(value: Any) -> bool:
@@ -359,6 +460,10 @@ def peek_saved_object(blob: bytes) -> tuple[str | None, Any]:
         return opaque.what, None
     except Exception:
         return None, None
+    if isinstance(value, _TensorStub):
+        return "tensor", None
+    if isinstance(value, _NumpyStub):
+        return "numpy.ndarray", None
     return type(value).__name__, (list(value) if isinstance(value, tuple) else value) if _small(
         value
     ) else None
@@ -463,3 +568,112 @@ def peek_saved_tensor(head: bytes) -> SavedTensor | None:
     except Exception:
         return None
     return value if isinstance(value, SavedTensor) else None
+
+
+class _Stub:
+    """A value the structure peek does not build: its class names the global that would have
+    made it (a subclass per global, see `_stub_class`); nothing runs."""
+
+    what: ClassVar[str] = "?"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Stub:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:  # APPEND(S) onto a stubbed list subclass
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:  # SETITEM(S) onto a stubbed dict
+        pass
+
+
+def _stub_class(what: str) -> type[_Stub]:
+    """A `_Stub` subclass standing for global `what` (the C unpickler wants a type for NEWOBJ)."""
+    return type("Stub", (_Stub,), {"what": what})
+
+
+class _StructureUnpickler(pickle.Unpickler):
+    """Unpickles the containers of a `torch.save` payload; every global becomes a stub.
+
+    No global is ever resolved, so nothing can run: a tensor, a numpy array or any class
+    instance comes back as a `_Stub` naming what it would have been."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        plain = _PLAIN_GLOBALS.get((module, name))
+        if plain is not None and plain in (dict, set, frozenset, _latin1_encode):
+            return plain
+        return _stub_class(_KNOWN_TYPES.get(f"{module}.{name}", f"{module}.{name}"))
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _stub_class("storage")()
+
+
+def peek_saved_mapping(blob: bytes) -> dict[str, tuple[str, Any]] | None:
+    """For a `torch.save` file holding a dict: each leaf's (type name, small value).
+
+    Nested non-empty dicts with string keys are flattened into dotted names, as `dcp.save`
+    flattens a state dict (`args.lr`); `common_leaf` finds a name's value in the loaded dict.
+
+    Read without torch and without resolving any global (see `_StructureUnpickler`). None when
+    the blob is not a zip `torch.save` of a dict with string keys.
+    """
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(names) != 1 or archive.getinfo(names[0]).file_size > len(blob) * 4:
+                return None
+            data = archive.read(names[0])
+        value = _StructureUnpickler(io.BytesIO(data)).load()
+    except Exception:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        return None
+    out: dict[str, tuple[str, Any]] = {}
+    for key, item in _flat_items(value):
+        if isinstance(item, _Stub):
+            out[key] = ("tensor" if item.what == "tensor" else item.what, None)
+        elif _contains_stub(item):
+            out[key] = (type(item).__name__, None)
+        else:
+            plain = list(item) if isinstance(item, tuple) else item
+            out[key] = (type(item).__name__, plain if _small(item) else None)
+    return out
+
+
+def _flat_items(value: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, item in value.items():
+        name = f"{prefix}{key}"
+        if isinstance(item, dict) and item and all(isinstance(k, str) for k in item):
+            yield from _flat_items(item, f"{name}.")
+        else:
+            yield name, item
+
+
+def common_leaf(value: dict[str, Any], name: str) -> Any:
+    """The leaf `name` (as `peek_saved_mapping` flattened it) of a loaded dict."""
+    for key, item in _flat_items(value):
+        if key == name:
+            return item
+    raise KeyError(name)
+
+
+def _contains_stub(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, _Stub) or (isinstance(value, type) and issubclass(value, _Stub)):
+        return True
+    if depth > 50:
+        return True
+    if isinstance(value, dict):
+        return any(_contains_stub(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_contains_stub(v, depth + 1) for v in value)
+    return False

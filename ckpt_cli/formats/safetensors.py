@@ -872,6 +872,15 @@ class SafetensorsWriter(Writer):
                 f"safetensors holds tensors only; {len(objects)} non-tensor entries were planned",
                 fix="Exclude them (the convert operation reports them as skipped).",
             )
+        unstorable = [e.name for e in plan if e.dtype and not dtypes.has_safetensors_code(e.dtype)]
+        if unstorable:
+            first = next(e for e in plan if e.name == unstorable[0])
+            raise FormatError(
+                f"safetensors has no dtype code for {first.dtype} (tensor {first.name!r}"
+                + (f" and {len(unstorable) - 1} more" if len(unstorable) > 1 else "")
+                + ")",
+                fix="Leave them out with --exclude, or convert to dcp or torch, which keep them.",
+            )
         self.metadata = dict(options.metadata)
         self.basename = options.basename or "model"
         self.groups = plan_shards(plan, options.max_shard_size, options.extra.get("together"))
@@ -891,6 +900,15 @@ class SafetensorsWriter(Writer):
         self._fh: Any = None
         self._shard = -1
         self._written: list[FileInfo] = []
+
+    def _shard_metadata(self, shard: int) -> dict[str, str]:
+        """The string metadata of one shard. A carried `DCP_SHARDING_INFO` (torch's
+        HuggingFaceStorageWriter output) is rewritten per shard for the tensors it holds, whole
+        tensors at offset 0, so torch's HuggingFaceStorageReader reads every output shard."""
+        if "DCP_SHARDING_INFO" not in self.metadata:
+            return self.metadata
+        info = {e.name: {"saved_offsets": [0] * len(e.shape)} for e in self.groups[shard]}
+        return {**self.metadata, "DCP_SHARDING_INFO": json.dumps(info)}
 
     @property
     def accepts_raw(self) -> bool:
@@ -930,7 +948,7 @@ class SafetensorsWriter(Writer):
         self._shard = shard
         # shards stay open across write calls: the writer streams one tensor at a time
         self._fh = open(self.staging / self.names[shard], "wb")
-        self._fh.write(encode_header(self.groups[shard], self.metadata))
+        self._fh.write(encode_header(self.groups[shard], self._shard_metadata(shard)))
 
     def _close_shard(self) -> None:
         if self._fh is None:

@@ -107,6 +107,26 @@ def _numpy_allowlist() -> list[Any]:
     return allow
 
 
+def _generator_allowlist() -> list[Any]:
+    """`torch.Generator`, which `torch.save` pickles as `Generator(device)` + its state tensor.
+
+    Rebuilding one only sets an RNG state (`Generator.__setstate__`); `dcp.load` restores such
+    objects, so ckpt's readers must too.
+    """
+    import torch
+
+    return [(torch.Generator, "torch._C.Generator")]
+
+
+def object_allowlist() -> list[Any]:
+    """What ckpt admits beyond torch's own weights_only set when loading saved objects.
+
+    The numpy array and dtype globals transformers and accelerate allow-list for RNG states,
+    and `torch.Generator`; nothing that can call arbitrary code. Shared by the DCP reader.
+    """
+    return [*_numpy_allowlist(), *_generator_allowlist()]
+
+
 #: classes DeepSpeed pickles into its checkpoints that only carry data (loss scaler settings,
 #: the ZeRO stage, parameter fragment addresses). They load as inert records: their pickled
 #: state is kept, their code is never imported or run. Without them no ZeRO optimizer file
@@ -182,7 +202,7 @@ def _safe_globals() -> Iterator[None]:
     import torch
 
     inert = [(cls, name) for name, cls in _INERT.items()]
-    with torch.serialization.safe_globals([*_numpy_allowlist(), *inert]):
+    with torch.serialization.safe_globals([*object_allowlist(), *inert]):
         yield
 
 
@@ -334,11 +354,11 @@ def _container_kind(obj: Any) -> str | None:
             return "odict" if isinstance(obj, OrderedDict) else "dict"
         return None
     # a list is a container of records (param_groups, optimizer_states) or of tensors; a list
-    # of numbers stays one value. Tuples are values (betas, RNG states) unless they hold tensors.
+    # of numbers stays one value. A tuple is always one value, even of tensors: that is
+    # dcp.save's rule (`_traverse.traverse_state_dict`), so a name means the same in every format
+    # and DCP -> torch -> DCP still loads into the original state dict.
     if type(obj) is list and obj and _holds(obj, dicts=True):
         return "list"
-    if type(obj) is tuple and obj and _holds(obj, dicts=False):
-        return "tuple"
     return None
 
 
@@ -624,6 +644,9 @@ class TorchFormat(Format):
             return True
         # a folder is a torch checkpoint when its one torch file is the model, not a side file
         # of another format's training folder (those are the layouts' business)
+        if ".metadata" in names and "common.pt" in names:
+            # Megatron-Core torch_dist: common.pt is the non-sharded half of that DCP
+            return False
         files = _torch_files(source)
         return len(files) == 1 and not any(n.endswith(".safetensors") for n in names)
 

@@ -225,6 +225,7 @@ def convert(
     renames: list[str] | None = None,
     select: str | None = None,
     dcp_serialization: str = "torch_save",
+    dcp_compression: str | None = None,
     world_size: int = 1,
     force: bool = False,
     dequantize: bool = False,
@@ -246,6 +247,7 @@ def convert(
         renames: `OLD=NEW` prefix renames.
         select: keep only the sub-tree under this prefix (`model`), stripping it.
         dcp_serialization: `torch_save` or `safetensors` (DCP target only).
+        dcp_compression: `zstd` writes every DCP item through DCP's ZStandard extension.
         world_size: ranks to lay a DCP output out for (DCP target only).
         force: replace an existing `dest` once the new output is complete.
         dequantize: write quantized weights (FP8, MXFP4, NVFP4) dequantized to `dtype` (or the
@@ -258,6 +260,12 @@ def convert(
     """
     if to not in TARGETS:
         raise UsageError(f"cannot convert to {to!r}", fix=f"Use --to {' | '.join(TARGETS)}.")
+    if dcp_compression not in (None, "none", "zstd"):
+        raise UsageError(
+            f"unknown DCP compression {dcp_compression!r}", fix="Use --dcp-compression zstd."
+        )
+    if dcp_compression not in (None, "none") and to != "dcp":
+        raise UsageError("--dcp-compression applies to --to dcp only")
     if dcp_serialization not in SERIALIZATIONS:
         raise UsageError(
             f"unknown DCP serialization {dcp_serialization!r}",
@@ -370,6 +378,7 @@ def convert(
             single_file=single_file,
             dcp_serialization=dcp_serialization,
             world_size=world_size,
+            extra={"dcp_compression": None if dcp_compression == "none" else dcp_compression},
         )
         if analysis.quantized and not dequantize:
             renamed = {i.source.name: i.target.name for i in plan.items}

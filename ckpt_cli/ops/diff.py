@@ -218,6 +218,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _values(t: torch.Tensor) -> torch.Tensor:
     import torch
 
+    if t.dtype == getattr(torch, "float4_e2m1fn_x2", None):
+        # packed 4-bit pairs have no conversion kernels: compare (and measure) the raw bytes
+        return t.view(torch.uint8).to(torch.float64)
     return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
 
 
@@ -281,6 +284,13 @@ def _raw_equal(ca: Checkpoint, cb: Checkpoint, ea: Entry, eb: Entry) -> bool:
 def _plain(value: Any) -> Any:
     if isinstance(value, io.BytesIO):
         return value.getvalue()
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ == "ndarray":
+        # arrays (numpy RNG states) compare by dtype, shape and bytes, not elementwise `==`
+        return ("numpy.ndarray", value.dtype.str, value.shape, value.tobytes())
+    if f"{kind.__module__}.{kind.__name__}" in ("torch.Generator", "torch._C.Generator"):
+        # a Generator compares by identity; its device and RNG state are what it holds
+        return ("torch.Generator", str(value.device), value.get_state())
     return value
 
 

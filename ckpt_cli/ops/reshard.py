@@ -360,7 +360,13 @@ def plan_world_size(
             continue
         itemsize = entry.nbytes // entry.numel if entry.numel else 0
         chunks = []
+        seen: set[tuple[int, ...]] = set()
         for rank, box in enumerate(shard_boxes(entry.shape, world_size, dim)):
+            # ranks past the end get empty boxes at the same offset; DCP keys chunks by
+            # offset, so (like dcp.save's plan dedup and our convert) only the first is kept
+            if box.offsets in seen:
+                continue
+            seen.add(box.offsets)
             chunks.append(rank_chunk(rank, box))
             load[rank] += box.numel * itemsize
         planned[entry.name] = entry.model_copy(
@@ -393,6 +399,7 @@ def reshard_world_size(
     rules: list[Rule] | None = None,
     rank_state_action: Literal["drop", "keep"] | None = None,
     serialization: str | None = None,
+    compression: str | None = None,
     format: str | None = None,
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
@@ -400,9 +407,15 @@ def reshard_world_size(
     extras: bool = True,
 ) -> ReshardReport:
     """Rewrite a DCP checkpoint as `world_size` ranks would have saved it (the folder's
-    config/tokenizer files copied beside it unless `extras=False`)."""
+    config/tokenizer files copied beside it unless `extras=False`).
+
+    `compression` (`zstd` or `none`) defaults to the source's when the serialization stays
+    torch_save: a zstd-compressed DCP is re-cut compressed.
+    """
     from .transfer import copy_files, extra_files
 
+    if compression not in (None, "none", "zstd"):
+        raise UsageError(f"--dcp-compression {compression!r} is not zstd or none")
     if world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
     rules = list(rules or [])
@@ -445,6 +458,14 @@ def reshard_world_size(
             drop,
         )
         chosen = serialization or str(manifest.details.get("serialization") or "torch_save")
+        if chosen not in ("torch_save", "safetensors"):
+            # HuggingFaceStorageWriter's per-rank files ("hf_safetensors") and mixed folders
+            # become a regular DCP that dcp.load reads
+            chosen = "torch_save"
+        if compression is None:
+            compression = (
+                "zstd" if manifest.details.get("compression") and chosen == "torch_save" else None
+            )
         if dry_run:
             return _planned_world_size(
                 manifest,
@@ -464,7 +485,10 @@ def reshard_world_size(
             world_size=world_size,
             dcp_serialization=chosen,
             # keeps the nested state-dict paths, so dcp.load of nested dicts still maps keys
-            extra={"dcp_planner_data": getattr(checkpoint, "planner_data", None)},
+            extra={
+                "dcp_planner_data": getattr(checkpoint, "planner_data", None),
+                "dcp_compression": None if compression == "none" else compression,
+            },
         )
         total = sum(e.nbytes for e in plan if e.kind == "tensor")
         workers = active()
@@ -707,6 +731,7 @@ def run_reshard(
     drop_rank_state: bool = False,
     keep_rank_state: bool = False,
     dcp_serialization: str | None = None,
+    dcp_compression: str | None = None,
     format: str | None = None,
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
@@ -741,6 +766,7 @@ def run_reshard(
                 ("--drop-rank-state", drop_rank_state),
                 ("--keep-rank-state", keep_rank_state),
                 ("--dcp-serialization", dcp_serialization is not None),
+                ("--dcp-compression", dcp_compression is not None),
             )
             if on
         ]
@@ -788,6 +814,7 @@ def run_reshard(
         rules=rules,
         rank_state_action=action,
         serialization=dcp_serialization,
+        compression=dcp_compression,
         format=format,
         force=force,
         progress=progress,

@@ -470,6 +470,11 @@ def extra_files(checkpoint: Checkpoint) -> list[str]:
     if source.target is not None:
         return []
     used = {f.path for f in checkpoint.manifest.files if f.entries}
+    if checkpoint.manifest.details.get("layout") == "megatron_torch_dist":
+        # Megatron's own metadata travels inside the output's entries: a copied
+        # `metadata.json` would make a plain DCP output look like a Megatron save without
+        # its `common.pt`
+        used.add("metadata.json")
     out = []
     for rel, size in sorted(source.files.items()):
         name = rel.rsplit("/", 1)[-1]

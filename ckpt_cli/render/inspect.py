@@ -209,6 +209,21 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
             highlight=False,
             soft_wrap=True,
         )
+    compression = report.details.get("compression")
+    if isinstance(compression, dict) and compression:
+        stdout.print(
+            "  compression: "
+            + ", ".join(f"{k} ({counted(int(v), 'item')})" for k, v in compression.items())
+        )
+    megatron = report.details.get("megatron")
+    if isinstance(megatron, dict):
+        backend = ", ".join(f"{k}={v}" for k, v in megatron.get("metadata", {}).items())
+        common = megatron.get("common", [])
+        stdout.print(
+            f"  Megatron-Core torch_dist: metadata.json {backend or 'missing'}; "
+            f"common.pt {counted(len(common), 'key')}"
+            + (f" ({', '.join(common[:8])}{', …' if len(common) > 8 else ''})" if common else "")
+        )
     render_training(report)
     render_quantization(report)
     if show_tensors:

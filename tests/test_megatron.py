@@ -1,0 +1,152 @@
+"""Megatron-Core `torch_dist` checkpoints (#20), written by megatron-core's own
+`dist_checkpointing.save` (tests/megatron_writer.py, one process with gloo on CPU) and judged
+by its own `dist_checkpointing.load` and by `dcp.load`."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .conftest import run_ckpt, run_ckpt_process
+from .dist_helpers import dcp_load_flat
+
+# find_spec, not importorskip: importing megatron.core registers torch safe globals
+# (argparse.Namespace...) process-wide, which would change what other tests' torch.load admits
+if (
+    importlib.util.find_spec("megatron") is None
+    or not (
+        Path(importlib.util.find_spec("megatron").submodule_search_locations[0]) / "core"  # type: ignore[index,union-attr]
+    ).is_dir()
+):
+    pytest.skip(
+        "megatron-core is not installed (pip install '.[frameworks]' brings it)",
+        allow_module_level=True,
+    )
+pytestmark = pytest.mark.frameworks
+
+WRITER = Path(__file__).with_name("megatron_writer.py")
+_PORTS = itertools.count(29700)
+
+
+def megatron(*args: str | Path) -> None:
+    """Run megatron_writer.py (save DIR | load DIR OUT.pt) in its own process."""
+    proc = subprocess.run(
+        [sys.executable, str(WRITER), *map(str, args), str(next(_PORTS))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A torch_dist checkpoint and what megatron's own load returns for it."""
+    root = tmp_path_factory.mktemp("megatron")
+    megatron("save", root / "ckpt")
+    megatron("load", root / "ckpt", root / "truth.pt")
+    return root / "ckpt", torch.load(root / "truth.pt", weights_only=True)
+
+
+def test_layout_is_recognised_without_format_and_shows_common_state(
+    saved: tuple[Path, dict[str, Any]],
+) -> None:
+    folder, truth = saved
+    assert sorted(p.name for p in folder.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__0_1.distcp",
+        "common.pt",
+        "metadata.json",
+    ]
+    result = run_ckpt("inspect", folder, "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json["result"]
+    assert report["format"] == "dcp"
+    details = report["details"]
+    assert details["layout"] == "megatron_torch_dist"
+    assert details["megatron"]["metadata"]["sharded_backend"] == "torch_dist"
+    entries = {e["name"]: e for e in report["entries"]}
+    tensors = {k: v for k, v in truth.items() if isinstance(v, torch.Tensor)}
+    for name, value in tensors.items():
+        assert entries[name]["dtype"] == str(value.dtype).removeprefix("torch.")
+        assert entries[name]["shape"] == list(value.shape)
+    assert entries["iteration"]["value"] == 7 and entries["args.lr"]["value"] == 0.1
+    assert entries["checkpoint_version"]["py_type"] == "float"
+    # human output names the layout; inspect stays torch-free in a real process
+    text = run_ckpt_process("inspect", folder, env={"CKPT_DEBUG": "1", "COLUMNS": "200"})
+    assert text.exit_code == 0 and "Megatron-Core torch_dist" in text.stdout
+
+
+def test_verify_good_and_damaged_copies(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    import shutil
+
+    folder, _ = saved
+    assert run_ckpt("verify", folder).exit_code == 0
+    assert run_ckpt("verify", folder, "--deep").exit_code == 0
+    no_common = shutil.copytree(folder, tmp_path / "no-common")
+    (no_common / "common.pt").unlink()
+    result = run_ckpt("verify", no_common, "-f", "dcp", "--json")
+    assert result.exit_code == 1
+    assert "megatron_missing_common" in {p["code"] for p in result.json["result"]["problems"]}
+    cut = shutil.copytree(folder, tmp_path / "cut")
+    data = (cut / "__0_1.distcp").read_bytes()
+    (cut / "__0_1.distcp").write_bytes(data[: len(data) // 2])
+    result = run_ckpt("verify", cut, "--json")
+    assert result.exit_code == 1
+    assert "dcp_truncated" in {p["code"] for p in result.json["result"]["problems"]}
+
+
+def test_convert_reshard_diff_are_bit_exact_against_megatrons_own_load(
+    saved: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    folder, truth = saved
+    tensors = {k: v for k, v in truth.items() if isinstance(v, torch.Tensor)}
+    as_torch = tmp_path / "model.pt"
+    assert run_ckpt("convert", folder, as_torch, "--to", "torch").exit_code == 0
+    loaded = torch.load(as_torch, weights_only=True)
+    for name, value in tensors.items():
+        assert torch.equal(loaded[name], value), name
+    assert loaded["iteration"] == 7 and (loaded["args.lr"], loaded["args.seed"]) == (0.1, 3)
+    for args in (["convert", "--to", "dcp"], ["reshard", "--world-size", "2"]):
+        out = tmp_path / args[0]
+        result = run_ckpt(args[0], folder, out, *args[1:])
+        assert result.exit_code == 0, result.stdout + result.stderr
+        template: dict[str, Any] = {k: torch.zeros_like(v) for k, v in tensors.items()}
+        template.update({"iteration": None, "args.lr": None})
+        got = dcp_load_flat(out, template)
+        for name, value in tensors.items():
+            assert torch.equal(got[name], value), name
+        assert got["iteration"] == 7 and got["args.lr"] == 0.1
+        diff = run_ckpt("diff", folder, out)
+        assert diff.exit_code == 0, diff.stdout + diff.stderr
+    diff = run_ckpt("diff", folder, as_torch)
+    assert diff.exit_code == 0, diff.stdout + diff.stderr
+
+
+def test_only_the_save_plan_classes_are_admitted(
+    saved: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A LoadPlan (never written by DCP) in `.metadata` is refused like any other global."""
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    folder, _ = saved
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    assert len(metadata.all_local_plans) == 1  # what megatron keeps: every rank's SavePlan
+    metadata.all_local_plans = [LoadPlan(items=[])]
+    (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    result = run_ckpt("inspect", copy)
+    assert result.exit_code == 4
+    assert "LoadPlan" in result.stderr and "not part of DCP metadata" in result.stderr
