@@ -43,6 +43,7 @@ def _state() -> dict[str, Any]:
         "step": 7,
         "name": "run-a",
         "history": [0.5, 0.25],
+        "pair": (torch.ones(2), torch.tensor([3], dtype=torch.int64)),  # one value, of tensors
     }
 
 
@@ -57,6 +58,7 @@ def test_convert_to_torch_streams_a_file_torch_loads_bit_exact(tmp_path: Path) -
         got = torch.load(out, weights_only=True, mmap=mmap)
         assert got.keys() == want.keys()
         assert (got["step"], got["name"], got["history"]) == (7, "run-a", [0.5, 0.25])
+        assert [_bits(t) for t in got["pair"]] == [_bits(t) for t in want["pair"]]
         assert got["model"].keys() == want["model"].keys()
         for key, tensor in want["model"].items():
             mine = got["model"][key]

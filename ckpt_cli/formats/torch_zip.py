@@ -66,9 +66,23 @@ class Reduced:
 
 
 class _Pickler(pickle.Pickler):
+    def __init__(self, file: IO[bytes], writer: TorchZipWriter):
+        super().__init__(file, protocol=PROTOCOL)
+        self._writer = writer
+
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) is StorageRef:
             return obj.pid
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        # a tensor inside an object entry (a tuple of tensors is one value) reached the
+        # pickle whole: write its storage now, as torch.save does
+        if isinstance(obj, torch.storage.TypedStorage):
+            kind = getattr(torch, obj._pickle_storage_type())
+            return self._writer._storage(obj._untyped_storage, kind, obj._size()).pid
+        if isinstance(obj, torch.UntypedStorage):
+            return self._writer._storage(obj, torch.UntypedStorage, obj.nbytes()).pid
         return None
 
 
@@ -148,7 +162,9 @@ class TorchZipWriter:
         """Pickle `obj` (tensors replaced by `add_tensor`'s results), write the small records
         and the zip directory. The caller flushes and fsyncs `fh`."""
         buf = io.BytesIO()
-        _Pickler(buf, protocol=PROTOCOL).dump(obj)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TypedStorage's deprecation notice
+            _Pickler(buf, self).dump(obj)
         data = buf.getbuffer()
         self._record("data.pkl", data, len(data))
         for name, text in (
