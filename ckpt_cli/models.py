@@ -75,6 +75,48 @@ class Entry(BaseModel):
         """True when the tensor is stored as one contiguous raw byte range (`file`, `offset`)."""
         return self.kind == "tensor" and self.offset is not None and self.file is not None
 
+    @classmethod
+    def trusted(
+        cls,
+        name: str,
+        dtype: str,
+        shape: list[int],
+        nbytes: int,
+        file: str,
+        offset: int,
+    ) -> Entry:
+        """A raw tensor entry from values a format parser has already checked, unvalidated.
+
+        The metadata paths build one entry per tensor (100,000 for a large checkpoint); even
+        `model_construct` costs ~18 µs each there, this ~5 µs. The result is an ordinary
+        `Entry` (equal to a validated one, dumps and copies the same).
+        """
+        entry = cls.__new__(cls)
+        setattr_ = object.__setattr__  # the model is frozen: bypass its __setattr__
+        setattr_(
+            entry,
+            "__dict__",
+            {
+                "name": name,
+                "kind": "tensor",
+                "dtype": dtype,
+                "shape": shape,
+                "nbytes": nbytes,
+                "file": file,
+                "offset": offset,
+                "chunks": None,
+                "py_type": None,
+                "value": None,
+            },
+        )
+        setattr_(entry, "__pydantic_fields_set__", set(_ENTRY_FIELDS))
+        setattr_(entry, "__pydantic_extra__", None)
+        setattr_(entry, "__pydantic_private__", None)
+        return entry
+
+
+_ENTRY_FIELDS = frozenset(Entry.model_fields)
+
 
 class FileInfo(BaseModel):
     """One file of a checkpoint, with its size on disk and how many entries it holds."""

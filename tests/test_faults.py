@@ -588,17 +588,17 @@ def test_ctrl_c_while_torch_save_writes_exits_130_cleanly(tmp_path: Path) -> Non
     dest = tmp_path / "out" / "big.pt"
     dest.parent.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    # slow each write of torch.save's zip writer so the signal lands inside torch.save
+    # slow each record of the torch.save zip writer so the signal lands inside the write
     script = textwrap.dedent(
         """
         import sys, time
-        import ckpt_cli.formats.torch_save as ts
+        import ckpt_cli.formats.torch_zip as tz
 
-        real = ts._RecordingWriter.write
-        def slow(self, data):
-            time.sleep(0.01)
-            return real(self, data)
-        ts._RecordingWriter.write = slow
+        real = tz.TorchZipWriter._record
+        def slow(self, name, data, nbytes):
+            time.sleep(0.5)
+            return real(self, name, data, nbytes)
+        tz.TorchZipWriter._record = slow
         from ckpt_cli.__main__ import entry
         sys.argv = ["ckpt", *sys.argv[1:]]
         entry()

@@ -213,3 +213,25 @@ def test_many_shards_inspect_reads_headers_only(tmp_path: Path) -> None:
     report = run_ckpt("inspect", tmp_path, "--json").json["result"]
     assert report["tensors"] == 20_000
     assert len(report["files"]) == 200
+
+
+def test_inspect_entries_built_unvalidated_equal_validated_ones(tmp_path: Path) -> None:
+    # the manifest's entries skip pydantic validation (`Entry.trusted`): they must be the
+    # same models a validated construction gives, dumps and copies included
+    from ckpt_cli import inspect as inspect_checkpoint
+    from ckpt_cli.models import Entry
+
+    save_file(
+        {"a": torch.zeros(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)},
+        tmp_path / "m.safetensors",
+    )
+    entries = inspect_checkpoint(str(tmp_path / "m.safetensors")).entries
+    assert [e.name for e in entries] == ["a", "b"]
+    for entry in entries:
+        validated = Entry.model_validate(entry.model_dump())
+        assert entry == validated
+        assert entry.model_dump_json() == validated.model_dump_json()
+        assert entry.model_fields_set == validated.model_fields_set
+        assert entry.model_copy(update={"name": "x"}).name == "x"
+    assert (entries[0].dtype, entries[0].shape, entries[0].nbytes) == ("float32", [2, 3], 24)
+    assert (entries[1].dtype, entries[1].numel, entries[1].is_raw) == ("bfloat16", 4, True)

@@ -70,6 +70,8 @@ class SafetensorsHeader:
         rejected: names of header entries that failed validation (only when collecting).
         unsupported: name -> dtype code of tensors whose dtype this tool does not know; a
             strict read leaves them out and goes on with the rest (`Manifest.details`).
+        tolerated: what a strict read found that readers tolerate (data gaps, trailing bytes),
+            as the collecting parse reports it.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class SafetensorsHeader:
         self.metadata = metadata
         self.rejected: set[str] = set()
         self.unsupported: dict[str, str] = {}
+        self.tolerated: list[Problem] = []
 
 
 class Findings:
@@ -265,6 +268,9 @@ def parse_header(
         )
     order = sorted(placed.items(), key=lambda kv: kv[1][2])
     previous_end, previous_name = 0, None
+    # flaws a reader tolerates (gaps, trailing bytes) are only reported when collecting, but
+    # a strict read notes them too, at no extra cost, so `inspect` need not parse again
+    tolerated = findings if findings.thorough else Findings(strict=False)
     for name, (_, _, begin, end) in order:
         if begin < previous_end:
             findings.add(
@@ -274,8 +280,8 @@ def parse_header(
                 tensor=name,
                 fix="The header is corrupt or hostile; do not use this file.",
             )
-        elif begin > previous_end and findings.thorough:
-            findings.add(
+        elif begin > previous_end:
+            tolerated.add(
                 "gap",
                 f"has {begin - previous_end} unused bytes before tensor {name!r} (bytes "
                 f"{previous_end}..{begin}); safetensors requires contiguous data",
@@ -285,8 +291,8 @@ def parse_header(
             )
         if end > previous_end:
             previous_end, previous_name = end, name
-    if findings.thorough and not rejected and previous_end < data_size:
-        findings.add(
+    if not rejected and previous_end < data_size:
+        tolerated.add(
             "trailing_bytes",
             f"has {data_size - previous_end} bytes after the last tensor's data (the header "
             f"accounts for {data_start + previous_end} of {size} bytes)",
@@ -298,6 +304,7 @@ def parse_header(
     )
     parsed.rejected = rejected
     parsed.unsupported = unsupported
+    parsed.tolerated = [] if tolerated is findings else tolerated.problems
     return parsed
 
 
@@ -704,17 +711,8 @@ class SafetensorsCheckpoint(Checkpoint):
                     )
                 seen.add(name)
                 entries.append(
-                    Entry.model_construct(
-                        name=name,
-                        kind="tensor",
-                        dtype=dtype,
-                        shape=shape,
-                        nbytes=end - begin,
-                        file=header.file,
-                        offset=header.data_start + begin,
-                        chunks=None,
-                        py_type=None,
-                        value=None,
+                    Entry.trusted(
+                        name, dtype, shape, end - begin, header.file, header.data_start + begin
                     )
                 )
             files.append(FileInfo(path=header.file, size=header.size, entries=len(header.tensors)))

@@ -21,7 +21,8 @@ once (one file held at a time).
 The writer saves one file (nesting rebuilt from key paths when entries came from a torch.save
 file and were not renamed, otherwise flat keys), or, with `max_shard_size`, Hugging Face style
 flat shards `pytorch_model-00001-of-00002.bin` plus `pytorch_model.bin.index.json`, written last.
-It holds at most one shard's tensors in memory.
+Each tensor is streamed into its file's zip container as it arrives (`torch_zip`): one tensor
+in memory at a time, whatever the file or shard size.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..models import Entry, FileInfo, Manifest, Problem
 from ..storage import Storage, StorageRangeFile
 from .base import Checkpoint, Format, Source, WriteOptions, Writer
 from .safetensors import find_index, plan_shards, read_index
+from .torch_zip import TorchZipWriter
 
 if TYPE_CHECKING:
     import torch
@@ -1014,32 +1016,14 @@ def _plain(value: Any, memo: dict[int, Any] | None = None) -> Any:
     return out
 
 
-class _RecordingWriter:
-    """A binary file for `torch.save` that remembers the first exception its `write` raised."""
-
-    def __init__(self, fh: IO[bytes]):
-        self._fh = fh
-        self.error: BaseException | None = None
-
-    def write(self, data: bytes) -> int:
-        try:
-            return self._fh.write(data)
-        except BaseException as exc:  # KeyboardInterrupt too: a signal lands in Python code
-            if self.error is None:
-                self.error = exc
-            raise
-
-    def flush(self) -> None:
-        self._fh.flush()
-
-
 class TorchWriter(Writer):
-    """torch.save, single file or Hugging Face shards; at most one shard in memory.
+    """torch.save, single file or Hugging Face shards; one tensor in memory at a time.
 
-    Entries may arrive in any order. Without `max_shard_size` everything is saved at `finish`
-    as one file whose nesting is rebuilt (see `rebuild`); with it, each shard is a flat
-    name -> value dict saved as soon as all its entries have arrived, and the index
-    `<basename>.bin.index.json` is written last.
+    Each tensor is streamed into its file's zip container as it arrives (`torch_zip`); only
+    a stand-in stays behind. Entries may arrive in any order. Without `max_shard_size` the
+    object is pickled at `finish` as one file whose nesting is rebuilt (see `rebuild`); with
+    it, each shard is a flat name -> value dict closed as soon as all its entries have
+    arrived, and the index `<basename>.bin.index.json` is written last.
     """
 
     def __init__(self, staging: Path, plan: list[Entry], options: WriteOptions):
@@ -1054,13 +1038,29 @@ class TorchWriter(Writer):
         self._pending: list[dict[str, Any]] = [{} for _ in self.groups]
         self._saved: set[int] = set()
         self._written: list[FileInfo] = []
+        self._open: dict[int, tuple[IO[bytes], TorchZipWriter]] = {}
 
     @property
     def accepts_objects(self) -> bool:
         return True
 
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        self._put(name, _own_storage(tensor))
+        shard = self._where.get(name)
+        if shard is None:
+            raise RuntimeError(f"writer got {name!r}, which is not in the plan")
+        if name in self._pending[shard] or shard in self._saved:
+            raise RuntimeError(f"writer got {name!r} twice")
+        self._put(name, self._zip(shard).add_tensor(_own_storage(tensor)))
+
+    def _zip(self, shard: int) -> TorchZipWriter:
+        """The open container of output file `shard` (opened at its first tensor)."""
+        opened = self._open.get(shard)
+        if opened is None:
+            fname = self.names[shard]
+            fh = open(self.staging / fname, "wb")  # closed in _save_file
+            # torch names the archive folder after the file, as `torch.save(obj, path)` does
+            opened = self._open[shard] = (fh, TorchZipWriter(fh, fname.rsplit(".", 1)[0]))
+        return opened[1]
 
     def write_object(self, name: str, value: Any) -> None:
         self._put(name, _plain(value))
@@ -1075,29 +1075,25 @@ class TorchWriter(Writer):
         if len(self.groups) > 1 and len(self._pending[shard]) == len(self.groups[shard]):
             self._save_shard(shard)
 
-    def _save_file(self, fname: str, obj: Any, entries: int) -> None:
-        import torch
-
-        path = self.staging / fname
-        with open(path, "wb") as fh:
-            out = _RecordingWriter(fh)
-            try:
-                torch.save(obj, out)  # type: ignore[arg-type]
-            except Exception:
-                # torch's C++ zip writer turns what our write() raised (ENOSPC, EIO, Ctrl-C)
-                # into "unexpected pos": raise the real error instead
-                if out.error is not None:
-                    raise out.error from None
-                raise
+    def _save_file(self, shard: int, obj: Any, entries: int) -> None:
+        """Pickle `obj` (tensors already streamed) into file `shard`, close and fsync it."""
+        fname = self.names[shard]
+        fh, container = self._open.pop(shard, None) or (None, None)
+        if fh is None or container is None:  # a file of objects only
+            fh = open(self.staging / fname, "wb")  # closed below
+            container = TorchZipWriter(fh, fname.rsplit(".", 1)[0])
+        with fh:
+            container.finish(obj)
             fh.flush()
             os.fsync(fh.fileno())
-        self._written.append(FileInfo(path=fname, size=path.stat().st_size, entries=entries))
+        size = (self.staging / fname).stat().st_size
+        self._written.append(FileInfo(path=fname, size=size, entries=entries))
 
     def _save_shard(self, shard: int) -> None:
         values = self._pending[shard]
         # shards are flat name -> value dicts, in plan order, as transformers writes them
         ordered = {e.name: values[e.name] for e in self.groups[shard]}
-        self._save_file(self.names[shard], ordered, len(ordered))
+        self._save_file(shard, ordered, len(ordered))
         self._pending[shard] = {}
         self._saved.add(shard)
 
@@ -1116,7 +1112,7 @@ class TorchWriter(Writer):
         if len(self.groups) == 1:
             values = self._pending[0]
             items = [(self._entries[e.name], values[e.name]) for e in self.plan]
-            self._save_file(self.names[0], rebuild(items), len(items))
+            self._save_file(0, rebuild(items), len(items))
             self._pending[0] = {}
             return self._written
         for shard in range(len(self.groups)):

@@ -1,0 +1,120 @@
+"""Streamed torch.save output against `torch.save` itself. Run by hand, not in tests.
+
+    PYTHONPATH=. python bench/bench_torch_save.py [WORKDIR] [--gb 1.0] [--repeat 2]
+
+Builds a safetensors model of float32 tensors (largest 64 MiB) and converts it to one
+torch.save file two ways, each in a fresh process with `sync` before it, wall time and peak
+RSS from `/usr/bin/time`:
+
+- `ckpt convert model.safetensors out.pt --to torch` (streams each tensor into the zip
+  container, fsyncs the file);
+- `safetensors.torch.load_file` + `torch.save` of the loaded dict (what users write; holds the
+  whole model, does not fsync: `sync` is timed after it for the durable figure).
+
+Both outputs are loaded with `torch.load(weights_only=True)` and compared bit for bit.
+Prints a Markdown table and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+ENV = dict(os.environ, PYTHONPATH=str(REPO))
+
+MAKE = """
+import sys, torch
+from safetensors.torch import save_file
+total, largest = int(float(sys.argv[2]) * 2**30), 64 << 20
+gen = torch.Generator().manual_seed(0)
+state, i, left = {}, 0, total
+while left > 0:
+    n = min(largest if i % 2 == 0 else largest // 4, left)
+    state[f"model.layers.{i}.weight"] = torch.randn(n // 4 // 1024, 1024, generator=gen)
+    left -= n; i += 1
+save_file(state, sys.argv[1])
+"""
+
+BASELINE = """
+import sys, torch
+from safetensors.torch import load_file
+torch.save(load_file(sys.argv[1]), sys.argv[2])
+"""
+
+SAME = """
+import sys, torch
+a = torch.load(sys.argv[1], weights_only=True, mmap=True)
+b = torch.load(sys.argv[2], weights_only=True, mmap=True)
+assert a.keys() == b.keys()
+for k in a:
+    assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
+"""
+
+
+def measure(cmd: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS in MiB) of one command, started with no dirty pages pending."""
+    subprocess.run(["sync"], check=True)
+    out = subprocess.run(
+        ["/usr/bin/time", "-f", "%e %M", *cmd],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"{cmd} failed:\n{out.stderr[-2000:]}")
+    seconds, kib = out.stderr.strip().splitlines()[-1].split()
+    return float(seconds), int(kib) / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workdir", nargs="?", type=Path, default=Path("build/bench-torch-save"))
+    parser.add_argument("--gb", type=float, default=1.0)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    work: Path = args.workdir.absolute()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    src = work / "model.safetensors"
+    subprocess.run([PY, "-c", MAKE, str(src), str(args.gb)], env=ENV, check=True)
+    ours, theirs, theirs_sync = [], [], []
+    for i in range(args.repeat):
+        out = work / f"ckpt{i}.pt"
+        ours.append(measure([PY, "-m", "ckpt_cli", "convert", str(src), str(out), "--to", "torch"]))
+        base = work / f"base{i}.pt"
+        theirs.append(measure([PY, "-c", BASELINE, str(src), str(base)]))
+        sync_s, _ = measure(["sync"])
+        theirs_sync.append((theirs[-1][0] + sync_s, theirs[-1][1]))
+        subprocess.run([PY, "-c", SAME, str(out), str(base)], env=ENV, check=True)
+        out.unlink()
+        base.unlink()
+    best = min(t for t, _ in ours), max(r for _, r in ours)
+    base_best = min(t for t, _ in theirs), max(r for _, r in theirs)
+    base_sync = min(t for t, _ in theirs_sync)
+    size = src.stat().st_size
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; best of {args.repeat}")
+    print("| safetensors → one torch.save file | wall | peak RSS |\n|---|---|---|")
+    print(
+        f"| {size / 1e9:.2f} GB, largest tensor 64 MiB: `ckpt convert --to torch` (fsynced) "
+        f"| {best[0]:.2f} s | {best[1]:.0f} MiB |"
+    )
+    print(
+        f"| `load_file` + `torch.save` | {base_best[0]:.2f} s ({base_sync:.2f} s with `sync`) "
+        f"| {base_best[1]:.0f} MiB |"
+    )
+    print(
+        f"| ratio | {base_sync / best[0]:.2f}× the speed of save + sync "
+        f"| **{best[1] / base_best[1]:.2f}× the peak RSS** |"
+    )
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

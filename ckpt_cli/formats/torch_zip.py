@@ -1,0 +1,179 @@
+"""A streamed writer of the torch.save zip container: one tensor's bytes in memory at a time.
+
+`torch.save(obj, f)` needs the whole object, so saving a checkpoint that way holds every tensor
+at once. The container itself does not need that: it is a zip (stored, not compressed) of
+
+- `<archive>/data/<key>`: the raw bytes of each storage, its data 64-byte aligned in the file
+  (what `torch.load(mmap=True)` maps),
+- `<archive>/data.pkl`: the pickle of the object, where each storage is a persistent id
+  `("storage", <torch.XStorage>, key, "cpu", numel)` and each tensor the reduction torch itself
+  gives (`torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`),
+- `.format_version` ("1"), `.storage_alignment` ("64"), `byteorder`, `version` ("3\\n").
+
+`TorchZipWriter.add_tensor` streams a tensor's storage into the zip as soon as it arrives and
+returns a small stand-in that pickles as that tensor; `finish(obj)` pickles the object the
+stand-ins sit in, last. `torch.load` finds records by name, so their order does not matter.
+Tensors that share one storage (tied weights) are written once while that storage is alive.
+The `.data/serialization_id` record torch 2.x adds is left out: no reader needs it, and
+without it the same input gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import sys
+import warnings
+import weakref
+import zipfile
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+#: what `torch.save` aligns storage data to (torch.serialization._get_storage_alignment)
+ALIGNMENT = 64
+#: the pickle protocol torch.save uses by default
+PROTOCOL = 2
+#: bytes handed to the zip (and its CRC) per write
+_CHUNK = 16 << 20
+#: fixed timestamp, as torch's own writer stores, so equal inputs give equal files
+_DATE = (1980, 1, 1, 0, 0, 0)
+
+
+class StorageRef:
+    """A storage already written to the zip: pickles as torch's persistent id for it."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, storage_type: Any, key: str, numel: int):
+        self.pid = ("storage", storage_type, key, "cpu", numel)
+
+
+class Reduced:
+    """A tensor whose storage was written: pickles exactly as torch pickles that tensor."""
+
+    __slots__ = ("args", "func")
+
+    def __init__(self, func: Callable[..., Any], args: tuple[Any, ...]):
+        self.func = func
+        self.args = args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.func, self.args)
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: IO[bytes], writer: TorchZipWriter):
+        super().__init__(file, protocol=PROTOCOL)
+        self._writer = writer
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is StorageRef:
+            return obj.pid
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        # a tensor inside an object entry (a tuple of tensors is one value) reached the
+        # pickle whole: write its storage now, as torch.save does
+        if isinstance(obj, torch.storage.TypedStorage):
+            kind = getattr(torch, obj._pickle_storage_type())
+            return self._writer._storage(obj._untyped_storage, kind, obj._size()).pid
+        if isinstance(obj, torch.UntypedStorage):
+            return self._writer._storage(obj, torch.UntypedStorage, obj.nbytes()).pid
+        return None
+
+
+class TorchZipWriter:
+    """Write one torch.save file to `fh` (a seekable binary file), tensor by tensor.
+
+    Usage: `ref = w.add_tensor(t)` for each tensor (drop `t` afterwards), build the object
+    with the refs in place of the tensors, then `w.finish(obj)`.
+    """
+
+    def __init__(self, fh: IO[bytes], archive: str = "archive"):
+        self._fh = fh
+        self._zip = zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+        self._prefix = archive + "/"
+        # StorageImpl address -> (key, storage type, weak reference to the storage): a live
+        # storage seen again is shared; a dead one's address may be reused, so it is not
+        self._keys: dict[int, tuple[str, Any, weakref.ref[Any]]] = {}
+        self._count = 0
+
+    def _record(self, name: str, data: Any, nbytes: int) -> None:
+        """One stored zip entry whose data starts at a multiple of ALIGNMENT in the file."""
+        info = zipfile.ZipInfo(self._prefix + name, date_time=_DATE)
+        info.compress_type = zipfile.ZIP_STORED
+        info.file_size = nbytes
+        zip64 = nbytes * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own rule, decided here
+        # local header: 30 bytes + name + extra (+ the 20-byte zip64 field zipfile adds);
+        # pad with an extra field ("FB", torch's padding id) so the data lands aligned
+        start = self._fh.tell() + 30 + len(info.filename.encode()) + (20 if zip64 else 0)
+        pad = -(start + 4) % ALIGNMENT
+        info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        with self._zip.open(info, "w", force_zip64=zip64) as out:
+            view = memoryview(data).cast("B")
+            for begin in range(0, nbytes, _CHUNK):
+                out.write(view[begin : begin + _CHUNK])
+
+    def add_tensor(self, tensor: torch.Tensor) -> Reduced:
+        """Write `tensor`'s storage (once per live storage) and return what pickles as it."""
+        return self._reduce(tensor)
+
+    def _reduce(self, tensor: torch.Tensor) -> Reduced:
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TypedStorage's deprecation notice
+            func, args = tensor.__reduce_ex__(PROTOCOL)[:2]
+            out: list[Any] = []
+            for arg in args:
+                if isinstance(arg, torch.storage.TypedStorage):
+                    kind = getattr(torch, arg._pickle_storage_type())
+                    out.append(self._storage(arg._untyped_storage, kind, arg._size()))
+                elif isinstance(arg, torch.UntypedStorage):
+                    # dtypes without a typed storage class (uint16, float8...): _rebuild_tensor_v3
+                    out.append(self._storage(arg, torch.UntypedStorage, arg.nbytes()))
+                elif isinstance(arg, torch.Tensor):
+                    out.append(self._reduce(arg))  # nn.Parameter wraps its data tensor
+                else:
+                    out.append(arg)
+        return Reduced(func, tuple(out))
+
+    def _storage(self, untyped: Any, storage_type: Any, numel: int) -> StorageRef:
+        import torch
+
+        if untyped.device.type != "cpu":
+            raise ValueError("TorchZipWriter writes CPU tensors only")
+        known = self._keys.get(untyped._cdata)
+        if known is not None and known[2]() is untyped and known[1] is storage_type:
+            return StorageRef(storage_type, known[0], numel)
+        key = str(self._count)
+        self._count += 1
+        nbytes = untyped.nbytes()
+        raw = torch.empty(0, dtype=torch.uint8).set_(untyped) if nbytes else b""
+        self._record(f"data/{key}", raw.numpy() if nbytes else raw, nbytes)  # type: ignore[union-attr]
+        self._keys[untyped._cdata] = (key, storage_type, weakref.ref(untyped))
+        return StorageRef(storage_type, key, numel)
+
+    def finish(self, obj: Any) -> None:
+        """Pickle `obj` (tensors replaced by `add_tensor`'s results), write the small records
+        and the zip directory. The caller flushes and fsyncs `fh`."""
+        buf = io.BytesIO()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TypedStorage's deprecation notice
+            _Pickler(buf, self).dump(obj)
+        data = buf.getbuffer()
+        self._record("data.pkl", data, len(data))
+        for name, text in (
+            (".format_version", "1"),
+            (".storage_alignment", str(ALIGNMENT)),
+            ("byteorder", sys.byteorder),
+            ("version", "3\n"),
+        ):
+            raw = text.encode()
+            self._record(name, raw, len(raw))
+        self._keys.clear()
+        self._zip.close()
