@@ -23,9 +23,9 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import FormatError, NotFoundError
-from .formats.base import Checkpoint, Source
-from .models import Entry, Manifest, Problem
+from ..errors import FormatError, NotFoundError
+from ..formats.base import Checkpoint, Source
+from ..models import Entry, Manifest, Problem
 
 if TYPE_CHECKING:
     import torch
@@ -165,7 +165,7 @@ class ZeroWeights(Checkpoint):
 
 
 def _nbytes(param: _Param) -> int:
-    from . import dtypes
+    from .. import dtypes
 
     return math.prod(param.shape) * dtypes.itemsize(param.dtype)
 

@@ -12,7 +12,7 @@ Layouts recognised (from file names, then from the keys of the loaded objects):
 | `accelerate` | `Accelerator.save_state` folders: `model.safetensors`, `optimizer.bin`, `scheduler.bin`, `sampler.bin`, `random_states_N.pkl`, `custom_checkpoint_N.pkl` |
 | `deepspeed` | `global_stepN/` (`mp_rank_00_model_states.pt`, `*_optim_states.pt`), or its parent with `latest` |
 | `torchtitan` | DCP folders with `optimizer.` / `lr_scheduler.` / `dataloader.` / `train_state.` keys beside the model's top-level keys (0.3), or `model.` (older) |
-| `diffusers-pipeline` / `sentence-transformers` | `model_index.json` / `modules.json` folders: one composite of their components (`ckpt_cli.model_layouts`) |
+| `diffusers-pipeline` / `sentence-transformers` | `model_index.json` / `modules.json` folders: one composite of their components (`ckpt_cli.layouts.model_folders`) |
 | `lightning` | a Lightning `.ckpt`: `state_dict`, `optimizer_states`, `lr_schedulers`, `epoch`, `global_step`, `loops` |
 | `torch-dict` | a torch.save dict with model / optimizer / scheduler / step / rng keys |
 
@@ -35,14 +35,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import CkptError, FormatError, NotFoundError
-from .formats import get_format, open_checkpoint, resolve_source
-from .formats.base import Checkpoint, Source
-from .formats.safetensors import INDEX_SUFFIX
-from .model_layouts import LayoutInfo
-from .models import Entry, FileInfo, Manifest, OptimizerState, Problem, TrainingState
-from .storage import safe_relpath
-from .uri import parse_location
+from ..errors import CkptError, FormatError, NotFoundError
+from ..formats import get_format, open_checkpoint, resolve_source
+from ..formats.base import Checkpoint, Source
+from ..formats.safetensors import INDEX_SUFFIX
+from ..models import Entry, FileInfo, Manifest, OptimizerState, Problem, TrainingState
+from ..storage import safe_relpath
+from ..uri import parse_location
+from .model_folders import LayoutInfo
 
 if TYPE_CHECKING:
     import torch
@@ -141,7 +141,7 @@ def _flatten_json(doc: dict[str, Any]) -> Iterator[tuple[tuple[tuple[str, Any], 
 def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
     """A JSON file (`trainer_state.json`) as object entries, flattened like a torch.save dict
     (`log_history.0.loss`), each entry remembering its key path for the torch writer."""
-    from .formats.torch_save import TorchEntry
+    from ..formats.torch_save import TorchEntry
 
     where = source.storage.describe(rel)
     try:
@@ -202,7 +202,7 @@ class CompositeCheckpoint(Checkpoint):
         subfolders: dict[str, str] | None = None,
         wrappers: dict[str, str] | None = None,
     ):
-        from .formats.torch_save import TorchEntry
+        from ..formats.torch_save import TorchEntry
 
         subfolders = subfolders or {}
         wrappers = wrappers or {}
@@ -505,7 +505,7 @@ def _trainer_missing(source: Source, folder: _Folder) -> list[Problem]:
     missing = [n for n in _TRAINER_STATE_FILES if not folder.has(n)]
     if not missing:
         return []
-    from .runs import SLIM_RECORD
+    from ..runs import SLIM_RECORD
 
     if folder.has(SLIM_RECORD):
         return []  # `ckpt prune --slim-older-than` removed them on purpose: a weights-only save
@@ -703,7 +703,7 @@ def _components(source: Source) -> OpenedSource | None:
     `unet/diffusion_pytorch_model.safetensors`); weightless ones (schedulers, tokenizers,
     pooling) are listed. The layout block reports every component with its totals.
     """
-    from .model_layouts import ComponentInfo, multi_folder
+    from .model_folders import ComponentInfo, multi_folder
 
     found = multi_folder(source)
     if found is None:
@@ -1258,7 +1258,7 @@ def open_source(src: str, format: str | None = None) -> OpenedSource:
         layout = describe_model_folder(source)
     checkpoint = open_checkpoint(src, format)
     if checkpoint.manifest.format == "gguf":
-        from .model_layouts import gguf_info
+        from .model_folders import gguf_info
 
         layout = gguf_info(checkpoint.manifest)
     if checkpoint.manifest.format not in ("torch", "dcp"):
@@ -1268,7 +1268,7 @@ def open_source(src: str, format: str | None = None) -> OpenedSource:
 
 def describe_model_folder(source: Source) -> LayoutInfo | None:
     """The library layout of a local or remote model folder (PEFT...), from its JSON files."""
-    from .model_layouts import peft_info
+    from .model_folders import peft_info
 
     if source.target is not None:
         return None
@@ -1290,7 +1290,7 @@ def check_source(src: str, format: str | None = None) -> list[Problem]:
         source = resolve_source(src)
         opened = _open_layout(source) if format is None else None
         if opened is None:
-            from .formats import detect_format
+            from ..formats import detect_format
 
             name = format or detect_format(source)
             return list(get_format(name).check(source))
