@@ -194,6 +194,9 @@ def zero_partitions(
 ) -> ZeroLayout | None:
     """The ZeRO partitions of a DeepSpeed tag folder, or None when it is not a ZeRO save.
 
+    Complexity 24: one pass (sort files by rank, infer the stage, list the expected partitions,
+    rebuild) whose early returns each mean "report, do not rebuild"; moved unchanged from zero.py.
+
     Args:
         source: the run folder (or tag folder).
         base: the tag folder's prefix inside `source` (`global_step2/`, or empty).
