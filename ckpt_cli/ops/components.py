@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..formats import resolve_source
-from ..model_layouts import Component, multi_folder
+from ..layouts.model_folders import Component, multi_folder
 from ..models import FileInfo
 from ..output import RemoteDest, resolve_destination, staged_output
 

@@ -389,7 +389,7 @@ def convert(
             ]
         if not single_file and to in ("safetensors", "torch") and format is None:
             # keep the source library's file names (adapter_model, diffusion_pytorch_model...)
-            from ..model_layouts import apply_naming
+            from ..layouts.model_folders import apply_naming
 
             apply_naming(src, to, options)
         shares: list[RankShare] = []

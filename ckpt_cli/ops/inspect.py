@@ -12,7 +12,7 @@ from ..dtypes import FLOATING
 from ..errors import NotFoundError
 from ..formats.base import Checkpoint
 from ..layouts import open_source
-from ..model_layouts import LayoutInfo
+from ..layouts.model_folders import LayoutInfo
 from ..models import Entry, FileInfo, Manifest, Problem, TrainingState
 from ..quant import QuantSummary
 from ..runs import RunReport

@@ -26,7 +26,7 @@ from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import open_checkpoint, resolve_source
 from ..formats.base import Checkpoint, WriteOptions
 from ..formats.safetensors import INDEX_SUFFIX
-from ..model_layouts import read_json
+from ..layouts.model_folders import read_json
 from ..models import Entry, FileInfo
 from ..output import Destination, RemoteDest, resolve_destination, staged_output
 from ..progress import NULL_PROGRESS, Progress

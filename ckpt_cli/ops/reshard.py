@@ -228,7 +228,7 @@ def reshard_shard_size(
             options.extra["together"] = analysis.together()
         if format is None:
             # keep the source library's file names and companions (PEFT, diffusers variants)
-            from ..model_layouts import apply_naming
+            from ..layouts.model_folders import apply_naming
 
             apply_naming(src, manifest.format, options)
         shares: list[RankShare] = []

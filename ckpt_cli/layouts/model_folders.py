@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from .formats.base import Source
+from ..formats.base import Source
 
 #: JSON files read here are small; anything larger is not the file we think it is
 MAX_JSON = 4 << 20
@@ -212,7 +212,7 @@ def apply_naming(src: str, to: str, options: Any) -> Naming | None:
     library spells it differently, and the bytes of the companions (small JSON files) to publish
     with the weights. Returns the naming applied, None when the default names are right.
     """
-    from .formats import resolve_source
+    from ..formats import resolve_source
 
     source = resolve_source(src)
     if source.target is not None:

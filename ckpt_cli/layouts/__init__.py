@@ -1,0 +1,166 @@
+"""Open any SRC: a plain checkpoint of one format, or a training layout built on top of them.
+
+`open_source` is what inspect, verify, convert and diff call. It returns the checkpoint to read
+entries from and, when the source is (or contains) a resumable training checkpoint, the
+`TrainingState` describing it.
+
+Layouts recognised (from file names, then from the keys of the loaded objects):
+
+| layout | what it is |
+|---|---|
+| `hf-trainer` | Hugging Face Trainer `checkpoint-N/`: model weights, `optimizer.pt`, `scheduler.pt`, `rng_state*.pth`, `trainer_state.json`, `training_args.bin` |
+| `accelerate` | `Accelerator.save_state` folders: `model.safetensors`, `optimizer.bin`, `scheduler.bin`, `sampler.bin`, `random_states_N.pkl`, `custom_checkpoint_N.pkl` |
+| `deepspeed` | `global_stepN/` (`mp_rank_00_model_states.pt`, `*_optim_states.pt`), or its parent with `latest` |
+| `torchtitan` | DCP folders with `optimizer.` / `lr_scheduler.` / `dataloader.` / `train_state.` keys beside the model's top-level keys (0.3), or `model.` (older) |
+| `diffusers-pipeline` / `sentence-transformers` | `model_index.json` / `modules.json` folders: one composite of their components (`ckpt_cli.layouts.model_folders`) |
+| `lightning` | a Lightning `.ckpt`: `state_dict`, `optimizer_states`, `lr_schedulers`, `epoch`, `global_step`, `loops` |
+| `torch-dict` | a torch.save dict with model / optimizer / scheduler / step / rng keys |
+
+Composite naming: a folder of several files opens as one `CompositeCheckpoint` whose entry
+names are `<component>.<name inside the component>`: `model.lm_head.weight`,
+`optimizer.state.0.exp_avg`, `scheduler.last_epoch`, `rng.python`, `trainer_state.global_step`.
+This is the very naming a flattened `torch.save({"model": ..., "optimizer": ...})` dict and a
+torchtitan DCP checkpoint already have, so `diff` lines a Trainer folder up with a plain torch
+dict, and `convert --select model` extracts the weights of any of them. `TrainingState.prefixes`
+gives each component's prefix (`state_dict.` for the weights inside a Lightning file).
+
+Package layout: `base` declares the `Layout` protocol (cheap `recognise`, `open`, step naming,
+completeness) and `OpenedSource`; one module per folder layout (`trainer`, `accelerate`,
+`deepspeed` with its ZeRO rebuild in `zero`, `multi_folder`) registered in `FOLDER_LAYOUTS`;
+the single-checkpoint layouts (`torch_dict`, `lightning`, `torchtitan`) read the keys of one
+opened checkpoint; `composite` builds the one-checkpoint view of a folder; `training` holds the
+optimizer / scheduler / RNG / data-loader analysis and the resumable / exact verdict;
+`model_folders` the PEFT / diffusers / sentence-transformers / GGUF descriptions.
+"""
+
+from __future__ import annotations
+
+from ..errors import CkptError
+from ..formats import get_format, open_checkpoint, resolve_source
+from ..formats.base import Source
+from ..models import Problem
+from .accelerate import Accelerate
+from .base import REQUIRED, Layout, OpenedSource
+from .composite import CompositeCheckpoint, ObjectsCheckpoint, subfolder_source
+from .deepspeed import DeepSpeed
+from .model_folders import LayoutInfo
+from .multi_folder import MultiFolder
+from .torch_dict import analyse_single
+from .torchtitan import select_view
+from .trainer import Trainer
+from .training import component_problems, training_checks
+
+__all__ = [
+    "FOLDER_LAYOUTS",
+    "REQUIRED",
+    "CompositeCheckpoint",
+    "Layout",
+    "ObjectsCheckpoint",
+    "OpenedSource",
+    "analyse_single",
+    "check_source",
+    "component_problems",
+    "describe_model_folder",
+    "open_source",
+    "recognise_layout",
+    "select_view",
+    "subfolder_source",
+    "training_checks",
+]
+
+#: the folder layouts `open_source` tries, in order: DeepSpeed first (its `latest` parent holds
+#: other tools' files), the multi-folder model layouts last (they hold no training state)
+FOLDER_LAYOUTS: tuple[Layout, ...] = (DeepSpeed(), Trainer(), Accelerate(), MultiFolder())
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _open_layout(source: Source) -> OpenedSource | None:
+    """The training folder layout of a local or object-store folder, if it is one (DCP folders
+    excepted). The Hub is read as a model repository (its own adapter), never as a run folder."""
+    if source.target is not None or source.location.kind == "hf":
+        return None
+    if ".metadata" in set(source.top_level()):
+        return None
+    for layout in FOLDER_LAYOUTS:
+        if layout.recognise(source):
+            opened = layout.open(source)
+            if opened is not None:
+                return opened
+    return None
+
+
+def open_source(src: str, format: str | None = None) -> OpenedSource:
+    """Open `src` (local path or URL), recognising training layouts unless `format` is given.
+
+    With `format`, the source is read as that format alone; a torch.save or DCP training dict
+    still gets its training state (it is the same single checkpoint).
+    """
+    layout: LayoutInfo | None = None
+    if format is None:
+        source = resolve_source(src)
+        opened = _open_layout(source)
+        if opened is not None:
+            return opened
+        layout = describe_model_folder(source)
+    checkpoint = open_checkpoint(src, format)
+    if checkpoint.manifest.format == "gguf":
+        from .model_folders import gguf_info
+
+        layout = gguf_info(checkpoint.manifest)
+    if checkpoint.manifest.format not in ("torch", "dcp"):
+        return OpenedSource(checkpoint=checkpoint, layout=layout)
+    return OpenedSource(checkpoint=checkpoint, training=analyse_single(checkpoint), layout=layout)
+
+
+def describe_model_folder(source: Source) -> LayoutInfo | None:
+    """The library layout of a local or remote model folder (PEFT...), from its JSON files."""
+    from .model_folders import peft_info
+
+    if source.target is not None:
+        return None
+    return peft_info(source)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_source(src: str, format: str | None = None) -> list[Problem]:
+    """Structural problems of any SRC, training folders included (what plain `verify` runs).
+
+    A training folder gets its format's `check` on every component (the model's index against
+    its shards, every torch file loading with weights_only...) plus the components that could
+    not be read; anything else gets its format's `check`. Sources that cannot be opened at all
+    (a `latest` naming a missing tag) become one problem.
+    """
+    try:
+        source = resolve_source(src)
+        opened = _open_layout(source) if format is None else None
+        if opened is None:
+            from ..formats import detect_format
+
+            name = format or detect_format(source)
+            return list(get_format(name).check(source))
+    except CkptError as error:
+        return [Problem(code=error.code, message=error.message, file=error.path or src)]
+    problems = component_problems(opened)
+    with opened.checkpoint:
+        for rel, fmt in opened.parts.values():
+            if fmt == "json":
+                continue
+            if rel.endswith("/"):
+                part = subfolder_source(source, rel.rstrip("/"))
+            else:
+                part = Source(location=source.location, storage=source.storage, target=rel)
+            problems.extend(get_format(fmt).check(part))
+    return problems
+
+
+def recognise_layout(source: Source) -> OpenedSource | None:
+    """The training layout of a local folder when it is one, else None (cheap: names first).
+
+    Unlike `open_source`, nothing else is opened, so a caller can still run a format's `check`
+    on a broken plain checkpoint (what `verify` does).
+    """
+    return _open_layout(source)

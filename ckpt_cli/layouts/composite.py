@@ -1,0 +1,415 @@
+"""Composite checkpoints: the components of a training folder read as one.
+
+Entry names are `<component>.<name inside the component>` (see `ckpt_cli.layouts`).
+`Folder` opens the components of one folder and collects what cannot be read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CkptError, FormatError, NotFoundError
+from ..formats import get_format
+from ..formats.base import Checkpoint, Source
+from ..formats.safetensors import INDEX_SUFFIX
+from ..models import Entry, FileInfo, Manifest, Problem, TrainingState
+from ..uri import parse_location
+from .base import OpenedSource
+from .training import verdict
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ObjectsCheckpoint(Checkpoint):
+    """Non-tensor entries held in memory (a JSON file's values).
+
+    Attributes:
+        values: the document's top-level keys and their values, as parsed.
+        leaves: entry name -> value (the flattened leaves `read_object` returns); defaults to
+            `values`.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        manifest: Manifest,
+        values: dict[str, Any],
+        leaves: dict[str, Any] | None = None,
+    ):
+        super().__init__(source, manifest)
+        self.values = values
+        self.leaves = values if leaves is None else leaves
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        raise FormatError(f"entry {name!r} is not a tensor", path=self.manifest.location)
+
+    def read_object(self, name: str) -> Any:
+        if name not in self.leaves:
+            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
+        return json.loads(json.dumps(self.leaves[name]))  # a copy callers may change
+
+
+def _json_container(node: Any) -> str | None:
+    """How a JSON value is flattened; the rules of `torch_save.flatten` (dicts with keys, lists
+    holding a dict at any depth are containers; other lists are one value), so a JSON
+    component and the same values after `convert --to torch` have the same entry names."""
+    if isinstance(node, dict):
+        return "dict" if node else None
+    if isinstance(node, list) and node:
+
+        def holds_dict(items: list[Any], depth: int) -> bool:
+            return depth <= 8 and any(
+                isinstance(i, dict) or (isinstance(i, list) and holds_dict(i, depth + 1))
+                for i in items
+            )
+
+        return "list" if holds_dict(node, 0) else None
+    return None
+
+
+def _flatten_json(doc: dict[str, Any]) -> Iterator[tuple[tuple[tuple[str, Any], ...], Any]]:
+    stack: list[tuple[tuple[tuple[str, Any], ...], Any]] = [
+        ((("dict", str(k)),), v) for k, v in reversed(list(doc.items()))
+    ]
+    while stack:
+        path, node = stack.pop()
+        kind = _json_container(node)
+        if kind is None:
+            yield path, node
+            continue
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        children = [((*path, (kind, key)), value) for key, value in items]
+        stack.extend(reversed(children))
+
+
+def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
+    """A JSON file (`trainer_state.json`) as object entries, flattened like a torch.save dict
+    (`log_history.0.loss`), each entry remembering its key path for the torch writer."""
+    from ..formats.torch_save import TorchEntry
+
+    where = source.storage.describe(rel)
+    try:
+        doc = json.loads(source.storage.read_all(rel))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"is not valid JSON ({exc})", path=where) from None
+    except RecursionError:
+        raise FormatError("nests too deeply to be read", path=where) from None
+    if not isinstance(doc, dict):
+        raise FormatError("is not a JSON object", path=where)
+    entries: list[Entry] = []
+    leaves: dict[str, Any] = {}
+    for path, value in _flatten_json(doc):
+        name = ".".join(str(key) for _, key in path)
+        base, n = name, 1
+        while name in leaves:  # {"a.b": 1, "a": {"b": 2}}
+            name, n = f"{base}~{n}", n + 1
+        leaves[name] = value
+        scalar = value is None or isinstance(value, (bool, int, float, str))
+        entries.append(
+            TorchEntry.model_construct(
+                name=name,
+                kind="object",
+                dtype=None,
+                shape=[],
+                nbytes=len(json.dumps(value)),
+                file=rel,
+                offset=None,
+                chunks=None,
+                py_type=type(value).__name__,
+                value=value if scalar else None,
+                key_path=path,
+            )
+        )
+    manifest = Manifest(
+        format="json",
+        location=source.location.raw,
+        files=[FileInfo(path=rel, size=source.storage.size(rel), entries=len(entries))],
+        entries=entries,
+    )
+    return ObjectsCheckpoint(source, manifest, {str(k): v for k, v in doc.items()}, leaves)
+
+
+class CompositeCheckpoint(Checkpoint):
+    """Several component checkpoints of one folder read as one; see the module docstring.
+
+    Attributes:
+        components: component name -> its opened checkpoint.
+        layout: the training layout recognised.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        components: dict[str, Checkpoint],
+        layout: str,
+        other_files: list[FileInfo],
+        subfolders: dict[str, str] | None = None,
+        wrappers: dict[str, str] | None = None,
+    ):
+        from ..formats.torch_save import TorchEntry
+
+        subfolders = subfolders or {}
+        wrappers = wrappers or {}
+
+        self.components = components
+        self.layout = layout
+        self._route: dict[str, tuple[Checkpoint, str]] = {}
+        entries: list[Entry] = []
+        files: list[FileInfo] = []
+        formats: dict[str, str] = {}
+        for comp, checkpoint in components.items():
+            formats[comp] = checkpoint.manifest.format
+            # a component in a subfolder (an FSDP DCP folder): file names relative to the root
+            sub = subfolders.get(comp, "")
+            files.extend(
+                f.model_copy(update={"path": f"{sub}{f.path}"}) for f in checkpoint.manifest.files
+            )
+            # DCP components saved as {"model": ...} would read `model.model.x`: drop the wrapper
+            wrapper = wrappers.get(comp, "")
+            for entry in checkpoint.manifest.entries:
+                short = entry.name[len(wrapper) :] if wrapper else entry.name
+                name = f"{comp}.{short}" if short else comp
+                inner = (None if wrapper else getattr(entry, "key_path", None)) or (
+                    (("dict", short),) if short else ()
+                )
+                fields = {k: getattr(entry, k) for k in Entry.model_fields}
+                fields["name"] = name
+                if sub:
+                    fields["file"] = f"{sub}{entry.file}" if entry.file else None
+                    if entry.chunks:
+                        fields["chunks"] = [
+                            c.model_copy(update={"file": f"{sub}{c.file}"}) for c in entry.chunks
+                        ]
+                # the key path lets the torch writer rebuild {"model": {...}, "optimizer": {...}}
+                entries.append(
+                    TorchEntry.model_construct(**fields, key_path=(("dict", comp), *inner))
+                )
+                self._route[name] = (checkpoint, entry.name)
+        files.extend(other_files)
+        manifest = Manifest(
+            format="composite",
+            location=source.location.raw,
+            files=files,
+            entries=entries,
+            details={"layout": layout, "components": formats},
+        )
+        super().__init__(source, manifest)
+
+    def _target(self, name: str) -> tuple[Checkpoint, str]:
+        try:
+            return self._route[name]
+        except KeyError:
+            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location) from None
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        checkpoint, inner = self._target(name)
+        return checkpoint.read_tensor(inner)
+
+    def read_object(self, name: str) -> Any:
+        checkpoint, inner = self._target(name)
+        return checkpoint.read_object(inner)
+
+    def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        checkpoint, inner = self._target(name)
+        return checkpoint.read_slice(inner, offsets, sizes)
+
+    def iter_raw(self, name: str, block: int = 8 << 20) -> Iterator[bytes]:
+        checkpoint, inner = self._target(name)
+        return checkpoint.iter_raw(inner, block)
+
+    def close(self) -> None:
+        for checkpoint in self.components.values():
+            checkpoint.close()
+
+
+# --------------------------------------------------------------------------- folder layouts
+
+
+class Folder:
+    """Opens the components of a training folder, collecting what cannot be read."""
+
+    def __init__(self, source: Source, base: str = ""):
+        self.source = source
+        self.base = base
+        self.components: dict[str, Checkpoint] = {}
+        self.unreadable: dict[str, str] = {}
+        self.problems: list[Problem] = []
+        #: component -> (file, problem) of the components that could not be read
+        self.unreadable_parts: dict[str, tuple[str, str]] = {}
+        self.used: set[str] = set()
+        self.parts: dict[str, tuple[str, str]] = {}
+        self.subfolders: dict[str, str] = {}
+        #: components present but deliberately not loaded: component -> description
+        self.listed: dict[str, str] = {}
+        self.wrappers: dict[str, str] = {}
+        self.names = {
+            n[len(base) :] for n in source.files if n.startswith(base) and "/" not in n[len(base) :]
+        }
+
+    def rel(self, name: str) -> str:
+        return f"{self.base}{name}"
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def matching(self, pattern: str) -> list[str]:
+        regex = re.compile(pattern)
+        return sorted(n for n in self.names if regex.fullmatch(n))
+
+    def add(self, comp: str, name: str, fmt: str) -> Checkpoint | None:
+        rel = self.rel(name)
+        self.used.add(rel)
+        sub = Source(location=self.source.location, storage=self.source.storage, target=rel)
+        try:
+            if fmt == "json":
+                checkpoint: Checkpoint = json_component(sub, rel)
+            else:
+                checkpoint = get_format(fmt).open(sub)
+        except CkptError as error:
+            self._unreadable(rel, rel, error)
+            self.unreadable_parts[comp] = (
+                error.path or self.source.storage.describe(rel),
+                error.problem,
+            )
+            return None
+        self.used.update(f.path for f in checkpoint.manifest.files)
+        self.components[comp] = checkpoint
+        self.parts[comp] = (rel, fmt)
+        return checkpoint
+
+    def _unreadable(self, key: str, rel: str, error: CkptError) -> None:
+        """Record component `key` (file `rel`) as unreadable: its problem, and one finding."""
+        self.unreadable[key] = error.problem
+        self.problems.append(
+            Problem(
+                code="unreadable_component",
+                message=error.message,
+                file=error.path or self.source.storage.describe(rel),
+            )
+        )
+
+    def has_dir(self, sub: str, marker: str = ".metadata") -> bool:
+        return f"{self.base}{sub}/{marker}" in self.source.files
+
+    def add_dir(self, comp: str, sub: str, fmt: str) -> Checkpoint | None:
+        """A component that is a folder of its own (an FSDP `pytorch_model_fsdp_0/` DCP)."""
+        rel = self.rel(sub)
+        try:
+            part = subfolder_source(self.source, rel)
+            checkpoint = get_format(fmt).open(part)
+        except CkptError as error:
+            self._unreadable(f"{rel}/", rel, error)
+            self.unreadable_parts[comp] = (
+                error.path or self.source.storage.describe(rel),
+                error.problem,
+            )
+            return None
+        self.used.update(n for n in self.source.files if n.startswith(f"{rel}/"))
+        self.components[comp] = checkpoint
+        self.parts[comp] = (f"{rel}/", fmt)
+        self.subfolders[comp] = f"{rel}/"
+        names = [e.name for e in checkpoint.manifest.entries]
+        if names and all(n.startswith(f"{comp}.") for n in names):
+            self.wrappers[comp] = f"{comp}."
+        return checkpoint
+
+    def add_model(self, stems: tuple[str, ...] = ("model", "pytorch_model")) -> str | None:
+        """The model weights: a safetensors or bin index, or one file; returns its file."""
+        for stem in stems:
+            for name, fmt in (
+                (f"{stem}{INDEX_SUFFIX}", "safetensors"),
+                (f"{stem}.safetensors", "safetensors"),
+                (f"{stem}.bin.index.json", "torch"),
+                (f"{stem}.bin", "torch"),
+            ):
+                if self.has(name):
+                    self.add("model", name, fmt)
+                    return name
+        for sub in ("pytorch_model_fsdp_0", "model_0"):
+            if self.has_dir(sub):
+                self.add_dir("model", sub, "dcp")
+                return f"{sub}/"
+        adapters = self.matching(r"adapter_model\.(safetensors|bin)")
+        if adapters:
+            name = adapters[0]
+            self.add("model", name, "safetensors" if name.endswith(".safetensors") else "torch")
+            return name
+        return None
+
+    def add_many(self, comp: str, files: list[str], fmt: str, index: str = r"_(\d+)\.") -> None:
+        """One component per file (`rng_state_0.pth`...): `comp`, or `comp_N` when several."""
+        for name in files:
+            match = re.search(index, name)
+            key = f"{comp}_{match.group(1)}" if match and len(files) > 1 else comp
+            self.add(key, name, fmt)
+
+    def composite(self, layout: str) -> CompositeCheckpoint:
+        other = [
+            FileInfo(path=rel, size=size, entries=0)
+            for rel, size in self.source.files.items()
+            if rel not in self.used and rel not in self.unreadable
+        ]
+        other += [
+            FileInfo(path=rel, size=self.source.files.get(rel), entries=0)
+            for rel in sorted(self.unreadable)
+        ]
+        return CompositeCheckpoint(
+            self.source, self.components, layout, other, self.subfolders, self.wrappers
+        )
+
+
+def component_files(folder: Folder) -> dict[str, str]:
+    out = {}
+    for comp, checkpoint in folder.components.items():
+        paths = [f.path for f in checkpoint.manifest.files]
+        if not paths:
+            continue  # a virtual component (ZeRO weights): described in `listed`
+        out[comp] = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
+    out.update(folder.listed)
+    for rel, why in folder.unreadable.items():
+        out[rel] = f"unreadable: {why}"
+    return out
+
+
+def component_prefixes(checkpoint: CompositeCheckpoint) -> dict[str, str]:
+    out = {}
+    for comp in checkpoint.components:
+        if comp in ("model", "optimizer", "scheduler", "dataloader", "sampler", "scaler"):
+            out[comp] = f"{comp}."
+    rng = [c for c in checkpoint.components if c == "rng" or c.startswith("rng_")]
+    if rng:
+        out["rng"] = f"{rng[0]}."
+    if "sampler" in out and "dataloader" not in out:
+        out["dataloader"] = out["sampler"]
+    return out
+
+
+def finish(
+    checkpoint: Checkpoint, state: TrainingState, folder: Folder | None = None
+) -> OpenedSource:
+    if folder is not None:
+        state.unreadable = dict(folder.unreadable)
+    verdict(state)
+    if folder is None:
+        return OpenedSource(checkpoint=checkpoint, training=state)
+    return OpenedSource(
+        checkpoint=checkpoint,
+        training=state,
+        problems=list(folder.problems),
+        parts=dict(folder.parts),
+        unreadable=dict(folder.unreadable_parts),
+    )
+
+
+def subfolder_source(source: Source, rel: str) -> Source:
+    """A component folder of `source` (an FSDP `pytorch_model_fsdp_0/` DCP) as its own source."""
+    storage = source.storage.subfolder(rel)
+    if storage is None:
+        raise FormatError(
+            "subfolder components cannot be read from this storage", path=source.location.raw
+        )
+    return Source(location=parse_location(storage.display), storage=storage)

@@ -1,0 +1,68 @@
+"""Diffusers pipeline roots and sentence-transformers folders: one composite of components."""
+
+from __future__ import annotations
+
+from ..formats.base import Source
+from .base import Layout, OpenedSource
+from .composite import Folder
+from .model_folders import LayoutInfo
+
+
+class MultiFolder(Layout):
+    """A diffusers pipeline root (`model_index.json`) or a sentence-transformers folder
+    (`modules.json`), one component per subfolder."""
+
+    name = "multi-folder"
+
+    def recognise(self, source: Source) -> bool:
+        names = set(source.files)
+        return source.target is None and ("model_index.json" in names or "modules.json" in names)
+
+    def open(self, source: Source) -> OpenedSource | None:
+        """A diffusers pipeline root or a sentence-transformers folder: one checkpoint of components.
+
+        Each weight-holding component opens with its own format (`unet.` entries come from
+        `unet/diffusion_pytorch_model.safetensors`); weightless ones (schedulers, tokenizers,
+        pooling) are listed. The layout block reports every component with its totals.
+        """
+        from .model_folders import ComponentInfo, multi_folder
+
+        found = multi_folder(source)
+        if found is None:
+            return None
+        layout, components, details = found
+        folder = Folder(source)
+        infos: list[ComponentInfo] = []
+        for comp in components:
+            info = ComponentInfo(name=comp.name, path=comp.path, kind=comp.kind)
+            prefix = f"{comp.path}/" if comp.path else ""
+            info.files = sorted(
+                n for n in source.files if n.startswith(prefix) and (comp.path or "/" not in n)
+            )
+            if comp.weights is not None:
+                fmt = (
+                    "torch" if comp.weights.endswith((".bin", ".bin.index.json")) else "safetensors"
+                )
+                checkpoint = folder.add(comp.name, comp.weights, fmt)
+                if checkpoint is not None:
+                    manifest = checkpoint.manifest
+                    info.tensors = sum(1 for e in manifest.entries if e.kind == "tensor")
+                    info.parameters = manifest.parameters()
+                    info.bytes = manifest.tensor_bytes()
+            infos.append(info)
+        checkpoint = folder.composite(layout)
+        weighted = [i for i in infos if i.tensors]
+        label = details.get("pipeline") or "SentenceTransformer"
+        description = (
+            f"{label}: {len(infos)} components ({', '.join(i.name for i in infos)}), "
+            f"{len(weighted)} with weights"
+        )
+        summary = LayoutInfo(
+            layout=layout, description=description, details=details, components=infos
+        )
+        return OpenedSource(
+            checkpoint=checkpoint,
+            problems=list(folder.problems),
+            parts=dict(folder.parts),
+            layout=summary,
+        )

@@ -1,0 +1,100 @@
+"""Single torch.save / DCP training dicts (model / optimizer / scheduler / step / rng keys)."""
+
+from __future__ import annotations
+
+from ..formats.base import Checkpoint
+from ..models import Manifest, TrainingState
+from .lightning import is_lightning, lightning_state
+from .torchtitan import model_entries, titan_model_keys
+from .training import analyse, as_int, top_keys, value_of, verdict
+
+# --------------------------------------------------------------------------- single files
+
+
+_MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net", "network")
+_OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "opt", "optimizer_state")
+_SCHEDULER_KEYS = ("scheduler", "lr_scheduler", "scheduler_state_dict", "sched", "lr_schedule")
+_STEP_KEYS = ("step", "global_step", "iteration", "iter", "steps", "train_step")
+_RNG_KEYS = ("rng", "rng_state", "rng_states", "random_state", "random_states", "rng_state_dict")
+_LOADER_KEYS = (
+    "dataloader",
+    "data_loader",
+    "sampler",
+    "dataloader_state",
+    "train_loader",
+    "data",
+    "data_state",
+)
+
+
+def _first(keys: dict[str, str], names: tuple[str, ...]) -> str | None:
+    for name in names:
+        if name in keys:
+            return name
+    return None
+
+
+def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
+    """The training state of one torch.save file or DCP folder, None for plain weights."""
+    manifest = checkpoint.manifest
+    keys = top_keys(manifest)
+    if is_lightning(keys):
+        return lightning_state(checkpoint, keys)
+    model = _first(keys, _MODEL_KEYS)
+    optimizer = _first(keys, _OPTIMIZER_KEYS)
+    scheduler = _first(keys, _SCHEDULER_KEYS)
+    step = _first(keys, _STEP_KEYS)
+    is_titan = manifest.format == "dcp" and "train_state" in keys
+    if not (optimizer or scheduler or step or is_titan):
+        return None
+    prefixes: dict[str, str] = {}
+    titan_model = titan_model_keys(manifest) if is_titan and not model else []
+    if model:
+        prefixes["model"] = f"{model}."
+    elif titan_model:
+        # torchtitan >= 0.2 saves the model's FQNs at the top level, beside its other states
+        prefixes["model"] = ""
+    if optimizer:
+        prefixes["optimizer"] = f"{optimizer}."
+    if scheduler:
+        prefixes["scheduler"] = f"{scheduler}."
+    rng = _first(keys, _RNG_KEYS)
+    if rng:
+        prefixes["rng"] = keys[rng]
+    loader = _first(keys, _LOADER_KEYS)
+    if loader:
+        prefixes["dataloader"] = keys[loader]
+    layout = "torchtitan" if is_titan else "dcp" if manifest.format == "dcp" else "torch-dict"
+    state = analyse(checkpoint, layout, prefixes)
+    if titan_model:
+        view = Manifest(format=manifest.format, location=manifest.location)
+        view.entries = [e for e in model_entries(manifest, titan_model) if e.kind == "tensor"]
+        state.weights = {
+            "tensors": len(view.entries),
+            "parameters": view.parameters(),
+            "bytes": view.tensor_bytes(),
+        }
+    if rng and not state.rng:
+        # a stream under an unrecognised key name still counts as RNG state
+        state.rng = [rng]
+    if step:
+        state.step = as_int(value_of(checkpoint, step))
+    if is_titan:
+        state.step = as_int(value_of(checkpoint, "train_state.step"))
+    if "trainer_state" in keys and state.step is None:
+        # a Trainer folder converted to one torch / DCP checkpoint: its trainer_state came along
+        state.step = as_int(value_of(checkpoint, "trainer_state.global_step"))
+        if state.step is not None and state.dataloader is None:
+            # the Trainer replays its data order from the seed and skips `global_step` batches
+            state.dataloader = {"kind": "replayed", "skips_batches": state.step}
+        epoch = value_of(checkpoint, "trainer_state.epoch")
+        if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
+            state.epoch = float(epoch)
+    epoch = value_of(checkpoint, "epoch") if "epoch" in keys else None
+    if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
+        state.epoch = float(epoch)
+    state.components = {c: p.rstrip(".") for c, p in prefixes.items()}
+    if titan_model:
+        state.components["model"] = f"top-level keys ({', '.join(titan_model)})"
+    verdict(state)
+    return state

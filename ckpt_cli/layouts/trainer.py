@@ -1,0 +1,154 @@
+"""Hugging Face Trainer `checkpoint-N/` folders."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+from ..formats.base import Source
+from ..models import Problem
+from .base import Layout, OpenedSource
+from .composite import Folder, component_files, component_prefixes, finish
+from .training import analyse
+
+_MARKERS = ("trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin")
+_RNG = r"rng_state(_\d+)?\.pth"
+
+
+class Trainer(Layout):
+    """`checkpoint-N/`: weights, `optimizer.pt`, `scheduler.pt`, `rng_state*.pth`,
+    `trainer_state.json`, `training_args.bin`."""
+
+    name = "hf-trainer"
+    step_folder = re.compile(r"checkpoint-(\d+)")
+
+    def recognise(self, source: Source) -> bool:
+        folder = Folder(source)
+        return any(folder.has(m) for m in _MARKERS) or bool(folder.matching(_RNG))
+
+    def open(self, source: Source) -> OpenedSource | None:
+        folder = Folder(source)
+        rng = folder.matching(_RNG)
+        model_file = folder.add_model()
+        for comp, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt")):
+            if folder.has(name):
+                folder.add(comp, name, "torch")
+        if "optimizer" not in folder.components and folder.has_dir("optimizer_0"):
+            folder.add_dir("optimizer", "optimizer_0", "dcp")  # FSDP sharded optimizer state
+        if folder.has("scaler.pt"):
+            folder.add("scaler", "scaler.pt", "torch")
+        folder.add_many("rng", rng, "torch")
+        if folder.has("trainer_state.json"):
+            folder.add("trainer_state", "trainer_state.json", "json")
+        if folder.has("training_args.bin"):
+            # a pickle of transformers' TrainingArguments dataclass: weights_only refuses it and
+            # nothing else may unpickle it, so it is listed (files, components) and never read
+            folder.listed["training_args"] = "training_args.bin (not loaded)"
+        folder.problems.extend(self.missing(source, folder))
+        checkpoint = folder.composite("hf-trainer")
+        state = analyse(checkpoint, "hf-trainer", component_prefixes(checkpoint))
+        state.components = component_files(folder)
+        if model_file is None:
+            state.components.pop("model", None)
+        trainer = folder.components.get("trainer_state")
+        if trainer is not None:
+            values = getattr(trainer, "values", {})
+            if isinstance(values.get("global_step"), int):
+                state.step = values["global_step"]
+            if isinstance(values.get("epoch"), (int, float)):
+                state.epoch = float(values["epoch"])
+            # the Trainer reproduces the data order from its seed and skips `global_step` batches
+            if state.step is not None:
+                state.dataloader = {"kind": "replayed", "skips_batches": state.step}
+        return finish(checkpoint, state, folder)
+
+    def missing(self, source: Source, folder: Folder) -> list[Problem]:
+        """Optimizer / scheduler files the Trainer should have saved (see `_trainer_missing`)."""
+        return _trainer_missing(source, folder)
+
+
+#: what a Trainer saves beside the weights unless `save_only_model` is set
+_TRAINER_STATE_FILES = ("optimizer.pt", "scheduler.pt")
+
+
+def _save_only_model(source: Source, rel: str) -> bool | None:
+    """`save_only_model` from `training_args.bin`, read from the pickle's opcodes alone.
+
+    The file is a torch.save zip of transformers' `TrainingArguments`; nothing in it is ever
+    unpickled (it would import and run transformers code). Its `data.pkl` stores the dataclass
+    fields as key, value pairs, so the opcode after the `save_only_model` string is the value.
+    """
+    import io
+    import pickletools
+    import zipfile
+
+    size = source.storage.size(rel)
+    if size > 16 << 20:
+        return None
+    data = source.storage.read_all(rel)
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            member = next((n for n in archive.namelist() if n.endswith("/data.pkl")), None)
+            if member is None or archive.getinfo(member).file_size > 16 << 20:
+                return None
+            data = archive.read(member)
+    except zipfile.BadZipFile:
+        pass  # an old-style (non-zip) torch.save: the pickle itself
+    try:
+        ops = list(pickletools.genops(data))
+    except Exception:
+        return None
+    # the memo bookkeeping between a key and its value carries no data
+    ops = [op for op in ops if op[0].name not in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE")]
+    for (_, arg, _), (op, _, _) in itertools.pairwise(ops):
+        if arg == "save_only_model":
+            if op.name == "NEWTRUE":
+                return True
+            if op.name == "NEWFALSE":
+                return False
+            return None
+    return None
+
+
+def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
+    """Optimizer / scheduler files a Trainer checkpoint should have but lacks, when its own
+    training arguments (`save_only_model` false) or its sibling checkpoints say so."""
+    if folder.has_dir("optimizer_0") or any(n.startswith("global_step") for n in source.files):
+        return []  # FSDP or DeepSpeed state: saved in another shape
+    missing = [n for n in _TRAINER_STATE_FILES if not folder.has(n)]
+    if not missing:
+        return []
+    from ..runs import SLIM_RECORD
+
+    if folder.has(SLIM_RECORD):
+        return []  # `ckpt prune --slim-older-than` removed them on purpose: a weights-only save
+    reasons: dict[str, str] = {}
+    if folder.has("training_args.bin"):
+        only_model = _save_only_model(source, "training_args.bin")
+        if only_model is False:
+            for name in missing:
+                reasons[name] = "training_args.bin says save_only_model=False"
+        elif only_model is True:
+            return []
+    loc = source.location
+    if loc.is_local and loc.path is not None:
+        here = loc.path.resolve()
+        siblings = sorted(
+            p
+            for p in here.parent.glob("checkpoint-*")
+            if p.is_dir() and p != here and re.fullmatch(r"checkpoint-\d+", p.name)
+        )
+        for name in missing:
+            having = [p.name for p in siblings if (p / name).is_file()]
+            if having and name not in reasons:
+                reasons[name] = f"the sibling checkpoint {having[-1]} has one"
+    where = loc.raw
+    return [
+        Problem(
+            code="missing_component",
+            message=f"{where}: {name} is missing, but {why}; this checkpoint cannot resume "
+            "training where it stopped",
+            file=source.storage.describe(name),
+        )
+        for name, why in reasons.items()
+    ]

@@ -1,0 +1,85 @@
+"""Run folders: find the step checkpoints a training job wrote, and judge each one.
+
+`scan_run(run_dir)` lists the checkpoints of a run folder in the layouts people use:
+
+| layout | what is recognised |
+|---|---|
+| `hf-trainer` | `checkpoint-N/` (Hugging Face Trainer) |
+| `accelerate` | `checkpoints/checkpoint_N/` (accelerate `save_state` with automatic naming) |
+| `torchtitan` | `step-N/`, also under `checkpoint/` (torchtitan's default folder) |
+| `deepspeed` | `global_stepN/`, with the `latest` file naming the last finished save |
+| `lightning` | `*.ckpt` files with `step=N` / `epoch=N` in their names (also under `checkpoints/`) |
+| `plain` | any other `NAME-N` / `NAME_N` folder, or file with a checkpoint extension |
+
+Files of the `plain` layout that share a step (`model_500.pt`, `optim_500.pt`) form one
+checkpoint.
+
+**Completeness.** A checkpoint is complete when every component it holds has its commit
+marker and passes its format's structural check (`Format.check`: metadata and file sizes,
+no tensor data): each DCP folder has its `.metadata`, each safetensors index names only shards
+that exist with valid headers, each safetensors / torch.save file is whole. Layout rules come
+on top: a Trainer folder needs a whole `trainer_state.json` (recent transformers write it
+last), a DeepSpeed `global_stepN/` newer than the step the `latest` file names is unfinished
+(DeepSpeed writes `latest` after every rank is done), and accelerate and plain folders, which
+have no marker at all, are incomplete when they lack a digit-free file (`optimizer.bin`) that
+at least two other saves of the run all have. Staging folders of interrupted saves are never
+complete: ckpt's own `.NAME.ckpt-tmp-*` (see `output.py`; `prune` also renames what it deletes
+to such a name first), the Trainer's `tmp-checkpoint-N`, and `NAME.tmp` / `.partial` /
+`.incomplete`. A torch.save file whose pickle names classes `weights_only` refuses (Lightning's
+hyper-parameters) is judged by its zip structure, without unpickling.
+
+**Still being written.** Nothing tells a reader that another process is writing, so ckpt uses
+time: an incomplete checkpoint or a staging folder with a file modified within the last
+`settle` seconds (default 120) is `writing`, not `interrupted`; `prune` never touches a
+checkpoint with a file that recent, complete or not. A save that stalls for longer than the
+window without writing a byte would be judged interrupted; raise `--settle` for such jobs.
+
+**Metrics.** Values for best-by-metric come, in this order of preference, from a
+`metrics.jsonl` in the run folder (one JSON object per line with `step` and metric values:
+`{"step": 500, "eval_loss": 1.92}`; the last line for a step wins), the `log_history` of the
+newest `trainer_state.json`, and `NAME=VALUE` pairs in Lightning file names
+(`epoch=3-step=400-val_loss=0.25.ckpt`). A checkpoint gets the value logged at its own step.
+
+The library never prints; `ops.prune` and `commands/latest.py` build on this module.
+
+Package layout: `records` (what a scan reports), `naming` (how checkpoints are named and found),
+`judge` (complete / interrupted / writing), `local` (`scan_run`), `remote` (object stores).
+"""
+
+from __future__ import annotations
+
+from .judge import load_metrics
+from .local import looks_like_run, scan_run
+from .naming import _UNMARKED
+from .records import (
+    DEFAULT_SETTLE,
+    DELETING,
+    METRICS_FILE,
+    RUN_SLIM_RECORD,
+    SLIM_RECORD,
+    BestMetric,
+    RunCheckpoint,
+    RunReport,
+    Status,
+)
+from .remote import is_remote, looks_like_remote_run, run_storage, scan_remote_run
+
+__all__ = [
+    "DEFAULT_SETTLE",
+    "DELETING",
+    "METRICS_FILE",
+    "RUN_SLIM_RECORD",
+    "SLIM_RECORD",
+    "_UNMARKED",
+    "BestMetric",
+    "RunCheckpoint",
+    "RunReport",
+    "Status",
+    "is_remote",
+    "load_metrics",
+    "looks_like_remote_run",
+    "looks_like_run",
+    "run_storage",
+    "scan_remote_run",
+    "scan_run",
+]

@@ -1,0 +1,422 @@
+"""Judging one local checkpoint: complete, interrupted or still being written (commit markers, each component's format check, layout rules), and best-by-metric."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+from ..errors import CkptError, UsageError
+from ..output import TMP_MARKER
+from ..storage import is_parity_path, read_regular
+from .naming import _TORCH_EXT, _lightning_metrics, _part_names
+from .records import (
+    DELETING,
+    METRICS_FILE,
+    RUN_SLIM_RECORD,
+    SLIM_RECORD,
+    BestMetric,
+    RunCheckpoint,
+    Status,
+    _Found,
+)
+
+# --------------------------------------------------------------------------- judging
+
+
+def _walk_files(path: Path) -> Iterable[tuple[Path, os.stat_result]]:
+    """Every file under `path` (or `path` itself), with lstat results; links are not followed."""
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        yield path, st
+        return
+    for dirpath, _dirs, files in os.walk(path):
+        for fname in files:
+            full = Path(dirpath, fname)
+            try:
+                yield full, full.lstat()
+            except OSError:
+                continue
+
+
+def _size_and_mtime(paths: list[Path]) -> tuple[int, float]:
+    size, newest = 0, 0.0
+    for path in paths:
+        try:
+            if path.is_symlink():
+                newest = max(newest, path.lstat().st_mtime)
+                continue
+            newest = max(newest, path.lstat().st_mtime)
+            for _full, st in _walk_files(path):
+                size += st.st_size
+                newest = max(newest, st.st_mtime)
+        except OSError:
+            continue
+    return size, newest
+
+
+def _newest_mtime_following(paths: list[Path]) -> float:
+    """Newest mtime through a symlinked checkpoint (its target is what a writer would touch)."""
+    newest = 0.0
+    for path in paths:
+        try:
+            target = path.resolve()
+            newest = max(newest, target.stat().st_mtime)
+            if target.is_dir():
+                for _full, st in _walk_files(target):
+                    newest = max(newest, st.st_mtime)
+        except OSError:
+            continue
+    return newest
+
+
+def _check_with_format(fmt_name: str, path: Path) -> str | None:
+    """The first structural problem `fmt_name`'s `check` (the one `ckpt verify` runs) finds."""
+    from ..formats import get_format, resolve_source
+
+    try:
+        problems = get_format(fmt_name).check(resolve_source(str(path)))
+    except CkptError as error:
+        return error.message
+    errors = [p for p in problems if p.severity == "error"]
+    if errors and fmt_name == "torch" and all(p.code == "unsafe_input" for p in errors):
+        # A whole file whose pickle names classes weights_only refuses (Lightning's
+        # hyper_parameters, say) is complete all the same: judge its structure instead.
+        return _torch_structure(path)
+    return errors[0].message if errors else None
+
+
+def _torch_structure(path: Path) -> str | None:
+    """Whether a torch.save file (or bin index) is whole, without unpickling anything."""
+    size = path.stat().st_size
+    if size == 0:
+        return f"{path}: empty file"
+    if path.name.endswith(".index.json"):
+        return _check_torch_index(path)
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if magic != b"PK\x03\x04":
+        return None  # legacy torch.save format: no cheap structural check
+    try:
+        with zipfile.ZipFile(path) as archive:
+            archive.infolist()
+    except (zipfile.BadZipFile, OSError) as exc:
+        return f"{path}: truncated or corrupt torch.save file ({exc})"
+    return None
+
+
+def _check_torch_index(path: Path) -> str | None:
+    try:
+        index = json.loads(read_regular(path))
+        shards = set(index["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CkptError) as exc:
+        return f"{path}: unreadable index ({exc})"
+    for shard in sorted(shards):
+        if not isinstance(shard, str) or not (path.parent / shard).is_file():
+            return f"{path}: the index names shard {shard!r}, which is missing"
+    return None
+
+
+def _components(root: Path) -> list[tuple[str, Path]]:
+    """The checkpoints inside one checkpoint (a Trainer folder holds model, optimizer...).
+
+    Each DCP folder is one component; each safetensors or torch index, with the shards it
+    names; each remaining safetensors or torch.save file.
+    """
+    if not root.is_dir():
+        if root.name.endswith(".safetensors"):
+            return [("safetensors", root)]
+        if root.name.endswith(_TORCH_EXT):
+            return [("torch", root)]
+        if root.name.endswith(".distcp"):
+            return [("dcp", root.parent)]
+        return []
+    out: list[tuple[str, Path]] = []
+    for dirpath, dirs, files in os.walk(root):
+        here = Path(dirpath)
+        # the parity of `ckpt protect` is not a checkpoint part (its .bin files are no torch.save)
+        dirs[:] = sorted(d for d in dirs if not is_parity_path(d))
+        if ".metadata" in files or any(f.endswith(".distcp") for f in files):
+            out.append(("dcp", here))
+            continue
+        claimed: set[str] = set()
+        for fname in sorted(files):
+            if fname.endswith(".safetensors.index.json") or (
+                fname.endswith(".index.json") and fname.rsplit(".", 2)[0].endswith(_TORCH_EXT)
+            ):
+                kind = "safetensors" if fname.endswith(".safetensors.index.json") else "torch"
+                out.append((kind, here / fname))
+                claimed.update(_index_shards(here / fname))
+        for fname in sorted(files):
+            if fname in claimed:
+                continue
+            if fname.endswith(".safetensors"):
+                out.append(("safetensors", here / fname))
+            elif fname.endswith(_TORCH_EXT):
+                out.append(("torch", here / fname))
+    return out
+
+
+def _index_shards(index: Path) -> set[str]:
+    try:
+        weight_map = json.loads(read_regular(index)).get("weight_map", {})
+        return {v for v in weight_map.values() if isinstance(v, str)}
+    except (ValueError, AttributeError, OSError, RecursionError, CkptError):
+        return set()
+
+
+def _judge_components(paths: list[Path]) -> tuple[str | None, list[str]]:
+    """(first problem or None, formats seen) over every component of a checkpoint."""
+    formats: list[str] = []
+    any_component = False
+    for path in paths:
+        for kind, component in _components(path):
+            any_component = True
+            if kind not in formats:
+                formats.append(kind)
+            problem = _check_with_format(kind, component)
+            if problem:
+                return problem, formats
+    if not any_component:
+        return "holds no checkpoint files (safetensors, DCP, torch.save)", formats
+    return None, formats
+
+
+def _judge(
+    item: _Found,
+    root: Path,
+    now: float,
+    settle: float,
+    ds_latest_step: int | None,
+    expected: set[str] | None = None,
+) -> RunCheckpoint:
+    primary = item.paths[0]
+    symlink = primary.is_symlink()
+    size, mtime = _size_and_mtime(item.paths)
+    newest = _newest_mtime_following(item.paths) if symlink else mtime
+    recent = now - newest < settle
+    entry = RunCheckpoint(
+        name=primary.relative_to(root).as_posix(),
+        path=str(primary),
+        paths=[str(p) for p in item.paths],
+        layout=item.layout,
+        step=item.step,
+        epoch=item.epoch,
+        size=0 if symlink else size,
+        mtime=mtime,
+        symlink=symlink,
+        link_target=os.readlink(primary) if symlink else None,
+    )
+    if item.temporary:
+        what = "deletion" if f"{TMP_MARKER}{DELETING}" in primary.name else "save"
+        return _with_status(
+            entry,
+            "writing" if recent else "interrupted",
+            f"staging folder of a {what} in progress"
+            if recent
+            else f"staging folder left by an interrupted {what}",
+        )
+    if symlink and not primary.exists():
+        return _with_status(entry, "incomplete", f"dangling link to {entry.link_target}")
+    problem, formats = _judge_components(item.paths)
+    entry.formats = formats
+    if problem is None and item.layout == "hf-trainer" and primary.is_dir():
+        problem = _trainer_state_problem(primary / "trainer_state.json")
+    entry.slim = _is_slim(primary, root)
+    if entry.slim:
+        entry.markers.append("weights-only")
+    if problem is None and expected and not entry.slim:
+        missing = expected - _part_names(primary)
+        if missing:
+            problem = (
+                f"lacks {', '.join(sorted(missing))}, which every other save of this run has "
+                "(no commit marker in this layout: an interrupted save?)"
+            )
+    if (
+        problem is None
+        and item.layout == "deepspeed"
+        and ds_latest_step is not None
+        and item.step is not None
+        and item.step > ds_latest_step
+    ):
+        problem = (
+            f"newer than global_step{ds_latest_step} named by the `latest` file "
+            "(DeepSpeed writes it when a save has finished)"
+        )
+    if problem is None:
+        return entry
+    if recent:
+        return _with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
+    return _with_status(entry, "incomplete", problem)
+
+
+def _is_slim(primary: Path, root: Path) -> bool:
+    """Whether `prune --slim-older-than` slimmed this checkpoint (see `ops.slim`)."""
+    if primary.is_dir():
+        return (primary / SLIM_RECORD).is_file()
+    record = primary.parent / RUN_SLIM_RECORD
+    if not record.is_file():
+        return False
+    try:
+        doc = json.loads(record.read_text())
+        entry = doc.get(primary.name) if isinstance(doc, dict) else None
+        st = primary.stat()
+    except (OSError, ValueError):
+        return False
+    # a save written later under the same name is not the slimmed one
+    return (
+        isinstance(entry, dict)
+        and entry.get("size") == st.st_size
+        and entry.get("mtime_ns") == st.st_mtime_ns
+    )
+
+
+def _trainer_state_problem(path: Path) -> str | None:
+    """The Trainer writes `trainer_state.json` last: missing or cut short, the save is not done."""
+    if not path.is_file():
+        return "no trainer_state.json (the Trainer writes it last)"
+    try:
+        json.loads(read_regular(path))
+    except (ValueError, OSError, RecursionError, CkptError) as exc:
+        return f"{path}: not valid JSON, cut short? ({exc})"
+    return None
+
+
+def _with_status(entry: RunCheckpoint, status: Status, reason: str) -> RunCheckpoint:
+    entry.status = status
+    entry.complete = status == "complete"
+    entry.reason = reason
+    return entry
+
+
+# --------------------------------------------------------------------------- markers, metrics
+
+
+def _deepspeed_latest(run_dir: Path) -> str | None:
+    latest = run_dir / "latest"
+    if not latest.is_file() or latest.stat().st_size > 4096:
+        return None
+    try:
+        text = latest.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text or None
+
+
+def _trainer_state(
+    run_dir: Path, checkpoints: list[RunCheckpoint]
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest `trainer_state.json`: of the newest complete Trainer folder, or the run root."""
+    candidates: list[tuple[float, Path]] = []
+    for c in checkpoints:
+        if c.layout == "hf-trainer" and c.complete and not c.symlink:
+            candidates.append((float(c.step or 0), Path(c.path) / "trainer_state.json"))
+    root = run_dir / "trainer_state.json"
+    states: list[tuple[float, Path, dict[str, Any]]] = []
+    for _order, path in [*sorted(candidates, reverse=True)[:1], (0.0, root)]:
+        if not path.is_file():
+            continue
+        try:
+            doc = json.loads(read_regular(path))
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError, CkptError):
+            continue
+        if isinstance(doc, dict):
+            states.append((float(doc.get("global_step") or 0), path, doc))
+    if not states:
+        return None
+    _step, path, doc = max(states, key=lambda s: s[0])
+    return path, doc
+
+
+def _name_in_run(run_dir: Path, pointer: str, checkpoints: list[RunCheckpoint]) -> str | None:
+    """Match a path recorded by a trainer (absolute, or relative to its cwd) to a checkpoint."""
+    base = Path(pointer).name
+    for c in checkpoints:
+        if Path(c.path).name == base:
+            return c.name
+    return None
+
+
+def load_metrics(
+    run_dir: Path,
+    metric: str,
+    trainer_state: dict[str, Any] | None,
+    checkpoints: list[RunCheckpoint],
+    metrics_file: tuple[str, str] | None = None,
+) -> tuple[dict[int, float], dict[str, float], str | None]:
+    """Values of `metric`: (by step, by checkpoint name, source description).
+
+    `metrics_file` is (where, text) of a metrics file read elsewhere (a remote run folder).
+    """
+    path: Path | str = run_dir / METRICS_FILE
+    by_step: dict[int, float] = {}
+    source: str | None = None
+    text: str | None = None
+    if metrics_file is not None:
+        path, text = metrics_file
+    elif isinstance(path, Path) and path.is_file():
+        text = path.read_text()
+    if text is not None:
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise UsageError(
+                    f"line {number} is not JSON",
+                    path=path,
+                    fix='Write one object per line: {"step": 500, "eval_loss": 1.9}.',
+                ) from None
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                value = row.get(metric)
+                if isinstance(value, int | float):
+                    by_step[row["step"]] = float(value)
+        if by_step:
+            source = str(path)
+    if not by_step and trainer_state is not None:
+        for row in trainer_state.get("log_history") or []:
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                value = row.get(metric)
+                if isinstance(value, int | float):
+                    by_step[row["step"]] = float(value)
+        if by_step:
+            source = "trainer_state.json log_history"
+    by_name: dict[str, float] = {}
+    for c in checkpoints:
+        if c.layout == "lightning":
+            value = _lightning_metrics(c.name.rsplit("/", 1)[-1]).get(metric)
+            if value is not None:
+                by_name[c.name] = value
+    if by_name and source is None:
+        source = "Lightning file names"
+    return by_step, by_name, source
+
+
+def _best_by_metric(
+    root: Path,
+    metric: str,
+    mode: Literal["min", "max"],
+    trainer_doc: dict[str, Any] | None,
+    checkpoints: list[RunCheckpoint],
+    metrics_file: tuple[str, str] | None = None,
+) -> BestMetric:
+    by_step, by_name, source = load_metrics(root, metric, trainer_doc, checkpoints, metrics_file)
+    best = BestMetric(metric=metric, mode=mode, source=source)
+    for c in checkpoints:
+        if c.name in by_name:
+            c.metric = by_name[c.name]
+        elif c.step is not None and c.step in by_step:
+            c.metric = by_step[c.step]
+    scored = [c for c in checkpoints if c.complete and c.metric is not None]
+    if scored:
+        sign = 1.0 if mode == "min" else -1.0
+        # ties go to the newer checkpoint
+        winner = min(scored, key=lambda c: (sign * (c.metric or 0.0), [-x for x in c.order]))
+        winner.markers.append("best")
+        best.name, best.value = winner.name, winner.metric
+    return best

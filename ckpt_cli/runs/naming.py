@@ -1,0 +1,207 @@
+"""How checkpoints are named in a run folder: step folders per layout, plain `NAME-N` files, staging folders; discovery of the candidates of a local run."""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import re
+from pathlib import Path
+
+from ..output import TMP_MARKER
+from ..storage import is_parity_path
+from .records import SLIM_RECORD, _Found
+
+_TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
+_CKPT_EXT = (*_TORCH_EXT, ".safetensors", ".distcp")
+#: plain `NAME_N.ext` files: extensions that can be a whole checkpoint (not `.distcp` pieces)
+_PLAIN_EXT = (*_TORCH_EXT, ".safetensors")
+#: `model-00001-of-00003`, `rng_state_1`: numbered parts of one checkpoint, not steps
+_PART = re.compile(r".*-\d+-of-\d+|rng_state.*|.*rank.*")
+_FOLDER_LAYOUTS: list[tuple[str, re.Pattern[str]]] = [
+    ("hf-trainer", re.compile(r"checkpoint-(\d+)")),
+    ("accelerate", re.compile(r"checkpoint_(\d+)")),
+    ("torchtitan", re.compile(r"step-(\d+)")),
+    ("deepspeed", re.compile(r"global_step(\d+)")),
+]
+_PLAIN = re.compile(r"(?P<stem>.+?)[-_](?P<n>\d+)(?P<ext>\.[A-Za-z]+)?")
+_LIGHTNING_PAIR = re.compile(r"([A-Za-z_][\w/.]*?)=(-?[\d.]+(?:e-?\d+)?)")
+_TEMP_NAMES = [
+    re.compile(r"\.(?P<name>.+?)" + re.escape(TMP_MARKER) + r".*"),
+    re.compile(r"tmp[-_](?P<name>.+)"),
+    re.compile(r"(?P<name>.+)\.(?:tmp|partial|incomplete)"),
+]
+#: sub-folders that hold the checkpoints in some layouts (accelerate, torchtitan, Lightning)
+_SUBFOLDERS = ("checkpoints", "checkpoint")
+
+
+def _match_name(name: str, is_dir: bool) -> tuple[str, int | None, float | None] | None:
+    """(layout, step, epoch) for an entry name, or None when it is not a checkpoint name."""
+    if is_dir:
+        for layout, pattern in _FOLDER_LAYOUTS:
+            m = pattern.fullmatch(name)
+            if m:
+                return layout, int(m.group(1)), None
+    if name.endswith(".ckpt") and ("step=" in name or "epoch=" in name):
+        pairs = dict(_LIGHTNING_PAIR.findall(name[: -len(".ckpt")]))
+        step = _int_or_none(pairs.get("step"))
+        epoch = _float_or_none(pairs.get("epoch"))
+        return "lightning", step, epoch
+    m = _PLAIN.fullmatch(name)
+    if m and not _PART.fullmatch(m.group("stem") + "-" + m.group("n")):
+        ext = m.group("ext")
+        if is_dir and ext is None:
+            return "plain", int(m.group("n")), None
+        if not is_dir and ext is not None and ext.lower() in _PLAIN_EXT:
+            return "plain", int(m.group("n")), None
+    return None
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _float_or_none(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _lightning_metrics(name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in _LIGHTNING_PAIR.findall(name.removesuffix(".ckpt")):
+        number = _float_or_none(value)
+        if number is not None and key not in ("step", "epoch"):
+            out[key] = number
+    return out
+
+
+def _looks_like_checkpoint_folder(path: Path) -> bool:
+    """A plain `NAME-N/` folder counts only when it holds checkpoint files (not logs)."""
+    for _dirpath, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if not is_parity_path(d)]  # `ckpt protect`'s parity
+        if any(f.endswith(_CKPT_EXT) or f == ".metadata" for f in files):
+            return True
+    return False
+
+
+def _classify(entry: Path) -> _Found | None:
+    name = entry.name
+    is_dir = entry.is_dir()
+    for pattern in _TEMP_NAMES:
+        m = pattern.fullmatch(name)
+        if m:
+            inner = m.group("name")
+            matched = _match_name(inner, is_dir) or _match_name(inner, not is_dir)
+            if matched is None and TMP_MARKER not in name:
+                continue  # `notes.tmp` is not a checkpoint; ckpt's own staging always is
+            layout, step, epoch = matched or ("plain", None, None)
+            return _Found(layout, step, epoch, [entry], temporary=True)
+    matched = _match_name(name, is_dir)
+    if matched is None:
+        return None
+    layout, step, epoch = matched
+    plain_folder = layout == "plain" and is_dir and not entry.is_symlink()
+    if plain_folder and not _looks_like_checkpoint_folder(entry):
+        return None
+    return _Found(layout, step, epoch, [entry])
+
+
+def _scan_dirs(run_dir: Path) -> list[Path]:
+    dirs = [run_dir]
+    for sub in _SUBFOLDERS:
+        candidate = run_dir / sub
+        if candidate.is_dir() and not candidate.is_symlink():
+            dirs.append(candidate)
+    return dirs
+
+
+def _discover(run_dir: Path) -> list[_Found]:
+    found: list[_Found] = []
+    plain_files: dict[tuple[Path, int | None], _Found] = {}
+    for folder in _scan_dirs(run_dir):
+        for entry in sorted(folder.iterdir()):
+            item = _classify(entry)
+            if item is None:
+                continue
+            if item.layout == "plain" and not item.temporary and not entry.is_dir():
+                key = (folder, item.step)
+                if key in plain_files:
+                    plain_files[key].paths.append(entry)
+                    continue
+                plain_files[key] = item
+            found.append(item)
+    return found
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+#: layouts with no commit marker of their own: their saves are compared with each other
+_UNMARKED = ("accelerate", "plain")
+
+
+def _part_names(folder: Path) -> set[str]:
+    """Top-level file names of a checkpoint folder without digits (`optimizer.bin`, not
+    `random_states_3.pkl`, whose count follows the number of processes)."""
+    try:
+        return {
+            e.name
+            for e in folder.iterdir()
+            if e.is_file() and not any(ch.isdigit() for ch in e.name)
+        }
+    except OSError:
+        return set()
+
+
+def _expected_parts(found: list[_Found]) -> dict[int, set[str]]:
+    """For folders of unmarked layouts: the files every *other* save of the run has.
+
+    accelerate's `save_state` writes model, optimizer, scheduler, sampler... with no marker
+    at the end, so a save cut short after the model looks whole on its own. Against at least
+    two other saves of the same run it does not. Names are compared, nothing is read.
+    """
+    out: dict[int, set[str]] = {}
+    for layout in _UNMARKED:
+        folders = [
+            f
+            for f in found
+            if f.layout == layout
+            and not f.temporary
+            and f.paths[0].is_dir()
+            and not f.paths[0].is_symlink()
+        ]
+        if len(folders) < 3:
+            continue
+        names = {id(f): _part_names(f.paths[0]) for f in folders}
+        # slimmed saves lack their optimizer on purpose: they say nothing about the others
+        full = [f for f in folders if SLIM_RECORD not in names[id(f)]]
+        if len(full) < 3:
+            continue
+        # the names every *other* full folder has, for all folders in one pass (not N² set
+        # intersections): those in all of them, plus, for a full folder, those missing from
+        # it alone
+        counts: collections.Counter[str] = collections.Counter()
+        for f in full:
+            counts.update(names[id(f)])
+        everywhere = {n for n, c in counts.items() if c == len(full)}
+        all_but_one = {n for n, c in counts.items() if c == len(full) - 1}
+        in_full = {id(f) for f in full}
+        for f in folders:
+            out[id(f)] = everywhere | (all_but_one - names[id(f)] if id(f) in in_full else set())
+    return out
+
+
+def _name_order(item: _Found) -> tuple[float, float, float]:
+    """Newest-first order known before judging: step, epoch, then the entry's own time."""
+    try:
+        mtime = item.paths[0].lstat().st_mtime
+    except OSError:
+        mtime = 0.0
+    step = float(item.step) if item.step is not None else -math.inf
+    epoch = item.epoch if item.epoch is not None else -math.inf
+    return (step, epoch, mtime)

@@ -1,0 +1,142 @@
+"""What a run scan reports: `RunCheckpoint`, `RunReport`, `BestMetric`, and the file names ckpt itself writes into a run (slim records, deletion staging)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+#: files modified within this many seconds mark a checkpoint as possibly still being written
+DEFAULT_SETTLE = 120.0
+#: `prune` renames what it deletes to `.NAME.ckpt-tmp-del-*` first
+DELETING = "del-"
+#: metric file read from the run folder
+METRICS_FILE = "metrics.jsonl"
+#: written into a checkpoint folder that `prune --slim-older-than` slimmed to its weights
+SLIM_RECORD = "ckpt-slim.json"
+#: the run folder's record of slimmed single-file checkpoints (name -> size, mtime_ns...)
+RUN_SLIM_RECORD = ".ckpt-slim.json"
+
+Status = Literal["complete", "incomplete", "interrupted", "writing"]
+
+
+class RunCheckpoint(BaseModel):
+    """One step checkpoint of a run folder.
+
+    Attributes:
+        name: its path relative to the run folder (`checkpoint-500`, `checkpoints/checkpoint_3`).
+        path: its full path (what `ckpt latest` prints).
+        paths: every path it consists of (several for plain files sharing a step).
+        layout: `hf-trainer`, `accelerate`, `torchtitan`, `deepspeed`, `lightning` or `plain`.
+        step / epoch: from its name (`epoch` for Lightning names only).
+        size: bytes on disk (a symlink counts as 0: deleting it frees nothing).
+        mtime: newest modification time of its files (seconds since the epoch).
+        status: `complete`; `incomplete` (a marker missing or a structural problem);
+            `interrupted` (a staging folder left by a save that stopped); `writing` (incomplete
+            or staging, and modified within the settle window).
+        complete: status is `complete`.
+        reason: why it is not complete (or why it is treated with care).
+        formats: the formats of its components (`safetensors`, `dcp`, `torch`).
+        symlink: it is a symbolic link (deleting it unlinks the link, never the target).
+        link_target: where the link points.
+        markers: `newest` (newest complete), `trainer-best` (the Trainer's
+            `best_model_checkpoint`), `deepspeed-latest` (named by the `latest` file),
+            `link-target` (a symlink in the run folder points at it), `best` (best by metric).
+        metric: the value of the metric asked for, at this checkpoint's step.
+        slim: `prune --slim-older-than` removed its optimizer / RNG / data-loader state: it
+            holds weights only, is complete but not a resume point (marker `weights-only`).
+    """
+
+    name: str
+    path: str
+    paths: list[str]
+    layout: str
+    step: int | None = None
+    epoch: float | None = None
+    size: int = 0
+    mtime: float = 0.0
+    status: Status = "complete"
+    complete: bool = True
+    reason: str | None = None
+    formats: list[str] = Field(default_factory=list)
+    symlink: bool = False
+    link_target: str | None = None
+    markers: list[str] = Field(default_factory=list)
+    metric: float | None = None
+    slim: bool = False
+
+    @property
+    def order(self) -> tuple[float, float, float]:
+        """Sort key: step, then epoch, then time (unknown steps sort first)."""
+        step = float(self.step) if self.step is not None else -math.inf
+        epoch = self.epoch if self.epoch is not None else -math.inf
+        return (step, epoch, self.mtime)
+
+
+class BestMetric(BaseModel):
+    """Where the best checkpoint by a metric comes from.
+
+    Attributes:
+        metric: the metric name (`eval_loss`).
+        mode: `min` or `max`.
+        source: the file (or `file names`) the values were read from.
+        name / value: the best complete checkpoint and its value (None when no checkpoint has one).
+    """
+
+    metric: str
+    mode: Literal["min", "max"]
+    source: str | None = None
+    name: str | None = None
+    value: float | None = None
+
+
+class RunReport(BaseModel):
+    """The checkpoints of a run folder.
+
+    Attributes:
+        run_dir: the folder scanned.
+        layouts: the layouts found.
+        checkpoints: every checkpoint, oldest first (by step, then time).
+        latest: path of the newest complete checkpoint (None if there is none).
+        trainer_state: the `trainer_state.json` the Trainer markers were read from.
+        trainer_best: the Trainer's `best_model_checkpoint` (as a name in the run folder).
+        trainer_best_metric: the Trainer's `best_metric`.
+        deepspeed_latest: the folder the DeepSpeed `latest` file names.
+        best: best-by-metric, when a metric was asked for.
+        settle: the settle window used (seconds).
+        root_files: checkpoint files directly in the run folder that belong to no step
+            checkpoint (the Trainer's final `model.safetensors`, say).
+    """
+
+    run_dir: str
+    layouts: list[str] = Field(default_factory=list)
+    checkpoints: list[RunCheckpoint] = Field(default_factory=list)
+    latest: str | None = None
+    trainer_state: str | None = None
+    trainer_best: str | None = None
+    trainer_best_metric: float | None = None
+    deepspeed_latest: str | None = None
+    best: BestMetric | None = None
+    settle: float = DEFAULT_SETTLE
+    root_files: list[str] = Field(default_factory=list)
+
+    @property
+    def newest_complete(self) -> RunCheckpoint | None:
+        """The newest complete checkpoint a run can resume from (slimmed saves are not)."""
+        done = [c for c in self.checkpoints if c.complete and not c.slim]
+        return max(done, key=lambda c: c.order) if done else None
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+@dataclass
+class _Found:
+    layout: str
+    step: int | None
+    epoch: float | None
+    paths: list[Path]
+    temporary: bool = False

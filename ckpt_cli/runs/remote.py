@@ -1,0 +1,416 @@
+"""Run folders on object stores and other fsspec storages: listing, classification and judging through `Storage`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ..errors import CkptError, NotFoundError, UsageError
+from ..output import TMP_MARKER
+from ..storage import Storage
+from .judge import _best_by_metric, _with_status
+from .naming import (
+    _CKPT_EXT,
+    _SUBFOLDERS,
+    _TEMP_NAMES,
+    _TORCH_EXT,
+    _UNMARKED,
+    _int_or_none,
+    _match_name,
+)
+from .records import DEFAULT_SETTLE, METRICS_FILE, SLIM_RECORD, RunCheckpoint, RunReport
+
+# --------------------------------------------------------------------------- remote run folders
+#
+# A run folder in an object store (`s3://bucket/run/`) or on the Hub (`hf://org/repo`, whose
+# subfolders are `checkpoint-N/` as the Trainer's `push_to_hub(hub_strategy="all_checkpoints")`
+# writes) is scanned through its `Storage`: one listing (names, sizes and, for object stores,
+# modification times), then headers only: each safetensors header, the end of each torch.save
+# zip, the JSON of indexes and `trainer_state.json`. The naming and the rules are the local ones.
+
+#: bytes of a safetensors header read at most when judging a remote file
+_MAX_HEADER = 100 << 20
+#: the end of a torch.save zip read to find its end-of-central-directory record
+_ZIP_TAIL = 1024
+
+
+def is_remote(run_dir: str | Path) -> bool:
+    """Whether `run_dir` is a URL (`s3://…`, `hf://…`) rather than a folder on this machine."""
+    text = str(run_dir)
+    return "://" in text and not text.startswith("file://")
+
+
+def run_storage(run_dir: str) -> Storage:
+    """The `Storage` of a remote run folder (NotFoundError when it does not exist)."""
+    from ..formats import resolve_source
+
+    source = resolve_source(run_dir)
+    if source.target is not None:
+        raise UsageError(
+            "names one file, not a run folder",
+            path=run_dir,
+            fix="Pass the prefix (or repo) that holds the step checkpoints.",
+        )
+    return source.storage
+
+
+@dataclass
+class _RemoteItem:
+    layout: str
+    step: int | None
+    epoch: float | None
+    #: paths relative to the run root: one folder or one file (several plain files of a step)
+    rels: list[str]
+    is_dir: bool
+    #: for a folder: its files relative to the folder, with sizes; for files: rel -> size
+    files: dict[str, int]
+    temporary: bool = False
+
+
+def _remote_items(files: dict[str, int]) -> list[_RemoteItem]:
+    """Group a listing into the entries of the run folder and its checkpoint sub-folders."""
+    groups: dict[tuple[str, bool], dict[str, int]] = {}
+    for rel, size in files.items():
+        parts = rel.split("/")
+        if parts[0] in _SUBFOLDERS and len(parts) >= 2:
+            base, rest = "/".join(parts[:2]), parts[2:]
+        else:
+            base, rest = parts[0], parts[1:]
+        if rest:
+            groups.setdefault((base, True), {})["/".join(rest)] = size
+        else:
+            groups.setdefault((base, False), {})[base] = size
+    items: list[_RemoteItem] = []
+    plain_files: dict[tuple[str, int | None], _RemoteItem] = {}
+    for (base, is_dir), inside in sorted(groups.items()):
+        name = base.rsplit("/", 1)[-1]
+        parent = base.rsplit("/", 1)[0] if "/" in base else ""
+        item = _classify_remote(name, is_dir, inside)
+        if item is None:
+            continue
+        item.rels = [base]
+        if item.layout == "plain" and not item.temporary and not is_dir:
+            key = (parent, item.step)
+            if key in plain_files:
+                plain_files[key].rels.append(base)
+                plain_files[key].files.update(inside)
+                continue
+            plain_files[key] = item
+        items.append(item)
+    return items
+
+
+def _classify_remote(name: str, is_dir: bool, inside: dict[str, int]) -> _RemoteItem | None:
+    for pattern in _TEMP_NAMES:
+        m = pattern.fullmatch(name)
+        if m:
+            inner = m.group("name")
+            matched = _match_name(inner, is_dir) or _match_name(inner, not is_dir)
+            if matched is None and TMP_MARKER not in name:
+                continue
+            layout, step, epoch = matched or ("plain", None, None)
+            return _RemoteItem(layout, step, epoch, [], is_dir, dict(inside), temporary=True)
+    matched = _match_name(name, is_dir)
+    if matched is None:
+        return None
+    layout, step, epoch = matched
+    if (
+        layout == "plain"
+        and is_dir
+        and not any(f.endswith(_CKPT_EXT) or f.endswith(".metadata") for f in inside)
+    ):
+        return None
+    return _RemoteItem(layout, step, epoch, [], is_dir, dict(inside))
+
+
+def _remote_file_problem(storage: Storage, rel: str, size: int) -> str | None:
+    """Whether one remote safetensors / torch.save file is whole, from its header or its end."""
+    where = storage.describe(rel)
+    if size == 0:
+        return f"{where}: empty file"
+    try:
+        if rel.endswith(".safetensors"):
+            if size < 8:
+                return f"{where}: truncated safetensors file"
+            length = int.from_bytes(storage.read(rel, 0, 8), "little")
+            if length > min(_MAX_HEADER, size - 8):
+                return f"{where}: truncated or corrupt safetensors header"
+            header = json.loads(storage.read(rel, 8, length))
+            ends = [
+                int(v["data_offsets"][1])
+                for k, v in header.items()
+                if k != "__metadata__" and isinstance(v, dict)
+            ]
+            if 8 + length + max(ends, default=0) > size:
+                return f"{where}: truncated (the header names more bytes than the file has)"
+            return None
+        if rel.endswith(_TORCH_EXT):
+            if storage.read(rel, 0, min(4, size)) != b"PK\x03\x04":
+                return None  # legacy torch.save format: no cheap structural check
+            tail = storage.read(rel, max(0, size - _ZIP_TAIL), min(size, _ZIP_TAIL))
+            if b"PK\x05\x06" not in tail:
+                return f"{where}: truncated torch.save file (no end of zip directory)"
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"{where}: unreadable header ({exc})"
+    except CkptError as error:
+        return error.message
+    return None
+
+
+def _remote_components(
+    storage: Storage, base: str, is_dir: bool, files: dict[str, int]
+) -> tuple[str | None, list[str]]:
+    """(first problem, formats) over the components of one remote checkpoint."""
+    if not is_dir:
+        formats: list[str] = []
+        for rel, size in files.items():
+            kind = "safetensors" if rel.endswith(".safetensors") else "torch"
+            formats.append(kind)
+            problem = _remote_file_problem(storage, rel, size)
+            if problem:
+                return problem, formats
+        return None, sorted(set(formats))
+    formats = []
+    folders: dict[str, dict[str, int]] = {}
+    for rel, size in files.items():
+        folder, _, fname = rel.rpartition("/")
+        folders.setdefault(folder, {})[fname] = size
+    any_component = False
+    for folder, names in sorted(folders.items()):
+        prefix = f"{base}/{folder}/" if folder else f"{base}/"
+        if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+            any_component = True
+            formats.append("dcp")
+            if ".metadata" not in names:
+                return f"{storage.describe(prefix)}: no .metadata (DCP writes it last)", formats
+            continue
+        claimed: set[str] = set()
+        for fname in sorted(names):
+            if fname.endswith(".index.json") and fname.removesuffix(".index.json").endswith(
+                (".safetensors", *_TORCH_EXT)
+            ):
+                any_component = True
+                kind = "safetensors" if ".safetensors." in fname else "torch"
+                formats.append(kind)
+                try:
+                    index = json.loads(storage.read_all(prefix + fname))
+                    shards = {v for v in index["weight_map"].values() if isinstance(v, str)}
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    return f"{storage.describe(prefix + fname)}: unreadable index ({exc})", formats
+                for shard in sorted(shards):
+                    if shard not in names:
+                        return (
+                            f"{storage.describe(prefix + fname)}: names shard {shard!r}, "
+                            "which is missing",
+                            formats,
+                        )
+                claimed |= shards
+        for fname, size in sorted(names.items()):
+            if fname in claimed or not fname.endswith((".safetensors", *_TORCH_EXT)):
+                continue
+            any_component = True
+            formats.append("safetensors" if fname.endswith(".safetensors") else "torch")
+            problem = _remote_file_problem(storage, prefix + fname, size)
+            if problem:
+                return problem, sorted(set(formats))
+    if not any_component:
+        return "holds no checkpoint files (safetensors, DCP, torch.save)", formats
+    return None, sorted(set(formats))
+
+
+def _remote_json(storage: Storage, rel: str) -> Any:
+    try:
+        return json.loads(storage.read_all(rel))
+    except (ValueError, UnicodeDecodeError, CkptError):
+        return None
+
+
+def scan_remote_run(
+    run_dir: str,
+    *,
+    metric: str | None = None,
+    mode: Literal["min", "max"] = "min",
+    settle: float = DEFAULT_SETTLE,
+    now: float | None = None,
+    until_latest: bool = False,
+) -> RunReport:
+    """`scan_run` for a run folder in an object store or on the Hub (listings and headers)."""
+    storage = run_storage(run_dir)
+    files = storage.list_files()
+    now = time.time() if now is None else now
+    root_url = run_dir.rstrip("/")
+    items = _remote_items(files)
+    ds_latest: str | None = None
+    if "latest" in files and files["latest"] <= 4096:
+        with contextlib.suppress(CkptError, UnicodeDecodeError):
+            ds_latest = storage.read_all("latest").decode().strip() or None
+    ds_step = _int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
+    unmarked = _remote_expected_parts(items)
+
+    def order(item: _RemoteItem) -> tuple[float, float, float]:
+        step = float(item.step) if item.step is not None else -math.inf
+        epoch = item.epoch if item.epoch is not None else -math.inf
+        return (step, epoch, _remote_mtime(storage, item))
+
+    judged: list[RunCheckpoint] = []
+    for item in sorted(items, key=order, reverse=True):
+        judged.append(
+            _judge_remote(storage, root_url, item, now, settle, ds_step, unmarked.get(id(item)))
+        )
+        if until_latest and judged[-1].complete and not judged[-1].slim:
+            break
+    checkpoints = sorted(judged, key=lambda c: c.order)
+    report = RunReport(
+        run_dir=root_url,
+        layouts=sorted({c.layout for c in checkpoints}),
+        checkpoints=checkpoints,
+        settle=settle,
+        root_files=sorted(
+            rel
+            for rel in files
+            if "/" not in rel and rel.endswith(_CKPT_EXT) and not any(rel in i.rels for i in items)
+        ),
+    )
+    newest = report.newest_complete
+    if newest is not None:
+        newest.markers.append("newest")
+        report.latest = newest.path
+    if ds_latest:
+        for c in checkpoints:
+            if c.layout == "deepspeed" and c.name.rsplit("/", 1)[-1] == ds_latest:
+                c.markers.append("deepspeed-latest")
+                report.deepspeed_latest = c.name
+    trainer_doc = None
+    trainers = [c for c in checkpoints if c.layout == "hf-trainer" and c.complete]
+    for rel in [f"{trainers[-1].name}/trainer_state.json"] if trainers else []:
+        doc = _remote_json(storage, rel)
+        if isinstance(doc, dict):
+            trainer_doc = doc
+            report.trainer_state = storage.describe(rel)
+    if trainer_doc is not None:
+        pointer = trainer_doc.get("best_model_checkpoint")
+        if isinstance(pointer, str) and pointer:
+            base = pointer.rstrip("/").rsplit("/", 1)[-1]
+            report.trainer_best = next(
+                (c.name for c in checkpoints if c.name.rsplit("/", 1)[-1] == base), None
+            )
+            best_metric = trainer_doc.get("best_metric")
+            if isinstance(best_metric, int | float):
+                report.trainer_best_metric = float(best_metric)
+            for c in checkpoints:
+                if c.name == report.trainer_best:
+                    c.markers.append("trainer-best")
+    if metric:
+        metrics_file = None
+        if METRICS_FILE in files:
+            raw = storage.read_all(METRICS_FILE)
+            metrics_file = (storage.describe(METRICS_FILE), raw.decode("utf-8", "replace"))
+        report.best = _best_by_metric(
+            Path("."), metric, mode, trainer_doc, checkpoints, metrics_file or ("", "")
+        )
+        if report.best.source == "":
+            report.best.source = None
+    storage.close()
+    return report
+
+
+def _remote_mtime(storage: Storage, item: _RemoteItem) -> float:
+    stamps = [
+        storage.modified(f"{item.rels[0]}/{rel}" if item.is_dir else rel) for rel in item.files
+    ]
+    return max((s for s in stamps if s is not None), default=0.0)
+
+
+def _remote_expected_parts(items: list[_RemoteItem]) -> dict[int, set[str]]:
+    """The remote twin of `_expected_parts`: names every other save of an unmarked layout has."""
+    out: dict[int, set[str]] = {}
+    for layout in _UNMARKED:
+        folders = [i for i in items if i.layout == layout and i.is_dir and not i.temporary]
+        names = {
+            id(f): {n for n in f.files if "/" not in n and not any(ch.isdigit() for ch in n)}
+            for f in folders
+        }
+        full = [f for f in folders if SLIM_RECORD not in names[id(f)]]
+        if len(full) < 3:
+            continue
+        for f in folders:
+            out[id(f)] = set.intersection(*[names[id(o)] for o in full if o is not f])
+    return out
+
+
+def _judge_remote(
+    storage: Storage,
+    root_url: str,
+    item: _RemoteItem,
+    now: float,
+    settle: float,
+    ds_latest_step: int | None,
+    expected: set[str] | None,
+) -> RunCheckpoint:
+    base = item.rels[0]
+    mtime = _remote_mtime(storage, item)
+    entry = RunCheckpoint(
+        name=base,
+        path=f"{root_url}/{base}",
+        paths=[f"{root_url}/{rel}" for rel in item.rels],
+        layout=item.layout,
+        step=item.step,
+        epoch=item.epoch,
+        size=sum(item.files.values()),
+        mtime=mtime,
+    )
+    recent = mtime > 0 and now - mtime < settle
+    if item.temporary:
+        return _with_status(
+            entry,
+            "writing" if recent else "interrupted",
+            "staging prefix of a save in progress" if recent else "staging prefix left behind",
+        )
+    entry.slim = item.is_dir and SLIM_RECORD in item.files
+    if entry.slim:
+        entry.markers.append("weights-only")
+    problem, entry.formats = _remote_components(storage, base, item.is_dir, item.files)
+    if problem is None and item.layout == "hf-trainer" and item.is_dir:
+        if "trainer_state.json" not in item.files:
+            problem = "no trainer_state.json (the Trainer writes it last)"
+        elif _remote_json(storage, f"{base}/trainer_state.json") is None:
+            problem = f"{storage.describe(base + '/trainer_state.json')}: not valid JSON"
+    if problem is None and expected and not entry.slim:
+        missing = expected - set(item.files)
+        if missing:
+            problem = (
+                f"lacks {', '.join(sorted(missing))}, which every other save of this run has "
+                "(no commit marker in this layout: an interrupted save?)"
+            )
+    if (
+        problem is None
+        and item.layout == "deepspeed"
+        and ds_latest_step is not None
+        and item.step is not None
+        and item.step > ds_latest_step
+    ):
+        problem = f"newer than global_step{ds_latest_step} named by the `latest` file"
+    if problem is None:
+        return entry
+    if recent:
+        return _with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
+    return _with_status(entry, "incomplete", problem)
+
+
+def looks_like_remote_run(path: str) -> bool:
+    """Whether a remote location holds step checkpoints and no checkpoint of its own."""
+    try:
+        files = run_storage(path).list_files()
+    except (NotFoundError, UsageError):
+        return False  # not a folder-like location: opened as a checkpoint, which says why
+    top = {rel.split("/", 1)[0] for rel in files}
+    if ".metadata" in top or any(t.endswith(_CKPT_EXT) and "-of-" in t for t in top):
+        return False
+    if any(t.endswith(".index.json") for t in top) or "model.safetensors" in top:
+        return False
+    return any(not i.temporary and i.layout != "plain" for i in _remote_items(files))
