@@ -38,7 +38,7 @@ from ..formats import get_format, open_checkpoint, resolve_source
 from ..formats.base import Checkpoint, WriteOptions, Writer
 from ..formats.dcp import rank_chunk, rank_file
 from ..formats.safetensors import INDEX_SUFFIX
-from ..models import Chunk, Entry, FileInfo
+from ..models import Chunk, Entry, FileInfo, Manifest
 from ..output import check_destination
 from ..placement import (
     Box,
@@ -570,11 +570,7 @@ def reshard_world_size(
             sharded=sharded,
             replicated=replicated,
             rules=[str(r) for r in rules],
-            unused_rules=[
-                str(r)
-                for r in rules
-                if not any(rule_for(e.name, [r]) for e in manifest.tensors if e.shape)
-            ],
+            unused_rules=_unused_rules(rules, manifest),
             rank_state=rank_entries,
             rank_state_action=action,
             extras=carried_extras,
@@ -582,6 +578,13 @@ def reshard_world_size(
             verified=True,
             ranks=[RankShare.model_validate(r) for r in result["shares"]],
         )
+
+
+def _unused_rules(rules: list[Rule], manifest: Manifest) -> list[str]:
+    """The `--shard-dim` / `--plan` rules that match no tensor of the source."""
+    return [
+        str(r) for r in rules if not any(rule_for(e.name, [r]) for e in manifest.tensors if e.shape)
+    ]
 
 
 def _planned_world_size(
@@ -630,11 +633,7 @@ def _planned_world_size(
         sharded=sharded,
         replicated=replicated,
         rules=[str(r) for r in rules],
-        unused_rules=[
-            str(r)
-            for r in rules
-            if not any(rule_for(e.name, [r]) for e in manifest.tensors if e.shape)
-        ],
+        unused_rules=_unused_rules(rules, manifest),
         rank_state=rank_entries,
         rank_state_action=action,
         verified=False,
