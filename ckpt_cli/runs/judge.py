@@ -301,10 +301,13 @@ def _deepspeed_latest(run_dir: Path) -> str | None:
     if not latest.is_file() or latest.stat().st_size > 4096:
         return None
     try:
-        text = latest.read_text().strip()
-    except (OSError, UnicodeDecodeError):
+        text = read_regular(latest).decode().strip()
+    except (OSError, UnicodeDecodeError, CkptError):
         return None
-    return text or None
+    # a tag names a folder of this run, nothing else: compared with folder names, never joined
+    if not text or "/" in text or "\\" in text or text in (".", ".."):
+        return None
+    return text
 
 
 def _trainer_state(
