@@ -1400,6 +1400,25 @@ class _FileState:
     entries: int = 0
 
 
+class _RecordingFile:
+    """A binary file for `torch.save` that remembers the first exception its `write` raised."""
+
+    def __init__(self, fh: IO[bytes]):
+        self._fh = fh
+        self.error: BaseException | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self._fh.write(data)
+        except BaseException as exc:  # KeyboardInterrupt too: a signal lands in Python code
+            if self.error is None:
+                self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+
 class DcpWriter(Writer):
     """Streams tensors (whole, or one planned chunk at a time) and objects into a DCP folder.
 
@@ -1675,7 +1694,15 @@ class DcpWriter(Writer):
                 # stays one source chunk + one output chunk)
                 start = state.append_at
                 state.fh.seek(start)
-                torch.save(piece, state.fh)
+                out = _RecordingFile(state.fh)
+                try:
+                    torch.save(piece, cast(IO[bytes], out))  # write + flush is all it uses
+                except RuntimeError:
+                    # torch's zip writer turns a failed write (ENOSPC, EIO) into "unexpected
+                    # pos": raise the real error, which the CLI reports as an I/O failure
+                    if out.error is not None:
+                        raise out.error from None
+                    raise
                 state.fh.flush()
                 state.append_at = state.fh.tell()
                 self.results[name][chunk_index] = (start, state.append_at - start)
