@@ -6,23 +6,10 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-
-def tiny_llama_config() -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+from .framework_fixtures import tiny_config
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +20,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("llama") / "base"
-    LlamaForCausalLM(tiny_llama_config()).save_pretrained(path)
+    LlamaForCausalLM(tiny_config()).save_pretrained(path)
     return path
 
 
