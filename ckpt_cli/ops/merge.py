@@ -27,6 +27,7 @@ from ..formats import open_checkpoint, resolve_source
 from ..formats.base import Checkpoint, WriteOptions
 from ..formats.safetensors import INDEX_SUFFIX
 from ..layouts.model_folders import read_json
+from ..model_files import WEIGHT_SUFFIXES
 from ..models import Entry, FileInfo
 from ..output import Destination, RemoteDest, resolve_destination, staged_output
 from ..progress import NULL_PROGRESS, Progress
@@ -40,7 +41,6 @@ _PEFT_PREFIX = "base_model.model."
 _LORA = re.compile(
     r"(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$"
 )
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 
 
 class MergeReport(BaseModel):
@@ -238,7 +238,7 @@ def _companions(base_src: str) -> list[str]:
         n
         for n in source.files
         if "/" not in n
-        and not n.endswith(_WEIGHT_SUFFIXES)
+        and not n.endswith(WEIGHT_SUFFIXES)
         and not n.endswith((INDEX_SUFFIX, ".bin.index.json"))
         and not n.startswith(".")
     )

@@ -30,6 +30,7 @@ from ..distributed import CombinedProgress, RankShare, Workers, active, split_ou
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import get_format
 from ..formats.base import COPY_BLOCK, Checkpoint, FileRange, Source, WriteOptions, Writer
+from ..model_files import EXTRA_SUFFIXES, MAX_EXTRA_BYTES, WEIGHT_SUFFIXES
 from ..models import Entry, FileInfo, Manifest
 from ..progress import NULL_PROGRESS, CountingProgress, Progress
 from ..storage import LocalStorage
@@ -439,24 +440,8 @@ def check_staged(format_name: str, staging: Path, single_file: bool) -> None:
         )
 
 
-#: top-level files that belong with a model folder (config, tokenizer, card, custom code)
-EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".spm", ".md", ".py")
-#: weight (and training-state) files: never extras
-WEIGHT_SUFFIXES = (
-    ".safetensors",
-    ".bin",
-    ".pt",
-    ".pth",
-    ".ckpt",
-    ".h5",
-    ".msgpack",
-    ".onnx",
-    ".gguf",
-    ".distcp",
-    ".pkl",
-)
-#: an extra file larger than this is no config or tokenizer file: not carried
-MAX_EXTRA_BYTES = 64 << 20
+#: weight and training-state files: never extras
+CARRIED_NEVER = (*WEIGHT_SUFFIXES, ".distcp", ".pkl")
 
 
 def extra_files(checkpoint: Checkpoint) -> list[str]:
@@ -480,7 +465,7 @@ def extra_files(checkpoint: Checkpoint) -> list[str]:
         name = rel.rsplit("/", 1)[-1]
         if "/" in rel or rel in used or name.startswith("."):
             continue
-        if rel.endswith(WEIGHT_SUFFIXES) or _is_weight_index(name):
+        if rel.endswith(CARRIED_NEVER) or _is_weight_index(name):
             continue
         if rel.endswith(EXTRA_SUFFIXES) and (size or 0) <= MAX_EXTRA_BYTES:
             out.append(rel)

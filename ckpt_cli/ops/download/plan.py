@@ -8,25 +8,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from ...errors import FormatError, NotFoundError
+from ...model_files import EXTRA_SUFFIXES, WEIGHT_SUFFIXES
 from ...models import Entry
 from ...storage.hub import HubRepo
 
 Mode = Literal["shards", "tensors"]
 
-#: top-level files that belong with a model (config, tokenizer, card, custom code)
-EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".spm", ".md", ".py")
-#: weight files: never "extras"
-WEIGHT_SUFFIXES = (
-    ".safetensors",
-    ".bin",
-    ".pt",
-    ".pth",
-    ".ckpt",
-    ".h5",
-    ".msgpack",
-    ".onnx",
-    ".gguf",
-)
 #: the index of sharded torch.save checkpoints (`pytorch_model.bin.index.json`)
 BIN_INDEX_SUFFIX = ".bin.index.json"
 #: a gap between two selected tensors is fetched (not split) when it costs at most this share
