@@ -24,7 +24,7 @@ import pickle
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from ..errors import FormatError, UnsafeInputError
+from ...errors import FormatError, UnsafeInputError
 
 _METADATA_MODULES = (
     "torch.distributed.checkpoint.metadata",
@@ -513,7 +513,7 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> A
         dtype = str(rest[2])
     if dtype is None or not isinstance(size, tuple):
         raise _Opaque("tensor")
-    from ..dtypes import is_known, itemsize
+    from ...dtypes import is_known, itemsize
 
     if not is_known(dtype):
         raise _Opaque("tensor")

@@ -48,13 +48,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from .. import dtypes
-from ..errors import CkptError, FormatError, NotFoundError
-from ..models import Chunk, Entry, FileInfo, Manifest, Problem
-from ..placement import Box, shard_dim0_boxes
-from ..storage import LocalStorage, RangeFile, Storage, safe_relpath
-from .base import COPY_BLOCK, Checkpoint, Format, Source, WriteOptions, Writer
-from .dcp_metadata import (
+from ... import dtypes
+from ...errors import CkptError, FormatError, NotFoundError
+from ...models import Chunk, Entry, FileInfo, Manifest, Problem
+from ...placement import Box, shard_dim0_boxes
+from ...storage import LocalStorage, RangeFile, Storage, safe_relpath
+from ..base import COPY_BLOCK, Checkpoint, Format, Source, WriteOptions, Writer
+from ..safetensors import DCP_HF_SHARD, is_dcp_hf_sharded, read_header
+from .metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -66,7 +67,6 @@ from .dcp_metadata import (
     peek_saved_object,
     peek_saved_tensor,
 )
-from .safetensors import DCP_HF_SHARD, is_dcp_hf_sharded, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -1139,7 +1139,7 @@ class DcpCheckpoint(Checkpoint):
         assert entry.dtype is not None
         where = self.storage.describe(chunk.file)
         if chunk.raw:
-            from ..tensors import read_tensor_from_fd, tensor_from_bytes
+            from ...tensors import read_tensor_from_fd, tensor_from_bytes
 
             sizes = list(chunk.sizes)
             offset = chunk.byte_offset
@@ -1158,7 +1158,7 @@ class DcpCheckpoint(Checkpoint):
             )
         import torch
 
-        from ..tensors import dtype_name
+        from ...tensors import dtype_name
 
         stored: IO[bytes] = self._byte_range(chunk.file, chunk.byte_offset, chunk.byte_length)
         if (chunk.file, chunk.byte_offset) in self.transforms:
@@ -1213,7 +1213,7 @@ class DcpCheckpoint(Checkpoint):
         """
         import torch
 
-        from ..tensors import torch_dtype
+        from ...tensors import torch_dtype
 
         entry = self._entry(name, "tensor")
         assert entry.dtype is not None and entry.chunks is not None
@@ -1327,7 +1327,7 @@ class DcpCheckpoint(Checkpoint):
 
         import torch
 
-        from .torch_save import object_allowlist
+        from ..torch_save import object_allowlist
 
         entry = self._entry(name, "object")
         if entry.file == MEGATRON_COMMON and entry.offset is None:
@@ -1355,7 +1355,7 @@ class DcpCheckpoint(Checkpoint):
     def _megatron_common(self) -> dict[str, Any]:
         """Megatron-Core's `common.pt`, loaded once (weights_only, ckpt's allow-list)."""
         if self._common is None:
-            from .torch_save import load_torch_file
+            from ..torch_save import load_torch_file
 
             value, _ = load_torch_file(self.storage, MEGATRON_COMMON)
             if not isinstance(value, dict):
@@ -1662,7 +1662,7 @@ class DcpWriter(Writer):
 
     def write_chunk(self, name: str, chunk_index: int, piece: torch.Tensor) -> None:
         """Write one planned chunk (its box of the global tensor) of tensor `name`."""
-        from ..tensors import dtype_name, tensor_bytes
+        from ...tensors import dtype_name, tensor_bytes
 
         chunks = self.layout.get(name)
         if chunks is None or not 0 <= chunk_index < len(chunks):
@@ -1881,7 +1881,7 @@ class DcpWriter(Writer):
             TensorStorageMetadata as TorchTensorMeta,
         )
 
-        from ..tensors import torch_dtype
+        from ...tensors import torch_dtype
 
         state_dict_metadata: dict[str, Any] = {}
         storage_data: dict[Any, Any] = {}
