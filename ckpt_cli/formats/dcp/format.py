@@ -1,0 +1,110 @@
+"""`DcpFormat`: detection, open (the manifest) and check of a DCP folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ...errors import FormatError, NotFoundError
+from ...models import Entry, FileInfo, Manifest, Problem
+from ..base import Format, Source, WriteOptions
+from ..safetensors import DCP_HF_SHARD, is_dcp_hf_sharded
+from .check import analyse, check_saved_tensors, peek_objects
+from .layout import METADATA, RANK_METADATA, SUFFIX, world_size
+from .megatron import MEGATRON_COMMON, MEGATRON_METADATA
+from .reader import DcpCheckpoint
+from .writer import DcpWriter
+
+
+class DcpFormat(Format):
+    """PyTorch Distributed Checkpoint folders (torch_save and safetensors serializations)."""
+
+    name = "dcp"
+    writable = True
+
+    @classmethod
+    def detect(cls, source: Source) -> bool:
+        if source.target is not None:
+            return source.target == METADATA or source.target.endswith(SUFFIX)
+        names = source.top_level()
+        return any(
+            n == METADATA or n.endswith(SUFFIX) or RANK_METADATA.match(n) for n in names
+        ) or is_dcp_hf_sharded(names)
+
+    @classmethod
+    def _folder(cls, source: Source) -> Source:
+        # SRC may name the .metadata file or a .distcp file: read the folder around it
+        if source.target is None:
+            return source
+        return Source(location=source.location, storage=source.storage, target=None)
+
+    @classmethod
+    def open(cls, source: Source) -> DcpCheckpoint:
+        source = cls._folder(source)
+        layout = analyse(source)
+        errors = [p for p in layout.problems if p.severity == "error"]
+        if errors:
+            first = errors[0]
+            more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+            where = source.storage.describe(first.file) if first.file else source.location.raw
+            raise FormatError(
+                f"{first.message}{more}",
+                path=where,
+                fix="`ckpt verify` lists every problem; use a complete copy of the checkpoint.",
+            )
+        peek_objects(source.storage, layout)
+        files = [
+            FileInfo(path=name, size=size, entries=0)
+            for name, size in layout.files.items()
+            if name in (METADATA, MEGATRON_COMMON, MEGATRON_METADATA)
+            or name.endswith(SUFFIX)
+            or DCP_HF_SHARD.match(name)
+            or RANK_METADATA.match(name)
+        ]
+        counts: dict[str, int] = {}
+        for entry in layout.entries:
+            for name in {c.file for c in entry.chunks or []}:
+                counts[name] = counts.get(name, 0) + 1
+        files = [f.model_copy(update={"entries": counts.get(f.path, 0)}) for f in files]
+        serialization = sorted(layout.serialization)
+        details: dict[str, Any] = {
+            "serialization": serialization[0]
+            if len(serialization) == 1
+            else ("mixed" if serialization else "none"),
+            "world_size": world_size(layout),
+            "chunks": sum(len(e.chunks or []) for e in layout.entries if e.kind == "tensor"),
+            "objects_bytes": sum(e.nbytes for e in layout.entries if e.kind == "object"),
+            "version": layout.version,
+        }
+        if layout.transforms:
+            details["compression"] = {"zstd": len(layout.transforms)}
+        if layout.megatron is not None:
+            details["layout"] = "megatron_torch_dist"
+            details["megatron"] = layout.megatron
+        manifest = Manifest(
+            format="dcp",
+            location=source.location.raw,
+            files=files,
+            entries=layout.entries,
+            details=details,
+        )
+        checkpoint = DcpCheckpoint(source, manifest, layout.planner_data)
+        checkpoint.transforms = dict(layout.transforms)
+        return checkpoint
+
+    @classmethod
+    def check(cls, source: Source) -> list[Problem]:
+        source = cls._folder(source)
+        try:
+            layout = analyse(source)
+        except (FormatError, NotFoundError) as error:
+            return [Problem(code=error.code, message=error.message, file=error.path)]
+        check_saved_tensors(source.storage, layout)
+        return [
+            p.model_copy(update={"file": source.storage.describe(p.file)}) if p.file else p
+            for p in layout.problems
+        ]
+
+    @classmethod
+    def writer(cls, staging: Path, plan: list[Entry], options: WriteOptions) -> DcpWriter:
+        return DcpWriter(staging, plan, options)

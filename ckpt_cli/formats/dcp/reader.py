@@ -1,0 +1,333 @@
+"""`DcpCheckpoint`: reads tensors chunk by chunk and non-tensor entries of a DCP folder."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections.abc import Iterator
+from typing import IO, TYPE_CHECKING, Any, cast
+
+from ... import dtypes
+from ...errors import CkptError, FormatError, NotFoundError
+from ...models import Chunk, Entry, Manifest
+from ...storage import LocalStorage, RangeFile
+from ..base import COPY_BLOCK, Checkpoint, Source
+from .megatron import MEGATRON_COMMON
+from .peek import common_leaf
+from .transforms import OBJECT_INFLATE_MAX, SAVE_OVERHEAD, inflate
+
+if TYPE_CHECKING:
+    import torch
+
+
+class _FileRange(RangeFile):
+    """Bytes [start, start + length) of an open file, read with `os.preadv` (no copy of the range).
+
+    `torch.load` of a chunk then reads straight from the file into the new tensor's storage,
+    so loading a torch_save chunk needs the chunk's size in memory once, not twice.
+    """
+
+    def __init__(self, fd: int, start: int, length: int, name: str):
+        super().__init__(length, name)
+        self._fd, self._start = fd, start
+
+    def _read_into(self, view: memoryview, position: int) -> int:
+        got = os.preadv(self._fd, [view], self._start + position)
+        if got == 0:
+            raise FormatError(
+                f"is truncated: byte {self._start + position} of a stored chunk is past its end",
+                path=self.name,
+                fix="The file was cut short; write or copy it again.",
+            )
+        return got
+
+    def close(self) -> None:  # the fd belongs to the checkpoint
+        super().close()
+
+
+class DcpCheckpoint(Checkpoint):
+    """An opened DCP checkpoint: reads assemble tensors from their chunks.
+
+    Attributes:
+        planner_data: the `planner_data` of `.metadata` (fqn -> path in the original nested
+            state dict); pass it to the DCP writer as `options.extra["dcp_planner_data"]`
+            to keep it across a rewrite.
+    """
+
+    def __init__(self, source: Source, manifest: Manifest, planner_data: Any = None):
+        super().__init__(source, manifest)
+        self.planner_data = planner_data
+        self._fds: dict[str, int] = {}
+        self._common: dict[str, Any] | None = None
+        #: (file, offset) -> transform of compressed items (`zstd`); set by `DcpFormat.open`
+        self.transforms: dict[tuple[str, int], str] = {}
+
+    def _entry(self, name: str, kind: str) -> Entry:
+        entry = self.manifest.by_name.get(name)
+        if entry is None:
+            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
+        if entry.kind != kind:
+            raise FormatError(
+                f"entry {name!r} is a{'n' if entry.kind == 'object' else ''} {entry.kind}, "
+                f"not a{'n' if kind == 'object' else ''} {kind}",
+                path=self.manifest.location,
+            )
+        return entry
+
+    def read_chunk(self, name: str, index: int) -> torch.Tensor:
+        """Chunk `index` of tensor `name` as stored (its box is `entry.chunks[index]`)."""
+        entry = self._entry(name, "tensor")
+        assert entry.chunks is not None
+        return self._load_chunk(entry, entry.chunks[index])
+
+    def _load_chunk(
+        self, entry: Entry, chunk: Chunk, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Load a chunk; `rows` limits a raw chunk to rows [a, b) of its dim 0."""
+        assert entry.dtype is not None
+        where = self.storage.describe(chunk.file)
+        if chunk.raw:
+            from ...tensors import read_tensor_from_fd, tensor_from_bytes
+
+            sizes = list(chunk.sizes)
+            offset = chunk.byte_offset
+            if rows is not None and sizes:
+                row_bytes = dtypes.numel(sizes[1:]) * dtypes.itemsize(entry.dtype)
+                offset += rows[0] * row_bytes
+                sizes[0] = rows[1] - rows[0]
+            if isinstance(self.storage, LocalStorage):
+                fd = self._fds.get(chunk.file)
+                if fd is None:
+                    fd = self._fds[chunk.file] = os.open(self.storage.path(chunk.file), os.O_RDONLY)
+                return read_tensor_from_fd(fd, offset, entry.dtype, sizes, where)
+            nbytes = dtypes.numel(sizes) * dtypes.itemsize(entry.dtype)
+            return tensor_from_bytes(
+                self.storage.read(chunk.file, offset, nbytes), entry.dtype, sizes
+            )
+        import torch
+
+        from ...tensors import dtype_name
+
+        stored: IO[bytes] = self._byte_range(chunk.file, chunk.byte_offset, chunk.byte_length)
+        if (chunk.file, chunk.byte_offset) in self.transforms:
+            limit = dtypes.numel(chunk.sizes) * dtypes.itemsize(entry.dtype) + SAVE_OVERHEAD
+            stored = io.BytesIO(
+                inflate(stored, limit, where, f"tensor {entry.name!r} chunk {chunk.offsets}")
+            )
+        try:
+            value = torch.load(stored, map_location="cpu", weights_only=True)
+        except CkptError:
+            raise
+        except Exception as exc:
+            raise FormatError(
+                f"tensor {entry.name!r}: the chunk at {chunk.offsets} (bytes "
+                f"{chunk.byte_offset}..{chunk.byte_offset + chunk.byte_length}) does not load "
+                f"as a tensor with weights_only=True ({type(exc).__name__}: {str(exc)[:200]})",
+                path=where,
+                fix="The file is corrupt or hostile; it was not executed.",
+            ) from None
+        if not isinstance(value, torch.Tensor) or list(value.shape) != list(chunk.sizes):
+            raise FormatError(
+                f"tensor {entry.name!r}: the chunk at {chunk.offsets} holds "
+                f"{type(value).__name__}{list(getattr(value, 'shape', []))}, expected shape {chunk.sizes}",
+                path=where,
+            )
+        if dtype_name(value.dtype) != entry.dtype:
+            raise FormatError(
+                f"tensor {entry.name!r}: the chunk at {chunk.offsets} is {dtype_name(value.dtype)}, "
+                f".metadata says {entry.dtype}",
+                path=where,
+            )
+        return value
+
+    def _byte_range(self, rel: str, offset: int, length: int) -> IO[bytes]:
+        """A seekable file object over one stored range (torch.load reads from it directly)."""
+        if isinstance(self.storage, LocalStorage):
+            fd = self._fds.get(rel)
+            if fd is None:
+                fd = self._fds[rel] = os.open(self.storage.path(rel), os.O_RDONLY)
+            return cast(IO[bytes], _FileRange(fd, offset, length, self.storage.describe(rel)))
+        return io.BytesIO(self.storage.read(rel, offset, length))
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        entry = self._entry(name, "tensor")
+        return self.read_slice(name, [0] * len(entry.shape), list(entry.shape))
+
+    def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        """The box (offsets, sizes) of tensor `name`, reading only the chunks that overlap it.
+
+        Raw chunks split along dim 0 are read only for the rows the box needs, so memory
+        stays at the size of the box (plus one torch_save chunk for that serialization).
+        """
+        import torch
+
+        from ...tensors import torch_dtype
+
+        entry = self._entry(name, "tensor")
+        assert entry.dtype is not None and entry.chunks is not None
+        shape = entry.shape
+        if (
+            len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or any(
+                o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)
+            )
+        ):
+            raise FormatError(
+                f"box at {offsets} of size {sizes} is not inside tensor {name!r} of shape {shape}",
+                path=self.manifest.location,
+            )
+        # a box that is exactly one stored chunk: hand out the loaded chunk, no second copy
+        for chunk in entry.chunks:
+            if chunk.offsets == offsets and chunk.sizes == sizes:
+                return self._load_chunk(entry, chunk).contiguous()
+        out = torch.empty(sizes, dtype=torch_dtype(entry.dtype))
+        if dtypes.numel(sizes) == 0:
+            return out
+        for chunk in entry.chunks:
+            lo = [max(o, co) for o, co in zip(offsets, chunk.offsets, strict=True)]
+            hi = [
+                min(o + s, co + cs)
+                for o, s, co, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)
+            ]
+            if any(a >= b for a, b in zip(lo, hi, strict=True)):
+                continue
+            rows = None
+            base0 = chunk.offsets[0]
+            if chunk.raw:
+                rows = (lo[0] - chunk.offsets[0], hi[0] - chunk.offsets[0])
+                base0 = lo[0]
+            piece = self._load_chunk(entry, chunk, rows)
+            src_index = tuple(
+                slice(
+                    a - (base0 if d == 0 else chunk.offsets[d]),
+                    b - (base0 if d == 0 else chunk.offsets[d]),
+                )
+                for d, (a, b) in enumerate(zip(lo, hi, strict=True))
+            )
+            dst_index = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))
+            out[dst_index] = piece[src_index]
+            del piece
+        return out
+
+    def raw_chunks_in_order(self, name: str) -> list[Chunk] | None:
+        """The chunks of `name` in global C order when their raw bytes, concatenated, ARE the
+        tensor's bytes (raw chunks split along dim 0 only); None otherwise.
+
+        This is what lets a copy to a raw format skip deserialisation for multi-rank saves
+        with the safetensors serialization (see `iter_raw`).
+        """
+        entry = self.manifest.by_name.get(name)
+        if entry is None or entry.kind != "tensor" or not entry.chunks or entry.dtype is None:
+            return None
+        chunks = [c for c in entry.chunks if dtypes.numel(c.sizes) > 0 or not entry.shape]
+        if not chunks or not all(c.raw for c in chunks):
+            return None
+        if entry.shape and any(c.sizes[1:] != entry.shape[1:] for c in chunks):
+            return None
+        ordered = sorted(chunks, key=lambda c: c.offsets[0] if c.offsets else 0)
+        row = 0
+        for chunk in ordered:
+            if entry.shape and chunk.offsets[0] != row:
+                return None
+            row += chunk.sizes[0] if entry.shape else 1
+        return ordered
+
+    def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
+        """The raw C-order bytes of tensor `name`, in blocks, straight from raw chunks."""
+        ordered = self.raw_chunks_in_order(name)
+        if ordered is None:
+            raise FormatError(
+                f"tensor {name!r} is not stored as raw bytes in dim-0 pieces",
+                path=self.manifest.location,
+            )
+        for chunk in ordered:
+            done = 0
+            while done < chunk.byte_length:
+                n = min(block, chunk.byte_length - done)
+                yield self.storage.read(chunk.file, chunk.byte_offset + done, n)
+                done += n
+
+    def read_object_bytes(self, name: str) -> bytes:
+        """The stored bytes of a non-tensor entry (a `torch.save` blob), without loading it."""
+        entry = self._entry(name, "object")
+        if entry.file == MEGATRON_COMMON and entry.offset is None:
+            # one key of Megatron's common.pt: stored as DCP stores an object, a torch.save blob
+            import torch
+
+            buffer = io.BytesIO()
+            torch.save(common_leaf(self._megatron_common(), name), buffer)
+            return buffer.getvalue()
+        assert entry.file is not None and entry.offset is not None
+        data = self.storage.read(entry.file, entry.offset, entry.nbytes)
+        if (entry.file, entry.offset) in self.transforms:
+            limit = OBJECT_INFLATE_MAX + 64 * entry.nbytes
+            data = inflate(data, limit, self.storage.describe(entry.file), f"object {name!r}")
+        return data
+
+    def read_object(self, name: str) -> Any:
+        """The value of a non-tensor entry, loaded with `torch.load(weights_only=True)`.
+
+        Beyond torch's own set, only `torch_save.object_allowlist()` is admitted: numpy arrays
+        and dtypes (RNG states) and `torch.Generator`.
+        """
+        import pickle
+
+        import torch
+
+        from ..torch_save import object_allowlist
+
+        entry = self._entry(name, "object")
+        if entry.file == MEGATRON_COMMON and entry.offset is None:
+            return common_leaf(self._megatron_common(), name)
+        data = self.read_object_bytes(name)
+        try:
+            # numpy RNG states and torch.Generator objects, which dcp.load restores too
+            with torch.serialization.safe_globals(object_allowlist()):
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise FormatError(
+                f"object {name!r} needs more than torch.load(weights_only=True) allows "
+                f"({_weights_only_reason(exc)}); it was not executed",
+                path=self.storage.describe(entry.file or ""),
+                fix="If you trust this checkpoint, load it with torch yourself; ckpt never "
+                "unpickles arbitrary objects",
+            ) from None
+        except Exception as exc:
+            raise FormatError(
+                f"object {name!r} does not load ({type(exc).__name__}: {str(exc)[:200]})",
+                path=self.storage.describe(entry.file or ""),
+                fix="The file is truncated or corrupt.",
+            ) from None
+
+    def _megatron_common(self) -> dict[str, Any]:
+        """Megatron-Core's `common.pt`, loaded once (weights_only, ckpt's allow-list)."""
+        if self._common is None:
+            from ..torch_save import load_torch_file
+
+            value, _ = load_torch_file(self.storage, MEGATRON_COMMON)
+            if not isinstance(value, dict):
+                raise FormatError(
+                    "does not hold a dict", path=self.storage.describe(MEGATRON_COMMON)
+                )
+            self._common = value
+        return self._common
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _weights_only_reason(exc: Exception) -> str:
+    """The one informative line of torch's long weights_only refusal."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        match = re.search(r"(Unsupported global: GLOBAL [\w.]+|unsupported GLOBAL [\w.]+)", line)
+        if match:
+            return match.group(1)
+    for line in lines:
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip()[:200] or "refused"
+    return lines[0][:200] if lines else "refused"
