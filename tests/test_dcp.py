@@ -451,6 +451,52 @@ def test_hostile_metadata_pickle_is_refused_and_not_run(tmp_path: Path, kind: st
     assert not marker.exists()
 
 
+def test_metadata_memory_bomb_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    # a few MB of pickle that builds an empty list per byte: as torch's plain pickle.load would
+    # build all of them, a larger one exhausts memory; the budget stops the load early
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(3)}, ckpt)
+    size = 8 << 20
+    (ckpt / ".metadata").write_bytes(b"\x80\x02](" + b"]" * size + b"e.")
+    result = run_ckpt("inspect", ckpt, "--json")
+    assert result.exit_code == 4
+    error = result.json["error"]
+    assert error["path"].endswith(".metadata")
+    assert "objects from its first" in error["message"]
+    read = int(error["message"].split("from its first ")[1].split(" bytes")[0].replace(",", ""))
+    assert read < size // 2  # refused after a fraction of the file, not after building it all
+    assert problems(ckpt) == ["bad_checkpoint"]
+
+
+def test_metadata_over_the_size_budget_is_refused_unread(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(3)}, ckpt)
+    with open(ckpt / ".metadata", "r+b") as fh:
+        fh.truncate((1 << 30) + 1)  # sparse: costs no disk, and is never read
+    result = run_ckpt("inspect", ckpt, "--json")
+    assert result.exit_code == 4
+    assert result.json["error"]["path"].endswith(".metadata")
+    assert "1,073,741,825 bytes, more than 1,073,741,824" in result.json["error"]["message"]
+
+
+def test_deeply_nested_planner_data_is_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(3)}, ckpt)
+    md = torch_metadata(ckpt)
+    deep: list[Any] = ["w"]
+    for _ in range(150):
+        deep = [deep]
+    md.planner_data["w"] = deep
+    write_metadata(ckpt, md)
+    result = run_ckpt("inspect", ckpt, "--json")
+    assert result.exit_code == 4
+    assert result.json["error"]["path"].endswith(".metadata")
+    assert "planner data nested more than 100 deep" in result.json["error"]["message"]
+    # a real save's metadata is far inside every budget
+    dcp_save({f"layer{i}.w": torch.zeros(2) for i in range(2000)}, tmp_path / "many")
+    assert run_ckpt("inspect", tmp_path / "many", "--json").exit_code == 0
+
+
 def test_traversal_path_in_metadata_is_refused(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     dcp_save({"w": torch.ones(3), "step": 1}, ckpt)

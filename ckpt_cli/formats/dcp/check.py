@@ -28,12 +28,14 @@ from .layout import (
 )
 from .megatron import read_megatron_common
 from .metadata import (
+    MAX_METADATA_BYTES,
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageInfo,
     TensorStorageMetadata,
     load_metadata,
+    over_budget,
 )
 from .peek import peek_saved_object, peek_saved_tensor
 from .raw import locate_raw_chunks
@@ -45,7 +47,7 @@ def _read_metadata(source: Source, listing: dict[str, int], layout: Layout) -> M
     `dcp.save(..., use_collectives=False)` writes instead."""
     storage = source.storage
     if METADATA in listing:
-        return load_metadata(storage.read_all(METADATA), storage.describe(METADATA))
+        return load_metadata(_read_capped(storage, METADATA, listing), storage.describe(METADATA))
     names = sorted(
         (n for n in listing if RANK_METADATA.match(n)),
         key=lambda n: int(RANK_METADATA.match(n).group(1)),  # type: ignore[union-attr]
@@ -54,7 +56,7 @@ def _read_metadata(source: Source, listing: dict[str, int], layout: Layout) -> M
     merged.state_dict_metadata, merged.storage_data, merged.planner_data = {}, {}, {}
     for name in names:
         where = storage.describe(name)
-        md = load_metadata(storage.read_all(name), where)
+        md = load_metadata(_read_capped(storage, name, listing), where)
         if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
             raise FormatError("is missing its state_dict_metadata or storage_data", path=where)
         for fqn, item in md.state_dict_metadata.items():
@@ -101,6 +103,16 @@ def _read_metadata(source: Source, listing: dict[str, int], layout: Layout) -> M
                 file=name,
             )
     return merged
+
+
+def _read_capped(storage: Storage, name: str, listing: dict[str, int]) -> bytes:
+    """A metadata file's bytes; one larger than `MAX_METADATA_BYTES` is refused unread."""
+    size = listing.get(name, 0)
+    if size > MAX_METADATA_BYTES:
+        raise over_budget(
+            storage.describe(name), f"{size:,} bytes, more than {MAX_METADATA_BYTES:,}"
+        )
+    return storage.read_all(name)
 
 
 def _storage_index(md: Metadata, where: str) -> dict[tuple[Any, Any], StorageInfo]:

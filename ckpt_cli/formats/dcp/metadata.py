@@ -19,7 +19,7 @@ Megatron-Core's `torch_dist` writer also stores each rank's save plan (`Metadata
 
 from __future__ import annotations
 
-import io
+import gc
 import pickle
 from typing import Any, ClassVar
 
@@ -285,11 +285,86 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
+#: budgets of one `.metadata` load (a hostile pickle can describe a huge graph in few bytes):
+#: the file's size, checked before it is read...
+MAX_METADATA_BYTES = 1 << 30
+#: ... the objects unpickling may build (real DCP metadata: ~14 per entry or chunk, ~13 bytes
+#: of pickle each; 20M is a checkpoint of well over a million chunks) ...
+MAX_METADATA_OBJECTS = 20_000_000
+#: ... and, past the first million, at most one object per this many bytes read (a pickle that
+#: builds an object per byte or two is a memory bomb, refused after a few MiB)
+METADATA_BYTES_PER_OBJECT = 4
+_FREE_OBJECTS = 1_000_000
+#: how deep a `planner_data` value may nest (DCP writes a flat tuple of path components);
+#: the writer pickles it again, and a deeper one would blow the recursion limit there
+MAX_PLANNER_DEPTH = 100
+
+
+def over_budget(where: str, what: str) -> FormatError:
+    """The error for a `.metadata` that exceeds one of the budgets above."""
+    return FormatError(
+        f"holds {what}; ckpt refuses it (a hostile or corrupt .metadata)",
+        path=where,
+        fix="This is not DCP metadata as torch writes it; do not load it with torch either.",
+    )
+
+
+class _BudgetedInput:
+    """The pickle input: the C unpickler prefetches it through `peek` (128 KiB at a time), and
+    each prefetch checks how many objects the load has built so far.
+
+    Objects are counted as the cyclic GC's allocation count (every list, dict, tuple and
+    instance), which keeps counting while the GC is paused (as it is during the load).
+    """
+
+    def __init__(self, data: bytes, where: str):
+        self._data = memoryview(data)
+        self._pos = 0
+        self._where = where
+        self._start = gc.get_count()[0]
+
+    def _check(self) -> None:
+        built = gc.get_count()[0] - self._start
+        allowed = min(MAX_METADATA_OBJECTS, _FREE_OBJECTS + self._pos // METADATA_BYTES_PER_OBJECT)
+        if built > allowed:
+            raise over_budget(
+                self._where,
+                f"a pickle that builds more than {allowed:,} objects from its first "
+                f"{self._pos:,} bytes",
+            )
+
+    def peek(self, n: int = 1) -> bytes:
+        self._check()
+        return bytes(self._data[self._pos : self._pos + max(n, 1)])
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._data) if n is None or n < 0 else self._pos + n
+        out = bytes(self._data[self._pos : end])
+        self._pos += len(out)
+        return out
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        out = self._data[self._pos : self._pos + len(view)]
+        view[: len(out)] = out
+        self._pos += len(out)
+        return len(out)
+
+    def readline(self) -> bytes:
+        rest = self._data[self._pos :]
+        end = bytes(rest).find(b"\n") if len(rest) < 1 << 20 else -1
+        end = len(rest) if end < 0 else end + 1
+        out = bytes(rest[:end])
+        self._pos += len(out)
+        return out
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """An unpickler that admits only DCP metadata globals, mapped to the stand-ins above."""
 
     def __init__(self, data: bytes, where: str):
-        super().__init__(io.BytesIO(data))
+        self._input = _BudgetedInput(data, where)
+        super().__init__(self._input)
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
@@ -318,10 +393,18 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata(data: bytes, where: str) -> Metadata:
-    """Unpickle a `.metadata` file's bytes into stand-ins, refusing anything not on the list."""
+    """Unpickle a `.metadata` file's bytes into stand-ins, refusing anything not on the list.
+
+    Within budgets (`MAX_METADATA_BYTES`, `MAX_METADATA_OBJECTS`, `METADATA_BYTES_PER_OBJECT`,
+    `MAX_PLANNER_DEPTH`): past one, FormatError naming `where`, before memory runs out.
+    """
+    if len(data) > MAX_METADATA_BYTES:
+        raise over_budget(where, f"{len(data):,} bytes, more than {MAX_METADATA_BYTES:,}")
+    enabled = gc.isenabled()
+    gc.disable()  # collections would reset the allocation count the budget reads
     try:
         result = MetadataUnpickler(data, where).load()
-    except UnsafeInputError:
+    except (UnsafeInputError, FormatError):
         raise
     except RecursionError:
         raise FormatError("is a pickle nested too deeply to be DCP metadata", path=where) from None
@@ -331,10 +414,39 @@ def load_metadata(data: bytes, where: str) -> Metadata:
             path=where,
             fix="The file is truncated or corrupt; the save was probably interrupted.",
         ) from None
+    finally:
+        if enabled:
+            gc.enable()
     if not isinstance(result, Metadata):
         raise FormatError(
             f"holds a {type(result).__name__}, not DCP Metadata",
             path=where,
             fix="This is not a torch.distributed.checkpoint folder.",
         )
+    _check_planner_depth(result.planner_data, where)
     return result
+
+
+def _check_planner_depth(planner_data: Any, where: str) -> None:
+    """Every `planner_data` value nests at most `MAX_PLANNER_DEPTH` containers deep."""
+    if not isinstance(planner_data, dict):
+        return
+    flat = (str, int)
+    # what DCP writes (a flat tuple of path components) needs no walk
+    nested = [
+        v
+        for v in planner_data.values()
+        if isinstance(v, dict)
+        or (isinstance(v, (list, tuple)) and not all(type(x) in flat for x in v))
+    ]
+    stack: list[tuple[Any, int]] = [(v, 1) for v in nested]
+    seen: set[int] = set()
+    while stack:
+        value, depth = stack.pop()
+        if not isinstance(value, (list, tuple, dict)) or id(value) in seen:
+            continue
+        if depth > MAX_PLANNER_DEPTH:
+            raise over_budget(where, f"planner data nested more than {MAX_PLANNER_DEPTH} deep")
+        seen.add(id(value))
+        items = value.values() if isinstance(value, dict) else value
+        stack.extend((v, depth + 1) for v in items)
