@@ -16,31 +16,119 @@ stand-ins sit in, last. `torch.load` finds records by name, so their order does 
 Tensors that share one storage (tied weights) are written once while that storage is alive.
 The `.data/serialization_id` record torch 2.x adds is left out: no reader needs it, and
 without it the same input gives the same bytes.
+
+`TorchZipWriter.add_raw` does the same from raw C-order bytes without torch: the pickle names
+torch's globals (`torch._utils._rebuild_tensor_v2`, `torch.FloatStorage`...) through
+placeholders of this module, whose GLOBAL opcodes are rewritten to torch's names in data.pkl.
+
+The reading side (`index_torch_zip`, `locate_single_tensor`) finds each tensor's bytes in such
+a file from the zip directory and a restricted walk of data.pkl's opcodes, so a copy to a
+raw format moves byte ranges and never unpickles anything.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 import struct
 import sys
 import warnings
 import weakref
 import zipfile
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from typing import IO, TYPE_CHECKING, Any
+
+from ..dtypes import is_known, itemsize
+from .torch_zip_index import (
+    STORAGE_DTYPES,
+    LocatedTensor,
+    TensorLayout,
+    TorchZipIndex,
+    ZipRecord,
+    index_torch_zip,
+    locate_single_tensor,
+)
 
 if TYPE_CHECKING:
     import torch
 
 #: what `torch.save` aligns storage data to (torch.serialization._get_storage_alignment)
 ALIGNMENT = 64
+__all__ = [
+    "STORAGE_DTYPES",
+    "LocatedTensor",
+    "TensorLayout",
+    "TorchZipIndex",
+    "TorchZipWriter",
+    "ZipRecord",
+    "index_torch_zip",
+    "locate_single_tensor",
+]
+_DTYPE_STORAGES = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 #: the pickle protocol torch.save uses by default
 PROTOCOL = 2
 #: bytes handed to the zip (and its CRC) per write
 _CHUNK = 16 << 20
 #: fixed timestamp, as torch's own writer stores, so equal inputs give equal files
 _DATE = (1980, 1, 1, 0, 0, 0)
+
+
+_PLACEHOLDERS: dict[str, type] = {}
+
+
+def _placeholder(target: str) -> type:
+    """A class of this module standing for torch's global `target` in a pickle written
+    without torch; `_torch_names` rewrites its GLOBAL opcode to torch's name."""
+    cls = _PLACEHOLDERS.get(target)
+    if cls is None:
+        name = "_torch_" + target.replace(".", "__")
+        cls = type(name, (), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = cls  # pickle checks that the module really holds it
+        _PLACEHOLDERS[target] = cls
+    return cls
+
+
+def _global_op(module: str, name: str) -> bytes:
+    """The protocol-2 GLOBAL opcode for `module.name`."""
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _torch_names(data: bytes, used: set[str]) -> bytes:
+    """data.pkl with the GLOBAL opcodes of the placeholders in `used` naming torch's globals.
+
+    The pickler memoizes globals, so each used placeholder is written exactly once; when its
+    bytes occur more often (a string of the object spells them), the opcodes are found by
+    parsing instead, so no string is ever changed.
+    """
+    for target in sorted(used):
+        cls = _PLACEHOLDERS[target]
+        marker = _global_op(__name__, cls.__qualname__)
+        module, _, attr = target.rpartition(".")
+        torch_op = _global_op(module, attr)
+        if data.count(marker) == 1:
+            data = data.replace(marker, torch_op)
+            continue
+        wanted = f"{__name__} {cls.__qualname__}"
+        spots = [
+            pos
+            for op, arg, pos in pickletools.genops(io.BytesIO(data))
+            if op.name == "GLOBAL" and arg == wanted and pos is not None
+        ]
+        for pos in reversed(spots):
+            data = data[:pos] + torch_op + data[pos + len(marker) :]
+    return data
+
+
+def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """torch's strides of a contiguous tensor (a 0-size dimension counts as 1)."""
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class StorageRef:
@@ -101,9 +189,14 @@ class TorchZipWriter:
         # storage seen again is shared; a dead one's address may be reused, so it is not
         self._keys: dict[int, tuple[str, Any, weakref.ref[Any]]] = {}
         self._count = 0
+        #: torch globals this file's pickle names through placeholders (see `add_raw`)
+        self._used: set[str] = set()
 
-    def _record(self, name: str, data: Any, nbytes: int) -> None:
-        """One stored zip entry whose data starts at a multiple of ALIGNMENT in the file."""
+    def _record(
+        self, name: str, data: Any, nbytes: int, blocks: Iterable[bytes] | None = None
+    ) -> None:
+        """One stored zip entry whose data starts at a multiple of ALIGNMENT in the file:
+        `data` (a buffer), or `blocks` of `nbytes` in all."""
         info = zipfile.ZipInfo(self._prefix + name, date_time=_DATE)
         info.compress_type = zipfile.ZIP_STORED
         info.file_size = nbytes
@@ -114,9 +207,52 @@ class TorchZipWriter:
         pad = -(start + 4) % ALIGNMENT
         info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         with self._zip.open(info, "w", force_zip64=zip64) as out:
-            view = memoryview(data).cast("B")
-            for begin in range(0, nbytes, _CHUNK):
-                out.write(view[begin : begin + _CHUNK])
+            if blocks is None:
+                view = memoryview(data).cast("B")
+                for begin in range(0, nbytes, _CHUNK):
+                    out.write(view[begin : begin + _CHUNK])
+                return
+            written = 0
+            for block in blocks:
+                written += out.write(block)  # zipfile updates the CRC block by block
+                if written > nbytes:
+                    break
+        if written != nbytes:
+            raise ValueError(f"{name}: got {written} bytes for a {nbytes}-byte record")
+
+    def add_raw(
+        self, dtype: str, shape: tuple[int, ...] | list[int], nbytes: int, blocks: Iterable[bytes]
+    ) -> Reduced:
+        """Write one tensor's storage from its raw C-order bytes; no torch needed.
+
+        `blocks` yields `nbytes` in all (the CRC is computed as they stream). Returns what
+        pickles exactly as torch pickles that tensor: `torch._utils._rebuild_tensor_v2` of a
+        typed storage, or `_rebuild_tensor_v3` with the dtype for kinds without a typed
+        storage class (uint16, float8...), as `torch.save` writes them.
+        """
+        dims = tuple(int(d) for d in shape)
+        count = 1
+        for d in dims:
+            count *= d
+        if not is_known(dtype) or count * itemsize(dtype) != nbytes:
+            raise ValueError(f"{nbytes} bytes are no {dtype} tensor of shape {list(dims)}")
+        key = str(self._count)
+        self._count += 1
+        self._record(f"data/{key}", b"", nbytes, blocks)
+        hooks: OrderedDict[Any, Any] = OrderedDict()
+        storage = _DTYPE_STORAGES.get(dtype)
+        if storage is not None:
+            targets = ("torch." + storage, "torch._utils._rebuild_tensor_v2")
+            ref = StorageRef(_placeholder(targets[0]), key, count)
+            args: tuple[Any, ...] = (ref, 0, dims, c_strides(dims), False, hooks)
+        else:
+            targets = ("torch.storage.UntypedStorage", "torch._utils._rebuild_tensor_v3")
+            ref = StorageRef(_placeholder(targets[0]), key, nbytes)
+            kind = _placeholder("torch." + dtype)
+            self._used.add("torch." + dtype)
+            args = (ref, 0, dims, c_strides(dims), False, hooks, kind)
+        self._used.update(targets)
+        return Reduced(_placeholder(targets[1]), args)
 
     def add_tensor(self, tensor: torch.Tensor) -> Reduced:
         """Write `tensor`'s storage (once per live storage) and return what pickles as it."""
@@ -127,12 +263,14 @@ class TorchZipWriter:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TypedStorage's deprecation notice
-            func, args = tensor.__reduce_ex__(PROTOCOL)[:2]
+            untyped: Any = tensor  # torch's pickling internals carry no annotations
+            func, args = untyped.__reduce_ex__(PROTOCOL)[:2]
             out: list[Any] = []
             for arg in args:
                 if isinstance(arg, torch.storage.TypedStorage):
-                    kind = getattr(torch, arg._pickle_storage_type())
-                    out.append(self._storage(arg._untyped_storage, kind, arg._size()))
+                    typed: Any = arg
+                    kind = getattr(torch, typed._pickle_storage_type())
+                    out.append(self._storage(typed._untyped_storage, kind, typed._size()))
                 elif isinstance(arg, torch.UntypedStorage):
                     # dtypes without a typed storage class (uint16, float8...): _rebuild_tensor_v3
                     out.append(self._storage(arg, torch.UntypedStorage, arg.nbytes()))
@@ -165,7 +303,7 @@ class TorchZipWriter:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TypedStorage's deprecation notice
             _Pickler(buf, self).dump(obj)
-        data = buf.getbuffer()
+        data = _torch_names(buf.getvalue(), self._used) if self._used else buf.getbuffer()
         self._record("data.pkl", data, len(data))
         for name, text in (
             (".format_version", "1"),
