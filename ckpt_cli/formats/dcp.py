@@ -66,7 +66,8 @@ from .dcp_metadata import (
     peek_saved_object,
     peek_saved_tensor,
 )
-from .safetensors import DCP_HF_SHARD, is_dcp_hf_sharded, read_header
+from .safetensors import DCP_HF_SHARD, is_dcp_hf_sharded
+from .safetensors_header import read_header
 
 if TYPE_CHECKING:
     import torch
