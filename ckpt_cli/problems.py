@@ -13,7 +13,6 @@ the source for every code literal. The README's verify section is generated from
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -61,26 +60,33 @@ def _codes(*codes: Code) -> dict[str, Code]:
 #: every code, by name (kept in alphabetical order within each group)
 CODES: dict[str, Code] = _codes(
     # ---- errors (CkptError subclasses; also reported as problems when a check meets one)
-    Code("bad_checkpoint", _E, "a file is corrupt, hostile, unsupported or ambiguous", True),
+    Code("bad_checkpoint", _E, "a file is corrupt, hostile, unsupported or ambiguous", raised=True),
     Code(
         "dcp_interrupted",
         _E,
         "a DCP folder with data files but no `.metadata`, or a rank's "
         "data file without its `__N.metadata`: the save did not finish",
-        True,
+        raised=True,
     ),
-    Code("destination_exists", _E, "the output exists already and `--force` was not given", True),
-    Code("hangup", _E, "stopped by SIGHUP; partial outputs were removed", True),
-    Code("hub", _E, "a Hub, network or authentication failure", True),
-    Code("internal", _E, "a bug in ckpt", True),
-    Code("interrupted", _E, "interrupted by the user; partial outputs were removed", True),
-    Code("io_error", _E, "the operating system refused a read or a write", True),
-    Code("not_found", _E, "a path, tensor, repository or revision does not exist", True),
-    Code("problems_found", _E, "the command finished and found problems (exit 1)", True),
-    Code("rank_failed", _E, "a rank of a torchrun launch failed", True),
-    Code("terminated", _E, "stopped by SIGTERM; partial outputs were removed", True),
-    Code("unsafe_input", _E, "input that would run code or escape the checkpoint folder", True),
-    Code("usage", _E, "bad arguments or option combinations", True),
+    Code(
+        "destination_exists",
+        _E,
+        "the output exists already and `--force` was not given",
+        raised=True,
+    ),
+    Code("hangup", _E, "stopped by SIGHUP; partial outputs were removed", raised=True),
+    Code("hub", _E, "a Hub, network or authentication failure", raised=True),
+    Code("internal", _E, "a bug in ckpt", raised=True),
+    Code("interrupted", _E, "interrupted by the user; partial outputs were removed", raised=True),
+    Code("io_error", _E, "the operating system refused a read or a write", raised=True),
+    Code("not_found", _E, "a path, tensor, repository or revision does not exist", raised=True),
+    Code("problems_found", _E, "the command finished and found problems (exit 1)", raised=True),
+    Code("rank_failed", _E, "a rank of a torchrun launch failed", raised=True),
+    Code("terminated", _E, "stopped by SIGTERM; partial outputs were removed", raised=True),
+    Code(
+        "unsafe_input", _E, "input that would run code or escape the checkpoint folder", raised=True
+    ),
+    Code("usage", _E, "bad arguments or option combinations", raised=True),
     # ---- file headers and layout (safetensors, GGUF)
     Code(
         "bad_header",
@@ -316,6 +322,8 @@ def markdown() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m ckpt_cli.problems --markdown`: print the README tables."""
+    import argparse  # only this entry point parses arguments
+
     parser = argparse.ArgumentParser(prog="python -m ckpt_cli.problems")
     parser.add_argument("--markdown", action="store_true", help="print the README tables")
     args = parser.parse_args(argv)
