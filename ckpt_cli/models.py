@@ -9,9 +9,11 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from .dtypes import FLOATING, numel
+from .problems import CODES
+from .problems import check as check_code
 
 
 class Chunk(BaseModel):
@@ -177,10 +179,21 @@ class Manifest(BaseModel):
         return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-class Problem(BaseModel):
-    """One problem found by `verify` or `diff`: a stable code, where, and what is wrong."""
+#: the JSON schema's enum of problem codes (the table of `problems.py`)
+_CODE_ENUM: list[JsonValue] = [*sorted(CODES)]
 
-    code: str
+
+class Problem(BaseModel):
+    """One problem found by `verify` or `diff`: a stable code, where, and what is wrong.
+
+    `code` and `severity` must be in the table of `ckpt_cli/problems.py` (a code that is not is
+    a bug: the model refuses it, naming the code).
+    """
+
+    code: str = Field(
+        description="a code of the table in the README's verify section",
+        json_schema_extra={"enum": _CODE_ENUM},
+    )
     message: str
     file: str | None = None
     tensor: str | None = None
@@ -188,6 +201,11 @@ class Problem(BaseModel):
     #: on a checkpoint protected by `ckpt protect`: whether `ckpt repair` can rebuild the file
     #: (None when the checkpoint has no parity or the problem is not about file contents)
     repairable: bool | None = None
+
+    @model_validator(mode="after")
+    def _known_code(self) -> Problem:
+        check_code(self.code, self.severity)
+        return self
 
 
 class OptimizerState(BaseModel):

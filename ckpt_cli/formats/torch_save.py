@@ -41,20 +41,29 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
-from ..errors import FormatError, NotFoundError, UnsafeInputError
+from ..errors import CkptError, FormatError, NotFoundError, UnsafeInputError
 from ..models import Entry, FileInfo, Manifest, Problem
+from ..problems import Findings
 from ..storage import Storage, StorageRangeFile
 from .base import Checkpoint, Format, Source, WriteOptions, Writer
-from .safetensors import find_index, plan_shards, read_index
+from .safetensors import plan_shards
 from .torch_zip import TorchZipWriter
+from .weight_map import (
+    BIN_INDEX_SUFFIX,
+    ShardContents,
+    check_index,
+    find_index,
+    read_index,
+    report_bad_index,
+    report_missing_shard,
+    shards_to_check,
+)
 
 if TYPE_CHECKING:
     import torch
 
 #: file suffixes torch.save files usually carry
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-#: suffix of a sharded torch checkpoint's index (`pytorch_model.bin.index.json`)
-BIN_INDEX_SUFFIX = ".bin.index.json"
 ZIP_MAGIC = b"PK\x03\x04"
 #: longest string an object entry shows as its value
 MAX_VALUE_STR = 200
@@ -682,99 +691,42 @@ class TorchFormat(Format):
 
     @classmethod
     def check(cls, source: Source) -> list[Problem]:
-        """Every file loads with weights_only=True; a bin index agrees with its shards."""
+        """Every file loads with weights_only=True; a bin index agrees with its shards (the
+        weight-map check the safetensors format runs too: same codes, same files blamed)."""
         storage = source.storage
+        findings = Findings(strict=False)
         try:
             index_rel = find_bin_index(source)
-        except FormatError as error:
-            return [Problem(code=error.code, message=error.message, file=error.path)]
+        except CkptError as error:
+            findings.error(error)
+            return findings.problems
         if index_rel is None:
             return super().check(source)
         try:
             weight_map, meta = read_bin_index(storage, index_rel)
-        except FormatError as error:
-            return [Problem(code=error.code, message=error.message, file=error.path)]
-        problems: list[Problem] = []
-        index_where = storage.describe(index_rel)
-        found: dict[str, str] = {}
-        total = 0
-        for shard in sorted(set(weight_map.values())):
-            if not storage.exists(shard):
-                problems.append(
-                    Problem(
-                        code="missing_shard",
-                        message=f"{index_where}: names shard {shard!r}, which is missing",
-                        file=storage.describe(shard),
-                    )
-                )
+        except CkptError as error:
+            report_bad_index(findings, error)
+            return findings.problems
+        # unnamed shards of the same save are checked too (their tensors are "not in the
+        # index"); other .bin files are not strays here: a training folder holds many
+        listing = storage.list_files()
+        names, _ = shards_to_check(index_rel, weight_map, listing)
+        shards: dict[str, ShardContents] = {}
+        for shard in names:
+            if shard not in listing and not storage.exists(shard):
+                report_missing_shard(findings, storage, index_rel, weight_map, shard)
                 continue
             try:
                 obj, _ = load_torch_file(storage, shard, meta=storage.local_path(shard) is None)
-            except FormatError as error:
-                problems.append(Problem(code=error.code, message=error.message, file=error.path))
-                continue
-            try:
                 entries, _, _ = build_entries(obj, shard, storage.describe(shard))
             except FormatError as error:
-                problems.append(Problem(code=error.code, message=error.message, file=error.path))
+                findings.error(error)
                 continue
-            for entry in entries:
-                total += entry.nbytes if entry.kind == "tensor" else 0
-                if entry.name in found:
-                    problems.append(
-                        Problem(
-                            code="duplicate_tensor",
-                            message=f"{entry.name!r} is in both {found[entry.name]} and {shard}",
-                            file=storage.describe(shard),
-                            tensor=entry.name,
-                        )
-                    )
-                    continue
-                found[entry.name] = shard
-                indexed = weight_map.get(entry.name)
-                if indexed is None:
-                    problems.append(
-                        Problem(
-                            code="not_in_index",
-                            message=f"{storage.describe(shard)}: holds {entry.name!r}, "
-                            f"which {index_rel} does not list",
-                            file=storage.describe(shard),
-                            tensor=entry.name,
-                        )
-                    )
-                elif indexed != shard:
-                    problems.append(
-                        Problem(
-                            code="wrong_shard",
-                            message=f"{index_where}: maps {entry.name!r} to {indexed}, "
-                            f"but it is stored in {shard}",
-                            file=storage.describe(indexed),
-                            tensor=entry.name,
-                        )
-                    )
-        missing_shards = {s for s in weight_map.values() if not storage.exists(s)}
-        for name, shard in weight_map.items():
-            if name not in found and shard not in missing_shards:
-                problems.append(
-                    Problem(
-                        code="missing_tensor",
-                        message=f"{index_where}: maps {name!r} to {shard}, which does not hold it",
-                        file=storage.describe(shard),
-                        tensor=name,
-                    )
-                )
-        declared = meta.get("total_size")
-        if not problems and isinstance(declared, int) and declared != total:
-            problems.append(
-                Problem(
-                    code="total_size_mismatch",
-                    message=f"{index_where}: declares total_size {declared}, "
-                    f"the shards hold {total} bytes of tensors",
-                    file=index_where,
-                    severity="warning",
-                )
+            shards[shard] = ShardContents(
+                {e.name: e.nbytes if e.kind == "tensor" else 0 for e in entries}
             )
-        return problems
+        check_index(findings, storage, index_rel, weight_map, meta, shards)
+        return findings.problems
 
 
 class TorchCheckpoint(Checkpoint):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CkptError, FormatError, NotFoundError
 from ..formats import get_format
 from ..formats.base import Checkpoint, Source
-from ..formats.safetensors import INDEX_SUFFIX
+from ..formats.weight_map import INDEX_SUFFIX
 from ..models import Entry, FileInfo, Manifest, Problem, TrainingState
 from ..uri import parse_location
 from .base import OpenedSource

@@ -478,7 +478,8 @@ def _dry_run_report(
     warnings: list[str],
 ) -> ConvertReport:
     """What `convert` would write, from the plan alone: entries, files, sizes."""
-    from ..formats.safetensors import encode_header, plan_shards, shard_names
+    from ..formats.safetensors import plan_shards, shard_names
+    from ..formats.safetensors_header import encode_header
 
     entries = [
         WrittenEntry(

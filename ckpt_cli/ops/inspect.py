@@ -183,7 +183,9 @@ def quantization_of(manifest: Manifest, storage: Storage) -> QuantSummary | None
 def malformed(checkpoint: Checkpoint) -> list[Problem]:
     """The format-rule violations of a local checkpoint's safetensors files that its reader
     tolerates (data not contiguous from offset 0, bytes after the last tensor): headers only."""
-    from ..formats.safetensors import Findings, SafetensorsCheckpoint, parse_header
+    from ..formats.safetensors import SafetensorsCheckpoint
+    from ..formats.safetensors_header import parse_header
+    from ..problems import Findings
 
     source = checkpoint.source
     if not source.location.is_local:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import open_checkpoint, resolve_source
 from ..formats.base import Checkpoint, WriteOptions
-from ..formats.safetensors import INDEX_SUFFIX
+from ..formats.weight_map import INDEX_SUFFIX
 from ..layouts.model_folders import read_json
 from ..model_files import WEIGHT_SUFFIXES
 from ..models import Entry, FileInfo

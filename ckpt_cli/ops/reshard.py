@@ -37,7 +37,7 @@ from ..errors import FormatError, UsageError
 from ..formats import get_format, open_checkpoint, resolve_source
 from ..formats.base import Checkpoint, WriteOptions, Writer
 from ..formats.dcp import rank_chunk, rank_file
-from ..formats.safetensors import INDEX_SUFFIX
+from ..formats.weight_map import INDEX_SUFFIX
 from ..models import Chunk, Entry, FileInfo, Manifest
 from ..output import check_destination
 from ..placement import (

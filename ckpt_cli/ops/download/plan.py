@@ -14,8 +14,6 @@ from ...storage.hub import HubRepo
 
 Mode = Literal["shards", "tensors"]
 
-#: the index of sharded torch.save checkpoints (`pytorch_model.bin.index.json`)
-BIN_INDEX_SUFFIX = ".bin.index.json"
 #: a gap between two selected tensors is fetched (not split) when it costs at most this share
 COALESCE_SHARE = 0.01
 #: ... and is at most this many bytes

@@ -12,12 +12,9 @@ from typing import Any, Literal
 
 from ...errors import FormatError
 from ...formats.base import Source
-from ...formats.safetensors import (
-    SafetensorsFormat,
-    find_index,
-    read_header,
-    read_index,
-)
+from ...formats.safetensors import SafetensorsFormat
+from ...formats.safetensors_header import read_header
+from ...formats.weight_map import BIN_INDEX_SUFFIX, find_index, read_index
 from ...output import Destination, staged_output
 from ...progress import Progress
 from ...quant import with_sidecars
@@ -25,7 +22,6 @@ from ...storage import LocalStorage
 from ...storage.hub import HubRepo, HubStorage, RemoteFile, hub_errors, hub_mismatch
 from ..inspect import select
 from .plan import (
-    BIN_INDEX_SUFFIX,
     FETCH_WORKERS,
     DownloadFile,
     DownloadReport,

@@ -19,11 +19,8 @@ from pathlib import Path
 
 from ...errors import FormatError
 from ...formats.base import Source, WriteOptions
-from ...formats.safetensors import (
-    INDEX_SUFFIX,
-    SafetensorsCheckpoint,
-    SafetensorsFormat,
-)
+from ...formats.safetensors import SafetensorsCheckpoint, SafetensorsFormat
+from ...formats.weight_map import INDEX_SUFFIX
 from ...models import Entry
 from ...output import Destination, RemoteDest, staged_output
 from ...progress import NULL_PROGRESS, Progress

@@ -1,0 +1,260 @@
+"""The Hugging Face weight-map index (`*.safetensors.index.json`, `*.bin.index.json`).
+
+One index maps every tensor name to the shard that holds it, plus `metadata.total_size`.
+The safetensors and torch formats share this module: reading and finding an index, and the one
+check of an index against its shards, so both report the same defect with the same code and
+blame the same file (the index, for what the index gets wrong; the shard, for what a shard holds
+that the index does not list).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CkptError, FormatError
+from ..problems import Findings
+from ..storage import Storage, safe_relpath
+from .base import Source
+
+INDEX_SUFFIX = ".safetensors.index.json"
+#: suffix of a sharded torch checkpoint's index (`pytorch_model.bin.index.json`)
+BIN_INDEX_SUFFIX = ".bin.index.json"
+#: a weight variant's index as diffusers names it (`….safetensors.index.fp16.json`)
+VARIANT_INDEX = re.compile(r"[^/]+\.safetensors\.index\.[\w-]+\.json")
+
+
+@dataclass
+class ShardContents:
+    """What one readable shard holds, as its format's reader found it.
+
+    Attributes:
+        entries: entry name -> tensor bytes (0 for a non-tensor object), in file order.
+        rejected: names of entries that failed validation (reported already: the index
+            check does not report them again).
+    """
+
+    entries: dict[str, int]
+    rejected: set[str] = field(default_factory=set)
+
+
+def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """Read a weight-map index.
+
+    Returns (tensor name -> shard path relative to the root, each checked by `safe_relpath`;
+    the index's `metadata`).
+    """
+    where = storage.describe(rel)
+    try:
+        index = json.loads(storage.read_all(rel))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # too deep: hostile
+        raise FormatError(
+            f"is not valid JSON ({exc})", path=where, fix="Write or fetch the index again."
+        ) from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise FormatError("has no valid weight_map (tensor name -> shard file)", path=where)
+    base = posixpath_dir(rel)
+    # thousands of tensors share a few shard names: check each name once
+    resolved = {
+        shard: _join(base, safe_relpath(shard, source=where)) for shard in set(weight_map.values())
+    }
+    safe = {name: resolved[shard] for name, shard in weight_map.items()}
+    metadata = index.get("metadata") or {}
+    return safe, metadata if isinstance(metadata, dict) else {}
+
+
+def posixpath_dir(rel: str) -> str:
+    """The folder part of a relative POSIX path ('' for a top-level file)."""
+    return rel.rsplit("/", 1)[0] if "/" in rel else ""
+
+
+def _join(base: str, rel: str) -> str:
+    return f"{base}/{rel}" if base else rel
+
+
+def find_index(source: Source, suffix: str = INDEX_SUFFIX, kind: str = "safetensors") -> str | None:
+    """The weight-map index to use: the target if it is one, else the single one in the root.
+
+    `suffix=BIN_INDEX_SUFFIX, kind="torch"` finds a torch index, whose shape is the same.
+    """
+    if source.target is not None:
+        if suffix == INDEX_SUFFIX and VARIANT_INDEX.fullmatch(source.target):
+            return source.target
+        return source.target if source.target.endswith(suffix) else None
+    indexes = sorted(n for n in source.top_level() if n.endswith(suffix))
+    if not indexes and suffix == INDEX_SUFFIX:
+        # diffusers spells a variant's index `diffusion_pytorch_model.safetensors.index.fp16.json`
+        indexes = sorted(n for n in source.top_level() if VARIANT_INDEX.fullmatch(n))
+    if len(indexes) > 1:
+        raise FormatError(
+            f"holds several {kind} indexes ({', '.join(indexes)})",
+            path=source.location.raw,
+            fix=f"Point at the index you mean, e.g. {source.location.raw.rstrip('/')}/{indexes[0]}.",
+        )
+    return indexes[0] if indexes else None
+
+
+def stem_of_index(name: str) -> tuple[str, str]:
+    """(shard stem, shard suffix) an index's name implies: (`model`, `.safetensors`) for
+    `model.safetensors.index.json`, (`pytorch_model`, `.bin`) for `pytorch_model.bin.index.json`."""
+    base = name.rsplit("/", 1)[-1]
+    if VARIANT_INDEX.fullmatch(base) and not base.endswith(INDEX_SUFFIX):
+        # `diffusion_pytorch_model.safetensors.index.fp16.json` indexes `…model.fp16-0000k-of-…`
+        stem, _, rest = base.partition(".safetensors.index.")
+        return f"{stem}.{rest.removesuffix('.json')}", ".safetensors"
+    stem, _, suffix = base.removesuffix(".index.json").rpartition(".")
+    return stem, f".{suffix}"
+
+
+def same_save(index_rel: str, named: set[str]) -> Callable[[str], bool]:
+    """Whether a shard name follows the naming of the index's own shards (`stem-i-of-N`)."""
+    stem, suffix = stem_of_index(index_rel)
+    pattern = re.compile(rf"^{re.escape(stem)}-\d{{5}}-of-(\d{{5}}){re.escape(suffix)}$")
+    counts = {m.group(1) for m in map(pattern.match, named) if m}
+
+    def belongs(name: str) -> bool:
+        match = pattern.match(name)
+        return bool(match and match.group(1) in counts)
+
+    return belongs
+
+
+def shards_to_check(
+    index_rel: str, weight_map: dict[str, str], listing: Collection[str]
+) -> tuple[list[str], list[str]]:
+    """(shards to check, strays) of an index: the shards it names plus the top-level files of
+    the same save it does not name (so tensors in them show up as "not in the index"); strays
+    are the other top-level files with the shards' suffix (a leftover of another save?)."""
+    named = set(weight_map.values())
+    _, suffix = stem_of_index(index_rel)
+    siblings = same_save(index_rel, named)
+    unnamed = [n for n in listing if "/" not in n and n.endswith(suffix) and n not in named]
+    shards = sorted(named | {n for n in unnamed if siblings(n)})
+    return shards, [n for n in unnamed if not siblings(n)]
+
+
+def some(names: list[str], limit: int = 3) -> str:
+    """The first `limit` names, and how many more."""
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def report_missing_shard(
+    findings: Findings, storage: Storage, index_rel: str, weight_map: dict[str, str], shard: str
+) -> None:
+    """A shard the index names is missing (blamed on the shard: that is the file to fetch)."""
+    names = sorted(n for n, s in weight_map.items() if s == shard)
+    findings.add(
+        "missing_shard",
+        f"is missing; the index {index_rel} maps {len(names)} tensors to it ({some(names)})",
+        file=storage.describe(shard),
+        fix="Fetch or copy the missing shard again.",
+    )
+
+
+def report_bad_index(findings: Findings, error: CkptError) -> None:
+    """An index that cannot be read: `bad_index`, or `unsafe_input` for a path out of the root."""
+    findings.error(error, None if error.code == "unsafe_input" else "bad_index")
+
+
+def check_duplicates(
+    findings: Findings, storage: Storage, shards: dict[str, ShardContents]
+) -> dict[str, list[str]]:
+    """Tensors stored in more than one shard (blamed on the second). Returns name -> shards."""
+    found: dict[str, list[str]] = {}
+    for shard, contents in shards.items():
+        for name in contents.entries:
+            found.setdefault(name, []).append(shard)
+    for name, where in found.items():
+        if len(where) > 1:
+            findings.add(
+                "duplicate_tensor",
+                f"tensor {name!r} is stored in {len(where)} shards ({', '.join(where)})",
+                file=storage.describe(where[1]),
+                tensor=name,
+                fix="The checkpoint mixes two saves; write it again.",
+            )
+    return found
+
+
+def check_index(
+    findings: Findings,
+    storage: Storage,
+    index_rel: str,
+    weight_map: dict[str, str],
+    index_meta: dict[str, Any],
+    shards: dict[str, ShardContents],
+) -> None:
+    """The index against the shards it names (and any others given): every entry where it
+    says, every tensor indexed, `total_size` the tensors' bytes. Missing shards are reported
+    by the caller (`report_missing_shard`) as it meets them."""
+    found = check_duplicates(findings, storage, shards)
+    index_where = storage.describe(index_rel)
+    for name, shard in weight_map.items():
+        contents = shards.get(shard)
+        if contents is None or name in contents.entries or name in contents.rejected:
+            continue  # a missing or unreadable shard, or a bad entry, is reported already
+        elsewhere = found.get(name)
+        if elsewhere:
+            findings.add(
+                "wrong_shard",
+                f"maps tensor {name!r} to {shard}, but it is stored in {', '.join(elsewhere)}",
+                file=index_where,
+                tensor=name,
+                fix="The index does not belong to these shards; write the checkpoint again.",
+            )
+        else:
+            findings.add(
+                "missing_tensor",
+                f"maps tensor {name!r} to {shard}, which does not hold it (no shard does)",
+                file=index_where,
+                tensor=name,
+                fix="The shard is from another save or incomplete; write the checkpoint again.",
+            )
+    for name, holders in found.items():
+        if name not in weight_map:
+            findings.add(
+                "not_in_index",
+                f"holds tensor {name!r}, which the index {index_rel} does not list",
+                file=storage.describe(holders[0]),
+                tensor=name,
+                fix="Loaders that follow the index will not load it; write the checkpoint again.",
+            )
+    _check_total_size(findings, index_where, weight_map, index_meta, shards)
+
+
+def _check_total_size(
+    findings: Findings,
+    index_where: str,
+    weight_map: dict[str, str],
+    index_meta: dict[str, Any],
+    shards: dict[str, ShardContents],
+) -> None:
+    total = index_meta.get("total_size")
+    if total is None:
+        return
+    if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+        findings.add(
+            "bad_index",
+            f"has metadata.total_size {total!r}, which is not a byte count",
+            file=index_where,
+        )
+        return
+    complete = all(s in shards and not shards[s].rejected for s in set(weight_map.values()))
+    actual = sum(n for contents in shards.values() for n in contents.entries.values())
+    if complete and total != actual:
+        # huggingface_hub/transformers sum the tensors' *storage* sizes, which exceed the tensor
+        # bytes when a saved tensor was a view; loaders ignore the field, so this only warns
+        findings.add(
+            "total_size",
+            f"says metadata.total_size is {total} bytes but the shards hold {actual} bytes of tensors",
+            file=index_where,
+            severity="warning",
+            fix="Harmless for loading; rewrite the index if tools rely on it.",
+        )
