@@ -46,7 +46,7 @@ from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, TYPE_CHECKING, Any, ClassVar, cast
 
 from .. import dtypes
 from ..errors import CkptError, FormatError, NotFoundError
@@ -978,7 +978,20 @@ class DcpFormat(Format):
     """PyTorch Distributed Checkpoint folders (torch_save and safetensors serializations)."""
 
     name = "dcp"
+    title = "DCP"
     writable = True
+    folder = True
+    holds_objects = True
+    object_bytes = True
+    shards_by_rank = True
+    serializations = SERIALIZATIONS
+    loader_serializations = ("torch_save",)  # torch's dcp.load reads only this one
+    compressions = ("zstd",)
+    commit_marker = METADATA
+    layout_files: ClassVar[dict[str, tuple[str, ...]]] = {
+        "megatron_torch_dist": (MEGATRON_METADATA,)
+    }
+    rank_file = staticmethod(rank_file)
 
     @classmethod
     def detect(cls, source: Source) -> bool:
@@ -1105,6 +1118,9 @@ class DcpCheckpoint(Checkpoint):
             state dict); pass it to the DCP writer as `options.extra["dcp_planner_data"]`
             to keep it across a rewrite.
     """
+
+    chunk_reads = True
+    object_bytes = True
 
     def __init__(self, source: Source, manifest: Manifest, planner_data: Any = None):
         super().__init__(source, manifest)
@@ -1432,6 +1448,9 @@ class DcpWriter(Writer):
     `options.extra["dcp_planner_data"]` keeps a source's planner_data (default: the fqn split
     at dots).
     """
+
+    chunk_writes = True
+    object_bytes = True
 
     def __init__(self, staging: Path, plan: list[Entry], options: WriteOptions):
         super().__init__(staging, plan, options)
