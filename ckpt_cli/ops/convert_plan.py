@@ -122,7 +122,7 @@ def output_layout(
         usual = fmt.single_file_suffixes[0] if fmt.single_file_suffixes else None
         raise UsageError(
             f"DEST names a {named.title} file, but --to {fmt.name} writes "
-            f"{f'a {usual} file' if usual else 'a folder'} or a folder",
+            + (f"a {usual} file or a folder" if usual else "a folder"),
             path=str(dest),
             fix=f"Use --to {named.name}, or name DEST {dest.stem}{usual or ''} to write that format.",
         )

@@ -50,6 +50,8 @@ from .transfer import check_staged, copy_files, extra_files
 if TYPE_CHECKING:
     import torch
 
+    from ..output import Destination
+
 _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
@@ -287,7 +289,7 @@ def _write(
     fmt: type[Format],
     plan: list[Entry],
     options: WriteOptions,
-    out: Any,
+    out: Destination,
     carried_extras: list[str],
     force: bool,
     progress: Progress,
@@ -335,7 +337,8 @@ def _write(
             "shares": [p["share"] for p in parts] if workers.distributed else [],
         }
 
-    return split_output(workers, out, force=force, work=work, commit=commit)
+    result: dict[str, Any] = split_output(workers, out, force=force, work=work, commit=commit)
+    return result
 
 
 def _copy_chunks(
