@@ -2,6 +2,10 @@
 
 `open_checkpoint(src)` is the one entry point for reading: it resolves the location into a
 `Source`, picks the format (an explicit token wins over detection) and opens it.
+
+Operations never compare format names: they ask the registry for the class (`get_format`,
+`find_format`, `writable_formats`, `format_of_file`) and read its facts (`Format.holds_objects`,
+`Format.shards_by_rank`...; see `formats.base`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ REGISTRY: dict[str, str] = {
 }
 #: formats a user may name in --format/--to
 FORMAT_NAMES = ("safetensors", "dcp", "torch", "hub", "gguf")
+#: `--format` names that choose a storage, not a format: the format is still detected
+#: (`hub` = read from the Hugging Face Hub), with the location kind each one needs
+STORAGE_NAMES = {"hub": "hf"}
+#: the format Hugging Face libraries save weights in and load first (`save_pretrained`):
+#: what a merged model, or a multi-folder model of mixed formats, is written as
+HF_WEIGHTS = "safetensors"
 
 
 def get_format(name: str) -> type[Format]:
@@ -40,6 +50,57 @@ def get_format(name: str) -> type[Format]:
         raise
     cls: type[Format] = getattr(module, cls_name)
     return cls
+
+
+def find_format(name: str) -> type[Format] | None:
+    """The adapter class for `name`, or None when it is not a format token (a training
+    layout such as `trainer`, a multi-folder layout, a storage name)."""
+    if name not in REGISTRY:
+        return None
+    try:
+        return get_format(name)
+    except FormatError:
+        return None
+
+
+def writable_formats() -> list[str]:
+    """Format tokens that can be written (`convert --to`), in registry order."""
+    return [name for name in available_formats() if get_format(name).writable]
+
+
+def serializations() -> tuple[str, ...]:
+    """Every data-file serialization a writable format offers (`--dcp-serialization`)."""
+    out: list[str] = []
+    for name in writable_formats():
+        out += [s for s in get_format(name).serializations if s not in out]
+    return tuple(out)
+
+
+def format_of_file(name: str) -> str | None:
+    """The writable format whose single files or shard index end like `name`, if any."""
+    for token in writable_formats():
+        fmt = get_format(token)
+        if name.endswith(fmt.single_file_suffixes) or (
+            fmt.index_suffix is not None and name.endswith(fmt.index_suffix)
+        ):
+            return token
+    return None
+
+
+def choose_format(source: Source, format: str | None) -> str:
+    """The format token to read `source` as: `format`, else the one detected.
+
+    A storage name (`--format hub`) only checks that the location is that storage's kind;
+    the format is still detected, since any format can be read through any storage.
+    """
+    if format in STORAGE_NAMES:
+        if source.location.kind != STORAGE_NAMES[format]:
+            raise UsageError(
+                f"--format {format} needs an {STORAGE_NAMES[format]}://org/repo location",
+                path=source.location.raw,
+            )
+        format = None
+    return format or detect_format(source)
 
 
 def resolve_source(location: Location | str) -> Source:
@@ -145,13 +206,7 @@ def detect_format(source: Source) -> str:
 def open_checkpoint(location: Location | str, format: str | None = None) -> Checkpoint:
     """Open a checkpoint for reading; `format` (a token) overrides detection."""
     source = resolve_source(location)
-    if format == "hub":
-        if source.location.kind != "hf":
-            raise UsageError(
-                "--format hub needs an hf://org/repo location", path=source.location.raw
-            )
-        format = None
-    name = format or detect_format(source)
+    name = choose_format(source, format)
     checkpoint = get_format(name).open(source)
     if source.origin:
         checkpoint.manifest.details.update(source.origin)

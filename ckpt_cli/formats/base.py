@@ -4,20 +4,42 @@ A `Format` recognises a source cheaply (`detect`, file names only), opens it int
 `Checkpoint` whose `manifest` comes from metadata alone, and writes new checkpoints through
 a streaming `Writer`. Readers hand out one tensor (or one raw byte range) at a time, so peak
 memory follows the largest tensor, never the model.
+
+The contract has three levels, each optional beyond the first, each announced by a flag the
+operations read instead of probing for methods (the way torch DCP's `StorageReader` /
+`StorageWriter` ABCs document the calls a planner makes):
+
+* entries (every format): `Checkpoint.read_tensor` / `read_object` / `read_slice`,
+  `Writer.write_tensor` / `write_object`; `Checkpoint.iter_raw` and `Writer.write_raw` when
+  tensors are stored as raw C-order bytes (`Entry.is_raw`, `Writer.accepts_raw`).
+* chunks (`Checkpoint.chunk_reads`, `Writer.chunk_writes`; DCP): a tensor is stored as boxes
+  of the global tensor (`Entry.chunks`). A chunk reader hands out one stored box at a time
+  (`read_chunk`); a chunk writer is planned with the boxes it writes (`chunks_of`), may own
+  only some of its data files (`owns`, under torchrun) and receives one box at a time
+  (`write_chunk`), so a re-cut for another world size never holds a whole tensor.
+* object bytes (`Checkpoint.object_bytes`, `Writer.object_bytes`, `Format.object_bytes`):
+  each non-tensor entry is stored as its own `torch.save` blob, handed over as bytes
+  (`read_object_bytes` -> `write_object_bytes`) so a copy never unpickles it, and scanned by
+  `ckpt verify` for globals the restricted reader refuses.
+
+The `Format` class also states the facts operations need about a target before any writer
+exists (which file names it writes, whether it holds objects, shards by size or by rank,
+dedupes tied tensors, keeps string metadata...): one attribute each, looked up through the
+registry (`ckpt_cli.formats.get_format`), so no operation compares format names.
 """
 
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from ..errors import FormatError
-from ..models import Entry, FileInfo, Manifest, Problem
+from ..models import Chunk, Entry, FileInfo, Manifest, Problem
 from ..storage import Storage
 from ..uri import Location
 
@@ -150,7 +172,19 @@ class Source:
 
 
 class Checkpoint(ABC):
-    """An opened checkpoint: its manifest, and reads of one entry at a time."""
+    """An opened checkpoint: its manifest, and reads of one entry at a time.
+
+    Attributes:
+        chunk_reads: `read_chunk` hands out stored chunks (`Entry.chunks`) one at a time.
+        object_bytes: `read_object_bytes` hands out a non-tensor entry's stored `torch.save`
+            blob without unpickling it.
+        planner_data: format data to carry into a rewrite of the same format (DCP's
+            `planner_data`: fqn -> path in the nested state dict); None when there is none.
+    """
+
+    chunk_reads: ClassVar[bool] = False
+    object_bytes: ClassVar[bool] = False
+    planner_data: Any = None
 
     def __init__(self, source: Source, manifest: Manifest):
         self.source = source
@@ -191,6 +225,27 @@ class Checkpoint(ABC):
             yield self.storage.read(entry.file, entry.offset + done, n)
             done += n
 
+    def read_chunk(self, name: str, index: int) -> torch.Tensor:
+        """Chunk `index` of tensor `name` as stored (its box is `entry.chunks[index]`).
+
+        Implemented where `chunk_reads` is set; other formats store whole tensors.
+        """
+        raise FormatError(
+            f"a {self.manifest.format} checkpoint does not store tensors as chunks "
+            f"(asked for chunk {index} of {name!r})",
+            path=self.manifest.location,
+        )
+
+    def read_object_bytes(self, name: str) -> bytes:
+        """The stored `torch.save` blob of non-tensor entry `name`, never unpickled.
+
+        Implemented where `object_bytes` is set.
+        """
+        raise FormatError(
+            f"a {self.manifest.format} checkpoint does not store entry {name!r} as its own blob",
+            path=self.manifest.location,
+        )
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release open files."""
 
@@ -230,7 +285,17 @@ class Writer(ABC):
     The writer is told every entry up front (`plan`: names, dtypes, shapes, bytes, in order)
     so it can lay out shards and headers before data arrives; then it receives the data of
     each entry in plan order and `finish` writes the commit marker (index / `.metadata`) last.
+
+    Attributes:
+        chunk_writes: the writer stores tensors as planned chunks: `chunks_of` says which,
+            `owns` which data files it writes, and `write_chunk` takes one box at a time
+            (a tensor may then arrive as its chunks instead of through `write_tensor`).
+        object_bytes: `write_object_bytes` stores a non-tensor entry from the `torch.save`
+            blob a checkpoint with `object_bytes` hands out.
     """
+
+    chunk_writes: ClassVar[bool] = False
+    object_bytes: ClassVar[bool] = False
 
     def __init__(self, staging: Path, plan: list[Entry], options: WriteOptions):
         self.staging = staging
@@ -248,6 +313,22 @@ class Writer(ABC):
     def write_object(self, name: str, value: Any) -> None:
         """Write a non-tensor entry; formats that cannot hold objects raise FormatError."""
         raise FormatError(f"{type(self).__name__} cannot store the non-tensor entry {name!r}")
+
+    def write_object_bytes(self, name: str, data: bytes) -> None:
+        """Write a non-tensor entry from its stored `torch.save` blob (where `object_bytes`)."""
+        raise FormatError(f"{type(self).__name__} cannot store {name!r} from its stored bytes")
+
+    def chunks_of(self, name: str) -> list[Chunk]:
+        """The chunks tensor `name` is written as (where `chunk_writes`)."""
+        raise FormatError(f"{type(self).__name__} does not write tensors as chunks")
+
+    def owns(self, file: str) -> bool:
+        """Whether this writer writes the data file `file` (all of them until `restrict`)."""
+        return True
+
+    def write_chunk(self, name: str, chunk_index: int, piece: torch.Tensor) -> None:
+        """Write one planned chunk (its box of the global tensor) of tensor `name`."""
+        raise FormatError(f"{type(self).__name__} does not write tensors as chunks")
 
     @property
     def accepts_raw(self) -> bool:
@@ -296,11 +377,99 @@ class Writer(ABC):
 
 
 class Format(ABC):
-    """One checkpoint format: detection, opening, writing."""
+    """One checkpoint format: detection, opening, writing, and the facts operations need.
+
+    The facts are class attributes, set in each format's module; operations read them from
+    the class the registry returns, never from the format's name.
+
+    Attributes:
+        name: the token users type (`--format`, `--to`).
+        title: how messages name one of its files (`a torch.save file`).
+        writable: `writer` is implemented.
+        folder: a checkpoint is a whole folder; SRC naming one of its files means the folder.
+        single_file_suffixes: DEST names ending so are one output file (first: the usual one).
+        default_basename / index_suffix: the stem of shard names and the suffix of the shard
+            index (`model` + `.safetensors.index.json`).
+        holds_objects: non-tensor entries (optimizer steps, RNG states) can be written.
+        object_bytes: opened checkpoints implement `Checkpoint.read_object_bytes`.
+        shards_by_size: the output is cut into shards by `--max-shard-size`.
+        shards_by_rank: the output is laid out for `--world-size` ranks (one file per rank).
+        serializations: how the data files can be encoded (first: the default).
+        loader_serializations: those the framework's own loader reads back.
+        compressions: compression transforms the writer can apply.
+        dedupes_tied: tensors that share storage are stored once (the others become aliases).
+        string_metadata: a string-to-string metadata map is stored (safetensors
+            `__metadata__`); `required_metadata` is what its loaders need in it.
+        commit_marker: the file written last that makes an output complete (`.metadata`).
+        layout_files: per `manifest.details["layout"]`, files the entries are read from
+            besides the data files (Megatron's `metadata.json`): never copied beside an output.
+    """
 
     name: ClassVar[str]
+    title: ClassVar[str] = ""
     #: whether `writer` is implemented
     writable: ClassVar[bool] = False
+    folder: ClassVar[bool] = False
+    single_file_suffixes: ClassVar[tuple[str, ...]] = ()
+    default_basename: ClassVar[str] = "model"
+    index_suffix: ClassVar[str | None] = None
+    holds_objects: ClassVar[bool] = False
+    object_bytes: ClassVar[bool] = False
+    shards_by_size: ClassVar[bool] = False
+    shards_by_rank: ClassVar[bool] = False
+    serializations: ClassVar[tuple[str, ...]] = ()
+    loader_serializations: ClassVar[tuple[str, ...]] = ()
+    compressions: ClassVar[tuple[str, ...]] = ()
+    dedupes_tied: ClassVar[bool] = False
+    string_metadata: ClassVar[bool] = False
+    required_metadata: ClassVar[Mapping[str, str]] = {}
+    commit_marker: ClassVar[str | None] = None
+    layout_files: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+
+    @staticmethod
+    def shard_names(basename: str, count: int) -> list[str]:
+        """The names of `count` shards with stem `basename` (formats that shard by size)."""
+        return []
+
+    @staticmethod
+    def rank_file(rank: int) -> str:
+        """The data file rank `rank` writes (formats that shard by rank)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def planned_size(entries: list[Entry], metadata: dict[str, str]) -> int | None:
+        """The exact size of a file holding `entries` in order, when known before writing."""
+        return None
+
+    @staticmethod
+    def skip_reason(entry: Entry) -> str | None:
+        """Why a conversion leaves `entry` out, in this format's words (None: the generic one)."""
+        return None
+
+    @classmethod
+    def checkpoint_source(cls, source: Source) -> Source:
+        """The source a check reads: the whole folder for a `folder` format named by one file."""
+        if cls.folder and source.target is not None:
+            return Source(location=source.location, storage=source.storage, origin=source.origin)
+        return source
+
+    @classmethod
+    def output_metadata(
+        cls, metadata: Mapping[str, str], aliases: Mapping[str, str]
+    ) -> dict[str, str]:
+        """The string metadata to write: the source's, the tied-name aliases, what loaders need."""
+        if not cls.string_metadata:
+            return {}
+        return {**metadata, **aliases, **cls.required_metadata}
+
+    @classmethod
+    def entry_files(cls, manifest: Manifest) -> set[str]:
+        """The files a checkpoint's entries are read from (never copied beside an output)."""
+        used = {f.path for f in manifest.files if f.entries}
+        layout = manifest.details.get("layout")
+        if isinstance(layout, str):
+            used.update(cls.layout_files.get(layout, ()))
+        return used
 
     @classmethod
     @abstractmethod

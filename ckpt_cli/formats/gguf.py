@@ -147,6 +147,8 @@ class GgufFormat(Format):
     """GGUF files, read through the `gguf` package (metadata, tensor infos, raw tensor ranges)."""
 
     name = "gguf"
+    title = "GGUF"
+    skip_reason = staticmethod(skip_reason)
 
     @classmethod
     def detect(cls, source: Source) -> bool:

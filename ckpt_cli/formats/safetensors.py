@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import dtypes
 from ..errors import CkptError, FormatError, NotFoundError
@@ -76,7 +76,22 @@ class SafetensorsFormat(Format):
     """The safetensors format (single file or sharded with an index)."""
 
     name = "safetensors"
+    title = "safetensors"
     writable = True
+    single_file_suffixes = (".safetensors",)
+    index_suffix = INDEX_SUFFIX
+    shards_by_size = True
+    dedupes_tied = True  # safetensors refuses shared storage: tied names become aliases
+    string_metadata = True
+    required_metadata: ClassVar[dict[str, str]] = {
+        "format": "pt"
+    }  # transformers loads a file only with format=pt
+    shard_names = staticmethod(lambda basename, count: shard_names(basename, count))
+    planned_size = staticmethod(
+        lambda entries, metadata: (
+            len(encode_header(entries, metadata)) + sum(e.nbytes for e in entries)
+        )
+    )
 
     @classmethod
     def detect(cls, source: Source) -> bool:

@@ -638,7 +638,14 @@ class TorchFormat(Format):
     """torch.save files, single or sharded with `pytorch_model.bin.index.json`."""
 
     name = "torch"
+    title = "torch.save"
     writable = True
+    single_file_suffixes = TORCH_SUFFIXES
+    default_basename = "pytorch_model"
+    index_suffix = BIN_INDEX_SUFFIX
+    holds_objects = True
+    shards_by_size = True
+    shard_names = staticmethod(lambda basename, count: shard_names(basename, count))
 
     @classmethod
     def detect(cls, source: Source) -> bool:

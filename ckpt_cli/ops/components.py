@@ -12,16 +12,29 @@ rename once every component is written.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol, TypeVar
 
 from ..errors import UsageError
-from ..formats import resolve_source
+from ..formats import get_format, resolve_source, writable_formats
 from ..layouts.model_folders import Component, multi_folder
 from ..models import FileInfo
 from ..output import RemoteDest, resolve_destination, staged_output
 
-#: the targets a multi-folder model converts to (what its libraries load)
-_TARGETS = ("safetensors", "torch")
+
+class ComponentReport(Protocol):
+    """What the single-checkpoint operation reports for one component: the files it wrote."""
+
+    @property
+    def files(self) -> list[FileInfo]: ...
+
+
+R = TypeVar("R", bound=ComponentReport)
+
+
+def component_targets() -> list[str]:
+    """The formats a multi-folder model converts to: those its libraries load, the formats
+    written as Hugging Face shards (`Format.shards_by_size`)."""
+    return [name for name in writable_formats() if get_format(name).shards_by_size]
 
 
 def components_of(src: str) -> tuple[str, list[Component]] | None:
@@ -55,15 +68,16 @@ def write_components(
     layout: str,
     components: list[Component],
     to: str,
-    one: Callable[[str, str, str], Any],
+    one: Callable[[str, str, str], R],
     *,
     force: bool,
-) -> tuple[list[FileInfo], list[Any]]:
+) -> tuple[list[FileInfo], list[R]]:
     """Write every component with `one(component_src, component_dest, target)`, copy the
     other files, publish DEST. Returns (files written, the per-component reports)."""
-    if to not in _TARGETS:
+    targets = component_targets()
+    if to not in targets:
         raise UsageError(
-            f"a {layout} folder converts component by component to safetensors or torch",
+            f"a {layout} folder converts component by component to {' or '.join(targets)}",
             path=src,
             fix=f"Pick one component for --to {to}, e.g. --select {components[0].name}.",
         )
@@ -72,7 +86,7 @@ def write_components(
         raise UsageError(f"a {layout} folder is written to a local folder", path=dest)
     source = resolve_source(src)
     root = src.rstrip("/")
-    reports: list[Any] = []
+    reports: list[R] = []
     files: list[FileInfo] = []
     weight_files: set[str] = set()
     with staged_output(dest_path, force=force) as staging:
@@ -103,7 +117,7 @@ def write_components(
                     child.rename(staging / child.name)
                 inner_dest.rmdir()
             base = f"{comp.path}/" if comp.path else ""
-            for info in getattr(report, "files", []):
+            for info in report.files:
                 files.append(info.model_copy(update={"path": f"{base}{info.path}"}))
         for rel in sorted(source.files):
             if rel in weight_files or (staging / rel).exists():

@@ -6,7 +6,8 @@ The work is `ops.transfer`'s pipeline; this module turns the command's options i
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import PurePath
 from typing import Any
 
@@ -15,18 +16,27 @@ from pydantic import BaseModel, Field
 from .. import dtypes
 from ..distributed import RankShare
 from ..errors import FormatError, UsageError
-from ..formats.base import Checkpoint, WriteOptions
-from ..layouts import open_source
-from ..models import FileInfo
-from ..output import Destination, RemoteDest, resolve_destination
+from ..formats import find_format
+from ..formats.base import Checkpoint, Format, WriteOptions
+from ..layouts import OpenedSource, open_source
+from ..models import FileInfo, Manifest
+from ..output import Destination, resolve_destination
 from ..progress import NULL_PROGRESS, Progress
 from ..quant import QuantAnalysis
 from ..sizes import parse_size
-from ..storage import Storage
-from ..uri import parse_location
+from .convert_plan import (
+    NO_COMPRESSION,
+    check_shard_size,
+    check_target,
+    dequantized_config,
+    guard_paths,
+    keep_quantized,
+    output_layout,
+    output_warnings,
+    planned_files,
+    unused_renames,
+)
 from .transfer import (
-    HOLDS_OBJECTS,
-    Item,
     SkippedEntry,
     TransferPlan,
     WrittenEntry,
@@ -35,11 +45,6 @@ from .transfer import (
     plan_transfer,
 )
 from .transfer import write_checkpoint as run_write
-
-#: formats `--to` accepts
-TARGETS = ("safetensors", "dcp", "torch")
-SERIALIZATIONS = ("torch_save", "safetensors")
-_TORCH_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 class ConvertReport(BaseModel):
@@ -104,27 +109,6 @@ class ConvertReport(BaseModel):
     extras: list[str] = Field(default_factory=list)
 
 
-def _guard_paths(src: str, dest: Destination) -> None:
-    """Refuse a DEST that is, contains or lies inside the source: sources are never modified."""
-    loc = parse_location(src)
-    if isinstance(dest, RemoteDest):
-        if loc.kind != "fsspec" or loc.url is None:
-            return
-        # same store: compare the URLs as paths (an object store has no links to resolve)
-        source, target, sep = loc.url.rstrip("/"), dest.url, "/"
-    elif not loc.is_local or loc.path is None:
-        return
-    else:
-        source, target, sep = os.path.realpath(loc.path), os.path.realpath(dest), os.sep
-    for a, b in ((source, target), (target, source)):
-        if a == b or b.startswith(a.rstrip(sep) + sep):
-            raise UsageError(
-                "DEST overlaps the source checkpoint",
-                path=str(dest),
-                fix="Write the converted checkpoint somewhere outside the source.",
-            )
-
-
 def _unreadable_components(
     unreadable: dict[str, tuple[str, str]],
     skipped: list[SkippedEntry],
@@ -163,53 +147,6 @@ def _unreadable_components(
                 name=comp, kind="component", reason=f"unreadable: {where}: {problem}; {why}"
             )
         )
-
-
-def _layout(
-    to: str, dest: PurePath | RemoteDest, max_shard_size: int | None
-) -> tuple[bool, str | None]:  # (single_file, basename)
-    if to == "safetensors" and dest.suffix == ".safetensors":
-        if max_shard_size:
-            raise UsageError(
-                "a sharded output needs a folder, not a .safetensors file name",
-                path=str(dest),
-                fix="Name a folder as DEST (shards and model.safetensors.index.json go in it).",
-            )
-        return True, dest.stem
-    if to == "torch" and dest.suffix in _TORCH_FILE_SUFFIXES:
-        if max_shard_size:
-            raise UsageError(
-                f"a sharded output needs a folder, not a {dest.suffix} file name",
-                path=str(dest),
-                fix="Name a folder as DEST.",
-            )
-        return True, dest.stem
-    named = _FILE_KINDS.get(dest.suffix)
-    if named is not None:
-        # `x.safetensors --to torch` would create a folder named x.safetensors
-        wanted = {"torch": "a .pt file", "safetensors": "a .safetensors file", "dcp": "a folder"}
-        raise UsageError(
-            f"DEST names {named}, but --to {to} writes {wanted[to]} or a folder",
-            path=str(dest),
-            fix=f"Use --to {_FILE_FORMATS[dest.suffix]}, or name DEST "
-            + (
-                f"{dest.stem}.pt"
-                if to == "torch"
-                else f"{dest.stem}.safetensors"
-                if to == "safetensors"
-                else dest.stem
-            )
-            + " to write that format.",
-        )
-    return False, None
-
-
-#: file suffixes that name one file of a format, for DEST names that contradict --to
-_FILE_KINDS = {
-    ".safetensors": "a safetensors file",
-    **{s: "a torch.save file" for s in _TORCH_FILE_SUFFIXES},
-}
-_FILE_FORMATS = {".safetensors": "safetensors", **{s: "torch" for s in _TORCH_FILE_SUFFIXES}}
 
 
 def convert(
@@ -258,40 +195,23 @@ def convert(
         extras: carry the source folder's non-weight files (config, tokenizer...) into a
             folder DEST, so `from_pretrained(DEST)` builds the same model.
     """
-    if to not in TARGETS:
-        raise UsageError(f"cannot convert to {to!r}", fix=f"Use --to {' | '.join(TARGETS)}.")
-    if dcp_compression not in (None, "none", "zstd"):
-        raise UsageError(
-            f"unknown DCP compression {dcp_compression!r}", fix="Use --dcp-compression zstd."
-        )
-    if dcp_compression not in (None, "none") and to != "dcp":
-        raise UsageError("--dcp-compression applies to --to dcp only")
-    if dcp_serialization not in SERIALIZATIONS:
-        raise UsageError(
-            f"unknown DCP serialization {dcp_serialization!r}",
-            fix="Use --dcp-serialization torch_save or safetensors.",
-        )
-    if world_size < 1:
-        raise UsageError("--world-size must be at least 1")
-    if to != "dcp" and world_size != 1:
-        raise UsageError("--world-size applies to --to dcp only")
+    target = check_target(
+        to, serialization=dcp_serialization, compression=dcp_compression, world_size=world_size
+    )
     dest_path = resolve_destination(dest)
     shard_size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
-    if shard_size and to == "dcp":
-        raise UsageError(
-            "--max-shard-size does not apply to DCP (one file per rank)",
-            fix="Use --world-size to choose how many files a DCP output has.",
-        )
+    check_shard_size(target, shard_size)
     cast = dtypes.parse_user_dtype(dtype) if dtype else None
     rename_pairs = parse_renames(renames)
-    _guard_paths(src, dest_path)
+    guard_paths(src, dest_path)
     if format is None:
         from .components import component_source, components_of
 
         found = components_of(src)
         if found is not None:
             # a diffusers pipeline / sentence-transformers folder: one component, or each
-            again = dict(
+            again = partial(
+                convert,
                 max_shard_size=shard_size,
                 dtype=dtype,
                 include=include,
@@ -301,93 +221,43 @@ def convert(
                 world_size=world_size,
                 progress=progress,
             )
-            if select:
-                sub = component_source(src, found[1], select)
-                if sub is not None:
-                    return convert(sub, dest, to, force=force, **again)  # type: ignore[arg-type]
-            else:
-                return _convert_components(src, dest, to, found, again, force)
-    single_file, basename = _layout(to, dest_path, shard_size)
+            if not select:
+                return _convert_components(src, dest, to, found, again, force, shard_size)
+            sub = component_source(src, found[1], select)
+            if sub is not None:
+                return again(sub, dest, to, force=force)
+    single_file, basename = output_layout(target, dest_path, shard_size)
     opened = open_source(src, format)
     with opened.checkpoint as base:
-        from ..quant import analyse_checkpoint, logical_dtype
+        from ..quant import analyse_checkpoint
 
         analysis = analyse_checkpoint(base.manifest, base.storage)
-        checkpoint: Checkpoint = base
-        dequantized = 0  # weights a DequantizedCheckpoint turned into plain entries
-        if dequantize:
-            if not analysis.quantized:
-                raise UsageError(
-                    "--dequantize: no quantized weight found (FP8, MXFP4, NVFP4)",
-                    path=src,
-                    fix="Drop --dequantize; `ckpt inspect` shows what the checkpoint holds.",
-                )
-            from ..quant.dequant import DequantizedCheckpoint
-
-            plain = DequantizedCheckpoint(base, analysis, logical_dtype(analysis, cast))
-            checkpoint, dequantized = plain, len(plain.logical)
+        checkpoint, dequantized = _readable(base, analysis, src, dequantize, cast)
         manifest = checkpoint.manifest
-        from ..layouts import select_view
-
-        # torchtitan keeps the model's keys at the top level: `--select model` takes them as-is
-        view = select_view(opened, select)
-        plan = plan_transfer(
-            view or manifest,
-            select=None if view is not None else select,
-            include=include,
-            exclude=exclude,
-            renames=rename_pairs,
-            dtype=cast,
-            keep_objects=to in HOLDS_OBJECTS,
-            dedupe_tied=to == "safetensors",
-        )
+        plan = _plan(opened, manifest, target, select, include, exclude, rename_pairs, cast)
         kept = 0 if dequantize else keep_quantized(plan, analysis)
-        if manifest.format == "gguf":
-            # quantized GGUF tensors are reported as such, not as generic objects
-            from ..formats.gguf import skip_reason
-
-            for skipped in plan.skipped:
-                reason = skip_reason(manifest.by_name[skipped.name])
-                if reason:
-                    skipped.reason = reason
         _unreadable_components(opened.unreadable, plan.skipped, select, include, exclude)
-        metadata: dict[str, str] = {}
-        if to == "safetensors":
-            # carry the source's string metadata; transformers needs format=pt to load it
-            metadata.update(manifest.metadata)
-            metadata.update(plan.aliases)
-            metadata["format"] = "pt"
-        warnings = _unused_renames(plan, rename_pairs, select)
-        if dry_run:
-            return _dry_run_report(
-                manifest,
-                plan,
-                dest_path,
-                to,
-                metadata,
-                shard_size,
-                basename,
-                single_file,
-                cast,
-                dcp_serialization,
-                world_size,
-                warnings,
-            )
         options = WriteOptions(
             max_shard_size=shard_size,
-            metadata=metadata,
+            # the source's string metadata where the target keeps some (safetensors)
+            metadata=target.output_metadata(manifest.metadata, plan.aliases),
             basename=basename,
             single_file=single_file,
             dcp_serialization=dcp_serialization,
             world_size=world_size,
-            extra={"dcp_compression": None if dcp_compression == "none" else dcp_compression},
+            extra={
+                "dcp_compression": None if dcp_compression == NO_COMPRESSION else dcp_compression
+            },
         )
+        warnings = unused_renames(plan, rename_pairs, select)
+        if dry_run:
+            return _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
         if analysis.quantized and not dequantize:
             renamed = {i.source.name: i.target.name for i in plan.items}
             options.extra["together"] = [
                 [renamed[n] for n in group if n in renamed] for group in analysis.together()
             ]
-        if not single_file and to in ("safetensors", "torch") and format is None:
+        if not single_file and target.shards_by_size and format is None:
             # keep the source library's file names (adapter_model, diffusion_pytorch_model...)
             from ..layouts.model_folders import apply_naming
 
@@ -430,57 +300,83 @@ def convert(
         tied=plan.tied,
         aliases=plan.aliases,
         max_shard_size=shard_size,
-        dcp_serialization=dcp_serialization if to == "dcp" else None,
-        world_size=world_size if to == "dcp" else None,
+        dcp_serialization=dcp_serialization if target.serializations else None,
+        world_size=world_size if target.shards_by_rank else None,
         entries=written,
         ranks=shares,
         dequantized=dequantized,
         quantized_kept=kept,
         config_written=config_written,
         extras=carried,
-        warnings=warnings + (dcp_warnings(dcp_serialization) if to == "dcp" else []),
+        warnings=warnings + output_warnings(target, dcp_serialization),
     )
 
 
-def _unused_renames(
-    plan: TransferPlan, renames: list[tuple[str, str]], select: str | None
-) -> list[str]:
-    """A --rename rule that renames no entry has no effect: say so (reshard warns likewise)."""
-    strip = f"{select}." if select else ""
-    names = [i.source.name.removeprefix(strip) for i in plan.items]
-    names += [s.name.removeprefix(strip) for s in plan.skipped]
-    used = set()
-    for name in names:
-        for n, (old, _new) in enumerate(renames):
-            if name.startswith(old):
-                used.add(n)
-                break  # first match wins
-    return [
-        f"--rename {old}={new} matches no entry (names are matched after --select; "
-        "see `ckpt inspect --list`)"
-        for n, (old, new) in enumerate(renames)
-        if n not in used
-    ]
+def _readable(
+    base: Checkpoint, analysis: QuantAnalysis, src: str, dequantize: bool, cast: str | None
+) -> tuple[Checkpoint, int]:
+    """The checkpoint to copy from, and how many weights `--dequantize` turned into plain
+    entries (a `DequantizedCheckpoint` over `base`)."""
+    if not dequantize:
+        return base, 0
+    if not analysis.quantized:
+        raise UsageError(
+            "--dequantize: no quantized weight found (FP8, MXFP4, NVFP4)",
+            path=src,
+            fix="Drop --dequantize; `ckpt inspect` shows what the checkpoint holds.",
+        )
+    from ..quant import logical_dtype
+    from ..quant.dequant import DequantizedCheckpoint
+
+    plain = DequantizedCheckpoint(base, analysis, logical_dtype(analysis, cast))
+    return plain, len(plain.logical)
+
+
+def _plan(
+    opened: OpenedSource,
+    manifest: Manifest,
+    target: type[Format],
+    select: str | None,
+    include: list[str] | None,
+    exclude: list[str] | None,
+    renames: list[tuple[str, str]],
+    cast: str | None,
+) -> TransferPlan:
+    """What goes out under which name and dtype, as far as the target can hold it."""
+    from ..layouts import select_view
+
+    # torchtitan keeps the model's keys at the top level: `--select model` takes them as-is
+    view = select_view(opened, select)
+    plan = plan_transfer(
+        view or manifest,
+        select=None if view is not None else select,
+        include=include,
+        exclude=exclude,
+        renames=renames,
+        dtype=cast,
+        keep_objects=target.holds_objects,
+        dedupe_tied=target.dedupes_tied,
+    )
+    source_format = find_format(manifest.format)
+    if source_format is not None:
+        # the source format's own words for what it cannot hand over (GGUF quantized tensors)
+        for skipped in plan.skipped:
+            reason = source_format.skip_reason(manifest.by_name[skipped.name])
+            if reason:
+                skipped.reason = reason
+    return plan
 
 
 def _dry_run_report(
-    manifest: Any,
+    manifest: Manifest,
     plan: TransferPlan,
     dest: Destination,
-    to: str,
-    metadata: dict[str, str],
-    shard_size: int | None,
-    basename: str | None,
-    single_file: bool,
+    target: type[Format],
+    options: WriteOptions,
     cast: str | None,
-    dcp_serialization: str,
-    world_size: int,
     warnings: list[str],
 ) -> ConvertReport:
     """What `convert` would write, from the plan alone: entries, files, sizes."""
-    from ..formats.safetensors import plan_shards, shard_names
-    from ..formats.safetensors_header import encode_header
-
     entries = [
         WrittenEntry(
             name=i.target.name,
@@ -494,37 +390,12 @@ def _dry_run_report(
         for i in plan.items
     ]
     tensors = [i.target for i in plan.items if i.target.kind == "tensor"]
-    files: list[FileInfo] = []
-    if to == "safetensors":
-        shards = plan_shards(tensors, shard_size)
-        stem = basename or "model"
-        names = [PurePath(str(dest)).name] if single_file else shard_names(stem, len(shards))
-        for name, shard in zip(names, shards, strict=True):
-            size = len(encode_header(shard, metadata)) + sum(e.nbytes for e in shard)
-            files.append(FileInfo(path=name, size=size, entries=len(shard)))
-        if len(shards) > 1:
-            files.append(FileInfo(path=f"{stem}.safetensors.index.json", entries=len(tensors)))
-    elif to == "torch":
-        from ..formats import torch_save
-
-        if single_file:
-            files.append(FileInfo(path=PurePath(str(dest)).name, entries=len(entries)))
-        else:
-            groups = plan_shards([i.target for i in plan.items], shard_size)
-            stem = basename or "pytorch_model"
-            for name, group in zip(torch_save.shard_names(stem, len(groups)), groups, strict=True):
-                files.append(FileInfo(path=name, entries=len(group)))
-            if len(groups) > 1:
-                files.append(FileInfo(path=f"{stem}.bin.index.json", entries=len(entries)))
-    else:
-        files += [FileInfo(path=f"__{r}_0.distcp") for r in range(world_size)]
-        files.append(FileInfo(path=".metadata", entries=len(entries)))
     return ConvertReport(
         source=manifest.location,
         source_format=manifest.format,
         dest=str(dest),
-        format=to,
-        files=files,
+        format=target.name,
+        files=planned_files(target, plan, dest, options),
         tensors=len(tensors),
         objects=len(entries) - len(tensors),
         tensor_bytes=sum(e.nbytes for e in tensors),
@@ -535,70 +406,13 @@ def _dry_run_report(
         skipped=plan.skipped,
         tied=plan.tied,
         aliases=plan.aliases,
-        max_shard_size=shard_size,
-        dcp_serialization=dcp_serialization if to == "dcp" else None,
-        world_size=world_size if to == "dcp" else None,
+        max_shard_size=options.max_shard_size,
+        dcp_serialization=options.dcp_serialization if target.serializations else None,
+        world_size=options.world_size if target.shards_by_rank else None,
         entries=entries,
         dry_run=True,
         warnings=warnings,
     )
-
-
-def keep_quantized(plan: TransferPlan, analysis: QuantAnalysis) -> int:
-    """Never cast a quantized weight or its scales; keep each weight's scales right after it.
-
-    Returns how many tensors a `--dtype` cast would have touched but was kept as stored.
-    """
-    if not analysis.quantized:
-        return 0
-    kept = 0
-    for item in plan.items:
-        if item.source.name in analysis.owner and item.cast is not None:
-            item.cast = None
-            item.target = item.target.model_copy(
-                update={"dtype": item.source.dtype, "nbytes": item.source.nbytes}
-            )
-            kept += 1
-    # scales follow their weight, so a shard split never separates them
-    by_name = {item.source.name: item for item in plan.items}
-    ordered: list[Item] = []
-    placed: set[str] = set()
-    for item in plan.items:
-        name = item.source.name
-        if name in placed:
-            continue
-        owner = analysis.owner.get(name)
-        members = analysis.weights[owner].members if owner is not None else [name]
-        for member in members:
-            if member in by_name and member not in placed:
-                ordered.append(by_name[member])
-                placed.add(member)
-        if name not in placed:
-            ordered.append(item)
-            placed.add(name)
-    plan.items = ordered
-    return kept
-
-
-def dequantized_config(storage: Storage) -> bytes | None:
-    """The source's `config.json` without its quantization section (None when it has none).
-
-    A `config.json` that still declares quantization would make loaders expect scales that a
-    dequantized output no longer has.
-    """
-    import json
-
-    from ..quant import without_quantization
-
-    if not storage.exists("config.json"):
-        return None
-    try:
-        config = json.loads(storage.read_all("config.json"))
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    return (json.dumps(without_quantization(config), indent=2) + "\n").encode()
 
 
 def _convert_components(
@@ -606,18 +420,16 @@ def _convert_components(
     dest: str,
     to: str,
     found: tuple[str, list[Any]],
-    again: dict[str, Any],
+    again: Callable[[str, str, str], ConvertReport],
     force: bool,
+    shard_size: int | None,
 ) -> ConvertReport:
     """Every component of a multi-folder model converted with its own naming, one DEST."""
     from .components import write_components
 
     layout, components = found
 
-    def one(inner_src: str, inner_dest: str, target: str) -> ConvertReport:
-        return convert(inner_src, inner_dest, target, **again)
-
-    files, reports = write_components(src, dest, layout, components, to, one, force=force)
+    files, reports = write_components(src, dest, layout, components, to, again, force=force)
     return ConvertReport(
         source=src,
         source_format=layout,
@@ -632,19 +444,6 @@ def _convert_components(
         casts=sum(r.casts for r in reports),
         renamed=sum(r.renamed for r in reports),
         skipped=[s for r in reports for s in r.skipped],
-        max_shard_size=again.get("max_shard_size"),
+        max_shard_size=shard_size,
         entries=[e for r in reports for e in r.entries],
     )
-
-
-def dcp_warnings(dcp_serialization: str) -> list[str]:
-    """What to tell a user about a DCP output of this serialization (written by ckpt)."""
-    if dcp_serialization == "safetensors":
-        import torch
-
-        return [
-            f"a DCP with safetensors serialization cannot be read by torch {torch.__version__}'s "
-            "dcp.load (its loader reads torch_save serialization only); ckpt reads it, and "
-            "--dcp-serialization torch_save writes one dcp.load restores"
-        ]
-    return []

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from ..errors import FormatError, NotFoundError, UsageError
-from ..formats import open_checkpoint, resolve_source
+from ..formats import HF_WEIGHTS, get_format, open_checkpoint, resolve_source
 from ..formats.base import Checkpoint, WriteOptions
 from ..formats.weight_map import INDEX_SUFFIX
 from ..layouts.model_folders import read_json
@@ -315,16 +315,16 @@ def merge(
     base_source = resolve_source(base)
     shard = _shard_size(base_checkpoint)
     with merged:
-        plan = plan_transfer(merged.manifest, keep_objects=False, dedupe_tied=True)
-        metadata = dict(base_checkpoint.manifest.metadata)
-        metadata.update(plan.aliases)
-        metadata["format"] = "pt"
+        # written as Hugging Face libraries save weights, so `from_pretrained(DEST)` loads it
+        target = get_format(HF_WEIGHTS)
+        plan = plan_transfer(
+            merged.manifest, keep_objects=target.holds_objects, dedupe_tied=target.dedupes_tied
+        )
+        metadata = target.output_metadata(base_checkpoint.manifest.metadata, plan.aliases)
         options = WriteOptions(max_shard_size=shard, metadata=metadata, basename="model")
         with staged_output(dest_path, force=force) as staging:
             inner = staging / "weights"
-            files, written = run_write(
-                merged, plan, inner, "safetensors", options, progress=progress
-            )
+            files, written = run_write(merged, plan, inner, target.name, options, progress=progress)
             for child in inner.iterdir():
                 child.rename(staging / child.name)
             inner.rmdir()

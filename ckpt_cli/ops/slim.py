@@ -30,6 +30,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from ..errors import CkptError
+from ..formats import find_format, get_format
+from ..formats.base import Checkpoint
 from ..output import TMP_MARKER, fsync_dir
 from ..runs import DELETING, RUN_SLIM_RECORD, SLIM_RECORD
 
@@ -93,8 +95,10 @@ def slim_plan(path: str | Path) -> SlimAction | None:
             return SlimAction(
                 how="remove", target=str(target), components=dropped, files=files, bytes=size
             )
-        if target.is_dir() and checkpoint.manifest.format == "torch":
-            # a folder holding one torch.save file (`step-N/state.pt`): that file is rewritten
+        fmt = find_format(checkpoint.manifest.format)
+        if target.is_dir() and fmt is not None and fmt.holds_objects and not fmt.folder:
+            # a folder holding one training-state file (`step-N/state.pt`): that file is
+            # rewritten
             if len(checkpoint.manifest.files) != 1:
                 return None
             target = target / checkpoint.manifest.files[0].path
@@ -112,11 +116,10 @@ def slim_plan(path: str | Path) -> SlimAction | None:
         )
 
 
-def _relative(root: Path, component: object, name: str) -> str | None:
+def _relative(root: Path, component: Checkpoint, name: str) -> str | None:
     """A component's file as a path relative to the checkpoint folder (None if elsewhere)."""
-    storage = getattr(getattr(component, "source", None), "storage", None)
-    base = getattr(storage, "root", None)
-    full = (Path(base) / name) if isinstance(base, Path) else root / name
+    base = component.storage.local_root
+    full = (base / name) if base is not None else root / name
     try:
         rel = full.resolve().relative_to(root.resolve())
     except ValueError:
@@ -205,7 +208,7 @@ def _rewrite(action: SlimAction, target: Path) -> None:
 
     from .convert import convert
 
-    assert action.format in ("dcp", "torch"), action.format
+    assert action.format is not None and get_format(action.format).holds_objects, action.format
     staged = _hidden(target, "slim-")
     if target.is_file():
         # convert writes one file when DEST ends like one (`.pt`, `.ckpt`...)

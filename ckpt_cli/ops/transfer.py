@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 from .. import dtypes
 from ..distributed import CombinedProgress, RankShare, Workers, active, split_output
 from ..errors import FormatError, NotFoundError, UsageError
-from ..formats import get_format
+from ..formats import find_format, get_format
 from ..formats.base import COPY_BLOCK, Checkpoint, FileRange, Source, WriteOptions, Writer
 from ..model_files import EXTRA_SUFFIXES, MAX_EXTRA_BYTES, WEIGHT_SUFFIXES
 from ..models import Entry, FileInfo, Manifest
@@ -40,8 +40,6 @@ from .inspect import select as select_globs
 if typing.TYPE_CHECKING:  # only the annotation: DEST may be a local path or an object store
     from ..output import Destination
 
-#: formats whose writers can hold non-tensor entries (DCP bytes entries, torch.save objects)
-HOLDS_OBJECTS = frozenset({"dcp", "torch"})
 #: seconds to sleep after each entry; set only by the tests that kill a copy mid-way, so the
 #: kill lands inside the copy deterministically without a multi-GB fixture
 DELAY_ENV = "CKPT_TEST_COPY_DELAY"
@@ -340,13 +338,12 @@ def _counted(blocks: Iterable[bytes | memoryview], progress: Progress) -> Iterat
 
 
 def _partial_chunks(writer: Writer, name: str) -> list[tuple[int, list[int], list[int]]] | None:
-    """The chunks of `name` a restricted DCP-like writer writes, when it writes only some."""
-    owns = getattr(writer, "owns", None)
-    chunks_of = getattr(writer, "chunks_of", None)
-    if owns is None or chunks_of is None:
+    """The chunks of `name` a restricted chunk writer (`Writer.chunk_writes`) writes, when it
+    writes only some."""
+    if not writer.chunk_writes:
         return None
-    chunks = chunks_of(name)
-    mine = [(i, c.offsets, c.sizes) for i, c in enumerate(chunks) if owns(c.file)]
+    chunks = writer.chunks_of(name)
+    mine = [(i, c.offsets, c.sizes) for i, c in enumerate(chunks) if writer.owns(c.file)]
     return mine if len(mine) < len(chunks) else None
 
 
@@ -376,7 +373,7 @@ def copy_entries(
                 piece = checkpoint.read_slice(source.name, offsets, sizes)
                 if item.cast is not None:
                     piece = piece.to(torch_dtype(item.cast))
-                writer.write_chunk(target.name, index, piece)  # type: ignore[attr-defined]
+                writer.write_chunk(target.name, index, piece)
                 # counted in source bytes, like the whole-entry paths below
                 progress.advance(dtypes.numel(sizes) * dtypes.itemsize(source.dtype or "uint8"))
                 del piece
@@ -454,12 +451,15 @@ def extra_files(checkpoint: Checkpoint) -> list[str]:
     source = checkpoint.source
     if source.target is not None:
         return []
-    used = {f.path for f in checkpoint.manifest.files if f.entries}
-    if checkpoint.manifest.details.get("layout") == "megatron_torch_dist":
-        # Megatron's own metadata travels inside the output's entries: a copied
-        # `metadata.json` would make a plain DCP output look like a Megatron save without
-        # its `common.pt`
-        used.add("metadata.json")
+    fmt = find_format(checkpoint.manifest.format)
+    # a layout's own metadata (Megatron's `metadata.json`) travels inside the output's
+    # entries: copied, it would make a plain DCP output look like a Megatron save without its
+    # `common.pt` (`Format.layout_files`)
+    used = (
+        fmt.entry_files(checkpoint.manifest)
+        if fmt is not None
+        else {f.path for f in checkpoint.manifest.files if f.entries}
+    )
     out = []
     for rel, size in sorted(source.files.items()):
         name = rel.rsplit("/", 1)[-1]

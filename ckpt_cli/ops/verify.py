@@ -26,8 +26,8 @@ from ..errors import (
     UnsafeInputError,
     UsageError,
 )
-from ..formats import detect_format, get_format, resolve_source
-from ..formats.base import Checkpoint, Source
+from ..formats import choose_format, get_format, resolve_source
+from ..formats.base import Checkpoint, Format, Source
 from ..hashing import ALGORITHMS
 from ..layouts import OpenedSource, check_source, open_source, recognise_layout, training_checks
 from ..models import Problem, TrainingState
@@ -140,13 +140,13 @@ def verify(
     opened = recognise_layout(source) if format is None else None
     try:
         if opened is None:
-            name = _format_name(source, format)
-            if name == "dcp" and source.target is not None:
-                # SRC named the .metadata or one .distcp file: the checkpoint is the folder
-                source = Source(location=source.location, storage=source.storage)
-            problems = list(get_format(name).check(source))
-            if name == "dcp" and not any(p.severity == "error" for p in problems):
-                problems.extend(dcp_object_problems(source))
+            name = choose_format(source, format)
+            fmt = get_format(name)
+            # SRC named the .metadata or one .distcp file: the checkpoint is the folder
+            source = fmt.checkpoint_source(source)
+            problems = list(fmt.check(source))
+            if fmt.object_bytes and not any(p.severity == "error" for p in problems):
+                problems.extend(object_problems(fmt, source))
         else:
             training = opened.training
             name = training.layout if training else opened.checkpoint.manifest.format
@@ -297,16 +297,6 @@ def _parity_problems(report: VerifyReport, problems: list[Problem], parity: Pari
                 severity="warning",
             )
         )
-
-
-def _format_name(source: Source, format: str | None) -> str:
-    if format == "hub":
-        if source.location.kind != "hf":
-            raise UsageError(
-                "--format hub needs an hf://org/repo location", path=source.location.raw
-            )
-        format = None
-    return format or detect_format(source)
 
 
 # ---------------------------------------------------------------- training state and --deep
@@ -485,7 +475,7 @@ def count_nonfinite(tensor: torch.Tensor) -> tuple[int, int]:
 
     if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
         return 0, 0
-    if tensor.dtype == getattr(torch, "float4_e2m1fn_x2", None):
+    if str(tensor.dtype) == "torch.float4_e2m1fn_x2":  # a dtype older torch lacks
         return 0, 0  # E2M1 has no NaN or Inf encodings (and no CPU kernels to look)
     flat = tensor.reshape(-1)
     nan = inf = 0
@@ -501,20 +491,20 @@ def count_nonfinite(tensor: torch.Tensor) -> tuple[int, int]:
     return nan, inf
 
 
-def dcp_object_problems(source: Source) -> list[Problem]:
-    """Every non-tensor (BYTE_IO) entry of a DCP checkpoint whose pickle needs a global that
-    ckpt's restricted reader refuses: found by reading opcodes (nothing runs, no torch), so
-    plain `verify` names the entry that `convert`, `diff` or `--deep` would refuse."""
-    from ..formats.dcp import DcpCheckpoint
+def object_problems(fmt: type[Format], source: Source) -> list[Problem]:
+    """Every non-tensor entry stored as its own pickle (`Format.object_bytes`: DCP's BYTE_IO
+    items) whose pickle needs a global that ckpt's restricted reader refuses: found by reading
+    opcodes (nothing runs, no torch), so plain `verify` names the entry that `convert`, `diff`
+    or `--deep` would refuse."""
     from ..pickle_scan import refused_globals
 
     problems: list[Problem] = []
     try:
-        checkpoint = get_format("dcp").open(source)
+        checkpoint = fmt.open(source)
     except CkptError as error:
         return [Problem(code=error.code, message=error.message, file=error.path)]
     with checkpoint:
-        if not isinstance(checkpoint, DcpCheckpoint):
+        if not checkpoint.object_bytes:
             return []
         for entry in checkpoint.manifest.entries:
             if entry.kind != "object" or entry.file is None or entry.offset is None:

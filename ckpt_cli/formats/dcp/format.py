@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ...errors import FormatError, NotFoundError
 from ...models import Entry, FileInfo, Manifest, Problem
 from ..base import Format, Source, WriteOptions
 from ..safetensors import DCP_HF_SHARD, is_dcp_hf_sharded
 from .check import analyse, check_saved_tensors, peek_objects
-from .layout import METADATA, RANK_METADATA, SUFFIX, world_size
+from .layout import METADATA, RANK_METADATA, SERIALIZATIONS, SUFFIX, rank_file, world_size
 from .megatron import MEGATRON_COMMON, MEGATRON_METADATA
 from .reader import DcpCheckpoint
 from .writer import DcpWriter
@@ -20,7 +20,20 @@ class DcpFormat(Format):
     """PyTorch Distributed Checkpoint folders (torch_save and safetensors serializations)."""
 
     name = "dcp"
+    title = "DCP"
     writable = True
+    folder = True
+    holds_objects = True
+    object_bytes = True
+    shards_by_rank = True
+    serializations = SERIALIZATIONS
+    loader_serializations = ("torch_save",)  # torch's dcp.load reads only this one
+    compressions = ("zstd",)
+    commit_marker = METADATA
+    layout_files: ClassVar[dict[str, tuple[str, ...]]] = {
+        "megatron_torch_dist": (MEGATRON_METADATA,)
+    }
+    rank_file = staticmethod(rank_file)
 
     @classmethod
     def detect(cls, source: Source) -> bool:

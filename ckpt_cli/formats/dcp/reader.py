@@ -55,6 +55,9 @@ class DcpCheckpoint(Checkpoint):
             to keep it across a rewrite.
     """
 
+    chunk_reads = True
+    object_bytes = True
+
     def __init__(self, source: Source, manifest: Manifest, planner_data: Any = None):
         super().__init__(source, manifest)
         self.planner_data = planner_data

@@ -79,6 +79,9 @@ class DcpWriter(Writer):
     at dots).
     """
 
+    chunk_writes = True
+    object_bytes = True
+
     def __init__(self, staging: Path, plan: list[Entry], options: WriteOptions):
         super().__init__(staging, plan, options)
         if options.dcp_serialization not in SERIALIZATIONS:
