@@ -35,9 +35,9 @@ optimizer / scheduler / RNG / data-loader analysis and the resumable / exact ver
 
 from __future__ import annotations
 
-from ..errors import CkptError
-from ..formats import get_format, open_checkpoint, resolve_source
-from ..formats.base import Source
+from ..errors import CkptError, UsageError
+from ..formats import detect_format, get_format, resolve_source
+from ..formats.base import Checkpoint, Source
 from ..models import Problem
 from .accelerate import Accelerate
 from .base import REQUIRED, Layout, OpenedSource
@@ -57,10 +57,12 @@ __all__ = [
     "Layout",
     "ObjectsCheckpoint",
     "OpenedSource",
+    "SourceOpener",
     "analyse_single",
     "check_source",
     "component_problems",
     "describe_model_folder",
+    "open_plain",
     "open_source",
     "recognise_layout",
     "select_view",
@@ -91,20 +93,22 @@ def _open_layout(source: Source) -> OpenedSource | None:
     return None
 
 
-def open_source(src: str, format: str | None = None) -> OpenedSource:
+def open_source(src: str | Source, format: str | None = None) -> OpenedSource:
     """Open `src` (local path or URL), recognising training layouts unless `format` is given.
 
+    `src` may be a `Source` already resolved (`resolve_source`): an operation resolves its
+    SRC once and passes it down, so its listing and the Hub's repository lookup happen once.
     With `format`, the source is read as that format alone; a torch.save or DCP training dict
     still gets its training state (it is the same single checkpoint).
     """
+    source = src if isinstance(src, Source) else resolve_source(src)
     layout: LayoutInfo | None = None
     if format is None:
-        source = resolve_source(src)
         opened = _open_layout(source)
         if opened is not None:
             return opened
         layout = describe_model_folder(source)
-    checkpoint = open_checkpoint(src, format)
+    checkpoint = open_plain(source, format)
     if checkpoint.manifest.format == "gguf":
         from .model_folders import gguf_info
 
@@ -112,6 +116,53 @@ def open_source(src: str, format: str | None = None) -> OpenedSource:
     if checkpoint.manifest.format not in ("torch", "dcp"):
         return OpenedSource(checkpoint=checkpoint, layout=layout)
     return OpenedSource(checkpoint=checkpoint, training=analyse_single(checkpoint), layout=layout)
+
+
+def open_plain(source: Source, format: str | None = None) -> Checkpoint:
+    """`formats.open_checkpoint` for a source already resolved: read as one format, `format`
+    (a token) overriding detection; no training layout is looked for."""
+    if format == "hub":
+        if source.location.kind != "hf":
+            raise UsageError(
+                "--format hub needs an hf://org/repo location", path=source.location.raw
+            )
+        format = None
+    checkpoint = get_format(format or detect_format(source)).open(source)
+    if source.origin:
+        checkpoint.manifest.details.update(source.origin)
+    return checkpoint
+
+
+class SourceOpener:
+    """One operation's SRC, opened at most once, on first use, by whichever check needs it.
+
+    `verify` runs its quantization checks and its `--deep` / `--resumable` reads on the same
+    opened source; a failure to open is kept and raised again to every later caller, so each
+    one reports it as it did when it opened SRC itself.
+    """
+
+    def __init__(self, source: Source, format: str | None = None) -> None:
+        self.source = source
+        self.format = format
+        self._opened: OpenedSource | None = None
+        self._error: CkptError | None = None
+
+    def get(self) -> OpenedSource:
+        """The opened source (CkptError when it cannot be opened)."""
+        if self._error is not None:
+            raise self._error
+        if self._opened is None:
+            try:
+                self._opened = open_source(self.source, self.format)
+            except CkptError as error:
+                self._error = error
+                raise
+        return self._opened
+
+    def close(self) -> None:
+        """Close what `get` opened (nothing when it was never asked)."""
+        if self._opened is not None:
+            self._opened.checkpoint.close()
 
 
 def describe_model_folder(source: Source) -> LayoutInfo | None:
@@ -126,26 +177,31 @@ def describe_model_folder(source: Source) -> LayoutInfo | None:
 # --------------------------------------------------------------------------- checks
 
 
-def check_source(src: str, format: str | None = None) -> list[Problem]:
+def check_source(
+    src: str | Source, format: str | None = None, opened: OpenedSource | None = None
+) -> list[Problem]:
     """Structural problems of any SRC, training folders included (what plain `verify` runs).
 
     A training folder gets its format's `check` on every component (the model's index against
     its shards, every torch file loading with weights_only...) plus the components that could
     not be read; anything else gets its format's `check`. Sources that cannot be opened at all
-    (a `latest` naming a missing tag) become one problem.
+    (a `latest` naming a missing tag) become one problem. `src` may be a `Source` already
+    resolved and `opened` its training layout already opened (`recognise_layout`): nothing is
+    then resolved or opened again.
     """
+    where = src.location.raw if isinstance(src, Source) else src
+    owned = opened is None  # what this call opens it closes; a caller's stays open
     try:
-        source = resolve_source(src)
-        opened = _open_layout(source) if format is None else None
+        source = src if isinstance(src, Source) else resolve_source(src)
+        if opened is None and format is None:
+            opened = _open_layout(source)
         if opened is None:
-            from ..formats import detect_format
-
             name = format or detect_format(source)
             return list(get_format(name).check(source))
     except CkptError as error:
-        return [Problem(code=error.code, message=error.message, file=error.path or src)]
+        return [Problem(code=error.code, message=error.message, file=error.path or where)]
     problems = component_problems(opened)
-    with opened.checkpoint:
+    try:
         for rel, fmt in opened.parts.values():
             if fmt == "json":
                 continue
@@ -154,6 +210,9 @@ def check_source(src: str, format: str | None = None) -> list[Problem]:
             else:
                 part = Source(location=source.location, storage=source.storage, target=rel)
             problems.extend(get_format(fmt).check(part))
+    finally:
+        if owned:
+            opened.checkpoint.close()
     return problems
 
 
