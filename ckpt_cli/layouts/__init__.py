@@ -35,17 +35,18 @@ optimizer / scheduler / RNG / data-loader analysis and the resumable / exact ver
 
 from __future__ import annotations
 
-from ..errors import CkptError, UsageError
+from ..errors import CkptError
 from ..formats import detect_format, get_format, resolve_source
-from ..formats.base import Checkpoint, Source
+from ..formats.base import Source
 from ..models import Problem
 from .accelerate import Accelerate
-from .base import REQUIRED, Layout, OpenedSource
+from .base import REQUIRED, Layout, OpenedSource, SingleLayout, open_plain
 from .composite import CompositeCheckpoint, ObjectsCheckpoint, subfolder_source
 from .deepspeed import DeepSpeed
+from .lightning import Lightning
 from .model_folders import LayoutInfo
 from .multi_folder import MultiFolder
-from .torch_dict import analyse_single
+from .torch_dict import SINGLE_LAYOUTS, TorchDict, TorchTitan, analyse_single
 from .torchtitan import select_view
 from .trainer import Trainer
 from .training import component_problems, training_checks
@@ -53,11 +54,16 @@ from .training import component_problems, training_checks
 __all__ = [
     "FOLDER_LAYOUTS",
     "REQUIRED",
+    "SINGLE_LAYOUTS",
     "CompositeCheckpoint",
     "Layout",
+    "Lightning",
     "ObjectsCheckpoint",
     "OpenedSource",
+    "SingleLayout",
     "SourceOpener",
+    "TorchDict",
+    "TorchTitan",
     "analyse_single",
     "check_source",
     "component_problems",
@@ -116,21 +122,6 @@ def open_source(src: str | Source, format: str | None = None) -> OpenedSource:
     if checkpoint.manifest.format not in ("torch", "dcp"):
         return OpenedSource(checkpoint=checkpoint, layout=layout)
     return OpenedSource(checkpoint=checkpoint, training=analyse_single(checkpoint), layout=layout)
-
-
-def open_plain(source: Source, format: str | None = None) -> Checkpoint:
-    """`formats.open_checkpoint` for a source already resolved: read as one format, `format`
-    (a token) overriding detection; no training layout is looked for."""
-    if format == "hub":
-        if source.location.kind != "hf":
-            raise UsageError(
-                "--format hub needs an hf://org/repo location", path=source.location.raw
-            )
-        format = None
-    checkpoint = get_format(format or detect_format(source)).open(source)
-    if source.origin:
-        checkpoint.manifest.details.update(source.origin)
-    return checkpoint
 
 
 class SourceOpener:

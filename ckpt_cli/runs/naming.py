@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..output import TMP_MARKER
 from ..storage import is_parity_path
 from .records import SLIM_RECORD, _Found
+
+if TYPE_CHECKING:
+    from ..layouts import Layout
 
 _TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 _CKPT_EXT = (*_TORCH_EXT, ".safetensors", ".distcp")
@@ -18,14 +23,7 @@ _CKPT_EXT = (*_TORCH_EXT, ".safetensors", ".distcp")
 _PLAIN_EXT = (*_TORCH_EXT, ".safetensors")
 #: `model-00001-of-00003`, `rng_state_1`: numbered parts of one checkpoint, not steps
 _PART = re.compile(r".*-\d+-of-\d+|rng_state.*|.*rank.*")
-_FOLDER_LAYOUTS: list[tuple[str, re.Pattern[str]]] = [
-    ("hf-trainer", re.compile(r"checkpoint-(\d+)")),
-    ("accelerate", re.compile(r"checkpoint_(\d+)")),
-    ("torchtitan", re.compile(r"step-(\d+)")),
-    ("deepspeed", re.compile(r"global_step(\d+)")),
-]
 _PLAIN = re.compile(r"(?P<stem>.+?)[-_](?P<n>\d+)(?P<ext>\.[A-Za-z]+)?")
-_LIGHTNING_PAIR = re.compile(r"([A-Za-z_][\w/.]*?)=(-?[\d.]+(?:e-?\d+)?)")
 _TEMP_NAMES = [
     re.compile(r"\.(?P<name>.+?)" + re.escape(TMP_MARKER) + r".*"),
     re.compile(r"tmp[-_](?P<name>.+)"),
@@ -35,15 +33,27 @@ _TEMP_NAMES = [
 _SUBFOLDERS = ("checkpoints", "checkpoint")
 
 
+@functools.cache
+def _step_layouts() -> tuple[Layout, ...]:
+    """The layouts with step folders of their own (their `step_folder`), from the layouts
+    registry: the naming rules live once, on each layout (imported on first use, so listing a
+    run folder's names does not import the format readers)."""
+    from ..layouts import FOLDER_LAYOUTS, SINGLE_LAYOUTS
+
+    return tuple(lay for lay in (*FOLDER_LAYOUTS, *SINGLE_LAYOUTS) if lay.step_folder is not None)
+
+
 def _match_name(name: str, is_dir: bool) -> tuple[str, int | None, float | None] | None:
     """(layout, step, epoch) for an entry name, or None when it is not a checkpoint name."""
     if is_dir:
-        for layout, pattern in _FOLDER_LAYOUTS:
-            m = pattern.fullmatch(name)
-            if m:
-                return layout, int(m.group(1)), None
-    if name.endswith(".ckpt") and ("step=" in name or "epoch=" in name):
-        pairs = dict(_LIGHTNING_PAIR.findall(name[: -len(".ckpt")]))
+        for layout in _step_layouts():
+            step = layout.step_of(name)
+            if step is not None:
+                return layout.name, step, None
+    from ..layouts.lightning import Lightning, name_values
+
+    if Lightning.is_step_file(name):
+        pairs = name_values(name)
         step = _int_or_none(pairs.get("step"))
         epoch = _float_or_none(pairs.get("epoch"))
         return "lightning", step, epoch
@@ -73,7 +83,9 @@ def _float_or_none(text: str | None) -> float | None:
 
 def _lightning_metrics(name: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for key, value in _LIGHTNING_PAIR.findall(name.removesuffix(".ckpt")):
+    from ..layouts.lightning import name_values
+
+    for key, value in name_values(name).items():
         number = _float_or_none(value)
         if number is not None and key not in ("step", "epoch"):
             out[key] = number
