@@ -13,7 +13,7 @@ from typing import Any, Literal
 from ..errors import CkptError, UsageError
 from ..output import TMP_MARKER
 from ..storage import is_parity_path, read_regular
-from .naming import _TORCH_EXT, _lightning_metrics, _part_names
+from .naming import _TORCH_EXT, _lightning_metrics, _part_names, deepspeed_tag
 from .records import (
     DELETING,
     METRICS_FILE,
@@ -301,13 +301,10 @@ def _deepspeed_latest(run_dir: Path) -> str | None:
     if not latest.is_file() or latest.stat().st_size > 4096:
         return None
     try:
-        text = read_regular(latest).decode().strip()
+        text = read_regular(latest).decode()
     except (OSError, UnicodeDecodeError, CkptError):
         return None
-    # a tag names a folder of this run, nothing else: compared with folder names, never joined
-    if not text or "/" in text or "\\" in text or text in (".", ".."):
-        return None
-    return text
+    return deepspeed_tag(text)
 
 
 def _trainer_state(

@@ -7,6 +7,7 @@ import functools
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -101,9 +102,15 @@ def _looks_like_checkpoint_folder(path: Path) -> bool:
     return False
 
 
-def _classify(entry: Path) -> _Found | None:
-    name = entry.name
-    is_dir = entry.is_dir()
+def classify(
+    name: str, is_dir: bool, holds_checkpoint: Callable[[], bool]
+) -> tuple[str, int | None, float | None, bool] | None:
+    """(layout, step, epoch, temporary) of one entry of a run folder, local or remote; None
+    when it is no checkpoint (the one naming rule of every scanner).
+
+    `holds_checkpoint` says whether a plain `NAME-N/` folder holds checkpoint files (asked
+    only for such folders: a log folder named `eval-3/` is no checkpoint).
+    """
     for pattern in _TEMP_NAMES:
         m = pattern.fullmatch(name)
         if m:
@@ -112,15 +119,66 @@ def _classify(entry: Path) -> _Found | None:
             if matched is None and TMP_MARKER not in name:
                 continue  # `notes.tmp` is not a checkpoint; ckpt's own staging always is
             layout, step, epoch = matched or ("plain", None, None)
-            return _Found(layout, step, epoch, [entry], temporary=True)
+            return layout, step, epoch, True
     matched = _match_name(name, is_dir)
     if matched is None:
         return None
     layout, step, epoch = matched
-    plain_folder = layout == "plain" and is_dir and not entry.is_symlink()
-    if plain_folder and not _looks_like_checkpoint_folder(entry):
+    if layout == "plain" and is_dir and not holds_checkpoint():
         return None
-    return _Found(layout, step, epoch, [entry])
+    return layout, step, epoch, False
+
+
+def deepspeed_tag(text: str) -> str | None:
+    """The tag a DeepSpeed `latest` file names, when it is a folder name of the run; None
+    otherwise. A tag is compared with folder names and never joined to a path, so a `latest`
+    naming `../x` or `/etc` names nothing (local and remote scans alike)."""
+    tag = text.strip()
+    if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+        return None
+    return tag
+
+
+def step_order(step: int | None, epoch: float | None, mtime: float) -> tuple[float, float, float]:
+    """Newest-first order known before judging: step, epoch, then the entry's own time."""
+    return (
+        float(step) if step is not None else -math.inf,
+        epoch if epoch is not None else -math.inf,
+        mtime,
+    )
+
+
+def expected_parts(names: dict[int, set[str]]) -> dict[int, set[str]]:
+    """For the folders of one unmarked layout (id -> its digit-free top-level file names):
+    the names every *other* full save has (see `_expected_parts`); empty below three full
+    saves. Slimmed saves (`SLIM_RECORD`) lack their optimizer on purpose and say nothing."""
+    full = [key for key, have in names.items() if SLIM_RECORD not in have]
+    if len(full) < 3:
+        return {}
+    # the names every *other* full folder has, for all folders in one pass (not N² set
+    # intersections): those in all of them, plus, for a full folder, those missing from it alone
+    counts: collections.Counter[str] = collections.Counter()
+    for key in full:
+        counts.update(names[key])
+    everywhere = {n for n, c in counts.items() if c == len(full)}
+    all_but_one = {n for n, c in counts.items() if c == len(full) - 1}
+    in_full = set(full)
+    return {
+        key: everywhere | (all_but_one - have if key in in_full else set())
+        for key, have in names.items()
+    }
+
+
+def _classify(entry: Path) -> _Found | None:
+    is_dir = entry.is_dir()
+    # a linked folder is not walked (it may point anywhere): its name decides
+    found = classify(
+        entry.name, is_dir, lambda: entry.is_symlink() or _looks_like_checkpoint_folder(entry)
+    )
+    if found is None:
+        return None
+    layout, step, epoch, temporary = found
+    return _Found(layout, step, epoch, [entry], temporary=temporary)
 
 
 def _scan_dirs(run_dir: Path) -> list[Path]:
@@ -187,24 +245,8 @@ def _expected_parts(found: list[_Found]) -> dict[int, set[str]]:
             and f.paths[0].is_dir()
             and not f.paths[0].is_symlink()
         ]
-        if len(folders) < 3:
-            continue
-        names = {id(f): _part_names(f.paths[0]) for f in folders}
-        # slimmed saves lack their optimizer on purpose: they say nothing about the others
-        full = [f for f in folders if SLIM_RECORD not in names[id(f)]]
-        if len(full) < 3:
-            continue
-        # the names every *other* full folder has, for all folders in one pass (not N² set
-        # intersections): those in all of them, plus, for a full folder, those missing from
-        # it alone
-        counts: collections.Counter[str] = collections.Counter()
-        for f in full:
-            counts.update(names[id(f)])
-        everywhere = {n for n, c in counts.items() if c == len(full)}
-        all_but_one = {n for n, c in counts.items() if c == len(full) - 1}
-        in_full = {id(f) for f in full}
-        for f in folders:
-            out[id(f)] = everywhere | (all_but_one - names[id(f)] if id(f) in in_full else set())
+        if len(folders) >= 3:
+            out.update(expected_parts({id(f): _part_names(f.paths[0]) for f in folders}))
     return out
 
 
@@ -214,6 +256,4 @@ def _name_order(item: _Found) -> tuple[float, float, float]:
         mtime = item.paths[0].lstat().st_mtime
     except OSError:
         mtime = 0.0
-    step = float(item.step) if item.step is not None else -math.inf
-    epoch = item.epoch if item.epoch is not None else -math.inf
-    return (step, epoch, mtime)
+    return step_order(item.step, item.epoch, mtime)

@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import CkptError, NotFoundError, UsageError
-from ..output import TMP_MARKER
 from ..storage import Storage
 from .judge import _best_by_metric, _with_status
 from .naming import (
     _CKPT_EXT,
     _SUBFOLDERS,
-    _TEMP_NAMES,
     _TORCH_EXT,
     _UNMARKED,
     _int_or_none,
-    _match_name,
+    classify,
+    deepspeed_tag,
+    expected_parts,
+    step_order,
 )
 from .records import DEFAULT_SETTLE, METRICS_FILE, SLIM_RECORD, RunCheckpoint, RunReport
 
@@ -106,26 +106,13 @@ def _remote_items(files: dict[str, int]) -> list[_RemoteItem]:
 
 
 def _classify_remote(name: str, is_dir: bool, inside: dict[str, int]) -> _RemoteItem | None:
-    for pattern in _TEMP_NAMES:
-        m = pattern.fullmatch(name)
-        if m:
-            inner = m.group("name")
-            matched = _match_name(inner, is_dir) or _match_name(inner, not is_dir)
-            if matched is None and TMP_MARKER not in name:
-                continue
-            layout, step, epoch = matched or ("plain", None, None)
-            return _RemoteItem(layout, step, epoch, [], is_dir, dict(inside), temporary=True)
-    matched = _match_name(name, is_dir)
-    if matched is None:
+    found = classify(
+        name, is_dir, lambda: any(f.endswith(_CKPT_EXT) or f.endswith(".metadata") for f in inside)
+    )
+    if found is None:
         return None
-    layout, step, epoch = matched
-    if (
-        layout == "plain"
-        and is_dir
-        and not any(f.endswith(_CKPT_EXT) or f.endswith(".metadata") for f in inside)
-    ):
-        return None
-    return _RemoteItem(layout, step, epoch, [], is_dir, dict(inside))
+    layout, step, epoch, temporary = found
+    return _RemoteItem(layout, step, epoch, [], is_dir, dict(inside), temporary=temporary)
 
 
 def _remote_file_problem(storage: Storage, rel: str, size: int) -> str | None:
@@ -248,14 +235,12 @@ def scan_remote_run(
     ds_latest: str | None = None
     if "latest" in files and files["latest"] <= 4096:
         with contextlib.suppress(CkptError, UnicodeDecodeError):
-            ds_latest = storage.read_all("latest").decode().strip() or None
+            ds_latest = deepspeed_tag(storage.read_all("latest").decode())
     ds_step = _int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
     unmarked = _remote_expected_parts(items)
 
     def order(item: _RemoteItem) -> tuple[float, float, float]:
-        step = float(item.step) if item.step is not None else -math.inf
-        epoch = item.epoch if item.epoch is not None else -math.inf
-        return (step, epoch, _remote_mtime(storage, item))
+        return step_order(item.step, item.epoch, _remote_mtime(storage, item))
 
     judged: list[RunCheckpoint] = []
     for item in sorted(items, key=order, reverse=True):
@@ -335,11 +320,7 @@ def _remote_expected_parts(items: list[_RemoteItem]) -> dict[int, set[str]]:
             id(f): {n for n in f.files if "/" not in n and not any(ch.isdigit() for ch in n)}
             for f in folders
         }
-        full = [f for f in folders if SLIM_RECORD not in names[id(f)]]
-        if len(full) < 3:
-            continue
-        for f in folders:
-            out[id(f)] = set.intersection(*[names[id(o)] for o in full if o is not f])
+        out.update(expected_parts(names))
     return out
 
 
