@@ -14,6 +14,7 @@ from ckpt_cli.formats import resolve_source
 from ckpt_cli.layouts import (
     FOLDER_LAYOUTS,
     SINGLE_LAYOUTS,
+    CompositeDetails,
     Layout,
     Lightning,
     TorchDict,
@@ -23,6 +24,7 @@ from ckpt_cli.layouts import (
 )
 from ckpt_cli.runs import scan_run
 
+from .conftest import run_ckpt
 from .run_fixtures import age, dcp_save, trainer_checkpoint, weights
 
 
@@ -116,3 +118,27 @@ def test_run_folders_name_steps_by_the_layouts_own_rules(tmp_path: Path) -> None
     layouts = {layout.name: layout for layout in (*FOLDER_LAYOUTS, *SINGLE_LAYOUTS)}
     for c in report.checkpoints:
         assert layouts[c.layout].step_of(Path(c.path).name) == c.step
+
+
+def test_a_training_folder_has_typed_details_and_the_same_json(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoint-9"
+    trainer_checkpoint(folder, 9)
+    opened = open_source(str(folder))
+    with opened.checkpoint as checkpoint:
+        details = CompositeDetails.of(checkpoint.manifest)
+    assert details is not None
+    assert details.layout == "hf-trainer"
+    assert details.components == {
+        "model": "safetensors",
+        "optimizer": "torch",
+        "scheduler": "torch",
+        "rng": "torch",
+        "trainer_state": "json",
+    }
+    # the JSON output is the typed model's dump, key for key
+    shown = run_ckpt("inspect", folder, "--json").json["result"]["details"]
+    assert shown == {"layout": "hf-trainer", "components": details.components}
+    save_file(weights(1), tmp_path / "model.safetensors")
+    plain = open_source(str(tmp_path / "model.safetensors"))
+    with plain.checkpoint as checkpoint:
+        assert CompositeDetails.of(checkpoint.manifest) is None

@@ -43,6 +43,7 @@ from .accelerate import Accelerate
 from .base import REQUIRED, Layout, OpenedSource, SingleLayout, open_plain
 from .composite import CompositeCheckpoint, ObjectsCheckpoint, subfolder_source
 from .deepspeed import DeepSpeed
+from .details import CompositeDetails
 from .lightning import Lightning
 from .model_folders import LayoutInfo
 from .multi_folder import MultiFolder
@@ -56,6 +57,7 @@ __all__ = [
     "REQUIRED",
     "SINGLE_LAYOUTS",
     "CompositeCheckpoint",
+    "CompositeDetails",
     "Layout",
     "Lightning",
     "ObjectsCheckpoint",
