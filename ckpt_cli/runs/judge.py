@@ -332,15 +332,6 @@ def _trainer_state(
     return path, doc
 
 
-def _name_in_run(run_dir: Path, pointer: str, checkpoints: list[RunCheckpoint]) -> str | None:
-    """Match a path recorded by a trainer (absolute, or relative to its cwd) to a checkpoint."""
-    base = Path(pointer).name
-    for c in checkpoints:
-        if Path(c.path).name == base:
-            return c.name
-    return None
-
-
 def load_metrics(
     run_dir: Path,
     metric: str,

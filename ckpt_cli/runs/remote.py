@@ -4,26 +4,25 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import CkptError, NotFoundError, UsageError
 from ..storage import Storage
-from .judge import _best_by_metric, _with_status
+from .judge import _with_status
 from .naming import (
     _CKPT_EXT,
     _SUBFOLDERS,
     _TORCH_EXT,
     _UNMARKED,
-    _int_or_none,
     classify,
     deepspeed_tag,
     expected_parts,
     step_order,
 )
 from .records import DEFAULT_SETTLE, METRICS_FILE, SLIM_RECORD, RunCheckpoint, RunReport
+from .scan import RunFolder, scan
 
 # --------------------------------------------------------------------------- remote run folders
 #
@@ -227,81 +226,74 @@ def scan_remote_run(
     until_latest: bool = False,
 ) -> RunReport:
     """`scan_run` for a run folder in an object store or on the Hub (listings and headers)."""
-    storage = run_storage(run_dir)
-    files = storage.list_files()
-    now = time.time() if now is None else now
-    root_url = run_dir.rstrip("/")
-    items = _remote_items(files)
-    ds_latest: str | None = None
-    if "latest" in files and files["latest"] <= 4096:
-        with contextlib.suppress(CkptError, UnicodeDecodeError):
-            ds_latest = deepspeed_tag(storage.read_all("latest").decode())
-    ds_step = _int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
-    unmarked = _remote_expected_parts(items)
-
-    def order(item: _RemoteItem) -> tuple[float, float, float]:
-        return step_order(item.step, item.epoch, _remote_mtime(storage, item))
-
-    judged: list[RunCheckpoint] = []
-    for item in sorted(items, key=order, reverse=True):
-        judged.append(
-            _judge_remote(storage, root_url, item, now, settle, ds_step, unmarked.get(id(item)))
-        )
-        if until_latest and judged[-1].complete and not judged[-1].slim:
-            break
-    checkpoints = sorted(judged, key=lambda c: c.order)
-    report = RunReport(
-        run_dir=root_url,
-        layouts=sorted({c.layout for c in checkpoints}),
-        checkpoints=checkpoints,
+    return scan(
+        _RemoteRun(run_dir),
+        metric=metric,
+        mode=mode,
         settle=settle,
-        root_files=sorted(
-            rel
-            for rel in files
-            if "/" not in rel and rel.endswith(_CKPT_EXT) and not any(rel in i.rels for i in items)
-        ),
+        now=now,
+        until_latest=until_latest,
     )
-    newest = report.newest_complete
-    if newest is not None:
-        newest.markers.append("newest")
-        report.latest = newest.path
-    if ds_latest:
-        for c in checkpoints:
-            if c.layout == "deepspeed" and c.name.rsplit("/", 1)[-1] == ds_latest:
-                c.markers.append("deepspeed-latest")
-                report.deepspeed_latest = c.name
-    trainer_doc = None
-    trainers = [c for c in checkpoints if c.layout == "hf-trainer" and c.complete]
-    for rel in [f"{trainers[-1].name}/trainer_state.json"] if trainers else []:
-        doc = _remote_json(storage, rel)
-        if isinstance(doc, dict):
-            trainer_doc = doc
-            report.trainer_state = storage.describe(rel)
-    if trainer_doc is not None:
-        pointer = trainer_doc.get("best_model_checkpoint")
-        if isinstance(pointer, str) and pointer:
-            base = pointer.rstrip("/").rsplit("/", 1)[-1]
-            report.trainer_best = next(
-                (c.name for c in checkpoints if c.name.rsplit("/", 1)[-1] == base), None
-            )
-            best_metric = trainer_doc.get("best_metric")
-            if isinstance(best_metric, int | float):
-                report.trainer_best_metric = float(best_metric)
-            for c in checkpoints:
-                if c.name == report.trainer_best:
-                    c.markers.append("trainer-best")
-    if metric:
-        metrics_file = None
-        if METRICS_FILE in files:
-            raw = storage.read_all(METRICS_FILE)
-            metrics_file = (storage.describe(METRICS_FILE), raw.decode("utf-8", "replace"))
-        report.best = _best_by_metric(
-            Path("."), metric, mode, trainer_doc, checkpoints, metrics_file or ("", "")
+
+
+class _RemoteRun(RunFolder[_RemoteItem]):
+    """A run folder read through its `Storage`: one listing, then headers only."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.storage = run_storage(run_dir)
+        self.files = self.storage.list_files()
+        self.display = run_dir.rstrip("/")
+
+    def discover(self) -> list[_RemoteItem]:
+        return _remote_items(self.files)
+
+    def order(self, item: _RemoteItem) -> tuple[float, float, float]:
+        return step_order(item.step, item.epoch, _remote_mtime(self.storage, item))
+
+    def judge(
+        self,
+        item: _RemoteItem,
+        now: float,
+        settle: float,
+        ds_latest_step: int | None,
+        expected: set[str] | None,
+    ) -> RunCheckpoint:
+        return _judge_remote(
+            self.storage, self.display, item, now, settle, ds_latest_step, expected
         )
-        if report.best.source == "":
-            report.best.source = None
-    storage.close()
-    return report
+
+    def expected_parts(self, items: list[_RemoteItem]) -> dict[int, set[str]]:
+        return _remote_expected_parts(items)
+
+    def deepspeed_latest(self) -> str | None:
+        if "latest" in self.files and self.files["latest"] <= 4096:
+            with contextlib.suppress(CkptError, UnicodeDecodeError):
+                return deepspeed_tag(self.storage.read_all("latest").decode())
+        return None
+
+    def root_files(self, items: list[_RemoteItem]) -> list[str]:
+        return sorted(
+            rel
+            for rel in self.files
+            if "/" not in rel and rel.endswith(_CKPT_EXT) and not any(rel in i.rels for i in items)
+        )
+
+    def trainer_state(self, checkpoints: list[RunCheckpoint]) -> tuple[str, dict[str, Any]] | None:
+        trainers = [c for c in checkpoints if c.layout == "hf-trainer" and c.complete]
+        if not trainers:
+            return None
+        rel = f"{trainers[-1].name}/trainer_state.json"
+        doc = _remote_json(self.storage, rel)
+        return (self.storage.describe(rel), doc) if isinstance(doc, dict) else None
+
+    def metrics_file(self) -> tuple[str, str] | None:
+        if METRICS_FILE not in self.files:
+            return None
+        raw = self.storage.read_all(METRICS_FILE)
+        return self.storage.describe(METRICS_FILE), raw.decode("utf-8", "replace")
+
+    def close(self) -> None:
+        self.storage.close()
 
 
 def _remote_mtime(storage: Storage, item: _RemoteItem) -> float:
