@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import NotFoundError, UsageError
-from .judge import _deepspeed_latest, _judge, _trainer_state
+from ..storage import LocalStorage
+from .judge import _judge, _trainer_state, read_deepspeed_latest
 from .naming import (
     _CKPT_EXT,
     _discover,
@@ -76,6 +77,9 @@ class _LocalRun(RunFolder[_Found]):
     def __init__(self, root: Path) -> None:
         self.root = root
         self.display = str(root)
+        # the run's own small files (`latest`, `trainer_state.json`, `metrics.jsonl`) are read
+        # through the run folder's storage: regular files inside the run only
+        self.storage = LocalStorage(root)
 
     def discover(self) -> list[_Found]:
         return _discover(self.root)
@@ -97,18 +101,19 @@ class _LocalRun(RunFolder[_Found]):
         return _expected_parts(items)
 
     def deepspeed_latest(self) -> str | None:
-        return _deepspeed_latest(self.root)
+        return read_deepspeed_latest(self.storage)
 
     def root_files(self, items: list[_Found]) -> list[str]:
         return _root_files(self.root, items)
 
     def trainer_state(self, checkpoints: list[RunCheckpoint]) -> tuple[str, dict[str, Any]] | None:
-        state = _trainer_state(self.root, checkpoints)
-        return (str(state[0]), state[1]) if state is not None else None
+        return _trainer_state(self.storage, checkpoints)
 
     def metrics_file(self) -> tuple[str, str] | None:
-        path = self.root / METRICS_FILE
-        return (str(path), path.read_text()) if path.is_file() else None
+        if not self.storage.exists(METRICS_FILE):
+            return None
+        raw = self.storage.read_all(METRICS_FILE)
+        return self.storage.describe(METRICS_FILE), raw.decode("utf-8", "replace")
 
     def mark_links(self, checkpoints: list[RunCheckpoint]) -> None:
         _mark_link_targets(self.root, checkpoints)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,14 +9,13 @@ from typing import Any, Literal
 
 from ..errors import CkptError, NotFoundError, UsageError
 from ..storage import Storage
-from .judge import _with_status
+from .judge import _with_status, read_deepspeed_latest
 from .naming import (
     _CKPT_EXT,
     _SUBFOLDERS,
     _TORCH_EXT,
     _UNMARKED,
     classify,
-    deepspeed_tag,
     expected_parts,
     step_order,
 )
@@ -266,10 +264,8 @@ class _RemoteRun(RunFolder[_RemoteItem]):
         return _remote_expected_parts(items)
 
     def deepspeed_latest(self) -> str | None:
-        if "latest" in self.files and self.files["latest"] <= 4096:
-            with contextlib.suppress(CkptError, UnicodeDecodeError):
-                return deepspeed_tag(self.storage.read_all("latest").decode())
-        return None
+        # the listing says whether there is one: no request for runs without it
+        return read_deepspeed_latest(self.storage) if "latest" in self.files else None
 
     def root_files(self, items: list[_RemoteItem]) -> list[str]:
         return sorted(
