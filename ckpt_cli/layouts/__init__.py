@@ -27,10 +27,16 @@ gives each component's prefix (`state_dict.` for the weights inside a Lightning 
 Package layout: `base` declares the `Layout` protocol (cheap `recognise`, `open`, step naming,
 completeness) and `OpenedSource`; one module per folder layout (`trainer`, `accelerate`,
 `deepspeed` with its ZeRO rebuild in `zero`, `multi_folder`) registered in `FOLDER_LAYOUTS`;
-the single-checkpoint layouts (`torch_dict`, `lightning`, `torchtitan`) read the keys of one
-opened checkpoint; `composite` builds the one-checkpoint view of a folder; `training` holds the
-optimizer / scheduler / RNG / data-loader analysis and the resumable / exact verdict;
-`model_folders` the PEFT / diffusers / sentence-transformers / GGUF descriptions.
+the single-checkpoint layouts (`SingleLayout`: `Lightning`, `TorchTitan`, `TorchDict`, asked
+in that order from `SINGLE_LAYOUTS`) tell themselves apart by the keys of the one opened
+checkpoint; `composite` builds the one-checkpoint view of a folder (its typed details:
+`details.CompositeDetails`); `training` holds the optimizer / scheduler / RNG / data-loader
+analysis and the resumable / exact verdict; `model_folders` the PEFT / diffusers /
+sentence-transformers / GGUF descriptions.
+
+One resolution per operation: an op resolves SRC once (`formats.resolve_source`) and hands the
+`Source` to `open_source` / `check_source` / `recognise_layout` (`SourceOpener` opens it at most
+once for the checks that need it opened), so a listing or a Hub lookup is never repeated.
 """
 
 from __future__ import annotations
