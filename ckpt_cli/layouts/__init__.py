@@ -27,25 +27,33 @@ gives each component's prefix (`state_dict.` for the weights inside a Lightning 
 Package layout: `base` declares the `Layout` protocol (cheap `recognise`, `open`, step naming,
 completeness) and `OpenedSource`; one module per folder layout (`trainer`, `accelerate`,
 `deepspeed` with its ZeRO rebuild in `zero`, `multi_folder`) registered in `FOLDER_LAYOUTS`;
-the single-checkpoint layouts (`torch_dict`, `lightning`, `torchtitan`) read the keys of one
-opened checkpoint; `composite` builds the one-checkpoint view of a folder; `training` holds the
-optimizer / scheduler / RNG / data-loader analysis and the resumable / exact verdict;
-`model_folders` the PEFT / diffusers / sentence-transformers / GGUF descriptions.
+the single-checkpoint layouts (`SingleLayout`: `Lightning`, `TorchTitan`, `TorchDict`, asked
+in that order from `SINGLE_LAYOUTS`) tell themselves apart by the keys of the one opened
+checkpoint; `composite` builds the one-checkpoint view of a folder (its typed details:
+`details.CompositeDetails`); `training` holds the optimizer / scheduler / RNG / data-loader
+analysis and the resumable / exact verdict; `model_folders` the PEFT / diffusers /
+sentence-transformers / GGUF descriptions.
+
+One resolution per operation: an op resolves SRC once (`formats.resolve_source`) and hands the
+`Source` to `open_source` / `check_source` / `recognise_layout` (`SourceOpener` opens it at most
+once for the checks that need it opened), so a listing or a Hub lookup is never repeated.
 """
 
 from __future__ import annotations
 
 from ..errors import CkptError
-from ..formats import get_format, open_checkpoint, resolve_source
+from ..formats import detect_format, get_format, resolve_source
 from ..formats.base import Source
 from ..models import Problem
 from .accelerate import Accelerate
-from .base import REQUIRED, Layout, OpenedSource
+from .base import REQUIRED, Layout, OpenedSource, SingleLayout, open_plain
 from .composite import CompositeCheckpoint, ObjectsCheckpoint, subfolder_source
 from .deepspeed import DeepSpeed
+from .details import CompositeDetails
+from .lightning import Lightning
 from .model_folders import LayoutInfo
 from .multi_folder import MultiFolder
-from .torch_dict import analyse_single
+from .torch_dict import SINGLE_LAYOUTS, TorchDict, TorchTitan, analyse_single
 from .torchtitan import select_view
 from .trainer import Trainer
 from .training import component_problems, training_checks
@@ -53,14 +61,22 @@ from .training import component_problems, training_checks
 __all__ = [
     "FOLDER_LAYOUTS",
     "REQUIRED",
+    "SINGLE_LAYOUTS",
     "CompositeCheckpoint",
+    "CompositeDetails",
     "Layout",
+    "Lightning",
     "ObjectsCheckpoint",
     "OpenedSource",
+    "SingleLayout",
+    "SourceOpener",
+    "TorchDict",
+    "TorchTitan",
     "analyse_single",
     "check_source",
     "component_problems",
     "describe_model_folder",
+    "open_plain",
     "open_source",
     "recognise_layout",
     "select_view",
@@ -91,20 +107,22 @@ def _open_layout(source: Source) -> OpenedSource | None:
     return None
 
 
-def open_source(src: str, format: str | None = None) -> OpenedSource:
+def open_source(src: str | Source, format: str | None = None) -> OpenedSource:
     """Open `src` (local path or URL), recognising training layouts unless `format` is given.
 
+    `src` may be a `Source` already resolved (`resolve_source`): an operation resolves its
+    SRC once and passes it down, so its listing and the Hub's repository lookup happen once.
     With `format`, the source is read as that format alone; a torch.save or DCP training dict
     still gets its training state (it is the same single checkpoint).
     """
+    source = src if isinstance(src, Source) else resolve_source(src)
     layout: LayoutInfo | None = None
     if format is None:
-        source = resolve_source(src)
         opened = _open_layout(source)
         if opened is not None:
             return opened
         layout = describe_model_folder(source)
-    checkpoint = open_checkpoint(src, format)
+    checkpoint = open_plain(source, format)
     if checkpoint.manifest.format == "gguf":
         from .model_folders import gguf_info
 
@@ -112,6 +130,38 @@ def open_source(src: str, format: str | None = None) -> OpenedSource:
     if checkpoint.manifest.format not in ("torch", "dcp"):
         return OpenedSource(checkpoint=checkpoint, layout=layout)
     return OpenedSource(checkpoint=checkpoint, training=analyse_single(checkpoint), layout=layout)
+
+
+class SourceOpener:
+    """One operation's SRC, opened at most once, on first use, by whichever check needs it.
+
+    `verify` runs its quantization checks and its `--deep` / `--resumable` reads on the same
+    opened source; a failure to open is kept and raised again to every later caller, so each
+    one reports it as it did when it opened SRC itself.
+    """
+
+    def __init__(self, source: Source, format: str | None = None) -> None:
+        self.source = source
+        self.format = format
+        self._opened: OpenedSource | None = None
+        self._error: CkptError | None = None
+
+    def get(self) -> OpenedSource:
+        """The opened source (CkptError when it cannot be opened)."""
+        if self._error is not None:
+            raise self._error
+        if self._opened is None:
+            try:
+                self._opened = open_source(self.source, self.format)
+            except CkptError as error:
+                self._error = error
+                raise
+        return self._opened
+
+    def close(self) -> None:
+        """Close what `get` opened (nothing when it was never asked)."""
+        if self._opened is not None:
+            self._opened.checkpoint.close()
 
 
 def describe_model_folder(source: Source) -> LayoutInfo | None:
@@ -126,26 +176,31 @@ def describe_model_folder(source: Source) -> LayoutInfo | None:
 # --------------------------------------------------------------------------- checks
 
 
-def check_source(src: str, format: str | None = None) -> list[Problem]:
+def check_source(
+    src: str | Source, format: str | None = None, opened: OpenedSource | None = None
+) -> list[Problem]:
     """Structural problems of any SRC, training folders included (what plain `verify` runs).
 
     A training folder gets its format's `check` on every component (the model's index against
     its shards, every torch file loading with weights_only...) plus the components that could
     not be read; anything else gets its format's `check`. Sources that cannot be opened at all
-    (a `latest` naming a missing tag) become one problem.
+    (a `latest` naming a missing tag) become one problem. `src` may be a `Source` already
+    resolved and `opened` its training layout already opened (`recognise_layout`): nothing is
+    then resolved or opened again.
     """
+    where = src.location.raw if isinstance(src, Source) else src
+    owned = opened is None  # what this call opens it closes; a caller's stays open
     try:
-        source = resolve_source(src)
-        opened = _open_layout(source) if format is None else None
+        source = src if isinstance(src, Source) else resolve_source(src)
+        if opened is None and format is None:
+            opened = _open_layout(source)
         if opened is None:
-            from ..formats import detect_format
-
             name = format or detect_format(source)
             return list(get_format(name).check(source))
     except CkptError as error:
-        return [Problem(code=error.code, message=error.message, file=error.path or src)]
+        return [Problem(code=error.code, message=error.message, file=error.path or where)]
     problems = component_problems(opened)
-    with opened.checkpoint:
+    try:
         for rel, fmt in opened.parts.values():
             if fmt == "json":
                 continue
@@ -154,6 +209,9 @@ def check_source(src: str, format: str | None = None) -> list[Problem]:
             else:
                 part = Source(location=source.location, storage=source.storage, target=rel)
             problems.extend(get_format(fmt).check(part))
+    finally:
+        if owned:
+            opened.checkpoint.close()
     return problems
 
 

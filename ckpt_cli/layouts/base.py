@@ -1,4 +1,5 @@
-"""The layout protocol every training-folder layout implements, and `OpenedSource`."""
+"""The layout protocol every training layout implements (`Layout`; `SingleLayout` for those
+inside one checkpoint), `OpenedSource`, and `open_plain`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+from ..errors import UsageError
 from ..formats.base import Checkpoint, Source
 from ..models import Problem, TrainingState
 from .model_folders import LayoutInfo
@@ -76,3 +78,71 @@ class Layout(ABC):
             return None
         match = self.step_folder.fullmatch(folder_name)
         return int(match.group(1)) if match else None
+
+
+def open_plain(source: Source, format: str | None = None) -> Checkpoint:
+    """`formats.open_checkpoint` for a source already resolved: read as one format, `format`
+    (a token) overriding detection; no training layout is looked for."""
+    from ..formats import detect_format, get_format
+
+    if format == "hub":
+        if source.location.kind != "hf":
+            raise UsageError(
+                "--format hub needs an hf://org/repo location", path=source.location.raw
+            )
+        format = None
+    checkpoint = get_format(format or detect_format(source)).open(source)
+    if source.origin:
+        checkpoint.manifest.details.update(source.origin)
+    return checkpoint
+
+
+#: the file names a single-checkpoint layout is saved under (torch.save's usual suffixes)
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+class SingleLayout(Layout):
+    """A training layout inside one checkpoint: a torch.save dict, a Lightning `.ckpt`, a
+    torchtitan DCP folder. It is told apart from the others by the top-level keys of the opened
+    checkpoint (`matches`), so `open_source` opens SRC once and asks the registry
+    (`ckpt_cli.layouts.SINGLE_LAYOUTS`) in order; `recognise` / `open` serve a caller that holds
+    only a source.
+
+    Attributes:
+        suffixes: the file names it is saved under as one torch.save file (none: never a file).
+        dcp_folder: whether it may also be a DCP folder (`.metadata` at the top).
+    """
+
+    suffixes: ClassVar[tuple[str, ...]] = TORCH_SUFFIXES
+    dcp_folder: ClassVar[bool] = True
+
+    @abstractmethod
+    def matches(self, checkpoint: Checkpoint, keys: dict[str, str]) -> bool:
+        """Whether an opened checkpoint with these top-level keys (`training.top_keys`) is this
+        layout's (cheap: the manifest's names, nothing read)."""
+
+    @abstractmethod
+    def training_state(self, checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState | None:
+        """The training state of an opened checkpoint this layout `matches` (`keys`: its
+        top-level keys); None when it holds plain weights after all."""
+
+    def recognise(self, source: Source) -> bool:
+        """Whether SRC could be this layout from its names: one of its files, or a DCP folder."""
+        if source.target is not None:
+            return bool(self.suffixes) and source.target.endswith(self.suffixes)
+        return self.dcp_folder and ".metadata" in set(source.top_level())
+
+    def open(self, source: Source) -> OpenedSource | None:
+        """Open SRC as one checkpoint; None unless its keys say it is this layout's."""
+        from .training import top_keys
+
+        checkpoint = open_plain(source)
+        state = None
+        if checkpoint.manifest.format in ("torch", "dcp"):
+            keys = top_keys(checkpoint.manifest)
+            if self.matches(checkpoint, keys):
+                state = self.training_state(checkpoint, keys)
+        if state is None:
+            checkpoint.close()
+            return None
+        return OpenedSource(checkpoint=checkpoint, training=state)

@@ -18,6 +18,7 @@ from ..formats.weight_map import INDEX_SUFFIX
 from ..models import Entry, FileInfo, Manifest, Problem, TrainingState
 from ..uri import parse_location
 from .base import OpenedSource
+from .details import CompositeDetails
 from .training import verdict
 
 if TYPE_CHECKING:
@@ -195,7 +196,7 @@ class CompositeCheckpoint(Checkpoint):
             location=source.location.raw,
             files=files,
             entries=entries,
-            details={"layout": layout, "components": formats},
+            details=CompositeDetails(layout=layout, components=formats).as_details(),
         )
         super().__init__(source, manifest)
 

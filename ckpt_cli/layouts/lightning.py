@@ -2,9 +2,48 @@
 
 from __future__ import annotations
 
+import re
+
 from ..formats.base import Checkpoint
 from ..models import TrainingState
+from .base import SingleLayout
 from .training import analyse, as_int, rng_streams, value_of, verdict
+
+#: `NAME=VALUE` pairs in a Lightning file name (`epoch=3-step=400-val_loss=0.25.ckpt`)
+NAME_PAIR = re.compile(r"([A-Za-z_][\w/.]*?)=(-?[\d.]+(?:e-?\d+)?)")
+
+
+class Lightning(SingleLayout):
+    """A Lightning `.ckpt`: `state_dict`, `optimizer_states`, `lr_schedulers`, `epoch`,
+    `global_step`, `loops`; a run names its saves `epoch=N-step=M[-metric=V].ckpt`."""
+
+    name = "lightning"
+    suffixes = (".ckpt", ".pt", ".pth")
+    dcp_folder = False
+
+    def matches(self, checkpoint: Checkpoint, keys: dict[str, str]) -> bool:
+        return is_lightning(keys)
+
+    def training_state(self, checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState:
+        return lightning_state(checkpoint, keys)
+
+    def step_of(self, folder_name: str) -> int | None:
+        """The `step=N` of a Lightning file name (None without one)."""
+        text = name_values(folder_name).get("step")
+        try:
+            return int(text) if text is not None else None
+        except ValueError:
+            return None
+
+    @staticmethod
+    def is_step_file(name: str) -> bool:
+        """Whether a file name is one of a run's Lightning saves (`step=` / `epoch=` in it)."""
+        return name.endswith(".ckpt") and ("step=" in name or "epoch=" in name)
+
+
+def name_values(name: str) -> dict[str, str]:
+    """The `NAME=VALUE` pairs of a Lightning file name, as written."""
+    return dict(NAME_PAIR.findall(name.removesuffix(".ckpt")))
 
 
 def is_lightning(keys: dict[str, str]) -> bool:

@@ -1,10 +1,14 @@
-"""Single torch.save / DCP training dicts (model / optimizer / scheduler / step / rng keys)."""
+"""Single torch.save / DCP training dicts (model / optimizer / scheduler / step / rng keys),
+and `SINGLE_LAYOUTS`, the registry of the layouts inside one checkpoint."""
 
 from __future__ import annotations
 
+import re
+
 from ..formats.base import Checkpoint
 from ..models import Manifest, TrainingState
-from .lightning import is_lightning, lightning_state
+from .base import SingleLayout
+from .lightning import Lightning
 from .torchtitan import model_entries, titan_model_keys
 from .training import analyse, as_int, top_keys, value_of, verdict
 
@@ -34,12 +38,52 @@ def _first(keys: dict[str, str], names: tuple[str, ...]) -> str | None:
     return None
 
 
+class TorchTitan(SingleLayout):
+    """A torchtitan DCP folder: `train_state` / `optimizer` / `lr_scheduler` / `dataloader`
+    beside the model's keys; its run names the saves `step-N/` (under `checkpoint/`)."""
+
+    name = "torchtitan"
+    step_folder = re.compile(r"step-(\d+)")
+    suffixes = ()
+
+    def matches(self, checkpoint: Checkpoint, keys: dict[str, str]) -> bool:
+        return checkpoint.manifest.format == "dcp" and "train_state" in keys
+
+    def training_state(self, checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState | None:
+        return _dict_state(checkpoint, keys)
+
+
+class TorchDict(SingleLayout):
+    """A torch.save (or DCP) dict with model / optimizer / scheduler / step / rng keys under
+    any of their usual names (`model_state_dict`, `optim`, `global_step`...); the last layout
+    asked, so it matches every checkpoint and says None for plain weights."""
+
+    name = "torch-dict"
+
+    def matches(self, checkpoint: Checkpoint, keys: dict[str, str]) -> bool:
+        return True
+
+    def training_state(self, checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState | None:
+        return _dict_state(checkpoint, keys)
+
+
+#: the layouts inside one checkpoint, asked in order by `analyse_single` (the first that
+#: `matches` says what the checkpoint is)
+SINGLE_LAYOUTS: tuple[SingleLayout, ...] = (Lightning(), TorchTitan(), TorchDict())
+
+
 def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
     """The training state of one torch.save file or DCP folder, None for plain weights."""
+    keys = top_keys(checkpoint.manifest)
+    for layout in SINGLE_LAYOUTS:
+        if layout.matches(checkpoint, keys):
+            return layout.training_state(checkpoint, keys)
+    return None
+
+
+def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState | None:
+    """What a training dict holds, by the usual key names (torchtitan's layout included)."""
     manifest = checkpoint.manifest
-    keys = top_keys(manifest)
-    if is_lightning(keys):
-        return lightning_state(checkpoint, keys)
     model = _first(keys, _MODEL_KEYS)
     optimizer = _first(keys, _OPTIMIZER_KEYS)
     scheduler = _first(keys, _SCHEDULER_KEYS)

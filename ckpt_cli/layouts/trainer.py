@@ -136,7 +136,7 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
         siblings = sorted(
             p
             for p in here.parent.glob("checkpoint-*")
-            if p.is_dir() and p != here and re.fullmatch(r"checkpoint-\d+", p.name)
+            if p.is_dir() and p != here and Trainer().step_of(p.name) is not None
         )
         for name in missing:
             having = [p.name for p in siblings if (p / name).is_file()]

@@ -29,7 +29,13 @@ from ..errors import (
 from ..formats import choose_format, get_format, resolve_source
 from ..formats.base import Checkpoint, Format, Source
 from ..hashing import ALGORITHMS
-from ..layouts import OpenedSource, check_source, open_source, recognise_layout, training_checks
+from ..layouts import (
+    OpenedSource,
+    SourceOpener,
+    check_source,
+    recognise_layout,
+    training_checks,
+)
 from ..models import Problem, TrainingState
 from ..progress import NULL_PROGRESS, Progress
 from .checksums import MANIFEST_NAME, checksum_checks, manifest_exists, manifest_location
@@ -135,9 +141,12 @@ def verify(
     if algo is not None and algo not in ALGORITHMS:
         raise UsageError(f"unknown --algo {algo!r}", fix=f"Use one of {', '.join(ALGORITHMS)}.")
     resumable = resumable or exact
-    source = resolve_source(src)
+    # SRC is resolved once (one listing, one Hub lookup) and opened at most once: every check
+    # below gets this source, or the one opened from it
+    source = resolved = resolve_source(src)
     # a training folder (Trainer, accelerate, DeepSpeed) is checked component by component
     opened = recognise_layout(source) if format is None else None
+    opener = SourceOpener(resolved, format)
     try:
         if opened is None:
             name = choose_format(source, format)
@@ -150,7 +159,7 @@ def verify(
         else:
             training = opened.training
             name = training.layout if training else opened.checkpoint.manifest.format
-            problems = check_source(src)
+            problems = check_source(resolved, opened=opened)
         report = VerifyReport(
             location=source.location.raw, format=name, ok=True, checks=["structure"]
         )
@@ -160,13 +169,13 @@ def verify(
         report.bytes = sum(considered.values())
         report.training = opened.training if opened is not None else None
         if not any(p.severity == "error" for p in problems):
-            _quant_checks(report, problems, src, format, opened, deep=deep)
+            _quant_checks(report, problems, opener, opened, deep=deep)
         if resumable or deep:
             _open_checks(
                 report,
                 problems,
                 src,
-                format,
+                opener,
                 opened,
                 resumable=resumable,
                 deep=deep,
@@ -176,8 +185,9 @@ def verify(
     finally:
         if opened is not None:
             opened.checkpoint.close()
+        opener.close()
     parity = (
-        check_parity(src, checksums=checksums, progress=progress)
+        check_parity(resolved, checksums=checksums, progress=progress)
         if source.location.kind != "hf"
         else None
     )
@@ -214,8 +224,7 @@ def verify(
 def _quant_checks(
     report: VerifyReport,
     problems: list[Problem],
-    src: str,
-    format: str | None,
+    opener: SourceOpener,
     opened: OpenedSource | None,
     *,
     deep: bool,
@@ -224,23 +233,19 @@ def _quant_checks(
     from ..quant import analyse_checkpoint
 
     try:
-        own = opened if opened is not None else open_source(src, format)
+        own = opened if opened is not None else opener.get()
     except CkptError:
         return  # what stops opening is already a structural problem
-    try:
-        checkpoint = own.checkpoint
-        analysis = analyse_checkpoint(checkpoint.manifest, checkpoint.storage)
-        if not analysis.quantized and analysis.config.method is None:
-            return
-        report.checks.append("quantization")
-        problems.extend(analysis.problems)
-        if deep:
-            from ..quant.dequant import scale_value_problems
+    checkpoint = own.checkpoint
+    analysis = analyse_checkpoint(checkpoint.manifest, checkpoint.storage)
+    if not analysis.quantized and analysis.config.method is None:
+        return
+    report.checks.append("quantization")
+    problems.extend(analysis.problems)
+    if deep:
+        from ..quant.dequant import scale_value_problems
 
-            problems.extend(scale_value_problems(checkpoint, analysis))
-    finally:
-        if opened is None:
-            own.checkpoint.close()
+        problems.extend(scale_value_problems(checkpoint, analysis))
 
 
 def _parity_problems(report: VerifyReport, problems: list[Problem], parity: ParityCheck) -> None:
@@ -306,7 +311,7 @@ def _open_checks(
     report: VerifyReport,
     problems: list[Problem],
     src: str,
-    format: str | None,
+    opener: SourceOpener,
     opened: OpenedSource | None,
     *,
     resumable: bool,
@@ -329,7 +334,7 @@ def _open_checks(
         return
     if opened is None:
         try:
-            opened = open_source(src, format)
+            opened = opener.get()
         except CkptError as error:
             problems.append(Problem(code=error.code, message=error.message, file=error.path))
             return

@@ -42,8 +42,11 @@ newest `trainer_state.json`, and `NAME=VALUE` pairs in Lightning file names
 
 The library never prints; `ops.prune` and `commands/latest.py` build on this module.
 
-Package layout: `records` (what a scan reports), `naming` (how checkpoints are named and found),
-`judge` (complete / interrupted / writing), `local` (`scan_run`), `remote` (object stores).
+Package layout: `records` (what a scan reports), `naming` (how checkpoints are named: one rule
+set for every scanner, step names from each layout's `step_of`), `judge` (complete / interrupted
+/ writing), `scan` (the one scanner: ordering, early stop, markers, Trainer best, metrics) over
+a `RunFolder`: `local` (`scan_run`: the file system, links, each component's `Format.check`)
+or `remote` (object stores and the Hub: one `Storage` listing, then headers).
 """
 
 from __future__ import annotations

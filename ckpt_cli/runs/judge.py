@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from ..errors import CkptError, UsageError
 from ..output import TMP_MARKER
-from ..storage import is_parity_path, read_regular
-from .naming import _TORCH_EXT, _lightning_metrics, _part_names
+from ..storage import LocalStorage, Storage, is_parity_path, read_regular
+from .naming import _TORCH_EXT, _lightning_metrics, _part_names, deepspeed_tag
 from .records import (
     DELETING,
     METRICS_FILE,
@@ -297,51 +297,44 @@ def _with_status(entry: RunCheckpoint, status: Status, reason: str) -> RunCheckp
 
 
 def _deepspeed_latest(run_dir: Path) -> str | None:
-    latest = run_dir / "latest"
-    if not latest.is_file() or latest.stat().st_size > 4096:
-        return None
+    """The tag of a local run folder's DeepSpeed `latest` file (see `read_deepspeed_latest`)."""
+    return read_deepspeed_latest(LocalStorage(run_dir))
+
+
+def read_deepspeed_latest(storage: Storage) -> str | None:
+    """The tag a run folder's DeepSpeed `latest` file names, read through its storage (local
+    or remote alike): at most 4 KiB of a regular file inside the run (a link out of the run, a
+    FIFO or a folder named `latest` names nothing), and only a folder name (`deepspeed_tag`)."""
     try:
-        text = read_regular(latest).decode().strip()
+        if storage.size("latest") > 4096:
+            return None
+        text = storage.read_all("latest").decode()
     except (OSError, UnicodeDecodeError, CkptError):
         return None
-    # a tag names a folder of this run, nothing else: compared with folder names, never joined
-    if not text or "/" in text or "\\" in text or text in (".", ".."):
-        return None
-    return text
+    return deepspeed_tag(text)
 
 
 def _trainer_state(
-    run_dir: Path, checkpoints: list[RunCheckpoint]
-) -> tuple[Path, dict[str, Any]] | None:
-    """The newest `trainer_state.json`: of the newest complete Trainer folder, or the run root."""
-    candidates: list[tuple[float, Path]] = []
+    storage: Storage, checkpoints: list[RunCheckpoint]
+) -> tuple[str, dict[str, Any]] | None:
+    """The newest `trainer_state.json`: of the newest complete Trainer folder, or the run root,
+    read through the run folder's storage (a link out of the run is not read)."""
+    candidates: list[tuple[float, str]] = []
     for c in checkpoints:
         if c.layout == "hf-trainer" and c.complete and not c.symlink:
-            candidates.append((float(c.step or 0), Path(c.path) / "trainer_state.json"))
-    root = run_dir / "trainer_state.json"
-    states: list[tuple[float, Path, dict[str, Any]]] = []
-    for _order, path in [*sorted(candidates, reverse=True)[:1], (0.0, root)]:
-        if not path.is_file():
-            continue
+            candidates.append((float(c.step or 0), f"{c.name}/trainer_state.json"))
+    states: list[tuple[float, str, dict[str, Any]]] = []
+    for _order, rel in [*sorted(candidates, reverse=True)[:1], (0.0, "trainer_state.json")]:
         try:
-            doc = json.loads(read_regular(path))
+            doc = json.loads(storage.read_all(rel))
         except (OSError, ValueError, UnicodeDecodeError, RecursionError, CkptError):
             continue
         if isinstance(doc, dict):
-            states.append((float(doc.get("global_step") or 0), path, doc))
+            states.append((float(doc.get("global_step") or 0), rel, doc))
     if not states:
         return None
-    _step, path, doc = max(states, key=lambda s: s[0])
-    return path, doc
-
-
-def _name_in_run(run_dir: Path, pointer: str, checkpoints: list[RunCheckpoint]) -> str | None:
-    """Match a path recorded by a trainer (absolute, or relative to its cwd) to a checkpoint."""
-    base = Path(pointer).name
-    for c in checkpoints:
-        if Path(c.path).name == base:
-            return c.name
-    return None
+    _step, rel, doc = max(states, key=lambda s: s[0])
+    return storage.describe(rel), doc
 
 
 def load_metrics(

@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from ..errors import NotFoundError, UsageError
-from .judge import _best_by_metric, _deepspeed_latest, _judge, _name_in_run, _trainer_state
+from ..storage import LocalStorage
+from .judge import _judge, _trainer_state, read_deepspeed_latest
 from .naming import (
     _CKPT_EXT,
     _discover,
     _expected_parts,
-    _int_or_none,
     _match_name,
     _name_order,
     _scan_dirs,
 )
-from .records import DEFAULT_SETTLE, RunCheckpoint, RunReport, _Found
+from .records import DEFAULT_SETTLE, METRICS_FILE, RunCheckpoint, RunReport, _Found
 from .remote import is_remote, looks_like_remote_run, scan_remote_run
+from .scan import RunFolder, scan
 
 
 def scan_run(
@@ -60,51 +60,63 @@ def scan_run(
             path=root,
             fix="Pass the run folder that holds the step checkpoints (checkpoint-N/...).",
         )
-    now = time.time() if now is None else now
-    found = _discover(root)
-    ds_latest = _deepspeed_latest(root)
-    ds_step = _int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
-    expected = _expected_parts(found)
-    judged: list[RunCheckpoint] = []
-    for item in sorted(found, key=_name_order, reverse=True):
-        judged.append(_judge(item, root, now, settle, ds_step, expected.get(id(item))))
-        if until_latest and judged[-1].complete and not judged[-1].slim:
-            break
-    checkpoints = sorted(judged, key=lambda c: c.order)
-    report = RunReport(
-        run_dir=str(root),
-        layouts=sorted({c.layout for c in checkpoints}),
-        checkpoints=checkpoints,
+    return scan(
+        _LocalRun(root),
+        metric=metric,
+        mode=mode,
         settle=settle,
-        root_files=_root_files(root, found),
+        now=now,
+        until_latest=until_latest,
     )
-    newest = report.newest_complete
-    if newest is not None:
-        newest.markers.append("newest")
-        report.latest = newest.path
-    if ds_latest:
-        for c in checkpoints:
-            if c.layout == "deepspeed" and Path(c.path).name == ds_latest:
-                c.markers.append("deepspeed-latest")
-                report.deepspeed_latest = c.name
-    _mark_link_targets(root, checkpoints)
-    state = _trainer_state(root, checkpoints)
-    trainer_doc = None
-    if state is not None:
-        state_path, trainer_doc = state
-        report.trainer_state = str(state_path)
-        pointer = trainer_doc.get("best_model_checkpoint")
-        if isinstance(pointer, str) and pointer:
-            report.trainer_best = _name_in_run(root, pointer, checkpoints)
-            best_metric = trainer_doc.get("best_metric")
-            if isinstance(best_metric, int | float):
-                report.trainer_best_metric = float(best_metric)
-            for c in checkpoints:
-                if c.name == report.trainer_best:
-                    c.markers.append("trainer-best")
-    if metric:
-        report.best = _best_by_metric(root, metric, mode, trainer_doc, checkpoints)
-    return report
+
+
+class _LocalRun(RunFolder[_Found]):
+    """A run folder on this machine: walked with links seen (never followed out of the run),
+    each component judged by its format's `check`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.display = str(root)
+        # the run's own small files (`latest`, `trainer_state.json`, `metrics.jsonl`) are read
+        # through the run folder's storage: regular files inside the run only
+        self.storage = LocalStorage(root)
+
+    def discover(self) -> list[_Found]:
+        return _discover(self.root)
+
+    def order(self, item: _Found) -> tuple[float, float, float]:
+        return _name_order(item)
+
+    def judge(
+        self,
+        item: _Found,
+        now: float,
+        settle: float,
+        ds_latest_step: int | None,
+        expected: set[str] | None,
+    ) -> RunCheckpoint:
+        return _judge(item, self.root, now, settle, ds_latest_step, expected)
+
+    def expected_parts(self, items: list[_Found]) -> dict[int, set[str]]:
+        return _expected_parts(items)
+
+    def deepspeed_latest(self) -> str | None:
+        return read_deepspeed_latest(self.storage)
+
+    def root_files(self, items: list[_Found]) -> list[str]:
+        return _root_files(self.root, items)
+
+    def trainer_state(self, checkpoints: list[RunCheckpoint]) -> tuple[str, dict[str, Any]] | None:
+        return _trainer_state(self.storage, checkpoints)
+
+    def metrics_file(self) -> tuple[str, str] | None:
+        if not self.storage.exists(METRICS_FILE):
+            return None
+        raw = self.storage.read_all(METRICS_FILE)
+        return self.storage.describe(METRICS_FILE), raw.decode("utf-8", "replace")
+
+    def mark_links(self, checkpoints: list[RunCheckpoint]) -> None:
+        _mark_link_targets(self.root, checkpoints)
 
 
 def _root_files(root: Path, found: list[_Found]) -> list[str]:

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..output import TMP_MARKER
 from ..storage import is_parity_path
 from .records import SLIM_RECORD, _Found
+
+if TYPE_CHECKING:
+    from ..layouts import Layout
 
 _TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 _CKPT_EXT = (*_TORCH_EXT, ".safetensors", ".distcp")
@@ -18,14 +24,7 @@ _CKPT_EXT = (*_TORCH_EXT, ".safetensors", ".distcp")
 _PLAIN_EXT = (*_TORCH_EXT, ".safetensors")
 #: `model-00001-of-00003`, `rng_state_1`: numbered parts of one checkpoint, not steps
 _PART = re.compile(r".*-\d+-of-\d+|rng_state.*|.*rank.*")
-_FOLDER_LAYOUTS: list[tuple[str, re.Pattern[str]]] = [
-    ("hf-trainer", re.compile(r"checkpoint-(\d+)")),
-    ("accelerate", re.compile(r"checkpoint_(\d+)")),
-    ("torchtitan", re.compile(r"step-(\d+)")),
-    ("deepspeed", re.compile(r"global_step(\d+)")),
-]
 _PLAIN = re.compile(r"(?P<stem>.+?)[-_](?P<n>\d+)(?P<ext>\.[A-Za-z]+)?")
-_LIGHTNING_PAIR = re.compile(r"([A-Za-z_][\w/.]*?)=(-?[\d.]+(?:e-?\d+)?)")
 _TEMP_NAMES = [
     re.compile(r"\.(?P<name>.+?)" + re.escape(TMP_MARKER) + r".*"),
     re.compile(r"tmp[-_](?P<name>.+)"),
@@ -35,15 +34,27 @@ _TEMP_NAMES = [
 _SUBFOLDERS = ("checkpoints", "checkpoint")
 
 
+@functools.cache
+def _step_layouts() -> tuple[Layout, ...]:
+    """The layouts with step folders of their own (their `step_folder`), from the layouts
+    registry: the naming rules live once, on each layout (imported on first use, so listing a
+    run folder's names does not import the format readers)."""
+    from ..layouts import FOLDER_LAYOUTS, SINGLE_LAYOUTS
+
+    return tuple(lay for lay in (*FOLDER_LAYOUTS, *SINGLE_LAYOUTS) if lay.step_folder is not None)
+
+
 def _match_name(name: str, is_dir: bool) -> tuple[str, int | None, float | None] | None:
     """(layout, step, epoch) for an entry name, or None when it is not a checkpoint name."""
     if is_dir:
-        for layout, pattern in _FOLDER_LAYOUTS:
-            m = pattern.fullmatch(name)
-            if m:
-                return layout, int(m.group(1)), None
-    if name.endswith(".ckpt") and ("step=" in name or "epoch=" in name):
-        pairs = dict(_LIGHTNING_PAIR.findall(name[: -len(".ckpt")]))
+        for layout in _step_layouts():
+            step = layout.step_of(name)
+            if step is not None:
+                return layout.name, step, None
+    from ..layouts.lightning import Lightning, name_values
+
+    if Lightning.is_step_file(name):
+        pairs = name_values(name)
         step = _int_or_none(pairs.get("step"))
         epoch = _float_or_none(pairs.get("epoch"))
         return "lightning", step, epoch
@@ -73,7 +84,9 @@ def _float_or_none(text: str | None) -> float | None:
 
 def _lightning_metrics(name: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for key, value in _LIGHTNING_PAIR.findall(name.removesuffix(".ckpt")):
+    from ..layouts.lightning import name_values
+
+    for key, value in name_values(name).items():
         number = _float_or_none(value)
         if number is not None and key not in ("step", "epoch"):
             out[key] = number
@@ -89,9 +102,15 @@ def _looks_like_checkpoint_folder(path: Path) -> bool:
     return False
 
 
-def _classify(entry: Path) -> _Found | None:
-    name = entry.name
-    is_dir = entry.is_dir()
+def classify(
+    name: str, is_dir: bool, holds_checkpoint: Callable[[], bool]
+) -> tuple[str, int | None, float | None, bool] | None:
+    """(layout, step, epoch, temporary) of one entry of a run folder, local or remote; None
+    when it is no checkpoint (the one naming rule of every scanner).
+
+    `holds_checkpoint` says whether a plain `NAME-N/` folder holds checkpoint files (asked
+    only for such folders: a log folder named `eval-3/` is no checkpoint).
+    """
     for pattern in _TEMP_NAMES:
         m = pattern.fullmatch(name)
         if m:
@@ -100,15 +119,66 @@ def _classify(entry: Path) -> _Found | None:
             if matched is None and TMP_MARKER not in name:
                 continue  # `notes.tmp` is not a checkpoint; ckpt's own staging always is
             layout, step, epoch = matched or ("plain", None, None)
-            return _Found(layout, step, epoch, [entry], temporary=True)
+            return layout, step, epoch, True
     matched = _match_name(name, is_dir)
     if matched is None:
         return None
     layout, step, epoch = matched
-    plain_folder = layout == "plain" and is_dir and not entry.is_symlink()
-    if plain_folder and not _looks_like_checkpoint_folder(entry):
+    if layout == "plain" and is_dir and not holds_checkpoint():
         return None
-    return _Found(layout, step, epoch, [entry])
+    return layout, step, epoch, False
+
+
+def deepspeed_tag(text: str) -> str | None:
+    """The tag a DeepSpeed `latest` file names, when it is a folder name of the run; None
+    otherwise. A tag is compared with folder names and never joined to a path, so a `latest`
+    naming `../x` or `/etc` names nothing (local and remote scans alike)."""
+    tag = text.strip()
+    if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+        return None
+    return tag
+
+
+def step_order(step: int | None, epoch: float | None, mtime: float) -> tuple[float, float, float]:
+    """Newest-first order known before judging: step, epoch, then the entry's own time."""
+    return (
+        float(step) if step is not None else -math.inf,
+        epoch if epoch is not None else -math.inf,
+        mtime,
+    )
+
+
+def expected_parts(names: dict[int, set[str]]) -> dict[int, set[str]]:
+    """For the folders of one unmarked layout (id -> its digit-free top-level file names):
+    the names every *other* full save has (see `_expected_parts`); empty below three full
+    saves. Slimmed saves (`SLIM_RECORD`) lack their optimizer on purpose and say nothing."""
+    full = [key for key, have in names.items() if SLIM_RECORD not in have]
+    if len(full) < 3:
+        return {}
+    # the names every *other* full folder has, for all folders in one pass (not N² set
+    # intersections): those in all of them, plus, for a full folder, those missing from it alone
+    counts: collections.Counter[str] = collections.Counter()
+    for key in full:
+        counts.update(names[key])
+    everywhere = {n for n, c in counts.items() if c == len(full)}
+    all_but_one = {n for n, c in counts.items() if c == len(full) - 1}
+    in_full = set(full)
+    return {
+        key: everywhere | (all_but_one - have if key in in_full else set())
+        for key, have in names.items()
+    }
+
+
+def _classify(entry: Path) -> _Found | None:
+    is_dir = entry.is_dir()
+    # a linked folder is not walked (it may point anywhere): its name decides
+    found = classify(
+        entry.name, is_dir, lambda: entry.is_symlink() or _looks_like_checkpoint_folder(entry)
+    )
+    if found is None:
+        return None
+    layout, step, epoch, temporary = found
+    return _Found(layout, step, epoch, [entry], temporary=temporary)
 
 
 def _scan_dirs(run_dir: Path) -> list[Path]:
@@ -175,24 +245,8 @@ def _expected_parts(found: list[_Found]) -> dict[int, set[str]]:
             and f.paths[0].is_dir()
             and not f.paths[0].is_symlink()
         ]
-        if len(folders) < 3:
-            continue
-        names = {id(f): _part_names(f.paths[0]) for f in folders}
-        # slimmed saves lack their optimizer on purpose: they say nothing about the others
-        full = [f for f in folders if SLIM_RECORD not in names[id(f)]]
-        if len(full) < 3:
-            continue
-        # the names every *other* full folder has, for all folders in one pass (not N² set
-        # intersections): those in all of them, plus, for a full folder, those missing from
-        # it alone
-        counts: collections.Counter[str] = collections.Counter()
-        for f in full:
-            counts.update(names[id(f)])
-        everywhere = {n for n, c in counts.items() if c == len(full)}
-        all_but_one = {n for n, c in counts.items() if c == len(full) - 1}
-        in_full = {id(f) for f in full}
-        for f in folders:
-            out[id(f)] = everywhere | (all_but_one - names[id(f)] if id(f) in in_full else set())
+        if len(folders) >= 3:
+            out.update(expected_parts({id(f): _part_names(f.paths[0]) for f in folders}))
     return out
 
 
@@ -202,6 +256,4 @@ def _name_order(item: _Found) -> tuple[float, float, float]:
         mtime = item.paths[0].lstat().st_mtime
     except OSError:
         mtime = 0.0
-    step = float(item.step) if item.step is not None else -math.inf
-    epoch = item.epoch if item.epoch is not None else -math.inf
-    return (step, epoch, mtime)
+    return step_order(item.step, item.epoch, mtime)

@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import CkptError, NotFoundError, UsageError
-from ..output import TMP_MARKER
 from ..storage import Storage
-from .judge import _best_by_metric, _with_status
+from .judge import _with_status, read_deepspeed_latest
 from .naming import (
     _CKPT_EXT,
     _SUBFOLDERS,
-    _TEMP_NAMES,
     _TORCH_EXT,
     _UNMARKED,
-    _int_or_none,
-    _match_name,
+    classify,
+    expected_parts,
+    step_order,
 )
 from .records import DEFAULT_SETTLE, METRICS_FILE, SLIM_RECORD, RunCheckpoint, RunReport
+from .scan import RunFolder, scan
 
 # --------------------------------------------------------------------------- remote run folders
 #
@@ -106,26 +103,13 @@ def _remote_items(files: dict[str, int]) -> list[_RemoteItem]:
 
 
 def _classify_remote(name: str, is_dir: bool, inside: dict[str, int]) -> _RemoteItem | None:
-    for pattern in _TEMP_NAMES:
-        m = pattern.fullmatch(name)
-        if m:
-            inner = m.group("name")
-            matched = _match_name(inner, is_dir) or _match_name(inner, not is_dir)
-            if matched is None and TMP_MARKER not in name:
-                continue
-            layout, step, epoch = matched or ("plain", None, None)
-            return _RemoteItem(layout, step, epoch, [], is_dir, dict(inside), temporary=True)
-    matched = _match_name(name, is_dir)
-    if matched is None:
+    found = classify(
+        name, is_dir, lambda: any(f.endswith(_CKPT_EXT) or f.endswith(".metadata") for f in inside)
+    )
+    if found is None:
         return None
-    layout, step, epoch = matched
-    if (
-        layout == "plain"
-        and is_dir
-        and not any(f.endswith(_CKPT_EXT) or f.endswith(".metadata") for f in inside)
-    ):
-        return None
-    return _RemoteItem(layout, step, epoch, [], is_dir, dict(inside))
+    layout, step, epoch, temporary = found
+    return _RemoteItem(layout, step, epoch, [], is_dir, dict(inside), temporary=temporary)
 
 
 def _remote_file_problem(storage: Storage, rel: str, size: int) -> str | None:
@@ -240,83 +224,72 @@ def scan_remote_run(
     until_latest: bool = False,
 ) -> RunReport:
     """`scan_run` for a run folder in an object store or on the Hub (listings and headers)."""
-    storage = run_storage(run_dir)
-    files = storage.list_files()
-    now = time.time() if now is None else now
-    root_url = run_dir.rstrip("/")
-    items = _remote_items(files)
-    ds_latest: str | None = None
-    if "latest" in files and files["latest"] <= 4096:
-        with contextlib.suppress(CkptError, UnicodeDecodeError):
-            ds_latest = storage.read_all("latest").decode().strip() or None
-    ds_step = _int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
-    unmarked = _remote_expected_parts(items)
-
-    def order(item: _RemoteItem) -> tuple[float, float, float]:
-        step = float(item.step) if item.step is not None else -math.inf
-        epoch = item.epoch if item.epoch is not None else -math.inf
-        return (step, epoch, _remote_mtime(storage, item))
-
-    judged: list[RunCheckpoint] = []
-    for item in sorted(items, key=order, reverse=True):
-        judged.append(
-            _judge_remote(storage, root_url, item, now, settle, ds_step, unmarked.get(id(item)))
-        )
-        if until_latest and judged[-1].complete and not judged[-1].slim:
-            break
-    checkpoints = sorted(judged, key=lambda c: c.order)
-    report = RunReport(
-        run_dir=root_url,
-        layouts=sorted({c.layout for c in checkpoints}),
-        checkpoints=checkpoints,
+    return scan(
+        _RemoteRun(run_dir),
+        metric=metric,
+        mode=mode,
         settle=settle,
-        root_files=sorted(
-            rel
-            for rel in files
-            if "/" not in rel and rel.endswith(_CKPT_EXT) and not any(rel in i.rels for i in items)
-        ),
+        now=now,
+        until_latest=until_latest,
     )
-    newest = report.newest_complete
-    if newest is not None:
-        newest.markers.append("newest")
-        report.latest = newest.path
-    if ds_latest:
-        for c in checkpoints:
-            if c.layout == "deepspeed" and c.name.rsplit("/", 1)[-1] == ds_latest:
-                c.markers.append("deepspeed-latest")
-                report.deepspeed_latest = c.name
-    trainer_doc = None
-    trainers = [c for c in checkpoints if c.layout == "hf-trainer" and c.complete]
-    for rel in [f"{trainers[-1].name}/trainer_state.json"] if trainers else []:
-        doc = _remote_json(storage, rel)
-        if isinstance(doc, dict):
-            trainer_doc = doc
-            report.trainer_state = storage.describe(rel)
-    if trainer_doc is not None:
-        pointer = trainer_doc.get("best_model_checkpoint")
-        if isinstance(pointer, str) and pointer:
-            base = pointer.rstrip("/").rsplit("/", 1)[-1]
-            report.trainer_best = next(
-                (c.name for c in checkpoints if c.name.rsplit("/", 1)[-1] == base), None
-            )
-            best_metric = trainer_doc.get("best_metric")
-            if isinstance(best_metric, int | float):
-                report.trainer_best_metric = float(best_metric)
-            for c in checkpoints:
-                if c.name == report.trainer_best:
-                    c.markers.append("trainer-best")
-    if metric:
-        metrics_file = None
-        if METRICS_FILE in files:
-            raw = storage.read_all(METRICS_FILE)
-            metrics_file = (storage.describe(METRICS_FILE), raw.decode("utf-8", "replace"))
-        report.best = _best_by_metric(
-            Path("."), metric, mode, trainer_doc, checkpoints, metrics_file or ("", "")
+
+
+class _RemoteRun(RunFolder[_RemoteItem]):
+    """A run folder read through its `Storage`: one listing, then headers only."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.storage = run_storage(run_dir)
+        self.files = self.storage.list_files()
+        self.display = run_dir.rstrip("/")
+
+    def discover(self) -> list[_RemoteItem]:
+        return _remote_items(self.files)
+
+    def order(self, item: _RemoteItem) -> tuple[float, float, float]:
+        return step_order(item.step, item.epoch, _remote_mtime(self.storage, item))
+
+    def judge(
+        self,
+        item: _RemoteItem,
+        now: float,
+        settle: float,
+        ds_latest_step: int | None,
+        expected: set[str] | None,
+    ) -> RunCheckpoint:
+        return _judge_remote(
+            self.storage, self.display, item, now, settle, ds_latest_step, expected
         )
-        if report.best.source == "":
-            report.best.source = None
-    storage.close()
-    return report
+
+    def expected_parts(self, items: list[_RemoteItem]) -> dict[int, set[str]]:
+        return _remote_expected_parts(items)
+
+    def deepspeed_latest(self) -> str | None:
+        # the listing says whether there is one: no request for runs without it
+        return read_deepspeed_latest(self.storage) if "latest" in self.files else None
+
+    def root_files(self, items: list[_RemoteItem]) -> list[str]:
+        return sorted(
+            rel
+            for rel in self.files
+            if "/" not in rel and rel.endswith(_CKPT_EXT) and not any(rel in i.rels for i in items)
+        )
+
+    def trainer_state(self, checkpoints: list[RunCheckpoint]) -> tuple[str, dict[str, Any]] | None:
+        trainers = [c for c in checkpoints if c.layout == "hf-trainer" and c.complete]
+        if not trainers:
+            return None
+        rel = f"{trainers[-1].name}/trainer_state.json"
+        doc = _remote_json(self.storage, rel)
+        return (self.storage.describe(rel), doc) if isinstance(doc, dict) else None
+
+    def metrics_file(self) -> tuple[str, str] | None:
+        if METRICS_FILE not in self.files:
+            return None
+        raw = self.storage.read_all(METRICS_FILE)
+        return self.storage.describe(METRICS_FILE), raw.decode("utf-8", "replace")
+
+    def close(self) -> None:
+        self.storage.close()
 
 
 def _remote_mtime(storage: Storage, item: _RemoteItem) -> float:
@@ -335,11 +308,7 @@ def _remote_expected_parts(items: list[_RemoteItem]) -> dict[int, set[str]]:
             id(f): {n for n in f.files if "/" not in n and not any(ch.isdigit() for ch in n)}
             for f in folders
         }
-        full = [f for f in folders if SLIM_RECORD not in names[id(f)]]
-        if len(full) < 3:
-            continue
-        for f in folders:
-            out[id(f)] = set.intersection(*[names[id(o)] for o in full if o is not f])
+        out.update(expected_parts(names))
     return out
 
 

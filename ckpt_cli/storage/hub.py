@@ -196,7 +196,11 @@ class HubStorage(Storage):
 
     def _stream_remote(self, rel: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
         import httpx2
-        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+        from huggingface_hub import get_session, hf_raise_for_status
+
+        # `huggingface_hub.utils` re-exports it lazily (mypy --strict sees no export); its
+        # defining module has been `utils._headers` since huggingface_hub 0.x
+        from huggingface_hub.utils._headers import build_hf_headers
 
         where = self.describe(rel)
         pos, failures = start, 0

@@ -6,6 +6,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 
 from ...errors import NotFoundError, UsageError
+from ...formats.base import Source
 from ...progress import NULL_PROGRESS, Progress
 from ...storage import (
     FsspecStorage,
@@ -139,7 +140,7 @@ def _damage_list(target: _Target, scan: _Scan) -> list[DamagedFile]:
 
 
 def check_parity(
-    src: str, *, checksums: bool, progress: Progress = NULL_PROGRESS
+    src: str | Source, *, checksums: bool, progress: Progress = NULL_PROGRESS
 ) -> ParityCheck | None:
     """For `verify`: the parity manifest checked against the files (None: not protected).
 

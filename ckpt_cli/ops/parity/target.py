@@ -58,8 +58,8 @@ class _Target:
         return f"{self.parity_rel}/{MANIFEST_NAME}"
 
 
-def _target(src: str) -> _Target:
-    source = resolve_source(src)
+def _target(src: str | Source) -> _Target:
+    source = src if isinstance(src, Source) else resolve_source(src)
     storage = source.storage
     if not isinstance(storage, LocalStorage | FsspecStorage):
         raise UsageError(
