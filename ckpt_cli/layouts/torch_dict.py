@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..formats.base import Checkpoint
 from ..models import Manifest, TrainingState
 from .lightning import is_lightning, lightning_state
-from .torchtitan import model_entries, titan_model_keys
+from .torchtitan import Torchtitan, model_entries, titan_model_keys
 from .training import analyse, as_int, top_keys, value_of, verdict
 
 # --------------------------------------------------------------------------- single files
@@ -44,7 +44,7 @@ def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
     optimizer = _first(keys, _OPTIMIZER_KEYS)
     scheduler = _first(keys, _SCHEDULER_KEYS)
     step = _first(keys, _STEP_KEYS)
-    is_titan = manifest.format == "dcp" and "train_state" in keys
+    is_titan = Torchtitan.holds(manifest)
     if not (optimizer or scheduler or step or is_titan):
         return None
     prefixes: dict[str, str] = {}
