@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml
 $(FRAMEWORKS): $(STAMP)
 	$(PIP) torch==2.13.0 -e '.[dev,frameworks]'
 	DS_BUILD_OPS=0 $(PIP) --no-build-isolation torch==2.13.0 deepspeed
+	# torchtitan 0.3.0 pins datasets<4.8 (and so an older fsspec than s3fs wants) and pulls
+	# wandb / tensorboard: install it without its deps; the extra holds what its model and
+	# CheckpointManager code import (tyro, torchdata, spmd_types, torch_checkpointing, triton)
+	$(PIP) --no-deps torchtitan==0.3.0
 	touch $(FRAMEWORKS)
 
 frameworks: $(FRAMEWORKS)

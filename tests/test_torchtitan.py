@@ -1,16 +1,23 @@
-"""torchtitan 0.3 step folders as its CheckpointManager writes them: the model's FQNs at the top
-level (`_flattened_model_states_sd`), beside `optimizer` (flattened, FQN-keyed),
-`lr_scheduler`, `dataloader` (`dp_rank_N` pickled bytes + `world_size`) and `train_state`
-(`step`, `ntokens_seen`).
+"""torchtitan 0.3.0 checkpoints as its own `CheckpointManager.save` writes them (#20).
 
-torchtitan itself is not installed here (its trainer needs CUDA and triton); the fixture is the
-same state dict built from the same torch APIs torchtitan 0.3.0 calls
-(`get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`, `LambdaLR.state_dict()`)
-and saved with `dcp.save`, as `CheckpointManager.save` does."""
+tests/torchtitan_writer.py trains a tiny llama3 (2 layers, dim 16) for 3 AdamW steps on CPU
+with torchtitan's optimizer / LR-scheduler containers and data loader and saves `step-1..3/`
+with `CheckpointManager.save`; ground truth is torchtitan's own flattened state dict, and every
+output ckpt writes is judged by `CheckpointManager.load` into a fresh model.
+
+The 0.3 layout: the model's FQNs at the top level (`_flattened_model_states_sd`), the fused
+attention projection saved split (`…qkv_linear.wq/wk/wv.weight`) while the FQN-keyed optimizer
+state names the fused parameter (`optimizer.state.…qkv_linear.wqkv.weight.exp_avg`), beside
+`lr_scheduler` (`last_epoch`), `dataloader` (`dp_rank_0` pickled bytes + `world_size`) and
+`train_state` (`step`, `ntokens_seen`).
+"""
 
 from __future__ import annotations
 
-import pickle
+import importlib.util
+import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,114 +28,200 @@ from safetensors.torch import load_file
 
 from .conftest import run_ckpt
 
-
-class _Llama(torch.nn.Module):
-    """torchtitan's llama3 FQNs at toy size (hidden 16, 2 layers)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok_embeddings = torch.nn.Embedding(32, 16)
-        self.layers = torch.nn.ModuleDict(
-            {
-                str(i): torch.nn.ModuleDict(
-                    {
-                        "attention": torch.nn.ModuleDict(
-                            {"wq": torch.nn.Linear(16, 16, bias=False)}
-                        ),
-                        "feed_forward": torch.nn.ModuleDict(
-                            {"w1": torch.nn.Linear(16, 32, bias=False)}
-                        ),
-                    }
-                )
-                for i in range(2)
-            }
-        )
-        self.norm = torch.nn.LayerNorm(16)
-        self.output = torch.nn.Linear(16, 32, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x)
-        for layer in self.layers.values():
-            h = h + layer["attention"]["wq"](h)  # type: ignore[index,operator]
-            h = h + layer["feed_forward"]["w1"](h)[..., :16]  # type: ignore[index,operator]
-        out: torch.Tensor = self.output(self.norm(h))
-        return out
-
-
-@pytest.fixture(scope="module")
-def titan_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
+if importlib.util.find_spec("torchtitan") is None:
+    pytest.skip(
+        "torchtitan is not installed (pip install '.[frameworks]' brings torchtitan 0.3.0; "
+        "its CheckpointManager writes these fixtures)",
+        allow_module_level=True,
     )
+pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
 
-    torch.manual_seed(0)
-    model = _Llama()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / 10))
-    for _ in range(2):
-        model(torch.randint(0, 32, (2, 4))).sum().backward()
-        optimizer.step()
-        scheduler.step()
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    states: dict[str, Any] = dict(weights)  # CheckpointManager._flattened_model_states_sd
-    states["optimizer"] = get_optimizer_state_dict(
-        model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+WRITER = Path(__file__).with_name("torchtitan_writer.py")
+_STATES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+
+
+def titan(*args: str | Path) -> None:
+    """Run torchtitan_writer.py (save RUN TRUTH | load RUN STEP OUT) in its own process."""
+    proc = subprocess.run(
+        [sys.executable, str(WRITER), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    states["lr_scheduler"] = scheduler.state_dict()
-    states["dataloader"] = {"dp_rank_0": pickle.dumps({"sample_idx": 8}), "world_size": 1}
-    states["train_state"] = {"step": 2, "ntokens_seen": 16}
-    path = tmp_path_factory.mktemp("titan") / "checkpoint" / "step-2"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(states, checkpoint_id=str(path), no_dist=True)
-    return path, weights
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_top_level_model_keys_are_the_weights(
-    titan_step: tuple[Path, dict[str, torch.Tensor]],
-) -> None:
-    path, weights = titan_step
-    training = run_ckpt("inspect", path, "--json").json["result"]["training"]
+@pytest.fixture(scope="session")
+def titan_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A torchtitan run folder (`checkpoint/step-{1,2,3}`) and what step 3 holds."""
+    root = tmp_path_factory.mktemp("torchtitan")
+    titan("save", root / "run", root / "truth.pt")
+    return root / "run", torch.load(root / "truth.pt", weights_only=True)
+
+
+def _weights(truth: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in truth.items() if not k.startswith(_STATES) and k != "next_batch"}
+
+
+def _loads_back(run_root: Path, converted: Path, truth: dict[str, Any]) -> None:
+    """`converted` restores in torchtitan's own CheckpointManager.load exactly as step 3 did:
+    weights, optimizer moments and step, scheduler, train state and the next batch."""
+    folder = run_root / "checkpoint"
+    folder.mkdir(parents=True)
+    shutil.copytree(converted, folder / "step-3")
+    titan("load", run_root, 3, run_root / "back.pt")
+    back = torch.load(run_root / "back.pt", weights_only=True)
+    assert back.keys() == truth.keys()
+    for key, want in truth.items():
+        got = back[key]
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and torch.equal(got, want), key
+        else:
+            assert got == want, key
+
+
+def test_inspect_reports_what_torchtitan_saved(titan_run: tuple[Path, dict[str, Any]]) -> None:
+    run, truth = titan_run
+    result = run_ckpt("inspect", run / "checkpoint" / "step-3", "--json").json["result"]
+    training = result["training"]
+    weights = _weights(truth)
     assert training["layout"] == "torchtitan"
-    assert training["step"] == 2
+    assert training["step"] == truth["train_state.step"] == 3
     assert training["weights"]["tensors"] == len(weights)
     assert training["weights"]["parameters"] == sum(t.numel() for t in weights.values())
-    assert "weights" not in training["missing"]
+    assert training["optimizer"]["kind"] == "AdamW"
     assert training["optimizer"]["complete"] is True
+    assert training["scheduler"]["last_epoch"] == truth["lr_scheduler.last_epoch"]
+    assert training["dataloader"] is not None
+    assert training["resumable"] is True and training["missing_exact"] == ["rng"]
+    # every tensor torchtitan saved, with its name, dtype and shape
+    tensors = {e["name"]: e for e in result["entries"] if e["kind"] == "tensor"}
+    saved = {k: v for k, v in truth.items() if isinstance(v, torch.Tensor) and k != "next_batch"}
+    assert tensors.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert tensors[name]["shape"] == list(tensor.shape), name
+        assert tensors[name]["dtype"] == str(tensor.dtype).removeprefix("torch."), name
+    objects = {e["name"]: e.get("value") for e in result["entries"] if e["kind"] == "object"}
+    assert objects["train_state.ntokens_seen"] == truth["train_state.ntokens_seen"]
 
 
-def test_select_model_extracts_the_weights_with_their_fqns(
-    titan_step: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+def test_verify_resumable_lines_the_fused_qkv_optimizer_state_up(
+    titan_run: tuple[Path, dict[str, Any]],
 ) -> None:
-    path, weights = titan_step
-    out = tmp_path / "model.safetensors"
-    result = run_ckpt("convert", path, out, "--to", "safetensors", "--select", "model")
-    assert result.exit_code == 0, result.stderr
-    got = load_file(out)
-    assert got.keys() == weights.keys()
-    assert all(torch.equal(got[k], weights[k]) for k in weights)
-    # the whole step converts to DCP with torchtitan's names untouched (it loads back)
+    run, truth = titan_run
+    # the optimizer keys the fused parameter, the weights are saved split
+    assert "optimizer.state.layers.0.attention.qkv_linear.wqkv.weight.exp_avg" in truth
+    assert "layers.0.attention.qkv_linear.wq.weight" in truth
+    result = run_ckpt("verify", run / "checkpoint" / "step-3", "--resumable", "--json")
+    assert result.exit_code == 0, result.stdout
+    problems = result.json["result"]["problems"]
+    assert [(p["code"], p["severity"]) for p in problems] == [("missing_rng", "warning")]
+
+
+def test_verify_good_and_damaged_copies(
+    titan_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
     import torch.distributed.checkpoint as dcp
 
-    copy = tmp_path / "copy"
-    assert run_ckpt("convert", path, copy, "--to", "dcp").exit_code == 0
-    target = {k: torch.empty_like(v) for k, v in weights.items()}
+    run, _ = titan_run
+    step = run / "checkpoint" / "step-3"
+    assert run_ckpt("verify", step).exit_code == 0
+    # a deleted shard
+    gone = shutil.copytree(step, tmp_path / "gone" / "step-3")
+    for shard in gone.glob("*.distcp"):
+        shard.unlink()
+    result = run_ckpt("verify", gone)
+    assert result.exit_code == 1, result.stdout
+    assert "__0_0.distcp" in result.stdout
+    # the same step re-saved without its optimizer (what a model-only save looks like):
+    # structurally sound, but not resumable
+    full: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(target, checkpoint_id=str(copy), no_dist=True)
-    assert all(torch.equal(target[k], weights[k]) for k in weights)
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        full = _load_state_dict_from_keys(checkpoint_id=str(step))
+        no_opt = {k: v for k, v in full.items() if k != "optimizer"}
+        dcp.save(no_opt, checkpoint_id=str(tmp_path / "no_opt" / "step-3"), no_dist=True)
+    damaged = tmp_path / "no_opt" / "step-3"
+    assert run_ckpt("verify", damaged).exit_code == 0
+    result = run_ckpt("verify", damaged, "--resumable", "--json")
+    assert result.exit_code == 1
+    codes = [p["code"] for p in result.json["result"]["problems"]]
+    assert "missing_optimizer" in codes, codes
 
 
-def test_verify_good_and_damaged_step(
-    titan_step: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+def test_convert_select_model_is_bit_exact(
+    titan_run: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
-    import shutil
+    run, truth = titan_run
+    out = tmp_path / "model.safetensors"
+    result = run_ckpt(
+        "convert", run / "checkpoint" / "step-3", out, "--to", "safetensors", "--select", "model"
+    )
+    assert result.exit_code == 0, result.stderr
+    got = load_file(out)
+    weights = _weights(truth)
+    assert got.keys() == weights.keys()
+    assert all(torch.equal(got[k], weights[k]) for k in weights)
 
-    path, _ = titan_step
-    assert run_ckpt("verify", path).exit_code == 0
-    damaged = shutil.copytree(path, tmp_path / "step-2")
-    for shard in damaged.glob("*.distcp"):
-        shard.write_bytes(shard.read_bytes()[:100])
-    assert run_ckpt("verify", damaged).exit_code == 1
+
+def test_convert_to_dcp_loads_back_in_torchtitan(
+    titan_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    run, truth = titan_run
+    out = tmp_path / "converted"
+    result = run_ckpt("convert", run / "checkpoint" / "step-3", out, "--to", "dcp")
+    assert result.exit_code == 0, result.stderr
+    _loads_back(tmp_path / "run", out, truth)
+
+
+def test_reshard_to_two_ranks_loads_back_in_torchtitan(
+    titan_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    run, truth = titan_run
+    step = run / "checkpoint" / "step-3"
+    out = tmp_path / "resharded"
+    # the data loader's per-rank state cannot be split: ckpt says so and asks for a choice
+    refused = run_ckpt("reshard", step, out, "--world-size", "2")
+    assert refused.exit_code == 2 and "dataloader.dp_rank_0" in refused.stderr
+    result = run_ckpt("reshard", step, out, "--world-size", "2", "--keep-rank-state")
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in out.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    _loads_back(tmp_path / "run", out, truth)
+
+
+def test_latest_and_prune_on_a_torchtitan_run(
+    titan_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    run, _ = titan_run
+    latest = run_ckpt("latest", run)
+    assert latest.exit_code == 0, latest.stderr
+    assert Path(latest.stdout.strip()) == run / "checkpoint" / "step-3"
+    copy = shutil.copytree(run, tmp_path / "run")
+    result = run_ckpt("prune", copy, "--keep-last", "1", "--settle", "0", "--yes", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in (copy / "checkpoint").iterdir()) == ["step-3"]
+    assert run_ckpt("verify", copy / "checkpoint" / "step-3", "--resumable").exit_code == 0
+
+
+def test_layout_protocol_opens_a_step_and_declines_a_plain_dcp(
+    titan_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_cli.formats import resolve_source
+    from ckpt_cli.layouts import TorchTitan
+
+    run, truth = titan_run
+    layout = TorchTitan()
+    step = resolve_source(str(run / "checkpoint" / "step-3"))
+    assert layout.recognise(step) and layout.step_of("step-3") == 3
+    opened = layout.open(step)
+    assert opened is not None and opened.training is not None
+    with opened.checkpoint:
+        assert opened.training.layout == "torchtitan" and opened.training.step == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_weights(truth), checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    assert layout.open(resolve_source(str(tmp_path / "plain"))) is None

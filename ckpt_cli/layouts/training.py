@@ -371,6 +371,10 @@ def _shape_problems(opened: OpenedSource) -> list[Problem]:
         for e in entries_under(checkpoint.manifest, model_prefix)
         if e.kind == "tensor"
     }
+    if state.layout == "torchtitan":
+        from .torchtitan import fused_shapes
+
+        model.update(fused_shapes(model))  # its optimizer keys the fused `wqkv` parameter
     problems: list[Problem] = []
 
     def param_shape(states: dict[str, list[int]]) -> list[int] | None:
