@@ -17,6 +17,7 @@ from ..distributed import RankShare
 from ..errors import FormatError, UsageError
 from ..formats.base import Checkpoint, WriteOptions
 from ..layouts import open_source
+from ..layouts.megatron import keep_megatron_layout
 from ..models import FileInfo
 from ..output import Destination, RemoteDest, resolve_destination
 from ..progress import NULL_PROGRESS, Progress
@@ -358,6 +359,8 @@ def convert(
             metadata.update(plan.aliases)
             metadata["format"] = "pt"
         warnings = _unused_renames(plan, rename_pairs, select)
+        # eco: a Megatron-Core torch_dist source stays one (its common.pt + metadata.json)
+        megatron_files = keep_megatron_layout(checkpoint, plan, to)
         if dry_run:
             return _dry_run_report(
                 manifest,
@@ -394,6 +397,7 @@ def convert(
             apply_naming(src, to, options)
         shares: list[RankShare] = []
         carried = extra_files(checkpoint) if extras and not single_file else []
+        carried += megatron_files  # eco: Megatron's own files, copied unchanged
         config_written = None
         if dequantize and not single_file:
             # published with the weights (a companion), never the source's quantized config

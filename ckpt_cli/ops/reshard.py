@@ -38,6 +38,7 @@ from ..formats import get_format, open_checkpoint, resolve_source
 from ..formats.base import Checkpoint, WriteOptions, Writer
 from ..formats.dcp import rank_chunk, rank_file
 from ..formats.safetensors import INDEX_SUFFIX
+from ..layouts.megatron import keep_megatron_layout
 from ..models import Chunk, Entry, FileInfo, Manifest
 from ..output import check_destination
 from ..placement import (
@@ -457,6 +458,8 @@ def reshard_world_size(
             {e.name: e.rank for e in rank_entries},
             drop,
         )
+        # eco: a Megatron-Core torch_dist source stays one (its common.pt + metadata.json)
+        megatron_files = keep_megatron_layout(checkpoint, plan, "dcp")
         chosen = serialization or str(manifest.details.get("serialization") or "torch_save")
         if chosen not in ("torch_save", "safetensors"):
             # HuggingFaceStorageWriter's per-rank files ("hf_safetensors") and mixed folders
@@ -540,7 +543,7 @@ def reshard_world_size(
             )
             return {"part": part, "share": share.model_dump(mode="json")}
 
-        carried_extras = extra_files(checkpoint) if extras else []
+        carried_extras = (extra_files(checkpoint) if extras else []) + megatron_files  # eco
 
         def commit(staging: Path, parts: list[dict[str, Any]]) -> dict[str, Any]:
             files = writers[0].commit([p["part"] for p in parts])
