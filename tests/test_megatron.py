@@ -120,16 +120,73 @@ def test_convert_reshard_diff_are_bit_exact_against_megatrons_own_load(
         out = tmp_path / args[0]
         result = run_ckpt(args[0], folder, out, *args[1:])
         assert result.exit_code == 0, result.stdout + result.stderr
-        template: dict[str, Any] = {k: torch.zeros_like(v) for k, v in tensors.items()}
-        template.update({"iteration": None, "args.lr": None})
-        got = dcp_load_flat(out, template)
+        # a plain DCP for dcp.load: the tensors, bit-exact
+        got = dcp_load_flat(out, {k: torch.zeros_like(v) for k, v in tensors.items()})
         for name, value in tensors.items():
             assert torch.equal(got[name], value), name
-        assert got["iteration"] == 7 and got["args.lr"] == 0.1
         diff = run_ckpt("diff", folder, out)
         assert diff.exit_code == 0, diff.stdout + diff.stderr
+        assert run_ckpt("verify", out).exit_code == 0
     diff = run_ckpt("diff", folder, as_torch)
     assert diff.exit_code == 0, diff.stdout + diff.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["convert", "--to", "dcp"], ["reshard", "--world-size", "2"]],
+    ids=["convert", "reshard-2"],
+)
+def test_dcp_output_stays_a_megatron_checkpoint_its_own_loader_reads(
+    saved: tuple[Path, dict[str, Any]], tmp_path: Path, args: list[str]
+) -> None:
+    """convert/reshard of a torch_dist save write common.pt and metadata.json as Megatron
+    does: megatron's own `dist_checkpointing.load` reads the output, equal to the source."""
+    folder, truth = saved
+    out = tmp_path / "out"
+    result = run_ckpt(args[0], folder, out, *args[1:], "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    names = sorted(p.name for p in out.iterdir())
+    distcp = [n for n in names if n.endswith(".distcp")]
+    assert len(distcp) == (2 if args[0] == "reshard" else 1)
+    assert names == sorted([".metadata", "common.pt", "metadata.json", *distcp])
+    assert (out / "common.pt").read_bytes() == (folder / "common.pt").read_bytes()
+    assert (out / "metadata.json").read_bytes() == (folder / "metadata.json").read_bytes()
+    # the common state lives in common.pt only, as Megatron keeps it: not inside the DCP
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = set(FileSystemReader(str(out)).read_metadata().state_dict_metadata)
+    assert keys == {k for k, v in truth.items() if isinstance(v, torch.Tensor)}
+    megatron("load", out, tmp_path / "loaded.pt")
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    assert loaded.keys() == truth.keys()
+    for name, value in truth.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == loaded[name].dtype and torch.equal(loaded[name], value), name
+        else:
+            assert loaded[name] == value, name
+    report = run_ckpt("inspect", out, "--json").json["result"]
+    assert report["details"]["layout"] == "megatron_torch_dist"
+    verify = run_ckpt("verify", out, "--deep", "--json")
+    assert verify.exit_code == 0 and not verify.json["result"]["problems"]
+    diff = run_ckpt("diff", folder, out)
+    assert diff.exit_code == 0 and "identical" in diff.stdout.lower(), diff.stdout
+
+
+def test_a_filter_that_drops_common_state_writes_a_plain_dcp(
+    saved: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Without all of common.pt's keys there is no faithful common.pt: the output is the plain
+    DCP it always was, the kept common entries inside it, and no metadata.json."""
+    folder, truth = saved
+    out = tmp_path / "plain"
+    result = run_ckpt("convert", folder, out, "--to", "dcp", "--exclude", "args.*")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert not (out / "common.pt").exists() and not (out / "metadata.json").exists()
+    template: dict[str, Any] = {
+        k: torch.zeros_like(v) for k, v in truth.items() if isinstance(v, torch.Tensor)
+    }
+    template["iteration"] = None
+    assert dcp_load_flat(out, template)["iteration"] == 7
 
 
 def test_only_the_save_plan_classes_are_admitted(

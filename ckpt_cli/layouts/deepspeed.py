@@ -12,6 +12,8 @@ from .composite import Folder, component_files, finish
 from .training import analyse, entries_under, value_of
 
 _DS_MODEL = re.compile(r"mp_rank_\d+_model_states\.pt$")
+#: `optim_states_R_mp_rank_MM` when a save has several model-parallel ranks
+_TP_INDEX = r"rank_(\d+_mp_rank_\d+)_"
 
 
 class DeepSpeed(Layout):
@@ -40,7 +42,9 @@ class DeepSpeed(Layout):
         for extra in models[1:]:
             folder.add(extra.removesuffix(".pt"), extra, "torch")
         optim = folder.matching(r".*optim_states\.pt")
-        folder.add_many("optim_states", optim, "torch", index=r"rank_(\d+)_")
+        # eco: tensor-parallel saves have one partition per (dp, mp) rank: name both
+        tp = any("_mp_rank_00_" not in name for name in optim)
+        folder.add_many("optim_states", optim, "torch", index=_TP_INDEX if tp else r"rank_(\d+)_")
         from .zero import zero_partitions
 
         # ZeRO: every rank's partition must be there; the fp32 weights are rebuilt from them

@@ -14,6 +14,13 @@ tensors are bit-identical to `get_fp32_state_dict_from_zero_checkpoint`.
 
 `zero_partitions` also says what must be present: `dp_world_size` (and `mp_world_size`) in the
 model-states file name every rank whose files must exist.
+
+Tensor-parallel saves (`mp_world_size` > 1, DeepSpeed given a Megatron-style `mpu`) hold one
+model-states file and one set of ZeRO partitions per model-parallel rank `M`
+(`*zero_pp_rank_R_mp_rank_0M_*`). Each mp rank is rebuilt on its own, as `zero_to_fp32.py`
+does on that rank's files, and its weights are named `mp_rank_0M.<name>`: joining the TP
+slices of one weight needs the model's own rules (which dim each layer splits), so it is not
+guessed here. `--select model.mp_rank_01` takes one mp rank's state dict.
 """
 
 from __future__ import annotations
@@ -111,10 +118,18 @@ class ZeroWeights(Checkpoint):
     Attributes:
         stage: 2 for ZeRO-1/2 partitions, 3 for ZeRO-3.
         world_size: the data-parallel ranks whose partitions are gathered.
+        mp_world_size: model-parallel ranks; above 1 every mp rank's weights are their own
+            state dict under `mp_rank_MM.`.
     """
 
     def __init__(
-        self, source: Source, location: str, params: dict[str, _Param], stage: int, world: int
+        self,
+        source: Source,
+        location: str,
+        params: dict[str, _Param],
+        stage: int,
+        world: int,
+        mp: int = 1,
     ):
         entries = [
             Entry(
@@ -130,12 +145,13 @@ class ZeroWeights(Checkpoint):
             format="zero",
             location=location,
             entries=entries,
-            details={"zero_stage": stage, "world_size": world},
+            details={"zero_stage": stage, "world_size": world, "mp_world_size": mp},
         )
         super().__init__(source, manifest)
         self.params = params
         self.stage = stage
         self.world_size = world
+        self.mp_world_size = mp
 
     def read_tensor(self, name: str) -> torch.Tensor:
         import torch
@@ -194,7 +210,7 @@ def zero_partitions(
 ) -> ZeroLayout | None:
     """The ZeRO partitions of a DeepSpeed tag folder, or None when it is not a ZeRO save.
 
-    Complexity 24: one pass (sort files by rank, infer the stage, list the expected partitions,
+    Complexity 23: one pass (sort files by rank, infer the stage, list the expected partitions,
     rebuild) whose early returns each mean "report, do not rebuild"; moved unchanged from zero.py.
 
     Args:
@@ -205,7 +221,7 @@ def zero_partitions(
     """
     optim: dict[tuple[int, int], Checkpoint] = {}
     model3: dict[tuple[int, int], Checkpoint] = {}
-    model0: Checkpoint | None = None
+    model_mp: dict[int, Checkpoint] = {}  # ZeRO-1/2: one model-states file per mp rank
     for comp, (rel, _fmt) in parts.items():
         checkpoint = components.get(comp)
         if checkpoint is None:
@@ -214,9 +230,9 @@ def zero_partitions(
             optim[(int(m.group(1)), int(m.group(2)))] = checkpoint
         elif m := _MODEL3.fullmatch(rel):
             model3[(int(m.group(1)), int(m.group(2)))] = checkpoint
-        elif (m := _MODEL.fullmatch(rel)) and int(m.group(1)) == 0:
-            model0 = checkpoint
-    model = model3.get((0, 0)) or model0
+        elif m := _MODEL.fullmatch(rel):
+            model_mp[int(m.group(1))] = checkpoint
+    model = model3.get((0, 0)) or model_mp.get(0)
     if model is None:
         return None
     files = set(source.files)
@@ -264,6 +280,8 @@ def zero_partitions(
             expected.append(f"{base}{prefix}zero_pp_rank_{r}_mp_rank_{t:02d}_optim_states.pt")
             if stage == 3:
                 expected.append(f"{base}zero_pp_rank_{r}_mp_rank_{t:02d}_model_states.pt")
+    if stage != 3:
+        expected += [f"{base}mp_rank_{t:02d}_model_states.pt" for t in range(mp)]
     for rel in expected:
         if rel in files:
             continue
@@ -278,22 +296,18 @@ def zero_partitions(
         )
     if problems and any(p.severity == "error" for p in problems):
         return ZeroLayout(None, problems, stage, dp)
-    if mp != 1:
-        # tensor-parallel ZeRO saves need the model's own merge rules; not rebuilt here
-        return ZeroLayout(None, problems, stage, dp)
     world = len(ranks)
-    rank_optim = [optim.get((r, 0)) for r in ranks]
-    if any(c is None for c in rank_optim):
-        return ZeroLayout(None, problems, stage, dp)  # unreadable: reported by the layout
-    opt = [c for c in rank_optim if c is not None]
+    params: dict[str, _Param] = {}
     try:
-        if stage == 3:
-            models = [model3.get((r, 0)) for r in ranks]
-            if any(c is None for c in models):
-                return ZeroLayout(None, problems, stage, dp)
-            params = _zero3(model, [c for c in models if c is not None], opt, world)
-        else:
-            params = _zero2(model, opt, world)
+        for t in range(mp):
+            found = _rebuild(stage, t, ranks, optim, model3, model_mp)
+            if found is None:
+                return ZeroLayout(None, problems, stage, dp)  # unreadable: reported by the layout
+            # tensor parallel: one state dict per mp rank (merging TP slices needs the model's
+            # own rules), each under `mp_rank_MM.` as DeepSpeed names its files
+            params.update(
+                found if mp == 1 else {f"mp_rank_{t:02d}.{k}": v for k, v in found.items()}
+            )
     except _Mismatch as error:
         problems.append(
             Problem(
@@ -303,8 +317,34 @@ def zero_partitions(
             )
         )
         return ZeroLayout(None, problems, stage, dp)
-    weights = ZeroWeights(source, where, params, 3 if stage == 3 else 2, world)
+    weights = ZeroWeights(source, where, params, 3 if stage == 3 else 2, world, mp)
     return ZeroLayout(weights, problems, stage, dp)
+
+
+def _rebuild(
+    stage: int,
+    mp_rank: int,
+    ranks: list[int],
+    optim: dict[tuple[int, int], Checkpoint],
+    model3: dict[tuple[int, int], Checkpoint],
+    model_mp: dict[int, Checkpoint],
+) -> dict[str, _Param] | None:
+    """One model-parallel rank's fp32 weights from its data-parallel ranks' partitions (what
+    `zero_to_fp32.py` rebuilds from that mp rank's files); None when a file is unreadable."""
+    opt = [optim.get((r, mp_rank)) for r in ranks]
+    if any(c is None for c in opt):
+        return None
+    ready = [c for c in opt if c is not None]
+    if stage == 3:
+        models = [model3.get((r, mp_rank)) for r in ranks]
+        if any(c is None for c in models):
+            return None
+        present = [c for c in models if c is not None]
+        return _zero3(present[0], present, ready, len(ranks))
+    model = model_mp.get(mp_rank)
+    if model is None:
+        return None
+    return _zero2(model, ready, len(ranks))
 
 
 class _Mismatch(Exception):

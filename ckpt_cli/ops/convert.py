@@ -19,6 +19,7 @@ from ..errors import FormatError, UsageError
 from ..formats import find_format
 from ..formats.base import Checkpoint, Format, WriteOptions
 from ..layouts import OpenedSource, open_source
+from ..layouts.megatron import keep_megatron_layout
 from ..models import FileInfo, Manifest
 from ..output import Destination, resolve_destination
 from ..progress import NULL_PROGRESS, Progress
@@ -250,6 +251,8 @@ def convert(
             },
         )
         warnings = unused_renames(plan, rename_pairs, select)
+        # a Megatron-Core torch_dist source stays one (its common.pt + metadata.json)
+        megatron_files = keep_megatron_layout(checkpoint, plan, target.name)
         if dry_run:
             return _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
         if analysis.quantized and not dequantize:
@@ -264,6 +267,7 @@ def convert(
             apply_naming(src, to, options)
         shares: list[RankShare] = []
         carried = extra_files(checkpoint) if extras and not single_file else []
+        carried += megatron_files  # Megatron's own files, copied unchanged
         config_written = None
         if dequantize and not single_file:
             # published with the weights (a companion), never the source's quantized config

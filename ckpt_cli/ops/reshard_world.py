@@ -30,6 +30,7 @@ from ..errors import FormatError, UsageError
 from ..formats import get_format, open_checkpoint
 from ..formats.base import Checkpoint, Format, WriteOptions, Writer
 from ..formats.dcp import rank_chunk, rank_file
+from ..layouts.megatron import keep_megatron_layout
 from ..models import Chunk, Entry, FileInfo, Manifest
 from ..output import check_destination
 from ..placement import (
@@ -194,6 +195,8 @@ def reshard_world_size(
             {e.name: e.rank for e in rank_entries},
             drop,
         )
+        # a Megatron-Core torch_dist source stays one (its common.pt + metadata.json)
+        megatron_files = keep_megatron_layout(checkpoint, plan, fmt.name)
         chosen, compression = _encoding(fmt, manifest, serialization, compression)
         report = ReshardReport(
             mode="world-size",
@@ -226,7 +229,7 @@ def reshard_world_size(
                 "dcp_compression": None if compression == NO_COMPRESSION else compression,
             },
         )
-        carried_extras = extra_files(checkpoint) if extras else []
+        carried_extras = (extra_files(checkpoint) if extras else []) + megatron_files
         result = _write(checkpoint, fmt, plan, options, out, carried_extras, force, progress)
         report.files = [FileInfo.model_validate(f) for f in result["files"]]
         report.extras = carried_extras
