@@ -343,9 +343,12 @@ class CkptGroup(typer.core.TyperGroup):
         standalone_mode: bool = True,
         **extra: Any,
     ) -> Any:
-        from . import render
-
-        render.set_verbosity(0)  # a parser error comes before any command sets it
+        # a parser error comes before any command sets the verbosity; reset a previous run's
+        # (in-process callers). Not imported for nothing: rich costs `ckpt --help` a third
+        # of its start-up, and the module's own default is 0
+        render = sys.modules.get(f"{__package__}.render")
+        if render is not None:
+            render.set_verbosity(0)
         argv = _rewrite_renamed(list(sys.argv[1:] if args is None else args))
         try:
             code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)

@@ -32,7 +32,10 @@ def test_help_loads_no_operation_no_distributed_machinery_and_no_torch() -> None
         assert not any(m.startswith(("ckpt_cli.ops", "ckpt_cli.formats")) for m in loaded), args
     # the top-level help builds no option parser, so not even pydantic (typer's subcommand
     # parsing imports it on its own)
-    assert "pydantic" not in _modules_after("--help")
+    top = _modules_after("--help")
+    assert "pydantic" not in top
+    # nor rich: the top-level help is plain click text, and rich is a third of the start-up
+    assert "rich" not in top and "ckpt_cli.render" not in top
 
 
 def test_a_plain_run_never_loads_the_distributed_machinery(tmp_path) -> None:  # type: ignore[no-untyped-def]

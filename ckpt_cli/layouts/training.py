@@ -23,6 +23,9 @@ def value_of(checkpoint: Checkpoint, name: str) -> Any:
         return entry.value
     if entry.kind == "tensor" and entry.numel != 1:
         return None  # counters are scalars; never read a large tensor here
+    stored = _stored_value(checkpoint, entry)
+    if stored is not _UNREAD:
+        return stored
     try:
         if entry.kind == "tensor":
             return checkpoint.read_tensor(name).item()
@@ -35,6 +38,55 @@ def value_of(checkpoint: Checkpoint, name: str) -> Any:
         except (AttributeError, ValueError, RuntimeError):
             return value
     return value
+
+
+#: `_stored_value`'s answer when it could not read the value without torch
+_UNREAD = object()
+
+
+def _stored_value(checkpoint: Checkpoint, entry: Entry) -> Any:
+    """A DCP scalar or small object read from its stored bytes without torch, else `_UNREAD`.
+
+    The summary of a DCP training checkpoint (step, param groups, scheduler counters) then
+    never imports torch (`ckpt_cli.pickle_values`); whatever that reader refuses (a blob with
+    other globals, a compressed tensor chunk) goes to the format's own torch-based reader.
+    """
+    from ..formats.dcp import DcpCheckpoint
+    from ..pickle_values import (
+        MAX_BLOB_BYTES,
+        NotPlain,
+        SavedTensorValue,
+        decode_scalar,
+        load_plain,
+        saved_scalar,
+    )
+
+    if not isinstance(checkpoint, DcpCheckpoint):
+        return _UNREAD
+    if entry.kind == "object":
+        if entry.offset is None or entry.nbytes > MAX_BLOB_BYTES:
+            return _UNREAD  # not a stored blob (Megatron's common.pt keys), or a large one
+        try:
+            value = load_plain(checkpoint.read_object_bytes(entry.name))
+        except (NotPlain, CkptError):
+            return _UNREAD
+        if isinstance(value, SavedTensorValue) and value.value is not None:
+            return value.value
+        return value
+    chunks = [c for c in entry.chunks or [] if c.byte_length]
+    if len(chunks) != 1 or entry.dtype is None or entry.numel != 1:
+        return _UNREAD
+    chunk = chunks[0]
+    if (chunk.file, chunk.byte_offset) in checkpoint.transforms:
+        return _UNREAD  # compressed: the format's reader inflates it
+    if chunk.byte_length > MAX_BLOB_BYTES:
+        return _UNREAD
+    try:
+        data = checkpoint.storage.read(chunk.file, chunk.byte_offset, chunk.byte_length)
+    except CkptError:
+        return None
+    value = decode_scalar(data, entry.dtype) if chunk.raw else saved_scalar(data)
+    return _UNREAD if value is None else value
 
 
 def entries_under(manifest: Manifest, prefix: str) -> list[Entry]:
