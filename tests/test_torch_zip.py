@@ -130,7 +130,7 @@ def test_garbage_truncated_and_legacy_blobs_are_not_located(tmp_path: Path) -> N
 
 def test_a_hostile_pickle_is_walked_not_run(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
-    # a zip laid out like torch.save's whose data.pkl calls os.system: the walk names it opaque
+    # a zip laid out like torch.save's whose data.pkl calls os.system: read as opaque
     evil = (
         b"\x80\x02cos\nsystem\nq\x00X" + len(f"touch {marker}").to_bytes(4, "little")
         + f"touch {marker}".encode() + b"\x85R."

@@ -2,30 +2,29 @@
 
 A torch.save file is a stored (uncompressed) zip: `<archive>/data.pkl` pickles the object,
 each storage is a record `<archive>/data/<key>`. The zip directory gives every record's
-place; a restricted walk of data.pkl's opcodes (nothing imported, nothing called: any bytes
-are safe to walk) gives each tensor's storage, dtype, shape, stride and storage offset. A
+place; a restricted unpickler of data.pkl (every global an inert stand-in: nothing from the
+file is imported or called) gives each tensor's storage, dtype, shape, stride and storage offset. A
 tensor whose bytes are a C-order range of its storage can then be copied as raw bytes, which
 is what lets torch.save -> safetensors/DCP run at copy speed. Public through `torch_zip`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
-import pickletools
+import pickle
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from ..dtypes import is_known, itemsize
 
-#: a data.pkl larger than this is not walked (100,000 tensors take ~10 MB)
+#: a data.pkl larger than this is not read (100,000 tensors take ~10 MB)
 MAX_PICKLE_BYTES = 256 << 20
 #: a zip directory larger than this is not read (one ~60-byte entry per storage)
 MAX_DIRECTORY_BYTES = 256 << 20
-#: nodes the walk from the root of the unpickled object visits at most
+#: nodes visited at most walking the read object for its tensors
 _MAX_VISITS = 10_000_000
 
 _EOCD = struct.Struct("<4sHHHHIIH")
@@ -212,12 +211,7 @@ def _record(read: Read, base: int, end: int, name: str, size: int, local: int) -
     return ZipRecord(name, offset, size)
 
 
-# ---- the restricted walk of data.pkl: nothing is called, only torch's tensor recipe is read
-
-
-@dataclass(frozen=True)
-class _Global:
-    name: str
+# ---- the restricted read of data.pkl: every global is an inert stand-in of this module
 
 
 @dataclass(frozen=True)
@@ -237,181 +231,129 @@ class _Tensor:
     flags: bool  # a conj/neg bit or other metadata: bytes are not the values as stored
 
 
+@dataclass(frozen=True)
+class _Kind:
+    """`torch.<X>Storage` (dtype set), `torch.storage.UntypedStorage` (None) or a dtype."""
+
+    dtype: str | None
+    storage: bool
+
+
 class _Opaque:
-    """Anything the walk does not model (its contents hold no tensor it can name)."""
+    """Anything not modelled (an unknown global, what it builds): holds no nameable tensor.
 
+    Accepts every call the unpickler may make on it (construction, state, items) and keeps
+    nothing, so a hostile pickle builds only these."""
 
-_OPAQUE = _Opaque()
-_SCALARS = {
-    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT",
-    "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING",
-    "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8",
-}  # fmt: skip
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Opaque:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
 
 
 def _is_ints(value: object) -> bool:
     return isinstance(value, tuple) and all(type(v) is int and v >= 0 for v in value)
 
 
-def _rebuild(func: str, args: object) -> object:
-    """What a REDUCE of `func(*args)` stands for: a tensor, its data, a plain dict, or opaque."""
-    if not isinstance(args, tuple):
-        return _OPAQUE
-    if func in ("torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3"):
-        v3 = func.endswith("v3")
-        if len(args) < (7 if v3 else 6):
-            return _OPAQUE
-        storage, offset, shape, stride = args[:4]
-        dtype = storage.dtype if isinstance(storage, _Storage) else None
-        meta = args[7 if v3 else 6] if len(args) > (7 if v3 else 6) else None
-        if v3:
-            dtype = args[6].name.removeprefix("torch.") if isinstance(args[6], _Global) else None
-        if (
-            not isinstance(storage, _Storage)
-            or dtype is None
-            or not is_known(dtype)
-            or type(offset) is not int
-            or offset < 0
-            or not _is_ints(shape)
-            or not _is_ints(stride)
-            or len(shape) != len(stride)
-        ):
-            return _OPAQUE
-        return _Tensor(storage, dtype, offset, shape, stride, bool(meta))
-    if func in ("torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state"):
-        return args[0] if args and isinstance(args[0], _Tensor) else _OPAQUE
-    if func == "collections.OrderedDict" and args == ():
-        return OrderedDict()
-    return _OPAQUE
+def _tensor(
+    storage: object, offset: object, shape: object, stride: object, dtype: str | None, meta: object
+) -> object:
+    if (
+        not isinstance(storage, _Storage)
+        or dtype is None
+        or not is_known(dtype)
+        or type(offset) is not int
+        or offset < 0
+        or not isinstance(shape, tuple)
+        or not isinstance(stride, tuple)
+        or not _is_ints(shape)
+        or not _is_ints(stride)
+        or len(shape) != len(stride)
+    ):
+        return _Opaque()
+    return _Tensor(storage, dtype, offset, shape, stride, bool(meta))
 
 
-def _walk_pickle(data: bytes) -> object:
-    """The object data.pkl describes, with tensors as `_Tensor` and anything else opaque.
-
-    A stack machine over `pickletools.genops` that models containers, scalars and torch's
-    tensor recipe (`_rebuild_tensor_v2/v3`, `_rebuild_parameter`, storages as persistent
-    ids); no global is imported and nothing is called, so any bytes are safe to walk.
-    """
-    stack: list[Any] = []
-    marks: list[int] = []
-    memo: dict[int, Any] = {}
-    for op, arg, _ in pickletools.genops(io.BytesIO(data)):
-        name = op.name
-        if name in _SCALARS:
-            stack.append(arg)
-        elif name in ("PROTO", "FRAME"):
-            pass
-        elif name == "STOP":
-            return stack[-1] if stack else _OPAQUE
-        elif name == "MARK":
-            marks.append(len(stack))
-        elif name in ("NONE", "NEWTRUE", "NEWFALSE"):
-            stack.append({"NONE": None, "NEWTRUE": True, "NEWFALSE": False}[name])
-        elif name == "EMPTY_TUPLE":
-            stack.append(())
-        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-            n = int(name[-1])
-            packed = tuple(stack[-n:])
-            del stack[-n:]
-            stack.append(packed)
-        elif name in ("TUPLE", "LIST", "DICT", "FROZENSET"):
-            at = marks.pop()
-            items = stack[at:]
-            del stack[at:]
-            if name == "TUPLE":
-                stack.append(tuple(items))
-            elif name == "LIST":
-                stack.append(list(items))
-            elif name == "DICT":
-                stack.append(_to_dict({}, items))
-            else:
-                stack.append(_OPAQUE)
-        elif name == "EMPTY_LIST":
-            stack.append([])
-        elif name == "EMPTY_DICT":
-            stack.append({})
-        elif name == "EMPTY_SET":
-            stack.append(_OPAQUE)
-        elif name == "APPEND":
-            value = stack.pop()
-            if isinstance(stack[-1], list):
-                stack[-1].append(value)
-        elif name in ("APPENDS", "SETITEMS", "ADDITEMS"):
-            at = marks.pop()
-            items = stack[at:]
-            del stack[at:]
-            target = stack[-1]
-            if name == "APPENDS" and isinstance(target, list):
-                target.extend(items)
-            elif name == "SETITEMS" and isinstance(target, dict):
-                _to_dict(target, items)
-        elif name == "SETITEM":
-            value = stack.pop()
-            key = stack.pop()
-            if isinstance(stack[-1], dict):
-                _to_dict(stack[-1], [key, value])
-        elif name in ("GLOBAL", "INST"):
-            module, _, attr = str(arg).partition(" ")
-            if name == "INST":
-                del stack[marks.pop() :]
-                stack.append(_OPAQUE)
-            else:
-                stack.append(_Global(f"{module}.{attr}"))
-        elif name == "STACK_GLOBAL":
-            attr, module = stack.pop(), stack.pop()
-            ok = isinstance(module, str) and isinstance(attr, str)
-            stack.append(_Global(f"{module}.{attr}") if ok else _OPAQUE)
-        elif name == "REDUCE":
-            args = stack.pop()
-            func = stack.pop()
-            stack.append(_rebuild(func.name, args) if isinstance(func, _Global) else _OPAQUE)
-        elif name in ("BUILD", "NEWOBJ"):
-            stack.pop()
-            stack[-1] = _OPAQUE
-        elif name == "NEWOBJ_EX":
-            del stack[-2:]
-            stack[-1] = _OPAQUE
-        elif name == "BINPERSID":
-            stack.append(_persistent(stack.pop()))
-        elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
-            memo[cast(int, arg)] = stack[-1]
-        elif name == "MEMOIZE":
-            memo[len(memo)] = stack[-1]
-        elif name in ("BINGET", "LONG_BINGET", "GET"):
-            stack.append(memo[cast(int, arg)])
-        elif name == "POP":
-            if stack and len(stack) > (marks[-1] if marks else -1):
-                stack.pop()
-            else:
-                del stack[marks.pop() :]
-        elif name == "POP_MARK":
-            del stack[marks.pop() :]
-        elif name == "DUP":
-            stack.append(stack[-1])
-        else:  # PERSID, EXT*, OBJ...: nothing torch.save writes
-            raise _NotPlain(f"pickle opcode {name}")
-    raise _NotPlain("pickle without STOP")
+def _rebuild_v2(
+    storage: object, offset: object, shape: object, stride: object, *rest: object
+) -> object:
+    """torch._utils._rebuild_tensor_v2(storage, offset, size, stride, grad, hooks[, meta])."""
+    dtype = storage.dtype if isinstance(storage, _Storage) else None
+    return _tensor(storage, offset, shape, stride, dtype, rest[2] if len(rest) > 2 else None)
 
 
-def _to_dict(target: dict[Any, Any], items: list[Any]) -> dict[Any, Any]:
-    for key, value in zip(items[::2], items[1::2], strict=False):
-        with contextlib.suppress(TypeError):  # an unhashable key: nothing to name by it
-            target[key] = value
-    return target
+def _rebuild_v3(
+    storage: object, offset: object, shape: object, stride: object, *rest: object
+) -> object:
+    """torch._utils._rebuild_tensor_v3(storage, offset, size, stride, grad, hooks, dtype[, meta])."""
+    kind = rest[2] if len(rest) > 2 else None
+    dtype = kind.dtype if isinstance(kind, _Kind) and not kind.storage else None
+    untyped = isinstance(storage, _Storage) and storage.dtype is None
+    meta = rest[3] if len(rest) > 3 else None
+    return _tensor(storage, offset, shape, stride, dtype if untyped else None, meta)
 
 
-def _persistent(pid: object) -> object:
-    """torch's storage persistent id: ("storage", <class>, key, location, numel)."""
-    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-        return _OPAQUE
-    _, kind, key, _, count = pid
-    if not isinstance(kind, _Global) or not isinstance(key, str) or type(count) is not int:
-        return _OPAQUE
-    cls = kind.name.removeprefix("torch.storage.").removeprefix("torch.")
-    if cls == "UntypedStorage":
-        return _Storage(key, None, count)
-    dtype = STORAGE_DTYPES.get(cls)
-    return _Storage(key, dtype, count) if dtype is not None else _OPAQUE
+def _parameter(data: object = None, *rest: object) -> object:
+    """torch._utils._rebuild_parameter(data, requires_grad, hooks[, state]): the data."""
+    return data if isinstance(data, _Tensor) else _Opaque()
+
+
+_REBUILDS: dict[str, Callable[..., object]] = {
+    "_rebuild_tensor_v2": _rebuild_v2,
+    "_rebuild_tensor_v3": _rebuild_v3,
+    "_rebuild_parameter": _parameter,
+    "_rebuild_parameter_with_state": _parameter,
+}
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Reads data.pkl at C speed with every global replaced by an inert stand-in.
+
+    `find_class` never imports: torch's tensor recipe maps to `_rebuild_v2/_v3` (which only
+    record storage, dtype, shape, stride and offset), `collections.OrderedDict` to itself (it
+    only holds items), and every other global to `_Opaque`. Storages (persistent ids) become
+    `_Storage` records. Whatever the bytes, nothing from the file is imported or run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name in _REBUILDS:
+            return _REBUILDS[name]
+        if module == "torch" and name in STORAGE_DTYPES:
+            return _Kind(STORAGE_DTYPES[name], True)
+        if module in ("torch", "torch.storage") and name == "UntypedStorage":
+            return _Kind(None, True)
+        if module == "torch" and is_known(name):
+            return _Kind(name, False)
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        return _Opaque
+
+    def persistent_load(self, pid: Any) -> Any:
+        """torch's storage persistent id: ("storage", <class>, key, location, numel)."""
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            return _Opaque()
+        _, kind, key, _, count = pid
+        if not isinstance(kind, _Kind) or not kind.storage:
+            return _Opaque()
+        if not isinstance(key, str) or type(count) is not int or count < 0:
+            return _Opaque()
+        return _Storage(key, kind.dtype, count)
+
+
+def _read_pickle(data: bytes) -> object:
+    return _LayoutUnpickler(io.BytesIO(data)).load()
 
 
 def _tensors(root: object) -> dict[tuple[str | int, ...], _Tensor]:
@@ -487,9 +429,9 @@ def _index(read: Read, start: int, length: int) -> tuple[TorchZipIndex, object]:
     archive = pkl[0].split("/", 1)[0]
     _, size, local = names[pkl[0]]
     if size > MAX_PICKLE_BYTES:
-        raise _NotPlain("data.pkl too large to walk")
+        raise _NotPlain("data.pkl too large to read")
     rec = _record(read, base, end, pkl[0], size, local)
-    root = _walk_pickle(_read_exact(read, rec.offset, rec.length))
+    root = _read_pickle(_read_exact(read, rec.offset, rec.length))
     order = names.get(f"{archive}/byteorder")
     little = True
     if order is not None:
@@ -521,7 +463,7 @@ def index_torch_zip(read: Read, start: int, length: int) -> TorchZipIndex | None
     """
     try:
         return _index(read, start, length)[0]
-    except (_NotPlain, ValueError, IndexError, KeyError, EOFError, struct.error):
+    except Exception:  # any bytes: whatever this reader cannot follow, torch.load judges
         return None
 
 
@@ -535,7 +477,7 @@ def locate_single_tensor(read: Read, start: int, length: int) -> LocatedTensor |
     """
     try:
         index, root = _index(read, start, length)
-    except (_NotPlain, ValueError, IndexError, KeyError, EOFError, struct.error):
+    except Exception:  # any bytes: whatever this reader cannot follow, torch.load judges
         return None
     if not isinstance(root, _Tensor) or len(index.tensors) != 1:
         return None
