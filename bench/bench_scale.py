@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # a sibling script, not a package
-from bench_metadata import write_sparse_shard
+from bench_metadata import child_env, write_sparse_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 10**9
@@ -69,7 +69,7 @@ def build(root: Path, size_gb: float, tensors: int) -> Path:
 
 def run(argv: list[str]) -> tuple[float, float, int]:
     """(wall seconds, CPU seconds, peak RSS MiB) of one fresh process; exits on failure."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     start = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
