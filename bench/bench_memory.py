@@ -10,6 +10,9 @@
    Baseline: `dcp.load` of the whole checkpoint + `dcp.save` (what a user script does).
 2. A DCP of `--small` tiny entries: the same commands; memory above import should stay flat
    (not grow with the entry count), printed in MiB.
+3. The same at a quarter of `--small` entries: the growth per added entry (KiB), what the
+   per-entry records (manifest, plan, write layout, report) cost
+   (`tests/test_memory_many_entries.py` bounds it).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def save(path: Path, state: dict[str, object]) -> None:
         dcp.save(state, checkpoint_id=str(path), no_dist=True)
 
 
-def measure(src: Path, work: Path, label: str, scale_mib: float | None) -> None:
+def measure(src: Path, work: Path, label: str, scale_mib: float | None) -> dict[str, float]:
     base = peak_mib([sys.executable, "-c", IMPORT_ONLY])
     runs = {
         "verify --deep": ckpt("verify", src, "--deep"),
@@ -79,11 +82,13 @@ def measure(src: Path, work: Path, label: str, scale_mib: float | None) -> None:
         ],
     }
     print(f"\n{label}: import-only peak {base:.0f} MiB")
+    peaks = {}
     for name, argv in runs.items():
-        peak = peak_mib(argv)
+        peak = peaks[name] = peak_mib(argv)
         above = peak - base
         ratio = f"  = {above / scale_mib:.2f}x the largest tensor" if scale_mib else ""
         print(f"  {name:<24} peak {peak:7.0f} MiB, {above:7.0f} MiB above import{ratio}")
+    return peaks
 
 
 def main() -> None:
@@ -101,10 +106,17 @@ def main() -> None:
         save(work / "big", big)
         del big
         measure(work / "big", work, "largest tensor dominates", rows * 1024 * 4 / (1 << 20))
-        small = {f"layer.{i}.w": torch.full((4,), float(i)) for i in range(args.small)}
-        save(work / "small", small)
-        del small
-        measure(work / "small", work, f"{args.small} small entries", None)
+        few = args.small // 4
+        peaks = []
+        for count in (few, args.small):
+            small = {f"layer.{i}.w": torch.full((4,), float(i)) for i in range(count)}
+            save(work / f"small{count}", small)
+            del small
+            peaks.append(measure(work / f"small{count}", work, f"{count} small entries", None))
+        print(f"\ngrowth per added entry ({few} -> {args.small} entries):")
+        for name in peaks[0]:
+            kib = (peaks[1][name] - peaks[0][name]) * 1024 / (args.small - few)
+            print(f"  {name:<24} {kib:6.1f} KiB")
 
 
 if __name__ == "__main__":
