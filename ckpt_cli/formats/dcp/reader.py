@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from ... import dtypes
@@ -15,6 +15,7 @@ from ...storage import LocalStorage, RangeFile
 from ..base import COPY_BLOCK, Checkpoint, Source
 from .megatron import MEGATRON_COMMON
 from .peek import common_leaf
+from .torch_blob import locate_chunk
 from .transforms import OBJECT_INFLATE_MAX, SAVE_OVERHEAD, inflate
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class DcpCheckpoint(Checkpoint):
         self.planner_data = planner_data
         self._fds: dict[str, int] = {}
         self._common: dict[str, Any] | None = None
+        #: tensor -> its raw chunks in order (None: not raw), found on first ask
+        self._raw: dict[str, list[Chunk] | None] = {}
         #: (file, offset) -> transform of compressed items (`zstd`); set by `DcpFormat.open`
         self.transforms: dict[tuple[str, int], str] = {}
 
@@ -211,19 +214,35 @@ class DcpCheckpoint(Checkpoint):
             del piece
         return out
 
+    def serves_raw(self, name: str) -> bool:
+        """Raw when the entry is, or when its chunks are raw in order (`raw_chunks_in_order`)."""
+        entry = self.manifest.by_name[name]
+        return entry.is_raw or self.raw_chunks_in_order(name) is not None
+
     def raw_chunks_in_order(self, name: str) -> list[Chunk] | None:
         """The chunks of `name` in global C order when their raw bytes, concatenated, ARE the
         tensor's bytes (raw chunks split along dim 0 only); None otherwise.
 
-        This is what lets a copy to a raw format skip deserialisation for multi-rank saves
-        with the safetensors serialization (see `iter_raw`).
+        A torch_save chunk counts as raw when its blob holds one plain contiguous tensor of the
+        chunk's dtype and sizes: the returned chunk then points at the tensor bytes inside the
+        blob (found from the blob's zip directory and data.pkl, never deserialised; see
+        `torch_blob.locate_chunk`). zstd-compressed items never do. This is what lets a copy
+        to a raw format skip deserialisation (see `iter_raw`).
         """
         entry = self.manifest.by_name.get(name)
         if entry is None or entry.kind != "tensor" or not entry.chunks or entry.dtype is None:
             return None
+        if name in self._raw:
+            return self._raw[name]
+        ordered = self._raw_order(entry)
+        self._raw[name] = ordered
+        return ordered
+
+    def _raw_order(self, entry: Entry) -> list[Chunk] | None:
+        assert entry.chunks is not None and entry.dtype is not None
         chunks = [c for c in entry.chunks if dtypes.numel(c.sizes) > 0 or not entry.shape]
-        if not chunks or not all(c.raw for c in chunks):
-            return None
+        if not chunks:
+            return [] if dtypes.numel(entry.shape) == 0 else None  # an empty tensor: no bytes
         if entry.shape and any(c.sizes[1:] != entry.shape[1:] for c in chunks):
             return None
         ordered = sorted(chunks, key=lambda c: c.offsets[0] if c.offsets else 0)
@@ -232,22 +251,67 @@ class DcpCheckpoint(Checkpoint):
             if entry.shape and chunk.offsets[0] != row:
                 return None
             row += chunk.sizes[0] if entry.shape else 1
-        return ordered
+        located: list[Chunk] = []
+        for chunk in ordered:
+            if not chunk.raw:
+                if (chunk.file, chunk.byte_offset) in self.transforms:
+                    return None
+                found = locate_chunk(self._reader(chunk.file), chunk, entry.dtype)
+                if found is None:
+                    return None
+                chunk = found
+            located.append(chunk)
+        return located
+
+    def _reader(self, rel: str) -> Callable[[int, int], bytes]:
+        """`read(offset, n)` of one data file (what the zip locator reads with)."""
+
+        def read(offset: int, n: int) -> bytes:
+            return self.storage.read(rel, offset, n)
+
+        return read
 
     def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
-        """The raw C-order bytes of tensor `name`, in blocks, straight from raw chunks."""
+        """The raw C-order bytes of tensor `name`, in blocks, straight from raw chunks (or the
+        tensor bytes inside torch_save blobs). Local files are read with `os.preadv` into one
+        reused buffer: each block is valid until the next is asked for."""
         ordered = self.raw_chunks_in_order(name)
         if ordered is None:
             raise FormatError(
                 f"tensor {name!r} is not stored as raw bytes in dim-0 pieces",
                 path=self.manifest.location,
             )
+        if not isinstance(self.storage, LocalStorage):
+            for chunk in ordered:
+                done = 0
+                while done < chunk.byte_length:
+                    n = min(block, chunk.byte_length - done)
+                    yield self.storage.read(chunk.file, chunk.byte_offset + done, n)
+                    done += n
+            return
+        largest = max((c.byte_length for c in ordered), default=0)
+        view = memoryview(bytearray(max(1, min(block, largest))))
         for chunk in ordered:
+            fd = self._fd(chunk.file)
             done = 0
             while done < chunk.byte_length:
-                n = min(block, chunk.byte_length - done)
-                yield self.storage.read(chunk.file, chunk.byte_offset + done, n)
-                done += n
+                want = min(len(view), chunk.byte_length - done)
+                got = os.preadv(fd, [view[:want]], chunk.byte_offset + done)
+                if got <= 0:
+                    raise FormatError(
+                        f"is truncated inside tensor {name!r}",
+                        path=self.storage.describe(chunk.file),
+                        fix="The file was cut short; write or copy it again.",
+                    )
+                yield cast(bytes, view[:got])
+                done += got
+
+    def _fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is None:
+            assert isinstance(self.storage, LocalStorage)
+            fd = self._fds[rel] = os.open(self.storage.path(rel), os.O_RDONLY)
+        return fd
 
     def read_object_bytes(self, name: str) -> bytes:
         """The stored bytes of a non-tensor entry (a `torch.save` blob), without loading it."""

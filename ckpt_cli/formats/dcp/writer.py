@@ -28,6 +28,7 @@ from .layout import (
     rank_chunk,
     rank_file,
 )
+from .torch_blob import write_tensor_blob
 from .transforms import ZSTD_DESCRIPTOR
 
 if TYPE_CHECKING:
@@ -274,8 +275,9 @@ class DcpWriter(Writer):
 
     @property
     def accepts_raw(self) -> bool:
-        """Raw copies work with the safetensors serialization when chunks split only dim 0."""
-        if self.serialization != "safetensors":
+        """Raw copies work when chunks split only dim 0: into the embedded safetensors blob, or
+        (torch_save, uncompressed) into a torch.save container written around the bytes."""
+        if self.compression is not None:
             return False
         return all(
             all(c.sizes[1:] == self.entries[n].shape[1:] for c in chunks)
@@ -359,9 +361,9 @@ class DcpWriter(Writer):
         state.entries += 1
 
     def write_raw(self, name: str, blocks: Iterator[bytes]) -> None:
-        """Write tensor `name` from its raw C-order bytes (safetensors serialization, dim-0 chunks)."""
+        """Write tensor `name` from its raw C-order bytes (dim-0 chunks; not compressed)."""
         if not self.accepts_raw:
-            raise FormatError("raw writes need the safetensors serialization and dim-0 chunks")
+            raise FormatError("raw writes need dim-0 chunks and no compression")
         chunks = self.layout[name]
         entry = self.entries[name]
         assert entry.dtype is not None
@@ -375,6 +377,9 @@ class DcpWriter(Writer):
             )
             for i, c in enumerate(chunks)
         )
+        if self.serialization == "torch_save":
+            self._write_raw_blobs(name, targets, blocks)
+            return
         done = 0
         for block in blocks:
             view = memoryview(block)
@@ -400,6 +405,34 @@ class DcpWriter(Writer):
                 continue
             self.results[name][index] = (self.files[chunk.file].blob_start, length)
             self.files[chunk.file].entries += 1
+
+    def _write_raw_blobs(
+        self, name: str, targets: list[tuple[int, int, int]], blocks: Iterator[bytes]
+    ) -> None:
+        """torch_save: each chunk's torch.save container written around its raw bytes (the
+        chunks are consecutive byte ranges of the tensor, taken from `blocks` in order)."""
+        entry = self.entries[name]
+        assert entry.dtype is not None
+        stream = _ByteStream(blocks)
+        for _start, length, index in targets:
+            chunk = self.layout[name][index]
+            piece = stream.take(length)
+            if chunk.file not in self._owned:
+                for _ in piece:
+                    pass
+                continue
+            state = self._state(chunk.file)
+            state.fh.seek(state.append_at)
+            written = write_tensor_blob(state.fh, entry.dtype, list(chunk.sizes), piece)
+            state.fh.flush()  # objects are appended with os.pwrite after it
+            self.results[name][index] = (state.append_at, written)
+            state.append_at += written
+            state.entries += 1
+        if stream.done != entry.nbytes or not stream.at_end():
+            raise FormatError(
+                f"tensor {name!r}: got {stream.done}{'+' if not stream.at_end() else ''} raw "
+                f"bytes, expected {entry.nbytes}"
+            )
 
     def _append(self, state: _FileState, data: bytes | memoryview) -> tuple[int, int]:
         if self.compression == "zstd":
@@ -570,3 +603,38 @@ class DcpWriter(Writer):
             version="1.0.0",
         )
         return pickle.dumps(metadata)
+
+
+class _ByteStream:
+    """Raw blocks re-cut into consecutive pieces of given lengths (no copies: slices)."""
+
+    def __init__(self, blocks: Iterator[bytes]):
+        self._blocks = iter(blocks)
+        self._left = memoryview(b"")
+        #: bytes handed out so far
+        self.done = 0
+
+    def take(self, length: int) -> Iterator[memoryview]:
+        """The next `length` bytes, as slices of the source blocks (each valid until the next)."""
+        need = length
+        while need > 0:
+            if not len(self._left):
+                block = next(self._blocks, None)
+                if block is None:
+                    return
+                self._left = memoryview(block).cast("B")
+                continue
+            piece = self._left[:need]
+            self._left = self._left[len(piece) :]
+            need -= len(piece)
+            self.done += len(piece)
+            yield piece
+
+    def at_end(self) -> bool:
+        """Whether the source has no bytes left."""
+        while not len(self._left):
+            block = next(self._blocks, None)
+            if block is None:
+                return True
+            self._left = memoryview(block).cast("B")
+        return False
