@@ -86,8 +86,12 @@ def test_raw_chunks_point_inside_the_blobs_and_stream_across_rank_files(tmp_path
     state = tensors()
     save_file(state, str(tmp_path / "m.safetensors"))
     out = tmp_path / "dcp2"
-    assert run_ckpt("convert", tmp_path / "m.safetensors", out, "--to", "dcp",
-                    "--world-size", "2").exit_code == 0  # fmt: skip
+    assert (
+        run_ckpt(
+            "convert", tmp_path / "m.safetensors", out, "--to", "dcp", "--world-size", "2"
+        ).exit_code
+        == 0
+    )
     checkpoint = open_checkpoint(str(out))
     assert isinstance(checkpoint, DcpCheckpoint)
     with checkpoint:
@@ -114,8 +118,9 @@ def test_compressed_chunks_fall_back_to_loading(tmp_path: Path) -> None:
         warnings.simplefilter("ignore")
         writer = FileSystemWriter(str(tmp_path / "src"), _extensions=[ZStandard()])
         dcp.save(dict(state), storage_writer=writer, no_dist=True)
-    result = run_ckpt("convert", tmp_path / "src", tmp_path / "out", "--to", "safetensors",
-                      "--json")  # fmt: skip
+    result = run_ckpt(
+        "convert", tmp_path / "src", tmp_path / "out", "--to", "safetensors", "--json"
+    )
     assert result.exit_code == 0, result.stderr
     assert result.json["result"]["raw_copies"] == 0  # zstd items are inflated and loaded
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
@@ -128,8 +133,9 @@ def test_a_view_saved_with_its_whole_storage_falls_back_to_loading(tmp_path: Pat
     # record, so the blob is loaded (and the view's values come out right)
     base = torch.arange(24.0).reshape(6, 4)
     dcp_save({"w": base[:, 1:3], "full": base.clone()}, tmp_path / "src")
-    result = run_ckpt("convert", tmp_path / "src", tmp_path / "out", "--to", "safetensors",
-                      "--json")  # fmt: skip
+    result = run_ckpt(
+        "convert", tmp_path / "src", tmp_path / "out", "--to", "safetensors", "--json"
+    )
     assert result.exit_code == 0, result.stderr
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
         assert same(f.get_tensor("w"), base[:, 1:3].contiguous())
@@ -144,8 +150,16 @@ def test_safetensors_to_dcp_torch_save_writes_the_containers_around_raw_bytes(
     save_file(state, str(tmp_path / "m.safetensors"))
     saves = Calls(monkeypatch, "save")
     out = tmp_path / "dcp"
-    result = run_ckpt("convert", tmp_path / "m.safetensors", out, "--to", "dcp",
-                      "--world-size", str(world_size), "--json")  # fmt: skip
+    result = run_ckpt(
+        "convert",
+        tmp_path / "m.safetensors",
+        out,
+        "--to",
+        "dcp",
+        "--world-size",
+        str(world_size),
+        "--json",
+    )
     assert result.exit_code == 0, result.stderr
     assert result.json["result"]["raw_copies"] == len(state)
     assert saves.count == 0  # no torch.save per chunk
@@ -200,11 +214,43 @@ def test_raw_written_two_rank_dcp_loads_under_torchrun(tmp_path: Path) -> None:
     full = expected_state()
     save_file(full, str(tmp_path / "m.safetensors"))
     out = tmp_path / "dcp"
-    result = run_ckpt("convert", tmp_path / "m.safetensors", out, "--to", "dcp",
-                      "--world-size", "2", "--json")  # fmt: skip
+    result = run_ckpt(
+        "convert", tmp_path / "m.safetensors", out, "--to", "dcp", "--world-size", "2", "--json"
+    )
     assert result.exit_code == 0, result.stderr
     assert result.json["result"]["raw_copies"] == len(full)
     run_torchrun(DIST_SCRIPT, 2, "--load", out, tmp_path / "report")
     for rank in range(2):
         report = json.loads((tmp_path / "report" / f"rank{rank}.json").read_text())
         assert report["ok"], report["mismatches"]
+
+
+def test_the_raw_and_the_tensor_paths_write_byte_identical_data_files(tmp_path: Path) -> None:
+    from ckpt_cli.formats.base import WriteOptions
+    from ckpt_cli.formats.dcp import DcpFormat
+    from ckpt_cli.models import Entry
+
+    state = tensors()
+    plan = [
+        Entry(
+            name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), nbytes=t.nbytes
+        )
+        for n, t in state.items()
+    ]
+    for how in ("raw", "tensor"):
+        (tmp_path / how).mkdir()
+        writer = DcpFormat.writer(tmp_path / how, plan, WriteOptions(world_size=3))
+        assert writer.accepts_raw
+        for name, tensor in state.items():
+            if how == "raw":
+                data = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                writer.write_raw(name, iter([data[:5], data[5:]]))
+            else:
+                writer.write_tensor(name, tensor)
+        writer.finish()
+    for rank in range(3):
+        name = f"__{rank}_0.distcp"
+        assert (tmp_path / "raw" / name).read_bytes() == (tmp_path / "tensor" / name).read_bytes()
+    template = {name: torch.empty_like(t) for name, t in state.items()}
+    for name, tensor in dcp_load_flat(tmp_path / "tensor", template).items():
+        assert same(tensor, state[name]), name

@@ -63,6 +63,8 @@ class DcpCheckpoint(Checkpoint):
         self._common: dict[str, Any] | None = None
         #: tensor -> its raw chunks in order (None: not raw), found on first ask
         self._raw: dict[str, list[Chunk] | None] = {}
+        #: (file, offset) of a torch_save blob -> its tensor bytes as a raw chunk (None: not plain)
+        self._located_at: dict[tuple[str, int], Chunk | None] = {}
         #: (file, offset) -> transform of compressed items (`zstd`); set by `DcpFormat.open`
         self.transforms: dict[tuple[str, int], str] = {}
 
@@ -91,23 +93,12 @@ class DcpCheckpoint(Checkpoint):
         assert entry.dtype is not None
         where = self.storage.describe(chunk.file)
         if chunk.raw:
-            from ...tensors import read_tensor_from_fd, tensor_from_bytes
-
-            sizes = list(chunk.sizes)
-            offset = chunk.byte_offset
-            if rows is not None and sizes:
-                row_bytes = dtypes.numel(sizes[1:]) * dtypes.itemsize(entry.dtype)
-                offset += rows[0] * row_bytes
-                sizes[0] = rows[1] - rows[0]
-            if isinstance(self.storage, LocalStorage):
-                fd = self._fds.get(chunk.file)
-                if fd is None:
-                    fd = self._fds[chunk.file] = os.open(self.storage.path(chunk.file), os.O_RDONLY)
-                return read_tensor_from_fd(fd, offset, entry.dtype, sizes, where)
-            nbytes = dtypes.numel(sizes) * dtypes.itemsize(entry.dtype)
-            return tensor_from_bytes(
-                self.storage.read(chunk.file, offset, nbytes), entry.dtype, sizes
-            )
+            return self._read_raw_chunk(entry, chunk, rows)
+        if (chunk.file, chunk.byte_offset) not in self.transforms:
+            located = self._located(entry, chunk)
+            if located is not None:
+                # one plain tensor in the blob: read its bytes, no torch.load
+                return self._read_raw_chunk(entry, located, None)
         import torch
 
         from ...tensors import dtype_name
@@ -143,6 +134,28 @@ class DcpCheckpoint(Checkpoint):
                 path=where,
             )
         return value
+
+    def _read_raw_chunk(
+        self, entry: Entry, chunk: Chunk, rows: tuple[int, int] | None
+    ) -> torch.Tensor:
+        """A raw chunk's tensor (rows [a, b) of its dim 0 when `rows`), read straight into it."""
+        from ...tensors import read_tensor_from_fd, tensor_from_bytes
+
+        assert entry.dtype is not None
+        sizes = list(chunk.sizes)
+        offset = chunk.byte_offset
+        if rows is not None and sizes:
+            row_bytes = dtypes.numel(sizes[1:]) * dtypes.itemsize(entry.dtype)
+            offset += rows[0] * row_bytes
+            sizes[0] = rows[1] - rows[0]
+        if isinstance(self.storage, LocalStorage):
+            fd = self._fds.get(chunk.file)
+            if fd is None:
+                fd = self._fds[chunk.file] = os.open(self.storage.path(chunk.file), os.O_RDONLY)
+            where = self.storage.describe(chunk.file)
+            return read_tensor_from_fd(fd, offset, entry.dtype, sizes, where)
+        nbytes = dtypes.numel(sizes) * dtypes.itemsize(entry.dtype)
+        return tensor_from_bytes(self.storage.read(chunk.file, offset, nbytes), entry.dtype, sizes)
 
     def _byte_range(self, rel: str, offset: int, length: int) -> IO[bytes]:
         """A seekable file object over one stored range (torch.load reads from it directly)."""
@@ -256,12 +269,20 @@ class DcpCheckpoint(Checkpoint):
             if not chunk.raw:
                 if (chunk.file, chunk.byte_offset) in self.transforms:
                     return None
-                found = locate_chunk(self._reader(chunk.file), chunk, entry.dtype)
+                found = self._located(entry, chunk)
                 if found is None:
                     return None
                 chunk = found
             located.append(chunk)
         return located
+
+    def _located(self, entry: Entry, chunk: Chunk) -> Chunk | None:
+        """A torch_save `chunk` as the raw chunk of its tensor bytes inside the blob, if plain."""
+        assert entry.dtype is not None
+        key = (chunk.file, chunk.byte_offset)
+        if key not in self._located_at:
+            self._located_at[key] = locate_chunk(self._reader(chunk.file), chunk, entry.dtype)
+        return self._located_at[key]
 
     def _reader(self, rel: str) -> Callable[[int, int], bytes]:
         """`read(offset, n)` of one data file (what the zip locator reads with)."""
@@ -273,45 +294,19 @@ class DcpCheckpoint(Checkpoint):
 
     def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
         """The raw C-order bytes of tensor `name`, in blocks, straight from raw chunks (or the
-        tensor bytes inside torch_save blobs). Local files are read with `os.preadv` into one
-        reused buffer: each block is valid until the next is asked for."""
+        tensor bytes inside torch_save blobs)."""
         ordered = self.raw_chunks_in_order(name)
         if ordered is None:
             raise FormatError(
                 f"tensor {name!r} is not stored as raw bytes in dim-0 pieces",
                 path=self.manifest.location,
             )
-        if not isinstance(self.storage, LocalStorage):
-            for chunk in ordered:
-                done = 0
-                while done < chunk.byte_length:
-                    n = min(block, chunk.byte_length - done)
-                    yield self.storage.read(chunk.file, chunk.byte_offset + done, n)
-                    done += n
-            return
-        largest = max((c.byte_length for c in ordered), default=0)
-        view = memoryview(bytearray(max(1, min(block, largest))))
         for chunk in ordered:
-            fd = self._fd(chunk.file)
             done = 0
             while done < chunk.byte_length:
-                want = min(len(view), chunk.byte_length - done)
-                got = os.preadv(fd, [view[:want]], chunk.byte_offset + done)
-                if got <= 0:
-                    raise FormatError(
-                        f"is truncated inside tensor {name!r}",
-                        path=self.storage.describe(chunk.file),
-                        fix="The file was cut short; write or copy it again.",
-                    )
-                yield cast(bytes, view[:got])
-                done += got
-
-    def _fd(self, rel: str) -> int:
-        fd = self._fds.get(rel)
-        if fd is None:
-            assert isinstance(self.storage, LocalStorage)
-            fd = self._fds[rel] = os.open(self.storage.path(rel), os.O_RDONLY)
-        return fd
+                n = min(block, chunk.byte_length - done)
+                yield self.storage.read(chunk.file, chunk.byte_offset + done, n)
+                done += n
 
     def read_object_bytes(self, name: str) -> bytes:
         """The stored bytes of a non-tensor entry (a `torch.save` blob), without loading it."""

@@ -39,6 +39,15 @@ from ..torch_zip import (
 )
 
 _DTYPE_STORAGES = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
+#: the dtypes whose data.pkl `tensor_pickle` writes byte for byte as torch.save does (checked
+#: against torch 2.13 for each); others are written with torch.save
+BLOB_DTYPES = frozenset(
+    {
+        "bfloat16", "bool", "complex64", "float16", "float32", "float4_e2m1fn_x2", "float64",
+        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "int16", "int32", "int64", "int8", "uint16", "uint32", "uint64", "uint8",
+    }
+)  # fmt: skip
 #: torch.save's fixed timestamp (equal inputs give equal blobs)
 _DATE = (1980, 1, 1, 0, 0, 0)
 _ARCHIVE = "archive/"

@@ -28,7 +28,7 @@ from .layout import (
     rank_chunk,
     rank_file,
 )
-from .torch_blob import write_tensor_blob
+from .torch_blob import BLOB_DTYPES, write_tensor_blob
 from .transforms import ZSTD_DESCRIPTOR
 
 if TYPE_CHECKING:
@@ -279,6 +279,10 @@ class DcpWriter(Writer):
         (torch_save, uncompressed) into a torch.save container written around the bytes."""
         if self.compression is not None:
             return False
+        if self.serialization == "torch_save" and any(
+            e.dtype not in BLOB_DTYPES for e in self.entries.values() if e.kind == "tensor"
+        ):
+            return False
         return all(
             all(c.sizes[1:] == self.entries[n].shape[1:] for c in chunks)
             for n, chunks in self.layout.items()
@@ -331,6 +335,19 @@ class DcpWriter(Writer):
             os.pwrite(state.fh.fileno(), data, at)
             # DCP records the blob start and the chunk's byte count for safetensors items
             self.results[name][chunk_index] = (state.blob_start, len(data))
+        elif entry.dtype in BLOB_DTYPES:
+            # the container `write_raw` writes too: both paths give the same bytes
+            data = tensor_bytes(piece)
+            if self.compression is None:
+                state.fh.seek(state.append_at)
+                written = write_tensor_blob(state.fh, entry.dtype, list(chunk.sizes), [data])
+                state.fh.flush()  # objects are appended with os.pwrite after it
+                self.results[name][chunk_index] = (state.append_at, written)
+                state.append_at += written
+            else:
+                buffer = io.BytesIO()
+                write_tensor_blob(buffer, entry.dtype, list(chunk.sizes), [data])
+                self.results[name][chunk_index] = self._append(state, buffer.getbuffer())
         else:
             import torch
 
