@@ -21,7 +21,7 @@ import struct
 import sys
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import IO, Any, cast
 
 from ... import dtypes
@@ -178,3 +178,38 @@ def write_tensor_blob(fh: IO[bytes], dtype: str, shape: list[int], blocks: Itera
         _record(archive, fh, base, "data/0", blocks, nbytes)
         _record(archive, fh, base, "version", [b"3\n"], 2)
     return fh.tell() - base
+
+
+class ByteStream:
+    """Raw blocks re-cut into consecutive pieces of given lengths (no copies: slices)."""
+
+    def __init__(self, blocks: Iterator[bytes]):
+        self._blocks = iter(blocks)
+        self._left = memoryview(b"")
+        #: bytes handed out so far
+        self.done = 0
+
+    def take(self, length: int) -> Iterator[memoryview]:
+        """The next `length` bytes, as slices of the source blocks (each valid until the next)."""
+        need = length
+        while need > 0:
+            if not len(self._left):
+                block = next(self._blocks, None)
+                if block is None:
+                    return
+                self._left = memoryview(block).cast("B")
+                continue
+            piece = self._left[:need]
+            self._left = self._left[len(piece) :]
+            need -= len(piece)
+            self.done += len(piece)
+            yield piece
+
+    def at_end(self) -> bool:
+        """Whether the source has no bytes left."""
+        while not len(self._left):
+            block = next(self._blocks, None)
+            if block is None:
+                return True
+            self._left = memoryview(block).cast("B")
+        return False

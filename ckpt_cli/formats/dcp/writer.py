@@ -6,7 +6,6 @@ import io
 import json
 import os
 import struct
-import uuid
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +27,8 @@ from .layout import (
     rank_chunk,
     rank_file,
 )
-from .torch_blob import BLOB_DTYPES, write_tensor_blob
-from .transforms import ZSTD_DESCRIPTOR
+from .torch_blob import BLOB_DTYPES, ByteStream, write_tensor_blob
+from .torch_metadata import metadata_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -430,7 +429,7 @@ class DcpWriter(Writer):
         chunks are consecutive byte ranges of the tensor, taken from `blocks` in order)."""
         entry = self.entries[name]
         assert entry.dtype is not None
-        stream = _ByteStream(blocks)
+        stream = ByteStream(blocks)
         for _start, length, index in targets:
             chunk = self.layout[name][index]
             piece = stream.take(length)
@@ -540,7 +539,14 @@ class DcpWriter(Writer):
         written = [
             FileInfo(path=name, size=sizes[name][0], entries=sizes[name][1]) for name in self.files
         ]
-        data = self._metadata_bytes()
+        data = metadata_bytes(
+            self.plan,
+            self.layout,
+            self.results,
+            self._object_file,
+            self.compression,
+            self.options.extra.get("dcp_planner_data"),
+        )
         tmp = self.staging / f"{METADATA}.tmp"
         with open(tmp, "wb") as fh:
             fh.write(data)
@@ -549,109 +555,3 @@ class DcpWriter(Writer):
         os.rename(tmp, self.staging / METADATA)
         written.insert(0, FileInfo(path=METADATA, size=len(data), entries=0))
         return written
-
-    def _metadata_bytes(self) -> bytes:
-        import pickle
-
-        import torch
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata as TorchBytes,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            ChunkStorageMetadata as TorchChunk,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            Metadata as TorchMetadata,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            MetadataIndex as TorchIndex,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            StorageMeta as TorchStorageMeta,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            TensorProperties as TorchProperties,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            TensorStorageMetadata as TorchTensorMeta,
-        )
-
-        from ...tensors import torch_dtype
-
-        state_dict_metadata: dict[str, Any] = {}
-        storage_data: dict[Any, Any] = {}
-        transforms = [ZSTD_DESCRIPTOR] if self.compression == "zstd" else None
-        for entry in self.plan:
-            results = self.results[entry.name]
-            if entry.kind == "object":
-                state_dict_metadata[entry.name] = TorchBytes()
-                start, length = results[0]  # type: ignore[misc]
-                storage_data[TorchIndex(entry.name)] = _StorageInfo(
-                    self._object_file[entry.name], start, length, transforms
-                )
-                continue
-            assert entry.dtype is not None
-            chunks = self.layout[entry.name]
-            state_dict_metadata[entry.name] = TorchTensorMeta(
-                properties=TorchProperties(dtype=torch_dtype(entry.dtype)),
-                size=torch.Size(entry.shape),
-                chunks=[
-                    TorchChunk(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
-                    for c in chunks
-                ],
-            )
-            for index, (chunk, result) in enumerate(zip(chunks, results, strict=True)):
-                assert result is not None
-                storage_data[TorchIndex(entry.name, chunk.offsets, index)] = _StorageInfo(
-                    chunk.file, result[0], result[1], transforms
-                )
-        planner_data = self.options.extra.get("dcp_planner_data")
-        if not isinstance(planner_data, dict):
-            planner_data = {}
-        planner_data = {
-            name: planner_data.get(name, tuple(name.split("."))) for name in state_dict_metadata
-        }
-        metadata = TorchMetadata(
-            state_dict_metadata=state_dict_metadata,
-            planner_data=planner_data,
-            storage_data=storage_data,
-            storage_meta=TorchStorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4())),
-            version="1.0.0",
-        )
-        return pickle.dumps(metadata)
-
-
-class _ByteStream:
-    """Raw blocks re-cut into consecutive pieces of given lengths (no copies: slices)."""
-
-    def __init__(self, blocks: Iterator[bytes]):
-        self._blocks = iter(blocks)
-        self._left = memoryview(b"")
-        #: bytes handed out so far
-        self.done = 0
-
-    def take(self, length: int) -> Iterator[memoryview]:
-        """The next `length` bytes, as slices of the source blocks (each valid until the next)."""
-        need = length
-        while need > 0:
-            if not len(self._left):
-                block = next(self._blocks, None)
-                if block is None:
-                    return
-                self._left = memoryview(block).cast("B")
-                continue
-            piece = self._left[:need]
-            self._left = self._left[len(piece) :]
-            need -= len(piece)
-            self.done += len(piece)
-            yield piece
-
-    def at_end(self) -> bool:
-        """Whether the source has no bytes left."""
-        while not len(self._left):
-            block = next(self._blocks, None)
-            if block is None:
-                return True
-            self._left = memoryview(block).cast("B")
-        return False
