@@ -40,7 +40,7 @@ from ..torch_zip import (
 
 _DTYPE_STORAGES = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 #: the dtypes whose data.pkl `tensor_pickle` writes byte for byte as torch.save does (checked
-#: against torch 2.13 for each); others are written with torch.save
+#: against torch 2.13 for each) and that are read raw; others go through torch.save/torch.load
 BLOB_DTYPES = frozenset(
     {
         "bfloat16", "bool", "complex64", "float16", "float32", "float4_e2m1fn_x2", "float64",
@@ -59,6 +59,8 @@ def locate_chunk(read: Any, chunk: Chunk, dtype: str) -> Chunk | None:
 
     `read(offset, n)` reads the chunk's file at absolute offsets.
     """
+    if dtype not in BLOB_DTYPES:
+        return None  # read with torch.load (complex32/complex128 have no raw tensor path)
     found = locate_single_tensor(read, chunk.byte_offset, chunk.byte_length)
     if found is None:
         return None
