@@ -254,3 +254,27 @@ def test_the_raw_and_the_tensor_paths_write_byte_identical_data_files(tmp_path: 
     template = {name: torch.empty_like(t) for name, t in state.items()}
     for name, tensor in dcp_load_flat(tmp_path / "tensor", template).items():
         assert same(tensor, state[name]), name
+
+
+def test_safetensors_to_dcp_never_imports_torch(tmp_path: Path) -> None:
+    # the containers and `.metadata` are pickled naming torch's classes, without torch
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    save_file(tensors(), str(tmp_path / "m.safetensors"))
+    script = (
+        "import sys; from ckpt_cli.__main__ import entry\n"
+        f"sys.argv = ['ckpt', 'convert', {str(tmp_path / 'm.safetensors')!r}, "
+        f"{str(tmp_path / 'dcp')!r}, '--to', 'dcp', '--world-size', '2']\n"
+        "try:\n    entry()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
+    template = {name: torch.empty_like(t) for name, t in tensors().items()}
+    for name, tensor in dcp_load_flat(tmp_path / "dcp", template).items():
+        assert same(tensor, tensors()[name]), name
