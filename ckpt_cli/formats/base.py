@@ -212,6 +212,12 @@ class Checkpoint(ABC):
         index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
         return tensor[index].contiguous() if index else tensor
 
+    def serves_raw(self, name: str) -> bool:
+        """Whether `iter_raw(name)` hands out tensor `name`'s C-order bytes (a copy can then
+        skip deserialisation): raw-stored entries (`Entry.is_raw`); formats whose tensors
+        are raw in pieces (DCP chunks, tensor bytes inside torch.save blobs) override this."""
+        return self.manifest.by_name[name].is_raw
+
     def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
         """The raw C-order bytes of a raw-stored tensor, in blocks (see `Entry.is_raw`)."""
         entry = self.manifest.by_name[name]

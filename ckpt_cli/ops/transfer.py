@@ -364,7 +364,7 @@ def copy_entries(
     written: list[WrittenEntry] = []
     for item in items:
         source, target = item.source, item.target
-        raw = item.cast is None and source.is_raw and writer.accepts_raw
+        raw = item.cast is None and writer.accepts_raw and checkpoint.serves_raw(source.name)
         partial = _partial_chunks(writer, target.name) if target.kind == "tensor" else None
         if partial is not None:
             from ..tensors import torch_dtype

@@ -1,13 +1,14 @@
 """PyTorch Distributed Checkpoint (DCP): a folder with `.metadata` and `__{rank}_{n}.distcp` files.
 
-I/O strategy. `open` reads `.metadata` with a restricted unpickler (`dcp_metadata`, no torch,
+I/O strategy. `open` reads `.metadata` with a restricted unpickler (`metadata`, no torch,
 nothing callable outside the DCP metadata classes) and the file listing; for the safetensors
 serialization it also reads each `.distcp` file's embedded safetensors header (one small read
 per file) to find where every chunk's raw bytes are. Every file name in `.metadata` goes through
-`safe_relpath`/`Storage`. Reads move one chunk at a time: a torch_save chunk is one ranged read
-loaded with `torch.load(weights_only=True)`; a raw chunk is read straight into a tensor
-(`os.preadv` locally). `read_slice` touches only the chunks that overlap the requested box and,
-for raw chunks split along dim 0, only the rows it needs.
+`safe_relpath`/`Storage`. Reads move one chunk at a time: a raw chunk is read straight into a
+tensor (`os.preadv` locally); so is a torch_save chunk whose blob holds one plain tensor (its
+bytes located from the blob's zip directory and data.pkl, `torch_blob`); any other blob is
+loaded with `torch.load(weights_only=True)`. `read_slice` touches only the chunks that overlap
+the requested box and, for raw chunks split along dim 0, only the rows it needs.
 
 Layouts, as torch 2.13's `FileSystemWriter` writes them:
 
@@ -29,14 +30,16 @@ Manifest: tensor entries carry `chunks` (box, file, byte range, `raw`); object e
 `file`, `offset` and `nbytes` of their stored `torch.save` blob, and `py_type`/`value` when the
 blob holds plain Python data.
 
-The writer streams chunks into `__{rank}_0.distcp` files and writes `.metadata` last (with
+The writer streams chunks into `__{rank}_0.distcp` files (torch_save items as torch.save
+containers written around the raw bytes, no torch.save) and writes `.metadata` last (with
 torch's own classes, so `dcp.load` reads it).
 
 Package layout (mirroring `torch.distributed.checkpoint`'s own split): `metadata` (the restricted
 `.metadata` reader), `peek` (what a stored `torch.save` blob declares, without torch), `check`
 (layout analysis and structural checks), `raw` (where raw chunk bytes lie), `hf_shards`,
-`megatron`, `transforms` (zstd), `format` (`DcpFormat`), `reader` (`DcpCheckpoint`) and
-`writer` (`DcpWriter`).
+`megatron`, `transforms` (zstd), `torch_blob` (torch_save items as raw bytes, both ways),
+`torch_metadata` (`.metadata` with torch's classes), `format` (`DcpFormat`), `reader`
+(`DcpCheckpoint`) and `writer` (`DcpWriter`).
 """
 
 from .format import DcpFormat

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from ... import dtypes
@@ -15,6 +15,7 @@ from ...storage import LocalStorage, RangeFile
 from ..base import COPY_BLOCK, Checkpoint, Source
 from .megatron import MEGATRON_COMMON
 from .peek import common_leaf
+from .torch_blob import locate_chunk
 from .transforms import OBJECT_INFLATE_MAX, SAVE_OVERHEAD, inflate
 
 if TYPE_CHECKING:
@@ -63,6 +64,10 @@ class DcpCheckpoint(Checkpoint):
         self.planner_data = planner_data
         self._fds: dict[str, int] = {}
         self._common: dict[str, Any] | None = None
+        #: tensor -> its raw chunks in order (None: not raw), found on first ask
+        self._raw: dict[str, list[Chunk] | None] = {}
+        #: (file, offset) of a torch_save blob -> its tensor bytes as a raw chunk (None: not plain)
+        self._located_at: dict[tuple[str, int], Chunk | None] = {}
         #: (file, offset) -> transform of compressed items (`zstd`); set by `DcpFormat.open`
         self.transforms: dict[tuple[str, int], str] = {}
 
@@ -91,23 +96,12 @@ class DcpCheckpoint(Checkpoint):
         assert entry.dtype is not None
         where = self.storage.describe(chunk.file)
         if chunk.raw:
-            from ...tensors import read_tensor_from_fd, tensor_from_bytes
-
-            sizes = list(chunk.sizes)
-            offset = chunk.byte_offset
-            if rows is not None and sizes:
-                row_bytes = dtypes.numel(sizes[1:]) * dtypes.itemsize(entry.dtype)
-                offset += rows[0] * row_bytes
-                sizes[0] = rows[1] - rows[0]
-            if isinstance(self.storage, LocalStorage):
-                fd = self._fds.get(chunk.file)
-                if fd is None:
-                    fd = self._fds[chunk.file] = os.open(self.storage.path(chunk.file), os.O_RDONLY)
-                return read_tensor_from_fd(fd, offset, entry.dtype, sizes, where)
-            nbytes = dtypes.numel(sizes) * dtypes.itemsize(entry.dtype)
-            return tensor_from_bytes(
-                self.storage.read(chunk.file, offset, nbytes), entry.dtype, sizes
-            )
+            return self._read_raw_chunk(entry, chunk, rows)
+        if (chunk.file, chunk.byte_offset) not in self.transforms:
+            located = self._located(entry, chunk)
+            if located is not None:
+                # one plain tensor in the blob: read its bytes, no torch.load
+                return self._read_raw_chunk(entry, located, None)
         import torch
 
         from ...tensors import dtype_name
@@ -143,6 +137,28 @@ class DcpCheckpoint(Checkpoint):
                 path=where,
             )
         return value
+
+    def _read_raw_chunk(
+        self, entry: Entry, chunk: Chunk, rows: tuple[int, int] | None
+    ) -> torch.Tensor:
+        """A raw chunk's tensor (rows [a, b) of its dim 0 when `rows`), read straight into it."""
+        from ...tensors import read_tensor_from_fd, tensor_from_bytes
+
+        assert entry.dtype is not None
+        sizes = list(chunk.sizes)
+        offset = chunk.byte_offset
+        if rows is not None and sizes:
+            row_bytes = dtypes.numel(sizes[1:]) * dtypes.itemsize(entry.dtype)
+            offset += rows[0] * row_bytes
+            sizes[0] = rows[1] - rows[0]
+        if isinstance(self.storage, LocalStorage):
+            fd = self._fds.get(chunk.file)
+            if fd is None:
+                fd = self._fds[chunk.file] = os.open(self.storage.path(chunk.file), os.O_RDONLY)
+            where = self.storage.describe(chunk.file)
+            return read_tensor_from_fd(fd, offset, entry.dtype, sizes, where)
+        nbytes = dtypes.numel(sizes) * dtypes.itemsize(entry.dtype)
+        return tensor_from_bytes(self.storage.read(chunk.file, offset, nbytes), entry.dtype, sizes)
 
     def _byte_range(self, rel: str, offset: int, length: int) -> IO[bytes]:
         """A seekable file object over one stored range (torch.load reads from it directly)."""
@@ -214,19 +230,35 @@ class DcpCheckpoint(Checkpoint):
             del piece
         return out
 
+    def serves_raw(self, name: str) -> bool:
+        """Raw when the entry is, or when its chunks are raw in order (`raw_chunks_in_order`)."""
+        entry = self.manifest.by_name[name]
+        return entry.is_raw or self.raw_chunks_in_order(name) is not None
+
     def raw_chunks_in_order(self, name: str) -> list[Chunk] | None:
         """The chunks of `name` in global C order when their raw bytes, concatenated, ARE the
         tensor's bytes (raw chunks split along dim 0 only); None otherwise.
 
-        This is what lets a copy to a raw format skip deserialisation for multi-rank saves
-        with the safetensors serialization (see `iter_raw`).
+        A torch_save chunk counts as raw when its blob holds one plain contiguous tensor of the
+        chunk's dtype and sizes: the returned chunk then points at the tensor bytes inside the
+        blob (found from the blob's zip directory and data.pkl, never deserialised; see
+        `torch_blob.locate_chunk`). zstd-compressed items never do. This is what lets a copy
+        to a raw format skip deserialisation (see `iter_raw`).
         """
         entry = self.manifest.by_name.get(name)
         if entry is None or entry.kind != "tensor" or not entry.chunks or entry.dtype is None:
             return None
+        if name in self._raw:
+            return self._raw[name]
+        ordered = self._raw_order(entry)
+        self._raw[name] = ordered
+        return ordered
+
+    def _raw_order(self, entry: Entry) -> list[Chunk] | None:
+        assert entry.chunks is not None and entry.dtype is not None
         chunks = [c for c in entry.chunks if dtypes.numel(c.sizes) > 0 or not entry.shape]
-        if not chunks or not all(c.raw for c in chunks):
-            return None
+        if not chunks:
+            return [] if dtypes.numel(entry.shape) == 0 else None  # an empty tensor: no bytes
         if entry.shape and any(c.sizes[1:] != entry.shape[1:] for c in chunks):
             return None
         ordered = sorted(chunks, key=lambda c: c.offsets[0] if c.offsets else 0)
@@ -235,10 +267,37 @@ class DcpCheckpoint(Checkpoint):
             if entry.shape and chunk.offsets[0] != row:
                 return None
             row += chunk.sizes[0] if entry.shape else 1
-        return ordered
+        located: list[Chunk] = []
+        for chunk in ordered:
+            if not chunk.raw:
+                if (chunk.file, chunk.byte_offset) in self.transforms:
+                    return None
+                found = self._located(entry, chunk)
+                if found is None:
+                    return None
+                chunk = found
+            located.append(chunk)
+        return located
+
+    def _located(self, entry: Entry, chunk: Chunk) -> Chunk | None:
+        """A torch_save `chunk` as the raw chunk of its tensor bytes inside the blob, if plain."""
+        assert entry.dtype is not None
+        key = (chunk.file, chunk.byte_offset)
+        if key not in self._located_at:
+            self._located_at[key] = locate_chunk(self._reader(chunk.file), chunk, entry.dtype)
+        return self._located_at[key]
+
+    def _reader(self, rel: str) -> Callable[[int, int], bytes]:
+        """`read(offset, n)` of one data file (what the zip locator reads with)."""
+
+        def read(offset: int, n: int) -> bytes:
+            return self.storage.read(rel, offset, n)
+
+        return read
 
     def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
-        """The raw C-order bytes of tensor `name`, in blocks, straight from raw chunks."""
+        """The raw C-order bytes of tensor `name`, in blocks, straight from raw chunks (or the
+        tensor bytes inside torch_save blobs)."""
         ordered = self.raw_chunks_in_order(name)
         if ordered is None:
             raise FormatError(

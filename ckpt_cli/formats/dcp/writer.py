@@ -6,7 +6,6 @@ import io
 import json
 import os
 import struct
-import uuid
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,8 @@ from .layout import (
     rank_chunk,
     rank_file,
 )
-from .transforms import ZSTD_DESCRIPTOR
+from .torch_blob import BLOB_DTYPES, ByteStream, write_tensor_blob
+from .torch_metadata import metadata_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -277,8 +277,13 @@ class DcpWriter(Writer):
 
     @property
     def accepts_raw(self) -> bool:
-        """Raw copies work with the safetensors serialization when chunks split only dim 0."""
-        if self.serialization != "safetensors":
+        """Raw copies work when chunks split only dim 0: into the embedded safetensors blob, or
+        (torch_save, uncompressed) into a torch.save container written around the bytes."""
+        if self.compression is not None:
+            return False
+        if self.serialization == "torch_save" and any(
+            e.dtype not in BLOB_DTYPES for e in self.entries.values() if e.kind == "tensor"
+        ):
             return False
         return all(
             all(c.sizes[1:] == self.entries[n].shape[1:] for c in chunks)
@@ -332,6 +337,19 @@ class DcpWriter(Writer):
             os.pwrite(state.fh.fileno(), data, at)
             # DCP records the blob start and the chunk's byte count for safetensors items
             self.results[name][chunk_index] = (state.blob_start, len(data))
+        elif entry.dtype in BLOB_DTYPES:
+            # the container `write_raw` writes too: both paths give the same bytes
+            data = tensor_bytes(piece)
+            if self.compression is None:
+                state.fh.seek(state.append_at)
+                written = write_tensor_blob(state.fh, entry.dtype, list(chunk.sizes), [data])
+                state.fh.flush()  # objects are appended with os.pwrite after it
+                self.results[name][chunk_index] = (state.append_at, written)
+                state.append_at += written
+            else:
+                buffer = io.BytesIO()
+                write_tensor_blob(buffer, entry.dtype, list(chunk.sizes), [data])
+                self.results[name][chunk_index] = self._append(state, buffer.getbuffer())
         else:
             import torch
 
@@ -362,9 +380,9 @@ class DcpWriter(Writer):
         state.entries += 1
 
     def write_raw(self, name: str, blocks: Iterator[bytes]) -> None:
-        """Write tensor `name` from its raw C-order bytes (safetensors serialization, dim-0 chunks)."""
+        """Write tensor `name` from its raw C-order bytes (dim-0 chunks; not compressed)."""
         if not self.accepts_raw:
-            raise FormatError("raw writes need the safetensors serialization and dim-0 chunks")
+            raise FormatError("raw writes need dim-0 chunks and no compression")
         chunks = self.layout[name]
         entry = self.entries[name]
         assert entry.dtype is not None
@@ -378,6 +396,9 @@ class DcpWriter(Writer):
             )
             for i, c in enumerate(chunks)
         )
+        if self.serialization == "torch_save":
+            self._write_raw_blobs(name, targets, blocks)
+            return
         done = 0
         for block in blocks:
             view = memoryview(block)
@@ -403,6 +424,34 @@ class DcpWriter(Writer):
                 continue
             self.results[name][index] = (self.files[chunk.file].blob_start, length)
             self.files[chunk.file].entries += 1
+
+    def _write_raw_blobs(
+        self, name: str, targets: list[tuple[int, int, int]], blocks: Iterator[bytes]
+    ) -> None:
+        """torch_save: each chunk's torch.save container written around its raw bytes (the
+        chunks are consecutive byte ranges of the tensor, taken from `blocks` in order)."""
+        entry = self.entries[name]
+        assert entry.dtype is not None
+        stream = ByteStream(blocks)
+        for _start, length, index in targets:
+            chunk = self.layout[name][index]
+            piece = stream.take(length)
+            if chunk.file not in self._owned:
+                for _ in piece:
+                    pass
+                continue
+            state = self._state(chunk.file)
+            state.fh.seek(state.append_at)
+            written = write_tensor_blob(state.fh, entry.dtype, list(chunk.sizes), piece)
+            state.fh.flush()  # objects are appended with os.pwrite after it
+            self.results[name][index] = (state.append_at, written)
+            state.append_at += written
+            state.entries += 1
+        if stream.done != entry.nbytes or not stream.at_end():
+            raise FormatError(
+                f"tensor {name!r}: got {stream.done}{'+' if not stream.at_end() else ''} raw "
+                f"bytes, expected {entry.nbytes}"
+            )
 
     def _append(self, state: _FileState, data: bytes | memoryview) -> tuple[int, int]:
         if self.compression == "zstd":
@@ -493,7 +542,14 @@ class DcpWriter(Writer):
         written = [
             FileInfo(path=name, size=sizes[name][0], entries=sizes[name][1]) for name in self.files
         ]
-        data = self._metadata_bytes()
+        data = metadata_bytes(
+            self.plan,
+            self.layout,
+            self.results,
+            self._object_file,
+            self.compression,
+            self.options.extra.get("dcp_planner_data"),
+        )
         tmp = self.staging / f"{METADATA}.tmp"
         with open(tmp, "wb") as fh:
             fh.write(data)
@@ -502,74 +558,3 @@ class DcpWriter(Writer):
         os.rename(tmp, self.staging / METADATA)
         written.insert(0, FileInfo(path=METADATA, size=len(data), entries=0))
         return written
-
-    def _metadata_bytes(self) -> bytes:
-        import pickle
-
-        import torch
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata as TorchBytes,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            ChunkStorageMetadata as TorchChunk,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            Metadata as TorchMetadata,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            MetadataIndex as TorchIndex,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            StorageMeta as TorchStorageMeta,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            TensorProperties as TorchProperties,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            TensorStorageMetadata as TorchTensorMeta,
-        )
-
-        from ...tensors import torch_dtype
-
-        state_dict_metadata: dict[str, Any] = {}
-        storage_data: dict[Any, Any] = {}
-        transforms = [ZSTD_DESCRIPTOR] if self.compression == "zstd" else None
-        for entry in self.plan:
-            results = self.results[entry.name]
-            if entry.kind == "object":
-                state_dict_metadata[entry.name] = TorchBytes()
-                start, length = results[0]  # type: ignore[misc]
-                storage_data[TorchIndex(entry.name)] = _StorageInfo(
-                    self._object_file[entry.name], start, length, transforms
-                )
-                continue
-            assert entry.dtype is not None
-            chunks = self.layout[entry.name]
-            state_dict_metadata[entry.name] = TorchTensorMeta(
-                properties=TorchProperties(dtype=torch_dtype(entry.dtype)),
-                size=torch.Size(entry.shape),
-                chunks=[
-                    TorchChunk(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
-                    for c in chunks
-                ],
-            )
-            for index, (chunk, result) in enumerate(zip(chunks, results, strict=True)):
-                assert result is not None
-                storage_data[TorchIndex(entry.name, chunk.offsets, index)] = _StorageInfo(
-                    chunk.file, result[0], result[1], transforms
-                )
-        planner_data = self.options.extra.get("dcp_planner_data")
-        if not isinstance(planner_data, dict):
-            planner_data = {}
-        planner_data = {
-            name: planner_data.get(name, tuple(name.split("."))) for name in state_dict_metadata
-        }
-        metadata = TorchMetadata(
-            state_dict_metadata=state_dict_metadata,
-            planner_data=planner_data,
-            storage_data=storage_data,
-            storage_meta=TorchStorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4())),
-            version="1.0.0",
-        )
-        return pickle.dumps(metadata)

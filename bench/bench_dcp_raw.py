@@ -1,0 +1,123 @@
+"""DCP torch_save data paths against a durable copy of the same bytes. Run by hand, not in tests.
+
+    PYTHONPATH=. python bench/bench_dcp_raw.py [WORKDIR] [--gb 1.0] [--runs 3]
+
+Generates on the fly a DCP checkpoint (torch_save serialization, `dcp.save`, float32 tensors of
+16-64 MiB) and the same tensors as one safetensors file, then measures in one run, alternating
+the runs of each pair (median wall time, peak RSS via /usr/bin/time):
+
+1. `ckpt convert DCP --to safetensors` (tensor bytes copied out of each torch.save blob) against
+   `cp -r DCP COPY && sync`;
+2. `ckpt convert SAFETENSORS --to dcp` (torch.save containers written around raw bytes) against
+   `cp SAFETENSORS COPY && sync`.
+
+Prints each ratio as the throughput of ckpt over that of the copy (1.0: as fast as `cp`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+ENV = dict(os.environ, PYTHONPATH=str(REPO))
+
+
+def measure(cmd: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS in MiB) of one command, started with no dirty pages pending."""
+    subprocess.run(["sync"], check=True)
+    out = subprocess.run(
+        ["/usr/bin/time", "-f", "%e %M", *cmd],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"{cmd} failed:\n{out.stderr[-2000:]}")
+    seconds, kib = out.stderr.strip().splitlines()[-1].split()
+    return float(seconds), int(kib) / 1024
+
+
+def make_sources(work: Path, gb: float) -> tuple[Path, Path]:
+    """A DCP folder (torch_save) and a safetensors file of the same float32 tensors."""
+    script = f"""
+import torch, torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+total, sizes = int({gb} * 2**30), [64, 16, 32, 48]
+gen = torch.Generator().manual_seed(0)
+state, i, left = {{}}, 0, total
+while left > 0:
+    n = min(sizes[i % len(sizes)] << 20, left)
+    state[f"model.layers.{{i}}.w"] = torch.randn(n // 4 // 1024, 1024, generator=gen)
+    left -= n; i += 1
+dcp.save(state, checkpoint_id="{work / "dcp"}", no_dist=True)
+save_file(state, "{work / "model.safetensors"}")
+"""
+    subprocess.run([PY, "-c", script], env=ENV, check=True, stderr=subprocess.DEVNULL)
+    return work / "dcp", work / "model.safetensors"
+
+
+def pair(ours: list[str], baseline: str, outs: list[Path], runs: int) -> dict[str, float]:
+    """Median seconds and peak RSS of `ours` and of the shell `baseline`, runs alternated."""
+    mine: list[tuple[float, float]] = []
+    base: list[tuple[float, float]] = []
+    for _ in range(runs):
+        for out in outs:
+            shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(missing_ok=True)
+        mine.append(measure(ours))
+        base.append(measure(["sh", "-c", baseline]))
+    return {
+        "ours_s": statistics.median(s for s, _ in mine),
+        "ours_rss": max(r for _, r in mine),
+        "cp_s": statistics.median(s for s, _ in base),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workdir", nargs="?", type=Path, default=Path("build/bench-dcp-raw"))
+    parser.add_argument("--gb", type=float, default=1.0)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    work: Path = args.workdir.absolute()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    dcp_src, st_src = make_sources(work, args.gb)
+    ckpt = [PY, "-m", "ckpt_cli"]
+    rows = []
+    to_st = pair(
+        [*ckpt, "convert", str(dcp_src), str(work / "st-out"), "--to", "safetensors"],
+        f"cp -r {dcp_src} {work / 'dcp-copy'} && sync",
+        [work / "st-out", work / "dcp-copy"],
+        args.runs,
+    )
+    rows.append(("DCP (torch_save) -> safetensors", to_st))
+    to_dcp = pair(
+        [*ckpt, "convert", str(st_src), str(work / "dcp-out"), "--to", "dcp"],
+        f"cp {st_src} {work / 'st-copy'} && sync",
+        [work / "dcp-out", work / "st-copy"],
+        args.runs,
+    )
+    rows.append(("safetensors -> DCP (torch_save)", to_dcp))
+    load = os.getloadavg()[0]
+    print(f"{args.gb:g} GiB, {args.runs} runs each, median; load {load:.1f}, {os.cpu_count()} CPUs")
+    print("| work | ckpt | `cp -r && sync` | ratio (throughput vs cp) | ckpt peak RSS |")
+    print("|---|---|---|---|---|")
+    for label, r in rows:
+        ratio = r["cp_s"] / r["ours_s"] if r["ours_s"] else float("inf")
+        print(
+            f"| {label} | {r['ours_s']:.2f} s | {r['cp_s']:.2f} s | {ratio:.2f}x "
+            f"| {r['ours_rss']:.0f} MiB |"
+        )
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""DCP torch_save items as raw bytes, both ways, without torch.
+
+Reading: `locate_chunk` finds a torch_save chunk's C-order tensor bytes inside its blob (the
+zip directory and a restricted walk of data.pkl, `torch_zip.locate_single_tensor`), so a copy
+to a raw format moves that byte range instead of deserialising the blob.
+
+Writing: `write_tensor_blob` writes the `torch.save` container of one tensor around its raw
+bytes, streamed in blocks (the CRC as they pass), with its records in torch.save's order:
+`data.pkl` first (what `peek.peek_saved_tensor` reads from the blob's first bytes), then
+`.format_version`, `.storage_alignment`, `byteorder`, `data/0` (64-byte aligned in the blob),
+`version`. data.pkl is byte for byte what torch.save pickles for that tensor; the zip headers
+are Python's `zipfile`'s, not torch's miniz ones, and torch's `.data/serialization_id` record
+is left out (no reader needs it), so the blob is not byte-identical to `torch.save`'s.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import sys
+import zipfile
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from typing import IO, Any, cast
+
+from ... import dtypes
+from ...models import Chunk
+from ..torch_zip import (
+    ALIGNMENT,
+    PROTOCOL,
+    STORAGE_DTYPES,
+    Reduced,
+    StorageRef,
+    _placeholder,
+    _torch_names,
+    c_strides,
+    locate_single_tensor,
+)
+
+_DTYPE_STORAGES = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
+#: the dtypes whose data.pkl `tensor_pickle` writes byte for byte as torch.save does (checked
+#: against torch 2.13 for each) and that are read raw; others go through torch.save/torch.load
+BLOB_DTYPES = frozenset(
+    {
+        "bfloat16", "bool", "complex64", "float16", "float32", "float4_e2m1fn_x2", "float64",
+        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "int16", "int32", "int64", "int8", "uint16", "uint32", "uint64", "uint8",
+    }
+)  # fmt: skip
+#: torch.save's fixed timestamp (equal inputs give equal blobs)
+_DATE = (1980, 1, 1, 0, 0, 0)
+_ARCHIVE = "archive/"
+
+
+def locate_chunk(read: Any, chunk: Chunk, dtype: str) -> Chunk | None:
+    """`chunk` (a torch_save blob) pointing at its raw C-order tensor bytes, or None when the
+    blob is not one plain contiguous tensor of exactly the chunk's dtype and sizes.
+
+    `read(offset, n)` reads the chunk's file at absolute offsets.
+    """
+    if dtype not in BLOB_DTYPES:
+        return None  # read with torch.load (complex32/complex128 have no raw tensor path)
+    found = locate_single_tensor(read, chunk.byte_offset, chunk.byte_length)
+    if found is None:
+        return None
+    shape = tuple(chunk.sizes)
+    want = dtypes.numel(list(shape)) * dtypes.itemsize(dtype)
+    if (
+        found.dtype != dtype
+        or found.shape != shape
+        or found.storage_offset != 0
+        or (found.stride != c_strides(shape) and dtypes.numel(list(shape)) > 1)
+        or found.length != want
+        or found.offset < chunk.byte_offset
+        or found.offset + found.length > chunk.byte_offset + chunk.byte_length
+    ):
+        return None
+    return chunk.model_copy(
+        update={"byte_offset": found.offset, "byte_length": found.length, "raw": True}
+    )
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if type(obj) is StorageRef else None
+
+
+def tensor_pickle(dtype: str, shape: list[int]) -> bytes:
+    """The data.pkl `torch.save` writes for a contiguous CPU tensor stored as record `0`."""
+    dims = tuple(int(d) for d in shape)
+    count = dtypes.numel(list(dims))
+    hooks: OrderedDict[Any, Any] = OrderedDict()
+    storage = _DTYPE_STORAGES.get(dtype)
+    if storage is not None:
+        targets = ["torch." + storage, "torch._utils._rebuild_tensor_v2"]
+        ref = StorageRef(_placeholder(targets[0]), "0", count)
+        args: tuple[Any, ...] = (ref, 0, dims, c_strides(dims), False, hooks)
+    else:
+        # dtypes without a typed storage class (uint16, float8...): `_rebuild_tensor_v3`
+        targets = [
+            "torch.storage.UntypedStorage",
+            "torch._utils._rebuild_tensor_v3",
+            "torch." + dtype,
+        ]
+        ref = StorageRef(_placeholder(targets[0]), "0", count * dtypes.itemsize(dtype))
+        args = (ref, 0, dims, c_strides(dims), False, hooks, _placeholder(targets[2]))
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=PROTOCOL).dump(Reduced(_placeholder(targets[1]), args))
+    return _torch_names(buffer.getvalue(), set(targets))
+
+
+class _Shifted(io.RawIOBase):
+    """`fh` seen from `base` on: zipfile records offsets from its file's start (Python 3.11 has
+    no offset of its own for a zip written mid-file), and a DCP blob is loaded on its own."""
+
+    def __init__(self, fh: IO[bytes], base: int):
+        super().__init__()
+        self._fh, self._base = fh, base
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return self._fh.write(data)
+
+    def tell(self) -> int:
+        return self._fh.tell() - self._base
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 0:
+            return self._fh.seek(self._base + offset) - self._base
+        return self._fh.seek(offset, whence) - self._base
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+
+def _record(
+    archive: zipfile.ZipFile, fh: IO[bytes], base: int, name: str, blocks: Iterable[Any], size: int
+) -> None:
+    """One stored zip record whose data starts 64-byte aligned within the blob."""
+    info = zipfile.ZipInfo(_ARCHIVE + name, date_time=_DATE)
+    info.compress_type = zipfile.ZIP_STORED
+    info.file_size = size
+    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own rule, decided here
+    start = fh.tell() - base + 30 + len(info.filename.encode()) + (20 if zip64 else 0)
+    pad = -(start + 4) % ALIGNMENT
+    info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+    written = 0
+    with archive.open(info, "w", force_zip64=zip64) as out:
+        for block in blocks:
+            written += out.write(block)  # zipfile updates the CRC block by block
+            if written > size:
+                break
+    if written != size:
+        raise ValueError(f"{name}: got {written} bytes for a {size}-byte record")
+
+
+def write_tensor_blob(fh: IO[bytes], dtype: str, shape: list[int], blocks: Iterable[Any]) -> int:
+    """Write the torch.save container of one tensor at `fh`'s position; its length in bytes.
+
+    `blocks` yield the tensor's C-order bytes (numel x itemsize in all). No torch is imported.
+    """
+    nbytes = dtypes.numel(shape) * dtypes.itemsize(dtype)
+    base = fh.tell()
+    shifted = cast(IO[bytes], _Shifted(fh, base))
+    with zipfile.ZipFile(shifted, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        data = tensor_pickle(dtype, shape)
+        _record(archive, fh, base, "data.pkl", [data], len(data))
+        for name, text in (
+            (".format_version", "1"),
+            (".storage_alignment", str(ALIGNMENT)),
+            ("byteorder", sys.byteorder),
+        ):
+            _record(archive, fh, base, name, [text.encode()], len(text))
+        _record(archive, fh, base, "data/0", blocks, nbytes)
+        _record(archive, fh, base, "version", [b"3\n"], 2)
+    return fh.tell() - base
+
+
+class ByteStream:
+    """Raw blocks re-cut into consecutive pieces of given lengths (no copies: slices)."""
+
+    def __init__(self, blocks: Iterator[bytes]):
+        self._blocks = iter(blocks)
+        self._left = memoryview(b"")
+        #: bytes handed out so far
+        self.done = 0
+
+    def take(self, length: int) -> Iterator[memoryview]:
+        """The next `length` bytes, as slices of the source blocks (each valid until the next)."""
+        need = length
+        while need > 0:
+            if not len(self._left):
+                block = next(self._blocks, None)
+                if block is None:
+                    return
+                self._left = memoryview(block).cast("B")
+                continue
+            piece = self._left[:need]
+            self._left = self._left[len(piece) :]
+            need -= len(piece)
+            self.done += len(piece)
+            yield piece
+
+    def at_end(self) -> bool:
+        """Whether the source has no bytes left."""
+        while not len(self._left):
+            block = next(self._blocks, None)
+            if block is None:
+                return True
+            self._left = memoryview(block).cast("B")
+        return False
