@@ -12,16 +12,13 @@ from __future__ import annotations
 import math
 import pickle
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from ..errors import FormatError
 from ..models import Entry
-
-if TYPE_CHECKING:
-    pass
-
 from .torch_load import _INERT, InertObject
+from .torch_zip import TensorLayout
 
 #: longest string an object entry shows as its value
 MAX_VALUE_STR = 200
@@ -256,12 +253,46 @@ def _type_name(obj: Any) -> str:
     return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _raw_offset(
+    layouts: Mapping[tuple[str | int, ...], TensorLayout] | None,
+    path: tuple[KeyStep, ...],
+    leaf: Any,
+    dtype: str,
+    shape: list[int],
+    nbytes: int,
+) -> int | None:
+    """The file offset of `leaf`'s C-order bytes when the zip index found them, else None.
+
+    The index read data.pkl on its own; it is trusted only where it agrees with what torch
+    loaded (dtype, shape, contiguity, size), so a disagreement costs speed, never bytes."""
+    if layouts is None:
+        return None
+    layout = layouts.get(tuple(key for _, key in path))
+    if (
+        layout is None
+        or not layout.plain
+        or layout.data_offset is None
+        or layout.dtype != dtype
+        or list(layout.shape) != shape
+        or layout.nbytes != nbytes
+        or not leaf.is_contiguous()
+    ):
+        return None
+    return layout.data_offset
+
+
 def build_entries(
-    obj: Any, file: str, where: str | None = None
+    obj: Any,
+    file: str,
+    where: str | None = None,
+    layouts: Mapping[tuple[str | int, ...], TensorLayout] | None = None,
 ) -> tuple[list[TorchEntry], dict[str, Any], list[list[str]]]:
     """Entries for a loaded object: (entries, name -> leaf, groups of tensors sharing memory).
 
     `where` names the file in errors (a flattening budget exceeded); `file` by default.
+    `layouts` (from `torch_zip.index_torch_zip` of the same file, by key path) gives a tensor
+    stored as a plain C-order byte range its `offset`, which makes it a raw entry: copies to
+    raw formats then move those bytes without deserialising.
     """
     from ..tensors import dtype_name
 
@@ -283,6 +314,7 @@ def build_entries(
             shape = list(leaf.shape)
             nbytes = leaf.numel() * leaf.element_size()
             _refuse_expanded(leaf, name, nbytes, where or file)
+            offset = _raw_offset(layouts, path, leaf, dtype, shape, nbytes)
             entries.append(
                 TorchEntry.model_construct(
                     name=name,
@@ -291,7 +323,7 @@ def build_entries(
                     shape=shape,
                     nbytes=nbytes,
                     file=file,
-                    offset=None,
+                    offset=offset,
                     chunks=None,
                     py_type=None,
                     value=None,

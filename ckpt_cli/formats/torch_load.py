@@ -20,13 +20,10 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from ..errors import FormatError, UnsafeInputError
 from ..storage import Storage, StorageRangeFile
-
-if TYPE_CHECKING:
-    pass
 
 ZIP_MAGIC = b"PK\x03\x04"
 

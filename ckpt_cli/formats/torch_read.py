@@ -8,10 +8,12 @@ once (one file held at a time).
 from __future__ import annotations
 
 import copy
+import os
 from typing import TYPE_CHECKING, Any
 
 from ..errors import FormatError, NotFoundError
 from ..models import Entry, FileInfo, Manifest
+from ..storage import Storage
 from .base import Checkpoint, Source
 
 if TYPE_CHECKING:
@@ -19,6 +21,20 @@ if TYPE_CHECKING:
 
 from .torch_flatten import _is_tensor, _plain, _type_name, build_entries
 from .torch_load import load_torch_file
+from .torch_zip import TensorLayout, index_torch_zip
+
+
+def _layouts(storage: Storage, rel: str) -> dict[tuple[str | int, ...], TensorLayout] | None:
+    """Where each tensor's bytes lie in a local zip torch.save file (see `torch_zip`)."""
+    local = storage.local_path(rel)
+    if local is None:
+        return None
+    fd = os.open(local, os.O_RDONLY)
+    try:
+        index = index_torch_zip(lambda at, n: os.pread(fd, n, at), 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    return None if index is None else index.tensors
 
 
 class TorchCheckpoint(Checkpoint):
@@ -66,8 +82,9 @@ class TorchCheckpoint(Checkpoint):
             if is_legacy:
                 legacy.append(shard)
             objects[shard] = obj
+            layouts = None if is_legacy or remote else _layouts(storage, shard)
             shard_entries, shard_leaves, shard_shared = build_entries(
-                obj, shard, storage.describe(shard)
+                obj, shard, storage.describe(shard), layouts
             )
             for entry in shard_entries:
                 if entry.name in leaves:

@@ -26,16 +26,12 @@ container at byte level). This module keeps the format itself and the bin index.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import FormatError, NotFoundError
 from ..models import Entry, Problem
 from ..storage import Storage
 from .base import Format, Source, WriteOptions, Writer
-
-if TYPE_CHECKING:
-    pass
-
 from .safetensors import find_index, read_index
 from .torch_flatten import TorchEntry, build_entries
 from .torch_load import is_zip, load_torch_file, object_allowlist

@@ -12,19 +12,21 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from ..dtypes import torch_layout
 from ..errors import FormatError
 from ..models import Entry, FileInfo
-from .base import WriteOptions, Writer
+from .base import FileRange, WriteOptions, Writer
+from .safetensors import plan_shards
+from .torch_flatten import KeyStep, TorchEntry, _plain, dotted
+from .torch_zip import Reduced, TorchZipWriter
 
 if TYPE_CHECKING:
     import torch
 
-from .safetensors import plan_shards
-from .torch_flatten import KeyStep, TorchEntry, _plain, dotted
-from .torch_zip import TorchZipWriter
 
 #: suffix of a sharded torch checkpoint's index (`pytorch_model.bin.index.json`)
 BIN_INDEX_SUFFIX = ".bin.index.json"
@@ -130,6 +132,8 @@ class TorchWriter(Writer):
         self._saved: set[int] = set()
         self._written: list[FileInfo] = []
         self._open: dict[int, tuple[IO[bytes], TorchZipWriter]] = {}
+        #: raw copies already written, by source place (see `write_raw`)
+        self._raw_places: dict[tuple[Any, ...], Reduced] = {}
 
     @property
     def accepts_objects(self) -> bool:
@@ -142,6 +146,43 @@ class TorchWriter(Writer):
         if name in self._pending[shard] or shard in self._saved:
             raise RuntimeError(f"writer got {name!r} twice")
         self._put(name, self._zip(shard).add_tensor(_own_storage(tensor)))
+
+    @property
+    def accepts_raw(self) -> bool:
+        return True
+
+    def write_raw(self, name: str, blocks: Iterator[bytes]) -> None:
+        """Write tensor `name` from its raw C-order bytes: no torch tensor is built.
+
+        The plan entry gives dtype and shape (safetensors' F4 becomes torch's packed
+        `float4_e2m1fn_x2`, as the tensor path does). Two entries copied from the same bytes
+        of the same local file (a tied weight of a torch.save source) share one storage, as
+        `torch.save` stores them.
+        """
+        shard = self._where.get(name)
+        if shard is None:
+            raise RuntimeError(f"writer got {name!r}, which is not in the plan")
+        entry = self._entries[name]
+        layout = torch_layout(entry.dtype or "", list(entry.shape)) if entry.dtype else None
+        if layout is None:
+            raise FormatError(
+                f"tensor {name!r} is {entry.dtype}, which torch has no dtype for",
+                fix="Convert to safetensors instead, or cast it with --dtype.",
+            )
+        dtype, shape = layout
+        place = (
+            (shard, str(blocks.path), blocks.offset, blocks.length, dtype, tuple(shape))
+            if isinstance(blocks, FileRange)
+            else None
+        )
+        tied = self._raw_places.get(place) if place is not None else None
+        if tied is not None:
+            self._put(name, Reduced(tied.func, tied.args))  # same storage, its own tensor
+            return
+        reduced = self._zip(shard).add_raw(dtype, shape, entry.nbytes, blocks)
+        if place is not None:
+            self._raw_places[place] = reduced
+        self._put(name, reduced)
 
     def _zip(self, shard: int) -> TorchZipWriter:
         """The open container of output file `shard` (opened at its first tensor)."""
