@@ -141,7 +141,7 @@ def _peak_mib(*args: str | Path) -> float:
 def test_the_peak_measure_is_the_child_s_own_not_its_parent_s() -> None:
     # the parent holds 600 MiB while it starts the child; `ru_maxrss` would report them
     held = bytearray(600 << 20)
-    held[:: 4096] = b"\x01" * len(held[:: 4096])
+    held[::4096] = b"\x01" * len(held[::4096])
     proc = subprocess.run(
         [sys.executable, "-c", PEAK.replace("main()", "pass"), "--version"],
         capture_output=True,
