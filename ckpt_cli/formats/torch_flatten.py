@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -47,9 +48,11 @@ def dotted(key_path: tuple[KeyStep, ...] | list[KeyStep]) -> str:
 
 
 def _is_tensor(obj: Any) -> bool:
-    import torch
-
-    return isinstance(obj, torch.Tensor)
+    """A torch tensor, or a tensor read without torch (`TensorLayout`, see `torch_zip`)."""
+    if isinstance(obj, TensorLayout):
+        return True
+    torch = sys.modules.get("torch")  # not imported: nothing here can be a torch tensor
+    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def _holds(obj: Any, dicts: bool, depth: int = 0) -> bool:
@@ -281,6 +284,22 @@ def _raw_offset(
     return layout.data_offset
 
 
+def _raw_entry(name: str, leaf: TensorLayout, file: str, path: tuple[KeyStep, ...]) -> TorchEntry:
+    return TorchEntry.model_construct(
+        name=name,
+        kind="tensor",
+        dtype=leaf.dtype,
+        shape=list(leaf.shape),
+        nbytes=leaf.nbytes,
+        file=file,
+        offset=leaf.data_offset,
+        chunks=None,
+        py_type=None,
+        value=None,
+        key_path=path,
+    )
+
+
 def build_entries(
     obj: Any,
     file: str,
@@ -309,7 +328,13 @@ def build_entries(
         while name in leaves:  # {"a.b": x, "a": {"b": y}} flatten to the same name
             name, n = f"{base}~{n}", n + 1
         leaves[name] = leaf
-        if _is_tensor(leaf):
+        if isinstance(leaf, TensorLayout):
+            # read without torch: a plain C-order range, raw by construction
+            entries.append(_raw_entry(name, leaf, file, path))
+            if leaf.nbytes:
+                spot = (-1, leaf.data_offset or 0, leaf.shape, leaf.stride)
+                views.setdefault(spot, []).append(name)
+        elif _is_tensor(leaf):
             dtype = dtype_name(leaf.dtype)
             shape = list(leaf.shape)
             nbytes = leaf.numel() * leaf.element_size()
