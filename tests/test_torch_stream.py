@@ -280,3 +280,23 @@ def test_convert_from_torch_peak_memory_follows_the_largest_tensor(tmp_path: Pat
     with safe_open(out, framework="pt") as f:
         assert len(f.keys()) == 20
         assert not f.get_tensor("layers.19.weight").any()
+
+
+def test_a_plain_torch_save_file_is_inspected_and_converted_without_torch(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2, 3), "step": 4, "ids": torch.arange(3)}, tmp_path / "m.pt")
+    script = """
+import sys
+from ckpt_cli.cli import main
+for argv in (["inspect", "m.pt"], ["convert", "m.pt", "out.safetensors", "--to", "safetensors"]):
+    sys.argv = ["ckpt", *argv]
+    try:
+        main()
+    except SystemExit as exc:
+        assert not exc.code, exc.code
+assert "torch" not in sys.modules, "torch was imported"
+"""
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, env=env)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "out.safetensors")["w"], torch.ones(2, 3))
