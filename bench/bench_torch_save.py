@@ -12,7 +12,15 @@ RSS from `/usr/bin/time`:
   whole model, does not fsync: `sync` is timed after it for the durable figure).
 
 Both outputs are loaded with `torch.load(weights_only=True)` and compared bit for bit.
-Prints a Markdown table and the load average.
+
+Then the copy-speed comparison (#18: target >= 0.9x), each against `cp -r SRC DST && sync` of
+the same source in the same run:
+
+- safetensors -> torch.save (`ckpt convert --to torch`: raw ranges into the zip container);
+- torch.save -> safetensors (`ckpt convert --to safetensors` of ckpt's torch.save output:
+  raw ranges located through the zip directory).
+
+Prints Markdown tables and the load average.
 """
 
 from __future__ import annotations
@@ -113,7 +121,43 @@ def main() -> None:
         f"| ratio | {base_sync / best[0]:.2f}× the speed of save + sync "
         f"| **{best[1] / base_best[1]:.2f}× the peak RSS** |"
     )
+    copy_speed(work, src, args.repeat)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def copy_speed(work: Path, src: Path, repeat: int) -> None:
+    """Both directions against `cp -r && sync` of the same bytes: a throughput ratio."""
+    pt = work / "model.pt"
+    subprocess.run(
+        [PY, "-m", "ckpt_cli", "convert", str(src), str(pt), "--to", "torch"], env=ENV, check=True
+    )
+    rows = []
+    for label, source, to, suffix in (
+        ("safetensors → torch.save", src, "torch", ".pt"),
+        ("torch.save → safetensors", pt, "safetensors", ".safetensors"),
+    ):
+        ckpt_s, cp_s, peak = [], [], []
+        for i in range(repeat):
+            out = work / f"out{i}{suffix}"
+            seconds, rss = measure(
+                [PY, "-m", "ckpt_cli", "convert", str(source), str(out), "--to", to]
+            )
+            ckpt_s.append(seconds)
+            peak.append(rss)
+            out.unlink()
+            copy = work / f"copy{i}{suffix}"
+            cp_s.append(measure(["sh", "-c", f"cp -r '{source}' '{copy}' && sync"])[0])
+            copy.unlink()
+        best, base = min(ckpt_s), min(cp_s)
+        size = source.stat().st_size / 1e9
+        rows.append(
+            f"| {label}, {size:.2f} GB | {best:.2f} s | {base:.2f} s | "
+            f"**{base / best:.2f}×** | {max(peak):.0f} MiB |"
+        )
+    print(f"\nload average {os.getloadavg()[0]:.2f}; best of {repeat}")
+    print("| convert | ckpt | `cp -r && sync` | throughput ratio | ckpt peak RSS |")
+    print("|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import warnings
 import weakref
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 from ..dtypes import is_known, itemsize
@@ -49,6 +49,7 @@ from .torch_zip_index import (
     ZipRecord,
     index_torch_zip,
     locate_single_tensor,
+    read_plain_torch_zip,
 )
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ __all__ = [
     "ZipRecord",
     "index_torch_zip",
     "locate_single_tensor",
+    "read_plain_torch_zip",
 ]
 _DTYPE_STORAGES = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 #: the pickle protocol torch.save uses by default
@@ -192,11 +194,9 @@ class TorchZipWriter:
         #: torch globals this file's pickle names through placeholders (see `add_raw`)
         self._used: set[str] = set()
 
-    def _record(
-        self, name: str, data: Any, nbytes: int, blocks: Iterable[bytes] | None = None
-    ) -> None:
+    def _record(self, name: str, data: Any, nbytes: int) -> None:
         """One stored zip entry whose data starts at a multiple of ALIGNMENT in the file:
-        `data` (a buffer), or `blocks` of `nbytes` in all."""
+        `data` is a buffer, or an iterator of blocks of `nbytes` in all."""
         info = zipfile.ZipInfo(self._prefix + name, date_time=_DATE)
         info.compress_type = zipfile.ZIP_STORED
         info.file_size = nbytes
@@ -207,13 +207,13 @@ class TorchZipWriter:
         pad = -(start + 4) % ALIGNMENT
         info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         with self._zip.open(info, "w", force_zip64=zip64) as out:
-            if blocks is None:
+            if not isinstance(data, Iterator):
                 view = memoryview(data).cast("B")
                 for begin in range(0, nbytes, _CHUNK):
                     out.write(view[begin : begin + _CHUNK])
                 return
             written = 0
-            for block in blocks:
+            for block in data:
                 written += out.write(block)  # zipfile updates the CRC block by block
                 if written > nbytes:
                     break
@@ -238,7 +238,7 @@ class TorchZipWriter:
             raise ValueError(f"{nbytes} bytes are no {dtype} tensor of shape {list(dims)}")
         key = str(self._count)
         self._count += 1
-        self._record(f"data/{key}", b"", nbytes, blocks)
+        self._record(f"data/{key}", iter(blocks), nbytes)
         hooks: OrderedDict[Any, Any] = OrderedDict()
         storage = _DTYPE_STORAGES.get(dtype)
         if storage is not None:

@@ -25,7 +25,7 @@ MAX_PICKLE_BYTES = 256 << 20
 #: a zip directory larger than this is not read (one ~60-byte entry per storage)
 MAX_DIRECTORY_BYTES = 256 << 20
 #: nodes visited at most walking the read object for its tensors
-_MAX_VISITS = 10_000_000
+_MAX_VISITS = 1_000_000
 
 _EOCD = struct.Struct("<4sHHHHIIH")
 _EOCD64_LOCATOR = struct.Struct("<4sIQI")
@@ -451,6 +451,76 @@ def _index(read: Read, start: int, length: int) -> tuple[TorchZipIndex, object]:
             )
         tensors[path] = _layout(t, record, little)
     return TorchZipIndex(archive, records, tensors), root
+
+
+_PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray)
+#: containers deeper than this are left to torch (the rebuild below recurses)
+_MAX_PLAIN_DEPTH = 200
+
+
+def _plain_tree(root: object, layouts: dict[int, TensorLayout]) -> object:
+    """`root` with each tensor replaced by its layout; _NotPlain when anything is not plain
+    data (an unknown global, a strided tensor...). Shared sub-objects stay shared."""
+    memo: dict[int, object] = {}
+
+    def copy(node: object, depth: int) -> object:
+        if isinstance(node, _Tensor):
+            layout = layouts.get(id(node))
+            if layout is None or not layout.plain:
+                raise _NotPlain("a tensor that is not a plain range")
+            return layout
+        if type(node) in _PLAIN_LEAVES:
+            return node
+        done = memo.get(id(node))
+        if done is not None:
+            return done
+        if depth > _MAX_PLAIN_DEPTH:
+            raise _NotPlain("nested too deep")
+        if type(node) in (dict, OrderedDict):
+            out: Any = type(node)()
+            memo[id(node)] = out
+            for key, value in node.items():  # type: ignore[attr-defined]
+                out[copy(key, depth + 1)] = copy(value, depth + 1)
+            return out
+        if type(node) is list:
+            items: list[object] = []
+            memo[id(node)] = items
+            items.extend(copy(v, depth + 1) for v in node)
+            return items
+        if type(node) in (tuple, set, frozenset):
+            built = type(node)(copy(v, depth + 1) for v in node)  # type: ignore[call-arg, attr-defined]
+            memo[id(node)] = built
+            return built
+        raise _NotPlain(f"a {type(node).__name__}")
+
+    return copy(root, 0)
+
+
+def read_plain_torch_zip(
+    read: Read, start: int, length: int
+) -> tuple[TorchZipIndex, object] | None:
+    """The object a torch.save zip holds, read without torch, when it is plain data.
+
+    Returns (index, object) where the object is data.pkl's containers and scalars with every
+    tensor as its `TensorLayout`, or None when anything in it is not plain (a global beyond
+    torch's tensor recipe and OrderedDict, a strided or conjugated tensor, a record this
+    reader cannot follow): callers then load the file with torch. What this returns,
+    `torch.load(weights_only=True)` loads too (the same recipe, a subset of its globals).
+    """
+    try:
+        index, root = _index(read, start, length)
+        layouts: dict[int, TensorLayout] = {}
+        for t, layout in _tensor_layouts(root, index):
+            layouts[id(t)] = layout
+        return index, _plain_tree(root, layouts)
+    except Exception:  # any bytes: whatever this reader cannot follow, torch.load judges
+        return None
+
+
+def _tensor_layouts(root: object, index: TorchZipIndex) -> list[tuple[_Tensor, TensorLayout]]:
+    """Each tensor object of the read tree with the layout the index found for it."""
+    found = _tensors(root)
+    return [(t, index.tensors[path]) for path, t in found.items()]
 
 
 def index_torch_zip(read: Read, start: int, length: int) -> TorchZipIndex | None:

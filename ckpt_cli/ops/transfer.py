@@ -170,7 +170,7 @@ def tied_groups(manifest: Manifest, names: Iterable[str] | None = None) -> list[
     groups = []
     for group in raw:
         kept = [n for n in group if wanted is None or n in wanted]
-        if len(kept) > 1:
+        if len(kept) > 1 and kept not in groups:  # raw torch ties are found both ways
             groups.append(kept)
     return groups
 

@@ -1,0 +1,281 @@
+"""Reading an opened torch.save checkpoint: `TorchCheckpoint`.
+
+Every file is loaded once (memory-mapped, see `torch_load`) and flattened into entries
+(`torch_flatten`). Remote files load metadata only; reading a tensor then fetches its file
+once (one file held at a time).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import stat
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import FormatError, NotFoundError
+from ..models import Entry, FileInfo, Manifest
+from ..storage import Storage
+from .base import Checkpoint, FileRange, Source
+
+if TYPE_CHECKING:
+    import torch
+
+from .torch_flatten import _is_tensor, _plain, _type_name, build_entries
+from .torch_load import load_torch_file
+from .torch_zip import TensorLayout, index_torch_zip, read_plain_torch_zip
+
+
+def _open_regular(path: Path) -> int | None:
+    """A read descriptor of a regular file; None for anything else (a FIFO must not block:
+    torch.load's path reports it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _layouts(storage: Storage, rel: str) -> dict[tuple[str | int, ...], TensorLayout] | None:
+    """Where each tensor's bytes lie in a local zip torch.save file (see `torch_zip`)."""
+    local = storage.local_path(rel)
+    if local is None:
+        return None
+    fd = _open_regular(local)
+    if fd is None:
+        return None
+    try:
+        index = index_torch_zip(lambda at, n: os.pread(fd, n, at), 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    return None if index is None else index.tensors
+
+
+def _read_plain(storage: Storage, rel: str) -> object | None:
+    """A local file's object read without torch when it is plain data (`torch_zip`)."""
+    local = storage.local_path(rel)
+    if local is None:
+        return None
+    fd = _open_regular(local)
+    if fd is None:
+        return None
+    try:
+        found = read_plain_torch_zip(lambda at, n: os.pread(fd, n, at), 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    return None if found is None else found[1]
+
+
+class TorchCheckpoint(Checkpoint):
+    """An opened torch.save checkpoint: the loaded (memory-mapped) objects of its files.
+
+    Attributes:
+        objects: file -> the object torch.load returned for it.
+        leaves: entry name -> the loaded leaf (tensor or value).
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        manifest: Manifest,
+        objects: dict[str, Any],
+        leaves: dict[str, Any],
+    ):
+        super().__init__(source, manifest)
+        self.objects = objects
+        self.leaves = leaves
+        #: the one remote file whose real tensors are held: (file, name -> leaf)
+        self._loaded: tuple[str, dict[str, Any]] | None = None
+        #: storages of tensors read without torch.load, while alive: (file, record) -> storage
+        self._storages: dict[tuple[str | None, int], weakref.ref[Any]] = {}
+        self._held: dict[tuple[str | None, int], Any] = {}
+        self._left: dict[tuple[str | None, int], int] = {}
+        #: whether some file was read without torch.load (its tensors are TensorLayouts)
+        self._raw_read = False
+
+    @classmethod
+    def load(
+        cls,
+        source: Source,
+        shards: list[str],
+        index_rel: str | None,
+        weight_map: dict[str, str] | None,
+        index_meta: dict[str, Any],
+    ) -> TorchCheckpoint:
+        """Load every file (memory-mapped) and build the manifest."""
+        storage = source.storage
+        objects: dict[str, Any] = {}
+        leaves: dict[str, Any] = {}
+        entries: list[Entry] = []
+        files: list[FileInfo] = []
+        shared: list[list[str]] = []
+        legacy: list[str] = []
+        raw_read = False
+        for shard in shards:
+            # remote files: metadata only now, one whole file when a tensor of it is read
+            remote = storage.local_path(shard) is None
+            # plain state dicts are read without torch; anything else through torch.load
+            plain = None if remote else _read_plain(storage, shard)
+            if plain is not None:
+                obj, is_legacy, layouts = plain, False, None
+                raw_read = True
+            else:
+                obj, is_legacy = load_torch_file(storage, shard, meta=remote)
+                layouts = None if is_legacy or remote else _layouts(storage, shard)
+            if is_legacy:
+                legacy.append(shard)
+            objects[shard] = obj
+            shard_entries, shard_leaves, shard_shared = build_entries(
+                obj, shard, storage.describe(shard), layouts
+            )
+            for entry in shard_entries:
+                if entry.name in leaves:
+                    raise FormatError(
+                        f"entry {entry.name!r} appears in more than one shard",
+                        path=storage.describe(shard),
+                        fix="The checkpoint is inconsistent; `ckpt verify` lists every problem.",
+                    )
+                if weight_map is not None and weight_map.get(entry.name, shard) != shard:
+                    raise FormatError(
+                        f"the index maps {entry.name!r} to {weight_map[entry.name]}, "
+                        "but it is stored here",
+                        path=storage.describe(shard),
+                        fix="The index is inconsistent; `ckpt verify` lists every problem.",
+                    )
+            entries.extend(shard_entries)
+            leaves.update(shard_leaves)
+            shared.extend(shard_shared)
+            files.append(FileInfo(path=shard, size=storage.size(shard), entries=len(shard_entries)))
+        details: dict[str, Any] = {"sharded": index_rel is not None}
+        if index_rel is not None:
+            files.insert(0, FileInfo(path=index_rel, size=storage.size(index_rel), entries=0))
+            details["index"] = index_rel
+            details["weight_map_size"] = len(weight_map or {})
+            if "total_size" in index_meta:
+                details["total_size"] = index_meta["total_size"]
+            missing = sorted(set(weight_map or {}) - set(leaves))
+            if missing:
+                raise FormatError(
+                    f"the index lists {len(missing)} entries no shard holds "
+                    f"(first: {missing[0]!r})",
+                    path=storage.describe(index_rel),
+                    fix="The index is inconsistent; `ckpt verify` lists every problem.",
+                )
+        if shared:
+            details["shared_tensors"] = shared
+        if legacy:
+            details["legacy_format"] = legacy
+        manifest = Manifest(
+            format="torch",
+            location=source.location.raw,
+            files=files,
+            entries=entries,
+            details=details,
+        )
+        checkpoint = cls(source, manifest, objects, leaves)
+        checkpoint._raw_read = raw_read
+        return checkpoint
+
+    def _leaf(self, name: str) -> Any:
+        try:
+            return self.leaves[name]
+        except KeyError:
+            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location) from None
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        leaf = self._leaf(name)
+        if not _is_tensor(leaf):
+            raise FormatError(
+                f"entry {name!r} is a {_type_name(leaf)}, not a tensor",
+                path=self.manifest.location,
+            )
+        if isinstance(leaf, TensorLayout):
+            return self._from_raw(self.manifest.by_name[name].file, leaf)
+        if leaf.device.type == "meta":
+            leaf = self._real_leaf(name)
+        # memory-mapped: pages are read on first touch, one tensor at a time
+        tensor: torch.Tensor = leaf.detach().contiguous()
+        return tensor
+
+    def _from_raw(self, file: str | None, leaf: TensorLayout) -> torch.Tensor:
+        """A tensor of a file read without torch.load: its storage record read once.
+
+        Tensors of one storage (tied weights) come back sharing it while any of them is
+        alive, as `torch.load` returns them, so writers keep them tied."""
+        import torch
+
+        from ..tensors import torch_dtype
+
+        local = self.storage.local_path(file) if file is not None else None
+        if local is None:  # layouts are read for local files only
+            raise FormatError("a tensor has no local file", path=self.manifest.location)
+        spot = (file, leaf.record.offset)
+        known = self._storages.get(spot)
+        storage = known() if known is not None else None
+        if storage is None:
+            data = bytearray(leaf.record.length)
+            done = 0
+            for block in FileRange(local, leaf.record.offset, leaf.record.length):
+                data[done : done + len(block)] = block
+                done += len(block)
+            whole = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0)
+            storage = whole.untyped_storage()
+            self._storages[spot] = weakref.ref(storage)
+        # a storage other entries still view stays held until the last of them is read
+        left = self._views_left().get(spot, 1) - 1
+        self._left[spot] = left
+        if left > 0:
+            self._held[spot] = storage
+        else:
+            self._held.pop(spot, None)
+        view = torch.empty(0, dtype=torch_dtype(leaf.dtype))
+        return view.set_(storage, leaf.storage_offset, leaf.shape, leaf.stride)
+
+    def _views_left(self) -> dict[tuple[str | None, int], int]:
+        """How many entries not read yet view each storage record (counted at first use)."""
+        if not self._left:
+            for entry in self.manifest.entries:
+                leaf = self.leaves.get(entry.name)
+                if isinstance(leaf, TensorLayout):
+                    spot = (entry.file, leaf.record.offset)
+                    self._left[spot] = self._left.get(spot, 0) + 1
+        return self._left
+
+    def _real_leaf(self, name: str) -> Any:
+        """A remote file's real tensor: the whole file is fetched once, one file at a time."""
+        file = self.manifest.by_name[name].file
+        assert file is not None
+        if self._loaded is None or self._loaded[0] != file:
+            self._loaded = None  # drop the previous file before fetching the next
+            obj, _ = load_torch_file(self.storage, file, meta=False)
+            _, leaves, _ = build_entries(obj, file, self.storage.describe(file))
+            self._loaded = (file, leaves)
+        return self._loaded[1][name]
+
+    def read_object(self, name: str) -> Any:
+        leaf = self._leaf(name)
+        if _is_tensor(leaf):
+            return self.read_tensor(name)
+        # inert records as plain dicts: what every writer can store and every reader load
+        value = _plain(copy.deepcopy(leaf))
+        file = self.manifest.by_name[name].file
+        return self._tensors_in(value, file, 0) if self._raw_read else value
+
+    def _tensors_in(self, value: Any, file: str | None, depth: int) -> Any:
+        """`value` with the tensors read without torch.load (in a tuple entry) made real."""
+        if isinstance(value, TensorLayout):
+            return self._from_raw(file, value)
+        if depth > 200:
+            return value
+        if isinstance(value, dict):
+            return type(value)((k, self._tensors_in(v, file, depth + 1)) for k, v in value.items())
+        if type(value) in (list, tuple):
+            return type(value)(self._tensors_in(v, file, depth + 1) for v in value)
+        return value
+
+    def close(self) -> None:
+        self.objects.clear()
+        self.leaves.clear()
+        self._loaded = None
+        self._held.clear()
