@@ -230,7 +230,7 @@ def test_add_raw_pickles_exactly_what_torch_save_pickles(tmp_path: Path) -> None
     assert ours == theirs
 
 
-def test_a_string_spelling_a_placeholder_survives_the_rewrite(tmp_path: Path) -> None:
+def test_a_string_spelling_aplaceholder_survives_the_rewrite(tmp_path: Path) -> None:
     # the bytes of the placeholder's GLOBAL opcode, inside a value: only the opcode changes
     spelled = "cckpt_cli.formats.torch_zip\n_torch_torch___utils___rebuild_tensor_v2\n"
     out = tmp_path / "o.pt"

@@ -80,9 +80,9 @@ _DATE = (1980, 1, 1, 0, 0, 0)
 _PLACEHOLDERS: dict[str, type] = {}
 
 
-def _placeholder(target: str) -> type:
+def placeholder(target: str) -> type:
     """A class of this module standing for torch's global `target` in a pickle written
-    without torch; `_torch_names` rewrites its GLOBAL opcode to torch's name."""
+    without torch; `torch_names` rewrites its GLOBAL opcode to torch's name."""
     cls = _PLACEHOLDERS.get(target)
     if cls is None:
         name = "_torch_" + target.replace(".", "__")
@@ -97,7 +97,7 @@ def _global_op(module: str, name: str) -> bytes:
     return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
 
 
-def _torch_names(data: bytes, used: set[str]) -> bytes:
+def torch_names(data: bytes, used: set[str]) -> bytes:
     """data.pkl with the GLOBAL opcodes of the placeholders in `used` naming torch's globals.
 
     The pickler memoizes globals, so each used placeholder is written exactly once; when its
@@ -176,6 +176,29 @@ class _Pickler(pickle.Pickler):
         return None
 
 
+def raw_tensor_reduction(dtype: str, dims: tuple[int, ...], key: str) -> tuple[Reduced, set[str]]:
+    """What pickles exactly as torch pickles a contiguous CPU tensor whose storage is record
+    `data/<key>`, and the torch globals it names (for `torch_names`): `_rebuild_tensor_v2` of a
+    typed storage, or `_rebuild_tensor_v3` with the dtype for kinds without a typed storage
+    class (uint16, float8...), as `torch.save` writes them."""
+    count = 1
+    for d in dims:
+        count *= d
+    hooks: OrderedDict[Any, Any] = OrderedDict()
+    storage = _DTYPE_STORAGES.get(dtype)
+    if storage is not None:
+        targets = {"torch." + storage, "torch._utils._rebuild_tensor_v2"}
+        ref = StorageRef(placeholder("torch." + storage), key, count)
+        args: tuple[Any, ...] = (ref, 0, dims, c_strides(dims), False, hooks)
+        rebuild = "torch._utils._rebuild_tensor_v2"
+    else:
+        rebuild = "torch._utils._rebuild_tensor_v3"
+        targets = {"torch.storage.UntypedStorage", rebuild, "torch." + dtype}
+        ref = StorageRef(placeholder("torch.storage.UntypedStorage"), key, count * itemsize(dtype))
+        args = (ref, 0, dims, c_strides(dims), False, hooks, placeholder("torch." + dtype))
+    return Reduced(placeholder(rebuild), args), targets
+
+
 class TorchZipWriter:
     """Write one torch.save file to `fh` (a seekable binary file), tensor by tensor.
 
@@ -239,20 +262,9 @@ class TorchZipWriter:
         key = str(self._count)
         self._count += 1
         self._record(f"data/{key}", iter(blocks), nbytes)
-        hooks: OrderedDict[Any, Any] = OrderedDict()
-        storage = _DTYPE_STORAGES.get(dtype)
-        if storage is not None:
-            targets = ("torch." + storage, "torch._utils._rebuild_tensor_v2")
-            ref = StorageRef(_placeholder(targets[0]), key, count)
-            args: tuple[Any, ...] = (ref, 0, dims, c_strides(dims), False, hooks)
-        else:
-            targets = ("torch.storage.UntypedStorage", "torch._utils._rebuild_tensor_v3")
-            ref = StorageRef(_placeholder(targets[0]), key, nbytes)
-            kind = _placeholder("torch." + dtype)
-            self._used.add("torch." + dtype)
-            args = (ref, 0, dims, c_strides(dims), False, hooks, kind)
-        self._used.update(targets)
-        return Reduced(_placeholder(targets[1]), args)
+        reduced, used = raw_tensor_reduction(dtype, dims, key)
+        self._used.update(used)
+        return reduced
 
     def add_tensor(self, tensor: torch.Tensor) -> Reduced:
         """Write `tensor`'s storage (once per live storage) and return what pickles as it."""
@@ -303,7 +315,7 @@ class TorchZipWriter:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TypedStorage's deprecation notice
             _Pickler(buf, self).dump(obj)
-        data = _torch_names(buf.getvalue(), self._used) if self._used else buf.getbuffer()
+        data = torch_names(buf.getvalue(), self._used) if self._used else buf.getbuffer()
         self._record("data.pkl", data, len(data))
         for name, text in (
             (".format_version", "1"),

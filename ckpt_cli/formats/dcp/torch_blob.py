@@ -20,7 +20,6 @@ import pickle
 import struct
 import sys
 import zipfile
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, cast
 
@@ -29,16 +28,13 @@ from ...models import Chunk
 from ..torch_zip import (
     ALIGNMENT,
     PROTOCOL,
-    STORAGE_DTYPES,
-    Reduced,
     StorageRef,
-    _placeholder,
-    _torch_names,
     c_strides,
     locate_single_tensor,
+    raw_tensor_reduction,
+    torch_names,
 )
 
-_DTYPE_STORAGES = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 #: the dtypes whose data.pkl `tensor_pickle` writes byte for byte as torch.save does (checked
 #: against torch 2.13 for each) and that are read raw; others go through torch.save/torch.load
 BLOB_DTYPES = frozenset(
@@ -88,26 +84,10 @@ class _Pickler(pickle.Pickler):
 
 def tensor_pickle(dtype: str, shape: list[int]) -> bytes:
     """The data.pkl `torch.save` writes for a contiguous CPU tensor stored as record `0`."""
-    dims = tuple(int(d) for d in shape)
-    count = dtypes.numel(list(dims))
-    hooks: OrderedDict[Any, Any] = OrderedDict()
-    storage = _DTYPE_STORAGES.get(dtype)
-    if storage is not None:
-        targets = ["torch." + storage, "torch._utils._rebuild_tensor_v2"]
-        ref = StorageRef(_placeholder(targets[0]), "0", count)
-        args: tuple[Any, ...] = (ref, 0, dims, c_strides(dims), False, hooks)
-    else:
-        # dtypes without a typed storage class (uint16, float8...): `_rebuild_tensor_v3`
-        targets = [
-            "torch.storage.UntypedStorage",
-            "torch._utils._rebuild_tensor_v3",
-            "torch." + dtype,
-        ]
-        ref = StorageRef(_placeholder(targets[0]), "0", count * dtypes.itemsize(dtype))
-        args = (ref, 0, dims, c_strides(dims), False, hooks, _placeholder(targets[2]))
+    reduced, used = raw_tensor_reduction(dtype, tuple(int(d) for d in shape), "0")
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=PROTOCOL).dump(Reduced(_placeholder(targets[1]), args))
-    return _torch_names(buffer.getvalue(), set(targets))
+    _Pickler(buffer, protocol=PROTOCOL).dump(reduced)
+    return torch_names(buffer.getvalue(), used)
 
 
 class _Shifted(io.RawIOBase):

@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 from ...models import Chunk, Entry
-from ..torch_zip import Reduced, _placeholder, _torch_names
+from ..torch_zip import Reduced, placeholder, torch_names
 from .transforms import ZSTD_DESCRIPTOR
 
 _MD = "torch.distributed.checkpoint.metadata."
@@ -23,7 +23,7 @@ def _newobj_reduce(self: Any, protocol: int) -> tuple[Any, ...]:
 
 def _obj(target: str, state: Any = None) -> Any:
     """An object that pickles as an instance of torch's class `target` with `state`."""
-    cls: Any = _placeholder(target)
+    cls: Any = placeholder(target)
     cls.__reduce_ex__ = _newobj_reduce
     obj = cls.__new__(cls)
     obj.__dict__["_state"] = state
@@ -32,7 +32,7 @@ def _obj(target: str, state: Any = None) -> Any:
 
 def _size(values: list[int]) -> Reduced:
     """What pickles as `torch.Size(values)`."""
-    return Reduced(_placeholder("torch.Size"), (tuple(int(v) for v in values),))
+    return Reduced(placeholder("torch.Size"), (tuple(int(v) for v in values),))
 
 
 def metadata_bytes(
@@ -54,8 +54,8 @@ def metadata_bytes(
     used |= {_MD + n for n in ("ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex")}
     used |= {_MD + "StorageMeta", _MD + "_MEM_FORMAT_ENCODING", _STORAGE_INFO, "torch.Size"}
     used.add("torch.serialization._get_layout")
-    strided = Reduced(_placeholder("torch.serialization._get_layout"), ("torch.strided",))
-    contiguous = Reduced(_placeholder(_MD + "_MEM_FORMAT_ENCODING"), (0,))
+    strided = Reduced(placeholder("torch.serialization._get_layout"), ("torch.strided",))
+    contiguous = Reduced(placeholder(_MD + "_MEM_FORMAT_ENCODING"), (0,))
     state_dict_metadata: dict[str, Any] = {}
     storage_data: dict[Any, Any] = {}
     transforms = [ZSTD_DESCRIPTOR] if compression == "zstd" else None
@@ -75,7 +75,7 @@ def metadata_bytes(
             storage_data[key] = info(object_file[entry.name], start, length)
             continue
         assert entry.dtype is not None
-        dtype = _placeholder("torch." + entry.dtype)
+        dtype = placeholder("torch." + entry.dtype)
         used.add("torch." + entry.dtype)
         chunks = layout[entry.name]
         properties = _obj(_MD + "TensorProperties", (dtype, strided, False, contiguous, False))
@@ -121,9 +121,9 @@ def metadata_bytes(
     data = buffer.getvalue()
     # only the globals this pickle names (a placeholder's GLOBAL opcode is in it)
     named = {t for t in used if _marker(t) in data}
-    return _torch_names(data, named)
+    return torch_names(data, named)
 
 
 def _marker(target: str) -> bytes:
-    cls = _placeholder(target)
+    cls = placeholder(target)
     return b"c" + cls.__module__.encode() + b"\n" + cls.__qualname__.encode() + b"\n"
