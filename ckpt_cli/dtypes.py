@@ -9,6 +9,34 @@ from __future__ import annotations
 
 from .errors import UsageError
 
+#: torch's legacy typed storage classes (`torch.FloatStorage`...), which torch.save pickles
+#: for the dtypes that have one -> canonical dtype token
+STORAGE_DTYPES: dict[str, str] = {
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+}
+#: torch's short attribute names of dtypes (`torch.float` is `torch.float32`) -> canonical token
+TORCH_ALIASES: dict[str, str] = {
+    "double": "float64",
+    "float": "float32",
+    "half": "float16",
+    "cfloat": "complex64",
+    "cdouble": "complex128",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+}
+
 # canonical name -> (item size in bytes, safetensors code)
 _TABLE: dict[str, tuple[int, str]] = {
     "float64": (8, "F64"),

@@ -23,24 +23,12 @@ import zipfile
 from typing import Any
 
 from . import dtypes
+from .dtypes import STORAGE_DTYPES
 
 #: the largest blob read here: the values a summary needs are a few KiB; a larger object
 #: entry is left to the data paths (`--deep`), which load it with torch
 MAX_BLOB_BYTES = 4 << 20
 
-#: legacy typed storages (`torch.FloatStorage`...) -> canonical dtype names
-_STORAGE_DTYPES = {
-    "FloatStorage": "float32",
-    "DoubleStorage": "float64",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-}
 #: `torch.<dtype>` globals (a v3 rebuild names the dtype) -> canonical names
 _TORCH_DTYPES = {
     "float32": "float32",
@@ -187,8 +175,8 @@ class _PlainUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _PLAIN:
             return _PLAIN[(module, name)]
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
+        if module == "torch" and name in STORAGE_DTYPES:
+            return STORAGE_DTYPES[name]
         if module == "torch" and name in _TORCH_DTYPES:
             return _TORCH_DTYPES[name]
         raise NotPlain(f"{module}.{name}")

@@ -40,9 +40,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
-from ..dtypes import is_known, itemsize
+from ..dtypes import STORAGE_DTYPES, is_known, itemsize
 from .torch_zip_index import (
-    STORAGE_DTYPES,
     LocatedTensor,
     TensorLayout,
     TorchZipIndex,
@@ -58,7 +57,6 @@ if TYPE_CHECKING:
 #: what `torch.save` aligns storage data to (torch.serialization._get_storage_alignment)
 ALIGNMENT = 64
 __all__ = [
-    "STORAGE_DTYPES",
     "LocatedTensor",
     "TensorLayout",
     "TorchZipIndex",

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import is_known, itemsize
+from ..dtypes import STORAGE_DTYPES, is_known, itemsize
 
 #: a data.pkl larger than this is not read (100,000 tensors take ~10 MB)
 MAX_PICKLE_BYTES = 256 << 20
@@ -32,22 +32,6 @@ _EOCD64_LOCATOR = struct.Struct("<4sIQI")
 _EOCD64 = struct.Struct("<4sQHHIIQQQQ")
 _CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")
-
-#: typed storage classes torch pickles -> canonical dtype token (`torch.<X>Storage`)
-STORAGE_DTYPES: dict[str, str] = {
-    "DoubleStorage": "float64",
-    "FloatStorage": "float32",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128",
-}
 
 
 @dataclass(frozen=True)

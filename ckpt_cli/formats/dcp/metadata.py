@@ -23,6 +23,7 @@ import gc
 import pickle
 from typing import Any, ClassVar
 
+from ...dtypes import TORCH_ALIASES
 from ...errors import FormatError, UnsafeInputError
 
 _METADATA_MODULES = (
@@ -43,16 +44,6 @@ TORCH_DTYPES = frozenset(
         "double", "float", "half", "cfloat", "cdouble", "long", "int", "short",
     }
 )  # fmt: skip
-DTYPE_ALIASES = {
-    "double": "float64",
-    "float": "float32",
-    "half": "float16",
-    "cfloat": "complex64",
-    "cdouble": "complex128",
-    "long": "int64",
-    "int": "int32",
-    "short": "int16",
-}
 _LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "_mkldnn"})
 _MEMORY_FORMATS = frozenset({"contiguous_format", "channels_last", "preserve_format"})
 _MEM_ENCODING = {0: "contiguous_format", 1: "channels_last", 2: "preserve_format"}
@@ -373,7 +364,7 @@ class MetadataUnpickler(pickle.Unpickler):
             return allowed
         if module == "torch":
             if name in TORCH_DTYPES:
-                return DType(DTYPE_ALIASES.get(name, name))
+                return DType(TORCH_ALIASES.get(name, name))
             if name in _LAYOUTS:
                 return name
             if name in _MEMORY_FORMATS:

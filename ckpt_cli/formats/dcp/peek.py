@@ -13,7 +13,8 @@ import pickle
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from .metadata import DTYPE_ALIASES, TORCH_DTYPES, DType
+from ...dtypes import STORAGE_DTYPES, TORCH_ALIASES
+from .metadata import TORCH_DTYPES, DType
 
 
 class _Opaque(Exception):
@@ -144,22 +145,6 @@ def peek_saved_object(blob: bytes) -> tuple[str | None, Any]:
     ) else None
 
 
-_STORAGE_DTYPES = {
-    "FloatStorage": "float32",
-    "DoubleStorage": "float64",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128",
-}
-
-
 class SavedTensor:
     """What the `data.pkl` of a `torch.save`d tensor declares (read without torch).
 
@@ -202,12 +187,12 @@ class _TensorHeaderUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
             return _rebuild
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
+        if module == "torch" and name in STORAGE_DTYPES:
+            return STORAGE_DTYPES[name]
         if (module, name) == ("torch.storage", "UntypedStorage"):
             return None
         if module == "torch" and name in TORCH_DTYPES:
-            return DType(DTYPE_ALIASES.get(name, name))
+            return DType(TORCH_ALIASES.get(name, name))
         if (module, name) == ("collections", "OrderedDict"):
             return dict
         raise _Opaque(f"{module}.{name}")
