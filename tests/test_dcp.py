@@ -321,9 +321,7 @@ def test_writer_round_trips_through_dcp_load(tmp_path: Path, world_size: int) ->
     out.mkdir()
     with open_dcp(src) as source:
         plan = [e.model_copy(update={"chunks": None}) for e in source.manifest.entries]
-        options = WriteOptions(
-            world_size=world_size, extra={"dcp_planner_data": source.planner_data}
-        )
+        options = WriteOptions(world_size=world_size, dcp_planner_data=source.planner_data)
         writer = DcpFormat.writer(out, plan, options)
         for entry in plan:
             if entry.kind == "tensor":

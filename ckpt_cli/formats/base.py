@@ -42,6 +42,7 @@ from ..errors import FormatError
 from ..models import Chunk, Entry, FileInfo, Manifest, Problem
 from ..storage import Storage
 from ..uri import Location
+from .details import FormatDetails, PlainDetails
 
 if TYPE_CHECKING:
     import torch
@@ -273,7 +274,14 @@ class WriteOptions:
         single_file: DEST names one file rather than a folder.
         dcp_serialization: `torch_save` or `safetensors` (DCP only).
         world_size: number of ranks to lay DCP chunks out for.
-        extra: format-specific options.
+        dcp_compression: the per-item stream transform of DCP output (`zstd`; None: none).
+        dcp_planner_data: a source DCP's `planner_data` (fqn -> path in the nested state
+            dict), kept across a rewrite so `dcp.load` of nested dicts still maps keys.
+        together: groups of entry names kept in one shard (a quantized weight and its scales).
+        index_name: the weight-map index's file name, where the source's naming differs from
+            `<basename>.<suffix>.index.json` (diffusers' `...index.fp16.json`).
+        companions: small files published with the weights (relative path -> bytes), such as
+            an adapter's `adapter_config.json` or a dequantized `config.json`.
     """
 
     max_shard_size: int | None = None
@@ -282,7 +290,11 @@ class WriteOptions:
     single_file: bool = False
     dcp_serialization: str = "torch_save"
     world_size: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
+    dcp_compression: str | None = None
+    dcp_planner_data: Any = None
+    together: list[list[str]] | None = None
+    index_name: str | None = None
+    companions: dict[str, bytes] = field(default_factory=dict)
 
 
 class Writer(ABC):
@@ -407,8 +419,9 @@ class Format(ABC):
         string_metadata: a string-to-string metadata map is stored (safetensors
             `__metadata__`); `required_metadata` is what its loaders need in it.
         commit_marker: the file written last that makes an output complete (`.metadata`).
-        layout_files: per `manifest.details["layout"]`, files the entries are read from
-            besides the data files (Megatron's `metadata.json`): never copied beside an output.
+        layout_files: per details `layout`, files the entries are read from besides the data
+            files (Megatron's `metadata.json`): never copied beside an output.
+        details_model: the typed model of its manifests' `details` (`formats.details`).
     """
 
     name: ClassVar[str]
@@ -431,6 +444,7 @@ class Format(ABC):
     required_metadata: ClassVar[Mapping[str, str]] = {}
     commit_marker: ClassVar[str | None] = None
     layout_files: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    details_model: ClassVar[type[FormatDetails]] = PlainDetails
 
     @staticmethod
     def shard_names(basename: str, count: int) -> list[str]:
@@ -472,9 +486,9 @@ class Format(ABC):
     def entry_files(cls, manifest: Manifest) -> set[str]:
         """The files a checkpoint's entries are read from (never copied beside an output)."""
         used = {f.path for f in manifest.files if f.entries}
-        layout = manifest.details.get("layout")
-        if isinstance(layout, str):
-            used.update(cls.layout_files.get(layout, ()))
+        details = cls.details_model.of(manifest)
+        if details is not None and details.layout is not None:
+            used.update(cls.layout_files.get(details.layout, ()))
         return used
 
     @classmethod

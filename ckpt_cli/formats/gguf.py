@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import FormatError, NotFoundError
 from ..models import Entry, FileInfo, Manifest, Problem
 from .base import Checkpoint, Format, Source
+from .details import GgufDetails
 
 if TYPE_CHECKING:
     import torch
@@ -148,6 +149,7 @@ class GgufFormat(Format):
 
     name = "gguf"
     title = "GGUF"
+    details_model = GgufDetails
     skip_reason = staticmethod(skip_reason)
 
     @classmethod
@@ -270,16 +272,21 @@ class GgufFormat(Format):
                     )
                 )
             seen.add(entry.name)
-        details = {
-            "gguf_version": version,
-            "architecture": kv.get("general.architecture"),
-            "tensor_types": dict(sorted(quant.items())),
-            "metadata": kv,
-        }
+        architecture = kv.get("general.architecture")
+        details = GgufDetails(
+            gguf_version=version,
+            architecture=None if architecture is None else str(architecture),
+            tensor_types=dict(sorted(quant.items())),
+            metadata=kv,
+        )
         if split_count is not None:
-            details["split"] = {"count": split_count, "files": len(files)}
+            details.split = {"count": split_count, "files": len(files)}
         manifest = Manifest(
-            format="gguf", location=where, files=infos, entries=entries, details=details
+            format="gguf",
+            location=where,
+            files=infos,
+            entries=entries,
+            details=details.as_details(),
         )
         return manifest, problems
 

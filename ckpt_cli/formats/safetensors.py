@@ -22,6 +22,7 @@ from ..models import Entry, FileInfo, Manifest, Problem
 from ..problems import Findings
 from ..storage import LocalStorage
 from .base import Checkpoint, FileRange, Format, Source, WriteOptions, Writer
+from .details import SafetensorsDetails
 from .safetensors_header import SafetensorsHeader, encode_header, parse_header, read_header
 from .weight_map import (
     INDEX_SUFFIX,
@@ -77,6 +78,7 @@ class SafetensorsFormat(Format):
 
     name = "safetensors"
     title = "safetensors"
+    details_model = SafetensorsDetails
     writable = True
     single_file_suffixes = (".safetensors",)
     index_suffix = INDEX_SUFFIX
@@ -241,22 +243,22 @@ class SafetensorsCheckpoint(Checkpoint):
             files.insert(
                 0, FileInfo(path=index_rel, size=source.storage.size(index_rel), entries=0)
             )
-        details: dict[str, Any] = {"sharded": index_rel is not None}
+        details = SafetensorsDetails(sharded=index_rel is not None)
         unsupported = {n: c for h in headers for n, c in h.unsupported.items()}
         if unsupported:
-            details["unsupported_tensors"] = unsupported
+            details.unsupported_tensors = unsupported
         if index_rel is not None:
-            details["index"] = index_rel
-            details["weight_map_size"] = len(weight_map or {})
+            details.index = index_rel
+            details.weight_map_size = len(weight_map or {})
             if "total_size" in index_meta:
-                details["total_size"] = index_meta["total_size"]
+                details.total_size = index_meta["total_size"]
         manifest = Manifest(
             format="safetensors",
             location=source.location.raw,
             files=files,
             entries=entries,
             metadata=headers[0].metadata if headers else {},
-            details=details,
+            details=details.as_details(),
         )
         return cls(source, manifest, headers, index_rel)
 
@@ -381,7 +383,7 @@ class SafetensorsWriter(Writer):
             )
         self.metadata = dict(options.metadata)
         self.basename = options.basename or "model"
-        self.groups = plan_shards(plan, options.max_shard_size, options.extra.get("together"))
+        self.groups = plan_shards(plan, options.max_shard_size, options.together)
         if options.single_file and len(self.groups) > 1:
             raise FormatError("a single-file destination cannot be split into shards")
         self.names = shard_names(self.basename, len(self.groups))
@@ -520,7 +522,7 @@ class SafetensorsWriter(Writer):
                 "weight_map": {name: self.names[self._where[name]] for name in sorted(self._where)},
             }
             # a naming convention may spell the index itself (diffusers variants)
-            index_name = self.options.extra.get("index_name") or f"{self.basename}{INDEX_SUFFIX}"
+            index_name = self.options.index_name or f"{self.basename}{INDEX_SUFFIX}"
             data = (json.dumps(index, indent=2) + "\n").encode()
             with open(self.staging / index_name, "wb") as fh:
                 fh.write(data)

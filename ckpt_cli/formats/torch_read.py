@@ -18,6 +18,7 @@ from ..errors import FormatError, NotFoundError
 from ..models import Entry, FileInfo, Manifest
 from ..storage import Storage
 from .base import Checkpoint, FileRange, Source
+from .details import TorchDetails
 
 if TYPE_CHECKING:
     import torch
@@ -147,13 +148,13 @@ class TorchCheckpoint(Checkpoint):
             leaves.update(shard_leaves)
             shared.extend(shard_shared)
             files.append(FileInfo(path=shard, size=storage.size(shard), entries=len(shard_entries)))
-        details: dict[str, Any] = {"sharded": index_rel is not None}
+        details = TorchDetails(sharded=index_rel is not None)
         if index_rel is not None:
             files.insert(0, FileInfo(path=index_rel, size=storage.size(index_rel), entries=0))
-            details["index"] = index_rel
-            details["weight_map_size"] = len(weight_map or {})
+            details.index = index_rel
+            details.weight_map_size = len(weight_map or {})
             if "total_size" in index_meta:
-                details["total_size"] = index_meta["total_size"]
+                details.total_size = index_meta["total_size"]
             missing = sorted(set(weight_map or {}) - set(leaves))
             if missing:
                 raise FormatError(
@@ -163,15 +164,15 @@ class TorchCheckpoint(Checkpoint):
                     fix="The index is inconsistent; `ckpt verify` lists every problem.",
                 )
         if shared:
-            details["shared_tensors"] = shared
+            details.shared_tensors = shared
         if legacy:
-            details["legacy_format"] = legacy
+            details.legacy_format = legacy
         manifest = Manifest(
             format="torch",
             location=source.location.raw,
             files=files,
             entries=entries,
-            details=details,
+            details=details.as_details(),
         )
         checkpoint = cls(source, manifest, objects, leaves)
         checkpoint._raw_read = raw_read

@@ -33,6 +33,7 @@ from ..models import Entry, Problem
 from ..problems import Findings
 from ..storage import Storage
 from .base import Format, Source, WriteOptions, Writer
+from .details import TorchDetails
 from .torch_flatten import TorchEntry, build_entries
 from .torch_load import is_zip, load_torch_file, object_allowlist
 from .torch_read import TorchCheckpoint
@@ -96,6 +97,7 @@ class TorchFormat(Format):
     index_suffix = BIN_INDEX_SUFFIX
     holds_objects = True
     shards_by_size = True
+    details_model = TorchDetails
     shard_names = staticmethod(lambda basename, count: shard_names(basename, count))
 
     @classmethod

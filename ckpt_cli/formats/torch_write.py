@@ -255,7 +255,7 @@ class TorchWriter(Writer):
             "weight_map": {name: self.names[i] for name, i in sorted(self._where.items())},
         }
         # a naming convention may spell the index itself (diffusers variants)
-        index_name = self.options.extra.get("index_name") or f"{self.basename}{BIN_INDEX_SUFFIX}"
+        index_name = self.options.index_name or f"{self.basename}{BIN_INDEX_SUFFIX}"
         data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
         with open(self.staging / index_name, "wb") as fh:
             fh.write(data)

@@ -1,7 +1,7 @@
 """Typed `Manifest.details` of the training-layout side (issue #14 §1 "typed details").
 
-`Manifest.details` is a JSON dict each format fills with its own keys; readers used to pick
-keys out of it by name. The layouts' part of it is declared here as a pydantic model: the
+`Manifest.details` is a JSON dict each format fills with its own keys (see `formats.details`,
+the formats' models); the layouts' part of it is declared here the same way: the
 writer builds the model and stores its `model_dump()` (so the JSON output is unchanged, key for
 key), and a reader asks `CompositeDetails.of(manifest)` for a typed view instead of reading
 strings out of a dict.
@@ -9,14 +9,12 @@ strings out of a dict.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-
-from ..models import Manifest
+from ..formats.details import FormatDetails
 
 
-class CompositeDetails(BaseModel):
+class CompositeDetails(FormatDetails):
     """`details` of a training folder opened as one composite checkpoint.
 
     Attributes:
@@ -25,23 +23,23 @@ class CompositeDetails(BaseModel):
             (`safetensors`, `torch`, `dcp`, `json`, `opaque`).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    formats: ClassVar[tuple[str, ...]] = ("composite",)
 
     layout: str
     components: dict[str, str]
 
-    def as_details(self) -> dict[str, Any]:
-        """What goes into `Manifest.details` (and the JSON output): the fields, in order."""
-        return self.model_dump()
 
-    @classmethod
-    def of(cls, manifest: Manifest) -> CompositeDetails | None:
-        """The typed details of a composite manifest; None for any other manifest (or one
-        whose details were not written by `CompositeCheckpoint`)."""
-        if manifest.format != "composite":
-            return None
-        fields = {k: manifest.details[k] for k in cls.model_fields if k in manifest.details}
-        try:
-            return cls.model_validate(fields)
-        except ValidationError:
-            return None
+class ZeroDetails(FormatDetails):
+    """`details` of DeepSpeed ZeRO partitions opened as the fp32 weights they rebuild.
+
+    Attributes:
+        zero_stage: the ZeRO stage (1, 2 or 3).
+        world_size: the data-parallel ranks whose partitions hold the weights.
+        mp_world_size: the model-parallel ranks (each rebuilt on its own).
+    """
+
+    formats: ClassVar[tuple[str, ...]] = ("zero",)
+
+    zero_stage: int
+    world_size: int
+    mp_world_size: int

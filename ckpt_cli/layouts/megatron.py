@@ -22,13 +22,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..formats.dcp.megatron import MEGATRON_LAYOUT
+from ..formats.details import DcpDetails
+
 if TYPE_CHECKING:
     from ..formats.base import Checkpoint
     from ..models import Entry
     from ..ops.transfer import TransferPlan
 
-#: the layout name formats/dcp.py puts in `manifest.details["layout"]`
-MEGATRON_LAYOUT = "megatron_torch_dist"
 #: Megatron-Core's own files beside the DCP ones
 MEGATRON_FILES = ("common.pt", "metadata.json")
 
@@ -37,7 +38,8 @@ def _common_entries(checkpoint: Checkpoint) -> set[str] | None:
     """Names of the entries read from `common.pt`, or None when this is no Megatron save
     with both of its own files."""
     manifest = checkpoint.manifest
-    if manifest.format != "dcp" or manifest.details.get("layout") != MEGATRON_LAYOUT:
+    details = DcpDetails.of(manifest)
+    if details is None or details.layout != MEGATRON_LAYOUT:
         return None
     files = checkpoint.source.files
     if any(name not in files for name in MEGATRON_FILES):

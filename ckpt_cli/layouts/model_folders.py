@@ -224,13 +224,13 @@ def apply_naming(src: str, to: str, options: Any) -> Naming | None:
     suffix = ".safetensors.index.json" if to == "safetensors" else ".bin.index.json"
     index = convention.index_name(suffix)
     if index:
-        options.extra["index_name"] = index
+        options.index_name = index
     companions = {}
     for rel in convention.companions:
         if (source.files.get(rel) or 0) <= MAX_JSON:
             companions[rel] = source.storage.read_all(rel)
     if companions:
-        options.extra.setdefault("companions", {}).update(companions)
+        options.companions.update(companions)
     return convention
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import FormatError, NotFoundError
 from ..formats.base import Checkpoint, Source
 from ..models import Entry, Manifest, Problem
+from .details import ZeroDetails
 
 if TYPE_CHECKING:
     import torch
@@ -145,7 +146,7 @@ class ZeroWeights(Checkpoint):
             format="zero",
             location=location,
             entries=entries,
-            details={"zero_stage": stage, "world_size": world, "mp_world_size": mp},
+            details=ZeroDetails(zero_stage=stage, world_size=world, mp_world_size=mp).as_details(),
         )
         super().__init__(source, manifest)
         self.params = params

@@ -246,9 +246,7 @@ def convert(
             single_file=single_file,
             dcp_serialization=dcp_serialization,
             world_size=world_size,
-            extra={
-                "dcp_compression": None if dcp_compression == NO_COMPRESSION else dcp_compression
-            },
+            dcp_compression=None if dcp_compression == NO_COMPRESSION else dcp_compression,
         )
         warnings = unused_renames(plan, rename_pairs, select)
         # a Megatron-Core torch_dist source stays one (its common.pt + metadata.json)
@@ -257,7 +255,7 @@ def convert(
             return _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
         if analysis.quantized and not dequantize:
             renamed = {i.source.name: i.target.name for i in plan.items}
-            options.extra["together"] = [
+            options.together = [
                 [renamed[n] for n in group if n in renamed] for group in analysis.together()
             ]
         if not single_file and target.shards_by_size and format is None:
@@ -273,7 +271,7 @@ def convert(
             # published with the weights (a companion), never the source's quantized config
             rewritten = dequantized_config(base.storage)
             if rewritten is not None:
-                options.extra.setdefault("companions", {})["config.json"] = rewritten
+                options.companions["config.json"] = rewritten
                 config_written = str(PurePath(str(dest_path)) / "config.json")
         files, written = run_write(
             checkpoint,

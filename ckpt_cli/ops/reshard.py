@@ -33,6 +33,7 @@ from ..formats import (
     serializations,
 )
 from ..formats.base import Checkpoint, WriteOptions
+from ..formats.details import IndexedDetails
 from ..formats.weight_map import INDEX_SUFFIX
 from ..output import check_destination
 from ..progress import NULL_PROGRESS, Progress
@@ -122,7 +123,7 @@ def reshard_shard_size(
         analysis = analyse_checkpoint(manifest, checkpoint.storage)
         if analysis.quantized:
             keep_quantized(plan, analysis)
-            options.extra["together"] = analysis.together()
+            options.together = analysis.together()
         if format is None:
             # keep the source library's file names and companions (PEFT, diffusers variants)
             from ..layouts.model_folders import apply_naming
@@ -173,8 +174,9 @@ def _carried_files(
         return [], extra_files(weights)
     with opened.checkpoint as composite:
         extra = extra_files(composite)
-    index = weights.manifest.details.get("index")
-    own = {f.path for f in weights.manifest.files} | ({index} if isinstance(index, str) else set())
+    details = IndexedDetails.of(weights.manifest)
+    index = details.index if details else None
+    own = {f.path for f in weights.manifest.files} | ({index} if index else set())
     carried = [
         rel
         for rel in sorted(weights.source.files)
@@ -187,9 +189,9 @@ def _carried_files(
 
 def _basename(checkpoint: Checkpoint) -> str:
     """The stem of the source's shard names (`model`, `diffusion_pytorch_model`...)."""
-    details = checkpoint.manifest.details
-    index = details.get("index")
-    if isinstance(index, str):
+    details = IndexedDetails.of(checkpoint.manifest)
+    index = details.index if details else None
+    if index:
         name = index.rsplit("/", 1)[-1]
         for suffix in (INDEX_SUFFIX, ".bin.index.json", ".index.json"):
             if name.endswith(suffix):

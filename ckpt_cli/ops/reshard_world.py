@@ -30,6 +30,7 @@ from ..errors import FormatError, UsageError
 from ..formats import get_format, open_checkpoint
 from ..formats.base import Checkpoint, Format, WriteOptions, Writer
 from ..formats.dcp import rank_chunk, rank_file
+from ..formats.details import DcpDetails
 from ..layouts.megatron import keep_megatron_layout
 from ..models import Chunk, Entry, FileInfo, Manifest
 from ..output import check_destination
@@ -58,9 +59,9 @@ _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 def source_world_size(checkpoint: Checkpoint) -> int:
     """How many ranks saved a DCP checkpoint: recorded by the adapter, else from file names."""
-    recorded = checkpoint.manifest.details.get("world_size")
-    if isinstance(recorded, int) and recorded > 0:
-        return recorded
+    details = DcpDetails.of(checkpoint.manifest)
+    if details is not None and details.world_size > 0:
+        return details.world_size
     ranks = [
         int(m.group(1))
         for f in checkpoint.manifest.files
@@ -224,10 +225,8 @@ def reshard_world_size(
             world_size=world_size,
             dcp_serialization=chosen,
             # keeps the nested state-dict paths, so dcp.load of nested dicts still maps keys
-            extra={
-                "dcp_planner_data": checkpoint.planner_data,
-                "dcp_compression": None if compression == NO_COMPRESSION else compression,
-            },
+            dcp_planner_data=checkpoint.planner_data,
+            dcp_compression=None if compression == NO_COMPRESSION else compression,
         )
         carried_extras = (extra_files(checkpoint) if extras else []) + megatron_files
         result = _write(checkpoint, fmt, plan, options, out, carried_extras, force, progress)
@@ -276,12 +275,13 @@ def _encoding(
 ) -> tuple[str, str | None]:
     """(serialization, compression) of the output: as asked, else the source's own."""
     default = fmt.serializations[0]
-    chosen = serialization or str(manifest.details.get("serialization") or default)
+    details = DcpDetails.of(manifest)
+    chosen = serialization or (details.serialization if details else default)
     if chosen not in fmt.serializations:
         # HuggingFaceStorageWriter's per-rank files ("hf_safetensors") and mixed folders
         # become a regular DCP that dcp.load reads
         chosen = default
-    if compression is None and manifest.details.get("compression") and chosen == default:
+    if compression is None and details and details.compression and chosen == default:
         # a compressed source stays compressed (the transform applies to the default only)
         compression = fmt.compressions[0] if fmt.compressions else None
     return chosen, compression

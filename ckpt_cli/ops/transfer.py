@@ -30,6 +30,7 @@ from ..distributed import CombinedProgress, RankShare, Workers, active, split_ou
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import find_format, get_format
 from ..formats.base import COPY_BLOCK, Checkpoint, FileRange, Source, WriteOptions, Writer
+from ..formats.details import TorchDetails
 from ..model_files import EXTRA_SUFFIXES, MAX_EXTRA_BYTES, WEIGHT_SUFFIXES
 from ..models import Entry, FileInfo, Manifest
 from ..progress import NULL_PROGRESS, CountingProgress, Progress
@@ -154,12 +155,13 @@ def tied_groups(manifest: Manifest, names: Iterable[str] | None = None) -> list[
     """Groups of tensor names that share stored bytes, from the manifest alone.
 
     The torch adapter records tensors that view the same storage (tied embeddings) in
-    `details["shared_tensors"]`; otherwise two entries are tied when they name the same file,
+    `TorchDetails.shared_tensors`; otherwise two entries are tied when they name the same file,
     byte offset, dtype and shape. safetensors never has ties (its reader refuses overlapping
     ranges). With `names`, groups are restricted to those names (and dropped below two).
     """
     wanted = set(names) if names is not None else None
-    raw: list[list[str]] = [list(g) for g in manifest.details.get("shared_tensors") or []]
+    details = TorchDetails.of(manifest)
+    raw: list[list[str]] = [list(g) for g in (details.shared_tensors if details else None) or []]
     by_place: dict[tuple[object, ...], list[str]] = {}
     for entry in manifest.entries:
         if entry.kind != "tensor" or entry.file is None or entry.offset is None:
@@ -563,7 +565,7 @@ def write_checkpoint(
         else:
             files = [FileInfo.model_validate(f) for f in parts[0]["files"]]
         # the layout's small non-weight files (adapter_config.json...), published with the weights
-        companions = options.extra.get("companions") or {}
+        companions = options.companions
         for rel, data in companions.items():
             target = staging / rel
             target.parent.mkdir(parents=True, exist_ok=True)

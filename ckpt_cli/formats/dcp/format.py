@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from ...errors import FormatError, NotFoundError
 from ...models import Entry, FileInfo, Manifest, Problem
 from ..base import Format, Source, WriteOptions
+from ..details import DcpDetails
 from ..safetensors import DCP_HF_SHARD, is_dcp_hf_sharded
 from .check import analyse, check_saved_tensors, peek_objects
 from .layout import METADATA, RANK_METADATA, SERIALIZATIONS, SUFFIX, rank_file, world_size
-from .megatron import MEGATRON_COMMON, MEGATRON_METADATA
+from .megatron import MEGATRON_COMMON, MEGATRON_LAYOUT, MEGATRON_METADATA
 from .reader import DcpCheckpoint
 from .writer import DcpWriter
 
@@ -30,9 +31,8 @@ class DcpFormat(Format):
     loader_serializations = ("torch_save",)  # torch's dcp.load reads only this one
     compressions = ("zstd",)
     commit_marker = METADATA
-    layout_files: ClassVar[dict[str, tuple[str, ...]]] = {
-        "megatron_torch_dist": (MEGATRON_METADATA,)
-    }
+    layout_files: ClassVar[dict[str, tuple[str, ...]]] = {MEGATRON_LAYOUT: (MEGATRON_METADATA,)}
+    details_model = DcpDetails
     rank_file = staticmethod(rank_file)
 
     @classmethod
@@ -80,26 +80,26 @@ class DcpFormat(Format):
                 counts[name] = counts.get(name, 0) + 1
         files = [f.model_copy(update={"entries": counts.get(f.path, 0)}) for f in files]
         serialization = sorted(layout.serialization)
-        details: dict[str, Any] = {
-            "serialization": serialization[0]
+        details = DcpDetails(
+            serialization=serialization[0]
             if len(serialization) == 1
             else ("mixed" if serialization else "none"),
-            "world_size": world_size(layout),
-            "chunks": sum(len(e.chunks or []) for e in layout.entries if e.kind == "tensor"),
-            "objects_bytes": sum(e.nbytes for e in layout.entries if e.kind == "object"),
-            "version": layout.version,
-        }
+            world_size=world_size(layout),
+            chunks=sum(len(e.chunks or []) for e in layout.entries if e.kind == "tensor"),
+            objects_bytes=sum(e.nbytes for e in layout.entries if e.kind == "object"),
+            version=layout.version,
+        )
         if layout.transforms:
-            details["compression"] = {"zstd": len(layout.transforms)}
+            details.compression = {"zstd": len(layout.transforms)}
         if layout.megatron is not None:
-            details["layout"] = "megatron_torch_dist"
-            details["megatron"] = layout.megatron
+            details.layout = MEGATRON_LAYOUT
+            details.megatron = layout.megatron
         manifest = Manifest(
             format="dcp",
             location=source.location.raw,
             files=files,
             entries=layout.entries,
-            details=details,
+            details=details.as_details(),
         )
         checkpoint = DcpCheckpoint(source, manifest, layout.planner_data)
         checkpoint.transforms = dict(layout.transforms)

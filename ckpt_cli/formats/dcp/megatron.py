@@ -13,6 +13,8 @@ from .peek import peek_saved_mapping
 #: Megatron-Core `dist_checkpointing` (`torch_dist` backend) writes these beside the DCP files
 MEGATRON_COMMON = "common.pt"
 MEGATRON_METADATA = "metadata.json"
+#: the layout name the DCP details carry for a Megatron-Core torch_dist save
+MEGATRON_LAYOUT = "megatron_torch_dist"
 _MEGATRON_COMMON_MAX = 256 << 20
 _MEGATRON_METADATA_MAX = 1 << 20
 

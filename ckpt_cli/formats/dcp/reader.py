@@ -52,7 +52,7 @@ class DcpCheckpoint(Checkpoint):
 
     Attributes:
         planner_data: the `planner_data` of `.metadata` (fqn -> path in the original nested
-            state dict); pass it to the DCP writer as `options.extra["dcp_planner_data"]`
+            state dict); pass it to the DCP writer as `options.dcp_planner_data`
             to keep it across a rewrite.
     """
 

@@ -75,7 +75,7 @@ class DcpWriter(Writer):
     written once, in rank 0's file. `.metadata` is written last by `finish`, with torch's own classes.
 
     Options: `options.dcp_serialization` (`torch_save` | `safetensors`);
-    `options.extra["dcp_planner_data"]` keeps a source's planner_data (default: the fqn split
+    `options.dcp_planner_data` keeps a source's planner_data (default: the fqn split
     at dots).
     """
 
@@ -98,7 +98,7 @@ class DcpWriter(Writer):
             )
         self.serialization = options.dcp_serialization
         #: `zstd`: every item goes through DCP's ZStandard stream extension (`stream.zstd/1`)
-        self.compression: str | None = options.extra.get("dcp_compression") or None
+        self.compression: str | None = options.dcp_compression or None
         if self.compression not in (None, "zstd"):
             raise FormatError(
                 f"unknown DCP compression {self.compression!r}",
@@ -548,7 +548,7 @@ class DcpWriter(Writer):
             self.results,
             self._object_file,
             self.compression,
-            self.options.extra.get("dcp_planner_data"),
+            self.options.dcp_planner_data,
         )
         tmp = self.staging / f"{METADATA}.tmp"
         with open(tmp, "wb") as fh:
