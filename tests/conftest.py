@@ -114,3 +114,23 @@ class RecordingProgress:
     @property
     def done(self) -> int:
         return self.phases[-1][2] if self.phases else 0
+
+
+@pytest.fixture(autouse=True)
+def _torch_globals_restored(request: pytest.FixtureRequest) -> Any:
+    """Give every test torch's default deterministic-algorithms mode back, and say which test
+    changed it: with it left on, a later test's `torch.empty` of a dtype torch cannot fill
+    (float4_e2m1fn_x2) fails, far from the cause."""
+    torch = sys.modules.get("torch")
+    before = torch.are_deterministic_algorithms_enabled() if torch is not None else False
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.are_deterministic_algorithms_enabled() != before:
+        torch.use_deterministic_algorithms(before)
+        import warnings
+
+        warnings.warn(
+            f"{request.node.nodeid} left torch's deterministic algorithms "
+            f"{'on' if not before else 'off'}; restored",
+            stacklevel=1,
+        )
