@@ -7,8 +7,9 @@ written once by `dcp.save` with 500, 3,000 and 12,000 tiny tensors: the growth b
 them, per added entry, is bounded per command. diff and verify --deep use the larger pair:
 below a few thousand entries their peak is still torch's import, not the records. The bounds
 sit between this version (records sharing their pydantic fields set, see
-bench/bench_memory.py: about 7.2, 9.2, 2.7 and 1.4 KiB) and the one before, which grew about 11.4 KiB (convert), 16.9 (reshard
-to 2 ranks), 5.7 (diff) and 3.0 (verify --deep) per entry on these pairs.
+bench/bench_memory.py: about 7.2, 9.2, 2.7 and 1.4 KiB) and the one before, which grew about
+11.4 KiB (convert), 16.9 (reshard to 2 ranks), 5.7 (diff) and 3.0 (verify --deep) per entry on
+these pairs.
 """
 
 from __future__ import annotations
