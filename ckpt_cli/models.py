@@ -6,8 +6,9 @@ metadata alone, with where each entry's bytes live.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
@@ -16,7 +17,78 @@ from .problems import CODES
 from .problems import check as check_code
 
 
-class Chunk(BaseModel):
+class _SharedFieldsSet(set[str]):
+    """A `__pydantic_fields_set__` shared by every record with the same set fields, read-only.
+
+    pydantic gives each instance its own set of the field names it was given; for a 10-field
+    `Entry` that set (728 bytes) costs more than the record's values, and a checkpoint of
+    20,000 entries holds tens of thousands of records (#20). pydantic-core needs a `set`
+    (a frozenset is refused), so this is a set whose in-place changes raise; a copy (what
+    `model_copy` takes before adding its `update` keys) is a plain, private set again.
+    """
+
+    __slots__ = ()
+
+    def _read_only(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a shared fields set is read-only; copy it first")
+
+    add = update = discard = remove = pop = clear = _read_only  # type: ignore[assignment]
+    difference_update = intersection_update = symmetric_difference_update = _read_only
+    __ior__ = __iand__ = __isub__ = __ixor__ = _read_only  # type: ignore[assignment]
+
+    def __copy__(self) -> set[str]:
+        return set(self)
+
+    def __deepcopy__(self, memo: object) -> set[str]:
+        return set(self)
+
+    def __reduce__(self) -> tuple[type[set[str]], tuple[list[str]]]:
+        return (set, (list(self),))
+
+
+#: one shared set per distinct combination of set fields (at most 2**fields, a handful in use)
+_FIELDS_SETS: dict[frozenset[str], _SharedFieldsSet] = {}
+
+
+def _shared_fields(fields: set[str]) -> _SharedFieldsSet:
+    """The shared read-only copy of `fields`."""
+    if type(fields) is _SharedFieldsSet:
+        return fields
+    key = frozenset(fields)
+    shared = _FIELDS_SETS.get(key)
+    if shared is None:
+        shared = _FIELDS_SETS[key] = _SharedFieldsSet(key)
+    return shared
+
+
+_Record = TypeVar("_Record", bound="_LeanRecord")
+
+
+class _LeanRecord(BaseModel):
+    """Base of the per-entry records (`Entry`, `Chunk`): their fields sets are shared.
+
+    Validation, `model_construct` and `model_copy` all end with the shared set, so a record
+    costs its values only; dumps, equality and copies are those of any pydantic model.
+    """
+
+    def model_post_init(self, context: Any, /) -> None:
+        """Swap the fields set pydantic just built for the shared one."""
+        object.__setattr__(
+            self, "__pydantic_fields_set__", _shared_fields(self.__pydantic_fields_set__)
+        )
+
+    def model_copy(
+        self: _Record, *, update: Mapping[str, Any] | None = None, deep: bool = False
+    ) -> _Record:
+        """`BaseModel.model_copy`, ending with the shared fields set."""
+        copied = super().model_copy(update=update, deep=deep)
+        object.__setattr__(
+            copied, "__pydantic_fields_set__", _shared_fields(copied.__pydantic_fields_set__)
+        )
+        return copied
+
+
+class Chunk(_LeanRecord):
     """One stored piece of a tensor (a DCP chunk): its place in the global tensor and its bytes.
 
     Attributes:
@@ -38,7 +110,7 @@ class Chunk(BaseModel):
     raw: bool = False
 
 
-class Entry(BaseModel):
+class Entry(_LeanRecord):
     """One named item of a checkpoint: a tensor or a non-tensor object.
 
     Attributes:
@@ -111,13 +183,14 @@ class Entry(BaseModel):
                 "value": None,
             },
         )
-        setattr_(entry, "__pydantic_fields_set__", set(_ENTRY_FIELDS))
+        setattr_(entry, "__pydantic_fields_set__", _ALL_ENTRY_FIELDS)
         setattr_(entry, "__pydantic_extra__", None)
         setattr_(entry, "__pydantic_private__", None)
         return entry
 
 
 _ENTRY_FIELDS = frozenset(Entry.model_fields)
+_ALL_ENTRY_FIELDS = _shared_fields(set(_ENTRY_FIELDS))
 
 
 class FileInfo(BaseModel):

@@ -333,6 +333,8 @@ def _write(
 
     def commit(staging: Path, parts: list[dict[str, Any]]) -> dict[str, Any]:
         files = writers[0].commit([p["part"] for p in parts])
+        # the writer's per-entry layout is spent: free it before the check reads the output (#20)
+        writers.clear()
         copy_files(checkpoint, carried_extras, staging)
         check_staged(fmt.name, staging, single_file=False)
         return {

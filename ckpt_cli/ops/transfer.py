@@ -564,6 +564,8 @@ def write_checkpoint(
             files = writers[0].commit([p["part"] for p in parts])
         else:
             files = [FileInfo.model_validate(f) for f in parts[0]["files"]]
+        # the writer's per-entry layout is spent: free it before the check reads the output (#20)
+        writers.clear()
         # the layout's small non-weight files (adapter_config.json...), published with the weights
         companions = options.companions
         for rel, data in companions.items():
