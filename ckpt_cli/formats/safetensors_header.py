@@ -161,6 +161,7 @@ def _read_raw(
 
 #: the end of a key written with whitespace before its colon (`"name" : {...}`)
 _SPACED_KEY_END = re.compile(rb'"[ \t\r\n]+:')
+_QUOTE_SPACE = (b'" ', b'"\t', b'"\r', b'"\n')
 
 
 def _decode(raw: bytes, where: str, findings: Findings) -> dict[str, Any] | None:
@@ -200,7 +201,12 @@ def _keys_accounted(raw: bytes, header: dict[str, Any]) -> bool:
             keys += len(info)
     if raw.count(b"{") != objects:
         return False
-    return raw.count(b'":') + len(_SPACED_KEY_END.findall(raw)) == keys
+    written = raw.count(b'":')
+    # writers put no space between a key and its colon; a header that has a quote followed by
+    # whitespace anywhere (`json.dumps` never writes one outside a string) is counted in full
+    if any(spaced in raw for spaced in _QUOTE_SPACE):
+        written += len(_SPACED_KEY_END.findall(raw))
+    return written == keys
 
 
 def _decode_checked(raw: bytes, where: str, findings: Findings) -> dict[str, Any] | None:
