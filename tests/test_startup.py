@@ -81,6 +81,9 @@ def test_inspect_of_a_plain_model_imports_no_training_layout_run_scanner_or_othe
         runs = {m for m in loaded if m.startswith("ckpt_cli.runs.")}
         assert runs <= {"ckpt_cli.runs.records"}, (args, runs)
         assert "ckpt_cli.quant.dequant" not in loaded, args
+        # format detection asks only the adapters whose file names are there
+        others = ("ckpt_cli.formats.dcp", "ckpt_cli.formats.torch_save", "ckpt_cli.formats.gguf")
+        assert not loaded & set(others), (args, loaded & set(others))
         commands = {m for m in loaded if m.startswith("ckpt_cli.commands.")}
         assert commands == {f"ckpt_cli.commands.{args[0]}"}, (args, commands)
         assert "torch" not in loaded, args
