@@ -66,6 +66,9 @@ def test_inspect_of_a_plain_model_imports_no_training_layout_run_scanner_or_othe
     weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
     index = {"metadata": {"total_size": 32}, "weight_map": weight_map}
     (shards / "model.safetensors.index.json").write_text(json.dumps(index))
+    # what a model repository holds beside its weights
+    (shards / "config.json").write_text('{"model_type": "llama"}')
+    (shards / "README.md").write_text("# a model\n")
     # the layout modules a safetensors model needs: the protocol and the model-folder facts
     needed = {"ckpt_cli.layouts", "ckpt_cli.layouts.base", "ckpt_cli.layouts.model_folders"}
     for args in (

@@ -151,25 +151,27 @@ def _inspect(src: str, format: str | None, filters: list[str] | None) -> Inspect
         )
 
 
-#: file names a run folder's checkpoints never have on their own: numbered safetensors shards
-#: of one model (`model-00001-of-00004.safetensors`), unnumbered safetensors and JSON files
-_PLAIN_MODEL_FILE = re.compile(r"[^0-9]*|.*-\d+-of-\d+\.safetensors", re.ASCII)
+#: file names no run scanner takes for a step checkpoint: names without a digit (a step
+#: checkpoint file is numbered; Lightning's `.ckpt` files are excluded apart) and numbered
+#: safetensors shards of one model (`model-00001-of-00004.safetensors`)
+_PLAIN_MODEL_FILE = re.compile(r"[^0-9]*|.*-\d+-of-\d+\.safetensors", re.ASCII | re.DOTALL)
 
 
 def _could_be_run(src: str) -> bool:
     """Whether `src` may be a run folder (`runs.looks_like_run` decides), from one listing.
 
-    A run folder holds step checkpoints: subfolders, numbered files or a training file
-    (`.ckpt`...). A local file, or a folder of nothing but safetensors shards and JSON files,
-    is never one, so inspecting a model does not import the run scanners."""
+    A run folder holds step checkpoints: subfolders, numbered files or Lightning `.ckpt`
+    files. A local file, or a folder of model files (shards, JSON, tokenizer, README), is
+    never one, so inspecting a model does not import the run scanners."""
     if "://" in src and not src.startswith("file://"):
         return True
     try:
         with os.scandir(src) as listing:
             for item in listing:
-                if item.is_dir() or not (
-                    item.name.endswith((".safetensors", ".json"))
-                    and _PLAIN_MODEL_FILE.fullmatch(item.name)
+                if (
+                    item.is_dir()
+                    or item.name.endswith(".ckpt")
+                    or not _PLAIN_MODEL_FILE.fullmatch(item.name)
                 ):
                     return True
     except NotADirectoryError:
