@@ -229,23 +229,47 @@ def _report_failure(command: str, error: CkptError, json_output: bool) -> NoRetu
     raise typer.Exit(error.exit_code) from None
 
 
-def load_commands() -> None:
-    """Import every module of `ckpt_cli.commands` so each registers its command on `app`."""
+def _command_modules() -> list[str]:
+    """The command modules of `ckpt_cli.commands`, in `ckpt --help` order."""
     from . import commands
 
     found = [m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_")]
-    ordered = [n for n in COMMAND_ORDER if n in found] + sorted(
+    return [n for n in COMMAND_ORDER if n in found] + sorted(
         n for n in found if n not in COMMAND_ORDER
     )
-    for name in ordered:
-        importlib.import_module(f"{commands.__name__}.{name}")
+
+
+def load_commands(only: str | None = None) -> None:
+    """Import the modules of `ckpt_cli.commands` so each registers its command on `app`: every
+    one, or `only` that one (what a process running one command needs)."""
+    ordered = _command_modules()
+    for name in [only] if only in ordered else ordered:
+        importlib.import_module(f"ckpt_cli.commands.{name}")
+    if only is None:
+        # a process that loaded one command first still lists them in help order
+        rank = {name: i for i, name in enumerate(ordered)}
+        app.registered_commands.sort(
+            key=lambda info: rank.get(
+                getattr(info.callback, "__module__", "").rpartition(".")[2], 0
+            )
+        )
 
 
 def get_app() -> typer.Typer:
     """The fully populated typer app (used by tests and completion generation)."""
-    if not app.registered_commands:
-        load_commands()
+    load_commands()
     return app
+
+
+def _app_for(args: list[str]) -> typer.Typer:
+    """The app with the commands `args` can run: the named command alone when the first
+    argument names one (its siblings' modules and typer parameters cost start-up time),
+    every command for help, completion, a typo's suggestion or a root option."""
+    named = args and not args[0].startswith("-") and not os.environ.get("_CKPT_COMPLETE")
+    if named and args[0] in _command_modules():
+        load_commands(only=args[0])
+        return app
+    return get_app()
 
 
 def main(argv: list[str] | None = None) -> Any:
@@ -253,8 +277,8 @@ def main(argv: list[str] | None = None) -> Any:
     from .launch import is_multi_rank_launch
 
     faults.install_handlers()
-    get_app()
     args = argv if argv is not None else sys.argv[1:]
+    _app_for(args)
     if not is_multi_rank_launch():
         return app(args=args, prog_name="ckpt")
     from .distributed import launched

@@ -397,6 +397,13 @@ def test_duplicate_keys_in_a_safetensors_header_are_refused_naming_the_key(
             f'{{"__metadata__": {{"format": "pt", "format": "tf"}}, "w": {entry}, "v": {other}}}',
             "__metadata__ has the key 'format' twice",
         ),
+        # keys written with whitespace before the colon are still counted as keys
+        "spaced.safetensors": (f'{{"w" : {entry},\n "w"\t:{other}}}', "'w' twice"),
+        "field.safetensors": (
+            '{"w": {"dtype": "F32", "dtype": "F16", "shape": [2], "data_offsets": [0, 8]}, '
+            f'"v": {other}}}',
+            "a header entry has the field 'dtype' twice",
+        ),
     }
     for name, (header, said) in cases.items():
         path = tmp_path / name
@@ -408,8 +415,10 @@ def test_duplicate_keys_in_a_safetensors_header_are_refused_naming_the_key(
         assert verify.exit_code == 1
         problems = verify.json["result"]["problems"]
         assert problems[0]["code"] == "duplicate_key" and said in problems[0]["message"]
-    # a clean file written by safetensors itself passes both
-    save_file({"w": torch.zeros(2), "v": torch.ones(2)}, tmp_path / "ok.safetensors")
+    # a clean file written by safetensors itself passes both, also when its metadata strings
+    # hold JSON text (quotes and colons that look like keys, braces that look like objects)
+    metadata = {"config": '{"a": 1, "b": {"c": "d"}}', "format": "pt"}
+    save_file({"w": torch.zeros(2), "v": torch.ones(2)}, tmp_path / "ok.safetensors", metadata)
     assert run_ckpt("inspect", tmp_path / "ok.safetensors").exit_code == 0
     assert run_ckpt("verify", tmp_path / "ok.safetensors").exit_code == 0
 

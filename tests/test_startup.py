@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -46,3 +47,46 @@ def test_a_plain_run_never_loads_the_distributed_machinery(tmp_path) -> None:  #
     loaded = _modules_after("inspect", str(tmp_path / "m.safetensors"), "--json")
     assert "ckpt_cli.distributed" not in loaded
     assert "torch" not in loaded
+
+
+def test_inspect_of_a_plain_model_imports_no_training_layout_run_scanner_or_other_command(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A user inspecting (or verifying) a safetensors file or a folder of shards pays for
+    safetensors alone: no training layout (Trainer, DeepSpeed...), no run-folder scanner,
+    no dequantization, no other command's module."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2), "b": torch.ones(3)}, str(tmp_path / "m.safetensors"))
+    shards = tmp_path / "sharded"
+    shards.mkdir()
+    save_file({"a": torch.zeros(4)}, str(shards / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(4)}, str(shards / "model-00002-of-00002.safetensors"))
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    index = {"metadata": {"total_size": 32}, "weight_map": weight_map}
+    (shards / "model.safetensors.index.json").write_text(json.dumps(index))
+    # what a model repository holds beside its weights
+    (shards / "config.json").write_text('{"model_type": "llama"}')
+    (shards / "README.md").write_text("# a model\n")
+    # the layout modules a safetensors model needs: the protocol and the model-folder facts
+    needed = {"ckpt_cli.layouts", "ckpt_cli.layouts.base", "ckpt_cli.layouts.model_folders"}
+    for args in (
+        ["inspect", str(tmp_path / "m.safetensors")],
+        ["inspect", str(shards), "--json"],
+        ["verify", str(shards)],
+    ):
+        loaded = _modules_after(*args)
+        assert "ckpt_cli.formats.safetensors" in loaded, args  # it did read the checkpoint
+        layouts = {m for m in loaded if m.startswith("ckpt_cli.layouts")}
+        assert layouts <= needed, (args, layouts - needed)
+        # the run report's field types (`runs.records`) only: never the scanners
+        runs = {m for m in loaded if m.startswith("ckpt_cli.runs.")}
+        assert runs <= {"ckpt_cli.runs.records"}, (args, runs)
+        assert "ckpt_cli.quant.dequant" not in loaded, args
+        # format detection asks only the adapters whose file names are there
+        others = ("ckpt_cli.formats.dcp", "ckpt_cli.formats.torch_save", "ckpt_cli.formats.gguf")
+        assert not loaded & set(others), (args, loaded & set(others))
+        commands = {m for m in loaded if m.startswith("ckpt_cli.commands.")}
+        assert commands == {f"ckpt_cli.commands.{args[0]}"}, (args, commands)
+        assert "torch" not in loaded, args

@@ -183,9 +183,40 @@ def available_formats() -> list[str]:
     return names
 
 
+#: token -> a regex some file name (the target, or a top-level name) must fully match for the
+#: format's `detect` to accept the source: a name-only superset of each `detect`, so detecting
+#: a safetensors model imports no DCP, torch.save or GGUF adapter (start-up of `inspect`)
+DETECT_NAMES: dict[str, re.Pattern[str]] = {
+    "safetensors": re.compile(r".*\.safetensors(\.index\.json)?", re.DOTALL),
+    # DCP also holds a folder of only HuggingFaceStorageWriter shards (`_may_detect`)
+    "dcp": re.compile(r"(.*/)?\.metadata|.*\.distcp|(.*/)?__\d+\.metadata", re.DOTALL),
+    "torch": re.compile(r".*\.(pt|pth|bin|ckpt|pkl)|.*\.bin\.index\.json", re.DOTALL),
+    "gguf": re.compile(r".*\.gguf", re.DOTALL),
+}
+
+
+def _may_detect(name: str, source: Source) -> bool:
+    """Whether format `name`'s `detect` could accept `source`, from its file names alone."""
+    pattern = DETECT_NAMES.get(name)
+    if pattern is None:
+        return True  # a format without a pre-check is always asked
+    names = [source.target] if source.target is not None else source.top_level()
+    if any(pattern.fullmatch(n) for n in names):
+        return True
+    if name == "dcp" and source.target is None:
+        from .safetensors import is_dcp_hf_sharded
+
+        return is_dcp_hf_sharded(names)
+    return False
+
+
 def detect_format(source: Source) -> str:
     """The one format token whose `detect` accepts the source; FormatError for none or many."""
-    matches = [name for name in available_formats() if get_format(name).detect(source)]
+    matches = [
+        name
+        for name in available_formats()
+        if _may_detect(name, source) and get_format(name).detect(source)
+    ]
     if len(matches) == 1:
         return matches[0]
     where = source.location.raw

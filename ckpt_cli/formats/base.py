@@ -153,12 +153,16 @@ class Source:
 
     `origin` holds facts about where the files came from that belong in the manifest's
     `details` (for the Hub: repository, requested revision, resolved commit).
+    `parsed` holds what a format's `check` parsed and found flawless, keyed by the format,
+    the file and its size, for the same operation's `open` to take once instead of reading
+    it again (`verify` checks SRC, then opens it for its quantization checks).
     """
 
     location: Location
     storage: Storage
     target: str | None = None
     origin: dict[str, Any] = field(default_factory=dict)
+    parsed: dict[tuple[str, str, int], Any] = field(default_factory=dict, repr=False, compare=False)
 
     @cached_property
     def files(self) -> dict[str, int]:

@@ -128,10 +128,19 @@ class SafetensorsFormat(Format):
         else:
             shards = [n for n in source.top_level() if n.endswith(".safetensors")]
             sizes = {n: source.files[n] for n in shards}
-        headers = [read_header(storage, shard, sizes.get(shard)) for shard in shards]
+        headers = [cls._header(source, shard, sizes.get(shard)) for shard in shards]
         return SafetensorsCheckpoint.from_headers(
             source, headers, index_rel, weight_map, index_meta
         )
+
+    @classmethod
+    def _header(cls, source: Source, shard: str, size: int | None) -> SafetensorsHeader:
+        """The shard's header: the one `check` parsed clean for this source, else read now."""
+        if size is not None:
+            checked = source.parsed.pop(("safetensors", shard, size), None)
+            if isinstance(checked, SafetensorsHeader):
+                return checked
+        return read_header(source.storage, shard, size)
 
     @classmethod
     def check(cls, source: Source) -> list[Problem]:
@@ -167,11 +176,16 @@ class SafetensorsFormat(Format):
                 assert index_rel is not None and weight_map is not None
                 report_missing_shard(findings, storage, index_rel, weight_map, shard)
                 continue
+            before = len(findings.problems)
             try:
                 header = parse_header(storage, shard, listing[shard], findings)
             except CkptError as error:
                 findings.error(error)
                 continue
+            if header is not None and len(findings.problems) == before:
+                # nothing to say about it: it is what a strict read returns, so an `open`
+                # of this source in the same operation takes it instead of parsing again
+                source.parsed[("safetensors", shard, listing[shard])] = header
             if header is not None:
                 contents[shard] = ShardContents(
                     {n: end - begin for n, (_, _, begin, end) in header.tensors.items()},

@@ -12,6 +12,7 @@ Hub download.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Any
 
@@ -158,8 +159,58 @@ def _read_raw(
     return raw
 
 
+#: the end of a key written with whitespace before its colon (`"name" : {...}`)
+_SPACED_KEY_END = re.compile(rb'"[ \t\r\n]+:')
+_QUOTE_SPACE = (b'" ', b'"\t', b'"\r', b'"\n')
+
+
 def _decode(raw: bytes, where: str, findings: Findings) -> dict[str, Any] | None:
-    """The header as a JSON object; duplicate keys are reported (the spec forbids them)."""
+    """The header as a JSON object; duplicate keys are reported (the spec forbids them).
+
+    A plain `json.loads` reads it; the duplicate-key hook parses again only when a count of
+    the raw key ends (a quote then a colon: at least one per key written) disagrees with the
+    keys parsed, so a clean header costs one parse and two scans of its bytes.
+    """
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        findings.add("bad_header", f"has a header that is not valid JSON ({exc})", file=where)
+        return None
+    except RecursionError:
+        findings.add("bad_header", "has a header nested too deeply to be read", file=where)
+        return None
+    if not isinstance(header, dict):
+        findings.add("bad_header", "has a header that is not a JSON object", file=where)
+        return None
+    if _keys_accounted(raw, header):
+        return header
+    return _decode_checked(raw, where, findings)
+
+
+def _keys_accounted(raw: bytes, header: dict[str, Any]) -> bool:
+    """Whether every key written in `raw` is a key of the parsed `header` (so none is a
+    duplicate). Each key ends with a quote and a colon; strings may add more such pairs,
+    never fewer, so equal counts prove no key was dropped. Objects nested below the entries
+    (not in a safetensors header) are not counted: their presence sends the header to the
+    checked parse, as does any surplus."""
+    objects = 1
+    keys = len(header)
+    for info in header.values():
+        if type(info) is dict:
+            objects += 1
+            keys += len(info)
+    if raw.count(b"{") != objects:
+        return False
+    written = raw.count(b'":')
+    # writers put no space between a key and its colon; a header that has a quote followed by
+    # whitespace anywhere (`json.dumps` never writes one outside a string) is counted in full
+    if any(spaced in raw for spaced in _QUOTE_SPACE):
+        written += len(_SPACED_KEY_END.findall(raw))
+    return written == keys
+
+
+def _decode_checked(raw: bytes, where: str, findings: Findings) -> dict[str, Any] | None:
+    """`_decode` with the duplicate-key hook on every object (a header that may have some)."""
     duplicates: list[tuple[str, frozenset[str]]] = []
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -210,7 +261,38 @@ def _entries(
     rejected: set[str] = set()
     unsupported: dict[str, str] = {}
     placed: dict[str, TensorInfo] = {}
+    bits_of = _BITS
     for name, info in header.items():
+        # the common case in one tight check: a known dtype, a shape and two offsets of
+        # plain non-negative ints, the span matching the size, inside the data; any entry
+        # that is not all of that goes through the full checks below, which say why
+        if type(info) is dict:
+            code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+            known = bits_of.get(code) if type(code) is str else None
+            if (
+                known is not None
+                and type(shape) is list
+                and type(offsets) is list
+                and len(offsets) == 2
+            ):
+                begin, end = offsets
+                count = 1
+                for dim in shape:
+                    if type(dim) is not int or dim < 0:
+                        break
+                    count *= dim
+                else:
+                    if (
+                        type(begin) is int
+                        and type(end) is int
+                        and begin >= 0
+                        and end <= data_size
+                        and (end - begin) * 8 == count * known[1]
+                    ):
+                        plain: TensorInfo = (known[0], shape, begin, end)
+                        tensors[name] = plain
+                        placed[name] = plain
+                        continue
         unknown = _unknown_dtype(info, data_size)
         if unknown is not None and findings.strict:
             # one tensor of a dtype this tool does not know must not make the whole file
@@ -237,6 +319,12 @@ def _entries(
             fix="Upgrade ckpt if this is a new dtype; otherwise the header is corrupt.",
         )
     return tensors, rejected, unsupported, placed
+
+
+#: safetensors dtype code -> (canonical dtype, bits per element), for `_entries`' fast check
+_BITS: dict[str, tuple[str, int]] = {
+    code: (dtype, dtypes.bitsize(dtype)) for code, dtype in dtypes._FROM_SAFETENSORS.items()
+}
 
 
 def _check_layout(

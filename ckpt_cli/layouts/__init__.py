@@ -41,25 +41,45 @@ once for the checks that need it opened), so a listing or a Hub lookup is never 
 
 from __future__ import annotations
 
+import importlib
+import re
+from typing import TYPE_CHECKING, Any
+
 from ..errors import CkptError
 from ..formats import detect_format, get_format, resolve_source
 from ..formats.base import Source
 from ..models import Problem
-from .accelerate import Accelerate
 from .base import REQUIRED, Layout, OpenedSource, SingleLayout, open_plain
-from .composite import CompositeCheckpoint, ObjectsCheckpoint, subfolder_source
-from .deepspeed import DeepSpeed
-from .details import CompositeDetails
-from .lightning import Lightning
 from .model_folders import LayoutInfo
-from .multi_folder import MultiFolder
-from .torch_dict import SINGLE_LAYOUTS, TorchDict, TorchTitan, analyse_single
-from .torchtitan import select_view
-from .trainer import Trainer
-from .training import component_problems, training_checks
+
+if TYPE_CHECKING:
+    from .composite import CompositeCheckpoint, ObjectsCheckpoint, subfolder_source
+    from .details import CompositeDetails
+    from .lightning import Lightning
+    from .torch_dict import SINGLE_LAYOUTS, TorchDict, TorchTitan, analyse_single
+    from .torchtitan import select_view
+    from .training import component_problems, training_checks
+
+#: the names this package exports from its layout modules, imported on first use (a plain
+#: model file or folder imports none of the training layouts: `ckpt inspect` start-up)
+_LAZY = {
+    "CompositeCheckpoint": "composite",
+    "ObjectsCheckpoint": "composite",
+    "subfolder_source": "composite",
+    "CompositeDetails": "details",
+    "Lightning": "lightning",
+    "SINGLE_LAYOUTS": "torch_dict",
+    "TorchDict": "torch_dict",
+    "TorchTitan": "torch_dict",
+    "analyse_single": "torch_dict",
+    "select_view": "torchtitan",
+    "component_problems": "training",
+    "training_checks": "training",
+}
 
 __all__ = [
     "FOLDER_LAYOUTS",
+    "FOLDER_REGISTRY",
     "REQUIRED",
     "SINGLE_LAYOUTS",
     "CompositeCheckpoint",
@@ -76,6 +96,7 @@ __all__ = [
     "check_source",
     "component_problems",
     "describe_model_folder",
+    "folder_layout",
     "open_plain",
     "open_source",
     "recognise_layout",
@@ -85,8 +106,53 @@ __all__ = [
 ]
 
 #: the folder layouts `open_source` tries, in order: DeepSpeed first (its `latest` parent holds
-#: other tools' files), the multi-folder model layouts last (they hold no training state)
-FOLDER_LAYOUTS: tuple[Layout, ...] = (DeepSpeed(), Trainer(), Accelerate(), MultiFolder())
+#: other tools' files), the multi-folder model layouts last (they hold no training state).
+#: Each is named by module and class with a name-only pre-check: a regex that some top-level
+#: file name of the folder must fully match for the layout's own `recognise` to say yes (a
+#: superset of it), so a folder of plain model files imports no layout module at all.
+FOLDER_REGISTRY: tuple[tuple[str, str, re.Pattern[str]], ...] = (
+    ("deepspeed", "DeepSpeed", re.compile(r"latest|.*mp_rank_\d+_model_states\.pt")),
+    (
+        "trainer",
+        "Trainer",
+        re.compile(
+            r"trainer_state\.json|optimizer\.pt|scheduler\.pt|training_args\.bin"
+            r"|rng_state(_\d+)?\.pth"
+        ),
+    ),
+    (
+        "accelerate",
+        "Accelerate",
+        re.compile(r"random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler\.bin"),
+    ),
+    ("multi_folder", "MultiFolder", re.compile(r"model_index\.json|modules\.json")),
+)
+_folder_layouts: dict[str, Layout] = {}
+
+
+def folder_layout(module: str, cls_name: str) -> Layout:
+    """The one instance of a registered folder layout (its module imported on first use)."""
+    layout = _folder_layouts.get(cls_name)
+    if layout is None:
+        cls = getattr(importlib.import_module(f"{__name__}.{module}"), cls_name)
+        layout = _folder_layouts[cls_name] = cls()
+    return layout
+
+
+def __getattr__(name: str) -> Any:
+    # `FOLDER_LAYOUTS` (every folder layout, instantiated) and the layout modules' exports
+    # stay importable from here as before, without importing them at start-up
+    if name == "FOLDER_LAYOUTS":
+        return tuple(folder_layout(m, c) for m, c, _ in FOLDER_REGISTRY)
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    FOLDER_LAYOUTS: tuple[Layout, ...]
 
 
 # --------------------------------------------------------------------------- entry point
@@ -99,7 +165,11 @@ def _open_layout(source: Source) -> OpenedSource | None:
         return None
     if ".metadata" in set(source.top_level()):
         return None
-    for layout in FOLDER_LAYOUTS:
+    top = source.top_level()
+    for module, cls_name, names in FOLDER_REGISTRY:
+        if not any(names.fullmatch(n) for n in top):
+            continue
+        layout = folder_layout(module, cls_name)
         if layout.recognise(source):
             opened = layout.open(source)
             if opened is not None:
@@ -129,6 +199,8 @@ def open_source(src: str | Source, format: str | None = None) -> OpenedSource:
         layout = gguf_info(checkpoint.manifest)
     if checkpoint.manifest.format not in ("torch", "dcp"):
         return OpenedSource(checkpoint=checkpoint, layout=layout)
+    from .torch_dict import analyse_single
+
     return OpenedSource(checkpoint=checkpoint, training=analyse_single(checkpoint), layout=layout)
 
 
@@ -199,6 +271,9 @@ def check_source(
             return list(get_format(name).check(source))
     except CkptError as error:
         return [Problem(code=error.code, message=error.message, file=error.path or where)]
+    from .composite import subfolder_source
+    from .training import component_problems
+
     problems = component_problems(opened)
     try:
         for rel, fmt in opened.parts.values():

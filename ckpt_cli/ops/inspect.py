@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import re
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -15,7 +17,7 @@ from ..layouts import open_source
 from ..layouts.model_folders import LayoutInfo
 from ..models import Entry, FileInfo, Manifest, Problem, TrainingState
 from ..quant import QuantSummary
-from ..runs import RunReport
+from ..runs.records import RunReport
 from ..storage import Storage
 from .tree import TreeNode, build_tree, collapse_chains
 
@@ -99,7 +101,7 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
 
 
 def _inspect(src: str, format: str | None, filters: list[str] | None) -> InspectReport:
-    if format is None and not filters:
+    if format is None and not filters and _could_be_run(src):
         from ..runs import looks_like_run, scan_run
 
         if looks_like_run(src):
@@ -147,6 +149,36 @@ def _inspect(src: str, format: str | None, filters: list[str] | None) -> Inspect
             layout=opened.layout,
             problems=malformed(checkpoint),
         )
+
+
+#: file names no run scanner takes for a step checkpoint: names without a digit (a step
+#: checkpoint file is numbered; Lightning's `.ckpt` files are excluded apart) and numbered
+#: safetensors shards of one model (`model-00001-of-00004.safetensors`)
+_PLAIN_MODEL_FILE = re.compile(r"[^0-9]*|.*-\d+-of-\d+\.safetensors", re.ASCII | re.DOTALL)
+
+
+def _could_be_run(src: str) -> bool:
+    """Whether `src` may be a run folder (`runs.looks_like_run` decides), from one listing.
+
+    A run folder holds step checkpoints: subfolders, numbered files or Lightning `.ckpt`
+    files. A local file, or a folder of model files (shards, JSON, tokenizer, README), is
+    never one, so inspecting a model does not import the run scanners."""
+    if "://" in src and not src.startswith("file://"):
+        return True
+    try:
+        with os.scandir(src) as listing:
+            for item in listing:
+                if (
+                    item.is_dir()
+                    or item.name.endswith(".ckpt")
+                    or not _PLAIN_MODEL_FILE.fullmatch(item.name)
+                ):
+                    return True
+    except NotADirectoryError:
+        return False
+    except OSError:
+        return True  # let the run scanner (or the opening) report what is wrong
+    return False
 
 
 def _split_parameters(view: Manifest, training: TrainingState | None) -> tuple[int, dict[str, int]]:

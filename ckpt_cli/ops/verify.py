@@ -34,7 +34,6 @@ from ..layouts import (
     SourceOpener,
     check_source,
     recognise_layout,
-    training_checks,
 )
 from ..models import Problem, TrainingState
 from ..progress import NULL_PROGRESS, Progress
@@ -341,6 +340,8 @@ def _open_checks(
     report.training = opened.training
     with opened.checkpoint as checkpoint:
         if resumable:
+            from ..layouts.training import training_checks
+
             report.checks.append("resumable")
             problems.extend(training_checks(opened, exact=exact))
         if deep:

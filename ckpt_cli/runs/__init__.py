@@ -51,9 +51,9 @@ or `remote` (object stores and the Hub: one `Storage` listing, then headers).
 
 from __future__ import annotations
 
-from .judge import load_metrics
-from .local import looks_like_run, scan_run
-from .naming import _UNMARKED
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .records import (
     DEFAULT_SETTLE,
     DELETING,
@@ -65,7 +65,34 @@ from .records import (
     RunReport,
     Status,
 )
-from .remote import is_remote, looks_like_remote_run, run_storage, scan_remote_run
+
+if TYPE_CHECKING:
+    from .judge import load_metrics
+    from .local import looks_like_run, scan_run
+    from .naming import _UNMARKED
+    from .remote import is_remote, looks_like_remote_run, run_storage, scan_remote_run
+
+#: the scanners, imported on first use: the report models (`records`) are the field types of
+#: `InspectReport`, and a plain checkpoint's `ckpt inspect` must not import the scanners
+_LAZY = {
+    "load_metrics": "judge",
+    "looks_like_run": "local",
+    "scan_run": "local",
+    "_UNMARKED": "naming",
+    "is_remote": "remote",
+    "looks_like_remote_run": "remote",
+    "run_storage": "remote",
+    "scan_remote_run": "remote",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_SETTLE",
