@@ -578,7 +578,10 @@ def test_ctrl_c_in_the_first_second_exits_130_without_a_traceback(tmp_path: Path
         _, stderr = proc.communicate(timeout=120)
         if proc.returncode == 0:
             continue  # finished before the signal arrived
-        assert proc.returncode == 130, stderr
+        # a signal that lands while the interpreter shuts down (the work done, Python's own
+        # handlers already reset) ends the process by SIGINT itself: a shell reports that as
+        # exit 130 too, so both are the documented outcome
+        assert proc.returncode in (130, -signal.SIGINT), stderr
         assert "Traceback" not in stderr, stderr
 
 
