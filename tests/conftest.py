@@ -134,3 +134,26 @@ def _torch_globals_restored(request: pytest.FixtureRequest) -> Any:
             f"{'on' if not before else 'off'}; restored",
             stacklevel=1,
         )
+
+
+@pytest.fixture
+def train() -> Any:
+    """examples/restart_test/train.py as a module, with torch's global settings (threads,
+    deterministic algorithms, RNG) restored after: its `main` changes all three."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location(
+        "restart_train", REPO / "examples" / "restart_test" / "train.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    rng = torch.get_rng_state()
+    yield module
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_rng_state(rng)

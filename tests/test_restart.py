@@ -3,11 +3,9 @@ proves it, or shows what an incomplete resumable checkpoint changed."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -17,22 +15,6 @@ import torch
 from .conftest import REPO, run_ckpt
 
 EXAMPLE = REPO / "examples" / "restart_test"
-
-
-@pytest.fixture
-def train() -> Iterator[ModuleType]:
-    """The example's training script as a module, with torch's global settings restored after."""
-    spec = importlib.util.spec_from_file_location("restart_train", EXAMPLE / "train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    rng = torch.get_rng_state()
-    yield module
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(deterministic)
-    torch.set_rng_state(rng)
 
 
 @pytest.mark.slow

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -241,13 +241,9 @@ def load_model(folder: Path, inspected: dict[str, Any]) -> dict[str, torch.Tenso
 
 
 def test_a_slimmed_dcp_save_loads_its_weights_verifies_and_is_no_resume_point(
-    tmp_path: Path,
+    tmp_path: Path, train: ModuleType
 ) -> None:
-    sys.path.insert(0, str(Path(__file__).parent.parent / "examples" / "restart_test"))
-    try:
-        import train as restart_train
-    finally:
-        sys.path.pop(0)
+    restart_train = train
     run = tmp_path / "run"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -17,6 +17,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -276,14 +277,9 @@ def test_usage_errors(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_train_sync_lose_the_machine_pull_latest_and_resume_bit_identical(
-    s3_server: S3Server, tmp_path: Path
+    s3_server: S3Server, tmp_path: Path, train: ModuleType
 ) -> None:
-    # examples/restart_test: the straight run is the reference
-    sys.path.insert(0, str(REPO / "examples" / "restart_test"))
-    try:
-        import train
-    finally:
-        sys.path.pop(0)
+    # examples/restart_test (the `train` fixture): the straight run is the reference
     make_bucket(s3_server.endpoint, BUCKET)
     args = ["--steps", "8", "--save-every", "4", "--format", "dcp"]
     with warnings.catch_warnings():
