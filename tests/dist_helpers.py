@@ -8,6 +8,7 @@ Other areas (convert, reshard, verify) import these:
 * `run_torchrun(script, nproc, *args)`: run a script under `torchrun --standalone` with gloo
   on CPU (the script reads the rank from the environment); raises with its output on failure.
 * `torchrun_ckpt(nproc, *args)`: `torchrun --standalone -m ckpt_cli ARGS…`; returns the process.
+* `free_port()`: a TCP port on 127.0.0.1 that is free now (for rendezvous and stores).
 * `DIST_SCRIPT`: `tests/dcp_dist_script.py`, whose `save` and `load` modes save a DTensor
   `Shard(0)` checkpoint and load one back into `Shard(0)` DTensors, recording per rank which
   files it read.
@@ -27,6 +28,15 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 DIST_SCRIPT = Path(__file__).resolve().parent / "dcp_dist_script.py"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at this moment (the OS picks it), for a rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def training_state(seed: int = 0) -> dict[str, Any]:

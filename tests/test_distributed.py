@@ -13,7 +13,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ from .conftest import RecordingProgress, run_ckpt
 from .dist_helpers import (
     dcp_load_flat,
     dcp_save,
+    free_port,
     require_torchrun_marker,
     torchrun_ckpt,
     torchrun_env,
@@ -281,12 +281,6 @@ def test_three_ranks_of_torchrun_m_ckpt_cli_convert_like_one_process(
     assert all(r["files"] for r in shares)
     written = sorted(f for r in shares for f in r["files"])
     assert written == sorted(f.name for f in (tmp_path / "three").glob("model-*.safetensors"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.torchrun

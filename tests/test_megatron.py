@@ -5,7 +5,6 @@ by its own `dist_checkpointing.load` and by `dcp.load`."""
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import pickle
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from .conftest import run_ckpt, run_ckpt_process
-from .dist_helpers import dcp_load_flat
+from .dist_helpers import dcp_load_flat, free_port
 
 # find_spec, not importorskip: importing megatron.core registers torch safe globals
 # (argparse.Namespace...) process-wide, which would change what other tests' torch.load admits
@@ -33,13 +32,12 @@ if (
 pytestmark = pytest.mark.frameworks
 
 WRITER = Path(__file__).with_name("megatron_writer.py")
-_PORTS = itertools.count(29700)
 
 
 def megatron(*args: str | Path) -> None:
     """Run megatron_writer.py (save DIR | load DIR OUT.pt) in its own process."""
     proc = subprocess.run(
-        [sys.executable, str(WRITER), *map(str, args), str(next(_PORTS))],
+        [sys.executable, str(WRITER), *map(str, args), str(free_port())],
         capture_output=True,
         text=True,
         timeout=300,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,16 +22,16 @@ import torch
 from safetensors.torch import save_file
 
 from .conftest import run_ckpt
-from .dist_helpers import dcp_save, require_torchrun_marker, torchrun_env, training_state
+from .dist_helpers import (
+    dcp_save,
+    free_port,
+    require_torchrun_marker,
+    torchrun_env,
+    training_state,
+)
 from .test_distributed import assert_same_tree, no_leftovers
 
 pytestmark = pytest.mark.torchrun
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def two_nodes(tmp_path: Path, name: str, *args: str | Path) -> list[tuple[int, str]]:
