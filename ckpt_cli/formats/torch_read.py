@@ -11,8 +11,9 @@ import copy
 import os
 import stat
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import FormatError, NotFoundError
 from ..models import Entry, FileInfo, Manifest
@@ -27,6 +28,9 @@ from .torch_flatten import _is_tensor, _plain, _type_name, build_entries
 from .torch_load import load_torch_file
 from .torch_zip import TensorLayout, index_torch_zip, read_plain_torch_zip
 
+#: what a `torch_zip` reader returns
+T = TypeVar("T")
+
 
 def _open_regular(path: Path) -> int | None:
     """A read descriptor of a regular file; None for anything else (a FIFO must not block:
@@ -38,8 +42,9 @@ def _open_regular(path: Path) -> int | None:
     return fd
 
 
-def _layouts(storage: Storage, rel: str) -> dict[tuple[str | int, ...], TensorLayout] | None:
-    """Where each tensor's bytes lie in a local zip torch.save file (see `torch_zip`)."""
+def _read_local_zip(storage: Storage, rel: str, reader: Callable[..., T | None]) -> T | None:
+    """`reader(read, 0, size)` over a local regular file (a `torch_zip` reader); None for a
+    remote file or anything but a regular file."""
     local = storage.local_path(rel)
     if local is None:
         return None
@@ -47,24 +52,20 @@ def _layouts(storage: Storage, rel: str) -> dict[tuple[str | int, ...], TensorLa
     if fd is None:
         return None
     try:
-        index = index_torch_zip(lambda at, n: os.pread(fd, n, at), 0, os.fstat(fd).st_size)
+        return reader(lambda at, n: os.pread(fd, n, at), 0, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+
+
+def _layouts(storage: Storage, rel: str) -> dict[tuple[str | int, ...], TensorLayout] | None:
+    """Where each tensor's bytes lie in a local zip torch.save file (see `torch_zip`)."""
+    index = _read_local_zip(storage, rel, index_torch_zip)
     return None if index is None else index.tensors
 
 
 def _read_plain(storage: Storage, rel: str) -> object | None:
     """A local file's object read without torch when it is plain data (`torch_zip`)."""
-    local = storage.local_path(rel)
-    if local is None:
-        return None
-    fd = _open_regular(local)
-    if fd is None:
-        return None
-    try:
-        found = read_plain_torch_zip(lambda at, n: os.pread(fd, n, at), 0, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
+    found = _read_local_zip(storage, rel, read_plain_torch_zip)
     return None if found is None else found[1]
 
 
