@@ -201,6 +201,7 @@ def test_raw_written_blobs_hold_what_torch_save_pickles(tmp_path: Path) -> None:
             blob = data[chunk.byte_offset : chunk.byte_offset + chunk.byte_length]
             ours = zipfile.ZipFile(io.BytesIO(blob))
             assert ours.namelist()[0] == "archive/data.pkl"  # first, as torch.save writes it
+            assert ours.testzip() is None  # every record's CRC-32 matches its bytes
             reference = io.BytesIO()
             torch.save(tensor, reference)
             theirs = zipfile.ZipFile(io.BytesIO(reference.getvalue()))
@@ -225,7 +226,13 @@ def test_raw_written_two_rank_dcp_loads_under_torchrun(tmp_path: Path) -> None:
         assert report["ok"], report["mismatches"]
 
 
-def test_the_raw_and_the_tensor_paths_write_byte_identical_data_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("serialization", ["torch_save", "safetensors"])
+def test_the_raw_kernel_and_tensor_paths_write_byte_identical_data_files(
+    tmp_path: Path, serialization: str
+) -> None:
+    # three ways in: raw blocks, a local file range (copied in the kernel, the zip CRC read
+    # first and patched into the header) and torch tensors; one set of bytes out
+    from ckpt_cli.fileio import FileRange
     from ckpt_cli.formats.base import WriteOptions
     from ckpt_cli.formats.dcp import DcpFormat
     from ckpt_cli.models import Entry
@@ -237,23 +244,42 @@ def test_the_raw_and_the_tensor_paths_write_byte_identical_data_files(tmp_path: 
         )
         for n, t in state.items()
     ]
-    for how in ("raw", "tensor"):
+    pool = tmp_path / "bytes.bin"
+    places: dict[str, tuple[int, int]] = {}
+    with open(pool, "wb") as fh:
+        for name, tensor in state.items():
+            data = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            places[name] = (fh.tell(), len(data))
+            fh.write(b"pad" + data)  # ranges start mid-file, at odd offsets
+            places[name] = (places[name][0] + 3, len(data))
+    options = WriteOptions(world_size=3, dcp_serialization=serialization)
+    for how in ("raw", "kernel", "tensor"):
         (tmp_path / how).mkdir()
-        writer = DcpFormat.writer(tmp_path / how, plan, WriteOptions(world_size=3))
+        writer = DcpFormat.writer(tmp_path / how, plan, options)
         assert writer.accepts_raw
         for name, tensor in state.items():
+            offset, length = places[name]
             if how == "raw":
-                data = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                data = pool.read_bytes()[offset : offset + length]
                 writer.write_raw(name, iter([data[:5], data[5:]]))
+            elif how == "kernel":
+                # two segments, as a tensor whose chunks sit in two files would be
+                half = length // 2
+                writer.write_raw(
+                    name, FileRange.of([(pool, offset, half), (pool, offset + half, length - half)])
+                )
             else:
                 writer.write_tensor(name, tensor)
         writer.finish()
     for rank in range(3):
         name = f"__{rank}_0.distcp"
-        assert (tmp_path / "raw" / name).read_bytes() == (tmp_path / "tensor" / name).read_bytes()
-    template = {name: torch.empty_like(t) for name, t in state.items()}
-    for name, tensor in dcp_load_flat(tmp_path / "tensor", template).items():
-        assert same(tensor, state[name]), name
+        tensor_bytes = (tmp_path / "tensor" / name).read_bytes()
+        assert (tmp_path / "raw" / name).read_bytes() == tensor_bytes, rank
+        assert (tmp_path / "kernel" / name).read_bytes() == tensor_bytes, rank
+    if serialization == "torch_save":  # (the safetensors kind's tensor path is loaded elsewhere)
+        template = {name: torch.empty_like(t) for name, t in state.items()}
+        for name, tensor in dcp_load_flat(tmp_path / "kernel", template).items():
+            assert same(tensor, state[name]), name
 
 
 def test_safetensors_to_dcp_never_imports_torch(tmp_path: Path) -> None:

@@ -220,6 +220,40 @@ def test_add_raw_writes_every_dtype_as_torch_loads_it_bit_exact(tmp_path: Path) 
             assert _bits(got[name]) == _bits(want), name
 
 
+def test_add_raw_from_a_file_range_writes_the_same_bytes_as_from_blocks(tmp_path: Path) -> None:
+    # a local range is copied in the kernel, its CRC read beforehand and patched into the
+    # record's header: the file must not differ by a byte from the streamed one
+    from ckpt_cli.fileio import FileRange
+
+    tensors = {str(d): _random(d, (3, 2), seed=i) for i, d in enumerate(DTYPES)}
+    tensors |= {"scalar": torch.tensor(1.5), "empty": torch.zeros(0, 4, dtype=torch.bfloat16)}
+    streamed = tmp_path / "archive.pt"
+    _write_raw(streamed, tensors, {"step": 3})
+    pool = tmp_path / "pool.bin"
+    places = {}
+    with open(pool, "wb") as fh:
+        for name, t in tensors.items():
+            fh.write(b"x")  # odd offsets
+            places[name] = (fh.tell(), len(_bits(t)))
+            fh.write(_bits(t))
+    copied = tmp_path / "copied" / "archive.pt"
+    copied.parent.mkdir()
+    with open(copied, "wb") as fh:
+        writer = TorchZipWriter(fh, copied.stem)
+        obj: dict[str, Any] = {}
+        for name, t in tensors.items():
+            offset, length = places[name]
+            dtype = str(t.dtype).removeprefix("torch.")
+            obj[name] = writer.add_raw(
+                dtype, list(t.shape), length, FileRange(pool, offset, length)
+            )
+        writer.finish({**obj, "step": 3})
+    assert copied.read_bytes() == streamed.read_bytes()
+    assert zipfile.ZipFile(copied).testzip() is None
+    got = torch.load(copied, weights_only=True)
+    assert all(_bits(got[name]) == _bits(want) for name, want in tensors.items())
+
+
 def test_add_raw_pickles_exactly_what_torch_save_pickles(tmp_path: Path) -> None:
     tensors = {"w": _random(torch.float32, (2, 3)), "ids": _random(torch.uint16, (4,))}
     tensors["b"] = _random(torch.float8_e4m3fn, (2,))

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import dtypes
 from ..errors import CkptError, FormatError, NotFoundError
+from ..fileio import FileRange, open_output
 from ..models import Entry, FileInfo, Manifest, Problem
 from ..problems import Findings
 from ..storage import LocalStorage
-from .base import Checkpoint, FileRange, Format, Source, WriteOptions, Writer
+from .base import Checkpoint, Format, Source, WriteOptions, Writer
 from .details import SafetensorsDetails
 from .safetensors_header import SafetensorsHeader, encode_header, parse_header, read_header
 from .weight_map import (
@@ -461,7 +462,7 @@ class SafetensorsWriter(Writer):
         self._close_shard()
         self._shard = shard
         # shards stay open across write calls: the writer streams one tensor at a time
-        self._fh = open(self.staging / self.names[shard], "wb")
+        self._fh = open_output(self.staging / self.names[shard])
         self._fh.write(encode_header(self.groups[shard], self._shard_metadata(shard)))
 
     def _close_shard(self) -> None:

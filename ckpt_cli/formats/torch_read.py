@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import FormatError, NotFoundError
+from ..fileio import FileRange
 from ..models import Entry, FileInfo, Manifest
 from ..storage import Storage
-from .base import Checkpoint, FileRange, Source
+from .base import Checkpoint, Source
 from .details import TorchDetails
 
 if TYPE_CHECKING:

@@ -18,8 +18,9 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..dtypes import torch_layout
 from ..errors import FormatError
+from ..fileio import FileRange, open_output
 from ..models import Entry, FileInfo
-from .base import FileRange, WriteOptions, Writer
+from .base import WriteOptions, Writer
 from .safetensors import plan_shards
 from .torch_flatten import KeyStep, TorchEntry, _plain, dotted
 from .torch_zip import Reduced, TorchZipWriter
@@ -171,9 +172,7 @@ class TorchWriter(Writer):
             )
         dtype, shape = layout
         place = (
-            (shard, str(blocks.path), blocks.offset, blocks.length, dtype, tuple(shape))
-            if isinstance(blocks, FileRange)
-            else None
+            (shard, blocks.place, dtype, tuple(shape)) if isinstance(blocks, FileRange) else None
         )
         tied = self._raw_places.get(place) if place is not None else None
         if tied is not None:
@@ -189,7 +188,7 @@ class TorchWriter(Writer):
         opened = self._open.get(shard)
         if opened is None:
             fname = self.names[shard]
-            fh = open(self.staging / fname, "wb")  # closed in _save_file
+            fh = open_output(self.staging / fname)  # closed in _save_file
             # torch names the archive folder after the file, as `torch.save(obj, path)` does
             opened = self._open[shard] = (fh, TorchZipWriter(fh, fname.rsplit(".", 1)[0]))
         return opened[1]
@@ -212,7 +211,7 @@ class TorchWriter(Writer):
         fname = self.names[shard]
         fh, container = self._open.pop(shard, None) or (None, None)
         if fh is None or container is None:  # a file of objects only
-            fh = open(self.staging / fname, "wb")  # closed below
+            fh = open_output(self.staging / fname)  # closed below
             container = TorchZipWriter(fh, fname.rsplit(".", 1)[0])
         with fh:
             container.finish(obj)

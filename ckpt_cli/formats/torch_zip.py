@@ -29,10 +29,12 @@ raw format moves byte ranges and never unpickles anything.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import pickletools
 import struct
 import sys
+import threading
 import warnings
 import weakref
 import zipfile
@@ -41,6 +43,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 from ..dtypes import STORAGE_DTYPES, is_known, itemsize
+from ..fileio import FileRange
 from .torch_zip_index import (
     LocatedTensor,
     TensorLayout,
@@ -197,6 +200,84 @@ def raw_tensor_reduction(dtype: str, dims: tuple[int, ...], key: str) -> tuple[R
     return Reduced(placeholder(rebuild), args), targets
 
 
+#: records at least this large have their CRC computed in a thread while the kernel copies
+_THREADED_CRC = 16 << 20
+
+
+def _copy_with_crc(data: FileRange, fd: int, at: int) -> tuple[int, int]:
+    """Copy `data` to `fd` at `at`: (bytes copied, CRC-32 of them). The CRC of a large range
+    is read from the source while the kernel copies it (zlib and copy_file_range both let go
+    of the GIL), so the two overlap on two cores."""
+    if data.length < _THREADED_CRC:
+        crc = data.crc32()
+        return data.copy_to(fd, at), crc
+    crcs: list[int] = []
+    failure: list[BaseException] = []
+
+    def checksum() -> None:
+        try:
+            crcs.append(data.crc32())
+        except BaseException as exc:  # re-raised in the caller's thread
+            failure.append(exc)
+
+    worker = threading.Thread(target=checksum, name="ckpt-crc", daemon=True)
+    worker.start()
+    try:
+        copied = data.copy_to(fd, at)
+    finally:
+        worker.join()
+    if failure:
+        raise failure[0]
+    return copied, crcs[0]
+
+
+def write_record(
+    archive: zipfile.ZipFile, fh: IO[bytes], base: int, name: str, data: Any, size: int
+) -> None:
+    """One stored zip record of `archive` (written to `fh`, whose offset `base` is the zip's
+    start) whose data starts at a multiple of ALIGNMENT within the zip.
+
+    `data` is a buffer, an iterator of blocks of `size` bytes in all (zipfile computes the CRC
+    as they pass), or a local `FileRange`: its CRC is read first and its bytes are then
+    copied in the kernel, past zipfile, whose local header is rewritten with the CRC and sizes
+    (the central directory takes them from the same `ZipInfo`).
+    """
+    info = zipfile.ZipInfo(name, date_time=_DATE)
+    info.compress_type = zipfile.ZIP_STORED
+    info.file_size = size
+    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own rule, decided here
+    # local header: 30 bytes + name + extra (+ the 20-byte zip64 field zipfile adds);
+    # pad with an extra field ("FB", torch's padding id) so the data lands aligned
+    start = fh.tell() - base + 30 + len(info.filename.encode()) + (20 if zip64 else 0)
+    pad = -(start + 4) % ALIGNMENT
+    info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+    if isinstance(data, FileRange):
+        if data.length != size:
+            raise ValueError(f"{name}: got {data.length} bytes for a {size}-byte record")
+        with archive.open(info, "w", force_zip64=zip64):
+            fh.flush()  # the header zipfile just wrote
+            at = fh.tell()
+            copied, crc = _copy_with_crc(data, fh.fileno(), at)
+            fh.seek(at + copied)
+        info.CRC, info.file_size, info.compress_size = crc, size, size
+        fh.flush()
+        os.pwrite(fh.fileno(), info.FileHeader(zip64), base + info.header_offset)
+        return
+    written = 0
+    with archive.open(info, "w", force_zip64=zip64) as out:
+        if not isinstance(data, Iterator):
+            view = memoryview(data).cast("B")
+            for begin in range(0, size, _CHUNK):
+                written += out.write(view[begin : begin + _CHUNK])
+        else:
+            for block in data:
+                written += out.write(block)  # zipfile updates the CRC block by block
+                if written > size:
+                    break
+    if written != size:
+        raise ValueError(f"{name}: got {written} bytes for a {size}-byte record")
+
+
 class TorchZipWriter:
     """Write one torch.save file to `fh` (a seekable binary file), tensor by tensor.
 
@@ -216,30 +297,7 @@ class TorchZipWriter:
         self._used: set[str] = set()
 
     def _record(self, name: str, data: Any, nbytes: int) -> None:
-        """One stored zip entry whose data starts at a multiple of ALIGNMENT in the file:
-        `data` is a buffer, or an iterator of blocks of `nbytes` in all."""
-        info = zipfile.ZipInfo(self._prefix + name, date_time=_DATE)
-        info.compress_type = zipfile.ZIP_STORED
-        info.file_size = nbytes
-        zip64 = nbytes * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own rule, decided here
-        # local header: 30 bytes + name + extra (+ the 20-byte zip64 field zipfile adds);
-        # pad with an extra field ("FB", torch's padding id) so the data lands aligned
-        start = self._fh.tell() + 30 + len(info.filename.encode()) + (20 if zip64 else 0)
-        pad = -(start + 4) % ALIGNMENT
-        info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
-        with self._zip.open(info, "w", force_zip64=zip64) as out:
-            if not isinstance(data, Iterator):
-                view = memoryview(data).cast("B")
-                for begin in range(0, nbytes, _CHUNK):
-                    out.write(view[begin : begin + _CHUNK])
-                return
-            written = 0
-            for block in data:
-                written += out.write(block)  # zipfile updates the CRC block by block
-                if written > nbytes:
-                    break
-        if written != nbytes:
-            raise ValueError(f"{name}: got {written} bytes for a {nbytes}-byte record")
+        write_record(self._zip, self._fh, 0, self._prefix + name, data, nbytes)
 
     def add_raw(
         self, dtype: str, shape: tuple[int, ...] | list[int], nbytes: int, blocks: Iterable[bytes]
@@ -259,7 +317,9 @@ class TorchZipWriter:
             raise ValueError(f"{nbytes} bytes are no {dtype} tensor of shape {list(dims)}")
         key = str(self._count)
         self._count += 1
-        self._record(f"data/{key}", iter(blocks), nbytes)
+        self._record(
+            f"data/{key}", blocks if isinstance(blocks, FileRange) else iter(blocks), nbytes
+        )
         reduced, used = raw_tensor_reduction(dtype, dims, key)
         self._used.update(used)
         return reduced

@@ -28,8 +28,9 @@ from pydantic import BaseModel, Field
 from .. import dtypes
 from ..distributed import CombinedProgress, RankShare, Workers, active, split_output
 from ..errors import FormatError, NotFoundError, UsageError
+from ..fileio import COPY_BLOCK, FileRange
 from ..formats import find_format, get_format
-from ..formats.base import COPY_BLOCK, Checkpoint, FileRange, Source, WriteOptions, Writer
+from ..formats.base import Checkpoint, Source, WriteOptions, Writer
 from ..formats.details import TorchDetails
 from ..model_files import EXTRA_SUFFIXES, MAX_EXTRA_BYTES, WEIGHT_SUFFIXES
 from ..models import Entry, FileInfo, Manifest
@@ -300,36 +301,16 @@ def raw_blocks(
 ) -> Iterator[bytes | memoryview]:
     """The raw bytes of a raw-stored tensor, in blocks; each block is valid until the next.
 
-    Local files are read with `os.preadv` into one reused buffer: no allocation and no fresh
-    page faults per block, which is what made the plain `pread` loop lose to `cp`. (A buffered
-    copy measured as fast as `os.copy_file_range` and `os.sendfile` here, see bench/, and
-    unlike them works for every writer.) Remote storage falls back to `Checkpoint.iter_raw`.
+    Bytes in local files (`Checkpoint.local_ranges`: a safetensors range, the tensor bytes
+    inside DCP torch_save blobs) are read with `os.preadv` into one reused buffer: no
+    allocation and no fresh page faults per block, which is what made the plain `pread` loop
+    lose to `cp`. Remote storage falls back to `Checkpoint.iter_raw`.
     """
-    entry = checkpoint.manifest.by_name[name]
-    local = (
-        checkpoint.storage.local_path(entry.file)
-        if entry.is_raw and entry.file is not None
-        else None
-    )
-    if local is None or entry.offset is None:
+    segments = checkpoint.local_ranges(name)
+    if segments is None:
         yield from checkpoint.iter_raw(name, block)
         return
-    view = memoryview(bytearray(max(1, min(block, entry.nbytes))))
-    fd = os.open(local, os.O_RDONLY)
-    try:
-        done = 0
-        while done < entry.nbytes:
-            n = os.preadv(fd, [view[: min(len(view), entry.nbytes - done)]], entry.offset + done)
-            if n <= 0:
-                raise FormatError(
-                    f"is truncated inside tensor {name!r} ({done} of {entry.nbytes} bytes present)",
-                    path=str(local),
-                    fix="The file was cut short; write or fetch it again.",
-                )
-            yield view[:n]
-            done += n
-    finally:
-        os.close(fd)
+    yield from FileRange.of(segments, block=block)
 
 
 def _counted(blocks: Iterable[bytes | memoryview], progress: Progress) -> Iterator[bytes]:
@@ -384,12 +365,10 @@ def copy_entries(
             writer.write_object(target.name, checkpoint.read_object(source.name))
             how = "object"
         elif raw:
-            local = checkpoint.storage.local_path(source.file) if source.file else None
-            if local is not None and source.offset is not None:
-                # writers may copy a local range in the kernel (FileRange.copy_to)
-                blocks: Iterator[bytes] = FileRange(
-                    local, source.offset, source.nbytes, on_progress=progress.advance
-                )
+            segments = checkpoint.local_ranges(source.name)
+            if segments is not None:
+                # writers may copy local ranges in the kernel (FileRange.copy_to)
+                blocks: Iterator[bytes] = FileRange.of(segments, on_progress=progress.advance)
             else:
                 blocks = _counted(raw_blocks(checkpoint, source.name), progress)
             writer.write_raw(target.name, blocks)

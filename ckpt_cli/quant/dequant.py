@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import dtypes
 from ..errors import FormatError
-from ..formats.base import COPY_BLOCK, Checkpoint
+from ..fileio import COPY_BLOCK
+from ..formats.base import Checkpoint
 from ..models import Entry, Manifest, Problem
 from .schemes import QuantAnalysis, QuantWeight
 

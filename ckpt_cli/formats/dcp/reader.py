@@ -6,13 +6,15 @@ import io
 import os
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from ... import dtypes
 from ...errors import CkptError, FormatError, NotFoundError
+from ...fileio import COPY_BLOCK
 from ...models import Chunk, Entry, Manifest
 from ...storage import LocalStorage, RangeFile
-from ..base import COPY_BLOCK, Checkpoint, Source
+from ..base import Checkpoint, Source
 from .megatron import MEGATRON_COMMON
 from .peek import common_leaf
 from .torch_blob import locate_chunk
@@ -253,6 +255,19 @@ class DcpCheckpoint(Checkpoint):
         ordered = self._raw_order(entry)
         self._raw[name] = ordered
         return ordered
+
+    def local_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        """The located raw chunks of `name` (`raw_chunks_in_order`) as local file segments."""
+        ordered = self.raw_chunks_in_order(name)
+        if ordered is None:
+            return None
+        segments = []
+        for chunk in ordered:
+            local = self.storage.local_path(chunk.file)
+            if local is None:
+                return None
+            segments.append((local, chunk.byte_offset, chunk.byte_length))
+        return segments
 
     def _raw_order(self, entry: Entry) -> list[Chunk] | None:
         assert entry.chunks is not None and entry.dtype is not None

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import io
 import pickle
-import struct
 import sys
 import zipfile
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, cast
 
 from ... import dtypes
+from ...fileio import FileRange
 from ...models import Chunk
 from ..torch_zip import (
     ALIGNMENT,
@@ -33,6 +33,7 @@ from ..torch_zip import (
     locate_single_tensor,
     raw_tensor_reduction,
     torch_names,
+    write_record,
 )
 
 #: the dtypes whose data.pkl `tensor_pickle` writes byte for byte as torch.save does (checked
@@ -119,27 +120,6 @@ class _Shifted(io.RawIOBase):
         self._fh.flush()
 
 
-def _record(
-    archive: zipfile.ZipFile, fh: IO[bytes], base: int, name: str, blocks: Iterable[Any], size: int
-) -> None:
-    """One stored zip record whose data starts 64-byte aligned within the blob."""
-    info = zipfile.ZipInfo(_ARCHIVE + name, date_time=_DATE)
-    info.compress_type = zipfile.ZIP_STORED
-    info.file_size = size
-    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own rule, decided here
-    start = fh.tell() - base + 30 + len(info.filename.encode()) + (20 if zip64 else 0)
-    pad = -(start + 4) % ALIGNMENT
-    info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
-    written = 0
-    with archive.open(info, "w", force_zip64=zip64) as out:
-        for block in blocks:
-            written += out.write(block)  # zipfile updates the CRC block by block
-            if written > size:
-                break
-    if written != size:
-        raise ValueError(f"{name}: got {written} bytes for a {size}-byte record")
-
-
 def write_tensor_blob(fh: IO[bytes], dtype: str, shape: list[int], blocks: Iterable[Any]) -> int:
     """Write the torch.save container of one tensor at `fh`'s position; its length in bytes.
 
@@ -150,15 +130,16 @@ def write_tensor_blob(fh: IO[bytes], dtype: str, shape: list[int], blocks: Itera
     shifted = cast(IO[bytes], _Shifted(fh, base))
     with zipfile.ZipFile(shifted, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
         data = tensor_pickle(dtype, shape)
-        _record(archive, fh, base, "data.pkl", [data], len(data))
+        write_record(archive, fh, base, _ARCHIVE + "data.pkl", data, len(data))
         for name, text in (
             (".format_version", "1"),
             (".storage_alignment", str(ALIGNMENT)),
             ("byteorder", sys.byteorder),
         ):
-            _record(archive, fh, base, name, [text.encode()], len(text))
-        _record(archive, fh, base, "data/0", blocks, nbytes)
-        _record(archive, fh, base, "version", [b"3\n"], 2)
+            write_record(archive, fh, base, _ARCHIVE + name, text.encode(), len(text))
+        data_blocks = blocks if isinstance(blocks, FileRange) else iter(blocks)
+        write_record(archive, fh, base, _ARCHIVE + "data/0", data_blocks, nbytes)
+        write_record(archive, fh, base, _ARCHIVE + "version", b"3\n", 2)
     return fh.tell() - base
 
 

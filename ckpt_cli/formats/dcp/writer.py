@@ -6,13 +6,14 @@ import io
 import json
 import os
 import struct
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from ... import dtypes
 from ...errors import FormatError
+from ...fileio import FileRange, open_output
 from ...models import Chunk, Entry, FileInfo
 from ...placement import shard_dim0_boxes
 from ...storage import safe_relpath
@@ -233,7 +234,7 @@ class DcpWriter(Writer):
 
     def _open(self, name: str) -> None:
         state = self.files[name]
-        state.fh = open(self.staging / name, "wb")
+        state.fh = open_output(self.staging / name)
         if self.serialization != "safetensors":
             return
         # one safetensors blob at the start of the file; objects are appended after it
@@ -399,7 +400,17 @@ class DcpWriter(Writer):
         if self.serialization == "torch_save":
             self._write_raw_blobs(name, targets, blocks)
             return
-        done = 0
+        if isinstance(blocks, FileRange):
+            # local source bytes: each chunk's range copied in the kernel
+            pieces = blocks.split([length for _start, length, _index in targets])
+            for (_start, _length, index), piece in zip(targets, pieces, strict=True):
+                if chunks[index].file in self._owned:
+                    fd = self._state(chunks[index].file).fh.fileno()
+                    piece.copy_to(fd, self._raw_at[(name, index)])
+            blocks = iter(())
+            done = entry.nbytes
+        else:
+            done = 0
         for block in blocks:
             view = memoryview(block)
             while len(view):
@@ -432,13 +443,17 @@ class DcpWriter(Writer):
         chunks are consecutive byte ranges of the tensor, taken from `blocks` in order)."""
         entry = self.entries[name]
         assert entry.dtype is not None
-        stream = ByteStream(blocks)
-        for _start, length, index in targets:
+        lengths = [length for _start, length, _index in targets]
+        # local source bytes: each piece copied in the kernel (write_record)
+        ranges = blocks.split(lengths) if isinstance(blocks, FileRange) else None
+        stream = ByteStream(iter(()) if ranges is not None else blocks)
+        for number, (_start, length, index) in enumerate(targets):
             chunk = self.layout[name][index]
-            piece = stream.take(length)
+            piece: Iterable[Any] = ranges[number] if ranges is not None else stream.take(length)
             if chunk.file not in self._owned:
-                for _ in piece:
-                    pass
+                if ranges is None:
+                    for _ in piece:
+                        pass
                 continue
             state = self._state(chunk.file)
             state.fh.seek(state.append_at)
@@ -447,6 +462,8 @@ class DcpWriter(Writer):
             self.results[name][index] = (state.append_at, written)
             state.append_at += written
             state.entries += 1
+        if ranges is not None:
+            return
         if stream.done != entry.nbytes or not stream.at_end():
             raise FormatError(
                 f"tensor {name!r}: got {stream.done}{'+' if not stream.at_end() else ''} raw "

@@ -1,0 +1,135 @@
+"""Byte ranges copied in the kernel and write-back started while a copy goes on (#18): what
+lets `convert` run at the speed of `cp -r SRC DST && sync`."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ckpt_cli import fileio
+from ckpt_cli.fileio import FileRange
+from ckpt_cli.formats import torch_zip
+
+from .conftest import run_ckpt
+from .dist_helpers import dcp_load_flat
+
+
+def _pool(tmp_path: Path, size: int = 10_000) -> tuple[Path, bytes]:
+    data = os.urandom(size)
+    path = tmp_path / "pool.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+def test_a_range_of_segments_iterates_splits_checksums_and_copies_the_same_bytes(
+    tmp_path: Path,
+) -> None:
+    pool, data = _pool(tmp_path)
+    segments = [(pool, 100, 3000), (pool, 7000, 0), (pool, 5000, 2500)]
+    want = data[100:3100] + data[5000:7500]
+    moved: list[int] = []
+    blocks = FileRange.of(segments, block=777, on_progress=moved.append)
+    assert b"".join(bytes(b) for b in blocks) == want and sum(moved) == len(want)
+    assert FileRange.of(segments).crc32() == zlib.crc32(want)
+    pieces = FileRange.of(segments).split([1, 2998, 1001, 0, 1500])
+    assert [p.length for p in pieces] == [1, 2998, 1001, 0, 1500]
+    assert b"".join(b"".join(bytes(b) for b in p) for p in pieces) == want
+    out = tmp_path / "out.bin"
+    with open(out, "wb") as fh:
+        fh.write(b"head")
+        assert FileRange.of(segments).copy_to(fh.fileno(), 4) == len(want)
+    assert out.read_bytes() == b"head" + want
+    with pytest.raises(ValueError):
+        FileRange.of(segments).split([1, 2])
+
+
+def test_a_copy_the_kernel_refuses_falls_back_and_a_short_file_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool, data = _pool(tmp_path)
+
+    def refuse(*args: Any) -> int:
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    out = tmp_path / "out.bin"
+    with open(out, "wb") as fh:
+        FileRange.of([(pool, 10, 20), (pool, 50, 30)]).copy_to(fh.fileno(), 0)
+    assert out.read_bytes() == data[10:30] + data[50:80]
+    from ckpt_cli.errors import FormatError
+
+    with open(out, "wb") as fh, pytest.raises(FormatError, match="truncated") as caught:
+        FileRange(pool, 9_990, 100).copy_to(fh.fileno(), 0)
+    assert str(pool) in str(caught.value.path)
+
+
+@pytest.mark.parametrize("to", ["safetensors", "dcp", "torch"])
+def test_convert_starts_write_back_as_it_copies_and_writes_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str
+) -> None:
+    # the final fsync then waits for little: write-back was asked for every step written
+    requests: list[tuple[int, int, int]] = []
+    real = fileio.start_writeback
+
+    def spy(fd: int, offset: int = 0, length: int = 0) -> None:
+        requests.append((fd, offset, length))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(fileio, "WRITEBACK_STEP", 256 << 10)
+    # and each zip record's CRC is read in a thread while the kernel copies (torch.save kinds)
+    monkeypatch.setattr(torch_zip, "_THREADED_CRC", 1 << 10)
+    monkeypatch.setattr(fileio, "start_writeback", spy)
+    gen = torch.Generator().manual_seed(1)
+    state = {f"layers.{i}.w": torch.randn(256, 1024, generator=gen) for i in range(3)}  # 1 MiB
+    save_file(state, tmp_path / "model.safetensors")
+    out = tmp_path / ("out.pt" if to == "torch" else "out")
+    result = run_ckpt("convert", tmp_path / "model.safetensors", out, "--to", to, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["raw_copies"] == len(state)
+    assert len(requests) >= 3 * 4  # at least one per 256 KiB copied
+    if to == "safetensors":
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            got = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    elif to == "dcp":
+        got = dcp_load_flat(out, {n: torch.empty_like(t) for n, t in state.items()})
+    else:
+        got = torch.load(out, weights_only=True)
+        assert zipfile.ZipFile(out).testzip() is None  # the CRCs the threads computed
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[n], t) for n, t in state.items())
+
+
+def test_dcp_torch_save_tensor_bytes_are_copied_in_the_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the bytes inside each torch.save blob are located, then moved by copy_file_range, not
+    # read into Python: every tensor byte goes through the kernel copy
+    gen = torch.Generator().manual_seed(2)
+    state = {f"w{i}": torch.randn(64, 33, generator=gen) for i in range(4)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    copied: list[int] = []
+    real = os.copy_file_range
+
+    def spy(*args: Any) -> int:
+        n = real(*args)
+        copied.append(n)
+        return n
+
+    monkeypatch.setattr(os, "copy_file_range", spy)
+    out = tmp_path / "st"
+    result = run_ckpt("convert", tmp_path / "dcp", out, "--to", "safetensors", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["raw_copies"] == len(state)
+    assert sum(copied) == sum(t.nbytes for t in state.values())
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        for name, tensor in state.items():
+            assert torch.equal(f.get_tensor(name), tensor), name
