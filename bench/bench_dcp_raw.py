@@ -9,7 +9,11 @@ the runs of each pair (median wall time, peak RSS via /usr/bin/time):
 1. `ckpt convert DCP --to safetensors` (tensor bytes copied out of each torch.save blob) against
    `cp -r DCP COPY && sync`;
 2. `ckpt convert SAFETENSORS --to dcp` (torch.save containers written around raw bytes) against
-   `cp SAFETENSORS COPY && sync`.
+   `cp SAFETENSORS COPY && sync`;
+3. `ckpt convert SAFETENSORS --to torch` (one torch.save file) against the same copy;
+4. `ckpt reshard SAFETENSORS --max-shard-size 500MB` against the same copy.
+
+Tensor bytes move with `copy_file_range` and write-back starts as they land (`ckpt_cli/fileio.py`).
 
 Prints each ratio as the throughput of ckpt over that of the copy (1.0: as fast as `cp`).
 """
@@ -27,6 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
+#: an installed ckpt has its bytecode compiled; a sandbox with PYTHONDONTWRITEBYTECODE=1 would
+#: have every measured process recompile it (~0.15 s)
+ENV.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def measure(cmd: list[str]) -> tuple[float, float]:
@@ -106,6 +113,20 @@ def main() -> None:
         args.runs,
     )
     rows.append(("safetensors -> DCP (torch_save)", to_dcp))
+    to_torch = pair(
+        [*ckpt, "convert", str(st_src), str(work / "model.pt"), "--to", "torch"],
+        f"cp {st_src} {work / 'st-copy'} && sync",
+        [work / "model.pt", work / "st-copy"],
+        args.runs,
+    )
+    rows.append(("safetensors -> torch.save (one .pt)", to_torch))
+    reshard = pair(
+        [*ckpt, "reshard", str(st_src), str(work / "resharded"), "--max-shard-size", "500MB"],
+        f"cp {st_src} {work / 'st-copy'} && sync",
+        [work / "resharded", work / "st-copy"],
+        args.runs,
+    )
+    rows.append(("safetensors -> 500 MB shards (`reshard --max-shard-size`)", reshard))
     load = os.getloadavg()[0]
     print(f"{args.gb:g} GiB, {args.runs} runs each, median; load {load:.1f}, {os.cpu_count()} CPUs")
     print("| work | ckpt | `cp -r && sync` | ratio (throughput vs cp) | ckpt peak RSS |")

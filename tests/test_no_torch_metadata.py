@@ -1,10 +1,11 @@
 """Metadata paths never import torch: `inspect` and plain `verify` of every header-only format,
 including a DCP training checkpoint whose step, param groups and scheduler are torch.save blobs.
 
-Each check runs a real `ckpt` process and reads `sys.modules` at its exit. torch.save files
-(`.pt` / `.bin`, and the Trainer / accelerate / DeepSpeed folders made of them) are a pickle
-whose tensors torch itself must rebuild, so their reader loads torch (on the meta device, no
-data); they are not in this list.
+Each check runs a real `ckpt` process and reads `sys.modules` at its exit. Plain torch.save
+files (state dicts, optimizer and scheduler states, and RNG states with their numpy arrays: the
+Trainer and accelerate checkpoints made of them) are read by a restricted unpickler too. Files
+that pickle other classes (DeepSpeed's model states, Lightning's hyper-parameters) are loaded
+with torch (on the meta device, no data); they are not in this list.
 """
 
 from __future__ import annotations
@@ -122,6 +123,67 @@ def test_metadata_commands_never_import_torch(
     assert code == 0, stdout
     assert torch_free, f"`ckpt {command}` of a {kind} checkpoint imported torch"
     assert json.loads(stdout)["result"]
+
+
+@pytest.mark.parametrize("framework", ["trainer", "accelerate"])
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_trainer_and_accelerate_checkpoints_are_read_without_torch(
+    real_trainer_run: Path, real_accelerate_run: Path, framework: str, command: str
+) -> None:
+    # optimizer.pt, scheduler.pt and the RNG states (numpy arrays inside) as the frameworks
+    # wrote them: read by the restricted unpickler, the same summary as in-process
+    step = (
+        real_trainer_run / "straight" / "checkpoint-4"
+        if framework == "trainer"
+        else real_accelerate_run / "straight" / "step-4"
+    )
+    torch_free, code, stdout = _torch_free(command, step, "--json")
+    assert code == 0, stdout
+    assert torch_free, f"`ckpt {command}` of a {framework} checkpoint imported torch"
+    result = json.loads(stdout)["result"]
+    assert result == run_ckpt(command, step, "--json").json["result"]
+
+
+def test_an_rng_state_read_without_torch_holds_what_torch_load_returns(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    from ckpt_cli.formats.torch_save import object_allowlist
+    from ckpt_cli.formats.torch_zip import TensorLayout, read_plain_torch_zip
+
+    random.seed(3)
+    np.random.seed(3)
+    # what transformers' Trainer._save_rng_state writes, plus a numpy scalar
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+        "scale": np.float32(0.5),
+    }
+    path = tmp_path / "rng_state.pth"
+    torch.save(state, path)
+    with torch.serialization.safe_globals(object_allowlist()):
+        want = torch.load(path, weights_only=True)
+    data = path.read_bytes()
+    found = read_plain_torch_zip(lambda at, n: data[at : at + n], 0, len(data))
+    assert found is not None
+    got = found[1]
+    assert isinstance(got, dict) and got["python"] == want["python"]
+    assert got["numpy"][0] == want["numpy"][0] and got["numpy"][2:] == want["numpy"][2:]
+    assert np.array_equal(got["numpy"][1], want["numpy"][1])
+    assert got["numpy"][1].dtype == want["numpy"][1].dtype
+    assert type(got["scale"]) is type(want["scale"]) and got["scale"] == want["scale"]
+    layout = got["cpu"]
+    assert isinstance(layout, TensorLayout) and layout.data_offset is not None
+    raw = data[layout.data_offset : layout.data_offset + layout.nbytes]
+    assert raw == want["cpu"].numpy().tobytes()
+    # an array of Python objects is not plain data: left to torch.load, which refuses it
+    buffer = io.BytesIO()
+    torch.save({"objects": np.array([{"a": 1}], dtype=object)}, buffer)
+    blob = buffer.getvalue()
+    assert read_plain_torch_zip(lambda at, n: blob[at : at + n], 0, len(blob)) is None
 
 
 def test_dcp_training_summary_without_torch_matches_the_saved_state(

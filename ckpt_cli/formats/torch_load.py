@@ -28,7 +28,7 @@ from ..storage import Storage, StorageRangeFile
 ZIP_MAGIC = b"PK\x03\x04"
 
 
-def _numpy_allowlist() -> list[Any]:
+def numpy_allowlist() -> list[Any]:
     """numpy globals that only build arrays and scalars from bytes (RNG states hold them).
 
     transformers and accelerate allow-list the same ones for `rng_state.pth` and
@@ -67,7 +67,7 @@ def object_allowlist() -> list[Any]:
     The numpy array and dtype globals transformers and accelerate allow-list for RNG states,
     and `torch.Generator`; nothing that can call arbitrary code. Shared by the DCP reader.
     """
-    return [*_numpy_allowlist(), *_generator_allowlist()]
+    return [*numpy_allowlist(), *_generator_allowlist()]
 
 
 #: classes DeepSpeed pickles into its checkpoints that only carry data (loss scaler settings,

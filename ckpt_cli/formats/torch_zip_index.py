@@ -10,6 +10,7 @@ is what lets torch.save -> safetensors/DCP run at copy speed. Public through `to
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import struct
@@ -303,6 +304,34 @@ _REBUILDS: dict[str, Callable[..., object]] = {
 }
 
 
+def _latin1_bytes(text: object, encoding: object = "utf-8") -> object:
+    """`_codecs.encode(text, "latin1")`, the only call of it a pickle of bytes makes."""
+    if isinstance(text, str) and encoding == "latin1":
+        return text.encode("latin1")
+    return _Opaque()
+
+
+@functools.cache
+def _numpy_globals() -> dict[str, Any]:
+    """The numpy globals an RNG state pickles through, by their pickled names."""
+    from .torch_load import numpy_allowlist
+
+    named: dict[str, Any] = {}
+    for item in numpy_allowlist():
+        obj, name = item if isinstance(item, tuple) else (item, None)
+        named[name or f"{obj.__module__}.{obj.__qualname__}"] = obj
+    return named
+
+
+def _plain_numpy(node: object) -> bool:
+    """A numpy array, scalar or dtype of plain values (no Python objects inside)."""
+    import numpy as np
+
+    if isinstance(node, (np.ndarray, np.generic)):
+        return not node.dtype.hasobject
+    return isinstance(node, np.dtype) and not node.hasobject
+
+
 class _LayoutUnpickler(pickle.Unpickler):
     """Reads data.pkl at C speed with every global replaced by an inert stand-in.
 
@@ -322,6 +351,12 @@ class _LayoutUnpickler(pickle.Unpickler):
             return _Kind(name, False)
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1_bytes  # how protocol 2 spells a bytes object (numpy's raw data)
+        if module.startswith("numpy"):
+            # an RNG state's arrays: numpy's own array recipe, the globals torch.load is told
+            # to admit for them (`torch_load.numpy_allowlist`); nothing else of numpy
+            return _numpy_globals().get(f"{module}.{name}", _Opaque)
         return _Opaque
 
     def persistent_load(self, pid: Any) -> Any:
@@ -455,6 +490,8 @@ def _plain_tree(root: object, layouts: dict[int, TensorLayout]) -> object:
             return layout
         if type(node) in _PLAIN_LEAVES:
             return node
+        if type(node).__module__.startswith("numpy") and _plain_numpy(node):
+            return node  # torch.load returns the same array
         done = memo.get(id(node))
         if done is not None:
             return done
