@@ -142,3 +142,30 @@ def test_dcp_torch_save_tensor_bytes_are_copied_in_the_kernel(
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         for name, tensor in state.items():
             assert torch.equal(f.get_tensor(name), tensor), name
+
+
+def test_the_dcp_writer_decides_raw_copies_once_not_per_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # asked per entry, the decision walked every planned entry: n entries cost n² (20,000
+    # small tensors took minutes); the plan does not change while writing
+    from ckpt_cli.formats.dcp import DcpWriter
+
+    decisions: list[int] = []
+    real = DcpWriter._raw_plan
+
+    def spy(self: DcpWriter) -> bool:
+        decisions.append(1)
+        return real(self)
+
+    monkeypatch.setattr(DcpWriter, "_raw_plan", spy)
+    state = {f"layers.{i}.w": torch.full((3, 2), float(i)) for i in range(200)}
+    save_file(state, tmp_path / "model.safetensors")
+    result = run_ckpt(
+        "convert", tmp_path / "model.safetensors", tmp_path / "dcp", "--to", "dcp", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["raw_copies"] == len(state)
+    assert len(decisions) == 1
+    got = dcp_load_flat(tmp_path / "dcp", {n: torch.empty_like(t) for n, t in state.items()})
+    assert all(torch.equal(got[n], t) for n, t in state.items())

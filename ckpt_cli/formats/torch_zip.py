@@ -238,9 +238,10 @@ def write_record(
     start) whose data starts at a multiple of ALIGNMENT within the zip.
 
     `data` is a buffer, an iterator of blocks of `size` bytes in all (zipfile computes the CRC
-    as they pass), or a local `FileRange`: its CRC is read first and its bytes are then
-    copied in the kernel, past zipfile, whose local header is rewritten with the CRC and sizes
-    (the central directory takes them from the same `ZipInfo`).
+    as they pass), or a local `FileRange`: its bytes are copied in the kernel, past zipfile,
+    while its CRC is read from the source (`_copy_with_crc`); the local header zipfile wrote is
+    then rewritten with the CRC and sizes (the central directory takes them from the same
+    `ZipInfo`), so the record is byte for byte the streamed one.
     """
     info = zipfile.ZipInfo(name, date_time=_DATE)
     info.compress_type = zipfile.ZIP_STORED

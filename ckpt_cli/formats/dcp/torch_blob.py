@@ -5,7 +5,8 @@ zip directory and a restricted walk of data.pkl, `torch_zip.locate_single_tensor
 to a raw format moves that byte range instead of deserialising the blob.
 
 Writing: `write_tensor_blob` writes the `torch.save` container of one tensor around its raw
-bytes, streamed in blocks (the CRC as they pass), with its records in torch.save's order:
+bytes, streamed in blocks (the CRC as they pass) or, from a local `FileRange`, copied in the
+kernel (`torch_zip.write_record`), with its records in torch.save's order:
 `data.pkl` first (what `peek.peek_saved_tensor` reads from the blob's first bytes), then
 `.format_version`, `.storage_alignment`, `byteorder`, `data/0` (64-byte aligned in the blob),
 `version`. data.pkl is byte for byte what torch.save pickles for that tensor; the zip headers

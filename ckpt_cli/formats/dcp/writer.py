@@ -113,6 +113,7 @@ class DcpWriter(Writer):
         self.world_size = options.world_size
         self.entries: dict[str, Entry] = {}
         self.layout: dict[str, list[Chunk]] = {}
+        self._accepts_raw: bool | None = None
         self.results: dict[str, list[tuple[int, int] | None]] = {}
         self._object_file: dict[str, str] = {}
         files: dict[str, None] = {rank_file(r): None for r in range(self.world_size)}
@@ -279,7 +280,15 @@ class DcpWriter(Writer):
     @property
     def accepts_raw(self) -> bool:
         """Raw copies work when chunks split only dim 0: into the embedded safetensors blob, or
-        (torch_save, uncompressed) into a torch.save container written around the bytes."""
+        (torch_save, uncompressed) into a torch.save container written around the bytes.
+
+        Decided once: the plan does not change while writing, and asking per entry made a
+        copy of n entries cost n² (20,000 entries: minutes)."""
+        if self._accepts_raw is None:
+            self._accepts_raw = self._raw_plan()
+        return self._accepts_raw
+
+    def _raw_plan(self) -> bool:
         if self.compression is not None:
             return False
         if self.serialization == "torch_save" and any(
