@@ -66,18 +66,32 @@ def start_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
         call(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # an error only loses the head start
 
 
+#: bytes written to each open file descriptor since its write-back was last started
+_unflushed: dict[int, int] = {}
+
+
+def note_written(fd: int, count: int) -> None:
+    """Count `count` bytes written to `fd`; every `WRITEBACK_STEP` of them, start the
+    write-back of the whole file (one request for many small writes, none per write)."""
+    pending = _unflushed.get(fd, 0) + count
+    if pending >= WRITEBACK_STEP:
+        start_writeback(fd)
+        pending = 0
+    _unflushed[fd] = pending
+
+
 class _WritebackFileIO(io.FileIO):
     """A `FileIO` that starts the write-back of what it wrote every `WRITEBACK_STEP` bytes."""
 
-    _unflushed = 0
-
     def write(self, data: Any) -> int:
         written = super().write(data) or 0
-        self._unflushed += written
-        if self._unflushed >= WRITEBACK_STEP:
-            self._unflushed = 0
-            start_writeback(self.fileno())
+        note_written(self.fileno(), written)
         return written
+
+    def close(self) -> None:
+        if not self.closed:
+            _unflushed.pop(self.fileno(), None)
+        super().close()
 
 
 def open_output(path: Path) -> io.BufferedWriter:
@@ -195,7 +209,7 @@ class FileRange(Iterator[bytes]):
 
     def copy_to(self, out_fd: int, position: int) -> int:
         """Copy all the bytes to `out_fd` at `position` (its file offset is not used), starting
-        the write-back of each `WRITEBACK_STEP` as it lands; the byte count."""
+        the write-back every `WRITEBACK_STEP` bytes (`note_written`); the byte count."""
         at = position
         for path, offset, length in self.segments:
             at += self._copy_segment(path, offset, length, out_fd, at)
@@ -214,7 +228,7 @@ class FileRange(Iterator[bytes]):
                     break  # EXDEV, ENOSYS, EINVAL...: the buffered copy below does the rest
                 if got <= 0:
                     raise self._truncated(path, offset, length, done)
-                start_writeback(out_fd, at + done, got)
+                note_written(out_fd, got)
                 done += got
                 if self.on_progress is not None:
                     self.on_progress(got)
@@ -230,5 +244,5 @@ class FileRange(Iterator[bytes]):
                 while written < len(block):
                     written += os.pwrite(out_fd, memoryview(block)[written:], position + written)
                 position += len(block)
-            start_writeback(out_fd, at + done, length - done)
+            note_written(out_fd, length - done)
         return length

@@ -226,13 +226,21 @@ def test_raw_written_two_rank_dcp_loads_under_torchrun(tmp_path: Path) -> None:
         assert report["ok"], report["mismatches"]
 
 
-@pytest.mark.parametrize("serialization", ["torch_save", "safetensors"])
+@pytest.mark.parametrize(
+    ("serialization", "in_memory"),
+    [("torch_save", True), ("torch_save", False), ("safetensors", True)],
+)
 def test_the_raw_kernel_and_tensor_paths_write_byte_identical_data_files(
-    tmp_path: Path, serialization: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, serialization: str, in_memory: bool
 ) -> None:
     # three ways in: raw blocks, a local file range (copied in the kernel, the zip CRC read
-    # first and patched into the header) and torch tensors; one set of bytes out
+    # alongside and patched into the header) and torch tensors; one set of bytes out, whether
+    # small containers are built in memory (the default for these sizes) or in the file
     from ckpt_cli.fileio import FileRange
+    from ckpt_cli.formats.dcp import torch_blob
+
+    if not in_memory:
+        monkeypatch.setattr(torch_blob, "SMALL_BLOB", -1)
     from ckpt_cli.formats.base import WriteOptions
     from ckpt_cli.formats.dcp import DcpFormat
     from ckpt_cli.models import Entry
@@ -271,11 +279,19 @@ def test_the_raw_kernel_and_tensor_paths_write_byte_identical_data_files(
             else:
                 writer.write_tensor(name, tensor)
         writer.finish()
+    # and the other way of building containers, for the tensor path, to the same bytes
+    monkeypatch.setattr(torch_blob, "SMALL_BLOB", 1 << 20 if not in_memory else -1)
+    (tmp_path / "other").mkdir()
+    writer = DcpFormat.writer(tmp_path / "other", plan, options)
+    for name, tensor in state.items():
+        writer.write_tensor(name, tensor)
+    writer.finish()
     for rank in range(3):
         name = f"__{rank}_0.distcp"
         tensor_bytes = (tmp_path / "tensor" / name).read_bytes()
         assert (tmp_path / "raw" / name).read_bytes() == tensor_bytes, rank
         assert (tmp_path / "kernel" / name).read_bytes() == tensor_bytes, rank
+        assert (tmp_path / "other" / name).read_bytes() == tensor_bytes, rank
     if serialization == "torch_save":  # (the safetensors kind's tensor path is loaded elsewhere)
         template = {name: torch.empty_like(t) for name, t in state.items()}
         for name, tensor in dcp_load_flat(tmp_path / "kernel", template).items():

@@ -110,10 +110,17 @@ class LocalStorage(Storage):
         # links may resolve anywhere inside this folder: the root, or for a Hugging Face cache
         # snapshot its repository folder (`models--org--name/`, files link to `../../blobs/`)
         self._link_root = hf_cache_repo(self._real_root) or self._real_root
+        #: names already confined to the root, with their paths: one copy reads the same file
+        #: for every entry it holds (20,000 entries: 80,000 realpath walks)
+        self._confined: dict[str, Path] = {}
 
     def path(self, rel: str) -> Path:
         """Absolute path of `rel`, refusing names and symlinks that leave the root (or, in a
         Hugging Face cache snapshot, the cache's repository folder)."""
+        known = self._confined.get(rel)
+        if known is not None:
+            return known
+        name = rel
         rel = safe_relpath(rel, source=self.display)
         full = self.root / rel
         real = os.path.realpath(full)
@@ -123,6 +130,7 @@ class LocalStorage(Storage):
                 path=self.display,
                 fix="Copy the file into the checkpoint folder instead of linking it.",
             )
+        self._confined[name] = full
         return full
 
     def list_files(self) -> dict[str, int]:

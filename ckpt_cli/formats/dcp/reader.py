@@ -154,9 +154,7 @@ class DcpCheckpoint(Checkpoint):
             offset += rows[0] * row_bytes
             sizes[0] = rows[1] - rows[0]
         if isinstance(self.storage, LocalStorage):
-            fd = self._fds.get(chunk.file)
-            if fd is None:
-                fd = self._fds[chunk.file] = os.open(self.storage.path(chunk.file), os.O_RDONLY)
+            fd = self._local_fd(chunk.file)
             where = self.storage.describe(chunk.file)
             return read_tensor_from_fd(fd, offset, entry.dtype, sizes, where)
         nbytes = dtypes.numel(sizes) * dtypes.itemsize(entry.dtype)
@@ -165,11 +163,19 @@ class DcpCheckpoint(Checkpoint):
     def _byte_range(self, rel: str, offset: int, length: int) -> IO[bytes]:
         """A seekable file object over one stored range (torch.load reads from it directly)."""
         if isinstance(self.storage, LocalStorage):
-            fd = self._fds.get(rel)
-            if fd is None:
-                fd = self._fds[rel] = os.open(self.storage.path(rel), os.O_RDONLY)
+            fd = self._local_fd(rel)
             return cast(IO[bytes], _FileRange(fd, offset, length, self.storage.describe(rel)))
         return io.BytesIO(self.storage.read(rel, offset, length))
+
+    def _local_fd(self, rel: str) -> int:
+        """A read descriptor of local data file `rel`, opened once for the checkpoint."""
+        fd = self._fds.get(rel)
+        if fd is None:
+            path = self.storage.local_path(rel)
+            if path is None:
+                raise FormatError("is not a local file", path=self.storage.describe(rel))
+            fd = self._fds[rel] = os.open(path, os.O_RDONLY)
+        return fd
 
     def read_tensor(self, name: str) -> torch.Tensor:
         entry = self._entry(name, "tensor")
@@ -304,6 +310,13 @@ class DcpCheckpoint(Checkpoint):
 
     def _reader(self, rel: str) -> Callable[[int, int], bytes]:
         """`read(offset, n)` of one data file (what the zip locator reads with)."""
+        if isinstance(self.storage, LocalStorage):
+            fd = self._local_fd(rel)  # one open for the many small reads of each blob
+
+            def pread(offset: int, n: int) -> bytes:
+                return os.pread(fd, n, offset)
+
+            return pread
 
         def read(offset: int, n: int) -> bytes:
             return self.storage.read(rel, offset, n)
