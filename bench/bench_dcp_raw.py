@@ -11,7 +11,9 @@ the runs of each pair (median wall time, peak RSS via /usr/bin/time):
 2. `ckpt convert SAFETENSORS --to dcp` (torch.save containers written around raw bytes) against
    `cp SAFETENSORS COPY && sync`;
 3. `ckpt convert SAFETENSORS --to torch` (one torch.save file) against the same copy;
-4. `ckpt reshard SAFETENSORS --max-shard-size 500MB` against the same copy.
+4. `ckpt reshard SAFETENSORS --max-shard-size 500MB` against the same copy;
+5. `ckpt convert SAFETENSORS --dtype bf16` (every tensor read, cast by torch and written: the
+   cast path, target within 2x of the copy) against the same copy of the F32 source.
 
 Tensor bytes move with `copy_file_range` and write-back starts as they land (`ckpt_cli/fileio.py`).
 
@@ -98,35 +100,26 @@ def main() -> None:
     work.mkdir(parents=True)
     dcp_src, st_src = make_sources(work, args.gb)
     ckpt = [PY, "-m", "ckpt_cli"]
+    copy_dcp = (f"cp -r {dcp_src} {work / 'dcp-copy'} && sync", work / "dcp-copy")
+    copy_st = (f"cp {st_src} {work / 'st-copy'} && sync", work / "st-copy")
+    # (label, ckpt's arguments, its output, the baseline copy of the same source)
+    cases = [
+        ("DCP (torch_save) -> safetensors", ["convert", dcp_src, "--to", "safetensors"],
+         work / "st-out", copy_dcp),
+        ("safetensors -> DCP (torch_save)", ["convert", st_src, "--to", "dcp"],
+         work / "dcp-out", copy_st),
+        ("safetensors -> torch.save (one .pt)", ["convert", st_src, "--to", "torch"],
+         work / "model.pt", copy_st),
+        ("safetensors -> 500 MB shards (`reshard --max-shard-size`)",
+         ["reshard", st_src, "--max-shard-size", "500MB"], work / "resharded", copy_st),
+        ("safetensors F32 -> BF16 (`convert --dtype bf16`, a cast)",
+         ["convert", st_src, "--to", "safetensors", "--dtype", "bf16"], work / "bf16", copy_st),
+    ]  # fmt: skip
     rows = []
-    to_st = pair(
-        [*ckpt, "convert", str(dcp_src), str(work / "st-out"), "--to", "safetensors"],
-        f"cp -r {dcp_src} {work / 'dcp-copy'} && sync",
-        [work / "st-out", work / "dcp-copy"],
-        args.runs,
-    )
-    rows.append(("DCP (torch_save) -> safetensors", to_st))
-    to_dcp = pair(
-        [*ckpt, "convert", str(st_src), str(work / "dcp-out"), "--to", "dcp"],
-        f"cp {st_src} {work / 'st-copy'} && sync",
-        [work / "dcp-out", work / "st-copy"],
-        args.runs,
-    )
-    rows.append(("safetensors -> DCP (torch_save)", to_dcp))
-    to_torch = pair(
-        [*ckpt, "convert", str(st_src), str(work / "model.pt"), "--to", "torch"],
-        f"cp {st_src} {work / 'st-copy'} && sync",
-        [work / "model.pt", work / "st-copy"],
-        args.runs,
-    )
-    rows.append(("safetensors -> torch.save (one .pt)", to_torch))
-    reshard = pair(
-        [*ckpt, "reshard", str(st_src), str(work / "resharded"), "--max-shard-size", "500MB"],
-        f"cp {st_src} {work / 'st-copy'} && sync",
-        [work / "resharded", work / "st-copy"],
-        args.runs,
-    )
-    rows.append(("safetensors -> 500 MB shards (`reshard --max-shard-size`)", reshard))
+    for label, argv, out, (baseline, copy) in cases:
+        command, src, *options = argv
+        ours = [*ckpt, str(command), str(src), str(out), *map(str, options)]
+        rows.append((label, pair(ours, baseline, [out, copy], args.runs)))
     load = os.getloadavg()[0]
     print(f"{args.gb:g} GiB, {args.runs} runs each, median; load {load:.1f}, {os.cpu_count()} CPUs")
     print("| work | ckpt | `cp -r && sync` | ratio (throughput vs cp) | ckpt peak RSS |")
