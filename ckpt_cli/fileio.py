@@ -227,7 +227,9 @@ class FileRange(Iterator[bytes]):
                 except OSError:
                     break  # EXDEV, ENOSYS, EINVAL...: the buffered copy below does the rest
                 if got <= 0:
-                    raise self._truncated(path, offset, length, done)
+                    # end of file, or a file system that copies nothing (some FUSE and
+                    # network ones): the buffered copy tells the two apart
+                    break
                 note_written(out_fd, got)
                 done += got
                 if self.on_progress is not None:

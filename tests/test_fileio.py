@@ -53,12 +53,17 @@ def test_a_range_of_segments_iterates_splits_checksums_and_copies_the_same_bytes
         FileRange.of(segments).split([1, 2])
 
 
+@pytest.mark.parametrize("refusal", ["error", "nothing copied"])
 def test_a_copy_the_kernel_refuses_falls_back_and_a_short_file_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str
 ) -> None:
+    # EXDEV and friends, or a file system whose copy_file_range copies 0 bytes of a range
+    # that is there: the buffered copy does the work, and only a really short file is an error
     pool, data = _pool(tmp_path)
 
     def refuse(*args: Any) -> int:
+        if refusal == "nothing copied":
+            return 0
         raise OSError(18, "Invalid cross-device link")
 
     monkeypatch.setattr(os, "copy_file_range", refuse)
