@@ -22,33 +22,10 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-PY = sys.executable
-ENV = dict(os.environ, PYTHONPATH=str(REPO))
-
-
-def measure(cmd: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS in MiB) of one command, started with no dirty pages pending.
-
-    ckpt fsyncs what it writes; without the `sync` first, that fsync would also pay for the
-    write-back of whatever the previous step left dirty.
-    """
-    subprocess.run(["sync"], check=True)
-    out = subprocess.run(
-        ["/usr/bin/time", "-f", "%e %M", *cmd],
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"{cmd} failed:\n{out.stderr[-2000:]}")
-    seconds, kib = out.stderr.strip().splitlines()[-1].split()
-    return float(seconds), int(kib) / 1024
+from timing import ENV, PY, measure
 
 
 def make_model(path: Path, gb: float, largest_mb: int) -> None:

@@ -27,31 +27,9 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-PY = sys.executable
-ENV = dict(os.environ, PYTHONPATH=str(REPO))
-#: an installed ckpt has its bytecode compiled; a sandbox with PYTHONDONTWRITEBYTECODE=1 would
-#: have every measured process recompile it (~0.15 s)
-ENV.pop("PYTHONDONTWRITEBYTECODE", None)
-
-
-def measure(cmd: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS in MiB) of one command, started with no dirty pages pending."""
-    subprocess.run(["sync"], check=True)
-    out = subprocess.run(
-        ["/usr/bin/time", "-f", "%e %M", *cmd],
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"{cmd} failed:\n{out.stderr[-2000:]}")
-    seconds, kib = out.stderr.strip().splitlines()[-1].split()
-    return float(seconds), int(kib) / 1024
+from timing import ENV, PY, measure
 
 
 def make_sources(work: Path, gb: float) -> tuple[Path, Path]:

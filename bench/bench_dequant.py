@@ -21,16 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-PY = sys.executable
-ENV = dict(os.environ, PYTHONPATH=str(REPO))
+from timing import PY, measure
 
 TORCH_READER = r"""
 import sys, json, torch
@@ -44,20 +38,6 @@ state = {n: torch.empty(s, dtype=torch.bfloat16) for n, s in shapes.items()}
 dcp.load(state, storage_reader=QuantizedHuggingFaceStorageReader(src, target_dtype=torch.bfloat16), no_dist=True)
 save_file(state, out)
 """
-
-
-def measure(cmd: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS in MiB) of one command, after a sync."""
-    subprocess.run(["sync"], check=True)
-    start = time.perf_counter()
-    proc = subprocess.run(
-        ["/usr/bin/time", "-f", "%M", *cmd], env=ENV, capture_output=True, text=True, check=False
-    )
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}")
-    rss_kib = int(proc.stderr.strip().splitlines()[-1])
-    return seconds, rss_kib / 1024
 
 
 def build_fp8(folder: Path, mb: int) -> int:

@@ -29,12 +29,9 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-PY = sys.executable
-ENV = dict(os.environ, PYTHONPATH=str(REPO))
+from timing import ENV, PY, measure
 
 MAKE = """
 import sys, torch
@@ -63,22 +60,6 @@ assert a.keys() == b.keys()
 for k in a:
     assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
 """
-
-
-def measure(cmd: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS in MiB) of one command, started with no dirty pages pending."""
-    subprocess.run(["sync"], check=True)
-    out = subprocess.run(
-        ["/usr/bin/time", "-f", "%e %M", *cmd],
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"{cmd} failed:\n{out.stderr[-2000:]}")
-    seconds, kib = out.stderr.strip().splitlines()[-1].split()
-    return float(seconds), int(kib) / 1024
 
 
 def main() -> None:
