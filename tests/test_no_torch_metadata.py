@@ -179,6 +179,18 @@ def test_an_rng_state_read_without_torch_holds_what_torch_load_returns(tmp_path:
     assert isinstance(layout, TensorLayout) and layout.data_offset is not None
     raw = data[layout.data_offset : layout.data_offset + layout.nbytes]
     assert raw == want["cpu"].numpy().tobytes()
+    # numpy's array recipe only as numpy pickles arrays: a pickle asking `_reconstruct` for a
+    # 2 GiB shape would get the allocation before any data check
+    core = getattr(np, "_core", None) or np.core
+
+    class Huge:
+        def __reduce__(self) -> Any:
+            return (core.multiarray._reconstruct, (np.ndarray, (1 << 31,), b"b"))
+
+    buffer = io.BytesIO()
+    torch.save({"rng": Huge()}, buffer, pickle_module=pickle)
+    blob = buffer.getvalue()
+    assert read_plain_torch_zip(lambda at, n: blob[at : at + n], 0, len(blob)) is None
     # an array of Python objects is not plain data: left to torch.load, which refuses it
     buffer = io.BytesIO()
     torch.save({"objects": np.array([{"a": 1}], dtype=object)}, buffer)

@@ -319,8 +319,23 @@ def _numpy_globals() -> dict[str, Any]:
     named: dict[str, Any] = {}
     for item in numpy_allowlist():
         obj, name = item if isinstance(item, tuple) else (item, None)
-        named[name or f"{obj.__module__}.{obj.__qualname__}"] = obj
+        key = name or f"{obj.__module__}.{obj.__qualname__}"
+        named[key] = _empty_array(obj) if key.endswith("._reconstruct") else obj
     return named
+
+
+def _empty_array(reconstruct: Any) -> Callable[..., object]:
+    """numpy's `_reconstruct` as `ndarray.__reduce__` calls it, `(ndarray, (0,), b'b')`, and
+    no other way: a pickle asking for a large shape would allocate it before its data is
+    checked."""
+    import numpy as np
+
+    def build(subtype: object = None, shape: object = None, dtype: object = None) -> object:
+        if subtype is not np.ndarray or shape != (0,):
+            return _Opaque()
+        return reconstruct(subtype, shape, dtype)
+
+    return build
 
 
 def _plain_numpy(node: object) -> bool:
