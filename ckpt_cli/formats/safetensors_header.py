@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from .. import dtypes
@@ -171,8 +172,23 @@ def _decode(raw: bytes, where: str, findings: Findings) -> dict[str, Any] | None
     the raw key ends (a quote then a colon: at least one per key written) disagrees with the
     keys parsed, so a clean header costs one parse and two scans of its bytes.
     """
+    header = _json_object(raw, where, findings)
+    if header is None:
+        return None
+    if _keys_accounted(raw, header):
+        return header
+    return _decode_checked(raw, where, findings)
+
+
+def _json_object(
+    raw: bytes,
+    where: str,
+    findings: Findings,
+    pairs_hook: Callable[[list[tuple[str, Any]]], dict[str, Any]] | None = None,
+) -> dict[str, Any] | None:
+    """`raw` parsed as a JSON object, or None with a `bad_header` finding."""
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=pairs_hook)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         findings.add("bad_header", f"has a header that is not valid JSON ({exc})", file=where)
         return None
@@ -182,9 +198,7 @@ def _decode(raw: bytes, where: str, findings: Findings) -> dict[str, Any] | None
     if not isinstance(header, dict):
         findings.add("bad_header", "has a header that is not a JSON object", file=where)
         return None
-    if _keys_accounted(raw, header):
-        return header
-    return _decode_checked(raw, where, findings)
+    return header
 
 
 def _keys_accounted(raw: bytes, header: dict[str, Any]) -> bool:
@@ -223,16 +237,8 @@ def _decode_checked(raw: bytes, where: str, findings: Findings) -> dict[str, Any
             seen.add(key)
         return dict(pairs)
 
-    try:
-        header = json.loads(raw, object_pairs_hook=no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        findings.add("bad_header", f"has a header that is not valid JSON ({exc})", file=where)
-        return None
-    except RecursionError:
-        findings.add("bad_header", "has a header nested too deeply to be read", file=where)
-        return None
-    if not isinstance(header, dict):
-        findings.add("bad_header", "has a header that is not a JSON object", file=where)
+    header = _json_object(raw, where, findings, no_duplicates)
+    if header is None:
         return None
     meta_keys = header.get("__metadata__")
     for key, keys in duplicates:
