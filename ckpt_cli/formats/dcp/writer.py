@@ -416,10 +416,23 @@ class DcpWriter(Writer):
                 if chunks[index].file in self._owned:
                     fd = self._state(chunks[index].file).fh.fileno()
                     piece.copy_to(fd, self._raw_at[(name, index)])
-            blocks = iter(())
-            done = entry.nbytes
         else:
-            done = 0
+            self._pwrite_raw_blocks(name, targets, blocks)
+        for index, (chunk, (_start, length, _i)) in enumerate(
+            zip(chunks, sorted(targets, key=lambda t: t[2]), strict=True)
+        ):
+            if chunk.file not in self._owned:
+                continue
+            self.results[name][index] = (self.files[chunk.file].blob_start, length)
+            self.files[chunk.file].entries += 1
+
+    def _pwrite_raw_blocks(
+        self, name: str, targets: list[tuple[int, int, int]], blocks: Iterator[bytes]
+    ) -> None:
+        """Raw blocks of tensor `name` written where each chunk sits in the embedded blob."""
+        chunks = self.layout[name]
+        entry = self.entries[name]
+        done = 0
         for block in blocks:
             view = memoryview(block)
             while len(view):
@@ -437,13 +450,6 @@ class DcpWriter(Writer):
                     raise FormatError(f"tensor {name!r}: more raw bytes than its {entry.nbytes}")
         if done != entry.nbytes:
             raise FormatError(f"tensor {name!r}: got {done} raw bytes, expected {entry.nbytes}")
-        for index, (chunk, (_start, length, _i)) in enumerate(
-            zip(chunks, sorted(targets, key=lambda t: t[2]), strict=True)
-        ):
-            if chunk.file not in self._owned:
-                continue
-            self.results[name][index] = (self.files[chunk.file].blob_start, length)
-            self.files[chunk.file].entries += 1
 
     def _write_raw_blobs(
         self, name: str, targets: list[tuple[int, int, int]], blocks: Iterator[bytes]
@@ -453,14 +459,17 @@ class DcpWriter(Writer):
         entry = self.entries[name]
         assert entry.dtype is not None
         lengths = [length for _start, length, _index in targets]
-        # local source bytes: each piece copied in the kernel (write_record)
-        ranges = blocks.split(lengths) if isinstance(blocks, FileRange) else None
-        stream = ByteStream(iter(()) if ranges is not None else blocks)
-        for number, (_start, length, index) in enumerate(targets):
+        stream: ByteStream | None = None
+        pieces: Iterator[Iterable[Any]]
+        if isinstance(blocks, FileRange):
+            pieces = iter(blocks.split(lengths))  # local bytes: copied in the kernel (write_record)
+        else:
+            stream = ByteStream(blocks)
+            pieces = (stream.take(length) for length in lengths)
+        for (_start, _length, index), piece in zip(targets, pieces, strict=True):
             chunk = self.layout[name][index]
-            piece: Iterable[Any] = ranges[number] if ranges is not None else stream.take(length)
             if chunk.file not in self._owned:
-                if ranges is None:
+                if stream is not None:  # the stream's later pieces follow these bytes
                     for _ in piece:
                         pass
                 continue
@@ -471,9 +480,7 @@ class DcpWriter(Writer):
             self.results[name][index] = (state.append_at, written)
             state.append_at += written
             state.entries += 1
-        if ranges is not None:
-            return
-        if stream.done != entry.nbytes or not stream.at_end():
+        if stream is not None and (stream.done != entry.nbytes or not stream.at_end()):
             raise FormatError(
                 f"tensor {name!r}: got {stream.done}{'+' if not stream.at_end() else ''} raw "
                 f"bytes, expected {entry.nbytes}"
