@@ -1,26 +1,36 @@
 # The two commands of the README's quick start: `make demo` and `make test`.
-# Both create the virtual environment if it is missing; torch==2.13.0 is installed first so
-# pip takes the CPU wheel instead of a multi-GB CUDA build.
+# Each creates the virtual environment if it is missing; torch==2.13.0 is installed first so
+# pip takes the CPU wheel instead of a multi-GB CUDA build. Three stamps, three install sizes:
+#   $(STAMP)       the package and its runtime dependencies only (make demo)
+#   $(DEV)         + the dev tools: pytest, ruff, mypy, moto, s3fs... (make test-fast, lint)
+#   $(FRAMEWORKS)  + the frameworks the fixtures are written with (make test)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CKPT := $(VENV)/bin/ckpt
 STAMP := $(VENV)/.ckpt-installed
+DEV := $(VENV)/.ckpt-dev
 FRAMEWORKS := $(VENV)/.ckpt-frameworks
 DEMO := build/demo
 PIP := $(PY) -m pip install -qqq --disable-pip-version-check
+# the fast loop: no framework fixtures, no torchrun launches, nothing marked slow
+FAST := not frameworks and not torchrun and not slow
 
-.PHONY: demo test lint typecheck pytest frameworks bench completions clean
+.PHONY: demo test test-fast lint typecheck pytest frameworks bench completions clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) torch==2.13.0 -e '.[dev,frameworks]'
+	$(PIP) torch==2.13.0 -e .
 	touch $(STAMP)
+
+$(DEV): $(STAMP)
+	$(PIP) torch==2.13.0 -e '.[dev]'
+	touch $(DEV)
 
 # the frameworks the tests build fixtures with; DeepSpeed needs its ops left unbuilt (no CUDA)
 # and the installed torch visible to its build (no build isolation)
-$(FRAMEWORKS): $(STAMP)
+$(FRAMEWORKS): $(DEV)
 	$(PIP) torch==2.13.0 -e '.[dev,frameworks]'
 	DS_BUILD_OPS=0 $(PIP) --no-build-isolation torch==2.13.0 deepspeed
 	# torchtitan 0.3.0 pins datasets<4.8 (and so an older fsspec than s3fs wants) and pulls
@@ -41,22 +51,26 @@ demo: $(STAMP)
 
 test: $(STAMP) lint typecheck pytest
 
-lint: $(STAMP)
+lint: $(DEV)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-typecheck: $(STAMP)
+typecheck: $(DEV)
 	$(VENV)/bin/mypy
 
 pytest: $(FRAMEWORKS)
 	$(PY) -m pytest -q
 
-completions: $(STAMP)
+# the edit-test loop (a few minutes on 2 cores): the dev tools only, no frameworks installed
+test-fast: $(DEV)
+	$(PY) -m pytest -q -m "$(FAST)"
+
+completions: $(DEV)
 	$(PY) -m ckpt_cli.completions completions
 	$(PY) -m ckpt_cli.render.schema schema/ckpt-json.schema.json
 
 # every benchmark with its defaults (several minutes, a few GB of scratch data); see bench/README.md
-bench: $(STAMP)
+bench: $(DEV)
 	for script in bench/*.py; do echo "== $$script"; PYTHONPATH=$(CURDIR) $(PY) $$script || exit 1; done
 
 clean:

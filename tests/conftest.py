@@ -15,6 +15,8 @@ from typer.testing import CliRunner
 
 from ckpt_cli.cli import get_app
 
+from . import framework_marks
+
 REPO = Path(__file__).resolve().parents[1]
 
 # fixture modules shared across test files
@@ -69,12 +71,55 @@ def run_ckpt_process(
     return CkptResult(proc.returncode, proc.stdout, proc.stderr)
 
 
+def _frameworks_of(item: pytest.Function) -> frozenset[str]:
+    """The frameworks a test needs: through its own code, its fixtures' and what they call."""
+    functions = [item.function]
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        functions.extend(fixturedef.func for fixturedef in defs)
+    # helpers imported from other test modules (a fixture builder called directly)
+    for function in list(functions):
+        namespace = getattr(function, "__globals__", {})
+        for name in getattr(getattr(function, "__code__", None), "co_names", ()):
+            helper = namespace.get(name)
+            code = getattr(helper, "__code__", None)
+            if code is not None and code.co_filename.startswith(str(REPO / "tests")):
+                functions.append(helper)
+    needed: set[str] = set()
+    for function in functions:
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            needed |= framework_marks.frameworks_needed(code.co_filename, function.__name__)
+    return frozenset(needed)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that needs a framework `frameworks` (see tests/framework_marks.py)."""
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        needed = _frameworks_of(item)
+        if needed:
+            item.add_marker(pytest.mark.frameworks(needs=sorted(needed)))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Remember the running test, so launch helpers can check it carries the torchrun marker."""
+    """Skip a framework test, saying which, where the frameworks extra is not installed; and
+    remember the running test, so launch helpers can check it carries the torchrun marker."""
     from . import dist_helpers
 
     dist_helpers.CURRENT_TEST = item
+    marks = list(item.iter_markers("frameworks"))
+    if marks:
+        needed = {name for mark in marks for name in mark.kwargs.get("needs", ())}
+        # an explicit mark may stand for a framework only a launched script imports
+        wanted = needed or set(framework_marks.FRAMEWORKS)
+        missing = sorted(name for name in wanted if not framework_marks.installed(name))
+        if missing:
+            pytest.skip(
+                f"needs the frameworks extra ({', '.join(missing)} not installed): "
+                "`make test` installs it"
+            )
 
 
 @pytest.fixture

@@ -15,12 +15,18 @@ import pytest
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from transformers import LlamaForCausalLM
-from transformers.trainer_pt_utils import safe_globals
 
 from .conftest import REPO, run_ckpt, run_ckpt_process
 from .hub_fixtures import publish_model
 from .hub_server import TestHub
+
+# every test here judges with transformers' own loaders: without the frameworks extra the
+# module is skipped, with the reason, instead of breaking collection
+transformers = pytest.importorskip(
+    "transformers", reason="needs the frameworks extra (transformers): `make test` installs it"
+)
+LlamaForCausalLM = transformers.LlamaForCausalLM
+safe_globals = pytest.importorskip("transformers.trainer_pt_utils").safe_globals
 
 # --------------------------------------------------------------------------- diff of RNG states
 
