@@ -32,6 +32,10 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "latest": ("ckpt_cli.ops.latest", "latest"),
     "download": ("ckpt_cli.ops.download", "download"),
     "diff": ("ckpt_cli.ops.diff", "diff"),
+    "merge": ("ckpt_cli.ops.merge", "merge"),
+    "protect": ("ckpt_cli.ops.parity", "protect"),
+    "repair": ("ckpt_cli.ops.parity", "repair"),
+    "sync": ("ckpt_cli.ops.sync", "sync"),
     # their reports and inputs
     "InspectReport": ("ckpt_cli.ops.inspect", "InspectReport"),
     "VerifyReport": ("ckpt_cli.ops.verify", "VerifyReport"),
@@ -42,6 +46,10 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "RunReport": ("ckpt_cli.runs", "RunReport"),
     "DownloadReport": ("ckpt_cli.ops.download", "DownloadReport"),
     "DiffReport": ("ckpt_cli.ops.diff", "DiffReport"),
+    "MergeReport": ("ckpt_cli.ops.merge", "MergeReport"),
+    "ProtectReport": ("ckpt_cli.ops.parity", "ProtectReport"),
+    "RepairReport": ("ckpt_cli.ops.parity", "RepairReport"),
+    "SyncReport": ("ckpt_cli.ops.sync", "SyncReport"),
     # errors
     "CkptError": ("ckpt_cli.errors", "CkptError"),
 }
@@ -52,10 +60,14 @@ __all__ = [
     "DiffReport",
     "DownloadReport",
     "InspectReport",
+    "MergeReport",
+    "ProtectReport",
     "PrunePolicy",
     "PruneReport",
+    "RepairReport",
     "ReshardReport",
     "RunReport",
+    "SyncReport",
     "VerifyReport",
     "__version__",
     "convert",
@@ -63,8 +75,12 @@ __all__ = [
     "download",
     "inspect",
     "latest",
+    "merge",
+    "protect",
     "prune",
+    "repair",
     "reshard",
+    "sync",
     "verify",
 ]
 
@@ -75,10 +91,13 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .ops.download import DownloadReport, download
     from .ops.inspect import InspectReport, inspect
     from .ops.latest import latest
+    from .ops.merge import MergeReport, merge
+    from .ops.parity import ProtectReport, RepairReport, protect, repair
     from .ops.prune import prune
     from .ops.reshard import ReshardReport
     from .ops.reshard import run_reshard as reshard
     from .ops.retention import PrunePolicy, PruneReport
+    from .ops.sync import SyncReport, sync
     from .ops.verify import VerifyReport, verify
     from .runs import RunReport
 

@@ -1,6 +1,6 @@
 """The command conventions every `ckpt` subcommand follows, applied by `CkptTyper`.
 
-Renamed-option aliases, metavars, the Hub options (`--revision`, `--repo-type`, `--token`),
+Metavars, the Hub options (`--revision`, `--repo-type`, `--token`),
 closed-pipe handling and the parser-error envelopes; `ckpt_cli.cli` builds the app with them.
 """
 
@@ -31,25 +31,9 @@ T = TypeVar("T")
 #
 # Commands register with `@app.command(...)` as before; `CkptTyper.command` adds, to every
 # command, present and future: `-q/--quiet` and `-v/--verbose`, the Hub options where a
-# command takes a SRC, real metavars in help, and the hidden old spellings of renamed options.
+# command takes a SRC, and real metavars in help.
 # `CkptGroup.main` makes parser errors one-line messages (and one JSON envelope with --json)
 # and a closed stdout pipe a quiet exit 141.
-
-#: the release that drops the hidden old spellings of renamed options
-ALIASES_REMOVED_IN = "0.3.0"
-
-#: old spelling -> current spelling, per command; accepted for one release with a warning on
-#: stderr and never shown in help or completions (README "Conventions", CHANGELOG)
-RENAMED_OPTIONS: dict[str, dict[str, str]] = {
-    "inspect": {"--tensors": "--list", "-t": "--list"},
-    "convert": {
-        "--include": "--filter",
-        "--exclude": "--filter-out",
-        "-x": "--filter-out",
-        "-t": "--to",
-    },
-    "download": {"--tensors": "--filter", "-t": "--filter", "-x": "--filter-out", "-m": "--mode"},
-}
 
 #: the metavar help shows for an option's value, by long name; others fall back on the type
 METAVARS: dict[str, str] = {
@@ -349,7 +333,7 @@ class CkptGroup(typer.core.TyperGroup):
         render = sys.modules.get(f"{__package__}.render")
         if render is not None:
             render.set_verbosity(0)
-        argv = _rewrite_renamed(list(sys.argv[1:] if args is None else args))
+        argv = list(sys.argv[1:] if args is None else args)
         try:
             code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except typer.Abort:
@@ -382,39 +366,6 @@ def _command_of(argv: list[str]) -> str | None:
         if not token.startswith("-"):
             return token
     return None
-
-
-def _rewrite_renamed(argv: list[str]) -> list[str]:
-    """Old option spellings -> current ones, with a warning on stderr (hidden aliases)."""
-    command = _command_of(argv)
-    renamed = RENAMED_OPTIONS.get(command or "", {})
-    if not renamed:
-        return argv
-    from . import render
-
-    quiet = any(t in ("-q", "--quiet") for t in argv)
-    out: list[str] = []
-    seen_command = False
-    for i, token in enumerate(argv):
-        if token == "--":
-            out += argv[i:]
-            break
-        if not seen_command:
-            seen_command = token == command
-            out.append(token)
-            continue
-        old, sep, value = token.partition("=") if token.startswith("--") else (token, "", "")
-        new = renamed.get(old)
-        if new is None:
-            out.append(token)
-            continue
-        if not quiet:
-            render.warn(
-                command or "ckpt",
-                f"{old} is renamed {new}; the old spelling goes away in {ALIASES_REMOVED_IN}",
-            )
-        out.append(new + sep + value)
-    return out
 
 
 def _report_parser_error(exc: Any, argv: list[str]) -> int:

@@ -67,3 +67,31 @@ def test_importing_the_package_loads_no_operation_and_no_torch() -> None:
 
 def test_all_lists_exactly_the_lazy_exports() -> None:
     assert sorted(ckpt_cli.__all__) == sorted(["__version__", *ckpt_cli._EXPORTS])
+
+
+def test_every_command_has_its_library_entry_point() -> None:
+    from ckpt_cli.completions import describe_app
+
+    for command in describe_app():
+        assert callable(getattr(ckpt_cli, command.name)), command.name
+
+
+def test_a_script_protects_loses_a_shard_and_repairs_through_the_package(tmp_path: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    weights = {f"layer{i}.weight": torch.randn(64, 64) for i in range(4)}
+    save_torch_state_dict(weights, folder, max_shard_size="20KB")  # 4 shards + index
+    shards = sorted(folder.glob("*.safetensors"))
+    assert len(shards) == 4
+    lost, original = shards[2], shards[2].read_bytes()
+
+    protected = ckpt_cli.protect(str(folder), parity=1)
+    assert isinstance(protected, ckpt_cli.ProtectReport)
+    lost.unlink()  # a shard lost with its node
+
+    repaired = ckpt_cli.repair(str(folder))
+    assert isinstance(repaired, ckpt_cli.RepairReport)
+    assert lost.read_bytes() == original
+    assert ckpt_cli.verify(str(folder)).ok
