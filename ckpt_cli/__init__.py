@@ -33,8 +33,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "download": ("ckpt_cli.ops.download", "download"),
     "diff": ("ckpt_cli.ops.diff", "diff"),
     "merge": ("ckpt_cli.ops.merge", "merge"),
-    "protect": ("ckpt_cli.ops.parity", "protect"),
-    "repair": ("ckpt_cli.ops.parity", "repair"),
+    "protect": ("ckpt_cli.ops.parity.protect", "protect"),
+    "repair": ("ckpt_cli.ops.parity.repair", "repair"),
     "sync": ("ckpt_cli.ops.sync", "sync"),
     # their reports and inputs
     "InspectReport": ("ckpt_cli.ops.inspect", "InspectReport"),
@@ -92,7 +92,9 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .ops.inspect import InspectReport, inspect
     from .ops.latest import latest
     from .ops.merge import MergeReport, merge
-    from .ops.parity import ProtectReport, RepairReport, protect, repair
+    from .ops.parity.model import ProtectReport, RepairReport
+    from .ops.parity.protect import protect
+    from .ops.parity.repair import repair
     from .ops.prune import prune
     from .ops.reshard import ReshardReport
     from .ops.reshard import run_reshard as reshard

@@ -5,12 +5,15 @@ and reshard write each with its own naming, and the owning library loads every o
 
 from __future__ import annotations
 
+import inspect
 import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -160,3 +163,59 @@ def test_sentence_transformers_folder_includes_dense(
     result = run_ckpt("verify", damaged, "--json")
     assert result.exit_code == 1
     assert any("2_Dense" in (p["file"] or "") for p in result.json["result"]["problems"])
+
+
+def test_every_convert_option_reaches_every_component(
+    diffusers_pipeline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_cli.ops import convert as convert_op
+
+    # the request carries exactly convert's options: a new option cannot be left out of it
+    options = set(inspect.signature(convert_op.convert).parameters) - {"src", "dest", "to"}
+    assert set(convert_op.ConvertRequest.model_fields) == options - {"progress"}
+
+    # a dry run of the whole pipeline writes nothing, anywhere, and says it was one
+    out = tmp_path / "out"
+    dry = run_ckpt("convert", diffusers_pipeline, out, "--to", "safetensors", "--dry-run", "--json")
+    assert dry.exit_code == 0, dry.stderr
+    report = dry.json["result"]
+    assert report["dry_run"] is True and not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name != "out"]  # no staging left behind
+    planned = {f["path"] for f in report["files"]}
+    assert "unet/diffusion_pytorch_model.safetensors" in planned  # the library's own names
+    # what the dry run lists is what the real run writes
+    real = run_ckpt("convert", diffusers_pipeline, out, "--to", "safetensors")
+    assert real.exit_code == 0, real.stderr
+    assert planned == {str(f.relative_to(out)) for f in out.rglob("*") if f.is_file()}
+
+    # and the other options are the ones each component is converted with
+    seen: list[convert_op.ConvertRequest] = []
+    real = convert_op.convert_component
+
+    def spy(src: str, dest: str, to: str, request: Any, progress: Any) -> Any:
+        seen.append(request)
+        return real(src, dest, to, request, progress)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(convert_op, "convert_component", spy)
+        given = run_ckpt(
+            "convert",
+            diffusers_pipeline,
+            tmp_path / "bf16",
+            "--to",
+            "safetensors",
+            "--dtype",
+            "bf16",
+            "--max-shard-size",
+            "10MB",
+            "--filter-out",
+            "*.num_batches*",
+            "--no-extras",
+            "--dry-run",
+        )
+    assert given.exit_code == 0, given.stderr
+    assert len(seen) == 2  # unet and vqvae
+    for request in seen:
+        assert (request.dtype, request.dry_run, request.extras) == ("bf16", True, False)
+        assert request.max_shard_size == 10 * 1000**2
+        assert request.exclude == ["*.num_batches*"]

@@ -62,6 +62,10 @@ def component_source(src: str, components: list[Component], name: str) -> str | 
     return None
 
 
+#: where a root module's weights are written inside DEST before they move up beside the others
+ROOT_SCRATCH = ".root-weights"
+
+
 def write_components(
     src: str,
     dest: str,
@@ -71,9 +75,14 @@ def write_components(
     one: Callable[[str, str, str], R],
     *,
     force: bool,
+    dry_run: bool = False,
 ) -> tuple[list[FileInfo], list[R]]:
     """Write every component with `one(component_src, component_dest, target)`, copy the
-    other files, publish DEST. Returns (files written, the per-component reports)."""
+    other files, publish DEST. Returns (files written, the per-component reports).
+
+    With `dry_run` nothing is staged, copied or published: `one` is asked for each
+    component's plan (it must be a dry run itself), and the files are what would be written.
+    """
     targets = component_targets()
     if to not in targets:
         raise UsageError(
@@ -85,40 +94,31 @@ def write_components(
     if isinstance(dest_path, RemoteDest):
         raise UsageError(f"a {layout} folder is written to a local folder", path=dest)
     source = resolve_source(src)
-    root = src.rstrip("/")
+    jobs, weight_files = _component_jobs(source.files, src.rstrip("/"), components)
     reports: list[R] = []
     files: list[FileInfo] = []
-    weight_files: set[str] = set()
+    if dry_run:
+        for comp, inner_src in jobs:
+            report = one(inner_src, str(dest_path / (comp.path or ROOT_SCRATCH)), to)
+            reports.append(report)
+            files += _under(comp, report.files)
+        planned = {info.path for info in files}
+        files += [
+            FileInfo(path=rel, size=size, entries=0)
+            for rel, size in sorted(source.files.items())
+            if rel not in weight_files and rel not in planned
+        ]
+        return files, reports
     with staged_output(dest_path, force=force) as staging:
-        for comp in components:
-            if comp.weights is None:
-                continue
-            if comp.path:
-                prefix = f"{comp.path}/"
-                inner_src, inner_dest = f"{root}/{comp.path}", staging / comp.path
-                # the component's own files are the single-checkpoint operation's to write
-                weight_files.update(
-                    n
-                    for n in source.files
-                    if n.startswith(prefix)
-                    and "/" not in n[len(prefix) :]
-                    and _is_weights(n[len(prefix) :])
-                )
-            else:
-                # a root module (sentence-transformers' transformer): written into a scratch
-                # folder, then moved up beside the other components' folders
-                inner_src = f"{root}/{comp.weights}"
-                inner_dest = staging / ".root-weights"
-                weight_files.update(n for n in source.files if "/" not in n and _is_weights(n))
+        for comp, inner_src in jobs:
+            inner_dest = staging / (comp.path or ROOT_SCRATCH)
             report = one(inner_src, str(inner_dest), to)
             reports.append(report)
-            if not comp.path:
+            if not comp.path:  # a root module moves up beside the other components' folders
                 for child in sorted(inner_dest.iterdir()):
                     child.rename(staging / child.name)
                 inner_dest.rmdir()
-            base = f"{comp.path}/" if comp.path else ""
-            for info in report.files:
-                files.append(info.model_copy(update={"path": f"{base}{info.path}"}))
+            files += _under(comp, report.files)
         for rel in sorted(source.files):
             if rel in weight_files or (staging / rel).exists():
                 continue
@@ -128,6 +128,40 @@ def write_components(
             target.write_bytes(data)
             files.append(FileInfo(path=rel, size=len(data), entries=0))
     return files, reports
+
+
+def _component_jobs(
+    listing: dict[str, int], root: str, components: list[Component]
+) -> tuple[list[tuple[Component, str]], set[str]]:
+    """(component, its source) for every weight-holding component, and the source files the
+    single-checkpoint operation writes for them (the others are copied byte for byte)."""
+    jobs: list[tuple[Component, str]] = []
+    weight_files: set[str] = set()
+    for comp in components:
+        if comp.weights is None:
+            continue
+        if comp.path:
+            prefix = f"{comp.path}/"
+            jobs.append((comp, f"{root}/{comp.path}"))
+            weight_files.update(
+                n
+                for n in listing
+                if n.startswith(prefix)
+                and "/" not in n[len(prefix) :]
+                and _is_weights(n[len(prefix) :])
+            )
+        else:
+            # a root module (sentence-transformers' transformer): written into a scratch
+            # folder, then moved up beside the other components' folders
+            jobs.append((comp, f"{root}/{comp.weights}"))
+            weight_files.update(n for n in listing if "/" not in n and _is_weights(n))
+    return jobs, weight_files
+
+
+def _under(comp: Component, written: list[FileInfo]) -> list[FileInfo]:
+    """A component's files, named from DEST's root."""
+    base = f"{comp.path}/" if comp.path else ""
+    return [info.model_copy(update={"path": f"{base}{info.path}"}) for info in written]
 
 
 def _is_weights(name: str) -> bool:

@@ -6,12 +6,10 @@ The work is `ops.transfer`'s pipeline; this module turns the command's options i
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
 from pathlib import PurePath
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from .. import dtypes
 from ..distributed import RankShare
@@ -46,6 +44,30 @@ from .transfer import (
     plan_transfer,
 )
 from .transfer import write_checkpoint as run_write
+
+
+class ConvertRequest(BaseModel):
+    """Every option of `convert` but the locations, frozen: what each component of a
+    multi-folder source is converted with (`model_copy(update=...)`), so no option is re-listed
+    by hand and none is dropped. Its fields are `convert`'s keyword parameters (a test holds
+    the two to each other); `progress` is a sink, not an option, and travels beside it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    format: str | None = None
+    max_shard_size: str | int | None = None
+    dtype: str | None = None
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+    renames: list[str] | None = None
+    select: str | None = None
+    dcp_serialization: str = "torch_save"
+    dcp_compression: str | None = None
+    world_size: int = 1
+    force: bool = False
+    dequantize: bool = False
+    dry_run: bool = False
+    extras: bool = True
 
 
 class ConvertReport(BaseModel):
@@ -210,23 +232,27 @@ def convert(
 
         found = components_of(src)
         if found is not None:
-            # a diffusers pipeline / sentence-transformers folder: one component, or each
-            again = partial(
-                convert,
+            # a diffusers pipeline / sentence-transformers folder: one component, or each,
+            # with every option this call was given
+            request = ConvertRequest(
                 max_shard_size=shard_size,
                 dtype=dtype,
                 include=include,
                 exclude=exclude,
                 renames=renames,
                 dcp_serialization=dcp_serialization,
+                dcp_compression=dcp_compression,
                 world_size=world_size,
-                progress=progress,
+                force=force,
+                dequantize=dequantize,
+                dry_run=dry_run,
+                extras=extras,
             )
             if not select:
-                return _convert_components(src, dest, to, found, again, force, shard_size)
+                return _convert_components(src, dest, to, found, request, progress)
             sub = component_source(src, found[1], select)
             if sub is not None:
-                return again(sub, dest, to, force=force)
+                return convert_component(sub, dest, to, request, progress)
     single_file, basename = output_layout(target, dest_path, shard_size)
     opened = open_source(src, format)
     with opened.checkpoint as base:
@@ -251,18 +277,18 @@ def convert(
         warnings = unused_renames(plan, rename_pairs, select)
         # a Megatron-Core torch_dist source stays one (its common.pt + metadata.json)
         megatron_files = keep_megatron_layout(checkpoint, plan, target.name)
-        if dry_run:
+        if not single_file and target.shards_by_size and format is None:
+            # keep the source library's file names (adapter_model, diffusion_pytorch_model...)
+            from ..layouts.model_folders import apply_naming
+
+            apply_naming(src, to, options)
+        if dry_run:  # after the naming: a dry run lists the files the real run writes
             return _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
         if analysis.quantized and not dequantize:
             renamed = {i.source.name: i.target.name for i in plan.items}
             options.together = [
                 [renamed[n] for n in group if n in renamed] for group in analysis.together()
             ]
-        if not single_file and target.shards_by_size and format is None:
-            # keep the source library's file names (adapter_model, diffusion_pytorch_model...)
-            from ..layouts.model_folders import apply_naming
-
-            apply_naming(src, to, options)
         shares: list[RankShare] = []
         carried = extra_files(checkpoint) if extras and not single_file else []
         carried += megatron_files  # Megatron's own files, copied unchanged
@@ -417,21 +443,35 @@ def _dry_run_report(
     )
 
 
+def convert_component(
+    src: str, dest: str, to: str, request: ConvertRequest, progress: Progress
+) -> ConvertReport:
+    """`convert` of one component with the request's options (a component is written into
+    its own folder of DEST's staging: never replaced, so without `force`)."""
+    return convert(src, dest, to, progress=progress, **request.model_dump())
+
+
 def _convert_components(
     src: str,
     dest: str,
     to: str,
     found: tuple[str, list[Any]],
-    again: Callable[[str, str, str], ConvertReport],
-    force: bool,
-    shard_size: int | None,
+    request: ConvertRequest,
+    progress: Progress,
 ) -> ConvertReport:
     """Every component of a multi-folder model converted with its own naming, one DEST."""
     from .components import write_components
 
     layout, components = found
+    inner = request.model_copy(update={"force": False})
 
-    files, reports = write_components(src, dest, layout, components, to, again, force=force)
+    def one(component_src: str, component_dest: str, target: str) -> ConvertReport:
+        return convert_component(component_src, component_dest, target, inner, progress)
+
+    files, reports = write_components(
+        src, dest, layout, components, to, one, force=request.force, dry_run=request.dry_run
+    )
+    shard_size = request.max_shard_size
     return ConvertReport(
         source=src,
         source_format=layout,
@@ -446,6 +486,10 @@ def _convert_components(
         casts=sum(r.casts for r in reports),
         renamed=sum(r.renamed for r in reports),
         skipped=[s for r in reports for s in r.skipped],
-        max_shard_size=shard_size,
+        max_shard_size=shard_size if isinstance(shard_size, int) else None,
         entries=[e for r in reports for e in r.entries],
+        dry_run=request.dry_run,
+        dequantized=sum(r.dequantized for r in reports),
+        quantized_kept=sum(r.quantized_kept for r in reports),
+        warnings=[w for r in reports for w in r.warnings],
     )
