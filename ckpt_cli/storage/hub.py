@@ -72,12 +72,13 @@ class HubStorage(Storage):
         requests: HTTP requests made for file data.
     """
 
-    #: first read of a large safetensors file's header: most shard headers fit (larger ones take
-    #: a second read), and one round trip beats two
+    #: first read of a safetensors header: most shard headers fit (larger ones take a second
+    #: read), and on the Hub one round trip costs more than these bytes
     header_probe = 16 << 10
-    #: files smaller than this have their header read exactly: the 8-byte length first, then
-    #: that many bytes (a fixed probe would fetch tensor data of small shards, or all of them)
-    exact_header_below = 64 * header_probe
+    #: files smaller than this have their header read exactly, the 8-byte length first and
+    #: then that many bytes: there the probe would be a quarter of the file or more, tensor
+    #: data the selection may not want (of a shard smaller than the probe: all of it)
+    exact_header_below = 4 * header_probe
 
     def __init__(self, repo: HubRepo):
         self.repo = repo

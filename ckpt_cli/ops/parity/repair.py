@@ -164,12 +164,12 @@ def _rebuild(
                     dests[c] = (staged[("parity", c - w)][3], lo, lo + m.block_size)
             for offset, _size in slices(m.block_size, chunk):
                 shares: dict[int, bytes] = {}
-                for c, rel, lo, hi in sources:
+                for c, name, lo, hi in sources:
                     start, end = lo + offset, min(hi, lo + offset + chunk)
-                    if rel is None or start >= end:
+                    if name is None or start >= end:
                         shares[c] = zeros
                     else:
-                        shares[c] = _pad(reader.read(rel, start, end - start), chunk)
+                        shares[c] = _pad(reader.read(name, start, end - start), chunk)
                 for c, data in codec.rebuild(shares, lost).items():
                     if c not in dests:
                         continue
