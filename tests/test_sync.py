@@ -433,7 +433,13 @@ def test_pulled_checkpoints_get_umask_permissions_not_0700(
 
 @pytest.mark.parametrize(
     "junk",
-    ["checkpoint-200/..", "checkpoint-200/../x", "checkpoint-200/a//b", "checkpoint-200/./y"],
+    [
+        "checkpoint-200/..",
+        "checkpoint-200/../x",
+        "checkpoint-200/a//b",
+        "checkpoint-200/./y",
+        "checkpoint-200/model.safetensors/x",  # a file of the checkpoint, and a folder too
+    ],
 )
 def test_a_hostile_key_in_the_bucket_fails_its_checkpoint_only_with_exit_4(
     s3_server: S3Server, tmp_path: Path, junk: str

@@ -27,13 +27,25 @@ def _unsafe_key(rel: str) -> bool:
     return "\\" in rel or "\x00" in rel or any(part in ("", ".", "..") for part in rel.split("/"))
 
 
+def _file_and_folder(keys: dict[str, int]) -> list[str]:
+    """Keys that are also the folder of another key (`a/model.safetensors` and
+    `a/model.safetensors/x`): no disk holds both, and writing them would fail midway."""
+    out = []
+    for rel in sorted(keys):
+        parts = rel.split("/")
+        if any("/".join(parts[:i]) in keys for i in range(1, len(parts))):
+            out.append(rel)
+    return out
+
+
 def _refuse_keys(storage: Storage, c: RunCheckpoint, keys: list[str]) -> UnsafeInputError:
     # as listed: `describe` would normalise the very parts that make the key unsafe
     shown = ", ".join(repr(k) for k in keys[:3])
     more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
     return UnsafeInputError(
         f"{c.name} was not pulled: the remote listing holds the key{'s' if len(keys) > 1 else ''}"
-        f" {shown}{more}, not a safe file name (an empty, `.` or `..` part)",
+        f" {shown}{more}, not a safe file name (an empty, `.` or `..` part, or a name that is "
+        "also another key's folder)",
         path=storage.describe(c.name),
         fix="Delete or rename that object in the bucket (no checkpoint writer makes such a "
         "key); the other checkpoints were pulled.",
@@ -167,7 +179,8 @@ def sync_down(
                 SyncedCheckpoint(name=c.name, step=c.step, action="present", files=len(files))
             )
             continue
-        hostile = sorted(rel for rel in [c.name, *files] if _unsafe_key(rel))
+        unsafe = {rel for rel in [c.name, *files] if _unsafe_key(rel)}
+        hostile = sorted(unsafe | set(_file_and_folder(files)))
         if hostile:
             refused = _refuse_keys(storage, c, hostile)
             report.refused_keys += hostile
