@@ -58,8 +58,8 @@ class SyncReport(BaseModel):
         failed: `name: why` for checkpoints that failed (exit 1).
         refused_keys: remote keys (relative to the run folder, as listed) that are not safe
             file names (an empty, `.` or `..` part,
-            a backslash, a NUL), each refusing the checkpoint it lies in (exit 4); the other
-            checkpoints are still pulled.
+            a backslash, a NUL, or also another key's folder), each refusing the checkpoint it
+            lies in (exit 4); the other checkpoints are still pulled.
         latest: the newest complete checkpoint on the destination after the sync (for a
             pull: its local path, ready for `--resume_from_checkpoint`).
         pruned: the remote retention report of the last round (`--prune-remote`).
