@@ -1,7 +1,9 @@
 """`python -m ckpt_cli` (also what torchrun launches, and the `ckpt` console script).
 
 Ctrl-C, SIGTERM or SIGHUP while the CLI is still importing (the first second) exits with the
-signal's code and no traceback: the handlers are installed before the heavy imports.
+signal's code and no traceback: the handlers are installed before the heavy imports. Once typer
+runs (a command module or its operation still importing), `conventions.CkptGroup` maps them the
+same way: 130, 143, 129, with the message on stderr.
 """
 
 import sys

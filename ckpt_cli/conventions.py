@@ -312,12 +312,16 @@ class CkptGroup(typer.core.TyperGroup):
             return super().make_context(*args, **kwargs)
         except BrokenPipeError:  # `ckpt --help | head -1`
             _closed_pipe()
+        except KeyboardInterrupt as exc:  # a signal while the arguments are parsed
+            raise typer.Exit(_interrupted(exc)) from None
 
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
         except BrokenPipeError:  # `ckpt inspect X --list | head -1`
             _closed_pipe()
+        except KeyboardInterrupt as exc:  # a signal before `run_command` (modules importing)
+            raise typer.Exit(_interrupted(exc)) from None
 
     def main(  # type: ignore[override]
         self,
@@ -346,6 +350,21 @@ class CkptGroup(typer.core.TyperGroup):
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _interrupted(exc: KeyboardInterrupt | None) -> int:
+    """The exit code of a signal that reached typer rather than `run_command`, its message on
+    stderr: 143 for SIGTERM, 129 for SIGHUP, 130 for Ctrl-C.
+
+    A command module or its operation still importing (a loaded machine makes that seconds),
+    or arguments being parsed: typer would map every `KeyboardInterrupt`, SIGTERM's and
+    SIGHUP's too (`faults.Signalled`), to 130 and say nothing.
+    """
+    from . import faults
+
+    error = faults.interruption(exc)
+    sys.stderr.write(f"ckpt: {error.message}\n")
+    return error.exit_code
 
 
 def _closed_pipe() -> NoReturn:

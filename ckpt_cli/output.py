@@ -195,7 +195,7 @@ def staged_output(
     except OSError as exc:
         raise io_failure(exc, dest.parent, "creating the staging folder") from None
     # mkdtemp makes the folder 0700; a published output gets what a plain mkdir would give
-    _apply_umask(staging, directory=True)
+    apply_umask(staging, directory=True)
     try:
         yield staging
         if single_file:
@@ -232,8 +232,9 @@ def current_umask() -> int:
     return mask
 
 
-def _apply_umask(path: Path, *, directory: bool) -> None:
-    """Give `path` the mode a plain `mkdir` (0777) or `open` (0666) would under the umask."""
+def apply_umask(path: Path, *, directory: bool) -> None:
+    """Give `path` the mode a plain `mkdir` (0777) or `open` (0666) would under the umask
+    (`tempfile.mkdtemp` makes staging folders 0700, which a published output must not keep)."""
     base = 0o777 if directory else 0o666
     with suppress(OSError):
         os.chmod(path, base & ~current_umask())

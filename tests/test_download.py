@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,35 @@ def test_tensors_mode_fetches_only_the_selected_ranges(hub: TestHub, tmp_path: P
     verify = run_ckpt("inspect", dest, "--json")
     assert verify.exit_code == 0 and verify.json["result"]["tensors"] == len(selected)
     assert run_ckpt("verify", dest).exit_code == 0
+
+
+def test_tensors_mode_on_a_small_repo_fetches_each_header_exactly_and_no_other_data(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    # shards of a few KiB, smaller than any fixed header probe: a probe would fetch them whole
+    gen = torch.Generator().manual_seed(5)
+    state = {f"layers.{i}.weight": torch.randn(24, 24, generator=gen) for i in range(8)}
+    publish_model(hub, "org/small", tmp_path / "src", state, max_shard_size=5_000, extras=False)
+    shards = sorted((tmp_path / "src").glob("*.safetensors"))
+    assert len(shards) >= 3 and all(p.stat().st_size < 16 << 10 for p in shards)
+    hub.reset_counters()
+    dest = tmp_path / "picked"
+    result = run_ckpt(
+        "download", "hf://org/small", dest, "--mode", "tensors", "--filter", "layers.5.*", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    selected = state["layers.5.weight"].numel() * 4
+    assert report["selected_bytes"] == selected
+    # every byte the server sent: the index, each shard's 8-byte length and JSON header (read
+    # exactly as long as that length says), and the selected tensor's data; nothing else
+    headers = sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in shards)
+    index = (tmp_path / "src" / "model.safetensors.index.json").stat().st_size
+    assert hub.bytes_sent("org/small") == index + headers + selected
+    assert report["metadata_bytes"] == index + headers
+    with safe_open(str(next(dest.glob("*.safetensors"))), framework="pt") as fh:
+        assert list(fh.keys()) == ["layers.5.weight"]
+        assert torch.equal(fh.get_tensor("layers.5.weight"), state["layers.5.weight"])
 
 
 def test_tensors_mode_splits_large_ranges_into_parallel_parts(

@@ -678,3 +678,61 @@ def test_a_4_tib_stride_0_tensor_in_a_tiny_file_is_refused(tmp_path: Path) -> No
         assert result.exit_code == 4, result.stdout
         assert str(bomb) in result.json["error"]["message"]
     assert not (tmp_path / "out").exists()
+
+
+#: runs `ckpt ARGS` with one module's import held up (a loaded machine makes start-up this
+#: slow): the finder prints "held" and sleeps there, where the test's signal then arrives
+HELD_IMPORT = textwrap.dedent(
+    """
+    import sys, time
+
+    held = sys.argv[1]
+    sys.argv = ["ckpt", *sys.argv[2:]]
+
+    class Held:
+        def find_spec(self, name, path=None, target=None):
+            if name == held:
+                sys.meta_path.remove(self)
+                print("held", flush=True)
+                time.sleep(60)
+            return None
+
+    sys.meta_path.insert(0, Held())
+    from ckpt_cli.__main__ import entry
+    entry()
+    """
+)
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "ckpt_cli.cli",  # the CLI itself, right after the handlers
+        "typer",  # the CLI framework
+        "ckpt_cli.commands.inspect",  # the command module
+        "ckpt_cli.ops.inspect",  # the operation, imported inside typer's invocation
+        "ckpt_cli.render.inspect",  # its renderer, likewise
+    ],
+)
+def test_sigterm_and_sighup_during_start_up_exit_143_and_129_with_a_message(
+    tmp_path: Path, signum: int, code: int, module: str
+) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HELD_IMPORT, module, "inspect", str(src)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "held", proc.communicate()
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    # a supervisor tells preemption (143) and a hang-up (129) from a user's Ctrl-C (130)
+    assert proc.returncode == code, stderr
+    name = "terminated (SIGTERM)" if signum == signal.SIGTERM else "hung up (SIGHUP)"
+    assert name in stderr and "Traceback" not in stderr, stderr

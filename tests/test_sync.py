@@ -407,3 +407,72 @@ def test_plain_files_of_one_step_travel_together(s3_server: S3Server, tmp_path: 
     assert down.exit_code == 0, down.stdout
     assert all(c["verified"] for c in down.json["result"]["checkpoints"])
     assert local_files(back) == local_files(run)
+
+
+def test_pulled_checkpoints_get_umask_permissions_not_0700(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    import stat
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run").exit_code == 0
+    old = os.umask(0o027)
+    try:
+        pulled = run_ckpt("sync", f"s3://{BUCKET}/run", tmp_path / "back")
+    finally:
+        os.umask(old)
+    assert pulled.exit_code == 0, pulled.stdout + pulled.stderr
+    folder = tmp_path / "back" / "checkpoint-100"
+    # what `mkdir` and `open` give under umask 027 (as convert and reshard outputs get)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o750
+    for inner in folder.rglob("*"):
+        want = 0o750 if inner.is_dir() else 0o640
+        assert stat.S_IMODE(inner.stat().st_mode) == want, inner
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        "checkpoint-200/..",
+        "checkpoint-200/../x",
+        "checkpoint-200/a//b",
+        "checkpoint-200/./y",
+        "checkpoint-200/model.safetensors/x",  # a file of the checkpoint, and a folder too
+    ],
+)
+def test_a_hostile_key_in_the_bucket_fails_its_checkpoint_only_with_exit_4(
+    s3_server: S3Server, tmp_path: Path, junk: str
+) -> None:
+    import boto3
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run").exit_code == 0
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    client.put_object(Bucket=BUCKET, Key=f"run/{junk}", Body=b"junk")
+    back = tmp_path / "back"
+    pulled = run_ckpt("sync", f"s3://{BUCKET}/run", back, "--json")
+    assert pulled.exit_code == 4, pulled.stdout + pulled.stderr
+    envelope = pulled.json
+    assert envelope["exit_code"] == 4
+    report = envelope["result"]
+    actions = {c["name"]: c["action"] for c in report["checkpoints"]}
+    healthy = {"checkpoint-100", "checkpoint-200"} - {junk.split("/")[0]}
+    # the healthy checkpoints are pulled, whole and verified against their manifests
+    for name in healthy:
+        assert actions[name] == "downloaded"
+        assert {k: v for k, v in local_files(back / name).items()} == {
+            **local_files(out / name),
+            "ckpt-manifest.json": (back / name / "ckpt-manifest.json").read_bytes(),
+        }
+    # the key is named, never an OS error; nothing of a refused checkpoint is published
+    assert f"run/{junk}" in json.dumps(report) or junk in json.dumps(report)
+    assert "check the filesystem" not in pulled.stdout + pulled.stderr
+    assert envelope["error"] is not None and junk in envelope["error"]["message"]
+    for name in {"checkpoint-100", "checkpoint-200"} - healthy:
+        assert actions[name] == "failed"
+        assert not (back / name).exists()
+    assert not [p for p in back.iterdir() if p.name.startswith(".")]
+    human = run_ckpt("sync", f"s3://{BUCKET}/run", tmp_path / "human")
+    assert human.exit_code == 4 and junk in human.stdout + human.stderr

@@ -715,6 +715,49 @@ def test_hub_cache_against_the_hubs_digests(hub: Any, tmp_path: Path) -> None:
     assert "model-00002-of-00007.safetensors" in problem["file"]
 
 
+def test_a_cache_snapshot_folder_is_checked_against_its_content_addresses(
+    hub: Any, tmp_path: Path
+) -> None:
+    import os
+
+    from huggingface_hub import snapshot_download
+
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", weights(), max_shard_size=3000)
+    cache = Path(os.environ["HF_HOME"]) / "hub"
+    snapshot = Path(snapshot_download("org/model", endpoint=hub.url, cache_dir=str(cache)))
+    hub.reset_counters()  # from here the cache's own names are what the files are checked by
+    result = run_ckpt("verify", snapshot, "--checksums", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert "checksums" in report["checks"] and report["problems"] == []
+    assert report["hashed_bytes"] == sum(p.stat().st_size for p in snapshot.iterdir())
+    assert "blobs" in report["manifest"]
+    # a blob whose bytes no longer match the sha256 it is named by (an LFS shard), and a
+    # regular file whose git blob id no longer matches (same sizes: only the content changed)
+    shard = snapshot / "model-00002-of-00007.safetensors"
+    config = snapshot / "config.json"
+    for path in (shard, config):
+        blob = path.resolve()
+        data = bytearray(blob.read_bytes())
+        data[-2] ^= 0x01
+        blob.write_bytes(bytes(data))
+    assert run_ckpt("verify", snapshot).exit_code == 0  # the structure is intact
+    code, found = problems(snapshot, "--checksums")
+    assert code == 1
+    assert sorted((p["code"], Path(p["file"]).name) for p in errors(found)) == [
+        ("checksum_mismatch", config.name),
+        ("checksum_mismatch", shard.name),
+    ]
+    message = next(p["message"] for p in found if shard.name in p["file"])
+    assert "content address" in message and "hf cache rm" in message
+    # one file of the snapshot is checked alone too
+    alone = run_ckpt("verify", shard, "--checksums")
+    assert alone.exit_code == 1 and shard.name in alone.stdout + alone.stderr
+    assert hub.log == []  # offline: nothing asked of the Hub
+
+
 def test_verify_modifies_no_training_or_dcp_file(tmp_path: Path) -> None:
     trainer = trainer_checkpoint(tmp_path / "run")
     step = dcp_checkpoint(tmp_path / "step-1")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ..cli import JsonOpt, app, examples, run_command
+
+if TYPE_CHECKING:
+    from ..errors import CkptError
 
 
 class Mode(str, Enum):
@@ -171,4 +174,18 @@ def sync(
             on_round=None if json_output or watch is None else render_sync_round,
         )
 
-    run_command("sync", json_output, action, render_sync, exit_code)
+    def failure(report: SyncReport, code: int) -> CkptError:
+        from ..errors import ProblemsFound, UnsafeInputError
+
+        if report.refused_keys:
+            return UnsafeInputError(
+                "the remote listing holds keys that are not safe file names: "
+                + ", ".join(repr(k) for k in report.refused_keys),
+                path=src,
+                fix="Delete or rename those objects; every other checkpoint was synced.",
+            )
+        return ProblemsFound(
+            f"ckpt sync finished with exit {code}", fix="result.failed lists each checkpoint."
+        )
+
+    run_command("sync", json_output, action, render_sync, exit_code, failure=failure)

@@ -24,7 +24,6 @@ from ..storage import Storage
 
 #: no sane header is this large; a bigger length field is corruption or an attack
 MAX_HEADER = 100 << 20
-_PROBE = 64 << 10
 #: a validated header entry: (dtype token, shape, begin, end), offsets relative to the data
 TensorInfo = tuple[str, list[int], int, int]
 
@@ -128,8 +127,7 @@ def _read_raw(
         )
         return None
     # remote storages may ask for a smaller first read (bytes cost more than a round trip there)
-    probe = getattr(storage, "header_probe", _PROBE)
-    head = storage.read(rel, 0, min(size, probe))
+    head = storage.read(rel, 0, max(8, storage.header_read(rel, size)))
     (header_len,) = struct.unpack("<Q", head[:8])
     if header_len > MAX_HEADER and head[8:9] != b"{":
         from ..sniff import what_is

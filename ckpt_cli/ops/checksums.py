@@ -13,6 +13,7 @@ import datetime as _dt
 import errno
 import json
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,7 +36,7 @@ from ..hashing import ALGORITHMS, Hashable, StoredFile, hash_files
 from ..models import Problem
 from ..output import Destination, RemoteDest, check_destination, resolve_destination, staged_output
 from ..progress import Progress
-from ..storage import LocalStorage, read_regular, remote_failure
+from ..storage import LocalStorage, RemoteFile, hf_cache_repo, read_regular, remote_failure
 from ..uri import parse_location
 
 if TYPE_CHECKING:
@@ -176,6 +177,12 @@ def checksum_checks(
         report.checks.append("checksums")
         _local_against_hub(report, problems, source, manifest, progress)
         return
+    if not write and manifest is None:
+        cache = _cache_snapshot(source)
+        if cache is not None and not manifest_exists(manifest_location(source, None)):
+            report.checks.append("checksums")
+            _cache_against_addresses(report, problems, source, cache, progress)
+            return
     path = manifest_location(source, manifest)
     report.manifest = str(path)
     storage = source.storage
@@ -430,6 +437,70 @@ def _hub_cache_checksums(
     )
 
 
+def _cache_snapshot(source: Source) -> Path | None:
+    """The HF cache repository folder (`models--org--name/`) when SRC is a snapshot folder of
+    it (or a file in one), else None."""
+    root = source.storage.local_root
+    if root is None:
+        return None
+    repo = hf_cache_repo(os.path.realpath(root))
+    return Path(repo) if repo is not None else None
+
+
+#: the names huggingface_hub gives blobs: the LFS sha256, or the git blob id of a regular file
+_SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
+_GIT_NAME = re.compile(r"^[0-9a-f]{40}$")
+
+
+def _cache_against_addresses(
+    report: VerifyReport,
+    problems: list[Problem],
+    source: Source,
+    cache: Path,
+    progress: Progress,
+) -> None:
+    """`verify SNAPSHOT --checksums`: an HF cache is content-addressed, so each snapshot file
+    is checked against the name of the blob it links to (`blobs/<sha256>` for LFS files,
+    `blobs/<git blob id>` for regular ones), as `hf cache verify` checks them against the
+    Hub, offline. A file that is not a link into `blobs/` has no address to check."""
+    root = _local_root(source)
+    blobs = cache / "blobs"
+    names = [source.target] if source.target is not None else sorted(source.files)
+    local: dict[str, Path] = {}
+    addresses: dict[str, RemoteFile] = {}
+    sizes = files_size({n: root / n for n in names})
+    for name in names:
+        path = root / name
+        blob = Path(os.path.realpath(path))
+        address = blob.name
+        if blob.parent != blobs or not (_SHA256_NAME.match(address) or _GIT_NAME.match(address)):
+            problems.append(
+                Problem(
+                    code="no_content_address",
+                    message=f"{path}: is not a link into the cache's blobs/ folder, so it has "
+                    "no content address to check (copied into the snapshot by hand?)",
+                    file=str(path),
+                    severity="warning",
+                )
+            )
+            continue
+        local[name] = path
+        sha = address if len(address) == 64 else None
+        addresses[name] = RemoteFile(
+            path=name, size=sizes[name], sha256=sha, blob_id=None if sha else address
+        )
+    report.manifest = f"{blobs} (content addresses)"
+    _compare_with_hub(
+        report,
+        problems,
+        local,
+        addresses,
+        lambda n: str(root / n),
+        progress,
+        against="its blob's name (its content address in the HF cache)",
+    )
+
+
 def _local_against_hub(
     report: VerifyReport, problems: list[Problem], source: Source, hub: str, progress: Progress
 ) -> None:
@@ -479,8 +550,10 @@ def _compare_with_hub(
     remote: dict[str, Any],
     describe: Any,
     progress: Progress,
+    against: str = "the Hub's",
 ) -> None:
-    """Sizes, then the Hub's own digests: LFS sha256 (hashed in parallel), git blob sha1."""
+    """Sizes, then the Hub's own digests: LFS sha256 (hashed in parallel), git blob sha1
+    (`against` names where the expected digests come from, for the messages)."""
     from ..storage.hub import file_digest
 
     report.algorithm = "sha256 (LFS) / git-sha1"
@@ -504,19 +577,31 @@ def _compare_with_hub(
             actual = file_digest(path, "git")
             report.hashed_bytes += sizes[name]
             if actual != want.blob_id:
-                problems.append(_hub_mismatch(describe(name), "git-sha1", actual, want.blob_id))
+                problems.append(
+                    _hub_mismatch(describe(name), "git-sha1", actual, want.blob_id, against)
+                )
     digests = _hash_split(lfs, "sha256", progress, report)
     report.hashed_bytes += sum(sizes[n] for n in lfs)
     for name, digest in digests.items():
         if digest != remote[name].sha256:
-            problems.append(_hub_mismatch(describe(name), "sha256", digest, remote[name].sha256))
+            problems.append(
+                _hub_mismatch(describe(name), "sha256", digest, remote[name].sha256, against)
+            )
 
 
-def _hub_mismatch(file: str, algo: str, actual: str, expected: str) -> Problem:
+def _hub_mismatch(
+    file: str, algo: str, actual: str, expected: str, against: str = "the Hub's"
+) -> Problem:
+    if against == "the Hub's":
+        said = f"the Hub's {expected[:16]}… (the local copy is corrupt or from another revision)"
+    else:
+        said = (
+            f"{expected[:16]}…, {against}: the blob is corrupt; delete it (`hf cache rm`) and "
+            "download it again"
+        )
     return Problem(
         code="checksum_mismatch",
-        message=f"{file}: {algo} {actual[:16]}… differs from the Hub's {expected[:16]}… (the "
-        "local copy is corrupt or from another revision)",
+        message=f"{file}: {algo} {actual[:16]}… differs from {said}",
         file=file,
     )
 

@@ -119,6 +119,13 @@ class Storage(ABC):
         """The file's path on this machine, or None for remote storage."""
         return None
 
+    def header_read(self, rel: str, size: int) -> int:
+        """Bytes to read first of a file that opens with its header's length (safetensors: an
+        8-byte length, then the JSON header), of `size` bytes: enough for most headers in one
+        read (a longer header takes a second). Remote storages take less: bytes cost more there
+        than a round trip."""
+        return min(size, 64 << 10)
+
     @property
     def local_root(self) -> Path | None:
         """The checkpoint folder on this machine, or None when the storage is not a local folder."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import posixpath
 import re
+import struct
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -71,8 +72,13 @@ class HubStorage(Storage):
         requests: HTTP requests made for file data.
     """
 
-    #: first read of a safetensors header: most shard headers fit; larger ones take a second read
+    #: first read of a safetensors header: most shard headers fit (larger ones take a second
+    #: read), and on the Hub one round trip costs more than these bytes
     header_probe = 16 << 10
+    #: files smaller than this have their header read exactly, the 8-byte length first and
+    #: then that many bytes: there the probe would be a quarter of the file or more, tensor
+    #: data the selection may not want (of a shard smaller than the probe: all of it)
+    exact_header_below = 4 * header_probe
 
     def __init__(self, repo: HubRepo):
         self.repo = repo
@@ -122,11 +128,36 @@ class HubStorage(Storage):
             )
         if length == 0:
             return b""
-        if offset == 0 and length <= self.header_probe and rel.endswith(".safetensors"):
-            head = self._head(rel)
+        if offset == 0 and rel.endswith(".safetensors"):
+            head = self._heads.get(rel)
+            if head is None and length <= self.header_probe:
+                head = self._head(rel)
             if head is not None and len(head) >= length:
                 return head[:length]
         return b"".join(self.stream(rel, offset, offset + length))
+
+    def header_read(self, rel: str, size: int) -> int:
+        if rel.endswith(".safetensors") and self.local_path(rel) is None:
+            head = self._head(rel)
+            if head is not None:
+                return len(head)  # fetched already, with its siblings'
+        if self.local_path(rel) is not None:
+            return super().header_read(rel, size)
+        return min(size, self.header_probe if size >= self.exact_header_below else 8)
+
+    def _fetch_head(self, name: str) -> bytes:
+        """The first bytes of `name` that hold its header: one `header_probe` read of a large
+        file; of a small one, its 8-byte length, then exactly that header."""
+        size = self.size(name)
+        if size >= self.exact_header_below:
+            return b"".join(self.stream(name, 0, min(size, self.header_probe)))
+        first = b"".join(self.stream(name, 0, min(size, 8))) if size else b""
+        if len(first) < 8:
+            return first
+        (length,) = struct.unpack("<Q", first)
+        if length > size - 8:  # not a safetensors header: what the file is shows in its start
+            return b"".join(self.stream(name, 0, min(size, self.header_probe)))
+        return first + b"".join(self.stream(name, 8, 8 + length)) if length else first
 
     def _head(self, rel: str) -> bytes | None:
         """The first `header_probe` bytes of `rel`, fetched together with its sibling shards.
@@ -154,14 +185,10 @@ class HubStorage(Storage):
         if rel not in names:
             return None
 
-        def fetch(name: str) -> bytes:
-            length = min(self.size(name), self.header_probe)
-            return b"".join(self.stream(name, 0, length)) if length else b""
-
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=max(1, min(HEAD_WORKERS, len(names)))) as pool:
-            heads = dict(zip(names, pool.map(fetch, names), strict=True))
+            heads = dict(zip(names, pool.map(self._fetch_head, names), strict=True))
         with self._lock:
             self._heads.update(heads)
         return heads[rel]

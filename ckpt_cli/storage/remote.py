@@ -146,6 +146,9 @@ class FsspecStorage(Storage):
             raise NotFoundError("file not found", path=self.describe(rel))
         return files[rel]
 
+    def header_read(self, rel: str, size: int) -> int:
+        return min(size, self.header_probe)
+
     def read(self, rel: str, offset: int, length: int) -> bytes:
         if length == 0:
             return b""

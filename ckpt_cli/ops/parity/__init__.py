@@ -24,7 +24,12 @@ bench/bench_erasure.py; see the README). pyeclib wraps every fragment in a fixed
 that depends only on the code and the fragment length, never on the content, so the parity
 files store raw payloads and the headers are regenerated from a zero stripe when decoding.
 
-Memory is two stripes: 2 × (W + K) blocks (the next stripe is read while one is encoded). Reads and writes go through `Storage` (local `pread`,
+Memory of `protect` is two stripes: 2 × (W + K) blocks (the next stripe is read while one is
+encoded). `verify --checksums` and `repair` never hold a block: they hash and decode
+`codec.CHUNK` (1 MiB) slices of every block, so their memory is W + K slices whatever block size
+a manifest gives; and a manifest must be the layout `protect` itself would write for its files'
+sizes (block at most 1/64 of the longest file, the width and stripes `plan_layout` gives), so it
+chooses neither the block size nor the width. Reads and writes go through `Storage` (local `pread`,
 or fsspec ranged reads for `s3://`); outputs are staged and published with one rename (or, in
 an object store, uploaded whole with the manifest last). Under torchrun, `protect` of a local
 (shared-filesystem) checkpoint splits the stripes and the whole-file hashing across ranks; the

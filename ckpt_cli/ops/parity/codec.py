@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator
+
 from ...errors import UsageError
 from .model import EC_TYPE
 
 #: pyeclib fragment header size (checked against the library at start)
 _HEADER = 80
+#: bytes of one block read, hashed or decoded at a time: a block may be 1 GiB, memory is not.
+#: Reed–Solomon works byte by byte across a stripe's blocks, so the same code over the same
+#: slice of every block gives that slice of the parity (or of a rebuilt block)
+CHUNK = 1 << 20
+
+
+def chunk_size(block_size: int) -> int:
+    """The slice of a block processed at once: the largest power of two dividing the block
+    (blocks are whole 4 KiB pages) up to `CHUNK`."""
+    return math.gcd(block_size, CHUNK)
 
 
 # ------------------------------------------------------------------------------ codec
@@ -52,6 +65,26 @@ def _digest(data: bytes) -> str:
     import xxhash
 
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def slices(length: int, chunk: int = CHUNK) -> Iterator[tuple[int, int]]:
+    """(offset, length) of the `chunk`-sized pieces of `length` bytes, the last one short."""
+    for offset in range(0, length, chunk):
+        yield offset, min(chunk, length - offset)
+
+
+def chunked_digest(read: Callable[[int, int], bytes], length: int) -> tuple[str, int]:
+    """The XXH3-128 of `length` bytes read `CHUNK` at a time by `read(offset, size)` (the same
+    digest `_digest` gives the whole), and the bytes read."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    done = 0
+    for offset, size in slices(length):
+        data = read(offset, size)
+        h.update(data)
+        done += len(data)
+    return h.hexdigest(), done
 
 
 def _pad(data: bytes, size: int) -> bytes:

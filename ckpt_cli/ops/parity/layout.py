@@ -51,7 +51,7 @@ def plan_layout(sizes: list[int], block_size: int) -> _Plan:
     return _Plan(width, -(-total // width), starts, width == 1)
 
 
-def _small_block(longest: int) -> int:
+def small_block(longest: int) -> int:
     """The largest power-of-two block with at least `MIN_BLOCKS_PER_FILE` in the longest file.
 
     Files are padded to whole blocks; with blocks this small the padding stays under ~2% of

@@ -18,7 +18,7 @@ from ...formats import resolve_source
 from ...output import RemoteDest, staged_output
 from ...progress import NULL_PROGRESS, Progress
 from .codec import Codec, _digest, _pad
-from .layout import _Layout, _parse_size, _small_block, plan_layout
+from .layout import _Layout, _parse_size, plan_layout, small_block
 from .model import (
     BLOCK_ALIGN,
     CODEC,
@@ -211,7 +211,7 @@ def _prepare(
         )
     names = list(target.files)
     sizes = [target.files[n] for n in names]
-    block = min(block, _small_block(max(sizes)))
+    block = min(block, small_block(max(sizes)))
     plan = plan_layout(sizes, block)
     files = [
         ProtectedFile(path=name, size=size, sha256="", start=start)

@@ -18,7 +18,7 @@ from ...storage import (
     LocalStorage,
     remote_failure,
 )
-from .codec import Codec, _pad
+from .codec import Codec, _pad, chunk_size, slices
 from .layout import _Layout
 from .model import ProtectedFile, RepairReport
 from .scan import _damage_list, _Scan, _scan
@@ -106,7 +106,6 @@ def _rebuild(
     """Write every damaged file whole into `staging`; each checked against its sha256."""
     m = scan.manifest
     layout = _Layout(m)
-    codec = Codec(m.width, m.parity, m.block_size, m.ec_type)
     storage = target.storage
     reader = _Reader(storage)
     w = m.width
@@ -122,44 +121,67 @@ def _rebuild(
         staged[(kind, idx)] = (rel, path, f, fd)
     losses = scan.losses()
     total = sum(len(b) for _s, b in damaged.values()) * m.block_size
+    # the decoder works on one slice of the stripe's blocks at a time (see `codec.CHUNK`):
+    # memory is W + K slices, whatever block size the manifest gives
+    chunk = chunk_size(m.block_size)
+    codec = Codec(m.width, m.parity, chunk, m.ec_type)
+    zeros = bytes(chunk)
     progress.start(total, "rebuilding")
     try:
         for stripe in sorted(losses):
-            lost = losses[stripe]
-            shares: dict[int, bytes] = {}
+            lost = sorted(losses[stripe])
+            # the first W surviving shares of the stripe: (column, file path, its extent)
+            sources: list[tuple[int, str | None, int, int]] = []
             for c in range(w + m.parity):
-                if len(shares) == w:
+                if len(sources) == w:
                     break
-                if c in lost:
+                if c in losses[stripe]:
                     continue
                 if c < w:
                     where = layout.block(c, stripe)
                     if where is None:
-                        shares[c] = bytes(m.block_size)
+                        sources.append((c, None, 0, 0))  # a column run out: zeros
                         continue
                     fi, bi = where
-                    f = m.files[fi]
-                    lo, hi = layout.extent(f.size, bi)
-                    shares[c] = _pad(reader.read(f.path, lo, hi - lo), m.block_size)
+                    lo, hi = layout.extent(m.files[fi].size, bi)
+                    sources.append((c, m.files[fi].path, lo, hi))
                 else:
                     lo = stripe * m.block_size
                     rel = f"{target.parity_rel}/{m.shares[c - w].path}"
-                    shares[c] = reader.read(rel, lo, m.block_size)
-            rebuilt = codec.rebuild(shares, sorted(lost))
-            for c, data in rebuilt.items():
+                    sources.append((c, rel, lo, lo + m.block_size))
+            # where each rebuilt share goes: (staged fd, first byte, end) in its file
+            dests: dict[int, tuple[int, int, int]] = {}
+            for c in lost:
                 if c < w:
                     where = layout.block(c, stripe)
                     if where is None:
                         continue
                     fi, bi = where
-                    key: tuple[str, int] = ("data", fi)
                     lo, hi = layout.extent(m.files[fi].size, bi)
+                    dests[c] = (staged[("data", fi)][3], lo, hi)
                 else:
-                    key, bi = ("parity", c - w), stripe
-                    lo, hi = stripe * m.block_size, (stripe + 1) * m.block_size
-                fd = staged[key][3]
-                _pwrite_all(fd, data[: hi - lo], lo)
-                progress.advance(hi - lo)
+                    lo = stripe * m.block_size
+                    dests[c] = (staged[("parity", c - w)][3], lo, lo + m.block_size)
+            for offset, _size in slices(m.block_size, chunk):
+                shares: dict[int, bytes] = {}
+                for c, name, lo, hi in sources:
+                    start, end = lo + offset, min(hi, lo + offset + chunk)
+                    if name is None or start >= end:
+                        shares[c] = zeros
+                    else:
+                        shares[c] = _pad(reader.read(name, start, end - start), chunk)
+                for c, data in codec.rebuild(shares, lost).items():
+                    if c not in dests:
+                        continue
+                    fd, lo, hi = dests[c]
+                    start, end = lo + offset, min(hi, lo + offset + chunk)
+                    if start >= end:
+                        continue
+                    piece = data[: end - start]
+                    # the staged file is pre-sized (a hole reads as zeros): zeros stay a hole
+                    if piece != zeros[: len(piece)]:
+                        _pwrite_all(fd, piece, start)
+                    progress.advance(end - start)
         # the intact blocks of damaged (not missing) files
         for key, (state, bad) in damaged.items():
             rel, _path, f, fd = staged[key]
@@ -169,7 +191,8 @@ def _rebuild(
                 if bi in bad:
                     continue
                 lo, hi = bi * m.block_size, min(f.size, (bi + 1) * m.block_size)
-                _pwrite_all(fd, reader.read(rel, lo, hi - lo), lo)
+                for offset, size in slices(hi - lo):
+                    _pwrite_all(fd, reader.read(rel, lo + offset, size), lo + offset)
         for _rel, _path, _f, fd in staged.values():
             os.fsync(fd)
     finally:

@@ -11,7 +11,7 @@ from ...progress import NULL_PROGRESS, Progress
 from ...storage import (
     FsspecStorage,
 )
-from .codec import _digest
+from .codec import chunked_digest
 from .layout import _Layout
 from .model import DamagedFile, ParityCheck, ParityManifest, ProtectedFile
 from .target import _Reader, _Target, _target, read_parity_manifest
@@ -87,10 +87,16 @@ def _scan(
                         continue
                     lo = bi * m.block_size
                     hi = min(f.size, lo + m.block_size)
-                    data = reader.read(rel, lo, hi - lo)
-                    scan.hashed += len(data)
-                    progress.advance(len(data))
-                    if _digest(data) != f.blocks[bi]:
+
+                    def read(offset: int, size: int, rel: str = rel, lo: int = lo) -> bytes:
+                        data = reader.read(rel, lo + offset, size)
+                        progress.advance(len(data))
+                        return data
+
+                    # a block may be 1 GiB: read and hashed a chunk at a time
+                    digest, done = chunked_digest(read, hi - lo)
+                    scan.hashed += done
+                    if digest != f.blocks[bi]:
                         bad.add(bi)
             if bad or size != f.size:
                 scan.damaged[(kind, i)] = (state, bad)

@@ -28,6 +28,7 @@ from ...storage import (
     is_parity_path,
     safe_relpath,
 )
+from .layout import plan_layout, small_block
 from .model import (
     BLOCK_ALIGN,
     CHECKSUM_MANIFEST,
@@ -152,6 +153,41 @@ def _check_manifest(m: ParityManifest, where: str) -> None:
             "is not a consistent ckpt parity manifest",
             path=where,
             fix="Protect the checkpoint again: `ckpt protect SRC --force`.",
+        )
+    _check_protect_would_choose(m, where)
+
+
+def _check_protect_would_choose(m: ParityManifest, where: str) -> None:
+    """Refuse a layout `protect` would not have written for these files: the block size, the
+    width and the stripes decide what verify and repair read (and the decoder's memory), so a
+    manifest may not choose them. `protect` takes blocks of at most 1/64 of the longest file
+    (a power of two, 4 KiB at least) and the layout `plan_layout` gives the files' sizes; the
+    parity shares are then K x stripes x block_size, about K/W of the data."""
+    sizes = [f.size for f in m.files]
+    cap = small_block(max(sizes, default=0))
+    if m.block_size > cap:
+        raise FormatError(
+            f"is not a ckpt parity manifest protect would write: block_size {m.block_size} is "
+            f"larger than the {cap} bytes protect uses for a longest file of "
+            f"{max(sizes, default=0)} bytes",
+            path=where,
+            fix="The manifest is corrupt or was altered: protect the checkpoint again "
+            "(`ckpt protect SRC --force`) from an intact copy.",
+        )
+    plan = plan_layout(sizes, m.block_size)
+    if (
+        plan.width != m.width
+        or plan.stripes != m.stripes
+        or plan.whole_files != m.whole_files
+        or plan.starts != [f.start for f in m.files]
+    ):
+        raise FormatError(
+            f"is not a ckpt parity manifest protect would write: width {m.width} and "
+            f"{m.stripes} stripes, where its files give width {plan.width} and {plan.stripes} "
+            "stripes",
+            path=where,
+            fix="The manifest is corrupt or was altered: protect the checkpoint again "
+            "(`ckpt protect SRC --force`) from an intact copy.",
         )
 
 

@@ -118,6 +118,7 @@ def sync(
             total.bytes_sent += report.bytes_sent
             total.transferred += report.transferred
             total.failed += report.failed
+            total.refused_keys += report.refused_keys
             total.latest = report.latest
             total.pruned = report.pruned
             if on_round is not None:
@@ -139,5 +140,7 @@ def _rounds(limit: int | None) -> Iterator[int]:
 
 
 def exit_code(report: SyncReport) -> int:
-    """1 when a checkpoint failed to sync or verify."""
+    """4 when a remote key was refused as unsafe, 1 when a checkpoint failed to sync or verify."""
+    if report.refused_keys:
+        return 4
     return 1 if report.failed else 0

@@ -56,6 +56,10 @@ class SyncReport(BaseModel):
         bytes_sent: bytes transferred, over all rounds.
         transferred: names uploaded or downloaded, over all rounds.
         failed: `name: why` for checkpoints that failed (exit 1).
+        refused_keys: remote keys (relative to the run folder, as listed) that are not safe
+            file names (an empty, `.` or `..` part,
+            a backslash, a NUL, or also another key's folder), each refusing the checkpoint it
+            lies in (exit 4); the other checkpoints are still pulled.
         latest: the newest complete checkpoint on the destination after the sync (for a
             pull: its local path, ready for `--resume_from_checkpoint`).
         pruned: the remote retention report of the last round (`--prune-remote`).
@@ -70,6 +74,7 @@ class SyncReport(BaseModel):
     bytes_sent: int = 0
     transferred: list[str] = Field(default_factory=list)
     failed: list[str] = Field(default_factory=list)
+    refused_keys: list[str] = Field(default_factory=list)
     latest: str | None = None
     pruned: PruneReport | None = None
     iterations: int = 0

@@ -7,14 +7,49 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ...errors import CkptError, FormatError, NotFoundError
+from ...errors import CkptError, FormatError, NotFoundError, UnsafeInputError
 from ...hashing import hasher_factory
-from ...output import TMP_MARKER, UPLOAD_BLOCK, fsync_dir
+from ...output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir
 from ...runs import RunCheckpoint, run_storage, scan_run
 from ...storage import Storage
 from ..checksums import MANIFEST_NAME, ChecksumManifest
 from .model import RateLimit, SyncedCheckpoint, SyncReport
 from .plan import _ROOT_FILES, _manifest_rel, _remote_manifest
+
+
+def _unsafe_key(rel: str) -> bool:
+    """Whether a listed key (relative to the run folder) is not a plain relative file name.
+
+    A key with an empty, `.` or `..` part, a backslash or a NUL (`checkpoint-200/..`,
+    `checkpoint-200/../x`, `checkpoint-200/a//b`) names no file a checkpoint writer makes, and
+    written to disk it would land elsewhere than its name says (or on a folder: EISDIR).
+    """
+    return "\\" in rel or "\x00" in rel or any(part in ("", ".", "..") for part in rel.split("/"))
+
+
+def _file_and_folder(keys: dict[str, int]) -> list[str]:
+    """Keys that are also the folder of another key (`a/model.safetensors` and
+    `a/model.safetensors/x`): no disk holds both, and writing them would fail midway."""
+    out = []
+    for rel in sorted(keys):
+        parts = rel.split("/")
+        if any("/".join(parts[:i]) in keys for i in range(1, len(parts))):
+            out.append(rel)
+    return out
+
+
+def _refuse_keys(storage: Storage, c: RunCheckpoint, keys: list[str]) -> UnsafeInputError:
+    # as listed: `describe` would normalise the very parts that make the key unsafe
+    shown = ", ".join(repr(k) for k in keys[:3])
+    more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+    return UnsafeInputError(
+        f"{c.name} was not pulled: the remote listing holds the key{'s' if len(keys) > 1 else ''}"
+        f" {shown}{more}, not a safe file name (an empty, `.` or `..` part, or a name that is "
+        "also another key's folder)",
+        path=storage.describe(c.name),
+        fix="Delete or rename that object in the bucket (no checkpoint writer makes such a "
+        "key); the other checkpoints were pulled.",
+    )
 
 
 def _download(
@@ -39,6 +74,8 @@ def _download(
     final = dest_root / c.name
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}{TMP_MARKER}", dir=final.parent))
+    # mkdtemp makes it 0700; the published checkpoint gets what a plain mkdir would give
+    apply_umask(staging, directory=True)
     new = hasher_factory(manifest.algorithm) if manifest else None
     try:
         for rel, size in sorted(files.items()):
@@ -140,6 +177,22 @@ def sync_down(
         if (dest_root / c.name).exists():
             report.checkpoints.append(
                 SyncedCheckpoint(name=c.name, step=c.step, action="present", files=len(files))
+            )
+            continue
+        unsafe = {rel for rel in [c.name, *files] if _unsafe_key(rel)}
+        hostile = sorted(unsafe | set(_file_and_folder(files)))
+        if hostile:
+            refused = _refuse_keys(storage, c, hostile)
+            report.refused_keys += hostile
+            report.failed.append(f"{c.name}: {refused.message}")
+            report.checkpoints.append(
+                SyncedCheckpoint(
+                    name=c.name,
+                    step=c.step,
+                    action="failed",
+                    reason=refused.message,
+                    files=len(files),
+                )
             )
             continue
         manifest = _remote_manifest(storage, manifest_rel) if manifest_rel in listing else None
