@@ -9,6 +9,9 @@ the commands, so a training script or a notebook calls the same code:
     if report.ok:
         ckpt_cli.convert("out/checkpoint-500", "export/", "safetensors", select="model")
 
+A training loop saves through `ckpt_cli.Checkpointer` (background writes, retention, upload,
+resume from the newest complete save; see `ckpt_cli.checkpointer`).
+
 The names are loaded on first use (`import ckpt_cli` stays as light as `ckpt --help`): each
 operation lives in `ckpt_cli.ops.<name>`; library code never prints, prompts or exits, and
 every expected failure is a `ckpt_cli.errors.CkptError` with its exit code.
@@ -32,6 +35,11 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "latest": ("ckpt_cli.ops.latest", "latest"),
     "download": ("ckpt_cli.ops.download", "download"),
     "diff": ("ckpt_cli.ops.diff", "diff"),
+    # the save engine of a training loop (imports torch when first used)
+    "Checkpointer": ("ckpt_cli.checkpointer", "Checkpointer"),
+    "CheckpointerStatus": ("ckpt_cli.checkpointer", "CheckpointerStatus"),
+    "LoadedCheckpoint": ("ckpt_cli.checkpointer", "LoadedCheckpoint"),
+    "SaveRecord": ("ckpt_cli.checkpointer", "SaveRecord"),
     # their reports and inputs
     "InspectReport": ("ckpt_cli.ops.inspect", "InspectReport"),
     "VerifyReport": ("ckpt_cli.ops.verify", "VerifyReport"),
@@ -47,15 +55,19 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 }
 
 __all__ = [
+    "Checkpointer",
+    "CheckpointerStatus",
     "CkptError",
     "ConvertReport",
     "DiffReport",
     "DownloadReport",
     "InspectReport",
+    "LoadedCheckpoint",
     "PrunePolicy",
     "PruneReport",
     "ReshardReport",
     "RunReport",
+    "SaveRecord",
     "VerifyReport",
     "__version__",
     "convert",
@@ -69,6 +81,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
+    from .checkpointer import Checkpointer, CheckpointerStatus, LoadedCheckpoint, SaveRecord
     from .errors import CkptError
     from .ops.convert import ConvertReport, convert
     from .ops.diff import DiffReport, diff
