@@ -2,9 +2,10 @@
 background save (nothing here runs unless the variable is set).
 
 `CKPT_TEST_PAUSE_AT=POINT[@STEP]` makes the background writer stop at `POINT` (of the save of
-step `STEP`, or of the first save that reaches it), write one line into the file named by
-`CKPT_TEST_PAUSE_FILE` and sleep there for up to ten minutes: the test waits for the file,
-then kills the process. The points, in the order a save reaches them:
+step `STEP`, or of every save that reaches it; once per save), write one line into the file named by
+`CKPT_TEST_PAUSE_FILE` and wait there while that file exists (ten minutes at most): the test
+waits for the file, then kills the process, or removes the file to let the save go on. The
+points, in the order a save reaches them:
 
 | point | the moment |
 |---|---|
@@ -23,6 +24,8 @@ PAUSE_ENV = "CKPT_TEST_PAUSE_AT"
 PAUSE_FILE_ENV = "CKPT_TEST_PAUSE_FILE"
 #: the longest a paused writer waits to be killed before it carries on
 PAUSE_LIMIT = 600.0
+#: (point, step) already paused at: each pauses once per process
+_PAUSED: set[tuple[str, int]] = set()
 
 
 def pause_point(point: str, step: int) -> None:
@@ -31,11 +34,14 @@ def pause_point(point: str, step: int) -> None:
     if not wanted:
         return
     name, _, at = wanted.partition("@")
-    if name != point or (at and int(at) != step):
+    if name != point or (at and int(at) != step) or (point, step) in _PAUSED:
         return
+    _PAUSED.add((point, step))
     marker = os.environ.get(PAUSE_FILE_ENV)
-    if marker:
-        Path(marker).write_text(f"{point} {step} {os.getpid()}\n")
+    if not marker:
+        return
+    path = Path(marker)
+    path.write_text(f"{point} {step} {os.getpid()}\n")
     deadline = time.monotonic() + PAUSE_LIMIT
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
