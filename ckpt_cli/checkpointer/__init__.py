@@ -44,12 +44,11 @@ background writer at a named point (`CKPT_TEST_PAUSE_AT`) so a test can kill it 
 
 from __future__ import annotations
 
-from .engine import Checkpointer, CheckpointerError
+from .engine import Checkpointer
 from .model import CheckpointerStatus, LoadedCheckpoint, SaveRecord
 
 __all__ = [
     "Checkpointer",
-    "CheckpointerError",
     "CheckpointerStatus",
     "LoadedCheckpoint",
     "SaveRecord",

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ..errors import CkptError, FormatError, UsageError
+from ..errors import CkptError, FormatError, IOFailure, UsageError
 from ..output import staged_output
 from ..runs import is_remote
 from .hooks import pause_point
@@ -26,13 +26,6 @@ from .tiers import Choice, choose
 
 OnBusy = Literal["wait", "skip"]
 Checks = Literal["checksums", "structure", "none"]
-
-
-class CheckpointerError(CkptError):
-    """A save or load of the `Checkpointer` failed (the message says which step and why)."""
-
-    exit_code = 74
-    code = "checkpointer"
 
 
 class _Writer(FileSystemWriter):
@@ -253,7 +246,9 @@ class Checkpointer:
             dist.broadcast_object_list(shared, src=0, group=self._control_group)
             choice, failure = shared
         if failure is not None:
-            raise CheckpointerError(f"choosing the save to load failed on rank 0: {failure}")
+            raise IOFailure(
+                f"choosing the save to load failed on rank 0: {failure}", path=self.run_dir
+            )
         if choice is None:
             self.log.info("no complete checkpoint in %s%s", self.run_dir, self._remote_note())
             return None
@@ -403,9 +398,11 @@ class Checkpointer:
                 if error is not None:
                     raise error
                 if not everyone:
-                    raise CheckpointerError(
+                    raise IOFailure(
                         f"another rank failed to write its part of step {record.step}; "
-                        "nothing was published"
+                        "nothing was published",
+                        path=dest,
+                        fix="Its error is in that rank's log.",
                     )
                 self._seal(staging, record)
         except BaseException as exc:
@@ -425,7 +422,11 @@ class Checkpointer:
         staging = self._share(None)
         error: BaseException | None = None
         if staging is None:
-            error = CheckpointerError(f"rank 0 could not stage step {record.step}")
+            error = IOFailure(
+                f"rank 0 could not stage step {record.step}",
+                path=self.run_dir,
+                fix="Its error is in rank 0's log.",
+            )
         else:
             try:
                 self._write(Path(staging), staged, record)
@@ -436,7 +437,9 @@ class Checkpointer:
         if error is not None:
             raise error
         if outcome is not None:
-            raise CheckpointerError(f"rank 0 did not publish step {record.step}: {outcome}")
+            raise IOFailure(
+                f"rank 0 did not publish step {record.step}: {outcome}", path=self.run_dir
+            )
         record.path = str(self.run_dir / record.name)
         with self._lock:
             self._complete_step = record.step
@@ -498,9 +501,11 @@ class Checkpointer:
         if report.pruned is not None:
             record.pruned.extend(f"{self.upload}/{name}" for name in report.pruned.deleted)
         if report.failed:
-            raise CheckpointerError(
-                f"step {record.step} is saved locally ({record.path}) but the upload failed: "
-                + "; ".join(report.failed)
+            raise IOFailure(
+                f"step {record.step} is saved locally ({record.path}) but its upload failed: "
+                + "; ".join(report.failed),
+                path=self.upload,
+                fix="The next save uploads it again (sync resumes what is missing).",
             )
         record.remote = f"{self.upload}/{record.name}"
         with self._lock:

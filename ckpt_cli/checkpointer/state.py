@@ -44,10 +44,11 @@ class Entry:
 
 
 def is_stateful(value: Any) -> bool:
-    """Whether `value` has `state_dict` and `load_state_dict` (DCP's `Stateful` protocol)."""
-    return callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    )
+    """Whether `value` has `state_dict` and `load_state_dict` (DCP's `Stateful` protocol,
+    checked as `dcp.save` checks it)."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    return isinstance(value, Stateful)
 
 
 def entries(state: Mapping[str, Any]) -> list[Entry]:
