@@ -334,3 +334,43 @@ def test_two_ranks_write_their_own_shards_survive_sigkill_mid_write_and_resume_b
     final = final_state(tmp_path / "resumed", 0)["model"]
     for name, tensor in dcp_model(run / "step-12", final).items():
         assert torch.equal(tensor, final[name]), name
+
+
+def test_retention_parity_and_a_damaged_newest_save_passed_over_on_load(tmp_path: Path) -> None:
+    from ckpt_cli import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    ck = Checkpointer(run, keep_last=1, keep_every=4, protect=1)
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    for step in (2, 4, 6, 8):
+        model(torch.randn(3, 64)).sum().backward()
+        optimizer.step()
+        ck.save(step, {"model": model, "optimizer": optimizer})
+        saved[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        record = ck.wait()
+        assert record is not None and record.phase == "done", record
+    # the newest (keep_last 1) and the multiples of 4 (keep_every 4) are left, each protected
+    assert sorted(p.name for p in run.iterdir()) == ["step-4", "step-8"]
+    assert record.pruned == ["step-6"]
+    assert (run / "step-8" / ".ckpt-parity" / "parity.index.json").is_file()
+    verdict = run_ckpt("verify", str(run / "step-8"), "--checksums")
+    assert verdict.exit_code == 0, verdict.stdout
+    ck.close()
+
+    # a bit flips in the newest save's data: load_latest checks before loading, takes step 4
+    shard = run / "step-8" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    fresh = torch.nn.Linear(64, 32)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    loaded = Checkpointer(run).load_latest(into={"model": fresh, "optimizer": fresh_optimizer})
+    assert loaded is not None and (loaded.step, loaded.tier) == (4, "local")
+    assert "checksums" in loaded.verified
+    assert len(loaded.skipped) == 1 and loaded.skipped[0].startswith("step-8: ")
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, saved[4][name]), name
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == torch.tensor(2.0)
