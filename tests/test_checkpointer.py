@@ -204,8 +204,11 @@ def test_sigkill_during_a_background_write_leaves_the_previous_save_latest_and_r
     resumed = final_state(tmp_path / "resumed")
     assert (resumed["start"], resumed["tier"]) == (6, "local")
     assert_bit_identical(resumed, reference)
-    # the saves are ordinary DCP folders: dcp.load reads the final parameters back
+    # the saves are ordinary DCP folders: ckpt finds the whole training state in them...
     assert latest(run) == str(run / "step-12")
+    verdict = run_ckpt("verify", str(run / "step-12"), "--exact", "--checksums")
+    assert verdict.exit_code == 0 and "exact: yes" in verdict.stdout, verdict.stdout
+    # ...and dcp.load reads the final parameters back
     for name, tensor in dcp_model(run / "step-12", resumed["model"]).items():
         assert torch.equal(tensor, resumed["model"][name]), name
     # retention kept the newest two; the interrupted save's staging folder was cleaned up

@@ -456,10 +456,17 @@ class Checkpointer:
         )
         if not report.ok:
             first = next(p for p in report.problems if p.severity == "error")
+            fix = (
+                "Save plain values (numbers, strings, lists, dicts, tensors, numpy arrays) or "
+                "the object's state_dict(): load_latest refuses pickles that would run code."
+                if first.code == "unloadable_object"
+                else None
+            )
             raise FormatError(
                 f"the save of step {record.step} failed its check and was not published: "
                 f"{first.message}",
                 path=first.file or str(staging),
+                fix=fix,
             )
         if self.protect:
             protect(str(staging), parity=self.protect)
