@@ -45,7 +45,8 @@ class HostStaging:
     @property
     def nbytes(self) -> int:
         """Bytes of host memory the buffers hold."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        # a snapshot of the values first: `status()` may ask from another thread mid-`stage`
+        return sum(b.numel() * b.element_size() for b in list(self._buffers.values()))
 
     def stage(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
         """A copy of `state` whose tensors live in the staging buffers; (copy, tensor bytes).
