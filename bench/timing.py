@@ -15,13 +15,18 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO))
 ENV.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
+def sync_disk() -> None:
+    """Write back every dirty page now, so the next measurement does not pay for earlier ones."""
+    subprocess.run(["sync"], check=True)
+
+
 def measure(cmd: list[str]) -> tuple[float, float]:
     """(wall seconds, peak RSS in MiB) of one command, started with no dirty pages pending.
 
     ckpt fsyncs what it writes; without the `sync` first, that fsync would also pay for the
     write-back of whatever the previous step left dirty.
     """
-    subprocess.run(["sync"], check=True)
+    sync_disk()
     out = subprocess.run(
         ["/usr/bin/time", "-f", "%e %M", *cmd],
         env=ENV,

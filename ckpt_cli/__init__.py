@@ -9,6 +9,9 @@ the commands, so a training script or a notebook calls the same code:
     if report.ok:
         ckpt_cli.convert("out/checkpoint-500", "export/", "safetensors", select="model")
 
+A training loop saves through `ckpt_cli.Checkpointer` (background writes, retention, upload,
+resume from the newest complete save; see `ckpt_cli.checkpointer`).
+
 The names are loaded on first use (`import ckpt_cli` stays as light as `ckpt --help`): each
 operation lives in `ckpt_cli.ops.<name>`; library code never prints, prompts or exits, and
 every expected failure is a `ckpt_cli.errors.CkptError` with its exit code.
@@ -36,6 +39,11 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "protect": ("ckpt_cli.ops.parity.protect", "protect"),
     "repair": ("ckpt_cli.ops.parity.repair", "repair"),
     "sync": ("ckpt_cli.ops.sync", "sync"),
+    # the save engine of a training loop (imports torch when first used)
+    "Checkpointer": ("ckpt_cli.checkpointer", "Checkpointer"),
+    "CheckpointerStatus": ("ckpt_cli.checkpointer", "CheckpointerStatus"),
+    "LoadedCheckpoint": ("ckpt_cli.checkpointer", "LoadedCheckpoint"),
+    "SaveRecord": ("ckpt_cli.checkpointer", "SaveRecord"),
     # their reports and inputs
     "InspectReport": ("ckpt_cli.ops.inspect", "InspectReport"),
     "VerifyReport": ("ckpt_cli.ops.verify", "VerifyReport"),
@@ -55,11 +63,14 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 }
 
 __all__ = [
+    "Checkpointer",
+    "CheckpointerStatus",
     "CkptError",
     "ConvertReport",
     "DiffReport",
     "DownloadReport",
     "InspectReport",
+    "LoadedCheckpoint",
     "MergeReport",
     "ProtectReport",
     "PrunePolicy",
@@ -67,6 +78,7 @@ __all__ = [
     "RepairReport",
     "ReshardReport",
     "RunReport",
+    "SaveRecord",
     "SyncReport",
     "VerifyReport",
     "__version__",
@@ -85,6 +97,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
+    from .checkpointer import Checkpointer, CheckpointerStatus, LoadedCheckpoint, SaveRecord
     from .errors import CkptError
     from .ops.convert import ConvertReport, convert
     from .ops.diff import DiffReport, diff

@@ -61,6 +61,7 @@ def sync(
     max_iterations: int | None = None,
     on_round: Callable[[SyncReport], None] | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    on_file: Callable[[str, int], None] | None = None,
 ) -> SyncReport:
     """What `ckpt sync SRC DEST` does: one round, or `--watch` rounds until Ctrl-C.
 
@@ -73,6 +74,8 @@ def sync(
         prune_policy: pushing: retention applied on the remote side after each round.
         watch_seconds / max_iterations: repeat every interval (and stop after N rounds).
         on_round: called with each round's report (the CLI prints progress with it).
+        on_file: pushing: called with (path in the run folder, bytes) after each file is
+            in place remotely (the library's `Checkpointer` logs upload progress with it).
     """
     up = is_remote(dest) and not is_remote(src)
     down = is_remote(src) and not is_remote(dest)
@@ -102,7 +105,9 @@ def sync(
 
     def one_round() -> SyncReport:
         if up:
-            return sync_up(src, dest, settle=settle, limit=limit, prune_policy=prune_policy)
+            return sync_up(
+                src, dest, settle=settle, limit=limit, prune_policy=prune_policy, on_file=on_file
+            )
         return sync_down(src, dest, latest_only=latest_only, limit=limit)
 
     if watch_seconds is None:

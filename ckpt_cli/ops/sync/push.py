@@ -37,7 +37,13 @@ from .plan import (
 class _Uploader:
     """Uploads checkpoints of one local run folder into one object-store prefix."""
 
-    def __init__(self, run_root: Path, dest: str, limit: RateLimit):
+    def __init__(
+        self,
+        run_root: Path,
+        dest: str,
+        limit: RateLimit,
+        on_file: Callable[[str, int], None] | None = None,
+    ):
         from ...storage import filesystem_for
 
         self.run_root = run_root
@@ -51,6 +57,7 @@ class _Uploader:
                 fix="Name a folder-like prefix, e.g. s3://bucket/runs/my-run/.",
             )
         self.limit = limit
+        self.on_file = on_file
         self._listing: dict[str, dict[str, Any]] | None = None
         #: uploads of the current checkpoint not yet checked against the store
         self._pending: list[tuple[str, str, int, list[bytes], str, Any]] = []
@@ -134,6 +141,8 @@ class _Uploader:
                 result.bytes_sent += sizes[rel]
             else:
                 result.files_reused += 1
+            if self.on_file is not None:
+                self.on_file(rel, sizes[rel])
         self._check_pending(prefix)
         # a file rewritten while it was uploaded would make the remote copy a mix
         for rel, path in files.items():
@@ -297,11 +306,16 @@ def sync_up(
     settle: float = DEFAULT_SETTLE,
     limit: RateLimit | None = None,
     prune_policy: PrunePolicy | None = None,
+    on_file: Callable[[str, int], None] | None = None,
 ) -> SyncReport:
-    """One round of `ckpt sync RUN_DIR s3://…`: upload what the destination lacks."""
+    """One round of `ckpt sync RUN_DIR s3://…`: upload what the destination lacks.
+
+    `on_file(rel, size)` is called after each file of a checkpoint is in place remotely
+    (sent, or found there already), in upload order.
+    """
     run_root = Path(src)
     run = scan_run(run_root, settle=settle)
-    uploader = _Uploader(Path(run.run_dir), dest, limit or RateLimit(None))
+    uploader = _Uploader(Path(run.run_dir), dest, limit or RateLimit(None), on_file)
     report = SyncReport(source=src, dest=dest, direction="up")
     now = time.time()
     for c in run.checkpoints:

@@ -1,0 +1,519 @@
+"""`Checkpointer`: the save engine (see the package docstring for what it guarantees)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from ..errors import CkptError, FormatError, IOFailure, UsageError
+from ..output import staged_output
+from ..runs import is_remote
+from .hooks import pause_point
+from .model import CheckpointerStatus, LoadedCheckpoint, SaveRecord
+from .staging import HostStaging
+from .state import apply, capture, entries, load_template
+from .tiers import Choice, choose
+
+OnBusy = Literal["wait", "skip"]
+Checks = Literal["checksums", "structure", "none"]
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file-system writer, with the test pause point before the commit marker."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        super().__init__(str(path), sync_files=True)
+        self.step = step
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        # runs on the coordinator once every rank's data files are written
+        pause_point("write", self.step)
+        super().finish(metadata, results)
+
+
+class Checkpointer:
+    """Saves a training loop's state in the background, and resumes it from the newest save.
+
+    Args:
+        run_dir: the local run folder; each save is the DCP folder `run_dir/step-N`.
+        format: `dcp` (the one format written).
+        keep_last: keep the newest N complete saves (locally and in the object store).
+        keep_every: also keep the saves whose step is a multiple of K.
+        upload: an object-store prefix (`s3://bucket/run`) every save is uploaded to.
+        protect: parity shares written into each save (`ckpt protect`; 0 for none).
+        checksums: the hash algorithm of the `ckpt-manifest.json` written into each save
+            (`xxh3`, `blake3`, `sha256`), or None for no manifest.
+        on_busy: what `save` does while the previous save is still in flight: `wait` for it,
+            or `skip` this one (logged, and counted in `status()`).
+        verify: what `load_latest` checks before loading: `checksums` (the manifest or parity
+            when the save has one, else the structure), `structure`, or `none`.
+        logger: where progress and failures go (default `logging.getLogger("ckpt_cli.checkpointer")`).
+        pin_memory: pin the host staging buffer (default: when CUDA is available).
+
+    Under torchrun (a process group initialised), construct it on every rank at the same
+    point: it creates two gloo process groups of its own, one for the background writes and
+    one for the decisions the ranks take together. The run folder must be on a file system
+    every rank sees (as DCP's `FileSystemWriter` needs).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        format: str = "dcp",
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        upload: str | None = None,
+        protect: int = 0,
+        checksums: str | None = "xxh3",
+        on_busy: OnBusy = "wait",
+        verify: Checks = "checksums",
+        logger: logging.Logger | None = None,
+        pin_memory: bool | None = None,
+    ) -> None:
+        from ..hashing import ALGORITHMS
+        from ..ops.retention import PrunePolicy
+
+        if format != "dcp":
+            raise UsageError(
+                f"the Checkpointer writes DCP folders; format {format!r} is not supported",
+                fix='Use format="dcp"; `ckpt convert` turns a save into safetensors afterwards.',
+            )
+        if on_busy not in ("wait", "skip"):
+            raise UsageError(f'on_busy must be "wait" or "skip" (got {on_busy!r})')
+        if verify not in ("checksums", "structure", "none"):
+            raise UsageError(f'verify must be "checksums", "structure" or "none" (got {verify!r})')
+        if checksums is not None and checksums not in ALGORITHMS:
+            raise UsageError(
+                f"unknown checksum algorithm {checksums!r}",
+                fix=f"Use one of {', '.join(ALGORITHMS)}.",
+            )
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None and value < 1:
+                raise UsageError(f"{name} must be at least 1 (got {value})")
+        if protect < 0:
+            raise UsageError(f"protect must be 0 or more parity shares (got {protect})")
+        if upload is not None:
+            if not is_remote(upload) or upload.startswith("hf://"):
+                raise UsageError(
+                    "upload must be an object-store prefix",
+                    path=upload,
+                    fix="Pass e.g. upload='s3://bucket/runs/exp1'.",
+                )
+            upload = upload.rstrip("/")
+        self.run_dir = Path(run_dir).absolute()
+        self.upload = upload
+        self.protect = protect
+        self.checksums = checksums
+        self.on_busy: OnBusy = on_busy
+        self.verify: Checks = verify
+        self.log = logger or logging.getLogger("ckpt_cli.checkpointer")
+        self.policy: PrunePolicy | None = None
+        if keep_last or keep_every:
+            # this checkpointer is the run's one writer and judges its own saves: no settle
+            # window; interrupted saves older than the newest complete one are cleaned too
+            self.policy = PrunePolicy(
+                keep_last=keep_last, keep_every=keep_every, incomplete=True, settle=0.0
+            )
+        self._distributed = (
+            dist.is_available() and dist.is_initialized() and (dist.get_world_size() > 1)
+        )
+        self.rank = dist.get_rank() if self._distributed else 0
+        self.world_size = dist.get_world_size() if self._distributed else 1
+        # the background writes and the main thread's agreements each get a group of their
+        # own: collectives of two threads must never share one (nor the training's)
+        self._write_group: Any = dist.new_group(backend="gloo") if self._distributed else None
+        self._control_group: Any = dist.new_group(backend="gloo") if self._distributed else None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._staging = HostStaging(pin_memory=pin_memory, logger=self.log)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._current: SaveRecord | None = None
+        self._last: SaveRecord | None = None
+        self._complete_step: int | None = None
+        self._uploaded_step: int | None = None
+        self._saves = self._skipped = self._failures = 0
+        self._last_error: str | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ public
+
+    def save(self, step: int, state: Mapping[str, Any]) -> SaveRecord:
+        """Save `state` as step `step`: blocks while it is copied into host memory only.
+
+        The write, fsync, manifest, parity, publish, retention and upload run in a background
+        thread. While the previous save is still in flight, this one waits for it or is
+        skipped (`on_busy`), and says so in the log and the returned record. Failures of the
+        background work never raise here: they are logged and reported by `status()` and by
+        the record `wait()` returns.
+        """
+        if self._closed:
+            raise UsageError("the Checkpointer is closed")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise UsageError(f"step must be a non-negative int (got {step!r})")
+        start = time.perf_counter()
+        record = SaveRecord(step=step, name=f"step-{step}")
+        if self._busy():
+            in_flight = self._current
+            what = f"step {in_flight.step}" if in_flight is not None else "a save on another rank"
+            if self.on_busy == "skip":
+                record.phase = "skipped"
+                record.error = f"{what} was still being saved"
+                self.log.warning("save of step %d skipped: %s is still in flight", step, what)
+                with self._lock:
+                    self._skipped += 1
+                    self._last = record
+                record.blocked_seconds = time.perf_counter() - start
+                return record
+            self.log.info("save of step %d waits for %s", step, what)
+            self._join()
+            record.waited_seconds = time.perf_counter() - start
+        items = entries(state)
+        staged_from = time.perf_counter()
+        staged, nbytes = self._staging.stage(capture(items))
+        record.stage_seconds = time.perf_counter() - staged_from
+        record.bytes = nbytes
+        record.blocked_seconds = time.perf_counter() - start
+        self.log.info(
+            "step %d staged: %.1f MiB in %.3f s; writing in the background",
+            step,
+            nbytes / 2**20,
+            record.stage_seconds,
+        )
+        with self._lock:
+            self._current = record
+            self._saves += 1
+        self._thread = threading.Thread(
+            target=self._background, args=(record, staged), name=f"ckpt-save-{step}"
+        )
+        self._thread.start()
+        return record
+
+    def wait(self) -> SaveRecord | None:
+        """Wait for the save in flight; the newest finished record (None before any save)."""
+        self._join()
+        with self._lock:
+            return self._last.model_copy(deep=True) if self._last is not None else None
+
+    def status(self) -> CheckpointerStatus:
+        """A snapshot of where the saves stand (safe to call from any thread)."""
+        with self._lock:
+            return CheckpointerStatus(
+                run_dir=str(self.run_dir),
+                upload=self.upload,
+                rank=self.rank,
+                world_size=self.world_size,
+                in_flight=self._current.model_copy(deep=True) if self._current else None,
+                last=self._last.model_copy(deep=True) if self._last else None,
+                last_complete_step=self._complete_step,
+                last_uploaded_step=self._uploaded_step,
+                saves=self._saves,
+                skipped=self._skipped,
+                failures=self._failures,
+                last_error=self._last_error,
+                staging_bytes=self._staging.nbytes,
+            )
+
+    def load_latest(self, into: MutableMapping[str, Any]) -> LoadedCheckpoint | None:
+        """Load the newest complete, verified save of either tier into `into`; None if none.
+
+        Models, optimizers and other Stateful objects of `into` are loaded in place; the plain
+        entries (RNG states, counters) are replaced in `into` by the loaded values and also
+        returned in `LoadedCheckpoint.state`. Under torchrun rank 0 chooses the save (and
+        pulls it from the object store if need be) and every rank loads its own shards.
+        """
+        self._join()
+        items = entries(into)
+        choice: Choice | None = None
+        failure: str | None = None
+        if self.rank == 0:
+            try:
+                choice = choose(self.run_dir, self.upload, self.verify, self.log)
+            except CkptError as error:
+                failure = str(error)
+        if self._distributed:
+            shared: list[Any] = [choice, failure]
+            dist.broadcast_object_list(shared, src=0, group=self._control_group)
+            choice, failure = shared
+        if failure is not None:
+            raise IOFailure(
+                f"choosing the save to load failed on rank 0: {failure}", path=self.run_dir
+            )
+        if choice is None:
+            self.log.info("no complete checkpoint in %s%s", self.run_dir, self._remote_note())
+            return None
+        reader = FileSystemReader(choice.path)
+        metadata = reader.read_metadata()
+        template = load_template(items, metadata, choice.path)
+        if self._distributed:
+            dcp_load(template, storage_reader=reader, process_group=self._control_group)
+        else:
+            dcp_load(template, storage_reader=reader, no_dist=True)
+        values = apply(items, template, metadata)
+        for key, value in values.items():
+            into[key] = value
+        self.log.info(
+            "loaded step %d from %s (%s tier; checks: %s)",
+            choice.step,
+            choice.path,
+            choice.tier,
+            ", ".join(choice.verified) or "none",
+        )
+        return LoadedCheckpoint(
+            step=choice.step,
+            path=choice.path,
+            tier=choice.tier,
+            verified=choice.verified,
+            skipped=choice.skipped,
+            state=values,
+        )
+
+    def close(self) -> None:
+        """Wait for the save in flight and release the staging buffer."""
+        if self._closed:
+            return
+        self._join()
+        self._closed = True
+        self._staging = HostStaging(pin_memory=self._staging.pin_memory, logger=self.log)
+        if self._distributed:
+            for group in (self._write_group, self._control_group):
+                dist.destroy_process_group(group)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the main thread
+
+    def _remote_note(self) -> str:
+        return f" nor in {self.upload}" if self.upload else ""
+
+    def _busy(self) -> bool:
+        """Whether a save is in flight here (or, under torchrun, on any rank: they agree)."""
+        mine = self._thread is not None and self._thread.is_alive()
+        if not self._distributed:
+            return mine
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)
+        return bool(flag.item())
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # ------------------------------------------------------------------ the background thread
+
+    def _background(self, record: SaveRecord, staged: dict[str, Any]) -> None:
+        try:
+            if self.rank == 0:
+                self._write_as_leader(record, staged)
+            else:
+                self._write_as_follower(record, staged)
+            del staged  # the staging buffers stay; this tree of references to them goes
+            if self.rank == 0:
+                self._retain(record)
+                if self.upload is not None:
+                    self._upload(record)
+            record.phase = "done"
+            self.log.info("step %d saved: %s", record.step, record.remote or record.path)
+        except BaseException as exc:  # a failed save must never take the training down
+            record.phase = "failed"
+            record.error = (
+                str(exc) if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}"
+            )
+            self.log.error(
+                "save of step %d failed: %s",
+                record.step,
+                record.error,
+                exc_info=not isinstance(exc, CkptError),
+            )
+            with self._lock:
+                self._failures += 1
+                self._last_error = record.error
+        finally:
+            with self._lock:
+                self._last = record
+                self._current = None
+
+    def _share(self, value: Any) -> Any:
+        """Rank 0's `value`, on every rank (over the write group)."""
+        if not self._distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._write_group)
+        return box[0]
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether every rank's part went well."""
+        if not self._distributed:
+            return ok
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._write_group)
+        return not bool(flag.item())
+
+    def _write(self, staging: Path, staged: dict[str, Any], record: SaveRecord) -> None:
+        """Every rank writes its shards into the staging folder; rank 0 writes `.metadata`
+        last, once all ranks' data is there (DCP gathers the write results first)."""
+        record.phase = "writing"
+        started = time.perf_counter()
+        writer = _Writer(staging, record.step)
+        if self._distributed:
+            dcp_save(staged, storage_writer=writer, process_group=self._write_group)
+        else:
+            dcp_save(staged, storage_writer=writer, no_dist=True)
+        record.write_seconds = time.perf_counter() - started
+
+    def _write_as_leader(self, record: SaveRecord, staged: dict[str, Any]) -> None:
+        """Stage, write, seal and publish `run_dir/step-N`; tell the other ranks how it went.
+
+        The sequence of collectives is the same on every rank whatever fails: the staging
+        folder (or None), whether every rank wrote its part, and the outcome.
+        """
+        dest = self.run_dir / record.name
+        shared = False
+        outcome: BaseException | None = None
+        try:
+            with staged_output(dest, force=True) as staging:
+                self._share(str(staging))
+                shared = True
+                error: BaseException | None = None
+                try:
+                    self._write(staging, staged, record)
+                except BaseException as exc:
+                    error = exc
+                everyone = self._agree(error is None)
+                if error is not None:
+                    raise error
+                if not everyone:
+                    raise IOFailure(
+                        f"another rank failed to write its part of step {record.step}; "
+                        "nothing was published",
+                        path=dest,
+                        fix="Its error is in that rank's log.",
+                    )
+                self._seal(staging, record)
+        except BaseException as exc:
+            if not shared:
+                self._share(None)
+                self._agree(False)
+            outcome = exc
+        else:
+            record.path = str(dest)
+            with self._lock:
+                self._complete_step = record.step
+        self._share(None if outcome is None else str(outcome))
+        if outcome is not None:
+            raise outcome
+
+    def _write_as_follower(self, record: SaveRecord, staged: dict[str, Any]) -> None:
+        staging = self._share(None)
+        error: BaseException | None = None
+        if staging is None:
+            error = IOFailure(
+                f"rank 0 could not stage step {record.step}",
+                path=self.run_dir,
+                fix="Its error is in rank 0's log.",
+            )
+        else:
+            try:
+                self._write(Path(staging), staged, record)
+            except BaseException as exc:
+                error = exc
+        self._agree(error is None)
+        outcome = self._share(None)
+        if error is not None:
+            raise error
+        if outcome is not None:
+            raise IOFailure(
+                f"rank 0 did not publish step {record.step}: {outcome}", path=self.run_dir
+            )
+        record.path = str(self.run_dir / record.name)
+        with self._lock:
+            self._complete_step = record.step
+
+    def _seal(self, staging: Path, record: SaveRecord) -> None:
+        """Rank 0, before the rename: the structural check (and manifest), then parity."""
+        from ..ops.parity import protect
+        from ..ops.verify import verify
+
+        record.phase = "publishing"
+        started = time.perf_counter()
+        report = verify(
+            str(staging), write_manifest=self.checksums is not None, algo=self.checksums
+        )
+        if not report.ok:
+            first = next(p for p in report.problems if p.severity == "error")
+            fix = (
+                "Save plain values (numbers, strings, lists, dicts, tensors, numpy arrays) or "
+                "the object's state_dict(): load_latest refuses pickles that would run code."
+                if first.code == "unloadable_object"
+                else None
+            )
+            raise FormatError(
+                f"the save of step {record.step} failed its check and was not published: "
+                f"{first.message}",
+                path=first.file or str(staging),
+                fix=fix,
+            )
+        if self.protect:
+            protect(str(staging), parity=self.protect)
+        pause_point("publish", record.step)
+        record.publish_seconds = time.perf_counter() - started
+
+    def _retain(self, record: SaveRecord) -> None:
+        """Local retention after a publish (`ckpt prune` with this checkpointer's policy)."""
+        if self.policy is None:
+            return
+        from ..ops.prune import prune
+
+        report = prune(self.run_dir, self.policy, yes=True, strict_metric=False)
+        record.pruned.extend(report.deleted)
+        if report.deleted:
+            self.log.info("retention removed %s", ", ".join(report.deleted))
+        for failed in report.failed:
+            self.log.warning("retention could not remove %s", failed)
+
+    def _upload(self, record: SaveRecord) -> None:
+        """`ckpt sync` the run folder to the object store: data first, `.metadata` after,
+        the checksum manifest last; remote retention with the same policy."""
+        from ..ops.sync import sync
+
+        assert self.upload is not None
+        record.phase = "uploading"
+        started = time.perf_counter()
+        prefix = f"{record.name}/"
+
+        def on_file(rel: str, size: int) -> None:
+            self.log.debug("uploaded %s (%d bytes)", rel, size)
+            if rel.startswith(prefix):
+                pause_point("upload", record.step)
+
+        report = sync(
+            str(self.run_dir), self.upload, settle=0.0, prune_policy=self.policy, on_file=on_file
+        )
+        record.upload_seconds = time.perf_counter() - started
+        if report.pruned is not None:
+            record.pruned.extend(f"{self.upload}/{name}" for name in report.pruned.deleted)
+        if report.failed:
+            raise IOFailure(
+                f"step {record.step} is saved locally ({record.path}) but its upload failed: "
+                + "; ".join(report.failed),
+                path=self.upload,
+                fix="The next save uploads it again (sync resumes what is missing).",
+            )
+        record.remote = f"{self.upload}/{record.name}"
+        with self._lock:
+            self._uploaded_step = record.step

@@ -1,0 +1,112 @@
+"""The host staging buffer: the state dict copied into CPU memory allocated once and reused.
+
+`save` must not hold the training loop for longer than a memory copy, and the background
+writer must not see tensors the next optimizer step changes. `HostStaging.stage` walks the
+state dict the way DCP does (mappings and lists are traversed, everything else is a leaf) and
+copies every tensor into a CPU tensor of its own, kept between saves: the first save
+allocates (and pins, when the tensors live on an accelerator), later saves only copy. A tensor
+whose shape, dtype or layout changed gets a new buffer (logged). A `DTensor` is staged as its
+local shard and rewrapped with the same mesh and placements, so DCP plans the same shards.
+Non-tensor leaves (counters, RNG tuples, scheduler settings) are deep-copied: they are small.
+
+Each buffer has the shape of its tensor and owns its storage (no views into one flat slab):
+DCP's writer clones any tensor whose storage is larger than itself before serialising it, so
+views would cost a second copy on every save.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+#: a key in the state dict, as DCP's traversal names it (dict keys, list indices)
+Path = tuple[str | int, ...]
+
+
+class HostStaging:
+    """CPU copies of a state dict's tensors, allocated on the first `stage` and reused.
+
+    Args:
+        pin_memory: pin the buffers (faster device-to-host copies); default: when CUDA is
+            available.
+        logger: where re-allocations are reported.
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None, logger: logging.Logger | None = None):
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._buffers: dict[Path, torch.Tensor] = {}
+        self._log = logger or logging.getLogger(__name__)
+        self.allocations = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host memory the buffers hold."""
+        # a snapshot of the values first: `status()` may ask from another thread mid-`stage`
+        return sum(b.numel() * b.element_size() for b in list(self._buffers.values()))
+
+    def stage(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+        """A copy of `state` whose tensors live in the staging buffers; (copy, tensor bytes).
+
+        Device-to-host copies are issued non-blocking into pinned buffers and synchronized
+        once at the end, so the copy is done when this returns.
+        """
+        seen: set[Path] = set()
+        copied = [0]
+        staged = {str(k): self._stage_value((str(k),), v, seen, copied) for k, v in state.items()}
+        for stale in set(self._buffers) - seen:  # an entry the state no longer has
+            del self._buffers[stale]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return staged, copied[0]
+
+    def _stage_value(self, path: Path, value: Any, seen: set[Path], copied: list[int]) -> Any:
+        if isinstance(value, Mapping):
+            return {
+                k: self._stage_value((*path, str(k)), v, seen, copied) for k, v in value.items()
+            }
+        if isinstance(value, list):
+            return [self._stage_value((*path, i), v, seen, copied) for i, v in enumerate(value)]
+        if isinstance(value, torch.Tensor):
+            seen.add(path)
+            return self._stage_tensor(path, value, copied)
+        return copy.deepcopy(value)
+
+    def _stage_tensor(self, path: Path, tensor: torch.Tensor, copied: list[int]) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tensor, DTensor):
+            local = self._copy_into(path, tensor.to_local(), copied)
+            return DTensor.from_local(
+                local,
+                tensor.device_mesh,
+                tensor.placements,
+                run_check=False,
+                shape=tensor.shape,
+                stride=tensor.stride(),
+            )
+        return self._copy_into(path, tensor, copied)
+
+    def _copy_into(self, path: Path, tensor: torch.Tensor, copied: list[int]) -> torch.Tensor:
+        source = tensor.detach()
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            if buffer is not None:
+                self._log.info(
+                    "staging buffer for %s re-allocated: %s %s -> %s %s",
+                    ".".join(map(str, path)),
+                    buffer.dtype,
+                    tuple(buffer.shape),
+                    source.dtype,
+                    tuple(source.shape),
+                )
+            pin = self.pin_memory and source.device.type != "cpu"
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin)
+            self._buffers[path] = buffer
+            self.allocations += 1
+        buffer.copy_(source, non_blocking=buffer.is_pinned())
+        copied[0] += buffer.numel() * buffer.element_size()
+        return buffer

@@ -1,0 +1,193 @@
+"""The training state a user hands to `save` / `load_latest`, as DCP state dicts.
+
+Every entry of the mapping is one of:
+
+* a model (`torch.nn.Module`, DDP / FSDP wrapped or not): saved and loaded through
+  `torch.distributed.checkpoint.state_dict` (`get_model_state_dict` / `set_model_state_dict`),
+  so the keys are the model's own fully-qualified names whatever wraps it;
+* an optimizer: through `get_optimizer_state_dict` / `set_optimizer_state_dict` with the
+  model of the same mapping that owns its parameters, so its state is keyed by parameter
+  name and a freshly built optimizer (with no state yet) is loaded whole;
+* any other Stateful object (scheduler, data loader, anything with `state_dict` and
+  `load_state_dict`): its `state_dict()`, as `dcp.save` takes it;
+* a plain value (tensors, RNG states, counters, dicts of them): saved as it is.
+
+On load, models and optimizers are loaded in place into state dicts of the live objects, as
+DCP does. The other entries are loaded from what the checkpoint holds (its `.metadata` names
+every key saved under them), not from the current object's `state_dict()`: a data loader's
+state has other keys mid-epoch than at the start, and DCP loads only the keys of the template.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..errors import FormatError, UsageError
+
+Kind = Literal["model", "optimizer", "stateful", "value"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of the training state and how it is saved and loaded."""
+
+    key: str
+    kind: Kind
+    obj: Any
+    #: for an optimizer: the model that owns its parameters
+    model: torch.nn.Module | None = None
+
+
+def is_stateful(value: Any) -> bool:
+    """Whether `value` has `state_dict` and `load_state_dict` (DCP's `Stateful` protocol,
+    checked as `dcp.save` checks it)."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    return isinstance(value, Stateful)
+
+
+def entries(state: Mapping[str, Any]) -> list[Entry]:
+    """Classify every entry of `state` (UsageError for an optimizer without its model)."""
+    if not isinstance(state, Mapping) or not state:
+        raise UsageError(
+            "the training state must be a non-empty mapping of names to objects",
+            fix='Pass e.g. {"model": model, "optimizer": optimizer, "step": step}.',
+        )
+    models = {str(k): v for k, v in state.items() if isinstance(v, torch.nn.Module)}
+    out: list[Entry] = []
+    for key, value in state.items():
+        name = str(key)
+        if "." in name:
+            raise UsageError(
+                f"the state key {name!r} contains a dot",
+                fix="DCP joins nested keys with dots; name the entry without one.",
+            )
+        if isinstance(value, torch.nn.Module):
+            out.append(Entry(name, "model", value))
+        elif isinstance(value, torch.optim.Optimizer):
+            out.append(Entry(name, "optimizer", value, _owner(name, value, models)))
+        elif is_stateful(value):
+            out.append(Entry(name, "stateful", value))
+        else:
+            out.append(Entry(name, "value", value))
+    return out
+
+
+def _owner(
+    key: str, optimizer: torch.optim.Optimizer, models: dict[str, torch.nn.Module]
+) -> torch.nn.Module:
+    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module in models.values():
+        if wanted <= {id(p) for p in module.parameters()}:
+            return module
+    raise UsageError(
+        f"the optimizer {key!r} has parameters that no model of the state owns",
+        fix="Pass the model it optimizes in the same mapping: "
+        '{"model": model, "optimizer": optimizer}.',
+    )
+
+
+def capture(items: list[Entry]) -> dict[str, Any]:
+    """The state dict `dcp.save` gets: each entry's state, keyed by its name."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    out: dict[str, Any] = {}
+    for e in items:
+        if e.kind == "model":
+            out[e.key] = get_model_state_dict(e.obj)
+        elif e.kind == "optimizer":
+            assert e.model is not None
+            out[e.key] = get_optimizer_state_dict(e.model, e.obj)
+        elif e.kind == "stateful":
+            out[e.key] = e.obj.state_dict()
+        else:
+            out[e.key] = e.obj
+    return out
+
+
+def load_template(items: list[Entry], metadata: Any, where: str) -> dict[str, Any]:
+    """What `dcp.load` fills: the live models' and optimizers' state dicts (loaded in place),
+    and, for the other entries, every key the checkpoint holds under them (tensors as empty
+    tensors of the saved size and dtype, objects as placeholders DCP replaces)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    template = capture([e for e in items if e.kind in ("model", "optimizer")])
+    paths = metadata.planner_data or {}
+    for e in items:
+        if e.kind in ("model", "optimizer"):
+            continue
+        found = False
+        for fqn, md in metadata.state_dict_metadata.items():
+            path = paths.get(fqn, (fqn,))
+            if path[0] != e.key:
+                continue
+            found = True
+            if isinstance(md, TensorStorageMetadata):
+                template[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            else:
+                template[fqn] = None
+        if not found and e.kind == "value":
+            raise FormatError(
+                f"the checkpoint holds no entry {e.key!r}",
+                path=where,
+                fix=f"Drop {e.key!r} from `into`, or load a checkpoint saved with it.",
+            )
+    return template
+
+
+def apply(items: list[Entry], loaded: dict[str, Any], metadata: Any) -> dict[str, Any]:
+    """Hand the loaded state to the live objects; returns the plain values, by entry name."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    paths = metadata.planner_data or {}
+    rebuilt: dict[str, Any] = {}
+    for fqn, value in loaded.items():
+        if fqn in paths and fqn not in {e.key for e in items if e.kind in ("model", "optimizer")}:
+            _set_path(rebuilt, paths[fqn], value)
+    values: dict[str, Any] = {}
+    for e in items:
+        if e.kind == "model":
+            set_model_state_dict(e.obj, loaded[e.key])
+        elif e.kind == "optimizer":
+            assert e.model is not None
+            set_optimizer_state_dict(e.model, e.obj, loaded[e.key])
+        elif e.kind == "stateful":
+            e.obj.load_state_dict(rebuilt.get(e.key, {}))
+        else:
+            values[e.key] = rebuilt[e.key]
+    return values
+
+
+def _set_path(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """Put `value` at `path` (dict keys and list indices, as DCP's traversal names them)."""
+    node: Any = root
+    for here, nxt in itertools.pairwise(path):
+        fresh: Any = [] if isinstance(nxt, int) else {}
+        if isinstance(node, list):
+            assert isinstance(here, int)
+            while len(node) <= here:
+                node.append(None)
+            if node[here] is None:
+                node[here] = fresh
+            node = node[here]
+        else:
+            node = node.setdefault(here, fresh)
+    last = path[-1]
+    if isinstance(node, list):
+        assert isinstance(last, int)
+        while len(node) <= last:
+            node.append(None)
+        node[last] = value
+    else:
+        node[last] = value

@@ -1,0 +1,120 @@
+"""Where `load_latest` finds a save: the local run folder first, then the object store.
+
+Both tiers are judged by `ckpt_cli.runs` (the judge `ckpt latest` uses): a save is a
+candidate only when it is complete (`.metadata` present, every file whole; a staging folder
+or a half-uploaded prefix never is). The newest candidate wins; on a tie the local copy is
+taken (no transfer). A remote save newer than every local one is pulled into the run folder
+first with `sync` (staged, checked against its checksum manifest, published with one rename).
+Every candidate is verified before it is chosen (`ckpt verify`, with `--checksums` when it
+carries a manifest or parity); one that fails is passed over, with the reason, for the next.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CkptError
+from ..ops.checksums import MANIFEST_NAME
+from ..runs import RunCheckpoint, scan_run
+from ..storage import PARITY_DIR
+from .model import Tier
+
+
+@dataclass
+class Choice:
+    """The save `load_latest` loads, and what it passed over."""
+
+    path: str
+    step: int
+    tier: Tier
+    verified: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def _resumable(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint]:
+    """Complete DCP step saves, newest first (slimmed ones hold no optimizer state)."""
+    done = [
+        c
+        for c in checkpoints
+        if c.complete and not c.slim and c.step is not None and "dcp" in c.formats
+    ]
+    return sorted(done, key=lambda c: c.order, reverse=True)
+
+
+def check(path: str, checks: str) -> tuple[list[str], str | None]:
+    """Verify one local save: (the checks that ran, the first problem or None)."""
+    from ..ops.verify import verify
+
+    if checks == "none":
+        return [], None
+    folder = Path(path)
+    digests = (folder / MANIFEST_NAME).is_file() or (folder / PARITY_DIR).is_dir()
+    with_sums = checks == "checksums" and digests
+    report = verify(path, checksums=with_sums)
+    if report.ok:
+        return report.checks, None
+    first = next(p for p in report.problems if p.severity == "error")
+    return report.checks, f"{first.file or path}: {first.message}"
+
+
+def choose(run_dir: Path, upload: str | None, checks: str, log: logging.Logger) -> Choice | None:
+    """The newest complete, verified save over both tiers (see the module), or None."""
+    skipped: list[str] = []
+    local = _resumable(scan_run(run_dir, settle=0.0).checkpoints) if run_dir.is_dir() else []
+    newest_local = local[0].step if local else None
+    if upload is not None:
+        pulled = _from_remote(run_dir, upload, newest_local, checks, skipped, log)
+        if pulled is not None:
+            return pulled
+    for c in local:
+        assert c.step is not None
+        ran, problem = check(c.path, checks)
+        if problem is None:
+            return Choice(path=c.path, step=c.step, tier="local", verified=ran, skipped=skipped)
+        log.warning("checkpoint %s failed verification, passed over: %s", c.path, problem)
+        skipped.append(f"{c.name}: {problem}")
+    return None
+
+
+def _from_remote(
+    run_dir: Path,
+    upload: str,
+    newest_local: int | None,
+    checks: str,
+    skipped: list[str],
+    log: logging.Logger,
+) -> Choice | None:
+    """Pull the newest remote save when it is newer than every local one."""
+    from ..ops.sync import sync
+
+    try:
+        remote = _resumable(scan_run(upload.rstrip("/"), settle=0.0, until_latest=True).checkpoints)
+    except CkptError as error:
+        log.warning("object store %s not read, loading from the local tier: %s", upload, error)
+        return None
+    if not remote:
+        return None
+    best = remote[0]
+    assert best.step is not None
+    if newest_local is not None and best.step <= newest_local:
+        return None
+    log.info("pulling %s from %s (newer than every local save)", best.name, upload)
+    try:
+        report = sync(upload.rstrip("/"), str(run_dir), latest_only=True)
+    except CkptError as error:
+        log.warning("pulling %s failed: %s", best.name, error)
+        skipped.append(f"{best.name} (remote): {error}")
+        return None
+    if report.failed:
+        skipped.append(f"{best.name} (remote): {report.failed[0]}")
+        log.warning("pulling %s failed: %s", best.name, report.failed[0])
+        return None
+    path = run_dir / best.name
+    ran, problem = check(str(path), checks)
+    if problem is not None:
+        skipped.append(f"{best.name} (remote): {problem}")
+        log.warning("pulled %s failed verification, passed over: %s", path, problem)
+        return None
+    return Choice(path=str(path), step=best.step, tier="remote", verified=ran, skipped=skipped)

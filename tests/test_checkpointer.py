@@ -1,0 +1,379 @@
+"""`ckpt_cli.Checkpointer`: a training loop saves in the background and resumes bit-identically.
+
+A user's story: a real (tiny) training run (`tests/checkpointer_worker.py`: an MLP with
+dropout, AdamW, a StepLR schedule, a shuffling resumable data loader, the torch RNG) saves
+every 3 steps through the Checkpointer, is SIGKILLed in the middle of a background save, and
+resumes with `load_latest`; its final parameters and optimizer state are compared bit for bit
+with a run that was never interrupted. The moments are chosen with the test-only pause point
+of `ckpt_cli/checkpointer/hooks.py`: `CKPT_TEST_PAUSE_AT=write@9` stops the background writer
+of step 9 when every rank's data files are written but `.metadata` (the commit marker) is not,
+`upload@9` once the first file of step 9 is in the object store; the writer then touches
+`CKPT_TEST_PAUSE_FILE` and waits, and the test kills the process.
+
+The saves are judged by the real readers: `ckpt latest` / `ckpt verify` (the CLI), and
+`dcp.load` for the tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .conftest import run_ckpt
+from .dist_helpers import require_torchrun_marker, torchrun_env
+from .s3_fixtures import S3Server, list_keys, make_bucket
+
+WORKER = Path(__file__).resolve().parent / "checkpointer_worker.py"
+#: the longest a worker may take to reach its pause point (a guard, not a measurement)
+REACH_PAUSE = 300.0
+
+
+def _command(nproc: int, run_dir: Path, out: Path, args: tuple[str, ...]) -> list[str]:
+    target = [str(WORKER), str(run_dir), str(out), *args]
+    if nproc == 1:
+        return [sys.executable, *target]
+    require_torchrun_marker()
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *target,
+    ]
+
+
+def train(run_dir: Path, out: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess[str]:
+    """Train to the end (steps 1..12, a save every 3, keeping 2); fail with its output if it fails."""
+    proc = subprocess.run(
+        _command(nproc, run_dir, out, args),
+        capture_output=True,
+        text=True,
+        env=torchrun_env(),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def train_and_kill_at(point: str, run_dir: Path, out: Path, *args: str, nproc: int = 1) -> str:
+    """Train with the pause point `point` set; SIGKILL every process once it is reached.
+
+    Returns the worker's stderr (its log)."""
+    marker = run_dir.parent / f"paused-{point.replace('@', '-')}"
+    env = torchrun_env({"CKPT_TEST_PAUSE_AT": point, "CKPT_TEST_PAUSE_FILE": str(marker)})
+    log = run_dir.parent / f"log-{point.replace('@', '-')}.txt"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            _command(nproc, run_dir, out, args),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + REACH_PAUSE
+        while not marker.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"never reached {point}:\n{log.read_text()}")
+            time.sleep(0.05)
+        # torchrun starts each rank in a session of its own: kill the whole tree at once
+        doomed = [proc.pid, *_descendants(proc.pid)]
+        for pid in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    for pid in doomed[1:]:
+        _reaped(pid)
+    return log.read_text()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (children, their children...)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _reaped(pid: int) -> None:
+    """Wait (a bounded while) until a killed process that is not our child is gone."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} survived SIGKILL")
+
+
+def final_state(out: Path, rank: int = 0) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(f"{out}.rank{rank}.pt", weights_only=True)
+    return state
+
+
+def assert_bit_identical(resumed: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Final parameters, optimizer state (every tensor), param groups and schedule: equal."""
+    assert resumed["model"].keys() == reference["model"].keys()
+    for name, tensor in reference["model"].items():
+        assert torch.equal(resumed["model"][name], tensor), name
+    got, want = resumed["optimizer"], reference["optimizer"]
+    assert got["state"].keys() == want["state"].keys()
+    for index, slots in want["state"].items():
+        assert got["state"][index].keys() == slots.keys()
+        for slot, value in slots.items():
+            assert torch.equal(got["state"][index][slot], value), (index, slot)
+    assert got["param_groups"] == want["param_groups"]
+    assert resumed["scheduler"] == reference["scheduler"]
+
+
+def latest(run: str | Path) -> str:
+    result = run_ckpt("latest", str(run))
+    assert result.exit_code == 0, result.stdout + result.stderr
+    return result.stdout.strip()
+
+
+def dcp_model(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The `model` entry of a saved DCP folder, read by `dcp.load` itself."""
+    import torch.distributed.checkpoint as dcp
+
+    target = {"model": {k: torch.empty_like(v) for k, v in like.items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(path), no_dist=True)
+    return target["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The uninterrupted single-process run: steps 1..12, saving every 3."""
+    root = tmp_path_factory.mktemp("reference")
+    proc = train(root / "run", root / "final")
+    assert proc.stdout == ""  # the checkpointer logs; it never prints
+    assert "step 12 saved" in proc.stderr
+    return final_state(root / "final")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # three training processes on a shared machine
+def test_sigkill_during_a_background_write_leaves_the_previous_save_latest_and_resume_is_bit_identical(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    run = tmp_path / "run"
+    train_and_kill_at("write@9", run, tmp_path / "killed")
+
+    # step 9 was being written: its data is in the staging folder, its commit marker is not
+    staging = [p for p in run.iterdir() if p.name.startswith(".step-9.ckpt-tmp-")]
+    assert len(staging) == 1
+    assert (staging[0] / "__0_0.distcp").is_file()
+    assert not (staging[0] / ".metadata").exists()
+    assert not (run / "step-9").exists()
+    assert latest(run) == str(run / "step-6")
+    verdict = run_ckpt("verify", str(run / "step-6"), "--checksums")
+    assert verdict.exit_code == 0, verdict.stdout
+
+    proc = train(run, tmp_path / "resumed", "--resume")
+    assert proc.stdout == ""
+    resumed = final_state(tmp_path / "resumed")
+    assert (resumed["start"], resumed["tier"]) == (6, "local")
+    assert_bit_identical(resumed, reference)
+    # the saves are ordinary DCP folders: ckpt finds the whole training state in them...
+    assert latest(run) == str(run / "step-12")
+    verdict = run_ckpt("verify", str(run / "step-12"), "--exact", "--checksums")
+    assert verdict.exit_code == 0 and "exact: yes" in verdict.stdout, verdict.stdout
+    # ...and dcp.load reads the final parameters back
+    for name, tensor in dcp_model(run / "step-12", resumed["model"]).items():
+        assert torch.equal(tensor, resumed["model"][name]), name
+    # retention kept the newest two; the interrupted save's staging folder was cleaned up
+    assert sorted(p.name for p in run.iterdir()) == ["step-12", "step-9"]
+
+
+def _copy_prefix(endpoint: str, bucket: str, src: str, dest: str) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    for key in list_keys(endpoint, bucket, f"{src}/"):
+        client.copy_object(
+            Bucket=bucket, Key=dest + key[len(src) :], CopySource={"Bucket": bucket, "Key": key}
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_during_an_upload_leaves_the_previous_upload_latest_remotely_and_both_tiers_resume(
+    tmp_path: Path, reference: dict[str, Any], s3_server: S3Server
+) -> None:
+    make_bucket(s3_server.endpoint, "ckpt")
+    run = tmp_path / "run"
+    train_and_kill_at("upload@9", run, tmp_path / "killed", "--upload", "s3://ckpt/exp")
+
+    # locally step 9 was published before its upload began
+    assert latest(run) == str(run / "step-9")
+    # remotely it is cut short: some of its objects, not its commit marker
+    step9 = list_keys(s3_server.endpoint, "ckpt", "exp/step-9/")
+    assert step9 and "exp/step-9/.metadata" not in step9
+    assert latest("s3://ckpt/exp") == "s3://ckpt/exp/step-6"
+    # a second node that lost its disk will resume from this object store
+    _copy_prefix(s3_server.endpoint, "ckpt", "exp", "lost")
+
+    # the same node resumes from its local tier (newer than the object store's)
+    proc = train(run, tmp_path / "local", "--resume", "--upload", "s3://ckpt/exp")
+    assert proc.stdout == ""
+    resumed = final_state(tmp_path / "local")
+    assert (resumed["start"], resumed["tier"]) == (9, "local")
+    assert_bit_identical(resumed, reference)
+    # and its next save finished the interrupted upload of step 9
+    assert latest("s3://ckpt/exp") == "s3://ckpt/exp/step-12"
+    assert "exp/step-9/.metadata" in list_keys(s3_server.endpoint, "ckpt", "exp/step-9/")
+
+    # a node with an empty disk pulls the newest complete remote save: step 6, not the cut 9
+    fresh = tmp_path / "fresh-node"
+    proc = train(fresh, tmp_path / "remote", "--resume", "--upload", "s3://ckpt/lost")
+    resumed = final_state(tmp_path / "remote")
+    assert (resumed["start"], resumed["tier"]) == (6, "remote")
+    assert "pulling step-6" in proc.stderr
+    assert_bit_identical(resumed, reference)
+
+
+def test_a_save_while_another_is_in_flight_is_skipped_and_says_so(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ckpt_cli import Checkpointer
+
+    marker = tmp_path / "paused"
+    monkeypatch.setenv("CKPT_TEST_PAUSE_AT", "publish@2")
+    monkeypatch.setenv("CKPT_TEST_PAUSE_FILE", str(marker))
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    run = tmp_path / "run"
+    ck = Checkpointer(run, on_busy="skip")
+    with caplog.at_level(logging.INFO, logger="ckpt_cli.checkpointer"):
+        first = ck.save(2, {"model": model, "optimizer": optimizer})
+        assert first.phase != "skipped"
+        while not marker.exists():  # step 2 is sealed and waits before its rename
+            time.sleep(0.02)
+        second = ck.save(4, {"model": model, "optimizer": optimizer})
+        status = ck.status()
+        marker.unlink()  # let step 2 go on
+        done = ck.wait()
+    assert second.phase == "skipped" and second.error == "step 2 was still being saved"
+    assert status.skipped == 1 and status.in_flight is not None and status.in_flight.step == 2
+    assert "save of step 4 skipped: step 2 is still in flight" in caplog.text
+    assert done is not None and (done.step, done.phase) == (2, "done")
+    assert ck.status().last_complete_step == 2 and ck.status().failures == 0
+    assert latest(run) == str(run / "step-2") and not (run / "step-4").exists()
+    ck.close()
+    assert capsys.readouterr().out == ""
+
+
+@pytest.fixture(scope="module")
+def dist_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The uninterrupted run on 2 ranks (gloo, DDP)."""
+    require_torchrun_marker()
+    root = tmp_path_factory.mktemp("dist-reference")
+    train(root / "run", root / "final", nproc=2)
+    return [final_state(root / "final", rank) for rank in (0, 1)]
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_two_ranks_write_their_own_shards_survive_sigkill_mid_write_and_resume_bit_identically(
+    tmp_path: Path, dist_reference: list[dict[str, Any]]
+) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = tmp_path / "run"
+    train_and_kill_at("write@6", run, tmp_path / "killed", nproc=2)
+
+    # both ranks' data of step 6 is in the staging folder; the marker rank 0 writes last is not
+    staging = [p for p in run.iterdir() if p.name.startswith(".step-6.ckpt-tmp-")]
+    assert len(staging) == 1
+    assert {p.name for p in staging[0].iterdir()} == {"__0_0.distcp", "__1_0.distcp"}
+    assert latest(run) == str(run / "step-3")
+    # each rank wrote its own shard of step 3 (DCP spread the replicated tensors over them)
+    metadata = FileSystemReader(str(run / "step-3")).read_metadata()
+    files = {info.relative_path for info in metadata.storage_data.values()}
+    assert files == {"__0_0.distcp", "__1_0.distcp"}
+
+    train(run, tmp_path / "resumed", "--resume", nproc=2)
+    for rank in (0, 1):
+        resumed = final_state(tmp_path / "resumed", rank)
+        assert (resumed["start"], resumed["tier"]) == (3, "local")
+        assert_bit_identical(resumed, dist_reference[rank])
+    assert latest(run) == str(run / "step-12")
+    verdict = run_ckpt("verify", str(run / "step-12"), "--checksums")
+    assert verdict.exit_code == 0, verdict.stdout
+    final = final_state(tmp_path / "resumed", 0)["model"]
+    for name, tensor in dcp_model(run / "step-12", final).items():
+        assert torch.equal(tensor, final[name]), name
+
+
+def test_retention_parity_and_a_damaged_newest_save_passed_over_on_load(tmp_path: Path) -> None:
+    from ckpt_cli import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    ck = Checkpointer(run, keep_last=1, keep_every=4, protect=1)
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    for step in (2, 4, 6, 8):
+        model(torch.randn(3, 64)).sum().backward()
+        optimizer.step()
+        ck.save(step, {"model": model, "optimizer": optimizer})
+        saved[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        record = ck.wait()
+        assert record is not None and record.phase == "done", record
+    # the newest (keep_last 1) and the multiples of 4 (keep_every 4) are left, each protected
+    assert sorted(p.name for p in run.iterdir()) == ["step-4", "step-8"]
+    assert record.pruned == ["step-6"]
+    assert (run / "step-8" / ".ckpt-parity" / "parity.index.json").is_file()
+    verdict = run_ckpt("verify", str(run / "step-8"), "--checksums")
+    assert verdict.exit_code == 0, verdict.stdout
+    ck.close()
+
+    # a bit flips in the newest save's data: load_latest checks before loading, takes step 4
+    shard = run / "step-8" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    fresh = torch.nn.Linear(64, 32)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    loaded = Checkpointer(run).load_latest(into={"model": fresh, "optimizer": fresh_optimizer})
+    assert loaded is not None and (loaded.step, loaded.tier) == (4, "local")
+    assert "checksums" in loaded.verified
+    assert len(loaded.skipped) == 1 and loaded.skipped[0].startswith("step-8: ")
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, saved[4][name]), name
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == torch.tensor(2.0)
