@@ -32,6 +32,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "latest": ("ckpt_cli.ops.latest", "latest"),
     "download": ("ckpt_cli.ops.download", "download"),
     "diff": ("ckpt_cli.ops.diff", "diff"),
+    "doctor": ("ckpt_cli.ops.doctor", "doctor"),
     # their reports and inputs
     "InspectReport": ("ckpt_cli.ops.inspect", "InspectReport"),
     "VerifyReport": ("ckpt_cli.ops.verify", "VerifyReport"),
@@ -42,6 +43,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "RunReport": ("ckpt_cli.runs", "RunReport"),
     "DownloadReport": ("ckpt_cli.ops.download", "DownloadReport"),
     "DiffReport": ("ckpt_cli.ops.diff", "DiffReport"),
+    "DoctorReport": ("ckpt_cli.ops.doctor", "DoctorReport"),
     # errors
     "CkptError": ("ckpt_cli.errors", "CkptError"),
 }
@@ -50,6 +52,7 @@ __all__ = [
     "CkptError",
     "ConvertReport",
     "DiffReport",
+    "DoctorReport",
     "DownloadReport",
     "InspectReport",
     "PrunePolicy",
@@ -60,6 +63,7 @@ __all__ = [
     "__version__",
     "convert",
     "diff",
+    "doctor",
     "download",
     "inspect",
     "latest",
@@ -72,6 +76,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .errors import CkptError
     from .ops.convert import ConvertReport, convert
     from .ops.diff import DiffReport, diff
+    from .ops.doctor import DoctorReport, doctor
     from .ops.download import DownloadReport, download
     from .ops.inspect import InspectReport, inspect
     from .ops.latest import latest

@@ -68,9 +68,13 @@ CASES: dict[str, dict[str, str | None]] = {
 
 
 def _copy_saves(base: Path, case: Path, names: list[str]) -> None:
+    """The run folder a crashed job leaves: its saves up to the resume point, and its log
+    (which ran on past the last save)."""
     case.mkdir(parents=True)
     for name in names:
         shutil.copytree(base / name, case / name)
+    if (base / "metrics.jsonl").is_file():
+        shutil.copy2(base / "metrics.jsonl", case / "metrics.jsonl")
 
 
 # --------------------------------------------------------------------------- Trainer
@@ -389,6 +393,7 @@ def build_dcp(out: Path) -> None:
                 scaler.scale(loss / world_size).backward()
                 samples_seen += per_device
             batches_seen += 1
+            lr_used = optimizer.param_groups[0]["lr"]
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
@@ -396,6 +401,9 @@ def build_dcp(out: Path) -> None:
             with torch.no_grad():
                 for k, v in model.state_dict().items():
                     ema[k].mul_(0.9).add_(v.to(ema[k].dtype), alpha=0.1)
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / "metrics.jsonl", "a") as log:  # the run's own log, appended
+                log.write(json.dumps({"step": step, "loss": loss.item(), "lr": lr_used}) + "\n")
             if step % 2 == 0:
                 dcp.save(state(), checkpoint_id=str(folder / f"step-{step}"), no_dist=True)
 

@@ -4,9 +4,11 @@ had)."""
 
 from __future__ import annotations
 
+import math
+
 from .models import Cause
 from .pair import fmt
-from .save import Save
+from .save import INITIAL_SCALE, Save
 
 
 def check(save: Save) -> list[Cause]:
@@ -45,9 +47,8 @@ def check(save: Save) -> list[Cause]:
 def _disagreeing(save: Save) -> list[str]:
     step, opt, sched = save.step, save.optimizer_step, save.scheduler_epoch
     evidence: list[str] = []
-    skipped_allowed = save.scaler is not None  # fp16 overflow steps skip the optimizer
     if step is not None and opt is not None and step > 0:
-        if opt > step or (opt < step and not skipped_allowed):
+        if opt > step or step - opt > _max_skipped(save, step):
             evidence.append(f"optimizer step count {fmt(opt)}, trainer step {fmt(step)}")
     if sched is not None and step is not None and step > 0:
         # a per-epoch scheduler counts epochs, fewer than steps; never more than the steps
@@ -57,9 +58,21 @@ def _disagreeing(save: Save) -> list[str]:
     if opt is not None and sched is not None and save.layout == "hf-trainer" and opt != sched:
         evidence.append(f"optimizer step count {fmt(opt)}, scheduler last_epoch {fmt(sched)}")
     steps = sorted(set(save.optimizer_steps))
-    if len(steps) > 1 and steps[-1] - steps[0] > 1 and not save.scaler:
+    if len(steps) > 1 and steps[-1] - steps[0] > 1:
         evidence.append(f"parameters' optimizer step counts range from {steps[0]} to {steps[-1]}")
     return evidence
+
+
+def _max_skipped(save: Save, step: int) -> float:
+    """How many optimizer steps fp16 overflows can have skipped: each halved the loss scale,
+    which grew at most once per `growth_interval` steps from its initial value."""
+    scaler = save.scaler
+    if scaler is None or scaler["scale"] <= 0:
+        return 0.0
+    interval = max(scaler.get("growth_interval", 2000.0), 1.0)
+    factor = scaler.get("growth_factor", 2.0)
+    halvings = math.log(INITIAL_SCALE / scaler["scale"], 2) + step / interval * math.log(factor, 2)
+    return max(0.0, math.ceil(halvings))
 
 
 def _rng_ranks(save: Save) -> list[str]:
