@@ -51,6 +51,7 @@ CASES: dict[str, dict[str, str | None]] = {
     "dcp": {
         "clean": None,
         "clean_from_2": None,
+        "clean_from_6": None,
         "clean_sgd": None,
         "clean_lr_rescaled": None,
         "clean_world_size": None,
@@ -304,8 +305,12 @@ def build_dcp(out: Path) -> None:
         per_device = opts.get("per_device", 4)
         lr = opts.get("lr", 0.05)
         model = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Dropout(0.1),
-            torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1),
+            torch.nn.Linear(8, 16),
+            torch.nn.LayerNorm(16),
+            torch.nn.Dropout(0.1),
+            torch.nn.Linear(16, 16),
+            torch.nn.ReLU(),
+            torch.nn.Linear(16, 1),
         )
         if opts.get("sgd"):
             optimizer: torch.optim.Optimizer = torch.optim.SGD(
@@ -313,6 +318,7 @@ def build_dcp(out: Path) -> None:
             )
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
         def schedule(s: int) -> float:
             return min(1.0, (s + 1) / 3) * (1 - s / 12)
 
@@ -416,6 +422,9 @@ def build_dcp(out: Path) -> None:
         if case == "clean_from_2":
             _copy_saves(base, folder, ["step-2"])
             run(folder, folder / "step-2")
+        elif case == "clean_from_6":
+            _copy_saves(base, folder, ["step-2", "step-4", "step-6"])
+            run(folder, folder / "step-6")
         elif case == "clean_sgd":
             _copy_saves(out / "base_sgd", folder, ["step-2", "step-4"])
             run(folder, folder / "step-4", sgd=True)

@@ -17,7 +17,10 @@ import torch
 from .conftest import REPO, run_ckpt
 from .doctor_jobs import CASES
 
-_FRAMEWORK = {"trainer": ("transformers",), "accelerate": ("accelerate", "transformers", "torchdata")}
+_FRAMEWORK = {
+    "trainer": ("transformers",),
+    "accelerate": ("accelerate", "transformers", "torchdata"),
+}
 
 
 def _build(kind: str, out: Path) -> Path:
@@ -114,7 +117,9 @@ def test_trainer_evidence_matches_the_saved_files(trainer_jobs: Path) -> None:
     # the LR log of the skipped scheduler is evidence beside its cause
     sched = run_ckpt("doctor", trainer_jobs / "skip_scheduler", "--json").json["result"]
     log = next(p["log"] for p in sched["resume_points"] if p["after"] == "checkpoint-6")
-    history = json.loads((trainer_jobs / "skip_scheduler/checkpoint-6/trainer_state.json").read_text())
+    history = json.loads(
+        (trainer_jobs / "skip_scheduler/checkpoint-6/trainer_state.json").read_text()
+    )
     lrs = {e["step"]: e["learning_rate"] for e in history["log_history"] if "learning_rate" in e}
     assert (log["lr_before"], log["lr_after"]) == (lrs[4], lrs[5])
     assert log["lr_like_step"] == 1 and lrs[5] == lrs[1]
@@ -231,7 +236,12 @@ def test_lightning_csv_logs_across_versions(tmp_path: Path) -> None:
     assert len(series) == 1
     found = jump(series[0], 4, 6)
     assert found is not None and found.restarted
-    assert (found.step_before, found.step_after, found.lr_after, found.lr_like_step) == (4, 5, 0.001, 1)
+    assert (found.step_before, found.step_after, found.lr_after, found.lr_like_step) == (
+        4,
+        5,
+        0.001,
+        1,
+    )
 
 
 def test_expect_rejects_an_unknown_change(dcp_jobs: Path) -> None:
@@ -247,4 +257,6 @@ def test_library_call(dcp_jobs: Path) -> None:
     report = ckpt_cli.doctor(str(dcp_jobs / "bf16"))
     assert isinstance(report, ckpt_cli.DoctorReport) and report.found
     assert report.causes[0].id == "precision_changed"
-    assert report.causes[0].evidence == ["8 of 8 weight tensors float32 at step-4, bfloat16 at step-6"]
+    assert report.causes[0].evidence == [
+        "8 of 8 weight tensors float32 at step-4, bfloat16 at step-6"
+    ]

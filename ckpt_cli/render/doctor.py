@@ -41,8 +41,11 @@ def render_doctor(report: DoctorReport) -> None:
     """Verdict, ranked causes (evidence, fix), then the resume points and notes."""
     colour = "red" if report.found else "green"
     stdout.print(f"[bold {colour}]{report.verdict}[/]", highlight=False, markup=True)
-    stdout.print(f"  {report.run_dir}  ({report.mode}: {len(report.checkpoints)} saves)",
-                 markup=False, highlight=False)
+    stdout.print(
+        f"  {report.run_dir}  ({report.mode}: {len(report.checkpoints)} saves)",
+        markup=False,
+        highlight=False,
+    )
     for cause in report.causes:
         _cause(cause)
     if report.resume_points:

@@ -191,8 +191,7 @@ def _examine(
     report.checkpoints = [s.name for s in saves]
     report.expected = sorted(declared)
     pairs = [
-        Pair(before=saves[i], after=saves[i + 1], earlier=saves[:i])
-        for i in range(len(saves) - 1)
+        Pair(before=saves[i], after=saves[i + 1], earlier=saves[:i]) for i in range(len(saves) - 1)
     ]
     for pair in pairs:
         pair.log = _log_jump(pair, logs)
@@ -242,9 +241,7 @@ def rank(causes: list[Cause], declared: set[str]) -> list[Cause]:
     order = {cid: i for i, cid in enumerate(CAUSE_IDS)}
     for cause in causes:
         cause.declared = cause.id in declared
-    ranked = sorted(
-        causes, key=lambda c: (c.declared, -c.score, order.get(c.id, len(order)))
-    )
+    ranked = sorted(causes, key=lambda c: (c.declared, -c.score, order.get(c.id, len(order))))
     n = 0
     for cause in ranked:
         if cause.declared:

@@ -47,9 +47,13 @@ def check(save: Save) -> list[Cause]:
 def _disagreeing(save: Save) -> list[str]:
     step, opt, sched = save.step, save.optimizer_step, save.scheduler_epoch
     evidence: list[str] = []
-    if step is not None and opt is not None and step > 0:
-        if opt > step or step - opt > _max_skipped(save, step):
-            evidence.append(f"optimizer step count {fmt(opt)}, trainer step {fmt(step)}")
+    if (
+        step is not None
+        and opt is not None
+        and step > 0
+        and (opt > step or step - opt > _max_skipped(save, step))
+    ):
+        evidence.append(f"optimizer step count {fmt(opt)}, trainer step {fmt(step)}")
     if sched is not None and step is not None and step > 0:
         # a per-epoch scheduler counts epochs, fewer than steps; never more than the steps
         per_step = save.layout == "hf-trainer"

@@ -107,7 +107,9 @@ def run_logs(storage: Storage, describe: str) -> list[Series]:
             if (rec := _record(dict(row))) is not None:
                 records.append(rec)
     if records:
-        found.append(Series(f"{describe}/{csvs[0] if len(csvs) == 1 else 'metrics.csv logs'}", records))
+        found.append(
+            Series(f"{describe}/{csvs[0] if len(csvs) == 1 else 'metrics.csv logs'}", records)
+        )
     return found
 
 

@@ -54,8 +54,8 @@ def check(pair: Pair) -> list[Cause]:
                 evidence=evidence,
                 fix="Load the optimizer's state dict after building the optimizer on the "
                 "resumed model (Trainer: keep optimizer.pt beside the weights; accelerate: "
-                "prepare the optimizer before load_state; DCP: include it in dcp.load's "
-                "state dict and call optimizer.load_state_dict).",
+                "prepare the optimizer before load_state; DCP: build its state with "
+                "get_state_dict before dcp.load, which loads in place, then set_state_dict).",
             )
         )
     mismatch = _mismatch(a, b)

@@ -47,7 +47,9 @@ def check(pair: Pair) -> list[Cause]:
         earlier = _streams(save)
         if not _same(after, earlier):
             continue
-        advanced = [k for k in set(earlier) & set(before) if not values_equal(earlier[k], before[k])]
+        advanced = [
+            k for k in set(earlier) & set(before) if not values_equal(earlier[k], before[k])
+        ]
         if not advanced:
             continue  # a state that never moves (nothing drew from it) tells nothing
         return [

@@ -26,7 +26,7 @@ def check(pair: Pair) -> list[Cause]:
     scale = b["scale"]
     reset = False
     if continued != fresh and abs(scale - fresh) < abs(scale - continued):
-        reset = scale >= a["scale"] * 0.5 ** n or scale == fresh  # not explained by back-offs
+        reset = scale >= a["scale"] * 0.5**n or scale == fresh  # not explained by back-offs
     elif continued == fresh and tracker_b is not None:
         # the scale cannot tell: the growth tracker counted from the resume
         expected = (tracker_a + n) % max(interval, 1.0)

@@ -62,9 +62,7 @@ def check_batch(pair: Pair, notes: list[str]) -> list[Cause]:
         return []
     if _close(ratio, 1.0):
         if changed:
-            notes.append(
-                "; ".join(evidence) + f": the global batch is unchanged ({pair.where()})"
-            )
+            notes.append("; ".join(evidence) + f": the global batch is unchanged ({pair.where()})")
         return []
     lr_a, lr_b = a.base_lr, b.base_lr
     if lr_a and lr_b:

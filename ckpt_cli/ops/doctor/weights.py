@@ -16,7 +16,6 @@ from collections import Counter
 from ..compare import pair_moments
 from .models import Cause
 from .pair import Pair
-from .save import Save
 
 #: tensors this small carry too little to judge a correlation by
 _MIN_NUMEL = 16
@@ -39,15 +38,12 @@ def check(pair: Pair) -> list[Cause]:
 
 def _precision(pair: Pair) -> Cause | None:
     a, b = pair.before.model_tensors, pair.after.model_tensors
-    changes = Counter(
-        (a[n].dtype, b[n].dtype) for n in a if n in b and a[n].dtype != b[n].dtype
-    )
+    changes = Counter((a[n].dtype, b[n].dtype) for n in a if n in b and a[n].dtype != b[n].dtype)
     if not changes:
         return None
     total = sum(1 for n in a if n in b)
     evidence = [
-        f"{count} of {total} weight tensors {old} at {pair.before.name}, {new} at "
-        f"{pair.after.name}"
+        f"{count} of {total} weight tensors {old} at {pair.before.name}, {new} at {pair.after.name}"
         for (old, new), count in changes.most_common()
     ]
     return Cause(
@@ -85,9 +81,7 @@ def _partial(pair: Pair) -> Cause | None:
     typical = statistics.median(moving)
     typical_corr = statistics.median(c for _, _, c in rows)
     flagged = [
-        (name, r, c)
-        for name, r, c in rows
-        if c < 0.5 and r > 2 * typical and typical_corr > 0.8
+        (name, r, c) for name, r, c in rows if c < 0.5 and r > 2 * typical and typical_corr > 0.8
     ]
     if not flagged:
         return None
