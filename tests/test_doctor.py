@@ -260,3 +260,18 @@ def test_library_call(dcp_jobs: Path) -> None:
     assert report.causes[0].evidence == [
         "8 of 8 weight tensors float32 at step-4, bfloat16 at step-6"
     ]
+
+
+def test_json_envelope_follows_the_published_schema(dcp_jobs: Path) -> None:
+    import jsonschema
+
+    schema = json.loads((REPO / "schema" / "ckpt-json.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    for case in ("ema", "clean"):
+        result = run_ckpt("doctor", dcp_jobs / case, "--json")
+        lines = [line for line in result.stdout.splitlines() if line.strip()]
+        assert len(lines) == 1
+        doc = json.loads(lines[0])
+        assert [e.message for e in validator.iter_errors(doc)] == []
+        assert doc["command"] == "doctor" and doc["exit_code"] == result.exit_code
+        assert doc["ok"] is (case == "clean")

@@ -14,8 +14,12 @@ from .save import Save
 
 
 def _streams(save: Save) -> dict[str, Any]:
-    """Rank 0's RNG states by stream name, read (small: a few KiB each)."""
+    """Rank 0's RNG states by stream name, read once per save (small: a few KiB each)."""
+    if "rng_streams" in save.memo:
+        cached: dict[str, Any] = save.memo["rng_streams"]
+        return cached
     out: dict[str, Any] = {}
+    save.memo["rng_streams"] = out
     checkpoint = save.opened.checkpoint
     by_name = checkpoint.manifest.by_name
     for key, name in save.rng_stream_names().items():

@@ -85,6 +85,8 @@ class Save:
     folder_step: int | None = None
     mtime: float = 0.0
     _values: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: what a cause family read from this save once and asks again for other pairs
+    memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
     # ---------------------------------------------------------------- basics
 
@@ -192,6 +194,8 @@ class Save:
         found: dict[str, float] = {}
         for entry in self.entries:
             parts = entry.name.split(".")
+            if "log_history" in parts:
+                continue  # the values logged at past steps, not the position now
             if parts[-1] not in DATA_COUNTERS or not any(
                 parts[0] == home or parts[0].startswith(f"{home}_") for home in _DATA_HOMES
             ):
