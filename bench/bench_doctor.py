@@ -79,16 +79,15 @@ def main() -> None:
         files = [str(f) for p in (a, b) for f in sorted(p.iterdir())]
         runs = {
             "ckpt doctor --before --after": [
+                "sh",
+                "-c",
+                # it exits 1: it finds the planted cause
+                '"$0" -m ckpt_cli doctor --before "$1" --after "$2" --json; test $? -eq 1',
                 PY,
-                "-m",
-                "ckpt_cli",
-                "doctor",
-                "--before",
                 str(a),
-                "--after",
                 str(b),
-                "--json",
             ],
+            "import ckpt + torch only": [PY, "-c", "import torch, ckpt_cli.cli"],
             "cat both saves": ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files],
             "dcp.load both saves": [PY, "-c", LOAD_BOTH, str(a), str(b)],
         }

@@ -78,20 +78,11 @@ def _save_only_model(source: Source, rel: str) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
-#: the opcodes that push a plain value, and how to read their argument
-_PLAIN_VALUE_OPS = {
-    "NEWTRUE": lambda _arg: True,
-    "NEWFALSE": lambda _arg: False,
-    "NONE": lambda _arg: None,
-    "BININT": lambda arg: arg,
-    "BININT1": lambda arg: arg,
-    "BININT2": lambda arg: arg,
-    "LONG1": lambda arg: arg,
-    "INT": lambda arg: arg,
-    "BINFLOAT": lambda arg: arg,
-    "SHORT_BINUNICODE": lambda arg: arg,
-    "BINUNICODE": lambda arg: arg,
-}
+#: the opcodes that push a plain value: their own value, or the one they carry as argument
+_CONSTANT_OPS: dict[str, Any] = {"NEWTRUE": True, "NEWFALSE": False, "NONE": None}
+_VALUE_OPS = frozenset(
+    ("BININT", "BININT1", "BININT2", "LONG1", "INT", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE")
+)
 
 
 def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dict[str, Any]:
@@ -131,9 +122,10 @@ def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dic
             continue
         if arg in found:
             continue  # the first occurrence is the field (later ones are values elsewhere)
-        read = _PLAIN_VALUE_OPS.get(op.name)
-        if read is not None:
-            found[arg] = read(value)
+        if op.name in _CONSTANT_OPS:
+            found[arg] = _CONSTANT_OPS[op.name]
+        elif op.name in _VALUE_OPS:
+            found[arg] = value
     return found
 
 

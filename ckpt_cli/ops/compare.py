@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 #: elements per slice when computing difference statistics
 STATS_SLICE = 1 << 20
+#: elements per slice of `pair_moments` (its float64 temporaries: a few MiB)
+MOMENTS_SLICE = 1 << 18
 #: longest value shown for a non-tensor entry
 MAX_VALUE_REPR = 120
 
@@ -194,9 +196,10 @@ def pair_moments(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]
     fa, fb = a.reshape(-1), b.reshape(-1)
     n = fa.numel()
     sa = sb = saa = sbb = sab = sdd = 0.0
-    for start in range(0, n, STATS_SLICE):
-        va = fa[start : start + STATS_SLICE].to(torch.float64)
-        vb = fb[start : start + STATS_SLICE].to(torch.float64)
+    step = MOMENTS_SLICE
+    for start in range(0, n, step):
+        va = fa[start : start + step].to(torch.float64)
+        vb = fb[start : start + step].to(torch.float64)
         sa += float(va.sum())
         sb += float(vb.sum())
         saa += float((va * va).sum())

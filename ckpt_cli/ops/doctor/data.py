@@ -7,7 +7,6 @@ from __future__ import annotations
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
 
-
 #: counters a loader sets back to 0 at each epoch (a `StatefulDataLoader`'s): crossing an
 #: epoch boundary also lowers them, so only the exact fresh count is a restart
 _PER_EPOCH = {"_num_yielded", "_sampler_iter_yielded", "num_yielded", "samples_yielded"}
