@@ -16,6 +16,7 @@ import torch
 
 from .conftest import REPO, run_ckpt
 from .doctor_jobs import CASES
+from .s3_fixtures import S3Server, upload_folder
 
 _FRAMEWORK = {
     "trainer": ("transformers",),
@@ -275,3 +276,20 @@ def test_json_envelope_follows_the_published_schema(dcp_jobs: Path) -> None:
         assert [e.message for e in validator.iter_errors(doc)] == []
         assert doc["command"] == "doctor" and doc["exit_code"] == result.exit_code
         assert doc["ok"] is (case == "clean")
+
+
+def test_a_run_folder_in_an_object_store(dcp_jobs: Path, s3_server: S3Server) -> None:
+    # the same run uploaded to S3: the saves, the log, read through the store
+    upload_folder(s3_server.endpoint, "runs", "skip_data", dcp_jobs / "skip_data")
+    result = run_ckpt("doctor", "s3://runs/skip_data", "--json")
+    assert result.exit_code == 1, result.stderr
+    report = result.json["result"]
+    assert report["checkpoints"] == ["step-2", "step-4", "step-6", "step-8"]
+    top = report["causes"][0]
+    assert (top["id"], top["before"], top["after"]) == (
+        "data_position_not_restored",
+        "step-4",
+        "step-6",
+    )
+    point = next(p for p in report["resume_points"] if p["after"] == "step-6")
+    assert "log" in point["how"] and point["log"]["source"].endswith("metrics.jsonl")
