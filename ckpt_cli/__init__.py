@@ -39,6 +39,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "protect": ("ckpt_cli.ops.parity.protect", "protect"),
     "repair": ("ckpt_cli.ops.parity.repair", "repair"),
     "sync": ("ckpt_cli.ops.sync", "sync"),
+    "doctor": ("ckpt_cli.ops.doctor", "doctor"),
     # the save engine of a training loop (imports torch when first used)
     "Checkpointer": ("ckpt_cli.checkpointer", "Checkpointer"),
     "CheckpointerStatus": ("ckpt_cli.checkpointer", "CheckpointerStatus"),
@@ -58,6 +59,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "ProtectReport": ("ckpt_cli.ops.parity", "ProtectReport"),
     "RepairReport": ("ckpt_cli.ops.parity", "RepairReport"),
     "SyncReport": ("ckpt_cli.ops.sync", "SyncReport"),
+    "DoctorReport": ("ckpt_cli.ops.doctor", "DoctorReport"),
     # errors
     "CkptError": ("ckpt_cli.errors", "CkptError"),
 }
@@ -68,6 +70,7 @@ __all__ = [
     "CkptError",
     "ConvertReport",
     "DiffReport",
+    "DoctorReport",
     "DownloadReport",
     "InspectReport",
     "LoadedCheckpoint",
@@ -84,6 +87,7 @@ __all__ = [
     "__version__",
     "convert",
     "diff",
+    "doctor",
     "download",
     "inspect",
     "latest",
@@ -101,6 +105,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .errors import CkptError
     from .ops.convert import ConvertReport, convert
     from .ops.diff import DiffReport, diff
+    from .ops.doctor import DoctorReport, doctor
     from .ops.download import DownloadReport, download
     from .ops.inspect import InspectReport, inspect
     from .ops.latest import latest

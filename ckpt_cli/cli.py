@@ -74,6 +74,7 @@ COMMAND_ORDER = [
     "sync",
     "download",
     "diff",
+    "doctor",
     "merge",
     "protect",
     "repair",

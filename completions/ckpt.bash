@@ -2,7 +2,7 @@
 _ckpt() {
   local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" opts=""
   if [ "$COMP_CWORD" -eq 1 ]; then
-    COMPREPLY=( $(compgen -W "inspect verify convert reshard prune latest sync download diff merge protect repair --help --version" -- "$cur") )
+    COMPREPLY=( $(compgen -W "inspect verify convert reshard prune latest sync download diff doctor merge protect repair --help --version" -- "$cur") )
     return
   fi
   case "${COMP_WORDS[1]}" in
@@ -15,6 +15,7 @@ _ckpt() {
     sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --verify-ranges --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --dequantize --ignore-dtype --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    doctor) opts="--before --after --expect --settle --json --quiet -q --verbose -v --help -h" ;;
     merge) opts="--force --json --quiet -q --verbose -v --help -h" ;;
     protect) opts="--parity --block-size --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     repair) opts="--dry-run --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
@@ -101,6 +102,10 @@ _ckpt() {
     diff\ --revision) COMPREPLY=(); return ;;
     diff\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
     diff\ --token) COMPREPLY=(); return ;;
+    doctor\ --before) COMPREPLY=(); return ;;
+    doctor\ --after) COMPREPLY=(); return ;;
+    doctor\ --expect) COMPREPLY=(); return ;;
+    doctor\ --settle) COMPREPLY=(); return ;;
     protect\ --parity) COMPREPLY=(); return ;;
     protect\ --block-size) COMPREPLY=(); return ;;
     protect\ --revision) COMPREPLY=(); return ;;

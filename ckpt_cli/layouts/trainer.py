@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from typing import Any
 
 from ..formats.base import Source
 from ..models import Problem
@@ -72,11 +73,25 @@ _TRAINER_STATE_FILES = ("optimizer.pt", "scheduler.pt")
 
 
 def _save_only_model(source: Source, rel: str) -> bool | None:
-    """`save_only_model` from `training_args.bin`, read from the pickle's opcodes alone.
+    """`save_only_model` from `training_args.bin` (see `training_arg_values`)."""
+    value = training_arg_values(source, rel, ("save_only_model",)).get("save_only_model")
+    return value if isinstance(value, bool) else None
+
+
+#: the opcodes that push a plain value: their own value, or the one they carry as argument
+_CONSTANT_OPS: dict[str, Any] = {"NEWTRUE": True, "NEWFALSE": False, "NONE": None}
+_VALUE_OPS = frozenset(
+    ("BININT", "BININT1", "BININT2", "LONG1", "INT", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE")
+)
+
+
+def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """Plain fields (bool, int, float, str, None) of a Trainer's `training_args.bin`, read from
+    the pickle's opcodes alone; fields stored otherwise (enums, lists) are left out.
 
     The file is a torch.save zip of transformers' `TrainingArguments`; nothing in it is ever
     unpickled (it would import and run transformers code). Its `data.pkl` stores the dataclass
-    fields as key, value pairs, so the opcode after the `save_only_model` string is the value.
+    fields as key, value pairs, so the opcode after a field's name string is its value.
     """
     import io
     import pickletools
@@ -84,30 +99,34 @@ def _save_only_model(source: Source, rel: str) -> bool | None:
 
     size = source.storage.size(rel)
     if size > 16 << 20:
-        return None
+        return {}
     data = source.storage.read_all(rel)
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             member = next((n for n in archive.namelist() if n.endswith("/data.pkl")), None)
             if member is None or archive.getinfo(member).file_size > 16 << 20:
-                return None
+                return {}
             data = archive.read(member)
     except zipfile.BadZipFile:
         pass  # an old-style (non-zip) torch.save: the pickle itself
     try:
         ops = list(pickletools.genops(data))
     except Exception:
-        return None
+        return {}
     # the memo bookkeeping between a key and its value carries no data
     ops = [op for op in ops if op[0].name not in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE")]
-    for (_, arg, _), (op, _, _) in itertools.pairwise(ops):
-        if arg == "save_only_model":
-            if op.name == "NEWTRUE":
-                return True
-            if op.name == "NEWFALSE":
-                return False
-            return None
-    return None
+    wanted = set(names)
+    found: dict[str, Any] = {}
+    for (key_op, arg, _), (op, value, _) in itertools.pairwise(ops):
+        if key_op.name not in ("SHORT_BINUNICODE", "BINUNICODE") or arg not in wanted:
+            continue
+        if arg in found:
+            continue  # the first occurrence is the field (later ones are values elsewhere)
+        if op.name in _CONSTANT_OPS:
+            found[arg] = _CONSTANT_OPS[op.name]
+        elif op.name in _VALUE_OPS:
+            found[arg] = value
+    return found
 
 
 def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:

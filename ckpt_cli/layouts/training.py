@@ -399,11 +399,13 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
                 file=where,
             )
         )
-    problems.extend(_shape_problems(opened))
+    problems.extend(shape_problems(opened))
     return problems
 
 
-def _shape_problems(opened: OpenedSource) -> list[Problem]:
+def shape_problems(opened: OpenedSource) -> list[Problem]:
+    """Optimizer state that does not fit the weights: state for a parameter the weights lack,
+    or whose shape no (remaining) weight has (the optimizer was restored for other parameters)."""
     state = opened.training
     if state is None or state.optimizer is None:
         return []

@@ -32,6 +32,7 @@ RESULT_MODELS: dict[str, list[str]] = {
     "latest": ["ckpt_cli.runs:RunReport"],
     "download": ["ckpt_cli.ops.download:DownloadReport"],
     "diff": ["ckpt_cli.ops.diff:DiffReport"],
+    "doctor": ["ckpt_cli.ops.doctor.models:DoctorReport"],
 }
 
 

@@ -1,0 +1,266 @@
+"""`doctor`: why did a resumed run diverge? Explained from the saved files alone.
+
+The run folder's complete saves are scanned (`ckpt_cli.runs`), opened once each (`Save`), and
+every two consecutive saves are examined as a `Pair`: the state a resume had to restore before,
+the state the resumed run saved after. Each family of causes is one module and only reads:
+
+| module | causes |
+|---|---|
+| `optimizer` | optimizer state not restored (step counts restart, exp_avg_sq collapses); restored for other parameters (param groups, shapes) |
+| `schedule` | LR scheduler not restored (`last_epoch` restarts; the logged LR back in warm-up) |
+| `data` | data position not restored (samples / batches / tokens seen, the loader's yielded count, the epoch fraction) |
+| `scaler` | gradient scaler reset (the fp16 loss scale back at its initial value) |
+| `weights` | weights partly restored (tensors uncorrelated with the save: fresh), precision changed, EMA not restored |
+| `setup` | global batch changed without the LR rescaled (world size, per-device batch, accumulation); config or tokenizer changed |
+| `rng` | RNG not restored (the state after the resume is one the run held earlier) |
+| `consistency` | one save: step counters that disagree; RNG for fewer ranks than the run had |
+
+`points` finds the resume points (log, step numbering, file times, or --before / --after) and
+`logs` reads the Trainer's log history, Lightning's `metrics.csv` and a `metrics.jsonl` for the
+loss and LR on both sides of each resume. `rank` orders the causes.
+
+Memory: tensors are read one at a time (an EMA check: three), statistics over slices; counters
+and settings are small entries read once per save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ...errors import NotFoundError, UsageError
+from ...formats import resolve_source
+from ...layouts import open_source
+from ...runs import DEFAULT_SETTLE, RunCheckpoint, is_remote, looks_like_run, scan_run
+from . import consistency, data, optimizer, points, rng, scaler, schedule, setup, weights
+from .logs import Series, from_trainer_state, jump, run_logs
+from .models import CAUSE_IDS, EXPECTABLE, Cause, DoctorReport, LogJump, ResumePoint
+from .pair import Pair
+from .save import Save
+
+__all__ = ["CAUSE_IDS", "EXPECTABLE", "Cause", "DoctorReport", "LogJump", "ResumePoint", "doctor"]
+
+
+def doctor(
+    run_dir: str | None = None,
+    *,
+    before: str | None = None,
+    after: str | None = None,
+    expect: Sequence[str] = (),
+    settle: float = DEFAULT_SETTLE,
+) -> DoctorReport:
+    """Explain why a resumed run diverged, from its saves and logs.
+
+    Args:
+        run_dir: the run folder (local or a URL); or one checkpoint, whose own consistency
+            is then checked. Optional with `before` and `after`.
+        before / after: the save resumed from and a save the resumed run wrote (paths, or
+            names inside `run_dir`): only this pair is examined.
+        expect: changes made on purpose (`batch`, `world-size`, `precision`, `config`,
+            `tokenizer`, ... see `EXPECTABLE`): reported as declared, not ranked.
+        settle: seconds within which an incomplete save counts as still being written.
+
+    Returns:
+        The ranked causes (likeliest first), the resume points examined, and the verdict.
+    """
+    declared = _expected(expect)
+    if (before is None) != (after is None):
+        raise UsageError("--before and --after go together", fix="Give both saves, or neither.")
+    if before is not None and after is not None:
+        report = DoctorReport(run_dir=run_dir or str(Path(before).parent), mode="pair")
+        saves = [_open(_inside(run_dir, before)), _open(_inside(run_dir, after))]
+        logs = _logs_of(run_dir) if run_dir else []
+    else:
+        if run_dir is None:
+            raise UsageError("give RUN_DIR, or --before and --after")
+        if not looks_like_run(run_dir):
+            return _single(run_dir, declared)
+        report = DoctorReport(run_dir=run_dir, mode="run")
+        scan = scan_run(run_dir, settle=settle)
+        usable = [c for c in scan.checkpoints if c.complete and not c.slim]
+        for c in scan.checkpoints:
+            if not c.complete:
+                report.warnings.append(f"{c.name}: skipped ({c.status}: {c.reason})")
+        if not usable:
+            raise NotFoundError(
+                "holds no complete checkpoint to examine",
+                path=run_dir,
+                fix="Point at the folder holding the run's step checkpoints.",
+            )
+        saves = [_open_run_checkpoint(c) for c in usable]
+        logs = _logs_of(run_dir)
+    try:
+        _examine(report, saves, logs, declared, pair_mode=report.mode == "pair")
+    finally:
+        for save in saves:
+            save.close()
+    return report
+
+
+def _expected(expect: Sequence[str]) -> set[str]:
+    out: set[str] = set()
+    for item in expect:
+        for token in item.split(","):
+            token = token.strip()
+            if not token:
+                continue
+            if token in EXPECTABLE:
+                out.add(EXPECTABLE[token])
+            elif token in CAUSE_IDS:
+                out.add(token)
+            else:
+                raise UsageError(
+                    f"--expect {token!r} is not a change ckpt doctor knows",
+                    fix=f"Use one of: {', '.join(sorted(EXPECTABLE))}.",
+                )
+    return out
+
+
+def _inside(run_dir: str | None, name: str) -> str:
+    """`name` inside `run_dir` when it is there, else `name` as given."""
+    if run_dir is None or is_remote(name) or Path(name).is_absolute():
+        return name
+    if is_remote(run_dir):
+        return f"{run_dir.rstrip('/')}/{name}"
+    candidate = Path(run_dir, name)
+    return str(candidate) if candidate.exists() else name
+
+
+def _open(path: str, name: str | None = None, step: int | None = None, mtime: float = 0.0) -> Save:
+    source = resolve_source(path)
+    opened = open_source(source)
+    label = name or path.rstrip("/").rsplit("/", 1)[-1]
+    if step is None:
+        from ...runs.naming import classify
+
+        named = classify(label, source.target is None, lambda: True)
+        step = named[1] if named else None
+    return Save(name=label, path=path, opened=opened, source=source, folder_step=step, mtime=mtime)
+
+
+def _open_run_checkpoint(checkpoint: RunCheckpoint) -> Save:
+    return _open(checkpoint.path, checkpoint.name, checkpoint.step, checkpoint.mtime)
+
+
+def _logs_of(run_dir: str) -> list[Series]:
+    try:
+        source = resolve_source(run_dir)
+    except NotFoundError:
+        return []
+    if source.target is not None:
+        return []
+    return run_logs(source.storage, run_dir.rstrip("/"))
+
+
+def _log_jump(pair: Pair, logs: list[Series]) -> LogJump | None:
+    if pair.before.step is None:
+        return None
+    series = list(logs)
+    state = from_trainer_state(
+        pair.after.json_file("trainer_state.json"), f"{pair.after.name}/trainer_state.json"
+    )
+    if state is not None:
+        series.insert(0, state)
+    for one in series:
+        found = jump(one, pair.before.step, pair.after.step)
+        if found is not None:
+            return found
+    return None
+
+
+#: the pair families, in the order they are asked
+_PAIR_CHECKS = (
+    optimizer.check,
+    schedule.check,
+    data.check,
+    scaler.check,
+    weights.check,
+    rng.check,
+    setup.check_config,
+    setup.check_tokenizer,
+)
+
+
+def _examine(
+    report: DoctorReport,
+    saves: list[Save],
+    logs: list[Series],
+    declared: set[str],
+    pair_mode: bool,
+) -> None:
+    report.checkpoints = [s.name for s in saves]
+    report.expected = sorted(declared)
+    pairs = [
+        Pair(before=saves[i], after=saves[i + 1], earlier=saves[:i]) for i in range(len(saves) - 1)
+    ]
+    for pair in pairs:
+        pair.log = _log_jump(pair, logs)
+    report.resume_points = points.find(pairs, declared=pair_mode)
+    causes: list[Cause] = []
+    for pair, point in zip(pairs, report.resume_points, strict=True):
+        found: list[Cause] = []
+        for family in _PAIR_CHECKS:
+            found += family(pair)
+        found += setup.check_batch(pair, point.notes)
+        if found and "state" not in point.how:
+            point.how.append("state")
+            point.resumed = True
+        causes += found
+    explained = {
+        c.after for c in causes if c.id in ("optimizer_not_restored", "scheduler_not_restored")
+    }
+    for save in saves:
+        for cause in consistency.check(save):
+            if cause.id == "inconsistent_state" and save.name in explained:
+                continue  # the pair's cause says why its counters disagree
+            causes.append(cause)
+    report.causes = rank(causes, declared)
+    report.verdict = _verdict(report)
+
+
+def _single(path: str, declared: set[str]) -> DoctorReport:
+    report = DoctorReport(run_dir=path, mode="single")
+    save = _open(path)
+    try:
+        if save.opened.training is None:
+            report.warnings.append(
+                f"{path}: holds no training state (weights only): nothing to resume from"
+            )
+        report.checkpoints = [save.name]
+        report.expected = sorted(declared)
+        report.causes = rank(consistency.check(save), declared)
+        report.verdict = _verdict(report)
+    finally:
+        save.close()
+    return report
+
+
+def rank(causes: list[Cause], declared: set[str]) -> list[Cause]:
+    """Causes ordered likeliest first (score, then the order of `CAUSE_IDS`); declared ones
+    last with rank 0. A cause found for several pairs keeps its strongest finding first."""
+    order = {cid: i for i, cid in enumerate(CAUSE_IDS)}
+    for cause in causes:
+        cause.declared = cause.id in declared
+    ranked = sorted(causes, key=lambda c: (c.declared, -c.score, order.get(c.id, len(order))))
+    n = 0
+    for cause in ranked:
+        if cause.declared:
+            cause.rank = 0
+        else:
+            n += 1
+            cause.rank = n
+    return ranked
+
+
+def _verdict(report: DoctorReport) -> str:
+    live = [c for c in report.causes if not c.declared]
+    resumes = [p for p in report.resume_points if p.resumed]
+    if not live:
+        where = f"{len(resumes)} resume point(s)" if resumes else "no resume point"
+        if report.mode == "single":
+            return f"NO CAUSE FOUND: {report.checkpoints[0]} can resume consistently"
+        return f"NO CAUSE FOUND: {len(report.checkpoints)} saves, {where}, state continuous"
+    top = live[0]
+    where = f"{top.before} → {top.after}" if top.before else top.after
+    more = f" (+{len(live) - 1} more)" if len(live) > 1 else ""
+    return f"LIKELY CAUSE: {top.title} ({where}){more}"

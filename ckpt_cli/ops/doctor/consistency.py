@@ -1,0 +1,87 @@
+"""Single-checkpoint causes: state that cannot resume consistently (the optimizer's, the
+scheduler's and the trainer's step counters disagree; RNG states for fewer ranks than the run
+had)."""
+
+from __future__ import annotations
+
+import math
+
+from .models import Cause
+from .pair import fmt
+from .save import INITIAL_SCALE, Save
+
+
+def check(save: Save) -> list[Cause]:
+    """The consistency causes of one save."""
+    causes: list[Cause] = []
+    counters = _disagreeing(save)
+    if counters:
+        causes.append(
+            Cause(
+                id="inconsistent_state",
+                title="the save's step counters disagree: a resume from it is not consistent",
+                score=0.6,
+                after=save.name,
+                evidence=counters,
+                fix="The save mixes state from different points of the run (an optimizer or "
+                "scheduler restored from elsewhere, or not restored at the last resume): "
+                "resume from an earlier consistent save, or rebuild the state that lags.",
+            )
+        )
+    ranks = _rng_ranks(save)
+    if ranks:
+        causes.append(
+            Cause(
+                id="rng_ranks_missing",
+                title="the save holds RNG states for fewer ranks than the run had",
+                score=0.6,
+                after=save.name,
+                evidence=ranks,
+                fix="Save every rank's RNG state (rng_state_N.pth, random_states_N.pkl, one "
+                "key per rank): the ranks without one resume with fresh random numbers.",
+            )
+        )
+    return causes
+
+
+def _disagreeing(save: Save) -> list[str]:
+    step, opt, sched = save.step, save.optimizer_step, save.scheduler_epoch
+    evidence: list[str] = []
+    if (
+        step is not None
+        and opt is not None
+        and step > 0
+        and (opt > step or step - opt > _max_skipped(save, step))
+    ):
+        evidence.append(f"optimizer step count {fmt(opt)}, trainer step {fmt(step)}")
+    if sched is not None and step is not None and step > 0:
+        # a per-epoch scheduler counts epochs, fewer than steps; never more than the steps
+        per_step = save.layout == "hf-trainer"
+        if sched > step or (per_step and sched != step):
+            evidence.append(f"scheduler last_epoch {fmt(sched)}, trainer step {fmt(step)}")
+    if opt is not None and sched is not None and save.layout == "hf-trainer" and opt != sched:
+        evidence.append(f"optimizer step count {fmt(opt)}, scheduler last_epoch {fmt(sched)}")
+    steps = sorted(set(save.optimizer_steps))
+    if len(steps) > 1 and steps[-1] - steps[0] > 1:
+        evidence.append(f"parameters' optimizer step counts range from {steps[0]} to {steps[-1]}")
+    return evidence
+
+
+def _max_skipped(save: Save, step: int) -> float:
+    """How many optimizer steps fp16 overflows can have skipped: each halved the loss scale,
+    which grew at most once per `growth_interval` steps from its initial value."""
+    scaler = save.scaler
+    if scaler is None or scaler["scale"] <= 0:
+        return 0.0
+    interval = max(scaler.get("growth_interval", 2000.0), 1.0)
+    factor = scaler.get("growth_factor", 2.0)
+    halvings = math.log(INITIAL_SCALE / scaler["scale"], 2) + step / interval * math.log(factor, 2)
+    return max(0.0, math.ceil(halvings))
+
+
+def _rng_ranks(save: Save) -> list[str]:
+    world = save.settings.get("world_size")
+    have = save.rng_ranks
+    if world is None or have == 0 or have >= world:
+        return []
+    return [f"world size {fmt(world)} recorded, RNG states for {have} rank(s)"]

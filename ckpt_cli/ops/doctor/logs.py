@@ -1,0 +1,173 @@
+"""The training logs the frameworks write, read as one series of (step, loss, lr) records.
+
+Sources, in this order: the `log_history` of a Trainer save's `trainer_state.json`, a
+`metrics.jsonl` in the run folder (one JSON object per line with `step`), and Lightning's CSV
+logs (`lightning_logs/version_N/metrics.csv`, a new version per run: a resumed run continues in
+the next one, or `metrics.csv` in the run folder). A restart shows in a series as a step logged
+twice or the steps going back.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import CkptError
+from ...storage import Storage
+from .models import LogJump
+
+_LOSS_KEYS = ("loss", "train_loss", "train/loss", "train_loss_step", "loss_step", "training_loss")
+_LR_KEYS = ("learning_rate", "lr", "train/lr", "train/learning_rate")
+#: the most bytes of one log read
+_MAX_LOG = 64 << 20
+
+
+@dataclass
+class Record:
+    """One logged step."""
+
+    step: int
+    loss: float | None
+    lr: float | None
+
+
+@dataclass
+class Series:
+    """A log's records in the order they were written, and where they came from."""
+
+    source: str
+    records: list[Record]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str) and value.strip():
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _record(row: dict[str, Any]) -> Record | None:
+    step = _number(row.get("step", row.get("global_step")))
+    if step is None:
+        return None
+    loss = next((_number(row[k]) for k in _LOSS_KEYS if _number(row.get(k)) is not None), None)
+    lr = next((_number(row[k]) for k in _LR_KEYS if _number(row.get(k)) is not None), None)
+    if lr is None:
+        lr = next(
+            (_number(v) for k, v in row.items() if k.startswith("lr-") and _number(v) is not None),
+            None,
+        )
+    if loss is None and lr is None:
+        return None
+    return Record(int(step), loss, lr)
+
+
+def from_trainer_state(doc: Any, source: str) -> Series | None:
+    """The Trainer's `log_history` (training entries: those with a loss or learning rate)."""
+    history = doc.get("log_history") if isinstance(doc, dict) else None
+    if not isinstance(history, list):
+        return None
+    records = [r for r in (_record(e) for e in history if isinstance(e, dict)) if r]
+    return Series(source, records) if records else None
+
+
+def run_logs(storage: Storage, describe: str) -> list[Series]:
+    """The run folder's own logs: `metrics.jsonl`, then Lightning CSV logs (all versions, in
+    version order, as one series)."""
+    files = storage.list_files()
+    found: list[Series] = []
+    if "metrics.jsonl" in files and files["metrics.jsonl"] <= _MAX_LOG:
+        records: list[Record] = []
+        for line in _text(storage, "metrics.jsonl").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and (rec := _record(row)) is not None:
+                records.append(rec)
+        if records:
+            found.append(Series(f"{describe}/metrics.jsonl", records))
+    csvs = sorted(
+        (rel for rel in files if rel.endswith("metrics.csv") and files[rel] <= _MAX_LOG),
+        key=_version_order,
+    )
+    records = []
+    for rel in csvs:
+        for row in csv.DictReader(io.StringIO(_text(storage, rel))):
+            if (rec := _record(dict(row))) is not None:
+                records.append(rec)
+    if records:
+        found.append(
+            Series(f"{describe}/{csvs[0] if len(csvs) == 1 else 'metrics.csv logs'}", records)
+        )
+    return found
+
+
+def _version_order(rel: str) -> tuple[int, str]:
+    match = re.search(r"version_(\d+)", rel)
+    return (int(match.group(1)) if match else -1, rel)
+
+
+def _text(storage: Storage, rel: str) -> str:
+    try:
+        return storage.read_all(rel).decode("utf-8", errors="replace")
+    except CkptError:
+        return ""
+
+
+def restarts(series: Series) -> list[int]:
+    """Indices of the records that start again: a step not after the one logged before it."""
+    recs = series.records
+    return [i for i in range(1, len(recs)) if recs[i].step <= recs[i - 1].step]
+
+
+def jump(series: Series, step_before: int, step_after: int | None) -> LogJump | None:
+    """The logged values around a resume from `step_before` (None when the log misses it)."""
+    recs = series.records
+    starts = [
+        i
+        for i in restarts(series)
+        if recs[i].step > step_before and (step_after is None or recs[i].step <= step_after)
+    ]
+    restarted = bool(starts)
+    if starts:
+        first = starts[0]
+    else:
+        first = next((i for i, r in enumerate(recs) if r.step > step_before), -1)
+        if first < 0:
+            return None
+    prior = [r for r in recs[:first] if r.step <= step_before]
+    if not prior:
+        return None
+    before, after = prior[-1], recs[first]
+    out = LogJump(
+        source=series.source,
+        step_before=before.step,
+        step_after=after.step,
+        loss_before=before.loss,
+        loss_after=after.loss,
+        lr_before=before.lr,
+        lr_after=after.lr,
+        restarted=restarted,
+    )
+    if after.lr is not None and before.lr is not None and not _close(after.lr, before.lr):
+        fresh = after.step - step_before  # where a schedule that started over stands
+        for r in recs[:first]:
+            if r.step == fresh and r.lr is not None and _close(r.lr, after.lr):
+                out.lr_like_step = fresh
+                break
+    return out
+
+
+def _close(x: float, y: float) -> bool:
+    return abs(x - y) <= 1e-9 + 1e-6 * max(abs(x), abs(y))

@@ -1,0 +1,50 @@
+"""Finding the resume points of a run: which consecutive saves have a restart between them.
+
+What says so, each recorded in `ResumePoint.how`: `declared` (--before / --after), `log` (the
+log has a step logged twice, or the steps going back, between the two saves), `steps` (the
+trainer's own step counter went back while the folder names go forward), `time` (the gap
+between the two saves is far longer than the run's other save intervals: the job was down) and
+`state` (a cause was found between them: the saved state itself is discontinuous).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from .models import LogJump, ResumePoint
+from .pair import Pair
+
+#: a gap this many times the run's median save interval (and a second longer) is a stop
+_GAP_FACTOR = 3.0
+
+
+def find(pairs: list[Pair], declared: bool) -> list[ResumePoint]:
+    """One `ResumePoint` per pair (causes are added later, as `state`)."""
+    gaps = [max(p.after.mtime - p.before.mtime, 0.0) for p in pairs]
+    points: list[ResumePoint] = []
+    for i, pair in enumerate(pairs):
+        how: list[str] = ["declared"] if declared else []
+        log: LogJump | None = pair.log
+        if log is not None and log.restarted:
+            how.append("log")
+        own_a = pair.before.opened.training.step if pair.before.opened.training else None
+        own_b = pair.after.opened.training.step if pair.after.opened.training else None
+        if own_a is not None and own_b is not None and own_b < own_a:
+            how.append("steps")
+        others = [g for j, g in enumerate(gaps) if j != i and g > 0]
+        if others:
+            typical = statistics.median(others)
+            if gaps[i] > _GAP_FACTOR * typical and gaps[i] - typical > 1.0:
+                how.append("time")
+        points.append(
+            ResumePoint(
+                before=pair.before.name,
+                after=pair.after.name,
+                step_before=pair.before.step,
+                step_after=pair.after.step,
+                resumed=bool(how),
+                how=how,
+                log=log,
+            )
+        )
+    return points

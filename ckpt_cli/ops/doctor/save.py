@@ -1,0 +1,360 @@
+"""One save of a run as the doctor reads it: opened once, its counters and settings read once.
+
+A `Save` keeps its source open for the tensor statistics of the cause modules (one tensor at a
+time) and answers the small questions they all ask: the step, the optimizer's step count, the
+scheduler's position, the data position, the grad scaler, the batch settings, the RNG streams,
+the weights, an EMA copy, the config and tokenizer files. Counters come from the training-state
+analysis (`layouts.training.value_of`); nothing here reads a large tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from ...errors import CkptError
+from ...formats.base import Source
+from ...layouts import OpenedSource
+from ...layouts.training import as_int, entries_under, value_of
+from ...models import Entry
+
+#: leaf names of data-position counters, wherever a layout keeps them
+DATA_COUNTERS = (
+    "samples_seen",
+    "batches_seen",
+    "num_input_tokens_seen",
+    "tokens_seen",
+    "ntokens_seen",
+    "consumed_samples",
+    "consumed_train_samples",
+    "_num_yielded",
+    "_sampler_iter_yielded",
+    "num_yielded",
+    "samples_yielded",
+)
+#: the components data counters live in
+_DATA_HOMES = ("dataloader", "sampler", "train_state", "trainer_state", "data", "loader")
+#: names an EMA copy of the weights is saved under
+EMA_KEYS = ("ema", "ema_model", "model_ema", "ema_state_dict", "ema_state", "averaged_model")
+#: a fresh `torch.amp.GradScaler`'s scale (`init_scale`)
+INITIAL_SCALE = 65536.0
+#: model-config files, and tokenizer files, compared between saves
+CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+#: training-argument fields read from a Trainer's `training_args.bin` (opcodes, never unpickled)
+TRAINING_ARGS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "bf16",
+    "fp16",
+    "seed",
+)
+
+
+@dataclass
+class Save:
+    """One checkpoint of the run, opened.
+
+    Attributes:
+        name: its name in the run folder (`checkpoint-6`).
+        path: its full location.
+        opened: the opened source (entries, training state).
+        source: its resolved source (for the JSON files beside the weights).
+        folder_step: the step its name says (None when it says none).
+        mtime: the newest modification time of its files.
+    """
+
+    name: str
+    path: str
+    opened: OpenedSource
+    source: Source
+    folder_step: int | None = None
+    mtime: float = 0.0
+    _values: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: what a cause family read from this save once and asks again for other pairs
+    memo: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    # ---------------------------------------------------------------- basics
+
+    @property
+    def layout(self) -> str | None:
+        """The training layout (`hf-trainer`, `accelerate`, `dcp`...), None for plain weights."""
+        return self.opened.training.layout if self.opened.training else None
+
+    def value(self, name: str) -> Any:
+        """An object entry's (or scalar tensor's) value; None when absent or unreadable."""
+        if name not in self._values:
+            self._values[name] = value_of(self.opened.checkpoint, name)
+        return self._values[name]
+
+    def prefix(self, component: str) -> str | None:
+        """The entry prefix of a training component (`optimizer.`), when it has one."""
+        state = self.opened.training
+        if state is not None and component in state.prefixes:
+            return state.prefixes[component]
+        if any(e.name.startswith(f"{component}.") for e in self.entries):
+            return f"{component}."
+        return None
+
+    @cached_property
+    def entries(self) -> list[Entry]:
+        """Every entry of the checkpoint."""
+        return list(self.opened.checkpoint.manifest.entries)
+
+    @cached_property
+    def step(self) -> int | None:
+        """The training step: the trainer's own counter, else the one in the folder's name.
+
+        accelerate's `step` counts gradient-accumulation micro-steps under `accumulate()` (0
+        without it), so its folder's name wins there.
+        """
+        state = self.opened.training
+        own = state.step if state is not None else None
+        if self.layout == "accelerate" and self.folder_step is not None:
+            return self.folder_step
+        return own if own is not None and own > 0 else self.folder_step
+
+    # ---------------------------------------------------------------- optimizer, scheduler
+
+    @cached_property
+    def optimizer_steps(self) -> list[int]:
+        """Each parameter's optimizer `step` count (Adam-like optimizers keep one)."""
+        prefix = self.prefix("optimizer")
+        if prefix is None:
+            return []
+        steps: list[int] = []
+        for entry in entries_under(self.opened.checkpoint.manifest, f"{prefix}state."):
+            if entry.name.endswith(".step") and (entry.kind == "object" or entry.numel == 1):
+                value = self.value(entry.name)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    steps.append(int(value))
+        return steps
+
+    @cached_property
+    def optimizer_step(self) -> int | None:
+        """The optimizer's step count (the largest of its parameters')."""
+        return max(self.optimizer_steps) if self.optimizer_steps else None
+
+    @cached_property
+    def scheduler_epoch(self) -> int | None:
+        """The LR scheduler's `last_epoch` (the steps it has taken)."""
+        prefix = self.prefix("scheduler") or self.prefix("lr_scheduler")
+        return as_int(self.value(f"{prefix}last_epoch")) if prefix else None
+
+    @cached_property
+    def base_lr(self) -> float | None:
+        """The learning rate the run was configured with (before any schedule)."""
+        prefix = self.prefix("scheduler") or self.prefix("lr_scheduler")
+        if prefix:
+            lrs = self.value(f"{prefix}base_lrs")
+            if isinstance(lrs, list | tuple) and lrs and isinstance(lrs[0], int | float):
+                return float(lrs[0])
+        opt = self.prefix("optimizer")
+        if opt:
+            for key in ("initial_lr", "lr"):
+                value = self.value(f"{opt}param_groups.0.{key}")
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    return float(value)
+        value = self.training_args.get("learning_rate")
+        return float(value) if isinstance(value, int | float) else None
+
+    @cached_property
+    def param_groups(self) -> list[int]:
+        """The number of parameters in each optimizer param group."""
+        opt = self.prefix("optimizer")
+        if opt is None:
+            return []
+        sizes: list[int] = []
+        for i in range(1024):
+            params = self.value(f"{opt}param_groups.{i}.params")
+            if not isinstance(params, list | tuple):
+                break
+            sizes.append(len(params))
+        return sizes
+
+    # ---------------------------------------------------------------- data, scaler, settings
+
+    @cached_property
+    def data_counters(self) -> dict[str, float]:
+        """Data-position counters by entry name (`dataloader.samples_seen`: 24)."""
+        found: dict[str, float] = {}
+        for entry in self.entries:
+            parts = entry.name.split(".")
+            if "log_history" in parts:
+                continue  # the values logged at past steps, not the position now
+            if parts[-1] not in DATA_COUNTERS or not any(
+                parts[0] == home or parts[0].startswith(f"{home}_") for home in _DATA_HOMES
+            ):
+                continue
+            if entry.kind == "tensor" and entry.numel != 1:
+                continue
+            value = self.value(entry.name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                found[entry.name] = float(value)
+        epoch = self.value("trainer_state.epoch")
+        if isinstance(epoch, int | float) and not isinstance(epoch, bool):
+            found["trainer_state.epoch"] = float(epoch)
+        return found
+
+    @cached_property
+    def scaler(self) -> dict[str, float] | None:
+        """The gradient scaler: scale, growth tracker, growth factor and interval."""
+        prefix = self.prefix("scaler") or self.prefix("grad_scaler")
+        if prefix is None:
+            return None
+        out: dict[str, float] = {}
+        for key, name in (
+            ("scale", "scale"),
+            ("growth_tracker", "_growth_tracker"),
+            ("growth_factor", "growth_factor"),
+            ("growth_interval", "growth_interval"),
+        ):
+            value = self.value(f"{prefix}{name}")
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[key] = float(value)
+        return out if "scale" in out else None
+
+    @cached_property
+    def training_args(self) -> dict[str, Any]:
+        """Fields of a Trainer's `training_args.bin`, read from its opcodes (never unpickled)."""
+        if self.layout != "hf-trainer" or "training_args.bin" not in self.source.files:
+            return {}
+        from ...layouts.trainer import training_arg_values
+
+        return training_arg_values(self.source, "training_args.bin", TRAINING_ARGS)
+
+    @cached_property
+    def settings(self) -> dict[str, float]:
+        """World size, per-device batch and gradient accumulation, where the save records them."""
+        out: dict[str, float] = {}
+        names = {
+            "world_size": ("world_size", "dp_world_size", "data_parallel_size"),
+            "per_device_batch": ("per_device_batch", "per_device_batch_size", "micro_batch_size"),
+            "grad_accum": ("grad_accum", "gradient_accumulation_steps", "grad_accum_steps"),
+        }
+        for home in ("train_state", "trainer_state", "config", "args"):
+            for key, candidates in names.items():
+                for candidate in candidates:
+                    value = self.value(f"{home}.{candidate}")
+                    if isinstance(value, int) and not isinstance(value, bool) and key not in out:
+                        out[key] = float(value)
+        args = self.training_args
+        if isinstance(args.get("per_device_train_batch_size"), int):
+            out.setdefault("per_device_batch", float(args["per_device_train_batch_size"]))
+        if isinstance(args.get("gradient_accumulation_steps"), int):
+            out.setdefault("grad_accum", float(args["gradient_accumulation_steps"]))
+        return out
+
+    @cached_property
+    def work_counters(self) -> dict[str, float]:
+        """Counters that grow with the work done per step (the Trainer's `total_flos`)."""
+        out: dict[str, float] = {}
+        for name in ("trainer_state.total_flos", "trainer_state.num_input_tokens_seen"):
+            value = self.value(name)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+                out[name] = float(value)
+        return out
+
+    # ---------------------------------------------------------------- RNG
+
+    @cached_property
+    def rng_groups(self) -> dict[str, list[Entry]]:
+        """RNG entries per rank (`0`, `1`...): per-rank files or keys, else one group `0`."""
+        groups: dict[str, list[Entry]] = {}
+        for entry in self.entries:
+            head, _, rest = entry.name.partition(".")
+            match = re.fullmatch(r"rng(?:_state)?(?:_(\d+))?", head)
+            if match is None or not rest:
+                continue
+            rank = match.group(1) or "0"
+            inner = re.match(r"(?:rank_?|r)(\d+)\.(.+)", rest)
+            if inner:
+                rank, rest = inner.group(1), inner.group(2)
+            if rest in ("step",) or rest.endswith(".step"):
+                continue  # a counter kept beside the streams (accelerate), not a stream
+            groups.setdefault(rank, []).append(entry)
+        return groups
+
+    @cached_property
+    def rng_ranks(self) -> int:
+        """How many ranks' RNG states the save holds."""
+        return len(self.rng_groups)
+
+    def rng_stream_names(self) -> dict[str, str]:
+        """Rank 0's RNG entries: the name inside the rank -> the entry name."""
+        out: dict[str, str] = {}
+        for entry in self.rng_groups.get("0", []):
+            out[entry.name.rsplit(".", 1)[-1]] = entry.name
+        return out
+
+    # ---------------------------------------------------------------- weights, EMA, files
+
+    @cached_property
+    def model_prefix(self) -> str | None:
+        """The prefix of the model weights."""
+        return self.prefix("model")
+
+    @cached_property
+    def model_tensors(self) -> dict[str, Entry]:
+        """The model's tensors by name inside the model."""
+        prefix = self.model_prefix
+        if prefix is None:
+            return {}
+        return {
+            e.name[len(prefix) :]: e
+            for e in self.entries
+            if e.kind == "tensor" and e.name.startswith(prefix)
+        }
+
+    @cached_property
+    def ema_tensors(self) -> dict[str, Entry]:
+        """An EMA copy of the weights, by the model's tensor names (empty when none)."""
+        for key in EMA_KEYS:
+            prefix = f"{key}."
+            found = {
+                e.name[len(prefix) :]: e
+                for e in self.entries
+                if e.kind == "tensor" and e.name.startswith(prefix)
+            }
+            if found:
+                return found
+        return {}
+
+    def json_file(self, rel: str) -> Any:
+        """A JSON file beside the weights, parsed (None when absent or not JSON)."""
+        raw = self.file_bytes(rel)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            return None
+
+    def file_bytes(self, rel: str, limit: int = 64 << 20) -> bytes | None:
+        """A small file of the checkpoint folder (None when absent, or larger than `limit`)."""
+        if self.source.target is not None or rel not in self.source.files:
+            return None
+        if self.source.files[rel] > limit:
+            return None
+        try:
+            return self.source.storage.read_all(rel)
+        except CkptError:
+            return None
+
+    def close(self) -> None:
+        """Close the opened checkpoint."""
+        self.opened.checkpoint.close()

@@ -1,0 +1,201 @@
+"""Run-setup causes: the global batch changed (world size, per-device batch or gradient
+accumulation) without the learning rate rescaled with it; the model config or the tokenizer
+changed between the saves."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+from .models import Cause
+from .pair import Pair, fmt
+from .save import CONFIG_FILES, TOKENIZER_FILES, Save
+
+#: config keys that change with every save or tool version, never the model
+_VOLATILE = {"transformers_version", "_name_or_path", "name_or_path", "_commit_hash"}
+#: dtype keys: a precision change is its own cause (`weights.py`)
+_DTYPE_KEYS = {"torch_dtype", "dtype"}
+#: a work-per-step ratio this far from 1 is a changed global batch
+_RATIO_TOLERANCE = 0.2
+
+
+def _close(x: float, y: float, rel: float = 0.05) -> bool:
+    return abs(x - y) <= rel * max(abs(x), abs(y))
+
+
+def _global_batch(save: Save, keys: set[str]) -> float:
+    out = 1.0
+    for key in keys:
+        out *= save.settings[key]
+    return out
+
+
+def check_batch(pair: Pair, notes: list[str]) -> list[Cause]:
+    """The batch cause of one pair; changes that are no cause go to `notes`."""
+    a, b = pair.before, pair.after
+    evidence: list[str] = []
+    ratio: float | None = None
+    known = {k for k in a.settings if k in b.settings}
+    changed = [k for k in sorted(known) if a.settings[k] != b.settings[k]]
+    if changed:
+        ratio = _global_batch(b, known) / _global_batch(a, known)
+        for key in changed:
+            evidence.append(
+                f"{key.replace('_', ' ')} {fmt(a.settings[key])} at {a.name}, "
+                f"{fmt(b.settings[key])} at {b.name}"
+            )
+    n = pair.elapsed
+    for name, before in a.work_counters.items():
+        after = b.work_counters.get(name)
+        if after is None or n is None or not a.step:
+            continue
+        pace_a, pace_b = before / a.step, (after - before) / n
+        if pace_a > 0 and abs(pace_b / pace_a - 1) > _RATIO_TOLERANCE:
+            evidence.append(
+                f"{name} per step {pace_a:.4g} before {a.name}, {pace_b:.4g} after "
+                f"(×{pace_b / pace_a:.2f}): each step now processes that much more data"
+            )
+            if ratio is None or ratio == 1.0:
+                ratio = pace_b / pace_a
+    if ratio is None:
+        return []
+    if _close(ratio, 1.0):
+        if changed:
+            notes.append("; ".join(evidence) + f": the global batch is unchanged ({pair.where()})")
+        return []
+    lr_a, lr_b = a.base_lr, b.base_lr
+    if lr_a and lr_b:
+        lr_ratio = lr_b / lr_a
+        if _close(lr_ratio, ratio) or _close(lr_ratio, math.sqrt(ratio)):
+            notes.append(
+                "; ".join(evidence) + f": global batch ×{ratio:.3g}, learning rate rescaled "
+                f"×{lr_ratio:.3g} ({fmt(lr_a)} → {fmt(lr_b)})"
+            )
+            return []
+        evidence.append(
+            f"global batch ×{ratio:.3g} but the learning rate ×{lr_ratio:.3g} "
+            f"({fmt(lr_a)} → {fmt(lr_b)}): not rescaled with it"
+        )
+    else:
+        evidence.append(f"global batch ×{ratio:.3g}")
+    return [
+        Cause(
+            id="batch_changed",
+            title="the global batch changed at the resume, the learning rate was not rescaled",
+            score=0.85,
+            before=a.name,
+            after=b.name,
+            evidence=evidence,
+            fix="Keep world size × per-device batch × gradient accumulation as before (change "
+            "the accumulation to make up for a changed world size), or rescale the learning "
+            "rate with the global batch; declare an intended change with --expect batch.",
+        )
+    ]
+
+
+def _flat(doc: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(doc, dict):
+        out: dict[str, Any] = {}
+        for key, value in doc.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): doc}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _json_changes(a: Any, b: Any, rel: str) -> list[str]:
+    fa, fb = _flat(a), _flat(b)
+    lines = []
+    for key in sorted(set(fa) | set(fb)):
+        if key.split(".")[-1] in _VOLATILE | _DTYPE_KEYS:
+            continue
+        if fa.get(key, "<absent>") != fb.get(key, "<absent>"):
+            lines.append(
+                f"{rel}: {key} {_short(fa.get(key, '<absent>'))} → {_short(fb.get(key, '<absent>'))}"
+            )
+    return lines
+
+
+def check_config(pair: Pair) -> list[Cause]:
+    """The config cause of one pair of saves."""
+    a, b = pair.before, pair.after
+    evidence: list[str] = []
+    for rel in CONFIG_FILES:
+        da, db = a.json_file(rel), b.json_file(rel)
+        if da is None or db is None:
+            continue
+        evidence += _json_changes(da, db, rel)
+    if not evidence:
+        return []
+    return [
+        Cause(
+            id="config_changed",
+            title="the model config changed between the saves",
+            score=0.75,
+            before=a.name,
+            after=b.name,
+            evidence=evidence[:8] + ([f"… {len(evidence) - 8} more"] if len(evidence) > 8 else []),
+            fix="Resume with the config the run was saved with (from_pretrained on the "
+            "checkpoint folder), or declare the change with --expect config.",
+        )
+    ]
+
+
+def _vocab(doc: Any) -> dict[str, int]:
+    model = doc.get("model") if isinstance(doc, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, dict):
+        return {str(k): v for k, v in vocab.items() if isinstance(v, int)}
+    if isinstance(vocab, list):  # unigram: [[piece, score], ...]
+        return {str(p[0]): i for i, p in enumerate(vocab) if isinstance(p, list) and p}
+    return {}
+
+
+def check_tokenizer(pair: Pair) -> list[Cause]:
+    """The tokenizer cause of one pair of saves."""
+    a, b = pair.before, pair.after
+    evidence: list[str] = []
+    for rel in TOKENIZER_FILES:
+        raw_a, raw_b = a.file_bytes(rel), b.file_bytes(rel)
+        if raw_a is None or raw_b is None or raw_a == raw_b:
+            continue
+        if rel == "tokenizer.json":
+            va, vb = _vocab(a.json_file(rel)), _vocab(b.json_file(rel))
+            moved = sum(1 for tok, i in va.items() if tok in vb and vb[tok] != i)
+            added = len(set(vb) - set(va))
+            removed = len(set(va) - set(vb))
+            evidence.append(
+                f"{rel}: vocabulary {len(va)} → {len(vb)} tokens, {moved} tokens renumbered, "
+                f"{added} added, {removed} removed"
+            )
+            continue
+        if rel.endswith(".json"):
+            da, db = a.json_file(rel), b.json_file(rel)
+            if da is not None and db is not None:
+                changes = _json_changes(da, db, rel)
+                evidence += changes[:4]
+                if changes:
+                    continue
+        evidence.append(
+            f"{rel} differs (sha256 {hashlib.sha256(raw_a).hexdigest()[:12]} → "
+            f"{hashlib.sha256(raw_b).hexdigest()[:12]})"
+        )
+    if not evidence:
+        return []
+    return [
+        Cause(
+            id="tokenizer_changed",
+            title="the tokenizer changed between the saves: the same ids mean other tokens",
+            score=0.8,
+            before=a.name,
+            after=b.name,
+            evidence=evidence,
+            fix="Resume with the tokenizer saved beside the checkpoint (AutoTokenizer."
+            "from_pretrained on the checkpoint folder), or declare it with --expect tokenizer.",
+        )
+    ]

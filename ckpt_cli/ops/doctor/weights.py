@@ -1,0 +1,160 @@
+"""Weight causes: weights partly restored (`strict=False`: some tensors moved far more than the
+run's steps move them and lost their correlation with the save, as a fresh initialisation
+does), precision changed (fp32 before, bf16 after), an EMA copy not restored (re-initialised
+from the weights at the resume).
+
+Tensors are read one pair at a time (an EMA check reads three: the EMA on both sides and the
+weights before), their statistics over slices (`ops.compare.pair_moments`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+
+from ..compare import pair_moments
+from .models import Cause
+from .pair import Pair
+
+#: tensors this small carry too little to judge a correlation by
+_MIN_NUMEL = 16
+
+
+def check(pair: Pair) -> list[Cause]:
+    """The weight causes of one pair of saves."""
+    causes: list[Cause] = []
+    precision = _precision(pair)
+    if precision is not None:
+        causes.append(precision)
+    partial = _partial(pair)
+    if partial is not None:
+        causes.append(partial)
+    ema = _ema(pair)
+    if ema is not None:
+        causes.append(ema)
+    return causes
+
+
+def _precision(pair: Pair) -> Cause | None:
+    a, b = pair.before.model_tensors, pair.after.model_tensors
+    changes = Counter((a[n].dtype, b[n].dtype) for n in a if n in b and a[n].dtype != b[n].dtype)
+    if not changes:
+        return None
+    total = sum(1 for n in a if n in b)
+    evidence = [
+        f"{count} of {total} weight tensors {old} at {pair.before.name}, {new} at {pair.after.name}"
+        for (old, new), count in changes.most_common()
+    ]
+    return Cause(
+        id="precision_changed",
+        title="the precision changed at the resume: the weights are kept in another dtype",
+        score=0.9,
+        before=pair.before.name,
+        after=pair.after.name,
+        evidence=evidence,
+        fix="Resume with the precision the run was saved in (fp32 master weights with bf16 "
+        "autocast, not a model cast to bf16); or declare it with --expect precision.",
+    )
+
+
+def _partial(pair: Pair) -> Cause | None:
+    a, b = pair.before, pair.after
+    rows: list[tuple[str, float, float]] = []  # name, relative change, correlation
+    for name, ea in a.model_tensors.items():
+        eb = b.model_tensors.get(name)
+        if eb is None or list(ea.shape) != list(eb.shape) or (ea.numel or 0) < _MIN_NUMEL:
+            continue
+        ta = a.opened.checkpoint.read_tensor(ea.name)
+        tb = b.opened.checkpoint.read_tensor(eb.name)
+        _, change, corr = pair_moments(ta, tb)
+        del ta, tb
+        # the change per element: a fresh tensor moved by the size of its values, a restored
+        # one by the run's updates (relative to its norm, a zero-initialised bias would look
+        # "changed" by any update)
+        rows.append((name, change / math.sqrt(ea.numel or 1), corr))
+    if len(rows) < 3:
+        return None
+    moving = [r for _, r, _ in rows if r > 0]
+    if not moving:
+        return None
+    typical = statistics.median(moving)
+    typical_corr = statistics.median(c for _, _, c in rows)
+    flagged = [
+        (name, r, c) for name, r, c in rows if c < 0.5 and r > 2 * typical and typical_corr > 0.8
+    ]
+    if not flagged:
+        return None
+    flagged.sort(key=lambda row: row[2])
+    evidence = [
+        f"{len(flagged)} of {len(rows)} weight tensors changed by far more than the others "
+        f"between {pair.where()} (median change per element {typical:.3g}, correlation "
+        f"{typical_corr:.3f}) and no longer correlate with the save: freshly initialised"
+    ]
+    evidence += [
+        f"{name}: change per element {r:.3g} (×{r / typical:.1f} the median), correlation {c:.3f}"
+        for name, r, c in flagged[:6]
+    ]
+    return Cause(
+        id="weights_partly_restored",
+        title="the weights were only partly restored: some tensors look freshly initialised",
+        score=0.9,
+        before=a.name,
+        after=b.name,
+        evidence=evidence,
+        fix="Load the weights with strict=True (or check load_state_dict's missing_keys / "
+        "unexpected_keys): a key renamed (a `module.` or `_orig_mod.` prefix, a renamed "
+        "layer) leaves those weights at their initial values.",
+    )
+
+
+def _ema(pair: Pair) -> Cause | None:
+    a, b = pair.before, pair.after
+    if not a.ema_tensors:
+        return None
+    if not b.ema_tensors:
+        return Cause(
+            id="ema_not_restored",
+            title="the EMA weights were not carried over: the save after the resume has none",
+            score=0.7,
+            before=a.name,
+            after=b.name,
+            evidence=[f"{len(a.ema_tensors)} EMA tensors at {a.name}, none at {b.name}"],
+            fix="Restore (and save) the EMA state on resume.",
+        )
+    to_ema = to_weights = 0.0
+    compared = 0
+    for name, eb in b.ema_tensors.items():
+        ea, wa = a.ema_tensors.get(name), a.model_tensors.get(name)
+        if ea is None or wa is None or list(ea.shape) != list(eb.shape):
+            continue
+        if list(wa.shape) != list(eb.shape):
+            continue
+        tb = b.opened.checkpoint.read_tensor(eb.name)
+        te = a.opened.checkpoint.read_tensor(ea.name)
+        _, d_ema, _ = pair_moments(te, tb)
+        del te
+        tw = a.opened.checkpoint.read_tensor(wa.name)
+        _, d_weights, _ = pair_moments(tw, tb)
+        del tw, tb
+        to_ema += d_ema**2
+        to_weights += d_weights**2
+        compared += 1
+    if not compared or to_ema == 0:
+        return None
+    d_ema, d_weights = to_ema**0.5, to_weights**0.5
+    if d_weights >= 0.5 * d_ema:
+        return None
+    return Cause(
+        id="ema_not_restored",
+        title="the EMA was not restored: it was re-initialised from the weights at the resume",
+        score=0.85,
+        before=a.name,
+        after=b.name,
+        evidence=[
+            f"the EMA at {b.name} is {d_weights:.3g} from the weights at {a.name} but "
+            f"{d_ema:.3g} from the EMA at {a.name} (over {compared} tensors): it restarted "
+            "from the weights instead of carrying on",
+        ],
+        fix="Load the EMA state dict on resume instead of copying the current weights into it.",
+    )

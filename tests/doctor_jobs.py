@@ -1,0 +1,452 @@
+"""Tiny real training jobs resumed with one fault planted at a time, for `ckpt doctor`.
+
+Three jobs, each run once per test module in its own process (`python -m tests.doctor_jobs KIND
+OUT`: the frameworks seed global RNGs and keep process-wide singletons):
+
+- `trainer`: transformers `Trainer` on a tiny Llama built from its config (no download), 6 steps
+  saving every 2 (`base/checkpoint-{2,4,6}`); each case copies `checkpoint-2` and `checkpoint-4`
+  into `CASE/` and resumes there from `checkpoint-4`, which saves `checkpoint-6`.
+- `accelerate`: an accelerate loop (`save_state` / `load_state`, stateful data loader), the same
+  6 steps and saves, resumed from `step-4`.
+- `dcp`: a plain loop saving one `dcp.save` per save (`step-N/`: model, optimizer, scheduler,
+  grad scaler, EMA, data position, RNG, run settings), 8 steps saving every 2, resumed from
+  `step-4` to step 8.
+
+A fault is planted the way people get it wrong (a custom trainer skipping a load, a
+`strict=False` load that misses some keys, a seed set after `load_state`...). `CASES[kind]`
+maps each case to the cause `ckpt doctor` should rank first (None: a clean resume).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+#: case -> the cause id the doctor must rank first (None: clean, no cause)
+CASES: dict[str, dict[str, str | None]] = {
+    "trainer": {
+        "clean": None,
+        "clean_from_2": None,
+        "skip_optimizer": "optimizer_not_restored",
+        "skip_scheduler": "scheduler_not_restored",
+        "skip_data": "data_position_not_restored",
+        "grad_accum": "batch_changed",
+        "batch": "batch_changed",
+        "config": "config_changed",
+        "tokenizer": "tokenizer_changed",
+        "rng": "rng_not_restored",
+    },
+    "accelerate": {
+        "clean": None,
+        "clean_from_2": None,
+        "skip_optimizer": "optimizer_not_restored",
+        "skip_scheduler": "scheduler_not_restored",
+        "skip_data": "data_position_not_restored",
+        "partial_weights": "weights_partly_restored",
+        "rng": "rng_not_restored",
+    },
+    "dcp": {
+        "clean": None,
+        "clean_from_2": None,
+        "clean_from_6": None,
+        "clean_sgd": None,
+        "clean_lr_rescaled": None,
+        "clean_world_size": None,
+        "skip_optimizer": "optimizer_not_restored",
+        "skip_scheduler": "scheduler_not_restored",
+        "skip_data": "data_position_not_restored",
+        "scaler": "grad_scaler_reset",
+        "bf16": "precision_changed",
+        "ema": "ema_not_restored",
+        "rng": "rng_not_restored",
+        "batch": "batch_changed",
+        "partial_weights": "weights_partly_restored",
+    },
+}
+
+
+def _copy_saves(base: Path, case: Path, names: list[str]) -> None:
+    """The run folder a crashed job leaves: its saves up to the resume point, and its log
+    (which ran on past the last save)."""
+    case.mkdir(parents=True)
+    for name in names:
+        shutil.copytree(base / name, case / name)
+    if (base / "metrics.jsonl").is_file():
+        shutil.copy2(base / "metrics.jsonl", case / "metrics.jsonl")
+
+
+# --------------------------------------------------------------------------- Trainer
+
+
+def _tiny_llama(**changes: Any) -> Any:
+    from transformers import LlamaConfig
+
+    settings: dict[str, Any] = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attention_dropout=0.1,  # training draws random numbers: RNG state matters
+    )
+    settings.update(changes)
+    return LlamaConfig(**settings)
+
+
+def _tokenizer(extra: bool = False) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(1, 64)}
+    vocab["<unk>"] = 0
+    if extra:  # the same words, renumbered: another tokenizer with the same size
+        vocab = {f"w{i}": (i * 7) % 63 + 1 for i in range(1, 64)}
+        vocab["<unk>"] = 0
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+class _Rows:
+    """A tiny causal-LM dataset (map-style)."""
+
+    def __init__(self, n: int = 16, length: int = 8):
+        import torch
+
+        gen = torch.Generator().manual_seed(1234)
+        self.rows = [torch.randint(0, 64, (length,), generator=gen) for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        ids = self.rows[i]
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": ids.new_ones(ids.shape)}
+
+
+def build_trainer(out: Path) -> None:
+    from transformers import (
+        LlamaForCausalLM,
+        Trainer,
+        TrainingArguments,
+        default_data_collator,
+        set_seed,
+    )
+
+    class Faulty(Trainer):  # type: ignore[misc]
+        fault: str | None = None
+
+        def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+            if self.fault == "skip_optimizer" and checkpoint:
+                import torch
+
+                # a custom trainer that restores the scheduler only
+                self.lr_scheduler.load_state_dict(
+                    torch.load(Path(checkpoint, "scheduler.pt"), weights_only=True)
+                )
+                return
+            if self.fault == "skip_scheduler" and checkpoint:
+                import torch
+
+                self.optimizer.load_state_dict(
+                    torch.load(Path(checkpoint, "optimizer.pt"), weights_only=True)
+                )
+                return
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+        def _load_rng_state(self, checkpoint: str | None) -> None:
+            if self.fault != "rng":
+                super()._load_rng_state(checkpoint)
+
+    def run(folder: Path, resume: Path | None, fault: str | None = None) -> None:
+        set_seed(0)
+        config = _tiny_llama(rms_norm_eps=1e-5) if fault == "config" else _tiny_llama()
+        model = LlamaForCausalLM(config)
+        args = TrainingArguments(
+            output_dir=str(folder),
+            max_steps=6,
+            save_steps=2,
+            per_device_train_batch_size=4 if fault == "batch" else 2,
+            gradient_accumulation_steps=2 if fault == "grad_accum" else 1,
+            learning_rate=1e-2,
+            lr_scheduler_type="linear",
+            warmup_steps=2,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            ignore_data_skip=fault == "skip_data",
+        )
+        trainer = Faulty(
+            model=model,
+            args=args,
+            train_dataset=_Rows(),
+            data_collator=default_data_collator,
+            processing_class=_tokenizer(extra=fault == "tokenizer"),
+        )
+        trainer.fault = fault
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+
+    base = out / "base"
+    run(base, None)
+    for case in CASES["trainer"]:
+        folder = out / case
+        if case == "clean_from_2":
+            _copy_saves(base, folder, ["checkpoint-2"])
+            run(folder, folder / "checkpoint-2")
+            continue
+        _copy_saves(base, folder, ["checkpoint-2", "checkpoint-4"])
+        run(folder, folder / "checkpoint-4", None if case == "clean" else case)
+
+
+# --------------------------------------------------------------------------- accelerate
+
+
+def build_accelerate(out: Path) -> None:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+    from transformers import LlamaForCausalLM
+
+    def run(folder: Path, resume: Path | None, fault: str | None = None) -> None:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        set_seed(0)
+        accelerator = Accelerator(
+            cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)
+        )
+        model = LlamaForCausalLM(_tiny_llama())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        fresh_optimizer = optimizer.state_dict()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / 3) * (1 - step / 8)
+        )
+        fresh_scheduler = scheduler.state_dict()
+        loader = torch.utils.data.DataLoader(
+            _Rows(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0)
+        )
+        model, optimizer, loader, scheduler = accelerator.prepare(
+            model, optimizer, loader, scheduler
+        )
+        step = 0
+        if fault != "rng":
+            set_seed(0)  # the script seeds right before its loop...
+        if resume is not None:
+            accelerator.load_state(str(resume))
+            step = int(resume.name.split("-")[1])
+            if fault == "skip_optimizer":
+                optimizer.optimizer.load_state_dict(fresh_optimizer)
+            if fault == "skip_scheduler":
+                scheduler.scheduler.load_state_dict(fresh_scheduler)
+            if fault == "skip_data":  # the loader rebuilt after load_state starts over
+                loader = accelerator.prepare(
+                    torch.utils.data.DataLoader(
+                        _Rows(),
+                        batch_size=2,
+                        shuffle=True,
+                        generator=torch.Generator().manual_seed(0),
+                    )
+                )
+            if fault == "partial_weights":
+                # `load_state_dict(strict=False)` of a state dict whose layer-1 keys did not
+                # match: those weights keep their fresh initialisation
+                fresh = LlamaForCausalLM(_tiny_llama()).state_dict()
+                missed = {k: v for k, v in fresh.items() if ".layers.1." in k}
+                model.load_state_dict(missed, strict=False)
+        if fault == "rng":
+            set_seed(0)  # ...which, after load_state, undoes the RNG state it restored
+        for batch in loader:
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step += 1
+            if step % 2 == 0:
+                accelerator.save_state(str(folder / f"step-{step}"))
+            if step == 6:
+                break
+
+    base = out / "base"
+    run(base, None)
+    for case in CASES["accelerate"]:
+        folder = out / case
+        if case == "clean_from_2":
+            _copy_saves(base, folder, ["step-2"])
+            run(folder, folder / "step-2")
+            continue
+        _copy_saves(base, folder, ["step-2", "step-4"])
+        run(folder, folder / "step-4", None if case == "clean" else case)
+
+
+# --------------------------------------------------------------------------- plain DCP loop
+
+
+def build_dcp(out: Path) -> None:
+    import random
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def run(folder: Path, resume: Path | None, fault: str | None = None, **opts: Any) -> None:
+        torch.manual_seed(0)
+        random.seed(0)
+        world_size = opts.get("world_size", 1)
+        per_device = opts.get("per_device", 4)
+        lr = opts.get("lr", 0.05)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16),
+            torch.nn.LayerNorm(16),
+            torch.nn.Dropout(0.1),
+            torch.nn.Linear(16, 16),
+            torch.nn.ReLU(),
+            torch.nn.Linear(16, 1),
+        )
+        if opts.get("sgd"):
+            optimizer: torch.optim.Optimizer = torch.optim.SGD(
+                model.parameters(), lr=lr, momentum=0.9
+            )
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+        def schedule(s: int) -> float:
+            return min(1.0, (s + 1) / 3) * (1 - s / 12)
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+        ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        data = torch.Generator().manual_seed(7)
+        xs, ys = torch.randn(256, 8, generator=data), torch.randn(256, 1, generator=data)
+        samples_seen = batches_seen = step = 0
+        settings = {"world_size": world_size, "per_device_batch": per_device, "grad_accum": 1}
+
+        def state() -> dict[str, Any]:
+            # DCP's own state-dict API: FQN-keyed optimizer state, initialised before a load
+            model_state, optim_state = get_state_dict(model, optimizer)
+            return {
+                "model": model_state,
+                "optimizer": optim_state,
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict(),
+                "ema": ema,
+                "dataloader": {"samples_seen": samples_seen, "batches_seen": batches_seen},
+                "train_state": {"step": step, **settings},
+                "rng": {
+                    f"rank_{r}": {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
+                    for r in range(world_size)
+                },
+            }
+
+        if resume is not None:
+            target = state()
+            dcp.load(target, checkpoint_id=str(resume), no_dist=True)
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=target["model"],
+                optim_state_dict=target["optimizer"],
+            )
+            if fault == "skip_optimizer":  # the optimizer rebuilt after the load: state lost
+                optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+                scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+            if fault == "partial_weights":
+                fresh = torch.nn.Linear(16, 16)
+                model[3].load_state_dict(fresh.state_dict())  # strict=False missed these keys
+            if fault != "skip_scheduler":
+                scheduler.load_state_dict(target["scheduler"])
+            if target["scheduler"]["base_lrs"] != [lr]:
+                # a rescaled learning rate must outlive the scheduler's restored base_lrs
+                scheduler.base_lrs = [lr]
+                for group in optimizer.param_groups:
+                    group["initial_lr"] = lr
+            if fault != "scaler":
+                scaler.load_state_dict(target["scaler"])
+            if fault == "ema":
+                ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            else:
+                ema = target["ema"]
+            step = int(target["train_state"]["step"])
+            if fault != "skip_data":
+                samples_seen = int(target["dataloader"]["samples_seen"])
+                batches_seen = int(target["dataloader"]["batches_seen"])
+            if fault != "rng":
+                torch.set_rng_state(target["rng"]["rank_0"]["torch_cpu"])
+                random.setstate(target["rng"]["rank_0"]["python"])
+            if fault == "bf16":
+                model.to(torch.bfloat16)
+                for group in optimizer.state.values():
+                    for k, v in list(group.items()):
+                        if k != "step" and torch.is_tensor(v):
+                            group[k] = v.to(torch.bfloat16)
+                ema = {k: v.to(torch.bfloat16) for k, v in ema.items()}
+        while step < 8:
+            step += 1
+            for _ in range(world_size):  # each rank's share of the global batch
+                start = samples_seen % 256
+                x, y = xs[start : start + per_device], ys[start : start + per_device]
+                dtype = next(model.parameters()).dtype
+                loss = torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+                scaler.scale(loss / world_size).backward()
+                samples_seen += per_device
+            batches_seen += 1
+            lr_used = optimizer.param_groups[0]["lr"]
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    ema[k].mul_(0.9).add_(v.to(ema[k].dtype), alpha=0.1)
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / "metrics.jsonl", "a") as log:  # the run's own log, appended
+                log.write(json.dumps({"step": step, "loss": loss.item(), "lr": lr_used}) + "\n")
+            if step % 2 == 0:
+                dcp.save(state(), checkpoint_id=str(folder / f"step-{step}"), no_dist=True)
+
+    base = out / "base"
+    run(base, None)
+    run(out / "base_sgd", None, sgd=True)
+    run(out / "base_w2", None, world_size=2, per_device=2)
+    for case in CASES["dcp"]:
+        folder = out / case
+        if case == "clean_from_2":
+            _copy_saves(base, folder, ["step-2"])
+            run(folder, folder / "step-2")
+        elif case == "clean_from_6":
+            _copy_saves(base, folder, ["step-2", "step-4", "step-6"])
+            run(folder, folder / "step-6")
+        elif case == "clean_sgd":
+            _copy_saves(out / "base_sgd", folder, ["step-2", "step-4"])
+            run(folder, folder / "step-4", sgd=True)
+        elif case == "clean_lr_rescaled":
+            # twice the batch, twice the learning rate: the linear scaling rule, on purpose
+            _copy_saves(base, folder, ["step-2", "step-4"])
+            run(folder, folder / "step-4", per_device=8, lr=0.1)
+        elif case == "clean_world_size":
+            # 2 ranks of 2 before, 1 rank of 4 after: the same global batch
+            _copy_saves(out / "base_w2", folder, ["step-2", "step-4"])
+            run(folder, folder / "step-4", per_device=4)
+        elif case == "batch":
+            _copy_saves(base, folder, ["step-2", "step-4"])
+            run(folder, folder / "step-4", per_device=8)
+        else:
+            _copy_saves(base, folder, ["step-2", "step-4"])
+            run(folder, folder / "step-4", None if case == "clean" else case)
+
+
+BUILDERS = {"trainer": build_trainer, "accelerate": build_accelerate, "dcp": build_dcp}
+
+
+if __name__ == "__main__":
+    BUILDERS[sys.argv[1]](Path(sys.argv[2]))
+    (Path(sys.argv[2]) / "cases.json").write_text(json.dumps(CASES[sys.argv[1]]))

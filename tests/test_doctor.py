@@ -1,0 +1,295 @@
+"""`ckpt doctor`: real tiny training jobs (transformers Trainer, accelerate, a plain DCP loop),
+each resumed with one fault planted at a time, and the doctor names the planted cause first;
+clean resumes (a declared world-size change among them) get no cause."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .conftest import REPO, run_ckpt
+from .doctor_jobs import CASES
+from .s3_fixtures import S3Server, upload_folder
+
+_FRAMEWORK = {
+    "trainer": ("transformers",),
+    "accelerate": ("accelerate", "transformers", "torchdata"),
+}
+
+
+def _build(kind: str, out: Path) -> Path:
+    for module in _FRAMEWORK.get(kind, ()):
+        pytest.importorskip(module, reason=f"the {kind} job needs {module} (the frameworks extra)")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.pop("HF_ENDPOINT", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.doctor_jobs", kind, str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=290,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def trainer_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Trainer runs: `base/` and one folder per case of `CASES["trainer"]`."""
+    return _build("trainer", tmp_path_factory.mktemp("doctor_trainer"))
+
+
+@pytest.fixture(scope="module")
+def accelerate_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """accelerate runs: `base/` and one folder per case of `CASES["accelerate"]`."""
+    return _build("accelerate", tmp_path_factory.mktemp("doctor_accelerate"))
+
+
+@pytest.fixture(scope="module")
+def dcp_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Plain DCP-loop runs: `base/` and one folder per case of `CASES["dcp"]`."""
+    return _build("dcp", tmp_path_factory.mktemp("doctor_dcp"))
+
+
+def _jobs(request: pytest.FixtureRequest, kind: str) -> Path:
+    path: Path = request.getfixturevalue(f"{kind}_jobs")
+    return path
+
+
+def _params() -> list[Any]:
+    out = []
+    for kind, cases in CASES.items():
+        marks = [pytest.mark.frameworks] if kind in _FRAMEWORK else []
+        for case, want in cases.items():
+            out.append(pytest.param(kind, case, want, marks=marks, id=f"{kind}-{case}"))
+    return out
+
+
+def _resume_save(kind: str) -> tuple[str, str]:
+    """(the save resumed from, the first save the resumed run wrote) of a fault case."""
+    return ("checkpoint-4", "checkpoint-6") if kind == "trainer" else ("step-4", "step-6")
+
+
+@pytest.mark.parametrize(("kind", "case", "want"), _params())
+def test_the_planted_cause_is_ranked_first(
+    request: pytest.FixtureRequest, kind: str, case: str, want: str | None
+) -> None:
+    run = _jobs(request, kind) / case
+    result = run_ckpt("doctor", run, "--json")
+    report = result.json["result"]
+    live = [c for c in report["causes"] if not c["declared"]]
+    if want is None:
+        assert result.exit_code == 0, report["causes"]
+        assert live == [] and report["verdict"].startswith("NO CAUSE FOUND")
+        return
+    assert result.exit_code == 1, report["verdict"]
+    top = live[0]
+    assert (top["id"], top["rank"]) == (want, 1), [(c["id"], c["evidence"]) for c in live]
+    before, after = _resume_save(kind)
+    assert (top["before"], top["after"]) == (before, after)
+    assert top["evidence"] and top["fix"]
+    assert result.json["error"]["code"] == "problems_found"
+    point = next(p for p in report["resume_points"] if p["after"] == after)
+    assert point["resumed"] and "state" in point["how"]
+
+
+@pytest.mark.frameworks
+def test_trainer_evidence_matches_the_saved_files(trainer_jobs: Path) -> None:
+    run = trainer_jobs / "skip_optimizer"
+    report = run_ckpt("doctor", run, "--json").json["result"]
+    saved = torch.load(run / "checkpoint-6" / "optimizer.pt", weights_only=True)
+    before = torch.load(run / "checkpoint-4" / "optimizer.pt", weights_only=True)
+    steps_after = {int(s["step"]) for s in saved["state"].values()}
+    steps_before = {int(s["step"]) for s in before["state"].values()}
+    assert steps_before == {4} and steps_after == {2}  # what the faulty resume really saved
+    top = report["causes"][0]
+    assert "optimizer step count 4 at checkpoint-4, 2 at checkpoint-6" in top["evidence"][0]
+    # the scheduler was restored: its counter carried on
+    assert torch.load(run / "checkpoint-6" / "scheduler.pt", weights_only=True)["last_epoch"] == 6
+    assert all(c["id"] != "scheduler_not_restored" for c in report["causes"])
+    # the LR log of the skipped scheduler is evidence beside its cause
+    sched = run_ckpt("doctor", trainer_jobs / "skip_scheduler", "--json").json["result"]
+    log = next(p["log"] for p in sched["resume_points"] if p["after"] == "checkpoint-6")
+    history = json.loads(
+        (trainer_jobs / "skip_scheduler/checkpoint-6/trainer_state.json").read_text()
+    )
+    lrs = {e["step"]: e["learning_rate"] for e in history["log_history"] if "learning_rate" in e}
+    assert (log["lr_before"], log["lr_after"]) == (lrs[4], lrs[5])
+    assert log["lr_like_step"] == 1 and lrs[5] == lrs[1]
+
+
+@pytest.mark.frameworks
+def test_trainer_batch_change_reads_training_args(trainer_jobs: Path) -> None:
+    report = run_ckpt("doctor", trainer_jobs / "grad_accum", "--json").json["result"]
+    top = report["causes"][0]
+    assert "grad accum 1 at checkpoint-4, 2 at checkpoint-6" in top["evidence"]
+    assert any("total_flos per step" in line for line in top["evidence"])
+    # declared, the same change is reported, not ranked: exit 0
+    declared = run_ckpt("doctor", trainer_jobs / "grad_accum", "--expect", "batch", "--json")
+    assert declared.exit_code == 0
+    causes = declared.json["result"]["causes"]
+    assert [(c["id"], c["declared"], c["rank"]) for c in causes] == [("batch_changed", True, 0)]
+
+
+def test_dcp_clean_world_size_change_is_a_note(dcp_jobs: Path) -> None:
+    result = run_ckpt("doctor", dcp_jobs / "clean_world_size", "--json")
+    assert result.exit_code == 0
+    point = next(p for p in result.json["result"]["resume_points"] if p["after"] == "step-6")
+    assert point["resumed"] and "log" in point["how"]
+    assert any("world size 2 at step-4, 1 at step-6" in n for n in point["notes"])
+    assert any("global batch is unchanged" in n for n in point["notes"])
+
+
+def test_dcp_log_restart_is_found_and_shown(dcp_jobs: Path) -> None:
+    run = dcp_jobs / "skip_data"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 5, 6, 7, 8]  # the crashed job logged past its save
+    report = run_ckpt("doctor", run, "--json").json["result"]
+    point = next(p for p in report["resume_points"] if p["after"] == "step-6")
+    assert point["how"][:1] == ["log"]
+    log = point["log"]
+    assert (log["step_before"], log["step_after"], log["restarted"]) == (4, 5, True)
+    assert log["loss_after"] == rows[8]["loss"] and log["loss_before"] == rows[3]["loss"]
+    top = report["causes"][0]
+    assert "dataloader.samples_seen 16 at step-4, 8 at step-6" in top["evidence"][0]
+
+
+def test_dcp_human_output(dcp_jobs: Path) -> None:
+    result = run_ckpt("doctor", dcp_jobs / "ema")
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("LIKELY CAUSE: the EMA was not restored")
+    assert any(line.startswith("1. ema_not_restored") for line in lines)
+    assert any(line.strip().startswith("fix: Load the EMA state dict") for line in lines)
+    assert "resumed (log, time, state)" in result.stdout
+
+
+def test_before_after_examines_one_pair(dcp_jobs: Path) -> None:
+    run = dcp_jobs / "scaler"
+    result = run_ckpt("doctor", run, "--before", "step-4", "--after", "step-6", "--json")
+    assert result.exit_code == 1
+    report = result.json["result"]
+    assert report["mode"] == "pair" and report["checkpoints"] == ["step-4", "step-6"]
+    assert report["causes"][0]["id"] == "grad_scaler_reset"
+    assert report["resume_points"][0]["how"][0] == "declared"
+    # full paths, no RUN_DIR: the same
+    alone = run_ckpt("doctor", "--before", run / "step-4", "--after", run / "step-6", "--json")
+    assert alone.json["result"]["causes"][0]["id"] == "grad_scaler_reset"
+    # a straight pair of the same run has no cause
+    straight = run_ckpt("doctor", run, "--before", "step-2", "--after", "step-4", "--json")
+    assert straight.exit_code == 0 and straight.json["result"]["causes"] == []
+
+
+def test_single_checkpoint_with_counters_that_disagree(dcp_jobs: Path) -> None:
+    save = dcp_jobs / "skip_optimizer" / "step-6"
+    result = run_ckpt("doctor", save, "--json")
+    assert result.exit_code == 1
+    report = result.json["result"]
+    assert report["mode"] == "single"
+    top = report["causes"][0]
+    assert top["id"] == "inconsistent_state"
+    assert "optimizer step count 2, trainer step 6" in top["evidence"]
+    assert run_ckpt("doctor", dcp_jobs / "clean" / "step-6").exit_code == 0
+
+
+def test_single_checkpoint_with_rng_for_fewer_ranks(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "train_state": {"step": 1, "world_size": 2},
+        "rng": {"rank_0": {"torch_cpu": torch.get_rng_state()}},  # rank 1's was never saved
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path / "step-1"), no_dist=True)
+    result = run_ckpt("doctor", tmp_path / "step-1", "--json")
+    assert result.exit_code == 1
+    top = result.json["result"]["causes"][0]
+    assert top["id"] == "rng_ranks_missing"
+    assert top["evidence"] == ["world size 2 recorded, RNG states for 1 rank(s)"]
+
+
+def test_lightning_csv_logs_across_versions(tmp_path: Path) -> None:
+    from ckpt_cli.ops.doctor.logs import jump, run_logs
+    from ckpt_cli.storage import LocalStorage
+
+    # Lightning's CSVLogger starts a new version_N per run: the resumed run is version_1
+    for version, steps in ((0, range(1, 7)), (1, range(5, 9))):
+        folder = tmp_path / "lightning_logs" / f"version_{version}"
+        folder.mkdir(parents=True)
+        rows = ["epoch,step,train_loss,lr-AdamW"]
+        rows += [f"0,{s},{1.0 / s:.4f},{0.001 * (s if version == 0 else s - 4)}" for s in steps]
+        (folder / "metrics.csv").write_text("\n".join(rows) + "\n")
+    series = run_logs(LocalStorage(tmp_path), str(tmp_path))
+    assert len(series) == 1
+    found = jump(series[0], 4, 6)
+    assert found is not None and found.restarted
+    assert (found.step_before, found.step_after, found.lr_after, found.lr_like_step) == (
+        4,
+        5,
+        0.001,
+        1,
+    )
+
+
+def test_expect_rejects_an_unknown_change(dcp_jobs: Path) -> None:
+    result = run_ckpt("doctor", dcp_jobs / "clean", "--expect", "weather", "--json")
+    assert result.exit_code == 2
+    assert "--expect 'weather'" in result.json["error"]["message"]
+    assert run_ckpt("doctor", dcp_jobs / "clean", "--before", "step-4").exit_code == 2
+
+
+def test_library_call(dcp_jobs: Path) -> None:
+    import ckpt_cli
+
+    report = ckpt_cli.doctor(str(dcp_jobs / "bf16"))
+    assert isinstance(report, ckpt_cli.DoctorReport) and report.found
+    assert report.causes[0].id == "precision_changed"
+    assert report.causes[0].evidence == [
+        "8 of 8 weight tensors float32 at step-4, bfloat16 at step-6"
+    ]
+
+
+def test_json_envelope_follows_the_published_schema(dcp_jobs: Path) -> None:
+    import jsonschema
+
+    schema = json.loads((REPO / "schema" / "ckpt-json.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    for case in ("ema", "clean"):
+        result = run_ckpt("doctor", dcp_jobs / case, "--json")
+        lines = [line for line in result.stdout.splitlines() if line.strip()]
+        assert len(lines) == 1
+        doc = json.loads(lines[0])
+        assert [e.message for e in validator.iter_errors(doc)] == []
+        assert doc["command"] == "doctor" and doc["exit_code"] == result.exit_code
+        assert doc["ok"] is (case == "clean")
+
+
+def test_a_run_folder_in_an_object_store(dcp_jobs: Path, s3_server: S3Server) -> None:
+    # the same run uploaded to S3: the saves, the log, read through the store
+    upload_folder(s3_server.endpoint, "runs", "skip_data", dcp_jobs / "skip_data")
+    result = run_ckpt("doctor", "s3://runs/skip_data", "--json")
+    assert result.exit_code == 1, result.stderr
+    report = result.json["result"]
+    assert report["checkpoints"] == ["step-2", "step-4", "step-6", "step-8"]
+    top = report["causes"][0]
+    assert (top["id"], top["before"], top["after"]) == (
+        "data_position_not_restored",
+        "step-4",
+        "step-6",
+    )
+    point = next(p for p in report["resume_points"] if p["after"] == "step-6")
+    assert "log" in point["how"] and point["log"]["source"].endswith("metrics.jsonl")
