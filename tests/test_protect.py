@@ -451,13 +451,20 @@ def test_whole_files_on_request_rebuilds_the_file_that_dominates_a_checkpoint(
     state = _state(n=6, size=96, seed=9)
     torch.save(state, model / "pytorch_model.bin")
     (model / "trainer_state.json").write_text(json.dumps({"global_step": 100}))
+    # a 2-GPU DDP save: each rank's RNG state beside the one model file rank 0 wrote
+    for rank in (0, 1):
+        torch.save({"cpu": torch.random.get_rng_state()}, model / f"rng_state_{rank}.pth")
     striped = run_ckpt("protect", model, "--dry-run", "--json").json["result"]
-    assert striped["whole_files"] is False
+    # the small per-rank files cover one block of a stripe each: striping rebuilds them, so
+    # the checkpoint stays striped (parity ~ K / 8, not K x the model file)
+    assert striped["whole_files"] is False and striped["rank_files"] == 2
+    assert striped["overhead"] < 0.5
     assert striped["does_not_survive"][0].startswith("pytorch_model.bin lost whole")
+    assert not any("rng_state" in line for line in striped["does_not_survive"])
     whole = run_ckpt("protect", model, "--whole-files", "--parity", "1", "--json")
     assert whole.exit_code == 0, whole.stdout
     assert whole.json["result"]["whole_files"] is True
-    assert whole.json["result"]["rank_files"] == 0
+    assert whole.json["result"]["overhead"] >= 0.5
     (model / "pytorch_model.bin").unlink()
     assert run_ckpt("repair", model).exit_code == 0
     _assert_same(torch.load(model / "pytorch_model.bin", weights_only=True), state)

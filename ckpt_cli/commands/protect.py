@@ -47,7 +47,8 @@ def protect(
             "--whole-files",
             help="Protect every file whole, so any K files lost are rebuilt even when one file "
             "is most of the checkpoint (parity >= K x the largest file). The default for saves "
-            "with files of two or more ranks (.distcp, ZeRO partitions).",
+            "with files of two or more ranks (.distcp, ZeRO partitions) that striping could "
+            "not rebuild if lost.",
         ),
     ] = False,
     dry_run: Annotated[
@@ -65,7 +66,8 @@ def protect(
     shard, the `.distcp` of a dead rank) and any K damaged blocks per stripe can be rebuilt by
     `ckpt repair`. A checkpoint that one file dominates is striped within itself (damaged
     blocks are rebuilt; that file lost whole is not), unless it holds files of two or more
-    ranks or `--whole-files` is given: then every file is protected whole. What the parity
+    ranks that this would leave unrebuildable, or `--whole-files` is given: then every file
+    is protected whole. What the parity
     costs and survives is said on stderr before anything is written. The parity manifest
     records every file's size, sha256 and per-block digests; it is written last, so an
     interrupted run leaves no parity.

@@ -67,8 +67,9 @@ def protect(
         force: replace existing parity.
         whole_files: protect every file whole (any K files lost can be rebuilt, at a parity
             of at least K times the largest file); None: when the checkpoint holds files of
-            two or more ranks (a dead rank's file is the loss parity exists for), else only
-            when that costs no more than striping.
+            two or more ranks and striping would leave a rank's file unrebuildable if lost
+            (a dead rank's file is the loss parity exists for), else only when that costs no
+            more than striping.
         dry_run: plan only: the report says what the parity would cost and survive.
         on_plan: called with the plan (a `dry_run` report) before anything is written.
         progress: receives the bytes read.
@@ -233,10 +234,17 @@ def _prepare(src: str, options: _Options, check: bool = True) -> tuple[_Target, 
     names = list(target.files)
     sizes = [target.files[n] for n in names]
     block = min(block, _small_block(max(sizes)))
-    whole = options.whole_files
-    if whole is None:
-        whole = len(rank_files(names)) >= 2
-    plan = plan_layout(sizes, block, whole_files=whole)
+    plan = plan_layout(sizes, block, whole_files=bool(options.whole_files))
+    if options.whole_files is None and not plan.whole_files:
+        # a dead rank's file is the loss parity exists for: when striping leaves a rank's
+        # file covering more than one block of a stripe, protect whole files instead
+        ranks = set(rank_files(names))
+        if len(ranks) >= 2 and any(
+            lost_whole_costs(start, -(-size // block), plan.stripes, plan.width) > 1
+            for name, size, start in zip(names, sizes, plan.starts, strict=True)
+            if name in ranks
+        ):
+            plan = plan_layout(sizes, block, whole_files=True)
     files = [
         ProtectedFile(path=name, size=size, sha256="", start=start)
         for name, size, start in zip(names, sizes, plan.starts, strict=True)
