@@ -163,7 +163,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from merge' -l verbose -s v -d 'Say 
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l help -s h -d 'Show help and exit'
 complete -c ckpt -n '__fish_seen_subcommand_from protect' -l parity -r -f -d 'K: losses per stripe that can be rebuilt (any K whole files of a sharded checkpoint); parity is about K / (number of files) of the checkpoint'
 complete -c ckpt -n '__fish_seen_subcommand_from protect' -l block-size -r -f -d 'Bytes per block at most (e.g. 1MiB, 4MiB; smaller for small files): the unit damage is located and rebuilt in; memory is about 2 x block size x (columns + K), columns <= 32'
-complete -c ckpt -n '__fish_seen_subcommand_from protect' -l whole-files -d 'Protect every file whole, so any K files lost are rebuilt even when one file is most of the checkpoint (parity >= K x the largest file). The default for saves with files of two or more ranks (.distcp, ZeRO partitions)'
+complete -c ckpt -n '__fish_seen_subcommand_from protect' -l whole-files -d 'Protect every file whole, so any K files lost are rebuilt even when one file is most of the checkpoint (parity >= K x the largest file). The default for saves with files of two or more ranks (.distcp, ZeRO partitions) that striping could not rebuild if lost'
 complete -c ckpt -n '__fish_seen_subcommand_from protect' -l dry-run -d 'Say what the parity would cost and survive; write nothing'
 complete -c ckpt -n '__fish_seen_subcommand_from protect' -l force -d 'Replace DEST if it exists (only after the new output is complete)'
 complete -c ckpt -n '__fish_seen_subcommand_from protect' -l json -d 'Print one JSON document on stdout (the ckpt_json envelope)'
