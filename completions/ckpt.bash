@@ -8,7 +8,7 @@ _ckpt() {
   case "${COMP_WORDS[1]}" in
     inspect) opts="--list -l --filter -k --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --exact --force --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --no-extras --dcp-compression --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --no-extras --dcp-compression --config --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     reshard) opts="--world-size --max-shard-size --shard-dim --plan --drop-rank-state --keep-rank-state --dcp-serialization --dry-run -n --no-extras --dcp-compression --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --watch --max-iterations --settle --json --quiet -q --verbose -v --help -h" ;;
     latest) opts="--settle --json --quiet -q --verbose -v --help -h" ;;
@@ -17,7 +17,7 @@ _ckpt() {
     diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --dequantize --ignore-dtype --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     doctor) opts="--before --after --expect --settle --json --quiet -q --verbose -v --help -h" ;;
     merge) opts="--force --json --quiet -q --verbose -v --help -h" ;;
-    protect) opts="--parity --block-size --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    protect) opts="--parity --block-size --whole-files --dry-run --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     repair) opts="--dry-run --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
   esac
   case "${COMP_WORDS[1]} $prev" in
@@ -42,6 +42,7 @@ _ckpt() {
     convert\ --dcp-serialization) COMPREPLY=( $(compgen -W "torch_save safetensors" -- "$cur") ); return ;;
     convert\ --world-size) COMPREPLY=(); return ;;
     convert\ --dcp-compression) COMPREPLY=(); return ;;
+    convert\ --config) COMPREPLY=(); return ;;
     convert\ --format|convert\ -f) COMPREPLY=( $(compgen -W "safetensors dcp torch hub" -- "$cur") ); return ;;
     convert\ --revision) COMPREPLY=(); return ;;
     convert\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;

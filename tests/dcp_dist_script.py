@@ -1,13 +1,17 @@
 """Run under torchrun (gloo, CPU): save or load a DCP checkpoint of DTensors placed Shard(0).
 
     torchrun --standalone --nproc-per-node N tests/dcp_dist_script.py \
-        [--save OUT_DIR] [--save-nocoll OUT_DIR] [--save-hf OUT_DIR] [--load CKPT_DIR REPORT_DIR [OBJECT_NAME ...]]
+        [--save OUT_DIR] [--save-nocoll OUT_DIR] [--save-uneven OUT_DIR] [--save-hf OUT_DIR]
+        [--load CKPT_DIR REPORT_DIR [OBJECT_NAME ...]]
 
 `--save`: the full tensors of `expected_state()` distributed Shard(0) (0-dim ones replicated),
 plus the object `train.step` = 11, saved with `dcp.save`.
 `--save-nocoll`: the same with `use_collectives=False` (per-rank `__r.metadata`, no `.metadata`).
 `--save-hf`: the same tensors (no objects: that writer holds tensors only) saved with
 `HuggingFaceStorageWriter(save_distributed=True)`: one safetensors file per rank, no `.metadata`.
+`--save-uneven`: as `--save`, plus `uneven_extra()` (a large tensor replicated on every rank,
+which DCP writes once, into one rank's file): the rank files differ in size, as an FSDP save
+whose rank 0 also holds the unsharded state does.
 `--load`: for every tensor of `expected_state()` an empty DTensor placed Shard(0) (0-dim:
 replicated) is loaded with `dcp.load`, together with the named objects; each rank compares
 its local shard with the same shard of the expected tensor, bit-exact, and writes
@@ -45,6 +49,12 @@ def expected_state() -> dict[str, torch.Tensor]:
     }
 
 
+def uneven_extra() -> dict[str, torch.Tensor]:
+    """What `--save-uneven` adds: replicated, so one rank's file holds all of it."""
+    gen = torch.Generator().manual_seed(5)
+    return {"model.head": torch.randn(96, 64, generator=gen)}
+
+
 class RecordingReader(FileSystemReader):
     """A FileSystemReader that records which files this rank's load plan reads, per fqn."""
 
@@ -80,6 +90,15 @@ def main() -> None:
         state = {k: distribute_tensor(v, mesh, placement(v)) for k, v in full.items()}
         state["train.step"] = 11
         dcp.save(state, checkpoint_id=str(out), use_collectives=False)
+    if args and args[0] == "--save-uneven":
+        out = Path(args[1])
+        args = args[2:]
+        state = {k: distribute_tensor(v, mesh, placement(v)) for k, v in full.items()}
+        state.update(
+            {k: distribute_tensor(v, mesh, [Replicate()]) for k, v in uneven_extra().items()}
+        )
+        state["train.step"] = 11
+        dcp.save(state, checkpoint_id=str(out))
     if args and args[0] == "--save-hf":
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 

@@ -1,8 +1,13 @@
 """Run under torchrun (2 ranks, gloo, CPU): train a tiny bf16 model with DeepSpeed ZeRO-2 and
 ZeRO-3 for two steps each and save with `engine.save_checkpoint` (DeepSpeed's own writer).
 
-Usage: torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR
+Usage: torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding]
 writes OUT_DIR/zero2/ and OUT_DIR/zero3/ (each: `latest`, `global_step2/`, zero_to_fp32.py).
+
+With `--nan-padding` it trains ZeRO-3 only and plants NaN where DeepSpeed's uninitialised
+partition padding may hold one: OUT_DIR/zero3-nan-padding/ has NaN in every padding slot of
+the fp32 partitions (and nowhere else); OUT_DIR/zero3-nan-parameter/ is the same engine saved
+again after one real parameter element was set to NaN.
 """
 
 from __future__ import annotations
@@ -21,7 +26,31 @@ import torch
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def _train(stage: int, out: str) -> None:
+def _plant_nan_in_padding(engine: deepspeed.DeepSpeedEngine) -> int:
+    """NaN in the padding of this rank's ZeRO-3 fp32 partitions; returns how many slots.
+
+    Every parameter is cut into `world_size` pieces of `partition_numel()` elements; on rank r
+    the piece holds `ds_numel - r * partition_numel()` real elements at most, the rest is the
+    padding DeepSpeed allocates with torch.empty (the layout `zero_to_fp32.py` reads).
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    optimizer = engine.optimizer
+    planted = 0
+    for g, params in enumerate(optimizer.fp16_groups):
+        flat = optimizer.fp32_partitioned_groups_flat[g]
+        offset = 0
+        for param in params:
+            part = param.partition_numel()
+            real = max(0, min(part, param.ds_numel - rank * part))
+            flat.data[offset + real : offset + part] = float("nan")
+            planted += part - real
+            offset += part
+    return planted
+
+
+def _train(stage: int, out: str, nan_padding: bool = False) -> None:
     torch.manual_seed(stage)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
     model.register_buffer("scale", torch.arange(3, dtype=torch.float32))
@@ -48,9 +77,24 @@ def _train(stage: int, out: str) -> None:
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
-    engine.save_checkpoint(out)
+    if not nan_padding:
+        engine.save_checkpoint(out)
+        return
+    import torch.distributed as dist
+
+    planted = torch.tensor([_plant_nan_in_padding(engine)])
+    dist.all_reduce(planted)
+    assert planted.item() > 0, "the model has no ZeRO-3 padding to plant NaN in"
+    engine.save_checkpoint(f"{out}-nan-padding")
+    # one real element of rank 0's partition (the first parameter's first value)
+    if dist.get_rank() == 0:
+        engine.optimizer.fp32_partitioned_groups_flat[0].data[0] = float("nan")
+    engine.save_checkpoint(f"{out}-nan-parameter")
 
 
 if __name__ == "__main__":
-    _train(2, f"{sys.argv[1]}/zero2")
-    _train(3, f"{sys.argv[1]}/zero3")
+    if "--nan-padding" in sys.argv[2:]:
+        _train(3, f"{sys.argv[1]}/zero3", nan_padding=True)
+    else:
+        _train(2, f"{sys.argv[1]}/zero2")
+        _train(3, f"{sys.argv[1]}/zero3")

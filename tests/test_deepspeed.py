@@ -116,3 +116,40 @@ def test_whole_folder_converts_to_dcp_and_torch_identically(
     expected = _reference(run)
     for name, tensor in expected.items():
         assert torch.equal(back["model"][name], tensor), name
+
+
+@pytest.fixture(scope="session")
+def zero3_nan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ZeRO-3 saves with NaN planted in the partition padding (`zero3-nan-padding/`), and the
+    same engine saved again with a NaN in one real parameter (`zero3-nan-parameter/`)."""
+    out = tmp_path_factory.mktemp("deepspeed-nan")
+    run_torchrun(SCRIPT, 2, out, "--nan-padding", timeout=600)
+    return out
+
+
+def test_deep_verify_skips_zero3_padding_but_not_a_nan_parameter(zero3_nan: Path) -> None:
+    padded = zero3_nan / "zero3-nan-padding"
+    # the NaN is really there, in the tail of a rank's flat fp32 partition
+    flats = [
+        torch.load(f, weights_only=False)["optimizer_state_dict"]["fp32_flat_groups"]
+        for f in sorted(padded.glob("global_step*/*zero_pp_rank_*_optim_states.pt"))
+    ]
+    assert any(bool(torch.isnan(g).any()) for groups in flats for g in groups)
+    # DeepSpeed's own reconstruction is finite: the padding is no parameter
+    expected = _reference(padded)
+    assert all(bool(torch.isfinite(t).all()) for t in expected.values())
+    result = run_ckpt("verify", padded, "--deep", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["nonfinite"] == [] and report["tensors"] > 0
+
+    broken = zero3_nan / "zero3-nan-parameter"
+    result = run_ckpt("verify", broken, "--deep", "--json")
+    assert result.exit_code == 1, result.stdout
+    nonfinite = {h["name"]: h["nan"] for h in result.json["result"]["nonfinite"]}
+    # the partition holding it, and the rebuilt weight it belongs to, each with one NaN
+    rebuilt = [name for name, t in _reference(broken).items() if bool(torch.isnan(t).any())]
+    assert len(rebuilt) == 1
+    assert nonfinite.get(f"model.{rebuilt[0]}") == 1
+    assert nonfinite.get("optim_states_0.optimizer_state_dict.fp32_flat_groups.0") == 1
+    assert not any(name.startswith("optim_states_1.") for name in nonfinite)

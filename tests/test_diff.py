@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -127,3 +128,120 @@ def test_non_tensor_entries_are_compared_by_value_across_formats(tmp_path: Path)
     assert by_name["step"]["status"] == "value"
     human = run_ckpt("diff", tmp_path / "a.pt", tmp_path / "b.pt")
     assert "7 → 8" in human.stdout and "16 → 24" in human.stdout
+
+
+# --------------------------------------------------------------------------- tied weights
+
+
+def _tiny_tied(kind: str) -> torch.nn.Module:
+    """A tiny GPT-2 or T5 from transformers, built from its config (tied embeddings)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=1,
+            n_embd=8,
+            n_head=2,
+            vocab_size=32,
+            n_positions=16,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.T5Config(
+        d_model=8,
+        d_ff=16,
+        num_layers=1,
+        num_heads=2,
+        d_kv=4,
+        vocab_size=32,
+        decoder_start_token_id=0,
+    )
+    return transformers.T5ForConditionalGeneration(config).eval()
+
+
+TIED = {
+    "gpt2": {"lm_head.weight": "transformer.wte.weight"},
+    "t5": {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+        "lm_head.weight": "shared.weight",
+    },
+}
+
+
+@pytest.mark.frameworks
+@pytest.mark.parametrize("kind", ["gpt2", "t5"])
+def test_tied_weights_converted_once_diff_identical_naming_the_aliases(
+    tmp_path: Path, kind: str
+) -> None:
+    model = _tiny_tied(kind)
+    state = model.state_dict()
+    torch.save(state, tmp_path / "shared.pt")  # the tied names share one storage
+    out = tmp_path / "out"
+    out.mkdir()
+    converted = run_ckpt(
+        "convert", tmp_path / "shared.pt", out / "model.safetensors", "--to", "safetensors"
+    )
+    assert converted.exit_code == 0, converted.stderr
+    # the conversion is right: from_pretrained of it (with the model's config) is bit-exact
+    model.config.save_pretrained(out)
+    loaded = type(model).from_pretrained(out).state_dict()
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    # and diff says so, naming each alias and where it is recorded
+    result = run_ckpt("diff", tmp_path / "shared.pt", out / "model.safetensors", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["identical"] and report["only_a"] == [] and report["only_b"] == []
+    assert report["compared"] == len(state)
+    aliases = {a["name"]: a for a in report["aliases"]}
+    assert {n: a["target"] for n, a in aliases.items()} == TIED[kind]
+    for a in aliases.values():
+        assert a["written_once"] == "b" and a["recorded_b"] == "safetensors metadata"
+        assert a["recorded_a"] == "shared storage"
+    human = run_ckpt("diff", tmp_path / "shared.pt", out / "model.safetensors")
+    assert human.stdout.startswith("IDENTICAL") and "aliases (" in human.stdout
+    for name, target in TIED[kind].items():
+        assert f"{name} = {target}" in human.stdout
+
+    # transformers' own save_pretrained drops the tied names and records them nowhere but in
+    # the model class and config.json: diff reads them from there
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    result = run_ckpt("diff", saved, tmp_path / "shared.pt", "--json")
+    assert result.exit_code == 0, result.stdout
+    aliases = {a["name"]: a for a in result.json["result"]["aliases"]}
+    assert {n: a["target"] for n, a in aliases.items()} == TIED[kind]
+    assert all(a["written_once"] == "a" for a in aliases.values())
+    assert all(
+        a["recorded_a"].startswith(f"config.json tie_word_embeddings ({type(model).__name__}")
+        for a in aliases.values()
+    )
+
+
+@pytest.mark.frameworks
+def test_a_real_difference_behind_an_alias_is_still_different(tmp_path: Path) -> None:
+    model = _tiny_tied("gpt2")
+    torch.save(model.state_dict(), tmp_path / "shared.pt")
+    out = tmp_path / "out.safetensors"
+    assert run_ckpt("convert", tmp_path / "shared.pt", out, "--to", "safetensors").exit_code == 0
+    # the same weights, but lm_head untied and changed in one element
+    untied = {k: v.clone() for k, v in model.state_dict().items()}
+    untied["lm_head.weight"][3, 1] += 1.0
+    torch.save(untied, tmp_path / "untied.pt")
+    result = run_ckpt("diff", tmp_path / "untied.pt", out, "--json")
+    assert result.exit_code == 1, result.stdout
+    report = result.json["result"]
+    assert not report["identical"] and report["only_a"] == []
+    [changed] = report["differences"]
+    assert changed["name"] == "lm_head.weight" and changed["name_b"] == "transformer.wte.weight"
+    assert changed["differing"] == 1
+    assert report["aliases"][0]["written_once"] == "b"
+    assert run_ckpt("diff", tmp_path / "untied.pt", out).stdout.startswith("DIFFERENT")
+    # a name missing with no alias recorded anywhere stays a name only one side has
+    plain = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(plain, tmp_path / "plain.safetensors")
+    result = run_ckpt("diff", tmp_path / "shared.pt", tmp_path / "plain.safetensors", "--json")
+    assert result.exit_code == 1 and result.json["result"]["only_a"] == ["lm_head.weight"]

@@ -396,6 +396,80 @@ def test_a_dead_ranks_distcp_of_a_two_rank_save_is_rebuilt_for_dcp_load(tmp_path
             assert got["ok"] and got["objects"] == {"train.step": 11}, got
 
 
+@pytest.mark.torchrun
+def test_a_dead_rank_of_an_uneven_two_rank_save_is_rebuilt_from_whole_file_parity(
+    tmp_path: Path,
+) -> None:
+    # one rank's file is most of the save (a replicated tensor DCP writes once): striping
+    # within it could not bring that file back, so a per-rank save is protected whole
+    import torch.distributed.checkpoint as dcp
+
+    from .dcp_dist_script import expected_state, uneven_extra
+    from .dist_helpers import DIST_SCRIPT, run_torchrun
+
+    saved = tmp_path / "step-11"
+    run_torchrun(DIST_SCRIPT, 2, "--save-uneven", saved)
+    files = {p.name: p.stat().st_size for p in saved.iterdir()}
+    assert set(files) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    largest = max(files, key=lambda n: files[n])
+    assert files[largest] * 2 > sum(files.values())
+    # the plan first: what it costs and survives, and nothing written
+    plan = run_ckpt("protect", saved, "--parity", "1", "--dry-run", "--json")
+    assert plan.exit_code == 0, plan.stdout + plan.stderr
+    planned = plan.json["result"]
+    assert planned["dry_run"] and not (saved / ".ckpt-parity").exists()
+    assert planned["whole_files"] is True and planned["rank_files"] == 2
+    assert planned["largest_file"] == largest
+    assert planned["parity_bytes"] >= files[largest]
+    assert "any 1 of the 3 files lost whole" in planned["survives"][0]
+    assert planned["does_not_survive"][0] == "more than 1 files lost whole"
+    result = run_ckpt("protect", saved, "--parity", "1")
+    assert result.exit_code == 0, result.stderr
+    # said on stderr before writing, and in the summary: the overhead and what it survives
+    assert "whole files" in result.stderr and "survives: any 1 of the 3 files" in result.stderr
+    assert f"({planned['overhead']:.1%} of it)" in result.stdout
+    for lost in ("__1_0.distcp", "__0_0.distcp"):
+        before = (saved / lost).read_bytes()
+        (saved / lost).unlink()
+        repaired = run_ckpt("repair", saved, "--json")
+        assert repaired.exit_code == 0, repaired.stdout + repaired.stderr
+        assert (saved / lost).read_bytes() == before
+    want = {**expected_state(), **uneven_extra()}
+    state: dict[str, object] = {k: torch.zeros_like(v) for k, v in want.items()}
+    state["train.step"] = None
+    dcp.load(state, checkpoint_id=str(saved), no_dist=True)
+    assert state.pop("train.step") == 11
+    _assert_same(state, want)  # type: ignore[arg-type]
+
+
+def test_whole_files_on_request_rebuilds_the_file_that_dominates_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # a Trainer-style folder whose model file is most of it: striped, it could not come back
+    model = tmp_path / "checkpoint-100"
+    model.mkdir()
+    state = _state(n=6, size=96, seed=9)
+    torch.save(state, model / "pytorch_model.bin")
+    (model / "trainer_state.json").write_text(json.dumps({"global_step": 100}))
+    # a 2-GPU DDP save: each rank's RNG state beside the one model file rank 0 wrote
+    for rank in (0, 1):
+        torch.save({"cpu": torch.random.get_rng_state()}, model / f"rng_state_{rank}.pth")
+    striped = run_ckpt("protect", model, "--dry-run", "--json").json["result"]
+    # the small per-rank files cover one block of a stripe each: striping rebuilds them, so
+    # the checkpoint stays striped (parity ~ K / 8, not K x the model file)
+    assert striped["whole_files"] is False and striped["rank_files"] == 2
+    assert striped["overhead"] < 0.5
+    assert striped["does_not_survive"][0].startswith("pytorch_model.bin lost whole")
+    assert not any("rng_state" in line for line in striped["does_not_survive"])
+    whole = run_ckpt("protect", model, "--whole-files", "--parity", "1", "--json")
+    assert whole.exit_code == 0, whole.stdout
+    assert whole.json["result"]["whole_files"] is True
+    assert whole.json["result"]["overhead"] >= 0.5
+    (model / "pytorch_model.bin").unlink()
+    assert run_ckpt("repair", model).exit_code == 0
+    _assert_same(torch.load(model / "pytorch_model.bin", weights_only=True), state)
+
+
 def test_download_of_a_protected_repo_never_fetches_the_parity(
     tmp_path: Path, hub: TestHub
 ) -> None:

@@ -284,6 +284,48 @@ def test_a_slimmed_dcp_save_loads_its_weights_verifies_and_is_no_resume_point(
     )
 
 
+def test_slim_older_than_alone_is_a_policy_that_keeps_every_save_and_slims_the_old(
+    tmp_path: Path, train: ModuleType
+) -> None:
+    # a user who only wants the disk back: no keep rule, nothing deleted, old saves slimmed
+    run = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert (
+            train.main(
+                ["--run-dir", str(run), "--steps", "12", "--save-every", "4", "--format", "dcp"]
+            )
+            == 0
+        )
+    for folder in run.iterdir():
+        set_mtime(folder, time.time() - DAY)
+    before = {
+        name: run_ckpt("inspect", run / name, "--json").json["result"]
+        for name in ("step-4", "step-8")
+    }
+    originals = {name: load_model(run / name, before[name]) for name in before}
+    planned = run_ckpt("prune", run, "--slim-older-than", "1", "--json")
+    assert planned.exit_code == 0, planned.stderr
+    actions = {d["name"]: d["action"] for d in planned.json["result"]["decisions"]}
+    assert actions == {"step-4": "slim", "step-8": "slim", "step-12": "keep"}
+    assert planned.json["result"]["to_delete"] == 0
+    applied = run_ckpt("prune", run, "--slim-older-than", "1", "--yes")
+    assert applied.exit_code == 0, applied.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["step-12", "step-4", "step-8"]
+    for name, original in originals.items():
+        assert (run / name / "ckpt-slim.json").is_file()
+        restored = load_model(run / name, before[name])
+        assert restored.keys() == original.keys()
+        assert all(torch.equal(restored[k], v) for k, v in original.items())
+        assert (
+            run_ckpt("inspect", run / name, "--json").json["result"]["training"]["resumable"]
+            is False
+        )
+    assert run_ckpt("inspect", run / "step-12", "--json").json["result"]["training"]["resumable"]
+    # with no policy at all, still a usage error
+    assert run_ckpt("prune", run, "--yes").exit_code == 2
+
+
 def test_slimming_lightning_files_rewrites_them_without_optimizer_state(tmp_path: Path) -> None:
     run = tmp_path / "lightning_logs" / "version_0"
     ckpts = run / "checkpoints"

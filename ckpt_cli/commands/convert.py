@@ -18,6 +18,8 @@ from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_comma
         "ckpt convert ckpt.pt weights.safetensors --to safetensors --select model --filter-out '*.rotary_emb.*' --rename 'module.='",
         "ckpt convert s3://ckpts/run/step-1000 s3://ckpts/export/model --to safetensors --dtype bf16",
         "ckpt convert DeepSeek-V3-FP8/ deepseek-bf16/ --to safetensors --dequantize --dtype bf16",
+        "ckpt convert checkpoint-500/ hf-model/ --to safetensors --select model "
+        "--config hf://meta-llama/Llama-3.2-1B   # an FSDP save has no config.json",
     )
 )
 def convert(
@@ -114,6 +116,15 @@ def convert(
             help="DCP output compression: zstd (DCP's ZStandard extension) or none (default).",
         ),
     ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config",
+            metavar="PATH|hf://ORG/MODEL",
+            help="Write this config.json into a folder DEST (a file, a model folder or a Hub "
+            "model): an FSDP Trainer checkpoint has none, and from_pretrained needs it.",
+        ),
+    ] = None,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -153,6 +164,7 @@ def convert(
                 progress=progress,
                 dry_run=dry_run,
                 extras=not no_extras,
+                config=config,
             ),
             render_convert,
         )

@@ -157,11 +157,11 @@ def sync(
         )
 
     def action() -> SyncReport:
-        from ..ops.retention import _validate
+        from ..ops.retention import validate_policy
 
         chosen = policy()
         if chosen is not None:
-            _validate(chosen)
+            validate_policy(chosen)
         return run_sync(
             src,
             dest,

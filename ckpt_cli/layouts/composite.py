@@ -150,11 +150,14 @@ class CompositeCheckpoint(Checkpoint):
         other_files: list[FileInfo],
         subfolders: dict[str, str] | None = None,
         wrappers: dict[str, str] | None = None,
+        padding: dict[str, list[tuple[int, int]]] | None = None,
     ):
         from ..formats.torch_save import TorchEntry
 
         subfolders = subfolders or {}
         wrappers = wrappers or {}
+        #: entry name -> flat element ranges that are the layout's padding (`padding`)
+        self._padding = padding or {}
 
         self.components = components
         self.layout = layout
@@ -222,6 +225,12 @@ class CompositeCheckpoint(Checkpoint):
         checkpoint, inner = self._target(name)
         return checkpoint.iter_raw(inner, block)
 
+    def padding(self, name: str) -> list[tuple[int, int]]:
+        if name in self._padding:
+            return self._padding[name]
+        checkpoint, inner = self._target(name)
+        return checkpoint.padding(inner)
+
     def close(self) -> None:
         for checkpoint in self.components.values():
             checkpoint.close()
@@ -247,6 +256,8 @@ class Folder:
         #: components present but deliberately not loaded: component -> description
         self.listed: dict[str, str] = {}
         self.wrappers: dict[str, str] = {}
+        #: entry name -> flat ranges that are padding, not data (ZeRO partitions)
+        self.padding: dict[str, list[tuple[int, int]]] = {}
         self.names = {
             n[len(base) :] for n in source.files if n.startswith(base) and "/" not in n[len(base) :]
         }
@@ -359,7 +370,13 @@ class Folder:
             for rel in sorted(self.unreadable)
         ]
         return CompositeCheckpoint(
-            self.source, self.components, layout, other, self.subfolders, self.wrappers
+            self.source,
+            self.components,
+            layout,
+            other,
+            self.subfolders,
+            self.wrappers,
+            self.padding,
         )
 
 

@@ -51,6 +51,7 @@ class DeepSpeed(Layout):
         zero = zero_partitions(source, base, folder.parts, folder.components)
         if zero is not None:
             folder.problems.extend(zero.problems)
+            folder.padding.update(zero.padding)
             if zero.weights is not None:
                 folder.components["model"] = zero.weights
                 folder.listed["model"] = (

@@ -195,12 +195,18 @@ class ZeroLayout:
         weights: the rebuilt fp32 weights, None when a partition is missing or inconsistent.
         problems: missing rank files and inconsistent partitions (plain `verify` reports them).
         stage / world_size: ZeRO stage (2 covers 1 and 2) and data-parallel ranks.
+        padding: component entry name (`optim_states_1.optimizer_state_dict.fp32_flat_groups.0`)
+            -> the flat element ranges `[start, end)` of it that hold no parameter (ZeRO-3
+            pads every parameter to a multiple of the world size, ZeRO-2 aligns the groups;
+            DeepSpeed allocates that padding with `torch.empty`, so its values mean nothing).
+            The optimizer state over the same flat partition (`exp_avg`...) has the same.
     """
 
     weights: ZeroWeights | None
     problems: list[Problem]
     stage: int | None
     world_size: int | None
+    padding: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 def zero_partitions(
@@ -319,7 +325,75 @@ def zero_partitions(
         )
         return ZeroLayout(None, problems, stage, dp)
     weights = ZeroWeights(source, where, params, 3 if stage == 3 else 2, world, mp)
-    return ZeroLayout(weights, problems, stage, dp)
+    return ZeroLayout(weights, problems, stage, dp, _padding(params, components))
+
+
+def _padding(
+    params: dict[str, _Param], components: dict[str, Checkpoint]
+) -> dict[str, list[tuple[int, int]]]:
+    """The elements of every partition tensor that no parameter reads (see `ZeroLayout`).
+
+    A parameter reads its slices in order up to its `numel`: what the last slice holds past
+    that is its ZeRO-3 padding; what no parameter covers at all is group alignment.
+    """
+    covered: dict[tuple[int, str], list[tuple[int, int]]] = {}
+    owners: dict[int, Checkpoint] = {}
+    seen: set[int] = set()
+    for param in params.values():
+        if id(param) in seen:  # a tied name shares its target's _Param
+            continue
+        seen.add(id(param))
+        left = param.numel or sum(s.length for s in param.slices)
+        for piece in param.slices:
+            used = max(0, min(piece.length, left))
+            left -= used
+            owners[id(piece.checkpoint)] = piece.checkpoint
+            if used:
+                key = (id(piece.checkpoint), piece.name)
+                covered.setdefault(key, []).append((piece.start, piece.start + used))
+            else:
+                covered.setdefault((id(piece.checkpoint), piece.name), [])
+    names = {id(c): comp for comp, c in components.items()}
+    out: dict[str, list[tuple[int, int]]] = {}
+    for (owner, inner), ranges in covered.items():
+        comp = names.get(owner)
+        checkpoint = owners[owner]
+        entry = checkpoint.manifest.by_name.get(inner)
+        if comp is None or entry is None or entry.kind != "tensor":
+            continue
+        numel = math.prod(entry.shape)
+        gaps = _complement(ranges, numel)
+        if not gaps:
+            continue
+        out[f"{comp}.{inner}"] = gaps
+        # the optimizer state over the same flat group: `...state.<g>.exp_avg` and the like
+        group = _path(entry)[-1] if _path(entry) else None
+        if not isinstance(group, int):
+            continue
+        for other in checkpoint.manifest.entries:
+            path = _path(other)
+            if (
+                other is not entry
+                and other.kind == "tensor"
+                and math.prod(other.shape) == numel
+                and path[:1] == ("optimizer_state_dict",)
+                and any(path[i] == "state" and path[i + 1] == group for i in range(len(path) - 1))
+            ):
+                out[f"{comp}.{other.name}"] = gaps
+    return out
+
+
+def _complement(ranges: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    """The parts of `[0, numel)` that `ranges` leave out, in order."""
+    gaps: list[tuple[int, int]] = []
+    at = 0
+    for lo, hi in sorted(ranges):
+        if lo > at:
+            gaps.append((at, lo))
+        at = max(at, hi)
+    if at < numel:
+        gaps.append((at, numel))
+    return gaps
 
 
 def _rebuild(

@@ -30,9 +30,11 @@ from .convert_plan import (
     dequantized_config,
     guard_paths,
     keep_quantized,
+    missing_config_warning,
     output_layout,
     output_warnings,
     planned_files,
+    read_config,
     unused_renames,
 )
 from .transfer import (
@@ -94,8 +96,9 @@ class ConvertReport(BaseModel):
         dequantized: quantized weights written dequantized (`--dequantize`).
         quantized_kept: quantized weights and scales written as stored although `--dtype`
             was given (`--dtype` applies to unquantized tensors only).
-        config_written: `config.json` written beside the output without its quantization
-            section (`--dequantize`).
+        config_written: `config.json` written into the output: the source's without its
+            quantization section (`--dequantize`), or the one `--config` named.
+        config_source: where `--config` read that `config.json` (None without it).
         extras: non-weight files of the source folder copied unchanged into DEST
             (`config.json`, `generation_config.json`, tokenizer files...; see
             `transfer.extra_files`); empty with `extras=False` or a single-file DEST.
@@ -129,6 +132,7 @@ class ConvertReport(BaseModel):
     dequantized: int = 0
     quantized_kept: int = 0
     config_written: str | None = None
+    config_source: str | None = None
     extras: list[str] = Field(default_factory=list)
 
 
@@ -192,6 +196,7 @@ def convert(
     progress: Progress = NULL_PROGRESS,
     dry_run: bool = False,
     extras: bool = True,
+    config: str | None = None,
 ) -> ConvertReport:
     """Convert `src` into format `to` at `dest`, streaming one tensor or byte range at a time.
 
@@ -217,6 +222,9 @@ def convert(
         dry_run: plan only: read metadata, write nothing, report what would be written.
         extras: carry the source folder's non-weight files (config, tokenizer...) into a
             folder DEST, so `from_pretrained(DEST)` builds the same model.
+        config: a `config.json` to write into a folder DEST, in place of the source's: a
+            file, a model folder or `hf://org/model` (an FSDP Trainer checkpoint has none,
+            and `from_pretrained` needs one).
     """
     target = check_target(
         to, serialization=dcp_serialization, compression=dcp_compression, world_size=world_size
@@ -254,6 +262,21 @@ def convert(
             if sub is not None:
                 return convert_component(sub, dest, to, request, progress)
     single_file, basename = output_layout(target, dest_path, shard_size)
+    given_config: tuple[bytes, str] | None = None
+    if config is not None:
+        if single_file:
+            raise UsageError(
+                "--config writes config.json into a folder DEST; this DEST is one file",
+                path=str(dest_path),
+                fix="Name a folder as DEST (hf-model/), or leave --config out.",
+            )
+        if dequantize:
+            raise UsageError(
+                "--config and --dequantize both write config.json",
+                fix="Leave --config out: --dequantize writes the source's config without its "
+                "quantization section.",
+            )
+        given_config = read_config(config)
     opened = open_source(src, format)
     with opened.checkpoint as base:
         from ..quant import analyse_checkpoint
@@ -275,6 +298,14 @@ def convert(
             dcp_compression=None if dcp_compression == NO_COMPRESSION else dcp_compression,
         )
         warnings = unused_renames(plan, rename_pairs, select)
+        carried = extra_files(checkpoint) if extras and not single_file else []
+        if given_config is not None:
+            carried = [rel for rel in carried if rel != "config.json"]
+            options.companions["config.json"] = given_config[0]
+        elif not single_file:
+            missing = missing_config_warning(opened, target.name, select, carried, str(dest_path))
+            if missing is not None:
+                warnings.append(missing)
         # a Megatron-Core torch_dist source stays one (its common.pt + metadata.json)
         megatron_files = keep_megatron_layout(checkpoint, plan, target.name)
         if not single_file and target.shards_by_size and format is None:
@@ -290,9 +321,10 @@ def convert(
                 [renamed[n] for n in group if n in renamed] for group in analysis.together()
             ]
         shares: list[RankShare] = []
-        carried = extra_files(checkpoint) if extras and not single_file else []
         carried += megatron_files  # Megatron's own files, copied unchanged
         config_written = None
+        if given_config is not None:
+            config_written = str(PurePath(str(dest_path)) / "config.json")
         if dequantize and not single_file:
             # published with the weights (a companion), never the source's quantized config
             rewritten = dequantized_config(base.storage)
@@ -335,6 +367,7 @@ def convert(
         dequantized=dequantized,
         quantized_kept=kept,
         config_written=config_written,
+        config_source=given_config[1] if given_config is not None else None,
         extras=carried,
         warnings=warnings + output_warnings(target, dcp_serialization),
     )

@@ -12,7 +12,7 @@ import os
 from pathlib import PurePath
 from typing import TYPE_CHECKING
 
-from ..errors import UsageError
+from ..errors import FormatError, UsageError
 from ..formats import get_format, serializations, writable_formats
 from ..formats.base import Format, WriteOptions
 from ..models import FileInfo
@@ -20,6 +20,7 @@ from ..output import Destination, RemoteDest, resolve_destination
 from ..uri import parse_location
 
 if TYPE_CHECKING:
+    from ..layouts import OpenedSource
     from ..quant import QuantAnalysis
     from ..storage import Storage
     from .transfer import Item, TransferPlan
@@ -248,3 +249,81 @@ def dequantized_config(storage: Storage) -> bytes | None:
     if not isinstance(config, dict):
         return None
     return (json.dumps(without_quantization(config), indent=2) + "\n").encode()
+
+
+#: a model's `config.json` is a few KB; anything this large is not one
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def read_config(spec: str) -> tuple[bytes, str]:
+    """The bytes of the `config.json` that `convert --config SPEC` carries into DEST.
+
+    SPEC is a `config.json` file, a model folder holding one, or a Hub location
+    (`hf://org/model[@revision][/subfolder]`, or its `.../config.json`). The file is copied
+    verbatim; it must be a JSON object. Returns (bytes, where it was read).
+
+    Raises:
+        NotFoundError: SPEC is a folder or repository without a `config.json`.
+        FormatError: the file is not a JSON object, or too large to be a model config.
+    """
+    import json
+
+    from ..errors import NotFoundError
+    from ..formats import resolve_source
+
+    source = resolve_source(spec)
+    storage = source.storage
+    rel = source.target if source.target is not None else "config.json"
+    where = storage.describe(rel)
+    if source.target is None and not storage.exists(rel):
+        raise NotFoundError(
+            "holds no config.json",
+            path=where,
+            fix="Point --config at the model's config.json, or at the folder or "
+            "hf://org/model it came from.",
+        )
+    if storage.size(rel) > MAX_CONFIG_BYTES:
+        raise FormatError(
+            f"is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a model config",
+            path=where,
+            fix="Point --config at the model's config.json.",
+        )
+    data = storage.read_all(rel)
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(
+            f"is not valid JSON ({str(exc).splitlines()[0]})",
+            path=where,
+            fix="Point --config at the model's config.json.",
+        ) from None
+    if not isinstance(doc, dict):
+        raise FormatError(
+            "is not a JSON object, so not a model config",
+            path=where,
+            fix="Point --config at the model's config.json.",
+        )
+    return data, where
+
+
+#: training layouts whose weights users load with transformers' from_pretrained
+HF_LAYOUTS = ("hf-trainer", "accelerate")
+
+
+def missing_config_warning(
+    opened: OpenedSource, target_name: str, select: str | None, carried: list[str], dest: str
+) -> str | None:
+    """Why `from_pretrained(DEST)` will fail: an HF training folder's weights exported with
+    no `config.json` to carry (an FSDP Trainer checkpoint has none), None otherwise."""
+    if opened.training is None or opened.training.layout not in HF_LAYOUTS:
+        return None
+    if target_name not in ("safetensors", "torch") or "config.json" in carried:
+        return None
+    if select is None or select.rstrip(".") != "model":
+        return None
+    return (
+        f"{dest} holds no config.json, so transformers' from_pretrained cannot open it "
+        "(AutoModel* needs it; a model class without it builds its default config, not this "
+        f"model): the source ({opened.training.layout}) has none (an FSDP save keeps only the "
+        "sharded state). Pass --config PATH|hf://org/model to carry the model's config.json in."
+    )

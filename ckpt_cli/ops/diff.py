@@ -73,6 +73,27 @@ class EntryDiff(BaseModel):
         return self.status != "close"
 
 
+class AliasPair(BaseModel):
+    """A tied name: an alias of another tensor (`lm_head.weight` of `transformer.wte.weight`).
+
+    Attributes:
+        name: the lined-up alias name.
+        target: the lined-up name of the tensor it is.
+        recorded_a / recorded_b: how each side records the alias (`safetensors metadata`,
+            `shared storage`, `config.json tie_word_embeddings (GPT2LMHeadModel)`); None
+            where that side does not.
+        written_once: `a` or `b`, the side that stores the tensor once and the alias only as
+            a record: the other side's `name` was compared with its `target` (None when both
+            sides hold the name, compared as usual).
+    """
+
+    name: str
+    target: str
+    recorded_a: str | None = None
+    recorded_b: str | None = None
+    written_once: str | None = None
+
+
 class QuantError(BaseModel):
     """How far one dequantized weight is from the other side's tensor (`diff --dequantize`).
 
@@ -111,6 +132,8 @@ class DiffReport(BaseModel):
             its values alone.
         dtype_changes: pairs whose dtype differs between the sides (differences unless
             `ignore_dtype`).
+        aliases: tied names (see `ops.aliases`): a name one side keeps only as a recorded
+            alias is compared with the tensor it names there, not counted as missing.
     """
 
     a: str
@@ -134,6 +157,7 @@ class DiffReport(BaseModel):
     quant_errors: list[QuantError] = Field(default_factory=list)
     ignore_dtype: bool = False
     dtype_changes: int = 0
+    aliases: list[AliasPair] = Field(default_factory=list)
 
 
 def _component(opened: OpenedSource, select: str | None) -> str | None:
@@ -368,6 +392,9 @@ def diff(
             only_a=[n for n in left if n not in right],
             only_b=[n for n in right if n not in left],
         )
+        extra = _resolve_aliases(
+            report, (opened_a, ca, chosen_a), (opened_b, cb, chosen_b), rename_pairs, left, right
+        )
         common = [n for n in left if n in right]
         progress.start(sum(left[n].nbytes for n in common if left[n].kind == "tensor"), "diff")
         try:
@@ -392,6 +419,17 @@ def diff(
                     report.within_tolerance.append(found)
                 if ea.kind == "tensor":
                     progress.advance(ea.nbytes)
+            for name, (ea, eb) in extra.items():
+                # a name written once: A's tensor against the one B's alias names, or back
+                found = _compare(ca, cb, name, ea, eb, atol, rtol, None, ignore_dtype)
+                report.compared += 1
+                if found is None:
+                    report.equal += 1
+                elif found.is_difference:
+                    report.differences.append(found)
+                else:
+                    report.close += 1
+                    report.within_tolerance.append(found)
         finally:
             progress.finish()
     report.quant_errors.sort(key=lambda e: -e.rel_rms)
@@ -403,6 +441,85 @@ def diff(
     report.identical = not (report.differences or report.only_a or report.only_b)
     report.verdict = _verdict(report)
     return report
+
+
+_Side = tuple[OpenedSource, Checkpoint, list[tuple[Entry, str]]]
+
+
+def _resolve_aliases(
+    report: DiffReport,
+    side_a: _Side,
+    side_b: _Side,
+    renames: Sequence[tuple[str, str]],
+    left: dict[str, Entry],
+    right: dict[str, Entry],
+) -> dict[str, tuple[Entry, Entry]]:
+    """Line up the names one side holds only as recorded aliases (tied weights).
+
+    Each name in `only_a` that B records as an alias of a tensor B holds is taken out of
+    `only_a` and returned as the pair (A's entry, B's target entry) to compare; the same the
+    other way. Aliases both sides hold (shared storage) are listed in `report.aliases` only.
+    """
+    pairs: dict[str, tuple[Entry, Entry]] = {}
+    if not (report.only_a or report.only_b) and not any(
+        _has_shared(c) for c in (side_a[1], side_b[1])
+    ):
+        return pairs
+    from .aliases import recorded_aliases
+
+    found: dict[tuple[str, str], AliasPair] = {}
+
+    def note(name: str, target: str, label: str, how: str) -> AliasPair:
+        pair = found.setdefault((name, target), AliasPair(name=name, target=target))
+        setattr(pair, f"recorded_{label}", how)
+        return pair
+
+    for label, (opened, checkpoint, chosen), own, other, missing in (
+        ("b", side_b, right, left, report.only_a),
+        ("a", side_a, left, right, report.only_b),
+    ):
+        prefix = _applied_prefix(chosen)
+        model = opened.training.prefixes.get("model", "") if opened.training else ""
+        for alias in recorded_aliases(checkpoint, model):
+            name, target = (
+                _lined(alias.name, prefix, renames),
+                _lined(alias.target, prefix, renames),
+            )
+            if name is None or target is None or target not in own:
+                continue
+            if alias.stored:
+                if name in own:
+                    note(name, target, label, alias.recorded)
+                continue
+            if name not in missing or name not in other:
+                continue
+            missing.remove(name)
+            theirs, mine = other[name], own[target]
+            pairs[name] = (theirs, mine) if label == "b" else (mine, theirs)
+            note(name, target, label, alias.recorded).written_once = label
+    report.aliases = list(found.values())
+    return pairs
+
+
+def _has_shared(checkpoint: Checkpoint) -> bool:
+    from .transfer import tied_groups
+
+    return bool(tied_groups(checkpoint.manifest))
+
+
+def _applied_prefix(chosen: list[tuple[Entry, str]]) -> str:
+    """The prefix --select stripped from this side's names ("" when none)."""
+    for entry, name in chosen:
+        if entry.name.endswith(name):
+            return entry.name[: len(entry.name) - len(name)]
+    return ""
+
+
+def _lined(raw: str, prefix: str, renames: Sequence[tuple[str, str]]) -> str | None:
+    """`raw` under this side's --select and --rename, or None when --select leaves it out."""
+    if not raw.startswith(prefix):
+        return None
+    return rename(raw[len(prefix) :], renames)
 
 
 def _dequantized(
@@ -427,6 +544,9 @@ def _verdict(r: DiffReport) -> str:
         how = "bit-identical" if not r.close else f"equal ({r.close} within tolerance)"
         if r.dtype_changes:
             how += f", {r.dtype_changes} with a dtype change (ignored)"
+        written_once = sum(a.written_once is not None for a in r.aliases)
+        if written_once:
+            how += f", {written_once} of them tied names one side stores once (aliases)"
         return f"IDENTICAL: {r.compared} entries {how}"
     dtype_only = [d for d in r.differences if d.status == "dtype" and d.outside_tolerance == 0]
     if dtype_only and len(dtype_only) == len(r.differences) and not (r.only_a or r.only_b):

@@ -21,7 +21,7 @@ from ..errors import CkptError, NotFoundError, UsageError
 from ..output import TMP_MARKER, fsync_dir
 from ..runs import DELETING, is_remote, scan_run
 from ..storage import PARITY_DIR
-from .retention import PruneDecision, PrunePolicy, PruneReport, WatchReport, _validate, plan
+from .retention import PruneDecision, PrunePolicy, PruneReport, WatchReport, plan, validate_policy
 from .slim import slim
 
 #: why a checkpoint was not deleted when something else removed it first
@@ -185,7 +185,7 @@ def prune(
         strict_metric: raise NotFoundError when `keep_best` has no value anywhere (a watch
             round passes False and keeps everything until values appear).
     """
-    _validate(policy)
+    validate_policy(policy)
     remote = is_remote(run_dir)
     if remote and policy.slim_older_than:
         raise UsageError(
@@ -264,7 +264,7 @@ def watch(
     Checkpoints still being written are never touched (see `runs`); rounds where the metric
     of `keep_best` has no values yet keep every complete checkpoint.
     """
-    _validate(policy)
+    validate_policy(policy)
     if interval <= 0:
         raise UsageError(f"--watch needs a positive number of seconds (got {interval:g})")
     result = WatchReport(run_dir=str(run_dir), policy=policy)

@@ -165,12 +165,17 @@ class WatchReport(BaseModel):
     stopped: Literal["max-iterations", "interrupted"] = "interrupted"
 
 
-def _validate(policy: PrunePolicy) -> None:
-    if not (policy.retains or policy.incomplete):
+def validate_policy(policy: PrunePolicy) -> None:
+    """Refuse a policy that would change nothing, or whose options contradict (UsageError).
+
+    Slimming is a policy of its own: `--slim-older-than N` alone keeps every checkpoint and
+    slims the older ones.
+    """
+    if not (policy.retains or policy.incomplete or policy.slim_older_than):
         raise UsageError(
             "no policy given: nothing would be deleted",
             fix="Pass --keep-last N, --keep-every K, --keep-best METRIC, --keep-within 2d, "
-            "--keep-every-duration 6h and/or --incomplete.",
+            "--keep-every-duration 6h, --slim-older-than N and/or --incomplete.",
         )
     for name, value in (
         ("--keep-last", policy.keep_last),

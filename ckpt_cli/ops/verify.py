@@ -449,7 +449,8 @@ def _deep_entry(
                 tensor=entry.name,
             )
         )
-    nan, inf = count_nonfinite(tensor)
+    # padding the layout knows is no parameter (ZeRO partitions): uninitialised, not judged
+    nan, inf = count_nonfinite(tensor, skip=checkpoint.padding(entry.name))
     if nan or inf:
         report.nonfinite.append(TensorHealth(name=entry.name, file=file, nan=nan, inf=inf))
         problems.append(
@@ -475,8 +476,13 @@ def _unreadable(name: str, file: str, exc: Exception, kind: str) -> Problem:
     )
 
 
-def count_nonfinite(tensor: torch.Tensor) -> tuple[int, int]:
-    """(NaN count, Inf count) of a floating tensor, in bounded slices; (0, 0) for others."""
+def count_nonfinite(
+    tensor: torch.Tensor, skip: list[tuple[int, int]] | None = None
+) -> tuple[int, int]:
+    """(NaN count, Inf count) of a floating tensor, in bounded slices; (0, 0) for others.
+
+    `skip`: flat element ranges `[start, end)` left out (a layout's padding).
+    """
     import torch
 
     if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
@@ -485,8 +491,8 @@ def count_nonfinite(tensor: torch.Tensor) -> tuple[int, int]:
         return 0, 0  # E2M1 has no NaN or Inf encodings (and no CPU kernels to look)
     flat = tensor.reshape(-1)
     nan = inf = 0
-    for start in range(0, flat.numel(), _COUNT_STEP):
-        part = flat[start : start + _COUNT_STEP]
+    for start, end in _judged(flat.numel(), skip or []):
+        part = flat[start:end]
         if part.dtype.itemsize == 1:  # float8 kinds have no isfinite kernel on CPU
             part = part.float()
         finite = torch.isfinite(part)
@@ -495,6 +501,18 @@ def count_nonfinite(tensor: torch.Tensor) -> tuple[int, int]:
         nan += int(torch.isnan(part).sum())
         inf += int(torch.isinf(part).sum())
     return nan, inf
+
+
+def _judged(numel: int, skip: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`[0, numel)` without the `skip` ranges, cut into pieces of at most `_COUNT_STEP`."""
+    pieces: list[tuple[int, int]] = []
+    at = 0
+    for lo, hi in [*sorted(skip), (numel, numel)]:
+        lo, hi = max(at, min(lo, numel)), min(hi, numel)
+        for start in range(at, lo, _COUNT_STEP):
+            pieces.append((start, min(lo, start + _COUNT_STEP)))
+        at = max(at, hi)
+    return pieces
 
 
 def object_problems(fmt: type[Format], source: Source) -> list[Problem]:

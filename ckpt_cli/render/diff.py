@@ -42,6 +42,25 @@ def _names(label: str, names: list[str]) -> None:
     stdout.print(f"  only in {label} ({len(names)}): {shown}{more}", highlight=False)
 
 
+def _aliases(report: DiffReport) -> None:
+    """Tied names: which name is an alias of which tensor, on which side, recorded how."""
+    if not report.aliases:
+        return
+    stdout.print(f"  aliases ({len(report.aliases)}): tied names, one tensor", highlight=False)
+    for a in report.aliases[:MAX_SHOWN]:
+        how = [
+            f"{side}: {recorded}"
+            + (", stored once: compared with it" if a.written_once == side.lower() else "")
+            for side, recorded in (("A", a.recorded_a), ("B", a.recorded_b))
+            if recorded
+        ]
+        stdout.print(
+            f"    {a.name} = {a.target}  ({'; '.join(how)})", highlight=False, markup=False
+        )
+    if len(report.aliases) > MAX_SHOWN:
+        stdout.print(f"    … {len(report.aliases) - MAX_SHOWN} more (see --json)")
+
+
 def render_diff(report: DiffReport) -> None:
     """Verdict, the two sides, the largest differences, names on one side only."""
     colour = "green" if report.identical else "red"
@@ -74,5 +93,6 @@ def render_diff(report: DiffReport) -> None:
             stdout.print(f"  … {len(report.quant_errors) - MAX_SHOWN} more (see --json)")
     _names("A", report.only_a)
     _names("B", report.only_b)
+    _aliases(report)
     if report.close:
         stdout.print(f"  {report.close} entries differ within tolerance")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
@@ -21,14 +22,38 @@ class _Plan:
     whole_files: bool
 
 
-def plan_layout(sizes: list[int], block_size: int) -> _Plan:
-    """Place the files (see the module docstring): whole files in W columns when possible."""
+#: files one rank of a distributed save writes: the loss of a node loses them whole
+RANK_FILE = re.compile(
+    r"(?:.*/)?(?:"
+    r"__\d+_\d+\.distcp"  # DCP
+    r"|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(?:optim|model)_states\.pt"  # DeepSpeed ZeRO
+    r"|mp_rank_\d+_model_states\.pt"  # DeepSpeed model parallel
+    r"|mp_rank_\d+(?:_\d+)?/model_optim_rng\.pt"  # Megatron
+    r"|rng_state_\d+\.pth|random_states_\d+\.pkl"  # Trainer / accelerate per-rank RNG
+    r")"
+)
+
+
+def rank_files(names: list[str]) -> list[str]:
+    """The names among `names` that one rank of a distributed save writes (`RANK_FILE`)."""
+    return [n for n in names if RANK_FILE.fullmatch(n)]
+
+
+def plan_layout(sizes: list[int], block_size: int, whole_files: bool = False) -> _Plan:
+    """Place the files (see the module docstring): whole files in W columns when possible.
+
+    With `whole_files`, every file gets its own place in a column even when one file is more
+    than half of the checkpoint: columns are then as long as that file (parity >= K times
+    the largest file), and any K files lost whole can still be rebuilt.
+    """
     blocks = [-(-s // block_size) for s in sizes]
     total = sum(blocks)
     longest = max(blocks, default=0)
     if total == 0:
         return _Plan(1, 1, [0] * len(sizes), True)
     width = min(MAX_WIDTH, total // longest)
+    if whole_files:
+        width = max(width, min(2, sum(1 for n in blocks if n)))
     if width >= 2:
         # longest first into the emptiest column (LPT): no file crosses a column, so a file
         # lost costs at most one block per stripe, and columns come out nearly even
@@ -48,7 +73,26 @@ def plan_layout(sizes: list[int], block_size: int) -> _Plan:
     for n in blocks:
         starts.append(at)
         at += n
+    if whole_files:  # one file holding blocks: its parity blocks are K copies of it
+        return _Plan(1, total, starts, True)
     return _Plan(width, -(-total // width), starts, width == 1)
+
+
+def lost_whole_costs(start: int, nblocks: int, stripes: int, width: int) -> int:
+    """The most blocks of one stripe that a file occupies (its loss costs that many per
+    stripe; it can be rebuilt from K parity blocks when this is at most K)."""
+    if nblocks == 0:
+        return 0
+    end = start + nblocks
+    first, last = start // stripes, (end - 1) // stripes
+    # the count per stripe only changes where the file's first or last block sits
+    worst = 0
+    for s in {0, start % stripes, end % stripes}:
+        count = sum(
+            1 for c in range(first, min(last, width - 1) + 1) if start <= c * stripes + s < end
+        )
+        worst = max(worst, count)
+    return worst
 
 
 def small_block(longest: int) -> int:

@@ -113,6 +113,12 @@ class ProtectReport(BaseModel):
         block_size / width / parity / stripes: the code's layout (see the module docstring).
         whole_files: any `parity` whole files lost can be rebuilt.
         codec: the erasure code used.
+        rank_files: files one rank of a distributed save wrote (`.distcp`, ZeRO partitions,
+            per-rank RNG); with two or more, whole files are protected by default.
+        largest_file / largest_bytes: the longest data file; protecting whole files makes
+            each parity share at least this long.
+        survives / does_not_survive: what the parity can and cannot rebuild, in words.
+        dry_run: only the plan; nothing was written.
     """
 
     location: str
@@ -127,6 +133,12 @@ class ProtectReport(BaseModel):
     stripes: int
     whole_files: bool
     codec: str
+    rank_files: int = 0
+    largest_file: str = ""
+    largest_bytes: int = 0
+    survives: list[str] = Field(default_factory=list)
+    does_not_survive: list[str] = Field(default_factory=list)
+    dry_run: bool = False
 
 
 class RepairReport(BaseModel):

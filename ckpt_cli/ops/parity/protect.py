@@ -6,8 +6,10 @@ import datetime as _dt
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from ...formats import resolve_source
 from ...output import RemoteDest, staged_output
 from ...progress import NULL_PROGRESS, Progress
 from .codec import Codec, _digest, _pad
-from .layout import _Layout, _parse_size, plan_layout, small_block
+from .layout import _Layout, _parse_size, lost_whole_costs, plan_layout, rank_files, small_block
 from .model import (
     BLOCK_ALIGN,
     CODEC,
@@ -51,6 +53,9 @@ def protect(
     parity: int = DEFAULT_PARITY,
     block_size: str | int = DEFAULT_BLOCK_SIZE,
     force: bool = False,
+    whole_files: bool | None = None,
+    dry_run: bool = False,
+    on_plan: Callable[[ProtectReport], None] | None = None,
     progress: Progress = NULL_PROGRESS,
 ) -> ProtectReport:
     """Write Reed–Solomon parity for the checkpoint at `src` into its parity folder.
@@ -60,6 +65,13 @@ def protect(
         parity: K, losses per stripe that can be rebuilt (parity shares written).
         block_size: bytes per block (a size like `4MiB`); rounded up to whole 4 KiB pages.
         force: replace existing parity.
+        whole_files: protect every file whole (any K files lost can be rebuilt, at a parity
+            of at least K times the largest file); None: when the checkpoint holds files of
+            two or more ranks and striping would leave a rank's file unrebuildable if lost
+            (a dead rank's file is the loss parity exists for), else only when that costs no
+            more than striping.
+        dry_run: plan only: the report says what the parity would cost and survive.
+        on_plan: called with the plan (a `dry_run` report) before anything is written.
         progress: receives the bytes read.
 
     Raises:
@@ -67,15 +79,25 @@ def protect(
         UsageError: parity or block size out of range.
     """
     workers = active()
-    if workers.distributed and resolve_source(src).location.kind == "local":
-        return _protect_split(src, parity=parity, block_size=block_size, force=force)
-    return _on_leader(
-        lambda: _protect(src, parity=parity, block_size=block_size, force=force, progress=progress),
-        ProtectReport,
-    )
+    options = _Options(parity, block_size, force, whole_files, dry_run, on_plan)
+    if not dry_run and workers.distributed and resolve_source(src).location.kind == "local":
+        return _protect_split(src, options)
+    return _on_leader(lambda: _protect(src, options, progress), ProtectReport)
 
 
-def _protect_split(src: str, *, parity: int, block_size: str | int, force: bool) -> ProtectReport:
+@dataclass(frozen=True)
+class _Options:
+    """The options of one `protect` call, passed down as one."""
+
+    parity: int
+    block_size: str | int
+    force: bool
+    whole_files: bool | None
+    dry_run: bool
+    on_plan: Callable[[ProtectReport], None] | None
+
+
+def _protect_split(src: str, options: _Options) -> ProtectReport:
     """Protect under torchrun: every rank encodes a contiguous range of stripes.
 
     The checkpoint must be on a filesystem every rank sees (as for `verify` under torchrun).
@@ -87,13 +109,14 @@ def _protect_split(src: str, *, parity: int, block_size: str | int, force: bool)
     workers = active()
     with ExitStack() as stack:
         shared: dict[str, Any] = {}
+        parity, force = options.parity, options.force
         with workers.together():
-            target, manifest = _prepare(
-                src, parity=parity, block_size=block_size, force=force, check=workers.leader
-            )
+            target, manifest = _prepare(src, options, check=workers.leader)
             dest = _parity_dest(target)
             assert isinstance(dest, Path)
             if workers.leader:
+                if options.on_plan is not None:
+                    options.on_plan(_report(target, manifest, dest, dry_run=True))
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 staging = stack.enter_context(staged_output(dest, force=force))
                 for j in range(parity):
@@ -189,10 +212,9 @@ def _protect_split(src: str, *, parity: int, block_size: str | int, force: bool)
     return ProtectReport.model_validate(workers.broadcast(report))
 
 
-def _prepare(
-    src: str, *, parity: int, block_size: str | int, force: bool, check: bool = True
-) -> tuple[_Target, ParityManifest]:
+def _prepare(src: str, options: _Options, check: bool = True) -> tuple[_Target, ParityManifest]:
     """Validate the options and plan the layout: the manifest without digests yet."""
+    parity, block_size, force = options.parity, options.block_size, options.force
     if not 1 <= parity <= MAX_PARITY:
         raise UsageError(f"--parity {parity} is out of range", fix=f"Use 1 to {MAX_PARITY}.")
     block = _parse_size(block_size)
@@ -203,7 +225,7 @@ def _prepare(
     block = -(-block // BLOCK_ALIGN) * BLOCK_ALIGN
     target = _target(src)
     storage = target.storage
-    if check and not force and read_parity_manifest(target) is not None:
+    if check and not force and not options.dry_run and read_parity_manifest(target) is not None:
         raise DestinationExistsError(
             "is protected already",
             path=storage.describe(target.manifest_rel),
@@ -212,7 +234,17 @@ def _prepare(
     names = list(target.files)
     sizes = [target.files[n] for n in names]
     block = min(block, small_block(max(sizes)))
-    plan = plan_layout(sizes, block)
+    plan = plan_layout(sizes, block, whole_files=bool(options.whole_files))
+    if options.whole_files is None and not plan.whole_files:
+        # a dead rank's file is the loss parity exists for: when striping leaves a rank's
+        # file covering more than one block of a stripe, protect whole files instead
+        ranks = set(rank_files(names))
+        if len(ranks) >= 2 and any(
+            lost_whole_costs(start, -(-size // block), plan.stripes, plan.width) > 1
+            for name, size, start in zip(names, sizes, plan.starts, strict=True)
+            if name in ranks
+        ):
+            plan = plan_layout(sizes, block, whole_files=True)
     files = [
         ProtectedFile(path=name, size=size, sha256="", start=start)
         for name, size, start in zip(names, sizes, plan.starts, strict=True)
@@ -232,9 +264,14 @@ def _prepare(
     return target, manifest
 
 
-def _report(target: _Target, m: ParityManifest, dest: Path | RemoteDest) -> ProtectReport:
+def _report(
+    target: _Target, m: ParityManifest, dest: Path | RemoteDest, dry_run: bool = False
+) -> ProtectReport:
     total = sum(f.size for f in m.files)
     parity_bytes = m.parity * m.stripes * m.block_size
+    largest = max(m.files, key=lambda f: f.size)
+    ranks = len(rank_files([f.path for f in m.files]))
+    survives, fails = _what_it_survives(m, ranks)
     return ProtectReport(
         location=target.source.location.raw,
         parity_dir=str(dest),
@@ -248,13 +285,60 @@ def _report(target: _Target, m: ParityManifest, dest: Path | RemoteDest) -> Prot
         stripes=m.stripes,
         whole_files=m.whole_files,
         codec=f"{CODEC} {m.ec_type}",
+        rank_files=ranks,
+        largest_file=largest.path,
+        largest_bytes=largest.size,
+        survives=survives,
+        does_not_survive=fails,
+        dry_run=dry_run,
     )
 
 
-def _protect(
-    src: str, *, parity: int, block_size: str | int, force: bool, progress: Progress
-) -> ProtectReport:
-    target, manifest = _prepare(src, parity=parity, block_size=block_size, force=force)
+#: files named one by one among those that cannot be rebuilt if lost whole
+_NAMED = 5
+
+
+def _what_it_survives(m: ParityManifest, ranks: int) -> tuple[list[str], list[str]]:
+    """What the parity of `m` can rebuild, and what it cannot, in words."""
+    k, n = m.parity, len(m.files)
+    blocks = f"any {k} damaged blocks in a stripe of {m.width} (blocks of {m.block_size} bytes)"
+    more_blocks = f"more than {k} damaged blocks in one stripe"
+    if m.whole_files:
+        lost = f"any {min(k, n)} of the {n} files lost whole"
+        if ranks >= 2:
+            lost += f" (a dead rank's file is one: {ranks} files here are per-rank)"
+        fails = [more_blocks]
+        if n > k:
+            fails.insert(0, f"more than {k} files lost whole")
+        return [lost, blocks], fails
+    too_long = [
+        f.path
+        for f in m.files
+        if lost_whole_costs(f.start, -(-f.size // m.block_size), m.stripes, m.width) > k
+    ]
+    shown = ", ".join(too_long[:_NAMED]) + (
+        f" (+{len(too_long) - _NAMED} more)" if len(too_long) > _NAMED else ""
+    )
+    fails = [more_blocks]
+    if too_long:
+        fails.insert(
+            0,
+            f"{shown} lost whole: striped within itself, such a file covers more than {k} "
+            "blocks of a stripe (--whole-files protects whole files, at a parity of at least "
+            f"{k} x the largest file)",
+        )
+    return [blocks], fails
+
+
+def _protect(src: str, options: _Options, progress: Progress) -> ProtectReport:
+    target, manifest = _prepare(src, options)
+    parity, force = options.parity, options.force
+    dest = _parity_dest(target)
+    plan = _report(target, manifest, dest, dry_run=True)
+    if options.dry_run:
+        return plan
+    if options.on_plan is not None:
+        options.on_plan(plan)
     storage = target.storage
     files = manifest.files
     sizes = [f.size for f in files]
@@ -266,7 +350,6 @@ def _protect(
     #: of order and is hashed again sequentially afterwards
     expected = [0] * len(files)
     digests: list[list[str]] = [[""] * -(-f.size // block) for f in files]
-    dest = _parity_dest(target)
     local_parent = dest.parent if isinstance(dest, Path) else None
     if local_parent is not None and not local_parent.exists():
         local_parent.mkdir(parents=True)

@@ -174,13 +174,16 @@ def _check_protect_would_choose(m: ParityManifest, where: str) -> None:
             fix="The manifest is corrupt or was altered: protect the checkpoint again "
             "(`ckpt protect SRC --force`) from an intact copy.",
         )
-    plan = plan_layout(sizes, m.block_size)
-    if (
-        plan.width != m.width
-        or plan.stripes != m.stripes
-        or plan.whole_files != m.whole_files
-        or plan.starts != [f.start for f in m.files]
+    starts = [f.start for f in m.files]
+    # protect stripes the files, or, for a save's per-rank files (or --whole-files), gives
+    # every file its own place in a column: either layout, never one a manifest makes up
+    plans = [plan_layout(sizes, m.block_size, whole_files=whole) for whole in (False, True)]
+    if not any(
+        (plan.width, plan.stripes, plan.whole_files, plan.starts)
+        == (m.width, m.stripes, m.whole_files, starts)
+        for plan in plans
     ):
+        plan = plans[0]
         raise FormatError(
             f"is not a ckpt parity manifest protect would write: width {m.width} and "
             f"{m.stripes} stripes, where its files give width {plan.width} and {plan.stripes} "
