@@ -184,6 +184,11 @@ def test_a_module_whose_weights_were_deleted_fails_verify(
         assert [p["code"] for p in problems] == ["missing_component_weights"]
         assert problems[0]["file"] == str(damaged / lost)
         assert "modules.json" in problems[0]["message"]
+        # and no model missing a module's weights is published
+        out = tmp_path / f"out-{lost.replace('/', '-')}"
+        converted = run_ckpt("convert", damaged, out, "--to", "safetensors")
+        assert converted.exit_code == 4 and lost in converted.stderr, converted.stderr
+        assert not out.exists()
 
 
 def test_a_pipeline_model_without_weights_fails_verify(
