@@ -126,7 +126,8 @@ def test_selecting_zero3_placeholders_is_refused_and_points_to_select_model(
     is refused (exit 4) with why and `--select model`, which rebuilds the real weights."""
     run = zero_runs / "zero3"
     model_states = torch.load(
-        next(run.glob("global_step*/mp_rank_00_model_states.pt")), weights_only=False
+        next(run.glob("global_step*/zero_pp_rank_0_mp_rank_00_model_states.pt")),
+        weights_only=False,
     )
     placeholders = [k for k, v in model_states["module"].items() if v.numel() == 0]
     assert placeholders  # what DeepSpeed saved there: empty tensors, not the parameters

@@ -79,6 +79,10 @@ class DeepSpeed(Layout):
             state.optimizer.kind = configured
         if not state.weights.get("tensors"):
             state.weights = _zero3_weights(checkpoint)
+        if zero is not None and not rebuilt:
+            # a ZeRO save's weights are its fp32 partitions: with one missing, `model` names
+            # nothing to select (the module holds bf16 copies or ZeRO-3 placeholders)
+            state.prefixes.pop("model", None)
         opened = finish(checkpoint, state, folder)
         mp = zero.weights.mp_world_size if zero is not None and zero.weights is not None else 0
         files = {comp: rel for comp, (rel, _) in folder.parts.items()}
