@@ -202,6 +202,11 @@ CODES: dict[str, Code] = _codes(
         _E,
         "a Trainer checkpoint lacks optimizer or scheduler state it was saved with",
     ),
+    Code(
+        "missing_component_weights",
+        _E,
+        "a sentence-transformers module or diffusers model component has no weights file",
+    ),
     Code("missing_dataloader", _EW, "no data-loader state (an error with `--exact`)"),
     Code("missing_optimizer", _EW, "no optimizer state"),
     Code("missing_partition", _E, "a DeepSpeed ZeRO data-parallel rank's partition is missing"),

@@ -495,6 +495,116 @@ def test_deeply_nested_planner_data_is_refused(tmp_path: Path) -> None:
     assert run_ckpt("inspect", tmp_path / "many", "--json").exit_code == 0
 
 
+class _EnumCall:
+    """Pickles as `enum(value)`: how a member of a torch enum is stored, here with any value."""
+
+    def __init__(self, enum: Any, value: Any):
+        self.enum, self.value = enum, value
+
+    def __reduce__(self) -> Any:
+        return (self.enum, (self.value,))
+
+
+def _with_save_plan(ckpt: Path, item_type: Any) -> None:
+    """Give a real `.metadata` the save plan Megatron-Core keeps there (`all_local_plans`)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+
+    md = torch_metadata(ckpt)
+    md.all_local_plans = [SavePlan(items=[WriteItem(index=MetadataIndex("w"), type=item_type)])]
+    write_metadata(ckpt, md)
+
+
+def test_every_member_of_every_enum_dcp_pickles_is_read() -> None:
+    """Each member of torch's own enums, pickled as torch pickles it, reads as its stand-in."""
+    import enum
+    import inspect as pyinspect
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    import torch.distributed.checkpoint.metadata as dcp_md
+    import torch.distributed.checkpoint.planner as dcp_planner
+
+    from ckpt_cli.formats.dcp.metadata import ENUMS, MetadataUnpickler
+
+    memory_formats = {
+        "TORCH_CONTIGUOUS_FORMAT": "contiguous_format",
+        "TORCH_CHANNELS_LAST": "channels_last",
+        "TORCH_PRESERVE_FORMAT": "preserve_format",
+    }
+    # enums torch defines there but never pickles into `.metadata`: LoadItemType lives in
+    # LoadPlan / ReadItem only, SerializationFormat is a FileSystemWriter option
+    never_pickled = {"LoadItemType", "SerializationFormat"}
+    seen = set()
+    for module in (dcp_md, dcp_planner, dcp_fs):
+        for name, cls in pyinspect.getmembers(module, pyinspect.isclass):
+            if not issubclass(cls, enum.Enum) or cls.__module__ != module.__name__:
+                continue
+            seen.add(name)
+            if name in never_pickled:
+                assert (module.__name__, name) not in ENUMS
+                continue
+            assert (module.__name__, name) in ENUMS, f"{module.__name__}.{name} is not mapped"
+            for member in cls:
+                got = MetadataUnpickler(pickle.dumps(member, protocol=4), "x").load()
+                assert got == memory_formats.get(member.name, member.name), member
+    assert seen >= {"WriteItemType", "_MEM_FORMAT_ENCODING"} | never_pickled
+
+
+def test_byte_io_write_items_of_a_save_plan_are_read(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(3), "step": 1}, ckpt)
+    _with_save_plan(ckpt, WriteItemType.BYTE_IO)
+    assert run_ckpt("inspect", ckpt).exit_code == 0
+    from ckpt_cli.formats.dcp.metadata import load_metadata
+
+    plans = load_metadata((ckpt / ".metadata").read_bytes(), "x").all_local_plans
+    assert [item.type for item in plans[0].items] == ["BYTE_IO"]
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [("planner.WriteItemType", 4), ("metadata._MEM_FORMAT_ENCODING", 9)],
+    ids=["write-item-type", "memory-format"],
+)
+def test_an_unknown_enum_value_is_named_not_called_truncated(
+    tmp_path: Path, where: str, value: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A well-formed `.metadata` with a member torch 2.13 lacks (as a newer torch could write):
+    exit 4 naming the enum and the value and a newer torch, never "truncated" or "interrupted"."""
+    import importlib
+
+    module, name = where.split(".")
+    enum_cls = getattr(importlib.import_module(f"torch.distributed.checkpoint.{module}"), name)
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(3)}, ckpt)
+    if name == "WriteItemType":
+        _with_save_plan(ckpt, _EnumCall(enum_cls, value))
+    else:
+        # TensorProperties pickles its memory format as `_MEM_FORMAT_ENCODING(n)`
+        from torch.distributed.checkpoint.metadata import TensorProperties
+
+        def with_unknown_format(self: Any) -> tuple[Any, ...]:
+            return (self.dtype, self.layout, False, _EnumCall(enum_cls, value), False)
+
+        monkeypatch.setattr(TensorProperties, "__getstate__", with_unknown_format)
+        write_metadata(ckpt, torch_metadata(ckpt))
+        monkeypatch.undo()
+    result = run_ckpt("inspect", ckpt, "--json")
+    assert result.exit_code == 4, result.stdout
+    error = result.json["error"]
+    assert error["path"].endswith(".metadata")
+    # verify lists the same finding as its problem (exit 1)
+    verify = run_ckpt("verify", ckpt, "--json")
+    assert verify.exit_code == 1, verify.stdout
+    [problem] = verify.json["result"]["problems"]
+    assert problem["file"].endswith(".metadata")
+    for message in (error["message"] + " " + (error["fix"] or ""), problem["message"]):
+        assert f"{where.split('.')[1]}({value})" in message and "newer torch" in message
+        assert "truncated" not in message.lower() and "interrupted" not in message.lower()
+
+
 def test_traversal_path_in_metadata_is_refused(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     dcp_save({"w": torch.ones(3), "step": 1}, ckpt)

@@ -153,3 +153,45 @@ def test_deep_verify_skips_zero3_padding_but_not_a_nan_parameter(zero3_nan: Path
     assert nonfinite.get(f"model.{rebuilt[0]}") == 1
     assert nonfinite.get("optim_states_0.optimizer_state_dict.fp32_flat_groups.0") == 1
     assert not any(name.startswith("optim_states_1.") for name in nonfinite)
+
+
+def test_selecting_zero3_placeholders_is_refused_and_points_to_select_model(
+    zero_runs: Path, tmp_path: Path
+) -> None:
+    """ZeRO-3 leaves only empty placeholders in `model_states.module` (the weights live in the
+    fp32 partitions): publishing them as weights, or calling two runs' placeholders identical,
+    is refused (exit 4) with why and `--select model`, which rebuilds the real weights."""
+    run = zero_runs / "zero3"
+    model_states = torch.load(
+        next(run.glob("global_step*/zero_pp_rank_0_mp_rank_00_model_states.pt")),
+        weights_only=False,
+    )
+    placeholders = [k for k, v in model_states["module"].items() if v.numel() == 0]
+    assert placeholders  # what DeepSpeed saved there: empty tensors, not the parameters
+    out = tmp_path / "module.safetensors"
+    for select in ("model_states.module", "model_states"):
+        result = run_ckpt("convert", run, out, "--to", "safetensors", "--select", select, "--json")
+        assert result.exit_code == 4, result.stdout
+        error = result.json["error"]
+        assert "ZeRO-3 placeholders" in error["message"] and "--select model" in error["fix"]
+        assert f"model_states.module.{placeholders[0]}" in error["message"]
+        assert not out.exists()
+    refused = run_ckpt(
+        "convert", run, out, "--to", "safetensors", "--filter", "model_states.module.*"
+    )
+    assert refused.exit_code == 4 and not out.exists()
+    diff = run_ckpt("diff", run, zero_runs / "zero2", "--select", "model_states.module")
+    assert diff.exit_code == 4 and "ZeRO-3 placeholders" in diff.stderr
+    # a real buffer of the module is no placeholder; the rebuilt weights are the way out
+    scale = tmp_path / "scale.safetensors"
+    select = ("--select", "model_states.module.scale")
+    buffer = run_ckpt("convert", run, scale, "--to", "safetensors", *select)
+    assert buffer.exit_code == 0, buffer.stderr
+    got_scale = load_file(scale)["model_states.module.scale"]
+    assert torch.equal(got_scale, model_states["module"]["scale"])
+    expected = _reference(run)
+    good = run_ckpt("convert", run, out, "--to", "safetensors", "--select", "model")
+    assert good.exit_code == 0, good.stderr
+    got = load_file(out)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())

@@ -200,6 +200,38 @@ def test_lightning_ckpt(tmp_path: Path) -> None:
     assert training["exact"] is False and training["missing_exact"] == ["rng"]
 
 
+def test_select_model_of_a_lightning_file_is_its_state_dict_in_convert_and_diff(
+    tmp_path: Path,
+) -> None:
+    """`--select model` names the weights by the layout's own prefix (`state_dict.` inside a
+    Lightning file) in convert as in diff: one rule for every command."""
+    from safetensors.torch import load_file
+
+    model = torch.nn.Linear(4, 2)
+    weights = {f"model.{k}": v for k, v in model.state_dict().items()}
+    ckpt = {
+        "epoch": 1,
+        "global_step": 10,
+        "pytorch-lightning_version": "2.4.0",
+        "state_dict": weights,
+        "loops": {},
+        "optimizer_states": [torch.optim.SGD(model.parameters(), lr=0.1).state_dict()],
+        "lr_schedulers": [],
+    }
+    src = tmp_path / "last.ckpt"
+    torch.save(ckpt, src)
+    out = tmp_path / "weights.safetensors"
+    made = run_ckpt("convert", src, out, "--to", "safetensors", "--select", "model")
+    assert made.exit_code == 0, made.stderr
+    got = load_file(out)
+    assert got.keys() == weights.keys()
+    assert all(torch.equal(got[k], v) for k, v in weights.items())
+    for a, b in ((src, out), (out, src)):
+        result = run_ckpt("diff", a, b, "--select", "model", "--json")
+        assert result.exit_code == 0, result.stdout
+        assert result.json["result"]["compared"] == len(weights)
+
+
 def _fake_deepspeed_classes() -> dict[str, Any]:
     """DeepSpeed's pickled data classes under their real module names (deepspeed itself is not
     installed): what a real ZeRO optimizer file refers to."""

@@ -219,3 +219,44 @@ def test_every_convert_option_reaches_every_component(
         assert (request.dtype, request.dry_run, request.extras) == ("bf16", True, False)
         assert request.max_shard_size == 10 * 1000**2
         assert request.exclude == ["*.num_batches*"]
+
+
+def test_a_module_whose_weights_were_deleted_fails_verify(
+    sentence_transformer: Path, tmp_path: Path
+) -> None:
+    """modules.json names the root Transformer and 2_Dense, whose weights sentence-transformers
+    saves: a folder without one of them cannot load, and verify says so (exit 1) naming the
+    file, like a missing shard; Pooling saves none and is not asked for any."""
+    import pytest
+    from sentence_transformers import SentenceTransformer
+
+    assert run_ckpt("verify", sentence_transformer).exit_code == 0
+    for lost in ("model.safetensors", "2_Dense/model.safetensors"):
+        damaged = shutil.copytree(sentence_transformer, tmp_path / lost.replace("/", "-"))
+        (damaged / lost).unlink()
+        # the library's own loader cannot build the model from what is left
+        with _quiet(), pytest.raises((OSError, FileNotFoundError, RuntimeError, ValueError)):
+            SentenceTransformer(str(damaged), device="cpu")
+        result = run_ckpt("verify", damaged, "--json")
+        assert result.exit_code == 1, result.stdout
+        problems = result.json["result"]["problems"]
+        assert [p["code"] for p in problems] == ["missing_component_weights"]
+        assert problems[0]["file"] == str(damaged / lost)
+        assert "modules.json" in problems[0]["message"]
+        # and no model missing a module's weights is published
+        out = tmp_path / f"out-{lost.replace('/', '-')}"
+        converted = run_ckpt("convert", damaged, out, "--to", "safetensors")
+        assert converted.exit_code == 4 and lost in converted.stderr, converted.stderr
+        assert not out.exists()
+
+
+def test_a_pipeline_model_without_weights_fails_verify(
+    diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    damaged = shutil.copytree(diffusers_pipeline, tmp_path / "damaged")
+    (damaged / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    result = run_ckpt("verify", damaged, "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = result.json["result"]["problems"]
+    assert [p["code"] for p in problems] == ["missing_component_weights"]
+    assert problems[0]["file"] == str(damaged / "unet" / "diffusion_pytorch_model.safetensors")

@@ -225,3 +225,37 @@ def test_layout_protocol_opens_a_step_and_declines_a_plain_dcp(
         warnings.simplefilter("ignore")
         dcp.save(_weights(truth), checkpoint_id=str(tmp_path / "plain"), no_dist=True)
     assert layout.open(resolve_source(str(tmp_path / "plain"))) is None
+
+
+def test_diff_select_model_takes_the_same_top_level_keys_convert_does(
+    titan_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """torchtitan keeps the model's keys at the top level: `--select model` means those keys
+    in diff as in convert (one rule), never the whole step with its optimizer and states."""
+    import torch.distributed.checkpoint as dcp
+
+    run, truth = titan_run
+    step = run / "checkpoint" / "step-3"
+    weights = _weights(truth)
+    out = tmp_path / "model"
+    made = run_ckpt("convert", step, out, "--to", "dcp", "--select", "model")
+    assert made.exit_code == 0, made.stderr
+    # what convert wrote is the model, as dcp.load restores it
+    restored = {k: torch.zeros_like(v) for k, v in weights.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(restored, checkpoint_id=str(out), no_dist=True)
+    assert all(torch.equal(restored[k], weights[k]) for k in weights)
+    for a, b in ((step, out), (out, step)):
+        result = run_ckpt("diff", a, b, "--select", "model", "--json")
+        assert result.exit_code == 0, result.stdout
+        report = result.json["result"]
+        assert report["identical"] and report["compared"] == len(weights)
+        assert not report["only_a"] and not report["only_b"]
+    # two steps differ in their weights only, as far as --select model looks
+    earlier = run_ckpt("diff", run / "checkpoint" / "step-2", step, "--select", "model", "--json")
+    assert earlier.exit_code == 1
+    report = earlier.json["result"]
+    assert report["compared"] == len(weights) and not report["only_a"] and not report["only_b"]
+    assert {d["name"] for d in report["differences"]} <= weights.keys()
+    assert not set(report["components"]) & {s.rstrip(".") for s in _STATES}

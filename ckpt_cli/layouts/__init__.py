@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     from .details import CompositeDetails
     from .lightning import Lightning
     from .torch_dict import SINGLE_LAYOUTS, TorchDict, TorchTitan, analyse_single
-    from .torchtitan import select_view
     from .training import component_problems, training_checks
 
 #: the names this package exports from its layout modules, imported on first use (a plain
@@ -72,7 +71,6 @@ _LAZY = {
     "TorchDict": "torch_dict",
     "TorchTitan": "torch_dict",
     "analyse_single": "torch_dict",
-    "select_view": "torchtitan",
     "component_problems": "training",
     "training_checks": "training",
 }
@@ -100,7 +98,6 @@ __all__ = [
     "open_plain",
     "open_source",
     "recognise_layout",
-    "select_view",
     "subfolder_source",
     "training_checks",
 ]

@@ -21,6 +21,24 @@ if TYPE_CHECKING:
 REQUIRED = ("weights", "optimizer", "scheduler", "step", "rng", "dataloader")
 
 
+@dataclass(frozen=True)
+class Placeholder:
+    """An entry a layout keeps in place of data that lives elsewhere (ZeRO-3's empty
+    parameters in the model states): never to be handed over as that data.
+
+    Attributes:
+        real: the entry that holds the data (the rebuilt weight), "" when none can be built.
+        kind: what it is, plural (`ZeRO-3 placeholders`).
+        why: what it holds and where the data is, for the message.
+        fix: what to do instead (`--select model`).
+    """
+
+    real: str
+    kind: str
+    why: str
+    fix: str
+
+
 @dataclass
 class OpenedSource:
     """A source opened for reading.
@@ -32,6 +50,7 @@ class OpenedSource:
         parts: for a multi-file folder, component -> (its main file, its format token).
         unreadable: components found but not readable: component -> (where, the problem);
             a command that writes the checkpoint must not drop them silently.
+        placeholders: entry name -> the placeholder it is (see `Placeholder`).
     """
 
     checkpoint: Checkpoint
@@ -41,6 +60,7 @@ class OpenedSource:
     #: the library layout of a model folder (PEFT adapter, diffusers pipeline...), if any
     layout: LayoutInfo | None = None
     unreadable: dict[str, tuple[str, str]] = field(default_factory=dict)
+    placeholders: dict[str, Placeholder] = field(default_factory=dict)
 
 
 class Layout(ABC):

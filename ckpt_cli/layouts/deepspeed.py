@@ -6,14 +6,16 @@ import re
 
 from ..errors import NotFoundError
 from ..formats.base import Checkpoint, Source
+from ..models import Entry
 from ..storage import safe_relpath
-from .base import Layout, OpenedSource
+from .base import Layout, OpenedSource, Placeholder
 from .composite import Folder, component_files, finish
 from .training import analyse, entries_under, value_of
 
 _DS_MODEL = re.compile(r"mp_rank_\d+_model_states\.pt$")
 #: `optim_states_R_mp_rank_MM` when a save has several model-parallel ranks
 _TP_INDEX = r"rank_(\d+_mp_rank_\d+)_"
+_MP_RANK = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
 
 
 class DeepSpeed(Layout):
@@ -78,7 +80,15 @@ class DeepSpeed(Layout):
             state.optimizer.kind = configured
         if not state.weights.get("tensors"):
             state.weights = _zero3_weights(checkpoint)
-        return finish(checkpoint, state, folder)
+        if zero is not None and not rebuilt:
+            # a ZeRO save's weights are its fp32 partitions: with one missing, `model` names
+            # nothing to select (the module holds bf16 copies or ZeRO-3 placeholders)
+            state.prefixes.pop("model", None)
+        opened = finish(checkpoint, state, folder)
+        mp = zero.weights.mp_world_size if zero is not None and zero.weights is not None else 0
+        files = {comp: rel for comp, (rel, _) in folder.parts.items()}
+        opened.placeholders = zero3_placeholders(checkpoint, files, mp)
+        return opened
 
 
 def _tag_base(source: Source) -> str | None:
@@ -129,6 +139,57 @@ def _prefixes(checkpoint: Checkpoint, components: list[str], rebuilt: bool) -> d
         if any(n.startswith(f"model_states.{key}.") for n in names):
             prefixes["dataloader"] = f"model_states.{key}."
     return prefixes
+
+
+def zero3_placeholders(
+    checkpoint: Checkpoint, files: dict[str, str], mp: int
+) -> dict[str, Placeholder]:
+    """The parameters ZeRO-3 leaves in the model states as empty placeholders: every tensor of
+    a model-states file's `module` that its `param_shapes` records with another shape (every
+    rank's file has them; the real weight is partitioned over the ranks' fp32 groups).
+
+    `files`: component -> its file; `mp`: the model-parallel ranks of the rebuilt weights (0
+    when they could not be rebuilt), which name the real weight: `model.<name>`, or
+    `model.mp_rank_MM.<name>` above one rank.
+    """
+    shapes: dict[tuple[object, str], list[int]] = {}
+    modules: list[tuple[object, str, Entry]] = []
+    for entry in checkpoint.manifest.entries:
+        path = _key_path(entry)
+        if len(path) < 3 or not str(path[0]).endswith("model_states"):
+            continue
+        if path[1] == "param_shapes" and len(path) == 4:
+            value = entry.value
+            if isinstance(value, list) and all(isinstance(d, int) for d in value):
+                shapes[(path[0], str(path[3]))] = value
+        elif path[1] == "module" and len(path) == 3 and entry.kind == "tensor":
+            modules.append((path[0], str(path[2]), entry))
+    out: dict[str, Placeholder] = {}
+    for component, name, entry in modules:
+        shape = shapes.get((component, name))
+        if shape is None or list(entry.shape) == shape:
+            continue
+        ranks = _MP_RANK.search(files.get(str(component), ""))
+        inner = f"mp_rank_{ranks.group(1) if ranks else '00'}.{name}" if mp > 1 else name
+        out[entry.name] = Placeholder(
+            real=f"model.{inner}" if mp else "",
+            kind="ZeRO-3 placeholders",
+            why=f"stored as {list(entry.shape)}, the parameter is {shape}; ZeRO-3 partitions "
+            "every parameter over the ranks' fp32 groups in *_optim_states.pt and leaves only "
+            "an empty placeholder in the model states",
+            fix="Use --select model: ckpt rebuilds the full fp32 weights from every rank's "
+            "partition, bit-identical to DeepSpeed's zero_to_fp32.py"
+            + ("." if mp else " (restore the missing partition files first)."),
+        )
+    return out
+
+
+def _key_path(entry: Entry) -> tuple[object, ...]:
+    """The keys of an entry of the composite, its component first (`model_states`, ...)."""
+    path = getattr(entry, "key_path", None)
+    if path:
+        return tuple(key for _, key in path)
+    return tuple(entry.name.split("."))
 
 
 def _zero3_weights(checkpoint: Checkpoint) -> dict[str, int]:

@@ -247,12 +247,35 @@ class Component:
         kind: the class that owns it.
         weights: the file (or index) its weights are read from, relative to the root; None for
             weightless components (schedulers, tokenizers, pooling).
+        needs: for a component that must hold weights (its library saves some for it), the
+            file it saves them as, relative to the root; "" when it holds none, or when
+            nothing says (a custom module type).
     """
 
     name: str
     path: str
     kind: str | None
     weights: str | None
+    needs: str = ""
+
+
+#: the sentence-transformers module classes whose `save` writes weights (`model.safetensors`):
+#: the Transformer family through `save_pretrained`, the others through `save_torch_weights`
+#: (sentence-transformers 6.2); Pooling, Normalize, Dropout, BoW, Router... write none
+_ST_WEIGHTED = frozenset(
+    {
+        "Transformer", "MLMTransformer", "CLIPModel", "Dense", "LayerNorm", "LSTM", "CNN",
+        "WeightedLayerPooling", "WordEmbeddings", "WordWeights", "StaticEmbedding",
+        "SparseStaticEmbedding", "SparseAutoEncoder",
+    }
+)  # fmt: skip
+
+
+def _needs(folder: str, weighted: bool, stem: str = "model") -> str:
+    """The weights file a component that must hold weights is saved with, else ""."""
+    if not weighted:
+        return ""
+    return f"{folder}/{stem}.safetensors" if folder else f"{stem}.safetensors"
 
 
 def _weights_in(names: set[str], folder: str) -> str | None:
@@ -296,7 +319,15 @@ def multi_folder(source: Source) -> tuple[str, list[Component], dict[str, Any]] 
             if value[0] is None or not any(n.startswith(f"{key}/") for n in names):
                 continue  # an optional component saved as null
             kind = f"{value[0]}.{value[1]}"
-            components.append(Component(str(key), str(key), kind, _weights_in(names, str(key))))
+            # a model saves its `config.json` beside its weights; schedulers, tokenizers and
+            # feature extractors save other configs and no weights
+            model = f"{key}/config.json" in names
+            stem = "diffusion_pytorch_model" if value[0] == "diffusers" else "model"
+            components.append(
+                Component(
+                    str(key), str(key), kind, _weights_in(names, str(key)), _needs(key, model, stem)
+                )
+            )
         details = {"pipeline": index.get("_class_name"), "version": index.get("_diffusers_version")}
         return "diffusers-pipeline", components, details
     if "modules.json" in names:
@@ -310,7 +341,12 @@ def multi_folder(source: Source) -> tuple[str, list[Component], dict[str, Any]] 
             path = module["path"].strip("/")
             kind = str(module.get("type") or "")
             name = path or f"{module.get('idx', 0)}_{kind.rsplit('.', 1)[-1] or 'Module'}"
-            components.append(Component(name, path, kind or None, _weights_in(names, path)))
+            weighted = kind.rsplit(".", 1)[-1] in _ST_WEIGHTED
+            components.append(
+                Component(
+                    name, path, kind or None, _weights_in(names, path), _needs(path, weighted)
+                )
+            )
         return "sentence-transformers", components, {"modules": len(components)}
     return None
 

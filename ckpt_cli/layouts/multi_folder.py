@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from ..formats.base import Source
+from ..models import Problem
 from .base import Layout, OpenedSource
 from .composite import Folder
-from .model_folders import LayoutInfo
+from .model_folders import Component, LayoutInfo
+
+#: the file that lists the components, per layout
+_INDEX = {"sentence-transformers": "modules.json", "diffusers-pipeline": "model_index.json"}
 
 
 class MultiFolder(Layout):
@@ -49,6 +53,8 @@ class MultiFolder(Layout):
                     info.tensors = sum(1 for e in manifest.entries if e.kind == "tensor")
                     info.parameters = manifest.parameters()
                     info.bytes = manifest.tensor_bytes()
+            elif comp.needs:
+                folder.problems.append(_missing_weights(source, layout, comp))
             infos.append(info)
         checkpoint = folder.composite(layout)
         weighted = [i for i in infos if i.tensors]
@@ -66,3 +72,16 @@ class MultiFolder(Layout):
             parts=dict(folder.parts),
             layout=summary,
         )
+
+
+def _missing_weights(source: Source, layout: str, comp: Component) -> Problem:
+    """A component that must hold weights has none: the model cannot load, like a lost shard."""
+    index = _INDEX.get(layout, "the folder's index")
+    kind = (comp.kind or "").rsplit(".", 1)[-1] or "module"
+    return Problem(
+        code="missing_component_weights",
+        message=f"is missing: {index} names the {comp.name} component ({kind}), whose weights "
+        "its library saves there, and no weights file of it is in the folder; the model "
+        "cannot be loaded without them. Copy or download the file again.",
+        file=source.storage.describe(comp.needs),
+    )

@@ -112,7 +112,9 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
     state = analyse(checkpoint, layout, prefixes)
     if titan_model:
         view = Manifest(format=manifest.format, location=manifest.location)
-        view.entries = [e for e in model_entries(manifest, titan_model) if e.kind == "tensor"]
+        view.entries = [
+            e for e in model_entries(manifest.entries, titan_model) if e.kind == "tensor"
+        ]
         state.weights = {
             "tensors": len(view.entries),
             "parameters": view.parameters(),

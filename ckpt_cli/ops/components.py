@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from ..errors import UsageError
+from ..errors import FormatError, UsageError
 from ..formats import get_format, resolve_source, writable_formats
 from ..layouts.model_folders import Component, multi_folder
 from ..models import FileInfo
@@ -89,6 +89,16 @@ def write_components(
             f"a {layout} folder converts component by component to {' or '.join(targets)}",
             path=src,
             fix=f"Pick one component for --to {to}, e.g. --select {components[0].name}.",
+        )
+    lacking = [c for c in components if c.needs and c.weights is None]
+    if lacking:
+        # the output would be a model its library cannot load: nothing is written
+        raise FormatError(
+            f"the {lacking[0].name} component has no weights ({lacking[0].needs} is missing), "
+            "so the converted model could not be loaded",
+            path=f"{src.rstrip('/')}/{lacking[0].needs}",
+            fix="Copy or download the missing file again (`ckpt verify` lists every one), or "
+            "convert the components that are there one at a time with --select.",
         )
     dest_path = resolve_destination(dest)
     if isinstance(dest_path, RemoteDest):

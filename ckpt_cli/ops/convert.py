@@ -297,7 +297,7 @@ def convert(
             world_size=world_size,
             dcp_compression=None if dcp_compression == NO_COMPRESSION else dcp_compression,
         )
-        warnings = unused_renames(plan, rename_pairs, select)
+        warnings = unused_renames(plan, rename_pairs)
         carried = extra_files(checkpoint) if extras and not single_file else []
         if given_config is not None:
             carried = [rel for rel in carried if rel != "config.json"]
@@ -404,20 +404,24 @@ def _plan(
     cast: str | None,
 ) -> TransferPlan:
     """What goes out under which name and dtype, as far as the target can hold it."""
-    from ..layouts import select_view
+    from .selection import refuse_placeholders
 
-    # torchtitan keeps the model's keys at the top level: `--select model` takes them as-is
-    view = select_view(opened, select)
     plan = plan_transfer(
-        view or manifest,
-        select=None if view is not None else select,
+        manifest,
+        select=select,
         include=include,
         exclude=exclude,
         renames=renames,
         dtype=cast,
         keep_objects=target.holds_objects,
         dedupe_tied=target.dedupes_tied,
+        opened=opened,
     )
+    if select or include or exclude:
+        # ZeRO-3's empty parameters are no weights: never picked out without the rebuilt ones
+        # (a whole-folder copy carries them as stored, beside the rebuilt weights)
+        names = [i.source.name for i in plan.items]
+        refuse_placeholders(opened, names, select, manifest.location)
     source_format = find_format(manifest.format)
     if source_format is not None:
         # the source format's own words for what it cannot hand over (GGUF quantized tensors)

@@ -173,11 +173,9 @@ def output_warnings(fmt: type[Format], serialization: str) -> list[str]:
     return []
 
 
-def unused_renames(
-    plan: TransferPlan, renames: list[tuple[str, str]], select: str | None
-) -> list[str]:
+def unused_renames(plan: TransferPlan, renames: list[tuple[str, str]]) -> list[str]:
     """A --rename rule that renames no entry has no effect: say so (reshard warns likewise)."""
-    strip = f"{select}." if select else ""
+    strip = plan.stripped
     names = [i.source.name.removeprefix(strip) for i in plan.items]
     names += [s.name.removeprefix(strip) for s in plan.skipped]
     used = set()

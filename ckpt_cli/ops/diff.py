@@ -26,7 +26,8 @@ from ..models import Entry
 from ..progress import NULL_PROGRESS, Progress
 from .compare import error_stats, short_repr, tensor_stats, values_equal
 from .inspect import select as select_globs
-from .transfer import parse_renames, raw_blocks, rename, select_prefix
+from .selection import refuse_placeholders, select_entries
+from .transfer import parse_renames, raw_blocks, rename
 
 
 class EntryDiff(BaseModel):
@@ -160,40 +161,35 @@ class DiffReport(BaseModel):
     aliases: list[AliasPair] = Field(default_factory=list)
 
 
-def _component(opened: OpenedSource, select: str | None) -> str | None:
-    """The entry prefix of training component `select` (`model` -> `model.`, or `state_dict.`
-    in a Lightning file) when the side is a training checkpoint that has it."""
-    if not select or opened.training is None:
-        return None
-    return opened.training.prefixes.get(select.rstrip("."))
-
-
 def _selected(
-    entries: list[Entry],
+    opened: OpenedSource,
+    checkpoint: Checkpoint,
     select: str | None,
-    component: str | None,
     other: list[str] | None,
-) -> tuple[list[tuple[Entry, str]], bool]:
-    """(entry, name after --select) pairs of one side, and whether a prefix was stripped.
+) -> tuple[list[tuple[Entry, str]], bool, bool]:
+    """(entry, name after --select) pairs of one side, whether --select applied there, and
+    whether it named a training component of that side (`ops.selection`'s rule, as convert).
 
-    A training checkpoint strips its component's own prefix. A side without that component
-    (a weights file exported from it) strips `select` only where that lines it up better with
-    `other` (the other side's selected names): the exported weights of an HF causal LM start
-    with `model.` themselves (`model.layers.0...`, beside `lm_head.weight`).
+    A side without that component (a weights file exported from it) strips `select` as a plain
+    prefix only where that lines it up better with `other` (the other side's selected names):
+    the exported weights of an HF causal LM start with `model.` themselves
+    (`model.layers.0...`, beside `lm_head.weight`).
     """
+    entries = checkpoint.manifest.entries
     whole = [(e, e.name) for e in entries]
     if not select:
-        return whole, False
-    if component is not None:
-        return select_prefix(entries, component), True
-    chosen = select_prefix(entries, select)
+        return whole, False, False
+    selection = select_entries(opened, entries, select, checkpoint.manifest)
+    if selection.component is not None:
+        return selection.pairs, True, True
+    chosen = selection.pairs
     if not chosen:
-        return whole, False
+        return whole, False, False
     if other is not None:
         names = set(other)
         if sum(n in names for _, n in whole) > sum(n in names for _, n in chosen):
-            return whole, False
-    return chosen, True
+            return whole, False, False
+    return chosen, True, False
 
 
 def _align(
@@ -351,18 +347,16 @@ def diff(
         counts: dict[str, int] = {}
         if dequantize:
             ca, cb = (_dequantized(c, side, schemes, counts) for c, side in ((ca, "a"), (cb, "b")))
-        comp_a, comp_b = _component(opened_a, select), _component(opened_b, select)
-        chosen_a, applied_a = _selected(ca.manifest.entries, select, comp_a, None)
-        chosen_b, applied_b = _selected(
-            cb.manifest.entries,
-            select,
-            comp_b,
-            [n for _, n in chosen_a] if comp_a and not comp_b else None,
+        chosen_a, applied_a, comp_a = _selected(opened_a, ca, select, None)
+        chosen_b, applied_b, comp_b = _selected(
+            opened_b, cb, select, [n for _, n in chosen_a] if comp_a else None
         )
         if comp_b and not comp_a:
-            chosen_a, applied_a = _selected(
-                ca.manifest.entries, select, None, [n for _, n in chosen_b]
-            )
+            chosen_a, applied_a, _ = _selected(opened_a, ca, select, [n for _, n in chosen_b])
+        for opened, chosen, where in ((opened_a, chosen_a, a), (opened_b, chosen_b, b)):
+            if select:
+                # ZeRO-3's empty parameters would compare equal whatever the weights are
+                refuse_placeholders(opened, [e.name for e, _ in chosen], select, where)
         left = _align(chosen_a, rename_pairs, filters or [])
         right = _align(chosen_b, rename_pairs, filters or [])
         if select and not (applied_a or applied_b):

@@ -38,8 +38,10 @@ from ..progress import NULL_PROGRESS, CountingProgress, Progress
 from ..storage import LocalStorage
 from ..uri import parse_location
 from .inspect import select as select_globs
+from .selection import Selection, select_entries
 
 if typing.TYPE_CHECKING:  # only the annotation: DEST may be a local path or an object store
+    from ..layouts.base import OpenedSource
     from ..output import Destination
 
 #: seconds to sleep after each entry; set only by the tests that kill a copy mid-way, so the
@@ -94,12 +96,14 @@ class TransferPlan:
         skipped: source entries left out, with the reason.
         tied: groups of output names whose source tensors share storage (first one kept).
         aliases: output name dropped as a duplicate -> the name it duplicates.
+        stripped: the prefix `--select` stripped from the source names ("" when none).
     """
 
     items: list[Item]
     skipped: list[SkippedEntry] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
+    stripped: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -131,20 +135,6 @@ def rename(name: str, renames: Sequence[tuple[str, str]]) -> str:
         if name.startswith(old):
             return new + name[len(old) :]
     return name
-
-
-def select_prefix(entries: list[Entry], prefix: str | None) -> list[tuple[Entry, str]]:
-    """Entries under `prefix` (`model` selects `model` and `model.*`), with the prefix stripped."""
-    if not prefix:
-        return [(e, e.name) for e in entries]
-    prefix = prefix.rstrip(".")
-    out = []
-    for entry in entries:
-        if entry.name == prefix:
-            out.append((entry, entry.name))
-        elif entry.name.startswith(prefix + "."):
-            out.append((entry, entry.name[len(prefix) + 1 :]))
-    return out
 
 
 def top_level_keys(entries: Iterable[Entry]) -> list[str]:
@@ -188,20 +178,24 @@ def plan_transfer(
     dtype: str | None = None,
     keep_objects: bool = True,
     dedupe_tied: bool = False,
+    opened: OpenedSource | None = None,
 ) -> TransferPlan:
     """Decide what to write, from the manifest alone.
 
     Args:
         manifest: the source's manifest.
-        select: keep only the sub-tree under this prefix, with the prefix stripped.
+        select: keep only the sub-tree under this prefix, with the prefix stripped; a training
+            component of `opened` by its layout's own prefix (`ops.selection`).
         include / exclude: globs on the source names (as `ckpt inspect` shows them).
         renames: prefix renames applied after `select`.
         dtype: cast floating tensors to this canonical dtype; others are untouched.
         keep_objects: the target can hold non-tensor entries; otherwise they are skipped.
         dedupe_tied: write tensors that share storage once (the others become aliases).
+        opened: the opened source, whose layout says what `select` names.
     """
     entries = select_globs(manifest.entries, list(include or []), list(exclude or []))
-    chosen = select_prefix(entries, select)
+    selection: Selection = select_entries(opened, entries, select, manifest)
+    chosen = selection.pairs
     if select and not chosen:
         raise NotFoundError(
             f"no entry is under the prefix {select!r}",
@@ -214,7 +208,7 @@ def plan_transfer(
             path=manifest.location,
             fix="Check the patterns against `ckpt inspect --list`.",
         )
-    plan = TransferPlan(items=[])
+    plan = TransferPlan(items=[], stripped=selection.stripped)
     seen: dict[str, str] = {}
     for entry, name in chosen:
         new_name = rename(name, renames)

@@ -15,6 +15,12 @@ through NEWOBJ + BUILD; `torch.Size`, `torch.serialization._get_layout`, `_MEM_F
 Megatron-Core's `torch_dist` writer also stores each rank's save plan (`Metadata.all_local_plans`):
 `planner.SavePlan`, `WriteItem`, `WriteItemType`, `TensorWriteData`, `BytesIOWriteData` and
 `filesystem._StoragePrefix`, admitted as stand-ins too; `LoadPlan`/`ReadItem` never are.
+
+Enums pickle as a call of their class with the member's value (`WriteItemType(3)`). The two DCP
+pickles, `WriteItemType` (`TENSOR`/`SHARD`/`BYTE_IO` = 1/2/3: `auto()` starts at 1) and
+`_MEM_FORMAT_ENCODING` (0/1/2), are mapped member for member (`ENUMS`). A value neither holds
+is well-formed pickle that this torch does not define: the error names the enum and the value
+and says the file may come from a newer torch, never that it is truncated.
 """
 
 from __future__ import annotations
@@ -198,14 +204,54 @@ class StoragePrefix(_Record):
     _fields = ("prefix",)
 
 
-_WRITE_ITEM_TYPES = {0: "TENSOR", 1: "SHARD", 2: "BYTE_IO"}
+class UnknownEnumMember(Exception):
+    """A pickled enum call with a value the enum (as torch 2.13 defines it) has no member for."""
+
+    def __init__(self, enum: str, value: Any, known: dict[Any, str]):
+        super().__init__(f"{enum}({value!r})")
+        self.enum = enum
+        self.value = value
+        self.known = known
 
 
-def _write_item_type(value: Any) -> str:
-    """Stand-in for the enum call `WriteItemType(n)`: its member name."""
-    if value not in _WRITE_ITEM_TYPES:
-        raise pickle.UnpicklingError(f"unknown WriteItemType {value!r}")
-    return _WRITE_ITEM_TYPES[value]
+class EnumStandIn:
+    """Stand-in for one torch enum class: called with a member's value (how an enum pickles),
+    it returns the name ckpt keeps for that member; any other value is `UnknownEnumMember`.
+
+    Attributes:
+        qualname: the enum's module and class (`torch.distributed.checkpoint.planner.WriteItemType`).
+        members: value -> what the stand-in returns (every member torch 2.13 defines).
+    """
+
+    def __init__(self, qualname: str, members: dict[Any, str]):
+        self.qualname = qualname
+        self.members = members
+
+    def __call__(self, value: Any) -> str:
+        # bool is an int: `WriteItemType(True)` is no pickle torch writes
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise UnknownEnumMember(self.qualname, value, self.members)
+        name = self.members.get(value)
+        if name is None:
+            raise UnknownEnumMember(self.qualname, value, self.members)
+        return name
+
+
+_PLANNER = "torch.distributed.checkpoint.planner"
+#: every enum DCP pickles into `.metadata`, member for member (torch 2.13); a test checks the
+#: table against torch's own classes
+ENUMS: dict[tuple[str, str], EnumStandIn] = {
+    # `auto()` numbers from 1; a save plan's items (Megatron keeps the plans in `.metadata`)
+    (_PLANNER, "WriteItemType"): EnumStandIn(
+        f"{_PLANNER}.WriteItemType", {1: "TENSOR", 2: "SHARD", 3: "BYTE_IO"}
+    ),
+    **{
+        (module, "_MEM_FORMAT_ENCODING"): EnumStandIn(
+            f"{module}._MEM_FORMAT_ENCODING", _MEM_ENCODING
+        )
+        for module in _METADATA_MODULES
+    },
+}
 
 
 class StorageMeta(_Record):
@@ -224,15 +270,9 @@ def _size(values: Any = ()) -> tuple[Any, ...]:
 def _get_layout(name: Any) -> str:
     """Stand-in for `torch.serialization._get_layout('torch.strided')`."""
     if not isinstance(name, str) or name.removeprefix("torch.") not in _LAYOUTS:
-        raise pickle.UnpicklingError(f"unknown tensor layout {name!r}")
+        known = {f"torch.{layout}": layout for layout in sorted(_LAYOUTS)}
+        raise UnknownEnumMember("torch.serialization._get_layout", name, known)
     return name.removeprefix("torch.")
-
-
-def _mem_format_encoding(value: Any) -> str:
-    """Stand-in for `_MEM_FORMAT_ENCODING(n)`."""
-    if value not in _MEM_ENCODING:
-        raise pickle.UnpicklingError(f"unknown memory format encoding {value!r}")
-    return _MEM_ENCODING[value]
 
 
 def _path(*parts: Any) -> str:
@@ -250,7 +290,6 @@ _CLASSES: dict[str, Any] = {
     "TensorProperties": TensorProperties,
     "MetadataIndex": MetadataIndex,
     "StorageMeta": StorageMeta,
-    "_MEM_FORMAT_ENCODING": _mem_format_encoding,
 }
 _ALLOWED: dict[tuple[str, str], Any] = {
     **{(module, name): value for module in _METADATA_MODULES for name, value in _CLASSES.items()},
@@ -259,10 +298,10 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     # the save-plan classes Megatron-Core's torch_dist writer pickles into `.metadata`
     ("torch.distributed.checkpoint.planner", "SavePlan"): SavePlan,
     ("torch.distributed.checkpoint.planner", "WriteItem"): WriteItem,
-    ("torch.distributed.checkpoint.planner", "WriteItemType"): _write_item_type,
     ("torch.distributed.checkpoint.planner", "TensorWriteData"): TensorWriteData,
     ("torch.distributed.checkpoint.planner", "BytesIOWriteData"): BytesIOWriteData,
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): StoragePrefix,
+    **ENUMS,
     ("torch", "Size"): _size,
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): _path,
@@ -369,11 +408,20 @@ class MetadataUnpickler(pickle.Unpickler):
                 return name
             if name in _MEMORY_FORMATS:
                 return name
+        if module == "torch" or module.startswith("torch.distributed.checkpoint."):
+            # well-formed torch names a newer torch may pickle (a new dtype, a new class)
+            fix = (
+                f"If the file comes from a torch newer than 2.13 (which has no {module}.{name} "
+                "in DCP metadata), update ckpt; otherwise it is corrupt or hostile: do not "
+                "load it with torch either."
+            )
+        else:
+            fix = "This file is corrupt or hostile; do not load it with torch either."
         raise UnsafeInputError(
             f"is a pickle that calls {module}.{name}, which is not part of DCP metadata; "
             "it was not run",
             path=self.where,
-            fix="This file is corrupt or hostile; do not load it with torch either.",
+            fix=fix,
         )
 
     def persistent_load(self, pid: Any) -> Any:
@@ -399,6 +447,8 @@ def load_metadata(data: bytes, where: str) -> Metadata:
         raise
     except RecursionError:
         raise FormatError("is a pickle nested too deeply to be DCP metadata", path=where) from None
+    except UnknownEnumMember as exc:
+        raise unknown_member_error(exc, where) from None
     except Exception as exc:
         raise FormatError(
             f"is not a readable DCP metadata pickle ({type(exc).__name__}: {exc})",
@@ -416,6 +466,18 @@ def load_metadata(data: bytes, where: str) -> Metadata:
         )
     _check_planner_depth(result.planner_data, where)
     return result
+
+
+def unknown_member_error(exc: UnknownEnumMember, where: str) -> FormatError:
+    """The error for a well-formed `.metadata` holding a value torch 2.13 does not define."""
+    known = ", ".join(f"{name} = {value!r}" for value, name in exc.known.items())
+    return FormatError(
+        f"holds {exc.enum}({exc.value!r}), a value torch 2.13 does not define (it knows "
+        f"{known}); the pickle is well-formed, so the file may come from a newer torch",
+        path=where,
+        fix="Update ckpt to a release that reads this torch's DCP metadata; the torch that "
+        "wrote the file loads it with its own reader.",
+    )
 
 
 def _check_planner_depth(planner_data: Any, where: str) -> None:
