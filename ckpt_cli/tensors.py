@@ -38,7 +38,7 @@ def torch_view(dtype: str, shape: list[int], name: str = "") -> tuple[str, list[
         raise FormatError(
             f"tensor {name!r} is {dtype}{shape}, which torch has no dtype for",
             path=name or dtype,
-            fix="Copy it as raw bytes (convert --to safetensors), or leave it out with --exclude.",
+            fix="Copy it as raw bytes (convert --to safetensors), or leave it out with --filter-out.",
         )
     return layout
 

@@ -153,6 +153,8 @@ BUILDERS = {"trainer": build_trainer, "accelerate": build_accelerate, "hf_model"
 
 
 def _build(kind: str, out: Path) -> Path:
+    """Run `BUILDERS[kind]` in a process of its own (Trainer and accelerate keep singletons)."""
+    assert kind in BUILDERS, kind
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env.pop("HF_ENDPOINT", None)
     proc = subprocess.run(

@@ -330,7 +330,7 @@ def test_a_corrupt_file_in_the_cache_is_caught_by_the_hub_checksum(
     assert not dest.exists()
     # what ckpt found wrong left the shared cache: the rerun fetches it again and succeeds
     assert not blob.exists() and not cached.is_symlink()
-    again = run_ckpt("download", "hf://org/model", dest, "--tensors", "lm_head.*")
+    again = run_ckpt("download", "hf://org/model", dest, "--filter", "lm_head.*")
     assert again.exit_code == 0, again.stderr
 
 

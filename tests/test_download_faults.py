@@ -22,7 +22,7 @@ from .hub_fixtures import publish_model
 from .hub_server import TestHub, git_blob_id
 from .test_download import SHARD_LIMIT, model_state, read_all
 
-TENSORS = ["--mode", "tensors", "--no-extras", "--tensors", "model.layers.*"]
+TENSORS = ["--mode", "tensors", "--no-extras", "--filter", "model.layers.*"]
 
 
 @pytest.fixture(autouse=True)

@@ -652,14 +652,14 @@ def test_convert_fails_on_an_unreadable_component_unless_excluded(
         result = run_ckpt("convert", src, dest, "--to", to, "--json")
         assert result.exit_code == 4, result.stdout
         message = result.json["error"]["message"]
-        assert "optimizer" in message and str(optimizer) in message and "--exclude" in message
+        assert "optimizer" in message and str(optimizer) in message and "--filter-out" in message
         assert not dest.exists()
         # left out explicitly: converted, and `skipped` says what and why
-        kept = run_ckpt("convert", src, dest, "--to", to, "--exclude", "optimizer*", "--json")
+        kept = run_ckpt("convert", src, dest, "--to", to, "--filter-out", "optimizer*", "--json")
         assert kept.exit_code == 0, kept.stdout
         skipped = [s for s in kept.json["result"]["skipped"] if s["kind"] == "component"]
         assert [s["name"] for s in skipped] == ["optimizer"]
-        assert "unreadable" in skipped[0]["reason"] and "--exclude" in skipped[0]["reason"]
+        assert "unreadable" in skipped[0]["reason"] and "--filter-out" in skipped[0]["reason"]
     # the real reader: the weights are there, no optimizer entry
     files = [p for p in (tmp_path / "out-torch").rglob("*") if p.suffix in (".pt", ".bin")]
     loaded = {k: v for f in files for k, v in torch.load(f, weights_only=True).items()}

@@ -177,7 +177,7 @@ def test_a_filter_that_drops_common_state_writes_a_plain_dcp(
     DCP it always was, the kept common entries inside it, and no metadata.json."""
     folder, truth = saved
     out = tmp_path / "plain"
-    result = run_ckpt("convert", folder, out, "--to", "dcp", "--exclude", "args.*")
+    result = run_ckpt("convert", folder, out, "--to", "dcp", "--filter-out", "args.*")
     assert result.exit_code == 0, result.stdout + result.stderr
     assert not (out / "common.pt").exists() and not (out / "metadata.json").exists()
     template: dict[str, Any] = {

@@ -715,9 +715,9 @@ def test_download_of_a_quantized_weight_brings_its_scales(hub, tmp_path: Path, m
         "--mode",
         mode,
         "--no-extras",
-        "--tensors",
+        "--filter",
         "model.layers.1.mlp.down_proj.weight",
-        "--tensors",
+        "--filter",
         "lm_head.weight",
         "--json",
     )

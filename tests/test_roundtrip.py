@@ -57,7 +57,7 @@ def test_restart_recipe_holds_for_trainer_and_accelerate_runs(
 
 
 def _names(src: Path) -> list[str]:
-    result = run_ckpt("inspect", src, "--json", "--tensors")
+    result = run_ckpt("inspect", src, "--json", "--list")
     assert result.exit_code == 0, result.stdout
     return [e["name"] for e in result.json["result"]["entries"]]
 

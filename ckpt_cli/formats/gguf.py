@@ -118,7 +118,7 @@ class GgufCheckpoint(Checkpoint):
             raise FormatError(
                 f"{name!r} is a quantized GGUF tensor ({entry.py_type}); ckpt does not dequantize",
                 path=self.manifest.location,
-                fix="Dequantize with llama.cpp's tools, or leave it out (--exclude).",
+                fix="Dequantize with llama.cpp's tools, or leave it out (--filter-out).",
             )
         assert entry.dtype is not None
         data = self.storage.read(entry.file, entry.offset, entry.nbytes)
@@ -133,7 +133,7 @@ class GgufCheckpoint(Checkpoint):
         raise FormatError(
             f"{name!r} is a quantized GGUF tensor ({entry.py_type}); ckpt does not dequantize",
             path=self.manifest.location,
-            fix="Dequantize with llama.cpp's tools, or leave it out (--exclude).",
+            fix="Dequantize with llama.cpp's tools, or leave it out (--filter-out).",
         )
 
 

@@ -394,7 +394,7 @@ class SafetensorsWriter(Writer):
                 f"safetensors has no dtype code for {first.dtype} (tensor {first.name!r}"
                 + (f" and {len(unstorable) - 1} more" if len(unstorable) > 1 else "")
                 + ")",
-                fix="Leave them out with --exclude, or convert to dcp or torch, which keep them.",
+                fix="Leave them out with --filter-out, or convert to dcp or torch, which keep them.",
             )
         self.metadata = dict(options.metadata)
         self.basename = options.basename or "model"

@@ -146,7 +146,7 @@ def _unreadable_components(
     """Fail on a component that cannot be read, unless the user left it out explicitly.
 
     A truncated or hostile `optimizer.pt` must never vanish from the output with exit 0:
-    it fails the convert (exit 4, naming it) unless `--exclude` (or `--select` / `--include`
+    it fails the convert (exit 4, naming it) unless `--filter-out` (or `--select` / `--filter`
     choosing other entries) leaves it out; then it is listed in `skipped` with why.
     """
     import fnmatch
@@ -154,11 +154,11 @@ def _unreadable_components(
     def left_out(comp: str) -> str | None:
         probes = (comp, f"{comp}.", f"{comp}.x")
         if exclude and any(fnmatch.fnmatchcase(p, g) for g in exclude for p in probes):
-            return "left out by --exclude"
+            return "left out by --filter-out"
         if select is not None and comp != select.rstrip(".") and not comp.startswith(select):
             return "outside --select"
         if include and not any(fnmatch.fnmatchcase(p, g) for g in include for p in probes):
-            return "not matched by --include"
+            return "not matched by --filter"
         return None
 
     for comp, (where, problem) in sorted(unreadable.items()):
@@ -167,7 +167,7 @@ def _unreadable_components(
             raise FormatError(
                 f"the {comp} component cannot be read, so it cannot be converted: {problem}",
                 path=where,
-                fix=f"Repair or re-save it, or leave it out explicitly with --exclude '{comp}*'.",
+                fix=f"Repair or re-save it, or leave it out explicitly with --filter-out '{comp}*'.",
             )
         skipped.append(
             SkippedEntry(

@@ -58,7 +58,7 @@ def select_entries(
     select: str | None,
     manifest: Manifest | None = None,
 ) -> Selection:
-    """`entries` (a subset of `manifest`'s, after `--include`/`--exclude`) as `--select select`
+    """`entries` (a subset of `manifest`'s, after `--filter`/`--filter-out`) as `--select select`
     takes them from `opened` (see the module docstring); every entry when `select` is empty.
 
     `manifest` is the one `entries` come from (by default `opened`'s): a component whose keys

@@ -417,7 +417,7 @@ def with_sidecars(
 ) -> list[Entry]:
     """`chosen` plus the scales of every chosen weight (in `entries` order).
 
-    What `download --tensors` uses: a weight fetched without its `weight_scale_inv` loads
+    What `download --filter` uses: a weight fetched without its `weight_scale_inv` loads
     200x to 450,000x off. A scale the user's `exclude` globs name explicitly stays out.
     """
     picked = {e.name for e in chosen}
