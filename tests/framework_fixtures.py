@@ -41,7 +41,7 @@ def tiny_config() -> Any:
     )
 
 
-class _Rows:
+class Rows:
     """A tiny in-memory causal-LM dataset (a torch map-style dataset)."""
 
     def __init__(self, n: int = 16, length: int = 8):
@@ -79,7 +79,7 @@ def build_trainer(out: Path) -> None:
             disable_tqdm=True,
             dataloader_num_workers=0,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=_Rows())
+        trainer = Trainer(model=model, args=args, train_dataset=Rows())
         trainer.train(resume_from_checkpoint=resume)
 
     run(out / "straight", None)
@@ -105,7 +105,7 @@ def build_accelerate(out: Path) -> None:
         # its own generator: starting an epoch then draws no number from the global RNG, which
         # a resumed run restores before (not after) it starts its epoch
         loader = torch.utils.data.DataLoader(
-            _Rows(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0)
+            Rows(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0)
         )
         model, optimizer, loader, scheduler = accelerator.prepare(
             model, optimizer, loader, scheduler

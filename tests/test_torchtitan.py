@@ -185,7 +185,7 @@ def test_reshard_to_two_ranks_loads_back_in_torchtitan(
     # the data loader's per-rank state cannot be split: ckpt says so and asks for a choice
     refused = run_ckpt("reshard", step, out, "--world-size", "2")
     assert refused.exit_code == 2 and "dataloader.dp_rank_0" in refused.stderr
-    result = run_ckpt("reshard", step, out, "--world-size", "2", "--keep-rank-state")
+    result = run_ckpt("reshard", step, out, "--world-size", "2", "--rank-state", "keep")
     assert result.exit_code == 0, result.stderr
     assert sorted(p.name for p in out.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     _loads_back(tmp_path / "run", out, truth)

@@ -19,6 +19,11 @@ class Accelerate(Layout):
 
     name = "accelerate"
     step_folder = re.compile(r"checkpoint_(\d+)")
+    #: `save_accelerator_state`: `random_states_{process_index}.pkl` at every world size
+    rank_files = re.compile(r"random_states_(\d+)\.pkl")
+
+    def rank_file_name(self, rank: int, world_size: int) -> str:
+        return f"random_states_{rank}.pkl"
 
     def recognise(self, source: Source) -> bool:
         folder = Folder(source)

@@ -45,6 +45,8 @@ class TorchTitan(SingleLayout):
     name = "torchtitan"
     step_folder = re.compile(r"step-(\d+)")
     suffixes = ()
+    #: `ParallelAwareDataloader.load_state_dict` refuses a state saved at another dp degree
+    rank_state_world_size = ("dataloader.world_size",)
 
     def matches(self, checkpoint: Checkpoint, keys: dict[str, str]) -> bool:
         return checkpoint.manifest.format == "dcp" and "train_state" in keys

@@ -21,6 +21,37 @@ class Trainer(Layout):
 
     name = "hf-trainer"
     step_folder = re.compile(r"checkpoint-(\d+)")
+    #: `_save_rng_state`: `rng_state.pth` at one rank, `rng_state_{process_index}.pth` above
+    rank_files = re.compile(r"rng_state(?:_(\d+))?\.pth")
+
+    def rank_file_name(self, rank: int, world_size: int) -> str:
+        return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
+
+    def batch_notes(self, opened: OpenedSource, before: int, after: int) -> list[str]:
+        """The Trainer resumes by skipping `global_step` batches of its data loader, each of
+        `train_batch_size` samples per rank (times gradient accumulation): at another world
+        size those batches are other samples."""
+        from .composite import CompositeCheckpoint, ObjectsCheckpoint
+
+        checkpoint = opened.checkpoint
+        if not isinstance(checkpoint, CompositeCheckpoint) or before == after:
+            return []
+        state = checkpoint.components.get("trainer_state")
+        if not isinstance(state, ObjectsCheckpoint):
+            return []
+        batch, step = state.values.get("train_batch_size"), state.values.get("global_step")
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            return []
+        steps = f"step {step}" if isinstance(step, int) else "its step"
+        ranks = "1 rank" if after == 1 else f"{after} ranks"
+        return [
+            f"the global batch changes: the data position ({steps}) was counted in global "
+            f"batches of {batch * before} samples (trainer_state.json train_batch_size {batch} "
+            f"x {before} ranks, times gradient accumulation); at {ranks} the same settings "
+            f"make it {batch * after} samples, so the resumed run skips other samples than "
+            f"the saved run saw. It stays {batch * before} only if per_device_train_batch_size "
+            f"x gradient_accumulation_steps x {after} does."
+        ]
 
     def recognise(self, source: Source) -> bool:
         folder = Folder(source)
