@@ -200,8 +200,7 @@ def test_trainer_fsdp_reshard_dry_run_and_hidden_files(
     fsdp_checkpoint: Path, tmp_path: Path
 ) -> None:
     src = shutil.copytree(fsdp_checkpoint, tmp_path / "checkpoint-2")
-    (src / ".ckpt-parity").mkdir()
-    (src / ".ckpt-parity" / "parity.json").write_text("{}")
+    (src / ".notes").write_text("mine")
     out = tmp_path / "out"
     dry = run_ckpt("reshard", src, out, "--world-size", "3", "--rank-state", "drop", "-n", "--json")
     assert dry.exit_code == 0, dry.stderr
@@ -211,10 +210,41 @@ def test_trainer_fsdp_reshard_dry_run_and_hidden_files(
     result = run_ckpt("reshard", src, out, "--world-size", "3", "--rank-state", "drop", "--json")
     assert result.exit_code == 0, result.stderr
     skipped = result.json["result"]["skipped"]
-    assert [s["path"] for s in skipped] == [".ckpt-parity/parity.json"]
-    assert "ckpt protect" in skipped[0]["reason"]
-    assert not (out / ".ckpt-parity").exists()
+    assert [s["path"] for s in skipped] == [".notes"]
+    assert "hidden" in skipped[0]["reason"]
+    assert not (out / ".notes").exists()
     # ckpt reads the output as the Trainer checkpoint it is
     inspected = run_ckpt("inspect", out, "--json").json["result"]["training"]
     assert inspected["layout"] == "hf-trainer" and inspected["resumable"] is True
     assert run_ckpt("verify", out).exit_code == 0
+
+
+def test_ddp_trainer_checkpoint_gets_the_new_worlds_rng_files(
+    real_trainer_run: Path, tmp_path: Path
+) -> None:
+    """A Trainer checkpoint without FSDP (replicated `model.safetensors`, `optimizer.pt`) saved
+    by one process: nothing to re-cut, every file copied, `rng_state.pth` given to the ranks
+    of the new world under the names the Trainer reads there."""
+    src = real_trainer_run / "straight" / "checkpoint-4"
+    assert (src / "rng_state.pth").is_file() and (src / "optimizer.pt").is_file()
+    out = tmp_path / "checkpoint-4"
+    result = run_ckpt(
+        "reshard", src, out, "--world-size", "2", "--rank-state", "replicate", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["parts"] == [] and (report["source_world_size"], report["world_size"]) == (1, 2)
+    assert "model.safetensors" in report["carried"] and "optimizer.pt" in report["carried"]
+    for name in report["carried"]:
+        assert _sha(out / name) == _sha(src / name), name
+    rng = _sha(src / "rng_state.pth")
+    assert sorted(p.name for p in out.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    assert _sha(out / "rng_state_0.pth") == _sha(out / "rng_state_1.pth") == rng
+    # keep: carried as saved, and the verdict says the Trainer on 2 ranks will not find it
+    kept = run_ckpt(
+        "reshard", src, tmp_path / "kept", "--world-size", "2", "--rank-state", "keep", "--json"
+    )
+    assert kept.exit_code == 0, kept.stderr
+    assert (tmp_path / "kept" / "rng_state.pth").is_file()
+    reasons = kept.json["result"]["resume"]["reasons"]
+    assert any("rng_state_0.pth, rng_state_1.pth" in r for r in reasons), reasons

@@ -225,3 +225,71 @@ def test_layout_protocol_opens_a_step_and_declines_a_plain_dcp(
         warnings.simplefilter("ignore")
         dcp.save(_weights(truth), checkpoint_id=str(tmp_path / "plain"), no_dist=True)
     assert layout.open(resolve_source(str(tmp_path / "plain"))) is None
+
+
+@pytest.fixture(scope="module")
+def titan_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """`step-3` of the same run on 2 data-parallel ranks under torchrun (each rank's data loader
+    saves its own `dataloader.dp_rank_{r}`), and what rank 0 held."""
+    from .dist_helpers import run_torchrun
+
+    root = tmp_path_factory.mktemp("torchtitan2")
+    run_torchrun(WRITER, 2, "save", root / "run", root / "truth.pt", timeout=900)
+    step = root / "run" / "checkpoint" / "step-3"
+    assert sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    return step, torch.load(root / "truth.pt", weights_only=True)
+
+
+def _restored_as(back: dict[str, Any], truth: dict[str, Any], world: int) -> None:
+    """What CheckpointManager.load restored on a rank of `world`: everything step 3 held; the
+    data loader's dp degree is the new one (its own state_dict reports it)."""
+    assert back.keys() == truth.keys()
+    assert truth["dataloader.world_size"] == 2 and back["dataloader.world_size"] == world
+    for key, want in truth.items():
+        if key == "dataloader.world_size":
+            continue
+        got = back[key]
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and torch.equal(got, want), key
+        else:
+            assert got == want, key
+
+
+@pytest.mark.torchrun
+def test_two_rank_step_resharded_to_1_and_3_ranks_loads_in_torchtitan(
+    titan_two_ranks: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    from .dist_helpers import run_torchrun
+
+    step, truth = titan_two_ranks
+    for world in (1, 3):
+        run_root = tmp_path / f"run{world}"
+        out = run_root / "checkpoint" / "step-3"
+        out.parent.mkdir(parents=True)
+        result = run_ckpt(
+            "reshard", step, out, "--world-size", world, "--rank-state", "replicate", "--json"
+        )
+        assert result.exit_code == 0, result.stderr
+        report = result.json["result"]
+        written = {e["name"]: e["written"] for e in report["rank_state"]}
+        if world == 1:
+            assert written == {
+                "dataloader.dp_rank_0": ["dataloader.dp_rank_0"],
+                "dataloader.dp_rank_1": [],
+            }
+        else:
+            assert written["dataloader.dp_rank_0"] == [
+                "dataloader.dp_rank_0",
+                "dataloader.dp_rank_2",
+            ]
+        assert report["resume"]["resumable"] is True and report["resume"]["exact"] is False
+        # torchtitan's own loader on the new number of ranks (its dp degree check passes: the
+        # saved `dataloader.world_size` is the new one)
+        if world == 1:
+            titan("load", run_root, 3, run_root / "back.pt")
+        else:
+            run_torchrun(WRITER, world, "load", run_root, 3, run_root / "back.pt", timeout=900)
+        for rank in range(world):
+            _restored_as(
+                torch.load(run_root / f"back.rank{rank}.pt", weights_only=True), truth, world
+            )

@@ -7,7 +7,8 @@ by chunk as `ops.reshard_world` does for one DCP; its per-rank files (`rng_state
 `random_states_{r}.pkl`: the layout's `rank_files`) follow the one per-rank policy
 (`--rank-state keep|drop|replicate`, asked for when the world size changes); every other file
 (scheduler, trainer state, replicated weights of a DDP save, config) is copied verbatim, one
-block at a time. Hidden files are listed in `skipped` with the reason. Everything is staged
+block at a time. Hidden files are listed in `skipped` with the reason (a `.ckpt-parity/` folder
+is never part of a listing: its parity would not match the new files anyway). Everything is staged
 beside DEST and published with one rename after each DCP's structural check.
 
 The report says what became of every file, and whether the output resumes the run: after a
@@ -29,7 +30,7 @@ from ..models import FileInfo
 from ..output import check_destination
 from ..placement import Rule
 from ..progress import NULL_PROGRESS, Progress
-from ..storage import PARITY_DIR, safe_relpath
+from ..storage import safe_relpath
 from .convert_plan import guard_paths, local_dest
 from .reshard_report import (
     RankFile,
@@ -320,16 +321,10 @@ def _carried(
     for rel in sorted(source.files):
         if rel.startswith(inside) or rel in rank_files:
             continue
-        if rel.split("/", 1)[0] == PARITY_DIR:
+        if any(part.startswith(".") for part in rel.split("/")):
             skipped.append(
-                SkippedFile(
-                    path=rel,
-                    reason="parity of the source's files, which the resharded files no longer "
-                    "match (run `ckpt protect` on the output)",
-                )
+                SkippedFile(path=rel, reason="a hidden file: not part of the training state")
             )
-        elif any(part.startswith(".") for part in rel.split("/")):
-            skipped.append(SkippedFile(path=rel, reason="a hidden file (not part of the run)"))
         else:
             carried.append(rel)
     return carried, skipped

@@ -340,6 +340,8 @@ def reshard_world_size(
         else:
             action = None  # plan_cut says why it cannot
         layout = _single_layout(checkpoint) if format is None else None
+        #: entries recording the world size the per-rank state was saved for (torchtitan's)
+        recording = layout.rank_state_world_size if layout else ()
         cut = plan_cut(
             checkpoint,
             world_size,
@@ -348,12 +350,20 @@ def reshard_world_size(
             serialization=serialization,
             compression=compression,
             extras=extra_files(checkpoint) if extras else [],
-            world_size_entries=layout.rank_state_world_size if layout else (),
+            world_size_entries=recording,
         )
         report = cut.report
         report.destination = str(out)
         training = _training_of(checkpoint) if format is None else None
-        report.resume = resume_verdict(training, report, [])
+        notes = []
+        recorded = [n for n in recording if n in checkpoint.manifest.by_name]
+        if recorded and action == "keep" and world_size != report.source_world_size:
+            notes.append(
+                f"{', '.join(recorded)} still says {report.source_world_size}: "
+                f"{layout.name if layout else 'the framework'}'s loader refuses per-rank state "
+                "saved at another world size (--rank-state replicate sets it)"
+            )
+        report.resume = resume_verdict(training, report, notes)
         if dry_run:
             report.files = planned_rank_files(cut.fmt, cut.plan, world_size)
             report.dry_run = True
@@ -461,14 +471,22 @@ def resume_verdict(
         "the data and draws from another RNG stream than the saved run did",
     ]
     action = report.rank_state_action
+    lo, hi = sorted((before or 1, after or 1))
+    several = hi - lo > 1
+    ranks = f"ranks {lo}..{hi - 1}" if several else f"rank {lo}"
+    grew = (after or 1) > (before or 1)
     if action == "drop":
         reasons.append("per-rank RNG / data-loader state was left out: every rank starts fresh")
+    elif action == "replicate" and grew:
+        copies = "start from copies" if several else "starts from a copy"
+        reasons.append(f"{ranks} {copies} of rank 0's per-rank state")
     elif action == "replicate":
-        reasons.append("ranks the source did not have start from copies of rank 0's state")
+        reasons.append(f"the per-rank state of {ranks} was left out (no such rank any more)")
+    elif action == "keep" and grew:
+        finds = "find none of their own" if several else "finds none of its own"
+        reasons.append(f"per-rank state was carried as saved: {ranks} {finds}")
     elif action == "keep":
-        reasons.append(
-            "per-rank state was carried as saved, for the old ranks: new ranks find none"
-        )
+        reasons.append(f"per-rank state was carried as saved: that of {ranks} is not read")
     reasons.extend(notes)
     if not training.resumable:
         reasons.insert(0, f"the source cannot resume: it lacks {', '.join(training.missing)}")
