@@ -12,7 +12,7 @@ dict) and rank 0 saves it to `REPORT` with the step it resumed at; training then
 
 accelerate only turns FSDP on for accelerator devices (its `MULTI_CPU` state ignores the FSDP
 plugin), so on CPU the shared `AcceleratorState` is switched to `DistributedType.FSDP` with the
-Trainer's own plugin right after accelerate builds it (`_fsdp_on_cpu`), before the Trainer
+Trainer's own plugin right after accelerate builds it (`fsdp_on_cpu`), before the Trainer
 looks at it; from there on the Trainer and accelerate run their real FSDP paths (fully_shard
 on a gloo CPU mesh, `save_fsdp_model` / `save_fsdp_optimizer`, `load_fsdp_*`).
 """
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.framework_fixtures import Rows, tiny_config
 
 
-def _fsdp_on_cpu() -> None:
+def fsdp_on_cpu() -> None:
     """Make accelerate's state FSDP on CPU ranks when an FSDP plugin is given (see above)."""
     from accelerate import state as acc_state
     from accelerate.utils import DistributedType
@@ -78,9 +78,29 @@ def _trainer(out: str, callbacks: list[Any]) -> Any:
     return Trainer(model=model, args=args, train_dataset=Rows(), callbacks=callbacks)
 
 
-def _resume_probe(report: Path) -> Any:
+def full_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The full (unsharded) model and optimizer state dicts of an FSDP2 model, on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from torch.distributed.tensor import DTensor
+
+    inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    model_sd, optim_sd = get_state_dict(
+        model, inner, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
+    )
+
+    def full(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return value.full_tensor()
+        if isinstance(value, dict):
+            return {k: full(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [full(v) for v in value]
+        return value
+
+    return full(model_sd), full(optim_sd)
+
+
+def _resume_probe(report: Path) -> Any:
     from transformers import TrainerCallback
 
     class Probe(TrainerCallback):  # type: ignore[misc]
@@ -91,24 +111,7 @@ def _resume_probe(report: Path) -> Any:
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             trainer = self.trainer
-            model_sd, optim_sd = get_state_dict(
-                trainer.model_wrapped,
-                trainer.optimizer.optimizer
-                if hasattr(trainer.optimizer, "optimizer")
-                else trainer.optimizer,
-                options=StateDictOptions(full_state_dict=True, cpu_offload=False),
-            )
-
-            def full(value: Any) -> Any:
-                if isinstance(value, DTensor):
-                    return value.full_tensor()
-                if isinstance(value, dict):
-                    return {k: full(v) for k, v in value.items()}
-                if isinstance(value, list):
-                    return [full(v) for v in value]
-                return value
-
-            model_sd, optim_sd = full(model_sd), full(optim_sd)
+            model_sd, optim_sd = full_state(trainer.model_wrapped, trainer.optimizer)
             if dist.get_rank() == 0:
                 torch.save(
                     {
@@ -125,7 +128,7 @@ def _resume_probe(report: Path) -> Any:
 
 def main() -> None:
     warnings.simplefilter("ignore")
-    _fsdp_on_cpu()
+    fsdp_on_cpu()
     mode = sys.argv[1]
     if mode == "train":
         trainer = _trainer(sys.argv[2], [])
