@@ -10,8 +10,9 @@
 (`get_state_dict`, full state dict), the scheduler's state and the world size to REPORT.
 
 accelerate turns FSDP on only for accelerator devices; on CPU the state is switched to FSDP
-with the plugin given (`trainer_fsdp_script.fsdp_on_cpu`), after which accelerate's own FSDP
-paths (`fully_shard`, `save_fsdp_model` / `save_fsdp_optimizer`, `load_fsdp_*`) run.
+with the plugin given (`trainer_fsdp_script.fsdp_on_cpu`) and again before `save_state` /
+`load_state` (`prepare()` wraps the model with `fully_shard`, then sets `MULTI_CPU` back), so
+accelerate's own FSDP paths (`save_fsdp_model` / `save_fsdp_optimizer`, `load_fsdp_*`) run.
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ def _prepared() -> tuple[Any, ...]:
     return accelerator, model, optimizer, loader, scheduler
 
 
+def _fsdp_paths(accelerator: Any) -> None:
+    """prepare() wraps the model with fully_shard, then puts MULTI_CPU back (and training keeps
+    it): save_state and load_state must take their FSDP paths."""
+    from accelerate.utils import DistributedType
+
+    accelerator.state.distributed_type = DistributedType.FSDP
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     fsdp_on_cpu()
@@ -59,8 +68,10 @@ def main() -> None:
             optimizer.zero_grad()
             if step == 2:
                 break
+        _fsdp_paths(accelerator)
         accelerator.save_state(sys.argv[2])
     else:
+        _fsdp_paths(accelerator)
         accelerator.load_state(sys.argv[2])
         model_sd, optim_sd = full_state(model, optimizer)
         if dist.get_rank() == 0:

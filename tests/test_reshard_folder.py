@@ -8,6 +8,10 @@ folders for N ranks, applies the per-rank policy to the RNG files and copies the
 judge is the Trainer itself: `Trainer(...).train(resume_from_checkpoint=OUT)` under torchrun
 with N processes restores the model and optimizer state bit-exact (against DCP's own reader of
 the source folders) and trains on to step 4.
+
+The same for an accelerate FSDP2 loop's `save_state` folder (`tests/accelerate_fsdp_script.py`),
+judged by `accelerator.load_state` on N ranks; and a DDP Trainer checkpoint, whose only per-rank
+files are its RNG states.
 """
 
 from __future__ import annotations
@@ -248,3 +252,58 @@ def test_ddp_trainer_checkpoint_gets_the_new_worlds_rng_files(
     assert (tmp_path / "kept" / "rng_state.pth").is_file()
     reasons = kept.json["result"]["resume"]["reasons"]
     assert any("rng_state_0.pth, rng_state_1.pth" in r for r in reasons), reasons
+
+
+ACCELERATE = Path(__file__).with_name("accelerate_fsdp_script.py")
+
+
+@pytest.fixture(scope="module")
+def accelerate_fsdp_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`save_state` of a 2-rank accelerate FSDP2 loop (accelerate's own save code)."""
+    root = tmp_path_factory.mktemp("accelerate_fsdp")
+    run_torchrun(ACCELERATE, 2, "train", root / "step-2", timeout=600)
+    folder = root / "step-2"
+    assert (folder / "pytorch_model_fsdp_0" / "__1_0.distcp").is_file()
+    assert (folder / "optimizer_0" / "__1_0.distcp").is_file()
+    assert (folder / "random_states_1.pkl").is_file()
+    return folder
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_accelerate_fsdp_folder_resharded_whole_loads_in_load_state(
+    accelerate_fsdp_folder: Path, tmp_path: Path, world: int
+) -> None:
+    src = accelerate_fsdp_folder
+    out = tmp_path / "step-2"
+    result = run_ckpt(
+        "reshard", src, out, "--world-size", world, "--rank-state", "replicate", "--json"
+    )
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json["result"]
+    assert report["layout"] == "accelerate"
+    assert sorted(p["path"] for p in report["parts"]) == ["optimizer_0/", "pytorch_model_fsdp_0/"]
+    assert report["carried"] == ["scheduler.bin"]
+    assert _sha(out / "scheduler.bin") == _sha(src / "scheduler.bin")
+    states = [_sha(src / f"random_states_{r}.pkl") for r in range(2)]
+    assert sorted(p.name for p in out.glob("random_states_*")) == [
+        f"random_states_{r}.pkl" for r in range(world)
+    ]
+    assert [_sha(out / f"random_states_{r}.pkl") for r in range(world)] == [
+        states[r] if r < 2 else states[0] for r in range(world)
+    ]
+    assert report["resume"]["exact"] is False
+    # the judge: accelerate's load_state on `world` ranks restores the state bit-exact
+    restored_file = tmp_path / "restored.pt"
+    run_torchrun(ACCELERATE, world, "resume", out, restored_file, timeout=600)
+    restored = torch.load(restored_file, weights_only=True)
+    assert restored["world_size"] == world
+    model, optim = _source_state(src)
+    assert restored["model"].keys() == model.keys()
+    for name, tensor in model.items():
+        assert torch.equal(restored["model"][name], tensor), name
+    assert restored["optimizer"]["state"].keys() == optim["state"].keys()
+    for param, state in optim["state"].items():
+        for key, value in state.items():
+            got = restored["optimizer"]["state"][param][key]
+            assert torch.equal(torch.as_tensor(got), torch.as_tensor(value)), (param, key)
+    assert restored["scheduler"] == torch.load(src / "scheduler.bin", weights_only=True)

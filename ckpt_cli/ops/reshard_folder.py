@@ -52,7 +52,7 @@ from .reshard_world import (
     write_cuts,
 )
 
-#: the names of a DCP folder's own files: `.metadata` and the rank files, re-written by the cut
+#: a DCP folder's own files besides its `*.distcp` data files: written anew by the cut
 _DCP_OWN = (".metadata",)
 
 
@@ -227,8 +227,6 @@ def _open_parts(source: Source, subfolders: list[str]) -> dict[str, Checkpoint]:
 
 def _dcp_extras(source: Source, sub: str, checkpoint: Checkpoint) -> list[str]:
     """Files inside a DCP sub-folder that are not DCP's own (copied beside the re-cut one)."""
-    from ..formats.dcp import rank_file
-
     own = {f.path for f in checkpoint.manifest.files} | set(_DCP_OWN)
     prefix = f"{sub}/"
     out = []
@@ -238,8 +236,6 @@ def _dcp_extras(source: Source, sub: str, checkpoint: Checkpoint) -> list[str]:
         inner = rel[len(prefix) :]
         name = inner.rsplit("/", 1)[-1]
         if inner in own or name.startswith(".") or inner.endswith(".distcp"):
-            continue
-        if inner == rank_file(0):
             continue
         out.append(inner)
     return out
