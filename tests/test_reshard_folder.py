@@ -205,6 +205,7 @@ def test_trainer_fsdp_reshard_dry_run_and_hidden_files(
 ) -> None:
     src = shutil.copytree(fsdp_checkpoint, tmp_path / "checkpoint-2")
     (src / ".notes").write_text("mine")
+    (src / "config.json").write_text('{"model_type": "llama"}')
     out = tmp_path / "out"
     dry = run_ckpt("reshard", src, out, "--world-size", "3", "--rank-state", "drop", "-n", "--json")
     assert dry.exit_code == 0, dry.stderr
@@ -217,6 +218,24 @@ def test_trainer_fsdp_reshard_dry_run_and_hidden_files(
     assert [s["path"] for s in skipped] == [".notes"]
     assert "hidden" in skipped[0]["reason"]
     assert not (out / ".notes").exists()
+    assert "config.json" in result.json["result"]["carried"]
+    # --no-extras reaches the whole folder: the config is left out, and listed
+    bare = run_ckpt(
+        "reshard",
+        src,
+        tmp_path / "bare",
+        "--world-size",
+        "3",
+        "--rank-state",
+        "drop",
+        "--no-extras",
+        "--json",
+    )
+    assert bare.exit_code == 0, bare.stderr
+    assert {"path": "config.json", "reason": "left out (--no-extras)"} in bare.json["result"][
+        "skipped"
+    ]
+    assert not (tmp_path / "bare" / "config.json").exists()
     # ckpt reads the output as the Trainer checkpoint it is
     inspected = run_ckpt("inspect", out, "--json").json["result"]["training"]
     assert inspected["layout"] == "hf-trainer" and inspected["resumable"] is True

@@ -313,6 +313,7 @@ def run_reshard(
                     force=force,
                     progress=progress,
                     dry_run=dry_run,
+                    extras=extras,
                 )
             finally:
                 opened.checkpoint.close()

@@ -81,6 +81,7 @@ def reshard_folder(
     force: bool = False,
     progress: Progress = NULL_PROGRESS,
     dry_run: bool = False,
+    extras: bool = True,
 ) -> ReshardReport:
     """Reshard the whole training folder `source` (opened as `layout`) for `world_size` ranks.
 
@@ -88,7 +89,8 @@ def reshard_folder(
     saved; `drop`: left out; `replicate`: the new world's set, each rank its own where it had
     one and a copy of the lowest rank's otherwise, ranks past the new world left out; None:
     carried at the same world size, else a `UsageError` listing them and the choices); every
-    other file is copied verbatim.
+    other file is copied verbatim (with `extras=False`, but the config / tokenizer files
+    `convert` calls extras).
     """
     src = source.location.raw
     check_world_options(world_size, compression)
@@ -137,6 +139,16 @@ def reshard_folder(
         ]
         files_out = _rank_file_plan(layout, rank_files, action, world_size)
         carried, skipped = _carried(source, subfolders, rank_files)
+        if not extras:
+            from .transfer import extra_files
+
+            left_out = set(extra_files(opened.checkpoint))
+            skipped += [
+                SkippedFile(path=r, reason="left out (--no-extras)")
+                for r in carried
+                if r in left_out
+            ]
+            carried = [r for r in carried if r not in left_out]
         report = ReshardReport(
             mode="world-size",
             source=src,
