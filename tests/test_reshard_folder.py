@@ -39,7 +39,14 @@ if (
         allow_module_level=True,
     )
 
-pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun, pytest.mark.slow]
+# a Trainer or accelerate run under torchrun and its resume on up to 3 ranks: several minutes of
+# framework start-up on a busy CPU, more than the suite's default 300 s per test
+pytestmark = [
+    pytest.mark.frameworks,
+    pytest.mark.torchrun,
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+]
 
 SCRIPT = Path(__file__).with_name("trainer_fsdp_script.py")
 

@@ -256,40 +256,42 @@ def _restored_as(back: dict[str, Any], truth: dict[str, Any], world: int) -> Non
 
 
 @pytest.mark.torchrun
+# a 2-rank torchtitan run, then its reshard loaded by torchtitan on up to 3 ranks: several
+# minutes of framework start-up on a busy CPU, more than the suite's default 300 s
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [1, 3])
 def test_two_rank_step_resharded_to_1_and_3_ranks_loads_in_torchtitan(
-    titan_two_ranks: tuple[Path, dict[str, Any]], tmp_path: Path
+    titan_two_ranks: tuple[Path, dict[str, Any]], tmp_path: Path, world: int
 ) -> None:
     from .dist_helpers import run_torchrun
 
     step, truth = titan_two_ranks
-    for world in (1, 3):
-        run_root = tmp_path / f"run{world}"
-        out = run_root / "checkpoint" / "step-3"
-        out.parent.mkdir(parents=True)
-        result = run_ckpt(
-            "reshard", step, out, "--world-size", world, "--rank-state", "replicate", "--json"
-        )
-        assert result.exit_code == 0, result.stderr
-        report = result.json["result"]
-        written = {e["name"]: e["written"] for e in report["rank_state"]}
-        if world == 1:
-            assert written == {
-                "dataloader.dp_rank_0": ["dataloader.dp_rank_0"],
-                "dataloader.dp_rank_1": [],
-            }
-        else:
-            assert written["dataloader.dp_rank_0"] == [
-                "dataloader.dp_rank_0",
-                "dataloader.dp_rank_2",
-            ]
-        assert report["resume"]["resumable"] is True and report["resume"]["exact"] is False
-        # torchtitan's own loader on the new number of ranks (its dp degree check passes: the
-        # saved `dataloader.world_size` is the new one)
-        if world == 1:
-            titan("load", run_root, 3, run_root / "back.pt")
-        else:
-            run_torchrun(WRITER, world, "load", run_root, 3, run_root / "back.pt", timeout=900)
-        for rank in range(world):
-            _restored_as(
-                torch.load(run_root / f"back.rank{rank}.pt", weights_only=True), truth, world
-            )
+    run_root = tmp_path / "run"
+    out = run_root / "checkpoint" / "step-3"
+    out.parent.mkdir(parents=True)
+    result = run_ckpt(
+        "reshard", step, out, "--world-size", world, "--rank-state", "replicate", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    written = {e["name"]: e["written"] for e in report["rank_state"]}
+    if world == 1:
+        assert written == {
+            "dataloader.dp_rank_0": ["dataloader.dp_rank_0"],
+            "dataloader.dp_rank_1": [],
+        }
+    else:
+        assert written["dataloader.dp_rank_0"] == [
+            "dataloader.dp_rank_0",
+            "dataloader.dp_rank_2",
+        ]
+    assert report["resume"]["resumable"] is True and report["resume"]["exact"] is False
+    # torchtitan's own loader on the new number of ranks (its dp degree check passes: the
+    # saved `dataloader.world_size` is the new one)
+    if world == 1:
+        titan("load", run_root, 3, run_root / "back.pt")
+    else:
+        run_torchrun(WRITER, world, "load", run_root, 3, run_root / "back.pt", timeout=900)
+    for rank in range(world):
+        back = torch.load(run_root / f"back.rank{rank}.pt", weights_only=True)
+        _restored_as(back, truth, world)
