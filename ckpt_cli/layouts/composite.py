@@ -158,6 +158,8 @@ class CompositeCheckpoint(Checkpoint):
 
         self.components = components
         self.layout = layout
+        #: component -> the subfolder it lives in (`pytorch_model_fsdp_0/`), root ones absent
+        self.subfolders = dict(subfolders)
         self._route: dict[str, tuple[Checkpoint, str]] = {}
         entries: list[Entry] = []
         files: list[FileInfo] = []
@@ -255,6 +257,8 @@ class Folder:
         self.subfolders: dict[str, str] = {}
         #: components present but deliberately not loaded: component -> description
         self.listed: dict[str, str] = {}
+        #: their files: file -> why it is not loaded (what `convert` reports as skipped)
+        self.listed_files: dict[str, str] = {}
         self.wrappers: dict[str, str] = {}
         self.names = {
             n[len(base) :] for n in source.files if n.startswith(base) and "/" not in n[len(base) :]
@@ -477,6 +481,7 @@ def finish(
         problems=list(folder.problems),
         parts=dict(folder.parts),
         unreadable=dict(folder.unreadable_parts),
+        listed_files=dict(folder.listed_files),
     )
 
 

@@ -49,6 +49,10 @@ class Trainer(Layout):
             # a pickle of transformers' TrainingArguments dataclass: weights_only refuses it and
             # nothing else may unpickle it, so it is listed (files, components) and never read
             folder.listed["training_args"] = "training_args.bin (not loaded)"
+            folder.listed_files[folder.rel("training_args.bin")] = (
+                "a pickle of transformers' TrainingArguments: never unpickled (it would run "
+                "transformers code) and not needed to resume; copy it by hand if wanted"
+            )
         folder.problems.extend(self.missing(source, folder))
         checkpoint = folder.composite("hf-trainer")
         state = analyse(checkpoint, "hf-trainer", component_prefixes(checkpoint))
