@@ -443,6 +443,22 @@ def _convert_components(
     layout, components = found
 
     files, reports = write_components(src, dest, layout, components, to, again, force=force)
+    # every file of SRC accounted for: each component's own (prefixed with its folder), and
+    # the files copied beside them (`model_index.json`, schedulers, tokenizers...)
+    bases = [f"{c.path}/" if c.path else "" for c in components if c.weights is not None]
+    read: list[str] = []
+    carried: list[str] = []
+    skipped: list[SkippedEntry] = []
+    written: set[str] = set()
+    for base, report in zip(bases, reports, strict=True):
+        read += [f"{base}{r}" for r in report.read]
+        carried += [f"{base}{r}" for r in report.extras]
+        written.update(f"{base}{f.path}" for f in report.files)
+        skipped += [
+            s.model_copy(update={"name": f"{base}{s.name}"}) if s.kind == "file" else s
+            for s in report.skipped
+        ]
+    carried += [f.path for f in files if f.path not in written and f.path not in carried]
     return ConvertReport(
         source=src,
         source_format=layout,
@@ -456,7 +472,9 @@ def _convert_components(
         cast=next((r.cast for r in reports if r.cast), None),
         casts=sum(r.casts for r in reports),
         renamed=sum(r.renamed for r in reports),
-        skipped=[s for r in reports for s in r.skipped],
+        skipped=skipped,
+        read=read,
+        extras=carried,
         max_shard_size=shard_size,
         entries=[e for r in reports for e in r.entries],
     )
