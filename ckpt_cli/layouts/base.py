@@ -41,6 +41,8 @@ class OpenedSource:
     #: the library layout of a model folder (PEFT adapter, diffusers pipeline...), if any
     layout: LayoutInfo | None = None
     unreadable: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: files of the folder a layout lists but never loads: file -> why (`training_args.bin`)
+    listed_files: dict[str, str] = field(default_factory=dict)
 
 
 class Layout(ABC):

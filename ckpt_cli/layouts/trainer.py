@@ -64,8 +64,13 @@ class Trainer(Layout):
         for comp, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt")):
             if folder.has(name):
                 folder.add(comp, name, "torch")
-        if "optimizer" not in folder.components and folder.has_dir("optimizer_0"):
-            folder.add_dir("optimizer", "optimizer_0", "dcp")  # FSDP sharded optimizer state
+        if "optimizer" not in folder.components and folder.has("optimizer.bin"):
+            # FSDP with FULL_STATE_DICT: accelerate's `save_fsdp_optimizer` names it so
+            folder.add("optimizer", "optimizer.bin", "torch")
+        # FSDP: accelerate's `save_fsdp_model` / `save_fsdp_optimizer` wrote the model and the
+        # optimizer (`pytorch_model_fsdp_0/`, `optimizer_0/` DCP folders, or the full
+        # `pytorch_model_fsdp.bin` beside the `model.safetensors` of `save_model`)
+        folder.add_fsdp()
         if folder.has("scaler.pt"):
             folder.add("scaler", "scaler.pt", "torch")
         folder.add_many("rng", rng, "torch")
@@ -75,6 +80,10 @@ class Trainer(Layout):
             # a pickle of transformers' TrainingArguments dataclass: weights_only refuses it and
             # nothing else may unpickle it, so it is listed (files, components) and never read
             folder.listed["training_args"] = "training_args.bin (not loaded)"
+            folder.listed_files[folder.rel("training_args.bin")] = (
+                "a pickle of transformers' TrainingArguments: never unpickled (it would run "
+                "transformers code) and not needed to resume; copy it by hand if wanted"
+            )
         folder.problems.extend(self.missing(source, folder))
         checkpoint = folder.composite("hf-trainer")
         state = analyse(checkpoint, "hf-trainer", component_prefixes(checkpoint))
@@ -144,7 +153,11 @@ def _save_only_model(source: Source, rel: str) -> bool | None:
 def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
     """Optimizer / scheduler files a Trainer checkpoint should have but lacks, when its own
     training arguments (`save_only_model` false) or its sibling checkpoints say so."""
-    if folder.has_dir("optimizer_0") or any(n.startswith("global_step") for n in source.files):
+    if (
+        folder.has_dir("optimizer_0")
+        or folder.has("optimizer.bin")
+        or any(n.startswith("global_step") for n in source.files)
+    ):
         return []  # FSDP or DeepSpeed state: saved in another shape
     missing = [n for n in _TRAINER_STATE_FILES if not folder.has(n)]
     if not missing:
