@@ -116,3 +116,16 @@ def test_whole_folder_converts_to_dcp_and_torch_identically(
     expected = _reference(run)
     for name, tensor in expected.items():
         assert torch.equal(back["model"][name], tensor), name
+
+
+def test_world_size_reshard_of_a_zero_run_is_refused_with_the_way_to_resize(
+    zero_runs: Path, tmp_path: Path
+) -> None:
+    """ZeRO partitions are cut by data-parallel rank, not DCP chunks: `reshard --world-size`
+    says so (exit 2) and names DeepSpeed's own way; nothing is written."""
+    out = tmp_path / "out"
+    result = run_ckpt("reshard", zero_runs / "zero2", out, "--world-size", "1", "--json")
+    assert result.exit_code == 2, result.stdout
+    error = result.json["error"]
+    assert "deepspeed" in error["message"] and "universal" in error["fix"]
+    assert not out.exists()
