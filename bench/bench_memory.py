@@ -71,7 +71,7 @@ def measure(src: Path, work: Path, label: str, scale_mib: float | None) -> dict[
         "diff A A": ckpt("diff", src, src),
         "convert --to dcp": ckpt("convert", src, work / f"{label}-conv", "--to", "dcp"),
         "reshard --world-size 1": ckpt(
-            "reshard", src, work / f"{label}-re", "--world-size", "1", "--keep-rank-state"
+            "reshard", src, work / f"{label}-re", "--world-size", "1", "--rank-state", "keep"
         ),
         "dcp.load + dcp.save": [
             sys.executable,

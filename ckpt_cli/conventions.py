@@ -67,6 +67,7 @@ METAVARS: dict[str, str] = {
     "--rtol": "TOL",
     "--max-iterations": "N",
     "--dcp-serialization": "KIND",
+    "--rank-state": "POLICY",
 }
 
 #: values the shell completions offer, by long option name (enums complete their own choices)
@@ -78,6 +79,7 @@ OPTION_VALUES: dict[str, list[str]] = {
     "--dtype": ["bf16", "fp16", "fp32"],
     "--algo": ["sha256", "blake3", "xxh3"],
     "--dcp-serialization": ["torch_save", "safetensors"],
+    "--rank-state": ["keep", "drop", "replicate"],
     "--repo-type": ["model", "dataset", "space"],
 }
 

@@ -312,6 +312,8 @@ class TrainingState(BaseModel):
         optimizer: the optimizer state, if any.
         scheduler: LR scheduler summary (class, last_epoch...), if any.
         rng: RNG streams present (`python`, `numpy`, `torch_cpu`, `torch_cuda`...).
+        rng_ranks: the ranks whose RNG state is saved, each its own component (`rng_0`,
+            `rng_1`...: a multi-process save); empty when there is one, unnumbered.
         dataloader: data-loader / sampler state summary, if any.
         components: component -> the file(s) holding it (or the key prefix, inside one file).
         prefixes: component -> the prefix of its entry names in the opened checkpoint
@@ -334,6 +336,7 @@ class TrainingState(BaseModel):
     optimizer: OptimizerState | None = None
     scheduler: dict[str, Any] | None = None
     rng: list[str] = Field(default_factory=list)
+    rng_ranks: list[int] = Field(default_factory=list)
     dataloader: dict[str, Any] | None = None
     components: dict[str, str] = Field(default_factory=dict)
     prefixes: dict[str, str] = Field(default_factory=dict)

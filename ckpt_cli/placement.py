@@ -299,3 +299,22 @@ def rank_of(name: str) -> int | None:
         if part.isdigit() and _RANK_PREFIXES.match(prev):
             return int(part)
     return None
+
+
+def with_rank(name: str, rank: int) -> str:
+    """`name` (a per-rank entry, see `rank_of`) renamed for `rank`: `rng.rank0` -> `rng.rank2`,
+    `dataloader.dp_rank_0.position` -> `dataloader.dp_rank_2.position`, `rng.0` -> `rng.2`.
+    The segment `rank_of` reads the rank from is the one changed; other names are returned
+    unchanged."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        match = _RANK_SEGMENT.match(part)
+        if match:
+            start, end = match.span(1)
+            parts[i] = f"{part[:start]}{rank}{part[end:]}"
+            return ".".join(parts)
+    for i in range(1, len(parts)):
+        if parts[i].isdigit() and _RANK_PREFIXES.match(parts[i - 1]):
+            parts[i] = str(rank)
+            return ".".join(parts)
+    return name

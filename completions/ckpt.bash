@@ -9,7 +9,7 @@ _ckpt() {
     inspect) opts="--list -l --filter -k --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --exact --force --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --no-extras --dcp-compression --config --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    reshard) opts="--world-size --max-shard-size --shard-dim --plan --drop-rank-state --keep-rank-state --dcp-serialization --dry-run -n --no-extras --dcp-compression --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    reshard) opts="--world-size --max-shard-size --shard-dim --plan --rank-state --dcp-serialization --dry-run -n --no-extras --dcp-compression --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --watch --max-iterations --settle --json --quiet -q --verbose -v --help -h" ;;
     latest) opts="--settle --json --quiet -q --verbose -v --help -h" ;;
     sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
@@ -51,6 +51,7 @@ _ckpt() {
     reshard\ --max-shard-size) COMPREPLY=(); return ;;
     reshard\ --shard-dim) COMPREPLY=(); return ;;
     reshard\ --plan) COMPREPLY=( $(compgen -f -- "$cur") ); return ;;
+    reshard\ --rank-state) COMPREPLY=( $(compgen -W "keep drop replicate" -- "$cur") ); return ;;
     reshard\ --dcp-serialization) COMPREPLY=( $(compgen -W "torch_save safetensors" -- "$cur") ); return ;;
     reshard\ --dcp-compression) COMPREPLY=(); return ;;
     reshard\ --format|reshard\ -f) COMPREPLY=( $(compgen -W "safetensors dcp torch hub" -- "$cur") ); return ;;

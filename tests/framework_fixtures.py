@@ -5,6 +5,12 @@
   resumed from `checkpoint-2` with `resume_from_checkpoint` (`resumed/checkpoint-4`).
 - `real_accelerate_run`: an accelerate loop (`Accelerator.save_state` / `load_state`) of 4 steps
   saving `step-2` and `step-4`, and the run resumed from `step-2` (`resumed/step-4`).
+- `accelerate_fsdp_saves`: `Accelerator.save_state` under FSDP2 on 2 ranks (torchrun, gloo, CPU)
+  of two models (the tiny Llama and a small MLP), with SHARDED_STATE_DICT (`sharded`:
+  `pytorch_model_fsdp_{0,1}/`, `optimizer_{0,1}/` DCP folders) and FULL_STATE_DICT (`full`:
+  `pytorch_model_fsdp{,_1}.bin`, `optimizer{,_1}.bin`), each with `scheduler{,_1}.bin` and
+  `random_states_{0,1}.pkl` (`tests/accelerate_fsdp_script.py`, which says how accelerate's FSDP
+  path is forced on CPU). A test using it is marked `torchrun` and `frameworks`.
 - `real_hf_model`: `save_pretrained` of the same tiny Llama with its generation config and a real
   (tokenizers-built) fast tokenizer: the folder `from_pretrained` reads.
 
@@ -41,7 +47,7 @@ def tiny_config() -> Any:
     )
 
 
-class _Rows:
+class Rows:
     """A tiny in-memory causal-LM dataset (a torch map-style dataset)."""
 
     def __init__(self, n: int = 16, length: int = 8):
@@ -79,7 +85,7 @@ def build_trainer(out: Path) -> None:
             disable_tqdm=True,
             dataloader_num_workers=0,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=_Rows())
+        trainer = Trainer(model=model, args=args, train_dataset=Rows())
         trainer.train(resume_from_checkpoint=resume)
 
     run(out / "straight", None)
@@ -105,7 +111,7 @@ def build_accelerate(out: Path) -> None:
         # its own generator: starting an epoch then draws no number from the global RNG, which
         # a resumed run restores before (not after) it starts its epoch
         loader = torch.utils.data.DataLoader(
-            _Rows(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0)
+            Rows(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0)
         )
         model, optimizer, loader, scheduler = accelerator.prepare(
             model, optimizer, loader, scheduler
@@ -179,6 +185,24 @@ def real_trainer_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def real_accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real accelerate run folder: `straight/step-{2,4}` and `resumed/step-4`."""
     return _build("accelerate", tmp_path_factory.mktemp("accelerate_run"))
+
+
+#: the FSDP state-dict types `accelerate_fsdp_saves` writes, by the key it returns them under
+FSDP_STATE_DICTS = {"sharded": "SHARDED_STATE_DICT", "full": "FULL_STATE_DICT"}
+ACCELERATE_FSDP_SCRIPT = REPO / "tests" / "accelerate_fsdp_script.py"
+
+
+@pytest.fixture(scope="session")
+def accelerate_fsdp_saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """accelerate FSDP2 `save_state` folders of a 2-rank run: `sharded` and `full`."""
+    from .dist_helpers import run_torchrun
+
+    root = tmp_path_factory.mktemp("accelerate_fsdp")
+    out = {}
+    for key, kind in FSDP_STATE_DICTS.items():
+        run_torchrun(ACCELERATE_FSDP_SCRIPT, 2, "save", root / key, kind, timeout=600)
+        out[key] = root / key
+    return out
 
 
 @pytest.fixture(scope="session")

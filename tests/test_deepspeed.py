@@ -195,3 +195,16 @@ def test_selecting_zero3_placeholders_is_refused_and_points_to_select_model(
     got = load_file(out)
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_world_size_reshard_of_a_zero_run_is_refused_with_the_way_to_resize(
+    zero_runs: Path, tmp_path: Path
+) -> None:
+    """ZeRO partitions are cut by data-parallel rank, not DCP chunks: `reshard --world-size`
+    says so (exit 2) and names DeepSpeed's own way; nothing is written."""
+    out = tmp_path / "out"
+    result = run_ckpt("reshard", zero_runs / "zero2", out, "--world-size", "1", "--json")
+    assert result.exit_code == 2, result.stdout
+    error = result.json["error"]
+    assert "deepspeed" in error["message"] and "universal" in error["fix"]
+    assert not out.exists()

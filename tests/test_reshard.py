@@ -315,17 +315,31 @@ def resharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     outputs: dict[str, Any] = {"root": root}
     for n in (1, 2, 3, 4):
         cases = {
-            f"one-{n}": [one, "--keep-rank-state"] if n > 1 else [one],
-            f"two-{n}": [two] + (["--drop-rank-state"] if n != 2 else []),
+            f"one-{n}": [one, "--rank-state", "keep"] if n > 1 else [one],
+            f"two-{n}": [two] + (["--rank-state", "drop"] if n != 2 else []),
             # the tensor-parallel mix: wo split on dim 1, norms replicated (rule + --plan)
             f"two-tp-{n}": [two, "--shard-dim", "*.wo.weight=1", "--plan", plan]
-            + (["--keep-rank-state"] if n != 2 else []),
+            + (["--rank-state", "keep"] if n != 2 else []),
         }
         for key, (src, *extra) in cases.items():
             dest = root / key
             result = run_ckpt("reshard", src, dest, "--world-size", str(n), *extra, "--json")
             assert result.exit_code == 0, result.stdout + result.stderr
             outputs[key] = result.json["result"]
+    # --rank-state replicate: rank 2 starts from copies of rank 0's RNG and data position;
+    # at 1 rank, rank 1's are left out
+    for n in (1, 3):
+        dest = root / f"two-rep-{n}"
+        result = run_ckpt(
+            "reshard", two, dest, "--world-size", str(n), "--rank-state", "replicate", "--json"
+        )
+        assert result.exit_code == 0, result.stdout + result.stderr
+        outputs[f"two-rep-{n}"] = result.json["result"]
+    expected = torch.load(f"{two}.expected.pt", weights_only=True)
+    expected["tensors"]["rng.rank2"] = expected["tensors"]["rng.rank0"]
+    position = expected["objects"]["dataloader.dp_rank_0.position"]
+    expected["objects"]["dataloader.dp_rank_2.position"] = position
+    torch.save(expected, root / "two-rep.expected.pt")
     return outputs
 
 
@@ -395,9 +409,51 @@ def test_two_rank_reports_name_rank_state_and_placements(resharded: dict[str, An
 
 
 @pytest.mark.torchrun
+def test_replicate_gives_new_ranks_rank_0s_state_and_says_resume_is_not_exact(
+    resharded: dict[str, Any],
+) -> None:
+    """`--rank-state replicate` on a plain 2-rank DCP training save (dcp.load judges the data in
+    test_load_on_1_rank / _3_ranks); here: which entries were written, and the verdict."""
+    up = resharded["two-rep-3"]
+    assert up["rank_state_action"] == "replicate"
+    written = {e["name"]: e["written"] for e in up["rank_state"]}
+    assert written["rng.rank0"] == ["rng.rank0", "rng.rank2"]
+    assert written["rng.rank1"] == ["rng.rank1"]
+    assert written["dataloader.dp_rank_0.position"] == [
+        "dataloader.dp_rank_0.position",
+        "dataloader.dp_rank_2.position",
+    ]
+    meta = FileSystemReader(str(resharded["root"] / "two-rep-3")).read_metadata()
+    assert {"rng.rank0", "rng.rank1", "rng.rank2"} <= set(meta.state_dict_metadata)
+    down = resharded["two-rep-1"]
+    assert {e["name"]: e["written"] for e in down["rank_state"]}["rng.rank1"] == []
+    meta = FileSystemReader(str(resharded["root"] / "two-rep-1")).read_metadata()
+    assert "rng.rank1" not in meta.state_dict_metadata and "rng.rank0" in meta.state_dict_metadata
+    for report, why in (
+        (up, "rank 2 starts from a copy of rank 0's"),
+        (down, "of rank 1 was left"),
+    ):
+        verdict = report["resume"]
+        assert verdict["exact"] is False
+        assert any("world size changed (2 -> " in r for r in verdict["reasons"])
+        assert any(why in r for r in verdict["reasons"]), verdict["reasons"]
+    # the same world size changes nothing about the run
+    assert resharded["two-2"]["resume"]["reasons"] == [] or not any(
+        "world size changed" in r for r in resharded["two-2"]["resume"]["reasons"]
+    )
+
+
+@pytest.mark.torchrun
 def test_load_on_1_rank(resharded: dict[str, Any]) -> None:
     load_on(
-        1, resharded, [("one-1", "one", False), ("two-1", "two", False), ("two-tp-1", "two", True)]
+        1,
+        resharded,
+        [
+            ("one-1", "one", False),
+            ("two-1", "two", False),
+            ("two-tp-1", "two", True),
+            ("two-rep-1", "two-rep", False),
+        ],
     )
 
 
@@ -419,6 +475,7 @@ def test_load_on_3_ranks_including_dcp_own_resharding(resharded: dict[str, Any])
             ("two-3", "two", False),
             ("two-tp-3", "two", True),
             ("two-4", "two", False),
+            ("two-rep-3", "two-rep", False),
         ],
     )
 
@@ -440,7 +497,8 @@ def test_rank_state_needs_a_choice_when_the_world_size_changes(
     message = result.json["error"]["message"]
     for name in ("rng.rank0", "rng.rank1", "dataloader.dp_rank_0.position"):
         assert name in message
-    assert "--drop-rank-state" in message and "--keep-rank-state" in message
+    for choice in ("keep", "drop", "replicate"):
+        assert f"--rank-state {choice}" in message
     assert not (tmp_path / "out").exists()
     # dropped state is gone from the output; kept state is the source's, byte for byte
     reader = FileSystemReader(str(resharded["root"] / "two-3")).read_metadata()
@@ -493,7 +551,8 @@ def test_safetensors_serialization_puts_each_ranks_rows_in_its_file(
         dest,
         "--world-size",
         "3",
-        "--drop-rank-state",
+        "--rank-state",
+        "drop",
         "--dcp-serialization",
         "safetensors",
         "--json",
@@ -548,7 +607,7 @@ def test_world_size_streams_chunks_never_whole_tensors(
     monkeypatch.setattr(DcpCheckpoint, "read_chunk", counting)
     monkeypatch.setattr(DcpCheckpoint, "read_tensor", whole)
     src = resharded["root"] / "two"
-    result = run_ckpt("reshard", src, tmp_path / "out", "--world-size", "3", "--drop-rank-state")
+    result = run_ckpt("reshard", src, tmp_path / "out", "--world-size", "3", "--rank-state", "drop")
     assert result.exit_code == 0, result.stderr
     # embed (10 rows, 2 stored chunks of 5) -> 3 chunks of 4, 4, 2 rows: 2 loads, not 4
     assert [i for n, i in loads if n == "model.embed.weight"] == [0, 1]
@@ -623,7 +682,7 @@ def test_interrupted_reshard_leaves_no_destination(
 
     monkeypatch.setattr(DcpWriter, "write_chunk", interrupt)
     dest = tmp_path / "out"
-    result = run_ckpt("reshard", src, dest, "--world-size", "3", "--drop-rank-state")
+    result = run_ckpt("reshard", src, dest, "--world-size", "3", "--rank-state", "drop")
     assert result.exit_code == 130
     assert not dest.exists()
     assert list(tmp_path.iterdir()) == []

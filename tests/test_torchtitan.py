@@ -185,7 +185,7 @@ def test_reshard_to_two_ranks_loads_back_in_torchtitan(
     # the data loader's per-rank state cannot be split: ckpt says so and asks for a choice
     refused = run_ckpt("reshard", step, out, "--world-size", "2")
     assert refused.exit_code == 2 and "dataloader.dp_rank_0" in refused.stderr
-    result = run_ckpt("reshard", step, out, "--world-size", "2", "--keep-rank-state")
+    result = run_ckpt("reshard", step, out, "--world-size", "2", "--rank-state", "keep")
     assert result.exit_code == 0, result.stderr
     assert sorted(p.name for p in out.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     _loads_back(tmp_path / "run", out, truth)
@@ -259,3 +259,73 @@ def test_diff_select_model_takes_the_same_top_level_keys_convert_does(
     assert report["compared"] == len(weights) and not report["only_a"] and not report["only_b"]
     assert {d["name"] for d in report["differences"]} <= weights.keys()
     assert not set(report["components"]) & {s.rstrip(".") for s in _STATES}
+
+
+@pytest.fixture(scope="module")
+def titan_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """`step-3` of the same run on 2 data-parallel ranks under torchrun (each rank's data loader
+    saves its own `dataloader.dp_rank_{r}`), and what rank 0 held."""
+    from .dist_helpers import run_torchrun
+
+    root = tmp_path_factory.mktemp("torchtitan2")
+    run_torchrun(WRITER, 2, "save", root / "run", root / "truth.pt", timeout=900)
+    step = root / "run" / "checkpoint" / "step-3"
+    assert sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    return step, torch.load(root / "truth.pt", weights_only=True)
+
+
+def _restored_as(back: dict[str, Any], truth: dict[str, Any], world: int) -> None:
+    """What CheckpointManager.load restored on a rank of `world`: everything step 3 held; the
+    data loader's dp degree is the new one (its own state_dict reports it)."""
+    assert back.keys() == truth.keys()
+    assert truth["dataloader.world_size"] == 2 and back["dataloader.world_size"] == world
+    for key, want in truth.items():
+        if key == "dataloader.world_size":
+            continue
+        got = back[key]
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and torch.equal(got, want), key
+        else:
+            assert got == want, key
+
+
+@pytest.mark.torchrun
+# a 2-rank torchtitan run, then its reshard loaded by torchtitan on up to 3 ranks: several
+# minutes of framework start-up on a busy CPU, more than the suite's default 300 s
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [1, 3])
+def test_two_rank_step_resharded_to_1_and_3_ranks_loads_in_torchtitan(
+    titan_two_ranks: tuple[Path, dict[str, Any]], tmp_path: Path, world: int
+) -> None:
+    from .dist_helpers import run_torchrun
+
+    step, truth = titan_two_ranks
+    run_root = tmp_path / "run"
+    out = run_root / "checkpoint" / "step-3"
+    out.parent.mkdir(parents=True)
+    result = run_ckpt(
+        "reshard", step, out, "--world-size", world, "--rank-state", "replicate", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    written = {e["name"]: e["written"] for e in report["rank_state"]}
+    if world == 1:
+        assert written == {
+            "dataloader.dp_rank_0": ["dataloader.dp_rank_0"],
+            "dataloader.dp_rank_1": [],
+        }
+    else:
+        assert written["dataloader.dp_rank_0"] == [
+            "dataloader.dp_rank_0",
+            "dataloader.dp_rank_2",
+        ]
+    assert report["resume"]["resumable"] is True and report["resume"]["exact"] is False
+    # torchtitan's own loader on the new number of ranks (its dp degree check passes: the
+    # saved `dataloader.world_size` is the new one)
+    if world == 1:
+        titan("load", run_root, 3, run_root / "back.pt")
+    else:
+        run_torchrun(WRITER, world, "load", run_root, 3, run_root / "back.pt", timeout=900)
+    for rank in range(world):
+        back = torch.load(run_root / f"back.rank{rank}.pt", weights_only=True)
+        _restored_as(back, truth, world)

@@ -11,6 +11,12 @@ Run in its own process (torchtitan's imports are heavy and register hooks):
         builds a fresh model from another seed and restores `RUN_DIR/checkpoint/step-STEP` with
         `CheckpointManager.load(step=STEP)`, then writes what it restored to OUT.pt
 
+Under torchrun (gloo, CPU) both modes run on every rank: each rank holds the whole model (plain
+data parallelism over the same deterministic samples, so the replicas stay identical), its data
+loader is `dp_rank` RANK of WORLD_SIZE, and `CheckpointManager` saves or loads one DCP
+together. `save` writes TRUTH.pt from rank 0; `load` writes OUT.pt from rank 0 and
+OUT.rank{r}.pt from every rank.
+
 torchtitan's trainer wants CUDA; its model, optimizer, scheduler, data loader and checkpoint
 manager do not. The stock language-model attention backends are flex / varlen, so the tiny
 config swaps in `ScaledDotProductAttention` (the backend the issue names for CPU).
@@ -18,6 +24,7 @@ config swaps in `ScaledDotProductAttention` (the backend the issue names for CPU
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -25,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
@@ -112,7 +120,8 @@ def _build(run: Path, seed: int) -> tuple[Any, ...]:
     schedulers = LRSchedulersContainer.Config(
         warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
     ).build(optimizers=optimizers, training_steps=10)
-    loader = ParallelAwareDataloader(Tokens(), dp_rank=0, dp_world_size=1, batch_size=2)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    loader = ParallelAwareDataloader(Tokens(), dp_rank=rank, dp_world_size=world, batch_size=2)
     train_state = TrainState()
     manager = CheckpointManager.Config(
         enable=True, folder="checkpoint", interval=1, keep_latest_k=0, last_save_model_only=False
@@ -175,7 +184,8 @@ def save(run: Path, truth: Path) -> None:
         manager.save(curr_step=step)
     snapshot = _snapshot(manager)
     snapshot["next_batch"] = next(batches)[0]["input"]
-    torch.save(snapshot, truth)
+    if _rank() == 0:
+        torch.save(snapshot, truth)
     manager.close()
 
 
@@ -184,13 +194,24 @@ def load(run: Path, step: int, out: Path) -> None:
     assert manager.load(step=step), f"no checkpoint step-{step} under {run}"
     snapshot = _snapshot(manager)
     snapshot["next_batch"] = next(iter(loader))[0]["input"]
-    torch.save(snapshot, out)
+    if _rank() == 0:
+        torch.save(snapshot, out)
+    torch.save(snapshot, out.with_name(f"{out.stem}.rank{_rank()}{out.suffix}"))
     manager.close()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
+    if "LOCAL_RANK" in os.environ:  # under torchrun
+        dist.init_process_group("gloo")
     if sys.argv[1] == "save":
         save(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
         load(Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -14,7 +14,8 @@ from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_comma
     epilog=examples(
         "ckpt reshard out/step-1000 out/step-1000-4ranks --world-size 4",
         "ckpt reshard step-1000 step-1000-tp2 --world-size 2 --shard-dim '*.wo.weight=1' --shard-dim '*.norm.*=replicate'",
-        "ckpt reshard step-1000 step-1000-8ranks --world-size 8 --drop-rank-state",
+        "ckpt reshard step-1000 step-1000-8ranks --world-size 8 --rank-state drop",
+        "ckpt reshard run/checkpoint-500 run-3gpu/checkpoint-500 --world-size 3 --rank-state replicate",
         "ckpt reshard model/ model-2GB/ --max-shard-size 2GB --json",
         "ckpt reshard out/step-1000 out/step-1000-4ranks --world-size 4 --dry-run",
     )
@@ -59,20 +60,15 @@ def reshard(
             "applied after --shard-dim rules.",
         ),
     ] = None,
-    drop_rank_state: Annotated[
-        bool,
+    rank_state: Annotated[
+        str | None,
         typer.Option(
-            "--drop-rank-state",
-            help="Leave out per-rank RNG / data-loader state when the world size changes.",
+            "--rank-state",
+            help="Per-rank RNG / data-loader state when the world size changes: keep (as "
+            "saved), drop (left out), replicate (new ranks get a copy of rank 0's). "
+            "Asked for when needed.",
         ),
-    ] = False,
-    keep_rank_state: Annotated[
-        bool,
-        typer.Option(
-            "--keep-rank-state",
-            help="Copy per-rank RNG / data-loader state as-is when the world size changes.",
-        ),
-    ] = False,
+    ] = None,
     dcp_serialization: Annotated[
         str | None,
         typer.Option(
@@ -106,6 +102,8 @@ def reshard(
 ) -> None:
     """Cut a checkpoint for another world size (DCP) or another shard size (safetensors).
 
+    A training folder (Trainer or accelerate checkpoint, FSDP or DDP) is resharded whole: each
+    DCP sub-folder re-cut, per-rank files as --rank-state says, the rest copied verbatim.
     Streams one chunk at a time: memory follows the largest chunk, not the model. The output
     is checked before it is published in one rename.
     """
@@ -124,8 +122,7 @@ def reshard(
                 max_shard_size=max_shard_size,
                 shard_dim=shard_dim or [],
                 plan=plan,
-                drop_rank_state=drop_rank_state,
-                keep_rank_state=keep_rank_state,
+                rank_state=rank_state,
                 dcp_serialization=dcp_serialization,
                 dcp_compression=dcp_compression,
                 format=format,

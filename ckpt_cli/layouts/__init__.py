@@ -95,6 +95,7 @@ __all__ = [
     "component_problems",
     "describe_model_folder",
     "folder_layout",
+    "folder_layout_named",
     "open_plain",
     "open_source",
     "recognise_layout",
@@ -134,6 +135,15 @@ def folder_layout(module: str, cls_name: str) -> Layout:
         cls = getattr(importlib.import_module(f"{__name__}.{module}"), cls_name)
         layout = _folder_layouts[cls_name] = cls()
     return layout
+
+
+def folder_layout_named(name: str) -> Layout | None:
+    """The registered folder layout whose token is `name` (`hf-trainer`), if any."""
+    for module, cls_name, _ in FOLDER_REGISTRY:
+        layout = folder_layout(module, cls_name)
+        if layout.name == name:
+            return layout
+    return None
 
 
 def __getattr__(name: str) -> Any:

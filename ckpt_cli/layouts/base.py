@@ -61,6 +61,8 @@ class OpenedSource:
     layout: LayoutInfo | None = None
     unreadable: dict[str, tuple[str, str]] = field(default_factory=dict)
     placeholders: dict[str, Placeholder] = field(default_factory=dict)
+    #: files of the folder a layout lists but never loads: file -> why (`training_args.bin`)
+    listed_files: dict[str, str] = field(default_factory=dict)
 
 
 class Layout(ABC):
@@ -75,10 +77,20 @@ class Layout(ABC):
         name: the layout token reported in `TrainingState.layout` / `LayoutInfo.layout`.
         step_folder: how a run folder names this layout's checkpoints (`checkpoint-(\\d+)`),
             the step being group 1; None when the layout has no step naming of its own.
+        rank_files: the top-level files holding one rank's state (RNG streams): the rank is
+            group 1 (a name without it is rank 0's of a one-rank save); None: no such files.
+            `rank_file_name` says how the framework names them at a given world size.
+        rank_state_world_size: entries recording the world size the per-rank state was saved
+            for (torchtitan's `dataloader.world_size`), which its loader compares with its own.
+        reshards_world_size: a world-size reshard of the whole folder re-cuts its DCP
+            sub-folders and carries the rest (False: its state is cut another way, ZeRO).
     """
 
     name: ClassVar[str]
     step_folder: ClassVar[re.Pattern[str] | None] = None
+    rank_files: ClassVar[re.Pattern[str] | None] = None
+    rank_state_world_size: ClassVar[tuple[str, ...]] = ()
+    reshards_world_size: ClassVar[bool] = True
 
     @abstractmethod
     def recognise(self, source: Source) -> bool:
@@ -90,6 +102,25 @@ class Layout(ABC):
 
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
         """Components this checkpoint should hold but lacks (completeness); none by default."""
+        return []
+
+    def rank_file_name(self, rank: int, world_size: int) -> str:
+        """The file the framework saves (and at `world_size` ranks loads) rank `rank`'s state in;
+        only asked of layouts with `rank_files`."""
+        raise NotImplementedError(f"the {self.name} layout has no per-rank files")
+
+    def rank_file_rank(self, name: str) -> int | None:
+        """The rank a top-level file of this layout holds the state of (`rank_files`), else None."""
+        if self.rank_files is None:
+            return None
+        match = self.rank_files.fullmatch(name)
+        if match is None:
+            return None
+        return int(match.group(1)) if match.group(1) is not None else 0
+
+    def batch_notes(self, opened: OpenedSource, before: int, after: int) -> list[str]:
+        """What a change from `before` to `after` ranks does to the saved data position (the
+        global batch it was counted in), one warning each; none when the layout records none."""
         return []
 
     def step_of(self, folder_name: str) -> int | None:

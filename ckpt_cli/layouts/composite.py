@@ -161,6 +161,8 @@ class CompositeCheckpoint(Checkpoint):
 
         self.components = components
         self.layout = layout
+        #: component -> the subfolder it lives in (`pytorch_model_fsdp_0/`), root ones absent
+        self.subfolders = dict(subfolders)
         self._route: dict[str, tuple[Checkpoint, str]] = {}
         entries: list[Entry] = []
         files: list[FileInfo] = []
@@ -239,6 +241,15 @@ class CompositeCheckpoint(Checkpoint):
 # --------------------------------------------------------------------------- folder layouts
 
 
+#: accelerate's name of an FSDP model save (`accelerate.utils.constants.FSDP_MODEL_NAME`)
+FSDP_MODEL = "pytorch_model_fsdp"
+
+
+def numbered(comp: str, index: int) -> str:
+    """The component of object `index` (the i-th model, optimizer...): `comp`, then `comp_1`..."""
+    return comp if index == 0 else f"{comp}_{index}"
+
+
 class Folder:
     """Opens the components of a training folder, collecting what cannot be read."""
 
@@ -255,6 +266,8 @@ class Folder:
         self.subfolders: dict[str, str] = {}
         #: components present but deliberately not loaded: component -> description
         self.listed: dict[str, str] = {}
+        #: their files: file -> why it is not loaded (what `convert` reports as skipped)
+        self.listed_files: dict[str, str] = {}
         self.wrappers: dict[str, str] = {}
         #: entry name -> flat ranges that are padding, not data (ZeRO partitions)
         self.padding: dict[str, list[tuple[int, int]]] = {}
@@ -307,8 +320,14 @@ class Folder:
     def has_dir(self, sub: str, marker: str = ".metadata") -> bool:
         return f"{self.base}{sub}/{marker}" in self.source.files
 
-    def add_dir(self, comp: str, sub: str, fmt: str) -> Checkpoint | None:
-        """A component that is a folder of its own (an FSDP `pytorch_model_fsdp_0/` DCP)."""
+    def add_dir(
+        self, comp: str, sub: str, fmt: str, wrapper: str | None = None
+    ) -> Checkpoint | None:
+        """A component that is a folder of its own (an FSDP `pytorch_model_fsdp_0/` DCP).
+
+        `wrapper`: the one top-level key its writer wrapped everything in (accelerate saves
+        `{"model": ...}` and `{"optimizer": ...}`), dropped from the entry names; by default
+        the component's own name."""
         rel = self.rel(sub)
         try:
             part = subfolder_source(self.source, rel)
@@ -325,8 +344,9 @@ class Folder:
         self.parts[comp] = (f"{rel}/", fmt)
         self.subfolders[comp] = f"{rel}/"
         names = [e.name for e in checkpoint.manifest.entries]
-        if names and all(n.startswith(f"{comp}.") for n in names):
-            self.wrappers[comp] = f"{comp}."
+        key = f"{wrapper or comp}."
+        if names and all(n.startswith(key) for n in names):
+            self.wrappers[comp] = key
         return checkpoint
 
     def add_model(self, stems: tuple[str, ...] = ("model", "pytorch_model")) -> str | None:
@@ -351,6 +371,58 @@ class Folder:
             self.add("model", name, "safetensors" if name.endswith(".safetensors") else "torch")
             return name
         return None
+
+    def dirs_matching(self, pattern: str, marker: str = ".metadata") -> list[tuple[str, int]]:
+        """The subfolders (holding `marker`) whose name fully matches `pattern`, with the number
+        its group 1 captures, in number order (`optimizer_0`, `optimizer_1`...)."""
+        regex = re.compile(pattern)
+        found: set[tuple[str, int]] = set()
+        for name in self.source.files:
+            rest = name[len(self.base) :] if name.startswith(self.base) else None
+            if rest is None or rest.count("/") != 1 or not rest.endswith(f"/{marker}"):
+                continue
+            sub = rest.split("/", 1)[0]
+            match = regex.fullmatch(sub)
+            if match:
+                found.add((sub, int(match.group(1))))
+        return sorted(found, key=lambda item: item[1])
+
+    def numbered_files(self, stem: str, suffix: str) -> list[tuple[str, int]]:
+        """accelerate's numbering of the files of object i: `stem.suffix` for 0, then
+        `stem_1.suffix`, `stem_2.suffix`... (`optimizer.bin`, `optimizer_1.bin`)."""
+        found: list[tuple[str, int]] = []
+        for name in self.matching(rf"{re.escape(stem)}(?:_(\d+))?{re.escape(suffix)}"):
+            match = re.fullmatch(rf"{re.escape(stem)}(?:_(\d+))?{re.escape(suffix)}", name)
+            assert match is not None
+            found.append((name, int(match.group(1) or 0)))
+        return sorted(found, key=lambda item: item[1])
+
+    def add_fsdp(self, model: str = "model") -> None:
+        """accelerate's FSDP saves of every model and optimizer (`save_fsdp_model`,
+        `save_fsdp_optimizer`), as components `model`, `model_1`... and `optimizer`,
+        `optimizer_1`... (index i: the i-th prepared model / optimizer).
+
+        SHARDED_STATE_DICT writes DCP folders `pytorch_model_fsdp_{i}/` (`{"model": ...}`) and
+        `optimizer_{i}/` (`{"optimizer": ...}`), every rank its own `__r_0.distcp`;
+        FULL_STATE_DICT writes rank 0's torch.save `pytorch_model_fsdp.bin` and `optimizer.bin`
+        (`_{i}` from the second on). A component already taken (a Trainer's `model.safetensors`
+        beside its `pytorch_model_fsdp.bin`) makes the FSDP copy `fsdp_<name>`.
+        """
+
+        def free(comp: str) -> str:
+            taken = comp in self.components or comp in self.unreadable_parts
+            return f"fsdp_{comp}" if taken else comp
+
+        added = {rel for rel, _ in self.parts.values()}
+        for sub, i in self.dirs_matching(rf"{FSDP_MODEL}_(\d+)"):
+            if f"{self.rel(sub)}/" not in added:  # `add_model` may have taken model 0
+                self.add_dir(free(numbered(model, i)), sub, "dcp", wrapper="model")
+        for name, i in self.numbered_files(FSDP_MODEL, ".bin"):
+            if self.rel(name) not in added:
+                self.add(free(numbered(model, i)), name, "torch")
+        for sub, i in self.dirs_matching(r"optimizer_(\d+)"):
+            if f"{self.rel(sub)}/" not in added:
+                self.add_dir(free(numbered("optimizer", i)), sub, "dcp", wrapper="optimizer")
 
     def add_many(self, comp: str, files: list[str], fmt: str, index: str = r"_(\d+)\.") -> None:
         """One component per file (`rng_state_0.pth`...): `comp`, or `comp_N` when several."""
@@ -386,6 +458,12 @@ def component_files(folder: Folder) -> dict[str, str]:
         paths = [f.path for f in checkpoint.manifest.files]
         if not paths:
             continue  # a virtual component (ZeRO weights): described in `listed`
+        sub = folder.subfolders.get(comp)
+        if sub is not None:
+            # a DCP folder of its own (FSDP): named by the folder, not by its `.metadata`
+            fmt = checkpoint.manifest.format
+            out[comp] = f"{sub} ({fmt}, {len(paths)} file{'s' if len(paths) != 1 else ''})"
+            continue
         out[comp] = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
     out.update(folder.listed)
     for rel, why in folder.unreadable.items():
@@ -420,6 +498,7 @@ def finish(
         problems=list(folder.problems),
         parts=dict(folder.parts),
         unreadable=dict(folder.unreadable_parts),
+        listed_files=dict(folder.listed_files),
     )
 
 

@@ -24,6 +24,8 @@ class DeepSpeed(Layout):
 
     name = "deepspeed"
     step_folder = re.compile(r"global_step(\d+)")
+    #: ZeRO partitions are cut by data-parallel rank, not DCP chunks (not re-cut yet)
+    reshards_world_size = False
 
     def recognise(self, source: Source) -> bool:
         top = {n for n in source.files if "/" not in n}

@@ -10,7 +10,7 @@ from ..models import Manifest, TrainingState
 from .base import SingleLayout
 from .lightning import Lightning
 from .torchtitan import model_entries, titan_model_keys
-from .training import analyse, as_int, top_keys, value_of, verdict
+from .training import all_models, analyse, as_int, rank_components, top_keys, value_of, verdict
 
 # --------------------------------------------------------------------------- single files
 
@@ -45,6 +45,8 @@ class TorchTitan(SingleLayout):
     name = "torchtitan"
     step_folder = re.compile(r"step-(\d+)")
     suffixes = ()
+    #: `ParallelAwareDataloader.load_state_dict` refuses a state saved at another dp degree
+    rank_state_world_size = ("dataloader.world_size",)
 
     def matches(self, checkpoint: Checkpoint, keys: dict[str, str]) -> bool:
         return checkpoint.manifest.format == "dcp" and "train_state" in keys
@@ -91,6 +93,8 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
     is_titan = manifest.format == "dcp" and "train_state" in keys
     if not (optimizer or scheduler or step or is_titan):
         return None
+    # a training folder converted whole keeps its per-rank components (`rng_0`, `rng_1`)
+    rng_ranks = rank_components(manifest, "rng")
     prefixes: dict[str, str] = {}
     titan_model = titan_model_keys(manifest) if is_titan and not model else []
     if model:
@@ -110,6 +114,8 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
         prefixes["dataloader"] = keys[loader]
     layout = "torchtitan" if is_titan else "dcp" if manifest.format == "dcp" else "torch-dict"
     state = analyse(checkpoint, layout, prefixes)
+    if model == "model" and optimizer == "optimizer":
+        all_models(checkpoint, state)  # a whole multi-model accelerate folder, converted
     if titan_model:
         view = Manifest(format=manifest.format, location=manifest.location)
         view.entries = [
@@ -123,8 +129,17 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
     if rng and not state.rng:
         # a stream under an unrecognised key name still counts as RNG state
         state.rng = [rng]
+    if rng_ranks and not state.rng:
+        state.rng = [rng_ranks[min(rng_ranks)]]
     if step:
         state.step = as_int(value_of(checkpoint, step))
+    if state.step is None:
+        # accelerate's `random_states_N.pkl` records the step its save_state was called at
+        for comp in ([rng] if rng else []) + [rng_ranks[r] for r in sorted(rng_ranks)]:
+            found = as_int(value_of(checkpoint, f"{keys[comp].rstrip('.')}.step"))
+            if found is not None:
+                state.step = found
+                break
     if is_titan:
         state.step = as_int(value_of(checkpoint, "train_state.step"))
     if "trainer_state" in keys and state.step is None:
@@ -140,6 +155,7 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
     if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
         state.epoch = float(epoch)
     state.components = {c: p.rstrip(".") for c, p in prefixes.items()}
+    state.components.update({comp: comp for comp in rng_ranks.values()})
     if titan_model:
         state.components["model"] = f"top-level keys ({', '.join(titan_model)})"
     verdict(state)

@@ -22,6 +22,37 @@ class Trainer(Layout):
 
     name = "hf-trainer"
     step_folder = re.compile(r"checkpoint-(\d+)")
+    #: `_save_rng_state`: `rng_state.pth` at one rank, `rng_state_{process_index}.pth` above
+    rank_files = re.compile(r"rng_state(?:_(\d+))?\.pth")
+
+    def rank_file_name(self, rank: int, world_size: int) -> str:
+        return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
+
+    def batch_notes(self, opened: OpenedSource, before: int, after: int) -> list[str]:
+        """The Trainer resumes by skipping `global_step` batches of its data loader, each of
+        `train_batch_size` samples per rank (times gradient accumulation): at another world
+        size those batches are other samples."""
+        from .composite import CompositeCheckpoint, ObjectsCheckpoint
+
+        checkpoint = opened.checkpoint
+        if not isinstance(checkpoint, CompositeCheckpoint) or before == after:
+            return []
+        state = checkpoint.components.get("trainer_state")
+        if not isinstance(state, ObjectsCheckpoint):
+            return []
+        batch, step = state.values.get("train_batch_size"), state.values.get("global_step")
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            return []
+        steps = f"step {step}" if isinstance(step, int) else "its step"
+        ranks = "1 rank" if after == 1 else f"{after} ranks"
+        return [
+            f"the global batch changes: the data position ({steps}) was counted in global "
+            f"batches of {batch * before} samples (trainer_state.json train_batch_size {batch} "
+            f"x {before} ranks, times gradient accumulation); at {ranks} the same settings "
+            f"make it {batch * after} samples, so the resumed run skips other samples than "
+            f"the saved run saw. It stays {batch * before} only if per_device_train_batch_size "
+            f"x gradient_accumulation_steps x {after} does."
+        ]
 
     def recognise(self, source: Source) -> bool:
         folder = Folder(source)
@@ -34,8 +65,13 @@ class Trainer(Layout):
         for comp, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt")):
             if folder.has(name):
                 folder.add(comp, name, "torch")
-        if "optimizer" not in folder.components and folder.has_dir("optimizer_0"):
-            folder.add_dir("optimizer", "optimizer_0", "dcp")  # FSDP sharded optimizer state
+        if "optimizer" not in folder.components and folder.has("optimizer.bin"):
+            # FSDP with FULL_STATE_DICT: accelerate's `save_fsdp_optimizer` names it so
+            folder.add("optimizer", "optimizer.bin", "torch")
+        # FSDP: accelerate's `save_fsdp_model` / `save_fsdp_optimizer` wrote the model and the
+        # optimizer (`pytorch_model_fsdp_0/`, `optimizer_0/` DCP folders, or the full
+        # `pytorch_model_fsdp.bin` beside the `model.safetensors` of `save_model`)
+        folder.add_fsdp()
         if folder.has("scaler.pt"):
             folder.add("scaler", "scaler.pt", "torch")
         folder.add_many("rng", rng, "torch")
@@ -45,6 +81,10 @@ class Trainer(Layout):
             # a pickle of transformers' TrainingArguments dataclass: weights_only refuses it and
             # nothing else may unpickle it, so it is listed (files, components) and never read
             folder.listed["training_args"] = "training_args.bin (not loaded)"
+            folder.listed_files[folder.rel("training_args.bin")] = (
+                "a pickle of transformers' TrainingArguments: never unpickled (it would run "
+                "transformers code) and not needed to resume; copy it by hand if wanted"
+            )
         folder.problems.extend(self.missing(source, folder))
         checkpoint = folder.composite("hf-trainer")
         state = analyse(checkpoint, "hf-trainer", component_prefixes(checkpoint))
@@ -132,7 +172,11 @@ def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dic
 def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
     """Optimizer / scheduler files a Trainer checkpoint should have but lacks, when its own
     training arguments (`save_only_model` false) or its sibling checkpoints say so."""
-    if folder.has_dir("optimizer_0") or any(n.startswith("global_step") for n in source.files):
+    if (
+        folder.has_dir("optimizer_0")
+        or folder.has("optimizer.bin")
+        or any(n.startswith("global_step") for n in source.files)
+    ):
         return []  # FSDP or DeepSpeed state: saved in another shape
     missing = [n for n in _TRAINER_STATE_FILES if not folder.has(n)]
     if not missing:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -263,6 +264,21 @@ def rng_streams(manifest: Manifest, prefixes: list[str]) -> list[str]:
     return sorted(found, key=order.index)
 
 
+_RANKED = re.compile(r"(?P<comp>[a-z_]+?)_(?P<rank>\d+)")
+
+
+def rank_components(manifest: Manifest, component: str) -> dict[int, str]:
+    """The per-rank components `<component>_N` (`rng_0`, `rng_1`...) among the top-level
+    names of `manifest`: rank -> component name. A composite folder names a layout's per-rank
+    files so (`Folder.add_many`), and a whole folder converted to one file keeps the names."""
+    found: dict[int, str] = {}
+    for key in top_keys(manifest):
+        match = _RANKED.fullmatch(key)
+        if match and match["comp"] == component:
+            found.setdefault(int(match["rank"]), key)
+    return found
+
+
 def analyse(checkpoint: Checkpoint, layout: str, prefixes: dict[str, str]) -> TrainingState:
     manifest = checkpoint.manifest
     state = TrainingState(layout=layout, prefixes=dict(prefixes))
@@ -274,18 +290,51 @@ def analyse(checkpoint: Checkpoint, layout: str, prefixes: dict[str, str]) -> Tr
     if "scheduler" in prefixes:
         state.scheduler = _scheduler(checkpoint, prefixes["scheduler"])
     rng_prefixes = [prefixes["rng"]] if "rng" in prefixes else []
-    from .composite import CompositeCheckpoint  # composite's `finish` imports this module
-
-    if isinstance(checkpoint, CompositeCheckpoint):
-        rng_prefixes += [
-            f"{c}." for c in checkpoint.components if c == "rng" or c.startswith("rng_")
-        ]
+    # every rank's RNG component (`rng_0.`, `rng_1.`): in a composite folder, and in the one
+    # torch / DCP file a whole folder was converted to, which keeps the component names
+    ranks = rank_components(manifest, "rng")
+    rng_prefixes += [f"{c}." for c in ranks.values()]
     state.rng = rng_streams(manifest, list(dict.fromkeys(rng_prefixes)))
+    state.rng_ranks = sorted(ranks)
     if "dataloader" in prefixes:
         entries = entries_under(manifest, prefixes["dataloader"])
         if entries:
             state.dataloader = {"entries": len(entries), "source": prefixes["dataloader"]}
     return state
+
+
+def all_models(checkpoint: Checkpoint, state: TrainingState) -> None:
+    """With several prepared models (`model`, `model_1`...), the weights and the optimizer
+    state of all of them: one training run resumes only with every model and every optimizer.
+    An optimizer whose model was saved but whose own state was not makes the optimizer state
+    incomplete. Components are found by their names (`model_1.`), so a folder converted whole
+    to one file reports what the folder did."""
+    keys = top_keys(checkpoint.manifest)
+    models = sorted(
+        (k for k in keys if re.fullmatch(r"model(_\d+)?", k)), key=lambda k: int(k[6:] or 0)
+    )
+    if len(models) < 2:
+        return
+    weights = [weights_summary(checkpoint.manifest, f"{c}.") for c in models]
+    state.weights = {
+        k: sum(w.get(k, 0) for w in weights) for k in ("tensors", "parameters", "bytes")
+    }
+    views = []
+    for model in models:
+        optimizer = model.replace("model", "optimizer", 1)
+        view = analyse_optimizer(checkpoint, f"{optimizer}.")
+        views.append(view.state if view is not None else None)
+    found = [v for v in views if v is not None]
+    if not found:
+        return
+    state.optimizer = OptimizerState(
+        kind=found[0].kind if all(v.kind == found[0].kind for v in found) else None,
+        states=sorted({s for v in found for s in v.states}),
+        params=sum(v.params or 0 for v in found),
+        params_with_state=sum(v.params_with_state or 0 for v in found),
+        complete=len(found) == len(views) and all(v.complete for v in found),
+        source=", ".join(v.source or "" for v in found),
+    )
 
 
 def verdict(state: TrainingState) -> None:

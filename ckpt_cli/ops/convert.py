@@ -41,6 +41,7 @@ from .transfer import (
     SkippedEntry,
     TransferPlan,
     WrittenEntry,
+    account_files,
     extra_files,
     parse_renames,
     plan_transfer,
@@ -70,6 +71,7 @@ class ConvertRequest(BaseModel):
     dequantize: bool = False
     dry_run: bool = False
     extras: bool = True
+    config: str | None = None
 
 
 class ConvertReport(BaseModel):
@@ -84,7 +86,11 @@ class ConvertReport(BaseModel):
         raw_copies: tensors copied as raw bytes without deserialising.
         cast: the dtype floating tensors were cast to, if any; `casts` how many were.
         renamed: entries whose output name differs from the source name.
-        skipped: source entries not written, with why.
+        skipped: source entries not written, with why; and (kind `file`) every file of the
+            source that is neither read into the output (`read`) nor carried (`extras`).
+        read: the files of the source the output's entries were read from (with the index or
+            `.metadata` that found them): with `extras` and the `file` items of `skipped`,
+            every file of the source.
         tied: groups of output names sharing storage in the source (the first name is kept).
         aliases: names written once as another tensor (safetensors `__metadata__` records them).
         max_shard_size / dcp_serialization / world_size: the layout asked for.
@@ -119,6 +125,7 @@ class ConvertReport(BaseModel):
     casts: int = 0
     renamed: int = 0
     skipped: list[SkippedEntry] = Field(default_factory=list)
+    read: list[str] = Field(default_factory=list)
     tied: list[list[str]] = Field(default_factory=list)
     aliases: dict[str, str] = Field(default_factory=dict)
     max_shard_size: int | None = None
@@ -255,8 +262,17 @@ def convert(
                 dequantize=dequantize,
                 dry_run=dry_run,
                 extras=extras,
+                config=config,
             )
             if not select:
+                if config is not None:
+                    raise UsageError(
+                        f"--config names one model's config.json; the components of a "
+                        f"{found[0]} folder each keep their own",
+                        path=src,
+                        fix="Pick the component it belongs to with --select "
+                        f"{found[1][0].name}, or leave --config out.",
+                    )
                 return _convert_components(src, dest, to, found, request, progress)
             sub = component_source(src, found[1], select)
             if sub is not None:
@@ -322,6 +338,10 @@ def convert(
             ]
         shares: list[RankShare] = []
         carried += megatron_files  # Megatron's own files, copied unchanged
+        # every file of SRC: read into the output, carried, or skipped with why
+        read, skipped_files = account_files(
+            checkpoint, plan, carried, single_file=single_file, listed=opened.listed_files
+        )
         config_written = None
         if given_config is not None:
             config_written = str(PurePath(str(dest_path)) / "config.json")
@@ -356,7 +376,8 @@ def convert(
         cast=cast,
         casts=sum(1 for w in written if w.how == "cast"),
         renamed=sum(1 for w in written if w.name != w.source),
-        skipped=plan.skipped,
+        skipped=plan.skipped + skipped_files,
+        read=read,
         tied=plan.tied,
         aliases=plan.aliases,
         max_shard_size=shard_size,
@@ -509,6 +530,22 @@ def _convert_components(
         src, dest, layout, components, to, one, force=request.force, dry_run=request.dry_run
     )
     shard_size = request.max_shard_size
+    # every file of SRC accounted for: each component's own (prefixed with its folder), and
+    # the files copied beside them (`model_index.json`, schedulers, tokenizers...)
+    bases = [f"{c.path}/" if c.path else "" for c in components if c.weights is not None]
+    read: list[str] = []
+    carried: list[str] = []
+    skipped: list[SkippedEntry] = []
+    written: set[str] = set()
+    for base, report in zip(bases, reports, strict=True):
+        read += [f"{base}{r}" for r in report.read]
+        carried += [f"{base}{r}" for r in report.extras]
+        written.update(f"{base}{f.path}" for f in report.files)
+        skipped += [
+            s.model_copy(update={"name": f"{base}{s.name}"}) if s.kind == "file" else s
+            for s in report.skipped
+        ]
+    carried += [f.path for f in files if f.path not in written and f.path not in carried]
     return ConvertReport(
         source=src,
         source_format=layout,
@@ -522,7 +559,9 @@ def _convert_components(
         cast=next((r.cast for r in reports if r.cast), None),
         casts=sum(r.casts for r in reports),
         renamed=sum(r.renamed for r in reports),
-        skipped=[s for r in reports for s in r.skipped],
+        skipped=skipped,
+        read=read,
+        extras=carried,
         max_shard_size=shard_size if isinstance(shard_size, int) else None,
         entries=[e for r in reports for e in r.entries],
         dry_run=request.dry_run,

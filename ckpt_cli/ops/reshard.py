@@ -7,8 +7,10 @@ Two modes:
   and index, `__metadata__` kept; raw bytes are copied without deserialising (`convert`'s
   pipeline, `ops.transfer`).
 - **world size** (`world_size`; DCP): every tensor re-cut as N ranks would have saved it,
-  chunk r in `__r_0.distcp`, per-rank training state carried, dropped or kept as asked
-  (`ops.reshard_world`).
+  chunk r in `__r_0.distcp`, per-rank training state carried, kept, dropped or replicated as
+  asked (`ops.reshard_world`); a training folder (Trainer / accelerate, FSDP or DDP) as a
+  whole: each DCP sub-folder re-cut, per-rank files under the same policy, the rest copied
+  (`ops.reshard_folder`).
 
 Which mode applies is the source format's fact (`Format.shards_by_size`,
 `Format.shards_by_rank`), never its name; the report model is in `ops.reshard_report`.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, cast
 
 from ..distributed import RankShare
 from ..errors import UsageError
@@ -32,14 +34,17 @@ from ..formats import (
     resolve_source,
     serializations,
 )
-from ..formats.base import Checkpoint, WriteOptions
+from ..formats.base import Checkpoint, Source, WriteOptions
 from ..formats.details import IndexedDetails
 from ..formats.weight_map import INDEX_SUFFIX
+from ..layouts.base import Layout, OpenedSource
 from ..output import check_destination
 from ..progress import NULL_PROGRESS, Progress
 from .convert_plan import guard_paths, local_dest, planned_files
-from .reshard_report import RankStateAction, RankStateEntry, ReshardReport
+from .reshard_folder import reshard_folder
+from .reshard_report import RankStateAction, RankStateChoice, RankStateEntry, ReshardReport
 from .reshard_world import (
+    RANK_STATE_CHOICES,
     find_rank_state,
     plan_world_size,
     reshard_world_size,
@@ -212,8 +217,7 @@ def run_reshard(
     max_shard_size: str | int | None = None,
     shard_dim: list[str] | None = None,
     plan: Path | None = None,
-    drop_rank_state: bool = False,
-    keep_rank_state: bool = False,
+    rank_state: str | None = None,
     dcp_serialization: str | None = None,
     dcp_compression: str | None = None,
     format: str | None = None,
@@ -235,8 +239,11 @@ def run_reshard(
             "say what to change: --world-size N (DCP) or --max-shard-size SIZE (safetensors)",
             fix="Pass exactly one of them.",
         )
-    if drop_rank_state and keep_rank_state:
-        raise UsageError("--drop-rank-state and --keep-rank-state exclude each other")
+    if rank_state is not None and rank_state not in RANK_STATE_CHOICES:
+        raise UsageError(
+            f"--rank-state {rank_state!r} is not {' or '.join(RANK_STATE_CHOICES)}",
+            fix="; ".join(f"{k}: {v}" for k, v in RANK_STATE_CHOICES.items()) + ".",
+        )
     if dcp_serialization is not None and dcp_serialization not in serializations():
         raise UsageError(
             f"--dcp-serialization {dcp_serialization!r} is not {' or '.join(serializations())}"
@@ -247,8 +254,7 @@ def run_reshard(
             for flag, on in (
                 ("--shard-dim", bool(shard_dim)),
                 ("--plan", plan is not None),
-                ("--drop-rank-state", drop_rank_state),
-                ("--keep-rank-state", keep_rank_state),
+                ("--rank-state", rank_state is not None),
                 ("--dcp-serialization", dcp_serialization is not None),
                 ("--dcp-compression", dcp_compression is not None),
             )
@@ -288,9 +294,29 @@ def run_reshard(
     rules = [parse_rule(text) for text in shard_dim or []]
     if plan is not None:
         rules += load_plan(plan)
-    action: Literal["drop", "keep"] | None = (
-        "drop" if drop_rank_state else "keep" if keep_rank_state else None
-    )
+    action = cast(RankStateChoice | None, rank_state)
+    if format is None:
+        folder = _training_folder(src)
+        if folder is not None:
+            source, opened, layout = folder
+            try:
+                return reshard_folder(
+                    source,
+                    opened,
+                    layout,
+                    dest,
+                    world_size,
+                    rules=rules,
+                    rank_state_action=action,
+                    serialization=dcp_serialization,
+                    compression=dcp_compression,
+                    force=force,
+                    progress=progress,
+                    dry_run=dry_run,
+                    extras=extras,
+                )
+            finally:
+                opened.checkpoint.close()
     return reshard_world_size(
         src,
         dest,
@@ -305,6 +331,21 @@ def run_reshard(
         extras=extras,
         dry_run=dry_run,
     )
+
+
+def _training_folder(src: str) -> tuple[Source, OpenedSource, Layout] | None:
+    """SRC opened as a training folder layout (Trainer, accelerate...), when it is one."""
+    from ..layouts import folder_layout_named, recognise_layout
+
+    source = resolve_source(src)
+    opened = recognise_layout(source)
+    if opened is None:
+        return None
+    layout = folder_layout_named(opened.training.layout) if opened.training else None
+    if layout is None:
+        opened.checkpoint.close()
+        return None
+    return source, opened, layout
 
 
 def _reshard_components(

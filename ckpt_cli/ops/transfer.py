@@ -447,6 +447,76 @@ def extra_files(checkpoint: Checkpoint) -> list[str]:
     return out
 
 
+def account_files(
+    checkpoint: Checkpoint,
+    plan: TransferPlan,
+    carried: Sequence[str],
+    *,
+    single_file: bool,
+    listed: dict[str, str] | None = None,
+) -> tuple[list[str], list[SkippedEntry]]:
+    """Every file of the source, accounted for: (read, skipped).
+
+    `read` are the files the output's entries come from, with the metadata that found them
+    (an index, a DCP `.metadata`) of every component an entry was written from; `carried` were
+    copied verbatim; every other file is one `SkippedEntry` of kind `file` saying why it is
+    not in the output. Nothing of a source vanishes without a line in the report.
+    `listed`: file -> why a layout lists it without loading it (`training_args.bin`).
+    """
+    from ..layouts.composite import CompositeCheckpoint
+
+    source = checkpoint.source
+    names = [source.target] if source.target is not None else sorted(source.files)
+    written = [item.source for item in plan.items]
+    read: set[str] = set()
+    for entry in written:
+        if entry.file:
+            read.add(entry.file)
+        read.update(chunk.file for chunk in entry.chunks or [] if chunk.file)
+    if source.target is not None:
+        read = {source.target} if written else set()
+    elif isinstance(checkpoint, CompositeCheckpoint):
+        for comp, part in checkpoint.components.items():
+            if any(e.name == comp or e.name.startswith(f"{comp}.") for e in written):
+                sub = checkpoint.subfolders.get(comp, "")
+                read.update(f"{sub}{f.path}" for f in part.manifest.files if not f.entries)
+    elif written:
+        other = {f.path for f in checkpoint.manifest.files if f.entries}
+        read.update(f.path for f in checkpoint.manifest.files if f.path not in other)
+    held = {entry.file for entry in checkpoint.manifest.entries if entry.file}
+    left_out = {s.name for s in plan.skipped}
+    skipped: list[SkippedEntry] = []
+    carried_set = set(carried)
+    for rel in names:
+        if rel in read or rel in carried_set:
+            continue
+        base = rel.rsplit("/", 1)[-1]
+        if listed and rel in listed:
+            why = listed[rel]
+        elif rel in held:
+            entries = [e.name for e in checkpoint.manifest.entries if e.file == rel]
+            why = (
+                "none of its entries was selected"
+                if not all(e in left_out for e in entries)
+                else "its entries are listed as skipped"
+            )
+        elif base.startswith("."):
+            why = "a hidden file: not part of the checkpoint"
+        elif single_file and rel.endswith(EXTRA_SUFFIXES):
+            why = "a single-file DEST holds entries only: convert to a folder to carry it"
+        elif rel.endswith(EXTRA_SUFFIXES) and (source.files.get(rel) or 0) > MAX_EXTRA_BYTES:
+            why = f"larger than the {MAX_EXTRA_BYTES >> 20} MiB carried beside the weights"
+        elif "/" in rel and not single_file:
+            why = "in a subfolder ckpt does not read: copy it by hand if the output needs it"
+        else:
+            why = (
+                "not a file of the checkpoint ckpt reads, nor a companion it carries "
+                "(config, tokenizer...): copy it by hand if the output needs it"
+            )
+        skipped.append(SkippedEntry(name=rel, kind="file", reason=why))
+    return sorted(read & set(names)), skipped
+
+
 def _is_weight_index(name: str) -> bool:
     """A weight index: `*.index.json`, or diffusers' variant spelling `*.index.fp16.json`.
 

@@ -57,17 +57,23 @@ def render_convert(report: ConvertReport) -> None:
         else:
             note = "each name written"
         stdout.print(f"  tied: {', '.join(group)} share storage ({note})", highlight=False)
-    if report.skipped:
+    left = [s for s in report.skipped if s.kind == "file"]
+    for item in left[:MAX_LISTED]:
+        stderr.print(f"[yellow]not in the output:[/] {item.name}: {item.reason}", highlight=False)
+    if len(left) > MAX_LISTED:
+        stderr.print(f"[yellow]… {len(left) - MAX_LISTED} more files not in the output[/]")
+    entries = [s for s in report.skipped if s.kind != "file"]
+    if entries:
         # grouped by parent so 50 optimizer hyper-parameters read as one line
         groups: dict[str, int] = {}
-        for entry in report.skipped:
+        for entry in entries:
             parent = entry.name.rsplit(".", 1)[0] if "." in entry.name else entry.name
             groups[parent] = groups.get(parent, 0) + 1
         listed = [f"{name}.* ({n})" if n > 1 else name for name, n in groups.items()]
         more = f", … {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
         stderr.print(
-            f"[yellow]skipped {len(report.skipped)} non-tensor entries[/] "
-            f"({report.skipped[0].reason}): {', '.join(listed[:MAX_LISTED])}{more}",
+            f"[yellow]skipped {len(entries)} non-tensor entries[/] "
+            f"({entries[0].reason}): {', '.join(listed[:MAX_LISTED])}{more}",
             highlight=False,
         )
 

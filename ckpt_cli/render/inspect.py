@@ -86,7 +86,11 @@ def render_training(report: InspectReport) -> None:
             else "[dim]none[/]",
         )
     )
-    rows.append(("rng", ", ".join(state.rng) if state.rng else "[dim]none[/]"))
+    rng = ", ".join(state.rng) if state.rng else "[dim]none[/]"
+    if state.rng and state.rng_ranks:
+        ranks = ", ".join(str(r) for r in state.rng_ranks)
+        rng += f" ({len(state.rng_ranks)} rank{'s' if len(state.rng_ranks) != 1 else ''}: {ranks})"
+    rows.append(("rng", rng))
     rows.append(
         (
             "data loader",

@@ -8,8 +8,9 @@ from .ranks import render_ranks
 
 _ACTIONS = {
     "carry": "carried unchanged (same world size)",
-    "keep": "copied as-is (--keep-rank-state)",
-    "drop": "left out (--drop-rank-state)",
+    "keep": "copied as saved (--rank-state keep)",
+    "drop": "left out (--rank-state drop)",
+    "replicate": "new ranks get a copy of rank 0's (--rank-state replicate)",
 }
 
 
@@ -29,29 +30,52 @@ def render_reshard(report: ReshardReport) -> None:
             f"{report.serialization} serialization)"
         )
     verb = "[bold]would reshard[/]" if report.dry_run else "[bold green]resharded[/]"
-    stdout.print(
-        f"{verb} {report.source} -> [bold]{report.destination}[/]  [dim]{report.format}[/]"
-    )
+    kind = report.layout or report.format
+    stdout.print(f"{verb} {report.source} -> [bold]{report.destination}[/]  [dim]{kind}[/]")
     stdout.print(f"  {how}")
+    for part in report.parts:
+        stdout.print(
+            f"  re-cut {part.path} ({part.component}): {counted(part.tensors, 'tensor')}, "
+            f"{counted(part.objects, 'object')}, {part.source_world_size} -> "
+            f"{report.world_size} ranks",
+            highlight=False,
+            markup=False,
+        )
     stdout.print(
         f"  {counted(report.tensors, 'tensor')}, {counted(report.objects, 'object')}, "
         f"{human_bytes(report.tensor_bytes)} of tensor data in {len(files)} files "
         f"({human_bytes(size)})"
     )
     if report.carried:
+        what = (
+            "copied verbatim" if report.mode == "world-size" else "training state copied unchanged"
+        )
         stdout.print(
-            f"  training state copied unchanged: {', '.join(report.carried)}",
+            f"  {what}: {', '.join(report.carried)}",
             highlight=False,
             markup=False,
         )
+    for item in report.rank_files:
+        if item.action == "dropped":
+            done = "left out"
+        elif item.written == [item.path]:
+            done = "carried"
+        else:
+            done = "-> " + ", ".join(item.written)
+        stdout.print(
+            f"  per-rank file {item.path} (rank {item.rank}): {done}", highlight=False, markup=False
+        )
+    for skip in report.skipped:
+        stdout.print(f"  skipped {skip.path}: {skip.reason}", highlight=False, markup=False)
     if report.extras:
         stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)
-    for warning in report.warnings:
-        stderr.print(f"[yellow]ckpt reshard: warning:[/] {warning}", highlight=False)
+    # the report's `warnings` go to stderr from `run_command`, as for every command
     if report.rules:
         stdout.print(f"  rules: {'  '.join(report.rules)}")
     for rule in report.unused_rules:
         stderr.print(f"[yellow]ckpt reshard: warning:[/] rule {rule} matched no tensor")
+    if report.rank_state_action and not report.rank_state and report.rank_files:
+        stdout.print(f"  per-rank files: {_ACTIONS[report.rank_state_action]}")
     if report.rank_state and report.rank_state_action:
         names = ", ".join(e.name for e in report.rank_state[:6])
         more = f" +{len(report.rank_state) - 6} more" if len(report.rank_state) > 6 else ""
@@ -59,6 +83,16 @@ def render_reshard(report: ReshardReport) -> None:
             f"  per-rank state ({len(report.rank_state)}: {names}{more}): "
             f"{_ACTIONS[report.rank_state_action]}"
         )
+    if report.resume is not None:
+        verdict = report.resume
+        stdout.print(
+            f"  resumable: {'yes' if verdict.resumable else 'no'}, "
+            f"exact: {'yes' if verdict.exact else 'no'}",
+            highlight=False,
+        )
+        for reason in verdict.reasons:
+            if reason not in report.warnings:  # those are on stderr already
+                stdout.print(f"    {reason}", highlight=False, markup=False)
     if report.dry_run:
         for f in files:
             size_text = human_bytes(f.size) if f.size is not None else "size decided when written"

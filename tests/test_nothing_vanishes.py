@@ -1,0 +1,225 @@
+"""Nothing vanishes silently, in any layout: the invariant, over every layout fixture.
+
+For each layout ckpt recognises, built by the suite's own fixture builders (the frameworks' save
+code where the suite has it), a user converts the whole SRC:
+
+- every file of SRC is read into the output, carried verbatim (`extras`) or listed in
+  `skipped` (kind `file`) with a reason, by the `--json` report;
+- `diff SRC OUT` compares every component both sides hold and finds them equal;
+- a copy that lost a component (converted with `--exclude` of it) is DIFFERENT, the lost
+  entries counted as only in SRC.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .conftest import run_ckpt
+from .dist_helpers import dcp_save, training_state
+from .run_fixtures import dcp_save as titan_style_save
+from .run_fixtures import trainer_checkpoint, weights
+from .test_layout_registry import _lightning_file
+from .test_torch_format import training_dict
+
+#: layout -> (how to get SRC from the fixtures, the target a whole conversion writes, DEST name)
+Builder = Callable[[pytest.FixtureRequest, Path], Path]
+
+
+def _trainer_synthetic(request: pytest.FixtureRequest, tmp: Path) -> Path:
+    trainer_checkpoint(tmp / "checkpoint-300", 300, shards=True)
+    return tmp / "checkpoint-300"
+
+
+def _torch_dict(request: pytest.FixtureRequest, tmp: Path) -> Path:
+    torch.save(training_dict(), tmp / "train.pt")
+    return tmp / "train.pt"
+
+
+def _dcp_training(request: pytest.FixtureRequest, tmp: Path) -> Path:
+    dcp_save(training_state(), tmp / "dcp")
+    return tmp / "dcp"
+
+
+def _titan_style(request: pytest.FixtureRequest, tmp: Path) -> Path:
+    titan_style_save(tmp / "step-5", 5)
+    return tmp / "step-5"
+
+
+def _lightning(request: pytest.FixtureRequest, tmp: Path) -> Path:
+    return _lightning_file(tmp / "epoch=1-step=30.ckpt", 30)
+
+
+def _safetensors_sharded(request: pytest.FixtureRequest, tmp: Path) -> Path:
+    from huggingface_hub import save_torch_state_dict
+
+    (tmp / "sharded").mkdir()
+    save_torch_state_dict(weights(1), tmp / "sharded", max_shard_size=300)
+    (tmp / "sharded" / "README.md").write_text("a model card\n")
+    return tmp / "sharded"
+
+
+def _fixture(name: str, *path: str) -> Builder:
+    def build(request: pytest.FixtureRequest, tmp: Path) -> Path:
+        value: Any = request.getfixturevalue(name)
+        for part in path:
+            value = value[part] if isinstance(value, dict) else value / part
+        if isinstance(value, tuple):
+            value = value[0]
+        return Path(value)
+
+    return build
+
+
+_FRAMEWORKS = pytest.mark.frameworks
+_TORCHRUN = pytest.mark.torchrun
+_SLOW = pytest.mark.timeout(1200)
+
+CASES = [
+    pytest.param(_trainer_synthetic, "torch", "whole.pt", "optimizer", id="trainer"),
+    pytest.param(
+        _fixture("trainer_runs", "full", "checkpoint-2"),
+        "torch",
+        "whole.pt",
+        "optimizer",
+        id="trainer-real",
+        marks=_FRAMEWORKS,
+    ),
+    pytest.param(
+        _fixture("real_accelerate_run", "straight", "step-4"),
+        "dcp",
+        "whole",
+        "optimizer",
+        id="accelerate-real",
+        marks=_FRAMEWORKS,
+    ),
+    pytest.param(
+        _fixture("accelerate_fsdp_saves", "sharded"),
+        "torch",
+        "whole.pt",
+        "optimizer_1",
+        id="accelerate-fsdp-sharded",
+        marks=[_FRAMEWORKS, _TORCHRUN, _SLOW],
+    ),
+    pytest.param(
+        _fixture("accelerate_fsdp_saves", "full"),
+        "dcp",
+        "whole",
+        "optimizer_1",
+        id="accelerate-fsdp-full",
+        marks=[_FRAMEWORKS, _TORCHRUN, _SLOW],
+    ),
+    pytest.param(_torch_dict, "dcp", "whole", "optimizer", id="torch-dict"),
+    pytest.param(_dcp_training, "torch", "whole.pt", "optimizer", id="dcp"),
+    pytest.param(_titan_style, "torch", "whole.pt", "train_state", id="dcp-step-folder"),
+    pytest.param(
+        _fixture("titan_run", "checkpoint", "step-3"),
+        "torch",
+        "whole.pt",
+        "optimizer",
+        id="torchtitan",
+        marks=[_FRAMEWORKS, _TORCHRUN, _SLOW],
+    ),
+    pytest.param(
+        _fixture("saved"),
+        "dcp",
+        "whole",
+        "decoder",
+        id="megatron",
+        marks=[_FRAMEWORKS, _TORCHRUN, _SLOW],
+    ),
+    pytest.param(
+        _fixture("zero_runs", "zero2"),
+        "torch",
+        "whole.pt",
+        "optimizer",
+        id="deepspeed-zero2",
+        marks=[_FRAMEWORKS, _TORCHRUN, _SLOW],
+    ),
+    pytest.param(_lightning, "dcp", "whole", "optimizer_states", id="lightning"),
+    pytest.param(_safetensors_sharded, "torch", "out", "model.layers.0", id="safetensors-sharded"),
+    pytest.param(
+        _fixture("tiny_llama"), "torch", "out", "lm_head", id="hf-model", marks=_FRAMEWORKS
+    ),
+    pytest.param(
+        _fixture("lora_adapter"),
+        "safetensors",
+        "out",
+        "base_model.model.model.layers.0",
+        id="peft",
+        marks=_FRAMEWORKS,
+    ),
+    pytest.param(
+        _fixture("diffusers_pipeline"),
+        "safetensors",
+        "out",
+        "conv_in",  # a multi-folder model: --exclude matches names inside each component
+        id="diffusers",
+        marks=_FRAMEWORKS,
+    ),
+    pytest.param(
+        _fixture("sentence_transformer"),
+        "safetensors",
+        "out",
+        "embeddings",
+        id="sentence-transformers",
+        marks=_FRAMEWORKS,
+    ),
+]
+
+# fixtures of other test modules, shared here (pytest finds them by name)
+from .test_deepspeed import zero_runs  # noqa: E402,F401
+from .test_megatron import saved  # noqa: E402,F401
+from .test_torchtitan import titan_run  # noqa: E402,F401
+
+
+def _files(src: Path) -> set[str]:
+    if src.is_file():
+        return {src.name}
+    return {
+        Path(dirpath, name).relative_to(src).as_posix()
+        for dirpath, _, names in os.walk(src)
+        for name in names
+    }
+
+
+@pytest.mark.parametrize(("build", "to", "dest", "component"), CASES)
+def test_every_file_is_converted_carried_or_skipped_and_diff_sees_every_component(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    build: Builder,
+    to: str,
+    dest: str,
+    component: str,
+) -> None:
+    src = build(request, tmp_path)
+    out = tmp_path / dest
+    result = run_ckpt("convert", src, out, "--to", to, "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json["result"]
+    read, carried = set(report["read"]), set(report["extras"])
+    skipped = {s["name"]: s["reason"] for s in report["skipped"] if s["kind"] == "file"}
+    names = {src.name} if src.is_file() else _files(src)
+    unaccounted = names - read - carried - set(skipped)
+    assert not unaccounted, f"vanished silently: {sorted(unaccounted)}"
+    assert all(reason for reason in skipped.values())
+    assert read, "nothing read into the output"
+    assert (read | carried | set(skipped)) <= names
+
+    same = run_ckpt("diff", src, out, "--json").json["result"]
+    assert same["identical"] is True, (same["verdict"], same["only_a"][:5], same["only_b"][:5])
+    assert same["compared"] > 0
+
+    # a copy that lost one component (or, in a weights-only model, one module)
+    lossy = tmp_path / f"lossy-{dest}"
+    cut = run_ckpt("convert", src, lossy, "--to", to, "--exclude", f"{component}*", "--json")
+    assert cut.exit_code == 0, cut.stdout + cut.stderr
+    diffed = run_ckpt("diff", src, lossy, "--json")
+    assert diffed.exit_code == 1, diffed.stdout
+    lost = diffed.json["result"]
+    assert lost["identical"] is False and lost["only_a"]
