@@ -199,6 +199,11 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
     zipped = is_zip(storage, rel)
     if not zipped:
         _refuse_non_pickle(storage, rel, where, size)
+    else:
+        from .torch_zip import check_zip_budget
+
+        # torch's reader inflates a record whole: its declared size is checked first
+        check_zip_budget(lambda at, n: storage.read(rel, at, n), 0, size, where)
     local = storage.local_path(rel)
     try:
         # torch warns about pickle protocols and legacy files on stderr; errors say it instead

@@ -428,7 +428,9 @@ def check_saved_tensors(storage: Storage, layout: Layout) -> None:
                 head = storage.read(
                     chunk.file, chunk.byte_offset, min(_TENSOR_HEAD, chunk.byte_length)
                 )
-            saved = peek_saved_tensor(head) if head is not None else None
+            saved = (
+                peek_saved_tensor(head, storage.describe(chunk.file)) if head is not None else None
+            )
             if saved is None:
                 layout.problem(
                     "dcp_bad_chunk",
@@ -539,5 +541,5 @@ def peek_objects(storage: Storage, layout: Layout) -> None:
                 blob = inflate(blob, _PEEK_LIMIT * 64, entry.file, entry.name)
             except FormatError:
                 continue  # verify --deep and reads report it; inspect just shows no type
-        py_type, value = peek_saved_object(blob)
+        py_type, value = peek_saved_object(blob, storage.describe(entry.file))
         layout.entries[index] = entry.model_copy(update={"py_type": py_type, "value": value})
