@@ -23,6 +23,7 @@ import re
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from .. import dtypes
 from ..errors import FormatError, NotFoundError
 from ..models import Entry, FileInfo, Manifest, Problem
 from .base import Checkpoint, Format, Source
@@ -318,6 +319,13 @@ class GgufFormat(Format):
             for tensor in reader.tensors:
                 qtype = tensor.tensor_type.name
                 shape = [int(d) for d in reversed(list(tensor.shape))]
+                why = dtypes.shape_problem(shape)
+                if why is not None:
+                    raise FormatError(
+                        f"tensor {tensor.name!r} has shape {shape} ({why})",
+                        path=described,
+                        fix="The file is corrupt; download it again.",
+                    )
                 nbytes = int(tensor.n_bytes)
                 offset = int(tensor.data_offset)
                 spans.append((offset, offset + nbytes, tensor.name))

@@ -280,8 +280,11 @@ class _Items:
                 path=where,
                 fix="Upgrade ckpt if this is a new dtype; otherwise the file is corrupt.",
             )
-        if shape is None:
-            raise FormatError(f"tensor {fqn!r} has an invalid size {item.size!r}", path=where)
+        why = "not a list of dimensions" if shape is None else dtypes.shape_problem(shape)
+        if shape is None or why is not None:
+            raise FormatError(
+                f"tensor {fqn!r} has an invalid size {item.size!r} ({why})", path=where
+            )
         if not isinstance(item.chunks, list):
             raise FormatError(f"tensor {fqn!r} has no chunk list", path=where)
         chunks: list[PendingChunk] = []
