@@ -373,7 +373,7 @@ def _tensor_pickle_with(size: Any, stride: Any) -> bytes:
     ("name", "data_pkl"),
     [
         ("build-on-empty-stack", b"\x80\x02b."),  # torch.load: IndexError
-        ("stack-underflow", b"\x80\x02(t."),
+        ("append-on-empty-stack", b"\x80\x02a."),  # torch.load: IndexError
         ("size-is-an-int", _tensor_pickle_with(2, False)),  # torch.load: TypeError
         ("stride-too-short", _tensor_pickle_with((2, 1), (1,))),
         ("truncated", _tensor_pickle_with((2,), (1,))[:-7]),

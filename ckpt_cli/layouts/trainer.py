@@ -94,19 +94,20 @@ def _save_only_model(source: Source, rel: str) -> bool | None:
             data = archive.read(member)
     except zipfile.BadZipFile:
         pass  # an old-style (non-zip) torch.save: the pickle itself
+    # streamed, never listed: a 16 MiB pickle of one-byte opcodes would list 16M tuples; the
+    # memo bookkeeping between a key and its value carries no data
+    memo = ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE")
+    ops = (op for op in pickletools.genops(data) if op[0].name not in memo)
     try:
-        ops = list(pickletools.genops(data))
+        for (_, arg, _), (op, _, _) in itertools.pairwise(ops):
+            if arg == "save_only_model":
+                if op.name == "NEWTRUE":
+                    return True
+                if op.name == "NEWFALSE":
+                    return False
+                return None
     except Exception:
         return None
-    # the memo bookkeeping between a key and its value carries no data
-    ops = [op for op in ops if op[0].name not in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE")]
-    for (_, arg, _), (op, _, _) in itertools.pairwise(ops):
-        if arg == "save_only_model":
-            if op.name == "NEWTRUE":
-                return True
-            if op.name == "NEWFALSE":
-                return False
-            return None
     return None
 
 
