@@ -191,3 +191,26 @@ def numel(shape: list[int] | tuple[int, ...]) -> int:
     for dim in shape:
         n *= dim
     return n
+
+
+#: the largest dimension (and product of dimensions) torch, DCP and safetensors all hold: int64
+MAX_DIM = (1 << 63) - 1
+
+
+def shape_problem(shape: object) -> str | None:
+    """Why `shape` is no tensor shape every format can hold, or None when it is one: a list of
+    plain non-negative ints (not bools), each at most `MAX_DIM`, whose product (a zero counted as
+    one, as torch sizes its strides) is at most `MAX_DIM` too: torch.load refuses a file whose
+    tensor has a dimension of 2^63 even with no elements."""
+    if not isinstance(shape, (list, tuple)):
+        return "not a list of dimensions"
+    span = 1
+    for dim in shape:
+        if type(dim) is not int or dim < 0:
+            return f"dimension {dim!r} is not a non-negative integer"
+        if dim > MAX_DIM:
+            return f"dimension {dim:,} is larger than int64 holds (2^63 - 1)"
+        span *= max(dim, 1)
+        if span > MAX_DIM:
+            return "its dimensions multiply past what int64 holds (2^63 - 1)"
+    return None

@@ -14,6 +14,8 @@ import pickletools
 import re
 import zipfile
 
+from .budgets import read_member
+
 #: globals torch's weights_only unpickler admits, plus numpy's array reconstruction (which
 #: ckpt allowlists for RNG states) and the inert records of `formats.torch_save`
 _ALLOWED = re.compile(
@@ -52,11 +54,12 @@ _GETS = {"BINGET", "LONG_BINGET", "GET"}
 
 
 def _pickles(data: bytes) -> list[bytes]:
-    """The pickle streams of a stored object: `data.pkl` of a torch.save zip, or the bytes."""
+    """The pickle streams of a stored object: `data.pkl` of a torch.save zip, or the bytes.
+    FormatError for a data.pkl over its inflation budget (`budgets.read_member`)."""
     if data[:4] == b"PK\x03\x04":
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             names = [n for n in archive.namelist() if n.endswith("data.pkl")]
-            return [archive.read(n) for n in names[:1]]
+            return [read_member(archive, n, MAX_SCAN_BYTES, None) for n in names[:1]]
     if data[:1] == b"\x80":
         return [data]
     return []  # raw bytes (an io.BytesIO saved as is): data, not code

@@ -17,13 +17,14 @@ the summary does not need. Anything else (any other global) is refused with `Not
 from __future__ import annotations
 
 import io
-import pickle
 import struct
 import zipfile
 from typing import Any
 
 from . import dtypes
+from .budgets import BudgetedUnpickler, read_member
 from .dtypes import STORAGE_DTYPES
+from .errors import FormatError
 
 #: the largest blob read here: the values a summary needs are a few KiB; a larger object
 #: entry is left to the data paths (`--deep`), which load it with torch
@@ -164,11 +165,11 @@ _PLAIN: dict[tuple[str, str], Any] = {
 }
 
 
-class _PlainUnpickler(pickle.Unpickler):
+class _PlainUnpickler(BudgetedUnpickler):
     """Admits plain containers and tensor records only (see the module docstring)."""
 
-    def __init__(self, data: bytes, archive: zipfile.ZipFile, prefix: str):
-        super().__init__(io.BytesIO(data))
+    def __init__(self, data: bytes, archive: zipfile.ZipFile, prefix: str, where: str | None):
+        super().__init__(data, where)
         self._archive = archive
         self._prefix = prefix
 
@@ -191,38 +192,40 @@ class _PlainUnpickler(pickle.Unpickler):
         data = None
         if numel <= 16:  # only one-element tensors are decoded; keep the read tiny
             try:
-                data = self._archive.read(f"{self._prefix}data/{key}")
-            except (KeyError, zipfile.BadZipFile, OSError, ValueError):
+                data = read_member(self._archive, f"{self._prefix}data/{key}", 256, None)
+            except (KeyError, zipfile.BadZipFile, OSError, ValueError, FormatError):
                 data = None
         return _Storage(dtype if isinstance(dtype, str) else None, data)
 
 
-def load_plain(blob: bytes) -> Any:
+def load_plain(blob: bytes, where: str | None = None) -> Any:
     """The value a `torch.save` blob holds, when it is plain data (and tensors as records).
 
     Raises `NotPlain` for a blob that is no torch.save zip, is over `MAX_BLOB_BYTES`, or names a
-    global beyond plain containers, numpy arrays and tensors.
+    global beyond plain containers, numpy arrays and tensors; FormatError naming `where` for a
+    pickle or record over its budget (`budgets`), which no reader should follow.
     """
     if len(blob) > MAX_BLOB_BYTES:
         raise NotPlain(f"a blob of {len(blob)} bytes")
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as archive:
             names = [n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
-            if len(names) != 1 or archive.getinfo(names[0]).file_size > MAX_BLOB_BYTES:
+            if len(names) != 1:
                 raise NotPlain("not a torch.save archive")
             prefix = names[0][: -len("data.pkl")]
-            value = _PlainUnpickler(archive.read(names[0]), archive, prefix).load()
-    except NotPlain:
+            data = read_member(archive, names[0], MAX_BLOB_BYTES, where)
+            value = _PlainUnpickler(data, archive, prefix, where).load()
+    except (NotPlain, FormatError):
         raise
     except Exception as exc:  # a truncated or corrupt blob: no value, never a crash
         raise NotPlain(f"unreadable ({type(exc).__name__})") from None
     return value
 
 
-def saved_scalar(blob: bytes) -> int | float | bool | None:
+def saved_scalar(blob: bytes, where: str | None = None) -> int | float | bool | None:
     """The value of a one-element tensor saved alone with `torch.save` (None otherwise)."""
     try:
-        value = load_plain(blob)
+        value = load_plain(blob, where)
     except NotPlain:
         return None
     return value.value if isinstance(value, SavedTensorValue) else None

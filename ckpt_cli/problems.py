@@ -177,6 +177,12 @@ CODES: dict[str, Code] = _codes(
         "a non-tensor entry needs a global ckpt's restricted reader refuses (nothing was run)",
     ),
     Code("unreadable", _E, "a tensor or object does not deserialise"),
+    Code(
+        "torch_load_refuses",
+        _W,
+        "torch.load(weights_only=True) refuses a file ckpt reads (a global off torch's "
+        "allow-list, named)",
+    ),
     # ---- checksums (`--checksums`, `--write-manifest`)
     Code("checksum_mismatch", _E, "a file's digest differs from the manifest's"),
     Code("manifest_not_written", _E, "`--write-manifest` refused: the checkpoint has problems"),

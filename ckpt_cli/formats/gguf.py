@@ -18,10 +18,12 @@ Split files are one checkpoint: every `-0000k-of-0000n.gguf` must be present and
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from .. import dtypes
 from ..errors import FormatError, NotFoundError
 from ..models import Entry, FileInfo, Manifest, Problem
 from .base import Checkpoint, Format, Source
@@ -47,7 +49,125 @@ PLAIN = {
 MAX_SHOWN = 16
 
 
-def _reader(path: str) -> Any:
+#: bytes of each fixed-size GGUF metadata value type (GGUFValueType); 8 is STRING, 9 ARRAY
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+#: arrays of arrays nest at most this deep (llama.cpp writes none)
+_MAX_NESTING = 8
+#: dimensions a tensor info may declare (ggml has 4)
+_MAX_DIMS = 8
+
+
+class _Header:
+    """A walk of a GGUF header over a memory map: every count and length is checked against the
+    bytes left before anything is skipped or read, so no declaration chooses the work."""
+
+    def __init__(self, data: Any, where: str):
+        self.data = data
+        self.pos = 0
+        self.where = where
+        self.order = "<"
+
+    def error(self, what: str) -> FormatError:
+        return FormatError(
+            f"is not a valid GGUF file: {what} (at byte {self.pos:,} of {len(self.data):,})",
+            path=self.where,
+            fix="The file is truncated or corrupt; download it again.",
+        )
+
+    def take(self, n: int, what: str) -> int:
+        """Skip `n` bytes (FormatError when fewer are left); returns where they started."""
+        if n < 0 or n > len(self.data) - self.pos:
+            raise self.error(f"{what} of {n:,} bytes runs past the end of the file")
+        start = self.pos
+        self.pos += n
+        return start
+
+    def uint(self, size: int, what: str) -> int:
+        start = self.take(size, what)
+        return int.from_bytes(
+            self.data[start : start + size], "little" if self.order == "<" else "big"
+        )
+
+    def count(self, what: str, least: int) -> int:
+        """A u64 count of items each at least `least` bytes, checked against the bytes left."""
+        n = self.uint(8, what)
+        if n * least > len(self.data) - self.pos:
+            raise self.error(
+                f"{what} declares {n:,} items, more than the {len(self.data) - self.pos:,} bytes "
+                "left can hold"
+            )
+        return n
+
+    def string(self, what: str) -> str:
+        """Skip a string; returns its first 200 characters (for messages)."""
+        n = self.uint(8, f"the length of {what}")
+        start = self.take(n, what)
+        return bytes(self.data[start : start + min(n, 200)]).decode("utf-8", "replace")
+
+    def value(self, kind: int, what: str, depth: int = 0) -> None:
+        size = _VALUE_SIZES.get(kind)
+        if size is not None:
+            self.take(size, what)
+        elif kind == _STRING:
+            self.string(what)
+        elif kind == _ARRAY:
+            if depth >= _MAX_NESTING:
+                raise self.error(f"{what} nests arrays more than {_MAX_NESTING} deep")
+            item = self.uint(4, f"the item type of {what}")
+            least = _VALUE_SIZES.get(item, 8 if item == _STRING else 12)
+            n = self.count(f"the array {what}", least)
+            if item in _VALUE_SIZES:
+                self.take(n * _VALUE_SIZES[item], what)
+            else:
+                for _ in range(n):
+                    self.value(item, what, depth + 1)
+        else:
+            raise self.error(f"{what} has unknown value type {kind}")
+
+
+def check_header(path: str, where: str) -> None:
+    """Walk a GGUF file's header (metadata and tensor infos) checking every count and length
+    against the bytes left, before the `gguf` package's reader (which would build a 2^40-item
+    array from a 51-byte file, or read past the end silently) sees it. FormatError naming
+    `where` on the first that does not fit."""
+    import mmap
+
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < 24:
+            raise FormatError(
+                f"is not a valid GGUF file: {size} bytes, too short for a GGUF header",
+                path=where,
+                fix="The file is truncated or corrupt; download it again.",
+            )
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            head = _Header(data, where)
+            if head.uint(4, "the magic") != int.from_bytes(b"GGUF", "little"):
+                return  # not GGUF: the reader says so
+            version = head.uint(4, "the version")
+            if version & 0xFFFF == 0:  # written for the other byte order
+                head.order = ">"
+                version = int.from_bytes(version.to_bytes(4, "little"), "big")
+            if version < 2:
+                return  # GGUF v1 (32-bit lengths): the reader refuses it
+            tensors = head.uint(8, "the tensor count")
+            kvs = head.count("the metadata", 8 + 4 + 1)
+            for _ in range(kvs):
+                key = head.string("a metadata key")
+                head.value(head.uint(4, f"the type of {key!r}"), f"metadata {key!r}")
+            if tensors * (8 + 4 + 4 + 8) > size - head.pos:
+                raise head.error(f"{tensors:,} tensor infos cannot fit in the bytes left")
+            for _ in range(tensors):
+                head.string("a tensor name")
+                dims = head.uint(4, "a tensor's dimension count")
+                if dims > _MAX_DIMS:
+                    raise head.error(f"a tensor with {dims:,} dimensions")
+                head.take(8 * dims + 4 + 8, "a tensor info")
+
+
+def _reader(path: str, where: str | None = None) -> Any:
+    check_header(path, where or path)
     try:
         from gguf import GGUFReader
     except ImportError:  # pragma: no cover - declared in the gguf extra
@@ -181,9 +301,9 @@ class GgufFormat(Format):
                 raise FormatError(
                     "GGUF files are read from local disk only", path=source.storage.describe(rel)
                 )
-            reader = _reader(str(local))
-            size = source.storage.size(rel)
             described = source.storage.describe(rel)
+            reader = _reader(str(local), described)
+            size = source.storage.size(rel)
             version = _field(reader, "GGUF.version")
             for key in reader.fields:
                 if not key.startswith("GGUF.") and key not in kv:
@@ -199,6 +319,13 @@ class GgufFormat(Format):
             for tensor in reader.tensors:
                 qtype = tensor.tensor_type.name
                 shape = [int(d) for d in reversed(list(tensor.shape))]
+                why = dtypes.shape_problem(shape)
+                if why is not None:
+                    raise FormatError(
+                        f"tensor {tensor.name!r} has shape {shape} ({why})",
+                        path=described,
+                        fix="The file is corrupt; download it again.",
+                    )
                 nbytes = int(tensor.n_bytes)
                 offset = int(tensor.data_offset)
                 spans.append((offset, offset + nbytes, tensor.name))

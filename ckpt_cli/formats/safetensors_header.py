@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import dtypes
+from ..dtypes import MAX_DIM
 from ..models import Entry, Problem
 from ..problems import Findings
 from ..storage import Storage
@@ -280,14 +281,16 @@ def _entries(
                 and len(offsets) == 2
             ):
                 begin, end = offsets
-                count = 1
+                count = span = 1
                 for dim in shape:
                     if type(dim) is not int or dim < 0:
                         break
                     count *= dim
+                    span *= dim or 1
                 else:
                     if (
-                        type(begin) is int
+                        span <= MAX_DIM
+                        and type(begin) is int
                         and type(end) is int
                         and begin >= 0
                         and end <= data_size
@@ -379,7 +382,7 @@ def _unknown_dtype(info: Any, data_size: int) -> TensorInfo | None:
     code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(code, str) or dtypes.from_safetensors(code) is not None:
         return None
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+    if not isinstance(shape, list) or dtypes.shape_problem(shape) is not None:
         return None
     if not (
         isinstance(offsets, list)
@@ -411,9 +414,13 @@ def _validate_tensor(
             fix="Upgrade ckpt if this is a new dtype; otherwise the header is corrupt.",
         )
         return None
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+    why = dtypes.shape_problem(shape) if isinstance(shape, list) else "not a list"
+    if not isinstance(shape, list) or why is not None:
         findings.add(
-            "bad_header", f"tensor {name!r} has an invalid shape {shape!r}", file=where, tensor=name
+            "bad_header",
+            f"tensor {name!r} has an invalid shape {shape!r} ({why})",
+            file=where,
+            tensor=name,
         )
         return None
     if not (

@@ -9,6 +9,7 @@ walk has budgets (leaves, containers, depth) and refuses views that dwarf their 
 
 from __future__ import annotations
 
+import copy
 import math
 import pickle
 import sys
@@ -16,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ..budgets import check_expanded
 from ..errors import FormatError
 from ..models import Entry
 from .torch_load import _INERT, InertObject
@@ -55,22 +57,30 @@ def _is_tensor(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def _holds(obj: Any, dicts: bool, depth: int = 0) -> bool:
-    """Whether a list/tuple holds a tensor (or, with `dicts`, a dict) worth flattening into."""
+def _holds(obj: Any, dicts: bool, memo: dict[tuple[int, int], bool], depth: int = 0) -> bool:
+    """Whether a list/tuple (or a dict's values) holds a tensor (or, with `dicts`, a dict) worth
+    flattening into, within 8 levels. `memo` keeps each (container, depth) answer: a graph of
+    shared lists is looked at once per container and level, never once per path."""
     if depth > 8:
         return False
-    for item in obj:
-        if _is_tensor(item) or (dicts and isinstance(item, dict)):
-            return True
-        if isinstance(item, (list, tuple)) and _holds(item, dicts, depth + 1):
-            return True
-        if isinstance(item, dict) and _holds(list(item.values()), dicts, depth + 1):
-            return True
-    return False
+    key = (id(obj), depth)
+    known = memo.get(key)
+    if known is not None:
+        return known
+    memo[key] = False  # a cycle back here holds nothing new
+    found = any(
+        _is_tensor(item)
+        or (dicts and isinstance(item, dict))
+        or (isinstance(item, (list, tuple, dict)) and _holds(item, dicts, memo, depth + 1))
+        for item in (obj.values() if isinstance(obj, dict) else obj)
+    )
+    memo[key] = found
+    return found
 
 
-def _container_kind(obj: Any) -> str | None:
-    """How a container is flattened: `dict`, `odict`, `list`, `tuple`, or None for a leaf."""
+def _container_kind(obj: Any, memo: dict[tuple[int, int], bool] | None = None) -> str | None:
+    """How a container is flattened: `dict`, `odict`, `list`, `tuple`, or None for a leaf.
+    `memo` is `_holds`'s, shared by the calls of one flattening."""
     if isinstance(obj, dict):
         if obj and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in obj):
             return "odict" if isinstance(obj, OrderedDict) else "dict"
@@ -79,7 +89,7 @@ def _container_kind(obj: Any) -> str | None:
     # of numbers stays one value. A tuple is always one value, even of tensors: that is
     # dcp.save's rule (`_traverse.traverse_state_dict`), so a name means the same in every format
     # and DCP -> torch -> DCP still loads into the original state dict.
-    if type(obj) is list and obj and _holds(obj, dicts=True):
+    if type(obj) is list and obj and _holds(obj, True, {} if memo is None else memo):
         return "list"
     return None
 
@@ -98,9 +108,14 @@ def flatten(obj: Any, where: str | None = None) -> Iterator[tuple[tuple[KeyStep,
     paths) is measured first, each container once (`_expanded_leaves`): a graph naming more
     than `MAX_LEAVES` entries is refused before any is built. Depth and containers walked
     have budgets too; past one, FormatError naming `where`. Modest sharing (one dict
-    referenced twice) flattens as before: one entry per path.
+    referenced twice) flattens as before: one entry per path. Before anything walks it, the
+    whole object (the values of object entries too: lists, tuples, sets) must unfold to at most
+    `budgets.MAX_EXPANDED_NODES` nodes (`budgets.check_expanded`), so no copy, comparison or
+    writer of an entry's value walks a graph of 10^40 paths.
     """
-    expanded = _expanded_leaves(obj, where)
+    check_expanded(obj, where)
+    memo: dict[tuple[int, int], bool] = {}
+    expanded = _expanded_leaves(obj, where, memo)
     if expanded > MAX_LEAVES:
         raise _over_budget(
             where,
@@ -112,7 +127,7 @@ def flatten(obj: Any, where: str | None = None) -> Iterator[tuple[tuple[KeyStep,
     while stack:
         path, node = stack.pop()
         node = _revive(node)
-        kind = _container_kind(node)
+        kind = _container_kind(node, memo)
         if kind is None:
             leaves += 1
             if leaves > MAX_LEAVES:
@@ -148,7 +163,7 @@ def _revive(node: Any) -> Any:
     return record
 
 
-def _expanded_leaves(obj: Any, where: str | None) -> int:
+def _expanded_leaves(obj: Any, where: str | None, memo: dict[tuple[int, int], bool]) -> int:
     """How many leaves `obj` names if every shared sub-object counted once per path to it.
 
     Counted over the graph (each container once, bottom-up, no recursion), so a 2 KB file whose
@@ -164,7 +179,7 @@ def _expanded_leaves(obj: Any, where: str | None) -> int:
         key = id(node)
         if key in counts:
             continue
-        kind = _container_kind(node)
+        kind = _container_kind(node, memo)
         if kind is None:
             continue
         children = list(node.values() if isinstance(node, dict) else node)
@@ -384,24 +399,46 @@ def build_entries(
     return entries, leaves, shared
 
 
-def _plain(value: Any, memo: dict[int, Any] | None = None) -> Any:
-    """`value` with inert records (DeepSpeed loss scalers...) replaced by plain dicts.
+_MISSING = object()
 
-    A shared sub-object is converted once and stays shared (`memo`, by id): a "billion
-    laughs" graph costs its size in memory, not its 2^N paths.
+
+def _plain(value: Any, memo: dict[int, Any] | None = None) -> Any:
+    """A deep copy of `value` with inert records (DeepSpeed loss scalers...) as plain dicts.
+
+    Each container (tuples too) is copied once, by identity (`memo`): a shared sub-object stays
+    shared, and a "billion laughs" graph costs its size in time and memory, not its 2^N paths
+    (`copy.deepcopy` re-walks a tuple of immutables once per path to it). Other values are
+    deep-copied by `copy.deepcopy` (numpy arrays, tensors); scalars are returned as they are.
     """
-    if isinstance(value, InertObject):
-        return value.as_plain()
-    kind = type(value)
-    if kind not in (dict, OrderedDict, list, tuple):
-        return value
     memo = {} if memo is None else memo
-    done = memo.get(id(value))
-    if done is not None:
+    if value is None or type(value) in _SCALARS:
+        return value
+    done = memo.get(id(value), _MISSING)
+    if done is not _MISSING:
         return done
-    if kind in (dict, OrderedDict):
-        out: Any = kind((k, _plain(v, memo)) for k, v in value.items())
-    else:
+    kind = type(value)
+    out: Any
+    if isinstance(value, InertObject):
+        out = {"__class__": value.original}
+        memo[id(value)] = out
+        out["args"] = [_plain(v, memo) for v in value.args]
+        out["state"] = _plain(value.state, memo)
+    elif kind in (dict, OrderedDict):
+        out = kind()
+        memo[id(value)] = out
+        for k, v in value.items():
+            out[_plain(k, memo)] = _plain(v, memo)
+    elif kind is list:
+        out = []
+        memo[id(value)] = out
+        out.extend(_plain(v, memo) for v in value)
+    elif kind in (tuple, set, frozenset):
         out = kind(_plain(v, memo) for v in value)
-    memo[id(value)] = out
+        memo[id(value)] = out
+    else:
+        out = copy.deepcopy(value, memo.setdefault(-1, {}))  # -1: deepcopy's own memo
+        memo[id(value)] = out
     return out
+
+
+_SCALARS = (bool, int, float, complex, str, bytes)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..errors import FormatError, UnsafeInputError
+from ..errors import CkptError, FormatError, UnsafeInputError
 from ..storage import Storage, StorageRangeFile
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -199,6 +199,11 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
     zipped = is_zip(storage, rel)
     if not zipped:
         _refuse_non_pickle(storage, rel, where, size)
+    else:
+        from .torch_zip import check_zip_budget
+
+        # torch's reader inflates a record whole: its declared size is checked first
+        check_zip_budget(lambda at, n: storage.read(rel, at, n), 0, size, where)
     local = storage.local_path(rel)
     try:
         # torch warns about pickle protocols and legacy files on stderr; errors say it instead
@@ -233,7 +238,9 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
             path=where,
             fix="Plain pickles are never unpickled by ckpt; re-save it with torch.save.",
         ) from None
-    except (RuntimeError, EOFError, ValueError, OSError, KeyError, AttributeError) as exc:
+    except CkptError:
+        raise
+    except Exception as exc:  # torch.load's error for malformed bytes may be any type
         raise FormatError(
             f"is not a readable torch.save file ({_first_line(str(exc))})",
             path=where,

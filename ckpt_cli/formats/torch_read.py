@@ -7,7 +7,6 @@ once (one file held at a time).
 
 from __future__ import annotations
 
-import copy
 import os
 import stat
 import weakref
@@ -53,7 +52,11 @@ def _read_local_zip(storage: Storage, rel: str, reader: Callable[..., T | None])
     if fd is None:
         return None
     try:
-        return reader(lambda at, n: os.pread(fd, n, at), 0, os.fstat(fd).st_size)
+
+        def read(at: int, n: int) -> bytes:
+            return os.pread(fd, n, at)
+
+        return reader(read, 0, os.fstat(fd).st_size, storage.describe(rel))
     finally:
         os.close(fd)
 
@@ -260,22 +263,39 @@ class TorchCheckpoint(Checkpoint):
         leaf = self._leaf(name)
         if _is_tensor(leaf):
             return self.read_tensor(name)
-        # inert records as plain dicts: what every writer can store and every reader load
-        value = _plain(copy.deepcopy(leaf))
-        file = self.manifest.by_name[name].file
-        return self._tensors_in(value, file, 0) if self._raw_read else value
+        # a copy, inert records as plain dicts: what every writer can store and every reader load
+        try:
+            value = _plain(leaf)
+            file = self.manifest.by_name[name].file
+            return self._tensors_in(value, file, 0, {}) if self._raw_read else value
+        except RecursionError:
+            raise FormatError(
+                f"entry {name!r} is nested too deeply to copy",
+                path=self.manifest.location,
+                fix="Re-save the checkpoint as a flat state dict of tensors.",
+            ) from None
 
-    def _tensors_in(self, value: Any, file: str | None, depth: int) -> Any:
-        """`value` with the tensors read without torch.load (in a tuple entry) made real."""
+    def _tensors_in(self, value: Any, file: str | None, depth: int, memo: dict[int, Any]) -> Any:
+        """`value` with the tensors read without torch.load (in a tuple entry) made real; each
+        container once (`memo`, by identity), however many paths lead to it."""
         if isinstance(value, TensorLayout):
             return self._from_raw(file, value)
-        if depth > 200:
+        if depth > 200 or not isinstance(value, (dict, list, tuple)):
             return value
+        done = memo.get(id(value))
+        if done is not None:
+            return done
+        out: Any
         if isinstance(value, dict):
-            return type(value)((k, self._tensors_in(v, file, depth + 1)) for k, v in value.items())
-        if type(value) in (list, tuple):
-            return type(value)(self._tensors_in(v, file, depth + 1) for v in value)
-        return value
+            out = type(value)(
+                (k, self._tensors_in(v, file, depth + 1, memo)) for k, v in value.items()
+            )
+        elif type(value) in (list, tuple):
+            out = type(value)(self._tensors_in(v, file, depth + 1, memo) for v in value)
+        else:
+            return value
+        memo[id(value)] = out
+        return out
 
     def close(self) -> None:
         self.objects.clear()

@@ -161,7 +161,12 @@ class TorchFormat(Format):
             findings.error(error)
             return findings.problems
         if index_rel is None:
-            return super().check(source)
+            try:
+                with cls.open(source) as checkpoint:
+                    files = [f.path for f in checkpoint.manifest.files]
+            except FormatError as error:
+                return [Problem(code=error.code, message=error.message, file=error.path)]
+            return default_loader_warnings(storage, files)
         try:
             weight_map, meta = read_bin_index(storage, index_rel)
         except CkptError as error:
@@ -186,4 +191,41 @@ class TorchFormat(Format):
                 {e.name: e.nbytes if e.kind == "tensor" else 0 for e in entries}
             )
         check_index(findings, storage, index_rel, weight_map, meta, shards)
-        return findings.problems
+        return findings.problems + default_loader_warnings(storage, sorted(shards))
+
+
+def default_loader_warnings(storage: Storage, files: list[str]) -> list[Problem]:
+    """A warning for each local torch.save file that PyTorch's default loader,
+    `torch.load(weights_only=True)`, refuses although ckpt reads it: it names a global (an
+    `argparse.Namespace`, a DeepSpeed loss scaler...) that ckpt admits as an inert record but
+    torch's allow-list does not. Found by torch's own opcode scan, nothing is run. numpy's
+    array globals are left out: the frameworks that save them (RNG states) allow-list them
+    when they load."""
+    import torch
+
+    problems: list[Problem] = []
+    for rel in files:
+        local = storage.local_path(rel)
+        if local is None or not is_zip(storage, rel):
+            continue
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(local)
+        except Exception:  # a file torch cannot scan is reported by the load itself
+            continue
+        refused = sorted(n for n in names if not n.startswith("numpy."))
+        if not refused:
+            continue
+        where = storage.describe(rel)
+        problems.append(
+            Problem(
+                code="torch_load_refuses",
+                severity="warning",
+                file=where,
+                message=f"{where}: PyTorch's default loader, torch.load(weights_only=True), "
+                f"refuses this file: it needs {', '.join(refused[:5])}, which is not on torch's "
+                "allow-list (ckpt reads it as inert data); load it with "
+                f"torch.serialization.safe_globals([{refused[0]}, ...]) if you trust it, or "
+                "re-save it without",
+            )
+        )
+    return problems

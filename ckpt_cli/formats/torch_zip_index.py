@@ -11,15 +11,15 @@ is what lets torch.save -> safetensors/DCP run at copy speed. Public through `to
 from __future__ import annotations
 
 import functools
-import io
-import pickle
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..budgets import BudgetedUnpickler, check_expanded, check_inflated
 from ..dtypes import STORAGE_DTYPES, is_known, itemsize
+from ..errors import FormatError
 
 #: a data.pkl larger than this is not read (100,000 tensors take ~10 MB)
 MAX_PICKLE_BYTES = 256 << 20
@@ -118,8 +118,11 @@ def _read_exact(read: Read, offset: int, n: int) -> bytes:
     return data
 
 
-def _directory(read: Read, start: int, length: int) -> tuple[int, dict[str, tuple[int, int, int]]]:
-    """(offset the zip's own offsets count from, name -> (method, size, local header offset))."""
+def _directory(
+    read: Read, start: int, length: int
+) -> tuple[int, dict[str, tuple[int, int, int, int]]]:
+    """(offset the zip's own offsets count from, name -> (method, inflated size, local header
+    offset, stored size))."""
     if length < _EOCD.size:
         raise _NotPlain("too short for a zip")
     tail_len = min(length, _EOCD.size + 0xFFFF)
@@ -145,7 +148,7 @@ def _directory(read: Read, start: int, length: int) -> tuple[int, dict[str, tupl
     if base < 0 or cd_size > MAX_DIRECTORY_BYTES or cd_offset + base + cd_size > length:
         raise _NotPlain("zip directory out of bounds")
     raw = _read_exact(read, start + base + cd_offset, cd_size)
-    names: dict[str, tuple[int, int, int]] = {}
+    names: dict[str, tuple[int, int, int, int]] = {}
     pos = 0
     for _ in range(count):
         if pos + _CENTRAL.size > len(raw):
@@ -160,10 +163,23 @@ def _directory(read: Read, start: int, length: int) -> tuple[int, dict[str, tupl
         extra = raw[pos + name_len : pos + name_len + extra_len]
         pos += name_len + extra_len + comment_len
         usize, csize, local = _zip64_fields(extra, usize, csize, local)
-        if method != 0 or csize != usize:
-            raise _NotPlain(f"record {name} is compressed")
-        names[name] = (method, usize, local)
+        names[name] = (method, usize, local, csize)
     return start + base, names
+
+
+def check_zip_budget(read: Read, start: int, length: int, where: str | None) -> None:
+    """Refuse (FormatError naming `where`) a torch.save zip any of whose records declares more
+    inflated bytes than its budget (`budgets.check_inflated`): data.pkl at most
+    `MAX_PICKLE_BYTES`, any record at most `MAX_INFLATE_RATIO` times its stored bytes. Checked
+    before torch.load, whose reader inflates a record whole. A zip this reader cannot parse is
+    left to torch.load to judge."""
+    try:
+        _, names = _directory(read, start, length)
+    except (_NotPlain, struct.error, StopIteration):
+        return
+    for name, (_, usize, _, csize) in names.items():
+        limit = MAX_PICKLE_BYTES if name.endswith("data.pkl") else usize
+        check_inflated(name, csize, usize, limit, where)
 
 
 def _zip64_fields(extra: bytes, usize: int, csize: int, local: int) -> tuple[int, int, int]:
@@ -347,7 +363,7 @@ def _plain_numpy(node: object) -> bool:
     return isinstance(node, np.dtype) and not node.hasobject
 
 
-class _LayoutUnpickler(pickle.Unpickler):
+class _LayoutUnpickler(BudgetedUnpickler):
     """Reads data.pkl at C speed with every global replaced by an inert stand-in.
 
     `find_class` never imports: torch's tensor recipe maps to `_rebuild_v2/_v3` (which only
@@ -386,8 +402,8 @@ class _LayoutUnpickler(pickle.Unpickler):
         return _Storage(key, kind.dtype, count)
 
 
-def _read_pickle(data: bytes) -> object:
-    return _LayoutUnpickler(io.BytesIO(data)).load()
+def _read_pickle(data: bytes, where: str | None) -> object:
+    return _LayoutUnpickler(data, where).load()
 
 
 def _tensors(root: object) -> dict[tuple[str | int, ...], _Tensor]:
@@ -454,18 +470,21 @@ def _layout(t: _Tensor, record: ZipRecord, little: bool) -> TensorLayout:
     )
 
 
-def _index(read: Read, start: int, length: int) -> tuple[TorchZipIndex, object]:
+def _index(read: Read, start: int, length: int, where: str | None) -> tuple[TorchZipIndex, object]:
     base, names = _directory(read, start, length)
     end = start + length
     pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkl) != 1:
         raise _NotPlain("no single data.pkl")
     archive = pkl[0].split("/", 1)[0]
-    _, size, local = names[pkl[0]]
+    if any(method != 0 or csize != usize for method, usize, _, csize in names.values()):
+        raise _NotPlain("compressed records")
+    _, size, local, _ = names[pkl[0]]
     if size > MAX_PICKLE_BYTES:
         raise _NotPlain("data.pkl too large to read")
     rec = _record(read, base, end, pkl[0], size, local)
-    root = _read_pickle(_read_exact(read, rec.offset, rec.length))
+    root = _read_pickle(_read_exact(read, rec.offset, rec.length), where)
+    check_expanded(root, where)  # before any walk of it
     order = names.get(f"{archive}/byteorder")
     little = True
     if order is not None:
@@ -533,7 +552,7 @@ def _plain_tree(root: object, layouts: dict[int, TensorLayout]) -> object:
 
 
 def read_plain_torch_zip(
-    read: Read, start: int, length: int
+    read: Read, start: int, length: int, where: str | None = None
 ) -> tuple[TorchZipIndex, object] | None:
     """The object a torch.save zip holds, read without torch, when it is plain data.
 
@@ -542,13 +561,17 @@ def read_plain_torch_zip(
     torch's tensor recipe and OrderedDict, a strided or conjugated tensor, a record this
     reader cannot follow): callers then load the file with torch. What this returns,
     `torch.load(weights_only=True)` loads too (the same recipe, a subset of its globals).
+    Raises FormatError naming `where` for what no reader should follow (a pickle or record
+    over its budget, see `budgets`).
     """
     try:
-        index, root = _index(read, start, length)
+        index, root = _index(read, start, length, where)
         layouts: dict[int, TensorLayout] = {}
         for t, layout in _tensor_layouts(root, index):
             layouts[id(t)] = layout
         return index, _plain_tree(root, layouts)
+    except FormatError:
+        raise
     except Exception:  # any bytes: whatever this reader cannot follow, torch.load judges
         return None
 
@@ -559,30 +582,39 @@ def _tensor_layouts(root: object, index: TorchZipIndex) -> list[tuple[_Tensor, T
     return [(t, index.tensors[path]) for path, t in found.items()]
 
 
-def index_torch_zip(read: Read, start: int, length: int) -> TorchZipIndex | None:
+def index_torch_zip(
+    read: Read, start: int, length: int, where: str | None = None
+) -> TorchZipIndex | None:
     """The storage records and tensor layouts of the torch.save zip at [start, start+length).
 
     `read(offset, n)` returns n bytes of the file at an absolute offset. Reads only the zip
     directory, data.pkl and the local headers of the storage records. None when the bytes
     are not a torch.save zip this reader can follow (legacy files, compressed records...):
-    callers then load the file with torch.
+    callers then load the file with torch. FormatError naming `where` as `read_plain_torch_zip`.
     """
     try:
-        return _index(read, start, length)[0]
+        return _index(read, start, length, where)[0]
+    except FormatError:
+        raise
     except Exception:  # any bytes: whatever this reader cannot follow, torch.load judges
         return None
 
 
-def locate_single_tensor(read: Read, start: int, length: int) -> LocatedTensor | None:
+def locate_single_tensor(
+    read: Read, start: int, length: int, where: str | None = None
+) -> LocatedTensor | None:
     """The tensor bytes of a torch.save blob of exactly one plain tensor, or None.
 
     The blob (a DCP item, or a whole .pt file) occupies [start, start+length) of a file read
     by `read(offset, n)`. Returned when data.pkl is one tensor (or nn.Parameter) whose bytes
     are its whole storage in C order, with no conjugate/negative bit: those bytes are then
     the storage record's data, to copy as they are. Reads only zip headers and data.pkl.
+    FormatError naming `where` as `read_plain_torch_zip`.
     """
     try:
-        index, root = _index(read, start, length)
+        index, root = _index(read, start, length, where)
+    except FormatError:
+        raise
     except Exception:  # any bytes: whatever this reader cannot follow, torch.load judges
         return None
     if not isinstance(root, _Tensor) or len(index.tensors) != 1:

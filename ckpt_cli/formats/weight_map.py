@@ -41,15 +41,39 @@ class ShardContents:
     rejected: set[str] = field(default_factory=set)
 
 
+#: the largest index read (1M tensor names take ~80 MB; the Hub's largest models ~10 MB)...
+MAX_INDEX_BYTES = 128 << 20
+#: ... and the most `[` and `{` it may hold (an index is one object of strings, its metadata
+#: a few more): a JSON of nested empty lists parses to ~20 bytes of objects per byte
+MAX_INDEX_CONTAINERS = 100_000
+
+
 def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, Any]]:
-    """Read a weight-map index.
+    """Read a weight-map index, within budgets (`MAX_INDEX_BYTES`, `MAX_INDEX_CONTAINERS`)
+    checked before it is parsed.
 
     Returns (tensor name -> shard path relative to the root, each checked by `safe_relpath`;
     the index's `metadata`).
     """
     where = storage.describe(rel)
+    size = storage.size(rel)
+    if size > MAX_INDEX_BYTES:
+        raise FormatError(
+            f"is {size:,} bytes, more than the {MAX_INDEX_BYTES:,} an index may take; ckpt "
+            "refuses it (a hostile or corrupt index)",
+            path=where,
+            fix="Write or fetch the index again.",
+        )
+    raw = storage.read_all(rel)
+    if raw.count(b"[") + raw.count(b"{") > MAX_INDEX_CONTAINERS:
+        raise FormatError(
+            f"holds more than {MAX_INDEX_CONTAINERS:,} JSON arrays and objects, which no "
+            "weight map needs; ckpt refuses it (a hostile or corrupt index)",
+            path=where,
+            fix="Write or fetch the index again.",
+        )
     try:
-        index = json.loads(storage.read_all(rel))
+        index = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # too deep: hostile
         raise FormatError(
             f"is not valid JSON ({exc})", path=where, fix="Write or fetch the index again."

@@ -149,23 +149,24 @@ def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dic
             data = archive.read(member)
     except zipfile.BadZipFile:
         pass  # an old-style (non-zip) torch.save: the pickle itself
-    try:
-        ops = list(pickletools.genops(data))
-    except Exception:
-        return {}
-    # the memo bookkeeping between a key and its value carries no data
-    ops = [op for op in ops if op[0].name not in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE")]
+    # streamed, never listed: a 16 MiB pickle of one-byte opcodes would list 16M tuples; the
+    # memo bookkeeping between a key and its value carries no data
+    memo = ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE")
+    ops = (op for op in pickletools.genops(data) if op[0].name not in memo)
     wanted = set(names)
     found: dict[str, Any] = {}
-    for (key_op, arg, _), (op, value, _) in itertools.pairwise(ops):
-        if key_op.name not in ("SHORT_BINUNICODE", "BINUNICODE") or arg not in wanted:
-            continue
-        if arg in found:
-            continue  # the first occurrence is the field (later ones are values elsewhere)
-        if op.name in _CONSTANT_OPS:
-            found[arg] = _CONSTANT_OPS[op.name]
-        elif op.name in _VALUE_OPS:
-            found[arg] = value
+    try:
+        for (key_op, arg, _), (op, value, _) in itertools.pairwise(ops):
+            if key_op.name not in ("SHORT_BINUNICODE", "BINUNICODE") or arg not in wanted:
+                continue
+            if arg in found:
+                continue  # the first occurrence is the field (later ones are values elsewhere)
+            if op.name in _CONSTANT_OPS:
+                found[arg] = _CONSTANT_OPS[op.name]
+            elif op.name in _VALUE_OPS:
+                found[arg] = value
+    except Exception:
+        return {}
     return found
 
 

@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 #: elements per NaN/Inf counting step: bounds the temporary masks for huge tensors
 _COUNT_STEP = 1 << 24
+#: a raw-stored tensor larger than this is counted from its bytes a block this size at a time
+#: (`_deep_streamed`), never held whole
+_STREAM_BYTES = 16 << 20
 
 
 class TensorHealth(BaseModel):
@@ -431,6 +434,12 @@ def _deep_entry(
         )
         progress.advance(entry.nbytes)
         return
+    streamable = layout is not None and entry.nbytes > _STREAM_BYTES
+    # a tensor with layout padding to leave out is counted whole (the skip is by element)
+    if streamable and checkpoint.serves_raw(entry.name) and not checkpoint.padding(entry.name):
+        assert layout is not None
+        _deep_streamed(report, problems, checkpoint, entry, layout[0], file, progress)
+        return
     try:
         tensor = checkpoint.read_tensor(entry.name)
     except Exception as exc:
@@ -451,19 +460,80 @@ def _deep_entry(
         )
     # padding the layout knows is no parameter (ZeRO partitions): uninitialised, not judged
     nan, inf = count_nonfinite(tensor, skip=checkpoint.padding(entry.name))
+    _nonfinite(report, problems, entry, file, nan, inf, tensor.numel())
+    del tensor
+    progress.advance(entry.nbytes)
+
+
+def _nonfinite(
+    report: VerifyReport,
+    problems: list[Problem],
+    entry: models.Entry,
+    file: str,
+    nan: int,
+    inf: int,
+    numel: int,
+) -> None:
     if nan or inf:
         report.nonfinite.append(TensorHealth(name=entry.name, file=file, nan=nan, inf=inf))
         problems.append(
             Problem(
                 code="nonfinite",
                 message=f"{file}: tensor {entry.name!r} holds {nan} NaN and {inf} Inf "
-                f"values (of {tensor.numel()})",
+                f"values (of {numel})",
                 file=file,
                 tensor=entry.name,
             )
         )
-    del tensor
-    progress.advance(entry.nbytes)
+
+
+def _deep_streamed(
+    report: VerifyReport,
+    problems: list[Problem],
+    checkpoint: Checkpoint,
+    entry: models.Entry,
+    dtype: str,
+    file: str,
+    progress: Progress,
+) -> None:
+    """Count a raw-stored tensor's NaN/Inf from its bytes, `_STREAM_BYTES` at a time: a 5 GiB
+    tensor costs a block of memory, not 5 GiB. Its size is checked against the header."""
+    import torch
+
+    from ..tensors import torch_dtype
+
+    kind = torch_dtype(dtype)
+    size = kind.itemsize
+    nan = inf = got = 0
+    rest = b""
+    try:
+        for block in checkpoint.iter_raw(entry.name, _STREAM_BYTES):
+            progress.advance(len(block))
+            data = memoryview(rest + bytes(block) if rest else block)
+            cut = len(data) - len(data) % size
+            rest = bytes(data[cut:])
+            got += cut
+            if cut:
+                values = torch.frombuffer(bytearray(data[:cut]), dtype=torch.uint8).view(kind)
+                n, i = count_nonfinite(values)
+                nan, inf = nan + n, inf + i
+                del values
+    except Exception as exc:
+        problems.append(_unreadable(entry.name, file, exc, "tensor"))
+        return
+    got += len(rest)
+    report.tensors += 1
+    if got != entry.nbytes:
+        problems.append(
+            Problem(
+                code="shape_mismatch",
+                message=f"{file}: tensor {entry.name!r} reads as {got:,} bytes, its metadata "
+                f"says {entry.nbytes:,} ({entry.dtype}{entry.shape})",
+                file=file,
+                tensor=entry.name,
+            )
+        )
+    _nonfinite(report, problems, entry, file, nan, inf, got // size)
 
 
 def _unreadable(name: str, file: str, exc: Exception, kind: str) -> Problem:

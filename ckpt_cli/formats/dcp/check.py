@@ -280,8 +280,11 @@ class _Items:
                 path=where,
                 fix="Upgrade ckpt if this is a new dtype; otherwise the file is corrupt.",
             )
-        if shape is None:
-            raise FormatError(f"tensor {fqn!r} has an invalid size {item.size!r}", path=where)
+        why = "not a list of dimensions" if shape is None else dtypes.shape_problem(shape)
+        if shape is None or why is not None:
+            raise FormatError(
+                f"tensor {fqn!r} has an invalid size {item.size!r} ({why})", path=where
+            )
         if not isinstance(item.chunks, list):
             raise FormatError(f"tensor {fqn!r} has no chunk list", path=where)
         chunks: list[PendingChunk] = []
@@ -428,7 +431,9 @@ def check_saved_tensors(storage: Storage, layout: Layout) -> None:
                 head = storage.read(
                     chunk.file, chunk.byte_offset, min(_TENSOR_HEAD, chunk.byte_length)
                 )
-            saved = peek_saved_tensor(head) if head is not None else None
+            saved = (
+                peek_saved_tensor(head, storage.describe(chunk.file)) if head is not None else None
+            )
             if saved is None:
                 layout.problem(
                     "dcp_bad_chunk",
@@ -539,5 +544,5 @@ def peek_objects(storage: Storage, layout: Layout) -> None:
                 blob = inflate(blob, _PEEK_LIMIT * 64, entry.file, entry.name)
             except FormatError:
                 continue  # verify --deep and reads report it; inspect just shows no type
-        py_type, value = peek_saved_object(blob)
+        py_type, value = peek_saved_object(blob, storage.describe(entry.file))
         layout.entries[index] = entry.model_copy(update={"py_type": py_type, "value": value})

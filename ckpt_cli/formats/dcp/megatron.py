@@ -60,7 +60,9 @@ def read_megatron_common(storage: Storage, listing: dict[str, int], layout: Layo
         return
     keys = None
     if listing[MEGATRON_COMMON] <= _MEGATRON_COMMON_MAX:
-        keys = peek_saved_mapping(storage.read_all(MEGATRON_COMMON))
+        keys = peek_saved_mapping(
+            storage.read_all(MEGATRON_COMMON), storage.describe(MEGATRON_COMMON)
+        )
     if keys is None:
         layout.problem(
             "megatron_common",

@@ -29,6 +29,7 @@ import gc
 import pickle
 from typing import Any, ClassVar
 
+from ...budgets import BudgetedUnpickler
 from ...dtypes import TORCH_ALIASES
 from ...errors import FormatError, UnsafeInputError
 
@@ -389,12 +390,12 @@ class _BudgetedInput:
         return out
 
 
-class MetadataUnpickler(pickle.Unpickler):
+class MetadataUnpickler(BudgetedUnpickler):
     """An unpickler that admits only DCP metadata globals, mapped to the stand-ins above."""
 
     def __init__(self, data: bytes, where: str):
         self._input = _BudgetedInput(data, where)
-        super().__init__(self._input)
+        super().__init__(data, where, self._input)
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:

@@ -9,11 +9,12 @@ declares (`peek_saved_tensor`), the keys of Megatron's `common.pt` (`peek_saved_
 from __future__ import annotations
 
 import io
-import pickle
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+from ...budgets import BudgetedUnpickler, read_member
 from ...dtypes import STORAGE_DTYPES, TORCH_ALIASES
+from ...errors import FormatError
 from .metadata import TORCH_DTYPES, DType
 
 
@@ -78,7 +79,7 @@ def _tensor_stub(*args: Any) -> _TensorStub:
     return _TensorStub()
 
 
-class _PlainUnpickler(pickle.Unpickler):
+class _PlainUnpickler(BudgetedUnpickler):
     """Unpickles only plain Python data; tensors and numpy arrays become inert stubs, so a
     container holding them (a tuple of tensors) is named by its own type."""
 
@@ -112,26 +113,28 @@ def _small(value: Any) -> bool:
     return False
 
 
-def peek_saved_object(blob: bytes) -> tuple[str | None, Any]:
+def peek_saved_object(blob: bytes, where: str | None = None) -> tuple[str | None, Any]:
     """(type name, value if small) of a `torch.save` blob holding plain Python data.
 
     Without torch: opens the zip, unpickles `data.pkl` with an unpickler that admits no globals,
     so only ints, floats, strings, bytes, lists, tuples, dicts run through it. A blob holding
     anything else reports the first global it names (e.g. `numpy._core.multiarray._reconstruct`)
-    or `tensor`, and no value.
+    or `tensor`, and no value. FormatError naming `where` for a pickle or record over its
+    budget (`budgets`).
     """
     import zipfile
 
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as archive:
             names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-            if len(names) != 1 or archive.getinfo(names[0]).file_size > len(blob) * 4:
+            if len(names) != 1:
                 return None, None
-            data = archive.read(names[0])
+            data = read_member(archive, names[0], len(blob) * 4, where)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError):
         return None, None
+    unpickler = _PlainUnpickler(data, where)
     try:
-        value = _PlainUnpickler(io.BytesIO(data)).load()
+        value = unpickler.load()
     except _Opaque as opaque:
         return opaque.what, None
     except Exception:
@@ -181,7 +184,7 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> A
     return SavedTensor(dtype, [int(d) for d in size], storage.numel * per)
 
 
-class _TensorHeaderUnpickler(pickle.Unpickler):
+class _TensorHeaderUnpickler(BudgetedUnpickler):
     """Reads the declaration of a saved tensor: no torch, nothing callable but `_rebuild`."""
 
     def find_class(self, module: str, name: str) -> Any:
@@ -206,11 +209,12 @@ class _TensorHeaderUnpickler(pickle.Unpickler):
         return _Storage(dtype if isinstance(dtype, str) else None, numel)
 
 
-def peek_saved_tensor(head: bytes) -> SavedTensor | None:
+def peek_saved_tensor(head: bytes, where: str | None = None) -> SavedTensor | None:
     """Dtype and shape declared by a `torch.save`d tensor, from the first bytes of the blob.
 
     `torch.save` writes `data.pkl` first and uncompressed, so the local zip header plus a few
-    hundred bytes suffice. None when the blob does not look like that (then nothing is claimed).
+    hundred bytes suffice. None when the blob does not look like that (then nothing is claimed);
+    FormatError naming `where` for a pickle over its budget (`budgets`).
     """
     if len(head) < 30 or not head.startswith(b"PK\x03\x04"):
         return None
@@ -223,8 +227,10 @@ def peek_saved_tensor(head: bytes) -> SavedTensor | None:
     if method != 0 or not name.endswith(b"data.pkl"):
         return None
     start = 30 + name_len + extra_len
+    # the head may end mid-pickle: only the memo is judged, not lengths past its end
+    unpickler = _TensorHeaderUnpickler(head[start:], where, complete=False)
     try:
-        value = _TensorHeaderUnpickler(io.BytesIO(head[start:])).load()
+        value = unpickler.load()
     except Exception:
         return None
     return value if isinstance(value, SavedTensor) else None
@@ -260,7 +266,7 @@ def _stub_class(what: str) -> type[_Stub]:
     return type("Stub", (_Stub,), {"what": what})
 
 
-class _StructureUnpickler(pickle.Unpickler):
+class _StructureUnpickler(BudgetedUnpickler):
     """Unpickles the containers of a `torch.save` payload; every global becomes a stub.
 
     No global is ever resolved, so nothing can run: a tensor, a numpy array or any class
@@ -276,24 +282,27 @@ class _StructureUnpickler(pickle.Unpickler):
         return _stub_class("storage")()
 
 
-def peek_saved_mapping(blob: bytes) -> dict[str, tuple[str, Any]] | None:
+def peek_saved_mapping(blob: bytes, where: str | None = None) -> dict[str, tuple[str, Any]] | None:
     """For a `torch.save` file holding a dict: each leaf's (type name, small value).
 
     Nested non-empty dicts with string keys are flattened into dotted names, as `dcp.save`
     flattens a state dict (`args.lr`); `common_leaf` finds a name's value in the loaded dict.
 
     Read without torch and without resolving any global (see `_StructureUnpickler`). None when
-    the blob is not a zip `torch.save` of a dict with string keys.
+    the blob is not a zip `torch.save` of a dict with string keys; FormatError naming `where`
+    for a pickle or record over its budget (`budgets`).
     """
     import zipfile
 
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as archive:
             names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-            if len(names) != 1 or archive.getinfo(names[0]).file_size > len(blob) * 4:
+            if len(names) != 1:
                 return None
-            data = archive.read(names[0])
-        value = _StructureUnpickler(io.BytesIO(data)).load()
+            data = read_member(archive, names[0], len(blob) * 4, where)
+        value = _StructureUnpickler(data, where).load()
+    except FormatError:
+        raise
     except Exception:
         return None
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):

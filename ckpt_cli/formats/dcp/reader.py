@@ -15,6 +15,7 @@ from ...fileio import COPY_BLOCK
 from ...models import Chunk, Entry, Manifest
 from ...storage import LocalStorage, RangeFile
 from ..base import Checkpoint, Source
+from ..torch_zip import check_zip_budget
 from .megatron import MEGATRON_COMMON
 from .peek import common_leaf
 from .torch_blob import locate_chunk
@@ -111,9 +112,12 @@ class DcpCheckpoint(Checkpoint):
         stored: IO[bytes] = self._byte_range(chunk.file, chunk.byte_offset, chunk.byte_length)
         if (chunk.file, chunk.byte_offset) in self.transforms:
             limit = dtypes.numel(chunk.sizes) * dtypes.itemsize(entry.dtype) + SAVE_OVERHEAD
-            stored = io.BytesIO(
-                inflate(stored, limit, where, f"tensor {entry.name!r} chunk {chunk.offsets}")
-            )
+            data = inflate(stored, limit, where, f"tensor {entry.name!r} chunk {chunk.offsets}")
+            check_zip_budget(lambda at, n: data[at : at + n], 0, len(data), where)
+            stored = io.BytesIO(data)
+        else:
+            read = self._reader(chunk.file)
+            check_zip_budget(read, chunk.byte_offset, chunk.byte_length, where)
         try:
             value = torch.load(stored, map_location="cpu", weights_only=True)
         except CkptError:
@@ -305,7 +309,9 @@ class DcpCheckpoint(Checkpoint):
         assert entry.dtype is not None
         key = (chunk.file, chunk.byte_offset)
         if key not in self._located_at:
-            self._located_at[key] = locate_chunk(self._reader(chunk.file), chunk, entry.dtype)
+            self._located_at[key] = locate_chunk(
+                self._reader(chunk.file), chunk, entry.dtype, self.storage.describe(chunk.file)
+            )
         return self._located_at[key]
 
     def _reader(self, rel: str) -> Callable[[int, int], bytes]:
@@ -372,6 +378,8 @@ class DcpCheckpoint(Checkpoint):
         if entry.file == MEGATRON_COMMON and entry.offset is None:
             return common_leaf(self._megatron_common(), name)
         data = self.read_object_bytes(name)
+        where = self.storage.describe(entry.file or "")
+        check_zip_budget(lambda at, n: data[at : at + n], 0, len(data), where)
         try:
             # numpy RNG states and torch.Generator objects, which dcp.load restores too
             with torch.serialization.safe_globals(object_allowlist()):

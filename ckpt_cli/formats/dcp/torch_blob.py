@@ -53,15 +53,16 @@ _DATE = (1980, 1, 1, 0, 0, 0)
 _ARCHIVE = "archive/"
 
 
-def locate_chunk(read: Any, chunk: Chunk, dtype: str) -> Chunk | None:
+def locate_chunk(read: Any, chunk: Chunk, dtype: str, where: str | None = None) -> Chunk | None:
     """`chunk` (a torch_save blob) pointing at its raw C-order tensor bytes, or None when the
     blob is not one plain contiguous tensor of exactly the chunk's dtype and sizes.
 
-    `read(offset, n)` reads the chunk's file at absolute offsets.
+    `read(offset, n)` reads the chunk's file at absolute offsets; `where` names it in the
+    FormatError of a blob over its budget (`budgets`).
     """
     if dtype not in BLOB_DTYPES:
         return None  # read with torch.load (complex32/complex128 have no raw tensor path)
-    found = locate_single_tensor(read, chunk.byte_offset, chunk.byte_length)
+    found = locate_single_tensor(read, chunk.byte_offset, chunk.byte_length, where)
     if found is None:
         return None
     shape = tuple(chunk.sizes)

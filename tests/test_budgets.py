@@ -1,0 +1,423 @@
+"""Budgets on hostile inputs (#29): no file chooses ckpt's memory or CPU, and malformed input is
+exit 4 naming the file, in every reader.
+
+Each input is built here, tiny on disk (a sparse file where the attack is a size), and `ckpt`
+runs as a real process (`python -m ckpt_cli`) under resource limits: address space (so a
+regression fails fast instead of swapping the machine) and CPU seconds (RLIMIT_CPU: a process
+past it is killed by SIGXCPU). The peak RSS and CPU time the kernel accounted to it (`os.wait4`)
+are asserted too. The bounds are generous: they separate "a block at a time" from "the whole
+thing", never a fast run from a slow one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pickle
+import resource
+import struct
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: address space every run may map (torch's import maps ~0.7 GiB; the attacks wanted 4-16 GiB)
+AS_LIMIT = 3 << 30
+#: CPU seconds every run may use (the attacks ran for minutes)
+CPU_LIMIT = 60
+
+
+@dataclass
+class Run:
+    """One `ckpt` process: exit code, output, peak RSS (bytes) and CPU seconds."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    peak_rss: int
+    cpu_s: float
+
+    @property
+    def json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = json.loads(self.stdout)
+        return doc
+
+
+def _limits() -> None:  # runs in the child, before exec
+    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
+    resource.setrlimit(resource.RLIMIT_CPU, (CPU_LIMIT, CPU_LIMIT + 5))
+
+
+def ckpt_limited(*args: str | os.PathLike[str]) -> Run:
+    """`python -m ckpt_cli ARGS` as a real process under `_limits`, measured by `os.wait4`."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckpt_cli", *map(str, args)],
+            env=env,
+            stdout=out,
+            stderr=err,
+            preexec_fn=_limits,
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return Run(
+            proc.returncode,
+            out.read(),
+            err.read(),
+            usage.ru_maxrss * 1024,
+            usage.ru_utime + usage.ru_stime,
+        )
+
+
+def assert_refused(run: Run, where: Path, *words: str, exit_code: int = 4) -> None:
+    """Exit `exit_code`, the file named, the words said, within the budgets."""
+    text = run.stdout + run.stderr
+    assert run.exit_code == exit_code, text
+    assert str(where) in text, text
+    for word in words:
+        assert word in text, text
+    assert "internal error" not in text, text
+    assert run.peak_rss < 1 << 30, f"peak RSS {run.peak_rss:,}"
+    assert run.cpu_s < CPU_LIMIT, f"{run.cpu_s:.1f} CPU-s"
+
+
+def torch_zip_with_pickle(path: Path, data_pkl: bytes, *, deflate: bool = False) -> Path:
+    """A torch.save file (written by torch.save) whose `data.pkl` is replaced by `data_pkl`."""
+    real = io.BytesIO()
+    torch.save({"w": torch.zeros(2)}, real)
+    with zipfile.ZipFile(real) as src, zipfile.ZipFile(path, "w") as out:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename.endswith("/data.pkl"):
+                if deflate:
+                    out.writestr(info.filename, data_pkl, compress_type=zipfile.ZIP_DEFLATED)
+                    continue
+                data = data_pkl
+            out.writestr(info.filename, data)
+    return path
+
+
+#: None, LONG_BINPUT 268435455, STOP: the C unpickler sizes its memo by the index (4 GiB)
+MEMO_BOMB = b"\x80\x02N" + b"r\xff\xff\xff\x0f" + b"."
+
+
+# -- the C unpickler's memo ------------------------------------------------------------------
+
+
+def test_a_memo_index_of_2_28_in_a_torch_file_is_refused_in_bounded_memory(tmp_path: Path) -> None:
+    bomb = torch_zip_with_pickle(tmp_path / "memo.pt", MEMO_BOMB)
+    assert bomb.stat().st_size < 2048
+    inspect = ckpt_limited("inspect", bomb)  # 0.1.x: 4.3 GB
+    assert_refused(inspect, bomb, "memo index 268,435,455")
+    verify = ckpt_limited("verify", bomb, "--json")
+    assert_refused(verify, bomb, "memo index", exit_code=1)
+    convert = ckpt_limited("convert", bomb, tmp_path / "out", "--to", "safetensors")
+    assert_refused(convert, bomb, "memo index")
+    assert not (tmp_path / "out").exists()
+    # torch's own (pure-Python, dict-memo) loader reads the same bytes as None
+    assert torch.load(bomb, weights_only=True) is None
+
+
+def test_a_memo_index_of_2_28_as_dcp_metadata_is_refused(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(src), no_dist=True)
+    (src / ".metadata").write_bytes(b"\x80\x04N" + b"r\xff\xff\xff\x0f" + b".")
+    assert_refused(ckpt_limited("inspect", src), src / ".metadata", "memo index 268,435,455")
+    assert_refused(ckpt_limited("verify", src), src / ".metadata", "memo index", exit_code=1)
+
+
+def test_a_text_put_and_a_length_past_the_end_are_refused_too(tmp_path: Path) -> None:
+    text_put = torch_zip_with_pickle(tmp_path / "put.pt", b"\x80\x02Np268435455\n.")
+    assert_refused(ckpt_limited("inspect", text_put), text_put, "memo index 268,435,455")
+    # BINBYTES8 of 2^40 bytes in a 20-byte pickle: the unpickler allocates the length first
+    huge = torch_zip_with_pickle(
+        tmp_path / "len.pt", b"\x80\x04\x8e" + (1 << 40).to_bytes(8, "little") + b"ab."
+    )
+    assert_refused(ckpt_limited("inspect", huge), huge, "1,099,511,627,776 bytes")
+
+
+def test_memo_indexes_a_real_pickler_writes_are_read_as_before(tmp_path: Path) -> None:
+    # 300 tensors: data.pkl memoises past 256 entries, so LONG_BINPUT indexes appear
+    state = {f"layer.{i}.weight": torch.full((2,), float(i)) for i in range(300)}
+    torch.save(state, tmp_path / "many.pt")
+    run = ckpt_limited("inspect", tmp_path / "many.pt", "--json")
+    assert run.exit_code == 0, run.stderr
+    assert run.json["result"]["tensors"] == 300
+
+
+# -- shared-object graphs of lists and tuples ------------------------------------------------
+
+
+def _list_dag(levels: int, kind: type) -> Any:
+    node: Any = kind([0] * 10)
+    for _ in range(levels):
+        node = kind([node] * 10)  # ten references to the level below
+    return node
+
+
+def test_a_dag_of_ten_element_lists_is_refused_at_once(tmp_path: Path) -> None:
+    bomb = tmp_path / "lists.pt"
+    torch.save({"state": _list_dag(40, list)}, bomb)  # 10^40 paths, no tensors
+    assert bomb.stat().st_size < 4096
+    run = ckpt_limited("inspect", bomb)  # 0.1.x: > 4 min in torch_flatten._holds
+    assert_refused(run, bomb, "billion laughs")
+    assert run.cpu_s < 20
+
+
+def test_a_dag_of_tuples_is_refused_by_verify_deep_and_convert(tmp_path: Path) -> None:
+    bomb = tmp_path / "tuples.pt"
+    torch.save({"w": torch.ones(2), "state": _list_dag(40, tuple)}, bomb)
+    assert bomb.stat().st_size < 4096
+    verify = ckpt_limited("verify", bomb, "--deep")  # 0.1.x: minutes in copy.deepcopy
+    assert_refused(verify, bomb, "billion laughs", exit_code=1)
+    convert = ckpt_limited("convert", bomb, tmp_path / "out", "--to", "torch")
+    assert_refused(convert, bomb, "billion laughs")
+    assert not (tmp_path / "out").exists()
+
+
+def test_shared_tuples_below_the_budget_still_convert_and_stay_equal(tmp_path: Path) -> None:
+    shared = (1, 2.5, "x")
+    torch.save({"w": torch.ones(2), "a": [shared] * 3, "b": (shared, shared)}, tmp_path / "s.pt")
+    out = tmp_path / "out.pt"
+    run = ckpt_limited("convert", tmp_path / "s.pt", out, "--to", "torch")
+    assert run.exit_code == 0, run.stderr
+    back = torch.load(out, weights_only=True)
+    assert back["a"] == [shared] * 3 and back["b"] == (shared, shared)
+    assert torch.equal(back["w"], torch.ones(2))
+
+
+# -- inflated zip records --------------------------------------------------------------------
+
+
+def _deflated_pickle_bomb(path: Path, inflated: int) -> Path:
+    """A torch.save file whose data.pkl (a real pickle, then zeros) inflates to `inflated`."""
+    real = io.BytesIO()
+    torch.save({"w": torch.zeros(2)}, real)
+    with zipfile.ZipFile(real) as src, zipfile.ZipFile(path, "w") as out:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if not info.filename.endswith("/data.pkl"):
+                out.writestr(info.filename, data)
+                continue
+            target = zipfile.ZipInfo(info.filename)
+            target.compress_type = zipfile.ZIP_DEFLATED
+            with out.open(target, "w", force_zip64=True) as member:
+                member.write(data)
+                zero = bytes(16 << 20)
+                for _ in range((inflated - len(data)) // len(zero)):
+                    member.write(zero)
+    return path
+
+
+def test_a_1_mb_torch_file_whose_pickle_inflates_to_1_gib_is_refused(tmp_path: Path) -> None:
+    bomb = _deflated_pickle_bomb(tmp_path / "zip.pt", 1 << 30)
+    assert bomb.stat().st_size < 2 << 20
+    for args in (("inspect", bomb), ("convert", bomb, tmp_path / "out", "--to", "safetensors")):
+        run = ckpt_limited(*args)  # 0.1.x: 269 CPU-s and 2.28 GB, then killed
+        assert_refused(run, bomb, "data.pkl", "more than the 268,435,456")
+    verify = ckpt_limited("verify", bomb)
+    assert_refused(verify, bomb, "data.pkl", exit_code=1)
+
+
+def test_a_pickle_deflated_a_thousandfold_under_the_size_cap_is_refused(tmp_path: Path) -> None:
+    bomb = _deflated_pickle_bomb(tmp_path / "ratio.pt", 128 << 20)  # under 256 MiB, ~1000x
+    assert_refused(ckpt_limited("inspect", bomb), bomb, "zip bomb")
+
+
+# -- GGUF counts -----------------------------------------------------------------------------
+
+
+def _gguf_with_one_value(path: Path, value_type: int, value: bytes) -> Path:
+    key = b"general.name"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    path.write_bytes(head + struct.pack("<I", value_type) + value)
+    return path
+
+
+def test_a_51_byte_gguf_declaring_2_40_uint8_is_refused(tmp_path: Path) -> None:
+    # an ARRAY (9) of UINT8 (0), 2^40 items
+    bomb = _gguf_with_one_value(tmp_path / "a.gguf", 9, struct.pack("<IQ", 0, 1 << 40))
+    assert bomb.stat().st_size < 64
+    assert_refused(ckpt_limited("inspect", bomb), bomb, "1,099,511,627,776 items")
+    assert_refused(ckpt_limited("verify", bomb), bomb, "items", exit_code=1)
+
+
+def test_a_gguf_string_running_2_60_bytes_past_the_end_is_not_ok(tmp_path: Path) -> None:
+    # a STRING (8) of 2^60 bytes, six present: 0.1.x verify said OK
+    bad = _gguf_with_one_value(tmp_path / "s.gguf", 8, struct.pack("<Q", 1 << 60) + b"llama!")
+    assert bad.stat().st_size < 64
+    verify = ckpt_limited("verify", bad, "--json")
+    assert_refused(verify, bad, "runs past the end of the file", exit_code=1)
+    assert verify.json["ok"] is False
+    assert_refused(ckpt_limited("inspect", bad), bad, "general.name")
+
+
+def test_a_gguf_the_gguf_writer_made_still_reads(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf", reason="the gguf extra is not installed")
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
+    writer.add_tensor("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    run = ckpt_limited("verify", tmp_path / "m.gguf", "--json")
+    assert run.exit_code == 0, run.stdout + run.stderr
+
+
+# -- verify --deep on a large tensor ---------------------------------------------------------
+
+
+def test_verify_deep_counts_a_1_gib_tensor_in_bounded_memory(tmp_path: Path) -> None:
+    count = (1 << 30) // 4
+    header = json.dumps({"big": {"dtype": "F32", "shape": [count], "data_offsets": [0, 4 * count]}})
+    raw = header.encode() + b" " * (-len(header) % 8)
+    big = tmp_path / "big.safetensors"
+    with big.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        fh.truncate(8 + len(raw) + 4 * count)  # sparse: a few KiB on disk
+        fh.seek(8 + len(raw) + 4 * (count // 2 + 3))  # one NaN past the middle
+        fh.write(struct.pack("<f", float("nan")))
+    assert big.stat().st_blocks * 512 < 1 << 20
+    with safe_open(str(big), "pt") as real:  # the real reader agrees on the layout
+        assert real.get_slice("big").get_shape() == [count]
+    run = ckpt_limited("verify", big, "--deep", "--json")  # 0.1.x: the whole tensor (1.6 GB)
+    assert run.exit_code == 1, run.stdout + run.stderr
+    assert run.json["result"]["nonfinite"] == [
+        {"name": "big", "file": str(big), "nan": 1, "inf": 0}
+    ]
+    assert run.peak_rss < 800 << 20, f"peak RSS {run.peak_rss:,}"
+
+
+# -- shapes the target format cannot hold ----------------------------------------------------
+
+
+def _safetensors_with_shape(path: Path, shape: list[Any], nbytes: int) -> Path:
+    header = json.dumps({"t": {"dtype": "F32", "shape": shape, "data_offsets": [0, nbytes]}})
+    raw = header.encode() + b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(nbytes))
+    return path
+
+
+def test_a_dimension_of_2_63_with_no_elements_is_refused_not_published(tmp_path: Path) -> None:
+    bad = _safetensors_with_shape(tmp_path / "dim.safetensors", [1 << 63, 0], 0)
+    out = tmp_path / "out.pt"
+    # 0.1.x: exit 0, and torch.load(weights_only=True) of out.pt raised an overflow
+    assert_refused(ckpt_limited("convert", bad, out, "--to", "torch"), bad, "int64")
+    assert not out.exists()
+    assert_refused(ckpt_limited("verify", bad), bad, "int64", exit_code=1)
+    product = _safetensors_with_shape(tmp_path / "prod.safetensors", [1 << 40, 1 << 40, 0], 0)
+    assert_refused(ckpt_limited("inspect", product), product, "multiply past")
+    with pytest.raises(RuntimeError, match="overflow"):
+        torch.empty((1 << 40, 1 << 40, 0))  # why: torch cannot hold it either
+
+
+def test_a_shape_of_true_is_refused_as_safe_open_refuses_it(tmp_path: Path) -> None:
+    bad = _safetensors_with_shape(tmp_path / "true.safetensors", [True], 4)
+    from safetensors import SafetensorError
+
+    with pytest.raises(SafetensorError, match="boolean"):  # the real reader: no dimension
+        safe_open(str(bad), "pt")
+    assert_refused(ckpt_limited("inspect", bad), bad, "invalid shape")
+    convert = ckpt_limited("convert", bad, tmp_path / "out", "--to", "torch")
+    assert_refused(convert, bad, "invalid shape")
+
+
+# -- malformed torch.save files: exit 4 naming the file, never 70 ----------------------------
+
+
+class _Reduced:
+    def __init__(self, func: Any, args: tuple[Any, ...]):
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.func, self.args)
+
+
+def _tensor_pickle_with(size: Any, stride: Any) -> bytes:
+    """data.pkl of one tensor as torch pickles it, with `size` and `stride` as given."""
+    storage = object()
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return ("storage", torch.FloatStorage, "0", "cpu", 2) if obj is storage else None
+
+    buffer = io.BytesIO()
+    rebuild = torch._utils._rebuild_tensor_v2
+    Pickler(buffer, protocol=2).dump(
+        {"w": _Reduced(rebuild, (storage, 0, size, stride, False, OrderedDict()))}
+    )
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("name", "data_pkl"),
+    [
+        ("build-on-empty-stack", b"\x80\x02b."),  # torch.load: IndexError
+        ("append-on-empty-stack", b"\x80\x02a."),  # torch.load: IndexError
+        ("size-is-an-int", _tensor_pickle_with(2, False)),  # torch.load: TypeError
+        ("stride-too-short", _tensor_pickle_with((2, 1), (1,))),
+        ("truncated", _tensor_pickle_with((2,), (1,))[:-7]),
+    ],
+)
+def test_a_corrupt_torch_file_is_exit_4_in_every_command(
+    tmp_path: Path, name: str, data_pkl: bytes
+) -> None:
+    bad = torch_zip_with_pickle(tmp_path / f"{name}.pt", data_pkl)
+    for args in (
+        ("inspect", bad),
+        ("convert", bad, tmp_path / "out", "--to", "safetensors"),
+    ):
+        run = ckpt_limited(*args)  # 0.1.x: exit 70, "internal error: IndexError"
+        assert_refused(run, bad)
+    verify = ckpt_limited("verify", bad, "--deep")
+    assert_refused(verify, bad, exit_code=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncations_of_a_real_torch_file_are_exit_4(tmp_path: Path) -> None:
+    real = tmp_path / "real.pt"
+    torch.save({"w": torch.randn(4, 3), "step": 7, "opt": {"lr": 0.1}}, real)
+    data = real.read_bytes()
+    for cut in (len(data) // 4, len(data) // 2, len(data) - 30):
+        bad = tmp_path / f"cut{cut}.pt"
+        bad.write_bytes(data[:cut])
+        assert_refused(ckpt_limited("inspect", bad), bad)
+        assert_refused(ckpt_limited("verify", bad, "--deep"), bad, exit_code=1)
+
+
+# -- what PyTorch's default loader refuses ---------------------------------------------------
+
+
+def test_verify_warns_that_torch_load_refuses_a_namespace_naming_it(tmp_path: Path) -> None:
+    saved = tmp_path / "hparams.pt"
+    torch.save({"w": torch.ones(2), "args": argparse.Namespace(seed=7)}, saved)
+    with pytest.raises(pickle.UnpicklingError, match=r"argparse\.Namespace"):
+        torch.load(saved, weights_only=True)  # the real default loader refuses it
+    run = ckpt_limited("verify", saved, "--json")
+    assert run.exit_code == 0, run.stdout + run.stderr  # a warning: ckpt reads it fine
+    (problem,) = run.json["result"]["problems"]
+    assert problem["code"] == "torch_load_refuses" and problem["severity"] == "warning"
+    assert "argparse.Namespace" in problem["message"] and str(saved) in problem["message"]
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(2), "step": 3}, plain)
+    assert ckpt_limited("verify", plain, "--json").json["result"]["problems"] == []
