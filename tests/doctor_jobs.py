@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.framework_fixtures import Rows
+
 #: case -> the cause id the doctor must rank first (None: clean, no cause)
 CASES: dict[str, dict[str, str | None]] = {
     "trainer": {
@@ -112,23 +114,6 @@ def _tokenizer(extra: bool = False) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
 
 
-class _Rows:
-    """A tiny causal-LM dataset (map-style)."""
-
-    def __init__(self, n: int = 16, length: int = 8):
-        import torch
-
-        gen = torch.Generator().manual_seed(1234)
-        self.rows = [torch.randint(0, 64, (length,), generator=gen) for _ in range(n)]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        ids = self.rows[i]
-        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": ids.new_ones(ids.shape)}
-
-
 def build_trainer(out: Path) -> None:
     from transformers import (
         LlamaForCausalLM,
@@ -187,7 +172,7 @@ def build_trainer(out: Path) -> None:
         trainer = Faulty(
             model=model,
             args=args,
-            train_dataset=_Rows(),
+            train_dataset=Rows(),
             data_collator=default_data_collator,
             processing_class=_tokenizer(extra=fault == "tokenizer"),
         )
@@ -232,7 +217,7 @@ def build_accelerate(out: Path) -> None:
         )
         fresh_scheduler = scheduler.state_dict()
         loader = torch.utils.data.DataLoader(
-            _Rows(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0)
+            Rows(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0)
         )
         model, optimizer, loader, scheduler = accelerator.prepare(
             model, optimizer, loader, scheduler
@@ -250,7 +235,7 @@ def build_accelerate(out: Path) -> None:
             if fault == "skip_data":  # the loader rebuilt after load_state starts over
                 loader = accelerator.prepare(
                     torch.utils.data.DataLoader(
-                        _Rows(),
+                        Rows(),
                         batch_size=2,
                         shuffle=True,
                         generator=torch.Generator().manual_seed(0),
