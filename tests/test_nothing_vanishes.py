@@ -137,7 +137,7 @@ CASES = [
         _fixture("zero_runs", "zero2"),
         "torch",
         "whole.pt",
-        "optimizer",
+        "optim_states",  # the ZeRO partitions' files: `optim_states_<rank>` components
         id="deepspeed-zero2",
         marks=[_FRAMEWORKS, _TORCHRUN, _SLOW],
     ),
