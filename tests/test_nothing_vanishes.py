@@ -67,10 +67,10 @@ def _safetensors_sharded(request: pytest.FixtureRequest, tmp: Path) -> Path:
 def _fixture(name: str, *path: str) -> Builder:
     def build(request: pytest.FixtureRequest, tmp: Path) -> Path:
         value: Any = request.getfixturevalue(name)
+        if isinstance(value, tuple):  # (folder, what its framework loads from it)
+            value = value[0]
         for part in path:
             value = value[part] if isinstance(value, dict) else value / part
-        if isinstance(value, tuple):
-            value = value[0]
         return Path(value)
 
     return build
