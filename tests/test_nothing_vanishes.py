@@ -163,6 +163,23 @@ CASES = [
         marks=_FRAMEWORKS,
     ),
     pytest.param(
+        _fixture("diffusers_pipeline"),
+        "safetensors",
+        "out",
+        "unet.conv_in",
+        id="diffusers-exclude-by-inspect-name",
+        marks=[
+            _FRAMEWORKS,
+            pytest.mark.xfail(
+                strict=True,
+                reason="a multi-folder model is converted component by component and "
+                "--exclude is matched against the names inside each component (`conv_in.*`), "
+                "not the `unet.conv_in.*` names inspect and diff show: the option reaches no "
+                "entry and nothing says so (not fixed by the #25 deadline)",
+            ),
+        ],
+    ),
+    pytest.param(
         _fixture("sentence_transformer"),
         "safetensors",
         "out",
