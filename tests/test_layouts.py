@@ -552,3 +552,36 @@ def test_plain_sgd_needs_no_per_parameter_state(tmp_path: Path) -> None:
     assert "optimizer state for every parameter" not in training["missing"]
     assert training["missing"] == []
     assert training["missing_exact"] == ["scheduler", "rng", "dataloader"]
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp"])
+def test_per_rank_rng_survives_a_whole_folder_conversion(tmp_path: Path, to: str) -> None:
+    """A 2-process Trainer save (`rng_state_0.pth`, `rng_state_1.pth`, each rank's streams as
+    the Trainer's `_save_rng_state` writes them) converted whole still says RNG of 2 ranks,
+    and exact, like its source."""
+    from .run_fixtures import trainer_checkpoint
+
+    folder = tmp_path / "checkpoint-200"
+    trainer_checkpoint(folder, 200)
+    (folder / "rng_state.pth").unlink()
+    for rank in range(2):
+        torch.manual_seed(rank)
+        torch.save(
+            {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "cpu": torch.random.get_rng_state(),
+            },
+            folder / f"rng_state_{rank}.pth",
+        )
+    source = run_ckpt("inspect", folder, "--json").json["result"]["training"]
+    assert source["rng"] == ["python", "numpy", "torch_cpu"] and source["rng_ranks"] == [0, 1]
+    out = tmp_path / ("whole.pt" if to == "torch" else "whole")
+    assert run_ckpt("convert", folder, out, "--to", to).exit_code == 0
+    converted = run_ckpt("inspect", out, "--json").json["result"]["training"]
+    assert converted["rng"] == source["rng"]
+    assert converted["rng_ranks"] == [0, 1]
+    assert converted["components"]["rng_0"] == "rng_0"
+    assert converted["exact"] is source["exact"] is True
+    assert converted["missing_exact"] == source["missing_exact"] == []
+    assert "(2 ranks: 0, 1)" in run_ckpt("inspect", out).stdout

@@ -6,7 +6,7 @@ code where the suite has it), a user converts the whole SRC:
 - every file of SRC is read into the output, carried verbatim (`extras`) or listed in
   `skipped` (kind `file`) with a reason, by the `--json` report;
 - `diff SRC OUT` compares every component both sides hold and finds them equal;
-- a copy that lost a component (converted with `--exclude` of it) is DIFFERENT, the lost
+- a copy that lost a component (converted with `--filter-out` of it) is DIFFERENT, the lost
   entries counted as only in SRC.
 """
 
@@ -67,10 +67,10 @@ def _safetensors_sharded(request: pytest.FixtureRequest, tmp: Path) -> Path:
 def _fixture(name: str, *path: str) -> Builder:
     def build(request: pytest.FixtureRequest, tmp: Path) -> Path:
         value: Any = request.getfixturevalue(name)
+        if isinstance(value, tuple):  # (folder, what its framework loads from it)
+            value = value[0]
         for part in path:
             value = value[part] if isinstance(value, dict) else value / part
-        if isinstance(value, tuple):
-            value = value[0]
         return Path(value)
 
     return build
@@ -137,7 +137,7 @@ CASES = [
         _fixture("zero_runs", "zero2"),
         "torch",
         "whole.pt",
-        "optimizer",
+        "optim_states",  # the ZeRO partitions' files: `optim_states_<rank>` components
         id="deepspeed-zero2",
         marks=[_FRAMEWORKS, _TORCHRUN, _SLOW],
     ),
@@ -158,9 +158,26 @@ CASES = [
         _fixture("diffusers_pipeline"),
         "safetensors",
         "out",
-        "conv_in",  # a multi-folder model: --exclude matches names inside each component
+        "conv_in",  # a multi-folder model: --filter-out matches names inside each component
         id="diffusers",
         marks=_FRAMEWORKS,
+    ),
+    pytest.param(
+        _fixture("diffusers_pipeline"),
+        "safetensors",
+        "out",
+        "unet.conv_in",
+        id="diffusers-exclude-by-inspect-name",
+        marks=[
+            _FRAMEWORKS,
+            pytest.mark.xfail(
+                strict=True,
+                reason="a multi-folder model is converted component by component and "
+                "--filter-out is matched against the names inside each component (`conv_in.*`), "
+                "not the `unet.conv_in.*` names inspect and diff show: the option reaches no "
+                "entry and nothing says so (not fixed by the #25 deadline)",
+            ),
+        ],
     ),
     pytest.param(
         _fixture("sentence_transformer"),
@@ -217,7 +234,7 @@ def test_every_file_is_converted_carried_or_skipped_and_diff_sees_every_componen
 
     # a copy that lost one component (or, in a weights-only model, one module)
     lossy = tmp_path / f"lossy-{dest}"
-    cut = run_ckpt("convert", src, lossy, "--to", to, "--exclude", f"{component}*", "--json")
+    cut = run_ckpt("convert", src, lossy, "--to", to, "--filter-out", f"{component}*", "--json")
     assert cut.exit_code == 0, cut.stdout + cut.stderr
     diffed = run_ckpt("diff", src, lossy, "--json")
     assert diffed.exit_code == 1, diffed.stdout

@@ -474,7 +474,8 @@ def account_files(
             read.add(entry.file)
         read.update(chunk.file for chunk in entry.chunks or [] if chunk.file)
     if source.target is not None:
-        read = {source.target} if written else set()
+        # one file: read into the output unless every entry it holds was left out
+        read = {source.target} if written or not checkpoint.manifest.entries else set()
     elif isinstance(checkpoint, CompositeCheckpoint):
         for comp, part in checkpoint.components.items():
             if any(e.name == comp or e.name.startswith(f"{comp}.") for e in written):
