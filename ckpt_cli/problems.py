@@ -192,6 +192,12 @@ CODES: dict[str, Code] = _codes(
         "a file the manifest lists is missing (a warning for the Hub's "
         "files absent from the local cache)",
     ),
+    Code(
+        "no_content_address",
+        _W,
+        "`--checksums` on an HF cache snapshot: the file is no link into the cache's `blobs/`, "
+        "so it has no address to check",
+    ),
     Code("no_local_copy", _W, "no file of the Hub commit is in the local cache to check"),
     Code("not_checked", _W, "checks skipped because of the problems above"),
     Code("size_changed", _E, "a file's size differs from the manifest's"),

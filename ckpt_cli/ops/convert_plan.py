@@ -315,7 +315,8 @@ def missing_config_warning(
     no `config.json` to carry (an FSDP Trainer checkpoint has none), None otherwise."""
     if opened.training is None or opened.training.layout not in HF_LAYOUTS:
         return None
-    if target_name not in ("safetensors", "torch") or "config.json" in carried:
+    # the formats from_pretrained loads are the ones written as Hugging Face shards
+    if not get_format(target_name).shards_by_size or "config.json" in carried:
         return None
     if select is None or select.rstrip(".") != "model":
         return None
