@@ -16,10 +16,9 @@ import zipfile
 
 from .budgets import read_member
 
-#: globals torch's weights_only unpickler admits, plus numpy's array reconstruction (which
-#: ckpt allowlists for RNG states) and the inert records of `formats.torch_save`
-_ALLOWED = re.compile(
-    r"^(?:"
+#: globals torch's weights_only unpickler admits by default (its own rebuild functions,
+#: storages, dtypes and layouts, and the plain containers)
+_TORCH_DEFAULTS = (
     r"torch\._utils\._rebuild_\w+"
     r"|torch\._tensor\._rebuild_from_type_v2"
     r"|torch\.serialization\._get_layout"
@@ -32,10 +31,21 @@ _ALLOWED = re.compile(
     r"|builtins\.(?:set|frozenset|bytearray|complex|slice|range|int|float|bool|str|bytes"
     r"|tuple|list|dict)"
     r"|_codecs\.encode"
-    r"|torch\._C\.Generator|torch\.Generator"  # RNG state: `formats.torch_save` admits it too
-    r"|numpy\.(?:_core|core)\.multiarray\.(?:_reconstruct|scalar)"
+)
+#: numpy's array reconstruction, which ckpt allowlists for RNG states
+_NUMPY_ARRAYS = (
+    r"numpy\.(?:_core|core)\.multiarray\.(?:_reconstruct|scalar)"
     r"|numpy\.(?:ndarray|dtype)"
     r"|numpy\.dtypes\.\w+DType"
+)
+#: what ckpt's restricted reader admits: torch's defaults, numpy's arrays, and the inert
+#: records of `formats.torch_save`
+_ALLOWED = re.compile(
+    r"^(?:"
+    + _TORCH_DEFAULTS
+    + "|"
+    + _NUMPY_ARRAYS
+    + r"|torch\._C\.Generator|torch\.Generator"  # RNG state: `formats.torch_save` admits it
     r"|deepspeed\.runtime\.fp16\.loss_scaler\.(?:Dynamic)?LossScaler"
     r"|deepspeed\.runtime\.zero\.config\.ZeroStageEnum"
     r"|deepspeed\.utils\.tensor_fragment\.fragment_address"
@@ -44,6 +54,9 @@ _ALLOWED = re.compile(
     r"|pytorch_lightning\.utilities\.parsing\.AttributeDict"
     r")$"
 )
+#: what needs no look from torch's own scan: its defaults, and numpy's arrays (which the
+#: frameworks that save RNG states allow-list when they load)
+_NO_TORCH_SCAN = re.compile(r"^(?:" + _TORCH_DEFAULTS + "|" + _NUMPY_ARRAYS + r")$")
 #: a pickle longer than this is not scanned (object entries are small; tensors are not here)
 MAX_SCAN_BYTES = 256 << 20
 
@@ -71,13 +84,24 @@ def refused_globals(data: bytes) -> list[str]:
     Empty when every global is admitted or the bytes are no pickle at all. A pickle that
     cannot be parsed, or that builds a global from computed names, is reported as such.
     """
+    return sorted({g for g in pickle_globals(data) if not _ALLOWED.match(g)})
+
+
+def beyond_torch_defaults(data: bytes) -> bool:
+    """Whether a stored object's pickle names a global that is neither one torch's default
+    loader admits nor numpy's arrays: only then need torch's own scan say what it refuses."""
+    return any(not _NO_TORCH_SCAN.match(g) for g in pickle_globals(data))
+
+
+def pickle_globals(data: bytes) -> list[str]:
+    """Every global a stored object's pickle would import, in order (opcodes only)."""
     if len(data) > MAX_SCAN_BYTES:
         return []
     try:
         streams = _pickles(data)
     except (zipfile.BadZipFile, OSError, EOFError) as exc:
         return [f"<not a readable torch.save archive: {exc}>"]
-    refused: list[str] = []
+    found: list[str] = []
     for stream in streams:
         pushed: list[object] = []
         memo: dict[object, object] = {}
@@ -95,17 +119,17 @@ def refused_globals(data: bytes) -> list[str]:
                     pushed.append(memo.get(arg))
                 elif name in ("GLOBAL", "INST"):
                     module, _, attr = str(arg).partition(" ")
-                    refused.append(f"{module}.{attr}")
+                    found.append(f"{module}.{attr}")
                 elif name == "STACK_GLOBAL":
                     pair: tuple[object, object] = (
                         (pushed[-2], pushed[-1]) if len(pushed) >= 2 else (None, None)
                     )
                     if isinstance(pair[0], str) and isinstance(pair[1], str):
-                        refused.append(f"{pair[0]}.{pair[1]}")
+                        found.append(f"{pair[0]}.{pair[1]}")
                     else:
-                        refused.append("<a global built from computed names>")
+                        found.append("<a global built from computed names>")
                 else:
                     pushed.append(None)
         except (ValueError, EOFError) as exc:
-            refused.append(f"<not a valid pickle: {exc}>")
-    return sorted({g for g in refused if not _ALLOWED.match(g)})
+            found.append(f"<not a valid pickle: {exc}>")
+    return found

@@ -200,14 +200,16 @@ def default_loader_warnings(storage: Storage, files: list[str]) -> list[Problem]
     `argparse.Namespace`, a DeepSpeed loss scaler...) that ckpt admits as an inert record but
     torch's allow-list does not. Found by torch's own opcode scan, nothing is run. numpy's
     array globals are left out: the frameworks that save them (RNG states) allow-list them
-    when they load."""
-    import torch
-
+    when they load. torch is imported only for a file whose pickle names a global beyond
+    torch's defaults and numpy's arrays (read from its opcodes first), so plain verify of an
+    ordinary checkpoint stays torch-free."""
     problems: list[Problem] = []
     for rel in files:
         local = storage.local_path(rel)
-        if local is None or not is_zip(storage, rel):
+        if local is None or not is_zip(storage, rel) or not _names_other_globals(local):
             continue
+        import torch
+
         try:
             names = torch.serialization.get_unsafe_globals_in_checkpoint(local)
         except Exception:  # a file torch cannot scan is reported by the load itself
@@ -229,3 +231,22 @@ def default_loader_warnings(storage: Storage, files: list[str]) -> list[Problem]
             )
         )
     return problems
+
+
+def _names_other_globals(path: Path) -> bool:
+    """Whether a local torch.save zip's pickle names a global other than torch's defaults and
+    numpy's arrays; True when it cannot tell (torch's scan then decides)."""
+    import zipfile
+
+    from ..budgets import read_member
+    from ..pickle_scan import MAX_SCAN_BYTES, beyond_torch_defaults
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = [n for n in archive.namelist() if n.endswith("data.pkl")]
+            if not names:
+                return True
+            pickle = read_member(archive, names[0], MAX_SCAN_BYTES, None)
+    except Exception:
+        return True
+    return beyond_torch_defaults(pickle)
