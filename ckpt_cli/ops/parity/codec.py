@@ -61,7 +61,7 @@ class Codec:
         return {i: bytes(f[_HEADER:]) for i, f in zip(wanted, out, strict=True)}
 
 
-def _digest(data: bytes) -> str:
+def block_digest(data: bytes) -> str:
     import xxhash
 
     return xxhash.xxh3_128_hexdigest(data)
@@ -75,7 +75,7 @@ def slices(length: int, chunk: int = CHUNK) -> Iterator[tuple[int, int]]:
 
 def chunked_digest(read: Callable[[int, int], bytes], length: int) -> tuple[str, int]:
     """The XXH3-128 of `length` bytes read `CHUNK` at a time by `read(offset, size)` (the same
-    digest `_digest` gives the whole), and the bytes read."""
+    digest `block_digest` gives the whole), and the bytes read."""
     import xxhash
 
     h = xxhash.xxh3_128()
@@ -87,5 +87,5 @@ def chunked_digest(read: Callable[[int, int], bytes], length: int) -> tuple[str,
     return h.hexdigest(), done
 
 
-def _pad(data: bytes, size: int) -> bytes:
+def pad_block(data: bytes, size: int) -> bytes:
     return data if len(data) == size else data + bytes(size - len(data))

@@ -105,7 +105,7 @@ def small_block(longest: int) -> int:
     return max(BLOCK_ALIGN, 1 << (target.bit_length() - 1))
 
 
-def _parse_size(text: str | int) -> int:
+def parse_block_size(text: str | int) -> int:
     if isinstance(text, int):
         return text
     from ...sizes import parse_size
@@ -114,7 +114,7 @@ def _parse_size(text: str | int) -> int:
 
 
 @dataclass
-class _Layout:
+class ParityLayout:
     """Block arithmetic of one manifest: which file and offset a stripe's column holds."""
 
     m: ParityManifest

@@ -19,8 +19,15 @@ from ...errors import DestinationExistsError, UsageError
 from ...formats import resolve_source
 from ...output import RemoteDest, staged_output
 from ...progress import NULL_PROGRESS, Progress
-from .codec import Codec, _digest, _pad
-from .layout import _Layout, _parse_size, lost_whole_costs, plan_layout, rank_files, small_block
+from .codec import Codec, block_digest, pad_block
+from .layout import (
+    ParityLayout,
+    lost_whole_costs,
+    parse_block_size,
+    plan_layout,
+    rank_files,
+    small_block,
+)
 from .model import (
     BLOCK_ALIGN,
     CODEC,
@@ -128,7 +135,7 @@ def _protect_split(src: str, options: _Options) -> ProtectReport:
         # every rank works from rank 0's plan (one `created`, one layout)
         manifest = ParityManifest.model_validate(shared["manifest"])
         m = manifest
-        layout = _Layout(m)
+        layout = ParityLayout(m)
         storage = target.storage
         reader = _Reader(storage)
         mine: dict[str, Any] = {"blocks": [], "parity": [], "sha": {}, "share_sha": {}}
@@ -149,11 +156,11 @@ def _protect_split(src: str, options: _Options) -> ProtectReport:
                             fi, bi = where
                             lo, hi = layout.extent(m.files[fi].size, bi)
                             data = reader.read(m.files[fi].path, lo, hi - lo)
-                            mine["blocks"].append([fi, bi, _digest(data)])
-                            shares.append(_pad(data, m.block_size))
+                            mine["blocks"].append([fi, bi, block_digest(data)])
+                            shares.append(pad_block(data, m.block_size))
                         for j, par in enumerate(codec.encode(shares)):
                             _pwrite_all(fds[j], par, stripe * m.block_size)
-                            mine["parity"].append([j, stripe, _digest(par)])
+                            mine["parity"].append([j, stripe, block_digest(par)])
                     for fd in fds:
                         os.fsync(fd)
                 finally:
@@ -217,7 +224,7 @@ def _prepare(src: str, options: _Options, check: bool = True) -> tuple[_Target, 
     parity, block_size, force = options.parity, options.block_size, options.force
     if not 1 <= parity <= MAX_PARITY:
         raise UsageError(f"--parity {parity} is out of range", fix=f"Use 1 to {MAX_PARITY}.")
-    block = _parse_size(block_size)
+    block = parse_block_size(block_size)
     if not BLOCK_ALIGN <= block <= 1 << 30:
         raise UsageError(
             f"--block-size {block_size} is out of range", fix="Use 4KiB to 1GiB (e.g. 1MiB)."
@@ -343,7 +350,7 @@ def _protect(src: str, options: _Options, progress: Progress) -> ProtectReport:
     files = manifest.files
     sizes = [f.size for f in files]
     block, width, stripes = manifest.block_size, manifest.width, manifest.stripes
-    layout = _Layout(manifest)
+    layout = ParityLayout(manifest)
     codec = Codec(width, parity, block)
     hashers = [hashlib.sha256() for _ in files]
     #: the next block each file's sha256 expects; a file striped across columns arrives out
@@ -369,9 +376,9 @@ def _protect(src: str, options: _Options, progress: Progress) -> ProtectReport:
                     data = reader.read(f.path, lo, hi - lo)
                     if update:
                         hashers[fi].update(data)
-                    digests[fi][bi] = _digest(data)
+                    digests[fi][bi] = block_digest(data)
                     progress.advance(len(data))
-                    return _pad(data, block)
+                    return pad_block(data, block)
 
                 def submit(stripe: int) -> list[Future[bytes] | None]:
                     # decided here, in stripe order: whether a block continues its file's sha256
@@ -400,7 +407,7 @@ def _protect(src: str, options: _Options, progress: Progress) -> ProtectReport:
                         for j, par in enumerate(codec.encode(shares)):
                             outs[j].write(par)
                             p_hash[j].update(par)
-                            p_digests[j].append(_digest(par))
+                            p_digests[j].append(block_digest(par))
                 finally:
                     pool.shutdown(wait=True, cancel_futures=True)
                 for out in outs:

@@ -18,8 +18,8 @@ from ...storage import (
     LocalStorage,
     remote_failure,
 )
-from .codec import Codec, _pad, chunk_size, slices
-from .layout import _Layout
+from .codec import Codec, chunk_size, pad_block, slices
+from .layout import ParityLayout
 from .model import ProtectedFile, RepairReport
 from .scan import _damage_list, _Scan, _scan
 from .target import (
@@ -105,7 +105,7 @@ def _rebuild(
 ) -> list[tuple[str, Path, ProtectedFile]]:
     """Write every damaged file whole into `staging`; each checked against its sha256."""
     m = scan.manifest
-    layout = _Layout(m)
+    layout = ParityLayout(m)
     storage = target.storage
     reader = _Reader(storage)
     w = m.width
@@ -169,7 +169,7 @@ def _rebuild(
                     if name is None or start >= end:
                         shares[c] = zeros
                     else:
-                        shares[c] = _pad(reader.read(name, start, end - start), chunk)
+                        shares[c] = pad_block(reader.read(name, start, end - start), chunk)
                 for c, data in codec.rebuild(shares, lost).items():
                     if c not in dests:
                         continue

@@ -12,7 +12,7 @@ from ...storage import (
     FsspecStorage,
 )
 from .codec import chunked_digest
-from .layout import _Layout
+from .layout import ParityLayout
 from .model import DamagedFile, ParityCheck, ParityManifest, ProtectedFile
 from .target import _Reader, _Target, _target, read_parity_manifest
 
@@ -30,7 +30,7 @@ class _Scan:
 
     def losses(self) -> dict[int, set[int]]:
         """stripe -> share indexes lost (0..W-1 columns, W.. parity)."""
-        layout = _Layout(self.manifest)
+        layout = ParityLayout(self.manifest)
         out: dict[int, set[int]] = {}
         for (kind, idx), (_state, blocks) in self.damaged.items():
             for bi in blocks:
@@ -121,7 +121,7 @@ def _ranges(blocks: set[int], size: int, block_size: int) -> list[tuple[int, int
 def _damage_list(target: _Target, scan: _Scan) -> list[DamagedFile]:
     m = scan.manifest
     bad_stripes = scan.unrecoverable_stripes()
-    layout = _Layout(m)
+    layout = ParityLayout(m)
     out = []
     for (kind, idx), (state, blocks) in sorted(scan.damaged.items()):
         if kind == "data":
