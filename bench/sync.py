@@ -1,12 +1,14 @@
 """Benchmark `ckpt sync` against `s3fs put --recursive` on an S3-compatible store. By hand only.
 
-    PYTHONPATH=. python bench/sync.py [--mb 64] [--saves 3]
+    PYTHONPATH=. python bench/sync.py [--mb 64] [--saves 3] [--files 8]
 
 Starts moto's S3 server in this process on 127.0.0.1 (a middleware counts request body bytes),
-writes a run folder of Trainer-style saves (model + optimizer, `--mb` MB each), then:
+writes a run folder of Trainer-style saves (`--files` weight shards + optimizer, `--mb` MB
+each), then:
 
 1. first upload: `ckpt sync out/ s3://…` against `s3fs put(recursive=True)` (what a user would
-   script): wall time and bytes sent (ckpt also hashes every file and checks every ETag);
+   script): wall time and bytes sent (ckpt also hashes every file and checks every ETag); and
+   the same upload with `--jobs 1` (one file at a time, as ckpt did before `--jobs`);
 2. the next round, one new save: `ckpt sync` sends only that save; `s3fs put` sends it all again;
 3. an upload interrupted half-way: bytes the resumed `ckpt sync` sends, against a full re-put.
 
@@ -53,13 +55,16 @@ def start_server() -> tuple[str, dict[str, int]]:
     return f"http://127.0.0.1:{port}", counter
 
 
-def save(folder: Path, step: int, mb: int) -> None:
+def save(folder: Path, step: int, mb: int, files: int = 1) -> None:
     import torch
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
     n = mb * (1 << 20) // 4 // 3
-    save_file({"w": torch.full((n,), float(step))}, folder / "model.safetensors")
+    shard = max(1, n // files)
+    for i in range(files):
+        name = f"model-{i + 1:05d}-of-{files:05d}.safetensors" if files > 1 else "model.safetensors"
+        save_file({f"w{i}": torch.full((shard,), float(step + i))}, folder / name)
     torch.save({"state": {0: {"exp_avg": torch.zeros(2 * n)}}}, folder / "optimizer.pt")
     (folder / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
 
@@ -68,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--files", type=int, default=8, help="weight shards per save")
     opts = parser.parse_args()
     endpoint, counter = start_server()
     env = dict(
@@ -87,13 +93,13 @@ def main() -> None:
     root = Path(tempfile.mkdtemp())
     out = root / "out"
     for i in range(opts.saves):
-        save(out / f"checkpoint-{(i + 1) * 100}", (i + 1) * 100, opts.mb)
+        save(out / f"checkpoint-{(i + 1) * 100}", (i + 1) * 100, opts.mb, opts.files)
 
-    def ckpt_sync(dest: str) -> tuple[float, int]:
+    def ckpt_sync(dest: str, *extra: str) -> tuple[float, int]:
         counter["bytes"] = 0
         start = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-m", "ckpt_cli", "sync", str(out), dest, "--settle", "0"],
+            [sys.executable, "-m", "ckpt_cli", "sync", str(out), dest, "--settle", "0", *extra],
             env=env,
             check=True,
             capture_output=True,
@@ -115,7 +121,9 @@ def main() -> None:
     t_c, b_c = ckpt_sync("s3://bench/ckpt/")
     t_p, b_p = s3fs_put("bench/put/")
     rows.append(("first upload", t_c, b_c, t_p, b_p))
-    save(out / f"checkpoint-{(opts.saves + 1) * 100}", (opts.saves + 1) * 100, opts.mb)
+    t_1, b_1 = ckpt_sync("s3://bench/one-at-a-time/", "--jobs", "1")
+    rows.append(("first, --jobs 1", t_1, b_1, t_p, b_p))
+    save(out / f"checkpoint-{(opts.saves + 1) * 100}", (opts.saves + 1) * 100, opts.mb, opts.files)
     t_c, b_c = ckpt_sync("s3://bench/ckpt/")
     t_p, b_p = s3fs_put("bench/put/")
     rows.append(("one new save", t_c, b_c, t_p, b_p))
@@ -126,7 +134,10 @@ def main() -> None:
     t_p, b_p = s3fs_put("bench/put/")
     rows.append(("resume after loss", t_c, b_c, t_p, b_p))
     mb = 1 << 20
-    print(f"{opts.saves}+1 saves of {opts.mb} MB; ckpt sync vs s3fs put --recursive")
+    print(
+        f"{opts.saves}+1 saves of {opts.mb} MB in {opts.files + 2} files; "
+        "ckpt sync vs s3fs put --recursive"
+    )
     print(f"{'case':<20}{'ckpt s':>8}{'ckpt MB':>9}{'put s':>8}{'put MB':>8}{'bytes':>8}")
     for name, tc, bc, tp, bp in rows:
         ratio = bc / bp if bp else 0.0

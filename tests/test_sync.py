@@ -476,3 +476,37 @@ def test_a_hostile_key_in_the_bucket_fails_its_checkpoint_only_with_exit_4(
     assert not [p for p in back.iterdir() if p.name.startswith(".")]
     human = run_ckpt("sync", f"s3://{BUCKET}/run", tmp_path / "human")
     assert human.exit_code == 4 and junk in human.stdout + human.stderr
+
+
+def test_data_files_go_up_side_by_side_and_the_markers_after_them(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--jobs`: a checkpoint's data files are uploaded at once; its markers wait for them."""
+    import threading
+
+    from ckpt_cli.ops.sync import push
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    real_upload = push._Uploader._upload_file
+    # two data uploads meet here only when they run at the same time: one at a time, the
+    # first waits alone and the barrier breaks
+    together = threading.Barrier(2, timeout=30)
+    events: list[str] = []
+
+    def upload(self: push._Uploader, path: Path, rel: str, size: int, new: object) -> object:
+        if not push._late(rel):
+            together.wait()
+        events.append(rel)
+        return real_upload(self, path, rel, size, new)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(push._Uploader, "_upload_file", upload)
+    report = sync(str(out), f"s3://{BUCKET}/run/", jobs=2)
+    assert report.transferred == ["checkpoint-100"], report.failed
+    data = [rel for rel in events if not push._late(rel)]
+    assert len(data) >= 2
+    # every marker after every data file, in the writer's order
+    assert events[: len(data)] == data
+    assert events[-1].endswith("trainer_state.json")
+    checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-100", "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout

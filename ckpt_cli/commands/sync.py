@@ -118,6 +118,10 @@ def sync(
             help="Seconds: saves of layouts without a commit marker wait this long unchanged.",
         ),
     ] = 120.0,
+    jobs: Annotated[
+        int,
+        typer.Option("--jobs", min=1, help="Pushing: files of a checkpoint uploaded at once."),
+    ] = 8,
     json_output: JsonOpt = False,
 ) -> None:
     """Copy every COMPLETE checkpoint of a run folder that the other side lacks, verified.
@@ -172,6 +176,7 @@ def sync(
             watch_seconds=watch,
             max_iterations=max_iterations,
             on_round=None if json_output or watch is None else render_sync_round,
+            jobs=jobs,
         )
 
     def failure(report: SyncReport, code: int) -> CkptError:

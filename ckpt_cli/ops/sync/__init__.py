@@ -41,7 +41,7 @@ from ...runs import DEFAULT_SETTLE, is_remote
 from ..retention import PrunePolicy
 from .model import RateLimit, SyncedCheckpoint, SyncReport
 from .pull import sync_down
-from .push import sync_up
+from .push import DEFAULT_JOBS, sync_up
 
 __all__ = ["RateLimit", "SyncReport", "SyncedCheckpoint", "exit_code", "sync"]
 
@@ -62,6 +62,7 @@ def sync(
     on_round: Callable[[SyncReport], None] | None = None,
     sleep: Callable[[float], None] = time.sleep,
     on_file: Callable[[str, int], None] | None = None,
+    jobs: int = DEFAULT_JOBS,
 ) -> SyncReport:
     """What `ckpt sync SRC DEST` does: one round, or `--watch` rounds until Ctrl-C.
 
@@ -76,6 +77,8 @@ def sync(
         on_round: called with each round's report (the CLI prints progress with it).
         on_file: pushing: called with (path in the run folder, bytes) after each file is
             in place remotely (the library's `Checkpointer` logs upload progress with it).
+        jobs: pushing: files of one checkpoint uploaded at once (its markers and manifest
+            still go last, one by one).
     """
     up = is_remote(dest) and not is_remote(src)
     down = is_remote(src) and not is_remote(dest)
@@ -106,7 +109,13 @@ def sync(
     def one_round() -> SyncReport:
         if up:
             return sync_up(
-                src, dest, settle=settle, limit=limit, prune_policy=prune_policy, on_file=on_file
+                src,
+                dest,
+                settle=settle,
+                limit=limit,
+                prune_policy=prune_policy,
+                on_file=on_file,
+                jobs=jobs,
             )
         return sync_down(src, dest, latest_only=latest_only, limit=limit)
 

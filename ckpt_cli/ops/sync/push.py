@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,10 @@ from .plan import (
 
 # --------------------------------------------------------------------------- up
 
+#: files of one checkpoint uploaded at once (S3 serves parallel PUTs; so does every store
+#: fsspec speaks to); `ckpt sync --jobs` sets it
+DEFAULT_JOBS = 8
+
 
 class _Uploader:
     """Uploads checkpoints of one local run folder into one object-store prefix."""
@@ -43,6 +49,7 @@ class _Uploader:
         dest: str,
         limit: RateLimit,
         on_file: Callable[[str, int], None] | None = None,
+        jobs: int = DEFAULT_JOBS,
     ):
         from ...storage import filesystem_for
 
@@ -58,6 +65,8 @@ class _Uploader:
             )
         self.limit = limit
         self.on_file = on_file
+        self.jobs = max(1, jobs)
+        self._lock = threading.Lock()
         self._listing: dict[str, dict[str, Any]] | None = None
         #: uploads of the current checkpoint not yet checked against the store
         self._pending: list[tuple[str, str, int, list[bytes], str, Any]] = []
@@ -121,9 +130,11 @@ class _Uploader:
         digests: dict[str, FileDigest] = {}
         stamps = {rel: path.stat().st_mtime_ns for rel, path in files.items()}
         prefix = c.name if is_dir else None
-        for rel in _order(list(files)):
-            if _late(rel):
-                self._check_pending(prefix)  # the data is verified before any marker lands
+        ordered = _order(list(files))
+        data_files = [rel for rel in ordered if not _late(rel)]
+        markers = [rel for rel in ordered if _late(rel)]
+
+        def upload(rel: str) -> None:
             digest, sent = self._upload_file(files[rel], rel, sizes[rel], new)
             inside = rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
             if own_manifest is not None:
@@ -135,14 +146,25 @@ class _Uploader:
                         fix="The local copy is damaged: `ckpt verify --checksums` says which "
                         "file; it was not published to the destination.",
                     )
-            digests[inside] = FileDigest(size=sizes[rel], digest=digest)
-            if sent:
-                result.files_sent += 1
-                result.bytes_sent += sizes[rel]
-            else:
-                result.files_reused += 1
-            if self.on_file is not None:
-                self.on_file(rel, sizes[rel])
+            with self._lock:
+                digests[inside] = FileDigest(size=sizes[rel], digest=digest)
+                if sent:
+                    result.files_sent += 1
+                    result.bytes_sent += sizes[rel]
+                else:
+                    result.files_reused += 1
+                if self.on_file is not None:
+                    self.on_file(rel, sizes[rel])
+
+        # the data files go up side by side (one object store connection each: a single
+        # stream leaves most of the link idle); the markers follow one by one, in order,
+        # each once everything before it is uploaded and checked
+        with ThreadPoolExecutor(max_workers=min(self.jobs, max(1, len(data_files)))) as pool:
+            for _ in pool.map(upload, data_files):
+                pass  # re-raises the first failure; the pool waits for the others
+        for rel in markers:
+            self._check_pending(prefix)
+            upload(rel)
         self._check_pending(prefix)
         # a file rewritten while it was uploaded would make the remote copy a mix
         for rel, path in files.items():
@@ -221,7 +243,8 @@ class _Uploader:
             raise
         except Exception as exc:
             raise remote_failure(exc, f"{self.dest}/{rel}", writing=True) from None
-        self._pending.append((target, rel, size, parts, hasher.hexdigest(), new))
+        with self._lock:
+            self._pending.append((target, rel, size, parts, hasher.hexdigest(), new))
         return hasher.hexdigest(), True
 
     def _check_pending(self, prefix: str | None) -> None:
@@ -233,7 +256,8 @@ class _Uploader:
                 infos = self.fs.find(f"{self.root}/{prefix}", detail=True)
             except Exception as exc:
                 raise remote_failure(exc, f"{self.dest}/{prefix}") from None
-        pending, self._pending = self._pending, []
+        with self._lock:
+            pending, self._pending = self._pending, []
         for target, rel, size, parts, digest, new in pending:
             self._check_upload(target, rel, size, parts, digest, new, infos.get(target))
 
@@ -307,15 +331,16 @@ def sync_up(
     limit: RateLimit | None = None,
     prune_policy: PrunePolicy | None = None,
     on_file: Callable[[str, int], None] | None = None,
+    jobs: int = DEFAULT_JOBS,
 ) -> SyncReport:
     """One round of `ckpt sync RUN_DIR s3://…`: upload what the destination lacks.
 
-    `on_file(rel, size)` is called after each file of a checkpoint is in place remotely
-    (sent, or found there already), in upload order.
+    `on_file(rel, size)` is called once each file of a checkpoint is in place remotely
+    (sent, or found there already), in upload order; `jobs` files are sent at once.
     """
     run_root = Path(src)
     run = scan_run(run_root, settle=settle)
-    uploader = _Uploader(Path(run.run_dir), dest, limit or RateLimit(None), on_file)
+    uploader = _Uploader(Path(run.run_dir), dest, limit or RateLimit(None), on_file, jobs)
     report = SyncReport(source=src, dest=dest, direction="up")
     now = time.time()
     for c in run.checkpoints:
