@@ -12,7 +12,7 @@ _ckpt() {
     reshard) opts="--world-size --max-shard-size --shard-dim --plan --rank-state --dcp-serialization --dry-run -n --no-extras --dcp-compression --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --watch --max-iterations --settle --json --quiet -q --verbose -v --help -h" ;;
     latest) opts="--settle --json --quiet -q --verbose -v --help -h" ;;
-    sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --jobs --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --verify-ranges --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --dequantize --ignore-dtype --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     doctor) opts="--before --after --expect --settle --json --quiet -q --verbose -v --help -h" ;;
@@ -82,6 +82,7 @@ _ckpt() {
     sync\ --keep-within) COMPREPLY=(); return ;;
     sync\ --keep-every-duration) COMPREPLY=(); return ;;
     sync\ --settle) COMPREPLY=(); return ;;
+    sync\ --jobs) COMPREPLY=(); return ;;
     sync\ --revision) COMPREPLY=(); return ;;
     sync\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
     sync\ --token) COMPREPLY=(); return ;;
