@@ -510,3 +510,44 @@ def test_data_files_go_up_side_by_side_and_the_markers_after_them(
     assert events[-1].endswith("trainer_state.json")
     checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-100", "--checksums", "--json")
     assert checked.exit_code == 0, checked.stdout
+
+
+def test_a_cut_pull_resumes_keeping_the_files_already_whole(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pull cut by a lost connection keeps its hidden staging folder; the next pull fetches
+    only what is missing and publishes the same bytes."""
+    from ckpt_cli.errors import HubError
+    from ckpt_cli.ops.sync import pull
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run").exit_code == 0
+    fresh = tmp_path / "fresh"
+    real_fetch = pull._fetch
+    fetched: list[str] = []
+
+    def cut_after_one(*args: object, **kwargs: object) -> object:
+        if fetched:
+            raise HubError("connection reset", path=str(args[1]))
+        fetched.append(str(args[1]))
+        return real_fetch(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pull, "_fetch", cut_after_one)
+    first = sync(f"s3://{BUCKET}/run/", str(fresh), latest_only=True)
+    assert first.failed and not (fresh / "checkpoint-100").exists()
+    assert run_ckpt("latest", fresh).exit_code != 0  # nothing complete there yet
+    staging = fresh / ".checkpoint-100.ckpt-tmp-pull"
+    assert staging.is_dir()
+    (staging / "stray.part").write_bytes(b"half a file")  # left by a killed pull
+    monkeypatch.setattr(pull, "_fetch", real_fetch)
+    again = sync(f"s3://{BUCKET}/run/", str(fresh), latest_only=True)
+    done = again.checkpoints[0]
+    assert done.action == "downloaded" and done.verified, done
+    assert done.files_reused == 1 and done.files_sent == done.files - 1
+    assert done.bytes_sent < done.bytes
+    original = local_files(out / "checkpoint-100")
+    pulled = local_files(fresh / "checkpoint-100")
+    assert {k: v for k, v in pulled.items() if k in original} == original
+    assert set(pulled) - set(original) <= {"ckpt-manifest.json"}
+    assert sorted(p.name for p in fresh.iterdir()) == ["checkpoint-100"]

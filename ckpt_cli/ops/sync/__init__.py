@@ -22,7 +22,9 @@ completes, so a file cut midway is simply missing and sent whole.
 
 Down (`ckpt sync s3://bucket/run/ out/ --latest`): the newest complete remote checkpoint (or
 every one missing locally) is streamed into a hidden staging folder in the run folder,
-hashed on the way and checked against its manifest, then published with one rename.
+hashed on the way and checked against its manifest, then published with one rename. The
+staging folder (`.NAME.ckpt-tmp-pull`) outlives a pull cut short, and the next pull keeps
+every file already whole in it: a pull resumes as an upload does.
 
 `--watch` repeats rounds every interval; `--max-rate` bounds the bytes per second sent or
 received; `--prune-remote` applies a retention policy on the remote side after each round.

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ...errors import CkptError, FormatError, NotFoundError, UnsafeInputError
 from ...hashing import hasher_factory
@@ -52,6 +53,78 @@ def _refuse_keys(storage: Storage, c: RunCheckpoint, keys: list[str]) -> UnsafeI
     )
 
 
+#: the staging folder of a pull: `.NAME.ckpt-tmp-pull`, kept when the pull is cut short
+PULL_TAG = "pull"
+
+
+def _whole(target: Path, size: int, digest: str | None, new: Callable[[], Any] | None) -> bool:
+    """Whether an earlier, interrupted pull left `target` whole: its size, and its digest
+    where the manifest records one (a file is renamed to its name only once it is fsynced)."""
+    try:
+        if target.stat().st_size != size:
+            return False
+    except FileNotFoundError:
+        return False
+    if digest is None or new is None:
+        return True
+    hasher = new()
+    with open(target, "rb") as src:
+        while block := src.read(UPLOAD_BLOCK):
+            hasher.update(block)
+    if hasher.hexdigest() == digest:
+        return True
+    target.unlink()
+    return False
+
+
+def _fetch(
+    storage: Storage,
+    rel: str,
+    size: int,
+    target: Path,
+    new: Callable[[], Any] | None,
+    limit: RateLimit,
+) -> str | None:
+    """Stream one remote file to `target` (through `target.part`, fsynced, then renamed);
+    returns its digest when a manifest gave the algorithm."""
+    hasher = new() if new else None
+    part = target.with_name(target.name + ".part")
+    with open(part, "wb") as out:
+        offset = 0
+        while offset < size:
+            block = storage.read(rel, offset, min(UPLOAD_BLOCK, size - offset))
+            if not block:
+                raise FormatError(
+                    f"the remote object ended at byte {offset} of {size}",
+                    path=storage.describe(rel),
+                    fix="It changed while it was read; run the sync again.",
+                )
+            out.write(block)
+            if hasher is not None:
+                hasher.update(block)
+            offset += len(block)
+            limit.take(len(block))
+        out.flush()
+        os.fsync(out.fileno())
+    os.rename(part, target)
+    return hasher.hexdigest() if hasher is not None else None
+
+
+def _drop_leftovers(staging: Path, files: dict[str, int], folder: str | None) -> None:
+    """Remove what an earlier, interrupted pull left in staging that this checkpoint no
+    longer holds (a `.part`, a file the remote copy has since dropped): only the listed
+    files, and the manifest, are published."""
+    keep = {rel.removeprefix(f"{folder}/") if folder else rel.rsplit("/", 1)[-1] for rel in files}
+    keep.add(MANIFEST_NAME)
+    for path in sorted(staging.rglob("*"), reverse=True):
+        rel = path.relative_to(staging).as_posix()
+        if path.is_dir() and not path.is_symlink():
+            if not any(k.startswith(rel + "/") for k in keep):
+                shutil.rmtree(path, ignore_errors=True)
+        elif rel not in keep:
+            path.unlink()
+
+
 def _download(
     storage: Storage,
     c: RunCheckpoint,
@@ -73,45 +146,52 @@ def _download(
     )
     final = dest_root / c.name
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}{TMP_MARKER}", dir=final.parent))
-    # mkdtemp makes it 0700; the published checkpoint gets what a plain mkdir would give
-    apply_umask(staging, directory=True)
+    # one staging folder per checkpoint, the same name each time: a pull cut by a lost
+    # connection, Ctrl-C or a killed job leaves it behind (hidden, judged an interrupted save
+    # by `ckpt latest` and `ckpt prune`) and the next pull keeps every file already whole in it
+    staging = final.parent / f".{final.name}{TMP_MARKER}{PULL_TAG}"
+    fresh = not staging.is_dir()
+    staging.mkdir(exist_ok=True)
+    if fresh:
+        # a plain mkdir: the published checkpoint gets what the umask gives
+        apply_umask(staging, directory=True)
     new = hasher_factory(manifest.algorithm) if manifest else None
+    damaged = False
     try:
         for rel, size in sorted(files.items()):
             inside = rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
             target = staging / inside
             target.parent.mkdir(parents=True, exist_ok=True)
-            hasher = new() if new else None
-            with open(target, "wb") as out:
-                offset = 0
-                while offset < size:
-                    block = storage.read(rel, offset, min(UPLOAD_BLOCK, size - offset))
-                    out.write(block)
-                    if hasher is not None:
-                        hasher.update(block)
-                    offset += len(block)
-                    limit.take(len(block))
-                out.flush()
-                os.fsync(out.fileno())
+            expected = manifest.files.get(inside) if manifest is not None else None
+            if manifest is not None and expected is None:
+                damaged = True
+                raise FormatError(
+                    f"{rel} is not listed in the checkpoint's checksum manifest",
+                    path=storage.describe(manifest_rel),
+                    fix="The remote copy is damaged; pull an older checkpoint, or sync "
+                    "it again from a machine that has it whole.",
+                )
+            if _whole(target, size, expected.digest if expected else None, new):
+                result.files_reused += 1
+                continue
+            digest = _fetch(storage, rel, size, target, new, limit)
             result.files_sent += 1
             result.bytes_sent += size
-            if manifest is not None and hasher is not None:
-                key = inside
-                expected = manifest.files.get(key)
-                if expected is None or expected.digest != hasher.hexdigest():
-                    raise FormatError(
-                        f"{rel} does not match the checkpoint's checksum manifest",
-                        path=storage.describe(manifest_rel),
-                        fix="The remote copy is damaged; pull an older checkpoint, or sync "
-                        "it again from a machine that has it whole.",
-                    )
+            if expected is not None and expected.digest != digest:
+                damaged = True
+                raise FormatError(
+                    f"{rel} does not match the checkpoint's checksum manifest",
+                    path=storage.describe(manifest_rel),
+                    fix="The remote copy is damaged; pull an older checkpoint, or sync "
+                    "it again from a machine that has it whole.",
+                )
         if manifest is not None:
             missing = set(manifest.files) - {
                 rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
                 for rel in files
             }
             if missing:
+                damaged = True
                 raise FormatError(
                     f"the remote checkpoint lacks {', '.join(sorted(missing))}, "
                     "which its manifest lists",
@@ -119,6 +199,7 @@ def _download(
                 )
             if is_dir:
                 (staging / MANIFEST_NAME).write_bytes(storage.read_all(manifest_rel))
+        _drop_leftovers(staging, files, c.name if is_dir else None)
         fsync_dir(staging)
         if is_dir:
             os.rename(staging, final)
@@ -126,9 +207,12 @@ def _download(
             # plain files of one step (`model_500.pt`, `optim_500.pt`) land side by side
             for rel in files:
                 os.rename(staging / rel.rsplit("/", 1)[-1], dest_root / rel)
+            shutil.rmtree(staging, ignore_errors=True)
         fsync_dir(final.parent)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if damaged:
+            # nothing of a copy that disagrees with its manifest is worth keeping
+            shutil.rmtree(staging, ignore_errors=True)
     if manifest is None:
         # nothing to check the bytes against: the structure is checked instead
         from ..verify import verify
