@@ -20,6 +20,7 @@ maps each case to the cause `ckpt doctor` should rank first (None: a clean resum
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -70,12 +71,20 @@ CASES: dict[str, dict[str, str | None]] = {
 }
 
 
+#: how long the crashed job was down before the resume (its saves' files are dated this much
+#: earlier, so the gap before the first save after the resume is the stop it was)
+DOWN_SECONDS = 3600
+
+
 def _copy_saves(base: Path, case: Path, names: list[str]) -> None:
     """The run folder a crashed job leaves: its saves up to the resume point, and its log
     (which ran on past the last save)."""
     case.mkdir(parents=True)
     for name in names:
         shutil.copytree(base / name, case / name)
+        for path in (case / name).rglob("*"):
+            stat = path.stat()
+            os.utime(path, (stat.st_atime - DOWN_SECONDS, stat.st_mtime - DOWN_SECONDS))
     if (base / "metrics.jsonl").is_file():
         shutil.copy2(base / "metrics.jsonl", case / "metrics.jsonl")
 

@@ -11,6 +11,7 @@ from ..compare import values_equal
 from .models import Cause
 from .pair import Pair
 from .save import Save
+from .tensors import raw_bytes
 
 
 def _streams(save: Save) -> dict[str, Any]:
@@ -26,9 +27,16 @@ def _streams(save: Save) -> dict[str, Any]:
         entry = by_name[name]
         try:
             if entry.kind == "tensor":
-                out[key] = checkpoint.read_tensor(name)
+                # a generator state is a byte tensor: its raw bytes say all (no torch import)
+                raw = raw_bytes(checkpoint, entry)
+                out[key] = (
+                    (entry.dtype, tuple(entry.shape), raw)
+                    if raw is not None
+                    else checkpoint.read_tensor(name)
+                )
             else:
-                out[key] = checkpoint.read_object(name)
+                value = save.value(name)  # torch-free where the stored pickle is plain
+                out[key] = value if value is not None else checkpoint.read_object(name)
         except CkptError:
             continue
     return out
