@@ -51,6 +51,14 @@ CASES: dict[str, dict[str, str | None]] = {
         "partial_weights": "weights_partly_restored",
         "rng": "rng_not_restored",
     },
+    "torchtitan": {
+        "clean": None,
+        "clean_from_2": None,
+        "skip_optimizer": "optimizer_not_restored",
+        "skip_scheduler": "scheduler_not_restored",
+        "skip_data": "data_position_not_restored",
+        "partial_weights": "weights_partly_restored",
+    },
     "dcp": {
         "clean": None,
         "clean_from_2": None,
@@ -438,7 +446,99 @@ def build_dcp(out: Path) -> None:
             run(folder, folder / "step-4", None if case == "clean" else case)
 
 
-BUILDERS = {"trainer": build_trainer, "accelerate": build_accelerate, "dcp": build_dcp}
+# --------------------------------------------------------------------------- torchtitan
+
+
+def build_torchtitan(out: Path) -> None:
+    """torchtitan 0.3.0's own components on CPU (`tests/torchtitan_writer.py`: a tiny llama3,
+    its AdamW and LR-scheduler containers, `ParallelAwareDataloader`, `CheckpointManager`
+    saving `checkpoint/step-N/` every 2 steps), 6 steps, resumed from `step-4` with
+    `CheckpointManager.load`. The faults are torchtitan's own option `exclude_from_loading`
+    (a component left out of the load) and a model part re-initialised after the load."""
+    import warnings
+
+    import torch
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    from tests.torchtitan_writer import Tokens, TrainState, model_config
+
+    warnings.simplefilter("ignore")
+
+    def run(folder: Path, resume: int | None, fault: str | None = None) -> None:
+        torch.manual_seed(0)
+        model = model_config().build()
+        model.init_weights(buffer_device=None)
+        optimizers = default_adamw(lr=8e-3).build(model_parts=[model])
+        schedulers = LRSchedulersContainer.Config(
+            warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
+        ).build(optimizers=optimizers, training_steps=6)
+        loader = ParallelAwareDataloader(Tokens(), dp_rank=0, dp_world_size=1, batch_size=2)
+        train_state = TrainState()
+        excluded = {
+            "skip_optimizer": ["optimizer"],
+            "skip_scheduler": ["lr_scheduler"],
+            "skip_data": ["dataloader"],
+        }.get(fault or "", [])
+        manager = CheckpointManager.Config(
+            enable=True,
+            folder="checkpoint",
+            interval=2,
+            keep_latest_k=0,
+            last_save_model_only=False,
+            exclude_from_loading=excluded,
+        ).build(
+            dataloader=loader,
+            model_parts=[model],
+            optimizers=optimizers,
+            lr_schedulers=schedulers,
+            states={"train_state": train_state},
+            sd_adapter=None,
+            base_folder=str(folder),
+        )
+        if resume is not None:
+            assert manager.load(step=resume)
+            if fault == "partial_weights":
+                # a model part whose keys the load missed keeps its fresh initialisation
+                torch.manual_seed(1)
+                fresh = model_config().build()
+                fresh.init_weights(buffer_device=None)
+                layer = dict(fresh.named_parameters())
+                with torch.no_grad():
+                    for name, param in model.named_parameters():
+                        if name.startswith("layers.1."):
+                            param.copy_(layer[name])
+        batches = iter(loader)
+        while train_state.step < 6:
+            inputs, labels = next(batches)
+            logits = model(inputs["input"])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+            optimizers.step()
+            schedulers.step()
+            optimizers.zero_grad()
+            train_state.step += 1
+            train_state.ntokens_seen += labels.numel()
+            manager.save(curr_step=train_state.step)
+        manager.close()
+
+    base = out / "base"
+    run(base, None)
+    for case in CASES["torchtitan"]:
+        folder = out / case
+        saves = ["step-2"] if case == "clean_from_2" else ["step-2", "step-4"]
+        _copy_saves(base / "checkpoint", folder / "checkpoint", saves)
+        resume = 2 if case == "clean_from_2" else 4
+        run(folder, resume, None if case.startswith("clean") else case)
+
+
+BUILDERS = {
+    "trainer": build_trainer,
+    "accelerate": build_accelerate,
+    "dcp": build_dcp,
+    "torchtitan": build_torchtitan,
+}
 
 
 if __name__ == "__main__":

@@ -21,7 +21,11 @@ from .s3_fixtures import S3Server, upload_folder
 _FRAMEWORK = {
     "trainer": ("transformers",),
     "accelerate": ("accelerate", "transformers", "torchdata"),
+    "torchtitan": ("torchtitan", "torchdata"),
 }
+#: where each kind's job keeps its saves inside a case folder (torchtitan: its dump folder's
+#: `checkpoint/`)
+_RUN_FOLDER = {"torchtitan": "checkpoint"}
 
 
 def _build(kind: str, out: Path) -> Path:
@@ -35,7 +39,7 @@ def _build(kind: str, out: Path) -> Path:
         text=True,
         env=env,
         cwd=REPO,
-        timeout=290,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
@@ -57,6 +61,12 @@ def accelerate_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def dcp_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Plain DCP-loop runs: `base/` and one folder per case of `CASES["dcp"]`."""
     return _build("dcp", tmp_path_factory.mktemp("doctor_dcp"))
+
+
+@pytest.fixture(scope="module")
+def torchtitan_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """torchtitan runs (its CheckpointManager, on CPU): one folder per `CASES["torchtitan"]`."""
+    return _build("torchtitan", tmp_path_factory.mktemp("doctor_torchtitan"))
 
 
 def _jobs(request: pytest.FixtureRequest, kind: str) -> Path:
@@ -82,7 +92,7 @@ def _resume_save(kind: str) -> tuple[str, str]:
 def test_the_planted_cause_is_ranked_first(
     request: pytest.FixtureRequest, kind: str, case: str, want: str | None
 ) -> None:
-    run = _jobs(request, kind) / case
+    run = _jobs(request, kind) / case / _RUN_FOLDER.get(kind, "")
     result = run_ckpt("doctor", run, "--json")
     report = result.json["result"]
     live = [c for c in report["causes"] if not c["declared"]]
