@@ -1,6 +1,12 @@
-"""RNG cause: the RNG state was not restored, so the resumed run drew the random numbers of the
-run's start again (dropout masks, shuffles): the save after the resume holds the very RNG state
-an earlier save of the run held (the run re-seeded instead of restoring)."""
+"""RNG cause: the RNG state was not restored, so the resumed run drew other random numbers
+(dropout masks, shuffles) than the run it continues. Two signs, from the saved states alone:
+
+- the save after the resume holds the very RNG state an earlier save of the run held (the run
+  re-seeded and replayed the same draws);
+- torch's CPU generator, whose state carries its seed (`mt19937`): it carries another seed
+  after the resume, or has drawn fewer numbers since its seed than it had at the save resumed
+  from (it was seeded again, whatever it drew since).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from typing import Any
 
 from ...errors import CkptError
 from ..compare import values_equal
+from . import mt19937
 from .models import Cause
 from .pair import Pair
 from .save import Save
@@ -47,9 +54,58 @@ def _same(x: dict[str, Any], y: dict[str, Any]) -> bool:
     return bool(common) and all(values_equal(x[k], y[k]) for k in common)
 
 
+_FIX = (
+    "Restore the saved RNG states after seeding, not before (Trainer: keep rng_state*.pth; "
+    "accelerate: call set_seed before load_state; a plain loop: torch.set_rng_state / "
+    "random.setstate / np.random.set_state from the save); or declare it with --expect rng."
+)
+
+
+def _generator(value: Any) -> mt19937.CpuGeneratorState | None:
+    if isinstance(value, tuple) and len(value) == 3 and isinstance(value[2], bytes):
+        return mt19937.parse(value[2])
+    return None
+
+
+def _reseeded(pair: Pair, before: dict[str, Any], after: dict[str, Any]) -> list[Cause]:
+    """torch's CPU generator seeded again at the resume: another seed, or fewer draws."""
+    for key in sorted(set(before) & set(after)):
+        a, b = _generator(before[key]), _generator(after[key])
+        if a is None or b is None:
+            continue
+        where = f"{key} (torch's CPU generator)"
+        if a.seed != b.seed:
+            evidence = (
+                f"{where}: seed {a.seed} at {pair.before.name}, {b.seed} at {pair.after.name}: "
+                "the resumed run seeded it anew (a restored state keeps its seed)"
+            )
+        else:
+            drawn_a, drawn_b = mt19937.draws_since_seed([a, b])
+            if drawn_a is None or drawn_b is None or drawn_b >= drawn_a:
+                continue
+            evidence = (
+                f"{where}: {drawn_a:,} numbers drawn since seed {a.seed} at "
+                f"{pair.before.name} (step {pair.before.step}), {drawn_b:,} at "
+                f"{pair.after.name} (step {pair.after.step}): it was seeded again at the "
+                "resume (a restored generator carries on counting)"
+            )
+        return [
+            Cause(
+                id="rng_not_restored",
+                title="the RNG state was not restored: the resumed run seeded its generator again",
+                score=0.8,
+                before=pair.before.name,
+                after=pair.after.name,
+                evidence=[evidence],
+                fix=_FIX,
+            )
+        ]
+    return []
+
+
 def check(pair: Pair) -> list[Cause]:
     """The RNG cause of one pair of saves."""
-    if not pair.earlier or not pair.after.rng_groups:
+    if not pair.after.rng_groups:
         return []
     after = _streams(pair.after)
     before = _streams(pair.before)
@@ -79,9 +135,7 @@ def check(pair: Pair) -> list[Cause]:
                     f"by {pair.before.name} ({', '.join(sorted(advanced))} changed): the run "
                     "was seeded again instead of restored",
                 ],
-                fix="Restore the saved RNG states after seeding, not before (Trainer: keep "
-                "rng_state*.pth; accelerate: call set_seed before load_state; a plain loop: "
-                "torch.set_rng_state / random.setstate / np.random.set_state from the save).",
+                fix=_FIX,
             )
         ]
-    return []
+    return _reseeded(pair, before, after)
