@@ -59,6 +59,13 @@ CASES: dict[str, dict[str, str | None]] = {
         "skip_data": "data_position_not_restored",
         "partial_weights": "weights_partly_restored",
     },
+    # tests/doctor_dist_job.py: trained on 2 ranks under torchrun, resumed on 2 or 1
+    "torchrun": {
+        "clean": None,
+        "clean_world_size": None,
+        "clean_lr_rescaled": None,
+        "lr_not_rescaled": "batch_changed",
+    },
     "dcp": {
         "clean": None,
         "clean_from_2": None,
@@ -73,6 +80,8 @@ CASES: dict[str, dict[str, str | None]] = {
         "bf16": "precision_changed",
         "ema": "ema_not_restored",
         "rng": "rng_not_restored",
+        "rng_new_seed": "rng_not_restored",
+        "rng_seeded_check": "rng_not_restored",
         "batch": "batch_changed",
         "partial_weights": "weights_partly_restored",
     },
@@ -84,7 +93,18 @@ CASES: dict[str, dict[str, str | None]] = {
 DOWN_SECONDS = 3600
 
 
-def _copy_saves(base: Path, case: Path, names: list[str]) -> None:
+#: torchrun cases: (ranks, per-device batch, learning rate) of the resume (the base run: 2 ranks
+#: of 4 samples at LR 0.05, a global batch of 8), and what the change is declared as
+TORCHRUN_RESUMES: dict[str, tuple[int, int, float]] = {
+    "clean": (2, 4, 0.05),
+    "clean_world_size": (1, 8, 0.05),  # the same global batch on 1 rank
+    "clean_lr_rescaled": (1, 4, 0.025),  # half the global batch, half the LR
+    "lr_not_rescaled": (1, 4, 0.05),  # half the global batch, the LR kept
+}
+DECLARED: dict[str, dict[str, list[str]]] = {"torchrun": {"clean_world_size": ["world-size"]}}
+
+
+def copy_saves(base: Path, case: Path, names: list[str]) -> None:
     """The run folder a crashed job leaves: its saves up to the resume point, and its log
     (which ran on past the last save)."""
     case.mkdir(parents=True)
@@ -201,10 +221,10 @@ def build_trainer(out: Path) -> None:
     for case in CASES["trainer"]:
         folder = out / case
         if case == "clean_from_2":
-            _copy_saves(base, folder, ["checkpoint-2"])
+            copy_saves(base, folder, ["checkpoint-2"])
             run(folder, folder / "checkpoint-2")
             continue
-        _copy_saves(base, folder, ["checkpoint-2", "checkpoint-4"])
+        copy_saves(base, folder, ["checkpoint-2", "checkpoint-4"])
         run(folder, folder / "checkpoint-4", None if case == "clean" else case)
 
 
@@ -283,10 +303,10 @@ def build_accelerate(out: Path) -> None:
     for case in CASES["accelerate"]:
         folder = out / case
         if case == "clean_from_2":
-            _copy_saves(base, folder, ["step-2"])
+            copy_saves(base, folder, ["step-2"])
             run(folder, folder / "step-2")
             continue
-        _copy_saves(base, folder, ["step-2", "step-4"])
+        copy_saves(base, folder, ["step-2", "step-4"])
         run(folder, folder / "step-4", None if case == "clean" else case)
 
 
@@ -381,7 +401,17 @@ def build_dcp(out: Path) -> None:
             if fault != "skip_data":
                 samples_seen = int(target["dataloader"]["samples_seen"])
                 batches_seen = int(target["dataloader"]["batches_seen"])
-            if fault != "rng":
+            if fault == "rng_new_seed":  # a job seeding from its own id, after the load
+                torch.manual_seed(1234)
+                random.seed(1234)
+            elif fault == "rng_seeded_check":
+                # seeded again (as at the start), then one batch through the model in train
+                # mode to check the restored weights: other draws than the run's start made
+                torch.manual_seed(0)
+                random.seed(0)
+                with torch.no_grad():
+                    model(xs[:per_device])
+            elif fault != "rng":
                 torch.set_rng_state(target["rng"]["rank_0"]["torch_cpu"])
                 random.setstate(target["rng"]["rank_0"]["python"])
             if fault == "bf16":
@@ -422,27 +452,27 @@ def build_dcp(out: Path) -> None:
     for case in CASES["dcp"]:
         folder = out / case
         if case == "clean_from_2":
-            _copy_saves(base, folder, ["step-2"])
+            copy_saves(base, folder, ["step-2"])
             run(folder, folder / "step-2")
         elif case == "clean_from_6":
-            _copy_saves(base, folder, ["step-2", "step-4", "step-6"])
+            copy_saves(base, folder, ["step-2", "step-4", "step-6"])
             run(folder, folder / "step-6")
         elif case == "clean_sgd":
-            _copy_saves(out / "base_sgd", folder, ["step-2", "step-4"])
+            copy_saves(out / "base_sgd", folder, ["step-2", "step-4"])
             run(folder, folder / "step-4", sgd=True)
         elif case == "clean_lr_rescaled":
             # twice the batch, twice the learning rate: the linear scaling rule, on purpose
-            _copy_saves(base, folder, ["step-2", "step-4"])
+            copy_saves(base, folder, ["step-2", "step-4"])
             run(folder, folder / "step-4", per_device=8, lr=0.1)
         elif case == "clean_world_size":
             # 2 ranks of 2 before, 1 rank of 4 after: the same global batch
-            _copy_saves(out / "base_w2", folder, ["step-2", "step-4"])
+            copy_saves(out / "base_w2", folder, ["step-2", "step-4"])
             run(folder, folder / "step-4", per_device=4)
         elif case == "batch":
-            _copy_saves(base, folder, ["step-2", "step-4"])
+            copy_saves(base, folder, ["step-2", "step-4"])
             run(folder, folder / "step-4", per_device=8)
         else:
-            _copy_saves(base, folder, ["step-2", "step-4"])
+            copy_saves(base, folder, ["step-2", "step-4"])
             run(folder, folder / "step-4", None if case == "clean" else case)
 
 
@@ -528,7 +558,7 @@ def build_torchtitan(out: Path) -> None:
     for case in CASES["torchtitan"]:
         folder = out / case
         saves = ["step-2"] if case == "clean_from_2" else ["step-2", "step-4"]
-        _copy_saves(base / "checkpoint", folder / "checkpoint", saves)
+        copy_saves(base / "checkpoint", folder / "checkpoint", saves)
         resume = 2 if case == "clean_from_2" else 4
         run(folder, resume, None if case.startswith("clean") else case)
 

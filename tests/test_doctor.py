@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from .conftest import REPO, run_ckpt
-from .doctor_jobs import CASES
+from .dist_helpers import run_torchrun
+from .doctor_jobs import CASES, DECLARED, TORCHRUN_RESUMES, copy_saves
 from .s3_fixtures import S3Server, upload_folder
 
 _FRAMEWORK = {
@@ -26,6 +27,7 @@ _FRAMEWORK = {
 #: where each kind's job keeps its saves inside a case folder (torchtitan: its dump folder's
 #: `checkpoint/`)
 _RUN_FOLDER = {"torchtitan": "checkpoint"}
+DIST_JOB = Path(__file__).with_name("doctor_dist_job.py")
 
 
 def _build(kind: str, out: Path) -> Path:
@@ -69,6 +71,18 @@ def torchtitan_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _build("torchtitan", tmp_path_factory.mktemp("doctor_torchtitan"))
 
 
+@pytest.fixture(scope="module")
+def torchrun_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plain DCP loop trained on 2 ranks under torchrun (gloo, CPU), resumed from `step-4`
+    on 2 or 1 rank(s) (`TORCHRUN_RESUMES`): one folder per `CASES["torchrun"]`."""
+    out = tmp_path_factory.mktemp("doctor_torchrun")
+    run_torchrun(DIST_JOB, 2, out / "base", "4", "0.05", timeout=600)
+    for case, (ranks, per_device, lr) in TORCHRUN_RESUMES.items():
+        copy_saves(out / "base", out / case, ["step-2", "step-4"])
+        run_torchrun(DIST_JOB, ranks, out / case, str(per_device), str(lr), "step-4", timeout=600)
+    return out
+
+
 def _jobs(request: pytest.FixtureRequest, kind: str) -> Path:
     path: Path = request.getfixturevalue(f"{kind}_jobs")
     return path
@@ -78,6 +92,8 @@ def _params() -> list[Any]:
     out = []
     for kind, cases in CASES.items():
         marks = [pytest.mark.frameworks] if kind in _FRAMEWORK else []
+        if kind == "torchrun":
+            marks = [pytest.mark.torchrun, pytest.mark.slow]
         for case, want in cases.items():
             out.append(pytest.param(kind, case, want, marks=marks, id=f"{kind}-{case}"))
     return out
@@ -93,7 +109,8 @@ def test_the_planted_cause_is_ranked_first(
     request: pytest.FixtureRequest, kind: str, case: str, want: str | None
 ) -> None:
     run = _jobs(request, kind) / case / _RUN_FOLDER.get(kind, "")
-    result = run_ckpt("doctor", run, "--json")
+    expect = [f"--expect={change}" for change in DECLARED.get(kind, {}).get(case, [])]
+    result = run_ckpt("doctor", run, *expect, "--json")
     report = result.json["result"]
     live = [c for c in report["causes"] if not c["declared"]]
     if want is None:
