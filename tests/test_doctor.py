@@ -320,3 +320,67 @@ def test_a_run_folder_in_an_object_store(dcp_jobs: Path, s3_server: S3Server) ->
     )
     point = next(p for p in report["resume_points"] if p["after"] == "step-6")
     assert "log" in point["how"] and point["log"]["source"].endswith("metrics.jsonl")
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_torchrun_world_size_change_declared_or_not(torchrun_jobs: Path) -> None:
+    # 2 ranks of 4 → 1 rank of 4: the global batch halved, the LR kept
+    run = torchrun_jobs / "lr_not_rescaled"
+    top = run_ckpt("doctor", run, "--json").json["result"]["causes"][0]
+    assert top["id"] == "batch_changed"
+    assert "world size 2 at step-4, 1 at step-6" in top["evidence"]
+    assert any("global batch ×0.5 but the learning rate ×1" in e for e in top["evidence"])
+    # the same change declared is reported, not ranked
+    declared = run_ckpt("doctor", run, "--expect", "world-size", "--json")
+    assert declared.exit_code == 0
+    causes = declared.json["result"]["causes"]
+    assert [(c["id"], c["declared"]) for c in causes] == [("batch_changed", True)]
+    # the LR halved with the batch: a note, no cause
+    rescaled = run_ckpt("doctor", torchrun_jobs / "clean_lr_rescaled", "--json")
+    assert rescaled.exit_code == 0 and rescaled.json["result"]["causes"] == []
+    point = next(p for p in rescaled.json["result"]["resume_points"] if p["after"] == "step-6")
+    assert any("learning rate rescaled ×0.5" in n for n in point["notes"])
+    # the saves hold what the ranks wrote: 2 ranks' RNG before, 1 rank's after
+    assert {p.name for p in (run / "step-4").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    assert {p.name for p in (run / "step-6").glob("*.distcp")} == {"__0_0.distcp"}
+
+
+def test_torch_generator_draws_are_counted_from_its_state() -> None:
+    from ckpt_cli.ops.doctor.mt19937 import draws_since_seed, parse
+
+    states, drawn, total = [], [], 0
+    torch.manual_seed(77)
+    for n in (0, 1, 623, 1, 5000, 100_000):
+        torch.rand(n)
+        total += n
+        state = parse(torch.get_rng_state().numpy().tobytes())
+        assert state is not None and state.seed == 77
+        states.append(state)
+        drawn.append(total)
+    torch.manual_seed(5)
+    torch.rand(3000)
+    other = parse(torch.get_rng_state().numpy().tobytes())
+    assert other is not None
+    assert draws_since_seed([*states, other]) == [*drawn, 3000]
+    assert parse(bytes(5056)) is None and parse(b"\x00" * 16) is None
+
+
+def test_doctor_reads_tensors_without_torch(dcp_jobs: Path) -> None:
+    # weights, EMA and optimizer moments from their raw bytes through numpy: a process that
+    # never imports torch (its import alone is most of the memory budget)
+    probe = (
+        "import sys; from ckpt_cli import doctor\n"
+        "r = doctor(sys.argv[1])\n"
+        "print([c.id for c in r.causes], 'torch' in sys.modules)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for case, want in (("partial_weights", "weights_partly_restored"), ("ema", "ema_not_restored")):
+        proc = subprocess.run(
+            [sys.executable, "-c", probe, str(dcp_jobs / case)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == f"['{want}'] False", proc.stdout
