@@ -111,9 +111,20 @@ def check(pair: Pair) -> list[Cause]:
     before = _streams(pair.before)
     if not after or _same(after, before):
         return []
-    for save in reversed(pair.earlier):
+    # a save before the resume that itself replays an earlier state (an earlier resume re-seeded)
+    # is followed by the state after that one: a continuation of the same replay, no new cause
+    replaying = next(
+        (
+            i
+            for i in range(len(pair.earlier) - 1, -1, -1)
+            if _same(before, _streams(pair.earlier[i]))
+        ),
+        None,
+    )
+    for index in range(len(pair.earlier) - 1, -1, -1):
+        save = pair.earlier[index]
         earlier = _streams(save)
-        if not _same(after, earlier):
+        if not _same(after, earlier) or (replaying is not None and index == replaying + 1):
             continue
         advanced = [
             k for k in set(earlier) & set(before) if not values_equal(earlier[k], before[k])
