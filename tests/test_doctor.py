@@ -384,3 +384,36 @@ def test_doctor_reads_tensors_without_torch(dcp_jobs: Path) -> None:
         )
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == f"['{want}'] False", proc.stdout
+
+
+@pytest.mark.frameworks
+def test_torchtitan_evidence(torchtitan_jobs: Path) -> None:
+    # the data position lives in the loader's pickled state (`dataloader.dp_rank_0`)
+    data = run_ckpt("doctor", torchtitan_jobs / "skip_data" / "checkpoint", "--json")
+    top = data.json["result"]["causes"][0]
+    assert top["evidence"][0].startswith(
+        "dataloader.dp_rank_0._num_yielded 4 at step-4, 2 at step-6"
+    )
+    assert "exclude_from_loading" in top["fix"]
+    # the weights are the model's top-level keys only (not the optimizer's moments beside them):
+    # layer 1's 7 matrices and its attention norm (its ffn norm, back at ones, still correlates)
+    run = torchtitan_jobs / "partial_weights" / "checkpoint"
+    weights = run_ckpt("doctor", run, "--json").json["result"]["causes"][0]
+    assert weights["evidence"][0].startswith("8 of 21 weight tensors changed by far more")
+    assert all(line.split(":")[0].startswith("layers.1.") for line in weights["evidence"][1:])
+
+
+def test_dcp_rng_replay_is_one_cause(dcp_jobs: Path) -> None:
+    # re-seeded at step 4, the resumed run replays the run's RNG states: step-6 holds step-2's
+    # state and step-8 step-4's; only the resume is a cause, not the replay's continuation
+    report = run_ckpt("doctor", dcp_jobs / "rng", "--json").json["result"]
+    assert [(c["id"], c["before"], c["after"]) for c in report["causes"]] == [
+        ("rng_not_restored", "step-4", "step-6")
+    ]
+    assert "bit-identical to the one at step-2" in report["causes"][0]["evidence"][0]
+    # the same state counted: fewer draws since the seed after the resume than before it
+    seeded = run_ckpt("doctor", dcp_jobs / "rng_seeded_check", "--json").json["result"]
+    evidence = seeded["causes"][0]["evidence"][0]
+    assert "numbers drawn since seed 0 at step-4 (step 4)" in evidence
+    other = run_ckpt("doctor", dcp_jobs / "rng_new_seed", "--json").json["result"]
+    assert "seed 0 at step-4, 1234 at step-6" in other["causes"][0]["evidence"][0]

@@ -55,7 +55,8 @@ def check(pair: Pair) -> list[Cause]:
                 fix="Load the optimizer's state dict after building the optimizer on the "
                 "resumed model (Trainer: keep optimizer.pt beside the weights; accelerate: "
                 "prepare the optimizer before load_state; DCP: build its state with "
-                "get_state_dict before dcp.load, which loads in place, then set_state_dict).",
+                "get_state_dict before dcp.load, which loads in place, then set_state_dict; "
+                "torchtitan: keep `optimizer` out of checkpoint.exclude_from_loading).",
             )
         )
     mismatch = _mismatch(a, b)
