@@ -1,7 +1,7 @@
 """Tiny real training jobs resumed with one fault planted at a time, for `ckpt doctor`.
 
-Three jobs, each run once per test module in its own process (`python -m tests.doctor_jobs KIND
-OUT`: the frameworks seed global RNGs and keep process-wide singletons):
+Four jobs, each run once per test module in its own process (`python -m tests.doctor_jobs KIND
+OUT`: the frameworks seed global RNGs and keep process-wide singletons), and one under torchrun:
 
 - `trainer`: transformers `Trainer` on a tiny Llama built from its config (no download), 6 steps
   saving every 2 (`base/checkpoint-{2,4,6}`); each case copies `checkpoint-2` and `checkpoint-4`
@@ -11,8 +11,14 @@ OUT`: the frameworks seed global RNGs and keep process-wide singletons):
 - `dcp`: a plain loop saving one `dcp.save` per save (`step-N/`: model, optimizer, scheduler,
   grad scaler, EMA, data position, RNG, run settings), 8 steps saving every 2, resumed from
   `step-4` to step 8.
+- `torchtitan`: torchtitan 0.3.0's own model, optimizer and scheduler containers, data loader
+  and `CheckpointManager` on CPU (`checkpoint/step-{2,4,6}`), resumed from `step-4`; faults
+  through its own `exclude_from_loading`, and a model part re-initialised after the load.
+- `torchrun` (`tests/doctor_dist_job.py`, launched by the test's fixture): a DDP loop trained on
+  2 ranks (gloo, CPU), resumed from `step-4` on 2 ranks or on 1 (`TORCHRUN_RESUMES`).
 
-A fault is planted the way people get it wrong (a custom trainer skipping a load, a
+The crashed job's saves are dated `DOWN_SECONDS` back, so the stop shows in the file times
+whatever the machine's speed. A fault is planted the way people get it wrong (a custom trainer skipping a load, a
 `strict=False` load that misses some keys, a seed set after `load_state`...). `CASES[kind]`
 maps each case to the cause `ckpt doctor` should rank first (None: a clean resume).
 """
