@@ -417,3 +417,35 @@ def test_dcp_rng_replay_is_one_cause(dcp_jobs: Path) -> None:
     assert "numbers drawn since seed 0 at step-4 (step 4)" in evidence
     other = run_ckpt("doctor", dcp_jobs / "rng_new_seed", "--json").json["result"]
     assert "seed 0 at step-4, 1234 at step-6" in other["causes"][0]["evidence"][0]
+
+
+def test_tensor_moments_from_raw_bytes_match_torch(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from ckpt_cli.formats import resolve_source
+    from ckpt_cli.layouts import open_source
+    from ckpt_cli.ops.doctor.tensors import BLOCK_ELEMENTS, moments_against, streams_raw
+
+    gen = torch.Generator().manual_seed(0)
+    n = BLOCK_ELEMENTS * 2 + 123  # blocks, and a short last one
+    base = torch.randn(n, generator=gen)
+    tensors = {
+        "b": base.reshape(-1, 1),
+        "f32": (base + 0.1 * torch.randn(n, generator=gen)).reshape(-1, 1),
+        "bf16": (-base).to(torch.bfloat16).reshape(-1, 1),
+        "f16": torch.randn(n, generator=gen).to(torch.float16).reshape(-1, 1),
+    }
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    checkpoint = open_source(resolve_source(str(tmp_path / "m.safetensors"))).checkpoint
+    entry = checkpoint.manifest.by_name
+    assert all(streams_raw(checkpoint, entry[k]) for k in tensors)
+    got = moments_against(
+        (checkpoint, entry["b"]), [(checkpoint, entry[k]) for k in ("f32", "bf16", "f16")]
+    )
+    b = tensors["b"].double().flatten()
+    for (norm, dist, corr), key in zip(got, ("f32", "bf16", "f16"), strict=True):
+        a = tensors[key].double().flatten()
+        want_corr = float(torch.corrcoef(torch.stack([a, b]))[0, 1])
+        assert norm == pytest.approx(float(a.norm()), rel=1e-9)
+        assert dist == pytest.approx(float((b - a).norm()), rel=1e-9)
+        assert corr == pytest.approx(want_corr, rel=1e-6, abs=1e-9)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -96,37 +97,73 @@ def _dot(x: NDArray[np.float64], y: NDArray[np.float64]) -> float:
     return float(np.einsum("i,i->", x, y))
 
 
-def pair_moments(
-    a: tuple[Checkpoint, Entry], b: tuple[Checkpoint, Entry]
-) -> tuple[float, float, float]:
-    """(‖a‖, ‖b - a‖, Pearson correlation of a and b) of two tensors of the same size.
+@dataclass
+class _Sums:
+    """Running sums of one pair (x, y) of equal-sized tensors."""
+
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    syy: float = 0.0
+    sxy: float = 0.0
+    sdd: float = 0.0
+    n: int = 0
+
+    def add(self, x: NDArray[np.float64], y: NDArray[np.float64], sy: float, syy: float) -> None:
+        self.sx += float(x.sum())
+        self.sy += sy
+        self.sxx += _dot(x, x)
+        self.syy += syy
+        self.sxy += _dot(x, y)
+        d = y - x
+        self.sdd += _dot(d, d)
+        self.n += x.size
+
+    def moments(self) -> tuple[float, float, float]:
+        n = self.n
+        if not n:
+            return 0.0, 0.0, 1.0
+        var_x = max(self.sxx / n - (self.sx / n) ** 2, 0.0)
+        var_y = max(self.syy / n - (self.sy / n) ** 2, 0.0)
+        cov = self.sxy / n - (self.sx / n) * (self.sy / n)
+        if var_x <= 1e-30 and var_y <= 1e-30:
+            corr = 1.0
+        elif var_x <= 1e-30 or var_y <= 1e-30:
+            corr = 0.0
+        else:
+            corr = cov / math.sqrt(var_x * var_y)
+        return math.sqrt(self.sxx), math.sqrt(self.sdd), corr
+
+
+def moments_against(
+    b: tuple[Checkpoint, Entry], others: list[tuple[Checkpoint, Entry]]
+) -> list[tuple[float, float, float]]:
+    """For each tensor `a` of `others`: (‖a‖, ‖b - a‖, Pearson correlation of a and b), all
+    tensors the size of `b`, read in one pass (`b` once, however many it is compared with).
 
     The correlation is 1.0 for two constant tensors (nothing to correlate), and 0.0 when only
     one of them is constant.
     """
-    sa = sb = saa = sbb = sab = sdd = 0.0
-    n = 0
-    for va, vb in zip(blocks(*a), blocks(*b), strict=True):
-        sa += float(va.sum())
-        sb += float(vb.sum())
-        saa += _dot(va, va)
-        sbb += _dot(vb, vb)
-        sab += _dot(va, vb)
-        d = vb - va
-        sdd += _dot(d, d)
-        n += va.size
-    if not n:
-        return 0.0, 0.0, 1.0
-    var_a = max(saa / n - (sa / n) ** 2, 0.0)
-    var_b = max(sbb / n - (sb / n) ** 2, 0.0)
-    cov = sab / n - (sa / n) * (sb / n)
-    if var_a <= 1e-30 and var_b <= 1e-30:
-        corr = 1.0
-    elif var_a <= 1e-30 or var_b <= 1e-30:
-        corr = 0.0
-    else:
-        corr = cov / math.sqrt(var_a * var_b)
-    return math.sqrt(saa), math.sqrt(sdd), corr
+    sums = [_Sums() for _ in others]
+    streams = [blocks(*a) for a in others]
+    for vb in blocks(*b):
+        sb, sbb = float(vb.sum()), _dot(vb, vb)
+        for acc, stream in zip(sums, streams, strict=True):
+            va = next(stream, None)
+            if va is None or va.size != vb.size:
+                raise ValueError("tensors of different sizes compared")
+            acc.add(va, vb, sb, sbb)
+    for stream in streams:
+        if next(stream, None) is not None:
+            raise ValueError("tensors of different sizes compared")
+    return [acc.moments() for acc in sums]
+
+
+def pair_moments(
+    a: tuple[Checkpoint, Entry], b: tuple[Checkpoint, Entry]
+) -> tuple[float, float, float]:
+    """(‖a‖, ‖b - a‖, Pearson correlation of a and b) of two tensors of the same size."""
+    return moments_against(b, [a])[0]
 
 
 def raw_bytes(checkpoint: Checkpoint, entry: Entry, limit: int = 1 << 20) -> bytes | None:

@@ -4,7 +4,7 @@ does), precision changed (fp32 before, bf16 after), an EMA copy not restored (re
 from the weights at the resume).
 
 Tensors are read one pair at a time (an EMA check reads three: the EMA on both sides and the
-weights before), their statistics over blocks (`tensors.pair_moments`: raw bytes through numpy
+weights before, in one pass), their statistics over blocks (`tensors`: raw bytes through numpy
 where the format stores them, without torch).
 """
 
@@ -16,7 +16,7 @@ from collections import Counter
 
 from .models import Cause
 from .pair import Pair
-from .tensors import pair_moments
+from .tensors import moments_against, pair_moments
 
 #: tensors this small carry too little to judge a correlation by
 _MIN_NUMEL = 16
@@ -128,8 +128,9 @@ def _ema(pair: Pair) -> Cause | None:
             continue
         if list(wa.shape) != list(eb.shape):
             continue
-        _, d_ema, _ = pair_moments((a.opened.checkpoint, ea), (b.opened.checkpoint, eb))
-        _, d_weights, _ = pair_moments((a.opened.checkpoint, wa), (b.opened.checkpoint, eb))
+        (_, d_ema, _), (_, d_weights, _) = moments_against(
+            (b.opened.checkpoint, eb), [(a.opened.checkpoint, ea), (a.opened.checkpoint, wa)]
+        )
         to_ema += d_ema**2
         to_weights += d_weights**2
         compared += 1
