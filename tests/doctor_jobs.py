@@ -64,6 +64,7 @@ CASES: dict[str, dict[str, str | None]] = {
         "skip_scheduler": "scheduler_not_restored",
         "skip_data": "data_position_not_restored",
         "partial_weights": "weights_partly_restored",
+        "batch": "batch_changed",
     },
     # tests/doctor_dist_job.py: trained on 2 ranks under torchrun, resumed on 2 or 1
     "torchrun": {
@@ -116,7 +117,7 @@ def copy_saves(base: Path, case: Path, names: list[str]) -> None:
     case.mkdir(parents=True)
     for name in names:
         shutil.copytree(base / name, case / name)
-        for path in (case / name).rglob("*"):
+        for path in [*(case / name).rglob("*"), case / name]:  # the folder last: its own time
             stat = path.stat()
             os.utime(path, (stat.st_atime - DOWN_SECONDS, stat.st_mtime - DOWN_SECONDS))
     if (base / "metrics.jsonl").is_file():
@@ -510,7 +511,11 @@ def build_torchtitan(out: Path) -> None:
         schedulers = LRSchedulersContainer.Config(
             warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
         ).build(optimizers=optimizers, training_steps=6)
-        loader = ParallelAwareDataloader(Tokens(), dp_rank=0, dp_world_size=1, batch_size=2)
+        # `batch`: the resumed job's local batch doubled, its learning rate kept
+        batch_size = 4 if fault == "batch" else 2
+        loader = ParallelAwareDataloader(
+            Tokens(), dp_rank=0, dp_world_size=1, batch_size=batch_size
+        )
         train_state = TrainState()
         excluded = {
             "skip_optimizer": ["optimizer"],

@@ -116,6 +116,8 @@ def test_the_planted_cause_is_ranked_first(
     if want is None:
         assert result.exit_code == 0, report["causes"]
         assert live == [] and report["verdict"].startswith("NO CAUSE FOUND")
+        # a resume it examined and found continuous, not a run it took for unbroken
+        assert [p["resumed"] for p in report["resume_points"]].count(True) == 1
         return
     assert result.exit_code == 1, report["verdict"]
     top = live[0]

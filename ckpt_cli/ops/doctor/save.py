@@ -293,9 +293,15 @@ class Save:
 
     @cached_property
     def work_counters(self) -> dict[str, float]:
-        """Counters that grow with the work done per step (the Trainer's `total_flos`)."""
+        """Counters that grow with the work done per step (the Trainer's `total_flos`, the
+        tokens torchtitan's `train_state` counts)."""
         out: dict[str, float] = {}
-        for name in ("trainer_state.total_flos", "trainer_state.num_input_tokens_seen"):
+        for name in (
+            "trainer_state.total_flos",
+            "trainer_state.num_input_tokens_seen",
+            "train_state.ntokens_seen",
+            "train_state.tokens_seen",
+        ):
             value = self.value(name)
             if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
                 out[name] = float(value)
