@@ -229,3 +229,34 @@ def saved_scalar(blob: bytes, where: str | None = None) -> int | float | bool | 
     except NotPlain:
         return None
     return value.value if isinstance(value, SavedTensorValue) else None
+
+
+class _BareUnpickler(BudgetedUnpickler):
+    """A pickle of plain containers only: no tensors, no persistent ids, no other globals."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _PLAIN.get((module, name))
+        if found is dict or found is set or found is frozenset or found is _latin1_encode:
+            return found
+        raise NotPlain(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise NotPlain("a persistent id in a bare pickle")
+
+
+def load_plain_pickle(data: bytes, where: str | None = None) -> Any:
+    """The value of a bare `pickle.dumps` of plain data (torchtitan keeps its data loader's
+    state as such bytes inside the checkpoint), never running anything.
+
+    Raises `NotPlain` for one over `MAX_BLOB_BYTES`, one naming any global beyond plain
+    containers, or one that does not read; FormatError naming `where` for a pickle over its
+    budget (`budgets`).
+    """
+    if len(data) > MAX_BLOB_BYTES:
+        raise NotPlain(f"a pickle of {len(data)} bytes")
+    try:
+        return _BareUnpickler(data, where).load()
+    except (NotPlain, FormatError):
+        raise
+    except Exception as exc:  # truncated or corrupt: no value, never a crash
+        raise NotPlain(f"unreadable ({type(exc).__name__})") from None

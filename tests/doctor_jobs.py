@@ -1,7 +1,7 @@
 """Tiny real training jobs resumed with one fault planted at a time, for `ckpt doctor`.
 
-Three jobs, each run once per test module in its own process (`python -m tests.doctor_jobs KIND
-OUT`: the frameworks seed global RNGs and keep process-wide singletons):
+Four jobs, each run once per test module in its own process (`python -m tests.doctor_jobs KIND
+OUT`: the frameworks seed global RNGs and keep process-wide singletons), and one under torchrun:
 
 - `trainer`: transformers `Trainer` on a tiny Llama built from its config (no download), 6 steps
   saving every 2 (`base/checkpoint-{2,4,6}`); each case copies `checkpoint-2` and `checkpoint-4`
@@ -11,8 +11,14 @@ OUT`: the frameworks seed global RNGs and keep process-wide singletons):
 - `dcp`: a plain loop saving one `dcp.save` per save (`step-N/`: model, optimizer, scheduler,
   grad scaler, EMA, data position, RNG, run settings), 8 steps saving every 2, resumed from
   `step-4` to step 8.
+- `torchtitan`: torchtitan 0.3.0's own model, optimizer and scheduler containers, data loader
+  and `CheckpointManager` on CPU (`checkpoint/step-{2,4,6}`), resumed from `step-4`; faults
+  through its own `exclude_from_loading`, and a model part re-initialised after the load.
+- `torchrun` (`tests/doctor_dist_job.py`, launched by the test's fixture): a DDP loop trained on
+  2 ranks (gloo, CPU), resumed from `step-4` on 2 ranks or on 1 (`TORCHRUN_RESUMES`).
 
-A fault is planted the way people get it wrong (a custom trainer skipping a load, a
+The crashed job's saves are dated `DOWN_SECONDS` back, so the stop shows in the file times
+whatever the machine's speed. A fault is planted the way people get it wrong (a custom trainer skipping a load, a
 `strict=False` load that misses some keys, a seed set after `load_state`...). `CASES[kind]`
 maps each case to the cause `ckpt doctor` should rank first (None: a clean resume).
 """
@@ -20,6 +26,7 @@ maps each case to the cause `ckpt doctor` should rank first (None: a clean resum
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -50,6 +57,22 @@ CASES: dict[str, dict[str, str | None]] = {
         "partial_weights": "weights_partly_restored",
         "rng": "rng_not_restored",
     },
+    "torchtitan": {
+        "clean": None,
+        "clean_from_2": None,
+        "skip_optimizer": "optimizer_not_restored",
+        "skip_scheduler": "scheduler_not_restored",
+        "skip_data": "data_position_not_restored",
+        "partial_weights": "weights_partly_restored",
+        "batch": "batch_changed",
+    },
+    # tests/doctor_dist_job.py: trained on 2 ranks under torchrun, resumed on 2 or 1
+    "torchrun": {
+        "clean": None,
+        "clean_world_size": None,
+        "clean_lr_rescaled": None,
+        "lr_not_rescaled": "batch_changed",
+    },
     "dcp": {
         "clean": None,
         "clean_from_2": None,
@@ -64,18 +87,39 @@ CASES: dict[str, dict[str, str | None]] = {
         "bf16": "precision_changed",
         "ema": "ema_not_restored",
         "rng": "rng_not_restored",
+        "rng_new_seed": "rng_not_restored",
+        "rng_seeded_check": "rng_not_restored",
         "batch": "batch_changed",
         "partial_weights": "weights_partly_restored",
     },
 }
 
 
-def _copy_saves(base: Path, case: Path, names: list[str]) -> None:
+#: how long the crashed job was down before the resume (its saves' files are dated this much
+#: earlier, so the gap before the first save after the resume is the stop it was)
+DOWN_SECONDS = 3600
+
+
+#: torchrun cases: (ranks, per-device batch, learning rate) of the resume (the base run: 2 ranks
+#: of 4 samples at LR 0.05, a global batch of 8), and what the change is declared as
+TORCHRUN_RESUMES: dict[str, tuple[int, int, float]] = {
+    "clean": (2, 4, 0.05),
+    "clean_world_size": (1, 8, 0.05),  # the same global batch on 1 rank
+    "clean_lr_rescaled": (1, 4, 0.025),  # half the global batch, half the LR
+    "lr_not_rescaled": (1, 4, 0.05),  # half the global batch, the LR kept
+}
+DECLARED: dict[str, dict[str, list[str]]] = {"torchrun": {"clean_world_size": ["world-size"]}}
+
+
+def copy_saves(base: Path, case: Path, names: list[str]) -> None:
     """The run folder a crashed job leaves: its saves up to the resume point, and its log
     (which ran on past the last save)."""
     case.mkdir(parents=True)
     for name in names:
         shutil.copytree(base / name, case / name)
+        for path in [*(case / name).rglob("*"), case / name]:  # the folder last: its own time
+            stat = path.stat()
+            os.utime(path, (stat.st_atime - DOWN_SECONDS, stat.st_mtime - DOWN_SECONDS))
     if (base / "metrics.jsonl").is_file():
         shutil.copy2(base / "metrics.jsonl", case / "metrics.jsonl")
 
@@ -184,10 +228,10 @@ def build_trainer(out: Path) -> None:
     for case in CASES["trainer"]:
         folder = out / case
         if case == "clean_from_2":
-            _copy_saves(base, folder, ["checkpoint-2"])
+            copy_saves(base, folder, ["checkpoint-2"])
             run(folder, folder / "checkpoint-2")
             continue
-        _copy_saves(base, folder, ["checkpoint-2", "checkpoint-4"])
+        copy_saves(base, folder, ["checkpoint-2", "checkpoint-4"])
         run(folder, folder / "checkpoint-4", None if case == "clean" else case)
 
 
@@ -266,10 +310,10 @@ def build_accelerate(out: Path) -> None:
     for case in CASES["accelerate"]:
         folder = out / case
         if case == "clean_from_2":
-            _copy_saves(base, folder, ["step-2"])
+            copy_saves(base, folder, ["step-2"])
             run(folder, folder / "step-2")
             continue
-        _copy_saves(base, folder, ["step-2", "step-4"])
+        copy_saves(base, folder, ["step-2", "step-4"])
         run(folder, folder / "step-4", None if case == "clean" else case)
 
 
@@ -364,7 +408,17 @@ def build_dcp(out: Path) -> None:
             if fault != "skip_data":
                 samples_seen = int(target["dataloader"]["samples_seen"])
                 batches_seen = int(target["dataloader"]["batches_seen"])
-            if fault != "rng":
+            if fault == "rng_new_seed":  # a job seeding from its own id, after the load
+                torch.manual_seed(1234)
+                random.seed(1234)
+            elif fault == "rng_seeded_check":
+                # seeded again (as at the start), then one batch through the model in train
+                # mode to check the restored weights: other draws than the run's start made
+                torch.manual_seed(0)
+                random.seed(0)
+                with torch.no_grad():
+                    model(xs[:per_device])
+            elif fault != "rng":
                 torch.set_rng_state(target["rng"]["rank_0"]["torch_cpu"])
                 random.setstate(target["rng"]["rank_0"]["python"])
             if fault == "bf16":
@@ -405,31 +459,127 @@ def build_dcp(out: Path) -> None:
     for case in CASES["dcp"]:
         folder = out / case
         if case == "clean_from_2":
-            _copy_saves(base, folder, ["step-2"])
+            copy_saves(base, folder, ["step-2"])
             run(folder, folder / "step-2")
         elif case == "clean_from_6":
-            _copy_saves(base, folder, ["step-2", "step-4", "step-6"])
+            copy_saves(base, folder, ["step-2", "step-4", "step-6"])
             run(folder, folder / "step-6")
         elif case == "clean_sgd":
-            _copy_saves(out / "base_sgd", folder, ["step-2", "step-4"])
+            copy_saves(out / "base_sgd", folder, ["step-2", "step-4"])
             run(folder, folder / "step-4", sgd=True)
         elif case == "clean_lr_rescaled":
             # twice the batch, twice the learning rate: the linear scaling rule, on purpose
-            _copy_saves(base, folder, ["step-2", "step-4"])
+            copy_saves(base, folder, ["step-2", "step-4"])
             run(folder, folder / "step-4", per_device=8, lr=0.1)
         elif case == "clean_world_size":
             # 2 ranks of 2 before, 1 rank of 4 after: the same global batch
-            _copy_saves(out / "base_w2", folder, ["step-2", "step-4"])
+            copy_saves(out / "base_w2", folder, ["step-2", "step-4"])
             run(folder, folder / "step-4", per_device=4)
         elif case == "batch":
-            _copy_saves(base, folder, ["step-2", "step-4"])
+            copy_saves(base, folder, ["step-2", "step-4"])
             run(folder, folder / "step-4", per_device=8)
         else:
-            _copy_saves(base, folder, ["step-2", "step-4"])
+            copy_saves(base, folder, ["step-2", "step-4"])
             run(folder, folder / "step-4", None if case == "clean" else case)
 
 
-BUILDERS = {"trainer": build_trainer, "accelerate": build_accelerate, "dcp": build_dcp}
+# --------------------------------------------------------------------------- torchtitan
+
+
+def build_torchtitan(out: Path) -> None:
+    """torchtitan 0.3.0's own components on CPU (`tests/torchtitan_writer.py`: a tiny llama3,
+    its AdamW and LR-scheduler containers, `ParallelAwareDataloader`, `CheckpointManager`
+    saving `checkpoint/step-N/` every 2 steps), 6 steps, resumed from `step-4` with
+    `CheckpointManager.load`. The faults are torchtitan's own option `exclude_from_loading`
+    (a component left out of the load) and a model part re-initialised after the load."""
+    import warnings
+
+    import torch
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    from tests.torchtitan_writer import Tokens, TrainState, model_config
+
+    warnings.simplefilter("ignore")
+
+    def run(folder: Path, resume: int | None, fault: str | None = None) -> None:
+        torch.manual_seed(0)
+        model = model_config().build()
+        model.init_weights(buffer_device=None)
+        optimizers = default_adamw(lr=8e-3).build(model_parts=[model])
+        schedulers = LRSchedulersContainer.Config(
+            warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
+        ).build(optimizers=optimizers, training_steps=6)
+        # `batch`: the resumed job's local batch doubled, its learning rate kept
+        batch_size = 4 if fault == "batch" else 2
+        loader = ParallelAwareDataloader(
+            Tokens(), dp_rank=0, dp_world_size=1, batch_size=batch_size
+        )
+        train_state = TrainState()
+        excluded = {
+            "skip_optimizer": ["optimizer"],
+            "skip_scheduler": ["lr_scheduler"],
+            "skip_data": ["dataloader"],
+        }.get(fault or "", [])
+        manager = CheckpointManager.Config(
+            enable=True,
+            folder="checkpoint",
+            interval=2,
+            keep_latest_k=0,
+            last_save_model_only=False,
+            exclude_from_loading=excluded,
+        ).build(
+            dataloader=loader,
+            model_parts=[model],
+            optimizers=optimizers,
+            lr_schedulers=schedulers,
+            states={"train_state": train_state},
+            sd_adapter=None,
+            base_folder=str(folder),
+        )
+        if resume is not None:
+            assert manager.load(step=resume)
+            if fault == "partial_weights":
+                # a model part whose keys the load missed keeps its fresh initialisation
+                torch.manual_seed(1)
+                fresh = model_config().build()
+                fresh.init_weights(buffer_device=None)
+                layer = dict(fresh.named_parameters())
+                with torch.no_grad():
+                    for name, param in model.named_parameters():
+                        if name.startswith("layers.1."):
+                            param.copy_(layer[name])
+        batches = iter(loader)
+        while train_state.step < 6:
+            inputs, labels = next(batches)
+            logits = model(inputs["input"])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+            optimizers.step()
+            schedulers.step()
+            optimizers.zero_grad()
+            train_state.step += 1
+            train_state.ntokens_seen += labels.numel()
+            manager.save(curr_step=train_state.step)
+        manager.close()
+
+    base = out / "base"
+    run(base, None)
+    for case in CASES["torchtitan"]:
+        folder = out / case
+        saves = ["step-2"] if case == "clean_from_2" else ["step-2", "step-4"]
+        copy_saves(base / "checkpoint", folder / "checkpoint", saves)
+        resume = 2 if case == "clean_from_2" else 4
+        run(folder, resume, None if case.startswith("clean") else case)
+
+
+BUILDERS = {
+    "trainer": build_trainer,
+    "accelerate": build_accelerate,
+    "dcp": build_dcp,
+    "torchtitan": build_torchtitan,
+}
 
 
 if __name__ == "__main__":

@@ -15,13 +15,19 @@ import pytest
 import torch
 
 from .conftest import REPO, run_ckpt
-from .doctor_jobs import CASES
+from .dist_helpers import run_torchrun
+from .doctor_jobs import CASES, DECLARED, TORCHRUN_RESUMES, copy_saves
 from .s3_fixtures import S3Server, upload_folder
 
 _FRAMEWORK = {
     "trainer": ("transformers",),
     "accelerate": ("accelerate", "transformers", "torchdata"),
+    "torchtitan": ("torchtitan", "torchdata"),
 }
+#: where each kind's job keeps its saves inside a case folder (torchtitan: its dump folder's
+#: `checkpoint/`)
+_RUN_FOLDER = {"torchtitan": "checkpoint"}
+DIST_JOB = Path(__file__).with_name("doctor_dist_job.py")
 
 
 def _build(kind: str, out: Path) -> Path:
@@ -35,7 +41,7 @@ def _build(kind: str, out: Path) -> Path:
         text=True,
         env=env,
         cwd=REPO,
-        timeout=290,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
@@ -59,6 +65,24 @@ def dcp_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _build("dcp", tmp_path_factory.mktemp("doctor_dcp"))
 
 
+@pytest.fixture(scope="module")
+def torchtitan_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """torchtitan runs (its CheckpointManager, on CPU): one folder per `CASES["torchtitan"]`."""
+    return _build("torchtitan", tmp_path_factory.mktemp("doctor_torchtitan"))
+
+
+@pytest.fixture(scope="module")
+def torchrun_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plain DCP loop trained on 2 ranks under torchrun (gloo, CPU), resumed from `step-4`
+    on 2 or 1 rank(s) (`TORCHRUN_RESUMES`): one folder per `CASES["torchrun"]`."""
+    out = tmp_path_factory.mktemp("doctor_torchrun")
+    run_torchrun(DIST_JOB, 2, out / "base", "4", "0.05", timeout=600)
+    for case, (ranks, per_device, lr) in TORCHRUN_RESUMES.items():
+        copy_saves(out / "base", out / case, ["step-2", "step-4"])
+        run_torchrun(DIST_JOB, ranks, out / case, str(per_device), str(lr), "step-4", timeout=600)
+    return out
+
+
 def _jobs(request: pytest.FixtureRequest, kind: str) -> Path:
     path: Path = request.getfixturevalue(f"{kind}_jobs")
     return path
@@ -68,6 +92,8 @@ def _params() -> list[Any]:
     out = []
     for kind, cases in CASES.items():
         marks = [pytest.mark.frameworks] if kind in _FRAMEWORK else []
+        if kind == "torchrun":
+            marks = [pytest.mark.torchrun, pytest.mark.slow]
         for case, want in cases.items():
             out.append(pytest.param(kind, case, want, marks=marks, id=f"{kind}-{case}"))
     return out
@@ -82,13 +108,16 @@ def _resume_save(kind: str) -> tuple[str, str]:
 def test_the_planted_cause_is_ranked_first(
     request: pytest.FixtureRequest, kind: str, case: str, want: str | None
 ) -> None:
-    run = _jobs(request, kind) / case
-    result = run_ckpt("doctor", run, "--json")
+    run = _jobs(request, kind) / case / _RUN_FOLDER.get(kind, "")
+    expect = [f"--expect={change}" for change in DECLARED.get(kind, {}).get(case, [])]
+    result = run_ckpt("doctor", run, *expect, "--json")
     report = result.json["result"]
     live = [c for c in report["causes"] if not c["declared"]]
     if want is None:
         assert result.exit_code == 0, report["causes"]
         assert live == [] and report["verdict"].startswith("NO CAUSE FOUND")
+        # a resume it examined and found continuous, not a run it took for unbroken
+        assert [p["resumed"] for p in report["resume_points"]].count(True) == 1
         return
     assert result.exit_code == 1, report["verdict"]
     top = live[0]
@@ -293,3 +322,132 @@ def test_a_run_folder_in_an_object_store(dcp_jobs: Path, s3_server: S3Server) ->
     )
     point = next(p for p in report["resume_points"] if p["after"] == "step-6")
     assert "log" in point["how"] and point["log"]["source"].endswith("metrics.jsonl")
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_torchrun_world_size_change_declared_or_not(torchrun_jobs: Path) -> None:
+    # 2 ranks of 4 → 1 rank of 4: the global batch halved, the LR kept
+    run = torchrun_jobs / "lr_not_rescaled"
+    top = run_ckpt("doctor", run, "--json").json["result"]["causes"][0]
+    assert top["id"] == "batch_changed"
+    assert "world size 2 at step-4, 1 at step-6" in top["evidence"]
+    assert any("global batch ×0.5 but the learning rate ×1" in e for e in top["evidence"])
+    # the same change declared is reported, not ranked
+    declared = run_ckpt("doctor", run, "--expect", "world-size", "--json")
+    assert declared.exit_code == 0
+    causes = declared.json["result"]["causes"]
+    assert [(c["id"], c["declared"]) for c in causes] == [("batch_changed", True)]
+    # the LR halved with the batch: a note, no cause
+    rescaled = run_ckpt("doctor", torchrun_jobs / "clean_lr_rescaled", "--json")
+    assert rescaled.exit_code == 0 and rescaled.json["result"]["causes"] == []
+    point = next(p for p in rescaled.json["result"]["resume_points"] if p["after"] == "step-6")
+    assert any("learning rate rescaled ×0.5" in n for n in point["notes"])
+    # the saves hold what the ranks wrote: 2 ranks' RNG before, 1 rank's after
+    assert {p.name for p in (run / "step-4").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    assert {p.name for p in (run / "step-6").glob("*.distcp")} == {"__0_0.distcp"}
+
+
+def test_torch_generator_draws_are_counted_from_its_state() -> None:
+    from ckpt_cli.ops.doctor.mt19937 import draws_since_seed, parse
+
+    states, drawn, total = [], [], 0
+    torch.manual_seed(77)
+    for n in (0, 1, 623, 1, 5000, 100_000):
+        torch.rand(n)
+        total += n
+        state = parse(torch.get_rng_state().numpy().tobytes())
+        assert state is not None and state.seed == 77
+        states.append(state)
+        drawn.append(total)
+    torch.manual_seed(5)
+    torch.rand(3000)
+    other = parse(torch.get_rng_state().numpy().tobytes())
+    assert other is not None
+    assert draws_since_seed([*states, other]) == [*drawn, 3000]
+    assert parse(bytes(5056)) is None and parse(b"\x00" * 16) is None
+
+
+def test_doctor_reads_tensors_without_torch(dcp_jobs: Path) -> None:
+    # weights, EMA and optimizer moments from their raw bytes through numpy: a process that
+    # never imports torch (its import alone is most of the memory budget)
+    probe = (
+        "import sys; from ckpt_cli import doctor\n"
+        "r = doctor(sys.argv[1])\n"
+        "print([c.id for c in r.causes], 'torch' in sys.modules)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for case, want in (("partial_weights", "weights_partly_restored"), ("ema", "ema_not_restored")):
+        proc = subprocess.run(
+            [sys.executable, "-c", probe, str(dcp_jobs / case)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == f"['{want}'] False", proc.stdout
+
+
+@pytest.mark.frameworks
+def test_torchtitan_evidence(torchtitan_jobs: Path) -> None:
+    # the data position lives in the loader's pickled state (`dataloader.dp_rank_0`)
+    data = run_ckpt("doctor", torchtitan_jobs / "skip_data" / "checkpoint", "--json")
+    top = data.json["result"]["causes"][0]
+    assert top["evidence"][0].startswith(
+        "dataloader.dp_rank_0._num_yielded 4 at step-4, 2 at step-6"
+    )
+    assert "exclude_from_loading" in top["fix"]
+    # the weights are the model's top-level keys only (not the optimizer's moments beside them):
+    # layer 1's 7 matrices and its attention norm (its ffn norm, back at ones, still correlates)
+    run = torchtitan_jobs / "partial_weights" / "checkpoint"
+    weights = run_ckpt("doctor", run, "--json").json["result"]["causes"][0]
+    assert weights["evidence"][0].startswith("8 of 21 weight tensors changed by far more")
+    assert all(line.split(":")[0].startswith("layers.1.") for line in weights["evidence"][1:])
+
+
+def test_dcp_rng_replay_is_one_cause(dcp_jobs: Path) -> None:
+    # re-seeded at step 4, the resumed run replays the run's RNG states: step-6 holds step-2's
+    # state and step-8 step-4's; only the resume is a cause, not the replay's continuation
+    report = run_ckpt("doctor", dcp_jobs / "rng", "--json").json["result"]
+    assert [(c["id"], c["before"], c["after"]) for c in report["causes"]] == [
+        ("rng_not_restored", "step-4", "step-6")
+    ]
+    assert "bit-identical to the one at step-2" in report["causes"][0]["evidence"][0]
+    # the same state counted: fewer draws since the seed after the resume than before it
+    seeded = run_ckpt("doctor", dcp_jobs / "rng_seeded_check", "--json").json["result"]
+    evidence = seeded["causes"][0]["evidence"][0]
+    assert "numbers drawn since seed 0 at step-4 (step 4)" in evidence
+    other = run_ckpt("doctor", dcp_jobs / "rng_new_seed", "--json").json["result"]
+    assert "seed 0 at step-4, 1234 at step-6" in other["causes"][0]["evidence"][0]
+
+
+def test_tensor_moments_from_raw_bytes_match_torch(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from ckpt_cli.formats import resolve_source
+    from ckpt_cli.layouts import open_source
+    from ckpt_cli.ops.doctor.tensors import BLOCK_ELEMENTS, moments_against, streams_raw
+
+    gen = torch.Generator().manual_seed(0)
+    n = BLOCK_ELEMENTS * 2 + 123  # blocks, and a short last one
+    base = torch.randn(n, generator=gen)
+    tensors = {
+        "b": base.reshape(-1, 1),
+        "f32": (base + 0.1 * torch.randn(n, generator=gen)).reshape(-1, 1),
+        "bf16": (-base).to(torch.bfloat16).reshape(-1, 1),
+        "f16": torch.randn(n, generator=gen).to(torch.float16).reshape(-1, 1),
+    }
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    checkpoint = open_source(resolve_source(str(tmp_path / "m.safetensors"))).checkpoint
+    entry = checkpoint.manifest.by_name
+    assert all(streams_raw(checkpoint, entry[k]) for k in tensors)
+    got = moments_against(
+        (checkpoint, entry["b"]), [(checkpoint, entry[k]) for k in ("f32", "bf16", "f16")]
+    )
+    b = tensors["b"].double().flatten()
+    for (norm, dist, corr), key in zip(got, ("f32", "bf16", "f16"), strict=True):
+        a = tensors[key].double().flatten()
+        want_corr = float(torch.corrcoef(torch.stack([a, b]))[0, 1])
+        assert norm == pytest.approx(float(a.norm()), rel=1e-9)
+        assert dist == pytest.approx(float((b - a).norm()), rel=1e-9)
+        assert corr == pytest.approx(want_corr, rel=1e-6, abs=1e-9)

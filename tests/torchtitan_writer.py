@@ -74,7 +74,7 @@ class TrainState(Stateful):
         self.ntokens_seen = state_dict["ntokens_seen"]
 
 
-def _model_config() -> Any:
+def model_config() -> Any:
     import torchtitan.models.llama3 as llama3
     from torchtitan.models.common import Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -114,7 +114,7 @@ def _build(run: Path, seed: int) -> tuple[Any, ...]:
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
     torch.manual_seed(seed)
-    model = _model_config().build()
+    model = model_config().build()
     model.init_weights(buffer_device=None)
     optimizers = default_adamw(lr=8e-4).build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -16,8 +17,6 @@ if TYPE_CHECKING:
 
 #: elements per slice when computing difference statistics
 STATS_SLICE = 1 << 20
-#: elements per slice of `pair_moments` (its float64 temporaries: a few MiB)
-MOMENTS_SLICE = 1 << 18
 #: longest value shown for a non-tensor entry
 MAX_VALUE_REPR = 120
 
@@ -112,7 +111,9 @@ def values_equal(x: Any, y: Any, _seen: set[tuple[int, int]] | None = None) -> b
     A pair of shared sub-objects is compared once (`_seen`): a "billion laughs" graph of
     2^40 paths costs its size, not its paths.
     """
-    import torch
+    # no value is a tensor unless torch was imported to make it: comparing plain values (a
+    # python RNG state, raw bytes) must not pay torch's import
+    torch = sys.modules.get("torch")
 
     _seen = set() if _seen is None else _seen
     if isinstance(x, dict | list | tuple) and isinstance(y, dict | list | tuple):
@@ -120,7 +121,7 @@ def values_equal(x: Any, y: Any, _seen: set[tuple[int, int]] | None = None) -> b
             return True  # compared already (or being compared, up the stack)
         _seen.add((id(x), id(y)))
     x, y = _plain(x), _plain(y)
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+    if torch is not None and (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)):
         return (
             isinstance(x, torch.Tensor)
             and isinstance(y, torch.Tensor)
@@ -183,39 +184,3 @@ def error_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
         ref += float((vb * vb).sum())
     rel = math.sqrt(err / ref) if ref else (0.0 if err == 0 else math.inf)
     return max_abs, rel
-
-
-def pair_moments(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
-    """(‖a‖, ‖b - a‖, Pearson correlation of a and b) over slices in float64.
-
-    The correlation is 1.0 for two constant tensors (nothing to correlate), and 0.0 when only
-    one of them is constant.
-    """
-    import torch
-
-    fa, fb = a.reshape(-1), b.reshape(-1)
-    n = fa.numel()
-    sa = sb = saa = sbb = sab = sdd = 0.0
-    step = MOMENTS_SLICE
-    for start in range(0, n, step):
-        va = fa[start : start + step].to(torch.float64)
-        vb = fb[start : start + step].to(torch.float64)
-        sa += float(va.sum())
-        sb += float(vb.sum())
-        saa += float((va * va).sum())
-        sbb += float((vb * vb).sum())
-        sab += float((va * vb).sum())
-        d = vb - va
-        sdd += float((d * d).sum())
-    if not n:
-        return 0.0, 0.0, 1.0
-    var_a = max(saa / n - (sa / n) ** 2, 0.0)
-    var_b = max(sbb / n - (sb / n) ** 2, 0.0)
-    cov = sab / n - (sa / n) * (sb / n)
-    if var_a <= 1e-30 and var_b <= 1e-30:
-        corr = 1.0
-    elif var_a <= 1e-30 or var_b <= 1e-30:
-        corr = 0.0
-    else:
-        corr = cov / math.sqrt(var_a * var_b)
-    return math.sqrt(saa), math.sqrt(sdd), corr

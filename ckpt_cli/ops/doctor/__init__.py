@@ -12,15 +12,17 @@ the state the resumed run saved after. Each family of causes is one module and o
 | `scaler` | gradient scaler reset (the fp16 loss scale back at its initial value) |
 | `weights` | weights partly restored (tensors uncorrelated with the save: fresh), precision changed, EMA not restored |
 | `setup` | global batch changed without the LR rescaled (world size, per-device batch, accumulation); config or tokenizer changed |
-| `rng` | RNG not restored (the state after the resume is one the run held earlier) |
+| `rng` | RNG not restored (the state after the resume is one the run held earlier; torch's CPU generator carries another seed, or fewer draws since its seed: `mt19937`) |
 | `consistency` | one save: step counters that disagree; RNG for fewer ranks than the run had |
 
 `points` finds the resume points (log, step numbering, file times, or --before / --after) and
 `logs` reads the Trainer's log history, Lightning's `metrics.csv` and a `metrics.jsonl` for the
 loss and LR on both sides of each resume. `rank` orders the causes.
 
-Memory: tensors are read one at a time (an EMA check: three), statistics over slices; counters
-and settings are small entries read once per save.
+Memory: tensor statistics are sums over 1 MiB blocks of the raw bytes, viewed with numpy
+(`tensors`; torch only for what the format does not store raw, one tensor at a time); counters
+and settings are small entries read once per save. A doctor run never imports torch for the
+formats that store raw bytes (safetensors, DCP, torch.save zips).
 """
 
 from __future__ import annotations

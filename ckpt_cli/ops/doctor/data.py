@@ -41,7 +41,8 @@ def check(pair: Pair) -> list[Cause]:
             fix="Restore the loader's position on resume: the Trainer skips the batches it "
             "trained on unless ignore_data_skip is set; a StatefulDataLoader's state_dict must "
             "be loaded into the loader the run iterates (prepared before load_state); a plain "
-            "loop must restore its sampler / samples-seen counter.",
+            "loop must restore its sampler / samples-seen counter; torchtitan: keep "
+            "`dataloader` out of checkpoint.exclude_from_loading.",
         )
     ]
 

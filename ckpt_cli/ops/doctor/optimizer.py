@@ -7,10 +7,11 @@ from ...layouts.training import shape_problems
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
 from .save import Save
+from .tensors import total as tensor_total
 
 
 def second_moment_mean(save: Save) -> float | None:
-    """The mean of Adam's `exp_avg_sq` over every parameter (read one tensor at a time)."""
+    """The mean of Adam's `exp_avg_sq` over every parameter (streamed, one tensor at a time)."""
     prefix = save.prefix("optimizer")
     if prefix is None:
         return None
@@ -20,10 +21,9 @@ def second_moment_mean(save: Save) -> float | None:
             continue
         if not entry.name.endswith(".exp_avg_sq") or not entry.numel:
             continue
-        tensor = save.opened.checkpoint.read_tensor(entry.name)
-        total += float(tensor.double().sum())
-        count += tensor.numel()
-        del tensor
+        s, n = tensor_total(save.opened.checkpoint, entry)
+        total += s
+        count += n
     return total / count if count else None
 
 
@@ -55,7 +55,8 @@ def check(pair: Pair) -> list[Cause]:
                 fix="Load the optimizer's state dict after building the optimizer on the "
                 "resumed model (Trainer: keep optimizer.pt beside the weights; accelerate: "
                 "prepare the optimizer before load_state; DCP: build its state with "
-                "get_state_dict before dcp.load, which loads in place, then set_state_dict).",
+                "get_state_dict before dcp.load, which loads in place, then set_state_dict; "
+                "torchtitan: keep `optimizer` out of checkpoint.exclude_from_loading).",
             )
         )
     mismatch = _mismatch(a, b)

@@ -1,6 +1,12 @@
-"""RNG cause: the RNG state was not restored, so the resumed run drew the random numbers of the
-run's start again (dropout masks, shuffles): the save after the resume holds the very RNG state
-an earlier save of the run held (the run re-seeded instead of restoring)."""
+"""RNG cause: the RNG state was not restored, so the resumed run drew other random numbers
+(dropout masks, shuffles) than the run it continues. Two signs, from the saved states alone:
+
+- the save after the resume holds the very RNG state an earlier save of the run held (the run
+  re-seeded and replayed the same draws);
+- torch's CPU generator, whose state carries its seed (`mt19937`): it carries another seed
+  after the resume, or has drawn fewer numbers since its seed than it had at the save resumed
+  from (it was seeded again, whatever it drew since).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,11 @@ from typing import Any
 
 from ...errors import CkptError
 from ..compare import values_equal
+from . import mt19937
 from .models import Cause
 from .pair import Pair
 from .save import Save
+from .tensors import raw_bytes
 
 
 def _streams(save: Save) -> dict[str, Any]:
@@ -26,9 +34,16 @@ def _streams(save: Save) -> dict[str, Any]:
         entry = by_name[name]
         try:
             if entry.kind == "tensor":
-                out[key] = checkpoint.read_tensor(name)
+                # a generator state is a byte tensor: its raw bytes say all (no torch import)
+                raw = raw_bytes(checkpoint, entry)
+                out[key] = (
+                    (entry.dtype, tuple(entry.shape), raw)
+                    if raw is not None
+                    else checkpoint.read_tensor(name)
+                )
             else:
-                out[key] = checkpoint.read_object(name)
+                value = save.value(name)  # torch-free where the stored pickle is plain
+                out[key] = value if value is not None else checkpoint.read_object(name)
         except CkptError:
             continue
     return out
@@ -39,17 +54,77 @@ def _same(x: dict[str, Any], y: dict[str, Any]) -> bool:
     return bool(common) and all(values_equal(x[k], y[k]) for k in common)
 
 
+_FIX = (
+    "Restore the saved RNG states after seeding, not before (Trainer: keep rng_state*.pth; "
+    "accelerate: call set_seed before load_state; a plain loop: torch.set_rng_state / "
+    "random.setstate / np.random.set_state from the save); or declare it with --expect rng."
+)
+
+
+def _generator(value: Any) -> mt19937.CpuGeneratorState | None:
+    if isinstance(value, tuple) and len(value) == 3 and isinstance(value[2], bytes):
+        return mt19937.parse(value[2])
+    return None
+
+
+def _reseeded(pair: Pair, before: dict[str, Any], after: dict[str, Any]) -> list[Cause]:
+    """torch's CPU generator seeded again at the resume: another seed, or fewer draws."""
+    for key in sorted(set(before) & set(after)):
+        a, b = _generator(before[key]), _generator(after[key])
+        if a is None or b is None:
+            continue
+        where = f"{key} (torch's CPU generator)"
+        if a.seed != b.seed:
+            evidence = (
+                f"{where}: seed {a.seed} at {pair.before.name}, {b.seed} at {pair.after.name}: "
+                "the resumed run seeded it anew (a restored state keeps its seed)"
+            )
+        else:
+            drawn_a, drawn_b = mt19937.draws_since_seed([a, b])
+            if drawn_a is None or drawn_b is None or drawn_b >= drawn_a:
+                continue
+            evidence = (
+                f"{where}: {drawn_a:,} numbers drawn since seed {a.seed} at "
+                f"{pair.before.name} (step {pair.before.step}), {drawn_b:,} at "
+                f"{pair.after.name} (step {pair.after.step}): it was seeded again at the "
+                "resume (a restored generator carries on counting)"
+            )
+        return [
+            Cause(
+                id="rng_not_restored",
+                title="the RNG state was not restored: the resumed run seeded its generator again",
+                score=0.8,
+                before=pair.before.name,
+                after=pair.after.name,
+                evidence=[evidence],
+                fix=_FIX,
+            )
+        ]
+    return []
+
+
 def check(pair: Pair) -> list[Cause]:
     """The RNG cause of one pair of saves."""
-    if not pair.earlier or not pair.after.rng_groups:
+    if not pair.after.rng_groups:
         return []
     after = _streams(pair.after)
     before = _streams(pair.before)
     if not after or _same(after, before):
         return []
-    for save in reversed(pair.earlier):
+    # a save before the resume that itself replays an earlier state (an earlier resume re-seeded)
+    # is followed by the state after that one: a continuation of the same replay, no new cause
+    replaying = next(
+        (
+            i
+            for i in range(len(pair.earlier) - 1, -1, -1)
+            if _same(before, _streams(pair.earlier[i]))
+        ),
+        None,
+    )
+    for index in range(len(pair.earlier) - 1, -1, -1):
+        save = pair.earlier[index]
         earlier = _streams(save)
-        if not _same(after, earlier):
+        if not _same(after, earlier) or (replaying is not None and index == replaying + 1):
             continue
         advanced = [
             k for k in set(earlier) & set(before) if not values_equal(earlier[k], before[k])
@@ -71,9 +146,7 @@ def check(pair: Pair) -> list[Cause]:
                     f"by {pair.before.name} ({', '.join(sorted(advanced))} changed): the run "
                     "was seeded again instead of restored",
                 ],
-                fix="Restore the saved RNG states after seeding, not before (Trainer: keep "
-                "rng_state*.pth; accelerate: call set_seed before load_state; a plain loop: "
-                "torch.set_rng_state / random.setstate / np.random.set_state from the save).",
+                fix=_FIX,
             )
         ]
-    return []
+    return _reseeded(pair, before, after)

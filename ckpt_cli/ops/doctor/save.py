@@ -20,6 +20,7 @@ from ...formats.base import Source
 from ...layouts import OpenedSource
 from ...layouts.training import as_int, entries_under, value_of
 from ...models import Entry
+from ...pickle_values import NotPlain, load_plain_pickle
 
 #: leaf names of data-position counters, wherever a layout keeps them
 DATA_COUNTERS = (
@@ -205,9 +206,40 @@ class Save:
             value = self.value(entry.name)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 found[entry.name] = float(value)
+        for name, value in self._pickled_loader_counters().items():
+            found.setdefault(name, value)
         epoch = self.value("trainer_state.epoch")
         if isinstance(epoch, int | float) and not isinstance(epoch, bool):
             found["trainer_state.epoch"] = float(epoch)
+        return found
+
+    def _pickled_loader_counters(self) -> dict[str, float]:
+        """Counters inside a data loader state kept as pickled bytes (torchtitan's
+        `dataloader.dp_rank_N`: `pickle.dumps` of the `StatefulDataLoader` state), read with
+        the plain-data unpickler (nothing runs) and found by leaf name at any depth."""
+        found: dict[str, float] = {}
+        for entry in self.entries:
+            parts = entry.name.split(".")
+            if entry.kind != "object" or parts[0] not in _DATA_HOMES or entry.nbytes > 1 << 20:
+                continue
+            raw = self.value(entry.name)
+            if not isinstance(raw, bytes | bytearray) or raw[:1] != b"\x80":
+                continue  # a pickle opens with its PROTO opcode
+            try:
+                state = load_plain_pickle(bytes(raw), self.source.storage.describe(entry.name))
+            except (NotPlain, CkptError):
+                continue
+            stack: list[tuple[str, Any]] = [(entry.name, state)]
+            while stack and len(found) < 64:
+                where, value = stack.pop()
+                if isinstance(value, dict):
+                    stack += [(f"{where}.{k}", v) for k, v in value.items() if isinstance(k, str)]
+                elif (
+                    where.rsplit(".", 1)[-1] in DATA_COUNTERS
+                    and isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                ):
+                    found[where] = float(value)
         return found
 
     @cached_property
@@ -261,9 +293,15 @@ class Save:
 
     @cached_property
     def work_counters(self) -> dict[str, float]:
-        """Counters that grow with the work done per step (the Trainer's `total_flos`)."""
+        """Counters that grow with the work done per step (the Trainer's `total_flos`, the
+        tokens torchtitan's `train_state` counts)."""
         out: dict[str, float] = {}
-        for name in ("trainer_state.total_flos", "trainer_state.num_input_tokens_seen"):
+        for name in (
+            "trainer_state.total_flos",
+            "trainer_state.num_input_tokens_seen",
+            "train_state.ntokens_seen",
+            "train_state.tokens_seen",
+        ):
             value = self.value(name)
             if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
                 out[name] = float(value)
@@ -314,10 +352,19 @@ class Save:
         prefix = self.model_prefix
         if prefix is None:
             return {}
+        # the model's keys at the top level (torchtitan 0.3): every other component's are not
+        others = tuple(
+            p
+            for c, p in (self.opened.training.prefixes if self.opened.training else {}).items()
+            if c != "model" and p
+        )
+        others += tuple(f"{home}." for home in (*_DATA_HOMES, *EMA_KEYS, "rng", "scaler"))
         return {
             e.name[len(prefix) :]: e
             for e in self.entries
-            if e.kind == "tensor" and e.name.startswith(prefix)
+            if e.kind == "tensor"
+            and e.name.startswith(prefix)
+            and not (prefix == "" and e.name.startswith(others))
         }
 
     @cached_property

@@ -36,6 +36,7 @@ def check(pair: Pair) -> list[Cause]:
             evidence=evidence,
             fix="Load the scheduler's state dict on resume (Trainer: keep scheduler.pt; "
             "accelerate: prepare the scheduler before load_state; a plain loop: "
-            "scheduler.load_state_dict), after the optimizer's.",
+            "scheduler.load_state_dict; torchtitan: keep `lr_scheduler` out of "
+            "checkpoint.exclude_from_loading), after the optimizer's.",
         )
     ]

@@ -4,7 +4,8 @@ does), precision changed (fp32 before, bf16 after), an EMA copy not restored (re
 from the weights at the resume).
 
 Tensors are read one pair at a time (an EMA check reads three: the EMA on both sides and the
-weights before), their statistics over slices (`ops.compare.pair_moments`).
+weights before, in one pass), their statistics over blocks (`tensors`: raw bytes through numpy
+where the format stores them, without torch).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import math
 import statistics
 from collections import Counter
 
-from ..compare import pair_moments
 from .models import Cause
 from .pair import Pair
+from .tensors import moments_against, pair_moments
 
 #: tensors this small carry too little to judge a correlation by
 _MIN_NUMEL = 16
@@ -65,10 +66,7 @@ def _partial(pair: Pair) -> Cause | None:
         eb = b.model_tensors.get(name)
         if eb is None or list(ea.shape) != list(eb.shape) or (ea.numel or 0) < _MIN_NUMEL:
             continue
-        ta = a.opened.checkpoint.read_tensor(ea.name)
-        tb = b.opened.checkpoint.read_tensor(eb.name)
-        _, change, corr = pair_moments(ta, tb)
-        del ta, tb
+        _, change, corr = pair_moments((a.opened.checkpoint, ea), (b.opened.checkpoint, eb))
         # the change per element: a fresh tensor moved by the size of its values, a restored
         # one by the run's updates (relative to its norm, a zero-initialised bias would look
         # "changed" by any update)
@@ -130,13 +128,9 @@ def _ema(pair: Pair) -> Cause | None:
             continue
         if list(wa.shape) != list(eb.shape):
             continue
-        tb = b.opened.checkpoint.read_tensor(eb.name)
-        te = a.opened.checkpoint.read_tensor(ea.name)
-        _, d_ema, _ = pair_moments(te, tb)
-        del te
-        tw = a.opened.checkpoint.read_tensor(wa.name)
-        _, d_weights, _ = pair_moments(tw, tb)
-        del tw, tb
+        (_, d_ema, _), (_, d_weights, _) = moments_against(
+            (b.opened.checkpoint, eb), [(a.opened.checkpoint, ea), (a.opened.checkpoint, wa)]
+        )
         to_ema += d_ema**2
         to_weights += d_weights**2
         compared += 1
