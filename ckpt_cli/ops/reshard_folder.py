@@ -94,12 +94,27 @@ def reshard_folder(
     """
     src = source.location.raw
     check_world_options(world_size, compression)
-    if not layout.reshards_world_size:
-        raise UsageError(
-            f"--world-size does not re-cut {layout.name} checkpoints yet",
-            path=src,
-            fix="DeepSpeed resizes a ZeRO checkpoint itself: convert it to its universal "
-            "checkpoint (`ds_to_universal.py`) and load that with `load_universal_checkpoint`.",
+    if layout.world_size_cut == "zero":
+        if rules or serialization or compression:
+            raise UsageError(
+                "--shard-dim, --plan and --dcp-* cut DCP checkpoints; a DeepSpeed ZeRO save is "
+                "cut by DeepSpeed's own partitioning rule",
+                path=src,
+                fix="Leave those options out.",
+            )
+        from .reshard_zero import reshard_zero
+
+        return reshard_zero(
+            source,
+            opened,
+            layout,
+            dest,
+            world_size,
+            rank_state_action=rank_state_action,
+            force=force,
+            progress=progress,
+            dry_run=dry_run,
+            extras=extras,
         )
     out = local_dest(dest)
     guard_paths(src, out)
@@ -161,6 +176,7 @@ def reshard_folder(
             source_world_size=before,
             world_size=world_size,
             serialization=cuts[0].report.serialization if cuts else None,
+            partitioning="dcp",
             replicated=sum(c.report.replicated for c in cuts),
             rules=[str(r) for r in rules],
             unused_rules=sorted(set.intersection(*(set(c.report.unused_rules) for c in cuts)))
