@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import pickletools
 import re
 import shutil
@@ -165,12 +166,13 @@ def reshard_zero(
     save = open_zero_save(source, opened)
     carried, skipped = _carried(source, save)
     if not extras:
+        from .transfer import extra_files
+
+        left_out = set(extra_files(opened.checkpoint))
         skipped += [
-            SkippedFile(path=r, reason="left out (--no-extras)")
-            for r in carried
-            if "/" not in r and r != "latest" and not r.startswith(save.base or "\0")
+            SkippedFile(path=r, reason="left out (--no-extras)") for r in carried if r in left_out
         ]
-        carried = [r for r in carried if r not in {s.path for s in skipped}]
+        carried = [r for r in carried if r not in left_out]
     plans = _plan(save, world_size)
     tensors = sum(len(files) for files in plans.values())
     tensor_bytes = sum(
@@ -654,6 +656,7 @@ def _write_optim(
         top["optimizer_state_dict"] = osd
         zipw.finish(_picklable(top, zipw))
         fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _slice_mappings(
@@ -728,6 +731,7 @@ class _Rebuilt:
 
 _INT_OPS = {"BININT1", "BININT2", "BININT", "LONG1"}
 _MEMO_OPS = {"BINPUT", "LONG_BINPUT", "MEMOIZE", "PUT"}
+_GET_OPS = {"BINGET", "LONG_BINGET", "GET"}
 
 
 def rewrite_world_size(source: Source, rel: str, world_size: int, target: Path) -> None:
@@ -745,17 +749,14 @@ def rewrite_world_size(source: Source, rel: str, world_size: int, target: Path) 
             raise FormatError("is not a zip-format torch.save file", path=where)
         data = archive.read(pickles[0])
         data = _set_world_size(data, world_size, where)
-        with (
-            target.open("wb") as fh,
-            zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as out,
-        ):
-            for info in archive.infolist():
-                if info is pickles[0]:
-                    write_record(out, fh, 0, info.filename, data, len(data))
-                    continue
-                write_record(
-                    out, fh, 0, info.filename, _record_blocks(archive, info), info.file_size
-                )
+        with target.open("wb") as fh:
+            with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as out:
+                for info in archive.infolist():
+                    blocks = data if info is pickles[0] else _record_blocks(archive, info)
+                    size = len(data) if info is pickles[0] else info.file_size
+                    write_record(out, fh, 0, info.filename, blocks, size)
+            fh.flush()
+            os.fsync(fh.fileno())
 
 
 def _record_blocks(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> Iterator[bytes]:
@@ -768,9 +769,22 @@ def _set_world_size(data: bytes, world_size: int, where: str) -> bytes:
     """data.pkl with the integer stored under the key `dp_world_size` set to `world_size`."""
     ops = list(pickletools.genops(io.BytesIO(data)))
     spots = []
+    # the memo slot each op stores to (MEMOIZE takes the next free one), so a repeated key,
+    # which the pickler writes as a GET of its slot, is found too
+    slots: dict[int, int] = {}
+    taken = 0
     for i, (op, arg, _pos) in enumerate(ops):
-        if arg != "dp_world_size" or "UNICODE" not in op.name:
+        if op.name in _MEMO_OPS:
+            slots[i] = arg if isinstance(arg, int) else taken
+            taken += 1
+    memo: set[int] = set()  # the slots holding the key
+    for i, (op, arg, _pos) in enumerate(ops):
+        if op.name in _GET_OPS and arg in memo:
+            pass
+        elif arg != "dp_world_size" or "UNICODE" not in op.name:
             continue
+        elif i + 1 in slots:
+            memo.add(slots[i + 1])
         j = i + 1
         while j < len(ops) and ops[j][0].name in _MEMO_OPS:
             j += 1
