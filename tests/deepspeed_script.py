@@ -50,7 +50,9 @@ def _plant_nan_in_padding(engine: deepspeed.DeepSpeedEngine) -> int:
     return planted
 
 
-def _train(stage: int, out: str, nan_padding: bool = False) -> None:
+def engine_for(stage: int) -> deepspeed.DeepSpeedEngine:
+    """The tiny bf16 model and DeepSpeed config of a ZeRO `stage` run, as an engine (the
+    resume worker builds the same one to load a save into)."""
     torch.manual_seed(stage)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
     model.register_buffer("scale", torch.arange(3, dtype=torch.float32))
@@ -72,6 +74,11 @@ def _train(stage: int, out: str, nan_padding: bool = False) -> None:
         )
     finally:
         torch.empty = empty  # type: ignore[assignment]
+    return engine
+
+
+def _train(stage: int, out: str, nan_padding: bool = False) -> None:
+    engine = engine_for(stage)
     for _ in range(2):
         x = torch.randn(2, 16, dtype=torch.bfloat16)
         loss = engine(x).float().pow(2).mean()
