@@ -181,10 +181,19 @@ def reshard_zero(
     (see the module docstring); DeepSpeed's `load_checkpoint` resumes the output at that size.
 
     DeepSpeed keeps no per-rank RNG or data-loader files, so `rank_state_action` has nothing to
-    act on. `extras=False` leaves out the files outside the tag folder but `latest`.
+    act on. `extras=False` leaves out what `convert` calls extras (`zero_to_fp32.py`...).
     """
+    from ..distributed import active
+
     src = source.location.raw
     check_world_options(world_size, None)
+    if active().distributed:
+        raise UsageError(
+            "a DeepSpeed ZeRO re-cut runs as one process (it streams block by block; torchrun "
+            "ranks would write the same files)",
+            path=src,
+            fix="Run `ckpt reshard` without torchrun.",
+        )
     out = local_dest(dest)
     guard_paths(src, out)
     check_destination(out.absolute(), force)
