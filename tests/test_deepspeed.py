@@ -359,3 +359,41 @@ def test_world_size_reshard_of_a_zero_save_keeps_its_own_settings(
     model_states = torch.load(out / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
     assert model_states["dp_world_size"] == 1
     assert run_ckpt("verify", out, "--resumable").exit_code == 0
+
+
+def test_per_rank_rng_files_beside_a_zero_save_follow_the_rank_state_policy(
+    zero_runs: Path, tmp_path: Path
+) -> None:
+    """A Hugging Face Trainer checkpoint with DeepSpeed keeps `rng_state_{r}.pth` beside
+    `latest` and the tag folder: a world-size reshard asks what becomes of them (exit 2, listing
+    them) and then applies the one per-rank policy, as for FSDP folders."""
+    folder = shutil.copytree(zero_runs / "zero2", tmp_path / "checkpoint-2")
+    for rank in range(2):
+        torch.save({"cpu": torch.manual_seed(rank).get_state()}, folder / f"rng_state_{rank}.pth")
+    (folder / "trainer_state.json").write_text('{"global_step": 2}')
+    out = tmp_path / "out"
+    asked = run_ckpt("reshard", folder, out, "--world-size", "3", "--json")
+    assert asked.exit_code == 2, asked.stdout
+    assert "rng_state_0.pth, rng_state_1.pth" in asked.json["error"]["message"]
+    assert not out.exists()
+    result = run_ckpt(
+        "reshard", folder, out, "--world-size", "3", "--rank-state", "replicate", "--json"
+    )
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json["result"]
+    assert report["rank_state_action"] == "replicate"
+    written = {f["path"]: f["written"] for f in report["rank_files"]}
+    assert written == {
+        "rng_state_0.pth": ["rng_state_0.pth", "rng_state_2.pth"],
+        "rng_state_1.pth": ["rng_state_1.pth"],
+    }
+    assert (out / "rng_state_2.pth").read_bytes() == (folder / "rng_state_0.pth").read_bytes()
+    assert (out / "trainer_state.json").is_file()
+    assert any("rank 2 starts from a copy" in r for r in report["resume"]["reasons"])
+    # one rank: the Trainer then reads `rng_state.pth`, rank 0's
+    one = tmp_path / "one"
+    result = run_ckpt("reshard", folder, one, "--world-size", "1", "--rank-state", "replicate")
+    assert result.exit_code == 0, result.stderr
+    assert (one / "rng_state.pth").read_bytes() == (folder / "rng_state_0.pth").read_bytes()
+    assert not (one / "rng_state_1.pth").exists()
+    assert run_ckpt("verify", one, "--resumable").exit_code == 0

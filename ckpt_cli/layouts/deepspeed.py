@@ -27,6 +27,12 @@ class DeepSpeed(Layout):
     step_folder = re.compile(r"global_step(\d+)")
     #: ZeRO partitions are cut by data-parallel rank, not DCP chunks (`ops.reshard_zero`)
     world_size_cut = "zero"
+    #: the per-rank RNG files a Hugging Face Trainer saves beside DeepSpeed's tag folder
+    #: (`checkpoint-N/` holds `latest`, `global_stepN/` and `rng_state_{process_index}.pth`)
+    rank_files = re.compile(r"rng_state(?:_(\d+))?\.pth")
+
+    def rank_file_name(self, rank: int, world_size: int) -> str:
+        return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
 
     def batch_notes(self, opened: OpenedSource, before: int, after: int) -> list[str]:
         """DeepSpeed counts `global_steps` / `global_samples` in global batches of

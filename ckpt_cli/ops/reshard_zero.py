@@ -42,7 +42,6 @@ import math
 import os
 import pickletools
 import re
-import shutil
 import struct
 import zipfile
 from collections import OrderedDict
@@ -69,13 +68,14 @@ from ..output import check_destination, staged_output
 from ..progress import NULL_PROGRESS, CountingProgress, Progress
 from ..storage import safe_relpath
 from .convert_plan import guard_paths, local_dest
+from .reshard_folder import copy_verbatim, missing_rank_files, rank_file_plan
 from .reshard_report import (
     RankStateChoice,
     ReshardedPart,
     ReshardReport,
     SkippedFile,
 )
-from .reshard_world import check_world_options, resume_verdict
+from .reshard_world import check_world_options, rank_state_choice, resume_verdict
 
 if TYPE_CHECKING:
     pass
@@ -180,8 +180,9 @@ def reshard_zero(
     """Write the ZeRO save `source` (opened as DeepSpeed's layout) as `world_size` ranks save it
     (see the module docstring); DeepSpeed's `load_checkpoint` resumes the output at that size.
 
-    DeepSpeed keeps no per-rank RNG or data-loader files, so `rank_state_action` has nothing to
-    act on. `extras=False` leaves out what `convert` calls extras (`zero_to_fp32.py`...).
+    Per-rank files beside the tag folder (a Hugging Face Trainer's `rng_state_{r}.pth`) follow
+    `rank_state_action` as in `reshard_folder` (asked for when the world size changes).
+    `extras=False` leaves out what `convert` calls extras (`zero_to_fp32.py`...).
     """
     from ..distributed import active
 
@@ -198,7 +199,14 @@ def reshard_zero(
     guard_paths(src, out)
     check_destination(out.absolute(), force)
     save = open_zero_save(source, opened)
-    carried, skipped = _carried(source, save)
+    rank_files = {
+        rel: rank
+        for rel in sorted(source.files)
+        if "/" not in rel and (rank := layout.rank_file_rank(rel)) is not None
+    }
+    action = rank_state_choice(src, list(rank_files), rank_state_action, save.world, world_size)
+    files_out = rank_file_plan(layout, rank_files, action, world_size)
+    carried, skipped = _carried(source, save, rank_files)
     if not extras:
         from .transfer import extra_files
 
@@ -232,14 +240,19 @@ def reshard_zero(
         ],
         carried=carried,
         skipped=skipped,
+        rank_files=files_out,
+        rank_state_action=action if rank_files else None,
     )
     notes = layout.batch_notes(opened, save.world, world_size)
     report.warnings.extend(notes)
+    notes = notes + missing_rank_files(layout, files_out, rank_files, world_size, save.world)
     report.resume = resume_verdict(opened.training, report, notes)
     written = _output_names(save, world_size)
     if dry_run:
-        report.files = [FileInfo(path=f"{save.base}{n}") for n in written] + [
-            FileInfo(path=r, size=source.files.get(r)) for r in carried
+        report.files = [FileInfo(path=f"{save.base}{n}") for n in written]
+        report.files += [FileInfo(path=r, size=source.files.get(r)) for r in carried]
+        report.files += [
+            FileInfo(path=n, size=source.files.get(i.path)) for i in files_out for n in i.written
         ]
         report.dry_run = True
         return report
@@ -249,8 +262,12 @@ def reshard_zero(
         with staged_output(out, force=force) as staging:
             files = _write(source, save, plans, world_size, staging, counted)
             for rel in carried:
-                _copy_verbatim(source, rel, staging / safe_relpath(rel, source=src))
+                copy_verbatim(source, rel, staging / safe_relpath(rel, source=src))
             files += [FileInfo(path=rel, size=source.files.get(rel)) for rel in carried]
+            for item in files_out:
+                for name in item.written:
+                    copy_verbatim(source, item.path, staging / safe_relpath(name, source=src))
+                    files.append(FileInfo(path=name, size=source.files.get(item.path)))
             check_recut(opened, staging)
     finally:
         counted.finish()
@@ -858,10 +875,14 @@ def _set_world_size(data: bytes, world_size: int, where: str) -> bytes:
     return data[:pos] + new + data[end:]
 
 
-def _carried(source: Source, save: ZeroSave) -> tuple[list[str], list[SkippedFile]]:
+def _carried(
+    source: Source, save: ZeroSave, rank_files: dict[str, int]
+) -> tuple[list[str], list[SkippedFile]]:
     """(files copied verbatim, files left out with why): everything but the ZeRO files the
-    re-cut writes anew, other tags of a run folder, and hidden files."""
+    re-cut writes anew, the per-rank files (their own policy), other tags of a run folder, and
+    hidden files."""
     own = {f"{save.base}{n}" for n in (*save.optim_names.values(), *save.model_names.values())}
+    own |= set(rank_files)
     carried: list[str] = []
     skipped: list[SkippedFile] = []
     for rel in sorted(source.files):
@@ -915,14 +936,3 @@ def check_recut(opened: OpenedSource, staging: Path) -> None:
             raise RuntimeError("the re-cut ZeRO save does not rebuild the source's weights")
     finally:
         out.checkpoint.close()
-
-
-def _copy_verbatim(source: Source, rel: str, target: Path) -> None:
-    """Copy one source file to `target`, a block at a time."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    local = source.storage.local_path(rel)
-    if local is not None:
-        shutil.copyfile(local, target)
-        return
-    with source.storage.open(rel) as src, target.open("wb") as dst:
-        shutil.copyfileobj(src, dst, 8 << 20)
