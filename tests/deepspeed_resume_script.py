@@ -4,7 +4,8 @@ train one more step.
 
 Usage: torchrun --nproc-per-node N tests/deepspeed_resume_script.py OUT_DIR STAGE:RUN_DIR...
 
-For each STAGE:RUN_DIR it builds the engine of `deepspeed_script.engine_for(STAGE)` (the same
+STAGE is `2`, `3`, or `3-SIZE` for ZeRO-3 with `sub_group_size` SIZE. For each STAGE:RUN_DIR it
+builds the engine of `deepspeed_script.engine_for(STAGE, SIZE)` (the same
 model and config the save was trained with), loads RUN_DIR (its `latest` tag) and writes
 OUT_DIR/<index>.pt from rank 0: the fp32 master weights and every optimizer state tensor
 gathered whole per parameter (`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`:
@@ -24,8 +25,8 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 
-def _resume(stage: int, run: str) -> dict[str, object]:
-    engine = deepspeed_script.engine_for(stage)
+def _resume(stage: int, sub_group_size: int | None, run: str) -> dict[str, object]:
+    engine = deepspeed_script.engine_for(stage, sub_group_size)
     path, _client = engine.load_checkpoint(run)
     assert path is not None, f"DeepSpeed loaded nothing from {run}"
     # ZeRO-1/2 link each parameter to its optimizer-state fragments at the first step; link
@@ -76,8 +77,9 @@ def _resume(stage: int, run: str) -> dict[str, object]:
 if __name__ == "__main__":
     out = sys.argv[1]
     for index, task in enumerate(sys.argv[2:]):
-        stage, run = task.split(":", 1)
-        result = _resume(int(stage), run)
+        kind, run = task.split(":", 1)
+        stage, _, size = kind.partition("-")
+        result = _resume(int(stage), int(size) if size else None, run)
         if dist.get_rank() == 0:
             torch.save(result, f"{out}/{index}.pt")
         dist.barrier()

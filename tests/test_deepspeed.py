@@ -201,48 +201,45 @@ def test_selecting_zero3_placeholders_is_refused_and_points_to_select_model(
 
 
 RESUME = Path(__file__).resolve().parent / "deepspeed_resume_script.py"
+#: run folder -> how the resume worker builds its engine (ZeRO stage, `-sub_group_size`)
+KINDS = {"zero2": "2", "zero3": "3", "zero3-subgroups": "3-100"}
+#: (run, new world size) of the reshards DeepSpeed resumes
+RESHARDS = [("zero2", 1), ("zero2", 3), ("zero3", 1), ("zero3", 3), ("zero3-subgroups", 1)]
 
 
 @pytest.fixture(scope="session")
 def zero_resharded(zero_runs: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`zero{2,3}-{1,3}/`: each 2-rank run resharded whole by `ckpt reshard --world-size 1 / 3`
-    (the JSON report beside it as `zero{2,3}-{1,3}.json`)."""
+    (the JSON report beside it as `zero{2,3}-{1,3}.json`), and `zero3-subgroups-1/`."""
     out = tmp_path_factory.mktemp("zero-resharded")
-    for stage in (2, 3):
-        for world_size in (1, 3):
-            dest = out / f"zero{stage}-{world_size}"
-            result = run_ckpt(
-                "reshard",
-                zero_runs / f"zero{stage}",
-                dest,
-                "--world-size",
-                str(world_size),
-                "--json",
-            )
-            assert result.exit_code == 0, result.stdout + result.stderr
-            (out / f"{dest.name}.json").write_text(json.dumps(result.json["result"]))
+    for run, world_size in RESHARDS:
+        dest = out / f"{run}-{world_size}"
+        result = run_ckpt(
+            "reshard", zero_runs / run, dest, "--world-size", str(world_size), "--json"
+        )
+        assert result.exit_code == 0, result.stdout + result.stderr
+        (out / f"{dest.name}.json").write_text(json.dumps(result.json["result"]))
     return out
 
 
 @pytest.fixture(scope="session")
 def zero_resumed(
     zero_runs: Path, zero_resharded: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[tuple[int, int], dict[str, Any]]:
-    """(stage, world size) -> what DeepSpeed's own `engine.load_checkpoint` restored (gathered
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """(run, world size) -> what DeepSpeed's own `engine.load_checkpoint` restored (gathered
     by DeepSpeed) and did one step later: the saved runs at 2 ranks, the reshards at 1 and 3."""
     out = tmp_path_factory.mktemp("zero-resumed")
-    runs = {
-        2: (zero_runs / "zero2", zero_runs / "zero3"),
-        1: (zero_resharded / "zero2-1", zero_resharded / "zero3-1"),
-        3: (zero_resharded / "zero2-3", zero_resharded / "zero3-3"),
-    }
-    restored: dict[tuple[int, int], dict[str, Any]] = {}
-    for world_size, (two, three) in runs.items():
+    runs: dict[int, list[tuple[str, Path]]] = {2: [(r, zero_runs / r) for r in KINDS]}
+    for run, world_size in RESHARDS:
+        runs.setdefault(world_size, []).append((run, zero_resharded / f"{run}-{world_size}"))
+    restored: dict[tuple[str, int], dict[str, Any]] = {}
+    for world_size, tasks in runs.items():
         target = out / str(world_size)
         target.mkdir()
-        run_torchrun(RESUME, world_size, target, f"2:{two}", f"3:{three}", timeout=900)
-        for index, stage in enumerate((2, 3)):
-            restored[(stage, world_size)] = torch.load(target / f"{index}.pt", weights_only=True)
+        specs = [f"{KINDS[run]}:{path}" for run, path in tasks]
+        run_torchrun(RESUME, world_size, target, *specs, timeout=900)
+        for index, (run, _) in enumerate(tasks):
+            restored[(run, world_size)] = torch.load(target / f"{index}.pt", weights_only=True)
     return restored
 
 
@@ -251,22 +248,22 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [1, 3])
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize(("run", "world_size"), RESHARDS)
 def test_world_size_reshard_of_a_zero_run_resumes_in_deepspeed_bit_exact(
     zero_runs: Path,
-    zero_resumed: dict[tuple[int, int], dict[str, Any]],
-    stage: int,
+    zero_resumed: dict[tuple[str, int], dict[str, Any]],
+    run: str,
     world_size: int,
 ) -> None:
     """DeepSpeed loads the re-cut ZeRO partitions at the new world size with its own
     `load_checkpoint` and unchanged config; the fp32 master weights and every optimizer state
     tensor it holds (gathered per parameter) equal the 2-rank engine's bit for bit, as do the
-    step counts and the LR scheduler; one more training step runs."""
-    saved, got = zero_resumed[(stage, 2)], zero_resumed[(stage, world_size)]
+    step counts and the LR scheduler; one more training step runs. `zero3-subgroups` keeps
+    its two ZeRO-3 sub-groups at 1 rank."""
+    saved, got = zero_resumed[(run, 2)], zero_resumed[(run, world_size)]
     assert saved["world_size"] == 2 and got["world_size"] == world_size
     # the 2-rank reference really holds the save: DeepSpeed's own fp32 reconstruction of it
-    expected = _reference(zero_runs / f"zero{stage}")
+    expected = _reference(zero_runs / run)
     assert saved["fp32"].keys() == {k for k in expected if k != "scale"}
     for name, tensor in saved["fp32"].items():
         assert torch.equal(_bits(tensor), _bits(expected[name])), name
@@ -340,8 +337,9 @@ def test_world_size_reshard_of_a_zero_run_reports_the_verdict_and_the_global_bat
 def test_world_size_reshard_of_a_zero_save_keeps_its_own_settings(
     zero_runs: Path, tmp_path: Path
 ) -> None:
-    """A ZeRO save is cut by DeepSpeed's rule: DCP options are refused (exit 2), nothing is
-    written; a run folder's step folder alone reshards into a step folder."""
+    """A ZeRO save is cut by DeepSpeed's rule: DCP options are refused (exit 2), as is a ZeRO-3
+    save whose sub-groups would regroup; nothing is written. A run folder's step folder alone
+    reshards into a step folder."""
     out = tmp_path / "out"
     for option in (("--shard-dim", "*=1"), ("--dcp-serialization", "safetensors")):
         result = run_ckpt(
@@ -350,6 +348,13 @@ def test_world_size_reshard_of_a_zero_save_keeps_its_own_settings(
         assert result.exit_code == 2, result.stdout
         assert "ZeRO" in result.json["error"]["message"]
         assert not out.exists()
+    # ZeRO-3 sub-groups that regroup at the new size would change the model states' shapes
+    refused = run_ckpt("reshard", zero_runs / "zero3-subgroups", out, "--world-size", "3", "--json")
+    assert refused.exit_code == 2, refused.stdout
+    message = refused.json["error"]["message"]
+    assert "sub_group_size 100" in message and "[1, 3]" in message and "[3, 1]" in message
+    assert "ds_to_universal.py" in refused.json["error"]["fix"]
+    assert not out.exists()
     step = next((zero_runs / "zero3").glob("global_step*"))
     result = run_ckpt("reshard", step, out, "--world-size", "1", "--json")
     assert result.exit_code == 0, result.stdout + result.stderr
