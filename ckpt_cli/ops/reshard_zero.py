@@ -22,11 +22,15 @@ checkpoint, no `load_universal` switch):
   rewritten in the pickle's opcodes (nothing is unpickled, every other record is copied byte
   for byte).
 
-Everything else in the folder (`latest`, `zero_to_fp32.py`, other files of the tag folder) is
-copied verbatim; other tags of a run folder are listed in `skipped`. Each output partition is
-streamed from memory-mapped source partitions in bounded blocks, so memory stays at one block
-whatever the model size. The staged output is opened again with ckpt's ZeRO reader and its
-rebuilt fp32 weights compared with the source's, bit for bit, before one rename publishes it.
+Per-rank files beside the tag folder (a Hugging Face Trainer's `rng_state_{r}.pth`) follow the
+one `--rank-state` policy; everything else in the folder (`latest`, `zero_to_fp32.py`, other
+files of the tag folder) is copied verbatim; other tags of a run folder are listed in
+`skipped`. I/O: each source file's zip directory and data.pkl give where every partition's
+bytes lie (`index_torch_zip`); each output partition is streamed into its zip record from
+those offsets in 16 MiB blocks (ranged reads, nothing memory-mapped), so memory stays at one
+block whatever the model size. The staged output is opened again with ckpt's ZeRO reader
+(complete, resumable, the source's weights by name, dtype and shape) before one rename
+publishes it.
 
 Refused (exit 2), with why: tensor- or pipeline-parallel saves (`mp_rank_01`, `layer_*` files:
 DeepSpeed's universal checkpoint is the way there), MoE expert files, ZeRO-2 with
