@@ -6,8 +6,8 @@ A ZeRO save of `--params-m` million parameters (square bf16 Linear layers, AdamW
 written by DeepSpeed itself under torchrun on 2 ranks (gloo, CPU), then resized to 1 rank by
   - `ckpt reshard RUN OUT --world-size 1` (the ZeRO partitions re-cut as 1 rank saves them;
     DeepSpeed's `load_checkpoint` resumes it with the same config),
-  - DeepSpeed's own way: `ds_to_universal.py` (a universal checkpoint, resumed with
-    `"checkpoint": {"load_universal": true}`), with one extract and one merge worker.
+  - DeepSpeed's own way: `ds_to_universal.py --inject_missing_state` (a universal checkpoint,
+    resumed with `"checkpoint": {"load_universal": true}`), one extract and one merge worker.
 Each is a separate process measured with /usr/bin/time -v (wall, peak RSS), the page cache
 warm for both; the figures are printed with the largest parameter and the save's size, since
 ckpt's peak should follow neither.
@@ -73,6 +73,8 @@ def main() -> None:
             f"({args.layers * width * (width + 1) / 1e6:.0f}M parameters) on 2 ranks: "
             f"{size / 2**20:.0f} MiB; largest parameter {largest / 2**20:.0f} MiB (fp32)"
         )
+        _, base = timed([PY, "-c", "import torch, ckpt_cli.ops.reshard_zero"])
+        print(f"  (a process that only imports torch and ckpt peaks at {base:.0f} MiB)")
         ckpt = [PY, "-m", "ckpt_cli", "reshard", str(run), str(work / "ckpt"), "--world-size", "1"]
         wall, rss = timed(ckpt)
         print(f"  ckpt reshard --world-size 1   {wall:7.1f} s  peak RSS {rss:7.0f} MiB")
@@ -88,6 +90,8 @@ def main() -> None:
             "1",
             "--num_merge_workers",
             "1",
+            # a plain (non-Megatron) engine records no universal_checkpoint_info
+            "--inject_missing_state",
         ]
         wall, rss = timed(universal)
         print(f"  ds_to_universal.py (1 worker) {wall:7.1f} s  peak RSS {rss:7.0f} MiB")
