@@ -313,6 +313,10 @@ def test_world_size_reshard_of_a_zero_run_reports_the_verdict_and_the_global_bat
         assert report["verified"] is True
 
         assert run_ckpt("verify", dest, "--resumable").exit_code == 0
+        # DeepSpeed's own zero_to_fp32 reads the output as the source
+        rebuilt, expected = _reference(dest), _reference(src)
+        assert rebuilt.keys() == expected.keys()
+        assert all(torch.equal(rebuilt[k], v) for k, v in expected.items())
         inspected = run_ckpt("inspect", dest, "--json").json["result"]["training"]
         assert inspected["layout"] == "deepspeed" and inspected["step"] == 2
         assert f"rebuilt from {world_size} ZeRO-{stage}" in inspected["components"]["model"]
@@ -402,3 +406,47 @@ def test_per_rank_rng_files_beside_a_zero_save_follow_the_rank_state_policy(
     assert (one / "rng_state.pth").read_bytes() == (folder / "rng_state_0.pth").read_bytes()
     assert not (one / "rng_state_1.pth").exists()
     assert run_ckpt("verify", one, "--resumable").exit_code == 0
+
+
+def _same(a: Any, b: Any, where: str = "") -> None:
+    """`a` and `b` are the same DeepSpeed state: tensors bit for bit, objects by their fields."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            _same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}.{i}")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        _same(vars(a), vars(b), where)
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_zero_re_cut_at_the_saved_size_is_what_deepspeed_saved(
+    zero_runs: Path, stage: int, tmp_path: Path
+) -> None:
+    """Re-cut for the world size it was saved at, every file DeepSpeed loads is what DeepSpeed
+    itself wrote, loaded back with DeepSpeed's classes (`torch.load(weights_only=False)`): the
+    partitions, paddings, `param_slice_mappings`, the loss scaler and the ZeRO stage enum."""
+    src = zero_runs / f"zero{stage}"
+    out = tmp_path / "same"
+    result = run_ckpt("reshard", src, out, "--world-size", "2")
+    assert result.exit_code == 0, result.stderr
+    tag = "global_step2"
+    names = sorted(p.name for p in (src / tag).iterdir())
+    assert sorted(p.name for p in (out / tag).iterdir()) == names
+    for name in names:
+        theirs = torch.load(src / tag / name, weights_only=False)
+        ours = torch.load(out / tag / name, weights_only=False)
+        _same(ours, theirs, name)
+    loss_scaler = torch.load(next((out / tag).glob("*optim_states.pt")), weights_only=False)[
+        "optimizer_state_dict"
+    ]["loss_scaler"]
+    assert type(loss_scaler).__module__ == "deepspeed.runtime.fp16.loss_scaler"
