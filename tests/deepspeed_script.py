@@ -2,7 +2,8 @@
 ZeRO-3 for two steps each and save with `engine.save_checkpoint` (DeepSpeed's own writer).
 
 Usage: torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding]
-writes OUT_DIR/zero2/ and OUT_DIR/zero3/ (each: `latest`, `global_step2/`, zero_to_fp32.py).
+writes OUT_DIR/zero2/ and OUT_DIR/zero3/ (each: `latest`, `global_step2/`, zero_to_fp32.py),
+and OUT_DIR/zero3-subgroups/ (ZeRO-3 with `sub_group_size` 100: two sub-groups).
 
 With `--nan-padding` it trains ZeRO-3 only and plants NaN where DeepSpeed's uninitialised
 partition padding may hold one: OUT_DIR/zero3-nan-padding/ has NaN in every padding slot of
@@ -50,7 +51,10 @@ def _plant_nan_in_padding(engine: deepspeed.DeepSpeedEngine) -> int:
     return planted
 
 
-def _train(stage: int, out: str, nan_padding: bool = False) -> None:
+def engine_for(stage: int, sub_group_size: int | None = None) -> deepspeed.DeepSpeedEngine:
+    """The tiny bf16 model and DeepSpeed config of a ZeRO `stage` run, as an engine (the
+    resume worker builds the same one to load a save into). `sub_group_size` splits ZeRO-3's
+    flat partitions into several sub-groups."""
     torch.manual_seed(stage)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
     model.register_buffer("scale", torch.arange(3, dtype=torch.float32))
@@ -58,7 +62,8 @@ def _train(stage: int, out: str, nan_padding: bool = False) -> None:
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage}
+        | ({"sub_group_size": sub_group_size} if sub_group_size else {}),
         "bf16": {"enabled": True},
     }
     # DeepSpeed allocates its partitions with torch.empty, so the padding at the end of the
@@ -72,6 +77,13 @@ def _train(stage: int, out: str, nan_padding: bool = False) -> None:
         )
     finally:
         torch.empty = empty  # type: ignore[assignment]
+    return engine
+
+
+def _train(
+    stage: int, out: str, nan_padding: bool = False, sub_group_size: int | None = None
+) -> None:
+    engine = engine_for(stage, sub_group_size)
     for _ in range(2):
         x = torch.randn(2, 16, dtype=torch.bfloat16)
         loss = engine(x).float().pow(2).mean()
@@ -98,3 +110,5 @@ if __name__ == "__main__":
     else:
         _train(2, f"{sys.argv[1]}/zero2")
         _train(3, f"{sys.argv[1]}/zero3")
+        # partitions of [128, 8, 40, 3] elements at 2 ranks: sub-groups [0.weight] and the rest
+        _train(3, f"{sys.argv[1]}/zero3-subgroups", sub_group_size=100)

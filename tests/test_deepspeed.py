@@ -4,8 +4,11 @@ ckpt rebuilds the fp32 weights one parameter at a time, bit-identical to DeepSpe
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -197,14 +200,253 @@ def test_selecting_zero3_placeholders_is_refused_and_points_to_select_model(
     assert all(torch.equal(got[k], v) for k, v in expected.items())
 
 
-def test_world_size_reshard_of_a_zero_run_is_refused_with_the_way_to_resize(
+RESUME = Path(__file__).resolve().parent / "deepspeed_resume_script.py"
+#: run folder -> how the resume worker builds its engine (ZeRO stage, `-sub_group_size`)
+KINDS = {"zero2": "2", "zero3": "3", "zero3-subgroups": "3-100"}
+#: (run, new world size) of the reshards DeepSpeed resumes
+RESHARDS = [("zero2", 1), ("zero2", 3), ("zero3", 1), ("zero3", 3), ("zero3-subgroups", 1)]
+
+
+@pytest.fixture(scope="session")
+def zero_resharded(zero_runs: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`zero{2,3}-{1,3}/`: each 2-rank run resharded whole by `ckpt reshard --world-size 1 / 3`
+    (the JSON report beside it as `zero{2,3}-{1,3}.json`), and `zero3-subgroups-1/`."""
+    out = tmp_path_factory.mktemp("zero-resharded")
+    for run, world_size in RESHARDS:
+        dest = out / f"{run}-{world_size}"
+        result = run_ckpt(
+            "reshard", zero_runs / run, dest, "--world-size", str(world_size), "--json"
+        )
+        assert result.exit_code == 0, result.stdout + result.stderr
+        (out / f"{dest.name}.json").write_text(json.dumps(result.json["result"]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def zero_resumed(
+    zero_runs: Path, zero_resharded: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """(run, world size) -> what DeepSpeed's own `engine.load_checkpoint` restored (gathered
+    by DeepSpeed) and did one step later: the saved runs at 2 ranks, the reshards at 1 and 3."""
+    out = tmp_path_factory.mktemp("zero-resumed")
+    runs: dict[int, list[tuple[str, Path]]] = {2: [(r, zero_runs / r) for r in KINDS]}
+    for run, world_size in RESHARDS:
+        runs.setdefault(world_size, []).append((run, zero_resharded / f"{run}-{world_size}"))
+    restored: dict[tuple[str, int], dict[str, Any]] = {}
+    for world_size, tasks in runs.items():
+        target = out / str(world_size)
+        target.mkdir()
+        specs = [f"{KINDS[run]}:{path}" for run, path in tasks]
+        run_torchrun(RESUME, world_size, target, *specs, timeout=900)
+        for index, (run, _) in enumerate(tasks):
+            restored[(run, world_size)] = torch.load(target / f"{index}.pt", weights_only=True)
+    return restored
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.int32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("run", "world_size"), RESHARDS)
+def test_world_size_reshard_of_a_zero_run_resumes_in_deepspeed_bit_exact(
+    zero_runs: Path,
+    zero_resumed: dict[tuple[str, int], dict[str, Any]],
+    run: str,
+    world_size: int,
+) -> None:
+    """DeepSpeed loads the re-cut ZeRO partitions at the new world size with its own
+    `load_checkpoint` and unchanged config; the fp32 master weights and every optimizer state
+    tensor it holds (gathered per parameter) equal the 2-rank engine's bit for bit, as do the
+    step counts and the LR scheduler; one more training step runs. `zero3-subgroups` keeps
+    its two ZeRO-3 sub-groups at 1 rank."""
+    saved, got = zero_resumed[(run, 2)], zero_resumed[(run, world_size)]
+    assert saved["world_size"] == 2 and got["world_size"] == world_size
+    # the 2-rank reference really holds the save: DeepSpeed's own fp32 reconstruction of it
+    expected = _reference(zero_runs / run)
+    assert saved["fp32"].keys() == {k for k in expected if k != "scale"}
+    for name, tensor in saved["fp32"].items():
+        assert torch.equal(_bits(tensor), _bits(expected[name])), name
+    for name, tensor in saved["fp32"].items():
+        assert torch.equal(_bits(got["fp32"][name]), _bits(tensor)), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            ours, theirs = got["optimizer"][name][key], saved["optimizer"][name][key]
+            assert bool(theirs.abs().sum() > 0), (name, key)  # real state, not a fresh one
+            assert torch.equal(_bits(ours), _bits(theirs)), (name, key)
+    assert got["steps"] == saved["steps"] == [2.0]
+    assert got["global_steps"] == saved["global_steps"] == 2
+    assert got["global_samples"] == saved["global_samples"]
+    assert got["scheduler"] == saved["scheduler"] and got["lr"] == saved["lr"]
+    assert got["global_steps_after"] == 3 and got["finite_after"]
+    assert math.isfinite(got["loss"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_world_size_reshard_of_a_zero_run_reports_the_verdict_and_the_global_batch(
+    zero_runs: Path, zero_resharded: Path, stage: int, tmp_path: Path
+) -> None:
+    """The report: ZeRO partitions re-cut, `resumable: yes, exact: no` with why, the warning
+    that the global batch (micro batch x accumulation x ranks, from the recorded ds_config)
+    changes, what was copied; ckpt's own readers find the output complete, resumable and
+    holding the source's weights."""
+    src = zero_runs / f"zero{stage}"
+    prefix = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+    for world_size in (1, 3):
+        dest = zero_resharded / f"zero{stage}-{world_size}"
+        report = json.loads((zero_resharded / f"{dest.name}.json").read_text())
+        assert report["layout"] == "deepspeed" and report["partitioning"] == "zero"
+        assert (report["source_world_size"], report["world_size"]) == (2, world_size)
+        resume = report["resume"]
+        assert resume["resumable"] is True and resume["exact"] is False
+        assert any(f"2 -> {world_size} ranks" in r for r in resume["reasons"])
+        batch = [w for w in report["warnings"] if "global batch" in w]
+        assert len(batch) == 1 and batch[0] in resume["reasons"]
+        assert "train_micro_batch_size_per_gpu 2" in batch[0] and "global_steps 2" in batch[0]
+        assert "batches of 4 samples" in batch[0] and f"{2 * world_size} samples" in batch[0]
+        files = {f["path"] for f in report["files"]}
+        tag = "global_step2/"
+        assert {f"{tag}{prefix.format(r)}" for r in range(world_size)} <= files
+        assert f"{tag}{prefix.format(world_size)}" not in files
+        assert not (dest / tag / prefix.format(world_size)).exists()
+        assert report["carried"] == ["latest", "zero_to_fp32.py", "zero_to_torch.py"]
+        assert (dest / "latest").read_bytes() == (src / "latest").read_bytes()
+        assert report["verified"] is True
+
+        assert run_ckpt("verify", dest, "--resumable").exit_code == 0
+        # DeepSpeed's own zero_to_fp32 reads the output as the source
+        rebuilt, expected = _reference(dest), _reference(src)
+        assert rebuilt.keys() == expected.keys()
+        assert all(torch.equal(rebuilt[k], v) for k, v in expected.items())
+        inspected = run_ckpt("inspect", dest, "--json").json["result"]["training"]
+        assert inspected["layout"] == "deepspeed" and inspected["step"] == 2
+        assert f"rebuilt from {world_size} ZeRO-{stage}" in inspected["components"]["model"]
+        assert inspected["weights"]["parameters"] == 360
+        # the same weights; the optimizer partitions differ only in how they are cut
+        assert run_ckpt("diff", src, dest, "--select", "model").exit_code == 0
+        diff = run_ckpt("diff", src, dest, "--json")
+        assert diff.exit_code == 1
+        result = diff.json["result"]
+        assert not any(d["name"].startswith("model.") for d in result["differences"])
+        assert not any(n.startswith("model.") for n in result["only_a"] + result["only_b"])
+    # --dry-run plans the same files and writes nothing
+    planned = run_ckpt(
+        "reshard", src, tmp_path / "plan", "--world-size", "3", "--dry-run", "--json"
+    )
+    assert planned.exit_code == 0, planned.stdout
+    assert not (tmp_path / "plan").exists()
+    paths = {f["path"] for f in planned.json["result"]["files"]}
+    assert f"global_step2/{prefix.format(2)}" in paths
+
+
+def test_world_size_reshard_of_a_zero_save_keeps_its_own_settings(
     zero_runs: Path, tmp_path: Path
 ) -> None:
-    """ZeRO partitions are cut by data-parallel rank, not DCP chunks: `reshard --world-size`
-    says so (exit 2) and names DeepSpeed's own way; nothing is written."""
+    """A ZeRO save is cut by DeepSpeed's rule: DCP options are refused (exit 2), as is a ZeRO-3
+    save whose sub-groups would regroup; nothing is written. A run folder's step folder alone
+    reshards into a step folder."""
     out = tmp_path / "out"
-    result = run_ckpt("reshard", zero_runs / "zero2", out, "--world-size", "1", "--json")
-    assert result.exit_code == 2, result.stdout
-    error = result.json["error"]
-    assert "deepspeed" in error["message"] and "universal" in error["fix"]
+    for option in (("--shard-dim", "*=1"), ("--dcp-serialization", "safetensors")):
+        result = run_ckpt(
+            "reshard", zero_runs / "zero2", out, "--world-size", "1", *option, "--json"
+        )
+        assert result.exit_code == 2, result.stdout
+        assert "ZeRO" in result.json["error"]["message"]
+        assert not out.exists()
+    # ZeRO-3 sub-groups that regroup at the new size would change the model states' shapes
+    refused = run_ckpt("reshard", zero_runs / "zero3-subgroups", out, "--world-size", "3", "--json")
+    assert refused.exit_code == 2, refused.stdout
+    message = refused.json["error"]["message"]
+    assert "sub_group_size 100" in message and "[1, 3]" in message and "[3, 1]" in message
+    assert "ds_to_universal.py" in refused.json["error"]["fix"]
     assert not out.exists()
+    step = next((zero_runs / "zero3").glob("global_step*"))
+    result = run_ckpt("reshard", step, out, "--world-size", "1", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert (out / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
+    assert (out / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()
+    assert not (out / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").exists()
+    model_states = torch.load(out / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
+    assert model_states["dp_world_size"] == 1
+    assert run_ckpt("verify", out, "--resumable").exit_code == 0
+
+
+def test_per_rank_rng_files_beside_a_zero_save_follow_the_rank_state_policy(
+    zero_runs: Path, tmp_path: Path
+) -> None:
+    """A Hugging Face Trainer checkpoint with DeepSpeed keeps `rng_state_{r}.pth` beside
+    `latest` and the tag folder: a world-size reshard asks what becomes of them (exit 2, listing
+    them) and then applies the one per-rank policy, as for FSDP folders."""
+    folder = shutil.copytree(zero_runs / "zero2", tmp_path / "checkpoint-2")
+    for rank in range(2):
+        torch.save({"cpu": torch.manual_seed(rank).get_state()}, folder / f"rng_state_{rank}.pth")
+    (folder / "trainer_state.json").write_text('{"global_step": 2}')
+    out = tmp_path / "out"
+    asked = run_ckpt("reshard", folder, out, "--world-size", "3", "--json")
+    assert asked.exit_code == 2, asked.stdout
+    assert "rng_state_0.pth, rng_state_1.pth" in asked.json["error"]["message"]
+    assert not out.exists()
+    result = run_ckpt(
+        "reshard", folder, out, "--world-size", "3", "--rank-state", "replicate", "--json"
+    )
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json["result"]
+    assert report["rank_state_action"] == "replicate"
+    written = {f["path"]: f["written"] for f in report["rank_files"]}
+    assert written == {
+        "rng_state_0.pth": ["rng_state_0.pth", "rng_state_2.pth"],
+        "rng_state_1.pth": ["rng_state_1.pth"],
+    }
+    assert (out / "rng_state_2.pth").read_bytes() == (folder / "rng_state_0.pth").read_bytes()
+    assert (out / "trainer_state.json").is_file()
+    assert any("rank 2 starts from a copy" in r for r in report["resume"]["reasons"])
+    # one rank: the Trainer then reads `rng_state.pth`, rank 0's
+    one = tmp_path / "one"
+    result = run_ckpt("reshard", folder, one, "--world-size", "1", "--rank-state", "replicate")
+    assert result.exit_code == 0, result.stderr
+    assert (one / "rng_state.pth").read_bytes() == (folder / "rng_state_0.pth").read_bytes()
+    assert not (one / "rng_state_1.pth").exists()
+    assert run_ckpt("verify", one, "--resumable").exit_code == 0
+
+
+def _same(a: Any, b: Any, where: str = "") -> None:
+    """`a` and `b` are the same DeepSpeed state: tensors bit for bit, objects by their fields."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            _same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}.{i}")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        _same(vars(a), vars(b), where)
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_zero_re_cut_at_the_saved_size_is_what_deepspeed_saved(
+    zero_runs: Path, stage: int, tmp_path: Path
+) -> None:
+    """Re-cut for the world size it was saved at, every file DeepSpeed loads is what DeepSpeed
+    itself wrote, loaded back with DeepSpeed's classes (`torch.load(weights_only=False)`): the
+    partitions, paddings, `param_slice_mappings`, the loss scaler and the ZeRO stage enum."""
+    src = zero_runs / f"zero{stage}"
+    out = tmp_path / "same"
+    result = run_ckpt("reshard", src, out, "--world-size", "2")
+    assert result.exit_code == 0, result.stderr
+    tag = "global_step2"
+    names = sorted(p.name for p in (src / tag).iterdir())
+    assert sorted(p.name for p in (out / tag).iterdir()) == names
+    for name in names:
+        theirs = torch.load(src / tag / name, weights_only=False)
+        ours = torch.load(out / tag / name, weights_only=False)
+        _same(ours, theirs, name)
+    loss_scaler = torch.load(next((out / tag).glob("*optim_states.pt")), weights_only=False)[
+        "optimizer_state_dict"
+    ]["loss_scaler"]
+    assert type(loss_scaler).__module__ == "deepspeed.runtime.fp16.loss_scaler"

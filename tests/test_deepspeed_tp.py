@@ -96,3 +96,19 @@ def test_a_missing_partition_of_one_model_parallel_rank_fails_verify(
     assert result.exit_code == 1
     codes = [p["code"] for p in result.json["result"]["problems"]]
     assert "missing_partition" in codes
+
+
+def test_world_size_reshard_of_a_tensor_parallel_zero_save_is_refused(
+    tp_runs: Path, tmp_path: Path
+) -> None:
+    """`reshard --world-size` re-cuts the data-parallel ZeRO partitions only: a tensor-parallel
+    save (`mp_rank_01`) is refused (exit 2) naming why and DeepSpeed's universal checkpoint as
+    the way; nothing is written."""
+    out = tmp_path / "out"
+    for stage in (2, 3):
+        result = run_ckpt("reshard", tp_runs / f"zero{stage}", out, "--world-size", "1", "--json")
+        assert result.exit_code == 2, result.stdout
+        error = result.json["error"]
+        assert "tensor-parallel" in error["message"] and "mp_rank_01" in error["message"]
+        assert "ds_to_universal.py" in error["fix"] and "load_universal" in error["fix"]
+        assert not out.exists()

@@ -327,6 +327,13 @@ class TorchZipWriter:
         self._used.update(used)
         return reduced
 
+    def name_global(self, target: str) -> type:
+        """A class that pickles as the global `target` (`module.attr`) in this file's data.pkl,
+        without importing it: what a reduction names to rebuild an object of a class ckpt does
+        not import (DeepSpeed's loss scaler, read as an inert record, written back as itself)."""
+        self._used.add(target)
+        return placeholder(target)
+
     def add_tensor(self, tensor: torch.Tensor) -> Reduced:
         """Write `tensor`'s storage (once per live storage) and return what pickles as it."""
         return self._reduce(tensor)

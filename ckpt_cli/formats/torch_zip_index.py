@@ -312,6 +312,21 @@ def _parameter(data: object = None, *rest: object) -> object:
     return data if isinstance(data, _Tensor) else _Opaque()
 
 
+class _TensorType:
+    """`torch.Tensor` itself, as `_rebuild_from_type_v2` names the type to rebuild."""
+
+
+def _from_type(
+    func: object = None, new_type: object = None, args: object = (), *rest: object
+) -> object:
+    """torch._tensor._rebuild_from_type_v2(func, new_type, args, state): a plain tensor that
+    carries Python attributes (DeepSpeed's ZeRO-3 `fp32_flat_groups`) is `func(*args)`; the
+    attributes say nothing about where its bytes lie. A subclass stays opaque."""
+    if new_type is _TensorType and func in _REBUILDS.values() and isinstance(args, tuple):
+        return func(*args)  # type: ignore[operator]
+    return _Opaque()
+
+
 _REBUILDS: dict[str, Callable[..., object]] = {
     "_rebuild_tensor_v2": _rebuild_v2,
     "_rebuild_tensor_v3": _rebuild_v3,
@@ -374,6 +389,10 @@ class _LayoutUnpickler(BudgetedUnpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name in _REBUILDS:
             return _REBUILDS[name]
+        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
+            return _from_type
+        if (module, name) == ("torch", "Tensor"):
+            return _TensorType
         if module == "torch" and name in STORAGE_DTYPES:
             return _Kind(STORAGE_DTYPES[name], True)
         if module in ("torch", "torch.storage") and name == "UntypedStorage":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from ..errors import UsageError
 from ..formats.base import Checkpoint, Source
@@ -82,15 +82,16 @@ class Layout(ABC):
             `rank_file_name` says how the framework names them at a given world size.
         rank_state_world_size: entries recording the world size the per-rank state was saved
             for (torchtitan's `dataloader.world_size`), which its loader compares with its own.
-        reshards_world_size: a world-size reshard of the whole folder re-cuts its DCP
-            sub-folders and carries the rest (False: its state is cut another way, ZeRO).
+        world_size_cut: how a world-size reshard of the whole folder cuts its state: `dcp`
+            re-cuts its DCP sub-folders and carries the rest; `zero` re-cuts DeepSpeed's ZeRO
+            partitions (`ops.reshard_zero`).
     """
 
     name: ClassVar[str]
     step_folder: ClassVar[re.Pattern[str] | None] = None
     rank_files: ClassVar[re.Pattern[str] | None] = None
     rank_state_world_size: ClassVar[tuple[str, ...]] = ()
-    reshards_world_size: ClassVar[bool] = True
+    world_size_cut: ClassVar[Literal["dcp", "zero"]] = "dcp"
 
     @abstractmethod
     def recognise(self, source: Source) -> bool:

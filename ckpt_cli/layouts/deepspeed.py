@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from ..errors import NotFoundError
@@ -24,8 +25,69 @@ class DeepSpeed(Layout):
 
     name = "deepspeed"
     step_folder = re.compile(r"global_step(\d+)")
-    #: ZeRO partitions are cut by data-parallel rank, not DCP chunks (not re-cut yet)
-    reshards_world_size = False
+    #: ZeRO partitions are cut by data-parallel rank, not DCP chunks (`ops.reshard_zero`)
+    world_size_cut = "zero"
+    #: the per-rank RNG files a Hugging Face Trainer saves beside DeepSpeed's tag folder
+    #: (`checkpoint-N/` holds `latest`, `global_stepN/` and `rng_state_{process_index}.pth`)
+    rank_files = re.compile(r"rng_state(?:_(\d+))?\.pth")
+
+    def rank_file_name(self, rank: int, world_size: int) -> str:
+        return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
+
+    def batch_notes(self, opened: OpenedSource, before: int, after: int) -> list[str]:
+        """DeepSpeed counts `global_steps` / `global_samples` in global batches of
+        `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` x ranks (the
+        `ds_config` the model states record); a config that pins `train_batch_size` keeps the
+        global batch at any world size DeepSpeed accepts."""
+        if before == after:
+            return []
+        checkpoint = opened.checkpoint
+
+        def setting(key: str) -> int | None:
+            value = value_of(checkpoint, f"model_states.ds_config.{key}")
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+            return None
+
+        total, micro = setting("train_batch_size"), setting("train_micro_batch_size_per_gpu")
+        accumulation = setting("gradient_accumulation_steps")
+        steps = value_of(checkpoint, "model_states.global_steps")
+        counted = f"global_steps {steps}" if isinstance(steps, int) else "its step"
+        if total is not None:
+            per_rank = [v for v in (micro, accumulation) if v is not None]
+            if (
+                len(per_rank) == 2
+                and micro
+                and accumulation
+                and total != micro * accumulation * after
+            ):
+                return [
+                    f"ds_config sets train_batch_size {total} = train_micro_batch_size_per_gpu "
+                    f"{micro} x gradient_accumulation_steps {accumulation} x {before} ranks; at "
+                    f"{after} ranks DeepSpeed refuses that config: drop "
+                    "gradient_accumulation_steps (or micro batch) so it derives it"
+                ]
+            if total % (math.prod(per_rank) * after):
+                return [
+                    f"ds_config sets train_batch_size {total}, which {after} ranks cannot split "
+                    f"(train_micro_batch_size_per_gpu {micro or 'unset'}, "
+                    f"gradient_accumulation_steps {accumulation or 'unset'}): DeepSpeed refuses "
+                    "that config at the new world size"
+                ]
+            return []  # DeepSpeed keeps the global batch, changing the accumulation steps
+        if micro is None:
+            return []
+        accumulation = accumulation or 1
+        was, now = micro * accumulation * before, micro * accumulation * after
+        ranks = "1 rank" if after == 1 else f"{after} ranks"
+        return [
+            f"the global batch changes: the data position ({counted}) was counted in global "
+            f"batches of {was} samples (ds_config train_micro_batch_size_per_gpu {micro} x "
+            f"gradient_accumulation_steps {accumulation} x {before} ranks); at {ranks} the same "
+            f"config makes it {now} samples, so a resume that skips data by step sees other "
+            f"samples than the saved run did. Set train_batch_size {was} in ds_config to keep "
+            "it (DeepSpeed then derives gradient_accumulation_steps)."
+        ]
 
     def recognise(self, source: Source) -> bool:
         top = {n for n in source.files if "/" not in n}

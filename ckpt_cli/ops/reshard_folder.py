@@ -94,12 +94,27 @@ def reshard_folder(
     """
     src = source.location.raw
     check_world_options(world_size, compression)
-    if not layout.reshards_world_size:
-        raise UsageError(
-            f"--world-size does not re-cut {layout.name} checkpoints yet",
-            path=src,
-            fix="DeepSpeed resizes a ZeRO checkpoint itself: convert it to its universal "
-            "checkpoint (`ds_to_universal.py`) and load that with `load_universal_checkpoint`.",
+    if layout.world_size_cut == "zero":
+        if rules or serialization or compression:
+            raise UsageError(
+                "--shard-dim, --plan and --dcp-* cut DCP checkpoints; a DeepSpeed ZeRO save is "
+                "cut by DeepSpeed's own partitioning rule",
+                path=src,
+                fix="Leave those options out.",
+            )
+        from .reshard_zero import reshard_zero
+
+        return reshard_zero(
+            source,
+            opened,
+            layout,
+            dest,
+            world_size,
+            rank_state_action=rank_state_action,
+            force=force,
+            progress=progress,
+            dry_run=dry_run,
+            extras=extras,
         )
     out = local_dest(dest)
     guard_paths(src, out)
@@ -137,7 +152,7 @@ def reshard_folder(
             )
             for sub, checkpoint in parts.items()
         ]
-        files_out = _rank_file_plan(layout, rank_files, action, world_size)
+        files_out = rank_file_plan(layout, rank_files, action, world_size)
         carried, skipped = _carried(source, subfolders, rank_files)
         if not extras:
             from .transfer import extra_files
@@ -161,6 +176,7 @@ def reshard_folder(
             source_world_size=before,
             world_size=world_size,
             serialization=cuts[0].report.serialization if cuts else None,
+            partitioning="dcp",
             replicated=sum(c.report.replicated for c in cuts),
             rules=[str(r) for r in rules],
             unused_rules=sorted(set.intersection(*(set(c.report.unused_rules) for c in cuts)))
@@ -189,7 +205,7 @@ def reshard_folder(
             report.warnings.extend(w for w in cut.report.warnings if w not in report.warnings)
         notes = layout.batch_notes(opened, before, world_size)
         report.warnings.extend(notes)
-        notes = notes + _missing_rank_files(layout, files_out, rank_files, world_size, before)
+        notes = notes + missing_rank_files(layout, files_out, rank_files, world_size, before)
         report.resume = resume_verdict(opened.training, report, notes)
         if dry_run:
             report.files = _planned(cuts, carried, files_out, source)
@@ -198,10 +214,10 @@ def reshard_folder(
 
         def carry(staging: Path) -> None:
             for rel in carried:
-                _copy_verbatim(source, rel, staging / safe_relpath(rel, source=src))
+                copy_verbatim(source, rel, staging / safe_relpath(rel, source=src))
             for item in files_out:
                 for name in item.written:
-                    _copy_verbatim(source, item.path, staging / safe_relpath(name, source=src))
+                    copy_verbatim(source, item.path, staging / safe_relpath(name, source=src))
 
         result = write_cuts(cuts, out, force, progress, carry)
         written = [FileInfo.model_validate(f) for f in result["files"]]
@@ -266,7 +282,7 @@ def _prefixed(cut: DcpCut) -> list[RankStateEntry]:
     ]
 
 
-def _rank_file_plan(
+def rank_file_plan(
     layout: Layout, rank_files: dict[str, int], action: RankStateAction | None, world_size: int
 ) -> list[RankFile]:
     """What each per-rank file becomes under `action` (see `reshard_folder`)."""
@@ -293,7 +309,7 @@ def _rank_file_plan(
     return list(plan.values())
 
 
-def _missing_rank_files(
+def missing_rank_files(
     layout: Layout,
     files_out: list[RankFile],
     rank_files: dict[str, int],
@@ -359,7 +375,7 @@ def _planned(
     return files
 
 
-def _copy_verbatim(source: Source, rel: str, target: Path) -> None:
+def copy_verbatim(source: Source, rel: str, target: Path) -> None:
     """Copy one source file to `target`, a block at a time (a large optimizer.pt of a DDP
     save never sits in memory whole)."""
     target.parent.mkdir(parents=True, exist_ok=True)

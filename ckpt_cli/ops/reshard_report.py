@@ -104,6 +104,9 @@ class ReshardReport(BaseModel):
         max_shard_size: the shard limit in bytes (shard-size mode).
         source_world_size / world_size: ranks before and after (world-size mode).
         serialization: DCP serialization of the output.
+        partitioning: what a world-size reshard re-cut: `dcp` (DCP chunks) or `zero`
+            (DeepSpeed's ZeRO partitions, written as an N-rank engine saves them: DeepSpeed
+            resumes the output at N ranks with the same config); None in shard-size mode.
         sharded: tensors split across ranks, by dim (`{"0": 12, "1": 4}`).
         replicated: tensors written once, whole (0-dim, `replicate` rules).
         rules: the placement rules applied, in order.
@@ -140,6 +143,7 @@ class ReshardReport(BaseModel):
     source_world_size: int | None = None
     world_size: int | None = None
     serialization: str | None = None
+    partitioning: Literal["dcp", "zero"] | None = None
     sharded: dict[str, int] = Field(default_factory=dict)
     replicated: int = 0
     rules: list[str] = Field(default_factory=list)

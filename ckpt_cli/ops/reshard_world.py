@@ -282,6 +282,7 @@ def plan_cut(
         source_world_size=before,
         world_size=world_size,
         serialization=chosen,
+        partitioning="dcp",
         sharded=sharded,
         replicated=replicated,
         rules=[str(r) for r in rules],

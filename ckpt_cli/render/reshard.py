@@ -22,6 +22,13 @@ def render_reshard(report: ReshardReport) -> None:
         how = f"shards of at most {human_bytes(report.max_shard_size)}"
         if report.raw_copy:
             how += f", {report.raw_copy} tensors copied as raw bytes"
+    elif report.partitioning == "zero":
+        how = (
+            f"{report.source_world_size} -> {report.world_size} ranks (ZeRO partitions re-cut "
+            f"as {counted(report.world_size or 1, 'rank')} save them: DeepSpeed's "
+            "load_checkpoint resumes it "
+            "at that size with the same config)"
+        )
     else:
         cuts = ", ".join(f"{n} on dim {d}" for d, n in sorted(report.sharded.items()))
         how = (
