@@ -454,7 +454,11 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
 
 def shape_problems(opened: OpenedSource) -> list[Problem]:
     """Optimizer state that does not fit the weights: state for a parameter the weights lack,
-    or whose shape no (remaining) weight has (the optimizer was restored for other parameters)."""
+    or whose shape no (remaining) weight has (the optimizer was restored for other parameters).
+
+    With several prepared models (accelerate's `model`, `model_1`... beside `optimizer`,
+    `optimizer_1`...), every optimizer is checked against its own model, and each problem
+    names the pair."""
     state = opened.training
     if state is None or state.optimizer is None:
         return []
@@ -462,9 +466,36 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
     opt_prefix = state.prefixes.get("optimizer")
     if model_prefix is None or opt_prefix is None:
         return []
-    checkpoint = opened.checkpoint
     if opt_prefix.startswith("optim_states"):
         return []  # DeepSpeed ZeRO state covers flat partitions, not individual weights
+    pairs = [(model_prefix, opt_prefix), *model_optimizer_pairs(opened.checkpoint.manifest)]
+    several = len(pairs) > 1
+    problems: list[Problem] = []
+    for model, optimizer in pairs:
+        problems += _pair_shape_problems(opened, model, optimizer, named=several)
+    return problems
+
+
+def model_optimizer_pairs(manifest: Manifest) -> list[tuple[str, str]]:
+    """The (model, optimizer) prefixes of the models after the first (`model_1.` with
+    `optimizer_1.`...), in model order: accelerate numbers the i-th prepared object `_{i}`."""
+    keys = top_keys(manifest)
+    numbered = sorted(
+        (int(m.group(1)), key)
+        for key in keys
+        if (m := re.fullmatch(r"model_(\d+)", key)) is not None
+    )
+    return [(keys[key], keys[f"optimizer_{i}"]) for i, key in numbered if f"optimizer_{i}" in keys]
+
+
+def _pair_shape_problems(
+    opened: OpenedSource, model_prefix: str, opt_prefix: str, *, named: bool
+) -> list[Problem]:
+    """`shape_problems` of one optimizer against one model; with `named`, each message says
+    which optimizer and which model (`optimizer_1` against `model_1`)."""
+    checkpoint = opened.checkpoint
+    state = opened.training
+    assert state is not None
     view = analyse_optimizer(checkpoint, opt_prefix)
     if view is None:
         return []
@@ -479,6 +510,9 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
 
         model.update(fused_shapes(model))  # its optimizer keys the fused `wqkv` parameter
     problems: list[Problem] = []
+    opt_label = f"{opt_prefix.rstrip('.')} state" if named else "optimizer state"
+    weights_label = f"weight of {model_prefix.rstrip('.')}" if named else "model weight"
+    lacking = f"{model_prefix.rstrip('.')} lacks" if named else "the weights lack"
 
     def param_shape(states: dict[str, list[int]]) -> list[int] | None:
         shaped = [s for name, s in states.items() if s and name != "step"]
@@ -491,7 +525,7 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
                 problems.append(
                     Problem(
                         code="optimizer_unknown_param",
-                        message=f"{where}: optimizer state for {fqn!r}, which the weights lack",
+                        message=f"{where}: {opt_label} for {fqn!r}, which {lacking}",
                         file=where,
                         tensor=f"{opt_prefix}state.{fqn}",
                     )
@@ -500,8 +534,8 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
                 problems.append(
                     Problem(
                         code="optimizer_shape_mismatch",
-                        message=f"{where}: optimizer state of {fqn!r} is {shape}, "
-                        f"the weight is {model[fqn]}",
+                        message=f"{where}: {opt_label} of {fqn!r} is {shape}, "
+                        f"the {weights_label} is {model[fqn]}",
                         file=where,
                         tensor=f"{opt_prefix}state.{fqn}",
                     )
@@ -520,8 +554,8 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
         problems.append(
             Problem(
                 code="optimizer_shape_mismatch",
-                message=f"{where}: optimizer state of parameter {pid} has shape {shape}, "
-                "which no remaining model weight has",
+                message=f"{where}: {opt_label} of parameter {pid} has shape {shape}, "
+                f"which no remaining {weights_label} has",
                 file=where,
                 tensor=f"{opt_prefix}state.{pid}",
             )
