@@ -215,6 +215,32 @@ def test_resumable_checks_every_models_optimizer_shapes(tmp_path: Path) -> None:
     assert "optimizer_shape_mismatch" in codes
 
 
+def test_accelerate_folder_with_training_args_opens_as_accelerate(
+    real_accelerate_run: Path, real_trainer_run: Path, tmp_path: Path
+) -> None:
+    from transformers import TrainingArguments
+
+    # an accelerate script that saves its TrainingArguments beside `save_state`'s files
+    folder = _copy(real_accelerate_run / "straight" / "step-4", tmp_path / "step-4")
+    torch.save(TrainingArguments(output_dir=str(tmp_path)), folder / "training_args.bin")
+    result = run_ckpt("inspect", folder, "--json")
+    assert result.exit_code == 0, result.stderr
+    training = result.json["result"]["training"]
+    assert training["layout"] == "accelerate"
+    assert training["rng"] == ["python", "numpy", "torch_cpu"]  # random_states_0.pkl, read
+    assert training["components"]["rng"] == "random_states_0.pkl"
+    assert training["components"]["training_args"].startswith("training_args.bin")
+    assert training["resumable"] is True, training["missing"]
+    converted = run_ckpt("convert", folder, tmp_path / "whole.pt", "--to", "torch", "--json")
+    assert converted.exit_code == 0, converted.stderr
+    report = converted.json["result"]
+    assert "random_states_0.pkl" in report["read"]
+    assert [s["name"] for s in report["skipped"] if s["kind"] == "file"] == ["training_args.bin"]
+    # a real Trainer checkpoint (training_args.bin among its files) is still the Trainer's
+    trainer = run_ckpt("inspect", real_trainer_run / "straight" / "checkpoint-4", "--json")
+    assert trainer.json["result"]["training"]["layout"] == "hf-trainer"
+
+
 def test_lightning_ckpt(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.Adam(model.parameters())

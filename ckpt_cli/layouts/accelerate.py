@@ -69,6 +69,7 @@ class Accelerate(Layout):
         for name in folder.matching(r"custom_checkpoint_\d+\.pkl"):
             number = re.findall(r"\d+", name)[-1]
             folder.add(f"custom_{number}", name, "torch")
+        folder.list_training_args()  # what scripts on accelerate often save beside it
         checkpoint = folder.composite("accelerate")
         state = analyse(checkpoint, "accelerate", component_prefixes(checkpoint))
         all_models(checkpoint, state)

@@ -317,6 +317,20 @@ class Folder:
             )
         )
 
+    def list_training_args(self) -> None:
+        """List `training_args.bin` (when the folder has one) as a component never loaded.
+
+        It is a pickle of transformers' `TrainingArguments` dataclass, which the Trainer saves
+        and many accelerate scripts save beside `save_state`'s files: weights_only refuses it
+        and nothing else may unpickle it, so it is listed (files, components), never read."""
+        if not self.has("training_args.bin"):
+            return
+        self.listed["training_args"] = "training_args.bin (not loaded)"
+        self.listed_files[self.rel("training_args.bin")] = (
+            "a pickle of transformers' TrainingArguments: never unpickled (it would run "
+            "transformers code) and not needed to resume; copy it by hand if wanted"
+        )
+
     def has_dir(self, sub: str, marker: str = ".metadata") -> bool:
         return f"{self.base}{sub}/{marker}" in self.source.files
 
