@@ -114,6 +114,14 @@ CASES = [
         id="accelerate-fsdp-full",
         marks=[_FRAMEWORKS, _TORCHRUN, _SLOW],
     ),
+    pytest.param(
+        _fixture("accelerate_fsdp_rank_files"),
+        "torch",
+        "whole.pt",
+        "optimizer_1_rank",  # accelerate's per-rank files (`use_dcp=False`): one rank each
+        id="accelerate-fsdp-rank-files",
+        marks=[_FRAMEWORKS, _TORCHRUN, _SLOW],
+    ),
     pytest.param(_torch_dict, "dcp", "whole", "optimizer", id="torch-dict"),
     pytest.param(_dcp_training, "torch", "whole.pt", "optimizer", id="dcp"),
     pytest.param(_titan_style, "torch", "whole.pt", "train_state", id="dcp-step-folder"),

@@ -9,8 +9,8 @@ from typing import Any
 from ..formats.base import Source
 from ..models import Problem
 from .base import Layout, OpenedSource
-from .composite import Folder, component_files, component_prefixes, finish
-from .training import analyse
+from .composite import Folder, component_files, component_prefixes, finish, missing_rank_files
+from .training import analyse, per_rank_models
 
 #: files only the Trainer writes; `training_args.bin` is not one of them: scripts built on
 #: accelerate save their `TrainingArguments` beside `save_state`'s files too
@@ -93,6 +93,7 @@ class Trainer(Layout):
         folder.problems.extend(self.missing(source, folder))
         checkpoint = folder.composite("hf-trainer")
         state = analyse(checkpoint, "hf-trainer", component_prefixes(checkpoint))
+        per_rank_models(checkpoint, state)  # FSDP's LOCAL_STATE_DICT: one file per rank
         state.components = component_files(folder)
         if model_file is None:
             state.components.pop("model", None)
@@ -109,8 +110,11 @@ class Trainer(Layout):
         return finish(checkpoint, state, folder)
 
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
-        """Optimizer / scheduler files the Trainer should have saved (see `_trainer_missing`)."""
-        return _trainer_missing(source, folder)
+        """Optimizer / scheduler files the Trainer should have saved (see `_trainer_missing`),
+        and every rank's file of a per-rank FSDP save."""
+        return _trainer_missing(source, folder) + missing_rank_files(
+            source, folder, self.rank_files
+        )
 
 
 #: what a Trainer saves beside the weights unless `save_only_model` is set

@@ -324,10 +324,18 @@ def all_models(checkpoint: Checkpoint, state: TrainingState) -> None:
         optimizer = model.replace("model", "optimizer", 1)
         view = analyse_optimizer(checkpoint, f"{optimizer}.")
         views.append(view.state if view is not None else None)
+    combined = _combined_optimizers(views)
+    if combined is not None:
+        state.optimizer = combined
+
+
+def _combined_optimizers(views: list[OptimizerState | None]) -> OptimizerState | None:
+    """One summary of several optimizers' states (None where one was not saved): complete
+    only when every one is there and complete; None when none is."""
     found = [v for v in views if v is not None]
     if not found:
-        return
-    state.optimizer = OptimizerState(
+        return None
+    return OptimizerState(
         kind=found[0].kind if all(v.kind == found[0].kind for v in found) else None,
         states=sorted({s for v in found for s in v.states}),
         params=sum(v.params or 0 for v in found),
@@ -335,6 +343,56 @@ def all_models(checkpoint: Checkpoint, state: TrainingState) -> None:
         complete=len(found) == len(views) and all(v.complete for v in found),
         source=", ".join(v.source or "" for v in found),
     )
+
+
+#: a per-rank FSDP component (`composite.rank_component`): object, its index, the rank
+_RANK_PART = re.compile(r"(?P<obj>model|optimizer)(?:_(?P<index>\d+))?_rank(?P<rank>\d+)")
+
+
+def rank_parts(manifest: Manifest) -> dict[tuple[str, int], dict[int, str]]:
+    """The per-rank FSDP components among the top-level names of `manifest` (`model_rank0`,
+    `optimizer_1_rank1`...): (object, index) -> rank -> the prefix of its entries. A folder
+    names accelerate's `*_rank{r}.bin` files so, and a whole folder converted to one file keeps
+    the names."""
+    found: dict[tuple[str, int], dict[int, str]] = {}
+    for key, prefix in top_keys(manifest).items():
+        match = _RANK_PART.fullmatch(key)
+        if match:
+            part = (match["obj"], int(match["index"] or 0))
+            found.setdefault(part, {})[int(match["rank"])] = prefix
+    return found
+
+
+def per_rank_models(checkpoint: Checkpoint, state: TrainingState) -> None:
+    """The weights and optimizer state of a save made of per-rank files (accelerate FSDP's
+    LOCAL_STATE_DICT, or SHARDED_STATE_DICT with `use_dcp=False`) when no other copy of the
+    model is there: the weights as the ranks' files store them (every rank's shard counted),
+    and the optimizer state complete only when every rank that saved a model shard saved its
+    optimizer state, complete."""
+    parts = rank_parts(checkpoint.manifest)
+    models = {index: ranks for (obj, index), ranks in parts.items() if obj == "model"}
+    if not models or "model" in state.prefixes:
+        return
+    summaries = [
+        weights_summary(checkpoint.manifest, prefix)
+        for ranks in models.values()
+        for prefix in ranks.values()
+    ]
+    state.weights = {
+        k: sum(w.get(k, 0) for w in summaries) for k in ("tensors", "parameters", "bytes")
+    }
+    if state.optimizer is not None:
+        return
+    views: list[OptimizerState | None] = []
+    for index, ranks in sorted(models.items()):
+        optimizers = parts.get(("optimizer", index), {})
+        for rank in sorted(ranks):
+            prefix = optimizers.get(rank)
+            view = analyse_optimizer(checkpoint, prefix) if prefix is not None else None
+            views.append(view.state if view is not None else None)
+    combined = _combined_optimizers(views)
+    if combined is not None:
+        state.optimizer = combined
 
 
 def verdict(state: TrainingState) -> None:
@@ -464,11 +522,11 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
         return []
     model_prefix = state.prefixes.get("model")
     opt_prefix = state.prefixes.get("optimizer")
-    if model_prefix is None or opt_prefix is None:
-        return []
-    if opt_prefix.startswith("optim_states"):
+    if opt_prefix is not None and opt_prefix.startswith("optim_states"):
         return []  # DeepSpeed ZeRO state covers flat partitions, not individual weights
-    pairs = [(model_prefix, opt_prefix), *model_optimizer_pairs(opened.checkpoint.manifest)]
+    pairs = model_optimizer_pairs(opened.checkpoint.manifest)
+    if model_prefix is not None and opt_prefix is not None:
+        pairs.insert(0, (model_prefix, opt_prefix))
     several = len(pairs) > 1
     problems: list[Problem] = []
     for model, optimizer in pairs:
@@ -478,14 +536,20 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
 
 def model_optimizer_pairs(manifest: Manifest) -> list[tuple[str, str]]:
     """The (model, optimizer) prefixes of the models after the first (`model_1.` with
-    `optimizer_1.`...), in model order: accelerate numbers the i-th prepared object `_{i}`."""
+    `optimizer_1.`...), in model order: accelerate numbers the i-th prepared object `_{i}`;
+    then those of every rank's own files (`model_rank0.` with `optimizer_rank0.`...)."""
     keys = top_keys(manifest)
     numbered = sorted(
         (int(m.group(1)), key)
         for key in keys
         if (m := re.fullmatch(r"model_(\d+)", key)) is not None
     )
-    return [(keys[key], keys[f"optimizer_{i}"]) for i, key in numbered if f"optimizer_{i}" in keys]
+    pairs = [(keys[key], keys[f"optimizer_{i}"]) for i, key in numbered if f"optimizer_{i}" in keys]
+    parts = rank_parts(manifest)
+    for (obj, index), ranks in sorted(parts.items()):
+        optimizers = parts.get(("optimizer", index), {}) if obj == "model" else {}
+        pairs += [(ranks[r], optimizers[r]) for r in sorted(ranks) if r in optimizers]
+    return pairs
 
 
 def _pair_shape_problems(
