@@ -345,5 +345,20 @@ def test_filter_rules_match_the_names_inspect_shows(
         "unet.conv_in*",
     )
     assert result.exit_code == 0, result.stderr
+    assert "warning" not in result.stderr
     got = load_file(alone / "diffusion_pytorch_model.safetensors")
     assert set(got) == set(unet) - {"conv_in.weight", "conv_in.bias"}
+    inner_alone = run_ckpt(
+        "convert",
+        diffusers_pipeline,
+        tmp_path / "unet-inner",
+        "--to",
+        "safetensors",
+        "--select",
+        "unet",
+        "--filter-out",
+        "conv_in*",
+        "--json",
+    )
+    assert inner_alone.exit_code == 0, inner_alone.stderr
+    assert any("'conv_in*' matches no entry" in w for w in inner_alone.json["result"]["warnings"])

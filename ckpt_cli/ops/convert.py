@@ -285,8 +285,14 @@ def convert(
             sub = component_source(src, found[1], select)
             if sub is not None:
                 # the globs still see the names inspect shows of the whole folder
-                named = request.model_copy(update={"match_prefix": f"{select.rstrip('.')}."})
-                return convert_component(sub, dest, to, named, progress)
+                prefix = f"{select.rstrip('.')}."
+                named = request.model_copy(update={"match_prefix": prefix})
+                report = convert_component(sub, dest, to, named, progress)
+                if include or exclude:
+                    with open_source(sub).checkpoint as part:
+                        names = [prefix + e.name for e in part.manifest.entries]
+                    report.warnings += unmatched_rules(names, include, exclude)
+                return report
     single_file, basename = output_layout(target, dest_path, shard_size)
     given_config: tuple[bytes, str] | None = None
     if config is not None:
