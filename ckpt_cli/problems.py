@@ -222,6 +222,11 @@ CODES: dict[str, Code] = _codes(
     Code("missing_dataloader", _EW, "no data-loader state (an error with `--exact`)"),
     Code("missing_optimizer", _EW, "no optimizer state"),
     Code("missing_partition", _E, "a DeepSpeed ZeRO data-parallel rank's partition is missing"),
+    Code(
+        "missing_rank_file",
+        _E,
+        "a rank's file of a per-rank FSDP save (accelerate `*_rank{N}.bin`) is missing",
+    ),
     Code("missing_rng", _EW, "no RNG state (an error with `--exact`)"),
     Code("missing_scheduler", _EW, "no LR scheduler state (an error with `--exact`)"),
     Code("missing_step", _EW, "no step or epoch counter"),

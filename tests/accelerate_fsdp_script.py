@@ -7,6 +7,13 @@ Usage:
       `pytorch_model_fsdp_{0,1}/` and `optimizer_{0,1}/` (DCP folders written by both ranks),
       with FULL_STATE_DICT `pytorch_model_fsdp{,_1}.bin` and `optimizer{,_1}.bin` (rank 0's
       torch.save); both with `scheduler{,_1}.bin` and `random_states_{0,1}.pkl`.
+  torchrun --nproc-per-node 2 tests/accelerate_fsdp_script.py save OUT RANK_FILES
+      the same run saved with SHARDED_STATE_DICT through accelerate's `use_dcp=False` path of
+      `save_fsdp_model` / `save_fsdp_optimizer` (per-rank torch.save files, for runs at a scale
+      where DCP's collectives time out): `pytorch_model_fsdp_{0,1}_rank{0,1}.bin` and
+      `optimizer_{0,1}_rank{0,1}.bin`, every rank its own, beside the same other files.
+      `save_state` has no switch for it: the script binds `use_dcp=False` to the four functions
+      `Accelerator` calls (save and load), and everything else is `save_state`'s own code.
   torchrun --nproc-per-node 2 tests/accelerate_fsdp_script.py load REPORT STATE_DICT_TYPE DIR...
       `Accelerator.load_state` of each DIR into freshly built models; REPORT (JSON, from rank 0)
       lists, for each DIR after the first, every model or optimizer tensor (gathered full),
@@ -144,7 +151,32 @@ def _same(a: Any, b: Any, where: str, found: list[str]) -> None:
         found.append(where)
 
 
+#: the `save` mode writing accelerate's per-rank files (`use_dcp=False`)
+RANK_FILES = "RANK_FILES"
+
+
+def _per_rank_files() -> None:
+    """`Accelerator.save_state` / `load_state` through `use_dcp=False` (per-rank torch.save):
+    the functions accelerate imported by name, bound to it (see the module docstring)."""
+    import functools
+
+    import accelerate.accelerator as accelerator_module
+    from accelerate.utils import fsdp_utils
+
+    for name in (
+        "save_fsdp_model",
+        "save_fsdp_optimizer",
+        "load_fsdp_model",
+        "load_fsdp_optimizer",
+    ):
+        bound = functools.partial(getattr(fsdp_utils, name), use_dcp=False)
+        setattr(accelerator_module, name, bound)
+
+
 def save(out: str, state_dict_type: str) -> None:
+    if state_dict_type == RANK_FILES:
+        _per_rank_files()
+        state_dict_type = "SHARDED_STATE_DICT"
     accelerator, plugin, parts = _setup(state_dict_type)
     _train(accelerator, parts)
     _force_fsdp(accelerator, plugin)
@@ -157,6 +189,9 @@ def save(out: str, state_dict_type: str) -> None:
 
 
 def load(report: str, state_dict_type: str, folders: list[str]) -> None:
+    if state_dict_type == RANK_FILES:
+        _per_rank_files()
+        state_dict_type = "SHARDED_STATE_DICT"
     accelerator, plugin, parts = _setup(state_dict_type)
     results: dict[str, list[str]] = {}
     first: dict[str, Any] | None = None

@@ -11,6 +11,9 @@
   `pytorch_model_fsdp{,_1}.bin`, `optimizer{,_1}.bin`), each with `scheduler{,_1}.bin` and
   `random_states_{0,1}.pkl` (`tests/accelerate_fsdp_script.py`, which says how accelerate's FSDP
   path is forced on CPU). A test using it is marked `torchrun` and `frameworks`.
+- `accelerate_fsdp_rank_files`: the same run saved through accelerate's per-rank path
+  (`save_fsdp_model` / `save_fsdp_optimizer` with `use_dcp=False`): `pytorch_model_fsdp_{0,1}_rank
+  {0,1}.bin` and `optimizer_{0,1}_rank{0,1}.bin`, every rank its own torch.save file.
 - `real_hf_model`: `save_pretrained` of the same tiny Llama with its generation config and a real
   (tokenizers-built) fast tokenizer: the folder `from_pretrained` reads.
 
@@ -202,6 +205,17 @@ def accelerate_fsdp_saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     for key, kind in FSDP_STATE_DICTS.items():
         run_torchrun(ACCELERATE_FSDP_SCRIPT, 2, "save", root / key, kind, timeout=600)
         out[key] = root / key
+    return out
+
+
+@pytest.fixture(scope="session")
+def accelerate_fsdp_rank_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same 2-rank FSDP2 run saved by `save_state` through accelerate's `use_dcp=False`
+    path: `pytorch_model_fsdp_{0,1}_rank{0,1}.bin` and `optimizer_{0,1}_rank{0,1}.bin`."""
+    from .dist_helpers import run_torchrun
+
+    out = tmp_path_factory.mktemp("accelerate_fsdp_rank_files") / "save"
+    run_torchrun(ACCELERATE_FSDP_SCRIPT, 2, "save", out, "RANK_FILES", timeout=600)
     return out
 
 

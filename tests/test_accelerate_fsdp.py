@@ -227,3 +227,84 @@ def test_load_state_restores_what_ckpt_wrote_and_notices_a_lossy_copy(
     assert diffed.exit_code == 1, diffed.stdout
     only_a = diffed.json["result"]["only_a"]
     assert only_a and all(n.startswith("optimizer_1.") for n in only_a)
+
+
+def _rank_shards(path: Path) -> dict[str, torch.Tensor]:
+    """A per-rank file's tensors as the rank holds them (a DTensor's local part), by the
+    dotted names ckpt gives them."""
+    import torch.distributed.tensor as dtensor
+
+    loaded = torch.load(path, weights_only=True)
+    flat = _flat(loaded)
+    return {
+        name: value.to_local() if isinstance(value, dtensor.DTensor) else value
+        for name, value in flat.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def test_per_rank_files_are_read_checked_for_every_rank_and_converted(
+    accelerate_fsdp_rank_files: Path, tmp_path: Path
+) -> None:
+    """accelerate's `use_dcp=False` save (one torch.save file per rank of every model and
+    optimizer, DTensors inside): each file is a component of its own, read as the rank saved
+    it; verify needs every rank's file; a whole conversion keeps them all, bit-exact."""
+    folder = accelerate_fsdp_rank_files
+    report = _inspect(folder)
+    training = report["training"]
+    assert training["layout"] == "accelerate"
+    ranked = {
+        f"{obj}{suffix}_rank{rank}": f"{stem}_{i}_rank{rank}.bin"
+        for i, suffix in ((0, ""), (1, "_1"))
+        for obj, stem in (("model", "pytorch_model_fsdp"), ("optimizer", "optimizer"))
+        for rank in (0, 1)
+    }
+    assert {c: training["components"][c] for c in ranked} == ranked
+    assert training["rng_ranks"] == [0, 1]
+    assert training["optimizer"]["kind"] == "AdamW" and training["optimizer"]["complete"]
+    assert training["resumable"] is True, training["missing"]
+    import torch.distributed.tensor as dtensor
+
+    # FSDP2 saved DTensors: each rank's file holds its part of the embedding, not all of it
+    raw = _flat(torch.load(folder / "pytorch_model_fsdp_0_rank1.bin", weights_only=True))
+    assert any(
+        isinstance(v, dtensor.DTensor) and v.to_local().shape != v.shape for v in raw.values()
+    )
+    listed = run_ckpt("inspect", folder, "--json", "--list").json["result"]["entries"]
+    shapes = {e["name"]: e["shape"] for e in listed}
+    for comp, file in ranked.items():
+        shards = _rank_shards(folder / file)
+        assert shards
+        for name, tensor in shards.items():
+            assert shapes[f"{comp}.{name}"] == list(tensor.shape), f"{comp}.{name}"
+    assert run_ckpt("verify", folder, "--resumable").exit_code == 0
+
+    # a whole conversion holds every rank's part, bit for bit (judged by torch.load)
+    out = tmp_path / "whole.pt"
+    converted = run_ckpt("convert", folder, out, "--to", "torch", "--json")
+    assert converted.exit_code == 0, converted.stderr
+    assert set(ranked.values()) <= set(converted.json["result"]["read"])
+    whole = _flat(torch.load(out, weights_only=False))  # ckpt's own output (numpy RNG state)
+    for comp, file in ranked.items():
+        for name, tensor in _rank_shards(folder / file).items():
+            got = whole[f"{comp}.{name}"]
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), f"{comp}.{name}"
+    assert run_ckpt("diff", folder, out).exit_code == 0
+    assert _inspect(out)["training"]["resumable"] is True
+
+    # one rank's file of one model lost: verify names it, the save cannot be resumed
+    lossy = shutil.copytree(folder, tmp_path / "lossy")
+    (lossy / "pytorch_model_fsdp_1_rank1.bin").unlink()
+    result = run_ckpt("verify", lossy, "--json")
+    assert result.exit_code == 1
+    problems = result.json["result"]["problems"]
+    assert [(p["code"], Path(p["file"]).name) for p in problems] == [
+        ("missing_rank_file", "pytorch_model_fsdp_1_rank1.bin")
+    ]
+    assert _inspect(lossy)["training"]["resumable"] is False
+    # --world-size cannot re-cut one rank's part of every parameter: refused, nothing written
+    resharded = run_ckpt(
+        "reshard", folder, tmp_path / "ws4", "--world-size", "4", "--rank-state", "keep"
+    )
+    assert resharded.exit_code == 2, resharded.stdout + resharded.stderr
+    assert "one file per rank" in resharded.stderr and not (tmp_path / "ws4").exists()

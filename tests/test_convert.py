@@ -182,6 +182,16 @@ def test_include_exclude_rename_select_do_what_they_say(tmp_path: Path) -> None:
     assert run("inc.safetensors", "--filter", "*.layers.*", "--filter-out", "*.bias").exit_code == 0
     got, _ = read_safetensors_folder(tmp_path / "inc.safetensors")
     assert set(got) == {f"model.layers.{i}.weight" for i in range(4)}
+    # a glob that matches no entry does nothing: it says so (stderr, --json), it is no error
+    stray = run("stray.safetensors", "--filter-out", "layers.*", "--filter-out", "*.bias")
+    assert stray.exit_code == 0
+    assert "--filter-out 'layers.*' matches no entry" in stray.stderr
+    assert "'*.bias'" not in stray.stderr
+    warned = run("stray2.safetensors", "--filter", "*.weight", "--filter", "lm_head*x", "--json")
+    assert warned.json["result"]["warnings"] == [
+        "--filter 'lm_head*x' matches no entry, so it has no effect; "
+        "check it against `ckpt inspect --list`"
+    ]
     assert (
         run("ren.safetensors", "--rename", "model.layers.=blocks.", "--rename", "model.=").exit_code
         == 0

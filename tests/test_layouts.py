@@ -5,6 +5,7 @@ hold and whether they can resume; `training_checks` names what is missing."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import random
 import shutil
@@ -161,6 +162,83 @@ def test_accelerate_save_state_folder(tmp_path: Path) -> None:
     assert training["scheduler"]["kind"] == "CosineAnnealingLR"
     assert training["rng"] == ["python", "numpy", "torch_cpu"]
     assert training["resumable"] is True, training["missing"]
+
+
+def _accelerate_models(folder: Path, models: list[torch.nn.Module]) -> None:
+    """accelerate's `save_state` names for several prepared models, each with its AdamW after
+    one step: `model{_i}.safetensors`, `optimizer{_i}.bin`, `random_states_0.pkl`."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    for i, model in enumerate(models):
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, model[0].in_features)).sum().backward()
+        opt.step()
+        suffix = f"_{i}" if i else ""
+        save_file(model.state_dict(), str(folder / f"model{suffix}.safetensors"))
+        torch.save(opt.state_dict(), folder / f"optimizer{suffix}.bin")
+    torch.save(
+        {
+            "step": 3,
+            "random_state": random.getstate(),
+            "numpy_random_seed": np.random.get_state(),
+            "torch_manual_seed": torch.get_rng_state(),
+        },
+        folder / "random_states_0.pkl",
+    )
+
+
+def _mlp(*dims: int) -> torch.nn.Sequential:
+    return torch.nn.Sequential(*(torch.nn.Linear(a, b) for a, b in itertools.pairwise(dims)))
+
+
+def test_resumable_checks_every_models_optimizer_shapes(tmp_path: Path) -> None:
+    folder = tmp_path / "state"
+    _accelerate_models(folder, [_mlp(4, 3), _mlp(6, 5, 2)])
+    opened = open_source(str(folder))
+    assert opened.training is not None and opened.training.layout == "accelerate"
+    assert [p.code for p in training_checks(opened) if p.severity == "error"] == []
+    # the second model's optimizer replaced by one of a third model: only it is wrong
+    other = _mlp(7, 9)
+    opt = torch.optim.AdamW(other.parameters())
+    other(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), folder / "optimizer_1.bin")
+    problems = training_checks(open_source(str(folder)))
+    mismatched = [p for p in problems if p.code == "optimizer_shape_mismatch"]
+    assert mismatched, [p.message for p in problems]
+    assert all(p.tensor and p.tensor.startswith("optimizer_1.state.") for p in mismatched)
+    assert all("optimizer_1" in p.message and "model_1" in p.message for p in mismatched)
+    result = run_ckpt("verify", folder, "--resumable", "--json")
+    assert result.exit_code == 1, result.stdout
+    codes = [p["code"] for p in result.json["result"]["problems"]]
+    assert "optimizer_shape_mismatch" in codes
+
+
+def test_accelerate_folder_with_training_args_opens_as_accelerate(
+    real_accelerate_run: Path, real_trainer_run: Path, tmp_path: Path
+) -> None:
+    from transformers import TrainingArguments
+
+    # an accelerate script that saves its TrainingArguments beside `save_state`'s files
+    folder = _copy(real_accelerate_run / "straight" / "step-4", tmp_path / "step-4")
+    torch.save(TrainingArguments(output_dir=str(tmp_path)), folder / "training_args.bin")
+    result = run_ckpt("inspect", folder, "--json")
+    assert result.exit_code == 0, result.stderr
+    training = result.json["result"]["training"]
+    assert training["layout"] == "accelerate"
+    assert training["rng"] == ["python", "numpy", "torch_cpu"]  # random_states_0.pkl, read
+    assert training["components"]["rng"] == "random_states_0.pkl"
+    assert training["components"]["training_args"].startswith("training_args.bin")
+    assert training["resumable"] is True, training["missing"]
+    converted = run_ckpt("convert", folder, tmp_path / "whole.pt", "--to", "torch", "--json")
+    assert converted.exit_code == 0, converted.stderr
+    report = converted.json["result"]
+    assert "random_states_0.pkl" in report["read"]
+    assert [s["name"] for s in report["skipped"] if s["kind"] == "file"] == ["training_args.bin"]
+    # a real Trainer checkpoint (training_args.bin among its files) is still the Trainer's
+    trainer = run_ckpt("inspect", real_trainer_run / "straight" / "checkpoint-4", "--json")
+    assert trainer.json["result"]["training"]["layout"] == "hf-trainer"
 
 
 def test_lightning_ckpt(tmp_path: Path) -> None:

@@ -260,3 +260,105 @@ def test_a_pipeline_model_without_weights_fails_verify(
     problems = result.json["result"]["problems"]
     assert [p["code"] for p in problems] == ["missing_component_weights"]
     assert problems[0]["file"] == str(damaged / "unet" / "diffusion_pytorch_model.safetensors")
+
+
+def test_filter_rules_match_the_names_inspect_shows(
+    diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    """`--filter` / `--filter-out` of a pipeline match `unet.conv_in.weight`, the name inspect and
+    diff show (each component is converted on its own, under its inner names); a glob that
+    matches no entry of any component is a warning, never a silent no-op."""
+    listed = run_ckpt("inspect", diffusers_pipeline, "--json", "--list").json["result"]
+    names = {e["name"] for e in listed["entries"]}
+    assert {"unet.conv_in.weight", "vqvae.encoder.conv_in.weight"} <= names
+    unet = load_file(diffusers_pipeline / "unet" / "diffusion_pytorch_model.safetensors")
+    vqvae = load_file(diffusers_pipeline / "vqvae" / "diffusion_pytorch_model.safetensors")
+
+    out = tmp_path / "no-conv-in"
+    result = run_ckpt(
+        "convert", diffusers_pipeline, out, "--to", "safetensors", "--filter-out", "unet.conv_in*"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "warning" not in result.stderr
+    got = load_file(out / "unet" / "diffusion_pytorch_model.safetensors")
+    assert set(got) == set(unet) - {"conv_in.weight", "conv_in.bias"}
+    assert all(torch.equal(got[k], unet[k]) for k in got)
+    kept = load_file(out / "vqvae" / "diffusion_pytorch_model.safetensors")
+    assert set(kept) == set(vqvae)  # vqvae's own encoder.conv_in is not unet.conv_in
+    # diff lines both up by the same names, and --filter picks them the same way
+    lost = run_ckpt("diff", diffusers_pipeline, out, "--json")
+    assert lost.exit_code == 1
+    assert sorted(lost.json["result"]["only_a"]) == ["unet.conv_in.bias", "unet.conv_in.weight"]
+    picked = run_ckpt("diff", diffusers_pipeline, out, "--filter", "unet.conv_in*", "--json")
+    assert sorted(picked.json["result"]["only_a"]) == ["unet.conv_in.bias", "unet.conv_in.weight"]
+    assert picked.json["result"]["compared"] == 0
+    same = run_ckpt("diff", diffusers_pipeline, out, "--filter", "vqvae.*", "--json")
+    assert same.exit_code == 0 and same.json["result"]["identical"] is True
+    # a glob that names nothing on either side says so (diff), on stderr and in --json
+    stray = run_ckpt("diff", diffusers_pipeline, out, "--filter", "vqvae.*", "--filter", "conv_in*")
+    assert stray.exit_code == 0
+    assert "--filter 'conv_in*' matches no entry" in stray.stderr
+
+    # the inner name alone (what the component calls it) matches nothing: a warning, no loss
+    inner = tmp_path / "inner"
+    result = run_ckpt(
+        "convert", diffusers_pipeline, inner, "--to", "safetensors", "--filter-out", "conv_in*"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "--filter-out 'conv_in*' matches no entry of any component" in result.stderr
+    assert run_ckpt("diff", diffusers_pipeline, inner).exit_code == 0
+
+    # --filter naming one component: the other is left out whole, and the report says so
+    only = tmp_path / "only-unet"
+    result = run_ckpt(
+        "convert", diffusers_pipeline, only, "--to", "safetensors", "--filter", "unet.*", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    skipped = {s["name"]: s["kind"] for s in report["skipped"]}
+    assert skipped == {"vqvae": "component", "vqvae/diffusion_pytorch_model.safetensors": "file"}
+    assert any("vqvae component is left out whole" in w for w in report["warnings"])
+    assert not (only / "vqvae" / "diffusion_pytorch_model.safetensors").exists()
+    assert set(load_file(only / "unet" / "diffusion_pytorch_model.safetensors")) == set(unet)
+    nothing = run_ckpt(
+        "convert",
+        diffusers_pipeline,
+        tmp_path / "none",
+        "--to",
+        "safetensors",
+        "--filter",
+        "conv_in*",
+    )
+    assert nothing.exit_code == 3 and not (tmp_path / "none").exists()
+
+    # --select of a component: the globs still see the whole folder's names
+    alone = tmp_path / "unet-alone"
+    result = run_ckpt(
+        "convert",
+        diffusers_pipeline,
+        alone,
+        "--to",
+        "safetensors",
+        "--select",
+        "unet",
+        "--filter-out",
+        "unet.conv_in*",
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "warning" not in result.stderr
+    got = load_file(alone / "diffusion_pytorch_model.safetensors")
+    assert set(got) == set(unet) - {"conv_in.weight", "conv_in.bias"}
+    inner_alone = run_ckpt(
+        "convert",
+        diffusers_pipeline,
+        tmp_path / "unet-inner",
+        "--to",
+        "safetensors",
+        "--select",
+        "unet",
+        "--filter-out",
+        "conv_in*",
+        "--json",
+    )
+    assert inner_alone.exit_code == 0, inner_alone.stderr
+    assert any("'conv_in*' matches no entry" in w for w in inner_alone.json["result"]["warnings"])

@@ -114,6 +114,14 @@ CASES = [
         id="accelerate-fsdp-full",
         marks=[_FRAMEWORKS, _TORCHRUN, _SLOW],
     ),
+    pytest.param(
+        _fixture("accelerate_fsdp_rank_files"),
+        "torch",
+        "whole.pt",
+        "optimizer_1_rank",  # accelerate's per-rank files (`use_dcp=False`): one rank each
+        id="accelerate-fsdp-rank-files",
+        marks=[_FRAMEWORKS, _TORCHRUN, _SLOW],
+    ),
     pytest.param(_torch_dict, "dcp", "whole", "optimizer", id="torch-dict"),
     pytest.param(_dcp_training, "torch", "whole.pt", "optimizer", id="dcp"),
     pytest.param(_titan_style, "torch", "whole.pt", "train_state", id="dcp-step-folder"),
@@ -158,32 +166,15 @@ CASES = [
         _fixture("diffusers_pipeline"),
         "safetensors",
         "out",
-        "conv_in",  # a multi-folder model: --filter-out matches names inside each component
+        "unet.conv_in",  # a multi-folder model: --filter-out matches the names inspect shows
         id="diffusers",
         marks=_FRAMEWORKS,
-    ),
-    pytest.param(
-        _fixture("diffusers_pipeline"),
-        "safetensors",
-        "out",
-        "unet.conv_in",
-        id="diffusers-exclude-by-inspect-name",
-        marks=[
-            _FRAMEWORKS,
-            pytest.mark.xfail(
-                strict=True,
-                reason="a multi-folder model is converted component by component and "
-                "--filter-out is matched against the names inside each component (`conv_in.*`), "
-                "not the `unet.conv_in.*` names inspect and diff show: the option reaches no "
-                "entry and nothing says so (not fixed by the #25 deadline)",
-            ),
-        ],
     ),
     pytest.param(
         _fixture("sentence_transformer"),
         "safetensors",
         "out",
-        "embeddings",
+        "0_Transformer.embeddings",
         id="sentence-transformers",
         marks=_FRAMEWORKS,
     ),
@@ -236,6 +227,7 @@ def test_every_file_is_converted_carried_or_skipped_and_diff_sees_every_componen
     lossy = tmp_path / f"lossy-{dest}"
     cut = run_ckpt("convert", src, lossy, "--to", to, "--filter-out", f"{component}*", "--json")
     assert cut.exit_code == 0, cut.stdout + cut.stderr
+    assert not [w for w in cut.json["result"]["warnings"] if "matches no" in w]
     diffed = run_ckpt("diff", src, lossy, "--json")
     assert diffed.exit_code == 1, diffed.stdout
     lost = diffed.json["result"]

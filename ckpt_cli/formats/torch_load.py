@@ -16,6 +16,7 @@ import copy
 import io
 import pickle
 import re
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -206,20 +207,19 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
         check_zip_budget(lambda at, n: storage.read(rel, at, n), 0, size, where)
     local = storage.local_path(rel)
     try:
-        # torch warns about pickle protocols and legacy files on stderr; errors say it instead
-        with _safe_globals(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if local is not None:
-                obj = torch.load(local, weights_only=True, mmap=zipped, map_location="cpu")
-            elif meta and zipped:
-                reader = io.BufferedReader(
-                    StorageRangeFile(storage, rel, size), buffer_size=_RANGE_BUF
-                )
-                obj = torch.load(reader, weights_only=True, map_location="meta")
-            else:
-                obj = torch.load(
-                    io.BytesIO(storage.read_all(rel)), weights_only=True, map_location="cpu"
-                )
+        try:
+            obj = _torch_load(storage, rel, local, zipped=zipped, meta=meta, size=size)
+        except pickle.UnpicklingError as exc:
+            if _DTENSOR_NEEDS_IMPORT not in str(exc):
+                raise
+            # DTensors (accelerate FSDP's per-rank `*_rank{r}.bin` files): torch's weights_only
+            # loader admits them once torch's own module is imported
+            import torch.distributed.tensor  # noqa: F401
+
+            obj = _torch_load(storage, rel, local, zipped=zipped, meta=meta, size=size)
+        if "torch.distributed.tensor" in sys.modules:
+            # each DTensor becomes the part of it this rank saved: a plain tensor
+            obj = local_parts(obj)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         if "GLOBAL" in text:
@@ -247,6 +247,59 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
             fix="The file is truncated or corrupt; write or fetch it again.",
         ) from None
     return obj, not zipped
+
+
+#: what torch's weights_only loader says of a DTensor before `torch.distributed.tensor` is imported
+_DTENSOR_NEEDS_IMPORT = "torch.distributed.tensor`` must be imported to load DTensors"
+
+
+def _torch_load(
+    storage: Storage, rel: str, local: Path | None, *, zipped: bool, meta: bool, size: int
+) -> Any:
+    """`torch.load` with weights_only and ckpt's allow-list: mapped for a local zip file, the
+    metadata alone (`meta`) of a remote one, else the whole file read."""
+    import torch
+
+    # torch warns about pickle protocols and legacy files on stderr, and logs that a DeviceMesh
+    # was unpickled outside a process group (a DTensor's); errors say what matters instead
+    with _safe_globals(), warnings.catch_warnings(), _quiet_logger("torch.distributed"):
+        warnings.simplefilter("ignore")
+        if local is not None:
+            return torch.load(local, weights_only=True, mmap=zipped, map_location="cpu")
+        if meta and zipped:
+            reader = io.BufferedReader(StorageRangeFile(storage, rel, size), buffer_size=_RANGE_BUF)
+            return torch.load(reader, weights_only=True, map_location="meta")
+        return torch.load(io.BytesIO(storage.read_all(rel)), weights_only=True, map_location="cpu")
+
+
+@contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """The standard-library logger `name` silenced (the library never prints)."""
+    import logging
+
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def local_parts(value: Any, depth: int = 0) -> Any:
+    """`value` with every DTensor replaced by its local tensor (the part its rank holds); dicts,
+    lists and tuples rebuilt around them, anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if depth > 200:  # deeper than any state dict; left as loaded
+        return value
+    if isinstance(value, dict):
+        return type(value)((k, local_parts(v, depth + 1)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(local_parts(v, depth + 1) for v in value)
+    return value
 
 
 def _refuse_non_pickle(storage: Storage, rel: str, where: str, size: int) -> None:

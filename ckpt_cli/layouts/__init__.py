@@ -9,7 +9,7 @@ Layouts recognised (from file names, then from the keys of the loaded objects):
 | layout | what it is |
 |---|---|
 | `hf-trainer` | Hugging Face Trainer `checkpoint-N/`: model weights, `optimizer.pt`, `scheduler.pt`, `rng_state*.pth`, `trainer_state.json`, `training_args.bin` |
-| `accelerate` | `Accelerator.save_state` folders: `model.safetensors`, `optimizer.bin`, `scheduler.bin`, `sampler.bin`, `random_states_N.pkl`, `custom_checkpoint_N.pkl` |
+| `accelerate` | `Accelerator.save_state` folders: `model.safetensors`, `optimizer.bin`, `scheduler.bin`, `sampler.bin`, `random_states_N.pkl`, `custom_checkpoint_N.pkl`; FSDP's `pytorch_model_fsdp_N/` + `optimizer_N/` (DCP), `pytorch_model_fsdp.bin`, or per-rank `pytorch_model_fsdp[_N]_rankR.bin` + `optimizer_N_rankR.bin` |
 | `deepspeed` | `global_stepN/` (`mp_rank_00_model_states.pt`, `*_optim_states.pt`), or its parent with `latest` |
 | `torchtitan` | DCP folders with `optimizer.` / `lr_scheduler.` / `dataloader.` / `train_state.` keys beside the model's top-level keys (0.3), or `model.` (older) |
 | `diffusers-pipeline` / `sentence-transformers` | `model_index.json` / `modules.json` folders: one composite of their components (`ckpt_cli.layouts.model_folders`) |
@@ -121,7 +121,10 @@ FOLDER_REGISTRY: tuple[tuple[str, str, re.Pattern[str]], ...] = (
     (
         "accelerate",
         "Accelerate",
-        re.compile(r"random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler\.bin"),
+        re.compile(
+            r"random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler\.bin"
+            r"|pytorch_model_fsdp(_\d+)?_rank\d+\.bin|optimizer_\d+_rank\d+\.bin"
+        ),
     ),
     ("multi_folder", "MultiFolder", re.compile(r"model_index\.json|modules\.json")),
 )

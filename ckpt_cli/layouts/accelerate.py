@@ -21,9 +21,19 @@ from __future__ import annotations
 import re
 
 from ..formats.base import Source
+from ..models import Problem
 from .base import Layout, OpenedSource
-from .composite import Folder, component_files, component_prefixes, finish, numbered
-from .training import all_models, analyse, value_of
+from .composite import (
+    RANK_MODEL_FILE,
+    RANK_OPTIMIZER_FILE,
+    Folder,
+    component_files,
+    component_prefixes,
+    finish,
+    missing_rank_files,
+    numbered,
+)
+from .training import all_models, analyse, per_rank_models, value_of
 
 _RNG = r"random_states_\d+\.pkl"
 _OPTIM = r"optimizer(_\d+)?\.bin"
@@ -42,7 +52,17 @@ class Accelerate(Layout):
 
     def recognise(self, source: Source) -> bool:
         folder = Folder(source)
-        return bool(folder.matching(_RNG) or folder.matching(_OPTIM) or folder.has("scheduler.bin"))
+        return bool(
+            folder.matching(_RNG)
+            or folder.matching(_OPTIM)
+            or folder.has("scheduler.bin")
+            or folder.matching(RANK_MODEL_FILE.pattern)
+            or folder.matching(RANK_OPTIMIZER_FILE.pattern)
+        )
+
+    def missing(self, source: Source, folder: Folder) -> list[Problem]:
+        """Every rank's file of a per-rank FSDP save (`composite.missing_rank_files`)."""
+        return missing_rank_files(source, folder, self.rank_files)
 
     def open(self, source: Source) -> OpenedSource | None:
         folder = Folder(source)
@@ -69,9 +89,12 @@ class Accelerate(Layout):
         for name in folder.matching(r"custom_checkpoint_\d+\.pkl"):
             number = re.findall(r"\d+", name)[-1]
             folder.add(f"custom_{number}", name, "torch")
+        folder.list_training_args()  # what scripts on accelerate often save beside it
+        folder.problems.extend(self.missing(source, folder))
         checkpoint = folder.composite("accelerate")
         state = analyse(checkpoint, "accelerate", component_prefixes(checkpoint))
         all_models(checkpoint, state)
+        per_rank_models(checkpoint, state)
         state.components = component_files(folder)
         for name in ("rng", *(c for c in folder.components if c.startswith("rng_"))):
             step = value_of(checkpoint, f"{name}.step")

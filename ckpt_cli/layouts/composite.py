@@ -243,6 +243,19 @@ class CompositeCheckpoint(Checkpoint):
 
 #: accelerate's name of an FSDP model save (`accelerate.utils.constants.FSDP_MODEL_NAME`)
 FSDP_MODEL = "pytorch_model_fsdp"
+#: accelerate's per-rank torch.save files of FSDP (`accelerate.utils.fsdp_utils`): model i of
+#: rank r under LOCAL_STATE_DICT (`pytorch_model_fsdp_rank{r}.bin` for model 0,
+#: `pytorch_model_fsdp_{i}_rank{r}.bin` after), and under SHARDED_STATE_DICT with
+#: `use_dcp=False` (`pytorch_model_fsdp_{i}_rank{r}.bin` for every i, 0 included); optimizer i
+#: of rank r whenever the state is not FULL and `use_dcp=False` (`optimizer_{i}_rank{r}.bin`)
+RANK_MODEL_FILE = re.compile(rf"{FSDP_MODEL}(?:_(\d+))?_rank(\d+)\.bin")
+RANK_OPTIMIZER_FILE = re.compile(r"optimizer_(\d+)_rank(\d+)\.bin")
+
+
+def rank_component(comp: str, index: int, rank: int) -> str:
+    """The component of object `index`'s state on rank `rank` (a per-rank FSDP file):
+    `model_rank0`, `model_1_rank1`, `optimizer_rank0`..."""
+    return f"{numbered(comp, index)}_rank{rank}"
 
 
 def numbered(comp: str, index: int) -> str:
@@ -315,6 +328,20 @@ class Folder:
                 message=error.message,
                 file=error.path or self.source.storage.describe(rel),
             )
+        )
+
+    def list_training_args(self) -> None:
+        """List `training_args.bin` (when the folder has one) as a component never loaded.
+
+        It is a pickle of transformers' `TrainingArguments` dataclass, which the Trainer saves
+        and many accelerate scripts save beside `save_state`'s files: weights_only refuses it
+        and nothing else may unpickle it, so it is listed (files, components), never read."""
+        if not self.has("training_args.bin"):
+            return
+        self.listed["training_args"] = "training_args.bin (not loaded)"
+        self.listed_files[self.rel("training_args.bin")] = (
+            "a pickle of transformers' TrainingArguments: never unpickled (it would run "
+            "transformers code) and not needed to resume; copy it by hand if wanted"
         )
 
     def has_dir(self, sub: str, marker: str = ".metadata") -> bool:
@@ -407,6 +434,10 @@ class Folder:
         FULL_STATE_DICT writes rank 0's torch.save `pytorch_model_fsdp.bin` and `optimizer.bin`
         (`_{i}` from the second on). A component already taken (a Trainer's `model.safetensors`
         beside its `pytorch_model_fsdp.bin`) makes the FSDP copy `fsdp_<name>`.
+        LOCAL_STATE_DICT, and SHARDED_STATE_DICT with `use_dcp=False`, write one torch.save file
+        per rank (`RANK_MODEL_FILE`, `RANK_OPTIMIZER_FILE`): each is a component of its own,
+        `model_rank{r}`, `model_1_rank{r}`..., `optimizer_rank{r}`, `optimizer_1_rank{r}`...
+        (`rank_component`), read as the rank saved it (its shard; nothing merges them).
         """
 
         def free(comp: str) -> str:
@@ -423,6 +454,12 @@ class Folder:
         for sub, i in self.dirs_matching(r"optimizer_(\d+)"):
             if f"{self.rel(sub)}/" not in added:
                 self.add_dir(free(numbered("optimizer", i)), sub, "dcp", wrapper="optimizer")
+        for comp, regex in ((model, RANK_MODEL_FILE), ("optimizer", RANK_OPTIMIZER_FILE)):
+            for name in self.matching(regex.pattern):
+                match = regex.fullmatch(name)
+                assert match is not None
+                index, rank = int(match.group(1) or 0), int(match.group(2))
+                self.add(rank_component(comp, index, rank), name, "torch")
 
     def add_many(self, comp: str, files: list[str], fmt: str, index: str = r"_(\d+)\.") -> None:
         """One component per file (`rng_state_0.pth`...): `comp`, or `comp_N` when several."""
@@ -484,12 +521,58 @@ def component_prefixes(checkpoint: CompositeCheckpoint) -> dict[str, str]:
     return out
 
 
+def missing_rank_files(
+    source: Source, folder: Folder, rank_state: re.Pattern[str] | None
+) -> list[Problem]:
+    """A per-rank FSDP save (`RANK_MODEL_FILE`, `RANK_OPTIMIZER_FILE`) must hold every rank's
+    file of every model and optimizer: one problem per file missing. The world size is the
+    highest rank any per-rank file names (`rank_state`: the layout's RNG files too), plus one."""
+    groups: dict[tuple[str, int], dict[int, str]] = {}
+    for obj, regex in (("model", RANK_MODEL_FILE), ("optimizer", RANK_OPTIMIZER_FILE)):
+        for name in folder.matching(regex.pattern):
+            match = regex.fullmatch(name)
+            assert match is not None
+            groups.setdefault((obj, int(match.group(1) or 0)), {})[int(match.group(2))] = name
+    if not groups:
+        return []
+    ranks = {rank for files in groups.values() for rank in files}
+    if rank_state is not None:
+        for name in folder.names:
+            match = rank_state.fullmatch(name)
+            if match:
+                ranks.add(int(match.group(1) or 0))
+    world = max(ranks) + 1
+    problems: list[Problem] = []
+    for (obj, index), files in sorted(groups.items()):
+        sample = files[min(files)]
+        for rank in range(world):
+            if rank in files:
+                continue
+            name = re.sub(r"_rank\d+\.bin$", f"_rank{rank}.bin", sample)
+            problems.append(
+                Problem(
+                    code="missing_rank_file",
+                    message=f"is missing: {obj} {index}'s state was saved one file per rank "
+                    f"(FSDP, {len(files)} of {world} ranks' files are here) and rank {rank}'s "
+                    "part is in no other file, so the run cannot be resumed. Copy the file "
+                    "again from where the run saved it.",
+                    file=source.storage.describe(folder.rel(name)),
+                )
+            )
+    return problems
+
+
 def finish(
     checkpoint: Checkpoint, state: TrainingState, folder: Folder | None = None
 ) -> OpenedSource:
     if folder is not None:
         state.unreadable = dict(folder.unreadable)
     verdict(state)
+    lost = [p.file for p in folder.problems if p.code == "missing_rank_file"] if folder else []
+    if lost:
+        # no resume without every rank's part: a missing shard, not an inexact resume
+        state.missing.append(f"every rank's file ({len(lost)} missing)")
+        state.resumable = state.exact = False
     if folder is None:
         return OpenedSource(checkpoint=checkpoint, training=state)
     return OpenedSource(

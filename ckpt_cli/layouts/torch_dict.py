@@ -10,7 +10,16 @@ from ..models import Manifest, TrainingState
 from .base import SingleLayout
 from .lightning import Lightning
 from .torchtitan import model_entries, titan_model_keys
-from .training import all_models, analyse, as_int, rank_components, top_keys, value_of, verdict
+from .training import (
+    all_models,
+    analyse,
+    as_int,
+    per_rank_models,
+    rank_components,
+    top_keys,
+    value_of,
+    verdict,
+)
 
 # --------------------------------------------------------------------------- single files
 
@@ -116,6 +125,7 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
     state = analyse(checkpoint, layout, prefixes)
     if model == "model" and optimizer == "optimizer":
         all_models(checkpoint, state)  # a whole multi-model accelerate folder, converted
+    per_rank_models(checkpoint, state)  # a whole per-rank FSDP save (`model_rank0`...), converted
     if titan_model:
         view = Manifest(format=manifest.format, location=manifest.location)
         view.entries = [

@@ -9,10 +9,12 @@ from typing import Any
 from ..formats.base import Source
 from ..models import Problem
 from .base import Layout, OpenedSource
-from .composite import Folder, component_files, component_prefixes, finish
-from .training import analyse
+from .composite import Folder, component_files, component_prefixes, finish, missing_rank_files
+from .training import analyse, per_rank_models
 
-_MARKERS = ("trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin")
+#: files only the Trainer writes; `training_args.bin` is not one of them: scripts built on
+#: accelerate save their `TrainingArguments` beside `save_state`'s files too
+_MARKERS = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
 _RNG = r"rng_state(_\d+)?\.pth"
 
 
@@ -55,8 +57,18 @@ class Trainer(Layout):
         ]
 
     def recognise(self, source: Source) -> bool:
+        """A Trainer file (`trainer_state.json`, `optimizer.pt`, `scheduler.pt`,
+        `rng_state*.pth`), or a lone `training_args.bin` in a folder that holds none of
+        accelerate's `save_state` files (an accelerate folder with it opens as accelerate, so
+        its `random_states_*.pkl` are read as its RNG)."""
         folder = Folder(source)
-        return any(folder.has(m) for m in _MARKERS) or bool(folder.matching(_RNG))
+        if any(folder.has(m) for m in _MARKERS) or folder.matching(_RNG):
+            return True
+        if not folder.has("training_args.bin"):
+            return False
+        from .accelerate import Accelerate
+
+        return not Accelerate().recognise(source)
 
     def open(self, source: Source) -> OpenedSource | None:
         folder = Folder(source)
@@ -77,17 +89,11 @@ class Trainer(Layout):
         folder.add_many("rng", rng, "torch")
         if folder.has("trainer_state.json"):
             folder.add("trainer_state", "trainer_state.json", "json")
-        if folder.has("training_args.bin"):
-            # a pickle of transformers' TrainingArguments dataclass: weights_only refuses it and
-            # nothing else may unpickle it, so it is listed (files, components) and never read
-            folder.listed["training_args"] = "training_args.bin (not loaded)"
-            folder.listed_files[folder.rel("training_args.bin")] = (
-                "a pickle of transformers' TrainingArguments: never unpickled (it would run "
-                "transformers code) and not needed to resume; copy it by hand if wanted"
-            )
+        folder.list_training_args()
         folder.problems.extend(self.missing(source, folder))
         checkpoint = folder.composite("hf-trainer")
         state = analyse(checkpoint, "hf-trainer", component_prefixes(checkpoint))
+        per_rank_models(checkpoint, state)  # FSDP's LOCAL_STATE_DICT: one file per rank
         state.components = component_files(folder)
         if model_file is None:
             state.components.pop("model", None)
@@ -104,8 +110,11 @@ class Trainer(Layout):
         return finish(checkpoint, state, folder)
 
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
-        """Optimizer / scheduler files the Trainer should have saved (see `_trainer_missing`)."""
-        return _trainer_missing(source, folder)
+        """Optimizer / scheduler files the Trainer should have saved (see `_trainer_missing`),
+        and every rank's file of a per-rank FSDP save."""
+        return _trainer_missing(source, folder) + missing_rank_files(
+            source, folder, self.rank_files
+        )
 
 
 #: what a Trainer saves beside the weights unless `save_only_model` is set

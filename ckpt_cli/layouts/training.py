@@ -324,10 +324,18 @@ def all_models(checkpoint: Checkpoint, state: TrainingState) -> None:
         optimizer = model.replace("model", "optimizer", 1)
         view = analyse_optimizer(checkpoint, f"{optimizer}.")
         views.append(view.state if view is not None else None)
+    combined = _combined_optimizers(views)
+    if combined is not None:
+        state.optimizer = combined
+
+
+def _combined_optimizers(views: list[OptimizerState | None]) -> OptimizerState | None:
+    """One summary of several optimizers' states (None where one was not saved): complete
+    only when every one is there and complete; None when none is."""
     found = [v for v in views if v is not None]
     if not found:
-        return
-    state.optimizer = OptimizerState(
+        return None
+    return OptimizerState(
         kind=found[0].kind if all(v.kind == found[0].kind for v in found) else None,
         states=sorted({s for v in found for s in v.states}),
         params=sum(v.params or 0 for v in found),
@@ -335,6 +343,56 @@ def all_models(checkpoint: Checkpoint, state: TrainingState) -> None:
         complete=len(found) == len(views) and all(v.complete for v in found),
         source=", ".join(v.source or "" for v in found),
     )
+
+
+#: a per-rank FSDP component (`composite.rank_component`): object, its index, the rank
+_RANK_PART = re.compile(r"(?P<obj>model|optimizer)(?:_(?P<index>\d+))?_rank(?P<rank>\d+)")
+
+
+def rank_parts(manifest: Manifest) -> dict[tuple[str, int], dict[int, str]]:
+    """The per-rank FSDP components among the top-level names of `manifest` (`model_rank0`,
+    `optimizer_1_rank1`...): (object, index) -> rank -> the prefix of its entries. A folder
+    names accelerate's `*_rank{r}.bin` files so, and a whole folder converted to one file keeps
+    the names."""
+    found: dict[tuple[str, int], dict[int, str]] = {}
+    for key, prefix in top_keys(manifest).items():
+        match = _RANK_PART.fullmatch(key)
+        if match:
+            part = (match["obj"], int(match["index"] or 0))
+            found.setdefault(part, {})[int(match["rank"])] = prefix
+    return found
+
+
+def per_rank_models(checkpoint: Checkpoint, state: TrainingState) -> None:
+    """The weights and optimizer state of a save made of per-rank files (accelerate FSDP's
+    LOCAL_STATE_DICT, or SHARDED_STATE_DICT with `use_dcp=False`) when no other copy of the
+    model is there: the weights as the ranks' files store them (every rank's shard counted),
+    and the optimizer state complete only when every rank that saved a model shard saved its
+    optimizer state, complete."""
+    parts = rank_parts(checkpoint.manifest)
+    models = {index: ranks for (obj, index), ranks in parts.items() if obj == "model"}
+    if not models or "model" in state.prefixes:
+        return
+    summaries = [
+        weights_summary(checkpoint.manifest, prefix)
+        for ranks in models.values()
+        for prefix in ranks.values()
+    ]
+    state.weights = {
+        k: sum(w.get(k, 0) for w in summaries) for k in ("tensors", "parameters", "bytes")
+    }
+    if state.optimizer is not None:
+        return
+    views: list[OptimizerState | None] = []
+    for index, ranks in sorted(models.items()):
+        optimizers = parts.get(("optimizer", index), {})
+        for rank in sorted(ranks):
+            prefix = optimizers.get(rank)
+            view = analyse_optimizer(checkpoint, prefix) if prefix is not None else None
+            views.append(view.state if view is not None else None)
+    combined = _combined_optimizers(views)
+    if combined is not None:
+        state.optimizer = combined
 
 
 def verdict(state: TrainingState) -> None:
@@ -454,17 +512,54 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
 
 def shape_problems(opened: OpenedSource) -> list[Problem]:
     """Optimizer state that does not fit the weights: state for a parameter the weights lack,
-    or whose shape no (remaining) weight has (the optimizer was restored for other parameters)."""
+    or whose shape no (remaining) weight has (the optimizer was restored for other parameters).
+
+    With several prepared models (accelerate's `model`, `model_1`... beside `optimizer`,
+    `optimizer_1`...), every optimizer is checked against its own model, and each problem
+    names the pair."""
     state = opened.training
     if state is None or state.optimizer is None:
         return []
     model_prefix = state.prefixes.get("model")
     opt_prefix = state.prefixes.get("optimizer")
-    if model_prefix is None or opt_prefix is None:
-        return []
-    checkpoint = opened.checkpoint
-    if opt_prefix.startswith("optim_states"):
+    if opt_prefix is not None and opt_prefix.startswith("optim_states"):
         return []  # DeepSpeed ZeRO state covers flat partitions, not individual weights
+    pairs = model_optimizer_pairs(opened.checkpoint.manifest)
+    if model_prefix is not None and opt_prefix is not None:
+        pairs.insert(0, (model_prefix, opt_prefix))
+    several = len(pairs) > 1
+    problems: list[Problem] = []
+    for model, optimizer in pairs:
+        problems += _pair_shape_problems(opened, model, optimizer, named=several)
+    return problems
+
+
+def model_optimizer_pairs(manifest: Manifest) -> list[tuple[str, str]]:
+    """The (model, optimizer) prefixes of the models after the first (`model_1.` with
+    `optimizer_1.`...), in model order: accelerate numbers the i-th prepared object `_{i}`;
+    then those of every rank's own files (`model_rank0.` with `optimizer_rank0.`...)."""
+    keys = top_keys(manifest)
+    numbered = sorted(
+        (int(m.group(1)), key)
+        for key in keys
+        if (m := re.fullmatch(r"model_(\d+)", key)) is not None
+    )
+    pairs = [(keys[key], keys[f"optimizer_{i}"]) for i, key in numbered if f"optimizer_{i}" in keys]
+    parts = rank_parts(manifest)
+    for (obj, index), ranks in sorted(parts.items()):
+        optimizers = parts.get(("optimizer", index), {}) if obj == "model" else {}
+        pairs += [(ranks[r], optimizers[r]) for r in sorted(ranks) if r in optimizers]
+    return pairs
+
+
+def _pair_shape_problems(
+    opened: OpenedSource, model_prefix: str, opt_prefix: str, *, named: bool
+) -> list[Problem]:
+    """`shape_problems` of one optimizer against one model; with `named`, each message says
+    which optimizer and which model (`optimizer_1` against `model_1`)."""
+    checkpoint = opened.checkpoint
+    state = opened.training
+    assert state is not None
     view = analyse_optimizer(checkpoint, opt_prefix)
     if view is None:
         return []
@@ -479,6 +574,9 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
 
         model.update(fused_shapes(model))  # its optimizer keys the fused `wqkv` parameter
     problems: list[Problem] = []
+    opt_label = f"{opt_prefix.rstrip('.')} state" if named else "optimizer state"
+    weights_label = f"weight of {model_prefix.rstrip('.')}" if named else "model weight"
+    lacking = f"{model_prefix.rstrip('.')} lacks" if named else "the weights lack"
 
     def param_shape(states: dict[str, list[int]]) -> list[int] | None:
         shaped = [s for name, s in states.items() if s and name != "step"]
@@ -491,7 +589,7 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
                 problems.append(
                     Problem(
                         code="optimizer_unknown_param",
-                        message=f"{where}: optimizer state for {fqn!r}, which the weights lack",
+                        message=f"{where}: {opt_label} for {fqn!r}, which {lacking}",
                         file=where,
                         tensor=f"{opt_prefix}state.{fqn}",
                     )
@@ -500,8 +598,8 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
                 problems.append(
                     Problem(
                         code="optimizer_shape_mismatch",
-                        message=f"{where}: optimizer state of {fqn!r} is {shape}, "
-                        f"the weight is {model[fqn]}",
+                        message=f"{where}: {opt_label} of {fqn!r} is {shape}, "
+                        f"the {weights_label} is {model[fqn]}",
                         file=where,
                         tensor=f"{opt_prefix}state.{fqn}",
                     )
@@ -520,8 +618,8 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
         problems.append(
             Problem(
                 code="optimizer_shape_mismatch",
-                message=f"{where}: optimizer state of parameter {pid} has shape {shape}, "
-                "which no remaining model weight has",
+                message=f"{where}: {opt_label} of parameter {pid} has shape {shape}, "
+                f"which no remaining {weights_label} has",
                 file=where,
                 tensor=f"{opt_prefix}state.{pid}",
             )

@@ -11,7 +11,7 @@ rename once every component is written.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol, TypeVar
 
 from ..errors import FormatError, UsageError
@@ -72,13 +72,17 @@ def write_components(
     layout: str,
     components: list[Component],
     to: str,
-    one: Callable[[str, str, str], R],
+    one: Callable[[Component, str, str, str], R],
     *,
     force: bool,
     dry_run: bool = False,
+    skip: Collection[str] = (),
 ) -> tuple[list[FileInfo], list[R]]:
-    """Write every component with `one(component_src, component_dest, target)`, copy the
-    other files, publish DEST. Returns (files written, the per-component reports).
+    """Write every component with `one(component, component_src, component_dest, target)`,
+    copy the other files, publish DEST. Returns (files written, the per-component reports).
+
+    The components named in `skip` are not written and their weight files not copied (convert's
+    `--filter` / `--filter-out` left every entry of them out); their other files are.
 
     With `dry_run` nothing is staged, copied or published: `one` is asked for each
     component's plan (it must be a dry run itself), and the files are what would be written.
@@ -105,11 +109,12 @@ def write_components(
         raise UsageError(f"a {layout} folder is written to a local folder", path=dest)
     source = resolve_source(src)
     jobs, weight_files = _component_jobs(source.files, src.rstrip("/"), components)
+    jobs = [(comp, inner_src) for comp, inner_src in jobs if comp.name not in skip]
     reports: list[R] = []
     files: list[FileInfo] = []
     if dry_run:
         for comp, inner_src in jobs:
-            report = one(inner_src, str(dest_path / (comp.path or ROOT_SCRATCH)), to)
+            report = one(comp, inner_src, str(dest_path / (comp.path or ROOT_SCRATCH)), to)
             reports.append(report)
             files += _under(comp, report.files)
         planned = {info.path for info in files}
@@ -122,7 +127,7 @@ def write_components(
     with staged_output(dest_path, force=force) as staging:
         for comp, inner_src in jobs:
             inner_dest = staging / (comp.path or ROOT_SCRATCH)
-            report = one(inner_src, str(inner_dest), to)
+            report = one(comp, inner_src, str(inner_dest), to)
             reports.append(report)
             if not comp.path:  # a root module moves up beside the other components' folders
                 for child in sorted(inner_dest.iterdir()):
@@ -150,22 +155,22 @@ def _component_jobs(
     for comp in components:
         if comp.weights is None:
             continue
-        if comp.path:
-            prefix = f"{comp.path}/"
-            jobs.append((comp, f"{root}/{comp.path}"))
-            weight_files.update(
-                n
-                for n in listing
-                if n.startswith(prefix)
-                and "/" not in n[len(prefix) :]
-                and _is_weights(n[len(prefix) :])
-            )
-        else:
-            # a root module (sentence-transformers' transformer): written into a scratch
-            # folder, then moved up beside the other components' folders
-            jobs.append((comp, f"{root}/{comp.weights}"))
-            weight_files.update(n for n in listing if "/" not in n and _is_weights(n))
+        # a root module (sentence-transformers' transformer) is written into a scratch folder,
+        # then moved up beside the other components' folders
+        jobs.append((comp, f"{root}/{comp.path}" if comp.path else f"{root}/{comp.weights}"))
+        weight_files.update(component_weight_files(listing, comp))
     return jobs, weight_files
+
+
+def component_weight_files(listing: dict[str, int] | Collection[str], comp: Component) -> list[str]:
+    """The weight files (and index) of component `comp` among `listing` (paths from the
+    root): those of its folder, or the root's own for a root module."""
+    prefix = f"{comp.path}/" if comp.path else ""
+    return sorted(
+        n
+        for n in listing
+        if n.startswith(prefix) and "/" not in n[len(prefix) :] and _is_weights(n[len(prefix) :])
+    )
 
 
 def _under(comp: Component, written: list[FileInfo]) -> list[FileInfo]:

@@ -13,11 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import dtypes
 from ..distributed import RankShare
-from ..errors import FormatError, UsageError
+from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import find_format
 from ..formats.base import Checkpoint, Format, WriteOptions
 from ..layouts import OpenedSource, open_source
 from ..layouts.megatron import keep_megatron_layout
+from ..layouts.model_folders import Component
 from ..models import FileInfo, Manifest
 from ..output import Destination, resolve_destination
 from ..progress import NULL_PROGRESS, Progress
@@ -37,6 +38,7 @@ from .convert_plan import (
     read_config,
     unused_renames,
 )
+from .selection import unmatched_rules
 from .transfer import (
     SkippedEntry,
     TransferPlan,
@@ -72,6 +74,7 @@ class ConvertRequest(BaseModel):
     dry_run: bool = False
     extras: bool = True
     config: str | None = None
+    match_prefix: str = ""
 
 
 class ConvertReport(BaseModel):
@@ -149,6 +152,7 @@ def _unreadable_components(
     select: str | None,
     include: list[str] | None,
     exclude: list[str] | None,
+    match_prefix: str = "",
 ) -> None:
     """Fail on a component that cannot be read, unless the user left it out explicitly.
 
@@ -159,7 +163,7 @@ def _unreadable_components(
     import fnmatch
 
     def left_out(comp: str) -> str | None:
-        probes = (comp, f"{comp}.", f"{comp}.x")
+        probes = (f"{match_prefix}{comp}", f"{match_prefix}{comp}.", f"{match_prefix}{comp}.x")
         if exclude and any(fnmatch.fnmatchcase(p, g) for g in exclude for p in probes):
             return "left out by --filter-out"
         if select is not None and comp != select.rstrip(".") and not comp.startswith(select):
@@ -204,6 +208,7 @@ def convert(
     dry_run: bool = False,
     extras: bool = True,
     config: str | None = None,
+    match_prefix: str = "",
 ) -> ConvertReport:
     """Convert `src` into format `to` at `dest`, streaming one tensor or byte range at a time.
 
@@ -232,6 +237,9 @@ def convert(
         config: a `config.json` to write into a folder DEST, in place of the source's: a
             file, a model folder or `hf://org/model` (an FSDP Trainer checkpoint has none,
             and `from_pretrained` needs one).
+        match_prefix: what `include` / `exclude` see before each source name: a multi-folder
+            model's component is converted with `unet.`, so the globs match the names
+            `ckpt inspect` shows of the whole folder (`unet.conv_in.weight`).
     """
     target = check_target(
         to, serialization=dcp_serialization, compression=dcp_compression, world_size=world_size
@@ -276,7 +284,15 @@ def convert(
                 return _convert_components(src, dest, to, found, request, progress)
             sub = component_source(src, found[1], select)
             if sub is not None:
-                return convert_component(sub, dest, to, request, progress)
+                # the globs still see the names inspect shows of the whole folder
+                prefix = f"{select.rstrip('.')}."
+                named = request.model_copy(update={"match_prefix": prefix})
+                report = convert_component(sub, dest, to, named, progress)
+                if include or exclude:
+                    with open_source(sub).checkpoint as part:
+                        names = [prefix + e.name for e in part.manifest.entries]
+                    report.warnings += unmatched_rules(names, include, exclude)
+                return report
     single_file, basename = output_layout(target, dest_path, shard_size)
     given_config: tuple[bytes, str] | None = None
     if config is not None:
@@ -300,9 +316,13 @@ def convert(
         analysis = analyse_checkpoint(base.manifest, base.storage)
         checkpoint, dequantized = _readable(base, analysis, src, dequantize, cast)
         manifest = checkpoint.manifest
-        plan = _plan(opened, manifest, target, select, include, exclude, rename_pairs, cast)
+        plan = _plan(
+            opened, manifest, target, select, include, exclude, rename_pairs, cast, match_prefix
+        )
         kept = 0 if dequantize else keep_quantized(plan, analysis)
-        _unreadable_components(opened.unreadable, plan.skipped, select, include, exclude)
+        _unreadable_components(
+            opened.unreadable, plan.skipped, select, include, exclude, match_prefix
+        )
         options = WriteOptions(
             max_shard_size=shard_size,
             # the source's string metadata where the target keeps some (safetensors)
@@ -314,6 +334,8 @@ def convert(
             dcp_compression=None if dcp_compression == NO_COMPRESSION else dcp_compression,
         )
         warnings = unused_renames(plan, rename_pairs)
+        if not match_prefix:  # a component's rules are judged over the whole folder
+            warnings += unmatched_rules((e.name for e in manifest.entries), include, exclude)
         carried = extra_files(checkpoint) if extras and not single_file else []
         if given_config is not None:
             carried = [rel for rel in carried if rel != "config.json"]
@@ -423,6 +445,7 @@ def _plan(
     exclude: list[str] | None,
     renames: list[tuple[str, str]],
     cast: str | None,
+    match_prefix: str = "",
 ) -> TransferPlan:
     """What goes out under which name and dtype, as far as the target can hold it."""
     from .selection import refuse_placeholders
@@ -437,6 +460,7 @@ def _plan(
         keep_objects=target.holds_objects,
         dedupe_tied=target.dedupes_tied,
         opened=opened,
+        match_prefix=match_prefix,
     )
     if select or include or exclude:
         # ZeRO-3's empty parameters are no weights: never picked out without the rebuilt ones
@@ -521,21 +545,33 @@ def _convert_components(
     from .components import write_components
 
     layout, components = found
+    left_out, warnings = _left_out_components(src, components, request)
     inner = request.model_copy(update={"force": False})
 
-    def one(component_src: str, component_dest: str, target: str) -> ConvertReport:
-        return convert_component(component_src, component_dest, target, inner, progress)
+    def one(comp: Component, component_src: str, component_dest: str, target: str) -> ConvertReport:
+        # the globs see the names inspect shows of the whole folder: `unet.conv_in.weight`
+        named = inner.model_copy(update={"match_prefix": f"{comp.name}."})
+        return convert_component(component_src, component_dest, target, named, progress)
 
     files, reports = write_components(
-        src, dest, layout, components, to, one, force=request.force, dry_run=request.dry_run
+        src,
+        dest,
+        layout,
+        components,
+        to,
+        one,
+        force=request.force,
+        dry_run=request.dry_run,
+        skip=left_out,
     )
     shard_size = request.max_shard_size
     # every file of SRC accounted for: each component's own (prefixed with its folder), and
     # the files copied beside them (`model_index.json`, schedulers, tokenizers...)
-    bases = [f"{c.path}/" if c.path else "" for c in components if c.weights is not None]
+    converted = [c for c in components if c.weights is not None and c.name not in left_out]
+    bases = [f"{c.path}/" if c.path else "" for c in converted]
     read: list[str] = []
     carried: list[str] = []
-    skipped: list[SkippedEntry] = []
+    skipped = _left_out_files(src, components, left_out)
     written: set[str] = set()
     for base, report in zip(bases, reports, strict=True):
         read += [f"{base}{r}" for r in report.read]
@@ -567,5 +603,62 @@ def _convert_components(
         dry_run=request.dry_run,
         dequantized=sum(r.dequantized for r in reports),
         quantized_kept=sum(r.quantized_kept for r in reports),
-        warnings=[w for r in reports for w in r.warnings],
+        warnings=warnings + [w for r in reports for w in r.warnings],
     )
+
+
+def _left_out_components(
+    src: str, components: list[Component], request: ConvertRequest
+) -> tuple[set[str], list[str]]:
+    """The weight-holding components of which `--filter` / `--filter-out` keep no entry (left
+    out whole), and a warning for each of them and for each glob that matches no entry of any
+    component. The globs are matched as everywhere else: against the names `ckpt inspect`
+    shows of the whole folder (`unet.conv_in.weight`)."""
+    include, exclude = request.include, request.exclude
+    if not (include or exclude):
+        return set(), []
+    from .inspect import select as select_globs
+
+    opened = open_source(src)
+    with opened.checkpoint as whole:
+        entries = whole.manifest.entries
+        names = [e.name for e in entries]
+        kept = {e.name for e in select_globs(entries, include, exclude)}
+    warnings = unmatched_rules(names, include, exclude, matched="entry of any component")
+    weighted = [c for c in components if c.weights is not None]
+    left_out = {c.name for c in weighted if not any(n.startswith(f"{c.name}.") for n in kept)}
+    if len(left_out) == len(weighted):
+        raise NotFoundError(
+            "the --filter/--filter-out patterns leave no entry to write",
+            path=src,
+            fix="Check the patterns against `ckpt inspect --list` (a component's entries are "
+            f"named `{weighted[0].name}.<name>`).",
+        )
+    for name in sorted(left_out):
+        warnings.append(
+            f"the {name} component is left out whole (--filter/--filter-out keep none of its "
+            "entries): the output holds its other files, not its weights"
+        )
+    return left_out, warnings
+
+
+def _left_out_files(
+    src: str, components: list[Component], left_out: set[str]
+) -> list[SkippedEntry]:
+    """The components left out whole, and their weight files, as `skipped` lists them."""
+    if not left_out:
+        return []
+    from ..formats import resolve_source
+    from .components import component_weight_files
+
+    listing = resolve_source(src).files
+    why = "every entry of the component left out by --filter/--filter-out"
+    skipped: list[SkippedEntry] = []
+    for comp in components:
+        if comp.name in left_out:
+            skipped.append(SkippedEntry(name=comp.name, kind="component", reason=why))
+            skipped += [
+                SkippedEntry(name=rel, kind="file", reason=why)
+                for rel in component_weight_files(listing, comp)
+            ]
+    return skipped

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from fnmatch import fnmatchcase
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -25,8 +26,7 @@ from ..layouts import OpenedSource, open_source
 from ..models import Entry
 from ..progress import NULL_PROGRESS, Progress
 from .compare import error_stats, short_repr, tensor_stats, values_equal
-from .inspect import select as select_globs
-from .selection import refuse_placeholders, select_entries
+from .selection import refuse_placeholders, select_entries, unmatched_rules
 from .transfer import parse_renames, raw_blocks, rename
 
 
@@ -135,6 +135,8 @@ class DiffReport(BaseModel):
             `ignore_dtype`).
         aliases: tied names (see `ops.aliases`): a name one side keeps only as a recorded
             alias is compared with the tensor it names there, not counted as missing.
+        warnings: options that had no effect (a `--filter` glob that matches no entry of
+            either side).
     """
 
     a: str
@@ -159,6 +161,7 @@ class DiffReport(BaseModel):
     ignore_dtype: bool = False
     dtype_changes: int = 0
     aliases: list[AliasPair] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
 
 
 def _selected(
@@ -192,11 +195,15 @@ def _selected(
     return chosen, True, False
 
 
-def _align(
-    chosen: list[tuple[Entry, str]],
-    renames: Sequence[tuple[str, str]],
-    filters: Sequence[str],
-) -> dict[str, Entry]:
+def _filtered(aligned: dict[str, Entry], filters: Sequence[str]) -> dict[str, Entry]:
+    """The lined-up names (as `ckpt inspect` shows them, after --select and --rename) that
+    match a `--filter` glob; all of them without one."""
+    if not filters:
+        return aligned
+    return {n: e for n, e in aligned.items() if any(fnmatchcase(n, g) for g in filters)}
+
+
+def _align(chosen: list[tuple[Entry, str]], renames: Sequence[tuple[str, str]]) -> dict[str, Entry]:
     aligned: dict[str, Entry] = {}
     for entry, name in chosen:
         new = rename(name, renames)
@@ -206,14 +213,6 @@ def _align(
                 fix="Adjust --select/--rename so names stay distinct.",
             )
         aligned[new] = entry
-    if filters:
-        kept = {
-            e.name
-            for e in select_globs(
-                [e.model_copy(update={"name": n}) for n, e in aligned.items()], list(filters)
-            )
-        }
-        aligned = {n: e for n, e in aligned.items() if n in kept}
     return aligned
 
 
@@ -357,8 +356,10 @@ def diff(
             if select:
                 # ZeRO-3's empty parameters would compare equal whatever the weights are
                 refuse_placeholders(opened, [e.name for e, _ in chosen], select, where)
-        left = _align(chosen_a, rename_pairs, filters or [])
-        right = _align(chosen_b, rename_pairs, filters or [])
+        left = _align(chosen_a, rename_pairs)
+        right = _align(chosen_b, rename_pairs)
+        warnings = unmatched_rules([*left, *right], filters, None, matched="entry of either side")
+        left, right = _filtered(left, filters or []), _filtered(right, filters or [])
         if select and not (applied_a or applied_b):
             raise NotFoundError(
                 f"neither checkpoint has entries under {select!r}",
@@ -385,6 +386,7 @@ def diff(
             select_applied={"a": applied_a, "b": applied_b} if select else {},
             only_a=[n for n in left if n not in right],
             only_b=[n for n in right if n not in left],
+            warnings=warnings,
         )
         extra = _resolve_aliases(
             report, (opened_a, ca, chosen_a), (opened_b, cb, chosen_b), rename_pairs, left, right

@@ -71,14 +71,18 @@ class InspectReport(BaseModel):
 
 
 def select(
-    entries: list[Entry], include: list[str] | None = None, exclude: list[str] | None = None
+    entries: list[Entry],
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    prefix: str = "",
 ) -> list[Entry]:
-    """Entries matching any `include` glob (all if none) and no `exclude` glob."""
+    """Entries matching any `include` glob (all if none) and no `exclude` glob; the globs see
+    each name as `prefix + name` (a multi-folder model's component: `unet.` + its own name)."""
     chosen = entries
     if include:
-        chosen = [e for e in chosen if any(fnmatchcase(e.name, g) for g in include)]
+        chosen = [e for e in chosen if any(fnmatchcase(prefix + e.name, g) for g in include)]
     if exclude:
-        chosen = [e for e in chosen if not any(fnmatchcase(e.name, g) for g in exclude)]
+        chosen = [e for e in chosen if not any(fnmatchcase(prefix + e.name, g) for g in exclude)]
     return chosen
 
 

@@ -361,7 +361,7 @@ def _reshard_components(
     """Reshard every weight-holding component of a multi-folder model with its own naming."""
     from .components import write_components
 
-    def one(inner_src: str, inner_dest: str, to: str) -> ReshardReport:
+    def one(comp: Any, inner_src: str, inner_dest: str, to: str) -> ReshardReport:
         return reshard_shard_size(inner_src, inner_dest, limit, progress=progress)
 
     source = resolve_source(src)

@@ -116,6 +116,24 @@ def reshard_folder(
             dry_run=dry_run,
             extras=extras,
         )
+    from ..layouts.composite import RANK_MODEL_FILE, RANK_OPTIMIZER_FILE
+
+    per_rank = sorted(
+        rel
+        for rel in source.files
+        if RANK_MODEL_FILE.fullmatch(rel) or RANK_OPTIMIZER_FILE.fullmatch(rel)
+    )
+    if per_rank:
+        # each file is one rank's part of every parameter, loaded back only by that rank
+        raise UsageError(
+            f"--world-size does not re-cut FSDP state saved one file per rank yet ({per_rank[0]}"
+            f"{f' and {len(per_rank) - 1} more' if len(per_rank) > 1 else ''}): the framework "
+            "loads each file on the rank that saved it, at the world size that saved it",
+            path=src,
+            fix="Load it at its own world size and save it again as DCP (accelerate's default "
+            "SHARDED_STATE_DICT save, `use_dcp=True`), which --world-size re-cuts; or convert "
+            "the whole folder (`ckpt convert SRC OUT --to dcp`) to keep every rank's part.",
+        )
     out = local_dest(dest)
     guard_paths(src, out)
     check_destination(out.absolute(), force)

@@ -7,6 +7,12 @@ and, in a torchtitan 0.3 save, the model's keys that sit at the top level beside
 `optimizer` / `lr_scheduler` / `dataloader` / `train_state` (prefix "", names unchanged).
 Otherwise NAME is a plain prefix: `NAME` itself and `NAME.*`, stripped.
 
+`--filter` / `--filter-out` are globs on the names `ckpt inspect` shows, in every command that takes
+them: a multi-folder model's component is converted on its own, yet its rules see its entries as
+`unet.conv_in.weight`, never `conv_in.weight` (`match_prefix`). A rule that matches no entry
+anywhere is reported (`unmatched_rules`): it is a warning, not an error, since the same
+`--filter-out` is often applied to many checkpoints of which only some hold what it names.
+
 Some layouts keep stand-ins that are not the data they name (`OpenedSource.placeholders`: the
 empty ZeRO-3 parameters in `model_states.module`); `refuse_placeholders` stops an operation
 that would hand them over as weights without the real ones.
@@ -14,8 +20,9 @@ that would hand them over as weights without the real ones.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 from ..errors import FormatError
 from ..layouts.base import OpenedSource
@@ -103,3 +110,28 @@ def refuse_placeholders(
         path=where,
         fix=first.fix,
     )
+
+
+def unmatched_rules(
+    names: Iterable[str],
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+    *,
+    matched: str = "entry",
+) -> list[str]:
+    """One warning per `--filter` / `--filter-out` glob that matches none of `names` (the
+    names `ckpt inspect` shows; `matched` says which names those are, for the message)."""
+    rules = [("--filter", g) for g in include or ()] + [("--filter-out", g) for g in exclude or ()]
+    if not rules:
+        return []
+    pending = dict.fromkeys(rules)
+    for name in names:
+        for rule in [r for r in pending if fnmatchcase(name, r[1])]:
+            del pending[rule]
+        if not pending:
+            return []
+    return [
+        f"{option} {glob!r} matches no {matched}, so it has no effect; "
+        "check it against `ckpt inspect --list`"
+        for option, glob in pending
+    ]

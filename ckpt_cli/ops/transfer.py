@@ -179,6 +179,7 @@ def plan_transfer(
     keep_objects: bool = True,
     dedupe_tied: bool = False,
     opened: OpenedSource | None = None,
+    match_prefix: str = "",
 ) -> TransferPlan:
     """Decide what to write, from the manifest alone.
 
@@ -192,8 +193,12 @@ def plan_transfer(
         keep_objects: the target can hold non-tensor entries; otherwise they are skipped.
         dedupe_tied: write tensors that share storage once (the others become aliases).
         opened: the opened source, whose layout says what `select` names.
+        match_prefix: what `include` / `exclude` see before each name (`unet.`: a multi-folder
+            model's component, matched by the names inspect shows of the whole folder).
     """
-    entries = select_globs(manifest.entries, list(include or []), list(exclude or []))
+    entries = select_globs(
+        manifest.entries, list(include or []), list(exclude or []), prefix=match_prefix
+    )
     selection: Selection = select_entries(opened, entries, select, manifest)
     chosen = selection.pairs
     if select and not chosen:

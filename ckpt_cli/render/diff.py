@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..ops.diff import DiffReport, EntryDiff
-from . import shape_str, stdout
+from . import shape_str, stderr, stdout
 
 #: differences shown before the rest are counted (all of them are in --json)
 MAX_SHOWN = 15
@@ -96,3 +96,5 @@ def render_diff(report: DiffReport) -> None:
     _aliases(report)
     if report.close:
         stdout.print(f"  {report.close} entries differ within tolerance")
+    for warning in report.warnings:
+        stderr.print(f"[yellow]ckpt diff: warning:[/] {warning}", highlight=False)
