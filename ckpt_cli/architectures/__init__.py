@@ -85,14 +85,16 @@ def recognise(names: Sequence[str], model_type: str | None = None) -> Recognised
 
 def unrecognised(names: Sequence[str], target: str, where: str) -> FormatError:
     """The error for a model no family claims, naming the closest family's unknown tensors."""
-    best: tuple[int, type[Architecture], str, list[str]] | None = None
+    best: tuple[tuple[int, bool], type[Architecture], str, list[str]] | None = None
     for arch in architectures():
         for naming in arch.namings():
             unknown, known = arch.covers(names, naming)
-            if best is None or len(known) > best[0]:
-                best = (len(known), arch, naming, unknown)
+            # most names known; a tie goes to the family whose markers are there
+            score = (len(known), arch.marked(names, naming))
+            if best is None or score > best[0]:
+                best = (score, arch, naming, unknown)
     detail = ""
-    if best is not None and best[0]:
+    if best is not None and best[0][0]:
         _, arch, naming, unknown = best
         shown = ", ".join(repr(n) for n in unknown[:3])
         detail = (

@@ -494,14 +494,18 @@ class Architecture(ABC):
             unknown, known = cls.covers(names, naming)
             if unknown or not known:
                 continue
-            markers = [compile_pattern(p) for p in cls.markers.get(naming, ())]
-            if markers and not any(r.match(n) for r in markers for n in names):
-                continue
-            excluders = [compile_pattern(p) for p in cls.excluders.get(naming, ())]
-            if any(r.match(n) for r in excluders for n in names):
-                continue
-            return naming
+            if cls.marked(names, naming):
+                return naming
         return None
+
+    @classmethod
+    def marked(cls, names: Sequence[str], naming: str) -> bool:
+        """Whether `names` hold one of this family's markers and none of its excluders."""
+        markers = [compile_pattern(p) for p in cls.markers.get(naming, ())]
+        if markers and not any(r.match(n) for r in markers for n in names):
+            return False
+        excluders = [compile_pattern(p) for p in cls.excluders.get(naming, ())]
+        return not any(r.match(n) for r in excluders for n in names)
 
     @classmethod
     @abstractmethod

@@ -76,8 +76,9 @@ _TITAN_IGNORED = (
     Ignored("freqs_cis", "rotary table (rebuilt)"),
     Ignored("rope.cache", "rotary table (rebuilt)"),
     Ignored("layers.{layer}.attention.rope.cache", "rotary table (rebuilt)"),
-    Ignored("layers.{layer}.moe.expert_bias", "MoE load-balancing bias (training only)"),
-    Ignored("layers.{layer}.moe.tokens_per_expert", "MoE load-balancing counter (training only)"),
+    # torchtitan's own to_hf drops these too: transformers' Qwen3-MoE router has no bias
+    Ignored("layers.{layer}.moe.expert_bias_E", "MoE load-balancing bias (no HF counterpart)"),
+    Ignored("layers.{layer}.moe.tokens_per_expert_E", "MoE load-balancing counter (training)"),
 )
 
 
