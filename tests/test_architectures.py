@@ -358,7 +358,8 @@ def test_import_loads_in_torchtitan_and_trains(
     loaded = torch.load(tmp_path / "out" / "loaded_logits.pt", weights_only=True)
     reference = torch.load(root / "ref" / "logits.pt", weights_only=True)
     assert torch.equal(loaded, reference)
-    assert (loaded - _hf_logits(hf)).abs().max().item() <= 1e-6
+    tolerance = 1e-4 if family == "qwen3-moe" else 1e-6  # see the export test
+    assert (loaded - _hf_logits(hf)).abs().max().item() <= tolerance
     trained = torch.load(tmp_path / "out" / "trained.pt", weights_only=True)
     assert trained["restored"] and trained["moved"]
     assert torch.isfinite(torch.tensor(trained["loss"]))

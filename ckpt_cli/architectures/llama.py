@@ -18,6 +18,7 @@ from .base import (
     HF,
     Architecture,
     Experts,
+    Filled,
     Ignored,
     ModelArgs,
     Rename,
@@ -276,6 +277,18 @@ class Qwen3Moe(_Decoder):
     markers: ClassVar[Mapping[str, Sequence[str]]] = {
         HF: (_ROUTER[0][0],),
         TITAN: (_ROUTER[0][1],),
+    }
+    # torchtitan keeps a load-balancing bias per MoE layer (with load_balance_coeff, the
+    # default); CheckpointManager.load wants it, so an import writes its fresh-start zeros
+    filled: ClassVar[Mapping[str, Sequence[Filled]]] = {
+        TITAN: (
+            Filled(
+                "layers.{layer}.moe.expert_bias_E",
+                like=_ROUTER[0][1],
+                dtype="float32",
+                reason="MoE load-balancing bias at its fresh-start value",
+            ),
+        )
     }
 
     @classmethod
