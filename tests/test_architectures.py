@@ -363,3 +363,21 @@ def test_import_loads_in_torchtitan_and_trains(
     trained = torch.load(tmp_path / "out" / "trained.pt", weights_only=True)
     assert trained["restored"] and trained["moved"]
     assert torch.isfinite(torch.tensor(trained["loss"]))
+
+
+def test_inspect_names_the_architecture_and_naming(tmp_path: Path) -> None:
+    _llama_hf(tmp_path / "hf")
+    r = run_ckpt("inspect", tmp_path / "hf", "--json")
+    assert r.exit_code == 0, r.stderr
+    arch = json.loads(r.stdout)["result"]["architecture"]
+    assert arch == {"architecture": "llama3", "title": "Llama 3", "naming": "hf", "component": None}
+    assert (
+        run_ckpt("convert", tmp_path / "hf", tmp_path / "tt", "--to", "torchtitan").exit_code == 0
+    )
+    r = run_ckpt("inspect", tmp_path / "tt")
+    assert r.exit_code == 0, r.stderr
+    assert "architecture: Llama 3 (llama3) in torchtitan names" in r.stdout
+    # a model no family knows: no architecture line, no error
+    save_file({"encoder.weight": torch.zeros(2)}, tmp_path / "other.safetensors")
+    r = run_ckpt("inspect", tmp_path / "other.safetensors", "--json")
+    assert json.loads(r.stdout)["result"]["architecture"] is None

@@ -13,6 +13,8 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pydantic import BaseModel
+
 from ..errors import FormatError, UsageError
 from .base import HF, NAMINGS, Architecture, ArchitecturePlan, MappedTensor, ModelArgs
 
@@ -25,9 +27,11 @@ __all__ = [
     "ArchitecturePlan",
     "MappedTensor",
     "ModelArgs",
+    "NamingInfo",
     "Recognised",
     "architectures",
     "get_architecture",
+    "naming_info",
     "recognise",
 ]
 
@@ -108,4 +112,32 @@ def unrecognised(names: Sequence[str], target: str, where: str) -> FormatError:
         fix=f"Known: {', '.join(REGISTRY)}. Use --select to pick the model's weights, "
         "--filter-out for tensors that are no weights, or --to safetensors / dcp to keep the "
         "names as they are.",
+    )
+
+
+class NamingInfo(BaseModel):
+    """Which model family a checkpoint's weights are and which framework names them
+    (`inspect`): what `convert --to hf` / `--to torchtitan` would map from.
+
+    Attributes:
+        architecture: the family token (`llama3`, `qwen3`, `qwen3-moe`).
+        title: the family's name for people (`Llama 3`).
+        naming: the naming its tensors are in (`hf`, `torchtitan`...).
+        component: the training component the weights were found in (`model`), if any.
+    """
+
+    architecture: str
+    title: str
+    naming: str
+    component: str | None = None
+
+
+def naming_info(names: Sequence[str], component: str | None = None) -> NamingInfo | None:
+    """The family and naming of a model's tensor names (names only, no torch)."""
+    found = recognise(names)
+    if found is None:
+        return None
+    arch = found.architecture
+    return NamingInfo(
+        architecture=arch.name, title=arch.title, naming=found.naming, component=component
     )
