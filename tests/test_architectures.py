@@ -381,3 +381,51 @@ def test_inspect_names_the_architecture_and_naming(tmp_path: Path) -> None:
     save_file({"encoder.weight": torch.zeros(2)}, tmp_path / "other.safetensors")
     r = run_ckpt("inspect", tmp_path / "other.safetensors", "--json")
     assert json.loads(r.stdout)["result"]["architecture"] is None
+
+
+def test_training_dict_of_an_hf_model_exports_by_select_and_strip(tmp_path: Path) -> None:
+    """A training save of an HF-named model (`{"model": ..., "optimizer": ...}`) exports its
+    model component with the prefix stripped; `--config FOLDER` brings the folder's
+    tokenizer and generation config beside the config."""
+    _llama_hf(tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    optimizer = {"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": [{"params": [0]}]}
+    torch.save({"model": weights, "optimizer": optimizer, "step": 3}, tmp_path / "train.pt")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    (tmp_path / "hf" / "generation_config.json").write_text('{"do_sample": false}')
+    r = run_ckpt(
+        "convert", tmp_path / "train.pt", tmp_path / "out", "--to", "hf", "--config",
+        tmp_path / "hf", "--json",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert doc["architecture"]["source_naming"] == "hf"
+    assert doc["architecture"]["transforms"] == {"copy": 21}
+    assert sorted(doc["serving_files"]) == ["generation_config.json", "tokenizer_config.json"]
+    got = _hf_tensors(tmp_path / "out")
+    assert got.keys() == weights.keys()
+    assert all(torch.equal(got[k], v) for k, v in weights.items())
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
+
+
+def test_tied_embeddings_dropped_on_export_and_rebuilt_on_import() -> None:
+    """tie_word_embeddings: the export leaves the output projection out (as torchtitan's own
+    to_hf does); the import writes it from the embedding's bytes."""
+    from ckpt_cli.architectures import get_architecture
+    from ckpt_cli.architectures.base import ModelArgs
+
+    arch = get_architecture("qwen3")
+    tied = ModelArgs(tie_embeddings=True)
+    titan = [("tok_embeddings.weight", [8, 4], "float32"), ("lm_head.weight", [8, 4], "float32")]
+    plan = arch.plan([*titan, ("norm.weight", [4], "float32")], "torchtitan", "hf", tied)
+    assert [t.name for t in plan.tensors] == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert plan.left_out == [("lm_head.weight", "tied to the embedding (tie_word_embeddings)")]
+    back = arch.plan(
+        [("model.embed_tokens.weight", [8, 4], "float32"), ("model.norm.weight", [4], "float32")],
+        "hf",
+        "torchtitan",
+        tied,
+    )
+    head = next(t for t in back.tensors if t.name == "lm_head.weight")
+    assert head.sources == ["model.embed_tokens.weight"] and head.verbatim

@@ -557,7 +557,7 @@ class Architecture(ABC):
         """
         if source == target:
             tensors = [
-                MappedTensor(name=n, shape=tuple(s), dtype=d, pieces=(Piece(n),))
+                MappedTensor(name=n, shape=tuple(s), dtype=d, pieces=(Piece(n),), transform="copy")
                 for n, s, d in entries
             ]
             return ArchitecturePlan(cls.name, source, target, tensors, args=args)
