@@ -233,7 +233,7 @@ def test_experts_unstack_and_stack_back() -> None:
     assert [t.name for t in plan.tensors] == [
         f"model.layers.3.mlp.experts.{e}.gate_proj.weight" for e in range(4)
     ]
-    experts = [t.read(Source()) for t in plan.tensors]  # type: ignore[arg-type]
+    experts = [t.read(Source()) for t in plan.tensors]
     for e, tensor in enumerate(experts):
         assert tensor.shape == (6, 8) and torch.equal(tensor, stacked[e])
     back = arch.plan(
@@ -429,3 +429,31 @@ def test_tied_embeddings_dropped_on_export_and_rebuilt_on_import() -> None:
     )
     head = next(t for t in back.tensors if t.name == "lm_head.weight")
     assert head.sources == ["model.embed_tokens.weight"] and head.verbatim
+
+
+def test_experts_of_a_non_raw_tensor_are_cut_from_one_read() -> None:
+    """Splitting a stacked tensor the source cannot read in boxes (torch_save serialization)
+    reads it once for all its experts, not once per expert."""
+    from ckpt_cli.architectures import get_architecture
+    from ckpt_cli.architectures.base import ModelArgs
+    from ckpt_cli.architectures.mapped import BoxReads
+
+    stacked = torch.randn(8, 3, 2)
+    reads: list[str] = []
+
+    class Pickled:
+        def serves_raw(self, name: str) -> bool:
+            return False
+
+        def read_tensor(self, name: str) -> torch.Tensor:
+            reads.append(name)
+            return stacked.clone()
+
+    name = "layers.0.moe.routed_experts.inner_experts.w2_EDF"
+    plan = get_architecture("qwen3-moe").plan(
+        [(name, [8, 3, 2], "float32")], "torchtitan", "hf", ModelArgs()
+    )
+    box_reads = BoxReads(Pickled())  # type: ignore[arg-type]
+    experts = [t.read(box_reads) for t in plan.tensors]
+    assert reads == [name]
+    assert all(torch.equal(e, stacked[i]) for i, e in enumerate(experts))

@@ -30,7 +30,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -39,7 +39,16 @@ from ..errors import FormatError
 if TYPE_CHECKING:
     import torch
 
-    from ..formats.base import Checkpoint
+
+class TensorReads(Protocol):
+    """Where `MappedTensor.read` reads its pieces: a `Checkpoint`, or a reader over one."""
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor `name`."""
+
+    def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        """The box `offsets`/`sizes` of tensor `name`."""
+
 
 #: the naming every architecture maps to and from (transformers' `from_pretrained` names)
 HF = "hf"
@@ -164,7 +173,7 @@ class MappedTensor:
         """The distinct source names read, in order."""
         return list(dict.fromkeys(p.source for p in self.pieces))
 
-    def read(self, checkpoint: Checkpoint) -> torch.Tensor:
+    def read(self, checkpoint: TensorReads) -> torch.Tensor:
         """Build this tensor from `checkpoint`, reading only its pieces."""
         import torch
 
