@@ -187,7 +187,8 @@ def map_plan(
         arch, naming = found.architecture, found.naming
     shapes = {i.target.name: list(i.source.shape) for i in tensors}
     dtypes = [i.source.dtype for i in tensors if i.source.dtype]
-    dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
+    # the dtype written: config.json's torch_dtype says what the weights are after --dtype
+    dtype = cast or (max(set(dtypes), key=dtypes.count) if dtypes else None)
     args = _args(arch, shapes, naming, config, dtype, where)
     mapping = arch.plan(
         [(i.target.name, list(i.source.shape), i.source.dtype or "") for i in tensors],
