@@ -80,6 +80,7 @@ class ModelArgs(BaseModel):
         max_position_embeddings: context length the rotary tables are built for.
         tie_embeddings: the output projection is the embedding (no `lm_head` stored).
         num_experts / experts_per_token / moe_ffn_dim: MoE layers (None for dense models).
+        norm_topk_prob: the router renormalises the top-k scores (MoE).
         dtype: the weights' dtype token (`bf16`...), for `config.json`'s `torch_dtype`.
         config: the Hugging Face `config.json` these args came from, when one was given: an
             export writes it unchanged rather than one rebuilt from the args.
@@ -102,6 +103,7 @@ class ModelArgs(BaseModel):
     num_experts: int | None = None
     experts_per_token: int | None = None
     moe_ffn_dim: int | None = None
+    norm_topk_prob: bool | None = None
     dtype: str | None = None
     config: dict[str, Any] | None = None
 
@@ -465,6 +467,8 @@ class Architecture(ABC):
             `recognise` to claim a checkpoint (what tells this family from its relatives,
             e.g. Qwen3's q/k norms).
         excluders: naming -> patterns whose presence says the checkpoint is not this family.
+        torchtitan_models: the torchtitan module whose `model_registry(flavor)` builds this
+            family (`--flavor`), None when torchtitan has none.
         tied: naming -> (embedding name, output projection name): with `tie_embeddings`, the
             HF naming stores no output projection (an export drops it, as torchtitan's own
             `to_hf` does) and a native one holds it as a copy of the embedding (an import
@@ -479,6 +483,7 @@ class Architecture(ABC):
     markers: ClassVar[Mapping[str, Sequence[str]]] = {}
     excluders: ClassVar[Mapping[str, Sequence[str]]] = {}
     tied: ClassVar[Mapping[str, tuple[str, str]]] = {}
+    torchtitan_models: ClassVar[str | None] = None
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
 
     @classmethod
