@@ -120,7 +120,7 @@ class ModelArgs(BaseModel):
             raise FormatError(
                 f"the {family} mapping needs {field_name} ({why}), which the weights do not tell",
                 fix="Pass --config with the model's Hugging Face config.json (a file, a folder "
-                "or hf://org/model).",
+                "or hf://org/model), or --flavor with the torchtitan flavor it was trained as.",
             )
         return value
 

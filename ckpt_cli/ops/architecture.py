@@ -118,15 +118,20 @@ def _args(
     if config is None:
         return found.model_copy(update={"dtype": dtype})
     given = arch.args_from_config(config)
+    _agree(found, given, where, "config.json")
+    return found.merged(given).model_copy(update={"dtype": dtype})
+
+
+def _agree(found: ModelArgs, given: ModelArgs, where: str, what: str) -> None:
+    """Refuse args (`config.json`, a flavor) that contradict what the weights tell."""
     for key in ("dim", "vocab_size", "n_layers", "n_heads", "n_kv_heads", "num_experts"):
         a, b = getattr(found, key), getattr(given, key)
         if a is not None and b is not None and a != b:
             raise FormatError(
-                f"config.json gives {key}={b}, but the weights have {key}={a}",
+                f"{what} gives {key}={b}, but the weights have {key}={a}",
                 path=where,
-                fix="Pass the config.json of this model with --config.",
+                fix="Pass the config.json (--config) or the flavor (--flavor) of this model.",
             )
-    return found.merged(given).model_copy(update={"dtype": dtype})
 
 
 def map_plan(
@@ -139,6 +144,7 @@ def map_plan(
     keep_objects: bool,
     dedupe_tied: bool,
     architecture: str | None = None,
+    flavor: str | None = None,
 ) -> MappedSource:
     """Map `plan`'s tensors from their naming to naming `target` (see the module docstring).
 
@@ -151,6 +157,8 @@ def map_plan(
         cast: the `--dtype` cast of floating tensors.
         keep_objects / dedupe_tied: the target format's facts, as `plan_transfer` takes them.
         architecture: the family token, when the caller names it (else recognised).
+        flavor: a torchtitan flavor of the family (`--flavor`), for what the shapes and
+            `config` do not tell.
 
     Raises:
         FormatError: no family claims the names (exit 4, naming the closest family's unknown
@@ -190,6 +198,12 @@ def map_plan(
     # the dtype written: config.json's torch_dtype says what the weights are after --dtype
     dtype = cast or (max(set(dtypes), key=dtypes.count) if dtypes else None)
     args = _args(arch, shapes, naming, config, dtype, where)
+    if flavor is not None:
+        from ..architectures.flavors import flavor_args
+
+        known = flavor_args(arch, flavor)
+        _agree(args, known, where, f"--flavor {flavor}")
+        args = args.merged(known)
     mapping = arch.plan(
         [(i.target.name, list(i.source.shape), i.source.dtype or "") for i in tensors],
         naming,

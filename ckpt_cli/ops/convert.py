@@ -76,6 +76,7 @@ class ConvertRequest(BaseModel):
     dry_run: bool = False
     extras: bool = True
     config: str | None = None
+    flavor: str | None = None
 
 
 class ConvertReport(BaseModel):
@@ -214,6 +215,7 @@ def convert(
     dry_run: bool = False,
     extras: bool = True,
     config: str | None = None,
+    flavor: str | None = None,
 ) -> ConvertReport:
     """Convert `src` into format `to` at `dest`, streaming one tensor or byte range at a time.
 
@@ -245,8 +247,16 @@ def convert(
         config: a `config.json` to write into a folder DEST, in place of the source's: a
             file, a model folder or `hf://org/model` (an FSDP Trainer checkpoint has none,
             and `from_pretrained` needs one).
+        flavor: `--to hf` / `--to torchtitan`: the torchtitan model flavor (`8B`,
+            `debugmodel`) whose args (head counts, rotary base and scaling, norm epsilon)
+            complete what the weights tell, read from the installed torchtitan's registry.
     """
     to, naming = naming_format(to)
+    if flavor is not None and naming is None:
+        raise UsageError(
+            "--flavor applies to --to hf and --to torchtitan only",
+            fix="Leave --flavor out, or convert with --to hf.",
+        )
     target = check_target(
         to, serialization=dcp_serialization, compression=dcp_compression, world_size=world_size
     )
@@ -277,6 +287,7 @@ def convert(
                 dry_run=dry_run,
                 extras=extras,
                 config=config,
+                flavor=flavor,
             )
             if not select:
                 if config is not None:
@@ -336,6 +347,7 @@ def convert(
                 cast=cast,
                 keep_objects=target.holds_objects,
                 dedupe_tied=target.dedupes_tied,
+                flavor=flavor,
             )
             checkpoint, plan, origins = mapped.checkpoint, mapped.plan, mapped.origins
             architecture, naming_config = mapped.report, mapped.config
