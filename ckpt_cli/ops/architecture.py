@@ -25,7 +25,6 @@ from pydantic import BaseModel
 from ..architectures import HF, NAMING_FORMATS, get_architecture, recognise
 from ..architectures.base import Architecture, ArchitecturePlan, MappedTensor, ModelArgs
 from ..errors import FormatError
-from ..models import Manifest
 from .transfer import SkippedEntry, TransferPlan, plan_transfer
 
 if TYPE_CHECKING:
@@ -252,21 +251,3 @@ def map_plan(
 
 def _record(tensor: MappedTensor) -> MappedRecord:
     return MappedRecord(name=tensor.name, sources=tensor.sources, transform=tensor.transform)
-
-
-def describe_naming(manifest: Manifest, model_type: str | None = None) -> tuple[str, str] | None:
-    """(family, naming) of a checkpoint's tensors, for `inspect`; names only, no torch.
-
-    Tries the whole checkpoint, then its torchtitan model keys (beside training state)."""
-    names = [e.name for e in manifest.entries if e.kind == "tensor"]
-    found = recognise(names, model_type)
-    if found is None:
-        from ..layouts.torchtitan import model_entries, titan_model_keys
-
-        keys = titan_model_keys(manifest)
-        model = [e.name for e in model_entries(manifest.tensors, keys)] if keys else []
-        if model and len(model) < len(names):
-            found = recognise(model, model_type)
-    if found is None:
-        return None
-    return found.architecture.name, found.naming
