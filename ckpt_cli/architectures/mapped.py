@@ -75,8 +75,8 @@ class MappedCheckpoint(Checkpoint):
         """(source, byte start, length) of each piece when output `name`'s bytes are those
         ranges of raw-stored sources back to back (no permutation; boxes whole rows along
         dim 0), else None."""
-        tensor = self.mapped[name]
-        if tensor.permute is not None or tensor.combine == "zeros":
+        tensor = self.mapped.get(name)  # None for an entry that is no mapped tensor
+        if tensor is None or tensor.permute is not None or tensor.combine == "zeros":
             return None
         out = []
         for piece in tensor.pieces:
@@ -96,8 +96,10 @@ class MappedCheckpoint(Checkpoint):
 
     def _permuted_source(self, name: str) -> str | None:
         """The raw-stored source whose rows output `name` permutes, if it is one."""
-        tensor = self.mapped[name]
-        if tensor.permute is None or len(tensor.pieces) != 1 or tensor.combine != "one":
+        tensor = self.mapped.get(name)
+        if tensor is None or tensor.permute is None or len(tensor.pieces) != 1:
+            return None
+        if tensor.combine != "one":
             return None
         piece = tensor.pieces[0]
         entry = self.base.manifest.by_name[piece.source]
@@ -106,8 +108,8 @@ class MappedCheckpoint(Checkpoint):
         return piece.source if self.base.serves_raw(piece.source) else None
 
     def _verbatim_source(self, name: str) -> str | None:
-        tensor = self.mapped[name]
-        return tensor.pieces[0].source if tensor.verbatim else None
+        tensor = self.mapped.get(name)
+        return tensor.pieces[0].source if tensor is not None and tensor.verbatim else None
 
     def read_tensor(self, name: str) -> torch.Tensor:
         return self.mapped[name].read(self._reads)
