@@ -1,0 +1,143 @@
+"""Model families and the framework namings of their weights (export to and import from
+Hugging Face): a registry of `Architecture` classes, imported lazily, and recognition.
+
+`recognise(names)` tells which family and naming a model's tensor names are in (`inspect`,
+`convert --to hf`); `get_architecture(token)` returns a family's class. Which output format a
+naming is written as is `NAMING_FORMATS` (`--to hf` writes Hugging Face safetensors shards,
+`--to torchtitan` a DCP save torchtitan's CheckpointManager loads).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from ..errors import FormatError, UsageError
+from .base import HF, NAMINGS, Architecture, ArchitecturePlan, MappedTensor, ModelArgs
+
+__all__ = [
+    "HF",
+    "NAMINGS",
+    "NAMING_FORMATS",
+    "REGISTRY",
+    "Architecture",
+    "ArchitecturePlan",
+    "MappedTensor",
+    "ModelArgs",
+    "NamingInfo",
+    "Recognised",
+    "architectures",
+    "get_architecture",
+    "naming_info",
+    "recognise",
+]
+
+#: token -> "module:Class", most specific first (recognition tries them in this order)
+REGISTRY: dict[str, str] = {
+    "qwen3-moe": "ckpt_cli.architectures.llama:Qwen3Moe",
+    "qwen3": "ckpt_cli.architectures.llama:Qwen3",
+    "llama3": "ckpt_cli.architectures.llama:Llama3",
+}
+
+#: `convert --to` naming tokens -> the format their output is written as
+NAMING_FORMATS: dict[str, str] = {"hf": "safetensors", "torchtitan": "dcp"}
+
+
+def get_architecture(name: str) -> type[Architecture]:
+    """The class of family `name`."""
+    if name not in REGISTRY:
+        raise UsageError(
+            f"unknown architecture {name!r}", fix=f"Use one of: {', '.join(REGISTRY)}."
+        )
+    module_name, cls_name = REGISTRY[name].split(":")
+    cls: type[Architecture] = getattr(importlib.import_module(module_name), cls_name)
+    return cls
+
+
+def architectures() -> list[type[Architecture]]:
+    """Every registered family, in recognition order."""
+    return [get_architecture(name) for name in REGISTRY]
+
+
+@dataclass(frozen=True)
+class Recognised:
+    """A model's family and the naming its tensors are in."""
+
+    architecture: type[Architecture]
+    naming: str
+
+
+def recognise(names: Sequence[str], model_type: str | None = None) -> Recognised | None:
+    """The family and naming of a model's tensor names, or None when no family claims them.
+
+    `model_type` (an HF `config.json`'s) picks among families whose rules all cover the names.
+    """
+    found = []
+    for arch in architectures():
+        naming = arch.recognise(names)
+        if naming is not None:
+            found.append(Recognised(arch, naming))
+    if model_type is not None:
+        typed = [r for r in found if model_type in r.architecture.hf_model_types]
+        if typed:
+            return typed[0]
+    return found[0] if found else None
+
+
+def unrecognised(names: Sequence[str], target: str, where: str) -> FormatError:
+    """The error for a model no family claims, naming the closest family's unknown tensors."""
+    best: tuple[tuple[int, bool], type[Architecture], str, list[str]] | None = None
+    for arch in architectures():
+        for naming in arch.namings():
+            unknown, known = arch.covers(names, naming)
+            # most names known; a tie goes to the family whose markers are there
+            score = (len(known), arch.marked(names, naming))
+            if best is None or score > best[0]:
+                best = (score, arch, naming, unknown)
+    detail = ""
+    if best is not None and best[0][0]:
+        _, arch, naming, unknown = best
+        shown = ", ".join(repr(n) for n in unknown[:3])
+        detail = (
+            f"; closest is {arch.title} ({naming} naming), which has no rule for "
+            f"{len(unknown)} tensor(s): {shown}"
+        )
+    return FormatError(
+        f"no known model architecture matches these {len(names)} tensor names, so they "
+        f"cannot be mapped to the {target} naming{detail}",
+        path=where,
+        fix=f"Known: {', '.join(REGISTRY)}. Use --select to pick the model's weights, "
+        "--filter-out for tensors that are no weights, or --to safetensors / dcp to keep the "
+        "names as they are.",
+    )
+
+
+class NamingInfo(BaseModel):
+    """Which model family a checkpoint's weights are and which framework names them
+    (`inspect`): what `convert --to hf` / `--to torchtitan` would map from.
+
+    Attributes:
+        architecture: the family token (`llama3`, `qwen3`, `qwen3-moe`).
+        title: the family's name for people (`Llama 3`).
+        naming: the naming its tensors are in (`hf`, `torchtitan`...).
+        component: the training component the weights were found in (`model`), if any.
+    """
+
+    architecture: str
+    title: str
+    naming: str
+    component: str | None = None
+
+
+def naming_info(names: Sequence[str], component: str | None = None) -> NamingInfo | None:
+    """The family and naming of a model's tensor names (names only, no torch)."""
+    found = recognise(names)
+    if found is None:
+        return None
+    arch = found.architecture
+    return NamingInfo(
+        architecture=arch.name, title=arch.title, naming=found.naming, component=component
+    )

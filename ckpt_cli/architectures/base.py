@@ -1,0 +1,680 @@
+"""The model-architecture seam: one family's tensors under two framework namings.
+
+A checkpoint's weights are named by the framework that saved them: torchtitan's
+`layers.0.attention.qkv_linear.wq.weight` is Hugging Face's
+`model.layers.0.self_attn.q_proj.weight`, with its rows permuted between the two rotary
+layouts. An `Architecture` (one module per family: Llama 3, Qwen3, ...) declares that
+correspondence as `TensorRule`s, one per kind of tensor, each between the Hugging Face name
+(`hf`, the pivot every naming maps to and from) and one framework's name (`native`):
+
+- `Rename`: the same tensor under another name (bytes copied as stored);
+- `RotaryPermute`: q/k projection rows reordered between the interleaved (complex) and the
+  halves (rotate_half) rotary layouts;
+- `Experts`: an MoE layer's experts stacked in one `[E, ...]` tensor natively, one tensor per
+  expert in Hugging Face's files.
+
+Planning (`Architecture.plan`) reads names and shapes only (no torch) and yields one
+`MappedTensor` per output tensor: the source pieces it is built from (a whole tensor, or a
+box of one) and how they combine. Reading one (`MappedTensor.read`) touches only its own
+pieces, so a conversion streams: one input tensor to its outputs, or N inputs to one output,
+and peak memory is bounded by the largest output (plus one piece).
+
+The Megatron family adds its own rules (fused QKV and gate/up splits) by subclassing
+`TensorRule`: a rule sees every source name its patterns match at once (`TensorRule.plan`),
+so N-to-1 and 1-to-N rules are as natural as renames.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from ..errors import FormatError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TensorReads(Protocol):
+    """Where `MappedTensor.read` reads its pieces: a `Checkpoint`, or a reader over one."""
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor `name`."""
+
+    def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        """The box `offsets`/`sizes` of tensor `name`."""
+
+
+#: the naming every architecture maps to and from (transformers' `from_pretrained` names)
+HF = "hf"
+#: framework namings a family may declare beside `hf`
+NATIVE_NAMINGS = ("torchtitan", "megatron")
+#: every naming token (`--to hf`, `--to torchtitan`; `inspect`'s `naming`)
+NAMINGS = (HF, *NATIVE_NAMINGS)
+
+Direction = Literal["to_hf", "from_hf"]
+
+
+class ModelArgs(BaseModel):
+    """What a family needs to know about one model beyond its tensor names and shapes.
+
+    Shapes tell most of it (`dim`, `vocab_size`, `n_layers`, `ffn_dim`); the head count, the
+    rotary base and the norm epsilon are not in the weights and come from a Hugging Face
+    `config.json` (`--config`, or an HF source's own). None means unknown; a rule that needs
+    an unknown value fails naming it (`require`).
+
+    Attributes:
+        dim: hidden size.
+        n_layers: transformer blocks.
+        n_heads / n_kv_heads / head_dim: attention heads, key/value heads (GQA), head width.
+        vocab_size: embedding rows.
+        ffn_dim: the dense MLP's hidden width.
+        norm_eps: RMSNorm epsilon.
+        rope_theta: rotary base.
+        rope_scaling: the Hugging Face `rope_scaling` dict (`rope_type: llama3` ...), if any.
+        max_position_embeddings: context length the rotary tables are built for.
+        tie_embeddings: the output projection is the embedding (no `lm_head` stored).
+        num_experts / experts_per_token / moe_ffn_dim: MoE layers (None for dense models).
+        norm_topk_prob: the router renormalises the top-k scores (MoE).
+        dtype: the weights' dtype token (`bf16`...), for `config.json`'s `torch_dtype`.
+        config: the Hugging Face `config.json` these args came from, when one was given: an
+            export writes it unchanged rather than one rebuilt from the args.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    vocab_size: int | None = None
+    ffn_dim: int | None = None
+    norm_eps: float | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int | None = None
+    tie_embeddings: bool | None = None
+    num_experts: int | None = None
+    experts_per_token: int | None = None
+    moe_ffn_dim: int | None = None
+    norm_topk_prob: bool | None = None
+    dtype: str | None = None
+    config: dict[str, Any] | None = None
+
+    def merged(self, other: ModelArgs) -> ModelArgs:
+        """These args with every value `other` knows and these do not."""
+        known = {k: v for k, v in other.model_dump().items() if v is not None}
+        mine = {k: v for k, v in self.model_dump().items() if v is not None}
+        return ModelArgs(**{**known, **mine})
+
+    def require(self, field_name: str, family: str, why: str) -> Any:
+        """The value of `field_name`, or a FormatError (exit 4) naming it and how to give it."""
+        value = getattr(self, field_name)
+        if value is None:
+            raise FormatError(
+                f"the {family} mapping needs {field_name} ({why}), which the weights do not tell",
+                fix="Pass --config with the model's Hugging Face config.json (a file, a folder "
+                "or hf://org/model), or --flavor with the torchtitan flavor it was trained as.",
+            )
+        return value
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A source tensor, or the box `offsets`/`sizes` of it, that an output is built from."""
+
+    source: str
+    offsets: tuple[int, ...] | None = None
+    sizes: tuple[int, ...] | None = None
+    #: drop the leading dimension of the box (one expert of a stacked `[E, ...]` tensor)
+    squeeze: bool = False
+
+
+@dataclass(frozen=True)
+class MappedTensor:
+    """One output tensor of a mapping: its name, shape and dtype, and how it is built.
+
+    Attributes:
+        name: the output name.
+        shape / dtype: as written (dtype is the source's: a mapping never casts).
+        pieces: the source tensors (or boxes) read, in order.
+        combine: `one` (the single piece as is), `concat` (along dim 0), `stack` (a new
+            leading dim, experts) or `zeros` (no pieces: a state the target naming holds and
+            the source has none of, at its fresh-start value; see `Filled`).
+        permute: rotary row permutation applied after combining: `to_halves` (interleaved
+            -> rotate_half, torchtitan -> HF) or `to_interleaved`, with `heads` groups.
+        heads: the head count `permute` works per.
+        transform: the name of the transform for reports (`rename`, `rotary-permute`,
+            `unstack-experts`, `stack-experts`...).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[Piece, ...]
+    combine: Literal["one", "concat", "stack", "zeros"] = "one"
+    permute: Literal["to_halves", "to_interleaved"] | None = None
+    heads: int = 0
+    transform: str = "rename"
+
+    @property
+    def verbatim(self) -> bool:
+        """The output is one whole source tensor's bytes unchanged (a raw copy can serve it)."""
+        if len(self.pieces) != 1 or self.combine != "one":
+            return False
+        return self.pieces[0].offsets is None and self.permute is None
+
+    @property
+    def sources(self) -> list[str]:
+        """The distinct source names read, in order."""
+        return list(dict.fromkeys(p.source for p in self.pieces))
+
+    def read(self, checkpoint: TensorReads) -> torch.Tensor:
+        """Build this tensor from `checkpoint`, reading only its pieces."""
+        import torch
+
+        if self.combine == "zeros":
+            from ..tensors import torch_dtype
+
+            return torch.zeros(self.shape, dtype=torch_dtype(self.dtype))
+        parts = []
+        for piece in self.pieces:
+            if piece.offsets is None or piece.sizes is None:
+                part = checkpoint.read_tensor(piece.source)
+            else:
+                part = checkpoint.read_slice(piece.source, list(piece.offsets), list(piece.sizes))
+            parts.append(part.squeeze(0) if piece.squeeze else part)
+        if self.combine == "one":
+            out = parts[0]
+        elif self.combine == "concat":
+            out = torch.cat(parts, dim=0)
+        else:
+            out = torch.stack(parts, dim=0)
+        del parts
+        if self.permute is not None:
+            out = rotary_permute(out, self.heads, self.permute)
+        return out.contiguous()
+
+
+def rotary_permute(
+    weight: torch.Tensor, heads: int, to: Literal["to_halves", "to_interleaved"]
+) -> torch.Tensor:
+    """Reorder each head's rows of a q/k projection between the rotary layouts.
+
+    The interleaved (complex) layout pairs rows (0, 1), (2, 3)...; the halves (rotate_half)
+    layout pairs row i with i + head_dim/2. These are the exact view/transpose/reshape of
+    transformers' `convert_llama_weights_to_hf.py` (and torchtitan's adapter), so the bytes
+    match theirs.
+    """
+    rows, cols = weight.shape[0], weight.shape[1] if weight.dim() > 1 else 1
+    flat = weight.reshape(rows, cols)
+    if to == "to_halves":
+        out = flat.view(heads, rows // heads // 2, 2, cols).transpose(1, 2)
+    else:
+        out = flat.view(heads, 2, rows // heads // 2, cols).transpose(1, 2)
+    return out.reshape(weight.shape).clone()
+
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """`layers.{layer}.attention.wo.weight` as a regex with a named integer group per
+    placeholder (`{layer}`, `{expert}`)."""
+    out, last = [], 0
+    for m in _PLACEHOLDER.finditer(pattern):
+        out.append(re.escape(pattern[last : m.start()]))
+        out.append(rf"(?P<{m.group(1)}>\d+)")
+        last = m.end()
+    out.append(re.escape(pattern[last:]))
+    return re.compile("".join(out) + r"\Z")
+
+
+@dataclass(frozen=True)
+class Match:
+    """A source tensor a rule's pattern matched: its name, shape, dtype and placeholders."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    groups: Mapping[str, int]
+    #: which of the rule's source-side patterns matched (rules with several, e.g. q/k/v)
+    pattern: int = 0
+
+
+@dataclass(frozen=True)
+class TensorRule(ABC):
+    """One kind of tensor under the Hugging Face naming and one native naming.
+
+    `hf` and `native` are name patterns with `{layer}` / `{expert}` placeholders; a rule
+    with several tensors on one side (a fused QKV) lists several. `plan` gets every source
+    tensor the source side's patterns matched, at once, and returns the outputs.
+    """
+
+    hf: tuple[str, ...]
+    native: tuple[str, ...]
+
+    def source_patterns(self, direction: Direction) -> tuple[str, ...]:
+        """The patterns matched against the source's names."""
+        return self.native if direction == "to_hf" else self.hf
+
+    def target_patterns(self, direction: Direction) -> tuple[str, ...]:
+        """The patterns the outputs are named by."""
+        return self.hf if direction == "to_hf" else self.native
+
+    @abstractmethod
+    def plan(
+        self, matches: Sequence[Match], direction: Direction, args: ModelArgs, family: str
+    ) -> list[MappedTensor]:
+        """The outputs built from `matches` (every source tensor this rule matched)."""
+
+    @property
+    def transform(self) -> str:
+        """This rule's transform, for reports."""
+        return "rename"
+
+
+def one(pattern: str) -> tuple[str, ...]:
+    """A single pattern as a rule side."""
+    return (pattern,)
+
+
+@dataclass(frozen=True)
+class Rename(TensorRule):
+    """The same tensor under another name: bytes copied as stored."""
+
+    def plan(
+        self, matches: Sequence[Match], direction: Direction, args: ModelArgs, family: str
+    ) -> list[MappedTensor]:
+        target = self.target_patterns(direction)[0]
+        return [
+            MappedTensor(
+                name=target.format(**m.groups),
+                shape=m.shape,
+                dtype=m.dtype,
+                pieces=(Piece(m.name),),
+            )
+            for m in matches
+        ]
+
+
+@dataclass(frozen=True)
+class RotaryPermute(TensorRule):
+    """A q or k projection whose rows the native naming keeps in the interleaved rotary layout
+    (torchtitan's complex RoPE) and Hugging Face in halves (`rotate_half`).
+
+    `heads` names the ModelArgs field holding the head count the rows are grouped by
+    (`n_heads` for q, `n_kv_heads` for k).
+    """
+
+    heads: str = "n_heads"
+
+    @property
+    def transform(self) -> str:
+        return "rotary-permute"
+
+    def plan(
+        self, matches: Sequence[Match], direction: Direction, args: ModelArgs, family: str
+    ) -> list[MappedTensor]:
+        target = self.target_patterns(direction)[0]
+        heads = int(args.require(self.heads, family, "the rotary permutation works per head"))
+        out = []
+        for m in matches:
+            if not m.shape or m.shape[0] % (2 * heads):
+                raise FormatError(
+                    f"tensor {m.name!r} has {m.shape[0] if m.shape else 0} rows, not a multiple "
+                    f"of 2 x {self.heads}={heads}: it cannot be rotary-permuted",
+                    fix="Check --config: its head counts must match the weights.",
+                )
+            out.append(
+                MappedTensor(
+                    name=target.format(**m.groups),
+                    shape=m.shape,
+                    dtype=m.dtype,
+                    pieces=(Piece(m.name),),
+                    permute="to_halves" if direction == "to_hf" else "to_interleaved",
+                    heads=heads,
+                    transform=self.transform,
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class Experts(TensorRule):
+    """An MoE weight stacked natively as one `[E, ...]` tensor per layer (`native` without
+    `{expert}`), stored per expert by Hugging Face (`hf` with `{expert}`).
+
+    To HF each expert's output reads only its own box of the stacked tensor; from HF the
+    experts of a layer are stacked into one output (all E must be present).
+    """
+
+    @property
+    def transform(self) -> str:
+        return "experts"
+
+    def plan(
+        self, matches: Sequence[Match], direction: Direction, args: ModelArgs, family: str
+    ) -> list[MappedTensor]:
+        out: list[MappedTensor] = []
+        if direction == "to_hf":
+            target = self.hf[0]
+            for m in matches:
+                experts, rest = m.shape[0], m.shape[1:]
+                for e in range(experts):
+                    out.append(
+                        MappedTensor(
+                            name=target.format(**m.groups, expert=e),
+                            shape=tuple(rest),
+                            dtype=m.dtype,
+                            pieces=(
+                                Piece(m.name, (e, *([0] * len(rest))), (1, *rest), squeeze=True),
+                            ),
+                            transform="unstack-experts",
+                        )
+                    )
+            return out
+        target = self.native[0]
+        by_layer: dict[tuple[tuple[str, int], ...], dict[int, Match]] = {}
+        for m in matches:
+            key = tuple(sorted((k, v) for k, v in m.groups.items() if k != "expert"))
+            by_layer.setdefault(key, {})[m.groups["expert"]] = m
+        for key, stack in by_layer.items():
+            count = max(stack) + 1
+            missing = [e for e in range(count) if e not in stack]
+            if missing:
+                first = next(iter(stack.values()))
+                raise FormatError(
+                    f"expert(s) {missing} of {first.name!r}'s layer are missing, so the layer's "
+                    "experts cannot be stacked",
+                    fix="Convert the complete checkpoint (every shard of it).",
+                )
+            first = stack[0]
+            out.append(
+                MappedTensor(
+                    name=target.format(**dict(key)),
+                    shape=(count, *first.shape),
+                    dtype=first.dtype,
+                    pieces=tuple(Piece(stack[e].name) for e in range(count)),
+                    combine="stack",
+                    transform="stack-experts",
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class Filled:
+    """A state a native naming holds that Hugging Face files have no counterpart of, written
+    at its fresh-start value (zeros) on an import: torchtitan's MoE load-balancing bias
+    `expert_bias_E`, one `[E]` float32 per MoE layer, whose layers and E come from the output
+    named by `like` (its dim 0)."""
+
+    pattern: str
+    like: str
+    dtype: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """Source tensors a naming holds that are no weights of the other (rotary tables, MoE
+    load-balancing counters): left out, with the reason reported."""
+
+    pattern: str
+    reason: str
+
+
+@dataclass
+class ArchitecturePlan:
+    """What mapping a checkpoint's tensors to another naming writes, from names and shapes.
+
+    Attributes:
+        architecture / source / target: the family and the two namings.
+        tensors: every output tensor, in source order.
+        left_out: source tensors not carried, with why (`Ignored` rules).
+        args: the model args the mapping used.
+    """
+
+    architecture: str
+    source: str
+    target: str
+    tensors: list[MappedTensor]
+    left_out: list[tuple[str, str]] = field(default_factory=list)
+    args: ModelArgs = field(default_factory=ModelArgs)
+
+
+class Architecture(ABC):
+    """A model family: its tensors under each naming it knows, and its Hugging Face config.
+
+    Subclasses declare `name`, `title`, `hf_model_types`, `namings`, `rules` (per native
+    naming) and `ignored`, and implement `args_from_shapes`, `args_from_config` and
+    `hf_config`. Recognition and planning are generic over the rules.
+
+    Attributes:
+        name: the registry token (`llama3`).
+        title: for messages (`Llama 3`).
+        hf_model_types: `config.json` `model_type`s this family reads (`llama`).
+        rules: native naming -> its rules against the HF naming.
+        ignored: naming -> source tensors that naming holds and no other needs.
+        markers: naming -> name patterns of which at least one must be present for
+            `recognise` to claim a checkpoint (what tells this family from its relatives,
+            e.g. Qwen3's q/k norms).
+        excluders: naming -> patterns whose presence says the checkpoint is not this family.
+        torchtitan_models: the torchtitan module whose `model_registry(flavor)` builds this
+            family (`--flavor`), None when torchtitan has none.
+        tied: naming -> (embedding name, output projection name): with `tie_embeddings`, the
+            HF naming stores no output projection (an export drops it, as torchtitan's own
+            `to_hf` does) and a native one holds it as a copy of the embedding (an import
+            writes it from the embedding's bytes).
+    """
+
+    name: ClassVar[str]
+    title: ClassVar[str]
+    hf_model_types: ClassVar[tuple[str, ...]] = ()
+    rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {}
+    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {}
+    markers: ClassVar[Mapping[str, Sequence[str]]] = {}
+    excluders: ClassVar[Mapping[str, Sequence[str]]] = {}
+    tied: ClassVar[Mapping[str, tuple[str, str]]] = {}
+    torchtitan_models: ClassVar[str | None] = None
+    filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
+
+    @classmethod
+    def namings(cls) -> tuple[str, ...]:
+        """The namings this family maps between (always `hf`, and each native one)."""
+        return (HF, *cls.rules)
+
+    @classmethod
+    def _side(cls, naming: str) -> list[tuple[TensorRule, Direction, str]]:
+        """(rule, direction, its source-side pattern) for a source in `naming`."""
+        out: list[tuple[TensorRule, Direction, str]] = []
+        if naming == HF:
+            # the HF side is the same in every native naming's rules: take the first naming's
+            natives = list(cls.rules)
+            if not natives:
+                return out
+            for rule in cls.rules[natives[0]]:
+                out += [(rule, "from_hf", p) for p in rule.hf]
+        else:
+            for rule in cls.rules.get(naming, ()):
+                out += [(rule, "to_hf", p) for p in rule.native]
+        return out
+
+    @classmethod
+    def covers(cls, names: Iterable[str], naming: str) -> tuple[list[str], list[str]]:
+        """(names no rule or ignore pattern of `naming` matches, names matched)."""
+        side = [compile_pattern(p) for _, _, p in cls._side(naming)]
+        side += [compile_pattern(i.pattern) for i in cls.ignored.get(naming, ())]
+        unknown: list[str] = []
+        known: list[str] = []
+        for name in names:
+            (known if any(r.match(name) for r in side) else unknown).append(name)
+        return unknown, known
+
+    @classmethod
+    def recognise(cls, names: Sequence[str]) -> str | None:
+        """The naming `names` (a model's tensor names) are in, if this family's: every name
+        matched by a rule or an ignore pattern, a marker present, no excluder present."""
+        for naming in cls.namings():
+            unknown, known = cls.covers(names, naming)
+            if unknown or not known:
+                continue
+            if cls.marked(names, naming):
+                return naming
+        return None
+
+    @classmethod
+    def marked(cls, names: Sequence[str], naming: str) -> bool:
+        """Whether `names` hold one of this family's markers and none of its excluders."""
+        markers = [compile_pattern(p) for p in cls.markers.get(naming, ())]
+        if markers and not any(r.match(n) for r in markers for n in names):
+            return False
+        excluders = [compile_pattern(p) for p in cls.excluders.get(naming, ())]
+        return not any(r.match(n) for r in excluders for n in names)
+
+    @classmethod
+    @abstractmethod
+    def args_from_shapes(cls, shapes: Mapping[str, Sequence[int]], naming: str) -> ModelArgs:
+        """What the tensor shapes (in `naming`) tell about the model."""
+
+    @classmethod
+    @abstractmethod
+    def args_from_config(cls, config: Mapping[str, Any]) -> ModelArgs:
+        """The args a Hugging Face `config.json` of this family gives (with `config` set)."""
+
+    @classmethod
+    @abstractmethod
+    def hf_config(cls, args: ModelArgs) -> dict[str, Any]:
+        """A Hugging Face `config.json` for a model with `args` (transformers builds the same
+        model from it)."""
+
+    @classmethod
+    def plan(
+        cls,
+        entries: Sequence[tuple[str, Sequence[int], str]],
+        source: str,
+        target: str,
+        args: ModelArgs,
+    ) -> ArchitecturePlan:
+        """Map `(name, shape, dtype)` source tensors in naming `source` to naming `target`.
+
+        Raises:
+            FormatError: a tensor no rule knows (never copied under its old name), a pair of
+                namings this family does not map, or an arg the mapping needs is unknown.
+        """
+        if source == target:
+            tensors = [
+                MappedTensor(name=n, shape=tuple(s), dtype=d, pieces=(Piece(n),), transform="copy")
+                for n, s, d in entries
+            ]
+            return ArchitecturePlan(cls.name, source, target, tensors, args=args)
+        if HF not in (source, target) or (source if target == HF else target) not in cls.rules:
+            raise FormatError(
+                f"{cls.title} has no mapping from the {source} naming to the {target} naming",
+                fix=f"Its namings: {', '.join(cls.namings())}.",
+            )
+        native = source if target == HF else target
+        direction: Direction = "to_hf" if target == HF else "from_hf"
+        rules = cls.rules[native]
+        compiled = [[compile_pattern(p) for p in rule.source_patterns(direction)] for rule in rules]
+        ignored = [(compile_pattern(i.pattern), i.reason) for i in cls.ignored.get(source, ())]
+        matched: list[list[Match]] = [[] for _ in rules]
+        order: dict[str, int] = {}
+        left_out: list[tuple[str, str]] = []
+        unknown: list[str] = []
+        for index, (name, shape, dtype) in enumerate(entries):
+            order[name] = index
+            hit = False
+            for r, patterns in enumerate(compiled):
+                for p, regex in enumerate(patterns):
+                    m = regex.match(name)
+                    if m:
+                        groups = {k: int(v) for k, v in m.groupdict().items()}
+                        matched[r].append(Match(name, tuple(shape), dtype, groups, p))
+                        hit = True
+                        break
+                if hit:
+                    break
+            if hit:
+                continue
+            reason = next((why for regex, why in ignored if regex.match(name)), None)
+            if reason is None:
+                unknown.append(name)
+            else:
+                left_out.append((name, reason))
+        if unknown:
+            shown = ", ".join(repr(n) for n in unknown[:3])
+            more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+            raise FormatError(
+                f"{len(unknown)} tensor(s) have no {cls.title} rule from the {source} naming "
+                f"to the {target} naming: {shown}{more}",
+                fix="Leave them out with --filter-out if they are no model weights, or convert "
+                "with --to safetensors / dcp to keep the names as they are.",
+            )
+        outputs: list[MappedTensor] = []
+        for rule, matches in zip(rules, matched, strict=True):
+            if matches:
+                outputs += rule.plan(matches, direction, args, cls.title)
+        # source order: an output goes where its first piece was
+        outputs.sort(key=lambda t: min(order[s] for s in t.sources))
+        if direction == "from_hf":
+            outputs += cls._fill(outputs, native)
+        if args.tie_embeddings and HF in cls.tied and native in cls.tied:
+            outputs = cls._tie(outputs, direction, native, left_out)
+        return ArchitecturePlan(cls.name, source, target, outputs, left_out, args)
+
+    @classmethod
+    def _tie(
+        cls,
+        outputs: list[MappedTensor],
+        direction: Direction,
+        native: str,
+        left_out: list[tuple[str, str]],
+    ) -> list[MappedTensor]:
+        """Tied embeddings: drop the output projection on the way to HF; rebuild it from
+        the embedding on the way from HF when the HF files hold none."""
+        if direction == "to_hf":
+            _, head = cls.tied[HF]
+            for tensor in outputs:
+                if tensor.name == head:
+                    left_out.append(
+                        (tensor.pieces[0].source, "tied to the embedding (tie_word_embeddings)")
+                    )
+            return [t for t in outputs if t.name != head]
+        embed, head = cls.tied[native]
+        if any(t.name == head for t in outputs):
+            return outputs
+        source = next((t for t in outputs if t.name == embed), None)
+        if source is None:
+            return outputs
+        copy = replace(source, name=head, transform="tie-copy")
+        return [*outputs, copy]
+
+    @classmethod
+    def _fill(cls, outputs: list[MappedTensor], native: str) -> list[MappedTensor]:
+        """The `Filled` states of naming `native` the outputs call for, as zeros."""
+        out: list[MappedTensor] = []
+        for fill in cls.filled.get(native, ()):
+            like = compile_pattern(fill.like)
+            for tensor in outputs:
+                m = like.match(tensor.name)
+                if m and tensor.shape:
+                    groups = {k: int(v) for k, v in m.groupdict().items()}
+                    out.append(
+                        MappedTensor(
+                            name=fill.pattern.format(**groups),
+                            shape=(tensor.shape[0],),
+                            dtype=fill.dtype,
+                            pieces=(),
+                            combine="zeros",
+                            transform="zeros",
+                        )
+                    )
+        return out

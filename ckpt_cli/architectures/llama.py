@@ -1,0 +1,310 @@
+"""Llama 3 and Qwen3 (dense and MoE): Hugging Face names against torchtitan 0.3's.
+
+The rules are those of torchtitan 0.3.0's own `Llama3StateDictAdapter` and
+`Qwen3StateDictAdapter` (`torchtitan/models/{llama3,qwen3}/state_dict_adapter.py`), stated
+declaratively: torchtitan's llama3 keeps q/k rows in the interleaved (complex RoPE) layout, so
+they are permuted per head on the way (`RotaryPermute`); Qwen3 uses the halves layout on both
+sides (plain renames) and adds per-head q/k RMSNorms; Qwen3-MoE stacks each layer's experts as
+`[E, F, D]` / `[E, D, F]` tensors natively and stores them one per expert in Hugging Face
+files. Each output is built from its own source tensor (or a box of it), one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from .base import (
+    HF,
+    Architecture,
+    Experts,
+    Filled,
+    Ignored,
+    ModelArgs,
+    Rename,
+    RotaryPermute,
+    TensorRule,
+    one,
+)
+
+TITAN = "torchtitan"
+
+#: the tensors every decoder family here shares, as (HF pattern, torchtitan pattern)
+_COMMON = (
+    ("model.embed_tokens.weight", "tok_embeddings.weight"),
+    (
+        "model.layers.{layer}.self_attn.v_proj.weight",
+        "layers.{layer}.attention.qkv_linear.wv.weight",
+    ),
+    ("model.layers.{layer}.self_attn.o_proj.weight", "layers.{layer}.attention.wo.weight"),
+    ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.attention_norm.weight"),
+    ("model.layers.{layer}.post_attention_layernorm.weight", "layers.{layer}.ffn_norm.weight"),
+    ("model.norm.weight", "norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+)
+_DENSE_MLP = (
+    ("model.layers.{layer}.mlp.gate_proj.weight", "layers.{layer}.feed_forward.w1.weight"),
+    ("model.layers.{layer}.mlp.up_proj.weight", "layers.{layer}.feed_forward.w3.weight"),
+    ("model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.feed_forward.w2.weight"),
+)
+_Q = (
+    "model.layers.{layer}.self_attn.q_proj.weight",
+    "layers.{layer}.attention.qkv_linear.wq.weight",
+)
+_K = (
+    "model.layers.{layer}.self_attn.k_proj.weight",
+    "layers.{layer}.attention.qkv_linear.wk.weight",
+)
+_QK_NORMS = (
+    ("model.layers.{layer}.self_attn.q_norm.weight", "layers.{layer}.attention.q_norm.weight"),
+    ("model.layers.{layer}.self_attn.k_norm.weight", "layers.{layer}.attention.k_norm.weight"),
+)
+_MOE_EXPERTS = (
+    ("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+     "layers.{layer}.moe.routed_experts.inner_experts.w1_EFD"),
+    ("model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
+     "layers.{layer}.moe.routed_experts.inner_experts.w3_EFD"),
+    ("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
+     "layers.{layer}.moe.routed_experts.inner_experts.w2_EDF"),
+)  # fmt: skip
+_ROUTER = (("model.layers.{layer}.mlp.gate.weight", "layers.{layer}.moe.router.gate.weight"),)
+
+_HF_IGNORED = (
+    Ignored("model.layers.{layer}.self_attn.rotary_emb.inv_freq", "rotary table (rebuilt)"),
+    Ignored("model.rotary_emb.inv_freq", "rotary table (rebuilt)"),
+)
+_TITAN_IGNORED = (
+    Ignored("freqs_cis", "rotary table (rebuilt)"),
+    Ignored("rope.cache", "rotary table (rebuilt)"),
+    Ignored("layers.{layer}.attention.rope.cache", "rotary table (rebuilt)"),
+    # torchtitan's own to_hf drops these too: transformers' Qwen3-MoE router has no bias
+    Ignored("layers.{layer}.moe.expert_bias_E", "MoE load-balancing bias (no HF counterpart)"),
+    Ignored("layers.{layer}.moe.tokens_per_expert_E", "MoE load-balancing counter (training)"),
+)
+
+
+def _renames(pairs: Sequence[tuple[str, str]]) -> list[TensorRule]:
+    return [Rename(one(hf), one(native)) for hf, native in pairs]
+
+
+def _count_layers(shapes: Mapping[str, Sequence[int]], naming: str) -> int | None:
+    import re
+
+    pattern = re.compile(r"(?:model\.)?layers\.(\d+)\." if naming == HF else r"layers\.(\d+)\.")
+    layers = {int(m.group(1)) for n in shapes if (m := pattern.match(n))}
+    return max(layers) + 1 if layers else None
+
+
+def _rope_from_config(config: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from a transformers 4 (`rope_theta`, `rope_scaling`) or 5
+    (`rope_parameters`) config."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", config.get("rope_theta"))
+        rest = {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling = rest if rest.get("rope_type", "default") != "default" else None
+        return (float(theta) if theta is not None else None), scaling
+    theta = config.get("rope_theta")
+    scaling = config.get("rope_scaling")
+    return (float(theta) if theta is not None else None), (
+        dict(scaling) if isinstance(scaling, dict) else None
+    )
+
+
+class _Decoder(Architecture):
+    """What Llama 3 and Qwen3 share: shapes -> args, config.json <-> args."""
+
+    tied: ClassVar[Mapping[str, tuple[str, str]]] = {
+        HF: (_COMMON[0][0], _COMMON[-1][0]),
+        TITAN: (_COMMON[0][1], _COMMON[-1][1]),
+    }
+
+    hf_architecture: ClassVar[str]
+    hf_model_type: ClassVar[str]
+
+    @classmethod
+    def args_from_shapes(cls, shapes: Mapping[str, Sequence[int]], naming: str) -> ModelArgs:
+        def shape(hf: str, native: str) -> Sequence[int] | None:
+            return shapes.get(hf if naming == HF else native)
+
+        def layer0(hf: str, native: str) -> Sequence[int] | None:
+            return shape(hf.format(layer=0, expert=0), native.format(layer=0, expert=0))
+
+        embed = shape(*_COMMON[0])
+        q, k = layer0(*_Q), layer0(*_K)
+        q_norm = layer0(*_QK_NORMS[0])
+        gate = layer0(*_DENSE_MLP[0])
+        head_dim = q_norm[0] if q_norm else None
+        values: dict[str, Any] = {
+            "dim": embed[1] if embed else None,
+            "vocab_size": embed[0] if embed else None,
+            "n_layers": _count_layers(shapes, naming),
+            "ffn_dim": gate[0] if gate else None,
+            "head_dim": head_dim,
+            # a saved lm_head may still be the embedding's twin (torchtitan saves both names):
+            # only config.json tells; an absent one is tied for sure
+            "tie_embeddings": True if embed and shape(*_COMMON[-1]) is None else None,
+        }
+        if head_dim and q and k:
+            values["n_heads"] = q[0] // head_dim
+            values["n_kv_heads"] = k[0] // head_dim
+        experts = shapes.get(
+            "model.layers.0.mlp.gate.weight" if naming == HF else "layers.0.moe.router.gate.weight"
+        )
+        if experts:
+            values["num_experts"] = experts[0]
+            stacked = shapes.get(_MOE_EXPERTS[0][1].format(layer=0))
+            per = shapes.get(_MOE_EXPERTS[0][0].format(layer=0, expert=0))
+            values["moe_ffn_dim"] = stacked[1] if stacked else per[0] if per else None
+        return ModelArgs(**values)
+
+    @classmethod
+    def args_from_config(cls, config: Mapping[str, Any]) -> ModelArgs:
+        theta, scaling = _rope_from_config(config)
+        heads = config.get("num_attention_heads")
+        dim = config.get("hidden_size")
+        head_dim = config.get("head_dim") or (dim // heads if dim and heads else None)
+        return ModelArgs(
+            dim=dim,
+            n_layers=config.get("num_hidden_layers"),
+            n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            vocab_size=config.get("vocab_size"),
+            ffn_dim=config.get("intermediate_size"),
+            norm_eps=config.get("rms_norm_eps"),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=config.get("max_position_embeddings"),
+            tie_embeddings=config.get("tie_word_embeddings"),
+            num_experts=config.get("num_experts") or config.get("num_local_experts"),
+            experts_per_token=config.get("num_experts_per_tok"),
+            moe_ffn_dim=config.get("moe_intermediate_size"),
+            norm_topk_prob=config.get("norm_topk_prob"),
+            config=dict(config),
+        )
+
+    @classmethod
+    def hf_config(cls, args: ModelArgs) -> dict[str, Any]:
+        if args.config is not None:
+            return dict(args.config)
+        need = {
+            f: args.require(f, cls.title, "config.json names it")
+            for f in ("dim", "n_layers", "n_heads", "vocab_size", "norm_eps", "rope_theta")
+        }
+        head_dim = args.head_dim or need["dim"] // need["n_heads"]
+        rope: dict[str, Any] = {"rope_theta": need["rope_theta"], "rope_type": "default"}
+        if args.rope_scaling:
+            rope = {**args.rope_scaling, "rope_theta": need["rope_theta"]}
+        config: dict[str, Any] = {
+            "architectures": [cls.hf_architecture],
+            "model_type": cls.hf_model_type,
+            "hidden_size": need["dim"],
+            "num_hidden_layers": need["n_layers"],
+            "num_attention_heads": need["n_heads"],
+            "num_key_value_heads": args.n_kv_heads or need["n_heads"],
+            "head_dim": head_dim,
+            "vocab_size": need["vocab_size"],
+            "rms_norm_eps": need["norm_eps"],
+            "rope_theta": need["rope_theta"],
+            "rope_parameters": rope,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": bool(args.tie_embeddings),
+        }
+        if args.ffn_dim is not None:
+            config["intermediate_size"] = args.ffn_dim
+        if args.max_position_embeddings is not None:
+            config["max_position_embeddings"] = args.max_position_embeddings
+        if args.dtype is not None:
+            config["torch_dtype"] = args.dtype  # canonical tokens are torch's names
+        return config
+
+
+class Llama3(_Decoder):
+    """Llama 3 (dense, GQA): torchtitan's `llama3` against transformers' `LlamaForCausalLM`."""
+
+    name = "llama3"
+    title = "Llama 3"
+    hf_model_types = ("llama",)
+    hf_architecture = "LlamaForCausalLM"
+    hf_model_type = "llama"
+    torchtitan_models = "torchtitan.models.llama3"
+    rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
+        TITAN: [
+            *_renames(_COMMON),
+            RotaryPermute(one(_Q[0]), one(_Q[1]), heads="n_heads"),
+            RotaryPermute(one(_K[0]), one(_K[1]), heads="n_kv_heads"),
+            *_renames(_DENSE_MLP),
+        ]
+    }
+    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {HF: _HF_IGNORED, TITAN: _TITAN_IGNORED}
+
+
+class Qwen3(_Decoder):
+    """Qwen3 dense (q/k norms, halves RoPE on both sides): torchtitan's `qwen3` against
+    transformers' `Qwen3ForCausalLM`."""
+
+    name = "qwen3"
+    title = "Qwen3"
+    hf_model_types = ("qwen3",)
+    hf_architecture = "Qwen3ForCausalLM"
+    hf_model_type = "qwen3"
+    torchtitan_models = "torchtitan.models.qwen3"
+    rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
+        TITAN: _renames((*_COMMON, _Q, _K, *_QK_NORMS, *_DENSE_MLP))
+    }
+    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {HF: _HF_IGNORED, TITAN: _TITAN_IGNORED}
+    markers: ClassVar[Mapping[str, Sequence[str]]] = {
+        HF: (_QK_NORMS[0][0],),
+        TITAN: (_QK_NORMS[0][1],),
+    }
+
+
+class Qwen3Moe(_Decoder):
+    """Qwen3-MoE: torchtitan's `qwen3` MoE flavors (experts stacked `[E, ...]` per layer)
+    against transformers' `Qwen3MoeForCausalLM` (one tensor per expert on disk)."""
+
+    name = "qwen3-moe"
+    title = "Qwen3-MoE"
+    hf_model_types = ("qwen3_moe",)
+    hf_architecture = "Qwen3MoeForCausalLM"
+    hf_model_type = "qwen3_moe"
+    torchtitan_models = "torchtitan.models.qwen3"
+    rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
+        TITAN: [
+            *_renames((*_COMMON, _Q, _K, *_QK_NORMS, *_DENSE_MLP, *_ROUTER)),
+            *(Experts(one(hf), one(native)) for hf, native in _MOE_EXPERTS),
+        ]
+    }
+    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {HF: _HF_IGNORED, TITAN: _TITAN_IGNORED}
+    markers: ClassVar[Mapping[str, Sequence[str]]] = {
+        HF: (_ROUTER[0][0],),
+        TITAN: (_ROUTER[0][1],),
+    }
+    # torchtitan keeps a load-balancing bias per MoE layer (with load_balance_coeff, the
+    # default); CheckpointManager.load wants it, so an import writes its fresh-start zeros
+    filled: ClassVar[Mapping[str, Sequence[Filled]]] = {
+        TITAN: (
+            Filled(
+                "layers.{layer}.moe.expert_bias_E",
+                like=_ROUTER[0][1],
+                dtype="float32",
+                reason="MoE load-balancing bias at its fresh-start value",
+            ),
+        )
+    }
+
+    @classmethod
+    def hf_config(cls, args: ModelArgs) -> dict[str, Any]:
+        config = super().hf_config(args)
+        if args.config is None:
+            config["num_experts"] = args.require("num_experts", cls.title, "config.json names it")
+            config["num_experts_per_tok"] = args.require(
+                "experts_per_token", cls.title, "the router picks that many experts"
+            )
+            config["moe_intermediate_size"] = args.moe_ffn_dim
+            config["norm_topk_prob"] = args.require(
+                "norm_topk_prob", cls.title, "the router's top-k renormalisation"
+            )
+        return config
