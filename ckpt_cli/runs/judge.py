@@ -13,16 +13,16 @@ from typing import Any, Literal
 from ..errors import CkptError, UsageError
 from ..output import TMP_MARKER
 from ..storage import LocalStorage, Storage, is_parity_path, read_regular
-from .naming import _TORCH_EXT, _lightning_metrics, _part_names, deepspeed_tag
+from .naming import TORCH_EXT, deepspeed_tag, lightning_metrics, part_names
 from .records import (
     DELETING,
     METRICS_FILE,
     RUN_SLIM_RECORD,
     SLIM_RECORD,
     BestMetric,
+    Found,
     RunCheckpoint,
     Status,
-    _Found,
 )
 
 # --------------------------------------------------------------------------- judging
@@ -130,7 +130,7 @@ def _components(root: Path) -> list[tuple[str, Path]]:
     if not root.is_dir():
         if root.name.endswith(".safetensors"):
             return [("safetensors", root)]
-        if root.name.endswith(_TORCH_EXT):
+        if root.name.endswith(TORCH_EXT):
             return [("torch", root)]
         if root.name.endswith(".distcp"):
             return [("dcp", root.parent)]
@@ -146,7 +146,7 @@ def _components(root: Path) -> list[tuple[str, Path]]:
         claimed: set[str] = set()
         for fname in sorted(files):
             if fname.endswith(".safetensors.index.json") or (
-                fname.endswith(".index.json") and fname.rsplit(".", 2)[0].endswith(_TORCH_EXT)
+                fname.endswith(".index.json") and fname.rsplit(".", 2)[0].endswith(TORCH_EXT)
             ):
                 kind = "safetensors" if fname.endswith(".safetensors.index.json") else "torch"
                 out.append((kind, here / fname))
@@ -156,7 +156,7 @@ def _components(root: Path) -> list[tuple[str, Path]]:
                 continue
             if fname.endswith(".safetensors"):
                 out.append(("safetensors", here / fname))
-            elif fname.endswith(_TORCH_EXT):
+            elif fname.endswith(TORCH_EXT):
                 out.append(("torch", here / fname))
     return out
 
@@ -186,8 +186,8 @@ def _judge_components(paths: list[Path]) -> tuple[str | None, list[str]]:
     return None, formats
 
 
-def _judge(
-    item: _Found,
+def judge_found(
+    item: Found,
     root: Path,
     now: float,
     settle: float,
@@ -213,7 +213,7 @@ def _judge(
     )
     if item.temporary:
         what = "deletion" if f"{TMP_MARKER}{DELETING}" in primary.name else "save"
-        return _with_status(
+        return with_status(
             entry,
             "writing" if recent else "interrupted",
             f"staging folder of a {what} in progress"
@@ -221,7 +221,7 @@ def _judge(
             else f"staging folder left by an interrupted {what}",
         )
     if symlink and not primary.exists():
-        return _with_status(entry, "incomplete", f"dangling link to {entry.link_target}")
+        return with_status(entry, "incomplete", f"dangling link to {entry.link_target}")
     problem, formats = _judge_components(item.paths)
     entry.formats = formats
     if problem is None and item.layout == "hf-trainer" and primary.is_dir():
@@ -230,7 +230,7 @@ def _judge(
     if entry.slim:
         entry.markers.append("weights-only")
     if problem is None and expected and not entry.slim:
-        missing = expected - _part_names(primary)
+        missing = expected - part_names(primary)
         if missing:
             problem = (
                 f"lacks {', '.join(sorted(missing))}, which every other save of this run has "
@@ -250,8 +250,8 @@ def _judge(
     if problem is None:
         return entry
     if recent:
-        return _with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
-    return _with_status(entry, "incomplete", problem)
+        return with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
+    return with_status(entry, "incomplete", problem)
 
 
 def _is_slim(primary: Path, root: Path) -> bool:
@@ -286,7 +286,7 @@ def _trainer_state_problem(path: Path) -> str | None:
     return None
 
 
-def _with_status(entry: RunCheckpoint, status: Status, reason: str) -> RunCheckpoint:
+def with_status(entry: RunCheckpoint, status: Status, reason: str) -> RunCheckpoint:
     entry.status = status
     entry.complete = status == "complete"
     entry.reason = reason
@@ -314,7 +314,7 @@ def read_deepspeed_latest(storage: Storage) -> str | None:
     return deepspeed_tag(text)
 
 
-def _trainer_state(
+def newest_trainer_state(
     storage: Storage, checkpoints: list[RunCheckpoint]
 ) -> tuple[str, dict[str, Any]] | None:
     """The newest `trainer_state.json`: of the newest complete Trainer folder, or the run root,
@@ -385,7 +385,7 @@ def load_metrics(
     by_name: dict[str, float] = {}
     for c in checkpoints:
         if c.layout == "lightning":
-            value = _lightning_metrics(c.name.rsplit("/", 1)[-1]).get(metric)
+            value = lightning_metrics(c.name.rsplit("/", 1)[-1]).get(metric)
             if value is not None:
                 by_name[c.name] = value
     if by_name and source is None:
@@ -393,7 +393,7 @@ def load_metrics(
     return by_step, by_name, source
 
 
-def _best_by_metric(
+def best_by_metric(
     root: Path,
     metric: str,
     mode: Literal["min", "max"],

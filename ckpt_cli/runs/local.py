@@ -8,16 +8,16 @@ from typing import Any, Literal
 
 from ..errors import NotFoundError, UsageError
 from ..storage import LocalStorage
-from .judge import _judge, _trainer_state, read_deepspeed_latest
+from .judge import judge_found, newest_trainer_state, read_deepspeed_latest
 from .naming import (
-    _CKPT_EXT,
-    _discover,
-    _expected_parts,
-    _match_name,
-    _name_order,
-    _scan_dirs,
+    CKPT_EXT,
+    discover_local,
+    expected_parts_of_folders,
+    match_name,
+    name_order,
+    scan_dirs,
 )
-from .records import DEFAULT_SETTLE, METRICS_FILE, RunCheckpoint, RunReport, _Found
+from .records import DEFAULT_SETTLE, METRICS_FILE, Found, RunCheckpoint, RunReport
 from .remote import is_remote, looks_like_remote_run, scan_remote_run
 from .scan import RunFolder, scan
 
@@ -70,7 +70,7 @@ def scan_run(
     )
 
 
-class _LocalRun(RunFolder[_Found]):
+class _LocalRun(RunFolder[Found]):
     """A run folder on this machine: walked with links seen (never followed out of the run),
     each component judged by its format's `check`."""
 
@@ -81,33 +81,33 @@ class _LocalRun(RunFolder[_Found]):
         # through the run folder's storage: regular files inside the run only
         self.storage = LocalStorage(root)
 
-    def discover(self) -> list[_Found]:
-        return _discover(self.root)
+    def discover(self) -> list[Found]:
+        return discover_local(self.root)
 
-    def order(self, item: _Found) -> tuple[float, float, float]:
-        return _name_order(item)
+    def order(self, item: Found) -> tuple[float, float, float]:
+        return name_order(item)
 
     def judge(
         self,
-        item: _Found,
+        item: Found,
         now: float,
         settle: float,
         ds_latest_step: int | None,
         expected: set[str] | None,
     ) -> RunCheckpoint:
-        return _judge(item, self.root, now, settle, ds_latest_step, expected)
+        return judge_found(item, self.root, now, settle, ds_latest_step, expected)
 
-    def expected_parts(self, items: list[_Found]) -> dict[int, set[str]]:
-        return _expected_parts(items)
+    def expected_parts(self, items: list[Found]) -> dict[int, set[str]]:
+        return expected_parts_of_folders(items)
 
     def deepspeed_latest(self) -> str | None:
         return read_deepspeed_latest(self.storage)
 
-    def root_files(self, items: list[_Found]) -> list[str]:
+    def root_files(self, items: list[Found]) -> list[str]:
         return _root_files(self.root, items)
 
     def trainer_state(self, checkpoints: list[RunCheckpoint]) -> tuple[str, dict[str, Any]] | None:
-        return _trainer_state(self.storage, checkpoints)
+        return newest_trainer_state(self.storage, checkpoints)
 
     def metrics_file(self) -> tuple[str, str] | None:
         if not self.storage.exists(METRICS_FILE):
@@ -119,12 +119,12 @@ class _LocalRun(RunFolder[_Found]):
         _mark_link_targets(self.root, checkpoints)
 
 
-def _root_files(root: Path, found: list[_Found]) -> list[str]:
+def _root_files(root: Path, found: list[Found]) -> list[str]:
     claimed = {p for f in found for p in f.paths}
     return sorted(
         e.name
         for e in root.iterdir()
-        if e.is_file() and e.name.endswith(_CKPT_EXT) and e not in claimed
+        if e.is_file() and e.name.endswith(CKPT_EXT) and e not in claimed
     )
 
 
@@ -132,7 +132,7 @@ def _mark_link_targets(root: Path, checkpoints: list[RunCheckpoint]) -> None:
     """A checkpoint a symlink in the run folder points at (Lightning `last.ckpt`) is in use."""
     real_root = os.path.realpath(root)
     targets: set[str] = set()
-    for folder in _scan_dirs(root):
+    for folder in scan_dirs(root):
         for entry in folder.iterdir():
             if entry.is_symlink():
                 real = os.path.realpath(entry)
@@ -157,10 +157,10 @@ def looks_like_run(path: str | Path) -> bool:
     root = Path(path)
     if not root.is_dir():
         return False
-    own = _match_name(root.name, True)
+    own = match_name(root.name, True)
     if own is not None and own[0] != "plain":
         return False
-    found = [f for f in _discover(root) if not f.temporary]
+    found = [f for f in discover_local(root) if not f.temporary]
     if (root / "latest").is_file() and len(found) == 1 and found[0].layout == "deepspeed":
         return False  # DeepSpeed's save folder with its one tag: `load_checkpoint(dir)` reads it
     if any(f.layout != "plain" for f in found):
@@ -169,7 +169,7 @@ def looks_like_run(path: str | Path) -> bool:
     # model.safetensors, model_1.safetensors...), not steps
     numbered = {p.name for f in found for p in f.paths}
     for entry in root.iterdir():
-        is_part = entry.name.endswith(_CKPT_EXT) or entry.name == ".metadata"
+        is_part = entry.name.endswith(CKPT_EXT) or entry.name == ".metadata"
         if is_part and entry.name not in numbered:
             return False
     return len({f.step for f in found}) >= 2

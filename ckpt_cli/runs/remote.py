@@ -9,12 +9,12 @@ from typing import Any, Literal
 
 from ..errors import CkptError, NotFoundError, UsageError
 from ..storage import Storage
-from .judge import _with_status, read_deepspeed_latest
+from .judge import read_deepspeed_latest, with_status
 from .naming import (
-    _CKPT_EXT,
-    _SUBFOLDERS,
-    _TORCH_EXT,
-    _UNMARKED,
+    CKPT_EXT,
+    SUBFOLDERS,
+    TORCH_EXT,
+    UNMARKED,
     classify,
     expected_parts,
     step_order,
@@ -74,7 +74,7 @@ def _remote_items(files: dict[str, int]) -> list[_RemoteItem]:
     groups: dict[tuple[str, bool], dict[str, int]] = {}
     for rel, size in files.items():
         parts = rel.split("/")
-        if parts[0] in _SUBFOLDERS and len(parts) >= 2:
+        if parts[0] in SUBFOLDERS and len(parts) >= 2:
             base, rest = "/".join(parts[:2]), parts[2:]
         else:
             base, rest = parts[0], parts[1:]
@@ -104,7 +104,7 @@ def _remote_items(files: dict[str, int]) -> list[_RemoteItem]:
 
 def _classify_remote(name: str, is_dir: bool, inside: dict[str, int]) -> _RemoteItem | None:
     found = classify(
-        name, is_dir, lambda: any(f.endswith(_CKPT_EXT) or f.endswith(".metadata") for f in inside)
+        name, is_dir, lambda: any(f.endswith(CKPT_EXT) or f.endswith(".metadata") for f in inside)
     )
     if found is None:
         return None
@@ -133,7 +133,7 @@ def _remote_file_problem(storage: Storage, rel: str, size: int) -> str | None:
             if 8 + length + max(ends, default=0) > size:
                 return f"{where}: truncated (the header names more bytes than the file has)"
             return None
-        if rel.endswith(_TORCH_EXT):
+        if rel.endswith(TORCH_EXT):
             if storage.read(rel, 0, min(4, size)) != b"PK\x03\x04":
                 return None  # legacy torch.save format: no cheap structural check
             tail = storage.read(rel, max(0, size - _ZIP_TAIL), min(size, _ZIP_TAIL))
@@ -176,7 +176,7 @@ def _remote_components(
         claimed: set[str] = set()
         for fname in sorted(names):
             if fname.endswith(".index.json") and fname.removesuffix(".index.json").endswith(
-                (".safetensors", *_TORCH_EXT)
+                (".safetensors", *TORCH_EXT)
             ):
                 any_component = True
                 kind = "safetensors" if ".safetensors." in fname else "torch"
@@ -195,7 +195,7 @@ def _remote_components(
                         )
                 claimed |= shards
         for fname, size in sorted(names.items()):
-            if fname in claimed or not fname.endswith((".safetensors", *_TORCH_EXT)):
+            if fname in claimed or not fname.endswith((".safetensors", *TORCH_EXT)):
                 continue
             any_component = True
             formats.append("safetensors" if fname.endswith(".safetensors") else "torch")
@@ -271,7 +271,7 @@ class _RemoteRun(RunFolder[_RemoteItem]):
         return sorted(
             rel
             for rel in self.files
-            if "/" not in rel and rel.endswith(_CKPT_EXT) and not any(rel in i.rels for i in items)
+            if "/" not in rel and rel.endswith(CKPT_EXT) and not any(rel in i.rels for i in items)
         )
 
     def trainer_state(self, checkpoints: list[RunCheckpoint]) -> tuple[str, dict[str, Any]] | None:
@@ -302,7 +302,7 @@ def _remote_mtime(storage: Storage, item: _RemoteItem) -> float:
 def _remote_expected_parts(items: list[_RemoteItem]) -> dict[int, set[str]]:
     """The remote twin of `_expected_parts`: names every other save of an unmarked layout has."""
     out: dict[int, set[str]] = {}
-    for layout in _UNMARKED:
+    for layout in UNMARKED:
         folders = [i for i in items if i.layout == layout and i.is_dir and not i.temporary]
         names = {
             id(f): {n for n in f.files if "/" not in n and not any(ch.isdigit() for ch in n)}
@@ -335,7 +335,7 @@ def _judge_remote(
     )
     recent = mtime > 0 and now - mtime < settle
     if item.temporary:
-        return _with_status(
+        return with_status(
             entry,
             "writing" if recent else "interrupted",
             "staging prefix of a save in progress" if recent else "staging prefix left behind",
@@ -367,8 +367,8 @@ def _judge_remote(
     if problem is None:
         return entry
     if recent:
-        return _with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
-    return _with_status(entry, "incomplete", problem)
+        return with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
+    return with_status(entry, "incomplete", problem)
 
 
 def looks_like_remote_run(path: str) -> bool:
@@ -378,7 +378,7 @@ def looks_like_remote_run(path: str) -> bool:
     except (NotFoundError, UsageError):
         return False  # not a folder-like location: opened as a checkpoint, which says why
     top = {rel.split("/", 1)[0] for rel in files}
-    if ".metadata" in top or any(t.endswith(_CKPT_EXT) and "-of-" in t for t in top):
+    if ".metadata" in top or any(t.endswith(CKPT_EXT) and "-of-" in t for t in top):
         return False
     if any(t.endswith(".index.json") for t in top) or "model.safetensors" in top:
         return False

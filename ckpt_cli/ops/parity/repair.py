@@ -21,15 +21,15 @@ from ...storage import (
 from .codec import Codec, chunk_size, pad_block, slices
 from .layout import ParityLayout
 from .model import ProtectedFile, RepairReport
-from .scan import _damage_list, _Scan, _scan
+from .scan import ParityScan, damage_list, scan_parity
 from .target import (
-    _on_leader,
-    _pwrite_all,
-    _Reader,
-    _sha256_file,
-    _Target,
-    _target,
+    BlockReader,
+    ParityTarget,
+    on_leader,
+    open_parity_target,
+    pwrite_all,
     read_parity_manifest,
+    sha256_file,
 )
 
 # ------------------------------------------------------------------------------ repair
@@ -48,11 +48,11 @@ def repair(src: str, *, dry_run: bool = False, progress: Progress = NULL_PROGRES
         NotFoundError: the checkpoint has no parity (run `ckpt protect` first).
         FormatError: a rebuilt file does not match its recorded sha256 (nothing published).
     """
-    return _on_leader(lambda: _repair(src, dry_run=dry_run, progress=progress), RepairReport)
+    return on_leader(lambda: _repair(src, dry_run=dry_run, progress=progress), RepairReport)
 
 
 def _repair(src: str, *, dry_run: bool, progress: Progress) -> RepairReport:
-    target = _target(src)
+    target = open_parity_target(src)
     m = read_parity_manifest(target)
     if m is None:
         raise NotFoundError(
@@ -60,12 +60,12 @@ def _repair(src: str, *, dry_run: bool, progress: Progress) -> RepairReport:
             path=target.source.location.raw,
             fix="Protect checkpoints while they are intact: `ckpt protect SRC`.",
         )
-    scan = _scan(target, m, checksums=True, progress=progress)
+    scan = scan_parity(target, m, checksums=True, progress=progress)
     report = RepairReport(
         location=target.source.location.raw,
         ok=True,
         dry_run=dry_run,
-        damaged=_damage_list(target, scan),
+        damaged=damage_list(target, scan),
         hashed_bytes=scan.hashed,
     )
     if not report.damaged:
@@ -85,7 +85,7 @@ def _repair(src: str, *, dry_run: bool, progress: Progress) -> RepairReport:
 
 
 @contextmanager
-def _repair_staging(target: _Target) -> Iterator[Path]:
+def _repair_staging(target: ParityTarget) -> Iterator[Path]:
     """A staging folder for rebuilt files: hidden in the parity folder (local: same filesystem,
     so publishing is a rename), or a local temporary folder for an object store."""
     storage = target.storage
@@ -101,13 +101,13 @@ def _repair_staging(target: _Target) -> Iterator[Path]:
 
 
 def _rebuild(
-    target: _Target, scan: _Scan, staging: Path, progress: Progress
+    target: ParityTarget, scan: ParityScan, staging: Path, progress: Progress
 ) -> list[tuple[str, Path, ProtectedFile]]:
     """Write every damaged file whole into `staging`; each checked against its sha256."""
     m = scan.manifest
     layout = ParityLayout(m)
     storage = target.storage
-    reader = _Reader(storage)
+    reader = BlockReader(storage)
     w = m.width
     damaged = scan.damaged
     # staged output files, pre-sized; good blocks are copied, bad ones come from the decoder
@@ -180,7 +180,7 @@ def _rebuild(
                     piece = data[: end - start]
                     # the staged file is pre-sized (a hole reads as zeros): zeros stay a hole
                     if piece != zeros[: len(piece)]:
-                        _pwrite_all(fd, piece, start)
+                        pwrite_all(fd, piece, start)
                     progress.advance(end - start)
         # the intact blocks of damaged (not missing) files
         for key, (state, bad) in damaged.items():
@@ -192,7 +192,7 @@ def _rebuild(
                     continue
                 lo, hi = bi * m.block_size, min(f.size, (bi + 1) * m.block_size)
                 for offset, size in slices(hi - lo):
-                    _pwrite_all(fd, reader.read(rel, lo + offset, size), lo + offset)
+                    pwrite_all(fd, reader.read(rel, lo + offset, size), lo + offset)
         for _rel, _path, _f, fd in staged.values():
             os.fsync(fd)
     finally:
@@ -203,7 +203,7 @@ def _rebuild(
         progress.finish()
     out = []
     for rel, path, f, _fd in staged.values():
-        digest = _sha256_file(path)
+        digest = sha256_file(path)
         if digest != f.sha256:
             raise FormatError(
                 f"rebuilt from parity, but its sha256 {digest[:16]}… differs from the "
@@ -216,7 +216,7 @@ def _rebuild(
     return out
 
 
-def _publish_repaired(target: _Target, staged: list[tuple[str, Path, ProtectedFile]]) -> None:
+def _publish_repaired(target: ParityTarget, staged: list[tuple[str, Path, ProtectedFile]]) -> None:
     """Put each rebuilt file in place: data first, commit markers (index, .metadata) last."""
     storage = target.storage
     ordered = sorted(staged, key=lambda item: (is_commit_marker(item[0]), item[0]))

@@ -1,0 +1,99 @@
+"""The shape of the package's code (issue #26): no module reaches into another's private names.
+
+A name with a leading underscore is private to the module that defines it. A name another module
+needs is part of the defining module's interface and is public: `from .plan import extras`, not
+`from .plan import _extras`. These checks parse every module of `ckpt_cli/` with `ast` (nothing is
+imported) and list each place that breaks the rule, so a failure names the file and line to fix.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ckpt_cli"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _private(name: str) -> bool:
+    """`_name` is private; dunder names (`__version__`, `__all__`) are not."""
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _imported_from(node: ast.ImportFrom, path: Path) -> str:
+    """The absolute module an `ImportFrom` reads from (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package.pop()  # a module's relative imports start at its package
+    base = package[: len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def cross_module_private_uses(source: str, path: Path) -> list[str]:
+    """Each place in `source` (the module at `path`) that uses another `ckpt_cli` module's private
+    name: `from X import _name` (the package's `__init__` included) and `X._name` on an imported
+    module `X`."""
+    tree = ast.parse(source, str(path))
+    place = path.relative_to(PACKAGE.parent)
+    found: list[str] = []
+    modules: set[str] = set()  # local names bound to ckpt_cli modules (or names from them)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _imported_from(node, path)
+            if source.split(".")[0] != "ckpt_cli":
+                continue
+            for alias in node.names:
+                if _private(alias.name):
+                    found.append(f"{place}:{node.lineno}: from {source} import {alias.name}")
+                modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "ckpt_cli":
+                    modules.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and _private(node.attr)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+        ):
+            found.append(f"{place}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_the_scan_sees_private_imports_and_module_attributes() -> None:
+    # the checker itself, on a module written the way the rule forbids
+    source = (
+        "from __future__ import annotations\n"
+        "from ckpt_cli import dtypes\n"
+        "from ..runs import _UNMARKED, __doc__ as runs_doc\n"
+        "from .plan import _helper as helper\n"
+        "import ckpt_cli.sizes as sizes\n"
+        "import os\n"
+        "def f() -> object:\n"
+        "    return dtypes._TABLE, sizes._units, os._exit, runs_doc, dtypes.public, helper\n"
+    )
+    found = cross_module_private_uses(source, PACKAGE / "ops" / "probe.py")
+    assert found == [
+        "ckpt_cli/ops/probe.py:3: from ckpt_cli.runs import _UNMARKED",
+        "ckpt_cli/ops/probe.py:4: from ckpt_cli.ops.plan import _helper",
+        "ckpt_cli/ops/probe.py:8: dtypes._TABLE",
+        "ckpt_cli/ops/probe.py:8: sizes._units",
+    ]
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    found = [
+        use
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for use in cross_module_private_uses(path.read_text(), path)
+    ]
+    assert not found, "make these names public at their definition:\n" + "\n".join(found)
