@@ -19,7 +19,7 @@ from ..errors import CkptError, FormatError, IOFailure, UsageError
 from ..output import staged_output
 from ..runs import is_remote
 from .hooks import pause_point
-from .model import CheckpointerStatus, LoadedCheckpoint, SaveRecord
+from .model import SAVE_FORMAT, CheckpointerStatus, LoadedCheckpoint, SaveRecord
 from .staging import HostStaging
 from .state import apply, capture, entries, load_template
 from .tiers import Choice, choose
@@ -84,7 +84,7 @@ class Checkpointer:
         from ..hashing import ALGORITHMS
         from ..ops.retention import PrunePolicy
 
-        if format != "dcp":
+        if format != SAVE_FORMAT:
             raise UsageError(
                 f"the Checkpointer writes DCP folders; format {format!r} is not supported",
                 fix='Use format="dcp"; `ckpt convert` turns a save into safetensors afterwards.',

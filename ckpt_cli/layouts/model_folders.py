@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ..formats.base import Source
+from ..formats.names import SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX
 
 #: JSON files read here are small; anything larger is not the file we think it is
 MAX_JSON = 4 << 20
@@ -165,7 +166,7 @@ class Naming:
         """The writer's basename: `diffusion_pytorch_model.fp16` for a variant."""
         return f"{self.stem}.{self.variant}" if self.variant else self.stem
 
-    def index_name(self, suffix: str = ".safetensors.index.json") -> str | None:
+    def index_name(self, suffix: str = SAFETENSORS_INDEX_SUFFIX) -> str | None:
         """diffusers puts the variant before `.json`: `…safetensors.index.fp16.json`."""
         if self.variant and self.library == "diffusers":
             return f"{self.stem}{suffix.removesuffix('.json')}.{self.variant}.json"
@@ -212,7 +213,7 @@ def apply_naming(src: str, to: str, options: Any) -> Naming | None:
     library spells it differently, and the bytes of the companions (small JSON files) to publish
     with the weights. Returns the naming applied, None when the default names are right.
     """
-    from ..formats import resolve_source
+    from ..formats import find_format, resolve_source
 
     source = resolve_source(src)
     if source.target is not None:
@@ -221,7 +222,9 @@ def apply_naming(src: str, to: str, options: Any) -> Naming | None:
     if convention is None:
         return None
     options.basename = convention.basename
-    suffix = ".safetensors.index.json" if to == "safetensors" else ".bin.index.json"
+    target = find_format(to)
+    # a format without a shard index never uses the name
+    suffix = (target.index_suffix if target else None) or TORCH_INDEX_SUFFIX
     index = convention.index_name(suffix)
     if index:
         options.index_name = index

@@ -16,6 +16,7 @@ from typing import Protocol, TypeVar
 
 from ..errors import FormatError, UsageError
 from ..formats import get_format, resolve_source, writable_formats
+from ..formats.names import is_single_file_weights, looks_like_index
 from ..layouts.model_folders import Component, multi_folder
 from ..models import FileInfo
 from ..output import RemoteDest, resolve_destination, staged_output
@@ -175,6 +176,4 @@ def _under(comp: Component, written: list[FileInfo]) -> list[FileInfo]:
 
 
 def _is_weights(name: str) -> bool:
-    return name.endswith((".safetensors", ".bin", ".pt", ".pth")) or (
-        name.endswith(".json") and ".index" in name
-    )
+    return is_single_file_weights(name) or looks_like_index(name)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 from ..dtypes import FLOATING
 from ..errors import NotFoundError
 from ..formats.base import Checkpoint
+from ..formats.names import LIGHTNING_SUFFIX, SAFETENSORS_SUFFIX
 from ..layouts import open_source
 from ..layouts.model_folders import LayoutInfo
 from ..models import Entry, FileInfo, Manifest, Problem, TrainingState
@@ -170,7 +171,7 @@ def _could_be_run(src: str) -> bool:
             for item in listing:
                 if (
                     item.is_dir()
-                    or item.name.endswith(".ckpt")
+                    or item.name.endswith(LIGHTNING_SUFFIX)
                     or not _PLAIN_MODEL_FILE.fullmatch(item.name)
                 ):
                     return True
@@ -229,7 +230,7 @@ def malformed(checkpoint: Checkpoint) -> list[Problem]:
         noted = {h.file: h for h in checkpoint.headers if not h.unsupported}
     findings = Findings(strict=False)
     for info in checkpoint.manifest.files:
-        if info.path.endswith(".safetensors") and info.entries:
+        if info.path.endswith(SAFETENSORS_SUFFIX) and info.entries:
             header = noted.get(info.path)
             if header is not None:
                 findings.problems.extend(header.tolerated)

@@ -25,9 +25,13 @@ from pydantic import BaseModel, Field
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import HF_WEIGHTS, get_format, open_checkpoint, resolve_source
 from ..formats.base import Checkpoint, WriteOptions
-from ..formats.weight_map import INDEX_SUFFIX
+from ..formats.names import (
+    SAFETENSORS_INDEX_SUFFIX,
+    SAFETENSORS_SUFFIX,
+    TORCH_INDEX_SUFFIX,
+    WEIGHT_SUFFIXES,
+)
 from ..layouts.model_folders import read_json
-from ..model_files import WEIGHT_SUFFIXES
 from ..models import Entry, FileInfo
 from ..output import Destination, RemoteDest, resolve_destination, staged_output
 from ..progress import NULL_PROGRESS, Progress
@@ -239,7 +243,7 @@ def _companions(base_src: str) -> list[str]:
         for n in source.files
         if "/" not in n
         and not n.endswith(WEIGHT_SUFFIXES)
-        and not n.endswith((INDEX_SUFFIX, ".bin.index.json"))
+        and not n.endswith((SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX))
         and not n.startswith(".")
     )
 
@@ -349,7 +353,7 @@ def merge(
 
 def _shard_size(checkpoint: Checkpoint) -> int | None:
     """The base's own shard size (its largest shard), so the output is cut the same way."""
-    files = [f for f in checkpoint.manifest.files if f.path.endswith(".safetensors")]
+    files = [f for f in checkpoint.manifest.files if f.path.endswith(SAFETENSORS_SUFFIX)]
     if len(files) <= 1:
         return None
     return max(f.size or 0 for f in files) or None

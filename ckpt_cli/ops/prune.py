@@ -110,7 +110,7 @@ def apply_remote(run_url: str, decisions: list[PruneDecision]) -> None:
     go first, so a listing taken midway shows an incomplete save, never a complete-looking
     one with files missing; then the rest of its objects.
     """
-    from ..output import is_commit_marker
+    from ..formats.names import is_commit_marker
     from ..storage import filesystem_for, remote_failure
     from ..uri import parse_location
 

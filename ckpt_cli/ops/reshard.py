@@ -36,7 +36,7 @@ from ..formats import (
 )
 from ..formats.base import Checkpoint, Source, WriteOptions
 from ..formats.details import IndexedDetails
-from ..formats.weight_map import INDEX_SUFFIX
+from ..formats.names import INDEX_SUFFIX, SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX
 from ..layouts.base import Layout, OpenedSource
 from ..output import check_destination
 from ..progress import NULL_PROGRESS, Progress
@@ -198,7 +198,7 @@ def _basename(checkpoint: Checkpoint) -> str:
     index = details.index if details else None
     if index:
         name = index.rsplit("/", 1)[-1]
-        for suffix in (INDEX_SUFFIX, ".bin.index.json", ".index.json"):
+        for suffix in (SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX, INDEX_SUFFIX):
             if name.endswith(suffix):
                 return name[: -len(suffix)]
     files = [f.path for f in checkpoint.manifest.files]

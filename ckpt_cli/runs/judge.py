@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import CkptError, UsageError
+from ..formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
 from ..output import TMP_MARKER
 from ..storage import LocalStorage, Storage, is_parity_path, read_regular
-from .naming import TORCH_EXT, deepspeed_tag, lightning_metrics, part_names
+from .naming import deepspeed_tag, lightning_metrics, part_names
 from .records import (
     DELETING,
     METRICS_FILE,
@@ -79,11 +80,16 @@ def _check_with_format(fmt_name: str, path: Path) -> str | None:
     from ..formats import get_format, resolve_source
 
     try:
-        problems = get_format(fmt_name).check(resolve_source(str(path)))
+        fmt = get_format(fmt_name)
+        problems = fmt.check(resolve_source(str(path)))
     except CkptError as error:
         return error.message
     errors = [p for p in problems if p.severity == "error"]
-    if errors and fmt_name == "torch" and all(p.code == "unsafe_input" for p in errors):
+    if (
+        errors
+        and fmt.refused_pickles_may_be_whole
+        and all(p.code == "unsafe_input" for p in errors)
+    ):
         # A whole file whose pickle names classes weights_only refuses (Lightning's
         # hyper_parameters, say) is complete all the same: judge its structure instead.
         return _torch_structure(path)
@@ -95,7 +101,7 @@ def _torch_structure(path: Path) -> str | None:
     size = path.stat().st_size
     if size == 0:
         return f"{path}: empty file"
-    if path.name.endswith(".index.json"):
+    if path.name.endswith(INDEX_SUFFIX):
         return _check_torch_index(path)
     with open(path, "rb") as handle:
         magic = handle.read(4)
@@ -128,36 +134,33 @@ def _components(root: Path) -> list[tuple[str, Path]]:
     names; each remaining safetensors or torch.save file.
     """
     if not root.is_dir():
-        if root.name.endswith(".safetensors"):
-            return [("safetensors", root)]
-        if root.name.endswith(TORCH_EXT):
-            return [("torch", root)]
-        if root.name.endswith(".distcp"):
-            return [("dcp", root.parent)]
-        return []
+        from ..formats import get_format
+
+        fmt_name = weight_format(root.name)
+        if fmt_name is None:
+            return []
+        # one data file of a folder format (a `.distcp`) stands for its folder
+        return [(fmt_name, root.parent if get_format(fmt_name).folder else root)]
     out: list[tuple[str, Path]] = []
     for dirpath, dirs, files in os.walk(root):
         here = Path(dirpath)
         # the parity of `ckpt protect` is not a checkpoint part (its .bin files are no torch.save)
         dirs[:] = sorted(d for d in dirs if not is_parity_path(d))
-        if ".metadata" in files or any(f.endswith(".distcp") for f in files):
+        if holds_dcp(files):
             out.append(("dcp", here))
             continue
         claimed: set[str] = set()
         for fname in sorted(files):
-            if fname.endswith(".safetensors.index.json") or (
-                fname.endswith(".index.json") and fname.rsplit(".", 2)[0].endswith(TORCH_EXT)
-            ):
-                kind = "safetensors" if fname.endswith(".safetensors.index.json") else "torch"
+            kind = index_format(fname)
+            if kind is not None:
                 out.append((kind, here / fname))
                 claimed.update(_index_shards(here / fname))
         for fname in sorted(files):
             if fname in claimed:
                 continue
-            if fname.endswith(".safetensors"):
-                out.append(("safetensors", here / fname))
-            elif fname.endswith(TORCH_EXT):
-                out.append(("torch", here / fname))
+            kind = weight_format(fname)
+            if kind is not None:
+                out.append((kind, here / fname))
     return out
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import NotFoundError, UsageError
+from ..formats.names import CHECKPOINT_SUFFIXES, is_checkpoint_file
 from ..storage import LocalStorage
 from .judge import judge_found, newest_trainer_state, read_deepspeed_latest
 from .naming import (
-    CKPT_EXT,
     discover_local,
     expected_parts_of_folders,
     match_name,
@@ -124,7 +124,7 @@ def _root_files(root: Path, found: list[Found]) -> list[str]:
     return sorted(
         e.name
         for e in root.iterdir()
-        if e.is_file() and e.name.endswith(CKPT_EXT) and e not in claimed
+        if e.is_file() and e.name.endswith(CHECKPOINT_SUFFIXES) and e not in claimed
     )
 
 
@@ -169,7 +169,7 @@ def looks_like_run(path: str | Path) -> bool:
     # model.safetensors, model_1.safetensors...), not steps
     numbered = {p.name for f in found for p in f.paths}
     for entry in root.iterdir():
-        is_part = entry.name.endswith(CKPT_EXT) or entry.name == ".metadata"
+        is_part = is_checkpoint_file(entry.name)
         if is_part and entry.name not in numbered:
             return False
     return len({f.step for f in found}) >= 2

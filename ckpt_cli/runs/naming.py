@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, is_checkpoint_file
 from ..output import TMP_MARKER
 from ..storage import is_parity_path
 from .records import SLIM_RECORD, Found
@@ -18,10 +19,8 @@ from .records import SLIM_RECORD, Found
 if TYPE_CHECKING:
     from ..layouts import Layout
 
-TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
-CKPT_EXT = (*TORCH_EXT, ".safetensors", ".distcp")
 #: plain `NAME_N.ext` files: extensions that can be a whole checkpoint (not `.distcp` pieces)
-_PLAIN_EXT = (*TORCH_EXT, ".safetensors")
+_PLAIN_EXT = (*TORCH_SUFFIXES, SAFETENSORS_SUFFIX)
 #: `model-00001-of-00003`, `rng_state_1`: numbered parts of one checkpoint, not steps
 _PART = re.compile(r".*-\d+-of-\d+|rng_state.*|.*rank.*")
 _PLAIN = re.compile(r"(?P<stem>.+?)[-_](?P<n>\d+)(?P<ext>\.[A-Za-z]+)?")
@@ -97,7 +96,7 @@ def _looks_like_checkpoint_folder(path: Path) -> bool:
     """A plain `NAME-N/` folder counts only when it holds checkpoint files (not logs)."""
     for _dirpath, dirs, files in os.walk(path):
         dirs[:] = [d for d in dirs if not is_parity_path(d)]  # `ckpt protect`'s parity
-        if any(f.endswith(CKPT_EXT) or f == ".metadata" for f in files):
+        if any(is_checkpoint_file(f) for f in files):
             return True
     return False
 

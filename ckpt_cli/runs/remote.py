@@ -8,12 +8,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import CkptError, NotFoundError, UsageError
+from ..formats.names import (
+    CHECKPOINT_SUFFIXES,
+    DCP_METADATA,
+    INDEX_SUFFIX,
+    SAFETENSORS_SUFFIX,
+    TORCH_SUFFIXES,
+    holds_dcp,
+    index_format,
+    is_single_file_weights,
+)
 from ..storage import Storage
 from .judge import read_deepspeed_latest, with_status
 from .naming import (
-    CKPT_EXT,
     SUBFOLDERS,
-    TORCH_EXT,
     UNMARKED,
     classify,
     expected_parts,
@@ -104,7 +112,7 @@ def _remote_items(files: dict[str, int]) -> list[_RemoteItem]:
 
 def _classify_remote(name: str, is_dir: bool, inside: dict[str, int]) -> _RemoteItem | None:
     found = classify(
-        name, is_dir, lambda: any(f.endswith(CKPT_EXT) or f.endswith(".metadata") for f in inside)
+        name, is_dir, lambda: any(f.endswith((*CHECKPOINT_SUFFIXES, DCP_METADATA)) for f in inside)
     )
     if found is None:
         return None
@@ -118,7 +126,7 @@ def _remote_file_problem(storage: Storage, rel: str, size: int) -> str | None:
     if size == 0:
         return f"{where}: empty file"
     try:
-        if rel.endswith(".safetensors"):
+        if rel.endswith(SAFETENSORS_SUFFIX):
             if size < 8:
                 return f"{where}: truncated safetensors file"
             length = int.from_bytes(storage.read(rel, 0, 8), "little")
@@ -133,7 +141,7 @@ def _remote_file_problem(storage: Storage, rel: str, size: int) -> str | None:
             if 8 + length + max(ends, default=0) > size:
                 return f"{where}: truncated (the header names more bytes than the file has)"
             return None
-        if rel.endswith(TORCH_EXT):
+        if rel.endswith(TORCH_SUFFIXES):
             if storage.read(rel, 0, min(4, size)) != b"PK\x03\x04":
                 return None  # legacy torch.save format: no cheap structural check
             tail = storage.read(rel, max(0, size - _ZIP_TAIL), min(size, _ZIP_TAIL))
@@ -153,7 +161,7 @@ def _remote_components(
     if not is_dir:
         formats: list[str] = []
         for rel, size in files.items():
-            kind = "safetensors" if rel.endswith(".safetensors") else "torch"
+            kind = "safetensors" if rel.endswith(SAFETENSORS_SUFFIX) else "torch"
             formats.append(kind)
             problem = _remote_file_problem(storage, rel, size)
             if problem:
@@ -167,20 +175,18 @@ def _remote_components(
     any_component = False
     for folder, names in sorted(folders.items()):
         prefix = f"{base}/{folder}/" if folder else f"{base}/"
-        if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+        if holds_dcp(names):
             any_component = True
             formats.append("dcp")
-            if ".metadata" not in names:
+            if DCP_METADATA not in names:
                 return f"{storage.describe(prefix)}: no .metadata (DCP writes it last)", formats
             continue
         claimed: set[str] = set()
         for fname in sorted(names):
-            if fname.endswith(".index.json") and fname.removesuffix(".index.json").endswith(
-                (".safetensors", *TORCH_EXT)
-            ):
+            index_kind = index_format(fname)
+            if index_kind is not None:
                 any_component = True
-                kind = "safetensors" if ".safetensors." in fname else "torch"
-                formats.append(kind)
+                formats.append(index_kind)
                 try:
                     index = json.loads(storage.read_all(prefix + fname))
                     shards = {v for v in index["weight_map"].values() if isinstance(v, str)}
@@ -195,10 +201,10 @@ def _remote_components(
                         )
                 claimed |= shards
         for fname, size in sorted(names.items()):
-            if fname in claimed or not fname.endswith((".safetensors", *TORCH_EXT)):
+            if fname in claimed or not is_single_file_weights(fname):
                 continue
             any_component = True
-            formats.append("safetensors" if fname.endswith(".safetensors") else "torch")
+            formats.append("safetensors" if fname.endswith(SAFETENSORS_SUFFIX) else "torch")
             problem = _remote_file_problem(storage, prefix + fname, size)
             if problem:
                 return problem, sorted(set(formats))
@@ -271,7 +277,9 @@ class _RemoteRun(RunFolder[_RemoteItem]):
         return sorted(
             rel
             for rel in self.files
-            if "/" not in rel and rel.endswith(CKPT_EXT) and not any(rel in i.rels for i in items)
+            if "/" not in rel
+            and rel.endswith(CHECKPOINT_SUFFIXES)
+            and not any(rel in i.rels for i in items)
         )
 
     def trainer_state(self, checkpoints: list[RunCheckpoint]) -> tuple[str, dict[str, Any]] | None:
@@ -378,8 +386,8 @@ def looks_like_remote_run(path: str) -> bool:
     except (NotFoundError, UsageError):
         return False  # not a folder-like location: opened as a checkpoint, which says why
     top = {rel.split("/", 1)[0] for rel in files}
-    if ".metadata" in top or any(t.endswith(CKPT_EXT) and "-of-" in t for t in top):
+    if DCP_METADATA in top or any(t.endswith(CHECKPOINT_SUFFIXES) and "-of-" in t for t in top):
         return False
-    if any(t.endswith(".index.json") for t in top) or "model.safetensors" in top:
+    if any(t.endswith(INDEX_SUFFIX) for t in top) or "model.safetensors" in top:
         return False
     return any(not i.temporary and i.layout != "plain" for i in _remote_items(files))

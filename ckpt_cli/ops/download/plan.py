@@ -8,7 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from ...errors import FormatError, NotFoundError
-from ...model_files import EXTRA_SUFFIXES, WEIGHT_SUFFIXES
+from ...formats.names import INDEX_SUFFIX, WEIGHT_SUFFIXES
+from ...model_files import EXTRA_SUFFIXES
 from ...models import Entry
 from ...storage.hub import HubRepo
 
@@ -173,7 +174,7 @@ def top_level_extras(
     for rel in repo.files:
         if rel in weights or rel.startswith(".") or rel.endswith(WEIGHT_SUFFIXES):
             continue
-        if rel.endswith(".index.json"):
+        if rel.endswith(INDEX_SUFFIX):
             continue
         if include:
             if not any(fnmatch.fnmatchcase(rel, g) for g in include):

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from ...errors import FormatError
 from ...formats.base import Source
+from ...formats.names import SAFETENSORS_SUFFIX
 from ...formats.safetensors import SafetensorsFormat
 from ...formats.safetensors_header import read_header
 from ...formats.weight_map import BIN_INDEX_SUFFIX, find_index, read_index
@@ -126,7 +127,7 @@ def _narrowed_index(staging: Path, weight_map: dict[str, str], shards: set[str])
     """
     local = LocalStorage(staging)
     kept = {name: shard for name, shard in weight_map.items() if shard in shards}
-    if not all(shard.endswith(".safetensors") for shard in shards):
+    if not all(shard.endswith(SAFETENSORS_SUFFIX) for shard in shards):
         return (json.dumps({"metadata": {}, "weight_map": kept}, indent=2) + "\n").encode()
     total = 0
     for shard in sorted(shards):

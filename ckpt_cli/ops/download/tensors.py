@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ...errors import FormatError
 from ...formats.base import Source, WriteOptions
+from ...formats.names import SAFETENSORS_SUFFIX
 from ...formats.safetensors import SafetensorsCheckpoint, SafetensorsFormat
 from ...formats.weight_map import INDEX_SUFFIX
 from ...models import Entry
@@ -361,7 +362,7 @@ def download_tensors(
     if index_rel:
         basename = Path(index_rel).name[: -len(INDEX_SUFFIX)]
     elif len(checkpoint.headers) == 1:  # one file keeps its name
-        basename = Path(checkpoint.headers[0].file).name[: -len(".safetensors")]
+        basename = Path(checkpoint.headers[0].file).name[: -len(SAFETENSORS_SUFFIX)]
     else:
         basename = "model"
     order = {name: i for i, name in enumerate(n for r in report.ranges for n in r.tensors)}

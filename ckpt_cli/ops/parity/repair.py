@@ -11,7 +11,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from ...errors import FormatError, NotFoundError
-from ...output import TMP_MARKER, fsync_dir, is_commit_marker
+from ...formats.names import is_commit_marker
+from ...output import TMP_MARKER, fsync_dir
 from ...progress import NULL_PROGRESS, Progress
 from ...storage import (
     FsspecStorage,

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import FormatError, NotFoundError
-from ...output import UPLOAD_BLOCK, is_commit_marker
+from ...formats.names import is_commit_marker
+from ...output import UPLOAD_BLOCK
 from ...runs import UNMARKED, RunCheckpoint
 from ...storage import Storage
 from ..checksums import MANIFEST_NAME, ChecksumManifest
