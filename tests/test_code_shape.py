@@ -9,6 +9,7 @@ imported) and list each place that breaks the rule, so a failure names the file 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ckpt_cli"
@@ -97,3 +98,50 @@ def test_no_module_imports_another_modules_private_names() -> None:
         for use in cross_module_private_uses(path.read_text(), path)
     ]
     assert not found, "make these names public at their definition:\n" + "\n".join(found)
+
+
+def hub_url_parsing(source: str, path: Path) -> list[str]:
+    """Places in `source` that take an `hf://` URL apart (or build one) by hand: a literal
+    `"hf://"` or `"hf:"` in code. Text for people is not parsed: docstrings, f-strings, and a
+    search of a message's text (`"hf://" in error.fix`) are left alone."""
+    tree = ast.parse(source, str(path))
+    text: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            text.add(id(body[0].value))
+        if isinstance(node, ast.JoinedStr):
+            text.update(id(part) for part in ast.walk(node))
+        if (
+            isinstance(node, ast.Compare)
+            and isinstance(node.ops[0], ast.In | ast.NotIn)
+            and re.search(r"\b(fix|message)\b", ast.unparse(node.comparators[0]))
+        ):
+            text.add(id(node.left))
+    place = path.relative_to(PACKAGE.parent)
+    return [
+        f"{place}:{node.lineno}: {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and node.value in ("hf://", "hf:")
+        and id(node) not in text
+    ]
+
+
+def test_hub_urls_are_parsed_in_one_place() -> None:
+    # `uri.parse_location` / `is_hub_url` / `hub_url` / `with_hub_options` are the one parser
+    found = [
+        use
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "uri.py"
+        for use in hub_url_parsing(path.read_text(), path)
+    ]
+    assert not found, "use ckpt_cli.uri (is_hub_url, parse_location, hub_url):\n" + "\n".join(found)
+    probe = (
+        'def f(x, e):\n    """hf:// in a docstring"""\n'
+        '    return x.startswith("hf://"), "hf://" not in e.fix, x[len("hf:") :]\n'
+    )
+    assert hub_url_parsing(probe, PACKAGE / "probe.py") == [
+        "ckpt_cli/probe.py:3: 'hf://'",
+        "ckpt_cli/probe.py:3: 'hf:'",
+    ]
