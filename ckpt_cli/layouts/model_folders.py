@@ -206,16 +206,15 @@ def is_diffusers_index(name: str) -> bool:
     return _DIFFUSERS_INDEX.fullmatch(name.rsplit("/", 1)[-1]) is not None
 
 
-def apply_naming(src: str, to: str, options: Any) -> Naming | None:
-    """Give a folder output `src`'s naming convention and companion files (`WriteOptions`).
+def apply_naming(source: Source, to: str, options: Any) -> Naming | None:
+    """Give a folder output `source`'s naming convention and companion files (`WriteOptions`).
 
     The basename (`adapter_model`, `diffusion_pytorch_model.fp16`), the index name where the
     library spells it differently, and the bytes of the companions (small JSON files) to publish
     with the weights. Returns the naming applied, None when the default names are right.
     """
-    from ..formats import find_format, resolve_source
+    from ..formats import find_format
 
-    source = resolve_source(src)
     if source.target is not None:
         return None
     convention = naming(source)

@@ -16,6 +16,7 @@ from typing import Protocol, TypeVar
 
 from ..errors import FormatError, UsageError
 from ..formats import get_format, resolve_source, writable_formats
+from ..formats.base import Source
 from ..formats.names import is_single_file_weights, looks_like_index
 from ..layouts.model_folders import Component, multi_folder
 from ..models import FileInfo
@@ -38,15 +39,10 @@ def component_targets() -> list[str]:
     return [name for name in writable_formats() if get_format(name).shards_by_size]
 
 
-def components_of(src: str) -> tuple[str, list[Component]] | None:
-    """(layout, components) when `src` is a local multi-folder model, else None (without
-    listing anything for a file or a remote location)."""
-    from ..uri import parse_location
-
-    location = parse_location(src)
-    if not location.is_local or location.path is None or not location.path.is_dir():
+def components_of(source: Source) -> tuple[str, list[Component]] | None:
+    """(layout, components) when `source` is a local multi-folder model, else None."""
+    if not source.location.is_local or source.target is not None:
         return None  # multi-folder models are converted from local folders
-    source = resolve_source(src)
     found = multi_folder(source)
     if found is None:
         return None

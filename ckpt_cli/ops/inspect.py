@@ -12,7 +12,8 @@ from pydantic import BaseModel, Field
 
 from ..dtypes import FLOATING
 from ..errors import NotFoundError
-from ..formats.base import Checkpoint
+from ..formats import resolve_source
+from ..formats.base import Checkpoint, Source
 from ..formats.names import LIGHTNING_SUFFIX, SAFETENSORS_SUFFIX
 from ..layouts import open_source
 from ..layouts.model_folders import LayoutInfo
@@ -102,11 +103,16 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
 
 
 def _inspect(src: str, format: str | None, filters: list[str] | None) -> InspectReport:
+    # a remote SRC is resolved (listed, its Hub revision pinned) once: the run check, the run
+    # scan and the opening all read that
+    source: str | Source = src
     if format is None and not filters and _could_be_run(src):
-        from ..runs import looks_like_run, scan_run
+        from ..runs import is_remote, looks_like_run, scan_run
 
-        if looks_like_run(src):
-            run = scan_run(src)
+        if is_remote(src):
+            source = resolve_source(src)
+        if looks_like_run(source):
+            run = scan_run(source)
             return InspectReport(
                 location=src,
                 format="run",
@@ -118,7 +124,7 @@ def _inspect(src: str, format: str | None, filters: list[str] | None) -> Inspect
                 bytes_by_dtype={},
                 run=run,
             )
-    opened = open_source(src, format)
+    opened = open_source(source, format)
     with opened.checkpoint as checkpoint:
         manifest = checkpoint.manifest
         entries = select(manifest.entries, filters)

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import NotFoundError, UsageError
+from ..formats.base import Source
 from ..formats.names import CHECKPOINT_SUFFIXES, is_checkpoint_file
 from ..storage import LocalStorage
 from .judge import judge_found, newest_trainer_state, read_deepspeed_latest
 from .naming import (
     discover_local,
     expected_parts_of_folders,
+    listed,
     match_name,
     name_order,
     scan_dirs,
@@ -23,7 +26,7 @@ from .scan import RunFolder, scan
 
 
 def scan_run(
-    run_dir: str | Path,
+    run_dir: str | Path | Source,
     *,
     metric: str | None = None,
     mode: Literal["min", "max"] = "min",
@@ -44,14 +47,14 @@ def scan_run(
     """
     if is_remote(run_dir):
         return scan_remote_run(
-            str(run_dir),
+            run_dir if isinstance(run_dir, Source) else str(run_dir),
             metric=metric,
             mode=mode,
             settle=settle,
             now=now,
             until_latest=until_latest,
         )
-    root = Path(str(run_dir).removeprefix("file://"))
+    root = _local_root(run_dir)
     if not root.exists():
         raise NotFoundError("no such folder", path=root, fix="Check the run folder's path.")
     if not root.is_dir():
@@ -80,9 +83,17 @@ class _LocalRun(RunFolder[Found]):
         # the run's own small files (`latest`, `trainer_state.json`, `metrics.jsonl`) are read
         # through the run folder's storage: regular files inside the run only
         self.storage = LocalStorage(root)
+        self._listings: dict[Path, list[Path]] = {}
+
+    def _list(self, folder: Path) -> list[Path]:
+        """A folder of the run, listed once per scan: discovery, the root's loose files and the
+        link marks read the same listing."""
+        if folder not in self._listings:
+            self._listings[folder] = listed(folder)
+        return self._listings[folder]
 
     def discover(self) -> list[Found]:
-        return discover_local(self.root)
+        return discover_local(self.root, self._list)
 
     def order(self, item: Found) -> tuple[float, float, float]:
         return name_order(item)
@@ -104,7 +115,7 @@ class _LocalRun(RunFolder[Found]):
         return read_deepspeed_latest(self.storage)
 
     def root_files(self, items: list[Found]) -> list[str]:
-        return _root_files(self.root, items)
+        return _root_files(self._list(self.root), items)
 
     def trainer_state(self, checkpoints: list[RunCheckpoint]) -> tuple[str, dict[str, Any]] | None:
         return newest_trainer_state(self.storage, checkpoints)
@@ -116,24 +127,26 @@ class _LocalRun(RunFolder[Found]):
         return self.storage.describe(METRICS_FILE), raw.decode("utf-8", "replace")
 
     def mark_links(self, checkpoints: list[RunCheckpoint]) -> None:
-        _mark_link_targets(self.root, checkpoints)
+        _mark_link_targets(self.root, checkpoints, self._list)
 
 
-def _root_files(root: Path, found: list[Found]) -> list[str]:
+def _root_files(entries: list[Path], found: list[Found]) -> list[str]:
     claimed = {p for f in found for p in f.paths}
     return sorted(
         e.name
-        for e in root.iterdir()
+        for e in entries
         if e.is_file() and e.name.endswith(CHECKPOINT_SUFFIXES) and e not in claimed
     )
 
 
-def _mark_link_targets(root: Path, checkpoints: list[RunCheckpoint]) -> None:
+def _mark_link_targets(
+    root: Path, checkpoints: list[RunCheckpoint], list_dir: Callable[[Path], list[Path]]
+) -> None:
     """A checkpoint a symlink in the run folder points at (Lightning `last.ckpt`) is in use."""
     real_root = os.path.realpath(root)
     targets: set[str] = set()
     for folder in scan_dirs(root):
-        for entry in folder.iterdir():
+        for entry in list_dir(folder):
             if entry.is_symlink():
                 real = os.path.realpath(entry)
                 if real.startswith(real_root + os.sep):
@@ -143,7 +156,13 @@ def _mark_link_targets(root: Path, checkpoints: list[RunCheckpoint]) -> None:
             c.markers.append("link-target")
 
 
-def looks_like_run(path: str | Path) -> bool:
+def _local_root(run_dir: str | Path | Source) -> Path:
+    if isinstance(run_dir, Source) and run_dir.location.path is not None:
+        return run_dir.location.path
+    return Path(str(run_dir).removeprefix("file://"))
+
+
+def looks_like_run(path: str | Path | Source) -> bool:
     """Whether `path` is a local run folder holding step checkpoints (not itself a checkpoint).
 
     A folder named like a step checkpoint (`checkpoint-500`, which may hold a DeepSpeed
@@ -153,8 +172,8 @@ def looks_like_run(path: str | Path) -> bool:
     checkpoint (as DeepSpeed reads it); with several tags it is a run folder.
     """
     if is_remote(path):
-        return looks_like_remote_run(str(path))
-    root = Path(path)
+        return looks_like_remote_run(path if isinstance(path, Source) else str(path))
+    root = _local_root(path)
     if not root.is_dir():
         return False
     own = match_name(root.name, True)

@@ -189,11 +189,18 @@ def scan_dirs(run_dir: Path) -> list[Path]:
     return dirs
 
 
-def discover_local(run_dir: Path) -> list[Found]:
+def listed(folder: Path) -> list[Path]:
+    """The entries of `folder`, sorted."""
+    return sorted(folder.iterdir())
+
+
+def discover_local(run_dir: Path, list_dir: Callable[[Path], list[Path]] = listed) -> list[Found]:
+    """The candidate checkpoints of a local run folder; `list_dir` lists its folders (a scan
+    passes one that lists each folder once for all its steps)."""
     found: list[Found] = []
     plain_files: dict[tuple[Path, int | None], Found] = {}
     for folder in scan_dirs(run_dir):
-        for entry in sorted(folder.iterdir()):
+        for entry in list_dir(folder):
             item = _classify(entry)
             if item is None:
                 continue

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import CkptError, NotFoundError, UsageError
+from ..formats.base import Source
 from ..formats.names import (
     CHECKPOINT_SUFFIXES,
     DCP_METADATA,
@@ -44,21 +45,24 @@ _MAX_HEADER = 100 << 20
 _ZIP_TAIL = 1024
 
 
-def is_remote(run_dir: str | Path) -> bool:
+def is_remote(run_dir: str | Path | Source) -> bool:
     """Whether `run_dir` is a URL (`s3://…`, `hf://…`) rather than a folder on this machine."""
+    if isinstance(run_dir, Source):
+        return not run_dir.location.is_local
     text = str(run_dir)
     return "://" in text and not text.startswith("file://")
 
 
-def run_storage(run_dir: str) -> Storage:
-    """The `Storage` of a remote run folder (NotFoundError when it does not exist)."""
+def run_storage(run_dir: str | Source) -> Storage:
+    """The `Storage` of a remote run folder (NotFoundError when it does not exist); `run_dir`
+    may be resolved already (`resolve_source`), so an operation lists it once."""
     from ..formats import resolve_source
 
-    source = resolve_source(run_dir)
+    source = run_dir if isinstance(run_dir, Source) else resolve_source(run_dir)
     if source.target is not None:
         raise UsageError(
             "names one file, not a run folder",
-            path=run_dir,
+            path=source.location.raw,
             fix="Pass the prefix (or repo) that holds the step checkpoints.",
         )
     return source.storage
@@ -221,7 +225,7 @@ def _remote_json(storage: Storage, rel: str) -> Any:
 
 
 def scan_remote_run(
-    run_dir: str,
+    run_dir: str | Source,
     *,
     metric: str | None = None,
     mode: Literal["min", "max"] = "min",
@@ -243,10 +247,11 @@ def scan_remote_run(
 class _RemoteRun(RunFolder[_RemoteItem]):
     """A run folder read through its `Storage`: one listing, then headers only."""
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str | Source) -> None:
         self.storage = run_storage(run_dir)
         self.files = self.storage.list_files()
-        self.display = run_dir.rstrip("/")
+        text = run_dir.location.raw if isinstance(run_dir, Source) else run_dir
+        self.display = text.rstrip("/")
 
     def discover(self) -> list[_RemoteItem]:
         return _remote_items(self.files)
@@ -379,7 +384,7 @@ def _judge_remote(
     return with_status(entry, "incomplete", problem)
 
 
-def looks_like_remote_run(path: str) -> bool:
+def looks_like_remote_run(path: str | Source) -> bool:
     """Whether a remote location holds step checkpoints and no checkpoint of its own."""
     try:
         files = run_storage(path).list_files()
