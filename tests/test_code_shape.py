@@ -145,3 +145,91 @@ def test_hub_urls_are_parsed_in_one_place() -> None:
         "ckpt_cli/probe.py:3: 'hf://'",
         "ckpt_cli/probe.py:3: 'hf:'",
     ]
+
+
+#: at most this many functions over `COMPLEX` per thousand lines of code (issue #26)
+COMPLEXITY_BUDGET_PER_KLOC = 1.2
+COMPLEX = 15
+
+
+def cyclomatic_complexity(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """McCabe's number of a function, counted the way ruff's `C901` (mccabe) counts it: 1, plus
+    one per `if`/`elif`, loop, `except` clause and `case`; a function defined inside (a method
+    of a class defined inside too) adds one plus its own branch points. Expressions
+    (`and`/`or`, `x if c else y`, comprehensions, lambdas) add nothing."""
+    count = 1
+    stack: list[ast.AST] = list(ast.iter_child_nodes(function))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Lambda):
+            continue
+        if isinstance(
+            node,
+            ast.If
+            | ast.For
+            | ast.AsyncFor
+            | ast.While
+            | ast.ExceptHandler
+            | ast.match_case
+            | ast.FunctionDef
+            | ast.AsyncFunctionDef,
+        ):
+            count += 1
+        stack.extend(ast.iter_child_nodes(node))
+    return count
+
+
+def complex_functions(source: str, path: Path) -> list[tuple[int, str]]:
+    """(complexity, `file:line name`) of each function in `source` over `COMPLEX`."""
+    place = path.relative_to(PACKAGE.parent)
+    return [
+        (n, f"{place}:{node.lineno} {node.name}")
+        for node in ast.walk(ast.parse(source, str(path)))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and (n := cyclomatic_complexity(node)) > COMPLEX
+    ]
+
+
+def _code_lines(source: str) -> int:
+    """Lines that are neither blank nor only a comment."""
+    return sum(
+        1 for line in source.splitlines() if line.strip() and not line.lstrip().startswith("#")
+    )
+
+
+def test_the_complexity_counter_counts_branch_points() -> None:
+    source = (
+        "def f(xs, a, b):\n"
+        "    if a and b or not a:\n"  # +1 (the operators add nothing)
+        "        return [x for x in xs if x]\n"  # an expression: nothing
+        "    for x in xs:\n"  # +1
+        "        try:\n"
+        "            pass\n"
+        "        except ValueError:\n"  # +1
+        "            continue\n"
+        "        elif_ = 1 if x else 2\n"  # nothing
+        "    class Inner:\n"
+        "        def method(self, y):\n"  # +1, and its if +1
+        "            if y:\n"
+        "                return y\n"
+        "    return Inner\n"
+    )
+    function = ast.parse(source).body[0]
+    assert isinstance(function, ast.FunctionDef)
+    assert cyclomatic_complexity(function) == 1 + 1 + 1 + 1 + 2
+    assert complex_functions(source, PACKAGE / "x.py") == []
+
+
+def test_complex_functions_stay_within_the_budget() -> None:
+    found: list[tuple[int, str]] = []
+    lines = 0
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        lines += _code_lines(source)
+        found += complex_functions(source, path)
+    budget = COMPLEXITY_BUDGET_PER_KLOC * lines / 1000
+    worst = "\n".join(f"{n:3d}  {where}" for n, where in sorted(found, reverse=True))
+    assert len(found) <= budget, (
+        f"{len(found)} functions over complexity {COMPLEX} in {lines} lines of code "
+        f"(budget {budget:.0f}); extract well-named steps from the worst:\n{worst}"
+    )
