@@ -17,6 +17,7 @@ from ...progress import NULL_PROGRESS, Progress
 from ...storage import (
     FsspecStorage,
     LocalStorage,
+    Storage,
     remote_failure,
 )
 from .codec import Codec, chunk_size, pad_block, slices
@@ -109,7 +110,6 @@ def _rebuild(
     layout = ParityLayout(m)
     storage = target.storage
     reader = BlockReader(storage)
-    w = m.width
     damaged = scan.damaged
     # staged output files, pre-sized; good blocks are copied, bad ones come from the decoder
     staged: dict[tuple[str, int], tuple[str, Path, ProtectedFile, int]] = {}
@@ -120,6 +120,7 @@ def _rebuild(
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(fd, f.size)
         staged[(kind, idx)] = (rel, path, f, fd)
+    fds = {key: fd for key, (_rel, _path, _f, fd) in staged.items()}
     losses = scan.losses()
     total = sum(len(b) for _s, b in damaged.values()) * m.block_size
     # the decoder works on one slice of the stripe's blocks at a time (see `codec.CHUNK`):
@@ -131,38 +132,8 @@ def _rebuild(
     try:
         for stripe in sorted(losses):
             lost = sorted(losses[stripe])
-            # the first W surviving shares of the stripe: (column, file path, its extent)
-            sources: list[tuple[int, str | None, int, int]] = []
-            for c in range(w + m.parity):
-                if len(sources) == w:
-                    break
-                if c in losses[stripe]:
-                    continue
-                if c < w:
-                    where = layout.block(c, stripe)
-                    if where is None:
-                        sources.append((c, None, 0, 0))  # a column run out: zeros
-                        continue
-                    fi, bi = where
-                    lo, hi = layout.extent(m.files[fi].size, bi)
-                    sources.append((c, m.files[fi].path, lo, hi))
-                else:
-                    lo = stripe * m.block_size
-                    rel = f"{target.parity_rel}/{m.shares[c - w].path}"
-                    sources.append((c, rel, lo, lo + m.block_size))
-            # where each rebuilt share goes: (staged fd, first byte, end) in its file
-            dests: dict[int, tuple[int, int, int]] = {}
-            for c in lost:
-                if c < w:
-                    where = layout.block(c, stripe)
-                    if where is None:
-                        continue
-                    fi, bi = where
-                    lo, hi = layout.extent(m.files[fi].size, bi)
-                    dests[c] = (staged[("data", fi)][3], lo, hi)
-                else:
-                    lo = stripe * m.block_size
-                    dests[c] = (staged[("parity", c - w)][3], lo, lo + m.block_size)
+            sources = _surviving_shares(layout, target.parity_rel, stripe, losses[stripe])
+            dests = _rebuilt_share_places(layout, stripe, lost, fds)
             for offset, _size in slices(m.block_size, chunk):
                 shares: dict[int, bytes] = {}
                 for c, name, lo, hi in sources:
@@ -183,17 +154,7 @@ def _rebuild(
                     if piece != zeros[: len(piece)]:
                         pwrite_all(fd, piece, start)
                     progress.advance(end - start)
-        # the intact blocks of damaged (not missing) files
-        for key, (state, bad) in damaged.items():
-            rel, _path, f, fd = staged[key]
-            if state == "missing":
-                continue
-            for bi in range(len(f.blocks)):
-                if bi in bad:
-                    continue
-                lo, hi = bi * m.block_size, min(f.size, (bi + 1) * m.block_size)
-                for offset, size in slices(hi - lo):
-                    pwrite_all(fd, reader.read(rel, lo + offset, size), lo + offset)
+        _copy_intact_blocks(scan, staged, reader)
         for _rel, _path, _f, fd in staged.values():
             os.fsync(fd)
     finally:
@@ -202,8 +163,82 @@ def _rebuild(
                 os.close(fd)
         reader.close()
         progress.finish()
-    out = []
-    for rel, path, f, _fd in staged.values():
+    return _checked(storage, [(rel, path, f) for rel, path, f, _fd in staged.values()])
+
+
+def _surviving_shares(
+    layout: ParityLayout, parity_rel: str, stripe: int, lost: set[int]
+) -> list[tuple[int, str | None, int, int]]:
+    """The first W surviving shares of `stripe`: (column, file path, its extent); a data
+    column run out reads as zeros (no path)."""
+    m = layout.m
+    w = m.width
+    sources: list[tuple[int, str | None, int, int]] = []
+    for c in range(w + m.parity):
+        if len(sources) == w:
+            break
+        if c in lost:
+            continue
+        if c < w:
+            where = layout.block(c, stripe)
+            if where is None:
+                sources.append((c, None, 0, 0))  # a column run out: zeros
+                continue
+            fi, bi = where
+            lo, hi = layout.extent(m.files[fi].size, bi)
+            sources.append((c, m.files[fi].path, lo, hi))
+        else:
+            lo = stripe * m.block_size
+            sources.append((c, f"{parity_rel}/{m.shares[c - w].path}", lo, lo + m.block_size))
+    return sources
+
+
+def _rebuilt_share_places(
+    layout: ParityLayout, stripe: int, lost: list[int], fds: dict[tuple[str, int], int]
+) -> dict[int, tuple[int, int, int]]:
+    """Where each rebuilt share of `stripe` goes: column -> (staged fd, first byte, end)."""
+    m = layout.m
+    w = m.width
+    dests: dict[int, tuple[int, int, int]] = {}
+    for c in lost:
+        if c < w:
+            where = layout.block(c, stripe)
+            if where is None:
+                continue
+            fi, bi = where
+            lo, hi = layout.extent(m.files[fi].size, bi)
+            dests[c] = (fds[("data", fi)], lo, hi)
+        else:
+            lo = stripe * m.block_size
+            dests[c] = (fds[("parity", c - w)], lo, lo + m.block_size)
+    return dests
+
+
+def _copy_intact_blocks(
+    scan: ParityScan,
+    staged: dict[tuple[str, int], tuple[str, Path, ProtectedFile, int]],
+    reader: BlockReader,
+) -> None:
+    """Copy the intact blocks of damaged (not missing) files into their staged copies."""
+    block_size = scan.manifest.block_size
+    for key, (state, bad) in scan.damaged.items():
+        rel, _path, f, fd = staged[key]
+        if state == "missing":
+            continue
+        for bi in range(len(f.blocks)):
+            if bi in bad:
+                continue
+            lo, hi = bi * block_size, min(f.size, (bi + 1) * block_size)
+            for offset, size in slices(hi - lo):
+                pwrite_all(fd, reader.read(rel, lo + offset, size), lo + offset)
+
+
+def _checked(
+    storage: Storage, rebuilt: list[tuple[str, Path, ProtectedFile]]
+) -> list[tuple[str, Path, ProtectedFile]]:
+    """`rebuilt`, once each file's sha256 is the manifest's; FormatError naming the first that
+    is not (nothing is published then)."""
+    for rel, path, f in rebuilt:
         digest = sha256_file(path)
         if digest != f.sha256:
             raise FormatError(
@@ -213,8 +248,7 @@ def _rebuild(
                 fix="The parity or the surviving files are damaged beyond their digests; "
                 "restore this checkpoint from another copy.",
             )
-        out.append((rel, path, f))
-    return out
+    return rebuilt
 
 
 def _publish_repaired(target: ParityTarget, staged: list[tuple[str, Path, ProtectedFile]]) -> None:
