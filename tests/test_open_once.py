@@ -90,8 +90,8 @@ def test_verify_deep_resolves_and_lists_a_sharded_model_once(
     assert report["ok"] and "deep" in report["checks"]
     root = folder.resolve()
     assert counts.resolved[root] == 1  # 0.1.0: 6
-    # the source's listing, and the one `SafetensorsFormat.check` still takes itself (0.1.0: 7)
-    assert counts.listed[root] <= 2
+    # `SafetensorsFormat.check` reads the source's listing, not one of its own (0.1.0: 7)
+    assert counts.listed[root] == 1
 
 
 def test_verify_deep_resumable_opens_a_trainer_folder_once(tmp_path: Path, counts: Counts) -> None:
@@ -234,3 +234,13 @@ def test_diff_resolves_a_hub_side_once(hub: TestHub, tmp_path: Path) -> None:
     report = _ok("diff", "hf://org/model", tmp_path / "src")
     assert report["equal"]
     assert _hub_lookups(hub) == (1, 1)
+
+
+def test_merge_resolves_the_base_and_the_adapter_once(
+    tiny_llama: Path, lora_adapter: Path, tmp_path: Path, counts: Counts
+) -> None:
+    report = _ok("merge", tiny_llama, lora_adapter, tmp_path / "merged")
+    assert report["merged"]
+    base, adapter = tiny_llama.resolve(), lora_adapter.resolve()
+    assert (counts.resolved[base], counts.listed[base]) == (1, 1)  # 0.1.0: resolved 3 times
+    assert (counts.resolved[adapter], counts.listed[adapter]) == (1, 1)  # 0.1.0: 2
