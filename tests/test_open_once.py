@@ -192,6 +192,12 @@ def test_run_commands_list_the_run_folder_once(
     plan = _ok("prune", run, "--keep-last", "1")
     assert plan["to_delete"] == 1 and not plan["applied"]  # the best one (200) is kept
     assert counts.of(run) == (1, 0, 1)  # 0.1.0: 3
+    report = run_ckpt("doctor", run, "--json")
+    assert report.exit_code == 0, report.output
+    assert report.json["result"]["mode"] == "run"
+    # resolved once (0.1.0: twice, the scan then the logs); the run check and the scan still
+    # each read the top level of a local run folder
+    assert counts.of(run)[:2] == (1, 1)
     make_bucket(s3_server.endpoint, "ckpt-once")
     synced = _ok("sync", run, "s3://ckpt-once/run/")
     assert {c["action"] for c in synced["checkpoints"]} == {"uploaded"}

@@ -63,8 +63,11 @@ def scan_run(
             path=root,
             fix="Pass the run folder that holds the step checkpoints (checkpoint-N/...).",
         )
+    storage = None
+    if isinstance(run_dir, Source) and isinstance(run_dir.storage, LocalStorage):
+        storage = run_dir.storage if run_dir.target is None else None  # resolved: reused
     return scan(
-        _LocalRun(root),
+        _LocalRun(root, storage),
         metric=metric,
         mode=mode,
         settle=settle,
@@ -77,12 +80,13 @@ class _LocalRun(RunFolder[Found]):
     """A run folder on this machine: walked with links seen (never followed out of the run),
     each component judged by its format's `check`."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, storage: LocalStorage | None = None) -> None:
         self.root = root
         self.display = str(root)
         # the run's own small files (`latest`, `trainer_state.json`, `metrics.jsonl`) are read
-        # through the run folder's storage: regular files inside the run only
-        self.storage = LocalStorage(root)
+        # through the run folder's storage (the one it was resolved to, when it was): regular
+        # files inside the run only
+        self.storage = storage or LocalStorage(root)
         self._listings: dict[Path, list[Path]] = {}
 
     def _list(self, folder: Path) -> list[Path]:
