@@ -24,6 +24,7 @@ import typer.core
 import typer.models
 
 from .errors import CkptError, UsageError
+from .uri import is_hub_url, with_hub_options
 
 T = TypeVar("T")
 
@@ -171,48 +172,6 @@ def _with_metavar(name: str, annotation: Any) -> Any:
     return Annotated[(base, *changed)]
 
 
-def _hub_location(text: str, revision: str | None, repo_type: str | None) -> str:
-    """SRC with --revision / --repo-type folded into its hf:// URL; refused for other SRCs."""
-    if revision is None and repo_type is None:
-        return text
-    if not text.startswith("hf://"):
-        used = " and ".join(
-            o for o, v in (("--revision", revision), ("--repo-type", repo_type)) if v is not None
-        )
-        raise UsageError(
-            f"{used} apply to a Hub location, and {text!r} is not one",
-            fix="Write SRC as hf://org/repo, or leave the option out.",
-        )
-    rest = text[len("hf://") :]
-    if repo_type is not None:
-        if repo_type not in ("model", "dataset", "space"):
-            raise UsageError(
-                f"--repo-type {repo_type!r} is not a repository type",
-                fix="Use model, dataset or space.",
-            )
-        first = rest.split("/", 1)[0]
-        if first in ("models", "datasets", "spaces") and first != repo_type + "s":
-            raise UsageError(
-                f"--repo-type {repo_type} contradicts {text!r}", fix="Keep one of the two."
-            )
-        if repo_type != "model" and first != repo_type + "s":
-            rest = f"{repo_type}s/{rest}"
-    if revision is not None:
-        parts = rest.split("/")
-        at = 1 + (parts[0] in ("models", "datasets", "spaces"))
-        if at >= len(parts):
-            return text  # malformed: let the location parser say so
-        if "@" in parts[at]:
-            if parts[at].split("@", 1)[1] != revision:
-                raise UsageError(
-                    f"--revision {revision} contradicts {text!r}", fix="Keep one of the two."
-                )
-        else:
-            parts[at] = f"{parts[at]}@{revision.replace('/', '%2F')}"
-        rest = "/".join(parts)
-    return "hf://" + rest
-
-
 def hub_hint(text: str) -> str | None:
     """`did you mean hf://org/repo?` for a bare `org/repo` that names no local path.
 
@@ -280,9 +239,9 @@ def _conventions(function: Callable[..., Any], name: str | None = None) -> Calla
             render.set_verbosity(-1 if quiet else 1 if verbose else 0)
             given = [n for n in locations if isinstance(kwargs.get(n), str)]
             # with two locations (diff A B) the Hub options apply to the hf:// one(s)
-            hub = [n for n in given if kwargs[n].startswith("hf://")] if len(given) > 1 else given
+            hub = [n for n in given if is_hub_url(kwargs[n])] if len(given) > 1 else given
             for location in hub or given[:1]:
-                kwargs[location] = _hub_location(kwargs[location], revision, repo_type)
+                kwargs[location] = with_hub_options(kwargs[location], revision, repo_type)
         except CkptError as error:
             render.emit_error(command_name, error, json_output)
             raise typer.Exit(error.exit_code) from None

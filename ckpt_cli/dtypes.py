@@ -75,9 +75,9 @@ SUB_BYTE: dict[str, tuple[int, str]] = {
     "float6_e2m3fn": (6, "F6_E2M3"),
     "float6_e3m2fn": (6, "F6_E3M2"),
 }
-_FROM_SAFETENSORS = {code: name for name, (_, code) in _TABLE.items()}
+FROM_SAFETENSORS = {code: name for name, (_, code) in _TABLE.items()}
 # an F4 header entry is read as 4-bit elements, not as torch's packed pairs
-_FROM_SAFETENSORS.update({code: name for name, (_, code) in SUB_BYTE.items()})
+FROM_SAFETENSORS.update({code: name for name, (_, code) in SUB_BYTE.items()})
 #: torch dtypes DCP and `torch.save` round-trip that have no safetensors code in `_TABLE`:
 #: item size only (`float4_e2m1fn_x2` packs two 4-bit values per byte, its shape counts bytes)
 _TORCH_ONLY: dict[str, int] = {
@@ -164,7 +164,7 @@ def has_safetensors_code(dtype: str) -> bool:
 
 def from_safetensors(code: str) -> str | None:
     """Canonical name for a safetensors dtype code (`BF16` -> `bfloat16`), None if unknown."""
-    return _FROM_SAFETENSORS.get(code)
+    return FROM_SAFETENSORS.get(code)
 
 
 def to_safetensors(dtype: str) -> str:

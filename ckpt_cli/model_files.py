@@ -8,17 +8,6 @@ from __future__ import annotations
 
 #: top-level files that belong with a model folder (config, tokenizer, card, custom code)
 EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".spm", ".md", ".py")
-#: weight files: never "extras"
-WEIGHT_SUFFIXES = (
-    ".safetensors",
-    ".bin",
-    ".pt",
-    ".pth",
-    ".ckpt",
-    ".h5",
-    ".msgpack",
-    ".onnx",
-    ".gguf",
-)
+#: (weight files, never extras: `formats.names.WEIGHT_SUFFIXES`)
 #: an extra file larger than this is no config or tokenizer file: not carried
 MAX_EXTRA_BYTES = 64 << 20

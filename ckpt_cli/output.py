@@ -39,6 +39,7 @@ from typing import Any
 
 from .errors import DestinationExistsError, IOFailure, UsageError
 from .faults import interruption, io_failure
+from .formats.names import is_commit_marker
 from .progress import NULL_PROGRESS, Progress
 from .storage import remote_failure
 from .uri import parse_location
@@ -322,12 +323,6 @@ def _publish(source: Path, dest: Path, force: bool) -> None:
 
 
 # --------------------------------------------------------------------------- object stores
-
-
-def is_commit_marker(name: str) -> bool:
-    """Files that make a checkpoint look complete: indexes and DCP `.metadata` (written last)."""
-    base = name.rsplit("/", 1)[-1]
-    return base == ".metadata" or base.endswith(".index.json")
 
 
 def publish_order(names: list[str]) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -58,6 +58,63 @@ def parse_location(text: str) -> Location:
     if scheme == "hf":
         return _parse_hf(text, rest)
     return Location(raw=text, kind="fsspec", url=text, path=Path(rest))
+
+
+def is_hub_url(text: str) -> bool:
+    """Whether `text` names the Hugging Face Hub (`hf://…`, the scheme in any case), as
+    `parse_location` reads it; nothing is validated or raised."""
+    match = _URL.match(text)
+    return match is not None and match["scheme"].lower() == "hf"
+
+
+def hub_url(location: Location) -> str:
+    """The `hf://` URL of a Hub location, spelt the one way `parse_location` reads back:
+    `hf://[datasets/|spaces/]org/repo[@revision][/subfolder]`, `/` in a revision as `%2F`."""
+    assert location.kind == "hf" and location.repo_id is not None
+    kind = "" if location.repo_type == "model" else f"{location.repo_type}s/"
+    revision = f"@{location.revision.replace('/', '%2F')}" if location.revision else ""
+    subfolder = f"/{location.subfolder}" if location.subfolder else ""
+    return f"hf://{kind}{location.repo_id}{revision}{subfolder}"
+
+
+def with_hub_options(text: str, revision: str | None, repo_type: str | None) -> str:
+    """`text` with `--revision` / `--repo-type` folded into its `hf://` URL.
+
+    Refused for a SRC that is not on the Hub, for an unknown repository type, and where an
+    option contradicts what the URL already says (`hf://org/repo@v1 --revision v2`).
+    """
+    if revision is None and repo_type is None:
+        return text
+    if not is_hub_url(text):
+        used = " and ".join(
+            o for o, v in (("--revision", revision), ("--repo-type", repo_type)) if v is not None
+        )
+        raise UsageError(
+            f"{used} apply to a Hub location, and {text!r} is not one",
+            fix="Write SRC as hf://org/repo, or leave the option out.",
+        )
+    if repo_type is not None and repo_type not in _HF_TYPES.values():
+        raise UsageError(
+            f"--repo-type {repo_type!r} is not a repository type",
+            fix="Use model, dataset or space.",
+        )
+    location = parse_location(text)
+    if repo_type is not None:
+        match = _URL.match(text)
+        assert match is not None  # a Hub URL, checked above
+        written = match["rest"].lstrip("/").split("/", 1)[0]
+        if written in _HF_TYPES and _HF_TYPES[written] != repo_type:
+            raise UsageError(
+                f"--repo-type {repo_type} contradicts {text!r}", fix="Keep one of the two."
+            )
+        location = replace(location, repo_type=repo_type)
+    if revision is not None:
+        if location.revision is not None and location.revision != revision:
+            raise UsageError(
+                f"--revision {revision} contradicts {text!r}", fix="Keep one of the two."
+            )
+        location = replace(location, revision=revision)
+    return hub_url(location)
 
 
 def _parse_hf(text: str, rest: str) -> Location:

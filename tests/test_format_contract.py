@@ -4,13 +4,14 @@ objects or comparing format names."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
 import pytest
 
 from ckpt_cli.errors import FormatError
-from ckpt_cli.formats import get_format, open_checkpoint, writable_formats
+from ckpt_cli.formats import DETECT_NAMES, get_format, names, open_checkpoint, writable_formats
 from ckpt_cli.formats.base import WriteOptions
 from ckpt_cli.models import Entry
 
@@ -50,6 +51,172 @@ def test_operations_compare_no_format_names_and_probe_no_methods() -> None:
             if token.search(line) or probe.search(line):
                 found.append(f"ops/{name}:{number + 1}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+#: a literal made only of format suffixes: `.safetensors`, `.bin.index.json`, `.metadata`, `*.pt`
+_SUFFIX_LITERAL = re.compile(
+    r"\*?(\.(safetensors|distcp|metadata|bin|pt|pth|gguf|ckpt|pkl|index|json))*"
+    r"\.(safetensors|distcp|metadata|bin|pt|pth|gguf|ckpt|pkl|index\.json)",
+    re.IGNORECASE,
+)
+_FORMAT_TOKENS = {"safetensors", "dcp", "torch", "gguf", "hub"}
+#: expressions that hold a format token (`manifest.format`, `fmt_name`, `to`, `kind`)
+_FORMAT_VALUED = re.compile(r"format|fmt|\bto\b|\bkind\b")
+
+
+def format_knowledge(source: str, path: str) -> list[str]:
+    """Where `source` (the module at `path`, relative to the repository) knows a format by name.
+
+    The rule (issue #26): file suffixes and format tokens are format knowledge and live in
+    `ckpt_cli/formats/` alone; everything else asks it (`formats.names`, the `Format` classes'
+    declared facts). Precisely, outside `formats/`:
+
+    - a *bare suffix* literal (`".safetensors"`, `".bin.index.json"`, `".metadata"`, `"*.pt"`)
+      is format knowledge. A framework's *file name* (`"optimizer.pt"`, `"trainer_state.json"`,
+      `"model.safetensors"`, a regex of `mp_rank_XX_model_states.pt`) is that framework's naming:
+      layout knowledge, allowed. In `layouts/`, a layout may also spell its framework's names as
+      stem + suffix (`numbered_files("optimizer", ".bin")`, Lightning's `suffixes`,
+      `removesuffix`), but it may not classify files by suffix: `endswith` / `startswith` tests
+      and comparisons with a bare suffix, and module-level suffix constants, are flagged there too;
+    - a format token compared with a format-valued expression (`manifest.format == "dcp"`,
+      `to != "dcp"`, `"dcp" in c.formats`) is format knowledge: read the format's declared
+      facts (`holds_objects`, `folder`, `layout_files`...) instead;
+    - text for people is not knowledge: docstrings and f-strings are not scanned.
+    """
+    tree = ast.parse(source, path)
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            skipped.add(id(body[0].value))  # docstrings
+        if isinstance(node, ast.JoinedStr):
+            skipped.update(id(part) for part in ast.walk(node))
+    in_layouts = path.startswith("ckpt_cli/layouts/")
+    flagged: list[tuple[int, str]] = []
+
+    def suffixes_in(node: ast.AST) -> list[ast.Constant]:
+        return [
+            c
+            for c in ast.walk(node)
+            if isinstance(c, ast.Constant)
+            and isinstance(c.value, str)
+            and id(c) not in skipped
+            and _SUFFIX_LITERAL.fullmatch(c.value)
+        ]
+
+    if in_layouts:
+        tests: list[ast.AST] = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in ("endswith", "startswith"):
+                    tests += node.args
+            elif isinstance(node, ast.Compare):
+                tests += [node.left, *node.comparators]
+        tests += [
+            s.value for s in tree.body if isinstance(s, ast.Assign | ast.AnnAssign) and s.value
+        ]
+        found = [c for node in tests for c in suffixes_in(node)]
+    else:
+        found = suffixes_in(tree)
+    flagged += [(c.lineno, f"suffix {c.value!r}") for c in found]
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        for side in sides:
+            tokens = [
+                c.value
+                for c in ast.walk(side)
+                if isinstance(c, ast.Constant) and c.value in _FORMAT_TOKENS
+            ]
+            others = [ast.unparse(s) for s in sides if s is not side]
+            if tokens and any(_FORMAT_VALUED.search(o) for o in others):
+                flagged += [(node.lineno, f"format token {v!r}") for v in tokens]
+    return [f"{path}:{line}: {what}" for line, what in sorted(set(flagged))]
+
+
+def test_the_format_knowledge_scan_tells_formats_from_layout_names() -> None:
+    source = (
+        '"""Docstrings may say `.safetensors`."""\n'
+        "SUFFIXES = ('.pt', '.bin')\n"
+        "NAMES = ('optimizer.pt', 'trainer_state.json')\n"
+        "def f(name, manifest, to, module):\n"
+        "    folder.numbered_files('optimizer', '.bin')\n"
+        "    print(f'no {name}.metadata')\n"
+        "    return (name.endswith('.safetensors.index.json'), manifest.format == 'dcp',\n"
+        "            to != 'torch', module == 'torch', name == 'model.safetensors')\n"
+    )
+    assert format_knowledge(source, "ckpt_cli/runs/x.py") == [
+        "ckpt_cli/runs/x.py:2: suffix '.bin'",
+        "ckpt_cli/runs/x.py:2: suffix '.pt'",
+        "ckpt_cli/runs/x.py:5: suffix '.bin'",
+        "ckpt_cli/runs/x.py:7: format token 'dcp'",
+        "ckpt_cli/runs/x.py:7: suffix '.safetensors.index.json'",
+        "ckpt_cli/runs/x.py:8: format token 'torch'",
+    ]
+    # a layout spells its framework's names (`numbered_files`) but classifies nothing by suffix
+    assert format_knowledge(source, "ckpt_cli/layouts/x.py") == [
+        "ckpt_cli/layouts/x.py:2: suffix '.bin'",
+        "ckpt_cli/layouts/x.py:2: suffix '.pt'",
+        "ckpt_cli/layouts/x.py:7: format token 'dcp'",
+        "ckpt_cli/layouts/x.py:7: suffix '.safetensors.index.json'",
+        "ckpt_cli/layouts/x.py:8: format token 'torch'",
+    ]
+
+
+def test_format_knowledge_lives_in_formats_only() -> None:
+    found = []
+    for path in sorted((REPO / "ckpt_cli").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if not rel.startswith("ckpt_cli/formats/"):
+            found += format_knowledge(path.read_text(), rel)
+    assert not found, "ask `ckpt_cli.formats` (names, Format facts) instead:\n" + "\n".join(found)
+
+
+def test_file_names_agree_with_the_adapters() -> None:
+    torch_format, safetensors, dcp = (get_format(n) for n in ("torch", "safetensors", "dcp"))
+    assert torch_format.single_file_suffixes == names.TORCH_SUFFIXES
+    assert torch_format.index_suffix == names.TORCH_INDEX_SUFFIX
+    assert safetensors.single_file_suffixes == (names.SAFETENSORS_SUFFIX,)
+    assert safetensors.index_suffix == names.SAFETENSORS_INDEX_SUFFIX
+    assert dcp.commit_marker == names.DCP_METADATA
+    assert dcp.rank_file(0).endswith(names.DCP_DATA_SUFFIX)
+    # every data suffix is one the format's detection pre-check accepts
+    for token, suffixes in names.SAVE_SUFFIXES.items():
+        for suffix in suffixes:
+            assert DETECT_NAMES[token].fullmatch(f"x{suffix}"), (token, suffix)
+    assert DETECT_NAMES["gguf"].fullmatch(f"x{names.GGUF_SUFFIX}")
+
+
+@pytest.mark.parametrize(
+    ("name", "weights", "index", "checkpoint_file"),
+    [
+        ("model.safetensors", "safetensors", None, True),
+        ("sub/model-00001-of-00002.safetensors", "safetensors", None, True),
+        ("pytorch_model.bin", "torch", None, True),
+        ("epoch=1-step=10.ckpt", "torch", None, True),
+        ("__0_0.distcp", "dcp", None, True),
+        (".metadata", None, None, True),
+        ("model.safetensors.index.json", None, "safetensors", False),
+        ("pytorch_model.bin.index.json", None, "torch", False),
+        ("model.pt.index.json", None, "torch", False),
+        ("config.index.json", None, None, False),
+        ("model.gguf", None, None, False),
+        ("trainer_state.json", None, None, False),
+    ],
+)
+def test_names_classify_files_by_format(
+    name: str, weights: str | None, index: str | None, checkpoint_file: bool
+) -> None:
+    assert names.weight_format(name) == weights
+    assert names.index_format(name) == index
+    assert names.is_index_file(name) == (index is not None)
+    assert names.is_checkpoint_file(name) == checkpoint_file
+    assert names.is_single_file_weights(name) == (weights in ("safetensors", "torch"))
+    assert names.holds_dcp([name, "config.json"]) == (weights == "dcp" or name == ".metadata")
+    assert names.is_commit_marker(f"run/{name}") == (
+        name == ".metadata" or name.endswith(".index.json")
+    )
 
 
 def test_every_writer_does_what_its_format_declares(tmp_path: Path) -> None:

@@ -495,7 +495,7 @@ def test_data_files_go_up_side_by_side_and_the_markers_after_them(
     events: list[str] = []
 
     def upload(self: push._Uploader, path: Path, rel: str, size: int, new: object) -> object:
-        if not push._late(rel):
+        if not push.uploaded_late(rel):
             together.wait()
         events.append(rel)
         return real_upload(self, path, rel, size, new)  # type: ignore[arg-type]
@@ -503,7 +503,7 @@ def test_data_files_go_up_side_by_side_and_the_markers_after_them(
     monkeypatch.setattr(push._Uploader, "_upload_file", upload)
     report = sync(str(out), f"s3://{BUCKET}/run/", jobs=2)
     assert report.transferred == ["checkpoint-100"], report.failed
-    data = [rel for rel in events if not push._late(rel)]
+    data = [rel for rel in events if not push.uploaded_late(rel)]
     assert len(data) >= 2
     # every marker after every data file, in the writer's order
     assert events[: len(data)] == data

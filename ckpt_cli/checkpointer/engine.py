@@ -18,8 +18,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from ..errors import CkptError, FormatError, IOFailure, UsageError
 from ..output import staged_output
 from ..runs import is_remote
+from ..uri import is_hub_url
 from .hooks import pause_point
-from .model import CheckpointerStatus, LoadedCheckpoint, SaveRecord
+from .model import SAVE_FORMAT, CheckpointerStatus, LoadedCheckpoint, SaveRecord
 from .staging import HostStaging
 from .state import apply, capture, entries, load_template
 from .tiers import Choice, choose
@@ -84,7 +85,7 @@ class Checkpointer:
         from ..hashing import ALGORITHMS
         from ..ops.retention import PrunePolicy
 
-        if format != "dcp":
+        if format != SAVE_FORMAT:
             raise UsageError(
                 f"the Checkpointer writes DCP folders; format {format!r} is not supported",
                 fix='Use format="dcp"; `ckpt convert` turns a save into safetensors afterwards.',
@@ -104,7 +105,7 @@ class Checkpointer:
         if protect < 0:
             raise UsageError(f"protect must be 0 or more parity shares (got {protect})")
         if upload is not None:
-            if not is_remote(upload) or upload.startswith("hf://"):
+            if not is_remote(upload) or is_hub_url(upload):
                 raise UsageError(
                     "upload must be an object-store prefix",
                     path=upload,

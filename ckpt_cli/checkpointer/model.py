@@ -7,6 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+#: the one format the Checkpointer saves in (through torch.distributed.checkpoint)
+SAVE_FORMAT = "dcp"
+
 #: where a save stands: `staged` (in host memory, not yet written), `writing` (DCP is writing
 #: the staging folder), `publishing` (manifest, parity, the rename), `uploading` (to the object
 #: store), `done`; `skipped` (another save was in flight and `on_busy="skip"`), `failed`

@@ -19,7 +19,7 @@ from ..errors import CkptError
 from ..ops.checksums import MANIFEST_NAME
 from ..runs import RunCheckpoint, scan_run
 from ..storage import PARITY_DIR
-from .model import Tier
+from .model import SAVE_FORMAT, Tier
 
 
 @dataclass
@@ -38,7 +38,7 @@ def _resumable(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint]:
     done = [
         c
         for c in checkpoints
-        if c.complete and not c.slim and c.step is not None and "dcp" in c.formats
+        if c.complete and not c.slim and c.step is not None and SAVE_FORMAT in c.formats
     ]
     return sorted(done, key=lambda c: c.order, reverse=True)
 

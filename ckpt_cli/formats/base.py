@@ -343,6 +343,11 @@ class Format(ABC):
         layout_files: per details `layout`, files the entries are read from besides the data
             files (Megatron's `metadata.json`): never copied beside an output.
         details_model: the typed model of its manifests' `details` (`formats.details`).
+        refused_pickles_may_be_whole: its files are pickles `torch.load(weights_only=True)`
+            reads, so a file whose pickle names classes that refuses (`unsafe_input`) can still
+            be whole: completeness is judged from its structure instead.
+        self_described: its header describes the model (architecture, tensor types), shown
+            as the layout of a checkpoint of it.
     """
 
     name: ClassVar[str]
@@ -366,6 +371,8 @@ class Format(ABC):
     commit_marker: ClassVar[str | None] = None
     layout_files: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     details_model: ClassVar[type[FormatDetails]] = PlainDetails
+    refused_pickles_may_be_whole: ClassVar[bool] = False
+    self_described: ClassVar[bool] = False
 
     @staticmethod
     def shard_names(basename: str, count: int) -> list[str]:

@@ -270,6 +270,7 @@ class GgufFormat(Format):
     name = "gguf"
     title = "GGUF"
     details_model = GgufDetails
+    self_described = True
     skip_reason = staticmethod(skip_reason)
 
     @classmethod

@@ -160,9 +160,11 @@ class SafetensorsFormat(Format):
                 weight_map, index_meta = read_index(storage, index_rel)
             except CkptError as error:
                 report_bad_index(findings, error)
-        # a single shard needs no listing of its folder (a run folder of 10,000 files would
-        # list it once per file); an index given as the target needs its siblings
-        listing = storage.list_files() if index_rel is not None else source.files
+        # a folder SRC is listed already; an index given as the target needs its siblings; a
+        # single shard needs no listing of its folder (a run folder of 10,000 files would list
+        # it once per file)
+        siblings = index_rel is not None and source.target is not None
+        listing = storage.list_files() if siblings else source.files
         strays: list[str] = []
         if weight_map is not None:
             assert index_rel is not None

@@ -330,7 +330,7 @@ def _entries(
 
 #: safetensors dtype code -> (canonical dtype, bits per element), for `_entries`' fast check
 _BITS: dict[str, tuple[str, int]] = {
-    code: (dtype, dtypes.bitsize(dtype)) for code, dtype in dtypes._FROM_SAFETENSORS.items()
+    code: (dtype, dtypes.bitsize(dtype)) for code, dtype in dtypes.FROM_SAFETENSORS.items()
 }
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from ..budgets import check_expanded
 from ..errors import FormatError
 from ..models import Entry
-from .torch_load import _INERT, InertObject
+from .torch_load import INERT, InertObject
 from .torch_zip import TensorLayout
 
 #: longest string an object entry shows as its value
@@ -49,7 +49,7 @@ def dotted(key_path: tuple[KeyStep, ...] | list[KeyStep]) -> str:
     return ".".join(str(key) for _, key in key_path)
 
 
-def _is_tensor(obj: Any) -> bool:
+def is_tensor(obj: Any) -> bool:
     """A torch tensor, or a tensor read without torch (`TensorLayout`, see `torch_zip`)."""
     if isinstance(obj, TensorLayout):
         return True
@@ -69,7 +69,7 @@ def _holds(obj: Any, dicts: bool, memo: dict[tuple[int, int], bool], depth: int 
         return known
     memo[key] = False  # a cycle back here holds nothing new
     found = any(
-        _is_tensor(item)
+        is_tensor(item)
         or (dicts and isinstance(item, dict))
         or (isinstance(item, (list, tuple, dict)) and _holds(item, dicts, memo, depth + 1))
         for item in (obj.values() if isinstance(obj, dict) else obj)
@@ -154,7 +154,7 @@ def _revive(node: Any) -> Any:
     """
     if type(node) is not dict or set(node) != {"__class__", "args", "state"}:
         return node
-    cls = _INERT.get(node["__class__"]) if isinstance(node["__class__"], str) else None
+    cls = INERT.get(node["__class__"]) if isinstance(node["__class__"], str) else None
     if cls is None or not issubclass(cls, InertObject) or not isinstance(node["args"], list):
         return node
     record = cls.__new__(cls)
@@ -264,7 +264,7 @@ def _object_size(obj: Any) -> int:
         return 0
 
 
-def _type_name(obj: Any) -> str:
+def type_name(obj: Any) -> str:
     if isinstance(obj, InertObject):
         return obj.original
     cls = type(obj)
@@ -338,7 +338,7 @@ def build_entries(
             # an empty state dict (a safetensors file with no tensors, saved by torch) holds
             # no entries; it is not one object named `object`
             continue
-        name = dotted(path) if path else "tensor" if _is_tensor(leaf) else "object"
+        name = dotted(path) if path else "tensor" if is_tensor(leaf) else "object"
         base, n = name, 1
         while name in leaves:  # {"a.b": x, "a": {"b": y}} flatten to the same name
             name, n = f"{base}~{n}", n + 1
@@ -349,7 +349,7 @@ def build_entries(
             if leaf.nbytes:
                 spot = (-1, leaf.data_offset or 0, leaf.shape, leaf.stride)
                 views.setdefault(spot, []).append(name)
-        elif _is_tensor(leaf):
+        elif is_tensor(leaf):
             dtype = dtype_name(leaf.dtype)
             shape = list(leaf.shape)
             nbytes = leaf.numel() * leaf.element_size()
@@ -390,7 +390,7 @@ def build_entries(
                     file=file,
                     offset=None,
                     chunks=None,
-                    py_type=_type_name(leaf),
+                    py_type=type_name(leaf),
                     value=value if has_value else None,
                     key_path=path,
                 )
@@ -402,7 +402,7 @@ def build_entries(
 _MISSING = object()
 
 
-def _plain(value: Any, memo: dict[int, Any] | None = None) -> Any:
+def plain_copy(value: Any, memo: dict[int, Any] | None = None) -> Any:
     """A deep copy of `value` with inert records (DeepSpeed loss scalers...) as plain dicts.
 
     Each container (tuples too) is copied once, by identity (`memo`): a shared sub-object stays
@@ -421,19 +421,19 @@ def _plain(value: Any, memo: dict[int, Any] | None = None) -> Any:
     if isinstance(value, InertObject):
         out = {"__class__": value.original}
         memo[id(value)] = out
-        out["args"] = [_plain(v, memo) for v in value.args]
-        out["state"] = _plain(value.state, memo)
+        out["args"] = [plain_copy(v, memo) for v in value.args]
+        out["state"] = plain_copy(value.state, memo)
     elif kind in (dict, OrderedDict):
         out = kind()
         memo[id(value)] = out
         for k, v in value.items():
-            out[_plain(k, memo)] = _plain(v, memo)
+            out[plain_copy(k, memo)] = plain_copy(v, memo)
     elif kind is list:
         out = []
         memo[id(value)] = out
-        out.extend(_plain(v, memo) for v in value)
+        out.extend(plain_copy(v, memo) for v in value)
     elif kind in (tuple, set, frozenset):
-        out = kind(_plain(v, memo) for v in value)
+        out = kind(plain_copy(v, memo) for v in value)
         memo[id(value)] = out
     else:
         out = copy.deepcopy(value, memo.setdefault(-1, {}))  # -1: deepcopy's own memo

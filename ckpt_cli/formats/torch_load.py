@@ -133,10 +133,10 @@ class InertDict:
         return {}
 
 
-_INERT: dict[str, type] = {
+INERT: dict[str, type] = {
     name: type(name.rsplit(".", 1)[1], (InertObject,), {"original": name}) for name in INERT_CLASSES
 }
-_INERT.update(
+INERT.update(
     {name: type(name.rsplit(".", 1)[1], (InertDict,), {"original": name}) for name in INERT_DICTS}
 )
 
@@ -145,7 +145,7 @@ _INERT.update(
 def _safe_globals() -> Iterator[None]:
     import torch
 
-    inert = [(cls, name) for name, cls in _INERT.items()]
+    inert = [(cls, name) for name, cls in INERT.items()]
     with torch.serialization.safe_globals([*object_allowlist(), *inert]):
         yield
 

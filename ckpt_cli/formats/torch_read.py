@@ -24,7 +24,7 @@ from .details import TorchDetails
 if TYPE_CHECKING:
     import torch
 
-from .torch_flatten import _is_tensor, _plain, _type_name, build_entries
+from .torch_flatten import build_entries, is_tensor, plain_copy, type_name
 from .torch_load import load_torch_file
 from .torch_zip import TensorLayout, index_torch_zip, read_plain_torch_zip
 
@@ -191,9 +191,9 @@ class TorchCheckpoint(Checkpoint):
 
     def read_tensor(self, name: str) -> torch.Tensor:
         leaf = self._leaf(name)
-        if not _is_tensor(leaf):
+        if not is_tensor(leaf):
             raise FormatError(
-                f"entry {name!r} is a {_type_name(leaf)}, not a tensor",
+                f"entry {name!r} is a {type_name(leaf)}, not a tensor",
                 path=self.manifest.location,
             )
         if isinstance(leaf, TensorLayout):
@@ -261,11 +261,11 @@ class TorchCheckpoint(Checkpoint):
 
     def read_object(self, name: str) -> Any:
         leaf = self._leaf(name)
-        if _is_tensor(leaf):
+        if is_tensor(leaf):
             return self.read_tensor(name)
         # a copy, inert records as plain dicts: what every writer can store and every reader load
         try:
-            value = _plain(leaf)
+            value = plain_copy(leaf)
             file = self.manifest.by_name[name].file
             return self._tensors_in(value, file, 0, {}) if self._raw_read else value
         except RecursionError:

@@ -32,6 +32,7 @@ from ..errors import CkptError, FormatError, NotFoundError
 from ..models import Entry, Problem
 from ..problems import Findings
 from ..storage import Storage
+from . import names
 from .base import Format, Source, WriteOptions, Writer
 from .details import TorchDetails
 from .torch_flatten import TorchEntry, build_entries
@@ -64,7 +65,7 @@ __all__ = [
 ]
 
 #: file suffixes torch.save files usually carry
-TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+TORCH_SUFFIXES = names.TORCH_SUFFIXES
 
 # --------------------------------------------------------------------------- index
 
@@ -96,6 +97,7 @@ class TorchFormat(Format):
     default_basename = "pytorch_model"
     index_suffix = BIN_INDEX_SUFFIX
     holds_objects = True
+    refused_pickles_may_be_whole = True
     shards_by_size = True
     details_model = TorchDetails
     shard_names = staticmethod(lambda basename, count: shard_names(basename, count))

@@ -22,7 +22,7 @@ from ..fileio import FileRange, open_output
 from ..models import Entry, FileInfo
 from .base import WriteOptions, Writer
 from .safetensors import plan_shards
-from .torch_flatten import KeyStep, TorchEntry, _plain, dotted
+from .torch_flatten import KeyStep, TorchEntry, dotted, plain_copy
 from .torch_zip import Reduced, TorchZipWriter
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ class TorchWriter(Writer):
         return opened[1]
 
     def write_object(self, name: str, value: Any) -> None:
-        self._put(name, _plain(value))
+        self._put(name, plain_copy(value))
 
     def _put(self, name: str, value: Any) -> None:
         shard = self._where.get(name)

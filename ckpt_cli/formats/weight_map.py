@@ -19,10 +19,11 @@ from ..errors import CkptError, FormatError
 from ..problems import Findings
 from ..storage import Storage, safe_relpath
 from .base import Source
+from .names import SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX
 
-INDEX_SUFFIX = ".safetensors.index.json"
+INDEX_SUFFIX = SAFETENSORS_INDEX_SUFFIX
 #: suffix of a sharded torch checkpoint's index (`pytorch_model.bin.index.json`)
-BIN_INDEX_SUFFIX = ".bin.index.json"
+BIN_INDEX_SUFFIX = TORCH_INDEX_SUFFIX
 #: a weight variant's index as diffusers names it (`….safetensors.index.fp16.json`)
 VARIANT_INDEX = re.compile(r"[^/]+\.safetensors\.index\.[\w-]+\.json")
 

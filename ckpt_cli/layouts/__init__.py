@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CkptError
 from ..formats import detect_format, get_format, resolve_source
 from ..formats.base import Source
+from ..formats.names import DCP_METADATA
 from ..models import Problem
 from .base import REQUIRED, Layout, OpenedSource, SingleLayout, open_plain
 from .model_folders import LayoutInfo
@@ -173,7 +174,7 @@ def _open_layout(source: Source) -> OpenedSource | None:
     excepted). The Hub is read as a model repository (its own adapter), never as a run folder."""
     if source.target is not None or source.location.kind == "hf":
         return None
-    if ".metadata" in set(source.top_level()):
+    if DCP_METADATA in set(source.top_level()):
         return None
     top = source.top_level()
     for module, cls_name, names in FOLDER_REGISTRY:
@@ -203,11 +204,12 @@ def open_source(src: str | Source, format: str | None = None) -> OpenedSource:
             return opened
         layout = describe_model_folder(source)
     checkpoint = open_plain(source, format)
-    if checkpoint.manifest.format == "gguf":
+    saved_as = get_format(checkpoint.manifest.format)
+    if saved_as.self_described:
         from .model_folders import gguf_info
 
         layout = gguf_info(checkpoint.manifest)
-    if checkpoint.manifest.format not in ("torch", "dcp"):
+    if not saved_as.holds_objects:  # no training dict: plain weights
         return OpenedSource(checkpoint=checkpoint, layout=layout)
     from .torch_dict import analyse_single
 

@@ -8,8 +8,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from ..errors import UsageError
 from ..formats.base import Checkpoint, Source
+from ..formats.names import DCP_METADATA, TORCH_SUFFIXES
 from ..models import Problem, TrainingState
 from .model_folders import LayoutInfo
 
@@ -135,22 +135,12 @@ class Layout(ABC):
 def open_plain(source: Source, format: str | None = None) -> Checkpoint:
     """`formats.open_checkpoint` for a source already resolved: read as one format, `format`
     (a token) overriding detection; no training layout is looked for."""
-    from ..formats import detect_format, get_format
+    from ..formats import choose_format, get_format
 
-    if format == "hub":
-        if source.location.kind != "hf":
-            raise UsageError(
-                "--format hub needs an hf://org/repo location", path=source.location.raw
-            )
-        format = None
-    checkpoint = get_format(format or detect_format(source)).open(source)
+    checkpoint = get_format(choose_format(source, format)).open(source)
     if source.origin:
         checkpoint.manifest.details.update(source.origin)
     return checkpoint
-
-
-#: the file names a single-checkpoint layout is saved under (torch.save's usual suffixes)
-TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 class SingleLayout(Layout):
@@ -182,15 +172,16 @@ class SingleLayout(Layout):
         """Whether SRC could be this layout from its names: one of its files, or a DCP folder."""
         if source.target is not None:
             return bool(self.suffixes) and source.target.endswith(self.suffixes)
-        return self.dcp_folder and ".metadata" in set(source.top_level())
+        return self.dcp_folder and DCP_METADATA in set(source.top_level())
 
     def open(self, source: Source) -> OpenedSource | None:
         """Open SRC as one checkpoint; None unless its keys say it is this layout's."""
+        from ..formats import get_format
         from .training import top_keys
 
         checkpoint = open_plain(source)
         state = None
-        if checkpoint.manifest.format in ("torch", "dcp"):
+        if get_format(checkpoint.manifest.format).holds_objects:
             keys = top_keys(checkpoint.manifest)
             if self.matches(checkpoint, keys):
                 state = self.training_state(checkpoint, keys)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CkptError, FormatError, NotFoundError
 from ..formats import get_format
 from ..formats.base import Checkpoint, Source
+from ..formats.names import DCP_METADATA, weight_format
 from ..formats.weight_map import INDEX_SUFFIX
 from ..models import Entry, FileInfo, Manifest, Problem, TrainingState
 from ..uri import parse_location
@@ -344,7 +345,7 @@ class Folder:
             "transformers code) and not needed to resume; copy it by hand if wanted"
         )
 
-    def has_dir(self, sub: str, marker: str = ".metadata") -> bool:
+    def has_dir(self, sub: str, marker: str = DCP_METADATA) -> bool:
         return f"{self.base}{sub}/{marker}" in self.source.files
 
     def add_dir(
@@ -395,11 +396,11 @@ class Folder:
         adapters = self.matching(r"adapter_model\.(safetensors|bin)")
         if adapters:
             name = adapters[0]
-            self.add("model", name, "safetensors" if name.endswith(".safetensors") else "torch")
+            self.add("model", name, weight_format(name) or "torch")
             return name
         return None
 
-    def dirs_matching(self, pattern: str, marker: str = ".metadata") -> list[tuple[str, int]]:
+    def dirs_matching(self, pattern: str, marker: str = DCP_METADATA) -> list[tuple[str, int]]:
         """The subfolders (holding `marker`) whose name fully matches `pattern`, with the number
         its group 1 captures, in number order (`optimizer_0`, `optimizer_1`...)."""
         regex = re.compile(pattern)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from ..formats.base import Checkpoint
+from ..formats.names import LIGHTNING_SUFFIX
 from ..models import TrainingState
 from .base import SingleLayout
 from .training import analyse, as_int, rng_streams, value_of, verdict
@@ -38,12 +39,12 @@ class Lightning(SingleLayout):
     @staticmethod
     def is_step_file(name: str) -> bool:
         """Whether a file name is one of a run's Lightning saves (`step=` / `epoch=` in it)."""
-        return name.endswith(".ckpt") and ("step=" in name or "epoch=" in name)
+        return name.endswith(LIGHTNING_SUFFIX) and ("step=" in name or "epoch=" in name)
 
 
 def name_values(name: str) -> dict[str, str]:
     """The `NAME=VALUE` pairs of a Lightning file name, as written."""
-    return dict(NAME_PAIR.findall(name.removesuffix(".ckpt")))
+    return dict(NAME_PAIR.findall(name.removesuffix(LIGHTNING_SUFFIX)))
 
 
 def is_lightning(keys: dict[str, str]) -> bool:

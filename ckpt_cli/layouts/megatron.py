@@ -58,7 +58,10 @@ def keep_megatron_layout(
     output (`common.pt`, `metadata.json`) are returned; otherwise `plan` is untouched and the
     result is empty.
     """
-    if to != "dcp":
+    from ..formats import find_format
+
+    target = find_format(to)
+    if target is None or MEGATRON_LAYOUT not in target.layout_files:  # only DCP reads it back
         return []
     common = _common_entries(checkpoint)
     if not common:

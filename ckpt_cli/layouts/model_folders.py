@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ..formats.base import Source
+from ..formats.names import SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX
 
 #: JSON files read here are small; anything larger is not the file we think it is
 MAX_JSON = 4 << 20
@@ -165,7 +166,7 @@ class Naming:
         """The writer's basename: `diffusion_pytorch_model.fp16` for a variant."""
         return f"{self.stem}.{self.variant}" if self.variant else self.stem
 
-    def index_name(self, suffix: str = ".safetensors.index.json") -> str | None:
+    def index_name(self, suffix: str = SAFETENSORS_INDEX_SUFFIX) -> str | None:
         """diffusers puts the variant before `.json`: `…safetensors.index.fp16.json`."""
         if self.variant and self.library == "diffusers":
             return f"{self.stem}{suffix.removesuffix('.json')}.{self.variant}.json"
@@ -205,23 +206,24 @@ def is_diffusers_index(name: str) -> bool:
     return _DIFFUSERS_INDEX.fullmatch(name.rsplit("/", 1)[-1]) is not None
 
 
-def apply_naming(src: str, to: str, options: Any) -> Naming | None:
-    """Give a folder output `src`'s naming convention and companion files (`WriteOptions`).
+def apply_naming(source: Source, to: str, options: Any) -> Naming | None:
+    """Give a folder output `source`'s naming convention and companion files (`WriteOptions`).
 
     The basename (`adapter_model`, `diffusion_pytorch_model.fp16`), the index name where the
     library spells it differently, and the bytes of the companions (small JSON files) to publish
     with the weights. Returns the naming applied, None when the default names are right.
     """
-    from ..formats import resolve_source
+    from ..formats import find_format
 
-    source = resolve_source(src)
     if source.target is not None:
         return None
     convention = naming(source)
     if convention is None:
         return None
     options.basename = convention.basename
-    suffix = ".safetensors.index.json" if to == "safetensors" else ".bin.index.json"
+    target = find_format(to)
+    # a format without a shard index never uses the name
+    suffix = (target.index_suffix if target else None) or TORCH_INDEX_SUFFIX
     index = convention.index_name(suffix)
     if index:
         options.index_name = index

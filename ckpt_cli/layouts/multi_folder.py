@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..formats.base import Source
+from ..formats.names import index_format, weight_format
 from ..models import Problem
 from .base import Layout, OpenedSource
 from .composite import Folder
@@ -44,9 +45,7 @@ class MultiFolder(Layout):
                 n for n in source.files if n.startswith(prefix) and (comp.path or "/" not in n)
             )
             if comp.weights is not None:
-                fmt = (
-                    "torch" if comp.weights.endswith((".bin", ".bin.index.json")) else "safetensors"
-                )
+                fmt = index_format(comp.weights) or weight_format(comp.weights) or "safetensors"
                 checkpoint = folder.add(comp.name, comp.weights, fmt)
                 if checkpoint is not None:
                     manifest = checkpoint.manifest

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from ..formats import find_format
 from ..formats.base import Checkpoint
 from ..models import Manifest, TrainingState
 from .base import SingleLayout
@@ -40,6 +41,12 @@ _LOADER_KEYS = (
 )
 
 
+def _folder_format(manifest: Manifest) -> bool:
+    """Whether the checkpoint is of a folder format (DCP): torchtitan saves one per step."""
+    saved_as = find_format(manifest.format)
+    return saved_as is not None and saved_as.folder
+
+
 def _first(keys: dict[str, str], names: tuple[str, ...]) -> str | None:
     for name in names:
         if name in keys:
@@ -58,7 +65,7 @@ class TorchTitan(SingleLayout):
     rank_state_world_size = ("dataloader.world_size",)
 
     def matches(self, checkpoint: Checkpoint, keys: dict[str, str]) -> bool:
-        return checkpoint.manifest.format == "dcp" and "train_state" in keys
+        return _folder_format(checkpoint.manifest) and "train_state" in keys
 
     def training_state(self, checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState | None:
         return _dict_state(checkpoint, keys)
@@ -99,7 +106,8 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
     optimizer = _first(keys, _OPTIMIZER_KEYS)
     scheduler = _first(keys, _SCHEDULER_KEYS)
     step = _first(keys, _STEP_KEYS)
-    is_titan = manifest.format == "dcp" and "train_state" in keys
+    folder = _folder_format(manifest)
+    is_titan = folder and "train_state" in keys
     if not (optimizer or scheduler or step or is_titan):
         return None
     # a training folder converted whole keeps its per-rank components (`rng_0`, `rng_1`)
@@ -121,7 +129,8 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
     loader = _first(keys, _LOADER_KEYS)
     if loader:
         prefixes["dataloader"] = keys[loader]
-    layout = "torchtitan" if is_titan else "dcp" if manifest.format == "dcp" else "torch-dict"
+    # a DCP training dict is named after its format
+    layout = "torchtitan" if is_titan else manifest.format if folder else "torch-dict"
     state = analyse(checkpoint, layout, prefixes)
     if model == "model" and optimizer == "optimizer":
         all_models(checkpoint, state)  # a whole multi-model accelerate folder, converted

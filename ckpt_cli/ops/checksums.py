@@ -37,7 +37,7 @@ from ..models import Problem
 from ..output import Destination, RemoteDest, check_destination, resolve_destination, staged_output
 from ..progress import Progress
 from ..storage import LocalStorage, RemoteFile, hf_cache_repo, read_regular, remote_failure
-from ..uri import parse_location
+from ..uri import is_hub_url, parse_location
 
 if TYPE_CHECKING:
     from .verify import VerifyReport
@@ -173,7 +173,7 @@ def checksum_checks(
     if source.storage.local_root is None:
         # hub-digest checks need a local copy; object stores are hashed in place
         _refuse_hub_manifest(manifest, source)
-    if not write and manifest is not None and manifest.startswith("hf://"):
+    if not write and manifest is not None and is_hub_url(manifest):
         report.checks.append("checksums")
         _local_against_hub(report, problems, source, manifest, progress)
         return
@@ -342,7 +342,7 @@ def _hash(files: Mapping[str, Hashable], algo: str, progress: Progress) -> dict[
 
 
 def _refuse_hub_manifest(manifest: str | None, source: Source) -> None:
-    if manifest is not None and manifest.startswith("hf://"):
+    if manifest is not None and is_hub_url(manifest):
         raise UsageError(
             "--manifest hf://… checks a local copy against the Hub's digests",
             path=source.location.raw,

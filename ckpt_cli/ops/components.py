@@ -16,6 +16,8 @@ from typing import Protocol, TypeVar
 
 from ..errors import FormatError, UsageError
 from ..formats import get_format, resolve_source, writable_formats
+from ..formats.base import Source
+from ..formats.names import is_single_file_weights, looks_like_index
 from ..layouts.model_folders import Component, multi_folder
 from ..models import FileInfo
 from ..output import RemoteDest, resolve_destination, staged_output
@@ -37,15 +39,10 @@ def component_targets() -> list[str]:
     return [name for name in writable_formats() if get_format(name).shards_by_size]
 
 
-def components_of(src: str) -> tuple[str, list[Component]] | None:
-    """(layout, components) when `src` is a local multi-folder model, else None (without
-    listing anything for a file or a remote location)."""
-    from ..uri import parse_location
-
-    location = parse_location(src)
-    if not location.is_local or location.path is None or not location.path.is_dir():
+def components_of(source: Source) -> tuple[str, list[Component]] | None:
+    """(layout, components) when `source` is a local multi-folder model, else None."""
+    if not source.location.is_local or source.target is not None:
         return None  # multi-folder models are converted from local folders
-    source = resolve_source(src)
     found = multi_folder(source)
     if found is None:
         return None
@@ -180,6 +177,4 @@ def _under(comp: Component, written: list[FileInfo]) -> list[FileInfo]:
 
 
 def _is_weights(name: str) -> bool:
-    return name.endswith((".safetensors", ".bin", ".pt", ".pth")) or (
-        name.endswith(".json") and ".index" in name
-    )
+    return is_single_file_weights(name) or looks_like_index(name)

@@ -16,7 +16,7 @@ from .. import dtypes
 from ..architectures import HF
 from ..distributed import RankShare
 from ..errors import FormatError, NotFoundError, UsageError
-from ..formats import find_format
+from ..formats import find_format, resolve_source
 from ..formats.base import Checkpoint, Format, WriteOptions
 from ..layouts import OpenedSource, open_source
 from ..layouts.megatron import keep_megatron_layout
@@ -274,10 +274,12 @@ def convert(
     cast = dtypes.parse_user_dtype(dtype) if dtype else None
     rename_pairs = parse_renames(renames)
     guard_paths(src, dest_path)
+    # SRC is resolved (listed, its Hub revision pinned) once: everything below reads `source`
+    source = resolve_source(src)
     if format is None and naming is None:
         from .components import component_source, components_of
 
-        found = components_of(src)
+        found = components_of(source)
         if found is not None:
             # a diffusers pipeline / sentence-transformers folder: one component, or each,
             # with every option this call was given
@@ -340,7 +342,7 @@ def convert(
                 "quantization section.",
             )
         given_config = read_config(config)
-    opened = open_source(src, format)
+    opened = open_source(source, format)
     if naming is not None:
         select = default_select(opened, select)
     with opened.checkpoint as base:
@@ -411,7 +413,7 @@ def convert(
             # keep the source library's file names (adapter_model, diffusion_pytorch_model...)
             from ..layouts.model_folders import apply_naming
 
-            apply_naming(src, to, options)
+            apply_naming(source, to, options)
         if dry_run:  # after the naming: a dry run lists the files the real run writes
             report = _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
             return _with_origins(report, origins, architecture)

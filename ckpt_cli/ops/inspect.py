@@ -13,7 +13,9 @@ from pydantic import BaseModel, Field
 from ..architectures import NamingInfo
 from ..dtypes import FLOATING
 from ..errors import NotFoundError
-from ..formats.base import Checkpoint
+from ..formats import resolve_source
+from ..formats.base import Checkpoint, Source
+from ..formats.names import LIGHTNING_SUFFIX, SAFETENSORS_SUFFIX
 from ..layouts import OpenedSource, open_source
 from ..layouts.model_folders import LayoutInfo
 from ..models import Entry, FileInfo, Manifest, Problem, TrainingState
@@ -109,11 +111,16 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
 
 
 def _inspect(src: str, format: str | None, filters: list[str] | None) -> InspectReport:
+    # a remote SRC is resolved (listed, its Hub revision pinned) once: the run check, the run
+    # scan and the opening all read that
+    source: str | Source = src
     if format is None and not filters and _could_be_run(src):
-        from ..runs import looks_like_run, scan_run
+        from ..runs import is_remote, looks_like_run, scan_run
 
-        if looks_like_run(src):
-            run = scan_run(src)
+        if is_remote(src):
+            source = resolve_source(src)
+        if looks_like_run(source):
+            run = scan_run(source)
             return InspectReport(
                 location=src,
                 format="run",
@@ -125,7 +132,7 @@ def _inspect(src: str, format: str | None, filters: list[str] | None) -> Inspect
                 bytes_by_dtype={},
                 run=run,
             )
-    opened = open_source(src, format)
+    opened = open_source(source, format)
     with opened.checkpoint as checkpoint:
         manifest = checkpoint.manifest
         entries = select(manifest.entries, filters)
@@ -194,7 +201,7 @@ def _could_be_run(src: str) -> bool:
             for item in listing:
                 if (
                     item.is_dir()
-                    or item.name.endswith(".ckpt")
+                    or item.name.endswith(LIGHTNING_SUFFIX)
                     or not _PLAIN_MODEL_FILE.fullmatch(item.name)
                 ):
                     return True
@@ -253,7 +260,7 @@ def malformed(checkpoint: Checkpoint) -> list[Problem]:
         noted = {h.file: h for h in checkpoint.headers if not h.unsupported}
     findings = Findings(strict=False)
     for info in checkpoint.manifest.files:
-        if info.path.endswith(".safetensors") and info.entries:
+        if info.path.endswith(SAFETENSORS_SUFFIX) and info.entries:
             header = noted.get(info.path)
             if header is not None:
                 findings.problems.extend(header.tolerated)

@@ -23,14 +23,20 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from ..errors import FormatError, NotFoundError, UsageError
-from ..formats import HF_WEIGHTS, get_format, open_checkpoint, resolve_source
-from ..formats.base import Checkpoint, WriteOptions
-from ..formats.weight_map import INDEX_SUFFIX
+from ..formats import HF_WEIGHTS, get_format, resolve_source
+from ..formats.base import Checkpoint, Source, WriteOptions
+from ..formats.names import (
+    SAFETENSORS_INDEX_SUFFIX,
+    SAFETENSORS_SUFFIX,
+    TORCH_INDEX_SUFFIX,
+    WEIGHT_SUFFIXES,
+)
+from ..layouts.base import open_plain
 from ..layouts.model_folders import read_json
-from ..model_files import WEIGHT_SUFFIXES
 from ..models import Entry, FileInfo
 from ..output import Destination, RemoteDest, resolve_destination, staged_output
 from ..progress import NULL_PROGRESS, Progress
+from ..uri import parse_location
 from .transfer import plan_transfer
 from .transfer import write_checkpoint as run_write
 
@@ -229,9 +235,8 @@ def _plan_updates(
     return updates, replaced
 
 
-def _companions(base_src: str) -> list[str]:
+def _companions(source: Source) -> list[str]:
     """The base's top-level non-weight files (config, tokenizer, generation config...)."""
-    source = resolve_source(base_src)
     if source.target is not None:
         return []
     return sorted(
@@ -239,7 +244,7 @@ def _companions(base_src: str) -> list[str]:
         for n in source.files
         if "/" not in n
         and not n.endswith(WEIGHT_SUFFIXES)
-        and not n.endswith((INDEX_SUFFIX, ".bin.index.json"))
+        and not n.endswith((SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX))
         and not n.startswith(".")
     )
 
@@ -303,16 +308,23 @@ def merge(
     dest_path: Destination = resolve_destination(dest)
     if isinstance(dest_path, RemoteDest):
         raise UsageError("merge writes to a local folder", path=dest)
-    base_checkpoint = open_checkpoint(base)
+    # each side is resolved (listed, its Hub revision pinned) once and read through that
+    base_source = resolve_source(base)
+    base_checkpoint = open_plain(base_source)
     try:
-        adapter_checkpoint = open_checkpoint(f"{adapter.rstrip('/')}/{weights}")
+        adapter_weights = Source(
+            location=parse_location(f"{adapter.rstrip('/')}/{weights}"),
+            storage=adapter_source.storage,
+            target=weights,
+            origin=adapter_source.origin,
+        )
+        adapter_checkpoint = open_plain(adapter_weights)
     except BaseException:
         base_checkpoint.close()
         raise
     updates, replaced = _plan_updates(base_checkpoint, adapter_checkpoint, config)
     merged = MergedCheckpoint(base_checkpoint, adapter_checkpoint, updates, replaced, config)
-    companions = _companions(base)
-    base_source = resolve_source(base)
+    companions = _companions(base_source)
     shard = _shard_size(base_checkpoint)
     with merged:
         # written as Hugging Face libraries save weights, so `from_pretrained(DEST)` loads it
@@ -349,7 +361,7 @@ def merge(
 
 def _shard_size(checkpoint: Checkpoint) -> int | None:
     """The base's own shard size (its largest shard), so the output is cut the same way."""
-    files = [f for f in checkpoint.manifest.files if f.path.endswith(".safetensors")]
+    files = [f for f in checkpoint.manifest.files if f.path.endswith(SAFETENSORS_SUFFIX)]
     if len(files) <= 1:
         return None
     return max(f.size or 0 for f in files) or None

@@ -21,6 +21,7 @@ from ..errors import CkptError, NotFoundError, UsageError
 from ..output import TMP_MARKER, fsync_dir
 from ..runs import DELETING, is_remote, scan_run
 from ..storage import PARITY_DIR
+from ..uri import is_hub_url
 from .retention import PruneDecision, PrunePolicy, PruneReport, WatchReport, plan, validate_policy
 from .slim import slim
 
@@ -110,7 +111,7 @@ def apply_remote(run_url: str, decisions: list[PruneDecision]) -> None:
     go first, so a listing taken midway shows an incomplete save, never a complete-looking
     one with files missing; then the rest of its objects.
     """
-    from ..output import is_commit_marker
+    from ..formats.names import is_commit_marker
     from ..storage import filesystem_for, remote_failure
     from ..uri import parse_location
 
@@ -193,7 +194,7 @@ def prune(
             path=str(run_dir),
             fix="Slim the local run folder, then `ckpt sync` it; remote saves can be pruned.",
         )
-    if remote and yes and str(run_dir).startswith("hf://"):
+    if remote and yes and is_hub_url(str(run_dir)):
         raise UsageError(
             "deleting from a Hub repository is a commit, which ckpt does not make",
             path=str(run_dir),

@@ -30,14 +30,13 @@ from ..formats import (
     HF_WEIGHTS,
     format_of_file,
     get_format,
-    open_checkpoint,
     resolve_source,
     serializations,
 )
 from ..formats.base import Checkpoint, Source, WriteOptions
 from ..formats.details import IndexedDetails
-from ..formats.weight_map import INDEX_SUFFIX
-from ..layouts.base import Layout, OpenedSource
+from ..formats.names import INDEX_SUFFIX, SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX
+from ..layouts.base import Layout, OpenedSource, open_plain
 from ..output import check_destination
 from ..progress import NULL_PROGRESS, Progress
 from .convert_plan import guard_paths, local_dest, planned_files
@@ -66,7 +65,7 @@ __all__ = [
 
 
 def reshard_shard_size(
-    src: str,
+    src: str | Source,
     dest: str,
     max_shard_size: int,
     *,
@@ -82,13 +81,17 @@ def reshard_shard_size(
     raw byte copies for safetensors; torch.save shards hold one shard in memory at a time.
     In a training folder (Trainer `checkpoint-N/`, accelerate `save_state`) the weights are
     resharded and every other component (optimizer, scheduler, RNG, trainer state) is copied
-    unchanged, so the output resumes the run as the source did.
+    unchanged, so the output resumes the run as the source did. `src` may be resolved already
+    (`resolve_source`): it is resolved once and read through that.
     """
     out = local_dest(dest)
-    guard_paths(src, out)  # as convert: a DEST in (or over) the source is refused
+    source = src if isinstance(src, Source) else None
+    text = source.location.raw if source is not None else str(src)
+    guard_paths(text, out)  # as convert: a DEST in (or over) the source is refused
     check_destination(out.absolute(), force)
-    with open_checkpoint(src, format) as checkpoint:
-        carried, extra = _carried_files(src, checkpoint, format)
+    source = source or resolve_source(text)
+    with open_plain(source, format) as checkpoint:
+        carried, extra = _carried_files(source, checkpoint, format)
         if not extras:
             extra = []
         manifest = checkpoint.manifest
@@ -97,7 +100,7 @@ def reshard_shard_size(
             raise UsageError(
                 f"--max-shard-size regroups safetensors or torch.save shards; "
                 f"this is a {manifest.format} checkpoint",
-                path=src,
+                path=text,
                 fix="For DCP, change the world size with --world-size N.",
             )
         plan = plan_transfer(manifest, keep_objects=fmt.holds_objects)
@@ -133,7 +136,7 @@ def reshard_shard_size(
             # keep the source library's file names and companions (PEFT, diffusers variants)
             from ..layouts.model_folders import apply_naming
 
-            apply_naming(src, manifest.format, options)
+            apply_naming(source, manifest.format, options)
         shares: list[RankShare] = []
         files, written = write_checkpoint(
             checkpoint,
@@ -165,16 +168,15 @@ def reshard_shard_size(
 
 
 def _carried_files(
-    src: str, weights: Checkpoint, format: str | None
+    source: Source, weights: Checkpoint, format: str | None
 ) -> tuple[list[str], list[str]]:
-    """(training-state files, extra files) of `src` to copy beside its resharded weights."""
-    from ..formats import resolve_source
+    """(training-state files, extra files) of `source` to copy beside its resharded weights."""
     from ..layouts import recognise_layout
     from .transfer import extra_files
 
     if weights.source.target is not None:
         return [], []
-    opened = recognise_layout(resolve_source(src)) if format is None else None
+    opened = recognise_layout(source) if format is None else None
     if opened is None:
         return [], extra_files(weights)
     with opened.checkpoint as composite:
@@ -198,7 +200,7 @@ def _basename(checkpoint: Checkpoint) -> str:
     index = details.index if details else None
     if index:
         name = index.rsplit("/", 1)[-1]
-        for suffix in (INDEX_SUFFIX, ".bin.index.json", ".index.json"):
+        for suffix in (SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX, INDEX_SUFFIX):
             if name.endswith(suffix):
                 return name[: -len(suffix)]
     files = [f.path for f in checkpoint.manifest.files]
@@ -266,10 +268,12 @@ def run_reshard(
                 fix="Drop them, or reshard a DCP checkpoint with --world-size N.",
             )
         limit = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
+        # SRC is resolved (listed, its Hub revision pinned) once: everything below reads it
+        source = resolve_source(src)
         if format is None:
             from .components import components_of
 
-            found = components_of(src)
+            found = components_of(source)
             if found is not None:
                 if dry_run:
                     raise UsageError(
@@ -281,7 +285,7 @@ def run_reshard(
                 # a diffusers pipeline / sentence-transformers folder: component by component
                 return _reshard_components(src, dest, limit, *found, force=force, progress=progress)
         return reshard_shard_size(
-            src,
+            source,
             dest,
             limit,
             format=format,
@@ -295,8 +299,9 @@ def run_reshard(
     if plan is not None:
         rules += load_plan(plan)
     action = cast(RankStateChoice | None, rank_state)
+    source = resolve_source(src)  # once: the layout check and the re-cut read it
     if format is None:
-        folder = _training_folder(src)
+        folder = _training_folder(source)
         if folder is not None:
             source, opened, layout = folder
             try:
@@ -318,7 +323,7 @@ def run_reshard(
             finally:
                 opened.checkpoint.close()
     return reshard_world_size(
-        src,
+        source,
         dest,
         world_size,
         rules=rules,
@@ -333,11 +338,10 @@ def run_reshard(
     )
 
 
-def _training_folder(src: str) -> tuple[Source, OpenedSource, Layout] | None:
+def _training_folder(source: Source) -> tuple[Source, OpenedSource, Layout] | None:
     """SRC opened as a training folder layout (Trainer, accelerate...), when it is one."""
     from ..layouts import folder_layout_named, recognise_layout
 
-    source = resolve_source(src)
     opened = recognise_layout(source)
     if opened is None:
         return None

@@ -25,6 +25,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..formats import get_format
 from ..formats.base import Checkpoint, Source
+from ..formats.names import DCP_DATA_SUFFIX, DCP_METADATA
 from ..layouts.base import Layout, OpenedSource
 from ..models import FileInfo
 from ..output import check_destination
@@ -53,7 +54,7 @@ from .reshard_world import (
 )
 
 #: a DCP folder's own files besides its `*.distcp` data files: written anew by the cut
-_DCP_OWN = (".metadata",)
+_DCP_OWN = (DCP_METADATA,)
 
 
 def dcp_subfolders(source: Source) -> list[str]:
@@ -281,7 +282,7 @@ def _dcp_extras(source: Source, sub: str, checkpoint: Checkpoint) -> list[str]:
             continue
         inner = rel[len(prefix) :]
         name = inner.rsplit("/", 1)[-1]
-        if inner in own or name.startswith(".") or inner.endswith(".distcp"):
+        if inner in own or name.startswith(".") or inner.endswith(DCP_DATA_SUFFIX):
             continue
         out.append(inner)
     return out

@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..distributed import CombinedProgress, RankShare, active, split_output
 from ..errors import FormatError, UsageError
-from ..formats import get_format, open_checkpoint
-from ..formats.base import Checkpoint, Format, WriteOptions, Writer
+from ..formats import get_format, resolve_source
+from ..formats.base import Checkpoint, Format, Source, WriteOptions, Writer
 from ..formats.dcp import rank_chunk, rank_file
 from ..formats.details import DcpDetails
+from ..layouts.base import open_plain
 from ..layouts.megatron import keep_megatron_layout
 from ..models import Chunk, Entry, FileInfo, Manifest, TrainingState
 from ..output import check_destination
@@ -305,7 +306,7 @@ def plan_cut(
 
 
 def reshard_world_size(
-    src: str,
+    src: str | Source,
     dest: str,
     world_size: int,
     *,
@@ -329,15 +330,17 @@ def reshard_world_size(
     check_world_options(world_size, compression)
     rules = list(rules or [])
     out = local_dest(dest)
-    guard_paths(src, out)  # as convert: a DEST in (or over) the source is refused
+    source = src if isinstance(src, Source) else None  # resolved already: read once
+    text = source.location.raw if source is not None else str(src)
+    guard_paths(text, out)  # as convert: a DEST in (or over) the source is refused
     check_destination(out.absolute(), force)
-    with open_checkpoint(src, format) as checkpoint:
+    with open_plain(source or resolve_source(text), format) as checkpoint:
         fmt = get_format(checkpoint.manifest.format)
         if fmt.shards_by_rank:
             before = source_world_size(checkpoint)
             rank_entries = find_rank_state(checkpoint.manifest.entries)
             names = [e.name for e in rank_entries]
-            action = rank_state_choice(src, names, rank_state_action, before, world_size)
+            action = rank_state_choice(text, names, rank_state_action, before, world_size)
         else:
             action = None  # plan_cut says why it cannot
         layout = _single_layout(checkpoint) if format is None else None

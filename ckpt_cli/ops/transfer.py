@@ -32,7 +32,8 @@ from ..fileio import COPY_BLOCK, FileRange
 from ..formats import find_format, get_format
 from ..formats.base import Checkpoint, Source, WriteOptions, Writer
 from ..formats.details import TorchDetails
-from ..model_files import EXTRA_SUFFIXES, MAX_EXTRA_BYTES, WEIGHT_SUFFIXES
+from ..formats.names import DCP_DATA_SUFFIX, PICKLE_SUFFIX, WEIGHT_SUFFIXES, looks_like_index
+from ..model_files import EXTRA_SUFFIXES, MAX_EXTRA_BYTES
 from ..models import Entry, FileInfo, Manifest
 from ..progress import NULL_PROGRESS, CountingProgress, Progress
 from ..storage import LocalStorage
@@ -420,7 +421,7 @@ def check_staged(format_name: str, staging: Path, single_file: bool) -> None:
 
 
 #: weight and training-state files: never extras
-CARRIED_NEVER = (*WEIGHT_SUFFIXES, ".distcp", ".pkl")
+CARRIED_NEVER = (*WEIGHT_SUFFIXES, DCP_DATA_SUFFIX, PICKLE_SUFFIX)
 
 
 def extra_files(checkpoint: Checkpoint) -> list[str]:
@@ -530,7 +531,7 @@ def _is_weight_index(name: str) -> bool:
 
     An index is rewritten by the writer for the new shards; the source's own never travels.
     """
-    return name.endswith(".index.json") or (".index." in name and name.endswith(".json"))
+    return looks_like_index(name)
 
 
 def copy_files(checkpoint: Checkpoint, rels: Sequence[str], staging: Path) -> None:

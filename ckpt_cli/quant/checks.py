@@ -14,9 +14,9 @@ from .schemes import (
     QuantAnalysis,
     QuantConfig,
     QuantWeight,
-    _family,
     ignored,
     label,
+    scheme_family,
 )
 
 
@@ -188,7 +188,7 @@ def check_orphans(checks: Checks) -> None:
 def check_config(checks: Checks, config: QuantConfig, families: set[str] | None) -> None:
     """The config files against the headers; then every problem pointed at its file."""
     out = checks.out
-    found = {_family(w.scheme) for w in out.weights.values()}
+    found = {scheme_family(w.scheme) for w in out.weights.values()}
     if families is not None:
         if not found:
             checks.add(
@@ -200,7 +200,7 @@ def check_config(checks: Checks, config: QuantConfig, families: set[str] | None)
                 "quantization config or use the quantized weights.",
             )
         for weight in out.weights.values():
-            family = _family(weight.scheme)
+            family = scheme_family(weight.scheme)
             if family not in families:
                 checks.add(
                     "config_mismatch",

@@ -25,7 +25,7 @@ from .schemes import (
     QuantAnalysis,
     QuantConfig,
     QuantWeight,
-    _config_families,
+    config_families,
     ignored,
     read_config,
 )
@@ -55,7 +55,7 @@ def analyse(manifest: Manifest, config: QuantConfig, where: str | None = None) -
     tensors = {e.name: e for e in manifest.entries if e.kind == "tensor"}
     out = QuantAnalysis(config=config)
     block: tuple[int, int] | None = (config.block[0], config.block[1]) if config.block else None
-    families = _config_families(config)
+    families = config_families(config)
     checks = Checks(where, tensors, out)
     r = _Recognition(checks, config, block, families or set(), fp8_siblings(tensors))
     # --- payloads with their sidecars

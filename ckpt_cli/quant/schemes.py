@@ -266,7 +266,7 @@ def ignored(module: str, patterns: list[str]) -> bool:
     return False
 
 
-def _config_families(config: QuantConfig) -> set[str] | None:
+def config_families(config: QuantConfig) -> set[str] | None:
     """Scheme families the config allows (None: no config, or one this tool cannot judge)."""
     method, algo = (config.method or "").lower(), (config.algo or "").lower()
     if method == "fp8":
@@ -292,7 +292,7 @@ def _config_families(config: QuantConfig) -> set[str] | None:
     return None
 
 
-def _family(scheme: str) -> str:
+def scheme_family(scheme: str) -> str:
     return "fp8" if scheme.startswith("fp8") else "mx" if scheme.startswith("mx") else scheme
 
 

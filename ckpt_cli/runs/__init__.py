@@ -69,7 +69,7 @@ from .records import (
 if TYPE_CHECKING:
     from .judge import load_metrics
     from .local import looks_like_run, scan_run
-    from .naming import _UNMARKED
+    from .naming import UNMARKED
     from .remote import is_remote, looks_like_remote_run, run_storage, scan_remote_run
 
 #: the scanners, imported on first use: the report models (`records`) are the field types of
@@ -78,7 +78,7 @@ _LAZY = {
     "load_metrics": "judge",
     "looks_like_run": "local",
     "scan_run": "local",
-    "_UNMARKED": "naming",
+    "UNMARKED": "naming",
     "is_remote": "remote",
     "looks_like_remote_run": "remote",
     "run_storage": "remote",
@@ -100,7 +100,7 @@ __all__ = [
     "METRICS_FILE",
     "RUN_SLIM_RECORD",
     "SLIM_RECORD",
-    "_UNMARKED",
+    "UNMARKED",
     "BestMetric",
     "RunCheckpoint",
     "RunReport",

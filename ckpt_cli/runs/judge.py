@@ -11,18 +11,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import CkptError, UsageError
+from ..formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
 from ..output import TMP_MARKER
 from ..storage import LocalStorage, Storage, is_parity_path, read_regular
-from .naming import _TORCH_EXT, _lightning_metrics, _part_names, deepspeed_tag
+from .naming import deepspeed_tag, lightning_metrics, part_names
 from .records import (
     DELETING,
     METRICS_FILE,
     RUN_SLIM_RECORD,
     SLIM_RECORD,
     BestMetric,
+    Found,
     RunCheckpoint,
     Status,
-    _Found,
 )
 
 # --------------------------------------------------------------------------- judging
@@ -79,11 +80,16 @@ def _check_with_format(fmt_name: str, path: Path) -> str | None:
     from ..formats import get_format, resolve_source
 
     try:
-        problems = get_format(fmt_name).check(resolve_source(str(path)))
+        fmt = get_format(fmt_name)
+        problems = fmt.check(resolve_source(str(path)))
     except CkptError as error:
         return error.message
     errors = [p for p in problems if p.severity == "error"]
-    if errors and fmt_name == "torch" and all(p.code == "unsafe_input" for p in errors):
+    if (
+        errors
+        and fmt.refused_pickles_may_be_whole
+        and all(p.code == "unsafe_input" for p in errors)
+    ):
         # A whole file whose pickle names classes weights_only refuses (Lightning's
         # hyper_parameters, say) is complete all the same: judge its structure instead.
         return _torch_structure(path)
@@ -95,7 +101,7 @@ def _torch_structure(path: Path) -> str | None:
     size = path.stat().st_size
     if size == 0:
         return f"{path}: empty file"
-    if path.name.endswith(".index.json"):
+    if path.name.endswith(INDEX_SUFFIX):
         return _check_torch_index(path)
     with open(path, "rb") as handle:
         magic = handle.read(4)
@@ -128,36 +134,33 @@ def _components(root: Path) -> list[tuple[str, Path]]:
     names; each remaining safetensors or torch.save file.
     """
     if not root.is_dir():
-        if root.name.endswith(".safetensors"):
-            return [("safetensors", root)]
-        if root.name.endswith(_TORCH_EXT):
-            return [("torch", root)]
-        if root.name.endswith(".distcp"):
-            return [("dcp", root.parent)]
-        return []
+        from ..formats import get_format
+
+        fmt_name = weight_format(root.name)
+        if fmt_name is None:
+            return []
+        # one data file of a folder format (a `.distcp`) stands for its folder
+        return [(fmt_name, root.parent if get_format(fmt_name).folder else root)]
     out: list[tuple[str, Path]] = []
     for dirpath, dirs, files in os.walk(root):
         here = Path(dirpath)
         # the parity of `ckpt protect` is not a checkpoint part (its .bin files are no torch.save)
         dirs[:] = sorted(d for d in dirs if not is_parity_path(d))
-        if ".metadata" in files or any(f.endswith(".distcp") for f in files):
+        if holds_dcp(files):
             out.append(("dcp", here))
             continue
         claimed: set[str] = set()
         for fname in sorted(files):
-            if fname.endswith(".safetensors.index.json") or (
-                fname.endswith(".index.json") and fname.rsplit(".", 2)[0].endswith(_TORCH_EXT)
-            ):
-                kind = "safetensors" if fname.endswith(".safetensors.index.json") else "torch"
+            kind = index_format(fname)
+            if kind is not None:
                 out.append((kind, here / fname))
                 claimed.update(_index_shards(here / fname))
         for fname in sorted(files):
             if fname in claimed:
                 continue
-            if fname.endswith(".safetensors"):
-                out.append(("safetensors", here / fname))
-            elif fname.endswith(_TORCH_EXT):
-                out.append(("torch", here / fname))
+            kind = weight_format(fname)
+            if kind is not None:
+                out.append((kind, here / fname))
     return out
 
 
@@ -186,8 +189,8 @@ def _judge_components(paths: list[Path]) -> tuple[str | None, list[str]]:
     return None, formats
 
 
-def _judge(
-    item: _Found,
+def judge_found(
+    item: Found,
     root: Path,
     now: float,
     settle: float,
@@ -213,7 +216,7 @@ def _judge(
     )
     if item.temporary:
         what = "deletion" if f"{TMP_MARKER}{DELETING}" in primary.name else "save"
-        return _with_status(
+        return with_status(
             entry,
             "writing" if recent else "interrupted",
             f"staging folder of a {what} in progress"
@@ -221,7 +224,7 @@ def _judge(
             else f"staging folder left by an interrupted {what}",
         )
     if symlink and not primary.exists():
-        return _with_status(entry, "incomplete", f"dangling link to {entry.link_target}")
+        return with_status(entry, "incomplete", f"dangling link to {entry.link_target}")
     problem, formats = _judge_components(item.paths)
     entry.formats = formats
     if problem is None and item.layout == "hf-trainer" and primary.is_dir():
@@ -230,7 +233,7 @@ def _judge(
     if entry.slim:
         entry.markers.append("weights-only")
     if problem is None and expected and not entry.slim:
-        missing = expected - _part_names(primary)
+        missing = expected - part_names(primary)
         if missing:
             problem = (
                 f"lacks {', '.join(sorted(missing))}, which every other save of this run has "
@@ -250,8 +253,8 @@ def _judge(
     if problem is None:
         return entry
     if recent:
-        return _with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
-    return _with_status(entry, "incomplete", problem)
+        return with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
+    return with_status(entry, "incomplete", problem)
 
 
 def _is_slim(primary: Path, root: Path) -> bool:
@@ -286,7 +289,7 @@ def _trainer_state_problem(path: Path) -> str | None:
     return None
 
 
-def _with_status(entry: RunCheckpoint, status: Status, reason: str) -> RunCheckpoint:
+def with_status(entry: RunCheckpoint, status: Status, reason: str) -> RunCheckpoint:
     entry.status = status
     entry.complete = status == "complete"
     entry.reason = reason
@@ -314,7 +317,7 @@ def read_deepspeed_latest(storage: Storage) -> str | None:
     return deepspeed_tag(text)
 
 
-def _trainer_state(
+def newest_trainer_state(
     storage: Storage, checkpoints: list[RunCheckpoint]
 ) -> tuple[str, dict[str, Any]] | None:
     """The newest `trainer_state.json`: of the newest complete Trainer folder, or the run root,
@@ -385,7 +388,7 @@ def load_metrics(
     by_name: dict[str, float] = {}
     for c in checkpoints:
         if c.layout == "lightning":
-            value = _lightning_metrics(c.name.rsplit("/", 1)[-1]).get(metric)
+            value = lightning_metrics(c.name.rsplit("/", 1)[-1]).get(metric)
             if value is not None:
                 by_name[c.name] = value
     if by_name and source is None:
@@ -393,7 +396,7 @@ def load_metrics(
     return by_step, by_name, source
 
 
-def _best_by_metric(
+def best_by_metric(
     root: Path,
     metric: str,
     mode: Literal["min", "max"],

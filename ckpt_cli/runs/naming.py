@@ -11,17 +11,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, is_checkpoint_file
 from ..output import TMP_MARKER
 from ..storage import is_parity_path
-from .records import SLIM_RECORD, _Found
+from .records import SLIM_RECORD, Found
 
 if TYPE_CHECKING:
     from ..layouts import Layout
 
-_TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
-_CKPT_EXT = (*_TORCH_EXT, ".safetensors", ".distcp")
 #: plain `NAME_N.ext` files: extensions that can be a whole checkpoint (not `.distcp` pieces)
-_PLAIN_EXT = (*_TORCH_EXT, ".safetensors")
+_PLAIN_EXT = (*TORCH_SUFFIXES, SAFETENSORS_SUFFIX)
 #: `model-00001-of-00003`, `rng_state_1`: numbered parts of one checkpoint, not steps
 _PART = re.compile(r".*-\d+-of-\d+|rng_state.*|.*rank.*")
 _PLAIN = re.compile(r"(?P<stem>.+?)[-_](?P<n>\d+)(?P<ext>\.[A-Za-z]+)?")
@@ -31,7 +30,7 @@ _TEMP_NAMES = [
     re.compile(r"(?P<name>.+)\.(?:tmp|partial|incomplete)"),
 ]
 #: sub-folders that hold the checkpoints in some layouts (accelerate, torchtitan, Lightning)
-_SUBFOLDERS = ("checkpoints", "checkpoint")
+SUBFOLDERS = ("checkpoints", "checkpoint")
 
 
 @functools.cache
@@ -44,7 +43,7 @@ def _step_layouts() -> tuple[Layout, ...]:
     return tuple(lay for lay in (*FOLDER_LAYOUTS, *SINGLE_LAYOUTS) if lay.step_folder is not None)
 
 
-def _match_name(name: str, is_dir: bool) -> tuple[str, int | None, float | None] | None:
+def match_name(name: str, is_dir: bool) -> tuple[str, int | None, float | None] | None:
     """(layout, step, epoch) for an entry name, or None when it is not a checkpoint name."""
     if is_dir:
         for layout in _step_layouts():
@@ -55,7 +54,7 @@ def _match_name(name: str, is_dir: bool) -> tuple[str, int | None, float | None]
 
     if Lightning.is_step_file(name):
         pairs = name_values(name)
-        step = _int_or_none(pairs.get("step"))
+        step = int_or_none(pairs.get("step"))
         epoch = _float_or_none(pairs.get("epoch"))
         return "lightning", step, epoch
     m = _PLAIN.fullmatch(name)
@@ -68,7 +67,7 @@ def _match_name(name: str, is_dir: bool) -> tuple[str, int | None, float | None]
     return None
 
 
-def _int_or_none(text: str | None) -> int | None:
+def int_or_none(text: str | None) -> int | None:
     try:
         return int(text) if text is not None else None
     except ValueError:
@@ -82,7 +81,7 @@ def _float_or_none(text: str | None) -> float | None:
         return None
 
 
-def _lightning_metrics(name: str) -> dict[str, float]:
+def lightning_metrics(name: str) -> dict[str, float]:
     out: dict[str, float] = {}
     from ..layouts.lightning import name_values
 
@@ -97,7 +96,7 @@ def _looks_like_checkpoint_folder(path: Path) -> bool:
     """A plain `NAME-N/` folder counts only when it holds checkpoint files (not logs)."""
     for _dirpath, dirs, files in os.walk(path):
         dirs[:] = [d for d in dirs if not is_parity_path(d)]  # `ckpt protect`'s parity
-        if any(f.endswith(_CKPT_EXT) or f == ".metadata" for f in files):
+        if any(is_checkpoint_file(f) for f in files):
             return True
     return False
 
@@ -115,12 +114,12 @@ def classify(
         m = pattern.fullmatch(name)
         if m:
             inner = m.group("name")
-            matched = _match_name(inner, is_dir) or _match_name(inner, not is_dir)
+            matched = match_name(inner, is_dir) or match_name(inner, not is_dir)
             if matched is None and TMP_MARKER not in name:
                 continue  # `notes.tmp` is not a checkpoint; ckpt's own staging always is
             layout, step, epoch = matched or ("plain", None, None)
             return layout, step, epoch, True
-    matched = _match_name(name, is_dir)
+    matched = match_name(name, is_dir)
     if matched is None:
         return None
     layout, step, epoch = matched
@@ -150,7 +149,7 @@ def step_order(step: int | None, epoch: float | None, mtime: float) -> tuple[flo
 
 def expected_parts(names: dict[int, set[str]]) -> dict[int, set[str]]:
     """For the folders of one unmarked layout (id -> its digit-free top-level file names):
-    the names every *other* full save has (see `_expected_parts`); empty below three full
+    the names every *other* full save has (see `expected_parts_of_folders`); empty below three full
     saves. Slimmed saves (`SLIM_RECORD`) lack their optimizer on purpose and say nothing."""
     full = [key for key, have in names.items() if SLIM_RECORD not in have]
     if len(full) < 3:
@@ -169,7 +168,7 @@ def expected_parts(names: dict[int, set[str]]) -> dict[int, set[str]]:
     }
 
 
-def _classify(entry: Path) -> _Found | None:
+def _classify(entry: Path) -> Found | None:
     is_dir = entry.is_dir()
     # a linked folder is not walked (it may point anywhere): its name decides
     found = classify(
@@ -178,23 +177,30 @@ def _classify(entry: Path) -> _Found | None:
     if found is None:
         return None
     layout, step, epoch, temporary = found
-    return _Found(layout, step, epoch, [entry], temporary=temporary)
+    return Found(layout, step, epoch, [entry], temporary=temporary)
 
 
-def _scan_dirs(run_dir: Path) -> list[Path]:
+def scan_dirs(run_dir: Path) -> list[Path]:
     dirs = [run_dir]
-    for sub in _SUBFOLDERS:
+    for sub in SUBFOLDERS:
         candidate = run_dir / sub
         if candidate.is_dir() and not candidate.is_symlink():
             dirs.append(candidate)
     return dirs
 
 
-def _discover(run_dir: Path) -> list[_Found]:
-    found: list[_Found] = []
-    plain_files: dict[tuple[Path, int | None], _Found] = {}
-    for folder in _scan_dirs(run_dir):
-        for entry in sorted(folder.iterdir()):
+def listed(folder: Path) -> list[Path]:
+    """The entries of `folder`, sorted."""
+    return sorted(folder.iterdir())
+
+
+def discover_local(run_dir: Path, list_dir: Callable[[Path], list[Path]] = listed) -> list[Found]:
+    """The candidate checkpoints of a local run folder; `list_dir` lists its folders (a scan
+    passes one that lists each folder once for all its steps)."""
+    found: list[Found] = []
+    plain_files: dict[tuple[Path, int | None], Found] = {}
+    for folder in scan_dirs(run_dir):
+        for entry in list_dir(folder):
             item = _classify(entry)
             if item is None:
                 continue
@@ -212,10 +218,10 @@ def _discover(run_dir: Path) -> list[_Found]:
 
 
 #: layouts with no commit marker of their own: their saves are compared with each other
-_UNMARKED = ("accelerate", "plain")
+UNMARKED = ("accelerate", "plain")
 
 
-def _part_names(folder: Path) -> set[str]:
+def part_names(folder: Path) -> set[str]:
     """Top-level file names of a checkpoint folder without digits (`optimizer.bin`, not
     `random_states_3.pkl`, whose count follows the number of processes)."""
     try:
@@ -228,7 +234,7 @@ def _part_names(folder: Path) -> set[str]:
         return set()
 
 
-def _expected_parts(found: list[_Found]) -> dict[int, set[str]]:
+def expected_parts_of_folders(found: list[Found]) -> dict[int, set[str]]:
     """For folders of unmarked layouts: the files every *other* save of the run has.
 
     accelerate's `save_state` writes model, optimizer, scheduler, sampler... with no marker
@@ -236,7 +242,7 @@ def _expected_parts(found: list[_Found]) -> dict[int, set[str]]:
     two other saves of the same run it does not. Names are compared, nothing is read.
     """
     out: dict[int, set[str]] = {}
-    for layout in _UNMARKED:
+    for layout in UNMARKED:
         folders = [
             f
             for f in found
@@ -246,11 +252,11 @@ def _expected_parts(found: list[_Found]) -> dict[int, set[str]]:
             and not f.paths[0].is_symlink()
         ]
         if len(folders) >= 3:
-            out.update(expected_parts({id(f): _part_names(f.paths[0]) for f in folders}))
+            out.update(expected_parts({id(f): part_names(f.paths[0]) for f in folders}))
     return out
 
 
-def _name_order(item: _Found) -> tuple[float, float, float]:
+def name_order(item: Found) -> tuple[float, float, float]:
     """Newest-first order known before judging: step, epoch, then the entry's own time."""
     try:
         mtime = item.paths[0].lstat().st_mtime

@@ -134,7 +134,7 @@ class RunReport(BaseModel):
 
 
 @dataclass
-class _Found:
+class Found:
     layout: str
     step: int | None
     epoch: float | None

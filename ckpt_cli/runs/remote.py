@@ -8,13 +8,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import CkptError, NotFoundError, UsageError
+from ..formats.base import Source
+from ..formats.names import (
+    CHECKPOINT_SUFFIXES,
+    DCP_METADATA,
+    INDEX_SUFFIX,
+    SAFETENSORS_SUFFIX,
+    TORCH_SUFFIXES,
+    holds_dcp,
+    index_format,
+    is_single_file_weights,
+)
 from ..storage import Storage
-from .judge import _with_status, read_deepspeed_latest
+from .judge import read_deepspeed_latest, with_status
 from .naming import (
-    _CKPT_EXT,
-    _SUBFOLDERS,
-    _TORCH_EXT,
-    _UNMARKED,
+    SUBFOLDERS,
+    UNMARKED,
     classify,
     expected_parts,
     step_order,
@@ -36,21 +45,24 @@ _MAX_HEADER = 100 << 20
 _ZIP_TAIL = 1024
 
 
-def is_remote(run_dir: str | Path) -> bool:
+def is_remote(run_dir: str | Path | Source) -> bool:
     """Whether `run_dir` is a URL (`s3://…`, `hf://…`) rather than a folder on this machine."""
+    if isinstance(run_dir, Source):
+        return not run_dir.location.is_local
     text = str(run_dir)
     return "://" in text and not text.startswith("file://")
 
 
-def run_storage(run_dir: str) -> Storage:
-    """The `Storage` of a remote run folder (NotFoundError when it does not exist)."""
+def run_storage(run_dir: str | Source) -> Storage:
+    """The `Storage` of a remote run folder (NotFoundError when it does not exist); `run_dir`
+    may be resolved already (`resolve_source`), so an operation lists it once."""
     from ..formats import resolve_source
 
-    source = resolve_source(run_dir)
+    source = run_dir if isinstance(run_dir, Source) else resolve_source(run_dir)
     if source.target is not None:
         raise UsageError(
             "names one file, not a run folder",
-            path=run_dir,
+            path=source.location.raw,
             fix="Pass the prefix (or repo) that holds the step checkpoints.",
         )
     return source.storage
@@ -74,7 +86,7 @@ def _remote_items(files: dict[str, int]) -> list[_RemoteItem]:
     groups: dict[tuple[str, bool], dict[str, int]] = {}
     for rel, size in files.items():
         parts = rel.split("/")
-        if parts[0] in _SUBFOLDERS and len(parts) >= 2:
+        if parts[0] in SUBFOLDERS and len(parts) >= 2:
             base, rest = "/".join(parts[:2]), parts[2:]
         else:
             base, rest = parts[0], parts[1:]
@@ -104,7 +116,7 @@ def _remote_items(files: dict[str, int]) -> list[_RemoteItem]:
 
 def _classify_remote(name: str, is_dir: bool, inside: dict[str, int]) -> _RemoteItem | None:
     found = classify(
-        name, is_dir, lambda: any(f.endswith(_CKPT_EXT) or f.endswith(".metadata") for f in inside)
+        name, is_dir, lambda: any(f.endswith((*CHECKPOINT_SUFFIXES, DCP_METADATA)) for f in inside)
     )
     if found is None:
         return None
@@ -118,7 +130,7 @@ def _remote_file_problem(storage: Storage, rel: str, size: int) -> str | None:
     if size == 0:
         return f"{where}: empty file"
     try:
-        if rel.endswith(".safetensors"):
+        if rel.endswith(SAFETENSORS_SUFFIX):
             if size < 8:
                 return f"{where}: truncated safetensors file"
             length = int.from_bytes(storage.read(rel, 0, 8), "little")
@@ -133,7 +145,7 @@ def _remote_file_problem(storage: Storage, rel: str, size: int) -> str | None:
             if 8 + length + max(ends, default=0) > size:
                 return f"{where}: truncated (the header names more bytes than the file has)"
             return None
-        if rel.endswith(_TORCH_EXT):
+        if rel.endswith(TORCH_SUFFIXES):
             if storage.read(rel, 0, min(4, size)) != b"PK\x03\x04":
                 return None  # legacy torch.save format: no cheap structural check
             tail = storage.read(rel, max(0, size - _ZIP_TAIL), min(size, _ZIP_TAIL))
@@ -153,7 +165,7 @@ def _remote_components(
     if not is_dir:
         formats: list[str] = []
         for rel, size in files.items():
-            kind = "safetensors" if rel.endswith(".safetensors") else "torch"
+            kind = "safetensors" if rel.endswith(SAFETENSORS_SUFFIX) else "torch"
             formats.append(kind)
             problem = _remote_file_problem(storage, rel, size)
             if problem:
@@ -167,20 +179,18 @@ def _remote_components(
     any_component = False
     for folder, names in sorted(folders.items()):
         prefix = f"{base}/{folder}/" if folder else f"{base}/"
-        if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+        if holds_dcp(names):
             any_component = True
             formats.append("dcp")
-            if ".metadata" not in names:
+            if DCP_METADATA not in names:
                 return f"{storage.describe(prefix)}: no .metadata (DCP writes it last)", formats
             continue
         claimed: set[str] = set()
         for fname in sorted(names):
-            if fname.endswith(".index.json") and fname.removesuffix(".index.json").endswith(
-                (".safetensors", *_TORCH_EXT)
-            ):
+            index_kind = index_format(fname)
+            if index_kind is not None:
                 any_component = True
-                kind = "safetensors" if ".safetensors." in fname else "torch"
-                formats.append(kind)
+                formats.append(index_kind)
                 try:
                     index = json.loads(storage.read_all(prefix + fname))
                     shards = {v for v in index["weight_map"].values() if isinstance(v, str)}
@@ -195,10 +205,10 @@ def _remote_components(
                         )
                 claimed |= shards
         for fname, size in sorted(names.items()):
-            if fname in claimed or not fname.endswith((".safetensors", *_TORCH_EXT)):
+            if fname in claimed or not is_single_file_weights(fname):
                 continue
             any_component = True
-            formats.append("safetensors" if fname.endswith(".safetensors") else "torch")
+            formats.append("safetensors" if fname.endswith(SAFETENSORS_SUFFIX) else "torch")
             problem = _remote_file_problem(storage, prefix + fname, size)
             if problem:
                 return problem, sorted(set(formats))
@@ -215,7 +225,7 @@ def _remote_json(storage: Storage, rel: str) -> Any:
 
 
 def scan_remote_run(
-    run_dir: str,
+    run_dir: str | Source,
     *,
     metric: str | None = None,
     mode: Literal["min", "max"] = "min",
@@ -237,10 +247,11 @@ def scan_remote_run(
 class _RemoteRun(RunFolder[_RemoteItem]):
     """A run folder read through its `Storage`: one listing, then headers only."""
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str | Source) -> None:
         self.storage = run_storage(run_dir)
         self.files = self.storage.list_files()
-        self.display = run_dir.rstrip("/")
+        text = run_dir.location.raw if isinstance(run_dir, Source) else run_dir
+        self.display = text.rstrip("/")
 
     def discover(self) -> list[_RemoteItem]:
         return _remote_items(self.files)
@@ -271,7 +282,9 @@ class _RemoteRun(RunFolder[_RemoteItem]):
         return sorted(
             rel
             for rel in self.files
-            if "/" not in rel and rel.endswith(_CKPT_EXT) and not any(rel in i.rels for i in items)
+            if "/" not in rel
+            and rel.endswith(CHECKPOINT_SUFFIXES)
+            and not any(rel in i.rels for i in items)
         )
 
     def trainer_state(self, checkpoints: list[RunCheckpoint]) -> tuple[str, dict[str, Any]] | None:
@@ -302,7 +315,7 @@ def _remote_mtime(storage: Storage, item: _RemoteItem) -> float:
 def _remote_expected_parts(items: list[_RemoteItem]) -> dict[int, set[str]]:
     """The remote twin of `_expected_parts`: names every other save of an unmarked layout has."""
     out: dict[int, set[str]] = {}
-    for layout in _UNMARKED:
+    for layout in UNMARKED:
         folders = [i for i in items if i.layout == layout and i.is_dir and not i.temporary]
         names = {
             id(f): {n for n in f.files if "/" not in n and not any(ch.isdigit() for ch in n)}
@@ -335,7 +348,7 @@ def _judge_remote(
     )
     recent = mtime > 0 and now - mtime < settle
     if item.temporary:
-        return _with_status(
+        return with_status(
             entry,
             "writing" if recent else "interrupted",
             "staging prefix of a save in progress" if recent else "staging prefix left behind",
@@ -367,19 +380,19 @@ def _judge_remote(
     if problem is None:
         return entry
     if recent:
-        return _with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
-    return _with_status(entry, "incomplete", problem)
+        return with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
+    return with_status(entry, "incomplete", problem)
 
 
-def looks_like_remote_run(path: str) -> bool:
+def looks_like_remote_run(path: str | Source) -> bool:
     """Whether a remote location holds step checkpoints and no checkpoint of its own."""
     try:
         files = run_storage(path).list_files()
     except (NotFoundError, UsageError):
         return False  # not a folder-like location: opened as a checkpoint, which says why
     top = {rel.split("/", 1)[0] for rel in files}
-    if ".metadata" in top or any(t.endswith(_CKPT_EXT) and "-of-" in t for t in top):
+    if DCP_METADATA in top or any(t.endswith(CHECKPOINT_SUFFIXES) and "-of-" in t for t in top):
         return False
-    if any(t.endswith(".index.json") for t in top) or "model.safetensors" in top:
+    if any(t.endswith(INDEX_SUFFIX) for t in top) or "model.safetensors" in top:
         return False
     return any(not i.temporary and i.layout != "plain" for i in _remote_items(files))

@@ -15,8 +15,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
-from .judge import _best_by_metric
-from .naming import _int_or_none
+from .judge import best_by_metric
+from .naming import int_or_none
 from .records import RunCheckpoint, RunReport
 
 Item = TypeVar("Item")
@@ -90,7 +90,7 @@ def scan(
     now = time.time() if now is None else now
     items = run.discover()
     ds_latest = run.deepspeed_latest()
-    ds_step = _int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
+    ds_step = int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
     expected = run.expected_parts(items)
     judged: list[RunCheckpoint] = []
     for item in sorted(items, key=run.order, reverse=True):
@@ -134,7 +134,7 @@ def scan(
                     c.markers.append("trainer-best")
     if metric:
         # never a metrics file of the current folder: the run's own, or none ("")
-        report.best = _best_by_metric(
+        report.best = best_by_metric(
             Path("."), metric, mode, trainer_doc, checkpoints, run.metrics_file() or ("", "")
         )
         if report.best.source == "":

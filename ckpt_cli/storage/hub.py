@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError
+from ..formats.names import SAFETENSORS_SUFFIX
 from ..uri import Location
 from .base import RemoteFile, Storage, StorageRangeFile, is_parity_path
 from .hub_repo import (
@@ -128,7 +129,7 @@ class HubStorage(Storage):
             )
         if length == 0:
             return b""
-        if offset == 0 and rel.endswith(".safetensors"):
+        if offset == 0 and rel.endswith(SAFETENSORS_SUFFIX):
             head = self._heads.get(rel)
             if head is None and length <= self.header_probe:
                 head = self._head(rel)
@@ -137,7 +138,7 @@ class HubStorage(Storage):
         return b"".join(self.stream(rel, offset, offset + length))
 
     def header_read(self, rel: str, size: int) -> int:
-        if rel.endswith(".safetensors") and self.local_path(rel) is None:
+        if rel.endswith(SAFETENSORS_SUFFIX) and self.local_path(rel) is None:
             head = self._head(rel)
             if head is not None:
                 return len(head)  # fetched already, with its siblings'
@@ -175,7 +176,7 @@ class HubStorage(Storage):
             names = [
                 n
                 for n in self.repo.files
-                if n.endswith(".safetensors")
+                if n.endswith(SAFETENSORS_SUFFIX)
                 and posixpath.dirname(n) == folder
                 and n not in self._heads
                 and self.repo.cached_path(n) is None

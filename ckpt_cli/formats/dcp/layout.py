@@ -9,10 +9,11 @@ from typing import Any
 from ...errors import FormatError
 from ...models import Chunk, Entry, Problem
 from ...placement import Box
+from ..names import DCP_DATA_SUFFIX, DCP_METADATA
 from ..safetensors import DCP_HF_SHARD
 
-METADATA = ".metadata"
-SUFFIX = ".distcp"
+METADATA = DCP_METADATA
+SUFFIX = DCP_DATA_SUFFIX
 SERIALIZATIONS = ("torch_save", "safetensors")
 RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 #: per-rank metadata of `dcp.save(..., use_collectives=False)` (no global `.metadata`)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ...errors import NotFoundError, UsageError
 from ...formats import resolve_source
+from ...formats.base import Source
 from ...layouts import open_source
 from ...runs import DEFAULT_SETTLE, RunCheckpoint, is_remote, looks_like_run, scan_run
 from . import consistency, data, optimizer, points, rng, scaler, schedule, setup, weights
@@ -75,10 +76,12 @@ def doctor(
     else:
         if run_dir is None:
             raise UsageError("give RUN_DIR, or --before and --after")
-        if not looks_like_run(run_dir):
+        # RUN_DIR is resolved (listed) once: the run check, the scan and the logs read it
+        run = resolve_source(run_dir)
+        if not looks_like_run(run):
             return _single(run_dir, declared)
         report = DoctorReport(run_dir=run_dir, mode="run")
-        scan = scan_run(run_dir, settle=settle)
+        scan = scan_run(run, settle=settle)
         usable = [c for c in scan.checkpoints if c.complete and not c.slim]
         for c in scan.checkpoints:
             if not c.complete:
@@ -90,7 +93,7 @@ def doctor(
                 fix="Point at the folder holding the run's step checkpoints.",
             )
         saves = [_open_run_checkpoint(c) for c in usable]
-        logs = _logs_of(run_dir)
+        logs = _logs_of(run)
     try:
         _examine(report, saves, logs, declared, pair_mode=report.mode == "pair")
     finally:
@@ -144,14 +147,14 @@ def _open_run_checkpoint(checkpoint: RunCheckpoint) -> Save:
     return _open(checkpoint.path, checkpoint.name, checkpoint.step, checkpoint.mtime)
 
 
-def _logs_of(run_dir: str) -> list[Series]:
+def _logs_of(run_dir: str | Source) -> list[Series]:
     try:
-        source = resolve_source(run_dir)
+        source = run_dir if isinstance(run_dir, Source) else resolve_source(run_dir)
     except NotFoundError:
         return []
     if source.target is not None:
         return []
-    return run_logs(source.storage, run_dir.rstrip("/"))
+    return run_logs(source.storage, source.location.raw.rstrip("/"))
 
 
 def _log_jump(pair: Pair, logs: list[Series]) -> LogJump | None:

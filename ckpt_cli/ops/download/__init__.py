@@ -31,9 +31,9 @@ from ...output import check_destination, resolve_destination
 from ...progress import NULL_PROGRESS, Progress
 from ...storage.hub import HubStorage, open_repo
 from ...uri import parse_location
-from .plan import DownloadFile, DownloadRange, DownloadReport, Mode, _check_file_globs
-from .shards import _download_shards
-from .tensors import _download_tensors
+from .plan import DownloadFile, DownloadRange, DownloadReport, Mode, check_file_globs
+from .shards import download_shards
+from .tensors import download_tensors
 
 __all__ = ["DownloadFile", "DownloadRange", "DownloadReport", "download"]
 
@@ -120,10 +120,10 @@ def download(
         },
         verify_ranges=verify_ranges,
     )
-    _check_file_globs(repo, report)
+    check_file_globs(repo, report)
     if mode == "shards":
-        _download_shards(source, storage, report, out, tensors, exclude, extras, force, progress)
+        download_shards(source, storage, report, out, tensors, exclude, extras, force, progress)
     else:
         assert out is not None or dry_run
-        _download_tensors(source, storage, report, out, tensors, exclude, extras, force, progress)
+        download_tensors(source, storage, report, out, tensors, exclude, extras, force, progress)
     return report

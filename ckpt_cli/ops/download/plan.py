@@ -8,7 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from ...errors import FormatError, NotFoundError
-from ...model_files import EXTRA_SUFFIXES, WEIGHT_SUFFIXES
+from ...formats.names import INDEX_SUFFIX, WEIGHT_SUFFIXES
+from ...model_files import EXTRA_SUFFIXES
 from ...models import Entry
 from ...storage.hub import HubRepo
 
@@ -157,7 +158,7 @@ RANGES_HASHED = (
 # -- choosing what to fetch ------------------------------------------------------------------
 
 
-def _extras(
+def top_level_extras(
     repo: HubRepo, weights: set[str], filters: dict[str, list[str]] | None = None
 ) -> list[str]:
     """Top-level config/tokenizer/card files (weight files and weight indexes excluded).
@@ -173,7 +174,7 @@ def _extras(
     for rel in repo.files:
         if rel in weights or rel.startswith(".") or rel.endswith(WEIGHT_SUFFIXES):
             continue
-        if rel.endswith(".index.json"):
+        if rel.endswith(INDEX_SUFFIX):
             continue
         if include:
             if not any(fnmatch.fnmatchcase(rel, g) for g in include):
@@ -186,7 +187,7 @@ def _extras(
     return out
 
 
-def _check_file_globs(repo: HubRepo, report: DownloadReport) -> None:
+def check_file_globs(repo: HubRepo, report: DownloadReport) -> None:
     """A file glob that matches no file of the repository has no effect: say so."""
     import fnmatch
 
@@ -199,7 +200,7 @@ def _check_file_globs(repo: HubRepo, report: DownloadReport) -> None:
                 )
 
 
-def _no_match(src: str, include: list[str] | None, exclude: list[str] | None) -> NotFoundError:
+def no_match(src: str, include: list[str] | None, exclude: list[str] | None) -> NotFoundError:
     what = " or ".join(include or ["*"])
     if exclude:
         what += f" (excluding {' or '.join(exclude)})"
@@ -210,7 +211,7 @@ def _no_match(src: str, include: list[str] | None, exclude: list[str] | None) ->
     )
 
 
-def _index_entries(weight_map: dict[str, str]) -> list[Entry]:
+def index_entries(weight_map: dict[str, str]) -> list[Entry]:
     return [
         Entry.model_construct(
             name=name, kind="tensor", dtype=None, shape=[], nbytes=0, file=shard, offset=None
@@ -219,7 +220,7 @@ def _index_entries(weight_map: dict[str, str]) -> list[Entry]:
     ]
 
 
-def _no_safetensors(src: str) -> FormatError:
+def no_safetensors(src: str) -> FormatError:
     return FormatError(
         "holds no safetensors checkpoint (nor a pytorch_model.bin.index.json) at this revision",
         path=src,
@@ -228,7 +229,7 @@ def _no_safetensors(src: str) -> FormatError:
     )
 
 
-def _planned(repo: HubRepo, rels: list[str], kind: Any) -> list[DownloadFile]:
+def planned_files(repo: HubRepo, rels: list[str], kind: Any) -> list[DownloadFile]:
     """Download entries for `rels`, marked `cached` when the HF cache holds them already."""
     out = []
     for rel in rels:

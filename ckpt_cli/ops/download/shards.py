@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from ...errors import FormatError
 from ...formats.base import Source
+from ...formats.names import SAFETENSORS_SUFFIX
 from ...formats.safetensors import SafetensorsFormat
 from ...formats.safetensors_header import read_header
 from ...formats.weight_map import BIN_INDEX_SUFFIX, find_index, read_index
@@ -25,17 +26,17 @@ from .plan import (
     FETCH_WORKERS,
     DownloadFile,
     DownloadReport,
-    _extras,
-    _index_entries,
-    _no_match,
-    _no_safetensors,
-    _planned,
+    index_entries,
+    no_match,
+    no_safetensors,
+    planned_files,
+    top_level_extras,
 )
 
 # -- shards mode -----------------------------------------------------------------------------
 
 
-def _download_shards(
+def download_shards(
     source: Source,
     storage: HubStorage,
     report: DownloadReport,
@@ -52,7 +53,7 @@ def _download_shards(
     weight_map: dict[str, str] | None = None
     if index_rel is not None:
         weight_map, _ = read_index(storage, index_rel)
-        entries = _index_entries(weight_map)
+        entries = index_entries(weight_map)
     elif SafetensorsFormat.detect(source):
         # no index: the headers (ranged reads) name the tensors
         entries = SafetensorsFormat.open(source).manifest.tensors
@@ -60,13 +61,13 @@ def _download_shards(
         # older repositories: torch.save shards with `pytorch_model.bin.index.json` (same JSON)
         bin_indexes = [n for n in source.top_level() if n.endswith(BIN_INDEX_SUFFIX)]
         if len(bin_indexes) != 1:
-            raise _no_safetensors(src)
+            raise no_safetensors(src)
         index_rel = bin_indexes[0]
         weight_map, _ = read_index(storage, index_rel)
-        entries = _index_entries(weight_map)
+        entries = index_entries(weight_map)
     chosen = select(entries, include, exclude)
     if not chosen:
-        raise _no_match(src, include, exclude)
+        raise no_match(src, include, exclude)
     if include:
         chosen = with_sidecars(chosen, entries, exclude)  # a weight needs its scales
     report.tensors_total = len(entries)
@@ -83,18 +84,19 @@ def _download_shards(
         plan.insert(0, (index_rel, "index"))
     if extras:
         plan.extend(
-            (rel, "extra") for rel in _extras(repo, set(needed) | {index_rel or ""}, report.filters)
+            (rel, "extra")
+            for rel in top_level_extras(repo, set(needed) | {index_rel or ""}, report.filters)
         )
     report.metadata_bytes = storage.bytes_fetched
 
-    report.files = [f for rel, kind in plan for f in _planned(repo, [rel], kind)]
+    report.files = [f for rel, kind in plan for f in planned_files(repo, [rel], kind)]
     report.bytes_planned = sum(f.size for f in report.files if f.status == "planned")
     if report.dry_run:
         if subset:
             report.files.insert(0, _rewritten_index_info(index_rel, 0, "planned"))
         return
 
-    report.bytes_transferred = _fetch_files(repo, report, progress)
+    report.bytes_transferred = fetch_files(repo, report, progress)
 
     if report.cache_only:
         return
@@ -125,7 +127,7 @@ def _narrowed_index(staging: Path, weight_map: dict[str, str], shards: set[str])
     """
     local = LocalStorage(staging)
     kept = {name: shard for name, shard in weight_map.items() if shard in shards}
-    if not all(shard.endswith(".safetensors") for shard in shards):
+    if not all(shard.endswith(SAFETENSORS_SUFFIX) for shard in shards):
         return (json.dumps({"metadata": {}, "weight_map": kept}, indent=2) + "\n").encode()
     total = 0
     for shard in sorted(shards):
@@ -137,7 +139,7 @@ def _narrowed_index(staging: Path, weight_map: dict[str, str], shards: set[str])
     return (json.dumps(index, indent=2) + "\n").encode()
 
 
-def _fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> int:
+def fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> int:
     """Fetch every file of `report` not yet in the HF cache, and check each against the Hub.
 
     Files are fetched with `hf_hub_download` (pinned to the commit) by `FETCH_WORKERS` threads,

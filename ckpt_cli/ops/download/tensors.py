@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ...errors import FormatError
 from ...formats.base import Source, WriteOptions
+from ...formats.names import SAFETENSORS_SUFFIX
 from ...formats.safetensors import SafetensorsCheckpoint, SafetensorsFormat
 from ...formats.weight_map import INDEX_SUFFIX
 from ...models import Entry
@@ -42,11 +43,11 @@ from .plan import (
     DownloadFile,
     DownloadRange,
     DownloadReport,
-    _extras,
-    _no_match,
-    _planned,
+    no_match,
+    planned_files,
+    top_level_extras,
 )
-from .shards import _fetch_files
+from .shards import fetch_files
 
 # -- tensors mode ----------------------------------------------------------------------------
 
@@ -296,7 +297,7 @@ class _Cursor:
             yield out
 
 
-def _download_tensors(
+def download_tensors(
     source: Source,
     storage: HubStorage,
     report: DownloadReport,
@@ -323,7 +324,7 @@ def _download_tensors(
         chosen = with_sidecars(chosen, manifest.tensors, exclude)  # a weight needs its scales
     chosen = [e for e in chosen if e.is_raw]
     if not chosen:
-        raise _no_match(src, include, exclude)
+        raise no_match(src, include, exclude)
     report.tensors_total = len(manifest.tensors)
     report.tensors_selected = len(chosen)
     report.selected_bytes = sum(e.nbytes for e in chosen)
@@ -331,11 +332,13 @@ def _download_tensors(
     report.bytes_planned = sum(r.length for r in report.ranges)
     index_rel = checkpoint.index
     extra_files = (
-        _extras(repo, {h.file for h in checkpoint.headers} | {index_rel or ""}, report.filters)
+        top_level_extras(
+            repo, {h.file for h in checkpoint.headers} | {index_rel or ""}, report.filters
+        )
         if extras
         else []
     )
-    extra_plan = _planned(repo, extra_files, "extra")
+    extra_plan = planned_files(repo, extra_files, "extra")
     report.bytes_planned += sum(f.size for f in extra_plan if f.status == "planned")
     report.metadata_bytes = storage.bytes_fetched
     cache_before = storage.bytes_from_cache
@@ -359,7 +362,7 @@ def _download_tensors(
     if index_rel:
         basename = Path(index_rel).name[: -len(INDEX_SUFFIX)]
     elif len(checkpoint.headers) == 1:  # one file keeps its name
-        basename = Path(checkpoint.headers[0].file).name[: -len(".safetensors")]
+        basename = Path(checkpoint.headers[0].file).name[: -len(SAFETENSORS_SUFFIX)]
     else:
         basename = "model"
     order = {name: i for i, name in enumerate(n for r in report.ranges for n in r.tensors)}
@@ -419,8 +422,8 @@ def _download_tensors(
             for f in written
         ]
         if extra_files:
-            extra = report.model_copy(update={"files": _planned(repo, extra_files, "extra")})
-            report.bytes_transferred += _fetch_files(repo, extra, NULL_PROGRESS)
+            extra = report.model_copy(update={"files": planned_files(repo, extra_files, "extra")})
+            report.bytes_transferred += fetch_files(repo, extra, NULL_PROGRESS)
             for info in extra.files:
                 assert info.cache_path is not None
                 shutil.copyfile(info.cache_path, staging / info.path)

@@ -41,16 +41,16 @@ from .model import (
     ProtectReport,
 )
 from .target import (
-    _check_unchanged,
-    _on_leader,
-    _parity_dest,
-    _pwrite_all,
-    _Reader,
-    _sha256_file,
-    _sha256_storage,
-    _Target,
-    _target,
+    BlockReader,
+    ParityTarget,
+    check_unchanged,
+    on_leader,
+    open_parity_target,
+    parity_dest,
+    pwrite_all,
     read_parity_manifest,
+    sha256_file,
+    sha256_storage,
 )
 
 
@@ -89,7 +89,7 @@ def protect(
     options = _Options(parity, block_size, force, whole_files, dry_run, on_plan)
     if not dry_run and workers.distributed and resolve_source(src).location.kind == "local":
         return _protect_split(src, options)
-    return _on_leader(lambda: _protect(src, options, progress), ProtectReport)
+    return on_leader(lambda: _protect(src, options, progress), ProtectReport)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def _protect_split(src: str, options: _Options) -> ProtectReport:
         parity, force = options.parity, options.force
         with workers.together():
             target, manifest = _prepare(src, options, check=workers.leader)
-            dest = _parity_dest(target)
+            dest = parity_dest(target)
             assert isinstance(dest, Path)
             if workers.leader:
                 if options.on_plan is not None:
@@ -137,7 +137,7 @@ def _protect_split(src: str, options: _Options) -> ProtectReport:
         m = manifest
         layout = ParityLayout(m)
         storage = target.storage
-        reader = _Reader(storage)
+        reader = BlockReader(storage)
         mine: dict[str, Any] = {"blocks": [], "parity": [], "sha": {}, "share_sha": {}}
         with workers.together():
             try:
@@ -159,7 +159,7 @@ def _protect_split(src: str, options: _Options) -> ProtectReport:
                             mine["blocks"].append([fi, bi, block_digest(data)])
                             shares.append(pad_block(data, m.block_size))
                         for j, par in enumerate(codec.encode(shares)):
-                            _pwrite_all(fds[j], par, stripe * m.block_size)
+                            pwrite_all(fds[j], par, stripe * m.block_size)
                             mine["parity"].append([j, stripe, block_digest(par)])
                     for fd in fds:
                         os.fsync(fd)
@@ -171,15 +171,15 @@ def _protect_split(src: str, options: _Options) -> ProtectReport:
         # every parity block is written: now the whole-file digests, shared out by size
         weights = [f.size for f in m.files] + [m.stripes * m.block_size] * m.parity
         with workers.together():
-            hasher = _Reader(storage)
+            hasher = BlockReader(storage)
             try:
                 for i in workers.mine(weights):
                     if i < len(m.files):
                         f = m.files[i]
-                        mine["sha"][str(i)] = _sha256_storage(hasher, f.path, f.size)
+                        mine["sha"][str(i)] = sha256_storage(hasher, f.path, f.size)
                     else:
                         j = i - len(m.files)
-                        mine["share_sha"][str(j)] = _sha256_file(staging / f"parity-{j}.bin")
+                        mine["share_sha"][str(j)] = sha256_file(staging / f"parity-{j}.bin")
             finally:
                 hasher.close()
         gathered = workers.all_gather(mine)
@@ -209,7 +209,7 @@ def _protect_split(src: str, options: _Options) -> ProtectReport:
                     )
                     for j in range(m.parity)
                 ]
-                _check_unchanged(target)
+                check_unchanged(target)
                 with open(staging / MANIFEST_NAME, "wb") as fh:
                     fh.write((json.dumps(m.model_dump(mode="json")) + "\n").encode())
                     fh.flush()
@@ -219,7 +219,9 @@ def _protect_split(src: str, options: _Options) -> ProtectReport:
     return ProtectReport.model_validate(workers.broadcast(report))
 
 
-def _prepare(src: str, options: _Options, check: bool = True) -> tuple[_Target, ParityManifest]:
+def _prepare(
+    src: str, options: _Options, check: bool = True
+) -> tuple[ParityTarget, ParityManifest]:
     """Validate the options and plan the layout: the manifest without digests yet."""
     parity, block_size, force = options.parity, options.block_size, options.force
     if not 1 <= parity <= MAX_PARITY:
@@ -230,7 +232,7 @@ def _prepare(src: str, options: _Options, check: bool = True) -> tuple[_Target, 
             f"--block-size {block_size} is out of range", fix="Use 4KiB to 1GiB (e.g. 1MiB)."
         )
     block = -(-block // BLOCK_ALIGN) * BLOCK_ALIGN
-    target = _target(src)
+    target = open_parity_target(src)
     storage = target.storage
     if check and not force and not options.dry_run and read_parity_manifest(target) is not None:
         raise DestinationExistsError(
@@ -272,7 +274,7 @@ def _prepare(src: str, options: _Options, check: bool = True) -> tuple[_Target, 
 
 
 def _report(
-    target: _Target, m: ParityManifest, dest: Path | RemoteDest, dry_run: bool = False
+    target: ParityTarget, m: ParityManifest, dest: Path | RemoteDest, dry_run: bool = False
 ) -> ProtectReport:
     total = sum(f.size for f in m.files)
     parity_bytes = m.parity * m.stripes * m.block_size
@@ -340,7 +342,7 @@ def _what_it_survives(m: ParityManifest, ranks: int) -> tuple[list[str], list[st
 def _protect(src: str, options: _Options, progress: Progress) -> ProtectReport:
     target, manifest = _prepare(src, options)
     parity, force = options.parity, options.force
-    dest = _parity_dest(target)
+    dest = parity_dest(target)
     plan = _report(target, manifest, dest, dry_run=True)
     if options.dry_run:
         return plan
@@ -360,7 +362,7 @@ def _protect(src: str, options: _Options, progress: Progress) -> ProtectReport:
     local_parent = dest.parent if isinstance(dest, Path) else None
     if local_parent is not None and not local_parent.exists():
         local_parent.mkdir(parents=True)
-    reader = _Reader(storage)
+    reader = BlockReader(storage)
     progress.start(sum(sizes), f"protecting (K={parity}, W={width})")
     try:
         with staged_output(dest, force=force) as staging:
@@ -420,7 +422,7 @@ def _protect(src: str, options: _Options, progress: Progress) -> ProtectReport:
                 f.sha256 = (
                     hashers[fi].hexdigest()
                     if expected[fi] == len(digests[fi])
-                    else _sha256_storage(reader, f.path, f.size)
+                    else sha256_storage(reader, f.path, f.size)
                 )
                 f.blocks = digests[fi]
             manifest.shares = [
@@ -432,7 +434,7 @@ def _protect(src: str, options: _Options, progress: Progress) -> ProtectReport:
                 )
                 for j in range(parity)
             ]
-            _check_unchanged(target)
+            check_unchanged(target)
             with open(staging / MANIFEST_NAME, "wb") as fh:
                 fh.write((json.dumps(manifest.model_dump(mode="json")) + "\n").encode())
                 fh.flush()

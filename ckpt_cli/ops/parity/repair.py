@@ -11,25 +11,27 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from ...errors import FormatError, NotFoundError
-from ...output import TMP_MARKER, fsync_dir, is_commit_marker
+from ...formats.names import is_commit_marker
+from ...output import TMP_MARKER, fsync_dir
 from ...progress import NULL_PROGRESS, Progress
 from ...storage import (
     FsspecStorage,
     LocalStorage,
+    Storage,
     remote_failure,
 )
 from .codec import Codec, chunk_size, pad_block, slices
 from .layout import ParityLayout
 from .model import ProtectedFile, RepairReport
-from .scan import _damage_list, _Scan, _scan
+from .scan import ParityScan, damage_list, scan_parity
 from .target import (
-    _on_leader,
-    _pwrite_all,
-    _Reader,
-    _sha256_file,
-    _Target,
-    _target,
+    BlockReader,
+    ParityTarget,
+    on_leader,
+    open_parity_target,
+    pwrite_all,
     read_parity_manifest,
+    sha256_file,
 )
 
 # ------------------------------------------------------------------------------ repair
@@ -48,11 +50,11 @@ def repair(src: str, *, dry_run: bool = False, progress: Progress = NULL_PROGRES
         NotFoundError: the checkpoint has no parity (run `ckpt protect` first).
         FormatError: a rebuilt file does not match its recorded sha256 (nothing published).
     """
-    return _on_leader(lambda: _repair(src, dry_run=dry_run, progress=progress), RepairReport)
+    return on_leader(lambda: _repair(src, dry_run=dry_run, progress=progress), RepairReport)
 
 
 def _repair(src: str, *, dry_run: bool, progress: Progress) -> RepairReport:
-    target = _target(src)
+    target = open_parity_target(src)
     m = read_parity_manifest(target)
     if m is None:
         raise NotFoundError(
@@ -60,12 +62,12 @@ def _repair(src: str, *, dry_run: bool, progress: Progress) -> RepairReport:
             path=target.source.location.raw,
             fix="Protect checkpoints while they are intact: `ckpt protect SRC`.",
         )
-    scan = _scan(target, m, checksums=True, progress=progress)
+    scan = scan_parity(target, m, checksums=True, progress=progress)
     report = RepairReport(
         location=target.source.location.raw,
         ok=True,
         dry_run=dry_run,
-        damaged=_damage_list(target, scan),
+        damaged=damage_list(target, scan),
         hashed_bytes=scan.hashed,
     )
     if not report.damaged:
@@ -85,7 +87,7 @@ def _repair(src: str, *, dry_run: bool, progress: Progress) -> RepairReport:
 
 
 @contextmanager
-def _repair_staging(target: _Target) -> Iterator[Path]:
+def _repair_staging(target: ParityTarget) -> Iterator[Path]:
     """A staging folder for rebuilt files: hidden in the parity folder (local: same filesystem,
     so publishing is a rename), or a local temporary folder for an object store."""
     storage = target.storage
@@ -101,14 +103,13 @@ def _repair_staging(target: _Target) -> Iterator[Path]:
 
 
 def _rebuild(
-    target: _Target, scan: _Scan, staging: Path, progress: Progress
+    target: ParityTarget, scan: ParityScan, staging: Path, progress: Progress
 ) -> list[tuple[str, Path, ProtectedFile]]:
     """Write every damaged file whole into `staging`; each checked against its sha256."""
     m = scan.manifest
     layout = ParityLayout(m)
     storage = target.storage
-    reader = _Reader(storage)
-    w = m.width
+    reader = BlockReader(storage)
     damaged = scan.damaged
     # staged output files, pre-sized; good blocks are copied, bad ones come from the decoder
     staged: dict[tuple[str, int], tuple[str, Path, ProtectedFile, int]] = {}
@@ -119,6 +120,7 @@ def _rebuild(
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(fd, f.size)
         staged[(kind, idx)] = (rel, path, f, fd)
+    fds = {key: fd for key, (_rel, _path, _f, fd) in staged.items()}
     losses = scan.losses()
     total = sum(len(b) for _s, b in damaged.values()) * m.block_size
     # the decoder works on one slice of the stripe's blocks at a time (see `codec.CHUNK`):
@@ -130,38 +132,8 @@ def _rebuild(
     try:
         for stripe in sorted(losses):
             lost = sorted(losses[stripe])
-            # the first W surviving shares of the stripe: (column, file path, its extent)
-            sources: list[tuple[int, str | None, int, int]] = []
-            for c in range(w + m.parity):
-                if len(sources) == w:
-                    break
-                if c in losses[stripe]:
-                    continue
-                if c < w:
-                    where = layout.block(c, stripe)
-                    if where is None:
-                        sources.append((c, None, 0, 0))  # a column run out: zeros
-                        continue
-                    fi, bi = where
-                    lo, hi = layout.extent(m.files[fi].size, bi)
-                    sources.append((c, m.files[fi].path, lo, hi))
-                else:
-                    lo = stripe * m.block_size
-                    rel = f"{target.parity_rel}/{m.shares[c - w].path}"
-                    sources.append((c, rel, lo, lo + m.block_size))
-            # where each rebuilt share goes: (staged fd, first byte, end) in its file
-            dests: dict[int, tuple[int, int, int]] = {}
-            for c in lost:
-                if c < w:
-                    where = layout.block(c, stripe)
-                    if where is None:
-                        continue
-                    fi, bi = where
-                    lo, hi = layout.extent(m.files[fi].size, bi)
-                    dests[c] = (staged[("data", fi)][3], lo, hi)
-                else:
-                    lo = stripe * m.block_size
-                    dests[c] = (staged[("parity", c - w)][3], lo, lo + m.block_size)
+            sources = _surviving_shares(layout, target.parity_rel, stripe, losses[stripe])
+            dests = _rebuilt_share_places(layout, stripe, lost, fds)
             for offset, _size in slices(m.block_size, chunk):
                 shares: dict[int, bytes] = {}
                 for c, name, lo, hi in sources:
@@ -180,19 +152,9 @@ def _rebuild(
                     piece = data[: end - start]
                     # the staged file is pre-sized (a hole reads as zeros): zeros stay a hole
                     if piece != zeros[: len(piece)]:
-                        _pwrite_all(fd, piece, start)
+                        pwrite_all(fd, piece, start)
                     progress.advance(end - start)
-        # the intact blocks of damaged (not missing) files
-        for key, (state, bad) in damaged.items():
-            rel, _path, f, fd = staged[key]
-            if state == "missing":
-                continue
-            for bi in range(len(f.blocks)):
-                if bi in bad:
-                    continue
-                lo, hi = bi * m.block_size, min(f.size, (bi + 1) * m.block_size)
-                for offset, size in slices(hi - lo):
-                    _pwrite_all(fd, reader.read(rel, lo + offset, size), lo + offset)
+        _copy_intact_blocks(scan, staged, reader)
         for _rel, _path, _f, fd in staged.values():
             os.fsync(fd)
     finally:
@@ -201,9 +163,83 @@ def _rebuild(
                 os.close(fd)
         reader.close()
         progress.finish()
-    out = []
-    for rel, path, f, _fd in staged.values():
-        digest = _sha256_file(path)
+    return _checked(storage, [(rel, path, f) for rel, path, f, _fd in staged.values()])
+
+
+def _surviving_shares(
+    layout: ParityLayout, parity_rel: str, stripe: int, lost: set[int]
+) -> list[tuple[int, str | None, int, int]]:
+    """The first W surviving shares of `stripe`: (column, file path, its extent); a data
+    column run out reads as zeros (no path)."""
+    m = layout.m
+    w = m.width
+    sources: list[tuple[int, str | None, int, int]] = []
+    for c in range(w + m.parity):
+        if len(sources) == w:
+            break
+        if c in lost:
+            continue
+        if c < w:
+            where = layout.block(c, stripe)
+            if where is None:
+                sources.append((c, None, 0, 0))  # a column run out: zeros
+                continue
+            fi, bi = where
+            lo, hi = layout.extent(m.files[fi].size, bi)
+            sources.append((c, m.files[fi].path, lo, hi))
+        else:
+            lo = stripe * m.block_size
+            sources.append((c, f"{parity_rel}/{m.shares[c - w].path}", lo, lo + m.block_size))
+    return sources
+
+
+def _rebuilt_share_places(
+    layout: ParityLayout, stripe: int, lost: list[int], fds: dict[tuple[str, int], int]
+) -> dict[int, tuple[int, int, int]]:
+    """Where each rebuilt share of `stripe` goes: column -> (staged fd, first byte, end)."""
+    m = layout.m
+    w = m.width
+    dests: dict[int, tuple[int, int, int]] = {}
+    for c in lost:
+        if c < w:
+            where = layout.block(c, stripe)
+            if where is None:
+                continue
+            fi, bi = where
+            lo, hi = layout.extent(m.files[fi].size, bi)
+            dests[c] = (fds[("data", fi)], lo, hi)
+        else:
+            lo = stripe * m.block_size
+            dests[c] = (fds[("parity", c - w)], lo, lo + m.block_size)
+    return dests
+
+
+def _copy_intact_blocks(
+    scan: ParityScan,
+    staged: dict[tuple[str, int], tuple[str, Path, ProtectedFile, int]],
+    reader: BlockReader,
+) -> None:
+    """Copy the intact blocks of damaged (not missing) files into their staged copies."""
+    block_size = scan.manifest.block_size
+    for key, (state, bad) in scan.damaged.items():
+        rel, _path, f, fd = staged[key]
+        if state == "missing":
+            continue
+        for bi in range(len(f.blocks)):
+            if bi in bad:
+                continue
+            lo, hi = bi * block_size, min(f.size, (bi + 1) * block_size)
+            for offset, size in slices(hi - lo):
+                pwrite_all(fd, reader.read(rel, lo + offset, size), lo + offset)
+
+
+def _checked(
+    storage: Storage, rebuilt: list[tuple[str, Path, ProtectedFile]]
+) -> list[tuple[str, Path, ProtectedFile]]:
+    """`rebuilt`, once each file's sha256 is the manifest's; FormatError naming the first that
+    is not (nothing is published then)."""
+    for rel, path, f in rebuilt:
+        digest = sha256_file(path)
         if digest != f.sha256:
             raise FormatError(
                 f"rebuilt from parity, but its sha256 {digest[:16]}… differs from the "
@@ -212,11 +248,10 @@ def _rebuild(
                 fix="The parity or the surviving files are damaged beyond their digests; "
                 "restore this checkpoint from another copy.",
             )
-        out.append((rel, path, f))
-    return out
+    return rebuilt
 
 
-def _publish_repaired(target: _Target, staged: list[tuple[str, Path, ProtectedFile]]) -> None:
+def _publish_repaired(target: ParityTarget, staged: list[tuple[str, Path, ProtectedFile]]) -> None:
     """Put each rebuilt file in place: data first, commit markers (index, .metadata) last."""
     storage = target.storage
     ordered = sorted(staged, key=lambda item: (is_commit_marker(item[0]), item[0]))

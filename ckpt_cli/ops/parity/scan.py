@@ -14,13 +14,13 @@ from ...storage import (
 from .codec import chunked_digest
 from .layout import ParityLayout
 from .model import DamagedFile, ParityCheck, ParityManifest, ProtectedFile
-from .target import _Reader, _Target, _target, read_parity_manifest
+from .target import BlockReader, ParityTarget, open_parity_target, read_parity_manifest
 
 # ------------------------------------------------------------------------------ scan
 
 
 @dataclass
-class _Scan:
+class ParityScan:
     """What a scan found: bad blocks per file and per stripe."""
 
     manifest: ParityManifest
@@ -45,12 +45,12 @@ class _Scan:
         return {s for s, lost in self.losses().items() if len(lost) > self.manifest.parity}
 
 
-def _scan(
-    target: _Target, m: ParityManifest, *, checksums: bool, progress: Progress = NULL_PROGRESS
-) -> _Scan:
+def scan_parity(
+    target: ParityTarget, m: ParityManifest, *, checksums: bool, progress: Progress = NULL_PROGRESS
+) -> ParityScan:
     """Find missing, resized and (with `checksums`) corrupt blocks of data and parity files."""
     storage = target.storage
-    scan = _Scan(m)
+    scan = ParityScan(m)
     entries: list[tuple[str, int, ProtectedFile, str]] = [
         ("data", i, f, f.path) for i, f in enumerate(m.files)
     ] + [("parity", j, s, f"{target.parity_rel}/{s.path}") for j, s in enumerate(m.shares)]
@@ -68,7 +68,7 @@ def _scan(
                 present[rel] = None
     if checksums:
         progress.start(sum(p or 0 for p in present.values()), "checking blocks (xxh3)")
-    reader = _Reader(storage)
+    reader = BlockReader(storage)
     try:
         for kind, i, f, rel in entries:
             size = present[rel]
@@ -118,7 +118,7 @@ def _ranges(blocks: set[int], size: int, block_size: int) -> list[tuple[int, int
     return out
 
 
-def _damage_list(target: _Target, scan: _Scan) -> list[DamagedFile]:
+def damage_list(target: ParityTarget, scan: ParityScan) -> list[DamagedFile]:
     m = scan.manifest
     bad_stripes = scan.unrecoverable_stripes()
     layout = ParityLayout(m)
@@ -155,19 +155,19 @@ def check_parity(
     is hashed and compared with its digest, which names the damaged byte ranges.
     """
     try:
-        target = _target(src)
+        target = open_parity_target(src)
     except (UsageError, NotFoundError):
         return None
     m = read_parity_manifest(target)
     if m is None:
         return None
     storage = target.storage
-    scan = _scan(target, m, checksums=checksums, progress=progress)
+    scan = scan_parity(target, m, checksums=checksums, progress=progress)
     report = ParityCheck(
         manifest=storage.describe(target.manifest_rel),
         parity=m.parity,
         width=m.width,
-        damaged=_damage_list(target, scan),
+        damaged=damage_list(target, scan),
         hashed_bytes=scan.hashed,
     )
     recorded = {f.path for f in m.files}

@@ -44,7 +44,7 @@ from .model import (
 
 
 @dataclass
-class _Target:
+class ParityTarget:
     """A checkpoint as protect/repair see it: its storage, data files and parity folder."""
 
     source: Source
@@ -59,7 +59,7 @@ class _Target:
         return f"{self.parity_rel}/{MANIFEST_NAME}"
 
 
-def _target(src: str | Source) -> _Target:
+def open_parity_target(src: str | Source) -> ParityTarget:
     source = src if isinstance(src, Source) else resolve_source(src)
     storage = source.storage
     if not isinstance(storage, LocalStorage | FsspecStorage):
@@ -80,10 +80,10 @@ def _target(src: str | Source) -> _Target:
         parity_rel = PARITY_DIR
     if not files:
         raise NotFoundError("holds no files to protect", path=source.location.raw)
-    return _Target(source, storage, files, parity_rel)
+    return ParityTarget(source, storage, files, parity_rel)
 
 
-def _parity_dest(target: _Target) -> Path | RemoteDest:
+def parity_dest(target: ParityTarget) -> Path | RemoteDest:
     storage = target.storage
     if isinstance(storage, LocalStorage):
         return storage.root / target.parity_rel
@@ -95,7 +95,7 @@ def _parity_dest(target: _Target) -> Path | RemoteDest:
     )
 
 
-def read_parity_manifest(target: _Target) -> ParityManifest | None:
+def read_parity_manifest(target: ParityTarget) -> ParityManifest | None:
     """The parity manifest of the checkpoint, or None when it is not protected."""
     storage = target.storage
     try:
@@ -200,7 +200,7 @@ def _check_protect_would_choose(m: ParityManifest, where: str) -> None:
 M = TypeVar("M", bound=BaseModel)
 
 
-def _on_leader(work: Callable[[], M], model: type[M]) -> M:
+def on_leader(work: Callable[[], M], model: type[M]) -> M:
     """Run `work` on rank 0 only (under torchrun the others wait), the result on every rank.
 
     Every rank writing the same parity or rebuilding the same file would race on one staging
@@ -218,7 +218,7 @@ def _on_leader(work: Callable[[], M], model: type[M]) -> M:
     return model.model_validate(shared)
 
 
-def _check_unchanged(target: _Target) -> None:
+def check_unchanged(target: ParityTarget) -> None:
     """Refuse to bless parity of files that changed size while they were read."""
     storage = target.storage
     if isinstance(storage, FsspecStorage):
@@ -236,7 +236,7 @@ def _check_unchanged(target: _Target) -> None:
             )
 
 
-class _Reader:
+class BlockReader:
     """Reads blocks, keeping local files open (one `pread` per block, no reopen)."""
 
     def __init__(self, storage: Storage):
@@ -271,21 +271,21 @@ class _Reader:
         self.storage.close()
 
 
-def _sha256_storage(reader: _Reader, rel: str, size: int) -> str:
+def sha256_storage(reader: BlockReader, rel: str, size: int) -> str:
     h = hashlib.sha256()
     for lo in range(0, size, 4 << 20):
         h.update(reader.read(rel, lo, min(4 << 20, size - lo)))
     return h.hexdigest()
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+def pwrite_all(fd: int, data: bytes, offset: int) -> None:
     view = memoryview(data)
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(1 << 20):

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from ...errors import NotFoundError, UsageError
 from ...runs import DEFAULT_SETTLE, is_remote
+from ...uri import is_hub_url
 from ..retention import PrunePolicy
 from .model import RateLimit, SyncedCheckpoint, SyncReport
 from .pull import sync_down
@@ -89,7 +90,7 @@ def sync(
             "one side of a sync is a local run folder, the other an object store",
             fix="ckpt sync out/ s3://bucket/run/   or   ckpt sync s3://bucket/run/ out/ --latest",
         )
-    if up and dest.startswith("hf://"):
+    if up and is_hub_url(dest):
         raise UsageError(
             "cannot sync to the Hub: publishing there is a commit",
             path=dest,

@@ -114,5 +114,5 @@ class RateLimit:
 # --------------------------------------------------------------------------- helpers
 
 
-def _now_iso() -> str:
+def now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -9,18 +9,19 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import FormatError, NotFoundError
-from ...output import UPLOAD_BLOCK, is_commit_marker
-from ...runs import _UNMARKED, RunCheckpoint
+from ...formats.names import is_commit_marker
+from ...output import UPLOAD_BLOCK
+from ...runs import UNMARKED, RunCheckpoint
 from ...storage import Storage
 from ..checksums import MANIFEST_NAME, ChecksumManifest
 
 #: files written after a checkpoint's data, in this order (the manifest always last)
 _LATE = ("trainer_state.json",)
 #: small run-folder files carried along so the remote run keeps its pointers and metrics
-_ROOT_FILES = ("latest", "metrics.jsonl")
+ROOT_FILES = ("latest", "metrics.jsonl")
 
 
-def _local_files(run_root: Path, c: RunCheckpoint) -> dict[str, Path]:
+def local_files(run_root: Path, c: RunCheckpoint) -> dict[str, Path]:
     """The files of a local checkpoint, by path relative to the run folder (hidden ones too:
     the `.ckpt-parity/` folder travels with the checkpoint)."""
     out: dict[str, Path] = {}
@@ -38,19 +39,19 @@ def _local_files(run_root: Path, c: RunCheckpoint) -> dict[str, Path]:
     return out
 
 
-def _manifest_rel(c: RunCheckpoint, is_dir: bool) -> str:
+def manifest_rel_path(c: RunCheckpoint, is_dir: bool) -> str:
     """Where a checkpoint's manifest lives, relative to the run folder."""
     return f"{c.name}/{MANIFEST_NAME}" if is_dir else f"{c.name}.{MANIFEST_NAME}"
 
 
-def _late(rel: str) -> bool:
+def uploaded_late(rel: str) -> bool:
     """Commit markers and `trainer_state.json`: uploaded once the data is in place."""
     return is_commit_marker(rel) or rel.rsplit("/", 1)[-1] in _LATE
 
 
-def _order(rels: list[str]) -> list[str]:
+def upload_order(rels: list[str]) -> list[str]:
     """Data first, then commit markers and `trainer_state.json` (the manifest goes after)."""
-    return sorted(rels, key=lambda r: (_late(r), r))
+    return sorted(rels, key=lambda r: (uploaded_late(r), r))
 
 
 def s3_etag(parts: list[bytes], size: int = 0) -> str:
@@ -65,19 +66,19 @@ def s3_etag(parts: list[bytes], size: int = 0) -> str:
     return f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
 
 
-def _remote_etag(info: dict[str, Any]) -> str | None:
+def remote_etag(info: dict[str, Any]) -> str | None:
     etag = info.get("ETag") or info.get("etag")
     return str(etag).strip('"') if etag else None
 
 
-def _uploadable(c: RunCheckpoint, settle: float, now: float) -> str | None:
+def uploadable(c: RunCheckpoint, settle: float, now: float) -> str | None:
     """Why a local checkpoint is not uploaded now, or None."""
     if not c.complete:
         return f"{c.status}: {c.reason}"
     if c.symlink:
         return "a symlink (its target is synced under its own name)"
     # layouts with no commit marker of their own look complete while still being written
-    if c.layout in _UNMARKED and now - c.mtime < settle:
+    if c.layout in UNMARKED and now - c.mtime < settle:
         return f"modified in the last {settle:g} s (no commit marker in this layout)"
     return None
 
@@ -85,7 +86,7 @@ def _uploadable(c: RunCheckpoint, settle: float, now: float) -> str | None:
 # --------------------------------------------------------------------------- down
 
 
-def _remote_manifest(storage: Storage, rel: str) -> ChecksumManifest | None:
+def remote_manifest(storage: Storage, rel: str) -> ChecksumManifest | None:
     try:
         raw = storage.read_all(rel)
     except NotFoundError:

@@ -15,7 +15,7 @@ from ...runs import RunCheckpoint, run_storage, scan_run
 from ...storage import Storage
 from ..checksums import MANIFEST_NAME, ChecksumManifest
 from .model import RateLimit, SyncedCheckpoint, SyncReport
-from .plan import _ROOT_FILES, _manifest_rel, _remote_manifest
+from .plan import ROOT_FILES, manifest_rel_path, remote_manifest
 
 
 def _unsafe_key(rel: str) -> bool:
@@ -251,7 +251,7 @@ def sync_down(
         wanted = wanted[-1:]
     for c in wanted:
         is_dir = c.name not in listing
-        manifest_rel = _manifest_rel(c, is_dir)
+        manifest_rel = manifest_rel_path(c, is_dir)
         own = {p.removeprefix(remote.run_dir.rstrip("/") + "/") for p in c.paths}
         files = {
             rel: size
@@ -279,7 +279,7 @@ def sync_down(
                 )
             )
             continue
-        manifest = _remote_manifest(storage, manifest_rel) if manifest_rel in listing else None
+        manifest = remote_manifest(storage, manifest_rel) if manifest_rel in listing else None
         try:
             done = _download(storage, c, files, manifest, manifest_rel, dest_root, limit)
         except CkptError as error:
@@ -290,7 +290,7 @@ def sync_down(
         report.bytes_sent += done.bytes_sent
         if done.action == "downloaded":
             report.transferred.append(c.name)
-    for name in _ROOT_FILES:
+    for name in ROOT_FILES:
         if name in listing and listing[name] <= 16 << 20 and not (dest_root / name).exists():
             (dest_root / name).write_bytes(storage.read_all(name))
     storage.close()

@@ -21,16 +21,16 @@ from ...uri import parse_location
 from ..checksums import ChecksumManifest, FileDigest
 from ..prune import prune
 from ..retention import PrunePolicy
-from .model import SYNC_ALGORITHM, RateLimit, SyncedCheckpoint, SyncReport, _now_iso
+from .model import SYNC_ALGORITHM, RateLimit, SyncedCheckpoint, SyncReport, now_iso
 from .plan import (
-    _ROOT_FILES,
-    _late,
-    _local_files,
-    _manifest_rel,
-    _order,
-    _remote_etag,
-    _uploadable,
+    ROOT_FILES,
+    local_files,
+    manifest_rel_path,
+    remote_etag,
     s3_etag,
+    upload_order,
+    uploadable,
+    uploaded_late,
 )
 
 # --------------------------------------------------------------------------- up
@@ -99,9 +99,9 @@ class _Uploader:
 
     def sync(self, c: RunCheckpoint) -> SyncedCheckpoint:
         """Upload one complete checkpoint (what is missing of it), its manifest last."""
-        files = _local_files(self.run_root, c)
+        files = local_files(self.run_root, c)
         is_dir = Path(c.path).is_dir()
-        manifest_rel = _manifest_rel(c, is_dir)
+        manifest_rel = manifest_rel_path(c, is_dir)
         own_manifest: ChecksumManifest | None = None
         local_manifest = self.run_root / manifest_rel
         if is_dir and manifest_rel in files:
@@ -130,9 +130,9 @@ class _Uploader:
         digests: dict[str, FileDigest] = {}
         stamps = {rel: path.stat().st_mtime_ns for rel, path in files.items()}
         prefix = c.name if is_dir else None
-        ordered = _order(list(files))
-        data_files = [rel for rel in ordered if not _late(rel)]
-        markers = [rel for rel in ordered if _late(rel)]
+        ordered = upload_order(list(files))
+        data_files = [rel for rel in ordered if not uploaded_late(rel)]
+        markers = [rel for rel in ordered if uploaded_late(rel)]
 
         def upload(rel: str) -> None:
             digest, sent = self._upload_file(files[rel], rel, sizes[rel], new)
@@ -180,7 +180,7 @@ class _Uploader:
         else:
             record = ChecksumManifest(
                 algorithm=algo,
-                created=_now_iso(),
+                created=now_iso(),
                 tool=f"ckpt {__version__} sync",
                 format=None,
                 files=digests,
@@ -223,7 +223,7 @@ class _Uploader:
         existing = self.listing().get(rel)
         if existing is not None and int(existing.get("size") or 0) == size:
             digest, local_parts = self._hash_local(path, new)
-            if _remote_etag(existing) == s3_etag(local_parts, size):
+            if remote_etag(existing) == s3_etag(local_parts, size):
                 return digest, False
         hasher = new()
         parts: list[bytes] = []
@@ -293,7 +293,7 @@ class _Uploader:
                 path=f"{self.dest}/{rel}",
                 fix="Run the sync again; the object is re-sent.",
             )
-        if _remote_etag(info) == s3_etag(parts, size):
+        if remote_etag(info) == s3_etag(parts, size):
             return
         # no ETag we can compute (another store, other part sizes): read it back
         hasher = new()
@@ -316,7 +316,7 @@ class _Uploader:
             if path.is_file() and path.stat().st_size <= 16 << 20:
                 data = path.read_bytes()
                 existing = self.listing().get(name)
-                if existing is not None and _remote_etag(existing) == s3_etag(
+                if existing is not None and remote_etag(existing) == s3_etag(
                     [hashlib.md5(data).digest()]
                 ):
                     continue
@@ -344,7 +344,7 @@ def sync_up(
     report = SyncReport(source=src, dest=dest, direction="up")
     now = time.time()
     for c in run.checkpoints:
-        why = _uploadable(c, settle, now)
+        why = uploadable(c, settle, now)
         if why is not None:
             report.checkpoints.append(
                 SyncedCheckpoint(name=c.name, step=c.step, action="skipped", reason=why)
@@ -359,7 +359,7 @@ def sync_up(
         report.bytes_sent += done.bytes_sent
         if done.action == "uploaded":
             report.transferred.append(c.name)
-    uploader.copy_root_files([n for n in _ROOT_FILES if (run_root / n).is_file()])
+    uploader.copy_root_files([n for n in ROOT_FILES if (run_root / n).is_file()])
     if prune_policy is not None:
         # the remote side has one writer, this sync, which writes each save's markers last:
         # a fresh upload is complete the moment its manifest is there

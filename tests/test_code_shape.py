@@ -1,0 +1,235 @@
+"""The shape of the package's code (issue #26): no module reaches into another's private names.
+
+A name with a leading underscore is private to the module that defines it. A name another module
+needs is part of the defining module's interface and is public: `from .plan import extras`, not
+`from .plan import _extras`. These checks parse every module of `ckpt_cli/` with `ast` (nothing is
+imported) and list each place that breaks the rule, so a failure names the file and line to fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ckpt_cli"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _private(name: str) -> bool:
+    """`_name` is private; dunder names (`__version__`, `__all__`) are not."""
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _imported_from(node: ast.ImportFrom, path: Path) -> str:
+    """The absolute module an `ImportFrom` reads from (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package.pop()  # a module's relative imports start at its package
+    base = package[: len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def cross_module_private_uses(source: str, path: Path) -> list[str]:
+    """Each place in `source` (the module at `path`) that uses another `ckpt_cli` module's private
+    name: `from X import _name` (the package's `__init__` included) and `X._name` on an imported
+    module `X`."""
+    tree = ast.parse(source, str(path))
+    place = path.relative_to(PACKAGE.parent)
+    found: list[str] = []
+    modules: set[str] = set()  # local names bound to ckpt_cli modules (or names from them)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _imported_from(node, path)
+            if source.split(".")[0] != "ckpt_cli":
+                continue
+            for alias in node.names:
+                if _private(alias.name):
+                    found.append(f"{place}:{node.lineno}: from {source} import {alias.name}")
+                modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "ckpt_cli":
+                    modules.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and _private(node.attr)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+        ):
+            found.append(f"{place}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_the_scan_sees_private_imports_and_module_attributes() -> None:
+    # the checker itself, on a module written the way the rule forbids
+    source = (
+        "from __future__ import annotations\n"
+        "from ckpt_cli import dtypes\n"
+        "from ..runs import _UNMARKED, __doc__ as runs_doc\n"
+        "from .plan import _helper as helper\n"
+        "import ckpt_cli.sizes as sizes\n"
+        "import os\n"
+        "def f() -> object:\n"
+        "    return dtypes._TABLE, sizes._units, os._exit, runs_doc, dtypes.public, helper\n"
+    )
+    found = cross_module_private_uses(source, PACKAGE / "ops" / "probe.py")
+    assert found == [
+        "ckpt_cli/ops/probe.py:3: from ckpt_cli.runs import _UNMARKED",
+        "ckpt_cli/ops/probe.py:4: from ckpt_cli.ops.plan import _helper",
+        "ckpt_cli/ops/probe.py:8: dtypes._TABLE",
+        "ckpt_cli/ops/probe.py:8: sizes._units",
+    ]
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    found = [
+        use
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for use in cross_module_private_uses(path.read_text(), path)
+    ]
+    assert not found, "make these names public at their definition:\n" + "\n".join(found)
+
+
+def hub_url_parsing(source: str, path: Path) -> list[str]:
+    """Places in `source` that take an `hf://` URL apart (or build one) by hand: a literal
+    `"hf://"` or `"hf:"` in code. Text for people is not parsed: docstrings, f-strings, and a
+    search of a message's text (`"hf://" in error.fix`) are left alone."""
+    tree = ast.parse(source, str(path))
+    text: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            text.add(id(body[0].value))
+        if isinstance(node, ast.JoinedStr):
+            text.update(id(part) for part in ast.walk(node))
+        if (
+            isinstance(node, ast.Compare)
+            and isinstance(node.ops[0], ast.In | ast.NotIn)
+            and re.search(r"\b(fix|message)\b", ast.unparse(node.comparators[0]))
+        ):
+            text.add(id(node.left))
+    place = path.relative_to(PACKAGE.parent)
+    return [
+        f"{place}:{node.lineno}: {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and node.value in ("hf://", "hf:")
+        and id(node) not in text
+    ]
+
+
+def test_hub_urls_are_parsed_in_one_place() -> None:
+    # `uri.parse_location` / `is_hub_url` / `hub_url` / `with_hub_options` are the one parser
+    found = [
+        use
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "uri.py"
+        for use in hub_url_parsing(path.read_text(), path)
+    ]
+    assert not found, "use ckpt_cli.uri (is_hub_url, parse_location, hub_url):\n" + "\n".join(found)
+    probe = (
+        'def f(x, e):\n    """hf:// in a docstring"""\n'
+        '    return x.startswith("hf://"), "hf://" not in e.fix, x[len("hf:") :]\n'
+    )
+    assert hub_url_parsing(probe, PACKAGE / "probe.py") == [
+        "ckpt_cli/probe.py:3: 'hf://'",
+        "ckpt_cli/probe.py:3: 'hf:'",
+    ]
+
+
+#: at most this many functions over `COMPLEX` per thousand lines of code (issue #26)
+COMPLEXITY_BUDGET_PER_KLOC = 1.2
+COMPLEX = 15
+
+
+def cyclomatic_complexity(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """McCabe's number of a function, counted the way ruff's `C901` (mccabe) counts it: 1, plus
+    one per `if`/`elif`, loop, `except` clause and `case`; a function defined inside (a method
+    of a class defined inside too) adds one plus its own branch points. Expressions
+    (`and`/`or`, `x if c else y`, comprehensions, lambdas) add nothing."""
+    count = 1
+    stack: list[ast.AST] = list(ast.iter_child_nodes(function))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Lambda):
+            continue
+        if isinstance(
+            node,
+            ast.If
+            | ast.For
+            | ast.AsyncFor
+            | ast.While
+            | ast.ExceptHandler
+            | ast.match_case
+            | ast.FunctionDef
+            | ast.AsyncFunctionDef,
+        ):
+            count += 1
+        stack.extend(ast.iter_child_nodes(node))
+    return count
+
+
+def complex_functions(source: str, path: Path) -> list[tuple[int, str]]:
+    """(complexity, `file:line name`) of each function in `source` over `COMPLEX`."""
+    place = path.relative_to(PACKAGE.parent)
+    return [
+        (n, f"{place}:{node.lineno} {node.name}")
+        for node in ast.walk(ast.parse(source, str(path)))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and (n := cyclomatic_complexity(node)) > COMPLEX
+    ]
+
+
+def _code_lines(source: str) -> int:
+    """Lines that are neither blank nor only a comment."""
+    return sum(
+        1 for line in source.splitlines() if line.strip() and not line.lstrip().startswith("#")
+    )
+
+
+def test_the_complexity_counter_counts_branch_points() -> None:
+    source = (
+        "def f(xs, a, b):\n"
+        "    if a and b or not a:\n"  # +1 (the operators add nothing)
+        "        return [x for x in xs if x]\n"  # an expression: nothing
+        "    for x in xs:\n"  # +1
+        "        try:\n"
+        "            pass\n"
+        "        except ValueError:\n"  # +1
+        "            continue\n"
+        "        elif_ = 1 if x else 2\n"  # nothing
+        "    class Inner:\n"
+        "        def method(self, y):\n"  # +1, and its if +1
+        "            if y:\n"
+        "                return y\n"
+        "    return Inner\n"
+    )
+    function = ast.parse(source).body[0]
+    assert isinstance(function, ast.FunctionDef)
+    assert cyclomatic_complexity(function) == 1 + 1 + 1 + 1 + 2
+    assert complex_functions(source, PACKAGE / "x.py") == []
+
+
+def test_complex_functions_stay_within_the_budget() -> None:
+    found: list[tuple[int, str]] = []
+    lines = 0
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        lines += _code_lines(source)
+        found += complex_functions(source, path)
+    budget = COMPLEXITY_BUDGET_PER_KLOC * lines / 1000
+    worst = "\n".join(f"{n:3d}  {where}" for n, where in sorted(found, reverse=True))
+    assert len(found) <= budget, (
+        f"{len(found)} functions over complexity {COMPLEX} in {lines} lines of code "
+        f"(budget {budget:.0f}); extract well-named steps from the worst:\n{worst}"
+    )
