@@ -54,3 +54,23 @@ def test_the_docs_url_is_the_sites_own() -> None:
     # one base URL: the CLI's and the one mkdocs publishes the site under agree
     site_url = re.search(r"^site_url:\s*(\S+)\s*$", (REPO / "mkdocs.yml").read_text(), re.M)
     assert site_url is not None and site_url.group(1) == DOCS_URL
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readmes_links_reach_existing_pages_and_headings() -> None:
+    # mkdocs checks the links of docs/; the README is outside the site, so it is checked here
+    readme = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    local = [link for link in links if not link.startswith(("http://", "https://"))]
+    assert len(local) > 20
+    for link in local:
+        path, _, anchor = link.partition("#")
+        target = REPO / path if path else REPO / "README.md"
+        assert target.is_file(), f"README links to a missing {path}"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
+            assert anchor in {github_anchor(h) for h in headings}, f"no #{anchor} in {path}"
