@@ -295,11 +295,14 @@ def rewrite(example: Example, results: list[StepResult]) -> None:
 
 
 def build_demo(dest: Path) -> None:
-    """`make demo`'s checkpoints: build/demo/{model, checkpoint-4, run}."""
+    """`make demo`'s checkpoints: build/demo/{model, checkpoint-4, run}, written as `make demo`
+    writes them, from the folder above `build/` (the Trainer's `training_args.bin` records the
+    output folder as given, so its size, and the sizes the examples show, follow the path)."""
     subprocess.run(
-        [sys.executable, str(REPO / "examples" / "make_demo.py"), str(dest / "build" / "demo")],
+        [sys.executable, str(REPO / "examples" / "make_demo.py"), "build/demo"],
         check=True,
         capture_output=True,
+        cwd=dest,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
 
@@ -375,21 +378,37 @@ def build_fp8(dest: Path) -> None:
     index_path.write_text(json.dumps(index, indent=2))
 
 
+def torchrun_in(folder: Path, script: str, *args: str, timeout: int = 600) -> None:
+    """`torchrun --standalone --nproc-per-node 2 tests/SCRIPT ARGS` run in `folder`, so the
+    paths the saves record are the relative ones the examples show, whatever the temporary
+    folder is called."""
+    from .dist_helpers import require_torchrun_marker, torchrun_env
+
+    require_torchrun_marker()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.run(
+        [*launcher, "--nproc-per-node=2", str(REPO / "tests" / script), *args],
+        cwd=folder,
+        env=torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun {script} {args} failed:\n{proc.stdout}{proc.stderr}")
+
+
 def build_step_200(dest: Path) -> None:
     """`step-200/`: a DCP training save of 2 ranks under torchrun (model, AdamW state, a step
     counter, and per-rank RNG and data-loader state), by tests/reshard_worker.py."""
-    from .dist_helpers import run_torchrun
-
-    run_torchrun(REPO / "tests" / "reshard_worker.py", 2, "save", dest / "step-200")
+    torchrun_in(dest, "reshard_worker.py", "save", "step-200")
     (dest / "step-200.expected.pt").unlink()
 
 
 def build_trainer_fsdp(dest: Path) -> None:
     """`run/checkpoint-2/`: a transformers Trainer run with FSDP2 on 2 ranks (torchrun, CPU),
     saved by the Trainer's own code (tests/trainer_fsdp_script.py)."""
-    from .dist_helpers import run_torchrun
-
-    run_torchrun(REPO / "tests" / "trainer_fsdp_script.py", 2, "train", dest / "run", timeout=600)
+    torchrun_in(dest, "trainer_fsdp_script.py", "train", "run")
 
 
 def build_lora(dest: Path) -> None:
@@ -473,6 +492,57 @@ def build_hub(dest: Path) -> dict[str, str]:
     return {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0"}
 
 
+def build_s3(dest: Path) -> dict[str, str]:
+    """The demo (`build/demo/`), and an empty bucket `s3://bucket/` in moto's S3 server run as
+    its own process on 127.0.0.1 (its own state: other tests' moto servers never touch it); the
+    examples' environment points the AWS clients at it."""
+    import socket
+    import time
+
+    import boto3
+
+    build_demo(dest)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def stop() -> None:
+        server.terminate()
+        server.wait(timeout=30)
+
+    SERVICES.append(stop)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("moto's S3 server did not start") from None
+            time.sleep(0.2)
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "FSSPEC_S3_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket="bucket")
+    return env
+
+
 FIXTURES: dict[str, Callable[[Path], dict[str, str] | None]] = {
     "demo": build_demo,
     "empty": build_empty,
@@ -483,6 +553,7 @@ FIXTURES: dict[str, Callable[[Path], dict[str, str] | None]] = {
     "step-200": build_step_200,
     "trainer-fsdp": build_trainer_fsdp,
     "hub": build_hub,
+    "s3": build_s3,
     "lora": build_lora,
     "doctor-trainer": build_doctor_trainer,
     "doctor-dcp": build_doctor_dcp,
