@@ -16,7 +16,7 @@ PIP := $(PY) -m pip install -qqq --disable-pip-version-check
 # the fast loop: no framework fixtures, no torchrun launches, nothing marked slow
 FAST := not frameworks and not torchrun and not slow
 
-.PHONY: demo test test-fast lint typecheck pytest frameworks bench completions clean
+.PHONY: demo test test-fast lint typecheck docs pytest frameworks bench completions clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,7 +49,7 @@ demo: $(STAMP)
 	$(CKPT) verify $(DEMO)/model
 	$(CKPT) verify --resumable $(DEMO)/checkpoint-4
 
-test: $(STAMP) lint typecheck pytest
+test: $(STAMP) lint typecheck docs pytest
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check .
@@ -57,6 +57,10 @@ lint: $(DEV)
 
 typecheck: $(DEV)
 	$(VENV)/bin/mypy
+
+# the documentation site (docs/, mkdocs.yml) into build/site; strict: a broken link or anchor fails
+docs: $(DEV)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 pytest: $(FRAMEWORKS)
 	$(PY) -m pytest -q

@@ -13,7 +13,7 @@ all of them alike); the medians over `--rounds` rounds are compared. Candidates:
 * `ckpt verify DIR --checksums` as a real process, for a manifest of each algorithm (structure
   check and process start-up included), and `hashing.hash_files` in-process (the loop alone);
 * the same loop reading through `mmap` instead of `readinto` (what dropping the page-cache
-  copy would give; not what ckpt does, see the README's Performance section).
+  copy would give; not what ckpt does, see docs/performance.md).
 
 Run by hand (never in tests):  PYTHONPATH=. python bench/bench_checksums.py [--gb 1] [--dir D]
 """

@@ -13,7 +13,7 @@ Measures, on this machine, in one run (wall time and peak RSS via /usr/bin/time)
 4. Raw copy strategies for one large byte range: buffered pread/write, `os.copy_file_range`,
    `os.sendfile` (best of 3 each).
 
-Prints a Markdown table of ratios for the README.
+Prints a Markdown table of ratios for docs/performance.md.
 """
 
 from __future__ import annotations

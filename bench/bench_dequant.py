@@ -14,7 +14,7 @@ two shards, then does the same work two ways, each in a fresh process, timed wit
 Both outputs are compared bit for bit. An MXFP4 (gpt-oss layout) checkpoint of the same size is
 dequantized by ckpt alone (torch 2.13's reader plans MXFP4 reads from the stored chunk sizes and
 fills one value per group through `dcp.load`, so there is no torch baseline to time).
-Prints a Markdown table for the README.
+Prints a Markdown table for docs/performance.md.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ On this machine, in one run, for a safetensors model of `--gb` GiB (64 float32 t
 Each is timed as one plain process (`python -m ckpt_cli`) and under
 `torchrun --standalone --nproc-per-node 1` and `--nproc-per-node N` (best of `--repeat`,
 page cache warm, `sync` before each so write-back of the previous step is not billed).
-Prints a Markdown table for the README.
+Prints a Markdown table for docs/performance.md.
 """
 
 from __future__ import annotations

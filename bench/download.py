@@ -9,7 +9,7 @@ Serves a sharded safetensors model (written by `save_torch_state_dict`) from the
 * `ckpt download --mode tensors` (the selected byte ranges only).
 
 Run by hand from the repository root:  PYTHONPATH=$PWD python bench/download.py [--mib 256]
-Prints a Markdown table for the README. Timing is for a loopback link: the byte ratios carry
+Prints a Markdown table for docs/performance.md. Timing is for a loopback link: the byte ratios carry
 over to real networks, the time ratios grow with a slower link.
 """
 

@@ -19,7 +19,7 @@ import typer.core
 import typer.models
 
 from . import __version__, faults
-from .conventions import CkptGroup, CkptTyper, T, hub_hint
+from .conventions import CkptGroup, CkptTyper, T, docs_url, hub_hint
 from .errors import CkptError, Interrupted, NotFoundError, ProblemsFound
 
 app = CkptTyper(
@@ -29,6 +29,7 @@ app = CkptTyper(
         "Inspect, verify, convert, reshard, prune, download and diff sharded and resumable "
         "training checkpoints (safetensors, PyTorch DCP, torch.save, Hugging Face Hub)."
     ),
+    epilog=f"Documentation: {docs_url()}",
     no_args_is_help=True,
     add_completion=True,
     # plain click help: no width-dependent boxes, real metavars (SRC, GLOB), flags shown bare

@@ -399,6 +399,22 @@ class CkptCommand(typer.core.TyperCommand):
                 formatter.write_dl(options)
 
 
+#: where the documentation site is published (docs/, built by mkdocs); the one place the CLI
+#: names it: `ckpt --help` ends with it, and every command's help with its own page
+DOCS_URL = "https://ckpt-dev.github.io/ckpt/"
+
+
+def docs_url(page: str = "") -> str:
+    """The published URL of a docs page, `page` being its path under docs/ without `.md`
+    (mkdocs serves `docs/commands/inspect.md` as `commands/inspect/`)."""
+    return DOCS_URL + (f"{page}/" if page else "")
+
+
+def command_docs_url(command: str) -> str:
+    """The URL of a command's page, `docs/commands/COMMAND.md`."""
+    return docs_url(f"commands/{command}")
+
+
 class CkptTyper(typer.Typer):
     """A Typer whose commands all get the conventions above, including ones added later."""
 
@@ -406,11 +422,17 @@ class CkptTyper(typer.Typer):
         self, *args: Any, **kwargs: Any
     ) -> Callable[[Callable[..., T]], Callable[..., T]]:
         kwargs.setdefault("cls", CkptCommand)
-        register = super().command(*args, **kwargs)
-
         name = args[0] if args and isinstance(args[0], str) else kwargs.get("name")
 
         def decorator(function: Callable[..., T]) -> Callable[..., T]:
+            # every command's help ends with its documentation page, added here so that a
+            # command added later cannot forget it (tests/test_cli.py checks the page exists)
+            command_name = name or function.__name__.replace("_", "-")
+            epilog = kwargs.get("epilog")
+            link = f"Documentation: {command_docs_url(command_name)}"
+            register = super(CkptTyper, self).command(
+                *args, **{**kwargs, "epilog": f"{epilog}\n\n{link}" if epilog else link}
+            )
             register(_conventions(function, name))
             return function
 

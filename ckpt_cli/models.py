@@ -264,7 +264,7 @@ class Problem(BaseModel):
     """
 
     code: str = Field(
-        description="a code of the table in the README's verify section",
+        description="a code of the table in docs/commands/verify.md",
         json_schema_extra={"enum": _CODE_ENUM},
     )
     message: str

@@ -7,8 +7,8 @@ it as a problem with the same code, so error codes are problem codes too.
 
 `models.Problem` refuses a code that is not here, or a severity the code is not listed with: an
 unknown code is a bug (a new check whose code was not added), caught by the tests, which also scan
-the source for every code literal. The README's verify section is generated from this table:
-`python -m ckpt_cli.problems --markdown` prints it (the tests check the README is current).
+the source for every code literal. The code tables of docs/commands/verify.md are generated from this table:
+`python -m ckpt_cli.problems --markdown` prints it (the tests check docs/commands/verify.md is current).
 """
 
 from __future__ import annotations
@@ -314,7 +314,7 @@ def check(code: str, severity: str) -> Code:
     if entry is None:
         raise UnknownProblemCode(
             f"problem code {code!r} is not in the table of ckpt_cli/problems.py: add it to "
-            "CODES with its severity and meaning, then regenerate the README table with "
+            "CODES with its severity and meaning, then regenerate the docs/commands/verify.md table with "
             "`python -m ckpt_cli.problems --markdown`"
         )
     if severity not in entry.severities:
@@ -326,7 +326,7 @@ def check(code: str, severity: str) -> Code:
 
 
 def markdown() -> str:
-    """The README's tables of codes (problem codes, then error codes), in markdown."""
+    """The code tables of docs/commands/verify.md (problem codes, then error codes), in markdown."""
     lines = ["| code | severity | meaning |", "|---|---|---|"]
     errors = ["| code | meaning |", "|---|---|"]
     for entry in sorted(CODES.values(), key=lambda e: e.code):
@@ -343,11 +343,13 @@ def markdown() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ckpt_cli.problems --markdown`: print the README tables."""
+    """`python -m ckpt_cli.problems --markdown`: print the tables of docs/commands/verify.md."""
     import argparse  # only this entry point parses arguments
 
     parser = argparse.ArgumentParser(prog="python -m ckpt_cli.problems")
-    parser.add_argument("--markdown", action="store_true", help="print the README tables")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the tables of docs/commands/verify.md"
+    )
     args = parser.parse_args(argv)
     if args.markdown:
         sys.stdout.write(markdown())

@@ -1,5 +1,6 @@
-"""Build the bundled demo: a small sharded safetensors model written by huggingface_hub, and a
-Hugging Face Trainer-style `checkpoint-4/` from a tiny model really trained for four steps.
+"""Build the bundled demo: a small sharded safetensors model written by huggingface_hub, a
+Hugging Face Trainer-style `checkpoint-4/` from a tiny model really trained for four steps, and a
+run folder `run/` of that training saved every two steps, its last save interrupted.
 
 The Trainer folder holds the files transformers writes (`model.safetensors`, `optimizer.pt`,
 `scheduler.pt`, `rng_state.pth`, `trainer_state.json`, `training_args.bin`, `config.json`),
@@ -13,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +172,23 @@ def save_trainer_checkpoint(run_dir: Path, steps: int = 4, seed: int = 42) -> Pa
     return out
 
 
+def save_demo_run(run_dir: Path, now: float | None = None) -> Path:
+    """A Trainer run folder: `checkpoint-{2,4,6}` complete, `checkpoint-8` interrupted before
+    the Trainer wrote its `trainer_state.json` (it writes it last). The saves are dated an hour
+    apart, the newest an hour ago, so the run reads as one that stopped, not one still writing
+    (`ckpt prune` never touches a save modified in the last two minutes)."""
+    now = time.time() if now is None else now
+    for steps in (2, 4, 6, 8):
+        folder = save_trainer_checkpoint(run_dir, steps=steps)
+        if steps == 8:
+            (folder / "trainer_state.json").unlink()
+        saved_at = now - (10 - steps) / 2 * 3600
+        for path in folder.iterdir():
+            os.utime(path, (saved_at, saved_at))
+        os.utime(folder, (saved_at, saved_at))
+    return run_dir
+
+
 def main() -> None:
     dest = Path(sys.argv[1] if len(sys.argv) > 1 else "build/demo")
     model_dir = dest / "model"
@@ -176,6 +196,7 @@ def main() -> None:
     save_torch_state_dict(tiny_transformer_state(), model_dir, max_shard_size="100KB")
     print(f"wrote {model_dir}")
     print(f"wrote {save_trainer_checkpoint(dest)}")
+    print(f"wrote {save_demo_run(dest / 'run')}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""One table of every code ckpt reports (issue #14 §1): the source, the model, the README and
+"""One table of every code ckpt reports (issue #14 §1): the source, the model, the docs and
 the JSON schema all agree with `ckpt_cli/problems.py`."""
 
 from __future__ import annotations
@@ -108,13 +108,12 @@ def test_a_problem_at_a_severity_its_code_is_not_listed_with_is_refused() -> Non
         assert Problem(code="missing_rng", message="m", severity=severity).severity == severity
 
 
-def test_the_readme_verify_section_lists_exactly_the_table() -> None:
-    readme = (REPO / "README.md").read_text()
-    verify = readme[readme.index("## `ckpt verify`") : readme.index("## `ckpt convert`")]
-    assert BEGIN in verify and END in verify, "the verify section has no generated code table"
+def test_the_verify_page_lists_exactly_the_table() -> None:
+    verify = (REPO / "docs" / "commands" / "verify.md").read_text()
+    assert BEGIN in verify and END in verify, "the verify page has no generated code table"
     generated = verify[verify.index(BEGIN) + len(BEGIN) : verify.index(END)].strip("\n") + "\n"
     assert generated == markdown(), (
-        "README's problem-code table is stale: replace it with "
+        "docs/commands/verify.md's problem-code table is stale: replace it with "
         "`python -m ckpt_cli.problems --markdown`"
     )
     rows = re.findall(r"^\| `([a-z0-9_]+)` \|(.*)\|$", generated, re.M)
@@ -123,7 +122,7 @@ def test_the_readme_verify_section_lists_exactly_the_table() -> None:
         assert CODES[code].meaning.replace("|", "\\|") in rest
 
 
-def test_python_m_ckpt_cli_problems_prints_the_readme_tables() -> None:
+def test_python_m_ckpt_cli_problems_prints_the_docs_tables() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "ckpt_cli.problems", "--markdown"],
         cwd=REPO,

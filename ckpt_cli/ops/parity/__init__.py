@@ -20,7 +20,7 @@ Layout (the parity manifest records every parameter, so a reader needs nothing e
   and the same for the parity shares.
 
 Codec: liberasurecode's ISA-L Cauchy Reed–Solomon through `pyeclib` (measured against zfec in
-bench/bench_erasure.py; see the README). pyeclib wraps every fragment in a fixed 80-byte header
+bench/bench_erasure.py; see docs/parity.md). pyeclib wraps every fragment in a fixed 80-byte header
 that depends only on the code and the fragment length, never on the content, so the parity
 files store raw payloads and the headers are regenerated from a zero stripe when decoding.
 
