@@ -7,6 +7,9 @@ they are permuted per head on the way (`RotaryPermute`); Qwen3 uses the halves l
 sides (plain renames) and adds per-head q/k RMSNorms; Qwen3-MoE stacks each layer's experts as
 `[E, F, D]` / `[E, D, F]` tensors natively and stores them one per expert in Hugging Face
 files. Each output is built from its own source tensor (or a box of it), one at a time.
+
+Llama 3 also maps to Megatron-Core's GPT names (`architectures.megatron`): a GPTModel built
+Llama-style is a `LlamaForCausalLM` with fused QKV and gate/up projections.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from .base import (
     TensorRule,
     one,
 )
+from .megatron import MEGATRON, MEGATRON_IGNORED, MEGATRON_RULES
+from .megatron import args_from_shapes as megatron_args_from_shapes
 
 TITAN = "torchtitan"
 
@@ -117,6 +122,9 @@ class _Decoder(Architecture):
 
     @classmethod
     def args_from_shapes(cls, shapes: Mapping[str, Sequence[int]], naming: str) -> ModelArgs:
+        if naming == MEGATRON:
+            return megatron_args_from_shapes(shapes)
+
         def shape(hf: str, native: str) -> Sequence[int] | None:
             return shapes.get(hf if naming == HF else native)
 
@@ -225,9 +233,15 @@ class Llama3(_Decoder):
             RotaryPermute(one(_Q[0]), one(_Q[1]), heads="n_heads"),
             RotaryPermute(one(_K[0]), one(_K[1]), heads="n_kv_heads"),
             *_renames(_DENSE_MLP),
-        ]
+        ],
+        # Megatron-Core's GPTModel built Llama-style (RMSNorm, SwiGLU, GQA, rotary, no bias)
+        MEGATRON: MEGATRON_RULES,
     }
-    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {HF: _HF_IGNORED, TITAN: _TITAN_IGNORED}
+    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {
+        HF: _HF_IGNORED,
+        TITAN: _TITAN_IGNORED,
+        MEGATRON: MEGATRON_IGNORED,
+    }
 
 
 class Qwen3(_Decoder):
