@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -439,6 +439,10 @@ class Architecture(ABC):
             `recognise` to claim a checkpoint (what tells this family from its relatives,
             e.g. Qwen3's q/k norms).
         excluders: naming -> patterns whose presence says the checkpoint is not this family.
+        tied: naming -> (embedding name, output projection name): with `tie_embeddings`, the
+            HF naming stores no output projection (an export drops it, as torchtitan's own
+            `to_hf` does) and a native one holds it as a copy of the embedding (an import
+            writes it from the embedding's bytes).
     """
 
     name: ClassVar[str]
@@ -448,6 +452,7 @@ class Architecture(ABC):
     ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {}
     markers: ClassVar[Mapping[str, Sequence[str]]] = {}
     excluders: ClassVar[Mapping[str, Sequence[str]]] = {}
+    tied: ClassVar[Mapping[str, tuple[str, str]]] = {}
 
     @classmethod
     def namings(cls) -> tuple[str, ...]:
@@ -583,4 +588,33 @@ class Architecture(ABC):
                 outputs += rule.plan(matches, direction, args, cls.title)
         # source order: an output goes where its first piece was
         outputs.sort(key=lambda t: min(order[s] for s in t.sources))
+        if args.tie_embeddings and HF in cls.tied and native in cls.tied:
+            outputs = cls._tie(outputs, direction, native, left_out)
         return ArchitecturePlan(cls.name, source, target, outputs, left_out, args)
+
+    @classmethod
+    def _tie(
+        cls,
+        outputs: list[MappedTensor],
+        direction: Direction,
+        native: str,
+        left_out: list[tuple[str, str]],
+    ) -> list[MappedTensor]:
+        """Tied embeddings: drop the output projection on the way to HF; rebuild it from
+        the embedding on the way from HF when the HF files hold none."""
+        if direction == "to_hf":
+            _, head = cls.tied[HF]
+            for tensor in outputs:
+                if tensor.name == head:
+                    left_out.append(
+                        (tensor.pieces[0].source, "tied to the embedding (tie_word_embeddings)")
+                    )
+            return [t for t in outputs if t.name != head]
+        embed, head = cls.tied[native]
+        if any(t.name == head for t in outputs):
+            return outputs
+        source = next((t for t in outputs if t.name == embed), None)
+        if source is None:
+            return outputs
+        copy = replace(source, name=head, transform="tie-copy")
+        return [*outputs, copy]

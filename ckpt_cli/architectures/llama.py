@@ -117,6 +117,11 @@ def _rope_from_config(config: Mapping[str, Any]) -> tuple[float | None, dict[str
 class _Decoder(Architecture):
     """What Llama 3 and Qwen3 share: shapes -> args, config.json <-> args."""
 
+    tied: ClassVar[Mapping[str, tuple[str, str]]] = {
+        HF: (_COMMON[0][0], _COMMON[-1][0]),
+        TITAN: (_COMMON[0][1], _COMMON[-1][1]),
+    }
+
     hf_architecture: ClassVar[str]
     hf_model_type: ClassVar[str]
 
@@ -142,7 +147,9 @@ class _Decoder(Architecture):
             "n_layers": _count_layers(shapes, naming),
             "ffn_dim": gate[0] if gate else None,
             "head_dim": head_dim,
-            "tie_embeddings": shape(*_COMMON[-1]) is None if embed else None,
+            # a saved lm_head may still be the embedding's twin (torchtitan saves both names):
+            # only config.json tells; an absent one is tied for sure
+            "tie_embeddings": True if embed and shape(*_COMMON[-1]) is None else None,
         }
         if head_dim and q and k:
             values["n_heads"] = q[0] // head_dim

@@ -6,6 +6,7 @@ The work is `ops.transfer`'s pipeline; this module turns the command's options i
 
 from __future__ import annotations
 
+import json
 from pathlib import PurePath
 from typing import Any
 
@@ -23,6 +24,7 @@ from ..output import Destination, resolve_destination
 from ..progress import NULL_PROGRESS, Progress
 from ..quant import QuantAnalysis
 from ..sizes import parse_size
+from .architecture import ArchitectureReport, default_select, map_plan, naming_format, source_config
 from .convert_plan import (
     NO_COMPRESSION,
     check_shard_size,
@@ -141,6 +143,7 @@ class ConvertReport(BaseModel):
     config_written: str | None = None
     config_source: str | None = None
     extras: list[str] = Field(default_factory=list)
+    architecture: ArchitectureReport | None = None
 
 
 def _unreadable_components(
@@ -211,7 +214,10 @@ def convert(
         src: checkpoint file, folder or URL.
         dest: output file or folder, local or an fsspec URL such as `s3://bucket/prefix`
             (refused if it exists, unless `force`).
-        to: target format token (`safetensors`, `dcp`, `torch`).
+        to: target format token (`safetensors`, `dcp`, `torch`), or a framework naming:
+            `hf` (Hugging Face safetensors shards, names and `config.json` that
+            `from_pretrained` loads) or `torchtitan` (a DCP save torchtitan loads, model only);
+            the model's family is recognised from its tensor names (`ops.architecture`).
         format: read `src` as this format instead of detecting it.
         max_shard_size: split the output into shards of at most this size (`5GB`, bytes).
         dtype: cast floating tensors (`bf16`, `fp16`, `fp32`); integer/bool tensors untouched.
@@ -233,6 +239,7 @@ def convert(
             file, a model folder or `hf://org/model` (an FSDP Trainer checkpoint has none,
             and `from_pretrained` needs one).
     """
+    to, naming = naming_format(to)
     target = check_target(
         to, serialization=dcp_serialization, compression=dcp_compression, world_size=world_size
     )
@@ -242,7 +249,7 @@ def convert(
     cast = dtypes.parse_user_dtype(dtype) if dtype else None
     rename_pairs = parse_renames(renames)
     guard_paths(src, dest_path)
-    if format is None:
+    if format is None and naming is None:
         from .components import component_source, components_of
 
         found = components_of(src)
@@ -278,6 +285,12 @@ def convert(
             if sub is not None:
                 return convert_component(sub, dest, to, request, progress)
     single_file, basename = output_layout(target, dest_path, shard_size)
+    if single_file and naming is not None:
+        raise UsageError(
+            f"--to {naming} writes a folder (weights, index and config.json), not one file",
+            path=str(dest_path),
+            fix="Name a folder as DEST.",
+        )
     given_config: tuple[bytes, str] | None = None
     if config is not None:
         if single_file:
@@ -294,6 +307,8 @@ def convert(
             )
         given_config = read_config(config)
     opened = open_source(src, format)
+    if naming is not None:
+        select = default_select(opened, select)
     with opened.checkpoint as base:
         from ..quant import analyse_checkpoint
 
@@ -301,7 +316,23 @@ def convert(
         checkpoint, dequantized = _readable(base, analysis, src, dequantize, cast)
         manifest = checkpoint.manifest
         plan = _plan(opened, manifest, target, select, include, exclude, rename_pairs, cast)
-        kept = 0 if dequantize else keep_quantized(plan, analysis)
+        origins: dict[str, str] = {}
+        architecture: ArchitectureReport | None = None
+        naming_config: bytes | None = None
+        if naming is not None:
+            known = json.loads(given_config[0]) if given_config else source_config(base.storage)
+            mapped = map_plan(
+                checkpoint,
+                plan,
+                naming,
+                config=known,
+                cast=cast,
+                keep_objects=target.holds_objects,
+                dedupe_tied=target.dedupes_tied,
+            )
+            checkpoint, plan, origins = mapped.checkpoint, mapped.plan, mapped.origins
+            architecture, naming_config = mapped.report, mapped.config
+        kept = 0 if dequantize or naming else keep_quantized(plan, analysis)
         _unreadable_components(opened.unreadable, plan.skipped, select, include, exclude)
         options = WriteOptions(
             max_shard_size=shard_size,
@@ -318,19 +349,24 @@ def convert(
         if given_config is not None:
             carried = [rel for rel in carried if rel != "config.json"]
             options.companions["config.json"] = given_config[0]
-        elif not single_file:
+        elif naming_config is not None:
+            # the config of the mapped model, built from its args (or the source's own)
+            carried = [rel for rel in carried if rel != "config.json"]
+            options.companions["config.json"] = naming_config
+        elif not single_file and naming is None:
             missing = missing_config_warning(opened, target.name, select, carried, str(dest_path))
             if missing is not None:
                 warnings.append(missing)
         # a Megatron-Core torch_dist source stays one (its common.pt + metadata.json)
-        megatron_files = keep_megatron_layout(checkpoint, plan, target.name)
-        if not single_file and target.shards_by_size and format is None:
+        megatron_files = [] if naming else keep_megatron_layout(checkpoint, plan, target.name)
+        if not single_file and target.shards_by_size and format is None and naming is None:
             # keep the source library's file names (adapter_model, diffusion_pytorch_model...)
             from ..layouts.model_folders import apply_naming
 
             apply_naming(src, to, options)
         if dry_run:  # after the naming: a dry run lists the files the real run writes
-            return _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
+            report = _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
+            return _with_origins(report, origins, architecture)
         if analysis.quantized and not dequantize:
             renamed = {i.source.name: i.target.name for i in plan.items}
             options.together = [
@@ -343,7 +379,7 @@ def convert(
             checkpoint, plan, carried, single_file=single_file, listed=opened.listed_files
         )
         config_written = None
-        if given_config is not None:
+        if given_config is not None or naming_config is not None:
             config_written = str(PurePath(str(dest_path)) / "config.json")
         if dequantize and not single_file:
             # published with the weights (a companion), never the source's quantized config
@@ -363,6 +399,7 @@ def convert(
             extras=carried,
         )
     tensors = [w for w in written if w.kind == "tensor"]
+    written = [w.model_copy(update={"source": origins.get(w.source, w.source)}) for w in written]
     return ConvertReport(
         source=manifest.location,
         source_format=manifest.format,
@@ -391,6 +428,22 @@ def convert(
         config_source=given_config[1] if given_config is not None else None,
         extras=carried,
         warnings=warnings + output_warnings(target, dcp_serialization),
+        architecture=architecture,
+    )
+
+
+def _with_origins(
+    report: ConvertReport, origins: dict[str, str], architecture: ArchitectureReport | None
+) -> ConvertReport:
+    """A dry run's report with each entry's source as the source names it is built from."""
+    if not origins:
+        return report
+    entries = [
+        e.model_copy(update={"source": origins.get(e.source, e.source)}) for e in report.entries
+    ]
+    renamed = sum(1 for e in entries if e.name != e.source)
+    return report.model_copy(
+        update={"entries": entries, "renamed": renamed, "architecture": architecture}
     )
 
 

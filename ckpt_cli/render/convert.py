@@ -43,7 +43,8 @@ def render_convert(report: ConvertReport) -> None:
             f"  --dtype applies to unquantized tensors: {report.quantized_kept} quantized "
             "weights and scales kept as stored (use --dequantize to convert them)"
         )
-    if report.config_written:
+    render_architecture(report)
+    if report.config_written and report.architecture is None and report.config_source is None:
         stdout.print("  config.json written without its quantization section")
     stdout.print("  [green]structure checked before publishing[/]")
     if report.extras:
@@ -86,14 +87,30 @@ def render_plan(report: ConvertReport) -> None:
         f"({report.source_format})[/]"
     )
     stdout.print(f"  {report.tensors} tensors, {human_bytes(report.tensor_bytes)}")
+    render_architecture(report)
     for f in report.files:
         size = human_bytes(f.size) if f.size is not None else "size decided when written"
         stdout.print(f"  file  {f.path}  {size}  ({f.entries} entries)", markup=False)
+    how = {m.name: m.transform for m in report.architecture.mapped} if report.architecture else {}
     for e in report.entries:
         shape = "[" + ", ".join(str(d) for d in e.shape) + "]"
-        renamed = f"  (from {e.source})" if e.source != e.name else ""
+        transform = how.get(e.name, "rename")
+        renamed = f"  ({transform} from {e.source})" if e.source != e.name else ""
         stdout.print(
             f"  entry {e.name}  {e.dtype or e.kind}  {shape}  {human_bytes(e.nbytes)}{renamed}",
             markup=False,
         )
     stdout.print("  nothing was written (--dry-run)")
+
+
+def render_architecture(report: ConvertReport) -> None:
+    """The family and namings of a `--to hf` / `--to torchtitan` conversion, and its transforms."""
+    arch = report.architecture
+    if arch is None:
+        return
+    counts = ", ".join(f"{n} {t}" for t, n in arch.transforms.items())
+    stdout.print(
+        f"  {arch.architecture}: {arch.source_naming} names -> {arch.target_naming} names "
+        f"({counts})",
+        highlight=False,
+    )

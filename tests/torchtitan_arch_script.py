@@ -1,0 +1,251 @@
+"""torchtitan 0.3.0 models (Llama 3 GQA, Qwen3, Qwen3-MoE) saved and loaded with torchtitan's
+own code on CPU, for the architecture tests (`ckpt convert --to hf / --to torchtitan`).
+
+Run in its own process (torchtitan's imports are heavy and register hooks):
+
+    python tests/torchtitan_arch_script.py save FAMILY RUN OUT
+        builds a tiny FAMILY model (seed 0), takes one AdamW step, saves RUN/checkpoint/step-1
+        with `CheckpointManager.save` (model, optimizer, scheduler, data loader, train state)
+        and writes into OUT: `config.json` (the same model as a transformers config),
+        `logits.pt` (torchtitan's forward on `IDS`) and `to_hf.safetensors` (torchtitan's own
+        `StateDictAdapter.to_hf` of the model's state dict: the bytes an export must equal)
+    python tests/torchtitan_arch_script.py load FAMILY RUN OUT
+        builds a fresh FAMILY model (seed 1), restores RUN/checkpoint/step-0 with
+        `CheckpointManager.load(step=0)` (torchtitan's model-only load of a converted model),
+        writes `OUT/loaded_logits.pt`, then takes one training step and writes
+        `OUT/trained.pt` (the loss and whether every parameter moved)
+
+FAMILY is `llama3` (dim 32, 4 heads over 2 KV heads, llama3 rope scaling), `qwen3` (q/k norms)
+or `qwen3-moe` (4 experts, top 2). Attention is SDPA (the stock backends are flex / varlen).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from torchtitan_writer import Tokens, TrainState  # noqa: E402
+
+VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM, LAYERS, FFN, SEQ = 64, 32, 4, 2, 8, 2, 64, 64
+EXPERTS, TOP_K, MOE_FFN = 4, 2, 16
+#: the fixed input ids every forward is judged on
+IDS = torch.arange(12).reshape(2, 6) * 5 % VOCAB
+
+
+def _sdpa(layers: list[Any]) -> list[Any]:
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return layers
+
+
+def model_config(family: str) -> Any:
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
+
+    if family == "llama3":
+        import torchtitan.models.llama3 as llama3
+
+        return llama3.Llama3Model.Config(
+            dim=DIM,
+            vocab_size=VOCAB,
+            tok_embeddings=Embedding.Config(
+                num_embeddings=VOCAB, embedding_dim=DIM, param_init=llama3._EMBEDDING_INIT
+            ),
+            norm=RMSNorm.Config(normalized_shape=DIM, param_init=llama3._NORM_INIT),
+            lm_head=Linear.Config(
+                in_features=DIM, out_features=VOCAB, param_init=llama3._output_linear_init(DIM)
+            ),
+            layers=_sdpa(
+                llama3._build_llama3_layers(
+                    fuse_qkv=True,
+                    n_layers=LAYERS,
+                    dim=DIM,
+                    n_heads=HEADS,
+                    n_kv_heads=KV_HEADS,
+                    hidden_dim=FFN,
+                    rope=ComplexRoPE.Config(
+                        dim=HEAD_DIM, max_seq_len=SEQ, theta=500000, scaling="llama"
+                    ),
+                    attn_backend="flex",
+                )
+            ),
+        )
+    import torchtitan.models.qwen3 as qwen3
+
+    common = {
+        "n_layers": LAYERS,
+        "dim": DIM,
+        "n_heads": HEADS,
+        "n_kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "attn_backend": "flex",
+        "rope": CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=SEQ, theta=1000000.0),
+    }
+    if family == "qwen3":
+        layers = qwen3._build_qwen3_layers(hidden_dim=FFN, **common)
+    else:
+        layers = qwen3._build_qwen3_moe_layers(
+            moe_hidden_dim=MOE_FFN,
+            num_experts=EXPERTS,
+            top_k=TOP_K,
+            moe_comm_backend="standard",
+            **common,
+        )
+    return qwen3.Qwen3Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        norm=qwen3._qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=DIM, param_init=qwen3._EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
+        layers=_sdpa(layers),
+    )
+
+
+def hf_config(family: str) -> dict[str, Any]:
+    """The same model as transformers builds it."""
+    import transformers
+
+    common: dict[str, Any] = {
+        "hidden_size": DIM,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": SEQ,
+        "tie_word_embeddings": False,
+    }
+    config: Any
+    if family == "llama3":
+        config = transformers.LlamaConfig(
+            intermediate_size=FFN,
+            rms_norm_eps=1e-5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            **common,
+        )
+        config.architectures = ["LlamaForCausalLM"]
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(
+            intermediate_size=FFN,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            **common,
+        )
+        config.architectures = ["Qwen3ForCausalLM"]
+    else:
+        config = transformers.Qwen3MoeConfig(
+            intermediate_size=FFN,
+            moe_intermediate_size=MOE_FFN,
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            norm_topk_prob=True,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            **common,
+        )
+        config.architectures = ["Qwen3MoeForCausalLM"]
+    out: dict[str, Any] = json.loads(config.to_json_string())
+    return out
+
+
+def adapter(family: str, config: Any) -> Any:
+    if family == "llama3":
+        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+        return Llama3StateDictAdapter(config, None)
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    return Qwen3StateDictAdapter(config, None)
+
+
+def build(family: str, run: Path, seed: int) -> tuple[Any, Any, Any]:
+    """model, optimizers, checkpoint manager."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    torch.manual_seed(seed)
+    model = model_config(family).build()
+    model.init_weights(buffer_device=None)
+    optimizers = default_adamw(lr=8e-4).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(
+        warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
+    ).build(optimizers=optimizers, training_steps=10)
+    loader = ParallelAwareDataloader(Tokens(), dp_rank=0, dp_world_size=1, batch_size=2)
+    manager = CheckpointManager.Config(
+        enable=True, folder="checkpoint", interval=1, keep_latest_k=0, last_save_model_only=False
+    ).build(
+        dataloader=loader,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": TrainState()},
+        sd_adapter=None,
+        base_folder=str(run),
+    )
+    return model, optimizers, manager
+
+
+def train_step(model: Any, optimizers: Any) -> float:
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    optimizers.step()
+    optimizers.zero_grad()
+    return float(loss)
+
+
+def save(family: str, run: Path, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    model, optimizers, manager = build(family, run, seed=0)
+    train_step(model, optimizers)
+    manager.save(curr_step=1)
+    manager.close()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(family), indent=2))
+    with torch.no_grad():
+        torch.save(model(IDS), out / "logits.pt")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    hf = adapter(family, model_config(family)).to_hf(state)
+    save_file({k: v.contiguous() for k, v in hf.items()}, out / "to_hf.safetensors")
+
+
+def load(family: str, run: Path, out: Path) -> None:
+    model, optimizers, manager = build(family, run, seed=1)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert manager.load(step=0), f"no checkpoint step-0 under {run}"
+    manager.close()
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        torch.save(model(IDS), out / "loaded_logits.pt")
+    torch.save(loaded, out / "loaded_state.pt")
+    loss = train_step(model, optimizers)
+    moved = all(not torch.equal(v, loaded[k]) for k, v in model.named_parameters())
+    restored = any(not torch.equal(before[k], loaded[k]) for k in loaded)
+    torch.save({"loss": loss, "moved": moved, "restored": restored}, out / "trained.pt")
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")
+    mode, family, run, out = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+    (save if mode == "save" else load)(family, run, out)
