@@ -4,12 +4,12 @@ output) saved and loaded with megatron-core's own `dist_checkpointing`, on CPU w
 Modes (run under `torchrun`, any number of ranks = the tensor-parallel size, or as one process
 with a free port as the last argument):
 
-- `save DIR`: build the model (seeded), save `model.sharded_state_dict()` plus the common state
-  Megatron-LM keeps (`iteration`, `checkpoint_version`, `args` as an `argparse.Namespace` with
-  Megatron-LM's argument names) to DIR, and write DIR.logits.pt: the forward's logits on
+- `save DIR`: build the model (seeded), save `{"model": model.sharded_state_dict()}` plus the
+  common state Megatron-LM's `save_checkpoint` keeps (`iteration`, `checkpoint_version`,
+  `args` as an `argparse.Namespace` with Megatron-LM's argument names) to DIR, and write DIR.logits.pt: the forward's logits on
   `INPUT_IDS`.
 - `load DIR OUT`: build a fresh model (a different seed), `dist_checkpointing.load` DIR into
-  it, write OUT.logits.pt (its logits on `INPUT_IDS`), then run one training step (SGD on the
+  it (`{"model": model.sharded_state_dict()}`, as Megatron-LM's `load_checkpoint` asks), write OUT.logits.pt (its logits on `INPUT_IDS`), then run one training step (SGD on the
   next-token loss) and write OUT.step.pt: the loss and whether every parameter moved and
   stayed finite.
 
@@ -145,16 +145,21 @@ def main() -> None:
         model.eval()
         with torch.no_grad():
             logits = forward(model, ids)
-        state: dict[str, Any] = model.sharded_state_dict()
-        state.update(iteration=7, checkpoint_version=3.0, args=megatron_args())
+        # the shape of Megatron-LM's save_checkpoint state: the model under "model"
+        state: dict[str, Any] = {
+            "model": model.sharded_state_dict(),
+            "iteration": 7,
+            "checkpoint_version": 3.0,
+            "args": megatron_args(),
+        }
         os.makedirs(args[1], exist_ok=True)
         dist_checkpointing.save(state, args[1])
         if rank == 0:
             torch.save(logits, f"{args[1]}.logits.pt")
     else:
         model = build_model(seed=99)
-        loaded = dist_checkpointing.load(model.sharded_state_dict(), args[1])
-        model.load_state_dict(loaded)
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, args[1])
+        model.load_state_dict(loaded["model"])
         model.eval()
         with torch.no_grad():
             logits = forward(model, ids)

@@ -422,6 +422,21 @@ class ArchitecturePlan:
     args: ModelArgs = field(default_factory=ModelArgs)
 
 
+@dataclass
+class NamingOutput:
+    """What an output in a naming holds beside the mapped tensors.
+
+    Attributes:
+        files: small files published with the weights (relative path -> bytes): Megatron's
+            `common.pt` and `metadata.json`.
+        objects: non-tensor entries written with the tensors (name -> value): the per-layer
+            `_extra_state` objects Megatron-Core's load asks for.
+    """
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict)
+
+
 class Architecture(ABC):
     """A model family: its tensors under each naming it knows, and its Hugging Face config.
 
@@ -453,6 +468,19 @@ class Architecture(ABC):
     markers: ClassVar[Mapping[str, Sequence[str]]] = {}
     excluders: ClassVar[Mapping[str, Sequence[str]]] = {}
     tied: ClassVar[Mapping[str, tuple[str, str]]] = {}
+
+    @classmethod
+    def args_from_source(cls, checkpoint: Checkpoint, naming: str) -> ModelArgs:
+        """What a source in `naming` keeps about the model beside its tensors (Megatron-LM's
+        `args` in `common.pt`); nothing by default. What it cannot read stays unknown (a rule
+        needing it asks for --config); a model it reads and the naming cannot hold is refused
+        (FormatError)."""
+        return ModelArgs()
+
+    @classmethod
+    def naming_output(cls, naming: str, args: ModelArgs) -> NamingOutput:
+        """What an output in `naming` holds beside the tensors; nothing by default."""
+        return NamingOutput()
 
     @classmethod
     def namings(cls) -> tuple[str, ...]:

@@ -15,7 +15,7 @@ Llama-style is a `LlamaForCausalLM` with fused QKV and gate/up projections.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .base import (
     HF,
@@ -23,13 +23,19 @@ from .base import (
     Experts,
     Ignored,
     ModelArgs,
+    NamingOutput,
     Rename,
     RotaryPermute,
     TensorRule,
     one,
 )
 from .megatron import MEGATRON, MEGATRON_IGNORED, MEGATRON_RULES
+from .megatron import args_from_checkpoint as megatron_args_from_checkpoint
 from .megatron import args_from_shapes as megatron_args_from_shapes
+from .megatron import naming_output as megatron_output
+
+if TYPE_CHECKING:
+    from ..formats.base import Checkpoint
 
 TITAN = "torchtitan"
 
@@ -163,6 +169,18 @@ class _Decoder(Architecture):
             per = shapes.get(_MOE_EXPERTS[0][0].format(layer=0, expert=0))
             values["moe_ffn_dim"] = stacked[1] if stacked else per[0] if per else None
         return ModelArgs(**values)
+
+    @classmethod
+    def args_from_source(cls, checkpoint: Checkpoint, naming: str) -> ModelArgs:
+        if naming == MEGATRON:
+            return megatron_args_from_checkpoint(checkpoint)
+        return ModelArgs()
+
+    @classmethod
+    def naming_output(cls, naming: str, args: ModelArgs) -> NamingOutput:
+        if naming == MEGATRON:
+            return megatron_output(args, cls.title)
+        return NamingOutput()
 
     @classmethod
     def args_from_config(cls, config: Mapping[str, Any]) -> ModelArgs:

@@ -23,12 +23,16 @@ if TYPE_CHECKING:
 
 
 class MappedCheckpoint(Checkpoint):
-    """`base`'s tensors as `plan` maps them (names, transforms); nothing else of `base`."""
+    """`base`'s tensors as `plan` maps them (names, transforms); nothing else of `base` but
+    `objects`, the non-tensor entries the target naming holds of its own (name -> value)."""
 
-    def __init__(self, base: Checkpoint, plan: ArchitecturePlan):
+    def __init__(
+        self, base: Checkpoint, plan: ArchitecturePlan, objects: dict[str, Any] | None = None
+    ):
         self.base = base
         self.plan = plan
         self.mapped: dict[str, MappedTensor] = {t.name: t for t in plan.tensors}
+        self.objects = dict(objects or {})
         entries = []
         for tensor in plan.tensors:
             shape = list(tensor.shape)
@@ -46,6 +50,17 @@ class MappedCheckpoint(Checkpoint):
                     nbytes=dtypes.numel(shape) * dtypes.itemsize(tensor.dtype),
                 )
             )
+        for name, value in self.objects.items():
+            entries.append(
+                Entry(
+                    name=name,
+                    kind="object",
+                    dtype=None,
+                    shape=[],
+                    nbytes=0,
+                    py_type=type(value).__name__,
+                )
+            )
         manifest = base.manifest
         super().__init__(
             base.source,
@@ -60,13 +75,21 @@ class MappedCheckpoint(Checkpoint):
         )
 
     def _verbatim_source(self, name: str) -> str | None:
-        tensor = self.mapped[name]
-        return tensor.pieces[0].source if tensor.verbatim else None
+        tensor = self.mapped.get(name)  # None for the naming's own objects
+        return tensor.pieces[0].source if tensor is not None and tensor.verbatim else None
+
+    def files_of(self, name: str) -> set[str]:
+        tensor = self.mapped.get(name)
+        if tensor is None:
+            return set()  # the naming's own objects are read from no file
+        return {f for source in tensor.sources for f in self.base.files_of(source)}
 
     def read_tensor(self, name: str) -> torch.Tensor:
         return self.mapped[name].read(self.base)
 
     def read_object(self, name: str) -> Any:
+        if name in self.objects:
+            return self.objects[name]
         return self.base.read_object(name)
 
     def serves_raw(self, name: str) -> bool:

@@ -42,7 +42,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import FormatError
-from .base import Direction, Ignored, MappedTensor, Match, ModelArgs, Piece, Rename, TensorRule, one
+from .base import (
+    Direction,
+    Ignored,
+    MappedTensor,
+    Match,
+    ModelArgs,
+    NamingOutput,
+    Piece,
+    Rename,
+    TensorRule,
+    one,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +61,9 @@ if TYPE_CHECKING:
     from ..formats.base import Checkpoint
 
 MEGATRON = "megatron"
+#: the files `dist_checkpointing.save` writes beside the DCP ones
+MEGATRON_COMMON_PT = "common.pt"
+MEGATRON_METADATA = "metadata.json"
 
 #: what the fused tensor of a rule holds: `[q; k; v]` per group, `[gate; up]`, or one tensor
 Fused = Literal["one", "qkv", "gate_up"]
@@ -371,6 +385,41 @@ def common_pt(args: ModelArgs, family: str) -> bytes:
 def metadata_json() -> bytes:
     """`metadata.json` as `dist_checkpointing.save` writes it for the torch_dist backend."""
     return json.dumps(MEGATRON_METADATA_JSON).encode()
+
+
+def args_from_checkpoint(checkpoint: Checkpoint) -> ModelArgs:
+    """The model args of a Megatron save's `common.pt` `args` (Megatron-LM's arguments,
+    an `argparse.Namespace` or a dict), loaded with ckpt's restricted loader. Empty when the
+    save has none or they cannot be read safely: the rules needing them then ask for
+    --config. A model that is not Llama-style is refused (`args_from_megatron`)."""
+    from ..errors import CkptError
+    from ..formats.dcp.megatron import MEGATRON_COMMON
+    from ..formats.torch_load import InertObject, load_torch_file
+
+    storage = checkpoint.storage
+    if not storage.exists(MEGATRON_COMMON):
+        return ModelArgs()
+    try:
+        common, _ = load_torch_file(storage, MEGATRON_COMMON)
+    except CkptError:
+        return ModelArgs()
+    args = common.get("args") if isinstance(common, dict) else None
+    if isinstance(args, InertObject):
+        args = args.state
+    if not isinstance(args, dict):
+        return ModelArgs()
+    return args_from_megatron(args, storage.describe(MEGATRON_COMMON))
+
+
+def naming_output(args: ModelArgs, family: str) -> NamingOutput:
+    """What an import into the megatron naming writes beside the tensors: `common.pt`,
+    `metadata.json` and every layer's empty `_extra_state` (Megatron-Core stores a
+    ShardedObject's value as a one-element list)."""
+    layers = int(args.require("n_layers", family, "Megatron's load asks for every layer"))
+    return NamingOutput(
+        files={MEGATRON_COMMON_PT: common_pt(args, family), MEGATRON_METADATA: metadata_json()},
+        objects={name: [None] for name in extra_state_names(layers)},
+    )
 
 
 def extra_state_names(num_layers: int) -> list[str]:

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from ..architectures import HF, NAMING_FORMATS, get_architecture, recognise
-from ..architectures.base import Architecture, ArchitecturePlan, MappedTensor, ModelArgs
+from ..architectures.base import (
+    Architecture,
+    ArchitecturePlan,
+    MappedTensor,
+    ModelArgs,
+    NamingOutput,
+)
 from ..errors import FormatError
 from ..models import Manifest
 from .transfer import SkippedEntry, TransferPlan, plan_transfer
@@ -75,6 +81,8 @@ class MappedSource:
     plan: TransferPlan
     report: ArchitectureReport
     config: bytes | None
+    #: what the target naming holds beside the tensors (Megatron's common.pt, its objects)
+    output: NamingOutput = field(default_factory=NamingOutput)
     #: output name -> the source names it was read from (for the written entries' `source`)
     origins: dict[str, str] = field(default_factory=dict)
 
@@ -112,9 +120,11 @@ def _args(
     config: dict[str, Any] | None,
     dtype: str | None,
     where: str,
+    checkpoint: Checkpoint,
 ) -> ModelArgs:
-    """The args from the shapes, completed by `config` (which must agree with the shapes)."""
-    found = arch.args_from_shapes(shapes, naming)
+    """The args from the shapes and what the source keeps beside them (Megatron's `args`),
+    completed by `config` (which must agree with both)."""
+    found = arch.args_from_shapes(shapes, naming).merged(arch.args_from_source(checkpoint, naming))
     if config is None:
         return found.model_copy(update={"dtype": dtype})
     given = arch.args_from_config(config)
@@ -188,7 +198,7 @@ def map_plan(
     shapes = {i.target.name: list(i.source.shape) for i in tensors}
     dtypes = [i.source.dtype for i in tensors if i.source.dtype]
     dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
-    args = _args(arch, shapes, naming, config, dtype, where)
+    args = _args(arch, shapes, naming, config, dtype, where, checkpoint)
     mapping = arch.plan(
         [(i.target.name, list(i.source.shape), i.source.dtype or "") for i in tensors],
         naming,
@@ -210,7 +220,8 @@ def map_plan(
         mapping.left_out,
         args,
     )
-    mapped = MappedCheckpoint(checkpoint, sourced)
+    output = arch.naming_output(target, args)
+    mapped = MappedCheckpoint(checkpoint, sourced, output.objects)
     new_plan = plan_transfer(
         mapped.manifest, dtype=cast, keep_objects=keep_objects, dedupe_tied=dedupe_tied
     )
@@ -232,7 +243,7 @@ def map_plan(
         transforms=counts,
     )
     origins = {r.name: ",".join(r.sources) for r in records}
-    return MappedSource(mapped, new_plan, report, config_bytes, origins)
+    return MappedSource(mapped, new_plan, report, config_bytes, output, origins)
 
 
 def _record(tensor: MappedTensor) -> MappedRecord:

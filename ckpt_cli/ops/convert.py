@@ -319,6 +319,7 @@ def convert(
         origins: dict[str, str] = {}
         architecture: ArchitectureReport | None = None
         naming_config: bytes | None = None
+        naming_files: dict[str, bytes] = {}
         if naming is not None:
             known = json.loads(given_config[0]) if given_config else source_config(base.storage)
             mapped = map_plan(
@@ -332,6 +333,7 @@ def convert(
             )
             checkpoint, plan, origins = mapped.checkpoint, mapped.plan, mapped.origins
             architecture, naming_config = mapped.report, mapped.config
+            naming_files = mapped.output.files
         kept = 0 if dequantize or naming else keep_quantized(plan, analysis)
         _unreadable_components(opened.unreadable, plan.skipped, select, include, exclude)
         options = WriteOptions(
@@ -357,6 +359,9 @@ def convert(
             missing = missing_config_warning(opened, target.name, select, carried, str(dest_path))
             if missing is not None:
                 warnings.append(missing)
+        # what the target naming keeps beside the tensors (Megatron's common.pt...)
+        options.companions.update(naming_files)
+        carried = [rel for rel in carried if rel not in naming_files]
         # a Megatron-Core torch_dist source stays one (its common.pt + metadata.json)
         megatron_files = [] if naming else keep_megatron_layout(checkpoint, plan, target.name)
         if not single_file and target.shards_by_size and format is None and naming is None:
