@@ -15,7 +15,7 @@ with a free port as the last argument):
 
 megatron-core calls `torch.cuda.synchronize` / `torch.cuda.current_device` in its writer and
 builds its default causal mask on "cuda"; on a CPU-only machine the first two are stubbed here,
-in this subprocess only, and the mask is passed explicitly.
+in the script's own process only, and the mask is passed explicitly.
 """
 
 from __future__ import annotations
@@ -26,9 +26,6 @@ import sys
 from typing import Any
 
 import torch
-
-torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
-torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
 
 #: the model's dimensions (GQA: 4 query heads in 2 groups; head size 8)
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, MAX_POS = 2, 32, 4, 2, 48, 64, 64
@@ -126,6 +123,10 @@ def forward(model: Any, ids: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     import torch.distributed as dist
+
+    # this process only (the test imports this module for its constants)
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
 
     if "LOCAL_RANK" in os.environ:
         dist.init_process_group("gloo")
