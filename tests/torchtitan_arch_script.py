@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from torchtitan_writer import Tokens, TrainState  # noqa: E402
+from torchtitan_writer import Tokens, TrainState
 
 VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM, LAYERS, FFN, SEQ = 64, 32, 4, 2, 8, 2, 64, 64
 EXPERTS, TOP_K, MOE_FFN = 4, 2, 16
@@ -239,8 +239,9 @@ def load(family: str, run: Path, out: Path) -> None:
     with torch.no_grad():
         torch.save(model(IDS), out / "loaded_logits.pt")
     torch.save(loaded, out / "loaded_state.pt")
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
     loss = train_step(model, optimizers)
-    moved = all(not torch.equal(v, loaded[k]) for k, v in model.named_parameters())
+    moved = all(not torch.equal(v, params[k]) for k, v in model.named_parameters())
     restored = any(not torch.equal(before[k], loaded[k]) for k in loaded)
     torch.save({"loss": loss, "moved": moved, "restored": restored}, out / "trained.pt")
 

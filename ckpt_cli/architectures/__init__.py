@@ -13,6 +13,8 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pydantic import BaseModel
+
 from ..errors import FormatError, UsageError
 from .base import HF, NAMINGS, Architecture, ArchitecturePlan, MappedTensor, ModelArgs
 
@@ -25,9 +27,11 @@ __all__ = [
     "ArchitecturePlan",
     "MappedTensor",
     "ModelArgs",
+    "NamingInfo",
     "Recognised",
     "architectures",
     "get_architecture",
+    "naming_info",
     "recognise",
 ]
 
@@ -85,14 +89,16 @@ def recognise(names: Sequence[str], model_type: str | None = None) -> Recognised
 
 def unrecognised(names: Sequence[str], target: str, where: str) -> FormatError:
     """The error for a model no family claims, naming the closest family's unknown tensors."""
-    best: tuple[int, type[Architecture], str, list[str]] | None = None
+    best: tuple[tuple[int, bool], type[Architecture], str, list[str]] | None = None
     for arch in architectures():
         for naming in arch.namings():
             unknown, known = arch.covers(names, naming)
-            if best is None or len(known) > best[0]:
-                best = (len(known), arch, naming, unknown)
+            # most names known; a tie goes to the family whose markers are there
+            score = (len(known), arch.marked(names, naming))
+            if best is None or score > best[0]:
+                best = (score, arch, naming, unknown)
     detail = ""
-    if best is not None and best[0]:
+    if best is not None and best[0][0]:
         _, arch, naming, unknown = best
         shown = ", ".join(repr(n) for n in unknown[:3])
         detail = (
@@ -106,4 +112,32 @@ def unrecognised(names: Sequence[str], target: str, where: str) -> FormatError:
         fix=f"Known: {', '.join(REGISTRY)}. Use --select to pick the model's weights, "
         "--filter-out for tensors that are no weights, or --to safetensors / dcp to keep the "
         "names as they are.",
+    )
+
+
+class NamingInfo(BaseModel):
+    """Which model family a checkpoint's weights are and which framework names them
+    (`inspect`): what `convert --to hf` / `--to torchtitan` would map from.
+
+    Attributes:
+        architecture: the family token (`llama3`, `qwen3`, `qwen3-moe`).
+        title: the family's name for people (`Llama 3`).
+        naming: the naming its tensors are in (`hf`, `torchtitan`...).
+        component: the training component the weights were found in (`model`), if any.
+    """
+
+    architecture: str
+    title: str
+    naming: str
+    component: str | None = None
+
+
+def naming_info(names: Sequence[str], component: str | None = None) -> NamingInfo | None:
+    """The family and naming of a model's tensor names (names only, no torch)."""
+    found = recognise(names)
+    if found is None:
+        return None
+    arch = found.architecture
+    return NamingInfo(
+        architecture=arch.name, title=arch.title, naming=found.naming, component=component
     )

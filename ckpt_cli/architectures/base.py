@@ -133,8 +133,9 @@ class MappedTensor:
         name: the output name.
         shape / dtype: as written (dtype is the source's: a mapping never casts).
         pieces: the source tensors (or boxes) read, in order.
-        combine: `one` (the single piece as is), `concat` (along dim 0) or `stack` (a new
-            leading dim, experts).
+        combine: `one` (the single piece as is), `concat` (along dim 0), `stack` (a new
+            leading dim, experts) or `zeros` (no pieces: a state the target naming holds and
+            the source has none of, at its fresh-start value; see `Filled`).
         permute: rotary row permutation applied after combining: `to_halves` (interleaved
             -> rotate_half, torchtitan -> HF) or `to_interleaved`, with `heads` groups.
         heads: the head count `permute` works per.
@@ -146,7 +147,7 @@ class MappedTensor:
     shape: tuple[int, ...]
     dtype: str
     pieces: tuple[Piece, ...]
-    combine: Literal["one", "concat", "stack"] = "one"
+    combine: Literal["one", "concat", "stack", "zeros"] = "one"
     permute: Literal["to_halves", "to_interleaved"] | None = None
     heads: int = 0
     transform: str = "rename"
@@ -154,10 +155,9 @@ class MappedTensor:
     @property
     def verbatim(self) -> bool:
         """The output is one whole source tensor's bytes unchanged (a raw copy can serve it)."""
-        piece = self.pieces[0]
-        return (
-            len(self.pieces) == 1 and piece.offsets is None and self.permute is None
-        ) and self.combine == "one"
+        if len(self.pieces) != 1 or self.combine != "one":
+            return False
+        return self.pieces[0].offsets is None and self.permute is None
 
     @property
     def sources(self) -> list[str]:
@@ -168,6 +168,10 @@ class MappedTensor:
         """Build this tensor from `checkpoint`, reading only its pieces."""
         import torch
 
+        if self.combine == "zeros":
+            from ..tensors import torch_dtype
+
+            return torch.zeros(self.shape, dtype=torch_dtype(self.dtype))
         parts = []
         for piece in self.pieces:
             if piece.offsets is None or piece.sizes is None:
@@ -395,6 +399,19 @@ class Experts(TensorRule):
 
 
 @dataclass(frozen=True)
+class Filled:
+    """A state a native naming holds that Hugging Face files have no counterpart of, written
+    at its fresh-start value (zeros) on an import: torchtitan's MoE load-balancing bias
+    `expert_bias_E`, one `[E]` float32 per MoE layer, whose layers and E come from the output
+    named by `like` (its dim 0)."""
+
+    pattern: str
+    like: str
+    dtype: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Ignored:
     """Source tensors a naming holds that are no weights of the other (rotary tables, MoE
     load-balancing counters): left out, with the reason reported."""
@@ -468,6 +485,7 @@ class Architecture(ABC):
     markers: ClassVar[Mapping[str, Sequence[str]]] = {}
     excluders: ClassVar[Mapping[str, Sequence[str]]] = {}
     tied: ClassVar[Mapping[str, tuple[str, str]]] = {}
+    filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
 
     @classmethod
     def args_from_source(cls, checkpoint: Checkpoint, naming: str) -> ModelArgs:
@@ -522,14 +540,18 @@ class Architecture(ABC):
             unknown, known = cls.covers(names, naming)
             if unknown or not known:
                 continue
-            markers = [compile_pattern(p) for p in cls.markers.get(naming, ())]
-            if markers and not any(r.match(n) for r in markers for n in names):
-                continue
-            excluders = [compile_pattern(p) for p in cls.excluders.get(naming, ())]
-            if any(r.match(n) for r in excluders for n in names):
-                continue
-            return naming
+            if cls.marked(names, naming):
+                return naming
         return None
+
+    @classmethod
+    def marked(cls, names: Sequence[str], naming: str) -> bool:
+        """Whether `names` hold one of this family's markers and none of its excluders."""
+        markers = [compile_pattern(p) for p in cls.markers.get(naming, ())]
+        if markers and not any(r.match(n) for r in markers for n in names):
+            return False
+        excluders = [compile_pattern(p) for p in cls.excluders.get(naming, ())]
+        return not any(r.match(n) for r in excluders for n in names)
 
     @classmethod
     @abstractmethod
@@ -616,6 +638,8 @@ class Architecture(ABC):
                 outputs += rule.plan(matches, direction, args, cls.title)
         # source order: an output goes where its first piece was
         outputs.sort(key=lambda t: min(order[s] for s in t.sources))
+        if direction == "from_hf":
+            outputs += cls._fill(outputs, native)
         if args.tie_embeddings and HF in cls.tied and native in cls.tied:
             outputs = cls._tie(outputs, direction, native, left_out)
         return ArchitecturePlan(cls.name, source, target, outputs, left_out, args)
@@ -646,3 +670,25 @@ class Architecture(ABC):
             return outputs
         copy = replace(source, name=head, transform="tie-copy")
         return [*outputs, copy]
+
+    @classmethod
+    def _fill(cls, outputs: list[MappedTensor], native: str) -> list[MappedTensor]:
+        """The `Filled` states of naming `native` the outputs call for, as zeros."""
+        out: list[MappedTensor] = []
+        for fill in cls.filled.get(native, ()):
+            like = compile_pattern(fill.like)
+            for tensor in outputs:
+                m = like.match(tensor.name)
+                if m and tensor.shape:
+                    groups = {k: int(v) for k, v in m.groupdict().items()}
+                    out.append(
+                        MappedTensor(
+                            name=fill.pattern.format(**groups),
+                            shape=(tensor.shape[0],),
+                            dtype=fill.dtype,
+                            pieces=(),
+                            combine="zeros",
+                            transform="zeros",
+                        )
+                    )
+        return out

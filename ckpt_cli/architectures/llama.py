@@ -21,6 +21,7 @@ from .base import (
     HF,
     Architecture,
     Experts,
+    Filled,
     Ignored,
     ModelArgs,
     NamingOutput,
@@ -87,8 +88,9 @@ _TITAN_IGNORED = (
     Ignored("freqs_cis", "rotary table (rebuilt)"),
     Ignored("rope.cache", "rotary table (rebuilt)"),
     Ignored("layers.{layer}.attention.rope.cache", "rotary table (rebuilt)"),
-    Ignored("layers.{layer}.moe.expert_bias", "MoE load-balancing bias (training only)"),
-    Ignored("layers.{layer}.moe.tokens_per_expert", "MoE load-balancing counter (training only)"),
+    # torchtitan's own to_hf drops these too: transformers' Qwen3-MoE router has no bias
+    Ignored("layers.{layer}.moe.expert_bias_E", "MoE load-balancing bias (no HF counterpart)"),
+    Ignored("layers.{layer}.moe.tokens_per_expert_E", "MoE load-balancing counter (training)"),
 )
 
 
@@ -307,6 +309,18 @@ class Qwen3Moe(_Decoder):
     markers: ClassVar[Mapping[str, Sequence[str]]] = {
         HF: (_ROUTER[0][0],),
         TITAN: (_ROUTER[0][1],),
+    }
+    # torchtitan keeps a load-balancing bias per MoE layer (with load_balance_coeff, the
+    # default); CheckpointManager.load wants it, so an import writes its fresh-start zeros
+    filled: ClassVar[Mapping[str, Sequence[Filled]]] = {
+        TITAN: (
+            Filled(
+                "layers.{layer}.moe.expert_bias_E",
+                like=_ROUTER[0][1],
+                dtype="float32",
+                reason="MoE load-balancing bias at its fresh-start value",
+            ),
+        )
     }
 
     @classmethod

@@ -20,6 +20,9 @@ from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_comma
         "ckpt convert DeepSeek-V3-FP8/ deepseek-bf16/ --to safetensors --dequantize --dtype bf16",
         "ckpt convert checkpoint-500/ hf-model/ --to safetensors --select model "
         "--config hf://meta-llama/Llama-3.2-1B   # an FSDP save has no config.json",
+        "ckpt convert outputs/checkpoint/step-1000 llama-hf/ --to hf "
+        "--config hf://meta-llama/Llama-3.1-8B   # torchtitan -> transformers",
+        "ckpt convert llama-hf/ outputs/checkpoint/step-0 --to torchtitan   # and back",
     )
 )
 def convert(
@@ -34,7 +37,12 @@ def convert(
     ],
     to: Annotated[
         str,
-        typer.Option("--to", help="Target format: safetensors, dcp or torch."),
+        typer.Option(
+            "--to",
+            help="Target format: safetensors, dcp or torch; or a framework naming: hf "
+            "(from_pretrained-ready shards + config.json) or torchtitan (a DCP save "
+            "torchtitan loads), mapping names and tensors by the model's architecture.",
+        ),
     ],
     max_shard_size: Annotated[
         str | None,
@@ -130,6 +138,11 @@ def convert(
     json_output: JsonOpt = False,
 ) -> None:
     """Convert a checkpoint to safetensors, DCP or torch.save, one tensor at a time.
+
+    --to hf / --to torchtitan also change the framework naming: the model's family (Llama 3,
+    Qwen3, Qwen3-MoE) is recognised from its tensor names and each tensor is renamed and
+    transformed (rotary q/k permutation, experts stacked or split) on the way; --dry-run lists
+    every rename and transform.
 
     Peak memory is the largest tensor, not the model. Tensors stored as raw bytes on both sides
     are copied without deserialising. Non-tensor entries (optimizer step, RNG, data-loader

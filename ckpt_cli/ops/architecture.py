@@ -242,7 +242,7 @@ def map_plan(
         mapped=records,
         transforms=counts,
     )
-    origins = {r.name: ",".join(r.sources) for r in records}
+    origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
     return MappedSource(mapped, new_plan, report, config_bytes, output, origins)
 
 

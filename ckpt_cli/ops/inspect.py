@@ -10,10 +10,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from ..architectures import NamingInfo
 from ..dtypes import FLOATING
 from ..errors import NotFoundError
 from ..formats.base import Checkpoint
-from ..layouts import open_source
+from ..layouts import OpenedSource, open_source
 from ..layouts.model_folders import LayoutInfo
 from ..models import Entry, FileInfo, Manifest, Problem, TrainingState
 from ..quant import QuantSummary
@@ -44,6 +45,8 @@ class InspectReport(BaseModel):
         quantization: for a quantized checkpoint: the scheme per module group, logical
             parameters next to stored bytes, unquantized modules (see `ckpt_cli.quant`).
         layout: the library layout of a model folder (PEFT adapter, diffusers pipeline...).
+        architecture: the model family of the weights and the framework naming them (`llama3`
+            in `torchtitan` names: what `convert --to hf` maps), None when no family is known.
         problems: format-rule violations that do not stop reading (a safetensors file with
             trailing bytes, a hole between tensors, a first tensor not at offset 0): what
             `verify` reports too; `ckpt inspect` exits 4 when there are any.
@@ -68,6 +71,7 @@ class InspectReport(BaseModel):
     quantization: QuantSummary | None = None
     layout: LayoutInfo | None = None
     problems: list[Problem] = Field(default_factory=list)
+    architecture: NamingInfo | None = None
 
 
 def select(
@@ -148,7 +152,23 @@ def _inspect(src: str, format: str | None, filters: list[str] | None) -> Inspect
             quantization=quantization_of(checkpoint.manifest, checkpoint.storage),
             layout=opened.layout,
             problems=malformed(checkpoint),
+            architecture=_naming(opened, entries, manifest),
         )
+
+
+def _naming(opened: OpenedSource, entries: list[Entry], manifest: Manifest) -> NamingInfo | None:
+    """The family and naming of the model's weights: a training checkpoint's `model`
+    component (names as `--select model` takes them), or every tensor of a model."""
+    from ..architectures import naming_info
+    from .selection import select_entries
+
+    tensors = [e for e in entries if e.kind == "tensor"]
+    training = opened.training
+    if training is not None and "model" in training.prefixes:
+        chosen = select_entries(opened, tensors, "model", manifest)
+        if chosen.component is not None:
+            return naming_info([name for _, name in chosen.pairs], component="model")
+    return naming_info([e.name for e in tensors])
 
 
 #: file names no run scanner takes for a step checkpoint: names without a digit (a step

@@ -72,8 +72,9 @@ def render_convert(report: ConvertReport) -> None:
             groups[parent] = groups.get(parent, 0) + 1
         listed = [f"{name}.* ({n})" if n > 1 else name for name, n in groups.items()]
         more = f", … {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
+        what = "tensors" if all(e.kind == "tensor" for e in entries) else "non-tensor entries"
         stderr.print(
-            f"[yellow]skipped {len(entries)} non-tensor entries[/] "
+            f"[yellow]skipped {len(entries)} {what}[/] "
             f"({entries[0].reason}): {', '.join(listed[:MAX_LISTED])}{more}",
             highlight=False,
         )

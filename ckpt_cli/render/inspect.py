@@ -252,6 +252,13 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
             f"{listed}{more}"
         )
     render_layout(report)
+    if report.architecture is not None:
+        arch = report.architecture
+        where = f" (its {arch.component} component)" if arch.component else ""
+        stdout.print(
+            f"  architecture: {arch.title} ({arch.architecture}) in {arch.naming} names{where}",
+            highlight=False,
+        )
     for problem in report.problems:
         # on stderr, so the data on stdout stays what the file holds
         stderr.print(

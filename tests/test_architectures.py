@@ -1,0 +1,383 @@
+"""From training to serving and back (#27): `convert --to hf` / `--to torchtitan`.
+
+tests/torchtitan_arch_script.py builds tiny torchtitan 0.3.0 models (Llama 3 with GQA and
+llama3 rope scaling, Qwen3 with q/k norms, Qwen3-MoE) on CPU, takes one AdamW step and saves
+`step-1/` with torchtitan's own `CheckpointManager.save`; it also writes torchtitan's own
+`StateDictAdapter.to_hf` of the model and its forward on fixed ids. An export must equal the
+adapter's tensors bit for bit and `AutoModelForCausalLM.from_pretrained(DEST)` must give the
+torchtitan logits; an import must load with `CheckpointManager.load` and train a step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from .conftest import run_ckpt
+
+SCRIPT = Path(__file__).with_name("torchtitan_arch_script.py")
+
+
+def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+# --------------------------------------------------------------------------- no frameworks
+
+
+def _llama_hf(folder: Path, *, heads: int = 4, kv_heads: int = 2, layers: int = 2) -> None:
+    """A tiny HF-named Llama (random tensors, safetensors) with its config.json."""
+    dim, head_dim, vocab, ffn = heads * 8, 8, 40, 48
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": torch.randn(vocab, dim, generator=gen)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes = {
+            "self_attn.q_proj.weight": (heads * head_dim, dim),
+            "self_attn.k_proj.weight": (kv_heads * head_dim, dim),
+            "self_attn.v_proj.weight": (kv_heads * head_dim, dim),
+            "self_attn.o_proj.weight": (dim, heads * head_dim),
+            "mlp.gate_proj.weight": (ffn, dim),
+            "mlp.up_proj.weight": (ffn, dim),
+            "mlp.down_proj.weight": (dim, ffn),
+            "input_layernorm.weight": (dim,),
+            "post_attention_layernorm.weight": (dim,),
+        }
+        for name, shape in shapes.items():
+            tensors[p + name] = torch.randn(*shape, generator=gen)
+    tensors["model.norm.weight"] = torch.randn(dim, generator=gen)
+    tensors["lm_head.weight"] = torch.randn(vocab, dim, generator=gen)
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "model.safetensors")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": dim,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "intermediate_size": ffn,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_rotary_permute_is_transformers_permute_and_inverts() -> None:
+    """The permutation is transformers' `convert_llama_weights_to_hf.permute`, and the two
+    directions undo each other exactly."""
+    from ckpt_cli.architectures.base import rotary_permute
+
+    heads, head_dim, dim = 4, 8, 32
+    w = torch.randn(heads * head_dim, dim)
+    # transformers' own permute (convert_llama_weights_to_hf.py)
+    expected = w.view(heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(heads * head_dim, dim)
+    halves = rotary_permute(w, heads, "to_halves")
+    assert torch.equal(halves, expected)
+    assert torch.equal(rotary_permute(halves, heads, "to_interleaved"), w)
+
+
+def test_hf_to_torchtitan_to_hf_is_bit_identical(tmp_path: Path) -> None:
+    """HF -> torchtitan -> HF gives back every tensor bit for bit (GQA q/k permuted both ways)."""
+    _llama_hf(tmp_path / "hf")
+    r = run_ckpt("convert", tmp_path / "hf", tmp_path / "tt", "--to", "torchtitan", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert doc["architecture"]["architecture"] == "llama3"
+    assert doc["architecture"]["transforms"] == {"rename": 17, "rotary-permute": 4}
+    r = run_ckpt("convert", tmp_path / "tt", tmp_path / "back", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    want = load_file(tmp_path / "hf" / "model.safetensors")
+    got = _hf_tensors(tmp_path / "back")
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    # the source's config.json carried (an HF source's own config is the model's)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_torchtitan_import_names_and_permutes_q_k(tmp_path: Path) -> None:
+    """The DCP import holds torchtitan's names; q/k rows are in the interleaved layout."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_cli.architectures.base import rotary_permute
+
+    _llama_hf(tmp_path / "hf")
+    assert (
+        run_ckpt("convert", tmp_path / "hf", tmp_path / "tt", "--to", "torchtitan").exit_code == 0
+    )
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    state = {
+        "layers.1.attention.qkv_linear.wk.weight": torch.empty(16, 32),
+        "layers.1.attention.qkv_linear.wq.weight": torch.empty(32, 32),
+        "tok_embeddings.weight": torch.empty(40, 32),
+    }
+    dcp.load(state, checkpoint_id=str(tmp_path / "tt"), no_dist=True)
+    assert torch.equal(state["tok_embeddings.weight"], hf["model.embed_tokens.weight"])
+    k = hf["model.layers.1.self_attn.k_proj.weight"]
+    assert torch.equal(
+        state["layers.1.attention.qkv_linear.wk.weight"], rotary_permute(k, 2, "to_interleaved")
+    )
+    q = hf["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(
+        state["layers.1.attention.qkv_linear.wq.weight"], rotary_permute(q, 4, "to_interleaved")
+    )
+
+
+def test_dry_run_lists_renames_and_transforms(tmp_path: Path) -> None:
+    _llama_hf(tmp_path / "hf")
+    r = run_ckpt("convert", tmp_path / "hf", tmp_path / "tt", "--to", "torchtitan", "--dry-run")
+    assert r.exit_code == 0, r.stderr
+    assert "llama3: hf names -> torchtitan names (17 rename, 4 rotary-permute)" in r.stdout
+    assert (
+        "entry layers.0.attention.qkv_linear.wq.weight  float32  [32, 32]  4.0 KiB  "
+        "(rotary-permute from model.layers.0.self_attn.q_proj.weight)" in r.stdout
+    )
+    assert "(rename from model.embed_tokens.weight)" in r.stdout
+    assert not (tmp_path / "tt").exists()
+
+
+def test_unknown_architecture_is_exit_4_naming_the_tensors(tmp_path: Path) -> None:
+    """A model no family knows is refused (exit 4) naming what no rule maps: never copied
+    under its old names."""
+    _llama_hf(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tensors["model.layers.0.self_attn.mystery.weight"] = torch.zeros(2)
+    save_file(tensors, tmp_path / "hf" / "model.safetensors")
+    r = run_ckpt("convert", tmp_path / "hf", tmp_path / "out", "--to", "torchtitan")
+    assert r.exit_code == 4
+    message = " ".join(r.stderr.split())
+    assert "model.layers.0.self_attn.mystery.weight" in message
+    assert "closest is Llama 3 (hf naming), which has no rule for 1 tensor(s)" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_head_count_is_exit_4_asking_for_config(tmp_path: Path) -> None:
+    """Llama's head count is not in its weights: without a config.json the export stops."""
+    _llama_hf(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").unlink()
+    r = run_ckpt("convert", tmp_path / "hf", tmp_path / "out", "--to", "torchtitan")
+    assert r.exit_code == 4
+    message = " ".join(r.stderr.split())
+    assert "needs n_heads" in message and "--config" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_contradicting_the_weights_is_refused(tmp_path: Path) -> None:
+    _llama_hf(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**config, "hidden_size": 4096}))
+    r = run_ckpt("convert", tmp_path / "hf", tmp_path / "o", "--to", "torchtitan", "--config", bad)
+    assert r.exit_code == 4
+    message = " ".join(r.stderr.split())
+    assert "config.json gives dim=4096, but the weights have dim=32" in message
+
+
+def test_recognise_tells_families_apart() -> None:
+    from ckpt_cli.architectures import recognise
+
+    llama = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.norm.weight",
+    ]
+    found = recognise(llama)
+    assert found is not None and (found.architecture.name, found.naming) == ("llama3", "hf")
+    qwen = [*llama, "model.layers.0.self_attn.q_norm.weight"]
+    found = recognise(qwen)
+    assert found is not None and found.architecture.name == "qwen3"
+    moe = [*qwen, "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.0.up_proj.weight"]
+    found = recognise(moe)
+    assert found is not None and found.architecture.name == "qwen3-moe"
+    titan = ["tok_embeddings.weight", "layers.0.attention.qkv_linear.wq.weight", "norm.weight"]
+    found = recognise(titan)
+    assert found is not None and (found.architecture.name, found.naming) == ("llama3", "torchtitan")
+    assert recognise(["encoder.weight"]) is None
+
+
+def test_experts_unstack_and_stack_back() -> None:
+    """Qwen3-MoE: torchtitan's stacked `[E, F, D]` experts become one tensor per expert, each
+    read as its own box, and stack back to the same bytes."""
+    from ckpt_cli.architectures import get_architecture
+    from ckpt_cli.architectures.base import ModelArgs
+
+    arch = get_architecture("qwen3-moe")
+    stacked = torch.randn(4, 6, 8)
+
+    class Source:
+        def read_tensor(self, name: str) -> torch.Tensor:
+            return stacked
+
+        def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+            box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+            return stacked[box]
+
+    name = "layers.3.moe.routed_experts.inner_experts.w1_EFD"
+    plan = arch.plan([(name, [4, 6, 8], "float32")], "torchtitan", "hf", ModelArgs())
+    assert [t.name for t in plan.tensors] == [
+        f"model.layers.3.mlp.experts.{e}.gate_proj.weight" for e in range(4)
+    ]
+    experts = [t.read(Source()) for t in plan.tensors]  # type: ignore[arg-type]
+    for e, tensor in enumerate(experts):
+        assert tensor.shape == (6, 8) and torch.equal(tensor, stacked[e])
+    back = arch.plan(
+        [(t.name, [6, 8], "float32") for t in plan.tensors], "hf", "torchtitan", ModelArgs()
+    )
+    assert [t.name for t in back.tensors] == [name]
+
+    class PerExpert:
+        def read_tensor(self, name: str) -> torch.Tensor:
+            return experts[int(name.split(".")[5])]
+
+    assert torch.equal(back.tensors[0].read(PerExpert()), stacked)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- torchtitan
+
+
+needs_frameworks = pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None
+    or importlib.util.find_spec("transformers") is None,
+    reason="torchtitan and transformers are not installed (pip install '.[frameworks]')",
+)
+
+
+def _script(*args: str | Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3", "qwen3-moe"])
+def titan_model(request: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A torchtitan run (`run/checkpoint/step-1`) of FAMILY and its references (`ref/`)."""
+    family = request.param
+    root = tmp_path_factory.mktemp(f"arch-{family}")
+    _script("save", family, root / "run", root / "ref")
+    return family, root
+
+
+def _hf_logits(folder: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from torchtitan_arch_script import IDS
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        logits: torch.Tensor = model(IDS).logits
+    return logits
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+@pytest.mark.slow
+def test_export_equals_torchtitan_to_hf_and_loads_in_transformers(
+    titan_model: tuple[str, Path], tmp_path: Path
+) -> None:
+    family, root = titan_model
+    step = root / "run" / "checkpoint" / "step-1"
+    dest = tmp_path / "hf"
+    r = run_ckpt(
+        "convert", step, dest, "--to", "hf", "--config", root / "ref" / "config.json", "--json"
+    )
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert doc["architecture"]["architecture"] == family
+    assert doc["architecture"]["source_naming"] == "torchtitan"
+    # the training state is not part of a Hugging Face model: left behind
+    assert not any(e["source"].startswith("optimizer.") for e in doc["entries"])
+    # bit for bit what torchtitan's own adapter gives
+    want = load_file(root / "ref" / "to_hf.safetensors")
+    got = _hf_tensors(dest)
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    logits = _hf_logits(dest)
+    reference = torch.load(root / "ref" / "logits.pt", weights_only=True)
+    assert logits.dtype == torch.float32
+    # the weights are torchtitan's own to_hf bit for bit (above); the MoE forward sums the
+    # routed experts in another order than torchtitan's grouped matmul (measured 2.6e-5)
+    tolerance = 1e-4 if family == "qwen3-moe" else 1e-6
+    assert (logits - reference).abs().max().item() <= tolerance
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+@pytest.mark.slow
+def test_export_without_config_builds_one_from_the_args(
+    titan_model: tuple[str, Path], tmp_path: Path
+) -> None:
+    """Qwen3's head counts are in its weights (q/k norms are per head): with `--config` left
+    out only what the weights cannot tell is asked for, and named."""
+    family, root = titan_model
+    step = root / "run" / "checkpoint" / "step-1"
+    r = run_ckpt("convert", step, tmp_path / "hf", "--to", "hf")
+    assert r.exit_code == 4
+    missing = "n_heads" if family == "llama3" else "norm_eps"
+    assert f"needs {missing}" in " ".join(r.stderr.split()), r.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+@pytest.mark.slow
+def test_import_loads_in_torchtitan_and_trains(
+    titan_model: tuple[str, Path], tmp_path: Path
+) -> None:
+    """HF -> torchtitan: CheckpointManager.load (step-0, model only) restores the weights (the
+    torchtitan forward equals the original's), and one training step runs after it."""
+    family, root = titan_model
+    hf = tmp_path / "hf"
+    step = root / "run" / "checkpoint" / "step-1"
+    config = root / "ref" / "config.json"
+    assert run_ckpt("convert", step, hf, "--to", "hf", "--config", config).exit_code == 0
+    run = tmp_path / "run"
+    r = run_ckpt("convert", hf, tmp_path / "tt", "--to", "torchtitan")
+    assert r.exit_code == 0, r.stderr
+    (run / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "tt", run / "checkpoint" / "step-0")
+    _script("load", family, run, tmp_path / "out")
+    loaded = torch.load(tmp_path / "out" / "loaded_logits.pt", weights_only=True)
+    reference = torch.load(root / "ref" / "logits.pt", weights_only=True)
+    assert torch.equal(loaded, reference)
+    tolerance = 1e-4 if family == "qwen3-moe" else 1e-6  # see the export test
+    assert (loaded - _hf_logits(hf)).abs().max().item() <= tolerance
+    trained = torch.load(tmp_path / "out" / "trained.pt", weights_only=True)
+    assert trained["restored"] and trained["moved"]
+    assert torch.isfinite(torch.tensor(trained["loss"]))
+
+
+def test_inspect_names_the_architecture_and_naming(tmp_path: Path) -> None:
+    _llama_hf(tmp_path / "hf")
+    r = run_ckpt("inspect", tmp_path / "hf", "--json")
+    assert r.exit_code == 0, r.stderr
+    arch = json.loads(r.stdout)["result"]["architecture"]
+    assert arch == {"architecture": "llama3", "title": "Llama 3", "naming": "hf", "component": None}
+    assert (
+        run_ckpt("convert", tmp_path / "hf", tmp_path / "tt", "--to", "torchtitan").exit_code == 0
+    )
+    r = run_ckpt("inspect", tmp_path / "tt")
+    assert r.exit_code == 0, r.stderr
+    assert "architecture: Llama 3 (llama3) in torchtitan names" in r.stdout
+    # a model no family knows: no architecture line, no error
+    save_file({"encoder.weight": torch.zeros(2)}, tmp_path / "other.safetensors")
+    r = run_ckpt("inspect", tmp_path / "other.safetensors", "--json")
+    assert json.loads(r.stdout)["result"]["architecture"] is None
