@@ -216,7 +216,8 @@ def convert(
             (refused if it exists, unless `force`).
         to: target format token (`safetensors`, `dcp`, `torch`), or a framework naming:
             `hf` (Hugging Face safetensors shards, names and `config.json` that
-            `from_pretrained` loads) or `torchtitan` (a DCP save torchtitan loads, model only);
+            `from_pretrained` loads), `torchtitan` (a DCP save torchtitan loads, model only)
+            or `megatron` (a Megatron-Core torch_dist save `dist_checkpointing.load` reads);
             the model's family is recognised from its tensor names (`ops.architecture`).
         format: read `src` as this format instead of detecting it.
         max_shard_size: split the output into shards of at most this size (`5GB`, bytes).
