@@ -8,6 +8,8 @@ with a free port as the last argument):
   common state Megatron-LM's `save_checkpoint` keeps (`iteration`, `checkpoint_version`,
   `args` as an `argparse.Namespace` with Megatron-LM's argument names) to DIR, and write DIR.logits.pt: the forward's logits on
   `INPUT_IDS`.
+- `save-pp DIR`: the same model as a pipeline of one stage per rank (layers split across the
+  ranks, the embedding on the first and the output layer on the last), saved, no logits.
 - `load DIR OUT`: build a fresh model (a different seed), `dist_checkpointing.load` DIR into
   it (`{"model": model.sharded_state_dict()}`, as Megatron-LM's `load_checkpoint` asks), write OUT.logits.pt (its logits on `INPUT_IDS`), then run one training step (SGD on the
   next-token loss) and write OUT.step.pt: the loss and whether every parameter moved and
@@ -63,7 +65,10 @@ def megatron_args() -> argparse.Namespace:
     )
 
 
-def build_model(seed: int) -> Any:
+def build_model(seed: int, pipeline: int = 1) -> Any:
+    """The GPTModel on this rank: tensor parallel over every rank, or (`pipeline` > 1) a
+    pipeline stage of `LAYERS / pipeline` layers, the first holding the embedding and the last
+    the output layer."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -91,9 +96,14 @@ def build_model(seed: int) -> Any:
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=int(os.environ.get("WORLD_SIZE", "1")),
+        tensor_model_parallel_size=1 if pipeline > 1 else int(os.environ.get("WORLD_SIZE", "1")),
+        pipeline_model_parallel_size=pipeline,
+        pipeline_dtype=torch.float32 if pipeline > 1 else None,
     )
-    torch.manual_seed(seed)
+    from megatron.core import parallel_state
+
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    torch.manual_seed(seed + stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
@@ -103,6 +113,8 @@ def build_model(seed: int) -> Any:
         rotary_base=int(ROTARY_BASE),
         share_embeddings_and_output_weights=False,
         parallel_output=False,  # every rank gets the whole vocabulary's logits
+        pre_process=stage == 0,
+        post_process=stage == pipeline - 1,
     )
     # the model's random init is small; scale it so the logits are not all near zero
     with torch.no_grad():
@@ -138,10 +150,28 @@ def main() -> None:
         args = sys.argv[1:-1]
     from megatron.core import dist_checkpointing, parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    pipeline = dist.get_world_size() if args[0] == "save-pp" else 1
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dist.get_world_size() // pipeline,
+        pipeline_model_parallel_size=pipeline,
+    )
     rank = dist.get_rank()
     ids = torch.tensor(INPUT_IDS)
-    if args[0] == "save":
+    if args[0] == "save-pp":
+        # each stage saves its layers under their global numbers; no forward (that takes
+        # Megatron's pipeline schedule): the truth is megatron's own load of the save
+        model = build_model(seed=0, pipeline=pipeline)
+        margs = megatron_args()
+        margs.tensor_model_parallel_size, margs.pipeline_model_parallel_size = 1, pipeline
+        state = {
+            "model": model.sharded_state_dict(),
+            "iteration": 3,
+            "checkpoint_version": 3.0,
+            "args": margs,
+        }
+        os.makedirs(args[1], exist_ok=True)
+        dist_checkpointing.save(state, args[1])
+    elif args[0] == "save":
         model = build_model(seed=0)
         model.eval()
         with torch.no_grad():

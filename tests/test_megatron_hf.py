@@ -163,10 +163,27 @@ def test_export_to_hf_loads_in_transformers_with_megatrons_logits(
     assert close(logits, truth) <= TOLERANCE
 
 
-def test_export_dry_run_lists_every_rename_and_split(
+def test_a_pipeline_parallel_save_exports_to_what_megatron_loads_from_it(tmp_path: Path) -> None:
+    """Two pipeline stages, each saving its own layers (global numbers) and the embedding or
+    the output layer: the export equals the model megatron's own load builds from the save."""
+    save = tmp_path / "pp"
+    run_torchrun(SCRIPT, 2, "save-pp", save, timeout=600)
+    truth, _ = megatron_load(save, tmp_path / "loaded")
+    out = tmp_path / "hf"
+    result = run_ckpt("convert", save, out, "--to", "hf")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert close(hf_logits(out)[1], truth) <= TOLERANCE
+
+
+def test_inspect_names_the_megatron_naming_and_dry_run_lists_every_rename_and_split(
     megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
 ) -> None:
     folder, _ = megatron_save
+    inspected = run_ckpt("inspect", folder, "--json")
+    assert inspected.exit_code == 0, inspected.stdout + inspected.stderr
+    found = inspected.json["result"]["architecture"]
+    assert (found["architecture"], found["naming"]) == ("llama3", "megatron")
+    assert "in megatron names" in run_ckpt("inspect", folder).stdout
     out = tmp_path / "dry"
     result = run_ckpt("convert", folder, out, "--to", "hf", "--dry-run", "--json")
     assert result.exit_code == 0, result.stdout + result.stderr
