@@ -90,10 +90,33 @@ CHECKPOINT_VERSION = 3.0
 @dataclass(frozen=True)
 class StackedTensor(MappedTensor):
     """An output that stacks every layer's tensor (Megatron's homogeneous layer stack): its
-    pieces are concatenated along dim 0 and the result takes the stacked shape."""
+    pieces are each layer's, in order, the same count per layer; each layer is read and
+    concatenated into its place of the output, so at most one layer's pieces are held beside
+    the output."""
 
     def read(self, checkpoint: Checkpoint) -> torch.Tensor:
-        return super().read(checkpoint).reshape(self.shape)
+        import torch
+
+        from ..tensors import torch_dtype
+
+        layers = self.shape[0]
+        per_layer = len(self.pieces) // layers
+        out = torch.empty(self.shape, dtype=torch_dtype(self.dtype))
+        for layer in range(layers):
+            pieces = self.pieces[layer * per_layer : (layer + 1) * per_layer]
+            row = 0
+            for piece in pieces:
+                part = _read_piece(checkpoint, piece)
+                out[layer, row : row + part.shape[0]] = part
+                row += part.shape[0]
+                del part
+        return out
+
+
+def _read_piece(checkpoint: Checkpoint, piece: Piece) -> torch.Tensor:
+    if piece.offsets is None or piece.sizes is None:
+        return checkpoint.read_tensor(piece.source)
+    return checkpoint.read_slice(piece.source, list(piece.offsets), list(piece.sizes))
 
 
 @dataclass(frozen=True)
