@@ -318,3 +318,49 @@ def test_a_megatron_model_that_is_not_llama_style_is_refused(
     assert result.exit_code == 4
     assert "not Llama-style" in result.stderr and "normalization='LayerNorm'" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_per_layer_megatron_names_export_the_same_tensors(
+    megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    """Megatron-Core saves with `non_homogeneous_layers` keep one tensor per layer
+    (`decoder.layers.<i>.<suffix>`), and a plain `state_dict()` of the local spec names the
+    pre-norms `input_layernorm` / `pre_mlp_layernorm`: both export as the stacked save does."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder, _ = megatron_save
+    stacked = tmp_path / "stacked.safetensors"
+    assert run_ckpt("convert", folder, stacked, "--to", "safetensors").exit_code == 0
+    aliases = {
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    }
+    per_layer: dict[str, torch.Tensor] = {}
+    with safe_open(stacked, "pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            tensor = f.get_tensor(name)
+            if not name.startswith("decoder.layers."):
+                per_layer[name] = tensor
+                continue
+            suffix = name.removeprefix("decoder.layers.")
+            for layer in range(tensor.shape[0]):
+                key = f"decoder.layers.{layer}.{aliases.get(suffix, suffix)}"
+                per_layer[key] = tensor[layer].clone()
+    source = tmp_path / "per-layer.safetensors"
+    save_file(per_layer, source)
+    reference = tmp_path / "reference"
+    assert run_ckpt("convert", folder, reference, "--to", "hf").exit_code == 0
+    out = tmp_path / "hf"
+    result = run_ckpt(
+        "convert", source, out, "--to", "hf", "--config", reference / "config.json", "--json"
+    )
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert result.json["result"]["architecture"]["source_naming"] == "megatron"
+    with (
+        safe_open(reference / "model.safetensors", "pt") as want,
+        safe_open(out / "model.safetensors", "pt") as got,
+    ):
+        assert sorted(got.keys()) == sorted(want.keys())
+        for name in want.keys():  # noqa: SIM118
+            assert torch.equal(got.get_tensor(name), want.get_tensor(name)), name
