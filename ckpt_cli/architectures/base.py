@@ -448,10 +448,14 @@ class NamingOutput:
             `common.pt` and `metadata.json`.
         objects: non-tensor entries written with the tensors (name -> value): the per-layer
             `_extra_state` objects Megatron-Core's load asks for.
+        split_dim0: output tensor -> how many equal chunks along dim 0 a chunked format
+            (DCP) stores it as: one per layer of Megatron's layer stack, as Megatron saves
+            it, so a later read of one layer loads one chunk, not the whole stack.
     """
 
     files: dict[str, bytes] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)
+    split_dim0: dict[str, int] = field(default_factory=dict)
 
 
 class Architecture(ABC):

@@ -436,12 +436,14 @@ def args_from_checkpoint(checkpoint: Checkpoint) -> ModelArgs:
 
 def naming_output(args: ModelArgs, family: str) -> NamingOutput:
     """What an import into the megatron naming writes beside the tensors: `common.pt`,
-    `metadata.json` and every layer's empty `_extra_state` (Megatron-Core stores a
-    ShardedObject's value as a one-element list)."""
+    `metadata.json`, every layer's empty `_extra_state` (Megatron-Core stores a
+    ShardedObject's value as a one-element list), and the layer stacks one chunk per layer."""
     layers = int(args.require("n_layers", family, "Megatron's load asks for every layer"))
+    stacks = [r.native[0] for r in MEGATRON_RULES if isinstance(r, LayerTensor)]
     return NamingOutput(
         files={MEGATRON_COMMON_PT: common_pt(args, family), MEGATRON_METADATA: metadata_json()},
         objects={name: [None] for name in extra_state_names(layers)},
+        split_dim0=dict.fromkeys(stacks, layers),
     )
 
 

@@ -31,7 +31,7 @@ from ..architectures.base import (
     NamingOutput,
 )
 from ..errors import FormatError
-from ..models import Manifest
+from ..models import Chunk, Manifest
 from .transfer import SkippedEntry, TransferPlan, plan_transfer
 
 if TYPE_CHECKING:
@@ -226,6 +226,12 @@ def map_plan(
         mapped.manifest, dtype=cast, keep_objects=keep_objects, dedupe_tied=dedupe_tied
     )
     new_plan.skipped = skipped + new_plan.skipped
+    for item in new_plan.items:
+        pieces = output.split_dim0.get(item.target.name)
+        if pieces:
+            item.target = item.target.model_copy(
+                update={"chunks": dim0_chunks(item.target.shape, pieces)}
+            )
     new_plan.tied = plan.tied
     config_bytes = None
     if target == HF:
@@ -244,6 +250,23 @@ def map_plan(
     )
     origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
     return MappedSource(mapped, new_plan, report, config_bytes, output, origins)
+
+
+def dim0_chunks(shape: list[int], pieces: int) -> list[Chunk]:
+    """`pieces` equal chunks of a tensor along dim 0, all in the first rank's DCP file."""
+    from ..formats.dcp.layout import rank_file
+
+    step = shape[0] // pieces
+    return [
+        Chunk(
+            offsets=[i * step, *([0] * (len(shape) - 1))],
+            sizes=[step, *shape[1:]],
+            file=rank_file(0),
+            byte_offset=0,
+            byte_length=0,
+        )
+        for i in range(pieces)
+    ]
 
 
 def _record(tensor: MappedTensor) -> MappedRecord:
