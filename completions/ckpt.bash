@@ -8,7 +8,7 @@ _ckpt() {
   case "${COMP_WORDS[1]}" in
     inspect) opts="--list -l --filter -k --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --exact --force --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --no-extras --dcp-compression --config --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --no-extras --dcp-compression --config --flavor --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     reshard) opts="--world-size --max-shard-size --shard-dim --plan --rank-state --dcp-serialization --dry-run -n --no-extras --dcp-compression --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --watch --max-iterations --settle --json --quiet -q --verbose -v --help -h" ;;
     latest) opts="--settle --json --quiet -q --verbose -v --help -h" ;;
@@ -43,6 +43,7 @@ _ckpt() {
     convert\ --world-size) COMPREPLY=(); return ;;
     convert\ --dcp-compression) COMPREPLY=(); return ;;
     convert\ --config) COMPREPLY=(); return ;;
+    convert\ --flavor) COMPREPLY=(); return ;;
     convert\ --format|convert\ -f) COMPREPLY=( $(compgen -W "safetensors dcp torch hub" -- "$cur") ); return ;;
     convert\ --revision) COMPREPLY=(); return ;;
     convert\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;

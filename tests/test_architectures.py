@@ -233,7 +233,7 @@ def test_experts_unstack_and_stack_back() -> None:
     assert [t.name for t in plan.tensors] == [
         f"model.layers.3.mlp.experts.{e}.gate_proj.weight" for e in range(4)
     ]
-    experts = [t.read(Source()) for t in plan.tensors]  # type: ignore[arg-type]
+    experts = [t.read(Source()) for t in plan.tensors]
     for e, tensor in enumerate(experts):
         assert tensor.shape == (6, 8) and torch.equal(tensor, stacked[e])
     back = arch.plan(
@@ -381,3 +381,107 @@ def test_inspect_names_the_architecture_and_naming(tmp_path: Path) -> None:
     save_file({"encoder.weight": torch.zeros(2)}, tmp_path / "other.safetensors")
     r = run_ckpt("inspect", tmp_path / "other.safetensors", "--json")
     assert json.loads(r.stdout)["result"]["architecture"] is None
+
+
+def test_training_dict_of_an_hf_model_exports_by_select_and_strip(tmp_path: Path) -> None:
+    """A training save of an HF-named model (`{"model": ..., "optimizer": ...}`) exports its
+    model component with the prefix stripped; `--config FOLDER` brings the folder's
+    tokenizer and generation config beside the config."""
+    _llama_hf(tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    optimizer = {"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": [{"params": [0]}]}
+    torch.save({"model": weights, "optimizer": optimizer, "step": 3}, tmp_path / "train.pt")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    (tmp_path / "hf" / "generation_config.json").write_text('{"do_sample": false}')
+    r = run_ckpt(
+        "convert", tmp_path / "train.pt", tmp_path / "out", "--to", "hf", "--config",
+        tmp_path / "hf", "--json",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert doc["architecture"]["source_naming"] == "hf"
+    assert doc["architecture"]["transforms"] == {"copy": 21}
+    assert sorted(doc["serving_files"]) == ["generation_config.json", "tokenizer_config.json"]
+    got = _hf_tensors(tmp_path / "out")
+    assert got.keys() == weights.keys()
+    assert all(torch.equal(got[k], v) for k, v in weights.items())
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
+
+
+def test_tied_embeddings_dropped_on_export_and_rebuilt_on_import() -> None:
+    """tie_word_embeddings: the export leaves the output projection out (as torchtitan's own
+    to_hf does); the import writes it from the embedding's bytes."""
+    from ckpt_cli.architectures import get_architecture
+    from ckpt_cli.architectures.base import ModelArgs
+
+    arch = get_architecture("qwen3")
+    tied = ModelArgs(tie_embeddings=True)
+    titan = [("tok_embeddings.weight", [8, 4], "float32"), ("lm_head.weight", [8, 4], "float32")]
+    plan = arch.plan([*titan, ("norm.weight", [4], "float32")], "torchtitan", "hf", tied)
+    assert [t.name for t in plan.tensors] == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert plan.left_out == [("lm_head.weight", "tied to the embedding (tie_word_embeddings)")]
+    back = arch.plan(
+        [("model.embed_tokens.weight", [8, 4], "float32"), ("model.norm.weight", [4], "float32")],
+        "hf",
+        "torchtitan",
+        tied,
+    )
+    head = next(t for t in back.tensors if t.name == "lm_head.weight")
+    assert head.sources == ["model.embed_tokens.weight"] and head.verbatim
+
+
+def test_experts_of_a_non_raw_tensor_are_cut_from_one_read() -> None:
+    """Splitting a stacked tensor the source cannot read in boxes (torch_save serialization)
+    reads it once for all its experts, not once per expert."""
+    from ckpt_cli.architectures import get_architecture
+    from ckpt_cli.architectures.base import ModelArgs
+    from ckpt_cli.architectures.mapped import BoxReads
+
+    stacked = torch.randn(8, 3, 2)
+    reads: list[str] = []
+
+    class Pickled:
+        def serves_raw(self, name: str) -> bool:
+            return False
+
+        def read_tensor(self, name: str) -> torch.Tensor:
+            reads.append(name)
+            return stacked.clone()
+
+    name = "layers.0.moe.routed_experts.inner_experts.w2_EDF"
+    plan = get_architecture("qwen3-moe").plan(
+        [(name, [8, 3, 2], "float32")], "torchtitan", "hf", ModelArgs()
+    )
+    box_reads = BoxReads(Pickled())  # type: ignore[arg-type]
+    experts = [t.read(box_reads) for t in plan.tensors]
+    assert reads == [name]
+    assert all(torch.equal(e, stacked[i]) for i, e in enumerate(experts))
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+@pytest.mark.slow
+def test_export_with_a_torchtitan_flavor_builds_config_json(tmp_path: Path) -> None:
+    """`--flavor debugmodel`: torchtitan's own llama3 flavor (16 heads, llama3 rope scaling,
+    131072 positions) gives what the weights do not, and transformers builds the same model
+    from the config.json ckpt writes."""
+    _script("save", "llama3:debugmodel", tmp_path / "run", tmp_path / "ref")
+    step = tmp_path / "run" / "checkpoint" / "step-1"
+    r = run_ckpt("convert", step, tmp_path / "hf", "--to", "hf", "--flavor", "debugmodel")
+    assert r.exit_code == 0, r.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_attention_heads"] == 16 and config["max_position_embeddings"] == 131072
+    assert config["rope_parameters"]["rope_type"] == "llama3"
+    want = load_file(tmp_path / "ref" / "to_hf.safetensors")
+    got = _hf_tensors(tmp_path / "hf")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    reference = torch.load(tmp_path / "ref" / "logits.pt", weights_only=True)
+    # the weights are torchtitan's own to_hf bit for bit: what is left is the two forwards'
+    # float32 rounding (6 layers, dim 256: measured 1.4e-6 on logits up to 4.2, 3 ulps)
+    assert (_hf_logits(tmp_path / "hf") - reference).abs().max().item() <= 1e-6 * max(
+        1.0, reference.abs().max().item()
+    )
+    r = run_ckpt("convert", step, tmp_path / "x", "--to", "hf", "--flavor", "nonesuch")
+    assert r.exit_code == 2 and "debugmodel" in r.stderr

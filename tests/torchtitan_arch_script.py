@@ -16,7 +16,8 @@ Run in its own process (torchtitan's imports are heavy and register hooks):
         `OUT/trained.pt` (the loss and whether every parameter moved)
 
 FAMILY is `llama3` (dim 32, 4 heads over 2 KV heads, llama3 rope scaling), `qwen3` (q/k norms)
-or `qwen3-moe` (4 experts, top 2). Attention is SDPA (the stock backends are flex / varlen).
+or `qwen3-moe` (4 experts, top 2), or `NAME:FLAVOR`, a flavor of torchtitan's own registry
+(`llama3:debugmodel`; no `config.json` is written for it). Attention is SDPA (the stock backends are flex / varlen).
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def model_config(family: str) -> Any:
     from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 
+    if ":" in family:  # FAMILY:FLAVOR from torchtitan's own registry
+        import importlib
+
+        name, flavor = family.split(":")
+        config = importlib.import_module(f"torchtitan.models.{name}").model_registry(flavor).model
+        _sdpa(config.layers)
+        return config
     if family == "llama3":
         import torchtitan.models.llama3 as llama3
 
@@ -221,11 +229,12 @@ def save(family: str, run: Path, out: Path) -> None:
     manager.save(curr_step=1)
     manager.close()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(family), indent=2))
+    if ":" not in family:
+        (out / "config.json").write_text(json.dumps(hf_config(family), indent=2))
     with torch.no_grad():
         torch.save(model(IDS), out / "logits.pt")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    hf = adapter(family, model_config(family)).to_hf(state)
+    hf = adapter(family.split(":")[0], model_config(family)).to_hf(state)
     save_file({k: v.contiguous() for k, v in hf.items()}, out / "to_hf.safetensors")
 
 

@@ -30,7 +30,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -40,6 +40,17 @@ if TYPE_CHECKING:
     import torch
 
     from ..formats.base import Checkpoint
+
+
+class TensorReads(Protocol):
+    """Where `MappedTensor.read` reads its pieces: a `Checkpoint`, or a reader over one."""
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor `name`."""
+
+    def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        """The box `offsets`/`sizes` of tensor `name`."""
+
 
 #: the naming every architecture maps to and from (transformers' `from_pretrained` names)
 HF = "hf"
@@ -71,6 +82,7 @@ class ModelArgs(BaseModel):
         max_position_embeddings: context length the rotary tables are built for.
         tie_embeddings: the output projection is the embedding (no `lm_head` stored).
         num_experts / experts_per_token / moe_ffn_dim: MoE layers (None for dense models).
+        norm_topk_prob: the router renormalises the top-k scores (MoE).
         dtype: the weights' dtype token (`bf16`...), for `config.json`'s `torch_dtype`.
         config: the Hugging Face `config.json` these args came from, when one was given: an
             export writes it unchanged rather than one rebuilt from the args.
@@ -93,6 +105,7 @@ class ModelArgs(BaseModel):
     num_experts: int | None = None
     experts_per_token: int | None = None
     moe_ffn_dim: int | None = None
+    norm_topk_prob: bool | None = None
     dtype: str | None = None
     config: dict[str, Any] | None = None
 
@@ -109,7 +122,7 @@ class ModelArgs(BaseModel):
             raise FormatError(
                 f"the {family} mapping needs {field_name} ({why}), which the weights do not tell",
                 fix="Pass --config with the model's Hugging Face config.json (a file, a folder "
-                "or hf://org/model).",
+                "or hf://org/model), or --flavor with the torchtitan flavor it was trained as.",
             )
         return value
 
@@ -164,7 +177,7 @@ class MappedTensor:
         """The distinct source names read, in order."""
         return list(dict.fromkeys(p.source for p in self.pieces))
 
-    def read(self, checkpoint: Checkpoint) -> torch.Tensor:
+    def read(self, checkpoint: TensorReads) -> torch.Tensor:
         """Build this tensor from `checkpoint`, reading only its pieces."""
         import torch
 
@@ -475,6 +488,8 @@ class Architecture(ABC):
             `recognise` to claim a checkpoint (what tells this family from its relatives,
             e.g. Qwen3's q/k norms).
         excluders: naming -> patterns whose presence says the checkpoint is not this family.
+        torchtitan_models: the torchtitan module whose `model_registry(flavor)` builds this
+            family (`--flavor`), None when torchtitan has none.
         tied: naming -> (embedding name, output projection name): with `tie_embeddings`, the
             HF naming stores no output projection (an export drops it, as torchtitan's own
             `to_hf` does) and a native one holds it as a copy of the embedding (an import
@@ -489,6 +504,7 @@ class Architecture(ABC):
     markers: ClassVar[Mapping[str, Sequence[str]]] = {}
     excluders: ClassVar[Mapping[str, Sequence[str]]] = {}
     tied: ClassVar[Mapping[str, tuple[str, str]]] = {}
+    torchtitan_models: ClassVar[str | None] = None
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
 
     @classmethod
@@ -589,7 +605,7 @@ class Architecture(ABC):
         """
         if source == target:
             tensors = [
-                MappedTensor(name=n, shape=tuple(s), dtype=d, pieces=(Piece(n),))
+                MappedTensor(name=n, shape=tuple(s), dtype=d, pieces=(Piece(n),), transform="copy")
                 for n, s, d in entries
             ]
             return ArchitecturePlan(cls.name, source, target, tensors, args=args)

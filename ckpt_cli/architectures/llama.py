@@ -206,6 +206,7 @@ class _Decoder(Architecture):
             num_experts=config.get("num_experts") or config.get("num_local_experts"),
             experts_per_token=config.get("num_experts_per_tok"),
             moe_ffn_dim=config.get("moe_intermediate_size"),
+            norm_topk_prob=config.get("norm_topk_prob"),
             config=dict(config),
         )
 
@@ -254,6 +255,7 @@ class Llama3(_Decoder):
     hf_model_types = ("llama",)
     hf_architecture = "LlamaForCausalLM"
     hf_model_type = "llama"
+    torchtitan_models = "torchtitan.models.llama3"
     rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
         TITAN: [
             *_renames(_COMMON),
@@ -280,6 +282,7 @@ class Qwen3(_Decoder):
     hf_model_types = ("qwen3",)
     hf_architecture = "Qwen3ForCausalLM"
     hf_model_type = "qwen3"
+    torchtitan_models = "torchtitan.models.qwen3"
     rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
         TITAN: _renames((*_COMMON, _Q, _K, *_QK_NORMS, *_DENSE_MLP))
     }
@@ -299,6 +302,7 @@ class Qwen3Moe(_Decoder):
     hf_model_types = ("qwen3_moe",)
     hf_architecture = "Qwen3MoeForCausalLM"
     hf_model_type = "qwen3_moe"
+    torchtitan_models = "torchtitan.models.qwen3"
     rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
         TITAN: [
             *_renames((*_COMMON, _Q, _K, *_QK_NORMS, *_DENSE_MLP, *_ROUTER)),
@@ -332,5 +336,7 @@ class Qwen3Moe(_Decoder):
                 "experts_per_token", cls.title, "the router picks that many experts"
             )
             config["moe_intermediate_size"] = args.moe_ffn_dim
-            config["norm_topk_prob"] = True
+            config["norm_topk_prob"] = args.require(
+                "norm_topk_prob", cls.title, "the router's top-k renormalisation"
+            )
         return config

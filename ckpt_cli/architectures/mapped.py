@@ -4,13 +4,24 @@ Its manifest lists the mapping's outputs (`ArchitecturePlan.tensors`) under thei
 reading one reads only that output's pieces from the source (`MappedTensor.read`). An output
 that is one whole source tensor unchanged (a rename) is still served as the source's raw bytes,
 so the writers' byte copies (and `copy_file_range`) keep working across a rename.
+
+Most transforms need no tensor at all, so torch is never imported for them: an output that is
+the concatenation of contiguous byte ranges of raw-stored sources (one expert's rows of a
+stacked tensor, experts stacked, a rename) is served as those ranges (`local_ranges`: copied
+in the kernel); a rotary permutation reorders whole rows, done on the source's bytes with
+numpy (`permute_rows`), any dtype.
+
+Boxes of a tensor the source does not store as raw bytes (a torch_save DCP chunk, a
+`torch.save` blob) are cut from the whole tensor, read once and kept until an output from
+another tensor is read: the E experts of a stacked `[E, ...]` tensor are consecutive outputs,
+so the stacked tensor is read once, not E times, and memory stays one input plus one output.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import dtypes
 from ..fileio import COPY_BLOCK
@@ -30,6 +41,7 @@ class MappedCheckpoint(Checkpoint):
         self, base: Checkpoint, plan: ArchitecturePlan, objects: dict[str, Any] | None = None
     ):
         self.base = base
+        self._reads = BoxReads(base)
         self.plan = plan
         self.mapped: dict[str, MappedTensor] = {t.name: t for t in plan.tensors}
         self.objects = dict(objects or {})
@@ -74,6 +86,42 @@ class MappedCheckpoint(Checkpoint):
             ),
         )
 
+    def byte_ranges(self, name: str) -> list[tuple[str, int, int]] | None:
+        """(source, byte start, length) of each piece when output `name`'s bytes are those
+        ranges of raw-stored sources back to back (no permutation; boxes whole rows along
+        dim 0), else None."""
+        tensor = self.mapped.get(name)  # None for an entry that is no mapped tensor
+        if tensor is None or tensor.permute is not None or tensor.combine == "zeros":
+            return None
+        out = []
+        for piece in tensor.pieces:
+            entry = self.base.manifest.by_name[piece.source]
+            if entry.dtype is None or not self.base.serves_raw(piece.source):
+                return None
+            if piece.offsets is None or piece.sizes is None:
+                out.append((piece.source, 0, entry.nbytes))
+                continue
+            shape = list(entry.shape)
+            whole_rows = not any(piece.offsets[1:]) and list(piece.sizes[1:]) == shape[1:]
+            if not shape or not whole_rows or dtypes.bitsize(entry.dtype) % 8:
+                return None
+            row = dtypes.numel(shape[1:]) * dtypes.itemsize(entry.dtype)
+            out.append((piece.source, piece.offsets[0] * row, piece.sizes[0] * row))
+        return out
+
+    def _permuted_source(self, name: str) -> str | None:
+        """The raw-stored source whose rows output `name` permutes, if it is one."""
+        tensor = self.mapped.get(name)
+        if tensor is None or tensor.permute is None or len(tensor.pieces) != 1:
+            return None
+        if tensor.combine != "one":
+            return None
+        piece = tensor.pieces[0]
+        entry = self.base.manifest.by_name[piece.source]
+        if piece.offsets is not None or entry.dtype is None or dtypes.bitsize(entry.dtype) % 8:
+            return None
+        return piece.source if self.base.serves_raw(piece.source) else None
+
     def _verbatim_source(self, name: str) -> str | None:
         tensor = self.mapped.get(name)  # None for the naming's own objects
         return tensor.pieces[0].source if tensor is not None and tensor.verbatim else None
@@ -85,7 +133,7 @@ class MappedCheckpoint(Checkpoint):
         return {f for source in tensor.sources for f in self.base.files_of(source)}
 
     def read_tensor(self, name: str) -> torch.Tensor:
-        return self.mapped[name].read(self.base)
+        return self.mapped[name].read(self._reads)
 
     def read_object(self, name: str) -> Any:
         if name in self.objects:
@@ -93,22 +141,120 @@ class MappedCheckpoint(Checkpoint):
         return self.base.read_object(name)
 
     def serves_raw(self, name: str) -> bool:
-        source = self._verbatim_source(name)
-        return source is not None and self.base.serves_raw(source)
+        if self.byte_ranges(name) is not None:
+            return True
+        return self._permuted_source(name) is not None
 
     def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
         source = self._verbatim_source(name)
-        if source is None:
+        if source is not None:
+            return self.base.iter_raw(source, block)
+        ranges = self.byte_ranges(name)
+        if ranges is not None:
+            return self._iter_ranges(ranges, block)
+        permuted = self._permuted_source(name)
+        if permuted is None:
             return super().iter_raw(name, block)
-        return self.base.iter_raw(source, block)
+        tensor = self.mapped[name]
+        rows = permute_rows(
+            self.base.iter_raw(permuted, block),
+            tensor.shape[0],
+            tensor.heads,
+            tensor.permute or "to_halves",
+        )
+        # writers take any buffer (see transfer._counted)
+        return cast(Iterator[bytes], (rows[i : i + block] for i in range(0, len(rows), block)))
+
+    def _iter_ranges(self, ranges: list[tuple[str, int, int]], block: int) -> Iterator[bytes]:
+        for source, start, length in ranges:
+            at = 0  # the source's bytes stream past; only [start, start + length) is kept
+            for chunk in self.base.iter_raw(source, block):
+                lo, hi = max(start - at, 0), min(start + length - at, len(chunk))
+                if lo < hi:
+                    yield bytes(chunk[lo:hi])
+                at += len(chunk)
+                if at >= start + length:
+                    break
 
     def local_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
         source = self._verbatim_source(name)
-        return None if source is None else self.base.local_ranges(source)
+        if source is not None:
+            return self.base.local_ranges(source)
+        ranges = self.byte_ranges(name)
+        if ranges is None:
+            return None
+        out: list[tuple[Path, int, int]] = []
+        for source, start, length in ranges:
+            segments = self.base.local_ranges(source)
+            if segments is None:
+                return None
+            out += window(segments, start, length)
+        return out
 
     def padding(self, name: str) -> list[tuple[int, int]]:
         source = self._verbatim_source(name)
         return [] if source is None else self.base.padding(source)
 
     def close(self) -> None:
+        self._reads.held = None
         self.base.close()
+
+
+def window(
+    segments: list[tuple[Path, int, int]], start: int, length: int
+) -> list[tuple[Path, int, int]]:
+    """The part `[start, start + length)` of the bytes `segments` hold back to back."""
+    out = []
+    at = 0
+    for path, offset, size in segments:
+        lo, hi = max(start, at), min(start + length, at + size)
+        if lo < hi:
+            out.append((path, offset + lo - at, hi - lo))
+        at += size
+    return out
+
+
+def permute_rows(blocks: Iterable[bytes], rows: int, heads: int, to: str) -> memoryview:
+    """`rotary_permute` on a row-major tensor's raw bytes (whole rows moved, any dtype): the
+    source's blocks are read into one buffer and its rows copied once into the output."""
+    import numpy as np
+
+    data = bytearray()
+    for block in blocks:
+        data += block
+    flat = np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
+    width = flat.shape[1]
+    out = np.empty_like(flat)
+    half = rows // heads // 2
+    if to == "to_halves":
+        source = flat.reshape(heads, half, 2, width).transpose(0, 2, 1, 3)
+        np.copyto(out.reshape(heads, 2, half, width), source)
+    else:
+        source = flat.reshape(heads, 2, half, width).transpose(0, 2, 1, 3)
+        np.copyto(out.reshape(heads, half, 2, width), source)
+    return out.data.cast("B")
+
+
+class BoxReads:
+    """Reads of whole tensors and boxes from `base`, keeping the last whole tensor a box
+    was cut from (when `base` cannot read the box alone from raw bytes)."""
+
+    def __init__(self, base: Checkpoint):
+        self.base = base
+        self.held: tuple[str, torch.Tensor] | None = None
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        if self.held is not None and self.held[0] == name:
+            return self.held[1]
+        self.held = None
+        return self.base.read_tensor(name)
+
+    def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        if self.base.serves_raw(name):
+            self.held = None
+            return self.base.read_slice(name, offsets, sizes)
+        if self.held is None or self.held[0] != name:
+            self.held = None  # release the previous one before reading the next
+            self.held = (name, self.base.read_tensor(name))
+        index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+        return self.held[1][index]

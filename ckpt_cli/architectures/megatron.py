@@ -51,6 +51,7 @@ from .base import (
     NamingOutput,
     Piece,
     Rename,
+    TensorReads,
     TensorRule,
     one,
 )
@@ -94,7 +95,7 @@ class StackedTensor(MappedTensor):
     concatenated into its place of the output, so at most one layer's pieces are held beside
     the output."""
 
-    def read(self, checkpoint: Checkpoint) -> torch.Tensor:
+    def read(self, checkpoint: TensorReads) -> torch.Tensor:
         import torch
 
         from ..tensors import torch_dtype
@@ -113,7 +114,7 @@ class StackedTensor(MappedTensor):
         return out
 
 
-def _read_piece(checkpoint: Checkpoint, piece: Piece) -> torch.Tensor:
+def _read_piece(checkpoint: TensorReads, piece: Piece) -> torch.Tensor:
     if piece.offsets is None or piece.sizes is None:
         return checkpoint.read_tensor(piece.source)
     return checkpoint.read_slice(piece.source, list(piece.offsets), list(piece.sizes))

@@ -136,6 +136,14 @@ def convert(
             "model): an FSDP Trainer checkpoint has none, and from_pretrained needs it.",
         ),
     ] = None,
+    flavor: Annotated[
+        str | None,
+        typer.Option(
+            "--flavor",
+            help="With --to hf / torchtitan: the torchtitan model flavor (8B, debugmodel...) "
+            "whose head counts, rotary and norm settings build config.json (needs torchtitan).",
+        ),
+    ] = None,
     format: FormatOpt = None,
     force: ForceOpt = False,
     json_output: JsonOpt = False,
@@ -181,6 +189,7 @@ def convert(
                 dry_run=dry_run,
                 extras=not no_extras,
                 config=config,
+                flavor=flavor,
             ),
             render_convert,
         )

@@ -31,7 +31,7 @@ from ..architectures.base import (
     NamingOutput,
 )
 from ..errors import FormatError
-from ..models import Chunk, Manifest
+from ..models import Chunk
 from .transfer import SkippedEntry, TransferPlan, plan_transfer
 
 if TYPE_CHECKING:
@@ -128,15 +128,20 @@ def _args(
     if config is None:
         return found.model_copy(update={"dtype": dtype})
     given = arch.args_from_config(config)
+    _agree(found, given, where, "config.json")
+    return found.merged(given).model_copy(update={"dtype": dtype})
+
+
+def _agree(found: ModelArgs, given: ModelArgs, where: str, what: str) -> None:
+    """Refuse args (`config.json`, a flavor) that contradict what the weights tell."""
     for key in ("dim", "vocab_size", "n_layers", "n_heads", "n_kv_heads", "num_experts"):
         a, b = getattr(found, key), getattr(given, key)
         if a is not None and b is not None and a != b:
             raise FormatError(
-                f"config.json gives {key}={b}, but the weights have {key}={a}",
+                f"{what} gives {key}={b}, but the weights have {key}={a}",
                 path=where,
-                fix="Pass the config.json of this model with --config.",
+                fix="Pass the config.json (--config) or the flavor (--flavor) of this model.",
             )
-    return found.merged(given).model_copy(update={"dtype": dtype})
 
 
 def map_plan(
@@ -149,6 +154,7 @@ def map_plan(
     keep_objects: bool,
     dedupe_tied: bool,
     architecture: str | None = None,
+    flavor: str | None = None,
 ) -> MappedSource:
     """Map `plan`'s tensors from their naming to naming `target` (see the module docstring).
 
@@ -161,6 +167,8 @@ def map_plan(
         cast: the `--dtype` cast of floating tensors.
         keep_objects / dedupe_tied: the target format's facts, as `plan_transfer` takes them.
         architecture: the family token, when the caller names it (else recognised).
+        flavor: a torchtitan flavor of the family (`--flavor`), for what the shapes and
+            `config` do not tell.
 
     Raises:
         FormatError: no family claims the names (exit 4, naming the closest family's unknown
@@ -197,8 +205,15 @@ def map_plan(
         arch, naming = found.architecture, found.naming
     shapes = {i.target.name: list(i.source.shape) for i in tensors}
     dtypes = [i.source.dtype for i in tensors if i.source.dtype]
-    dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
+    # the dtype written: config.json's torch_dtype says what the weights are after --dtype
+    dtype = cast or (max(set(dtypes), key=dtypes.count) if dtypes else None)
     args = _args(arch, shapes, naming, config, dtype, where, checkpoint)
+    if flavor is not None:
+        from ..architectures.flavors import flavor_args
+
+        known = flavor_args(arch, flavor)
+        _agree(args, known, where, f"--flavor {flavor}")
+        args = args.merged(known)
     mapping = arch.plan(
         [(i.target.name, list(i.source.shape), i.source.dtype or "") for i in tensors],
         naming,
@@ -271,21 +286,3 @@ def dim0_chunks(shape: list[int], pieces: int) -> list[Chunk]:
 
 def _record(tensor: MappedTensor) -> MappedRecord:
     return MappedRecord(name=tensor.name, sources=tensor.sources, transform=tensor.transform)
-
-
-def describe_naming(manifest: Manifest, model_type: str | None = None) -> tuple[str, str] | None:
-    """(family, naming) of a checkpoint's tensors, for `inspect`; names only, no torch.
-
-    Tries the whole checkpoint, then its torchtitan model keys (beside training state)."""
-    names = [e.name for e in manifest.entries if e.kind == "tensor"]
-    found = recognise(names, model_type)
-    if found is None:
-        from ..layouts.torchtitan import model_entries, titan_model_keys
-
-        keys = titan_model_keys(manifest)
-        model = [e.name for e in model_entries(manifest.tensors, keys)] if keys else []
-        if model and len(model) < len(names):
-            found = recognise(model, model_type)
-    if found is None:
-        return None
-    return found.architecture.name, found.naming

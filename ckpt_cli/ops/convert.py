@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import dtypes
+from ..architectures import HF
 from ..distributed import RankShare
 from ..errors import FormatError, UsageError
 from ..formats import find_format
@@ -37,6 +38,7 @@ from .convert_plan import (
     output_warnings,
     planned_files,
     read_config,
+    read_serving_files,
     unused_renames,
 )
 from .transfer import (
@@ -74,6 +76,7 @@ class ConvertRequest(BaseModel):
     dry_run: bool = False
     extras: bool = True
     config: str | None = None
+    flavor: str | None = None
 
 
 class ConvertReport(BaseModel):
@@ -107,6 +110,10 @@ class ConvertReport(BaseModel):
         config_written: `config.json` written into the output: the source's without its
             quantization section (`--dequantize`), or the one `--config` named.
         config_source: where `--config` read that `config.json` (None without it).
+        architecture: for `--to hf` / `--to torchtitan`: the model's family, the two namings
+            and every tensor's rename and transform.
+        serving_files: tokenizer and generation-config files `--to hf --config FOLDER` copied
+            from that folder (or Hub model) beside the config.
         extras: non-weight files of the source folder copied unchanged into DEST
             (`config.json`, `generation_config.json`, tokenizer files...; see
             `transfer.extra_files`); empty with `extras=False` or a single-file DEST.
@@ -144,6 +151,7 @@ class ConvertReport(BaseModel):
     config_source: str | None = None
     extras: list[str] = Field(default_factory=list)
     architecture: ArchitectureReport | None = None
+    serving_files: list[str] = Field(default_factory=list)
 
 
 def _unreadable_components(
@@ -207,6 +215,7 @@ def convert(
     dry_run: bool = False,
     extras: bool = True,
     config: str | None = None,
+    flavor: str | None = None,
 ) -> ConvertReport:
     """Convert `src` into format `to` at `dest`, streaming one tensor or byte range at a time.
 
@@ -239,8 +248,16 @@ def convert(
         config: a `config.json` to write into a folder DEST, in place of the source's: a
             file, a model folder or `hf://org/model` (an FSDP Trainer checkpoint has none,
             and `from_pretrained` needs one).
+        flavor: `--to hf` / `--to torchtitan`: the torchtitan model flavor (`8B`,
+            `debugmodel`) whose args (head counts, rotary base and scaling, norm epsilon)
+            complete what the weights tell, read from the installed torchtitan's registry.
     """
     to, naming = naming_format(to)
+    if flavor is not None and naming is None:
+        raise UsageError(
+            "--flavor applies to --to hf and --to torchtitan only",
+            fix="Leave --flavor out, or convert with --to hf.",
+        )
     target = check_target(
         to, serialization=dcp_serialization, compression=dcp_compression, world_size=world_size
     )
@@ -271,6 +288,7 @@ def convert(
                 dry_run=dry_run,
                 extras=extras,
                 config=config,
+                flavor=flavor,
             )
             if not select:
                 if config is not None:
@@ -331,6 +349,7 @@ def convert(
                 cast=cast,
                 keep_objects=target.holds_objects,
                 dedupe_tied=target.dedupes_tied,
+                flavor=flavor,
             )
             checkpoint, plan, origins = mapped.checkpoint, mapped.plan, mapped.origins
             architecture, naming_config = mapped.report, mapped.config
@@ -356,6 +375,13 @@ def convert(
             # the config of the mapped model, built from its args (or the source's own)
             carried = [rel for rel in carried if rel != "config.json"]
             options.companions["config.json"] = naming_config
+        serving: list[str] = []
+        if naming == HF and config is not None:
+            # a model folder / Hub model given for its config serves its tokenizer too
+            for name, data in read_serving_files(config).items():
+                if name not in carried:
+                    options.companions[name] = data
+                    serving.append(name)
         elif not single_file and naming is None:
             missing = missing_config_warning(opened, target.name, select, carried, str(dest_path))
             if missing is not None:
@@ -435,6 +461,7 @@ def convert(
         extras=carried,
         warnings=warnings + output_warnings(target, dcp_serialization),
         architecture=architecture,
+        serving_files=serving,
     )
 
 

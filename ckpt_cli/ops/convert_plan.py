@@ -304,6 +304,45 @@ def read_config(spec: str) -> tuple[bytes, str]:
     return data, where
 
 
+#: the files beside a model's config.json that serving loads with it (tokenizer, generation)
+SERVING_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+def read_serving_files(spec: str) -> dict[str, bytes]:
+    """The tokenizer and generation-config files of the model folder or Hub model `spec`
+    names (`convert --to hf --config FOLDER|hf://org/model`), by name; none when `spec` names
+    one file. Each is copied verbatim; one larger than a tokenizer can be is refused."""
+    from ..formats import resolve_source
+    from ..model_files import MAX_EXTRA_BYTES
+
+    source = resolve_source(spec)
+    if source.target is not None:
+        return {}
+    storage = source.storage
+    out: dict[str, bytes] = {}
+    for name in SERVING_FILES:
+        if not storage.exists(name):
+            continue
+        if storage.size(name) > MAX_EXTRA_BYTES:
+            raise FormatError(
+                f"is larger than {MAX_EXTRA_BYTES >> 20} MiB: not a tokenizer or generation file",
+                path=storage.describe(name),
+                fix="Point --config at the model's own folder.",
+            )
+        out[name] = storage.read_all(name)
+    return out
+
+
 #: training layouts whose weights users load with transformers' from_pretrained
 HF_LAYOUTS = ("hf-trainer", "accelerate")
 

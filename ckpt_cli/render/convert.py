@@ -49,6 +49,12 @@ def render_convert(report: ConvertReport) -> None:
     stdout.print("  [green]structure checked before publishing[/]")
     if report.extras:
         stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)
+    if report.serving_files:
+        stdout.print(
+            f"  from {report.config_source}: config.json, {', '.join(report.serving_files)}",
+            highlight=False,
+            markup=False,
+        )
     for warning in report.warnings:
         stderr.print(f"[yellow]ckpt convert: warning:[/] {warning}", highlight=False)
     render_ranks(report.ranks)
