@@ -196,7 +196,7 @@ class MappedCheckpoint(Checkpoint):
         return [] if source is None else self.base.padding(source)
 
     def close(self) -> None:
-        self._reads.held = None
+        self._reads.held = []
         self.base.close()
 
 
@@ -236,25 +236,78 @@ def permute_rows(blocks: Iterable[bytes], rows: int, heads: int, to: str) -> mem
 
 
 class BoxReads:
-    """Reads of whole tensors and boxes from `base`, keeping the last whole tensor a box
-    was cut from (when `base` cannot read the box alone from raw bytes)."""
+    """Reads of whole tensors and boxes from `base`. A box `base` cannot read alone from raw
+    bytes is cut from the smallest region `base` stores it in: the stored chunks it overlaps
+    (their bounding box), or the whole tensor. The regions of the current tensor's dim-0 slab
+    are kept (Megatron's layer stacks are stored one chunk per layer and tensor-parallel rank:
+    the chunks of one layer), so the q, k and v rows of a fused QKV, or the E experts of a
+    stacked tensor, read each region once, and memory stays one slab, never the whole stack
+    of a chunked tensor."""
 
     def __init__(self, base: Checkpoint):
         self.base = base
-        self.held: tuple[str, torch.Tensor] | None = None
+        #: (name, region offsets, region sizes, the region's values), oldest first
+        self.held: list[tuple[str, list[int], list[int], torch.Tensor]] = []
 
     def read_tensor(self, name: str) -> torch.Tensor:
-        if self.held is not None and self.held[0] == name:
-            return self.held[1]
-        self.held = None
+        shape = self._shape(name)
+        for held_name, _, sizes, values in self.held:
+            if held_name == name and sizes == shape:
+                return values
+        self.held = []
         return self.base.read_tensor(name)
+
+    def _shape(self, name: str) -> list[int]:
+        return list(self.base.manifest.by_name[name].shape)
+
+    def _region(
+        self, name: str, offsets: list[int], sizes: list[int]
+    ) -> tuple[list[int], list[int], int]:
+        """The bounding box of the stored chunks the box overlaps (the whole tensor when it is
+        stored as one piece), and how many chunks share the box's dim-0 slab."""
+        shape = self._shape(name)
+        chunks = self.base.manifest.by_name[name].chunks or []
+
+        def overlaps(c_offsets: list[int], c_sizes: list[int], dims: int) -> bool:
+            return all(
+                o < co + cs and co < o + n
+                for o, n, co, cs in list(zip(offsets, sizes, c_offsets, c_sizes, strict=True))[
+                    :dims
+                ]
+            )
+
+        over = [c for c in chunks if overlaps(c.offsets, c.sizes, len(shape))]
+        slab = sum(1 for c in chunks if overlaps(c.offsets, c.sizes, 1))
+        if not over:
+            return [0] * len(shape), shape, 1
+        lo = [min(c.offsets[d] for c in over) for d in range(len(shape))]
+        hi = [max(c.offsets[d] + c.sizes[d] for c in over) for d in range(len(shape))]
+        return lo, [h - low for h, low in zip(hi, lo, strict=True)], max(slab, 1)
 
     def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
         if self.base.serves_raw(name):
-            self.held = None
+            self.held = []
             return self.base.read_slice(name, offsets, sizes)
-        if self.held is None or self.held[0] != name:
-            self.held = None  # release the previous one before reading the next
-            self.held = (name, self.base.read_tensor(name))
-        index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
-        return self.held[1][index]
+        found = None
+        for held in self.held:
+            if held[0] == name and all(
+                ho <= o and o + n <= ho + hn
+                for o, n, ho, hn in zip(offsets, sizes, held[1], held[2], strict=True)
+            ):
+                found = held
+                break
+        if found is None:
+            lo, extent, keep = self._region(name, offsets, sizes)
+            # release what the next region replaces before reading it
+            self.held = [h for h in self.held if h[0] == name][-(keep - 1) :] if keep > 1 else []
+            whole = extent == self._shape(name)
+            values = (
+                self.base.read_tensor(name) if whole else self.base.read_slice(name, lo, extent)
+            )
+            found = (name, lo, extent, values)
+            self.held.append(found)
+        _, lo, _, values = found
+        index = tuple(
+            slice(o - start, o - start + n) for o, n, start in zip(offsets, sizes, lo, strict=True)
+        )
+        return values[index]
