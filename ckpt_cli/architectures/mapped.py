@@ -158,6 +158,7 @@ class MappedCheckpoint(Checkpoint):
         tensor = self.mapped[name]
         rows = permute_rows(
             self.base.iter_raw(permuted, block),
+            self.base.manifest.by_name[permuted].nbytes,
             tensor.shape[0],
             tensor.heads,
             tensor.permute or "to_halves",
@@ -214,15 +215,19 @@ def window(
     return out
 
 
-def permute_rows(blocks: Iterable[bytes], rows: int, heads: int, to: str) -> memoryview:
+def permute_rows(
+    blocks: Iterable[bytes], nbytes: int, rows: int, heads: int, to: str
+) -> memoryview:
     """`rotary_permute` on a row-major tensor's raw bytes (whole rows moved, any dtype): the
     source's blocks are read into one buffer and its rows copied once into the output."""
     import numpy as np
 
-    data = bytearray()
+    data = np.empty(nbytes, dtype=np.uint8)  # one allocation, filled block by block
+    at = 0
     for block in blocks:
-        data += block
-    flat = np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
+        data[at : at + len(block)] = np.frombuffer(block, dtype=np.uint8)
+        at += len(block)
+    flat = data.reshape(rows, -1)
     width = flat.shape[1]
     out = np.empty_like(flat)
     half = rows // heads // 2
