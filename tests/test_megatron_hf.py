@@ -364,3 +364,34 @@ def test_per_layer_megatron_names_export_the_same_tensors(
         assert sorted(got.keys()) == sorted(want.keys())
         for name in want.keys():  # noqa: SIM118
             assert torch.equal(got.get_tensor(name), want.get_tensor(name)), name
+
+
+def test_a_save_with_optimizer_state_exports_with_filter_out(
+    megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    """Megatron-LM saves the optimizer's state beside the model (`optimizer.state.*`): no rule
+    maps it, so the export is refused naming those tensors and the way out, and
+    `--filter-out 'optimizer.*'` exports the model."""
+    import torch.distributed.checkpoint as dcp
+
+    folder, truth = megatron_save
+    flat = tmp_path / "flat.safetensors"
+    assert run_ckpt("convert", folder, flat, "--to", "safetensors").exit_code == 0
+    from safetensors.torch import load_file
+
+    state = load_file(flat)
+    state["optimizer.state.exp_avg.output_layer.weight"] = torch.zeros_like(
+        state["output_layer.weight"]
+    )
+    save = tmp_path / "with-optimizer"
+    dcp.save(state, checkpoint_id=save, no_dist=True)
+    for name in ("common.pt", "metadata.json"):
+        shutil.copy(folder / name, save / name)
+    refused = run_ckpt("convert", save, tmp_path / "no", "--to", "hf")
+    assert refused.exit_code == 4
+    assert "optimizer.state.exp_avg.output_layer.weight" in refused.stderr
+    assert "--filter-out" in refused.stderr
+    out = tmp_path / "hf"
+    result = run_ckpt("convert", save, out, "--to", "hf", "--filter-out", "optimizer.*")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert close(hf_logits(out)[1], truth) <= TOLERANCE
