@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -441,7 +442,12 @@ def test_experts_of_a_non_raw_tensor_are_cut_from_one_read() -> None:
     stacked = torch.randn(8, 3, 2)
     reads: list[str] = []
 
+    name = "layers.0.moe.routed_experts.inner_experts.w2_EDF"
+
     class Pickled:
+        # one stored piece (no chunks): boxes are cut from the whole tensor
+        manifest = SimpleNamespace(by_name={name: SimpleNamespace(shape=[8, 3, 2], chunks=None)})
+
         def serves_raw(self, name: str) -> bool:
             return False
 
@@ -449,7 +455,6 @@ def test_experts_of_a_non_raw_tensor_are_cut_from_one_read() -> None:
             reads.append(name)
             return stacked.clone()
 
-    name = "layers.0.moe.routed_experts.inner_experts.w2_EDF"
     plan = get_architecture("qwen3-moe").plan(
         [(name, [8, 3, 2], "float32")], "torchtitan", "hf", ModelArgs()
     )
@@ -485,6 +490,64 @@ def test_export_with_a_torchtitan_flavor_builds_config_json(tmp_path: Path) -> N
     )
     r = run_ckpt("convert", step, tmp_path / "x", "--to", "hf", "--flavor", "nonesuch")
     assert r.exit_code == 2 and "debugmodel" in r.stderr
+
+
+def test_boxes_of_a_chunked_non_raw_tensor_read_only_their_chunks() -> None:
+    """A Megatron layer stack stored one torch_save chunk per layer and tensor-parallel rank:
+    q, k and v of one query group are cut from one read of their chunk, and nothing larger
+    than a chunk is ever read (never the whole stack)."""
+    from ckpt_cli.architectures import get_architecture
+    from ckpt_cli.architectures.base import ModelArgs
+    from ckpt_cli.architectures.mapped import BoxReads
+    from ckpt_cli.models import Chunk
+
+    layers, groups, heads, head_dim, hidden = 3, 2, 4, 2, 4
+    rows = groups * (heads // groups + 2) * head_dim
+    name = "decoder.layers.self_attention.linear_qkv.weight"
+    stacked = torch.randn(layers, rows, hidden)
+    half = rows // 2  # 2 tensor-parallel ranks: one query group each
+    chunks = [
+        Chunk(offsets=[layer, r * half, 0], sizes=[1, half, hidden], file="f", byte_offset=0,
+              byte_length=0)
+        for layer in range(layers)
+        for r in range(2)
+    ]  # fmt: skip
+    reads: list[tuple[list[int], list[int]]] = []
+
+    class Pickled:
+        manifest = SimpleNamespace(
+            by_name={name: SimpleNamespace(shape=[layers, rows, hidden], chunks=chunks)}
+        )
+
+        def serves_raw(self, name: str) -> bool:
+            return False
+
+        def read_tensor(self, name: str) -> torch.Tensor:
+            raise AssertionError("the whole stack was read")
+
+        def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+            reads.append((offsets, sizes))
+            box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+            return stacked[box].clone()
+
+    args = ModelArgs(n_heads=heads, n_kv_heads=groups, head_dim=head_dim, dim=hidden)
+    plan = get_architecture("llama3").plan(
+        [(name, [layers, rows, hidden], "float32")], "megatron", "hf", args
+    )
+    box_reads = BoxReads(Pickled())  # type: ignore[arg-type]
+    out = {t.name: t.read(box_reads) for t in plan.tensors}
+    # every read is one chunk: one per layer and rank, each once
+    assert sorted(map(str, reads)) == sorted(str((c.offsets, c.sizes)) for c in chunks)
+    per_group = rows // groups
+    q_rows = heads // groups * head_dim
+    for layer in range(layers):
+        fused = stacked[layer].reshape(groups, per_group, hidden)
+        q = out[f"model.layers.{layer}.self_attn.q_proj.weight"]
+        k = out[f"model.layers.{layer}.self_attn.k_proj.weight"]
+        v = out[f"model.layers.{layer}.self_attn.v_proj.weight"]
+        assert torch.equal(q, fused[:, :q_rows].reshape(-1, hidden))
+        assert torch.equal(k, fused[:, q_rows : q_rows + head_dim].reshape(-1, hidden))
+        assert torch.equal(v, fused[:, q_rows + head_dim :].reshape(-1, hidden))
 
 
 def test_round_trip_through_a_sharded_torchtitan_save(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ REGISTRY: dict[str, str] = {
 }
 
 #: `convert --to` naming tokens -> the format their output is written as
-NAMING_FORMATS: dict[str, str] = {"hf": "safetensors", "torchtitan": "dcp"}
+NAMING_FORMATS: dict[str, str] = {"hf": "safetensors", "torchtitan": "dcp", "megatron": "dcp"}
 
 
 def get_architecture(name: str) -> type[Architecture]:

@@ -39,6 +39,8 @@ from ..errors import FormatError
 if TYPE_CHECKING:
     import torch
 
+    from ..formats.base import Checkpoint
+
 
 class TensorReads(Protocol):
     """Where `MappedTensor.read` reads its pieces: a `Checkpoint`, or a reader over one."""
@@ -450,6 +452,25 @@ class ArchitecturePlan:
     args: ModelArgs = field(default_factory=ModelArgs)
 
 
+@dataclass
+class NamingOutput:
+    """What an output in a naming holds beside the mapped tensors.
+
+    Attributes:
+        files: small files published with the weights (relative path -> bytes): Megatron's
+            `common.pt` and `metadata.json`.
+        objects: non-tensor entries written with the tensors (name -> value): the per-layer
+            `_extra_state` objects Megatron-Core's load asks for.
+        split_dim0: output tensor -> how many equal chunks along dim 0 a chunked format
+            (DCP) stores it as: one per layer of Megatron's layer stack, as Megatron saves
+            it, so a later read of one layer loads one chunk, not the whole stack.
+    """
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict)
+    split_dim0: dict[str, int] = field(default_factory=dict)
+
+
 class Architecture(ABC):
     """A model family: its tensors under each naming it knows, and its Hugging Face config.
 
@@ -485,6 +506,19 @@ class Architecture(ABC):
     tied: ClassVar[Mapping[str, tuple[str, str]]] = {}
     torchtitan_models: ClassVar[str | None] = None
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
+
+    @classmethod
+    def args_from_source(cls, checkpoint: Checkpoint, naming: str) -> ModelArgs:
+        """What a source in `naming` keeps about the model beside its tensors (Megatron-LM's
+        `args` in `common.pt`); nothing by default. What it cannot read stays unknown (a rule
+        needing it asks for --config); a model it reads and the naming cannot hold is refused
+        (FormatError)."""
+        return ModelArgs()
+
+    @classmethod
+    def naming_output(cls, naming: str, args: ModelArgs) -> NamingOutput:
+        """What an output in `naming` holds beside the tensors; nothing by default."""
+        return NamingOutput()
 
     @classmethod
     def namings(cls) -> tuple[str, ...]:

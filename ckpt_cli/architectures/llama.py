@@ -7,12 +7,15 @@ they are permuted per head on the way (`RotaryPermute`); Qwen3 uses the halves l
 sides (plain renames) and adds per-head q/k RMSNorms; Qwen3-MoE stacks each layer's experts as
 `[E, F, D]` / `[E, D, F]` tensors natively and stores them one per expert in Hugging Face
 files. Each output is built from its own source tensor (or a box of it), one at a time.
+
+Llama 3 also maps to Megatron-Core's GPT names (`architectures.megatron`): a GPTModel built
+Llama-style is a `LlamaForCausalLM` with fused QKV and gate/up projections.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .base import (
     HF,
@@ -21,11 +24,19 @@ from .base import (
     Filled,
     Ignored,
     ModelArgs,
+    NamingOutput,
     Rename,
     RotaryPermute,
     TensorRule,
     one,
 )
+from .megatron import MEGATRON, MEGATRON_IGNORED, MEGATRON_RULES
+from .megatron import args_from_checkpoint as megatron_args_from_checkpoint
+from .megatron import args_from_shapes as megatron_args_from_shapes
+from .megatron import naming_output as megatron_output
+
+if TYPE_CHECKING:
+    from ..formats.base import Checkpoint
 
 TITAN = "torchtitan"
 
@@ -124,6 +135,9 @@ class _Decoder(Architecture):
 
     @classmethod
     def args_from_shapes(cls, shapes: Mapping[str, Sequence[int]], naming: str) -> ModelArgs:
+        if naming == MEGATRON:
+            return megatron_args_from_shapes(shapes)
+
         def shape(hf: str, native: str) -> Sequence[int] | None:
             return shapes.get(hf if naming == HF else native)
 
@@ -157,6 +171,18 @@ class _Decoder(Architecture):
             per = shapes.get(_MOE_EXPERTS[0][0].format(layer=0, expert=0))
             values["moe_ffn_dim"] = stacked[1] if stacked else per[0] if per else None
         return ModelArgs(**values)
+
+    @classmethod
+    def args_from_source(cls, checkpoint: Checkpoint, naming: str) -> ModelArgs:
+        if naming == MEGATRON:
+            return megatron_args_from_checkpoint(checkpoint)
+        return ModelArgs()
+
+    @classmethod
+    def naming_output(cls, naming: str, args: ModelArgs) -> NamingOutput:
+        if naming == MEGATRON:
+            return megatron_output(args, cls.title)
+        return NamingOutput()
 
     @classmethod
     def args_from_config(cls, config: Mapping[str, Any]) -> ModelArgs:
@@ -236,9 +262,15 @@ class Llama3(_Decoder):
             RotaryPermute(one(_Q[0]), one(_Q[1]), heads="n_heads"),
             RotaryPermute(one(_K[0]), one(_K[1]), heads="n_kv_heads"),
             *_renames(_DENSE_MLP),
-        ]
+        ],
+        # Megatron-Core's GPTModel built Llama-style (RMSNorm, SwiGLU, GQA, rotary, no bias)
+        MEGATRON: MEGATRON_RULES,
     }
-    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {HF: _HF_IGNORED, TITAN: _TITAN_IGNORED}
+    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {
+        HF: _HF_IGNORED,
+        TITAN: _TITAN_IGNORED,
+        MEGATRON: MEGATRON_IGNORED,
+    }
 
 
 class Qwen3(_Decoder):

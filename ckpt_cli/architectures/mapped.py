@@ -34,13 +34,17 @@ if TYPE_CHECKING:
 
 
 class MappedCheckpoint(Checkpoint):
-    """`base`'s tensors as `plan` maps them (names, transforms); nothing else of `base`."""
+    """`base`'s tensors as `plan` maps them (names, transforms); nothing else of `base` but
+    `objects`, the non-tensor entries the target naming holds of its own (name -> value)."""
 
-    def __init__(self, base: Checkpoint, plan: ArchitecturePlan):
+    def __init__(
+        self, base: Checkpoint, plan: ArchitecturePlan, objects: dict[str, Any] | None = None
+    ):
         self.base = base
         self._reads = BoxReads(base)
         self.plan = plan
         self.mapped: dict[str, MappedTensor] = {t.name: t for t in plan.tensors}
+        self.objects = dict(objects or {})
         entries = []
         for tensor in plan.tensors:
             shape = list(tensor.shape)
@@ -56,6 +60,17 @@ class MappedCheckpoint(Checkpoint):
                     dtype=tensor.dtype,
                     shape=shape,
                     nbytes=dtypes.numel(shape) * dtypes.itemsize(tensor.dtype),
+                )
+            )
+        for name, value in self.objects.items():
+            entries.append(
+                Entry(
+                    name=name,
+                    kind="object",
+                    dtype=None,
+                    shape=[],
+                    nbytes=0,
+                    py_type=type(value).__name__,
                 )
             )
         manifest = base.manifest
@@ -108,13 +123,21 @@ class MappedCheckpoint(Checkpoint):
         return piece.source if self.base.serves_raw(piece.source) else None
 
     def _verbatim_source(self, name: str) -> str | None:
-        tensor = self.mapped.get(name)
+        tensor = self.mapped.get(name)  # None for the naming's own objects
         return tensor.pieces[0].source if tensor is not None and tensor.verbatim else None
+
+    def files_of(self, name: str) -> set[str]:
+        tensor = self.mapped.get(name)
+        if tensor is None:
+            return set()  # the naming's own objects are read from no file
+        return {f for source in tensor.sources for f in self.base.files_of(source)}
 
     def read_tensor(self, name: str) -> torch.Tensor:
         return self.mapped[name].read(self._reads)
 
     def read_object(self, name: str) -> Any:
+        if name in self.objects:
+            return self.objects[name]
         return self.base.read_object(name)
 
     def serves_raw(self, name: str) -> bool:
@@ -174,7 +197,7 @@ class MappedCheckpoint(Checkpoint):
         return [] if source is None else self.base.padding(source)
 
     def close(self) -> None:
-        self._reads.held = None
+        self._reads.held = []
         self.base.close()
 
 
@@ -218,25 +241,78 @@ def permute_rows(
 
 
 class BoxReads:
-    """Reads of whole tensors and boxes from `base`, keeping the last whole tensor a box
-    was cut from (when `base` cannot read the box alone from raw bytes)."""
+    """Reads of whole tensors and boxes from `base`. A box `base` cannot read alone from raw
+    bytes is cut from the smallest region `base` stores it in: the stored chunks it overlaps
+    (their bounding box), or the whole tensor. The regions of the current tensor's dim-0 slab
+    are kept (Megatron's layer stacks are stored one chunk per layer and tensor-parallel rank:
+    the chunks of one layer), so the q, k and v rows of a fused QKV, or the E experts of a
+    stacked tensor, read each region once, and memory stays one slab, never the whole stack
+    of a chunked tensor."""
 
     def __init__(self, base: Checkpoint):
         self.base = base
-        self.held: tuple[str, torch.Tensor] | None = None
+        #: (name, region offsets, region sizes, the region's values), oldest first
+        self.held: list[tuple[str, list[int], list[int], torch.Tensor]] = []
 
     def read_tensor(self, name: str) -> torch.Tensor:
-        if self.held is not None and self.held[0] == name:
-            return self.held[1]
-        self.held = None
+        shape = self._shape(name)
+        for held_name, _, sizes, values in self.held:
+            if held_name == name and sizes == shape:
+                return values
+        self.held = []
         return self.base.read_tensor(name)
+
+    def _shape(self, name: str) -> list[int]:
+        return list(self.base.manifest.by_name[name].shape)
+
+    def _region(
+        self, name: str, offsets: list[int], sizes: list[int]
+    ) -> tuple[list[int], list[int], int]:
+        """The bounding box of the stored chunks the box overlaps (the whole tensor when it is
+        stored as one piece), and how many chunks share the box's dim-0 slab."""
+        shape = self._shape(name)
+        chunks = self.base.manifest.by_name[name].chunks or []
+
+        def overlaps(c_offsets: list[int], c_sizes: list[int], dims: int) -> bool:
+            return all(
+                o < co + cs and co < o + n
+                for o, n, co, cs in list(zip(offsets, sizes, c_offsets, c_sizes, strict=True))[
+                    :dims
+                ]
+            )
+
+        over = [c for c in chunks if overlaps(c.offsets, c.sizes, len(shape))]
+        slab = sum(1 for c in chunks if overlaps(c.offsets, c.sizes, 1))
+        if not over:
+            return [0] * len(shape), shape, 1
+        lo = [min(c.offsets[d] for c in over) for d in range(len(shape))]
+        hi = [max(c.offsets[d] + c.sizes[d] for c in over) for d in range(len(shape))]
+        return lo, [h - low for h, low in zip(hi, lo, strict=True)], max(slab, 1)
 
     def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
         if self.base.serves_raw(name):
-            self.held = None
+            self.held = []
             return self.base.read_slice(name, offsets, sizes)
-        if self.held is None or self.held[0] != name:
-            self.held = None  # release the previous one before reading the next
-            self.held = (name, self.base.read_tensor(name))
-        index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
-        return self.held[1][index]
+        found = None
+        for held in self.held:
+            if held[0] == name and all(
+                ho <= o and o + n <= ho + hn
+                for o, n, ho, hn in zip(offsets, sizes, held[1], held[2], strict=True)
+            ):
+                found = held
+                break
+        if found is None:
+            lo, extent, keep = self._region(name, offsets, sizes)
+            # release what the next region replaces before reading it
+            self.held = [h for h in self.held if h[0] == name][-(keep - 1) :] if keep > 1 else []
+            whole = extent == self._shape(name)
+            values = (
+                self.base.read_tensor(name) if whole else self.base.read_slice(name, lo, extent)
+            )
+            found = (name, lo, extent, values)
+            self.held.append(found)
+        _, lo, _, values = found
+        index = tuple(
+            slice(o - start, o - start + n) for o, n, start in zip(offsets, sizes, lo, strict=True)
+        )
+        return values[index]

@@ -23,6 +23,8 @@ from ..cli import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_comma
         "ckpt convert outputs/checkpoint/step-1000 llama-hf/ --to hf "
         "--config hf://meta-llama/Llama-3.1-8B   # torchtitan -> transformers",
         "ckpt convert llama-hf/ outputs/checkpoint/step-0 --to torchtitan   # and back",
+        "ckpt convert megatron/iter_0001000 llama-hf/ --to hf   # Megatron-Core GPT -> transformers",
+        "ckpt convert llama-hf/ megatron/iter_0000000 --to megatron   # and back",
     )
 )
 def convert(
@@ -40,8 +42,9 @@ def convert(
         typer.Option(
             "--to",
             help="Target format: safetensors, dcp or torch; or a framework naming: hf "
-            "(from_pretrained-ready shards + config.json) or torchtitan (a DCP save "
-            "torchtitan loads), mapping names and tensors by the model's architecture.",
+            "(from_pretrained-ready shards + config.json), torchtitan (a DCP save "
+            "torchtitan loads) or megatron (a torch_dist save Megatron-Core's "
+            "dist_checkpointing loads), mapping names and tensors by the model's architecture.",
         ),
     ],
     max_shard_size: Annotated[
@@ -147,10 +150,10 @@ def convert(
 ) -> None:
     """Convert a checkpoint to safetensors, DCP or torch.save, one tensor at a time.
 
-    --to hf / --to torchtitan also change the framework naming: the model's family (Llama 3,
-    Qwen3, Qwen3-MoE) is recognised from its tensor names and each tensor is renamed and
-    transformed (rotary q/k permutation, experts stacked or split) on the way; --dry-run lists
-    every rename and transform.
+    --to hf / --to torchtitan / --to megatron also change the framework naming: the model's
+    family (Llama 3, Qwen3, Qwen3-MoE) is recognised from its tensor names and each tensor is
+    renamed and transformed (rotary q/k permutation, experts stacked or split, Megatron's fused
+    QKV and gate/up split or fused) on the way; --dry-run lists every rename and transform.
 
     Peak memory is the largest tensor, not the model. Tensors stored as raw bytes on both sides
     are copied without deserialising. Non-tensor entries (optimizer step, RNG, data-loader

@@ -118,6 +118,14 @@ class Checkpoint(ABC):
         index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
         return tensor[index].contiguous() if index else tensor
 
+    def files_of(self, name: str) -> set[str]:
+        """The files entry `name`'s data is read from (its file, its chunks' files); a view
+        building an entry from others (`MappedCheckpoint`) names theirs."""
+        entry = self.manifest.by_name[name]
+        files = {entry.file} if entry.file else set()
+        files.update(chunk.file for chunk in entry.chunks or [] if chunk.file)
+        return files
+
     def serves_raw(self, name: str) -> bool:
         """Whether `iter_raw(name)` hands out tensor `name`'s C-order bytes (a copy can then
         skip deserialisation): raw-stored entries (`Entry.is_raw`); formats whose tensors

@@ -23,8 +23,15 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from ..architectures import HF, NAMING_FORMATS, get_architecture, recognise
-from ..architectures.base import Architecture, ArchitecturePlan, MappedTensor, ModelArgs
+from ..architectures.base import (
+    Architecture,
+    ArchitecturePlan,
+    MappedTensor,
+    ModelArgs,
+    NamingOutput,
+)
 from ..errors import FormatError
+from ..models import Chunk
 from .transfer import SkippedEntry, TransferPlan, plan_transfer
 
 if TYPE_CHECKING:
@@ -74,6 +81,8 @@ class MappedSource:
     plan: TransferPlan
     report: ArchitectureReport
     config: bytes | None
+    #: what the target naming holds beside the tensors (Megatron's common.pt, its objects)
+    output: NamingOutput = field(default_factory=NamingOutput)
     #: output name -> the source names it was read from (for the written entries' `source`)
     origins: dict[str, str] = field(default_factory=dict)
 
@@ -111,9 +120,11 @@ def _args(
     config: dict[str, Any] | None,
     dtype: str | None,
     where: str,
+    checkpoint: Checkpoint,
 ) -> ModelArgs:
-    """The args from the shapes, completed by `config` (which must agree with the shapes)."""
-    found = arch.args_from_shapes(shapes, naming)
+    """The args from the shapes and what the source keeps beside them (Megatron's `args`),
+    completed by `config` (which must agree with both)."""
+    found = arch.args_from_shapes(shapes, naming).merged(arch.args_from_source(checkpoint, naming))
     if config is None:
         return found.model_copy(update={"dtype": dtype})
     given = arch.args_from_config(config)
@@ -196,7 +207,7 @@ def map_plan(
     dtypes = [i.source.dtype for i in tensors if i.source.dtype]
     # the dtype written: config.json's torch_dtype says what the weights are after --dtype
     dtype = cast or (max(set(dtypes), key=dtypes.count) if dtypes else None)
-    args = _args(arch, shapes, naming, config, dtype, where)
+    args = _args(arch, shapes, naming, config, dtype, where, checkpoint)
     if flavor is not None:
         from ..architectures.flavors import flavor_args
 
@@ -224,11 +235,18 @@ def map_plan(
         mapping.left_out,
         args,
     )
-    mapped = MappedCheckpoint(checkpoint, sourced)
+    output = arch.naming_output(target, args)
+    mapped = MappedCheckpoint(checkpoint, sourced, output.objects)
     new_plan = plan_transfer(
         mapped.manifest, dtype=cast, keep_objects=keep_objects, dedupe_tied=dedupe_tied
     )
     new_plan.skipped = skipped + new_plan.skipped
+    for item in new_plan.items:
+        pieces = output.split_dim0.get(item.target.name)
+        if pieces:
+            item.target = item.target.model_copy(
+                update={"chunks": dim0_chunks(item.target.shape, pieces)}
+            )
     new_plan.tied = plan.tied
     config_bytes = None
     if target == HF:
@@ -246,7 +264,24 @@ def map_plan(
         transforms=counts,
     )
     origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
-    return MappedSource(mapped, new_plan, report, config_bytes, origins)
+    return MappedSource(mapped, new_plan, report, config_bytes, output, origins)
+
+
+def dim0_chunks(shape: list[int], pieces: int) -> list[Chunk]:
+    """`pieces` equal chunks of a tensor along dim 0, all in the first rank's DCP file."""
+    from ..formats.dcp.layout import rank_file
+
+    step = shape[0] // pieces
+    return [
+        Chunk(
+            offsets=[i * step, *([0] * (len(shape) - 1))],
+            sizes=[step, *shape[1:]],
+            file=rank_file(0),
+            byte_offset=0,
+            byte_length=0,
+        )
+        for i in range(pieces)
+    ]
 
 
 def _record(tensor: MappedTensor) -> MappedRecord:

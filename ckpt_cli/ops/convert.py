@@ -230,7 +230,8 @@ def convert(
             (refused if it exists, unless `force`).
         to: target format token (`safetensors`, `dcp`, `torch`), or a framework naming:
             `hf` (Hugging Face safetensors shards, names and `config.json` that
-            `from_pretrained` loads) or `torchtitan` (a DCP save torchtitan loads, model only);
+            `from_pretrained` loads), `torchtitan` (a DCP save torchtitan loads, model only)
+            or `megatron` (a Megatron-Core torch_dist save `dist_checkpointing.load` reads);
             the model's family is recognised from its tensor names (`ops.architecture`).
         format: read `src` as this format instead of detecting it.
         max_shard_size: split the output into shards of at most this size (`5GB`, bytes).
@@ -357,6 +358,7 @@ def convert(
         origins: dict[str, str] = {}
         architecture: ArchitectureReport | None = None
         naming_config: bytes | None = None
+        naming_files: dict[str, bytes] = {}
         if naming is not None:
             known = json.loads(given_config[0]) if given_config else source_config(base.storage)
             mapped = map_plan(
@@ -371,6 +373,7 @@ def convert(
             )
             checkpoint, plan, origins = mapped.checkpoint, mapped.plan, mapped.origins
             architecture, naming_config = mapped.report, mapped.config
+            naming_files = mapped.output.files
         kept = 0 if dequantize or naming else keep_quantized(plan, analysis)
         _unreadable_components(
             opened.unreadable, plan.skipped, select, include, exclude, match_prefix
@@ -407,6 +410,9 @@ def convert(
             missing = missing_config_warning(opened, target.name, select, carried, str(dest_path))
             if missing is not None:
                 warnings.append(missing)
+        # what the target naming keeps beside the tensors (Megatron's common.pt...)
+        options.companions.update(naming_files)
+        carried = [rel for rel in carried if rel not in naming_files]
         # a Megatron-Core torch_dist source stays one (its common.pt + metadata.json)
         megatron_files = [] if naming else keep_megatron_layout(checkpoint, plan, target.name)
         if not single_file and target.shards_by_size and format is None and naming is None:

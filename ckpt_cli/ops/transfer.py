@@ -478,9 +478,11 @@ def account_files(
     written = [item.source for item in plan.items]
     read: set[str] = set()
     for entry in written:
-        if entry.file:
-            read.add(entry.file)
-        read.update(chunk.file for chunk in entry.chunks or [] if chunk.file)
+        if entry.name in checkpoint.manifest.by_name:
+            read.update(checkpoint.files_of(entry.name))
+        else:
+            read.update({entry.file} if entry.file else set())
+            read.update(chunk.file for chunk in entry.chunks or [] if chunk.file)
     if source.target is not None:
         # one file: read into the output unless every entry it holds was left out
         read = {source.target} if written or not checkpoint.manifest.entries else set()

@@ -1,0 +1,397 @@
+"""Megatron-Core GPT ⇄ Hugging Face Llama (#27): `convert --to hf` of a real `GPTModel` save
+and `convert --to megatron` of a real `LlamaForCausalLM`, judged by the frameworks themselves.
+
+The Megatron side is megatron-core's own `GPTModel` (local spec: RMSNorm, SwiGLU, GQA, rotary,
+no bias, untied output) saved by its `dist_checkpointing.save` under torchrun on 2 ranks
+(tensor parallel: QKV and fc1 split across the ranks), and loaded back by its
+`dist_checkpointing.load` (tests/megatron_gpt_script.py). The HF side is transformers'
+`from_pretrained`. Equivalence is the logits on fixed input ids (fp32, max abs diff ≤ 1e-6);
+the round trip HF → Megatron → HF is bit-exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .conftest import run_ckpt
+from .dist_helpers import free_port, run_torchrun
+
+# find_spec, not importorskip: importing megatron.core registers torch safe globals
+# process-wide (see test_megatron.py); this process never imports it
+if (
+    importlib.util.find_spec("megatron") is None
+    or not (
+        Path(importlib.util.find_spec("megatron").submodule_search_locations[0]) / "core"  # type: ignore[index,union-attr]
+    ).is_dir()
+    or importlib.util.find_spec("transformers") is None
+):
+    pytest.skip(
+        "megatron-core and transformers are not installed (pip install '.[frameworks]')",
+        allow_module_level=True,
+    )
+pytestmark = [pytest.mark.frameworks, pytest.mark.slow, pytest.mark.torchrun]
+
+SCRIPT = Path(__file__).with_name("megatron_gpt_script.py")
+sys.path.insert(0, str(SCRIPT.parent))
+import megatron_gpt_script as gpt  # noqa: E402  (its constants; it imports no megatron at import)
+
+#: fp32 logits of the same model on both sides agree to this (the issue's bar)
+TOLERANCE = 1e-6
+
+
+def megatron_load(folder: Path, out: Path, ranks: int = 1) -> tuple[torch.Tensor, dict[str, Any]]:
+    """megatron's own `dist_checkpointing.load` of `folder` into a fresh GPTModel (on `ranks`
+    tensor-parallel ranks): its logits on `INPUT_IDS` and what one training step did."""
+    if ranks == 1:
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "load", str(folder), str(out), str(free_port())],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    else:
+        run_torchrun(SCRIPT, ranks, "load", folder, out, timeout=600)
+    return (
+        torch.load(f"{out}.logits.pt", weights_only=True),
+        torch.load(f"{out}.step.pt", weights_only=True),
+    )
+
+
+def hf_logits(folder: Path) -> tuple[torch.nn.Module, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(gpt.INPUT_IDS)).logits
+    return model, logits
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    # the logits are far from trivial: a comparison of near-zero outputs would prove nothing
+    assert float(b.std()) > 0.3
+    return float((a - b).abs().max())
+
+
+@pytest.fixture(scope="module")
+def megatron_save(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
+    """A 2-rank tensor-parallel torch_dist save of the tiny GPTModel, and its logits."""
+    root = tmp_path_factory.mktemp("megatron-gpt")
+    run_torchrun(SCRIPT, 2, "save", root / "ckpt", timeout=600)
+    return root / "ckpt", torch.load(root / "ckpt.logits.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
+    """A LlamaForCausalLM of the GPTModel's dimensions, random, saved sharded by transformers,
+    and its logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=gpt.HIDDEN,
+        intermediate_size=gpt.FFN,
+        num_hidden_layers=gpt.LAYERS,
+        num_attention_heads=gpt.HEADS,
+        num_key_value_heads=gpt.GROUPS,
+        vocab_size=gpt.VOCAB,
+        max_position_embeddings=gpt.MAX_POS,
+        rms_norm_eps=gpt.EPS,
+        rope_theta=gpt.ROTARY_BASE,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.1)
+    folder = tmp_path_factory.mktemp("hf") / "llama"
+    model.save_pretrained(folder, max_shard_size="20KB")
+    assert (folder / "model.safetensors.index.json").exists()
+    return folder, hf_logits(folder)[1]
+
+
+def test_export_to_hf_loads_in_transformers_with_megatrons_logits(
+    megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    folder, truth = megatron_save
+    out = tmp_path / "hf"
+    result = run_ckpt("convert", folder, out, "--to", "hf", "--max-shard-size", "20KB", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json["result"]
+    arch = report["architecture"]
+    assert (arch["architecture"], arch["source_naming"], arch["target_naming"]) == (
+        "llama3",
+        "megatron",
+        "hf",
+    )
+    assert arch["transforms"]["split-qkv"] == 3 * gpt.LAYERS
+    assert arch["transforms"]["split-gate-up"] == 2 * gpt.LAYERS
+    # the model args came from Megatron-LM's args in common.pt
+    assert arch["args"]["n_kv_heads"] == gpt.GROUPS and arch["args"]["rope_theta"] == 500000.0
+    # the per-layer _extra_state objects and the common state are no weights: reported
+    skipped = {s["name"] for s in report["skipped"]}
+    assert {"args", "iteration", "decoder.layers.mlp.linear_fc1._extra_state/shard_0_2"} <= skipped
+    names = sorted(p.name for p in out.iterdir())
+    assert "config.json" in names and "model.safetensors.index.json" in names
+    assert sum(n.endswith(".safetensors") for n in names) > 1
+    config = json.loads((out / "config.json").read_text())
+    # the configs are equivalent: RMSNorm eps, SwiGLU (silu), rotary base, no bias, untied
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["hidden_act"] == "silu" and config["attention_bias"] is False
+    assert config["rms_norm_eps"] == gpt.EPS and config["rope_theta"] == gpt.ROTARY_BASE
+    assert config["tie_word_embeddings"] is False
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (gpt.HEADS, gpt.GROUPS)
+    assert config["intermediate_size"] == gpt.FFN and config["head_dim"] == gpt.HIDDEN // gpt.HEADS
+    model, logits = hf_logits(out)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not model.config.mlp_bias and model.lm_head.weight is not model.model.embed_tokens.weight
+    assert close(logits, truth) <= TOLERANCE
+
+
+def test_a_pipeline_parallel_save_exports_to_what_megatron_loads_from_it(tmp_path: Path) -> None:
+    """Two pipeline stages, each saving its own layers (global numbers) and the embedding or
+    the output layer: the export equals the model megatron's own load builds from the save."""
+    save = tmp_path / "pp"
+    run_torchrun(SCRIPT, 2, "save-pp", save, timeout=600)
+    truth, _ = megatron_load(save, tmp_path / "loaded")
+    out = tmp_path / "hf"
+    result = run_ckpt("convert", save, out, "--to", "hf")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert close(hf_logits(out)[1], truth) <= TOLERANCE
+
+
+def test_inspect_names_the_megatron_naming_and_dry_run_lists_every_rename_and_split(
+    megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    folder, _ = megatron_save
+    inspected = run_ckpt("inspect", folder, "--json")
+    assert inspected.exit_code == 0, inspected.stdout + inspected.stderr
+    found = inspected.json["result"]["architecture"]
+    assert (found["architecture"], found["naming"]) == ("llama3", "megatron")
+    assert "in megatron names" in run_ckpt("inspect", folder).stdout
+    out = tmp_path / "dry"
+    result = run_ckpt("convert", folder, out, "--to", "hf", "--dry-run", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert not out.exists()
+    mapped = {m["name"]: m for m in result.json["result"]["architecture"]["mapped"]}
+    qkv = "decoder.layers.self_attention.linear_qkv.weight"
+    assert mapped["model.layers.1.self_attn.k_proj.weight"] == {
+        "name": "model.layers.1.self_attn.k_proj.weight",
+        "sources": [qkv],
+        "transform": "split-qkv",
+    }
+    assert mapped["model.layers.0.mlp.up_proj.weight"]["transform"] == "split-gate-up"
+    assert mapped["model.layers.0.input_layernorm.weight"]["sources"] == [
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    ]
+    assert mapped["lm_head.weight"]["sources"] == ["output_layer.weight"]
+    assert len(mapped) == 3 + 9 * gpt.LAYERS
+    text = run_ckpt("convert", folder, out, "--to", "hf", "--dry-run")
+    assert text.exit_code == 0 and "megatron" in text.stdout and "split-qkv" in text.stdout
+
+
+def test_import_to_megatron_loads_in_megatron_continues_training_and_matches_hf(
+    hf_model: tuple[Path, torch.Tensor], megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    source, truth = hf_model
+    out = tmp_path / "megatron"
+    result = run_ckpt("convert", source, out, "--to", "megatron", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    arch = result.json["result"]["architecture"]
+    assert (arch["source_naming"], arch["target_naming"]) == ("hf", "megatron")
+    assert arch["transforms"]["fuse-qkv"] == 1 and arch["transforms"]["stack-layers"] == 4
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [
+        ".metadata",
+        "__0_0.distcp",
+        "common.pt",
+        # the HF folder's companions travel (an export back writes the same config.json)
+        "config.json",
+        "generation_config.json",
+        "metadata.json",
+    ]
+    # the backend description is byte for byte what dist_checkpointing.save writes
+    own, _ = megatron_save
+    assert (out / "metadata.json").read_bytes() == (own / "metadata.json").read_bytes()
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        common = torch.load(out / "common.pt", weights_only=True)
+    assert common["iteration"] == 0 and common["checkpoint_version"] == 3.0
+    args = vars(common["args"])
+    assert args["num_query_groups"] == gpt.GROUPS and args["group_query_attention"] is True
+    assert args["swiglu"] and args["normalization"] == "RMSNorm" and args["kv_channels"] == 8
+    # megatron's own load into a fresh GPTModel: the HF model's logits, and a training step
+    logits, step = megatron_load(out, tmp_path / "tp1")
+    assert close(logits, truth) <= TOLERANCE
+    assert step["moved"] and torch.isfinite(torch.tensor(step["loss"]))
+    # and into 2 tensor-parallel ranks (QKV and fc1 split per rank as Megatron shards them)
+    logits, step = megatron_load(out, tmp_path / "tp2", ranks=2)
+    assert close(logits, truth) <= TOLERANCE
+    assert step["moved"]
+    assert run_ckpt("verify", out, "--deep").exit_code == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip_hf_megatron_hf_is_bit_identical(
+    hf_model: tuple[Path, torch.Tensor], tmp_path: Path, dtype: str
+) -> None:
+    from safetensors import safe_open
+
+    source, _ = hf_model
+    if dtype != "float32":
+        cast = tmp_path / "cast"
+        assert (
+            run_ckpt("convert", source, cast, "--to", "safetensors", "--dtype", "bf16").exit_code
+            == 0
+        )
+        source = cast
+    there, back = tmp_path / "megatron", tmp_path / "back"
+    assert run_ckpt("convert", source, there, "--to", "megatron").exit_code == 0
+    result = run_ckpt("convert", there, back, "--to", "hf")
+    assert result.exit_code == 0, result.stdout + result.stderr
+
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for path in folder.glob("*.safetensors"):
+            with safe_open(path, "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+        return out
+
+    want, got = tensors(source), tensors(back)
+    assert got.keys() == want.keys() and len(want) == 3 + 9 * gpt.LAYERS
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype == getattr(torch, dtype), name
+        assert torch.equal(got[name], tensor), name
+    # the config travels with the weights (carried into the Megatron folder, written back)
+    assert json.loads((back / "config.json").read_text()) == json.loads(
+        (source / "config.json").read_text()
+    )
+
+
+def _with_common(folder: Path, dest: Path, common: dict[str, Any]) -> Path:
+    copy = shutil.copytree(folder, dest)
+    torch.save(common, copy / "common.pt")
+    return copy
+
+
+def test_export_without_megatron_args_needs_config_and_uses_it(
+    megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    folder, truth = megatron_save
+    bare = _with_common(folder, tmp_path / "bare", {"iteration": 7, "checkpoint_version": 3.0})
+    refused = run_ckpt("convert", bare, tmp_path / "no", "--to", "hf")
+    assert refused.exit_code == 4
+    assert "n_heads" in refused.stderr and "--config" in refused.stderr
+    assert not (tmp_path / "no").exists()
+    # the HF config of the same model, given with --config
+    config = tmp_path / "config.json"
+    first = tmp_path / "first"
+    assert run_ckpt("convert", folder, first, "--to", "hf").exit_code == 0
+    shutil.copy(first / "config.json", config)
+    out = tmp_path / "hf"
+    result = run_ckpt("convert", bare, out, "--to", "hf", "--config", config)
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert close(hf_logits(out)[1], truth) <= TOLERANCE
+
+
+def test_a_megatron_model_that_is_not_llama_style_is_refused(
+    megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    folder, _ = megatron_save
+    args = vars(gpt.megatron_args()) | {"normalization": "LayerNorm", "add_bias_linear": True}
+    odd = _with_common(folder, tmp_path / "odd", {"args": argparse.Namespace(**args)})
+    result = run_ckpt("convert", odd, tmp_path / "out", "--to", "hf")
+    assert result.exit_code == 4
+    assert "not Llama-style" in result.stderr and "normalization='LayerNorm'" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_per_layer_megatron_names_export_the_same_tensors(
+    megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    """Megatron-Core saves with `non_homogeneous_layers` keep one tensor per layer
+    (`decoder.layers.<i>.<suffix>`), and a plain `state_dict()` of the local spec names the
+    pre-norms `input_layernorm` / `pre_mlp_layernorm`: both export as the stacked save does."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder, _ = megatron_save
+    stacked = tmp_path / "stacked.safetensors"
+    assert run_ckpt("convert", folder, stacked, "--to", "safetensors").exit_code == 0
+    aliases = {
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    }
+    per_layer: dict[str, torch.Tensor] = {}
+    with safe_open(stacked, "pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            tensor = f.get_tensor(name)
+            if not name.startswith("decoder.layers."):
+                per_layer[name] = tensor
+                continue
+            suffix = name.removeprefix("decoder.layers.")
+            for layer in range(tensor.shape[0]):
+                key = f"decoder.layers.{layer}.{aliases.get(suffix, suffix)}"
+                per_layer[key] = tensor[layer].clone()
+    source = tmp_path / "per-layer.safetensors"
+    save_file(per_layer, source)
+    reference = tmp_path / "reference"
+    assert run_ckpt("convert", folder, reference, "--to", "hf").exit_code == 0
+    out = tmp_path / "hf"
+    result = run_ckpt(
+        "convert", source, out, "--to", "hf", "--config", reference / "config.json", "--json"
+    )
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert result.json["result"]["architecture"]["source_naming"] == "megatron"
+    with (
+        safe_open(reference / "model.safetensors", "pt") as want,
+        safe_open(out / "model.safetensors", "pt") as got,
+    ):
+        assert sorted(got.keys()) == sorted(want.keys())
+        for name in want.keys():  # noqa: SIM118
+            assert torch.equal(got.get_tensor(name), want.get_tensor(name)), name
+
+
+def test_a_save_with_optimizer_state_exports_with_filter_out(
+    megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    """Megatron-LM saves the optimizer's state beside the model (`optimizer.state.*`): no rule
+    maps it, so the export is refused naming those tensors and the way out, and
+    `--filter-out 'optimizer.*'` exports the model."""
+    import torch.distributed.checkpoint as dcp
+
+    folder, truth = megatron_save
+    flat = tmp_path / "flat.safetensors"
+    assert run_ckpt("convert", folder, flat, "--to", "safetensors").exit_code == 0
+    from safetensors.torch import load_file
+
+    state = load_file(flat)
+    state["optimizer.state.exp_avg.output_layer.weight"] = torch.zeros_like(
+        state["output_layer.weight"]
+    )
+    save = tmp_path / "with-optimizer"
+    dcp.save(state, checkpoint_id=save, no_dist=True)
+    for name in ("common.pt", "metadata.json"):
+        shutil.copy(folder / name, save / name)
+    refused = run_ckpt("convert", save, tmp_path / "no", "--to", "hf")
+    assert refused.exit_code == 4
+    assert "optimizer.state.exp_avg.output_layer.weight" in refused.stderr
+    assert "--filter-out" in refused.stderr
+    out = tmp_path / "hf"
+    result = run_ckpt("convert", save, out, "--to", "hf", "--filter-out", "optimizer.*")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert close(hf_logits(out)[1], truth) <= TOLERANCE
