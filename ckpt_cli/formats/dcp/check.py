@@ -195,6 +195,10 @@ def _analyse_unpaused(source: Source) -> Layout:
     if not isinstance(sdm, dict):
         raise FormatError("has no state_dict_metadata map", path=where, fix="The file is corrupt.")
     items = _Items(layout, _storage_index(md, where), where)
+    # from here on the stand-ins are let go as soon as they are read: with a million chunks
+    # they outweigh the manifest built from them (the index holds what storage_data said)
+    if isinstance(md.storage_data, dict):
+        md.storage_data.clear()
     layout.planner_data = md.planner_data
     layout.version = md.version if isinstance(md.version, str) else None
     pending: list[PendingTensor] = []
@@ -205,6 +209,7 @@ def _analyse_unpaused(source: Source) -> Layout:
             items.add_object(fqn)
         elif isinstance(item, TensorStorageMetadata):
             pending.append(items.tensor(fqn, item))
+            sdm[fqn] = None  # read into `pending`: its chunk stand-ins are let go
         else:
             raise FormatError(f"entry {fqn!r} has an unknown storage kind", path=where)
     _add_tensors(layout, pending, locate_raw_chunks(source, layout, pending))
@@ -329,6 +334,9 @@ class _Items:
                 continue
             rel, offset, length = self.resolve(info, fqn)
             chunks.append((offsets, sizes, rel, offset, length))
+        # each chunk's storage entry is read once (no other tensor's keys name this fqn)
+        for chunk_offsets, *_ in chunks:
+            self.index.pop((fqn, tuple(chunk_offsets)), None)
         return fqn, dtype, shape, chunks
 
 
@@ -341,28 +349,13 @@ def _add_tensors(
     for fqn, dtype, shape, chunks in pending:
         built: list[Chunk] = []
         for offsets, sizes, rel, offset, length in chunks:
+            # the lists are the ones `_Items.tensor` made from `.metadata` (checked there)
             raw = raw_ranges.get((rel, fqn, tuple(offsets)))
             if raw is not None:
-                built.append(
-                    Chunk(
-                        offsets=offsets,
-                        sizes=sizes,
-                        file=rel,
-                        byte_offset=raw[0],
-                        byte_length=raw[1],
-                        raw=True,
-                    )
-                )
+                built.append(Chunk.trusted(offsets, sizes, rel, raw[0], raw[1], raw=True))
             else:
-                built.append(
-                    Chunk(
-                        offsets=offsets,
-                        sizes=sizes,
-                        file=rel,
-                        byte_offset=offset,
-                        byte_length=length,
-                    )
-                )
+                built.append(Chunk.trusted(offsets, sizes, rel, offset, length))
+        chunks.clear()  # the pending tuples are let go as their chunks are built
         nbytes = dtypes.numel(shape) * dtypes.itemsize(dtype)
         whole = len(built) == 1 and built[0].raw and built[0].sizes == shape
         layout.entries.append(

@@ -61,8 +61,14 @@ class DType(str):
 
 
 class _Record:
-    """Base of the stand-ins: built by pickle's NEWOBJ + BUILD with a `__dict__` state."""
+    """Base of the stand-ins: built by pickle's NEWOBJ + BUILD with a `__dict__` state.
 
+    The stand-ins a `.metadata` holds one of per chunk (`ChunkStorageMetadata`,
+    `MetadataIndex`, `StorageInfo`) keep their fields in slots: a million-chunk checkpoint
+    holds three million of them while its manifest is built.
+    """
+
+    __slots__ = ()
     _fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -80,10 +86,12 @@ class _Record:
             state = {**(state[0] or {}), **state[1]}
         if not isinstance(state, dict):
             raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
-        own = self.__dict__
         for name in self._fields:
             if name in state:
-                own[name] = state[name]
+                object.__setattr__(self, name, state[name])
+        # the unpickler's memo keeps the state dict until the load ends; emptied, it holds
+        # nothing twice (a pickler writes one state per object: none is read by two BUILDs)
+        state.clear()
 
     def __getattr__(self, name: str) -> Any:
         # NEWOBJ skips __init__: fields absent from the pickled state read as None
@@ -131,7 +139,7 @@ class BytesStorageMetadata(_Record):
 class ChunkStorageMetadata(_Record):
     """Stand-in for `ChunkStorageMetadata`: offsets and sizes of one chunk."""
 
-    _fields = ("offsets", "sizes")
+    __slots__ = _fields = ("offsets", "sizes")
 
 
 class TensorProperties(_Record):
@@ -154,7 +162,7 @@ class TensorProperties(_Record):
 class MetadataIndex(_Record):
     """Stand-in for `MetadataIndex`: the key of `storage_data` (fqn, chunk offsets)."""
 
-    _fields = ("fqn", "offset", "index")
+    __slots__ = _fields = ("fqn", "offset", "index")
 
     def key(self) -> tuple[Any, Any]:
         """What identifies the chunk (the `index` hint is not part of it, as in torch)."""
@@ -171,7 +179,7 @@ class MetadataIndex(_Record):
 class StorageInfo(_Record):
     """Stand-in for `filesystem._StorageInfo`: where an item's bytes are."""
 
-    _fields = ("relative_path", "offset", "length", "transform_descriptors")
+    __slots__ = _fields = ("relative_path", "offset", "length", "transform_descriptors")
 
 
 class SavePlan(_Record):
