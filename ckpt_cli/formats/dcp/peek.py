@@ -235,9 +235,10 @@ def peek_saved_tensor(head: bytes, where: str | None = None) -> SavedTensor | No
     if method != 0 or not name.endswith(b"data.pkl"):
         return None
     start = 30 + name_len + extra_len
-    # the record's size as its local header declares it (stored, so as many bytes as the
-    # pickle); a pickle that ends exactly there reads the same from any blob starting so
-    size = int.from_bytes(head[18:22], "little")
+    # where the record ends: its size in the local header (stored, so as many bytes as the
+    # pickle) or, as torch writes it (flag bit 3), the data descriptor's signature after it.
+    # A pickle the unpickler read to exactly there reads the same from any blob starting so.
+    size = int.from_bytes(head[18:22], "little") or head.find(b"PK\x07\x08", start) - start
     key = head[start : start + size] if 0 < size <= len(head) - start else None
     if key is not None:
         known = _DECLARED.get(key)
