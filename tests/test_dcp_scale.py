@@ -184,3 +184,50 @@ def test_memo_scan_judges_as_the_opcode_walk() -> None:
             assert budgets.pickle_overreach(bytes(data), complete) == want, bytes(data)
             flagged += want is not None
     assert flagged > 100  # the corpus does reach the refusals, not only the clean ends
+
+
+def test_object_budget_admits_any_metadata_torch_writes_up_to_the_byte_budget() -> None:
+    """A `.metadata` as torch pickles it, at its objects per byte, fits the object budget all
+    the way to the byte budget (a 2,048-rank FSDP x TP save of a 405B model is 1.9M chunks)."""
+    import gc
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from ckpt_cli.formats.dcp import metadata as dcp_metadata
+
+    state, storage = {}, {}
+    for t in range(20):
+        fqn = f"model.layers.{t}.feed_forward.w1.weight"
+        chunks = []
+        for rank in range(1000):
+            offsets, sizes = torch.Size([rank * 53, 0]), torch.Size([53, 16384])
+            chunks.append(ChunkStorageMetadata(offsets, sizes))
+            storage[MetadataIndex(fqn, torch.Size([rank * 53, 0]), rank)] = _StorageInfo(
+                f"__{rank}_0.distcp", t * 1_736_000 + 7, 1_736_000
+            )
+        state[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.bfloat16), torch.Size([53_000, 16384]), chunks
+        )
+    data = pickle.dumps(Metadata(state, {k: tuple(k.split(".", 1)) for k in state}, storage))
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        loaded = dcp_metadata.load_metadata(data, "test")
+        built = gc.get_count()[0] - before
+    finally:
+        if enabled:
+            gc.enable()
+    assert len(loaded.storage_data) == 20_000
+    per_byte = built / len(data)
+    assert per_byte * dcp_metadata.MAX_METADATA_BYTES <= dcp_metadata.MAX_METADATA_OBJECTS, (
+        f"{built:,} objects from {len(data):,} bytes: a {dcp_metadata.MAX_METADATA_BYTES:,}-byte "
+        f".metadata would build {per_byte * dcp_metadata.MAX_METADATA_BYTES:,.0f}"
+    )

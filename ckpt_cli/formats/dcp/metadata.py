@@ -327,9 +327,11 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 #: budgets of one `.metadata` load (a hostile pickle can describe a huge graph in few bytes):
 #: the file's size, checked before it is read...
 MAX_METADATA_BYTES = 1 << 30
-#: ... the objects unpickling may build (real DCP metadata: ~14 per entry or chunk, ~13 bytes
-#: of pickle each; 20M is a checkpoint of well over a million chunks) ...
-MAX_METADATA_OBJECTS = 20_000_000
+#: ... the objects unpickling may build: as many as a `.metadata` of `MAX_METADATA_BYTES`
+#: written by torch holds (9-11 per chunk in 110-145 bytes of pickle: about one object per
+#: 10-16 bytes; a 405B model saved by 2,048 ranks with FSDP 256 x TP 8 is 1.9M chunks, 21M
+#: objects, refused by the 20M this was before #30) ...
+MAX_METADATA_OBJECTS = 110_000_000
 #: ... and, past the first million, at most one object per this many bytes read (a pickle that
 #: builds an object per byte or two is a memory bomb, refused after a few MiB)
 METADATA_BYTES_PER_OBJECT = 4
