@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
+import re
 import zipfile
 from typing import IO, Any
 
@@ -62,6 +63,30 @@ _FIXED, _VARIABLE = _opcode_table()
 _LONG_BINPUT, _PUT, _STOP = ord("r"), ord("p"), ord(".")
 
 
+def _plain_run() -> re.Pattern[bytes]:
+    """A run of opcodes the scan only steps over: every fixed-width opcode but LONG_BINPUT
+    (whose index is judged) and STOP, each with its whole argument.
+
+    Matching such a run in C, then judging the opcode it stops at in Python, walks the same
+    opcode boundaries as stepping one opcode at a time (the alternatives start with disjoint
+    opcode bytes, so a run has one parse), ~5x faster on pickles of many small objects: a
+    `.metadata` of a million chunks is ~130 MB of them.
+    """
+    by_width: dict[int, list[int]] = {}
+    for code, width in enumerate(_FIXED):
+        if width is not None and code not in (_LONG_BINPUT, _STOP):
+            by_width.setdefault(width, []).append(code)
+    alternatives = [
+        b"[" + b"".join(re.escape(bytes([c])) for c in codes) + b"]" + b"." * width
+        for width, codes in sorted(by_width.items())
+    ]
+    # possessive: a run is never given back, so no backtracking state piles up
+    return re.compile(b"(?:" + b"|".join(alternatives) + b")*+", re.DOTALL)
+
+
+_PLAIN_RUN = _plain_run()
+
+
 def _memo_budget(pos: int) -> int:
     """The largest memo index an opcode at byte `pos` may name."""
     return pos // 2 + MEMO_SLACK
@@ -78,9 +103,13 @@ def pickle_overreach(data: bytes, complete: bool = True) -> str | None:
     Lengths past the end are judged only for a `complete` pickle (not the head of one).
     """
     fixed, variable = _FIXED, _VARIABLE
+    skip = _PLAIN_RUN.match
     n = len(data)
     pos = 0
     while pos < n:
+        pos = skip(data, pos).end()  # type: ignore[union-attr]  # `*+` always matches
+        if pos >= n:
+            return None
         op = data[pos]
         width = fixed[op]
         if width is not None:

@@ -56,7 +56,8 @@ class Source:
     `details` (for the Hub: repository, requested revision, resolved commit).
     `parsed` holds what a format's `check` parsed and found flawless, keyed by the format,
     the file and its size, for the same operation's `open` to take once instead of reading
-    it again (`verify` checks SRC, then opens it for its quantization checks).
+    it again (`verify` checks SRC, then opens it for its quantization checks), and the
+    sources of its component folders (`layouts.composite.subfolder_source`).
     """
 
     location: Location

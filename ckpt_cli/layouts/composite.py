@@ -587,10 +587,19 @@ def finish(
 
 
 def subfolder_source(source: Source, rel: str) -> Source:
-    """A component folder of `source` (an FSDP `pytorch_model_fsdp_0/` DCP) as its own source."""
+    """A component folder of `source` (an FSDP `pytorch_model_fsdp_0/` DCP) as its own source.
+
+    One per folder and `source`, kept in `source.parsed`: `verify` opens a training folder and
+    checks its components, and both then share the component's listing and parsed metadata.
+    """
+    key = ("subfolder", rel, 0)
+    known = source.parsed.get(key)
+    if isinstance(known, Source):
+        return known
     storage = source.storage.subfolder(rel)
     if storage is None:
         raise FormatError(
             "subfolder components cannot be read from this storage", path=source.location.raw
         )
-    return Source(location=parse_location(storage.display), storage=storage)
+    part = source.parsed[key] = Source(location=parse_location(storage.display), storage=storage)
+    return part

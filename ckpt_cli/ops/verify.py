@@ -27,7 +27,7 @@ from ..errors import (
     UsageError,
 )
 from ..formats import choose_format, get_format, resolve_source
-from ..formats.base import Checkpoint, Format, Source
+from ..formats.base import Checkpoint
 from ..hashing import ALGORITHMS
 from ..layouts import (
     OpenedSource,
@@ -157,7 +157,7 @@ def verify(
             source = fmt.checkpoint_source(source)
             problems = list(fmt.check(source))
             if fmt.object_bytes and not any(p.severity == "error" for p in problems):
-                problems.extend(object_problems(fmt, source))
+                problems.extend(object_problems(opener))
         else:
             training = opened.training
             name = training.layout if training else opened.checkpoint.manifest.format
@@ -585,39 +585,38 @@ def _judged(numel: int, skip: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return pieces
 
 
-def object_problems(fmt: type[Format], source: Source) -> list[Problem]:
+def object_problems(opener: SourceOpener) -> list[Problem]:
     """Every non-tensor entry stored as its own pickle (`Format.object_bytes`: DCP's BYTE_IO
     items) whose pickle needs a global that ckpt's restricted reader refuses: found by reading
     opcodes (nothing runs, no torch), so plain `verify` names the entry that `convert`, `diff`
-    or `--deep` would refuse."""
+    or `--deep` would refuse. SRC is the one `opener` opens (once for all of verify's checks)."""
     from ..pickle_scan import refused_globals
 
     problems: list[Problem] = []
     try:
-        checkpoint = fmt.open(source)
+        checkpoint = opener.get().checkpoint
     except CkptError as error:
         return [Problem(code=error.code, message=error.message, file=error.path)]
-    with checkpoint:
-        if not checkpoint.object_bytes:
-            return []
-        for entry in checkpoint.manifest.entries:
-            if entry.kind != "object" or entry.file is None or entry.offset is None:
-                continue
-            where = checkpoint.storage.describe(entry.file)
-            try:
-                refused = refused_globals(checkpoint.read_object_bytes(entry.name))
-            except CkptError as error:
-                problems.append(Problem(code=error.code, message=error.message, file=where))
-                continue
-            if refused:
-                problems.append(
-                    Problem(
-                        code="unloadable_object",
-                        message=f"object entry {entry.name!r} needs "
-                        f"{', '.join(refused[:5])}, which ckpt's restricted reader "
-                        "(torch.load weights_only) refuses; nothing was executed",
-                        file=where,
-                        tensor=entry.name,
-                    )
+    if not checkpoint.object_bytes:
+        return []
+    for entry in checkpoint.manifest.entries:
+        if entry.kind != "object" or entry.file is None or entry.offset is None:
+            continue
+        where = checkpoint.storage.describe(entry.file)
+        try:
+            refused = refused_globals(checkpoint.read_object_bytes(entry.name))
+        except CkptError as error:
+            problems.append(Problem(code=error.code, message=error.message, file=where))
+            continue
+        if refused:
+            problems.append(
+                Problem(
+                    code="unloadable_object",
+                    message=f"object entry {entry.name!r} needs "
+                    f"{', '.join(refused[:5])}, which ckpt's restricted reader "
+                    "(torch.load weights_only) refuses; nothing was executed",
+                    file=where,
+                    tensor=entry.name,
                 )
+            )
     return problems

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ClassVar
@@ -98,6 +98,15 @@ class Storage(ABC):
     @abstractmethod
     def read(self, rel: str, offset: int, length: int) -> bytes:
         """Read exactly `length` bytes at `offset` (FormatError if the file is shorter)."""
+
+    def read_ranges(self, rel: str, ranges: Iterable[tuple[int, int]]) -> Iterator[bytes]:
+        """`read` of each (offset, length) of one file, in order, as each is asked for.
+
+        For many small reads of one file (`verify` reads the head of every DCP chunk): local
+        storage opens the file once for all of them instead of once per read.
+        """
+        for offset, length in ranges:
+            yield self.read(rel, offset, length)
 
     @abstractmethod
     def open(self, rel: str) -> IO[bytes]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,7 +38,7 @@ from .metadata import (
     load_metadata,
     over_budget,
 )
-from .peek import peek_saved_object, peek_saved_tensor
+from .peek import SavedTensor, peek_saved_object, peek_saved_tensor
 from .raw import locate_raw_chunks
 from .transforms import inflate, inflate_head, transform_of
 
@@ -152,6 +153,28 @@ def analyse(source: Source) -> Layout:
         return _analyse_unpaused(source)
 
 
+def analysed(source: Source) -> Layout:
+    """`analyse(source)`, read once per source: `check` and `open` of the same source in one
+    operation (`verify` checks SRC, then opens it) share the parse, kept in `source.parsed`
+    under the `.metadata` file and its size.
+
+    Each call returns its own copy of what a caller changes (the entry list, the problems, the
+    serializations and transforms); entries themselves are frozen and shared. A source that
+    cannot be analysed is tried again by the next call, which raises again.
+    """
+    key = ("dcp", METADATA, source.files.get(METADATA, -1))
+    layout = source.parsed.get(key)
+    if not isinstance(layout, Layout):
+        layout = source.parsed[key] = analyse(source)
+    return dataclasses.replace(
+        layout,
+        entries=list(layout.entries),
+        problems=list(layout.problems),
+        serialization=set(layout.serialization),
+        transforms=dict(layout.transforms),
+    )
+
+
 def _analyse_unpaused(source: Source) -> Layout:
     """Read `.metadata` and check it against the files; collect every problem found.
 
@@ -172,6 +195,10 @@ def _analyse_unpaused(source: Source) -> Layout:
     if not isinstance(sdm, dict):
         raise FormatError("has no state_dict_metadata map", path=where, fix="The file is corrupt.")
     items = _Items(layout, _storage_index(md, where), where)
+    # from here on the stand-ins are let go as soon as they are read: with a million chunks
+    # they outweigh the manifest built from them (the index holds what storage_data said)
+    if isinstance(md.storage_data, dict):
+        md.storage_data.clear()
     layout.planner_data = md.planner_data
     layout.version = md.version if isinstance(md.version, str) else None
     pending: list[PendingTensor] = []
@@ -182,6 +209,7 @@ def _analyse_unpaused(source: Source) -> Layout:
             items.add_object(fqn)
         elif isinstance(item, TensorStorageMetadata):
             pending.append(items.tensor(fqn, item))
+            sdm[fqn] = None  # read into `pending`: its chunk stand-ins are let go
         else:
             raise FormatError(f"entry {fqn!r} has an unknown storage kind", path=where)
     _add_tensors(layout, pending, locate_raw_chunks(source, layout, pending))
@@ -306,6 +334,9 @@ class _Items:
                 continue
             rel, offset, length = self.resolve(info, fqn)
             chunks.append((offsets, sizes, rel, offset, length))
+        # each chunk's storage entry is read once (no other tensor's keys name this fqn)
+        for chunk_offsets, *_ in chunks:
+            self.index.pop((fqn, tuple(chunk_offsets)), None)
         return fqn, dtype, shape, chunks
 
 
@@ -318,28 +349,13 @@ def _add_tensors(
     for fqn, dtype, shape, chunks in pending:
         built: list[Chunk] = []
         for offsets, sizes, rel, offset, length in chunks:
+            # the lists are the ones `_Items.tensor` made from `.metadata` (checked there)
             raw = raw_ranges.get((rel, fqn, tuple(offsets)))
             if raw is not None:
-                built.append(
-                    Chunk(
-                        offsets=offsets,
-                        sizes=sizes,
-                        file=rel,
-                        byte_offset=raw[0],
-                        byte_length=raw[1],
-                        raw=True,
-                    )
-                )
+                built.append(Chunk.trusted(offsets, sizes, rel, raw[0], raw[1], raw=True))
             else:
-                built.append(
-                    Chunk(
-                        offsets=offsets,
-                        sizes=sizes,
-                        file=rel,
-                        byte_offset=offset,
-                        byte_length=length,
-                    )
-                )
+                built.append(Chunk.trusted(offsets, sizes, rel, offset, length))
+        chunks.clear()  # the pending tuples are let go as their chunks are built
         nbytes = dtypes.numel(shape) * dtypes.itemsize(dtype)
         whole = len(built) == 1 and built[0].raw and built[0].sizes == shape
         layout.entries.append(
@@ -412,7 +428,15 @@ _TENSOR_HEAD = 4096
 
 
 def check_saved_tensors(storage: Storage, layout: Layout) -> None:
-    """Each torch_save chunk declares the dtype and sizes `.metadata` gives it (one small read each)."""
+    """Each torch_save chunk declares the dtype and sizes `.metadata` gives it (one small read each).
+
+    The heads are read file by file in offset order, each file opened once
+    (`Storage.read_ranges`; a save of 2,048 ranks interleaves its files chunk by chunk); the
+    problems are then listed in entry order.
+    """
+    entries: list[Entry] = []
+    chunks: list[Chunk] = []
+    by_file: dict[str, list[int]] = {}
     for entry in layout.entries:
         if entry.kind != "tensor" or entry.dtype is None:
             continue
@@ -420,45 +444,53 @@ def check_saved_tensors(storage: Storage, layout: Layout) -> None:
             size = layout.files.get(chunk.file)
             if chunk.raw or size is None or chunk.byte_offset + chunk.byte_length > size:
                 continue  # raw chunks are checked against their header; the rest is reported
-            compressed = (chunk.file, chunk.byte_offset) in layout.transforms
-            if compressed:
-                # the first bytes of the zstd stream inflate to the blob's zip header + pickle
-                stored = storage.read(
-                    chunk.file, chunk.byte_offset, min(1 << 16, chunk.byte_length)
-                )
-                head = inflate_head(stored, _TENSOR_HEAD)
-            else:
-                head = storage.read(
-                    chunk.file, chunk.byte_offset, min(_TENSOR_HEAD, chunk.byte_length)
-                )
-            saved = (
-                peek_saved_tensor(head, storage.describe(chunk.file)) if head is not None else None
+            by_file.setdefault(chunk.file, []).append(len(chunks))
+            entries.append(entry)
+            chunks.append(chunk)
+    found: list[SavedTensor | None] = [None] * len(chunks)
+    for rel, indexes in by_file.items():
+        indexes.sort(key=lambda i: chunks[i].byte_offset)
+        where = storage.describe(rel)
+        compressed = [(rel, chunks[i].byte_offset) in layout.transforms for i in indexes]
+        # the first bytes of a zstd stream inflate to the blob's zip header + pickle
+        ranges = (
+            (chunks[i].byte_offset, min(1 << 16 if packed else _TENSOR_HEAD, chunks[i].byte_length))
+            for i, packed in zip(indexes, compressed, strict=True)
+        )
+        for i, packed, stored in zip(
+            indexes, compressed, storage.read_ranges(rel, ranges), strict=False
+        ):
+            head = inflate_head(stored, _TENSOR_HEAD) if packed else stored
+            found[i] = peek_saved_tensor(head, where) if head is not None else None
+    for entry, chunk, saved in zip(entries, chunks, found, strict=True):
+        if saved is None:
+            layout.problem(
+                "dcp_bad_chunk",
+                f"tensor {entry.name!r}: the chunk at {chunk.offsets} (byte {chunk.byte_offset}) "
+                "is not a readable torch.save blob of a tensor",
+                file=chunk.file,
+                tensor=entry.name,
             )
-            if saved is None:
-                layout.problem(
-                    "dcp_bad_chunk",
-                    f"tensor {entry.name!r}: the chunk at {chunk.offsets} (byte {chunk.byte_offset}) "
-                    "is not a readable torch.save blob of a tensor",
-                    file=chunk.file,
-                    tensor=entry.name,
-                )
-            elif saved.dtype != entry.dtype or saved.shape != chunk.sizes:
-                layout.problem(
-                    "dcp_mismatch",
-                    f"tensor {entry.name!r}: the chunk at {chunk.offsets} is "
-                    f"{entry.dtype}{chunk.sizes} in .metadata but the file holds "
-                    f"{saved.dtype}{saved.shape}",
-                    file=chunk.file,
-                    tensor=entry.name,
-                )
-            elif not compressed and saved.storage_bytes > chunk.byte_length:
-                layout.problem(
-                    "dcp_mismatch",
-                    f"tensor {entry.name!r}: the chunk at {chunk.offsets} declares "
-                    f"{saved.storage_bytes} bytes of data in a {chunk.byte_length}-byte range",
-                    file=chunk.file,
-                    tensor=entry.name,
-                )
+        elif saved.dtype != entry.dtype or saved.shape != chunk.sizes:
+            layout.problem(
+                "dcp_mismatch",
+                f"tensor {entry.name!r}: the chunk at {chunk.offsets} is "
+                f"{entry.dtype}{chunk.sizes} in .metadata but the file holds "
+                f"{saved.dtype}{saved.shape}",
+                file=chunk.file,
+                tensor=entry.name,
+            )
+        elif (
+            chunk.file,
+            chunk.byte_offset,
+        ) not in layout.transforms and saved.storage_bytes > chunk.byte_length:
+            layout.problem(
+                "dcp_mismatch",
+                f"tensor {entry.name!r}: the chunk at {chunk.offsets} declares "
+                f"{saved.storage_bytes} bytes of data in a {chunk.byte_length}-byte range",
+                file=chunk.file,
+                tensor=entry.name,
+            )
 
 
 def _overlap(a: Chunk, b: Chunk) -> bool:

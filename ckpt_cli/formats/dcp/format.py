@@ -10,7 +10,7 @@ from ...models import Entry, FileInfo, Manifest, Problem
 from ..base import Format, Source, WriteOptions
 from ..details import DcpDetails
 from ..safetensors import DCP_HF_SHARD, is_dcp_hf_sharded
-from .check import analyse, check_saved_tensors, peek_objects
+from .check import analysed, check_saved_tensors, peek_objects
 from .layout import METADATA, RANK_METADATA, SERIALIZATIONS, SUFFIX, rank_file, world_size
 from .megatron import MEGATRON_COMMON, MEGATRON_LAYOUT, MEGATRON_METADATA
 from .reader import DcpCheckpoint
@@ -54,7 +54,7 @@ class DcpFormat(Format):
     @classmethod
     def open(cls, source: Source) -> DcpCheckpoint:
         source = cls._folder(source)
-        layout = analyse(source)
+        layout = analysed(source)
         errors = [p for p in layout.problems if p.severity == "error"]
         if errors:
             first = errors[0]
@@ -109,7 +109,7 @@ class DcpFormat(Format):
     def check(cls, source: Source) -> list[Problem]:
         source = cls._folder(source)
         try:
-            layout = analyse(source)
+            layout = analysed(source)
         except (FormatError, NotFoundError) as error:
             return [Problem(code=error.code, message=error.message, file=error.path)]
         check_saved_tensors(source.storage, layout)

@@ -61,8 +61,14 @@ class DType(str):
 
 
 class _Record:
-    """Base of the stand-ins: built by pickle's NEWOBJ + BUILD with a `__dict__` state."""
+    """Base of the stand-ins: built by pickle's NEWOBJ + BUILD with a `__dict__` state.
 
+    The stand-ins a `.metadata` holds one of per chunk (`ChunkStorageMetadata`,
+    `MetadataIndex`, `StorageInfo`) keep their fields in slots: a million-chunk checkpoint
+    holds three million of them while its manifest is built.
+    """
+
+    __slots__ = ()
     _fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -80,10 +86,12 @@ class _Record:
             state = {**(state[0] or {}), **state[1]}
         if not isinstance(state, dict):
             raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
-        own = self.__dict__
         for name in self._fields:
             if name in state:
-                own[name] = state[name]
+                object.__setattr__(self, name, state[name])
+        # the unpickler's memo keeps the state dict until the load ends; emptied, it holds
+        # nothing twice (a pickler writes one state per object: none is read by two BUILDs)
+        state.clear()
 
     def __getattr__(self, name: str) -> Any:
         # NEWOBJ skips __init__: fields absent from the pickled state read as None
@@ -131,7 +139,7 @@ class BytesStorageMetadata(_Record):
 class ChunkStorageMetadata(_Record):
     """Stand-in for `ChunkStorageMetadata`: offsets and sizes of one chunk."""
 
-    _fields = ("offsets", "sizes")
+    __slots__ = _fields = ("offsets", "sizes")
 
 
 class TensorProperties(_Record):
@@ -154,7 +162,7 @@ class TensorProperties(_Record):
 class MetadataIndex(_Record):
     """Stand-in for `MetadataIndex`: the key of `storage_data` (fqn, chunk offsets)."""
 
-    _fields = ("fqn", "offset", "index")
+    __slots__ = _fields = ("fqn", "offset", "index")
 
     def key(self) -> tuple[Any, Any]:
         """What identifies the chunk (the `index` hint is not part of it, as in torch)."""
@@ -171,7 +179,7 @@ class MetadataIndex(_Record):
 class StorageInfo(_Record):
     """Stand-in for `filesystem._StorageInfo`: where an item's bytes are."""
 
-    _fields = ("relative_path", "offset", "length", "transform_descriptors")
+    __slots__ = _fields = ("relative_path", "offset", "length", "transform_descriptors")
 
 
 class SavePlan(_Record):
@@ -319,9 +327,11 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 #: budgets of one `.metadata` load (a hostile pickle can describe a huge graph in few bytes):
 #: the file's size, checked before it is read...
 MAX_METADATA_BYTES = 1 << 30
-#: ... the objects unpickling may build (real DCP metadata: ~14 per entry or chunk, ~13 bytes
-#: of pickle each; 20M is a checkpoint of well over a million chunks) ...
-MAX_METADATA_OBJECTS = 20_000_000
+#: ... the objects unpickling may build: as many as a `.metadata` of `MAX_METADATA_BYTES`
+#: written by torch holds (9-11 per chunk in 110-145 bytes of pickle: about one object per
+#: 10-16 bytes; a 405B model saved by 2,048 ranks with FSDP 256 x TP 8 is 1.9M chunks, 21M
+#: objects, refused by the 20M this was before #30) ...
+MAX_METADATA_OBJECTS = 110_000_000
 #: ... and, past the first million, at most one object per this many bytes read (a pickle that
 #: builds an object per byte or two is a memory bomb, refused after a few MiB)
 METADATA_BYTES_PER_OBJECT = 4

@@ -209,12 +209,20 @@ class _TensorHeaderUnpickler(BudgetedUnpickler):
         return _Storage(dtype if isinstance(dtype, str) else None, numel)
 
 
+#: what `peek_saved_tensor` found, keyed by the bytes of a `data.pkl` the unpickler read whole
+#: and no further: the chunks of a sharded model declare a handful of (dtype, shape, storage)
+#: pickles, so a million chunk heads are a handful of unpicklings. Bounded; never evicted.
+_DECLARED: dict[bytes, SavedTensor] = {}
+_DECLARED_MAX = 4096
+
+
 def peek_saved_tensor(head: bytes, where: str | None = None) -> SavedTensor | None:
     """Dtype and shape declared by a `torch.save`d tensor, from the first bytes of the blob.
 
     `torch.save` writes `data.pkl` first and uncompressed, so the local zip header plus a few
     hundred bytes suffice. None when the blob does not look like that (then nothing is claimed);
-    FormatError naming `where` for a pickle over its budget (`budgets`).
+    FormatError naming `where` for a pickle over its budget (`budgets`). The result may be
+    shared with other calls that read the same `data.pkl` bytes: callers do not change it.
     """
     if len(head) < 30 or not head.startswith(b"PK\x03\x04"):
         return None
@@ -227,13 +235,28 @@ def peek_saved_tensor(head: bytes, where: str | None = None) -> SavedTensor | No
     if method != 0 or not name.endswith(b"data.pkl"):
         return None
     start = 30 + name_len + extra_len
+    # where the record ends: its size in the local header (stored, so as many bytes as the
+    # pickle) or, as torch writes it (flag bit 3), the data descriptor's signature after it.
+    # A pickle the unpickler read to exactly there reads the same from any blob starting so.
+    size = int.from_bytes(head[18:22], "little") or head.find(b"PK\x07\x08", start) - start
+    key = head[start : start + size] if 0 < size <= len(head) - start else None
+    if key is not None:
+        known = _DECLARED.get(key)
+        if known is not None:
+            return known
     # the head may end mid-pickle: only the memo is judged, not lengths past its end
-    unpickler = _TensorHeaderUnpickler(head[start:], where, complete=False)
+    stream = io.BytesIO(head[start:])
+    unpickler = _TensorHeaderUnpickler(head[start:], where, stream, complete=False)
     try:
         value = unpickler.load()
     except Exception:
         return None
-    return value if isinstance(value, SavedTensor) else None
+    if not isinstance(value, SavedTensor):
+        return None
+    # a BytesIO has no `peek`: the unpickler read exactly up to its STOP
+    if key is not None and stream.tell() == size and len(_DECLARED) < _DECLARED_MAX:
+        _DECLARED[key] = value
+    return value
 
 
 class _Stub:
