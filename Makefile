@@ -70,8 +70,8 @@ test-fast: $(DEV)
 	$(PY) -m pytest -q -m "$(FAST)"
 
 completions: $(DEV)
-	$(PY) -m ckpt_cli.completions completions
-	$(PY) -m ckpt_cli.render.schema schema/ckpt-json.schema.json
+	$(PY) -m ckpt_cli.cli.completions completions
+	$(PY) -m ckpt_cli.cli.render.schema schema/ckpt-json.schema.json
 
 # every benchmark with its defaults (several minutes, a few GB of scratch data); see bench/README.md
 bench: $(DEV)

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_cli.hashing import hash_files, hasher_factory
+from ckpt_cli.storage.hashing import hash_files, hasher_factory
 
 SHARD = 128 << 20
 ALGOS = ("sha256", "blake3", "xxh3")

@@ -171,7 +171,7 @@ def main() -> None:
     )
 
     # 3. bounded memory: the same largest tensor (64 MiB), models of 1x and 4x the size
-    idle = measure([PY, "-c", "import torch, ckpt_cli.ops.convert"])[1]
+    idle = measure([PY, "-c", "import torch, ckpt_cli.ops.convert.run"])[1]
     small = work / "small"
     make_model(small, args.gb / 4, largest_mb=64)
     rss_small = measure([*ckpt, "convert", str(small), str(work / "s-out"), "--to", "safetensors"])[

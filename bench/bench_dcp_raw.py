@@ -15,7 +15,7 @@ the runs of each pair (median wall time, peak RSS via /usr/bin/time):
 5. `ckpt convert SAFETENSORS --dtype bf16` (every tensor read, cast by torch and written: the
    cast path, target within 2x of the copy) against the same copy of the F32 source.
 
-Tensor bytes move with `copy_file_range` and write-back starts as they land (`ckpt_cli/fileio.py`).
+Tensor bytes move with `copy_file_range` and write-back starts as they land (`ckpt_cli/storage/fileio.py`).
 
 Prints each ratio as the throughput of ckpt over that of the copy (1.0: as fast as `cp`).
 """

@@ -89,7 +89,7 @@ def main() -> None:
                 str(a),
                 str(b),
             ],
-            "import ckpt only": [PY, "-c", "import ckpt_cli.cli"],
+            "import ckpt only": [PY, "-c", "import ckpt_cli.cli.app"],
             "cat both saves": ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files],
             "dcp.load both saves": [PY, "-c", LOAD_BOTH, str(a), str(b)],
         }

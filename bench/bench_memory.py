@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-IMPORT_ONLY = "import ckpt_cli.cli, torch, torch.distributed.checkpoint"
+IMPORT_ONLY = "import ckpt_cli.cli.app, torch, torch.distributed.checkpoint"
 TORCH_BASELINE = """
 import sys, torch, torch.distributed.checkpoint as dcp, warnings
 warnings.simplefilter("ignore")

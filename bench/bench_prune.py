@@ -32,9 +32,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ckpt_cli.ops.prune import prune
-from ckpt_cli.ops.retention import PrunePolicy
-from ckpt_cli.runs import scan_run
+from ckpt_cli.ops.prune.retention import PrunePolicy
+from ckpt_cli.ops.prune.run import prune
+from ckpt_cli.sources.runs import scan_run
 
 
 def build(root: Path, count: int, params: int) -> Path:

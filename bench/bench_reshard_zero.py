@@ -73,7 +73,7 @@ def main() -> None:
             f"({args.layers * width * (width + 1) / 1e6:.0f}M parameters) on 2 ranks: "
             f"{size / 2**20:.0f} MiB; largest parameter {largest / 2**20:.0f} MiB (fp32)"
         )
-        _, base = timed([PY, "-c", "import torch, ckpt_cli.ops.reshard_zero"])
+        _, base = timed([PY, "-c", "import torch, ckpt_cli.ops.reshard.zero"])
         print(f"  (a process that only imports torch and ckpt peaks at {base:.0f} MiB)")
         ckpt = [PY, "-m", "ckpt_cli", "reshard", str(run), str(work / "ckpt"), "--world-size", "1"]
         wall, rss = timed(ckpt)

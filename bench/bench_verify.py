@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckpt_cli.hashing import hash_files
-from ckpt_cli.ops.verify import verify
+from ckpt_cli.ops.verify.run import verify
+from ckpt_cli.storage.hashing import hash_files
 
 SHARDS = 200
 TENSORS_PER_SHARD = 100

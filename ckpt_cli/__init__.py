@@ -28,13 +28,13 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, tuple[str, str]] = {
     # operations
     "inspect": ("ckpt_cli.ops.inspect", "inspect"),
-    "verify": ("ckpt_cli.ops.verify", "verify"),
-    "convert": ("ckpt_cli.ops.convert", "convert"),
-    "reshard": ("ckpt_cli.ops.reshard", "run_reshard"),
-    "prune": ("ckpt_cli.ops.prune", "prune"),
+    "verify": ("ckpt_cli.ops.verify.run", "verify"),
+    "convert": ("ckpt_cli.ops.convert.run", "convert"),
+    "reshard": ("ckpt_cli.ops.reshard.run", "run_reshard"),
+    "prune": ("ckpt_cli.ops.prune.run", "prune"),
     "latest": ("ckpt_cli.ops.latest", "latest"),
     "download": ("ckpt_cli.ops.download", "download"),
-    "diff": ("ckpt_cli.ops.diff", "diff"),
+    "diff": ("ckpt_cli.ops.diff.run", "diff"),
     "merge": ("ckpt_cli.ops.merge", "merge"),
     "protect": ("ckpt_cli.ops.parity.protect", "protect"),
     "repair": ("ckpt_cli.ops.parity.repair", "repair"),
@@ -47,14 +47,14 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "SaveRecord": ("ckpt_cli.checkpointer", "SaveRecord"),
     # their reports and inputs
     "InspectReport": ("ckpt_cli.ops.inspect", "InspectReport"),
-    "VerifyReport": ("ckpt_cli.ops.verify", "VerifyReport"),
-    "ConvertReport": ("ckpt_cli.ops.convert", "ConvertReport"),
-    "ReshardReport": ("ckpt_cli.ops.reshard", "ReshardReport"),
-    "PrunePolicy": ("ckpt_cli.ops.retention", "PrunePolicy"),
-    "PruneReport": ("ckpt_cli.ops.retention", "PruneReport"),
-    "RunReport": ("ckpt_cli.runs", "RunReport"),
+    "VerifyReport": ("ckpt_cli.ops.verify.run", "VerifyReport"),
+    "ConvertReport": ("ckpt_cli.ops.convert.run", "ConvertReport"),
+    "ReshardReport": ("ckpt_cli.ops.reshard.run", "ReshardReport"),
+    "PrunePolicy": ("ckpt_cli.ops.prune.retention", "PrunePolicy"),
+    "PruneReport": ("ckpt_cli.ops.prune.retention", "PruneReport"),
+    "RunReport": ("ckpt_cli.sources.runs", "RunReport"),
     "DownloadReport": ("ckpt_cli.ops.download", "DownloadReport"),
-    "DiffReport": ("ckpt_cli.ops.diff", "DiffReport"),
+    "DiffReport": ("ckpt_cli.ops.diff.run", "DiffReport"),
     "MergeReport": ("ckpt_cli.ops.merge", "MergeReport"),
     "ProtectReport": ("ckpt_cli.ops.parity", "ProtectReport"),
     "RepairReport": ("ckpt_cli.ops.parity", "RepairReport"),
@@ -103,8 +103,8 @@ __all__ = [
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .checkpointer import Checkpointer, CheckpointerStatus, LoadedCheckpoint, SaveRecord
     from .errors import CkptError
-    from .ops.convert import ConvertReport, convert
-    from .ops.diff import DiffReport, diff
+    from .ops.convert.run import ConvertReport, convert
+    from .ops.diff.run import DiffReport, diff
     from .ops.doctor import DoctorReport, doctor
     from .ops.download import DownloadReport, download
     from .ops.inspect import InspectReport, inspect
@@ -113,13 +113,13 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .ops.parity.model import ProtectReport, RepairReport
     from .ops.parity.protect import protect
     from .ops.parity.repair import repair
-    from .ops.prune import prune
-    from .ops.reshard import ReshardReport
-    from .ops.reshard import run_reshard as reshard
-    from .ops.retention import PrunePolicy, PruneReport
+    from .ops.prune.retention import PrunePolicy, PruneReport
+    from .ops.prune.run import prune
+    from .ops.reshard.run import ReshardReport
+    from .ops.reshard.run import run_reshard as reshard
     from .ops.sync import SyncReport, sync
-    from .ops.verify import VerifyReport, verify
-    from .runs import RunReport
+    from .ops.verify.run import VerifyReport, verify
+    from .sources.runs import RunReport
 
 
 def __getattr__(name: str) -> Any:

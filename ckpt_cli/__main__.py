@@ -15,7 +15,7 @@ def entry() -> None:
 
     faults.install_handlers()
     try:
-        from .cli import main
+        from .cli.app import main
 
         main()
     except KeyboardInterrupt as exc:  # arrived outside a command (imports, argument parsing)

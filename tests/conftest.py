@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from ckpt_cli.cli import get_app
+from ckpt_cli.cli.app import get_app
 
 from . import framework_marks
 

@@ -1,7 +1,7 @@
 """Run several `ckpt` command lines in one torchrun launch (one process-group setup for all).
 
 Usage: `torchrun … tests/dist_ckpt_script.py COMMANDS.json OUT_DIR`. COMMANDS.json is a list of
-argument lists; each runs through `ckpt_cli.cli.main` exactly as `python -m ckpt_cli` would (the
+argument lists; each runs through `ckpt_cli.cli.app.main` exactly as `python -m ckpt_cli` would (the
 CLI reuses the process group initialised here). Each rank writes `OUT_DIR/rank{R}.json`: per
 command, its exit code and what it printed on stdout.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ckpt_cli.cli import main as ckpt_main
+from ckpt_cli.cli.app import main as ckpt_main
 
 
 def main() -> None:

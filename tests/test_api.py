@@ -70,7 +70,7 @@ def test_all_lists_exactly_the_lazy_exports() -> None:
 
 
 def test_every_command_has_its_library_entry_point() -> None:
-    from ckpt_cli.completions import describe_app
+    from ckpt_cli.cli.completions import describe_app
 
     for command in describe_app():
         assert callable(getattr(ckpt_cli, command.name)), command.name

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_cli import __version__
-from ckpt_cli.completions import render_all
+from ckpt_cli.cli.completions import render_all
 
 from .conftest import REPO, run_ckpt, run_ckpt_process
 
@@ -21,7 +21,7 @@ def test_version_and_help_list_every_command() -> None:
 
 
 def test_every_command_has_examples_in_its_help() -> None:
-    from ckpt_cli.completions import describe_app
+    from ckpt_cli.cli.completions import describe_app
 
     for command in describe_app():
         result = run_ckpt(command.name, "--help")
@@ -83,7 +83,7 @@ def test_help_and_metadata_inspect_do_not_import_torch(tmp_path: Path) -> None:
     save_file({"w": np.zeros((2, 3), dtype=np.float32)}, str(tmp_path / "m.safetensors"))
     probe = (
         "import sys, runpy; sys.argv = ['ckpt'] + sys.argv[1:];"
-        "from ckpt_cli.cli import main\n"
+        "from ckpt_cli.cli.app import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
     )

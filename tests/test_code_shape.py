@@ -84,7 +84,7 @@ def test_the_scan_sees_private_imports_and_module_attributes() -> None:
     )
     found = cross_module_private_uses(source, PACKAGE / "ops" / "probe.py")
     assert found == [
-        "ckpt_cli/ops/probe.py:3: from ckpt_cli.runs import _UNMARKED",
+        "ckpt_cli/ops/probe.py:3: from ckpt_cli.sources.runs import _UNMARKED",
         "ckpt_cli/ops/probe.py:4: from ckpt_cli.ops.plan import _helper",
         "ckpt_cli/ops/probe.py:8: dtypes._TABLE",
         "ckpt_cli/ops/probe.py:8: sizes._units",
@@ -136,7 +136,9 @@ def test_hub_urls_are_parsed_in_one_place() -> None:
         if path != PACKAGE / "uri.py"
         for use in hub_url_parsing(path.read_text(), path)
     ]
-    assert not found, "use ckpt_cli.uri (is_hub_url, parse_location, hub_url):\n" + "\n".join(found)
+    assert not found, (
+        "use ckpt_cli.storage.uri (is_hub_url, parse_location, hub_url):\n" + "\n".join(found)
+    )
     probe = (
         'def f(x, e):\n    """hf:// in a docstring"""\n'
         '    return x.startswith("hf://"), "hf://" not in e.fix, x[len("hf:") :]\n'

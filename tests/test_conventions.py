@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_cli.completions import describe_app, render_all
+from ckpt_cli.cli.completions import describe_app, render_all
 
 from .conftest import REPO, CkptResult, run_ckpt, run_ckpt_process
 from .run_fixtures import trainer_run
@@ -251,7 +251,7 @@ def envelope_of(result: CkptResult, validator: Any) -> dict[str, Any]:
 
 
 def test_the_published_schema_is_current() -> None:
-    from ckpt_cli.render.schema import render_schema
+    from ckpt_cli.cli.render.schema import render_schema
 
     committed = (REPO / "schema" / "ckpt-json.schema.json").read_text()
     assert committed == render_schema(), "schema is stale: run `make completions`"
@@ -292,7 +292,7 @@ def test_a_truncated_file_gives_a_bad_checkpoint_envelope(tmp_path: Path, valida
 def _click_params(name: str) -> list[Any]:
     import typer.main
 
-    from ckpt_cli.cli import get_app
+    from ckpt_cli.cli.app import get_app
 
     group = typer.main.get_command(get_app())
     return list(group.commands[name].params)  # type: ignore[attr-defined]

@@ -213,7 +213,7 @@ def test_include_exclude_rename_select_do_what_they_say(tmp_path: Path) -> None:
 
 
 def test_progress_counts_every_byte_written_once(tmp_path: Path) -> None:
-    from ckpt_cli.ops.convert import convert
+    from ckpt_cli.ops.convert.run import convert
 
     state = tiny_state()
     save_file(state, tmp_path / "model.safetensors")

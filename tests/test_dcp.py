@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from ckpt_cli.dist.placement import shard_dim0_boxes
 from ckpt_cli.formats import open_checkpoint, resolve_source
 from ckpt_cli.formats.base import WriteOptions
 from ckpt_cli.formats.dcp import DcpCheckpoint, DcpFormat
 from ckpt_cli.models import Chunk, Entry
-from ckpt_cli.placement import shard_dim0_boxes
 
 from .conftest import REPO, run_ckpt
 from .dcp_dist_script import expected_state
@@ -163,7 +163,7 @@ def test_safetensors_serialization_exposes_raw_chunks(tmp_path: Path) -> None:
 def test_metadata_inspect_does_not_import_torch(single: Path) -> None:
     probe = (
         "import sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
-        "from ckpt_cli.cli import main\n"
+        "from ckpt_cli.cli.app import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
     )

@@ -236,8 +236,8 @@ def test_the_raw_kernel_and_tensor_paths_write_byte_identical_data_files(
     # three ways in: raw blocks, a local file range (copied in the kernel, the zip CRC read
     # alongside and patched into the header) and torch tensors; one set of bytes out, whether
     # small containers are built in memory (the default for these sizes) or in the file
-    from ckpt_cli.fileio import FileRange
     from ckpt_cli.formats.dcp import torch_blob
+    from ckpt_cli.storage.fileio import FileRange
 
     if not in_memory:
         monkeypatch.setattr(torch_blob, "SMALL_BLOB", -1)

@@ -22,7 +22,7 @@ from ckpt_cli import budgets
 from ckpt_cli.formats import resolve_source
 from ckpt_cli.formats.dcp import DcpFormat
 from ckpt_cli.formats.dcp import peek as peek_module
-from ckpt_cli.ops.verify import verify
+from ckpt_cli.ops.verify.run import verify
 from ckpt_cli.storage import local as local_storage
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from ckpt_cli.formats.torch_save import object_allowlist
+from ckpt_cli.formats.torch.format import object_allowlist
 
 from .conftest import run_ckpt
 from .dist_helpers import dcp_load_flat, dcp_save, run_torchrun
@@ -479,7 +479,7 @@ def test_data_commands_hold_about_one_chunk_of_the_largest_tensor(tmp_path: Path
     rows = 16 * 1024  # 64 MiB of float32
     dcp_save({"big": torch.randn(rows, 1024), "w": torch.randn(8, 8)}, tmp_path / "src")
     tensor_mib = rows * 1024 * 4 / (1 << 20)
-    base = child_peak_mib("-c", "import ckpt_cli.cli, torch, torch.distributed.checkpoint")
+    base = child_peak_mib("-c", "import ckpt_cli.cli.app, torch, torch.distributed.checkpoint")
     runs = {
         "reshard": ["reshard", tmp_path / "src", tmp_path / "re", "--world-size", "1"],
         "convert": ["convert", tmp_path / "src", tmp_path / "conv", "--to", "dcp"],

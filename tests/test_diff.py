@@ -91,7 +91,7 @@ def test_select_and_rename_line_up_naming_schemes(tmp_path: Path) -> None:
 
 
 def test_nan_in_the_same_place_is_equal_and_against_a_number_is_infinite() -> None:
-    from ckpt_cli.ops.compare import tensor_stats
+    from ckpt_cli.ops.diff.compare import tensor_stats
 
     a = torch.tensor([1.0, float("nan"), 3.0, float("nan")])
     b = torch.tensor([1.0, float("nan"), 3.5, 4.0])

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_cli.distributed import (
+from ckpt_cli.dist.command import (
     SINGLE,
     CombinedProgress,
     RankFailedError,
@@ -361,7 +361,7 @@ def test_a_plain_run_is_rank_0_of_1_and_never_imports_torch_distributed(
     env = {**launch, "WORLD_SIZE": "2", "RANK": "1"}
     code = (
         "import sys\n"
-        "from ckpt_cli.cli import main\n"
+        "from ckpt_cli.cli.app import main\n"
         "try:\n"
         f"    main(['inspect', {str(sources['model'])!r}, '--json'])\n"
         "except SystemExit as e:\n"

@@ -7,8 +7,8 @@ import re
 
 import typer.main
 
-from ckpt_cli.cli import get_app
-from ckpt_cli.conventions import DOCS_URL, command_docs_url, docs_url
+from ckpt_cli.cli.app import get_app
+from ckpt_cli.cli.conventions import DOCS_URL, command_docs_url, docs_url
 
 from .conftest import REPO, run_ckpt, run_ckpt_process
 

@@ -578,7 +578,7 @@ def test_tensors_mode_resumes_after_sigkill(hub: TestHub, tmp_path: Path) -> Non
     # a real process, with small parts fetched one at a time (set before the CLI runs)
     boot = (
         "import ckpt_cli.ops.download.tensors as d; d.PART_SIZE = 4096; d.RANGE_WORKERS = 1; "
-        "d.PARTS_IN_FLIGHT = 1; from ckpt_cli.cli import main; main()"
+        "d.PARTS_IN_FLIGHT = 1; from ckpt_cli.cli.app import main; main()"
     )
     args = ["download", "hf://org/model", str(dest), "--mode", "tensors", "--no-extras"]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

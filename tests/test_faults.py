@@ -158,7 +158,7 @@ KILLED_PUBLISH = textwrap.dedent(
             os._exit(137)
         return real_rmtree(path, *args, **kwargs)
 
-    import ckpt_cli.output as output
+    import ckpt_cli.storage.output as output
     output.os.rename = rename
     output.shutil.rmtree = rmtree
     from ckpt_cli.__main__ import entry
@@ -242,7 +242,7 @@ def test_a_replace_killed_between_two_renames_says_where_the_old_copy_is(
 
 
 def TMP_NOT_IN(name: str) -> bool:
-    from ckpt_cli.output import TMP_MARKER
+    from ckpt_cli.storage.output import TMP_MARKER
 
     return TMP_MARKER not in name
 
@@ -490,9 +490,9 @@ def test_a_failed_rename_on_publish_exits_74_and_removes_staging(
     def failing_rename(a: str, b: str) -> None:
         raise OSError(code, os.strerror(code), str(a), None, str(b))
 
-    import ckpt_cli.output
+    import ckpt_cli.storage.output
 
-    monkeypatch.setattr(ckpt_cli.output.os, "rename", failing_rename)
+    monkeypatch.setattr(ckpt_cli.storage.output.os, "rename", failing_rename)
     result = run_ckpt("convert", src, out / "dest", "--to", "torch", "--json")
     assert result.exit_code == 74, result.stdout
     assert errno.errorcode[code] in result.json["error"]["message"]
@@ -595,7 +595,7 @@ def test_ctrl_c_while_torch_save_writes_exits_130_cleanly(tmp_path: Path) -> Non
     script = textwrap.dedent(
         """
         import sys, time
-        import ckpt_cli.formats.torch_zip as tz
+        import ckpt_cli.formats.torch.zip_write as tz
 
         real = tz.TorchZipWriter._record
         def slow(self, name, data, nbytes):
@@ -708,11 +708,11 @@ HELD_IMPORT = textwrap.dedent(
 @pytest.mark.parametrize(
     "module",
     [
-        "ckpt_cli.cli",  # the CLI itself, right after the handlers
+        "ckpt_cli.cli.app",  # the CLI itself, right after the handlers
         "typer",  # the CLI framework
-        "ckpt_cli.commands.inspect",  # the command module
+        "ckpt_cli.cli.commands.inspect",  # the command module
         "ckpt_cli.ops.inspect",  # the operation, imported inside typer's invocation
-        "ckpt_cli.render.inspect",  # its renderer, likewise
+        "ckpt_cli.cli.render.inspect",  # its renderer, likewise
     ],
 )
 def test_sigterm_and_sighup_during_start_up_exit_143_and_129_with_a_message(

@@ -16,9 +16,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ckpt_cli import fileio
-from ckpt_cli.fileio import FileRange
-from ckpt_cli.formats import torch_zip
+from ckpt_cli.formats.torch import zip_write as torch_zip
+from ckpt_cli.storage import fileio
+from ckpt_cli.storage.fileio import FileRange
 
 from .conftest import run_ckpt
 from .dist_helpers import dcp_load_flat

@@ -91,7 +91,7 @@ def format_knowledge(source: str, path: str) -> list[str]:
             skipped.add(id(body[0].value))  # docstrings
         if isinstance(node, ast.JoinedStr):
             skipped.update(id(part) for part in ast.walk(node))
-    in_layouts = path.startswith("ckpt_cli/layouts/")
+    in_layouts = path.startswith("ckpt_cli/sources/layouts/")
     flagged: list[tuple[int, str]] = []
 
     def suffixes_in(node: ast.AST) -> list[ast.Constant]:
@@ -146,21 +146,21 @@ def test_the_format_knowledge_scan_tells_formats_from_layout_names() -> None:
         "    return (name.endswith('.safetensors.index.json'), manifest.format == 'dcp',\n"
         "            to != 'torch', module == 'torch', name == 'model.safetensors')\n"
     )
-    assert format_knowledge(source, "ckpt_cli/runs/x.py") == [
-        "ckpt_cli/runs/x.py:2: suffix '.bin'",
-        "ckpt_cli/runs/x.py:2: suffix '.pt'",
-        "ckpt_cli/runs/x.py:5: suffix '.bin'",
-        "ckpt_cli/runs/x.py:7: format token 'dcp'",
-        "ckpt_cli/runs/x.py:7: suffix '.safetensors.index.json'",
-        "ckpt_cli/runs/x.py:8: format token 'torch'",
+    assert format_knowledge(source, "ckpt_cli/sources/runs/x.py") == [
+        "ckpt_cli/sources/runs/x.py:2: suffix '.bin'",
+        "ckpt_cli/sources/runs/x.py:2: suffix '.pt'",
+        "ckpt_cli/sources/runs/x.py:5: suffix '.bin'",
+        "ckpt_cli/sources/runs/x.py:7: format token 'dcp'",
+        "ckpt_cli/sources/runs/x.py:7: suffix '.safetensors.index.json'",
+        "ckpt_cli/sources/runs/x.py:8: format token 'torch'",
     ]
     # a layout spells its framework's names (`numbered_files`) but classifies nothing by suffix
-    assert format_knowledge(source, "ckpt_cli/layouts/x.py") == [
-        "ckpt_cli/layouts/x.py:2: suffix '.bin'",
-        "ckpt_cli/layouts/x.py:2: suffix '.pt'",
-        "ckpt_cli/layouts/x.py:7: format token 'dcp'",
-        "ckpt_cli/layouts/x.py:7: suffix '.safetensors.index.json'",
-        "ckpt_cli/layouts/x.py:8: format token 'torch'",
+    assert format_knowledge(source, "ckpt_cli/sources/layouts/x.py") == [
+        "ckpt_cli/sources/layouts/x.py:2: suffix '.bin'",
+        "ckpt_cli/sources/layouts/x.py:2: suffix '.pt'",
+        "ckpt_cli/sources/layouts/x.py:7: format token 'dcp'",
+        "ckpt_cli/sources/layouts/x.py:7: suffix '.safetensors.index.json'",
+        "ckpt_cli/sources/layouts/x.py:8: format token 'torch'",
     ]
 
 

@@ -52,7 +52,7 @@ def test_inspect_lists_header_ground_truth(gguf_files: Path) -> None:
 def test_inspect_and_verify_never_import_torch(gguf_files: Path) -> None:
     code = (
         "import sys\n"
-        "from ckpt_cli.cli import main\n"
+        "from ckpt_cli.cli.app import main\n"
         "for cmd in ('inspect', 'verify'):\n"
         "    try:\n"
         f"        main([cmd, {str(gguf_files / 'tiny.gguf')!r}, '--json'])\n"

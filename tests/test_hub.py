@@ -200,7 +200,7 @@ def test_offline_mode_reads_the_local_cache(hub: TestHub, tmp_path: Path) -> Non
 def test_hub_inspect_does_not_import_torch(hub: TestHub, tmp_path: Path) -> None:
     publish_model(hub, "org/light", tmp_path / "src", layered_state(1))
     probe = (
-        "import sys\nfrom ckpt_cli.cli import main\n"
+        "import sys\nfrom ckpt_cli.cli.app import main\n"
         "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
         "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', code, file=sys.stderr)"
     )

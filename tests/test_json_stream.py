@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from ckpt_cli.cli.render import envelope
 from ckpt_cli.ops.inspect import inspect
-from ckpt_cli.ops.verify import verify
-from ckpt_cli.render import envelope
+from ckpt_cli.ops.verify.run import verify
 
 from .conftest import run_ckpt_process
 

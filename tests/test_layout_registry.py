@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from ckpt_cli.formats import resolve_source
-from ckpt_cli.layouts import (
+from ckpt_cli.sources.layouts import (
     FOLDER_LAYOUTS,
     SINGLE_LAYOUTS,
     CompositeDetails,
@@ -22,7 +22,7 @@ from ckpt_cli.layouts import (
     analyse_single,
     open_source,
 )
-from ckpt_cli.runs import scan_run
+from ckpt_cli.sources.runs import scan_run
 
 from .conftest import run_ckpt
 from .run_fixtures import age, dcp_save, trainer_checkpoint, weights

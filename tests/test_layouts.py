@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpt_cli.layouts import open_source, training_checks
+from ckpt_cli.sources.layouts import open_source, training_checks
 
 from .conftest import REPO, run_ckpt
 
@@ -483,7 +483,7 @@ def test_torchtitan_step_folder_from_dcp_save(tmp_path: Path) -> None:
 
 
 def test_check_source_runs_every_component_check(trainer_run: Path, tmp_path: Path) -> None:
-    from ckpt_cli.layouts import check_source
+    from ckpt_cli.sources.layouts import check_source
 
     assert check_source(str(trainer_run)) == []
     folder = _copy(trainer_run, tmp_path / "checkpoint-4")
@@ -503,7 +503,7 @@ def test_trainer_folder_written_as_one_torch_training_dict(
     trainer_run: Path, tmp_path: Path
 ) -> None:
     from ckpt_cli.formats.base import WriteOptions
-    from ckpt_cli.formats.torch_save import TorchFormat
+    from ckpt_cli.formats.torch.format import TorchFormat
 
     from .test_torch_format import assert_same
 
@@ -612,7 +612,7 @@ def test_trainer_fsdp_folder_with_dcp_model_and_optimizer(
     assert training_checks(opened) == []
     with opened.checkpoint as checkpoint:
         assert torch.equal(checkpoint.read_tensor("model.fc1.weight"), model_sd["fc1.weight"])
-    from ckpt_cli.layouts import check_source
+    from ckpt_cli.sources.layouts import check_source
 
     assert check_source(str(folder)) == []
 

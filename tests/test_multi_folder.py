@@ -168,7 +168,7 @@ def test_sentence_transformers_folder_includes_dense(
 def test_every_convert_option_reaches_every_component(
     diffusers_pipeline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckpt_cli.ops import convert as convert_op
+    from ckpt_cli.ops.convert import run as convert_op
 
     # the request carries exactly convert's options: a new option cannot be left out of it
     options = set(inspect.signature(convert_op.convert).parameters) - {"src", "dest", "to"}

@@ -26,7 +26,7 @@ from .conftest import REPO, run_ckpt
 
 PROBE = (
     "import sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
-    "from ckpt_cli.cli import main\n"
+    "from ckpt_cli.cli.app import main\n"
     "code = 0\n"
     "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
     "print('TORCH' if 'torch' in sys.modules else 'NO_TORCH', code, file=sys.stderr)"
@@ -150,8 +150,8 @@ def test_an_rng_state_read_without_torch_holds_what_torch_load_returns(tmp_path:
     import numpy as np
     import torch
 
-    from ckpt_cli.formats.torch_save import object_allowlist
-    from ckpt_cli.formats.torch_zip import TensorLayout, read_plain_torch_zip
+    from ckpt_cli.formats.torch.format import object_allowlist
+    from ckpt_cli.formats.torch.zip_write import TensorLayout, read_plain_torch_zip
 
     random.seed(3)
     np.random.seed(3)
@@ -226,7 +226,12 @@ def test_dcp_training_summary_without_torch_matches_the_saved_state(
 def test_plain_reader_matches_torch_load_and_runs_nothing(tmp_path: Path) -> None:
     import torch
 
-    from ckpt_cli.pickle_values import NotPlain, SavedTensorValue, load_plain, saved_scalar
+    from ckpt_cli.formats.torch.pickle_values import (
+        NotPlain,
+        SavedTensorValue,
+        load_plain,
+        saved_scalar,
+    )
 
     values: list[Any] = [
         {"lr": 0.01, "betas": (0.9, 0.999), "params": ["a.weight", "b.bias"], "amsgrad": False},

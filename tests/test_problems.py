@@ -76,7 +76,8 @@ def test_error_codes_are_exactly_the_error_classes_codes(
     source_codes: tuple[dict[str, dict[str, set[str]]], dict[str, list[str]]],
 ) -> None:
     codes, _ = source_codes
-    from ckpt_cli import distributed, errors
+    from ckpt_cli import errors
+    from ckpt_cli.dist import command as distributed
     from ckpt_cli.formats import dcp
 
     classes = [

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpt_cli.ops import prune as prune_ops
-from ckpt_cli.ops.prune import watch
-from ckpt_cli.ops.retention import PrunePolicy
+from ckpt_cli.ops.prune import run as prune_ops
+from ckpt_cli.ops.prune.retention import PrunePolicy
+from ckpt_cli.ops.prune.run import watch
 
 from .conftest import run_ckpt, run_ckpt_process
 from .run_fixtures import (
@@ -455,7 +455,7 @@ def test_watch_in_a_real_process_exits_cleanly_on_sigint(tmp_path: Path) -> None
 def test_a_deepspeed_latest_file_naming_a_path_outside_the_run_marks_nothing(
     tmp_path: Path,
 ) -> None:
-    from ckpt_cli.runs.judge import _deepspeed_latest
+    from ckpt_cli.sources.runs.judge import _deepspeed_latest
 
     (tmp_path / "latest").write_text("../elsewhere/global_step5")
     assert _deepspeed_latest(tmp_path) is None

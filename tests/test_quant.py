@@ -752,7 +752,7 @@ def test_inspect_and_plain_verify_of_a_quantized_checkpoint_never_import_torch(
     write_gpt_oss(src)
     probe = (
         "import sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
-        "from ckpt_cli.cli import main\n"
+        "from ckpt_cli.cli.app import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
     )

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from ckpt_cli.placement import (
+from ckpt_cli.dist.placement import (
     Box,
     load_plan,
     overlaps,

@@ -13,7 +13,7 @@ import torch
 
 from ckpt_cli.errors import FormatError
 from ckpt_cli.formats import resolve_source
-from ckpt_cli.ops.reshard_zero import rewrite_world_size, zero2_partition, zero3_sub_groups
+from ckpt_cli.ops.reshard.zero import rewrite_world_size, zero2_partition, zero3_sub_groups
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 300])

@@ -506,7 +506,7 @@ def test_plain_verify_names_a_dcp_object_entry_the_restricted_reader_refuses(
     assert not marker.exists()
     # plain verify stays metadata-and-opcodes only: no torch import
     probe = (
-        "import sys; from ckpt_cli.cli import main\n"
+        "import sys; from ckpt_cli.cli.app import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print('TORCH' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
     )

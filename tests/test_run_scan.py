@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ckpt_cli.runs import scan_run
+from ckpt_cli.sources.runs import scan_run
 
 from .run_fixtures import age, interrupted_trainer_save, trainer_checkpoint, trainer_run
 from .s3_fixtures import S3Server, upload_folder

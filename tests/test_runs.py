@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpt_cli.runs import looks_like_run, scan_run
+from ckpt_cli.sources.runs import looks_like_run, scan_run
 
 from .conftest import run_ckpt, run_ckpt_process
 from .run_fixtures import (
@@ -255,7 +255,7 @@ def test_latest_of_a_dcp_run_does_not_import_torch(tmp_path: Path) -> None:
     age(run)
     probe = (
         "import sys; sys.argv = ['ckpt', 'latest', sys.argv[1]]\n"
-        "from ckpt_cli.cli import main\n"
+        "from ckpt_cli.cli.app import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)"
     )

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from ckpt_cli.formats import open_checkpoint
 from ckpt_cli.formats.base import WriteOptions
-from ckpt_cli.formats.safetensors import SafetensorsFormat
+from ckpt_cli.formats.safetensors.format import SafetensorsFormat
 
 from .conftest import run_ckpt
 

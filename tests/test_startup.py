@@ -15,7 +15,7 @@ def _modules_after(*args: str) -> set[str]:
         "import sys, atexit\n"
         "atexit.register(lambda: sys.stderr.write('\\nMODULES ' + ' '.join(sys.modules) + '\\n'))\n"
         "sys.argv = ['ckpt', *sys.argv[1:]]\n"
-        "from ckpt_cli.cli import main\n"
+        "from ckpt_cli.cli.app import main\n"
         "main()\n"
     )
     proc = subprocess.run(
@@ -29,14 +29,14 @@ def test_help_loads_no_operation_no_distributed_machinery_and_no_torch() -> None
     for args in (["--help"], ["inspect", "--help"], ["convert", "--help"]):
         loaded = _modules_after(*args)
         assert "torch" not in loaded, args
-        assert "ckpt_cli.distributed" not in loaded, args
+        assert "ckpt_cli.dist.command" not in loaded, args
         assert not any(m.startswith(("ckpt_cli.ops", "ckpt_cli.formats")) for m in loaded), args
     # the top-level help builds no option parser, so not even pydantic (typer's subcommand
     # parsing imports it on its own)
     top = _modules_after("--help")
     assert "pydantic" not in top
     # nor rich: the top-level help is plain click text, and rich is a third of the start-up
-    assert "rich" not in top and "ckpt_cli.render" not in top
+    assert "rich" not in top and "ckpt_cli.cli.render" not in top
 
 
 def test_a_plain_run_never_loads_the_distributed_machinery(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -45,7 +45,7 @@ def test_a_plain_run_never_loads_the_distributed_machinery(tmp_path) -> None:  #
 
     save_file({"w": torch.zeros(2)}, str(tmp_path / "m.safetensors"))
     loaded = _modules_after("inspect", str(tmp_path / "m.safetensors"), "--json")
-    assert "ckpt_cli.distributed" not in loaded
+    assert "ckpt_cli.dist.command" not in loaded
     assert "torch" not in loaded
 
 
@@ -70,23 +70,31 @@ def test_inspect_of_a_plain_model_imports_no_training_layout_run_scanner_or_othe
     (shards / "config.json").write_text('{"model_type": "llama"}')
     (shards / "README.md").write_text("# a model\n")
     # the layout modules a safetensors model needs: the protocol and the model-folder facts
-    needed = {"ckpt_cli.layouts", "ckpt_cli.layouts.base", "ckpt_cli.layouts.model_folders"}
+    needed = {
+        "ckpt_cli.sources.layouts",
+        "ckpt_cli.sources.layouts.base",
+        "ckpt_cli.sources.layouts.model_folders",
+    }
     for args in (
         ["inspect", str(tmp_path / "m.safetensors")],
         ["inspect", str(shards), "--json"],
         ["verify", str(shards)],
     ):
         loaded = _modules_after(*args)
-        assert "ckpt_cli.formats.safetensors" in loaded, args  # it did read the checkpoint
-        layouts = {m for m in loaded if m.startswith("ckpt_cli.layouts")}
+        assert "ckpt_cli.formats.safetensors.format" in loaded, args  # it did read the checkpoint
+        layouts = {m for m in loaded if m.startswith("ckpt_cli.sources.layouts")}
         assert layouts <= needed, (args, layouts - needed)
         # the run report's field types (`runs.records`) only: never the scanners
-        runs = {m for m in loaded if m.startswith("ckpt_cli.runs.")}
-        assert runs <= {"ckpt_cli.runs.records"}, (args, runs)
+        runs = {m for m in loaded if m.startswith("ckpt_cli.sources.runs.")}
+        assert runs <= {"ckpt_cli.sources.runs.records"}, (args, runs)
         assert "ckpt_cli.quant.dequant" not in loaded, args
         # format detection asks only the adapters whose file names are there
-        others = ("ckpt_cli.formats.dcp", "ckpt_cli.formats.torch_save", "ckpt_cli.formats.gguf")
+        others = (
+            "ckpt_cli.formats.dcp",
+            "ckpt_cli.formats.torch.format",
+            "ckpt_cli.formats.gguf.format",
+        )
         assert not loaded & set(others), (args, loaded & set(others))
-        commands = {m for m in loaded if m.startswith("ckpt_cli.commands.")}
-        assert commands == {f"ckpt_cli.commands.{args[0]}"}, (args, commands)
+        commands = {m for m in loaded if m.startswith("ckpt_cli.cli.commands.")}
+        assert commands == {f"ckpt_cli.cli.commands.{args[0]}"}, (args, commands)
         assert "torch" not in loaded, args

@@ -335,7 +335,7 @@ def test_multipart_uploads_are_checked_by_etag_and_reused_on_resume(
     import boto3
     from safetensors.torch import save_file
 
-    from ckpt_cli.output import UPLOAD_BLOCK
+    from ckpt_cli.storage.output import UPLOAD_BLOCK
 
     make_bucket(s3_server.endpoint, BUCKET)
     run = tmp_path / "dump"

@@ -17,8 +17,8 @@ from huggingface_hub import save_torch_state_dict
 
 from ckpt_cli.formats import open_checkpoint, resolve_source
 from ckpt_cli.formats.base import WriteOptions
-from ckpt_cli.formats.torch_save import TorchFormat
-from ckpt_cli.output import staged_output
+from ckpt_cli.formats.torch.format import TorchFormat
+from ckpt_cli.storage.output import staged_output
 
 from .conftest import run_ckpt
 
@@ -309,7 +309,7 @@ def test_remote_file_lists_from_ranged_reads_and_reads_tensors(tmp_path: Path) -
 
     from ckpt_cli.formats.base import Source
     from ckpt_cli.storage import FsspecStorage
-    from ckpt_cli.uri import parse_location
+    from ckpt_cli.storage.uri import parse_location
 
     sd = {f"layers.{i}.weight": torch.randn(256, 512) for i in range(4)}
     torch.save(sd, tmp_path / "model.bin")

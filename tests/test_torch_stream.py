@@ -110,7 +110,7 @@ def test_sharded_torch_output_is_streamed_per_shard(tmp_path: Path) -> None:
 # 900 MiB reports >= 900 MiB whatever it does: the "whole model" peak seen late in full runs.
 PEAK = """
 import sys
-from ckpt_cli.cli import main
+from ckpt_cli.cli.app import main
 sys.argv = ["ckpt", *sys.argv[1:]]
 try:
     main()
@@ -247,7 +247,7 @@ def test_safetensors_to_torch_writes_the_zip_around_raw_bytes(tmp_path: Path) ->
 
 def _zero_torch_file(path: Path, tensors: int, mib: int) -> None:
     """A real torch.save file of zero F32 tensors, written block by block (no tensor held)."""
-    from ckpt_cli.formats.torch_zip import TorchZipWriter
+    from ckpt_cli.formats.torch.zip_write import TorchZipWriter
 
     zeros = bytes(8 << 20)
     nbytes = mib << 20
@@ -286,7 +286,7 @@ def test_a_plain_torch_save_file_is_inspected_and_converted_without_torch(tmp_pa
     torch.save({"w": torch.ones(2, 3), "step": 4, "ids": torch.arange(3)}, tmp_path / "m.pt")
     script = """
 import sys
-from ckpt_cli.cli import main
+from ckpt_cli.cli.app import main
 for argv in (["inspect", "m.pt"], ["convert", "m.pt", "out.safetensors", "--to", "safetensors"]):
     sys.argv = ["ckpt", *argv]
     try:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_cli.formats.torch_zip import TorchZipWriter, index_torch_zip, locate_single_tensor
+from ckpt_cli.formats.torch.zip_write import TorchZipWriter, index_torch_zip, locate_single_tensor
 
 from .conftest import REPO
 
@@ -223,7 +223,7 @@ def test_add_raw_writes_every_dtype_as_torch_loads_it_bit_exact(tmp_path: Path) 
 def test_add_raw_from_a_file_range_writes_the_same_bytes_as_from_blocks(tmp_path: Path) -> None:
     # a local range is copied in the kernel, its CRC read beforehand and patched into the
     # record's header: the file must not differ by a byte from the streamed one
-    from ckpt_cli.fileio import FileRange
+    from ckpt_cli.storage.fileio import FileRange
 
     tensors = {str(d): _random(d, (3, 2), seed=i) for i, d in enumerate(DTYPES)}
     tensors |= {"scalar": torch.tensor(1.5), "empty": torch.zeros(0, 4, dtype=torch.bfloat16)}
@@ -277,7 +277,7 @@ def test_raw_write_and_index_read_never_import_torch(tmp_path: Path) -> None:
     out = tmp_path / "o.pt"
     script = f"""
 import sys, struct
-from ckpt_cli.formats.torch_zip import TorchZipWriter, index_torch_zip
+from ckpt_cli.formats.torch.zip_write import TorchZipWriter, index_torch_zip
 with open({str(out)!r}, "wb") as fh:
     w = TorchZipWriter(fh, "o")
     w.finish({{"x": w.add_raw("float32", [2], 8, [struct.pack("<2f", 1.0, 2.0)])}})

@@ -211,7 +211,7 @@ def test_layout_protocol_opens_a_step_and_declines_a_plain_dcp(
     import torch.distributed.checkpoint as dcp
 
     from ckpt_cli.formats import resolve_source
-    from ckpt_cli.layouts import TorchTitan
+    from ckpt_cli.sources.layouts import TorchTitan
 
     run, truth = titan_run
     layout = TorchTitan()

@@ -1,4 +1,4 @@
-"""`hf://` locations are parsed in one place (`ckpt_cli.uri`, issue #26): the CLI's `--revision` /
+"""`hf://` locations are parsed in one place (`ckpt_cli.storage.uri`, issue #26): the CLI's `--revision` /
 `--repo-type` options fold into the URL through the same parser that reads it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ckpt_cli.errors import UsageError
-from ckpt_cli.uri import hub_url, is_hub_url, parse_location, with_hub_options
+from ckpt_cli.storage.uri import hub_url, is_hub_url, parse_location, with_hub_options
 
 
 @pytest.mark.parametrize(

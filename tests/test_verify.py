@@ -786,7 +786,7 @@ def test_structural_verify_and_checksums_do_not_import_torch(tmp_path: Path) -> 
     folder = sharded(tmp_path / "m")
     probe = (
         "import sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
-        "from ckpt_cli.cli import main\n"
+        "from ckpt_cli.cli.app import main\n"
         "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
         "print('TORCH' if 'torch' in sys.modules else 'NO_TORCH', code, file=sys.stderr)"
     )
@@ -799,7 +799,7 @@ def test_structural_verify_and_checksums_do_not_import_torch(tmp_path: Path) -> 
 
 
 def test_content_checks_report_progress_in_bytes(tmp_path: Path) -> None:
-    from ckpt_cli.ops.verify import verify
+    from ckpt_cli.ops.verify.run import verify
 
     folder = sharded(tmp_path / "m")
     size = sum(p.stat().st_size for p in folder.iterdir())

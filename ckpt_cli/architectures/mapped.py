@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import dtypes
-from ..fileio import COPY_BLOCK
 from ..formats.base import Checkpoint
 from ..models import Entry, Manifest
+from ..storage.fileio import COPY_BLOCK
 from .base import ArchitecturePlan, MappedTensor
 
 if TYPE_CHECKING:

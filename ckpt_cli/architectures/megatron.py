@@ -418,7 +418,7 @@ def args_from_checkpoint(checkpoint: Checkpoint) -> ModelArgs:
     --config. A model that is not Llama-style is refused (`args_from_megatron`)."""
     from ..errors import CkptError
     from ..formats.dcp.megatron import MEGATRON_COMMON
-    from ..formats.torch_load import InertObject, load_torch_file
+    from ..formats.torch.load import InertObject, load_torch_file
 
     storage = checkpoint.storage
     if not storage.exists(MEGATRON_COMMON):

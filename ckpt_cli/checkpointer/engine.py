@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ..errors import CkptError, FormatError, IOFailure, UsageError
-from ..output import staged_output
-from ..runs import is_remote
-from ..uri import is_hub_url
+from ..sources.runs import is_remote
+from ..storage.output import staged_output
+from ..storage.uri import is_hub_url
 from .hooks import pause_point
 from .model import SAVE_FORMAT, CheckpointerStatus, LoadedCheckpoint, SaveRecord
 from .staging import HostStaging
@@ -82,8 +82,8 @@ class Checkpointer:
         logger: logging.Logger | None = None,
         pin_memory: bool | None = None,
     ) -> None:
-        from ..hashing import ALGORITHMS
-        from ..ops.retention import PrunePolicy
+        from ..ops.prune.retention import PrunePolicy
+        from ..storage.hashing import ALGORITHMS
 
         if format != SAVE_FORMAT:
             raise UsageError(
@@ -448,7 +448,7 @@ class Checkpointer:
     def _seal(self, staging: Path, record: SaveRecord) -> None:
         """Rank 0, before the rename: the structural check (and manifest), then parity."""
         from ..ops.parity import protect
-        from ..ops.verify import verify
+        from ..ops.verify.run import verify
 
         record.phase = "publishing"
         started = time.perf_counter()
@@ -478,7 +478,7 @@ class Checkpointer:
         """Local retention after a publish (`ckpt prune` with this checkpointer's policy)."""
         if self.policy is None:
             return
-        from ..ops.prune import prune
+        from ..ops.prune.run import prune
 
         report = prune(self.run_dir, self.policy, yes=True, strict_metric=False)
         record.pruned.extend(report.deleted)

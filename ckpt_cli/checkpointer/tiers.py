@@ -1,6 +1,6 @@
 """Where `load_latest` finds a save: the local run folder first, then the object store.
 
-Both tiers are judged by `ckpt_cli.runs` (the judge `ckpt latest` uses): a save is a
+Both tiers are judged by `ckpt_cli.sources.runs` (the judge `ckpt latest` uses): a save is a
 candidate only when it is complete (`.metadata` present, every file whole; a staging folder
 or a half-uploaded prefix never is). The newest candidate wins; on a tie the local copy is
 taken (no transfer). A remote save newer than every local one is pulled into the run folder
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CkptError
-from ..ops.checksums import MANIFEST_NAME
-from ..runs import RunCheckpoint, scan_run
+from ..ops.verify.checksums import MANIFEST_NAME
+from ..sources.runs import RunCheckpoint, scan_run
 from ..storage import PARITY_DIR
 from .model import SAVE_FORMAT, Tier
 
@@ -45,7 +45,7 @@ def _resumable(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint]:
 
 def check(path: str, checks: str) -> tuple[list[str], str | None]:
     """Verify one local save: (the checks that ran, the first problem or None)."""
-    from ..ops.verify import verify
+    from ..ops.verify.run import verify
 
     if checks == "none":
         return [], None

@@ -17,15 +17,15 @@ from pathlib import Path
 
 from ..errors import FormatError, NotFoundError, UsageError
 from ..storage import LocalStorage
-from ..uri import Location, parse_location
+from ..storage.uri import Location, parse_location
 from .base import Checkpoint, Format, Source
 
 #: token -> "module:Class"; modules import lazily so `ckpt --help` stays fast
 REGISTRY: dict[str, str] = {
-    "safetensors": "ckpt_cli.formats.safetensors:SafetensorsFormat",
+    "safetensors": "ckpt_cli.formats.safetensors.format:SafetensorsFormat",
     "dcp": "ckpt_cli.formats.dcp:DcpFormat",
-    "torch": "ckpt_cli.formats.torch_save:TorchFormat",
-    "gguf": "ckpt_cli.formats.gguf:GgufFormat",
+    "torch": "ckpt_cli.formats.torch.format:TorchFormat",
+    "gguf": "ckpt_cli.formats.gguf.format:GgufFormat",
 }
 #: formats a user may name in --format/--to
 FORMAT_NAMES = ("safetensors", "dcp", "torch", "hub", "gguf")
@@ -121,7 +121,7 @@ def resolve_source(location: Location | str) -> Source:
     if not path.exists():
         cached = cached_snapshot(loc.raw)
         if cached is None:
-            from ..output import leftover_old_copies
+            from ..storage.output import leftover_old_copies
 
             old = leftover_old_copies(path.absolute())
             if old:  # a `--force` replace was killed between its two renames
@@ -204,7 +204,7 @@ def _may_detect(name: str, source: Source) -> bool:
     if any(pattern.fullmatch(n) for n in names):
         return True
     if name == "dcp" and source.target is None:
-        from .safetensors import is_dcp_hf_sharded
+        from .safetensors.format import is_dcp_hf_sharded
 
         return is_dcp_hf_sharded(names)
     return False

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import FormatError
-from ..fileio import COPY_BLOCK
 from ..models import Chunk, Entry, FileInfo, Manifest, Problem
 from ..storage import Storage
-from ..uri import Location
+from ..storage.fileio import COPY_BLOCK
+from ..storage.uri import Location
 from .details import FormatDetails, PlainDetails
 
 if TYPE_CHECKING:
@@ -292,7 +292,7 @@ class Writer(ABC):
     def finish(self) -> list[FileInfo]:
         """Flush, fsync, write the commit marker; return the files written."""
 
-    # Split writing (torchrun, see `ckpt_cli.distributed`): every rank builds the same writer
+    # Split writing (torchrun, see `ckpt_cli.dist.command`): every rank builds the same writer
     # from the same plan, `restrict`s it to the data files assigned to it, receives only the
     # entries it `wants`, and returns `finish_part()`; rank 0 then `commit`s all the parts,
     # writing the commit marker last. A writer that splits has `finish() ==

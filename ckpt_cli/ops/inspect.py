@@ -16,13 +16,13 @@ from ..errors import NotFoundError
 from ..formats import resolve_source
 from ..formats.base import Checkpoint, Source
 from ..formats.names import LIGHTNING_SUFFIX, SAFETENSORS_SUFFIX
-from ..layouts import OpenedSource, open_source
-from ..layouts.model_folders import LayoutInfo
 from ..models import Entry, FileInfo, Manifest, Problem, TrainingState
 from ..quant import QuantSummary
-from ..runs.records import RunReport
+from ..sources.layouts import OpenedSource, open_source
+from ..sources.layouts.model_folders import LayoutInfo
+from ..sources.runs.records import RunReport
 from ..storage import Storage
-from .tree import TreeNode, build_tree, collapse_chains
+from .shared.tree import TreeNode, build_tree, collapse_chains
 
 
 class InspectReport(BaseModel):
@@ -43,7 +43,7 @@ class InspectReport(BaseModel):
         tree: folded module tree.
         entries: every entry (after filters).
         filters: the globs applied.
-        run: for a run folder (`format` is `run`): its step checkpoints (see `ckpt_cli.runs`).
+        run: for a run folder (`format` is `run`): its step checkpoints (see `ckpt_cli.sources.runs`).
         quantization: for a quantized checkpoint: the scheme per module group, logical
             parameters next to stored bytes, unquantized modules (see `ckpt_cli.quant`).
         layout: the library layout of a model folder (PEFT adapter, diffusers pipeline...).
@@ -115,7 +115,7 @@ def _inspect(src: str, format: str | None, filters: list[str] | None) -> Inspect
     # scan and the opening all read that
     source: str | Source = src
     if format is None and not filters and _could_be_run(src):
-        from ..runs import is_remote, looks_like_run, scan_run
+        from ..sources.runs import is_remote, looks_like_run, scan_run
 
         if is_remote(src):
             source = resolve_source(src)
@@ -171,7 +171,7 @@ def _naming(opened: OpenedSource, entries: list[Entry], manifest: Manifest) -> N
     """The family and naming of the model's weights: a training checkpoint's `model`
     component (names as `--select model` takes them), or every tensor of a model."""
     from ..architectures import naming_info
-    from .selection import select_entries
+    from .shared.selection import select_entries
 
     tensors = [e for e in entries if e.kind == "tensor"]
     training = opened.training
@@ -246,8 +246,8 @@ def quantization_of(manifest: Manifest, storage: Storage) -> QuantSummary | None
 def malformed(checkpoint: Checkpoint) -> list[Problem]:
     """The format-rule violations of a local checkpoint's safetensors files that its reader
     tolerates (data not contiguous from offset 0, bytes after the last tensor): headers only."""
-    from ..formats.safetensors import SafetensorsCheckpoint
-    from ..formats.safetensors_header import parse_header
+    from ..formats.safetensors.format import SafetensorsCheckpoint
+    from ..formats.safetensors.header import parse_header
     from ..problems import Findings
 
     source = checkpoint.source

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..runs import DEFAULT_SETTLE, RunReport, scan_run
+from ..sources.runs import DEFAULT_SETTLE, RunReport, scan_run
 
 
 def latest(run_dir: str | Path, *, settle: float = DEFAULT_SETTLE, full: bool = True) -> RunReport:

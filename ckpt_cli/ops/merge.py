@@ -31,14 +31,14 @@ from ..formats.names import (
     TORCH_INDEX_SUFFIX,
     WEIGHT_SUFFIXES,
 )
-from ..layouts.base import open_plain
-from ..layouts.model_folders import read_json
 from ..models import Entry, FileInfo
-from ..output import Destination, RemoteDest, resolve_destination, staged_output
 from ..progress import NULL_PROGRESS, Progress
-from ..uri import parse_location
-from .transfer import plan_transfer
-from .transfer import write_checkpoint as run_write
+from ..sources.layouts.base import open_plain
+from ..sources.layouts.model_folders import read_json
+from ..storage.output import Destination, RemoteDest, resolve_destination, staged_output
+from ..storage.uri import parse_location
+from .shared.transfer import plan_transfer
+from .shared.transfer import write_checkpoint as run_write
 
 if TYPE_CHECKING:
     import torch

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from .. import dtypes
 from ..errors import FormatError
-from ..fileio import COPY_BLOCK
 from ..formats.base import Checkpoint
 from ..models import Entry, Manifest, Problem
+from ..storage.fileio import COPY_BLOCK
 from .schemes import QuantAnalysis, QuantWeight
 
 if TYPE_CHECKING:

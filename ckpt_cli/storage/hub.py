@@ -32,7 +32,6 @@ from typing import IO, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError
 from ..formats.names import SAFETENSORS_SUFFIX
-from ..uri import Location
 from .base import RemoteFile, Storage, StorageRangeFile, is_parity_path
 from .hub_repo import (
     HubRepo,
@@ -43,6 +42,7 @@ from .hub_repo import (
     open_repo,
 )
 from .local import safe_relpath
+from .uri import Location
 
 #: a ranged read that breaks mid-transfer is resumed from where it stopped this many times
 READ_RETRIES = 5

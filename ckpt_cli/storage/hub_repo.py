@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptError, HubError, NotFoundError
-from ..uri import Location
 from .base import RemoteFile
 from .local import LocalStorage, safe_relpath
+from .uri import Location
 
 #: bytes per read when hashing local files
 HASH_BLOCK = 8 << 20

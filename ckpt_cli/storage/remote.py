@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError, UsageError
-from ..uri import Location
 from .base import Storage, is_parity_path
 from .local import safe_relpath
+from .uri import Location
 
 
 def remote_failure(exc: BaseException, where: str, *, writing: bool = False) -> CkptError:

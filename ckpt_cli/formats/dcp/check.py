@@ -13,7 +13,7 @@ from ...errors import FormatError
 from ...models import Chunk, Entry
 from ...storage import Storage, safe_relpath
 from ..base import Source
-from ..safetensors import is_dcp_hf_sharded
+from ..safetensors.format import is_dcp_hf_sharded
 from .hf_shards import analyse_hf_shards
 from .layout import (
     METADATA,

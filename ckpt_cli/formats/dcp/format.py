@@ -9,7 +9,7 @@ from ...errors import FormatError, NotFoundError
 from ...models import Entry, FileInfo, Manifest, Problem
 from ..base import Format, Source, WriteOptions
 from ..details import DcpDetails
-from ..safetensors import DCP_HF_SHARD, is_dcp_hf_sharded
+from ..safetensors.format import DCP_HF_SHARD, is_dcp_hf_sharded
 from .check import analysed, check_saved_tensors, peek_objects
 from .layout import METADATA, RANK_METADATA, SERIALIZATIONS, SUFFIX, rank_file, world_size
 from .megatron import MEGATRON_COMMON, MEGATRON_LAYOUT, MEGATRON_METADATA

@@ -7,8 +7,8 @@ import json
 from ... import dtypes
 from ...models import Chunk, Entry
 from ..base import Source
-from ..safetensors import DCP_HF_SHARD
-from ..safetensors_header import read_header
+from ..safetensors.format import DCP_HF_SHARD
+from ..safetensors.header import read_header
 from .layout import SHARDING_INFO_KEY, Layout, int_list
 
 

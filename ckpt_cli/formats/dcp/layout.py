@@ -7,11 +7,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...dist.placement import Box
 from ...errors import FormatError
 from ...models import Chunk, Entry, Problem
-from ...placement import Box
 from ..names import DCP_DATA_SUFFIX, DCP_METADATA
-from ..safetensors import DCP_HF_SHARD
+from ..safetensors.format import DCP_HF_SHARD
 
 METADATA = DCP_METADATA
 SUFFIX = DCP_DATA_SUFFIX

@@ -11,11 +11,11 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 from ... import dtypes
 from ...errors import CkptError, FormatError, NotFoundError
-from ...fileio import COPY_BLOCK
 from ...models import Chunk, Entry, Manifest
 from ...storage import LocalStorage, RangeFile
+from ...storage.fileio import COPY_BLOCK
 from ..base import Checkpoint, Source
-from ..torch_zip import check_zip_budget
+from ..torch.zip_write import check_zip_budget
 from .megatron import MEGATRON_COMMON
 from .peek import common_leaf
 from .torch_blob import locate_chunk
@@ -372,7 +372,7 @@ class DcpCheckpoint(Checkpoint):
 
         import torch
 
-        from ..torch_save import object_allowlist
+        from ..torch.format import object_allowlist
 
         entry = self._entry(name, "object")
         if entry.file == MEGATRON_COMMON and entry.offset is None:
@@ -402,7 +402,7 @@ class DcpCheckpoint(Checkpoint):
     def _megatron_common(self) -> dict[str, Any]:
         """Megatron-Core's `common.pt`, loaded once (weights_only, ckpt's allow-list)."""
         if self._common is None:
-            from ..torch_save import load_torch_file
+            from ..torch.format import load_torch_file
 
             value, _ = load_torch_file(self.storage, MEGATRON_COMMON)
             if not isinstance(value, dict):

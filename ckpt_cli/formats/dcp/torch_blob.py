@@ -24,9 +24,9 @@ from collections.abc import Iterable, Iterator
 from typing import IO, Any, cast
 
 from ... import dtypes
-from ...fileio import FileRange
 from ...models import Chunk
-from ..torch_zip import (
+from ...storage.fileio import FileRange
+from ..torch.zip_write import (
     ALIGNMENT,
     PROTOCOL,
     StorageRef,

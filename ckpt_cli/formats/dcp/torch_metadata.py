@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 from ...models import Chunk, Entry
-from ..torch_zip import Reduced, placeholder, torch_names
+from ..torch.zip_write import Reduced, placeholder, torch_names
 from .transforms import ZSTD_DESCRIPTOR
 
 _MD = "torch.distributed.checkpoint.metadata."

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from ... import dtypes
+from ...dist.placement import shard_dim0_boxes
 from ...errors import FormatError
-from ...fileio import FileRange, open_output
 from ...models import Chunk, Entry, FileInfo
-from ...placement import shard_dim0_boxes
 from ...storage import safe_relpath
+from ...storage.fileio import FileRange, open_output
 from ..base import WriteOptions, Writer
 from .check import check_coverage
 from .layout import (

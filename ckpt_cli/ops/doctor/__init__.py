@@ -1,6 +1,6 @@
 """`doctor`: why did a resumed run diverge? Explained from the saved files alone.
 
-The run folder's complete saves are scanned (`ckpt_cli.runs`), opened once each (`Save`), and
+The run folder's complete saves are scanned (`ckpt_cli.sources.runs`), opened once each (`Save`), and
 every two consecutive saves are examined as a `Pair`: the state a resume had to restore before,
 the state the resumed run saved after. Each family of causes is one module and only reads:
 
@@ -33,8 +33,8 @@ from pathlib import Path
 from ...errors import NotFoundError, UsageError
 from ...formats import resolve_source
 from ...formats.base import Source
-from ...layouts import open_source
-from ...runs import DEFAULT_SETTLE, RunCheckpoint, is_remote, looks_like_run, scan_run
+from ...sources.layouts import open_source
+from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, is_remote, looks_like_run, scan_run
 from . import consistency, data, optimizer, points, rng, scaler, schedule, setup, weights
 from .logs import Series, from_trainer_state, jump, run_logs
 from .models import CAUSE_IDS, EXPECTABLE, Cause, DoctorReport, LogJump, ResumePoint
@@ -136,7 +136,7 @@ def _open(path: str, name: str | None = None, step: int | None = None, mtime: fl
     opened = open_source(source)
     label = name or path.rstrip("/").rsplit("/", 1)[-1]
     if step is None:
-        from ...runs.naming import classify
+        from ...sources.runs.naming import classify
 
         named = classify(label, source.target is None, lambda: True)
         step = named[1] if named else None

@@ -3,7 +3,7 @@ restored for other parameters (param groups or shapes that no longer fit the wei
 
 from __future__ import annotations
 
-from ...layouts.training import shape_problems
+from ...sources.layouts.training import shape_problems
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
 from .save import Save

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import CkptError
-from ..compare import values_equal
+from ..diff.compare import values_equal
 from . import mt19937
 from .models import Cause
 from .pair import Pair

@@ -17,10 +17,10 @@ from typing import Any
 
 from ...errors import CkptError
 from ...formats.base import Source
-from ...layouts import OpenedSource
-from ...layouts.training import as_int, entries_under, value_of
+from ...formats.torch.pickle_values import NotPlain, load_plain_pickle
 from ...models import Entry
-from ...pickle_values import NotPlain, load_plain_pickle
+from ...sources.layouts import OpenedSource
+from ...sources.layouts.training import as_int, entries_under, value_of
 
 #: leaf names of data-position counters, wherever a layout keeps them
 DATA_COUNTERS = (
@@ -265,7 +265,7 @@ class Save:
         """Fields of a Trainer's `training_args.bin`, read from its opcodes (never unpickled)."""
         if self.layout != "hf-trainer" or "training_args.bin" not in self.source.files:
             return {}
-        from ...layouts.trainer import training_arg_values
+        from ...sources.layouts.trainer import training_arg_values
 
         return training_arg_values(self.source, "training_args.bin", TRAINING_ARGS)
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 from ...errors import UsageError
 from ...formats.base import Source
-from ...output import check_destination, resolve_destination
 from ...progress import NULL_PROGRESS, Progress
 from ...storage.hub import HubStorage, open_repo
-from ...uri import parse_location
+from ...storage.output import check_destination, resolve_destination
+from ...storage.uri import parse_location
 from .plan import DownloadFile, DownloadRange, DownloadReport, Mode, check_file_globs
 from .shards import download_shards
 from .tensors import download_tensors

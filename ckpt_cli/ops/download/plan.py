@@ -9,8 +9,8 @@ from pydantic import BaseModel, Field
 
 from ...errors import FormatError, NotFoundError
 from ...formats.names import INDEX_SUFFIX, WEIGHT_SUFFIXES
-from ...model_files import EXTRA_SUFFIXES
 from ...models import Entry
+from ...sources.model_files import EXTRA_SUFFIXES
 from ...storage.hub import HubRepo
 
 Mode = Literal["shards", "tensors"]

@@ -13,14 +13,14 @@ from typing import Any, Literal
 from ...errors import FormatError
 from ...formats.base import Source
 from ...formats.names import SAFETENSORS_SUFFIX
-from ...formats.safetensors import SafetensorsFormat
-from ...formats.safetensors_header import read_header
+from ...formats.safetensors.format import SafetensorsFormat
+from ...formats.safetensors.header import read_header
 from ...formats.weight_map import BIN_INDEX_SUFFIX, find_index, read_index
-from ...output import Destination, staged_output
 from ...progress import Progress
 from ...quant import with_sidecars
 from ...storage import LocalStorage
 from ...storage.hub import HubRepo, HubStorage, RemoteFile, hub_errors, hub_mismatch
+from ...storage.output import Destination, staged_output
 from ..inspect import select
 from .plan import (
     FETCH_WORKERS,

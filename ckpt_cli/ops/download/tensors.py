@@ -20,15 +20,15 @@ from pathlib import Path
 from ...errors import FormatError
 from ...formats.base import Source, WriteOptions
 from ...formats.names import SAFETENSORS_SUFFIX
-from ...formats.safetensors import SafetensorsCheckpoint, SafetensorsFormat
+from ...formats.safetensors.format import SafetensorsCheckpoint, SafetensorsFormat
 from ...formats.weight_map import INDEX_SUFFIX
 from ...models import Entry
-from ...output import Destination, RemoteDest, staged_output
 from ...progress import NULL_PROGRESS, Progress
 from ...quant import with_sidecars
 from ...storage import LocalStorage
 from ...storage.hub import HubRepo, HubStorage, hub_errors
-from ...uri import Location
+from ...storage.output import Destination, RemoteDest, staged_output
+from ...storage.uri import Location
 from ..inspect import select
 from .plan import (
     COALESCE_MAX_GAP,

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ... import __version__
-from ...distributed import active
+from ...dist.command import active
 from ...errors import DestinationExistsError, UsageError
 from ...formats import resolve_source
-from ...output import RemoteDest, staged_output
 from ...progress import NULL_PROGRESS, Progress
+from ...storage.output import RemoteDest, staged_output
 from .codec import Codec, block_digest, pad_block
 from .layout import (
     ParityLayout,

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from ...errors import FormatError, NotFoundError
 from ...formats.names import is_commit_marker
-from ...output import TMP_MARKER, fsync_dir
 from ...progress import NULL_PROGRESS, Progress
 from ...storage import (
     FsspecStorage,
@@ -20,6 +19,7 @@ from ...storage import (
     Storage,
     remote_failure,
 )
+from ...storage.output import TMP_MARKER, fsync_dir
 from .codec import Codec, chunk_size, pad_block, slices
 from .layout import ParityLayout
 from .model import ProtectedFile, RepairReport

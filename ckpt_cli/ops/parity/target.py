@@ -15,11 +15,10 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from ...distributed import active
+from ...dist.command import active
 from ...errors import FormatError, NotFoundError, UsageError
 from ...formats import resolve_source
 from ...formats.base import Source
-from ...output import TMP_MARKER, RemoteDest
 from ...storage import (
     PARITY_DIR,
     FsspecStorage,
@@ -28,6 +27,7 @@ from ...storage import (
     is_parity_path,
     safe_relpath,
 )
+from ...storage.output import TMP_MARKER, RemoteDest
 from .layout import plan_layout, small_block
 from .model import (
     BLOCK_ALIGN,

@@ -1,7 +1,7 @@
 """`sync`: a run's complete checkpoints copied between a local run folder and an object store.
 
 Up (`ckpt sync out/ s3://bucket/run/`): every *complete* checkpoint of the local run folder
-(judged by `ckpt_cli.runs`, so never one still being written, never an interrupted one) that
+(judged by `ckpt_cli.sources.runs`, so never one still being written, never an interrupted one) that
 the destination does not hold yet is uploaded under its own name. The order inside one
 checkpoint is the one ckpt's object-store writer uses (`output.publish_order`): data files
 first, then the commit markers (`.metadata`, `*.index.json`, `trainer_state.json`), and last
@@ -39,9 +39,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ...errors import NotFoundError, UsageError
-from ...runs import DEFAULT_SETTLE, is_remote
-from ...uri import is_hub_url
-from ..retention import PrunePolicy
+from ...sources.runs import DEFAULT_SETTLE, is_remote
+from ...storage.uri import is_hub_url
+from ..prune.retention import PrunePolicy
 from .model import RateLimit, SyncedCheckpoint, SyncReport
 from .pull import sync_down
 from .push import DEFAULT_JOBS, sync_up
@@ -73,7 +73,7 @@ def sync(
         src / dest: a local run folder and an object-store prefix, either way round (the
             remote side may also be a Hub repo when pulling).
         latest_only: pulling: only the newest complete checkpoint.
-        settle: seconds; see `ckpt_cli.runs` (saves of marker-less layouts this fresh wait).
+        settle: seconds; see `ckpt_cli.sources.runs` (saves of marker-less layouts this fresh wait).
         max_rate: bytes per second at most.
         prune_policy: pushing: retention applied on the remote side after each round.
         watch_seconds / max_iterations: repeat every interval (and stop after N rounds).

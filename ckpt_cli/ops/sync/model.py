@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from ..retention import PruneReport
+from ..prune.retention import PruneReport
 
 #: hash algorithm of manifests sync computes (the one `verify --write-manifest` defaults to)
 SYNC_ALGORITHM = "sha256"

@@ -10,10 +10,10 @@ from typing import Any
 
 from ...errors import FormatError, NotFoundError
 from ...formats.names import is_commit_marker
-from ...output import UPLOAD_BLOCK
-from ...runs import UNMARKED, RunCheckpoint
+from ...sources.runs import UNMARKED, RunCheckpoint
 from ...storage import Storage
-from ..checksums import MANIFEST_NAME, ChecksumManifest
+from ...storage.output import UPLOAD_BLOCK
+from ..verify.checksums import MANIFEST_NAME, ChecksumManifest
 
 #: files written after a checkpoint's data, in this order (the manifest always last)
 _LATE = ("trainer_state.json",)

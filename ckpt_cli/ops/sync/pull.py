@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CkptError, FormatError, NotFoundError, UnsafeInputError
-from ...hashing import hasher_factory
-from ...output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir
-from ...runs import RunCheckpoint, run_storage, scan_run
+from ...sources.runs import RunCheckpoint, run_storage, scan_run
 from ...storage import Storage
-from ..checksums import MANIFEST_NAME, ChecksumManifest
+from ...storage.hashing import hasher_factory
+from ...storage.output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir
+from ..verify.checksums import MANIFEST_NAME, ChecksumManifest
 from .model import RateLimit, SyncedCheckpoint, SyncReport
 from .plan import ROOT_FILES, manifest_rel_path, remote_manifest
 
@@ -215,7 +215,7 @@ def _download(
             shutil.rmtree(staging, ignore_errors=True)
     if manifest is None:
         # nothing to check the bytes against: the structure is checked instead
-        from ..verify import verify
+        from ..verify.run import verify
 
         if not verify(str(final)).ok:
             result.action = "failed"

@@ -13,14 +13,14 @@ from typing import Any
 
 from ... import __version__
 from ...errors import CkptError, FormatError, UsageError
-from ...hashing import hasher_factory
-from ...output import UPLOAD_BLOCK
-from ...runs import DEFAULT_SETTLE, RunCheckpoint, scan_run
+from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, scan_run
 from ...storage import remote_failure
-from ...uri import parse_location
-from ..checksums import ChecksumManifest, FileDigest
-from ..prune import prune
-from ..retention import PrunePolicy
+from ...storage.hashing import hasher_factory
+from ...storage.output import UPLOAD_BLOCK
+from ...storage.uri import parse_location
+from ..prune.retention import PrunePolicy
+from ..prune.run import prune
+from ..verify.checksums import ChecksumManifest, FileDigest
 from .model import SYNC_ALGORITHM, RateLimit, SyncedCheckpoint, SyncReport, now_iso
 from .plan import (
     ROOT_FILES,
@@ -105,7 +105,7 @@ class _Uploader:
         own_manifest: ChecksumManifest | None = None
         local_manifest = self.run_root / manifest_rel
         if is_dir and manifest_rel in files:
-            from ..checksums import read_manifest
+            from ..verify.checksums import read_manifest
 
             own_manifest = read_manifest(local_manifest)
             del files[manifest_rel]

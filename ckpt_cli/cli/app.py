@@ -1,0 +1,289 @@
+"""The typer application: shared options, the command glue, and `main()` (errors -> exit codes).
+
+Commands live one per module in `ckpt_cli/cli/commands/`; each registers itself on `app` and calls
+`run_command`, which runs one library call, renders its result (human or `--json`) and maps
+every failure to the exit codes documented in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any, NoReturn
+
+import typer
+import typer.core
+import typer.models
+
+from .. import __version__, faults
+from ..errors import CkptError, Interrupted, NotFoundError, ProblemsFound
+from .conventions import CkptGroup, CkptTyper, T, docs_url, hub_hint
+
+app = CkptTyper(
+    cls=CkptGroup,
+    name="ckpt",
+    help=(
+        "Inspect, verify, convert, reshard, prune, download and diff sharded and resumable "
+        "training checkpoints (safetensors, PyTorch DCP, torch.save, Hugging Face Hub)."
+    ),
+    epilog=f"Documentation: {docs_url()}",
+    no_args_is_help=True,
+    add_completion=True,
+    # plain click help: no width-dependent boxes, real metavars (SRC, GLOB), flags shown bare
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
+)
+
+# options shared by several commands, so every command spells them the same way
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout (the ckpt_json envelope).")
+]
+FormatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--format",
+        "-f",
+        help="Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it.",
+    ),
+]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force", help="Replace DEST if it exists (only after the new output is complete)."
+    ),
+]
+SrcArg = Annotated[
+    str,
+    typer.Argument(
+        help="Checkpoint file or folder, or hf://org/repo[@revision][/subfolder].",
+        show_default=False,
+    ),
+]
+
+#: the order commands appear in `ckpt --help`; modules not listed follow alphabetically
+COMMAND_ORDER = [
+    "inspect",
+    "verify",
+    "convert",
+    "reshard",
+    "prune",
+    "latest",
+    "sync",
+    "download",
+    "diff",
+    "doctor",
+    "merge",
+    "protect",
+    "repair",
+]
+
+
+def examples(*commands: str) -> str:
+    """A command's help epilog listing example invocations.
+
+    The `\\b` line keeps click's help formatter from re-wrapping the examples into one paragraph.
+    """
+    return "Examples:\n\n\b\n" + "\n".join("  " + command for command in commands)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"ckpt {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            "-V",
+            help="Print the version and exit.",
+            callback=_version_callback,
+            is_eager=True,
+        ),
+    ] = False,
+) -> None:
+    """Inspect, verify, convert, reshard, prune, download and diff training checkpoints."""
+
+
+def run_command(
+    command: str,
+    json_output: bool,
+    action: Callable[[], T],
+    render_human: Callable[[T], None],
+    exit_code: Callable[[T], int] = lambda _result: 0,
+    failure: Callable[[T, int], CkptError] | None = None,
+) -> None:
+    """Run one library call and render it; every failure becomes its documented exit code.
+
+    Args:
+        command: the subcommand name, for the JSON envelope.
+        json_output: print the JSON envelope instead of human output.
+        action: the library call; returns a pydantic model (or JSON-able value).
+        render_human: prints `result` for people (rich, stdout for data).
+        exit_code: 0, or 1 when the result reports problems (verify, diff).
+        failure: the error object a non-zero `exit_code` carries in the JSON envelope (default:
+            a generic "problems found" one), so every non-zero exit says code, message and fix.
+    """
+    import time
+
+    from . import render
+
+    started = time.monotonic()
+    try:
+        result = action()
+    except NotFoundError as error:
+        hint = next((h for h in map(hub_hint, _mentioned(error)) if h), None)
+        if hint and (error.fix is None or "hf://" not in error.fix):
+            error.fix = f"{error.fix.rstrip('.')}. " if error.fix else ""
+            error.fix += hint[0].upper() + hint[1:]
+        _report_failure(command, error, json_output)
+    except CkptError as error:
+        if faults.received is not None and not isinstance(error, Interrupted):
+            error = faults.interruption()  # a failure caused by the signal's exception
+        _report_failure(command, error, json_output)
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP (see faults.py)
+        interrupted = faults.interruption(exc)
+        render.emit_error(command, interrupted, json_output)
+        raise typer.Exit(interrupted.exit_code) from None
+    except (typer.Exit, SystemExit):
+        raise
+    except OSError as exc:  # disk full, EIO, read-only, EACCES...: not a bug (exit 74)
+        io_error: CkptError = faults.interruption() if faults.received else faults.io_failure(exc)
+        render.emit_error(command, io_error, json_output)
+        raise typer.Exit(io_error.exit_code) from None
+    except Exception as exc:  # anything else is a bug: say so, keep the traceback for CKPT_DEBUG
+        if faults.received is not None:  # torch's C++ writer wraps our KeyboardInterrupt
+            interrupted = faults.interruption()
+            render.emit_error(command, interrupted, json_output)
+            raise typer.Exit(interrupted.exit_code) from None
+        if os.environ.get("CKPT_DEBUG"):
+            raise
+        render.emit_internal_error(command, exc, json_output and _leader())
+        raise typer.Exit(70) from None
+    code = exit_code(result)
+    if _leader():  # under torchrun only rank 0 prints the result
+        if json_output:
+            found: CkptError | None = None
+            if code:
+                found = failure(result, code) if failure else _problems_found(command, code)
+            render.emit_json(command, result, code, found)
+        else:
+            render_human(result)
+            # a report's `warnings` (options that had no effect...) go to stderr, any command
+            notes = getattr(result, "warnings", None)
+            if isinstance(notes, list):
+                for note in notes:
+                    if isinstance(note, str):
+                        render.warn(command, note)
+        if render.verbosity > 0:
+            render.stderr.print(
+                f"ckpt {command}: done in {time.monotonic() - started:.2f} s (exit {code})",
+                highlight=False,
+            )
+    if code:
+        raise typer.Exit(code)
+
+
+def _problems_found(command: str, code: int) -> CkptError:
+    error = ProblemsFound(
+        f"ckpt {command} finished with exit {code}",
+        fix="The result member lists what was found.",
+    )
+    return error
+
+
+def _mentioned(error: CkptError) -> list[str]:
+    """The locations an error speaks of, for the `hf://` hint."""
+    return [error.path] if error.path else []
+
+
+def _leader() -> bool:
+    """Whether this process prints results: rank 0 of a split run, or a plain process.
+
+    Ranks exist only once `ckpt_cli.dist.command` was imported (by a launch, or a library
+    caller's `use(...)`), so a plain run answers without importing it.
+    """
+    distributed = sys.modules.get("ckpt_cli.dist.command")
+    return distributed is None or bool(distributed.joined().leader)
+
+
+def _report_failure(command: str, error: CkptError, json_output: bool) -> NoReturn:
+    """Print `error` and exit with its code.
+
+    Under torchrun a command that split its work speaks through rank 0; the others print only
+    errors of their own (the collective RankFailedError is rank 0's to report).
+    """
+    from . import render
+
+    distributed = sys.modules.get("ckpt_cli.dist.command")
+    collective = distributed is not None and isinstance(error, distributed.RankFailedError)
+    if _leader():
+        render.emit_error(command, error, json_output)
+    elif not collective:
+        render.emit_error(command, error, False)
+    raise typer.Exit(error.exit_code) from None
+
+
+def _command_modules() -> list[str]:
+    """The command modules of `ckpt_cli.cli.commands`, in `ckpt --help` order."""
+    from . import commands
+
+    found = [m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_")]
+    return [n for n in COMMAND_ORDER if n in found] + sorted(
+        n for n in found if n not in COMMAND_ORDER
+    )
+
+
+def load_commands(only: str | None = None) -> None:
+    """Import the modules of `ckpt_cli.cli.commands` so each registers its command on `app`: every
+    one, or `only` that one (what a process running one command needs)."""
+    ordered = _command_modules()
+    for name in [only] if only in ordered else ordered:
+        importlib.import_module(f"ckpt_cli.cli.commands.{name}")
+    if only is None:
+        # a process that loaded one command first still lists them in help order
+        rank = {name: i for i, name in enumerate(ordered)}
+        app.registered_commands.sort(
+            key=lambda info: rank.get(
+                getattr(info.callback, "__module__", "").rpartition(".")[2], 0
+            )
+        )
+
+
+def get_app() -> typer.Typer:
+    """The fully populated typer app (used by tests and completion generation)."""
+    load_commands()
+    return app
+
+
+def _app_for(args: list[str]) -> typer.Typer:
+    """The app with the commands `args` can run: the named command alone when the first
+    argument names one (its siblings' modules and typer parameters cost start-up time),
+    every command for help, completion, a typo's suggestion or a root option."""
+    named = args and not args[0].startswith("-") and not os.environ.get("_CKPT_COMPLETE")
+    if named and args[0] in _command_modules():
+        load_commands(only=args[0])
+        return app
+    return get_app()
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Console entry point (`ckpt`); under torchrun, joins the launch's process group first."""
+    from ..dist.launch import is_multi_rank_launch
+
+    faults.install_handlers()
+    args = argv if argv is not None else sys.argv[1:]
+    _app_for(args)
+    if not is_multi_rank_launch():
+        return app(args=args, prog_name="ckpt")
+    from ..dist.command import launched
+
+    with launched():
+        return app(args=args, prog_name="ckpt")

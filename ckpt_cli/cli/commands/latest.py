@@ -1,0 +1,59 @@
+"""`ckpt latest`: the newest complete checkpoint of a run folder, for resume scripts."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ..app import JsonOpt, app, examples, run_command
+
+
+@app.command(
+    epilog=examples(
+        "ckpt latest out/",
+        'python train.py --resume_from_checkpoint "$(ckpt latest out/)"',
+        "ckpt latest out/ --json   # every checkpoint: step, size, status, reason",
+    )
+)
+def latest(
+    run_dir: Annotated[
+        str,
+        typer.Argument(
+            help="Run folder holding step checkpoints (checkpoint-N/, step-N/, *.ckpt...).",
+            show_default=False,
+        ),
+    ],
+    settle: Annotated[
+        float,
+        typer.Option(
+            "--settle",
+            help="Seconds: an incomplete save modified more recently counts as still being written.",
+        ),
+    ] = 120.0,
+    json_output: JsonOpt = False,
+) -> None:
+    """Print the path of the newest COMPLETE checkpoint in RUN_DIR (exit 3 if there is none).
+
+    Unlike resume logic that takes the highest step, saves that were interrupted or are still
+    being written are skipped. `--json` gives the whole table of checkpoints.
+    """
+    from ...errors import NotFoundError
+    from ...ops.latest import exit_code
+    from ...ops.latest import latest as run_latest
+    from ..render.prune import render_latest
+
+    run_command(
+        "latest",
+        json_output,
+        lambda: run_latest(run_dir, settle=settle, full=json_output),
+        render_latest,
+        exit_code,
+        failure=lambda report, _code: NotFoundError(
+            "no complete checkpoint" if report.checkpoints else "no step checkpoints found",
+            path=run_dir,
+            fix="result.checkpoints gives each checkpoint's status and reason"
+            if report.checkpoints
+            else "Point at the folder that holds checkpoint-N/, step-N/ or *.ckpt saves",
+        ),
+    )

@@ -1,0 +1,53 @@
+"""`ckpt merge`: fold a LoRA adapter into its base model, one weight at a time."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ..app import JsonOpt, app, examples, run_command
+
+
+@app.command(
+    epilog=examples(
+        "ckpt merge meta-llama-3-8b/ my-lora/ merged/",
+        "ckpt merge base/ adapter/ merged/ --force --json",
+    )
+)
+def merge(
+    base: Annotated[
+        str,
+        typer.Argument(help="The base model folder (safetensors or torch).", show_default=False),
+    ],
+    adapter: Annotated[
+        str,
+        typer.Argument(
+            help="The PEFT LoRA adapter folder (adapter_config.json + adapter_model.*).",
+            show_default=False,
+        ),
+    ],
+    dest: Annotated[
+        str, typer.Argument(help="Output folder for the merged model.", show_default=False)
+    ],
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Replace DEST if it exists (once the new one is complete)."),
+    ] = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Merge a LoRA ADAPTER into BASE and write the merged model to DEST.
+
+    Streams one base weight at a time (peft's merge_and_unload holds the whole model); the
+    output keeps the base's file names and carries its config and tokenizer files, so it loads
+    with from_pretrained.
+    """
+    from ...ops.merge import merge as run_merge
+    from ..render.merge import render_merge
+
+    run_command(
+        "merge",
+        json_output,
+        lambda: run_merge(base, adapter, dest, force=force),
+        render_merge,
+    )

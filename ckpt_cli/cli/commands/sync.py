@@ -1,0 +1,196 @@
+"""`ckpt sync`: a run's complete checkpoints copied to (or pulled from) an object store."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ..app import JsonOpt, app, examples, run_command
+
+if TYPE_CHECKING:
+    from ...errors import CkptError
+
+
+class Mode(str, Enum):
+    """Which end of a metric is best."""
+
+    min = "min"
+    max = "max"
+
+
+@app.command(
+    epilog=examples(
+        "ckpt sync out/ s3://bucket/run/                  # upload what the bucket lacks",
+        "ckpt sync out/ s3://bucket/run/ --watch 300 --max-rate 200MB   # while training",
+        "ckpt sync out/ s3://bucket/run/ --prune-remote --keep-last 5",
+        "ckpt sync s3://bucket/run/ out/ --latest         # on a fresh machine",
+        'python train.py --resume_from_checkpoint "$(ckpt latest out/)"',
+    )
+)
+def sync(
+    src: Annotated[
+        str,
+        typer.Argument(
+            help="Local run folder, or the remote run (s3://bucket/run/) to pull.",
+            show_default=False,
+        ),
+    ],
+    dest: Annotated[
+        str,
+        typer.Argument(
+            help="Remote prefix to push to, or the local run folder to pull into.",
+            show_default=False,
+        ),
+    ],
+    latest: Annotated[
+        bool,
+        typer.Option("--latest", help="Pulling: only the newest complete checkpoint."),
+    ] = False,
+    watch: Annotated[
+        float | None,
+        typer.Option(
+            "--watch",
+            metavar="SECONDS",
+            help="Sync again every SECONDS while a job trains (Ctrl-C stops).",
+        ),
+    ] = None,
+    max_iterations: Annotated[
+        int | None,
+        typer.Option("--max-iterations", min=1, help="With --watch: stop after N rounds."),
+    ] = None,
+    max_rate: Annotated[
+        str | None,
+        typer.Option(
+            "--max-rate",
+            metavar="BYTES",
+            help="Bytes per second at most (200MB, 1GiB), so training keeps its network.",
+        ),
+    ] = None,
+    prune_remote: Annotated[
+        bool,
+        typer.Option(
+            "--prune-remote",
+            help="After uploading, apply the --keep-* policy to the remote run folder.",
+        ),
+    ] = False,
+    keep_last: Annotated[
+        int | None,
+        typer.Option("--keep-last", min=1, help="With --prune-remote: keep the newest N."),
+    ] = None,
+    keep_every: Annotated[
+        int | None,
+        typer.Option("--keep-every", min=1, help="With --prune-remote: keep steps divisible by K."),
+    ] = None,
+    keep_best: Annotated[
+        str | None,
+        typer.Option("--keep-best", help="With --prune-remote: keep the best by this metric."),
+    ] = None,
+    keep_top: Annotated[
+        int | None,
+        typer.Option("--keep-top", min=1, help="With --keep-best: keep the N best."),
+    ] = None,
+    mode: Annotated[
+        Mode,
+        typer.Option("--mode", help="Whether the best --keep-best value is the min or the max."),
+    ] = Mode.min,
+    keep_within: Annotated[
+        str | None,
+        typer.Option(
+            "--keep-within",
+            metavar="DURATION",
+            help="With --prune-remote: keep every checkpoint uploaded within DURATION (2d).",
+        ),
+    ] = None,
+    keep_every_duration: Annotated[
+        str | None,
+        typer.Option(
+            "--keep-every-duration",
+            metavar="DURATION",
+            help="With --prune-remote: keep one checkpoint per DURATION window.",
+        ),
+    ] = None,
+    settle: Annotated[
+        float,
+        typer.Option(
+            "--settle",
+            help="Seconds: saves of layouts without a commit marker wait this long unchanged.",
+        ),
+    ] = 120.0,
+    jobs: Annotated[
+        int,
+        typer.Option("--jobs", min=1, help="Pushing: files of a checkpoint uploaded at once."),
+    ] = 8,
+    json_output: JsonOpt = False,
+) -> None:
+    """Copy every COMPLETE checkpoint of a run folder that the other side lacks, verified.
+
+    Pushing (SRC local, DEST `s3://…`): saves still being written or interrupted are never
+    uploaded; each checkpoint's files go first, its commit markers after, its checksum
+    manifest last; every object is checked against the bytes sent, and an interrupted sync
+    resumes without sending finished files again. Pulling (SRC remote, DEST local): the
+    checkpoints are checked against their manifests and appear in DEST with one rename.
+    """
+    from ...ops.prune.retention import PrunePolicy, parse_duration
+    from ...ops.sync import SyncReport, exit_code
+    from ...ops.sync import sync as run_sync
+    from ...sizes import parse_size
+    from ..render.sync import render_sync, render_sync_round
+
+    def policy() -> PrunePolicy | None:
+        if not prune_remote:
+            if any((keep_last, keep_every, keep_best, keep_top, keep_within, keep_every_duration)):
+                from ...errors import UsageError
+
+                raise UsageError(
+                    "--keep-* options apply to the remote side with --prune-remote",
+                    fix="Add --prune-remote, or prune the local folder with `ckpt prune`.",
+                )
+            return None
+        return PrunePolicy(
+            keep_last=keep_last,
+            keep_every=keep_every,
+            keep_best=keep_best,
+            keep_top=keep_top,
+            mode=mode.value,
+            keep_within=parse_duration(keep_within, "--keep-within") if keep_within else None,
+            keep_every_duration=parse_duration(keep_every_duration, "--keep-every-duration")
+            if keep_every_duration
+            else None,
+        )
+
+    def action() -> SyncReport:
+        from ...ops.prune.retention import validate_policy
+
+        chosen = policy()
+        if chosen is not None:
+            validate_policy(chosen)
+        return run_sync(
+            src,
+            dest,
+            latest_only=latest,
+            settle=settle,
+            max_rate=parse_size(max_rate, option="--max-rate") if max_rate else None,
+            prune_policy=chosen,
+            watch_seconds=watch,
+            max_iterations=max_iterations,
+            on_round=None if json_output or watch is None else render_sync_round,
+            jobs=jobs,
+        )
+
+    def failure(report: SyncReport, code: int) -> CkptError:
+        from ...errors import ProblemsFound, UnsafeInputError
+
+        if report.refused_keys:
+            return UnsafeInputError(
+                "the remote listing holds keys that are not safe file names: "
+                + ", ".join(repr(k) for k in report.refused_keys),
+                path=src,
+                fix="Delete or rename those objects; every other checkpoint was synced.",
+            )
+        return ProblemsFound(
+            f"ckpt sync finished with exit {code}", fix="result.failed lists each checkpoint."
+        )
+
+    run_command("sync", json_output, action, render_sync, exit_code, failure=failure)

@@ -1,0 +1,241 @@
+"""Terminal output: the JSON envelope, error messages, and shared human formatting.
+
+Each command's human rendering lives in `render/<command>.py`. stdout carries data only;
+errors, warnings and progress go to stderr.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import sys
+from typing import Any, NoReturn
+
+from rich.console import Console, ConsoleDimensions
+from rich.markup import escape
+from rich.text import Text
+
+from ...errors import CkptError
+
+JSON_VERSION = 1
+
+#: the width a console claims when it is not a terminal: wide enough that nothing wraps
+UNWRAPPED_WIDTH = 1_000_000
+
+# C0 controls but newline, DEL, C1 controls, and the bidi / direction marks and overrides
+# (U+061C, U+200E-F, U+202A-E, U+2066-9): characters a name must never send to a terminal
+_UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def safe_text(text: str) -> str:
+    """`text` with control and bidi characters written as visible escapes (`\\x1b`, `\\u202e`).
+
+    Names come from checkpoints, i.e. from anyone: `ESC[2J` must not clear the user's screen,
+    and U+202E must not make `gpj.exe` read as `exe.jpg`. JSON output keeps the real names.
+    """
+    return _UNSAFE.sub(_escape_char, text)
+
+
+class SafeConsole(Console):
+    """A rich Console that escapes control/bidi characters and never wraps off a terminal.
+
+    Off a terminal (pipes, files, CI logs) one record is one line: the console claims a width
+    nothing reaches (whatever COLUMNS says), so tables are space-aligned and never folded, and
+    text is never wrapped. A closed pipe (`| head -1`) ends the run quietly with 141.
+    """
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        if not self.is_terminal:
+            return ConsoleDimensions(UNWRAPPED_WIDTH, 25)
+        return super().size
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        width, height = new_size
+        self._width, self._height = width, height
+
+    def on_broken_pipe(self) -> None:
+        # rich's default exits 1, which scripts read as "problems found"
+        self.quiet = True
+        closed_pipe_exit()
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        return super().render_str(safe_text(text), **kwargs)
+
+
+#: the status of a run whose reader went away: 128 + SIGPIPE, what a shell reports for `yes | head`
+CLOSED_PIPE_EXIT = 141
+
+
+def closed_pipe_exit() -> NoReturn:
+    """Stop quietly with 141 after stdout's reader went away (`| head -1`)."""
+    try:
+        # later flushes (at exit too) must not raise again: point stdout at /dev/null
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # not a real file descriptor (the in-process test runner)
+    raise SystemExit(CLOSED_PIPE_EXIT)
+
+
+stdout = SafeConsole(highlight=False, soft_wrap=False)
+#: warnings, notes and progress: silenced by --quiet
+stderr = SafeConsole(stderr=True, highlight=False)
+#: errors: printed whatever the verbosity
+errors = SafeConsole(stderr=True, highlight=False)
+
+#: -1 with --quiet, 1 with --verbose, 0 otherwise (set once per command run)
+verbosity = 0
+
+
+def set_verbosity(level: int) -> None:
+    """Apply -q/-v: quiet silences everything on stderr but errors."""
+    global verbosity
+    verbosity = level
+    stderr.quiet = level < 0
+
+
+def warn(command: str, message: str) -> None:
+    """A warning on stderr (`ckpt CMD: warning: ...`), silenced by --quiet."""
+    stderr.print(f"[yellow]{_prog(command)}: warning:[/] {escape(message)}", highlight=False)
+
+
+def _prog(command: str) -> str:
+    # `ckpt inspect: error: ...`, or `ckpt: error: ...` before a command was recognised
+    return "ckpt" if command == "ckpt" else f"ckpt {command}"
+
+
+def stdout_text(text: str) -> None:
+    """Plain text on stdout, control characters escaped."""
+    sys.stdout.write(safe_text(text) + "\n")
+    sys.stdout.flush()
+
+
+def _jsonable(result: Any) -> Any:
+    from pydantic import BaseModel  # here, not at import: `ckpt --help` needs no pydantic
+
+    if isinstance(result, BaseModel):
+        return result.model_dump(mode="json")
+    return result
+
+
+def envelope(
+    command: str, result: Any, exit_code: int, error: CkptError | None = None
+) -> dict[str, Any]:
+    """The one JSON document a `--json` run prints."""
+    return {
+        "ckpt_json": JSON_VERSION,
+        "command": command,
+        "ok": exit_code == 0,
+        "exit_code": exit_code,
+        "result": _jsonable(result),
+        "error": _error_json(error, exit_code) if error is not None else None,
+    }
+
+
+def _error_json(error: CkptError, exit_code: int) -> dict[str, Any]:
+    doc = error.to_json()
+    doc["exit_code"] = exit_code
+    return doc
+
+
+def _print_json(doc: dict[str, Any]) -> None:
+    # indented for people at a terminal; compact for pipes, where the C encoder is much faster
+    indent = 2 if sys.stdout.isatty() else None
+    sys.stdout.write(json.dumps(doc, indent=indent, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def emit_json(command: str, result: Any, exit_code: int, error: CkptError | None = None) -> None:
+    """Print a result as the JSON envelope; a non-zero exit carries its error object.
+
+    Off a terminal a model result is serialised by pydantic-core straight to JSON text and
+    spliced into the envelope: no intermediate tree of Python dicts (on 100,000 tensors that
+    tree and its encoding were most of `inspect --json`'s time).
+    """
+    from pydantic import BaseModel
+
+    if sys.stdout.isatty() or not isinstance(result, BaseModel):
+        _print_json(envelope(command, result, exit_code, error))
+        return
+    doc = envelope(command, None, exit_code, error)
+    del doc["result"]
+    head = json.dumps({k: doc[k] for k in ("ckpt_json", "command", "ok", "exit_code")})
+    tail = json.dumps(doc["error"], default=str)
+    # written in three pieces: the result's text (~120 bytes per DCP chunk) is not copied again
+    sys.stdout.write(f'{head[:-1]}, "result": ')
+    sys.stdout.write(result.model_dump_json())
+    sys.stdout.write(f', "error": {tail}}}\n')
+    sys.stdout.flush()
+
+
+def emit_error(
+    command: str, error: CkptError, json_output: bool, exit_code: int | None = None
+) -> None:
+    """Report an expected failure: envelope on stdout with --json, a message on stderr always."""
+    code = error.exit_code if exit_code is None else exit_code
+    if json_output:
+        _print_json(envelope(command, None, code, error))
+    # the message is plain text: brackets in it (`ckpt-cli[fast]`) are not markup
+    errors.print(
+        f"[bold red]{_prog(command)}: error:[/] {escape(error.message)}",
+        markup=True,
+        highlight=False,
+    )
+    if verbosity > 0:
+        errors.print(f"  (error code {error.code}, exit {code})", markup=False, highlight=False)
+
+
+def emit_internal_error(command: str, exc: BaseException, json_output: bool) -> None:
+    """Report a bug (exit 70) without a traceback unless CKPT_DEBUG is set."""
+    error = CkptError(
+        f"internal error: {type(exc).__name__}: {exc}",
+        fix="This is a bug in ckpt. Run again with CKPT_DEBUG=1 for the traceback and report it.",
+    )
+    if json_output:
+        _print_json(envelope(command, None, 70, error))
+    errors.print(f"[bold red]ckpt {command}: {escape(error.message)}[/]", highlight=False)
+    if verbosity > 0:
+        import traceback
+
+        errors.print(
+            "".join(traceback.format_exception(exc)), markup=False, highlight=False, soft_wrap=True
+        )
+
+
+def human_bytes(n: int | float | None) -> str:
+    """1536 -> '1.5 KiB'."""
+    if n is None:
+        return "?"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} PiB"
+
+
+def counted(n: int, noun: str) -> str:
+    """(1, 'file') -> '1 file'; (3, 'file') -> '3 files'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def human_count(n: int) -> str:
+    """1234567 -> '1.23M'."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def shape_str(shape: list[int]) -> str:
+    """[4096, 11008] -> '[4096, 11008]'; [] -> '[]' (a scalar)."""
+    return "[" + ", ".join(str(d) for d in shape) + "]"

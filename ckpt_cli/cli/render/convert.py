@@ -1,0 +1,123 @@
+"""Human rendering of `ckpt convert`."""
+
+from __future__ import annotations
+
+from ...ops.convert.run import ConvertReport
+from . import human_bytes, stderr, stdout
+from .ranks import render_ranks
+
+#: skipped entries listed by name before the rest are counted
+MAX_LISTED = 8
+
+
+def render_convert(report: ConvertReport) -> None:
+    """What was written where, then what was skipped or tied."""
+    if report.dry_run:
+        render_plan(report)
+        return
+    files = len(report.files)
+    stdout.print(
+        f"[bold]{report.dest}[/]  ({report.format}, {files} file{'s' if files != 1 else ''})"
+        f"  [dim]from {report.source} ({report.source_format})[/]"
+    )
+    how = [f"{report.raw_copies} copied as raw bytes"] if report.raw_copies else []
+    if report.cast:
+        how.append(f"{report.casts} cast to {report.cast}")
+    if report.renamed:
+        how.append(f"{report.renamed} renamed")
+    if report.dequantized:
+        how.append(f"{report.dequantized} quantized weights dequantized")
+    line = f"  {report.tensors} tensors, {human_bytes(report.tensor_bytes)}"
+    if report.objects:
+        line += f"; {report.objects} non-tensor entries"
+    stdout.print(line + (f" ({', '.join(how)})" if how else ""))
+    layout = []
+    if report.max_shard_size:
+        layout.append(f"shards ≤ {human_bytes(report.max_shard_size)}")
+    if report.world_size:
+        layout.append(f"world size {report.world_size}, {report.dcp_serialization} serialization")
+    if layout:
+        stdout.print("  " + ", ".join(layout))
+    if report.quantized_kept:
+        stdout.print(
+            f"  --dtype applies to unquantized tensors: {report.quantized_kept} quantized "
+            "weights and scales kept as stored (use --dequantize to convert them)"
+        )
+    render_architecture(report)
+    if report.config_written and report.architecture is None and report.config_source is None:
+        stdout.print("  config.json written without its quantization section")
+    stdout.print("  [green]structure checked before publishing[/]")
+    if report.extras:
+        stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)
+    if report.serving_files:
+        stdout.print(
+            f"  from {report.config_source}: config.json, {', '.join(report.serving_files)}",
+            highlight=False,
+            markup=False,
+        )
+    for warning in report.warnings:
+        stderr.print(f"[yellow]ckpt convert: warning:[/] {warning}", highlight=False)
+    render_ranks(report.ranks)
+    for group in report.tied:
+        if group[1] in report.aliases:
+            note = f"written once as {group[0]}; the aliases are recorded in __metadata__"
+        else:
+            note = "each name written"
+        stdout.print(f"  tied: {', '.join(group)} share storage ({note})", highlight=False)
+    left = [s for s in report.skipped if s.kind == "file"]
+    for item in left[:MAX_LISTED]:
+        stderr.print(f"[yellow]not in the output:[/] {item.name}: {item.reason}", highlight=False)
+    if len(left) > MAX_LISTED:
+        stderr.print(f"[yellow]… {len(left) - MAX_LISTED} more files not in the output[/]")
+    entries = [s for s in report.skipped if s.kind != "file"]
+    if entries:
+        # grouped by parent so 50 optimizer hyper-parameters read as one line
+        groups: dict[str, int] = {}
+        for entry in entries:
+            parent = entry.name.rsplit(".", 1)[0] if "." in entry.name else entry.name
+            groups[parent] = groups.get(parent, 0) + 1
+        listed = [f"{name}.* ({n})" if n > 1 else name for name, n in groups.items()]
+        more = f", … {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
+        what = "tensors" if all(e.kind == "tensor" for e in entries) else "non-tensor entries"
+        stderr.print(
+            f"[yellow]skipped {len(entries)} {what}[/] "
+            f"({entries[0].reason}): {', '.join(listed[:MAX_LISTED])}{more}",
+            highlight=False,
+        )
+
+
+def render_plan(report: ConvertReport) -> None:
+    """`--dry-run`: the files and entries that would be written, one per line."""
+    stdout.print(
+        f"[bold]{report.dest}[/]  (would write {report.format}, {len(report.files)} file"
+        f"{'s' if len(report.files) != 1 else ''})  [dim]from {report.source} "
+        f"({report.source_format})[/]"
+    )
+    stdout.print(f"  {report.tensors} tensors, {human_bytes(report.tensor_bytes)}")
+    render_architecture(report)
+    for f in report.files:
+        size = human_bytes(f.size) if f.size is not None else "size decided when written"
+        stdout.print(f"  file  {f.path}  {size}  ({f.entries} entries)", markup=False)
+    how = {m.name: m.transform for m in report.architecture.mapped} if report.architecture else {}
+    for e in report.entries:
+        shape = "[" + ", ".join(str(d) for d in e.shape) + "]"
+        transform = how.get(e.name, "rename")
+        renamed = f"  ({transform} from {e.source})" if e.source != e.name else ""
+        stdout.print(
+            f"  entry {e.name}  {e.dtype or e.kind}  {shape}  {human_bytes(e.nbytes)}{renamed}",
+            markup=False,
+        )
+    stdout.print("  nothing was written (--dry-run)")
+
+
+def render_architecture(report: ConvertReport) -> None:
+    """The family and namings of a `--to hf` / `--to torchtitan` conversion, and its transforms."""
+    arch = report.architecture
+    if arch is None:
+        return
+    counts = ", ".join(f"{n} {t}" for t, n in arch.transforms.items())
+    stdout.print(
+        f"  {arch.architecture}: {arch.source_naming} names -> {arch.target_naming} names "
+        f"({counts})",
+        highlight=False,
+    )

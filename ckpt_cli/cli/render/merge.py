@@ -1,0 +1,22 @@
+"""Human rendering of `ckpt merge`."""
+
+from __future__ import annotations
+
+from ...ops.merge import MergeReport
+from . import counted, human_bytes, stdout
+
+
+def render_merge(report: MergeReport) -> None:
+    """What was merged into what, and the files written."""
+    size = sum(f.size or 0 for f in report.files)
+    stdout.print(
+        f"[bold]{report.dest}[/]  ({counted(len(report.files), 'file')}, {human_bytes(size)})"
+        f"  from {report.base} + {report.adapter}",
+        highlight=False,
+    )
+    stdout.print(
+        f"  {report.adapter_type} r={report.r} alpha={report.lora_alpha}: "
+        f"{counted(len(report.merged), 'weight')} merged, {len(report.replaced)} replaced, "
+        f"{report.copied} copied unchanged",
+        highlight=False,
+    )

@@ -1,0 +1,60 @@
+"""A rich progress bar on stderr implementing `ckpt_cli.progress.Progress`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from ...dist.command import joined
+from . import stderr
+
+
+class RichProgress:
+    """Bytes, rate and ETA on stderr; silent when stderr is not a terminal or with --json."""
+
+    def __init__(self, progress: Progress):
+        self._progress = progress
+        self._task: TaskID | None = None
+
+    def start(self, total: int, description: str) -> None:
+        self.finish()
+        workers = joined()
+        if not workers.leader:
+            return  # under torchrun only rank 0 draws (one terminal, K processes)
+        self._task = self._progress.add_task(description, total=total)
+
+    def advance(self, amount: int) -> None:
+        if self._task is not None:
+            self._progress.advance(self._task, amount)
+
+    def finish(self) -> None:
+        if self._task is not None:
+            self._progress.remove_task(self._task)
+            self._task = None
+
+
+@contextmanager
+def bar(enabled: bool = True) -> Iterator[RichProgress]:
+    """A progress sink for one command run."""
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=stderr,
+        transient=True,
+        disable=not enabled or not stderr.is_terminal or stderr.quiet,
+    )
+    with progress:
+        yield RichProgress(progress)

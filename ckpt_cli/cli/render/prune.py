@@ -1,0 +1,189 @@
+"""Human rendering of `ckpt prune` and of run tables (`ckpt latest`, `ckpt inspect RUN_DIR`)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.table import Table
+
+from ...ops.prune.retention import PruneReport, WatchReport
+from ...sources.runs import RunCheckpoint, RunReport
+from . import human_bytes, safe_text, stderr, stdout
+
+_STATUS_STYLE = {
+    "complete": "green",
+    "incomplete": "red",
+    "interrupted": "red",
+    "writing": "yellow",
+}
+
+
+def _step(c: RunCheckpoint) -> str:
+    if c.step is not None:
+        return str(c.step)
+    return f"epoch {c.epoch:g}" if c.epoch is not None else "?"
+
+
+def _age(mtime: float) -> str:
+    seconds = max(0.0, time.time() - mtime)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def render_run(report: RunReport) -> None:
+    """The run table: every checkpoint, its status, size, age and markers."""
+    stdout.print(
+        f"[bold]{report.run_dir}[/]  (run folder: {', '.join(report.layouts) or 'no checkpoints'}, "
+        f"{len(report.checkpoints)} checkpoint{'s' if len(report.checkpoints) != 1 else ''})",
+        soft_wrap=True,
+    )
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for column in ("checkpoint", "step", "status", "size", "modified", "notes"):
+        table.add_column(column, overflow="fold")
+    for c in report.checkpoints:
+        style = _STATUS_STYLE.get(c.status, "")
+        notes = list(c.markers)
+        if c.metric is not None and report.best is not None:
+            notes.append(f"{report.best.metric}={c.metric:g}")
+        if c.symlink:
+            notes.append(f"-> {c.link_target}")
+        if c.reason:
+            notes.append(c.reason)
+        table.add_row(
+            c.name,
+            _step(c),
+            f"[{style}]{c.status}[/]" if style else c.status,
+            human_bytes(c.size),
+            _age(c.mtime),
+            "; ".join(notes),
+        )
+    if report.checkpoints:
+        stdout.print(table)
+    stdout.print(f"latest complete: {report.latest or '[red]none[/]'}", soft_wrap=True)
+    if report.trainer_best:
+        metric = (
+            f" (best_metric {report.trainer_best_metric:g})"
+            if report.trainer_best_metric is not None
+            else ""
+        )
+        stdout.print(
+            f"Trainer best_model_checkpoint: {report.trainer_best}{metric}", soft_wrap=True
+        )
+    if report.deepspeed_latest:
+        stdout.print(f"DeepSpeed latest: {report.deepspeed_latest}")
+    if report.root_files:
+        stdout.print(
+            f"also in the folder itself: {', '.join(report.root_files)} "
+            "(inspect them with --format or by file name)",
+            soft_wrap=True,
+        )
+
+
+def render_prune(report: PruneReport) -> None:
+    """Every checkpoint with its action and rule, then the bytes freed (or to free)."""
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for column in ("checkpoint", "step", "status", "size", "action", "rule"):
+        table.add_column(column, overflow="fold")
+    for d in report.decisions:
+        d_rule = d.rule
+        if d.action == "keep":
+            action = "[green]keep[/]"
+        elif d.action == "slim":
+            done = "slimmed" if d.deleted else "[yellow]not slimmed[/]"
+            action = f"[cyan]{done if report.applied else 'slim'}[/]"
+            freed = d.slim.bytes if d.slim is not None else 0
+            d_rule = f"{d.rule}; frees {'' if report.applied else '~'}{human_bytes(freed)}"
+        elif report.applied:
+            action = "[red]deleted[/]" if d.deleted else "[yellow]not deleted[/]"
+        else:
+            action = "[red]delete[/]"
+        rule = (d_rule if d.action == "slim" else d.rule) + (f" ({d.error})" if d.error else "")
+        table.add_row(
+            d.name,
+            str(d.step) if d.step is not None else "?",
+            d.status,
+            human_bytes(d.size),
+            action,
+            rule,
+        )
+    stdout.print(f"[bold]{report.run_dir}[/]", soft_wrap=True)
+    if report.decisions:
+        stdout.print(table)
+    if report.applied:
+        stdout.print(
+            f"deleted {len(report.deleted)} checkpoint{'s' if len(report.deleted) != 1 else ''}, "
+            f"freed {human_bytes(report.bytes_freed)}"
+        )
+        if report.slimmed:
+            stdout.print(
+                f"slimmed {len(report.slimmed)} checkpoint{'s' if len(report.slimmed) != 1 else ''}"
+                f" to weights only, freed {human_bytes(report.bytes_slimmed)}"
+            )
+        for failure in report.failed:
+            stderr.print(f"[yellow]not deleted:[/] {failure}")
+    elif report.to_delete or report.to_slim:
+        if report.to_slim:
+            stdout.print(
+                f"would slim {report.to_slim} checkpoint{'s' if report.to_slim != 1 else ''} "
+                f"to weights only, freeing ~{human_bytes(report.bytes_to_slim)}"
+            )
+        if report.to_delete:
+            stdout.print(
+                f"would delete {report.to_delete} "
+                f"checkpoint{'s' if report.to_delete != 1 else ''}, "
+                f"freeing {human_bytes(report.bytes_to_free)}"
+            )
+        stdout.print("nothing was deleted (run again with --yes to delete)")
+    else:
+        stdout.print("nothing to delete")
+
+
+def render_watch_round(report: PruneReport) -> None:
+    """One line per deletion during `--watch` (quiet rounds print nothing)."""
+    stamp = time.strftime("%H:%M:%S")
+    for d in report.decisions:
+        if d.deleted and d.action == "slim":
+            freed = d.slim.bytes if d.slim is not None else 0
+            stdout.print(f"{stamp} slimmed {d.name}, freed {human_bytes(freed)}")
+        elif d.deleted:
+            stdout.print(f"{stamp} deleted {d.name} ({d.rule}), freed {human_bytes(d.size)}")
+    for failure in report.failed:
+        stderr.print(f"{stamp} [yellow]not deleted:[/] {failure}")
+
+
+def render_watch(report: WatchReport) -> None:
+    """The summary printed when `--watch` stops."""
+    stderr.print(
+        f"stopped ({report.stopped}) after {report.iterations} round"
+        f"{'s' if report.iterations != 1 else ''}: deleted {len(report.deleted)} "
+        f"checkpoint{'s' if len(report.deleted) != 1 else ''}, freed {human_bytes(report.bytes_freed)}"
+    )
+
+
+def render_latest(report: RunReport) -> None:
+    """Only the path on stdout (for `$(ckpt latest out/)`); the reason for none on stderr."""
+    if report.latest is not None:
+        # the real path for `$(ckpt latest out/)`; on a terminal, a name cannot drive it
+        path = report.latest if not sys.stdout.isatty() else safe_text(report.latest)
+        sys.stdout.write(path + "\n")
+        sys.stdout.flush()
+        return
+    if not report.checkpoints:
+        stderr.print(f"ckpt latest: {report.run_dir}: no step checkpoints found", soft_wrap=True)
+        return
+    stderr.print(f"ckpt latest: {report.run_dir}: no complete checkpoint", soft_wrap=True)
+    for c in reversed(report.checkpoints):
+        stderr.print(
+            f"  {c.name}: {c.status}: {c.reason}", markup=False, highlight=False, soft_wrap=True
+        )
+
+
+def render_prune_result(report: PruneReport | WatchReport) -> None:
+    """A plan or its deletions; for `--watch`, the closing summary."""
+    if isinstance(report, WatchReport):
+        render_watch(report)
+    else:
+        render_prune(report)

@@ -1,0 +1,36 @@
+"""Human rendering of `ckpt repair`."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+
+from ...ops.parity import RepairReport, damage_text
+from . import human_bytes, stdout
+
+
+def render_repair(report: RepairReport) -> None:
+    """The verdict, then each damaged file and what happened to it."""
+    if not report.damaged:
+        stdout.print(
+            f"{escape(report.location)}: [bold green]intact[/] "
+            f"({human_bytes(report.hashed_bytes)} checked), nothing to repair",
+            soft_wrap=True,
+        )
+        return
+    if report.unrecoverable:
+        verdict = (
+            "[bold red]cannot be repaired[/] (more losses in a stripe than parity); nothing changed"
+        )
+    elif report.dry_run:
+        verdict = "[bold yellow]would rebuild[/] (dry run; nothing written)"
+    else:
+        verdict = "[bold green]repaired[/] (checked against the manifest's sha256)"
+    stdout.print(f"{escape(report.location)}: {verdict}", soft_wrap=True)
+    for d in report.damaged:
+        if d.path in report.rebuilt:
+            tag = "[green]rebuilt[/]"
+        elif not d.repairable:
+            tag = "[red]lost[/]"
+        else:
+            tag = "[yellow]rebuildable[/]" if report.dry_run or report.unrecoverable else ""
+        stdout.print(f"  {tag} {escape(damage_text(d))}", highlight=False, soft_wrap=True)

@@ -1,0 +1,69 @@
+"""Human rendering of `ckpt sync`."""
+
+from __future__ import annotations
+
+import time
+
+from rich.table import Table
+
+from ...ops.sync import SyncReport
+from . import human_bytes, stderr, stdout
+
+_STYLE = {
+    "uploaded": "green",
+    "downloaded": "green",
+    "present": "",
+    "skipped": "yellow",
+    "failed": "red",
+}
+
+
+def render_sync(report: SyncReport) -> None:
+    """Every checkpoint with what the sync did, then the totals and the newest remote save."""
+    arrow = "→" if report.direction == "up" else "←"
+    stdout.print(f"[bold]{report.source}[/] {arrow} [bold]{report.dest}[/]", soft_wrap=True)
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for column in ("checkpoint", "step", "action", "size", "sent", "notes"):
+        table.add_column(column, overflow="fold")
+    for c in report.checkpoints:
+        style = _STYLE.get(c.action, "")
+        notes = []
+        if c.verified:
+            notes.append("verified")
+        if c.files_reused:
+            notes.append(
+                f"{c.files_reused} file{'s' if c.files_reused != 1 else ''} already uploaded"
+            )
+        if c.reason:
+            notes.append(c.reason)
+        table.add_row(
+            c.name,
+            str(c.step) if c.step is not None else "?",
+            f"[{style}]{c.action}[/]" if style else c.action,
+            human_bytes(c.bytes),
+            human_bytes(c.bytes_sent),
+            "; ".join(notes),
+        )
+    if report.checkpoints:
+        stdout.print(table)
+    verb = "uploaded" if report.direction == "up" else "downloaded"
+    stdout.print(
+        f"{verb} {len(report.transferred)} checkpoint{'s' if len(report.transferred) != 1 else ''}"
+        f" ({human_bytes(report.bytes_sent)})"
+        + (f" in {report.iterations} rounds" if report.iterations > 1 else "")
+    )
+    if report.pruned is not None and report.pruned.deleted:
+        stdout.print(f"pruned on the remote side: {', '.join(report.pruned.deleted)}")
+    stdout.print(f"latest complete: {report.latest or '[red]none[/]'}", soft_wrap=True)
+    for failure in report.failed:
+        stderr.print(f"[red]failed:[/] {failure}", soft_wrap=True)
+
+
+def render_sync_round(report: SyncReport) -> None:
+    """During `--watch`: one line per checkpoint transferred (quiet rounds print nothing)."""
+    stamp = time.strftime("%H:%M:%S")
+    for c in report.checkpoints:
+        if c.action in ("uploaded", "downloaded"):
+            stdout.print(f"{stamp} {c.action} {c.name} ({human_bytes(c.bytes_sent)})")
+        elif c.action == "failed":
+            stderr.print(f"{stamp} [red]failed:[/] {c.name}: {c.reason}")

@@ -1,0 +1,61 @@
+"""Human rendering of `ckpt verify`: a short summary, then every problem."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+
+from ...ops.verify.run import VerifyReport
+from . import counted, human_bytes, stdout
+from .ranks import render_ranks
+
+#: problems beyond this many per code are summarised (the JSON output has them all)
+MAX_PER_CODE = 50
+
+
+def render_verify(report: VerifyReport) -> None:
+    """Print the verdict line, what was checked, and the problems grouped by code."""
+    what = f"{counted(report.files, 'file')}, {human_bytes(report.bytes)}"
+    if report.tensors:
+        what += f", {report.tensors} tensors read"
+    if report.hashed_bytes:
+        what += f", {human_bytes(report.hashed_bytes)} hashed ({report.algorithm})"
+    checks = ", ".join(report.checks)
+    if report.ok:
+        verdict = "[bold green]OK[/]"
+    else:
+        verdict = f"[bold red]FAILED[/]: {report.errors} problem{'s' if report.errors != 1 else ''}"
+    if report.warnings:
+        verdict += f", {report.warnings} warning{'s' if report.warnings != 1 else ''}"
+    stdout.print(f"{escape(report.location)} ({report.format}): {verdict}", soft_wrap=True)
+    stdout.print(f"[dim]checked: {checks} — {what}[/]", soft_wrap=True)
+    state = report.training
+    if "resumable" in report.checks and state is not None:
+        levels = "resumable: " + (
+            "yes" if state.resumable else f"no (missing: {', '.join(state.missing)})"
+        )
+        if state.resumable:
+            levels += "; exact: " + (
+                "yes" if state.exact else f"no (missing: {', '.join(state.missing_exact)})"
+            )
+        stdout.print(escape(levels), soft_wrap=True, highlight=False)
+    if report.manifest_written:
+        stdout.print(f"manifest written: {report.manifest}")
+    render_ranks(report.ranks, verb="hashed")
+    shown: dict[str, int] = {}
+    for problem in report.problems:
+        shown[problem.code] = shown.get(problem.code, 0) + 1
+        if shown[problem.code] > MAX_PER_CODE:
+            continue
+        text = problem.message
+        if problem.file and problem.file not in text:
+            text = f"{problem.file}: {text}"
+        tag = "[red]error[/]" if problem.severity == "error" else "[yellow]warning[/]"
+        # one line per problem, never wrapped, so CI logs can be grepped
+        stdout.print(
+            f"  {tag} [bold]{problem.code}[/] {escape(text)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    for code, count in shown.items():
+        if count > MAX_PER_CODE:
+            stdout.print(f"  [dim]… {count - MAX_PER_CODE} more {code} (see --json)[/]")

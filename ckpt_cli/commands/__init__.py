@@ -1,1 +1,0 @@
-"""One module per subcommand; each registers itself on `ckpt_cli.cli.app` when imported."""

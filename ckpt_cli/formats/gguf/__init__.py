@@ -1,0 +1,1 @@
+"""GGUF (llama.cpp) files: `format` reads and checks them."""

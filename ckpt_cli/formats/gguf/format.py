@@ -1,0 +1,474 @@
+"""gguf: llama.cpp's GGUF files (`model.gguf`, or split `model-00001-of-00003.gguf` files).
+
+I/O strategy: the header (version, metadata key-values, tensor infos) is parsed by the `gguf`
+package's `GGUFReader`, which memory-maps the file and reads only the header pages; tensor data
+is never touched by `inspect` or `verify`. Each tensor's absolute offset, byte length and type
+come from the tensor infos, so an unquantized tensor (F32, F16, BF16, F64, I8-I64) is a raw
+entry: `convert` copies its bytes straight into safetensors. GGUF lists dimensions fastest
+first (`ne`); entries use the row-major shape torch and safetensors use (`ne` reversed), which
+is what llama.cpp's own converters write. Quantized tensors (Q4_K, Q8_0, IQ...) are listed as
+non-tensor entries named like their tensor, with their quantization type, shape and size:
+`convert` reports them as skipped (ckpt does not dequantize), never drops them silently.
+
+Split files are one checkpoint: every `-0000k-of-0000n.gguf` must be present and agree on
+`split.count`, and together hold `split.tensors.count` tensors. Only local files are read
+(GGUFReader needs a path).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from ... import dtypes
+from ...errors import FormatError, NotFoundError
+from ...models import Entry, FileInfo, Manifest, Problem
+from ..base import Checkpoint, Format, Source
+from ..details import GgufDetails
+
+if TYPE_CHECKING:
+    import torch
+
+SUFFIX = ".gguf"
+SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+#: GGML types stored as plain element arrays, and their canonical dtypes
+PLAIN = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+}
+#: longest metadata value inspect shows in full; longer arrays are summarised
+MAX_SHOWN = 16
+
+
+#: bytes of each fixed-size GGUF metadata value type (GGUFValueType); 8 is STRING, 9 ARRAY
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+#: arrays of arrays nest at most this deep (llama.cpp writes none)
+_MAX_NESTING = 8
+#: dimensions a tensor info may declare (ggml has 4)
+_MAX_DIMS = 8
+
+
+class _Header:
+    """A walk of a GGUF header over a memory map: every count and length is checked against the
+    bytes left before anything is skipped or read, so no declaration chooses the work."""
+
+    def __init__(self, data: Any, where: str):
+        self.data = data
+        self.pos = 0
+        self.where = where
+        self.order = "<"
+
+    def error(self, what: str) -> FormatError:
+        return FormatError(
+            f"is not a valid GGUF file: {what} (at byte {self.pos:,} of {len(self.data):,})",
+            path=self.where,
+            fix="The file is truncated or corrupt; download it again.",
+        )
+
+    def take(self, n: int, what: str) -> int:
+        """Skip `n` bytes (FormatError when fewer are left); returns where they started."""
+        if n < 0 or n > len(self.data) - self.pos:
+            raise self.error(f"{what} of {n:,} bytes runs past the end of the file")
+        start = self.pos
+        self.pos += n
+        return start
+
+    def uint(self, size: int, what: str) -> int:
+        start = self.take(size, what)
+        return int.from_bytes(
+            self.data[start : start + size], "little" if self.order == "<" else "big"
+        )
+
+    def count(self, what: str, least: int) -> int:
+        """A u64 count of items each at least `least` bytes, checked against the bytes left."""
+        n = self.uint(8, what)
+        if n * least > len(self.data) - self.pos:
+            raise self.error(
+                f"{what} declares {n:,} items, more than the {len(self.data) - self.pos:,} bytes "
+                "left can hold"
+            )
+        return n
+
+    def string(self, what: str) -> str:
+        """Skip a string; returns its first 200 characters (for messages)."""
+        n = self.uint(8, f"the length of {what}")
+        start = self.take(n, what)
+        return bytes(self.data[start : start + min(n, 200)]).decode("utf-8", "replace")
+
+    def value(self, kind: int, what: str, depth: int = 0) -> None:
+        size = _VALUE_SIZES.get(kind)
+        if size is not None:
+            self.take(size, what)
+        elif kind == _STRING:
+            self.string(what)
+        elif kind == _ARRAY:
+            if depth >= _MAX_NESTING:
+                raise self.error(f"{what} nests arrays more than {_MAX_NESTING} deep")
+            item = self.uint(4, f"the item type of {what}")
+            least = _VALUE_SIZES.get(item, 8 if item == _STRING else 12)
+            n = self.count(f"the array {what}", least)
+            if item in _VALUE_SIZES:
+                self.take(n * _VALUE_SIZES[item], what)
+            else:
+                for _ in range(n):
+                    self.value(item, what, depth + 1)
+        else:
+            raise self.error(f"{what} has unknown value type {kind}")
+
+
+def check_header(path: str, where: str) -> None:
+    """Walk a GGUF file's header (metadata and tensor infos) checking every count and length
+    against the bytes left, before the `gguf` package's reader (which would build a 2^40-item
+    array from a 51-byte file, or read past the end silently) sees it. FormatError naming
+    `where` on the first that does not fit."""
+    import mmap
+
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < 24:
+            raise FormatError(
+                f"is not a valid GGUF file: {size} bytes, too short for a GGUF header",
+                path=where,
+                fix="The file is truncated or corrupt; download it again.",
+            )
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            head = _Header(data, where)
+            if head.uint(4, "the magic") != int.from_bytes(b"GGUF", "little"):
+                return  # not GGUF: the reader says so
+            version = head.uint(4, "the version")
+            if version & 0xFFFF == 0:  # written for the other byte order
+                head.order = ">"
+                version = int.from_bytes(version.to_bytes(4, "little"), "big")
+            if version < 2:
+                return  # GGUF v1 (32-bit lengths): the reader refuses it
+            tensors = head.uint(8, "the tensor count")
+            kvs = head.count("the metadata", 8 + 4 + 1)
+            for _ in range(kvs):
+                key = head.string("a metadata key")
+                head.value(head.uint(4, f"the type of {key!r}"), f"metadata {key!r}")
+            if tensors * (8 + 4 + 4 + 8) > size - head.pos:
+                raise head.error(f"{tensors:,} tensor infos cannot fit in the bytes left")
+            for _ in range(tensors):
+                head.string("a tensor name")
+                dims = head.uint(4, "a tensor's dimension count")
+                if dims > _MAX_DIMS:
+                    raise head.error(f"a tensor with {dims:,} dimensions")
+                head.take(8 * dims + 4 + 8, "a tensor info")
+
+
+def _reader(path: str, where: str | None = None) -> Any:
+    check_header(path, where or path)
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # pragma: no cover - declared in the gguf extra
+        raise FormatError(
+            "reading GGUF needs the gguf package",
+            path=path,
+            fix="pip install 'ckpt-cli[gguf]'",
+        ) from None
+    try:
+        return GGUFReader(path, "r")
+    except Exception as exc:  # the reader raises bare ValueError / IndexError on bad headers
+        raise FormatError(
+            f"is not a readable GGUF file ({type(exc).__name__}: {str(exc)[:200]})",
+            path=path,
+            fix="The file is truncated or corrupt; download it again.",
+        ) from None
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    try:
+        return field.contents()
+    except Exception:
+        return None
+
+
+def _shown(value: Any) -> Any:
+    if isinstance(value, list) and len(value) > MAX_SHOWN:
+        kind = type(value[0]).__name__ if value else "value"
+        return f"[{len(value)} × {kind}]"
+    if isinstance(value, str) and len(value) > 200:
+        return value[:200] + "…"
+    return value
+
+
+def _files(source: Source) -> list[str]:
+    """The GGUF file(s) of the source: the target (with its split siblings), or the folder's."""
+    if source.target is not None:
+        match = SPLIT.match(source.target.rsplit("/", 1)[-1])
+        if match is None:
+            return [source.target]
+        folder = source.target.rsplit("/", 1)[0] + "/" if "/" in source.target else ""
+        stem = f"{folder}{match.group('stem')}"
+        return sorted(n for n in source.files if SPLIT.match(n) and n.startswith(f"{stem}-"))
+    names = sorted(n for n in source.top_level() if n.endswith(SUFFIX))
+    split = [n for n in names if SPLIT.match(n)]
+    if len(names) > 1 and len(split) != len(names):
+        raise FormatError(
+            f"holds {len(names)} GGUF files that are not one split model",
+            path=source.location.raw,
+            fix=f"Point at one of them, e.g. {source.location.raw.rstrip('/')}/{names[0]}.",
+        )
+    return names
+
+
+class GgufCheckpoint(Checkpoint):
+    """An opened GGUF file or split set; unquantized tensors read as raw byte ranges."""
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        from ...tensors import tensor_from_bytes
+
+        entry = self.manifest.by_name.get(name)
+        if entry is None:
+            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
+        if entry.kind != "tensor" or entry.file is None or entry.offset is None:
+            raise FormatError(
+                f"{name!r} is a quantized GGUF tensor ({entry.py_type}); ckpt does not dequantize",
+                path=self.manifest.location,
+                fix="Dequantize with llama.cpp's tools, or leave it out (--filter-out).",
+            )
+        assert entry.dtype is not None
+        data = self.storage.read(entry.file, entry.offset, entry.nbytes)
+        return tensor_from_bytes(data, entry.dtype, entry.shape)
+
+    def read_object(self, name: str) -> Any:
+        entry = self.manifest.by_name.get(name)
+        if entry is None:
+            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
+        if entry.kind == "tensor":
+            return self.read_tensor(name)
+        raise FormatError(
+            f"{name!r} is a quantized GGUF tensor ({entry.py_type}); ckpt does not dequantize",
+            path=self.manifest.location,
+            fix="Dequantize with llama.cpp's tools, or leave it out (--filter-out).",
+        )
+
+
+def skip_reason(entry: Entry) -> str | None:
+    """Why convert leaves a GGUF entry out (quantized tensors), for its report."""
+    if entry.py_type and entry.py_type.startswith("gguf "):
+        return f"{entry.py_type.removeprefix('gguf ')}: quantized, ckpt does not dequantize"
+    return None
+
+
+class GgufFormat(Format):
+    """GGUF files, read through the `gguf` package (metadata, tensor infos, raw tensor ranges)."""
+
+    name = "gguf"
+    title = "GGUF"
+    details_model = GgufDetails
+    self_described = True
+    skip_reason = staticmethod(skip_reason)
+
+    @classmethod
+    def detect(cls, source: Source) -> bool:
+        if source.target is not None:
+            return source.target.endswith(SUFFIX)
+        names = source.top_level()
+        return any(n.endswith(SUFFIX) for n in names) and not any(
+            n.endswith((".safetensors", ".metadata", ".distcp", ".bin", ".pt")) for n in names
+        )
+
+    @classmethod
+    def _parse(cls, source: Source) -> tuple[Manifest, list[Problem]]:
+        files = _files(source)
+        where = source.location.raw
+        if not files:
+            raise NotFoundError("holds no .gguf file", path=where)
+        problems: list[Problem] = []
+        entries: list[Entry] = []
+        infos: list[FileInfo] = []
+        kv: dict[str, Any] = {}
+        quant: Counter[str] = Counter()
+        split_count: int | None = None
+        split_tensors: int | None = None
+        version = None
+        for rel in files:
+            local = source.storage.local_path(rel)
+            if local is None:
+                raise FormatError(
+                    "GGUF files are read from local disk only", path=source.storage.describe(rel)
+                )
+            described = source.storage.describe(rel)
+            reader = _reader(str(local), described)
+            size = source.storage.size(rel)
+            version = _field(reader, "GGUF.version")
+            for key in reader.fields:
+                if not key.startswith("GGUF.") and key not in kv:
+                    kv[key] = _shown(_field(reader, key))
+            count = _field(reader, "split.count")
+            if isinstance(count, int):
+                split_count = count
+                total = _field(reader, "split.tensors.count")
+                split_tensors = total if isinstance(total, int) else split_tensors
+            alignment = _field(reader, "general.alignment")
+            alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
+            spans: list[tuple[int, int, str]] = []
+            for tensor in reader.tensors:
+                qtype = tensor.tensor_type.name
+                shape = [int(d) for d in reversed(list(tensor.shape))]
+                why = dtypes.shape_problem(shape)
+                if why is not None:
+                    raise FormatError(
+                        f"tensor {tensor.name!r} has shape {shape} ({why})",
+                        path=described,
+                        fix="The file is corrupt; download it again.",
+                    )
+                nbytes = int(tensor.n_bytes)
+                offset = int(tensor.data_offset)
+                spans.append((offset, offset + nbytes, tensor.name))
+                if offset % alignment:
+                    problems.append(
+                        Problem(
+                            code="misaligned_tensor",
+                            message=f"{described}: tensor {tensor.name!r} starts at {offset}, "
+                            f"not a multiple of the alignment {alignment}",
+                            file=described,
+                            tensor=tensor.name,
+                        )
+                    )
+                if offset + nbytes > size:
+                    problems.append(
+                        Problem(
+                            code="truncated",
+                            message=f"{described}: tensor {tensor.name!r} ends at byte "
+                            f"{offset + nbytes}, past the end of the file ({size} bytes)",
+                            file=described,
+                            tensor=tensor.name,
+                        )
+                    )
+                quant[qtype] += 1
+                dtype = PLAIN.get(qtype)
+                if dtype is not None:
+                    entries.append(
+                        Entry(
+                            name=tensor.name,
+                            kind="tensor",
+                            dtype=dtype,
+                            shape=shape,
+                            nbytes=nbytes,
+                            file=rel,
+                            offset=offset,
+                        )
+                    )
+                else:
+                    entries.append(
+                        Entry(
+                            name=tensor.name,
+                            kind="object",
+                            nbytes=nbytes,
+                            file=rel,
+                            py_type=f"gguf {qtype} tensor {shape}",
+                        )
+                    )
+            spans.sort()
+            for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+                if start < end:
+                    problems.append(
+                        Problem(
+                            code="overlapping_tensors",
+                            message=f"{described}: tensors {a!r} and {b!r} overlap",
+                            file=described,
+                            tensor=b,
+                        )
+                    )
+            infos.append(FileInfo(path=rel, size=size, entries=len(reader.tensors)))
+        if split_count is not None or any(SPLIT.match(f.rsplit("/", 1)[-1]) for f in files):
+            problems.extend(_split_problems(source, files, split_count, split_tensors, entries))
+        seen: set[str] = set()
+        for entry in entries:
+            if entry.name in seen:
+                problems.append(
+                    Problem(
+                        code="duplicate_tensor",
+                        message=f"{where}: tensor {entry.name!r} is stored twice",
+                        file=where,
+                        tensor=entry.name,
+                    )
+                )
+            seen.add(entry.name)
+        architecture = kv.get("general.architecture")
+        details = GgufDetails(
+            gguf_version=version,
+            architecture=None if architecture is None else str(architecture),
+            tensor_types=dict(sorted(quant.items())),
+            metadata=kv,
+        )
+        if split_count is not None:
+            details.split = {"count": split_count, "files": len(files)}
+        manifest = Manifest(
+            format="gguf",
+            location=where,
+            files=infos,
+            entries=entries,
+            details=details.as_details(),
+        )
+        return manifest, problems
+
+    @classmethod
+    def open(cls, source: Source) -> GgufCheckpoint:
+        manifest, problems = cls._parse(source)
+        errors = [p for p in problems if p.code in ("truncated", "missing_split")]
+        if errors:
+            raise FormatError(errors[0].message, path=errors[0].file)
+        return GgufCheckpoint(source, manifest)
+
+    @classmethod
+    def check(cls, source: Source) -> list[Problem]:
+        """Headers parse; every tensor lies inside its file, aligned, without overlaps; every
+        split file is present and the splits agree."""
+        try:
+            _, problems = cls._parse(source)
+        except (FormatError, NotFoundError) as error:
+            return [Problem(code=error.code, message=error.message, file=error.path)]
+        return problems
+
+
+def _split_problems(
+    source: Source,
+    files: list[str],
+    count: int | None,
+    tensors: int | None,
+    entries: list[Entry],
+) -> list[Problem]:
+    problems: list[Problem] = []
+    where = source.location.raw
+    first = SPLIT.match(files[0].rsplit("/", 1)[-1]) if files else None
+    if first is None:
+        return problems
+    named = int(first.group("count"))
+    expected = count or named
+    folder = files[0].rsplit("/", 1)[0] + "/" if "/" in files[0] else ""
+    for no in range(1, expected + 1):
+        rel = f"{folder}{first.group('stem')}-{no:05d}-of-{expected:05d}.gguf"
+        if rel not in files:
+            problems.append(
+                Problem(
+                    code="missing_split",
+                    message=f"{where}: split file {rel.rsplit('/', 1)[-1]} of {expected} is missing",
+                    file=source.storage.describe(rel),
+                )
+            )
+    if tensors is not None and not problems and len(entries) != tensors:
+        problems.append(
+            Problem(
+                code="split_tensor_count",
+                message=f"{where}: the splits hold {len(entries)} tensors, "
+                f"split.tensors.count says {tensors}",
+                file=where,
+            )
+        )
+    return problems

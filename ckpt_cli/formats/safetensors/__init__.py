@@ -1,0 +1,1 @@
+"""safetensors: one file, or shards plus a `*.safetensors.index.json` (`format`), and the header codec (`header`)."""

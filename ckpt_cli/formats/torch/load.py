@@ -1,0 +1,327 @@
+"""Loading torch.save files safely: torch's weights_only loader plus ckpt's small allow-list.
+
+`load_torch_file` loads with `torch.load(weights_only=True, mmap=True, map_location="cpu")`:
+the pickle is unpickled by torch's restricted unpickler (nothing outside its allow-list can
+run; a file that asks for anything else is refused with `UnsafeInputError`, exit 4) and
+storages are memory-mapped, so listing dtypes and shapes reads no tensor data. Old (pre-1.6,
+non-zip) files cannot be mapped; they are loaded whole, still with `weights_only=True`. Remote
+zip files load with `map_location="meta"` through ranged reads (zip directory and pickle only).
+numpy arrays and scalars (found in RNG states), `torch.Generator` and a few data-only classes
+of DeepSpeed and Lightning (as inert records) are admitted beyond torch's own set.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import re
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ...errors import CkptError, FormatError, UnsafeInputError
+from ...storage import Storage, StorageRangeFile
+
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def numpy_allowlist() -> list[Any]:
+    """numpy globals that only build arrays and scalars from bytes (RNG states hold them).
+
+    transformers and accelerate allow-list the same ones for `rng_state.pth` and
+    `random_states_*.pkl`; none of them can call arbitrary code.
+    """
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch wheels
+        return []
+    core = getattr(np, "_core", None) or np.core
+    allow: list[Any] = [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype]
+    # files written under numpy 1.x name the same functions under `numpy.core`
+    allow += [
+        (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+        (core.multiarray.scalar, "numpy.core.multiarray.scalar"),
+    ]
+    for code in "?bBhHiIlLqQefdgFDGSUV":
+        allow.append(type(np.dtype(code)))
+    return allow
+
+
+def _generator_allowlist() -> list[Any]:
+    """`torch.Generator`, which `torch.save` pickles as `Generator(device)` + its state tensor.
+
+    Rebuilding one only sets an RNG state (`Generator.__setstate__`); `dcp.load` restores such
+    objects, so ckpt's readers must too.
+    """
+    import torch
+
+    return [(torch.Generator, "torch._C.Generator")]
+
+
+def object_allowlist() -> list[Any]:
+    """What ckpt admits beyond torch's own weights_only set when loading saved objects.
+
+    The numpy array and dtype globals transformers and accelerate allow-list for RNG states,
+    and `torch.Generator`; nothing that can call arbitrary code. Shared by the DCP reader.
+    """
+    return [*numpy_allowlist(), *_generator_allowlist()]
+
+
+#: classes DeepSpeed pickles into its checkpoints that only carry data (loss scaler settings,
+#: the ZeRO stage, parameter fragment addresses). They load as inert records: their pickled
+#: state is kept, their code is never imported or run. Without them no ZeRO optimizer file
+#: loads under weights_only.
+INERT_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    # hyper-parameters of older Lightning checkpoints
+    "argparse.Namespace",
+)
+#: dict subclasses that carry plain mappings (Lightning's hyper-parameters): loaded as dicts
+INERT_DICTS = (
+    "lightning.fabric.utilities.data.AttributeDict",
+    "lightning_fabric.utilities.data.AttributeDict",
+    "pytorch_lightning.utilities.parsing.AttributeDict",
+)
+
+
+class InertObject:
+    """A stand-in for an allow-listed class: holds the pickled arguments and state, no code."""
+
+    original: ClassVar[str] = ""
+    # class-level defaults: NEWOBJ builds instances without calling __init__
+    args: tuple[Any, ...] = ()
+    state: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args = args
+        self.state = kwargs or None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InertObject:
+        new = type(self).__new__(type(self))
+        new.args = copy.deepcopy(self.args, memo)
+        new.state = copy.deepcopy(self.state, memo)
+        return new
+
+    def as_plain(self) -> dict[str, Any]:
+        """What the torch writer stores instead (the original class is not importable here)."""
+        return {"__class__": self.original, "args": list(self.args), "state": self.state}
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.args == other.args and self.state == other.state
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<inert {self.original} args={self.args!r} state={self.state!r}>"
+
+
+class InertDict:
+    """A stand-in for an allow-listed dict subclass: unpickles as a plain dict (its items follow
+    through SETITEMS, which torch's loader allows on plain dicts only)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return {}
+
+
+INERT: dict[str, type] = {
+    name: type(name.rsplit(".", 1)[1], (InertObject,), {"original": name}) for name in INERT_CLASSES
+}
+INERT.update(
+    {name: type(name.rsplit(".", 1)[1], (InertDict,), {"original": name}) for name in INERT_DICTS}
+)
+
+
+@contextmanager
+def _safe_globals() -> Iterator[None]:
+    import torch
+
+    inert = [(cls, name) for name, cls in INERT.items()]
+    with torch.serialization.safe_globals([*object_allowlist(), *inert]):
+        yield
+
+
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _refused_globals(exc: BaseException, path: Path | None) -> list[str]:
+    """Names of the globals weights_only refused, from the error or a scan of the pickle."""
+    names = _GLOBAL_RE.findall(str(exc))
+    if not names and path is not None:
+        import torch
+
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:
+            names = []
+    return sorted(set(names))
+
+
+def is_zip(storage: Storage, rel: str) -> bool:
+    """Whether the file is a zip-format torch.save file (the format since torch 1.6)."""
+    try:
+        return storage.read(rel, 0, 4) == ZIP_MAGIC
+    except FormatError:
+        return False
+
+
+#: read-ahead of remote metadata reads: torch seeks between the zip directory and a few small
+#: records, so a small buffer keeps each seek from fetching much more than it needs
+_RANGE_BUF = 16 << 10
+
+
+def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[Any, bool]:
+    """Load one torch.save file safely: (the object, whether it is the legacy non-zip format).
+
+    Tensors are memory-mapped for zip files on local storage (no data read). With `meta`, a
+    zip file on remote storage loads with `map_location="meta"`: only the zip directory and
+    the pickle are fetched (ranged reads), tensors come back shape-and-dtype only. Raises
+    `UnsafeInputError` when the pickle asks for anything outside torch's weights_only
+    allow-list (nothing is executed), `FormatError` when the file is not a readable
+    torch.save file.
+    """
+    import torch
+
+    where = storage.describe(rel)
+    size = storage.size(rel)
+    if size == 0:
+        raise FormatError(
+            "is empty", path=where, fix="The save was interrupted; write the file again."
+        )
+    zipped = is_zip(storage, rel)
+    if not zipped:
+        _refuse_non_pickle(storage, rel, where, size)
+    else:
+        from .zip_write import check_zip_budget
+
+        # torch's reader inflates a record whole: its declared size is checked first
+        check_zip_budget(lambda at, n: storage.read(rel, at, n), 0, size, where)
+    local = storage.local_path(rel)
+    try:
+        try:
+            obj = _torch_load(storage, rel, local, zipped=zipped, meta=meta, size=size)
+        except pickle.UnpicklingError as exc:
+            if _DTENSOR_NEEDS_IMPORT not in str(exc):
+                raise
+            # DTensors (accelerate FSDP's per-rank `*_rank{r}.bin` files): torch's weights_only
+            # loader admits them once torch's own module is imported
+            import torch.distributed.tensor  # noqa: F401
+
+            obj = _torch_load(storage, rel, local, zipped=zipped, meta=meta, size=size)
+        if "torch.distributed.tensor" in sys.modules:
+            # each DTensor becomes the part of it this rank saved: a plain tensor
+            obj = local_parts(obj)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if "GLOBAL" in text:
+            globals_ = _refused_globals(exc, local if zipped else None)
+            raise UnsafeInputError(
+                "holds a pickle that asks to call "
+                + (", ".join(globals_) if globals_ else "a function")
+                + ", which torch's weights_only loader refuses; nothing was executed",
+                path=where,
+                fix="ckpt never runs code from a checkpoint. If you trust whoever wrote it, "
+                "re-save its tensors and plain values (dicts, lists, numbers, strings) and inspect that.",
+            ) from None
+        raise FormatError(
+            "is not a torch.save file torch's weights_only loader accepts "
+            f"({_first_line(text, 'WeightsUnpickler error:')})",
+            path=where,
+            fix="Plain pickles are never unpickled by ckpt; re-save it with torch.save.",
+        ) from None
+    except CkptError:
+        raise
+    except Exception as exc:  # torch.load's error for malformed bytes may be any type
+        raise FormatError(
+            f"is not a readable torch.save file ({_first_line(str(exc))})",
+            path=where,
+            fix="The file is truncated or corrupt; write or fetch it again.",
+        ) from None
+    return obj, not zipped
+
+
+#: what torch's weights_only loader says of a DTensor before `torch.distributed.tensor` is imported
+_DTENSOR_NEEDS_IMPORT = "torch.distributed.tensor`` must be imported to load DTensors"
+
+
+def _torch_load(
+    storage: Storage, rel: str, local: Path | None, *, zipped: bool, meta: bool, size: int
+) -> Any:
+    """`torch.load` with weights_only and ckpt's allow-list: mapped for a local zip file, the
+    metadata alone (`meta`) of a remote one, else the whole file read."""
+    import torch
+
+    # torch warns about pickle protocols and legacy files on stderr, and logs that a DeviceMesh
+    # was unpickled outside a process group (a DTensor's); errors say what matters instead
+    with _safe_globals(), warnings.catch_warnings(), _quiet_logger("torch.distributed"):
+        warnings.simplefilter("ignore")
+        if local is not None:
+            return torch.load(local, weights_only=True, mmap=zipped, map_location="cpu")
+        if meta and zipped:
+            reader = io.BufferedReader(StorageRangeFile(storage, rel, size), buffer_size=_RANGE_BUF)
+            return torch.load(reader, weights_only=True, map_location="meta")
+        return torch.load(io.BytesIO(storage.read_all(rel)), weights_only=True, map_location="cpu")
+
+
+@contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """The standard-library logger `name` silenced (the library never prints)."""
+    import logging
+
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def local_parts(value: Any, depth: int = 0) -> Any:
+    """`value` with every DTensor replaced by its local tensor (the part its rank holds); dicts,
+    lists and tuples rebuilt around them, anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if depth > 200:  # deeper than any state dict; left as loaded
+        return value
+    if isinstance(value, dict):
+        return type(value)((k, local_parts(v, depth + 1)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(local_parts(v, depth + 1) for v in value)
+    return value
+
+
+def _refuse_non_pickle(storage: Storage, rel: str, where: str, size: int) -> None:
+    """A file that is neither a ZIP archive nor a pickle is no torch.save file: say what it is."""
+    from ..sniff import SNIFF_BYTES, what_is
+
+    head = storage.read(rel, 0, min(size, SNIFF_BYTES))
+    if head[:1] == b"\x80":  # a pickle protocol marker: legacy torch.save, judged by the loader
+        return
+    raise FormatError(
+        f"is not a torch.save file: it is {what_is(head, size)} (torch.save writes a ZIP "
+        "archive, or a pickle for legacy files)",
+        path=where,
+        fix="Check the path; if it is a checkpoint of another format, name it by that "
+        "format's suffix or pass --format.",
+    )
+
+
+def _first_line(text: str, after: str | None = None) -> str:
+    if after and after in text:
+        text = text.split(after, 1)[1]
+    for line in text.strip().splitlines():
+        if line.strip():
+            return line.strip()[:300]
+    return "unknown error"

@@ -1,0 +1,135 @@
+"""Which globals a pickle would import, found by reading its opcodes: nothing is executed and
+torch is not imported (what plain `verify` can afford on every DCP object entry).
+
+`torch.save` blobs are zip archives holding `*/data.pkl`; legacy ones are a run of pickles. A
+global is admitted when `torch.load(weights_only=True)` (with the numpy reconstruction globals
+and inert records ckpt allowlists, see `formats.torch_save`) would admit it; anything else is
+named, so `verify` can say which entry `ckpt`'s reader refuses and why.
+"""
+
+from __future__ import annotations
+
+import io
+import pickletools
+import re
+import zipfile
+
+from ...budgets import read_member
+
+#: globals torch's weights_only unpickler admits by default (its own rebuild functions,
+#: storages, dtypes and layouts, and the plain containers)
+_TORCH_DEFAULTS = (
+    r"torch\._utils\._rebuild_\w+"
+    r"|torch\._tensor\._rebuild_from_type_v2"
+    r"|torch\.serialization\._get_layout"
+    r"|torch\.(?:storage\.)?(?:Untyped|Typed)?\w*Storage"
+    r"|torch\.(?:device|Size|Tensor|nn\.parameter\.Parameter|strided|sparse_\w+|_sparse_\w+)"
+    r"|torch\.(?:channels_last\w*|contiguous_format|preserve_format)"
+    r"|torch\.(?:u?int\d+|float\d*\w*|bfloat16|half|double|long|short|bool|bits\d+\w*"
+    r"|complex\d*|cfloat|cdouble|q?u?int\d+x?\d*|quint\w+|qint\w+)"
+    r"|collections\.OrderedDict"
+    r"|builtins\.(?:set|frozenset|bytearray|complex|slice|range|int|float|bool|str|bytes"
+    r"|tuple|list|dict)"
+    r"|_codecs\.encode"
+)
+#: numpy's array reconstruction, which ckpt allowlists for RNG states
+_NUMPY_ARRAYS = (
+    r"numpy\.(?:_core|core)\.multiarray\.(?:_reconstruct|scalar)"
+    r"|numpy\.(?:ndarray|dtype)"
+    r"|numpy\.dtypes\.\w+DType"
+)
+#: what ckpt's restricted reader admits: torch's defaults, numpy's arrays, and the inert
+#: records of `formats.torch_save`
+_ALLOWED = re.compile(
+    r"^(?:"
+    + _TORCH_DEFAULTS
+    + "|"
+    + _NUMPY_ARRAYS
+    + r"|torch\._C\.Generator|torch\.Generator"  # RNG state: `formats.torch_save` admits it
+    r"|deepspeed\.runtime\.fp16\.loss_scaler\.(?:Dynamic)?LossScaler"
+    r"|deepspeed\.runtime\.zero\.config\.ZeroStageEnum"
+    r"|deepspeed\.utils\.tensor_fragment\.fragment_address"
+    r"|argparse\.Namespace"
+    r"|(?:lightning\.fabric|lightning_fabric)\.utilities\.data\.AttributeDict"
+    r"|pytorch_lightning\.utilities\.parsing\.AttributeDict"
+    r")$"
+)
+#: what needs no look from torch's own scan: its defaults, and numpy's arrays (which the
+#: frameworks that save RNG states allow-list when they load)
+_NO_TORCH_SCAN = re.compile(r"^(?:" + _TORCH_DEFAULTS + "|" + _NUMPY_ARRAYS + r")$")
+#: a pickle longer than this is not scanned (object entries are small; tensors are not here)
+MAX_SCAN_BYTES = 256 << 20
+
+_STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING"}
+_STRINGS |= {"SHORT_BINSTRING"}
+_PUTS = {"BINPUT", "LONG_BINPUT", "PUT"}
+_GETS = {"BINGET", "LONG_BINGET", "GET"}
+
+
+def _pickles(data: bytes) -> list[bytes]:
+    """The pickle streams of a stored object: `data.pkl` of a torch.save zip, or the bytes.
+    FormatError for a data.pkl over its inflation budget (`budgets.read_member`)."""
+    if data[:4] == b"PK\x03\x04":
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            names = [n for n in archive.namelist() if n.endswith("data.pkl")]
+            return [read_member(archive, n, MAX_SCAN_BYTES, None) for n in names[:1]]
+    if data[:1] == b"\x80":
+        return [data]
+    return []  # raw bytes (an io.BytesIO saved as is): data, not code
+
+
+def refused_globals(data: bytes) -> list[str]:
+    """Globals a stored object's pickle would import that ckpt's restricted reader refuses.
+
+    Empty when every global is admitted or the bytes are no pickle at all. A pickle that
+    cannot be parsed, or that builds a global from computed names, is reported as such.
+    """
+    return sorted({g for g in pickle_globals(data) if not _ALLOWED.match(g)})
+
+
+def beyond_torch_defaults(data: bytes) -> bool:
+    """Whether a stored object's pickle names a global that is neither one torch's default
+    loader admits nor numpy's arrays: only then need torch's own scan say what it refuses."""
+    return any(not _NO_TORCH_SCAN.match(g) for g in pickle_globals(data))
+
+
+def pickle_globals(data: bytes) -> list[str]:
+    """Every global a stored object's pickle would import, in order (opcodes only)."""
+    if len(data) > MAX_SCAN_BYTES:
+        return []
+    try:
+        streams = _pickles(data)
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        return [f"<not a readable torch.save archive: {exc}>"]
+    found: list[str] = []
+    for stream in streams:
+        pushed: list[object] = []
+        memo: dict[object, object] = {}
+        try:
+            # genops stops at the first STOP: the pickle proper (a legacy file's data follows)
+            for op, arg, _ in pickletools.genops(io.BytesIO(stream)):
+                name = op.name
+                if name in _STRINGS:
+                    pushed.append(arg if isinstance(arg, str) else str(arg))
+                elif name in _PUTS:
+                    memo[arg] = pushed[-1] if pushed else None
+                elif name == "MEMOIZE":
+                    memo[len(memo)] = pushed[-1] if pushed else None
+                elif name in _GETS:
+                    pushed.append(memo.get(arg))
+                elif name in ("GLOBAL", "INST"):
+                    module, _, attr = str(arg).partition(" ")
+                    found.append(f"{module}.{attr}")
+                elif name == "STACK_GLOBAL":
+                    pair: tuple[object, object] = (
+                        (pushed[-2], pushed[-1]) if len(pushed) >= 2 else (None, None)
+                    )
+                    if isinstance(pair[0], str) and isinstance(pair[1], str):
+                        found.append(f"{pair[0]}.{pair[1]}")
+                    else:
+                        found.append("<a global built from computed names>")
+                else:
+                    pushed.append(None)
+        except (ValueError, EOFError) as exc:
+            found.append(f"<not a valid pickle: {exc}>")
+    return found

@@ -1,0 +1,1 @@
+"""`convert`: the operation (`run`) and its planning (`plan`)."""

@@ -1,0 +1,758 @@
+"""`convert`: the same tensors in another format, streamed one entry at a time.
+
+The work is `ops.transfer`'s pipeline; this module turns the command's options into a
+`TransferPlan` and `WriteOptions`, guards the source, and reports what was written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import PurePath
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ... import dtypes
+from ...architectures import HF
+from ...dist.command import RankShare
+from ...errors import FormatError, NotFoundError, UsageError
+from ...formats import find_format, resolve_source
+from ...formats.base import Checkpoint, Format, WriteOptions
+from ...models import FileInfo, Manifest
+from ...progress import NULL_PROGRESS, Progress
+from ...quant import QuantAnalysis
+from ...sizes import parse_size
+from ...sources.layouts import OpenedSource, open_source
+from ...sources.layouts.megatron import keep_megatron_layout
+from ...sources.layouts.model_folders import Component
+from ...storage.output import Destination, resolve_destination
+from ..shared.architecture import (
+    ArchitectureReport,
+    default_select,
+    map_plan,
+    naming_format,
+    source_config,
+)
+from ..shared.selection import unmatched_rules
+from ..shared.transfer import (
+    SkippedEntry,
+    TransferPlan,
+    WrittenEntry,
+    account_files,
+    extra_files,
+    parse_renames,
+    plan_transfer,
+)
+from ..shared.transfer import write_checkpoint as run_write
+from .plan import (
+    NO_COMPRESSION,
+    check_shard_size,
+    check_target,
+    dequantized_config,
+    guard_paths,
+    keep_quantized,
+    missing_config_warning,
+    output_layout,
+    output_warnings,
+    planned_files,
+    read_config,
+    read_serving_files,
+    unused_renames,
+)
+
+
+class ConvertRequest(BaseModel):
+    """Every option of `convert` but the locations, frozen: what each component of a
+    multi-folder source is converted with (`model_copy(update=...)`), so no option is re-listed
+    by hand and none is dropped. Its fields are `convert`'s keyword parameters (a test holds
+    the two to each other); `progress` is a sink, not an option, and travels beside it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    format: str | None = None
+    max_shard_size: str | int | None = None
+    dtype: str | None = None
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+    renames: list[str] | None = None
+    select: str | None = None
+    dcp_serialization: str = "torch_save"
+    dcp_compression: str | None = None
+    world_size: int = 1
+    force: bool = False
+    dequantize: bool = False
+    dry_run: bool = False
+    extras: bool = True
+    config: str | None = None
+    match_prefix: str = ""
+    flavor: str | None = None
+
+
+class ConvertReport(BaseModel):
+    """The result of `ckpt convert`.
+
+    Attributes:
+        source / source_format: what was read.
+        dest / format: what was written, and as which format.
+        files: the files written (paths relative to `dest`; a single-file DEST is its own name).
+        tensors / objects: how many entries were written.
+        tensor_bytes: bytes of tensor data written.
+        raw_copies: tensors copied as raw bytes without deserialising.
+        cast: the dtype floating tensors were cast to, if any; `casts` how many were.
+        renamed: entries whose output name differs from the source name.
+        skipped: source entries not written, with why; and (kind `file`) every file of the
+            source that is neither read into the output (`read`) nor carried (`extras`).
+        read: the files of the source the output's entries were read from (with the index or
+            `.metadata` that found them): with `extras` and the `file` items of `skipped`,
+            every file of the source.
+        tied: groups of output names sharing storage in the source (the first name is kept).
+        aliases: names written once as another tensor (safetensors `__metadata__` records them).
+        max_shard_size / dcp_serialization / world_size: the layout asked for.
+        checked: the output passed the format's structural check before it was published.
+        entries: every entry written.
+        ranks: under torchrun, what each rank wrote (empty in a single-process run).
+        dry_run: nothing was written: `files` and `entries` are what would be (file sizes
+            exact for safetensors outputs, None where the writer decides them).
+        dequantized: quantized weights written dequantized (`--dequantize`).
+        quantized_kept: quantized weights and scales written as stored although `--dtype`
+            was given (`--dtype` applies to unquantized tensors only).
+        config_written: `config.json` written into the output: the source's without its
+            quantization section (`--dequantize`), or the one `--config` named.
+        config_source: where `--config` read that `config.json` (None without it).
+        architecture: for `--to hf` / `--to torchtitan`: the model's family, the two namings
+            and every tensor's rename and transform.
+        serving_files: tokenizer and generation-config files `--to hf --config FOLDER` copied
+            from that folder (or Hub model) beside the config.
+        extras: non-weight files of the source folder copied unchanged into DEST
+            (`config.json`, `generation_config.json`, tokenizer files...; see
+            `transfer.extra_files`); empty with `extras=False` or a single-file DEST.
+        warnings: things the user should know: options that had no effect (a --rename rule
+            that matches no entry), an output torch cannot load (DCP safetensors serialization).
+    """
+
+    source: str
+    source_format: str
+    dest: str
+    format: str
+    files: list[FileInfo]
+    tensors: int
+    objects: int
+    tensor_bytes: int
+    raw_copies: int
+    cast: str | None = None
+    casts: int = 0
+    renamed: int = 0
+    skipped: list[SkippedEntry] = Field(default_factory=list)
+    read: list[str] = Field(default_factory=list)
+    tied: list[list[str]] = Field(default_factory=list)
+    aliases: dict[str, str] = Field(default_factory=dict)
+    max_shard_size: int | None = None
+    dcp_serialization: str | None = None
+    world_size: int | None = None
+    checked: bool = True
+    entries: list[WrittenEntry] = Field(default_factory=list)
+    ranks: list[RankShare] = Field(default_factory=list)
+    dry_run: bool = False
+    warnings: list[str] = Field(default_factory=list)
+    dequantized: int = 0
+    quantized_kept: int = 0
+    config_written: str | None = None
+    config_source: str | None = None
+    extras: list[str] = Field(default_factory=list)
+    architecture: ArchitectureReport | None = None
+    serving_files: list[str] = Field(default_factory=list)
+
+
+def _unreadable_components(
+    unreadable: dict[str, tuple[str, str]],
+    skipped: list[SkippedEntry],
+    select: str | None,
+    include: list[str] | None,
+    exclude: list[str] | None,
+    match_prefix: str = "",
+) -> None:
+    """Fail on a component that cannot be read, unless the user left it out explicitly.
+
+    A truncated or hostile `optimizer.pt` must never vanish from the output with exit 0:
+    it fails the convert (exit 4, naming it) unless `--filter-out` (or `--select` / `--filter`
+    choosing other entries) leaves it out; then it is listed in `skipped` with why.
+    """
+    import fnmatch
+
+    def left_out(comp: str) -> str | None:
+        probes = (f"{match_prefix}{comp}", f"{match_prefix}{comp}.", f"{match_prefix}{comp}.x")
+        if exclude and any(fnmatch.fnmatchcase(p, g) for g in exclude for p in probes):
+            return "left out by --filter-out"
+        if select is not None and comp != select.rstrip(".") and not comp.startswith(select):
+            return "outside --select"
+        if include and not any(fnmatch.fnmatchcase(p, g) for g in include for p in probes):
+            return "not matched by --filter"
+        return None
+
+    for comp, (where, problem) in sorted(unreadable.items()):
+        why = left_out(comp)
+        if why is None:
+            raise FormatError(
+                f"the {comp} component cannot be read, so it cannot be converted: {problem}",
+                path=where,
+                fix=f"Repair or re-save it, or leave it out explicitly with --filter-out '{comp}*'.",
+            )
+        skipped.append(
+            SkippedEntry(
+                name=comp, kind="component", reason=f"unreadable: {where}: {problem}; {why}"
+            )
+        )
+
+
+def convert(
+    src: str,
+    dest: str,
+    to: str,
+    *,
+    format: str | None = None,
+    max_shard_size: str | int | None = None,
+    dtype: str | None = None,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    renames: list[str] | None = None,
+    select: str | None = None,
+    dcp_serialization: str = "torch_save",
+    dcp_compression: str | None = None,
+    world_size: int = 1,
+    force: bool = False,
+    dequantize: bool = False,
+    progress: Progress = NULL_PROGRESS,
+    dry_run: bool = False,
+    extras: bool = True,
+    config: str | None = None,
+    match_prefix: str = "",
+    flavor: str | None = None,
+) -> ConvertReport:
+    """Convert `src` into format `to` at `dest`, streaming one tensor or byte range at a time.
+
+    Args:
+        src: checkpoint file, folder or URL.
+        dest: output file or folder, local or an fsspec URL such as `s3://bucket/prefix`
+            (refused if it exists, unless `force`).
+        to: target format token (`safetensors`, `dcp`, `torch`), or a framework naming:
+            `hf` (Hugging Face safetensors shards, names and `config.json` that
+            `from_pretrained` loads), `torchtitan` (a DCP save torchtitan loads, model only)
+            or `megatron` (a Megatron-Core torch_dist save `dist_checkpointing.load` reads);
+            the model's family is recognised from its tensor names (`ops.architecture`).
+        format: read `src` as this format instead of detecting it.
+        max_shard_size: split the output into shards of at most this size (`5GB`, bytes).
+        dtype: cast floating tensors (`bf16`, `fp16`, `fp32`); integer/bool tensors untouched.
+        include / exclude: globs on source names choosing the entries.
+        renames: `OLD=NEW` prefix renames.
+        select: keep only the sub-tree under this prefix (`model`), stripping it.
+        dcp_serialization: `torch_save` or `safetensors` (DCP target only).
+        dcp_compression: `zstd` writes every DCP item through DCP's ZStandard extension.
+        world_size: ranks to lay a DCP output out for (DCP target only).
+        force: replace an existing `dest` once the new output is complete.
+        dequantize: write quantized weights (FP8, MXFP4, NVFP4) dequantized to `dtype` (or the
+            model's dtype) and drop their scales; without it quantized weights and their
+            scales are copied as stored, in one shard, and never cast.
+        progress: progress sink (bytes).
+        dry_run: plan only: read metadata, write nothing, report what would be written.
+        extras: carry the source folder's non-weight files (config, tokenizer...) into a
+            folder DEST, so `from_pretrained(DEST)` builds the same model.
+        config: a `config.json` to write into a folder DEST, in place of the source's: a
+            file, a model folder or `hf://org/model` (an FSDP Trainer checkpoint has none,
+            and `from_pretrained` needs one).
+        match_prefix: what `include` / `exclude` see before each source name: a multi-folder
+            model's component is converted with `unet.`, so the globs match the names
+            `ckpt inspect` shows of the whole folder (`unet.conv_in.weight`).
+        flavor: `--to hf` / `--to torchtitan`: the torchtitan model flavor (`8B`,
+            `debugmodel`) whose args (head counts, rotary base and scaling, norm epsilon)
+            complete what the weights tell, read from the installed torchtitan's registry.
+    """
+    to, naming = naming_format(to)
+    if flavor is not None and naming is None:
+        raise UsageError(
+            "--flavor applies to --to hf and --to torchtitan only",
+            fix="Leave --flavor out, or convert with --to hf.",
+        )
+    target = check_target(
+        to, serialization=dcp_serialization, compression=dcp_compression, world_size=world_size
+    )
+    dest_path = resolve_destination(dest)
+    shard_size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+    check_shard_size(target, shard_size)
+    cast = dtypes.parse_user_dtype(dtype) if dtype else None
+    rename_pairs = parse_renames(renames)
+    guard_paths(src, dest_path)
+    # SRC is resolved (listed, its Hub revision pinned) once: everything below reads `source`
+    source = resolve_source(src)
+    if format is None and naming is None:
+        from ..shared.components import component_source, components_of
+
+        found = components_of(source)
+        if found is not None:
+            # a diffusers pipeline / sentence-transformers folder: one component, or each,
+            # with every option this call was given
+            request = ConvertRequest(
+                max_shard_size=shard_size,
+                dtype=dtype,
+                include=include,
+                exclude=exclude,
+                renames=renames,
+                dcp_serialization=dcp_serialization,
+                dcp_compression=dcp_compression,
+                world_size=world_size,
+                force=force,
+                dequantize=dequantize,
+                dry_run=dry_run,
+                extras=extras,
+                config=config,
+                flavor=flavor,
+            )
+            if not select:
+                if config is not None:
+                    raise UsageError(
+                        f"--config names one model's config.json; the components of a "
+                        f"{found[0]} folder each keep their own",
+                        path=src,
+                        fix="Pick the component it belongs to with --select "
+                        f"{found[1][0].name}, or leave --config out.",
+                    )
+                return _convert_components(src, dest, to, found, request, progress)
+            sub = component_source(src, found[1], select)
+            if sub is not None:
+                # the globs still see the names inspect shows of the whole folder
+                prefix = f"{select.rstrip('.')}."
+                named = request.model_copy(update={"match_prefix": prefix})
+                report = convert_component(sub, dest, to, named, progress)
+                if include or exclude:
+                    with open_source(sub).checkpoint as part:
+                        names = [prefix + e.name for e in part.manifest.entries]
+                    report.warnings += unmatched_rules(names, include, exclude)
+                return report
+    single_file, basename = output_layout(target, dest_path, shard_size)
+    if single_file and naming is not None:
+        raise UsageError(
+            f"--to {naming} writes a folder (weights, index and config.json), not one file",
+            path=str(dest_path),
+            fix="Name a folder as DEST.",
+        )
+    given_config: tuple[bytes, str] | None = None
+    if config is not None:
+        if single_file:
+            raise UsageError(
+                "--config writes config.json into a folder DEST; this DEST is one file",
+                path=str(dest_path),
+                fix="Name a folder as DEST (hf-model/), or leave --config out.",
+            )
+        if dequantize:
+            raise UsageError(
+                "--config and --dequantize both write config.json",
+                fix="Leave --config out: --dequantize writes the source's config without its "
+                "quantization section.",
+            )
+        given_config = read_config(config)
+    opened = open_source(source, format)
+    if naming is not None:
+        select = default_select(opened, select)
+    with opened.checkpoint as base:
+        from ...quant import analyse_checkpoint
+
+        analysis = analyse_checkpoint(base.manifest, base.storage)
+        checkpoint, dequantized = _readable(base, analysis, src, dequantize, cast)
+        manifest = checkpoint.manifest
+        plan = _plan(
+            opened, manifest, target, select, include, exclude, rename_pairs, cast, match_prefix
+        )
+        origins: dict[str, str] = {}
+        architecture: ArchitectureReport | None = None
+        naming_config: bytes | None = None
+        naming_files: dict[str, bytes] = {}
+        if naming is not None:
+            known = json.loads(given_config[0]) if given_config else source_config(base.storage)
+            mapped = map_plan(
+                checkpoint,
+                plan,
+                naming,
+                config=known,
+                cast=cast,
+                keep_objects=target.holds_objects,
+                dedupe_tied=target.dedupes_tied,
+                flavor=flavor,
+            )
+            checkpoint, plan, origins = mapped.checkpoint, mapped.plan, mapped.origins
+            architecture, naming_config = mapped.report, mapped.config
+            naming_files = mapped.output.files
+        kept = 0 if dequantize or naming else keep_quantized(plan, analysis)
+        _unreadable_components(
+            opened.unreadable, plan.skipped, select, include, exclude, match_prefix
+        )
+        options = WriteOptions(
+            max_shard_size=shard_size,
+            # the source's string metadata where the target keeps some (safetensors)
+            metadata=target.output_metadata(manifest.metadata, plan.aliases),
+            basename=basename,
+            single_file=single_file,
+            dcp_serialization=dcp_serialization,
+            world_size=world_size,
+            dcp_compression=None if dcp_compression == NO_COMPRESSION else dcp_compression,
+        )
+        warnings = unused_renames(plan, rename_pairs)
+        if not match_prefix:  # a component's rules are judged over the whole folder
+            warnings += unmatched_rules((e.name for e in manifest.entries), include, exclude)
+        carried = extra_files(checkpoint) if extras and not single_file else []
+        if given_config is not None:
+            carried = [rel for rel in carried if rel != "config.json"]
+            options.companions["config.json"] = given_config[0]
+        elif naming_config is not None:
+            # the config of the mapped model, built from its args (or the source's own)
+            carried = [rel for rel in carried if rel != "config.json"]
+            options.companions["config.json"] = naming_config
+        serving: list[str] = []
+        if naming == HF and config is not None:
+            # a model folder / Hub model given for its config serves its tokenizer too
+            for name, data in read_serving_files(config).items():
+                if name not in carried:
+                    options.companions[name] = data
+                    serving.append(name)
+        elif not single_file and naming is None:
+            missing = missing_config_warning(opened, target.name, select, carried, str(dest_path))
+            if missing is not None:
+                warnings.append(missing)
+        # what the target naming keeps beside the tensors (Megatron's common.pt...)
+        options.companions.update(naming_files)
+        carried = [rel for rel in carried if rel not in naming_files]
+        # a Megatron-Core torch_dist source stays one (its common.pt + metadata.json)
+        megatron_files = [] if naming else keep_megatron_layout(checkpoint, plan, target.name)
+        if not single_file and target.shards_by_size and format is None and naming is None:
+            # keep the source library's file names (adapter_model, diffusion_pytorch_model...)
+            from ...sources.layouts.model_folders import apply_naming
+
+            apply_naming(source, to, options)
+        if dry_run:  # after the naming: a dry run lists the files the real run writes
+            report = _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
+            return _with_origins(report, origins, architecture)
+        if analysis.quantized and not dequantize:
+            renamed = {i.source.name: i.target.name for i in plan.items}
+            options.together = [
+                [renamed[n] for n in group if n in renamed] for group in analysis.together()
+            ]
+        shares: list[RankShare] = []
+        carried += megatron_files  # Megatron's own files, copied unchanged
+        # every file of SRC: read into the output, carried, or skipped with why
+        read, skipped_files = account_files(
+            checkpoint, plan, carried, single_file=single_file, listed=opened.listed_files
+        )
+        config_written = None
+        if given_config is not None or naming_config is not None:
+            config_written = str(PurePath(str(dest_path)) / "config.json")
+        if dequantize and not single_file:
+            # published with the weights (a companion), never the source's quantized config
+            rewritten = dequantized_config(base.storage)
+            if rewritten is not None:
+                options.companions["config.json"] = rewritten
+                config_written = str(PurePath(str(dest_path)) / "config.json")
+        files, written = run_write(
+            checkpoint,
+            plan,
+            dest_path,
+            to,
+            options,
+            force=force,
+            progress=progress,
+            shares=shares,
+            extras=carried,
+        )
+    tensors = [w for w in written if w.kind == "tensor"]
+    written = [w.model_copy(update={"source": origins.get(w.source, w.source)}) for w in written]
+    return ConvertReport(
+        source=manifest.location,
+        source_format=manifest.format,
+        dest=str(dest_path),
+        format=to,
+        files=files,
+        tensors=len(tensors),
+        objects=len(written) - len(tensors),
+        tensor_bytes=sum(w.nbytes for w in tensors),
+        raw_copies=sum(1 for w in written if w.how == "raw"),
+        cast=cast,
+        casts=sum(1 for w in written if w.how == "cast"),
+        renamed=sum(1 for w in written if w.name != w.source),
+        skipped=plan.skipped + skipped_files,
+        read=read,
+        tied=plan.tied,
+        aliases=plan.aliases,
+        max_shard_size=shard_size,
+        dcp_serialization=dcp_serialization if target.serializations else None,
+        world_size=world_size if target.shards_by_rank else None,
+        entries=written,
+        ranks=shares,
+        dequantized=dequantized,
+        quantized_kept=kept,
+        config_written=config_written,
+        config_source=given_config[1] if given_config is not None else None,
+        extras=carried,
+        warnings=warnings + output_warnings(target, dcp_serialization),
+        architecture=architecture,
+        serving_files=serving,
+    )
+
+
+def _with_origins(
+    report: ConvertReport, origins: dict[str, str], architecture: ArchitectureReport | None
+) -> ConvertReport:
+    """A dry run's report with each entry's source as the source names it is built from."""
+    if not origins:
+        return report
+    entries = [
+        e.model_copy(update={"source": origins.get(e.source, e.source)}) for e in report.entries
+    ]
+    renamed = sum(1 for e in entries if e.name != e.source)
+    return report.model_copy(
+        update={"entries": entries, "renamed": renamed, "architecture": architecture}
+    )
+
+
+def _readable(
+    base: Checkpoint, analysis: QuantAnalysis, src: str, dequantize: bool, cast: str | None
+) -> tuple[Checkpoint, int]:
+    """The checkpoint to copy from, and how many weights `--dequantize` turned into plain
+    entries (a `DequantizedCheckpoint` over `base`)."""
+    if not dequantize:
+        return base, 0
+    if not analysis.quantized:
+        raise UsageError(
+            "--dequantize: no quantized weight found (FP8, MXFP4, NVFP4)",
+            path=src,
+            fix="Drop --dequantize; `ckpt inspect` shows what the checkpoint holds.",
+        )
+    from ...quant import logical_dtype
+    from ...quant.dequant import DequantizedCheckpoint
+
+    plain = DequantizedCheckpoint(base, analysis, logical_dtype(analysis, cast))
+    return plain, len(plain.logical)
+
+
+def _plan(
+    opened: OpenedSource,
+    manifest: Manifest,
+    target: type[Format],
+    select: str | None,
+    include: list[str] | None,
+    exclude: list[str] | None,
+    renames: list[tuple[str, str]],
+    cast: str | None,
+    match_prefix: str = "",
+) -> TransferPlan:
+    """What goes out under which name and dtype, as far as the target can hold it."""
+    from ..shared.selection import refuse_placeholders
+
+    plan = plan_transfer(
+        manifest,
+        select=select,
+        include=include,
+        exclude=exclude,
+        renames=renames,
+        dtype=cast,
+        keep_objects=target.holds_objects,
+        dedupe_tied=target.dedupes_tied,
+        opened=opened,
+        match_prefix=match_prefix,
+    )
+    if select or include or exclude:
+        # ZeRO-3's empty parameters are no weights: never picked out without the rebuilt ones
+        # (a whole-folder copy carries them as stored, beside the rebuilt weights)
+        names = [i.source.name for i in plan.items]
+        refuse_placeholders(opened, names, select, manifest.location)
+    source_format = find_format(manifest.format)
+    if source_format is not None:
+        # the source format's own words for what it cannot hand over (GGUF quantized tensors)
+        for skipped in plan.skipped:
+            reason = source_format.skip_reason(manifest.by_name[skipped.name])
+            if reason:
+                skipped.reason = reason
+    return plan
+
+
+def _dry_run_report(
+    manifest: Manifest,
+    plan: TransferPlan,
+    dest: Destination,
+    target: type[Format],
+    options: WriteOptions,
+    cast: str | None,
+    warnings: list[str],
+) -> ConvertReport:
+    """What `convert` would write, from the plan alone: entries, files, sizes."""
+    entries = [
+        WrittenEntry(
+            name=i.target.name,
+            source=i.source.name,
+            kind=i.target.kind,
+            dtype=i.target.dtype,
+            shape=list(i.target.shape or []),
+            nbytes=i.target.nbytes,
+            how="object" if i.target.kind != "tensor" else "cast" if i.cast else "tensor",
+        )
+        for i in plan.items
+    ]
+    tensors = [i.target for i in plan.items if i.target.kind == "tensor"]
+    return ConvertReport(
+        source=manifest.location,
+        source_format=manifest.format,
+        dest=str(dest),
+        format=target.name,
+        files=planned_files(target, plan, dest, options),
+        tensors=len(tensors),
+        objects=len(entries) - len(tensors),
+        tensor_bytes=sum(e.nbytes for e in tensors),
+        raw_copies=0,
+        cast=cast,
+        casts=sum(1 for i in plan.items if i.cast),
+        renamed=sum(1 for e in entries if e.name != e.source),
+        skipped=plan.skipped,
+        tied=plan.tied,
+        aliases=plan.aliases,
+        max_shard_size=options.max_shard_size,
+        dcp_serialization=options.dcp_serialization if target.serializations else None,
+        world_size=options.world_size if target.shards_by_rank else None,
+        entries=entries,
+        dry_run=True,
+        warnings=warnings,
+    )
+
+
+def convert_component(
+    src: str, dest: str, to: str, request: ConvertRequest, progress: Progress
+) -> ConvertReport:
+    """`convert` of one component with the request's options (a component is written into
+    its own folder of DEST's staging: never replaced, so without `force`)."""
+    return convert(src, dest, to, progress=progress, **request.model_dump())
+
+
+def _convert_components(
+    src: str,
+    dest: str,
+    to: str,
+    found: tuple[str, list[Any]],
+    request: ConvertRequest,
+    progress: Progress,
+) -> ConvertReport:
+    """Every component of a multi-folder model converted with its own naming, one DEST."""
+    from ..shared.components import write_components
+
+    layout, components = found
+    left_out, warnings = _left_out_components(src, components, request)
+    inner = request.model_copy(update={"force": False})
+
+    def one(comp: Component, component_src: str, component_dest: str, target: str) -> ConvertReport:
+        # the globs see the names inspect shows of the whole folder: `unet.conv_in.weight`
+        named = inner.model_copy(update={"match_prefix": f"{comp.name}."})
+        return convert_component(component_src, component_dest, target, named, progress)
+
+    files, reports = write_components(
+        src,
+        dest,
+        layout,
+        components,
+        to,
+        one,
+        force=request.force,
+        dry_run=request.dry_run,
+        skip=left_out,
+    )
+    shard_size = request.max_shard_size
+    # every file of SRC accounted for: each component's own (prefixed with its folder), and
+    # the files copied beside them (`model_index.json`, schedulers, tokenizers...)
+    converted = [c for c in components if c.weights is not None and c.name not in left_out]
+    bases = [f"{c.path}/" if c.path else "" for c in converted]
+    read: list[str] = []
+    carried: list[str] = []
+    skipped = _left_out_files(src, components, left_out)
+    written: set[str] = set()
+    for base, report in zip(bases, reports, strict=True):
+        read += [f"{base}{r}" for r in report.read]
+        carried += [f"{base}{r}" for r in report.extras]
+        written.update(f"{base}{f.path}" for f in report.files)
+        skipped += [
+            s.model_copy(update={"name": f"{base}{s.name}"}) if s.kind == "file" else s
+            for s in report.skipped
+        ]
+    carried += [f.path for f in files if f.path not in written and f.path not in carried]
+    return ConvertReport(
+        source=src,
+        source_format=layout,
+        dest=dest,
+        format=to,
+        files=files,
+        tensors=sum(r.tensors for r in reports),
+        objects=sum(r.objects for r in reports),
+        tensor_bytes=sum(r.tensor_bytes for r in reports),
+        raw_copies=sum(r.raw_copies for r in reports),
+        cast=next((r.cast for r in reports if r.cast), None),
+        casts=sum(r.casts for r in reports),
+        renamed=sum(r.renamed for r in reports),
+        skipped=skipped,
+        read=read,
+        extras=carried,
+        max_shard_size=shard_size if isinstance(shard_size, int) else None,
+        entries=[e for r in reports for e in r.entries],
+        dry_run=request.dry_run,
+        dequantized=sum(r.dequantized for r in reports),
+        quantized_kept=sum(r.quantized_kept for r in reports),
+        warnings=warnings + [w for r in reports for w in r.warnings],
+    )
+
+
+def _left_out_components(
+    src: str, components: list[Component], request: ConvertRequest
+) -> tuple[set[str], list[str]]:
+    """The weight-holding components of which `--filter` / `--filter-out` keep no entry (left
+    out whole), and a warning for each of them and for each glob that matches no entry of any
+    component. The globs are matched as everywhere else: against the names `ckpt inspect`
+    shows of the whole folder (`unet.conv_in.weight`)."""
+    include, exclude = request.include, request.exclude
+    if not (include or exclude):
+        return set(), []
+    from ..inspect import select as select_globs
+
+    opened = open_source(src)
+    with opened.checkpoint as whole:
+        entries = whole.manifest.entries
+        names = [e.name for e in entries]
+        kept = {e.name for e in select_globs(entries, include, exclude)}
+    warnings = unmatched_rules(names, include, exclude, matched="entry of any component")
+    weighted = [c for c in components if c.weights is not None]
+    left_out = {c.name for c in weighted if not any(n.startswith(f"{c.name}.") for n in kept)}
+    if len(left_out) == len(weighted):
+        raise NotFoundError(
+            "the --filter/--filter-out patterns leave no entry to write",
+            path=src,
+            fix="Check the patterns against `ckpt inspect --list` (a component's entries are "
+            f"named `{weighted[0].name}.<name>`).",
+        )
+    for name in sorted(left_out):
+        warnings.append(
+            f"the {name} component is left out whole (--filter/--filter-out keep none of its "
+            "entries): the output holds its other files, not its weights"
+        )
+    return left_out, warnings
+
+
+def _left_out_files(
+    src: str, components: list[Component], left_out: set[str]
+) -> list[SkippedEntry]:
+    """The components left out whole, and their weight files, as `skipped` lists them."""
+    if not left_out:
+        return []
+    from ...formats import resolve_source
+    from ..shared.components import component_weight_files
+
+    listing = resolve_source(src).files
+    why = "every entry of the component left out by --filter/--filter-out"
+    skipped: list[SkippedEntry] = []
+    for comp in components:
+        if comp.name in left_out:
+            skipped.append(SkippedEntry(name=comp.name, kind="component", reason=why))
+            skipped += [
+                SkippedEntry(name=rel, kind="file", reason=why)
+                for rel in component_weight_files(listing, comp)
+            ]
+    return skipped

@@ -1,0 +1,560 @@
+"""`diff`: two checkpoints of any formats compared entry by entry: the restart test's judge.
+
+Names are lined up first (`--select` strips a sub-tree prefix on each side that has it,
+`--rename` maps prefixes on both sides, `--filter` narrows), then every pair is compared:
+kind, dtype and shape from the manifests; tensor values bit for bit (or within `--atol` /
+`--rtol`); non-tensor entries (step, RNG, scheduler and data-loader state) by value.
+
+Memory: one tensor pair at a time. Pairs stored as raw bytes on both sides with the same dtype
+and shape are first compared block by block without building tensors; only a pair that differs
+is read whole, and its statistics are computed over slices so the float64 working copies stay
+small.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from ...errors import NotFoundError, UsageError
+from ...formats.base import Checkpoint
+from ...models import Entry
+from ...progress import NULL_PROGRESS, Progress
+from ...sources.layouts import OpenedSource, open_source
+from ..shared.selection import refuse_placeholders, select_entries, unmatched_rules
+from ..shared.transfer import parse_renames, raw_blocks, rename
+from .compare import error_stats, short_repr, tensor_stats, values_equal
+
+
+class EntryDiff(BaseModel):
+    """How one lined-up pair of entries differs.
+
+    Attributes:
+        name: the lined-up name (after --select / --rename).
+        name_a / name_b: the names in A and B.
+        status: `kind`, `dtype`, `shape` (structure changed), `values` (tensor data differs
+            beyond tolerance), `close` (differs, within tolerance: not a difference) or
+            `value` (non-tensor entry differs).
+        kind_a / kind_b, dtype_a / dtype_b, shape_a / shape_b: what each side holds.
+        numel: elements compared.
+        differing: elements that are not bit-identical.
+        outside_tolerance: elements failing |a-b| <= atol + rtol*|b| (when tolerances are set).
+        max_abs / max_rel: largest absolute and relative (to |b|) difference.
+        value_a / value_b: short representations of differing non-tensor values.
+        dtype_changed: the two sides store the tensor in different dtypes (its values were
+            compared after casting both to float64 / complex128, exact for every dtype).
+    """
+
+    name: str
+    name_a: str
+    name_b: str
+    status: str
+    kind_a: str
+    kind_b: str
+    dtype_a: str | None = None
+    dtype_b: str | None = None
+    shape_a: list[int] | None = None
+    shape_b: list[int] | None = None
+    numel: int | None = None
+    differing: int | None = None
+    outside_tolerance: int | None = None
+    max_abs: float | None = None
+    max_rel: float | None = None
+    value_a: str | None = None
+    value_b: str | None = None
+    dtype_changed: bool = False
+
+    @property
+    def is_difference(self) -> bool:
+        """Whether this pair makes the checkpoints different (`close` does not)."""
+        return self.status != "close"
+
+
+class AliasPair(BaseModel):
+    """A tied name: an alias of another tensor (`lm_head.weight` of `transformer.wte.weight`).
+
+    Attributes:
+        name: the lined-up alias name.
+        target: the lined-up name of the tensor it is.
+        recorded_a / recorded_b: how each side records the alias (`safetensors metadata`,
+            `shared storage`, `config.json tie_word_embeddings (GPT2LMHeadModel)`); None
+            where that side does not.
+        written_once: `a` or `b`, the side that stores the tensor once and the alias only as
+            a record: the other side's `name` was compared with its `target` (None when both
+            sides hold the name, compared as usual).
+    """
+
+    name: str
+    target: str
+    recorded_a: str | None = None
+    recorded_b: str | None = None
+    written_once: str | None = None
+
+
+class QuantError(BaseModel):
+    """How far one dequantized weight is from the other side's tensor (`diff --dequantize`).
+
+    Attributes:
+        name: the lined-up name; scheme: the quantization scheme of the dequantized side.
+        numel: elements compared.
+        max_abs: largest |a - b|.
+        rel_rms: sqrt(sum((a - b)^2) / sum(b^2)), the error relative to the weight's size.
+    """
+
+    name: str
+    scheme: str
+    numel: int
+    max_abs: float
+    rel_rms: float
+
+
+class DiffReport(BaseModel):
+    """The result of `ckpt diff`.
+
+    Attributes:
+        a / b: the two locations; format_a / format_b their formats.
+        identical: no difference (tensors bit-exact, or within tolerance when one is set).
+        verdict: one line saying so.
+        atol / rtol: tolerances used (None: bit-exact).
+        select_applied: for each side, whether --select found the prefix there.
+        compared: pairs compared; equal: bit-identical pairs; close: within tolerance.
+        only_a / only_b: names present on one side only.
+        differences: differing pairs, largest first (structure, then values, then objects).
+        components: differing entries (and names on one side only) per top-level key
+            (`model`, `optimizer`, `rng`...): where a resumed run diverged.
+        within_tolerance: pairs that differ but are within tolerance.
+        dequantized: with `--dequantize`, how many weights of each side were dequantized.
+        quant_errors: per dequantized weight, the error statistics, worst first.
+        ignore_dtype: dtype changes were accepted (`--ignore-dtype`): such a pair counts by
+            its values alone.
+        dtype_changes: pairs whose dtype differs between the sides (differences unless
+            `ignore_dtype`).
+        aliases: tied names (see `ops.aliases`): a name one side keeps only as a recorded
+            alias is compared with the tensor it names there, not counted as missing.
+        warnings: options that had no effect (a `--filter` glob that matches no entry of
+            either side).
+    """
+
+    a: str
+    b: str
+    format_a: str
+    format_b: str
+    identical: bool
+    verdict: str
+    atol: float | None = None
+    rtol: float | None = None
+    select_applied: dict[str, bool] = Field(default_factory=dict)
+    compared: int = 0
+    equal: int = 0
+    close: int = 0
+    only_a: list[str] = Field(default_factory=list)
+    only_b: list[str] = Field(default_factory=list)
+    differences: list[EntryDiff] = Field(default_factory=list)
+    components: dict[str, int] = Field(default_factory=dict)
+    within_tolerance: list[EntryDiff] = Field(default_factory=list)
+    dequantized: dict[str, int] = Field(default_factory=dict)
+    quant_errors: list[QuantError] = Field(default_factory=list)
+    ignore_dtype: bool = False
+    dtype_changes: int = 0
+    aliases: list[AliasPair] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+
+
+def _selected(
+    opened: OpenedSource,
+    checkpoint: Checkpoint,
+    select: str | None,
+    other: list[str] | None,
+) -> tuple[list[tuple[Entry, str]], bool, bool]:
+    """(entry, name after --select) pairs of one side, whether --select applied there, and
+    whether it named a training component of that side (`ops.selection`'s rule, as convert).
+
+    A side without that component (a weights file exported from it) strips `select` as a plain
+    prefix only where that lines it up better with `other` (the other side's selected names):
+    the exported weights of an HF causal LM start with `model.` themselves
+    (`model.layers.0...`, beside `lm_head.weight`).
+    """
+    entries = checkpoint.manifest.entries
+    whole = [(e, e.name) for e in entries]
+    if not select:
+        return whole, False, False
+    selection = select_entries(opened, entries, select, checkpoint.manifest)
+    if selection.component is not None:
+        return selection.pairs, True, True
+    chosen = selection.pairs
+    if not chosen:
+        return whole, False, False
+    if other is not None:
+        names = set(other)
+        if sum(n in names for _, n in whole) > sum(n in names for _, n in chosen):
+            return whole, False, False
+    return chosen, True, False
+
+
+def _filtered(aligned: dict[str, Entry], filters: Sequence[str]) -> dict[str, Entry]:
+    """The lined-up names (as `ckpt inspect` shows them, after --select and --rename) that
+    match a `--filter` glob; all of them without one."""
+    if not filters:
+        return aligned
+    return {n: e for n, e in aligned.items() if any(fnmatchcase(n, g) for g in filters)}
+
+
+def _align(chosen: list[tuple[Entry, str]], renames: Sequence[tuple[str, str]]) -> dict[str, Entry]:
+    aligned: dict[str, Entry] = {}
+    for entry, name in chosen:
+        new = rename(name, renames)
+        if new in aligned:
+            raise UsageError(
+                f"{entry.name!r} and {aligned[new].name!r} line up under the same name {new!r}",
+                fix="Adjust --select/--rename so names stay distinct.",
+            )
+        aligned[new] = entry
+    return aligned
+
+
+def _raw_equal(ca: Checkpoint, cb: Checkpoint, ea: Entry, eb: Entry) -> bool:
+    """Byte-compare two raw-stored tensors block by block (no tensors built)."""
+    blocks_b = raw_blocks(cb, eb.name)
+    for block_a in raw_blocks(ca, ea.name):
+        block_b = next(blocks_b, None)
+        if block_b is None or bytes(block_a) != bytes(block_b):
+            return False
+    return next(blocks_b, None) is None
+
+
+def _read_value(checkpoint: Checkpoint, entry: Entry) -> Any:
+    return checkpoint.read_object(entry.name)
+
+
+def _compare(
+    ca: Checkpoint,
+    cb: Checkpoint,
+    name: str,
+    ea: Entry,
+    eb: Entry,
+    atol: float | None,
+    rtol: float | None,
+    quant: dict[str, Any] | None = None,
+    ignore_dtype: bool = False,
+) -> EntryDiff | None:
+    """Compare one pair; with `quant` (a dequantized weight's scheme -> errors list), a dtype
+    change is expected and the pair's error statistics are recorded."""
+    base: dict[str, Any] = {
+        "name": name,
+        "name_a": ea.name,
+        "name_b": eb.name,
+        "kind_a": ea.kind,
+        "kind_b": eb.kind,
+    }
+    if ea.kind != eb.kind:
+        return EntryDiff(status="kind", **base)
+    if ea.kind != "tensor":
+        va, vb = _read_value(ca, ea), _read_value(cb, eb)
+        if values_equal(va, vb):
+            return None
+        return EntryDiff(status="value", value_a=short_repr(va), value_b=short_repr(vb), **base)
+    base.update(dtype_a=ea.dtype, dtype_b=eb.dtype, shape_a=list(ea.shape), shape_b=list(eb.shape))
+    if list(ea.shape) != list(eb.shape):
+        return EntryDiff(status="shape", **base)
+    if ea.dtype == eb.dtype and ea.is_raw and eb.is_raw and _raw_equal(ca, cb, ea, eb):
+        return None
+    ta = ca.read_tensor(ea.name)
+    tb = cb.read_tensor(eb.name)
+    differing, outside, max_abs, max_rel = tensor_stats(ta, tb, atol, rtol)
+    numel = ta.numel()
+    if quant is not None:
+        worst, rel_rms = error_stats(ta, tb)
+        quant["errors"].append(
+            QuantError(
+                name=name, scheme=quant["scheme"], numel=numel, max_abs=worst, rel_rms=rel_rms
+            )
+        )
+    del ta, tb
+    changed = ea.dtype != eb.dtype and quant is None
+    if not changed and differing == 0:
+        return None
+    within = outside == 0 if outside is not None else differing == 0
+    status = "dtype" if changed and not ignore_dtype else "close" if within else "values"
+    return EntryDiff(
+        status=status,
+        numel=numel,
+        differing=differing,
+        outside_tolerance=outside,
+        max_abs=max_abs,
+        max_rel=max_rel,
+        dtype_changed=changed,
+        **base,
+    )
+
+
+_STRUCTURE = {"kind": 0, "shape": 1, "dtype": 2}
+
+
+def _order(d: EntryDiff) -> tuple[int, float, str]:
+    if d.status in _STRUCTURE:
+        return (_STRUCTURE[d.status], -(d.max_abs or 0.0), d.name)
+    if d.status == "value":
+        return (4, 0.0, d.name)
+    return (3, -(d.max_abs or 0.0), d.name)
+
+
+def diff(
+    a: str,
+    b: str,
+    *,
+    format_a: str | None = None,
+    format_b: str | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    renames: list[str] | None = None,
+    select: str | None = None,
+    filters: list[str] | None = None,
+    dequantize: bool = False,
+    progress: Progress = NULL_PROGRESS,
+    ignore_dtype: bool = False,
+) -> DiffReport:
+    """Compare checkpoints `a` and `b` entry by entry.
+
+    Args:
+        a / b: checkpoint files, folders or URLs (any formats).
+        format_a / format_b: read each side as this format instead of detecting it.
+        atol / rtol: tolerances; without them tensors must be bit-identical.
+        renames: `OLD=NEW` prefix renames applied to the names of both sides.
+        select: compare only the sub-tree under this prefix, stripped, on each side that has
+            it (a side without it is compared whole: `--select model` lines a training
+            checkpoint up with a weights-only file).
+        filters: globs on the lined-up names.
+        dequantize: compare quantized weights (FP8, MXFP4, NVFP4) by their dequantized values
+            (in float32), with per-weight error statistics; their scales are not compared.
+        progress: progress sink (bytes of A).
+        ignore_dtype: a dtype change is no difference by itself: the pair is judged by its
+            values (cast to float64 on both sides), bit-exact or within the tolerances.
+    """
+    for value, flag in ((atol, "--atol"), (rtol, "--rtol")):
+        if value is not None and (value < 0 or math.isnan(value)):
+            raise UsageError(f"{flag} must be a non-negative number")
+    rename_pairs = parse_renames(renames)
+    opened_a = open_source(a, format_a)
+    opened_b = open_source(b, format_b)
+    with opened_a.checkpoint as base_a, opened_b.checkpoint as base_b:
+        ca, cb = base_a, base_b
+        schemes: dict[str, str] = {}
+        counts: dict[str, int] = {}
+        if dequantize:
+            ca, cb = (_dequantized(c, side, schemes, counts) for c, side in ((ca, "a"), (cb, "b")))
+        chosen_a, applied_a, comp_a = _selected(opened_a, ca, select, None)
+        chosen_b, applied_b, comp_b = _selected(
+            opened_b, cb, select, [n for _, n in chosen_a] if comp_a else None
+        )
+        if comp_b and not comp_a:
+            chosen_a, applied_a, _ = _selected(opened_a, ca, select, [n for _, n in chosen_b])
+        for opened, chosen, where in ((opened_a, chosen_a, a), (opened_b, chosen_b, b)):
+            if select:
+                # ZeRO-3's empty parameters would compare equal whatever the weights are
+                refuse_placeholders(opened, [e.name for e, _ in chosen], select, where)
+        left = _align(chosen_a, rename_pairs)
+        right = _align(chosen_b, rename_pairs)
+        warnings = unmatched_rules([*left, *right], filters, None, matched="entry of either side")
+        left, right = _filtered(left, filters or []), _filtered(right, filters or [])
+        if select and not (applied_a or applied_b):
+            raise NotFoundError(
+                f"neither checkpoint has entries under {select!r}",
+                path=a,
+                fix="Check the prefix with `ckpt inspect`.",
+            )
+        if filters and not left and not right:
+            raise NotFoundError(
+                f"no entry matches {' or '.join(filters)} on either side",
+                path=a,
+                fix="Check the pattern against `ckpt inspect --list`.",
+            )
+        report = DiffReport(
+            a=ca.manifest.location,
+            b=cb.manifest.location,
+            format_a=ca.manifest.format,
+            format_b=cb.manifest.format,
+            dequantized=counts,
+            identical=False,
+            verdict="",
+            atol=atol,
+            rtol=rtol,
+            ignore_dtype=ignore_dtype,
+            select_applied={"a": applied_a, "b": applied_b} if select else {},
+            only_a=[n for n in left if n not in right],
+            only_b=[n for n in right if n not in left],
+            warnings=warnings,
+        )
+        extra = _resolve_aliases(
+            report, (opened_a, ca, chosen_a), (opened_b, cb, chosen_b), rename_pairs, left, right
+        )
+        common = [n for n in left if n in right]
+        progress.start(sum(left[n].nbytes for n in common if left[n].kind == "tensor"), "diff")
+        try:
+            for name in common:
+                ea, eb = left[name], right[name]
+                scheme = schemes.get("a:" + ea.name) or schemes.get("b:" + eb.name)
+                quant = (
+                    {"scheme": scheme, "errors": report.quant_errors}
+                    if scheme is not None and ea.kind == eb.kind == "tensor"
+                    else None
+                )
+                found = _compare(ca, cb, name, ea, eb, atol, rtol, quant, ignore_dtype)
+                if found is not None and found.dtype_changed and quant is None:
+                    report.dtype_changes += 1
+                report.compared += 1
+                if found is None:
+                    report.equal += 1
+                elif found.is_difference:
+                    report.differences.append(found)
+                else:
+                    report.close += 1
+                    report.within_tolerance.append(found)
+                if ea.kind == "tensor":
+                    progress.advance(ea.nbytes)
+            for name, (ea, eb) in extra.items():
+                # a name written once: A's tensor against the one B's alias names, or back
+                found = _compare(ca, cb, name, ea, eb, atol, rtol, None, ignore_dtype)
+                report.compared += 1
+                if found is None:
+                    report.equal += 1
+                elif found.is_difference:
+                    report.differences.append(found)
+                else:
+                    report.close += 1
+                    report.within_tolerance.append(found)
+        finally:
+            progress.finish()
+    report.quant_errors.sort(key=lambda e: -e.rel_rms)
+    report.differences.sort(key=_order)
+    report.within_tolerance.sort(key=_order)
+    for name in [d.name for d in report.differences] + report.only_a + report.only_b:
+        top = name.split(".", 1)[0]
+        report.components[top] = report.components.get(top, 0) + 1
+    report.identical = not (report.differences or report.only_a or report.only_b)
+    report.verdict = _verdict(report)
+    return report
+
+
+_Side = tuple[OpenedSource, Checkpoint, list[tuple[Entry, str]]]
+
+
+def _resolve_aliases(
+    report: DiffReport,
+    side_a: _Side,
+    side_b: _Side,
+    renames: Sequence[tuple[str, str]],
+    left: dict[str, Entry],
+    right: dict[str, Entry],
+) -> dict[str, tuple[Entry, Entry]]:
+    """Line up the names one side holds only as recorded aliases (tied weights).
+
+    Each name in `only_a` that B records as an alias of a tensor B holds is taken out of
+    `only_a` and returned as the pair (A's entry, B's target entry) to compare; the same the
+    other way. Aliases both sides hold (shared storage) are listed in `report.aliases` only.
+    """
+    pairs: dict[str, tuple[Entry, Entry]] = {}
+    if not (report.only_a or report.only_b) and not any(
+        _has_shared(c) for c in (side_a[1], side_b[1])
+    ):
+        return pairs
+    from .aliases import recorded_aliases
+
+    found: dict[tuple[str, str], AliasPair] = {}
+
+    def note(name: str, target: str, label: str, how: str) -> AliasPair:
+        pair = found.setdefault((name, target), AliasPair(name=name, target=target))
+        setattr(pair, f"recorded_{label}", how)
+        return pair
+
+    for label, (opened, checkpoint, chosen), own, other, missing in (
+        ("b", side_b, right, left, report.only_a),
+        ("a", side_a, left, right, report.only_b),
+    ):
+        prefix = _applied_prefix(chosen)
+        model = opened.training.prefixes.get("model", "") if opened.training else ""
+        for alias in recorded_aliases(checkpoint, model):
+            name, target = (
+                _lined(alias.name, prefix, renames),
+                _lined(alias.target, prefix, renames),
+            )
+            if name is None or target is None or target not in own:
+                continue
+            if alias.stored:
+                if name in own:
+                    note(name, target, label, alias.recorded)
+                continue
+            if name not in missing or name not in other:
+                continue
+            missing.remove(name)
+            theirs, mine = other[name], own[target]
+            pairs[name] = (theirs, mine) if label == "b" else (mine, theirs)
+            note(name, target, label, alias.recorded).written_once = label
+    report.aliases = list(found.values())
+    return pairs
+
+
+def _has_shared(checkpoint: Checkpoint) -> bool:
+    from ..shared.transfer import tied_groups
+
+    return bool(tied_groups(checkpoint.manifest))
+
+
+def _applied_prefix(chosen: list[tuple[Entry, str]]) -> str:
+    """The prefix --select stripped from this side's names ("" when none)."""
+    for entry, name in chosen:
+        if entry.name.endswith(name):
+            return entry.name[: len(entry.name) - len(name)]
+    return ""
+
+
+def _lined(raw: str, prefix: str, renames: Sequence[tuple[str, str]]) -> str | None:
+    """`raw` under this side's --select and --rename, or None when --select leaves it out."""
+    if not raw.startswith(prefix):
+        return None
+    return rename(raw[len(prefix) :], renames)
+
+
+def _dequantized(
+    checkpoint: Checkpoint, side: str, schemes: dict[str, str], counts: dict[str, int]
+) -> Checkpoint:
+    """`checkpoint` seen dequantized to float32 when it holds quantized weights."""
+    from ...quant import analyse_checkpoint
+    from ...quant.dequant import DequantizedCheckpoint
+
+    analysis = analyse_checkpoint(checkpoint.manifest, checkpoint.storage)
+    if not analysis.quantized:
+        return checkpoint
+    wrapped = DequantizedCheckpoint(checkpoint, analysis, "float32")
+    for name, weight in wrapped.logical.items():
+        schemes[f"{side}:{name}"] = weight.scheme
+    counts[side] = len(wrapped.logical)
+    return wrapped
+
+
+def _verdict(r: DiffReport) -> str:
+    if r.identical:
+        how = "bit-identical" if not r.close else f"equal ({r.close} within tolerance)"
+        if r.dtype_changes:
+            how += f", {r.dtype_changes} with a dtype change (ignored)"
+        written_once = sum(a.written_once is not None for a in r.aliases)
+        if written_once:
+            how += f", {written_once} of them tied names one side stores once (aliases)"
+        return f"IDENTICAL: {r.compared} entries {how}"
+    dtype_only = [d for d in r.differences if d.status == "dtype" and d.outside_tolerance == 0]
+    if dtype_only and len(dtype_only) == len(r.differences) and not (r.only_a or r.only_b):
+        return (
+            f"DIFFERENT: {len(dtype_only)} of {r.compared} entries changed dtype "
+            "(values within tolerance; --ignore-dtype accepts that)"
+        )
+    parts = []
+    if r.differences:
+        parts.append(f"{len(r.differences)} of {r.compared} entries differ")
+    if r.only_a:
+        parts.append(f"{len(r.only_a)} only in A")
+    if r.only_b:
+        parts.append(f"{len(r.only_b)} only in B")
+    return "DIFFERENT: " + ", ".join(parts)

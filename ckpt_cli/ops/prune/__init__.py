@@ -1,0 +1,1 @@
+"""`prune`: the operation (`run`), retention policies (`retention`) and slimming old saves (`slim`)."""

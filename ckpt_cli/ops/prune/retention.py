@@ -1,0 +1,354 @@
+"""Retention for `prune`: the policy, its reports, and the plan of what to keep, slim or delete.
+
+Pure decisions over a scanned run (`runs.RunReport`); `ops.prune` applies them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from ...errors import UsageError
+from ...sources.runs import DEFAULT_SETTLE, BestMetric, RunCheckpoint, RunReport
+from .slim import SlimAction, slim_plan
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+def parse_duration(text: str, option: str = "duration") -> float:
+    """`90`, `90s`, `30m`, `6h`, `2d`, `1w`, `1d12h` as seconds (UsageError otherwise)."""
+    compact = text.strip().lower().replace(" ", "")
+    parts = _DURATION.findall(compact)
+    if not compact or "".join(n + u for n, u in parts) != compact:
+        raise UsageError(
+            f"{option} {text!r} is not a duration",
+            fix="Write a number with a unit: 90s, 30m, 6h, 2d, 1w (or 1d12h).",
+        )
+    seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    if seconds <= 0:
+        raise UsageError(f"{option} must be longer than 0 (got {text!r})")
+    return seconds
+
+
+class PrunePolicy(BaseModel):
+    """What to keep.
+
+    Attributes:
+        keep_last: keep the newest N complete checkpoints.
+        keep_every: keep checkpoints whose step is divisible by K.
+        keep_best: keep the best checkpoint by this metric.
+        mode: `min` or `max`: which end of `keep_best` is best.
+        keep: steps pinned by the user.
+        keep_top: with `keep_best`: keep the N best complete checkpoints by the metric.
+        keep_within: seconds: keep every complete checkpoint modified more recently.
+        keep_every_duration: seconds: cut time into windows this long (from the epoch) and
+            keep, in each, the complete checkpoint closest to the window's start.
+        slim_older_than: keep the newest N complete checkpoints whole and slim the older ones
+            that are kept (optimizer, RNG and data-loader state removed; see `ops.slim`).
+        now: the time the time-based rules measure from (None: the current time).
+        incomplete: delete incomplete and interrupted saves older than the newest complete one.
+        settle: seconds; a checkpoint with a file modified more recently is never touched.
+    """
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_best: str | None = None
+    mode: Literal["min", "max"] = "min"
+    keep: list[int] = Field(default_factory=list)
+    keep_top: int | None = None
+    keep_within: float | None = None
+    keep_every_duration: float | None = None
+    slim_older_than: int | None = None
+    now: float | None = None
+    incomplete: bool = False
+    settle: float = DEFAULT_SETTLE
+
+    @property
+    def retains(self) -> bool:
+        """Whether a retention rule decides over complete checkpoints (else all are kept)."""
+        return bool(
+            self.keep_last
+            or self.keep_every
+            or self.keep_best
+            or self.keep_top
+            or self.keep_within
+            or self.keep_every_duration
+        )
+
+
+class PruneDecision(BaseModel):
+    """The fate of one checkpoint.
+
+    Attributes:
+        name / path / paths / step / status / size / markers / metric: the checkpoint (see
+            `ckpt_cli.sources.runs.RunCheckpoint`).
+        action: `keep`, `delete` or `slim` (kept, its training-only state removed).
+        rule: the rule that decided (every rule that keeps it, joined by `; `).
+        rules: every rule that keeps it (empty for a deletion).
+        slim: for `slim`: what is removed and the bytes it frees.
+        deleted: with `--yes`, whether it is gone (for `slim`: whether it was slimmed).
+        error: why the deletion failed or was skipped.
+    """
+
+    name: str
+    path: str
+    paths: list[str]
+    step: int | None
+    status: str
+    size: int
+    markers: list[str] = Field(default_factory=list)
+    metric: float | None = None
+    action: Literal["keep", "delete", "slim"]
+    rule: str
+    rules: list[str] = Field(default_factory=list)
+    slim: SlimAction | None = None
+    deleted: bool = False
+    error: str | None = None
+
+
+class PruneReport(BaseModel):
+    """The result of `ckpt prune`.
+
+    Attributes:
+        run_dir: the run folder.
+        policy: the policy applied.
+        applied: True with `--yes` (deletions were made), False for a plan.
+        decisions: every checkpoint, oldest first.
+        to_delete / bytes_to_free: how many checkpoints the plan deletes, and their bytes.
+        to_slim / bytes_to_slim: how many it slims, and the bytes that frees.
+        deleted / bytes_freed: what was actually deleted (with `--yes`).
+        slimmed / bytes_slimmed: what was actually slimmed (with `--yes`).
+        failed: deletions that failed or were skipped (exit 1).
+        latest: the newest complete checkpoint.
+        best: best-by-metric, when `--keep-best` was given.
+    """
+
+    run_dir: str
+    policy: PrunePolicy
+    applied: bool = False
+    decisions: list[PruneDecision] = Field(default_factory=list)
+    to_delete: int = 0
+    bytes_to_free: int = 0
+    to_slim: int = 0
+    bytes_to_slim: int = 0
+    deleted: list[str] = Field(default_factory=list)
+    bytes_freed: int = 0
+    slimmed: list[str] = Field(default_factory=list)
+    bytes_slimmed: int = 0
+    failed: list[str] = Field(default_factory=list)
+    latest: str | None = None
+    best: BestMetric | None = None
+
+
+class WatchReport(BaseModel):
+    """The result of `ckpt prune --watch`: every round that deleted something, and why it stopped.
+
+    Attributes:
+        run_dir / policy: as for a single run.
+        iterations: rounds run.
+        rounds: the reports of rounds that deleted or failed to delete something.
+        deleted / bytes_freed: totals over all rounds.
+        stopped: `max-iterations` or `interrupted` (Ctrl-C).
+    """
+
+    run_dir: str
+    policy: PrunePolicy
+    iterations: int = 0
+    rounds: list[PruneReport] = Field(default_factory=list)
+    deleted: list[str] = Field(default_factory=list)
+    bytes_freed: int = 0
+    stopped: Literal["max-iterations", "interrupted"] = "interrupted"
+
+
+def validate_policy(policy: PrunePolicy) -> None:
+    """Refuse a policy that would change nothing, or whose options contradict (UsageError).
+
+    Slimming is a policy of its own: `--slim-older-than N` alone keeps every checkpoint and
+    slims the older ones.
+    """
+    if not (policy.retains or policy.incomplete or policy.slim_older_than):
+        raise UsageError(
+            "no policy given: nothing would be deleted",
+            fix="Pass --keep-last N, --keep-every K, --keep-best METRIC, --keep-within 2d, "
+            "--keep-every-duration 6h, --slim-older-than N and/or --incomplete.",
+        )
+    for name, value in (
+        ("--keep-last", policy.keep_last),
+        ("--keep-every", policy.keep_every),
+        ("--keep-top", policy.keep_top),
+        ("--slim-older-than", policy.slim_older_than),
+    ):
+        if value is not None and value < 1:
+            raise UsageError(f"{name} must be at least 1 (got {value})")
+    if policy.keep_top is not None and policy.keep_best is None:
+        raise UsageError(
+            "--keep-top N keeps the N best by a metric and needs --keep-best METRIC",
+            fix="Add --keep-best eval_loss (and --mode max for metrics where higher is better).",
+        )
+
+
+def plan(run: RunReport, policy: PrunePolicy) -> list[PruneDecision]:
+    """One decision per checkpoint of `run` (deletes nothing)."""
+    newest = run.newest_complete
+    complete = [c for c in run.checkpoints if c.complete]
+    now = time.time() if policy.now is None else policy.now
+    kept = _retention_rules(complete, policy, now)
+    metric_missing = policy.keep_best is not None and (run.best is None or run.best.name is None)
+    decisions = []
+    for c in run.checkpoints:
+        action, rules = _decide(c, policy, newest, kept.get(c.name, []), metric_missing, now)
+        decisions.append(
+            PruneDecision(
+                name=c.name,
+                path=c.path,
+                paths=c.paths,
+                step=c.step,
+                status=c.status,
+                size=c.size,
+                markers=c.markers,
+                metric=c.metric,
+                action=action,
+                rule="; ".join(rules),
+                rules=rules if action == "keep" else [],
+            )
+        )
+    if policy.slim_older_than:
+        _plan_slims(run, policy, decisions)
+    return decisions
+
+
+def _retention_rules(
+    complete: list[RunCheckpoint], policy: PrunePolicy, now: float
+) -> dict[str, list[str]]:
+    """For each complete checkpoint, the retention rules (last, every, top...) that keep it."""
+    rules: dict[str, list[str]] = {}
+
+    def add(c: RunCheckpoint, rule: str) -> None:
+        rules.setdefault(c.name, []).append(rule)
+
+    if policy.keep_last:
+        for c in complete[-policy.keep_last :]:
+            add(c, f"--keep-last {policy.keep_last}")
+    if policy.keep_every:
+        for c in complete:
+            number = (
+                c.step if c.step is not None else (int(c.epoch) if c.epoch is not None else None)
+            )
+            if number is not None and number % policy.keep_every == 0:
+                add(c, f"--keep-every {policy.keep_every}")
+    if policy.keep_top:
+        scored = [c for c in complete if c.metric is not None]
+        sign = 1.0 if policy.mode == "min" else -1.0
+        # ties go to the newer checkpoint, as for the single best
+        ranked = sorted(scored, key=lambda c: (sign * (c.metric or 0.0), [-x for x in c.order]))
+        for rank, c in enumerate(ranked[: policy.keep_top], 1):
+            add(c, f"--keep-top {policy.keep_top} (#{rank} {policy.keep_best}={c.metric:g})")
+    if policy.keep_within:
+        window = policy.keep_within
+        for c in complete:
+            if now - c.mtime <= window:
+                add(c, f"--keep-within {_human_duration(window)}")
+    if policy.keep_every_duration:
+        span = policy.keep_every_duration
+        first: dict[int, RunCheckpoint] = {}
+        for c in complete:
+            slot = math.floor(c.mtime / span)
+            if slot not in first or c.mtime < first[slot].mtime:
+                first[slot] = c
+        for slot, c in first.items():
+            start = time.strftime("%Y-%m-%d %H:%M", time.gmtime(slot * span))
+            add(c, f"--keep-every-duration {_human_duration(span)} (window from {start} UTC)")
+    return rules
+
+
+def _human_duration(seconds: float) -> str:
+    for unit in ("w", "d", "h", "m"):
+        size = _UNITS[unit]
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+def _decide(
+    c: RunCheckpoint,
+    policy: PrunePolicy,
+    newest: RunCheckpoint | None,
+    retained: list[str],
+    metric_missing: bool,
+    now: float,
+) -> tuple[Literal["keep", "delete"], list[str]]:
+    if c.status == "writing":
+        return "keep", ["still being written"]
+    # unlinking a symlink never harms what a writer may be writing through it
+    if not c.symlink and time.time() - c.mtime < policy.settle:
+        return "keep", [f"modified in the last {policy.settle:g} s"]
+    protections = {
+        "newest": "newest complete",
+        "best": f"best {policy.keep_best} ({c.metric:g})" if c.metric is not None else "best",
+        "trainer-best": "Trainer best_model_checkpoint",
+        "deepspeed-latest": "named by the DeepSpeed latest file",
+        "link-target": "a symlink in the run folder points at it",
+    }
+    rules = [rule for marker, rule in protections.items() if marker in c.markers]
+    if c.step is not None and c.step in policy.keep:
+        rules.append(f"--keep {c.step}")
+    if not c.complete:
+        if rules:
+            return "keep", rules
+        if not policy.incomplete:
+            return "keep", [f"{c.status} (--incomplete removes it)"]
+        if newest is None or not _older_than(c, newest):
+            return "keep", [f"{c.status}, newer than the newest complete checkpoint"]
+        return "delete", [f"--incomplete: {c.status}"]
+    rules += retained
+    if rules:
+        return "keep", rules
+    if not policy.retains:
+        return "keep", ["complete (no retention policy given)"]
+    if metric_missing:
+        return "keep", [f"no value of {policy.keep_best} found yet"]
+    if (
+        c.step is None
+        and c.epoch is None
+        and not (policy.keep_within or policy.keep_every_duration)
+    ):
+        return "keep", ["no step or epoch in its name"]
+    return "delete", ["not kept by any rule"]
+
+
+#: markers of checkpoints never slimmed: a resume point, the best, what a pointer names
+_NEVER_SLIM = ("newest", "best", "trainer-best", "deepspeed-latest", "link-target")
+
+
+def _plan_slims(run: RunReport, policy: PrunePolicy, decisions: list[PruneDecision]) -> None:
+    """Turn kept, complete checkpoints older than the newest N whole ones into `slim`."""
+    assert policy.slim_older_than is not None
+    whole = [c for c in run.checkpoints if c.complete and not c.slim]
+    young = {c.name for c in whole[-policy.slim_older_than :]}
+    by_name = {c.name: c for c in run.checkpoints}
+    for d in decisions:
+        c = by_name[d.name]
+        if d.action != "keep" or not c.complete or c.slim or c.symlink or c.name in young:
+            continue
+        if any(m in c.markers for m in _NEVER_SLIM) or "modified in the last" in d.rule:
+            continue
+        action = slim_plan(c.path)
+        if action is None:
+            continue
+        d.action = "slim"
+        d.slim = action
+        d.rule = (
+            f"--slim-older-than {policy.slim_older_than}: drop "
+            f"{', '.join(action.components)}; kept by {d.rule}"
+        )
+
+
+def _older_than(c: RunCheckpoint, newest: RunCheckpoint) -> bool:
+    if c.step is None and c.epoch is None:  # staging folders of unknown step: compare times
+        return c.mtime < newest.mtime
+    return c.order < newest.order

@@ -1,0 +1,317 @@
+"""`prune`: retention over a run folder, as a plan unless asked to delete.
+
+Every checkpoint gets one decision and the rule that made it. Protections come first and no
+policy overrides them: a checkpoint still being written, the newest complete one, the best
+by metric, the Trainer's `best_model_checkpoint`, the folder the DeepSpeed `latest` file names,
+a checkpoint a symlink in the run folder points at, and pinned steps. Deletion renames each
+checkpoint to a hidden `.NAME.ckpt-tmp-del-*` sibling first, then removes it: a crash midway
+leaves a staging name that `ckpt latest` ignores and `prune --incomplete` cleans, never a
+half-deleted folder under its real name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ...errors import CkptError, NotFoundError, UsageError
+from ...sources.runs import DELETING, is_remote, scan_run
+from ...storage import PARITY_DIR
+from ...storage.output import TMP_MARKER, fsync_dir
+from ...storage.uri import is_hub_url
+from .retention import PruneDecision, PrunePolicy, PruneReport, WatchReport, plan, validate_policy
+from .slim import slim
+
+#: why a checkpoint was not deleted when something else removed it first
+VANISHED = "vanished before it was deleted (removed by someone else)"
+
+
+def _confined(run_dir: Path, path: Path) -> bool:
+    """Whether `path` (not followed if it is a link) lies inside the run folder."""
+    real_root = os.path.realpath(run_dir)
+    parent = os.path.realpath(path.parent)
+    return parent == real_root or parent.startswith(real_root + os.sep)
+
+
+def _newest_write(path: Path) -> float:
+    newest = path.lstat().st_mtime
+    if path.is_dir() and not path.is_symlink():
+        for dirpath, _dirs, files in os.walk(path):
+            for fname in files:
+                try:
+                    newest = max(newest, os.lstat(os.path.join(dirpath, fname)).st_mtime)
+                except OSError:
+                    continue
+    return newest
+
+
+def remove_checkpoint(paths: list[Path]) -> None:
+    """Delete one checkpoint: rename each of its paths to a hidden staging name, then remove.
+
+    Every path is renamed before anything is removed, so the checkpoint leaves its real names
+    in one quick step. A symlink is unlinked (its target is never touched); a folder is
+    removed without following the links inside it. If interrupted while removing, the removal
+    is finished before the interrupt propagates: at worst hidden `.NAME.ckpt-tmp-del-*` remain.
+    """
+    hidden: list[Path] = []
+    # a single-file checkpoint's parity (`ckpt protect FILE`) lives beside it; it goes too
+    # (a folder checkpoint's parity is inside the folder)
+    paths = paths + [
+        parity
+        for p in paths
+        if not p.is_dir()
+        and (parity := p.parent / PARITY_DIR / p.name).is_dir()
+        and not parity.is_symlink()
+    ]
+    for path in paths:
+        tag = f"{TMP_MARKER}{DELETING}{os.getpid()}-{time.time_ns()}"
+        target = path.with_name(f".{path.name}{tag}")
+        os.rename(path, target)
+        hidden.append(target)
+    for folder in {p.parent for p in paths}:
+        fsync_dir(folder)
+    try:
+        for target in hidden:
+            _remove(target)
+    except KeyboardInterrupt:
+        for target in hidden:
+            _remove(target)
+        raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def apply(run_dir: Path, decisions: list[PruneDecision], settle: float) -> None:
+    """Carry out the deletions of a plan, re-checking each checkpoint just before."""
+    for d in decisions:
+        if d.action == "delete":
+            d.error = _delete_one(run_dir, [Path(p) for p in d.paths], settle)
+            d.deleted = d.error is None
+        elif d.action == "slim" and d.slim is not None:
+            d.error = _slim_one(run_dir, d, settle)
+            d.deleted = d.error is None
+
+
+#: objects of a remote checkpoint deleted first: with them gone it no longer looks complete
+_REMOTE_MARKERS = ("ckpt-manifest.json", "trainer_state.json")
+
+
+def apply_remote(run_url: str, decisions: list[PruneDecision]) -> None:
+    """Delete a plan's checkpoints from an object store, each one's commit markers first.
+
+    Object stores have no rename: the manifest, `.metadata`, indexes and `trainer_state.json`
+    go first, so a listing taken midway shows an incomplete save, never a complete-looking
+    one with files missing; then the rest of its objects.
+    """
+    from ...formats.names import is_commit_marker
+    from ...storage import filesystem_for, remote_failure
+    from ...storage.uri import parse_location
+
+    fs, root = filesystem_for(parse_location(run_url))
+    root = root.rstrip("/")
+    for d in decisions:
+        if d.action != "delete":
+            continue
+        target = f"{root}/{d.name}"
+        try:
+            objects = sorted(fs.find(target)) or ([target] if fs.isfile(target) else [])
+            if not objects:
+                d.error = VANISHED
+                continue
+            first = [o for o in objects if is_commit_marker(o) or o.endswith(_REMOTE_MARKERS)]
+            if first:
+                fs.rm(first)
+            rest = [o for o in objects if o not in first]
+            if rest:
+                fs.rm(rest)
+            fs.invalidate_cache(target)
+            d.deleted = True
+        except Exception as exc:  # each filesystem package raises its own errors
+            d.error = remote_failure(exc, f"{run_url}/{d.name}", writing=True).message
+    fs.invalidate_cache(root)
+
+
+def _slim_one(run_dir: Path, d: PruneDecision, settle: float) -> str | None:
+    """Slim one checkpoint; the reason it was not slimmed, or None."""
+    assert d.slim is not None
+    path = Path(d.path)
+    try:
+        if not _confined(run_dir, path) or path.is_symlink():
+            return "outside the run folder or a link; not slimmed"
+        if time.time() - _newest_write(path) < settle:
+            return "modified since the plan was made; not slimmed"
+        d.slim.bytes = slim(d.slim, path)
+    except FileNotFoundError:
+        return VANISHED
+    except OSError as exc:
+        return f"could not slim: {exc.strerror or exc}"
+    except CkptError as exc:
+        return f"could not slim: {exc.message}"
+    return None
+
+
+def _delete_one(run_dir: Path, paths: list[Path], settle: float) -> str | None:
+    """Delete one checkpoint; the reason it was not deleted, or None."""
+    try:
+        for path in paths:
+            if not _confined(run_dir, path):
+                return "outside the run folder; not deleted"
+            if not path.is_symlink() and time.time() - _newest_write(path) < settle:
+                return "modified since the plan was made; not deleted"
+        remove_checkpoint(paths)
+    except FileNotFoundError:
+        return VANISHED
+    except OSError as exc:
+        return f"could not delete: {exc.strerror or exc}"
+    return None
+
+
+def prune(
+    run_dir: str | Path, policy: PrunePolicy, *, yes: bool = False, strict_metric: bool = True
+) -> PruneReport:
+    """Plan retention over `run_dir`; with `yes`, delete what the plan deletes.
+
+    Args:
+        run_dir: the run folder.
+        policy: what to keep.
+        yes: delete (otherwise only plan).
+        strict_metric: raise NotFoundError when `keep_best` has no value anywhere (a watch
+            round passes False and keeps everything until values appear).
+    """
+    validate_policy(policy)
+    remote = is_remote(run_dir)
+    if remote and policy.slim_older_than:
+        raise UsageError(
+            "--slim-older-than rewrites checkpoints and works on local run folders only",
+            path=str(run_dir),
+            fix="Slim the local run folder, then `ckpt sync` it; remote saves can be pruned.",
+        )
+    if remote and yes and is_hub_url(str(run_dir)):
+        raise UsageError(
+            "deleting from a Hub repository is a commit, which ckpt does not make",
+            path=str(run_dir),
+            fix="Read the plan without --yes, then delete the folders with "
+            "`huggingface-cli repo-files REPO delete checkpoint-N/` or HfApi.delete_folder.",
+        )
+    root: Path | str = str(run_dir).rstrip("/") if remote else Path(run_dir)
+    run = scan_run(root, metric=policy.keep_best, mode=policy.mode, settle=policy.settle)
+    if strict_metric and run.best is not None and run.best.name is None:
+        raise NotFoundError(
+            f"no value of {policy.keep_best!r} for any complete checkpoint",
+            path=root,
+            fix=(
+                "Check the metric name; values come from metrics.jsonl "
+                '({"step": N, "METRIC": value} per line), trainer_state.json log_history, '
+                "or Lightning file names (…-val_loss=0.25.ckpt)."
+            ),
+        )
+    decisions = plan(run, policy)
+    doomed = [d for d in decisions if d.action == "delete"]
+    slims = [d for d in decisions if d.action == "slim"]
+    report = PruneReport(
+        run_dir=str(root),
+        policy=policy,
+        applied=yes,
+        decisions=decisions,
+        to_delete=len(doomed),
+        bytes_to_free=sum(d.size for d in doomed),
+        to_slim=len(slims),
+        bytes_to_slim=sum(d.slim.bytes for d in slims if d.slim is not None),
+        latest=run.latest,
+        best=run.best,
+    )
+    if yes and remote and doomed:
+        apply_remote(str(root), decisions)
+        report.deleted = [d.name for d in decisions if d.deleted]
+        report.bytes_freed = sum(d.size for d in decisions if d.deleted)
+        report.failed = [
+            f"{d.name}: {d.error}" for d in decisions if d.error not in (None, VANISHED)
+        ]
+    elif yes and (doomed or slims):
+        assert isinstance(root, Path)
+        apply(root, decisions, policy.settle)
+        report.deleted = [d.name for d in decisions if d.deleted and d.action == "delete"]
+        report.bytes_freed = sum(d.size for d in decisions if d.deleted and d.action == "delete")
+        report.slimmed = [d.name for d in decisions if d.deleted and d.action == "slim"]
+        report.bytes_slimmed = sum(
+            d.slim.bytes for d in decisions if d.deleted and d.slim is not None
+        )
+        # gone already (the trainer's own rotation, say) is what was wanted: not a failure
+        report.failed = [
+            f"{d.name}: {d.error}" for d in decisions if d.error not in (None, VANISHED)
+        ]
+    return report
+
+
+def watch(
+    run_dir: str | Path,
+    policy: PrunePolicy,
+    interval: float,
+    *,
+    max_iterations: int | None = None,
+    on_round: Callable[[PruneReport], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> WatchReport:
+    """Re-apply `policy` every `interval` seconds until Ctrl-C (or `max_iterations` rounds).
+
+    Checkpoints still being written are never touched (see `runs`); rounds where the metric
+    of `keep_best` has no values yet keep every complete checkpoint.
+    """
+    validate_policy(policy)
+    if interval <= 0:
+        raise UsageError(f"--watch needs a positive number of seconds (got {interval:g})")
+    result = WatchReport(run_dir=str(run_dir), policy=policy)
+    try:
+        while True:
+            report = prune(run_dir, policy, yes=True, strict_metric=False)
+            result.iterations += 1
+            if report.deleted or report.failed:
+                result.rounds.append(report)
+                result.deleted.extend(report.deleted)
+                result.bytes_freed += report.bytes_freed
+            if on_round is not None:
+                on_round(report)
+            if max_iterations is not None and result.iterations >= max_iterations:
+                result.stopped = "max-iterations"
+                break
+            sleep(interval)
+    except KeyboardInterrupt:
+        result.stopped = "interrupted"
+    return result
+
+
+def run(
+    run_dir: str | Path,
+    policy: PrunePolicy,
+    *,
+    yes: bool = False,
+    watch_seconds: float | None = None,
+    max_iterations: int | None = None,
+    on_round: Callable[[PruneReport], None] | None = None,
+) -> PruneReport | WatchReport:
+    """What `ckpt prune` does: one plan (deleting with `yes`), or `--watch` rounds."""
+    if watch_seconds is not None and not yes:
+        raise UsageError(
+            "--watch deletes as it goes and needs --yes",
+            fix="Run without --watch to see the plan first, then add --watch SECONDS --yes.",
+        )
+    if max_iterations is not None and watch_seconds is None:
+        raise UsageError("--max-iterations only applies with --watch")
+    if watch_seconds is None:
+        return prune(run_dir, policy, yes=yes)
+    return watch(run_dir, policy, watch_seconds, max_iterations=max_iterations, on_round=on_round)
+
+
+def exit_code(report: PruneReport | WatchReport) -> int:
+    """1 when a deletion failed (in any round)."""
+    if isinstance(report, WatchReport):
+        return 1 if any(r.failed for r in report.rounds) else 0
+    return 1 if report.failed else 0

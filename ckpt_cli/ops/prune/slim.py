@@ -1,0 +1,264 @@
+"""Slimming: keep the weights of an old save, remove the state only a resume needs.
+
+Optimizer state is several times the size of the weights, and an old save of a run is
+rarely resumed from; it is kept for evaluation or export. `slim_plan` finds what of one
+checkpoint is training-only state: the optimizer, RNG and data-loader (sampler) state, from
+the training-state analysis of `layouts` (headers only). `slim` then removes it:
+
+* a folder of component files (Trainer `checkpoint-N/`, accelerate, DeepSpeed): the component
+  files are deleted (each renamed to a hidden `.NAME.ckpt-tmp-del-*` name first);
+* a DCP folder or a single torch.save file (torchtitan `step-N/`, `state.pt`, Lightning
+  `.ckpt`): the checkpoint is rewritten without those entries by `ops.convert` into a hidden
+  staging sibling (so it passes the format's structural check before it is published), then
+  swapped in with two renames: the old one moves aside first, and is removed last.
+
+The scheduler, the step counter and the configuration stay: they are small and say where the
+weights came from. A slimmed save records itself (`ckpt-slim.json` inside a folder, the run
+folder's `.ckpt-slim.json` for single files, keyed by name with its size and mtime so a new
+save under the same name is not mistaken for it); `ckpt_cli.sources.runs` reads the record so that
+`ckpt latest` never offers a slimmed save as a resume point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from ...errors import CkptError
+from ...formats import find_format, get_format
+from ...formats.base import Checkpoint
+from ...sources.runs import DELETING, RUN_SLIM_RECORD, SLIM_RECORD
+from ...storage.output import TMP_MARKER, fsync_dir
+
+#: training-only components removed by slimming
+DROPPED = ("optimizer", "rng", "dataloader", "sampler")
+
+
+class SlimAction(BaseModel):
+    """What slimming does to one checkpoint.
+
+    Attributes:
+        how: `remove` (component files are deleted) or `rewrite` (the DCP folder or torch.save
+            file is rewritten without the entries under `prefixes`).
+        target: the folder or file rewritten, or the checkpoint folder files are removed from.
+        format: the format of a rewritten checkpoint (`dcp`, `torch`).
+        components: the components removed (`optimizer`, `rng`, `dataloader`...).
+        files: for `remove`: the files deleted (relative to `target`).
+        prefixes: for `rewrite`: the entry-name prefixes dropped.
+        bytes: bytes it frees (for a rewrite, the bytes of the dropped entries: an estimate
+            until it is done, then the measured difference).
+    """
+
+    how: Literal["remove", "rewrite"]
+    target: str
+    format: str | None = None
+    components: list[str] = Field(default_factory=list)
+    files: list[str] = Field(default_factory=list)
+    prefixes: list[str] = Field(default_factory=list)
+    bytes: int = 0
+
+
+def slim_plan(path: str | Path) -> SlimAction | None:
+    """What slimming the checkpoint at `path` would remove, or None when there is nothing."""
+    from ...sources.layouts import CompositeCheckpoint, open_source
+
+    target = Path(path)
+    try:
+        opened = open_source(str(target))
+    except CkptError:
+        return None
+    with opened.checkpoint as checkpoint:
+        training = opened.training
+        if training is None:
+            return None
+        dropped = [c for c in training.prefixes if c in DROPPED or c.startswith("rng_")]
+        if not dropped:
+            return None
+        if isinstance(checkpoint, CompositeCheckpoint):
+            files: list[str] = []
+            size = 0
+            for name, component in checkpoint.components.items():
+                if name not in dropped:
+                    continue
+                for info in component.manifest.files:
+                    rel = _relative(target, component, info.path)
+                    if rel is not None and rel not in files:
+                        files.append(rel)
+                        size += (target / rel).stat().st_size
+            if not files:
+                return None
+            return SlimAction(
+                how="remove", target=str(target), components=dropped, files=files, bytes=size
+            )
+        fmt = find_format(checkpoint.manifest.format)
+        if target.is_dir() and fmt is not None and fmt.holds_objects and not fmt.folder:
+            # a folder holding one training-state file (`step-N/state.pt`): that file is
+            # rewritten
+            if len(checkpoint.manifest.files) != 1:
+                return None
+            target = target / checkpoint.manifest.files[0].path
+        prefixes = [training.prefixes[c] for c in dropped]
+        entries = [e for e in checkpoint.manifest.entries if e.name.startswith(tuple(prefixes))]
+        if not entries:
+            return None
+        return SlimAction(
+            how="rewrite",
+            target=str(target),
+            format=checkpoint.manifest.format,
+            components=dropped,
+            prefixes=prefixes,
+            bytes=sum(e.nbytes for e in entries),
+        )
+
+
+def _relative(root: Path, component: Checkpoint, name: str) -> str | None:
+    """A component's file as a path relative to the checkpoint folder (None if elsewhere)."""
+    base = component.storage.local_root
+    full = (base / name) if base is not None else root / name
+    try:
+        rel = full.resolve().relative_to(root.resolve())
+    except ValueError:
+        return None
+    return rel.as_posix() if full.is_file() else None
+
+
+def _hidden(path: Path, what: str) -> Path:
+    return path.with_name(f".{path.name}{TMP_MARKER}{what}{os.getpid()}-{time.time_ns()}")
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def slim(action: SlimAction, checkpoint: str | Path) -> int:
+    """Carry out `action` on the checkpoint at `checkpoint`; returns the bytes freed.
+
+    The checkpoint is valid at every moment it carries its real name: removed files go in
+    one rename each before anything is deleted, and a rewrite is published by renames after
+    it passed its structural check. The slim record is written last.
+    """
+    root = Path(checkpoint)
+    target = Path(action.target)
+    before = _size(root)
+    if action.how == "remove":
+        hidden = []
+        for rel in action.files:
+            path = target / rel
+            aside = _hidden(path, DELETING)
+            os.rename(path, aside)
+            hidden.append(aside)
+        fsync_dir(target)
+        for aside in hidden:
+            aside.unlink(missing_ok=True)
+    else:
+        _rewrite(action, target)
+    freed = max(0, before - _size(root))
+    record = {
+        "ckpt_slim": 1,
+        "slimmed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "components": action.components,
+        "files": action.files,
+        "prefixes": action.prefixes,
+        "bytes_freed": freed,
+    }
+    _write_record(root, record)
+    _refresh_manifest(root)
+    return freed
+
+
+def _refresh_manifest(root: Path) -> None:
+    """A checksum manifest in a slimmed folder is rewritten for what the folder now holds
+    (same algorithm), so `verify --checksums` and `ckpt sync` keep working on it."""
+    from ... import __version__
+    from ...storage.hashing import hash_files
+    from ..verify.checksums import MANIFEST_NAME, ChecksumManifest, FileDigest, read_manifest
+
+    path = root / MANIFEST_NAME
+    if not root.is_dir() or not path.is_file():
+        return
+    old = read_manifest(path)
+    files = {
+        p.relative_to(root).as_posix(): p
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink() and p.name != MANIFEST_NAME
+    }
+    digests = hash_files(files, old.algorithm)
+    record = ChecksumManifest(
+        algorithm=old.algorithm,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        tool=f"ckpt {__version__} prune --slim-older-than",
+        format=old.format,
+        files={
+            rel: FileDigest(size=p.stat().st_size, digest=digests[rel]) for rel, p in files.items()
+        },
+    )
+    _atomic_json(path, record.model_dump(mode="json"))
+
+
+def _rewrite(action: SlimAction, target: Path) -> None:
+    """Rewrite a DCP folder or torch.save file without the dropped entries; swap it in."""
+    import shutil
+
+    from ..convert.run import convert
+
+    assert action.format is not None and get_format(action.format).holds_objects, action.format
+    staged = _hidden(target, "slim-")
+    if target.is_file():
+        # convert writes one file when DEST ends like one (`.pt`, `.ckpt`...)
+        staged = staged.with_name(staged.name + target.suffix)
+    mode = target.stat().st_mode & 0o7777
+    convert(
+        str(target),
+        str(staged),
+        action.format,
+        format=action.format,
+        exclude=[f"{p}*" for p in action.prefixes],
+    )
+    # the rewrite keeps the permissions the training job gave the save
+    os.chmod(staged, mode)
+    old = _hidden(target, DELETING)
+    os.rename(target, old)
+    try:
+        os.rename(staged, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    fsync_dir(target.parent)
+    if old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink(missing_ok=True)
+
+
+def _write_record(root: Path, record: dict[str, object]) -> None:
+    """`ckpt-slim.json` in a slimmed folder; an entry of the run folder's record for a file."""
+    if root.is_dir():
+        _atomic_json(root / SLIM_RECORD, record)
+        return
+    run_record = root.parent / RUN_SLIM_RECORD
+    try:
+        doc = json.loads(run_record.read_text())
+        if not isinstance(doc, dict):
+            doc = {}
+    except (OSError, ValueError):
+        doc = {}
+    st = root.stat()
+    doc[root.name] = {**record, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    _atomic_json(run_record, doc)
+
+
+def _atomic_json(path: Path, doc: object) -> None:
+    tmp = _hidden(path, "rec-")
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh, indent=2)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

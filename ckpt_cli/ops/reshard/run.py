@@ -1,0 +1,382 @@
+"""`reshard`: the same checkpoint cut for another shard size or another world size.
+
+Two modes:
+
+- **shard size** (`max_shard_size`; safetensors, and sharded torch.save where its adapter
+  writes): tensors regrouped in order into shards of at most that size, Hugging Face names
+  and index, `__metadata__` kept; raw bytes are copied without deserialising (`convert`'s
+  pipeline, `ops.transfer`).
+- **world size** (`world_size`; DCP): every tensor re-cut as N ranks would have saved it,
+  chunk r in `__r_0.distcp`, per-rank training state carried, kept, dropped or replicated as
+  asked (`ops.reshard_world`); a training folder (Trainer / accelerate, FSDP or DDP) as a
+  whole: each DCP sub-folder re-cut, per-rank files under the same policy, the rest copied
+  (`ops.reshard_folder`).
+
+Which mode applies is the source format's fact (`Format.shards_by_size`,
+`Format.shards_by_rank`), never its name; the report model is in `ops.reshard_report`.
+
+Output is staged and published atomically after a structural check (the format's `check`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, cast
+
+from ...dist.command import RankShare
+from ...errors import UsageError
+from ...formats import HF_WEIGHTS, format_of_file, get_format, resolve_source, serializations
+from ...formats.base import Checkpoint, Source, WriteOptions
+from ...formats.details import IndexedDetails
+from ...formats.names import INDEX_SUFFIX, SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX
+from ...progress import NULL_PROGRESS, Progress
+from ...sources.layouts.base import Layout, OpenedSource, open_plain
+from ...storage.output import check_destination
+from ..convert.plan import guard_paths, local_dest, planned_files
+from ..shared.transfer import plan_transfer, write_checkpoint
+from .folder import reshard_folder
+from .report import RankStateAction, RankStateChoice, RankStateEntry, ReshardReport
+from .world import (
+    RANK_STATE_CHOICES,
+    find_rank_state,
+    plan_world_size,
+    reshard_world_size,
+    source_world_size,
+)
+
+__all__ = [
+    "RankStateAction",
+    "RankStateEntry",
+    "ReshardReport",
+    "find_rank_state",
+    "plan_world_size",
+    "reshard_shard_size",
+    "reshard_world_size",
+    "run_reshard",
+    "source_world_size",
+]
+
+
+def reshard_shard_size(
+    src: str | Source,
+    dest: str,
+    max_shard_size: int,
+    *,
+    format: str | None = None,
+    force: bool = False,
+    progress: Progress = NULL_PROGRESS,
+    dry_run: bool = False,
+    extras: bool = True,
+) -> ReshardReport:
+    """Regroup `src`'s entries, in order, into shards of at most `max_shard_size` bytes.
+
+    Runs `convert`'s pipeline (`ops.transfer`) with the source's own format as the target:
+    raw byte copies for safetensors; torch.save shards hold one shard in memory at a time.
+    In a training folder (Trainer `checkpoint-N/`, accelerate `save_state`) the weights are
+    resharded and every other component (optimizer, scheduler, RNG, trainer state) is copied
+    unchanged, so the output resumes the run as the source did. `src` may be resolved already
+    (`resolve_source`): it is resolved once and read through that.
+    """
+    out = local_dest(dest)
+    source = src if isinstance(src, Source) else None
+    text = source.location.raw if source is not None else str(src)
+    guard_paths(text, out)  # as convert: a DEST in (or over) the source is refused
+    check_destination(out.absolute(), force)
+    source = source or resolve_source(text)
+    with open_plain(source, format) as checkpoint:
+        carried, extra = _carried_files(source, checkpoint, format)
+        if not extras:
+            extra = []
+        manifest = checkpoint.manifest
+        fmt = get_format(manifest.format)
+        if not fmt.shards_by_size or not fmt.writable:
+            raise UsageError(
+                f"--max-shard-size regroups safetensors or torch.save shards; "
+                f"this is a {manifest.format} checkpoint",
+                path=text,
+                fix="For DCP, change the world size with --world-size N.",
+            )
+        plan = plan_transfer(manifest, keep_objects=fmt.holds_objects)
+        options = WriteOptions(
+            max_shard_size=max_shard_size,
+            metadata=dict(manifest.metadata),
+            basename=_basename(checkpoint),
+        )
+        if dry_run:
+            tensors = [i.target for i in plan.items if i.target.kind == "tensor"]
+            return ReshardReport(
+                mode="shard-size",
+                source=manifest.location,
+                destination=str(out),
+                format=manifest.format,
+                files=planned_files(fmt, plan, out, options),
+                tensors=len(tensors),
+                objects=len(plan.items) - len(tensors),
+                tensor_bytes=sum(e.nbytes for e in tensors),
+                max_shard_size=max_shard_size,
+                verified=False,
+                dry_run=True,
+            )
+        from ...quant import analyse_checkpoint
+        from ..convert.plan import keep_quantized
+
+        # a quantized weight and its scales are never split across shards
+        analysis = analyse_checkpoint(manifest, checkpoint.storage)
+        if analysis.quantized:
+            keep_quantized(plan, analysis)
+            options.together = analysis.together()
+        if format is None:
+            # keep the source library's file names and companions (PEFT, diffusers variants)
+            from ...sources.layouts.model_folders import apply_naming
+
+            apply_naming(source, manifest.format, options)
+        shares: list[RankShare] = []
+        files, written = write_checkpoint(
+            checkpoint,
+            plan,
+            out,
+            manifest.format,
+            options,
+            force=force,
+            progress=progress,
+            shares=shares,
+            extras=[*carried, *extra],
+        )
+        return ReshardReport(
+            carried=carried,
+            extras=extra,
+            mode="shard-size",
+            source=manifest.location,
+            destination=str(out),
+            format=manifest.format,
+            files=files,
+            tensors=sum(1 for w in written if w.kind == "tensor"),
+            objects=sum(1 for w in written if w.kind != "tensor"),
+            tensor_bytes=sum(w.nbytes for w in written if w.kind == "tensor"),
+            raw_copy=sum(1 for w in written if w.how == "raw"),
+            max_shard_size=max_shard_size,
+            verified=True,
+            ranks=shares,
+        )
+
+
+def _carried_files(
+    source: Source, weights: Checkpoint, format: str | None
+) -> tuple[list[str], list[str]]:
+    """(training-state files, extra files) of `source` to copy beside its resharded weights."""
+    from ...sources.layouts import recognise_layout
+    from ..shared.transfer import extra_files
+
+    if weights.source.target is not None:
+        return [], []
+    opened = recognise_layout(source) if format is None else None
+    if opened is None:
+        return [], extra_files(weights)
+    with opened.checkpoint as composite:
+        extra = extra_files(composite)
+    details = IndexedDetails.of(weights.manifest)
+    index = details.index if details else None
+    own = {f.path for f in weights.manifest.files} | ({index} if index else set())
+    carried = [
+        rel
+        for rel in sorted(weights.source.files)
+        if rel not in own
+        and rel not in extra
+        and not any(part.startswith(".") for part in rel.split("/"))
+    ]
+    return carried, extra
+
+
+def _basename(checkpoint: Checkpoint) -> str:
+    """The stem of the source's shard names (`model`, `diffusion_pytorch_model`...)."""
+    details = IndexedDetails.of(checkpoint.manifest)
+    index = details.index if details else None
+    if index:
+        name = index.rsplit("/", 1)[-1]
+        for suffix in (SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX, INDEX_SUFFIX):
+            if name.endswith(suffix):
+                return name[: -len(suffix)]
+    files = [f.path for f in checkpoint.manifest.files]
+    if len(files) == 1:
+        stem = files[0].rsplit("/", 1)[-1].split(".", 1)[0]
+        # a single shard named like `model-00001-of-00001` keeps the stem before the counter
+        return re.sub(r"-\d{5}-of-\d{5}$", "", stem) or "model"
+    return "model"
+
+
+def run_reshard(
+    src: str,
+    dest: str,
+    *,
+    world_size: int | None = None,
+    max_shard_size: str | int | None = None,
+    shard_dim: list[str] | None = None,
+    plan: Path | None = None,
+    rank_state: str | None = None,
+    dcp_serialization: str | None = None,
+    dcp_compression: str | None = None,
+    format: str | None = None,
+    force: bool = False,
+    progress: Progress = NULL_PROGRESS,
+    dry_run: bool = False,
+    extras: bool = True,
+) -> ReshardReport:
+    """Check the option combination, parse sizes and rules, and run the chosen mode.
+
+    With `dry_run`, only metadata is read and nothing is written: the report says what would be.
+    `extras=False` leaves the source folder's config/tokenizer files out of the output.
+    """
+    from ...dist.placement import load_plan, parse_rule
+    from ...sizes import parse_size
+
+    if (world_size is None) == (max_shard_size is None):
+        raise UsageError(
+            "say what to change: --world-size N (DCP) or --max-shard-size SIZE (safetensors)",
+            fix="Pass exactly one of them.",
+        )
+    if rank_state is not None and rank_state not in RANK_STATE_CHOICES:
+        raise UsageError(
+            f"--rank-state {rank_state!r} is not {' or '.join(RANK_STATE_CHOICES)}",
+            fix="; ".join(f"{k}: {v}" for k, v in RANK_STATE_CHOICES.items()) + ".",
+        )
+    if dcp_serialization is not None and dcp_serialization not in serializations():
+        raise UsageError(
+            f"--dcp-serialization {dcp_serialization!r} is not {' or '.join(serializations())}"
+        )
+    if max_shard_size is not None:
+        given = [
+            flag
+            for flag, on in (
+                ("--shard-dim", bool(shard_dim)),
+                ("--plan", plan is not None),
+                ("--rank-state", rank_state is not None),
+                ("--dcp-serialization", dcp_serialization is not None),
+                ("--dcp-compression", dcp_compression is not None),
+            )
+            if on
+        ]
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} only apply with --world-size",
+                fix="Drop them, or reshard a DCP checkpoint with --world-size N.",
+            )
+        limit = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
+        # SRC is resolved (listed, its Hub revision pinned) once: everything below reads it
+        source = resolve_source(src)
+        if format is None:
+            from ..shared.components import components_of
+
+            found = components_of(source)
+            if found is not None:
+                if dry_run:
+                    raise UsageError(
+                        "--dry-run does not plan a multi-folder model (diffusers pipeline, "
+                        "sentence-transformers) yet",
+                        path=src,
+                        fix="Run --dry-run on one component folder (e.g. SRC/unet).",
+                    )
+                # a diffusers pipeline / sentence-transformers folder: component by component
+                return _reshard_components(src, dest, limit, *found, force=force, progress=progress)
+        return reshard_shard_size(
+            source,
+            dest,
+            limit,
+            format=format,
+            force=force,
+            progress=progress,
+            dry_run=dry_run,
+            extras=extras,
+        )
+    assert world_size is not None
+    rules = [parse_rule(text) for text in shard_dim or []]
+    if plan is not None:
+        rules += load_plan(plan)
+    action = cast(RankStateChoice | None, rank_state)
+    source = resolve_source(src)  # once: the layout check and the re-cut read it
+    if format is None:
+        folder = _training_folder(source)
+        if folder is not None:
+            source, opened, layout = folder
+            try:
+                return reshard_folder(
+                    source,
+                    opened,
+                    layout,
+                    dest,
+                    world_size,
+                    rules=rules,
+                    rank_state_action=action,
+                    serialization=dcp_serialization,
+                    compression=dcp_compression,
+                    force=force,
+                    progress=progress,
+                    dry_run=dry_run,
+                    extras=extras,
+                )
+            finally:
+                opened.checkpoint.close()
+    return reshard_world_size(
+        source,
+        dest,
+        world_size,
+        rules=rules,
+        rank_state_action=action,
+        serialization=dcp_serialization,
+        compression=dcp_compression,
+        format=format,
+        force=force,
+        progress=progress,
+        extras=extras,
+        dry_run=dry_run,
+    )
+
+
+def _training_folder(source: Source) -> tuple[Source, OpenedSource, Layout] | None:
+    """SRC opened as a training folder layout (Trainer, accelerate...), when it is one."""
+    from ...sources.layouts import folder_layout_named, recognise_layout
+
+    opened = recognise_layout(source)
+    if opened is None:
+        return None
+    layout = folder_layout_named(opened.training.layout) if opened.training else None
+    if layout is None:
+        opened.checkpoint.close()
+        return None
+    return source, opened, layout
+
+
+def _reshard_components(
+    src: str,
+    dest: str,
+    limit: int,
+    layout: str,
+    components: list[Any],
+    *,
+    force: bool,
+    progress: Progress,
+) -> ReshardReport:
+    """Reshard every weight-holding component of a multi-folder model with its own naming."""
+    from ..shared.components import write_components
+
+    def one(comp: Any, inner_src: str, inner_dest: str, to: str) -> ReshardReport:
+        return reshard_shard_size(inner_src, inner_dest, limit, progress=progress)
+
+    source = resolve_source(src)
+    # each component keeps its own format; `to` names the one they share (for the checks)
+    formats = {format_of_file(c.weights) or HF_WEIGHTS for c in components if c.weights}
+    to = formats.pop() if len(formats) == 1 else HF_WEIGHTS
+    files, reports = write_components(src, dest, layout, components, to, one, force=force)
+    return ReshardReport(
+        mode="shard-size",
+        source=source.location.raw,
+        destination=dest,
+        format=layout,
+        files=files,
+        tensors=sum(r.tensors for r in reports),
+        objects=sum(r.objects for r in reports),
+        tensor_bytes=sum(r.tensor_bytes for r in reports),
+        raw_copy=sum(r.raw_copy for r in reports),
+        max_shard_size=limit,
+        verified=True,
+    )

@@ -1,0 +1,1 @@
+"""The machinery several operations share: the transfer pipeline (`transfer`), multi-folder components (`components`), one selection rule (`selection`), the model-folder tree (`tree`) and architecture mapping glue (`architecture`)."""

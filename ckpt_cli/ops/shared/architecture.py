@@ -1,0 +1,288 @@
+"""`convert --to hf` / `--to torchtitan`: a transfer plan mapped to another framework naming.
+
+`convert` plans as for any target (selection, filters, renames), then `map_plan` recognises
+the model's family and naming from the planned names (`architectures.recognise`), learns the
+model's args from the shapes and a Hugging Face `config.json` (`--config`, or the source's
+own), and maps the plan's tensors through the family's rules. What comes back is a
+`MappedCheckpoint` over the source and a plan over it, which the usual streaming writers write
+(safetensors shards + index for `hf`, a DCP save for `torchtitan`): each output tensor is read
+from its own source tensors when it is written, so peak memory stays one output tensor.
+
+A training checkpoint's other components (optimizer, scheduler, data loader, train state) are
+no part of either naming's model: without `--select`, the model component is selected and the
+rest reported as skipped. An import is model weights only: a fresh DCP save torchtitan loads
+as `step-0` (or its `initial_load_path`, model only), with no optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from ...architectures import HF, NAMING_FORMATS, get_architecture, recognise
+from ...architectures.base import (
+    Architecture,
+    ArchitecturePlan,
+    MappedTensor,
+    ModelArgs,
+    NamingOutput,
+)
+from ...errors import FormatError
+from ...models import Chunk
+from .transfer import SkippedEntry, TransferPlan, plan_transfer
+
+if TYPE_CHECKING:
+    from ...formats.base import Checkpoint
+    from ...sources.layouts.base import OpenedSource
+    from ...storage import Storage
+
+
+class MappedRecord(BaseModel):
+    """One output tensor of a naming change, for reports and `--dry-run`.
+
+    Attributes:
+        name: the output name.
+        sources: the source tensors it is built from.
+        transform: `rename`, `rotary-permute`, `unstack-experts`, `stack-experts`...
+    """
+
+    name: str
+    sources: list[str]
+    transform: str
+
+
+class ArchitectureReport(BaseModel):
+    """What a naming change did: the family, the namings, the args, every mapped tensor.
+
+    Attributes:
+        architecture: the family token (`llama3`, `qwen3`, `qwen3-moe`).
+        source_naming / target_naming: `torchtitan`, `hf`...
+        args: the model args the mapping used (from shapes and config.json).
+        mapped: every output tensor and how it was built.
+        transforms: how many outputs each transform built.
+    """
+
+    architecture: str
+    source_naming: str
+    target_naming: str
+    args: dict[str, Any]
+    mapped: list[MappedRecord]
+    transforms: dict[str, int]
+
+
+@dataclass
+class MappedSource:
+    """The result of `map_plan`: the checkpoint and plan the writers take, and the report."""
+
+    checkpoint: Checkpoint
+    plan: TransferPlan
+    report: ArchitectureReport
+    config: bytes | None
+    #: what the target naming holds beside the tensors (Megatron's common.pt, its objects)
+    output: NamingOutput = field(default_factory=NamingOutput)
+    #: output name -> the source names it was read from (for the written entries' `source`)
+    origins: dict[str, str] = field(default_factory=dict)
+
+
+def naming_format(to: str) -> tuple[str, str | None]:
+    """(format token, naming) of a `--to` token: `hf` -> (`safetensors`, `hf`)."""
+    if to in NAMING_FORMATS:
+        return NAMING_FORMATS[to], to
+    return to, None
+
+
+def default_select(opened: OpenedSource, select: str | None) -> str | None:
+    """`--select model` for a training checkpoint whose layout knows a model component: a
+    framework naming holds model weights only."""
+    if select is not None or opened.training is None:
+        return select
+    return "model" if "model" in opened.training.prefixes else None
+
+
+def source_config(storage: Storage) -> dict[str, Any] | None:
+    """The source folder's own `config.json` as a dict, when it has a readable one."""
+    try:
+        if not storage.exists("config.json") or storage.size("config.json") > 16 << 20:
+            return None
+        doc = json.loads(storage.read_all("config.json"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _args(
+    arch: type[Architecture],
+    shapes: dict[str, list[int]],
+    naming: str,
+    config: dict[str, Any] | None,
+    dtype: str | None,
+    where: str,
+    checkpoint: Checkpoint,
+) -> ModelArgs:
+    """The args from the shapes and what the source keeps beside them (Megatron's `args`),
+    completed by `config` (which must agree with both)."""
+    found = arch.args_from_shapes(shapes, naming).merged(arch.args_from_source(checkpoint, naming))
+    if config is None:
+        return found.model_copy(update={"dtype": dtype})
+    given = arch.args_from_config(config)
+    _agree(found, given, where, "config.json")
+    return found.merged(given).model_copy(update={"dtype": dtype})
+
+
+def _agree(found: ModelArgs, given: ModelArgs, where: str, what: str) -> None:
+    """Refuse args (`config.json`, a flavor) that contradict what the weights tell."""
+    for key in ("dim", "vocab_size", "n_layers", "n_heads", "n_kv_heads", "num_experts"):
+        a, b = getattr(found, key), getattr(given, key)
+        if a is not None and b is not None and a != b:
+            raise FormatError(
+                f"{what} gives {key}={b}, but the weights have {key}={a}",
+                path=where,
+                fix="Pass the config.json (--config) or the flavor (--flavor) of this model.",
+            )
+
+
+def map_plan(
+    checkpoint: Checkpoint,
+    plan: TransferPlan,
+    target: str,
+    *,
+    config: dict[str, Any] | None,
+    cast: str | None,
+    keep_objects: bool,
+    dedupe_tied: bool,
+    architecture: str | None = None,
+    flavor: str | None = None,
+) -> MappedSource:
+    """Map `plan`'s tensors from their naming to naming `target` (see the module docstring).
+
+    Args:
+        checkpoint: the source checkpoint the plan reads.
+        plan: the transfer plan as selection and filters made it.
+        target: the naming token (`hf`, `torchtitan`).
+        config: a Hugging Face `config.json` (`--config`, or the source's), for what the
+            shapes do not tell (head counts, rotary base, norm epsilon).
+        cast: the `--dtype` cast of floating tensors.
+        keep_objects / dedupe_tied: the target format's facts, as `plan_transfer` takes them.
+        architecture: the family token, when the caller names it (else recognised).
+        flavor: a torchtitan flavor of the family (`--flavor`), for what the shapes and
+            `config` do not tell.
+
+    Raises:
+        FormatError: no family claims the names (exit 4, naming the closest family's unknown
+            tensors), a tensor no rule maps, or an arg the mapping needs is unknown.
+    """
+    from ...architectures import unrecognised
+    from ...architectures.mapped import MappedCheckpoint
+
+    where = checkpoint.manifest.location
+    tensors = [i for i in plan.items if i.source.kind == "tensor"]
+    skipped = list(plan.skipped)
+    for item in plan.items:
+        if item.source.kind != "tensor":
+            skipped.append(
+                SkippedEntry(
+                    name=item.source.name,
+                    kind=item.source.kind,
+                    reason=f"not a model weight (the {target} naming holds weights only)",
+                )
+            )
+    # the names as selection and renames made them, and what each is read from
+    origin = {i.target.name: i.source.name for i in tensors}
+    names = [i.target.name for i in tensors]
+    model_type = config.get("model_type") if config else None
+    if architecture is not None:
+        arch = get_architecture(architecture)
+        naming = arch.recognise(names)
+        if naming is None:
+            raise unrecognised(names, target, where)
+    else:
+        found = recognise(names, model_type if isinstance(model_type, str) else None)
+        if found is None:
+            raise unrecognised(names, target, where)
+        arch, naming = found.architecture, found.naming
+    shapes = {i.target.name: list(i.source.shape) for i in tensors}
+    dtypes = [i.source.dtype for i in tensors if i.source.dtype]
+    # the dtype written: config.json's torch_dtype says what the weights are after --dtype
+    dtype = cast or (max(set(dtypes), key=dtypes.count) if dtypes else None)
+    args = _args(arch, shapes, naming, config, dtype, where, checkpoint)
+    if flavor is not None:
+        from ...architectures.flavors import flavor_args
+
+        known = flavor_args(arch, flavor)
+        _agree(args, known, where, f"--flavor {flavor}")
+        args = args.merged(known)
+    mapping = arch.plan(
+        [(i.target.name, list(i.source.shape), i.source.dtype or "") for i in tensors],
+        naming,
+        target,
+        args,
+    )
+    skipped += [
+        SkippedEntry(name=origin[n], kind="tensor", reason=why) for n, why in mapping.left_out
+    ]
+    # read every piece from the source checkpoint under its own name
+    sourced = ArchitecturePlan(
+        mapping.architecture,
+        mapping.source,
+        mapping.target,
+        [
+            replace(t, pieces=tuple(replace(p, source=origin[p.source]) for p in t.pieces))
+            for t in mapping.tensors
+        ],
+        mapping.left_out,
+        args,
+    )
+    output = arch.naming_output(target, args)
+    mapped = MappedCheckpoint(checkpoint, sourced, output.objects)
+    new_plan = plan_transfer(
+        mapped.manifest, dtype=cast, keep_objects=keep_objects, dedupe_tied=dedupe_tied
+    )
+    new_plan.skipped = skipped + new_plan.skipped
+    for item in new_plan.items:
+        pieces = output.split_dim0.get(item.target.name)
+        if pieces:
+            item.target = item.target.model_copy(
+                update={"chunks": dim0_chunks(item.target.shape, pieces)}
+            )
+    new_plan.tied = plan.tied
+    config_bytes = None
+    if target == HF:
+        config_bytes = (json.dumps(arch.hf_config(args), indent=2) + "\n").encode()
+    records = [_record(t) for t in sourced.tensors]
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r.transform] = counts.get(r.transform, 0) + 1
+    report = ArchitectureReport(
+        architecture=arch.name,
+        source_naming=naming,
+        target_naming=target,
+        args=args.model_dump(exclude_none=True, exclude={"config"}),
+        mapped=records,
+        transforms=counts,
+    )
+    origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
+    return MappedSource(mapped, new_plan, report, config_bytes, output, origins)
+
+
+def dim0_chunks(shape: list[int], pieces: int) -> list[Chunk]:
+    """`pieces` equal chunks of a tensor along dim 0, all in the first rank's DCP file."""
+    from ...formats.dcp.layout import rank_file
+
+    step = shape[0] // pieces
+    return [
+        Chunk(
+            offsets=[i * step, *([0] * (len(shape) - 1))],
+            sizes=[step, *shape[1:]],
+            file=rank_file(0),
+            byte_offset=0,
+            byte_length=0,
+        )
+        for i in range(pieces)
+    ]
+
+
+def _record(tensor: MappedTensor) -> MappedRecord:
+    return MappedRecord(name=tensor.name, sources=tensor.sources, transform=tensor.transform)

@@ -1,0 +1,180 @@
+"""convert / reshard of a multi-folder model (a diffusers pipeline, a sentence-transformers
+folder): every component with its own naming, into one atomically published DEST.
+
+Each weight-holding component is converted (or resharded) on its own, by the single-checkpoint
+operation, into its folder inside a staging sibling of DEST, so it keeps the names its library
+loads (`unet/diffusion_pytorch_model.safetensors`, `2_Dense/model.safetensors`) and its
+`config.json`. Every other file of the source (`model_index.json`, `modules.json`, schedulers,
+tokenizers, pooling configs) is copied byte for byte. The staging folder becomes DEST with one
+rename once every component is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Protocol, TypeVar
+
+from ...errors import FormatError, UsageError
+from ...formats import get_format, resolve_source, writable_formats
+from ...formats.base import Source
+from ...formats.names import is_single_file_weights, looks_like_index
+from ...models import FileInfo
+from ...sources.layouts.model_folders import Component, multi_folder
+from ...storage.output import RemoteDest, resolve_destination, staged_output
+
+
+class ComponentReport(Protocol):
+    """What the single-checkpoint operation reports for one component: the files it wrote."""
+
+    @property
+    def files(self) -> list[FileInfo]: ...
+
+
+R = TypeVar("R", bound=ComponentReport)
+
+
+def component_targets() -> list[str]:
+    """The formats a multi-folder model converts to: those its libraries load, the formats
+    written as Hugging Face shards (`Format.shards_by_size`)."""
+    return [name for name in writable_formats() if get_format(name).shards_by_size]
+
+
+def components_of(source: Source) -> tuple[str, list[Component]] | None:
+    """(layout, components) when `source` is a local multi-folder model, else None."""
+    if not source.location.is_local or source.target is not None:
+        return None  # multi-folder models are converted from local folders
+    found = multi_folder(source)
+    if found is None:
+        return None
+    return found[0], found[1]
+
+
+def component_source(src: str, components: list[Component], name: str) -> str | None:
+    """The location of component `name` (`--select unet`), None when it is not a subfolder."""
+    for comp in components:
+        if comp.name == name.rstrip("."):
+            if not comp.path:
+                return None  # a root module: selected by prefix like any composite
+            return f"{src.rstrip('/')}/{comp.path}"
+    return None
+
+
+#: where a root module's weights are written inside DEST before they move up beside the others
+ROOT_SCRATCH = ".root-weights"
+
+
+def write_components(
+    src: str,
+    dest: str,
+    layout: str,
+    components: list[Component],
+    to: str,
+    one: Callable[[Component, str, str, str], R],
+    *,
+    force: bool,
+    dry_run: bool = False,
+    skip: Collection[str] = (),
+) -> tuple[list[FileInfo], list[R]]:
+    """Write every component with `one(component, component_src, component_dest, target)`,
+    copy the other files, publish DEST. Returns (files written, the per-component reports).
+
+    The components named in `skip` are not written and their weight files not copied (convert's
+    `--filter` / `--filter-out` left every entry of them out); their other files are.
+
+    With `dry_run` nothing is staged, copied or published: `one` is asked for each
+    component's plan (it must be a dry run itself), and the files are what would be written.
+    """
+    targets = component_targets()
+    if to not in targets:
+        raise UsageError(
+            f"a {layout} folder converts component by component to {' or '.join(targets)}",
+            path=src,
+            fix=f"Pick one component for --to {to}, e.g. --select {components[0].name}.",
+        )
+    lacking = [c for c in components if c.needs and c.weights is None]
+    if lacking:
+        # the output would be a model its library cannot load: nothing is written
+        raise FormatError(
+            f"the {lacking[0].name} component has no weights ({lacking[0].needs} is missing), "
+            "so the converted model could not be loaded",
+            path=f"{src.rstrip('/')}/{lacking[0].needs}",
+            fix="Copy or download the missing file again (`ckpt verify` lists every one), or "
+            "convert the components that are there one at a time with --select.",
+        )
+    dest_path = resolve_destination(dest)
+    if isinstance(dest_path, RemoteDest):
+        raise UsageError(f"a {layout} folder is written to a local folder", path=dest)
+    source = resolve_source(src)
+    jobs, weight_files = _component_jobs(source.files, src.rstrip("/"), components)
+    jobs = [(comp, inner_src) for comp, inner_src in jobs if comp.name not in skip]
+    reports: list[R] = []
+    files: list[FileInfo] = []
+    if dry_run:
+        for comp, inner_src in jobs:
+            report = one(comp, inner_src, str(dest_path / (comp.path or ROOT_SCRATCH)), to)
+            reports.append(report)
+            files += _under(comp, report.files)
+        planned = {info.path for info in files}
+        files += [
+            FileInfo(path=rel, size=size, entries=0)
+            for rel, size in sorted(source.files.items())
+            if rel not in weight_files and rel not in planned
+        ]
+        return files, reports
+    with staged_output(dest_path, force=force) as staging:
+        for comp, inner_src in jobs:
+            inner_dest = staging / (comp.path or ROOT_SCRATCH)
+            report = one(comp, inner_src, str(inner_dest), to)
+            reports.append(report)
+            if not comp.path:  # a root module moves up beside the other components' folders
+                for child in sorted(inner_dest.iterdir()):
+                    child.rename(staging / child.name)
+                inner_dest.rmdir()
+            files += _under(comp, report.files)
+        for rel in sorted(source.files):
+            if rel in weight_files or (staging / rel).exists():
+                continue
+            target = staging / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            data = source.storage.read_all(rel)
+            target.write_bytes(data)
+            files.append(FileInfo(path=rel, size=len(data), entries=0))
+    return files, reports
+
+
+def _component_jobs(
+    listing: dict[str, int], root: str, components: list[Component]
+) -> tuple[list[tuple[Component, str]], set[str]]:
+    """(component, its source) for every weight-holding component, and the source files the
+    single-checkpoint operation writes for them (the others are copied byte for byte)."""
+    jobs: list[tuple[Component, str]] = []
+    weight_files: set[str] = set()
+    for comp in components:
+        if comp.weights is None:
+            continue
+        # a root module (sentence-transformers' transformer) is written into a scratch folder,
+        # then moved up beside the other components' folders
+        jobs.append((comp, f"{root}/{comp.path}" if comp.path else f"{root}/{comp.weights}"))
+        weight_files.update(component_weight_files(listing, comp))
+    return jobs, weight_files
+
+
+def component_weight_files(listing: dict[str, int] | Collection[str], comp: Component) -> list[str]:
+    """The weight files (and index) of component `comp` among `listing` (paths from the
+    root): those of its folder, or the root's own for a root module."""
+    prefix = f"{comp.path}/" if comp.path else ""
+    return sorted(
+        n
+        for n in listing
+        if n.startswith(prefix) and "/" not in n[len(prefix) :] and _is_weights(n[len(prefix) :])
+    )
+
+
+def _under(comp: Component, written: list[FileInfo]) -> list[FileInfo]:
+    """A component's files, named from DEST's root."""
+    base = f"{comp.path}/" if comp.path else ""
+    return [info.model_copy(update={"path": f"{base}{info.path}"}) for info in written]
+
+
+def _is_weights(name: str) -> bool:
+    return is_single_file_weights(name) or looks_like_index(name)

@@ -1,0 +1,137 @@
+"""`--select`: the one rule every command that takes it (convert, diff) resolves it by.
+
+`--select NAME` picks a sub-tree and strips its prefix. When SRC is a training checkpoint whose
+layout knows a component NAME (`TrainingState.prefixes`), the component's own prefix is what is
+taken: `model` is `state_dict.` inside a Lightning file, the rebuilt fp32 weights of a ZeRO save,
+and, in a torchtitan 0.3 save, the model's keys that sit at the top level beside
+`optimizer` / `lr_scheduler` / `dataloader` / `train_state` (prefix "", names unchanged).
+Otherwise NAME is a plain prefix: `NAME` itself and `NAME.*`, stripped.
+
+`--filter` / `--filter-out` are globs on the names `ckpt inspect` shows, in every command that takes
+them: a multi-folder model's component is converted on its own, yet its rules see its entries as
+`unet.conv_in.weight`, never `conv_in.weight` (`match_prefix`). A rule that matches no entry
+anywhere is reported (`unmatched_rules`): it is a warning, not an error, since the same
+`--filter-out` is often applied to many checkpoints of which only some hold what it names.
+
+Some layouts keep stand-ins that are not the data they name (`OpenedSource.placeholders`: the
+empty ZeRO-3 parameters in `model_states.module`); `refuse_placeholders` stops an operation
+that would hand them over as weights without the real ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from ...errors import FormatError
+from ...models import Entry, Manifest
+from ...sources.layouts.base import OpenedSource
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What `--select` chose on one side.
+
+    Attributes:
+        pairs: (entry, its name after the selection), in manifest order.
+        component: the training component selected (its layout's own prefix taken), or None
+            when `select` was matched as a plain prefix (or not given).
+        stripped: the prefix stripped from every selected name ("" when none is).
+    """
+
+    pairs: list[tuple[Entry, str]]
+    component: str | None = None
+    stripped: str = ""
+
+
+def select_prefix(entries: list[Entry], prefix: str | None) -> list[tuple[Entry, str]]:
+    """Entries under `prefix` (`model` selects `model` and `model.*`), with the prefix stripped."""
+    if not prefix:
+        return [(e, e.name) for e in entries]
+    prefix = prefix.rstrip(".")
+    out = []
+    for entry in entries:
+        if entry.name == prefix:
+            out.append((entry, entry.name))
+        elif entry.name.startswith(prefix + "."):
+            out.append((entry, entry.name[len(prefix) + 1 :]))
+    return out
+
+
+def select_entries(
+    opened: OpenedSource | None,
+    entries: list[Entry],
+    select: str | None,
+    manifest: Manifest | None = None,
+) -> Selection:
+    """`entries` (a subset of `manifest`'s, after `--filter`/`--filter-out`) as `--select select`
+    takes them from `opened` (see the module docstring); every entry when `select` is empty.
+
+    `manifest` is the one `entries` come from (by default `opened`'s): a component whose keys
+    sit at the top level is told apart by the manifest's top-level keys.
+    """
+    if not select:
+        return Selection([(e, e.name) for e in entries])
+    name = select.rstrip(".")
+    training = opened.training if opened is not None else None
+    prefix = training.prefixes.get(name) if training is not None else None
+    if prefix == "" and opened is not None and training is not None:
+        if training.layout == "torchtitan" and name == "model":
+            from ...sources.layouts.torchtitan import model_entries, titan_model_keys
+
+            source = manifest if manifest is not None else opened.checkpoint.manifest
+            chosen = model_entries(entries, titan_model_keys(source))
+            if chosen:
+                return Selection([(e, e.name) for e in chosen], component=name)
+    elif prefix:
+        pairs = select_prefix(entries, prefix)
+        if pairs:
+            return Selection(pairs, component=name, stripped=prefix.rstrip(".") + ".")
+    return Selection(select_prefix(entries, name), stripped=f"{name}.")
+
+
+def refuse_placeholders(
+    opened: OpenedSource | None, names: Iterable[str], select: str | None, where: str
+) -> None:
+    """Refuse (exit 4) a set of entries that holds a layout's placeholders without the data
+    they stand for (`OpenedSource.placeholders`); nothing to do for any other set."""
+    if opened is None or not opened.placeholders:
+        return
+    chosen = set(names)
+    held = [n for n in opened.placeholders if n in chosen]
+    lacking = [n for n in held if opened.placeholders[n].real not in chosen]
+    if not lacking:
+        return
+    first = opened.placeholders[lacking[0]]
+    what = f"--select {select}" if select else "the selected entries"
+    raise FormatError(
+        f"{what} holds {len(lacking)} {first.kind} ({lacking[0]}: {first.why}), not weights",
+        path=where,
+        fix=first.fix,
+    )
+
+
+def unmatched_rules(
+    names: Iterable[str],
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+    *,
+    matched: str = "entry",
+) -> list[str]:
+    """One warning per `--filter` / `--filter-out` glob that matches none of `names` (the
+    names `ckpt inspect` shows; `matched` says which names those are, for the message)."""
+    rules = [("--filter", g) for g in include or ()] + [("--filter-out", g) for g in exclude or ()]
+    if not rules:
+        return []
+    pending = dict.fromkeys(rules)
+    for name in names:
+        for rule in [r for r in pending if fnmatchcase(name, r[1])]:
+            del pending[rule]
+        if not pending:
+            return []
+    return [
+        f"{option} {glob!r} matches no {matched}, so it has no effect; "
+        "check it against `ckpt inspect --list`"
+        for option, glob in pending
+    ]

@@ -1,0 +1,654 @@
+"""The streaming pipeline behind `convert` (and `reshard`'s shard-size mode).
+
+Three steps, each usable on its own:
+
+1. `plan_transfer` decides, from the source manifest alone, which entries go out under which
+   names and dtypes (`--select`, `--filter/--filter-out`, `--rename`, `--dtype`), which are skipped
+   and why (non-tensor entries for a tensor-only target), and which tensors share storage.
+2. `copy_entries` moves the data one entry at a time into a format `Writer`: a raw byte range
+   (`Checkpoint.iter_raw` -> `Writer.write_raw`, no deserialisation) when neither dtype nor
+   layout changes and both sides store raw bytes, otherwise one tensor (`read_tensor`, cast,
+   `write_tensor`). Peak memory is the largest tensor plus one copy block.
+3. `write_checkpoint` runs the writer inside `output.staged_output`, checks the staged result
+   with the target format's structural `check` hook, and only then publishes it with one rename.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import typing
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+from pydantic import BaseModel, Field
+
+from ... import dtypes
+from ...dist.command import CombinedProgress, RankShare, Workers, active, split_output
+from ...errors import FormatError, NotFoundError, UsageError
+from ...formats import find_format, get_format
+from ...formats.base import Checkpoint, Source, WriteOptions, Writer
+from ...formats.details import TorchDetails
+from ...formats.names import DCP_DATA_SUFFIX, PICKLE_SUFFIX, WEIGHT_SUFFIXES, looks_like_index
+from ...models import Entry, FileInfo, Manifest
+from ...progress import NULL_PROGRESS, CountingProgress, Progress
+from ...sources.model_files import EXTRA_SUFFIXES, MAX_EXTRA_BYTES
+from ...storage import LocalStorage
+from ...storage.fileio import COPY_BLOCK, FileRange
+from ...storage.uri import parse_location
+from ..inspect import select as select_globs
+from .selection import Selection, select_entries
+
+if typing.TYPE_CHECKING:  # only the annotation: DEST may be a local path or an object store
+    from ...sources.layouts.base import OpenedSource
+    from ...storage.output import Destination
+
+#: seconds to sleep after each entry; set only by the tests that kill a copy mid-way, so the
+#: kill lands inside the copy deterministically without a multi-GB fixture
+DELAY_ENV = "CKPT_TEST_COPY_DELAY"
+
+
+class SkippedEntry(BaseModel):
+    """An entry of the source that was not written, and why."""
+
+    name: str
+    kind: str
+    reason: str
+
+
+class WrittenEntry(BaseModel):
+    """One entry written to the output.
+
+    Attributes:
+        name: the name in the output.
+        source: the name in the source (differs after --select / --rename).
+        kind: `tensor` or `object`.
+        dtype / shape / nbytes: as written.
+        how: `raw` (byte copy), `cast` (converted dtype), `tensor` (deserialised and
+            re-serialised) or `object`.
+    """
+
+    name: str
+    source: str
+    kind: str
+    dtype: str | None = None
+    shape: list[int] = Field(default_factory=list)
+    nbytes: int = 0
+    how: str
+
+
+@dataclass
+class Item:
+    """One entry to move: where it comes from, what it becomes, and the cast on the way."""
+
+    source: Entry
+    target: Entry
+    cast: str | None = None
+
+
+@dataclass
+class TransferPlan:
+    """What `copy_entries` will do, decided from metadata alone.
+
+    Attributes:
+        items: entries to write, in output order.
+        skipped: source entries left out, with the reason.
+        tied: groups of output names whose source tensors share storage (first one kept).
+        aliases: output name dropped as a duplicate -> the name it duplicates.
+        stripped: the prefix `--select` stripped from the source names ("" when none).
+    """
+
+    items: list[Item]
+    skipped: list[SkippedEntry] = field(default_factory=list)
+    tied: list[list[str]] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+    stripped: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes read from the source for all tensors of the plan."""
+        return sum(i.source.nbytes for i in self.items if i.source.kind == "tensor")
+
+
+def parse_renames(specs: Sequence[str] | None) -> list[tuple[str, str]]:
+    """`['model.=', '=model.']` -> [('model.', ''), ('', 'model.')] (prefix renames).
+
+    An empty OLD matches every name, so `=model.` adds a prefix; an empty NEW strips one.
+    """
+    out = []
+    for spec in specs or ():
+        if "=" not in spec or spec == "=":
+            raise UsageError(
+                f"--rename {spec!r} is not OLD=NEW",
+                fix="Write the old and the new prefix, e.g. --rename 'model.=' (strip), "
+                "--rename '=model.' (add) or --rename 'transformer.h.=model.layers.'.",
+            )
+        old, new = spec.split("=", 1)
+        out.append((old, new))
+    return out
+
+
+def rename(name: str, renames: Sequence[tuple[str, str]]) -> str:
+    """Apply the first rename whose old prefix starts `name`."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def top_level_keys(entries: Iterable[Entry]) -> list[str]:
+    """The distinct first dotted components of entry names (for 'did you mean' messages)."""
+    return sorted({e.name.split(".", 1)[0] for e in entries})
+
+
+def tied_groups(manifest: Manifest, names: Iterable[str] | None = None) -> list[list[str]]:
+    """Groups of tensor names that share stored bytes, from the manifest alone.
+
+    The torch adapter records tensors that view the same storage (tied embeddings) in
+    `TorchDetails.shared_tensors`; otherwise two entries are tied when they name the same file,
+    byte offset, dtype and shape. safetensors never has ties (its reader refuses overlapping
+    ranges). With `names`, groups are restricted to those names (and dropped below two).
+    """
+    wanted = set(names) if names is not None else None
+    details = TorchDetails.of(manifest)
+    raw: list[list[str]] = [list(g) for g in (details.shared_tensors if details else None) or []]
+    by_place: dict[tuple[object, ...], list[str]] = {}
+    for entry in manifest.entries:
+        if entry.kind != "tensor" or entry.file is None or entry.offset is None:
+            continue
+        key = (entry.file, entry.offset, entry.dtype, tuple(entry.shape))
+        by_place.setdefault(key, []).append(entry.name)
+    raw.extend(by_place.values())
+    groups = []
+    for group in raw:
+        kept = [n for n in group if wanted is None or n in wanted]
+        if len(kept) > 1 and kept not in groups:  # raw torch ties are found both ways
+            groups.append(kept)
+    return groups
+
+
+def plan_transfer(
+    manifest: Manifest,
+    *,
+    select: str | None = None,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    renames: Sequence[tuple[str, str]] = (),
+    dtype: str | None = None,
+    keep_objects: bool = True,
+    dedupe_tied: bool = False,
+    opened: OpenedSource | None = None,
+    match_prefix: str = "",
+) -> TransferPlan:
+    """Decide what to write, from the manifest alone.
+
+    Args:
+        manifest: the source's manifest.
+        select: keep only the sub-tree under this prefix, with the prefix stripped; a training
+            component of `opened` by its layout's own prefix (`ops.selection`).
+        include / exclude: globs on the source names (as `ckpt inspect` shows them).
+        renames: prefix renames applied after `select`.
+        dtype: cast floating tensors to this canonical dtype; others are untouched.
+        keep_objects: the target can hold non-tensor entries; otherwise they are skipped.
+        dedupe_tied: write tensors that share storage once (the others become aliases).
+        opened: the opened source, whose layout says what `select` names.
+        match_prefix: what `include` / `exclude` see before each name (`unet.`: a multi-folder
+            model's component, matched by the names inspect shows of the whole folder).
+    """
+    entries = select_globs(
+        manifest.entries, list(include or []), list(exclude or []), prefix=match_prefix
+    )
+    selection: Selection = select_entries(opened, entries, select, manifest)
+    chosen = selection.pairs
+    if select and not chosen:
+        raise NotFoundError(
+            f"no entry is under the prefix {select!r}",
+            path=manifest.location,
+            fix="Top-level keys here: " + ", ".join(top_level_keys(manifest.entries)) + ".",
+        )
+    if (include or exclude) and not chosen:
+        raise NotFoundError(
+            "the --filter/--filter-out patterns leave no entry to write",
+            path=manifest.location,
+            fix="Check the patterns against `ckpt inspect --list`.",
+        )
+    plan = TransferPlan(items=[], stripped=selection.stripped)
+    seen: dict[str, str] = {}
+    for entry, name in chosen:
+        new_name = rename(name, renames)
+        if not new_name:
+            raise UsageError(f"--rename turns {entry.name!r} into an empty name")
+        if new_name in seen:
+            raise UsageError(
+                f"{entry.name!r} and {seen[new_name]!r} would both be written as {new_name!r}",
+                fix="Adjust --select/--rename so every output name is distinct.",
+            )
+        seen[new_name] = entry.name
+        if entry.kind != "tensor":
+            if not keep_objects:
+                plan.skipped.append(
+                    SkippedEntry(
+                        name=entry.name,
+                        kind=entry.kind,
+                        reason="the target format holds tensors only",
+                    )
+                )
+                continue
+            target = entry.model_copy(
+                update={"name": new_name, "file": None, "offset": None, "chunks": None}
+            )
+            plan.items.append(Item(entry, target))
+            continue
+        cast = None
+        target_dtype = entry.dtype
+        assert target_dtype is not None
+        target_shape = list(entry.shape)
+        if dtype and entry.dtype in dtypes.FLOATING and entry.dtype != dtype:
+            cast, target_dtype = dtype, dtype
+        elif keep_objects and target_dtype in dtypes.SUB_BYTE:
+            # a torch-native target holds what torch holds: F4 as packed pairs, F6 not at all
+            layout = dtypes.torch_layout(target_dtype, target_shape)
+            if layout is None:
+                plan.skipped.append(
+                    SkippedEntry(
+                        name=entry.name,
+                        kind=entry.kind,
+                        reason=f"torch has no dtype for {target_dtype}{target_shape}; "
+                        "convert --to safetensors keeps it",
+                    )
+                )
+                continue
+            target_dtype, target_shape = layout
+        # a copy keeps adapter-specific fields (torch key paths, so nesting survives a
+        # torch -> torch conversion); where the bytes live is for the writer to decide
+        target = entry.model_copy(
+            update={
+                "name": new_name,
+                "dtype": target_dtype,
+                "shape": target_shape,
+                "nbytes": entry.nbytes
+                if cast is None
+                else dtypes.numel(entry.shape) * dtypes.itemsize(target_dtype),
+                "file": None,
+                "offset": None,
+                "chunks": None,
+            }
+        )
+        plan.items.append(Item(entry, target, cast))
+    renamed = {item.source.name: item.target.name for item in plan.items}
+    for group in tied_groups(manifest, renamed):
+        names = [renamed[n] for n in group]
+        plan.tied.append(names)
+        if dedupe_tied:
+            for alias in names[1:]:
+                plan.aliases[alias] = names[0]
+    if plan.aliases:
+        plan.items = [i for i in plan.items if i.target.name not in plan.aliases]
+    return plan
+
+
+def _delay() -> float:
+    try:
+        return float(os.environ.get(DELAY_ENV, "0") or 0)
+    except ValueError:
+        return 0.0
+
+
+def raw_blocks(
+    checkpoint: Checkpoint, name: str, block: int = COPY_BLOCK
+) -> Iterator[bytes | memoryview]:
+    """The raw bytes of a raw-stored tensor, in blocks; each block is valid until the next.
+
+    Bytes in local files (`Checkpoint.local_ranges`: a safetensors range, the tensor bytes
+    inside DCP torch_save blobs) are read with `os.preadv` into one reused buffer: no
+    allocation and no fresh page faults per block, which is what made the plain `pread` loop
+    lose to `cp`. Remote storage falls back to `Checkpoint.iter_raw`.
+    """
+    segments = checkpoint.local_ranges(name)
+    if segments is None:
+        yield from checkpoint.iter_raw(name, block)
+        return
+    yield from FileRange.of(segments, block=block)
+
+
+def _counted(blocks: Iterable[bytes | memoryview], progress: Progress) -> Iterator[bytes]:
+    # writers only pass blocks to file.write, which takes any buffer; typed as bytes for them
+    for block in cast(Iterable[bytes], blocks):
+        yield block
+        progress.advance(len(block))
+
+
+def _partial_chunks(writer: Writer, name: str) -> list[tuple[int, list[int], list[int]]] | None:
+    """The chunks of `name` a restricted chunk writer (`Writer.chunk_writes`) writes, when it
+    writes only some."""
+    if not writer.chunk_writes:
+        return None
+    chunks = writer.chunks_of(name)
+    mine = [(i, c.offsets, c.sizes) for i, c in enumerate(chunks) if writer.owns(c.file)]
+    return mine if len(mine) < len(chunks) else None
+
+
+def copy_entries(
+    checkpoint: Checkpoint,
+    writer: Writer,
+    items: list[Item],
+    progress: Progress = NULL_PROGRESS,
+) -> list[WrittenEntry]:
+    """Stream every item from `checkpoint` into `writer`, in order, one entry at a time.
+
+    Raw byte copies are used whenever the entry is stored raw, no cast is asked for and the
+    writer accepts raw bytes; everything else goes through one tensor in memory. A writer
+    restricted to some of its files (a rank of a split run) that holds only some chunks of a
+    tensor gets just those boxes (`read_slice`); `how` still says what a whole copy would be.
+    """
+    delay = _delay()
+    written: list[WrittenEntry] = []
+    for item in items:
+        source, target = item.source, item.target
+        raw = item.cast is None and writer.accepts_raw and checkpoint.serves_raw(source.name)
+        partial = _partial_chunks(writer, target.name) if target.kind == "tensor" else None
+        if partial is not None:
+            from ...tensors import torch_dtype
+
+            for index, offsets, sizes in partial:
+                piece = checkpoint.read_slice(source.name, offsets, sizes)
+                if item.cast is not None:
+                    piece = piece.to(torch_dtype(item.cast))
+                writer.write_chunk(target.name, index, piece)
+                # counted in source bytes, like the whole-entry paths below
+                progress.advance(dtypes.numel(sizes) * dtypes.itemsize(source.dtype or "uint8"))
+                del piece
+            how = "raw" if raw else "cast" if item.cast else "tensor"
+        elif target.kind != "tensor":
+            writer.write_object(target.name, checkpoint.read_object(source.name))
+            how = "object"
+        elif raw:
+            segments = checkpoint.local_ranges(source.name)
+            if segments is not None:
+                # writers may copy local ranges in the kernel (FileRange.copy_to)
+                blocks: Iterator[bytes] = FileRange.of(segments, on_progress=progress.advance)
+            else:
+                blocks = _counted(raw_blocks(checkpoint, source.name), progress)
+            writer.write_raw(target.name, blocks)
+            how = "raw"
+        else:
+            tensor = checkpoint.read_tensor(source.name)
+            if item.cast is not None:
+                from ...tensors import torch_dtype
+
+                tensor = tensor.to(torch_dtype(item.cast))
+            writer.write_tensor(target.name, tensor)
+            del tensor
+            progress.advance(source.nbytes)
+            how = "cast" if item.cast else "tensor"
+        written.append(
+            WrittenEntry(
+                name=target.name,
+                source=source.name,
+                kind=target.kind,
+                dtype=target.dtype,
+                shape=list(target.shape),
+                nbytes=target.nbytes,
+                how=how,
+            )
+        )
+        if delay:
+            time.sleep(delay)
+    return written
+
+
+def check_staged(format_name: str, staging: Path, single_file: bool) -> None:
+    """Run the target format's structural check on the staged output; FormatError if it fails."""
+    fmt = get_format(format_name)
+    files = [p.name for p in staging.iterdir()] if single_file else []
+    source = Source(
+        location=parse_location(str(staging)),
+        storage=LocalStorage(staging),
+        target=files[0] if single_file and len(files) == 1 else None,
+    )
+    # warnings (a file torch.load would refuse by default, written as the source holds it)
+    # are the reader's to hear from verify; only errors make an output wrong
+    problems = [p for p in fmt.check(source) if p.severity == "error"]
+    if problems:
+        details = "; ".join(p.message for p in problems[:5])
+        raise FormatError(
+            f"the written {format_name} output failed its structural check ({details})",
+            path=staging,
+            fix="Nothing was published. This is a bug in ckpt; please report it.",
+        )
+
+
+#: weight and training-state files: never extras
+CARRIED_NEVER = (*WEIGHT_SUFFIXES, DCP_DATA_SUFFIX, PICKLE_SUFFIX)
+
+
+def extra_files(checkpoint: Checkpoint) -> list[str]:
+    """The non-weight files beside a checkpoint's weights: `config.json`,
+    `generation_config.json`, tokenizer files, README, custom code (top level only).
+
+    Files the checkpoint reads entries from (weights, indexes, JSON components such as
+    `trainer_state.json`) are not extras; nor is anything when the source is one file.
+    """
+    source = checkpoint.source
+    if source.target is not None:
+        return []
+    fmt = find_format(checkpoint.manifest.format)
+    # a layout's own metadata (Megatron's `metadata.json`) travels inside the output's
+    # entries: copied, it would make a plain DCP output look like a Megatron save without its
+    # `common.pt` (`Format.layout_files`)
+    used = (
+        fmt.entry_files(checkpoint.manifest)
+        if fmt is not None
+        else {f.path for f in checkpoint.manifest.files if f.entries}
+    )
+    out = []
+    for rel, size in sorted(source.files.items()):
+        name = rel.rsplit("/", 1)[-1]
+        if "/" in rel or rel in used or name.startswith("."):
+            continue
+        if rel.endswith(CARRIED_NEVER) or _is_weight_index(name):
+            continue
+        if rel.endswith(EXTRA_SUFFIXES) and (size or 0) <= MAX_EXTRA_BYTES:
+            out.append(rel)
+    return out
+
+
+def account_files(
+    checkpoint: Checkpoint,
+    plan: TransferPlan,
+    carried: Sequence[str],
+    *,
+    single_file: bool,
+    listed: dict[str, str] | None = None,
+) -> tuple[list[str], list[SkippedEntry]]:
+    """Every file of the source, accounted for: (read, skipped).
+
+    `read` are the files the output's entries come from, with the metadata that found them
+    (an index, a DCP `.metadata`) of every component an entry was written from; `carried` were
+    copied verbatim; every other file is one `SkippedEntry` of kind `file` saying why it is
+    not in the output. Nothing of a source vanishes without a line in the report.
+    `listed`: file -> why a layout lists it without loading it (`training_args.bin`).
+    """
+    from ...sources.layouts.composite import CompositeCheckpoint
+
+    source = checkpoint.source
+    names = [source.target] if source.target is not None else sorted(source.files)
+    written = [item.source for item in plan.items]
+    read: set[str] = set()
+    for entry in written:
+        if entry.name in checkpoint.manifest.by_name:
+            read.update(checkpoint.files_of(entry.name))
+        else:
+            read.update({entry.file} if entry.file else set())
+            read.update(chunk.file for chunk in entry.chunks or [] if chunk.file)
+    if source.target is not None:
+        # one file: read into the output unless every entry it holds was left out
+        read = {source.target} if written or not checkpoint.manifest.entries else set()
+    elif isinstance(checkpoint, CompositeCheckpoint):
+        for comp, part in checkpoint.components.items():
+            if any(e.name == comp or e.name.startswith(f"{comp}.") for e in written):
+                sub = checkpoint.subfolders.get(comp, "")
+                read.update(f"{sub}{f.path}" for f in part.manifest.files if not f.entries)
+    elif written:
+        other = {f.path for f in checkpoint.manifest.files if f.entries}
+        read.update(f.path for f in checkpoint.manifest.files if f.path not in other)
+    held = {entry.file for entry in checkpoint.manifest.entries if entry.file}
+    left_out = {s.name for s in plan.skipped}
+    skipped: list[SkippedEntry] = []
+    carried_set = set(carried)
+    for rel in names:
+        if rel in read or rel in carried_set:
+            continue
+        base = rel.rsplit("/", 1)[-1]
+        if listed and rel in listed:
+            why = listed[rel]
+        elif rel in held:
+            entries = [e.name for e in checkpoint.manifest.entries if e.file == rel]
+            why = (
+                "none of its entries was selected"
+                if not all(e in left_out for e in entries)
+                else "its entries are listed as skipped"
+            )
+        elif base.startswith("."):
+            why = "a hidden file: not part of the checkpoint"
+        elif single_file and rel.endswith(EXTRA_SUFFIXES):
+            why = "a single-file DEST holds entries only: convert to a folder to carry it"
+        elif rel.endswith(EXTRA_SUFFIXES) and (source.files.get(rel) or 0) > MAX_EXTRA_BYTES:
+            why = f"larger than the {MAX_EXTRA_BYTES >> 20} MiB carried beside the weights"
+        elif "/" in rel and not single_file:
+            why = "in a subfolder ckpt does not read: copy it by hand if the output needs it"
+        else:
+            why = (
+                "not a file of the checkpoint ckpt reads, nor a companion it carries "
+                "(config, tokenizer...): copy it by hand if the output needs it"
+            )
+        skipped.append(SkippedEntry(name=rel, kind="file", reason=why))
+    return sorted(read & set(names)), skipped
+
+
+def _is_weight_index(name: str) -> bool:
+    """A weight index: `*.index.json`, or diffusers' variant spelling `*.index.fp16.json`.
+
+    An index is rewritten by the writer for the new shards; the source's own never travels.
+    """
+    return looks_like_index(name)
+
+
+def copy_files(checkpoint: Checkpoint, rels: Sequence[str], staging: Path) -> None:
+    """Copy source files `rels` (relative, already confined to the source) into `staging`."""
+    from ...storage import safe_relpath
+
+    for rel in rels:
+        target = staging / safe_relpath(rel, source=checkpoint.manifest.location)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(checkpoint.source.storage.read_all(rel))
+
+
+def write_checkpoint(
+    checkpoint: Checkpoint,
+    plan: TransferPlan,
+    dest: Destination,
+    to: str,
+    options: WriteOptions,
+    *,
+    force: bool = False,
+    progress: Progress = NULL_PROGRESS,
+    workers: Workers | None = None,
+    shares: list[RankShare] | None = None,
+    extras: Sequence[str] = (),
+) -> tuple[list[FileInfo], list[WrittenEntry]]:
+    """Write `plan` from `checkpoint` as format `to` at `dest`, atomically.
+
+    The writer streams into a hidden sibling of `dest`; the result is checked with the format's
+    `check` hook and published with one rename only when it passes. Under torchrun (`workers`,
+    by default the active ones) every rank writes the data files `Workers.assign` gives it and
+    rank 0 writes the index / `.metadata`, checks and publishes (`distributed.split_output`);
+    `shares`, when given, receives what each rank did. Returns the files written (relative to
+    `dest`, or `dest`'s own name for a single file) and the entries written. `extras` are
+    source files (`extra_files`) copied unchanged into the output folder before it is checked.
+    """
+    fmt = get_format(to)
+    if not fmt.writable:
+        raise UsageError(f"writing {to} is not supported in this version")
+    workers = workers or active()
+    writers: list[Writer] = []
+
+    def work(staging: Path) -> dict[str, Any]:
+        writer = fmt.writer(staging, [item.target for item in plan.items], options)
+        writers.append(writer)
+        items = plan.items
+        started = time.perf_counter()
+        mine: list[str] = []
+        if workers.distributed:
+            if not writer.splittable:
+                raise UsageError(
+                    f"writing {to} cannot be split across ranks",
+                    fix="Run this conversion as one process (without torchrun).",
+                )
+            sizes = writer.output_files()
+            names = list(sizes)
+            mine = [names[i] for i in workers.mine([sizes[n] for n in names])]
+            writer.restrict(mine)
+            items = [item for item in plan.items if writer.wants(item.target.name)]
+        total = sum(i.source.nbytes for i in items if i.source.kind == "tensor")
+        # every rank counts its share; rank 0 draws all of them (CombinedProgress)
+        counted = CountingProgress(CombinedProgress(progress, workers, total=plan.total_bytes))
+        counted.start(total, f"{to} → {dest.name}")
+        try:
+            done = copy_entries(checkpoint, writer, items, counted)
+            workers.test_failure_point("the copy")
+            part = writer.finish_part() if workers.distributed else None
+            files = None if part is not None else writer.finish()
+        finally:
+            counted.finish()
+        share = RankShare(
+            rank=workers.rank, files=mine, bytes=counted.done, seconds=time.perf_counter() - started
+        )
+        return {
+            "share": share.model_dump(mode="json"),
+            "part": part,
+            "files": None if files is None else [f.model_dump(mode="json") for f in files],
+            "written": [w.model_dump(mode="json") for w in done],
+        }
+
+    def commit(staging: Path, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        if workers.distributed:
+            files = writers[0].commit([p["part"] for p in parts])
+        else:
+            files = [FileInfo.model_validate(f) for f in parts[0]["files"]]
+        # the writer's per-entry layout is spent: free it before the check reads the output (#20)
+        writers.clear()
+        # the layout's small non-weight files (adapter_config.json...), published with the weights
+        companions = options.companions
+        for rel, data in companions.items():
+            target = staging / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            files.append(FileInfo(path=rel, size=len(data), entries=0))
+        if extras and not options.single_file:
+            copy_files(checkpoint, [rel for rel in extras if rel not in companions], staging)
+        check_staged(to, staging, options.single_file)
+        # an entry split over several ranks' files is reported once, in plan order
+        by_name: dict[str, Any] = {}
+        for p in parts:
+            for w in p["written"]:
+                by_name.setdefault(w["name"], w)
+        order = [by_name[i.target.name] for i in plan.items if i.target.name in by_name]
+        return {
+            "files": [f.model_dump(mode="json") for f in files],
+            "written": order,
+            "shares": [p["share"] for p in parts] if workers.distributed else [],
+        }
+
+    result = split_output(
+        workers, dest, force=force, single_file=options.single_file, work=work, commit=commit
+    )
+    files = [FileInfo.model_validate(f) for f in result["files"]]
+    written = [WrittenEntry.model_validate(w) for w in result["written"]]
+    if shares is not None:
+        shares.extend(RankShare.model_validate(s) for s in result["shares"])
+    if options.single_file and files:
+        files = [files[0].model_copy(update={"path": dest.name})]
+    return files, written

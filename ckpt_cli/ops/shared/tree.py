@@ -1,0 +1,118 @@
+"""Fold dotted tensor names into a compact module tree (`layers.{0..31}.attn.wq.weight`).
+
+Numeric path components are merged into one node per position, so a 32-layer model shows one
+`layers.{0..31}` block instead of 32 copies; a 1,000-tensor model fits one screen.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from ...models import Entry
+
+
+class TreeNode(BaseModel):
+    """One node of the folded tree.
+
+    Attributes:
+        name: the path component, or `{0..31}` for folded numeric components.
+        tensors: tensors under this node (counting every folded copy).
+        objects: non-tensor entries under this node.
+        nbytes: bytes under this node.
+        dtype / shape: of the leaf tensor, when every folded copy agrees.
+        children: child nodes in first-seen order.
+    """
+
+    name: str
+    tensors: int = 0
+    objects: int = 0
+    nbytes: int = 0
+    dtype: str | None = None
+    shape: list[int] | None = None
+    children: list[TreeNode] = Field(default_factory=list)
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0,1,2,5,7,8] -> '{0..2,5,7..8}'."""
+    parts: list[str] = []
+    ordered = sorted(set(indices))
+    start = prev = ordered[0]
+    for i in ordered[1:]:
+        if i == prev + 1:
+            prev = i
+            continue
+        parts.append(str(start) if start == prev else f"{start}..{prev}")
+        start = prev = i
+    parts.append(str(start) if start == prev else f"{start}..{prev}")
+    return "{" + ",".join(parts) + "}"
+
+
+class _Builder:
+    __slots__ = ("children", "dtypes", "indices", "nbytes", "objects", "shapes", "tensors")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _Builder] = {}
+        self.indices: list[int] = []
+        self.tensors = 0
+        self.objects = 0
+        self.nbytes = 0
+        self.dtypes: set[str | None] = set()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def build(self, name: str) -> TreeNode:
+        if name == "#":
+            name = _ranges(self.indices)
+        leaf = not self.children
+        # every value was computed here from checked entries: no validation pass needed
+        return TreeNode.model_construct(
+            name=name,
+            tensors=self.tensors,
+            objects=self.objects,
+            nbytes=self.nbytes,
+            dtype=next(iter(self.dtypes)) if leaf and len(self.dtypes) == 1 else None,
+            shape=list(next(iter(self.shapes))) if leaf and len(self.shapes) == 1 else None,
+            children=[child.build(key) for key, child in self.children.items()],
+        )
+
+
+def build_tree(entries: list[Entry]) -> list[TreeNode]:
+    """The folded tree of `entries` (top-level nodes), in one pass over the names."""
+    root = _Builder()
+    for entry in entries:
+        is_tensor = entry.kind == "tensor"
+        nbytes = entry.nbytes
+        node = root
+        for part in entry.name.split("."):
+            node.tensors += is_tensor
+            node.objects += not is_tensor
+            node.nbytes += nbytes
+            numeric = part.isdigit()
+            key = "#" if numeric else part
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = _Builder()
+            if numeric:
+                child.indices.append(int(part))
+            node = child
+        node.tensors += is_tensor
+        node.objects += not is_tensor
+        node.nbytes += nbytes
+        node.dtypes.add(entry.dtype if is_tensor else entry.py_type)
+        node.shapes.add(tuple(entry.shape))
+    return [child.build(key) for key, child in root.children.items()]
+
+
+def collapse_chains(node: TreeNode) -> TreeNode:
+    """Join single-child chains (`model` -> `model.embed_tokens.weight`) to save lines."""
+    children = [collapse_chains(c) for c in node.children]
+    if (
+        len(children) == 1
+        and children[0].children
+        and (node.tensors, node.objects) == (children[0].tensors, children[0].objects)
+    ):
+        only = children[0]
+        return only.model_copy(update={"name": f"{node.name}.{only.name}"})
+    if len(children) == 1 and not children[0].children:
+        only = children[0]
+        return only.model_copy(update={"name": f"{node.name}.{only.name}"})
+    return node.model_copy(update={"children": children})

@@ -1,0 +1,1 @@
+"""`verify`: the operation (`run`) and checksum manifests (`checksums`)."""

@@ -1,0 +1,638 @@
+"""Checksums for `verify`: the `ckpt-manifest.json` manifest (written, read, checked) and
+the Hub's own digests (LFS sha256, git blob ids) for local copies of Hub files.
+
+Files are hashed in parallel threads (`hashing.hash_files`); under torchrun each rank hashes a
+byte-balanced share (`_hash_split`). Where the files live decides nothing by class: a storage
+that `hashes_in_place` is hashed through its own reads, one with a `local_root` by path, and
+one whose server records digests (`server_digests()`) is compared with them.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from ... import __version__
+from ...dist.command import CombinedProgress, RankShare, active
+from ...errors import CkptError, DestinationExistsError, FormatError, NotFoundError, UsageError
+from ...formats import resolve_source
+from ...formats.base import Source
+from ...models import Problem
+from ...progress import Progress
+from ...storage import LocalStorage, RemoteFile, hf_cache_repo, read_regular, remote_failure
+from ...storage.hashing import ALGORITHMS, Hashable, StoredFile, hash_files
+from ...storage.output import (
+    Destination,
+    RemoteDest,
+    check_destination,
+    resolve_destination,
+    staged_output,
+)
+from ...storage.uri import is_hub_url, parse_location
+
+if TYPE_CHECKING:
+    from .run import VerifyReport
+
+#: default manifest file name, inside a checkpoint folder (or beside a single-file checkpoint)
+MANIFEST_NAME = "ckpt-manifest.json"
+MANIFEST_VERSION = 1
+
+
+class FileDigest(BaseModel):
+    """One file recorded in a checksum manifest."""
+
+    size: int
+    digest: str
+
+
+class ChecksumManifest(BaseModel):
+    """The content of `ckpt-manifest.json`.
+
+    Attributes:
+        ckpt_manifest: file format version.
+        algorithm: `sha256`, `blake3` or `xxh3` (XXH3-128).
+        created: when it was written (UTC, ISO 8601).
+        tool: the ckpt version that wrote it.
+        format: the checkpoint format token.
+        files: path relative to the checkpoint root -> size and hex digest.
+    """
+
+    ckpt_manifest: int = MANIFEST_VERSION
+    algorithm: str
+    created: str
+    tool: str
+    format: str | None = None
+    files: dict[str, FileDigest]
+
+
+def manifest_exists(path: Destination) -> bool:
+    """Whether a manifest file exists at `path` (local or in an object store)."""
+    if isinstance(path, Path):
+        return path.exists()
+    try:
+        return bool(path.fs.exists(path.path))
+    except Exception as exc:
+        raise remote_failure(exc, path.url) from None
+
+
+# ---------------------------------------------------------------- checksums and the manifest
+
+
+def default_manifest_path(source: Source) -> Path:
+    """`ckpt-manifest.json` in the checkpoint folder (beside the file for a single file)."""
+    return _local_root(source) / MANIFEST_NAME
+
+
+def manifest_location(source: Source, manifest: str | None) -> Destination:
+    """Where the checksum manifest is: `--manifest` (a path or URL), else in the checkpoint."""
+    if manifest is not None:
+        loc = parse_location(manifest)
+        if loc.kind == "local":
+            return Path(manifest)
+        return resolve_destination(manifest)
+    storage = source.storage
+    remote = storage.fs_path(MANIFEST_NAME)
+    if remote is not None:
+        # in the object store, beside the checkpoint's files
+        fs, path = remote
+        return RemoteDest(url=storage.describe(MANIFEST_NAME), fs=fs, path=path)
+    return default_manifest_path(source)
+
+
+def _refuse_manifest_over_checkpoint(source: Source, path: Destination) -> None:
+    """Refuse to write the manifest over a file of the checkpoint, whatever the flags.
+
+    The manifest may replace (`--force`) only a manifest: a path that is one of the
+    checkpoint's files, or any existing file that is not a ckpt manifest, is refused.
+    """
+    root = source.storage.local_root
+    if not isinstance(path, Path) or root is None:
+        return
+    target = path.resolve()
+    listed = set(source.storage.list_files()) | set(source.files)
+    if source.target is not None:
+        # a single shard's siblings (the rest of its checkpoint) count too
+        listed |= set(LocalStorage(root).list_files())
+    for name in sorted(listed):
+        if name != MANIFEST_NAME and (root / name).resolve() == target:
+            raise UsageError(
+                "is a file of the checkpoint; writing the manifest there would destroy it",
+                path=str(path),
+                fix=f"Name another --manifest path (the default is {root / MANIFEST_NAME}).",
+            )
+    if path.exists() or path.is_symlink():
+        try:
+            ChecksumManifest.model_validate(json.loads(_read_bytes(path)))
+        except (CkptError, OSError, UnicodeDecodeError, ValueError, RecursionError):
+            raise UsageError(
+                "exists and is not a ckpt checksum manifest; --force replaces only a manifest",
+                path=str(path),
+                fix="Name another --manifest path, or move that file away yourself.",
+            ) from None
+
+
+def _local_root(source: Source) -> Path:
+    root = source.storage.local_root
+    assert root is not None, "callers check for a local checkpoint first"
+    return root
+
+
+def checksum_checks(
+    report: VerifyReport,
+    problems: list[Problem],
+    source: Source,
+    *,
+    write: bool,
+    manifest: str | None,
+    algo: str | None,
+    force: bool,
+    progress: Progress,
+) -> None:
+    """`verify --checksums` / `--write-manifest`: check the files against their manifest (or
+    the Hub's digests), or record them in a new manifest; problems go into `problems`."""
+    if not write and source.storage.server_digests() is not None:
+        report.checks.append("checksums")
+        _hub_cache_checksums(report, problems, source, progress)
+        return
+    if not source.storage.hashes_in_place:
+        raise UsageError(
+            "--checksums and --write-manifest need a local or object-store checkpoint",
+            path=source.location.raw,
+            fix="Download it first (`ckpt download`), then check the copy against the Hub with "
+            "`ckpt verify DEST --checksums --manifest hf://org/repo@revision`.",
+        )
+    if source.storage.local_root is None:
+        # hub-digest checks need a local copy; object stores are hashed in place
+        _refuse_hub_manifest(manifest, source)
+    if not write and manifest is not None and is_hub_url(manifest):
+        report.checks.append("checksums")
+        _local_against_hub(report, problems, source, manifest, progress)
+        return
+    if not write and manifest is None:
+        cache = _cache_snapshot(source)
+        if cache is not None and not manifest_exists(manifest_location(source, None)):
+            report.checks.append("checksums")
+            _cache_against_addresses(report, problems, source, cache, progress)
+            return
+    path = manifest_location(source, manifest)
+    report.manifest = str(path)
+    storage = source.storage
+    files = _files_to_hash(source, path)
+    if write:
+        report.checks.append("write-manifest")
+        algorithm = algo or "sha256"
+        _refuse_manifest_over_checkpoint(source, path)
+        if not force:
+            try:
+                check_destination(path, force=False)
+            except DestinationExistsError:
+                raise DestinationExistsError(
+                    "already exists",
+                    path=str(path),
+                    fix="Check against it with --checksums, or pass --force to replace it.",
+                ) from None
+            except UsageError:
+                pass  # a missing parent folder is reported when the manifest is written
+        report.algorithm = algorithm
+        if any(p.severity == "error" for p in problems):
+            problems.append(
+                Problem(
+                    code="manifest_not_written",
+                    message=f"{path}: not written, because the checkpoint has the problems "
+                    "above; a manifest must not bless a broken checkpoint",
+                    file=str(path),
+                )
+            )
+            return
+        digests = _hash_split(files, algorithm, progress, report)
+        sizes = files_size(files)
+        report.hashed_bytes = sum(sizes.values())
+        record = ChecksumManifest(
+            algorithm=algorithm,
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            tool=f"ckpt {__version__}",
+            format=report.format,
+            files={n: FileDigest(size=sizes[n], digest=digests[n]) for n in sorted(files)},
+        )
+        workers = active()
+        # rank 0 alone writes; a failure there fails every rank of a torchrun launch
+        with workers.together():
+            if workers.leader:
+                _write_manifest(path, record, force)
+        report.manifest_written = True
+        return
+    report.checks.append("checksums")
+    recorded = read_manifest(path)
+    if algo is not None and algo != recorded.algorithm:
+        raise UsageError(
+            f"--algo {algo} asked, but the manifest records {recorded.algorithm} digests",
+            path=str(path),
+            fix="Drop --algo (checks use the manifest's algorithm) or write a new manifest.",
+        )
+    report.algorithm = recorded.algorithm
+    expected = recorded.files
+    if source.target is not None:
+        # SRC named one file: check that file against its record, whatever else is recorded
+        expected = {n: d for n, d in expected.items() if n == source.target}
+        if not expected:
+            problems.append(
+                Problem(
+                    code="unlisted_file",
+                    message=f"{storage.describe(source.target)}: is not in the manifest {path}",
+                    file=storage.describe(source.target),
+                )
+            )
+            return
+    sizes = files_size(files)
+    to_hash: dict[str, Hashable] = {}
+    for name, want in expected.items():
+        if name not in files:
+            problems.append(
+                Problem(
+                    code="missing_file",
+                    message=f"{storage.describe(name)}: is missing (the manifest records {want.size} bytes)",
+                    file=storage.describe(name),
+                )
+            )
+        elif sizes[name] != want.size:
+            problems.append(
+                Problem(
+                    code="size_changed",
+                    message=f"{storage.describe(name)}: is {sizes[name]} bytes, the manifest records "
+                    f"{want.size} (truncated or rewritten since the manifest was written)",
+                    file=storage.describe(name),
+                )
+            )
+        else:
+            to_hash[name] = files[name]
+    for name in sorted(set(files) - set(expected)):
+        problems.append(
+            Problem(
+                code="unlisted_file",
+                message=f"{storage.describe(name)}: is not in the manifest {path} (added after it was written)",
+                file=storage.describe(name),
+                severity="warning",
+            )
+        )
+    digests = _hash_split(to_hash, recorded.algorithm, progress, report)
+    report.hashed_bytes = sum(sizes[n] for n in to_hash)
+    for name, digest in digests.items():
+        if digest != recorded.files[name].digest:
+            problems.append(
+                Problem(
+                    code="checksum_mismatch",
+                    message=f"{storage.describe(name)}: {recorded.algorithm} digest {digest[:16]}… differs "
+                    f"from the manifest's {recorded.files[name].digest[:16]}… (the content changed "
+                    "or is corrupt)",
+                    file=storage.describe(name),
+                )
+            )
+
+
+def _files_to_hash(source: Source, manifest: Destination) -> dict[str, Hashable]:
+    """The checkpoint's files (name -> local path or stored file), the manifest excluded."""
+    storage = source.storage
+    out: dict[str, Hashable] = {}
+    root = storage.local_root
+    if root is not None:
+        skip = Path(manifest).resolve() if isinstance(manifest, Path) else None
+        for name in source.files:
+            path = root / name
+            if path.resolve() != skip:
+                out[name] = path
+        return out
+    skip_name = manifest.path if isinstance(manifest, RemoteDest) else None
+    for name, size in source.files.items():
+        remote = storage.fs_path(name)
+        if remote is None or remote[1] != skip_name:
+            out[name] = StoredFile(storage, name, size)
+    return out
+
+
+def files_size(files: Mapping[str, Hashable]) -> dict[str, int]:
+    """Current sizes of the files (0 for ones that vanished)."""
+    sizes = {}
+    for name, path in files.items():
+        if isinstance(path, StoredFile):
+            sizes[name] = path.size
+            continue
+        try:
+            sizes[name] = path.stat().st_size
+        except OSError:
+            sizes[name] = 0
+    return sizes
+
+
+def _hash(files: Mapping[str, Hashable], algo: str, progress: Progress) -> dict[str, str]:
+    total = sum(files_size(files).values())
+    progress.start(total, f"hashing ({algo})")
+    try:
+        return hash_files(files, algo, progress=progress)
+    finally:
+        progress.finish()
+
+
+def _refuse_hub_manifest(manifest: str | None, source: Source) -> None:
+    if manifest is not None and is_hub_url(manifest):
+        raise UsageError(
+            "--manifest hf://… checks a local copy against the Hub's digests",
+            path=source.location.raw,
+            fix="Check the Hub repository against a manifest file instead.",
+        )
+
+
+def _read_bytes(path: Destination) -> bytes:
+    if isinstance(path, Path):
+        if not path.exists():
+            raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
+        return read_regular(path)  # a FIFO named like the manifest must not hang
+    try:
+        data: bytes = path.fs.cat_file(path.path)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise remote_failure(exc, path.url) from None
+    return data
+
+
+def read_manifest(path: Destination) -> ChecksumManifest:
+    """Load a checksum manifest; NotFoundError / FormatError with the fix when unusable."""
+    try:
+        raw = _read_bytes(path)
+    except FileNotFoundError:
+        raise NotFoundError(
+            "no checksum manifest here",
+            path=str(path),
+            fix="Write one from a known-good copy with `ckpt verify SRC --write-manifest`, or "
+            "name it with --manifest PATH.",
+        ) from None
+    try:
+        data: Any = json.loads(raw)
+        manifest = ChecksumManifest.model_validate(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(
+            f"is not a valid ckpt checksum manifest ({str(exc).splitlines()[0]})",
+            path=str(path),
+            fix="Write it again with `ckpt verify SRC --write-manifest --force`.",
+        ) from None
+    if manifest.algorithm not in ALGORITHMS:
+        raise FormatError(
+            f"records digests of unknown algorithm {manifest.algorithm!r}", path=str(path)
+        )
+    return manifest
+
+
+def _write_manifest(path: Destination, record: ChecksumManifest, force: bool) -> None:
+    """Publish the manifest atomically (temporary sibling + one rename, or an upload)."""
+    data = (json.dumps(record.model_dump(mode="json"), indent=2) + "\n").encode()
+    with (
+        staged_output(path, force=force, single_file=True) as staging,
+        open(staging / path.name, "wb") as fh,
+    ):
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+# ---------------------------------------------------------------- against the Hub's digests
+
+
+def _hub_cache_checksums(
+    report: VerifyReport, problems: list[Problem], source: Source, progress: Progress
+) -> None:
+    """`verify hf://… --checksums`: the files in the local HF cache against the Hub's digests."""
+    storage = source.storage
+    digests = storage.server_digests()
+    assert digests is not None, "called for a storage whose server records digests"
+    remote = dict(digests)
+    names = [source.target] if source.target is not None else sorted(remote)
+    local: dict[str, Path] = {}
+    for name in names:
+        path = storage.local_path(name)
+        if path is not None:
+            local[name] = path
+    report.manifest = storage.display
+    if not local:
+        problems.append(
+            Problem(
+                code="no_local_copy",
+                message=f"{storage.display}: no file of this commit is in the local HF "
+                "cache, so there is nothing to check against the Hub's digests",
+                file=storage.display,
+                severity="warning",
+            )
+        )
+        return
+    _compare_with_hub(
+        report, problems, local, {n: remote[n] for n in names}, storage.describe, progress
+    )
+
+
+def _cache_snapshot(source: Source) -> Path | None:
+    """The HF cache repository folder (`models--org--name/`) when SRC is a snapshot folder of
+    it (or a file in one), else None."""
+    root = source.storage.local_root
+    if root is None:
+        return None
+    repo = hf_cache_repo(os.path.realpath(root))
+    return Path(repo) if repo is not None else None
+
+
+#: the names huggingface_hub gives blobs: the LFS sha256, or the git blob id of a regular file
+_SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
+_GIT_NAME = re.compile(r"^[0-9a-f]{40}$")
+
+
+def _cache_against_addresses(
+    report: VerifyReport,
+    problems: list[Problem],
+    source: Source,
+    cache: Path,
+    progress: Progress,
+) -> None:
+    """`verify SNAPSHOT --checksums`: an HF cache is content-addressed, so each snapshot file
+    is checked against the name of the blob it links to (`blobs/<sha256>` for LFS files,
+    `blobs/<git blob id>` for regular ones), as `hf cache verify` checks them against the
+    Hub, offline. A file that is not a link into `blobs/` has no address to check."""
+    root = _local_root(source)
+    blobs = cache / "blobs"
+    names = [source.target] if source.target is not None else sorted(source.files)
+    local: dict[str, Path] = {}
+    addresses: dict[str, RemoteFile] = {}
+    sizes = files_size({n: root / n for n in names})
+    for name in names:
+        path = root / name
+        blob = Path(os.path.realpath(path))
+        address = blob.name
+        if blob.parent != blobs or not (_SHA256_NAME.match(address) or _GIT_NAME.match(address)):
+            problems.append(
+                Problem(
+                    code="no_content_address",
+                    message=f"{path}: is not a link into the cache's blobs/ folder, so it has "
+                    "no content address to check (copied into the snapshot by hand?)",
+                    file=str(path),
+                    severity="warning",
+                )
+            )
+            continue
+        local[name] = path
+        sha = address if len(address) == 64 else None
+        addresses[name] = RemoteFile(
+            path=name, size=sizes[name], sha256=sha, blob_id=None if sha else address
+        )
+    report.manifest = f"{blobs} (content addresses)"
+    _compare_with_hub(
+        report,
+        problems,
+        local,
+        addresses,
+        lambda n: str(root / n),
+        progress,
+        against="its blob's name (its content address in the HF cache)",
+    )
+
+
+def _local_against_hub(
+    report: VerifyReport, problems: list[Problem], source: Source, hub: str, progress: Progress
+) -> None:
+    """`verify DIR --checksums --manifest hf://…`: a downloaded copy against the Hub's digests."""
+    hub_side = resolve_source(hub)
+    storage = hub_side.storage
+    digests = storage.server_digests()
+    assert digests is not None, "an hf:// location opens a Hub storage, which records digests"
+    report.manifest = storage.display
+    root = _local_root(source)
+    local = {
+        name: root / name
+        for name in source.files
+        # huggingface_hub keeps its download bookkeeping there; ckpt its manifest
+        if not name.startswith(".cache/huggingface/") and name != MANIFEST_NAME
+    }
+    remote = dict(digests)
+    if source.target is not None:
+        remote = {n: f for n, f in remote.items() if n == source.target}
+    for name in sorted(set(remote) - set(local)):
+        problems.append(
+            Problem(
+                code="missing_file",
+                message=f"{root / name}: is not in the local copy ({storage.describe(name)} has "
+                f"{remote[name].size} bytes)",
+                file=str(root / name),
+                severity="warning",
+            )
+        )
+    for name in sorted(set(local) - set(remote)):
+        problems.append(
+            Problem(
+                code="unlisted_file",
+                message=f"{root / name}: is not in {storage.display}",
+                file=str(root / name),
+                severity="warning",
+            )
+        )
+    both = {n: local[n] for n in sorted(set(local) & set(remote))}
+    _compare_with_hub(report, problems, both, remote, lambda n: str(root / n), progress)
+
+
+def _compare_with_hub(
+    report: VerifyReport,
+    problems: list[Problem],
+    local: dict[str, Path],
+    remote: dict[str, Any],
+    describe: Any,
+    progress: Progress,
+    against: str = "the Hub's",
+) -> None:
+    """Sizes, then the Hub's own digests: LFS sha256 (hashed in parallel), git blob sha1
+    (`against` names where the expected digests come from, for the messages)."""
+    from ...storage.hub import file_digest
+
+    report.algorithm = "sha256 (LFS) / git-sha1"
+    sizes = files_size(local)
+    lfs: dict[str, Path] = {}
+    for name, path in local.items():
+        want = remote[name]
+        if sizes[name] != want.size:
+            problems.append(
+                Problem(
+                    code="size_changed",
+                    message=f"{describe(name)}: is {sizes[name]} bytes, the Hub records "
+                    f"{want.size}",
+                    file=describe(name),
+                )
+            )
+        elif want.sha256:
+            lfs[name] = path
+        elif want.blob_id:
+            # regular (non-LFS) git files are small (the Hub caps them at 10 MB): no threads
+            actual = file_digest(path, "git")
+            report.hashed_bytes += sizes[name]
+            if actual != want.blob_id:
+                problems.append(
+                    _hub_mismatch(describe(name), "git-sha1", actual, want.blob_id, against)
+                )
+    digests = _hash_split(lfs, "sha256", progress, report)
+    report.hashed_bytes += sum(sizes[n] for n in lfs)
+    for name, digest in digests.items():
+        if digest != remote[name].sha256:
+            problems.append(
+                _hub_mismatch(describe(name), "sha256", digest, remote[name].sha256, against)
+            )
+
+
+def _hub_mismatch(
+    file: str, algo: str, actual: str, expected: str, against: str = "the Hub's"
+) -> Problem:
+    if against == "the Hub's":
+        said = f"the Hub's {expected[:16]}… (the local copy is corrupt or from another revision)"
+    else:
+        said = (
+            f"{expected[:16]}…, {against}: the blob is corrupt; delete it (`hf cache rm`) and "
+            "download it again"
+        )
+    return Problem(
+        code="checksum_mismatch",
+        message=f"{file}: {algo} {actual[:16]}… differs from {said}",
+        file=file,
+    )
+
+
+# ---------------------------------------------------------------- split across torchrun ranks
+
+
+def _hash_split(
+    files: Mapping[str, Any], algo: str, progress: Progress, report: VerifyReport
+) -> dict[str, str]:
+    """`_hash`; under torchrun each rank hashes a byte-balanced share and every rank gets all."""
+    workers = active()
+    if not workers.distributed:
+        return _hash(dict(files), algo, progress)
+    sizes = files_size(dict(files))
+    names = list(files)
+    mine = [names[i] for i in workers.mine([sizes[n] for n in names])]
+    started = time.perf_counter()
+    digests: dict[str, str] = {}
+    with workers.together():
+        combined = CombinedProgress(progress, workers, total=sum(sizes.values()))
+        digests = _hash({n: files[n] for n in mine}, algo, combined)
+        workers.test_failure_point("hashing")
+    share = RankShare(
+        rank=workers.rank,
+        files=mine,
+        bytes=sum(sizes[n] for n in mine),
+        seconds=time.perf_counter() - started,
+    )
+    merged: dict[str, str] = {}
+    for got in workers.all_gather({"digests": digests, "share": share.model_dump(mode="json")}):
+        merged.update(got["digests"])
+        report.ranks.append(RankShare.model_validate(got["share"]))
+    return {name: merged[name] for name in names}

@@ -1,0 +1,108 @@
+"""`Accelerator.save_state` folders, FSDP saves included.
+
+The names are accelerate's own (`accelerate.checkpointing.save_accelerator_state`,
+`accelerate.utils.fsdp_utils.save_fsdp_model` / `save_fsdp_optimizer`, constants in
+`accelerate.utils.constants`); the i-th prepared object is numbered `_{i}` from the second on:
+
+| what | plain | FSDP, SHARDED_STATE_DICT | FSDP, FULL_STATE_DICT |
+|---|---|---|---|
+| model i | `model{_i}.safetensors` / `pytorch_model{_i}.bin` | `pytorch_model_fsdp_{i}/` (DCP) | `pytorch_model_fsdp{_i}.bin` |
+| optimizer i | `optimizer{_i}.bin` | `optimizer_{i}/` (DCP) | `optimizer{_i}.bin` |
+
+beside `scheduler{_i}.bin`, `sampler{_i}.bin`, `dl_state_dict{_i}.bin`, `scaler.pt`,
+`random_states_{rank}.pkl` (one per process) and `custom_checkpoint_{i}.pkl`. Components are
+`model`, `model_1`..., `optimizer`, `optimizer_1`..., `scheduler`, `scheduler_1`..., `rng_0`,
+`rng_1`... (one RNG per rank; `rng` when a single process saved). FSDP1 and FSDP2 write the same
+names (the FQNs inside differ only by what the model calls its parameters).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ...formats.base import Source
+from ...models import Problem
+from .base import Layout, OpenedSource
+from .composite import (
+    RANK_MODEL_FILE,
+    RANK_OPTIMIZER_FILE,
+    Folder,
+    component_files,
+    component_prefixes,
+    finish,
+    missing_rank_files,
+    numbered,
+)
+from .training import all_models, analyse, per_rank_models, value_of
+
+_RNG = r"random_states_\d+\.pkl"
+_OPTIM = r"optimizer(_\d+)?\.bin"
+
+
+class Accelerate(Layout):
+    """`Accelerator.save_state` folders (see the module docstring for the names)."""
+
+    name = "accelerate"
+    step_folder = re.compile(r"checkpoint_(\d+)")
+    #: `save_accelerator_state`: `random_states_{process_index}.pkl` at every world size
+    rank_files = re.compile(r"random_states_(\d+)\.pkl")
+
+    def rank_file_name(self, rank: int, world_size: int) -> str:
+        return f"random_states_{rank}.pkl"
+
+    def recognise(self, source: Source) -> bool:
+        folder = Folder(source)
+        return bool(
+            folder.matching(_RNG)
+            or folder.matching(_OPTIM)
+            or folder.has("scheduler.bin")
+            or folder.matching(RANK_MODEL_FILE.pattern)
+            or folder.matching(RANK_OPTIMIZER_FILE.pattern)
+        )
+
+    def missing(self, source: Source, folder: Folder) -> list[Problem]:
+        """Every rank's file of a per-rank FSDP save (`composite.missing_rank_files`)."""
+        return missing_rank_files(source, folder, self.rank_files)
+
+    def open(self, source: Source) -> OpenedSource | None:
+        folder = Folder(source)
+        rng = folder.matching(_RNG)
+        folder.add_model()
+        for stem in ("model", "pytorch_model"):  # the models after the first (`model_1...`)
+            for suffix, fmt in ((".safetensors", "safetensors"), (".bin", "torch")):
+                for name, i in folder.numbered_files(stem, suffix):
+                    if i and numbered("model", i) not in folder.components:
+                        folder.add(numbered("model", i), name, fmt)
+        folder.add_fsdp()
+        for comp, stem in (
+            ("optimizer", "optimizer"),
+            ("scheduler", "scheduler"),
+            ("sampler", "sampler"),
+            ("dataloader", "dl_state_dict"),
+        ):
+            for name, i in folder.numbered_files(stem, ".bin"):
+                if numbered(comp, i) not in folder.components:
+                    folder.add(numbered(comp, i), name, "torch")
+        if folder.has("scaler.pt"):
+            folder.add("scaler", "scaler.pt", "torch")
+        folder.add_many("rng", rng, "torch")
+        for name in folder.matching(r"custom_checkpoint_\d+\.pkl"):
+            number = re.findall(r"\d+", name)[-1]
+            folder.add(f"custom_{number}", name, "torch")
+        folder.list_training_args()  # what scripts on accelerate often save beside it
+        folder.problems.extend(self.missing(source, folder))
+        checkpoint = folder.composite("accelerate")
+        state = analyse(checkpoint, "accelerate", component_prefixes(checkpoint))
+        all_models(checkpoint, state)
+        per_rank_models(checkpoint, state)
+        state.components = component_files(folder)
+        for name in ("rng", *(c for c in folder.components if c.startswith("rng_"))):
+            step = value_of(checkpoint, f"{name}.step")
+            if isinstance(step, int):
+                state.step = step
+                break
+        if state.step is None:
+            match = re.search(r"(\d+)$", source.location.raw.rstrip("/"))
+            if match:
+                state.step = int(match.group(1))
+        return finish(checkpoint, state, folder)

@@ -1,0 +1,191 @@
+"""The layout protocol every training layout implements (`Layout`; `SingleLayout` for those
+inside one checkpoint), `OpenedSource`, and `open_plain`."""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from ...formats.base import Checkpoint, Source
+from ...formats.names import DCP_METADATA, TORCH_SUFFIXES
+from ...models import Problem, TrainingState
+from .model_folders import LayoutInfo
+
+if TYPE_CHECKING:
+    from .composite import Folder
+
+
+#: the components `resumable` needs, in the order they are reported
+REQUIRED = ("weights", "optimizer", "scheduler", "step", "rng", "dataloader")
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    """An entry a layout keeps in place of data that lives elsewhere (ZeRO-3's empty
+    parameters in the model states): never to be handed over as that data.
+
+    Attributes:
+        real: the entry that holds the data (the rebuilt weight), "" when none can be built.
+        kind: what it is, plural (`ZeRO-3 placeholders`).
+        why: what it holds and where the data is, for the message.
+        fix: what to do instead (`--select model`).
+    """
+
+    real: str
+    kind: str
+    why: str
+    fix: str
+
+
+@dataclass
+class OpenedSource:
+    """A source opened for reading.
+
+    Attributes:
+        checkpoint: where entries are read from (a composite for multi-file training folders).
+        training: the training state, when the layout holds one.
+        problems: components that were found but could not be read (unsafe or corrupt files).
+        parts: for a multi-file folder, component -> (its main file, its format token).
+        unreadable: components found but not readable: component -> (where, the problem);
+            a command that writes the checkpoint must not drop them silently.
+        placeholders: entry name -> the placeholder it is (see `Placeholder`).
+    """
+
+    checkpoint: Checkpoint
+    training: TrainingState | None = None
+    problems: list[Problem] = field(default_factory=list)
+    parts: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: the library layout of a model folder (PEFT adapter, diffusers pipeline...), if any
+    layout: LayoutInfo | None = None
+    unreadable: dict[str, tuple[str, str]] = field(default_factory=dict)
+    placeholders: dict[str, Placeholder] = field(default_factory=dict)
+    #: files of the folder a layout lists but never loads: file -> why (`training_args.bin`)
+    listed_files: dict[str, str] = field(default_factory=dict)
+
+
+class Layout(ABC):
+    """One training-folder layout (Trainer, accelerate, DeepSpeed...): what `open_source` asks.
+
+    `open_source` walks the registry (`ckpt_cli.sources.layouts.FOLDER_LAYOUTS`) in order: the first
+    layout whose `recognise` says yes and whose `open` returns a source wins. `recognise` looks
+    at file names only (nothing is read), so asking every layout costs nothing; `open` opens the
+    components and may still decline (None) when a closer look says the folder is not its own.
+
+    Attributes:
+        name: the layout token reported in `TrainingState.layout` / `LayoutInfo.layout`.
+        step_folder: how a run folder names this layout's checkpoints (`checkpoint-(\\d+)`),
+            the step being group 1; None when the layout has no step naming of its own.
+        rank_files: the top-level files holding one rank's state (RNG streams): the rank is
+            group 1 (a name without it is rank 0's of a one-rank save); None: no such files.
+            `rank_file_name` says how the framework names them at a given world size.
+        rank_state_world_size: entries recording the world size the per-rank state was saved
+            for (torchtitan's `dataloader.world_size`), which its loader compares with its own.
+        world_size_cut: how a world-size reshard of the whole folder cuts its state: `dcp`
+            re-cuts its DCP sub-folders and carries the rest; `zero` re-cuts DeepSpeed's ZeRO
+            partitions (`ops.reshard_zero`).
+    """
+
+    name: ClassVar[str]
+    step_folder: ClassVar[re.Pattern[str] | None] = None
+    rank_files: ClassVar[re.Pattern[str] | None] = None
+    rank_state_world_size: ClassVar[tuple[str, ...]] = ()
+    world_size_cut: ClassVar[Literal["dcp", "zero"]] = "dcp"
+
+    @abstractmethod
+    def recognise(self, source: Source) -> bool:
+        """Whether the folder's file names look like this layout (cheap: no file is read)."""
+
+    @abstractmethod
+    def open(self, source: Source) -> OpenedSource | None:
+        """Open the folder's components as one source; None when it turns out not to be one."""
+
+    def missing(self, source: Source, folder: Folder) -> list[Problem]:
+        """Components this checkpoint should hold but lacks (completeness); none by default."""
+        return []
+
+    def rank_file_name(self, rank: int, world_size: int) -> str:
+        """The file the framework saves (and at `world_size` ranks loads) rank `rank`'s state in;
+        only asked of layouts with `rank_files`."""
+        raise NotImplementedError(f"the {self.name} layout has no per-rank files")
+
+    def rank_file_rank(self, name: str) -> int | None:
+        """The rank a top-level file of this layout holds the state of (`rank_files`), else None."""
+        if self.rank_files is None:
+            return None
+        match = self.rank_files.fullmatch(name)
+        if match is None:
+            return None
+        return int(match.group(1)) if match.group(1) is not None else 0
+
+    def batch_notes(self, opened: OpenedSource, before: int, after: int) -> list[str]:
+        """What a change from `before` to `after` ranks does to the saved data position (the
+        global batch it was counted in), one warning each; none when the layout records none."""
+        return []
+
+    def step_of(self, folder_name: str) -> int | None:
+        """The step a run's checkpoint folder named `folder_name` holds, by this layout's naming."""
+        if self.step_folder is None:
+            return None
+        match = self.step_folder.fullmatch(folder_name)
+        return int(match.group(1)) if match else None
+
+
+def open_plain(source: Source, format: str | None = None) -> Checkpoint:
+    """`formats.open_checkpoint` for a source already resolved: read as one format, `format`
+    (a token) overriding detection; no training layout is looked for."""
+    from ...formats import choose_format, get_format
+
+    checkpoint = get_format(choose_format(source, format)).open(source)
+    if source.origin:
+        checkpoint.manifest.details.update(source.origin)
+    return checkpoint
+
+
+class SingleLayout(Layout):
+    """A training layout inside one checkpoint: a torch.save dict, a Lightning `.ckpt`, a
+    torchtitan DCP folder. It is told apart from the others by the top-level keys of the opened
+    checkpoint (`matches`), so `open_source` opens SRC once and asks the registry
+    (`ckpt_cli.sources.layouts.SINGLE_LAYOUTS`) in order; `recognise` / `open` serve a caller that holds
+    only a source.
+
+    Attributes:
+        suffixes: the file names it is saved under as one torch.save file (none: never a file).
+        dcp_folder: whether it may also be a DCP folder (`.metadata` at the top).
+    """
+
+    suffixes: ClassVar[tuple[str, ...]] = TORCH_SUFFIXES
+    dcp_folder: ClassVar[bool] = True
+
+    @abstractmethod
+    def matches(self, checkpoint: Checkpoint, keys: dict[str, str]) -> bool:
+        """Whether an opened checkpoint with these top-level keys (`training.top_keys`) is this
+        layout's (cheap: the manifest's names, nothing read)."""
+
+    @abstractmethod
+    def training_state(self, checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState | None:
+        """The training state of an opened checkpoint this layout `matches` (`keys`: its
+        top-level keys); None when it holds plain weights after all."""
+
+    def recognise(self, source: Source) -> bool:
+        """Whether SRC could be this layout from its names: one of its files, or a DCP folder."""
+        if source.target is not None:
+            return bool(self.suffixes) and source.target.endswith(self.suffixes)
+        return self.dcp_folder and DCP_METADATA in set(source.top_level())
+
+    def open(self, source: Source) -> OpenedSource | None:
+        """Open SRC as one checkpoint; None unless its keys say it is this layout's."""
+        from ...formats import get_format
+        from .training import top_keys
+
+        checkpoint = open_plain(source)
+        state = None
+        if get_format(checkpoint.manifest.format).holds_objects:
+            keys = top_keys(checkpoint.manifest)
+            if self.matches(checkpoint, keys):
+                state = self.training_state(checkpoint, keys)
+        if state is None:
+            checkpoint.close()
+            return None
+        return OpenedSource(checkpoint=checkpoint, training=state)

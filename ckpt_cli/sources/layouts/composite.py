@@ -1,0 +1,605 @@
+"""Composite checkpoints: the components of a training folder read as one.
+
+Entry names are `<component>.<name inside the component>` (see `ckpt_cli.sources.layouts`).
+`Folder` opens the components of one folder and collects what cannot be read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ...errors import CkptError, FormatError, NotFoundError
+from ...formats import get_format
+from ...formats.base import Checkpoint, Source
+from ...formats.names import DCP_METADATA, weight_format
+from ...formats.weight_map import INDEX_SUFFIX
+from ...models import Entry, FileInfo, Manifest, Problem, TrainingState
+from ...storage.uri import parse_location
+from .base import OpenedSource
+from .details import CompositeDetails
+from .training import verdict
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ObjectsCheckpoint(Checkpoint):
+    """Non-tensor entries held in memory (a JSON file's values).
+
+    Attributes:
+        values: the document's top-level keys and their values, as parsed.
+        leaves: entry name -> value (the flattened leaves `read_object` returns); defaults to
+            `values`.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        manifest: Manifest,
+        values: dict[str, Any],
+        leaves: dict[str, Any] | None = None,
+    ):
+        super().__init__(source, manifest)
+        self.values = values
+        self.leaves = values if leaves is None else leaves
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        raise FormatError(f"entry {name!r} is not a tensor", path=self.manifest.location)
+
+    def read_object(self, name: str) -> Any:
+        if name not in self.leaves:
+            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
+        return json.loads(json.dumps(self.leaves[name]))  # a copy callers may change
+
+
+def _json_container(node: Any) -> str | None:
+    """How a JSON value is flattened; the rules of `torch_save.flatten` (dicts with keys, lists
+    holding a dict at any depth are containers; other lists are one value), so a JSON
+    component and the same values after `convert --to torch` have the same entry names."""
+    if isinstance(node, dict):
+        return "dict" if node else None
+    if isinstance(node, list) and node:
+
+        def holds_dict(items: list[Any], depth: int) -> bool:
+            return depth <= 8 and any(
+                isinstance(i, dict) or (isinstance(i, list) and holds_dict(i, depth + 1))
+                for i in items
+            )
+
+        return "list" if holds_dict(node, 0) else None
+    return None
+
+
+def _flatten_json(doc: dict[str, Any]) -> Iterator[tuple[tuple[tuple[str, Any], ...], Any]]:
+    stack: list[tuple[tuple[tuple[str, Any], ...], Any]] = [
+        ((("dict", str(k)),), v) for k, v in reversed(list(doc.items()))
+    ]
+    while stack:
+        path, node = stack.pop()
+        kind = _json_container(node)
+        if kind is None:
+            yield path, node
+            continue
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        children = [((*path, (kind, key)), value) for key, value in items]
+        stack.extend(reversed(children))
+
+
+def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
+    """A JSON file (`trainer_state.json`) as object entries, flattened like a torch.save dict
+    (`log_history.0.loss`), each entry remembering its key path for the torch writer."""
+    from ...formats.torch.format import TorchEntry
+
+    where = source.storage.describe(rel)
+    try:
+        doc = json.loads(source.storage.read_all(rel))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"is not valid JSON ({exc})", path=where) from None
+    except RecursionError:
+        raise FormatError("nests too deeply to be read", path=where) from None
+    if not isinstance(doc, dict):
+        raise FormatError("is not a JSON object", path=where)
+    entries: list[Entry] = []
+    leaves: dict[str, Any] = {}
+    for path, value in _flatten_json(doc):
+        name = ".".join(str(key) for _, key in path)
+        base, n = name, 1
+        while name in leaves:  # {"a.b": 1, "a": {"b": 2}}
+            name, n = f"{base}~{n}", n + 1
+        leaves[name] = value
+        scalar = value is None or isinstance(value, (bool, int, float, str))
+        entries.append(
+            TorchEntry.model_construct(
+                name=name,
+                kind="object",
+                dtype=None,
+                shape=[],
+                nbytes=len(json.dumps(value)),
+                file=rel,
+                offset=None,
+                chunks=None,
+                py_type=type(value).__name__,
+                value=value if scalar else None,
+                key_path=path,
+            )
+        )
+    manifest = Manifest(
+        format="json",
+        location=source.location.raw,
+        files=[FileInfo(path=rel, size=source.storage.size(rel), entries=len(entries))],
+        entries=entries,
+    )
+    return ObjectsCheckpoint(source, manifest, {str(k): v for k, v in doc.items()}, leaves)
+
+
+class CompositeCheckpoint(Checkpoint):
+    """Several component checkpoints of one folder read as one; see the module docstring.
+
+    Attributes:
+        components: component name -> its opened checkpoint.
+        layout: the training layout recognised.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        components: dict[str, Checkpoint],
+        layout: str,
+        other_files: list[FileInfo],
+        subfolders: dict[str, str] | None = None,
+        wrappers: dict[str, str] | None = None,
+        padding: dict[str, list[tuple[int, int]]] | None = None,
+    ):
+        from ...formats.torch.format import TorchEntry
+
+        subfolders = subfolders or {}
+        wrappers = wrappers or {}
+        #: entry name -> flat element ranges that are the layout's padding (`padding`)
+        self._padding = padding or {}
+
+        self.components = components
+        self.layout = layout
+        #: component -> the subfolder it lives in (`pytorch_model_fsdp_0/`), root ones absent
+        self.subfolders = dict(subfolders)
+        self._route: dict[str, tuple[Checkpoint, str]] = {}
+        entries: list[Entry] = []
+        files: list[FileInfo] = []
+        formats: dict[str, str] = {}
+        for comp, checkpoint in components.items():
+            formats[comp] = checkpoint.manifest.format
+            # a component in a subfolder (an FSDP DCP folder): file names relative to the root
+            sub = subfolders.get(comp, "")
+            files.extend(
+                f.model_copy(update={"path": f"{sub}{f.path}"}) for f in checkpoint.manifest.files
+            )
+            # DCP components saved as {"model": ...} would read `model.model.x`: drop the wrapper
+            wrapper = wrappers.get(comp, "")
+            for entry in checkpoint.manifest.entries:
+                short = entry.name[len(wrapper) :] if wrapper else entry.name
+                name = f"{comp}.{short}" if short else comp
+                inner = (None if wrapper else getattr(entry, "key_path", None)) or (
+                    (("dict", short),) if short else ()
+                )
+                fields = {k: getattr(entry, k) for k in Entry.model_fields}
+                fields["name"] = name
+                if sub:
+                    fields["file"] = f"{sub}{entry.file}" if entry.file else None
+                    if entry.chunks:
+                        fields["chunks"] = [
+                            c.model_copy(update={"file": f"{sub}{c.file}"}) for c in entry.chunks
+                        ]
+                # the key path lets the torch writer rebuild {"model": {...}, "optimizer": {...}}
+                entries.append(
+                    TorchEntry.model_construct(**fields, key_path=(("dict", comp), *inner))
+                )
+                self._route[name] = (checkpoint, entry.name)
+        files.extend(other_files)
+        manifest = Manifest(
+            format="composite",
+            location=source.location.raw,
+            files=files,
+            entries=entries,
+            details=CompositeDetails(layout=layout, components=formats).as_details(),
+        )
+        super().__init__(source, manifest)
+
+    def _target(self, name: str) -> tuple[Checkpoint, str]:
+        try:
+            return self._route[name]
+        except KeyError:
+            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location) from None
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        checkpoint, inner = self._target(name)
+        return checkpoint.read_tensor(inner)
+
+    def read_object(self, name: str) -> Any:
+        checkpoint, inner = self._target(name)
+        return checkpoint.read_object(inner)
+
+    def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        checkpoint, inner = self._target(name)
+        return checkpoint.read_slice(inner, offsets, sizes)
+
+    def iter_raw(self, name: str, block: int = 8 << 20) -> Iterator[bytes]:
+        checkpoint, inner = self._target(name)
+        return checkpoint.iter_raw(inner, block)
+
+    def padding(self, name: str) -> list[tuple[int, int]]:
+        if name in self._padding:
+            return self._padding[name]
+        checkpoint, inner = self._target(name)
+        return checkpoint.padding(inner)
+
+    def close(self) -> None:
+        for checkpoint in self.components.values():
+            checkpoint.close()
+
+
+# --------------------------------------------------------------------------- folder layouts
+
+
+#: accelerate's name of an FSDP model save (`accelerate.utils.constants.FSDP_MODEL_NAME`)
+FSDP_MODEL = "pytorch_model_fsdp"
+#: accelerate's per-rank torch.save files of FSDP (`accelerate.utils.fsdp_utils`): model i of
+#: rank r under LOCAL_STATE_DICT (`pytorch_model_fsdp_rank{r}.bin` for model 0,
+#: `pytorch_model_fsdp_{i}_rank{r}.bin` after), and under SHARDED_STATE_DICT with
+#: `use_dcp=False` (`pytorch_model_fsdp_{i}_rank{r}.bin` for every i, 0 included); optimizer i
+#: of rank r whenever the state is not FULL and `use_dcp=False` (`optimizer_{i}_rank{r}.bin`)
+RANK_MODEL_FILE = re.compile(rf"{FSDP_MODEL}(?:_(\d+))?_rank(\d+)\.bin")
+RANK_OPTIMIZER_FILE = re.compile(r"optimizer_(\d+)_rank(\d+)\.bin")
+
+
+def rank_component(comp: str, index: int, rank: int) -> str:
+    """The component of object `index`'s state on rank `rank` (a per-rank FSDP file):
+    `model_rank0`, `model_1_rank1`, `optimizer_rank0`..."""
+    return f"{numbered(comp, index)}_rank{rank}"
+
+
+def numbered(comp: str, index: int) -> str:
+    """The component of object `index` (the i-th model, optimizer...): `comp`, then `comp_1`..."""
+    return comp if index == 0 else f"{comp}_{index}"
+
+
+class Folder:
+    """Opens the components of a training folder, collecting what cannot be read."""
+
+    def __init__(self, source: Source, base: str = ""):
+        self.source = source
+        self.base = base
+        self.components: dict[str, Checkpoint] = {}
+        self.unreadable: dict[str, str] = {}
+        self.problems: list[Problem] = []
+        #: component -> (file, problem) of the components that could not be read
+        self.unreadable_parts: dict[str, tuple[str, str]] = {}
+        self.used: set[str] = set()
+        self.parts: dict[str, tuple[str, str]] = {}
+        self.subfolders: dict[str, str] = {}
+        #: components present but deliberately not loaded: component -> description
+        self.listed: dict[str, str] = {}
+        #: their files: file -> why it is not loaded (what `convert` reports as skipped)
+        self.listed_files: dict[str, str] = {}
+        self.wrappers: dict[str, str] = {}
+        #: entry name -> flat ranges that are padding, not data (ZeRO partitions)
+        self.padding: dict[str, list[tuple[int, int]]] = {}
+        self.names = {
+            n[len(base) :] for n in source.files if n.startswith(base) and "/" not in n[len(base) :]
+        }
+
+    def rel(self, name: str) -> str:
+        return f"{self.base}{name}"
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def matching(self, pattern: str) -> list[str]:
+        regex = re.compile(pattern)
+        return sorted(n for n in self.names if regex.fullmatch(n))
+
+    def add(self, comp: str, name: str, fmt: str) -> Checkpoint | None:
+        rel = self.rel(name)
+        self.used.add(rel)
+        sub = Source(location=self.source.location, storage=self.source.storage, target=rel)
+        try:
+            if fmt == "json":
+                checkpoint: Checkpoint = json_component(sub, rel)
+            else:
+                checkpoint = get_format(fmt).open(sub)
+        except CkptError as error:
+            self._unreadable(rel, rel, error)
+            self.unreadable_parts[comp] = (
+                error.path or self.source.storage.describe(rel),
+                error.problem,
+            )
+            return None
+        self.used.update(f.path for f in checkpoint.manifest.files)
+        self.components[comp] = checkpoint
+        self.parts[comp] = (rel, fmt)
+        return checkpoint
+
+    def _unreadable(self, key: str, rel: str, error: CkptError) -> None:
+        """Record component `key` (file `rel`) as unreadable: its problem, and one finding."""
+        self.unreadable[key] = error.problem
+        self.problems.append(
+            Problem(
+                code="unreadable_component",
+                message=error.message,
+                file=error.path or self.source.storage.describe(rel),
+            )
+        )
+
+    def list_training_args(self) -> None:
+        """List `training_args.bin` (when the folder has one) as a component never loaded.
+
+        It is a pickle of transformers' `TrainingArguments` dataclass, which the Trainer saves
+        and many accelerate scripts save beside `save_state`'s files: weights_only refuses it
+        and nothing else may unpickle it, so it is listed (files, components), never read."""
+        if not self.has("training_args.bin"):
+            return
+        self.listed["training_args"] = "training_args.bin (not loaded)"
+        self.listed_files[self.rel("training_args.bin")] = (
+            "a pickle of transformers' TrainingArguments: never unpickled (it would run "
+            "transformers code) and not needed to resume; copy it by hand if wanted"
+        )
+
+    def has_dir(self, sub: str, marker: str = DCP_METADATA) -> bool:
+        return f"{self.base}{sub}/{marker}" in self.source.files
+
+    def add_dir(
+        self, comp: str, sub: str, fmt: str, wrapper: str | None = None
+    ) -> Checkpoint | None:
+        """A component that is a folder of its own (an FSDP `pytorch_model_fsdp_0/` DCP).
+
+        `wrapper`: the one top-level key its writer wrapped everything in (accelerate saves
+        `{"model": ...}` and `{"optimizer": ...}`), dropped from the entry names; by default
+        the component's own name."""
+        rel = self.rel(sub)
+        try:
+            part = subfolder_source(self.source, rel)
+            checkpoint = get_format(fmt).open(part)
+        except CkptError as error:
+            self._unreadable(f"{rel}/", rel, error)
+            self.unreadable_parts[comp] = (
+                error.path or self.source.storage.describe(rel),
+                error.problem,
+            )
+            return None
+        self.used.update(n for n in self.source.files if n.startswith(f"{rel}/"))
+        self.components[comp] = checkpoint
+        self.parts[comp] = (f"{rel}/", fmt)
+        self.subfolders[comp] = f"{rel}/"
+        names = [e.name for e in checkpoint.manifest.entries]
+        key = f"{wrapper or comp}."
+        if names and all(n.startswith(key) for n in names):
+            self.wrappers[comp] = key
+        return checkpoint
+
+    def add_model(self, stems: tuple[str, ...] = ("model", "pytorch_model")) -> str | None:
+        """The model weights: a safetensors or bin index, or one file; returns its file."""
+        for stem in stems:
+            for name, fmt in (
+                (f"{stem}{INDEX_SUFFIX}", "safetensors"),
+                (f"{stem}.safetensors", "safetensors"),
+                (f"{stem}.bin.index.json", "torch"),
+                (f"{stem}.bin", "torch"),
+            ):
+                if self.has(name):
+                    self.add("model", name, fmt)
+                    return name
+        for sub in ("pytorch_model_fsdp_0", "model_0"):
+            if self.has_dir(sub):
+                self.add_dir("model", sub, "dcp")
+                return f"{sub}/"
+        adapters = self.matching(r"adapter_model\.(safetensors|bin)")
+        if adapters:
+            name = adapters[0]
+            self.add("model", name, weight_format(name) or "torch")
+            return name
+        return None
+
+    def dirs_matching(self, pattern: str, marker: str = DCP_METADATA) -> list[tuple[str, int]]:
+        """The subfolders (holding `marker`) whose name fully matches `pattern`, with the number
+        its group 1 captures, in number order (`optimizer_0`, `optimizer_1`...)."""
+        regex = re.compile(pattern)
+        found: set[tuple[str, int]] = set()
+        for name in self.source.files:
+            rest = name[len(self.base) :] if name.startswith(self.base) else None
+            if rest is None or rest.count("/") != 1 or not rest.endswith(f"/{marker}"):
+                continue
+            sub = rest.split("/", 1)[0]
+            match = regex.fullmatch(sub)
+            if match:
+                found.add((sub, int(match.group(1))))
+        return sorted(found, key=lambda item: item[1])
+
+    def numbered_files(self, stem: str, suffix: str) -> list[tuple[str, int]]:
+        """accelerate's numbering of the files of object i: `stem.suffix` for 0, then
+        `stem_1.suffix`, `stem_2.suffix`... (`optimizer.bin`, `optimizer_1.bin`)."""
+        found: list[tuple[str, int]] = []
+        for name in self.matching(rf"{re.escape(stem)}(?:_(\d+))?{re.escape(suffix)}"):
+            match = re.fullmatch(rf"{re.escape(stem)}(?:_(\d+))?{re.escape(suffix)}", name)
+            assert match is not None
+            found.append((name, int(match.group(1) or 0)))
+        return sorted(found, key=lambda item: item[1])
+
+    def add_fsdp(self, model: str = "model") -> None:
+        """accelerate's FSDP saves of every model and optimizer (`save_fsdp_model`,
+        `save_fsdp_optimizer`), as components `model`, `model_1`... and `optimizer`,
+        `optimizer_1`... (index i: the i-th prepared model / optimizer).
+
+        SHARDED_STATE_DICT writes DCP folders `pytorch_model_fsdp_{i}/` (`{"model": ...}`) and
+        `optimizer_{i}/` (`{"optimizer": ...}`), every rank its own `__r_0.distcp`;
+        FULL_STATE_DICT writes rank 0's torch.save `pytorch_model_fsdp.bin` and `optimizer.bin`
+        (`_{i}` from the second on). A component already taken (a Trainer's `model.safetensors`
+        beside its `pytorch_model_fsdp.bin`) makes the FSDP copy `fsdp_<name>`.
+        LOCAL_STATE_DICT, and SHARDED_STATE_DICT with `use_dcp=False`, write one torch.save file
+        per rank (`RANK_MODEL_FILE`, `RANK_OPTIMIZER_FILE`): each is a component of its own,
+        `model_rank{r}`, `model_1_rank{r}`..., `optimizer_rank{r}`, `optimizer_1_rank{r}`...
+        (`rank_component`), read as the rank saved it (its shard; nothing merges them).
+        """
+
+        def free(comp: str) -> str:
+            taken = comp in self.components or comp in self.unreadable_parts
+            return f"fsdp_{comp}" if taken else comp
+
+        added = {rel for rel, _ in self.parts.values()}
+        for sub, i in self.dirs_matching(rf"{FSDP_MODEL}_(\d+)"):
+            if f"{self.rel(sub)}/" not in added:  # `add_model` may have taken model 0
+                self.add_dir(free(numbered(model, i)), sub, "dcp", wrapper="model")
+        for name, i in self.numbered_files(FSDP_MODEL, ".bin"):
+            if self.rel(name) not in added:
+                self.add(free(numbered(model, i)), name, "torch")
+        for sub, i in self.dirs_matching(r"optimizer_(\d+)"):
+            if f"{self.rel(sub)}/" not in added:
+                self.add_dir(free(numbered("optimizer", i)), sub, "dcp", wrapper="optimizer")
+        for comp, regex in ((model, RANK_MODEL_FILE), ("optimizer", RANK_OPTIMIZER_FILE)):
+            for name in self.matching(regex.pattern):
+                match = regex.fullmatch(name)
+                assert match is not None
+                index, rank = int(match.group(1) or 0), int(match.group(2))
+                self.add(rank_component(comp, index, rank), name, "torch")
+
+    def add_many(self, comp: str, files: list[str], fmt: str, index: str = r"_(\d+)\.") -> None:
+        """One component per file (`rng_state_0.pth`...): `comp`, or `comp_N` when several."""
+        for name in files:
+            match = re.search(index, name)
+            key = f"{comp}_{match.group(1)}" if match and len(files) > 1 else comp
+            self.add(key, name, fmt)
+
+    def composite(self, layout: str) -> CompositeCheckpoint:
+        other = [
+            FileInfo(path=rel, size=size, entries=0)
+            for rel, size in self.source.files.items()
+            if rel not in self.used and rel not in self.unreadable
+        ]
+        other += [
+            FileInfo(path=rel, size=self.source.files.get(rel), entries=0)
+            for rel in sorted(self.unreadable)
+        ]
+        return CompositeCheckpoint(
+            self.source,
+            self.components,
+            layout,
+            other,
+            self.subfolders,
+            self.wrappers,
+            self.padding,
+        )
+
+
+def component_files(folder: Folder) -> dict[str, str]:
+    out = {}
+    for comp, checkpoint in folder.components.items():
+        paths = [f.path for f in checkpoint.manifest.files]
+        if not paths:
+            continue  # a virtual component (ZeRO weights): described in `listed`
+        sub = folder.subfolders.get(comp)
+        if sub is not None:
+            # a DCP folder of its own (FSDP): named by the folder, not by its `.metadata`
+            fmt = checkpoint.manifest.format
+            out[comp] = f"{sub} ({fmt}, {len(paths)} file{'s' if len(paths) != 1 else ''})"
+            continue
+        out[comp] = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
+    out.update(folder.listed)
+    for rel, why in folder.unreadable.items():
+        out[rel] = f"unreadable: {why}"
+    return out
+
+
+def component_prefixes(checkpoint: CompositeCheckpoint) -> dict[str, str]:
+    out = {}
+    for comp in checkpoint.components:
+        if comp in ("model", "optimizer", "scheduler", "dataloader", "sampler", "scaler"):
+            out[comp] = f"{comp}."
+    rng = [c for c in checkpoint.components if c == "rng" or c.startswith("rng_")]
+    if rng:
+        out["rng"] = f"{rng[0]}."
+    if "sampler" in out and "dataloader" not in out:
+        out["dataloader"] = out["sampler"]
+    return out
+
+
+def missing_rank_files(
+    source: Source, folder: Folder, rank_state: re.Pattern[str] | None
+) -> list[Problem]:
+    """A per-rank FSDP save (`RANK_MODEL_FILE`, `RANK_OPTIMIZER_FILE`) must hold every rank's
+    file of every model and optimizer: one problem per file missing. The world size is the
+    highest rank any per-rank file names (`rank_state`: the layout's RNG files too), plus one."""
+    groups: dict[tuple[str, int], dict[int, str]] = {}
+    for obj, regex in (("model", RANK_MODEL_FILE), ("optimizer", RANK_OPTIMIZER_FILE)):
+        for name in folder.matching(regex.pattern):
+            match = regex.fullmatch(name)
+            assert match is not None
+            groups.setdefault((obj, int(match.group(1) or 0)), {})[int(match.group(2))] = name
+    if not groups:
+        return []
+    ranks = {rank for files in groups.values() for rank in files}
+    if rank_state is not None:
+        for name in folder.names:
+            match = rank_state.fullmatch(name)
+            if match:
+                ranks.add(int(match.group(1) or 0))
+    world = max(ranks) + 1
+    problems: list[Problem] = []
+    for (obj, index), files in sorted(groups.items()):
+        sample = files[min(files)]
+        for rank in range(world):
+            if rank in files:
+                continue
+            name = re.sub(r"_rank\d+\.bin$", f"_rank{rank}.bin", sample)
+            problems.append(
+                Problem(
+                    code="missing_rank_file",
+                    message=f"is missing: {obj} {index}'s state was saved one file per rank "
+                    f"(FSDP, {len(files)} of {world} ranks' files are here) and rank {rank}'s "
+                    "part is in no other file, so the run cannot be resumed. Copy the file "
+                    "again from where the run saved it.",
+                    file=source.storage.describe(folder.rel(name)),
+                )
+            )
+    return problems
+
+
+def finish(
+    checkpoint: Checkpoint, state: TrainingState, folder: Folder | None = None
+) -> OpenedSource:
+    if folder is not None:
+        state.unreadable = dict(folder.unreadable)
+    verdict(state)
+    lost = [p.file for p in folder.problems if p.code == "missing_rank_file"] if folder else []
+    if lost:
+        # no resume without every rank's part: a missing shard, not an inexact resume
+        state.missing.append(f"every rank's file ({len(lost)} missing)")
+        state.resumable = state.exact = False
+    if folder is None:
+        return OpenedSource(checkpoint=checkpoint, training=state)
+    return OpenedSource(
+        checkpoint=checkpoint,
+        training=state,
+        problems=list(folder.problems),
+        parts=dict(folder.parts),
+        unreadable=dict(folder.unreadable_parts),
+        listed_files=dict(folder.listed_files),
+    )
+
+
+def subfolder_source(source: Source, rel: str) -> Source:
+    """A component folder of `source` (an FSDP `pytorch_model_fsdp_0/` DCP) as its own source.
+
+    One per folder and `source`, kept in `source.parsed`: `verify` opens a training folder and
+    checks its components, and both then share the component's listing and parsed metadata.
+    """
+    key = ("subfolder", rel, 0)
+    known = source.parsed.get(key)
+    if isinstance(known, Source):
+        return known
+    storage = source.storage.subfolder(rel)
+    if storage is None:
+        raise FormatError(
+            "subfolder components cannot be read from this storage", path=source.location.raw
+        )
+    part = source.parsed[key] = Source(location=parse_location(storage.display), storage=storage)
+    return part

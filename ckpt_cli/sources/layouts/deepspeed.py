@@ -1,0 +1,286 @@
+"""DeepSpeed `global_stepN/` folders (or their parent with `latest`); ZeRO in `zero.py`."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ...errors import NotFoundError
+from ...formats.base import Checkpoint, Source
+from ...models import Entry
+from ...storage import safe_relpath
+from .base import Layout, OpenedSource, Placeholder
+from .composite import Folder, component_files, finish
+from .training import analyse, entries_under, value_of
+
+_DS_MODEL = re.compile(r"mp_rank_\d+_model_states\.pt$")
+#: `optim_states_R_mp_rank_MM` when a save has several model-parallel ranks
+_TP_INDEX = r"rank_(\d+_mp_rank_\d+)_"
+_MP_RANK = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
+
+
+class DeepSpeed(Layout):
+    """`global_stepN/` (`mp_rank_00_model_states.pt`, `*_optim_states.pt`), or its parent
+    with `latest` naming the tag."""
+
+    name = "deepspeed"
+    step_folder = re.compile(r"global_step(\d+)")
+    #: ZeRO partitions are cut by data-parallel rank, not DCP chunks (`ops.reshard_zero`)
+    world_size_cut = "zero"
+    #: the per-rank RNG files a Hugging Face Trainer saves beside DeepSpeed's tag folder
+    #: (`checkpoint-N/` holds `latest`, `global_stepN/` and `rng_state_{process_index}.pth`)
+    rank_files = re.compile(r"rng_state(?:_(\d+))?\.pth")
+
+    def rank_file_name(self, rank: int, world_size: int) -> str:
+        return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
+
+    def batch_notes(self, opened: OpenedSource, before: int, after: int) -> list[str]:
+        """DeepSpeed counts `global_steps` / `global_samples` in global batches of
+        `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` x ranks (the
+        `ds_config` the model states record); a config that pins `train_batch_size` keeps the
+        global batch at any world size DeepSpeed accepts."""
+        if before == after:
+            return []
+        checkpoint = opened.checkpoint
+
+        def setting(key: str) -> int | None:
+            value = value_of(checkpoint, f"model_states.ds_config.{key}")
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+            return None
+
+        total, micro = setting("train_batch_size"), setting("train_micro_batch_size_per_gpu")
+        accumulation = setting("gradient_accumulation_steps")
+        steps = value_of(checkpoint, "model_states.global_steps")
+        counted = f"global_steps {steps}" if isinstance(steps, int) else "its step"
+        if total is not None:
+            per_rank = [v for v in (micro, accumulation) if v is not None]
+            if (
+                len(per_rank) == 2
+                and micro
+                and accumulation
+                and total != micro * accumulation * after
+            ):
+                return [
+                    f"ds_config sets train_batch_size {total} = train_micro_batch_size_per_gpu "
+                    f"{micro} x gradient_accumulation_steps {accumulation} x {before} ranks; at "
+                    f"{after} ranks DeepSpeed refuses that config: drop "
+                    "gradient_accumulation_steps (or micro batch) so it derives it"
+                ]
+            if total % (math.prod(per_rank) * after):
+                return [
+                    f"ds_config sets train_batch_size {total}, which {after} ranks cannot split "
+                    f"(train_micro_batch_size_per_gpu {micro or 'unset'}, "
+                    f"gradient_accumulation_steps {accumulation or 'unset'}): DeepSpeed refuses "
+                    "that config at the new world size"
+                ]
+            return []  # DeepSpeed keeps the global batch, changing the accumulation steps
+        if micro is None:
+            return []
+        accumulation = accumulation or 1
+        was, now = micro * accumulation * before, micro * accumulation * after
+        ranks = "1 rank" if after == 1 else f"{after} ranks"
+        return [
+            f"the global batch changes: the data position ({counted}) was counted in global "
+            f"batches of {was} samples (ds_config train_micro_batch_size_per_gpu {micro} x "
+            f"gradient_accumulation_steps {accumulation} x {before} ranks); at {ranks} the same "
+            f"config makes it {now} samples, so a resume that skips data by step sees other "
+            f"samples than the saved run did. Set train_batch_size {was} in ds_config to keep "
+            "it (DeepSpeed then derives gradient_accumulation_steps)."
+        ]
+
+    def recognise(self, source: Source) -> bool:
+        top = {n for n in source.files if "/" not in n}
+        return "latest" in top or any(_DS_MODEL.search(n) for n in top)
+
+    def open(self, source: Source) -> OpenedSource | None:
+        top = {n for n in source.files if "/" not in n}
+        base = _tag_base(source) if "latest" in top else ""
+        if base is None:
+            return None  # some other tool's `latest` file
+        folder = Folder(source, base)
+        models = folder.matching(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
+        if not models:
+            return None
+        if "latest" in top:
+            folder.used.add("latest")
+        folder.add("model_states", models[0], "torch")
+        for extra in models[1:]:
+            folder.add(extra.removesuffix(".pt"), extra, "torch")
+        optim = folder.matching(r".*optim_states\.pt")
+        # eco: tensor-parallel saves have one partition per (dp, mp) rank: name both
+        tp = any("_mp_rank_00_" not in name for name in optim)
+        folder.add_many("optim_states", optim, "torch", index=_TP_INDEX if tp else r"rank_(\d+)_")
+        from .zero import zero_partitions
+
+        # ZeRO: every rank's partition must be there; the fp32 weights are rebuilt from them
+        zero = zero_partitions(source, base, folder.parts, folder.components)
+        if zero is not None:
+            folder.problems.extend(zero.problems)
+            folder.padding.update(zero.padding)
+            if zero.weights is not None:
+                folder.components["model"] = zero.weights
+                folder.listed["model"] = (
+                    f"fp32 weights rebuilt from {zero.weights.world_size} "
+                    f"ZeRO-{zero.weights.stage} partitions"
+                )
+        checkpoint = folder.composite("deepspeed")
+        rebuilt = zero is not None and zero.weights is not None
+        prefixes = _prefixes(checkpoint, list(folder.components), rebuilt)
+        state = analyse(checkpoint, "deepspeed", prefixes)
+        state.components = component_files(folder)
+        if any(c.startswith("optim_states") for c in folder.components) or any(
+            rel.endswith("optim_states.pt") for rel in folder.unreadable
+        ):
+            state.components.setdefault(
+                "optimizer",
+                ", ".join(rel for rel in folder.used if rel.endswith("optim_states.pt")),
+            )
+        step = value_of(checkpoint, "model_states.global_steps")
+        if isinstance(step, int):
+            state.step = step
+        configured = value_of(checkpoint, "model_states.ds_config.optimizer.type")
+        if state.optimizer is not None and isinstance(configured, str):
+            state.optimizer.kind = configured
+        if not state.weights.get("tensors"):
+            state.weights = _zero3_weights(checkpoint)
+        if zero is not None and not rebuilt:
+            # a ZeRO save's weights are its fp32 partitions: with one missing, `model` names
+            # nothing to select (the module holds bf16 copies or ZeRO-3 placeholders)
+            state.prefixes.pop("model", None)
+        opened = finish(checkpoint, state, folder)
+        mp = zero.weights.mp_world_size if zero is not None and zero.weights is not None else 0
+        files = {comp: rel for comp, (rel, _) in folder.parts.items()}
+        opened.placeholders = zero3_placeholders(checkpoint, files, mp)
+        return opened
+
+
+def _tag_base(source: Source) -> str | None:
+    """The folder (`global_stepN/`) the `latest` file names; None when `latest` is not
+    DeepSpeed's (no tag folder and no model states anywhere)."""
+    # a tag name is short; never read more than a few KB of whatever `latest` holds
+    size = min(source.storage.size("latest"), 4096)
+    tag = source.storage.read("latest", 0, size).decode("utf-8", "replace").strip()
+    tag = safe_relpath(tag, source=source.storage.describe("latest"))
+    base = f"{tag}/"
+    if not any(n.startswith(base) for n in source.files):
+        if not any(_DS_MODEL.search(n) for n in source.files):
+            return None  # some other tool's `latest` file
+        raise NotFoundError(
+            f"`latest` names {tag!r}, which is missing",
+            path=source.storage.describe("latest"),
+            fix="The save was interrupted or the folder was pruned; point at another tag.",
+        )
+    return base
+
+
+def _prefixes(checkpoint: Checkpoint, components: list[str], rebuilt: bool) -> dict[str, str]:
+    """Where each training component sits among the composite's entries."""
+    names = checkpoint.manifest.by_name
+    prefixes: dict[str, str] = {"model": "model." if rebuilt else "model_states.module."}
+    if any(n.startswith("model_states.optimizer.state.") for n in names):
+        prefixes["optimizer"] = "model_states.optimizer."
+    else:
+        for comp in components:
+            if comp.startswith("optim_states"):
+                # ZeRO keeps the wrapped optimizer's state (over flat partitions) one level down
+                # ZeRO-1/2 keep the wrapped optimizer's state under `base_optimizer_state`,
+                # ZeRO-3 under a second `optimizer_state_dict` (both over flat partitions)
+                prefixes["optimizer"] = f"{comp}.optimizer_state_dict."
+                for inner in ("base_optimizer_state.", "optimizer_state_dict."):
+                    if any(
+                        n.startswith(f"{comp}.optimizer_state_dict.{inner}state.") for n in names
+                    ):
+                        prefixes["optimizer"] = f"{comp}.optimizer_state_dict.{inner}"
+                        break
+                break
+    if any(n.startswith("model_states.lr_scheduler.") for n in names):
+        prefixes["scheduler"] = "model_states.lr_scheduler."
+    for key in ("rng", "random_state", "rng_state"):
+        if any(n.startswith(f"model_states.{key}.") for n in names):
+            prefixes["rng"] = f"model_states.{key}."
+    for key in ("dataloader", "data_loader", "sampler"):
+        if any(n.startswith(f"model_states.{key}.") for n in names):
+            prefixes["dataloader"] = f"model_states.{key}."
+    return prefixes
+
+
+def zero3_placeholders(
+    checkpoint: Checkpoint, files: dict[str, str], mp: int
+) -> dict[str, Placeholder]:
+    """The parameters ZeRO-3 leaves in the model states as empty placeholders: every tensor of
+    a model-states file's `module` that its `param_shapes` records with another shape (every
+    rank's file has them; the real weight is partitioned over the ranks' fp32 groups).
+
+    `files`: component -> its file; `mp`: the model-parallel ranks of the rebuilt weights (0
+    when they could not be rebuilt), which name the real weight: `model.<name>`, or
+    `model.mp_rank_MM.<name>` above one rank.
+    """
+    shapes: dict[tuple[object, str], list[int]] = {}
+    modules: list[tuple[object, str, Entry]] = []
+    for entry in checkpoint.manifest.entries:
+        path = _key_path(entry)
+        if len(path) < 3 or not str(path[0]).endswith("model_states"):
+            continue
+        if path[1] == "param_shapes" and len(path) == 4:
+            value = entry.value
+            if isinstance(value, list) and all(isinstance(d, int) for d in value):
+                shapes[(path[0], str(path[3]))] = value
+        elif path[1] == "module" and len(path) == 3 and entry.kind == "tensor":
+            modules.append((path[0], str(path[2]), entry))
+    out: dict[str, Placeholder] = {}
+    for component, name, entry in modules:
+        shape = shapes.get((component, name))
+        if shape is None or list(entry.shape) == shape:
+            continue
+        ranks = _MP_RANK.search(files.get(str(component), ""))
+        inner = f"mp_rank_{ranks.group(1) if ranks else '00'}.{name}" if mp > 1 else name
+        out[entry.name] = Placeholder(
+            real=f"model.{inner}" if mp else "",
+            kind="ZeRO-3 placeholders",
+            why=f"stored as {list(entry.shape)}, the parameter is {shape}; ZeRO-3 partitions "
+            "every parameter over the ranks' fp32 groups in *_optim_states.pt and leaves only "
+            "an empty placeholder in the model states",
+            fix="Use --select model: ckpt rebuilds the full fp32 weights from every rank's "
+            "partition, bit-identical to DeepSpeed's zero_to_fp32.py"
+            + ("." if mp else " (restore the missing partition files first)."),
+        )
+    return out
+
+
+def _key_path(entry: Entry) -> tuple[object, ...]:
+    """The keys of an entry of the composite, its component first (`model_states`, ...)."""
+    path = getattr(entry, "key_path", None)
+    if path:
+        return tuple(key for _, key in path)
+    return tuple(entry.name.split("."))
+
+
+def _zero3_weights(checkpoint: Checkpoint) -> dict[str, int]:
+    """ZeRO-3 keeps no weights in the model states: count them from `param_shapes` and the
+    fp32 partitions the optimizer files hold (what `zero_to_fp32.py` reassembles)."""
+    manifest = checkpoint.manifest
+    shapes = [
+        e.value
+        for e in entries_under(manifest, "model_states.param_shapes.")
+        if isinstance(e.value, list) and all(isinstance(d, int) for d in e.value)
+    ]
+    flat = [
+        e
+        for e in manifest.entries
+        if e.kind == "tensor"
+        and (".fp32_flat_groups." in e.name or ".single_partition_of_fp32_groups." in e.name)
+    ]
+    if not shapes or not flat:
+        return {}
+    parameters = 0
+    for shape in shapes:
+        count = 1
+        for dim in shape:
+            count *= dim
+        parameters += count
+    return {
+        "tensors": len(shapes),
+        "parameters": parameters,
+        "bytes": sum(e.nbytes for e in flat),
+    }

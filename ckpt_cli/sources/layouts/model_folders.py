@@ -1,0 +1,370 @@
+"""Model folders as the libraries that own them write them: PEFT adapters, diffusers models and
+pipelines, sentence-transformers folders.
+
+Recognised from file names and the libraries' small JSON files alone (never tensor data):
+
+| layout | recognised by | what is reported |
+|---|---|---|
+| `peft` | `adapter_config.json` + `adapter_model.safetensors` / `.bin` | adapter type (LoRA...), base model, rank, alpha, target modules |
+| `diffusers-model` | `config.json` with `_diffusers_version` beside `diffusion_pytorch_model[.VARIANT].safetensors` | class, variant |
+| `diffusers-pipeline` | `model_index.json` + one subfolder per component | components, their classes |
+| `sentence-transformers` | `modules.json` (+ `config_sentence_transformers.json`) | the module chain (`0_Transformer`, `1_Pooling`, `2_Dense`...) |
+
+`naming` gives the file names an output must keep so the owning library still loads it
+(`adapter_model.safetensors`, `diffusion_pytorch_model.fp16.safetensors` and diffusers' variant
+index `diffusion_pytorch_model.safetensors.index.fp16.json`), and `companions` the non-weight
+files of the layout that travel with the weights (`adapter_config.json`, a component's
+`config.json`...).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from ...formats.base import Source
+from ...formats.names import SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX
+
+#: JSON files read here are small; anything larger is not the file we think it is
+MAX_JSON = 4 << 20
+
+_DIFFUSERS_WEIGHTS = re.compile(
+    r"diffusion_pytorch_model(?:\.(?P<variant>\w+))?(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)$"
+)
+_DIFFUSERS_INDEX = re.compile(
+    r"diffusion_pytorch_model\.(?:safetensors|bin)\.index(?:\.(?P<variant>[\w-]+))?\.json$"
+)
+
+
+class ComponentInfo(BaseModel):
+    """One component of a multi-folder model (a pipeline's `unet/`, a sentence-transformers
+    module).
+
+    Attributes:
+        name: the component name (`unet`, `2_Dense`); `--select NAME` works on it alone.
+        path: its folder inside the checkpoint (`` for the root).
+        kind: the class that owns it (`UNet2DModel`, `sentence_transformers.models.Dense`).
+        tensors / parameters / bytes: what its weights hold (0 for weightless components such as
+            a scheduler or a tokenizer).
+        files: its files.
+    """
+
+    name: str
+    path: str
+    kind: str | None = None
+    tensors: int = 0
+    parameters: int = 0
+    bytes: int = 0
+    files: list[str] = Field(default_factory=list)
+
+
+class LayoutInfo(BaseModel):
+    """Which library wrote a model folder and what its own files say about it.
+
+    Attributes:
+        layout: `peft`, `diffusers-model`, `diffusers-pipeline`, `sentence-transformers`.
+        description: one line for humans (`LoRA adapter for meta-llama/... (r=8, alpha=16, ...)`).
+        details: the facts the description is made of (JSON).
+        components: for multi-folder layouts, every component with its totals.
+    """
+
+    layout: str
+    description: str
+    details: dict[str, Any] = Field(default_factory=dict)
+    components: list[ComponentInfo] = Field(default_factory=list)
+
+
+def read_json(source: Source, rel: str) -> Any:
+    """A small JSON file of the folder, or None when absent, too large or not JSON."""
+    if rel not in source.files:
+        return None
+    size = source.files.get(rel) or source.storage.size(rel)
+    if size > MAX_JSON:
+        return None
+    try:
+        return json.loads(source.storage.read_all(rel))
+    except (UnicodeDecodeError, json.JSONDecodeError, OSError):
+        return None
+
+
+# --------------------------------------------------------------------------- PEFT
+
+
+def peft_info(source: Source, base: str = "") -> LayoutInfo | None:
+    """A PEFT adapter folder: its type, base model, rank, alpha and target modules."""
+    names = {n[len(base) :] for n in source.files if n.startswith(base)}
+    if "adapter_config.json" not in names or not (
+        "adapter_model.safetensors" in names or "adapter_model.bin" in names
+    ):
+        return None
+    config = read_json(source, f"{base}adapter_config.json")
+    if not isinstance(config, dict):
+        return LayoutInfo(
+            layout="peft", description="PEFT adapter (adapter_config.json unreadable)"
+        )
+    kind = str(config.get("peft_type") or "PEFT")
+    label = {"LORA": "LoRA", "ADALORA": "AdaLoRA", "LOHA": "LoHa", "LOKR": "LoKr", "IA3": "IA³"}
+    name = label.get(kind.upper(), kind)
+    if config.get("use_dora"):
+        name = "DoRA"
+    target = config.get("target_modules")
+    targets = sorted(target) if isinstance(target, list) else target
+    details: dict[str, Any] = {
+        "peft_type": kind,
+        "base_model_name_or_path": config.get("base_model_name_or_path"),
+        "r": config.get("r"),
+        "lora_alpha": config.get("lora_alpha"),
+        "target_modules": targets,
+        "task_type": config.get("task_type"),
+    }
+    for key in ("use_rslora", "use_dora", "fan_in_fan_out", "modules_to_save"):
+        if config.get(key):
+            details[key] = config[key]
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            details[key] = config[key]
+    parts = []
+    if details["r"] is not None:
+        parts.append(f"r={details['r']}")
+    if details["lora_alpha"] is not None:
+        parts.append(f"alpha={details['lora_alpha']}")
+    if targets:
+        shown = ", ".join(targets) if isinstance(targets, list) else str(targets)
+        parts.append(f"targets {shown}")
+    base_model = details["base_model_name_or_path"] or "an unnamed base model"
+    description = f"{name} adapter for {base_model}"
+    if parts:
+        description += f" ({'; '.join(parts)})"
+    return LayoutInfo(layout="peft", description=description, details=details)
+
+
+# --------------------------------------------------------------------------- naming
+
+
+@dataclass
+class Naming:
+    """The file names an output keeps so its owning library still loads it.
+
+    Attributes:
+        stem: weights file stem (`model`, `adapter_model`, `diffusion_pytorch_model`).
+        variant: a diffusers / transformers weight variant (`fp16`), kept in every name.
+        library: who owns the convention (`peft`, `diffusers`), None for the default.
+        companions: non-weight files of the layout to carry with the weights.
+    """
+
+    stem: str
+    variant: str | None = None
+    library: str | None = None
+    companions: list[str] = field(default_factory=list)
+
+    @property
+    def basename(self) -> str:
+        """The writer's basename: `diffusion_pytorch_model.fp16` for a variant."""
+        return f"{self.stem}.{self.variant}" if self.variant else self.stem
+
+    def index_name(self, suffix: str = SAFETENSORS_INDEX_SUFFIX) -> str | None:
+        """diffusers puts the variant before `.json`: `…safetensors.index.fp16.json`."""
+        if self.variant and self.library == "diffusers":
+            return f"{self.stem}{suffix.removesuffix('.json')}.{self.variant}.json"
+        return None
+
+
+#: non-weight files each layout needs beside its weights to load
+COMPANIONS: dict[str, tuple[str, ...]] = {
+    "peft": ("adapter_config.json", "README.md"),
+    "diffusers": ("config.json",),
+}
+
+
+def naming(source: Source, base: str = "") -> Naming | None:
+    """The naming convention of the weights in folder `base` of `source`, None for the default."""
+    names = sorted(n[len(base) :] for n in source.files if n.startswith(base))
+    names = [n for n in names if "/" not in n]
+    if any(n in ("adapter_model.safetensors", "adapter_model.bin") for n in names):
+        companions = [c for c in COMPANIONS["peft"] if c in names]
+        return Naming("adapter_model", library="peft", companions=companions)
+    variants: set[str | None] = set()
+    for name in names:
+        match = _DIFFUSERS_WEIGHTS.fullmatch(name) or _DIFFUSERS_INDEX.fullmatch(name)
+        if match:
+            variants.add(match.group("variant"))
+    if variants:
+        companions = [c for c in COMPANIONS["diffusers"] if c in names]
+        variant = next(iter(variants)) if len(variants) == 1 else None
+        return Naming(
+            "diffusion_pytorch_model", variant=variant, library="diffusers", companions=companions
+        )
+    return None
+
+
+def is_diffusers_index(name: str) -> bool:
+    """Whether `name` is a diffusers weight index, variant spelling included."""
+    return _DIFFUSERS_INDEX.fullmatch(name.rsplit("/", 1)[-1]) is not None
+
+
+def apply_naming(source: Source, to: str, options: Any) -> Naming | None:
+    """Give a folder output `source`'s naming convention and companion files (`WriteOptions`).
+
+    The basename (`adapter_model`, `diffusion_pytorch_model.fp16`), the index name where the
+    library spells it differently, and the bytes of the companions (small JSON files) to publish
+    with the weights. Returns the naming applied, None when the default names are right.
+    """
+    from ...formats import find_format
+
+    if source.target is not None:
+        return None
+    convention = naming(source)
+    if convention is None:
+        return None
+    options.basename = convention.basename
+    target = find_format(to)
+    # a format without a shard index never uses the name
+    suffix = (target.index_suffix if target else None) or TORCH_INDEX_SUFFIX
+    index = convention.index_name(suffix)
+    if index:
+        options.index_name = index
+    companions = {}
+    for rel in convention.companions:
+        if (source.files.get(rel) or 0) <= MAX_JSON:
+            companions[rel] = source.storage.read_all(rel)
+    if companions:
+        options.companions.update(companions)
+    return convention
+
+
+# --------------------------------------------------------------------------- multi-folder
+
+
+@dataclass
+class Component:
+    """One weight-holding or weightless component of a multi-folder model.
+
+    Attributes:
+        name: its name (`unet`, `2_Dense`, `0_Transformer`).
+        path: its folder (`unet`; `` for a sentence-transformers root module).
+        kind: the class that owns it.
+        weights: the file (or index) its weights are read from, relative to the root; None for
+            weightless components (schedulers, tokenizers, pooling).
+        needs: for a component that must hold weights (its library saves some for it), the
+            file it saves them as, relative to the root; "" when it holds none, or when
+            nothing says (a custom module type).
+    """
+
+    name: str
+    path: str
+    kind: str | None
+    weights: str | None
+    needs: str = ""
+
+
+#: the sentence-transformers module classes whose `save` writes weights (`model.safetensors`):
+#: the Transformer family through `save_pretrained`, the others through `save_torch_weights`
+#: (sentence-transformers 6.2); Pooling, Normalize, Dropout, BoW, Router... write none
+_ST_WEIGHTED = frozenset(
+    {
+        "Transformer", "MLMTransformer", "CLIPModel", "Dense", "LayerNorm", "LSTM", "CNN",
+        "WeightedLayerPooling", "WordEmbeddings", "WordWeights", "StaticEmbedding",
+        "SparseStaticEmbedding", "SparseAutoEncoder",
+    }
+)  # fmt: skip
+
+
+def _needs(folder: str, weighted: bool, stem: str = "model") -> str:
+    """The weights file a component that must hold weights is saved with, else ""."""
+    if not weighted:
+        return ""
+    return f"{folder}/{stem}.safetensors" if folder else f"{stem}.safetensors"
+
+
+def _weights_in(names: set[str], folder: str) -> str | None:
+    """The weights a component folder is read from: its default (non-variant) weights first."""
+    prefix = f"{folder}/" if folder else ""
+    local = {n[len(prefix) :] for n in names if n.startswith(prefix)}
+    local = {n for n in local if "/" not in n}
+    for stem in ("diffusion_pytorch_model", "model", "pytorch_model"):
+        for name in (
+            f"{stem}.safetensors.index.json",
+            f"{stem}.safetensors",
+            f"{stem}.bin.index.json",
+            f"{stem}.bin",
+        ):
+            if name in local:
+                return f"{prefix}{name}"
+    variants = sorted(
+        n for n in local if _DIFFUSERS_INDEX.fullmatch(n) or _DIFFUSERS_WEIGHTS.fullmatch(n)
+    )
+    indexes = [n for n in variants if n.endswith(".json")]
+    if indexes:
+        return f"{prefix}{indexes[0]}"
+    singles = [n for n in variants if not re.search(r"-\d{5}-of-\d{5}\.", n)]
+    return f"{prefix}{singles[0]}" if singles else None
+
+
+def multi_folder(source: Source) -> tuple[str, list[Component], dict[str, Any]] | None:
+    """(layout, components, details) of a diffusers pipeline root or a sentence-transformers
+    folder; None for anything else. Only `model_index.json` / `modules.json` are read."""
+    if source.target is not None:
+        return None
+    names = set(source.files)
+    if "model_index.json" in names:
+        index = read_json(source, "model_index.json")
+        if not isinstance(index, dict):
+            return None
+        components = []
+        for key, value in index.items():
+            if key.startswith("_") or not isinstance(value, list) or len(value) != 2:
+                continue
+            if value[0] is None or not any(n.startswith(f"{key}/") for n in names):
+                continue  # an optional component saved as null
+            kind = f"{value[0]}.{value[1]}"
+            # a model saves its `config.json` beside its weights; schedulers, tokenizers and
+            # feature extractors save other configs and no weights
+            model = f"{key}/config.json" in names
+            stem = "diffusion_pytorch_model" if value[0] == "diffusers" else "model"
+            components.append(
+                Component(
+                    str(key), str(key), kind, _weights_in(names, str(key)), _needs(key, model, stem)
+                )
+            )
+        details = {"pipeline": index.get("_class_name"), "version": index.get("_diffusers_version")}
+        return "diffusers-pipeline", components, details
+    if "modules.json" in names:
+        modules = read_json(source, "modules.json")
+        if not isinstance(modules, list):
+            return None
+        components = []
+        for module in modules:
+            if not isinstance(module, dict) or not isinstance(module.get("path"), str):
+                continue
+            path = module["path"].strip("/")
+            kind = str(module.get("type") or "")
+            name = path or f"{module.get('idx', 0)}_{kind.rsplit('.', 1)[-1] or 'Module'}"
+            weighted = kind.rsplit(".", 1)[-1] in _ST_WEIGHTED
+            components.append(
+                Component(
+                    name, path, kind or None, _weights_in(names, path), _needs(path, weighted)
+                )
+            )
+        return "sentence-transformers", components, {"modules": len(components)}
+    return None
+
+
+def gguf_info(manifest: Any) -> LayoutInfo:
+    """The GGUF header in one line: version, architecture, tensor types, metadata keys."""
+    details = manifest.details
+    types = details.get("tensor_types") or {}
+    shown = ", ".join(f"{k} ×{v}" for k, v in types.items())
+    keys = len(details.get("metadata") or {})
+    split = details.get("split")
+    parts = [f"GGUF v{details.get('gguf_version')}"]
+    if details.get("architecture"):
+        parts.append(f"architecture {details['architecture']}")
+    parts.append(f"tensors {shown or 'none'}")
+    parts.append(f"{keys} metadata keys")
+    if split:
+        parts.append(f"split in {split['count']} files")
+    return LayoutInfo(layout="gguf", description="; ".join(parts), details=dict(details))

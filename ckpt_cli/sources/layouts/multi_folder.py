@@ -1,0 +1,86 @@
+"""Diffusers pipeline roots and sentence-transformers folders: one composite of components."""
+
+from __future__ import annotations
+
+from ...formats.base import Source
+from ...formats.names import index_format, weight_format
+from ...models import Problem
+from .base import Layout, OpenedSource
+from .composite import Folder
+from .model_folders import Component, LayoutInfo
+
+#: the file that lists the components, per layout
+_INDEX = {"sentence-transformers": "modules.json", "diffusers-pipeline": "model_index.json"}
+
+
+class MultiFolder(Layout):
+    """A diffusers pipeline root (`model_index.json`) or a sentence-transformers folder
+    (`modules.json`), one component per subfolder."""
+
+    name = "multi-folder"
+
+    def recognise(self, source: Source) -> bool:
+        names = set(source.files)
+        return source.target is None and ("model_index.json" in names or "modules.json" in names)
+
+    def open(self, source: Source) -> OpenedSource | None:
+        """A diffusers pipeline root or a sentence-transformers folder: one checkpoint of components.
+
+        Each weight-holding component opens with its own format (`unet.` entries come from
+        `unet/diffusion_pytorch_model.safetensors`); weightless ones (schedulers, tokenizers,
+        pooling) are listed. The layout block reports every component with its totals.
+        """
+        from .model_folders import ComponentInfo, multi_folder
+
+        found = multi_folder(source)
+        if found is None:
+            return None
+        layout, components, details = found
+        folder = Folder(source)
+        infos: list[ComponentInfo] = []
+        for comp in components:
+            info = ComponentInfo(name=comp.name, path=comp.path, kind=comp.kind)
+            prefix = f"{comp.path}/" if comp.path else ""
+            info.files = sorted(
+                n for n in source.files if n.startswith(prefix) and (comp.path or "/" not in n)
+            )
+            if comp.weights is not None:
+                fmt = index_format(comp.weights) or weight_format(comp.weights) or "safetensors"
+                checkpoint = folder.add(comp.name, comp.weights, fmt)
+                if checkpoint is not None:
+                    manifest = checkpoint.manifest
+                    info.tensors = sum(1 for e in manifest.entries if e.kind == "tensor")
+                    info.parameters = manifest.parameters()
+                    info.bytes = manifest.tensor_bytes()
+            elif comp.needs:
+                folder.problems.append(_missing_weights(source, layout, comp))
+            infos.append(info)
+        checkpoint = folder.composite(layout)
+        weighted = [i for i in infos if i.tensors]
+        label = details.get("pipeline") or "SentenceTransformer"
+        description = (
+            f"{label}: {len(infos)} components ({', '.join(i.name for i in infos)}), "
+            f"{len(weighted)} with weights"
+        )
+        summary = LayoutInfo(
+            layout=layout, description=description, details=details, components=infos
+        )
+        return OpenedSource(
+            checkpoint=checkpoint,
+            problems=list(folder.problems),
+            parts=dict(folder.parts),
+            layout=summary,
+        )
+
+
+def _missing_weights(source: Source, layout: str, comp: Component) -> Problem:
+    """A component that must hold weights has none: the model cannot load, like a lost shard."""
+    index = _INDEX.get(layout, "the folder's index")
+    kind = (comp.kind or "").rsplit(".", 1)[-1] or "module"
+    return Problem(
+        code="missing_component_weights",
+        message=f"is missing: {index} names the {comp.name} component ({kind}), whose weights "
+        "its library saves there, and no weights file of it is in the folder; the model "
+        "cannot be loaded without them. Copy or download the file again.",
+        file=source.storage.describe(comp.needs),
+    )

@@ -1,0 +1,181 @@
+"""Single torch.save / DCP training dicts (model / optimizer / scheduler / step / rng keys),
+and `SINGLE_LAYOUTS`, the registry of the layouts inside one checkpoint."""
+
+from __future__ import annotations
+
+import re
+
+from ...formats import find_format
+from ...formats.base import Checkpoint
+from ...models import Manifest, TrainingState
+from .base import SingleLayout
+from .lightning import Lightning
+from .torchtitan import model_entries, titan_model_keys
+from .training import (
+    all_models,
+    analyse,
+    as_int,
+    per_rank_models,
+    rank_components,
+    top_keys,
+    value_of,
+    verdict,
+)
+
+# --------------------------------------------------------------------------- single files
+
+
+_MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net", "network")
+_OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "opt", "optimizer_state")
+_SCHEDULER_KEYS = ("scheduler", "lr_scheduler", "scheduler_state_dict", "sched", "lr_schedule")
+_STEP_KEYS = ("step", "global_step", "iteration", "iter", "steps", "train_step")
+_RNG_KEYS = ("rng", "rng_state", "rng_states", "random_state", "random_states", "rng_state_dict")
+_LOADER_KEYS = (
+    "dataloader",
+    "data_loader",
+    "sampler",
+    "dataloader_state",
+    "train_loader",
+    "data",
+    "data_state",
+)
+
+
+def _folder_format(manifest: Manifest) -> bool:
+    """Whether the checkpoint is of a folder format (DCP): torchtitan saves one per step."""
+    saved_as = find_format(manifest.format)
+    return saved_as is not None and saved_as.folder
+
+
+def _first(keys: dict[str, str], names: tuple[str, ...]) -> str | None:
+    for name in names:
+        if name in keys:
+            return name
+    return None
+
+
+class TorchTitan(SingleLayout):
+    """A torchtitan DCP folder: `train_state` / `optimizer` / `lr_scheduler` / `dataloader`
+    beside the model's keys; its run names the saves `step-N/` (under `checkpoint/`)."""
+
+    name = "torchtitan"
+    step_folder = re.compile(r"step-(\d+)")
+    suffixes = ()
+    #: `ParallelAwareDataloader.load_state_dict` refuses a state saved at another dp degree
+    rank_state_world_size = ("dataloader.world_size",)
+
+    def matches(self, checkpoint: Checkpoint, keys: dict[str, str]) -> bool:
+        return _folder_format(checkpoint.manifest) and "train_state" in keys
+
+    def training_state(self, checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState | None:
+        return _dict_state(checkpoint, keys)
+
+
+class TorchDict(SingleLayout):
+    """A torch.save (or DCP) dict with model / optimizer / scheduler / step / rng keys under
+    any of their usual names (`model_state_dict`, `optim`, `global_step`...); the last layout
+    asked, so it matches every checkpoint and says None for plain weights."""
+
+    name = "torch-dict"
+
+    def matches(self, checkpoint: Checkpoint, keys: dict[str, str]) -> bool:
+        return True
+
+    def training_state(self, checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState | None:
+        return _dict_state(checkpoint, keys)
+
+
+#: the layouts inside one checkpoint, asked in order by `analyse_single` (the first that
+#: `matches` says what the checkpoint is)
+SINGLE_LAYOUTS: tuple[SingleLayout, ...] = (Lightning(), TorchTitan(), TorchDict())
+
+
+def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
+    """The training state of one torch.save file or DCP folder, None for plain weights."""
+    keys = top_keys(checkpoint.manifest)
+    for layout in SINGLE_LAYOUTS:
+        if layout.matches(checkpoint, keys):
+            return layout.training_state(checkpoint, keys)
+    return None
+
+
+def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState | None:
+    """What a training dict holds, by the usual key names (torchtitan's layout included)."""
+    manifest = checkpoint.manifest
+    model = _first(keys, _MODEL_KEYS)
+    optimizer = _first(keys, _OPTIMIZER_KEYS)
+    scheduler = _first(keys, _SCHEDULER_KEYS)
+    step = _first(keys, _STEP_KEYS)
+    folder = _folder_format(manifest)
+    is_titan = folder and "train_state" in keys
+    if not (optimizer or scheduler or step or is_titan):
+        return None
+    # a training folder converted whole keeps its per-rank components (`rng_0`, `rng_1`)
+    rng_ranks = rank_components(manifest, "rng")
+    prefixes: dict[str, str] = {}
+    titan_model = titan_model_keys(manifest) if is_titan and not model else []
+    if model:
+        prefixes["model"] = f"{model}."
+    elif titan_model:
+        # torchtitan >= 0.2 saves the model's FQNs at the top level, beside its other states
+        prefixes["model"] = ""
+    if optimizer:
+        prefixes["optimizer"] = f"{optimizer}."
+    if scheduler:
+        prefixes["scheduler"] = f"{scheduler}."
+    rng = _first(keys, _RNG_KEYS)
+    if rng:
+        prefixes["rng"] = keys[rng]
+    loader = _first(keys, _LOADER_KEYS)
+    if loader:
+        prefixes["dataloader"] = keys[loader]
+    # a DCP training dict is named after its format
+    layout = "torchtitan" if is_titan else manifest.format if folder else "torch-dict"
+    state = analyse(checkpoint, layout, prefixes)
+    if model == "model" and optimizer == "optimizer":
+        all_models(checkpoint, state)  # a whole multi-model accelerate folder, converted
+    per_rank_models(checkpoint, state)  # a whole per-rank FSDP save (`model_rank0`...), converted
+    if titan_model:
+        view = Manifest(format=manifest.format, location=manifest.location)
+        view.entries = [
+            e for e in model_entries(manifest.entries, titan_model) if e.kind == "tensor"
+        ]
+        state.weights = {
+            "tensors": len(view.entries),
+            "parameters": view.parameters(),
+            "bytes": view.tensor_bytes(),
+        }
+    if rng and not state.rng:
+        # a stream under an unrecognised key name still counts as RNG state
+        state.rng = [rng]
+    if rng_ranks and not state.rng:
+        state.rng = [rng_ranks[min(rng_ranks)]]
+    if step:
+        state.step = as_int(value_of(checkpoint, step))
+    if state.step is None:
+        # accelerate's `random_states_N.pkl` records the step its save_state was called at
+        for comp in ([rng] if rng else []) + [rng_ranks[r] for r in sorted(rng_ranks)]:
+            found = as_int(value_of(checkpoint, f"{keys[comp].rstrip('.')}.step"))
+            if found is not None:
+                state.step = found
+                break
+    if is_titan:
+        state.step = as_int(value_of(checkpoint, "train_state.step"))
+    if "trainer_state" in keys and state.step is None:
+        # a Trainer folder converted to one torch / DCP checkpoint: its trainer_state came along
+        state.step = as_int(value_of(checkpoint, "trainer_state.global_step"))
+        if state.step is not None and state.dataloader is None:
+            # the Trainer replays its data order from the seed and skips `global_step` batches
+            state.dataloader = {"kind": "replayed", "skips_batches": state.step}
+        epoch = value_of(checkpoint, "trainer_state.epoch")
+        if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
+            state.epoch = float(epoch)
+    epoch = value_of(checkpoint, "epoch") if "epoch" in keys else None
+    if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
+        state.epoch = float(epoch)
+    state.components = {c: p.rstrip(".") for c, p in prefixes.items()}
+    state.components.update({comp: comp for comp in rng_ranks.values()})
+    if titan_model:
+        state.components["model"] = f"top-level keys ({', '.join(titan_model)})"
+    verdict(state)
+    return state

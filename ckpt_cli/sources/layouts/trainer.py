@@ -1,0 +1,227 @@
+"""Hugging Face Trainer `checkpoint-N/` folders."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any
+
+from ...formats.base import Source
+from ...models import Problem
+from .base import Layout, OpenedSource
+from .composite import Folder, component_files, component_prefixes, finish, missing_rank_files
+from .training import analyse, per_rank_models
+
+#: files only the Trainer writes; `training_args.bin` is not one of them: scripts built on
+#: accelerate save their `TrainingArguments` beside `save_state`'s files too
+_MARKERS = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
+_RNG = r"rng_state(_\d+)?\.pth"
+
+
+class Trainer(Layout):
+    """`checkpoint-N/`: weights, `optimizer.pt`, `scheduler.pt`, `rng_state*.pth`,
+    `trainer_state.json`, `training_args.bin`."""
+
+    name = "hf-trainer"
+    step_folder = re.compile(r"checkpoint-(\d+)")
+    #: `_save_rng_state`: `rng_state.pth` at one rank, `rng_state_{process_index}.pth` above
+    rank_files = re.compile(r"rng_state(?:_(\d+))?\.pth")
+
+    def rank_file_name(self, rank: int, world_size: int) -> str:
+        return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
+
+    def batch_notes(self, opened: OpenedSource, before: int, after: int) -> list[str]:
+        """The Trainer resumes by skipping `global_step` batches of its data loader, each of
+        `train_batch_size` samples per rank (times gradient accumulation): at another world
+        size those batches are other samples."""
+        from .composite import CompositeCheckpoint, ObjectsCheckpoint
+
+        checkpoint = opened.checkpoint
+        if not isinstance(checkpoint, CompositeCheckpoint) or before == after:
+            return []
+        state = checkpoint.components.get("trainer_state")
+        if not isinstance(state, ObjectsCheckpoint):
+            return []
+        batch, step = state.values.get("train_batch_size"), state.values.get("global_step")
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            return []
+        steps = f"step {step}" if isinstance(step, int) else "its step"
+        ranks = "1 rank" if after == 1 else f"{after} ranks"
+        return [
+            f"the global batch changes: the data position ({steps}) was counted in global "
+            f"batches of {batch * before} samples (trainer_state.json train_batch_size {batch} "
+            f"x {before} ranks, times gradient accumulation); at {ranks} the same settings "
+            f"make it {batch * after} samples, so the resumed run skips other samples than "
+            f"the saved run saw. It stays {batch * before} only if per_device_train_batch_size "
+            f"x gradient_accumulation_steps x {after} does."
+        ]
+
+    def recognise(self, source: Source) -> bool:
+        """A Trainer file (`trainer_state.json`, `optimizer.pt`, `scheduler.pt`,
+        `rng_state*.pth`), or a lone `training_args.bin` in a folder that holds none of
+        accelerate's `save_state` files (an accelerate folder with it opens as accelerate, so
+        its `random_states_*.pkl` are read as its RNG)."""
+        folder = Folder(source)
+        if any(folder.has(m) for m in _MARKERS) or folder.matching(_RNG):
+            return True
+        if not folder.has("training_args.bin"):
+            return False
+        from .accelerate import Accelerate
+
+        return not Accelerate().recognise(source)
+
+    def open(self, source: Source) -> OpenedSource | None:
+        folder = Folder(source)
+        rng = folder.matching(_RNG)
+        model_file = folder.add_model()
+        for comp, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt")):
+            if folder.has(name):
+                folder.add(comp, name, "torch")
+        if "optimizer" not in folder.components and folder.has("optimizer.bin"):
+            # FSDP with FULL_STATE_DICT: accelerate's `save_fsdp_optimizer` names it so
+            folder.add("optimizer", "optimizer.bin", "torch")
+        # FSDP: accelerate's `save_fsdp_model` / `save_fsdp_optimizer` wrote the model and the
+        # optimizer (`pytorch_model_fsdp_0/`, `optimizer_0/` DCP folders, or the full
+        # `pytorch_model_fsdp.bin` beside the `model.safetensors` of `save_model`)
+        folder.add_fsdp()
+        if folder.has("scaler.pt"):
+            folder.add("scaler", "scaler.pt", "torch")
+        folder.add_many("rng", rng, "torch")
+        if folder.has("trainer_state.json"):
+            folder.add("trainer_state", "trainer_state.json", "json")
+        folder.list_training_args()
+        folder.problems.extend(self.missing(source, folder))
+        checkpoint = folder.composite("hf-trainer")
+        state = analyse(checkpoint, "hf-trainer", component_prefixes(checkpoint))
+        per_rank_models(checkpoint, state)  # FSDP's LOCAL_STATE_DICT: one file per rank
+        state.components = component_files(folder)
+        if model_file is None:
+            state.components.pop("model", None)
+        trainer = folder.components.get("trainer_state")
+        if trainer is not None:
+            values = getattr(trainer, "values", {})
+            if isinstance(values.get("global_step"), int):
+                state.step = values["global_step"]
+            if isinstance(values.get("epoch"), (int, float)):
+                state.epoch = float(values["epoch"])
+            # the Trainer reproduces the data order from its seed and skips `global_step` batches
+            if state.step is not None:
+                state.dataloader = {"kind": "replayed", "skips_batches": state.step}
+        return finish(checkpoint, state, folder)
+
+    def missing(self, source: Source, folder: Folder) -> list[Problem]:
+        """Optimizer / scheduler files the Trainer should have saved (see `_trainer_missing`),
+        and every rank's file of a per-rank FSDP save."""
+        return _trainer_missing(source, folder) + missing_rank_files(
+            source, folder, self.rank_files
+        )
+
+
+#: what a Trainer saves beside the weights unless `save_only_model` is set
+_TRAINER_STATE_FILES = ("optimizer.pt", "scheduler.pt")
+
+
+def _save_only_model(source: Source, rel: str) -> bool | None:
+    """`save_only_model` from `training_args.bin` (see `training_arg_values`)."""
+    value = training_arg_values(source, rel, ("save_only_model",)).get("save_only_model")
+    return value if isinstance(value, bool) else None
+
+
+#: the opcodes that push a plain value: their own value, or the one they carry as argument
+_CONSTANT_OPS: dict[str, Any] = {"NEWTRUE": True, "NEWFALSE": False, "NONE": None}
+_VALUE_OPS = frozenset(
+    ("BININT", "BININT1", "BININT2", "LONG1", "INT", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE")
+)
+
+
+def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """Plain fields (bool, int, float, str, None) of a Trainer's `training_args.bin`, read from
+    the pickle's opcodes alone; fields stored otherwise (enums, lists) are left out.
+
+    The file is a torch.save zip of transformers' `TrainingArguments`; nothing in it is ever
+    unpickled (it would import and run transformers code). Its `data.pkl` stores the dataclass
+    fields as key, value pairs, so the opcode after a field's name string is its value.
+    """
+    import io
+    import pickletools
+    import zipfile
+
+    size = source.storage.size(rel)
+    if size > 16 << 20:
+        return {}
+    data = source.storage.read_all(rel)
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            member = next((n for n in archive.namelist() if n.endswith("/data.pkl")), None)
+            if member is None or archive.getinfo(member).file_size > 16 << 20:
+                return {}
+            data = archive.read(member)
+    except zipfile.BadZipFile:
+        pass  # an old-style (non-zip) torch.save: the pickle itself
+    # streamed, never listed: a 16 MiB pickle of one-byte opcodes would list 16M tuples; the
+    # memo bookkeeping between a key and its value carries no data
+    memo = ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE")
+    ops = (op for op in pickletools.genops(data) if op[0].name not in memo)
+    wanted = set(names)
+    found: dict[str, Any] = {}
+    try:
+        for (key_op, arg, _), (op, value, _) in itertools.pairwise(ops):
+            if key_op.name not in ("SHORT_BINUNICODE", "BINUNICODE") or arg not in wanted:
+                continue
+            if arg in found:
+                continue  # the first occurrence is the field (later ones are values elsewhere)
+            if op.name in _CONSTANT_OPS:
+                found[arg] = _CONSTANT_OPS[op.name]
+            elif op.name in _VALUE_OPS:
+                found[arg] = value
+    except Exception:
+        return {}
+    return found
+
+
+def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
+    """Optimizer / scheduler files a Trainer checkpoint should have but lacks, when its own
+    training arguments (`save_only_model` false) or its sibling checkpoints say so."""
+    if (
+        folder.has_dir("optimizer_0")
+        or folder.has("optimizer.bin")
+        or any(n.startswith("global_step") for n in source.files)
+    ):
+        return []  # FSDP or DeepSpeed state: saved in another shape
+    missing = [n for n in _TRAINER_STATE_FILES if not folder.has(n)]
+    if not missing:
+        return []
+    from ..runs import SLIM_RECORD
+
+    if folder.has(SLIM_RECORD):
+        return []  # `ckpt prune --slim-older-than` removed them on purpose: a weights-only save
+    reasons: dict[str, str] = {}
+    if folder.has("training_args.bin"):
+        only_model = _save_only_model(source, "training_args.bin")
+        if only_model is False:
+            for name in missing:
+                reasons[name] = "training_args.bin says save_only_model=False"
+        elif only_model is True:
+            return []
+    loc = source.location
+    if loc.is_local and loc.path is not None:
+        here = loc.path.resolve()
+        siblings = sorted(
+            p
+            for p in here.parent.glob("checkpoint-*")
+            if p.is_dir() and p != here and Trainer().step_of(p.name) is not None
+        )
+        for name in missing:
+            having = [p.name for p in siblings if (p / name).is_file()]
+            if having and name not in reasons:
+                reasons[name] = f"the sibling checkpoint {having[-1]} has one"
+    where = loc.raw
+    return [
+        Problem(
+            code="missing_component",
+            message=f"{where}: {name} is missing, but {why}; this checkpoint cannot resume "
+            "training where it stopped",
+            file=source.storage.describe(name),
+        )
+        for name, why in reasons.items()
+    ]

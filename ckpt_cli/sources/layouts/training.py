@@ -1,0 +1,627 @@
+"""Optimizer, scheduler, RNG and data-loader analysis; the resumable / exact verdict."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import CkptError
+from ...formats.base import Checkpoint
+from ...models import Entry, Manifest, OptimizerState, Problem, TrainingState
+from .base import REQUIRED, OpenedSource
+
+# --------------------------------------------------------------------------- analysis
+
+
+def value_of(checkpoint: Checkpoint, name: str) -> Any:
+    """An object entry's value: from the manifest when it holds it, else read (None on error)."""
+    entry = checkpoint.manifest.by_name.get(name)
+    if entry is None:
+        return None
+    if entry.kind == "object" and entry.value is not None:
+        return entry.value
+    if entry.kind == "tensor" and entry.numel != 1:
+        return None  # counters are scalars; never read a large tensor here
+    stored = _stored_value(checkpoint, entry)
+    if stored is not _UNREAD:
+        return stored
+    try:
+        if entry.kind == "tensor":
+            return checkpoint.read_tensor(name).item()
+        value = checkpoint.read_object(name)
+    except CkptError:
+        return None
+    if hasattr(value, "item"):  # a numpy / torch scalar kept in an object entry
+        try:
+            return value.item() if getattr(value, "numel", lambda: 1)() == 1 else value
+        except (AttributeError, ValueError, RuntimeError):
+            return value
+    return value
+
+
+#: `_stored_value`'s answer when it could not read the value without torch
+_UNREAD = object()
+
+
+def _stored_value(checkpoint: Checkpoint, entry: Entry) -> Any:
+    """A DCP scalar or small object read from its stored bytes without torch, else `_UNREAD`.
+
+    The summary of a DCP training checkpoint (step, param groups, scheduler counters) then
+    never imports torch (`ckpt_cli.formats.torch.pickle_values`); whatever that reader refuses (a blob with
+    other globals, a compressed tensor chunk) goes to the format's own torch-based reader.
+    """
+    from ...formats.dcp import DcpCheckpoint
+    from ...formats.torch.pickle_values import (
+        MAX_BLOB_BYTES,
+        NotPlain,
+        SavedTensorValue,
+        decode_scalar,
+        load_plain,
+        saved_scalar,
+    )
+
+    if not isinstance(checkpoint, DcpCheckpoint):
+        return _UNREAD
+    if entry.kind == "object":
+        if entry.offset is None or entry.nbytes > MAX_BLOB_BYTES:
+            return _UNREAD  # not a stored blob (Megatron's common.pt keys), or a large one
+        try:
+            value = load_plain(checkpoint.read_object_bytes(entry.name))
+        except (NotPlain, CkptError):
+            return _UNREAD
+        if isinstance(value, SavedTensorValue) and value.value is not None:
+            return value.value
+        return value
+    chunks = [c for c in entry.chunks or [] if c.byte_length]
+    if len(chunks) != 1 or entry.dtype is None or entry.numel != 1:
+        return _UNREAD
+    chunk = chunks[0]
+    if (chunk.file, chunk.byte_offset) in checkpoint.transforms:
+        return _UNREAD  # compressed: the format's reader inflates it
+    if chunk.byte_length > MAX_BLOB_BYTES:
+        return _UNREAD
+    try:
+        data = checkpoint.storage.read(chunk.file, chunk.byte_offset, chunk.byte_length)
+    except CkptError:
+        return None
+    value = decode_scalar(data, entry.dtype) if chunk.raw else saved_scalar(data)
+    return _UNREAD if value is None else value
+
+
+def entries_under(manifest: Manifest, prefix: str) -> list[Entry]:
+    return [e for e in manifest.entries if e.name.startswith(prefix)]
+
+
+def weights_summary(manifest: Manifest, prefix: str) -> dict[str, int]:
+    view = Manifest(format=manifest.format, location=manifest.location)
+    view.entries = [e for e in entries_under(manifest, prefix) if e.kind == "tensor"]
+    return {
+        "tensors": len(view.entries),
+        "parameters": view.parameters(),
+        "bytes": view.tensor_bytes(),
+    }
+
+
+_OPTIMIZER_KINDS = (
+    ({"exp_avg_sq_row"}, "Adafactor"),
+    ({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, "Adam (amsgrad)"),
+    ({"exp_avg", "exp_avg_sq"}, "Adam"),
+    ({"acc_delta"}, "Adadelta"),
+    ({"square_avg"}, "RMSprop"),
+    ({"momentum_buffer"}, "SGD"),
+    ({"sum"}, "Adagrad"),
+    ({"exp_avg"}, "Lion"),
+)
+
+
+@dataclass
+class OptimizerView:
+    """Per-parameter optimizer state as found: param id -> state name -> shape."""
+
+    state: OptimizerState
+    per_param: dict[str, dict[str, list[int]]]
+    by_fqn: bool
+
+
+def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> OptimizerView | None:
+    """Summarise a `torch.optim` state dict (int ids, or DCP's FQN-keyed flattening)."""
+    manifest = checkpoint.manifest
+    entries = entries_under(manifest, prefix)
+    if not entries:
+        return None
+    state_prefix = f"{prefix}state."
+    groups_prefix = f"{prefix}param_groups."
+    per_param: dict[str, dict[str, list[int]]] = {}
+    for e in entries:
+        if e.name.startswith(state_prefix):
+            rest = e.name[len(state_prefix) :]
+            if "." not in rest:
+                continue
+            pid, state_name = rest.rsplit(".", 1)
+            per_param.setdefault(pid, {})[state_name] = list(e.shape) if e.kind == "tensor" else []
+    group_names = [e.name for e in entries if e.name.startswith(groups_prefix)]
+    by_fqn = bool(per_param) and not all(pid.isdigit() for pid in per_param)
+    params: int | None = None
+    group_keys: dict[str, Any] = {}
+    listed = [n for n in group_names if n.endswith(".params")]
+    if listed:
+        # param_groups is a list whose `params` name the parameters (ids, or FQNs in DCP)
+        total = 0
+        for name in group_names:
+            if name.endswith(".params"):
+                value = value_of(checkpoint, name)
+                if isinstance(value, (list, tuple)):
+                    total += len(value)
+            key = name.rsplit(".", 1)[-1]
+            if key not in group_keys:
+                group_keys[key] = (
+                    value_of(checkpoint, name) if key == "decoupled_weight_decay" else 1
+                )
+        params = total
+    elif group_names:
+        fqns = {n[len(groups_prefix) :].rsplit(".", 1)[0] for n in group_names}
+        params = len(fqns)
+        for n in group_names:
+            if n.endswith(".decoupled_weight_decay"):
+                group_keys["decoupled_weight_decay"] = value_of(checkpoint, n)
+    names = sorted({s for states in per_param.values() for s in states})
+    kind = None
+    for needed, label in _OPTIMIZER_KINDS:
+        if needed <= set(names):
+            kind = label
+            break
+    if kind == "Adam" and group_keys.get("decoupled_weight_decay") is True:
+        kind = "AdamW"
+    full = set(names)
+    with_state = sum(1 for states in per_param.values() if set(states) == full) if full else 0
+    if params is None:
+        params = len(per_param)
+    complete = params > 0 and with_state == params and len(per_param) == params
+    if not per_param and params and _stateless_sgd(checkpoint, groups_prefix, group_names):
+        # SGD without momentum keeps no per-parameter state: nothing is missing
+        kind, complete = "SGD", True
+    return OptimizerView(
+        state=OptimizerState(
+            kind=kind,
+            states=names,
+            params=params,
+            params_with_state=with_state,
+            complete=complete,
+            source=prefix,
+        ),
+        per_param=per_param,
+        by_fqn=by_fqn,
+    )
+
+
+def _stateless_sgd(checkpoint: Checkpoint, groups_prefix: str, group_names: list[str]) -> bool:
+    momenta = [n for n in group_names if n.endswith(".momentum")]
+    dampening = any(n.endswith(".dampening") for n in group_names)
+    return bool(momenta) and dampening and all(value_of(checkpoint, n) == 0 for n in momenta)
+
+
+_SCHEDULERS = (
+    ("_schedulers", "SequentialLR/ChainedScheduler"),
+    ("lr_lambdas", "LambdaLR"),
+    ("total_steps", "OneCycleLR"),
+    ("T_max", "CosineAnnealingLR"),
+    ("T_0", "CosineAnnealingWarmRestarts"),
+    ("milestones", "MultiStepLR"),
+    ("step_size", "StepLR"),
+    ("total_iters", "LinearLR/ConstantLR/PolynomialLR"),
+    ("gamma", "ExponentialLR"),
+    ("patience", "ReduceLROnPlateau"),
+)
+
+
+def _scheduler(checkpoint: Checkpoint, prefix: str) -> dict[str, Any] | None:
+    entries = entries_under(checkpoint.manifest, prefix)
+    if not entries:
+        return None
+    keys = {e.name[len(prefix) :].split(".", 1)[0] for e in entries}
+    summary: dict[str, Any] = {}
+    for key, label in _SCHEDULERS:
+        if key in keys:
+            summary["kind"] = label
+            break
+    for key in ("last_epoch", "_step_count"):
+        value = value_of(checkpoint, f"{prefix}{key}")
+        if isinstance(value, int):
+            summary[key.lstrip("_")] = value
+    last_lr = value_of(checkpoint, f"{prefix}_last_lr")
+    if isinstance(last_lr, list) and last_lr:
+        summary["last_lr"] = last_lr[0] if len(last_lr) == 1 else last_lr
+    if not summary:
+        summary["entries"] = len(entries)
+    return summary
+
+
+_RNG_STREAMS = (
+    (("python", "random_state"), "python"),
+    (("numpy", "np_"), "numpy"),
+    (("cuda",), "torch_cuda"),
+    (("xpu",), "torch_xpu"),
+    (("mps",), "torch_mps"),
+    (("npu",), "torch_npu"),
+    (("xm_", "xla"), "torch_xla"),
+    (("cpu", "torch"), "torch_cpu"),
+)
+
+
+def rng_streams(manifest: Manifest, prefixes: list[str]) -> list[str]:
+    found: list[str] = []
+    for prefix in prefixes:
+        for e in entries_under(manifest, prefix):
+            key = e.name[len(prefix) :].split(".", 1)[0].lower()
+            for needles, stream in _RNG_STREAMS:
+                if any(n in key for n in needles):
+                    if stream not in found:
+                        found.append(stream)
+                    break
+    order = [s for _, s in _RNG_STREAMS]
+    return sorted(found, key=order.index)
+
+
+_RANKED = re.compile(r"(?P<comp>[a-z_]+?)_(?P<rank>\d+)")
+
+
+def rank_components(manifest: Manifest, component: str) -> dict[int, str]:
+    """The per-rank components `<component>_N` (`rng_0`, `rng_1`...) among the top-level
+    names of `manifest`: rank -> component name. A composite folder names a layout's per-rank
+    files so (`Folder.add_many`), and a whole folder converted to one file keeps the names."""
+    found: dict[int, str] = {}
+    for key in top_keys(manifest):
+        match = _RANKED.fullmatch(key)
+        if match and match["comp"] == component:
+            found.setdefault(int(match["rank"]), key)
+    return found
+
+
+def analyse(checkpoint: Checkpoint, layout: str, prefixes: dict[str, str]) -> TrainingState:
+    manifest = checkpoint.manifest
+    state = TrainingState(layout=layout, prefixes=dict(prefixes))
+    if "model" in prefixes:
+        state.weights = weights_summary(manifest, prefixes["model"])
+    if "optimizer" in prefixes:
+        view = analyse_optimizer(checkpoint, prefixes["optimizer"])
+        state.optimizer = view.state if view else None
+    if "scheduler" in prefixes:
+        state.scheduler = _scheduler(checkpoint, prefixes["scheduler"])
+    rng_prefixes = [prefixes["rng"]] if "rng" in prefixes else []
+    # every rank's RNG component (`rng_0.`, `rng_1.`): in a composite folder, and in the one
+    # torch / DCP file a whole folder was converted to, which keeps the component names
+    ranks = rank_components(manifest, "rng")
+    rng_prefixes += [f"{c}." for c in ranks.values()]
+    state.rng = rng_streams(manifest, list(dict.fromkeys(rng_prefixes)))
+    state.rng_ranks = sorted(ranks)
+    if "dataloader" in prefixes:
+        entries = entries_under(manifest, prefixes["dataloader"])
+        if entries:
+            state.dataloader = {"entries": len(entries), "source": prefixes["dataloader"]}
+    return state
+
+
+def all_models(checkpoint: Checkpoint, state: TrainingState) -> None:
+    """With several prepared models (`model`, `model_1`...), the weights and the optimizer
+    state of all of them: one training run resumes only with every model and every optimizer.
+    An optimizer whose model was saved but whose own state was not makes the optimizer state
+    incomplete. Components are found by their names (`model_1.`), so a folder converted whole
+    to one file reports what the folder did."""
+    keys = top_keys(checkpoint.manifest)
+    models = sorted(
+        (k for k in keys if re.fullmatch(r"model(_\d+)?", k)), key=lambda k: int(k[6:] or 0)
+    )
+    if len(models) < 2:
+        return
+    weights = [weights_summary(checkpoint.manifest, f"{c}.") for c in models]
+    state.weights = {
+        k: sum(w.get(k, 0) for w in weights) for k in ("tensors", "parameters", "bytes")
+    }
+    views = []
+    for model in models:
+        optimizer = model.replace("model", "optimizer", 1)
+        view = analyse_optimizer(checkpoint, f"{optimizer}.")
+        views.append(view.state if view is not None else None)
+    combined = _combined_optimizers(views)
+    if combined is not None:
+        state.optimizer = combined
+
+
+def _combined_optimizers(views: list[OptimizerState | None]) -> OptimizerState | None:
+    """One summary of several optimizers' states (None where one was not saved): complete
+    only when every one is there and complete; None when none is."""
+    found = [v for v in views if v is not None]
+    if not found:
+        return None
+    return OptimizerState(
+        kind=found[0].kind if all(v.kind == found[0].kind for v in found) else None,
+        states=sorted({s for v in found for s in v.states}),
+        params=sum(v.params or 0 for v in found),
+        params_with_state=sum(v.params_with_state or 0 for v in found),
+        complete=len(found) == len(views) and all(v.complete for v in found),
+        source=", ".join(v.source or "" for v in found),
+    )
+
+
+#: a per-rank FSDP component (`composite.rank_component`): object, its index, the rank
+_RANK_PART = re.compile(r"(?P<obj>model|optimizer)(?:_(?P<index>\d+))?_rank(?P<rank>\d+)")
+
+
+def rank_parts(manifest: Manifest) -> dict[tuple[str, int], dict[int, str]]:
+    """The per-rank FSDP components among the top-level names of `manifest` (`model_rank0`,
+    `optimizer_1_rank1`...): (object, index) -> rank -> the prefix of its entries. A folder
+    names accelerate's `*_rank{r}.bin` files so, and a whole folder converted to one file keeps
+    the names."""
+    found: dict[tuple[str, int], dict[int, str]] = {}
+    for key, prefix in top_keys(manifest).items():
+        match = _RANK_PART.fullmatch(key)
+        if match:
+            part = (match["obj"], int(match["index"] or 0))
+            found.setdefault(part, {})[int(match["rank"])] = prefix
+    return found
+
+
+def per_rank_models(checkpoint: Checkpoint, state: TrainingState) -> None:
+    """The weights and optimizer state of a save made of per-rank files (accelerate FSDP's
+    LOCAL_STATE_DICT, or SHARDED_STATE_DICT with `use_dcp=False`) when no other copy of the
+    model is there: the weights as the ranks' files store them (every rank's shard counted),
+    and the optimizer state complete only when every rank that saved a model shard saved its
+    optimizer state, complete."""
+    parts = rank_parts(checkpoint.manifest)
+    models = {index: ranks for (obj, index), ranks in parts.items() if obj == "model"}
+    if not models or "model" in state.prefixes:
+        return
+    summaries = [
+        weights_summary(checkpoint.manifest, prefix)
+        for ranks in models.values()
+        for prefix in ranks.values()
+    ]
+    state.weights = {
+        k: sum(w.get(k, 0) for w in summaries) for k in ("tensors", "parameters", "bytes")
+    }
+    if state.optimizer is not None:
+        return
+    views: list[OptimizerState | None] = []
+    for index, ranks in sorted(models.items()):
+        optimizers = parts.get(("optimizer", index), {})
+        for rank in sorted(ranks):
+            prefix = optimizers.get(rank)
+            view = analyse_optimizer(checkpoint, prefix) if prefix is not None else None
+            views.append(view.state if view is not None else None)
+    combined = _combined_optimizers(views)
+    if combined is not None:
+        state.optimizer = combined
+
+
+def verdict(state: TrainingState) -> None:
+    """Two levels: `resumable` (training can continue: weights, optimizer, a progress counter)
+    and `exact` (the resumed run is bit-identical: also scheduler, step, RNG, data loader).
+    Lightning and torchtitan saves without RNG, or torch dicts without data-loader state, are
+    resumable (their users resume from them every day), not exact."""
+    missing = []
+    if not state.weights.get("tensors"):
+        missing.append("weights")
+    if state.optimizer is None:
+        missing.append("optimizer")
+    elif not state.optimizer.complete:
+        missing.append("optimizer state for every parameter")
+    counted = state.step is not None or state.epoch is not None
+    if not counted and not state.scheduler:
+        missing.append("step")
+    for rel, why in state.unreadable.items():
+        missing.append(f"{rel} (unreadable: {why})")
+    extra = []
+    if not state.scheduler:
+        extra.append("scheduler")
+    if not counted and "step" not in missing:
+        extra.append("step")
+    if not state.rng:
+        extra.append("rng")
+    if not state.dataloader:
+        extra.append("dataloader")
+    state.missing = missing
+    state.resumable = not missing
+    state.missing_exact = extra
+    state.exact = state.resumable and not extra
+
+
+def as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def top_keys(manifest: Manifest) -> dict[str, str]:
+    """Top-level key -> the prefix of its entries (the real key, not the first dotted part)."""
+    out: dict[str, str] = {}
+    for e in manifest.entries:
+        path = getattr(e, "key_path", None)
+        key = str(path[0][1]) if path else e.name.split(".", 1)[0]
+        if key not in out:
+            out[key] = f"{key}." if e.name != key else key
+    return out
+
+
+def component_problems(opened: OpenedSource) -> list[Problem]:
+    """Components that were found but could not be read (for a structural verify)."""
+    return list(opened.problems)
+
+
+def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
+    """What `verify --resumable` reports: every reason the checkpoint cannot resume the run.
+
+    Errors: missing weights, optimizer or progress counter; optimizer state that does not
+    exist for every parameter or whose shapes do not match the weights; components that could
+    not be read. What only an exact (bit-identical) resume needs (scheduler, step, RNG,
+    data-loader state) is a warning, an error with `exact`. A source with no training state
+    at all is one problem.
+    """
+    where = opened.checkpoint.manifest.location
+    state = opened.training
+    if state is None:
+        return [
+            Problem(
+                code="not_resumable",
+                message=f"{where}: holds no training state (weights only); "
+                "a resumable checkpoint also saves optimizer, scheduler, step, RNG and data-loader state",
+                file=where,
+            )
+        ]
+    problems = component_problems(opened)
+    labels = {
+        "weights": "no model weights",
+        "optimizer": "no optimizer state",
+        "scheduler": "no LR scheduler state",
+        "step": "no step or epoch counter",
+        "rng": "no RNG state (dropout and shuffling will differ after a resume)",
+        "dataloader": "no data-loader state (the resumed run will see different batches)",
+    }
+    for item in REQUIRED:
+        if item in state.missing:
+            problems.append(
+                Problem(code=f"missing_{item}", message=f"{where}: {labels[item]}", file=where)
+            )
+        elif item in state.missing_exact:
+            problems.append(
+                Problem(
+                    code=f"missing_{item}",
+                    message=f"{where}: {labels[item]}; resumable, but not exactly",
+                    file=where,
+                    severity="error" if exact else "warning",
+                )
+            )
+    opt = state.optimizer
+    if opt is not None and not opt.complete:
+        problems.append(
+            Problem(
+                code="optimizer_incomplete",
+                message=f"{where}: optimizer state covers {opt.params_with_state} of "
+                f"{opt.params} parameters ({', '.join(opt.states) or 'no state'})",
+                file=where,
+            )
+        )
+    problems.extend(shape_problems(opened))
+    return problems
+
+
+def shape_problems(opened: OpenedSource) -> list[Problem]:
+    """Optimizer state that does not fit the weights: state for a parameter the weights lack,
+    or whose shape no (remaining) weight has (the optimizer was restored for other parameters).
+
+    With several prepared models (accelerate's `model`, `model_1`... beside `optimizer`,
+    `optimizer_1`...), every optimizer is checked against its own model, and each problem
+    names the pair."""
+    state = opened.training
+    if state is None or state.optimizer is None:
+        return []
+    model_prefix = state.prefixes.get("model")
+    opt_prefix = state.prefixes.get("optimizer")
+    if opt_prefix is not None and opt_prefix.startswith("optim_states"):
+        return []  # DeepSpeed ZeRO state covers flat partitions, not individual weights
+    pairs = model_optimizer_pairs(opened.checkpoint.manifest)
+    if model_prefix is not None and opt_prefix is not None:
+        pairs.insert(0, (model_prefix, opt_prefix))
+    several = len(pairs) > 1
+    problems: list[Problem] = []
+    for model, optimizer in pairs:
+        problems += _pair_shape_problems(opened, model, optimizer, named=several)
+    return problems
+
+
+def model_optimizer_pairs(manifest: Manifest) -> list[tuple[str, str]]:
+    """The (model, optimizer) prefixes of the models after the first (`model_1.` with
+    `optimizer_1.`...), in model order: accelerate numbers the i-th prepared object `_{i}`;
+    then those of every rank's own files (`model_rank0.` with `optimizer_rank0.`...)."""
+    keys = top_keys(manifest)
+    numbered = sorted(
+        (int(m.group(1)), key)
+        for key in keys
+        if (m := re.fullmatch(r"model_(\d+)", key)) is not None
+    )
+    pairs = [(keys[key], keys[f"optimizer_{i}"]) for i, key in numbered if f"optimizer_{i}" in keys]
+    parts = rank_parts(manifest)
+    for (obj, index), ranks in sorted(parts.items()):
+        optimizers = parts.get(("optimizer", index), {}) if obj == "model" else {}
+        pairs += [(ranks[r], optimizers[r]) for r in sorted(ranks) if r in optimizers]
+    return pairs
+
+
+def _pair_shape_problems(
+    opened: OpenedSource, model_prefix: str, opt_prefix: str, *, named: bool
+) -> list[Problem]:
+    """`shape_problems` of one optimizer against one model; with `named`, each message says
+    which optimizer and which model (`optimizer_1` against `model_1`)."""
+    checkpoint = opened.checkpoint
+    state = opened.training
+    assert state is not None
+    view = analyse_optimizer(checkpoint, opt_prefix)
+    if view is None:
+        return []
+    where = checkpoint.manifest.location
+    model = {
+        e.name[len(model_prefix) :]: list(e.shape)
+        for e in entries_under(checkpoint.manifest, model_prefix)
+        if e.kind == "tensor"
+    }
+    if state.layout == "torchtitan":
+        from .torchtitan import fused_shapes
+
+        model.update(fused_shapes(model))  # its optimizer keys the fused `wqkv` parameter
+    problems: list[Problem] = []
+    opt_label = f"{opt_prefix.rstrip('.')} state" if named else "optimizer state"
+    weights_label = f"weight of {model_prefix.rstrip('.')}" if named else "model weight"
+    lacking = f"{model_prefix.rstrip('.')} lacks" if named else "the weights lack"
+
+    def param_shape(states: dict[str, list[int]]) -> list[int] | None:
+        shaped = [s for name, s in states.items() if s and name != "step"]
+        return shaped[0] if shaped else None
+
+    if view.by_fqn:
+        for fqn, states in view.per_param.items():
+            shape = param_shape(states)
+            if fqn not in model:
+                problems.append(
+                    Problem(
+                        code="optimizer_unknown_param",
+                        message=f"{where}: {opt_label} for {fqn!r}, which {lacking}",
+                        file=where,
+                        tensor=f"{opt_prefix}state.{fqn}",
+                    )
+                )
+            elif shape is not None and shape != model[fqn]:
+                problems.append(
+                    Problem(
+                        code="optimizer_shape_mismatch",
+                        message=f"{where}: {opt_label} of {fqn!r} is {shape}, "
+                        f"the {weights_label} is {model[fqn]}",
+                        file=where,
+                        tensor=f"{opt_prefix}state.{fqn}",
+                    )
+                )
+        return problems
+    # torch.optim numbers parameters in model.parameters() order, which the saved weights do
+    # not record (safetensors sorts names): every state shape must match a distinct weight
+    available = Counter(tuple(s) for s in model.values())
+    for pid in sorted(view.per_param, key=lambda p: int(p) if p.isdigit() else 0):
+        shape = param_shape(view.per_param[pid])
+        if shape is None:
+            continue
+        if available[tuple(shape)] > 0:
+            available[tuple(shape)] -= 1
+            continue
+        problems.append(
+            Problem(
+                code="optimizer_shape_mismatch",
+                message=f"{where}: {opt_label} of parameter {pid} has shape {shape}, "
+                f"which no remaining {weights_label} has",
+                file=where,
+                tensor=f"{opt_prefix}state.{pid}",
+            )
+        )
+    return problems

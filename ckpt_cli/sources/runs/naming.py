@@ -1,0 +1,265 @@
+"""How checkpoints are named in a run folder: step folders per layout, plain `NAME-N` files, staging folders; discovery of the candidates of a local run."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, is_checkpoint_file
+from ...storage import is_parity_path
+from ...storage.output import TMP_MARKER
+from .records import SLIM_RECORD, Found
+
+if TYPE_CHECKING:
+    from ..layouts import Layout
+
+#: plain `NAME_N.ext` files: extensions that can be a whole checkpoint (not `.distcp` pieces)
+_PLAIN_EXT = (*TORCH_SUFFIXES, SAFETENSORS_SUFFIX)
+#: `model-00001-of-00003`, `rng_state_1`: numbered parts of one checkpoint, not steps
+_PART = re.compile(r".*-\d+-of-\d+|rng_state.*|.*rank.*")
+_PLAIN = re.compile(r"(?P<stem>.+?)[-_](?P<n>\d+)(?P<ext>\.[A-Za-z]+)?")
+_TEMP_NAMES = [
+    re.compile(r"\.(?P<name>.+?)" + re.escape(TMP_MARKER) + r".*"),
+    re.compile(r"tmp[-_](?P<name>.+)"),
+    re.compile(r"(?P<name>.+)\.(?:tmp|partial|incomplete)"),
+]
+#: sub-folders that hold the checkpoints in some layouts (accelerate, torchtitan, Lightning)
+SUBFOLDERS = ("checkpoints", "checkpoint")
+
+
+@functools.cache
+def _step_layouts() -> tuple[Layout, ...]:
+    """The layouts with step folders of their own (their `step_folder`), from the layouts
+    registry: the naming rules live once, on each layout (imported on first use, so listing a
+    run folder's names does not import the format readers)."""
+    from ..layouts import FOLDER_LAYOUTS, SINGLE_LAYOUTS
+
+    return tuple(lay for lay in (*FOLDER_LAYOUTS, *SINGLE_LAYOUTS) if lay.step_folder is not None)
+
+
+def match_name(name: str, is_dir: bool) -> tuple[str, int | None, float | None] | None:
+    """(layout, step, epoch) for an entry name, or None when it is not a checkpoint name."""
+    if is_dir:
+        for layout in _step_layouts():
+            step = layout.step_of(name)
+            if step is not None:
+                return layout.name, step, None
+    from ..layouts.lightning import Lightning, name_values
+
+    if Lightning.is_step_file(name):
+        pairs = name_values(name)
+        step = int_or_none(pairs.get("step"))
+        epoch = _float_or_none(pairs.get("epoch"))
+        return "lightning", step, epoch
+    m = _PLAIN.fullmatch(name)
+    if m and not _PART.fullmatch(m.group("stem") + "-" + m.group("n")):
+        ext = m.group("ext")
+        if is_dir and ext is None:
+            return "plain", int(m.group("n")), None
+        if not is_dir and ext is not None and ext.lower() in _PLAIN_EXT:
+            return "plain", int(m.group("n")), None
+    return None
+
+
+def int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _float_or_none(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def lightning_metrics(name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    from ..layouts.lightning import name_values
+
+    for key, value in name_values(name).items():
+        number = _float_or_none(value)
+        if number is not None and key not in ("step", "epoch"):
+            out[key] = number
+    return out
+
+
+def _looks_like_checkpoint_folder(path: Path) -> bool:
+    """A plain `NAME-N/` folder counts only when it holds checkpoint files (not logs)."""
+    for _dirpath, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if not is_parity_path(d)]  # `ckpt protect`'s parity
+        if any(is_checkpoint_file(f) for f in files):
+            return True
+    return False
+
+
+def classify(
+    name: str, is_dir: bool, holds_checkpoint: Callable[[], bool]
+) -> tuple[str, int | None, float | None, bool] | None:
+    """(layout, step, epoch, temporary) of one entry of a run folder, local or remote; None
+    when it is no checkpoint (the one naming rule of every scanner).
+
+    `holds_checkpoint` says whether a plain `NAME-N/` folder holds checkpoint files (asked
+    only for such folders: a log folder named `eval-3/` is no checkpoint).
+    """
+    for pattern in _TEMP_NAMES:
+        m = pattern.fullmatch(name)
+        if m:
+            inner = m.group("name")
+            matched = match_name(inner, is_dir) or match_name(inner, not is_dir)
+            if matched is None and TMP_MARKER not in name:
+                continue  # `notes.tmp` is not a checkpoint; ckpt's own staging always is
+            layout, step, epoch = matched or ("plain", None, None)
+            return layout, step, epoch, True
+    matched = match_name(name, is_dir)
+    if matched is None:
+        return None
+    layout, step, epoch = matched
+    if layout == "plain" and is_dir and not holds_checkpoint():
+        return None
+    return layout, step, epoch, False
+
+
+def deepspeed_tag(text: str) -> str | None:
+    """The tag a DeepSpeed `latest` file names, when it is a folder name of the run; None
+    otherwise. A tag is compared with folder names and never joined to a path, so a `latest`
+    naming `../x` or `/etc` names nothing (local and remote scans alike)."""
+    tag = text.strip()
+    if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+        return None
+    return tag
+
+
+def step_order(step: int | None, epoch: float | None, mtime: float) -> tuple[float, float, float]:
+    """Newest-first order known before judging: step, epoch, then the entry's own time."""
+    return (
+        float(step) if step is not None else -math.inf,
+        epoch if epoch is not None else -math.inf,
+        mtime,
+    )
+
+
+def expected_parts(names: dict[int, set[str]]) -> dict[int, set[str]]:
+    """For the folders of one unmarked layout (id -> its digit-free top-level file names):
+    the names every *other* full save has (see `expected_parts_of_folders`); empty below three full
+    saves. Slimmed saves (`SLIM_RECORD`) lack their optimizer on purpose and say nothing."""
+    full = [key for key, have in names.items() if SLIM_RECORD not in have]
+    if len(full) < 3:
+        return {}
+    # the names every *other* full folder has, for all folders in one pass (not N² set
+    # intersections): those in all of them, plus, for a full folder, those missing from it alone
+    counts: collections.Counter[str] = collections.Counter()
+    for key in full:
+        counts.update(names[key])
+    everywhere = {n for n, c in counts.items() if c == len(full)}
+    all_but_one = {n for n, c in counts.items() if c == len(full) - 1}
+    in_full = set(full)
+    return {
+        key: everywhere | (all_but_one - have if key in in_full else set())
+        for key, have in names.items()
+    }
+
+
+def _classify(entry: Path) -> Found | None:
+    is_dir = entry.is_dir()
+    # a linked folder is not walked (it may point anywhere): its name decides
+    found = classify(
+        entry.name, is_dir, lambda: entry.is_symlink() or _looks_like_checkpoint_folder(entry)
+    )
+    if found is None:
+        return None
+    layout, step, epoch, temporary = found
+    return Found(layout, step, epoch, [entry], temporary=temporary)
+
+
+def scan_dirs(run_dir: Path) -> list[Path]:
+    dirs = [run_dir]
+    for sub in SUBFOLDERS:
+        candidate = run_dir / sub
+        if candidate.is_dir() and not candidate.is_symlink():
+            dirs.append(candidate)
+    return dirs
+
+
+def listed(folder: Path) -> list[Path]:
+    """The entries of `folder`, sorted."""
+    return sorted(folder.iterdir())
+
+
+def discover_local(run_dir: Path, list_dir: Callable[[Path], list[Path]] = listed) -> list[Found]:
+    """The candidate checkpoints of a local run folder; `list_dir` lists its folders (a scan
+    passes one that lists each folder once for all its steps)."""
+    found: list[Found] = []
+    plain_files: dict[tuple[Path, int | None], Found] = {}
+    for folder in scan_dirs(run_dir):
+        for entry in list_dir(folder):
+            item = _classify(entry)
+            if item is None:
+                continue
+            if item.layout == "plain" and not item.temporary and not entry.is_dir():
+                key = (folder, item.step)
+                if key in plain_files:
+                    plain_files[key].paths.append(entry)
+                    continue
+                plain_files[key] = item
+            found.append(item)
+    return found
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+#: layouts with no commit marker of their own: their saves are compared with each other
+UNMARKED = ("accelerate", "plain")
+
+
+def part_names(folder: Path) -> set[str]:
+    """Top-level file names of a checkpoint folder without digits (`optimizer.bin`, not
+    `random_states_3.pkl`, whose count follows the number of processes)."""
+    try:
+        return {
+            e.name
+            for e in folder.iterdir()
+            if e.is_file() and not any(ch.isdigit() for ch in e.name)
+        }
+    except OSError:
+        return set()
+
+
+def expected_parts_of_folders(found: list[Found]) -> dict[int, set[str]]:
+    """For folders of unmarked layouts: the files every *other* save of the run has.
+
+    accelerate's `save_state` writes model, optimizer, scheduler, sampler... with no marker
+    at the end, so a save cut short after the model looks whole on its own. Against at least
+    two other saves of the same run it does not. Names are compared, nothing is read.
+    """
+    out: dict[int, set[str]] = {}
+    for layout in UNMARKED:
+        folders = [
+            f
+            for f in found
+            if f.layout == layout
+            and not f.temporary
+            and f.paths[0].is_dir()
+            and not f.paths[0].is_symlink()
+        ]
+        if len(folders) >= 3:
+            out.update(expected_parts({id(f): part_names(f.paths[0]) for f in folders}))
+    return out
+
+
+def name_order(item: Found) -> tuple[float, float, float]:
+    """Newest-first order known before judging: step, epoch, then the entry's own time."""
+    try:
+        mtime = item.paths[0].lstat().st_mtime
+    except OSError:
+        mtime = 0.0
+    return step_order(item.step, item.epoch, mtime)

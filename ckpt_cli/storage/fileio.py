@@ -1,0 +1,250 @@
+"""Moving bytes between local files at the speed of `cp` and a flush: byte ranges copied in the
+kernel, and write-back started while the copy goes on.
+
+Two things made a converted checkpoint take twice as long as `cp -r SRC DST && sync` of the
+same bytes (`bench/bench_dcp_raw.py`):
+
+* every byte went through user space (`pread` into Python, `write` out again), where
+  `cp` asks the kernel to copy (`copy_file_range`). `FileRange.copy_to` does the same for a
+  local source range; a writer that must see the bytes (a zip record's CRC) reads them once
+  for the CRC (`FileRange.crc32`) and still lets the kernel copy them.
+* the dirty pages were all written back by the one fsync at the end, after the copy, where
+  the disk could have been busy all along. `start_writeback` asks the kernel to begin writing a
+  range out now (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`, the way PostgreSQL's
+  `*_flush_after` settings do); the final fsync still makes it durable, it just has little left
+  to wait for. Output files opened with `open_output` do this every `WRITEBACK_STEP` bytes.
+
+Where the kernel refuses (another file system, a platform without the calls), both fall back:
+the buffered copy, and no early write-back.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+from ..errors import FormatError
+
+#: raw copies move this many bytes per read/write
+COPY_BLOCK = 8 << 20
+#: bytes written to a file between two requests to start its write-back
+WRITEBACK_STEP = 64 << 20
+#: sync_file_range's "start write-out of dirty pages in the range, do not wait"
+_SYNC_FILE_RANGE_WRITE = 2
+
+_sync_file_range: Callable[[int, int, int, int], int] | None = None
+_sync_file_range_loaded = False
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    global _sync_file_range, _sync_file_range_loaded
+    if not _sync_file_range_loaded:
+        _sync_file_range_loaded = True
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                call = ctypes.CDLL(None, use_errno=True).sync_file_range
+                call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                call.restype = ctypes.c_int
+                _sync_file_range = cast(Callable[[int, int, int, int], int], call)
+            except (OSError, AttributeError):
+                _sync_file_range = None
+    return _sync_file_range
+
+
+def start_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Ask the kernel to start writing the dirty pages of `fd` in [offset, offset + length)
+    (length 0: to the end of the file) to disk, without waiting. A hint: never fails."""
+    call = _load_sync_file_range()
+    if call is not None:
+        call(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # an error only loses the head start
+
+
+#: bytes written to each open file descriptor since its write-back was last started
+_unflushed: dict[int, int] = {}
+
+
+def note_written(fd: int, count: int) -> None:
+    """Count `count` bytes written to `fd`; every `WRITEBACK_STEP` of them, start the
+    write-back of the whole file (one request for many small writes, none per write)."""
+    pending = _unflushed.get(fd, 0) + count
+    if pending >= WRITEBACK_STEP:
+        start_writeback(fd)
+        pending = 0
+    _unflushed[fd] = pending
+
+
+class _WritebackFileIO(io.FileIO):
+    """A `FileIO` that starts the write-back of what it wrote every `WRITEBACK_STEP` bytes."""
+
+    def write(self, data: Any) -> int:
+        written = super().write(data) or 0
+        note_written(self.fileno(), written)
+        return written
+
+    def close(self) -> None:
+        if not self.closed:
+            _unflushed.pop(self.fileno(), None)
+        super().close()
+
+
+def open_output(path: Path) -> io.BufferedWriter:
+    """Create (truncate) `path` for writing, as `open(path, "wb")` does, starting write-back
+    of its dirty pages as they accumulate (see the module docstring)."""
+    return io.BufferedWriter(_WritebackFileIO(path, "w"))
+
+
+class FileRange(Iterator[bytes]):
+    """Raw bytes of local files, one or more consecutive segments `(path, offset, length)`:
+    iterable as blocks, copied in the kernel, or checksummed.
+
+    Any `Writer.write_raw` can iterate it like other raw blocks (one reused buffer; each block
+    is valid until the next). A writer that owns a local output file may instead call
+    `copy_to`, which moves the bytes with `os.copy_file_range` (no trip through user space) and
+    falls back to the buffered copy where the kernel refuses; a writer that needs a CRC of the
+    bytes takes `crc32()` first (a read of the source, usually from the page cache).
+
+    Attributes:
+        segments: the ranges, in order; `length` is their total.
+        on_progress: called with each byte count moved (iterated or copied; not for `crc32`).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        offset: int,
+        length: int,
+        *,
+        block: int = COPY_BLOCK,
+        on_progress: Callable[[int], None] | None = None,
+    ):
+        self.segments: list[tuple[Path, int, int]] = [(path, offset, length)]
+        self.length = length
+        self.block = block
+        self.on_progress = on_progress
+        self._blocks: Iterator[bytes] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        segments: Sequence[tuple[Path, int, int]],
+        *,
+        block: int = COPY_BLOCK,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> FileRange:
+        """The concatenation of `segments` (an empty list: no bytes)."""
+        first = segments[0] if segments else (Path(os.devnull), 0, 0)
+        out = cls(*first, block=block, on_progress=on_progress)
+        out.segments = list(segments)
+        out.length = sum(n for _, _, n in segments)
+        return out
+
+    @property
+    def place(self) -> tuple[tuple[str, int, int], ...]:
+        """Where the bytes are: equal places hold equal bytes (tied weights)."""
+        return tuple((str(p), o, n) for p, o, n in self.segments)
+
+    def split(self, lengths: Sequence[int]) -> list[FileRange]:
+        """Consecutive pieces of these bytes, of `lengths` (which must add up to `length`)."""
+        if sum(lengths) != self.length:
+            raise ValueError(f"pieces of {sum(lengths)} bytes from a {self.length}-byte range")
+        pieces: list[FileRange] = []
+        queue = list(self.segments)
+        for want in lengths:
+            parts: list[tuple[Path, int, int]] = []
+            while want > 0:
+                path, offset, length = queue[0]
+                take = min(want, length)
+                parts.append((path, offset, take))
+                want -= take
+                if take == length:
+                    queue.pop(0)
+                else:
+                    queue[0] = (path, offset + take, length - take)
+            pieces.append(FileRange.of(parts, block=self.block, on_progress=self.on_progress))
+        return pieces
+
+    def __next__(self) -> bytes:
+        if self._blocks is None:
+            self._blocks = self._read_blocks(self.on_progress)
+        return next(self._blocks)
+
+    def _truncated(self, path: Path, offset: int, length: int, done: int) -> FormatError:
+        return FormatError(
+            f"is truncated ({done} of the {length} bytes at {offset} present)",
+            path=str(path),
+            fix="The file was cut short; write or fetch it again.",
+        )
+
+    def _read_blocks(self, on_progress: Callable[[int], None] | None) -> Iterator[bytes]:
+        view = memoryview(bytearray(max(1, min(self.block, self.length))))
+        for path, offset, length in self.segments:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                done = 0
+                while done < length:
+                    want = min(len(view), length - done)
+                    got = os.preadv(fd, [view[:want]], offset + done)
+                    if got <= 0:
+                        raise self._truncated(path, offset, length, done)
+                    done += got
+                    if on_progress is not None:
+                        on_progress(got)
+                    yield cast(bytes, view[:got])
+            finally:
+                os.close(fd)
+
+    def crc32(self) -> int:
+        """The zip CRC-32 of the bytes (read once, not counted as progress)."""
+        crc = 0
+        for block in self._read_blocks(None):
+            crc = zlib.crc32(block, crc)
+        return crc
+
+    def copy_to(self, out_fd: int, position: int) -> int:
+        """Copy all the bytes to `out_fd` at `position` (its file offset is not used), starting
+        the write-back every `WRITEBACK_STEP` bytes (`note_written`); the byte count."""
+        at = position
+        for path, offset, length in self.segments:
+            at += self._copy_segment(path, offset, length, out_fd, at)
+        return at - position
+
+    def _copy_segment(self, path: Path, offset: int, length: int, out_fd: int, at: int) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        done = 0
+        try:
+            while done < length:
+                try:
+                    got = os.copy_file_range(
+                        fd, out_fd, min(WRITEBACK_STEP, length - done), offset + done, at + done
+                    )
+                except OSError:
+                    break  # EXDEV, ENOSYS, EINVAL...: the buffered copy below does the rest
+                if got <= 0:
+                    # end of file, or a file system that copies nothing (some FUSE and
+                    # network ones): the buffered copy tells the two apart
+                    break
+                note_written(out_fd, got)
+                done += got
+                if self.on_progress is not None:
+                    self.on_progress(got)
+        finally:
+            os.close(fd)
+        if done < length:
+            rest = FileRange(
+                path, offset + done, length - done, block=self.block, on_progress=self.on_progress
+            )
+            position = at + done
+            for block in rest:
+                written = 0
+                while written < len(block):
+                    written += os.pwrite(out_fd, memoryview(block)[written:], position + written)
+                position += len(block)
+            note_written(out_fd, length - done)
+        return length

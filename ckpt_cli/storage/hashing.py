@@ -1,0 +1,210 @@
+"""File digests for `ckpt verify --checksums` / `--write-manifest`, hashed in parallel threads.
+
+Throughput strategy: every file is read with unbuffered `readinto` into one reusable 4 MiB
+buffer per thread (measured on the 2-core dev machine: 256 KiB..16 MiB blocks are all within
+10% for sha256, 4 MiB was best for blake3 and xxh3), and the hash functions release the GIL
+for buffers this large (hashlib above 2 KiB, blake3 and xxhash always), so threads hash
+different files truly in parallel and the run is bound by I/O, not by the interpreter.
+sha256 is the default because it is what the Hub records as a file's LFS oid; blake3 and xxh3
+come from the optional `fast` extra (`pip install 'ckpt-cli[fast]'`).
+
+Files in an object store (`StoredFile`) are streamed with ranged reads of `REMOTE_BLOCK`
+bytes through their `Storage`, never downloaded whole; the threads overlap the round trips.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..errors import NotFoundError, UsageError
+from ..progress import NULL_PROGRESS, Progress
+
+if TYPE_CHECKING:
+    from . import Storage
+
+ALGORITHMS = ("sha256", "blake3", "xxh3")
+#: bytes per read: large enough that the GIL is released for nearly all of the hashing
+BLOCK = 4 << 20
+#: bytes per ranged read of a remote file: fewer round trips, still bounded memory per thread
+REMOTE_BLOCK = 16 << 20
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """A file read through a `Storage` (an object store) rather than a local path.
+
+    Attributes:
+        storage: where it is read from (ranged reads).
+        rel: its name relative to the storage root.
+        size: its size, from the listing.
+    """
+
+    storage: Storage
+    rel: str
+    size: int
+
+    def __str__(self) -> str:
+        return self.storage.describe(self.rel)
+
+
+#: what can be hashed: a local path, or a file read with ranged reads
+Hashable = Path | StoredFile
+
+
+class Hasher(Protocol):
+    """What every hash object offers (hashlib, blake3, xxhash)."""
+
+    def update(self, data: Any, /) -> Any:
+        """Feed more bytes."""
+
+    def hexdigest(self) -> str:
+        """The digest as lowercase hex."""
+
+
+def hasher_factory(algo: str, parallel_files: int = 2) -> Callable[[], Hasher]:
+    """A constructor of fresh hash objects for `algo`; UsageError for unknown or missing ones.
+
+    Args:
+        algo: `sha256`, `blake3` or `xxh3` (128-bit XXH3).
+        parallel_files: how many files are hashed at once; with one, blake3 uses its own
+            threads inside the file instead.
+    """
+    if algo == "sha256":
+        return hashlib.sha256
+    if algo not in ALGORITHMS:
+        raise UsageError(
+            f"unknown hash algorithm {algo!r}", fix=f"Use one of {', '.join(ALGORITHMS)}."
+        )
+    module = "blake3" if algo == "blake3" else "xxhash"
+    try:
+        if algo == "blake3":
+            import blake3
+
+            if parallel_files <= 1:
+                return lambda: blake3.blake3(max_threads=blake3.blake3.AUTO)
+            return blake3.blake3
+        import xxhash
+
+        return xxhash.xxh3_128
+    except ImportError:
+        raise UsageError(
+            f"--algo {algo} needs the {module!r} package, which is not installed",
+            fix="Install it with `pip install 'ckpt-cli[fast]'`, or use --algo sha256.",
+        ) from None
+
+
+def hash_file(
+    path: Hashable,
+    new: Callable[[], Hasher],
+    progress: Progress = NULL_PROGRESS,
+    stop: threading.Event | None = None,
+) -> str:
+    """The hex digest of one file, read in `BLOCK`-sized pieces (abandoned once `stop` is set)."""
+    if isinstance(path, StoredFile):
+        return _hash_stored(path, new, progress, stop)
+    hasher = new()
+    buffer = bytearray(BLOCK)
+    view = memoryview(buffer)
+    try:
+        fh = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise NotFoundError(
+            "disappeared while the checkpoint was being hashed",
+            path=path,
+            fix="Something is changing the checkpoint; run again once it is written.",
+        ) from None
+    except PermissionError:
+        raise UsageError("cannot be read (permission denied)", path=path) from None
+    with fh:
+        while True:
+            n = fh.readinto(buffer)
+            if not n or (stop is not None and stop.is_set()):
+                break
+            hasher.update(view[:n])
+            progress.advance(n)
+    return hasher.hexdigest()
+
+
+def _hash_stored(
+    file: StoredFile,
+    new: Callable[[], Hasher],
+    progress: Progress,
+    stop: threading.Event | None,
+) -> str:
+    hasher = new()
+    offset = 0
+    while offset < file.size and not (stop is not None and stop.is_set()):
+        data = file.storage.read(file.rel, offset, min(REMOTE_BLOCK, file.size - offset))
+        hasher.update(data)
+        offset += len(data)
+        progress.advance(len(data))
+    return hasher.hexdigest()
+
+
+def default_workers() -> int:
+    """Threads to hash with: one per core, at least 4 (reads of cold files queue up on the
+    device while other threads hash), at most 8."""
+    return max(4, min(8, os.cpu_count() or 4))
+
+
+def hash_files(
+    paths: Mapping[str, Hashable],
+    algo: str = "sha256",
+    *,
+    workers: int | None = None,
+    progress: Progress = NULL_PROGRESS,
+) -> dict[str, str]:
+    """Digest every file (name -> path) in parallel threads; returns name -> hex digest.
+
+    Files are handed out largest first so one big shard does not finish last alone.
+    """
+    workers = workers or default_workers()
+    new = hasher_factory(algo, parallel_files=min(workers, len(paths)))
+    sink = _LockedProgress(progress)
+    stop = threading.Event()
+    order = sorted(paths, key=lambda name: -_size(paths[name]))
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-hash")
+    try:
+        results = pool.map(lambda n: hash_file(paths[n], new, sink, stop), order)
+        digests = dict(zip(order, results, strict=True))
+    except BaseException:
+        # Ctrl-C or a failed file: running threads stop at their next block, queued ones never start
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return {name: digests[name] for name in paths}
+
+
+def _size(path: Hashable) -> int:
+    if isinstance(path, StoredFile):
+        return path.size
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class _LockedProgress:
+    """Serialises `advance` calls from the hashing threads."""
+
+    def __init__(self, inner: Progress):
+        self._inner = inner
+        self._lock = threading.Lock()
+
+    def start(self, total: int, description: str) -> None:
+        self._inner.start(total, description)
+
+    def advance(self, amount: int) -> None:
+        with self._lock:
+            self._inner.advance(amount)
+
+    def finish(self) -> None:
+        self._inner.finish()

@@ -1,0 +1,457 @@
+"""Atomic outputs: write into a hidden temporary sibling, publish with one rename.
+
+A crash, a SIGKILL or Ctrl-C mid-write leaves at most a `.<name>.ckpt-tmp-*` sibling (which
+`ckpt prune --incomplete` and `ckpt latest` treat as an interrupted save), never a DEST that
+looks complete. An existing DEST is refused unless `force` is given; then it is replaced only
+after the new output is complete.
+
+DEST may also be an fsspec URL (`s3://bucket/prefix`, `gs://…`): `resolve_destination` turns
+it into a `RemoteDest` and `staged_output` then
+
+1. stages the output in a local temporary folder (`TMPDIR`), where the writers work exactly as
+   for a local DEST (`pwrite`, in-kernel copies, fsync) and the format's structural check runs;
+2. streams every file to a hidden temporary prefix beside DEST
+   (`s3://bucket/.NAME.ckpt-tmp-XXXX/…`, multipart uploads through `fs.open("wb")`, four
+   files at a time), the commit marker (`*.index.json`, `.metadata`) last;
+3. publishes by copying the objects into DEST (server-side copies, four at a time), the
+   marker last, and removes the temporary prefix.
+
+Object stores have no rename and no multi-object transaction, so this is as atomic as they
+allow: each object appears whole or not at all, and DEST gets its commit marker only after
+every other file is in place. A failure at any step removes what was uploaded or copied, so
+DEST never holds a marker without its files. Writers stay unchanged (they write local files),
+at the price of local disk for one output.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from ..errors import DestinationExistsError, IOFailure, UsageError
+from ..faults import interruption, io_failure
+from ..formats.names import is_commit_marker
+from ..progress import NULL_PROGRESS, Progress
+from . import remote_failure
+from .uri import parse_location
+
+TMP_MARKER = ".ckpt-tmp-"
+#: bytes per read/write when streaming a staged file to an object store (and the part size
+#: asked of filesystems that upload in parts; S3 needs at least 5 MiB)
+UPLOAD_BLOCK = 16 << 20
+#: files uploaded (and objects copied) at once: object stores scale with connections
+PARALLEL_TRANSFERS = 4
+
+
+@dataclass(frozen=True)
+class RemoteDest:
+    """A destination in an fsspec filesystem (an object-store prefix or object).
+
+    Attributes:
+        url: the URL as the user wrote it (trailing slashes dropped).
+        fs: the fsspec filesystem (credentials and endpoint from its usual env/config).
+        path: the path inside `fs` (`bucket/prefix/name`).
+    """
+
+    url: str
+    fs: Any
+    path: str
+
+    @property
+    def name(self) -> str:
+        """The last component (the folder or file name)."""
+        return PurePosixPath(self.path).name
+
+    @property
+    def suffix(self) -> str:
+        """The file suffix of `name` (`.safetensors`), as `Path.suffix`."""
+        return PurePosixPath(self.path).suffix
+
+    @property
+    def stem(self) -> str:
+        """`name` without its suffix, as `Path.stem`."""
+        return PurePosixPath(self.path).stem
+
+    def absolute(self) -> RemoteDest:
+        """Itself (a URL is absolute); lets callers treat a DEST like a `Path`."""
+        return self
+
+    def __str__(self) -> str:
+        return self.url
+
+
+Destination = Path | RemoteDest
+
+
+def resolve_destination(dest: str | Path) -> Destination:
+    """A DEST argument as an absolute local `Path` or a `RemoteDest` (fsspec URL).
+
+    `hf://` is refused: publishing to the Hub is a commit, which `huggingface-cli upload` does.
+    """
+    loc = parse_location(str(dest))
+    if loc.kind == "local":
+        assert loc.path is not None
+        return loc.path.absolute()
+    if loc.kind == "hf":
+        raise UsageError(
+            "cannot write to the Hub",
+            path=str(dest),
+            fix="Write to a local folder, then publish it with `huggingface-cli upload`.",
+        )
+    from . import filesystem_for
+
+    fs, path = filesystem_for(loc)
+    path = path.rstrip("/")
+    if "/" not in path.strip("/"):
+        raise UsageError(
+            "DEST names a bucket, not a prefix inside it",
+            path=str(dest),
+            fix="Name a folder-like prefix, e.g. s3://bucket/checkpoints/step-1000.",
+        )
+    return RemoteDest(url=str(dest).rstrip("/"), fs=fs, path=path)
+
+
+def _remote_exists(dest: RemoteDest) -> bool:
+    try:
+        return bool(dest.fs.exists(dest.path))
+    except Exception as exc:  # each filesystem package raises its own network/auth errors
+        raise remote_failure(exc, dest.url) from None
+
+
+def check_destination(dest: Destination, force: bool) -> None:
+    """Refuse an existing destination without --force, before any work is done."""
+    if isinstance(dest, RemoteDest):
+        if _remote_exists(dest) and not force:
+            raise DestinationExistsError(
+                "already exists (objects under this prefix)",
+                path=dest.url,
+                fix="Choose another destination or pass --force to replace it.",
+            )
+        bucket = dest.path.split("/", 1)[0]
+        if not _remote_exists(RemoteDest(url=dest.url, fs=dest.fs, path=bucket)):
+            raise UsageError(
+                f"the bucket {bucket!r} does not exist",
+                path=dest.url,
+                fix="Create it first (e.g. `aws s3 mb`), or check the endpoint and credentials.",
+            )
+        return
+    if (dest.exists() or dest.is_symlink()) and not force:
+        raise DestinationExistsError(
+            "already exists",
+            path=dest,
+            fix="Choose another destination or pass --force to replace it.",
+        )
+    if not dest.parent.exists():
+        raise UsageError(
+            "the parent folder does not exist", path=dest.parent, fix="Create it first."
+        )
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename inside it is durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def staged_output(
+    dest: Destination,
+    *,
+    force: bool = False,
+    single_file: bool = False,
+    progress: Progress = NULL_PROGRESS,
+) -> Iterator[Path]:
+    """Yield a fresh staging folder beside `dest`; on success publish it as `dest`.
+
+    With `single_file`, the staging folder must hold exactly one file, which becomes `dest`.
+    On any exception (KeyboardInterrupt included) the staging folder is removed and `dest` is
+    left as it was. A `RemoteDest` is staged locally and uploaded (see the module docstring);
+    `progress` then reports the bytes uploaded.
+    """
+    if isinstance(dest, RemoteDest):
+        with _staged_remote(dest, force=force, single_file=single_file, progress=progress) as s:
+            yield s
+        return
+    dest = dest.absolute()
+    check_destination(dest, force)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
+    except OSError as exc:
+        raise io_failure(exc, dest.parent, "creating the staging folder") from None
+    # mkdtemp makes the folder 0700; a published output gets what a plain mkdir would give
+    apply_umask(staging, directory=True)
+    try:
+        yield staging
+        if single_file:
+            produced = [p for p in staging.iterdir()]
+            if len(produced) != 1:
+                raise RuntimeError(f"expected one output file, the writer produced {len(produced)}")
+            source: Path = produced[0]
+        else:
+            fsync_dir(staging)
+            source = staging
+        _publish(source, dest, force)
+        fsync_dir(dest.parent)
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP
+        shutil.rmtree(staging, ignore_errors=True)
+        raise interruption(exc, "interrupted; the partial output was removed", dest) from None
+    except OSError as exc:  # disk full, EIO, read-only, EACCES, EXDEV: exit 74, staging gone
+        shutil.rmtree(staging, ignore_errors=True)
+        failure = io_failure(exc, dest, f"writing {dest.name}")
+        raise IOFailure(
+            failure.problem + "; the partial output was removed", path=failure.path, fix=failure.fix
+        ) from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    else:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: Path, *, directory: bool) -> None:
+    """Give `path` the mode a plain `mkdir` (0777) or `open` (0666) would under the umask
+    (`tempfile.mkdtemp` makes staging folders 0700, which a published output must not keep)."""
+    base = 0o777 if directory else 0o666
+    with suppress(OSError):
+        os.chmod(path, base & ~current_umask())
+
+
+#: the marker of an old DEST moved aside by `--force` (never debris: a whole checkpoint)
+OLD_MARKER = ".ckpt-old-"
+#: renameat2 flag: swap two paths atomically (Linux >= 3.15)
+RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap `a` and `b` in one atomic step with renameat2(RENAME_EXCHANGE).
+
+    Returns False where the platform, libc or filesystem cannot (the caller then falls back
+    to two renames); other OS errors are raised.
+    """
+    import ctypes
+    import errno
+    import sys
+
+    if not sys.platform.startswith("linux") or os.environ.get("CKPT_NO_RENAME_EXCHANGE"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # glibc < 2.28, or a libc without it
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+    renameat2.argtypes.append(ctypes.c_uint)
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def old_copy_name(dest: Path) -> Path:
+    """Where `--force` keeps the old DEST while the new one is published."""
+    return dest.with_name(f".{dest.name}{OLD_MARKER}{os.getpid()}")
+
+
+def leftover_old_copies(dest: Path) -> list[Path]:
+    """Old copies of `dest` left by a `--force` replace that was killed mid-way."""
+    import glob
+
+    try:
+        return sorted(dest.parent.glob(f".{glob.escape(dest.name)}{OLD_MARKER}*"))
+    except OSError:
+        return []
+
+
+def _publish(source: Path, dest: Path, force: bool) -> None:
+    if not (dest.exists() or dest.is_symlink()):
+        os.rename(source, dest)
+        return
+    if not force:
+        raise DestinationExistsError(
+            "appeared while writing", path=dest, fix="Pass --force to replace it."
+        )
+    old = old_copy_name(dest)
+    # the complete new output takes the `.DEST.ckpt-old-PID` name first, so whatever a kill
+    # leaves under that name is a whole checkpoint, never debris
+    os.rename(source, old)
+    if _exchange(old, dest):
+        # one atomic step: DEST is now the new output and `old` holds the replaced one
+        pass
+    else:
+        os.rename(old, source)
+        # two renames: the old DEST waits under a name that says what it is
+        # (`.DEST.ckpt-old-PID`, never treated as debris); ckpt names it if DEST is missing
+        os.rename(dest, old)
+        try:
+            os.rename(source, dest)
+        except BaseException:
+            os.rename(old, dest)
+            raise
+    fsync_dir(dest.parent)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- object stores
+
+
+def publish_order(names: list[str]) -> list[str]:
+    """`names` sorted with the commit markers last."""
+    return sorted(names, key=lambda n: (is_commit_marker(n), n))
+
+
+@contextmanager
+def _staged_remote(
+    dest: RemoteDest, *, force: bool, single_file: bool, progress: Progress
+) -> Iterator[Path]:
+    check_destination(dest, force)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}"))
+    parent = dest.path.rsplit("/", 1)[0]
+    tmp_prefix = f"{parent}/.{dest.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+    try:
+        yield staging
+        files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+        if single_file and len(files) != 1:
+            raise RuntimeError(f"expected one output file, the writer produced {len(files)}")
+        try:
+            _upload(dest, staging, files, tmp_prefix, progress)
+            _publish_remote(dest, files, tmp_prefix, single_file, force)
+        except Exception as exc:
+            raise remote_failure(exc, dest.url, writing=True) from None
+    except KeyboardInterrupt as exc:
+        _remove_remote(dest, [tmp_prefix])
+        raise interruption(exc, "interrupted; the partial output was removed", dest.url) from None
+    except BaseException:
+        _remove_remote(dest, [tmp_prefix])
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _remove_remote(dest, [tmp_prefix])
+
+
+def _in_parallel(work: Callable[[str], None], names: list[str]) -> None:
+    """Run `work` on every name, `PARALLEL_TRANSFERS` at a time; the first error is raised."""
+    if len(names) <= 1:
+        for name in names:
+            work(name)
+        return
+    pool = ThreadPoolExecutor(PARALLEL_TRANSFERS, thread_name_prefix="ckpt-upload")
+    try:
+        for future in [pool.submit(work, name) for name in names]:
+            future.result()
+    except BaseException:
+        # a failure or Ctrl-C: queued transfers never start; running ones finish before cleanup
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
+
+
+def _upload(
+    dest: RemoteDest, staging: Path, files: list[str], tmp_prefix: str, progress: Progress
+) -> None:
+    """Stream every staged file to the temporary prefix (data files in parallel), markers last."""
+    total = sum((staging / f).stat().st_size for f in files)
+    progress.start(total, f"uploading → {dest.url}")
+    lock = threading.Lock()
+
+    def upload(rel: str) -> None:
+        with (
+            open(staging / rel, "rb") as src,
+            dest.fs.open(f"{tmp_prefix}/{rel}", "wb", block_size=UPLOAD_BLOCK) as out,
+        ):
+            while block := src.read(UPLOAD_BLOCK):
+                out.write(block)
+                with lock:
+                    progress.advance(len(block))
+
+    try:
+        _in_parallel(upload, [f for f in files if not is_commit_marker(f)])
+        _in_parallel(upload, [f for f in publish_order(files) if is_commit_marker(f)])
+    finally:
+        progress.finish()
+
+
+def _publish_remote(
+    dest: RemoteDest, files: list[str], tmp_prefix: str, single_file: bool, force: bool
+) -> None:
+    """Copy the uploaded objects into DEST, the commit marker last; undo on failure."""
+    fs = dest.fs
+    if fs.exists(dest.path):
+        if not force:
+            raise DestinationExistsError(
+                "appeared while writing", path=dest.url, fix="Pass --force to replace it."
+            )
+        # no rename in an object store: the old output goes first, its markers before its
+        # data, so no moment shows a marker over a mix of old and new files
+        old = _remote_files(dest)
+        for rel in sorted(old, key=lambda n: (not is_commit_marker(n), n)):
+            fs.rm_file(f"{dest.path}/{rel}" if rel else dest.path)
+    if single_file:
+        fs.copy(f"{tmp_prefix}/{files[0]}", dest.path)
+        return
+    copied: list[str] = []
+
+    def copy(rel: str) -> None:
+        target = f"{dest.path}/{rel}"
+        copied.append(target)  # before the copy: a half-done copy is removed too
+        fs.copy(f"{tmp_prefix}/{rel}", target)
+
+    try:
+        _in_parallel(copy, [f for f in files if not is_commit_marker(f)])
+        for rel in publish_order(files):
+            if is_commit_marker(rel):
+                copy(rel)
+    except BaseException:
+        _remove_remote(dest, copied)
+        raise
+
+
+def _remote_files(dest: RemoteDest) -> list[str]:
+    """Objects at DEST, relative to it ('' for DEST itself being one object)."""
+    fs = dest.fs
+    if fs.isfile(dest.path):
+        return [""]
+    found = fs.find(dest.path)
+    prefix = dest.path + "/"
+    return [n[len(prefix) :] for n in found if n.startswith(prefix)]
+
+
+def _remove_remote(dest: RemoteDest, paths: list[str]) -> None:
+    """Best-effort removal of uploaded objects or prefixes (cleanup must not mask the error)."""
+    fs = dest.fs
+    for path in paths:
+        with suppress(Exception):
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+        with suppress(Exception):
+            fs.invalidate_cache(path)

@@ -1,0 +1,152 @@
+"""Parse a SRC/DEST argument into a `Location`: a local path, `hf://…`, or another fsspec URL."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+from ..errors import UsageError
+
+_URL = re.compile(r"^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*)://(?P<rest>.*)$")
+_HF_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a checkpoint lives.
+
+    Attributes:
+        raw: the argument as the user wrote it.
+        kind: `local`, `hf` (Hugging Face Hub) or `fsspec` (any other URL).
+        path: the local path (`local`), or the path after the scheme (`fsspec`).
+        repo_id / repo_type / revision / subfolder: the Hub coordinates (`hf`).
+        url: the full URL (`fsspec`).
+    """
+
+    raw: str
+    kind: Literal["local", "hf", "fsspec"]
+    path: Path | None = None
+    repo_id: str | None = None
+    repo_type: str = "model"
+    revision: str | None = None
+    subfolder: str = ""
+    url: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        """True for a path on this machine."""
+        return self.kind == "local"
+
+    def __str__(self) -> str:
+        return self.raw
+
+
+def parse_location(text: str) -> Location:
+    """Parse `text` into a Location.
+
+    `hf://org/repo[@revision][/subfolder]` (also `hf://datasets/org/repo…`) is the Hub;
+    `file://x` is the local path `x`; any other `scheme://` is an fsspec URL.
+    """
+    match = _URL.match(text)
+    if not match:
+        return Location(raw=text, kind="local", path=Path(text).expanduser())
+    scheme, rest = match["scheme"].lower(), match["rest"]
+    if scheme == "file":
+        return Location(raw=text, kind="local", path=Path(rest).expanduser())
+    if scheme == "hf":
+        return _parse_hf(text, rest)
+    return Location(raw=text, kind="fsspec", url=text, path=Path(rest))
+
+
+def is_hub_url(text: str) -> bool:
+    """Whether `text` names the Hugging Face Hub (`hf://…`, the scheme in any case), as
+    `parse_location` reads it; nothing is validated or raised."""
+    match = _URL.match(text)
+    return match is not None and match["scheme"].lower() == "hf"
+
+
+def hub_url(location: Location) -> str:
+    """The `hf://` URL of a Hub location, spelt the one way `parse_location` reads back:
+    `hf://[datasets/|spaces/]org/repo[@revision][/subfolder]`, `/` in a revision as `%2F`."""
+    assert location.kind == "hf" and location.repo_id is not None
+    kind = "" if location.repo_type == "model" else f"{location.repo_type}s/"
+    revision = f"@{location.revision.replace('/', '%2F')}" if location.revision else ""
+    subfolder = f"/{location.subfolder}" if location.subfolder else ""
+    return f"hf://{kind}{location.repo_id}{revision}{subfolder}"
+
+
+def with_hub_options(text: str, revision: str | None, repo_type: str | None) -> str:
+    """`text` with `--revision` / `--repo-type` folded into its `hf://` URL.
+
+    Refused for a SRC that is not on the Hub, for an unknown repository type, and where an
+    option contradicts what the URL already says (`hf://org/repo@v1 --revision v2`).
+    """
+    if revision is None and repo_type is None:
+        return text
+    if not is_hub_url(text):
+        used = " and ".join(
+            o for o, v in (("--revision", revision), ("--repo-type", repo_type)) if v is not None
+        )
+        raise UsageError(
+            f"{used} apply to a Hub location, and {text!r} is not one",
+            fix="Write SRC as hf://org/repo, or leave the option out.",
+        )
+    if repo_type is not None and repo_type not in _HF_TYPES.values():
+        raise UsageError(
+            f"--repo-type {repo_type!r} is not a repository type",
+            fix="Use model, dataset or space.",
+        )
+    location = parse_location(text)
+    if repo_type is not None:
+        match = _URL.match(text)
+        assert match is not None  # a Hub URL, checked above
+        written = match["rest"].lstrip("/").split("/", 1)[0]
+        if written in _HF_TYPES and _HF_TYPES[written] != repo_type:
+            raise UsageError(
+                f"--repo-type {repo_type} contradicts {text!r}", fix="Keep one of the two."
+            )
+        location = replace(location, repo_type=repo_type)
+    if revision is not None:
+        if location.revision is not None and location.revision != revision:
+            raise UsageError(
+                f"--revision {revision} contradicts {text!r}", fix="Keep one of the two."
+            )
+        location = replace(location, revision=revision)
+    return hub_url(location)
+
+
+def _parse_hf(text: str, rest: str) -> Location:
+    parts = [p for p in rest.split("/") if p]
+    repo_type = "model"
+    if parts and parts[0] in _HF_TYPES:
+        repo_type = _HF_TYPES[parts.pop(0)]
+    if len(parts) < 2:
+        raise UsageError(
+            f"{text!r} is not a Hub location",
+            fix="Write it as hf://org/repo[@revision][/subfolder].",
+        )
+    org, name = parts[0], parts[1]
+    revision = None
+    if "@" in name:
+        name, revision = name.split("@", 1)
+        # a revision may itself contain slashes (refs/pr/1), URL-encoded or not
+        revision = revision.replace("%2F", "/")
+        if not revision:
+            raise UsageError(
+                f"{text!r} has an empty revision after '@'", fix="Name a branch, tag or commit."
+            )
+    subfolder = "/".join(parts[2:])
+    if any(p in ("..", ".") for p in parts[2:]):
+        raise UsageError(
+            f"{text!r} has '.' or '..' in its subfolder", fix="Name the subfolder plainly."
+        )
+    return Location(
+        raw=text,
+        kind="hf",
+        repo_id=f"{org}/{name}",
+        repo_type=repo_type,
+        revision=revision,
+        subfolder=subfolder,
+    )
