@@ -193,23 +193,41 @@ def test_config_contradicting_the_weights_is_refused(tmp_path: Path) -> None:
 def test_recognise_tells_families_apart() -> None:
     from ckpt_cli.architectures import recognise
 
-    llama = [
-        "model.embed_tokens.weight",
-        "model.layers.0.self_attn.q_proj.weight",
-        "model.norm.weight",
-    ]
+    layer = "model.layers.0."
+    attention = [f"{layer}self_attn.{p}_proj.weight" for p in "qkvo"]
+    norms = [f"{layer}input_layernorm.weight", f"{layer}post_attention_layernorm.weight"]
+    dense = [f"{layer}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    ends = ["model.embed_tokens.weight", "model.norm.weight"]
+    llama = [*ends, *attention, *norms, *dense, "lm_head.weight"]
     found = recognise(llama)
     assert found is not None and (found.architecture.name, found.naming) == ("llama3", "hf")
-    qwen = [*llama, "model.layers.0.self_attn.q_norm.weight"]
+    # tied embeddings: no lm_head, still Llama
+    found = recognise([n for n in llama if n != "lm_head.weight"])
+    assert found is not None and found.architecture.name == "llama3"
+    qwen = [*llama, f"{layer}self_attn.q_norm.weight", f"{layer}self_attn.k_norm.weight"]
     found = recognise(qwen)
     assert found is not None and found.architecture.name == "qwen3"
-    moe = [*qwen, "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.0.up_proj.weight"]
+    experts = [f"{layer}mlp.experts.0.{p}_proj.weight" for p in ("gate", "up", "down")]
+    moe = [*(n for n in qwen if n not in dense), f"{layer}mlp.gate.weight", *experts]
     found = recognise(moe)
     assert found is not None and found.architecture.name == "qwen3-moe"
-    titan = ["tok_embeddings.weight", "layers.0.attention.qkv_linear.wq.weight", "norm.weight"]
+    titan = [
+        "tok_embeddings.weight",
+        "norm.weight",
+        "lm_head.weight",
+        *(f"layers.0.attention.qkv_linear.w{p}.weight" for p in "qkv"),
+        "layers.0.attention.wo.weight",
+        "layers.0.attention_norm.weight",
+        "layers.0.ffn_norm.weight",
+        *(f"layers.0.feed_forward.w{i}.weight" for i in (1, 2, 3)),
+    ]
     found = recognise(titan)
     assert found is not None and (found.architecture.name, found.naming) == ("llama3", "torchtitan")
     assert recognise(["encoder.weight"]) is None
+    # Llama-like names without the gated MLP are no Llama: an export would lack `w1`, which
+    # torchtitan's loader asks for, so the family is not claimed
+    assert recognise([n for n in llama if "gate_proj" not in n]) is None
+    assert recognise([n for n in titan if "feed_forward.w1" not in n]) is None
 
 
 def test_experts_unstack_and_stack_back() -> None:

@@ -488,6 +488,10 @@ class Architecture(ABC):
             `recognise` to claim a checkpoint (what tells this family from its relatives,
             e.g. Qwen3's q/k norms).
         excluders: naming -> patterns whose presence says the checkpoint is not this family.
+        optional: naming -> source patterns of rules whose tensors a checkpoint of this
+            family may lack (Megatron's output layer when tied to the embedding, the dense
+            MLP of a model whose every layer is MoE); every other rule must match a tensor
+            for `recognise` to claim it.
         torchtitan_models: the torchtitan module whose `model_registry(flavor)` builds this
             family (`--flavor`), None when torchtitan has none.
         tied: naming -> (embedding name, output projection name): with `tie_embeddings`, the
@@ -504,6 +508,7 @@ class Architecture(ABC):
     markers: ClassVar[Mapping[str, Sequence[str]]] = {}
     excluders: ClassVar[Mapping[str, Sequence[str]]] = {}
     tied: ClassVar[Mapping[str, tuple[str, str]]] = {}
+    optional: ClassVar[Mapping[str, Sequence[str]]] = {}
     torchtitan_models: ClassVar[str | None] = None
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
 
@@ -555,14 +560,35 @@ class Architecture(ABC):
     @classmethod
     def recognise(cls, names: Sequence[str]) -> str | None:
         """The naming `names` (a model's tensor names) are in, if this family's: every name
-        matched by a rule or an ignore pattern, a marker present, no excluder present."""
+        matched by a rule or an ignore pattern, every rule's tensor present (but those the
+        family may lack), a marker present, no excluder present."""
         for naming in cls.namings():
             unknown, known = cls.covers(names, naming)
-            if unknown or not known:
+            if unknown or not known or cls.lacking(names, naming):
                 continue
             if cls.marked(names, naming):
                 return naming
         return None
+
+    @classmethod
+    def lacking(cls, names: Sequence[str], naming: str) -> list[str]:
+        """The source patterns of this family's rules that no name matches: tensors the model
+        would need and does not hold (a Llama-like model without `mlp.gate_proj` is no Llama:
+        its export would lack weights the loader asks for). A tied output projection and the
+        patterns in `optional` may be absent."""
+        optional = set(cls.optional.get(naming, ()))
+        optional.update(output for _, output in cls.tied.values())
+        by_rule: dict[int, list[str]] = {}
+        for rule, _, pattern in cls._side(naming):
+            by_rule.setdefault(id(rule), []).append(pattern)
+        out: list[str] = []
+        for patterns in by_rule.values():
+            if optional.intersection(patterns):
+                continue
+            found = [compile_pattern(p) for p in patterns]
+            if not any(r.match(name) for r in found for name in names):
+                out.append(patterns[0])
+        return out
 
     @classmethod
     def marked(cls, names: Sequence[str], naming: str) -> bool:

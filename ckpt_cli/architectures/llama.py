@@ -129,6 +129,9 @@ class _Decoder(Architecture):
         HF: (_COMMON[0][0], _COMMON[-1][0]),
         TITAN: (_COMMON[0][1], _COMMON[-1][1]),
     }
+    # Megatron shares the embedding with the output (share_embeddings_and_output_weights)
+    # by leaving `output_layer.weight` out
+    optional: ClassVar[Mapping[str, Sequence[str]]] = {MEGATRON: ("output_layer.weight",)}
 
     hf_architecture: ClassVar[str]
     hf_model_type: ClassVar[str]
@@ -313,6 +316,11 @@ class Qwen3Moe(_Decoder):
     markers: ClassVar[Mapping[str, Sequence[str]]] = {
         HF: (_ROUTER[0][0],),
         TITAN: (_ROUTER[0][1],),
+    }
+    # a model may hold dense MLP layers between its MoE ones (mlp_only_layers), or none
+    optional: ClassVar[Mapping[str, Sequence[str]]] = {
+        HF: tuple(hf for hf, _ in _DENSE_MLP),
+        TITAN: tuple(native for _, native in _DENSE_MLP),
     }
     # torchtitan keeps a load-balancing bias per MoE layer (with load_balance_coeff, the
     # default); CheckpointManager.load wants it, so an import writes its fresh-start zeros

@@ -55,8 +55,6 @@ def render_convert(report: ConvertReport) -> None:
             highlight=False,
             markup=False,
         )
-    for warning in report.warnings:
-        stderr.print(f"[yellow]ckpt convert: warning:[/] {warning}", highlight=False)
     render_ranks(report.ranks)
     for group in report.tied:
         if group[1] in report.aliases:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...ops.diff.run import DiffReport, EntryDiff
-from . import shape_str, stderr, stdout
+from . import shape_str, stdout
 
 #: differences shown before the rest are counted (all of them are in --json)
 MAX_SHOWN = 15
@@ -96,5 +96,3 @@ def render_diff(report: DiffReport) -> None:
     _aliases(report)
     if report.close:
         stdout.print(f"  {report.close} entries differ within tolerance")
-    for warning in report.warnings:
-        stderr.print(f"[yellow]ckpt diff: warning:[/] {warning}", highlight=False)

@@ -109,7 +109,9 @@ class _Sums:
     sdd: float = 0.0
     n: int = 0
 
-    def add(self, x: NDArray[np.float64], y: NDArray[np.float64], sy: float, syy: float) -> None:
+    def add_block(
+        self, x: NDArray[np.float64], y: NDArray[np.float64], sy: float, syy: float
+    ) -> None:
         self.sx += float(x.sum())
         self.sy += sy
         self.sxx += _dot(x, x)
@@ -152,7 +154,7 @@ def moments_against(
             va = next(stream, None)
             if va is None or va.size != vb.size:
                 raise ValueError("tensors of different sizes compared")
-            acc.add(va, vb, sb, sbb)
+            acc.add_block(va, vb, sb, sbb)
     for stream in streams:
         if next(stream, None) is not None:
             raise ValueError("tensors of different sizes compared")
