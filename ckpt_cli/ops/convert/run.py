@@ -22,7 +22,7 @@ from ...models import FileInfo, Manifest
 from ...progress import NULL_PROGRESS, Progress
 from ...quant import QuantAnalysis
 from ...sizes import parse_size
-from ...sources.layouts import OpenedSource, open_source
+from ...sources.layouts import OpenedSource, folder_layout_named, open_source
 from ...sources.layouts.megatron import keep_megatron_layout
 from ...sources.layouts.model_folders import Component
 from ...storage.output import Destination, resolve_destination
@@ -398,6 +398,8 @@ def convert(
         if not match_prefix:  # a component's rules are judged over the whole folder
             warnings += unmatched_rules((e.name for e in manifest.entries), include, exclude)
         carried = extra_files(checkpoint) if extras and not single_file else []
+        if naming is not None:
+            carried = [rel for rel in carried if not is_training_file(opened, rel)]
         if given_config is not None:
             carried = [rel for rel in carried if rel != "config.json"]
             options.companions["config.json"] = given_config[0]
@@ -756,3 +758,13 @@ def _left_out_files(
                 for rel in component_weight_files(listing, comp)
             ]
     return skipped
+
+
+def is_training_file(opened: OpenedSource, rel: str) -> bool:
+    """Whether `rel` is a file the source's training layout writes for the save, not for the
+    model (`Layout.training_files`): no part of a model folder in a framework naming."""
+    if opened.training is None:
+        return False
+    layout = folder_layout_named(opened.training.layout)
+    pattern = layout.training_files if layout is not None else None
+    return pattern is not None and pattern.fullmatch(rel) is not None
