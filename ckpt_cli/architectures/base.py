@@ -506,6 +506,8 @@ class Architecture(ABC):
     tied: ClassVar[Mapping[str, tuple[str, str]]] = {}
     torchtitan_models: ClassVar[str | None] = None
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
+    #: a family with no native naming (gpt-oss): its HF tensor patterns, copied as they are
+    hf_names: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def args_from_source(cls, checkpoint: Checkpoint, naming: str) -> ModelArgs:
@@ -533,7 +535,7 @@ class Architecture(ABC):
             # the HF side is the same in every native naming's rules: take the first naming's
             natives = list(cls.rules)
             if not natives:
-                return out
+                return [(Rename(one(p), one(p)), "from_hf", p) for p in cls.hf_names]
             for rule in cls.rules[natives[0]]:
                 out += [(rule, "from_hf", p) for p in rule.hf]
         else:

@@ -367,6 +367,10 @@ def convert(
         naming_files: dict[str, bytes] = {}
         if naming is not None:
             known = json.loads(given_config[0]) if given_config else source_config(base.storage)
+            if dequantized and known is not None:
+                from ...quant import without_quantization
+
+                known = without_quantization(known)  # the written weights are plain
             mapped = map_plan(
                 checkpoint,
                 plan,
