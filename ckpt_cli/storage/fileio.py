@@ -130,6 +130,7 @@ class FileRange(Iterator[bytes]):
         self.on_progress = on_progress
         self._blocks: Iterator[bytes] | None = None
         self._kernel_refused = False
+        self._untold = 0  # bytes copied and not yet told to on_progress
 
     @classmethod
     def of(
@@ -226,7 +227,16 @@ class FileRange(Iterator[bytes]):
         finally:
             for fd in fds.values():
                 os.close(fd)
+        self._tell(0, flush=True)
         return at - position
+
+    def _tell(self, count: int, *, flush: bool = False) -> None:
+        """Count `count` bytes moved; tell `on_progress` per COPY_BLOCK (a permutation's
+        row-sized segments would otherwise call it per row), and the rest when `flush`."""
+        self._untold += count
+        if self.on_progress is not None and self._untold and (flush or self._untold >= COPY_BLOCK):
+            self.on_progress(self._untold)
+            self._untold = 0
 
     def _copy_segment(
         self, fd: int, path: Path, offset: int, length: int, out_fd: int, at: int
@@ -248,11 +258,10 @@ class FileRange(Iterator[bytes]):
                 break
             note_written(out_fd, got)
             done += got
-            if self.on_progress is not None:
-                self.on_progress(got)
+            self._tell(got)
         if done < length:
             rest = FileRange(
-                path, offset + done, length - done, block=self.block, on_progress=self.on_progress
+                path, offset + done, length - done, block=self.block, on_progress=self._tell
             )
             position = at + done
             for block in rest:
