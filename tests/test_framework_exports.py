@@ -64,6 +64,10 @@ def test_accelerate_fsdp_save_exports_the_trained_llama(
     assert doc["architecture"]["source_naming"] == "hf"  # type: ignore[index]
     written = {e["name"] for e in doc["entries"]}  # type: ignore[attr-defined]
     assert len(written) == 21 and all(n.startswith(("model.", "lm_head.")) for n in written)
+    # the files left behind are accounted for as the source's, not the mapped model's
+    files = {s["name"]: s["reason"] for s in doc["skipped"] if s["kind"] == "file"}  # type: ignore[attr-defined]
+    assert files["optimizer_0/__0_0.distcp"] == "none of its entries was selected"
+    assert files["pytorch_model_fsdp_1/__1_0.distcp"] == "none of its entries was selected"
     # what accelerate's own load_state restores: the trained model
     trained = torch.load(f"{save}.restored.pt", weights_only=False)["model_0"]
     on_disk: dict[str, torch.Tensor] = {}

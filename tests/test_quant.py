@@ -485,6 +485,8 @@ def test_gpt_oss_mxfp4_dequantizes_to_what_transformers_loads(tmp_path: Path, to
     assert r.exit_code == 0, r.stderr
     if to == "hf":
         assert r.json["result"]["architecture"]["architecture"] == "gpt-oss"
+    # the source's config.json is the output's (without its quantization section)
+    assert "config.json" not in {s["name"] for s in r.json["result"]["skipped"]}
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "gpt_oss"
     reference = GptOssForCausalLM.from_pretrained(

@@ -365,8 +365,12 @@ def convert(
         architecture: ArchitectureReport | None = None
         naming_config: bytes | None = None
         naming_files: dict[str, bytes] = {}
+        # the source's files are accounted for against its own entries, not a naming's
+        selected_from, selected = checkpoint, plan
+        config_from_source = False
         if naming is not None:
             known = json.loads(given_config[0]) if given_config else source_config(base.storage)
+            config_from_source = given_config is None and known is not None
             if dequantized and known is not None:
                 from ...quant import without_quantization
 
@@ -443,8 +447,10 @@ def convert(
         shares: list[RankShare] = []
         carried += megatron_files  # Megatron's own files, copied unchanged
         # every file of SRC: read into the output, carried, or skipped with why
+        # a naming's config.json built on the source's is the source's, carried (rewritten)
+        accounted = [*carried, "config.json"] if config_from_source else carried
         read, skipped_files = account_files(
-            checkpoint, plan, carried, single_file=single_file, listed=opened.listed_files
+            selected_from, selected, accounted, single_file=single_file, listed=opened.listed_files
         )
         config_written = None
         if given_config is not None or naming_config is not None:
