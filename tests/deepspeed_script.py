@@ -1,7 +1,7 @@
 """Run under torchrun (2 ranks, gloo, CPU): train a tiny bf16 model with DeepSpeed ZeRO-2 and
 ZeRO-3 for two steps each and save with `engine.save_checkpoint` (DeepSpeed's own writer).
 
-Usage: torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding]
+Usage: torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding | --hf]
 writes OUT_DIR/zero2/ and OUT_DIR/zero3/ (each: `latest`, `global_step2/`, zero_to_fp32.py),
 and OUT_DIR/zero3-subgroups/ (ZeRO-3 with `sub_group_size` 100: two sub-groups).
 
@@ -9,6 +9,8 @@ With `--nan-padding` it trains ZeRO-3 only and plants NaN where DeepSpeed's unin
 partition padding may hold one: OUT_DIR/zero3-nan-padding/ has NaN in every padding slot of
 the fp32 partitions (and nowhere else); OUT_DIR/zero3-nan-parameter/ is the same engine saved
 again after one real parameter element was set to NaN.
+
+With `--hf` it trains the suite's tiny Hugging Face Llama with ZeRO-3 instead (`_train_hf`).
 """
 
 from __future__ import annotations
@@ -104,8 +106,44 @@ def _train(
     engine.save_checkpoint(f"{out}-nan-parameter")
 
 
+def _train_hf(out: str) -> None:
+    """ZeRO-3 (fp32, so the master weights are the model's) of the suite's tiny Hugging Face
+    Llama for two steps, saved with `engine.save_checkpoint(OUT/zero3-hf)`; rank 0 writes the
+    trained model, gathered from the partitions, with `save_pretrained(OUT/zero3-hf-model)`
+    (the reference an export must equal) and its logits on fixed ids."""
+    import torch.distributed as dist
+    from framework_fixtures import tiny_config  # the tests folder is the script's folder
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config())
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": 3},
+    }
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(f"{out}/zero3-hf")
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        if dist.get_rank() == 0:
+            engine.module.save_pretrained(f"{out}/zero3-hf-model")
+            with torch.no_grad():
+                logits = engine.module(input_ids=ids).logits
+            torch.save({"ids": ids, "logits": logits}, f"{out}/zero3-hf-model/logits.pt")
+    dist.barrier()
+
+
 if __name__ == "__main__":
-    if "--nan-padding" in sys.argv[2:]:
+    if "--hf" in sys.argv[2:]:
+        _train_hf(sys.argv[1])
+    elif "--nan-padding" in sys.argv[2:]:
         _train(3, f"{sys.argv[1]}/zero3", nan_padding=True)
     else:
         _train(2, f"{sys.argv[1]}/zero2")

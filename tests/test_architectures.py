@@ -93,6 +93,50 @@ def test_rotary_permute_is_transformers_permute_and_inverts() -> None:
     assert torch.equal(rotary_permute(halves, heads, "to_interleaved"), w)
 
 
+def test_permuted_row_order_is_rotary_permute() -> None:
+    """The row order the kernel copies of a permuted q/k follow is `rotary_permute`'s, both
+    ways (GQA head counts, odd widths)."""
+    from ckpt_cli.architectures.base import rotary_permute
+    from ckpt_cli.architectures.mapped import permuted_row_order
+
+    for heads, head_dim in ((4, 8), (2, 16), (1, 2)):
+        rows = torch.arange(heads * head_dim)
+        for to in ("to_halves", "to_interleaved"):
+            want = rotary_permute(rows.view(-1, 1), heads, to).flatten().tolist()
+            assert permuted_row_order(heads * head_dim, heads, to) == want
+
+
+def test_export_copies_permuted_rows_as_file_ranges(tmp_path: Path) -> None:
+    """A permuted q/k of a local safetensors source is served as its rows' byte ranges (the
+    writers copy them in the kernel, no read into Python), and those bytes are the permuted
+    tensor's."""
+    from ckpt_cli.architectures.base import rotary_permute
+    from ckpt_cli.architectures.mapped import MappedCheckpoint
+    from ckpt_cli.formats import open_checkpoint
+    from ckpt_cli.ops.shared.architecture import map_plan
+    from ckpt_cli.ops.shared.transfer import plan_transfer
+    from ckpt_cli.storage.fileio import FileRange
+
+    _llama_hf(tmp_path / "hf")
+    source = open_checkpoint(str(tmp_path / "hf" / "model.safetensors"))
+    plan = plan_transfer(source.manifest, dtype=None, keep_objects=False, dedupe_tied=True)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    mapped = map_plan(
+        source, plan, "torchtitan", config=config, cast=None, keep_objects=False,
+        dedupe_tied=True,
+    )  # fmt: skip
+    checkpoint = mapped.checkpoint
+    assert isinstance(checkpoint, MappedCheckpoint)
+    name = "layers.1.attention.qkv_linear.wq.weight"
+    segments = checkpoint.local_ranges(name)
+    # one range per row, but a head's last row and the next head's first stay neighbours
+    assert segments is not None and len(segments) == 32 - 3
+    got = b"".join(bytes(b) for b in FileRange.of(segments))
+    q = load_file(tmp_path / "hf" / "model.safetensors")["model.layers.1.self_attn.q_proj.weight"]
+    assert got == rotary_permute(q, 4, "to_interleaved").numpy().tobytes()
+    source.close()
+
+
 def test_hf_to_torchtitan_to_hf_is_bit_identical(tmp_path: Path) -> None:
     """HF -> torchtitan -> HF gives back every tensor bit for bit (GQA q/k permuted both ways)."""
     _llama_hf(tmp_path / "hf")

@@ -53,6 +53,31 @@ def test_a_range_of_segments_iterates_splits_checksums_and_copies_the_same_bytes
         FileRange.of(segments).split([1, 2])
 
 
+def test_a_copy_of_many_row_ranges_opens_each_file_once_and_tells_progress_in_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A permuted tensor is one range per row: its copy must not open the source, nor tell the
+    progress bar, once per row (1000 rows here, one open and one progress call)."""
+    pool, data = _pool(tmp_path)
+    rows = [(pool, (i * 7919) % 9990, 10) for i in range(1000)]
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting_open(path: Any, *args: Any, **kwargs: Any) -> int:
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    moved: list[int] = []
+    out = tmp_path / "out.bin"
+    with open(out, "wb") as fh:
+        monkeypatch.setattr(os, "open", counting_open)
+        copied = FileRange.of(rows, on_progress=moved.append).copy_to(fh.fileno(), 0)
+        monkeypatch.setattr(os, "open", real_open)
+    assert copied == 10_000 and moved == [10_000]
+    assert opened == [str(pool)]
+    assert out.read_bytes() == b"".join(data[o : o + n] for _, o, n in rows)
+
+
 @pytest.mark.parametrize("refusal", ["error", "nothing copied"])
 def test_a_copy_the_kernel_refuses_falls_back_and_a_short_file_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str

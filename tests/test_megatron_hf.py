@@ -366,12 +366,12 @@ def test_per_layer_megatron_names_export_the_same_tensors(
             assert torch.equal(got.get_tensor(name), want.get_tensor(name)), name
 
 
-def test_a_save_with_optimizer_state_exports_with_filter_out(
+def test_a_save_with_optimizer_state_exports_the_model_alone(
     megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
 ) -> None:
-    """Megatron-LM saves the optimizer's state beside the model (`optimizer.state.*`): no rule
-    maps it, so the export is refused naming those tensors and the way out, and
-    `--filter-out 'optimizer.*'` exports the model."""
+    """Megatron-LM saves the optimizer's state beside the model (`optimizer.state.*`): the
+    export leaves it out by itself, each tensor listed as skipped with the reason, as a
+    torchtitan export leaves its training state; `--filter-out 'optimizer.*'` still works."""
     import torch.distributed.checkpoint as dcp
 
     folder, truth = megatron_save
@@ -387,10 +387,15 @@ def test_a_save_with_optimizer_state_exports_with_filter_out(
     dcp.save(state, checkpoint_id=save, no_dist=True)
     for name in ("common.pt", "metadata.json"):
         shutil.copy(folder / name, save / name)
-    refused = run_ckpt("convert", save, tmp_path / "no", "--to", "hf")
-    assert refused.exit_code == 4
-    assert "optimizer.state.exp_avg.output_layer.weight" in refused.stderr
-    assert "--filter-out" in refused.stderr
+    plain = run_ckpt("convert", save, tmp_path / "plain", "--to", "hf", "--json")
+    assert plain.exit_code == 0, plain.stdout + plain.stderr
+    result_doc = json.loads(plain.stdout)["result"]
+    reasons = {s["name"]: s["reason"] for s in result_doc["skipped"]}
+    assert reasons["optimizer.state.exp_avg.output_layer.weight"] == (
+        "optimizer state (training only)"
+    )
+    assert not any(e["source"].startswith("optimizer.") for e in result_doc["entries"])
+    assert close(hf_logits(tmp_path / "plain")[1], truth) <= TOLERANCE
     out = tmp_path / "hf"
     result = run_ckpt("convert", save, out, "--to", "hf", "--filter-out", "optimizer.*")
     assert result.exit_code == 0, result.stdout + result.stderr

@@ -420,7 +420,8 @@ def test_mxfp4_gpt_oss_layout_dequantizes_like_torch_reader(tmp_path: Path) -> N
     assert group["scheme"] == "mxfp4" and group["modules"] == 4
     assert group["example"]["name"] == "model.layers.0.mlp.experts.down_proj_blocks"
     assert group["example"]["stored_shape"] == [2, 16, 1, 16]
-    assert group["example"]["logical_shape"] == [2, 16, 32]
+    # the dequantized experts are [E, in, out], as transformers' GptOss holds them
+    assert group["example"]["logical_shape"] == [2, 32, 16]
     assert "model.layers.*.self_attn.q_proj" in shown["unquantized"]
     assert run_ckpt("verify", src, "--deep").exit_code == 0
 
@@ -435,11 +436,71 @@ def test_mxfp4_gpt_oss_layout_dequantizes_like_torch_reader(tmp_path: Path) -> N
     scales = load_file(src / "model-00001-of-00001.safetensors")
     for name, tensor in blocks.items():
         expected = torch_mxfp4(src, tensor, scales[name.replace("_blocks", "_scales")])
-        # torch's reader keeps the `_blocks` name; ckpt names the weight as transformers does
-        mine = got[name.removesuffix("_blocks")]
+        # torch's reader keeps the `_blocks` name and the stored [E, out, in]; ckpt names and
+        # lays out the weight as transformers does
+        mine = got[name.removesuffix("_blocks")].transpose(1, 2)
         assert mine.shape == expected.shape
         assert torch.equal(mine.view(torch.int16), expected.view(torch.int16)), name
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def _gpt_oss_mxfp4(folder: Path) -> None:
+    """A tiny real `GptOssForCausalLM` (bf16) saved as the released gpt-oss checkpoints are:
+    experts MXFP4-quantized in the stored `[E, out, in]` layout (`*_blocks`, `*_scales`), the
+    rest as is, `quantization_config` naming mxfp4."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
+        hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, sliding_window=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(config).to(torch.bfloat16)
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.float().transpose(1, 2))
+            state[name + "_blocks"], state[name + "_scales"] = blocks, scales
+        else:
+            state[name] = tensor.contiguous()
+    folder.mkdir(parents=True)
+    save_file(state, folder / "model.safetensors")
+    doc = {**config.to_dict(), "architectures": ["GptOssForCausalLM"], "torch_dtype": "bfloat16"}
+    doc["quantization_config"] = GPT_OSS_CONFIG["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("to", ["hf", "safetensors"])
+def test_gpt_oss_mxfp4_dequantizes_to_what_transformers_loads(tmp_path: Path, to: str) -> None:
+    """`convert --to hf --dequantize` of a gpt-oss MXFP4 checkpoint: `GptOssForCausalLM.
+    from_pretrained(DEST)` holds exactly what transformers' own MXFP4 dequantize of the source
+    holds (`Mxfp4Config(dequantize=True)`), experts `[E, in, out]`, and gives its logits."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    _gpt_oss_mxfp4(tmp_path / "src")
+    r = run_ckpt(
+        "convert", tmp_path / "src", tmp_path / "out", "--to", to, "--dequantize", "--json"
+    )
+    assert r.exit_code == 0, r.stderr
+    if to == "hf":
+        assert r.json["result"]["architecture"]["architecture"] == "gpt-oss"
+    # the source's config.json is the output's (without its quantization section)
+    assert "config.json" not in {s["name"] for s in r.json["result"]["skipped"]}
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "gpt_oss"
+    reference = GptOssForCausalLM.from_pretrained(
+        tmp_path / "src", quantization_config=Mxfp4Config(dequantize=True)
+    ).eval()
+    model = GptOssForCausalLM.from_pretrained(tmp_path / "out").eval()
+    want, got = reference.state_dict(), model.state_dict()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    ids = torch.tensor([[1, 5, 9, 2, 33, 60, 7, 4]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
 def test_mxfp4_missing_and_misshapen_scales_are_named(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ REGISTRY: dict[str, str] = {
     "qwen3-moe": "ckpt_cli.architectures.llama:Qwen3Moe",
     "qwen3": "ckpt_cli.architectures.llama:Qwen3",
     "llama3": "ckpt_cli.architectures.llama:Llama3",
+    "gpt-oss": "ckpt_cli.architectures.gpt_oss:GptOss",
 }
 
 #: `convert --to` naming tokens -> the format their output is written as

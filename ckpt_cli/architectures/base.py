@@ -427,10 +427,18 @@ class Filled:
 @dataclass(frozen=True)
 class Ignored:
     """Source tensors a naming holds that are no weights of the other (rotary tables, MoE
-    load-balancing counters): left out, with the reason reported."""
+    load-balancing counters, a training save's optimizer state): left out, with the reason
+    reported. `prefix`: `pattern` names every tensor under it (`optimizer.`)."""
 
     pattern: str
     reason: str
+    prefix: bool = False
+
+    def regex(self) -> re.Pattern[str]:
+        """The names this covers."""
+        if self.prefix:
+            return re.compile(re.escape(self.pattern) + r".*\Z", re.DOTALL)
+        return compile_pattern(self.pattern)
 
 
 @dataclass
@@ -511,6 +519,8 @@ class Architecture(ABC):
     optional: ClassVar[Mapping[str, Sequence[str]]] = {}
     torchtitan_models: ClassVar[str | None] = None
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
+    #: a family with no native naming (gpt-oss): its HF tensor patterns, copied as they are
+    hf_names: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def args_from_source(cls, checkpoint: Checkpoint, naming: str) -> ModelArgs:
@@ -538,7 +548,7 @@ class Architecture(ABC):
             # the HF side is the same in every native naming's rules: take the first naming's
             natives = list(cls.rules)
             if not natives:
-                return out
+                return [(Rename(one(p), one(p)), "from_hf", p) for p in cls.hf_names]
             for rule in cls.rules[natives[0]]:
                 out += [(rule, "from_hf", p) for p in rule.hf]
         else:
@@ -550,7 +560,7 @@ class Architecture(ABC):
     def covers(cls, names: Iterable[str], naming: str) -> tuple[list[str], list[str]]:
         """(names no rule or ignore pattern of `naming` matches, names matched)."""
         side = [compile_pattern(p) for _, _, p in cls._side(naming)]
-        side += [compile_pattern(i.pattern) for i in cls.ignored.get(naming, ())]
+        side += [i.regex() for i in cls.ignored.get(naming, ())]
         unknown: list[str] = []
         known: list[str] = []
         for name in names:
@@ -644,7 +654,7 @@ class Architecture(ABC):
         direction: Direction = "to_hf" if target == HF else "from_hf"
         rules = cls.rules[native]
         compiled = [[compile_pattern(p) for p in rule.source_patterns(direction)] for rule in rules]
-        ignored = [(compile_pattern(i.pattern), i.reason) for i in cls.ignored.get(source, ())]
+        ignored = [(i.regex(), i.reason) for i in cls.ignored.get(source, ())]
         matched: list[list[Match]] = [[] for _ in rules]
         order: dict[str, int] = {}
         left_out: list[tuple[str, str]] = []

@@ -8,8 +8,9 @@ so the writers' byte copies (and `copy_file_range`) keep working across a rename
 Most transforms need no tensor at all, so torch is never imported for them: an output that is
 the concatenation of contiguous byte ranges of raw-stored sources (one expert's rows of a
 stacked tensor, experts stacked, a rename) is served as those ranges (`local_ranges`: copied
-in the kernel); a rotary permutation reorders whole rows, done on the source's bytes with
-numpy (`permute_rows`), any dtype.
+in the kernel); a rotary permutation reorders whole rows, so a local source's permuted tensor
+is its rows' ranges in the new order (`permuted_row_order`), copied in the kernel too, any
+dtype; a remote one is permuted on its bytes with numpy (`permute_rows`).
 
 Boxes of a tensor the source does not store as raw bytes (a torch_save DCP chunk, a
 `torch.save` blob) are cut from the whole tensor, read once and kept until an output from
@@ -183,13 +184,36 @@ class MappedCheckpoint(Checkpoint):
             return self.base.local_ranges(source)
         ranges = self.byte_ranges(name)
         if ranges is None:
-            return None
+            return self._permuted_ranges(name)
         out: list[tuple[Path, int, int]] = []
         for source, start, length in ranges:
             segments = self.base.local_ranges(source)
             if segments is None:
                 return None
             out += window(segments, start, length)
+        return out
+
+    def _permuted_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        """A rotary permutation of a local raw-stored source as its rows' byte ranges in the
+        output's order: the writers copy them in the kernel, row by row, as for a rename."""
+        permuted = self._permuted_source(name)
+        if permuted is None:
+            return None
+        segments = self.base.local_ranges(permuted)
+        if segments is None:
+            return None
+        tensor = self.mapped[name]
+        row = self.base.manifest.by_name[permuted].nbytes // tensor.shape[0]
+        out: list[tuple[Path, int, int]] = []
+        for source_row in permuted_row_order(
+            tensor.shape[0], tensor.heads, tensor.permute or "to_halves"
+        ):
+            for path, offset, length in window(segments, source_row * row, row):
+                last = out[-1] if out else None
+                if last is not None and last[0] == path and last[1] + last[2] == offset:
+                    out[-1] = (path, last[1], last[2] + length)  # rows that stay neighbours
+                else:
+                    out.append((path, offset, length))
         return out
 
     def padding(self, name: str) -> list[tuple[int, int]]:
@@ -213,6 +237,19 @@ def window(
             out.append((path, offset + lo - at, hi - lo))
         at += size
     return out
+
+
+def permuted_row_order(rows: int, heads: int, to: str) -> list[int]:
+    """The source row of each output row of `rotary_permute` (whole rows move, in order)."""
+    half = rows // heads // 2
+    order = []
+    for head in range(heads):
+        base = head * 2 * half
+        if to == "to_halves":  # output (pair member j, pair i) <- source row 2i + j
+            order += [base + 2 * i + j for j in range(2) for i in range(half)]
+        else:  # output row 2i + j <- source (pair member j, pair i)
+            order += [base + j * half + i for i in range(half) for j in range(2)]
+    return order
 
 
 def permute_rows(

@@ -286,7 +286,12 @@ MEGATRON_RULES: tuple[TensorRule, ...] = (
 )
 
 #: what a Megatron save holds beside the model's weights
-MEGATRON_IGNORED = (Ignored("rotary_pos_emb.inv_freq", "rotary table (rebuilt)"),)
+MEGATRON_IGNORED = (
+    Ignored("rotary_pos_emb.inv_freq", "rotary table (rebuilt)"),
+    # Megatron-LM saves the optimizer's sharded state beside the model in one torch_dist
+    # checkpoint (`optimizer.state.exp_avg.<param>`, `optimizer.state.fp32_param.<param>`...)
+    Ignored("optimizer.", "optimizer state (training only)", prefix=True),
+)
 
 _STACKED_QKV = "decoder.layers.self_attention.linear_qkv.weight"
 

@@ -181,7 +181,9 @@ def dequantize(weight: QuantWeight, tensors: dict[str, torch.Tensor], dtype: str
     if weight.scheme in ("fp8-tensor", "fp8-channel"):
         return fp8_scaled(payload, side["scale"], dtype)
     if weight.scheme == "mxfp4":
-        return mxfp4(payload, side["scale"], dtype)
+        values = mxfp4(payload, side["scale"], dtype)
+        # transformers' convert_moe_packed_tensors: `out.transpose(1, 2).contiguous()`
+        return values.transpose(-2, -1).contiguous() if weight.transposed else values
     if weight.scheme == "mxfp8":
         return mxfp8(payload, side["scale"], dtype)
     if weight.scheme == "nvfp4":

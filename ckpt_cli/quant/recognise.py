@@ -92,6 +92,10 @@ def _recognise(r: _Recognition, name: str, entry: Entry) -> None:
         _nvfp4(r, name, module, entry)
 
 
+#: gpt-oss's MXFP4 stacked experts (`model.layers.N.mlp.experts.*`), stored `[E, out, in]`
+GPT_OSS_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
 def _mx(r: _Recognition, name: str, entry: Entry) -> None:
     """MXFP4 / MXFP8: `*_blocks` payloads with `*_scales`, 32 values a group."""
     ck, tensors = r.checks, r.checks.tensors
@@ -102,14 +106,18 @@ def _mx(r: _Recognition, name: str, entry: Entry) -> None:
     if scheme is None or len(shape) < 2:
         return
     per = shape[-1] * (2 if scheme == "mxfp4" else 1)
+    logical = [*shape[:-2], shape[-2] * per]
+    # gpt-oss's stacked experts: transformers' GptOss holds them [E, in, out]
+    transposed = scheme == "mxfp4" and len(logical) == 3 and base.endswith(GPT_OSS_EXPERTS)
     weight = QuantWeight(
         module=base.rsplit(".", 1)[0] if "." in base else base,
         scheme=scheme,
         payload=name,
         output=base,
         sidecars={},
-        logical_shape=[*shape[:-2], shape[-2] * per],
+        logical_shape=[logical[0], logical[2], logical[1]] if transposed else logical,
         block=(1, per),
+        transposed=transposed,
     )
     if scales not in tensors:
         ck.missing(name, scales, scheme)

@@ -68,6 +68,9 @@ class QuantWeight:
         sidecars: role -> stored name (`scale`, `scale_2`, `global`, `input`, `input_global`).
         logical_shape: shape of the dequantized tensor.
         block: FP8 block size (rows, cols); MX/NV group size in `block[1]`.
+        transposed: the dequantized values' last two dims are swapped, as the model holds
+            them: gpt-oss stores its stacked experts `[E, out, in]` quantized along `in`, and
+            transformers' `GptOss` holds them `[E, in, out]` (its MXFP4 dequantize transposes).
     """
 
     module: str
@@ -77,6 +80,7 @@ class QuantWeight:
     sidecars: dict[str, str]
     logical_shape: list[int]
     block: tuple[int, int] = (1, 1)
+    transposed: bool = False
 
     @property
     def members(self) -> list[str]:

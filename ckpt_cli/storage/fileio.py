@@ -129,6 +129,8 @@ class FileRange(Iterator[bytes]):
         self.block = block
         self.on_progress = on_progress
         self._blocks: Iterator[bytes] | None = None
+        self._kernel_refused = False
+        self._untold = 0  # bytes copied and not yet told to on_progress
 
     @classmethod
     def of(
@@ -184,9 +186,12 @@ class FileRange(Iterator[bytes]):
 
     def _read_blocks(self, on_progress: Callable[[int], None] | None) -> Iterator[bytes]:
         view = memoryview(bytearray(max(1, min(self.block, self.length))))
-        for path, offset, length in self.segments:
-            fd = os.open(path, os.O_RDONLY)
-            try:
+        fds: dict[Path, int] = {}  # each file opened once (a permutation is many row ranges)
+        try:
+            for path, offset, length in self.segments:
+                fd = fds.get(path)
+                if fd is None:
+                    fd = fds[path] = os.open(path, os.O_RDONLY)
                 done = 0
                 while done < length:
                     want = min(len(view), length - done)
@@ -197,7 +202,8 @@ class FileRange(Iterator[bytes]):
                     if on_progress is not None:
                         on_progress(got)
                     yield cast(bytes, view[:got])
-            finally:
+        finally:
+            for fd in fds.values():
                 os.close(fd)
 
     def crc32(self) -> int:
@@ -211,34 +217,51 @@ class FileRange(Iterator[bytes]):
         """Copy all the bytes to `out_fd` at `position` (its file offset is not used), starting
         the write-back every `WRITEBACK_STEP` bytes (`note_written`); the byte count."""
         at = position
-        for path, offset, length in self.segments:
-            at += self._copy_segment(path, offset, length, out_fd, at)
+        fds: dict[Path, int] = {}  # each file opened once (a permutation is many row ranges)
+        try:
+            for path, offset, length in self.segments:
+                fd = fds.get(path)
+                if fd is None:
+                    fd = fds[path] = os.open(path, os.O_RDONLY)
+                at += self._copy_segment(fd, path, offset, length, out_fd, at)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        self._tell(0, flush=True)
         return at - position
 
-    def _copy_segment(self, path: Path, offset: int, length: int, out_fd: int, at: int) -> int:
-        fd = os.open(path, os.O_RDONLY)
+    def _tell(self, count: int, *, flush: bool = False) -> None:
+        """Count `count` bytes moved; tell `on_progress` per COPY_BLOCK (a permutation's
+        row-sized segments would otherwise call it per row), and the rest when `flush`."""
+        self._untold += count
+        if self.on_progress is not None and self._untold and (flush or self._untold >= COPY_BLOCK):
+            self.on_progress(self._untold)
+            self._untold = 0
+
+    def _copy_segment(
+        self, fd: int, path: Path, offset: int, length: int, out_fd: int, at: int
+    ) -> int:
         done = 0
-        try:
-            while done < length:
-                try:
-                    got = os.copy_file_range(
-                        fd, out_fd, min(WRITEBACK_STEP, length - done), offset + done, at + done
-                    )
-                except OSError:
-                    break  # EXDEV, ENOSYS, EINVAL...: the buffered copy below does the rest
-                if got <= 0:
-                    # end of file, or a file system that copies nothing (some FUSE and
-                    # network ones): the buffered copy tells the two apart
-                    break
-                note_written(out_fd, got)
-                done += got
-                if self.on_progress is not None:
-                    self.on_progress(got)
-        finally:
-            os.close(fd)
+        while done < length and not self._kernel_refused:
+            try:
+                got = os.copy_file_range(
+                    fd, out_fd, min(WRITEBACK_STEP, length - done), offset + done, at + done
+                )
+            except OSError:
+                # EXDEV, ENOSYS, EINVAL...: the buffered copy below does the rest, and of the
+                # segments after this one (a permutation's rows would each ask again)
+                self._kernel_refused = True
+                break
+            if got <= 0:
+                # end of file, or a file system that copies nothing (some FUSE and
+                # network ones): the buffered copy tells the two apart
+                break
+            note_written(out_fd, got)
+            done += got
+            self._tell(got)
         if done < length:
             rest = FileRange(
-                path, offset + done, length - done, block=self.block, on_progress=self.on_progress
+                path, offset + done, length - done, block=self.block, on_progress=self._tell
             )
             position = at + done
             for block in rest:

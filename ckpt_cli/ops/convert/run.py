@@ -22,7 +22,7 @@ from ...models import FileInfo, Manifest
 from ...progress import NULL_PROGRESS, Progress
 from ...quant import QuantAnalysis
 from ...sizes import parse_size
-from ...sources.layouts import OpenedSource, open_source
+from ...sources.layouts import OpenedSource, folder_layout_named, open_source
 from ...sources.layouts.megatron import keep_megatron_layout
 from ...sources.layouts.model_folders import Component
 from ...storage.output import Destination, resolve_destination
@@ -365,8 +365,16 @@ def convert(
         architecture: ArchitectureReport | None = None
         naming_config: bytes | None = None
         naming_files: dict[str, bytes] = {}
+        # the source's files are accounted for against its own entries, not a naming's
+        selected_from, selected = checkpoint, plan
+        config_from_source = False
         if naming is not None:
             known = json.loads(given_config[0]) if given_config else source_config(base.storage)
+            config_from_source = given_config is None and known is not None
+            if dequantized and known is not None:
+                from ...quant import without_quantization
+
+                known = without_quantization(known)  # the written weights are plain
             mapped = map_plan(
                 checkpoint,
                 plan,
@@ -398,6 +406,8 @@ def convert(
         if not match_prefix:  # a component's rules are judged over the whole folder
             warnings += unmatched_rules((e.name for e in manifest.entries), include, exclude)
         carried = extra_files(checkpoint) if extras and not single_file else []
+        if naming is not None:
+            carried = [rel for rel in carried if not is_training_file(opened, rel)]
         if given_config is not None:
             carried = [rel for rel in carried if rel != "config.json"]
             options.companions["config.json"] = given_config[0]
@@ -437,8 +447,10 @@ def convert(
         shares: list[RankShare] = []
         carried += megatron_files  # Megatron's own files, copied unchanged
         # every file of SRC: read into the output, carried, or skipped with why
+        # a naming's config.json built on the source's is the source's, carried (rewritten)
+        accounted = [*carried, "config.json"] if config_from_source else carried
         read, skipped_files = account_files(
-            checkpoint, plan, carried, single_file=single_file, listed=opened.listed_files
+            selected_from, selected, accounted, single_file=single_file, listed=opened.listed_files
         )
         config_written = None
         if given_config is not None or naming_config is not None:
@@ -756,3 +768,13 @@ def _left_out_files(
                 for rel in component_weight_files(listing, comp)
             ]
     return skipped
+
+
+def is_training_file(opened: OpenedSource, rel: str) -> bool:
+    """Whether `rel` is a file the source's training layout writes for the save, not for the
+    model (`Layout.training_files`): no part of a model folder in a framework naming."""
+    if opened.training is None:
+        return False
+    layout = folder_layout_named(opened.training.layout)
+    pattern = layout.training_files if layout is not None else None
+    return pattern is not None and pattern.fullmatch(rel) is not None

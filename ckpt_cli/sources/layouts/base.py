@@ -85,6 +85,9 @@ class Layout(ABC):
         world_size_cut: how a world-size reshard of the whole folder cuts its state: `dcp`
             re-cuts its DCP sub-folders and carries the rest; `zero` re-cuts DeepSpeed's ZeRO
             partitions (`ops.reshard_zero`).
+        training_files: top-level files the framework writes for the training save, not for
+            a model (DeepSpeed's `zero_to_fp32.py`): a copy of the save carries them, an
+            export to a framework naming (`convert --to hf`) leaves them out.
     """
 
     name: ClassVar[str]
@@ -92,6 +95,7 @@ class Layout(ABC):
     rank_files: ClassVar[re.Pattern[str] | None] = None
     rank_state_world_size: ClassVar[tuple[str, ...]] = ()
     world_size_cut: ClassVar[Literal["dcp", "zero"]] = "dcp"
+    training_files: ClassVar[re.Pattern[str] | None] = None
 
     @abstractmethod
     def recognise(self, source: Source) -> bool:

@@ -30,6 +30,8 @@ class DeepSpeed(Layout):
     #: the per-rank RNG files a Hugging Face Trainer saves beside DeepSpeed's tag folder
     #: (`checkpoint-N/` holds `latest`, `global_stepN/` and `rng_state_{process_index}.pth`)
     rank_files = re.compile(r"rng_state(?:_(\d+))?\.pth")
+    #: the recovery scripts `save_checkpoint` copies beside its tag folders
+    training_files = re.compile(r"zero_to_\w+\.py")
 
     def rank_file_name(self, rank: int, world_size: int) -> str:
         return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
