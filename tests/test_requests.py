@@ -1,0 +1,111 @@
+"""A request per operation (#26): each command builds one frozen request model of its options,
+and every per-component path is the same request `model_copy(update=...)`-ed, so no option is
+re-listed by hand and none is dropped on the way to a component.
+
+Two checks per operation: the request's fields are exactly the library function's keyword
+options and the command's CLI options (so a new option cannot be left out of the request), and,
+on a multi-part source, every option reaches every component (`--dry-run` writes nothing,
+anywhere; what it plans is what the real run writes)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from safetensors import safe_open
+from typer.main import get_command
+
+from ckpt_cli.cli.app import get_app
+
+from .conftest import run_ckpt
+
+#: the CLI parameters that are not options of the operation (locations, output mode)
+_NOT_OPTIONS = {"src", "dest", "json_output"}
+
+
+def _cli_params(command: str) -> set[str]:
+    """The Python names of `ckpt COMMAND`'s parameters (its typer function's arguments)."""
+    group = get_command(get_app())
+    found = group.commands[command]  # type: ignore[attr-defined]
+    # `ckpt_*` are the global options every command takes (token, revision, verbosity)
+    return {p.name for p in found.params if p.name and not p.name.startswith("ckpt_")}
+
+
+def _keyword_options(function: Callable[..., Any]) -> set[str]:
+    """The keyword-only parameters of a library entry point, less the progress sink."""
+    return {
+        name
+        for name, p in inspect.signature(function).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    } - {"progress"}
+
+
+def _fields(request: type[BaseModel]) -> set[str]:
+    return set(request.model_fields)
+
+
+def _files_under(root: Path) -> set[str]:
+    return {str(f.relative_to(root)) for f in root.rglob("*") if f.is_file()}
+
+
+# -- reshard -------------------------------------------------------------------------------
+
+
+def test_reshard_request_is_every_reshard_option() -> None:
+    from ckpt_cli.ops.reshard.run import ReshardRequest, run_reshard
+
+    assert ReshardRequest.model_config.get("frozen") is True
+    assert _fields(ReshardRequest) == _keyword_options(run_reshard)
+    # the CLI says `--no-extras`; the request holds what it means
+    cli = _cli_params("reshard") - _NOT_OPTIONS
+    assert _fields(ReshardRequest) == (cli - {"no_extras"}) | {"extras"}
+
+
+def test_every_reshard_option_reaches_every_component(
+    diffusers_pipeline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_cli.ops.reshard import run as reshard_op
+
+    # a dry run of the whole pipeline writes nothing, anywhere, and says it was one
+    out = tmp_path / "out"
+    args = ("reshard", diffusers_pipeline, out, "--max-shard-size", "20KB")
+    dry = run_ckpt(*args, "--dry-run", "--json")
+    assert dry.exit_code == 0, dry.stderr
+    report = dry.json["result"]
+    assert report["dry_run"] is True and report["verified"] is False
+    assert list(tmp_path.iterdir()) == []  # no DEST, no staging left behind
+    planned = {f["path"] for f in report["files"]}
+    # what the dry run lists is what the real run writes
+    real = run_ckpt(*args, "--json")
+    assert real.exit_code == 0, real.stderr
+    assert planned == _files_under(out)
+    assert real.json["result"]["tensors"] == report["tensors"]
+    # --max-shard-size reached each component: every shard is cut to it
+    shards = [f for f in out.rglob("*.safetensors")]
+    assert {s.parent.name for s in shards} == {"unet", "vqvae"}
+    assert len([s for s in shards if s.parent.name == "unet"]) > 1
+    for shard in shards:
+        with safe_open(shard, "pt") as opened:
+            names = opened.keys()
+            data = sum(opened.get_tensor(k).nbytes for k in names)
+        assert 0 < data <= 20_000
+
+    # and the other options are the ones each component is resharded with
+    seen: list[reshard_op.ReshardRequest] = []
+    original = reshard_op.regroup
+
+    def spy(source: Any, out: Any, request: Any, progress: Any) -> Any:
+        seen.append(request)
+        return original(source, out, request, progress)
+
+    monkeypatch.setattr(reshard_op, "regroup", spy)
+    given = run_ckpt(*args, "--no-extras", "--dry-run", "--force")
+    assert given.exit_code == 0, given.stderr
+    assert len(seen) == 2  # unet and vqvae
+    for request in seen:
+        assert (request.max_shard_size, request.dry_run, request.extras) == (20_000, True, False)
+
