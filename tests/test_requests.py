@@ -109,3 +109,46 @@ def test_every_reshard_option_reaches_every_component(
     for request in seen:
         assert (request.max_shard_size, request.dry_run, request.extras) == (20_000, True, False)
 
+
+# -- verify --------------------------------------------------------------------------------
+
+
+def test_verify_request_is_every_verify_option() -> None:
+    from ckpt_cli.ops.verify.run import VerifyRequest, verify
+
+    assert VerifyRequest.model_config.get("frozen") is True
+    assert _fields(VerifyRequest) == _keyword_options(verify)
+    assert _fields(VerifyRequest) == _cli_params("verify") - _NOT_OPTIONS
+
+
+def test_every_verify_option_reaches_every_component(
+    diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from safetensors.torch import load_file
+
+    pipeline = shutil.copytree(diffusers_pipeline, tmp_path / "pipeline")
+    weights = [pipeline / c / "diffusion_pytorch_model.safetensors" for c in ("unet", "vqvae")]
+    # --deep reads every tensor of every component
+    deep = run_ckpt("verify", pipeline, "--deep", "--json")
+    assert deep.exit_code == 0, deep.stderr
+    assert "deep" in deep.json["result"]["checks"]
+    assert deep.json["result"]["tensors"] == sum(len(load_file(w)) for w in weights)
+    # --exact implies --resumable, on the multi-part source as on one file
+    exact = run_ckpt("verify", pipeline, "--exact", "--json")
+    assert "resumable" in exact.json["result"]["checks"]
+    # --write-manifest / --algo record every component's files; --checksums then finds a
+    # damaged one in any of them
+    written = run_ckpt("verify", pipeline, "--write-manifest", "--algo", "sha256", "--json").json[
+        "result"
+    ]
+    assert written["manifest_written"] is True and written["algorithm"] == "sha256"
+    recorded = (pipeline / "ckpt-manifest.json").read_text()
+    assert all(str(w.relative_to(pipeline)) in recorded for w in weights)
+    data = bytearray(weights[1].read_bytes())
+    data[-1] ^= 0xFF
+    weights[1].write_bytes(bytes(data))
+    checked = run_ckpt("verify", pipeline, "--checksums", "--json")
+    assert checked.exit_code == 1
+    assert any("vqvae" in (p["file"] or "") for p in checked.json["result"]["problems"])
