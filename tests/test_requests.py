@@ -152,3 +152,58 @@ def test_every_verify_option_reaches_every_component(
     checked = run_ckpt("verify", pipeline, "--checksums", "--json")
     assert checked.exit_code == 1
     assert any("vqvae" in (p["file"] or "") for p in checked.json["result"]["problems"])
+
+
+# -- diff ----------------------------------------------------------------------------------
+
+
+def test_diff_request_is_every_diff_option() -> None:
+    from ckpt_cli.ops.diff.run import DiffRequest, diff
+
+    assert DiffRequest.model_config.get("frozen") is True
+    assert _fields(DiffRequest) == _keyword_options(diff)
+    # the CLI's repeatable `--rename` / `--filter` are the request's lists
+    cli = _cli_params("diff") - {"a", "b", "json_output"}
+    assert _fields(DiffRequest) == (cli - {"rename", "filter"}) | {"renames", "filters"}
+
+
+def test_every_diff_option_reaches_every_component(
+    diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    other = shutil.copytree(diffusers_pipeline, tmp_path / "other")
+    weights = other / "vqvae" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    name = next(n for n, t in tensors.items() if t.is_floating_point() and t.numel() > 1)
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, weights, metadata={"format": "pt"})
+    changed = f"vqvae.{name}"
+
+    def run(*options: str) -> dict[str, Any]:
+        result = run_ckpt("diff", diffusers_pipeline, other, *options, "--json")
+        assert result.exit_code in (0, 1), result.stderr
+        report: dict[str, Any] = result.json["result"]
+        assert result.exit_code == (0 if report["identical"] else 1)
+        return report
+
+    whole = run()
+    assert [d["name"] for d in whole["differences"]] == [changed]
+    # the tolerance reaches the component's tensors
+    close = run("--atol", "1e-2")
+    assert close["identical"] and [d["name"] for d in close["within_tolerance"]] == [changed]
+    # --select and --filter see the names of the whole folder
+    assert run("--select", "unet")["identical"]
+    assert run("--filter", "unet.*")["identical"]
+    assert not run("--filter", "vqvae.*")["identical"]
+    # --ignore-dtype: a dtype-only change of a component is no difference
+    cast = shutil.copytree(diffusers_pipeline, tmp_path / "cast")
+    unet = cast / "unet" / "diffusion_pytorch_model.safetensors"
+    widened = {n: t.to(torch.float64) for n, t in load_file(unet).items()}
+    save_file(widened, unet, metadata={"format": "pt"})
+    assert not run_ckpt("diff", diffusers_pipeline, cast, "--json").json["result"]["identical"]
+    ignored = run_ckpt("diff", diffusers_pipeline, cast, "--ignore-dtype", "--json")
+    assert ignored.exit_code == 0, ignored.stdout
