@@ -207,3 +207,33 @@ def test_every_diff_option_reaches_every_component(
     assert not run_ckpt("diff", diffusers_pipeline, cast, "--json").json["result"]["identical"]
     ignored = run_ckpt("diff", diffusers_pipeline, cast, "--ignore-dtype", "--json")
     assert ignored.exit_code == 0, ignored.stdout
+
+
+# -- inspect -------------------------------------------------------------------------------
+
+
+def test_inspect_request_is_every_inspect_option() -> None:
+    from ckpt_cli.ops.inspect import InspectRequest
+    from ckpt_cli.ops.inspect import inspect as run_inspect
+
+    assert InspectRequest.model_config.get("frozen") is True
+    assert _fields(InspectRequest) == set(inspect.signature(run_inspect).parameters) - {"src"}
+    # `--list` only chooses what the text output shows; `--filter` is the request's list
+    cli = _cli_params("inspect") - _NOT_OPTIONS - {"tensors"}
+    assert _fields(InspectRequest) == (cli - {"filter"}) | {"filters"}
+
+
+def test_every_inspect_option_reaches_every_component(diffusers_pipeline: Path) -> None:
+    from safetensors.torch import load_file
+
+    vqvae = load_file(diffusers_pipeline / "vqvae" / "diffusion_pytorch_model.safetensors")
+    result = run_ckpt("inspect", diffusers_pipeline, "--filter", "vqvae.*", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["filters"] == ["vqvae.*"]
+    assert {e["name"] for e in report["entries"]} == {f"vqvae.{n}" for n in vqvae}
+    assert report["tensors"] == len(vqvae)
+    # --list lists the entries of every component the filter keeps
+    listed = run_ckpt("inspect", diffusers_pipeline, "--list", "--filter", "*.conv_in.*")
+    assert listed.exit_code == 0, listed.stderr
+    assert "unet" in listed.stdout and "vqvae" in listed.stdout
