@@ -237,3 +237,36 @@ def test_every_inspect_option_reaches_every_component(diffusers_pipeline: Path) 
     listed = run_ckpt("inspect", diffusers_pipeline, "--list", "--filter", "*.conv_in.*")
     assert listed.exit_code == 0, listed.stderr
     assert "unet" in listed.stdout and "vqvae" in listed.stdout
+
+
+# -- prune ---------------------------------------------------------------------------------
+
+
+def test_prune_policy_is_every_prune_option() -> None:
+    from ckpt_cli.ops.prune.retention import PrunePolicy
+    from ckpt_cli.ops.prune.run import run as run_prune
+
+    assert PrunePolicy.model_config.get("frozen") is True
+    # the policy (`now` is the clock tests set), and how it is run: --yes, --watch N rounds
+    how = _keyword_options(run_prune) - {"on_round"}
+    assert how == {"yes", "watch_seconds", "max_iterations"}
+    cli = _cli_params("prune") - {"run_dir", "json_output"}
+    assert (_fields(PrunePolicy) - {"now"}) | how == (cli - {"watch"}) | {"watch_seconds"}
+
+
+def test_prune_without_yes_writes_nothing_anywhere(tmp_path: Path) -> None:
+    from .run_fixtures import interrupted_trainer_save, trainer_run
+
+    run = trainer_run(tmp_path / "run")
+    interrupted_trainer_save(run, 50)
+
+    def snapshot() -> dict[str, int]:
+        return {str(f.relative_to(tmp_path)): f.stat().st_mtime_ns for f in tmp_path.rglob("*")}
+
+    before = snapshot()
+    for options in (("--keep-last", "1"), ("--slim-older-than", "1"), ("--incomplete",)):
+        result = run_ckpt("prune", run, *options, "--json")
+        assert result.exit_code == 0, result.stderr
+        decided = result.json["result"]["decisions"]
+        assert any(d["action"] != "keep" for d in decided), options
+        assert snapshot() == before, options

@@ -10,7 +10,7 @@ import re
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ...errors import UsageError
 from ...sources.runs import DEFAULT_SETTLE, BestMetric, RunCheckpoint, RunReport
@@ -36,7 +36,8 @@ def parse_duration(text: str, option: str = "duration") -> float:
 
 
 class PrunePolicy(BaseModel):
-    """What to keep.
+    """What to keep: `prune`'s request, frozen, built once by the command and read by every
+    round of `--watch` (a test holds its fields and `run`'s keywords to the command's options).
 
     Attributes:
         keep_last: keep the newest N complete checkpoints.
@@ -54,6 +55,8 @@ class PrunePolicy(BaseModel):
         incomplete: delete incomplete and interrupted saves older than the newest complete one.
         settle: seconds; a checkpoint with a file modified more recently is never touched.
     """
+
+    model_config = ConfigDict(frozen=True)
 
     keep_last: int | None = None
     keep_every: int | None = None
