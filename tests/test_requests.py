@@ -270,3 +270,27 @@ def test_prune_without_yes_writes_nothing_anywhere(tmp_path: Path) -> None:
         decided = result.json["result"]["decisions"]
         assert any(d["action"] != "keep" for d in decided), options
         assert snapshot() == before, options
+
+
+def test_reshard_of_a_trainer_folder_dry_run_writes_nothing(tmp_path: Path) -> None:
+    from .run_fixtures import trainer_checkpoint
+
+    source = tmp_path / "src" / "checkpoint-100"
+    trainer_checkpoint(source, 100, shards=True)
+    before = {str(f.relative_to(tmp_path)): f.stat().st_mtime_ns for f in tmp_path.rglob("*")}
+    out = tmp_path / "out"
+    args = ("reshard", source, out, "--max-shard-size", "150B")
+    dry = run_ckpt(*args, "--dry-run", "--json")
+    assert dry.exit_code == 0, dry.stderr
+    assert dry.json["result"]["dry_run"] is True
+    after = {str(f.relative_to(tmp_path)): f.stat().st_mtime_ns for f in tmp_path.rglob("*")}
+    assert after == before  # nothing written, anywhere
+    planned = {f["path"] for f in dry.json["result"]["files"]}
+    real = run_ckpt(*args, "--json")
+    assert real.exit_code == 0, real.stderr
+    written = _files_under(out)
+    # what the dry run lists is what the real run writes: the weights' shards, and the
+    # training state carried beside them
+    assert planned == written
+    assert len([p for p in written if p.endswith(".safetensors")]) > 1
+    assert {"optimizer.pt", "trainer_state.json"} <= written

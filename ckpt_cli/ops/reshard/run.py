@@ -32,6 +32,7 @@ from ...formats import HF_WEIGHTS, format_of_file, get_format, resolve_source, s
 from ...formats.base import Checkpoint, Source, WriteOptions
 from ...formats.details import IndexedDetails
 from ...formats.names import INDEX_SUFFIX, SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX
+from ...models import FileInfo
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts.base import Layout, OpenedSource, open_plain
 from ...storage.output import Destination, check_destination
@@ -134,12 +135,16 @@ def regroup(
         )
         if dry_run:
             tensors = [i.target for i in plan.items if i.target.kind == "tensor"]
+            # the files copied beside the weights are listed as the real run lists them
+            copied = [FileInfo(path=rel, size=source.files.get(rel)) for rel in [*carried, *extra]]
             return ReshardReport(
+                carried=carried,
+                extras=extra,
                 mode="shard-size",
                 source=manifest.location,
                 destination=str(out),
                 format=manifest.format,
-                files=planned_files(fmt, plan, out, options),
+                files=planned_files(fmt, plan, out, options) + copied,
                 tensors=len(tensors),
                 objects=len(plan.items) - len(tensors),
                 tensor_bytes=sum(e.nbytes for e in tensors),
