@@ -36,8 +36,7 @@ def parse_duration(text: str, option: str = "duration") -> float:
 
 
 class PrunePolicy(BaseModel):
-    """What to keep: `prune`'s request, frozen, built once by the command and read by every
-    round of `--watch` (a test holds its fields and `run`'s keywords to the command's options).
+    """What to keep.
 
     Attributes:
         keep_last: keep the newest N complete checkpoints.
@@ -56,6 +55,8 @@ class PrunePolicy(BaseModel):
         settle: seconds; a checkpoint with a file modified more recently is never touched.
     """
 
+    # `prune`'s request: built once by the command, read by every round of `--watch`, frozen
+    # (a test holds its fields and `run`'s keywords to the command's options)
     model_config = ConfigDict(frozen=True)
 
     keep_last: int | None = None
