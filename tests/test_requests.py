@@ -294,3 +294,48 @@ def test_reshard_of_a_trainer_folder_dry_run_writes_nothing(tmp_path: Path) -> N
     assert planned == written
     assert len([p for p in written if p.endswith(".safetensors")]) > 1
     assert {"optimizer.pt", "trainer_state.json"} <= written
+
+
+# -- protect / repair ----------------------------------------------------------------------
+
+
+def test_protect_request_is_every_protect_option() -> None:
+    from ckpt_cli.ops.parity import ProtectRequest, protect
+
+    assert ProtectRequest.model_config.get("frozen") is True
+    assert _fields(ProtectRequest) == _keyword_options(protect) - {"on_plan"}
+    assert _fields(ProtectRequest) == _cli_params("protect") - _NOT_OPTIONS
+
+
+def test_protect_and_repair_dry_runs_write_nothing_on_a_pipeline(
+    diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    pipeline = shutil.copytree(diffusers_pipeline, tmp_path / "pipeline")
+
+    def snapshot() -> dict[str, bytes]:
+        return {
+            str(f.relative_to(tmp_path)): f.read_bytes() for f in tmp_path.rglob("*") if f.is_file()
+        }
+
+    before = snapshot()
+    options = ("--parity", "2", "--block-size", "4KiB", "--whole-files")
+    plan = run_ckpt("protect", pipeline, *options, "--dry-run", "--json")
+    assert plan.exit_code == 0, plan.stderr
+    planned = plan.json["result"]
+    assert planned["dry_run"] is True and snapshot() == before
+    # the options reached the plan, which covers every file of every component
+    assert (planned["parity"], planned["block_size"], planned["whole_files"]) == (2, 4096, True)
+    assert planned["files"] == len([f for f in pipeline.rglob("*") if f.is_file()])
+    real = run_ckpt("protect", pipeline, *options, "--json")
+    assert real.exit_code == 0, real.stderr
+    protected = snapshot()
+    damaged = pipeline / "vqvae" / "diffusion_pytorch_model.safetensors"
+    damaged.write_bytes(b"\0" * damaged.stat().st_size)
+    broken = snapshot()
+    dry = run_ckpt("repair", pipeline, "--dry-run", "--json")
+    assert dry.exit_code in (0, 1), dry.stderr
+    assert snapshot() == broken  # a dry run rebuilds nothing
+    assert run_ckpt("repair", pipeline, "--json").exit_code == 0
+    assert snapshot() == protected
