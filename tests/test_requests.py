@@ -339,3 +339,19 @@ def test_protect_and_repair_dry_runs_write_nothing_on_a_pipeline(
     assert snapshot() == broken  # a dry run rebuilds nothing
     assert run_ckpt("repair", pipeline, "--json").exit_code == 0
     assert snapshot() == protected
+
+
+# -- merge / doctor ------------------------------------------------------------------------
+
+
+def test_merge_and_doctor_requests_are_their_options() -> None:
+    from ckpt_cli.ops.doctor import DoctorRequest, doctor
+    from ckpt_cli.ops.merge import MergeRequest, merge
+
+    for request, function, command, locations in (
+        (MergeRequest, merge, "merge", {"base", "adapter", "dest"}),
+        (DoctorRequest, doctor, "doctor", {"run_dir"}),
+    ):
+        assert request.model_config.get("frozen") is True, command
+        assert _fields(request) == _keyword_options(function), command
+        assert _fields(request) == _cli_params(command) - _NOT_OPTIONS - locations, command
