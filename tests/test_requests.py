@@ -355,3 +355,16 @@ def test_merge_and_doctor_requests_are_their_options() -> None:
         assert request.model_config.get("frozen") is True, command
         assert _fields(request) == _keyword_options(function), command
         assert _fields(request) == _cli_params(command) - _NOT_OPTIONS - locations, command
+
+
+# -- download ------------------------------------------------------------------------------
+
+
+def test_download_request_is_every_download_option() -> None:
+    from ckpt_cli.ops.download import DownloadRequest, download
+
+    assert DownloadRequest.model_config.get("frozen") is True
+    assert _fields(DownloadRequest) == _keyword_options(download)
+    # `--local-dir` is DEST spelled as huggingface-cli spells it; `--no-extras` is `extras`
+    cli = _cli_params("download") - _NOT_OPTIONS - {"local_dir"}
+    assert _fields(DownloadRequest) == (cli - {"no_extras"}) | {"extras"}
