@@ -368,3 +368,22 @@ def test_download_request_is_every_download_option() -> None:
     # `--local-dir` is DEST spelled as huggingface-cli spells it; `--no-extras` is `extras`
     cli = _cli_params("download") - _NOT_OPTIONS - {"local_dir"}
     assert _fields(DownloadRequest) == (cli - {"no_extras"}) | {"extras"}
+
+
+# -- sync ----------------------------------------------------------------------------------
+
+
+def test_sync_request_is_every_sync_option() -> None:
+    from ckpt_cli.ops.prune.retention import PrunePolicy
+    from ckpt_cli.ops.sync import SyncRequest, sync
+
+    assert SyncRequest.model_config.get("frozen") is True
+    assert _fields(SyncRequest) == _keyword_options(sync) - {"on_round", "sleep", "on_file"}
+    # `--prune-remote` and the `--keep-*` / `--mode` rules are the request's `prune_policy`
+    # (`--settle` is the sync's own: which local saves are still being written)
+    cli = _cli_params("sync") - _NOT_OPTIONS
+    rules = set(PrunePolicy.model_fields) - {"settle"}
+    policy = {o for o in cli if o == "prune_remote" or o in rules}
+    renamed = {"latest": "latest_only", "watch": "watch_seconds"}
+    plain = {renamed.get(o, o) for o in cli - policy}
+    assert _fields(SyncRequest) == plain | {"prune_policy"}
