@@ -53,7 +53,7 @@ def test_a_bug_is_exit_70_without_a_traceback_unless_ckpt_debug(
     def broken(*_args: object, **_kwargs: object) -> None:
         raise RuntimeError("a bug in the library")
 
-    monkeypatch.setattr(inspect_ops, "inspect", broken)
+    monkeypatch.setattr(inspect_ops, "inspect_with", broken)  # the command's one call
     result = run_ckpt("inspect", tmp_path)
     assert result.exit_code == 70
     assert "internal error: RuntimeError: a bug in the library" in result.stderr

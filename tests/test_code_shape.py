@@ -84,7 +84,7 @@ def test_the_scan_sees_private_imports_and_module_attributes() -> None:
     )
     found = cross_module_private_uses(source, PACKAGE / "ops" / "probe.py")
     assert found == [
-        "ckpt_cli/ops/probe.py:3: from ckpt_cli.sources.runs import _UNMARKED",
+        "ckpt_cli/ops/probe.py:3: from ckpt_cli.runs import _UNMARKED",
         "ckpt_cli/ops/probe.py:4: from ckpt_cli.ops.plan import _helper",
         "ckpt_cli/ops/probe.py:8: dtypes._TABLE",
         "ckpt_cli/ops/probe.py:8: sizes._units",

@@ -413,7 +413,7 @@ def test_verbose_shows_the_traceback_of_a_bug(
     def broken(*_args: object, **_kwargs: object) -> None:
         raise RuntimeError("a bug in the library")
 
-    monkeypatch.setattr(inspect_ops, "inspect", broken)
+    monkeypatch.setattr(inspect_ops, "inspect_with", broken)  # the command's one call
     quiet = run_ckpt("inspect", tmp_path)
     assert quiet.exit_code == 70 and "Traceback" not in quiet.stderr
     loud = run_ckpt("inspect", tmp_path, "-v")

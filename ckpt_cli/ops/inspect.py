@@ -8,7 +8,7 @@ import re
 from fnmatch import fnmatchcase
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..architectures import NamingInfo
 from ..dtypes import FLOATING
@@ -92,6 +92,21 @@ def select(
     return chosen
 
 
+class InspectRequest(BaseModel):
+    """The options of `inspect`, typed and frozen (a test holds them to `inspect`'s parameters
+    and the command's options; `--list` only chooses what the text output shows).
+
+    Attributes:
+        format: read SRC as this format instead of detecting it (a run folder as a checkpoint).
+        filters: globs choosing the entries reported (`unet.*`, `*.weight`).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    format: str | None = None
+    filters: list[str] | None = None
+
+
 def inspect(src: str, format: str | None = None, filters: list[str] | None = None) -> InspectReport:
     """Read `src`'s metadata and summarise it (no tensor data is read).
 
@@ -101,16 +116,22 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
     # the manifest, tree and report are hundreds of thousands of small objects and no
     # cycles: with the cyclic GC on, its full collections over the growing heap cost a
     # quarter of the CPU time on 100,000 tensors (bench/bench_metadata.py)
+    return inspect_with(src, InspectRequest(format=format, filters=filters))
+
+
+def inspect_with(src: str, request: InspectRequest) -> InspectReport:
+    """`inspect` of `src` as `request` says (the command's one call)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _inspect(src, format, filters)
+        return _inspect(src, request)
     finally:
         if enabled:
             gc.enable()
 
 
-def _inspect(src: str, format: str | None, filters: list[str] | None) -> InspectReport:
+def _inspect(src: str, request: InspectRequest) -> InspectReport:
+    format, filters = request.format, request.filters
     # a remote SRC is resolved (listed, its Hub revision pinned) once: the run check, the run
     # scan and the opening all read that
     source: str | Source = src

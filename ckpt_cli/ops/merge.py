@@ -20,7 +20,7 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import HF_WEIGHTS, get_format, resolve_source
@@ -249,6 +249,19 @@ def _companions(source: Source) -> list[str]:
     )
 
 
+class MergeRequest(BaseModel):
+    """Every option of `merge` but the locations, typed and frozen (a test holds its fields to
+    `merge`'s keyword parameters and the command's options).
+
+    Attributes:
+        force: replace an existing DEST once the new output is complete.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    force: bool = False
+
+
 def merge(
     base: str,
     adapter: str,
@@ -266,6 +279,14 @@ def merge(
         force: replace an existing `dest` once the new output is complete.
         progress: progress sink (bytes).
     """
+    return merge_with(base, adapter, dest, MergeRequest(force=force), progress)
+
+
+def merge_with(
+    base: str, adapter: str, dest: str, request: MergeRequest, progress: Progress = NULL_PROGRESS
+) -> MergeReport:
+    """`merge` as `request` says (the command's one call)."""
+    force = request.force
     adapter_source = resolve_source(adapter)
     config = read_json(adapter_source, "adapter_config.json")
     if not isinstance(config, dict):

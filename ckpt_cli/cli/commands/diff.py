@@ -82,28 +82,26 @@ def diff(
     by value.
     """
     from ...errors import ProblemsFound
-    from ...ops.diff.run import diff as run_diff
+    from ...ops.diff.run import DiffRequest, diff_with
     from ..render.diff import render_diff
     from ..render.progress import bar
 
+    request = DiffRequest(
+        format_a=format_a,
+        format_b=format_b,
+        atol=atol,
+        rtol=rtol,
+        renames=rename,
+        select=select,
+        filters=filter,
+        dequantize=dequantize,
+        ignore_dtype=ignore_dtype,
+    )
     with bar(enabled=not json_output) as progress:
         run_command(
             "diff",
             json_output,
-            lambda: run_diff(
-                a,
-                b,
-                format_a=format_a,
-                format_b=format_b,
-                atol=atol,
-                rtol=rtol,
-                renames=rename,
-                select=select,
-                filters=filter,
-                dequantize=dequantize,
-                progress=progress,
-                ignore_dtype=ignore_dtype,
-            ),
+            lambda: diff_with(a, b, request, progress),
             render_diff,
             exit_code=lambda report: 0 if report.identical else 1,
             failure=lambda report, _code: ProblemsFound(

@@ -59,13 +59,14 @@ def doctor(
     resume. Exit 0 when no cause is found, 1 when one is.
     """
     from ...errors import ProblemsFound
-    from ...ops.doctor import doctor as run_doctor
+    from ...ops.doctor import DoctorRequest, doctor_with
     from ..render.doctor import render_doctor
 
+    request = DoctorRequest(before=before, after=after, expect=expect or [], settle=settle)
     run_command(
         "doctor",
         json_output,
-        lambda: run_doctor(run_dir, before=before, after=after, expect=expect or [], settle=settle),
+        lambda: doctor_with(run_dir, request),
         render_doctor,
         exit_code=lambda report: 1 if report.found else 0,
         failure=lambda report, _code: ProblemsFound(

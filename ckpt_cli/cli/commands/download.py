@@ -116,9 +116,22 @@ def download(
     HF_HOME and HF_HUB_OFFLINE apply as in huggingface_hub.
     """
     from ...errors import UsageError
-    from ...ops.download import download as run_download
+    from ...ops.download import DownloadRequest, download_with
     from ..render.download import render_download
     from ..render.progress import bar
+
+    request = DownloadRequest(
+        tensors=tensors,
+        exclude=exclude,
+        mode=mode.value,
+        extras=not no_extras,
+        cache_only=cache_only,
+        dry_run=dry_run,
+        force=force,
+        verify_ranges=verify_ranges,
+        include_files=include_files,
+        exclude_files=exclude_files,
+    )
 
     def action():  # type: ignore[no-untyped-def]
         target = dest
@@ -130,20 +143,6 @@ def download(
                 )
             target = local_dir
         with bar(enabled=not json_output) as progress:
-            return run_download(
-                src,
-                target,
-                tensors=tensors,
-                exclude=exclude,
-                mode=mode.value,
-                extras=not no_extras,
-                cache_only=cache_only,
-                dry_run=dry_run,
-                force=force,
-                verify_ranges=verify_ranges,
-                progress=progress,
-                include_files=include_files,
-                exclude_files=exclude_files,
-            )
+            return download_with(src, target, request, progress)
 
     run_command("download", json_output, action, render_download)

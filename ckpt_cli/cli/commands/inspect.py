@@ -38,13 +38,14 @@ def inspect(
 
     Reads headers and metadata only; no tensor data is loaded.
     """
-    from ...ops.inspect import inspect as run_inspect
+    from ...ops.inspect import InspectRequest, inspect_with
     from ..render.inspect import render_inspect
 
+    request = InspectRequest(format=format, filters=filter)
     run_command(
         "inspect",
         json_output,
-        lambda: run_inspect(src, format=format, filters=filter),
+        lambda: inspect_with(src, request),
         lambda report: render_inspect(report, show_tensors=tensors),
         # shown, but a malformed file is a bad checkpoint (exit 4), as `verify` judges it
         exit_code=lambda report: 4 if any(p.severity == "error" for p in report.problems) else 0,

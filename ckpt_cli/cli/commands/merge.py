@@ -42,12 +42,12 @@ def merge(
     output keeps the base's file names and carries its config and tokenizer files, so it loads
     with from_pretrained.
     """
-    from ...ops.merge import merge as run_merge
+    from ...ops.merge import MergeRequest, merge_with
     from ..render.merge import render_merge
 
     run_command(
         "merge",
         json_output,
-        lambda: run_merge(base, adapter, dest, force=force),
+        lambda: merge_with(base, adapter, dest, MergeRequest(force=force)),
         render_merge,
     )

@@ -72,23 +72,23 @@ def protect(
     records every file's size, sha256 and per-block digests; it is written last, so an
     interrupted run leaves no parity.
     """
-    from ...ops.parity import protect as run_protect
+    from ...ops.parity import ProtectRequest, protect_with
     from ..render.progress import bar
     from ..render.protect import render_protect, render_protect_plan
 
+    request = ProtectRequest(
+        parity=parity,
+        block_size=block_size,
+        force=force,
+        whole_files=True if whole_files else None,
+        dry_run=dry_run,
+    )
     with bar(enabled=not json_output) as progress:
         run_command(
             "protect",
             json_output,
-            lambda: run_protect(
-                src,
-                parity=parity,
-                block_size=block_size,
-                force=force,
-                whole_files=True if whole_files else None,
-                dry_run=dry_run,
-                on_plan=None if json_output else render_protect_plan,
-                progress=progress,
+            lambda: protect_with(
+                src, request, None if json_output else render_protect_plan, progress
             ),
             render_protect,
         )

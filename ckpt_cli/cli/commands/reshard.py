@@ -107,29 +107,27 @@ def reshard(
     Streams one chunk at a time: memory follows the largest chunk, not the model. The output
     is checked before it is published in one rename.
     """
-    from ...ops.reshard.run import run_reshard
+    from ...ops.reshard.run import ReshardRequest, reshard_with
     from ..render.progress import bar
     from ..render.reshard import render_reshard
 
+    request = ReshardRequest(
+        world_size=world_size,
+        max_shard_size=max_shard_size,
+        shard_dim=shard_dim or [],
+        plan=plan,
+        rank_state=rank_state,
+        dcp_serialization=dcp_serialization,
+        dcp_compression=dcp_compression,
+        format=format,
+        force=force,
+        dry_run=dry_run,
+        extras=not no_extras,
+    )
     with bar(enabled=not json_output) as progress:
         run_command(
             "reshard",
             json_output,
-            lambda: run_reshard(
-                src,
-                dest,
-                world_size=world_size,
-                max_shard_size=max_shard_size,
-                shard_dim=shard_dim or [],
-                plan=plan,
-                rank_state=rank_state,
-                dcp_serialization=dcp_serialization,
-                dcp_compression=dcp_compression,
-                format=format,
-                force=force,
-                progress=progress,
-                dry_run=dry_run,
-                extras=not no_extras,
-            ),
+            lambda: reshard_with(src, dest, request, progress),
             render_reshard,
         )

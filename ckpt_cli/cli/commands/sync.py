@@ -133,8 +133,7 @@ def sync(
     checkpoints are checked against their manifests and appear in DEST with one rename.
     """
     from ...ops.prune.retention import PrunePolicy, parse_duration
-    from ...ops.sync import SyncReport, exit_code
-    from ...ops.sync import sync as run_sync
+    from ...ops.sync import SyncReport, SyncRequest, exit_code, sync_with
     from ...sizes import parse_size
     from ..render.sync import render_sync, render_sync_round
 
@@ -166,18 +165,17 @@ def sync(
         chosen = policy()
         if chosen is not None:
             validate_policy(chosen)
-        return run_sync(
-            src,
-            dest,
+        request = SyncRequest(
             latest_only=latest,
             settle=settle,
             max_rate=parse_size(max_rate, option="--max-rate") if max_rate else None,
             prune_policy=chosen,
             watch_seconds=watch,
             max_iterations=max_iterations,
-            on_round=None if json_output or watch is None else render_sync_round,
             jobs=jobs,
         )
+        on_round = None if json_output or watch is None else render_sync_round
+        return sync_with(src, dest, request, on_round=on_round)
 
     def failure(report: SyncReport, code: int) -> CkptError:
         from ...errors import ProblemsFound, UnsafeInputError

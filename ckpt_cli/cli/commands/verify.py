@@ -91,7 +91,7 @@ def verify(
     read at all. Never modifies the checkpoint (except writing the manifest when asked).
     """
     from ...errors import ProblemsFound, UsageError
-    from ...ops.verify.run import verify as run_verify
+    from ...ops.verify.run import VerifyRequest, verify_with
 
     if algo is not None and not write_manifest:
         # checking uses the algorithm the manifest records; --algo would silently do nothing
@@ -110,23 +110,22 @@ def verify(
     from ..render.progress import bar
     from ..render.verify import render_verify
 
+    request = VerifyRequest(
+        format=format,
+        checksums=checksums,
+        write_manifest=write_manifest,
+        manifest=manifest,
+        algo=algo,
+        deep=deep,
+        resumable=resumable,
+        force=force,
+        exact=exact,
+    )
     with bar(enabled=not json_output) as progress:
         run_command(
             "verify",
             json_output,
-            lambda: run_verify(
-                src,
-                format=format,
-                checksums=checksums,
-                write_manifest=write_manifest,
-                manifest=manifest,
-                algo=algo,
-                deep=deep,
-                resumable=resumable,
-                force=force,
-                progress=progress,
-                exact=exact,
-            ),
+            lambda: verify_with(src, request, progress),
             render_verify,
             exit_code=lambda report: 0 if report.ok else 1,
             failure=lambda report, _code: ProblemsFound(

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ...errors import NotFoundError, UsageError
 from ...formats.base import Checkpoint
@@ -230,19 +230,39 @@ def _read_value(checkpoint: Checkpoint, entry: Entry) -> Any:
     return checkpoint.read_object(entry.name)
 
 
+class DiffRequest(BaseModel):
+    """Every option of `diff` but the two locations, typed and frozen: validated once by
+    `diff_with` and passed whole to each comparison, so no option is re-listed by hand. Its
+    fields are `diff`'s keyword parameters (the command's `--rename` / `--filter` are
+    `renames` / `filters`; a test holds them to each other); `progress` is a sink, not an
+    option, and travels beside it. The fields mean what `diff`'s arguments say."""
+
+    model_config = ConfigDict(frozen=True)
+
+    format_a: str | None = None
+    format_b: str | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    renames: list[str] | None = None
+    select: str | None = None
+    filters: list[str] | None = None
+    dequantize: bool = False
+    ignore_dtype: bool = False
+
+
 def _compare(
     ca: Checkpoint,
     cb: Checkpoint,
     name: str,
     ea: Entry,
     eb: Entry,
-    atol: float | None,
-    rtol: float | None,
+    request: DiffRequest,
     quant: dict[str, Any] | None = None,
-    ignore_dtype: bool = False,
 ) -> EntryDiff | None:
-    """Compare one pair; with `quant` (a dequantized weight's scheme -> errors list), a dtype
-    change is expected and the pair's error statistics are recorded."""
+    """Compare one pair as `request` says (tolerances, dtype); with `quant` (a dequantized
+    weight's scheme -> errors list), a dtype change is expected and the pair's error
+    statistics are recorded."""
+    atol, rtol, ignore_dtype = request.atol, request.rtol, request.ignore_dtype
     base: dict[str, Any] = {
         "name": name,
         "name_a": ea.name,
@@ -334,17 +354,36 @@ def diff(
         ignore_dtype: a dtype change is no difference by itself: the pair is judged by its
             values (cast to float64 on both sides), bit-exact or within the tolerances.
     """
+    request = DiffRequest(
+        format_a=format_a,
+        format_b=format_b,
+        atol=atol,
+        rtol=rtol,
+        renames=renames,
+        select=select,
+        filters=filters,
+        dequantize=dequantize,
+        ignore_dtype=ignore_dtype,
+    )
+    return diff_with(a, b, request, progress)
+
+
+def diff_with(
+    a: str, b: str, request: DiffRequest, progress: Progress = NULL_PROGRESS
+) -> DiffReport:
+    """`diff` of `a` and `b` as `request` says (the command's one call)."""
+    atol, rtol, select, filters = request.atol, request.rtol, request.select, request.filters
     for value, flag in ((atol, "--atol"), (rtol, "--rtol")):
         if value is not None and (value < 0 or math.isnan(value)):
             raise UsageError(f"{flag} must be a non-negative number")
-    rename_pairs = parse_renames(renames)
-    opened_a = open_source(a, format_a)
-    opened_b = open_source(b, format_b)
+    rename_pairs = parse_renames(request.renames)
+    opened_a = open_source(a, request.format_a)
+    opened_b = open_source(b, request.format_b)
     with opened_a.checkpoint as base_a, opened_b.checkpoint as base_b:
         ca, cb = base_a, base_b
         schemes: dict[str, str] = {}
         counts: dict[str, int] = {}
-        if dequantize:
+        if request.dequantize:
             ca, cb = (_dequantized(c, side, schemes, counts) for c, side in ((ca, "a"), (cb, "b")))
         chosen_a, applied_a, comp_a = _selected(opened_a, ca, select, None)
         chosen_b, applied_b, comp_b = _selected(
@@ -382,7 +421,7 @@ def diff(
             verdict="",
             atol=atol,
             rtol=rtol,
-            ignore_dtype=ignore_dtype,
+            ignore_dtype=request.ignore_dtype,
             select_applied={"a": applied_a, "b": applied_b} if select else {},
             only_a=[n for n in left if n not in right],
             only_b=[n for n in right if n not in left],
@@ -402,7 +441,7 @@ def diff(
                     if scheme is not None and ea.kind == eb.kind == "tensor"
                     else None
                 )
-                found = _compare(ca, cb, name, ea, eb, atol, rtol, quant, ignore_dtype)
+                found = _compare(ca, cb, name, ea, eb, request, quant)
                 if found is not None and found.dtype_changed and quant is None:
                     report.dtype_changes += 1
                 report.compared += 1
@@ -417,7 +456,7 @@ def diff(
                     progress.advance(ea.nbytes)
             for name, (ea, eb) in extra.items():
                 # a name written once: A's tensor against the one B's alias names, or back
-                found = _compare(ca, cb, name, ea, eb, atol, rtol, None, ignore_dtype)
+                found = _compare(ca, cb, name, ea, eb, request)
                 report.compared += 1
                 if found is None:
                     report.equal += 1

@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from ...errors import NotFoundError, UsageError
 from ...formats import resolve_source
 from ...formats.base import Source
@@ -42,6 +44,19 @@ from .pair import Pair
 from .save import Save
 
 __all__ = ["CAUSE_IDS", "EXPECTABLE", "Cause", "DoctorReport", "LogJump", "ResumePoint", "doctor"]
+
+
+class DoctorRequest(BaseModel):
+    """Every option of `doctor` but the run folder, typed and frozen (a test holds its fields
+    to `doctor`'s keyword parameters and the command's options); they mean what `doctor`'s
+    arguments say."""
+
+    model_config = ConfigDict(frozen=True)
+
+    before: str | None = None
+    after: str | None = None
+    expect: list[str] = []
+    settle: float = DEFAULT_SETTLE
 
 
 def doctor(
@@ -66,7 +81,14 @@ def doctor(
     Returns:
         The ranked causes (likeliest first), the resume points examined, and the verdict.
     """
-    declared = _expected(expect)
+    request = DoctorRequest(before=before, after=after, expect=list(expect), settle=settle)
+    return doctor_with(run_dir, request)
+
+
+def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
+    """`doctor` of `run_dir` as `request` says (the command's one call)."""
+    before, after, settle = request.before, request.after, request.settle
+    declared = _expected(request.expect)
     if (before is None) != (after is None):
         raise UsageError("--before and --after go together", fix="Give both saves, or neither.")
     if before is not None and after is not None:

@@ -31,11 +31,25 @@ from ...progress import NULL_PROGRESS, Progress
 from ...storage.hub import HubStorage, open_repo
 from ...storage.output import check_destination, resolve_destination
 from ...storage.uri import parse_location
-from .plan import DownloadFile, DownloadRange, DownloadReport, Mode, check_file_globs
+from .plan import (
+    DownloadFile,
+    DownloadRange,
+    DownloadReport,
+    DownloadRequest,
+    Mode,
+    check_file_globs,
+)
 from .shards import download_shards
 from .tensors import download_tensors
 
-__all__ = ["DownloadFile", "DownloadRange", "DownloadReport", "download"]
+__all__ = [
+    "DownloadFile",
+    "DownloadRange",
+    "DownloadReport",
+    "DownloadRequest",
+    "download",
+    "download_with",
+]
 
 
 def download(
@@ -76,6 +90,32 @@ def download(
             weights are those it matches (any file, not only config and tokenizer files);
             `exclude_files` leaves files out. Weights are chosen by `tensors` / `exclude`.
     """
+    request = DownloadRequest(
+        tensors=tensors,
+        exclude=exclude,
+        mode=mode,
+        extras=extras,
+        cache_only=cache_only,
+        dry_run=dry_run,
+        force=force,
+        verify_ranges=verify_ranges,
+        include_files=include_files,
+        exclude_files=exclude_files,
+    )
+    return download_with(src, dest, request, progress)
+
+
+def download_with(
+    src: str,
+    dest: str | Path | None,
+    request: DownloadRequest,
+    progress: Progress = NULL_PROGRESS,
+) -> DownloadReport:
+    """`download` as `request` says (the command's one call)."""
+    tensors, exclude, mode = request.tensors, request.exclude, request.mode
+    cache_only, dry_run, force = request.cache_only, request.dry_run, request.force
+    verify_ranges = request.verify_ranges
+    include_files, exclude_files = request.include_files, request.exclude_files
     location = parse_location(src)
     if location.kind != "hf":
         raise UsageError(
@@ -122,8 +162,8 @@ def download(
     )
     check_file_globs(repo, report)
     if mode == "shards":
-        download_shards(source, storage, report, out, tensors, exclude, extras, force, progress)
+        download_shards(source, storage, report, out, request, progress)
     else:
         assert out is not None or dry_run
-        download_tensors(source, storage, report, out, tensors, exclude, extras, force, progress)
+        download_tensors(source, storage, report, out, request, progress)
     return report

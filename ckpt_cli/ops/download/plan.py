@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ...errors import FormatError, NotFoundError
 from ...formats.names import INDEX_SUFFIX, WEIGHT_SUFFIXES
@@ -29,6 +29,27 @@ PART_SIZE = 8 << 20
 PARTS_IN_FLIGHT = 16
 #: the folder beside DEST that keeps the ranges of an unfinished tensors-mode run
 PARTIAL_MARKER = ".ckpt-partial"
+
+
+class DownloadRequest(BaseModel):
+    """Every option of `download` but the locations, typed and frozen: built once (by the
+    command, or by `download` from its keywords) and passed whole to the mode that runs it,
+    so no option is re-listed by hand. Its fields are `download`'s keyword parameters less
+    the progress sink, and the command's options (a test holds them to each other); they
+    mean what `download`'s arguments say."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tensors: list[str] | None = None
+    exclude: list[str] | None = None
+    mode: Mode = "shards"
+    extras: bool = True
+    cache_only: bool = False
+    dry_run: bool = False
+    force: bool = False
+    verify_ranges: bool = False
+    include_files: list[str] | None = None
+    exclude_files: list[str] | None = None
 
 
 class DownloadFile(BaseModel):

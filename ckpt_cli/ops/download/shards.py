@@ -26,6 +26,7 @@ from .plan import (
     FETCH_WORKERS,
     DownloadFile,
     DownloadReport,
+    DownloadRequest,
     index_entries,
     no_match,
     no_safetensors,
@@ -41,12 +42,11 @@ def download_shards(
     storage: HubStorage,
     report: DownloadReport,
     dest: Destination | None,
-    include: list[str] | None,
-    exclude: list[str] | None,
-    extras: bool,
-    force: bool,
+    asked: DownloadRequest,
     progress: Progress,
 ) -> None:
+    include, exclude = asked.tensors, asked.exclude
+    extras, force = asked.extras, asked.force
     repo = storage.repo
     src = report.source
     index_rel = find_index(source)

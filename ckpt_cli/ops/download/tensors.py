@@ -43,6 +43,7 @@ from .plan import (
     DownloadFile,
     DownloadRange,
     DownloadReport,
+    DownloadRequest,
     no_match,
     planned_files,
     top_level_extras,
@@ -302,12 +303,11 @@ def download_tensors(
     storage: HubStorage,
     report: DownloadReport,
     dest: Destination | None,
-    include: list[str] | None,
-    exclude: list[str] | None,
-    extras: bool,
-    force: bool,
+    asked: DownloadRequest,
     progress: Progress,
 ) -> None:
+    include, exclude = asked.tensors, asked.exclude
+    extras, force = asked.extras, asked.force
     repo = storage.repo
     src = report.source
     if not SafetensorsFormat.detect(source):

@@ -45,7 +45,7 @@ from .model import (
     damage_text,
     describe_layout,
 )
-from .protect import protect
+from .protect import ProtectRequest, protect, protect_with
 from .repair import repair
 from .scan import check_parity
 from .target import read_parity_manifest
@@ -54,11 +54,13 @@ __all__ = [
     "ParityCheck",
     "ParityManifest",
     "ProtectReport",
+    "ProtectRequest",
     "RepairReport",
     "check_parity",
     "damage_text",
     "describe_layout",
     "protect",
+    "protect_with",
     "read_parity_manifest",
     "repair",
 ]

@@ -9,9 +9,10 @@ import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from ... import __version__
 from ...dist.command import active
@@ -85,26 +86,50 @@ def protect(
         DestinationExistsError: the checkpoint is protected already (without `force`).
         UsageError: parity or block size out of range.
     """
+    request = ProtectRequest(
+        parity=parity,
+        block_size=block_size,
+        force=force,
+        whole_files=whole_files,
+        dry_run=dry_run,
+    )
+    return protect_with(src, request, on_plan, progress)
+
+
+class ProtectRequest(BaseModel):
+    """Every option of `protect` but the location, typed and frozen: built once (by the
+    command, or by `protect` from its keywords) and passed down whole, to every rank's share
+    under torchrun too. Its fields are `protect`'s keyword parameters less the sinks
+    (`on_plan`, `progress`), and the command's options (a test holds them to each other);
+    they mean what `protect`'s arguments say."""
+
+    model_config = ConfigDict(frozen=True)
+
+    parity: int = DEFAULT_PARITY
+    block_size: str | int = DEFAULT_BLOCK_SIZE
+    force: bool = False
+    whole_files: bool | None = None
+    dry_run: bool = False
+
+
+def protect_with(
+    src: str,
+    request: ProtectRequest,
+    on_plan: Callable[[ProtectReport], None] | None = None,
+    progress: Progress = NULL_PROGRESS,
+) -> ProtectReport:
+    """`protect` of `src` as `request` says (the command's one call); `on_plan` is called
+    with the plan (a dry-run report) before anything is written."""
     workers = active()
-    options = _Options(parity, block_size, force, whole_files, dry_run, on_plan)
-    if not dry_run and workers.distributed and resolve_source(src).location.kind == "local":
-        return _protect_split(src, options)
-    return on_leader(lambda: _protect(src, options, progress), ProtectReport)
+    split = not request.dry_run and workers.distributed
+    if split and resolve_source(src).location.kind == "local":
+        return _protect_split(src, request, on_plan)
+    return on_leader(lambda: _protect(src, request, on_plan, progress), ProtectReport)
 
 
-@dataclass(frozen=True)
-class _Options:
-    """The options of one `protect` call, passed down as one."""
-
-    parity: int
-    block_size: str | int
-    force: bool
-    whole_files: bool | None
-    dry_run: bool
-    on_plan: Callable[[ProtectReport], None] | None
-
-
-def _protect_split(src: str, options: _Options) -> ProtectReport:
+def _protect_split(
+    src: str, options: ProtectRequest, on_plan: Callable[[ProtectReport], None] | None
+) -> ProtectReport:
     """Protect under torchrun: every rank encodes a contiguous range of stripes.
 
     The checkpoint must be on a filesystem every rank sees (as for `verify` under torchrun).
@@ -122,8 +147,8 @@ def _protect_split(src: str, options: _Options) -> ProtectReport:
             dest = parity_dest(target)
             assert isinstance(dest, Path)
             if workers.leader:
-                if options.on_plan is not None:
-                    options.on_plan(_report(target, manifest, dest, dry_run=True))
+                if on_plan is not None:
+                    on_plan(_report(target, manifest, dest, dry_run=True))
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 staging = stack.enter_context(staged_output(dest, force=force))
                 for j in range(parity):
@@ -220,7 +245,7 @@ def _protect_split(src: str, options: _Options) -> ProtectReport:
 
 
 def _prepare(
-    src: str, options: _Options, check: bool = True
+    src: str, options: ProtectRequest, check: bool = True
 ) -> tuple[ParityTarget, ParityManifest]:
     """Validate the options and plan the layout: the manifest without digests yet."""
     parity, block_size, force = options.parity, options.block_size, options.force
@@ -339,15 +364,20 @@ def _what_it_survives(m: ParityManifest, ranks: int) -> tuple[list[str], list[st
     return [blocks], fails
 
 
-def _protect(src: str, options: _Options, progress: Progress) -> ProtectReport:
+def _protect(
+    src: str,
+    options: ProtectRequest,
+    on_plan: Callable[[ProtectReport], None] | None,
+    progress: Progress,
+) -> ProtectReport:
     target, manifest = _prepare(src, options)
     parity, force = options.parity, options.force
     dest = parity_dest(target)
     plan = _report(target, manifest, dest, dry_run=True)
     if options.dry_run:
         return plan
-    if options.on_plan is not None:
-        options.on_plan(plan)
+    if on_plan is not None:
+        on_plan(plan)
     storage = target.storage
     files = manifest.files
     sizes = [f.size for f in files]

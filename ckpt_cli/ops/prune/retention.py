@@ -10,7 +10,7 @@ import re
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ...errors import UsageError
 from ...sources.runs import DEFAULT_SETTLE, BestMetric, RunCheckpoint, RunReport
@@ -54,6 +54,10 @@ class PrunePolicy(BaseModel):
         incomplete: delete incomplete and interrupted saves older than the newest complete one.
         settle: seconds; a checkpoint with a file modified more recently is never touched.
     """
+
+    # `prune`'s request: built once by the command, read by every round of `--watch`, frozen
+    # (a test holds its fields and `run`'s keywords to the command's options)
+    model_config = ConfigDict(frozen=True)
 
     keep_last: int | None = None
     keep_every: int | None = None

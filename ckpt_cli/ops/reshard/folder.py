@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import cast
 
 from ...dist.placement import Rule
 from ...errors import UsageError
@@ -42,6 +43,7 @@ from .report import (
     ReshardReport,
     SkippedFile,
 )
+from .request import ReshardRequest
 from .world import (
     DcpCut,
     check_world_options,
@@ -73,16 +75,9 @@ def reshard_folder(
     opened: OpenedSource,
     layout: Layout,
     dest: str,
-    world_size: int,
-    *,
+    request: ReshardRequest,
     rules: list[Rule],
-    rank_state_action: RankStateChoice | None,
-    serialization: str | None,
-    compression: str | None,
-    force: bool = False,
     progress: Progress = NULL_PROGRESS,
-    dry_run: bool = False,
-    extras: bool = True,
 ) -> ReshardReport:
     """Reshard the whole training folder `source` (opened as `layout`) for `world_size` ranks.
 
@@ -91,8 +86,13 @@ def reshard_folder(
     one and a copy of the lowest rank's otherwise, ranks past the new world left out; None:
     carried at the same world size, else a `UsageError` listing them and the choices); every
     other file is copied verbatim (with `extras=False`, but the config / tokenizer files
-    `convert` calls extras).
+    `convert` calls extras). `rules` are the request's `--shard-dim` / `--plan`, parsed.
     """
+    assert request.world_size is not None
+    world_size = request.world_size
+    rank_state_action = cast(RankStateChoice | None, request.rank_state)
+    serialization, compression = request.dcp_serialization, request.dcp_compression
+    force, dry_run, extras = request.force, request.dry_run, request.extras
     src = source.location.raw
     check_world_options(world_size, compression)
     if layout.world_size_cut == "zero":
@@ -105,18 +105,7 @@ def reshard_folder(
             )
         from .zero import reshard_zero
 
-        return reshard_zero(
-            source,
-            opened,
-            layout,
-            dest,
-            world_size,
-            rank_state_action=rank_state_action,
-            force=force,
-            progress=progress,
-            dry_run=dry_run,
-            extras=extras,
-        )
+        return reshard_zero(source, opened, layout, dest, request, progress)
     from ...sources.layouts.composite import RANK_MODEL_FILE, RANK_OPTIMIZER_FILE
 
     per_rank = sorted(

@@ -30,13 +30,15 @@ from ...formats import HF_WEIGHTS, format_of_file, get_format, resolve_source, s
 from ...formats.base import Checkpoint, Source, WriteOptions
 from ...formats.details import IndexedDetails
 from ...formats.names import INDEX_SUFFIX, SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX
+from ...models import FileInfo
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts.base import Layout, OpenedSource, open_plain
-from ...storage.output import check_destination
+from ...storage.output import Destination, check_destination
 from ..convert.plan import guard_paths, local_dest, planned_files
 from ..shared.transfer import plan_transfer, write_checkpoint
 from .folder import reshard_folder
 from .report import RankStateAction, RankStateChoice, RankStateEntry, ReshardReport
+from .request import ReshardRequest
 from .world import (
     RANK_STATE_CHOICES,
     find_rank_state,
@@ -49,9 +51,11 @@ __all__ = [
     "RankStateAction",
     "RankStateEntry",
     "ReshardReport",
+    "ReshardRequest",
     "find_rank_state",
     "plan_world_size",
     "reshard_shard_size",
+    "reshard_with",
     "reshard_world_size",
     "run_reshard",
     "source_world_size",
@@ -78,12 +82,37 @@ def reshard_shard_size(
     unchanged, so the output resumes the run as the source did. `src` may be resolved already
     (`resolve_source`): it is resolved once and read through that.
     """
-    out = local_dest(dest)
+    request = ReshardRequest(
+        max_shard_size=max_shard_size,
+        format=format,
+        force=force,
+        dry_run=dry_run,
+        extras=extras,
+    )
     source = src if isinstance(src, Source) else None
     text = source.location.raw if source is not None else str(src)
-    guard_paths(text, out)  # as convert: a DEST in (or over) the source is refused
+    out = _checked_dest(text, dest, request.force)
+    return regroup(source or resolve_source(text), out, request, progress)
+
+
+def _checked_dest(src: str, dest: str, force: bool) -> Destination:
+    """DEST as a local path, refused (before any work) where it is in or over SRC, or exists
+    without `force`."""
+    out = local_dest(dest)
+    guard_paths(src, out)  # as convert: a DEST in (or over) the source is refused
     check_destination(out.absolute(), force)
-    source = source or resolve_source(text)
+    return out
+
+
+def regroup(
+    source: Source, out: Destination, request: ReshardRequest, progress: Progress = NULL_PROGRESS
+) -> ReshardReport:
+    """The shard-size reshard of `source` into `out` (checked already) as `request` says
+    (its `max_shard_size` in bytes)."""
+    max_shard_size, format = request.max_shard_size, request.format
+    force, dry_run, extras = request.force, request.dry_run, request.extras
+    assert isinstance(max_shard_size, int)
+    text = source.location.raw
     with open_plain(source, format) as checkpoint:
         carried, extra = _carried_files(source, checkpoint, format)
         if not extras:
@@ -105,12 +134,16 @@ def reshard_shard_size(
         )
         if dry_run:
             tensors = [i.target for i in plan.items if i.target.kind == "tensor"]
+            # the files copied beside the weights are listed as the real run lists them
+            copied = [FileInfo(path=rel, size=source.files.get(rel)) for rel in [*carried, *extra]]
             return ReshardReport(
+                carried=carried,
+                extras=extra,
                 mode="shard-size",
                 source=manifest.location,
                 destination=str(out),
                 format=manifest.format,
-                files=planned_files(fmt, plan, out, options),
+                files=planned_files(fmt, plan, out, options) + copied,
                 tensors=len(tensors),
                 objects=len(plan.items) - len(tensors),
                 tensor_bytes=sum(e.nbytes for e in tensors),
@@ -222,14 +255,39 @@ def run_reshard(
     dry_run: bool = False,
     extras: bool = True,
 ) -> ReshardReport:
-    """Check the option combination, parse sizes and rules, and run the chosen mode.
+    """Reshard `src` into `dest`: the library's keyword form of `reshard_with` (the
+    arguments are `ReshardRequest`'s fields).
 
     With `dry_run`, only metadata is read and nothing is written: the report says what would be.
     `extras=False` leaves the source folder's config/tokenizer files out of the output.
     """
+    request = ReshardRequest(
+        world_size=world_size,
+        max_shard_size=max_shard_size,
+        shard_dim=shard_dim,
+        plan=plan,
+        rank_state=rank_state,
+        dcp_serialization=dcp_serialization,
+        dcp_compression=dcp_compression,
+        format=format,
+        force=force,
+        dry_run=dry_run,
+        extras=extras,
+    )
+    return reshard_with(src, dest, request, progress)
+
+
+def reshard_with(
+    src: str, dest: str, request: ReshardRequest, progress: Progress = NULL_PROGRESS
+) -> ReshardReport:
+    """Check the option combination, parse sizes and rules, and run the chosen mode."""
     from ...dist.placement import load_plan, parse_rule
     from ...sizes import parse_size
 
+    world_size, max_shard_size = request.world_size, request.max_shard_size
+    shard_dim, plan, rank_state = request.shard_dim, request.plan, request.rank_state
+    dcp_serialization, dcp_compression = request.dcp_serialization, request.dcp_compression
+    format = request.format
     if (world_size is None) == (max_shard_size is None):
         raise UsageError(
             "say what to change: --world-size N (DCP) or --max-shard-size SIZE (safetensors)",
@@ -262,6 +320,8 @@ def run_reshard(
                 fix="Drop them, or reshard a DCP checkpoint with --world-size N.",
             )
         limit = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
+        # parsed once: every component below is cut to the same byte count
+        request = request.model_copy(update={"max_shard_size": limit})
         # SRC is resolved (listed, its Hub revision pinned) once: everything below reads it
         source = resolve_source(src)
         if format is None:
@@ -269,25 +329,9 @@ def run_reshard(
 
             found = components_of(source)
             if found is not None:
-                if dry_run:
-                    raise UsageError(
-                        "--dry-run does not plan a multi-folder model (diffusers pipeline, "
-                        "sentence-transformers) yet",
-                        path=src,
-                        fix="Run --dry-run on one component folder (e.g. SRC/unet).",
-                    )
                 # a diffusers pipeline / sentence-transformers folder: component by component
-                return _reshard_components(src, dest, limit, *found, force=force, progress=progress)
-        return reshard_shard_size(
-            source,
-            dest,
-            limit,
-            format=format,
-            force=force,
-            progress=progress,
-            dry_run=dry_run,
-            extras=extras,
-        )
+                return _reshard_components(src, dest, *found, request, progress)
+        return regroup(source, _checked_dest(src, dest, request.force), request, progress)
     assert world_size is not None
     rules = [parse_rule(text) for text in shard_dim or []]
     if plan is not None:
@@ -299,21 +343,7 @@ def run_reshard(
         if folder is not None:
             source, opened, layout = folder
             try:
-                return reshard_folder(
-                    source,
-                    opened,
-                    layout,
-                    dest,
-                    world_size,
-                    rules=rules,
-                    rank_state_action=action,
-                    serialization=dcp_serialization,
-                    compression=dcp_compression,
-                    force=force,
-                    progress=progress,
-                    dry_run=dry_run,
-                    extras=extras,
-                )
+                return reshard_folder(source, opened, layout, dest, request, rules, progress)
             finally:
                 opened.checkpoint.close()
     return reshard_world_size(
@@ -325,10 +355,10 @@ def run_reshard(
         serialization=dcp_serialization,
         compression=dcp_compression,
         format=format,
-        force=force,
+        force=request.force,
         progress=progress,
-        extras=extras,
-        dry_run=dry_run,
+        extras=request.extras,
+        dry_run=request.dry_run,
     )
 
 
@@ -349,24 +379,30 @@ def _training_folder(source: Source) -> tuple[Source, OpenedSource, Layout] | No
 def _reshard_components(
     src: str,
     dest: str,
-    limit: int,
     layout: str,
     components: list[Any],
-    *,
-    force: bool,
+    request: ReshardRequest,
     progress: Progress,
 ) -> ReshardReport:
-    """Reshard every weight-holding component of a multi-folder model with its own naming."""
+    """Reshard every weight-holding component of a multi-folder model with its own naming,
+    each with this call's request (DEST's `force` is decided once, for the whole folder)."""
     from ..shared.components import write_components
 
+    # DEST is checked once, whole; each component is written into a fresh staging folder
+    _checked_dest(src, dest, request.force)
+    inner = request.model_copy(update={"force": False})
+
     def one(comp: Any, inner_src: str, inner_dest: str, to: str) -> ReshardReport:
-        return reshard_shard_size(inner_src, inner_dest, limit, progress=progress)
+        return regroup(resolve_source(inner_src), Path(inner_dest), inner, progress)
 
     source = resolve_source(src)
     # each component keeps its own format; `to` names the one they share (for the checks)
     formats = {format_of_file(c.weights) or HF_WEIGHTS for c in components if c.weights}
     to = formats.pop() if len(formats) == 1 else HF_WEIGHTS
-    files, reports = write_components(src, dest, layout, components, to, one, force=force)
+    files, reports = write_components(
+        src, dest, layout, components, to, one, force=request.force, dry_run=request.dry_run
+    )
+    assert isinstance(request.max_shard_size, int)
     return ReshardReport(
         mode="shard-size",
         source=source.location.raw,
@@ -377,6 +413,7 @@ def _reshard_components(
         objects=sum(r.objects for r in reports),
         tensor_bytes=sum(r.tensor_bytes for r in reports),
         raw_copy=sum(r.raw_copy for r in reports),
-        max_shard_size=limit,
-        verified=True,
+        max_shard_size=request.max_shard_size,
+        verified=not request.dry_run,
+        dry_run=request.dry_run,
     )

@@ -52,7 +52,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ...dtypes import itemsize
 from ...errors import FormatError, UsageError
@@ -74,6 +74,7 @@ from ...storage.output import check_destination, staged_output
 from ..convert.plan import guard_paths, local_dest
 from .folder import copy_verbatim, missing_rank_files, rank_file_plan
 from .report import RankStateChoice, ReshardedPart, ReshardReport, SkippedFile
+from .request import ReshardRequest
 from .world import check_world_options, rank_state_choice, resume_verdict
 
 if TYPE_CHECKING:
@@ -168,23 +169,22 @@ def reshard_zero(
     opened: OpenedSource,
     layout: Layout,
     dest: str,
-    world_size: int,
-    *,
-    rank_state_action: RankStateChoice | None = None,
-    force: bool = False,
+    request: ReshardRequest,
     progress: Progress = NULL_PROGRESS,
-    dry_run: bool = False,
-    extras: bool = True,
 ) -> ReshardReport:
     """Write the ZeRO save `source` (opened as DeepSpeed's layout) as `world_size` ranks save it
     (see the module docstring); DeepSpeed's `load_checkpoint` resumes the output at that size.
 
     Per-rank files beside the tag folder (a Hugging Face Trainer's `rng_state_{r}.pth`) follow
-    `rank_state_action` as in `reshard_folder` (asked for when the world size changes).
+    the request's `rank_state` as in `reshard_folder` (asked for when the world size changes).
     `extras=False` leaves out what `convert` calls extras (`zero_to_fp32.py`...).
     """
     from ...dist.command import active
 
+    assert request.world_size is not None
+    world_size = request.world_size
+    rank_state_action = cast(RankStateChoice | None, request.rank_state)
+    force, dry_run, extras = request.force, request.dry_run, request.extras
     src = source.location.raw
     check_world_options(world_size, None)
     if active().distributed:

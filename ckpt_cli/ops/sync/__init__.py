@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from ...errors import NotFoundError, UsageError
 from ...sources.runs import DEFAULT_SETTLE, is_remote
 from ...storage.uri import is_hub_url
@@ -46,10 +48,36 @@ from .model import RateLimit, SyncedCheckpoint, SyncReport
 from .pull import sync_down
 from .push import DEFAULT_JOBS, sync_up
 
-__all__ = ["RateLimit", "SyncReport", "SyncedCheckpoint", "exit_code", "sync"]
+__all__ = [
+    "RateLimit",
+    "SyncReport",
+    "SyncRequest",
+    "SyncedCheckpoint",
+    "exit_code",
+    "sync",
+    "sync_with",
+]
 
 
 # --------------------------------------------------------------------------- entry point
+
+
+class SyncRequest(BaseModel):
+    """Every option of `sync` but the two sides, typed and frozen: built once (by the command,
+    or by `sync` from its keywords) and read by every `--watch` round. Its fields are `sync`'s
+    keyword parameters less the sinks (`on_round`, `sleep`, `on_file`), and the command's
+    options (`--prune-remote` and `--keep-*` make `prune_policy`; a test holds them to each
+    other); they mean what `sync`'s arguments say."""
+
+    model_config = ConfigDict(frozen=True)
+
+    latest_only: bool = False
+    settle: float = DEFAULT_SETTLE
+    max_rate: int | None = None
+    prune_policy: PrunePolicy | None = None
+    watch_seconds: float | None = None
+    max_iterations: int | None = None
+    jobs: int = DEFAULT_JOBS
 
 
 def sync(
@@ -83,6 +111,30 @@ def sync(
         jobs: pushing: files of one checkpoint uploaded at once (its markers and manifest
             still go last, one by one).
     """
+    request = SyncRequest(
+        latest_only=latest_only,
+        settle=settle,
+        max_rate=max_rate,
+        prune_policy=prune_policy,
+        watch_seconds=watch_seconds,
+        max_iterations=max_iterations,
+        jobs=jobs,
+    )
+    return sync_with(src, dest, request, on_round=on_round, sleep=sleep, on_file=on_file)
+
+
+def sync_with(
+    src: str,
+    dest: str,
+    request: SyncRequest,
+    *,
+    on_round: Callable[[SyncReport], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    on_file: Callable[[str, int], None] | None = None,
+) -> SyncReport:
+    """`sync` as `request` says (the command's one call); the sinks are `sync`'s."""
+    latest_only, settle, prune_policy = request.latest_only, request.settle, request.prune_policy
+    watch_seconds, max_iterations = request.watch_seconds, request.max_iterations
     up = is_remote(dest) and not is_remote(src)
     down = is_remote(src) and not is_remote(dest)
     if not (up or down):
@@ -107,7 +159,7 @@ def sync(
         raise UsageError("--max-iterations only applies with --watch")
     if watch_seconds is not None and watch_seconds <= 0:
         raise UsageError(f"--watch needs a positive number of seconds (got {watch_seconds:g})")
-    limit = RateLimit(max_rate)
+    limit = RateLimit(request.max_rate)
 
     def one_round() -> SyncReport:
         if up:
@@ -118,7 +170,7 @@ def sync(
                 limit=limit,
                 prune_policy=prune_policy,
                 on_file=on_file,
-                jobs=jobs,
+                jobs=request.jobs,
             )
         return sync_down(src, dest, latest_only=latest_only, limit=limit)
 

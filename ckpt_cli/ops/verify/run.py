@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ... import models
 from ...dist.command import CombinedProgress, RankShare, active
@@ -89,6 +89,26 @@ class VerifyReport(BaseModel):
     parity: ParityCheck | None = None
 
 
+class VerifyRequest(BaseModel):
+    """Every option of `verify` but the location, typed and frozen: validated once by
+    `verify_with` and passed whole to each check, so no option is re-listed by hand. Its
+    fields are `verify`'s keyword parameters and the command's options (a test holds them to
+    each other); `progress` is a sink, not an option, and travels beside it. The fields mean
+    what `verify`'s arguments say."""
+
+    model_config = ConfigDict(frozen=True)
+
+    format: str | None = None
+    checksums: bool = False
+    write_manifest: bool = False
+    manifest: str | None = None
+    algo: str | None = None
+    deep: bool = False
+    resumable: bool = False
+    force: bool = False
+    exact: bool = False
+
+
 def verify(
     src: str,
     *,
@@ -124,6 +144,29 @@ def verify(
         NotFoundError (exit 3) or FormatError (exit 4) when SRC cannot be read at all;
         UsageError for contradictory options. Problems found are returned, not raised.
     """
+    request = VerifyRequest(
+        format=format,
+        checksums=checksums,
+        write_manifest=write_manifest,
+        manifest=manifest,
+        algo=algo,
+        deep=deep,
+        resumable=resumable,
+        force=force,
+        exact=exact,
+    )
+    return verify_with(src, request, progress)
+
+
+def verify_with(
+    src: str, request: VerifyRequest, progress: Progress = NULL_PROGRESS
+) -> VerifyReport:
+    """`verify` of `src` as `request` says (the command's one call)."""
+    format, checksums, write_manifest = request.format, request.checksums, request.write_manifest
+    manifest, algo, deep, force = request.manifest, request.algo, request.deep, request.force
+    # --exact implies --resumable: decided once, here, for every check below
+    request = request.model_copy(update={"resumable": request.resumable or request.exact})
+    resumable = request.resumable
     # under torchrun: join the launch now, so rank 0 alone reports even when nothing is hashed
     active()
     if checksums and write_manifest:
@@ -133,7 +176,6 @@ def verify(
         )
     if algo is not None and algo not in ALGORITHMS:
         raise UsageError(f"unknown --algo {algo!r}", fix=f"Use one of {', '.join(ALGORITHMS)}.")
-    resumable = resumable or exact
     # SRC is resolved once (one listing, one Hub lookup) and opened at most once: every check
     # below gets this source, or the one opened from it
     source = resolved = resolve_source(src)
@@ -164,17 +206,7 @@ def verify(
         if not any(p.severity == "error" for p in problems):
             _quant_checks(report, problems, opener, opened, deep=deep)
         if resumable or deep:
-            _open_checks(
-                report,
-                problems,
-                src,
-                opener,
-                opened,
-                resumable=resumable,
-                deep=deep,
-                progress=progress,
-                exact=exact,
-            )
+            _open_checks(report, problems, src, opener, opened, request, progress)
     finally:
         if opened is not None:
             opened.checkpoint.close()
@@ -306,13 +338,11 @@ def _open_checks(
     src: str,
     opener: SourceOpener,
     opened: OpenedSource | None,
-    *,
-    resumable: bool,
-    deep: bool,
+    request: VerifyRequest,
     progress: Progress,
-    exact: bool = False,
 ) -> None:
     """Checks that need the checkpoint opened: resumability and reading every entry."""
+    resumable, deep = request.resumable, request.deep
     if any(p.severity == "error" for p in problems):
         # the structural problems are the story; reading on would only repeat them
         skipped = " and ".join(c for c, on in (("resumability", resumable), ("deep", deep)) if on)
@@ -337,7 +367,7 @@ def _open_checks(
             from ...sources.layouts.training import training_checks
 
             report.checks.append("resumable")
-            problems.extend(training_checks(opened, exact=exact))
+            problems.extend(training_checks(opened, exact=request.exact))
         if deep:
             report.checks.append("deep")
             _deep(report, problems, checkpoint, progress)
