@@ -20,15 +20,16 @@ from .conftest import run_ckpt
 REPO = Path(__file__).resolve().parent.parent
 #: the operations that move data between formats: they must not know any format by name
 OPS = [
-    "convert.py",
-    "convert_plan.py",
-    "reshard.py",
-    "reshard_world.py",
-    "reshard_report.py",
-    "transfer.py",
-    "verify.py",
-    "slim.py",
-    "components.py",
+    "convert/run.py",
+    "convert/plan.py",
+    "reshard/run.py",
+    "reshard/request.py",
+    "reshard/world.py",
+    "reshard/report.py",
+    "shared/transfer.py",
+    "verify/run.py",
+    "prune/slim.py",
+    "shared/components.py",
     "merge.py",
 ]
 

@@ -184,7 +184,7 @@ def reshard_folder(
             source_world_size=before,
             world_size=world_size,
             serialization=cuts[0].report.serialization if cuts else None,
-            partitioning="dcp",
+            partitioning="chunks",
             replicated=sum(c.report.replicated for c in cuts),
             rules=[str(r) for r in rules],
             unused_rules=sorted(set.intersection(*(set(c.report.unused_rules) for c in cuts)))

@@ -104,7 +104,7 @@ class ReshardReport(BaseModel):
         max_shard_size: the shard limit in bytes (shard-size mode).
         source_world_size / world_size: ranks before and after (world-size mode).
         serialization: DCP serialization of the output.
-        partitioning: what a world-size reshard re-cut: `dcp` (DCP chunks) or `zero`
+        partitioning: what a world-size reshard re-cut: `chunks` (DCP chunks) or `zero`
             (DeepSpeed's ZeRO partitions, written as an N-rank engine saves them: DeepSpeed
             resumes the output at N ranks with the same config); None in shard-size mode.
         sharded: tensors split across ranks, by dim (`{"0": 12, "1": 4}`).
@@ -143,7 +143,7 @@ class ReshardReport(BaseModel):
     source_world_size: int | None = None
     world_size: int | None = None
     serialization: str | None = None
-    partitioning: Literal["dcp", "zero"] | None = None
+    partitioning: Literal["chunks", "zero"] | None = None
     sharded: dict[str, int] = Field(default_factory=dict)
     replicated: int = 0
     rules: list[str] = Field(default_factory=list)

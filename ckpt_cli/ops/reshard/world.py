@@ -277,7 +277,7 @@ def plan_cut(
         source_world_size=before,
         world_size=world_size,
         serialization=chosen,
-        partitioning="dcp",
+        partitioning="chunks",
         sharded=sharded,
         replicated=replicated,
         rules=[str(r) for r in rules],
