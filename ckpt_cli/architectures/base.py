@@ -542,10 +542,22 @@ class Architecture(ABC):
         return out
 
     @classmethod
+    def _patterns(cls, naming: str) -> list[re.Pattern[str]]:
+        """Every rule and ignore pattern of `naming`'s side, compiled."""
+        side = [compile_pattern(p) for _, _, p in cls._side(naming)]
+        return side + [compile_pattern(i.pattern) for i in cls.ignored.get(naming, ())]
+
+    @classmethod
+    def covers_every(cls, names: Sequence[str], naming: str) -> bool:
+        """Whether `names` are some and a rule or ignore pattern of `naming` matches each (stops
+        at the first name none matches: a model of another family costs a name or a few)."""
+        side = cls._patterns(naming)
+        return bool(names) and all(any(r.match(name) for r in side) for name in names)
+
+    @classmethod
     def covers(cls, names: Iterable[str], naming: str) -> tuple[list[str], list[str]]:
         """(names no rule or ignore pattern of `naming` matches, names matched)."""
-        side = [compile_pattern(p) for _, _, p in cls._side(naming)]
-        side += [compile_pattern(i.pattern) for i in cls.ignored.get(naming, ())]
+        side = cls._patterns(naming)
         unknown: list[str] = []
         known: list[str] = []
         for name in names:
@@ -557,8 +569,7 @@ class Architecture(ABC):
         """The naming `names` (a model's tensor names) are in, if this family's: every name
         matched by a rule or an ignore pattern, a marker present, no excluder present."""
         for naming in cls.namings():
-            unknown, known = cls.covers(names, naming)
-            if unknown or not known:
+            if not cls.covers_every(names, naming):
                 continue
             if cls.marked(names, naming):
                 return naming
