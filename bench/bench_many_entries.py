@@ -36,7 +36,10 @@ def child(argv: list[str], code_root: Path) -> tuple[float, float]:
     env = dict(os.environ, PYTHONPATH=str(code_root))
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPYCACHEPREFIX"] = str(Path(tempfile.gettempdir()) / f"ckpt-pyc-{code_root.name}")
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    # run from the checkout: `python -m` puts the working folder first on the path
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=code_root
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{argv} failed: {proc.stderr.read().decode() if proc.stderr else ''}")
