@@ -626,3 +626,28 @@ def test_round_trip_through_a_sharded_torchtitan_save(tmp_path: Path) -> None:
     got = _hf_tensors(tmp_path / "back")
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        [],
+        ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"],
+        ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"],
+        ["tok_embeddings.weight", "layers.0.attention.wq.weight", "norm.weight", "output.weight"],
+        ["unknown.tensor", "model.embed_tokens.weight"],
+        ["model.embed_tokens.weight", "unknown.tensor"],
+    ],
+)
+def test_covers_every_agrees_with_covers(names: list[str]) -> None:
+    """The short-cut recognition uses (#30: stop at the first unknown name) decides as the
+    full classification does, for every family and naming."""
+    from ckpt_cli.architectures import architectures
+
+    for arch in architectures():
+        for naming in arch.namings():
+            unknown, known = arch.covers(names, naming)
+            assert arch.covers_every(names, naming) == (not unknown and bool(known)), (
+                arch.__name__,
+                naming,
+            )

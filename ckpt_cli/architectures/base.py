@@ -557,10 +557,22 @@ class Architecture(ABC):
         return out
 
     @classmethod
+    def _patterns(cls, naming: str) -> list[re.Pattern[str]]:
+        """Every rule and ignore pattern of `naming`'s side, compiled."""
+        side = [compile_pattern(p) for _, _, p in cls._side(naming)]
+        return side + [i.regex() for i in cls.ignored.get(naming, ())]
+
+    @classmethod
+    def covers_every(cls, names: Sequence[str], naming: str) -> bool:
+        """Whether `names` are some and a rule or ignore pattern of `naming` matches each (stops
+        at the first name none matches: a model of another family costs a name or a few)."""
+        side = cls._patterns(naming)
+        return bool(names) and all(any(r.match(name) for r in side) for name in names)
+
+    @classmethod
     def covers(cls, names: Iterable[str], naming: str) -> tuple[list[str], list[str]]:
         """(names no rule or ignore pattern of `naming` matches, names matched)."""
-        side = [compile_pattern(p) for _, _, p in cls._side(naming)]
-        side += [i.regex() for i in cls.ignored.get(naming, ())]
+        side = cls._patterns(naming)
         unknown: list[str] = []
         known: list[str] = []
         for name in names:
@@ -573,8 +585,7 @@ class Architecture(ABC):
         matched by a rule or an ignore pattern, every rule's tensor present (but those the
         family may lack), a marker present, no excluder present."""
         for naming in cls.namings():
-            unknown, known = cls.covers(names, naming)
-            if unknown or not known or cls.lacking(names, naming):
+            if not cls.covers_every(names, naming) or cls.lacking(names, naming):
                 continue
             if cls.marked(names, naming):
                 return naming

@@ -22,6 +22,7 @@ from .checks import (
 from .schemes import (
     FP8,
     SCALE_DTYPES,
+    SIDECAR_SUFFIXES,
     QuantAnalysis,
     QuantConfig,
     QuantWeight,
@@ -30,6 +31,8 @@ from .schemes import (
     read_config,
 )
 
+#: the dtypes of every payload a recogniser claims (FP8, packed FP4 and MX blocks in uint8)
+_PAYLOAD_DTYPES = FP8 | {"uint8"}
 #: activation scales a weight may carry (kept with it)
 _ACTIVATION = {"input": ".input_scale", "input_global": ".input_global_scale"}
 
@@ -52,10 +55,14 @@ def analyse(manifest: Manifest, config: QuantConfig, where: str | None = None) -
     `scale_dtype`, `orphan_scale`, `config_mismatch`.
     """
     where = where or manifest.location
-    tensors = {e.name: e for e in manifest.entries if e.kind == "tensor"}
     out = QuantAnalysis(config=config)
-    block: tuple[int, int] | None = (config.block[0], config.block[1]) if config.block else None
     families = config_families(config)
+    if families is None and not _may_hold_quantized(manifest):
+        # every recogniser needs a payload dtype, the orphan check a scale's name, the config
+        # check a declared scheme: none here, so nothing to find (#30: one cheap pass)
+        return out
+    tensors = {e.name: e for e in manifest.entries if e.kind == "tensor"}
+    block: tuple[int, int] | None = (config.block[0], config.block[1]) if config.block else None
     checks = Checks(where, tensors, out)
     r = _Recognition(checks, config, block, families or set(), fp8_siblings(tensors))
     # --- payloads with their sidecars
@@ -65,6 +72,14 @@ def analyse(manifest: Manifest, config: QuantConfig, where: str | None = None) -
     check_orphans(checks)
     check_config(checks, config, families)
     return out
+
+
+def _may_hold_quantized(manifest: Manifest) -> bool:
+    """Whether some tensor has a quantized payload's dtype or a scale's name."""
+    return any(
+        e.kind == "tensor" and (e.dtype in _PAYLOAD_DTYPES or e.name.endswith(SIDECAR_SUFFIXES))
+        for e in manifest.entries
+    )
 
 
 def analyse_checkpoint(

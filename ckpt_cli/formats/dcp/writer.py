@@ -29,7 +29,7 @@ from .layout import (
     rank_file,
 )
 from .torch_blob import BLOB_DTYPES, ByteStream, write_tensor_blob
-from .torch_metadata import metadata_bytes
+from .torch_metadata import write_metadata
 
 if TYPE_CHECKING:
     import torch
@@ -575,19 +575,19 @@ class DcpWriter(Writer):
         written = [
             FileInfo(path=name, size=sizes[name][0], entries=sizes[name][1]) for name in self.files
         ]
-        data = metadata_bytes(
-            self.plan,
-            self.layout,
-            self.results,
-            self._object_file,
-            self.compression,
-            self.options.dcp_planner_data,
-        )
         tmp = self.staging / f"{METADATA}.tmp"
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            size = write_metadata(
+                fh,
+                self.plan,
+                self.layout,
+                self.results,
+                self._object_file,
+                self.compression,
+                self.options.dcp_planner_data,
+            )
             fh.flush()
             os.fsync(fh.fileno())
         os.rename(tmp, self.staging / METADATA)
-        written.insert(0, FileInfo(path=METADATA, size=len(data), entries=0))
+        written.insert(0, FileInfo(path=METADATA, size=size, entries=0))
         return written
