@@ -104,6 +104,9 @@ def _resume_save(kind: str) -> tuple[str, str]:
     return ("checkpoint-4", "checkpoint-6") if kind == "trainer" else ("step-4", "step-6")
 
 
+# the first case of a kind builds its jobs (several real trainings, a torchrun launch each for
+# the torchrun kind): minutes on a loaded 2-core machine, more than the suite's default timeout
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize(("kind", "case", "want"), _params())
 def test_the_planted_cause_is_ranked_first(
     request: pytest.FixtureRequest, kind: str, case: str, want: str | None
@@ -326,6 +329,7 @@ def test_a_run_folder_in_an_object_store(dcp_jobs: Path, s3_server: S3Server) ->
 
 @pytest.mark.torchrun
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_torchrun_world_size_change_declared_or_not(torchrun_jobs: Path) -> None:
     # 2 ranks of 4 → 1 rank of 4: the global batch halved, the LR kept
     run = torchrun_jobs / "lr_not_rescaled"

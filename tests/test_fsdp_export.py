@@ -135,7 +135,7 @@ def test_config_from_a_folder_or_file_makes_the_export_load_bit_exact(
         )
         assert result.exit_code == 0, result.stdout
         report = result.json["result"]
-        assert not any("config.json" in w for w in report["warnings"])
+        assert not any("config.json" in w for w in report["warnings"]), report["warnings"]
         assert report["config_written"] == str(out / "config.json")
         assert (out / "config.json").read_bytes() == (tiny_llama / "config.json").read_bytes()
         _loads_bit_exact(out, want)

@@ -422,7 +422,7 @@ def convert(
                 if name not in carried:
                     options.companions[name] = data
                     serving.append(name)
-        elif not single_file and naming is None:
+        elif not single_file and naming is None and given_config is None:
             missing = missing_config_warning(opened, target.name, select, carried, str(dest_path))
             if missing is not None:
                 warnings.append(missing)
