@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -116,7 +117,12 @@ class TestHub:
 
     def __init__(self) -> None:
         self.repos: dict[str, HubRepo] = {}
-        self.log: list[LoggedRequest] = []
+        self._log: list[LoggedRequest] = []
+        #: requests being answered: a client may hold its whole response (and the test go on)
+        #: before the handler thread has logged it, so the log and the counters are read only
+        #: once every request begun is logged
+        self._answering = 0
+        self._idle = threading.Condition()
         #: LFS files answer `resolve` with a 302 to a CDN URL on another host name, as the Hub does
         self.lfs_redirect = True
         #: seconds each request waits before it is answered (a far-away server, for benchmarks)
@@ -233,8 +239,31 @@ class TestHub:
 
     # -- observations --------------------------------------------------------------------------
 
+    @property
+    def log(self) -> list[LoggedRequest]:
+        """Every request answered so far, in order (waits for those being answered)."""
+        self._settle()
+        return self._log
+
+    def _settle(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._answering == 0, timeout=30)
+
+    def answering(self) -> Callable[[], None]:
+        """Count one request as being answered; returns what to call once it is logged."""
+        with self._idle:
+            self._answering += 1
+
+        def done() -> None:
+            with self._idle:
+                self._answering -= 1
+                self._idle.notify_all()
+
+        return done
+
     def bytes_sent(self, repo_id: str, path: str | None = None) -> int:
         """Body bytes of file data sent for one file of `repo_id`, or for all its files."""
+        self._settle()
         with self._lock:
             if path is not None:
                 return self._sent[(repo_id, path)]
@@ -253,8 +282,9 @@ class TestHub:
 
     def reset_counters(self) -> None:
         """Forget the log and byte counts (e.g. after a set-up step)."""
+        self._settle()
         with self._lock:
-            self.log.clear()
+            self._log.clear()
             self._sent.clear()
 
     # -- used by the handler -------------------------------------------------------------------
@@ -326,15 +356,23 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def do_GET(self) -> None:
-        self._handle(head=False)
+        done = self.server_hub.answering()
+        try:
+            self._handle(head=False)
+        finally:
+            done()
 
     def do_HEAD(self) -> None:
-        self._handle(head=True)
+        done = self.server_hub.answering()
+        try:
+            self._handle(head=True)
+        finally:
+            done()
 
     # -- plumbing -----------------------------------------------------------------------------
 
     def _record(self, status: int, sent: int = 0, file: str | None = None) -> None:
-        self.server_hub.log.append(
+        self.server_hub._log.append(
             LoggedRequest(
                 method=self.command,
                 path=self.path,

@@ -123,7 +123,7 @@ def test_dataset_repositories_use_their_own_urls(hub: TestHub, tmp_path: Path) -
     assert (dest / "vectors.safetensors").exists()  # a single file keeps its name
     assert all(
         r.path.startswith(("/api/datasets/", "/datasets/", "/_cdn/datasets/")) for r in hub.log
-    )
+    ), [r.path for r in hub.log]
 
 
 def test_read_tensor_from_hub_is_bit_exact(hub: TestHub, tmp_path: Path) -> None:
