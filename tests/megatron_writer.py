@@ -114,6 +114,8 @@ def main() -> None:
     else:
         loaded = dist_checkpointing.load(state(), args[1])
         torch.save(loaded, f"{args[2]}.{rank}.pt" if launched else args[2])
+    # every rank done with its collectives before any tears the group down
+    dist.barrier()
     dist.destroy_process_group()
 
 
