@@ -1,72 +1,149 @@
 """Benchmark `ckpt sync` against `s3fs put --recursive` on an S3-compatible store. By hand only.
 
-    PYTHONPATH=. python bench/sync.py [--mb 64] [--saves 3] [--files 8]
+    PYTHONPATH=. python bench/sync.py [--mb 64] [--saves 3] [--files 8] [--rounds 3]
+                                      [--baseline /path/to/other/checkout]
 
-Starts moto's S3 server in this process on 127.0.0.1 (a middleware counts request body bytes),
-writes a run folder of Trainer-style saves (`--files` weight shards + optimizer, `--mb` MB
-each), then:
+Starts moto's S3 server in its own process on 127.0.0.1 (a middleware counts requests by kind,
+request body bytes and the server's own CPU time), writes a run folder of Trainer-style saves
+(`--files` weight shards with their index, optimizer.pt, scheduler.pt, rng_state.pth,
+trainer_state.json, config.json, training_args.bin; `--mb` MB each), then, in `--rounds`
+interleaved rounds (each tool a fresh process, order alternating, same server):
 
 1. first upload: `ckpt sync out/ s3://…` against `s3fs put(recursive=True)` (what a user would
-   script): wall time and bytes sent (ckpt also hashes every file and checks every ETag); and
-   the same upload with `--jobs 1` (one file at a time, as ckpt did before `--jobs`);
-2. the next round, one new save: `ckpt sync` sends only that save; `s3fs put` sends it all again;
-3. an upload interrupted half-way: bytes the resumed `ckpt sync` sends, against a full re-put.
+   script) into a fresh prefix;
+2. one new save: a prefix holding the first saves, and one more save on disk; `ckpt sync`
+   sends only that save, `s3fs put` is given only that save's folder (the least it could do).
 
-Loopback and moto's Python server make absolute times meaningless; the byte ratios carry over.
+Figures are medians: wall time, the client process's CPU (user+sys), the server's CPU, and
+requests. `time ratio` is s3fs put's wall time over ckpt sync's (>= 1: sync is as fast).
+With `--baseline`, a second ckpt checkout (e.g. the main branch) runs the same cases.
+Loopback and moto's Python server make absolute times meaningless; the ratios, requests and
+client CPU per byte carry over.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
+SERVER = r"""
+import json, logging, sys, threading, time
+from collections import Counter
+from moto.server import DomainDispatcherApplication, create_backend_app
+from werkzeug.serving import make_server
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+app = DomainDispatcherApplication(create_backend_app)
+lock = threading.Lock()
+state = {"counts": Counter(), "bytes": 0, "cpu0": time.process_time()}
 
-def start_server() -> tuple[str, dict[str, int]]:
-    """moto's S3 app on a free port; returns the endpoint and a live upload byte counter."""
-    import logging
+def kind(env):
+    method, query = env["REQUEST_METHOD"], env.get("QUERY_STRING", "")
+    if "partNumber" in query:
+        return "part"
+    if "uploads" in query or "uploadId" in query:
+        return "multipart"
+    if "list-type" in query or (method == "GET" and env.get("PATH_INFO", "").count("/") <= 1):
+        return "list"
+    if method == "GET":
+        return "get"
+    return method.lower()
 
-    from moto.server import DomainDispatcherApplication, create_backend_app
-    from werkzeug.serving import make_server
+def wsgi(env, start):
+    if env.get("PATH_INFO") == "/_bench/stats":
+        with lock:
+            body = json.dumps({"counts": dict(state["counts"]), "bytes": state["bytes"],
+                               "cpu": time.process_time() - state["cpu0"]}).encode()
+            if env["REQUEST_METHOD"] == "POST":
+                state.update(counts=Counter(), bytes=0, cpu0=time.process_time())
+        start("200 OK", [("Content-Type", "application/json")])
+        return [body]
+    with lock:
+        state["counts"][kind(env)] += 1
+        if env["REQUEST_METHOD"] in ("PUT", "POST"):
+            state["bytes"] += int(env.get("CONTENT_LENGTH") or 0)
+    return app(env, start)
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+httpd = make_server("127.0.0.1", int(sys.argv[1]), wsgi, threaded=True)
+print("ready", flush=True)
+httpd.serve_forever()
+"""
+
+
+def start_server() -> tuple[str, subprocess.Popen[str]]:
+    """moto's S3 app in its own process on a free port."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    app = DomainDispatcherApplication(create_backend_app)
-    counter = {"bytes": 0}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return f"http://127.0.0.1:{port}", proc
 
-    def counted(environ: dict[str, Any], start_response: Any) -> Any:
-        if environ["REQUEST_METHOD"] in ("PUT", "POST"):
-            counter["bytes"] += int(environ.get("CONTENT_LENGTH") or 0)
-        return app(environ, start_response)
 
-    httpd = make_server("127.0.0.1", port, counted, threaded=True)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{port}", counter
+def server_stats(endpoint: str, reset: bool = False) -> dict[str, Any]:
+    request = urllib.request.Request(f"{endpoint}/_bench/stats", method="POST" if reset else "GET")
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        stats: dict[str, Any] = json.loads(answer.read())
+        return stats
 
 
 def save(folder: Path, step: int, mb: int, files: int = 1) -> None:
+    """A Hugging Face Trainer save: weights (sharded, with their index), optimizer, scheduler,
+    RNG state, trainer state, config and training arguments."""
     import torch
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
     n = mb * (1 << 20) // 4 // 3
     shard = max(1, n // files)
+    weight_map = {}
     for i in range(files):
         name = f"model-{i + 1:05d}-of-{files:05d}.safetensors" if files > 1 else "model.safetensors"
         save_file({f"w{i}": torch.full((shard,), float(step + i))}, folder / name)
+        weight_map[f"w{i}"] = name
+    if files > 1:
+        index = {"metadata": {"total_size": 4 * shard * files}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     torch.save({"state": {0: {"exp_avg": torch.zeros(2 * n)}}}, folder / "optimizer.pt")
+    torch.save({"last_epoch": step, "_step_count": step + 1}, folder / "scheduler.pt")
+    torch.save({"python": step, "cpu": torch.get_rng_state()}, folder / "rng_state.pth")
+    torch.save({"output_dir": "out"}, folder / "training_args.bin")
+    (folder / "config.json").write_text('{"model_type": "llama"}')
     (folder / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
+
+
+def timed(argv: list[str], env: dict[str, str], endpoint: str, cwd: Path = REPO) -> dict[str, Any]:
+    """Run one fresh process: wall time, its CPU, and what the server did for it."""
+    server_stats(endpoint, reset=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run(argv, env=env, cwd=cwd, check=True, capture_output=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    stats = server_stats(endpoint)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "server_cpu": stats["cpu"],
+        "requests": sum(stats["counts"].values()),
+        "counts": stats["counts"],
+        "bytes": stats["bytes"],
+    }
 
 
 def main() -> None:
@@ -74,11 +151,20 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--files", type=int, default=8, help="weight shards per save")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline", type=Path, help="another checkout of ckpt to compare")
     opts = parser.parse_args()
-    endpoint, counter = start_server()
+    endpoint, server = start_server()
+    try:
+        run(opts, endpoint)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def run(opts: argparse.Namespace, endpoint: str) -> None:
     env = dict(
         os.environ,
-        PYTHONPATH=str(REPO),
         AWS_ENDPOINT_URL=endpoint,
         AWS_ACCESS_KEY_ID="x",
         AWS_SECRET_ACCESS_KEY="x",
@@ -86,62 +172,98 @@ def main() -> None:
     )
     os.environ.update({k: env[k] for k in env if k.startswith("AWS_")})
     import boto3
-    import s3fs
 
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint)
     root = Path(tempfile.mkdtemp())
     out = root / "out"
     for i in range(opts.saves):
         save(out / f"checkpoint-{(i + 1) * 100}", (i + 1) * 100, opts.mb, opts.files)
+    new_name = f"checkpoint-{(opts.saves + 1) * 100}"
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    files = sum(1 for p in out.rglob("*") if p.is_file())
+    tools = {"ckpt sync": REPO}
+    if opts.baseline is not None:
+        tools["baseline sync"] = opts.baseline.resolve()
 
-    def ckpt_sync(dest: str, *extra: str) -> tuple[float, int]:
-        counter["bytes"] = 0
-        start = time.perf_counter()
-        subprocess.run(
-            [sys.executable, "-m", "ckpt_cli", "sync", str(out), dest, "--settle", "0", *extra],
-            env=env,
-            check=True,
-            capture_output=True,
-        )
-        return time.perf_counter() - start, counter["bytes"]
+    def ckpt(tool: str, dest: str) -> list[str]:
+        return [sys.executable, "-m", "ckpt_cli", "sync", str(out), dest, "--settle", "0"]
 
-    def s3fs_put(dest: str) -> tuple[float, int]:
-        # a fresh process too, as a user's script would be: imports and connections count
-        counter["bytes"] = 0
-        start = time.perf_counter()
+    def put(src: Path, dest: str) -> list[str]:
         script = (
             "import os, s3fs; s3fs.S3FileSystem(endpoint_url=os.environ['AWS_ENDPOINT_URL'])"
-            f".put({str(out) + '/'!r}, {dest!r}, recursive=True)"
+            f".put({str(src) + '/'!r}, {dest!r}, recursive=True)"
         )
-        subprocess.run([sys.executable, "-c", script], env=env, check=True)
-        return time.perf_counter() - start, counter["bytes"]
+        return [sys.executable, "-c", script]
 
-    rows = []
-    t_c, b_c = ckpt_sync("s3://bench/ckpt/")
-    t_p, b_p = s3fs_put("bench/put/")
-    rows.append(("first upload", t_c, b_c, t_p, b_p))
-    t_1, b_1 = ckpt_sync("s3://bench/one-at-a-time/", "--jobs", "1")
-    rows.append(("first, --jobs 1", t_1, b_1, t_p, b_p))
-    save(out / f"checkpoint-{(opts.saves + 1) * 100}", (opts.saves + 1) * 100, opts.mb, opts.files)
-    t_c, b_c = ckpt_sync("s3://bench/ckpt/")
-    t_p, b_p = s3fs_put("bench/put/")
-    rows.append(("one new save", t_c, b_c, t_p, b_p))
-    # an interrupted upload: half of the saves' objects are gone, manifests included
-    keys = sorted(fs.find("bench/ckpt/"))
-    fs.rm([k for k in keys if "checkpoint-300" in k or "checkpoint-400" in k])
-    t_c, b_c = ckpt_sync("s3://bench/ckpt/")
-    t_p, b_p = s3fs_put("bench/put/")
-    rows.append(("resume after loss", t_c, b_c, t_p, b_p))
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in range(opts.rounds):
+        names = [*tools, "s3fs put"]
+        if r % 2:
+            names.reverse()
+        # first upload, into a fresh prefix each
+        for name in names:
+            prefix = f"bench/r{r}-{name.replace(' ', '-')}"
+            if name == "s3fs put":
+                argv, run_env = put(out, f"{prefix}/"), env
+            else:
+                argv, run_env = (
+                    ckpt(name, f"s3://{prefix}/"),
+                    {**env, "PYTHONPATH": str(tools[name])},
+                )
+            results.setdefault(("first upload", name), []).append(
+                timed(argv, run_env, endpoint, tools.get(name, REPO))
+            )
+        # one new save on disk; sync finds it, put is given its folder only
+        save(out / new_name, (opts.saves + 1) * 100, opts.mb, opts.files)
+        for name in names:
+            prefix = f"bench/r{r}-{name.replace(' ', '-')}"
+            if name == "s3fs put":
+                argv, run_env = put(out / new_name, f"{prefix}/{new_name}/"), env
+            else:
+                argv, run_env = (
+                    ckpt(name, f"s3://{prefix}/"),
+                    {**env, "PYTHONPATH": str(tools[name])},
+                )
+            results.setdefault(("one new save", name), []).append(
+                timed(argv, run_env, endpoint, tools.get(name, REPO))
+            )
+        import shutil
+
+        shutil.rmtree(out / new_name)
+    report(opts, results, total, files)
+
+
+def report(
+    opts: argparse.Namespace,
+    results: dict[tuple[str, str], list[dict[str, Any]]],
+    total: int,
+    files: int,
+) -> None:
     mb = 1 << 20
     print(
-        f"{opts.saves}+1 saves of {opts.mb} MB in {opts.files + 2} files; "
-        "ckpt sync vs s3fs put --recursive"
+        f"{opts.saves} saves of {opts.mb} MB, {files} files, {total / mb:.0f} MB; one new save "
+        f"adds {files // opts.saves} files; medians of {opts.rounds} interleaved rounds; "
+        f"load: {os.getloadavg()[0]:.1f}"
     )
-    print(f"{'case':<20}{'ckpt s':>8}{'ckpt MB':>9}{'put s':>8}{'put MB':>8}{'bytes':>8}")
-    for name, tc, bc, tp, bp in rows:
-        ratio = bc / bp if bp else 0.0
-        print(f"{name:<20}{tc:>8.2f}{bc / mb:>9.1f}{tp:>8.2f}{bp / mb:>8.1f}{ratio:>8.2f}")
+    print(
+        f"{'case':<14}{'tool':<15}{'wall s':>8}{'ratio':>7}{'cpu s':>7}{'srv cpu':>8}"
+        f"{'reqs':>6}{'MB sent':>9}  requests by kind"
+    )
+    for case in ("first upload", "one new save"):
+        put_wall = statistics.median(x["wall"] for x in results[(case, "s3fs put")])
+        for (c, tool), runs in results.items():
+            if c != case:
+                continue
+            wall = statistics.median(x["wall"] for x in runs)
+            cpu = statistics.median(x["cpu"] for x in runs)
+            srv = statistics.median(x["server_cpu"] for x in runs)
+            reqs = statistics.median(x["requests"] for x in runs)
+            sent = statistics.median(x["bytes"] for x in runs) / mb
+            kinds = " ".join(f"{k}={v}" for k, v in sorted(runs[-1]["counts"].items()))
+            print(
+                f"{case:<14}{tool:<15}{wall:>8.2f}{put_wall / wall:>7.2f}{cpu:>7.2f}{srv:>8.2f}"
+                f"{reqs:>6.0f}{sent:>9.1f}  {kinds}"
+            )
 
 
 if __name__ == "__main__":

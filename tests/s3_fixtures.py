@@ -27,6 +27,8 @@ class S3Request:
     range: str | None
     #: bytes of the request body (what an upload sent)
     length: int = 0
+    #: the query string (`partNumber=2&uploadId=…` for a multipart upload's part)
+    query: str = ""
 
 
 @dataclass
@@ -72,6 +74,7 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
             environ.get("PATH_INFO", ""),
             environ.get("HTTP_RANGE"),
             int(environ.get("CONTENT_LENGTH") or 0),
+            environ.get("QUERY_STRING", ""),
         )
         server.requests.append(request)
         if server.slow is not None and server.slow(request):

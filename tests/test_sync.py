@@ -113,7 +113,13 @@ def test_a_killed_upload_resumes_without_resending_finished_files(
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 120
-    while not any(r.path.endswith(target) for r in s3_server.requests):
+    # the saves' data go up side by side, each save published (its manifest) once its own
+    # data is there: killed while checkpoint-200's optimizer is on its way, after 100 is done
+    done_100 = "/checkpoint-100/ckpt-manifest.json"
+    while not (
+        any(r.path.endswith(target) for r in s3_server.requests)
+        and any(r.method == "PUT" and r.path.endswith(done_100) for r in s3_server.requests)
+    ):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # preempted mid-upload: no cleanup of any kind
@@ -335,15 +341,17 @@ def test_multipart_uploads_are_checked_by_etag_and_reused_on_resume(
     import boto3
     from safetensors.torch import save_file
 
-    from ckpt_cli.storage.output import UPLOAD_BLOCK
+    from ckpt_cli.storage.object_upload import SINGLE_PUT_MAX
 
     make_bucket(s3_server.endpoint, BUCKET)
     run = tmp_path / "dump"
     for step in (1, 2):
         folder = run / f"step-{step}"
         folder.mkdir(parents=True)
-        big = torch.arange(UPLOAD_BLOCK // 4 + 1000, dtype=torch.float32) * step
-        save_file({"w": big}, folder / "model.safetensors")  # two parts: 16 MiB + the rest
+        # step-2 is a multipart upload: 16 MiB parts and the rest; step-1 one PUT
+        size = SINGLE_PUT_MAX if step == 2 else 1 << 20
+        big = torch.arange(size // 4 + 1000, dtype=torch.float32) * step
+        save_file({"w": big}, folder / "model.safetensors")
         os.utime(folder / "model.safetensors", (time.time() - 7200,) * 2)
     first = run_ckpt("sync", run, f"s3://{BUCKET}/big/", "--json")
     assert first.exit_code == 0, first.stdout
@@ -551,3 +559,121 @@ def test_a_cut_pull_resumes_keeping_the_files_already_whole(
     assert {k: v for k, v in pulled.items() if k in original} == original
     assert set(pulled) - set(original) <= {"ckpt-manifest.json"}
     assert sorted(p.name for p in fresh.iterdir()) == ["checkpoint-100"]
+
+
+def _is_listing(r: object) -> bool:
+    path = getattr(r, "path", "")
+    return getattr(r, "method", "") == "GET" and path.strip("/").count("/") == 0
+
+
+def test_each_file_goes_up_in_one_request_checked_by_the_reply(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """One PUT per file, checked by the ETag the store answers with: no HEAD, no read-back,
+    no listing per file or per checkpoint (one listing a round, whatever the run's size)."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    listings = {}
+    for steps in ((100,), (100, 200, 300)):
+        out = trainer_run(tmp_path / str(len(steps)), steps=steps)
+        s3_server.requests.clear()
+        report = sync(str(out), f"s3://{BUCKET}/run{len(steps)}/")
+        assert report.transferred == [f"checkpoint-{s}" for s in steps], report.failed
+        files = [p for p in out.rglob("*") if p.is_file()]
+        for path in files:
+            key = f"/{BUCKET}/run{len(steps)}/{path.relative_to(out).as_posix()}"
+            mine = [r for r in s3_server.requests if r.path == key]
+            assert [r.method for r in mine if r.range is None] == ["PUT"], key
+            assert mine[0].length == path.stat().st_size
+        assert not [r for r in s3_server.requests if r.method == "HEAD" and "checkpoint-" in r.path]
+        manifests = [r for r in s3_server.requests if r.path.endswith("ckpt-manifest.json")]
+        assert [r.method for r in manifests] == ["PUT"] * len(steps)
+        listings[len(steps)] = sum(1 for r in s3_server.requests if _is_listing(r))
+    # the round's listing (and `latest`'s) cost the same for one save as for three
+    assert listings[1] == listings[3]
+    checked = run_ckpt("verify", f"s3://{BUCKET}/run3/checkpoint-300", "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout
+
+
+def test_a_refused_upload_publishes_nothing_of_its_checkpoint(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A data file the store refuses fails its checkpoint: no marker, no manifest, so the
+    bucket never holds a copy that looks complete; the other saves are published."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    s3_server.refuse = lambda r: (
+        r.method == "PUT" and r.path.endswith("/checkpoint-200/scheduler.pt")
+    )
+    result = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert result.exit_code == 1, result.stdout
+    report = result.json["result"]
+    actions = {c["name"]: c["action"] for c in report["checkpoints"]}
+    assert actions == {
+        "checkpoint-100": "uploaded",
+        "checkpoint-200": "failed",
+        "checkpoint-300": "uploaded",
+    }
+    assert "scheduler.pt" in report["failed"][0]
+    keys = list_keys(s3_server.endpoint, BUCKET, "run/checkpoint-200/")
+    assert "run/checkpoint-200/ckpt-manifest.json" not in keys
+    assert "run/checkpoint-200/trainer_state.json" not in keys
+    latest = run_ckpt("latest", f"s3://{BUCKET}/run", "--json").json["result"]
+    complete = {c["name"] for c in latest["checkpoints"] if c["status"] == "complete"}
+    assert "checkpoint-200" not in complete
+    # allowed again, the next round sends what is missing of 200 and nothing else
+    s3_server.refuse = None
+    s3_server.requests.clear()
+    again = sync(str(out), f"s3://{BUCKET}/run/")
+    assert again.transferred == ["checkpoint-200"] and not again.failed
+    sent = {r.path.rsplit("/", 1)[-1] for r in s3_server.requests if r.method == "PUT"}
+    assert sent == {"scheduler.pt", "trainer_state.json", "ckpt-manifest.json"}
+
+
+def test_a_multipart_upload_cut_midway_is_aborted_and_resent_whole(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A large file goes up as parts sent side by side; a refused part aborts the upload
+    (no parts left in the bucket), and the next sync sends the file whole and verified."""
+    import boto3
+    from safetensors.torch import save_file
+
+    from ckpt_cli.storage.object_upload import SINGLE_PUT_MAX
+    from ckpt_cli.storage.output import UPLOAD_BLOCK
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    folder = tmp_path / "run" / "step-1"
+    folder.mkdir(parents=True)
+    big = torch.arange((SINGLE_PUT_MAX + UPLOAD_BLOCK // 2) // 4, dtype=torch.float32)
+    save_file({"w": big}, folder / "model.safetensors")
+    os.utime(folder / "model.safetensors", (time.time() - 7200,) * 2)
+    s3_server.refuse = lambda r: r.method == "PUT" and "partNumber=3" in r.query
+    first = sync(str(tmp_path / "run"), f"s3://{BUCKET}/big/")
+    assert first.failed and not first.transferred
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    assert not client.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+    assert not list_keys(s3_server.endpoint, BUCKET, "big/")
+    s3_server.refuse = None
+    s3_server.requests.clear()
+    again = sync(str(tmp_path / "run"), f"s3://{BUCKET}/big/")
+    assert again.transferred == ["step-1"], again.failed
+    parts = [r for r in s3_server.requests if "partNumber=" in r.query]
+    size = (folder / "model.safetensors").stat().st_size
+    assert len(parts) == -(-size // UPLOAD_BLOCK) and sum(r.length for r in parts) == size
+    checked = run_ckpt("verify", f"s3://{BUCKET}/big/step-1", "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout
+
+
+def test_judging_a_run_of_torch_save_files_for_a_sync_never_imports_torch(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    script = (
+        "import sys; from ckpt_cli.ops.sync import sync; "
+        f"r = sync({str(out)!r}, 's3://{BUCKET}/run/'); "
+        "assert r.transferred == ['checkpoint-100', 'checkpoint-200'], r; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -7,15 +7,17 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ... import __version__
-from ...errors import CkptError, FormatError, UsageError
+from ...errors import CkptError, FormatError, NotFoundError, UsageError
 from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, scan_run
 from ...storage import remote_failure
 from ...storage.hashing import hasher_factory
+from ...storage.object_upload import ObjectUploader, multipart_etag
 from ...storage.output import UPLOAD_BLOCK
 from ...storage.uri import parse_location
 from ..prune.retention import PrunePolicy
@@ -40,8 +42,41 @@ from .plan import (
 DEFAULT_JOBS = 8
 
 
+@dataclass
+class _Plan:
+    """One checkpoint being uploaded: its files, what they must match, what was done."""
+
+    c: RunCheckpoint
+    files: dict[str, Path]
+    sizes: dict[str, int]
+    stamps: dict[str, int]
+    is_dir: bool
+    manifest_rel: str
+    local_manifest: Path
+    own_manifest: ChecksumManifest | None
+    new: Callable[[], Any]
+    result: SyncedCheckpoint
+    digests: dict[str, FileDigest] = field(default_factory=dict)
+
+    @property
+    def prefix(self) -> str | None:
+        return self.c.name if self.is_dir else None
+
+    def inside(self, rel: str) -> str:
+        """A file's name inside the checkpoint (as its manifest lists it)."""
+        return rel.removeprefix(f"{self.c.name}/") if self.is_dir else rel.rsplit("/", 1)[-1]
+
+
 class _Uploader:
-    """Uploads checkpoints of one local run folder into one object-store prefix."""
+    """Uploads checkpoints of one local run folder into one object-store prefix.
+
+    The data files of every checkpoint of a round go through one pool of `jobs` workers,
+    checkpoint after checkpoint, so the next save's data is on its way while this one's
+    markers and manifest follow its data one by one (`finish`). Against S3 each upload is
+    checked by the ETag in the store's reply (`ObjectUploader`): one listing a round, no
+    request after an upload; other filesystems stream through `fs.open` and are checked
+    with one listing of the checkpoint's prefix before its markers.
+    """
 
     def __init__(
         self,
@@ -66,10 +101,14 @@ class _Uploader:
         self.limit = limit
         self.on_file = on_file
         self.jobs = max(1, jobs)
+        self.objects = ObjectUploader(self.fs, self.jobs, limit.take)
         self._lock = threading.Lock()
         self._listing: dict[str, dict[str, Any]] | None = None
-        #: uploads of the current checkpoint not yet checked against the store
-        self._pending: list[tuple[str, str, int, list[bytes], str, Any]] = []
+        #: uploads (through `fs.open`) not yet checked against the store, by file
+        self._pending: dict[str, tuple[str, int, str, str, Any]] = {}
+
+    def close(self) -> None:
+        self.objects.close()
 
     def listing(self) -> dict[str, dict[str, Any]]:
         """Objects under the destination prefix, relative name -> info (one listing a round)."""
@@ -97,8 +136,8 @@ class _Uploader:
             for rel, size in files.items()
         )
 
-    def sync(self, c: RunCheckpoint) -> SyncedCheckpoint:
-        """Upload one complete checkpoint (what is missing of it), its manifest last."""
+    def prepare(self, c: RunCheckpoint) -> _Plan | SyncedCheckpoint:
+        """What to upload of one complete checkpoint, or `present` when the store has it."""
         files = local_files(self.run_root, c)
         is_dir = Path(c.path).is_dir()
         manifest_rel = manifest_rel_path(c, is_dir)
@@ -109,7 +148,8 @@ class _Uploader:
 
             own_manifest = read_manifest(local_manifest)
             del files[manifest_rel]
-        sizes = {rel: path.stat().st_size for rel, path in files.items()}
+        stats = {rel: path.stat() for rel, path in files.items()}
+        sizes = {rel: st.st_size for rel, st in stats.items()}
         result = SyncedCheckpoint(
             name=c.name,
             step=c.step,
@@ -126,77 +166,88 @@ class _Uploader:
             # synced before, changed since (slimmed, say): not synced while it is replaced
             self._remove([manifest_rel])
         algo = own_manifest.algorithm if own_manifest else SYNC_ALGORITHM
-        new = hasher_factory(algo)
-        digests: dict[str, FileDigest] = {}
-        stamps = {rel: path.stat().st_mtime_ns for rel, path in files.items()}
-        prefix = c.name if is_dir else None
-        ordered = upload_order(list(files))
-        data_files = [rel for rel in ordered if not uploaded_late(rel)]
-        markers = [rel for rel in ordered if uploaded_late(rel)]
+        return _Plan(
+            c=c,
+            files=files,
+            sizes=sizes,
+            stamps={rel: st.st_mtime_ns for rel, st in stats.items()},
+            is_dir=is_dir,
+            manifest_rel=manifest_rel,
+            local_manifest=local_manifest,
+            own_manifest=own_manifest,
+            new=hasher_factory(algo),
+            result=result,
+        )
 
-        def upload(rel: str) -> None:
-            digest, sent = self._upload_file(files[rel], rel, sizes[rel], new)
-            inside = rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
-            if own_manifest is not None:
-                expected = own_manifest.files.get(inside)
-                if expected is None or expected.digest != digest or expected.size != sizes[rel]:
-                    raise FormatError(
-                        f"{rel} does not match the checkpoint's checksum manifest",
-                        path=str(local_manifest),
-                        fix="The local copy is damaged: `ckpt verify --checksums` says which "
-                        "file; it was not published to the destination.",
-                    )
-            with self._lock:
-                digests[inside] = FileDigest(size=sizes[rel], digest=digest)
-                if sent:
-                    result.files_sent += 1
-                    result.bytes_sent += sizes[rel]
-                else:
-                    result.files_reused += 1
-                if self.on_file is not None:
-                    self.on_file(rel, sizes[rel])
+    @staticmethod
+    def data_files(plan: _Plan) -> list[str]:
+        return [rel for rel in upload_order(list(plan.files)) if not uploaded_late(rel)]
 
-        # the data files go up side by side (one object store connection each: a single
-        # stream leaves most of the link idle); the markers follow one by one, in order,
-        # each once everything before it is uploaded and checked
-        with ThreadPoolExecutor(max_workers=min(self.jobs, max(1, len(data_files)))) as pool:
-            for _ in pool.map(upload, data_files):
-                pass  # re-raises the first failure; the pool waits for the others
+    def send(self, plan: _Plan, rel: str) -> None:
+        """Upload one file of a checkpoint (or find it there), checked against its manifest."""
+        size = plan.sizes[rel]
+        digest, sent = self._upload_file(plan.files[rel], rel, size, plan.new)
+        inside = plan.inside(rel)
+        if plan.own_manifest is not None:
+            expected = plan.own_manifest.files.get(inside)
+            if expected is None or expected.digest != digest or expected.size != size:
+                raise FormatError(
+                    f"{rel} does not match the checkpoint's checksum manifest",
+                    path=str(plan.local_manifest),
+                    fix="The local copy is damaged: `ckpt verify --checksums` says which "
+                    "file; it was not published to the destination.",
+                )
+        with self._lock:
+            plan.digests[inside] = FileDigest(size=size, digest=digest)
+            if sent:
+                plan.result.files_sent += 1
+                plan.result.bytes_sent += size
+            else:
+                plan.result.files_reused += 1
+            if self.on_file is not None:
+                self.on_file(rel, size)
+
+    def finish(self, plan: _Plan, data: list[Future[None]]) -> SyncedCheckpoint:
+        """Once the checkpoint's data is up: its markers one by one, in order, each once
+        everything before it is in place and checked; then its manifest."""
+        _wait_all(data)
+        markers = [rel for rel in upload_order(list(plan.files)) if uploaded_late(rel)]
         for rel in markers:
-            self._check_pending(prefix)
-            upload(rel)
-        self._check_pending(prefix)
+            self._check_pending(plan)
+            self.send(plan, rel)
+        self._check_pending(plan)
         # a file rewritten while it was uploaded would make the remote copy a mix
-        for rel, path in files.items():
+        for rel, path in plan.files.items():
             st = path.stat()
-            if st.st_mtime_ns != stamps[rel] or st.st_size != sizes[rel]:
+            if st.st_mtime_ns != plan.stamps[rel] or st.st_size != plan.sizes[rel]:
                 raise FormatError(
                     f"{rel} changed while it was uploaded; its manifest was not written",
                     path=str(path),
                     fix="Run the sync again once the save is finished.",
                 )
-        if own_manifest is not None:
-            data = local_manifest.read_bytes()
+        if plan.own_manifest is not None:
+            data_bytes = plan.local_manifest.read_bytes()
         else:
             record = ChecksumManifest(
-                algorithm=algo,
+                algorithm=plan.own_manifest.algorithm if plan.own_manifest else SYNC_ALGORITHM,
                 created=now_iso(),
                 tool=f"ckpt {__version__} sync",
                 format=None,
-                files=digests,
+                files=plan.digests,
             )
-            data = (json.dumps(record.model_dump(mode="json"), indent=2) + "\n").encode()
-        self._put(manifest_rel, data)
-        if is_dir:
+            data_bytes = (json.dumps(record.model_dump(mode="json"), indent=2) + "\n").encode()
+        self._put(plan.manifest_rel, data_bytes)
+        if plan.is_dir:
             # objects of an older version of this checkpoint that it no longer has
+            name = plan.c.name
             stale = [
                 rel
                 for rel in self.listing()
-                if rel.startswith(f"{c.name}/") and rel not in files and rel != manifest_rel
+                if rel.startswith(f"{name}/") and rel not in plan.files and rel != plan.manifest_rel
             ]
             self._remove(stale)
-        result.verified = True
-        return result
+        plan.result.verified = True
+        return plan.result
 
     def _remove(self, rels: list[str]) -> None:
         if not rels:
@@ -222,9 +273,12 @@ class _Uploader:
         target = f"{self.root}/{rel}"
         existing = self.listing().get(rel)
         if existing is not None and int(existing.get("size") or 0) == size:
-            digest, local_parts = self._hash_local(path, new)
-            if remote_etag(existing) == s3_etag(local_parts, size):
+            etag = remote_etag(existing)
+            digest, local_etag = self._hash_local(path, new, multipart="-" in (etag or ""))
+            if etag == local_etag:
                 return digest, False
+        if self.objects.direct:
+            return self._upload_direct(path, target, rel, size, new), True
         hasher = new()
         parts: list[bytes] = []
         try:
@@ -244,38 +298,70 @@ class _Uploader:
         except Exception as exc:
             raise remote_failure(exc, f"{self.dest}/{rel}", writing=True) from None
         with self._lock:
-            self._pending.append((target, rel, size, parts, hasher.hexdigest(), new))
+            self._pending[rel] = (target, size, s3_etag(parts, size), hasher.hexdigest(), new)
         return hasher.hexdigest(), True
 
-    def _check_pending(self, prefix: str | None) -> None:
-        """Check the objects uploaded for one checkpoint, from one listing of its prefix."""
+    def _upload_direct(
+        self, path: Path, target: str, rel: str, size: int, new: Callable[[], Any]
+    ) -> str:
+        """One S3 upload, checked by the ETag of the store's reply (no request after it)."""
+        try:
+            up = self.objects.upload(path, target, size, new)
+        except CkptError:
+            raise
+        except Exception as exc:
+            raise remote_failure(exc, f"{self.dest}/{rel}", writing=True) from None
+        if up.size != size:
+            raise FormatError(
+                f"{rel} changed while it was uploaded ({size} bytes, then {up.size})",
+                path=str(path),
+                fix="Run the sync again once the save is finished.",
+            )
+        reply = {"size": size, "ETag": up.etag}
+        self._check_upload(target, rel, size, up.expected_etag, up.digest, new, reply)
+        return up.digest
+
+    def _check_pending(self, plan: _Plan) -> None:
+        """Check the objects uploaded through `fs.open` for one checkpoint, from one listing
+        of its prefix (nothing is pending for uploads the store's reply has checked)."""
+        with self._lock:
+            pending = [(rel, self._pending.pop(rel)) for rel in plan.files if rel in self._pending]
+        if not pending:
+            return
         infos: dict[str, dict[str, Any]] = {}
-        if prefix is not None and self._pending:
+        prefix = plan.prefix
+        if prefix is not None:
             try:
                 self.fs.invalidate_cache(f"{self.root}/{prefix}")
                 infos = self.fs.find(f"{self.root}/{prefix}", detail=True)
             except Exception as exc:
                 raise remote_failure(exc, f"{self.dest}/{prefix}") from None
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for target, rel, size, parts, digest, new in pending:
-            self._check_upload(target, rel, size, parts, digest, new, infos.get(target))
+        for rel, (target, size, etag, digest, new) in pending:
+            self._check_upload(target, rel, size, etag, digest, new, infos.get(target))
 
-    def _hash_local(self, path: Path, new: Callable[[], Any]) -> tuple[str, list[bytes]]:
+    def _hash_local(
+        self, path: Path, new: Callable[[], Any], *, multipart: bool
+    ) -> tuple[str, str]:
+        """(manifest digest, S3 ETag) of a local file, the ETag as one PUT or as parts gives it."""
         hasher = new()
+        md5 = hashlib.md5()
         parts = []
         with open(path, "rb") as src:
             while block := src.read(UPLOAD_BLOCK):
                 hasher.update(block)
-                parts.append(hashlib.md5(block).digest())
-        return hasher.hexdigest(), parts or [hashlib.md5(b"").digest()]
+                if multipart:
+                    parts.append(hashlib.md5(block).digest())
+                else:
+                    md5.update(block)
+        etag = multipart_etag(parts) if multipart else md5.hexdigest()
+        return hasher.hexdigest(), etag
 
     def _check_upload(
         self,
         target: str,
         rel: str,
         size: int,
-        parts: list[bytes],
+        etag: str,
         digest: str,
         new: Any,
         info: dict[str, Any] | None = None,
@@ -293,7 +379,7 @@ class _Uploader:
                 path=f"{self.dest}/{rel}",
                 fix="Run the sync again; the object is re-sent.",
             )
-        if remote_etag(info) == s3_etag(parts, size):
+        if remote_etag(info) == etag:
             return
         # no ETag we can compute (another store, other part sizes): read it back
         hasher = new()
@@ -342,29 +428,87 @@ def sync_up(
     run = scan_run(run_root, settle=settle)
     uploader = _Uploader(Path(run.run_dir), dest, limit or RateLimit(None), on_file, jobs)
     report = SyncReport(source=src, dest=dest, direction="up")
-    now = time.time()
-    for c in run.checkpoints:
-        why = uploadable(c, settle, now)
-        if why is not None:
-            report.checkpoints.append(
-                SyncedCheckpoint(name=c.name, step=c.step, action="skipped", reason=why)
-            )
-            continue
-        try:
-            done = uploader.sync(c)
-        except CkptError as error:
-            done = SyncedCheckpoint(name=c.name, step=c.step, action="failed", reason=str(error))
-            report.failed.append(f"{c.name}: {error}")
-        report.checkpoints.append(done)
+    try:
+        report.checkpoints = _upload_round(uploader, run.checkpoints, settle)
+    finally:
+        uploader.close()
+    for done in report.checkpoints:
         report.bytes_sent += done.bytes_sent
         if done.action == "uploaded":
-            report.transferred.append(c.name)
+            report.transferred.append(done.name)
+        elif done.action == "failed":
+            report.failed.append(f"{done.name}: {done.reason}")
     uploader.copy_root_files([n for n in ROOT_FILES if (run_root / n).is_file()])
     if prune_policy is not None:
         # the remote side has one writer, this sync, which writes each save's markers last:
         # a fresh upload is complete the moment its manifest is there
         policy = prune_policy.model_copy(update={"settle": 0.0})
         report.pruned = prune(dest.rstrip("/"), policy, yes=True, strict_metric=False)
-    remote = scan_run(dest.rstrip("/"), settle=0.0, until_latest=True)
+    try:
+        remote = scan_run(dest.rstrip("/"), settle=0.0, until_latest=True)
+    except NotFoundError:
+        # nothing there yet: every upload of a first round failed
+        return report
     report.latest = remote.latest
     return report
+
+
+def _upload_round(
+    uploader: _Uploader, checkpoints: list[RunCheckpoint], settle: float
+) -> list[SyncedCheckpoint]:
+    """Every checkpoint of the round, oldest first: the data files of all of them queued in
+    one pool at once, each checkpoint finished (markers, manifest) in order as its data lands."""
+    now = time.time()
+    done: list[SyncedCheckpoint | _Plan] = []
+    waiting: dict[str, list[Future[None]]] = {}
+    pool = ThreadPoolExecutor(max_workers=uploader.jobs, thread_name_prefix="ckpt-sync")
+    try:
+        for c in checkpoints:
+            why = uploadable(c, settle, now)
+            if why is not None:
+                done.append(
+                    SyncedCheckpoint(name=c.name, step=c.step, action="skipped", reason=why)
+                )
+                continue
+            try:
+                plan = uploader.prepare(c)
+            except CkptError as error:
+                done.append(_failed(c, error))
+                continue
+            done.append(plan)
+            if isinstance(plan, _Plan):
+                waiting[c.name] = [
+                    pool.submit(uploader.send, plan, rel) for rel in uploader.data_files(plan)
+                ]
+        out: list[SyncedCheckpoint] = []
+        for item in done:
+            if not isinstance(item, _Plan):
+                out.append(item)
+                continue
+            try:
+                out.append(uploader.finish(item, waiting.pop(item.c.name)))
+            except CkptError as error:
+                out.append(_failed(item.c, error))
+        return out
+    finally:
+        # Ctrl-C or a bug: what is queued is dropped, what is being sent ends first
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _failed(c: RunCheckpoint, error: CkptError) -> SyncedCheckpoint:
+    return SyncedCheckpoint(name=c.name, step=c.step, action="failed", reason=str(error))
+
+
+def _wait_all(futures: list[Future[None]]) -> None:
+    """Wait for one checkpoint's uploads; on the first failure drop those not yet begun,
+    wait for those being sent, and raise it."""
+    for index, future in enumerate(futures):
+        try:
+            future.result()
+        except BaseException:
+            for rest in futures[index + 1 :]:
+                rest.cancel()
+            for rest in futures[index + 1 :]:
+                if not rest.cancelled():
+                    rest.exception()
+            raise
