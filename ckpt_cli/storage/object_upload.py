@@ -130,7 +130,7 @@ class ObjectUploader:
                 return self._multipart(src, bucket, key, target, hasher)
             held = self._reserve(size)
             try:
-                data = src.read(SINGLE_PUT_MAX)
+                data = src.read(size)  # one that grew since is caught by its stamp
                 hasher.update(data)
                 md5 = hashlib.md5(data).digest()
                 reply = self.fs.call_s3(

@@ -10,11 +10,16 @@ computed while uploading; for a single-file checkpoint `NAME.ckpt-manifest.json`
 The manifest is what makes a remote copy *synced*: a destination holds a checkpoint when its
 manifest is there and every file it lists has the recorded size.
 
-Verification: each file is hashed while it is read for the upload; a checkpoint that has a
-manifest must match it (a corrupt local copy is never published), and each uploaded object
-must carry the ETag S3 computes from the bytes it received (MD5, or the MD5 of the parts'
-MD5s for a multipart upload); where a store reports no usable ETag the object is read back
-and hashed.
+The data files of all the round's checkpoints share one pool of `jobs` uploads, oldest save
+first: the next save's data is on its way while this one's markers and manifest follow it.
+
+Verification: each file is read once and hashed on the way; a checkpoint that has a manifest
+must match it (a corrupt local copy is never published), and each uploaded object must carry
+the ETag S3 computes from the bytes it received (MD5, or the MD5 of the parts' MD5s for a
+multipart upload). Against S3 that ETag is in the upload's own reply (one request a file,
+no listing or HEAD after it: `storage.object_upload`); other fsspec stores are checked from
+one listing of the checkpoint before its markers. Where a store reports no usable ETag the
+object is read back and hashed.
 
 Resume: a file whose object already exists with the same size and ETag (an earlier,
 interrupted sync uploaded it) is not sent again; S3 creates an object only when its upload
@@ -108,8 +113,8 @@ def sync(
         on_round: called with each round's report (the CLI prints progress with it).
         on_file: pushing: called with (path in the run folder, bytes) after each file is
             in place remotely (the library's `Checkpointer` logs upload progress with it).
-        jobs: pushing: files of one checkpoint uploaded at once (its markers and manifest
-            still go last, one by one).
+        jobs: pushing: files (or parts of a large file) uploaded at once (each checkpoint's
+            markers and manifest still go last, one by one, once its data is there).
     """
     request = SyncRequest(
         latest_only=latest_only,

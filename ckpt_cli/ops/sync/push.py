@@ -115,7 +115,10 @@ class _Uploader:
         if self._listing is None:
             try:
                 self.fs.invalidate_cache(self.root)
-                found = self.fs.find(self.root, detail=True) if self.fs.exists(self.root) else {}
+                # a prefix nothing was synced to yet lists empty (no HEAD asked first)
+                found = self.fs.find(self.root, detail=True)
+            except FileNotFoundError:
+                found = {}
             except Exception as exc:  # each filesystem package raises its own errors
                 raise remote_failure(exc, self.dest) from None
             prefix = self.root + "/"
