@@ -159,7 +159,11 @@ def main() -> None:
         run(opts, endpoint)
     finally:
         server.terminate()
-        server.wait(timeout=30)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def run(opts: argparse.Namespace, endpoint: str) -> None:
