@@ -677,3 +677,39 @@ def test_judging_a_run_of_torch_save_files_for_a_sync_never_imports_torch(
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_objects_an_older_sync_sent_in_16_mib_parts_are_reused(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A file of 16–64 MiB now goes up in one PUT; the copy an older `ckpt sync` left as a
+    multipart upload of 16 MiB parts (its manifest never written) is recognised by its ETag
+    and not sent again."""
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+    from safetensors.torch import save_file
+
+    from ckpt_cli.storage.output import UPLOAD_BLOCK
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    folder = tmp_path / "run" / "step-1"
+    folder.mkdir(parents=True)
+    save_file(
+        {"w": torch.arange(UPLOAD_BLOCK // 4 + 5000, dtype=torch.float32)}, folder / "m.safetensors"
+    )
+    os.utime(folder / "m.safetensors", (time.time() - 7200,) * 2)
+    parts = TransferConfig(multipart_threshold=UPLOAD_BLOCK, multipart_chunksize=UPLOAD_BLOCK)
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    client.upload_file(
+        str(folder / "m.safetensors"), BUCKET, "old/step-1/m.safetensors", Config=parts
+    )
+    assert client.head_object(Bucket=BUCKET, Key="old/step-1/m.safetensors")["ETag"].endswith('-2"')
+    s3_server.requests.clear()
+    report = sync(str(tmp_path / "run"), f"s3://{BUCKET}/old/")
+    done = report.checkpoints[0]
+    assert done.action == "uploaded" and done.files_reused == 1 and done.bytes_sent == 0
+    assert [r.path for r in s3_server.requests if r.method == "PUT"] == [
+        f"/{BUCKET}/old/step-1/ckpt-manifest.json"
+    ]
+    checked = run_ckpt("verify", f"s3://{BUCKET}/old/step-1", "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout
