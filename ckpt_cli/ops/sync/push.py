@@ -232,7 +232,7 @@ class _Uploader:
             data_bytes = plan.local_manifest.read_bytes()
         else:
             record = ChecksumManifest(
-                algorithm=plan.own_manifest.algorithm if plan.own_manifest else SYNC_ALGORITHM,
+                algorithm=SYNC_ALGORITHM,
                 created=now_iso(),
                 tool=f"ckpt {__version__} sync",
                 format=None,
