@@ -71,7 +71,7 @@ class ObjectUploader:
 
     `jobs` parts of multipart uploads are sent at once (their own pool, so a reader waiting
     for its parts never holds a thread a part needs). `take(n)` is called for every block
-    sent (the caller's rate limit).
+    about to be sent (the caller's rate limit).
     """
 
     def __init__(self, fs: Any, jobs: int, take: Callable[[int], None] | None = None):
@@ -133,16 +133,17 @@ class ObjectUploader:
                 data = src.read(size)  # one that grew since is caught by its stamp
                 hasher.update(data)
                 md5 = hashlib.md5(data).digest()
+                self._pace(len(data))
                 reply = self.fs.call_s3(
                     "put_object", Bucket=bucket, Key=key, Body=data, ContentMD5=_md5_header(md5)
                 )
             finally:
                 self._release(held)
-        self._sent(len(data))
         self.fs.invalidate_cache(target)
         return UploadedFile(len(data), hasher.hexdigest(), md5.hex(), _etag(reply))
 
-    def _sent(self, amount: int) -> None:
+    def _pace(self, amount: int) -> None:
+        """The rate limit, before the bytes go: a burst of jobs never outruns it."""
         if self._take is not None:
             self._take(amount)
 
@@ -202,6 +203,7 @@ class ObjectUploader:
     def _part(
         self, bucket: str, key: str, upload_id: str, number: int, block: bytes, md5: bytes
     ) -> dict[str, Any]:
+        self._pace(len(block))
         reply: dict[str, Any] = self.fs.call_s3(
             "upload_part",
             Bucket=bucket,
@@ -211,5 +213,4 @@ class ObjectUploader:
             Body=block,
             ContentMD5=_md5_header(md5),
         )
-        self._sent(len(block))
         return reply
