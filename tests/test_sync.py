@@ -27,7 +27,7 @@ from ckpt_cli.ops.sync import RateLimit, sync
 from .conftest import REPO, run_ckpt
 from .hub_server import TestHub
 from .run_fixtures import interrupted_trainer_save, trainer_checkpoint, trainer_run
-from .s3_fixtures import S3Server, list_keys, make_bucket
+from .s3_fixtures import S3Request, S3Server, list_keys, make_bucket
 
 BUCKET = "ckpts"
 
@@ -561,9 +561,9 @@ def test_a_cut_pull_resumes_keeping_the_files_already_whole(
     assert sorted(p.name for p in fresh.iterdir()) == ["checkpoint-100"]
 
 
-def _is_listing(r: object) -> bool:
-    path = getattr(r, "path", "")
-    return getattr(r, "method", "") == "GET" and path.strip("/").count("/") == 0
+def _is_listing(r: S3Request) -> bool:
+    """A GET of the bucket itself (ListObjectsV2), not of an object in it."""
+    return r.method == "GET" and r.path.strip("/").count("/") == 0
 
 
 def test_each_file_goes_up_in_one_request_checked_by_the_reply(
