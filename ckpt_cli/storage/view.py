@@ -9,7 +9,7 @@ on storages with no `subfolder` of their own (the Hub).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -18,12 +18,18 @@ from .local import safe_relpath
 
 
 class FolderView(Storage):
-    """The files under `prefix` of `parent`, named relative to that folder."""
+    """The files under `prefix` of `parent`, named relative to that folder.
 
-    def __init__(self, parent: Storage, prefix: str):
+    `listing` is a part of the parent's listing known to hold every file under the prefix (a
+    checkpoint's files, when the folder is one of its components): listing the view then costs
+    that part, not the whole run folder's listing once per component.
+    """
+
+    def __init__(self, parent: Storage, prefix: str, listing: Mapping[str, int] | None = None):
         self.parent = parent
         self.prefix = prefix.strip("/")
         self.display = parent.describe(self.prefix)
+        self._listing = listing
 
     def _rel(self, rel: str) -> str:
         return f"{self.prefix}/{safe_relpath(rel, source=self.display)}"
@@ -32,7 +38,9 @@ class FolderView(Storage):
         start = f"{self.prefix}/"
         return {
             rel[len(start) :]: size
-            for rel, size in self.parent.list_files().items()
+            for rel, size in (
+                self.parent.list_files() if self._listing is None else self._listing
+            ).items()
             if rel.startswith(start)
         }
 
@@ -64,4 +72,4 @@ class FolderView(Storage):
         return self.parent.describe(self._rel(rel))
 
     def subfolder(self, rel: str) -> Storage | None:
-        return FolderView(self.parent, self._rel(rel))
+        return FolderView(self.parent, self._rel(rel), self._listing)

@@ -111,38 +111,43 @@ def judge_found(
     return with_status(entry, "incomplete", problem)
 
 
-def folder_storage(storage: Storage, rel: str) -> Storage:
+def folder_storage(storage: Storage, rel: str, files: Mapping[str, int] | None = None) -> Storage:
     """The folder `rel` of a run folder ("" for the run folder itself) as a storage of its own.
 
     On this machine, the folder's path (a linked checkpoint is judged by what it links to, as
-    a loader would read it); elsewhere, a view over the run's one listing (`FolderView`).
+    a loader would read it); elsewhere, a view over the run's one listing (`FolderView`), or
+    over `files`, the part of it that holds the checkpoint the folder belongs to.
     """
     if not rel:
         return storage
     root = storage.local_root
     if root is not None:
         return LocalStorage(root / rel)
-    return FolderView(storage, rel)
+    return FolderView(storage, rel, files)
 
 
-def _component_source(storage: Storage, rel: str, folder: bool) -> Source:
+def _component_source(
+    storage: Storage, rel: str, folder: bool, files: Mapping[str, int] | None
+) -> Source:
     """A component (a folder, or one file of its folder) as the source its format checks."""
     if folder:
-        inside = folder_storage(storage, rel)
+        inside = folder_storage(storage, rel, files)
         return Source(location=parse_location(inside.display), storage=inside)
     parent, _, name = rel.rpartition("/")
-    inside = folder_storage(storage, parent)
+    inside = folder_storage(storage, parent, files)
     return Source(location=parse_location(inside.describe(name)), storage=inside, target=name)
 
 
-def _check_with_format(storage: Storage, fmt_name: str, rel: str, folder: bool) -> str | None:
+def _check_with_format(
+    storage: Storage, fmt_name: str, rel: str, folder: bool, files: Mapping[str, int] | None
+) -> str | None:
     """The first structural problem of one component: its format's `check` (the one `ckpt
     verify` runs: headers, metadata and file sizes), or for pickle formats (torch.save) the
     zip structure (`_pickle_structure`)."""
     from ...formats import get_format
 
     try:
-        source = _component_source(storage, rel, folder)
+        source = _component_source(storage, rel, folder, files)
         fmt = get_format(fmt_name)
         if fmt.refused_pickles_may_be_whole and source.target is not None:
             return _pickle_structure(source.storage, source.target)
@@ -268,7 +273,8 @@ def _judge_components(
     for kind, rel, folder in components:
         if kind not in formats:
             formats.append(kind)
-        problem = _check_with_format(storage, kind, rel, folder)
+        # inside a checkpoint folder, its own files are all a view needs to list
+        problem = _check_with_format(storage, kind, rel, folder, files if item.is_dir else None)
         if problem:
             return problem, formats
     if not components:
@@ -298,7 +304,7 @@ def _trainer_state_problem(storage: Storage, folder: str, files: Mapping[str, in
     """The Trainer writes `trainer_state.json` last: missing or cut short, the save is not done."""
     if f"{folder}/trainer_state.json" not in files:
         return "no trainer_state.json (the Trainer writes it last)"
-    inside = folder_storage(storage, folder)
+    inside = folder_storage(storage, folder, files)
     try:
         json.loads(inside.read_all("trainer_state.json"))
     except (ValueError, OSError, RecursionError, CkptError) as exc:
