@@ -176,11 +176,35 @@ def _pickle_structure(storage: Storage, rel: str) -> str | None:
             return _check_torch_index(storage, rel)
         if storage.read(rel, 0, min(4, size)) != b"PK\x03\x04":
             return None  # legacy torch.save format: no cheap structural check
-        with zipfile.ZipFile(StorageRangeFile(storage, rel, size)) as archive:
+        with zipfile.ZipFile(_TailFile(storage, rel, size)) as archive:
             archive.infolist()
     except (zipfile.BadZipFile, OSError, CkptError) as exc:
         return f"{where}: truncated or corrupt torch.save file ({exc})"
     return None
+
+
+#: bytes at the end of a torch.save file fetched in one read: its zip directory (about 100
+#: bytes a record) and end record, for files of up to a few dozen tensors
+_ZIP_TAIL = 4096
+
+
+class _TailFile(StorageRangeFile):
+    """A file of a storage whose last `_ZIP_TAIL` bytes (at most half the file) are fetched in
+    one read: zipfile's reads of the end record and the directory are then served from memory
+    (one request, not three), and only a larger directory is read beyond it."""
+
+    def __init__(self, storage: Storage, rel: str, size: int):
+        super().__init__(storage, rel, size)
+        tail = min(_ZIP_TAIL, size // 2)
+        self._start = size - tail
+        self._tail = storage.read(rel, self._start, tail)
+
+    def _read_into(self, view: memoryview, position: int) -> int:
+        if position < self._start:
+            return super()._read_into(view, position)
+        data = self._tail[position - self._start : position - self._start + len(view)]
+        view[: len(data)] = data
+        return len(data)
 
 
 def _check_torch_index(storage: Storage, rel: str) -> str | None:
