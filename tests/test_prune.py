@@ -455,9 +455,10 @@ def test_watch_in_a_real_process_exits_cleanly_on_sigint(tmp_path: Path) -> None
 def test_a_deepspeed_latest_file_naming_a_path_outside_the_run_marks_nothing(
     tmp_path: Path,
 ) -> None:
-    from ckpt_cli.sources.runs.judge import _deepspeed_latest
+    from ckpt_cli.sources.runs.judge import read_deepspeed_latest
+    from ckpt_cli.storage import LocalStorage
 
     (tmp_path / "latest").write_text("../elsewhere/global_step5")
-    assert _deepspeed_latest(tmp_path) is None
+    assert read_deepspeed_latest(LocalStorage(tmp_path)) is None
     (tmp_path / "latest").write_text("global_step5\n")
-    assert _deepspeed_latest(tmp_path) == "global_step5"
+    assert read_deepspeed_latest(LocalStorage(tmp_path)) == "global_step5"

@@ -341,6 +341,55 @@ def test_protect_and_repair_dry_runs_write_nothing_on_a_pipeline(
     assert snapshot() == protected
 
 
+def test_repair_request_is_every_repair_option() -> None:
+    from ckpt_cli.ops.parity import RepairRequest, repair
+
+    assert RepairRequest.model_config.get("frozen") is True
+    assert _fields(RepairRequest) == _keyword_options(repair)
+    assert _fields(RepairRequest) == _cli_params("repair") - _NOT_OPTIONS
+
+
+# -- latest --------------------------------------------------------------------------------
+
+
+def test_latest_request_is_every_latest_option() -> None:
+    from ckpt_cli.ops.latest import LatestRequest, latest
+
+    assert LatestRequest.model_config.get("frozen") is True
+    assert _fields(LatestRequest) == _keyword_options(latest)
+    # the command judges the whole table only when it prints it (`full` comes from --json)
+    cli = _cli_params("latest") - _NOT_OPTIONS - {"run_dir"}
+    assert _fields(LatestRequest) == cli | {"full"}
+
+
+def test_every_latest_option_reaches_the_judge(tmp_path: Path) -> None:
+    from ckpt_cli.ops.latest import LatestRequest, latest_with
+
+    from .run_fixtures import trainer_checkpoint, trainer_run
+
+    out = trainer_run(tmp_path, steps=(100, 200))
+    broken = out / "checkpoint-300"
+    trainer_checkpoint(broken, 300)
+    (broken / "trainer_state.json").unlink()  # a save still going: written seconds ago
+    # --settle: seconds ago is "still being written" under the default window, not under 0
+    rows = run_ckpt("latest", out, "--json").json["result"]["checkpoints"]
+    assert {c["name"]: c["status"] for c in rows}["checkpoint-300"] == "writing"
+    rows = run_ckpt("latest", out, "--settle", "0", "--json").json["result"]["checkpoints"]
+    assert {c["name"]: c["status"] for c in rows}["checkpoint-300"] == "incomplete"
+    # full: without it judging stops at the newest complete save (what the plain command needs)
+    whole = latest_with(out, LatestRequest(settle=0))
+    short = latest_with(out, LatestRequest(settle=0, full=False))
+    assert [c.name for c in whole.checkpoints] == [
+        "checkpoint-100",
+        "checkpoint-200",
+        "checkpoint-300",
+    ]
+    assert [c.name for c in short.checkpoints] == ["checkpoint-200", "checkpoint-300"]
+    assert whole.latest == short.latest == str(out / "checkpoint-200")
+    plain = run_ckpt("latest", out)
+    assert plain.stdout.strip() == whole.latest
+
+
 # -- merge / doctor ------------------------------------------------------------------------
 
 

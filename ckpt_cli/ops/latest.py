@@ -4,7 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from ..sources.runs import DEFAULT_SETTLE, RunReport, scan_run
+
+
+class LatestRequest(BaseModel):
+    """Every option of `latest` but the run folder, typed and frozen: built once (by the
+    command, or by `latest` from its keywords) and passed down whole. Its fields are `latest`'s
+    keyword parameters: the command's `--settle`, and `full`, which the command derives from
+    `--json` (the table of every checkpoint); a test holds them to each other.
+
+    Attributes:
+        settle: seconds since the last write below which an incomplete save is `writing`.
+        full: judge every checkpoint; without it judging stops at the newest complete one
+            (older ones are not read).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    settle: float = DEFAULT_SETTLE
+    full: bool = True
 
 
 def latest(run_dir: str | Path, *, settle: float = DEFAULT_SETTLE, full: bool = True) -> RunReport:
@@ -12,7 +32,12 @@ def latest(run_dir: str | Path, *, settle: float = DEFAULT_SETTLE, full: bool = 
 
     Without `full`, judging stops at the newest complete checkpoint (older ones are not read).
     """
-    return scan_run(run_dir, settle=settle, until_latest=not full)
+    return latest_with(run_dir, LatestRequest(settle=settle, full=full))
+
+
+def latest_with(run_dir: str | Path, request: LatestRequest) -> RunReport:
+    """`latest` of `run_dir` as `request` says (the command's one call)."""
+    return scan_run(run_dir, settle=request.settle, until_latest=not request.full)
 
 
 def exit_code(report: RunReport) -> int:

@@ -39,14 +39,16 @@ def latest(
     being written are skipped. `--json` gives the whole table of checkpoints.
     """
     from ...errors import NotFoundError
-    from ...ops.latest import exit_code
-    from ...ops.latest import latest as run_latest
+    from ...ops.latest import LatestRequest, exit_code, latest_with
     from ..render.prune import render_latest
+
+    # the table of every checkpoint is judged in full only when it is printed (--json)
+    request = LatestRequest(settle=settle, full=json_output)
 
     run_command(
         "latest",
         json_output,
-        lambda: run_latest(run_dir, settle=settle, full=json_output),
+        lambda: latest_with(run_dir, request),
         render_latest,
         exit_code,
         failure=lambda report, _code: NotFoundError(

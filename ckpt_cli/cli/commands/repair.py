@@ -32,15 +32,16 @@ def repair(
     K blocks of a stripe are lost (the files that cannot be rebuilt are named and nothing is
     changed) or, with --dry-run, when there is damage to repair.
     """
-    from ...ops.parity import repair as run_repair
+    from ...ops.parity import RepairRequest, repair_with
     from ..render.progress import bar
     from ..render.repair import render_repair
 
+    request = RepairRequest(dry_run=dry_run)
     with bar(enabled=not json_output) as progress:
         run_command(
             "repair",
             json_output,
-            lambda: run_repair(src, dry_run=dry_run, progress=progress),
+            lambda: repair_with(src, request, progress),
             render_repair,
             exit_code=lambda report: 0 if report.ok else 1,
         )

@@ -46,7 +46,7 @@ from .model import (
     describe_layout,
 )
 from .protect import ProtectRequest, protect, protect_with
-from .repair import repair
+from .repair import RepairRequest, repair, repair_with
 from .scan import check_parity
 from .target import read_parity_manifest
 
@@ -56,6 +56,7 @@ __all__ = [
     "ProtectReport",
     "ProtectRequest",
     "RepairReport",
+    "RepairRequest",
     "check_parity",
     "damage_text",
     "describe_layout",
@@ -63,4 +64,5 @@ __all__ = [
     "protect_with",
     "read_parity_manifest",
     "repair",
+    "repair_with",
 ]

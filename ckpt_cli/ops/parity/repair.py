@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from ...errors import FormatError, NotFoundError
 from ...formats.names import is_commit_marker
 from ...progress import NULL_PROGRESS, Progress
@@ -46,14 +48,37 @@ def repair(src: str, *, dry_run: bool = False, progress: Progress = NULL_PROGRES
     last). With more than K losses in a stripe nothing is changed and the report names the
     files that cannot be rebuilt (exit 1).
 
+    Args:
+        src: checkpoint folder or file, local or an fsspec URL (`s3://...`).
+        dry_run: check every block and report what would be rebuilt; write nothing.
+        progress: receives the bytes read.
+
     Raises:
         NotFoundError: the checkpoint has no parity (run `ckpt protect` first).
         FormatError: a rebuilt file does not match its recorded sha256 (nothing published).
     """
-    return on_leader(lambda: _repair(src, dry_run=dry_run, progress=progress), RepairReport)
+    return repair_with(src, RepairRequest(dry_run=dry_run), progress)
 
 
-def _repair(src: str, *, dry_run: bool, progress: Progress) -> RepairReport:
+class RepairRequest(BaseModel):
+    """Every option of `repair` but the location, typed and frozen: built once (by the command,
+    or by `repair` from its keywords) and passed down whole. Its fields are `repair`'s keyword
+    parameters less the progress sink, and the command's options (a test holds them to each
+    other); they mean what `repair`'s arguments say."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dry_run: bool = False
+
+
+def repair_with(
+    src: str, request: RepairRequest, progress: Progress = NULL_PROGRESS
+) -> RepairReport:
+    """`repair` of `src` as `request` says (the command's one call)."""
+    return on_leader(lambda: _repair(src, request, progress), RepairReport)
+
+
+def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairReport:
     target = open_parity_target(src)
     m = read_parity_manifest(target)
     if m is None:
@@ -66,7 +91,7 @@ def _repair(src: str, *, dry_run: bool, progress: Progress) -> RepairReport:
     report = RepairReport(
         location=target.source.location.raw,
         ok=True,
-        dry_run=dry_run,
+        dry_run=request.dry_run,
         damaged=damage_list(target, scan),
         hashed_bytes=scan.hashed,
     )
@@ -76,7 +101,7 @@ def _repair(src: str, *, dry_run: bool, progress: Progress) -> RepairReport:
     if report.unrecoverable:
         report.ok = False
         return report
-    if dry_run:
+    if request.dry_run:
         report.ok = False  # damage remains until a real run
         return report
     with _repair_staging(target) as staging:

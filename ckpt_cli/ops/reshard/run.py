@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from ...dist.command import RankShare
 from ...errors import UsageError
@@ -37,7 +37,7 @@ from ...storage.output import Destination, check_destination
 from ..convert.plan import guard_paths, local_dest, planned_files
 from ..shared.transfer import plan_transfer, write_checkpoint
 from .folder import reshard_folder
-from .report import RankStateAction, RankStateChoice, RankStateEntry, ReshardReport
+from .report import RankStateAction, RankStateEntry, ReshardReport
 from .request import ReshardRequest
 from .world import (
     RANK_STATE_CHOICES,
@@ -336,7 +336,6 @@ def reshard_with(
     rules = [parse_rule(text) for text in shard_dim or []]
     if plan is not None:
         rules += load_plan(plan)
-    action = cast(RankStateChoice | None, rank_state)
     source = resolve_source(src)  # once: the layout check and the re-cut read it
     if format is None:
         folder = _training_folder(source)
@@ -346,20 +345,7 @@ def reshard_with(
                 return reshard_folder(source, opened, layout, dest, request, rules, progress)
             finally:
                 opened.checkpoint.close()
-    return reshard_world_size(
-        source,
-        dest,
-        world_size,
-        rules=rules,
-        rank_state_action=action,
-        serialization=dcp_serialization,
-        compression=dcp_compression,
-        format=format,
-        force=request.force,
-        progress=progress,
-        extras=request.extras,
-        dry_run=request.dry_run,
-    )
+    return reshard_world_size(source, dest, request, rules, progress)
 
 
 def _training_folder(source: Source) -> tuple[Source, OpenedSource, Layout] | None:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ...dist.command import CombinedProgress, RankShare, active, split_output
 from ...dist.placement import (
@@ -52,6 +52,7 @@ from ...storage.output import check_destination
 from ..convert.plan import NO_COMPRESSION, guard_paths, local_dest, output_warnings
 from ..shared.transfer import check_staged, copy_files, extra_files
 from .report import RankStateAction, RankStateChoice, RankStateEntry, ReshardReport, ResumeVerdict
+from .request import ReshardRequest
 
 if TYPE_CHECKING:
     import torch
@@ -302,27 +303,24 @@ def plan_cut(
 def reshard_world_size(
     src: str | Source,
     dest: str,
-    world_size: int,
-    *,
-    rules: list[Rule] | None = None,
-    rank_state_action: RankStateChoice | None = None,
-    serialization: str | None = None,
-    compression: str | None = None,
-    format: str | None = None,
-    force: bool = False,
+    request: ReshardRequest,
+    rules: list[Rule],
     progress: Progress = NULL_PROGRESS,
-    dry_run: bool = False,
-    extras: bool = True,
 ) -> ReshardReport:
-    """Rewrite a DCP checkpoint as `world_size` ranks would have saved it (the folder's
-    config/tokenizer files copied beside it unless `extras=False`).
+    """Rewrite a DCP checkpoint as `request.world_size` ranks would have saved it (the
+    folder's config/tokenizer files copied beside it unless `request.extras` is off).
 
-    `compression` (`zstd` or `none`) defaults to the source's when the serialization stays
+    `rules` are the request's `--shard-dim` / `--plan`, parsed (once, by `reshard_with`). The
+    DCP compression (`zstd` or `none`) defaults to the source's when the serialization stays
     torch_save: a zstd-compressed DCP is re-cut compressed. The report's `resume` says whether
     the output resumes the run the source held, and why not exactly after a world-size change.
     """
+    assert request.world_size is not None
+    world_size = request.world_size
+    rank_state_action = cast(RankStateChoice | None, request.rank_state)
+    serialization, compression = request.dcp_serialization, request.dcp_compression
+    format, force, dry_run = request.format, request.force, request.dry_run
     check_world_options(world_size, compression)
-    rules = list(rules or [])
     out = local_dest(dest)
     source = src if isinstance(src, Source) else None  # resolved already: read once
     text = source.location.raw if source is not None else str(src)
@@ -347,7 +345,7 @@ def reshard_world_size(
             action=action,
             serialization=serialization,
             compression=compression,
-            extras=extra_files(checkpoint) if extras else [],
+            extras=extra_files(checkpoint) if request.extras else [],
             world_size_entries=recording,
         )
         report = cut.report

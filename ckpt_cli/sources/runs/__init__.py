@@ -25,8 +25,9 @@ have no marker at all, are incomplete when they lack a digit-free file (`optimiz
 at least two other saves of the run all have. Staging folders of interrupted saves are never
 complete: ckpt's own `.NAME.ckpt-tmp-*` (see `output.py`; `prune` also renames what it deletes
 to such a name first), the Trainer's `tmp-checkpoint-N`, and `NAME.tmp` / `.partial` /
-`.incomplete`. A torch.save file whose pickle names classes `weights_only` refuses (Lightning's
-hyper-parameters) is judged by its zip structure, without unpickling.
+`.incomplete`. A torch.save file is judged by its zip structure (torch.save writes the zip's
+directory last), without unpickling: a pickle naming classes `weights_only` refuses (Lightning's
+hyper-parameters) is whole all the same, and loading is `ckpt verify`'s question.
 
 **Still being written.** Nothing tells a reader that another process is writing, so ckpt uses
 time: an incomplete checkpoint or a staging folder with a file modified within the last
@@ -43,10 +44,12 @@ newest `trainer_state.json`, and `NAME=VALUE` pairs in Lightning file names
 The library never prints; `ops.prune` and `commands/latest.py` build on this module.
 
 Package layout: `records` (what a scan reports), `naming` (how checkpoints are named: one rule
-set for every scanner, step names from each layout's `step_of`), `judge` (complete / interrupted
-/ writing), `scan` (the one scanner: ordering, early stop, markers, Trainer best, metrics) over
-a `RunFolder`: `local` (`scan_run`: the file system, links, each component's `Format.check`)
-or `remote` (object stores and the Hub: one `Storage` listing, then headers).
+set for every listing, step names from each layout's `step_of`), `judge` (the one judge:
+complete / interrupted / writing, each component's `Format.check`, every read through the run
+folder's `Storage`), `scan` (the one scanner: ordering, early stop, markers, Trainer best,
+metrics) over a `RunListing`: `local` (`scan_run`: the file system, links seen) or `remote`
+(object stores and the Hub: one `Storage` listing). The same checkpoint gets the same verdict
+and the same reason on a disk, in an object store and on the Hub.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ if TYPE_CHECKING:
     from .judge import load_metrics
     from .local import looks_like_run, scan_run
     from .naming import UNMARKED
-    from .remote import is_remote, looks_like_remote_run, run_storage, scan_remote_run
+    from .remote import is_remote, looks_like_remote_run, run_storage
 
 #: the scanners, imported on first use: the report models (`records`) are the field types of
 #: `InspectReport`, and a plain checkpoint's `ckpt inspect` must not import the scanners
@@ -82,7 +85,6 @@ _LAZY = {
     "is_remote": "remote",
     "looks_like_remote_run": "remote",
     "run_storage": "remote",
-    "scan_remote_run": "remote",
 }
 
 
@@ -110,6 +112,5 @@ __all__ = [
     "looks_like_remote_run",
     "looks_like_run",
     "run_storage",
-    "scan_remote_run",
     "scan_run",
 ]

@@ -1,19 +1,30 @@
-"""Judging one local checkpoint: complete, interrupted or still being written (commit markers, each component's format check, layout rules), and best-by-metric."""
+"""The one judge of a run folder's checkpoints, local or remote alike: complete, interrupted or
+still being written (commit markers, each component's format check, layout rules), and
+best-by-metric.
+
+Every file is read through the run folder's `Storage` (a folder on this machine, an object
+store, the Hub): each component is checked by its format's `check` (the one `ckpt verify`
+runs: metadata and file sizes, never tensor data) on a view of its folder, over the run's one
+listing, so the same checkpoint gets the same verdict and the same message wherever it lies.
+What differs between storages is only what their listing tells (`scan.RunListing`): links
+exist on this machine only, and an object store's times come from its listing.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import stat
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ...errors import CkptError, UsageError
+from ...formats.base import Source
 from ...formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
-from ...storage import LocalStorage, Storage, is_parity_path, read_regular
+from ...storage import LocalStorage, Storage, StorageRangeFile, is_parity_path
 from ...storage.output import TMP_MARKER
+from ...storage.uri import parse_location
+from ...storage.view import FolderView
 from .naming import deepspeed_tag, lightning_metrics, part_names
 from .records import (
     DELETING,
@@ -26,196 +37,40 @@ from .records import (
     Status,
 )
 
+if TYPE_CHECKING:
+    from .scan import RunListing
+
 # --------------------------------------------------------------------------- judging
 
 
-def _walk_files(path: Path) -> Iterable[tuple[Path, os.stat_result]]:
-    """Every file under `path` (or `path` itself), with lstat results; links are not followed."""
-    st = path.lstat()
-    if not stat.S_ISDIR(st.st_mode):
-        yield path, st
-        return
-    for dirpath, _dirs, files in os.walk(path):
-        for fname in files:
-            full = Path(dirpath, fname)
-            try:
-                yield full, full.lstat()
-            except OSError:
-                continue
-
-
-def _size_and_mtime(paths: list[Path]) -> tuple[int, float]:
-    size, newest = 0, 0.0
-    for path in paths:
-        try:
-            if path.is_symlink():
-                newest = max(newest, path.lstat().st_mtime)
-                continue
-            newest = max(newest, path.lstat().st_mtime)
-            for _full, st in _walk_files(path):
-                size += st.st_size
-                newest = max(newest, st.st_mtime)
-        except OSError:
-            continue
-    return size, newest
-
-
-def _newest_mtime_following(paths: list[Path]) -> float:
-    """Newest mtime through a symlinked checkpoint (its target is what a writer would touch)."""
-    newest = 0.0
-    for path in paths:
-        try:
-            target = path.resolve()
-            newest = max(newest, target.stat().st_mtime)
-            if target.is_dir():
-                for _full, st in _walk_files(target):
-                    newest = max(newest, st.st_mtime)
-        except OSError:
-            continue
-    return newest
-
-
-def _check_with_format(fmt_name: str, path: Path) -> str | None:
-    """The first structural problem `fmt_name`'s `check` (the one `ckpt verify` runs) finds."""
-    from ...formats import get_format, resolve_source
-
-    try:
-        fmt = get_format(fmt_name)
-        problems = fmt.check(resolve_source(str(path)))
-    except CkptError as error:
-        return error.message
-    errors = [p for p in problems if p.severity == "error"]
-    if (
-        errors
-        and fmt.refused_pickles_may_be_whole
-        and all(p.code == "unsafe_input" for p in errors)
-    ):
-        # A whole file whose pickle names classes weights_only refuses (Lightning's
-        # hyper_parameters, say) is complete all the same: judge its structure instead.
-        return _torch_structure(path)
-    return errors[0].message if errors else None
-
-
-def _torch_structure(path: Path) -> str | None:
-    """Whether a torch.save file (or bin index) is whole, without unpickling anything."""
-    size = path.stat().st_size
-    if size == 0:
-        return f"{path}: empty file"
-    if path.name.endswith(INDEX_SUFFIX):
-        return _check_torch_index(path)
-    with open(path, "rb") as handle:
-        magic = handle.read(4)
-    if magic != b"PK\x03\x04":
-        return None  # legacy torch.save format: no cheap structural check
-    try:
-        with zipfile.ZipFile(path) as archive:
-            archive.infolist()
-    except (zipfile.BadZipFile, OSError) as exc:
-        return f"{path}: truncated or corrupt torch.save file ({exc})"
-    return None
-
-
-def _check_torch_index(path: Path) -> str | None:
-    try:
-        index = json.loads(read_regular(path))
-        shards = set(index["weight_map"].values())
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CkptError) as exc:
-        return f"{path}: unreadable index ({exc})"
-    for shard in sorted(shards):
-        if not isinstance(shard, str) or not (path.parent / shard).is_file():
-            return f"{path}: the index names shard {shard!r}, which is missing"
-    return None
-
-
-def _components(root: Path) -> list[tuple[str, Path]]:
-    """The checkpoints inside one checkpoint (a Trainer folder holds model, optimizer...).
-
-    Each DCP folder is one component; each safetensors or torch index, with the shards it
-    names; each remaining safetensors or torch.save file.
-    """
-    if not root.is_dir():
-        from ...formats import get_format
-
-        fmt_name = weight_format(root.name)
-        if fmt_name is None:
-            return []
-        # one data file of a folder format (a `.distcp`) stands for its folder
-        return [(fmt_name, root.parent if get_format(fmt_name).folder else root)]
-    out: list[tuple[str, Path]] = []
-    for dirpath, dirs, files in os.walk(root):
-        here = Path(dirpath)
-        # the parity of `ckpt protect` is not a checkpoint part (its .bin files are no torch.save)
-        dirs[:] = sorted(d for d in dirs if not is_parity_path(d))
-        if holds_dcp(files):
-            out.append(("dcp", here))
-            continue
-        claimed: set[str] = set()
-        for fname in sorted(files):
-            kind = index_format(fname)
-            if kind is not None:
-                out.append((kind, here / fname))
-                claimed.update(_index_shards(here / fname))
-        for fname in sorted(files):
-            if fname in claimed:
-                continue
-            kind = weight_format(fname)
-            if kind is not None:
-                out.append((kind, here / fname))
-    return out
-
-
-def _index_shards(index: Path) -> set[str]:
-    try:
-        weight_map = json.loads(read_regular(index)).get("weight_map", {})
-        return {v for v in weight_map.values() if isinstance(v, str)}
-    except (ValueError, AttributeError, OSError, RecursionError, CkptError):
-        return set()
-
-
-def _judge_components(paths: list[Path]) -> tuple[str | None, list[str]]:
-    """(first problem or None, formats seen) over every component of a checkpoint."""
-    formats: list[str] = []
-    any_component = False
-    for path in paths:
-        for kind, component in _components(path):
-            any_component = True
-            if kind not in formats:
-                formats.append(kind)
-            problem = _check_with_format(kind, component)
-            if problem:
-                return problem, formats
-    if not any_component:
-        return "holds no checkpoint files (safetensors, DCP, torch.save)", formats
-    return None, formats
-
-
 def judge_found(
+    run: RunListing,
     item: Found,
-    root: Path,
     now: float,
     settle: float,
     ds_latest_step: int | None,
     expected: set[str] | None = None,
 ) -> RunCheckpoint:
-    primary = item.paths[0]
-    symlink = primary.is_symlink()
-    size, mtime = _size_and_mtime(item.paths)
-    newest = _newest_mtime_following(item.paths) if symlink else mtime
-    recent = now - newest < settle
+    """Complete, incomplete, interrupted or writing (see the package docstring)."""
+    primary = item.rels[0]
+    link = run.link(item)
+    files = run.files(item)
+    mtime, newest = run.times(item)
+    recent = newest > 0 and now - newest < settle
     entry = RunCheckpoint(
-        name=primary.relative_to(root).as_posix(),
-        path=str(primary),
-        paths=[str(p) for p in item.paths],
+        name=primary,
+        path=run.where(primary),
+        paths=[run.where(rel) for rel in item.rels],
         layout=item.layout,
         step=item.step,
         epoch=item.epoch,
-        size=0 if symlink else size,
+        size=0 if link else sum(files.values()),
         mtime=mtime,
-        symlink=symlink,
-        link_target=os.readlink(primary) if symlink else None,
+        symlink=link is not None,
+        link_target=link[0] if link else None,
     )
     if item.temporary:
-        what = "deletion" if f"{TMP_MARKER}{DELETING}" in primary.name else "save"
+        what = "deletion" if f"{TMP_MARKER}{DELETING}" in primary.rsplit("/", 1)[-1] else "save"
         return with_status(
             entry,
             "writing" if recent else "interrupted",
@@ -223,17 +78,16 @@ def judge_found(
             if recent
             else f"staging folder left by an interrupted {what}",
         )
-    if symlink and not primary.exists():
+    if link is not None and not link[1]:
         return with_status(entry, "incomplete", f"dangling link to {entry.link_target}")
-    problem, formats = _judge_components(item.paths)
-    entry.formats = formats
-    if problem is None and item.layout == "hf-trainer" and primary.is_dir():
-        problem = _trainer_state_problem(primary / "trainer_state.json")
-    entry.slim = _is_slim(primary, root)
+    problem, entry.formats = _judge_components(run.storage, item, files)
+    if problem is None and item.layout == "hf-trainer" and item.is_dir:
+        problem = _trainer_state_problem(run.storage, primary, files)
+    entry.slim = _is_slim(run, item, files)
     if entry.slim:
         entry.markers.append("weights-only")
     if problem is None and expected and not entry.slim:
-        missing = expected - part_names(primary)
+        missing = expected - part_names(files, primary)
         if missing:
             problem = (
                 f"lacks {', '.join(sorted(missing))}, which every other save of this run has "
@@ -257,35 +111,228 @@ def judge_found(
     return with_status(entry, "incomplete", problem)
 
 
-def _is_slim(primary: Path, root: Path) -> bool:
+def folder_storage(storage: Storage, rel: str, files: Mapping[str, int] | None = None) -> Storage:
+    """The folder `rel` of a run folder ("" for the run folder itself) as a storage of its own.
+
+    On this machine, the folder's path (a linked checkpoint is judged by what it links to, as
+    a loader would read it); elsewhere, a view over the run's one listing (`FolderView`), or
+    over `files`, the part of it that holds the checkpoint the folder belongs to.
+    """
+    if not rel:
+        return storage
+    root = storage.local_root
+    if root is not None:
+        return LocalStorage(root / rel)
+    return FolderView(storage, rel, files)
+
+
+def _component_source(
+    storage: Storage, rel: str, folder: bool, files: Mapping[str, int] | None
+) -> Source:
+    """A component (a folder, or one file of its folder) as the source its format checks."""
+    if folder:
+        inside = folder_storage(storage, rel, files)
+        return Source(location=parse_location(inside.display), storage=inside)
+    parent, _, name = rel.rpartition("/")
+    inside = folder_storage(storage, parent, files)
+    return Source(location=parse_location(inside.describe(name)), storage=inside, target=name)
+
+
+def _check_with_format(
+    storage: Storage, fmt_name: str, rel: str, folder: bool, files: Mapping[str, int] | None
+) -> str | None:
+    """The first structural problem of one component: its format's `check` (the one `ckpt
+    verify` runs: headers, metadata and file sizes), or for pickle formats (torch.save) the
+    zip structure (`_pickle_structure`)."""
+    from ...formats import get_format
+
+    try:
+        source = _component_source(storage, rel, folder, files)
+        fmt = get_format(fmt_name)
+        if fmt.refused_pickles_may_be_whole and source.target is not None:
+            return _pickle_structure(source.storage, source.target)
+        problems = fmt.check(source)
+    except CkptError as error:
+        return error.message
+    errors = [p for p in problems if p.severity == "error"]
+    return errors[0].message if errors else None
+
+
+def _pickle_structure(storage: Storage, rel: str) -> str | None:
+    """Whether a torch.save file (or bin index, with its shards) is whole, unpickling nothing.
+
+    torch.save writes its zip's directory last, so a save cut short has none: the directory is
+    what completeness needs, and a few ranged reads fetch it where a weights_only load reads
+    the whole pickle (or, of a remote file, the file again for each seek). A whole file whose
+    pickle names classes weights_only refuses (Lightning's hyper_parameters) is complete: what
+    may be loaded is `ckpt verify`'s question.
+    """
+    where = storage.describe(rel)
+    try:
+        size = storage.size(rel)
+        if size == 0:
+            return f"{where}: empty file"
+        if rel.endswith(INDEX_SUFFIX):
+            return _check_torch_index(storage, rel)
+        if storage.read(rel, 0, min(4, size)) != b"PK\x03\x04":
+            return None  # legacy torch.save format: no cheap structural check
+        with zipfile.ZipFile(_TailFile(storage, rel, size)) as archive:
+            archive.infolist()
+    except (zipfile.BadZipFile, OSError, CkptError) as exc:
+        return f"{where}: truncated or corrupt torch.save file ({exc})"
+    return None
+
+
+#: bytes at the end of a torch.save file fetched in one read: its zip directory (about 100
+#: bytes a record) and end record, for files of up to a few dozen tensors
+_ZIP_TAIL = 4096
+
+
+class _TailFile(StorageRangeFile):
+    """A file of a storage whose last `_ZIP_TAIL` bytes (at most half the file) are fetched in
+    one read: zipfile's reads of the end record and the directory are then served from memory
+    (one request, not three), and only a larger directory is read beyond it."""
+
+    def __init__(self, storage: Storage, rel: str, size: int):
+        super().__init__(storage, rel, size)
+        tail = min(_ZIP_TAIL, size // 2)
+        self._start = size - tail
+        self._tail = storage.read(rel, self._start, tail)
+
+    def _read_into(self, view: memoryview, position: int) -> int:
+        if position < self._start:
+            return super()._read_into(view, position)
+        data = self._tail[position - self._start : position - self._start + len(view)]
+        view[: len(data)] = data
+        return len(data)
+
+
+def _check_torch_index(storage: Storage, rel: str) -> str | None:
+    where = storage.describe(rel)
+    try:
+        index = json.loads(storage.read_all(rel))
+        shards = set(index["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CkptError) as exc:
+        return f"{where}: unreadable index ({exc})"
+    listing = storage.list_files()
+    folder = rel.rpartition("/")[0]
+    for shard in sorted(shards, key=str):
+        named = f"{folder}/{shard}" if folder and isinstance(shard, str) else shard
+        if not isinstance(shard, str) or named not in listing:
+            return f"{where}: the index names shard {shard!r}, which is missing"
+    for shard in sorted(shards):
+        problem = _pickle_structure(storage, f"{folder}/{shard}" if folder else shard)
+        if problem:
+            return problem
+    return None
+
+
+def _components(
+    storage: Storage, item: Found, files: Mapping[str, int]
+) -> list[tuple[str, str, bool]]:
+    """The checkpoints inside one checkpoint (a Trainer folder holds model, optimizer...):
+    (format, path relative to the run folder, is a folder) each.
+
+    Each DCP folder is one component; each safetensors or torch index (the shards it names
+    are its own); each remaining safetensors or torch.save file. The parity of `ckpt protect`
+    is no part (its .bin files are no torch.save).
+    """
+    if not item.is_dir:
+        from ...formats import get_format
+
+        out: list[tuple[str, str, bool]] = []
+        for rel in item.rels:
+            fmt_name = weight_format(rel.rsplit("/", 1)[-1])
+            if fmt_name is None:
+                continue
+            # one data file of a folder format (a `.distcp`) stands for its folder
+            if get_format(fmt_name).folder:
+                out.append((fmt_name, rel.rpartition("/")[0], True))
+            else:
+                out.append((fmt_name, rel, False))
+        return out
+    folders: dict[str, list[str]] = {}
+    for rel in files:
+        folder, _, name = rel.rpartition("/")
+        folders.setdefault(folder, []).append(name)
+    top = item.rels[0]
+    out = []
+    for folder, names in sorted(folders.items()):
+        inside = folder[len(top) :].split("/")
+        if any(is_parity_path(part) for part in inside if part):
+            continue
+        if holds_dcp(names):
+            out.append(("dcp", folder, True))
+            continue
+        claimed: set[str] = set()
+        for name in sorted(names):
+            kind = index_format(name)
+            if kind is not None:
+                out.append((kind, f"{folder}/{name}", False))
+                claimed.update(_index_shards(storage, folder, name))
+        for name in sorted(names):
+            kind = weight_format(name)
+            if kind is not None and name not in claimed:
+                out.append((kind, f"{folder}/{name}", False))
+    return out
+
+
+def _index_shards(storage: Storage, folder: str, name: str) -> set[str]:
+    """The shard names an index names (its format's check reads them with it)."""
+    try:
+        weight_map = json.loads(folder_storage(storage, folder).read_all(name)).get(
+            "weight_map", {}
+        )
+        return {v for v in weight_map.values() if isinstance(v, str)}
+    except (ValueError, AttributeError, OSError, RecursionError, CkptError):
+        return set()
+
+
+def _judge_components(
+    storage: Storage, item: Found, files: Mapping[str, int]
+) -> tuple[str | None, list[str]]:
+    """(first problem or None, formats seen) over every component of a checkpoint."""
+    formats: list[str] = []
+    components = _components(storage, item, files)
+    for kind, rel, folder in components:
+        if kind not in formats:
+            formats.append(kind)
+        # inside a checkpoint folder, its own files are all a view needs to list
+        problem = _check_with_format(storage, kind, rel, folder, files if item.is_dir else None)
+        if problem:
+            return problem, formats
+    if not components:
+        return "holds no checkpoint files (safetensors, DCP, torch.save)", formats
+    return None, formats
+
+
+def _is_slim(run: RunListing, item: Found, files: Mapping[str, int]) -> bool:
     """Whether `prune --slim-older-than` slimmed this checkpoint (see `ops.slim`)."""
-    if primary.is_dir():
-        return (primary / SLIM_RECORD).is_file()
-    record = primary.parent / RUN_SLIM_RECORD
-    if not record.is_file():
+    primary = item.rels[0]
+    if item.is_dir:
+        return f"{primary}/{SLIM_RECORD}" in files
+    stamp = run.stamp(primary)
+    if stamp is None:
         return False
+    parent, _, name = primary.rpartition("/")
     try:
-        doc = json.loads(record.read_text())
-        entry = doc.get(primary.name) if isinstance(doc, dict) else None
-        st = primary.stat()
-    except (OSError, ValueError):
+        doc = json.loads(run.storage.read_all(f"{parent}/{RUN_SLIM_RECORD}".lstrip("/")))
+    except (OSError, ValueError, RecursionError, CkptError):
         return False
+    entry = doc.get(name) if isinstance(doc, dict) else None
     # a save written later under the same name is not the slimmed one
-    return (
-        isinstance(entry, dict)
-        and entry.get("size") == st.st_size
-        and entry.get("mtime_ns") == st.st_mtime_ns
-    )
+    return isinstance(entry, dict) and (entry.get("size"), entry.get("mtime_ns")) == stamp
 
 
-def _trainer_state_problem(path: Path) -> str | None:
+def _trainer_state_problem(storage: Storage, folder: str, files: Mapping[str, int]) -> str | None:
     """The Trainer writes `trainer_state.json` last: missing or cut short, the save is not done."""
-    if not path.is_file():
+    if f"{folder}/trainer_state.json" not in files:
         return "no trainer_state.json (the Trainer writes it last)"
+    inside = folder_storage(storage, folder, files)
     try:
-        json.loads(read_regular(path))
+        json.loads(inside.read_all("trainer_state.json"))
     except (ValueError, OSError, RecursionError, CkptError) as exc:
-        return f"{path}: not valid JSON, cut short? ({exc})"
+        return f"{inside.describe('trainer_state.json')}: not valid JSON, cut short? ({exc})"
     return None
 
 
@@ -297,11 +344,6 @@ def with_status(entry: RunCheckpoint, status: Status, reason: str) -> RunCheckpo
 
 
 # --------------------------------------------------------------------------- markers, metrics
-
-
-def _deepspeed_latest(run_dir: Path) -> str | None:
-    """The tag of a local run folder's DeepSpeed `latest` file (see `read_deepspeed_latest`)."""
-    return read_deepspeed_latest(LocalStorage(run_dir))
 
 
 def read_deepspeed_latest(storage: Storage) -> str | None:

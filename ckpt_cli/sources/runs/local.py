@@ -1,28 +1,27 @@
-"""`scan_run` and `looks_like_run` for a local run folder (remote run folders: `remote.py`)."""
+"""`scan_run` and `looks_like_run` for a run folder on this machine (remote ones: `remote.py`).
+
+The listing is the file system's own: entries are seen with `lstat`, so a link is a link (never
+followed out of the run to find candidates; a linked checkpoint is judged by what it links to,
+and deleting it frees nothing), staging folders are seen (a `Storage` listing hides them), and
+only the folders of the checkpoints that are judged are walked.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from ...errors import NotFoundError, UsageError
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, is_checkpoint_file
-from ...storage import LocalStorage
-from .judge import judge_found, newest_trainer_state, read_deepspeed_latest
-from .naming import (
-    discover_local,
-    expected_parts_of_folders,
-    listed,
-    match_name,
-    name_order,
-    scan_dirs,
-)
-from .records import DEFAULT_SETTLE, METRICS_FILE, Found, RunCheckpoint, RunReport
-from .remote import is_remote, looks_like_remote_run, scan_remote_run
-from .scan import RunFolder, scan
+from ...storage import LocalStorage, is_parity_path
+from .naming import SUBFOLDERS, collect, match_name
+from .records import DEFAULT_SETTLE, Found, RunCheckpoint, RunReport
+from .remote import RemoteListing, is_remote, looks_like_remote_run
+from .scan import RunListing, scan
 
 
 def scan_run(
@@ -45,15 +44,22 @@ def scan_run(
         until_latest: judge from the newest save down and stop at the first complete one
             (`checkpoints` then holds only those): what `ckpt latest` needs, and no more.
     """
+    run: RunListing
     if is_remote(run_dir):
-        return scan_remote_run(
-            run_dir if isinstance(run_dir, Source) else str(run_dir),
-            metric=metric,
-            mode=mode,
-            settle=settle,
-            now=now,
-            until_latest=until_latest,
-        )
+        run = RemoteListing(run_dir if isinstance(run_dir, Source) else str(run_dir))
+    else:
+        run = _local_listing(run_dir)
+    return scan(
+        run,
+        metric=metric,
+        mode=mode,
+        settle=settle,
+        now=now,
+        until_latest=until_latest,
+    )
+
+
+def _local_listing(run_dir: str | Path | Source) -> LocalListing:
     root = _local_root(run_dir)
     if not root.exists():
         raise NotFoundError("no such folder", path=root, fix="Check the run folder's path.")
@@ -66,98 +72,167 @@ def scan_run(
     storage = None
     if isinstance(run_dir, Source) and isinstance(run_dir.storage, LocalStorage):
         storage = run_dir.storage if run_dir.target is None else None  # resolved: reused
-    return scan(
-        _LocalRun(root, storage),
-        metric=metric,
-        mode=mode,
-        settle=settle,
-        now=now,
-        until_latest=until_latest,
-    )
+    return LocalListing(root, storage)
 
 
-class _LocalRun(RunFolder[Found]):
-    """A run folder on this machine: walked with links seen (never followed out of the run),
-    each component judged by its format's `check`."""
+class LocalListing(RunListing):
+    """A run folder on this machine, listed with `lstat`: each folder of the run once per scan,
+    each judged checkpoint walked once."""
 
     def __init__(self, root: Path, storage: LocalStorage | None = None) -> None:
         self.root = root
         self.display = str(root)
-        # the run's own small files (`latest`, `trainer_state.json`, `metrics.jsonl`) are read
-        # through the run folder's storage (the one it was resolved to, when it was): regular
-        # files inside the run only
+        # the run's own files are read through the run folder's storage (the one it was
+        # resolved to, when it was): regular files inside the run only
         self.storage = storage or LocalStorage(root)
         self._listings: dict[Path, list[Path]] = {}
+        self._files: dict[str, dict[str, int]] = {}
+        self._mtimes: dict[str, float] = {}
 
     def _list(self, folder: Path) -> list[Path]:
         """A folder of the run, listed once per scan: discovery, the root's loose files and the
         link marks read the same listing."""
         if folder not in self._listings:
-            self._listings[folder] = listed(folder)
+            self._listings[folder] = sorted(folder.iterdir())
         return self._listings[folder]
 
     def discover(self) -> list[Found]:
         return discover_local(self.root, self._list)
 
-    def order(self, item: Found) -> tuple[float, float, float]:
-        return name_order(item)
+    def files(self, item: Found) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for rel in item.rels:
+            if rel not in self._files:
+                self._files[rel] = self._walk(rel)
+            out.update(self._files[rel])
+        return out
 
-    def judge(
-        self,
-        item: Found,
-        now: float,
-        settle: float,
-        ds_latest_step: int | None,
-        expected: set[str] | None,
-    ) -> RunCheckpoint:
-        return judge_found(item, self.root, now, settle, ds_latest_step, expected)
+    def _walk(self, rel: str) -> dict[str, int]:
+        """Every file under `rel` (or `rel` itself) with its size; a linked folder is walked
+        through its link, links inside it are not followed."""
+        path = self.root / rel
+        found: dict[str, int] = {}
+        try:
+            st = path.lstat()
+        except OSError:
+            return found
+        if not path.is_dir():
+            if path.is_symlink() and path.exists():
+                st = path.stat()  # a linked file: what it links to is what a writer touches
+            found[rel] = st.st_size
+            self._mtimes[rel] = st.st_mtime
+            return found
+        for dirpath, _dirs, names in os.walk(path):
+            for name in names:
+                full = Path(dirpath, name)
+                try:
+                    st = full.lstat()
+                except OSError:
+                    continue
+                inner = f"{rel}/{full.relative_to(path).as_posix()}"
+                found[inner] = st.st_size
+                self._mtimes[inner] = st.st_mtime
+        return found
 
-    def expected_parts(self, items: list[Found]) -> dict[int, set[str]]:
-        return expected_parts_of_folders(items)
+    def times(self, item: Found) -> tuple[float, float]:
+        files = self.files(item)
+        own = 0.0
+        for rel in item.rels:
+            try:
+                own = max(own, (self.root / rel).lstat().st_mtime)
+            except OSError:
+                continue
+        inner = max((self._mtimes.get(f, 0.0) for f in files), default=0.0)
+        if self.link(item) is None:
+            newest = max(own, inner)
+            return newest, newest
+        # a link: its own time is shown, the target's (what a writer touches) decides
+        try:
+            target = (self.root / item.rels[0]).stat().st_mtime
+        except OSError:
+            target = 0.0
+        return own, max(target, inner)
 
-    def deepspeed_latest(self) -> str | None:
-        return read_deepspeed_latest(self.storage)
+    def entry_time(self, item: Found) -> float:
+        try:
+            return (self.root / item.rels[0]).lstat().st_mtime
+        except OSError:
+            return 0.0
+
+    def where(self, rel: str) -> str:
+        return str(self.root / rel)
+
+    def link(self, item: Found) -> tuple[str, bool] | None:
+        path = self.root / item.rels[0]
+        if not path.is_symlink():
+            return None
+        return os.readlink(path), path.exists()
+
+    def stamp(self, rel: str) -> tuple[int, int] | None:
+        try:
+            st = (self.root / rel).stat()
+        except OSError:
+            return None
+        return st.st_size, st.st_mtime_ns
 
     def root_files(self, items: list[Found]) -> list[str]:
-        return _root_files(self._list(self.root), items)
-
-    def trainer_state(self, checkpoints: list[RunCheckpoint]) -> tuple[str, dict[str, Any]] | None:
-        return newest_trainer_state(self.storage, checkpoints)
-
-    def metrics_file(self) -> tuple[str, str] | None:
-        if not self.storage.exists(METRICS_FILE):
-            return None
-        raw = self.storage.read_all(METRICS_FILE)
-        return self.storage.describe(METRICS_FILE), raw.decode("utf-8", "replace")
+        claimed = {rel for f in items for rel in f.rels}
+        return sorted(
+            e.name
+            for e in self._list(self.root)
+            if e.is_file() and e.name.endswith(CHECKPOINT_SUFFIXES) and e.name not in claimed
+        )
 
     def mark_links(self, checkpoints: list[RunCheckpoint]) -> None:
-        _mark_link_targets(self.root, checkpoints, self._list)
+        """A checkpoint a symlink in the run folder points at (Lightning `last.ckpt`) is in use."""
+        real_root = os.path.realpath(self.root)
+        targets: set[str] = set()
+        for folder in scan_dirs(self.root):
+            for entry in self._list(folder):
+                if entry.is_symlink():
+                    real = os.path.realpath(entry)
+                    if real.startswith(real_root + os.sep):
+                        targets.add(real)
+        for c in checkpoints:
+            if not c.symlink and os.path.realpath(c.path) in targets:
+                c.markers.append("link-target")
 
 
-def _root_files(entries: list[Path], found: list[Found]) -> list[str]:
-    claimed = {p for f in found for p in f.paths}
-    return sorted(
-        e.name
-        for e in entries
-        if e.is_file() and e.name.endswith(CHECKPOINT_SUFFIXES) and e not in claimed
+def scan_dirs(run_dir: Path) -> list[Path]:
+    """The run folder and its checkpoint sub-folders (`naming.SUBFOLDERS`) that are folders."""
+    dirs = [run_dir]
+    for sub in SUBFOLDERS:
+        candidate = run_dir / sub
+        if candidate.is_dir() and not candidate.is_symlink():
+            dirs.append(candidate)
+    return dirs
+
+
+def _holds_checkpoint(entry: Path) -> bool:
+    # a linked folder is not walked (it may point anywhere): its name decides
+    return entry.is_symlink() or _looks_like_checkpoint_folder(entry)
+
+
+def _looks_like_checkpoint_folder(path: Path) -> bool:
+    """A plain `NAME-N/` folder counts only when it holds checkpoint files (not logs)."""
+    for _dirpath, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if not is_parity_path(d)]  # `ckpt protect`'s parity
+        if any(is_checkpoint_file(f) for f in files):
+            return True
+    return False
+
+
+def discover_local(
+    run_dir: Path, list_dir: Callable[[Path], list[Path]] = lambda p: sorted(p.iterdir())
+) -> list[Found]:
+    """The candidate checkpoints of a local run folder; `list_dir` lists its folders (a scan
+    passes one that lists each folder once for all its steps)."""
+
+    return collect(
+        (entry.relative_to(run_dir).as_posix(), entry.is_dir(), partial(_holds_checkpoint, entry))
+        for folder in scan_dirs(run_dir)
+        for entry in list_dir(folder)
     )
-
-
-def _mark_link_targets(
-    root: Path, checkpoints: list[RunCheckpoint], list_dir: Callable[[Path], list[Path]]
-) -> None:
-    """A checkpoint a symlink in the run folder points at (Lightning `last.ckpt`) is in use."""
-    real_root = os.path.realpath(root)
-    targets: set[str] = set()
-    for folder in scan_dirs(root):
-        for entry in list_dir(folder):
-            if entry.is_symlink():
-                real = os.path.realpath(entry)
-                if real.startswith(real_root + os.sep):
-                    targets.add(real)
-    for c in checkpoints:
-        if not c.symlink and os.path.realpath(c.path) in targets:
-            c.markers.append("link-target")
 
 
 def _local_root(run_dir: str | Path | Source) -> Path:
@@ -190,7 +265,7 @@ def looks_like_run(path: str | Path | Source) -> bool:
         return True
     # numbered files beside unnumbered ones are parts of one checkpoint (accelerate writes
     # model.safetensors, model_1.safetensors...), not steps
-    numbered = {p.name for f in found for p in f.paths}
+    numbered = {rel for f in found for rel in f.rels}
     for entry in root.iterdir():
         is_part = is_checkpoint_file(entry.name)
         if is_part and entry.name not in numbered:

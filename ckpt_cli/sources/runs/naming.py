@@ -1,18 +1,15 @@
-"""How checkpoints are named in a run folder: step folders per layout, plain `NAME-N` files, staging folders; discovery of the candidates of a local run."""
+"""How checkpoints are named in a run folder: step folders per layout, plain `NAME-N` files, staging folders; the candidates among a folder's entries (local or remote alike)."""
 
 from __future__ import annotations
 
 import collections
 import functools
 import math
-import os
 import re
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from ...formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, is_checkpoint_file
-from ...storage import is_parity_path
+from ...formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES
 from ...storage.output import TMP_MARKER
 from .records import SLIM_RECORD, Found
 
@@ -92,15 +89,6 @@ def lightning_metrics(name: str) -> dict[str, float]:
     return out
 
 
-def _looks_like_checkpoint_folder(path: Path) -> bool:
-    """A plain `NAME-N/` folder counts only when it holds checkpoint files (not logs)."""
-    for _dirpath, dirs, files in os.walk(path):
-        dirs[:] = [d for d in dirs if not is_parity_path(d)]  # `ckpt protect`'s parity
-        if any(is_checkpoint_file(f) for f in files):
-            return True
-    return False
-
-
 def classify(
     name: str, is_dir: bool, holds_checkpoint: Callable[[], bool]
 ) -> tuple[str, int | None, float | None, bool] | None:
@@ -149,7 +137,7 @@ def step_order(step: int | None, epoch: float | None, mtime: float) -> tuple[flo
 
 def expected_parts(names: dict[int, set[str]]) -> dict[int, set[str]]:
     """For the folders of one unmarked layout (id -> its digit-free top-level file names):
-    the names every *other* full save has (see `expected_parts_of_folders`); empty below three full
+    the names every *other* full save has (see `scan.expected_parts_of`); empty below three full
     saves. Slimmed saves (`SLIM_RECORD`) lack their optimizer on purpose and say nothing."""
     full = [key for key, have in names.items() if SLIM_RECORD not in have]
     if len(full) < 3:
@@ -168,98 +156,41 @@ def expected_parts(names: dict[int, set[str]]) -> dict[int, set[str]]:
     }
 
 
-def _classify(entry: Path) -> Found | None:
-    is_dir = entry.is_dir()
-    # a linked folder is not walked (it may point anywhere): its name decides
-    found = classify(
-        entry.name, is_dir, lambda: entry.is_symlink() or _looks_like_checkpoint_folder(entry)
-    )
-    if found is None:
-        return None
-    layout, step, epoch, temporary = found
-    return Found(layout, step, epoch, [entry], temporary=temporary)
-
-
-def scan_dirs(run_dir: Path) -> list[Path]:
-    dirs = [run_dir]
-    for sub in SUBFOLDERS:
-        candidate = run_dir / sub
-        if candidate.is_dir() and not candidate.is_symlink():
-            dirs.append(candidate)
-    return dirs
-
-
-def listed(folder: Path) -> list[Path]:
-    """The entries of `folder`, sorted."""
-    return sorted(folder.iterdir())
-
-
-def discover_local(run_dir: Path, list_dir: Callable[[Path], list[Path]] = listed) -> list[Found]:
-    """The candidate checkpoints of a local run folder; `list_dir` lists its folders (a scan
-    passes one that lists each folder once for all its steps)."""
+def collect(entries: Iterable[tuple[str, bool, Callable[[], bool]]]) -> list[Found]:
+    """The candidate checkpoints among the entries of a run folder's step folders, local or
+    remote alike: (path relative to the run folder, is a folder, holds checkpoint files) each,
+    the last asked only of a plain `NAME-N/` folder (see `classify`). Plain files of one step
+    in one folder (`model_500.pt`, `optim_500.pt`) form one checkpoint."""
     found: list[Found] = []
-    plain_files: dict[tuple[Path, int | None], Found] = {}
-    for folder in scan_dirs(run_dir):
-        for entry in list_dir(folder):
-            item = _classify(entry)
-            if item is None:
+    plain_files: dict[tuple[str, int | None], Found] = {}
+    for rel, is_dir, holds_checkpoint in entries:
+        parent, _, name = rel.rpartition("/")
+        named = classify(name, is_dir, holds_checkpoint)
+        if named is None:
+            continue
+        layout, step, epoch, temporary = named
+        item = Found(layout, step, epoch, [rel], is_dir, temporary=temporary)
+        if layout == "plain" and not temporary and not is_dir:
+            key = (parent, step)
+            if key in plain_files:
+                plain_files[key].rels.append(rel)
                 continue
-            if item.layout == "plain" and not item.temporary and not entry.is_dir():
-                key = (folder, item.step)
-                if key in plain_files:
-                    plain_files[key].paths.append(entry)
-                    continue
-                plain_files[key] = item
-            found.append(item)
+            plain_files[key] = item
+        found.append(item)
     return found
 
 
-# --------------------------------------------------------------------------- entry point
+# --------------------------------------------------------------------------- unmarked layouts
 
 
 #: layouts with no commit marker of their own: their saves are compared with each other
 UNMARKED = ("accelerate", "plain")
 
 
-def part_names(folder: Path) -> set[str]:
-    """Top-level file names of a checkpoint folder without digits (`optimizer.bin`, not
-    `random_states_3.pkl`, whose count follows the number of processes)."""
-    try:
-        return {
-            e.name
-            for e in folder.iterdir()
-            if e.is_file() and not any(ch.isdigit() for ch in e.name)
-        }
-    except OSError:
-        return set()
-
-
-def expected_parts_of_folders(found: list[Found]) -> dict[int, set[str]]:
-    """For folders of unmarked layouts: the files every *other* save of the run has.
-
-    accelerate's `save_state` writes model, optimizer, scheduler, sampler... with no marker
-    at the end, so a save cut short after the model looks whole on its own. Against at least
-    two other saves of the same run it does not. Names are compared, nothing is read.
-    """
-    out: dict[int, set[str]] = {}
-    for layout in UNMARKED:
-        folders = [
-            f
-            for f in found
-            if f.layout == layout
-            and not f.temporary
-            and f.paths[0].is_dir()
-            and not f.paths[0].is_symlink()
-        ]
-        if len(folders) >= 3:
-            out.update(expected_parts({id(f): part_names(f.paths[0]) for f in folders}))
-    return out
-
-
-def name_order(item: Found) -> tuple[float, float, float]:
-    """Newest-first order known before judging: step, epoch, then the entry's own time."""
-    try:
-        mtime = item.paths[0].lstat().st_mtime
-    except OSError:
-        mtime = 0.0
-    return step_order(item.step, item.epoch, mtime)
+def part_names(files: Mapping[str, int], folder: str) -> set[str]:
+    """Names of the files directly in `folder` (of a run listing: path relative to the run ->
+    size) without digits (`optimizer.bin`, not `random_states_3.pkl`, whose count follows the
+    number of processes)."""
+    start = f"{folder}/"
+    names = (rel[len(start) :] for rel in files if rel.startswith(start))
+    return {n for n in names if "/" not in n and not any(ch.isdigit() for ch in n)}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -135,8 +134,19 @@ class RunReport(BaseModel):
 
 @dataclass
 class Found:
+    """One candidate checkpoint of a run folder, named by `naming.classify`.
+
+    Attributes:
+        layout / step / epoch: from its name.
+        rels: its paths relative to the run folder (POSIX): one folder or file, or the plain
+            files of one step (`model_500.pt`, `optim_500.pt`).
+        is_dir: it is a folder (a link to a folder counts as one).
+        temporary: a staging folder or file of a save (or deletion) in progress.
+    """
+
     layout: str
     step: int | None
     epoch: float | None
-    paths: list[Path]
+    rels: list[str]
+    is_dir: bool
     temporary: bool = False

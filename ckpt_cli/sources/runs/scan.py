@@ -1,11 +1,12 @@
-"""The one run-folder scanner: `scan` drives a `RunFolder` (local: `local.py`; object stores and
-the Hub: `remote.py`) through the same steps, so both apply the same rules in the same order.
+"""The one run-folder scanner: `scan` judges the candidates of a `RunListing` (a folder on this
+machine: `local.py`; an object store or the Hub: `remote.py`) with the one judge (`judge.py`),
+so local and remote run folders get the same rules, in the same order, and the same messages.
 
-A `RunFolder` knows how to list its candidates and judge one of them (a local folder walks the
-file system, follows links and runs each component's `Format.check`; a remote one reads its
-`Storage` listing and headers); everything between is here: the newest-first judging that
-`ckpt latest` stops early, the `newest` / `deepspeed-latest` / `trainer-best` markers, the
-Trainer's best pointer and best-by-metric.
+A `RunListing` only says what is there: the candidates, the files of each with their sizes and
+times, and (on this machine) links. Every byte the judge reads, it reads through the run
+folder's `Storage`. Everything between is here: the newest-first judging that `ckpt latest`
+stops early, the `newest` / `deepspeed-latest` / `trainer-best` markers, the Trainer's best
+pointer and best-by-metric.
 """
 
 from __future__ import annotations
@@ -13,72 +14,90 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Literal
 
-from .judge import best_by_metric
-from .naming import int_or_none
-from .records import RunCheckpoint, RunReport
+from ...storage import Storage
+from .judge import best_by_metric, judge_found, newest_trainer_state, read_deepspeed_latest
+from .naming import UNMARKED, expected_parts, int_or_none, part_names, step_order
+from .records import METRICS_FILE, Found, RunCheckpoint, RunReport
 
-Item = TypeVar("Item")
 
-
-class RunFolder(ABC, Generic[Item]):
-    """One run folder as the scanner sees it: candidates (`Item`s) and how to judge each.
+class RunListing(ABC):
+    """What a run folder holds, as a listing tells it: candidates, their files and times.
 
     Attributes:
+        storage: the run folder's storage; every file the judge reads is read through it.
         display: how the run folder is named in the report (`RunReport.run_dir`).
     """
 
+    storage: Storage
     display: str
 
     @abstractmethod
-    def discover(self) -> list[Item]:
-        """The candidate checkpoints, named by the rules of `naming.classify`."""
+    def discover(self) -> list[Found]:
+        """The candidate checkpoints, named by the rules of `naming.collect`."""
 
     @abstractmethod
-    def order(self, item: Item) -> tuple[float, float, float]:
-        """Newest-first sort key known before judging (`naming.step_order`)."""
+    def files(self, item: Found) -> dict[str, int]:
+        """Every file of a candidate (a linked folder: of its target), path relative to the run
+        folder -> size."""
 
     @abstractmethod
-    def judge(
-        self,
-        item: Item,
-        now: float,
-        settle: float,
-        ds_latest_step: int | None,
-        expected: set[str] | None,
-    ) -> RunCheckpoint:
-        """Complete, incomplete, interrupted or writing (see the package docstring)."""
+    def times(self, item: Found) -> tuple[float, float]:
+        """(its modification time, the newest write seen through a link): seconds since the
+        epoch, 0.0 when the listing does not say."""
 
     @abstractmethod
-    def expected_parts(self, items: list[Item]) -> dict[int, set[str]]:
-        """id(item) -> the files every other save of an unmarked layout has."""
+    def entry_time(self, item: Found) -> float:
+        """The candidate's own time, for the order known before judging."""
+
+    def where(self, rel: str) -> str:
+        """How a path of the run folder is shown (`RunCheckpoint.path`)."""
+        return f"{self.display}/{rel}"
+
+    def link(self, item: Found) -> tuple[str, bool] | None:
+        """(where it points, whether that exists) when the candidate is a symbolic link."""
+        return None
+
+    def stamp(self, rel: str) -> tuple[int, int] | None:
+        """(size, mtime in ns) of a file, following links, when the listing knows them: what
+        the record of a slimmed single-file checkpoint is compared with."""
+        return None
 
     @abstractmethod
-    def deepspeed_latest(self) -> str | None:
-        """The tag DeepSpeed's `latest` file names (`naming.deepspeed_tag`), if any."""
-
-    @abstractmethod
-    def root_files(self, items: list[Item]) -> list[str]:
+    def root_files(self, items: list[Found]) -> list[str]:
         """Checkpoint files directly in the run folder that belong to no step checkpoint."""
 
-    @abstractmethod
-    def trainer_state(self, checkpoints: list[RunCheckpoint]) -> tuple[str, dict[str, Any]] | None:
-        """(where, document) of the `trainer_state.json` the Trainer markers come from."""
-
-    @abstractmethod
-    def metrics_file(self) -> tuple[str, str] | None:
-        """(where, text) of the run's `metrics.jsonl`, if it has one."""
-
-    def mark_links(self, checkpoints: list[RunCheckpoint]) -> None:
+    def mark_links(self, checkpoints: list[RunCheckpoint]) -> None:  # noqa: B027 - optional hook
         """Mark checkpoints a link in the run folder points at (only local folders have links)."""
 
     def close(self) -> None:
         """Finish with the folder's storage."""
+        self.storage.close()
+
+
+def expected_parts_of(run: RunListing, items: list[Found]) -> dict[int, set[str]]:
+    """For folders of unmarked layouts: the files every *other* save of the run has.
+
+    accelerate's `save_state` writes model, optimizer, scheduler, sampler... with no marker
+    at the end, so a save cut short after the model looks whole on its own. Against at least
+    two other saves of the same run it does not. Names are compared, nothing is read.
+    """
+    out: dict[int, set[str]] = {}
+    for layout in UNMARKED:
+        folders = [
+            i
+            for i in items
+            if i.layout == layout and i.is_dir and not i.temporary and run.link(i) is None
+        ]
+        if len(folders) >= 3:
+            names = {id(f): part_names(run.files(f), f.rels[0]) for f in folders}
+            out.update(expected_parts(names))
+    return out
 
 
 def scan(
-    run: RunFolder[Any],
+    run: RunListing,
     *,
     metric: str | None,
     mode: Literal["min", "max"],
@@ -89,12 +108,16 @@ def scan(
     """List and judge the checkpoints of `run` (arguments as for `scan_run`)."""
     now = time.time() if now is None else now
     items = run.discover()
-    ds_latest = run.deepspeed_latest()
+    ds_latest = read_deepspeed_latest(run.storage)
     ds_step = int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
-    expected = run.expected_parts(items)
+    expected = expected_parts_of(run, items)
     judged: list[RunCheckpoint] = []
-    for item in sorted(items, key=run.order, reverse=True):
-        judged.append(run.judge(item, now, settle, ds_step, expected.get(id(item))))
+
+    def order(item: Found) -> tuple[float, float, float]:
+        return step_order(item.step, item.epoch, run.entry_time(item))
+
+    for item in sorted(items, key=order, reverse=True):
+        judged.append(judge_found(run, item, now, settle, ds_step, expected.get(id(item))))
         if until_latest and judged[-1].complete and not judged[-1].slim:
             break
     checkpoints = sorted(judged, key=lambda c: c.order)
@@ -115,7 +138,7 @@ def scan(
                 c.markers.append("deepspeed-latest")
                 report.deepspeed_latest = c.name
     run.mark_links(checkpoints)
-    state = run.trainer_state(checkpoints)
+    state = newest_trainer_state(run.storage, checkpoints)
     trainer_doc = None
     if state is not None:
         report.trainer_state, trainer_doc = state
@@ -135,12 +158,20 @@ def scan(
     if metric:
         # never a metrics file of the current folder: the run's own, or none ("")
         report.best = best_by_metric(
-            Path("."), metric, mode, trainer_doc, checkpoints, run.metrics_file() or ("", "")
+            Path("."), metric, mode, trainer_doc, checkpoints, _metrics_file(run.storage)
         )
         if report.best.source == "":
             report.best.source = None
     run.close()
     return report
+
+
+def _metrics_file(storage: Storage) -> tuple[str, str]:
+    """(where, text) of the run's `metrics.jsonl`, or ("", "") when it has none."""
+    if not storage.exists(METRICS_FILE):
+        return "", ""
+    raw = storage.read_all(METRICS_FILE)
+    return storage.describe(METRICS_FILE), raw.decode("utf-8", "replace")
 
 
 def _base_name(name: str) -> str:
