@@ -13,15 +13,21 @@ all of them alike); the medians over `--rounds` rounds are compared. Candidates:
 * `ckpt verify DIR --checksums` as a real process, for a manifest of each algorithm (structure
   check and process start-up included), and `hashing.hash_files` in-process (the loop alone);
 * the same loop reading through `mmap` instead of `readinto` (what dropping the page-cache
-  copy would give; not what ckpt does, see docs/performance.md).
+  copy would give; not what ckpt does, see docs/performance.md);
+* #30: `ckpt verify DIR --write-manifest --algo xxh3|blake3` as a real process (start-up,
+  structure check, hashing, manifest written) against the reference command-line tools
+  `xxhsum -H2 FILES` (XXH3-128, one process) and `b3sum FILES` (its own threads and mmap), when
+  they are installed (or named with --xxhsum / --b3sum); the target is 1.2x their time at 2 GiB.
 
 Run by hand (never in tests):  PYTHONPATH=. python bench/bench_checksums.py [--gb 1] [--dir D]
+(#30's figure: --gb 2.147, i.e. 2 GiB)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -85,6 +91,8 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.0, help="data size (GB)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    parser.add_argument("--xxhsum", default=shutil.which("xxhsum"), help="xxhsum to compare")
+    parser.add_argument("--b3sum", default=shutil.which("b3sum"), help="b3sum to compare")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-checksums-", dir=args.dir))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -119,6 +127,20 @@ def main() -> None:
             "cat, xargs -P2": shell(f"ls {globbed} | xargs -P2 -n1 cat > /dev/null"),
             "sha256sum, xargs -P2": shell(f"ls {globbed} | xargs -P2 -n1 sha256sum > /dev/null"),
         }
+
+        def write(algo: str) -> Callable[[], object]:
+            argv = [sys.executable, "-m", "ckpt_cli", "verify", str(data), "--write-manifest",
+                    "--algo", algo, "--force", "--manifest", str(root / f"written-{algo}.json")]  # fmt: skip
+            return lambda: subprocess.run(argv, check=True, capture_output=True, env=env)
+
+        names = " ".join(shlex.quote(str(p)) for p in files.values())
+        tools = {"xxh3": (args.xxhsum, "-H2"), "blake3": (args.b3sum, "")}
+        for algo, (tool, flag) in tools.items():
+            if tool:
+                candidates[f"{Path(tool).name} {flag}".strip()] = shell(
+                    f"{shlex.quote(tool)} {flag} {names} > /dev/null"
+                )
+                candidates[f"ckpt verify --write-manifest ({algo})"] = write(algo)
         for algo in ALGOS:
             candidates[f"ckpt verify --checksums ({algo})"] = verify(algo)
             candidates[f"hash_files in-process ({algo})"] = lambda a=algo: hash_files(files, a)
@@ -148,6 +170,14 @@ def main() -> None:
             print(f"  {algo:<7} ckpt verify / {label}: {cli / base:5.2f}   "
                   f"loop / {label}: {loop / base:5.2f}   "
                   f"mmap loop / {label}: {mapped / base:5.2f}{target}")  # fmt: skip
+        for algo, (tool, flag) in tools.items():
+            if tool:
+                ref = median[f"{Path(tool).name} {flag}".strip()]
+                mine = median[f"ckpt verify --write-manifest ({algo})"]
+                print(f"  {algo:<7} ckpt verify --write-manifest / {Path(tool).name}: "
+                      f"{mine / ref:5.2f}   (target <= 1.20)")  # fmt: skip
+            else:
+                print(f"  {algo:<7} no reference tool (install it or pass --xxhsum / --b3sum)")
         print(f"  sha256 ckpt verify throughput: {gb / median['ckpt verify --checksums (sha256)']:.2f}"
               " GB/s (target >= 2 on 2 quiet cores)")  # fmt: skip
     finally:

@@ -7,13 +7,15 @@ is sparse (the files have their full size but take no disk), then compares, in o
 1. in-process: `ckpt_cli.inspect` / `ckpt_cli.verify` against a raw header loop and against
    `safe_open(framework="numpy")` over every shard (what a user would write);
 2. as processes: `ckpt inspect --json`, `ckpt inspect`, `ckpt verify` against `python -c` running
-   the raw loop (both pay the interpreter start; CPU seconds, user + system);
+   the raw loop (both pay the interpreter start; CPU seconds, user + system), in interleaved
+   rounds: best and median of the rounds (#30's target: 3x the raw loop at 20,000 tensors);
 3. `ckpt --help` and `ckpt latest --help` CPU against `python -c "import typer"`.
 
 Sizes: 200 shards x 100 tensors (20,000), 56 shards of a 4 GB model, and a tensor-count curve
 (1k, 20k, 100k). Prints one table of seconds and ratios.
 
 Run by hand (never in tests):  PYTHONPATH=. python bench/bench_metadata.py [--dir D] [--repeat 3]
+[--cases t20k]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import struct
 import subprocess
 import sys
@@ -114,6 +117,23 @@ def best_cpu(argv: list[str], repeat: int) -> float:
     return min(times)
 
 
+def interleaved_cpu(argvs: dict[str, list[str]], rounds: int) -> dict[str, list[float]]:
+    """User+system CPU seconds of each child process, over `rounds` rounds that run every
+    command once in turn (so a burst of load from elsewhere hits all of them alike), after
+    one warm-up round that fills the bytecode cache and the page cache."""
+    env = child_env()
+    times: dict[str, list[float]] = {what: [] for what in argvs}
+    for round_ in range(rounds + 1):
+        for what, argv in argvs.items():
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            if round_:
+                cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+                times[what].append(cpu)
+    return times
+
+
 def raw_loop(folder: Path) -> None:
     for path in sorted(folder.glob("*.safetensors")):
         with open(path, "rb") as fh:
@@ -133,7 +153,10 @@ def safe_open_loop(folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (kept)")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=3, help="rounds (best and median)")
+    parser.add_argument(
+        "--cases", nargs="*", help="only these cases: t20k gb4 t1k t100k (default: all)"
+    )
     args = parser.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix="ckpt-bench-meta-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -148,7 +171,10 @@ def main() -> None:
         "10 shards, 1k tensors": build(root, "t1k", 10, 100, [64]),
         "500 shards, 100k tensors": build(root, "t100k", 500, 200, [64]),
     }
+    if args.cases:
+        cases = {label: f for label, f in cases.items() if f.name in args.cases}
     rows: list[tuple[str, str, float, float]] = []
+    medians: list[tuple[str, str, float, float]] = []
     for label, folder in cases.items():
         raw = best_wall(lambda f=folder: raw_loop(f), args.repeat)
         lib = best_wall(lambda f=folder: safe_open_loop(f), args.repeat)
@@ -160,15 +186,19 @@ def main() -> None:
             (label, "ckpt_cli.inspect", ins, ins / raw),
             (label, "ckpt_cli.verify", ver, ver / raw),
         ]
-        raw_p = best_cpu([py, "-c", RAW_LOOP, str(folder)], args.repeat)
-        for what, argv in (
-            ("ckpt inspect --json (CPU)", [*ckpt, "inspect", str(folder), "--json"]),
-            ("ckpt inspect (CPU)", [*ckpt, "inspect", str(folder)]),
-            ("ckpt verify (CPU)", [*ckpt, "verify", str(folder)]),
-        ):
-            cpu = best_cpu(argv, args.repeat)
-            rows.append((label, what, cpu, cpu / raw_p))
-        rows.append((label, "python -c raw loop (CPU)", raw_p, 1.0))
+        argvs = {
+            "python -c raw loop (CPU)": [py, "-c", RAW_LOOP, str(folder)],
+            "ckpt inspect --json (CPU)": [*ckpt, "inspect", str(folder), "--json"],
+            "ckpt inspect (CPU)": [*ckpt, "inspect", str(folder)],
+            "ckpt verify (CPU)": [*ckpt, "verify", str(folder)],
+        }
+        cpu = interleaved_cpu(argvs, args.repeat)
+        raw_p = min(cpu["python -c raw loop (CPU)"])
+        raw_med = statistics.median(cpu["python -c raw loop (CPU)"])
+        for what, seconds in cpu.items():
+            rows.append((label, what, min(seconds), min(seconds) / raw_p))
+            med = statistics.median(seconds)
+            medians.append((label, what, med, med / raw_med))
     base = best_cpu([py, "-c", "import typer"], args.repeat)
     for what, argv in (
         ("ckpt --help (CPU)", [*ckpt, "--help"]),
@@ -182,6 +212,10 @@ def main() -> None:
 
     load = os.getloadavg()[0]
     print(f"load average {load:.2f} on {os.cpu_count()} CPUs; best of {args.repeat}")
+    print("processes, median of the interleaved rounds (ratio to the raw loop's median):")
+    for label, what, seconds, ratio in medians:
+        print(f"{label:28} {what:34} {seconds:8.3f} {ratio:6.1f}x")
+    print("best of the rounds:")
     print("targets: 3x the raw loop (200 shards / 20k), 1.5x (56 shards / 4 GB), start-up 0.2 s")
     print(f"{'case':28} {'what':34} {'seconds':>8} {'ratio':>7}")
     for label, what, seconds, ratio in rows:

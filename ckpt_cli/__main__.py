@@ -6,6 +6,7 @@ runs (a command module or its operation still importing), `conventions.CkptGroup
 same way: 130, 143, 129, with the message on stderr.
 """
 
+import os
 import sys
 
 
@@ -14,6 +15,11 @@ def entry() -> None:
     from . import faults
 
     faults.install_handlers()
+    # pydantic looks for plugins (logfire and the like) by reading the entry points of every
+    # installed distribution, on the first model it builds: ~25 ms of a metadata command in a
+    # large environment, for plugins that observe services, not a command line. An explicit
+    # PYDANTIC_DISABLE_PLUGINS (even empty, which loads them all) is left as the user set it.
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "1")
     try:
         from .cli.app import main
 

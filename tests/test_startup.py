@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from .conftest import REPO
 
@@ -98,3 +103,121 @@ def test_inspect_of_a_plain_model_imports_no_training_layout_run_scanner_or_othe
         commands = {m for m in loaded if m.startswith("ckpt_cli.cli.commands.")}
         assert commands == {f"ckpt_cli.cli.commands.{args[0]}"}, (args, commands)
         assert "torch" not in loaded, args
+
+
+# ---------------------------------------------------------------- metadata commands (#30)
+# A `ckpt inspect` / `ckpt verify` of a local model, run the way scripts and CI run it (stdout
+# and stderr piped), reports what the real reader sees, and at its exit has imported no
+# read-ahead pool (`concurrent.futures`, for remote files) and no progress-bar machinery
+# (nothing is drawn off a terminal); ckpt's models build their pydantic schemas on first use,
+# and the `ckpt` command skips pydantic's plugin scan unless the user asked for plugins.
+
+#: `ckpt ARGS` through the console entry point; on stderr, as its last line, what stayed out
+PROBE = (
+    "import json, os, sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
+    "from ckpt_cli.__main__ import entry\n"
+    "code = 0\n"
+    "try:\n    entry()\nexcept SystemExit as exit:\n    code = exit.code or 0\n"
+    "from ckpt_cli.models import Record\n"
+    "def every(cls):\n"
+    "    for sub in cls.__subclasses__():\n"
+    "        yield sub\n        yield from every(sub)\n"
+    "built = sorted({c.__qualname__ for c in every(Record) if c.__pydantic_complete__})\n"
+    "print(json.dumps({'code': code, 'modules': sorted(sys.modules), 'built': built,\n"
+    "    'plugins': os.environ.get('PYDANTIC_DISABLE_PLUGINS')}), file=sys.stderr)"
+)
+
+
+def _probe(*args: str | Path, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
+    """(what the process loaded and its exit code, its stdout) of one real `ckpt ARGS`."""
+    full = dict(os.environ, PYTHONPATH=str(REPO))
+    full.pop("PYDANTIC_DISABLE_PLUGINS", None)
+    full.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=300,
+    )
+    return json.loads(proc.stderr.strip().splitlines()[-1]), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model of two safetensors shards and their index, written by the safetensors library."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder = tmp_path_factory.mktemp("startup") / "model"
+    folder.mkdir()
+    weight_map: dict[str, str] = {}
+    rng = np.random.default_rng(0)
+    for shard in (1, 2):
+        name = f"model-0000{shard}-of-00002.safetensors"
+        tensors = {
+            f"model.layers.{shard * 2 + i}.mlp.weight": rng.standard_normal((4, 8)).astype(
+                np.float32
+            )
+            for i in range(2)
+        }
+        save_file(tensors, str(folder / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+    index = {"metadata": {"total_size": 4 * 4 * 8 * 4}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def test_inspect_of_a_local_model_loads_no_pool_no_progress_and_builds_few_schemas(
+    model: Path,
+) -> None:
+    seen, stdout = _probe("inspect", model, "--json")
+    assert seen["code"] == 0
+    result = json.loads(stdout)["result"]
+    assert result["tensors"] == 4 and result["parameters"] == 4 * 4 * 8
+    assert result["bytes_by_dtype"] == {"float32": 4 * 4 * 8 * 4}
+    loaded = set(seen["modules"])
+    assert "concurrent.futures" not in loaded
+    assert "rich.progress" not in loaded
+    # the report and what it is made of are built; the run scanner's, the writers' are not
+    assert "InspectReport" in seen["built"] and "Manifest" in seen["built"]
+    assert "RunReport" not in seen["built"] and "ConvertReport" not in seen["built"]
+    assert seen["plugins"] == "1"
+
+
+def test_verify_off_a_terminal_draws_no_bar_and_still_checks(model: Path) -> None:
+    seen, _ = _probe("verify", model)
+    assert seen["code"] == 0
+    assert "rich.progress" not in seen["modules"]
+    # the same checkpoint with a shard cut short: the structure check still runs and fails
+    broken = model.parent / "broken"
+    broken.mkdir()
+    for f in model.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    shard = broken / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-16])
+    seen, stdout = _probe("verify", broken, "--json")
+    assert seen["code"] == 1
+    assert not json.loads(stdout)["ok"]
+
+
+def test_plugins_stay_as_the_user_set_them(model: Path) -> None:
+    seen, _ = _probe("inspect", model, env={"PYDANTIC_DISABLE_PLUGINS": ""})
+    assert seen["code"] == 0 and seen["plugins"] == ""
+
+
+def test_a_model_validates_and_dumps_the_same_once_built_on_first_use() -> None:
+    from ckpt_cli.models import Entry, Manifest
+
+    manifest = Manifest.model_validate(
+        {
+            "location": "m",
+            "format": "safetensors",
+            "entries": [{"name": "w", "kind": "tensor", "dtype": "F32", "shape": [2], "nbytes": 8}],
+            "files": [],
+        }
+    )
+    assert manifest.entries[0] == Entry(name="w", kind="tensor", dtype="F32", shape=[2], nbytes=8)
+    assert Manifest.model_validate_json(manifest.model_dump_json()) == manifest
+    with pytest.raises(ValueError):
+        Entry.model_validate({"name": "w", "kind": "tensor", "dtype": "F32", "shape": "x"})

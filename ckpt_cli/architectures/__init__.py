@@ -13,9 +13,8 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pydantic import BaseModel
-
 from ..errors import FormatError, UsageError
+from ..models import Record
 from .base import HF, NAMINGS, Architecture, ArchitecturePlan, MappedTensor, ModelArgs
 
 __all__ = [
@@ -116,7 +115,7 @@ def unrecognised(names: Sequence[str], target: str, where: str) -> FormatError:
     )
 
 
-class NamingInfo(BaseModel):
+class NamingInfo(Record):
     """Which model family a checkpoint's weights are and which framework names them
     (`inspect`): what `convert --to hf` / `--to torchtitan` would map from.
 

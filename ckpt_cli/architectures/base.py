@@ -32,9 +32,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from ..errors import FormatError
+from ..models import Record
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +63,7 @@ NAMINGS = (HF, *NATIVE_NAMINGS)
 Direction = Literal["to_hf", "from_hf"]
 
 
-class ModelArgs(BaseModel):
+class ModelArgs(Record):
     """What a family needs to know about one model beyond its tensor names and shapes.
 
     Shapes tell most of it (`dim`, `vocab_size`, `n_layers`, `ffn_dim`); the head count, the

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from ..models import Record
 
 #: the one format the Checkpointer saves in (through torch.distributed.checkpoint)
 SAVE_FORMAT = "dcp"
@@ -18,7 +20,7 @@ SavePhase = Literal["staged", "writing", "publishing", "uploading", "done", "ski
 Tier = Literal["local", "remote"]
 
 
-class SaveRecord(BaseModel):
+class SaveRecord(Record):
     """One `Checkpointer.save` call and what became of it.
 
     Attributes:
@@ -60,7 +62,7 @@ class SaveRecord(BaseModel):
         return self.phase in ("done", "skipped", "failed")
 
 
-class CheckpointerStatus(BaseModel):
+class CheckpointerStatus(Record):
     """A snapshot of a `Checkpointer`, for a training loop's logs or a health probe.
 
     Attributes:
@@ -91,7 +93,7 @@ class CheckpointerStatus(BaseModel):
     staging_bytes: int = 0
 
 
-class LoadedCheckpoint(BaseModel):
+class LoadedCheckpoint(Record):
     """What `Checkpointer.load_latest` loaded.
 
     Attributes:

@@ -39,6 +39,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field
 
+from ..models import Record
+
 from ..errors import CkptError
 from .launch import launch_environment
 from ..storage.output import staged_output
@@ -364,7 +366,7 @@ def _default_store() -> Any:
         return None
 
 
-class RankShare(BaseModel):
+class RankShare(Record):
     """What one rank of a split run did (reports list one per rank; empty in a single run).
 
     Attributes:

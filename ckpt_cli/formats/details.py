@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
-from ..models import Manifest
+from ..models import Manifest, Record
 
 
-class FormatDetails(BaseModel):
+class FormatDetails(Record):
     """The typed details of one format's manifests.
 
     Attributes:
@@ -141,6 +141,6 @@ class GgufDetails(FormatDetails):
 
     gguf_version: int
     architecture: str | None = None
-    tensor_types: dict[str, int] = {}
-    metadata: dict[str, Any] = {}
+    tensor_types: dict[str, int] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
     split: dict[str, int] | None = None

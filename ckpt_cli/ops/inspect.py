@@ -8,7 +8,7 @@ import re
 from fnmatch import fnmatchcase
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from ..architectures import NamingInfo
 from ..dtypes import FLOATING
@@ -16,7 +16,7 @@ from ..errors import NotFoundError
 from ..formats import resolve_source
 from ..formats.base import Checkpoint, Source
 from ..formats.names import LIGHTNING_SUFFIX, SAFETENSORS_SUFFIX
-from ..models import Entry, FileInfo, Manifest, Problem, TrainingState
+from ..models import Entry, FileInfo, Manifest, Problem, Record, TrainingState
 from ..quant import QuantSummary
 from ..sources.layouts import OpenedSource, open_source
 from ..sources.layouts.model_folders import LayoutInfo
@@ -25,7 +25,7 @@ from ..storage import Storage
 from .shared.tree import TreeNode, build_tree, collapse_chains
 
 
-class InspectReport(BaseModel):
+class InspectReport(Record):
     """The result of `ckpt inspect`.
 
     Attributes:
@@ -92,7 +92,7 @@ def select(
     return chosen
 
 
-class InspectRequest(BaseModel):
+class InspectRequest(Record):
     """The options of `inspect`, typed and frozen (a test holds them to `inspect`'s parameters
     and the command's options; `--list` only chooses what the text output shows).
 

@@ -20,7 +20,7 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import HF_WEIGHTS, get_format, resolve_source
@@ -31,7 +31,7 @@ from ..formats.names import (
     TORCH_INDEX_SUFFIX,
     WEIGHT_SUFFIXES,
 )
-from ..models import Entry, FileInfo
+from ..models import Entry, FileInfo, Record
 from ..progress import NULL_PROGRESS, Progress
 from ..sources.layouts.base import open_plain
 from ..sources.layouts.model_folders import read_json
@@ -49,7 +49,7 @@ _LORA = re.compile(
 )
 
 
-class MergeReport(BaseModel):
+class MergeReport(Record):
     """The result of `ckpt merge`.
 
     Attributes:
@@ -249,7 +249,7 @@ def _companions(source: Source) -> list[str]:
     )
 
 
-class MergeRequest(BaseModel):
+class MergeRequest(Record):
     """Every option of `merge` but the locations, typed and frozen (a test holds its fields to
     `merge`'s keyword parameters and the command's options).
 

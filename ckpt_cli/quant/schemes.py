@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from .. import dtypes
 from ..errors import CkptError
-from ..models import Entry, Manifest, Problem
+from ..models import Entry, Manifest, Problem, Record
 from ..storage import Storage
 
 FP8 = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
@@ -88,7 +88,7 @@ class QuantWeight:
         return [self.payload, *self.sidecars.values()]
 
 
-class QuantConfig(BaseModel):
+class QuantConfig(Record):
     """What the checkpoint's config files say about quantization.
 
     Attributes:
@@ -111,7 +111,7 @@ class QuantConfig(BaseModel):
     raw: dict[str, Any] = Field(default_factory=dict)
 
 
-class QuantGroup(BaseModel):
+class QuantGroup(Record):
     """The modules quantized with one scheme (what `inspect` shows per scheme).
 
     Attributes:
@@ -134,7 +134,7 @@ class QuantGroup(BaseModel):
     example: dict[str, Any] = Field(default_factory=dict)
 
 
-class QuantSummary(BaseModel):
+class QuantSummary(Record):
     """The quantization of a checkpoint, from headers and config files.
 
     Attributes:

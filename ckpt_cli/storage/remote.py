@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError, UsageError
 from .base import Storage, is_parity_path
 from .local import safe_relpath
 from .uri import Location
+
+if TYPE_CHECKING:
+    # imported where the pool is made: a local SRC never needs it, and `concurrent.futures`
+    # (with `logging`) is a measurable part of a metadata command's start-up
+    from concurrent.futures import Future, ThreadPoolExecutor
 
 
 def remote_failure(exc: BaseException, where: str, *, writing: bool = False) -> CkptError:
@@ -51,6 +55,8 @@ _POOL_LOCK = threading.Lock()
 
 def _read_pool() -> ThreadPoolExecutor:
     global _READ_POOL
+    from concurrent.futures import ThreadPoolExecutor
+
     with _POOL_LOCK:
         if _READ_POOL is None:
             _READ_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-readahead")

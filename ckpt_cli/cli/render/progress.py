@@ -4,19 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from typing import TYPE_CHECKING
 
 from ...dist.command import joined
+from ...progress import NULL_PROGRESS
+from ...progress import Progress as ProgressSink
 from . import stderr
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 class RichProgress:
@@ -44,8 +40,21 @@ class RichProgress:
 
 
 @contextmanager
-def bar(enabled: bool = True) -> Iterator[RichProgress]:
-    """A progress sink for one command run."""
+def bar(enabled: bool = True) -> Iterator[ProgressSink]:
+    """A progress sink for one command run (one that draws nothing when nothing would show:
+    rich's progress machinery is then not even imported, a measurable part of a start-up)."""
+    if not enabled or not stderr.is_terminal or stderr.quiet:
+        yield NULL_PROGRESS
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -54,7 +63,6 @@ def bar(enabled: bool = True) -> Iterator[RichProgress]:
         TimeRemainingColumn(),
         console=stderr,
         transient=True,
-        disable=not enabled or not stderr.is_terminal or stderr.quiet,
     )
     with progress:
         yield RichProgress(progress)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from ...models import Record
 from . import JSON_VERSION
 
 #: a URN, not a URL: the schema ships in the repository and the package, not on a server
@@ -39,7 +40,7 @@ RESULT_MODELS: dict[str, list[str]] = {
 }
 
 
-class ErrorObject(BaseModel):
+class ErrorObject(Record):
     """Why a run exited non-zero: present whenever `exit_code` is not 0."""
 
     model_config = ConfigDict(extra="allow")
@@ -52,7 +53,7 @@ class ErrorObject(BaseModel):
     fix: str | None = Field(description="What to do about it.")
 
 
-class Envelope(BaseModel):
+class Envelope(Record):
     """The one JSON document every `ckpt ... --json` run prints on stdout, whatever happens."""
 
     ckpt_json: Literal[1] = Field(description="Version of this envelope.")

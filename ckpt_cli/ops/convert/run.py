@@ -10,7 +10,7 @@ import json
 from pathlib import PurePath
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from ... import dtypes
 from ...architectures import HF
@@ -18,7 +18,7 @@ from ...dist.command import RankShare
 from ...errors import FormatError, NotFoundError, UsageError
 from ...formats import find_format, resolve_source
 from ...formats.base import Checkpoint, Format, WriteOptions
-from ...models import FileInfo, Manifest
+from ...models import FileInfo, Manifest, Record
 from ...progress import NULL_PROGRESS, Progress
 from ...quant import QuantAnalysis
 from ...sizes import parse_size
@@ -61,7 +61,7 @@ from .plan import (
 )
 
 
-class ConvertRequest(BaseModel):
+class ConvertRequest(Record):
     """Every option of `convert` but the locations, frozen: what each component of a
     multi-folder source is converted with (`model_copy(update=...)`), so no option is re-listed
     by hand and none is dropped. Its fields are `convert`'s keyword parameters (a test holds
@@ -88,7 +88,7 @@ class ConvertRequest(BaseModel):
     flavor: str | None = None
 
 
-class ConvertReport(BaseModel):
+class ConvertReport(Record):
     """The result of `ckpt convert`.
 
     Attributes:

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from ...errors import NotFoundError, UsageError
 from ...formats.base import Checkpoint
-from ...models import Entry
+from ...models import Entry, Record
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts import OpenedSource, open_source
 from ..shared.selection import refuse_placeholders, select_entries, unmatched_rules
@@ -30,7 +30,7 @@ from ..shared.transfer import parse_renames, raw_blocks, rename
 from .compare import error_stats, short_repr, tensor_stats, values_equal
 
 
-class EntryDiff(BaseModel):
+class EntryDiff(Record):
     """How one lined-up pair of entries differs.
 
     Attributes:
@@ -74,7 +74,7 @@ class EntryDiff(BaseModel):
         return self.status != "close"
 
 
-class AliasPair(BaseModel):
+class AliasPair(Record):
     """A tied name: an alias of another tensor (`lm_head.weight` of `transformer.wte.weight`).
 
     Attributes:
@@ -95,7 +95,7 @@ class AliasPair(BaseModel):
     written_once: str | None = None
 
 
-class QuantError(BaseModel):
+class QuantError(Record):
     """How far one dequantized weight is from the other side's tensor (`diff --dequantize`).
 
     Attributes:
@@ -112,7 +112,7 @@ class QuantError(BaseModel):
     rel_rms: float
 
 
-class DiffReport(BaseModel):
+class DiffReport(Record):
     """The result of `ckpt diff`.
 
     Attributes:
@@ -230,7 +230,7 @@ def _read_value(checkpoint: Checkpoint, entry: Entry) -> Any:
     return checkpoint.read_object(entry.name)
 
 
-class DiffRequest(BaseModel):
+class DiffRequest(Record):
     """Every option of `diff` but the two locations, typed and frozen: validated once by
     `diff_with` and passed whole to each comparison, so no option is re-listed by hand. Its
     fields are `diff`'s keyword parameters (the command's `--rename` / `--filter` are

@@ -30,11 +30,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict, Field
 
 from ...errors import NotFoundError, UsageError
 from ...formats import resolve_source
 from ...formats.base import Source
+from ...models import Record
 from ...sources.layouts import open_source
 from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, is_remote, looks_like_run, scan_run
 from . import consistency, data, optimizer, points, rng, scaler, schedule, setup, weights
@@ -46,7 +47,7 @@ from .save import Save
 __all__ = ["CAUSE_IDS", "EXPECTABLE", "Cause", "DoctorReport", "LogJump", "ResumePoint", "doctor"]
 
 
-class DoctorRequest(BaseModel):
+class DoctorRequest(Record):
     """Every option of `doctor` but the run folder, typed and frozen (a test holds its fields
     to `doctor`'s keyword parameters and the command's options); they mean what `doctor`'s
     arguments say."""
@@ -55,7 +56,7 @@ class DoctorRequest(BaseModel):
 
     before: str | None = None
     after: str | None = None
-    expect: list[str] = []
+    expect: list[str] = Field(default_factory=list)
     settle: float = DEFAULT_SETTLE
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from ...models import Record
 
 #: every cause the doctor recognises, in the order a tie is broken (the likelier first)
 CAUSE_IDS = (
@@ -40,7 +42,7 @@ EXPECTABLE = {
 }
 
 
-class Cause(BaseModel):
+class Cause(Record):
     """One reason a resumed run diverged, with its evidence in numbers and the fix.
 
     Attributes:
@@ -68,7 +70,7 @@ class Cause(BaseModel):
     declared: bool = False
 
 
-class LogJump(BaseModel):
+class LogJump(Record):
     """The logged loss and learning rate on both sides of a resume step.
 
     Attributes:
@@ -92,7 +94,7 @@ class LogJump(BaseModel):
     restarted: bool = False
 
 
-class ResumePoint(BaseModel):
+class ResumePoint(Record):
     """Two consecutive saves of the run, and whether a restart lies between them.
 
     Attributes:
@@ -117,7 +119,7 @@ class ResumePoint(BaseModel):
     notes: list[str] = Field(default_factory=list)
 
 
-class DoctorReport(BaseModel):
+class DoctorReport(Record):
     """The result of `ckpt doctor`.
 
     Attributes:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from ...errors import FormatError, NotFoundError
 from ...formats.names import INDEX_SUFFIX, WEIGHT_SUFFIXES
-from ...models import Entry
+from ...models import Entry, Record
 from ...sources.model_files import EXTRA_SUFFIXES
 from ...storage.hub import HubRepo
 
@@ -31,7 +31,7 @@ PARTS_IN_FLIGHT = 16
 PARTIAL_MARKER = ".ckpt-partial"
 
 
-class DownloadRequest(BaseModel):
+class DownloadRequest(Record):
     """Every option of `download` but the locations, typed and frozen: built once (by the
     command, or by `download` from its keywords) and passed whole to the mode that runs it,
     so no option is re-listed by hand. Its fields are `download`'s keyword parameters less
@@ -52,7 +52,7 @@ class DownloadRequest(BaseModel):
     exclude_files: list[str] | None = None
 
 
-class DownloadFile(BaseModel):
+class DownloadFile(Record):
     """One file of a download.
 
     Attributes:
@@ -83,7 +83,7 @@ class DownloadFile(BaseModel):
     cache_path: str | None = None
 
 
-class DownloadRange(BaseModel):
+class DownloadRange(Record):
     """One HTTP range request of a tensors-mode download.
 
     Attributes:
@@ -105,7 +105,7 @@ class DownloadRange(BaseModel):
         return self.end - self.start
 
 
-class DownloadReport(BaseModel):
+class DownloadReport(Record):
     """The result of `ckpt download`.
 
     Attributes:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from ...models import Record
 
 PARITY_VERSION = 1
 #: the parity manifest; its `.index.json` suffix makes object-store uploads publish it last
@@ -32,7 +34,7 @@ HASH_THREADS = min(8, max(2, os.cpu_count() or 2))
 # ------------------------------------------------------------------------------ models
 
 
-class ProtectedFile(BaseModel):
+class ProtectedFile(Record):
     """One data file or parity share recorded in the parity manifest.
 
     Attributes:
@@ -50,7 +52,7 @@ class ProtectedFile(BaseModel):
     blocks: list[str] = Field(default_factory=list)
 
 
-class ParityManifest(BaseModel):
+class ParityManifest(Record):
     """The content of `.ckpt-parity/parity.index.json`.
 
     Attributes:
@@ -82,7 +84,7 @@ class ParityManifest(BaseModel):
     shares: list[ProtectedFile]
 
 
-class DamagedFile(BaseModel):
+class DamagedFile(Record):
     """A file (data or parity share) found missing or damaged.
 
     Attributes:
@@ -102,7 +104,7 @@ class DamagedFile(BaseModel):
     repairable: bool = True
 
 
-class ProtectReport(BaseModel):
+class ProtectReport(Record):
     """The result of `ckpt protect`.
 
     Attributes:
@@ -141,7 +143,7 @@ class ProtectReport(BaseModel):
     dry_run: bool = False
 
 
-class RepairReport(BaseModel):
+class RepairReport(Record):
     """The result of `ckpt repair` (or its `--dry-run` plan).
 
     Attributes:
@@ -185,7 +187,7 @@ def damage_text(d: DamagedFile) -> str:
 # ------------------------------------------------------------------------------ verify hook
 
 
-class ParityCheck(BaseModel):
+class ParityCheck(Record):
     """What `verify` learnt from the parity manifest (None when not protected).
 
     Attributes:

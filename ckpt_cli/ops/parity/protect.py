@@ -12,12 +12,13 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from ... import __version__
 from ...dist.command import active
 from ...errors import DestinationExistsError, UsageError
 from ...formats import resolve_source
+from ...models import Record
 from ...progress import NULL_PROGRESS, Progress
 from ...storage.output import RemoteDest, staged_output
 from .codec import Codec, block_digest, pad_block
@@ -96,7 +97,7 @@ def protect(
     return protect_with(src, request, on_plan, progress)
 
 
-class ProtectRequest(BaseModel):
+class ProtectRequest(Record):
     """Every option of `protect` but the location, typed and frozen: built once (by the
     command, or by `protect` from its keywords) and passed down whole, to every rank's share
     under torchrun too. Its fields are `protect`'s keyword parameters less the sinks

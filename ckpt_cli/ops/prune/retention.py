@@ -10,9 +10,10 @@ import re
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from ...errors import UsageError
+from ...models import Record
 from ...sources.runs import DEFAULT_SETTLE, BestMetric, RunCheckpoint, RunReport
 from .slim import SlimAction, slim_plan
 
@@ -35,7 +36,7 @@ def parse_duration(text: str, option: str = "duration") -> float:
     return seconds
 
 
-class PrunePolicy(BaseModel):
+class PrunePolicy(Record):
     """What to keep.
 
     Attributes:
@@ -85,7 +86,7 @@ class PrunePolicy(BaseModel):
         )
 
 
-class PruneDecision(BaseModel):
+class PruneDecision(Record):
     """The fate of one checkpoint.
 
     Attributes:
@@ -115,7 +116,7 @@ class PruneDecision(BaseModel):
     error: str | None = None
 
 
-class PruneReport(BaseModel):
+class PruneReport(Record):
     """The result of `ckpt prune`.
 
     Attributes:
@@ -149,7 +150,7 @@ class PruneReport(BaseModel):
     best: BestMetric | None = None
 
 
-class WatchReport(BaseModel):
+class WatchReport(Record):
     """The result of `ckpt prune --watch`: every round that deleted something, and why it stopped.
 
     Attributes:

@@ -27,11 +27,12 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from ...errors import CkptError
 from ...formats import find_format, get_format
 from ...formats.base import Checkpoint
+from ...models import Record
 from ...sources.runs import DELETING, RUN_SLIM_RECORD, SLIM_RECORD
 from ...storage.output import TMP_MARKER, fsync_dir
 
@@ -39,7 +40,7 @@ from ...storage.output import TMP_MARKER, fsync_dir
 DROPPED = ("optimizer", "rng", "dataloader", "sampler")
 
 
-class SlimAction(BaseModel):
+class SlimAction(Record):
     """What slimming does to one checkpoint.
 
     Attributes:

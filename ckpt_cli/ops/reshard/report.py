@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from ...dist.command import RankShare
-from ...models import FileInfo
+from ...models import FileInfo, Record
 
 #: what happens to per-rank state (RNG streams, data-loader positions) in a world-size reshard:
 #: `carry` (same world size), `keep` (as saved), `drop` (left out), `replicate` (each new rank
@@ -18,7 +18,7 @@ RankStateAction = Literal["carry", "drop", "keep", "replicate"]
 RankStateChoice = Literal["drop", "keep", "replicate"]
 
 
-class RankStateEntry(BaseModel):
+class RankStateEntry(Record):
     """A per-rank training-state entry (RNG stream, data-loader position...).
 
     Attributes:
@@ -34,7 +34,7 @@ class RankStateEntry(BaseModel):
     written: list[str] | None = None
 
 
-class RankFile(BaseModel):
+class RankFile(Record):
     """What a world-size reshard did with one per-rank file of a training folder.
 
     Attributes:
@@ -50,7 +50,7 @@ class RankFile(BaseModel):
     written: list[str] = Field(default_factory=list)
 
 
-class ReshardedPart(BaseModel):
+class ReshardedPart(Record):
     """One DCP folder of a training folder, re-cut for the new world size.
 
     Attributes:
@@ -68,14 +68,14 @@ class ReshardedPart(BaseModel):
     tensor_bytes: int = 0
 
 
-class SkippedFile(BaseModel):
+class SkippedFile(Record):
     """A source file a reshard did not write, and why (nothing vanishes silently)."""
 
     path: str
     reason: str
 
 
-class ResumeVerdict(BaseModel):
+class ResumeVerdict(Record):
     """Whether the output resumes the run, and whether bit-identically, with the reasons.
 
     Attributes:
@@ -90,7 +90,7 @@ class ResumeVerdict(BaseModel):
     reasons: list[str] = Field(default_factory=list)
 
 
-class ReshardReport(BaseModel):
+class ReshardReport(Record):
     """The result of `ckpt reshard`.
 
     Attributes:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
+
+from ...models import Record
 
 
-class ReshardRequest(BaseModel):
+class ReshardRequest(Record):
     """Every option of `reshard` but the locations, typed and frozen: validated once by
     `reshard_with`, and what each component of a multi-folder model is resharded with
     (`model_copy(update=...)`), so no option is re-listed by hand and none is dropped. Its

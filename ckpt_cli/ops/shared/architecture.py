@@ -20,8 +20,6 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
-
 from ...architectures import HF, NAMING_FORMATS, get_architecture, recognise
 from ...architectures.base import (
     Architecture,
@@ -31,7 +29,7 @@ from ...architectures.base import (
     NamingOutput,
 )
 from ...errors import FormatError
-from ...models import Chunk
+from ...models import Chunk, Record
 from .transfer import SkippedEntry, TransferPlan, plan_transfer
 
 if TYPE_CHECKING:
@@ -40,7 +38,7 @@ if TYPE_CHECKING:
     from ...storage import Storage
 
 
-class MappedRecord(BaseModel):
+class MappedRecord(Record):
     """One output tensor of a naming change, for reports and `--dry-run`.
 
     Attributes:
@@ -54,7 +52,7 @@ class MappedRecord(BaseModel):
     transform: str
 
 
-class ArchitectureReport(BaseModel):
+class ArchitectureReport(Record):
     """What a naming change did: the family, the namings, the args, every mapped tensor.
 
     Attributes:

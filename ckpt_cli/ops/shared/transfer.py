@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from ... import dtypes
 from ...dist.command import CombinedProgress, RankShare, Workers, active, split_output
@@ -32,7 +32,7 @@ from ...formats import find_format, get_format
 from ...formats.base import Checkpoint, Source, WriteOptions, Writer
 from ...formats.details import TorchDetails
 from ...formats.names import DCP_DATA_SUFFIX, PICKLE_SUFFIX, WEIGHT_SUFFIXES, looks_like_index
-from ...models import Entry, FileInfo, Manifest
+from ...models import Entry, FileInfo, Manifest, Record
 from ...progress import NULL_PROGRESS, CountingProgress, Progress
 from ...sources.model_files import EXTRA_SUFFIXES, MAX_EXTRA_BYTES
 from ...storage import LocalStorage
@@ -50,7 +50,7 @@ if typing.TYPE_CHECKING:  # only the annotation: DEST may be a local path or an 
 DELAY_ENV = "CKPT_TEST_COPY_DELAY"
 
 
-class SkippedEntry(BaseModel):
+class SkippedEntry(Record):
     """An entry of the source that was not written, and why."""
 
     name: str
@@ -58,7 +58,7 @@ class SkippedEntry(BaseModel):
     reason: str
 
 
-class WrittenEntry(BaseModel):
+class WrittenEntry(Record):
     """One entry written to the output.
 
     Attributes:

@@ -6,12 +6,12 @@ Numeric path components are merged into one node per position, so a 32-layer mod
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from ...models import Entry
+from ...models import Entry, Record
 
 
-class TreeNode(BaseModel):
+class TreeNode(Record):
     """One node of the folded tree.
 
     Attributes:

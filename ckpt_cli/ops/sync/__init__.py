@@ -43,9 +43,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from ...errors import NotFoundError, UsageError
+from ...models import Record
 from ...sources.runs import DEFAULT_SETTLE, is_remote
 from ...storage.uri import is_hub_url
 from ..prune.retention import PrunePolicy
@@ -67,7 +68,7 @@ __all__ = [
 # --------------------------------------------------------------------------- entry point
 
 
-class SyncRequest(BaseModel):
+class SyncRequest(Record):
     """Every option of `sync` but the two sides, typed and frozen: built once (by the command,
     or by `sync` from its keywords) and read by every `--watch` round. Its fields are `sync`'s
     keyword parameters less the sinks (`on_round`, `sleep`, `on_file`), and the command's

@@ -8,15 +8,16 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
+from ...models import Record
 from ..prune.retention import PruneReport
 
 #: hash algorithm of manifests sync computes (the one `verify --write-manifest` defaults to)
 SYNC_ALGORITHM = "sha256"
 
 
-class SyncedCheckpoint(BaseModel):
+class SyncedCheckpoint(Record):
     """What one round did with one checkpoint.
 
     Attributes:
@@ -46,7 +47,7 @@ class SyncedCheckpoint(BaseModel):
     manifest: Literal["checkpoint", "computed"] | None = None
 
 
-class SyncReport(BaseModel):
+class SyncReport(Record):
     """The result of `ckpt sync`.
 
     Attributes:

@@ -19,14 +19,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
-
 from ... import __version__
 from ...dist.command import CombinedProgress, RankShare, active
 from ...errors import CkptError, DestinationExistsError, FormatError, NotFoundError, UsageError
 from ...formats import resolve_source
 from ...formats.base import Source
-from ...models import Problem
+from ...models import Problem, Record
 from ...progress import Progress
 from ...storage import LocalStorage, RemoteFile, hf_cache_repo, read_regular, remote_failure
 from ...storage.hashing import ALGORITHMS, Hashable, StoredFile, hash_files
@@ -47,14 +45,14 @@ MANIFEST_NAME = "ckpt-manifest.json"
 MANIFEST_VERSION = 1
 
 
-class FileDigest(BaseModel):
+class FileDigest(Record):
     """One file recorded in a checksum manifest."""
 
     size: int
     digest: str
 
 
-class ChecksumManifest(BaseModel):
+class ChecksumManifest(Record):
     """The content of `ckpt-manifest.json`.
 
     Attributes:

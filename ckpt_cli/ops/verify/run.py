@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from ... import models
 from ...dist.command import CombinedProgress, RankShare, active
 from ...errors import CkptError, UnsafeInputError, UsageError
 from ...formats import choose_format, get_format, resolve_source
 from ...formats.base import Checkpoint
-from ...models import Problem, TrainingState
+from ...models import Problem, Record, TrainingState
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts import OpenedSource, SourceOpener, check_source, recognise_layout
 from ...storage.hashing import ALGORITHMS
@@ -41,7 +41,7 @@ _COUNT_STEP = 1 << 24
 _STREAM_BYTES = 16 << 20
 
 
-class TensorHealth(BaseModel):
+class TensorHealth(Record):
     """Non-finite values found in one tensor by `--deep`."""
 
     name: str
@@ -50,7 +50,7 @@ class TensorHealth(BaseModel):
     inf: int = 0
 
 
-class VerifyReport(BaseModel):
+class VerifyReport(Record):
     """The result of `ckpt verify`.
 
     Attributes:
@@ -89,7 +89,7 @@ class VerifyReport(BaseModel):
     parity: ParityCheck | None = None
 
 
-class VerifyRequest(BaseModel):
+class VerifyRequest(Record):
     """Every option of `verify` but the location, typed and frozen: validated once by
     `verify_with` and passed whole to each check, so no option is re-listed by hand. Its
     fields are `verify`'s keyword parameters and the command's options (a test holds them to

@@ -24,10 +24,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from ...formats.base import Source
 from ...formats.names import SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX
+from ...models import Record
 
 #: JSON files read here are small; anything larger is not the file we think it is
 MAX_JSON = 4 << 20
@@ -40,7 +41,7 @@ _DIFFUSERS_INDEX = re.compile(
 )
 
 
-class ComponentInfo(BaseModel):
+class ComponentInfo(Record):
     """One component of a multi-folder model (a pipeline's `unet/`, a sentence-transformers
     module).
 
@@ -62,7 +63,7 @@ class ComponentInfo(BaseModel):
     files: list[str] = Field(default_factory=list)
 
 
-class LayoutInfo(BaseModel):
+class LayoutInfo(Record):
     """Which library wrote a model folder and what its own files say about it.
 
     Attributes:

@@ -6,7 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from ...models import Record
 
 #: files modified within this many seconds mark a checkpoint as possibly still being written
 DEFAULT_SETTLE = 120.0
@@ -22,7 +24,7 @@ RUN_SLIM_RECORD = ".ckpt-slim.json"
 Status = Literal["complete", "incomplete", "interrupted", "writing"]
 
 
-class RunCheckpoint(BaseModel):
+class RunCheckpoint(Record):
     """One step checkpoint of a run folder.
 
     Attributes:
@@ -75,7 +77,7 @@ class RunCheckpoint(BaseModel):
         return (step, epoch, self.mtime)
 
 
-class BestMetric(BaseModel):
+class BestMetric(Record):
     """Where the best checkpoint by a metric comes from.
 
     Attributes:
@@ -92,7 +94,7 @@ class BestMetric(BaseModel):
     value: float | None = None
 
 
-class RunReport(BaseModel):
+class RunReport(Record):
     """The checkpoints of a run folder.
 
     Attributes:
