@@ -10,7 +10,7 @@ from typing import Any, Literal
 from ...errors import NotFoundError, UsageError
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, is_checkpoint_file
-from ...storage import LocalStorage
+from ...storage import LocalStorage, Storage
 from .judge import judge_found, newest_trainer_state, read_deepspeed_latest
 from .naming import (
     discover_local,
@@ -64,7 +64,7 @@ def scan_run(
             fix="Pass the run folder that holds the step checkpoints (checkpoint-N/...).",
         )
     storage = None
-    if isinstance(run_dir, Source) and isinstance(run_dir.storage, LocalStorage):
+    if isinstance(run_dir, Source) and run_dir.storage.local_root is not None:
         storage = run_dir.storage if run_dir.target is None else None  # resolved: reused
     return scan(
         _LocalRun(root, storage),
@@ -80,7 +80,7 @@ class _LocalRun(RunFolder[Found]):
     """A run folder on this machine: walked with links seen (never followed out of the run),
     each component judged by its format's `check`."""
 
-    def __init__(self, root: Path, storage: LocalStorage | None = None) -> None:
+    def __init__(self, root: Path, storage: Storage | None = None) -> None:
         self.root = root
         self.display = str(root)
         # the run's own small files (`latest`, `trainer_state.json`, `metrics.jsonl`) are read
