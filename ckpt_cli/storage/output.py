@@ -45,8 +45,8 @@ from ..progress import NULL_PROGRESS, Progress
 from . import remote_failure
 from .base import TMP_MARKER as TMP_MARKER
 from .base import Storage, file_chunks
-from .local import LocalStorage, read_regular
 from .local import fsync_dir as fsync_dir
+from .local import read_regular
 from .remote import UPLOAD_BLOCK as UPLOAD_BLOCK
 from .remote import FsspecStorage
 from .uri import parse_location
@@ -101,39 +101,27 @@ class RemoteDest:
 Destination = Path | RemoteDest
 
 
-def parent_storage(dest: Destination) -> Storage:
-    """The writable storage of the folder (or prefix) that holds `dest`; `dest.name` is the
-    name `dest` has there."""
-    if isinstance(dest, RemoteDest):
-        return dest.parent
-    return LocalStorage(dest.absolute().parent)
-
-
 def local_destination(dest: Destination) -> Path | None:
-    """`dest` as a path on this machine, or None when it is not on a local disk (an object
-    store): for outputs that must be written locally."""
-    root = parent_storage(dest).local_root
-    return None if root is None else root / dest.name
+    """`dest` as an absolute path on this machine, or None when it is not on a local disk (an
+    object store): for outputs that must be written locally. Destinations are told apart here,
+    in the storage layer, and nowhere else."""
+    return None if isinstance(dest, RemoteDest) else dest.absolute()
 
 
 def destination_exists(dest: Destination) -> bool:
     """Whether a file (or, in an object store, an object or prefix) exists at `dest`."""
-    local = local_destination(dest)
-    if local is not None:
-        return local.exists()
-    assert isinstance(dest, RemoteDest)
-    return _remote_exists(dest)
+    if isinstance(dest, RemoteDest):
+        return _remote_exists(dest)
+    return dest.exists()
 
 
 def read_destination(dest: Destination) -> bytes:
     """The whole content of the file at `dest` (a small one: a manifest); FileNotFoundError
     when there is none. A local FIFO or device named like it is refused, never waited on."""
-    local = local_destination(dest)
-    if local is not None:
-        if not local.exists():
-            raise FileNotFoundError(errno.ENOENT, "no such file", str(local))
-        return read_regular(local)
-    assert isinstance(dest, RemoteDest)
+    if not isinstance(dest, RemoteDest):
+        if not dest.exists():
+            raise FileNotFoundError(errno.ENOENT, "no such file", str(dest))
+        return read_regular(dest)
     try:
         data: bytes = dest.fs.cat_file(dest.path)
     except FileNotFoundError:
@@ -146,8 +134,7 @@ def read_destination(dest: Destination) -> bytes:
 def remote_key(dest: Destination) -> str | None:
     """The path of `dest` inside its fsspec filesystem (`bucket/prefix/name`), or None for a
     local destination."""
-    found = parent_storage(dest).fs_path(dest.name)
-    return None if found is None else found[1]
+    return dest.path if isinstance(dest, RemoteDest) else None
 
 
 def resolve_destination(dest: str | Path) -> Destination:
@@ -229,13 +216,11 @@ def staged_output(
     left as it was. A `RemoteDest` is staged locally and uploaded (see the module docstring);
     `progress` then reports the bytes uploaded.
     """
-    local = local_destination(dest)
-    if local is None:
-        assert isinstance(dest, RemoteDest)
+    if isinstance(dest, RemoteDest):
         with _staged_remote(dest, force=force, single_file=single_file, progress=progress) as s:
             yield s
         return
-    dest = local
+    dest = dest.absolute()
     check_destination(dest, force)
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
