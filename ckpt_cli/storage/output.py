@@ -455,9 +455,12 @@ def _publish_remote(
             )
         # no rename in an object store: the old output goes first, its markers before its
         # data, so no moment shows a marker over a mix of old and new files
-        old = _remote_files(dest)
-        for rel in sorted(old, key=lambda n: (not is_commit_marker(n), n)):
-            store.remove(f"{dest.name}/{rel}" if rel else dest.name)
+        if dest.fs.isfile(dest.path):
+            store.remove(dest.name)
+        else:
+            previous = FsspecStorage(dest.fs, dest.path, dest.url)
+            for rel in sorted(previous.all_files(), key=lambda n: (not is_commit_marker(n), n)):
+                previous.remove(rel)  # listed: one request each
     if single_file:
         store.copy(f"{tmp_name}/{files[0]}", dest.name)
         return
@@ -476,16 +479,6 @@ def _publish_remote(
     except BaseException:
         _remove_remote(store, copied)
         raise
-
-
-def _remote_files(dest: RemoteDest) -> list[str]:
-    """Objects at DEST, relative to it ('' for DEST itself being one object)."""
-    fs = dest.fs
-    if fs.isfile(dest.path):
-        return [""]
-    found = fs.find(dest.path)
-    prefix = dest.path + "/"
-    return [n[len(prefix) :] for n in found if n.startswith(prefix)]
 
 
 def _remove_remote(store: Storage, names: list[str]) -> None:

@@ -294,15 +294,22 @@ class FsspecStorage(Storage):
 
     def remove(self, rel: str) -> None:
         full = self._full(rel)
+        rel = safe_relpath(rel, source=self.display)
         try:
-            if self.fs.exists(full):
+            if self._sizes is not None and rel in self._sizes:
+                self.fs.rm_file(full)  # an object this storage listed: one request
+                del self._sizes[rel]
+                self._mtimes.pop(rel, None)
+                with contextlib.suppress(Exception):
+                    self.fs.invalidate_cache(full)
+                return
+            if self.fs.exists(full):  # an object, or a prefix with everything under it
                 self.fs.rm(full, recursive=True)
         except FileNotFoundError:
             pass
         except Exception as exc:
             raise remote_failure(exc, self.describe(rel), writing=True) from None
-        finally:
-            self._written(full)
+        self._written(full)
 
     def destination(self, rel: str) -> Destination:
         from .output import RemoteDest
