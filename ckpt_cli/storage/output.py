@@ -226,9 +226,10 @@ def staged_output(
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
     except OSError as exc:
         raise io_failure(exc, dest.parent, "creating the staging folder") from None
-    # mkdtemp makes the folder 0700; a published output gets what a plain mkdir would give
-    apply_umask(staging, directory=True)
     try:
+        # mkdtemp makes the folder 0700; a published output gets what a plain mkdir would
+        # give (inside the try: a signal arriving meanwhile still removes the staging)
+        apply_umask(staging, directory=True)
         yield staging
         if single_file:
             produced = [p for p in staging.iterdir()]
