@@ -111,7 +111,7 @@ class Storage(ABC):
       content or the new one, never a part), moved rather than copied where it can be;
     * `copy(src, rel)`: a file of this storage copied to another name (server-side in a store);
     * `remove(rel)`: a file, or a folder / prefix with everything under it, gone;
-    * `stat_files()`: a fresh listing with sizes and modification times;
+    * `stat_files()`: the listing with sizes and modification times;
     * `destination(rel)`: `rel` as an output destination for `staged_output`.
 
     A storage that is not writable raises UsageError (exit 2) naming `write_refusal`. The Hub
