@@ -149,6 +149,93 @@ def test_hub_urls_are_parsed_in_one_place() -> None:
     ]
 
 
+STORAGE = PACKAGE / "storage"
+
+
+def storage_types() -> set[str]:
+    """What `ckpt_cli/storage/` gives operations to read and write through: `Storage` and its
+    subclasses, and the output destinations (`Destination = Path | RemoteDest`: the alias and the
+    classes storage defines in it). Records (`RemoteFile`, `FileRange`...) are not included."""
+    classes: dict[str, set[str]] = {}  # class -> its bases' names
+    unions: dict[str, set[str]] = {}  # module-level `A = B | C` alias -> its names
+    for path in sorted(STORAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = {
+                    n.id if isinstance(n, ast.Name) else n.attr
+                    for n in node.bases
+                    if isinstance(n, ast.Name | ast.Attribute)
+                }
+        for node in tree.body:
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.BinOp)
+                and isinstance(node.value.op, ast.BitOr)
+            ):
+                parts = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        unions[target.id] = parts
+    names = {"Storage"}
+    while grown := {c for c, bases in classes.items() if bases & names and c not in names}:
+        names |= grown
+    return names | {"Destination"} | (unions["Destination"] & set(classes))
+
+
+def storage_type_checks(source: str, path: Path, types: set[str]) -> list[str]:
+    """Each `isinstance` / `issubclass` in `source` whose class argument names one of `types`
+    (bare, dotted, in a tuple or a `|` union): a choice made from a storage's class instead of
+    what the storage declares."""
+    place = path.relative_to(PACKAGE.parent)
+    found = []
+    for node in ast.walk(ast.parse(source, str(path))):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("isinstance", "issubclass")
+            and len(node.args) == 2
+        ):
+            continue
+        named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+        named |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+        found += [
+            f"{place}:{node.lineno}: {node.func.id}(…, {name})" for name in sorted(named & types)
+        ]
+    return found
+
+
+def test_storage_classes_are_told_apart_only_inside_storage() -> None:
+    # operations choose from what a storage declares (writable, local_root, ranged_reads,
+    # destination()...), so a new storage needs no edit outside `ckpt_cli/storage/`
+    types = storage_types()
+    assert {"Storage", "LocalStorage", "FsspecStorage", "HubStorage", "RemoteDest"} <= types
+    assert "Destination" in types
+    found = [
+        use
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if STORAGE not in path.parents
+        for use in storage_type_checks(path.read_text(), path, types)
+    ]
+    assert not found, (
+        "declare a capability on storage.base.Storage (or use storage.output's destination "
+        "helpers) instead of testing the class:\n" + "\n".join(found)
+    )
+    probe = (
+        "def f(s, d, o):\n"
+        "    a = isinstance(s, LocalStorage | FsspecStorage)\n"
+        "    b = isinstance(d, (output.RemoteDest, Path))\n"
+        "    c = isinstance(o, torch.UntypedStorage) or isinstance(o, _Storage)\n"
+        "    return issubclass(type(s), HubStorage)\n"
+    )
+    assert storage_type_checks(probe, PACKAGE / "probe.py", types) == [
+        "ckpt_cli/probe.py:2: isinstance(…, FsspecStorage)",
+        "ckpt_cli/probe.py:2: isinstance(…, LocalStorage)",
+        "ckpt_cli/probe.py:3: isinstance(…, RemoteDest)",
+        "ckpt_cli/probe.py:5: issubclass(…, HubStorage)",
+    ]
+
+
 #: at most this many functions over `COMPLEX` per thousand lines of code (issue #26)
 COMPLEXITY_BUDGET_PER_KLOC = 1.2
 COMPLEX = 15

@@ -35,7 +35,7 @@ from ..models import Entry, FileInfo, Record
 from ..progress import NULL_PROGRESS, Progress
 from ..sources.layouts.base import open_plain
 from ..sources.layouts.model_folders import read_json
-from ..storage.output import Destination, RemoteDest, resolve_destination, staged_output
+from ..storage.output import local_destination, resolve_destination, staged_output
 from ..storage.uri import parse_location
 from .shared.transfer import plan_transfer
 from .shared.transfer import write_checkpoint as run_write
@@ -326,8 +326,8 @@ def merge_with(
             path=adapter,
             fix="Point ADAPTER at the folder peft's save_pretrained wrote.",
         )
-    dest_path: Destination = resolve_destination(dest)
-    if isinstance(dest_path, RemoteDest):
+    dest_path = local_destination(resolve_destination(dest))
+    if dest_path is None:
         raise UsageError("merge writes to a local folder", path=dest)
     # each side is resolved (listed, its Hub revision pinned) once and read through that
     base_source = resolve_source(base)

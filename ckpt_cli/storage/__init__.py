@@ -7,14 +7,20 @@ Formats read through a `Storage` and never build paths themselves, so that
 * the same format code reads local folders (`os.pread`, no full reads) and remote ones
   (fsspec ranged reads on S3, GCS...; HTTP range requests on the Hugging Face Hub).
 
+Each storage has a read side and, where it declares `writable`, a write side (`write_file`,
+`put`, `copy`, `remove`, `stat_files`, `destination`): operations choose from what a storage
+declares, never from its class.
+
 Modules: `base` (the `Storage` interface and its capability declarations), `local` (folders
 on this machine), `remote` (fsspec filesystems: object stores), `hub` (Hugging Face Hub
-repositories; imported on demand, not re-exported here).
+repositories, read-only; imported on demand, not re-exported here), `output` (atomic outputs
+to a local or object-store destination).
 """
 
 from .base import (
     PARITY_DIR,
     STAGING_MARKERS,
+    FileStat,
     RangeFile,
     RemoteFile,
     Storage,
@@ -28,6 +34,7 @@ from .remote import FsspecStorage, filesystem_for, remote_failure
 __all__ = [
     "PARITY_DIR",
     "STAGING_MARKERS",
+    "FileStat",
     "FsspecStorage",
     "LocalStorage",
     "RangeFile",

@@ -15,9 +15,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
-from ..errors import NotFoundError
+from ..errors import NotFoundError, UsageError
+
+if TYPE_CHECKING:
+    from .output import Destination
 
 #: the folder `ckpt protect` writes parity into (inside the checkpoint folder, or beside a
 #: single-file checkpoint); it is never part of the checkpoint's data, so listings skip it
@@ -35,6 +38,8 @@ def is_parity_path(rel: str) -> bool:
 #: aside) and `.NAME.ckpt-partial` (ranges kept by an unfinished download) are never part of a
 #: checkpoint, whatever folder they are found in
 STAGING_MARKERS = (".ckpt-tmp-", ".ckpt-old-", ".ckpt-partial")
+#: the marker of a staging name: `.NAME.ckpt-tmp-XXXX` (a file or folder being written)
+TMP_MARKER = STAGING_MARKERS[0]
 
 
 def is_staging_name(name: str) -> bool:
@@ -59,8 +64,32 @@ class RemoteFile:
     blob_id: str | None = None
 
 
+@dataclass(frozen=True)
+class FileStat:
+    """One file of a listing: its size, and when it was last written when the storage knows.
+
+    Attributes:
+        size: size in bytes.
+        mtime: modification time (seconds since the epoch), or None when unknown.
+    """
+
+    size: int
+    mtime: float | None = None
+
+
+#: bytes per block when a local file is streamed into a storage (`Storage.put`)
+PUT_BLOCK = 16 << 20
+
+
+def file_chunks(path: Path, block: int = PUT_BLOCK) -> Iterator[bytes]:
+    """The content of a local file, `block` bytes at a time."""
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            yield chunk
+
+
 class Storage(ABC):
-    """Read access to the files under one checkpoint root.
+    """Read (and, where declared, write) access to the files under one checkpoint root.
 
     What a storage can do is declared here, so that operations choose their strategy from
     these declarations and never from the storage's class:
@@ -74,6 +103,20 @@ class Storage(ABC):
     * `fs_path()`: the fsspec filesystem and path of a file (objects stores), or None;
     * `modified()`: a file's modification time when the listing reports one, else None;
     * `local_path()`: a file's path on this machine (local folders, cached Hub files), or None.
+
+    The write side, for storages that declare `writable` (local folders, object stores):
+
+    * `write_file(rel, chunks)`: a file written from a stream of bytes, appearing whole;
+    * `put(rel, local)`: a local file published under `rel` atomically (the name shows the old
+      content or the new one, never a part), moved rather than copied where it can be;
+    * `copy(src, rel)`: a file of this storage copied to another name (server-side in a store);
+    * `remove(rel)`: a file, or a folder / prefix with everything under it, gone;
+    * `stat_files()`: the listing with sizes and modification times;
+    * `destination(rel)`: `rel` as an output destination for `staged_output`.
+
+    A storage that is not writable raises UsageError (exit 2) naming `write_refusal`. The Hub
+    is not writable: a Hub storage is one pinned commit, and writing to a repository is a new
+    commit of many files at once (`huggingface-cli upload`), not a file at a time.
     """
 
     #: how the root is shown in messages
@@ -83,6 +126,13 @@ class Storage(ABC):
     ranged_reads: ClassVar[bool] = True
     #: files can be hashed through `read`, and a manifest written beside them
     hashes_in_place: ClassVar[bool] = False
+    #: files can be written, replaced and removed under the root (the write side below)
+    writable: ClassVar[bool] = False
+    #: why writing is refused, and what to do instead (for a storage that is not writable)
+    write_refusal: ClassVar[tuple[str, str]] = (
+        "this storage is read-only",
+        "Write to a local folder or an object store instead.",
+    )
 
     @abstractmethod
     def list_files(self) -> dict[str, int]:
@@ -163,6 +213,42 @@ class Storage(ABC):
     def subfolder(self, rel: str) -> Storage | None:
         """A storage rooted at the subfolder `rel` (a component folder), or None if unsupported."""
         return None
+
+    # ------------------------------------------------------------------------- write side
+
+    def refuse_write(self, rel: str = "") -> UsageError:
+        """The error a write to a storage that is not `writable` raises."""
+        problem, fix = self.write_refusal
+        return UsageError(problem, path=self.describe(rel) if rel else self.display, fix=fix)
+
+    def write_file(self, rel: str, chunks: Iterable[bytes]) -> int:
+        """Write `rel` from `chunks` (parent folders made as needed); the file appears whole,
+        replacing any file of that name. Returns the bytes written."""
+        raise self.refuse_write(rel)
+
+    def put(self, rel: str, local: Path, *, move: bool = False) -> None:
+        """Publish the local file `local` as `rel` atomically: readers see the old file or the
+        new one, whole. With `move`, `local` may be consumed (renamed into place where it is
+        on the same filesystem)."""
+        self.write_file(rel, file_chunks(local))
+
+    def copy(self, src: str, rel: str) -> None:
+        """Copy the file `src` of this storage to `rel` (server-side in an object store)."""
+        raise self.refuse_write(rel)
+
+    def remove(self, rel: str) -> None:
+        """Remove the file `rel`, or the folder (prefix) `rel` with everything under it; a name
+        that is not there is no error."""
+        raise self.refuse_write(rel)
+
+    def stat_files(self) -> dict[str, FileStat]:
+        """Every file under the root (parity excluded, as `list_files`), with its size and its
+        modification time where the storage reports one."""
+        return {rel: FileStat(size, self.modified(rel)) for rel, size in self.list_files().items()}
+
+    def destination(self, rel: str) -> Destination:
+        """`rel` as an output destination (`storage.output.staged_output` publishes there)."""
+        raise self.refuse_write(rel)
 
 
 class RangeFile(io.RawIOBase):

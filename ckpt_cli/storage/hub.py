@@ -81,6 +81,13 @@ class HubStorage(Storage):
     #: data the selection may not want (of a shard smaller than the probe: all of it)
     exact_header_below = 4 * header_probe
 
+    #: not writable: this storage is one pinned commit, and a write to a repository is a new
+    #: commit of many files at once, not a file at a time
+    write_refusal = (
+        "cannot write to the Hub",
+        "Write to a local folder, then publish it with `huggingface-cli upload`.",
+    )
+
     def __init__(self, repo: HubRepo):
         self.repo = repo
         self.display = repo.display()

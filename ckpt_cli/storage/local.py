@@ -1,17 +1,28 @@
-"""Folders on this machine: path confinement (`safe_relpath`), regular-file opening, `LocalStorage`."""
+"""Folders on this machine: path confinement (`safe_relpath`), regular-file opening, `LocalStorage`.
+
+Writes (`LocalStorage.write_file`, `put`) go to a hidden `.NAME.ckpt-tmp-*` sibling in the
+target's folder, are fsynced, and are published with one `os.replace`, so a reader or a crash
+sees the old file or the new one, whole; the folder is fsynced after the rename.
+"""
 
 from __future__ import annotations
 
 import os
 import posixpath
 import re
+import shutil
 import stat
+import tempfile
 from collections.abc import Iterable, Iterator
+from contextlib import suppress
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from ..errors import FormatError, NotFoundError, UnsafeInputError
-from .base import Storage, is_parity_path, is_staging_name
+from .base import TMP_MARKER, FileStat, Storage, is_parity_path, is_staging_name
+
+if TYPE_CHECKING:
+    from .output import Destination
 
 
 def open_regular(path: str | os.PathLike[str], where: str | None = None) -> int:
@@ -103,6 +114,7 @@ class LocalStorage(Storage):
     """A folder on this machine; reads use `os.pread` so nothing is read that is not asked for."""
 
     hashes_in_place = True
+    writable = True
 
     def __init__(self, root: Path):
         self.root = root
@@ -207,6 +219,99 @@ class LocalStorage(Storage):
 
     def describe(self, rel: str) -> str:
         return str(self.root / rel)
+
+    # ------------------------------------------------------------------------- write side
+
+    def _target(self, rel: str) -> Path:
+        """Where `rel` is written: confined to the root; a link at that name is replaced, never
+        written through (its parent folders must stay inside the root)."""
+        rel = safe_relpath(rel, source=self.display)
+        parent = posixpath.dirname(rel)
+        folder = self.path(parent) if parent else self.root
+        return folder / posixpath.basename(rel)
+
+    def write_file(self, rel: str, chunks: Iterable[bytes]) -> int:
+        final = self._target(rel)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}{TMP_MARKER}", dir=final.parent)
+        written = 0
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for chunk in chunks:
+                    out.write(chunk)
+                    written += len(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            _umask_mode(Path(tmp))
+            os.replace(tmp, final)
+        except BaseException:
+            with suppress(OSError):
+                os.unlink(tmp)
+            raise
+        fsync_dir(final.parent)
+        return written
+
+    def put(self, rel: str, local: Path, *, move: bool = False) -> None:
+        if not move:
+            super().put(rel, local)
+            return
+        final = self._target(rel)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(local, final)
+        except OSError as exc:
+            import errno
+
+            if exc.errno != errno.EXDEV:
+                raise
+            super().put(rel, local)  # another filesystem: copied, then published by rename
+            return
+        fsync_dir(final.parent)
+
+    def copy(self, src: str, rel: str) -> None:
+        self.put(rel, self.path(src))
+
+    def remove(self, rel: str) -> None:
+        target = self._target(rel)
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            target.unlink(missing_ok=True)
+
+    def stat_files(self) -> dict[str, FileStat]:
+        out: dict[str, FileStat] = {}
+        for rel in self.list_files():
+            try:
+                st = os.stat(self.root / rel)
+            except OSError:
+                continue
+            out[rel] = FileStat(st.st_size, st.st_mtime)
+        return out
+
+    def destination(self, rel: str) -> Destination:
+        return self._target(rel)
+
+
+def _umask_mode(path: Path) -> None:
+    """Give a file made by `mkstemp` (0600) the mode a plain `open` would (0666 less umask)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    with suppress(OSError):
+        os.chmod(path, 0o666 & ~mask)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder so a rename inside it is durable (best effort)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _pread_exact(fd: int, offset: int, length: int, name: str) -> bytes:

@@ -25,6 +25,7 @@ at the price of local disk for one output.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -37,17 +38,19 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..errors import DestinationExistsError, IOFailure, UsageError
+from ..errors import DestinationExistsError, HubError, IOFailure, UsageError
 from ..faults import interruption, io_failure
 from ..formats.names import is_commit_marker
 from ..progress import NULL_PROGRESS, Progress
 from . import remote_failure
+from .base import TMP_MARKER as TMP_MARKER
+from .base import Storage, file_chunks
+from .local import fsync_dir as fsync_dir
+from .local import read_regular
+from .remote import UPLOAD_BLOCK as UPLOAD_BLOCK
+from .remote import FsspecStorage
 from .uri import parse_location
 
-TMP_MARKER = ".ckpt-tmp-"
-#: bytes per read/write when streaming a staged file to an object store (and the part size
-#: asked of filesystems that upload in parts; S3 needs at least 5 MiB)
-UPLOAD_BLOCK = 16 << 20
 #: files uploaded (and objects copied) at once: object stores scale with connections
 PARALLEL_TRANSFERS = 4
 
@@ -85,11 +88,53 @@ class RemoteDest:
         """Itself (a URL is absolute); lets callers treat a DEST like a `Path`."""
         return self
 
+    @property
+    def parent(self) -> FsspecStorage:
+        """The (writable) storage of the prefix that holds DEST: uploads, copies and removals
+        go through its write side."""
+        return FsspecStorage(self.fs, self.path.rsplit("/", 1)[0], self.url.rsplit("/", 1)[0])
+
     def __str__(self) -> str:
         return self.url
 
 
 Destination = Path | RemoteDest
+
+
+def local_destination(dest: Destination) -> Path | None:
+    """`dest` as an absolute path on this machine, or None when it is not on a local disk (an
+    object store): for outputs that must be written locally. Destinations are told apart here,
+    in the storage layer, and nowhere else."""
+    return None if isinstance(dest, RemoteDest) else dest.absolute()
+
+
+def destination_exists(dest: Destination) -> bool:
+    """Whether a file (or, in an object store, an object or prefix) exists at `dest`."""
+    if isinstance(dest, RemoteDest):
+        return _remote_exists(dest)
+    return dest.exists()
+
+
+def read_destination(dest: Destination) -> bytes:
+    """The whole content of the file at `dest` (a small one: a manifest); FileNotFoundError
+    when there is none. A local FIFO or device named like it is refused, never waited on."""
+    if not isinstance(dest, RemoteDest):
+        if not dest.exists():
+            raise FileNotFoundError(errno.ENOENT, "no such file", str(dest))
+        return read_regular(dest)
+    try:
+        data: bytes = dest.fs.cat_file(dest.path)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise remote_failure(exc, dest.url) from None
+    return data
+
+
+def remote_key(dest: Destination) -> str | None:
+    """The path of `dest` inside its fsspec filesystem (`bucket/prefix/name`), or None for a
+    local destination."""
+    return dest.path if isinstance(dest, RemoteDest) else None
 
 
 def resolve_destination(dest: str | Path) -> Destination:
@@ -156,20 +201,6 @@ def check_destination(dest: Destination, force: bool) -> None:
         )
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename inside it is durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 @contextmanager
 def staged_output(
     dest: Destination,
@@ -195,9 +226,10 @@ def staged_output(
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
     except OSError as exc:
         raise io_failure(exc, dest.parent, "creating the staging folder") from None
-    # mkdtemp makes the folder 0700; a published output gets what a plain mkdir would give
-    apply_umask(staging, directory=True)
     try:
+        # mkdtemp makes the folder 0700; a published output gets what a plain mkdir would
+        # give (inside the try: a signal arriving meanwhile still removes the staging)
+        apply_umask(staging, directory=True)
         yield staging
         if single_file:
             produced = [p for p in staging.iterdir()]
@@ -336,27 +368,30 @@ def _staged_remote(
 ) -> Iterator[Path]:
     check_destination(dest, force)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}"))
-    parent = dest.path.rsplit("/", 1)[0]
-    tmp_prefix = f"{parent}/.{dest.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+    # uploads, copies and removals go through the write side of the prefix holding DEST
+    store = dest.parent
+    tmp_name = f".{dest.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
     try:
         yield staging
         files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
         if single_file and len(files) != 1:
             raise RuntimeError(f"expected one output file, the writer produced {len(files)}")
         try:
-            _upload(dest, staging, files, tmp_prefix, progress)
-            _publish_remote(dest, files, tmp_prefix, single_file, force)
+            _upload(dest, store, staging, files, tmp_name, progress)
+            _publish_remote(dest, store, files, tmp_name, single_file, force)
+        except HubError as exc:  # a write the store refused: named by DEST as the user wrote it
+            raise HubError(exc.problem, path=dest.url, fix=exc.fix) from None
         except Exception as exc:
             raise remote_failure(exc, dest.url, writing=True) from None
     except KeyboardInterrupt as exc:
-        _remove_remote(dest, [tmp_prefix])
+        _remove_remote(store, [tmp_name])
         raise interruption(exc, "interrupted; the partial output was removed", dest.url) from None
     except BaseException:
-        _remove_remote(dest, [tmp_prefix])
+        _remove_remote(store, [tmp_name])
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    _remove_remote(dest, [tmp_prefix])
+    _remove_remote(store, [tmp_name])
 
 
 def _in_parallel(work: Callable[[str], None], names: list[str]) -> None:
@@ -377,22 +412,26 @@ def _in_parallel(work: Callable[[str], None], names: list[str]) -> None:
 
 
 def _upload(
-    dest: RemoteDest, staging: Path, files: list[str], tmp_prefix: str, progress: Progress
+    dest: RemoteDest,
+    store: Storage,
+    staging: Path,
+    files: list[str],
+    tmp_name: str,
+    progress: Progress,
 ) -> None:
     """Stream every staged file to the temporary prefix (data files in parallel), markers last."""
     total = sum((staging / f).stat().st_size for f in files)
     progress.start(total, f"uploading → {dest.url}")
     lock = threading.Lock()
 
+    def counted(rel: str) -> Iterator[bytes]:
+        for block in file_chunks(staging / rel, UPLOAD_BLOCK):
+            yield block
+            with lock:
+                progress.advance(len(block))
+
     def upload(rel: str) -> None:
-        with (
-            open(staging / rel, "rb") as src,
-            dest.fs.open(f"{tmp_prefix}/{rel}", "wb", block_size=UPLOAD_BLOCK) as out,
-        ):
-            while block := src.read(UPLOAD_BLOCK):
-                out.write(block)
-                with lock:
-                    progress.advance(len(block))
+        store.write_file(f"{tmp_name}/{rel}", counted(rel))
 
     try:
         _in_parallel(upload, [f for f in files if not is_commit_marker(f)])
@@ -402,29 +441,36 @@ def _upload(
 
 
 def _publish_remote(
-    dest: RemoteDest, files: list[str], tmp_prefix: str, single_file: bool, force: bool
+    dest: RemoteDest,
+    store: Storage,
+    files: list[str],
+    tmp_name: str,
+    single_file: bool,
+    force: bool,
 ) -> None:
     """Copy the uploaded objects into DEST, the commit marker last; undo on failure."""
-    fs = dest.fs
-    if fs.exists(dest.path):
+    if _remote_exists(dest):
         if not force:
             raise DestinationExistsError(
                 "appeared while writing", path=dest.url, fix="Pass --force to replace it."
             )
         # no rename in an object store: the old output goes first, its markers before its
         # data, so no moment shows a marker over a mix of old and new files
-        old = _remote_files(dest)
-        for rel in sorted(old, key=lambda n: (not is_commit_marker(n), n)):
-            fs.rm_file(f"{dest.path}/{rel}" if rel else dest.path)
+        if dest.fs.isfile(dest.path):
+            store.remove(dest.name)
+        else:
+            previous = FsspecStorage(dest.fs, dest.path, dest.url)
+            for rel in sorted(previous.all_files(), key=lambda n: (not is_commit_marker(n), n)):
+                previous.remove(rel)  # listed: one request each
     if single_file:
-        fs.copy(f"{tmp_prefix}/{files[0]}", dest.path)
+        store.copy(f"{tmp_name}/{files[0]}", dest.name)
         return
     copied: list[str] = []
 
     def copy(rel: str) -> None:
-        target = f"{dest.path}/{rel}"
+        target = f"{dest.name}/{rel}"
         copied.append(target)  # before the copy: a half-done copy is removed too
-        fs.copy(f"{tmp_prefix}/{rel}", target)
+        store.copy(f"{tmp_name}/{rel}", target)
 
     try:
         _in_parallel(copy, [f for f in files if not is_commit_marker(f)])
@@ -432,26 +478,12 @@ def _publish_remote(
             if is_commit_marker(rel):
                 copy(rel)
     except BaseException:
-        _remove_remote(dest, copied)
+        _remove_remote(store, copied)
         raise
 
 
-def _remote_files(dest: RemoteDest) -> list[str]:
-    """Objects at DEST, relative to it ('' for DEST itself being one object)."""
-    fs = dest.fs
-    if fs.isfile(dest.path):
-        return [""]
-    found = fs.find(dest.path)
-    prefix = dest.path + "/"
-    return [n[len(prefix) :] for n in found if n.startswith(prefix)]
-
-
-def _remove_remote(dest: RemoteDest, paths: list[str]) -> None:
+def _remove_remote(store: Storage, names: list[str]) -> None:
     """Best-effort removal of uploaded objects or prefixes (cleanup must not mask the error)."""
-    fs = dest.fs
-    for path in paths:
+    for name in names:
         with suppress(Exception):
-            if fs.exists(path):
-                fs.rm(path, recursive=True)
-        with suppress(Exception):
-            fs.invalidate_cache(path)
+            store.remove(name)

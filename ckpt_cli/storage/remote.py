@@ -4,17 +4,25 @@ I/O strategy: the location is resolved once with `fsspec.core.url_to_fs` (creden
 endpoints come from each filesystem package's usual environment and config, e.g.
 `AWS_ENDPOINT_URL`, `AWS_PROFILE`); files are listed once and read with ranged reads
 (`cat_file(start, end)`), so inspecting a checkpoint fetches headers and metadata only.
+
+Writes stream through `fs.open(path, "wb")` (multipart uploads on S3: the object appears whole
+when the upload completes, or not at all); `put` uploads under a hidden temporary key and
+publishes with one server-side copy, so the final key changes in one step. Every write drops
+the cached listing, so the next listing sees it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError, UsageError
-from .base import Storage, is_parity_path
+from .base import TMP_MARKER, Storage, file_chunks, is_parity_path
 from .local import safe_relpath
 from .uri import Location
 
@@ -22,6 +30,12 @@ if TYPE_CHECKING:
     # imported where the pool is made: a local SRC never needs it, and `concurrent.futures`
     # (with `logging`) is a measurable part of a metadata command's start-up
     from concurrent.futures import Future, ThreadPoolExecutor
+
+    from .output import Destination
+
+#: bytes per write when streaming into an object store (and the part size asked of
+#: filesystems that upload in parts; S3 needs at least 5 MiB)
+UPLOAD_BLOCK = 16 << 20
 
 
 def remote_failure(exc: BaseException, where: str, *, writing: bool = False) -> CkptError:
@@ -98,6 +112,7 @@ class FsspecStorage(Storage):
     readahead = 16 << 20
 
     hashes_in_place = True
+    writable = True
 
     def __init__(self, fs: Any, root: str, display: str):
         self.fs = fs
@@ -237,6 +252,75 @@ class FsspecStorage(Storage):
         except Exception as exc:
             raise remote_failure(exc, self.describe(rel)) from None
         return handle
+
+    # ------------------------------------------------------------------------- write side
+
+    def _written(self, full: str) -> None:
+        """Forget listings that a write to `full` made stale (ours and the filesystem's)."""
+        self._sizes = None
+        self._mtimes = {}
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(full)
+
+    def write_file(self, rel: str, chunks: Iterable[bytes]) -> int:
+        full = self._full(rel)
+        written = 0
+        try:
+            with self.fs.open(full, "wb", block_size=UPLOAD_BLOCK) as out:
+                for chunk in chunks:
+                    out.write(chunk)
+                    written += len(chunk)
+        except Exception as exc:
+            raise remote_failure(exc, self.describe(rel), writing=True) from None
+        finally:
+            self._written(full)
+        return written
+
+    def put(self, rel: str, local: Path, *, move: bool = False) -> None:
+        parent, _, name = rel.rpartition("/")
+        staged = f"{parent}/.{name}" if parent else f".{name}"
+        staged += f"{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+        try:
+            # an object appears whole on upload; the copy makes the final key change at once
+            self.write_file(staged, file_chunks(local))
+            self.copy(staged, rel)
+        finally:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(self._full(staged))
+
+    def copy(self, src: str, rel: str) -> None:
+        full = self._full(rel)
+        try:
+            self.fs.copy(self._full(src), full)
+        except Exception as exc:
+            raise remote_failure(exc, self.describe(rel), writing=True) from None
+        finally:
+            self._written(full)
+
+    def remove(self, rel: str) -> None:
+        full = self._full(rel)
+        rel = safe_relpath(rel, source=self.display)
+        try:
+            if self._sizes is not None and rel in self._sizes:
+                self.fs.rm_file(full)  # an object this storage listed: one request
+                del self._sizes[rel]
+                self._mtimes.pop(rel, None)
+                with contextlib.suppress(Exception):
+                    self.fs.invalidate_cache(full)
+                return
+            if self.fs.exists(full):  # an object, or a prefix with everything under it
+                self.fs.rm(full, recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise remote_failure(exc, self.describe(rel), writing=True) from None
+        self._written(full)
+
+    def destination(self, rel: str) -> Destination:
+        from .output import RemoteDest
+
+        rel = safe_relpath(rel, source=self.display)
+        return RemoteDest(url=self.describe(rel), fs=self.fs, path=self._full(rel))
 
 
 def filesystem_for(location: Location) -> tuple[Any, str]:

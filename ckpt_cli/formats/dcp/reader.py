@@ -12,7 +12,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 from ... import dtypes
 from ...errors import CkptError, FormatError, NotFoundError
 from ...models import Chunk, Entry, Manifest
-from ...storage import LocalStorage, RangeFile
+from ...storage import RangeFile
 from ...storage.fileio import COPY_BLOCK
 from ..base import Checkpoint, Source
 from ..torch.zip_write import check_zip_budget
@@ -157,7 +157,7 @@ class DcpCheckpoint(Checkpoint):
             row_bytes = dtypes.numel(sizes[1:]) * dtypes.itemsize(entry.dtype)
             offset += rows[0] * row_bytes
             sizes[0] = rows[1] - rows[0]
-        if isinstance(self.storage, LocalStorage):
+        if self.storage.local_root is not None:  # a local folder: one descriptor per file
             fd = self._local_fd(chunk.file)
             where = self.storage.describe(chunk.file)
             return read_tensor_from_fd(fd, offset, entry.dtype, sizes, where)
@@ -166,7 +166,7 @@ class DcpCheckpoint(Checkpoint):
 
     def _byte_range(self, rel: str, offset: int, length: int) -> IO[bytes]:
         """A seekable file object over one stored range (torch.load reads from it directly)."""
-        if isinstance(self.storage, LocalStorage):
+        if self.storage.local_root is not None:  # a local folder: one descriptor per file
             fd = self._local_fd(rel)
             return cast(IO[bytes], _FileRange(fd, offset, length, self.storage.describe(rel)))
         return io.BytesIO(self.storage.read(rel, offset, length))
@@ -316,7 +316,7 @@ class DcpCheckpoint(Checkpoint):
 
     def _reader(self, rel: str) -> Callable[[int, int], bytes]:
         """`read(offset, n)` of one data file (what the zip locator reads with)."""
-        if isinstance(self.storage, LocalStorage):
+        if self.storage.local_root is not None:  # a local folder: one descriptor per file
             fd = self._local_fd(rel)  # one open for the many small reads of each blob
 
             def pread(offset: int, n: int) -> bytes:

@@ -20,7 +20,6 @@ from ... import dtypes
 from ...errors import CkptError, FormatError, NotFoundError
 from ...models import Entry, FileInfo, Manifest, Problem
 from ...problems import Findings
-from ...storage import LocalStorage
 from ...storage.fileio import FileRange, open_output
 from ..base import Checkpoint, Format, Source, WriteOptions, Writer
 from ..details import SafetensorsDetails
@@ -285,10 +284,11 @@ class SafetensorsCheckpoint(Checkpoint):
         entry = self._entry(name)
         assert entry.file is not None and entry.offset is not None and entry.dtype is not None
         storage = self.storage
-        if isinstance(storage, LocalStorage):
+        local = storage.local_path(entry.file) if storage.local_root is not None else None
+        if local is not None:  # a local folder: one descriptor per file, reads into the tensor
             fd = self._fds.get(entry.file)
             if fd is None:
-                fd = self._fds[entry.file] = os.open(storage.path(entry.file), os.O_RDONLY)
+                fd = self._fds[entry.file] = os.open(local, os.O_RDONLY)
             return read_tensor_from_fd(
                 fd, entry.offset, entry.dtype, entry.shape, storage.describe(entry.file)
             )
@@ -315,10 +315,11 @@ class SafetensorsCheckpoint(Checkpoint):
         row = dtypes.numel(shape[1:]) * dtypes.itemsize(entry.dtype)
         start = entry.offset + offsets[0] * row
         storage = self.storage
-        if isinstance(storage, LocalStorage):
+        local = storage.local_path(entry.file) if storage.local_root is not None else None
+        if local is not None:  # a local folder: one descriptor per file, reads into the tensor
             fd = self._fds.get(entry.file)
             if fd is None:
-                fd = self._fds[entry.file] = os.open(storage.path(entry.file), os.O_RDONLY)
+                fd = self._fds[entry.file] = os.open(local, os.O_RDONLY)
             return read_tensor_from_fd(
                 fd, start, entry.dtype, list(sizes), storage.describe(entry.file)
             )

@@ -16,7 +16,7 @@ from ...errors import FormatError, UsageError
 from ...formats import get_format, serializations, writable_formats
 from ...formats.base import Format, WriteOptions
 from ...models import FileInfo
-from ...storage.output import Destination, RemoteDest, resolve_destination
+from ...storage.output import Destination, RemoteDest, local_destination, resolve_destination
 from ...storage.uri import parse_location
 
 if TYPE_CHECKING:
@@ -69,15 +69,16 @@ def check_shard_size(fmt: type[Format], shard_size: int | None) -> None:
 def guard_paths(src: str, dest: Destination) -> None:
     """Refuse a DEST that is, contains or lies inside the source: sources are never modified."""
     loc = parse_location(src)
-    if isinstance(dest, RemoteDest):
+    local = local_destination(dest)
+    if local is None:
         if loc.kind != "fsspec" or loc.url is None:
             return
         # same store: compare the URLs as paths (an object store has no links to resolve)
-        source, target, sep = loc.url.rstrip("/"), dest.url, "/"
+        source, target, sep = loc.url.rstrip("/"), str(dest), "/"
     elif not loc.is_local or loc.path is None:
         return
     else:
-        source, target, sep = os.path.realpath(loc.path), os.path.realpath(dest), os.sep
+        source, target, sep = os.path.realpath(loc.path), os.path.realpath(local), os.sep
     for a, b in ((source, target), (target, source)):
         if a == b or b.startswith(a.rstrip(sep) + sep):
             raise UsageError(

@@ -27,7 +27,7 @@ from ...progress import NULL_PROGRESS, Progress
 from ...quant import with_sidecars
 from ...storage import LocalStorage
 from ...storage.hub import HubRepo, HubStorage, hub_errors
-from ...storage.output import Destination, RemoteDest, staged_output
+from ...storage.output import Destination, local_destination, staged_output
 from ...storage.uri import Location
 from ..inspect import select
 from .plan import (
@@ -119,10 +119,11 @@ class PartialPieces:
     @staticmethod
     def for_destination(dest: Destination, cache_dir: str) -> Path:
         """Where the partial folder of `dest` lives (an object-store DEST: in the HF cache)."""
-        if isinstance(dest, RemoteDest):
-            key = hashlib.sha1(dest.url.encode()).hexdigest()[:16]
+        local = local_destination(dest)
+        if local is None:
+            key = hashlib.sha1(str(dest).encode()).hexdigest()[:16]
             return Path(cache_dir) / PARTIAL_MARKER / key
-        return dest.parent / f".{dest.name}{PARTIAL_MARKER}"
+        return local.parent / f".{local.name}{PARTIAL_MARKER}"
 
     @staticmethod
     def _key(rel: str) -> str:

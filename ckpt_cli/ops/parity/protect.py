@@ -20,7 +20,7 @@ from ...errors import DestinationExistsError, UsageError
 from ...formats import resolve_source
 from ...models import Record
 from ...progress import NULL_PROGRESS, Progress
-from ...storage.output import RemoteDest, staged_output
+from ...storage.output import Destination, local_destination, staged_output
 from .codec import Codec, block_digest, pad_block
 from .layout import (
     ParityLayout,
@@ -145,8 +145,8 @@ def _protect_split(
         parity, force = options.parity, options.force
         with workers.together():
             target, manifest = _prepare(src, options, check=workers.leader)
-            dest = parity_dest(target)
-            assert isinstance(dest, Path)
+            dest = local_destination(parity_dest(target))
+            assert dest is not None  # under torchrun: a filesystem every rank sees
             if workers.leader:
                 if on_plan is not None:
                     on_plan(_report(target, manifest, dest, dry_run=True))
@@ -300,7 +300,7 @@ def _prepare(
 
 
 def _report(
-    target: ParityTarget, m: ParityManifest, dest: Path | RemoteDest, dry_run: bool = False
+    target: ParityTarget, m: ParityManifest, dest: Destination, dry_run: bool = False
 ) -> ProtectReport:
     total = sum(f.size for f in m.files)
     parity_bytes = m.parity * m.stripes * m.block_size

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -15,13 +14,8 @@ from pydantic import BaseModel, ConfigDict
 from ...errors import FormatError, NotFoundError
 from ...formats.names import is_commit_marker
 from ...progress import NULL_PROGRESS, Progress
-from ...storage import (
-    FsspecStorage,
-    LocalStorage,
-    Storage,
-    remote_failure,
-)
-from ...storage.output import TMP_MARKER, fsync_dir
+from ...storage import Storage
+from ...storage.output import TMP_MARKER
 from .codec import Codec, chunk_size, pad_block, slices
 from .layout import ParityLayout
 from .model import ProtectedFile, RepairReport
@@ -115,9 +109,9 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
 def _repair_staging(target: ParityTarget) -> Iterator[Path]:
     """A staging folder for rebuilt files: hidden in the parity folder (local: same filesystem,
     so publishing is a rename), or a local temporary folder for an object store."""
-    storage = target.storage
-    if isinstance(storage, LocalStorage):
-        parent = storage.root / target.parity_rel
+    root = target.storage.local_root
+    if root is not None:
+        parent = root / target.parity_rel
         folder = Path(tempfile.mkdtemp(prefix=f".repair{TMP_MARKER}", dir=parent))
     else:
         folder = Path(tempfile.mkdtemp(prefix=f".ckpt-repair{TMP_MARKER}"))
@@ -281,24 +275,6 @@ def _publish_repaired(target: ParityTarget, staged: list[tuple[str, Path, Protec
     storage = target.storage
     ordered = sorted(staged, key=lambda item: (is_commit_marker(item[0]), item[0]))
     for rel, path, _f in ordered:
-        if isinstance(storage, LocalStorage):
-            final = storage.root / rel
-            final.parent.mkdir(parents=True, exist_ok=True)
-            # a damaged file may be a link or read-only; replace the name, never write through it
-            os.replace(path, final)
-            fsync_dir(final.parent)
-            continue
-        assert isinstance(storage, FsspecStorage)
-        key = f"{storage.root}/{rel}"
-        tmp = f"{storage.root}/{target.parity_rel}/.repair{TMP_MARKER}{uuid.uuid4().hex[:12]}"
-        try:
-            # an object appears whole on upload; the copy makes the final key appear at once
-            storage.fs.put_file(str(path), tmp)
-            storage.fs.copy(tmp, key)
-        except Exception as exc:
-            raise remote_failure(exc, storage.describe(rel), writing=True) from None
-        finally:
-            with suppress(Exception):
-                storage.fs.rm_file(tmp)
-        with suppress(Exception):
-            storage.fs.invalidate_cache(key)
+        # a damaged file may be a link or read-only: the name is replaced, never written
+        # through (a rename locally; an upload and one server-side copy in an object store)
+        storage.put(rel, path, move=True)

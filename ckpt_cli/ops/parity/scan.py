@@ -8,9 +8,6 @@ from dataclasses import dataclass, field
 from ...errors import NotFoundError, UsageError
 from ...formats.base import Source
 from ...progress import NULL_PROGRESS, Progress
-from ...storage import (
-    FsspecStorage,
-)
 from .codec import chunked_digest
 from .layout import ParityLayout
 from .model import DamagedFile, ParityCheck, ParityManifest, ProtectedFile
@@ -54,18 +51,13 @@ def scan_parity(
     entries: list[tuple[str, int, ProtectedFile, str]] = [
         ("data", i, f, f.path) for i, f in enumerate(m.files)
     ] + [("parity", j, s, f"{target.parity_rel}/{s.path}") for j, s in enumerate(m.shares)]
-    listing = (
-        storage.all_files() if isinstance(storage, FsspecStorage) else None  # local: stat each file
-    )
+    # a local file is stat-ed; an object store answers from its one listing (parity included)
     present: dict[str, int | None] = {}
     for _kind, _i, _f, rel in entries:
-        if listing is not None:
-            present[rel] = listing.get(rel)
-        else:
-            try:
-                present[rel] = storage.size(rel)
-            except NotFoundError:
-                present[rel] = None
+        try:
+            present[rel] = storage.size(rel)
+        except NotFoundError:
+            present[rel] = None
     if checksums:
         progress.start(sum(p or 0 for p in present.values()), "checking blocks (xxh3)")
     reader = BlockReader(storage)

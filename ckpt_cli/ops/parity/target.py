@@ -21,13 +21,11 @@ from ...formats import resolve_source
 from ...formats.base import Source
 from ...storage import (
     PARITY_DIR,
-    FsspecStorage,
-    LocalStorage,
     Storage,
     is_parity_path,
     safe_relpath,
 )
-from ...storage.output import TMP_MARKER, RemoteDest
+from ...storage.output import TMP_MARKER, Destination
 from .layout import plan_layout, small_block
 from .model import (
     BLOCK_ALIGN,
@@ -62,7 +60,7 @@ class ParityTarget:
 def open_parity_target(src: str | Source) -> ParityTarget:
     source = src if isinstance(src, Source) else resolve_source(src)
     storage = source.storage
-    if not isinstance(storage, LocalStorage | FsspecStorage):
+    if not storage.writable:  # the parity is written beside the files (the Hub: one commit)
         raise UsageError(
             "protect and repair work on local folders and object stores",
             path=source.location.raw,
@@ -83,16 +81,9 @@ def open_parity_target(src: str | Source) -> ParityTarget:
     return ParityTarget(source, storage, files, parity_rel)
 
 
-def parity_dest(target: ParityTarget) -> Path | RemoteDest:
-    storage = target.storage
-    if isinstance(storage, LocalStorage):
-        return storage.root / target.parity_rel
-    assert isinstance(storage, FsspecStorage)
-    return RemoteDest(
-        url=storage.describe(target.parity_rel),
-        fs=storage.fs,
-        path=f"{storage.root}/{target.parity_rel}",
-    )
+def parity_dest(target: ParityTarget) -> Destination:
+    """The parity folder as an output destination of the checkpoint's storage."""
+    return target.storage.destination(target.parity_rel)
 
 
 def read_parity_manifest(target: ParityTarget) -> ParityManifest | None:
@@ -221,8 +212,8 @@ def on_leader(work: Callable[[], M], model: type[M]) -> M:
 def check_unchanged(target: ParityTarget) -> None:
     """Refuse to bless parity of files that changed size while they were read."""
     storage = target.storage
-    if isinstance(storage, FsspecStorage):
-        return  # listed once; objects are replaced whole, not rewritten in place
+    # a local file is stat-ed again; an object store answers from its one listing (objects are
+    # replaced whole, never rewritten in place)
     for name, size in target.files.items():
         try:
             now = storage.size(name)
@@ -247,7 +238,8 @@ class BlockReader:
     def read(self, rel: str, offset: int, length: int) -> bytes:
         if length == 0:
             return b""
-        path = self.storage.local_path(rel) if isinstance(self.storage, LocalStorage) else None
+        # a local folder's files are kept open (one pread per block); others read through it
+        path = self.storage.local_path(rel) if self.storage.local_root is not None else None
         if path is None:
             return self.storage.read(rel, offset, length)
         with self._lock:  # blocks are read from several threads

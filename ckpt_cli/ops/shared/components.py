@@ -20,7 +20,7 @@ from ...formats.base import Source
 from ...formats.names import is_single_file_weights, looks_like_index
 from ...models import FileInfo
 from ...sources.layouts.model_folders import Component, multi_folder
-from ...storage.output import RemoteDest, resolve_destination, staged_output
+from ...storage.output import local_destination, resolve_destination, staged_output
 
 
 class ComponentReport(Protocol):
@@ -101,8 +101,8 @@ def write_components(
             fix="Copy or download the missing file again (`ckpt verify` lists every one), or "
             "convert the components that are there one at a time with --select.",
         )
-    dest_path = resolve_destination(dest)
-    if isinstance(dest_path, RemoteDest):
+    dest_path = local_destination(resolve_destination(dest))
+    if dest_path is None:
         raise UsageError(f"a {layout} folder is written to a local folder", path=dest)
     source = resolve_source(src)
     jobs, weight_files = _component_jobs(source.files, src.rstrip("/"), components)

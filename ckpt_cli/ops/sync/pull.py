@@ -10,7 +10,7 @@ from typing import Any
 
 from ...errors import CkptError, FormatError, NotFoundError, UnsafeInputError
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
-from ...storage import Storage
+from ...storage import LocalStorage, Storage
 from ...storage.hashing import hasher_factory
 from ...storage.output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir
 from ..verify.checksums import MANIFEST_NAME, ChecksumManifest
@@ -290,9 +290,11 @@ def sync_down(
         report.bytes_sent += done.bytes_sent
         if done.action == "downloaded":
             report.transferred.append(c.name)
+    run = LocalStorage(dest_root)
     for name in ROOT_FILES:
         if name in listing and listing[name] <= 16 << 20 and not (dest_root / name).exists():
-            (dest_root / name).write_bytes(storage.read_all(name))
+            # through the run folder's write side: `latest` appears whole or not at all
+            run.write_file(name, [storage.read_all(name)])
     storage.close()
     local = scan_run(dest_root, settle=0.0, until_latest=True)
     report.latest = local.latest

@@ -6,7 +6,7 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +86,7 @@ class _Uploader:
         on_file: Callable[[str, int], None] | None = None,
         jobs: int = DEFAULT_JOBS,
     ):
-        from ...storage import filesystem_for
+        from ...storage import FsspecStorage, filesystem_for
 
         self.run_root = run_root
         self.dest = dest.rstrip("/")
@@ -98,6 +98,9 @@ class _Uploader:
                 path=dest,
                 fix="Name a folder-like prefix, e.g. s3://bucket/runs/my-run/.",
             )
+        #: objects are written and removed through the write side of the prefix's storage;
+        #: listings and checks read the store's own records (sizes, ETags)
+        self.store = FsspecStorage(self.fs, self.root, self.dest)
         self.limit = limit
         self.on_file = on_file
         self.jobs = max(1, jobs)
@@ -253,20 +256,11 @@ class _Uploader:
         return plan.result
 
     def _remove(self, rels: list[str]) -> None:
-        if not rels:
-            return
-        try:
-            self.fs.rm([f"{self.root}/{rel}" for rel in rels])
-            self.fs.invalidate_cache(self.root)
-        except Exception as exc:
-            raise remote_failure(exc, f"{self.dest}/{rels[0]}", writing=True) from None
+        for rel in rels:
+            self.store.remove(rel)
 
     def _put(self, rel: str, data: bytes) -> None:
-        try:
-            with self.fs.open(f"{self.root}/{rel}", "wb") as out:
-                out.write(data)
-        except Exception as exc:
-            raise remote_failure(exc, f"{self.dest}/{rel}", writing=True) from None
+        self.store.write_file(rel, [data])
         self.limit.take(len(data))
 
     def _upload_file(
@@ -284,22 +278,18 @@ class _Uploader:
             return self._upload_direct(path, target, rel, size, new), True
         hasher = new()
         parts: list[bytes] = []
-        try:
-            with (
-                open(path, "rb") as src,
-                self.fs.open(target, "wb", block_size=UPLOAD_BLOCK) as out,
-            ):
+
+        def blocks() -> Iterator[bytes]:
+            with open(path, "rb") as src:
                 while block := src.read(UPLOAD_BLOCK):
                     hasher.update(block)
                     parts.append(hashlib.md5(block).digest())
-                    out.write(block)
+                    yield block
                     self.limit.take(len(block))
-                if not parts:
-                    parts.append(hashlib.md5(b"").digest())
-        except CkptError:
-            raise
-        except Exception as exc:
-            raise remote_failure(exc, f"{self.dest}/{rel}", writing=True) from None
+
+        self.store.write_file(rel, blocks())
+        if not parts:
+            parts.append(hashlib.md5(b"").digest())
         with self._lock:
             self._pending[rel] = (target, size, s3_etag(parts, size), hasher.hexdigest(), new)
         return hasher.hexdigest(), True
@@ -405,9 +395,12 @@ class _Uploader:
             if path.is_file() and path.stat().st_size <= 16 << 20:
                 data = path.read_bytes()
                 existing = self.listing().get(name)
-                if existing is not None and remote_etag(existing) == s3_etag(
-                    [hashlib.md5(data).digest()]
-                ):
+                # the parts `write_file` sends (`UPLOAD_BLOCK` each; one PUT below that)
+                parts = [
+                    hashlib.md5(data[i : i + UPLOAD_BLOCK]).digest()
+                    for i in range(0, max(len(data), 1), UPLOAD_BLOCK)
+                ]
+                if existing is not None and remote_etag(existing) == s3_etag(parts, len(data)):
                     continue
                 self._put(name, data)
 

@@ -10,7 +10,6 @@ one whose server records digests (`server_digests()`) is compared with them.
 from __future__ import annotations
 
 import datetime as _dt
-import errno
 import json
 import os
 import re
@@ -26,12 +25,15 @@ from ...formats import resolve_source
 from ...formats.base import Source
 from ...models import Problem, Record
 from ...progress import Progress
-from ...storage import LocalStorage, RemoteFile, hf_cache_repo, read_regular, remote_failure
+from ...storage import LocalStorage, RemoteFile, hf_cache_repo
 from ...storage.hashing import ALGORITHMS, Hashable, StoredFile, hash_files
 from ...storage.output import (
     Destination,
-    RemoteDest,
     check_destination,
+    destination_exists,
+    local_destination,
+    read_destination,
+    remote_key,
     resolve_destination,
     staged_output,
 )
@@ -74,12 +76,7 @@ class ChecksumManifest(Record):
 
 def manifest_exists(path: Destination) -> bool:
     """Whether a manifest file exists at `path` (local or in an object store)."""
-    if isinstance(path, Path):
-        return path.exists()
-    try:
-        return bool(path.fs.exists(path.path))
-    except Exception as exc:
-        raise remote_failure(exc, path.url) from None
+    return destination_exists(path)
 
 
 # ---------------------------------------------------------------- checksums and the manifest
@@ -98,11 +95,9 @@ def manifest_location(source: Source, manifest: str | None) -> Destination:
             return Path(manifest)
         return resolve_destination(manifest)
     storage = source.storage
-    remote = storage.fs_path(MANIFEST_NAME)
-    if remote is not None:
+    if storage.writable and storage.local_root is None:
         # in the object store, beside the checkpoint's files
-        fs, path = remote
-        return RemoteDest(url=storage.describe(MANIFEST_NAME), fs=fs, path=path)
+        return storage.destination(MANIFEST_NAME)
     return default_manifest_path(source)
 
 
@@ -113,9 +108,10 @@ def _refuse_manifest_over_checkpoint(source: Source, path: Destination) -> None:
     checkpoint's files, or any existing file that is not a ckpt manifest, is refused.
     """
     root = source.storage.local_root
-    if not isinstance(path, Path) or root is None:
+    local = local_destination(path)
+    if local is None or root is None:
         return
-    target = path.resolve()
+    target = local.resolve()
     listed = set(source.storage.list_files()) | set(source.files)
     if source.target is not None:
         # a single shard's siblings (the rest of its checkpoint) count too
@@ -127,9 +123,9 @@ def _refuse_manifest_over_checkpoint(source: Source, path: Destination) -> None:
                 path=str(path),
                 fix=f"Name another --manifest path (the default is {root / MANIFEST_NAME}).",
             )
-    if path.exists() or path.is_symlink():
+    if local.exists() or local.is_symlink():
         try:
-            ChecksumManifest.model_validate(json.loads(_read_bytes(path)))
+            ChecksumManifest.model_validate(json.loads(read_destination(local)))
         except (CkptError, OSError, UnicodeDecodeError, ValueError, RecursionError):
             raise UsageError(
                 "exists and is not a ckpt checksum manifest; --force replaces only a manifest",
@@ -302,13 +298,14 @@ def _files_to_hash(source: Source, manifest: Destination) -> dict[str, Hashable]
     out: dict[str, Hashable] = {}
     root = storage.local_root
     if root is not None:
-        skip = Path(manifest).resolve() if isinstance(manifest, Path) else None
+        local = local_destination(manifest)
+        skip = local.resolve() if local is not None else None
         for name in source.files:
             path = root / name
             if path.resolve() != skip:
                 out[name] = path
         return out
-    skip_name = manifest.path if isinstance(manifest, RemoteDest) else None
+    skip_name = remote_key(manifest)
     for name, size in source.files.items():
         remote = storage.fs_path(name)
         if remote is None or remote[1] != skip_name:
@@ -348,24 +345,10 @@ def _refuse_hub_manifest(manifest: str | None, source: Source) -> None:
         )
 
 
-def _read_bytes(path: Destination) -> bytes:
-    if isinstance(path, Path):
-        if not path.exists():
-            raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
-        return read_regular(path)  # a FIFO named like the manifest must not hang
-    try:
-        data: bytes = path.fs.cat_file(path.path)
-    except FileNotFoundError:
-        raise
-    except Exception as exc:
-        raise remote_failure(exc, path.url) from None
-    return data
-
-
 def read_manifest(path: Destination) -> ChecksumManifest:
     """Load a checksum manifest; NotFoundError / FormatError with the fix when unusable."""
     try:
-        raw = _read_bytes(path)
+        raw = read_destination(path)
     except FileNotFoundError:
         raise NotFoundError(
             "no checksum manifest here",

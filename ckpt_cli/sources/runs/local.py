@@ -17,7 +17,7 @@ from typing import Literal
 from ...errors import NotFoundError, UsageError
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, is_checkpoint_file
-from ...storage import LocalStorage, is_parity_path
+from ...storage import LocalStorage, Storage, is_parity_path
 from .naming import SUBFOLDERS, collect, match_name
 from .records import DEFAULT_SETTLE, Found, RunCheckpoint, RunReport
 from .remote import RemoteListing, is_remote, looks_like_remote_run
@@ -70,7 +70,7 @@ def _local_listing(run_dir: str | Path | Source) -> LocalListing:
             fix="Pass the run folder that holds the step checkpoints (checkpoint-N/...).",
         )
     storage = None
-    if isinstance(run_dir, Source) and isinstance(run_dir.storage, LocalStorage):
+    if isinstance(run_dir, Source) and run_dir.storage.local_root is not None:
         storage = run_dir.storage if run_dir.target is None else None  # resolved: reused
     return LocalListing(root, storage)
 
@@ -79,7 +79,7 @@ class LocalListing(RunListing):
     """A run folder on this machine, listed with `lstat`: each folder of the run once per scan,
     each judged checkpoint walked once."""
 
-    def __init__(self, root: Path, storage: LocalStorage | None = None) -> None:
+    def __init__(self, root: Path, storage: Storage | None = None) -> None:
         self.root = root
         self.display = str(root)
         # the run's own files are read through the run folder's storage (the one it was
