@@ -352,9 +352,9 @@ def _add_tensors(
             # the lists are the ones `_Items.tensor` made from `.metadata` (checked there)
             raw = raw_ranges.get((rel, fqn, tuple(offsets)))
             if raw is not None:
-                built.append(Chunk.trusted(offsets, sizes, rel, raw[0], raw[1], raw=True))
+                built.append(Chunk(offsets, sizes, rel, raw[0], raw[1], raw=True))
             else:
-                built.append(Chunk.trusted(offsets, sizes, rel, offset, length))
+                built.append(Chunk(offsets, sizes, rel, offset, length))
         chunks.clear()  # the pending tuples are let go as their chunks are built
         nbytes = dtypes.numel(shape) * dtypes.itemsize(dtype)
         whole = len(built) == 1 and built[0].raw and built[0].sizes == shape
