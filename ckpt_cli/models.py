@@ -7,6 +7,7 @@ metadata alone, with where each entry's bytes live.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal, TypeVar
 
@@ -77,7 +78,7 @@ _Record = TypeVar("_Record", bound="_LeanRecord")
 
 
 class _LeanRecord(Record):
-    """Base of the per-entry records (`Entry`, `Chunk`): their fields sets are shared.
+    """Base of the per-entry records (`Entry`): their fields sets are shared.
 
     Validation, `model_construct` and `model_copy` all end with the shared set, so a record
     costs its values only; dumps, equality and copies are those of any pydantic model.
@@ -100,7 +101,8 @@ class _LeanRecord(Record):
         return copied
 
 
-class Chunk(_LeanRecord):
+@dataclass(frozen=True, slots=True)
+class Chunk:
     """One stored piece of a tensor (a DCP chunk): its place in the global tensor and its bytes.
 
     Attributes:
@@ -112,7 +114,12 @@ class Chunk(_LeanRecord):
         raw: True when the stored bytes are the raw C-order little-endian data.
     """
 
-    model_config = ConfigDict(frozen=True)
+    # A slotted dataclass, not a pydantic model (#30): a DCP checkpoint of a large run holds a
+    # million chunks, and a model's per-instance `__dict__` doubled each one's cost (~570 bytes
+    # with its lists and ints, ~300 now). pydantic still validates it wherever an `Entry` is
+    # validated (JSON in, `Entry(chunks=[{...}])`), and its JSON schema and dumps are the same.
+    # Built directly, it is not validated: the callers are format parsers and planners that
+    # hand over checked non-negative ints (and lists no one else changes; they are not copied).
 
     offsets: list[int]
     sizes: list[int]
@@ -120,42 +127,6 @@ class Chunk(_LeanRecord):
     byte_offset: int
     byte_length: int
     raw: bool = False
-
-    @classmethod
-    def trusted(
-        cls,
-        offsets: list[int],
-        sizes: list[int],
-        file: str,
-        byte_offset: int,
-        byte_length: int,
-        raw: bool = False,
-    ) -> Chunk:
-        """A chunk from values a format parser has already checked, unvalidated; the lists are
-        taken, not copied (the caller hands over lists no one else changes).
-
-        A DCP checkpoint of a large run holds a million chunks: validation (which copies both
-        lists) costs ~4 µs and ~150 bytes each there. The result is an ordinary `Chunk`
-        (equal to a validated one, dumps and copies the same).
-        """
-        chunk = cls.__new__(cls)
-        setattr_ = object.__setattr__  # the model is frozen: bypass its __setattr__
-        setattr_(
-            chunk,
-            "__dict__",
-            {
-                "offsets": offsets,
-                "sizes": sizes,
-                "file": file,
-                "byte_offset": byte_offset,
-                "byte_length": byte_length,
-                "raw": raw,
-            },
-        )
-        setattr_(chunk, "__pydantic_fields_set__", _ALL_CHUNK_FIELDS if raw else _CHUNK_FIELDS)
-        setattr_(chunk, "__pydantic_extra__", None)
-        setattr_(chunk, "__pydantic_private__", None)
-        return chunk
 
 
 class Entry(_LeanRecord):
@@ -238,9 +209,6 @@ class Entry(_LeanRecord):
 
 
 _ENTRY_FIELDS = frozenset(Entry.model_fields)
-#: the fields set of a validated chunk: `raw` counts as set only when given
-_ALL_CHUNK_FIELDS = _shared_fields(set(Chunk.model_fields))
-_CHUNK_FIELDS = _shared_fields(set(Chunk.model_fields) - {"raw"})
 _ALL_ENTRY_FIELDS = _shared_fields(set(_ENTRY_FIELDS))
 
 

@@ -153,16 +153,16 @@ def _inputs(count: int, files: int = 3) -> Inputs:
         dtype = ("float32", "bfloat16", "int64", "float16")[i % 4]
         if i % 5 == 4:  # a 0-dim tensor
             shape: list[int] = []
-            chunks = [Chunk.trusted([], [], file_names[i % files], 0, 0)]
+            chunks = [Chunk([], [], file_names[i % files], 0, 0)]
         elif i % 7 == 3:  # chunked in two along dim 0
             shape = [8, 4]
             chunks = [
-                Chunk.trusted([0, 0], [4, 4], file_names[i % files], 0, 0),
-                Chunk.trusted([4, 0], [4, 4], file_names[(i + 1) % files], 0, 0),
+                Chunk([0, 0], [4, 4], file_names[i % files], 0, 0),
+                Chunk([4, 0], [4, 4], file_names[(i + 1) % files], 0, 0),
             ]
         else:
             shape = [4]
-            chunks = [Chunk.trusted([0], [4], file_names[i % files], 0, 0)]
+            chunks = [Chunk([0], [4], file_names[i % files], 0, 0)]
         plan.append(Entry(name=name, dtype=dtype, shape=shape, nbytes=16))
         layout[name] = chunks
         found: list[tuple[int, int] | None] = []
@@ -191,7 +191,7 @@ def test_streamed_bytes_equal_the_pickled_graph(count: int, compression: str | N
 
 def test_one_entry_and_no_entry() -> None:
     entry = Entry(name="only", dtype="float32", shape=[2], nbytes=8)
-    layout = {"only": [Chunk.trusted([0], [2], "__0_0.distcp", 0, 0)]}
+    layout = {"only": [Chunk([0], [2], "__0_0.distcp", 0, 0)]}
     results: dict[str, list[tuple[int, int] | None]] = {"only": [(0, 8)]}
     args: Inputs = ([entry], layout, results, {})
     assert metadata_bytes(*args, None, None, SAVE_ID) == reference_bytes(*args, None, None)

@@ -37,7 +37,7 @@ def rank_file(rank: int) -> str:
 def rank_chunk(rank: int, box: Box) -> Chunk:
     """The chunk `box` as rank `rank` writes it, into its own `rank_file` (bytes not yet placed)."""
     # a placement box holds non-negative ints by construction: nothing to validate
-    return Chunk.trusted(list(box.offsets), list(box.sizes), rank_file(rank), 0, 0)
+    return Chunk(list(box.offsets), list(box.sizes), rank_file(rank), 0, 0)
 
 
 #: a chunk as `.metadata` lists it: (offsets, sizes, file, byte offset, byte length)

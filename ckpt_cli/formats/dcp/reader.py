@@ -50,6 +50,10 @@ class _FileRange(RangeFile):
         super().close()
 
 
+#: how many located torch_save blobs a reader keeps (a tensor's chunks, read again by a slice)
+_LOCATED_KEPT = 4096
+
+
 class DcpCheckpoint(Checkpoint):
     """An opened DCP checkpoint: reads assemble tensors from their chunks.
 
@@ -67,9 +71,12 @@ class DcpCheckpoint(Checkpoint):
         self.planner_data = planner_data
         self._fds: dict[str, int] = {}
         self._common: dict[str, Any] | None = None
-        #: tensor -> its raw chunks in order (None: not raw), found on first ask
+        #: the last tensor asked about -> its raw chunks in order (None: not raw); a copy asks
+        #: `serves_raw`, then `local_ranges`, of one tensor after the other, so one is kept:
+        #: kept for every tensor, they grew with the checkpoint (#30)
         self._raw: dict[str, list[Chunk] | None] = {}
-        #: (file, offset) of a torch_save blob -> its tensor bytes as a raw chunk (None: not plain)
+        #: (file, offset) of a torch_save blob of that tensor -> its tensor bytes as a raw chunk
+        #: (None: not plain)
         self._located_at: dict[tuple[str, int], Chunk | None] = {}
         #: (file, offset) -> transform of compressed items (`zstd`); set by `DcpFormat.open`
         self.transforms: dict[tuple[str, int], str] = {}
@@ -262,6 +269,8 @@ class DcpCheckpoint(Checkpoint):
             return None
         if name in self._raw:
             return self._raw[name]
+        self._raw.clear()
+        self._located_at.clear()
         ordered = self._raw_order(entry)
         self._raw[name] = ordered
         return ordered
@@ -309,6 +318,8 @@ class DcpCheckpoint(Checkpoint):
         assert entry.dtype is not None
         key = (chunk.file, chunk.byte_offset)
         if key not in self._located_at:
+            if len(self._located_at) >= _LOCATED_KEPT:  # reads one tensor after another
+                self._located_at.clear()
             self._located_at[key] = locate_chunk(
                 self._reader(chunk.file), chunk, entry.dtype, self.storage.describe(chunk.file)
             )

@@ -21,6 +21,7 @@ import pickle
 import sys
 import zipfile
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import IO, Any, cast
 
 from ... import dtypes
@@ -77,9 +78,7 @@ def locate_chunk(read: Any, chunk: Chunk, dtype: str, where: str | None = None) 
         or found.offset + found.length > chunk.byte_offset + chunk.byte_length
     ):
         return None
-    return chunk.model_copy(
-        update={"byte_offset": found.offset, "byte_length": found.length, "raw": True}
-    )
+    return replace(chunk, byte_offset=found.offset, byte_length=found.length, raw=True)
 
 
 class _Pickler(pickle.Pickler):

@@ -7,7 +7,7 @@ import json
 import os
 import struct
 from collections.abc import Collection, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
@@ -207,11 +207,9 @@ class DcpWriter(Writer):
                 raise FormatError(
                     f"tensor {entry.name!r}: planned file {rel!r} is not a top-level .distcp name"
                 )
-            out.append(
-                chunk.model_copy(
-                    update={"file": rel, "byte_offset": 0, "byte_length": 0, "raw": False}
-                )
-            )
+            if rel != chunk.file or chunk.byte_offset or chunk.byte_length or chunk.raw:
+                chunk = replace(chunk, file=rel, byte_offset=0, byte_length=0, raw=False)
+            out.append(chunk)  # a planned chunk (`rank_chunk`) is kept as it is: no copy
         if len({tuple(c.offsets) for c in out}) != len(out):
             raise FormatError(
                 f"the write plan for {entry.name!r} has two chunks at the same offsets "

@@ -44,6 +44,7 @@ from ...formats import get_format, resolve_source
 from ...formats.base import Checkpoint, Format, Source, WriteOptions, Writer
 from ...formats.dcp import rank_chunk, rank_file
 from ...formats.details import DcpDetails
+from ...heap import gc_paused
 from ...models import Chunk, Entry, FileInfo, Manifest, TrainingState
 from ...progress import NULL_PROGRESS, CountingProgress, Progress
 from ...sources.layouts.base import open_plain
@@ -88,6 +89,7 @@ def find_rank_state(entries: list[Entry]) -> list[RankStateEntry]:
     return found
 
 
+@gc_paused()  # a million planned chunks and no cycles: see `heap`
 def plan_world_size(
     entries: list[Entry],
     world_size: int,

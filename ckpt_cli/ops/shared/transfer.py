@@ -335,8 +335,9 @@ def copy_entries(
     writer: Writer,
     items: list[Item],
     progress: Progress = NULL_PROGRESS,
-) -> list[WrittenEntry]:
-    """Stream every item from `checkpoint` into `writer`, in order, one entry at a time.
+) -> list[str]:
+    """Stream every item from `checkpoint` into `writer`, in order, one entry at a time; how
+    each was written (`WrittenEntry.how`), in `items` order.
 
     Raw byte copies are used whenever the entry is stored raw, no cast is asked for and the
     writer accepts raw bytes; everything else goes through one tensor in memory. A writer
@@ -344,7 +345,9 @@ def copy_entries(
     tensor gets just those boxes (`read_slice`); `how` still says what a whole copy would be.
     """
     delay = _delay()
-    written: list[WrittenEntry] = []
+    # one word per entry: the records are built from the plan once the output is checked,
+    # not held (with a dump of each) through the check's parse of the output (#30)
+    written: list[str] = []
     for item in items:
         source, target = item.source, item.target
         raw = item.cast is None and writer.accepts_raw and checkpoint.serves_raw(source.name)
@@ -383,20 +386,24 @@ def copy_entries(
             del tensor
             progress.advance(source.nbytes)
             how = "cast" if item.cast else "tensor"
-        written.append(
-            WrittenEntry(
-                name=target.name,
-                source=source.name,
-                kind=target.kind,
-                dtype=target.dtype,
-                shape=list(target.shape),
-                nbytes=target.nbytes,
-                how=how,
-            )
-        )
+        written.append(how)
         if delay:
             time.sleep(delay)
     return written
+
+
+def written_entry(item: Item, how: str) -> WrittenEntry:
+    """The record of `item` written `how` (`WrittenEntry.how`)."""
+    target = item.target
+    return WrittenEntry(
+        name=target.name,
+        source=item.source.name,
+        kind=target.kind,
+        dtype=target.dtype,
+        shape=list(target.shape),
+        nbytes=target.nbytes,
+        how=how,
+    )
 
 
 def check_staged(format_name: str, staging: Path, single_file: bool) -> None:
@@ -610,7 +617,7 @@ def write_checkpoint(
             "share": share.model_dump(mode="json"),
             "part": part,
             "files": None if files is None else [f.model_dump(mode="json") for f in files],
-            "written": [w.model_dump(mode="json") for w in done],
+            "written": [[item.target.name, how] for item, how in zip(items, done, strict=True)],
         }
 
     def commit(staging: Path, parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -631,11 +638,15 @@ def write_checkpoint(
             copy_files(checkpoint, [rel for rel in extras if rel not in companions], staging)
         check_staged(to, staging, options.single_file)
         # an entry split over several ranks' files is reported once, in plan order
-        by_name: dict[str, Any] = {}
+        hows: dict[str, str] = {}
         for p in parts:
-            for w in p["written"]:
-                by_name.setdefault(w["name"], w)
-        order = [by_name[i.target.name] for i in plan.items if i.target.name in by_name]
+            for name, how in p["written"]:
+                hows.setdefault(name, how)
+        order = [
+            [index, hows[item.target.name]]
+            for index, item in enumerate(plan.items)
+            if item.target.name in hows
+        ]
         return {
             "files": [f.model_dump(mode="json") for f in files],
             "written": order,
@@ -646,7 +657,7 @@ def write_checkpoint(
         workers, dest, force=force, single_file=options.single_file, work=work, commit=commit
     )
     files = [FileInfo.model_validate(f) for f in result["files"]]
-    written = [WrittenEntry.model_validate(w) for w in result["written"]]
+    written = [written_entry(plan.items[index], how) for index, how in result["written"]]
     if shares is not None:
         shares.extend(RankShare.model_validate(s) for s in result["shares"])
     if options.single_file and files:

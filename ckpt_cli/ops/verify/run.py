@@ -23,7 +23,8 @@ from ... import models
 from ...dist.command import CombinedProgress, RankShare, active
 from ...errors import CkptError, UnsafeInputError, UsageError
 from ...formats import choose_format, get_format, resolve_source
-from ...formats.base import Checkpoint
+from ...formats.base import Checkpoint, Source
+from ...heap import gc_paused
 from ...models import Problem, Record, TrainingState
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts import OpenedSource, SourceOpener, check_source, recognise_layout
@@ -183,18 +184,7 @@ def verify_with(
     opened = recognise_layout(source) if format is None else None
     opener = SourceOpener(resolved, format)
     try:
-        if opened is None:
-            name = choose_format(source, format)
-            fmt = get_format(name)
-            # SRC named the .metadata or one .distcp file: the checkpoint is the folder
-            source = fmt.checkpoint_source(source)
-            problems = list(fmt.check(source))
-            if fmt.object_bytes and not any(p.severity == "error" for p in problems):
-                problems.extend(object_problems(opener))
-        else:
-            training = opened.training
-            name = training.layout if training else opened.checkpoint.manifest.format
-            problems = check_source(resolved, opened=opened)
+        name, source, problems = _structure(source, format, opener, opened)
         report = VerifyReport(
             location=source.location.raw, format=name, ok=True, checks=["structure"]
         )
@@ -244,6 +234,25 @@ def verify_with(
     report.warnings = len(problems) - report.errors
     report.ok = report.errors == 0
     return report
+
+
+@gc_paused()  # builds and walks the manifest (a million DCP chunks), no cycles: see `heap`
+def _structure(
+    source: Source, format: str | None, opener: SourceOpener, opened: OpenedSource | None
+) -> tuple[str, Source, list[Problem]]:
+    """The structural checks: (the format or layout name, the checkpoint's source, problems)."""
+    if opened is not None:
+        training = opened.training
+        name = training.layout if training else opened.checkpoint.manifest.format
+        return name, source, check_source(source, opened=opened)
+    name = choose_format(source, format)
+    fmt = get_format(name)
+    # SRC named the .metadata or one .distcp file: the checkpoint is the folder
+    source = fmt.checkpoint_source(source)
+    problems = list(fmt.check(source))
+    if fmt.object_bytes and not any(p.severity == "error" for p in problems):
+        problems.extend(object_problems(opener))
+    return name, source, problems
 
 
 def _quant_checks(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ...errors import CkptError, FormatError, NotFoundError
@@ -188,9 +189,7 @@ class CompositeCheckpoint(Checkpoint):
                 if sub:
                     fields["file"] = f"{sub}{entry.file}" if entry.file else None
                     if entry.chunks:
-                        fields["chunks"] = [
-                            c.model_copy(update={"file": f"{sub}{c.file}"}) for c in entry.chunks
-                        ]
+                        fields["chunks"] = [replace(c, file=f"{sub}{c.file}") for c in entry.chunks]
                 # the key path lets the torch writer rebuild {"model": {...}, "optimizer": {...}}
                 entries.append(
                     TorchEntry.model_construct(**fields, key_path=(("dict", comp), *inner))
