@@ -44,11 +44,11 @@ from tests.hub_server import TestHub  # noqa: E402
 from tests.latency_proxy import LatencyProxy, proxied  # noqa: E402
 
 PY = sys.executable
-#: the tensors `download --filter` asks for: a few experts of one layer
-FILTER = "model.layers.7.mlp.experts.1*"
+#: the tensors `download --filter` asks for (set from the model built)
+FILTER = ""
 
 
-def build(folder: Path, shards: int) -> dict[str, int]:
+def build(folder: Path, shards: int, experts: int = 92) -> dict[str, int]:
     """A DeepSeek-V3-shaped sharded model of tiny tensors; returns each shard's header length."""
     import numpy as np
     from safetensors.numpy import save_file
@@ -60,7 +60,7 @@ def build(folder: Path, shards: int) -> dict[str, int]:
     for s in range(shards):
         name = f"model-{s + 1:05d}-of-{shards:06d}.safetensors"
         tensors: dict[str, Any] = {}
-        for _ in range(92):  # 92 experts x 3 projections x (weight, scale) = 552 tensors
+        for _ in range(experts):  # 92 experts x 3 projections x (weight, scale) = 552 tensors
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 base = f"model.layers.{layer}.mlp.experts.{expert}.{proj}"
                 tensors[f"{base}.weight"] = np.zeros((4, 4), dtype=np.float16)
@@ -169,7 +169,8 @@ print(count)
 
 def timed(cmd: list[str], env: dict[str, str], check: Callable[[str], None] | None) -> float:
     started = time.perf_counter()
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # in the checkout measured: `python -m` puts the working folder first on the path
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=env["PYTHONPATH"])
     took = time.perf_counter() - started
     if out.returncode not in (0,):
         raise SystemExit(f"{cmd[:6]} failed ({out.returncode}):\n{out.stderr[-3000:]}")
@@ -213,14 +214,28 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=163)
     parser.add_argument("--rtt", type=float, default=0.05)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=92,
+        help="experts per shard (6 tensors each; 92: ~60 KiB headers)",
+    )
     parser.add_argument("--only", choices=("hub", "s3"), default=None)
+    parser.add_argument(
+        "--ckpt-root", type=Path, default=REPO, help="run ckpt from this checkout (before/after)"
+    )
     opts = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-latency-"))
     src = work / "src"
-    lengths = build(src, opts.shards)
+    lengths = build(src, opts.shards, opts.experts)
     index = json.loads((src / "model.safetensors.index.json").read_text())
     n_tensors = len(index["weight_map"])
+    # what `download --filter` asks for: the first expert of the middle shard (one shard)
+    middle = sorted(lengths)[len(lengths) // 2]
+    first = next(n for n, f in index["weight_map"].items() if f == middle)
+    global FILTER
+    FILTER = first.rsplit(".", 2)[0] + ".*"
     selected = {
         f for n, f in index["weight_map"].items() if __import__("fnmatch").fnmatchcase(n, FILTER)
     }
@@ -240,7 +255,9 @@ def main() -> None:
         assert json.loads(stdout)["ok"] is True
 
     ckpt = [PY, "-m", "ckpt_cli"]
-    base_env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_DISABLE_PROGRESS_BARS="1")
+    base_env = dict(
+        os.environ, PYTHONPATH=str(opts.ckpt_root.resolve()), HF_HUB_DISABLE_PROGRESS_BARS="1"
+    )
     base_env.pop("PYTHONDONTWRITEBYTECODE", None)
     tables: list[str] = []
     try:
