@@ -207,6 +207,15 @@ class Entry(_LeanRecord):
         setattr_(entry, "__pydantic_private__", None)
         return entry
 
+    @classmethod
+    def named(cls, name: str, file: str) -> Entry:
+        """A tensor known by its name and file only (an index's `weight_map`: no dtype, shape
+        or offset), unvalidated, at `trusted`'s cost: planning from the index of a
+        DeepSeek-V3-sized model builds 90,000 of them."""
+        entry = cls.trusted(name, "", [], 0, file, 0)
+        entry.__dict__.update(dtype=None, offset=None)
+        return entry
+
 
 _ENTRY_FIELDS = frozenset(Entry.model_fields)
 _ALL_ENTRY_FIELDS = _shared_fields(set(_ENTRY_FIELDS))

@@ -15,7 +15,8 @@ Errors carry the `X-Error-Code` headers the real Hub sends (`RepoNotFound`, `Rev
 `EntryNotFound`, `GatedRepo`), so huggingface_hub raises its real exception classes.
 
 Every request is logged (`TestHub.log`), the body bytes sent are counted per file
-(`TestHub.bytes_sent`), and faults can be injected: `drop_after` (close the connection after N
+(`TestHub.bytes_sent`), the most requests answered at once is kept (`TestHub.max_in_flight`),
+each request can be made to wait (`TestHub.latency`), and faults can be injected: `drop_after` (close the connection after N
 body bytes of a file, once), `fail` (answer a status for a path, N times).
 """
 
@@ -122,10 +123,14 @@ class TestHub:
         #: before the handler thread has logged it, so the log and the counters are read only
         #: once every request begun is logged
         self._answering = 0
+        #: the most requests answered at once so far (a client's concurrency)
+        self.max_in_flight = 0
         self._idle = threading.Condition()
         #: LFS files answer `resolve` with a 302 to a CDN URL on another host name, as the Hub does
         self.lfs_redirect = True
-        #: seconds each request waits before it is answered (a far-away server, for benchmarks)
+        #: seconds each request waits before it is answered: a round trip to a far-away server,
+        #: paid by every request (a redirect's too), whether its connection is new or kept
+        #: alive; opening a connection costs nothing more (`tests/latency_proxy.py` charges that)
         self.latency = 0.0
         self._sent: Counter[tuple[str, str]] = Counter()
         self._drops: dict[tuple[str, str], int] = {}
@@ -253,6 +258,7 @@ class TestHub:
         """Count one request as being answered; returns what to call once it is logged."""
         with self._idle:
             self._answering += 1
+            self.max_in_flight = max(self.max_in_flight, self._answering)
 
         def done() -> None:
             with self._idle:
@@ -286,6 +292,7 @@ class TestHub:
         with self._lock:
             self._log.clear()
             self._sent.clear()
+            self.max_in_flight = 0
 
     # -- used by the handler -------------------------------------------------------------------
 

@@ -41,6 +41,24 @@ class S3Server:
     refuse: Callable[[S3Request], bool] | None = None
     #: requests for which this returns True are answered one second late (a slow link)
     slow: Callable[[S3Request], bool] | None = None
+    #: seconds every request waits before it is answered (a far-away store; for a real link,
+    #: handshakes included, put `tests/latency_proxy.py` in front)
+    latency: float = 0.0
+    #: the most requests being answered at once so far (a client's concurrency)
+    max_in_flight: int = 0
+    _in_flight: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def enter(self) -> None:
+        """Count one request as being answered."""
+        with self._lock:
+            self._in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self._in_flight)
+
+    def leave(self) -> None:
+        """Count one request as answered."""
+        with self._lock:
+            self._in_flight -= 1
 
     def bytes_uploaded(self) -> int:
         """Body bytes of every PUT and POST (object uploads, multipart parts)."""
@@ -77,15 +95,21 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
             environ.get("QUERY_STRING", ""),
         )
         server.requests.append(request)
-        if server.slow is not None and server.slow(request):
-            time.sleep(1.0)
-        if server.refuse is not None and server.refuse(request):
-            start_response("403 Forbidden", [("Content-Type", "application/xml")])
-            return [
-                b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
-                b"<Message>Access Denied</Message></Error>"
-            ]
-        return moto_app(environ, start_response)
+        server.enter()
+        try:
+            if server.latency:
+                time.sleep(server.latency)
+            if server.slow is not None and server.slow(request):
+                time.sleep(1.0)
+            if server.refuse is not None and server.refuse(request):
+                start_response("403 Forbidden", [("Content-Type", "application/xml")])
+                return [
+                    b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
+                    b"<Message>Access Denied</Message></Error>"
+                ]
+            return moto_app(environ, start_response)
+        finally:
+            server.leave()
 
     import s3fs
 

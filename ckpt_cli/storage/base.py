@@ -185,6 +185,14 @@ class Storage(ABC):
         than a round trip."""
         return min(size, 64 << 10)
 
+    def prefetch_heads(self, first_reads: Mapping[str, int]) -> None:  # noqa: B027 - optional hook
+        """Files whose header (`header_read`'s kind: a length, then the header) is about to be
+        read, each with the bytes its reader expects the header to take (0: no guess).
+
+        A remote storage fetches them all now, concurrently and in the background, headers
+        whole, within a memory budget (`storage.heads`), so that the `read`s that follow cost
+        no round trip; a local one does nothing (a `pread` costs less than a thread)."""
+
     @property
     def local_root(self) -> Path | None:
         """The checkpoint folder on this machine, or None when the storage is not a local folder."""

@@ -20,9 +20,7 @@ imported, so a long-lived process (or a test) that changes `HF_ENDPOINT`/`HF_HOM
 from __future__ import annotations
 
 import io
-import posixpath
 import re
-import struct
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -31,8 +29,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError
-from ..formats.names import SAFETENSORS_SUFFIX
 from .base import RemoteFile, Storage, StorageRangeFile, is_parity_path
+from .heads import HeadCache, HeadRead
 from .hub_repo import (
     HubRepo,
     HubSettings,
@@ -48,8 +46,6 @@ from .uri import Location
 READ_RETRIES = 5
 #: bytes per chunk when streaming a range
 STREAM_CHUNK = 1 << 20
-#: shard headers fetched at once when a sharded checkpoint is opened
-HEAD_WORKERS = 16
 __all__ = [
     "HubRepo",
     "HubSettings",
@@ -97,9 +93,8 @@ class HubStorage(Storage):
         # reads may run on several threads (parallel range fetches)
         self._lock = threading.Lock()
         self._direct: dict[str, str] = {}
-        #: fetch all shard headers of a folder at once (off when SRC names one file)
-        self.prefetch_heads = True
-        self._heads: dict[str, bytes | None] = {}
+        #: headers fetched ahead (`prefetch_heads`)
+        self._heads = HeadCache(self._fetch)
 
     def list_files(self) -> dict[str, int]:
         return {rel: f.size for rel, f in self.repo.files.items() if not is_parity_path(rel)}
@@ -136,70 +131,43 @@ class HubStorage(Storage):
             )
         if length == 0:
             return b""
-        if offset == 0 and rel.endswith(SAFETENSORS_SUFFIX):
-            head = self._heads.get(rel)
-            if head is None and length <= self.header_probe:
-                head = self._head(rel)
+        if offset == 0 and self._heads.pending(rel):
+            head = self._heads.take(rel)
             if head is not None and len(head) >= length:
                 return head[:length]
         return b"".join(self.stream(rel, offset, offset + length))
 
     def header_read(self, rel: str, size: int) -> int:
-        if rel.endswith(SAFETENSORS_SUFFIX) and self.local_path(rel) is None:
-            head = self._head(rel)
+        if self._heads.pending(rel):
+            head = self._heads.peek(rel)
             if head is not None:
                 return len(head)  # fetched already, with its siblings'
         if self.local_path(rel) is not None:
             return super().header_read(rel, size)
         return min(size, self.header_probe if size >= self.exact_header_below else 8)
 
-    def _fetch_head(self, name: str) -> bytes:
-        """The first bytes of `name` that hold its header: one `header_probe` read of a large
-        file; of a small one, its 8-byte length, then exactly that header."""
-        size = self.size(name)
-        if size >= self.exact_header_below:
-            return b"".join(self.stream(name, 0, min(size, self.header_probe)))
-        first = b"".join(self.stream(name, 0, min(size, 8))) if size else b""
-        if len(first) < 8:
-            return first
-        (length,) = struct.unpack("<Q", first)
-        if length > size - 8:  # not a safetensors header: what the file is shows in its start
-            return b"".join(self.stream(name, 0, min(size, self.header_probe)))
-        return first + b"".join(self.stream(name, 8, 8 + length)) if length else first
+    def prefetch_heads(self, first_reads: Mapping[str, int]) -> None:
+        """Fetch the heads of files not in the local cache, `HEAD_WORKERS` at once: a file of
+        `exact_header_below` bytes or more is read from `header_probe` bytes (or the reader's
+        guess, if larger) on; a smaller one exactly, its 8-byte length first, then the header."""
+        if self.repo.snapshot is not None:
+            return
+        wanted: dict[str, HeadRead] = {}
+        for rel, guess in first_reads.items():
+            size = self.size(rel)
+            if self.local_path(rel) is not None or size == 0:
+                continue
+            if size < self.exact_header_below:
+                wanted[rel] = HeadRead(min(size, 8), size, exact=True)
+            else:
+                wanted[rel] = HeadRead(max(self.header_probe, guess), size)
+        self._heads.prefetch(wanted)
 
-    def _head(self, rel: str) -> bytes | None:
-        """The first `header_probe` bytes of `rel`, fetched together with its sibling shards.
+    def _fetch(self, rel: str, start: int, end: int) -> bytes:
+        return b"".join(self.stream(rel, start, end))
 
-        Opening a sharded checkpoint reads every shard's header; one at a time that is one round
-        trip per shard (200 shards: seconds). The first header read fetches the heads of all
-        `.safetensors` files in that folder at once, `HEAD_WORKERS` requests in parallel.
-        """
-        if not self.prefetch_heads:
-            return None
-        with self._lock:
-            if rel in self._heads:
-                return self._heads[rel]
-            folder = posixpath.dirname(rel)
-            names = [
-                n
-                for n in self.repo.files
-                if n.endswith(SAFETENSORS_SUFFIX)
-                and posixpath.dirname(n) == folder
-                and n not in self._heads
-                and self.repo.cached_path(n) is None
-            ]
-            for name in names:
-                self._heads[name] = None  # claimed: fetched below, once
-        if rel not in names:
-            return None
-
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=max(1, min(HEAD_WORKERS, len(names)))) as pool:
-            heads = dict(zip(names, pool.map(self._fetch_head, names), strict=True))
-        with self._lock:
-            self._heads.update(heads)
-        return heads[rel]
+    def close(self) -> None:
+        self._heads.close()
 
     def stream(self, rel: str, start: int, end: int, chunk: int = STREAM_CHUNK) -> Iterator[bytes]:
         """Bytes `start..end` of `rel` in chunks: one ranged GET, resumed if the connection drops."""
@@ -375,6 +343,4 @@ def open_hub(location: Location) -> tuple[HubStorage, str | None]:
         if name not in repo.files:
             raise error from None
         target = name
-    storage = HubStorage(repo)
-    storage.prefetch_heads = target is None
-    return storage, target
+    return HubStorage(repo), target

@@ -8,7 +8,7 @@ from ... import dtypes
 from ...models import Chunk, Entry
 from ..base import Source
 from ..safetensors.format import DCP_HF_SHARD
-from ..safetensors.header import read_header
+from ..safetensors.header import prefetch_headers, read_header
 from .layout import SHARDING_INFO_KEY, Layout, int_list
 
 
@@ -23,7 +23,9 @@ def analyse_hf_shards(source: Source, listing: dict[str, int]) -> Layout:
     layout = Layout(files=dict(listing))
     layout.serialization.add("hf_safetensors")
     found: dict[str, list[tuple[str, Chunk]]] = {}
-    for name in sorted(n for n in listing if DCP_HF_SHARD.match(n)):
+    names = sorted(n for n in listing if DCP_HF_SHARD.match(n))
+    prefetch_headers(storage, names)
+    for name in names:
         header = read_header(storage, name, listing[name])
         try:
             sharding = json.loads(header.metadata.get(SHARDING_INFO_KEY, "{}"))

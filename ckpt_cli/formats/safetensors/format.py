@@ -34,7 +34,13 @@ from ..weight_map import (
     report_missing_shard,
     shards_to_check,
 )
-from .header import SafetensorsHeader, encode_header, parse_header, read_header
+from .header import (
+    SafetensorsHeader,
+    encode_header,
+    parse_header,
+    prefetch_headers,
+    read_header,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -128,6 +134,11 @@ class SafetensorsFormat(Format):
         else:
             shards = [n for n in source.top_level() if n.endswith(".safetensors")]
             sizes = {n: source.files[n] for n in shards}
+        prefetch_headers(
+            storage,
+            [s for s in shards if ("safetensors", s, sizes.get(s)) not in source.parsed],
+            weight_map,
+        )
         headers = [cls._header(source, shard, sizes.get(shard)) for shard in shards]
         return SafetensorsCheckpoint.from_headers(
             source, headers, index_rel, weight_map, index_meta
@@ -173,6 +184,7 @@ class SafetensorsFormat(Format):
         else:
             shards = [n for n in listing if "/" not in n and n.endswith(".safetensors")]
         contents: dict[str, ShardContents] = {}
+        prefetch_headers(storage, [s for s in shards if s in listing], weight_map)
         for shard in shards:
             if shard not in listing:
                 assert index_rel is not None and weight_map is not None

@@ -233,12 +233,8 @@ def no_match(src: str, include: list[str] | None, exclude: list[str] | None) -> 
 
 
 def index_entries(weight_map: dict[str, str]) -> list[Entry]:
-    return [
-        Entry.model_construct(
-            name=name, kind="tensor", dtype=None, shape=[], nbytes=0, file=shard, offset=None
-        )
-        for name, shard in weight_map.items()
-    ]
+    named = Entry.named
+    return [named(name, shard) for name, shard in weight_map.items()]
 
 
 def no_safetensors(src: str) -> FormatError:

@@ -1,0 +1,180 @@
+"""Heads of many remote files fetched at once: what opening a sharded checkpoint waits for.
+
+A file that opens with its header's length (safetensors: an 8-byte little-endian length, then
+the JSON header) costs a round trip to read its header, and a second one when the header is
+longer than the first read. Read one file after another, 163 shards (the DeepSeek-V3 layout) at
+50 ms are 8 to 16 seconds of waiting; read at once, a round trip or two.
+
+`HeadCache.prefetch` takes the files about to be read, each with the bytes to read first, and
+fetches them on `workers` threads in the background: each file's first read and, when its
+length says the header goes on, the rest of the header, in the same worker (never a second
+sequential pass). A larger header than the first read seen once raises the first read of
+the files not yet started (shards of one model have headers of about one size), so most files
+cost one request. `take` hands a file's head over once (waiting for it if it is in flight) and
+forgets it.
+
+Memory: the heads held (fetched, not yet taken) stay within `budget` bytes, and no head is
+longer than `limit`: a file whose header would overrun either is left to the reader's own
+reads, one at a time. A failed fetch is forgotten too: the reader's own read then reports it.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    # imported where the pool is made: a local SRC never needs it (start-up, #30)
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+#: heads fetched at once (requests in flight); HTTP clients pool about 100 connections
+HEAD_WORKERS = 64
+#: bytes of heads held at once, fetched and not yet taken
+HEAD_BUDGET = 64 << 20
+#: the longest head fetched ahead; a longer header is read by its reader, when it gets to it
+HEAD_LIMIT = 16 << 20
+#: a first read larger than this is never guessed from other files' headers
+LEARNED_MAX = 4 << 20
+
+#: fetch(rel, start, end) -> the bytes start..end of rel
+Fetch = Callable[[str, int, int], bytes]
+
+
+class HeadRead(NamedTuple):
+    """How to fetch one file's head.
+
+    Attributes:
+        first: bytes to read first (the whole header when it is no longer).
+        size: the file's size.
+        exact: read no byte past the header: `first` as given (8: the length alone), then
+            exactly the rest (no larger first read guessed from other files' headers).
+    """
+
+    first: int
+    size: int
+    exact: bool = False
+
+
+class HeadCache:
+    """Heads of files fetched concurrently, each handed over once."""
+
+    def __init__(
+        self,
+        fetch: Fetch,
+        *,
+        workers: int = HEAD_WORKERS,
+        budget: int = HEAD_BUDGET,
+        limit: int = HEAD_LIMIT,
+    ):
+        self._fetch = fetch
+        self._workers = workers
+        self._budget = budget
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._pending: dict[str, Future[bytes | None]] = {}
+        self._held = 0
+        self._learned = 0
+        self._pool: ThreadPoolExecutor | None = None
+
+    def prefetch(self, first_reads: Mapping[str, HeadRead]) -> None:
+        """Start fetching the head of each file (rel -> how).
+
+        Files already pending are not fetched again. Returns at once."""
+        with self._lock:
+            todo = {rel: v for rel, v in first_reads.items() if rel not in self._pending}
+            if not todo:
+                return
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self._workers, thread_name_prefix="ckpt-heads"
+                )
+            for rel, how in todo.items():
+                self._pending[rel] = self._pool.submit(self._one, rel, how)
+
+    def pending(self, rel: str) -> bool:
+        """Whether a head of `rel` is being fetched or held."""
+        with self._lock:
+            return rel in self._pending
+
+    def peek(self, rel: str) -> bytes | None:
+        """The head of `rel` (waiting for it), kept for `take`; None if none was fetched."""
+        with self._lock:
+            future = self._pending.get(rel)
+        if future is None:
+            return None
+        head = future.result()
+        if head is None:
+            with self._lock:
+                self._pending.pop(rel, None)
+        return head
+
+    def take(self, rel: str) -> bytes | None:
+        """The head of `rel`, handed over once (waiting for it); None if none was fetched."""
+        head = self.peek(rel)
+        with self._lock:
+            if self._pending.pop(rel, None) is not None and head is not None:
+                self._held -= len(head)
+        return head
+
+    def close(self) -> None:
+        """Wait for the fetches in flight and forget every head."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._pending.clear()
+            self._held = 0
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- the workers --------------------------------------------------------------------------
+
+    def _reserve(self, n: int) -> bool:
+        with self._lock:
+            if self._held + n > self._budget:
+                return False
+            self._held += n
+            return True
+
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self._held -= n
+
+    def _one(self, rel: str, how: HeadRead) -> bytes | None:
+        size = how.size
+        with self._lock:
+            learned = 0 if how.exact else self._learned
+        first = min(size, max(how.first, learned), self._limit)
+        if first <= 0 or not self._reserve(first):
+            return None
+        try:
+            head = self._fetch(rel, 0, first)
+        except Exception:
+            self._release(first)
+            return None  # the reader's own read reports it
+        if len(head) < 8:
+            return self._settle(head, first)
+        (length,) = struct.unpack("<Q", head[:8])
+        whole = 8 + length
+        if whole <= len(head) or whole > size:  # complete, or not a header the length describes
+            return self._settle(head, first)
+        with self._lock:
+            if whole <= LEARNED_MAX:
+                # the next files' first reads: this header and an eighth more
+                self._learned = max(self._learned, min(LEARNED_MAX, whole + whole // 8))
+        if whole > self._limit or not self._reserve(whole - len(head)):
+            return self._settle(head, first)
+        try:
+            rest = self._fetch(rel, len(head), whole)
+        except Exception:
+            self._release(whole - len(head))
+            return self._settle(head, first)
+        return self._settle(head + rest, first + whole - len(head))
+
+    def _settle(self, head: bytes, reserved: int) -> bytes:
+        """Account for what is held: `head`, where `reserved` bytes were counted."""
+        if reserved != len(head):
+            self._release(reserved - len(head))
+        return head

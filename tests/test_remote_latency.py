@@ -1,0 +1,174 @@
+"""Remote metadata at wire latency: opening a many-shard checkpoint on the Hub or on S3 costs one
+listing, the index, and one header read per shard, all shards at once (issue #30).
+
+The model is the DeepSeek-V3 layout in small: many shards, each with a header larger than a
+first read of 16 KiB, named by an index. Each server answers every request late (its
+`latency`), so the reads a client makes at once overlap at the server, where they are counted:
+what came in, and how many were being answered at the same time. What `inspect` and `verify`
+report is judged against the same checkpoint inspected on local disk.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.numpy import save_file
+
+from .conftest import run_ckpt, run_ckpt_process
+from .hub_server import TestHub
+from .latency_proxy import proxied
+from .s3_fixtures import S3Server, upload_folder
+
+SHARDS = 12
+#: tensors per shard: their names make a header of about 24 KiB, longer than a first read
+PER_SHARD = 300
+
+
+def _deepseek_like(folder: Path) -> dict[str, int]:
+    """Shards of many small tensors (and one of 64 KiB), an index naming them; returns each
+    shard's header length."""
+    import numpy as np
+
+    folder.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    lengths: dict[str, int] = {}
+    for s in range(SHARDS):
+        name = f"model-{s + 1:05d}-of-{SHARDS:05d}.safetensors"
+        tensors: dict[str, Any] = {
+            f"model.layers.{s}.mlp.experts.{e}.down_proj.weight_scale_inv": np.full(
+                (2, 2), e, dtype=np.float32
+            )
+            for e in range(PER_SHARD)
+        }
+        tensors[f"model.layers.{s}.mlp.gate.weight"] = np.zeros((128, 128), dtype=np.float32)
+        save_file(tensors, str(folder / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+        with open(folder / name, "rb") as fh:
+            lengths[name] = struct.unpack("<Q", fh.read(8))[0]
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    assert min(lengths.values()) > 16 << 10  # longer than a first read
+    return lengths
+
+
+def _same_as_local(remote: dict[str, Any], local: dict[str, Any]) -> None:
+    for key in ("tensors", "parameters", "total_bytes", "dtypes", "format", "files"):
+        if key in local:
+            assert remote.get(key) == local[key], key
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_hub_reads_every_header_at_once_in_one_request_each(
+    hub: TestHub, tmp_path: Path, command: str
+) -> None:
+    lengths = _deepseek_like(tmp_path / "src")
+    hub.add_repo("org/deepseek", tmp_path / "src")
+    local = run_ckpt(command, tmp_path / "src", "--json")
+    assert local.exit_code == 0, local.stderr
+    hub.latency = 0.05  # requests made at once overlap at the server
+    hub.reset_counters()
+
+    result = run_ckpt(command, "hf://org/deepseek", "--json")
+
+    assert result.exit_code == 0, result.stderr
+    if command == "inspect":
+        _same_as_local(result.json["result"], local.json["result"])
+        assert result.json["result"]["tensors"] == SHARDS * (PER_SHARD + 1)
+    else:
+        assert result.json["ok"] is True
+    # the shards' header reads were made at once
+    assert hub.max_in_flight > SHARDS // 2
+    # per shard: the redirect, then one ranged read at the CDN holding the whole header
+    for shard, length in lengths.items():
+        reads = [r for r in hub.file_requests("org/deepseek", shard) if r.status == 206]
+        assert len(reads) == 1, (shard, [r.range for r in reads])
+        first, last = reads[0].range.removeprefix("bytes=").split("-")  # type: ignore[union-attr]
+        assert int(first) == 0 and int(last) + 1 >= 8 + length
+        redirects = [r for r in hub.file_requests("org/deepseek", shard) if r.status == 302]
+        assert len(redirects) == 1
+    # and besides them: the revision, the listing, the index; nothing else of the repository
+    files = {r.file for r in hub.file_requests("org/deepseek")}
+    assert files == {f"org/deepseek:{n}" for n in [*lengths, "model.safetensors.index.json"]}
+    api = [r.path.split("?")[0] for r in hub.log if "/api/models/org/deepseek" in r.path]
+    assert len(api) == 2, api
+
+
+def test_hub_without_an_index_reads_each_header_whole_in_at_most_two_requests(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    lengths = _deepseek_like(tmp_path / "src")
+    (tmp_path / "src" / "model.safetensors.index.json").unlink()
+    hub.add_repo("org/noindex", tmp_path / "src")
+    local = run_ckpt("inspect", tmp_path / "src", "--json")
+    hub.latency = 0.05
+    hub.reset_counters()
+
+    result = run_ckpt("inspect", "hf://org/noindex", "--json")
+
+    assert result.exit_code == 0, result.stderr
+    _same_as_local(result.json["result"], local.json["result"])
+    assert hub.max_in_flight > SHARDS // 2
+    for shard, length in lengths.items():
+        reads = [r for r in hub.file_requests("org/noindex", shard) if r.status == 206]
+        assert 1 <= len(reads) <= 2, (shard, [r.range for r in reads])
+        ends = [int(r.range.rsplit("-", 1)[1]) for r in reads]  # type: ignore[union-attr]
+        assert max(ends) + 1 >= 8 + length
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_s3_reads_every_header_at_once_in_one_request_each(
+    s3_server: S3Server, tmp_path: Path, command: str
+) -> None:
+    lengths = _deepseek_like(tmp_path / "src")
+    upload_folder(s3_server.endpoint, "ckpts", "deepseek", tmp_path / "src")
+    local = run_ckpt(command, tmp_path / "src", "--json")
+    assert local.exit_code == 0, local.stderr
+    s3_server.latency = 0.05
+    s3_server.requests.clear()
+    s3_server.max_in_flight = 0
+
+    result = run_ckpt(command, "s3://ckpts/deepseek", "--json")
+
+    assert result.exit_code == 0, result.stderr
+    if command == "inspect":
+        _same_as_local(result.json["result"], local.json["result"])
+    else:
+        assert result.json["ok"] is True
+    assert s3_server.max_in_flight > SHARDS // 2
+    for shard, length in lengths.items():
+        gets = s3_server.object_gets(f"/deepseek/{shard}")
+        assert len(gets) == 1, (shard, [g.range for g in gets])
+        first, last = gets[0].range.removeprefix("bytes=").split("-")  # type: ignore[union-attr]
+        assert int(first) == 0 and int(last) + 1 >= 8 + length
+    # besides them: the index, and the listing (no other object is read)
+    gets = [r for r in s3_server.requests if r.method == "GET"]
+    objects = {r.path for r in gets if r.path.startswith("/ckpts/deepseek/")}
+    assert objects == {f"/ckpts/deepseek/{n}" for n in [*lengths, "model.safetensors.index.json"]}
+
+
+def test_the_latency_proxy_adds_a_round_trip_per_request_and_per_connection(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The bench's link: through the proxy, a client reads the same bytes it reads directly."""
+    _deepseek_like(tmp_path / "src")
+    upload_folder(s3_server.endpoint, "ckpts", "deepseek", tmp_path / "src")
+    proxy = proxied(s3_server.endpoint, 0.02)
+    try:
+        direct = run_ckpt("inspect", "s3://ckpts/deepseek", "--json")
+        # a fresh process: fsspec and botocore read the endpoint when they are set up
+        far = run_ckpt_process(
+            "inspect",
+            "s3://ckpts/deepseek",
+            "--json",
+            env={"AWS_ENDPOINT_URL": proxy.url, "FSSPEC_S3_ENDPOINT_URL": proxy.url},
+        )
+    finally:
+        proxy.stop()
+    assert far.exit_code == 0, far.stderr
+    _same_as_local(far.json["result"], direct.json["result"])
+    assert proxy.connections >= 1
