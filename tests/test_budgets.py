@@ -226,6 +226,7 @@ def _deflated_pickle_bomb(path: Path, inflated: int) -> Path:
     return path
 
 
+@pytest.mark.slow  # a pickle inflated towards 1 GiB, refused by every command in its own process
 def test_a_1_mb_torch_file_whose_pickle_inflates_to_1_gib_is_refused(tmp_path: Path) -> None:
     bomb = _deflated_pickle_bomb(tmp_path / "zip.pt", 1 << 30)
     assert bomb.stat().st_size < 2 << 20
@@ -287,6 +288,7 @@ def test_a_gguf_the_gguf_writer_made_still_reads(tmp_path: Path) -> None:
 # -- verify --deep on a large tensor ---------------------------------------------------------
 
 
+@pytest.mark.slow  # reads a sparse 1 GiB tensor through verify --deep
 def test_verify_deep_counts_a_1_gib_tensor_in_bounded_memory(tmp_path: Path) -> None:
     count = (1 << 30) // 4
     header = json.dumps({"big": {"dtype": "F32", "shape": [count], "data_offsets": [0, 4 * count]}})
@@ -369,6 +371,7 @@ def _tensor_pickle_with(size: Any, stride: Any) -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.slow  # every case a fresh process that imports torch
 @pytest.mark.parametrize(
     ("name", "data_pkl"),
     [
@@ -394,6 +397,7 @@ def test_a_corrupt_torch_file_is_exit_4_in_every_command(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # every case a fresh process that imports torch
 def test_truncations_of_a_real_torch_file_are_exit_4(tmp_path: Path) -> None:
     real = tmp_path / "real.pt"
     torch.save({"w": torch.randn(4, 3), "step": 7, "opt": {"lr": 0.1}}, real)

@@ -135,6 +135,7 @@ def test_parser_errors_off_a_terminal_are_one_line_without_a_box() -> None:
     assert not any(ch in result.stderr for ch in "│╭╰─")
 
 
+@pytest.mark.slow  # every command twice, through pipes and a pseudo-terminal
 def test_every_command_runs_with_pipes_and_with_a_terminal(
     world: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -472,6 +472,7 @@ def child_peak_mib(*argv: str | Path) -> float:
     return int(proc.stdout.split()[-1]) / 1024
 
 
+@pytest.mark.slow  # one process per data command over a large tensor
 def test_data_commands_hold_about_one_chunk_of_the_largest_tensor(tmp_path: Path) -> None:
     """Generous guard of bench/bench_memory.py's figures: above a process that only imports
     ckpt and torch, reshard, convert and verify --deep stay under 2.5x the largest tensor and

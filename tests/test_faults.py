@@ -666,6 +666,7 @@ def test_convert_fails_on_an_unreadable_component_unless_excluded(
     assert loaded and not any(k.startswith("optimizer") for k in loaded)
 
 
+@pytest.mark.slow  # every command on the file, each a fresh process
 def test_a_4_tib_stride_0_tensor_in_a_tiny_file_is_refused(tmp_path: Path) -> None:
     bomb = tmp_path / "stride0.pt"
     torch.save({"big": torch.zeros(1).expand(2**40)}, bomb)  # 4 TiB named, 4 bytes stored

@@ -492,3 +492,23 @@ def test_ctrl_c_during_the_upload_removes_everything(
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
     assert list_keys(s3_server.endpoint, "ckpts", "int/") == []
+
+
+def test_trainer_checkpoint_with_fsdp_dcp_folder_on_the_hub(hub: TestHub, tmp_path: Path) -> None:
+    """The same Trainer folder published to the Hub: its DCP subfolder is read as a view over the
+    commit's one listing (the Hub has no folders of its own to open)."""
+    folder = tmp_path / "checkpoint-200"
+    trainer_checkpoint(folder, 200)
+    (folder / "model.safetensors").unlink()
+    model = weights(200)
+    dcp.save({"model": model}, checkpoint_id=str(folder / "pytorch_model_fsdp_0"), no_dist=True)
+    hub.add_repo("org/run", folder)
+
+    verified = run_ckpt("verify", "hf://org/run", "--json")
+    assert verified.exit_code == 0, verified.stderr
+    assert verified.json["result"]["ok"] is True
+
+    out = tmp_path / "weights"
+    converted = run_ckpt("convert", "hf://org/run", out, "--to", "safetensors", "--select", "model")
+    assert converted.exit_code == 0, converted.stderr
+    _assert_same(_safetensors(out), model)

@@ -218,9 +218,14 @@ class Storage(ABC):
         """How to name a file of this storage in messages."""
         return f"{self.display.rstrip('/')}/{rel}"
 
-    def subfolder(self, rel: str) -> Storage | None:
-        """A storage rooted at the subfolder `rel` (a component folder), or None if unsupported."""
-        return None
+    def subfolder(self, rel: str) -> Storage:
+        """A storage rooted at the subfolder `rel` (a component folder).
+
+        By default a view over this storage's own listing (the Hub: one commit, listed once);
+        local folders and object stores return a storage of their own."""
+        from .view import FolderView  # the view is a Storage: imported here, not at the top
+
+        return FolderView(self, rel)
 
     # ------------------------------------------------------------------------- write side
 

@@ -214,7 +214,7 @@ class LocalStorage(Storage):
     def local_root(self) -> Path | None:
         return self.root
 
-    def subfolder(self, rel: str) -> Storage | None:
+    def subfolder(self, rel: str) -> Storage:
         return LocalStorage(self.path(rel))
 
     def describe(self, rel: str) -> str:

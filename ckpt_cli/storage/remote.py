@@ -266,7 +266,7 @@ class FsspecStorage(Storage):
                 with contextlib.suppress(Exception):
                     future.result()
 
-    def subfolder(self, rel: str) -> Storage | None:
+    def subfolder(self, rel: str) -> Storage:
         rel = safe_relpath(rel, source=self.display)
         return FsspecStorage(self.fs, self._full(rel), self.describe(rel))
 

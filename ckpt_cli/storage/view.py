@@ -71,5 +71,5 @@ class FolderView(Storage):
     def describe(self, rel: str) -> str:
         return self.parent.describe(self._rel(rel))
 
-    def subfolder(self, rel: str) -> Storage | None:
+    def subfolder(self, rel: str) -> Storage:
         return FolderView(self.parent, self._rel(rel), self._listing)

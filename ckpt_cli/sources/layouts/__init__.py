@@ -170,9 +170,9 @@ if TYPE_CHECKING:
 
 
 def _open_layout(source: Source) -> OpenedSource | None:
-    """The training folder layout of a local or object-store folder, if it is one (DCP folders
-    excepted). The Hub is read as a model repository (its own adapter), never as a run folder."""
-    if source.target is not None or source.location.kind == "hf":
+    """The training folder layout of a local, object-store or Hub folder, if it is one (DCP
+    folders excepted): a Trainer pushes `last-checkpoint/` with its optimizer state to the Hub."""
+    if source.target is not None:
         return None
     if DCP_METADATA in set(source.top_level()):
         return None

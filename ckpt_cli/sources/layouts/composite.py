@@ -596,9 +596,5 @@ def subfolder_source(source: Source, rel: str) -> Source:
     if isinstance(known, Source):
         return known
     storage = source.storage.subfolder(rel)
-    if storage is None:
-        raise FormatError(
-            "subfolder components cannot be read from this storage", path=source.location.raw
-        )
     part = source.parsed[key] = Source(location=parse_location(storage.display), storage=storage)
     return part
