@@ -242,3 +242,47 @@ def test_write_back_is_asked_for_by_a_background_thread_while_the_copy_goes_on(
             got.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
     assert got.keys() == state.keys()
     assert all(torch.equal(got[n], t) for n, t in state.items())
+
+
+def test_shards_are_fsynced_off_the_copying_thread_and_a_failed_fsync_publishes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each closed shard is fsynced by the background thread while the next one is copied; the
+    index is written only once all are on disk, and a disk error in one of those fsyncs is
+    the command's error (exit 74), with no DEST and no staging folder left."""
+    import errno
+    import threading
+
+    gen = torch.Generator().manual_seed(4)
+    state = {f"layers.{i}.w": torch.randn(256, 1024, generator=gen) for i in range(3)}  # 1 MiB
+    save_file(state, tmp_path / "model.safetensors")
+    synced: list[tuple[str, str]] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    out = tmp_path / "out"
+    result = run_ckpt("reshard", tmp_path / "model.safetensors", out, "--max-shard-size", "2MB")
+    assert result.exit_code == 0, result.stderr
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 1
+    in_background = {Path(t).name for name, t in synced if name == "ckpt-writeback"}
+    assert in_background == set(shards)
+    with safe_open(str(out / shards[-1]), framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(n), state[n]) for n in f.keys())  # noqa: SIM118
+
+    def failing(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    broken = tmp_path / "broken"
+    result = run_ckpt("reshard", tmp_path / "model.safetensors", broken, "--max-shard-size", "2MB")
+    assert result.exit_code == 74, result.stderr
+    assert "Input/output error" in result.stderr or "EIO" in result.stderr, result.stderr
+    assert not broken.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".broken")]

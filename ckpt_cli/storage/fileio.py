@@ -84,6 +84,8 @@ class _Flusher:
         self._lock = threading.Condition(threading.Lock())
         #: caller's fd -> (duplicate fd, offset, length), oldest first
         self._pending: dict[int, tuple[int, int, int]] = {}
+        #: fsyncs asked for with `fsync_soon`, oldest first (run before write-back requests)
+        self._fsyncs: list[Durable] = []
         self._pid = -1  # the process whose thread runs
 
     def request(self, fd: int, offset: int, length: int) -> None:
@@ -99,20 +101,35 @@ class _Flusher:
             except OSError:
                 return  # a closed descriptor: nothing to write back
             self._pending[fd] = (dup, offset, length)
-            if self._pid != os.getpid():
-                self._pid = os.getpid()
-                import threading
+            self._wake()
 
-                threading.Thread(target=self._run, name="ckpt-writeback", daemon=True).start()
-            self._lock.notify()
+    def fsync(self, job: Durable) -> None:
+        with self._lock:
+            self._fsyncs.append(job)
+            self._wake()
+
+    def _wake(self) -> None:
+        """Start the thread (once per process) and tell it there is work; lock held."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            import threading
+
+            threading.Thread(target=self._run, name="ckpt-writeback", daemon=True).start()
+        self._lock.notify()
 
     def _run(self) -> None:
         while True:
+            job: Durable | None = None
             with self._lock:
-                while not self._pending:
+                while not self._pending and not self._fsyncs:
                     self._lock.wait()
-                fd = next(iter(self._pending))
-                dup, offset, length = self._pending.pop(fd)
+                if self._fsyncs:
+                    job = self._fsyncs.pop(0)
+                else:
+                    dup, offset, length = self._pending.pop(next(iter(self._pending)))
+            if job is not None:
+                job.run()
+                continue
             call = _load_sync_file_range()
             try:
                 if call is not None:
@@ -126,7 +143,44 @@ class _Flusher:
 
         self._lock = threading.Condition(threading.Lock())
         self._pending = {}
+        self._fsyncs = []
         self._pid = -1
+
+
+class Durable:
+    """An fsync of one file made by the background thread (`fsync_soon`): `wait` returns once
+    the file is on disk, or raises the fsync's error."""
+
+    def __init__(self, fd: int):
+        import threading
+
+        self._fd = fd  # a duplicate, closed once synced
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except BaseException as exc:  # told to the waiter, on its own thread
+            self._error = exc
+        finally:
+            os.close(self._fd)
+            self._done.set()
+
+    def wait(self) -> None:
+        """Block until the fsync is done; raise its error (an OSError: EIO, ENOSPC) if any."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+def fsync_soon(fd: int) -> Durable:
+    """fsync `fd`'s file in the background, while the caller goes on (writes the next shard);
+    the caller may close `fd` at once. `Durable.wait` before publishing: the file is then as
+    durable as after `os.fsync(fd)`, which is what it ran."""
+    job = Durable(os.dup(fd))
+    _FLUSHER.fsync(job)
+    return job
 
 
 _FLUSHER = _Flusher()
