@@ -51,14 +51,22 @@ def entry() -> None:
         from .cli.app import main
 
         main()
-    except SystemExit as exc:
-        _exit_now(exc.code)
-        raise
     except KeyboardInterrupt as exc:  # arrived outside a command (imports, argument parsing)
         error = faults.interruption(exc)
         sys.stderr.write(f"ckpt: {error.message}\n")
         sys.exit(error.exit_code)
 
 
+def console() -> None:
+    """The `ckpt` command and `python -m ckpt_cli`: `entry`, then the process ends without the
+    interpreter's teardown (`_exit_now`). `entry` itself ends with `SystemExit`, for callers
+    that run it in their own process."""
+    try:
+        entry()
+    except SystemExit as exc:
+        _exit_now(exc.code)
+        raise
+
+
 if __name__ == "__main__":
-    entry()
+    console()
