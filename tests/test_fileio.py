@@ -199,3 +199,90 @@ def test_the_dcp_writer_decides_raw_copies_once_not_per_entry(
     assert len(decisions) == 1
     got = dcp_load_flat(tmp_path / "dcp", {n: torch.empty_like(t) for n, t in state.items()})
     assert all(torch.equal(got[n], t) for n, t in state.items())
+
+
+def test_write_back_is_asked_for_by_a_background_thread_while_the_copy_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sync_file_range` blocks while it queues pages for the disk; asked on the copying thread,
+    that wait was added to the copy (#30). The requests now come from `ckpt-writeback`, on a
+    descriptor of the output file, and the output is the same bytes."""
+    import threading
+    import time
+
+    if fileio._load_sync_file_range() is None:
+        pytest.skip("no sync_file_range on this platform")
+    calls: list[tuple[str, str]] = []
+    done = threading.Event()
+
+    def spy(fd: int, offset: int, length: int, flags: int) -> int:
+        calls.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+        done.set()
+        return 0
+
+    monkeypatch.setattr(fileio, "_sync_file_range", spy)
+    monkeypatch.setattr(fileio, "WRITEBACK_STEP", 256 << 10)
+    gen = torch.Generator().manual_seed(3)
+    state = {f"layers.{i}.w": torch.randn(256, 1024, generator=gen) for i in range(3)}  # 1 MiB
+    save_file(state, tmp_path / "model.safetensors")
+    out = tmp_path / "out"
+    result = run_ckpt("reshard", tmp_path / "model.safetensors", out, "--max-shard-size", "2MB")
+    assert result.exit_code == 0, result.stderr
+    done.wait(timeout=60)  # the thread runs on its own: wait for its first request to land
+    deadline = time.monotonic() + 60
+    while fileio._FLUSHER._pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls, "no write-back was asked for"
+    assert {thread for thread, _ in calls} == {"ckpt-writeback"}
+    # the requests named the staged shards (published since under OUT)
+    assert all(".out.ckpt-tmp-" in target and ".safetensors" in target for _, target in calls)
+    got: dict[str, torch.Tensor] = {}
+    for shard in sorted(out.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            got.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[n], t) for n, t in state.items())
+
+
+def test_shards_are_fsynced_off_the_copying_thread_and_a_failed_fsync_publishes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each closed shard is fsynced by the background thread while the next one is copied; the
+    index is written only once all are on disk, and a disk error in one of those fsyncs is
+    the command's error (exit 74), with no DEST and no staging folder left."""
+    import errno
+    import threading
+
+    gen = torch.Generator().manual_seed(4)
+    state = {f"layers.{i}.w": torch.randn(256, 1024, generator=gen) for i in range(3)}  # 1 MiB
+    save_file(state, tmp_path / "model.safetensors")
+    synced: list[tuple[str, str]] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    out = tmp_path / "out"
+    result = run_ckpt("reshard", tmp_path / "model.safetensors", out, "--max-shard-size", "2MB")
+    assert result.exit_code == 0, result.stderr
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 1
+    in_background = {Path(t).name for name, t in synced if name == "ckpt-writeback"}
+    assert in_background == set(shards)
+    with safe_open(str(out / shards[-1]), framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(n), state[n]) for n in f.keys())  # noqa: SIM118
+
+    def failing(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    broken = tmp_path / "broken"
+    result = run_ckpt("reshard", tmp_path / "model.safetensors", broken, "--max-shard-size", "2MB")
+    assert result.exit_code == 74, result.stderr
+    assert "Input/output error" in result.stderr or "EIO" in result.stderr, result.stderr
+    assert not broken.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".broken")]

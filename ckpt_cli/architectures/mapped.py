@@ -195,7 +195,8 @@ class MappedCheckpoint(Checkpoint):
 
     def _permuted_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
         """A rotary permutation of a local raw-stored source as its rows' byte ranges in the
-        output's order: the writers copy them in the kernel, row by row, as for a rename."""
+        output's order: the writers gather them (`FileRange.copy_to`: the rows of a head are
+        one contiguous source range, read with one `preadv` into their permuted places)."""
         permuted = self._permuted_source(name)
         if permuted is None:
             return None
@@ -204,16 +205,19 @@ class MappedCheckpoint(Checkpoint):
             return None
         tensor = self.mapped[name]
         row = self.base.manifest.by_name[permuted].nbytes // tensor.shape[0]
+        order = permuted_row_order(tensor.shape[0], tensor.heads, tensor.permute or "to_halves")
+        if len(segments) == 1:  # the usual case: the tensor is one range of one file
+            path, start, _ = segments[0]
+            rows: Iterable[tuple[Path, int, int]] = ((path, start + r * row, row) for r in order)
+        else:
+            rows = (piece for r in order for piece in window(segments, r * row, row))
         out: list[tuple[Path, int, int]] = []
-        for source_row in permuted_row_order(
-            tensor.shape[0], tensor.heads, tensor.permute or "to_halves"
-        ):
-            for path, offset, length in window(segments, source_row * row, row):
-                last = out[-1] if out else None
-                if last is not None and last[0] == path and last[1] + last[2] == offset:
-                    out[-1] = (path, last[1], last[2] + length)  # rows that stay neighbours
-                else:
-                    out.append((path, offset, length))
+        for path, offset, length in rows:
+            last = out[-1] if out else None
+            if last is not None and last[1] + last[2] == offset and last[0] == path:
+                out[-1] = (path, last[1], last[2] + length)  # rows that stay neighbours
+            else:
+                out.append((path, offset, length))
         return out
 
     def padding(self, name: str) -> list[tuple[int, int]]:

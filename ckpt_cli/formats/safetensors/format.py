@@ -20,7 +20,7 @@ from ... import dtypes
 from ...errors import CkptError, FormatError, NotFoundError
 from ...models import Entry, FileInfo, Manifest, Problem
 from ...problems import Findings
-from ...storage.fileio import FileRange, open_output
+from ...storage.fileio import Durable, FileRange, fsync_soon, open_output
 from ..base import Checkpoint, Format, Source, WriteOptions, Writer
 from ..details import SafetensorsDetails
 from ..weight_map import (
@@ -430,6 +430,7 @@ class SafetensorsWriter(Writer):
         self._fh: Any = None
         self._shard = -1
         self._written: list[FileInfo] = []
+        self._syncs: list[Durable] = []
 
     def _shard_metadata(self, shard: int) -> dict[str, str]:
         """The string metadata of one shard. A carried `DCP_SHARDING_INFO` (torch's
@@ -483,12 +484,13 @@ class SafetensorsWriter(Writer):
     def _close_shard(self) -> None:
         if self._fh is None:
             return
-        # fsync is deferred to `finish`: an fsync per shard makes the copy wait for the disk
-        # after every shard, while syncing them all at the end lets write-back overlap the
-        # copy (measured on 2 GB: 3.9-7 s with an fsync per shard, 1.9 s at the end, the
-        # same as `cp && sync`)
+        # the fsync runs in the background while the next shard is copied, and `finish` waits
+        # for them all: an fsync per shard on the copying thread made the copy wait for the
+        # disk after every shard (measured on 2 GB: 3.9-7 s with an fsync per shard, 1.9 s
+        # with them all at the end, the same as `cp && sync`)
         self._fh.flush()
         size = self._fh.tell()
+        self._syncs.append(fsync_soon(self._fh.fileno()))
         self._fh.close()
         self._fh = None
         self._written.append(
@@ -530,12 +532,8 @@ class SafetensorsWriter(Writer):
             if self.names[shard] not in opened:
                 self._open_shard(shard)
         self._close_shard()
-        for info in self._written:
-            fd = os.open(self.staging / info.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        for sync in self._syncs:
+            sync.wait()  # every shard on disk before the index (the commit marker) is written
         return {"files": [info.model_dump(mode="json") for info in self._written]}
 
     def commit(self, parts: list[dict[str, Any]]) -> list[FileInfo]:
