@@ -263,7 +263,11 @@ def main() -> None:
         return
     # built in a child: torch imported here would count in every measured child's peak RSS
     # (Linux carries the forking parent's high-water mark into the child)
-    subprocess.run([sys.executable, __file__, *sys.argv[1:], "--build-only"], check=True)
+    # (the child builds into this run's folder: without `--dir` it would make its own, and the
+    # build would run again here)
+    subprocess.run(
+        [sys.executable, __file__, *sys.argv[1:], "--dir", str(root), "--build-only"], check=True
+    )
     src, chunks = build(root, shape)
     print(
         f"{src.name}: {chunks:,} chunks on {shape.ranks:,} ranks, .metadata "
