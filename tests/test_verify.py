@@ -304,6 +304,33 @@ def test_fast_algorithms_round_trip(tmp_path: Path, algo: str) -> None:
     assert code == 1 and [p["code"] for p in found] == ["checksum_mismatch"]
 
 
+@pytest.mark.parametrize("algo", ["blake3", "xxh3", "sha256"])
+def test_manifest_digests_are_the_reference_digests(tmp_path: Path, algo: str) -> None:
+    # one big model file beside small JSON files: blake3 hashes the big one with its own
+    # threads and the small ones one per thread; every digest is the reference library's
+    import blake3
+    import xxhash
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    gen = torch.Generator().manual_seed(5)
+    save_file({"w": torch.randn(1 << 20, generator=gen)}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 16}))
+    (folder / "tokenizer.json").write_text(json.dumps({"vocab": list(range(5000))}))
+    assert run_ckpt("verify", folder, "--write-manifest", "--algo", algo).exit_code == 0
+    recorded = json.loads((folder / "ckpt-manifest.json").read_text())["files"]
+    reference = {
+        "blake3": lambda data: blake3.blake3(data).hexdigest(),
+        "xxh3": xxhash.xxh3_128_hexdigest,
+        "sha256": lambda data: hashlib.sha256(data).hexdigest(),
+    }[algo]
+    names = ("config.json", "model.safetensors", "tokenizer.json")
+    assert sorted(recorded) == list(names)
+    for name in names:
+        data = (folder / name).read_bytes()
+        assert recorded[name] == {"size": len(data), "digest": reference(data)}, name
+
+
 def test_missing_fast_package_is_a_clear_usage_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
