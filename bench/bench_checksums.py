@@ -18,9 +18,11 @@ all of them alike); the medians over `--rounds` rounds are compared. Candidates:
   structure check, hashing, manifest written) against the reference command-line tools
   `xxhsum -H2 FILES` (XXH3-128, one process) and `b3sum FILES` (its own threads and mmap), when
   they are installed (or named with --xxhsum / --b3sum); the target is 1.2x their time at 2 GiB.
+* with `--small N`: the same manifests and tools over N shards of 256 KiB each (a DCP folder of
+  many ranks: the cost per file, not per byte).
 
 Run by hand (never in tests):  PYTHONPATH=. python bench/bench_checksums.py [--gb 1] [--dir D]
-(#30's figure: --gb 2.147, i.e. 2 GiB)
+(#30's figure: --gb 2.147, i.e. 2 GiB; per file: --gb 0.1 --small 2000)
 """
 
 from __future__ import annotations
@@ -43,15 +45,18 @@ SHARD = 128 << 20
 ALGOS = ("sha256", "blake3", "xxh3")
 
 
-def write_shards(folder: Path, gigabytes: float) -> dict[str, Path]:
-    """Random-byte safetensors shards (one U8 tensor each) totalling about `gigabytes` GB."""
+def write_shards(
+    folder: Path, gigabytes: float, count: int | None = None, size: int = SHARD
+) -> dict[str, Path]:
+    """Random-byte safetensors shards (one U8 tensor each) totalling about `gigabytes` GB, or
+    `count` shards of `size` bytes."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_verify import write_raw_safetensors
 
-    shards = max(2, round(gigabytes * 1e9 / SHARD))
+    shards = count or max(2, round(gigabytes * 1e9 / size))
     for s in range(1, shards + 1):
         name = f"model-{s:05d}-of-{shards:05d}.safetensors"
-        write_raw_safetensors(folder / name, {f"w{s}": SHARD})
+        write_raw_safetensors(folder / name, {f"w{s}": size})
     return {p.name: p for p in sorted(folder.glob("*.safetensors"))}
 
 
@@ -93,6 +98,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     parser.add_argument("--xxhsum", default=shutil.which("xxhsum"), help="xxhsum to compare")
     parser.add_argument("--b3sum", default=shutil.which("b3sum"), help="b3sum to compare")
+    parser.add_argument("--small", type=int, default=0, help="also N shards of 256 KiB")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-checksums-", dir=args.dir))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -145,6 +151,26 @@ def main() -> None:
             candidates[f"ckpt verify --checksums ({algo})"] = verify(algo)
             candidates[f"hash_files in-process ({algo})"] = lambda a=algo: hash_files(files, a)
             candidates[f"mmap loop in-process ({algo})"] = lambda a=algo: mmap_hash(files, a)
+        small_gb = args.small * (256 << 10) / 1e9
+        if args.small:
+            small = root / "small"
+            small.mkdir()
+            small_files = write_shards(small, 0, count=args.small, size=256 << 10)
+            small_names = " ".join(shlex.quote(str(p)) for p in small_files.values())
+            subprocess.run(f"cat {small}/*.safetensors > /dev/null", shell=True, check=True)
+            for algo, (tool, flag) in tools.items():
+                if tool:
+                    candidates[f"small: {Path(tool).name} {flag}".strip()] = shell(
+                        f"{shlex.quote(tool)} {flag} {small_names} > /dev/null"
+                    )
+                argv = [sys.executable, "-m", "ckpt_cli", "verify", str(small), "--write-manifest",
+                        "--algo", algo, "--force", "--manifest", str(root / f"small-{algo}.json")]  # fmt: skip
+                candidates[f"small: ckpt --write-manifest ({algo})"] = lambda argv=argv: (
+                    subprocess.run(argv, check=True, capture_output=True, env=env)
+                )
+                candidates[f"small: hash_files ({algo})"] = lambda a=algo: hash_files(
+                    small_files, a
+                )
         load_before = os.getloadavg()
         times: dict[str, list[float]] = {name: [] for name in candidates}
         for _ in range(args.rounds):
@@ -157,7 +183,8 @@ def main() -> None:
               f"load average {load_before[0]:.1f} before / {load_after[0]:.1f} after, "
               f"median of {args.rounds} interleaved rounds")  # fmt: skip
         for name, seconds in median.items():
-            print(f"  {name:<36} {seconds:6.2f} s  {gb / seconds:6.2f} GB/s")
+            size = small_gb if name.startswith("small:") else gb
+            print(f"  {name:<36} {seconds:6.2f} s  {size / seconds:6.2f} GB/s")
         cat = median["cat > /dev/null"]
         sha = median["sha256sum, xargs -P2"]
         print("ratios (time, lower is better):")
@@ -178,6 +205,14 @@ def main() -> None:
                       f"{mine / ref:5.2f}   (target <= 1.20)")  # fmt: skip
             else:
                 print(f"  {algo:<7} no reference tool (install it or pass --xxhsum / --b3sum)")
+        if args.small:
+            for algo, (tool, flag) in tools.items():
+                mine = median[f"small: ckpt --write-manifest ({algo})"]
+                loop = median[f"small: hash_files ({algo})"]
+                got = median.get(f"small: {Path(tool).name} {flag}".strip()) if tool else None
+                vs = f"{mine / got:5.2f} / {loop / got:5.2f}" if got else "no reference tool"
+                print(f"  {algo:<7} {args.small} small shards, ckpt process / loop vs "
+                      f"{Path(tool).name if tool else '-'}: {vs}")  # fmt: skip
         print(f"  sha256 ckpt verify throughput: {gb / median['ckpt verify --checksums (sha256)']:.2f}"
               " GB/s (target >= 2 on 2 quiet cores)")  # fmt: skip
     finally:
