@@ -111,18 +111,19 @@ def _refuse_manifest_over_checkpoint(source: Source, path: Destination) -> None:
     local = local_destination(path)
     if local is None or root is None:
         return
-    target = local.resolve()
-    listed = set(source.storage.list_files()) | set(source.files)
-    if source.target is not None:
-        # a single shard's siblings (the rest of its checkpoint) count too
-        listed |= set(LocalStorage(root).list_files())
-    for name in sorted(listed):
-        if name != MANIFEST_NAME and (root / name).resolve() == target:
-            raise UsageError(
-                "is a file of the checkpoint; writing the manifest there would destroy it",
-                path=str(path),
-                fix=f"Name another --manifest path (the default is {root / MANIFEST_NAME}).",
-            )
+    target = _file_id(local)
+    if target is not None:  # a path that names nothing is no file of the checkpoint
+        listed = set(source.storage.list_files()) | set(source.files)
+        if source.target is not None:
+            # a single shard's siblings (the rest of its checkpoint) count too
+            listed |= set(LocalStorage(root).list_files())
+        for name in sorted(listed):
+            if name != MANIFEST_NAME and _same_file(root / name, local, target):
+                raise UsageError(
+                    "is a file of the checkpoint; writing the manifest there would destroy it",
+                    path=str(path),
+                    fix=f"Name another --manifest path (the default is {root / MANIFEST_NAME}).",
+                )
     if local.exists() or local.is_symlink():
         try:
             ChecksumManifest.model_validate(json.loads(read_destination(local)))
@@ -299,10 +300,10 @@ def _files_to_hash(source: Source, manifest: Destination) -> dict[str, Hashable]
     root = storage.local_root
     if root is not None:
         local = local_destination(manifest)
-        skip = local.resolve() if local is not None else None
+        skip = _file_id(local) if local is not None else None
         for name in source.files:
             path = root / name
-            if path.resolve() != skip:
+            if skip is None or local is None or not _same_file(path, local, skip):
                 out[name] = path
         return out
     skip_name = remote_key(manifest)
@@ -311,6 +312,21 @@ def _files_to_hash(source: Source, manifest: Destination) -> dict[str, Hashable]
         if remote is None or remote[1] != skip_name:
             out[name] = StoredFile(storage, name, size)
     return out
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file `path` names, links followed; None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _same_file(path: Path, other: Path, other_id: tuple[int, int]) -> bool:
+    """Whether `path` resolves to `other` (whose `_file_id` is `other_id`). One stat per file:
+    the path walk of `resolve` (2,000 shards: 2 x 40 ms) only where the inodes already agree."""
+    return _file_id(path) == other_id and path.resolve() == other.resolve()
 
 
 def files_size(files: Mapping[str, Hashable]) -> dict[str, int]:
