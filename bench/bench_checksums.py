@@ -156,12 +156,12 @@ def main() -> None:
             small = root / "small"
             small.mkdir()
             small_files = write_shards(small, 0, count=args.small, size=256 << 10)
-            small_names = " ".join(shlex.quote(str(p)) for p in small_files.values())
             subprocess.run(f"cat {small}/*.safetensors > /dev/null", shell=True, check=True)
             for algo, (tool, flag) in tools.items():
                 if tool:
                     candidates[f"small: {Path(tool).name} {flag}".strip()] = shell(
-                        f"{shlex.quote(tool)} {flag} {small_names} > /dev/null"
+                        f"cd {shlex.quote(str(small))} && {shlex.quote(tool)} {flag} *.safetensors"
+                        " > /dev/null"  # one short `sh -c` argument however many files
                     )
                 argv = [sys.executable, "-m", "ckpt_cli", "verify", str(small), "--write-manifest",
                         "--algo", algo, "--force", "--manifest", str(root / f"small-{algo}.json")]  # fmt: skip
