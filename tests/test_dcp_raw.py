@@ -235,7 +235,8 @@ def test_the_raw_kernel_and_tensor_paths_write_byte_identical_data_files(
 ) -> None:
     # three ways in: raw blocks, a local file range (copied in the kernel, the zip CRC read
     # alongside and patched into the header) and torch tensors; one set of bytes out, whether
-    # small containers are built in memory (the default for these sizes) or in the file
+    # small containers are built in memory from a template per dtype and shape (the default
+    # for these sizes) or record by record in the file
     from ckpt_cli.formats.dcp import torch_blob
     from ckpt_cli.storage.fileio import FileRange
 

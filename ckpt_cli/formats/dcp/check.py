@@ -429,7 +429,10 @@ def check_saved_tensors(storage: Storage, layout: Layout) -> None:
             by_file.setdefault(chunk.file, []).append(len(chunks))
             entries.append(entry)
             chunks.append(chunk)
-    found: list[SavedTensor | None] = [None] * len(chunks)
+    # what each chunk's head says, judged as it is read: a verdict per chunk (None: fine;
+    # unread: its head could not be read), not a parsed head per chunk held to the end (#30)
+    unread = ("", "")
+    verdicts: list[tuple[str, str] | None] = [unread] * len(chunks)
     for rel, indexes in by_file.items():
         indexes.sort(key=lambda i: chunks[i].byte_offset)
         where = storage.describe(rel)
@@ -443,36 +446,39 @@ def check_saved_tensors(storage: Storage, layout: Layout) -> None:
             indexes, compressed, storage.read_ranges(rel, ranges), strict=False
         ):
             head = inflate_head(stored, _TENSOR_HEAD) if packed else stored
-            found[i] = peek_saved_tensor(head, where) if head is not None else None
-    for entry, chunk, saved in zip(entries, chunks, found, strict=True):
-        if saved is None:
-            layout.problem(
-                "dcp_bad_chunk",
-                f"tensor {entry.name!r}: the chunk at {chunk.offsets} (byte {chunk.byte_offset}) "
-                "is not a readable torch.save blob of a tensor",
-                file=chunk.file,
-                tensor=entry.name,
-            )
-        elif saved.dtype != entry.dtype or saved.shape != chunk.sizes:
-            layout.problem(
-                "dcp_mismatch",
-                f"tensor {entry.name!r}: the chunk at {chunk.offsets} is "
-                f"{entry.dtype}{chunk.sizes} in .metadata but the file holds "
-                f"{saved.dtype}{saved.shape}",
-                file=chunk.file,
-                tensor=entry.name,
-            )
-        elif (
-            chunk.file,
-            chunk.byte_offset,
-        ) not in layout.transforms and saved.storage_bytes > chunk.byte_length:
-            layout.problem(
-                "dcp_mismatch",
-                f"tensor {entry.name!r}: the chunk at {chunk.offsets} declares "
-                f"{saved.storage_bytes} bytes of data in a {chunk.byte_length}-byte range",
-                file=chunk.file,
-                tensor=entry.name,
-            )
+            saved = peek_saved_tensor(head, where) if head is not None else None
+            verdicts[i] = _saved_verdict(entries[i], chunks[i], saved, packed)
+    for entry, chunk, verdict in zip(entries, chunks, verdicts, strict=True):
+        if verdict is unread:
+            verdict = _saved_verdict(entry, chunk, None, False)
+        if verdict is not None:
+            layout.problem(verdict[0], verdict[1], file=chunk.file, tensor=entry.name)
+
+
+def _saved_verdict(
+    entry: Entry, chunk: Chunk, saved: SavedTensor | None, packed: bool
+) -> tuple[str, str] | None:
+    """The problem (code, message) of a torch_save chunk whose head declares `saved`."""
+    if saved is None:
+        return (
+            "dcp_bad_chunk",
+            f"tensor {entry.name!r}: the chunk at {chunk.offsets} (byte {chunk.byte_offset}) "
+            "is not a readable torch.save blob of a tensor",
+        )
+    if saved.dtype != entry.dtype or saved.shape != chunk.sizes:
+        return (
+            "dcp_mismatch",
+            f"tensor {entry.name!r}: the chunk at {chunk.offsets} is "
+            f"{entry.dtype}{chunk.sizes} in .metadata but the file holds "
+            f"{saved.dtype}{saved.shape}",
+        )
+    if not packed and saved.storage_bytes > chunk.byte_length:
+        return (
+            "dcp_mismatch",
+            f"tensor {entry.name!r}: the chunk at {chunk.offsets} declares "
+            f"{saved.storage_bytes} bytes of data in a {chunk.byte_length}-byte range",
+        )
+    return None
 
 
 def _overlap(a: Chunk, b: Chunk) -> bool:

@@ -12,16 +12,23 @@ kernel (`torch_zip.write_record`), with its records in torch.save's order:
 `version`. data.pkl is byte for byte what torch.save pickles for that tensor; the zip headers
 are Python's `zipfile`'s, not torch's miniz ones, and torch's `.data/serialization_id` record
 is left out (no reader needs it), so the blob is not byte-identical to `torch.save`'s.
+
+A small tensor's container (`SMALL_BLOB`) is the same bytes, built from a template per dtype and
+shape: the container `zipfile` writes around zeros, with the data and its CRC-32 put in. Only
+the data record's bytes and CRC depend on the data (the date is fixed), and building six zip
+records per tensor was most of the CPU of a copy of many small tensors (#30).
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import struct
 import sys
 import zipfile
+import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import IO, Any, cast
 
 from ... import dtypes
@@ -135,10 +142,16 @@ def write_tensor_blob(fh: IO[bytes], dtype: str, shape: list[int], blocks: Itera
         data = b"".join(bytes(block) for block in blocks)
         if len(data) != nbytes:
             raise ValueError(f"data/0: got {len(data)} bytes for a {nbytes}-byte record")
-        buffer = io.BytesIO()
-        write_tensor_blob(buffer, dtype, shape, iter([data]))
-        fh.write(buffer.getbuffer())
-        return buffer.tell()
+        blob = _template(dtype, shape, nbytes).fill(data)
+        fh.write(blob)
+        return len(blob)
+    return _write_zip(fh, dtype, shape, blocks, nbytes)
+
+
+def _write_zip(
+    fh: IO[bytes], dtype: str, shape: list[int], blocks: Iterable[Any], nbytes: int
+) -> int:
+    """`write_tensor_blob` through `zipfile`, record by record."""
     base = fh.tell()
     shifted = cast(IO[bytes], _Shifted(fh, base))
     with zipfile.ZipFile(shifted, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
@@ -154,6 +167,61 @@ def write_tensor_blob(fh: IO[bytes], dtype: str, shape: list[int], blocks: Itera
         write_record(archive, fh, base, _ARCHIVE + "data/0", data_blocks, nbytes)
         write_record(archive, fh, base, _ARCHIVE + "version", b"3\n", 2)
     return fh.tell() - base
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """A small tensor's container less its data: the bytes before and after the data record's
+    bytes, and where its CRC-32 goes in each (the local header in `head`, the central
+    directory entry in `tail`)."""
+
+    head: bytes
+    tail: bytes
+    head_crc: int
+    tail_crc: int
+
+    def fill(self, data: bytes) -> bytearray:
+        """The container holding `data`."""
+        blob = bytearray(self.head)
+        blob += data
+        blob += self.tail
+        crc = zlib.crc32(data)
+        struct.pack_into("<I", blob, self.head_crc, crc)
+        struct.pack_into("<I", blob, len(self.head) + len(data) + self.tail_crc, crc)
+        return blob
+
+
+#: templates by (dtype, shape), at most `_MAX_TEMPLATES` (a model has a few hundred shapes; no
+#: input makes the cache grow past that: it starts over)
+_TEMPLATES: dict[tuple[str, tuple[int, ...]], _Template] = {}
+_MAX_TEMPLATES = 4096
+_DATA_RECORD = _ARCHIVE + "data/0"
+
+
+def _template(dtype: str, shape: list[int], nbytes: int) -> _Template:
+    """The template of the container `_write_zip` writes for a `dtype` tensor of `shape`."""
+    key = (dtype, tuple(shape))
+    found = _TEMPLATES.get(key)
+    if found is not None:
+        return found
+    buffer = io.BytesIO()
+    _write_zip(buffer, dtype, shape, iter([bytes(nbytes)]), nbytes)
+    blob = buffer.getvalue()
+    local = zipfile.ZipFile(io.BytesIO(blob)).getinfo(_DATA_RECORD).header_offset
+    name_length, extra_length = struct.unpack_from("<HH", blob, local + 26)
+    start = local + 30 + name_length + extra_length
+    # the central directory: its entry for the data record (46 bytes + name + extra + comment)
+    directory = struct.unpack_from("<I", blob, len(blob) - 22 + 16)[0]
+    at = directory
+    while blob[at + 46 : at + 46 + len(_DATA_RECORD)] != _DATA_RECORD.encode():
+        at += 46 + sum(struct.unpack_from("<HHH", blob, at + 28))
+    template = _Template(blob[:start], blob[start + nbytes :], local + 14, at + 16 - start - nbytes)
+    if template.fill(bytes(nbytes)) != blob:
+        raise AssertionError(f"the {dtype}{shape} container template does not rebuild itself")
+    if len(_TEMPLATES) >= _MAX_TEMPLATES:
+        _TEMPLATES.clear()
+    _TEMPLATES[key] = template
+    return template
 
 
 class ByteStream:

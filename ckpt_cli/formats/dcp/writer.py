@@ -35,6 +35,17 @@ if TYPE_CHECKING:
     import torch
 
 
+_ZEROS: dict[int, list[int]] = {}
+
+
+def _zeros(n: int) -> list[int]:
+    """One shared list of `n` zeros (the offsets of a chunk that is the whole tensor)."""
+    zeros = _ZEROS.get(n)
+    if zeros is None:
+        zeros = _ZEROS[n] = [0] * n
+    return zeros
+
+
 @dataclass
 class _FileState:
     """One output `.distcp` file while it is being written."""
@@ -185,6 +196,10 @@ class DcpWriter(Writer):
 
     def _plan_chunks(self, entry: Entry) -> list[Chunk]:
         shape = list(entry.shape)
+        if entry.chunks is None and self.world_size == 1:
+            # one rank holds the whole tensor: its chunk shares the plan's shape list and one
+            # list of zeros per rank count (chunks are never changed), not two lists per entry
+            return [Chunk(_zeros(len(shape)), entry.shape, rank_file(0), 0, 0)]
         if entry.chunks is None:
             chunks: list[Chunk] = []
             seen: set[tuple[int, ...]] = set()
@@ -516,15 +531,17 @@ class DcpWriter(Writer):
 
     def finish(self) -> list[FileInfo]:
         """fsync every data file, then write `.metadata` (the commit marker) last."""
-        return self.commit([self.finish_part()])
+        # one writer holds every result already: no per-chunk copy of them to merge back
+        return self.commit([self.finish_part(results=False)])
 
     def _chunk_files(self, name: str) -> list[str]:
         if name in self._object_file:
             return [self._object_file[name]]
         return [c.file for c in self.layout[name]]
 
-    def finish_part(self) -> dict[str, Any]:
-        """fsync this writer's data files; their sizes and the byte ranges of what they hold."""
+    def finish_part(self, results: bool = True) -> dict[str, Any]:
+        """fsync this writer's data files; their sizes and (`results`) the byte ranges of what
+        they hold."""
         missing = [
             f"{name}[{i}]"
             for name, results in self.results.items()
@@ -545,11 +562,13 @@ class DcpWriter(Writer):
             os.fsync(state.fh.fileno())
             state.fh.close()
             files[name] = [state.append_at, state.entries]
-        results = {
+        if not results:
+            return {"files": files, "results": {}}
+        ranges = {
             name: [[i, r[0], r[1]] for i, r in enumerate(found) if r is not None]
             for name, found in self.results.items()
         }
-        return {"files": files, "results": {n: r for n, r in results.items() if r}}
+        return {"files": files, "results": {n: r for n, r in ranges.items() if r}}
 
     def commit(self, parts: list[dict[str, Any]]) -> list[FileInfo]:
         """Merge every rank's part, then write `.metadata` (the commit marker) last."""

@@ -6,6 +6,7 @@ The work is `ops.transfer`'s pipeline; this module turns the command's options i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import PurePath
 from typing import Any
@@ -471,9 +472,9 @@ def convert(
             progress=progress,
             shares=shares,
             extras=carried,
+            origins=origins,
         )
     tensors = [w for w in written if w.kind == "tensor"]
-    written = [w.model_copy(update={"source": origins.get(w.source, w.source)}) for w in written]
     return ConvertReport(
         source=manifest.location,
         source_format=manifest.format,
@@ -514,7 +515,7 @@ def _with_origins(
     if not origins:
         return report
     entries = [
-        e.model_copy(update={"source": origins.get(e.source, e.source)}) for e in report.entries
+        dataclasses.replace(e, source=origins.get(e.source, e.source)) for e in report.entries
     ]
     renamed = sum(1 for e in entries if e.name != e.source)
     return report.model_copy(

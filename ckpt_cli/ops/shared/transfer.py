@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from pydantic import Field
-
 from ... import dtypes
 from ...dist.command import CombinedProgress, RankShare, Workers, active, split_output
 from ...errors import FormatError, NotFoundError, UsageError
@@ -58,7 +56,8 @@ class SkippedEntry(Record):
     reason: str
 
 
-class WrittenEntry(Record):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WrittenEntry:
     """One entry written to the output.
 
     Attributes:
@@ -70,11 +69,16 @@ class WrittenEntry(Record):
             re-serialised) or `object`.
     """
 
+    # A slotted dataclass, not a pydantic model (#30), like `models.Chunk`: a report lists one
+    # per entry written (100,000 for a model of many small tensors), and a model with its
+    # `__dict__` and fields set cost ~1 KiB each. The report (a pydantic model) validates and
+    # dumps it the same, with the same JSON schema.
+
     name: str
     source: str
     kind: str
     dtype: str | None = None
-    shape: list[int] = Field(default_factory=list)
+    shape: list[int] = field(default_factory=list)
     nbytes: int = 0
     how: str
 
@@ -392,15 +396,17 @@ def copy_entries(
     return written
 
 
-def written_entry(item: Item, how: str) -> WrittenEntry:
-    """The record of `item` written `how` (`WrittenEntry.how`)."""
+def written_entry(item: Item, how: str, origins: dict[str, str] | None = None) -> WrittenEntry:
+    """The record of `item` written `how` (`WrittenEntry.how`); `origins` maps a source name
+    to the names the report gives instead (a naming's tensors built from several)."""
     target = item.target
+    source = item.source.name
     return WrittenEntry(
         name=target.name,
-        source=item.source.name,
+        source=origins.get(source, source) if origins else source,
         kind=target.kind,
         dtype=target.dtype,
-        shape=list(target.shape),
+        shape=target.shape,  # the plan's own list, never changed: shared, not copied
         nbytes=target.nbytes,
         how=how,
     )
@@ -565,6 +571,7 @@ def write_checkpoint(
     workers: Workers | None = None,
     shares: list[RankShare] | None = None,
     extras: Sequence[str] = (),
+    origins: dict[str, str] | None = None,
 ) -> tuple[list[FileInfo], list[WrittenEntry]]:
     """Write `plan` from `checkpoint` as format `to` at `dest`, atomically.
 
@@ -575,6 +582,11 @@ def write_checkpoint(
     `shares`, when given, receives what each rank did. Returns the files written (relative to
     `dest`, or `dest`'s own name for a single file) and the entries written. `extras` are
     source files (`extra_files`) copied unchanged into the output folder before it is checked.
+    `origins`: the source names the records give (`written_entry`).
+
+    The plan is spent: once the data is written, its items are let go (`plan.items` is emptied,
+    the records returned describe what was written) before the check reads the output back, so
+    the plan's per-entry targets are not alive at the check's peak (#30).
     """
     fmt = get_format(to)
     if not fmt.writable:
@@ -617,7 +629,10 @@ def write_checkpoint(
             "share": share.model_dump(mode="json"),
             "part": part,
             "files": None if files is None else [f.model_dump(mode="json") for f in files],
-            "written": [[item.target.name, how] for item, how in zip(items, done, strict=True)],
+            # one process: how each item of the plan was written, in plan order
+            "written": [[item.target.name, how] for item, how in zip(items, done, strict=True)]
+            if workers.distributed
+            else done,
         }
 
     def commit(staging: Path, parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -636,28 +651,44 @@ def write_checkpoint(
             files.append(FileInfo(path=rel, size=len(data), entries=0))
         if extras and not options.single_file:
             copy_files(checkpoint, [rel for rel in extras if rel not in companions], staging)
+        order: list[list[Any]] = []
+        if workers.distributed:
+            # an entry split over several ranks' files is reported once, in plan order
+            hows: dict[str, str] = {}
+            for p in parts:
+                for name, how in p["written"]:
+                    hows.setdefault(name, how)
+            order = [
+                [index, hows[item.target.name]]
+                for index, item in enumerate(plan.items)
+                if item.target.name in hows
+            ]
+            del hows
+            records.extend(written_entry(plan.items[i], how, origins) for i, how in order)
+        else:
+            records.extend(
+                written_entry(item, how, origins)
+                for item, how in zip(plan.items, parts[0]["written"], strict=True)
+            )
+        # the plan is spent: its targets are let go before the check reads the output (#30)
+        plan.items = []
         check_staged(to, staging, options.single_file)
-        # an entry split over several ranks' files is reported once, in plan order
-        hows: dict[str, str] = {}
-        for p in parts:
-            for name, how in p["written"]:
-                hows.setdefault(name, how)
-        order = [
-            [index, hows[item.target.name]]
-            for index, item in enumerate(plan.items)
-            if item.target.name in hows
-        ]
         return {
             "files": [f.model_dump(mode="json") for f in files],
+            # the other ranks build their records from their own plans
             "written": order,
             "shares": [p["share"] for p in parts] if workers.distributed else [],
         }
 
+    records: list[WrittenEntry] = []  # built by `commit` (rank 0)
     result = split_output(
         workers, dest, force=force, single_file=options.single_file, work=work, commit=commit
     )
     files = [FileInfo.model_validate(f) for f in result["files"]]
-    written = [written_entry(plan.items[index], how) for index, how in result["written"]]
+    written = records
+    if not workers.leader:
+        written = [written_entry(plan.items[i], how, origins) for i, how in result["written"]]
+        plan.items = []
     if shares is not None:
         shares.extend(RankShare.model_validate(s) for s in result["shares"])
     if options.single_file and files:
