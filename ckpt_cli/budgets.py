@@ -26,6 +26,7 @@ import pickle
 import pickletools
 import re
 import zipfile
+from collections.abc import Sequence
 from typing import IO, Any
 
 from .errors import FormatError
@@ -102,41 +103,65 @@ def pickle_overreach(data: bytes, complete: bool = True) -> str | None:
     unpickler would fail first (an unknown opcode, a negative length) the walk stops too.
     Lengths past the end are judged only for a `complete` pickle (not the head of one).
     """
+    return walk_pickle(data, complete)[0]
+
+
+def walk_pickle(
+    data: bytes, complete: bool = True, spans: Sequence[tuple[int, int]] = ()
+) -> tuple[str | None, list[int]]:
+    """`pickle_overreach(data, complete)`, and the starts of those `spans` (ascending, apart)
+    that start where an opcode starts in the same walk (not inside an argument, not past STOP).
+
+    A span is bytes a caller read out of `data` by pattern as whole opcodes, none of them a
+    PUT, a STOP or an argument counted past the span: the walk steps over one that starts on an
+    opcode in one go (the unpickler reads the same opcodes there), and the caller knows the
+    unpickler will read the span as it did.
+    """
     fixed, variable = _FIXED, _VARIABLE
     skip = _PLAIN_RUN.match
     n = len(data)
     pos = 0
+    at: list[int] = []
+    pending = iter(spans)
+    stop, stop_end = next(pending, (n, n))
     while pos < n:
-        pos = skip(data, pos).end()  # type: ignore[union-attr]  # `*+` always matches
+        while stop < pos:  # inside the argument of the opcode just stepped over
+            stop, stop_end = next(pending, (n, n))
+        pos = skip(data, pos, stop).end()  # type: ignore[union-attr]  # `*+` always matches
+        if pos == stop < n:
+            at.append(stop)
+            pos = stop_end
+            stop, stop_end = next(pending, (n, n))
+            continue
         if pos >= n:
-            return None
+            return None, at
         op = data[pos]
         width = fixed[op]
         if width is not None:
             if op == _LONG_BINPUT and pos + 5 <= n:
                 index = int.from_bytes(data[pos + 1 : pos + 5], "little")
                 if index > _memo_budget(pos):
-                    return _memo_text(index, pos, n)
+                    return _memo_text(index, pos, n), at
             elif op == _STOP:
-                return None
+                return None, at
             pos += 1 + width
             continue
         how = variable[op]
         if how is None:
-            return None  # not an opcode: the unpickler stops here
+            return None, at  # not an opcode: the unpickler stops here
         if how in (pickletools.UP_TO_NEWLINE, _TWO_LINES):
             end = data.find(b"\n", pos + 1)
             if how == _TWO_LINES and end >= 0:
                 end = data.find(b"\n", end + 1)
             if end < 0:
-                return None
+                return None, at
             if op == _PUT:
                 try:
                     index = int(data[pos + 1 : end])
                 except ValueError:
-                    return None
+                    return None, at
                 if index > _memo_budget(pos):
-                    return _memo_text(index, pos, n)
+                    return _memo_text(index, pos, n), at
             pos = end + 1
             continue
         width = _COUNT_WIDTH[how]
@@ -146,15 +171,15 @@ def pickle_overreach(data: bytes, complete: bool = True) -> str | None:
             signed=how == pickletools.TAKEN_FROM_ARGUMENT4,
         )
         if length < 0:
-            return None
+            return None, at
         start = pos + 1 + width
         if length > n - start and complete:
             return (
                 f"an argument of {length:,} bytes at byte {pos:,}, with {max(n - start, 0):,} "
                 "bytes left"
-            )
+            ), at
         pos = start + length
-    return None
+    return None, at
 
 
 _COUNT_WIDTH = {
@@ -176,9 +201,13 @@ def check_pickle(data: bytes, where: str | None, complete: bool = True) -> None:
     """Refuse (FormatError naming `where`) a pickle that would make the C unpickler allocate
     more than its bytes can need (`pickle_overreach`)."""
     why = pickle_overreach(data, complete)
-    if why is None:
-        return
-    raise FormatError(
+    if why is not None:
+        raise pickle_refused(why, where)
+
+
+def pickle_refused(why: str, where: str | None) -> FormatError:
+    """The error for a pickle `pickle_overreach` (or `walk_pickle`) found `why` in."""
+    return FormatError(
         f"holds a pickle with {why}; ckpt refuses it (a hostile or corrupt file)",
         path=where,
         fix="Python's pickler never writes this; re-save the checkpoint, and do not trust "
@@ -192,7 +221,9 @@ class BudgetedUnpickler(pickle.Unpickler):
 
     Subclasses restrict `find_class` and `persistent_load`; `file` replaces the plain reader of
     `data` (a budgeted input that counts objects, say); `complete=False` for the head of a
-    pickle (lengths past its end are then not refused).
+    pickle (lengths past its end are then not refused);
+    `walked=True` when the caller ran `walk_pickle` on these bytes (or on bytes with the same
+    PUTs and lengths at the same places) and refused what it found.
     """
 
     def __init__(
@@ -202,8 +233,10 @@ class BudgetedUnpickler(pickle.Unpickler):
         file: IO[bytes] | Any | None = None,
         *,
         complete: bool = True,
+        walked: bool = False,
     ):
-        check_pickle(data, where, complete)
+        if not walked:
+            check_pickle(data, where, complete)
         super().__init__(file if file is not None else io.BytesIO(data))
 
 

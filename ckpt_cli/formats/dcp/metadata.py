@@ -29,9 +29,10 @@ import gc
 import pickle
 from typing import Any, ClassVar
 
-from ...budgets import BudgetedUnpickler
+from ...budgets import BudgetedUnpickler, pickle_refused
 from ...dtypes import TORCH_ALIASES
 from ...errors import FormatError, UnsafeInputError
+from .lean import lean_records
 
 _METADATA_MODULES = (
     "torch.distributed.checkpoint.metadata",
@@ -81,6 +82,9 @@ class _Record:
                 setattr(self, name, value)
 
     def __setstate__(self, state: Any) -> None:
+        if type(state) is tuple and len(state) > 2 and state[0] is None:
+            self._set_lean(state)
+            return
         # dataclasses with __slots__ pickle (None, slots); ours always use __dict__ states
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
             state = {**(state[0] or {}), **state[1]}
@@ -92,6 +96,23 @@ class _Record:
         # the unpickler's memo keeps the state dict until the load ends; emptied, it holds
         # nothing twice (a pickler writes one state per object: none is read by two BUILDs)
         state.clear()
+
+    def _set_lean(self, state: tuple[Any, ...]) -> None:
+        """The state of a record `lean.lean_records` rewrote: (None, key, value, key, value...),
+        a Size's value being the `torch.Size` stand-in followed by its tuple."""
+        fields = self._fields
+        items = iter(state)
+        next(items)
+        for key in items:
+            if type(key) is not str:
+                raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
+            value = next(items)  # StopIteration: a key without a value, refused by the load
+            if value is _size:
+                value = next(items)
+                if type(value) is not tuple:
+                    raise pickle.UnpicklingError("torch.Size of something that is not a tuple")
+            if key in fields:
+                object.__setattr__(self, key, value)
 
     def __getattr__(self, name: str) -> Any:
         # NEWOBJ skips __init__: fields absent from the pickled state read as None
@@ -403,9 +424,9 @@ class _BudgetedInput:
 class MetadataUnpickler(BudgetedUnpickler):
     """An unpickler that admits only DCP metadata globals, mapped to the stand-ins above."""
 
-    def __init__(self, data: bytes, where: str):
+    def __init__(self, data: bytes, where: str, *, walked: bool = False):
         self._input = _BudgetedInput(data, where)
-        super().__init__(data, where, self._input)
+        super().__init__(data, where, self._input, walked=walked)
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
@@ -453,7 +474,12 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     enabled = gc.isenabled()
     gc.disable()  # collections would reset the allocation count the budget reads
     try:
-        result = MetadataUnpickler(data, where).load()
+        # torch's per-chunk records read lean (see `lean`); the walk that finds them on
+        # opcodes is the memo budget's
+        data, overreach = lean_records(data)
+        if overreach is not None:
+            raise pickle_refused(overreach, where)
+        result = MetadataUnpickler(data, where, walked=True).load()
     except (UnsafeInputError, FormatError):
         raise
     except RecursionError:
