@@ -62,7 +62,8 @@ def _plain(data: bytes) -> Any:
 
 def test_torch_metadata_reads_the_same_lean_and_keeps_no_state_dicts() -> None:
     data = _torch_metadata(tensors=3, chunks=40)
-    rewritten, why = lean.lean_records(data)
+    blocks, why = lean.lean_records(data)
+    rewritten = b"".join(blocks)
     assert why is None and len(rewritten) == len(data) and rewritten != data
 
     md = load_metadata(data, "lean")
@@ -113,7 +114,7 @@ def test_a_dcp_save_reads_as_torch_reads_it(tmp_path: Path) -> None:
         warnings.simplefilter("ignore")
         dcp.save({**state, "extra": {"epoch": 4}}, checkpoint_id=str(tmp_path), no_dist=True)
     data = (tmp_path / ".metadata").read_bytes()
-    assert lean.lean_records(data)[0] != data
+    assert b"".join(lean.lean_records(data)[0]) != data
 
     md = load_metadata(data, "lean")
     theirs = FileSystemReader(str(tmp_path)).read_metadata()
@@ -185,3 +186,27 @@ def test_a_record_whose_size_is_not_torch_size_is_refused(swap: str) -> None:
         hostile[start:end] = chunk
     with pytest.raises(FormatError, match="DCP metadata pickle"):
         load_metadata(bytes(hostile), "hostile")
+
+
+@pytest.mark.parametrize("block", [1, 7, 300, 1 << 20])
+def test_read_in_blocks_of_any_size_as_in_one_piece(
+    block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unpickler reads the pickle in blocks let go as they are read: torch's pickle and
+    ckpt's own (protocol 2, its globals as lines) read the same wherever the blocks end."""
+    from ckpt_cli.formats.dcp.torch_metadata import metadata_bytes
+    from ckpt_cli.models import Chunk, Entry
+
+    monkeypatch.setattr(lean, "BLOCK", block)
+    chunks = [
+        Chunk(
+            offsets=[r * 3, 0], sizes=[3, 5], file=f"__{r}_0.distcp", byte_offset=64, byte_length=60
+        )
+        for r in range(4)
+    ]
+    entry = Entry(
+        name="w", kind="tensor", dtype="float32", shape=[12, 5], nbytes=240, chunks=chunks
+    )
+    ours = metadata_bytes([entry], {"w": chunks}, {"w": [(64, 60)] * 4}, {}, None, None, "id")
+    for data in (_torch_metadata(tensors=2, chunks=5), ours):
+        assert repr(load_metadata(data, "blocks")) == repr(_plain(data))

@@ -75,28 +75,41 @@ _NEXT = re.compile(rb"ub(%s)%s" % (_GET, _HEAD), re.DOTALL)
 _HEAD_BYTES = b")\x81\x94}\x94("
 
 
-def lean_records(data: bytes) -> tuple[bytes, str | None]:
-    """(`data` with its runs of per-chunk records rewritten lean, what the memo walk found
-    wrong or None); `data` itself when nothing was rewritten or the walk refuses it.
+#: the rewritten pickle comes in blocks of about this many bytes
+BLOCK = 1 << 20
+
+
+def lean_records(data: bytes) -> tuple[list[bytes], str | None]:
+    """(`data` with its runs of per-chunk records rewritten lean, in blocks of about `BLOCK`
+    bytes, what the memo walk found wrong or None).
 
     The walk is `budgets.pickle_overreach`'s: the caller need not walk the result again.
     """
     runs = [(m.start(), m.end()) for m in _RUN.finditer(data)]
     why, aligned = walk_pickle(data, True, runs)
-    if why is not None or not aligned:
-        return data, why
+    if why is not None:
+        return [], why
     on_opcode = set(aligned)
-    pieces: list[bytes] = []
-    done = 0
-    for start, end in runs:
-        if start not in on_opcode:
-            continue
-        pieces += (data[done:start], _lean_run(data[start:end]))
+    blocks: list[bytes] = []
+    block: list[bytes] = []
+    size = done = 0
+    for start, end in [*((s, e) for s, e in runs if s in on_opcode), (len(data), len(data))]:
+        for at in range(done, start, BLOCK):  # between runs, as it is
+            block.append(data[at : min(at + BLOCK, start)])
+            size += len(block[-1])
+            if size >= BLOCK:
+                blocks.append(b"".join(block))
+                block, size = [], 0
+        if end > start:
+            block.append(_lean_run(data[start:end]))
+            size += end - start
         done = end
-    if not pieces:
-        return data, None
-    pieces.append(data[done:])
-    return b"".join(pieces), None
+        if size >= BLOCK:
+            blocks.append(b"".join(block))
+            block, size = [], 0
+    if block:
+        blocks.append(b"".join(block))
+    return blocks, None
 
 
 def _lean_run(run: bytes) -> bytes:

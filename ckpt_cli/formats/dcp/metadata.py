@@ -379,9 +379,11 @@ class _BudgetedInput:
     instance), which keeps counting while the GC is paused (as it is during the load).
     """
 
-    def __init__(self, data: bytes, where: str):
-        self._data = memoryview(data)
-        self._pos = 0
+    def __init__(self, blocks: list[bytes], where: str):
+        self._rest = blocks[::-1]  # the next block last; each is let go once read
+        self._buf = b""
+        self._at = 0  # in `_buf`
+        self._pos = 0  # in the whole pickle
         self._where = where
         self._start = gc.get_count()[0]
 
@@ -395,38 +397,59 @@ class _BudgetedInput:
                 f"{self._pos:,} bytes",
             )
 
-    def peek(self, n: int = 1) -> bytes:
-        self._check()
-        return bytes(self._data[self._pos : self._pos + max(n, 1)])
+    def _fill(self, n: int) -> None:
+        """At least `n` bytes from the position in `_buf` (fewer at the end of the pickle)."""
+        while len(self._buf) - self._at < n and self._rest:
+            self._buf = self._buf[self._at :] + self._rest.pop()
+            self._at = 0
 
-    def read(self, n: int = -1) -> bytes:
-        end = len(self._data) if n is None or n < 0 else self._pos + n
-        out = bytes(self._data[self._pos : end])
+    def _take(self, n: int) -> bytes:
+        out = self._buf[self._at : self._at + n]
+        self._at += len(out)
         self._pos += len(out)
         return out
+
+    def peek(self, n: int = 1) -> bytes:
+        self._check()
+        n = max(n, 1)
+        self._fill(n)
+        return self._buf[self._at : self._at + n]
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = len(self._buf) - self._at + sum(len(block) for block in self._rest)
+        self._fill(n)
+        return self._take(n)
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        out = self._data[self._pos : self._pos + len(view)]
+        out = self.read(len(view))
         view[: len(out)] = out
-        self._pos += len(out)
         return len(out)
 
     def readline(self) -> bytes:
-        rest = self._data[self._pos :]
-        end = bytes(rest).find(b"\n") if len(rest) < 1 << 20 else -1
-        end = len(rest) if end < 0 else end + 1
-        out = bytes(rest[:end])
-        self._pos += len(out)
-        return out
+        # a line (a GLOBAL's module or name) is short: it is looked for in the rest of this
+        # block and the next one; past them, what is there is the line, as at the end
+        end = self._buf.find(b"\n", self._at)
+        if end < 0:
+            self._fill(len(self._buf) - self._at + 1)
+            end = self._buf.find(b"\n", self._at)
+        return self._take(len(self._buf) - self._at if end < 0 else end + 1 - self._at)
 
 
 class MetadataUnpickler(BudgetedUnpickler):
     """An unpickler that admits only DCP metadata globals, mapped to the stand-ins above."""
 
-    def __init__(self, data: bytes, where: str, *, walked: bool = False):
-        self._input = _BudgetedInput(data, where)
-        super().__init__(data, where, self._input, walked=walked)
+    def __init__(self, data: bytes | list[bytes], where: str, *, walked: bool = False):
+        """`data`: the pickle, or (once walked: `lean.lean_records`) its blocks in order."""
+        if isinstance(data, bytes):
+            self._input = _BudgetedInput([data], where)
+            super().__init__(data, where, self._input, walked=walked)
+        elif walked:
+            self._input = _BudgetedInput(data, where)
+            super().__init__(b"", where, self._input, walked=True)
+        else:
+            raise TypeError("a pickle in blocks is loaded only once walked")
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
@@ -476,10 +499,13 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     try:
         # torch's per-chunk records read lean (see `lean`); the walk that finds them on
         # opcodes is the memo budget's
-        data, overreach = lean_records(data)
+        # the unpickler reads it in blocks, each let go once read: at the end of the load,
+        # when every record is built, the file's bytes are gone
+        blocks, overreach = lean_records(data)
+        del data
         if overreach is not None:
             raise pickle_refused(overreach, where)
-        result = MetadataUnpickler(data, where, walked=True).load()
+        result = MetadataUnpickler(blocks, where, walked=True).load()
     except (UnsafeInputError, FormatError):
         raise
     except RecursionError:
