@@ -35,6 +35,7 @@ it is and loaded as before.
 
 from __future__ import annotations
 
+import mmap
 import re
 
 from ...budgets import walk_pickle
@@ -79,9 +80,18 @@ _HEAD_BYTES = b")\x81\x94}\x94("
 BLOCK = 1 << 20
 
 
-def lean_records(data: bytes) -> tuple[list[bytes], str | None]:
+def block_of(parts: list[bytes]) -> mmap.mmap:
+    """`parts` joined in memory of their own (anonymous pages), given back to the system when
+    closed or let go: the allocator would keep freed blocks of this size for itself."""
+    block = mmap.mmap(-1, max(sum(len(p) for p in parts), 1))
+    for part in parts:
+        block.write(part)
+    return block
+
+
+def lean_records(data: bytes) -> tuple[list[mmap.mmap], str | None]:
     """(`data` with its runs of per-chunk records rewritten lean, in blocks of about `BLOCK`
-    bytes, what the memo walk found wrong or None).
+    bytes (`block_of`), what the memo walk found wrong or None).
 
     The walk is `budgets.pickle_overreach`'s: the caller need not walk the result again.
     """
@@ -90,7 +100,7 @@ def lean_records(data: bytes) -> tuple[list[bytes], str | None]:
     if why is not None:
         return [], why
     on_opcode = set(aligned)
-    blocks: list[bytes] = []
+    blocks: list[mmap.mmap] = []
     block: list[bytes] = []
     size = done = 0
     for start, end in [*((s, e) for s, e in runs if s in on_opcode), (len(data), len(data))]:
@@ -98,17 +108,17 @@ def lean_records(data: bytes) -> tuple[list[bytes], str | None]:
             block.append(data[at : min(at + BLOCK, start)])
             size += len(block[-1])
             if size >= BLOCK:
-                blocks.append(b"".join(block))
+                blocks.append(block_of(block))
                 block, size = [], 0
         if end > start:
             block.append(_lean_run(data[start:end]))
             size += end - start
         done = end
         if size >= BLOCK:
-            blocks.append(b"".join(block))
+            blocks.append(block_of(block))
             block, size = [], 0
     if block:
-        blocks.append(b"".join(block))
+        blocks.append(block_of(block))
     return blocks, None
 
 

@@ -26,13 +26,15 @@ and says the file may come from a newer torch, never that it is truncated.
 from __future__ import annotations
 
 import gc
+import mmap
 import pickle
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from ...budgets import BudgetedUnpickler, pickle_refused
 from ...dtypes import TORCH_ALIASES
 from ...errors import FormatError, UnsafeInputError
-from .lean import lean_records
+from .lean import block_of, lean_records
 
 _METADATA_MODULES = (
     "torch.distributed.checkpoint.metadata",
@@ -379,9 +381,9 @@ class _BudgetedInput:
     instance), which keeps counting while the GC is paused (as it is during the load).
     """
 
-    def __init__(self, blocks: list[bytes], where: str):
-        self._rest = blocks[::-1]  # the next block last; each is let go once read
-        self._buf = b""
+    def __init__(self, blocks: Sequence[bytes | mmap.mmap], where: str):
+        self._rest = list(blocks)[::-1]  # the next block last; each is let go once read
+        self._buf: bytes | mmap.mmap = b""
         self._at = 0  # in `_buf`
         self._pos = 0  # in the whole pickle
         self._where = where
@@ -400,8 +402,10 @@ class _BudgetedInput:
     def _fill(self, n: int) -> None:
         """At least `n` bytes from the position in `_buf` (fewer at the end of the pickle)."""
         while len(self._buf) - self._at < n and self._rest:
-            self._buf = self._buf[self._at :] + self._rest.pop()
-            self._at = 0
+            merged = block_of([self._buf[self._at :], self._rest.pop()])  # type: ignore[list-item]
+            if isinstance(self._buf, mmap.mmap):
+                self._buf.close()
+            self._buf, self._at = merged, 0
 
     def _take(self, n: int) -> bytes:
         out = self._buf[self._at : self._at + n]
@@ -440,7 +444,7 @@ class _BudgetedInput:
 class MetadataUnpickler(BudgetedUnpickler):
     """An unpickler that admits only DCP metadata globals, mapped to the stand-ins above."""
 
-    def __init__(self, data: bytes | list[bytes], where: str, *, walked: bool = False):
+    def __init__(self, data: bytes | Sequence[mmap.mmap], where: str, *, walked: bool = False):
         """`data`: the pickle, or (once walked: `lean.lean_records`) its blocks in order."""
         if isinstance(data, bytes):
             self._input = _BudgetedInput([data], where)
@@ -505,7 +509,9 @@ def load_metadata(data: bytes, where: str) -> Metadata:
         del data
         if overreach is not None:
             raise pickle_refused(overreach, where)
-        result = MetadataUnpickler(blocks, where, walked=True).load()
+        unpickler = MetadataUnpickler(blocks, where, walked=True)
+        del blocks  # the unpickler's input holds them, and lets each go once read
+        result = unpickler.load()
     except (UnsafeInputError, FormatError):
         raise
     except RecursionError:
