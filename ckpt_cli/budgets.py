@@ -26,7 +26,7 @@ import pickle
 import pickletools
 import re
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 from .errors import FormatError
@@ -103,25 +103,29 @@ def pickle_overreach(data: bytes, complete: bool = True) -> str | None:
     unpickler would fail first (an unknown opcode, a negative length) the walk stops too.
     Lengths past the end are judged only for a `complete` pickle (not the head of one).
     """
-    return walk_pickle(data, complete)[0]
+    return walk_pickle(data, complete)
 
 
 def walk_pickle(
-    data: bytes, complete: bool = True, spans: Sequence[tuple[int, int]] = ()
-) -> tuple[str | None, list[int]]:
-    """`pickle_overreach(data, complete)`, and the starts of those `spans` (ascending, apart)
-    that start where an opcode starts in the same walk (not inside an argument, not past STOP).
+    data: bytes,
+    complete: bool = True,
+    spans: Iterable[tuple[int, int]] = (),
+    found: Callable[[int, int], None] | None = None,
+) -> str | None:
+    """`pickle_overreach(data, complete)`; for each of `spans` (ascending, apart) that starts
+    where an opcode starts in the same walk (not inside an argument, not past STOP),
+    `found(start, end)`, in order.
 
     A span is bytes a caller read out of `data` by pattern as whole opcodes, none of them a
     PUT, a STOP or an argument counted past the span: the walk steps over one that starts on an
     opcode in one go (the unpickler reads the same opcodes there), and the caller knows the
-    unpickler will read the span as it did.
+    unpickler will read the span as it did. Spans are taken one at a time (an iterator of
+    pattern matches holds none of them).
     """
     fixed, variable = _FIXED, _VARIABLE
     skip = _PLAIN_RUN.match
     n = len(data)
     pos = 0
-    at: list[int] = []
     pending = iter(spans)
     stop, stop_end = next(pending, (n, n))
     while pos < n:
@@ -129,39 +133,40 @@ def walk_pickle(
             stop, stop_end = next(pending, (n, n))
         pos = skip(data, pos, stop).end()  # type: ignore[union-attr]  # `*+` always matches
         if pos == stop < n:
-            at.append(stop)
+            if found is not None:
+                found(stop, stop_end)
             pos = stop_end
             stop, stop_end = next(pending, (n, n))
             continue
         if pos >= n:
-            return None, at
+            return None
         op = data[pos]
         width = fixed[op]
         if width is not None:
             if op == _LONG_BINPUT and pos + 5 <= n:
                 index = int.from_bytes(data[pos + 1 : pos + 5], "little")
                 if index > _memo_budget(pos):
-                    return _memo_text(index, pos, n), at
+                    return _memo_text(index, pos, n)
             elif op == _STOP:
-                return None, at
+                return None
             pos += 1 + width
             continue
         how = variable[op]
         if how is None:
-            return None, at  # not an opcode: the unpickler stops here
+            return None  # not an opcode: the unpickler stops here
         if how in (pickletools.UP_TO_NEWLINE, _TWO_LINES):
             end = data.find(b"\n", pos + 1)
             if how == _TWO_LINES and end >= 0:
                 end = data.find(b"\n", end + 1)
             if end < 0:
-                return None, at
+                return None
             if op == _PUT:
                 try:
                     index = int(data[pos + 1 : end])
                 except ValueError:
-                    return None, at
+                    return None
                 if index > _memo_budget(pos):
-                    return _memo_text(index, pos, n), at
+                    return _memo_text(index, pos, n)
             pos = end + 1
             continue
         width = _COUNT_WIDTH[how]
@@ -171,15 +176,15 @@ def walk_pickle(
             signed=how == pickletools.TAKEN_FROM_ARGUMENT4,
         )
         if length < 0:
-            return None, at
+            return None
         start = pos + 1 + width
         if length > n - start and complete:
             return (
                 f"an argument of {length:,} bytes at byte {pos:,}, with {max(n - start, 0):,} "
                 "bytes left"
-            ), at
+            )
         pos = start + length
-    return None, at
+    return None
 
 
 _COUNT_WIDTH = {

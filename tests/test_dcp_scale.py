@@ -192,7 +192,11 @@ def test_memo_scan_judges_as_the_opcode_walk() -> None:
             # the walk asked where opcodes start (empty spans: nothing stepped over) answers
             # for each position as the stepwise walk does
             asked = sorted(rng.sample(range(len(data) + 1), min(8, len(data) + 1)))
-            why, at = budgets.walk_pickle(bytes(data), complete, [(p, p) for p in asked])
+            at: list[int] = []
+            spans = [(p, p) for p in asked]
+            why = budgets.walk_pickle(
+                bytes(data), complete, spans, lambda s, e, at=at: at.append(s)
+            )
             assert why == want, bytes(data)
             assert at == [p for p in asked if p in set(starts)], bytes(data)
     assert flagged > 100  # the corpus does reach the refusals, not only the clean ends

@@ -24,13 +24,17 @@ rewritten record means what the original meant or the load fails. The memo slot 
 holds the same tuple as before (a later GET of it reads the same object).
 
 Only what `dcp.save` writes is rewritten (protocol 4 and later: MEMOIZE; keys fetched from
-the memo; values fetched, ints, None or Sizes of 1 to 64 dimensions), and only runs the opcode
-walk of the memo budget (`budgets.walk_pickle`) finds starting on an opcode, so no byte inside an argument (a
-string, an int) is read as an opcode. Inside a run, the pattern reads whole opcodes one after
-the other; the rewritten bytes hold no PUT and no counted argument, and the PUTs and lengths
-elsewhere are where they were, so the walk's verdict on the memo holds for the new bytes.
-Anything else (protocol 2 as ckpt's own writer writes it, transforms, other records) is left as
-it is and loaded as before.
+the memo; values fetched, ints, None or Sizes of 1 to 64 dimensions), and only the runs that
+the memo budget's opcode walk (`budgets.walk_pickle`) finds starting on an opcode, so no byte
+inside an argument (a string, an int) is read as an opcode. A run is read by the pattern as
+whole opcodes one after the other, none of them a PUT or an argument counted past the run, so
+the walk steps over it in one go, and its verdict on the memo holds for the rewritten bytes
+(the PUTs and lengths elsewhere are where they were). Anything else (protocol 2 as ckpt's own
+writer writes it, transforms, a record naming a file for the first time) is loaded as it is.
+
+The result comes in blocks of about 1 MiB in pages of their own, which the unpickler's input
+hands back to the system as it reads them: when the last record is built, the file's bytes are
+gone (about 130 bytes a chunk).
 """
 
 from __future__ import annotations
@@ -91,35 +95,48 @@ def block_of(parts: list[bytes]) -> mmap.mmap:
 
 def lean_records(data: bytes) -> tuple[list[mmap.mmap], str | None]:
     """(`data` with its runs of per-chunk records rewritten lean, in blocks of about `BLOCK`
-    bytes (`block_of`), what the memo walk found wrong or None).
+    bytes (`block_of`), what the memo walk found wrong or None: then no blocks).
 
     The walk is `budgets.pickle_overreach`'s: the caller need not walk the result again.
     """
-    runs = [(m.start(), m.end()) for m in _RUN.finditer(data)]
-    why, aligned = walk_pickle(data, True, runs)
+    blocks = _Blocks(data)
+    runs = (m.span() for m in _RUN.finditer(data))
+    why = walk_pickle(data, True, runs, blocks.run)
     if why is not None:
         return [], why
-    on_opcode = set(aligned)
-    blocks: list[mmap.mmap] = []
-    block: list[bytes] = []
-    size = done = 0
-    for start, end in [*((s, e) for s, e in runs if s in on_opcode), (len(data), len(data))]:
-        for at in range(done, start, BLOCK):  # between runs, as it is
-            block.append(data[at : min(at + BLOCK, start)])
-            size += len(block[-1])
-            if size >= BLOCK:
-                blocks.append(block_of(block))
-                block, size = [], 0
+    blocks.run(len(data), len(data))
+    blocks.flush()
+    return blocks.done, None
+
+
+class _Blocks:
+    """The rewritten pickle, gathered into blocks as the walk finds runs on opcodes."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+        self.done: list[mmap.mmap] = []
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.at = 0  # in `data`: what is before it is in a block or in `parts`
+
+    def run(self, start: int, end: int) -> None:
+        """The bytes up to `start` as they are, then the run up to `end` rewritten."""
+        for at in range(self.at, start, BLOCK):
+            self.add(self.data[at : min(at + BLOCK, start)])
         if end > start:
-            block.append(_lean_run(data[start:end]))
-            size += end - start
-        done = end
-        if size >= BLOCK:
-            blocks.append(block_of(block))
-            block, size = [], 0
-    if block:
-        blocks.append(block_of(block))
-    return blocks, None
+            self.add(_lean_run(self.data[start:end]))
+        self.at = end
+
+    def add(self, part: bytes) -> None:
+        self.parts.append(part)
+        self.size += len(part)
+        if self.size >= BLOCK:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.parts:
+            self.done.append(block_of(self.parts))
+            self.parts, self.size = [], 0
 
 
 def _lean_run(run: bytes) -> bytes:

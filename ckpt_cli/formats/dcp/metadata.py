@@ -375,7 +375,8 @@ def over_budget(where: str, what: str) -> FormatError:
 
 class _BudgetedInput:
     """The pickle input: the C unpickler prefetches it through `peek` (128 KiB at a time), and
-    each prefetch checks how many objects the load has built so far.
+    each prefetch checks how many objects the load has built so far. The pickle comes in
+    blocks, each let go (`lean.block_of`: given back to the system) once read past.
 
     Objects are counted as the cyclic GC's allocation count (every list, dict, tuple and
     instance), which keeps counting while the GC is paused (as it is during the load).
