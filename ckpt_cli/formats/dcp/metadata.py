@@ -502,10 +502,9 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     enabled = gc.isenabled()
     gc.disable()  # collections would reset the allocation count the budget reads
     try:
-        # torch's per-chunk records read lean (see `lean`); the walk that finds them on
-        # opcodes is the memo budget's
-        # the unpickler reads it in blocks, each let go once read: at the end of the load,
-        # when every record is built, the file's bytes are gone
+        # torch's per-chunk records read lean (see `lean`: the walk that finds them on opcodes
+        # is the memo budget's), from blocks let go once read: at the end of the load, when
+        # every record is built, the file's bytes are gone
         blocks, overreach = lean_records(data)
         del data
         if overreach is not None:
