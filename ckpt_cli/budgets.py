@@ -26,6 +26,7 @@ import pickle
 import pickletools
 import re
 import zipfile
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 from .errors import FormatError
@@ -102,12 +103,41 @@ def pickle_overreach(data: bytes, complete: bool = True) -> str | None:
     unpickler would fail first (an unknown opcode, a negative length) the walk stops too.
     Lengths past the end are judged only for a `complete` pickle (not the head of one).
     """
+    return walk_pickle(data, complete)
+
+
+def walk_pickle(
+    data: bytes,
+    complete: bool = True,
+    spans: Iterable[tuple[int, int]] = (),
+    found: Callable[[int, int], None] | None = None,
+) -> str | None:
+    """`pickle_overreach(data, complete)`; for each of `spans` (ascending, apart) that starts
+    where an opcode starts in the same walk (not inside an argument, not past STOP),
+    `found(start, end)`, in order.
+
+    A span is bytes a caller read out of `data` by pattern as whole opcodes, none of them a
+    PUT, a STOP or an argument counted past the span: the walk steps over one that starts on an
+    opcode in one go (the unpickler reads the same opcodes there), and the caller knows the
+    unpickler will read the span as it did. Spans are taken one at a time (an iterator of
+    pattern matches holds none of them).
+    """
     fixed, variable = _FIXED, _VARIABLE
     skip = _PLAIN_RUN.match
     n = len(data)
     pos = 0
+    pending = iter(spans)
+    stop, stop_end = next(pending, (n, n))
     while pos < n:
-        pos = skip(data, pos).end()  # type: ignore[union-attr]  # `*+` always matches
+        while stop < pos:  # inside the argument of the opcode just stepped over
+            stop, stop_end = next(pending, (n, n))
+        pos = skip(data, pos, stop).end()  # type: ignore[union-attr]  # `*+` always matches
+        if pos == stop < n:
+            if found is not None:
+                found(stop, stop_end)
+            pos = stop_end
+            stop, stop_end = next(pending, (n, n))
+            continue
         if pos >= n:
             return None
         op = data[pos]
@@ -176,9 +206,13 @@ def check_pickle(data: bytes, where: str | None, complete: bool = True) -> None:
     """Refuse (FormatError naming `where`) a pickle that would make the C unpickler allocate
     more than its bytes can need (`pickle_overreach`)."""
     why = pickle_overreach(data, complete)
-    if why is None:
-        return
-    raise FormatError(
+    if why is not None:
+        raise pickle_refused(why, where)
+
+
+def pickle_refused(why: str, where: str | None) -> FormatError:
+    """The error for a pickle `pickle_overreach` (or `walk_pickle`) found `why` in."""
+    return FormatError(
         f"holds a pickle with {why}; ckpt refuses it (a hostile or corrupt file)",
         path=where,
         fix="Python's pickler never writes this; re-save the checkpoint, and do not trust "
@@ -192,7 +226,9 @@ class BudgetedUnpickler(pickle.Unpickler):
 
     Subclasses restrict `find_class` and `persistent_load`; `file` replaces the plain reader of
     `data` (a budgeted input that counts objects, say); `complete=False` for the head of a
-    pickle (lengths past its end are then not refused).
+    pickle (lengths past its end are then not refused);
+    `walked=True` when the caller ran `walk_pickle` on these bytes (or on bytes with the same
+    PUTs and lengths at the same places) and refused what it found.
     """
 
     def __init__(
@@ -202,8 +238,10 @@ class BudgetedUnpickler(pickle.Unpickler):
         file: IO[bytes] | Any | None = None,
         *,
         complete: bool = True,
+        walked: bool = False,
     ):
-        check_pickle(data, where, complete)
+        if not walked:
+            check_pickle(data, where, complete)
         super().__init__(file if file is not None else io.BytesIO(data))
 
 

@@ -106,11 +106,16 @@ def test_same_declarations_are_unpickled_once_and_each_chunk_still_judged(
     assert len(mismatches) == 1 and "float32[2, 4]" in mismatches[0].message, report.problems
 
 
-def _stepwise_overreach(data: bytes, complete: bool = True) -> str | None:
-    """The memo scan one opcode at a time (the walk before #30), the reference for the C runs."""
+def _stepwise_overreach(
+    data: bytes, complete: bool = True, starts: list[int] | None = None
+) -> str | None:
+    """The memo scan one opcode at a time (the walk before #30), the reference for the C runs;
+    each opcode's position goes into `starts` when given."""
     fixed, variable = budgets._FIXED, budgets._VARIABLE
     n, pos = len(data), 0
     while pos < n:
+        if starts is not None:
+            starts.append(pos)
         op = data[pos]
         width = fixed[op]
         if width is not None:
@@ -180,9 +185,20 @@ def test_memo_scan_judges_as_the_opcode_walk() -> None:
         if rng.random() < 0.3:
             del data[rng.randrange(len(data) + 1) :]
         for complete in (True, False):
-            want = _stepwise_overreach(bytes(data), complete)
+            starts: list[int] = []
+            want = _stepwise_overreach(bytes(data), complete, starts)
             assert budgets.pickle_overreach(bytes(data), complete) == want, bytes(data)
             flagged += want is not None
+            # the walk asked where opcodes start (empty spans: nothing stepped over) answers
+            # for each position as the stepwise walk does
+            asked = sorted(rng.sample(range(len(data) + 1), min(8, len(data) + 1)))
+            at: list[int] = []
+            spans = [(p, p) for p in asked]
+            why = budgets.walk_pickle(
+                bytes(data), complete, spans, lambda s, e, at=at: at.append(s)
+            )
+            assert why == want, bytes(data)
+            assert at == [p for p in asked if p in set(starts)], bytes(data)
     assert flagged > 100  # the corpus does reach the refusals, not only the clean ends
 
 

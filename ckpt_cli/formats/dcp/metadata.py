@@ -26,12 +26,15 @@ and says the file may come from a newer torch, never that it is truncated.
 from __future__ import annotations
 
 import gc
+import mmap
 import pickle
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from ...budgets import BudgetedUnpickler
+from ...budgets import BudgetedUnpickler, pickle_refused
 from ...dtypes import TORCH_ALIASES
 from ...errors import FormatError, UnsafeInputError
+from .lean import block_of, lean_records
 
 _METADATA_MODULES = (
     "torch.distributed.checkpoint.metadata",
@@ -83,6 +86,9 @@ class _Record:
                 setattr(self, name, value)
 
     def __setstate__(self, state: Any) -> None:
+        if type(state) is tuple and len(state) > 2 and state[0] is None:
+            self._set_lean(state)
+            return
         # dataclasses with __slots__ pickle (None, slots); ours always use __dict__ states
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
             state = {**(state[0] or {}), **state[1]}
@@ -94,6 +100,23 @@ class _Record:
         # the unpickler's memo keeps the state dict until the load ends; emptied, it holds
         # nothing twice (a pickler writes one state per object: none is read by two BUILDs)
         state.clear()
+
+    def _set_lean(self, state: tuple[Any, ...]) -> None:
+        """The state of a record `lean.lean_records` rewrote: (None, key, value, key, value...),
+        a Size's value being the `torch.Size` stand-in followed by its tuple."""
+        fields = self._fields
+        items = iter(state)
+        next(items)
+        for key in items:
+            if type(key) is not str:
+                raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
+            value = next(items)  # StopIteration: a key without a value, refused by the load
+            if value is _size:
+                value = next(items)
+                if type(value) is not tuple:
+                    raise pickle.UnpicklingError("torch.Size of something that is not a tuple")
+            if key in fields:
+                object.__setattr__(self, key, value)
 
     def __getattr__(self, name: str) -> Any:
         # NEWOBJ skips __init__: fields absent from the pickled state read as None
@@ -354,15 +377,18 @@ def over_budget(where: str, what: str) -> FormatError:
 
 class _BudgetedInput:
     """The pickle input: the C unpickler prefetches it through `peek` (128 KiB at a time), and
-    each prefetch checks how many objects the load has built so far.
+    each prefetch checks how many objects the load has built so far. The pickle comes in
+    blocks, each let go (`lean.block_of`: given back to the system) once read past.
 
     Objects are counted as the cyclic GC's allocation count (every list, dict, tuple and
     instance), which keeps counting while the GC is paused (as it is during the load).
     """
 
-    def __init__(self, data: bytes, where: str):
-        self._data = memoryview(data)
-        self._pos = 0
+    def __init__(self, blocks: Sequence[bytes | mmap.mmap], where: str):
+        self._rest = list(blocks)[::-1]  # the next block last; each is let go once read
+        self._buf: bytes | mmap.mmap = b""
+        self._at = 0  # in `_buf`
+        self._pos = 0  # in the whole pickle
         self._where = where
         self._start = gc.get_count()[0]
 
@@ -376,38 +402,61 @@ class _BudgetedInput:
                 f"{self._pos:,} bytes",
             )
 
-    def peek(self, n: int = 1) -> bytes:
-        self._check()
-        return bytes(self._data[self._pos : self._pos + max(n, 1)])
+    def _fill(self, n: int) -> None:
+        """At least `n` bytes from the position in `_buf` (fewer at the end of the pickle)."""
+        while len(self._buf) - self._at < n and self._rest:
+            merged = block_of([self._buf[self._at :], self._rest.pop()])  # type: ignore[list-item]
+            if isinstance(self._buf, mmap.mmap):
+                self._buf.close()
+            self._buf, self._at = merged, 0
 
-    def read(self, n: int = -1) -> bytes:
-        end = len(self._data) if n is None or n < 0 else self._pos + n
-        out = bytes(self._data[self._pos : end])
+    def _take(self, n: int) -> bytes:
+        out = self._buf[self._at : self._at + n]
+        self._at += len(out)
         self._pos += len(out)
         return out
+
+    def peek(self, n: int = 1) -> bytes:
+        self._check()
+        n = max(n, 1)
+        self._fill(n)
+        return self._buf[self._at : self._at + n]
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = len(self._buf) - self._at + sum(len(block) for block in self._rest)
+        self._fill(n)
+        return self._take(n)
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        out = self._data[self._pos : self._pos + len(view)]
+        out = self.read(len(view))
         view[: len(out)] = out
-        self._pos += len(out)
         return len(out)
 
     def readline(self) -> bytes:
-        rest = self._data[self._pos :]
-        end = bytes(rest).find(b"\n") if len(rest) < 1 << 20 else -1
-        end = len(rest) if end < 0 else end + 1
-        out = bytes(rest[:end])
-        self._pos += len(out)
-        return out
+        # a line (a GLOBAL's module or name) is short: it is looked for in the rest of this
+        # block and the next one; past them, what is there is the line, as at the end
+        end = self._buf.find(b"\n", self._at)
+        if end < 0:
+            self._fill(len(self._buf) - self._at + 1)
+            end = self._buf.find(b"\n", self._at)
+        return self._take(len(self._buf) - self._at if end < 0 else end + 1 - self._at)
 
 
 class MetadataUnpickler(BudgetedUnpickler):
     """An unpickler that admits only DCP metadata globals, mapped to the stand-ins above."""
 
-    def __init__(self, data: bytes, where: str):
-        self._input = _BudgetedInput(data, where)
-        super().__init__(data, where, self._input)
+    def __init__(self, data: bytes | Sequence[mmap.mmap], where: str, *, walked: bool = False):
+        """`data`: the pickle, or (once walked: `lean.lean_records`) its blocks in order."""
+        if isinstance(data, bytes):
+            self._input = _BudgetedInput([data], where)
+            super().__init__(data, where, self._input, walked=walked)
+        elif walked:
+            self._input = _BudgetedInput(data, where)
+            super().__init__(b"", where, self._input, walked=True)
+        else:
+            raise TypeError("a pickle in blocks is loaded only once walked")
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
@@ -455,7 +504,16 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     enabled = gc.isenabled()
     gc.disable()  # collections would reset the allocation count the budget reads
     try:
-        result = MetadataUnpickler(data, where).load()
+        # torch's per-chunk records read lean (see `lean`: the walk that finds them on opcodes
+        # is the memo budget's), from blocks let go once read: at the end of the load, when
+        # every record is built, the file's bytes are gone
+        blocks, overreach = lean_records(data)
+        del data
+        if overreach is not None:
+            raise pickle_refused(overreach, where)
+        unpickler = MetadataUnpickler(blocks, where, walked=True)
+        del blocks  # the unpickler's input holds them, and lets each go once read
+        result = unpickler.load()
     except (UnsafeInputError, FormatError):
         raise
     except RecursionError:
