@@ -16,6 +16,8 @@ the runs of each pair (median wall time, peak RSS via /usr/bin/time):
    cast path, target within 2x of the copy) against the same copy of the F32 source.
 
 Tensor bytes move with `copy_file_range` and write-back starts as they land (`ckpt_cli/storage/fileio.py`).
+The zip CRC-32 of cases 2 and 3 is computed by ISA-L where installed (the pyeclib wheel bundles
+it), else by zlib: the table's heading says which (`ckpt_cli/storage/crc.py`).
 
 Prints each ratio as the throughput of ckpt over that of the copy (1.0: as fast as `cp`).
 """
@@ -99,7 +101,14 @@ def main() -> None:
         ours = [*ckpt, str(command), str(src), str(out), *map(str, options)]
         rows.append((label, pair(ours, baseline, [out, copy], args.runs)))
     load = os.getloadavg()[0]
-    print(f"{args.gb:g} GiB, {args.runs} runs each, median; load {load:.1f}, {os.cpu_count()} CPUs")
+    crc = subprocess.run(
+        [PY, "-c", "from ckpt_cli.storage.crc import implementation; print(implementation())"],
+        env=ENV, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    print(
+        f"{args.gb:g} GiB, {args.runs} runs each, median; load {load:.1f}, "
+        f"{os.cpu_count()} CPUs; zip CRC-32 by {crc}"
+    )
     print("| work | ckpt | `cp -r && sync` | ratio (throughput vs cp) | ckpt peak RSS |")
     print("|---|---|---|---|---|")
     for label, r in rows:

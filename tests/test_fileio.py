@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ckpt_cli.formats.torch import zip_write as torch_zip
-from ckpt_cli.storage import fileio
+from ckpt_cli.storage import crc, fileio
 from ckpt_cli.storage.fileio import FileRange
 
 from .conftest import run_ckpt
@@ -145,6 +145,78 @@ def test_convert_starts_write_back_as_it_copies_and_writes_the_same_bytes(
         assert zipfile.ZipFile(out).testzip() is None  # the CRCs the threads computed
     assert got.keys() == state.keys()
     assert all(torch.equal(got[n], t) for n, t in state.items())
+
+
+def test_zip_crcs_are_isal_s_where_the_pyeclib_wheel_brings_it_and_equal_zlib_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ckpt depends on pyeclib, whose wheel bundles ISA-L: the CRC-32 of each zip record ckpt
+    writes from a file range is ISA-L's (~5x zlib's speed), and the number zlib gives, across
+    block boundaries, unaligned starts and segment joins."""
+    assert crc.implementation() == "isa-l"
+    monkeypatch.setattr(fileio, "CRC_BLOCK", 4099)  # many blocks, none aligned
+    pool, data = _pool(tmp_path, 100_000)
+    cases = [
+        [(pool, 0, 100_000)],
+        [(pool, 1, 4098), (pool, 5000, 0), (pool, 7, 33_333)],
+        [(pool, 99_999, 1)],
+        [],
+    ]
+    for segments in cases:
+        want = b"".join(data[o : o + n] for _, o, n in segments)
+        assert FileRange.of(segments).crc32() == zlib.crc32(want), segments
+
+
+@pytest.mark.parametrize("to", ["dcp", "torch"])
+def test_without_isal_zlib_computes_the_crcs_and_the_output_is_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str
+) -> None:
+    """Where no ISA-L is found, or a library under its name lacks the function, zlib computes
+    the CRCs: the torch.save containers written are byte for byte the ones written with
+    ISA-L, and zipfile finds every CRC right."""
+    monkeypatch.setattr(torch_zip, "_THREADED_CRC", 1 << 10)  # the CRC thread runs too
+    gen = torch.Generator().manual_seed(3)
+    state = {f"layers.{i}.w": torch.randn(100 + i, 333, generator=gen) for i in range(3)}
+    save_file(state, tmp_path / "model.safetensors")
+    outputs = []
+    for name in ("isal", "zlib"):
+        if name == "zlib":
+            # a real library without crc32_gzip_refl, then one that is not there
+            monkeypatch.setattr(crc, "_candidates", lambda: ["libc.so.6", "/nowhere/libisal.so"])
+            monkeypatch.setattr(crc, "_loaded", False)
+            monkeypatch.setattr(crc, "_isal", None)
+        assert crc.implementation() == ("isa-l" if name == "isal" else "zlib")
+        (tmp_path / name).mkdir()
+        out = tmp_path / name / ("model.pt" if to == "torch" else "out")  # names are stored
+        result = run_ckpt("convert", tmp_path / "model.safetensors", out, "--to", to)
+        assert result.exit_code == 0, result.stderr
+        # (a DCP's .metadata names its folder: only the data files are compared)
+        files = sorted(out.glob("*.distcp")) if out.is_dir() else [out]
+        outputs.append({f.name: f.read_bytes() for f in files})
+    assert outputs[0] == outputs[1] and outputs[0]
+    if to == "torch":
+        assert zipfile.ZipFile(out).testzip() is None
+        got = torch.load(out, weights_only=True)
+    else:
+        got = dcp_load_flat(out, {n: torch.empty_like(t) for n, t in state.items()})
+    assert all(torch.equal(got[n], t) for n, t in state.items())
+
+
+def test_a_crc_library_that_disagrees_with_zlib_is_not_used() -> None:
+    import ctypes
+
+    def right(seed: int, address: int, length: int) -> int:
+        return zlib.crc32(ctypes.string_at(address, length), seed)
+
+    def seedless(seed: int, address: int, length: int) -> int:
+        return zlib.crc32(ctypes.string_at(address, length))
+
+    def short_tail(seed: int, address: int, length: int) -> int:
+        return zlib.crc32(ctypes.string_at(address, length - length % 16), seed)
+
+    assert crc._probe(right)
+    assert not crc._probe(seedless)
+    assert not crc._probe(short_tail)
 
 
 def test_dcp_torch_save_tensor_bytes_are_copied_in_the_kernel(

@@ -208,8 +208,8 @@ _THREADED_CRC = 16 << 20
 
 def _copy_with_crc(data: FileRange, fd: int, at: int) -> tuple[int, int]:
     """Copy `data` to `fd` at `at`: (bytes copied, CRC-32 of them). The CRC of a large range
-    is read from the source while the kernel copies it (zlib and copy_file_range both let go
-    of the GIL), so the two overlap on two cores."""
+    is read from the source while the kernel copies it (the CRC code, ISA-L's or zlib's, and
+    copy_file_range all let go of the GIL), so the two overlap on two cores."""
     if data.length < _THREADED_CRC:
         crc = data.crc32()
         return data.copy_to(fd, at), crc
