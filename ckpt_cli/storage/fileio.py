@@ -24,13 +24,12 @@ from __future__ import annotations
 import io
 import os
 import sys
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 from ..errors import FormatError
-from .crc import raw_crc32
+from .crc import crc32_function
 
 #: raw copies move this many bytes per read/write
 COPY_BLOCK = 8 << 20
@@ -342,22 +341,12 @@ class FileRange(Iterator[bytes]):
         """The zip CRC-32 of the bytes (read once, not counted as progress).
 
         Read in `CRC_BLOCK`s into one buffer that stays in the CPU's cache, and checksummed by
-        ISA-L where it is installed (`storage.crc`: ~5x zlib's speed), else by zlib."""
-        raw = raw_crc32()
-        size = max(1, min(CRC_BLOCK, self.length))
-        buffer = bytearray(size)
+        ISA-L where it is installed (`storage.crc`: ~2.5x zlib's speed), else by zlib."""
+        checksum = crc32_function()
+        buffer = bytearray(max(1, min(CRC_BLOCK, self.length)))
         crc = 0
-        if raw is None:
-            for block in self._read_blocks(None, memoryview(buffer)):
-                crc = zlib.crc32(block, crc)
-            return crc
-        import ctypes
-
-        pinned = (ctypes.c_char * size).from_buffer(buffer)  # the buffer cannot move meanwhile
-        address = ctypes.addressof(pinned)
         for block in self._read_blocks(None, memoryview(buffer)):
-            crc = raw(crc, address, len(block))  # each block starts at the buffer's start
-        del pinned
+            crc = checksum(block, crc)
         return crc
 
     def copy_to(self, out_fd: int, position: int) -> int:
