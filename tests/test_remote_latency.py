@@ -172,3 +172,40 @@ def test_the_latency_proxy_adds_a_round_trip_per_request_and_per_connection(
     assert far.exit_code == 0, far.stderr
     _same_as_local(far.json["result"], direct.json["result"])
     assert proxy.connections >= 1
+
+
+def test_hub_tensors_download_reads_only_the_headers_the_index_names(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """`download --filter --mode tensors` of one expert: the index says which shard holds it,
+    so that shard's header is the only one read (not all twelve), then the tensor's bytes."""
+    from safetensors import safe_open
+
+    lengths = _deepseek_like(tmp_path / "src")
+    hub.add_repo("org/deepseek", tmp_path / "src")
+    index = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())
+    wanted = "model.layers.7.mlp.experts.3.down_proj.weight_scale_inv"
+    holder = index["weight_map"][wanted]
+    hub.latency = 0.05
+    hub.reset_counters()
+
+    result = run_ckpt(
+        "download", "hf://org/deepseek", tmp_path / "out", "--mode", "tensors",
+        "--filter", wanted, "--no-extras", "--json",
+    )  # fmt: skip
+
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["tensors_selected"] == 1
+    assert report["tensors_total"] == SHARDS * (PER_SHARD + 1)
+    # the index, and of the shards only the one holding the tensor
+    files = {r.file for r in hub.file_requests("org/deepseek")}
+    assert files == {"org/deepseek:model.safetensors.index.json", f"org/deepseek:{holder}"}
+    reads = [r for r in hub.file_requests("org/deepseek", holder) if r.status == 206]
+    # its header in one read (sized from the index), then the tensor's 16 bytes
+    assert len(reads) == 2, [r.range for r in reads]
+    first, last = reads[0].range.removeprefix("bytes=").split("-")  # type: ignore[union-attr]
+    assert int(first) == 0 and int(last) + 1 >= 8 + lengths[holder]
+    with safe_open(str(next((tmp_path / "out").glob("*.safetensors"))), framework="np") as fh:
+        assert list(fh.keys()) == [wanted]
+        assert (fh.get_tensor(wanted) == 3).all()
