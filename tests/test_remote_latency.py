@@ -91,11 +91,12 @@ def test_hub_reads_every_header_at_once_in_one_request_each(
         assert int(first) == 0 and int(last) + 1 >= 8 + length
         redirects = [r for r in hub.file_requests("org/deepseek", shard) if r.status == 302]
         assert len(redirects) == 1
-    # and besides them: the revision, the listing, the index; nothing else of the repository
+    # and besides them: the index, and one request for the revision's commit and its files
+    # together (not a second, sequential round trip for the listing); nothing else
     files = {r.file for r in hub.file_requests("org/deepseek")}
     assert files == {f"org/deepseek:{n}" for n in [*lengths, "model.safetensors.index.json"]}
-    api = [r.path.split("?")[0] for r in hub.log if "/api/models/org/deepseek" in r.path]
-    assert len(api) == 2, api
+    api = [r.path for r in hub.log if "/api/models/org/deepseek" in r.path]
+    assert len(api) == 1 and "blobs=" in api[0], api
 
 
 def test_hub_without_an_index_reads_each_header_whole_in_at_most_two_requests(

@@ -1,9 +1,9 @@
 """hub: `hf://org/repo[@revision][/subfolder]` on the Hugging Face Hub, read through huggingface_hub.
 
-I/O strategy: the revision is resolved to a commit once (`HfApi.resolve_revision`, which also
-falls back on the local cache's `refs/` when the Hub cannot be reached), and every later
-request names that commit, so all reads see one consistent snapshot. The file listing (sizes,
-LFS sha256) comes from one recursive tree listing. Reads are HTTP range requests on the
+I/O strategy: one request resolves the revision to a commit and lists that commit's files
+(sizes, LFS sha256: repo info with its files' metadata; offline, the local cache's `refs/` and
+snapshot), and every later request names that commit, so all reads see one consistent
+snapshot. Reads are HTTP range requests on the
 `resolve` URL through huggingface_hub's own HTTP session (so `HF_ENDPOINT`, `HF_TOKEN`, proxies
 and its user agent apply): a safetensors header costs one small ranged GET per shard and no
 shard is downloaded. Files already in the local HF cache for that commit are read from disk
