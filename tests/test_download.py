@@ -639,3 +639,42 @@ def test_tensors_mode_resumes_after_sigkill(hub: TestHub, tmp_path: Path) -> Non
     for name, tensor in state.items():
         assert torch.equal(got[name], tensor), name
     assert not partial.exists()
+
+
+@pytest.mark.parametrize(
+    ("include", "exclude"),
+    [
+        (None, None),
+        (["*.layers.1.*"], None),
+        (["*.layers.1.*", "lm_head.*"], ["*.weight_scale_inv"]),
+        (["*down_proj.weight"], None),
+        (None, ["*.layers.[02].*"]),
+        (["*.layers.2.*"], ["*.layers.2.mlp.*"]),
+    ],
+)
+def test_the_index_selection_chooses_what_select_and_with_sidecars_choose(
+    include: list[str] | None, exclude: list[str] | None
+) -> None:
+    # planning from a 90,000-name index matches names rather than building an entry per name:
+    # the choice (and its order) is the one the entry-level helpers make
+    from ckpt_cli.models import Entry
+    from ckpt_cli.ops.download.plan import index_selection
+    from ckpt_cli.ops.inspect import select
+    from ckpt_cli.quant import with_sidecars
+
+    weight_map = {}
+    for layer in range(3):
+        for proj in ("gate_proj", "down_proj"):
+            base = f"model.layers.{layer}.mlp.{proj}"
+            weight_map[f"{base}.weight"] = f"s{layer}.safetensors"
+            weight_map[f"{base}.weight_scale_inv"] = f"s{2 - layer}.safetensors"
+        weight_map[f"model.layers.{layer}.norm.weight"] = f"s{layer}.safetensors"
+    weight_map["lm_head.weight"] = "s2.safetensors"
+    entries = [Entry.named(n, f) for n, f in weight_map.items()]
+    chosen = select(entries, include, exclude)
+    with_scales = with_sidecars(chosen, entries, exclude) if include else chosen
+
+    picked, wanted = index_selection(weight_map, include, exclude)
+
+    assert [(e.name, e.file) for e in picked] == [(e.name, e.file) for e in chosen]
+    assert [(e.name, e.file) for e in wanted] == [(e.name, e.file) for e in with_scales]

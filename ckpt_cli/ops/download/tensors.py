@@ -45,7 +45,7 @@ from .plan import (
     DownloadRange,
     DownloadReport,
     DownloadRequest,
-    index_entries,
+    index_selection,
     no_match,
     planned_files,
     top_level_extras,
@@ -450,10 +450,7 @@ def _open_selected(
         checkpoint = SafetensorsFormat.open(source)
         return checkpoint, len(checkpoint.manifest.tensors), DEFAULT_SHARD_SIZE
     weight_map, index_meta = read_index(storage, index_rel)
-    entries = index_entries(weight_map)
-    picked = select(entries, include, exclude)
-    if include:
-        picked = with_sidecars(picked, entries, exclude)
+    _, picked = index_selection(weight_map, include, exclude)
     listing = storage.list_files() if source.target is not None else source.files
     shards = sorted(set(weight_map.values()))
     for shard in shards:
