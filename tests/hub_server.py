@@ -7,6 +7,7 @@ port in a background thread:
   resolved commit, `siblings` the files (with `blobs=true`: with sizes, blob ids and LFS info);
 * `GET /api/{type}s/{repo}/tree/{rev}[/{path}]?recursive=`: the file listing with sizes and, for
   LFS files, `lfs.oid` (sha256) and `lfs.size`;
+* `GET /api/agent-harnesses`: an empty registry (huggingface_hub fetches it once a day);
 * `HEAD`/`GET /[datasets/]{repo}/resolve/{rev}/{path}`: file bytes with `ETag`, `X-Repo-Commit`,
   `Content-Length`, `Accept-Ranges`, and `X-Linked-Etag`/`X-Linked-Size` for LFS files; `Range`
   requests get `206` with `Content-Range`.
@@ -456,6 +457,11 @@ class _Handler(BaseHTTPRequestHandler):
             with self.server_hub._lock:
                 counts = {f"{r}:{p}": n for (r, p), n in self.server_hub._sent.items()}
             self._json(counts)
+            return
+        if url.path == "/api/agent-harnesses":
+            # huggingface_hub asks for this registry before its first request and caches it
+            # for a day in HF_HOME; a 404 would make it ask again in every process
+            self._json({"standardEnvVars": [], "harnesses": {}})
             return
         if match := _API.match(url.path):
             self._api(match, parse_qs(url.query))

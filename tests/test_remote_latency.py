@@ -210,3 +210,30 @@ def test_hub_tensors_download_reads_only_the_headers_the_index_names(
     with safe_open(str(next((tmp_path / "out").glob("*.safetensors"))), framework="np") as fh:
         assert list(fh.keys()) == [wanted]
         assert (fh.get_tensor(wanted) == 3).all()
+
+
+def test_hub_reads_one_after_another_share_a_connection(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A range answer is read to its end, so its connection serves the next request: over a
+    real link each new connection costs a handshake (a round trip, more with TLS)."""
+    from ckpt_cli.storage.hub import open_hub
+    from ckpt_cli.storage.uri import parse_location
+
+    lengths = _deepseek_like(tmp_path / "src")
+    hub.add_repo("org/deepseek", tmp_path / "src")
+    proxy = proxied(hub.url, 0.0)
+    hub.url = proxy.url  # the CDN redirects point back through the proxy
+    monkeypatch.setenv("HF_ENDPOINT", proxy.url)
+    try:
+        storage, _ = open_hub(parse_location("hf://org/deepseek"))
+        shard = sorted(lengths)[0]
+        local = (tmp_path / "src" / shard).read_bytes()
+        before = proxy.connections
+        for start in range(0, 8 * 4096, 4096):
+            assert storage.read(shard, start, 4096) == local[start : start + 4096]
+        storage.close()
+    finally:
+        proxy.stop()
+    assert storage.requests == 8
+    assert proxy.connections - before == 1

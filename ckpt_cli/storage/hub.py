@@ -245,6 +245,13 @@ class HubStorage(Storage):
                         continue
                     # a 200 carries the whole file (checked above): skip what precedes `pos`
                     skip = pos if response.status_code == 200 else 0
+                    # a range answer of a stated length (checked above) is read to its end, so
+                    # its connection goes back to the pool for the next request (breaking off
+                    # closes it: every request would then pay a new connection's handshake)
+                    drain = (
+                        response.status_code == 206
+                        and response.headers.get("Content-Length") is not None
+                    )
                     # no chunk size: blocks are yielded as they arrive, so after a dropped
                     # connection the retry starts at the last byte received, not at a block edge
                     for block in response.iter_bytes():
@@ -253,13 +260,15 @@ class HubStorage(Storage):
                         if skip:
                             cut = min(skip, len(block))
                             block, skip = block[cut:], skip - cut
-                        if not block:
-                            continue
                         block = block[: end - pos]
+                        if not block:
+                            if pos >= end and not drain:
+                                break
+                            continue
                         pos += len(block)
                         failures = 0
                         yield block
-                        if pos >= end:
+                        if pos >= end and not drain:
                             break
             except (httpx2.RemoteProtocolError, httpx2.ReadError, httpx2.TimeoutException) as exc:
                 failures += 1
