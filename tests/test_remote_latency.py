@@ -150,6 +150,9 @@ def test_s3_reads_every_header_at_once_in_one_request_each(
     gets = [r for r in s3_server.requests if r.method == "GET"]
     objects = {r.path for r in gets if r.path.startswith("/ckpts/deepseek/")}
     assert objects == {f"/ckpts/deepseek/{n}" for n in [*lengths, "model.safetensors.index.json"]}
+    # one listing tells the prefix is a folder and lists it (not a check, then a listing)
+    listings = [r for r in gets if r.path.rstrip("/") == "/ckpts"]
+    assert len(listings) == 1, [r.query for r in listings]
 
 
 def test_the_latency_proxy_adds_a_round_trip_per_request_and_per_connection(
