@@ -3,9 +3,11 @@
 `TestHub` serves repositories built by the tests (from a local folder of real files) on a free
 port in a background thread:
 
-* `GET /api/{models,datasets}/{repo}[/revision/{rev}]`: repo info, `sha` = the resolved commit;
+* `GET /api/{models,datasets}/{repo}[/revision/{rev}][?blobs=true]`: repo info, `sha` = the
+  resolved commit, `siblings` the files (with `blobs=true`: with sizes, blob ids and LFS info);
 * `GET /api/{type}s/{repo}/tree/{rev}[/{path}]?recursive=`: the file listing with sizes and, for
   LFS files, `lfs.oid` (sha256) and `lfs.size`;
+* `GET /api/agent-harnesses`: an empty registry (huggingface_hub fetches it once a day);
 * `HEAD`/`GET /[datasets/]{repo}/resolve/{rev}/{path}`: file bytes with `ETag`, `X-Repo-Commit`,
   `Content-Length`, `Accept-Ranges`, and `X-Linked-Etag`/`X-Linked-Size` for LFS files; `Range`
   requests get `206` with `Content-Range`.
@@ -128,6 +130,9 @@ class TestHub:
         self._idle = threading.Condition()
         #: LFS files answer `resolve` with a 302 to a CDN URL on another host name, as the Hub does
         self.lfs_redirect = True
+        #: repo info honours `blobs=true` (files with sizes), as the Hub does; False: a mirror
+        #: that lists the names alone
+        self.info_blobs = True
         #: seconds each request waits before it is answered: a round trip to a far-away server,
         #: paid by every request (a redirect's too), whether its connection is new or kept
         #: alive; opening a connection costs nothing more (`tests/latency_proxy.py` charges that)
@@ -453,6 +458,11 @@ class _Handler(BaseHTTPRequestHandler):
                 counts = {f"{r}:{p}": n for (r, p), n in self.server_hub._sent.items()}
             self._json(counts)
             return
+        if url.path == "/api/agent-harnesses":
+            # huggingface_hub asks for this registry before its first request and caches it
+            # for a day in HF_HOME; a 404 would make it ask again in every process
+            self._json({"standardEnvVars": [], "harnesses": {}})
+            return
         if match := _API.match(url.path):
             self._api(match, parse_qs(url.query))
         elif match := _RESOLVE.match(url.path):
@@ -485,7 +495,12 @@ class _Handler(BaseHTTPRequestHandler):
                     "private": False,
                     "gated": "manual" if repo.token else False,
                     "disabled": False,
-                    "siblings": [{"rfilename": name} for name in sorted(files)],
+                    "siblings": [
+                        _sibling(
+                            name, f, blobs=self.server_hub.info_blobs and _flag(query, "blobs")
+                        )
+                        for name, f in sorted(files.items())
+                    ],
                 }
             )
             return
@@ -498,7 +513,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
             return
         files = repo.commits[commit]
-        recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
+        recursive = _flag(query, "recursive")
         prefix = f"{sub}/" if sub else ""
         if sub and not any(name.startswith(prefix) for name in files):
             self._error(404, "EntryNotFound", f"{sub} does not exist on {revision}")
@@ -670,6 +685,29 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         self.server_hub._count(repo.repo_id, rel, sent)
         self._record(status, sent=sent, file=key)
+
+
+def _flag(query: dict[str, list[str]], name: str) -> bool:
+    return query.get(name, ["false"])[0].lower() in ("1", "true")
+
+
+def _sibling(name: str, f: HubFile, *, blobs: bool) -> dict[str, object]:
+    """A file as repo info lists it: its name; with `blobs=true`, as the Hub does, also its
+    size, git blob id and (LFS files) the LFS object's sha256 and size."""
+    if not blobs:
+        return {"rfilename": name}
+    entry: dict[str, object] = {
+        "rfilename": name,
+        "size": len(f.data),
+        "blobId": git_blob_id(_lfs_pointer(f) if f.lfs else f.data),
+    }
+    if f.lfs:
+        entry["lfs"] = {
+            "sha256": f.sha256,
+            "size": len(f.data),
+            "pointerSize": len(_lfs_pointer(f)),
+        }
+    return entry
 
 
 def _lfs_pointer(f: HubFile) -> bytes:

@@ -148,7 +148,7 @@ def test_tensors_mode_fetches_only_the_selected_ranges(hub: TestHub, tmp_path: P
     assert run_ckpt("verify", dest).exit_code == 0
 
 
-def test_tensors_mode_on_a_small_repo_fetches_each_header_exactly_and_no_other_data(
+def test_tensors_mode_on_a_small_repo_fetches_the_named_header_exactly_and_no_other_data(
     hub: TestHub, tmp_path: Path
 ) -> None:
     # shards of a few KiB, smaller than any fixed header probe: a probe would fetch them whole
@@ -166,12 +166,20 @@ def test_tensors_mode_on_a_small_repo_fetches_each_header_exactly_and_no_other_d
     report = result.json["result"]
     selected = state["layers.5.weight"].numel() * 4
     assert report["selected_bytes"] == selected
-    # every byte the server sent: the index, each shard's 8-byte length and JSON header (read
-    # exactly as long as that length says), and the selected tensor's data; nothing else
-    headers = sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in shards)
-    index = (tmp_path / "src" / "model.safetensors.index.json").stat().st_size
-    assert hub.bytes_sent("org/small") == index + headers + selected
-    assert report["metadata_bytes"] == index + headers
+    # every byte the server sent: the index, the 8-byte length and JSON header (read exactly
+    # as long as that length says) of the one shard the index names for the selection, and
+    # the selected tensor's data; nothing else (no other shard's header)
+    index = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())
+    holder = index["weight_map"]["layers.5.weight"]
+    header = 8 + struct.unpack("<Q", (tmp_path / "src" / holder).read_bytes()[:8])[0]
+    index_bytes = (tmp_path / "src" / "model.safetensors.index.json").stat().st_size
+    assert hub.bytes_sent("org/small") == index_bytes + header + selected
+    assert report["metadata_bytes"] == index_bytes + header
+    assert {r.file for r in hub.file_requests("org/small")} == {
+        "org/small:model.safetensors.index.json",
+        f"org/small:{holder}",
+    }
+    assert report["tensors_total"] == len(state)
     with safe_open(str(next(dest.glob("*.safetensors"))), framework="pt") as fh:
         assert list(fh.keys()) == ["layers.5.weight"]
         assert torch.equal(fh.get_tensor("layers.5.weight"), state["layers.5.weight"])
@@ -432,6 +440,30 @@ def test_errors_no_match_missing_gated_and_existing_dest(hub: TestHub, tmp_path:
     assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
 
 
+def test_tensors_mode_refuses_an_index_that_places_a_tensor_in_the_wrong_shard(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    # tensors mode reads only the headers of the shards the index names for the selection:
+    # an index that names the wrong shard is an error, never a silently missing tensor
+    state = model_state()
+    publish_model(hub, "org/model", tmp_path / "src", state, max_shard_size=SHARD_LIMIT)
+    path = tmp_path / "src" / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    holder = index["weight_map"]["lm_head.weight"]
+    index["weight_map"]["lm_head.weight"] = next(s for s in shards if s != holder)
+    path.write_text(json.dumps(index))
+    hub.add_repo("org/stale", tmp_path / "src")
+    dest = tmp_path / "d"
+    result = run_ckpt(
+        "download", "hf://org/stale", dest, "--mode", "tensors", "--filter", "lm_head.*", "--json"
+    )
+    assert result.exit_code == 4, result.stderr
+    error = result.json["error"]
+    assert "lm_head.weight" in error["message"] and "ckpt verify" in error["fix"]
+    assert not dest.exists()
+
+
 def test_file_missing_on_the_hub_is_exit_3_and_leaves_no_dest(hub: TestHub, tmp_path: Path) -> None:
     _, weight_map = publish(hub, tmp_path)
     shard = weight_map["lm_head.weight"]
@@ -607,3 +639,42 @@ def test_tensors_mode_resumes_after_sigkill(hub: TestHub, tmp_path: Path) -> Non
     for name, tensor in state.items():
         assert torch.equal(got[name], tensor), name
     assert not partial.exists()
+
+
+@pytest.mark.parametrize(
+    ("include", "exclude"),
+    [
+        (None, None),
+        (["*.layers.1.*"], None),
+        (["*.layers.1.*", "lm_head.*"], ["*.weight_scale_inv"]),
+        (["*down_proj.weight"], None),
+        (None, ["*.layers.[02].*"]),
+        (["*.layers.2.*"], ["*.layers.2.mlp.*"]),
+    ],
+)
+def test_the_index_selection_chooses_what_select_and_with_sidecars_choose(
+    include: list[str] | None, exclude: list[str] | None
+) -> None:
+    # planning from a 90,000-name index matches names rather than building an entry per name:
+    # the choice (and its order) is the one the entry-level helpers make
+    from ckpt_cli.models import Entry
+    from ckpt_cli.ops.download.plan import index_selection
+    from ckpt_cli.ops.inspect import select
+    from ckpt_cli.quant import with_sidecars
+
+    weight_map = {}
+    for layer in range(3):
+        for proj in ("gate_proj", "down_proj"):
+            base = f"model.layers.{layer}.mlp.{proj}"
+            weight_map[f"{base}.weight"] = f"s{layer}.safetensors"
+            weight_map[f"{base}.weight_scale_inv"] = f"s{2 - layer}.safetensors"
+        weight_map[f"model.layers.{layer}.norm.weight"] = f"s{layer}.safetensors"
+    weight_map["lm_head.weight"] = "s2.safetensors"
+    entries = [Entry.named(n, f) for n, f in weight_map.items()]
+    chosen = select(entries, include, exclude)
+    with_scales = with_sidecars(chosen, entries, exclude) if include else chosen
+
+    picked, wanted = index_selection(weight_map, include, exclude)
+
+    assert [(e.name, e.file) for e in picked] == [(e.name, e.file) for e in chosen]
+    assert [(e.name, e.file) for e in wanted] == [(e.name, e.file) for e in with_scales]

@@ -197,6 +197,24 @@ def test_offline_mode_reads_the_local_cache(hub: TestHub, tmp_path: Path) -> Non
     assert missing.exit_code == 5
 
 
+def test_one_request_names_the_commit_and_lists_it_and_a_mirror_without_sizes_is_listed(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    state = layered_state(1)
+    publish_model(hub, "org/listed", tmp_path / "src", state)
+    for blobs in (True, False):  # the Hub; a mirror whose repo info names the files alone
+        hub.info_blobs = blobs
+        hub.reset_counters()
+        result = run_ckpt("inspect", "hf://org/listed", "--json")
+        assert result.exit_code == 0, result.stderr
+        assert result.json["result"]["tensors"] == len(state)
+        api = [r.path for r in hub.log if r.path.startswith("/api/")]
+        assert len(api) == (1 if blobs else 2), api
+    # the revision's commit is kept in the cache's refs/, for a later offline run
+    refs = Path(os.environ["HF_HOME"]) / "hub" / "models--org--listed" / "refs" / "main"
+    assert refs.read_text() == hub.repos["model/org/listed"].resolve("main")
+
+
 def test_hub_inspect_does_not_import_torch(hub: TestHub, tmp_path: Path) -> None:
     publish_model(hub, "org/light", tmp_path / "src", layered_state(1))
     probe = (

@@ -91,11 +91,12 @@ def test_hub_reads_every_header_at_once_in_one_request_each(
         assert int(first) == 0 and int(last) + 1 >= 8 + length
         redirects = [r for r in hub.file_requests("org/deepseek", shard) if r.status == 302]
         assert len(redirects) == 1
-    # and besides them: the revision, the listing, the index; nothing else of the repository
+    # and besides them: the index, and one request for the revision's commit and its files
+    # together (not a second, sequential round trip for the listing); nothing else
     files = {r.file for r in hub.file_requests("org/deepseek")}
     assert files == {f"org/deepseek:{n}" for n in [*lengths, "model.safetensors.index.json"]}
-    api = [r.path.split("?")[0] for r in hub.log if "/api/models/org/deepseek" in r.path]
-    assert len(api) == 2, api
+    api = [r.path for r in hub.log if "/api/models/org/deepseek" in r.path]
+    assert len(api) == 1 and "blobs=" in api[0], api
 
 
 def test_hub_without_an_index_reads_each_header_whole_in_at_most_two_requests(
@@ -149,6 +150,9 @@ def test_s3_reads_every_header_at_once_in_one_request_each(
     gets = [r for r in s3_server.requests if r.method == "GET"]
     objects = {r.path for r in gets if r.path.startswith("/ckpts/deepseek/")}
     assert objects == {f"/ckpts/deepseek/{n}" for n in [*lengths, "model.safetensors.index.json"]}
+    # one listing tells the prefix is a folder and lists it (not a check, then a listing)
+    listings = [r for r in gets if r.path.rstrip("/") == "/ckpts"]
+    assert len(listings) == 1, [r.query for r in listings]
 
 
 def test_the_latency_proxy_adds_a_round_trip_per_request_and_per_connection(
@@ -172,3 +176,67 @@ def test_the_latency_proxy_adds_a_round_trip_per_request_and_per_connection(
     assert far.exit_code == 0, far.stderr
     _same_as_local(far.json["result"], direct.json["result"])
     assert proxy.connections >= 1
+
+
+def test_hub_tensors_download_reads_only_the_headers_the_index_names(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """`download --filter --mode tensors` of one expert: the index says which shard holds it,
+    so that shard's header is the only one read (not all twelve), then the tensor's bytes."""
+    from safetensors import safe_open
+
+    lengths = _deepseek_like(tmp_path / "src")
+    hub.add_repo("org/deepseek", tmp_path / "src")
+    index = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())
+    wanted = "model.layers.7.mlp.experts.3.down_proj.weight_scale_inv"
+    holder = index["weight_map"][wanted]
+    hub.latency = 0.05
+    hub.reset_counters()
+
+    result = run_ckpt(
+        "download", "hf://org/deepseek", tmp_path / "out", "--mode", "tensors",
+        "--filter", wanted, "--no-extras", "--json",
+    )  # fmt: skip
+
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["tensors_selected"] == 1
+    assert report["tensors_total"] == SHARDS * (PER_SHARD + 1)
+    # the index, and of the shards only the one holding the tensor
+    files = {r.file for r in hub.file_requests("org/deepseek")}
+    assert files == {"org/deepseek:model.safetensors.index.json", f"org/deepseek:{holder}"}
+    reads = [r for r in hub.file_requests("org/deepseek", holder) if r.status == 206]
+    # its header in one read (sized from the index), then the tensor's 16 bytes
+    assert len(reads) == 2, [r.range for r in reads]
+    first, last = reads[0].range.removeprefix("bytes=").split("-")  # type: ignore[union-attr]
+    assert int(first) == 0 and int(last) + 1 >= 8 + lengths[holder]
+    with safe_open(str(next((tmp_path / "out").glob("*.safetensors"))), framework="np") as fh:
+        assert list(fh.keys()) == [wanted]
+        assert (fh.get_tensor(wanted) == 3).all()
+
+
+def test_hub_reads_one_after_another_share_a_connection(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A range answer is read to its end, so its connection serves the next request: over a
+    real link each new connection costs a handshake (a round trip, more with TLS)."""
+    from ckpt_cli.storage.hub import open_hub
+    from ckpt_cli.storage.uri import parse_location
+
+    lengths = _deepseek_like(tmp_path / "src")
+    hub.add_repo("org/deepseek", tmp_path / "src")
+    proxy = proxied(hub.url, 0.0)
+    hub.url = proxy.url  # the CDN redirects point back through the proxy
+    monkeypatch.setenv("HF_ENDPOINT", proxy.url)
+    try:
+        storage, _ = open_hub(parse_location("hf://org/deepseek"))
+        shard = sorted(lengths)[0]
+        local = (tmp_path / "src" / shard).read_bytes()
+        before = proxy.connections
+        for start in range(0, 8 * 4096, 4096):
+            assert storage.read(shard, start, 4096) == local[start : start + 4096]
+        storage.close()
+    finally:
+        proxy.stop()
+    assert storage.requests == 8
+    assert proxy.connections - before == 1

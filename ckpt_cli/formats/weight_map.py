@@ -89,7 +89,10 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
     resolved = {
         shard: _join(base, safe_relpath(shard, source=where)) for shard in set(weight_map.values())
     }
-    safe = {name: resolved[shard] for name, shard in weight_map.items()}
+    if all(path == shard for shard, path in resolved.items()):
+        safe = weight_map  # a top-level index of plain names (the usual one): nothing to rewrite
+    else:
+        safe = {name: resolved[shard] for name, shard in weight_map.items()}
     metadata = index.get("metadata") or {}
     return safe, metadata if isinstance(metadata, dict) else {}
 

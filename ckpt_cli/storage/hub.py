@@ -1,9 +1,9 @@
 """hub: `hf://org/repo[@revision][/subfolder]` on the Hugging Face Hub, read through huggingface_hub.
 
-I/O strategy: the revision is resolved to a commit once (`HfApi.resolve_revision`, which also
-falls back on the local cache's `refs/` when the Hub cannot be reached), and every later
-request names that commit, so all reads see one consistent snapshot. The file listing (sizes,
-LFS sha256) comes from one recursive tree listing. Reads are HTTP range requests on the
+I/O strategy: one request resolves the revision to a commit and lists that commit's files
+(sizes, LFS sha256: repo info with its files' metadata; offline, the local cache's `refs/` and
+snapshot), and every later request names that commit, so all reads see one consistent
+snapshot. Reads are HTTP range requests on the
 `resolve` URL through huggingface_hub's own HTTP session (so `HF_ENDPOINT`, `HF_TOKEN`, proxies
 and its user agent apply): a safetensors header costs one small ranged GET per shard and no
 shard is downloaded. Files already in the local HF cache for that commit are read from disk
@@ -245,6 +245,13 @@ class HubStorage(Storage):
                         continue
                     # a 200 carries the whole file (checked above): skip what precedes `pos`
                     skip = pos if response.status_code == 200 else 0
+                    # a range answer of a stated length (checked above) is read to its end, so
+                    # its connection goes back to the pool for the next request (breaking off
+                    # closes it: every request would then pay a new connection's handshake)
+                    drain = (
+                        response.status_code == 206
+                        and response.headers.get("Content-Length") is not None
+                    )
                     # no chunk size: blocks are yielded as they arrive, so after a dropped
                     # connection the retry starts at the last byte received, not at a block edge
                     for block in response.iter_bytes():
@@ -253,13 +260,15 @@ class HubStorage(Storage):
                         if skip:
                             cut = min(skip, len(block))
                             block, skip = block[cut:], skip - cut
-                        if not block:
-                            continue
                         block = block[: end - pos]
+                        if not block:
+                            if pos >= end and not drain:
+                                break
+                            continue
                         pos += len(block)
                         failures = 0
                         yield block
-                        if pos >= end:
+                        if pos >= end and not drain:
                             break
             except (httpx2.RemoteProtocolError, httpx2.ReadError, httpx2.TimeoutException) as exc:
                 failures += 1

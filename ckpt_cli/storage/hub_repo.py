@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -309,24 +310,102 @@ def _first_line(exc: BaseException) -> str:
 
 
 def open_repo(location: Location, settings: HubSettings | None = None) -> HubRepo:
-    """Resolve `location`'s revision to a commit and list its files (sizes, sha256)."""
-    from huggingface_hub import HfApi
+    """Resolve `location`'s revision to a commit and list its files (sizes, sha256).
+
+    Online, one request does both: the repository's info at the revision with its files'
+    metadata (`repo_info(files_metadata=True)`): the commit and every file's size, git blob id
+    and LFS sha256, all of that one commit (two requests, resolve then list, cost a round trip
+    more). A revision that is a commit already is listed at once; a server whose info leaves
+    the sizes out (a mirror) is listed at the commit after. Offline, the cache's `refs/` name
+    the commit and its snapshot folder is listed.
+    """
+    from huggingface_hub import DatasetInfo, HfApi, ModelInfo, SpaceInfo
 
     settings = settings or HubSettings.from_env()
     where = location.raw
     api = HfApi(endpoint=settings.endpoint, token=settings.token)
-    with hub_errors(where):
-        commit = str(
-            api.resolve_revision(
+    files: dict[str, RemoteFile] | None = None
+    if settings.offline or _is_commit(location.revision):
+        with hub_errors(where):
+            commit = str(
+                api.resolve_revision(
+                    location.repo_id or "",
+                    repo_type=location.repo_type,
+                    revision=location.revision,
+                    cache_dir=settings.cache_dir,
+                    local_files_only=settings.offline,
+                ).resolved
+            )
+        if settings.offline:
+            return _open_cached(location, settings, commit)
+    else:
+        with hub_errors(where):
+            info = api.repo_info(
                 location.repo_id or "",
                 repo_type=location.repo_type,
                 revision=location.revision,
-                cache_dir=settings.cache_dir,
-                local_files_only=settings.offline,
-            ).resolved
+                files_metadata=True,
+            )
+        if info.sha is None:
+            raise HubError(
+                "the Hub's answer names no commit for this revision",
+                path=where,
+                fix="Try again later; check HF_ENDPOINT if you use a mirror.",
+            )
+        commit = info.sha
+        _remember_ref(location, settings, commit)
+        siblings = info.siblings if isinstance(info, ModelInfo | DatasetInfo | SpaceInfo) else None
+        files = _from_siblings(location, siblings)
+        if files is not None and location.subfolder and not files:
+            raise NotFoundError(
+                "no such file or folder in this repository at this revision",
+                path=where,
+                fix="Check the path after the repository name; `ckpt inspect hf://org/repo` "
+                "lists the files.",
+            )
+    if files is None:
+        files = _list_tree(api, location, commit)
+    if not files:
+        prefix = f"{location.subfolder}/" if location.subfolder else ""
+        raise NotFoundError(
+            "holds no files at this revision" + (" under this folder" if prefix else ""),
+            path=where,
+            fix="Check the repository and the subfolder.",
         )
-    if settings.offline:
-        return _open_cached(location, settings, commit)
+    return HubRepo(
+        location=location, settings=settings, commit=commit, files=dict(sorted(files.items()))
+    )
+
+
+def _is_commit(revision: str | None) -> bool:
+    return revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision) is not None
+
+
+def _from_siblings(location: Location, siblings: Any) -> dict[str, RemoteFile] | None:
+    """The files under the subfolder, from repo info's `siblings`; None when the server left
+    out their sizes (then the tree listing gives them)."""
+    if siblings is None or any(s.size is None for s in siblings):
+        return None
+    prefix = f"{location.subfolder}/" if location.subfolder else ""
+    files: dict[str, RemoteFile] = {}
+    for sibling in siblings:
+        path = sibling.rfilename
+        if not path.startswith(prefix):
+            continue
+        rel = safe_relpath(path[len(prefix) :], source=location.raw)
+        lfs = sibling.lfs
+        files[rel] = RemoteFile(
+            path=path,
+            size=int(lfs.size if lfs is not None else sibling.size),
+            sha256=lfs.sha256 if lfs is not None else None,
+            blob_id=None if lfs is not None else sibling.blob_id,
+        )
+    return files
+
+
+def _list_tree(api: Any, location: Location, commit: str) -> dict[str, RemoteFile]:
+    """The files under the subfolder at `commit`, from the recursive tree listing."""
+    where = location.raw
     files: dict[str, RemoteFile] = {}
     prefix = f"{location.subfolder}/" if location.subfolder else ""
     with hub_errors(where):
@@ -350,15 +429,28 @@ def open_repo(location: Location, settings: HubSettings | None = None) -> HubRep
                 sha256=lfs.sha256 if lfs is not None else None,
                 blob_id=None if lfs is not None else getattr(item, "blob_id", None),
             )
-    if not files:
-        raise NotFoundError(
-            "holds no files at this revision" + (" under this folder" if prefix else ""),
-            path=where,
-            fix="Check the repository and the subfolder.",
-        )
-    return HubRepo(
-        location=location, settings=settings, commit=commit, files=dict(sorted(files.items()))
+    return files
+
+
+def _remember_ref(location: Location, settings: HubSettings, commit: str) -> None:
+    """Record the revision's commit in the cache's `refs/`, as `resolve_revision` does, so a
+    later offline run finds its snapshot (best effort: the cache may be read-only)."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    assert location.repo_id is not None
+    ref = (
+        Path(settings.cache_dir)
+        / repo_folder_name(repo_id=location.repo_id, repo_type=location.repo_type)
+        / "refs"
+        / (location.revision or "main")
     )
+    try:
+        if ref.is_file() and ref.read_text().strip() == commit:
+            return
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        ref.write_text(commit)
+    except OSError:
+        pass
 
 
 def _open_cached(location: Location, settings: HubSettings, commit: str) -> HubRepo:

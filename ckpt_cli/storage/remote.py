@@ -144,17 +144,23 @@ class FsspecStorage(Storage):
                 found = self.fs.find(self.root, detail=True)
             except Exception as exc:
                 raise remote_failure(exc, self.display) from None
-            prefix = f"{self.root}/" if self.root else ""
-            self._sizes = {
-                name[len(prefix) :]: int(info.get("size") or 0)
-                for name, info in sorted(found.items())
-                if info.get("type") != "directory" and name.startswith(prefix)
-            }
-            for name, info in found.items():
-                stamp = _listing_time(info)
-                if stamp is not None and name.startswith(prefix):
-                    self._mtimes[name[len(prefix) :]] = stamp
+            self.take_listing(found)
+        assert self._sizes is not None
         return self._sizes
+
+    def take_listing(self, found: Mapping[str, Any]) -> None:
+        """Use `found` (what `fs.find(root, detail=True)` answered) as the root's listing."""
+        prefix = f"{self.root}/" if self.root else ""
+        self._sizes = {
+            name[len(prefix) :]: int(info.get("size") or 0)
+            for name, info in sorted(found.items())
+            if info.get("type") != "directory" and name.startswith(prefix)
+        }
+        self._mtimes = {}
+        for name, info in found.items():
+            stamp = _listing_time(info)
+            if stamp is not None and name.startswith(prefix):
+                self._mtimes[name[len(prefix) :]] = stamp
 
     def fs_path(self, rel: str) -> tuple[Any, str] | None:
         return self.fs, f"{self.root}/{rel}"
@@ -393,13 +399,21 @@ def open_fsspec(location: Location) -> tuple[FsspecStorage, str | None]:
     """The storage of an fsspec URL and the file it names: a folder-like prefix (no file), or
     one object (its parent prefix, and its name)."""
     fs, path = filesystem_for(location)
+    root = path.rstrip("/")
     try:
+        # a prefix of objects (a checkpoint folder, the usual SRC): its listing is the one the
+        # storage needs, so one request both tells a folder and lists it (not two in turn)
+        found = fs.find(root, detail=True) if root else {}
+        if any(name.startswith(f"{root}/") for name in found):
+            storage = FsspecStorage(fs, path, location.raw)
+            storage.take_listing(found)
+            return storage, None
+        if list(found) == [root] and found[root].get("type") == "file":
+            return _one_object(location, fs, path)  # (s3fs's find answers an object itself)
         if fs.isdir(path):
             return FsspecStorage(fs, path, location.raw), None
         if fs.isfile(path):
-            parent, _, name = path.rstrip("/").rpartition("/")
-            display = location.raw.rstrip("/").rpartition("/")[0]
-            return FsspecStorage(fs, parent, display), name
+            return _one_object(location, fs, path)
     except FileNotFoundError:
         raise NotFoundError("no such object or prefix", path=location.raw) from None
     except Exception as exc:  # each filesystem package raises its own network/auth errors
@@ -407,3 +421,10 @@ def open_fsspec(location: Location) -> tuple[FsspecStorage, str | None]:
     raise NotFoundError(
         "no such object or prefix", path=location.raw, fix="Check the bucket and path."
     )
+
+
+def _one_object(location: Location, fs: Any, path: str) -> tuple[FsspecStorage, str]:
+    """The storage of the object's parent prefix, and the object's name."""
+    parent, _, name = path.rstrip("/").rpartition("/")
+    display = location.raw.rstrip("/").rpartition("/")[0]
+    return FsspecStorage(fs, parent, display), name

@@ -3,6 +3,8 @@ tensors, shared by both modes (`shards`, `tensors`)."""
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
@@ -10,6 +12,7 @@ from pydantic import ConfigDict, Field
 from ...errors import FormatError, NotFoundError
 from ...formats.names import INDEX_SUFFIX, WEIGHT_SUFFIXES
 from ...models import Entry, Record
+from ...quant import sidecar_names
 from ...sources.model_files import EXTRA_SUFFIXES
 from ...storage.hub import HubRepo
 
@@ -232,9 +235,33 @@ def no_match(src: str, include: list[str] | None, exclude: list[str] | None) -> 
     )
 
 
-def index_entries(weight_map: dict[str, str]) -> list[Entry]:
+def index_selection(
+    weight_map: dict[str, str], include: list[str] | None, exclude: list[str] | None
+) -> tuple[list[Entry], list[Entry]]:
+    """(chosen, with their scales) among the index's names: what `select` and, with `include`,
+    `with_sidecars` would choose from an entry per name, in index order, but matched on the
+    names, with an entry (`Entry.named`) built only for each name chosen: DeepSeek-V3's index
+    names 90,000 tensors, a filter picks a few. The second list is the first without `include`."""
+    names = list(weight_map)
+
+    def matching(globs: list[str]) -> set[str]:
+        found: set[str] = set()
+        for glob in globs:
+            match = re.compile(fnmatch.translate(glob)).match  # fnmatchcase's own pattern
+            found.update(n for n in names if match(n))
+        return found
+
+    keep = matching(include) if include else set(names)
+    excluded = matching(exclude) if exclude else set()
+    keep -= excluded
     named = Entry.named
-    return [named(name, shard) for name, shard in weight_map.items()]
+    chosen = [named(n, weight_map[n]) for n in names if n in keep]
+    if not include:
+        return chosen, chosen
+    wanted = set(keep)
+    for name in keep:
+        wanted.update(s for s in sidecar_names(name) if s not in excluded)
+    return chosen, [named(n, weight_map[n]) for n in names if n in wanted]
 
 
 def no_safetensors(src: str) -> FormatError:

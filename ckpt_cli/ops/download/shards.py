@@ -27,7 +27,7 @@ from .plan import (
     DownloadFile,
     DownloadReport,
     DownloadRequest,
-    index_entries,
+    index_selection,
     no_match,
     no_safetensors,
     planned_files,
@@ -51,31 +51,33 @@ def download_shards(
     src = report.source
     index_rel = find_index(source)
     weight_map: dict[str, str] | None = None
-    if index_rel is not None:
-        weight_map, _ = read_index(storage, index_rel)
-        entries = index_entries(weight_map)
-    elif SafetensorsFormat.detect(source):
-        # no index: the headers (ranged reads) name the tensors
-        entries = SafetensorsFormat.open(source).manifest.tensors
-    else:
+    if index_rel is None and not SafetensorsFormat.detect(source):
         # older repositories: torch.save shards with `pytorch_model.bin.index.json` (same JSON)
         bin_indexes = [n for n in source.top_level() if n.endswith(BIN_INDEX_SUFFIX)]
         if len(bin_indexes) != 1:
             raise no_safetensors(src)
         index_rel = bin_indexes[0]
+    if index_rel is not None:
         weight_map, _ = read_index(storage, index_rel)
-        entries = index_entries(weight_map)
-    chosen = select(entries, include, exclude)
-    if not chosen:
+        # a weight needs its scales (the second list)
+        picked, chosen = index_selection(weight_map, include, exclude)
+        total = len(weight_map)
+        all_shards = sorted(set(weight_map.values()))
+    else:
+        # no index: the headers (ranged reads) name the tensors
+        entries = SafetensorsFormat.open(source).manifest.tensors
+        picked = chosen = select(entries, include, exclude)
+        if include:
+            chosen = with_sidecars(chosen, entries, exclude)
+        total = len(entries)
+        all_shards = sorted({e.file for e in entries if e.file is not None})
+    if not picked:
         raise no_match(src, include, exclude)
-    if include:
-        chosen = with_sidecars(chosen, entries, exclude)  # a weight needs its scales
-    report.tensors_total = len(entries)
+    report.tensors_total = total
     report.tensors_selected = len(chosen)
     if weight_map is None:  # sizes are known only when the headers were read
         report.selected_bytes = sum(e.nbytes for e in chosen)
     needed = sorted({e.file for e in chosen if e.file is not None})
-    all_shards = sorted({e.file for e in entries if e.file is not None})
     for shard in needed:
         storage.remote(shard)  # NotFoundError if the index names a shard the repo lacks
     subset = weight_map is not None and needed != all_shards

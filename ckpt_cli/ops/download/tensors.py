@@ -17,11 +17,12 @@ import uuid
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
-from ...errors import FormatError
+from ...errors import FormatError, NotFoundError
 from ...formats.base import Source, WriteOptions
 from ...formats.names import SAFETENSORS_SUFFIX
 from ...formats.safetensors.format import SafetensorsCheckpoint, SafetensorsFormat
-from ...formats.weight_map import INDEX_SUFFIX
+from ...formats.safetensors.header import prefetch_headers, read_header
+from ...formats.weight_map import INDEX_SUFFIX, find_index, read_index
 from ...models import Entry
 from ...progress import NULL_PROGRESS, Progress
 from ...quant import with_sidecars
@@ -44,6 +45,7 @@ from .plan import (
     DownloadRange,
     DownloadReport,
     DownloadRequest,
+    index_selection,
     no_match,
     planned_files,
     top_level_extras,
@@ -318,7 +320,7 @@ def download_tensors(
             fix="Use --mode shards (torch.save shards are fetched whole).",
         )
     with hub_errors(src):
-        checkpoint: SafetensorsCheckpoint = SafetensorsFormat.open(source)
+        checkpoint, total, max_shard = _open_selected(source, include, exclude)
     manifest = checkpoint.manifest
     chosen = select(manifest.tensors, include, exclude)
     if include:
@@ -326,7 +328,7 @@ def download_tensors(
     chosen = [e for e in chosen if e.is_raw]
     if not chosen:
         raise no_match(src, include, exclude)
-    report.tensors_total = len(manifest.tensors)
+    report.tensors_total = total
     report.tensors_selected = len(chosen)
     report.selected_bytes = sum(e.nbytes for e in chosen)
     report.ranges = plan_ranges(chosen)
@@ -358,8 +360,6 @@ def download_tensors(
     assert dest is not None and pieces is not None
 
     # keep the source's shard size (so the output is sharded like the source) and its names
-    shard_sizes = [h.size for h in checkpoint.headers]
-    max_shard = max(shard_sizes) if index_rel is not None else DEFAULT_SHARD_SIZE
     if index_rel:
         basename = Path(index_rel).name[: -len(INDEX_SUFFIX)]
     elif len(checkpoint.headers) == 1:  # one file keeps its name
@@ -431,6 +431,51 @@ def download_tensors(
             report.files.extend(extra.files)
     # DEST is published: the kept ranges have served their purpose
     pieces.remove()
+
+
+def _open_selected(
+    source: Source, include: list[str] | None, exclude: list[str] | None
+) -> tuple[SafetensorsCheckpoint, int, int]:
+    """The checkpoint opened for the selection: (checkpoint, tensors in all, output shard size).
+
+    With an index, only the shards it names for the selected tensors (and their scales) are
+    opened: their headers are all that is read, so a filter that picks one expert of a
+    163-shard model reads one header, not 163. Every tensor the index places in those shards
+    must be in their headers. The output keeps the source's largest shard size (from the
+    listing). Without an index, every safetensors file is opened (its header names its tensors).
+    """
+    storage = source.storage
+    index_rel = find_index(source)
+    if index_rel is None:
+        checkpoint = SafetensorsFormat.open(source)
+        return checkpoint, len(checkpoint.manifest.tensors), DEFAULT_SHARD_SIZE
+    weight_map, index_meta = read_index(storage, index_rel)
+    _, picked = index_selection(weight_map, include, exclude)
+    listing = storage.list_files() if source.target is not None else source.files
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if shard not in listing:
+            raise NotFoundError(
+                f"the index names shard {shard!r}, which is missing",
+                path=storage.describe(index_rel),
+                fix="Fetch or copy the missing shard; `ckpt verify` lists every problem.",
+            )
+    needed = sorted({e.file for e in picked if e.file is not None})
+    prefetch_headers(storage, needed, weight_map)
+    headers = [read_header(storage, shard, listing[shard]) for shard in needed]
+    checkpoint = SafetensorsCheckpoint.from_headers(
+        source, headers, index_rel, weight_map, index_meta
+    )
+    found = checkpoint.manifest.by_name
+    lost = [e for e in picked if e.name not in found]
+    if lost:
+        raise FormatError(
+            f"the index places tensor {lost[0].name!r} in {lost[0].file}, whose header does "
+            "not hold it" + (f" ({len(lost) - 1} more like it)" if len(lost) > 1 else ""),
+            path=storage.describe(index_rel),
+            fix="The index and the shards disagree; `ckpt verify` lists every problem.",
+        )
+    return checkpoint, len(weight_map), max(listing[shard] for shard in shards)
 
 
 def _hashed(blocks: Iterator[bytes], name: str, digests: dict[str, str]) -> Iterator[bytes]:
