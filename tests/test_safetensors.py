@@ -235,3 +235,42 @@ def test_inspect_entries_built_unvalidated_equal_validated_ones(tmp_path: Path) 
         assert entry.model_copy(update={"name": "x"}).name == "x"
     assert (entries[0].dtype, entries[0].shape, entries[0].nbytes) == ("float32", [2, 3], 24)
     assert (entries[1].dtype, entries[1].numel, entries[1].is_raw) == ("bfloat16", 4, True)
+
+
+def test_header_listing_tensors_out_of_data_order_reads_in_data_order(tmp_path: Path) -> None:
+    """A header may list its tensors in any order: ckpt reports them in data order, as the
+    reference reader places them, and still finds an overlap listed backwards."""
+    path = tmp_path / "model.safetensors"
+    data = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
+    f32 = {"dtype": "F32", "shape": [2]}
+    _write_raw(
+        path, {"b": {**f32, "data_offsets": [8, 16]}, "a": {**f32, "data_offsets": [0, 8]}}, data
+    )
+    report = run_ckpt("inspect", path, "--json").json["result"]
+    start = path.stat().st_size - len(data)
+    assert [(e["name"], e["offset"]) for e in report["entries"]] == [("a", start), ("b", start + 8)]
+    assert run_ckpt("verify", path).exit_code == 0
+    with safe_open(path, framework="pt") as f:
+        assert f.get_tensor("b").tolist() == [3.0, 4.0]
+    converted = tmp_path / "out.safetensors"
+    assert run_ckpt("convert", path, converted, "--to", "safetensors").exit_code == 0
+    with safe_open(converted, framework="pt") as f:
+        assert f.get_tensor("a").tolist() == [1.0, 2.0] and f.get_tensor("b").tolist() == [3.0, 4.0]
+    backwards = tmp_path / "overlap.safetensors"
+    _write_raw(
+        backwards,
+        {"b": {**f32, "data_offsets": [4, 12]}, "a": {**f32, "data_offsets": [0, 8]}},
+        data,
+    )
+    result = run_ckpt("inspect", backwards)
+    assert result.exit_code == 4 and "overlaps" in result.stderr
+
+
+def test_names_with_digit_like_characters_fold_only_ascii_numbers(tmp_path: Path) -> None:
+    """`²` is a digit to Python's `isdigit` but no number: inspect shows it as written."""
+    state = {f"model.layers.{i}.w": torch.zeros(2) for i in range(3)}
+    state["model.pos.²"] = torch.zeros(1)
+    save_file(state, tmp_path / "model.safetensors")
+    result = run_ckpt("inspect", tmp_path / "model.safetensors")
+    assert result.exit_code == 0, result.stderr
+    assert "layers.{0..2}" in result.stdout and "pos.²" in result.stdout

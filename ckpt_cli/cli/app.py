@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import pkgutil
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any, NoReturn
@@ -235,7 +234,13 @@ def _command_modules() -> list[str]:
     """The command modules of `ckpt_cli.cli.commands`, in `ckpt --help` order."""
     from . import commands
 
-    found = [m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_")]
+    # a listing of the package's folder, not `pkgutil` (an import of its own at every start)
+    found = sorted(
+        name.removesuffix(".py")
+        for folder in commands.__path__
+        for name in os.listdir(folder)
+        if name.endswith(".py") and not name.startswith("_")
+    )
     return [n for n in COMMAND_ORDER if n in found] + sorted(
         n for n in found if n not in COMMAND_ORDER
     )

@@ -80,19 +80,17 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
             f"is not valid JSON ({exc})", path=where, fix="Write or fetch the index again."
         ) from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
+    # JSON object keys are strings; the values are checked at C speed (tens of thousands)
+    if not isinstance(weight_map, dict) or set(map(type, weight_map.values())) - {str}:
         raise FormatError("has no valid weight_map (tensor name -> shard file)", path=where)
     base = posixpath_dir(rel)
     # thousands of tensors share a few shard names: check each name once
     resolved = {
         shard: _join(base, safe_relpath(shard, source=where)) for shard in set(weight_map.values())
     }
-    if all(path == shard for shard, path in resolved.items()):
-        safe = weight_map  # a top-level index of plain names (the usual one): nothing to rewrite
-    else:
-        safe = {name: resolved[shard] for name, shard in weight_map.items()}
+    # an index at the root naming its shards plainly (the common case) maps them as written
+    plain = all(shard == path for shard, path in resolved.items())
+    safe = weight_map if plain else {name: resolved[shard] for name, shard in weight_map.items()}
     metadata = index.get("metadata") or {}
     return safe, metadata if isinstance(metadata, dict) else {}
 
@@ -222,6 +220,14 @@ def check_index(
     """The index against the shards it names (and any others given): every entry where it
     says, every tensor indexed, `total_size` the tensors' bytes. Missing shards are reported
     by the caller (`report_missing_shard`) as it meets them."""
+    # the common case, at C speed: every tensor stored once, in the shard the index names,
+    # and every stored tensor indexed; then only the total size is left to check
+    stored: dict[str, str] = {}
+    for shard, held in shards.items():
+        stored.update(dict.fromkeys(held.entries, shard))
+    if len(stored) == sum(len(c.entries) for c in shards.values()) and stored == weight_map:
+        _check_total_size(findings, storage.describe(index_rel), weight_map, index_meta, shards)
+        return
     found = check_duplicates(findings, storage, shards)
     index_where = storage.describe(index_rel)
     for name, shard in weight_map.items():
@@ -275,7 +281,7 @@ def _check_total_size(
         )
         return
     complete = all(s in shards and not shards[s].rejected for s in set(weight_map.values()))
-    actual = sum(n for contents in shards.values() for n in contents.entries.values())
+    actual = sum(sum(contents.entries.values()) for contents in shards.values())
     if complete and total != actual:
         # huggingface_hub/transformers sum the tensors' *storage* sizes, which exceed the tensor
         # bytes when a saved tensor was a view; loaders ignore the field, so this only warns

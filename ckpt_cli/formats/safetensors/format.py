@@ -79,6 +79,11 @@ def is_dcp_hf_sharded(names: list[str]) -> bool:
     )
 
 
+def _index_key(source: Source, index_rel: str) -> tuple[str, str, int]:
+    """Where `check` leaves the index it read for `open` (`Source.parsed`)."""
+    return ("safetensors-index", index_rel, source.files.get(index_rel, -1))
+
+
 class SafetensorsFormat(Format):
     """The safetensors format (single file or sharded with an index)."""
 
@@ -117,7 +122,8 @@ class SafetensorsFormat(Format):
         index_meta: dict[str, Any] = {}
         weight_map: dict[str, str] | None = None
         if index_rel is not None:
-            weight_map, index_meta = read_index(storage, index_rel)
+            checked = source.parsed.pop(_index_key(source, index_rel), None)
+            weight_map, index_meta = checked or read_index(storage, index_rel)
             shards = sorted(set(weight_map.values()))
             listing = storage.list_files() if source.target is not None else source.files
             for shard in shards:
@@ -170,6 +176,8 @@ class SafetensorsFormat(Format):
                 weight_map, index_meta = read_index(storage, index_rel)
             except CkptError as error:
                 report_bad_index(findings, error)
+            else:  # read fine: an `open` of this source in the same operation takes it
+                source.parsed[_index_key(source, index_rel)] = (weight_map, index_meta)
         # a folder SRC is listed already; an index given as the target needs its siblings; a
         # single shard needs no listing of its folder (a run folder of 10,000 files would list
         # it once per file)
@@ -252,21 +260,23 @@ class SafetensorsCheckpoint(Checkpoint):
         entries: list[Entry] = []
         files: list[FileInfo] = []
         seen: set[str] = set()
+        trusted = Entry.trusted
         for header in headers:
-            for name, (dtype, shape, begin, end) in header.tensors.items():
-                if name in seen:
-                    raise FormatError(
-                        f"tensor {name!r} appears in more than one shard",
-                        path=source.storage.describe(header.file),
-                        fix="The checkpoint is inconsistent; `ckpt verify` lists every problem.",
-                    )
-                seen.add(name)
-                entries.append(
-                    Entry.trusted(
-                        name, dtype, shape, end - begin, header.file, header.data_start + begin
-                    )
+            names = header.tensors.keys()
+            if not seen.isdisjoint(names):
+                name = next(n for n in names if n in seen)
+                raise FormatError(
+                    f"tensor {name!r} appears in more than one shard",
+                    path=source.storage.describe(header.file),
+                    fix="The checkpoint is inconsistent; `ckpt verify` lists every problem.",
                 )
-            files.append(FileInfo(path=header.file, size=header.size, entries=len(header.tensors)))
+            seen.update(names)
+            file, start = header.file, header.data_start
+            entries += [
+                trusted(name, dtype, shape, end - begin, file, start + begin)
+                for name, (dtype, shape, begin, end) in header.tensors.items()
+            ]
+            files.append(FileInfo(path=file, size=header.size, entries=len(header.tensors)))
         if index_rel is not None:
             files.insert(
                 0, FileInfo(path=index_rel, size=source.storage.size(index_rel), entries=0)

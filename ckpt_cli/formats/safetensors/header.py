@@ -78,6 +78,8 @@ def prefetch_headers(
     one by one (`Storage.prefetch_heads`); with an index, each header's size is guessed from
     the names it lists, so that a large header (DeepSeek-V3's are about 60 KiB) is fetched in
     one request."""
+    if storage.local_root is not None:
+        return  # a local storage fetches nothing ahead (`Storage.prefetch_heads`): no guesses
     guess = dict.fromkeys(shards, 0)
     if weight_map:
         for name, shard in weight_map.items():
@@ -120,15 +122,20 @@ def parse_header(
             "bad_header", "has __metadata__ that is not a string-to-string map", file=where
         )
         metadata = {}
-    tensors, rejected, unsupported, placed = _entries(header, data_size, where, findings)
-    order = sorted(placed.items(), key=lambda kv: kv[1][2])
+    tensors, rejected, unsupported, placed, ordered = _entries(header, data_size, where, findings)
+    # writers lay the data out in header order: then the header's order is the data's
+    order = list(placed.items())
+    if not ordered:
+        order.sort(key=_data_begin)
     # flaws a reader tolerates (gaps, trailing bytes) are only reported when collecting, but
     # a strict read notes them too, at no extra cost, so `inspect` need not parse again
     tolerated = findings if findings.thorough else Findings(strict=False)
     _check_layout(order, data_start, data_size, not rejected, where, findings, tolerated)
-    parsed = SafetensorsHeader(
-        rel, size, data_start, {n: v for n, v in order if n in tensors}, metadata
-    )
+    # every placed tensor is a valid one in data order already (the common case): no copy
+    in_order = tensors if ordered and len(tensors) == len(placed) else None
+    if in_order is None:
+        in_order = {n: v for n, v in order if n in tensors}
+    parsed = SafetensorsHeader(rel, size, data_start, in_order, metadata)
     parsed.rejected = rejected
     parsed.unsupported = unsupported
     parsed.tolerated = [] if tolerated is findings else tolerated.problems
@@ -229,12 +236,13 @@ def _keys_accounted(raw: bytes, header: dict[str, Any]) -> bool:
     never fewer, so equal counts prove no key was dropped. Objects nested below the entries
     (not in a safetensors header) are not counted: their presence sends the header to the
     checked parse, as does any surplus."""
-    objects = 1
-    keys = len(header)
-    for info in header.values():
-        if type(info) is dict:
-            objects += 1
-            keys += len(info)
+    values = header.values()
+    # counted at C speed: a value that is not an object (no header entry is one) sends the
+    # header to the checked parse, which is exact about what it holds
+    if set(map(type, values)) - {dict}:
+        return False
+    objects = 1 + len(header)
+    keys = len(header) + sum(map(len, values))
     if raw.count(b"{") != objects:
         return False
     written = raw.count(b'":')
@@ -281,15 +289,22 @@ def _decode_checked(raw: bytes, where: str, findings: Findings) -> dict[str, Any
     return header
 
 
+def _data_begin(item: tuple[str, TensorInfo]) -> int:
+    return item[1][2]
+
+
 def _entries(
     header: dict[str, Any], data_size: int, where: str, findings: Findings
-) -> tuple[dict[str, TensorInfo], set[str], dict[str, str], dict[str, TensorInfo]]:
-    """(valid tensors, rejected names, unsupported name -> dtype code, every placed range)."""
+) -> tuple[dict[str, TensorInfo], set[str], dict[str, str], dict[str, TensorInfo], bool]:
+    """(valid tensors, rejected names, unsupported name -> dtype code, every placed range,
+    whether the placed ranges are in data order as listed)."""
     tensors: dict[str, TensorInfo] = {}
     rejected: set[str] = set()
     unsupported: dict[str, str] = {}
     placed: dict[str, TensorInfo] = {}
     bits_of = _BITS
+    last_begin = 0  # of the entries taken by the fast check: any other clears `ordered`
+    ordered = True
     for name, info in header.items():
         # the common case in one tight check: a known dtype, a shape and two offsets of
         # plain non-negative ints, the span matching the size, inside the data; any entry
@@ -322,7 +337,11 @@ def _entries(
                         plain: TensorInfo = (known[0], shape, begin, end)
                         tensors[name] = plain
                         placed[name] = plain
+                        if begin < last_begin:
+                            ordered = False
+                        last_begin = begin
                         continue
+        ordered = False
         unknown = _unknown_dtype(info, data_size)
         if unknown is not None and findings.strict:
             # one tensor of a dtype this tool does not know must not make the whole file
@@ -348,7 +367,7 @@ def _entries(
             tensor=name,
             fix="Upgrade ckpt if this is a new dtype; otherwise the header is corrupt.",
         )
-    return tensors, rejected, unsupported, placed
+    return tensors, rejected, unsupported, placed, ordered
 
 
 #: safetensors dtype code -> (canonical dtype, bits per element), for `_entries`' fast check

@@ -48,6 +48,8 @@ def _ranges(indices: list[int]) -> str:
 
 
 class _Builder:
+    """A node while the tree is built: what its own entries hold; `build` adds its subtree's."""
+
     __slots__ = ("children", "dtypes", "indices", "nbytes", "objects", "shapes", "tensors")
 
     def __init__(self) -> None:
@@ -63,41 +65,45 @@ class _Builder:
         if name == "#":
             name = _ranges(self.indices)
         leaf = not self.children
+        children = [child.build(key) for key, child in self.children.items()]
         # every value was computed here from checked entries: no validation pass needed
         return TreeNode.model_construct(
             name=name,
-            tensors=self.tensors,
-            objects=self.objects,
-            nbytes=self.nbytes,
+            tensors=self.tensors + sum(c.tensors for c in children),
+            objects=self.objects + sum(c.objects for c in children),
+            nbytes=self.nbytes + sum(c.nbytes for c in children),
             dtype=next(iter(self.dtypes)) if leaf and len(self.dtypes) == 1 else None,
             shape=list(next(iter(self.shapes))) if leaf and len(self.shapes) == 1 else None,
-            children=[child.build(key) for key, child in self.children.items()],
+            children=children,
         )
 
 
 def build_tree(entries: list[Entry]) -> list[TreeNode]:
-    """The folded tree of `entries` (top-level nodes), in one pass over the names."""
+    """The folded tree of `entries` (top-level nodes), in one pass over the names.
+
+    Each entry is counted at its own node only; a node's totals (its subtree's) are summed
+    once, when the tree is built, not added along the path of every entry.
+    """
     root = _Builder()
     for entry in entries:
-        is_tensor = entry.kind == "tensor"
-        nbytes = entry.nbytes
         node = root
         for part in entry.name.split("."):
-            node.tensors += is_tensor
-            node.objects += not is_tensor
-            node.nbytes += nbytes
-            numeric = part.isdigit()
-            key = "#" if numeric else part
-            child = node.children.get(key)
+            # ASCII digits only: `int` refuses some characters `isdigit` takes (`²`)
+            numeric = part.isdigit() and part.isascii()
+            children = node.children
+            child = children.get("#" if numeric else part)
             if child is None:
-                child = node.children[key] = _Builder()
+                child = children["#" if numeric else part] = _Builder()
             if numeric:
                 child.indices.append(int(part))
             node = child
-        node.tensors += is_tensor
-        node.objects += not is_tensor
-        node.nbytes += nbytes
-        node.dtypes.add(entry.dtype if is_tensor else entry.py_type)
+        if entry.kind == "tensor":
+            node.tensors += 1
+            node.dtypes.add(entry.dtype)
+        else:
+            node.objects += 1
+            node.dtypes.add(entry.py_type)
+        node.nbytes += entry.nbytes
         node.shapes.add(tuple(entry.shape))
     return [child.build(key) for key, child in root.children.items()]
 
