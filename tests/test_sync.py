@@ -596,8 +596,11 @@ def test_each_file_goes_up_in_one_request_checked_by_the_reply(
         manifests = [r for r in s3_server.requests if r.path.endswith("ckpt-manifest.json")]
         assert [r.method for r in manifests] == ["PUT"] * len(steps)
         listings[len(steps)] = sum(1 for r in s3_server.requests if _is_listing(r))
-    # the round's listing (and `latest`'s) cost the same for one save as for three
-    assert listings[1] == listings[3]
+        # the newest save is the one just uploaded and checked: `latest` reads nothing back
+        assert not [r for r in s3_server.requests if r.method == "GET" and not _is_listing(r)]
+        assert report.latest == f"s3://{BUCKET}/run{len(steps)}/checkpoint-{steps[-1]}"
+    # the round's listing costs the same for one save as for three
+    assert listings[1] == listings[3], listings
     checked = run_ckpt("verify", f"s3://{BUCKET}/run3/checkpoint-300", "--checksums", "--json")
     assert checked.exit_code == 0, checked.stdout
 
@@ -824,3 +827,20 @@ def test_parts_carry_their_crc32_to_a_store_that_checks_and_a_damaged_part_is_re
     assert parts and all(set(r.checksums) == {"x-amz-checksum-crc32"} for r in parts)
     checked = run_ckpt("verify", f"s3://{BUCKET}/big/step-1", "--checksums", "--json")
     assert checked.exit_code == 0, checked.stdout
+
+
+def test_latest_is_the_buckets_newest_complete_save_when_the_local_run_lacks_it(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`latest` in the report is the bucket's: a newer save synced from elsewhere, or one the
+    local run has lost since its sync, is still the one named."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    full = trainer_run(tmp_path / "a", steps=(100, 200, 300))
+    assert sync(str(full), f"s3://{BUCKET}/run/").latest == f"s3://{BUCKET}/run/checkpoint-300"
+    older = trainer_run(tmp_path / "b", steps=(100, 200))
+    report = sync(str(older), f"s3://{BUCKET}/run/")
+    assert report.latest == f"s3://{BUCKET}/run/checkpoint-300"
+    (full / "checkpoint-300" / "trainer_state.json").unlink()  # locally no longer complete
+    report = sync(str(full), f"s3://{BUCKET}/run/")
+    assert [c.action for c in report.checkpoints][:2] == ["present", "present"]
+    assert report.latest == f"s3://{BUCKET}/run/checkpoint-300"

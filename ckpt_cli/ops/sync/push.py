@@ -14,7 +14,7 @@ from typing import Any
 
 from ... import __version__
 from ...errors import CkptError, FormatError, NotFoundError, UsageError
-from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, scan_run
+from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, RunReport, scan_run
 from ...storage import remote_failure
 from ...storage.hashing import hasher_factory
 from ...storage.object_upload import ObjectUploader, multipart_etag
@@ -447,6 +447,10 @@ def sync_up(
         # a fresh upload is complete the moment its manifest is there
         policy = prune_policy.model_copy(update={"settle": 0.0})
         report.pruned = prune(dest.rstrip("/"), policy, yes=True, strict_metric=False)
+    known = None if prune_policy is not None else _latest_held(uploader, run, report)
+    if known is not None:
+        report.latest = f"{dest.rstrip('/')}/{known}"
+        return report
     try:
         remote = scan_run(dest.rstrip("/"), settle=0.0, until_latest=True)
     except NotFoundError:
@@ -454,6 +458,40 @@ def sync_up(
         return report
     report.latest = remote.latest
     return report
+
+
+def _latest_held(uploader: _Uploader, run: RunReport, report: SyncReport) -> str | None:
+    """The remote run's newest complete checkpoint (its path under DEST), known without
+    reading the bucket, or None when only judging the bucket can tell.
+
+    Known when the local run's newest complete checkpoint is held by the bucket as this
+    round left it (uploaded and checked, or found there), and the bucket holds nothing the
+    local run does not, nothing of a later checkpoint, and every checkpoint has its own step
+    (so both sides order them alike): the bucket's judge would read the same bytes of the
+    same checkpoints and stop at the same one.
+    """
+    newest = run.newest_complete
+    held = {c.name for c in report.checkpoints if c.action in ("uploaded", "present")}
+    if newest is None or newest.name not in held or len(newest.paths) != 1:
+        return None
+    steps = [c.step for c in run.checkpoints]
+    if None in steps or len(set(steps)) != len(steps) or any(c.symlink for c in run.checkpoints):
+        return None
+    root = Path(run.run_dir)
+    rel = newest.path.removeprefix(f"{run.run_dir.rstrip('/')}/")
+    if rel == newest.path:
+        return None
+    later: set[str] = set()
+    known = {*ROOT_FILES, CHECKSUM_PROBE}
+    for c in run.checkpoints:
+        names = {*local_files(root, c), manifest_rel_path(c, Path(c.path).is_dir())}
+        known |= names
+        if c.order > newest.order:
+            later |= names
+    listed = set(uploader.listing())
+    if not listed <= known or listed & later:
+        return None
+    return rel
 
 
 def _upload_round(
