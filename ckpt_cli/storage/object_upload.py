@@ -44,6 +44,7 @@ SINGLE_PUT_MAX = 4 * UPLOAD_BLOCK
 #: error codes with which a store refuses a body that does not match its `x-amz-checksum-*`
 #: (S3: BadDigest; MinIO: XAmzContentChecksumMismatch)
 CHECKSUM_REFUSALS = frozenset({"BadDigest", "XAmzContentChecksumMismatch"})
+_NO_RETRY = {"max_attempts": 1, "mode": "standard"}
 
 
 @dataclass
@@ -144,8 +145,13 @@ class ObjectUploader:
             return False
         bucket, key, _ = self.fs.split_path(self._probe)
         body = b"ckpt: does this store check x-amz-checksum-crc32?"
+        # botocore retries a BadDigest four times, seconds apart: the question is asked once,
+        # through a client of the same settings that does not retry
+        options = dict(self.fs.storage_options)
+        config = {**(options.get("config_kwargs") or {}), "retries": _NO_RETRY}
+        once = type(self.fs)(**{**options, "config_kwargs": config, "skip_instance_cache": True})
         try:
-            self.fs.call_s3(
+            once.call_s3(
                 "put_object", Bucket=bucket, Key=key, Body=body, ChecksumCRC32=_crc32(body + b"!")
             )
         except Exception as exc:  # refused: by its checksum, or for another reason (MD5 then)
