@@ -146,10 +146,18 @@ class ObjectUploader:
         bucket, key, _ = self.fs.split_path(self._probe)
         body = b"ckpt: does this store check x-amz-checksum-crc32?"
         # botocore retries a BadDigest four times, seconds apart: the question is asked once,
-        # through a client of the same settings that does not retry
+        # through a client of the same settings (and session: its models are loaded) that
+        # does not retry
         options = dict(self.fs.storage_options)
         config = {**(options.get("config_kwargs") or {}), "retries": _NO_RETRY}
-        once = type(self.fs)(**{**options, "config_kwargs": config, "skip_instance_cache": True})
+        once = type(self.fs)(
+            **{
+                **options,
+                "config_kwargs": config,
+                "session": self.fs.session,
+                "skip_instance_cache": True,
+            }
+        )
         try:
             once.call_s3(
                 "put_object", Bucket=bucket, Key=key, Body=body, ChecksumCRC32=_crc32(body + b"!")
