@@ -1,10 +1,12 @@
 """Benchmark `ckpt sync` against `s3fs put --recursive` on an S3-compatible store. By hand only.
 
     PYTHONPATH=. python bench/sync.py [--mb 64] [--saves 3] [--files 8] [--rounds 3]
-                                      [--baseline /path/to/other/checkout]
+                                      [--checking-store] [--baseline /path/to/other/checkout]
 
 Starts moto's S3 server in its own process on 127.0.0.1 (a middleware counts requests by kind,
-request body bytes and the server's own CPU time), writes a run folder of Trainer-style saves
+request body bytes and the server's own CPU time; with `--checking-store` it also refuses a
+body that does not match its `x-amz-checksum-crc32`/`-sha256` with BadDigest, as S3 does,
+which moto does not), writes a run folder of Trainer-style saves
 (`--files` weight shards with their index, optimizer.pt, scheduler.pt, rng_state.pth,
 trainer_state.json, config.json, training_args.bin; `--mb` MB each), then, in `--rounds`
 interleaved rounds (each tool a fresh process, order alternating, same server):
@@ -40,7 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 SERVER = r"""
-import json, logging, sys, threading, time
+import base64, hashlib, io, json, logging, sys, threading, time, zlib
 from collections import Counter
 from moto.server import DomainDispatcherApplication, create_backend_app
 from werkzeug.serving import make_server
@@ -48,6 +50,14 @@ logging.getLogger("werkzeug").setLevel(logging.ERROR)
 app = DomainDispatcherApplication(create_backend_app)
 lock = threading.Lock()
 state = {"counts": Counter(), "bytes": 0, "cpu0": time.process_time()}
+CHECK = sys.argv[2:] == ["check"]
+
+def matches(env, body):
+    crc = env.get("HTTP_X_AMZ_CHECKSUM_CRC32")
+    if crc and crc != base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode():
+        return False
+    sha = env.get("HTTP_X_AMZ_CHECKSUM_SHA256")
+    return not sha or sha == base64.b64encode(hashlib.sha256(body).digest()).decode()
 
 def kind(env):
     method, query = env["REQUEST_METHOD"], env.get("QUERY_STRING", "")
@@ -74,6 +84,12 @@ def wsgi(env, start):
         state["counts"][kind(env)] += 1
         if env["REQUEST_METHOD"] in ("PUT", "POST"):
             state["bytes"] += int(env.get("CONTENT_LENGTH") or 0)
+    if CHECK and env["REQUEST_METHOD"] == "PUT":
+        body = env["wsgi.input"].read(int(env.get("CONTENT_LENGTH") or 0))
+        env["wsgi.input"] = io.BytesIO(body)
+        if not matches(env, body):
+            start("400 Bad Request", [("Content-Type", "application/xml")])
+            return [b"<Error><Code>BadDigest</Code><Message>checksum</Message></Error>"]
     return app(env, start)
 
 httpd = make_server("127.0.0.1", int(sys.argv[1]), wsgi, threaded=True)
@@ -82,13 +98,15 @@ httpd.serve_forever()
 """
 
 
-def start_server() -> tuple[str, subprocess.Popen[str]]:
-    """moto's S3 app in its own process on a free port."""
+def start_server(check: bool = False) -> tuple[str, subprocess.Popen[str]]:
+    """moto's S3 app in its own process on a free port (`check`: checksums checked)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", SERVER, str(port), *(["check"] if check else [])],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return f"http://127.0.0.1:{port}", proc
@@ -153,8 +171,11 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=8, help="weight shards per save")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", type=Path, help="another checkout of ckpt to compare")
+    parser.add_argument(
+        "--checking-store", action="store_true", help="the server checks x-amz-checksum-*"
+    )
     opts = parser.parse_args()
-    endpoint, server = start_server()
+    endpoint, server = start_server(opts.checking_store)
     try:
         run(opts, endpoint)
     finally:
@@ -250,6 +271,7 @@ def report(
         f"load: {os.getloadavg()[0]:.1f}"
     )
     print(
+        f"store: {'checks checksums' if opts.checking_store else 'moto (checks none)'}\n"
         f"{'case':<14}{'tool':<15}{'wall s':>8}{'ratio':>7}{'cpu s':>7}{'srv cpu':>8}"
         f"{'reqs':>6}{'MB sent':>9}  requests by kind"
     )

@@ -4,13 +4,22 @@ The server is moto's WSGI application served by werkzeug in a thread; a small mi
 records every request's method, path and Range header, so tests can prove that metadata
 commands made ranged reads only, and can refuse chosen requests (`S3Server.refuse`) the way a
 store refuses a write it is not allowed (403 AccessDenied), to test failures mid-upload.
+
+moto stores a body whatever its `Content-MD5` or `x-amz-checksum-*` says (checked: moto 5.2);
+`S3Server.checks_checksums` makes the server refuse a body that does not match its
+`x-amz-checksum-crc32` / `-sha256` with 400 BadDigest, as S3 does, and `S3Server.corrupt`
+flips a byte of chosen request bodies on their way in (a link or proxy that damages data).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +38,9 @@ class S3Request:
     length: int = 0
     #: the query string (`partNumber=2&uploadId=…` for a multipart upload's part)
     query: str = ""
+    #: integrity headers sent with the body, name (lowercase) -> value: `content-md5`,
+    #: `x-amz-checksum-crc32`, `x-amz-checksum-sha256`…
+    checksums: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,11 +51,18 @@ class S3Server:
     requests: list[S3Request] = field(default_factory=list)
     #: requests for which this returns True are answered 403 AccessDenied
     refuse: Callable[[S3Request], bool] | None = None
-    #: requests for which this returns True are answered one second late (a slow link)
-    slow: Callable[[S3Request], bool] | None = None
+    #: requests for which this returns True are held, unanswered, until `release` is set
+    #: (a slow link: the test decides when, no timing assumed)
+    hold: Callable[[S3Request], bool] | None = None
+    release: threading.Event = field(default_factory=threading.Event)
     #: seconds every request waits before it is answered (a far-away store; for a real link,
     #: handshakes included, put `tests/latency_proxy.py` in front)
     latency: float = 0.0
+    #: refuse a body that does not match its x-amz-checksum-crc32/-sha256 (400 BadDigest), as
+    #: S3 does; moto itself checks neither those nor Content-MD5
+    checks_checksums: bool = False
+    #: requests for which this returns True have their body's first byte flipped on the way in
+    corrupt: Callable[[S3Request], bool] | None = None
     #: the most requests being answered at once so far (a client's concurrency)
     max_in_flight: int = 0
     _in_flight: int = 0
@@ -60,6 +79,16 @@ class S3Server:
         with self._lock:
             self._in_flight -= 1
 
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Wait until no request is being answered (what a dead client sent has landed)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._in_flight == 0:
+                    return
+            assert time.monotonic() < deadline, "the server is still answering requests"
+            time.sleep(0.02)
+
     def bytes_uploaded(self) -> int:
         """Body bytes of every PUT and POST (object uploads, multipart parts)."""
         return sum(r.length for r in self.requests if r.method in ("PUT", "POST"))
@@ -67,6 +96,18 @@ class S3Server:
     def object_gets(self, key_suffix: str) -> list[S3Request]:
         """GET requests for objects whose path ends with `key_suffix`."""
         return [r for r in self.requests if r.method == "GET" and r.path.endswith(key_suffix)]
+
+
+def _matches(checksums: dict[str, str], body: bytes) -> bool:
+    """Whether the body has the CRC32 / SHA-256 its request headers say (those present)."""
+    crc32 = checksums.get("x-amz-checksum-crc32")
+    if (
+        crc32 is not None
+        and crc32 != base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
+    ):
+        return False
+    sha256 = checksums.get("x-amz-checksum-sha256")
+    return sha256 is None or sha256 == base64.b64encode(hashlib.sha256(body).digest()).decode()
 
 
 def _free_port() -> int:
@@ -93,20 +134,37 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
             environ.get("HTTP_RANGE"),
             int(environ.get("CONTENT_LENGTH") or 0),
             environ.get("QUERY_STRING", ""),
+            {
+                key[5:].lower().replace("_", "-"): value
+                for key, value in environ.items()
+                if key in ("HTTP_CONTENT_MD5",) or key.startswith("HTTP_X_AMZ_CHECKSUM_")
+            },
         )
         server.requests.append(request)
         server.enter()
         try:
             if server.latency:
                 time.sleep(server.latency)
-            if server.slow is not None and server.slow(request):
-                time.sleep(1.0)
+            if server.hold is not None and server.hold(request):
+                assert server.release.wait(timeout=120), "a held request was never released"
             if server.refuse is not None and server.refuse(request):
                 start_response("403 Forbidden", [("Content-Type", "application/xml")])
                 return [
                     b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
                     b"<Message>Access Denied</Message></Error>"
                 ]
+            if server.checks_checksums or server.corrupt is not None:
+                body = environ["wsgi.input"].read(request.length) if request.length else b""
+                if body and server.corrupt is not None and server.corrupt(request):
+                    body = bytes([body[0] ^ 0xFF]) + body[1:]
+                environ["wsgi.input"] = io.BytesIO(body)
+                if server.checks_checksums and not _matches(request.checksums, body):
+                    start_response("400 Bad Request", [("Content-Type", "application/xml")])
+                    return [
+                        b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>BadDigest</Code>"
+                        b"<Message>The checksum you specified did not match the calculated "
+                        b"checksum.</Message></Error>"
+                    ]
             return moto_app(environ, start_response)
         finally:
             server.leave()
@@ -184,3 +242,12 @@ def list_keys(endpoint: str, bucket: str, prefix: str = "") -> list[str]:
     client = boto3.client("s3", endpoint_url=endpoint)
     listing = client.list_objects_v2(Bucket=bucket, Prefix=prefix)
     return sorted(item["Key"] for item in listing.get("Contents", []))
+
+
+def fetch_object(endpoint: str, bucket: str, key: str) -> bytes:
+    """One object's bytes."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    body: bytes = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    return body

@@ -27,7 +27,7 @@ from ckpt_cli.ops.sync import RateLimit, sync
 from .conftest import REPO, run_ckpt
 from .hub_server import TestHub
 from .run_fixtures import interrupted_trainer_save, trainer_checkpoint, trainer_run
-from .s3_fixtures import S3Request, S3Server, list_keys, make_bucket
+from .s3_fixtures import S3Request, S3Server, fetch_object, list_keys, make_bucket
 
 BUCKET = "ckpts"
 
@@ -42,6 +42,11 @@ def local_files(folder: Path) -> dict[str, bytes]:
 
 def remote_checkpoints(endpoint: str, prefix: str = "run") -> set[str]:
     return {k.split("/")[1] for k in list_keys(endpoint, BUCKET, prefix + "/") if k.count("/") > 1}
+
+
+def probe(server: S3Server) -> int:
+    """Bytes of the PUTs with which a sync asks the store whether it checks checksums."""
+    return sum(r.length for r in server.requests if r.path.endswith("/.ckpt-checksum-probe"))
 
 
 def fresh_save(out: Path, step: int) -> Path:
@@ -104,7 +109,7 @@ def test_a_killed_upload_resumes_without_resending_finished_files(
     make_bucket(s3_server.endpoint, BUCKET)
     out = trainer_run(tmp_path, steps=(100, 200, 300))
     target = "/checkpoint-200/optimizer.pt"
-    s3_server.slow = lambda r: r.method == "PUT" and r.path.endswith(target)
+    s3_server.hold = lambda r: r.method == "PUT" and r.path.endswith(target)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckpt_cli", "sync", str(out), f"s3://{BUCKET}/run/"],
@@ -114,20 +119,21 @@ def test_a_killed_upload_resumes_without_resending_finished_files(
     )
     deadline = time.monotonic() + 120
     # the saves' data go up side by side, each save published (its manifest) once its own
-    # data is there: killed while checkpoint-200's optimizer is on its way, after 100 is done
-    done_100 = "/checkpoint-100/ckpt-manifest.json"
+    # data is there: killed while checkpoint-200's optimizer is on its way (held by the server
+    # until the test releases it), once 100 is published (its manifest stored, not just sent)
     while not (
         any(r.path.endswith(target) for r in s3_server.requests)
-        and any(r.method == "PUT" and r.path.endswith(done_100) for r in s3_server.requests)
+        and "run/checkpoint-100/ckpt-manifest.json" in list_keys(s3_server.endpoint, BUCKET)
     ):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # preempted mid-upload: no cleanup of any kind
     proc.wait(timeout=30)
-    s3_server.slow = None
+    s3_server.hold = None
+    s3_server.release.set()
     # the server may still store the request it was holding when the client died; what is
-    # in the bucket once it settles is what the next sync can reuse
-    time.sleep(1.5)
+    # in the bucket once it has answered everything is what the next sync can reuse
+    s3_server.wait_idle()
     keys = set(list_keys(s3_server.endpoint, BUCKET, "run/"))
     assert "run/checkpoint-200/ckpt-manifest.json" not in keys  # not synced: no manifest
     assert any(k.startswith("run/checkpoint-200/") for k in keys)  # but some files are there
@@ -151,7 +157,9 @@ def test_a_killed_upload_resumes_without_resending_finished_files(
     assert report["bytes_sent"] == missing < total
     manifests = [r for r in s3_server.requests if r.method == "PUT" and "manifest" in r.path]
     assert len(manifests) == 2
-    assert s3_server.bytes_uploaded() - sum(r.length for r in manifests) == missing
+    assert (
+        s3_server.bytes_uploaded() - sum(r.length for r in manifests) - probe(s3_server) == missing
+    )
     pulled = tmp_path / "pulled"
     assert run_ckpt("sync", f"s3://{BUCKET}/run/", pulled).exit_code == 0
     for step in (100, 200, 300):
@@ -588,8 +596,11 @@ def test_each_file_goes_up_in_one_request_checked_by_the_reply(
         manifests = [r for r in s3_server.requests if r.path.endswith("ckpt-manifest.json")]
         assert [r.method for r in manifests] == ["PUT"] * len(steps)
         listings[len(steps)] = sum(1 for r in s3_server.requests if _is_listing(r))
-    # the round's listing (and `latest`'s) cost the same for one save as for three
-    assert listings[1] == listings[3]
+        # the newest save is the one just uploaded and checked: `latest` reads nothing back
+        assert not [r for r in s3_server.requests if r.method == "GET" and not _is_listing(r)]
+        assert report.latest == f"s3://{BUCKET}/run{len(steps)}/checkpoint-{steps[-1]}"
+    # the round's listing costs the same for one save as for three
+    assert listings[1] == listings[3], listings
     checked = run_ckpt("verify", f"s3://{BUCKET}/run3/checkpoint-300", "--checksums", "--json")
     assert checked.exit_code == 0, checked.stdout
 
@@ -626,6 +637,7 @@ def test_a_refused_upload_publishes_nothing_of_its_checkpoint(
     again = sync(str(out), f"s3://{BUCKET}/run/")
     assert again.transferred == ["checkpoint-200"] and not again.failed
     sent = {r.path.rsplit("/", 1)[-1] for r in s3_server.requests if r.method == "PUT"}
+    sent.discard(".ckpt-checksum-probe")
     assert sent == {"scheduler.pt", "trainer_state.json", "ckpt-manifest.json"}
 
 
@@ -713,3 +725,122 @@ def test_objects_an_older_sync_sent_in_16_mib_parts_are_reused(
     ]
     checked = run_ckpt("verify", f"s3://{BUCKET}/old/step-1", "--checksums", "--json")
     assert checked.exit_code == 0, checked.stdout
+
+
+def _b64(digest: bytes) -> str:
+    import base64
+
+    return base64.b64encode(digest).decode()
+
+
+def test_a_store_that_checks_checksums_gets_each_files_sha256_and_refuses_a_damaged_body(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """To a store that checks `x-amz-checksum-*` (as S3 does), each file goes with the SHA-256
+    its manifest records, and no MD5 is computed: a body damaged on the way is refused by the
+    store, its checkpoint is not published, and the next sync publishes it whole."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    s3_server.checks_checksums = True
+    out = trainer_run(tmp_path, steps=(100, 200))
+    s3_server.corrupt = lambda r: r.method == "PUT" and r.path.endswith("200/optimizer.pt")
+    first = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert first.exit_code == 1, first.stdout
+    actions = {c["name"]: c["action"] for c in first.json["result"]["checkpoints"]}
+    assert actions == {"checkpoint-100": "uploaded", "checkpoint-200": "failed"}
+    assert "optimizer.pt" in first.json["result"]["failed"][0]
+    assert "run/checkpoint-200/ckpt-manifest.json" not in list_keys(s3_server.endpoint, BUCKET)
+    # the store refused the probe's wrong checksum: nothing of it is kept
+    assert not [k for k in list_keys(s3_server.endpoint, BUCKET) if "probe" in k]
+    manifest = json.loads(
+        fetch_object(s3_server.endpoint, BUCKET, "run/checkpoint-100/ckpt-manifest.json")
+    )
+    for name, entry in manifest["files"].items():
+        (put,) = [
+            r
+            for r in s3_server.requests
+            if r.method == "PUT" and r.path == f"/{BUCKET}/run/checkpoint-100/{name}"
+        ]
+        assert put.checksums == {"x-amz-checksum-sha256": _b64(bytes.fromhex(entry["digest"]))}, (
+            name
+        )
+    s3_server.corrupt = None
+    again = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert again.exit_code == 0, again.stdout
+    assert again.json["result"]["transferred"] == ["checkpoint-200"]
+    checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-200", "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout
+
+
+def test_a_damaged_body_is_caught_by_the_etag_where_the_store_checks_no_checksum(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """moto stores a body whatever checksum it came with: there each body goes with its
+    Content-MD5 and the ETag of the reply is compared with the MD5 of the bytes sent, so a
+    damaged body fails its checkpoint all the same (and the probe object is not left)."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    s3_server.corrupt = lambda r: r.method == "PUT" and r.path.endswith("100/scheduler.pt")
+    first = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert first.exit_code == 1, first.stdout
+    assert "scheduler.pt" in first.json["result"]["failed"][0]
+    keys = list_keys(s3_server.endpoint, BUCKET)
+    assert "run/checkpoint-100/ckpt-manifest.json" not in keys
+    assert not [k for k in keys if "probe" in k]
+    puts = [r for r in s3_server.requests if r.method == "PUT" and "checkpoint-100/" in r.path]
+    assert puts and all("content-md5" in r.checksums for r in puts)
+    s3_server.corrupt = None
+    again = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert again.exit_code == 0, again.stdout
+    checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-100", "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout
+
+
+def test_parts_carry_their_crc32_to_a_store_that_checks_and_a_damaged_part_is_refused(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A multipart upload to a store that checks checksums: each part with its CRC32, a
+    damaged part refused and the upload aborted, then sent whole and verified."""
+    import boto3
+    from safetensors.torch import save_file
+
+    from ckpt_cli.storage.object_upload import SINGLE_PUT_MAX
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    s3_server.checks_checksums = True
+    folder = tmp_path / "run" / "step-1"
+    folder.mkdir(parents=True)
+    save_file(
+        {"w": torch.arange(SINGLE_PUT_MAX // 4 + 10, dtype=torch.float32)}, folder / "m.safetensors"
+    )
+    os.utime(folder / "m.safetensors", (time.time() - 7200,) * 2)
+    s3_server.corrupt = lambda r: r.method == "PUT" and "partNumber=2&" in r.query + "&"
+    first = sync(str(tmp_path / "run"), f"s3://{BUCKET}/big/")
+    assert first.failed and not first.transferred
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    assert not client.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+    assert not list_keys(s3_server.endpoint, BUCKET, "big/")
+    s3_server.corrupt = None
+    s3_server.requests.clear()
+    again = sync(str(tmp_path / "run"), f"s3://{BUCKET}/big/")
+    assert again.transferred == ["step-1"], again.failed
+    parts = [r for r in s3_server.requests if "partNumber=" in r.query]
+    assert parts and all(set(r.checksums) == {"x-amz-checksum-crc32"} for r in parts)
+    checked = run_ckpt("verify", f"s3://{BUCKET}/big/step-1", "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout
+
+
+def test_latest_is_the_buckets_newest_complete_save_when_the_local_run_lacks_it(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`latest` in the report is the bucket's: a newer save synced from elsewhere, or one the
+    local run has lost since its sync, is still the one named."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    full = trainer_run(tmp_path / "a", steps=(100, 200, 300))
+    assert sync(str(full), f"s3://{BUCKET}/run/").latest == f"s3://{BUCKET}/run/checkpoint-300"
+    older = trainer_run(tmp_path / "b", steps=(100, 200))
+    report = sync(str(older), f"s3://{BUCKET}/run/")
+    assert report.latest == f"s3://{BUCKET}/run/checkpoint-300"
+    (full / "checkpoint-300" / "trainer_state.json").unlink()  # locally no longer complete
+    report = sync(str(full), f"s3://{BUCKET}/run/")
+    assert [c.action for c in report.checkpoints][:2] == ["present", "present"]
+    assert report.latest == f"s3://{BUCKET}/run/checkpoint-300"

@@ -2,10 +2,16 @@
 
 I/O strategy: S3 (and every S3-compatible store s3fs speaks to) is called directly through
 s3fs's own client (`call_s3`: its credentials, endpoint, retries and extra request arguments),
-so that the ETag S3 returns for each PUT, part and completed multipart upload is seen: that
-reply is the check of the upload (MD5 of the bytes received), with no listing or HEAD after
-it. Each body carries its `Content-MD5`, so a store that checks it refuses a corrupt body
-outright. A file under `SINGLE_PUT_MAX` bytes goes up in one PUT; a larger one as a multipart upload
+so that each upload is checked by the store's reply, with no listing or HEAD after it.
+
+Integrity: a store that checks the flexible checksums of requests (`x-amz-checksum-*`, as S3
+does) is found once per uploader (`checks_checksums`: a tiny PUT with a wrong CRC32 must be
+refused); to such a store each single PUT carries the SHA-256 the manifest records anyway
+(hashed in the read that feeds the upload, so no byte is hashed twice) and each part its CRC32
+(cheap), and the store refuses any body that does not match: no MD5 is computed. A store that
+does not refuse the wrong checksum (moto, some S3-compatible servers) gets `Content-MD5` with
+each body, and the ETag of its reply (MD5 of the bytes it received) is compared with the MD5 of
+the bytes sent. A file under `SINGLE_PUT_MAX` bytes goes up in one PUT; a larger one as a multipart upload
 of `UPLOAD_BLOCK` parts, its parts sent side by side in a shared pool while the file is still
 being read and hashed in order. Memory: the bytes read and not yet sent are bounded by
 `budget` (two `UPLOAD_BLOCK`s per job), whatever the file sizes.
@@ -21,6 +27,7 @@ import contextlib
 import functools
 import hashlib
 import threading
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +41,11 @@ from .output import UPLOAD_BLOCK
 #: against moto); larger ones as `UPLOAD_BLOCK` parts
 SINGLE_PUT_MAX = 4 * UPLOAD_BLOCK
 
+#: error codes with which a store refuses a body that does not match its `x-amz-checksum-*`
+#: (S3: BadDigest; MinIO: XAmzContentChecksumMismatch)
+CHECKSUM_REFUSALS = frozenset({"BadDigest", "XAmzContentChecksumMismatch"})
+_NO_RETRY = {"max_attempts": 1, "mode": "standard"}
+
 
 @dataclass
 class UploadedFile:
@@ -42,14 +54,18 @@ class UploadedFile:
     Attributes:
         size: bytes read from the file and sent.
         digest: the caller's hash (the manifest's algorithm) of those bytes.
-        expected_etag: the ETag S3 gives these bytes sent this way (`multipart_etag`).
+        expected_etag: the ETag S3 gives these bytes sent this way (`multipart_etag`); None
+            when the store checked the body against its checksum instead (no MD5 computed).
         etag: the ETag the store returned for the object (None if it sent none).
+        checked: the store accepted the body against the checksum sent with it (SHA-256 of
+            a single PUT, CRC32 of each part), and it refuses a body that does not match.
     """
 
     size: int
     digest: str
-    expected_etag: str
+    expected_etag: str | None
     etag: str | None
+    checked: bool = False
 
 
 def multipart_etag(parts: list[bytes]) -> str:
@@ -62,8 +78,24 @@ def _etag(reply: dict[str, Any]) -> str | None:
     return str(value).strip('"') if value else None
 
 
-def _md5_header(digest: bytes) -> str:
+def _b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
+
+
+def _crc32(data: bytes) -> str:
+    """The `x-amz-checksum-crc32` value of `data`."""
+    return _b64(zlib.crc32(data).to_bytes(4, "big"))
+
+
+def refusal_code(exc: BaseException) -> str | None:
+    """The S3 error code of a failed call (s3fs raises its own error, caused by botocore's)."""
+    from botocore.exceptions import ClientError
+
+    cause = exc if isinstance(exc, ClientError) else exc.__cause__
+    if isinstance(cause, ClientError):
+        code = cause.response.get("Error", {}).get("Code")
+        return str(code) if code else None
+    return None
 
 
 class ObjectUploader:
@@ -71,10 +103,18 @@ class ObjectUploader:
 
     `jobs` parts of multipart uploads are sent at once (their own pool, so a reader waiting
     for its parts never holds a thread a part needs). `take(n)` is called for every block
-    about to be sent (the caller's rate limit).
+    about to be sent (the caller's rate limit). `probe` names a key (in the destination) the
+    first upload may write once, with a wrong checksum, to learn whether the store checks
+    checksums (`checks_checksums`); without it every body is checked by MD5 and ETag.
     """
 
-    def __init__(self, fs: Any, jobs: int, take: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        fs: Any,
+        jobs: int,
+        take: Callable[[int], None] | None = None,
+        probe: str | None = None,
+    ):
         self.fs = fs
         self.direct = callable(getattr(fs, "call_s3", None)) and callable(
             getattr(fs, "split_path", None)
@@ -87,6 +127,48 @@ class ObjectUploader:
         self._room = threading.Condition()
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._probe = probe
+        self._checks: bool | None = None
+        self._probe_lock = threading.Lock()
+
+    def checks_checksums(self) -> bool:
+        """Whether the store refuses a body whose `x-amz-checksum-crc32` does not match it
+        (asked once: a tiny PUT to the `probe` key with a wrong CRC32; one the store keeps
+        is deleted again)."""
+        with self._probe_lock:
+            if self._checks is None:
+                self._checks = self._ask_store()
+            return self._checks
+
+    def _ask_store(self) -> bool:
+        if self._probe is None or not self.direct:
+            return False
+        bucket, key, _ = self.fs.split_path(self._probe)
+        body = b"ckpt: does this store check x-amz-checksum-crc32?"
+        # botocore retries a BadDigest four times, seconds apart: the question is asked once,
+        # through a client of the same settings (and session: its models are loaded) that
+        # does not retry
+        options = dict(self.fs.storage_options)
+        config = {**(options.get("config_kwargs") or {}), "retries": _NO_RETRY}
+        once = type(self.fs)(
+            **{
+                **options,
+                "config_kwargs": config,
+                "session": self.fs.session,
+                "skip_instance_cache": True,
+            }
+        )
+        try:
+            once.call_s3(
+                "put_object", Bucket=bucket, Key=key, Body=body, ChecksumCRC32=_crc32(body + b"!")
+            )
+        except Exception as exc:  # refused: by its checksum, or for another reason (MD5 then)
+            return refusal_code(exc) in CHECKSUM_REFUSALS
+        # stored although its checksum is wrong: this store checks nothing of the kind
+        with contextlib.suppress(Exception):
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=key)
+        self.fs.invalidate_cache(self._probe)
+        return False
 
     def _reserve(self, amount: int) -> int:
         amount = min(amount, self.budget)
@@ -116,42 +198,70 @@ class ObjectUploader:
                 self._pool = ThreadPoolExecutor(self.jobs, thread_name_prefix="ckpt-part")
             return self._pool
 
-    def upload(self, path: Path, target: str, size: int, new: Callable[[], Any]) -> UploadedFile:
-        """Send `path` (of `size` bytes) to `target`, hashing it with `new()` on the way.
+    def upload(
+        self,
+        path: Path,
+        target: str,
+        size: int,
+        new: Callable[[], Any],
+        *,
+        sha256: bool = False,
+    ) -> UploadedFile:
+        """Send `path` (of `size` bytes) to `target`, hashing it with `new()` on the way
+        (`sha256`: `new` is SHA-256, whose digest is then the checksum of a single PUT).
 
         Raises what the filesystem raises (the caller names the file); a multipart upload
         that fails is aborted, so no part of it lingers in the bucket.
         """
         assert self.direct
         bucket, key, _ = self.fs.split_path(target)
+        checks = self.checks_checksums()
         hasher = new()
         with open(path, "rb") as src:
             if size >= SINGLE_PUT_MAX:
-                return self._multipart(src, bucket, key, target, hasher)
+                return self._multipart(src, bucket, key, target, hasher, checks)
             held = self._reserve(size)
             try:
                 data = src.read(size)  # one that grew since is caught by its stamp
                 hasher.update(data)
-                md5 = hashlib.md5(data).digest()
+                sent: dict[str, str] = {}
+                if sha256:
+                    # the manifest's digest, already computed: also what botocore would
+                    # otherwise spend a CRC32 pass of its own on
+                    sent["ChecksumSHA256"] = _b64(bytes.fromhex(hasher.hexdigest()))
+                elif checks:
+                    sent["ChecksumCRC32"] = _crc32(data)
+                md5 = None if checks else hashlib.md5(data).digest()
+                if md5 is not None:
+                    sent["ContentMD5"] = _b64(md5)
                 self._pace(len(data))
-                reply = self.fs.call_s3(
-                    "put_object", Bucket=bucket, Key=key, Body=data, ContentMD5=_md5_header(md5)
-                )
+                reply = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **sent)
             finally:
                 self._release(held)
         self.fs.invalidate_cache(target)
-        return UploadedFile(len(data), hasher.hexdigest(), md5.hex(), _etag(reply))
+        _same_checksums(sent, reply, target)
+        return UploadedFile(
+            len(data),
+            hasher.hexdigest(),
+            None if md5 is None else md5.hex(),
+            _etag(reply),
+            checked=checks,
+        )
 
     def _pace(self, amount: int) -> None:
         """The rate limit, before the bytes go: a burst of jobs never outruns it."""
         if self._take is not None:
             self._take(amount)
 
-    def _multipart(self, src: Any, bucket: str, key: str, target: str, hasher: Any) -> UploadedFile:
-        mpu = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    def _multipart(
+        self, src: Any, bucket: str, key: str, target: str, hasher: Any, checks: bool
+    ) -> UploadedFile:
+        extra = {"ChecksumAlgorithm": "CRC32"} if checks else {}
+        mpu = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key, **extra)
         upload_id = mpu["UploadId"]
         futures: list[Future[dict[str, Any]]] = []
         parts: list[bytes] = []
+        crcs: list[str] = []
         size = 0
         try:
             while True:
@@ -162,15 +272,22 @@ class ObjectUploader:
                         self._release(held)
                         break
                     hasher.update(block)
-                    md5 = hashlib.md5(block).digest()
+                    check = (
+                        {"ChecksumCRC32": _crc32(block)}
+                        if checks
+                        else {"ContentMD5": _b64(hashlib.md5(block).digest())}
+                    )
                     future = self._parts_pool().submit(
-                        self._part, bucket, key, upload_id, len(parts) + 1, block, md5
+                        self._part, bucket, key, upload_id, len(futures) + 1, block, check
                     )
                 except BaseException:
                     self._release(held)
                     raise
                 future.add_done_callback(functools.partial(self._part_done, held))
-                parts.append(md5)
+                if checks:
+                    crcs.append(check["ChecksumCRC32"])
+                else:
+                    parts.append(base64.b64decode(check["ContentMD5"]))
                 size += len(block)
                 futures.append(future)
             replies = [f.result() for f in futures]
@@ -181,7 +298,10 @@ class ObjectUploader:
                 UploadId=upload_id,
                 MultipartUpload={
                     "Parts": [
-                        {"PartNumber": n, "ETag": r["ETag"]} for n, r in enumerate(replies, 1)
+                        {"PartNumber": n, "ETag": r["ETag"], **({"ChecksumCRC32": c} if c else {})}
+                        for n, (r, c) in enumerate(
+                            zip(replies, crcs or [""] * len(replies), strict=True), 1
+                        )
                     ]
                 },
             )
@@ -198,10 +318,22 @@ class ObjectUploader:
                 )
             raise
         self.fs.invalidate_cache(target)
-        return UploadedFile(size, hasher.hexdigest(), multipart_etag(parts), _etag(done))
+        return UploadedFile(
+            size,
+            hasher.hexdigest(),
+            None if checks else multipart_etag(parts),
+            _etag(done),
+            checked=checks,
+        )
 
     def _part(
-        self, bucket: str, key: str, upload_id: str, number: int, block: bytes, md5: bytes
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        number: int,
+        block: bytes,
+        check: dict[str, str],
     ) -> dict[str, Any]:
         self._pace(len(block))
         reply: dict[str, Any] = self.fs.call_s3(
@@ -211,6 +343,15 @@ class ObjectUploader:
             UploadId=upload_id,
             PartNumber=number,
             Body=block,
-            ContentMD5=_md5_header(md5),
+            **check,
         )
+        _same_checksums(check, reply, f"{key} part {number}")
         return reply
+
+
+def _same_checksums(sent: dict[str, str], reply: dict[str, Any], target: str) -> None:
+    """A checksum the store echoes in its reply is the one sent (one it omits proves nothing
+    either way: the ETag or the store's own refusal is the check)."""
+    for name, value in sent.items():
+        if name.startswith("Checksum") and reply.get(name) not in (None, value):
+            raise OSError(f"{target}: the store recorded {name} {reply.get(name)}, not {value}")

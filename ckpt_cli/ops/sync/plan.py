@@ -19,6 +19,9 @@ from ..verify.checksums import MANIFEST_NAME, ChecksumManifest
 _LATE = ("trainer_state.json",)
 #: small run-folder files carried along so the remote run keeps its pointers and metrics
 ROOT_FILES = ("latest", "metrics.jsonl")
+#: the key (in the destination prefix) a sync writes once, with a wrong checksum, to learn
+#: whether the store checks checksums; kept only by a store that does not (and then deleted)
+CHECKSUM_PROBE = ".ckpt-checksum-probe"
 
 
 def local_files(run_root: Path, c: RunCheckpoint) -> dict[str, Path]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ... import __version__
 from ...errors import CkptError, FormatError, NotFoundError, UsageError
-from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, scan_run
+from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, RunReport, scan_run
 from ...storage import remote_failure
 from ...storage.hashing import hasher_factory
 from ...storage.object_upload import ObjectUploader, multipart_etag
@@ -25,6 +25,7 @@ from ..prune.run import prune
 from ..verify.checksums import ChecksumManifest, FileDigest
 from .model import SYNC_ALGORITHM, RateLimit, SyncedCheckpoint, SyncReport, now_iso
 from .plan import (
+    CHECKSUM_PROBE,
     ROOT_FILES,
     local_files,
     manifest_rel_path,
@@ -55,6 +56,7 @@ class _Plan:
     local_manifest: Path
     own_manifest: ChecksumManifest | None
     new: Callable[[], Any]
+    algorithm: str
     result: SyncedCheckpoint
     digests: dict[str, FileDigest] = field(default_factory=dict)
 
@@ -73,7 +75,8 @@ class _Uploader:
     The data files of every checkpoint of a round go through one pool of `jobs` workers,
     checkpoint after checkpoint, so the next save's data is on its way while this one's
     markers and manifest follow its data one by one (`finish`). Against S3 each upload is
-    checked by the ETag in the store's reply (`ObjectUploader`): one listing a round, no
+    checked by the store's reply (`ObjectUploader`: the store's own check of the SHA-256 /
+    CRC32 sent with the body where it makes one, else the ETag): one listing a round, no
     request after an upload; other filesystems stream through `fs.open` and are checked
     with one listing of the checkpoint's prefix before its markers.
     """
@@ -104,7 +107,9 @@ class _Uploader:
         self.limit = limit
         self.on_file = on_file
         self.jobs = max(1, jobs)
-        self.objects = ObjectUploader(self.fs, self.jobs, limit.take)
+        self.objects = ObjectUploader(
+            self.fs, self.jobs, limit.take, probe=f"{self.root}/{CHECKSUM_PROBE}"
+        )
         self._lock = threading.Lock()
         self._listing: dict[str, dict[str, Any]] | None = None
         #: uploads (through `fs.open`) not yet checked against the store, by file
@@ -182,6 +187,7 @@ class _Uploader:
             local_manifest=local_manifest,
             own_manifest=own_manifest,
             new=hasher_factory(algo),
+            algorithm=algo,
             result=result,
         )
 
@@ -192,7 +198,7 @@ class _Uploader:
     def send(self, plan: _Plan, rel: str) -> None:
         """Upload one file of a checkpoint (or find it there), checked against its manifest."""
         size = plan.sizes[rel]
-        digest, sent = self._upload_file(plan.files[rel], rel, size, plan.new)
+        digest, sent = self._upload_file(plan.files[rel], rel, size, plan)
         inside = plan.inside(rel)
         if plan.own_manifest is not None:
             expected = plan.own_manifest.files.get(inside)
@@ -263,10 +269,9 @@ class _Uploader:
         self.store.write_file(rel, [data])
         self.limit.take(len(data))
 
-    def _upload_file(
-        self, path: Path, rel: str, size: int, new: Callable[[], Any]
-    ) -> tuple[str, bool]:
+    def _upload_file(self, path: Path, rel: str, size: int, plan: _Plan) -> tuple[str, bool]:
         """(manifest digest, whether it was sent): skipped when the object already holds it."""
+        new = plan.new
         target = f"{self.root}/{rel}"
         existing = self.listing().get(rel)
         if existing is not None and int(existing.get("size") or 0) == size:
@@ -275,7 +280,7 @@ class _Uploader:
             if etag == local_etag:
                 return digest, False
         if self.objects.direct:
-            return self._upload_direct(path, target, rel, size, new), True
+            return self._upload_direct(path, target, rel, size, plan), True
         hasher = new()
         parts: list[bytes] = []
 
@@ -294,12 +299,12 @@ class _Uploader:
             self._pending[rel] = (target, size, s3_etag(parts, size), hasher.hexdigest(), new)
         return hasher.hexdigest(), True
 
-    def _upload_direct(
-        self, path: Path, target: str, rel: str, size: int, new: Callable[[], Any]
-    ) -> str:
-        """One S3 upload, checked by the ETag of the store's reply (no request after it)."""
+    def _upload_direct(self, path: Path, target: str, rel: str, size: int, plan: _Plan) -> str:
+        """One S3 upload, checked by the store's reply (no request after it): the store
+        checked the body against the checksum sent with it, or its ETag is the bytes sent."""
+        new = plan.new
         try:
-            up = self.objects.upload(path, target, size, new)
+            up = self.objects.upload(path, target, size, new, sha256=plan.algorithm == "sha256")
         except CkptError:
             raise
         except Exception as exc:
@@ -310,8 +315,10 @@ class _Uploader:
                 path=str(path),
                 fix="Run the sync again once the save is finished.",
             )
+        if up.checked:
+            return up.digest
         reply = {"size": size, "ETag": up.etag}
-        self._check_upload(target, rel, size, up.expected_etag, up.digest, new, reply)
+        self._check_upload(target, rel, size, up.expected_etag or "", up.digest, new, reply)
         return up.digest
 
     def _check_pending(self, plan: _Plan) -> None:
@@ -440,6 +447,10 @@ def sync_up(
         # a fresh upload is complete the moment its manifest is there
         policy = prune_policy.model_copy(update={"settle": 0.0})
         report.pruned = prune(dest.rstrip("/"), policy, yes=True, strict_metric=False)
+    known = None if prune_policy is not None else _latest_held(uploader, run, report)
+    if known is not None:
+        report.latest = f"{dest.rstrip('/')}/{known}"
+        return report
     try:
         remote = scan_run(dest.rstrip("/"), settle=0.0, until_latest=True)
     except NotFoundError:
@@ -447,6 +458,40 @@ def sync_up(
         return report
     report.latest = remote.latest
     return report
+
+
+def _latest_held(uploader: _Uploader, run: RunReport, report: SyncReport) -> str | None:
+    """The remote run's newest complete checkpoint (its path under DEST), known without
+    reading the bucket, or None when only judging the bucket can tell.
+
+    Known when the local run's newest complete checkpoint is held by the bucket as this
+    round left it (uploaded and checked, or found there), and the bucket holds nothing the
+    local run does not, nothing of a later checkpoint, and every checkpoint has its own step
+    (so both sides order them alike): the bucket's judge would read the same bytes of the
+    same checkpoints and stop at the same one.
+    """
+    newest = run.newest_complete
+    held = {c.name for c in report.checkpoints if c.action in ("uploaded", "present")}
+    if newest is None or newest.name not in held or len(newest.paths) != 1:
+        return None
+    steps = [c.step for c in run.checkpoints]
+    if None in steps or len(set(steps)) != len(steps) or any(c.symlink for c in run.checkpoints):
+        return None
+    root = Path(run.run_dir)
+    rel = newest.path.removeprefix(f"{run.run_dir.rstrip('/')}/")
+    if rel == newest.path:
+        return None
+    later: set[str] = set()
+    known = {*ROOT_FILES, CHECKSUM_PROBE}
+    for c in run.checkpoints:
+        names = {*local_files(root, c), manifest_rel_path(c, Path(c.path).is_dir())}
+        known |= names
+        if c.order > newest.order:
+            later |= names
+    listed = set(uploader.listing())
+    if not listed <= known or listed & later:
+        return None
+    return rel
 
 
 def _upload_round(
