@@ -168,6 +168,19 @@ class Entry(_LeanRecord):
         """True when the tensor is stored as one contiguous raw byte range (`file`, `offset`)."""
         return self.kind == "tensor" and self.offset is not None and self.file is not None
 
+    def saved_keys(self) -> tuple[tuple[str, str | int], ...]:
+        """The keys from the saved object's root to this leaf, each with the kind of container
+        holding it (`dict`, `list`...), for formats that keep them (torch.save); `()` when only
+        the dotted `name` is known (its first part is then the top-level key)."""
+        return ()
+
+    def top_key(self) -> str:
+        """The saved object's top-level key this entry sits under (`model`, `optimizer`...): the
+        real key when the format keeps key paths (a key may hold dots), else the name's first
+        dotted part."""
+        keys = self.saved_keys()
+        return str(keys[0][1]) if keys else self.name.split(".", 1)[0]
+
     @classmethod
     def trusted(
         cls,
@@ -200,6 +213,45 @@ class Entry(_LeanRecord):
                 "chunks": None,
                 "py_type": None,
                 "value": None,
+            },
+        )
+        _set_fields(entry, _ALL_ENTRY_FIELDS)
+        _set_extra(entry, None)
+        _set_private(entry, None)
+        return entry
+
+    @classmethod
+    def checked(
+        cls,
+        *,
+        name: str,
+        kind: Literal["tensor", "object"],
+        dtype: str | None,
+        shape: list[int],
+        nbytes: int,
+        file: str | None,
+        offset: int | None,
+        chunks: list[Chunk] | None,
+        py_type: str | None,
+        value: Any,
+    ) -> Entry:
+        """Any entry, every field given, from values a format parser has already checked,
+        unvalidated, at `trusted`'s cost (a DCP training checkpoint's `.metadata` holds one per
+        model and optimizer tensor; `model_construct` costs ~20 µs each)."""
+        entry = _new(cls)
+        _set_dict(
+            entry,
+            {
+                "name": name,
+                "kind": kind,
+                "dtype": dtype,
+                "shape": shape,
+                "nbytes": nbytes,
+                "file": file,
+                "offset": offset,
+                "chunks": chunks,
+                "py_type": py_type,
+                "value": value,
             },
         )
         _set_fields(entry, _ALL_ENTRY_FIELDS)

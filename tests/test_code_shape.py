@@ -100,6 +100,64 @@ def test_no_module_imports_another_modules_private_names() -> None:
     assert not found, "make these names public at their definition:\n" + "\n".join(found)
 
 
+def attribute_probes(source: str, path: Path, names: set[str]) -> list[str]:
+    """Places in `source` that probe an object for one of `names` by string:
+    `getattr(x, "name", ...)` or `hasattr(x, "name")`."""
+    place = path.relative_to(PACKAGE.parent)
+    return [
+        f"{place}:{node.lineno}: {node.func.id}(…, {node.args[1].value!r})"
+        for node in ast.walk(ast.parse(source, str(path)))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "hasattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and node.args[1].value in names
+    ]
+
+
+def entry_subclass_fields() -> set[str]:
+    """The fields the package's `Entry` subclasses add (`TorchEntry.key_path`), read from the
+    class bodies: annotated names of every class deriving from `Entry`, at any depth."""
+    bodies: dict[str, tuple[list[str], list[ast.stmt]]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else ast.unparse(b) for b in node.bases]
+                bodies[node.name] = (bases, node.body)
+
+    def derives(name: str) -> bool:
+        bases = bodies.get(name, ([], []))[0]
+        return "Entry" in bases or any(derives(b) for b in bases if b in bodies)
+
+    return {
+        statement.target.id
+        for name, (_, body) in bodies.items()
+        if name != "Entry" and derives(name)
+        for statement in body
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+    }
+
+
+def test_what_only_some_entries_hold_is_read_through_entry_not_probed() -> None:
+    # `getattr(entry, "key_path", None)` on a plain Entry goes through pydantic's __getattr__ and
+    # an AttributeError each time (~10 µs; a training checkpoint's layouts asked it 5 times per
+    # entry): Entry declares what a subclass may know (`saved_keys`, `top_key`) instead
+    fields = entry_subclass_fields()
+    assert "key_path" in fields
+    found = [
+        use
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for use in attribute_probes(path.read_text(), path, fields)
+    ]
+    assert not found, "declare it on models.Entry and override it instead:\n" + "\n".join(found)
+    probe = 'def f(e):\n    return getattr(e, "key_path", None) or hasattr(e, "key_path")\n'
+    assert attribute_probes(probe, PACKAGE / "probe.py", {"key_path"}) == [
+        "ckpt_cli/probe.py:2: getattr(…, 'key_path')",
+        "ckpt_cli/probe.py:2: hasattr(…, 'key_path')",
+    ]
+
+
 def hub_url_parsing(source: str, path: Path) -> list[str]:
     """Places in `source` that take an `hf://` URL apart (or build one) by hand: a literal
     `"hf://"` or `"hf:"` in code. Text for people is not parsed: docstrings, f-strings, and a

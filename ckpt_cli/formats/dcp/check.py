@@ -265,7 +265,7 @@ class _Items:
             return
         rel, offset, length = self.resolve(info, fqn)
         self.layout.entries.append(
-            Entry.model_construct(
+            Entry.checked(
                 name=fqn,
                 kind="object",
                 dtype=None,
@@ -341,7 +341,7 @@ def _add_tensors(
         nbytes = dtypes.numel(shape) * dtypes.itemsize(dtype)
         whole = len(built) == 1 and built[0].raw and built[0].sizes == shape
         layout.entries.append(
-            Entry.model_construct(
+            Entry.checked(
                 name=fqn,
                 kind="tensor",
                 dtype=dtype,

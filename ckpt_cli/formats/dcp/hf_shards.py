@@ -75,7 +75,7 @@ def analyse_hf_shards(source: Source, listing: dict[str, int]) -> Layout:
             continue
         shape = [max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(rank)]
         layout.entries.append(
-            Entry.model_construct(
+            Entry.checked(
                 name=fqn,
                 kind="tensor",
                 dtype=dtype,

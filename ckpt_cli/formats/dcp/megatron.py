@@ -83,7 +83,7 @@ def read_megatron_common(storage: Storage, listing: dict[str, int], layout: Layo
             layout.problems[-1] = layout.problems[-1].model_copy(update={"severity": "warning"})
             continue
         layout.entries.append(
-            Entry.model_construct(
+            Entry.checked(
                 name=key,
                 kind="object",
                 dtype=None,

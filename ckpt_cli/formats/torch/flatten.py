@@ -43,6 +43,10 @@ class TorchEntry(Entry):
 
     key_path: tuple[KeyStep, ...] = ()
 
+    def saved_keys(self) -> tuple[KeyStep, ...]:
+        """The real key path (see `Entry.saved_keys`)."""
+        return self.key_path
+
 
 def dotted(key_path: tuple[KeyStep, ...] | list[KeyStep]) -> str:
     """The flattened name of a key path (`optimizer.state.0.exp_avg`)."""

@@ -71,7 +71,7 @@ def rebuild(items: list[tuple[Entry, Any]]) -> Any:
         return items[0][1]  # torch.save(tensor): the root itself
     paths: list[tuple[KeyStep, ...]] = []
     for entry, _ in items:
-        path: tuple[KeyStep, ...] = getattr(entry, "key_path", ())
+        path: tuple[KeyStep, ...] = entry.saved_keys()
         joined = dotted(path)
         if not path or (entry.name != joined and not entry.name.startswith(joined + "~")):
             path = (("dict", entry.name),)

@@ -181,7 +181,7 @@ class CompositeCheckpoint(Checkpoint):
             for entry in checkpoint.manifest.entries:
                 short = entry.name[len(wrapper) :] if wrapper else entry.name
                 name = f"{comp}.{short}" if short else comp
-                inner = (None if wrapper else getattr(entry, "key_path", None)) or (
+                inner = (() if wrapper else entry.saved_keys()) or (
                     (("dict", short),) if short else ()
                 )
                 fields = {k: getattr(entry, k) for k in Entry.model_fields}

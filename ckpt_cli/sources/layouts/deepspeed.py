@@ -252,7 +252,7 @@ def zero3_placeholders(
 
 def _key_path(entry: Entry) -> tuple[object, ...]:
     """The keys of an entry of the composite, its component first (`model_states`, ...)."""
-    path = getattr(entry, "key_path", None)
+    path = entry.saved_keys()
     if path:
         return tuple(key for _, key in path)
     return tuple(entry.name.split("."))

@@ -46,9 +46,4 @@ def titan_model_keys(manifest: Manifest) -> list[str]:
 def model_entries(entries: Iterable[Entry], keys: list[str]) -> list[Entry]:
     """The entries under the top-level `keys`."""
     wanted = set(keys)
-
-    def top(entry: Entry) -> str:
-        path = getattr(entry, "key_path", None)
-        return str(path[0][1]) if path else entry.name.split(".", 1)[0]
-
-    return [e for e in entries if top(e) in wanted]
+    return [e for e in entries if e.top_key() in wanted]

@@ -441,8 +441,7 @@ def top_keys(manifest: Manifest) -> dict[str, str]:
     """Top-level key -> the prefix of its entries (the real key, not the first dotted part)."""
     out: dict[str, str] = {}
     for e in manifest.entries:
-        path = getattr(e, "key_path", None)
-        key = str(path[0][1]) if path else e.name.split(".", 1)[0]
+        key = e.top_key()
         if key not in out:
             out[key] = f"{key}." if e.name != key else key
     return out

@@ -65,7 +65,7 @@ class _Param:
 
 
 def _path(entry: Entry) -> tuple[Any, ...]:
-    return tuple(key for _, key in getattr(entry, "key_path", ()) or ())
+    return tuple(key for _, key in entry.saved_keys())
 
 
 def _under(checkpoint: Checkpoint, *keys: Any) -> list[tuple[tuple[Any, ...], Entry]]:
