@@ -17,6 +17,7 @@ a user runs them, interpreter start and imports included, in interleaved rounds 
 Requests are counted at each server. Run by hand from the repository root:
 
     PYTHONPATH=$PWD python bench/remote_latency.py [--shards 163] [--rtt 0.05] [--rounds 3]
+        [--before /path/to/other/checkout]
 
 Prints Markdown tables for docs/performance.md.
 """
@@ -224,6 +225,12 @@ def main() -> None:
     parser.add_argument(
         "--ckpt-root", type=Path, default=REPO, help="run ckpt from this checkout (before/after)"
     )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="also run ckpt inspect/verify from this other checkout, in the same rounds",
+    )
     opts = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-latency-"))
@@ -275,6 +282,28 @@ def main() -> None:
 
 
 Case = tuple[str, Callable[[int], list[str]], Callable[[str], None] | None, Callable[[int], None]]
+
+
+def ckpt_from(root: Path, *args: str) -> list[str]:
+    """`python -m ckpt_cli ARGS` run from another checkout (`--before`): `-m` puts the working
+    folder first on the path, so the command changes into it."""
+    where = str(root.resolve())
+    script = 'cd "$0" && PYTHONPATH="$0" exec "$@"'
+    return ["sh", "-c", script, where, PY, "-m", "ckpt_cli", *args]
+
+
+def before_cases(opts: Any, url: str, inspect_count: Any, verify_ok: Any) -> list[Case]:
+    """`ckpt inspect` and `ckpt verify` of `url` from the `--before` checkout (none without)."""
+    if opts.before is None:
+        return []
+    nothing: Callable[[int], None] = lambda r: None  # noqa: E731
+    return [
+        ("inspect", lambda r: ckpt_from(opts.before, "inspect", url, "--json"), inspect_count, nothing),
+        ("verify", lambda r: ckpt_from(opts.before, "verify", url, "--json"), verify_ok, nothing),
+    ]  # fmt: skip
+
+
+BEFORE_TOOLS = ["`ckpt inspect` (--before)", "`ckpt verify` (--before)"]
 
 
 def run_cases(
@@ -336,6 +365,7 @@ def bench_hub(opts: Any, work: Path, src: Path, lengths: dict[str, int], ckpt: l
         ("inspect", lambda r: [*ckpt, "inspect", url, "--json"], inspect_count, nothing),
         ("inspect", lambda r: [PY, "-c", HUB_HF, "bench/ds"], tensors_count, nothing),
         ("verify", lambda r: [*ckpt, "verify", url, "--json"], verify_ok, nothing),
+        *before_cases(opts, url, inspect_count, verify_ok),
         ("inspect", lambda r: [*ckpt, "inspect", str(src), "--json"], inspect_count, nothing),
         ("verify", lambda r: [*ckpt, "verify", str(src), "--json"], verify_ok, nothing),
         ("download", lambda r: [PY, "-c", HUB_FASTEST_DOWNLOAD, proxy.url, "bench/ds", FILTER, dest("fast")(r)], selected_count, drop("fast")),
@@ -345,7 +375,8 @@ def bench_hub(opts: Any, work: Path, src: Path, lengths: dict[str, int], ckpt: l
     ]  # fmt: skip
     tools = [
         "fastest (list + all headers at once)", "`ckpt inspect`", "`get_safetensors_metadata`",
-        "`ckpt verify`", "`ckpt inspect` of a local copy (no network)",
+        "`ckpt verify`", *(BEFORE_TOOLS if opts.before else []),
+        "`ckpt inspect` of a local copy (no network)",
         "`ckpt verify` of a local copy (no network)", "fastest (list + index + shards at once)", "`ckpt download` (shards)",
         "`ckpt download --mode tensors`", "`snapshot_download` of the index's shards",
     ]  # fmt: skip
@@ -391,11 +422,13 @@ def bench_s3(opts: Any, work: Path, src: Path, lengths: dict[str, int], ckpt: li
         ("inspect#1", lambda r: [*ckpt, "inspect", url, "--json"], inspect_count, nothing),
         ("inspect#2", lambda r: [PY, "-c", S3_S3FS, "bench/ds"], tensors_count, nothing),
         ("inspect#3", lambda r: [*ckpt, "verify", url, "--json"], verify_ok, nothing),
+        *[(f"inspect#b{i}", *case[1:]) for i, case in enumerate(before_cases(opts, url, inspect_count, verify_ok))],
         ("inspect#4", lambda r: [*ckpt, "inspect", str(src), "--json"], inspect_count, nothing),
         ("inspect#5", lambda r: [*ckpt, "verify", str(src), "--json"], verify_ok, nothing),
     ]  # fmt: skip
     tools = ["fastest (boto3: list + all headers at once)", "`ckpt inspect`",
              "s3fs: a header read after another", "`ckpt verify`",
+             *(BEFORE_TOOLS if opts.before else []),
              "`ckpt inspect` of a local copy (no network)",
              "`ckpt verify` of a local copy (no network)"]  # fmt: skip
     try:

@@ -18,7 +18,8 @@ Errors carry the `X-Error-Code` headers the real Hub sends (`RepoNotFound`, `Rev
 
 Every request is logged (`TestHub.log`), the body bytes sent are counted per file
 (`TestHub.bytes_sent`), the most requests answered at once is kept (`TestHub.max_in_flight`),
-each request can be made to wait (`TestHub.latency`), and faults can be injected: `drop_after` (close the connection after N
+each request can be made to wait (`TestHub.latency`), one file's bytes held back until a test lets them
+go (`hold`), and faults can be injected: `drop_after` (close the connection after N
 body bytes of a file, once), `fail` (answer a status for a path, N times).
 """
 
@@ -141,6 +142,8 @@ class TestHub:
         self._drops: dict[tuple[str, str], int] = {}
         self._fails: list[list[object]] = []
         self._corrupt: dict[tuple[str, str], list[object]] = {}
+        self._holds: dict[tuple[str, str], threading.Event] = {}
+        self._hold_most = 30.0
         self._lock = threading.Lock()
         hub = self
 
@@ -247,6 +250,16 @@ class TestHub:
         """
         self._corrupt[(repo_id, path)] = [how, times]
 
+    def hold(self, repo_id: str, path: str, most: float = 30.0) -> threading.Event:
+        """Hold back every GET of `path`'s bytes until the returned event is set (a slow
+        request: what a client does meanwhile shows whether it waits on that one), or for
+        `most` seconds, so that a client that does wait is answered in the end."""
+        gate = threading.Event()
+        with self._lock:
+            self._holds[(repo_id, path)] = gate
+        self._hold_most = most
+        return gate
+
     # -- observations --------------------------------------------------------------------------
 
     @property
@@ -329,6 +342,12 @@ class TestHub:
                 return None
             fault[1] = int(fault[1]) - 1  # type: ignore[call-overload]
             return str(fault[0])
+
+    def _wait_if_held(self, repo_id: str, path: str) -> None:
+        with self._lock:
+            gate = self._holds.get((repo_id, path))
+        if gate is not None:
+            gate.wait(self._hold_most)
 
     def _count(self, repo_id: str, path: str, n: int) -> None:
         with self._lock:
@@ -648,6 +667,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif how == "part200":
             status = 200
         start, end = header_range
+        if not head:
+            self.server_hub._wait_if_held(repo.repo_id, rel)
         self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(len(body)))

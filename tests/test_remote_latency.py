@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import struct
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +64,21 @@ def _same_as_local(remote: dict[str, Any], local: dict[str, Any]) -> None:
             assert remote.get(key) == local[key], key
 
 
+def _until(done: Callable[[], bool]) -> None:
+    """Wait for what another thread (or process) does; fail if it never happens."""
+    deadline = time.monotonic() + 60
+    while not done():
+        assert time.monotonic() < deadline, "it never happened"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["in-process", "process"])
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_hub_reads_every_header_at_once_in_one_request_each(
-    hub: TestHub, tmp_path: Path, command: str
+    hub: TestHub, tmp_path: Path, command: str, process: bool
 ) -> None:
+    """In a process of its own the CLI opens the SRC ahead, while it imports (`cli.ahead`):
+    the same requests, none twice."""
     lengths = _deepseek_like(tmp_path / "src")
     hub.add_repo("org/deepseek", tmp_path / "src")
     local = run_ckpt(command, tmp_path / "src", "--json")
@@ -73,7 +86,8 @@ def test_hub_reads_every_header_at_once_in_one_request_each(
     hub.latency = 0.05  # requests made at once overlap at the server
     hub.reset_counters()
 
-    result = run_ckpt(command, "hf://org/deepseek", "--json")
+    run = run_ckpt_process if process else run_ckpt
+    result = run(command, "hf://org/deepseek", "--json")
 
     assert result.exit_code == 0, result.stderr
     if command == "inspect":
@@ -97,6 +111,136 @@ def test_hub_reads_every_header_at_once_in_one_request_each(
     assert files == {f"org/deepseek:{n}" for n in [*lengths, "model.safetensors.index.json"]}
     api = [r.path for r in hub.log if "/api/models/org/deepseek" in r.path]
     assert len(api) == 1 and "blobs=" in api[0], api
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_hub_headers_are_parsed_as_they_arrive_not_behind_a_slow_one(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """The first shard's header is slow to come: the server holds it back until every other
+    shard's header was handed to the parser. They are parsed meanwhile, not after it (a
+    reader in shard order would wait on it first; the server then lets it go after 30 s and
+    the others are read late), and the report is the one of the same checkpoint on disk."""
+    from ckpt_cli.storage.hub import HubStorage
+
+    lengths = _deepseek_like(tmp_path / "src")
+    hub.add_repo("org/deepseek", tmp_path / "src")
+    local = run_ckpt(command, tmp_path / "src", "--json")
+    slow, *rest = sorted(lengths)
+    others = set(rest)
+    gate = hub.hold("org/deepseek", slow)
+    handed: list[str] = []  # the headers' first reads, in the order the parser made them
+    read = HubStorage.read
+
+    def reading(self: HubStorage, rel: str, offset: int, length: int) -> bytes:
+        data = read(self, rel, offset, length)
+        if offset == 0 and rel in lengths:
+            handed.append(rel)
+            if others <= set(handed):
+                gate.set()
+        return data
+
+    monkeypatch.setattr(HubStorage, "read", reading)
+
+    result = run_ckpt(command, "hf://org/deepseek", "--json")
+
+    gate.set()
+    assert result.exit_code == 0, result.stderr
+    assert set(handed[: len(others)]) == others and handed[-1] == slow, handed
+    if command == "inspect":
+        _same_as_local(result.json["result"], local.json["result"])
+    else:
+        assert result.json["ok"] is True and result.json["result"]["problems"] == []
+
+
+def test_verify_reports_flawed_headers_in_shard_order_whatever_order_they_arrive(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """Two shards with a corrupt header, the first one held back so that it arrives last:
+    `verify` lists both in shard order and `inspect` refuses with the first shard's flaw,
+    as on disk."""
+    lengths = _deepseek_like(tmp_path / "src")
+    first, second = sorted(lengths)[0], sorted(lengths)[5]
+    for name in (first, second):
+        with open(tmp_path / "src" / name, "r+b") as fh:
+            fh.seek(8)
+            fh.write(b"[")  # the JSON header no longer parses
+    hub.add_repo("org/broken", tmp_path / "src")
+    on_disk = {cmd: run_ckpt(cmd, tmp_path / "src", "--json") for cmd in ("verify", "inspect")}
+    gate = hub.hold("org/broken", first)
+
+    remote = {cmd: run_ckpt(cmd, "hf://org/broken", "--json") for cmd in ("verify", "inspect")}
+
+    gate.set()
+    problems = [
+        (p["code"], p["file"].rsplit("/", 1)[1])
+        for p in remote["verify"].json["result"]["problems"]
+    ]
+    assert problems[:2] == [("bad_header", first), ("bad_header", second)], problems
+    assert [p["code"] for p in on_disk["verify"].json["result"]["problems"]] == [
+        c for c, _ in problems
+    ]
+    assert remote["inspect"].exit_code == on_disk["inspect"].exit_code == 4
+    assert first in json.dumps(remote["inspect"].json["error"])
+    assert second not in json.dumps(remote["inspect"].json["error"])
+
+
+def test_hub_src_opened_ahead_is_read_once_by_the_command(hub: TestHub, tmp_path: Path) -> None:
+    """What the CLI's entry point starts before its imports (`cli.ahead.start`): the
+    repository's info, the index and every header are requested with no command running
+    yet; the command then takes them over, and nothing is requested twice."""
+    from ckpt_cli.cli import ahead
+
+    lengths = _deepseek_like(tmp_path / "src")
+    hub.add_repo("org/deepseek", tmp_path / "src")
+    local = run_ckpt("inspect", tmp_path / "src", "--json")
+    hub.reset_counters()
+
+    def header_reads() -> list[Any]:
+        return [r for r in hub.file_requests("org/deepseek") if r.status == 206]
+
+    try:
+        assert ahead.start(["inspect", "hf://org/deepseek", "--json"])
+        _until(lambda: len(header_reads()) == 1 + SHARDS)  # the index, every header
+        result = run_ckpt("inspect", "hf://org/deepseek", "--json")
+    finally:
+        ahead.discard()
+
+    assert result.exit_code == 0, result.stderr
+    _same_as_local(result.json["result"], local.json["result"])
+    assert sorted(r.file for r in header_reads()) == sorted(
+        f"org/deepseek:{n}" for n in [*lengths, "model.safetensors.index.json"]
+    )
+    assert len([r for r in hub.log if "/api/models/org/deepseek" in r.path]) == 1
+
+
+def test_hub_src_that_fails_ahead_fails_the_command_as_usual(hub: TestHub) -> None:
+    """A repository that does not exist, opened ahead: the command reports it (exit 3) as
+    if it had asked itself, and the Hub was asked once."""
+    from ckpt_cli.cli import ahead
+
+    try:
+        assert ahead.start(["verify", "hf://org/absent"])
+        result = run_ckpt("verify", "hf://org/absent", "--json")
+    finally:
+        ahead.discard()
+
+    assert result.exit_code == 3, result.stdout
+    assert result.json["error"]["code"] == "not_found"
+    assert len([r for r in hub.log if "/api/models/org/absent" in r.path]) == 1
+
+
+def test_only_a_remote_src_of_a_metadata_command_is_opened_ahead(tmp_path: Path) -> None:
+    from ckpt_cli.cli import ahead
+
+    for args in (
+        ["inspect", str(tmp_path)],  # local: no round trip to overlap
+        ["convert", "hf://org/model", str(tmp_path / "out"), "--to", "dcp"],
+        ["inspect", "hf://org/model", "--help"],
+        ["inspect", "--json", "hf://org/model"],  # not the plain form: left to typer
+        ["inspect"],
+    ):
+        assert not ahead.start(args), args
 
 
 def test_hub_without_an_index_reads_each_header_whole_in_at_most_two_requests(

@@ -193,6 +193,12 @@ class Storage(ABC):
         whole, within a memory budget (`storage.heads`), so that the `read`s that follow cost
         no round trip; a local one does nothing (a `pread` costs less than a thread)."""
 
+    def arrival_order(self, rels: Iterable[str]) -> Iterator[str]:
+        """`rels` (each once) in the order to read their heads: as given, or, where
+        `prefetch_heads` fetches them, the fetched ones as they arrive, so a reader parses
+        each header while the rest are still on their way."""
+        return iter(dict.fromkeys(rels))
+
     @property
     def local_root(self) -> Path | None:
         """The checkpoint folder on this machine, or None when the storage is not a local folder."""

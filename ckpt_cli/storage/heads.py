@@ -11,7 +11,8 @@ length says the header goes on, the rest of the header, in the same worker (neve
 sequential pass). A larger header than the first read seen once raises the first read of
 the files not yet started (shards of one model have headers of about one size), so most files
 cost one request. `take` hands a file's head over once (waiting for it if it is in flight) and
-forgets it.
+forgets it; `arrival_order` says in which order to take them, so that a reader parses each
+head as it lands instead of waiting, in its own order, behind one slow request.
 
 Memory: the heads held (fetched, not yet taken) stay within `budget` bytes, and no head is
 longer than `limit`: a file whose header would overrun either is left to the reader's own
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -111,6 +112,22 @@ class HeadCache:
             with self._lock:
                 self._pending.pop(rel, None)
         return head
+
+    def arrival_order(self, rels: Iterable[str]) -> Iterator[str]:
+        """`rels`, each once: those not being fetched first (in the order given: their reader
+        reads them itself, while the fetches go on), then the others as their fetch ends."""
+        from concurrent.futures import as_completed
+
+        waiting: dict[Future[bytes | None], str] = {}
+        for rel in dict.fromkeys(rels):
+            with self._lock:
+                future = self._pending.get(rel)
+            if future is None:
+                yield rel
+            else:
+                waiting[future] = rel
+        for future in as_completed(waiting):
+            yield waiting[future]
 
     def take(self, rel: str) -> bytes | None:
         """The head of `rel`, handed over once (waiting for it); None if none was fetched."""

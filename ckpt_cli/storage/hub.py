@@ -23,7 +23,7 @@ import io
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
@@ -162,6 +162,9 @@ class HubStorage(Storage):
             else:
                 wanted[rel] = HeadRead(max(self.header_probe, guess), size)
         self._heads.prefetch(wanted)
+
+    def arrival_order(self, rels: Iterable[str]) -> Iterator[str]:
+        return self._heads.arrival_order(rels)
 
     def _fetch(self, rel: str, start: int, end: int) -> bytes:
         return b"".join(self.stream(rel, start, end))

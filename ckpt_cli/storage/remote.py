@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -194,6 +194,9 @@ class FsspecStorage(Storage):
                 if (size := self.size(rel))
             }
         )
+
+    def arrival_order(self, rels: Iterable[str]) -> Iterator[str]:
+        return self._heads.arrival_order(rels)
 
     def read(self, rel: str, offset: int, length: int) -> bytes:
         if length == 0:

@@ -145,10 +145,52 @@ class SafetensorsFormat(Format):
             [s for s in shards if ("safetensors", s, sizes.get(s)) not in source.parsed],
             weight_map,
         )
-        headers = [cls._header(source, shard, sizes.get(shard)) for shard in shards]
+        headers = cls._headers(source, shards, sizes)
         return SafetensorsCheckpoint.from_headers(
             source, headers, index_rel, weight_map, index_meta
         )
+
+    @classmethod
+    def prefetch(cls, source: Source) -> None:
+        """The index read (left for `open` and `check`), and every shard's header fetched in
+        the background, each sized from the names the index gives it."""
+        storage = source.storage
+        if storage.local_root is not None:
+            return
+        index_rel = find_index(source)
+        weight_map: dict[str, str] | None = None
+        if index_rel is not None:
+            weight_map, index_meta = read_index(storage, index_rel)
+            source.parsed[_index_key(source, index_rel)] = (weight_map, index_meta)
+            shards = sorted(set(weight_map.values()))
+        elif source.target is not None:
+            shards = [source.target]
+        else:
+            shards = [n for n in source.top_level() if n.endswith(".safetensors")]
+        listing = storage.list_files() if source.target is not None else source.files
+        prefetch_headers(storage, [s for s in shards if s in listing], weight_map)
+
+    @classmethod
+    def _headers(
+        cls, source: Source, shards: list[str], sizes: dict[str, int | None]
+    ) -> list[SafetensorsHeader]:
+        """Every shard's header, in shard order, each parsed as its bytes arrive (a remote
+        storage fetches them all at once: `Storage.arrival_order`), so the parsing runs while
+        the slower requests are still out. A flaw raises what a read in shard order would:
+        the error of the first flawed shard in that order, whichever arrived first."""
+        position = {shard: i for i, shard in enumerate(shards)}
+        parsed: dict[str, SafetensorsHeader] = {}
+        failed: dict[int, CkptError] = {}
+        for shard in source.storage.arrival_order(shards):
+            if failed and position[shard] > min(failed):
+                continue  # behind a flawed shard: never reported, so not parsed
+            try:
+                parsed[shard] = cls._header(source, shard, sizes.get(shard))
+            except CkptError as error:
+                failed[position[shard]] = error
+        if failed:
+            raise failed[min(failed)]
+        return [parsed[shard] for shard in shards]
 
     @classmethod
     def _header(cls, source: Source, shard: str, size: int | None) -> SafetensorsHeader:
@@ -172,8 +214,10 @@ class SafetensorsFormat(Format):
         weight_map: dict[str, str] | None = None
         index_meta: dict[str, Any] = {}
         if index_rel is not None:
+            # read already when the source was opened ahead (`prefetch`)
+            read_ahead = source.parsed.get(_index_key(source, index_rel))
             try:
-                weight_map, index_meta = read_index(storage, index_rel)
+                weight_map, index_meta = read_ahead or read_index(storage, index_rel)
             except CkptError as error:
                 report_bad_index(findings, error)
             else:  # read fine: an `open` of this source in the same operation takes it
@@ -192,19 +236,26 @@ class SafetensorsFormat(Format):
         else:
             shards = [n for n in listing if "/" not in n and n.endswith(".safetensors")]
         contents: dict[str, ShardContents] = {}
-        prefetch_headers(storage, [s for s in shards if s in listing], weight_map)
+        present = [s for s in shards if s in listing]
+        prefetch_headers(storage, present, weight_map)
+        # parsed as each header arrives, each with findings of its own, then reported in
+        # shard order: the report is the same whatever order the bytes came in
+        parsed: dict[str, tuple[SafetensorsHeader | None, list[Problem]]] = {}
+        for shard in storage.arrival_order(present):
+            own = Findings(strict=False)
+            try:
+                parsed[shard] = (parse_header(storage, shard, listing[shard], own), own.problems)
+            except CkptError as error:
+                own.error(error)
+                parsed[shard] = (None, own.problems)
         for shard in shards:
             if shard not in listing:
                 assert index_rel is not None and weight_map is not None
                 report_missing_shard(findings, storage, index_rel, weight_map, shard)
                 continue
-            before = len(findings.problems)
-            try:
-                header = parse_header(storage, shard, listing[shard], findings)
-            except CkptError as error:
-                findings.error(error)
-                continue
-            if header is not None and len(findings.problems) == before:
+            header, problems = parsed[shard]
+            findings.problems.extend(problems)
+            if header is not None and not problems:
                 # nothing to say about it: it is what a strict read returns, so an `open`
                 # of this source in the same operation takes it instead of parsing again
                 source.parsed[("safetensors", shard, listing[shard])] = header
