@@ -21,6 +21,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from .conftest import run_ckpt, run_ckpt_process
+from .hub_fixtures import publish_model
 from .hub_server import TestHub
 from .latency_proxy import proxied
 from .s3_fixtures import S3Server, upload_folder
@@ -238,9 +239,30 @@ def test_only_a_remote_src_of_a_metadata_command_is_opened_ahead(tmp_path: Path)
         ["convert", "hf://org/model", str(tmp_path / "out"), "--to", "dcp"],
         ["inspect", "hf://org/model", "--help"],
         ["inspect", "--json", "hf://org/model"],  # not the plain form: left to typer
+        # opened with options only the command applies
+        ["inspect", "hf://org/model", "--token", "hf_secret"],
+        ["verify", "hf://org/model", "--revision=v2"],
+        ["inspect", "hf://org/model", "--json", "--repo-type", "dataset"],
         ["inspect"],
     ):
         assert not ahead.start(args), args
+
+
+def test_a_gated_repo_opens_with_token_in_a_process_of_its_own(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """`ckpt inspect hf://org/gated --token T` as a real process (where the entry point opens
+    SRC ahead): the token reaches the first request; nothing was asked without it."""
+    import torch
+
+    publish_model(hub, "org/gated", tmp_path / "src", {"w": torch.zeros(2)}, token="hf_secret")
+    hub.reset_counters()
+
+    result = run_ckpt_process("inspect", "hf://org/gated", "--token", "hf_secret", "--json")
+
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["tensors"] == 1
+    assert all(r.status != 401 for r in hub.log), [(r.path, r.status) for r in hub.log]
 
 
 def test_hub_without_an_index_reads_each_header_whole_in_at_most_two_requests(

@@ -5,7 +5,8 @@ repository's info, the index, every shard's header) and with a few hundred milli
 imports (typer, pydantic, the command's modules): the entry point calls `start` before those
 imports, so the two overlap (`sources.ahead`). The arguments are read by hand, as typer would
 read them later: only the plain form `ckpt COMMAND SRC [OPTIONS]` with a remote SRC starts
-anything; with `--help` nothing does, and a `--format` leaves the format's reads to the
+anything; with `--help` or a Hub option (`--token`, `--revision`, `--repo-type`) nothing
+does, and a `--format` leaves the format's reads to the
 command (it may name another format than the one detected).
 """
 
@@ -18,6 +19,10 @@ from ..sources import ahead
 #: the commands whose first work is reading SRC's metadata
 COMMANDS = ("inspect", "verify")
 
+#: options that change how SRC is opened (another revision, another token): with one of them
+#: nothing is opened ahead (a gated repository asked without `--token` would fail ahead)
+HUB_OPTIONS = ("--token", "--revision", "--repo-type")
+
 
 def start(args: list[str]) -> bool:
     """Start opening the SRC of `ckpt ARGS` ahead when it is remote; whether it was started."""
@@ -28,6 +33,8 @@ def start(args: list[str]) -> bool:
         return False  # a local SRC costs no round trip to overlap
     if any(a in ("-h", "--help") for a in options):
         return False
+    if any(a.split("=", 1)[0] in HUB_OPTIONS for a in options):
+        return False  # SRC is opened with them, which only the command applies
     named = any(a.startswith(("--format", "-f")) for a in options)
     ahead.start(src, prefetch=not named)
     return True
