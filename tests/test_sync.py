@@ -18,6 +18,7 @@ import time
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import ClassVar
 
 import pytest
 import torch
@@ -844,3 +845,52 @@ def test_latest_is_the_buckets_newest_complete_save_when_the_local_run_lacks_it(
     report = sync(str(full), f"s3://{BUCKET}/run/")
     assert [c.action for c in report.checkpoints][:2] == ["present", "present"]
     assert report.latest == f"s3://{BUCKET}/run/checkpoint-300"
+
+
+def test_only_a_storage_that_declares_s3fs_gets_s3_requests(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Whether an upload takes S3's own requests (checked by the store's reply) is what the
+    storage declares, never guessed from the filesystem's methods: a store that is not s3fs,
+    though it has methods of s3fs's names (`call_s3`, `split_path`), is written through its own
+    `open` and checked by reading back, and its copy is whole and verified."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from ckpt_cli.storage import FsspecStorage, LocalStorage, filesystem_for
+    from ckpt_cli.storage.uri import parse_location
+
+    class LookalikeFileSystem(MemoryFileSystem):
+        """Another library's store: an API of its own that happens to share s3fs's names."""
+
+        store: ClassVar[dict[str, object]] = {}  # its own, not memory://'s
+        pseudo_dirs: ClassVar[list[str]] = [""]
+        protocol = "lookalike"
+
+        @classmethod
+        def _strip_protocol(cls, path: str) -> str:
+            return str(MemoryFileSystem._strip_protocol(str(path).removeprefix("lookalike://")))
+
+        def call_s3(self, method: str, *args: object, **kwargs: object) -> None:
+            raise AssertionError(f"driven as an S3 client ({method})")
+
+        def split_path(self, path: str) -> None:
+            raise AssertionError("driven as an S3 client (split_path)")
+
+    fsspec.register_implementation("lookalike", LookalikeFileSystem, clobber=True)
+    out = trainer_run(tmp_path, steps=(100,))
+    report = sync(str(out), "lookalike://bucket/run/")
+    assert report.transferred == ["checkpoint-100"] and not report.failed, report.failed
+    fs = LookalikeFileSystem()
+    folder = out / "checkpoint-100"
+    manifest = json.loads(fs.cat("/bucket/run/checkpoint-100/ckpt-manifest.json"))
+    for name, data in local_files(folder).items():
+        assert fs.cat(f"/bucket/run/checkpoint-100/{name}") == data, name
+        assert manifest["files"][name]["digest"] == hashlib.sha256(data).hexdigest(), name
+    # what each storage declares: the S3 one names its s3fs filesystem, the others none
+    make_bucket(s3_server.endpoint, BUCKET)
+    s3, path = filesystem_for(parse_location(f"s3://{BUCKET}/run"))
+    assert FsspecStorage(s3, path, f"s3://{BUCKET}/run").s3_filesystem() is s3
+    assert FsspecStorage(fs, "/bucket/run", "lookalike://bucket/run").s3_filesystem() is None
+    assert LocalStorage(folder).s3_filesystem() is None
+

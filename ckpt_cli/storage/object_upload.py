@@ -16,8 +16,9 @@ of `UPLOAD_BLOCK` parts, its parts sent side by side in a shared pool while the 
 being read and hashed in order. Memory: the bytes read and not yet sent are bounded by
 `budget` (two `UPLOAD_BLOCK`s per job), whatever the file sizes.
 
-Other fsspec filesystems have no such API: `ObjectUploader.direct` is False and callers
-stream through `fs.open(..., "wb")` and check with a listing instead.
+Which stores those are is what the storage declares (`Storage.s3_filesystem()`); other fsspec
+filesystems have no such API, and callers stream through `fs.open(..., "wb")` and check with a
+listing instead.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def refusal_code(exc: BaseException) -> str | None:
 
 
 class ObjectUploader:
-    """Uploads files to one fsspec filesystem; direct S3 calls where the filesystem has them.
+    """Uploads files through one s3fs filesystem (`fs`: what `Storage.s3_filesystem()` gives),
+    with S3's own requests.
 
     `jobs` parts of multipart uploads are sent at once (their own pool, so a reader waiting
     for its parts never holds a thread a part needs). `take(n)` is called for every block
@@ -116,9 +118,6 @@ class ObjectUploader:
         probe: str | None = None,
     ):
         self.fs = fs
-        self.direct = callable(getattr(fs, "call_s3", None)) and callable(
-            getattr(fs, "split_path", None)
-        )
         self.jobs = max(1, jobs)
         self._take = take
         #: bytes read and not yet sent, at most (a single PUT of a larger file waits for all)
@@ -141,7 +140,7 @@ class ObjectUploader:
             return self._checks
 
     def _ask_store(self) -> bool:
-        if self._probe is None or not self.direct:
+        if self._probe is None:
             return False
         bucket, key, _ = self.fs.split_path(self._probe)
         body = b"ckpt: does this store check x-amz-checksum-crc32?"
@@ -213,7 +212,6 @@ class ObjectUploader:
         Raises what the filesystem raises (the caller names the file); a multipart upload
         that fails is aborted, so no part of it lingers in the bucket.
         """
-        assert self.direct
         bucket, key, _ = self.fs.split_path(target)
         checks = self.checks_checksums()
         hasher = new()

@@ -107,8 +107,12 @@ class _Uploader:
         self.limit = limit
         self.on_file = on_file
         self.jobs = max(1, jobs)
-        self.objects = ObjectUploader(
-            self.fs, self.jobs, limit.take, probe=f"{self.root}/{CHECKSUM_PROBE}"
+        #: S3's own requests where the store is reached through s3fs, else None (`fs.open`)
+        s3 = self.store.s3_filesystem()
+        self.objects = (
+            None
+            if s3 is None
+            else ObjectUploader(s3, self.jobs, limit.take, probe=f"{self.root}/{CHECKSUM_PROBE}")
         )
         self._lock = threading.Lock()
         self._listing: dict[str, dict[str, Any]] | None = None
@@ -116,7 +120,8 @@ class _Uploader:
         self._pending: dict[str, tuple[str, int, str, str, Any]] = {}
 
     def close(self) -> None:
-        self.objects.close()
+        if self.objects is not None:
+            self.objects.close()
 
     def listing(self) -> dict[str, dict[str, Any]]:
         """Objects under the destination prefix, relative name -> info (one listing a round)."""
@@ -279,8 +284,8 @@ class _Uploader:
             digest, local_etag = self._hash_local(path, new, multipart="-" in (etag or ""))
             if etag == local_etag:
                 return digest, False
-        if self.objects.direct:
-            return self._upload_direct(path, target, rel, size, plan), True
+        if self.objects is not None:
+            return self._upload_direct(self.objects, path, target, rel, size, plan), True
         hasher = new()
         parts: list[bytes] = []
 
@@ -299,12 +304,14 @@ class _Uploader:
             self._pending[rel] = (target, size, s3_etag(parts, size), hasher.hexdigest(), new)
         return hasher.hexdigest(), True
 
-    def _upload_direct(self, path: Path, target: str, rel: str, size: int, plan: _Plan) -> str:
+    def _upload_direct(
+        self, objects: ObjectUploader, path: Path, target: str, rel: str, size: int, plan: _Plan
+    ) -> str:
         """One S3 upload, checked by the store's reply (no request after it): the store
         checked the body against the checksum sent with it, or its ETag is the bytes sent."""
         new = plan.new
         try:
-            up = self.objects.upload(path, target, size, new, sha256=plan.algorithm == "sha256")
+            up = objects.upload(path, target, size, new, sha256=plan.algorithm == "sha256")
         except CkptError:
             raise
         except Exception as exc:
