@@ -129,6 +129,8 @@ class ObjectUploader:
         self._probe = probe
         self._checks: bool | None = None
         self._probe_lock = threading.Lock()
+        #: the removal of a probe object the store kept (`close` waits for it)
+        self._forget: threading.Thread | None = None
 
     def checks_checksums(self) -> bool:
         """Whether the store refuses a body whose `x-amz-checksum-crc32` does not match it
@@ -163,11 +165,45 @@ class ObjectUploader:
             )
         except Exception as exc:  # refused: by its checksum, or for another reason (MD5 then)
             return refusal_code(exc) in CHECKSUM_REFUSALS
-        # stored although its checksum is wrong: this store checks nothing of the kind
+        # stored although its checksum is wrong: this store checks nothing of the kind; the
+        # uploads waiting for the answer need not also wait for the probe object's removal
+        self._forget = threading.Thread(
+            target=self._forget_probe, args=(bucket, key), name="ckpt-probe-removal"
+        )
+        self._forget.start()
+        return False
+
+    def _forget_probe(self, bucket: str, key: str) -> None:
         with contextlib.suppress(Exception):
             self.fs.call_s3("delete_object", Bucket=bucket, Key=key)
         self.fs.invalidate_cache(self._probe)
-        return False
+
+    def list_prefix(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """Every object under `prefix` (a folder-like path, `bucket/run`), by path, with its
+        `size` and `ETag`: one ListObjectsV2 request per 1,000 objects (s3fs's `find` asks a
+        HEAD and a second listing after a prefix that holds nothing, as a first sync's does).
+
+        Raises what the filesystem raises (FileNotFoundError for a missing bucket).
+        """
+        bucket, key, _ = self.fs.split_path(prefix)
+        found: dict[str, dict[str, Any]] = {}
+        more: dict[str, str] = {}
+        while True:
+            page = self.fs.call_s3(
+                "list_objects_v2", Bucket=bucket, Prefix=f"{key.rstrip('/')}/", **more
+            )
+            for item in page.get("Contents", []):
+                if str(item["Key"]).endswith("/"):
+                    continue  # a folder placeholder some tools write, not a file
+                found[f"{bucket}/{item['Key']}"] = {
+                    "type": "file",
+                    "size": int(item.get("Size") or 0),
+                    "ETag": item.get("ETag"),
+                }
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return found
+            more = {"ContinuationToken": str(token)}
 
     def _reserve(self, amount: int) -> int:
         amount = min(amount, self.budget)
@@ -185,11 +221,14 @@ class ObjectUploader:
             self._room.notify_all()
 
     def close(self) -> None:
-        """Wait for parts still in flight (none once every upload has returned)."""
+        """Wait for parts still in flight (none once every upload has returned) and for the
+        probe object's removal."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        if self._forget is not None:
+            self._forget.join()
 
     def _parts_pool(self) -> ThreadPoolExecutor:
         with self._lock:

@@ -21,7 +21,6 @@ from ...storage.object_upload import ObjectUploader, multipart_etag
 from ...storage.output import UPLOAD_BLOCK
 from ...storage.uri import parse_location
 from ..prune.retention import PrunePolicy
-from ..prune.run import prune
 from ..verify.checksums import ChecksumManifest, FileDigest
 from .model import SYNC_ALGORITHM, RateLimit, SyncedCheckpoint, SyncReport, now_iso
 from .plan import (
@@ -127,9 +126,12 @@ class _Uploader:
         """Objects under the destination prefix, relative name -> info (one listing a round)."""
         if self._listing is None:
             try:
-                self.fs.invalidate_cache(self.root)
-                # a prefix nothing was synced to yet lists empty (no HEAD asked first)
-                found = self.fs.find(self.root, detail=True)
+                if self.objects is not None:
+                    # one request, also for a prefix nothing was synced to yet
+                    found = self.objects.list_prefix(self.root)
+                else:
+                    self.fs.invalidate_cache(self.root)
+                    found = self.fs.find(self.root, detail=True)
             except FileNotFoundError:
                 found = {}
             except Exception as exc:  # each filesystem package raises its own errors
@@ -452,6 +454,8 @@ def sync_up(
     if prune_policy is not None:
         # the remote side has one writer, this sync, which writes each save's markers last:
         # a fresh upload is complete the moment its manifest is there
+        from ..prune.run import prune  # only a round that prunes imports the pruning
+
         policy = prune_policy.model_copy(update={"settle": 0.0})
         report.pruned = prune(dest.rstrip("/"), policy, yes=True, strict_metric=False)
     known = None if prune_policy is not None else _latest_held(uploader, run, report)
