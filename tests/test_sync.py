@@ -919,3 +919,24 @@ def test_uploads_do_not_wait_for_the_probe_objects_removal(
     first_data = next(i for i, r in enumerate(s3_server.requests) if r.path in seen)
     assert len(deletes) == 1 and seen and deletes[0] < first_data
     assert not [k for k in list_keys(s3_server.endpoint, BUCKET) if "probe" in k]
+
+
+def test_a_manifest_damaged_on_the_way_is_caught_and_not_left_behind(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The manifest, which makes the bucket hold a checkpoint, is checked as a data file is:
+    one damaged on the way to a store that checks no checksum (moto) fails its checkpoint
+    and is removed, so the next sync does not take the checkpoint for synced and sends it."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    s3_server.corrupt = lambda r: r.method == "PUT" and r.path.endswith("/ckpt-manifest.json")
+    first = sync(str(out), f"s3://{BUCKET}/run/")
+    assert first.failed and not first.transferred
+    assert "run/checkpoint-100/ckpt-manifest.json" not in list_keys(s3_server.endpoint, BUCKET)
+    (put,) = [r for r in s3_server.requests if r.method == "PUT" and "manifest" in r.path]
+    assert "content-md5" in put.checksums
+    s3_server.corrupt = None
+    again = sync(str(out), f"s3://{BUCKET}/run/")
+    assert again.transferred == ["checkpoint-100"] and not again.failed, again.failed
+    checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-100", "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout

@@ -260,21 +260,35 @@ class ObjectUploader:
             held = self._reserve(size)
             try:
                 data = src.read(size)  # one that grew since is caught by its stamp
-                hasher.update(data)
-                sent: dict[str, str] = {}
-                if sha256:
-                    # the manifest's digest, already computed: also what botocore would
-                    # otherwise spend a CRC32 pass of its own on
-                    sent["ChecksumSHA256"] = _b64(bytes.fromhex(hasher.hexdigest()))
-                elif checks:
-                    sent["ChecksumCRC32"] = _crc32(data)
-                md5 = None if checks else hashlib.md5(data).digest()
-                if md5 is not None:
-                    sent["ContentMD5"] = _b64(md5)
-                self._pace(len(data))
-                reply = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **sent)
+                return self._put(data, target, hasher, sha256=sha256, checks=checks)
             finally:
                 self._release(held)
+
+    def upload_bytes(
+        self, data: bytes, target: str, new: Callable[[], Any], *, sha256: bool = False
+    ) -> UploadedFile:
+        """Send `data` (a small file: a manifest, a pointer) to `target` in one PUT, hashed
+        with `new()` and checked as `upload` checks a file."""
+        return self._put(data, target, new(), sha256=sha256, checks=self.checks_checksums())
+
+    def _put(
+        self, data: bytes, target: str, hasher: Any, *, sha256: bool, checks: bool
+    ) -> UploadedFile:
+        """One PUT of `data`, with the checksum the store checks, or its Content-MD5."""
+        bucket, key, _ = self.fs.split_path(target)
+        hasher.update(data)
+        sent: dict[str, str] = {}
+        if sha256:
+            # the manifest's digest, already computed: also what botocore would otherwise
+            # spend a CRC32 pass of its own on
+            sent["ChecksumSHA256"] = _b64(bytes.fromhex(hasher.hexdigest()))
+        elif checks:
+            sent["ChecksumCRC32"] = _crc32(data)
+        md5 = None if checks else hashlib.md5(data).digest()
+        if md5 is not None:
+            sent["ContentMD5"] = _b64(md5)
+        self._pace(len(data))
+        reply = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **sent)
         self.fs.invalidate_cache(target)
         _same_checksums(sent, reply, target)
         return UploadedFile(

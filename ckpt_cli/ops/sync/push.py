@@ -273,8 +273,40 @@ class _Uploader:
             self.store.remove(rel)
 
     def _put(self, rel: str, data: bytes) -> None:
-        self.store.write_file(rel, [data])
-        self.limit.take(len(data))
+        """A small file written whole (a manifest, `latest`). To S3 in one PUT, checked by the
+        store's reply as a data file is, and removed again when that check fails: a damaged
+        manifest would make its checkpoint look synced."""
+        if self.objects is None:
+            self.store.write_file(rel, [data])
+            self.limit.take(len(data))
+            return
+        target = f"{self.root}/{rel}"
+        new = hasher_factory(SYNC_ALGORITHM)
+        try:
+            up = self.objects.upload_bytes(data, target, new, sha256=SYNC_ALGORITHM == "sha256")
+        except Exception as exc:
+            raise remote_failure(exc, f"{self.dest}/{rel}", writing=True) from None
+        if up.checked:
+            return
+        reply = {"size": len(data), "ETag": up.etag}
+        try:
+            self._check_upload(
+                target, rel, len(data), up.expected_etag or "", up.digest, new, reply
+            )
+        except CkptError:
+            self._remove([rel])
+            raise
+
+    def _put_etag(self, data: bytes) -> str:
+        """The ETag of the object `_put` makes of `data`: one PUT to S3; through `write_file`
+        elsewhere (`UPLOAD_BLOCK` parts from that size on, one PUT below it)."""
+        if self.objects is not None:
+            return hashlib.md5(data).hexdigest()
+        parts = [
+            hashlib.md5(data[i : i + UPLOAD_BLOCK]).digest()
+            for i in range(0, max(len(data), 1), UPLOAD_BLOCK)
+        ]
+        return s3_etag(parts, len(data))
 
     def _upload_file(self, path: Path, rel: str, size: int, plan: _Plan) -> tuple[str, bool]:
         """(manifest digest, whether it was sent): skipped when the object already holds it."""
@@ -411,12 +443,7 @@ class _Uploader:
             if path.is_file() and path.stat().st_size <= 16 << 20:
                 data = path.read_bytes()
                 existing = self.listing().get(name)
-                # the parts `write_file` sends (`UPLOAD_BLOCK` each; one PUT below that)
-                parts = [
-                    hashlib.md5(data[i : i + UPLOAD_BLOCK]).digest()
-                    for i in range(0, max(len(data), 1), UPLOAD_BLOCK)
-                ]
-                if existing is not None and remote_etag(existing) == s3_etag(parts, len(data)):
+                if existing is not None and remote_etag(existing) == self._put_etag(data):
                     continue
                 self._put(name, data)
 
