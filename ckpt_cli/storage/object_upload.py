@@ -190,7 +190,11 @@ class ObjectUploader:
         more: dict[str, str] = {}
         while True:
             page = self.fs.call_s3(
-                "list_objects_v2", Bucket=bucket, Prefix=f"{key.rstrip('/')}/", **more
+                "list_objects_v2",
+                Bucket=bucket,
+                Prefix=f"{key.rstrip('/')}/",
+                **self.fs.req_kw,  # RequestPayer, as s3fs's own listings send it
+                **more,
             )
             for item in page.get("Contents", []):
                 if str(item["Key"]).endswith("/"):
