@@ -20,12 +20,14 @@ Figures are medians: wall time, the client process's CPU (user+sys), the server'
 requests. `time ratio` is s3fs put's wall time over ckpt sync's (>= 1: sync is as fast).
 With `--baseline`, a second ckpt checkout (e.g. the main branch) runs the same cases.
 Loopback and moto's Python server make absolute times meaningless; the ratios, requests and
-client CPU per byte carry over.
+client CPU per byte carry over. Each checkout's modules are compiled to bytecode first (its
+`__pycache__`), as an installed ckpt's are.
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import resource
@@ -209,6 +211,10 @@ def run(opts: argparse.Namespace, endpoint: str) -> None:
     tools = {"ckpt sync": REPO}
     if opts.baseline is not None:
         tools["baseline sync"] = opts.baseline.resolve()
+    # bytecode compiled, as an installed ckpt has it (and s3fs has): a checkout run under
+    # PYTHONDONTWRITEBYTECODE=1 would otherwise compile each of its modules in every process
+    for checkout in tools.values():
+        compileall.compile_dir(checkout / "ckpt_cli", quiet=1)
 
     def ckpt(tool: str, dest: str) -> list[str]:
         return [sys.executable, "-m", "ckpt_cli", "sync", str(out), dest, "--settle", "0"]

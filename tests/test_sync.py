@@ -18,6 +18,7 @@ import time
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import ClassVar
 
 import pytest
 import torch
@@ -592,15 +593,16 @@ def test_each_file_goes_up_in_one_request_checked_by_the_reply(
             mine = [r for r in s3_server.requests if r.path == key]
             assert [r.method for r in mine if r.range is None] == ["PUT"], key
             assert mine[0].length == path.stat().st_size
-        assert not [r for r in s3_server.requests if r.method == "HEAD" and "checkpoint-" in r.path]
+        assert not [r for r in s3_server.requests if r.method == "HEAD"]
         manifests = [r for r in s3_server.requests if r.path.endswith("ckpt-manifest.json")]
         assert [r.method for r in manifests] == ["PUT"] * len(steps)
         listings[len(steps)] = sum(1 for r in s3_server.requests if _is_listing(r))
         # the newest save is the one just uploaded and checked: `latest` reads nothing back
         assert not [r for r in s3_server.requests if r.method == "GET" and not _is_listing(r)]
         assert report.latest == f"s3://{BUCKET}/run{len(steps)}/checkpoint-{steps[-1]}"
-    # the round's listing costs the same for one save as for three
-    assert listings[1] == listings[3], listings
+    # the round's listing is one request, for one save as for three, though nothing was
+    # synced to either prefix before (no HEAD, no second listing to tell it is empty)
+    assert listings == {1: 1, 3: 1}, listings
     checked = run_ckpt("verify", f"s3://{BUCKET}/run3/checkpoint-300", "--checksums", "--json")
     assert checked.exit_code == 0, checked.stdout
 
@@ -844,3 +846,97 @@ def test_latest_is_the_buckets_newest_complete_save_when_the_local_run_lacks_it(
     report = sync(str(full), f"s3://{BUCKET}/run/")
     assert [c.action for c in report.checkpoints][:2] == ["present", "present"]
     assert report.latest == f"s3://{BUCKET}/run/checkpoint-300"
+
+
+def test_only_a_storage_that_declares_s3fs_gets_s3_requests(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Whether an upload takes S3's own requests (checked by the store's reply) is what the
+    storage declares, never guessed from the filesystem's methods: a store that is not s3fs,
+    though it has methods of s3fs's names (`call_s3`, `split_path`), is written through its own
+    `open` and checked by reading back, and its copy is whole and verified."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from ckpt_cli.storage import FsspecStorage, LocalStorage, filesystem_for
+    from ckpt_cli.storage.uri import parse_location
+
+    class LookalikeFileSystem(MemoryFileSystem):
+        """Another library's store: an API of its own that happens to share s3fs's names."""
+
+        store: ClassVar[dict[str, object]] = {}  # its own, not memory://'s
+        pseudo_dirs: ClassVar[list[str]] = [""]
+        protocol = "lookalike"
+
+        @classmethod
+        def _strip_protocol(cls, path: str) -> str:
+            return str(MemoryFileSystem._strip_protocol(str(path).removeprefix("lookalike://")))
+
+        def call_s3(self, method: str, *args: object, **kwargs: object) -> None:
+            raise AssertionError(f"driven as an S3 client ({method})")
+
+        def split_path(self, path: str) -> None:
+            raise AssertionError("driven as an S3 client (split_path)")
+
+    fsspec.register_implementation("lookalike", LookalikeFileSystem, clobber=True)
+    out = trainer_run(tmp_path, steps=(100,))
+    report = sync(str(out), "lookalike://bucket/run/")
+    assert report.transferred == ["checkpoint-100"] and not report.failed, report.failed
+    fs = LookalikeFileSystem()
+    folder = out / "checkpoint-100"
+    manifest = json.loads(fs.cat("/bucket/run/checkpoint-100/ckpt-manifest.json"))
+    for name, data in local_files(folder).items():
+        assert fs.cat(f"/bucket/run/checkpoint-100/{name}") == data, name
+        assert manifest["files"][name]["digest"] == hashlib.sha256(data).hexdigest(), name
+    # what each storage declares: the S3 one names its s3fs filesystem, the others none
+    make_bucket(s3_server.endpoint, BUCKET)
+    s3, path = filesystem_for(parse_location(f"s3://{BUCKET}/run"))
+    assert FsspecStorage(s3, path, f"s3://{BUCKET}/run").s3_filesystem() is s3
+    assert FsspecStorage(fs, "/bucket/run", "lookalike://bucket/run").s3_filesystem() is None
+    assert LocalStorage(folder).s3_filesystem() is None
+
+
+def test_uploads_do_not_wait_for_the_probe_objects_removal(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """moto keeps the probe object in spite of its wrong checksum; the uploads start as soon
+    as that answer is known, while the probe object is removed (a round trip less before
+    them), and the sync ends with the probe object gone."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    seen: list[str] = []
+
+    def hold(r: S3Request) -> bool:
+        if r.method == "PUT" and "/checkpoint-100/" in r.path:
+            seen.append(r.path)
+            s3_server.release.set()  # a data file is on its way: the removal may end
+        return r.method == "DELETE" and r.path.endswith("/.ckpt-checksum-probe")
+
+    s3_server.hold = hold
+    report = sync(str(out), f"s3://{BUCKET}/run/")
+    assert report.transferred == ["checkpoint-100"] and not report.failed, report.failed
+    deletes = [i for i, r in enumerate(s3_server.requests) if r.method == "DELETE"]
+    first_data = next(i for i, r in enumerate(s3_server.requests) if r.path in seen)
+    assert len(deletes) == 1 and seen and deletes[0] < first_data
+    assert not [k for k in list_keys(s3_server.endpoint, BUCKET) if "probe" in k]
+
+
+def test_a_manifest_damaged_on_the_way_is_caught_and_not_left_behind(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The manifest, which makes the bucket hold a checkpoint, is checked as a data file is:
+    one damaged on the way to a store that checks no checksum (moto) fails its checkpoint
+    and is removed, so the next sync does not take the checkpoint for synced and sends it."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    s3_server.corrupt = lambda r: r.method == "PUT" and r.path.endswith("/ckpt-manifest.json")
+    first = sync(str(out), f"s3://{BUCKET}/run/")
+    assert first.failed and not first.transferred
+    assert "run/checkpoint-100/ckpt-manifest.json" not in list_keys(s3_server.endpoint, BUCKET)
+    (put,) = [r for r in s3_server.requests if r.method == "PUT" and "manifest" in r.path]
+    assert "content-md5" in put.checksums
+    s3_server.corrupt = None
+    again = sync(str(out), f"s3://{BUCKET}/run/")
+    assert again.transferred == ["checkpoint-100"] and not again.failed, again.failed
+    checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-100", "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout

@@ -101,6 +101,8 @@ class Storage(ABC):
       sha256 and git blob ids), or None;
     * `local_root`: the folder on this machine, or None;
     * `fs_path()`: the fsspec filesystem and path of a file (objects stores), or None;
+    * `s3_filesystem()`: the s3fs filesystem through which the storage talks to S3 (or an
+      S3-compatible store), whose client takes S3's own requests (`call_s3`), or None;
     * `modified()`: a file's modification time when the listing reports one, else None;
     * `local_path()`: a file's path on this machine (local folders, cached Hub files), or None.
 
@@ -206,6 +208,12 @@ class Storage(ABC):
 
     def fs_path(self, rel: str) -> tuple[Any, str] | None:
         """The fsspec filesystem holding `rel` and its path there, or None (not an fsspec store)."""
+        return None
+
+    def s3_filesystem(self) -> Any | None:
+        """The `s3fs.S3FileSystem` this storage reaches S3 (or an S3-compatible store) through,
+        or None: its client takes S3's own requests (`call_s3`, `split_path`), so an upload can
+        be checked by the store's reply (`storage.object_upload`)."""
         return None
 
     def server_digests(self) -> Mapping[str, RemoteFile] | None:

@@ -16,8 +16,9 @@ of `UPLOAD_BLOCK` parts, its parts sent side by side in a shared pool while the 
 being read and hashed in order. Memory: the bytes read and not yet sent are bounded by
 `budget` (two `UPLOAD_BLOCK`s per job), whatever the file sizes.
 
-Other fsspec filesystems have no such API: `ObjectUploader.direct` is False and callers
-stream through `fs.open(..., "wb")` and check with a listing instead.
+Which stores those are is what the storage declares (`Storage.s3_filesystem()`); other fsspec
+filesystems have no such API, and callers stream through `fs.open(..., "wb")` and check with a
+listing instead.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def refusal_code(exc: BaseException) -> str | None:
 
 
 class ObjectUploader:
-    """Uploads files to one fsspec filesystem; direct S3 calls where the filesystem has them.
+    """Uploads files through one s3fs filesystem (`fs`: what `Storage.s3_filesystem()` gives),
+    with S3's own requests.
 
     `jobs` parts of multipart uploads are sent at once (their own pool, so a reader waiting
     for its parts never holds a thread a part needs). `take(n)` is called for every block
@@ -116,9 +118,6 @@ class ObjectUploader:
         probe: str | None = None,
     ):
         self.fs = fs
-        self.direct = callable(getattr(fs, "call_s3", None)) and callable(
-            getattr(fs, "split_path", None)
-        )
         self.jobs = max(1, jobs)
         self._take = take
         #: bytes read and not yet sent, at most (a single PUT of a larger file waits for all)
@@ -130,6 +129,8 @@ class ObjectUploader:
         self._probe = probe
         self._checks: bool | None = None
         self._probe_lock = threading.Lock()
+        #: the removal of a probe object the store kept (`close` waits for it)
+        self._forget: threading.Thread | None = None
 
     def checks_checksums(self) -> bool:
         """Whether the store refuses a body whose `x-amz-checksum-crc32` does not match it
@@ -141,7 +142,7 @@ class ObjectUploader:
             return self._checks
 
     def _ask_store(self) -> bool:
-        if self._probe is None or not self.direct:
+        if self._probe is None:
             return False
         bucket, key, _ = self.fs.split_path(self._probe)
         body = b"ckpt: does this store check x-amz-checksum-crc32?"
@@ -164,11 +165,49 @@ class ObjectUploader:
             )
         except Exception as exc:  # refused: by its checksum, or for another reason (MD5 then)
             return refusal_code(exc) in CHECKSUM_REFUSALS
-        # stored although its checksum is wrong: this store checks nothing of the kind
+        # stored although its checksum is wrong: this store checks nothing of the kind; the
+        # uploads waiting for the answer need not also wait for the probe object's removal
+        self._forget = threading.Thread(
+            target=self._forget_probe, args=(bucket, key), name="ckpt-probe-removal"
+        )
+        self._forget.start()
+        return False
+
+    def _forget_probe(self, bucket: str, key: str) -> None:
         with contextlib.suppress(Exception):
             self.fs.call_s3("delete_object", Bucket=bucket, Key=key)
         self.fs.invalidate_cache(self._probe)
-        return False
+
+    def list_prefix(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """Every object under `prefix` (a folder-like path, `bucket/run`), by path, with its
+        `size` and `ETag`: one ListObjectsV2 request per 1,000 objects (s3fs's `find` asks a
+        HEAD and a second listing after a prefix that holds nothing, as a first sync's does).
+
+        Raises what the filesystem raises (FileNotFoundError for a missing bucket).
+        """
+        bucket, key, _ = self.fs.split_path(prefix)
+        found: dict[str, dict[str, Any]] = {}
+        more: dict[str, str] = {}
+        while True:
+            page = self.fs.call_s3(
+                "list_objects_v2",
+                Bucket=bucket,
+                Prefix=f"{key.rstrip('/')}/",
+                **self.fs.req_kw,  # RequestPayer, as s3fs's own listings send it
+                **more,
+            )
+            for item in page.get("Contents", []):
+                if str(item["Key"]).endswith("/"):
+                    continue  # a folder placeholder some tools write, not a file
+                found[f"{bucket}/{item['Key']}"] = {
+                    "type": "file",
+                    "size": int(item.get("Size") or 0),
+                    "ETag": item.get("ETag"),
+                }
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return found
+            more = {"ContinuationToken": str(token)}
 
     def _reserve(self, amount: int) -> int:
         amount = min(amount, self.budget)
@@ -186,11 +225,14 @@ class ObjectUploader:
             self._room.notify_all()
 
     def close(self) -> None:
-        """Wait for parts still in flight (none once every upload has returned)."""
+        """Wait for parts still in flight (none once every upload has returned) and for the
+        probe object's removal."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        if self._forget is not None:
+            self._forget.join()
 
     def _parts_pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -213,7 +255,6 @@ class ObjectUploader:
         Raises what the filesystem raises (the caller names the file); a multipart upload
         that fails is aborted, so no part of it lingers in the bucket.
         """
-        assert self.direct
         bucket, key, _ = self.fs.split_path(target)
         checks = self.checks_checksums()
         hasher = new()
@@ -223,21 +264,35 @@ class ObjectUploader:
             held = self._reserve(size)
             try:
                 data = src.read(size)  # one that grew since is caught by its stamp
-                hasher.update(data)
-                sent: dict[str, str] = {}
-                if sha256:
-                    # the manifest's digest, already computed: also what botocore would
-                    # otherwise spend a CRC32 pass of its own on
-                    sent["ChecksumSHA256"] = _b64(bytes.fromhex(hasher.hexdigest()))
-                elif checks:
-                    sent["ChecksumCRC32"] = _crc32(data)
-                md5 = None if checks else hashlib.md5(data).digest()
-                if md5 is not None:
-                    sent["ContentMD5"] = _b64(md5)
-                self._pace(len(data))
-                reply = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **sent)
+                return self._put(data, target, hasher, sha256=sha256, checks=checks)
             finally:
                 self._release(held)
+
+    def upload_bytes(
+        self, data: bytes, target: str, new: Callable[[], Any], *, sha256: bool = False
+    ) -> UploadedFile:
+        """Send `data` (a small file: a manifest, a pointer) to `target` in one PUT, hashed
+        with `new()` and checked as `upload` checks a file."""
+        return self._put(data, target, new(), sha256=sha256, checks=self.checks_checksums())
+
+    def _put(
+        self, data: bytes, target: str, hasher: Any, *, sha256: bool, checks: bool
+    ) -> UploadedFile:
+        """One PUT of `data`, with the checksum the store checks, or its Content-MD5."""
+        bucket, key, _ = self.fs.split_path(target)
+        hasher.update(data)
+        sent: dict[str, str] = {}
+        if sha256:
+            # the manifest's digest, already computed: also what botocore would otherwise
+            # spend a CRC32 pass of its own on
+            sent["ChecksumSHA256"] = _b64(bytes.fromhex(hasher.hexdigest()))
+        elif checks:
+            sent["ChecksumCRC32"] = _crc32(data)
+        md5 = None if checks else hashlib.md5(data).digest()
+        if md5 is not None:
+            sent["ContentMD5"] = _b64(md5)
+        self._pace(len(data))
+        reply = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **sent)
         self.fs.invalidate_cache(target)
         _same_checksums(sent, reply, target)
         return UploadedFile(

@@ -14,6 +14,7 @@ the cached listing, so the next listing sees it.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -164,6 +165,12 @@ class FsspecStorage(Storage):
 
     def fs_path(self, rel: str) -> tuple[Any, str] | None:
         return self.fs, f"{self.root}/{rel}"
+
+    def s3_filesystem(self) -> Any | None:
+        # an S3FileSystem exists only once s3fs is imported: for any other store (gs://,
+        # memory://...) s3fs is neither imported nor needed to tell
+        s3fs = sys.modules.get("s3fs")
+        return self.fs if s3fs is not None and isinstance(self.fs, s3fs.S3FileSystem) else None
 
     def modified(self, rel: str) -> float | None:
         self.list_files()

@@ -51,7 +51,6 @@ from ...sources.runs import DEFAULT_SETTLE, is_remote
 from ...storage.uri import is_hub_url
 from ..prune.retention import PrunePolicy
 from .model import RateLimit, SyncedCheckpoint, SyncReport
-from .pull import sync_down
 from .push import DEFAULT_JOBS, sync_up
 
 __all__ = [
@@ -178,6 +177,9 @@ def sync_with(
                 on_file=on_file,
                 jobs=request.jobs,
             )
+        # a push never pulls: its process does not import the pull side
+        from .pull import sync_down
+
         return sync_down(src, dest, latest_only=latest_only, limit=limit)
 
     if watch_seconds is None:

@@ -21,7 +21,6 @@ from ...storage.object_upload import ObjectUploader, multipart_etag
 from ...storage.output import UPLOAD_BLOCK
 from ...storage.uri import parse_location
 from ..prune.retention import PrunePolicy
-from ..prune.run import prune
 from ..verify.checksums import ChecksumManifest, FileDigest
 from .model import SYNC_ALGORITHM, RateLimit, SyncedCheckpoint, SyncReport, now_iso
 from .plan import (
@@ -107,8 +106,12 @@ class _Uploader:
         self.limit = limit
         self.on_file = on_file
         self.jobs = max(1, jobs)
-        self.objects = ObjectUploader(
-            self.fs, self.jobs, limit.take, probe=f"{self.root}/{CHECKSUM_PROBE}"
+        #: S3's own requests where the store is reached through s3fs, else None (`fs.open`)
+        s3 = self.store.s3_filesystem()
+        self.objects = (
+            None
+            if s3 is None
+            else ObjectUploader(s3, self.jobs, limit.take, probe=f"{self.root}/{CHECKSUM_PROBE}")
         )
         self._lock = threading.Lock()
         self._listing: dict[str, dict[str, Any]] | None = None
@@ -116,15 +119,19 @@ class _Uploader:
         self._pending: dict[str, tuple[str, int, str, str, Any]] = {}
 
     def close(self) -> None:
-        self.objects.close()
+        if self.objects is not None:
+            self.objects.close()
 
     def listing(self) -> dict[str, dict[str, Any]]:
         """Objects under the destination prefix, relative name -> info (one listing a round)."""
         if self._listing is None:
             try:
-                self.fs.invalidate_cache(self.root)
-                # a prefix nothing was synced to yet lists empty (no HEAD asked first)
-                found = self.fs.find(self.root, detail=True)
+                if self.objects is not None:
+                    # one request, also for a prefix nothing was synced to yet
+                    found = self.objects.list_prefix(self.root)
+                else:
+                    self.fs.invalidate_cache(self.root)
+                    found = self.fs.find(self.root, detail=True)
             except FileNotFoundError:
                 found = {}
             except Exception as exc:  # each filesystem package raises its own errors
@@ -266,8 +273,40 @@ class _Uploader:
             self.store.remove(rel)
 
     def _put(self, rel: str, data: bytes) -> None:
-        self.store.write_file(rel, [data])
-        self.limit.take(len(data))
+        """A small file written whole (a manifest, `latest`). To S3 in one PUT, checked by the
+        store's reply as a data file is, and removed again when that check fails: a damaged
+        manifest would make its checkpoint look synced."""
+        if self.objects is None:
+            self.store.write_file(rel, [data])
+            self.limit.take(len(data))
+            return
+        target = f"{self.root}/{rel}"
+        new = hasher_factory(SYNC_ALGORITHM)
+        try:
+            up = self.objects.upload_bytes(data, target, new, sha256=SYNC_ALGORITHM == "sha256")
+        except Exception as exc:
+            raise remote_failure(exc, f"{self.dest}/{rel}", writing=True) from None
+        if up.checked:
+            return
+        reply = {"size": len(data), "ETag": up.etag}
+        try:
+            self._check_upload(
+                target, rel, len(data), up.expected_etag or "", up.digest, new, reply
+            )
+        except CkptError:
+            self._remove([rel])
+            raise
+
+    def _put_etag(self, data: bytes) -> str:
+        """The ETag of the object `_put` makes of `data`: one PUT to S3; through `write_file`
+        elsewhere (`UPLOAD_BLOCK` parts from that size on, one PUT below it)."""
+        if self.objects is not None:
+            return hashlib.md5(data).hexdigest()
+        parts = [
+            hashlib.md5(data[i : i + UPLOAD_BLOCK]).digest()
+            for i in range(0, max(len(data), 1), UPLOAD_BLOCK)
+        ]
+        return s3_etag(parts, len(data))
 
     def _upload_file(self, path: Path, rel: str, size: int, plan: _Plan) -> tuple[str, bool]:
         """(manifest digest, whether it was sent): skipped when the object already holds it."""
@@ -279,8 +318,8 @@ class _Uploader:
             digest, local_etag = self._hash_local(path, new, multipart="-" in (etag or ""))
             if etag == local_etag:
                 return digest, False
-        if self.objects.direct:
-            return self._upload_direct(path, target, rel, size, plan), True
+        if self.objects is not None:
+            return self._upload_direct(self.objects, path, target, rel, size, plan), True
         hasher = new()
         parts: list[bytes] = []
 
@@ -299,12 +338,14 @@ class _Uploader:
             self._pending[rel] = (target, size, s3_etag(parts, size), hasher.hexdigest(), new)
         return hasher.hexdigest(), True
 
-    def _upload_direct(self, path: Path, target: str, rel: str, size: int, plan: _Plan) -> str:
+    def _upload_direct(
+        self, objects: ObjectUploader, path: Path, target: str, rel: str, size: int, plan: _Plan
+    ) -> str:
         """One S3 upload, checked by the store's reply (no request after it): the store
         checked the body against the checksum sent with it, or its ETag is the bytes sent."""
         new = plan.new
         try:
-            up = self.objects.upload(path, target, size, new, sha256=plan.algorithm == "sha256")
+            up = objects.upload(path, target, size, new, sha256=plan.algorithm == "sha256")
         except CkptError:
             raise
         except Exception as exc:
@@ -402,12 +443,7 @@ class _Uploader:
             if path.is_file() and path.stat().st_size <= 16 << 20:
                 data = path.read_bytes()
                 existing = self.listing().get(name)
-                # the parts `write_file` sends (`UPLOAD_BLOCK` each; one PUT below that)
-                parts = [
-                    hashlib.md5(data[i : i + UPLOAD_BLOCK]).digest()
-                    for i in range(0, max(len(data), 1), UPLOAD_BLOCK)
-                ]
-                if existing is not None and remote_etag(existing) == s3_etag(parts, len(data)):
+                if existing is not None and remote_etag(existing) == self._put_etag(data):
                     continue
                 self._put(name, data)
 
@@ -445,6 +481,8 @@ def sync_up(
     if prune_policy is not None:
         # the remote side has one writer, this sync, which writes each save's markers last:
         # a fresh upload is complete the moment its manifest is there
+        from ..prune.run import prune  # only a round that prunes imports the pruning
+
         policy = prune_policy.model_copy(update={"settle": 0.0})
         report.pruned = prune(dest.rstrip("/"), policy, yes=True, strict_metric=False)
     known = None if prune_policy is not None else _latest_held(uploader, run, report)
