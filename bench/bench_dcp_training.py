@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from timing import ENV
 
 
 def build(path: Path, layers: int) -> int:
@@ -87,7 +87,7 @@ def main() -> None:
     try:
         checkpoint = root / "step-1"
         leaves = build(checkpoint, args.layers)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = ENV  # this checkout first on the path, its bytecode cached
         ckpt = [sys.executable, "-m", "ckpt_cli"]
         candidates = {
             "inspect": [*ckpt, "inspect", str(checkpoint)],
