@@ -221,3 +221,37 @@ def test_a_model_validates_and_dumps_the_same_once_built_on_first_use() -> None:
     assert Manifest.model_validate_json(manifest.model_dump_json()) == manifest
     with pytest.raises(ValueError):
         Entry.model_validate({"name": "w", "kind": "tensor", "dtype": "F32", "shape": "x"})
+
+
+# ---------------------------------------------------------------- only what is printed (#30)
+# rich's console is imported by what prints with it, and `--version` by no command at all: a
+# script reading `--json`, `$(ckpt latest out/)` or the version pays for neither.
+
+
+def test_version_loads_no_command_and_says_the_version() -> None:
+    from ckpt_cli import __version__
+
+    seen, stdout = _probe("--version")
+    assert seen["code"] == 0 and stdout == f"ckpt {__version__}\n"
+    assert not [m for m in seen["modules"] if m.startswith("ckpt_cli.cli.commands.")]
+    assert "rich" not in seen["modules"]
+
+
+def test_json_reports_are_printed_without_rich(model: Path) -> None:
+    for args in (["inspect", model, "--json"], ["verify", model, "--json"]):
+        seen, stdout = _probe(*args)
+        assert seen["code"] == 0 and json.loads(stdout)["ok"], args
+        assert "rich" not in seen["modules"], args
+    # the same checkpoint for people: rich draws the summary
+    seen, stdout = _probe("inspect", model)
+    assert "rich" in seen["modules"] and "4 tensors" in stdout
+
+
+def test_latest_prints_its_path_without_rich_or_the_prune_command(tmp_path: Path) -> None:
+    from .run_fixtures import trainer_run
+
+    out = trainer_run(tmp_path)
+    seen, stdout = _probe("latest", out)
+    assert seen["code"] == 0 and stdout == f"{out / 'checkpoint-500'}\n"
+    assert "rich" not in seen["modules"]
+    assert not [m for m in seen["modules"] if m.startswith("ckpt_cli.ops.prune")]
