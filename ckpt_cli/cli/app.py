@@ -19,6 +19,7 @@ import typer.models
 
 from .. import __version__, faults
 from ..errors import CkptError, Interrupted, NotFoundError, ProblemsFound
+from ..heap import end_start_up
 from .conventions import CkptGroup, CkptTyper, T, docs_url, hub_hint
 
 app = CkptTyper(
@@ -138,6 +139,7 @@ def run_command(
     from . import render
 
     started = time.monotonic()
+    end_start_up()  # the collector paused by the entry point runs again, for the work
     try:
         result = action()
     except NotFoundError as error:
