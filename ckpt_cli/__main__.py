@@ -15,9 +15,10 @@ import sys
 
 def entry() -> None:
     """Install the signal handlers, then import and run the CLI."""
-    from . import faults
+    from . import faults, heap
 
     faults.install_handlers()
+    heap.pause_start_up()  # until the command's work begins: see `heap`
     # pydantic looks for plugins (logfire and the like) by reading the entry points of every
     # installed distribution, on the first model it builds: ~25 ms of a metadata command in a
     # large environment, for plugins that observe services, not a command line. An explicit

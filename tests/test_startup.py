@@ -221,3 +221,76 @@ def test_a_model_validates_and_dumps_the_same_once_built_on_first_use() -> None:
     assert Manifest.model_validate_json(manifest.model_dump_json()) == manifest
     with pytest.raises(ValueError):
         Entry.model_validate({"name": "w", "kind": "tensor", "dtype": "F32", "shape": "x"})
+
+
+# ---------------------------------------------------------------- only what is printed (#30)
+# rich's console is imported by what prints with it, and `--version` by no command at all: a
+# script reading `--json`, `$(ckpt latest out/)` or the version pays for neither.
+
+
+def test_version_loads_no_command_and_says_the_version() -> None:
+    from ckpt_cli import __version__
+
+    seen, stdout = _probe("--version")
+    assert seen["code"] == 0 and stdout == f"ckpt {__version__}\n"
+    assert not [m for m in seen["modules"] if m.startswith("ckpt_cli.cli.commands.")]
+    assert "rich" not in seen["modules"]
+
+
+def test_json_reports_are_printed_without_rich(model: Path) -> None:
+    for args in (["inspect", model, "--json"], ["verify", model, "--json"]):
+        seen, stdout = _probe(*args)
+        assert seen["code"] == 0 and json.loads(stdout)["ok"], args
+        assert "rich" not in seen["modules"], args
+    # the same checkpoint for people: rich draws the summary
+    seen, stdout = _probe("inspect", model)
+    assert "rich" in seen["modules"] and "4 tensors" in stdout
+
+
+def test_latest_prints_its_path_without_rich_or_the_prune_command(tmp_path: Path) -> None:
+    from .run_fixtures import trainer_run
+
+    out = trainer_run(tmp_path)
+    seen, stdout = _probe("latest", out)
+    assert seen["code"] == 0 and stdout == f"{out / 'checkpoint-500'}\n"
+    assert "rich" not in seen["modules"]
+    assert not [m for m in seen["modules"] if m.startswith("ckpt_cli.ops.prune")]
+
+
+#: `ckpt ARGS` through the entry point; on stderr, whether the cyclic GC was on when typer and
+#: pydantic were imported, and its state at exit
+GC_PROBE = (
+    "import gc, json, sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
+    "on = {}\n"
+    "class Seen:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name in ('typer', 'pydantic'):\n"
+    "            on[name] = gc.isenabled()\n"
+    "sys.meta_path.insert(0, Seen())\n"
+    "from ckpt_cli.__main__ import entry\n"
+    "try:\n    entry()\nexcept SystemExit:\n    pass\n"
+    "print(json.dumps({'on at import': on, 'on at exit': gc.isenabled(),\n"
+    "    'frozen': gc.get_freeze_count()}), file=sys.stderr)"
+)
+
+
+def _gc_probe(*args: str | Path) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-c", GC_PROBE, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=300,
+    )
+    seen: dict[str, Any] = json.loads(proc.stderr.strip().splitlines()[-1])
+    return seen
+
+
+def test_start_up_runs_without_the_collector_and_the_work_with_it(model: Path) -> None:
+    # the start-up's objects all live as long as the process: no collection looks at them
+    seen = _gc_probe("--version")
+    assert seen["on at import"] == {"typer": False}
+    seen = _gc_probe("inspect", model, "--json")
+    assert seen["on at import"] == {"typer": False, "pydantic": False}
+    # the command's work gets the collector back, with the start-up's objects frozen out of it
+    assert seen["on at exit"] and seen["frozen"] > 10_000

@@ -19,6 +19,7 @@ import typer.models
 
 from .. import __version__, faults
 from ..errors import CkptError, Interrupted, NotFoundError, ProblemsFound
+from ..heap import end_start_up
 from .conventions import CkptGroup, CkptTyper, T, docs_url, hub_hint
 
 app = CkptTyper(
@@ -89,6 +90,10 @@ def examples(*commands: str) -> str:
     return "Examples:\n\n\b\n" + "\n".join("  " + command for command in commands)
 
 
+#: the root's version option: eager, it prints and exits before any command is looked up
+VERSION_OPTIONS = ("--version", "-V")
+
+
 def _version_callback(value: bool) -> None:
     if value:
         typer.echo(f"ckpt {__version__}")
@@ -100,8 +105,7 @@ def _root(
     version: Annotated[
         bool,
         typer.Option(
-            "--version",
-            "-V",
+            *VERSION_OPTIONS,
             help="Print the version and exit.",
             callback=_version_callback,
             is_eager=True,
@@ -135,6 +139,7 @@ def run_command(
     from . import render
 
     started = time.monotonic()
+    end_start_up()  # the collector paused by the entry point runs again, for the work
     try:
         result = action()
     except NotFoundError as error:
@@ -270,10 +275,16 @@ def get_app() -> typer.Typer:
 
 def _app_for(args: list[str]) -> typer.Typer:
     """The app with the commands `args` can run: the named command alone when the first
-    argument names one (its siblings' modules and typer parameters cost start-up time),
-    every command for help, completion, a typo's suggestion or a root option."""
-    named = args and not args[0].startswith("-") and not os.environ.get("_CKPT_COMPLETE")
-    if named and args[0] in _command_modules():
+    argument names one (its siblings' modules and typer parameters cost start-up time), none
+    for `--version`, every command for help, completion, a typo's suggestion or another root
+    option."""
+    if os.environ.get("_CKPT_COMPLETE"):
+        return get_app()
+    if args and args[0] in VERSION_OPTIONS:
+        # eager: prints and exits while the root's options are parsed, before any command is
+        # looked up, so no command module (a third of a `--version` process) is needed
+        return app
+    if args and not args[0].startswith("-") and args[0] in _command_modules():
         load_commands(only=args[0])
         return app
     return get_app()

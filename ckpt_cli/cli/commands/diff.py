@@ -82,9 +82,13 @@ def diff(
     by value.
     """
     from ...errors import ProblemsFound
-    from ...ops.diff.run import DiffRequest, diff_with
-    from ..render.diff import render_diff
+    from ...ops.diff.run import DiffReport, DiffRequest, diff_with
     from ..render.progress import bar
+
+    def render(report: DiffReport) -> None:
+        from ..render.diff import render_diff  # rich: imported to print for people only
+
+        render_diff(report)
 
     request = DiffRequest(
         format_a=format_a,
@@ -102,7 +106,7 @@ def diff(
             "diff",
             json_output,
             lambda: diff_with(a, b, request, progress),
-            render_diff,
+            render,
             exit_code=lambda report: 0 if report.identical else 1,
             failure=lambda report, _code: ProblemsFound(
                 f"{a} and {b} differ: {report.verdict}",

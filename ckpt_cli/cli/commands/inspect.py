@@ -38,15 +38,19 @@ def inspect(
 
     Reads headers and metadata only; no tensor data is loaded.
     """
-    from ...ops.inspect import InspectRequest, inspect_with
-    from ..render.inspect import render_inspect
+    from ...ops.inspect import InspectReport, InspectRequest, inspect_with
+
+    def render(report: InspectReport) -> None:
+        from ..render.inspect import render_inspect  # rich: imported to print for people only
+
+        render_inspect(report, show_tensors=tensors)
 
     request = InspectRequest(format=format, filters=filter)
     run_command(
         "inspect",
         json_output,
         lambda: inspect_with(src, request),
-        lambda report: render_inspect(report, show_tensors=tensors),
+        render,
         # shown, but a malformed file is a bad checkpoint (exit 4), as `verify` judges it
         exit_code=lambda report: 4 if any(p.severity == "error" for p in report.problems) else 0,
     )

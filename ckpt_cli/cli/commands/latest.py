@@ -40,7 +40,7 @@ def latest(
     """
     from ...errors import NotFoundError
     from ...ops.latest import LatestRequest, exit_code, latest_with
-    from ..render.prune import render_latest
+    from ..render.latest import render_latest
 
     # the table of every checkpoint is judged in full only when it is printed (--json)
     request = LatestRequest(settle=settle, full=json_output)

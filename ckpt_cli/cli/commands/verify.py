@@ -91,7 +91,7 @@ def verify(
     read at all. Never modifies the checkpoint (except writing the manifest when asked).
     """
     from ...errors import ProblemsFound, UsageError
-    from ...ops.verify.run import VerifyRequest, verify_with
+    from ...ops.verify.run import VerifyReport, VerifyRequest, verify_with
 
     if algo is not None and not write_manifest:
         # checking uses the algorithm the manifest records; --algo would silently do nothing
@@ -108,7 +108,11 @@ def verify(
         )
         raise typer.Exit(2)
     from ..render.progress import bar
-    from ..render.verify import render_verify
+
+    def render(report: VerifyReport) -> None:
+        from ..render.verify import render_verify  # rich: imported to print for people only
+
+        render_verify(report)
 
     request = VerifyRequest(
         format=format,
@@ -126,7 +130,7 @@ def verify(
             "verify",
             json_output,
             lambda: verify_with(src, request, progress),
-            render_verify,
+            render,
             exit_code=lambda report: 0 if report.ok else 1,
             failure=lambda report, _code: ProblemsFound(
                 f"{report.errors} error(s) and {report.warnings} warning(s) found",

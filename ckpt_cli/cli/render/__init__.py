@@ -11,11 +11,7 @@ import json
 import os
 import re
 import sys
-from typing import Any, NoReturn
-
-from rich.console import Console, ConsoleDimensions
-from rich.markup import escape
-from rich.text import Text
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ...errors import CkptError
 
@@ -43,34 +39,6 @@ def safe_text(text: str) -> str:
     return _UNSAFE.sub(_escape_char, text)
 
 
-class SafeConsole(Console):
-    """A rich Console that escapes control/bidi characters and never wraps off a terminal.
-
-    Off a terminal (pipes, files, CI logs) one record is one line: the console claims a width
-    nothing reaches (whatever COLUMNS says), so tables are space-aligned and never folded, and
-    text is never wrapped. A closed pipe (`| head -1`) ends the run quietly with 141.
-    """
-
-    @property
-    def size(self) -> ConsoleDimensions:
-        if not self.is_terminal:
-            return ConsoleDimensions(UNWRAPPED_WIDTH, 25)
-        return super().size
-
-    @size.setter
-    def size(self, new_size: tuple[int, int]) -> None:
-        width, height = new_size
-        self._width, self._height = width, height
-
-    def on_broken_pipe(self) -> None:
-        # rich's default exits 1, which scripts read as "problems found"
-        self.quiet = True
-        closed_pipe_exit()
-
-    def render_str(self, text: str, **kwargs: Any) -> Text:
-        return super().render_str(safe_text(text), **kwargs)
-
-
 #: the status of a run whose reader went away: 128 + SIGPIPE, what a shell reports for `yes | head`
 CLOSED_PIPE_EXIT = 141
 
@@ -86,26 +54,61 @@ def closed_pipe_exit() -> NoReturn:
     raise SystemExit(CLOSED_PIPE_EXIT)
 
 
-stdout = SafeConsole(highlight=False, soft_wrap=False)
-#: warnings, notes and progress: silenced by --quiet
-stderr = SafeConsole(stderr=True, highlight=False)
-#: errors: printed whatever the verbosity
-errors = SafeConsole(stderr=True, highlight=False)
+if TYPE_CHECKING:
+    from .console import SafeConsole
+
+    #: data for people (rich markup), on stdout
+    stdout: SafeConsole
+    #: warnings, notes and progress: silenced by --quiet
+    stderr: SafeConsole
+    #: errors: printed whatever the verbosity
+    errors: SafeConsole
 
 #: -1 with --quiet, 1 with --verbose, 0 otherwise (set once per command run)
 verbosity = 0
+
+#: the consoles once made (see `__getattr__`)
+_consoles: dict[str, SafeConsole] = {}
+
+
+def __getattr__(name: str) -> SafeConsole:
+    """The consoles `stdout`, `stderr` and `errors`, made when first used.
+
+    rich is imported by what prints with it: a `--json` run's result or `ckpt latest`'s path
+    never is (rich's console is about a fifth of a metadata command's start-up).
+    """
+    if name not in ("stdout", "stderr", "errors"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _console(name)
+
+
+def _console(name: str) -> SafeConsole:
+    """The console `name`, the three made at the first call (and module attributes from then)."""
+    if not _consoles:
+        from .console import SafeConsole
+
+        _consoles["stdout"] = SafeConsole(highlight=False, soft_wrap=False)
+        _consoles["stderr"] = SafeConsole(stderr=True, highlight=False, quiet=verbosity < 0)
+        _consoles["errors"] = SafeConsole(stderr=True, highlight=False)
+        globals().update(_consoles)
+    return _consoles[name]
 
 
 def set_verbosity(level: int) -> None:
     """Apply -q/-v: quiet silences everything on stderr but errors."""
     global verbosity
     verbosity = level
-    stderr.quiet = level < 0
+    if _consoles:  # otherwise `stderr` takes the level when it is made
+        _consoles["stderr"].quiet = level < 0
 
 
 def warn(command: str, message: str) -> None:
     """A warning on stderr (`ckpt CMD: warning: ...`), silenced by --quiet."""
-    stderr.print(f"[yellow]{_prog(command)}: warning:[/] {escape(message)}", highlight=False)
+    from rich.markup import escape
+
+    _console("stderr").print(
+        f"[yellow]{_prog(command)}: warning:[/] {escape(message)}", highlight=False
+    )
 
 
 def _prog(command: str) -> str:
@@ -181,32 +184,40 @@ def emit_error(
     command: str, error: CkptError, json_output: bool, exit_code: int | None = None
 ) -> None:
     """Report an expected failure: envelope on stdout with --json, a message on stderr always."""
+    from rich.markup import escape
+
     code = error.exit_code if exit_code is None else exit_code
     if json_output:
         _print_json(envelope(command, None, code, error))
     # the message is plain text: brackets in it (`ckpt-cli[fast]`) are not markup
-    errors.print(
+    _console("errors").print(
         f"[bold red]{_prog(command)}: error:[/] {escape(error.message)}",
         markup=True,
         highlight=False,
     )
     if verbosity > 0:
-        errors.print(f"  (error code {error.code}, exit {code})", markup=False, highlight=False)
+        _console("errors").print(
+            f"  (error code {error.code}, exit {code})", markup=False, highlight=False
+        )
 
 
 def emit_internal_error(command: str, exc: BaseException, json_output: bool) -> None:
     """Report a bug (exit 70) without a traceback unless CKPT_DEBUG is set."""
+    from rich.markup import escape
+
     error = CkptError(
         f"internal error: {type(exc).__name__}: {exc}",
         fix="This is a bug in ckpt. Run again with CKPT_DEBUG=1 for the traceback and report it.",
     )
     if json_output:
         _print_json(envelope(command, None, 70, error))
-    errors.print(f"[bold red]ckpt {command}: {escape(error.message)}[/]", highlight=False)
+    _console("errors").print(
+        f"[bold red]ckpt {command}: {escape(error.message)}[/]", highlight=False
+    )
     if verbosity > 0:
         import traceback
 
-        errors.print(
+        _console("errors").print(
             "".join(traceback.format_exception(exc)), markup=False, highlight=False, soft_wrap=True
         )
 

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 from ...dist.command import joined
 from ...progress import NULL_PROGRESS
 from ...progress import Progress as ProgressSink
-from . import stderr
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -43,7 +42,12 @@ class RichProgress:
 def bar(enabled: bool = True) -> Iterator[ProgressSink]:
     """A progress sink for one command run (one that draws nothing when nothing would show:
     rich's progress machinery is then not even imported, a measurable part of a start-up)."""
-    if not enabled or not stderr.is_terminal or stderr.quiet:
+    if not enabled:  # --json: not even the console is made
+        yield NULL_PROGRESS
+        return
+    from . import stderr
+
+    if not stderr.is_terminal or stderr.quiet:
         yield NULL_PROGRESS
         return
     from rich.progress import (

@@ -1,15 +1,14 @@
-"""Human rendering of `ckpt prune` and of run tables (`ckpt latest`, `ckpt inspect RUN_DIR`)."""
+"""Human rendering of `ckpt prune` and of run tables (`ckpt inspect RUN_DIR`)."""
 
 from __future__ import annotations
 
-import sys
 import time
 
 from rich.table import Table
 
 from ...ops.prune.retention import PruneReport, WatchReport
 from ...sources.runs import RunCheckpoint, RunReport
-from . import human_bytes, safe_text, stderr, stdout
+from . import human_bytes, stderr, stdout
 
 _STATUS_STYLE = {
     "complete": "green",
@@ -161,24 +160,6 @@ def render_watch(report: WatchReport) -> None:
         f"{'s' if report.iterations != 1 else ''}: deleted {len(report.deleted)} "
         f"checkpoint{'s' if len(report.deleted) != 1 else ''}, freed {human_bytes(report.bytes_freed)}"
     )
-
-
-def render_latest(report: RunReport) -> None:
-    """Only the path on stdout (for `$(ckpt latest out/)`); the reason for none on stderr."""
-    if report.latest is not None:
-        # the real path for `$(ckpt latest out/)`; on a terminal, a name cannot drive it
-        path = report.latest if not sys.stdout.isatty() else safe_text(report.latest)
-        sys.stdout.write(path + "\n")
-        sys.stdout.flush()
-        return
-    if not report.checkpoints:
-        stderr.print(f"ckpt latest: {report.run_dir}: no step checkpoints found", soft_wrap=True)
-        return
-    stderr.print(f"ckpt latest: {report.run_dir}: no complete checkpoint", soft_wrap=True)
-    for c in reversed(report.checkpoints):
-        stderr.print(
-            f"  {c.name}: {c.status}: {c.reason}", markup=False, highlight=False, soft_wrap=True
-        )
 
 
 def render_prune_result(report: PruneReport | WatchReport) -> None:
