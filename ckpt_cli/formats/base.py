@@ -183,6 +183,18 @@ class Checkpoint(ABC):
             path=self.manifest.location,
         )
 
+    def release_entries(self) -> None:
+        """Let go of the per-entry metadata once no entry will be read again: the manifest's
+        entries (its format, location and files stay) and the source's cached parse.
+
+        A conversion calls it once every entry is copied, so the source's entries are not
+        alive beside the written `.metadata` and the output check's parse of it (#30: 100,000
+        entries). Reading an entry afterwards fails as for a name the checkpoint lacks.
+        """
+        self.manifest.entries = []
+        self.manifest.__dict__.pop("by_name", None)  # the cached index of the entries
+        self.source.parsed.clear()
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release open files."""
 

@@ -24,6 +24,7 @@ from .layout import (
     PendingTensor,
     int_list,
     is_count,
+    zeros,
 )
 from .megatron import read_megatron_common
 from .metadata import (
@@ -305,6 +306,12 @@ class _Items:
                 raise FormatError(f"tensor {fqn!r} has a malformed chunk", path=where)
             if len(sizes) != len(shape):
                 raise FormatError(f"tensor {fqn!r} has a malformed chunk", path=where)
+            # a chunk that is the whole tensor (the usual one of a single-rank save) keeps the
+            # tensor's shape and the shared zeros, not two lists of its own (#30)
+            if sizes == shape:
+                sizes = shape
+            if not any(offsets):
+                offsets = zeros(len(offsets))
             info = self.index.get((fqn, tuple(offsets)))
             if info is None:
                 self.layout.problem(
@@ -327,8 +334,13 @@ def _add_tensors(
     pending: list[PendingTensor],
     raw_ranges: dict[tuple[str, str, tuple[int, ...]], tuple[int, int]],
 ) -> None:
-    """One tensor entry per pending tensor; chunks found raw point at their raw bytes."""
-    for fqn, dtype, shape, chunks in pending:
+    """One tensor entry per pending tensor; chunks found raw point at their raw bytes.
+
+    `pending` is emptied as the entries are built: its tuples are let go one by one, not all
+    at the end, when every entry is alive beside them (#30)."""
+    pending.reverse()
+    while pending:
+        fqn, dtype, shape, chunks = pending.pop()
         built: list[Chunk] = []
         for offsets, sizes, rel, offset, length in chunks:
             # the lists are the ones `_Items.tensor` made from `.metadata` (checked there)

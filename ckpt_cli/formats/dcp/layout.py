@@ -34,6 +34,20 @@ def rank_file(rank: int) -> str:
     return f"__{rank}_0{SUFFIX}"
 
 
+_ZEROS: dict[int, list[int]] = {}
+
+
+def zeros(n: int) -> list[int]:
+    """One shared list of `n` zeros: the offsets of every chunk that starts a tensor.
+
+    Chunks are never changed once built, so every such chunk (of a plan, or read from
+    `.metadata`) holds this one list, not a list of its own (#30: 100,000 entries)."""
+    shared = _ZEROS.get(n)
+    if shared is None:
+        shared = _ZEROS[n] = [0] * n
+    return shared
+
+
 def rank_chunk(rank: int, box: Box) -> Chunk:
     """The chunk `box` as rank `rank` writes it, into its own `rank_file` (bytes not yet placed)."""
     # a placement box holds non-negative ints by construction: nothing to validate

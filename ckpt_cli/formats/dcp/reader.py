@@ -81,6 +81,13 @@ class DcpCheckpoint(Checkpoint):
         #: (file, offset) -> transform of compressed items (`zstd`); set by `DcpFormat.open`
         self.transforms: dict[tuple[str, int], str] = {}
 
+    def release_entries(self) -> None:
+        """`Checkpoint.release_entries`, and the planner_data and the chunks found raw."""
+        super().release_entries()
+        self.planner_data = None
+        self._raw.clear()
+        self._located_at.clear()
+
     def _entry(self, name: str, kind: str) -> Entry:
         entry = self.manifest.by_name.get(name)
         if entry is None:

@@ -27,23 +27,13 @@ from .layout import (
     Layout,
     rank_chunk,
     rank_file,
+    zeros,
 )
 from .torch_blob import BLOB_DTYPES, ByteStream, write_tensor_blob
 from .torch_metadata import write_metadata
 
 if TYPE_CHECKING:
     import torch
-
-
-_ZEROS: dict[int, list[int]] = {}
-
-
-def _zeros(n: int) -> list[int]:
-    """One shared list of `n` zeros (the offsets of a chunk that is the whole tensor)."""
-    zeros = _ZEROS.get(n)
-    if zeros is None:
-        zeros = _ZEROS[n] = [0] * n
-    return zeros
 
 
 @dataclass
@@ -199,7 +189,7 @@ class DcpWriter(Writer):
         if entry.chunks is None and self.world_size == 1:
             # one rank holds the whole tensor: its chunk shares the plan's shape list and one
             # list of zeros per rank count (chunks are never changed), not two lists per entry
-            return [Chunk(_zeros(len(shape)), entry.shape, rank_file(0), 0, 0)]
+            return [Chunk(zeros(len(shape)), entry.shape, rank_file(0), 0, 0)]
         if entry.chunks is None:
             chunks: list[Chunk] = []
             seen: set[tuple[int, ...]] = set()

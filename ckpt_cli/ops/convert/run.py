@@ -473,6 +473,7 @@ def convert(
             shares=shares,
             extras=carried,
             origins=origins,
+            release_source=True,  # below, the report reads only its location and format
         )
     tensors = [w for w in written if w.kind == "tensor"]
     return ConvertReport(

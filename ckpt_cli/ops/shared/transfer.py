@@ -83,9 +83,11 @@ class WrittenEntry:
     how: str
 
 
-@dataclass
+@dataclass(slots=True)
 class Item:
     """One entry to move: where it comes from, what it becomes, and the cast on the way."""
+
+    # slotted: a plan holds one per entry (100,000 for a model of many small tensors, #30)
 
     source: Entry
     target: Entry
@@ -412,6 +414,18 @@ def written_entry(item: Item, how: str, origins: dict[str, str] | None = None) -
     )
 
 
+def _records(
+    spent: list[Item], hows: list[str], origins: dict[str, str] | None
+) -> Iterator[WrittenEntry]:
+    """The record of each spent item (`written_entry`), in order, `spent` emptied as they are
+    made: each item (and a source entry no one else holds) goes as its record comes (#30)."""
+    spent.reverse()
+    for how in hows:
+        yield written_entry(spent.pop(), how, origins)
+    if spent:
+        raise RuntimeError(f"{len(spent)} planned entries were not written")
+
+
 def check_staged(format_name: str, staging: Path, single_file: bool) -> None:
     """Run the target format's structural check on the staged output; FormatError if it fails."""
     fmt = get_format(format_name)
@@ -572,6 +586,7 @@ def write_checkpoint(
     shares: list[RankShare] | None = None,
     extras: Sequence[str] = (),
     origins: dict[str, str] | None = None,
+    release_source: bool = False,
 ) -> tuple[list[FileInfo], list[WrittenEntry]]:
     """Write `plan` from `checkpoint` as format `to` at `dest`, atomically.
 
@@ -586,7 +601,10 @@ def write_checkpoint(
 
     The plan is spent: once the data is written, its items are let go (`plan.items` is emptied,
     the records returned describe what was written) before the check reads the output back, so
-    the plan's per-entry targets are not alive at the check's peak (#30).
+    the plan's per-entry targets are not alive at the check's peak (#30). In one process that
+    is as soon as the data is copied, before the writer's index or `.metadata`; with
+    `release_source` the source's entries go then too (`Checkpoint.release_entries`: the
+    caller reads none afterwards), so they are not alive beside the output check's parse.
     """
     fmt = get_format(to)
     if not fmt.writable:
@@ -618,6 +636,13 @@ def write_checkpoint(
         try:
             done = copy_entries(checkpoint, writer, items, counted)
             workers.test_failure_point("the copy")
+            if not workers.distributed:
+                # the records are all the report needs of the plan (and of the source's
+                # entries): both go before the writer's `.metadata` and the check (#30)
+                spent, plan.items, items = plan.items, [], []
+                if release_source:
+                    checkpoint.release_entries()
+                records.extend(_records(spent, done, origins))
             part = writer.finish_part() if workers.distributed else None
             files = None if part is not None else writer.finish()
         finally:
@@ -632,7 +657,7 @@ def write_checkpoint(
             # one process: how each item of the plan was written, in plan order
             "written": [[item.target.name, how] for item, how in zip(items, done, strict=True)]
             if workers.distributed
-            else done,
+            else [],
         }
 
     def commit(staging: Path, parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -665,13 +690,8 @@ def write_checkpoint(
             ]
             del hows
             records.extend(written_entry(plan.items[i], how, origins) for i, how in order)
-        else:
-            records.extend(
-                written_entry(item, how, origins)
-                for item, how in zip(plan.items, parts[0]["written"], strict=True)
-            )
-        # the plan is spent: its targets are let go before the check reads the output (#30)
-        plan.items = []
+            # the plan is spent: its targets are let go before the check reads the output (#30)
+            plan.items = []
         check_staged(to, staging, options.single_file)
         return {
             "files": [f.model_dump(mode="json") for f in files],
@@ -680,7 +700,7 @@ def write_checkpoint(
             "shares": [p["share"] for p in parts] if workers.distributed else [],
         }
 
-    records: list[WrittenEntry] = []  # built by `commit` (rank 0)
+    records: list[WrittenEntry] = []  # built by `work` (one process) or `commit` (rank 0)
     result = split_output(
         workers, dest, force=force, single_file=options.single_file, work=work, commit=commit
     )
