@@ -274,3 +274,17 @@ def test_names_with_digit_like_characters_fold_only_ascii_numbers(tmp_path: Path
     result = run_ckpt("inspect", tmp_path / "model.safetensors")
     assert result.exit_code == 0, result.stderr
     assert "layers.{0..2}" in result.stdout and "pos.²" in result.stdout
+
+
+def test_a_name_with_a_hash_component_is_shown_as_written(tmp_path: Path) -> None:
+    """`#` is an ordinary name component: it neither folds with the numbered layers beside it
+    nor breaks the tree (it was taken for the folded layers' node: an internal error)."""
+    state = {"#.x": torch.zeros(2), "a.#": torch.zeros(1), "a.1": torch.zeros(1)}
+    save_file(state, tmp_path / "model.safetensors")
+    result = run_ckpt("inspect", tmp_path / "model.safetensors")
+    assert result.exit_code == 0, result.stderr
+    assert "#.x" in result.stdout and "{1}" in result.stdout
+    tree = run_ckpt("inspect", tmp_path / "model.safetensors", "--json").json["result"]["tree"]
+    assert {node["name"] for node in tree} == {"#.x", "a"}
+    (a,) = [node for node in tree if node["name"] == "a"]
+    assert [child["name"] for child in a["children"]] == ["#", "{1}"]

@@ -47,6 +47,11 @@ def _ranges(indices: list[int]) -> str:
     return "{" + ",".join(parts) + "}"
 
 
+#: the child key of the folded numeric components: "." is the one string no component of a
+#: dotted name can be (a name's own `#`, `{0..3}`... stay what they are)
+FOLDED = "."
+
+
 class _Builder:
     """A node while the tree is built: what its own entries hold; `build` adds its subtree's."""
 
@@ -62,7 +67,7 @@ class _Builder:
         self.shapes: set[tuple[int, ...]] = set()
 
     def build(self, name: str) -> TreeNode:
-        if name == "#":
+        if name == FOLDED:
             name = _ranges(self.indices)
         leaf = not self.children
         children = [child.build(key) for key, child in self.children.items()]
@@ -91,9 +96,10 @@ def build_tree(entries: list[Entry]) -> list[TreeNode]:
             # ASCII digits only: `int` refuses some characters `isdigit` takes (`²`)
             numeric = part.isdigit() and part.isascii()
             children = node.children
-            child = children.get("#" if numeric else part)
+            key = FOLDED if numeric else part
+            child = children.get(key)
             if child is None:
-                child = children["#" if numeric else part] = _Builder()
+                child = children[key] = _Builder()
             if numeric:
                 child.indices.append(int(part))
             node = child
