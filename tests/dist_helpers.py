@@ -5,6 +5,7 @@ Other areas (convert, reshard, verify) import these:
 * `training_state(seed)`: a small model + AdamW state after one step, a step counter, RNG
   state and data-loader position: what a resumable training checkpoint holds.
 * `dcp_save(state, path, serialization)`: `dcp.save` in one process (`no_dist=True`).
+* `many_entries_dcp(path, count)`: a `dcp.save` of `count` tiny tensors (`layer.{i}.w`).
 * `run_torchrun(script, nproc, *args)`: run a script under `torchrun --standalone` with gloo
   on CPU (the script reads the rank from the environment); raises with its output on failure.
 * `torchrun_ckpt(nproc, *args)`: `torchrun --standalone -m ckpt_cli ARGS…`; returns the process.
@@ -67,6 +68,12 @@ def dcp_save(state: dict[str, Any], path: Path, serialization: str = "torch_save
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+def many_entries_dcp(path: Path, count: int) -> Path:
+    """A DCP of `count` tiny tensors (`layer.{i}.w`, 4 floats each) written by `dcp.save`."""
+    dcp_save({f"layer.{i}.w": torch.full((4,), float(i)) for i in range(count)}, path)
+    return path
 
 
 def dcp_load_flat(path: Path, template: dict[str, Any]) -> dict[str, Any]:

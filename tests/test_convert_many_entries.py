@@ -20,16 +20,7 @@ from ckpt_cli.formats import resolve_source
 from ckpt_cli.ops.convert.run import convert
 from ckpt_cli.sources.layouts import open_source
 
-
-def _small_dcp(path: Path, count: int) -> Path:
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        state = {f"layer.{i}.w": torch.full((4,), float(i)) for i in range(count)}
-        dcp.save(state, checkpoint_id=str(path), no_dist=True)
-    return path
+from .dist_helpers import many_entries_dcp
 
 
 def _traced(run: object) -> tuple[int, int]:
@@ -49,9 +40,9 @@ def test_the_output_is_written_and_checked_without_the_source_entries(tmp_path: 
     import torch
     import torch.distributed.checkpoint as dcp
 
-    src = _small_dcp(tmp_path / "src", 3000)
+    src = many_entries_dcp(tmp_path / "src", 3000)
     # a first conversion imports what a conversion uses: the traces below are the entries'
-    convert(str(_small_dcp(tmp_path / "warm", 10)), str(tmp_path / "warm-out"), "dcp")
+    convert(str(many_entries_dcp(tmp_path / "warm", 10)), str(tmp_path / "warm-out"), "dcp")
 
     def opened() -> object:
         with open_source(resolve_source(str(src))).checkpoint as checkpoint:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
-import torch
+
+from .dist_helpers import many_entries_dcp
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -33,21 +33,11 @@ pytestmark = pytest.mark.slow
 SMALL, LARGE = (500, 3000), (3000, 12000)
 
 
-def _small_dcp(path: Path, count: int) -> Path:
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        state = {f"layer.{i}.w": torch.full((4,), float(i)) for i in range(count)}
-        dcp.save(state, checkpoint_id=str(path), no_dist=True)
-    return path
-
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """The two DCPs every command is measured on (written once for the module)."""
     root = tmp_path_factory.mktemp("many-entries")
-    return {count: _small_dcp(root / f"src{count}", count) for count in {*SMALL, *LARGE}}
+    return {count: many_entries_dcp(root / f"src{count}", count) for count in {*SMALL, *LARGE}}
 
 
 def _peak_bytes(*args: str | Path) -> int:
