@@ -4,9 +4,6 @@ Ctrl-C, SIGTERM or SIGHUP while the CLI is still importing (the first second) ex
 signal's code and no traceback: the handlers are installed before the heavy imports. Once typer
 runs (a command module or its operation still importing), `conventions.CkptGroup` maps them the
 same way: 130, 143, 129, with the message on stderr.
-
-A remote SRC of `inspect` / `verify` starts opening on a thread before those imports
-(`cli.ahead`), so its round trips overlap them.
 """
 
 import os
@@ -24,9 +21,6 @@ def entry() -> None:
     # large environment, for plugins that observe services, not a command line. An explicit
     # PYDANTIC_DISABLE_PLUGINS (even empty, which loads them all) is left as the user set it.
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "1")
-    from .cli import ahead
-
-    ahead.start(sys.argv[1:])
     try:
         from .cli.app import main
 
@@ -35,8 +29,6 @@ def entry() -> None:
         error = faults.interruption(exc)
         sys.stderr.write(f"ckpt: {error.message}\n")
         sys.exit(error.exit_code)
-    finally:
-        ahead.discard()  # not taken (a usage error, an interrupt): its queued reads dropped
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import struct
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,21 +63,12 @@ def _same_as_local(remote: dict[str, Any], local: dict[str, Any]) -> None:
             assert remote.get(key) == local[key], key
 
 
-def _until(done: Callable[[], bool]) -> None:
-    """Wait for what another thread (or process) does; fail if it never happens."""
-    deadline = time.monotonic() + 60
-    while not done():
-        assert time.monotonic() < deadline, "it never happened"
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize("process", [False, True], ids=["in-process", "process"])
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_hub_reads_every_header_at_once_in_one_request_each(
     hub: TestHub, tmp_path: Path, command: str, process: bool
 ) -> None:
-    """In a process of its own the CLI opens the SRC ahead, while it imports (`cli.ahead`):
-    the same requests, none twice."""
+    """In the process and in a process of its own: the same requests, none twice."""
     lengths = _deepseek_like(tmp_path / "src")
     hub.add_repo("org/deepseek", tmp_path / "src")
     local = run_ckpt(command, tmp_path / "src", "--json")
@@ -186,73 +175,11 @@ def test_verify_reports_flawed_headers_in_shard_order_whatever_order_they_arrive
     assert second not in json.dumps(remote["inspect"].json["error"])
 
 
-def test_hub_src_opened_ahead_is_read_once_by_the_command(hub: TestHub, tmp_path: Path) -> None:
-    """What the CLI's entry point starts before its imports (`cli.ahead.start`): the
-    repository's info, the index and every header are requested with no command running
-    yet; the command then takes them over, and nothing is requested twice."""
-    from ckpt_cli.cli import ahead
-
-    lengths = _deepseek_like(tmp_path / "src")
-    hub.add_repo("org/deepseek", tmp_path / "src")
-    local = run_ckpt("inspect", tmp_path / "src", "--json")
-    hub.reset_counters()
-
-    def header_reads() -> list[Any]:
-        return [r for r in hub.file_requests("org/deepseek") if r.status == 206]
-
-    try:
-        assert ahead.start(["inspect", "hf://org/deepseek", "--json"])
-        _until(lambda: len(header_reads()) == 1 + SHARDS)  # the index, every header
-        result = run_ckpt("inspect", "hf://org/deepseek", "--json")
-    finally:
-        ahead.discard()
-
-    assert result.exit_code == 0, result.stderr
-    _same_as_local(result.json["result"], local.json["result"])
-    assert sorted(r.file for r in header_reads()) == sorted(
-        f"org/deepseek:{n}" for n in [*lengths, "model.safetensors.index.json"]
-    )
-    assert len([r for r in hub.log if "/api/models/org/deepseek" in r.path]) == 1
-
-
-def test_hub_src_that_fails_ahead_fails_the_command_as_usual(hub: TestHub) -> None:
-    """A repository that does not exist, opened ahead: the command reports it (exit 3) as
-    if it had asked itself, and the Hub was asked once."""
-    from ckpt_cli.cli import ahead
-
-    try:
-        assert ahead.start(["verify", "hf://org/absent"])
-        result = run_ckpt("verify", "hf://org/absent", "--json")
-    finally:
-        ahead.discard()
-
-    assert result.exit_code == 3, result.stdout
-    assert result.json["error"]["code"] == "not_found"
-    assert len([r for r in hub.log if "/api/models/org/absent" in r.path]) == 1
-
-
-def test_only_a_remote_src_of_a_metadata_command_is_opened_ahead(tmp_path: Path) -> None:
-    from ckpt_cli.cli import ahead
-
-    for args in (
-        ["inspect", str(tmp_path)],  # local: no round trip to overlap
-        ["convert", "hf://org/model", str(tmp_path / "out"), "--to", "dcp"],
-        ["inspect", "hf://org/model", "--help"],
-        ["inspect", "--json", "hf://org/model"],  # not the plain form: left to typer
-        # opened with options only the command applies
-        ["inspect", "hf://org/model", "--token", "hf_secret"],
-        ["verify", "hf://org/model", "--revision=v2"],
-        ["inspect", "hf://org/model", "--json", "--repo-type", "dataset"],
-        ["inspect"],
-    ):
-        assert not ahead.start(args), args
-
-
 def test_a_gated_repo_opens_with_token_in_a_process_of_its_own(
     hub: TestHub, tmp_path: Path
 ) -> None:
-    """`ckpt inspect hf://org/gated --token T` as a real process (where the entry point opens
-    SRC ahead): the token reaches the first request; nothing was asked without it."""
+    """`ckpt inspect hf://org/gated --token T` as a real process: the token reaches the first
+    request; nothing was asked without it."""
     import torch
 
     publish_model(hub, "org/gated", tmp_path / "src", {"w": torch.zeros(2)}, token="hf_secret")

@@ -16,7 +16,6 @@ import re
 from pathlib import Path
 
 from ..errors import FormatError, NotFoundError, UsageError
-from ..sources import ahead
 from ..storage import LocalStorage
 from ..storage.uri import Location, parse_location
 from .base import Checkpoint, Format, Source
@@ -105,15 +104,7 @@ def choose_format(source: Source, format: str | None) -> str:
 
 
 def resolve_source(location: Location | str) -> Source:
-    """Turn a location into a `Source` (storage + optional single target file).
-
-    A SRC the command line started opening while it imported (`sources.ahead`) is taken from
-    there, once: it is the same source, resolved (and its first reads begun) earlier.
-    """
-    if isinstance(location, str):
-        opened = ahead.take(location)
-        if opened is not None:
-            return opened
+    """Turn a location into a `Source` (storage + optional single target file)."""
     loc = parse_location(location) if isinstance(location, str) else location
     if loc.kind == "hf":
         from ..storage.hub import open_hub

@@ -450,13 +450,6 @@ class Format(ABC):
     def open(cls, source: Source) -> Checkpoint:
         """Read metadata and return the opened checkpoint."""
 
-    @classmethod  # noqa: B027 - an optional hook
-    def prefetch(cls, source: Source) -> None:
-        """Start what `open` and `check` read first of a remote `source`, so that it is on
-        its way while the process is still starting (`sources.ahead`): what is read now is
-        left in `source.parsed` or in the storage's head cache for them to take. Raises what
-        the reads raise; the default starts nothing."""
-
     @classmethod
     def writer(cls, staging: Path, plan: list[Entry], options: WriteOptions) -> Writer:
         """A streaming writer into `staging`."""

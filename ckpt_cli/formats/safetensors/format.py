@@ -151,26 +151,6 @@ class SafetensorsFormat(Format):
         )
 
     @classmethod
-    def prefetch(cls, source: Source) -> None:
-        """The index read (left for `open` and `check`), and every shard's header fetched in
-        the background, each sized from the names the index gives it."""
-        storage = source.storage
-        if storage.local_root is not None:
-            return
-        index_rel = find_index(source)
-        weight_map: dict[str, str] | None = None
-        if index_rel is not None:
-            weight_map, index_meta = read_index(storage, index_rel)
-            source.parsed[_index_key(source, index_rel)] = (weight_map, index_meta)
-            shards = sorted(set(weight_map.values()))
-        elif source.target is not None:
-            shards = [source.target]
-        else:
-            shards = [n for n in source.top_level() if n.endswith(".safetensors")]
-        listing = storage.list_files() if source.target is not None else source.files
-        prefetch_headers(storage, [s for s in shards if s in listing], weight_map)
-
-    @classmethod
     def _headers(
         cls, source: Source, shards: list[str], sizes: dict[str, int | None]
     ) -> list[SafetensorsHeader]:
@@ -214,10 +194,8 @@ class SafetensorsFormat(Format):
         weight_map: dict[str, str] | None = None
         index_meta: dict[str, Any] = {}
         if index_rel is not None:
-            # read already when the source was opened ahead (`prefetch`)
-            read_ahead = source.parsed.get(_index_key(source, index_rel))
             try:
-                weight_map, index_meta = read_ahead or read_index(storage, index_rel)
+                weight_map, index_meta = read_index(storage, index_rel)
             except CkptError as error:
                 report_bad_index(findings, error)
             else:  # read fine: an `open` of this source in the same operation takes it
