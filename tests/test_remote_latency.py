@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,28 @@ def test_hub_reads_every_header_at_once_in_one_request_each(
     assert len(api) == 1 and "blobs=" in api[0], api
 
 
+def _release_when_the_others_are_read(
+    monkeypatch: pytest.MonkeyPatch, gate: threading.Event, slow: str, others: set[str]
+) -> list[str]:
+    """Set `gate` (the server's hold on `slow`) once every one of `others` had its header's
+    first read handed to a reader; returns those reads' files, in the order they were made."""
+    from ckpt_cli.storage.hub import HubStorage
+
+    handed: list[str] = []
+    read = HubStorage.read
+
+    def reading(self: HubStorage, rel: str, offset: int, length: int) -> bytes:
+        data = read(self, rel, offset, length)
+        if offset == 0 and rel in others | {slow}:
+            handed.append(rel)
+            if others <= set(handed):
+                gate.set()
+        return data
+
+    monkeypatch.setattr(HubStorage, "read", reading)
+    return handed
+
+
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_hub_headers_are_parsed_as_they_arrive_not_behind_a_slow_one(
     hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
@@ -111,44 +134,31 @@ def test_hub_headers_are_parsed_as_they_arrive_not_behind_a_slow_one(
     shard's header was handed to the parser. They are parsed meanwhile, not after it (a
     reader in shard order would wait on it first; the server then lets it go after 30 s and
     the others are read late), and the report is the one of the same checkpoint on disk."""
-    from ckpt_cli.storage.hub import HubStorage
-
     lengths = _deepseek_like(tmp_path / "src")
     hub.add_repo("org/deepseek", tmp_path / "src")
     local = run_ckpt(command, tmp_path / "src", "--json")
-    slow, *rest = sorted(lengths)
-    others = set(rest)
+    slow, *others = sorted(lengths)
     gate = hub.hold("org/deepseek", slow)
-    handed: list[str] = []  # the headers' first reads, in the order the parser made them
-    read = HubStorage.read
-
-    def reading(self: HubStorage, rel: str, offset: int, length: int) -> bytes:
-        data = read(self, rel, offset, length)
-        if offset == 0 and rel in lengths:
-            handed.append(rel)
-            if others <= set(handed):
-                gate.set()
-        return data
-
-    monkeypatch.setattr(HubStorage, "read", reading)
+    handed = _release_when_the_others_are_read(monkeypatch, gate, slow, set(others))
 
     result = run_ckpt(command, "hf://org/deepseek", "--json")
 
     gate.set()
     assert result.exit_code == 0, result.stderr
-    assert set(handed[: len(others)]) == others and handed[-1] == slow, handed
+    assert set(handed[: len(others)]) == set(others) and handed[-1] == slow, handed
     if command == "inspect":
         _same_as_local(result.json["result"], local.json["result"])
     else:
         assert result.json["ok"] is True and result.json["result"]["problems"] == []
 
 
-def test_verify_reports_flawed_headers_in_shard_order_whatever_order_they_arrive(
-    hub: TestHub, tmp_path: Path
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_flawed_headers_are_reported_in_shard_order_whatever_order_they_arrive(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
 ) -> None:
-    """Two shards with a corrupt header, the first one held back so that it arrives last:
-    `verify` lists both in shard order and `inspect` refuses with the first shard's flaw,
-    as on disk."""
+    """Two shards with a corrupt header, the first one held back until every other header
+    was read, so that it arrives last: `verify` lists both in shard order and `inspect`
+    refuses with the first shard's flaw, as on disk."""
     lengths = _deepseek_like(tmp_path / "src")
     first, second = sorted(lengths)[0], sorted(lengths)[5]
     for name in (first, second):
@@ -156,23 +166,28 @@ def test_verify_reports_flawed_headers_in_shard_order_whatever_order_they_arrive
             fh.seek(8)
             fh.write(b"[")  # the JSON header no longer parses
     hub.add_repo("org/broken", tmp_path / "src")
-    on_disk = {cmd: run_ckpt(cmd, tmp_path / "src", "--json") for cmd in ("verify", "inspect")}
+    on_disk = run_ckpt(command, tmp_path / "src", "--json")
     gate = hub.hold("org/broken", first)
+    # verify reads every header; inspect stops at the first flaw in shard order, so it skips
+    # the shards after `second` (whichever arrived) and must wait for `first` to know
+    shards = sorted(lengths)
+    read_first = shards[1:] if command == "verify" else shards[1 : shards.index(second) + 1]
+    handed = _release_when_the_others_are_read(monkeypatch, gate, first, set(read_first))
 
-    remote = {cmd: run_ckpt(cmd, "hf://org/broken", "--json") for cmd in ("verify", "inspect")}
+    remote = run_ckpt(command, "hf://org/broken", "--json")
 
     gate.set()
-    problems = [
-        (p["code"], p["file"].rsplit("/", 1)[1])
-        for p in remote["verify"].json["result"]["problems"]
-    ]
-    assert problems[:2] == [("bad_header", first), ("bad_header", second)], problems
-    assert [p["code"] for p in on_disk["verify"].json["result"]["problems"]] == [
-        c for c, _ in problems
-    ]
-    assert remote["inspect"].exit_code == on_disk["inspect"].exit_code == 4
-    assert first in json.dumps(remote["inspect"].json["error"])
-    assert second not in json.dumps(remote["inspect"].json["error"])
+    assert handed[-1] == first, handed  # it did arrive last
+    if command == "verify":
+        problems = [
+            (p["code"], p["file"].rsplit("/", 1)[1]) for p in remote.json["result"]["problems"]
+        ]
+        assert problems[:2] == [("bad_header", first), ("bad_header", second)], problems
+        assert [p["code"] for p in on_disk.json["result"]["problems"]] == [c for c, _ in problems]
+    else:
+        assert remote.exit_code == on_disk.exit_code == 4
+        assert first in json.dumps(remote.json["error"])
+        assert second not in json.dumps(remote.json["error"])
 
 
 def test_a_gated_repo_opens_with_token_in_a_process_of_its_own(
