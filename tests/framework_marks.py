@@ -34,18 +34,42 @@ _IMPORT = re.compile(r"\b(?:from|import)\s+(" + "|".join(FRAMEWORKS) + r")\b")
 _IMPORTORSKIP = re.compile(r"importorskip\(\s*[\"'](" + "|".join(FRAMEWORKS) + r")\b")
 
 
+class _Source:
+    """A module's source split into lines once: `ast.get_source_segment` splits the whole
+    source again for every node it is asked about (quadratic: ~20 s of collection)."""
+
+    def __init__(self, source: str) -> None:
+        self.lines: list[str] = []
+        start = 0
+        for end in re.finditer(r"\r\n|\r|\n", source):  # the line ends `ast` counts
+            self.lines.append(source[start : end.end()])
+            start = end.end()
+        self.lines.append(source[start:])
+
+    def segment(self, node: ast.stmt) -> str:
+        """The source text of `node` (its offsets count UTF-8 bytes, as `ast`'s do)."""
+        end_lineno, end_col = node.end_lineno or node.lineno, node.end_col_offset or 0
+        first = self.lines[node.lineno - 1].encode()
+        if end_lineno == node.lineno:
+            return first[node.col_offset : end_col].decode()
+        middle = "".join(self.lines[node.lineno : end_lineno - 1])
+        last = self.lines[end_lineno - 1].encode()[:end_col].decode()
+        return first[node.col_offset :].decode() + middle + last
+
+
 @functools.cache
 def _module_graph(path: str) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     """Per top-level function (or named constant, such as a script string) of a module: the
     frameworks it imports itself, and the names it uses (only the module's own matter)."""
     source = Path(path).read_text(encoding="utf-8")
     tree = ast.parse(source)
+    text = _Source(source)
     imports: dict[str, set[str]] = {}
     uses: dict[str, set[str]] = {}
     # a framework the module imports at its top, or asks for with importorskip, is needed by all
     everywhere: set[str] = set()
     for node in tree.body:
-        segment = ast.get_source_segment(source, node) or ""
+        segment = text.segment(node)
         if isinstance(node, ast.Import | ast.ImportFrom):
             everywhere |= set(_IMPORT.findall(segment))
         elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
@@ -56,7 +80,7 @@ def _module_graph(path: str) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
             names = [node.name]
         elif isinstance(node, ast.Assign):
             names = [target.id for target in node.targets if isinstance(target, ast.Name)]
-        segment = ast.get_source_segment(source, node) or ""
+        segment = text.segment(node)
         used = {sub.id for sub in ast.walk(node) if isinstance(sub, ast.Name)}
         for name in names:
             imports[name] = set(_IMPORT.findall(segment)) | everywhere

@@ -310,6 +310,7 @@ def test_json_envelope_follows_the_published_schema(dcp_jobs: Path) -> None:
         assert doc["ok"] is (case == "clean")
 
 
+@pytest.mark.slow  # four saves uploaded to moto and read back through it (~10 s)
 def test_a_run_folder_in_an_object_store(dcp_jobs: Path, s3_server: S3Server) -> None:
     # the same run uploaded to S3: the saves, the log, read through the store
     upload_folder(s3_server.endpoint, "runs", "skip_data", dcp_jobs / "skip_data")

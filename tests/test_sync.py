@@ -738,6 +738,7 @@ def _b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
 
 
+@pytest.mark.slow  # uploads tens of MiB through moto, checksummed (~10 s)
 def test_a_store_that_checks_checksums_gets_each_files_sha256_and_refuses_a_damaged_body(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -800,6 +801,7 @@ def test_a_damaged_body_is_caught_by_the_etag_where_the_store_checks_no_checksum
     assert checked.exit_code == 0, checked.stdout
 
 
+@pytest.mark.slow  # uploads tens of MiB through moto, checksummed (~10 s)
 def test_parts_carry_their_crc32_to_a_store_that_checks_and_a_damaged_part_is_refused(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
