@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,15 +45,25 @@ def child(argv: list[str], code_root: Path) -> tuple[float, float]:
     return usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
+#: writes the DCP source; run as a child of its own so that this process never holds torch: a
+#: child's `ru_maxrss` starts from its parent's high-water mark (Linux keeps it across the
+#: fork and the exec), so a parent that built 100,000 tensors would lend them its ~700 MiB
+WRITE_DCP = """
+import sys, warnings
+import torch
+import torch.distributed.checkpoint as dcp
+
+path, count = sys.argv[1], int(sys.argv[2])
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    state = {f"layer.{i}.w": torch.full((4,), float(i)) for i in range(count)}
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+"""
+
+
 def small_dcp(path: Path, count: int) -> Path:
     if not path.exists():
-        import torch
-        import torch.distributed.checkpoint as dcp
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            state = {f"layer.{i}.w": torch.full((4,), float(i)) for i in range(count)}
-            dcp.save(state, checkpoint_id=str(path), no_dist=True)
+        subprocess.run([sys.executable, "-c", WRITE_DCP, str(path), str(count)], check=True)
     return path
 
 
