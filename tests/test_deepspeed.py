@@ -22,7 +22,9 @@ pytest.importorskip(
     reason="DeepSpeed is not installed: `make frameworks` installs it (DS_BUILD_OPS=0)",
 )
 
-pytestmark = pytest.mark.torchrun
+# a session fixture's torchrun runs (600-900 s limits of their own) are set up inside the first
+# test that asks for them: pytest's default 300 s stopped them under load
+pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(1800)]
 SCRIPT = Path(__file__).resolve().parent / "deepspeed_script.py"
 
 

@@ -20,7 +20,9 @@ pytest.importorskip(
     reason="DeepSpeed is not installed: `make frameworks` installs it (DS_BUILD_OPS=0)",
 )
 
-pytestmark = pytest.mark.torchrun
+# the session fixture's 4-rank run (a 900 s limit of its own) is set up inside the first test
+# that asks for it: pytest's default 300 s would stop it under load
+pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(1800)]
 SCRIPT = Path(__file__).resolve().parent / "deepspeed_tp_script.py"
 MP = 2
 
