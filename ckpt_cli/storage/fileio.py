@@ -22,6 +22,7 @@ the buffered copy, and no early write-back.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,20 @@ from .crc import crc32_function
 
 #: raw copies move this many bytes per read/write
 COPY_BLOCK = 8 << 20
+
+
+def aligned_buffer(size: int) -> memoryview:
+    """A writable buffer of `size` bytes that starts on a page boundary, to read files into.
+
+    Not a `bytearray`: glibc serves an allocation this large from a mapping of its own and
+    hands out the address 16 bytes past its start, and the kernel's copy out of the page cache
+    into a destination 8-24 bytes past a page start ran four times slower (measured on the dev
+    machine, AMD EPYC: 0.45 s of system time per GiB, against 0.10 s page-aligned; a 4 MiB
+    bytearray made a fresh `verify --write-manifest --algo xxh3` of 2 GiB spend 0.8 s in
+    `_copy_to_iter`). An anonymous mapping starts on a page; it is freed with its last view."""
+    return memoryview(mmap.mmap(-1, max(1, size)))
+
+
 #: bytes read per block for a CRC: the block stays in the CPU's cache between the read and the
 #: checksum, and the buffer adds 1 MiB to the peak, not 8
 CRC_BLOCK = 1 << 20
@@ -316,7 +331,7 @@ class FileRange(Iterator[bytes]):
         """The bytes, read into `view` (by default a new buffer of `block` bytes) block by
         block; each yielded block is a slice of it, valid until the next."""
         if view is None:
-            view = memoryview(bytearray(max(1, min(self.block, self.length))))
+            view = aligned_buffer(min(self.block, self.length))
         fds: dict[Path, int] = {}  # each file opened once (a permutation is many row ranges)
         try:
             for path, offset, length in self.segments:
@@ -340,12 +355,12 @@ class FileRange(Iterator[bytes]):
     def crc32(self) -> int:
         """The zip CRC-32 of the bytes (read once, not counted as progress).
 
-        Read in `CRC_BLOCK`s into one buffer that stays in the CPU's cache, and checksummed by
-        ISA-L where it is installed (`storage.crc`: ~2.5x zlib's speed), else by zlib."""
+        Read in `CRC_BLOCK`s into one page-aligned buffer (`aligned_buffer`) that stays in the
+        CPU's cache, and checksummed by ISA-L where it is installed (`storage.crc`: ~2.5x
+        zlib's speed), else by zlib."""
         checksum = crc32_function()
-        buffer = bytearray(max(1, min(CRC_BLOCK, self.length)))
         crc = 0
-        for block in self._read_blocks(None, memoryview(buffer)):
+        for block in self._read_blocks(None, aligned_buffer(min(CRC_BLOCK, self.length))):
             crc = checksum(block, crc)
         return crc
 
