@@ -13,10 +13,10 @@ OpenSSL's own code.
 
 Never `mmap` of the files: a file truncated by another process while it is mapped (a save
 rewriting the same path) kills the whole process with SIGBUS at the next access of a page past
-the new end. Linux has no mapping flag that turns that into an error; `MAP_POPULATE` and `mlock` do not
-keep the pages (truncation unmaps them), a read lease (`F_SETLEASE`) only delays the truncation
-by `lease-break-time` (and a stopped process still dies on resume), and Python cannot recover
-from SIGBUS inside C code. Only the copy would be saved, about 0.03 CPU-seconds per GB.
+the new end. Linux has no mapping flag that turns that into an error; `MAP_POPULATE` and
+`mlock` do not keep the pages (truncation unmaps them), a read lease (`F_SETLEASE`) only delays
+the truncation by `lease-break-time` (and a stopped process still dies on resume), and Python
+cannot recover from SIGBUS inside C code. Only the copy would be saved, about 0.03 CPU-seconds per GB.
 
 sha256 is the default because it is what the Hub records as a file's LFS oid; blake3 and xxh3
 come from the optional `fast` extra (`pip install 'ckpt-cli[fast]'`).
