@@ -348,3 +348,100 @@ def test_hub_reads_one_after_another_share_a_connection(
         proxy.stop()
     assert storage.requests == 8
     assert proxy.connections - before == 1
+
+
+#: a config declaring FP8 block quantization: what `inspect` and `verify` read after the headers
+QUANTIZED_CONFIG = {
+    "model_type": "deepseek_v3",
+    "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+}
+
+
+def _config_reads_compared(command: str, remote: Any, local: Any) -> None:
+    """The remote report says what the local copy's does about the config's quantization."""
+    assert remote.exit_code == local.exit_code, remote.stderr
+    if command == "inspect":
+        assert remote.json["result"]["quantization"] is not None
+        assert remote.json["result"]["quantization"] == local.json["result"]["quantization"]
+    else:
+        assert "quantization" in remote.json["result"]["checks"]
+        assert remote.json["result"]["checks"] == local.json["result"]["checks"]
+        found = [
+            [(p["code"], p["tensor"]) for p in r.json["result"]["problems"]]
+            for r in (remote, local)
+        ]
+        assert found[0] == found[1]
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_hub_config_is_asked_for_while_the_checkpoint_opens(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """The config the quantization checks read once the headers are is on its way while the
+    checkpoint opens, not a round trip after it: the server holds the index back until the
+    config was asked for (10 s at most), and the config costs one request in all."""
+    from ckpt_cli.storage.hub import HubStorage
+
+    _deepseek_like(tmp_path / "src")
+    (tmp_path / "src" / "config.json").write_text(json.dumps(QUANTIZED_CONFIG))
+    hub.add_repo("org/deepseek", tmp_path / "src")
+    local = run_ckpt(command, tmp_path / "src", "--json")
+    gate = hub.hold("org/deepseek", "model.safetensors.index.json", most=10)
+    asked: list[str] = []
+    fetch = HubStorage._fetch
+
+    def fetching(self: HubStorage, rel: str, start: int, end: int) -> bytes:
+        asked.append(rel)
+        if rel == "config.json":
+            gate.set()
+        return fetch(self, rel, start, end)
+
+    monkeypatch.setattr(HubStorage, "_fetch", fetching)
+
+    result = run_ckpt(command, "hf://org/deepseek", "--json")
+
+    gate.set()
+    _config_reads_compared(command, result, local)
+    # asked for before any shard's header, i.e. while the held index was on its way
+    assert asked[0] == "config.json", asked[:3]
+    gets = [r for r in hub.file_requests("org/deepseek", "config.json") if r.method == "GET"]
+    assert len(gets) == 1, gets
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_s3_config_is_asked_for_while_the_checkpoint_opens(
+    s3_server: S3Server, tmp_path: Path, command: str
+) -> None:
+    """As on the Hub: the index's GET is held until the config's GET came in (10 s at most)."""
+    _deepseek_like(tmp_path / "src")
+    (tmp_path / "src" / "config.json").write_text(json.dumps(QUANTIZED_CONFIG))
+    upload_folder(s3_server.endpoint, "ckpts", "deepseek", tmp_path / "src")
+    local = run_ckpt(command, tmp_path / "src", "--json")
+    s3_server.requests.clear()
+    s3_server.release.clear()
+
+    def held(request: Any) -> bool:
+        if request.method != "GET":
+            return False
+        if request.path.endswith("/config.json"):
+            s3_server.release.set()
+        return bool(request.path.endswith("/model.safetensors.index.json"))
+
+    s3_server.hold = held
+    timer = threading.Timer(10, s3_server.release.set)
+    timer.start()
+    try:
+        result = run_ckpt(command, "s3://ckpts/deepseek", "--json")
+    finally:
+        timer.cancel()
+        s3_server.hold = None
+        s3_server.release.set()
+
+    _config_reads_compared(command, result, local)
+    gets = [r.path.rsplit("/", 1)[1] for r in s3_server.requests if r.method == "GET"]
+    objects = [name for name in gets if "." in name]  # not the listing
+    # the config asked for before the index's answer, so before any shard's header
+    assert objects.index("config.json") < min(
+        i for i, name in enumerate(objects) if name.endswith(".safetensors")
+    ), objects
+    assert objects.count("config.json") == 1, objects

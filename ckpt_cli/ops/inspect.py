@@ -17,11 +17,12 @@ from ..formats import resolve_source
 from ..formats.base import Checkpoint, Source
 from ..formats.names import LIGHTNING_SUFFIX, SAFETENSORS_SUFFIX
 from ..models import Entry, FileInfo, Manifest, Problem, Record, TrainingState
-from ..quant import QuantSummary
+from ..quant import QuantSummary, prefetch_config
 from ..sources.layouts import OpenedSource, open_source
 from ..sources.layouts.model_folders import LayoutInfo
 from ..sources.runs.records import RunReport
 from ..storage import Storage
+from ..storage.uri import parse_location
 from .shared.tree import TreeNode, build_tree, collapse_chains
 
 
@@ -153,6 +154,11 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
                 bytes_by_dtype={},
                 run=run,
             )
+    if isinstance(source, str) and not parse_location(src).is_local:
+        source = resolve_source(src)  # with --format or filters: not resolved above
+    if isinstance(source, Source):
+        # read once the headers are (the quantization); on their way meanwhile
+        prefetch_config(source.storage)
     opened = open_source(source, format)
     with opened.checkpoint as checkpoint:
         manifest = checkpoint.manifest

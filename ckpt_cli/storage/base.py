@@ -195,6 +195,12 @@ class Storage(ABC):
         whole, within a memory budget (`storage.heads`), so that the `read`s that follow cost
         no round trip; a local one does nothing (a `pread` costs less than a thread)."""
 
+    def prefetch_files(self, rels: Iterable[str]) -> None:  # noqa: B027 - optional hook
+        """Small files about to be read whole (a model's `config.json`, read once the headers
+        are): a remote storage fetches those it holds now, in the background, beside the
+        heads, so that the `read_all` that follows costs no round trip; a local one does
+        nothing. A file fetched and never read is let go at `close`."""
+
     def arrival_order(self, rels: Iterable[str]) -> Iterator[str]:
         """`rels` (each once) in the order to read their heads: as given, or, where
         `prefetch_heads` fetches them, the fetched ones as they arrive, so a reader parses

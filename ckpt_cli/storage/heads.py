@@ -38,6 +38,8 @@ HEAD_BUDGET = 64 << 20
 HEAD_LIMIT = 16 << 20
 #: a first read larger than this is never guessed from other files' headers
 LEARNED_MAX = 4 << 20
+#: the largest file fetched whole ahead (`HeadRead.whole`: a config read beside the weights)
+WHOLE_FILE_MAX = 1 << 20
 
 #: fetch(rel, start, end) -> the bytes start..end of rel
 Fetch = Callable[[str, int, int], bytes]
@@ -56,6 +58,11 @@ class HeadRead(NamedTuple):
     first: int
     size: int
     exact: bool = False
+
+    @classmethod
+    def whole(cls, size: int) -> HeadRead:
+        """A small file of `size` bytes fetched whole, in one request (no header in it)."""
+        return cls(size, size, exact=True)
 
 
 class HeadCache:
@@ -171,7 +178,7 @@ class HeadCache:
         except Exception:
             self._release(first)
             return None  # the reader's own read reports it
-        if len(head) < 8:
+        if len(head) < 8 or first >= size:  # too short for a length, or the whole file
             return self._settle(head, first)
         (length,) = struct.unpack("<Q", head[:8])
         whole = 8 + length

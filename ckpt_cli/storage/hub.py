@@ -30,7 +30,7 @@ from typing import IO, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError
 from .base import RemoteFile, Storage, StorageRangeFile, is_parity_path
-from .heads import HeadCache, HeadRead
+from .heads import WHOLE_FILE_MAX, HeadCache, HeadRead
 from .hub_repo import (
     HubRepo,
     HubSettings,
@@ -161,6 +161,18 @@ class HubStorage(Storage):
                 wanted[rel] = HeadRead(min(size, 8), size, exact=True)
             else:
                 wanted[rel] = HeadRead(max(self.header_probe, guess), size)
+        self._heads.prefetch(wanted)
+
+    def prefetch_files(self, rels: Iterable[str]) -> None:
+        """Fetch those of these files the repository holds, up to `WHOLE_FILE_MAX` bytes and
+        not in the local cache, whole, each in one request, beside the heads."""
+        if self.repo.snapshot is not None:
+            return
+        wanted: dict[str, HeadRead] = {}
+        for rel in rels:
+            file = self.repo.files.get(rel)
+            if file is not None and 0 < file.size <= WHOLE_FILE_MAX and not self.local_path(rel):
+                wanted[rel] = HeadRead.whole(file.size)
         self._heads.prefetch(wanted)
 
     def arrival_order(self, rels: Iterable[str]) -> Iterator[str]:

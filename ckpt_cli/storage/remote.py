@@ -24,7 +24,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError, UsageError
 from .base import TMP_MARKER, Storage, file_chunks, is_parity_path
-from .heads import HEAD_WORKERS, HeadCache, HeadRead
+from .heads import HEAD_WORKERS, WHOLE_FILE_MAX, HeadCache, HeadRead
 from .local import safe_relpath
 from .uri import Location
 
@@ -199,6 +199,18 @@ class FsspecStorage(Storage):
                 rel: HeadRead(max(self.header_probe, guess), size)
                 for rel, guess in first_reads.items()
                 if (size := self.size(rel))
+            }
+        )
+
+    def prefetch_files(self, rels: Iterable[str]) -> None:
+        """Fetch those of these files the listing holds, up to `WHOLE_FILE_MAX` bytes, whole,
+        each in one request, beside the heads."""
+        files = self.all_files()
+        self._heads.prefetch(
+            {
+                rel: HeadRead.whole(size)
+                for rel in rels
+                if 0 < (size := files.get(rel, 0)) <= WHOLE_FILE_MAX
             }
         )
 

@@ -180,6 +180,11 @@ def verify_with(
     # SRC is resolved once (one listing, one Hub lookup) and opened at most once: every check
     # below gets this source, or the one opened from it
     source = resolved = resolve_source(src)
+    if not resolved.location.is_local:
+        from ...quant import prefetch_config
+
+        # read once the structure is checked (the quantization); on its way meanwhile
+        prefetch_config(resolved.storage)
     # a training folder (Trainer, accelerate, DeepSpeed) is checked component by component
     opened = recognise_layout(source) if format is None else None
     opener = SourceOpener(resolved, format)
