@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from ckpt_cli.formats import open_checkpoint
@@ -174,6 +175,31 @@ def test_server_errors_and_unreachable_hub_exit_5(hub: TestHub, tmp_path: Path) 
     unreachable = run_ckpt("inspect", "hf://org/flaky", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
     assert unreachable.exit_code == 5
     assert "reached" in unreachable.stderr
+
+
+def test_a_hub_server_that_stops_answering_fails_the_read_instead_of_hanging(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection on which the server stops sending (no byte for HF_HUB_DOWNLOAD_TIMEOUT
+    seconds) is a failed read: retried, then reported naming the file (exit 5), never waited
+    on for as long as the server likes. Here it holds the shard's bytes back for 30 s."""
+    from ckpt_cli.storage import hub as hub_storage
+
+    publish_model(hub, "org/stalled", tmp_path / "src", {"w": torch.zeros(4, 4)})
+    shard = next(p.name for p in (tmp_path / "src").glob("*.safetensors"))
+    gate = hub.hold("org/stalled", shard, most=30)
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "0.5")
+    monkeypatch.setattr(hub_storage, "READ_RETRIES", 1)
+    try:
+        stalled = run_ckpt("inspect", "hf://org/stalled", "--json")
+    finally:
+        gate.set()
+
+    assert stalled.exit_code == 5, stalled.stderr
+    assert stalled.json["error"]["code"] == "hub"
+    assert shard in stalled.stderr and "kept failing" in stalled.stderr
+    # the same command once the server answers again
+    assert run_ckpt("inspect", "hf://org/stalled", "--json").exit_code == 0
 
 
 def test_offline_mode_reads_the_local_cache(hub: TestHub, tmp_path: Path) -> None:

@@ -234,7 +234,11 @@ class HubStorage(Storage):
             headers["Accept-Encoding"] = "identity"
             try:
                 with get_session().stream(
-                    "GET", url, headers=headers, follow_redirects=True
+                    "GET",
+                    url,
+                    headers=headers,
+                    follow_redirects=True,
+                    timeout=self.repo.settings.timeout,
                 ) as response:
                     if direct and response.status_code in (401, 403, 404, 410):
                         with self._lock:

@@ -25,6 +25,8 @@ from .uri import Location
 #: bytes per read when hashing local files
 HASH_BLOCK = 8 << 20
 _TRUE = {"1", "true", "yes", "on"}
+#: seconds a Hub request may wait on the server (`HubSettings.timeout`): huggingface_hub's own
+DEFAULT_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,17 @@ class HubSettings:
         token: `HF_TOKEN`, else the token saved by `hf auth login` (None: anonymous).
         cache_dir: the HF hub cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`).
         offline: `HF_HUB_OFFLINE` is set: only the local cache is used.
+        timeout: seconds a request may wait for the server (to connect, or between two
+            bytes of its answer) before it counts as failed and is retried:
+            `HF_HUB_DOWNLOAD_TIMEOUT`, 10 by default, as huggingface_hub's own downloads.
+            Without it a connection the server stops answering would hang the command.
     """
 
     endpoint: str
     token: str | None
     cache_dir: str
     offline: bool
+    timeout: float = DEFAULT_TIMEOUT
 
     @classmethod
     def from_env(cls) -> HubSettings:
@@ -76,7 +83,17 @@ class HubSettings:
             token=token or None,
             cache_dir=os.path.expanduser(cache),
             offline=offline,
+            timeout=_seconds(os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT")),
         )
+
+
+def _seconds(text: str | None) -> float:
+    """A positive number of seconds from the environment, else `DEFAULT_TIMEOUT`."""
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT
+    except ValueError:
+        return DEFAULT_TIMEOUT
+    return value if 0 < value < float("inf") else DEFAULT_TIMEOUT
 
 
 @dataclass
@@ -345,6 +362,7 @@ def open_repo(location: Location, settings: HubSettings | None = None) -> HubRep
                 repo_type=location.repo_type,
                 revision=location.revision,
                 files_metadata=True,
+                timeout=settings.timeout,
             )
         if info.sha is None:
             raise HubError(
