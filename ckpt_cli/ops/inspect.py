@@ -135,12 +135,10 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
     format, filters = request.format, request.filters
     # a remote SRC is resolved (listed, its Hub revision pinned) once: the run check, the run
     # scan and the opening all read that
-    source: str | Source = src
+    source: str | Source = src if parse_location(src).is_local else resolve_source(src)
     if format is None and not filters and _could_be_run(src):
-        from ..sources.runs import is_remote, looks_like_run, scan_run
+        from ..sources.runs import looks_like_run, scan_run
 
-        if is_remote(src):
-            source = resolve_source(src)
         if looks_like_run(source):
             run = scan_run(source)
             return InspectReport(
@@ -154,8 +152,6 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
                 bytes_by_dtype={},
                 run=run,
             )
-    if isinstance(source, str) and not parse_location(src).is_local:
-        source = resolve_source(src)  # with --format or filters: not resolved above
     if isinstance(source, Source):
         # read once the headers are (the quantization); on their way meanwhile
         prefetch_config(source.storage)
