@@ -17,7 +17,7 @@ import torch
 
 from ckpt_cli.formats import open_checkpoint
 
-from .conftest import REPO, run_ckpt
+from .conftest import REPO, run_ckpt, run_ckpt_process
 from .hub_fixtures import publish_model
 from .hub_server import TestHub
 
@@ -188,7 +188,7 @@ def test_a_hub_server_that_stops_answering_fails_the_read_instead_of_hanging(
     publish_model(hub, "org/stalled", tmp_path / "src", {"w": torch.zeros(4, 4)})
     shard = next(p.name for p in (tmp_path / "src").glob("*.safetensors"))
     gate = hub.hold("org/stalled", shard, most=30)
-    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "0.5")
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "1")  # whole seconds, as huggingface_hub reads it
     monkeypatch.setattr(hub_storage, "READ_RETRIES", 1)
     try:
         stalled = run_ckpt("inspect", "hf://org/stalled", "--json")
@@ -200,6 +200,24 @@ def test_a_hub_server_that_stops_answering_fails_the_read_instead_of_hanging(
     assert shard in stalled.stderr and "kept failing" in stalled.stderr
     # the same command once the server answers again
     assert run_ckpt("inspect", "hf://org/stalled", "--json").exit_code == 0
+
+
+def test_a_timeout_huggingface_hub_cannot_read_is_a_usage_error_naming_it(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """huggingface_hub fails to import when HF_HUB_DOWNLOAD_TIMEOUT is not a whole number: in a
+    process of its own (nothing imported yet) that is exit 2 naming the variable, in one
+    envelope with --json, not an internal error."""
+    publish_model(hub, "org/timeouts", tmp_path / "src", {"w": torch.zeros(2)})
+    for value in ("0.5", "soon"):
+        wrong = run_ckpt_process(
+            "inspect", "hf://org/timeouts", "--json", env={"HF_HUB_DOWNLOAD_TIMEOUT": value}
+        )
+        assert wrong.exit_code == 2, wrong.stderr
+        error = json.loads(wrong.stdout)["error"]
+        assert error["code"] == "usage" and "HF_HUB_DOWNLOAD_TIMEOUT" in error["message"], error
+    whole = run_ckpt_process("inspect", "hf://org/timeouts", env={"HF_HUB_DOWNLOAD_TIMEOUT": "30"})
+    assert whole.exit_code == 0, whole.stderr
 
 
 def test_offline_mode_reads_the_local_cache(hub: TestHub, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CkptError, HubError, NotFoundError
+from ..errors import CkptError, HubError, NotFoundError, UsageError
 from .base import RemoteFile
 from .local import LocalStorage, safe_relpath
 from .uri import Location
@@ -53,6 +53,7 @@ class HubSettings:
     @classmethod
     def from_env(cls) -> HubSettings:
         """The settings huggingface_hub would use if it were imported now."""
+        timeout = _timeout_from_env()  # before the import, which a wrong value breaks
         from huggingface_hub import constants, get_token
 
         endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
@@ -83,17 +84,25 @@ class HubSettings:
             token=token or None,
             cache_dir=os.path.expanduser(cache),
             offline=offline,
-            timeout=_seconds(os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT")),
+            timeout=timeout,
         )
 
 
-def _seconds(text: str | None) -> float:
-    """A positive number of seconds from the environment, else `DEFAULT_TIMEOUT`."""
-    try:
-        value = float(text) if text else DEFAULT_TIMEOUT
-    except ValueError:
+def _timeout_from_env() -> float:
+    """`HF_HUB_DOWNLOAD_TIMEOUT` in seconds (`DEFAULT_TIMEOUT` when unset or 0, as
+    huggingface_hub takes it). huggingface_hub reads it as a whole number when it is imported
+    and fails to import on anything else, so any other value is a usage error naming it."""
+    text = os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT")
+    if not text:
         return DEFAULT_TIMEOUT
-    return value if 0 < value < float("inf") else DEFAULT_TIMEOUT
+    try:
+        seconds = int(text)
+    except ValueError:
+        raise UsageError(
+            f"HF_HUB_DOWNLOAD_TIMEOUT={text!r} is not a whole number of seconds",
+            fix="Set it to a whole number of seconds (30, say), or unset it for 10.",
+        ) from None
+    return float(seconds) if seconds > 0 else DEFAULT_TIMEOUT
 
 
 @dataclass
@@ -336,9 +345,9 @@ def open_repo(location: Location, settings: HubSettings | None = None) -> HubRep
     the sizes out (a mirror) is listed at the commit after. Offline, the cache's `refs/` name
     the commit and its snapshot folder is listed.
     """
+    settings = settings or HubSettings.from_env()  # first: it checks what the import reads
     from huggingface_hub import DatasetInfo, HfApi, ModelInfo, SpaceInfo
 
-    settings = settings or HubSettings.from_env()
     where = location.raw
     api = HfApi(endpoint=settings.endpoint, token=settings.token)
     files: dict[str, RemoteFile] | None = None
