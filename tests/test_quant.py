@@ -269,6 +269,48 @@ def test_fp8_block_is_inspected_verified_dequantized_like_torch_and_diffed(tmp_p
     assert "relative RMS" in run_ckpt("diff", src, fp, "--dequantize").stdout
 
 
+@pytest.mark.parametrize("case", ["nothing quantized", "fp8 weights", "config declares fp8"])
+def test_verify_builds_the_manifest_for_quantization_only_when_something_may_be_quantized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """A model with no quantized dtype, no scale's name and no scheme in its config is not
+    opened after its structural check (#30: the manifest of a 90,000-tensor model cost 0.3 s
+    for nothing); anything that may be quantized still gets every check."""
+    from ckpt_cli.formats.safetensors.format import SafetensorsFormat
+
+    src = tmp_path / "model"
+    full = fp8_source()
+    if case == "fp8 weights":
+        write_fp8_block(src, full)
+    else:
+        config = {"model_type": "deepseek_v3", "torch_dtype": "bfloat16"}
+        if case == "config declares fp8":
+            config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+        hf_shards(src, [full], config)
+    opened: list[str] = []
+    real_open = SafetensorsFormat.open.__func__  # type: ignore[attr-defined]
+
+    def counting_open(cls: type[SafetensorsFormat], source: object) -> object:
+        opened.append(str(source))
+        return real_open(cls, source)
+
+    monkeypatch.setattr(SafetensorsFormat, "open", classmethod(counting_open))
+    checked = run_ckpt("verify", src, "--json")
+    result = checked.json["result"]
+    if case == "nothing quantized":
+        assert checked.exit_code == 0, checked.stdout
+        assert result["checks"] == ["structure"] and not result["problems"]
+        assert opened == []
+    elif case == "fp8 weights":
+        assert checked.exit_code == 0, checked.stdout
+        assert "quantization" in result["checks"] and len(opened) == 1
+    else:
+        # no tensor holds what the config declares: said, which needs the manifest
+        assert checked.exit_code == 1, checked.stdout
+        assert "quantization" in result["checks"] and len(opened) == 1
+        assert [p["code"] for p in result["problems"]] == ["config_mismatch"]
+
+
 @pytest.mark.parametrize(
     "damage", ["scale_removed", "wrong_grid", "orphan", "wrong_dtype", "config"]
 )

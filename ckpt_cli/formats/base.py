@@ -456,6 +456,16 @@ class Format(ABC):
         raise FormatError(f"writing the {cls.name} format is not supported")
 
     @classmethod
+    def checked_tensor_types(cls, source: Source) -> Iterator[tuple[str, str]] | None:
+        """(name, dtype) of every tensor `open` would give, from what `check` just parsed of
+        `source`, without opening it; None when the format keeps no such record or the check
+        left none (it found a flaw): the caller opens the checkpoint instead.
+
+        `verify` asks whether anything may be quantized before building the manifest for it.
+        """
+        return None
+
+    @classmethod
     def check(cls, source: Source) -> list[Problem]:
         """Structural problems of `source` (metadata and file sizes only), all of them.
 

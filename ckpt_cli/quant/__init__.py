@@ -19,7 +19,7 @@ one weight and its sidecars at a time) in `quant.dequant`.
 
 from __future__ import annotations
 
-from .recognise import analyse, analyse_checkpoint
+from .recognise import analyse, analyse_checkpoint, may_hold_quantized
 from .schemes import (
     QuantAnalysis,
     QuantConfig,
@@ -48,6 +48,7 @@ __all__ = [
     "ignored",
     "label",
     "logical_dtype",
+    "may_hold_quantized",
     "prefetch_config",
     "read_config",
     "sidecar_names",

@@ -6,6 +6,7 @@ is wrong with them; `analyse` runs them over every tensor, then the orphan and c
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..models import Entry, Manifest
@@ -57,7 +58,9 @@ def analyse(manifest: Manifest, config: QuantConfig, where: str | None = None) -
     where = where or manifest.location
     out = QuantAnalysis(config=config)
     families = config_families(config)
-    if families is None and not _may_hold_quantized(manifest):
+    if families is None and not may_hold_quantized(
+        (e.name, e.dtype) for e in manifest.entries if e.kind == "tensor"
+    ):
         # every recogniser needs a payload dtype, the orphan check a scale's name, the config
         # check a declared scheme: none here, so nothing to find (#30: one cheap pass)
         return out
@@ -74,11 +77,12 @@ def analyse(manifest: Manifest, config: QuantConfig, where: str | None = None) -
     return out
 
 
-def _may_hold_quantized(manifest: Manifest) -> bool:
-    """Whether some tensor has a quantized payload's dtype or a scale's name."""
+def may_hold_quantized(tensors: Iterable[tuple[str, str | None]]) -> bool:
+    """Whether some tensor (name, dtype) has a quantized payload's dtype or a scale's name:
+    when none has and the config declares no scheme, `analyse` finds nothing, and a caller
+    that knows the tensors without a manifest need not build one for it."""
     return any(
-        e.kind == "tensor" and (e.dtype in _PAYLOAD_DTYPES or e.name.endswith(SIDECAR_SUFFIXES))
-        for e in manifest.entries
+        dtype in _PAYLOAD_DTYPES or name.endswith(SIDECAR_SUFFIXES) for name, dtype in tensors
     )
 
 

@@ -84,6 +84,11 @@ def _index_key(source: Source, index_rel: str) -> tuple[str, str, int]:
     return ("safetensors-index", index_rel, source.files.get(index_rel, -1))
 
 
+def _checked_key(source: Source) -> tuple[str, str, int]:
+    """Where `check` leaves every shard's header when all of them parsed clean."""
+    return ("safetensors-checked", source.target or "", -1)
+
+
 class SafetensorsFormat(Format):
     """The safetensors format (single file or sharded with an index)."""
 
@@ -182,6 +187,13 @@ class SafetensorsFormat(Format):
         return read_header(source.storage, shard, size)
 
     @classmethod
+    def checked_tensor_types(cls, source: Source) -> Iterator[tuple[str, str]] | None:
+        headers: list[SafetensorsHeader] | None = source.parsed.get(_checked_key(source))
+        if headers is None:
+            return None
+        return ((name, info[0]) for header in headers for name, info in header.tensors.items())
+
+    @classmethod
     def check(cls, source: Source) -> list[Problem]:
         """Every structural problem: headers, offsets, file sizes, and index against shards."""
         findings = Findings(strict=False)
@@ -242,6 +254,10 @@ class SafetensorsFormat(Format):
                     {n: end - begin for n, (_, _, begin, end) in header.tensors.items()},
                     header.rejected,
                 )
+        clean = [source.parsed.get(("safetensors", s, listing.get(s, -1))) for s in shards]
+        if all(header is not None for header in clean):
+            # what `checked_tensor_types` answers from (the headers `open` would take)
+            source.parsed[_checked_key(source)] = clean
         if index_rel is None or weight_map is None:
             check_duplicates(findings, storage, contents)
             return findings.problems

@@ -199,7 +199,7 @@ def verify_with(
         report.bytes = sum(considered.values())
         report.training = opened.training if opened is not None else None
         if not any(p.severity == "error" for p in problems):
-            _quant_checks(report, problems, opener, opened, deep=deep)
+            _quant_checks(report, problems, name, source, opener, opened, deep=deep)
         if resumable or deep:
             _open_checks(report, problems, src, opener, opened, request, progress)
     finally:
@@ -263,20 +263,34 @@ def _structure(
 def _quant_checks(
     report: VerifyReport,
     problems: list[Problem],
+    format_name: str,
+    source: Source,
     opener: SourceOpener,
     opened: OpenedSource | None,
     *,
     deep: bool,
 ) -> None:
     """Quantized weights against their sidecars and the config (headers; scale values with deep)."""
-    from ...quant import analyse_checkpoint
+    from ...quant import QuantConfig, analyse, may_hold_quantized, read_config
 
+    config: QuantConfig | None = None
+    if opened is None:
+        # what the structural check parsed tells whether there is anything to analyse: a
+        # model of nothing quantized is not opened for it (the manifest of 100,000 tensors
+        # built for nothing was a third of a verify: 0.89 -> 0.57 s, 143 -> 105 MiB)
+        tensors = get_format(format_name).checked_tensor_types(source)
+        if tensors is not None:
+            config = read_config(source.storage)
+            if config.method is None and not may_hold_quantized(tensors):
+                return
     try:
         own = opened if opened is not None else opener.get()
     except CkptError:
         return  # what stops opening is already a structural problem
     checkpoint = own.checkpoint
-    analysis = analyse_checkpoint(checkpoint.manifest, checkpoint.storage)
+    if config is None:
+        config = read_config(checkpoint.storage)
+    analysis = analyse(checkpoint.manifest, config)
     if not analysis.quantized and analysis.config.method is None:
         return
     report.checks.append("quantization")
