@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
@@ -99,6 +99,17 @@ class _LeanRecord(Record):
             copied, "__pydantic_fields_set__", _shared_fields(copied.__pydantic_fields_set__)
         )
         return copied
+
+
+#: One tensor as checks over a whole checkpoint's names, dtypes and shapes read it
+#: (`quant.analyse_tensors`): (dtype, shape, file). A plain tuple, made from an `Entry` or
+#: straight from a parsed header (`Format.checked_tensors`): a checkpoint has 100,000 of
+#: them, and a record class costs ten times a tuple to build.
+TensorFacts = tuple[str | None, list[int], str | None]
+#: where a `TensorFacts` holds each fact
+DTYPE: Final = 0
+SHAPE: Final = 1
+FILE: Final = 2
 
 
 @dataclass(frozen=True, slots=True)

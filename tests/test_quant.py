@@ -269,24 +269,44 @@ def test_fp8_block_is_inspected_verified_dequantized_like_torch_and_diffed(tmp_p
     assert "relative RMS" in run_ckpt("diff", src, fp, "--dequantize").stdout
 
 
-@pytest.mark.parametrize("case", ["nothing quantized", "fp8 weights", "config declares fp8"])
-def test_verify_builds_the_manifest_for_quantization_only_when_something_may_be_quantized(
+@pytest.mark.parametrize(
+    "case", ["nothing quantized", "fp8 weights", "config declares fp8", "orphan scale"]
+)
+def test_verify_checks_quantization_from_the_headers_it_checked_without_a_manifest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
-    """A model with no quantized dtype, no scale's name and no scheme in its config is not
-    opened after its structural check (#30: the manifest of a 90,000-tensor model cost 0.3 s
-    for nothing); anything that may be quantized still gets every check."""
+    """`verify` judges the quantization from the names, dtypes and shapes its structural check
+    parsed, never opening the checkpoint for it (#30: DeepSeek-V3's manifest of 90,000 entries
+    was a fifth of its verify), and finds exactly what the analysis of the opened checkpoint
+    finds; `--deep`, which reads scale values, opens it once."""
+    from ckpt_cli.formats import open_checkpoint
     from ckpt_cli.formats.safetensors.format import SafetensorsFormat
+    from ckpt_cli.quant import analyse_checkpoint
 
     src = tmp_path / "model"
     full = fp8_source()
-    if case == "fp8 weights":
+    if case in ("fp8 weights", "orphan scale"):
         write_fp8_block(src, full)
     else:
         config = {"model_type": "deepseek_v3", "torch_dtype": "bfloat16"}
         if case == "config declares fp8":
             config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
         hf_shards(src, [full], config)
+    if case == "orphan scale":
+        shard = src / "model-00002-of-00002.safetensors"
+        tensors = load_file(shard)
+        removed = tensors.pop("model.layers.1.mlp.down_proj.weight")
+        save_file(tensors, shard, metadata={"format": "pt"})
+        index = json.loads((src / "model.safetensors.index.json").read_text())
+        del index["weight_map"]["model.layers.1.mlp.down_proj.weight"]
+        index["metadata"]["total_size"] -= removed.numel() * removed.element_size()
+        (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    checkpoint = open_checkpoint(str(src))
+    expected = analyse_checkpoint(checkpoint.manifest, checkpoint.storage)
+    checkpoint.close()
+    quantized = bool(expected.quantized or expected.config.method)
+    assert quantized == (case != "nothing quantized")
+
     opened: list[str] = []
     real_open = SafetensorsFormat.open.__func__  # type: ignore[attr-defined]
 
@@ -297,18 +317,19 @@ def test_verify_builds_the_manifest_for_quantization_only_when_something_may_be_
     monkeypatch.setattr(SafetensorsFormat, "open", classmethod(counting_open))
     checked = run_ckpt("verify", src, "--json")
     result = checked.json["result"]
-    if case == "nothing quantized":
-        assert checked.exit_code == 0, checked.stdout
-        assert result["checks"] == ["structure"] and not result["problems"]
-        assert opened == []
-    elif case == "fp8 weights":
-        assert checked.exit_code == 0, checked.stdout
-        assert "quantization" in result["checks"] and len(opened) == 1
-    else:
-        # no tensor holds what the config declares: said, which needs the manifest
-        assert checked.exit_code == 1, checked.stdout
-        assert "quantization" in result["checks"] and len(opened) == 1
+    assert opened == []
+    assert ("quantization" in result["checks"]) == quantized
+    reported = [(p["code"], p["tensor"], p["file"], p["message"]) for p in result["problems"]]
+    assert reported == [(p.code, p.tensor, p.file, p.message) for p in expected.problems]
+    assert checked.exit_code == (1 if expected.problems else 0), checked.stdout
+    if case == "config declares fp8":
         assert [p["code"] for p in result["problems"]] == ["config_mismatch"]
+    if case == "orphan scale":
+        assert [p["code"] for p in result["problems"]] == ["orphan_scale"]
+        assert result["problems"][0]["file"].endswith("model-00002-of-00002.safetensors")
+
+    deep = run_ckpt("verify", src, "--deep", "--json")
+    assert len(opened) == 1 and ("quantization" in deep.json["result"]["checks"]) == quantized
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import FormatError
-from ..models import Chunk, Entry, FileInfo, Manifest, Problem
+from ..models import Chunk, Entry, FileInfo, Manifest, Problem, TensorFacts
 from ..storage import Storage
 from ..storage.fileio import COPY_BLOCK
 from ..storage.uri import Location
@@ -456,12 +456,12 @@ class Format(ABC):
         raise FormatError(f"writing the {cls.name} format is not supported")
 
     @classmethod
-    def checked_tensor_types(cls, source: Source) -> Iterator[tuple[str, str]] | None:
-        """(name, dtype) of every tensor `open` would give, from what `check` just parsed of
-        `source`, without opening it; None when the format keeps no such record or the check
-        left none (it found a flaw): the caller opens the checkpoint instead.
+    def checked_tensors(cls, source: Source) -> dict[str, TensorFacts] | None:
+        """Name -> facts of every tensor `open` would give, in its order, from what `check`
+        just parsed of `source`, without opening it; None when the format keeps no such
+        record or the check left none (it found a flaw): the caller opens the checkpoint.
 
-        `verify` asks whether anything may be quantized before building the manifest for it.
+        `verify` runs its quantization checks on these when it reads no tensor data.
         """
         return None
 

@@ -1,6 +1,7 @@
 """Quantized checkpoints: which weights are quantized, how, and whether their scales are right.
 
-Recognition reads tensor names, dtypes and shapes from the manifest plus the checkpoint's own
+Recognition reads tensor names, dtypes and shapes (from the manifest, or from the headers a
+structural check parsed: `analyse_tensors`) plus the checkpoint's own
 `config.json` (`quantization_config`) and ModelOpt's `hf_quant_config.json`: never tensor data,
 never torch, so `inspect` and plain `verify` stay metadata-only. The schemes:
 
@@ -19,7 +20,7 @@ one weight and its sidecars at a time) in `quant.dequant`.
 
 from __future__ import annotations
 
-from .recognise import analyse, analyse_checkpoint, may_hold_quantized
+from .recognise import analyse, analyse_checkpoint, analyse_tensors
 from .schemes import (
     QuantAnalysis,
     QuantConfig,
@@ -45,10 +46,10 @@ __all__ = [
     "QuantWeight",
     "analyse",
     "analyse_checkpoint",
+    "analyse_tensors",
     "ignored",
     "label",
     "logical_dtype",
-    "may_hold_quantized",
     "prefetch_config",
     "read_config",
     "sidecar_names",

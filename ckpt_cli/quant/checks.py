@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .. import dtypes
-from ..models import Entry, Problem
+from ..models import DTYPE, FILE, SHAPE, Problem, TensorFacts
 from .schemes import (
     FP8,
     SCALE_DTYPES,
@@ -37,7 +38,7 @@ class Checks:
     """One analysis being built: the header tensors it judges and the problems it records."""
 
     where: str
-    tensors: dict[str, Entry]
+    tensors: Mapping[str, TensorFacts]
     out: QuantAnalysis
 
     def add(self, code: str, tensor: str, message: str, fix: str, warn: bool = False) -> None:
@@ -91,18 +92,18 @@ class Checks:
         """Every sidecar's dtype against the dtypes of its role."""
         for role, name in sidecars.items():
             kind = roles.get(role)
-            if kind and self.tensors[name].dtype not in SCALE_DTYPES[kind]:
-                self.dtype_problem(weight, name, self.tensors[name].dtype, kind)
+            if kind and self.tensors[name][DTYPE] not in SCALE_DTYPES[kind]:
+                self.dtype_problem(weight, name, self.tensors[name][DTYPE], kind)
 
 
-def fp8_siblings(tensors: dict[str, Entry]) -> bool:
+def fp8_siblings(tensors: Mapping[str, TensorFacts]) -> bool:
     """Whether some FP8 weight of the checkpoint has a scale (so one without it lost its own)."""
     return any(
         name.endswith((".weight_scale_inv", ".scale_weight"))
         or (
             name.endswith(".weight_scale")
             and tensors.get(name[: -len("_scale")]) is not None
-            and tensors[name[: -len("_scale")]].dtype in FP8
+            and tensors[name[: -len("_scale")]][DTYPE] in FP8
         )
         for name in tensors
     )
@@ -150,16 +151,16 @@ def check_nvfp4(checks: Checks, weight: QuantWeight) -> None:
         checks.missing(weight.payload, weight.module + ".weight_scale", weight.scheme)
     else:
         want = [out_dim, math.ceil(in_dim / 16)]
-        if list(tensors[scale].shape) != want:
+        if list(tensors[scale][SHAPE]) != want:
             checks.grid_problem(
-                weight.payload, scale, list(tensors[scale].shape), f"{want} (in/16 groups)"
+                weight.payload, scale, list(tensors[scale][SHAPE]), f"{want} (in/16 groups)"
             )
     glob = weight.sidecars.get(global_role)
     if glob is None:
         checks.missing(weight.payload, weight.module + global_suffix, weight.scheme)
-    elif dtypes.numel(tensors[glob].shape) != 1:
+    elif dtypes.numel(tensors[glob][SHAPE]) != 1:
         checks.grid_problem(
-            weight.payload, glob, list(tensors[glob].shape), "one value ([] or [1])"
+            weight.payload, glob, list(tensors[glob][SHAPE]), "one value ([] or [1])"
         )
 
 
@@ -231,15 +232,16 @@ def check_config(checks: Checks, config: QuantConfig, families: set[str] | None)
         )
 
 
-def name_files(problems: list[Problem], tensors: dict[str, Entry], where: str) -> None:
+def name_files(problems: list[Problem], tensors: Mapping[str, TensorFacts], where: str) -> None:
     """Point each problem at the file holding its tensor (or the weight that lacks a scale)."""
     for i, problem in enumerate(problems):
-        entry = tensors.get(problem.tensor or "")
-        if entry is None or not entry.file or problem.file != where:
+        tensor = tensors.get(problem.tensor or "")
+        held_in = tensor[FILE] if tensor is not None else None
+        if not held_in or problem.file != where:
             continue
-        if where.rstrip("/").endswith("/" + entry.file) or where == entry.file:
+        if where.rstrip("/").endswith("/" + held_in) or where == held_in:
             continue  # SRC named the file itself
-        file = f"{where.rstrip('/')}/{entry.file}"
+        file = f"{where.rstrip('/')}/{held_in}"
         problems[i] = problem.model_copy(
             update={"file": file, "message": file + problem.message[len(where) :]}
         )

@@ -6,10 +6,10 @@ is wrong with them; `analyse` runs them over every tensor, then the orphan and c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..models import Entry, Manifest
+from ..models import DTYPE, SHAPE, Manifest, TensorFacts
 from ..storage import Storage
 from .checks import (
     Checks,
@@ -50,39 +50,44 @@ class _Recognition:
 
 
 def analyse(manifest: Manifest, config: QuantConfig, where: str | None = None) -> QuantAnalysis:
-    """Recognise every quantized weight of `manifest` and check its sidecars from headers.
+    """Recognise every quantized weight of `manifest` and check its sidecars from headers
+    (`analyse_tensors` of its tensor entries)."""
+    tensors = {e.name: (e.dtype, e.shape, e.file) for e in manifest.entries if e.kind == "tensor"}
+    return analyse_tensors(tensors, config, where or manifest.location)
+
+
+def analyse_tensors(
+    tensors: Mapping[str, TensorFacts], config: QuantConfig, where: str
+) -> QuantAnalysis:
+    """Recognise every quantized weight among `tensors` (name -> dtype, shape, file) and check
+    its sidecars; problems name `where` (the checkpoint) and the file holding the tensor.
 
     Problems (each names the tensor and the sidecar): `missing_scale`, `scale_grid`,
     `scale_dtype`, `orphan_scale`, `config_mismatch`.
     """
-    where = where or manifest.location
     out = QuantAnalysis(config=config)
     families = config_families(config)
-    if families is None and not may_hold_quantized(
-        (e.name, e.dtype) for e in manifest.entries if e.kind == "tensor"
-    ):
+    if families is None and not _may_hold_quantized(tensors):
         # every recogniser needs a payload dtype, the orphan check a scale's name, the config
         # check a declared scheme: none here, so nothing to find (#30: one cheap pass)
         return out
-    tensors = {e.name: e for e in manifest.entries if e.kind == "tensor"}
     block: tuple[int, int] | None = (config.block[0], config.block[1]) if config.block else None
     checks = Checks(where, tensors, out)
     r = _Recognition(checks, config, block, families or set(), fp8_siblings(tensors))
     # --- payloads with their sidecars
-    for name, entry in tensors.items():
-        _recognise(r, name, entry)
+    for name, tensor in tensors.items():
+        _recognise(r, name, tensor)
     # --- scales no weight owns, then the config against the headers
     check_orphans(checks)
     check_config(checks, config, families)
     return out
 
 
-def may_hold_quantized(tensors: Iterable[tuple[str, str | None]]) -> bool:
-    """Whether some tensor (name, dtype) has a quantized payload's dtype or a scale's name:
-    when none has and the config declares no scheme, `analyse` finds nothing, and a caller
-    that knows the tensors without a manifest need not build one for it."""
+def _may_hold_quantized(tensors: Mapping[str, TensorFacts]) -> bool:
+    """Whether some tensor has a quantized payload's dtype or a scale's name."""
     return any(
-        dtype in _PAYLOAD_DTYPES or name.endswith(SIDECAR_SUFFIXES) for name, dtype in tensors
+        dtype in _PAYLOAD_DTYPES or name.endswith(SIDECAR_SUFFIXES)
+        for name, (dtype, _, _) in tensors.items()
     )
 
 
@@ -93,35 +98,35 @@ def analyse_checkpoint(
     return analyse(manifest, read_config(storage), where)
 
 
-def _recognise(r: _Recognition, name: str, entry: Entry) -> None:
+def _recognise(r: _Recognition, name: str, tensor: TensorFacts) -> None:
     """Hand one tensor to the recogniser of the scheme family its name and dtype point to."""
     if name.endswith("_blocks") and "_blocks" not in name[:-7]:
-        _mx(r, name, entry)
+        _mx(r, name, tensor)
         return
     if name.endswith(".weight_packed"):
-        _nvfp4_ct(r, name, entry)
+        _nvfp4_ct(r, name, tensor)
         return
     if not name.endswith(".weight"):
         return
     module = name[: -len(".weight")]
-    if entry.dtype in FP8:
-        _fp8(r, name, module, entry)
+    if tensor[DTYPE] in FP8:
+        _fp8(r, name, module, tensor)
         return
-    if entry.dtype == "uint8" and len(list(entry.shape)) == 2:
-        _nvfp4(r, name, module, entry)
+    if tensor[DTYPE] == "uint8" and len(list(tensor[SHAPE])) == 2:
+        _nvfp4(r, name, module, tensor)
 
 
 #: gpt-oss's MXFP4 stacked experts (`model.layers.N.mlp.experts.*`), stored `[E, out, in]`
 GPT_OSS_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 
-def _mx(r: _Recognition, name: str, entry: Entry) -> None:
+def _mx(r: _Recognition, name: str, tensor: TensorFacts) -> None:
     """MXFP4 / MXFP8: `*_blocks` payloads with `*_scales`, 32 values a group."""
     ck, tensors = r.checks, r.checks.tensors
     base = name[: -len("_blocks")]
     scales = base + "_scales"
-    shape = list(entry.shape)
-    scheme = "mxfp4" if entry.dtype == "uint8" else "mxfp8" if entry.dtype in FP8 else None
+    shape = list(tensor[SHAPE])
+    scheme = "mxfp4" if tensor[DTYPE] == "uint8" else "mxfp8" if tensor[DTYPE] in FP8 else None
     if scheme is None or len(shape) < 2:
         return
     per = shape[-1] * (2 if scheme == "mxfp4" else 1)
@@ -142,28 +147,28 @@ def _mx(r: _Recognition, name: str, entry: Entry) -> None:
         ck.missing(name, scales, scheme)
     else:
         weight.sidecars["scale"] = scales
-        if list(tensors[scales].shape) != shape[:-1]:
+        if list(tensors[scales][SHAPE]) != shape[:-1]:
             ck.grid_problem(
-                name, scales, list(tensors[scales].shape), f"{shape[:-1]} (one per group)"
+                name, scales, list(tensors[scales][SHAPE]), f"{shape[:-1]} (one per group)"
             )
         ck.check_dtype(name, {"scale": scales}, {"scale": "mx_scale"})
         if per != 32:
-            ck.grid_problem(name, scales, list(tensors[scales].shape), "groups of 32 values")
+            ck.grid_problem(name, scales, list(tensors[scales][SHAPE]), "groups of 32 values")
     ck.claim(weight)
 
 
-def _nvfp4_ct(r: _Recognition, name: str, entry: Entry) -> None:
+def _nvfp4_ct(r: _Recognition, name: str, tensor: TensorFacts) -> None:
     """NVFP4 as compressed-tensors writes it: `weight_packed` with a global scale."""
     ck, tensors = r.checks, r.checks.tensors
     module = name[: -len(".weight_packed")]
-    shape = list(entry.shape)
-    if entry.dtype != "uint8" or len(shape) != 2:
+    shape = list(tensor[SHAPE])
+    if tensor[DTYPE] != "uint8" or len(shape) != 2:
         return
     sidecars = ck.optional(module, {"scale": ".weight_scale", "global": ".weight_global_scale"})
     scale = sidecars.get("scale")
     if (
         scale is not None
-        and tensors[scale].dtype not in SCALE_DTYPES["group_scale"]
+        and tensors[scale][DTYPE] not in SCALE_DTYPES["group_scale"]
         and (r.config.algo or "") != "nvfp4-pack-quantized"
     ):
         return  # compressed-tensors int4/int8 pack-quantized: not an NVFP4 weight
@@ -194,10 +199,10 @@ def _nvfp4_ct(r: _Recognition, name: str, entry: Entry) -> None:
     ck.claim(weight)
 
 
-def _fp8(r: _Recognition, name: str, module: str, entry: Entry) -> None:
+def _fp8(r: _Recognition, name: str, module: str, tensor: TensorFacts) -> None:
     """FP8 per block, per channel or per tensor: the scale's grid says which."""
     ck, tensors, config, block = r.checks, r.checks.tensors, r.config, r.block
-    shape = list(entry.shape)
+    shape = list(tensor[SHAPE])
     sidecars = ck.optional(
         module,
         {"inv": ".weight_scale_inv", "mul": ".weight_scale", "comfy": ".scale_weight"},
@@ -214,7 +219,7 @@ def _fp8(r: _Recognition, name: str, module: str, entry: Entry) -> None:
             ck.missing(name, sidecar, scheme)
             ck.claim(QuantWeight(module, scheme, name, name, {}, shape, block or (1, 1)))
         return
-    scale_shape = list(tensors[scale_name].shape)
+    scale_shape = list(tensors[scale_name][SHAPE])
     found, implied = fp8_grid(shape, scale_shape, block)
     if found is None:
         ck.grid_problem(name, scale_name, scale_shape, implied)
@@ -238,10 +243,10 @@ def _fp8(r: _Recognition, name: str, module: str, entry: Entry) -> None:
     ck.claim(weight)
 
 
-def _nvfp4(r: _Recognition, name: str, module: str, entry: Entry) -> None:
+def _nvfp4(r: _Recognition, name: str, module: str, tensor: TensorFacts) -> None:
     """NVFP4 as ModelOpt writes it: a uint8 `weight` with `weight_scale` and `weight_scale_2`."""
     ck, tensors = r.checks, r.checks.tensors
-    shape = list(entry.shape)
+    shape = list(tensor[SHAPE])
     sidecars = ck.optional(module, {"scale": ".weight_scale", "scale_2": ".weight_scale_2"})
     nv_expected = "nvfp4" in r.expects and not ignored(module, r.config.ignore)
     scale = sidecars.get("scale")
@@ -249,7 +254,7 @@ def _nvfp4(r: _Recognition, name: str, module: str, entry: Entry) -> None:
         return  # a plain uint8 tensor
     if (
         scale is not None
-        and tensors[scale].dtype not in SCALE_DTYPES["group_scale"]
+        and tensors[scale][DTYPE] not in SCALE_DTYPES["group_scale"]
         and not nv_expected
     ):
         return

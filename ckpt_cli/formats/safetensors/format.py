@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ... import dtypes
 from ...errors import CkptError, FormatError, NotFoundError
-from ...models import Entry, FileInfo, Manifest, Problem
+from ...models import Entry, FileInfo, Manifest, Problem, TensorFacts
 from ...problems import Findings
 from ...storage.fileio import Durable, FileRange, fsync_soon, open_output
 from ..base import Checkpoint, Format, Source, WriteOptions, Writer
@@ -187,11 +187,18 @@ class SafetensorsFormat(Format):
         return read_header(source.storage, shard, size)
 
     @classmethod
-    def checked_tensor_types(cls, source: Source) -> Iterator[tuple[str, str]] | None:
+    def checked_tensors(cls, source: Source) -> dict[str, TensorFacts] | None:
         headers: list[SafetensorsHeader] | None = source.parsed.get(_checked_key(source))
         if headers is None:
             return None
-        return ((name, info[0]) for header in headers for name, info in header.tensors.items())
+        facts: dict[str, TensorFacts] = {
+            name: (dtype, shape, header.file)
+            for header in headers
+            for name, (dtype, shape, _, _) in header.tensors.items()
+        }
+        if len(facts) != sum(len(header.tensors) for header in headers):
+            return None  # a name in two shards: `open` refuses it, and says so
+        return facts
 
     @classmethod
     def check(cls, source: Source) -> list[Problem]:
@@ -254,9 +261,11 @@ class SafetensorsFormat(Format):
                     {n: end - begin for n, (_, _, begin, end) in header.tensors.items()},
                     header.rejected,
                 )
-        clean = [source.parsed.get(("safetensors", s, listing.get(s, -1))) for s in shards]
-        if all(header is not None for header in clean):
-            # what `checked_tensor_types` answers from (the headers `open` would take)
+        # what `checked_tensors` answers from: the headers of the shards `open` reads (an
+        # index's own, not the unnamed files of the same save checked beside them), all clean
+        opens = sorted(set(weight_map.values())) if weight_map is not None else shards
+        clean = [source.parsed.get(("safetensors", s, listing.get(s, -1))) for s in opens]
+        if (index_rel is None or weight_map is not None) and None not in clean:
             source.parsed[_checked_key(source)] = clean
         if index_rel is None or weight_map is None:
             check_duplicates(findings, storage, contents)
