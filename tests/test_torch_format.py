@@ -293,6 +293,57 @@ def test_tied_weights_are_reported_and_stay_tied(tmp_path: Path) -> None:
     assert torch.equal(back["slice"], big[:3])
 
 
+def test_names_safetensors_records_as_aliases_come_back_in_torch_and_dcp(tmp_path: Path) -> None:
+    """`safetensors.torch.save_model` stores a tied weight once and records the other name in
+    `__metadata__`; a conversion to a format that stores every name writes it again: tied
+    to the kept tensor in torch.save (as `torch.save` of the model does), a copy in DCP. It
+    is never silently left out (it was: the report listed neither the name nor a skip)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_model
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.head = torch.nn.Linear(8, 16, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    save_model(model, str(tmp_path / "tied.safetensors"))
+    expected = model.state_dict()
+    assert set(expected) == {"emb.weight", "head.weight"}
+
+    to_torch = run_ckpt(
+        "convert", tmp_path / "tied.safetensors", tmp_path / "t.pt", "--to", "torch"
+    )
+    assert to_torch.exit_code == 0, to_torch.stderr
+    assert "emb.weight, head.weight share storage" in to_torch.stdout
+    back = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert set(back) == set(expected)
+    assert back["head.weight"].data_ptr() == back["emb.weight"].data_ptr()
+    assert torch.equal(back["head.weight"], expected["head.weight"])
+
+    to_dcp = run_ckpt(
+        "convert", tmp_path / "tied.safetensors", tmp_path / "d", "--to", "dcp", "--json"
+    )
+    result = to_dcp.json["result"]
+    assert [e["name"] for e in result["entries"]] == ["emb.weight", "head.weight"]
+    assert result["renamed"] == 0 and result["tied"] == [["emb.weight", "head.weight"]]
+    loaded = {name: torch.zeros(16, 8) for name in expected}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "d"))
+    assert all(torch.equal(loaded[n], expected[n]) for n in expected)
+
+    # and back to safetensors: stored once again, the alias recorded again
+    again = run_ckpt(
+        "convert", tmp_path / "t.pt", tmp_path / "again.safetensors", "--to", "safetensors"
+    )
+    assert again.exit_code == 0, again.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "again.safetensors"), "pt") as f:
+        assert list(f.keys()) == ["emb.weight"] and f.metadata()["head.weight"] == "emb.weight"
+
+
 def test_accelerate_pkl_written_by_torch_save_is_read(tmp_path: Path) -> None:
     torch.save({"step": 3, "torch_manual_seed": torch.get_rng_state()}, tmp_path / "rs_0.pkl")
     report = run_ckpt("inspect", tmp_path / "rs_0.pkl", "--json").json["result"]

@@ -360,7 +360,16 @@ def convert(
         checkpoint, dequantized = _readable(base, analysis, src, dequantize, cast)
         manifest = checkpoint.manifest
         plan = _plan(
-            opened, manifest, target, select, include, exclude, rename_pairs, cast, match_prefix
+            opened,
+            manifest,
+            target,
+            select,
+            include,
+            exclude,
+            rename_pairs,
+            cast,
+            match_prefix,
+            restore_aliases=naming is None,
         )
         origins: dict[str, str] = {}
         architecture: ArchitectureReport | None = None
@@ -554,8 +563,11 @@ def _plan(
     renames: list[tuple[str, str]],
     cast: str | None,
     match_prefix: str = "",
+    *,
+    restore_aliases: bool,
 ) -> TransferPlan:
-    """What goes out under which name and dtype, as far as the target can hold it."""
+    """What goes out under which name and dtype, as far as the target can hold it; with
+    `restore_aliases`, the names the source records as aliases too (`plan_transfer`)."""
     from ..shared.selection import refuse_placeholders
 
     plan = plan_transfer(
@@ -569,6 +581,7 @@ def _plan(
         dedupe_tied=target.dedupes_tied,
         opened=opened,
         match_prefix=match_prefix,
+        restore_aliases=restore_aliases,
     )
     if select or include or exclude:
         # ZeRO-3's empty parameters are no weights: never picked out without the rebuilt ones

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...formats.base import Checkpoint
-from ..shared.transfer import tied_groups
+from ..shared.transfer import metadata_aliases, tied_groups
 
 #: how a checkpoint names its input embedding, for the output embedding tied to it
 _EMBEDDING_SUFFIXES = (
@@ -71,9 +71,8 @@ def recorded_aliases(checkpoint: Checkpoint, model_prefix: str = "") -> list[Ali
     found: list[Alias] = []
     for group in tied_groups(manifest):
         found.extend(Alias(n, group[0], "shared storage", True) for n in group[1:])
-    for name, target in manifest.metadata.items():
-        if name not in tensors and target in tensors:
-            found.append(Alias(name, target, "safetensors metadata", False))
+    for name, target in metadata_aliases(manifest).items():
+        found.append(Alias(name, target, "safetensors metadata", False))
     known = {a.name for a in found}
     for name, target, how in _config_ties(checkpoint, tensors, model_prefix):
         if name not in tensors and name not in known:

@@ -92,6 +92,14 @@ class Item:
     source: Entry
     target: Entry
     cast: str | None = None
+    #: the name the source stores the bytes under when `source` is a name it only records as
+    #: an alias of that tensor (`metadata_aliases`); None: `source.name` itself
+    stored_as: str | None = None
+
+    @property
+    def read_name(self) -> str:
+        """The name to read from the source checkpoint."""
+        return self.stored_as or self.source.name
 
 
 @dataclass
@@ -175,6 +183,22 @@ def tied_groups(manifest: Manifest, names: Iterable[str] | None = None) -> list[
     return groups
 
 
+def metadata_aliases(manifest: Manifest) -> dict[str, str]:
+    """Names the source stored once and recorded as another tensor in its string metadata
+    (alias -> kept): safetensors cannot share storage, so ckpt's `convert`,
+    `safetensors.torch.save_model` and huggingface_hub write `{"lm_head.weight":
+    "transformer.wte.weight"}` into `__metadata__`. A key that names no tensor while its
+    value does is such a record."""
+    if not manifest.metadata:
+        return {}
+    tensors = {e.name for e in manifest.entries if e.kind == "tensor"}
+    return {
+        name: kept
+        for name, kept in manifest.metadata.items()
+        if name not in tensors and kept in tensors
+    }
+
+
 def plan_transfer(
     manifest: Manifest,
     *,
@@ -187,6 +211,7 @@ def plan_transfer(
     dedupe_tied: bool = False,
     opened: OpenedSource | None = None,
     match_prefix: str = "",
+    restore_aliases: bool = False,
 ) -> TransferPlan:
     """Decide what to write, from the manifest alone.
 
@@ -202,9 +227,25 @@ def plan_transfer(
         opened: the opened source, whose layout says what `select` names.
         match_prefix: what `include` / `exclude` see before each name (`unet.`: a multi-folder
             model's component, matched by the names inspect shows of the whole folder).
+        restore_aliases: the names the source records as aliases of a tensor it stored once
+            (`metadata_aliases`) are written as entries of their own, read from that tensor
+            and tied to it (`TransferPlan.tied`): a target that stores every name gets them
+            back; one that dedupes tied tensors records them again (`aliases`).
     """
+    # a name the source recorded as an alias is an entry like any other here (selected,
+    # filtered, renamed), read from the tensor it names: a target that stores every name gets
+    # it back (shared with that tensor where it can: torch.save); one that dedupes records it
+    recorded = metadata_aliases(manifest) if restore_aliases else {}
+    candidates = manifest.entries
+    kept_entries: dict[str, Entry] = {}
+    if recorded:
+        kept_entries = {e.name: e for e in manifest.entries if e.name in recorded.values()}
+        candidates = [
+            *manifest.entries,
+            *(kept_entries[kept].model_copy(update={"name": a}) for a, kept in recorded.items()),
+        ]
     entries = select_globs(
-        manifest.entries, list(include or []), list(exclude or []), prefix=match_prefix
+        candidates, list(include or []), list(exclude or []), prefix=match_prefix
     )
     selection: Selection = select_entries(opened, entries, select, manifest)
     chosen = selection.pairs
@@ -222,6 +263,7 @@ def plan_transfer(
         )
     plan = TransferPlan(items=[], stripped=selection.stripped)
     seen: dict[str, str] = {}
+    restored: dict[str, str] = {}  # output name of a recorded alias -> the source name it is
     for entry, name in chosen:
         new_name = rename(name, renames)
         if not new_name:
@@ -282,12 +324,24 @@ def plan_transfer(
                 "chunks": None,
             }
         )
-        plan.items.append(Item(entry, target, cast))
+        kept = recorded.get(entry.name)
+        if kept is not None:
+            restored[new_name] = kept
+        plan.items.append(Item(entry, target, cast, stored_as=kept))
     renamed = {item.source.name: item.target.name for item in plan.items}
     for group in tied_groups(manifest, renamed):
-        names = [renamed[n] for n in group]
-        plan.tied.append(names)
-        if dedupe_tied:
+        plan.tied.append([renamed[n] for n in group])
+    for alias, kept in restored.items():
+        kept_name = renamed.get(kept)
+        if kept_name is None:
+            continue  # the tensor it names is not written: the alias is written as itself
+        groups = [g for g in plan.tied if kept_name in g]
+        if groups:
+            groups[0].append(alias)
+        else:
+            plan.tied.append([kept_name, alias])
+    if dedupe_tied:
+        for names in plan.tied:
             for alias in names[1:]:
                 plan.aliases[alias] = names[0]
     if plan.aliases:
@@ -356,13 +410,13 @@ def copy_entries(
     written: list[str] = []
     for item in items:
         source, target = item.source, item.target
-        raw = item.cast is None and writer.accepts_raw and checkpoint.serves_raw(source.name)
+        raw = item.cast is None and writer.accepts_raw and checkpoint.serves_raw(item.read_name)
         partial = _partial_chunks(writer, target.name) if target.kind == "tensor" else None
         if partial is not None:
             from ...tensors import torch_dtype
 
             for index, offsets, sizes in partial:
-                piece = checkpoint.read_slice(source.name, offsets, sizes)
+                piece = checkpoint.read_slice(item.read_name, offsets, sizes)
                 if item.cast is not None:
                     piece = piece.to(torch_dtype(item.cast))
                 writer.write_chunk(target.name, index, piece)
@@ -371,19 +425,19 @@ def copy_entries(
                 del piece
             how = "raw" if raw else "cast" if item.cast else "tensor"
         elif target.kind != "tensor":
-            writer.write_object(target.name, checkpoint.read_object(source.name))
+            writer.write_object(target.name, checkpoint.read_object(item.read_name))
             how = "object"
         elif raw:
-            segments = checkpoint.local_ranges(source.name)
+            segments = checkpoint.local_ranges(item.read_name)
             if segments is not None:
                 # writers may copy local ranges in the kernel (FileRange.copy_to)
                 blocks: Iterator[bytes] = FileRange.of(segments, on_progress=progress.advance)
             else:
-                blocks = _counted(raw_blocks(checkpoint, source.name), progress)
+                blocks = _counted(raw_blocks(checkpoint, item.read_name), progress)
             writer.write_raw(target.name, blocks)
             how = "raw"
         else:
-            tensor = checkpoint.read_tensor(source.name)
+            tensor = checkpoint.read_tensor(item.read_name)
             if item.cast is not None:
                 from ...tensors import torch_dtype
 
