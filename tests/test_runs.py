@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -46,6 +47,31 @@ def test_latest_skips_an_interrupted_newer_save(tmp_path: Path) -> None:
     assert rows["checkpoint-300"]["status"] == "incomplete"
     assert "truncated" in rows["checkpoint-300"]["reason"]
     assert "newest" in rows["checkpoint-200"]["markers"]
+
+
+@pytest.mark.parametrize("lost", ["model.safetensors", "optimizer.pt", "rng_state.pth"])
+def test_a_trainer_save_that_lost_a_file_every_other_save_has_is_incomplete(
+    tmp_path: Path, lost: str
+) -> None:
+    """`trainer_state.json` says the save finished, not that its files are still there: the
+    newest save lost its model (a dead node, a careless `rm`) is incomplete, `latest` names
+    the save before it and `prune --keep-last 1` keeps that one, never deleting the intact
+    saves for the broken one. Weights stored in shards in one save and whole in another are
+    the same part (checkpoint-300 is sharded)."""
+    out = trainer_run(tmp_path, steps=(100, 200, 300, 400))
+    (out / "checkpoint-400" / lost).unlink()
+    age(out)  # long enough ago not to be a save still being written
+    rows = table(out)
+    assert [rows[f"checkpoint-{s}"]["status"] for s in (100, 200, 300)] == ["complete"] * 3
+    assert rows["checkpoint-400"]["status"] == "incomplete"
+    what = "model weights" if lost == "model.safetensors" else lost
+    assert (
+        f"lacks {what}, which every other save of this run has" in rows["checkpoint-400"]["reason"]
+    )
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-300")
+    plan = run_ckpt("prune", out, "--keep-last", "1", "--json").json["result"]
+    actions = {d["name"]: d["action"] for d in plan["decisions"]}
+    assert actions["checkpoint-300"] == "keep", actions
 
 
 def test_trainer_table_markers_and_sharded_model(tmp_path: Path) -> None:

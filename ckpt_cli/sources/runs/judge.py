@@ -25,7 +25,7 @@ from ...storage import LocalStorage, Storage, StorageRangeFile, is_parity_path
 from ...storage.output import TMP_MARKER
 from ...storage.uri import parse_location
 from ...storage.view import FolderView
-from .naming import deepspeed_tag, lightning_metrics, part_names
+from .naming import UNMARKED, deepspeed_tag, lightning_metrics, part_names
 from .records import (
     DELETING,
     METRICS_FILE,
@@ -87,11 +87,16 @@ def judge_found(
     if entry.slim:
         entry.markers.append("weights-only")
     if problem is None and expected and not entry.slim:
-        missing = expected - part_names(files, primary)
+        missing = expected - part_names(files, primary, item.layout)
         if missing:
+            why = (
+                "no commit marker in this layout: an interrupted save?"
+                if item.layout in UNMARKED
+                else "deleted or lost since the save finished?"
+            )
             problem = (
                 f"lacks {', '.join(sorted(missing))}, which every other save of this run has "
-                "(no commit marker in this layout: an interrupted save?)"
+                f"({why})"
             )
     if (
         problem is None

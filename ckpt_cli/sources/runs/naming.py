@@ -185,12 +185,28 @@ def collect(entries: Iterable[tuple[str, bool, Callable[[], bool]]]) -> list[Fou
 
 #: layouts with no commit marker of their own: their saves are compared with each other
 UNMARKED = ("accelerate", "plain")
+#: layouts whose saves are compared with each other for a file the others all have: the
+#: unmarked ones (a save cut short), and the Trainer's, whose marker (`trainer_state.json`,
+#: written last) says the save finished, not that its model or optimizer file is still there
+#: (deleted since, lost with a node)
+COMPARED = (*UNMARKED, "hf-trainer")
 
 
-def part_names(files: Mapping[str, int], folder: str) -> set[str]:
+#: what `part_names` calls a Trainer folder's model weights, however they are stored
+TRAINER_WEIGHTS = "model weights"
+#: the names the Trainer saves a model's (or an adapter's) weights under, whole or in shards
+_TRAINER_WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)[.-]")
+
+
+def part_names(files: Mapping[str, int], folder: str, layout: str | None = None) -> set[str]:
     """Names of the files directly in `folder` (of a run listing: path relative to the run ->
     size) without digits (`optimizer.bin`, not `random_states_3.pkl`, whose count follows the
-    number of processes)."""
+    number of processes). In a Trainer folder, its weight files, one `model.safetensors` or
+    shards with their index, safetensors or `.bin`, are one part: `TRAINER_WEIGHTS`."""
     start = f"{folder}/"
-    names = (rel[len(start) :] for rel in files if rel.startswith(start))
-    return {n for n in names if "/" not in n and not any(ch.isdigit() for ch in n)}
+    names = [rel[len(start) :] for rel in files if rel.startswith(start)]
+    parts = {n for n in names if "/" not in n and not any(ch.isdigit() for ch in n)}
+    if layout == "hf-trainer":
+        weights = {n for n in names if "/" not in n and _TRAINER_WEIGHT_FILE.match(n)}
+        parts = (parts - weights) | ({TRAINER_WEIGHTS} if weights else set())
+    return parts

@@ -18,7 +18,7 @@ from typing import Literal
 
 from ...storage import Storage
 from .judge import best_by_metric, judge_found, newest_trainer_state, read_deepspeed_latest
-from .naming import UNMARKED, expected_parts, int_or_none, part_names, step_order
+from .naming import COMPARED, expected_parts, int_or_none, part_names, step_order
 from .records import METRICS_FILE, Found, RunCheckpoint, RunReport
 
 
@@ -77,21 +77,22 @@ class RunListing(ABC):
 
 
 def expected_parts_of(run: RunListing, items: list[Found]) -> dict[int, set[str]]:
-    """For folders of unmarked layouts: the files every *other* save of the run has.
+    """For folders of the `COMPARED` layouts: the files every *other* save of the run has.
 
     accelerate's `save_state` writes model, optimizer, scheduler, sampler... with no marker
-    at the end, so a save cut short after the model looks whole on its own. Against at least
-    two other saves of the same run it does not. Names are compared, nothing is read.
+    at the end, so a save cut short after the model looks whole on its own; a Trainer folder
+    whose `model.safetensors` was deleted after the save still has its marker. Against at
+    least two other saves of the same run neither does. Names are compared, nothing is read.
     """
     out: dict[int, set[str]] = {}
-    for layout in UNMARKED:
+    for layout in COMPARED:
         folders = [
             i
             for i in items
             if i.layout == layout and i.is_dir and not i.temporary and run.link(i) is None
         ]
         if len(folders) >= 3:
-            names = {id(f): part_names(run.files(f), f.rels[0]) for f in folders}
+            names = {id(f): part_names(run.files(f), f.rels[0], layout) for f in folders}
             out.update(expected_parts(names))
     return out
 
