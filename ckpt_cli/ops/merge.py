@@ -138,7 +138,7 @@ class MergedCheckpoint(Checkpoint):
             self.config.get("alpha_pattern") or {}, update.module, self.config["lora_alpha"]
         )
         scaling = alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r
-        # peft computes the delta in float32 on CPU, then adds it in the weight's dtype
+        # peft computes the delta in float32 on CPU
         delta = (b.float() @ a.float()) * scaling
         if update.embedding or self.config.get("fan_in_fan_out"):
             delta = delta.T
@@ -149,8 +149,13 @@ class MergedCheckpoint(Checkpoint):
                 path=self.adapter.manifest.location,
                 fix="Check that the adapter was trained on this base model.",
             )
-        delta = delta.to(a.dtype)
-        return torch.add(weight, delta.to(weight.dtype)).contiguous()
+        # peft holds an adapter stored in 16 bits as float32 (`autocast_adapter_dtype`, on by
+        # default) and merges with `weight += delta`: one rounding into the weight's dtype,
+        # the sum taken in the wider of the two (a bf16 weight: bf16(w + delta), never
+        # w + bf16(delta), which differs by an ulp in about a third of the values)
+        if a.dtype not in (torch.float16, torch.bfloat16):
+            delta = delta.to(a.dtype)
+        return torch.add(weight, delta).to(weight.dtype).contiguous()
 
     def read_object(self, name: str) -> Any:
         return self.base.read_object(name)
