@@ -662,3 +662,35 @@ def test_convert_from_the_hub_fetches_only_the_selected_tensors(
             assert hub.bytes_sent("org/model", shard) >= 256 * 256 * 4
         else:  # a header probe only
             assert hub.bytes_sent("org/model", shard) < size / 4, shard
+
+
+def test_format_safetensors_on_a_folder_without_any_is_refused_not_empty(tmp_path: Path) -> None:
+    """`-f safetensors` on a folder of `.bin` shards (or an empty one) is no empty checkpoint
+    that every command calls fine (inspect showed 0 tensors, verify OK, convert and reshard
+    wrote an empty model): exit 4, or one error from verify, naming the folder and the fix."""
+    folder = tmp_path / "bin-model"
+    folder.mkdir()
+    torch.save({"w": torch.ones(2)}, folder / "pytorch_model.bin")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for src in (folder, empty):
+        shown = run_ckpt("inspect", src, "-f", "safetensors")
+        assert shown.exit_code == 4 and "holds no .safetensors file" in shown.stderr
+        checked = run_ckpt("verify", src, "-f", "safetensors", "--json")
+        assert checked.exit_code == 1
+        assert [p["code"] for p in checked.json["result"]["problems"]] == ["bad_checkpoint"]
+        out = tmp_path / f"out-{src.name}"
+        written = run_ckpt("convert", src, out, "-f", "safetensors", "--to", "torch")
+        assert written.exit_code == 4 and not out.exists()
+        resharded = run_ckpt(
+            "reshard",
+            src,
+            tmp_path / f"rs-{src.name}",
+            "-f",
+            "safetensors",
+            "--max-shard-size",
+            "1KB",
+        )
+        assert resharded.exit_code == 4 and not (tmp_path / f"rs-{src.name}").exists()
+    # detected as what it is, it converts as ever
+    assert run_ckpt("inspect", folder, "--json").json["result"]["format"] == "torch"

@@ -89,6 +89,16 @@ def _checked_key(source: Source) -> tuple[str, str, int]:
     return ("safetensors-checked", source.target or "", -1)
 
 
+def _no_safetensors(source: Source) -> FormatError:
+    """A folder read as safetensors (`--format safetensors`) that holds none: no checkpoint,
+    never an empty one that every command would then call fine."""
+    return FormatError(
+        "holds no .safetensors file (and no safetensors index) to read as safetensors",
+        path=source.location.raw,
+        fix="Leave out --format to let ckpt detect the format, or name the right folder.",
+    )
+
+
 class SafetensorsFormat(Format):
     """The safetensors format (single file or sharded with an index)."""
 
@@ -144,6 +154,8 @@ class SafetensorsFormat(Format):
             sizes = {source.target: source.files[source.target]}
         else:
             shards = [n for n in source.top_level() if n.endswith(".safetensors")]
+            if not shards:
+                raise _no_safetensors(source)
             sizes = {n: source.files[n] for n in shards}
         prefetch_headers(
             storage,
@@ -232,6 +244,9 @@ class SafetensorsFormat(Format):
             shards = [source.target]
         else:
             shards = [n for n in listing if "/" not in n and n.endswith(".safetensors")]
+            if not shards:
+                findings.error(_no_safetensors(source))
+                return findings.problems
         contents: dict[str, ShardContents] = {}
         present = [s for s in shards if s in listing]
         prefetch_headers(storage, present, weight_map)
