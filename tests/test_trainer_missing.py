@@ -36,3 +36,31 @@ def test_save_only_model_checkpoint_passes(trainer_runs: dict[str, Path]) -> Non
     assert not (checkpoint / "optimizer.pt").exists()
     result = run_ckpt("verify", checkpoint, "--json")
     assert result.exit_code == 0, result.stdout
+
+
+def test_a_save_latest_skips_is_no_whole_checkpoint_to_plain_verify_either(
+    trainer_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """What `ckpt latest` calls incomplete, plain `verify` does not call OK: a real Trainer
+    save whose model weights are gone (written first: deleted or lost since) or without its
+    trainer_state.json (written last: the save did not finish). Both name the file and say
+    to use another checkpoint; --resumable says it once, not twice."""
+    run = shutil.copytree(trainer_runs["full"], tmp_path / "run")
+    assert run_ckpt("verify", run / "checkpoint-2").exit_code == 0
+    (run / "checkpoint-2" / "model.safetensors").unlink()
+    result = run_ckpt("verify", run / "checkpoint-2", "--json")
+    assert result.exit_code == 1
+    codes = [p["code"] for p in result.json["result"]["problems"]]
+    assert (
+        codes == ["missing_weights"]
+        and "ckpt latest" in result.json["result"]["problems"][0]["message"]
+    )
+    resumable = run_ckpt("verify", "--resumable", run / "checkpoint-2", "--json")
+    errors = [p["code"] for p in resumable.json["result"]["problems"] if p["severity"] == "error"]
+    assert errors == ["missing_weights"]
+
+    (run / "checkpoint-1" / "trainer_state.json").unlink()
+    result = run_ckpt("verify", run / "checkpoint-1", "--json")
+    assert result.exit_code == 1
+    problem = next(p for p in result.json["result"]["problems"] if p["code"] == "missing_component")
+    assert problem["file"].endswith("trainer_state.json") and "did not finish" in problem["message"]

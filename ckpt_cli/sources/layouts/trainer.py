@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from ...formats.base import Source
-from ...models import Problem
+from ...models import Problem, TrainingState
 from .base import Layout, OpenedSource
 from .composite import Folder, component_files, component_prefixes, finish, missing_rank_files
 from .training import analyse, per_rank_models
@@ -107,7 +107,9 @@ class Trainer(Layout):
             # the Trainer reproduces the data order from its seed and skips `global_step` batches
             if state.step is not None:
                 state.dataloader = {"kind": "replayed", "skips_batches": state.step}
-        return finish(checkpoint, state, folder)
+        opened = finish(checkpoint, state, folder)
+        opened.problems.extend(_unfinished(source, folder, state))
+        return opened
 
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
         """Optimizer / scheduler files the Trainer should have saved (see `_trainer_missing`),
@@ -177,6 +179,40 @@ def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dic
     except Exception:
         return {}
     return found
+
+
+_OTHER = "Use another checkpoint of the run (`ckpt latest` names the newest whole one)."
+
+
+def _unfinished(source: Source, folder: Folder, state: TrainingState) -> list[Problem]:
+    """What makes a Trainer save no whole checkpoint, whatever is asked of it: its model
+    weights gone (the Trainer writes them first: deleted or lost since), or no
+    `trainer_state.json` (it writes that last: the save did not finish). `ckpt latest` and
+    `prune` judge the same save incomplete (`runs.judge`); plain `verify` says so too."""
+    from ..runs import SLIM_RECORD
+
+    where = source.location.raw
+    problems: list[Problem] = []
+    deepspeed = any(n.startswith("global_step") for n in source.files)
+    if "weights" in state.missing and not deepspeed:
+        problems.append(
+            Problem(
+                code="missing_weights",
+                message=f"{where}: no model weights (model.safetensors, pytorch_model.bin or "
+                f"their shards), which a Trainer save writes first: deleted or lost since? {_OTHER}",
+                file=where,
+            )
+        )
+    if not folder.has("trainer_state.json") and not folder.has(SLIM_RECORD):
+        problems.append(
+            Problem(
+                code="missing_component",
+                message=f"{where}: trainer_state.json is missing, and the Trainer writes it "
+                f"last: this save did not finish. {_OTHER}",
+                file=source.storage.describe("trainer_state.json"),
+            )
+        )
+    return problems
 
 
 def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:

@@ -481,8 +481,9 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
         "rng": "no RNG state (dropout and shuffling will differ after a resume)",
         "dataloader": "no data-loader state (the resumed run will see different batches)",
     }
+    said = {p.code for p in problems}
     for item in REQUIRED:
-        if item in state.missing:
+        if item in state.missing and f"missing_{item}" not in said:
             problems.append(
                 Problem(code=f"missing_{item}", message=f"{where}: {labels[item]}", file=where)
             )
