@@ -511,6 +511,29 @@ def test_stale_parity_and_files_added_after_protect_are_reported(tmp_path: Path)
     assert run_ckpt("verify", model, "--checksums").exit_code == 0
 
 
+def test_files_repair_rebuilt_are_not_reported_as_changed_since_protect(tmp_path: Path) -> None:
+    """A rebuilt file holds the bytes `protect` recorded: `verify` after `repair` is clean,
+    where it warned `parity_stale` for each (its advice, `ckpt repair`, did nothing about
+    it); and a file only touched since is not stale to `--checksums`, which compared it."""
+    model = tmp_path / "model"
+    state = _safetensors_model(model)
+    assert run_ckpt("protect", model).exit_code == 0
+    time.sleep(0.05)  # any write below is later than the parity manifest
+    shards = sorted(model.glob("*.safetensors"))
+    _flip(shards[1], 200)
+    shards[0].unlink()
+    assert run_ckpt("repair", model).exit_code == 0
+    for args in ((), ("--checksums",)):
+        result = run_ckpt("verify", model, *args, "--json")
+        assert result.exit_code == 0 and result.json["result"]["problems"] == [], result.stdout
+    _assert_same(_read_safetensors(model), state)
+    os.utime(shards[2])  # touched, not changed
+    checked = run_ckpt("verify", model, "--checksums", "--json")
+    assert checked.exit_code == 0 and checked.json["result"]["problems"] == []
+    plain = run_ckpt("verify", model, "--json")  # without the blocks, a newer time is all it has
+    assert [p["code"] for p in plain.json["result"]["problems"]] == ["parity_stale"]
+
+
 def test_protected_trainer_checkpoint_stays_resumable_and_latest(tmp_path: Path) -> None:
     from .run_fixtures import trainer_checkpoint
 

@@ -274,7 +274,14 @@ def _publish_repaired(target: ParityTarget, staged: list[tuple[str, Path, Protec
     """Put each rebuilt file in place: data first, commit markers (index, .metadata) last."""
     storage = target.storage
     ordered = sorted(staged, key=lambda item: (is_commit_marker(item[0]), item[0]))
+    manifest = storage.local_path(target.manifest_rel)
+    protected_ns = manifest.stat().st_mtime_ns if manifest is not None else None
     for rel, path, _f in ordered:
+        if protected_ns is not None:
+            # the bytes are those `protect` recorded (sha256 checked): dated no later than
+            # its manifest, so `verify` does not take them for a change made since
+            # (`parity_stale`), which its advice (`ckpt repair`) could never clear
+            os.utime(path, ns=(protected_ns, protected_ns))
         # a damaged file may be a link or read-only: the name is replaced, never written
         # through (a rename locally; an upload and one server-side copy in an object store)
         storage.put(rel, path, move=True)

@@ -144,7 +144,8 @@ def check_parity(
 
     Without `checksums` only presence and sizes are compared (and, locally, modification
     times: a file changed after `protect` makes the parity stale); with `checksums` every block
-    is hashed and compared with its digest, which names the damaged byte ranges.
+    is hashed and compared with its digest, which names the damaged byte ranges (and a file
+    whose blocks all match is not stale, whatever its time).
     """
     try:
         target = open_parity_target(src)
@@ -166,7 +167,9 @@ def check_parity(
     if target.source.target is None:
         report.unprotected = [storage.describe(n) for n in target.files if n not in recorded]
     manifest_path = storage.local_path(target.manifest_rel)
-    if manifest_path is not None:
+    # with checksums every block was compared: a changed file is damaged, and a newer time
+    # alone (a file touched, copied without its times) says nothing
+    if manifest_path is not None and not checksums:
         written = manifest_path.stat().st_mtime
         damaged = {d.path for d in report.damaged}
         for f in m.files:
