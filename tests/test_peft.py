@@ -113,6 +113,65 @@ def test_merge_into_a_bf16_base_is_bit_identical_to_peft(
     assert all(got[n].dtype == torch.bfloat16 for n in got)
 
 
+def test_merge_of_an_adapter_on_the_embeddings_equals_peft(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A LoRA that targets `embed_tokens`: peft saves the whole embedding beside its factors
+    (`save_embedding_layers`, key `...embed_tokens.base_layer.weight`) and merges the update
+    into it. `ckpt merge` refused it as a weight the base does not have."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(2)
+    adapter = tmp_path / "adapter"
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"], init_lora_weights=False
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(LlamaForCausalLM.from_pretrained(tiny_llama), config).save_pretrained(
+            adapter
+        )
+    saved = load_file(adapter / "adapter_model.safetensors")
+    assert any(k.endswith("embed_tokens.base_layer.weight") for k in saved)
+    out = tmp_path / "merged"
+    result = run_ckpt("merge", tiny_llama, adapter, out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "model.embed_tokens.weight" in result.json["result"]["merged"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = PeftModel.from_pretrained(
+            LlamaForCausalLM.from_pretrained(tiny_llama), adapter
+        ).merge_and_unload()
+    want, got = reference.state_dict(), load_file(out / "model.safetensors")
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+
+
+def test_merge_onto_a_bin_sharded_base_keeps_its_shard_size(
+    lora_adapter: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A base saved as `pytorch_model-*.bin` shards merges into safetensors shards of its own
+    size (it became one `model.safetensors`), the same values as from its safetensors copy."""
+    from huggingface_hub import save_torch_state_dict
+
+    state = load_file(tiny_llama / "model.safetensors")
+    base = tmp_path / "bin-base"
+    base.mkdir()
+    save_torch_state_dict(state, base, safe_serialization=False, max_shard_size="10KB")
+    shutil.copy(tiny_llama / "config.json", base / "config.json")
+    shards = sorted(base.glob("pytorch_model-*.bin"))
+    assert len(shards) > 1
+    out, reference = tmp_path / "merged", tmp_path / "merged-from-safetensors"
+    assert run_ckpt("merge", base, lora_adapter, out).exit_code == 0
+    assert run_ckpt("merge", tiny_llama, lora_adapter, reference).exit_code == 0
+    written = sorted(out.glob("model-*.safetensors"))
+    # cut at the largest .bin's size (a .bin carries pickle overhead: a shard or so fewer)
+    assert len(written) > 1 and (out / "model.safetensors.index.json").is_file()
+    got = {k: v for f in written for k, v in load_file(f).items()}
+    want = load_file(reference / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_merge_refuses_what_it_cannot_merge(
     lora_adapter: Path, tiny_llama: Path, tmp_path: Path
 ) -> None:

@@ -27,7 +27,6 @@ from ..formats import HF_WEIGHTS, get_format, resolve_source
 from ..formats.base import Checkpoint, Source, WriteOptions
 from ..formats.names import (
     SAFETENSORS_INDEX_SUFFIX,
-    SAFETENSORS_SUFFIX,
     TORCH_INDEX_SUFFIX,
     WEIGHT_SUFFIXES,
 )
@@ -121,10 +120,11 @@ class MergedCheckpoint(Checkpoint):
         if name in self.replaced:
             from ..tensors import torch_dtype
 
-            tensor = self.adapter.read_tensor(self.replaced[name])
+            weight = self.adapter.read_tensor(self.replaced[name])
             dtype = self.base.manifest.by_name[name].dtype
-            return tensor.to(torch_dtype(dtype)) if dtype else tensor
-        weight = self.base.read_tensor(name)
+            weight = weight.to(torch_dtype(dtype)) if dtype else weight
+        else:
+            weight = self.base.read_tensor(name)
         update = self.updates.get(name)
         if update is None:
             return weight
@@ -199,8 +199,11 @@ def _plan_updates(
                     path=where,
                     fix="Merge it with peft's merge_and_unload.",
                 )
-            # a `modules_to_save` copy: the adapter's tensor replaces the base's
-            target = _base_name(key.rsplit(".", 1)[0], key.rsplit(".", 1)[-1], names)
+            # a `modules_to_save` copy, or a targeted embedding layer peft saved whole
+            # (`save_embedding_layers`: `embed_tokens.base_layer.weight`): the adapter's
+            # tensor replaces the base's, and that layer's own LoRA update applies on top
+            module, param = key.rsplit(".", 1)[0], key.rsplit(".", 1)[-1]
+            target = _base_name(module.removesuffix(".base_layer"), param, names)
             if target is None:
                 raise NotFoundError(
                     f"{entry.name!r} replaces a base weight {key!r} the base does not have",
@@ -386,8 +389,9 @@ def merge_with(
 
 
 def _shard_size(checkpoint: Checkpoint) -> int | None:
-    """The base's own shard size (its largest shard), so the output is cut the same way."""
-    files = [f for f in checkpoint.manifest.files if f.path.endswith(SAFETENSORS_SUFFIX)]
+    """The base's own shard size (its largest shard, safetensors or `.bin`), so the output is
+    cut the same way."""
+    files = [f for f in checkpoint.manifest.files if f.entries]
     if len(files) <= 1:
         return None
     return max(f.size or 0 for f in files) or None
