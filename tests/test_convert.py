@@ -694,3 +694,43 @@ def test_format_safetensors_on_a_folder_without_any_is_refused_not_empty(tmp_pat
         assert resharded.exit_code == 4 and not (tmp_path / f"rs-{src.name}").exists()
     # detected as what it is, it converts as ever
     assert run_ckpt("inspect", folder, "--json").json["result"]["format"] == "torch"
+
+
+def test_dtype_cast_of_a_model_folder_writes_a_config_that_says_so(tmp_path: Path) -> None:
+    """`from_pretrained` loads in the dtype `config.json` names: a `--dtype bf16` copy whose
+    config still said float32 came back as a float32 model. The dtype it declares
+    (`torch_dtype`, transformers 5's `dtype`, sub-configs too) follows the cast; nothing else
+    in it changes, and a config that names no dtype (or `auto`) is copied as it is."""
+    src = tmp_path / "model"
+    src.mkdir()
+    save_file({"w": torch.randn(4, 4), "step": torch.tensor(3)}, src / "model.safetensors")
+    config = {
+        "model_type": "llava",
+        "dtype": "float32",
+        "text_config": {"torch_dtype": "float32", "hidden_size": 4},
+        "vision_config": {"dtype": "auto"},
+    }
+    (src / "config.json").write_text(json.dumps(config))
+    result = run_ckpt(
+        "convert", src, tmp_path / "bf16", "--to", "safetensors", "--dtype", "bf16", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    report = result.json["result"]
+    assert report["config_dtype"] == "bfloat16" and "config.json" not in report["extras"]
+    written = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert written == {
+        **config,
+        "dtype": "bfloat16",
+        "text_config": {"torch_dtype": "bfloat16", "hidden_size": 4},
+    }
+    human = run_ckpt("convert", src, tmp_path / "fp16", "--to", "safetensors", "--dtype", "fp16")
+    assert "config.json says float16" in human.stdout
+    # no cast, or a config without a dtype: copied byte for byte
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert (
+        run_ckpt(
+            "convert", src, tmp_path / "plain", "--to", "safetensors", "--dtype", "bf16"
+        ).exit_code
+        == 0
+    )
+    assert (tmp_path / "plain" / "config.json").read_bytes() == (src / "config.json").read_bytes()

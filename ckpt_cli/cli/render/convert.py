@@ -44,8 +44,17 @@ def render_convert(report: ConvertReport) -> None:
             "weights and scales kept as stored (use --dequantize to convert them)"
         )
     render_architecture(report)
-    if report.config_written and report.architecture is None and report.config_source is None:
+    if (
+        report.config_written
+        and report.dequantized
+        and report.architecture is None
+        and report.config_source is None
+    ):
         stdout.print("  config.json written without its quantization section")
+    if report.config_dtype:
+        stdout.print(
+            f"  config.json says {report.config_dtype}, the dtype the weights were cast to"
+        )
     stdout.print("  [green]structure checked before publishing[/]")
     if report.extras:
         stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 from pathlib import PurePath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ... import dtypes
 from ...errors import FormatError, UsageError
 from ...formats import get_format, serializations, writable_formats
 from ...formats.base import Format, WriteOptions
@@ -248,6 +249,42 @@ def dequantized_config(storage: Storage) -> bytes | None:
     if not isinstance(config, dict):
         return None
     return (json.dumps(without_quantization(config), indent=2) + "\n").encode()
+
+
+#: the keys a transformers `config.json` declares its weights' dtype under (4.x, 5.x)
+_DTYPE_KEYS = ("torch_dtype", "dtype")
+
+
+def config_in_dtype(data: bytes, dtype: str) -> bytes | None:
+    """`config.json` (its bytes) declaring `dtype`, the one `--dtype` cast the weights to, where
+    it declared a floating dtype for them (`torch_dtype`, transformers 5's `dtype`, in
+    sub-configs too: `text_config`); None when it declares none or is no JSON object.
+
+    `from_pretrained` loads in the dtype the config names: a bf16 export whose config still
+    said float32 came back as a float32 model.
+    """
+    import json
+
+    try:
+        config = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(config, dict):
+        return None
+
+    def retype(node: dict[str, Any]) -> bool:
+        changed = False
+        for key, value in node.items():
+            if key in _DTYPE_KEYS and value in dtypes.FLOATING and value != dtype:
+                node[key] = dtype
+                changed = True
+            elif isinstance(value, dict):
+                changed = retype(value) or changed
+        return changed
+
+    if not retype(config):
+        return None
+    return (json.dumps(config, indent=2) + "\n").encode()
 
 
 #: a model's `config.json` is a few KB; anything this large is not one

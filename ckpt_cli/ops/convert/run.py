@@ -49,6 +49,7 @@ from .plan import (
     NO_COMPRESSION,
     check_shard_size,
     check_target,
+    config_in_dtype,
     dequantized_config,
     guard_paths,
     keep_quantized,
@@ -118,7 +119,10 @@ class ConvertReport(Record):
         quantized_kept: quantized weights and scales written as stored although `--dtype`
             was given (`--dtype` applies to unquantized tensors only).
         config_written: `config.json` written into the output: the source's without its
-            quantization section (`--dequantize`), or the one `--config` named.
+            quantization section (`--dequantize`), or the one `--config` named; with
+            `config_dtype`, the dtype it declares for the weights set to the cast's.
+        config_dtype: the dtype `config.json` now declares (`torch_dtype` / `dtype`): the one
+            `--dtype` cast the weights to (None: its dtype was left as it was, or it has none).
         config_source: where `--config` read that `config.json` (None without it).
         architecture: for `--to hf` / `--to torchtitan`: the model's family, the two namings
             and every tensor's rename and transform.
@@ -158,6 +162,7 @@ class ConvertReport(Record):
     dequantized: int = 0
     quantized_kept: int = 0
     config_written: str | None = None
+    config_dtype: str | None = None
     config_source: str | None = None
     extras: list[str] = Field(default_factory=list)
     architecture: ArchitectureReport | None = None
@@ -471,6 +476,17 @@ def convert(
             if rewritten is not None:
                 options.companions["config.json"] = rewritten
                 config_written = str(PurePath(str(dest_path)) / "config.json")
+        config_dtype = None
+        if cast is not None and not single_file:
+            # the config published says the dtype the weights were cast to
+            published = options.companions.get("config.json")
+            if published is None and "config.json" in carried:
+                published = checkpoint.source.storage.read_all("config.json")
+            retyped = config_in_dtype(published, cast) if published is not None else None
+            if retyped is not None:
+                options.companions["config.json"] = retyped
+                carried = [rel for rel in carried if rel != "config.json"]  # written, not copied
+                config_written, config_dtype = str(PurePath(str(dest_path)) / "config.json"), cast
         files, written = run_write(
             checkpoint,
             plan,
@@ -510,6 +526,7 @@ def convert(
         dequantized=dequantized,
         quantized_kept=kept,
         config_written=config_written,
+        config_dtype=config_dtype,
         config_source=given_config[1] if given_config is not None else None,
         extras=carried,
         warnings=warnings + output_warnings(target, dcp_serialization),
