@@ -456,3 +456,41 @@ def test_tensor_moments_from_raw_bytes_match_torch(tmp_path: Path) -> None:
         assert norm == pytest.approx(float(a.norm()), rel=1e-9)
         assert dist == pytest.approx(float((b - a).norm()), rel=1e-9)
         assert corr == pytest.approx(want_corr, rel=1e-6, abs=1e-9)
+
+
+def test_accelerate_saves_named_automatically_number_saves_not_steps(tmp_path: Path) -> None:
+    """accelerate's automatic naming (`checkpoint_N`, one per `save_state`) counts saves: a
+    run saving every 2 optimizer steps has `checkpoint_2` at step 6. doctor took N for the
+    trainer step and called the clean run's counters inconsistent (exit 1)."""
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(
+            project_dir=str(tmp_path / "run"), automatic_checkpoint_naming=True
+        ),
+    )
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    for step in range(1, 7):
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if step % 2 == 0:
+            accelerator.save_state()
+    saves = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in saves.iterdir()) == [
+        "checkpoint_0",
+        "checkpoint_1",
+        "checkpoint_2",
+    ]
+    for target in (tmp_path / "run", saves / "checkpoint_2"):
+        result = run_ckpt("doctor", target, "--json")
+        assert result.exit_code == 0, result.stdout
+        assert result.json["result"]["causes"] == []

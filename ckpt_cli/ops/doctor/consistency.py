@@ -45,7 +45,7 @@ def check(save: Save) -> list[Cause]:
 
 
 def _disagreeing(save: Save) -> list[str]:
-    step, opt, sched = save.step, save.optimizer_step, save.scheduler_epoch
+    step, opt, sched = save.counted_step, save.optimizer_step, save.scheduler_epoch
     evidence: list[str] = []
     if (
         step is not None

@@ -129,6 +129,20 @@ class Save:
             return self.folder_step
         return own if own is not None and own > 0 else self.folder_step
 
+    @cached_property
+    def counted_step(self) -> int | None:
+        """The step the trainer counted, to hold the optimizer's and scheduler's counters
+        against. None for an accelerate save named automatically (`checkpoint_N`, one per
+        `save_state` call: N counts saves), whose own `step` counts accumulation micro-steps:
+        neither is the number of optimizer steps taken. A folder the script named after its
+        step (`step-500`) says it."""
+        from ...sources.layouts.accelerate import Accelerate
+
+        folder = self.name.rstrip("/").rsplit("/", 1)[-1]
+        if self.layout == "accelerate" and Accelerate.step_folder.fullmatch(folder):
+            return None
+        return self.step
+
     # ---------------------------------------------------------------- optimizer, scheduler
 
     @cached_property
