@@ -734,3 +734,23 @@ def test_dtype_cast_of_a_model_folder_writes_a_config_that_says_so(tmp_path: Pat
         == 0
     )
     assert (tmp_path / "plain" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+
+
+def test_select_of_a_training_component_that_cannot_be_read_names_it(tmp_path: Path) -> None:
+    """`--select model` of a Trainer checkpoint whose model.safetensors is cut short said
+    "no entry is under the prefix 'model'" (exit 3): the component is there, unreadable.
+    It is named with what is wrong (exit 4), as without --select."""
+    from .run_fixtures import trainer_checkpoint
+
+    folder = tmp_path / "checkpoint-100"
+    trainer_checkpoint(folder, 100)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-40])
+    result = run_ckpt(
+        "convert", folder, tmp_path / "out", "--to", "safetensors", "--select", "model"
+    )
+    assert result.exit_code == 4, result.stderr
+    assert (
+        "model.safetensors" in result.stderr and "model component cannot be read" in result.stderr
+    )
+    assert not (tmp_path / "out").exists()

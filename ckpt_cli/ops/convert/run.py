@@ -364,6 +364,10 @@ def convert(
         analysis = analyse_checkpoint(base.manifest, base.storage)
         checkpoint, dequantized = _readable(base, analysis, src, dequantize, cast)
         manifest = checkpoint.manifest
+        if opened.unreadable:
+            # a chosen component that cannot be read is the error (exit 4, naming it), before
+            # the choice finds nothing under its prefix (exit 3, "no entry under 'model'")
+            _unreadable_components(opened.unreadable, [], select, include, exclude, match_prefix)
         plan = _plan(
             opened,
             manifest,
