@@ -663,3 +663,20 @@ def test_per_rank_rng_survives_a_whole_folder_conversion(tmp_path: Path, to: str
     assert converted["exact"] is source["exact"] is True
     assert converted["missing_exact"] == source["missing_exact"] == []
     assert "(2 ranks: 0, 1)" in run_ckpt("inspect", out).stdout
+
+
+def test_a_trainer_checkpoint_without_weights_has_no_parameters_from_its_optimizer(
+    tmp_path: Path,
+) -> None:
+    """`parameters` counts the model, never the optimizer's moments: a Trainer checkpoint
+    whose model.safetensors is gone showed its optimizer's element count as parameters."""
+    from .run_fixtures import trainer_checkpoint
+
+    folder = tmp_path / "checkpoint-100"
+    trainer_checkpoint(folder, 100)
+    whole = run_ckpt("inspect", folder, "--json").json["result"]
+    assert whole["parameters"] > 0 and whole["state_elements"]["optimizer"] > 0
+    (folder / "model.safetensors").unlink()
+    report = run_ckpt("inspect", folder, "--json").json["result"]
+    assert report["parameters"] == 0
+    assert report["state_elements"]["optimizer"] == whole["state_elements"]["optimizer"]

@@ -251,8 +251,9 @@ def _split_parameters(view: Manifest, training: TrainingState | None) -> tuple[i
             key = component if component in training.components else "other"
             per[key] = per.get(key, 0) + e.numel
     model = sum(n for k, n in per.items() if k.startswith("model"))
-    if not model:
-        return total, {}
+    if not model and "weights" not in training.missing:
+        return total, {}  # a layout whose weights are not under `model*`: all of it is model
+    # no weights at all (deleted, cut short): 0 parameters, never the optimizer's moments
     return model, {k: n for k, n in per.items() if not k.startswith("model") and n}
 
 
