@@ -291,3 +291,14 @@ def test_latest_of_a_dcp_run_does_not_import_torch(tmp_path: Path) -> None:
     )
     assert proc.stdout.strip() == str(run / "step-20")
     assert "NO_TORCH" in proc.stderr, proc.stderr
+
+
+def test_a_run_folder_given_where_a_checkpoint_is_wanted_is_named_as_one(tmp_path: Path) -> None:
+    """`verify` / `convert` of a run folder said it was no checkpoint ckpt recognises, while
+    `inspect` and `latest` read it as a run: it says it is a run folder and how to pick one."""
+    out = trainer_run(tmp_path, steps=(100, 200))
+    for command in (("verify", out), ("convert", out, tmp_path / "o", "--to", "torch")):
+        result = run_ckpt(*command)
+        assert result.exit_code == 4
+        assert "its subfolders do: a run folder" in result.stderr and "ckpt latest" in result.stderr
+    assert not (tmp_path / "o").exists()

@@ -221,6 +221,18 @@ def detect_format(source: Source) -> str:
         return matches[0]
     where = source.location.raw
     if not matches:
+        nested = source.target is None and any(
+            "/" in name and any(p.fullmatch(name.rsplit("/", 1)[1]) for p in DETECT_NAMES.values())
+            for name in source.files
+        )
+        if nested:
+            raise FormatError(
+                "holds no checkpoint files itself (safetensors, DCP .metadata/.distcp, "
+                "torch.save), but its subfolders do: a run folder",
+                path=where,
+                fix="Name one checkpoint inside it (`ckpt latest` on the folder prints the "
+                "newest complete one; `ckpt inspect` lists them all).",
+            )
         raise FormatError(
             "is not a checkpoint this tool recognises (no safetensors, DCP .metadata/.distcp "
             "or torch.save files found)",
