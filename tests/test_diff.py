@@ -245,3 +245,42 @@ def test_a_real_difference_behind_an_alias_is_still_different(tmp_path: Path) ->
     save_file(plain, tmp_path / "plain.safetensors")
     result = run_ckpt("diff", tmp_path / "shared.pt", tmp_path / "plain.safetensors", "--json")
     assert result.exit_code == 1 and result.json["result"]["only_a"] == ["lm_head.weight"]
+
+
+def test_filter_out_leaves_names_out_as_in_convert(tmp_path: Path) -> None:
+    """`--filter-out` means in `diff` what it means in `convert` (the docs said both take it;
+    `diff` refused it as no such option): the matching names are not compared."""
+    a = {"model.w": torch.ones(4), "model.rotary.inv_freq": torch.ones(2), "step": torch.tensor(1)}
+    b = {**a, "model.rotary.inv_freq": torch.zeros(2), "step": torch.tensor(2)}
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    assert run_ckpt("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors").exit_code == 1
+    left_out = run_ckpt(
+        "diff",
+        tmp_path / "a.safetensors",
+        tmp_path / "b.safetensors",
+        "--filter-out",
+        "*.inv_freq",
+        "--filter-out",
+        "step",
+        "--json",
+    )
+    assert left_out.exit_code == 0, left_out.stdout
+    assert left_out.json["result"]["identical"] is True
+    both = run_ckpt(
+        "diff",
+        tmp_path / "a.safetensors",
+        tmp_path / "b.safetensors",
+        "--filter",
+        "model.*",
+        "--filter-out",
+        "*.inv_freq",
+        "--filter-out",
+        "nothing*",
+        "--json",
+    )
+    assert both.exit_code == 0 and any("nothing*" in w for w in both.json["result"]["warnings"])
+    none = run_ckpt(
+        "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--filter-out", "*"
+    )
+    assert none.exit_code == 3 and "leave no entry" in none.stderr

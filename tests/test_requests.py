@@ -162,9 +162,10 @@ def test_diff_request_is_every_diff_option() -> None:
 
     assert DiffRequest.model_config.get("frozen") is True
     assert _fields(DiffRequest) == _keyword_options(diff)
-    # the CLI's repeatable `--rename` / `--filter` are the request's lists
+    # the CLI's repeatable `--rename` / `--filter` / `--filter-out` are the request's lists
     cli = _cli_params("diff") - {"a", "b", "json_output"}
-    assert _fields(DiffRequest) == (cli - {"rename", "filter"}) | {"renames", "filters"}
+    plural = {"renames", "filters", "excludes"}
+    assert _fields(DiffRequest) == (cli - {"rename", "filter", "exclude"}) | plural
 
 
 def test_every_diff_option_reaches_every_component(

@@ -50,6 +50,10 @@ def diff(
         list[str] | None,
         typer.Option("--filter", "-k", help="Only names matching this glob (repeatable)."),
     ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option("--filter-out", help="Leave out names matching this glob (repeatable)."),
+    ] = None,
     format_a: Annotated[
         str | None,
         typer.Option("--format-a", help="Read A as this format instead of detecting it."),
@@ -98,6 +102,7 @@ def diff(
         renames=rename,
         select=select,
         filters=filter,
+        excludes=exclude,
         dequantize=dequantize,
         ignore_dtype=ignore_dtype,
     )

@@ -195,12 +195,19 @@ def _selected(
     return chosen, True, False
 
 
-def _filtered(aligned: dict[str, Entry], filters: Sequence[str]) -> dict[str, Entry]:
+def _filtered(
+    aligned: dict[str, Entry], filters: Sequence[str], excludes: Sequence[str] = ()
+) -> dict[str, Entry]:
     """The lined-up names (as `ckpt inspect` shows them, after --select and --rename) that
-    match a `--filter` glob; all of them without one."""
-    if not filters:
+    match a `--filter` glob (all of them without one) and no `--filter-out` glob."""
+    if not filters and not excludes:
         return aligned
-    return {n: e for n, e in aligned.items() if any(fnmatchcase(n, g) for g in filters)}
+    return {
+        n: e
+        for n, e in aligned.items()
+        if (not filters or any(fnmatchcase(n, g) for g in filters))
+        and not any(fnmatchcase(n, g) for g in excludes)
+    }
 
 
 def _align(chosen: list[tuple[Entry, str]], renames: Sequence[tuple[str, str]]) -> dict[str, Entry]:
@@ -233,8 +240,8 @@ def _read_value(checkpoint: Checkpoint, entry: Entry) -> Any:
 class DiffRequest(Record):
     """Every option of `diff` but the two locations, typed and frozen: validated once by
     `diff_with` and passed whole to each comparison, so no option is re-listed by hand. Its
-    fields are `diff`'s keyword parameters (the command's `--rename` / `--filter` are
-    `renames` / `filters`; a test holds them to each other); `progress` is a sink, not an
+    fields are `diff`'s keyword parameters (the command's `--rename` / `--filter` /
+    `--filter-out` are `renames` / `filters` / `excludes`; a test holds them to each other); `progress` is a sink, not an
     option, and travels beside it. The fields mean what `diff`'s arguments say."""
 
     model_config = ConfigDict(frozen=True)
@@ -246,6 +253,7 @@ class DiffRequest(Record):
     renames: list[str] | None = None
     select: str | None = None
     filters: list[str] | None = None
+    excludes: list[str] | None = None
     dequantize: bool = False
     ignore_dtype: bool = False
 
@@ -336,6 +344,7 @@ def diff(
     dequantize: bool = False,
     progress: Progress = NULL_PROGRESS,
     ignore_dtype: bool = False,
+    excludes: list[str] | None = None,
 ) -> DiffReport:
     """Compare checkpoints `a` and `b` entry by entry.
 
@@ -347,7 +356,8 @@ def diff(
         select: compare only the sub-tree under this prefix, stripped, on each side that has
             it (a side without it is compared whole: `--select model` lines a training
             checkpoint up with a weights-only file).
-        filters: globs on the lined-up names.
+        filters: globs on the lined-up names: only those matching one are compared.
+        excludes: globs on the lined-up names: those matching one are left out.
         dequantize: compare quantized weights (FP8, MXFP4, NVFP4) by their dequantized values
             (in float32), with per-weight error statistics; their scales are not compared.
         progress: progress sink (bytes of A).
@@ -362,6 +372,7 @@ def diff(
         renames=renames,
         select=select,
         filters=filters,
+        excludes=excludes,
         dequantize=dequantize,
         ignore_dtype=ignore_dtype,
     )
@@ -397,17 +408,21 @@ def diff_with(
                 refuse_placeholders(opened, [e.name for e, _ in chosen], select, where)
         left = _align(chosen_a, rename_pairs)
         right = _align(chosen_b, rename_pairs)
-        warnings = unmatched_rules([*left, *right], filters, None, matched="entry of either side")
-        left, right = _filtered(left, filters or []), _filtered(right, filters or [])
+        excludes = request.excludes or []
+        warnings = unmatched_rules(
+            [*left, *right], filters, excludes, matched="entry of either side"
+        )
+        left = _filtered(left, filters or [], excludes)
+        right = _filtered(right, filters or [], excludes)
         if select and not (applied_a or applied_b):
             raise NotFoundError(
                 f"neither checkpoint has entries under {select!r}",
                 path=a,
                 fix="Check the prefix with `ckpt inspect`.",
             )
-        if filters and not left and not right:
+        if (filters or excludes) and not left and not right:
             raise NotFoundError(
-                f"no entry matches {' or '.join(filters)} on either side",
+                "the --filter/--filter-out patterns leave no entry on either side",
                 path=a,
                 fix="Check the pattern against `ckpt inspect --list`.",
             )
