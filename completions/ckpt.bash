@@ -14,7 +14,7 @@ _ckpt() {
     latest) opts="--settle --json --quiet -q --verbose -v --help -h" ;;
     sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --jobs --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --verify-ranges --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    diff) opts="--atol --rtol --rename --select --filter -k --format-a --format-b --dequantize --ignore-dtype --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    diff) opts="--atol --rtol --rename --select --filter -k --filter-out --format-a --format-b --dequantize --ignore-dtype --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     doctor) opts="--before --after --expect --settle --json --quiet -q --verbose -v --help -h" ;;
     merge) opts="--force --json --quiet -q --verbose -v --help -h" ;;
     protect) opts="--parity --block-size --whole-files --dry-run --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
@@ -101,6 +101,7 @@ _ckpt() {
     diff\ --rename) COMPREPLY=(); return ;;
     diff\ --select) COMPREPLY=(); return ;;
     diff\ --filter|diff\ -k) COMPREPLY=(); return ;;
+    diff\ --filter-out) COMPREPLY=(); return ;;
     diff\ --format-a) COMPREPLY=( $(compgen -W "safetensors dcp torch hub" -- "$cur") ); return ;;
     diff\ --format-b) COMPREPLY=( $(compgen -W "safetensors dcp torch hub" -- "$cur") ); return ;;
     diff\ --revision) COMPREPLY=(); return ;;

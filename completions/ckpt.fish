@@ -147,6 +147,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from diff' -l rtol -r -f -d 'Relativ
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l rename -r -f -d 'Rename a name prefix on both sides, OLD=NEW (repeatable)'
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l select -r -f -d 'Compare the sub-tree under this prefix, stripped, on each side that has it'
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l filter -s k -r -f -d 'Only names matching this glob (repeatable)'
+complete -c ckpt -n '__fish_seen_subcommand_from diff' -l filter-out -r -f -d 'Leave out names matching this glob (repeatable)'
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l format-a -r -f -a 'safetensors dcp torch hub' -d 'Read A as this format instead of detecting it'
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l format-b -r -f -a 'safetensors dcp torch hub' -d 'Read B as this format instead of detecting it'
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l dequantize -d 'Compare FP8 / MXFP4 / NVFP4 weights by their dequantized values, with per-weight error statistics (max abs, relative RMS)'
