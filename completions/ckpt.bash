@@ -6,7 +6,7 @@ _ckpt() {
     return
   fi
   case "${COMP_WORDS[1]}" in
-    inspect) opts="--list -l --filter -k --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    inspect) opts="--list -l --filter -k --filter-out --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --exact --force --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --no-extras --dcp-compression --config --flavor --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     reshard) opts="--world-size --max-shard-size --shard-dim --plan --rank-state --dcp-serialization --dry-run -n --no-extras --dcp-compression --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
@@ -22,6 +22,7 @@ _ckpt() {
   esac
   case "${COMP_WORDS[1]} $prev" in
     inspect\ --filter|inspect\ -k) COMPREPLY=(); return ;;
+    inspect\ --filter-out) COMPREPLY=(); return ;;
     inspect\ --format|inspect\ -f) COMPREPLY=( $(compgen -W "safetensors dcp torch hub" -- "$cur") ); return ;;
     inspect\ --revision) COMPREPLY=(); return ;;
     inspect\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;

@@ -14,6 +14,7 @@ complete -c ckpt -f -n __fish_use_subcommand -a protect -d 'Write parity for SRC
 complete -c ckpt -f -n __fish_use_subcommand -a repair -d 'Rebuild missing, truncated or corrupt files of SRC bit-exact from its parity'
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l list -s l -d 'List every entry, one per line: name, dtype, shape, bytes, file'
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l filter -s k -r -f -d 'Only entries whose name matches this glob (repeatable)'
+complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l filter-out -r -f -d 'Leave out entries whose name matches this glob (repeatable)'
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l format -s f -r -f -a 'safetensors dcp torch hub' -d 'Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it'
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l json -d 'Print one JSON document on stdout (the ckpt_json envelope)'
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l quiet -s q -d 'Print nothing on stderr but errors: no progress, warnings or notes'

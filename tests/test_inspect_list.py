@@ -32,3 +32,22 @@ def test_list_prints_every_name_literally_in_aligned_columns(tmp_path: Path) -> 
     for column in ("kind/dtype", "shape", "bytes", "file"):
         at = header.index(column)
         assert all(r[at - 2 : at] == "  " and r[at] != " " for r in records), column
+
+
+def test_filter_out_leaves_entries_out_of_the_report(tmp_path: Path) -> None:
+    """`inspect --filter-out` means what it means in convert, download and diff (the safety
+    page listed inspect among them; it had only --filter)."""
+    from .conftest import run_ckpt
+
+    save_file(
+        {"model.a.weight": np.ones((2, 2), np.float32), "model.a.bias": np.ones(2, np.float32)},
+        str(tmp_path / "m.safetensors"),
+    )
+    report = run_ckpt("inspect", tmp_path / "m.safetensors", "--filter-out", "*.bias", "--json")
+    result = report.json["result"]
+    assert report.exit_code == 0 and [e["name"] for e in result["entries"]] == ["model.a.weight"]
+    assert result["excludes"] == ["*.bias"] and result["parameters"] == 4
+    listed = run_ckpt("inspect", tmp_path / "m.safetensors", "-l", "--filter-out", "*.weight")
+    assert "model.a.bias" in listed.stdout and "model.a.weight" not in listed.stdout
+    nothing = run_ckpt("inspect", tmp_path / "m.safetensors", "--filter-out", "model.*")
+    assert nothing.exit_code == 3 and "leave no entry" in nothing.stderr

@@ -219,9 +219,10 @@ def test_inspect_request_is_every_inspect_option() -> None:
 
     assert InspectRequest.model_config.get("frozen") is True
     assert _fields(InspectRequest) == set(inspect.signature(run_inspect).parameters) - {"src"}
-    # `--list` only chooses what the text output shows; `--filter` is the request's list
+    # `--list` only chooses what the text output shows; `--filter` / `--filter-out` are the
+    # request's lists
     cli = _cli_params("inspect") - _NOT_OPTIONS - {"tensors"}
-    assert _fields(InspectRequest) == (cli - {"filter"}) | {"filters"}
+    assert _fields(InspectRequest) == (cli - {"filter", "exclude"}) | {"filters", "excludes"}
 
 
 def test_every_inspect_option_reaches_every_component(diffusers_pipeline: Path) -> None:

@@ -44,6 +44,7 @@ class InspectReport(Record):
         tree: folded module tree.
         entries: every entry (after filters).
         filters: the globs applied.
+        excludes: the `--filter-out` globs applied.
         run: for a run folder (`format` is `run`): its step checkpoints (see `ckpt_cli.sources.runs`).
         quantization: for a quantized checkpoint: the scheme per module group, logical
             parameters next to stored bytes, unquantized modules (see `ckpt_cli.quant`).
@@ -70,6 +71,7 @@ class InspectReport(Record):
     tree: list[TreeNode] = Field(default_factory=list)
     entries: list[Entry] = Field(default_factory=list)
     filters: list[str] = Field(default_factory=list)
+    excludes: list[str] = Field(default_factory=list)
     run: RunReport | None = None
     quantization: QuantSummary | None = None
     layout: LayoutInfo | None = None
@@ -100,15 +102,22 @@ class InspectRequest(Record):
     Attributes:
         format: read SRC as this format instead of detecting it (a run folder as a checkpoint).
         filters: globs choosing the entries reported (`unet.*`, `*.weight`).
+        excludes: globs leaving entries out of the report (`--filter-out`).
     """
 
     model_config = ConfigDict(frozen=True)
 
     format: str | None = None
     filters: list[str] | None = None
+    excludes: list[str] | None = None
 
 
-def inspect(src: str, format: str | None = None, filters: list[str] | None = None) -> InspectReport:
+def inspect(
+    src: str,
+    format: str | None = None,
+    filters: list[str] | None = None,
+    excludes: list[str] | None = None,
+) -> InspectReport:
     """Read `src`'s metadata and summarise it (no tensor data is read).
 
     A local run folder (one holding step checkpoints: `checkpoint-N/`, `step-N/`...) is
@@ -117,7 +126,7 @@ def inspect(src: str, format: str | None = None, filters: list[str] | None = Non
     # the manifest, tree and report are hundreds of thousands of small objects and no
     # cycles: with the cyclic GC on, its full collections over the growing heap cost a
     # quarter of the CPU time on 100,000 tensors (bench/bench_metadata.py)
-    return inspect_with(src, InspectRequest(format=format, filters=filters))
+    return inspect_with(src, InspectRequest(format=format, filters=filters, excludes=excludes))
 
 
 def inspect_with(src: str, request: InspectRequest) -> InspectReport:
@@ -132,11 +141,11 @@ def inspect_with(src: str, request: InspectRequest) -> InspectReport:
 
 
 def _inspect(src: str, request: InspectRequest) -> InspectReport:
-    format, filters = request.format, request.filters
+    format, filters, excludes = request.format, request.filters, request.excludes
     # a remote SRC is resolved (listed, its Hub revision pinned) once: the run check, the run
     # scan and the opening all read that
     source: str | Source = src if parse_location(src).is_local else resolve_source(src)
-    if format is None and not filters and _could_be_run(src):
+    if format is None and not filters and not excludes and _could_be_run(src):
         from ..sources.runs import looks_like_run, scan_run
 
         if looks_like_run(source):
@@ -158,14 +167,15 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
     opened = open_source(source, format)
     with opened.checkpoint as checkpoint:
         manifest = checkpoint.manifest
-        entries = select(manifest.entries, filters)
-        if filters and not entries:
+        entries = select(manifest.entries, filters, excludes)
+        if (filters or excludes) and not entries:
             raise NotFoundError(
-                f"no entry matches {' or '.join(filters)}",
+                "the --filter/--filter-out patterns leave no entry",
                 path=src,
                 fix="Check the pattern; `ckpt inspect --list` lists every name.",
             )
-        view = manifest.model_copy(update={"entries": entries}) if filters else manifest
+        chosen = filters or excludes
+        view = manifest.model_copy(update={"entries": entries}) if chosen else manifest
         parameters, state_elements = _split_parameters(view, opened.training)
         return InspectReport(
             location=manifest.location,
@@ -183,6 +193,7 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
             tree=[collapse_chains(node) for node in build_tree(entries)],
             entries=entries,
             filters=list(filters or []),
+            excludes=list(excludes or []),
             quantization=quantization_of(checkpoint.manifest, checkpoint.storage),
             layout=opened.layout,
             problems=malformed(checkpoint),

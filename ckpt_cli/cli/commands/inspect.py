@@ -31,6 +31,12 @@ def inspect(
             "--filter", "-k", help="Only entries whose name matches this glob (repeatable)."
         ),
     ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--filter-out", help="Leave out entries whose name matches this glob (repeatable)."
+        ),
+    ] = None,
     format: FormatOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
@@ -45,7 +51,7 @@ def inspect(
 
         render_inspect(report, show_tensors=tensors)
 
-    request = InspectRequest(format=format, filters=filter)
+    request = InspectRequest(format=format, filters=filter, excludes=exclude)
     run_command(
         "inspect",
         json_output,
