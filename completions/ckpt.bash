@@ -10,7 +10,7 @@ _ckpt() {
     verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --exact --force --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --no-extras --dcp-compression --config --flavor --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     reshard) opts="--world-size --max-shard-size --shard-dim --plan --rank-state --dcp-serialization --dry-run -n --no-extras --dcp-compression --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --watch --max-iterations --settle --json --quiet -q --verbose -v --help -h" ;;
+    prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --dry-run -n --watch --max-iterations --settle --json --quiet -q --verbose -v --help -h" ;;
     latest) opts="--settle --json --quiet -q --verbose -v --help -h" ;;
     sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --jobs --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --verify-ranges --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;

@@ -92,6 +92,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from prune' -l keep-every-duration -
 complete -c ckpt -n '__fish_seen_subcommand_from prune' -l slim-older-than -r -f -d 'Keep the newest N complete checkpoints whole; from older kept ones remove optimizer, RNG and data-loader state (weights stay, for evaluation or export)'
 complete -c ckpt -n '__fish_seen_subcommand_from prune' -l incomplete -d 'Delete interrupted and incomplete saves older than the newest complete one'
 complete -c ckpt -n '__fish_seen_subcommand_from prune' -l yes -s y -d 'Delete; without it only the plan is printed'
+complete -c ckpt -n '__fish_seen_subcommand_from prune' -l dry-run -s n -d 'Print the plan and delete nothing (the default without --yes; wins over it)'
 complete -c ckpt -n '__fish_seen_subcommand_from prune' -l watch -r -f -d 'Re-apply the policy every SECONDS while a job runs (needs --yes; Ctrl-C stops)'
 complete -c ckpt -n '__fish_seen_subcommand_from prune' -l max-iterations -r -f -d 'With --watch: stop after N rounds'
 complete -c ckpt -n '__fish_seen_subcommand_from prune' -l settle -r -f -d 'Seconds: a checkpoint with a file modified more recently is never touched'

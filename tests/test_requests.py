@@ -249,10 +249,11 @@ def test_prune_policy_is_every_prune_option() -> None:
     from ckpt_cli.ops.prune.run import run as run_prune
 
     assert PrunePolicy.model_config.get("frozen") is True
-    # the policy (`now` is the clock tests set), and how it is run: --yes, --watch N rounds
+    # the policy (`now` is the clock tests set), and how it is run: --yes (unless --dry-run),
+    # --watch N rounds
     how = _keyword_options(run_prune) - {"on_round"}
     assert how == {"yes", "watch_seconds", "max_iterations"}
-    cli = _cli_params("prune") - {"run_dir", "json_output"}
+    cli = _cli_params("prune") - {"run_dir", "json_output", "dry_run"}
     assert (_fields(PrunePolicy) - {"now"}) | how == (cli - {"watch"}) | {"watch_seconds"}
 
 
@@ -266,7 +267,14 @@ def test_prune_without_yes_writes_nothing_anywhere(tmp_path: Path) -> None:
         return {str(f.relative_to(tmp_path)): f.stat().st_mtime_ns for f in tmp_path.rglob("*")}
 
     before = snapshot()
-    for options in (("--keep-last", "1"), ("--slim-older-than", "1"), ("--incomplete",)):
+    for options in (
+        ("--keep-last", "1"),
+        ("--slim-older-than", "1"),
+        ("--incomplete",),
+        # --dry-run means here what it means in every command, and wins over --yes
+        ("--keep-last", "1", "--incomplete", "--dry-run"),
+        ("--keep-last", "1", "--incomplete", "--yes", "--dry-run"),
+    ):
         result = run_ckpt("prune", run, *options, "--json")
         assert result.exit_code == 0, result.stderr
         decided = result.json["result"]["decisions"]

@@ -105,6 +105,14 @@ def prune(
     yes: Annotated[
         bool, typer.Option("--yes", "-y", help="Delete; without it only the plan is printed.")
     ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            "-n",
+            help="Print the plan and delete nothing (the default without --yes; wins over it).",
+        ),
+    ] = False,
     watch: Annotated[
         float | None,
         typer.Option(
@@ -166,7 +174,7 @@ def prune(
         lambda: run_prune(
             run_dir,
             policy(),
-            yes=yes,
+            yes=yes and not dry_run,
             watch_seconds=watch,
             max_iterations=max_iterations,
             on_round=None if json_output else render_watch_round,
