@@ -46,6 +46,32 @@ def test_a_text_file_named_safetensors_is_not_an_absurd_header(tmp_path: Path) -
     assert empty.exit_code == 4 and "it is an empty file" in empty.stderr
 
 
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"{not json",
+        b"[1, 2]",
+        b'{"x": {"dtype": "F32", "shape": [-1, 2], "data_offsets": [0, 8]}}',
+        b'{"x": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}',
+        b'{"x": 7}',
+        b'{"__metadata__": {"a": 1}}',
+    ],
+)
+def test_every_unreadable_safetensors_header_says_what_to_do(
+    tmp_path: Path, header: bytes
+) -> None:
+    """Each header flaw names the file, what is wrong and the fix (an invalid JSON header and
+    a negative dimension said only the first two)."""
+    import struct
+
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
+    result = run_ckpt("inspect", path)
+    assert result.exit_code == 4
+    assert str(path) in result.stderr
+    assert "write or fetch the file again" in result.stderr, result.stderr
+
+
 def test_format_dcp_on_a_safetensors_folder_is_not_an_interrupted_save(tmp_path: Path) -> None:
     (tmp_path / "hf").mkdir()
     _model(tmp_path / "hf" / "model.safetensors")

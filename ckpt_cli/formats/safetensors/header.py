@@ -27,6 +27,8 @@ from ...storage import Storage
 MAX_HEADER = 100 << 20
 #: a validated header entry: (dtype token, shape, begin, end), offsets relative to the data
 TensorInfo = tuple[str, list[int], int, int]
+#: the fix of a header ckpt cannot read as safetensors describes it
+CORRUPT_HEADER = "The header is corrupt or not safetensors; write or fetch the file again."
 
 
 class SafetensorsHeader:
@@ -119,7 +121,10 @@ def parse_header(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         findings.add(
-            "bad_header", "has __metadata__ that is not a string-to-string map", file=where
+            "bad_header",
+            "has __metadata__ that is not a string-to-string map",
+            file=where,
+            fix=CORRUPT_HEADER,
         )
         metadata = {}
     tensors, rejected, unsupported, placed, ordered = _entries(header, data_size, where, findings)
@@ -219,13 +224,25 @@ def _json_object(
     try:
         header = json.loads(raw, object_pairs_hook=pairs_hook)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        findings.add("bad_header", f"has a header that is not valid JSON ({exc})", file=where)
+        findings.add(
+            "bad_header",
+            f"has a header that is not valid JSON ({exc})",
+            file=where,
+            fix=CORRUPT_HEADER,
+        )
         return None
     except RecursionError:
-        findings.add("bad_header", "has a header nested too deeply to be read", file=where)
+        findings.add(
+            "bad_header",
+            "has a header nested too deeply to be read",
+            file=where,
+            fix=CORRUPT_HEADER,
+        )
         return None
     if not isinstance(header, dict):
-        findings.add("bad_header", "has a header that is not a JSON object", file=where)
+        findings.add(
+            "bad_header", "has a header that is not a JSON object", file=where, fix=CORRUPT_HEADER
+        )
         return None
     return header
 
@@ -442,7 +459,11 @@ def _validate_tensor(
     """One header entry checked against the spec and the data size (None when it fails)."""
     if not isinstance(info, dict):
         findings.add(
-            "bad_header", f"tensor {name!r} has a malformed header entry", file=where, tensor=name
+            "bad_header",
+            f"tensor {name!r} has a malformed header entry",
+            file=where,
+            tensor=name,
+            fix=CORRUPT_HEADER,
         )
         return None
     code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
@@ -463,6 +484,7 @@ def _validate_tensor(
             f"tensor {name!r} has an invalid shape {shape!r} ({why})",
             file=where,
             tensor=name,
+            fix=CORRUPT_HEADER,
         )
         return None
     if not (
@@ -476,6 +498,7 @@ def _validate_tensor(
             f"tensor {name!r} has invalid data_offsets {offsets!r}",
             file=where,
             tensor=name,
+            fix=CORRUPT_HEADER,
         )
         return None
     begin, end = offsets
