@@ -95,6 +95,12 @@ def test_convert_writes_unquantized_tensors_and_reports_quantized(
         files = [src] if src.is_file() else sorted(src.glob("*.gguf"))
         expected = {t.name: t for f in files for t in _reader(f).tensors}
         assert set(got) == {n for n, t in expected.items() if t.tensor_type.name != "Q8_0"}
+        # the person reading the report sees the skipped tensor's own name, not its parent's
+        human = run_ckpt(
+            "convert", src, tmp_path / f"{src.stem}-2.safetensors", "--to", "safetensors"
+        )
+        assert "skipped 1 entry (Q8_0" in human.stderr
+        assert human.stderr.rstrip().endswith(": blk.1.attn_q.weight"), human.stderr
         for name, tensor in got.items():
             raw = np.asarray(expected[name].data)
             want = torch.from_numpy(raw.copy())

@@ -57,9 +57,7 @@ def test_a_text_file_named_safetensors_is_not_an_absurd_header(tmp_path: Path) -
         b'{"__metadata__": {"a": 1}}',
     ],
 )
-def test_every_unreadable_safetensors_header_says_what_to_do(
-    tmp_path: Path, header: bytes
-) -> None:
+def test_every_unreadable_safetensors_header_says_what_to_do(tmp_path: Path, header: bytes) -> None:
     """Each header flaw names the file, what is wrong and the fix (an invalid JSON header and
     a negative dimension said only the first two)."""
     import struct

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...ops.convert.run import ConvertReport
+from ...ops.shared.transfer import SkippedEntry
 from . import human_bytes, stderr, stdout
 from .ranks import render_ranks
 
@@ -76,19 +77,28 @@ def render_convert(report: ConvertReport) -> None:
         stderr.print(f"[yellow]not in the output:[/] {item.name}: {item.reason}", highlight=False)
     if len(left) > MAX_LISTED:
         stderr.print(f"[yellow]… {len(left) - MAX_LISTED} more files not in the output[/]")
-    entries = [s for s in report.skipped if s.kind != "file"]
-    if entries:
-        # grouped by parent so 50 optimizer hyper-parameters read as one line
-        groups: dict[str, int] = {}
+    by_reason: dict[str, list[SkippedEntry]] = {}
+    for skipped in report.skipped:
+        if skipped.kind != "file":
+            by_reason.setdefault(skipped.reason, []).append(skipped)
+    for reason, entries in by_reason.items():
+        # one line a reason, grouped by parent so 50 optimizer hyper-parameters read as one
+        # line; a group of one is named in full
+        groups: dict[str, list[str]] = {}
         for entry in entries:
             parent = entry.name.rsplit(".", 1)[0] if "." in entry.name else entry.name
-            groups[parent] = groups.get(parent, 0) + 1
-        listed = [f"{name}.* ({n})" if n > 1 else name for name, n in groups.items()]
+            groups.setdefault(parent, []).append(entry.name)
+        listed = [f"{name}.* ({len(n)})" if len(n) > 1 else n[0] for name, n in groups.items()]
         more = f", … {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
-        what = "tensors" if all(e.kind == "tensor" for e in entries) else "non-tensor entries"
+        tensors = all(e.kind == "tensor" for e in entries)
+        what = (
+            ("tensor" if tensors else "entry")
+            if len(entries) == 1
+            else ("tensors" if tensors else "entries")
+        )
         stderr.print(
             f"[yellow]skipped {len(entries)} {what}[/] "
-            f"({entries[0].reason}): {', '.join(listed[:MAX_LISTED])}{more}",
+            f"({reason}): {', '.join(listed[:MAX_LISTED])}{more}",
             highlight=False,
         )
 
