@@ -493,3 +493,30 @@ def test_data_commands_hold_about_one_chunk_of_the_largest_tensor(tmp_path: Path
         above = child_peak_mib("-m", "ckpt_cli", *args) - base
         assert above < bounds[name] * tensor_mib, f"{name}: {above:.0f} MiB above import"
     assert (tmp_path / "re" / ".metadata").exists() and (tmp_path / "conv" / ".metadata").exists()
+
+
+def test_a_flat_state_dict_converted_to_dcp_comes_back_flat_from_dcp_to_torch_save(
+    tmp_path: Path,
+) -> None:
+    """safetensors holds a flat state dict: `model.layers.0.weight` is one key. `dcp.save` of
+    such a dict records each key whole in planner_data, so torch's `dcp_to_torch_save` gives
+    it back flat, ready for `load_state_dict`. ckpt recorded the key split at every dot, and
+    the same round trip gave dicts nested at every dot."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = {"model.layers.0.weight": torch.randn(4, 2), "lm_head.weight": torch.randn(3, 2)}
+    save_file(state, tmp_path / "model.safetensors")
+    result = run_ckpt("convert", tmp_path / "model.safetensors", tmp_path / "dcp", "--to", "dcp")
+    assert result.exit_code == 0, result.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "real"), no_dist=True)
+        ours = FileSystemReader(str(tmp_path / "dcp")).read_metadata().planner_data
+        real = FileSystemReader(str(tmp_path / "real")).read_metadata().planner_data
+        assert ours == real == {name: (name,) for name in state}
+        dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "back.pt"))
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert sorted(back) == sorted(state)
+    assert all(torch.equal(back[name], tensor) for name, tensor in state.items())

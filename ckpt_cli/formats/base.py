@@ -369,6 +369,9 @@ class Format(ABC):
             be whole: completeness is judged from its structure instead.
         self_described: its header describes the model (architecture, tensor types), shown
             as the layout of a checkpoint of it.
+        flat_names: each entry's name is one key of a flat state dict (safetensors, GGUF:
+            `model.layers.0.mlp.up_proj.weight` is a key, not a path of nested dicts), so a
+            target that records key paths (DCP's planner_data) records it whole.
     """
 
     name: ClassVar[str]
@@ -394,6 +397,7 @@ class Format(ABC):
     details_model: ClassVar[type[FormatDetails]] = PlainDetails
     refused_pickles_may_be_whole: ClassVar[bool] = False
     self_described: ClassVar[bool] = False
+    flat_names: ClassVar[bool] = False
 
     @staticmethod
     def shard_names(basename: str, count: int) -> list[str]:

@@ -271,6 +271,7 @@ class GgufFormat(Format):
     title = "GGUF"
     details_model = GgufDetails
     self_described = True
+    flat_names = True
     skip_reason = staticmethod(skip_reason)
 
     @classmethod

@@ -110,6 +110,7 @@ class SafetensorsFormat(Format):
     index_suffix = INDEX_SUFFIX
     shards_by_size = True
     dedupes_tied = True  # safetensors refuses shared storage: tied names become aliases
+    flat_names = True
     string_metadata = True
     required_metadata: ClassVar[dict[str, str]] = {
         "format": "pt"

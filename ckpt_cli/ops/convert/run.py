@@ -421,6 +421,12 @@ def convert(
             world_size=world_size,
             dcp_compression=None if dcp_compression == NO_COMPRESSION else dcp_compression,
         )
+        source_format = find_format(manifest.format)
+        if naming is None and not opened.parts and source_format and source_format.flat_names:
+            # a flat state dict's keys stay whole keys (`dcp.save` of `model.state_dict()`
+            # records `("lm_head.weight",)`): torch's `dcp_to_torch_save` of the output gives
+            # the same flat state dict back, not dicts nested at every dot
+            options.dcp_planner_data = {i.target.name: (i.target.name,) for i in plan.items}
         warnings = unused_renames(plan, rename_pairs)
         if not match_prefix:  # a component's rules are judged over the whole folder
             warnings += unmatched_rules((e.name for e in manifest.entries), include, exclude)
