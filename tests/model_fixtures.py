@@ -162,8 +162,12 @@ def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _train(model_dir: Path, out: Path, *, save_only_model: bool, steps: int) -> Path:
-    """Train the tiny Llama for `steps` steps with transformers' Trainer, saving every step."""
+def _train(
+    model_dir: Path, out: Path, *, save_only_model: bool, steps: int, final: Path | None = None
+) -> Path:
+    """Train the tiny Llama for `steps` steps with transformers' Trainer, saving every step;
+    with `final`, `trainer.save_model(final)` at the end (the model, its config and the
+    `training_args.bin` the Trainer saves beside them)."""
     import torch
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -184,16 +188,23 @@ def _train(model_dir: Path, out: Path, *, save_only_model: bool, steps: int) -> 
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        Trainer(model=model, args=args, train_dataset=data).train()
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        if final is not None:
+            trainer.save_model(str(final))
     return out
 
 
 @pytest.fixture(scope="session")
 def trainer_runs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two real Trainer runs of the tiny Llama: `full/` (checkpoint-1, checkpoint-2 with
-    optimizer and scheduler) and `model_only/` (save_only_model=True, checkpoint-1)."""
+    optimizer and scheduler; its `trainer.save_model` output in `final/`) and `model_only/`
+    (save_only_model=True, checkpoint-1)."""
     root = tmp_path_factory.mktemp("trainer")
     return {
-        "full": _train(tiny_llama, root / "full", save_only_model=False, steps=2),
+        "full": _train(
+            tiny_llama, root / "full", save_only_model=False, steps=2, final=root / "final"
+        ),
+        "final": root / "final",
         "model_only": _train(tiny_llama, root / "model_only", save_only_model=True, steps=1),
     }

@@ -184,6 +184,19 @@ def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dic
 _OTHER = "Use another checkpoint of the run (`ckpt latest` names the newest whole one)."
 
 
+def _model_only(source: Source, folder: Folder) -> bool:
+    """A folder `Trainer.save_model()` wrote (the weights, `config.json` and the
+    `training_args.bin` it saves beside them), not a `checkpoint-N/`: nothing of the training
+    state is expected in it. A checkpoint cut short after its model looks the same, but is
+    named `checkpoint-N` (or has some other Trainer file)."""
+    name = source.location.raw.rstrip("/").rsplit("/", 1)[-1]
+    return (
+        Trainer.step_folder.fullmatch(name) is None
+        and not any(folder.has(m) for m in _MARKERS)
+        and not folder.matching(_RNG)
+    )
+
+
 def _unfinished(source: Source, folder: Folder, state: TrainingState) -> list[Problem]:
     """What makes a Trainer save no whole checkpoint, whatever is asked of it: its model
     weights gone (the Trainer writes them first: deleted or lost since), or no
@@ -191,6 +204,8 @@ def _unfinished(source: Source, folder: Folder, state: TrainingState) -> list[Pr
     `prune` judge the same save incomplete (`runs.judge`); plain `verify` says so too."""
     from ..runs import SLIM_RECORD
 
+    if _model_only(source, folder):
+        return []
     where = source.location.raw
     problems: list[Problem] = []
     deepspeed = any(n.startswith("global_step") for n in source.files)
@@ -225,7 +240,7 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
     ):
         return []  # FSDP or DeepSpeed state: saved in another shape
     missing = [n for n in _TRAINER_STATE_FILES if not folder.has(n)]
-    if not missing:
+    if not missing or _model_only(source, folder):
         return []
     from ..runs import SLIM_RECORD
 
