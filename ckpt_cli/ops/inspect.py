@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-from fnmatch import fnmatchcase
 from typing import Any
 
 from pydantic import ConfigDict, Field
@@ -23,6 +22,7 @@ from ..sources.layouts.model_folders import LayoutInfo
 from ..sources.runs.records import RunReport
 from ..storage import Storage
 from ..storage.uri import parse_location
+from .shared.selection import name_chosen
 from .shared.tree import TreeNode, build_tree, collapse_chains
 
 
@@ -87,12 +87,9 @@ def select(
 ) -> list[Entry]:
     """Entries matching any `include` glob (all if none) and no `exclude` glob; the globs see
     each name as `prefix + name` (a multi-folder model's component: `unet.` + its own name)."""
-    chosen = entries
-    if include:
-        chosen = [e for e in chosen if any(fnmatchcase(prefix + e.name, g) for g in include)]
-    if exclude:
-        chosen = [e for e in chosen if not any(fnmatchcase(prefix + e.name, g) for g in exclude)]
-    return chosen
+    if not include and not exclude:
+        return entries
+    return [e for e in entries if name_chosen(prefix + e.name, include, exclude)]
 
 
 class InspectRequest(Record):

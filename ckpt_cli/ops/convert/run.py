@@ -364,10 +364,13 @@ def convert(
         analysis = analyse_checkpoint(base.manifest, base.storage)
         checkpoint, dequantized = _readable(base, analysis, src, dequantize, cast)
         manifest = checkpoint.manifest
-        if opened.unreadable:
-            # a chosen component that cannot be read is the error (exit 4, naming it), before
-            # the choice finds nothing under its prefix (exit 3, "no entry under 'model'")
-            _unreadable_components(opened.unreadable, [], select, include, exclude, match_prefix)
+        # a chosen component that cannot be read is the error (exit 4, naming it), before the
+        # choice finds nothing under its prefix (exit 3, "no entry under 'model'"); the ones
+        # left out are listed as skipped with the plan's own
+        unreadable: list[SkippedEntry] = []
+        _unreadable_components(
+            opened.unreadable, unreadable, select, include, exclude, match_prefix
+        )
         plan = _plan(
             opened,
             manifest,
@@ -408,9 +411,7 @@ def convert(
             architecture, naming_config = mapped.report, mapped.config
             naming_files = mapped.output.files
         kept = 0 if dequantize or naming else keep_quantized(plan, analysis)
-        _unreadable_components(
-            opened.unreadable, plan.skipped, select, include, exclude, match_prefix
-        )
+        plan.skipped += unreadable
         options = WriteOptions(
             max_shard_size=shard_size,
             # the source's string metadata where the target keeps some (safetensors)

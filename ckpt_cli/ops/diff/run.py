@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from fnmatch import fnmatchcase
 from typing import Any
 
 from pydantic import ConfigDict, Field
@@ -25,7 +24,7 @@ from ...formats.base import Checkpoint
 from ...models import Entry, Record
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts import OpenedSource, open_source
-from ..shared.selection import refuse_placeholders, select_entries, unmatched_rules
+from ..shared.selection import name_chosen, refuse_placeholders, select_entries, unmatched_rules
 from ..shared.transfer import parse_renames, raw_blocks, rename
 from .compare import error_stats, short_repr, tensor_stats, values_equal
 
@@ -202,12 +201,7 @@ def _filtered(
     match a `--filter` glob (all of them without one) and no `--filter-out` glob."""
     if not filters and not excludes:
         return aligned
-    return {
-        n: e
-        for n, e in aligned.items()
-        if (not filters or any(fnmatchcase(n, g) for g in filters))
-        and not any(fnmatchcase(n, g) for g in excludes)
-    }
+    return {n: e for n, e in aligned.items() if name_chosen(n, filters, excludes)}
 
 
 def _align(chosen: list[tuple[Entry, str]], renames: Sequence[tuple[str, str]]) -> dict[str, Entry]:
@@ -241,8 +235,9 @@ class DiffRequest(Record):
     """Every option of `diff` but the two locations, typed and frozen: validated once by
     `diff_with` and passed whole to each comparison, so no option is re-listed by hand. Its
     fields are `diff`'s keyword parameters (the command's `--rename` / `--filter` /
-    `--filter-out` are `renames` / `filters` / `excludes`; a test holds them to each other); `progress` is a sink, not an
-    option, and travels beside it. The fields mean what `diff`'s arguments say."""
+    `--filter-out` are `renames` / `filters` / `excludes`; a test holds them to each other);
+    `progress` is a sink, not an option, and travels beside it. The fields mean what `diff`'s
+    arguments say."""
 
     model_config = ConfigDict(frozen=True)
 

@@ -112,6 +112,14 @@ def refuse_placeholders(
     )
 
 
+def name_chosen(name: str, include: Sequence[str] | None, exclude: Sequence[str] | None) -> bool:
+    """Whether `name` matches an `include` glob (`--filter`; any name without one) and no
+    `exclude` glob (`--filter-out`): the one rule of every command that takes them."""
+    return (not include or any(fnmatchcase(name, g) for g in include)) and not any(
+        fnmatchcase(name, g) for g in exclude or ()
+    )
+
+
 def unmatched_rules(
     names: Iterable[str],
     include: Sequence[str] | None,

@@ -239,7 +239,8 @@ def plan_transfer(
     candidates = manifest.entries
     kept_entries: dict[str, Entry] = {}
     if recorded:
-        kept_entries = {e.name: e for e in manifest.entries if e.name in recorded.values()}
+        named = set(recorded.values())
+        kept_entries = {e.name: e for e in manifest.entries if e.name in named}
         candidates = [
             *manifest.entries,
             *(kept_entries[kept].model_copy(update={"name": a}) for a, kept in recorded.items()),
