@@ -200,6 +200,8 @@ def test_every_diff_option_reaches_every_component(
     assert run("--select", "unet")["identical"]
     assert run("--filter", "unet.*")["identical"]
     assert not run("--filter", "vqvae.*")["identical"]
+    assert run("--filter-out", "vqvae.*")["identical"]
+    assert not run("--filter-out", "unet.*")["identical"]
     # --ignore-dtype: a dtype-only change of a component is no difference
     cast = shutil.copytree(diffusers_pipeline, tmp_path / "cast")
     unet = cast / "unet" / "diffusion_pytorch_model.safetensors"
@@ -235,6 +237,10 @@ def test_every_inspect_option_reaches_every_component(diffusers_pipeline: Path) 
     assert report["filters"] == ["vqvae.*"]
     assert {e["name"] for e in report["entries"]} == {f"vqvae.{n}" for n in vqvae}
     assert report["tensors"] == len(vqvae)
+    # --filter-out sees the same names: leaving the other components out keeps the vqvae
+    others = run_ckpt("inspect", diffusers_pipeline, "--filter-out", "unet.*", "--json")
+    kept = {e["name"] for e in others.json["result"]["entries"]}
+    assert {f"vqvae.{n}" for n in vqvae} <= kept and not any(n.startswith("unet.") for n in kept)
     # --list lists the entries of every component the filter keeps
     listed = run_ckpt("inspect", diffusers_pipeline, "--list", "--filter", "*.conv_in.*")
     assert listed.exit_code == 0, listed.stderr
