@@ -31,6 +31,22 @@ safe_globals = pytest.importorskip("transformers.trainer_pt_utils").safe_globals
 # --------------------------------------------------------------------------- diff of RNG states
 
 
+def test_a_bf16_cast_loads_back_as_bf16_with_from_pretrained(
+    real_hf_model: Path, tmp_path: Path
+) -> None:
+    """`from_pretrained` loads in the dtype config.json names: the `--dtype bf16` copy of a
+    model `save_pretrained` wrote came back as a float32 model while its config said float32.
+    It loads as bf16 now, with the same values as transformers' own cast."""
+    out = tmp_path / "bf16"
+    result = run_ckpt("convert", real_hf_model, out, "--to", "safetensors", "--dtype", "bf16")
+    assert result.exit_code == 0, result.stderr
+    model = LlamaForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    want = LlamaForCausalLM.from_pretrained(real_hf_model).to(torch.bfloat16).state_dict()
+    got = model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize(
     ("run", "step"),
     [("real_trainer_run", "checkpoint-4"), ("real_accelerate_run", "step-4")],
