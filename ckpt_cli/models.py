@@ -106,6 +106,9 @@ class _LeanRecord(Record):
 #: straight from a parsed header (`Format.checked_tensors`): a checkpoint has 100,000 of
 #: them, and a record class costs ten times a tuple to build.
 TensorFacts = tuple[str | None, list[int], str | None]
+#: one step of a key path inside a saved object: (kind of the container holding the key, the
+#: key); kinds are `dict`, `odict`, `list` and `tuple`
+KeyStep = tuple[str, str | int]
 #: where a `TensorFacts` holds each fact
 DTYPE: Final = 0
 SHAPE: Final = 1
@@ -179,11 +182,27 @@ class Entry(_LeanRecord):
         """True when the tensor is stored as one contiguous raw byte range (`file`, `offset`)."""
         return self.kind == "tensor" and self.offset is not None and self.file is not None
 
-    def saved_keys(self) -> tuple[tuple[str, str | int], ...]:
+    def saved_keys(self) -> tuple[KeyStep, ...]:
         """The keys from the saved object's root to this leaf, each with the kind of container
-        holding it (`dict`, `list`...), for formats that keep them (torch.save); `()` when only
-        the dotted `name` is known (its first part is then the top-level key)."""
+        holding it (`dict`, `list`...), for formats that keep them (torch.save, a nested DCP:
+        `KeyedEntry`); `()` when only the dotted `name` is known (its first part is then the
+        top-level key)."""
         return ()
+
+    def keys_as_named(self) -> tuple[KeyStep, ...] | None:
+        """The saved key path that spells this entry's current name: the whole path while the
+        name is its dotted join, the tail left when `--select` stripped a leading part
+        (`optimizer.` of `optimizer.state.0.step`), None when the name was changed otherwise
+        (`--rename`, a naming) or no path is known. Writers nest an entry by it."""
+        keys = self.saved_keys()
+        joined = ".".join(str(key) for _, key in keys)
+        start = 0
+        while joined:
+            if self.name == joined or self.name.startswith(joined + "~"):
+                return keys[start:]  # `~1`: a name made distinct by its reader
+            joined = joined[len(str(keys[start][1])) + 1 :]
+            start += 1
+        return None
 
     def top_key(self) -> str:
         """The saved object's top-level key this entry sits under (`model`, `optimizer`...): the
@@ -266,6 +285,23 @@ class Entry(_LeanRecord):
         entry = cls.trusted(name, "", [], 0, file, 0)
         entry.__dict__.update(dtype=None, offset=None)
         return entry
+
+
+class KeyedEntry(Entry):
+    """An entry that knows its real key path inside the saved object (torch.save files, a DCP
+    whose planner data nests, the components of a training folder).
+
+    Attributes:
+        key_path: the keys from the saved object's root to this leaf, each with the kind of
+            container holding it (`dict`, `odict`, `list`, `tuple`). Writers rebuild the
+            nesting from it (`keys_as_named`).
+    """
+
+    key_path: tuple[KeyStep, ...] = ()
+
+    def saved_keys(self) -> tuple[KeyStep, ...]:
+        """The real key path (see `Entry.saved_keys`)."""
+        return self.key_path
 
 
 #: `BaseModel`'s slots (`__dict__` and pydantic's three), set directly by `Entry.trusted`

@@ -114,11 +114,15 @@ def test_whole_folder_conversion_keeps_optimizer_and_rng(
     truth = restored[kind]
     # the output holds accelerate's numpy RNG states, which weights_only refuses: ckpt wrote it
     whole = torch.load(out, weights_only=False) if to == "torch" else _dcp_read(out, truth)
-    # a DCP-held component comes out with DCP's flattened names (`state.<fqn>.exp_avg`), a
-    # torch-held one nested: both compared by their dotted names
+    # a DCP-held optimizer comes out of a torch.save nested as a torch-held one does, as
+    # `optimizer.load_state_dict` takes it: a `state` dict and a list of `param_groups`
     for i, comp in ((0, "optimizer"), (1, "optimizer_1")):
         want = _flat(truth[f"optimizer_{i}"]["state"], "state")
-        got = {k: v for k, v in _flat(whole[comp]).items() if k.startswith("state.")}
+        if to == "torch":
+            assert isinstance(whole[comp]["param_groups"], list), comp
+            got = _flat(whole[comp]["state"], "state")
+        else:
+            got = {k: v for k, v in _flat(whole[comp]).items() if k.startswith("state.")}
         assert got.keys() == want.keys() and want
         for name, value in want.items():
             assert torch.equal(got[name], value), (comp, name)
@@ -199,13 +203,9 @@ def test_load_state_restores_what_ckpt_wrote_and_notices_a_lossy_copy(
     whole = tmp_path / "whole.pt"
     assert run_ckpt("convert", folder, whole, "--to", "torch").exit_code == 0
     changed = torch.load(whole, weights_only=False)  # numpy RNG states: ckpt's own output
-    optim = changed["optimizer_1"]  # nested from a torch file, DCP-flattened from a DCP one
-    if "state" in optim:
-        for states in optim["state"].values():
-            states["exp_avg"] = states["exp_avg"] + 1e-3
-    else:
-        for key in [k for k in optim if k.endswith(".exp_avg")]:
-            optim[key] = optim[key] + 1e-3
+    optim = changed["optimizer_1"]  # nested, from a torch file or a DCP folder alike
+    for states in optim["state"].values():
+        states["exp_avg"] = states["exp_avg"] + 1e-3
     torch.save({"optimizer": changed["optimizer_1"]}, tmp_path / "changed.pt")
     if optimizer_1.endswith(".bin"):
         torch.save(changed["optimizer_1"], lossy / optimizer_1)

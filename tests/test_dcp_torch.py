@@ -495,20 +495,27 @@ def test_data_commands_hold_about_one_chunk_of_the_largest_tensor(tmp_path: Path
     assert (tmp_path / "re" / ".metadata").exists() and (tmp_path / "conv" / ".metadata").exists()
 
 
+@pytest.mark.parametrize("source", ["model.safetensors", "model.pt", "dcp_src"])
 def test_a_flat_state_dict_converted_to_dcp_comes_back_flat_from_dcp_to_torch_save(
-    tmp_path: Path,
+    tmp_path: Path, source: str
 ) -> None:
-    """safetensors holds a flat state dict: `model.layers.0.weight` is one key. `dcp.save` of
-    such a dict records each key whole in planner_data, so torch's `dcp_to_torch_save` gives
-    it back flat, ready for `load_state_dict`. ckpt recorded the key split at every dot, and
-    the same round trip gave dicts nested at every dot."""
+    """safetensors, `torch.save(model.state_dict())` and `dcp.save(model.state_dict())` hold a
+    flat state dict: `model.layers.0.weight` is one key. `dcp.save` of such a dict records each
+    key whole in planner_data, so torch's `dcp_to_torch_save` gives it back flat, ready for
+    `load_state_dict`. ckpt recorded the key split at every dot, and the same round trip gave
+    dicts nested at every dot."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     state = {"model.layers.0.weight": torch.randn(4, 2), "lm_head.weight": torch.randn(3, 2)}
-    save_file(state, tmp_path / "model.safetensors")
-    result = run_ckpt("convert", tmp_path / "model.safetensors", tmp_path / "dcp", "--to", "dcp")
+    if source == "model.safetensors":
+        save_file(state, tmp_path / source)
+    elif source == "model.pt":
+        torch.save(state, tmp_path / source)
+    else:
+        dcp_save(state, tmp_path / source)
+    result = run_ckpt("convert", tmp_path / source, tmp_path / "dcp", "--to", "dcp")
     assert result.exit_code == 0, result.stderr
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -520,3 +527,89 @@ def test_a_flat_state_dict_converted_to_dcp_comes_back_flat_from_dcp_to_torch_sa
     back = torch.load(tmp_path / "back.pt", weights_only=True)
     assert sorted(back) == sorted(state)
     assert all(torch.equal(back[name], tensor) for name, tensor in state.items())
+
+
+# --- nested training state: the same nesting as torch's own converters ---------------------
+
+
+def training_state() -> dict[str, Any]:
+    """What a training loop hands `dcp.save`: model, optimizer (int-keyed state, a list of
+    param groups), a step and a dict holding a list, after one real AdamW step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return {
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "step": 7,
+        "extra": {"seen": [1, 2, 3], "name": "run-a"},
+    }
+
+
+def assert_same_tree(got: Any, want: Any, where: str = "") -> None:
+    """Same containers (dict / list / tuple) with the same keys, tensors bit-equal."""
+    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key, value in want.items():
+            assert_same_tree(got[key], value, f"{where}/{key!r}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_same_tree(a, b, f"{where}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, where
+        assert torch.equal(got.flatten().view(torch.uint8), want.flatten().view(torch.uint8)), where
+    else:
+        assert got == want, where
+
+
+def test_nested_dcp_converted_to_torch_nests_as_dcp_to_torch_save_does(tmp_path: Path) -> None:
+    """A resumable DCP (`{"model": ..., "optim": ...}`) converted to torch.save is the dict
+    torch's own `dcp_to_torch_save` writes: `torch.load(out)["model"]` goes straight into
+    `load_state_dict`, param_groups stay a list. ckpt used to write one flat dotted key per leaf
+    (`optim.param_groups.0.lr`), which no loader takes."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = training_state()
+    dcp_save(state, tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "torch_own.pt"))
+    want = torch.load(tmp_path / "torch_own.pt", weights_only=False)
+    result = run_ckpt("convert", tmp_path / "dcp", tmp_path / "ours.pt", "--to", "torch")
+    assert result.exit_code == 0, result.stderr
+    got = torch.load(tmp_path / "ours.pt", weights_only=True)
+    assert_same_tree(got, want)
+    model = torch.nn.Linear(4, 3)
+    model.load_state_dict(got["model"])
+    assert torch.equal(model.weight.detach(), state["model"]["weight"])
+
+
+def test_nested_torch_save_converted_to_dcp_keeps_lists_for_dcp_to_torch_save(
+    tmp_path: Path,
+) -> None:
+    """The way back: a torch.save of the same nested state converted to DCP records the paths
+    `dcp.save` records (list indices as ints, dict keys as strings), so `dcp_to_torch_save` of
+    ckpt's DCP gives what it gives for `dcp.save`'s own. ckpt recorded every path split at its
+    dots, and param_groups came back as a dict keyed "0"."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = training_state()
+    torch.save(state, tmp_path / "state.pt")
+    dcp_save(state, tmp_path / "real")
+    result = run_ckpt("convert", tmp_path / "state.pt", tmp_path / "ours", "--to", "dcp")
+    assert result.exit_code == 0, result.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = FileSystemReader(str(tmp_path / "ours")).read_metadata().planner_data
+        real = FileSystemReader(str(tmp_path / "real")).read_metadata().planner_data
+        assert ours == real
+        dcp_to_torch_save(str(tmp_path / "ours"), str(tmp_path / "ours.pt"))
+        dcp_to_torch_save(str(tmp_path / "real"), str(tmp_path / "real.pt"))
+    assert_same_tree(
+        torch.load(tmp_path / "ours.pt", weights_only=False),
+        torch.load(tmp_path / "real.pt", weights_only=False),
+    )

@@ -269,6 +269,38 @@ def test_reshard_of_a_training_folder_carries_every_component(
         _same_model(out, src)
 
 
+@pytest.mark.parametrize(
+    ("run", "step", "optimizer"),
+    [
+        ("real_trainer_run", "checkpoint-4", "optimizer.pt"),
+        ("real_accelerate_run", "step-4", "optimizer.bin"),
+    ],
+)
+def test_a_training_folder_converted_to_dcp_keeps_its_optimizer_shaped_for_torch(
+    request: pytest.FixtureRequest, run: str, step: str, optimizer: str, tmp_path: Path
+) -> None:
+    """`convert CHECKPOINT --to dcp` of a Trainer or accelerate save, read back with torch's own
+    `dcp_to_torch_save`: the optimizer is the dict the framework saved, `param_groups` still a
+    list (DCP names the int keys of `state` by strings, as `dcp.save` does). ckpt recorded
+    every path split at its dots, and param_groups came back as a dict keyed "0"."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src: Path = request.getfixturevalue(run) / "straight" / step
+    out = tmp_path / "dcp"
+    result = run_ckpt("convert", src, out, "--to", "dcp")
+    assert result.exit_code == 0, result.stderr
+    dcp_to_torch_save(str(out), str(tmp_path / "back.pt"))
+    back = torch.load(tmp_path / "back.pt", weights_only=False)["optimizer"]
+    saved = torch.load(src / optimizer, weights_only=True)
+    assert isinstance(back["param_groups"], list)
+    assert back["param_groups"] == saved["param_groups"]
+    assert sorted(back["state"]) == sorted(str(key) for key in saved["state"])
+    for key, states in saved["state"].items():
+        assert states.keys() == back["state"][str(key)].keys()
+        for name, value in states.items():
+            assert torch.equal(back["state"][str(key)][name], value), (key, name)
+
+
 def test_dcp_with_safetensors_serialization_warns_at_write_time(
     real_hf_model: Path, tmp_path: Path
 ) -> None:

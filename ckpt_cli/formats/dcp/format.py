@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import ClassVar
 
 from ...errors import FormatError, NotFoundError
-from ...models import Entry, FileInfo, Manifest, Problem
+from ...models import Entry, FileInfo, KeyedEntry, Manifest, Problem
 from ..base import Format, Source, WriteOptions
 from ..details import DcpDetails
 from ..safetensors.format import DCP_HF_SHARD, is_dcp_hf_sharded
 from .check import analysed, check_saved_tensors, peek_objects
 from .layout import METADATA, RANK_METADATA, SERIALIZATIONS, SUFFIX, rank_file, world_size
 from .megatron import MEGATRON_COMMON, MEGATRON_LAYOUT, MEGATRON_METADATA
+from .metadata import planner_keys
 from .reader import DcpCheckpoint
 from .writer import DcpWriter
 
@@ -98,7 +99,7 @@ class DcpFormat(Format):
             format="dcp",
             location=source.location.raw,
             files=files,
-            entries=layout.entries,
+            entries=nested_entries(layout.entries, layout.planner_data),
             details=details.as_details(),
         )
         checkpoint = DcpCheckpoint(source, manifest, layout.planner_data)
@@ -121,3 +122,21 @@ class DcpFormat(Format):
     @classmethod
     def writer(cls, staging: Path, plan: list[Entry], options: WriteOptions) -> DcpWriter:
         return DcpWriter(staging, plan, options)
+
+
+def nested_entries(entries: list[Entry], planner_data: object) -> list[Entry]:
+    """`entries`, each one that `planner_data` places below the top level of the saved state
+    dict (`optim` -> `param_groups` -> 0 -> `lr`) as a `KeyedEntry` with that key path, so a
+    conversion nests it where `dcp.save` found it. A flat state dict's entries (one path
+    component each, what `dcp.save(model.state_dict())` records) stay as they are."""
+    if not isinstance(planner_data, dict):
+        return entries
+    nested: list[Entry] = []
+    for entry in entries:
+        path = planner_data.get(entry.name)
+        keys = planner_keys(path, entry.name) if isinstance(path, tuple) and len(path) > 1 else None
+        if keys is not None:
+            fields = {k: getattr(entry, k) for k in Entry.model_fields}
+            entry = KeyedEntry.model_construct(**fields, key_path=keys)
+        nested.append(entry)
+    return nested

@@ -28,12 +28,13 @@ from __future__ import annotations
 import gc
 import mmap
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 from ...budgets import BudgetedUnpickler, pickle_refused
 from ...dtypes import TORCH_ALIASES
 from ...errors import FormatError, UnsafeInputError
+from ...models import KeyStep
 from .lean import block_of, lean_records
 
 _METADATA_MODULES = (
@@ -574,3 +575,54 @@ def _check_planner_depth(planner_data: Any, where: str) -> None:
         seen.add(id(value))
         items = value.values() if isinstance(value, dict) else value
         stack.extend((v, depth + 1) for v in items)
+
+
+# --- planner_data: where each fqn sits in the nested state dict ----------------------------
+#
+# `dcp.save` flattens the state dict with `traverse_state_dict`: a mapping's keys become str
+# path components, a list's positions int ones, and `planner_data` records the path of each
+# fqn (`("optim", "param_groups", 0, "lr")`). Loaders without a template (`dcp_to_torch_save`)
+# rebuild the nesting from these paths, a list wherever the component is an int.
+
+
+def planner_keys(path: Any, name: str) -> tuple[KeyStep, ...] | None:
+    """The key path of fqn `name` from its `planner_data` value, or None when the value is not
+    a path that spells `name` (what `dcp.save` records for a nested state dict always is)."""
+    if not isinstance(path, (tuple, list)) or not path:
+        return None
+    keys: list[KeyStep] = []
+    for key in path:
+        if type(key) is int:
+            keys.append(("list", key))
+        elif type(key) is str:
+            keys.append(("dict", key))
+        else:
+            return None
+    return tuple(keys) if ".".join(str(key) for _, key in keys) == name else None
+
+
+def planner_paths(
+    leaves: Iterable[tuple[str, Sequence[KeyStep], bool]],
+) -> dict[str, tuple[str | int, ...]]:
+    """The `planner_data` values `dcp.save` records for leaves given as (name, key path,
+    is a tensor): a key of a dict as a str (an optimizer's int `state` keys too), a position in
+    a list as an int where torch's traversal walks into that list.
+
+    torch walks into a list only when an item is a tensor, a dict or such a list; any other
+    list is one leaf. ckpt keeps a list of empty dicts (a scheduler's `lr_lambdas: [{}, {}]`)
+    as one entry per item, so such a list's positions are recorded as strings: a loader
+    without a template then rebuilds it as a dict, and finds every entry where it looks.
+    """
+    leaves = list(leaves)
+    walked: set[tuple[KeyStep, ...]] = set()  # lists torch walks into, by their key path
+    for _, keys, tensor in leaves:
+        for depth, (kind, _) in enumerate(keys):
+            if kind == "list" and (tensor or depth < len(keys) - 1):
+                walked.add(tuple(keys[:depth]))
+    return {
+        name: tuple(
+            int(key) if kind in ("list", "tuple") and tuple(keys[:depth]) in walked else str(key)
+            for depth, (kind, key) in enumerate(keys)
+        )
+        for name, keys, _ in leaves
+    }

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from ...models import Chunk, Entry
+from .metadata import planner_paths
 from .transforms import ZSTD_DESCRIPTOR
 
 _MD = "torch.distributed.checkpoint.metadata"
@@ -382,9 +383,19 @@ def write_metadata(
 
             stream.batched(iter(names), item)
 
+    # an entry that knows where it sat (a torch.save or nested DCP source) keeps its path,
+    # lists as lists; any other name is a path split at its dots. Built up front: the pickler
+    # remembers each string by identity, so every path must live until the pickle ends
+    keyed = ((name, by_name[name].keys_as_named(), by_name[name].kind) for name in names)
+    known = planner_paths(
+        (name, keys, kind == "tensor") for name, keys, kind in keyed if keys and name not in given
+    )
+
     def planner_value(name: str) -> None:
         if name in given:
             stream.value(given[name])
+        elif name in known:
+            stream.value(known[name])
         else:
             _planner_parts(stream, name)
 

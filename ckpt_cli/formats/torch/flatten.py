@@ -19,7 +19,7 @@ from typing import Any
 
 from ...budgets import check_expanded
 from ...errors import FormatError
-from ...models import Entry
+from ...models import KeyedEntry, KeyStep
 from .load import INERT, InertObject
 from .zip_write import TensorLayout
 
@@ -28,24 +28,10 @@ MAX_VALUE_STR = 200
 #: longest list of scalars an object entry shows as its value
 MAX_VALUE_ITEMS = 16
 
-#: one step of a key path: (kind of the container holding the key, the key)
-KeyStep = tuple[str, str | int]
 
-
-class TorchEntry(Entry):
-    """An entry of a torch.save file, with the real key path inside the saved object.
-
-    Attributes:
-        key_path: the keys from the saved object's root to this leaf, each with the kind of
-            container holding it (`dict`, `odict`, `list`, `tuple`). The writer rebuilds the
-            nesting from it while `name` still equals the dotted join of the keys.
-    """
-
-    key_path: tuple[KeyStep, ...] = ()
-
-    def saved_keys(self) -> tuple[KeyStep, ...]:
-        """The real key path (see `Entry.saved_keys`)."""
-        return self.key_path
+class TorchEntry(KeyedEntry):
+    """An entry of a torch.save file, with the real key path inside the saved object
+    (`KeyedEntry.key_path`; kinds `dict`, `odict`, `list`, `tuple`)."""
 
 
 def dotted(key_path: tuple[KeyStep, ...] | list[KeyStep]) -> str:

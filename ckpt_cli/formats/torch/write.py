@@ -18,11 +18,11 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ...dtypes import torch_layout
 from ...errors import FormatError
-from ...models import Entry, FileInfo
+from ...models import Entry, FileInfo, KeyStep
 from ...storage.fileio import FileRange, open_output
 from ..base import WriteOptions, Writer
 from ..safetensors.format import plan_shards
-from .flatten import KeyStep, TorchEntry, dotted, plain_copy
+from .flatten import TorchEntry, plain_copy
 from .zip_write import Reduced, TorchZipWriter
 
 if TYPE_CHECKING:
@@ -64,18 +64,15 @@ def rebuild(items: list[tuple[Entry, Any]]) -> Any:
     """The saved object for (entry, value) pairs: nesting from key paths where they still fit.
 
     An entry keeps its original place when it carries a key path (it came from a torch.save
-    file) whose dotted join is still its name (it was not renamed). Every other entry becomes a
+    file, a nested DCP or a training folder) that still spells its name (`keys_as_named`: not
+    renamed; under `--select`, the path below the selected part). Every other entry becomes a
     top-level key named by its full name, which is the flat state_dict layout transformers uses.
     """
     if len(items) == 1 and isinstance(items[0][0], TorchEntry) and items[0][0].key_path == ():
         return items[0][1]  # torch.save(tensor): the root itself
     paths: list[tuple[KeyStep, ...]] = []
     for entry, _ in items:
-        path: tuple[KeyStep, ...] = entry.saved_keys()
-        joined = dotted(path)
-        if not path or (entry.name != joined and not entry.name.startswith(joined + "~")):
-            path = (("dict", entry.name),)
-        paths.append(path)
+        paths.append(entry.keys_as_named() or (("dict", entry.name),))
     root_kinds = {path[0][0] for path in paths if path}
     root = _Node(root_kinds.pop() if len(root_kinds) == 1 else "dict")
     for (entry, value), path in zip(items, paths, strict=True):

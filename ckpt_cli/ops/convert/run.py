@@ -428,6 +428,15 @@ def convert(
             # records `("lm_head.weight",)`): torch's `dcp_to_torch_save` of the output gives
             # the same flat state dict back, not dicts nested at every dot
             options.dcp_planner_data = {i.target.name: (i.target.name,) for i in plan.items}
+        elif naming is None and isinstance(checkpoint.planner_data, dict):
+            # a DCP source: each name keeps the path its `.metadata` records (whole keys of a
+            # flat state dict too); a renamed one is placed by its own name
+            recorded = checkpoint.planner_data
+            options.dcp_planner_data = {
+                i.target.name: recorded[i.source.name]
+                for i in plan.items
+                if i.target.name == i.source.name and i.source.name in recorded
+            }
         warnings = unused_renames(plan, rename_pairs)
         if not match_prefix:  # a component's rules are judged over the whole folder
             warnings += unmatched_rules((e.name for e in manifest.entries), include, exclude)

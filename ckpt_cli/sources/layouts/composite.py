@@ -181,9 +181,10 @@ class CompositeCheckpoint(Checkpoint):
             for entry in checkpoint.manifest.entries:
                 short = entry.name[len(wrapper) :] if wrapper else entry.name
                 name = f"{comp}.{short}" if short else comp
-                inner = (() if wrapper else entry.saved_keys()) or (
-                    (("dict", short),) if short else ()
-                )
+                inner = entry.saved_keys()
+                if wrapper:  # the wrapper's own step goes with its name
+                    inner = inner[1:] if inner and f"{inner[0][1]}." == wrapper else ()
+                inner = inner or ((("dict", short),) if short else ())
                 fields = {k: getattr(entry, k) for k in Entry.model_fields}
                 fields["name"] = name
                 if sub:
