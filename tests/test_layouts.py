@@ -443,6 +443,41 @@ def test_complete_torch_dict_is_resumable_and_checks_pass(tmp_path: Path) -> Non
     assert [p.code for p in training_checks(open_source(str(weights_only)))] == ["not_resumable"]
 
 
+@pytest.mark.parametrize("saved_by", ["torch.save", "dcp.save"])
+def test_an_optimizer_state_saved_alone_is_optimizer_state_not_parameters(
+    tmp_path: Path, saved_by: str
+) -> None:
+    """`inspect optimizer.pt` (the Trainer's file, `torch.save(opt.state_dict())`, or the same
+    dict through `dcp.save`) reports the optimizer: its kind and parameters with state, its
+    moments as state elements, and 0 model parameters. It used to count the moments as the
+    model's parameters and say nothing of the optimizer."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    path = tmp_path / ("optimizer.pt" if saved_by == "torch.save" else "optimizer")
+    if saved_by == "torch.save":
+        torch.save(opt.state_dict(), path)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(opt.state_dict(), checkpoint_id=str(path), no_dist=True)
+    report = run_ckpt("inspect", path, "--json").json["result"]
+    moments = 2 * (4 * 2 + 2)  # exp_avg and exp_avg_sq of the weight and the bias
+    assert report["parameters"] == 0
+    assert report["state_elements"] == {"optimizer": moments + 2}  # and the two `step`s
+    training = report["training"]
+    assert training["optimizer"]["kind"] == "AdamW"
+    assert training["optimizer"]["params"] == training["optimizer"]["params_with_state"] == 2
+    assert training["resumable"] is False and "weights" in training["missing"]
+    text = run_ckpt("inspect", path).stdout
+    assert "0 parameters" in text and "AdamW" in text
+
+
 def test_torchtitan_step_folder_from_dcp_save(tmp_path: Path) -> None:
     import io
     import warnings

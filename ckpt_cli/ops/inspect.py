@@ -252,11 +252,14 @@ def _split_parameters(view: Manifest, training: TrainingState | None) -> tuple[i
     total = view.parameters()
     if training is None or not training.components:
         return total, {}
+    # a component whose names carry no prefix (a lone optimizer file, torchtitan's model
+    # FQNs) holds every entry no other component claims
+    whole = next((c for c, prefix in training.prefixes.items() if not prefix), "other")
     per: dict[str, int] = {}
     for e in view.entries:
         if e.kind == "tensor" and e.dtype in FLOATING:
             component = e.name.split(".", 1)[0]
-            key = component if component in training.components else "other"
+            key = component if component in training.components else whole
             per[key] = per.get(key, 0) + e.numel
     model = sum(n for k, n in per.items() if k.startswith("model"))
     if not model and "weights" not in training.missing:

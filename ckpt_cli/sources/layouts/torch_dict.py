@@ -99,6 +99,20 @@ def analyse_single(checkpoint: Checkpoint) -> TrainingState | None:
     return None
 
 
+#: the top-level keys of `optimizer.state_dict()`: a file of nothing else is an optimizer's
+#: state saved alone (the Trainer's `optimizer.pt`, accelerate's `optimizer.bin`)
+_OPTIMIZER_STATE_KEYS = {"state", "param_groups"}
+
+
+def _optimizer_alone(checkpoint: Checkpoint, layout: str) -> TrainingState:
+    """The training state of an optimizer's state dict saved on its own: the optimizer, and
+    no weights (its moments are state, not the model's parameters)."""
+    state = analyse(checkpoint, layout, {"optimizer": ""})
+    state.components = {"optimizer": "top-level keys (state, param_groups)"}
+    verdict(state)
+    return state
+
+
 def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState | None:
     """What a training dict holds, by the usual key names (torchtitan's layout included)."""
     manifest = checkpoint.manifest
@@ -108,6 +122,8 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
     step = _first(keys, _STEP_KEYS)
     folder = _folder_format(manifest)
     is_titan = folder and "train_state" in keys
+    if keys.keys() == _OPTIMIZER_STATE_KEYS:
+        return _optimizer_alone(checkpoint, "dcp" if folder else "torch-dict")
     if not (optimizer or scheduler or step or is_titan):
         return None
     # a training folder converted whole keeps its per-rank components (`rng_0`, `rng_1`)
