@@ -303,6 +303,17 @@ class KeyedEntry(Entry):
         """The real key path (see `Entry.saved_keys`)."""
         return self.key_path
 
+    @classmethod
+    def placed(cls, entry: Entry, key_path: tuple[KeyStep, ...]) -> KeyedEntry:
+        """`entry` with its key path, unvalidated, at `Entry.checked`'s cost: opening a DCP
+        training checkpoint places every model and optimizer entry (`model_construct` costs
+        ~20 µs each)."""
+        values = dict(entry.__dict__)
+        values["key_path"] = key_path
+        placed = _unvalidated(cls, values)
+        assert isinstance(placed, KeyedEntry)
+        return placed
+
 
 #: `BaseModel`'s slots (`__dict__` and pydantic's three), set directly by `Entry.trusted`
 _new = object.__new__

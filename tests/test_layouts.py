@@ -478,7 +478,11 @@ def test_an_optimizer_state_saved_alone_is_optimizer_state_not_parameters(
     assert "0 parameters" in text and "AdamW" in text
 
 
-def test_torchtitan_step_folder_from_dcp_save(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model_keys", ["under model.", "top-level"])
+def test_torchtitan_step_folder_from_dcp_save(tmp_path: Path, model_keys: str) -> None:
+    """Older torchtitan saves the model under `model`, 0.2 and later its FQNs at the top level
+    beside `optimizer`, `train_state`...: either way the weights are the parameters and the
+    optimizer's moments are its state (the top-level case counted them as parameters)."""
     import io
     import warnings
 
@@ -492,7 +496,7 @@ def test_torchtitan_step_folder_from_dcp_save(tmp_path: Path) -> None:
     sched = torch.optim.lr_scheduler.LinearLR(opt)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {
-        "model": model_sd,
+        **({"model": model_sd} if model_keys == "under model." else model_sd),
         "optimizer": optim_sd,
         "lr_scheduler": sched.state_dict(),
         "dataloader": {"rank_0": io.BytesIO(b"sampler position")},
@@ -501,7 +505,11 @@ def test_torchtitan_step_folder_from_dcp_save(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(tmp_path / "step-5"), no_dist=True)
-    training = run_ckpt("inspect", tmp_path / "step-5", "--json").json["result"]["training"]
+    report = run_ckpt("inspect", tmp_path / "step-5", "--json").json["result"]
+    weights = sum(p.numel() for p in model.parameters())
+    assert report["parameters"] == weights
+    assert report["state_elements"] == {"optimizer": 2 * weights + 4}  # and 4 `step`s
+    training = report["training"]
     assert training["layout"] == "torchtitan"
     assert training["step"] == 5
     assert training["weights"]["tensors"] == 4

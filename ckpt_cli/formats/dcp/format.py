@@ -135,8 +135,5 @@ def nested_entries(entries: list[Entry], planner_data: object) -> list[Entry]:
     for entry in entries:
         path = planner_data.get(entry.name)
         keys = planner_keys(path, entry.name) if isinstance(path, tuple) and len(path) > 1 else None
-        if keys is not None:
-            fields = {k: getattr(entry, k) for k in Entry.model_fields}
-            entry = KeyedEntry.model_construct(**fields, key_path=keys)
-        nested.append(entry)
+        nested.append(entry if keys is None else KeyedEntry.placed(entry, keys))
     return nested
