@@ -127,6 +127,40 @@ def test_torchtitan_dcp_without_metadata_is_incomplete(tmp_path: Path) -> None:
     assert run_ckpt("latest", tmp_path / "dump").stdout.strip() == str(run / "step-20")
 
 
+def step_folder_save(folder: Path, step: int, *, optimizer: bool = True) -> None:
+    """What a hand-written training loop saves as `step-N/`: safetensors weights and a
+    torch.save optimizer file, with no commit marker (no DCP)."""
+    folder.mkdir(parents=True)
+    save_file(weights(step), folder / "model.safetensors")
+    if optimizer:
+        torch.save({"step": step, "exp_avg": torch.full((4,), float(step))}, folder / "optim.pt")
+
+
+def test_a_step_folder_of_plain_files_cut_short_is_incomplete_and_never_the_latest(
+    tmp_path: Path,
+) -> None:
+    """`step-N/` is torchtitan's name, but a folder of safetensors and torch.save files is no
+    DCP save and has no commit marker: it is compared with the other saves of the run, as
+    plain saves are. A save whose optimizer file never came (a crash mid-save) used to be the
+    latest, and `prune --keep-last 1` deleted every save that had its optimizer state. Still
+    being written, it waits its settle time."""
+    run = tmp_path / "run"
+    for step in (100, 200, 300):
+        step_folder_save(run / f"step-{step}", step)
+    age(run)
+    step_folder_save(run / "step-400", 400, optimizer=False)  # being written right now
+    assert table(run)["step-400"]["status"] == "writing"
+    age(run)  # and never finished
+    rows = table(run)
+    assert [rows[f"step-{s}"]["status"] for s in (100, 200, 300)] == ["complete"] * 3
+    assert rows["step-400"]["status"] == "incomplete"
+    assert "lacks optim.pt, which every other save of this run has" in rows["step-400"]["reason"]
+    assert run_ckpt("latest", run).stdout.strip() == str(run / "step-300")
+    pruned = run_ckpt("prune", run, "--keep-last", "1", "--yes")
+    assert pruned.exit_code == 0, pruned.stderr
+    assert (run / "step-300" / "optim.pt").exists()
+
+
 def test_staging_folders_are_interrupted_or_still_being_written(tmp_path: Path) -> None:
     out = trainer_run(tmp_path, steps=(100, 200))
     # ckpt's own staging name (output.py) and the Trainer's tmp-checkpoint-N, both old

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 import re
@@ -185,6 +186,24 @@ def collect(entries: Iterable[tuple[str, bool, Callable[[], bool]]]) -> list[Fou
 
 #: layouts with no commit marker of their own: their saves are compared with each other
 UNMARKED = ("accelerate", "plain")
+#: layouts named by a step folder whose saves are DCP folders (`.metadata` their commit marker)
+_DCP_STEP_LAYOUTS = ("torchtitan",)
+#: the files that make a folder a DCP save (or one cut short)
+_DCP_FILES = (".metadata", ".distcp")
+
+
+def by_content(item: Found, files: Iterable[str]) -> Found:
+    """`item`, a plain save when its name is a DCP layout's (`step-N/`, torchtitan's) but its
+    `files` (paths relative to the run) hold no DCP file: a training loop's own folder of
+    safetensors and torch.save files has no commit marker, so it is judged as plain saves
+    are (compared with the other saves, given its settle time), never trusted as a DCP."""
+    if item.layout not in _DCP_STEP_LAYOUTS or not item.is_dir or item.temporary:
+        return item
+    if any(rel.endswith(_DCP_FILES) for rel in files):
+        return item
+    return dataclasses.replace(item, layout="plain")
+
+
 #: layouts whose saves are compared with each other for a file the others all have: the
 #: unmarked ones (a save cut short), and the Trainer's, whose marker (`trainer_state.json`,
 #: written last) says the save finished, not that its model or optimizer file is still there

@@ -18,7 +18,14 @@ from typing import Literal
 
 from ...storage import Storage
 from .judge import best_by_metric, judge_found, newest_trainer_state, read_deepspeed_latest
-from .naming import COMPARED, expected_parts, int_or_none, part_names, step_order
+from .naming import (
+    COMPARED,
+    by_content,
+    expected_parts,
+    int_or_none,
+    part_names,
+    step_order,
+)
 from .records import METRICS_FILE, Found, RunCheckpoint, RunReport
 
 
@@ -68,6 +75,12 @@ class RunListing(ABC):
     def root_files(self, items: list[Found]) -> list[str]:
         """Checkpoint files directly in the run folder that belong to no step checkpoint."""
 
+    def upload_unfinished(self, item: Found) -> bool:
+        """Whether the candidate is a save a `ckpt sync` to this folder has not finished
+        uploading: the folder holds sync's record (`SYNC_RECORD`) and the save no manifest
+        yet. Only a remote folder is a sync destination."""
+        return False
+
     def mark_links(self, checkpoints: list[RunCheckpoint]) -> None:  # noqa: B027 - optional hook
         """Mark checkpoints a link in the run folder points at (only local folders have links)."""
 
@@ -108,7 +121,7 @@ def scan(
 ) -> RunReport:
     """List and judge the checkpoints of `run` (arguments as for `scan_run`)."""
     now = time.time() if now is None else now
-    items = run.discover()
+    items = [by_content(item, run.files(item)) for item in run.discover()]
     ds_latest = read_deepspeed_latest(run.storage)
     ds_step = int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
     expected = expected_parts_of(run, items)
