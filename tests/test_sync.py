@@ -362,7 +362,9 @@ def test_multipart_uploads_are_checked_by_etag_and_reused_on_resume(
         big = torch.arange(size // 4 + 1000, dtype=torch.float32) * step
         save_file({"w": big}, folder / "model.safetensors")
         os.utime(folder / "model.safetensors", (time.time() - 7200,) * 2)
-    first = run_ckpt("sync", run, f"s3://{BUCKET}/big/", "--json")
+    os.utime(folder, (time.time() - 7200,) * 2)  # a plain save: settled, not being written
+    # plain saves (no DCP in these `step-N/`): no settle wait for the ones just written
+    first = run_ckpt("sync", run, f"s3://{BUCKET}/big/", "--settle", "0", "--json")
     assert first.exit_code == 0, first.stdout
     # verified from the ETag S3 computed over the parts: nothing was read back (the only
     # reads are the header probes of `latest` on the bucket)
@@ -376,7 +378,7 @@ def test_multipart_uploads_are_checked_by_etag_and_reused_on_resume(
         Bucket=BUCKET, Key="big/step-2/ckpt-manifest.json"
     )
     s3_server.requests.clear()
-    again = run_ckpt("sync", run, f"s3://{BUCKET}/big/", "--json").json["result"]
+    again = run_ckpt("sync", run, f"s3://{BUCKET}/big/", "--settle", "0", "--json").json["result"]
     by_name = {c["name"]: c for c in again["checkpoints"]}
     assert by_name["step-2"]["files_reused"] == 1 and again["bytes_sent"] == 0
     assert s3_server.bytes_uploaded() < 4096  # only the manifest
@@ -660,12 +662,14 @@ def test_a_multipart_upload_cut_midway_is_aborted_and_resent_whole(
     big = torch.arange((SINGLE_PUT_MAX + UPLOAD_BLOCK // 2) // 4, dtype=torch.float32)
     save_file({"w": big}, folder / "model.safetensors")
     os.utime(folder / "model.safetensors", (time.time() - 7200,) * 2)
+    os.utime(folder, (time.time() - 7200,) * 2)  # a plain save: settled, not being written
     s3_server.refuse = lambda r: r.method == "PUT" and "partNumber=3" in r.query
     first = sync(str(tmp_path / "run"), f"s3://{BUCKET}/big/")
     assert first.failed and not first.transferred
     client = boto3.client("s3", endpoint_url=s3_server.endpoint)
     assert not client.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
-    assert not list_keys(s3_server.endpoint, BUCKET, "big/")
+    # nothing of the checkpoint: only sync's record of the destination
+    assert list_keys(s3_server.endpoint, BUCKET, "big/") == ["big/.ckpt-sync.json"]
     s3_server.refuse = None
     s3_server.requests.clear()
     again = sync(str(tmp_path / "run"), f"s3://{BUCKET}/big/")
@@ -712,6 +716,7 @@ def test_objects_an_older_sync_sent_in_16_mib_parts_are_reused(
         {"w": torch.arange(UPLOAD_BLOCK // 4 + 5000, dtype=torch.float32)}, folder / "m.safetensors"
     )
     os.utime(folder / "m.safetensors", (time.time() - 7200,) * 2)
+    os.utime(folder, (time.time() - 7200,) * 2)  # a plain save: settled, not being written
     parts = TransferConfig(multipart_threshold=UPLOAD_BLOCK, multipart_chunksize=UPLOAD_BLOCK)
     client = boto3.client("s3", endpoint_url=s3_server.endpoint)
     client.upload_file(
@@ -726,6 +731,7 @@ def test_objects_an_older_sync_sent_in_16_mib_parts_are_reused(
     # round's probe of whether the store checks checksums
     assert sorted(r.path for r in s3_server.requests if r.method == "PUT") == [
         f"/{BUCKET}/old/.ckpt-checksum-probe",
+        f"/{BUCKET}/old/.ckpt-sync.json",
         f"/{BUCKET}/old/step-1/ckpt-manifest.json",
     ]
     checked = run_ckpt("verify", f"s3://{BUCKET}/old/step-1", "--checksums", "--json")
@@ -820,12 +826,14 @@ def test_parts_carry_their_crc32_to_a_store_that_checks_and_a_damaged_part_is_re
         {"w": torch.arange(SINGLE_PUT_MAX // 4 + 10, dtype=torch.float32)}, folder / "m.safetensors"
     )
     os.utime(folder / "m.safetensors", (time.time() - 7200,) * 2)
+    os.utime(folder, (time.time() - 7200,) * 2)  # a plain save: settled, not being written
     s3_server.corrupt = lambda r: r.method == "PUT" and "partNumber=2&" in r.query + "&"
     first = sync(str(tmp_path / "run"), f"s3://{BUCKET}/big/")
     assert first.failed and not first.transferred
     client = boto3.client("s3", endpoint_url=s3_server.endpoint)
     assert not client.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
-    assert not list_keys(s3_server.endpoint, BUCKET, "big/")
+    # nothing of the checkpoint: only sync's record of the destination
+    assert list_keys(s3_server.endpoint, BUCKET, "big/") == ["big/.ckpt-sync.json"]
     s3_server.corrupt = None
     s3_server.requests.clear()
     again = sync(str(tmp_path / "run"), f"s3://{BUCKET}/big/")
@@ -947,3 +955,57 @@ def test_a_manifest_damaged_on_the_way_is_caught_and_not_left_behind(
     assert again.transferred == ["checkpoint-100"] and not again.failed, again.failed
     checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-100", "--checksums", "--json")
     assert checked.exit_code == 0, checked.stdout
+
+
+def test_a_save_whose_upload_was_cut_is_never_the_buckets_latest(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A run of plain `ck-N/` saves (no commit marker of their own) synced, the sync killed
+    while ck-2's optimizer file is on its way: ck-2's weights are in the bucket, its optimizer
+    and its manifest are not. `latest` of the bucket, a pull and a prune there all read it as
+    a save whose upload has not finished, since sync leaves a record at the destination's root
+    (`.ckpt-sync.json`) that a save is whole once its manifest is there. The bucket's latest
+    used to be ck-2, and a pull resumed training from a save without optimizer state."""
+    from .run_fixtures import age, weights
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    run = tmp_path / "run"
+    for step in (1, 2):
+        (run / f"ck-{step}").mkdir(parents=True)
+        torch.save(weights(step), run / f"ck-{step}" / "model.pt")
+        torch.save({"step": step}, run / f"ck-{step}" / "optim.pt")
+    age(run)
+    target = "/ck-2/optim.pt"
+    s3_server.hold = lambda r: r.method == "PUT" and r.path.endswith(target)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "sync", str(run), f"s3://{BUCKET}/run/", "--jobs", "1"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not any(r.path.endswith(target) for r in s3_server.requests):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    s3_server.hold = None
+    s3_server.release.set()
+    s3_server.wait_idle()
+    keys = set(list_keys(s3_server.endpoint, BUCKET, "run/"))
+    assert "run/ck-2/model.pt" in keys and "run/ck-2/ckpt-manifest.json" not in keys
+    assert "run/ck-1/ckpt-manifest.json" in keys
+    rows = run_ckpt("latest", f"s3://{BUCKET}/run", "--settle", "0", "--json").json["result"]
+    by_name = {c["name"]: c for c in rows["checkpoints"]}
+    assert by_name["ck-2"]["status"] == "incomplete"
+    assert "ckpt-manifest.json" in by_name["ck-2"]["reason"]
+    assert rows["latest"] == f"s3://{BUCKET}/run/ck-1"
+    pulled = tmp_path / "pulled"
+    down = run_ckpt("sync", f"s3://{BUCKET}/run/", pulled, "--latest", "--json")
+    assert down.exit_code == 0, down.stdout
+    assert sorted(p.name for p in pulled.iterdir()) == ["ck-1"]
+    assert not (pulled / ".ckpt-sync.json").exists()  # the record stays at the destination
+    # the next sync finishes ck-2, which is then the bucket's latest
+    assert run_ckpt("sync", run, f"s3://{BUCKET}/run/").exit_code == 0
+    assert run_ckpt("latest", f"s3://{BUCKET}/run").stdout.strip() == f"s3://{BUCKET}/run/ck-2"

@@ -12,8 +12,6 @@ from ...models import Record
 PARITY_VERSION = 1
 #: the parity manifest; its `.index.json` suffix makes object-store uploads publish it last
 MANIFEST_NAME = "parity.index.json"
-#: the checksum manifest of `ckpt verify --write-manifest` is not protected (it is rewritten)
-CHECKSUM_MANIFEST = "ckpt-manifest.json"
 DEFAULT_PARITY = 2
 DEFAULT_BLOCK_SIZE = 1 << 20
 #: most data columns per stripe: repair of one block reads this many

@@ -19,6 +19,7 @@ from ...dist.command import active
 from ...errors import FormatError, NotFoundError, UsageError
 from ...formats import resolve_source
 from ...formats.base import Source
+from ...sources.runs.records import CHECKSUM_MANIFEST
 from ...storage import (
     PARITY_DIR,
     Storage,
@@ -29,7 +30,6 @@ from ...storage.output import TMP_MARKER, Destination
 from .layout import plan_layout, small_block
 from .model import (
     BLOCK_ALIGN,
-    CHECKSUM_MANIFEST,
     CODEC,
     MANIFEST_NAME,
     MAX_PARITY,

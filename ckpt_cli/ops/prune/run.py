@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ...errors import CkptError, NotFoundError, UsageError
 from ...sources.runs import DELETING, is_remote, scan_run
+from ...sources.runs.records import CHECKSUM_MANIFEST
 from ...storage import PARITY_DIR
 from ...storage.output import TMP_MARKER, fsync_dir
 from ...storage.uri import is_hub_url
@@ -101,7 +102,7 @@ def apply(run_dir: Path, decisions: list[PruneDecision], settle: float) -> None:
 
 
 #: objects of a remote checkpoint deleted first: with them gone it no longer looks complete
-_REMOTE_MARKERS = ("ckpt-manifest.json", "trainer_state.json")
+_REMOTE_MARKERS = (CHECKSUM_MANIFEST, "trainer_state.json")
 
 
 def apply_remote(run_url: str, decisions: list[PruneDecision]) -> None:

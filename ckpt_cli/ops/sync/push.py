@@ -15,6 +15,7 @@ from typing import Any
 from ... import __version__
 from ...errors import CkptError, FormatError, NotFoundError, UsageError
 from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, RunReport, scan_run
+from ...sources.runs.records import CHECKSUM_MANIFEST, SYNC_RECORD
 from ...storage import remote_failure
 from ...storage.hashing import hasher_factory
 from ...storage.object_upload import ObjectUploader, multipart_etag
@@ -436,6 +437,15 @@ class _Uploader:
                 fix="Run the sync again; the object is re-sent.",
             )
 
+    def mark_destination(self) -> None:
+        """Leave sync's record at the destination's root (`SYNC_RECORD`), once, before the
+        first upload: from then on whoever judges the destination (`latest`, a pull, a
+        prune) reads a save without its manifest as an upload that has not finished, even a
+        save of a layout with no commit marker of its own."""
+        if SYNC_RECORD not in self.listing():
+            self._put(SYNC_RECORD, _SYNC_RECORD_TEXT)
+            self.listing()[SYNC_RECORD] = {"size": len(_SYNC_RECORD_TEXT)}
+
     def copy_root_files(self, names: list[str]) -> None:
         """The DeepSpeed `latest` pointer and `metrics.jsonl`, after the checkpoints."""
         for name in names:
@@ -446,6 +456,20 @@ class _Uploader:
                 if existing is not None and remote_etag(existing) == self._put_etag(data):
                     continue
                 self._put(name, data)
+
+
+#: what `SYNC_RECORD` says, for whoever finds it in a bucket
+_SYNC_RECORD_TEXT = (
+    json.dumps(
+        {
+            "written_by": "ckpt sync",
+            "rule": f"a checkpoint here is whole once its {CHECKSUM_MANIFEST} is there; "
+            "sync uploads it after the checkpoint's files",
+        },
+        indent=2,
+    )
+    + "\n"
+).encode()
 
 
 def sync_up(
@@ -520,7 +544,7 @@ def _latest_held(uploader: _Uploader, run: RunReport, report: SyncReport) -> str
     if rel == newest.path:
         return None
     later: set[str] = set()
-    known = {*ROOT_FILES, CHECKSUM_PROBE}
+    known = {*ROOT_FILES, CHECKSUM_PROBE, SYNC_RECORD}
     for c in run.checkpoints:
         names = {*local_files(root, c), manifest_rel_path(c, Path(c.path).is_dir())}
         known |= names
@@ -556,6 +580,7 @@ def _upload_round(
                 continue
             done.append(plan)
             if isinstance(plan, _Plan):
+                uploader.mark_destination()
                 waiting[c.name] = [
                     pool.submit(uploader.send, plan, rel) for rel in uploader.data_files(plan)
                 ]

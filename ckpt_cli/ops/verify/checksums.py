@@ -25,6 +25,7 @@ from ...formats import resolve_source
 from ...formats.base import Source
 from ...models import Problem, Record
 from ...progress import Progress
+from ...sources.runs.records import CHECKSUM_MANIFEST
 from ...storage import LocalStorage, RemoteFile, hf_cache_repo
 from ...storage.hashing import ALGORITHMS, Hashable, StoredFile, hash_files
 from ...storage.output import (
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from .run import VerifyReport
 
 #: default manifest file name, inside a checkpoint folder (or beside a single-file checkpoint)
-MANIFEST_NAME = "ckpt-manifest.json"
+MANIFEST_NAME = CHECKSUM_MANIFEST
 MANIFEST_VERSION = 1
 
 

@@ -22,7 +22,9 @@ on top: a Trainer folder needs a whole `trainer_state.json` (recent transformers
 last), a DeepSpeed `global_stepN/` newer than the step the `latest` file names is unfinished
 (DeepSpeed writes `latest` after every rank is done), and accelerate and plain folders, which
 have no marker at all, are incomplete when they lack a digit-free file (`optimizer.bin`) that
-at least two other saves of the run all have. Staging folders of interrupted saves are never
+at least two other saves of the run all have; a `step-N/` folder of such files (not a DCP) is a
+plain save. In a `ckpt sync` destination (its root holds `.ckpt-sync.json`) a save is whole
+once its `ckpt-manifest.json` is there, which sync uploads after the save's files. Staging folders of interrupted saves are never
 complete: ckpt's own `.NAME.ckpt-tmp-*` (see `output.py`; `prune` also renames what it deletes
 to such a name first), the Trainer's `tmp-checkpoint-N`, and `NAME.tmp` / `.partial` /
 `.incomplete`. A torch.save file is judged by its zip structure (torch.save writes the zip's

@@ -27,6 +27,7 @@ from ...storage.uri import parse_location
 from ...storage.view import FolderView
 from .naming import UNMARKED, deepspeed_tag, lightning_metrics, part_names
 from .records import (
+    CHECKSUM_MANIFEST,
     DELETING,
     METRICS_FILE,
     RUN_SLIM_RECORD,
@@ -83,6 +84,11 @@ def judge_found(
     problem, entry.formats = _judge_components(run.storage, item, files)
     if problem is None and item.layout == "hf-trainer" and item.is_dir:
         problem = _trainer_state_problem(run.storage, primary, files)
+    if problem is None and run.upload_unfinished(item):
+        problem = (
+            f"no {CHECKSUM_MANIFEST} yet: `ckpt sync` uploads it after the save's files, so "
+            "this upload has not finished (interrupted?)"
+        )
     entry.slim = _is_slim(run, item, files)
     if entry.slim:
         entry.markers.append("weights-only")

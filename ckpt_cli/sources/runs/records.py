@@ -20,6 +20,12 @@ METRICS_FILE = "metrics.jsonl"
 SLIM_RECORD = "ckpt-slim.json"
 #: the run folder's record of slimmed single-file checkpoints (name -> size, mtime_ns...)
 RUN_SLIM_RECORD = ".ckpt-slim.json"
+#: ckpt's checksum manifest of a checkpoint: inside its folder, or `NAME.ckpt-manifest.json`
+#: beside a single file (`verify --checksums`, `sync`)
+CHECKSUM_MANIFEST = "ckpt-manifest.json"
+#: left by `sync` at the root of its destination: there, each save's manifest goes up after
+#: its files, so a save without one is an upload that has not finished
+SYNC_RECORD = ".ckpt-sync.json"
 
 Status = Literal["complete", "incomplete", "interrupted", "writing"]
 

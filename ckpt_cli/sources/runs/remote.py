@@ -17,7 +17,7 @@ from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA, INDEX_SUFFIX
 from ...storage import Storage
 from .naming import SUBFOLDERS, collect
-from .records import Found
+from .records import CHECKSUM_MANIFEST, SYNC_RECORD, Found
 from .scan import RunListing
 
 
@@ -93,6 +93,15 @@ class RemoteListing(RunListing):
 
     def entry_time(self, item: Found) -> float:
         return self.times(item)[0]
+
+    def upload_unfinished(self, item: Found) -> bool:
+        if SYNC_RECORD not in self.listed:
+            return False
+        primary = item.rels[0]
+        manifest = (
+            f"{primary}/{CHECKSUM_MANIFEST}" if item.is_dir else f"{primary}.{CHECKSUM_MANIFEST}"
+        )
+        return manifest not in self.listed
 
     def root_files(self, items: list[Found]) -> list[str]:
         claimed = {rel for i in items for rel in i.rels}
