@@ -55,6 +55,9 @@ def test_zero_weights_are_rebuilt_bit_exact(zero_runs: Path, stage: int, tmp_pat
     assert training["weights"]["tensors"] == len(expected) == 5
     assert training["weights"]["parameters"] == sum(t.numel() for t in expected.values()) == 360
     assert "rebuilt from 2 ZeRO" in training["components"]["model"]
+    # the parameters are the rebuilt weights', not those plus the bf16 module's copy of them
+    assert report["parameters"] == 360
+    assert "model_states" in report["state_elements"]
 
     out = tmp_path / "weights.safetensors"
     result = run_ckpt("convert", run, out, "--to", "safetensors", "--select", "model")

@@ -264,9 +264,11 @@ def test_lightning_ckpt(tmp_path: Path) -> None:
         "lr_schedulers": [sched.state_dict()],
     }
     torch.save(ckpt, tmp_path / "epoch=2-step=30.ckpt")
-    training = run_ckpt("inspect", tmp_path / "epoch=2-step=30.ckpt", "--json").json["result"][
-        "training"
-    ]
+    report = run_ckpt("inspect", tmp_path / "epoch=2-step=30.ckpt", "--json").json["result"]
+    # the weights under `state_dict.` are the parameters, Adam's moments (and steps) state
+    assert report["parameters"] == 10
+    assert report["state_elements"] == {"optimizer": 2 * 10 + 2}
+    training = report["training"]
     assert training["layout"] == "lightning"
     assert training["step"] == 30 and training["epoch"] == 2.0
     assert training["weights"]["tensors"] == 2

@@ -243,15 +243,26 @@ def _could_be_run(src: str) -> bool:
     return False
 
 
+#: the components that hold a model's weights: `model`, `model_1`... (several prepared models),
+#: `model_rank0` (a rank's FSDP part); not DeepSpeed's `model_states` (its bf16 module copy)
+_MODEL_COMPONENT = re.compile(r"model(_\d+)?(_rank\d+)?")
+
+
 def _split_parameters(view: Manifest, training: TrainingState | None) -> tuple[int, dict[str, int]]:
     """(model parameters, floating elements of every other component) of a checkpoint.
 
-    In a training folder entries are named `<component>.<key>`; the `model*` components are
-    the parameters, everything else (optimizer moments, RNG, ...) is state of its own.
+    In a training folder entries are named `<component>.<key>`; the model components are
+    the parameters, everything else (optimizer moments, RNG, ...) is state of its own. An
+    entry under no component is placed by the layout's prefixes (`state_dict.` is a Lightning
+    file's model, `optimizer_states.0.` its optimizer).
     """
     total = view.parameters()
     if training is None or not training.components:
         return total, {}
+    by_prefix = sorted(
+        ((prefix, role) for role, prefix in training.prefixes.items() if prefix),
+        key=lambda pair: -len(pair[0]),
+    )
     # a component whose names carry no prefix (a lone optimizer file, torchtitan's model
     # FQNs) holds every entry no other component claims
     whole = next((c for c, prefix in training.prefixes.items() if not prefix), "other")
@@ -259,13 +270,14 @@ def _split_parameters(view: Manifest, training: TrainingState | None) -> tuple[i
     for e in view.entries:
         if e.kind == "tensor" and e.dtype in FLOATING:
             component = e.name.split(".", 1)[0]
-            key = component if component in training.components else whole
-            per[key] = per.get(key, 0) + e.numel
-    model = sum(n for k, n in per.items() if k.startswith("model"))
+            if component not in training.components:
+                component = next((r for p, r in by_prefix if e.name.startswith(p)), whole)
+            per[component] = per.get(component, 0) + e.numel
+    model = sum(n for k, n in per.items() if _MODEL_COMPONENT.fullmatch(k))
     if not model and "weights" not in training.missing:
         return total, {}  # a layout whose weights are not under `model*`: all of it is model
     # no weights at all (deleted, cut short): 0 parameters, never the optimizer's moments
-    return model, {k: n for k, n in per.items() if not k.startswith("model") and n}
+    return model, {k: n for k, n in per.items() if not _MODEL_COMPONENT.fullmatch(k) and n}
 
 
 def quantization_of(manifest: Manifest, storage: Storage) -> QuantSummary | None:
