@@ -101,6 +101,31 @@ def test_a_missing_rank_partition_fails_plain_verify(zero_runs: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+def test_a_save_that_lost_a_rank_partition_is_never_the_latest_nor_kept_by_prune(
+    zero_runs: Path, tmp_path: Path, stage: int
+) -> None:
+    """The newest `global_stepN/` lost rank 1's optimizer partition (a node's disk), though
+    `latest` names it: every file left passes its own check, but the save cannot be resumed.
+    `ckpt latest` used to name it and `prune --keep-last 1 --yes` deleted the only whole save."""
+    from .run_fixtures import age
+
+    run = shutil.copytree(zero_runs / f"zero{stage}", tmp_path / "run")
+    saved = next(run.glob("global_step*"))
+    newest = shutil.copytree(saved, run / "global_step4")
+    (run / "latest").write_text("global_step4")
+    lost = next(newest.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    lost.unlink()
+    age(run)
+    rows = run_ckpt("latest", run, "--json").json["result"]
+    by_name = {c["name"]: c for c in rows["checkpoints"]}
+    assert by_name["global_step4"]["status"] == "incomplete"
+    assert lost.name in by_name["global_step4"]["reason"]
+    assert rows["latest"] == str(saved)
+    assert run_ckpt("prune", run, "--keep-last", "1", "--yes").exit_code == 0
+    assert saved.is_dir() and run_ckpt("verify", saved).exit_code == 0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
 def test_whole_folder_converts_to_dcp_and_torch_identically(
     zero_runs: Path, stage: int, tmp_path: Path
 ) -> None:

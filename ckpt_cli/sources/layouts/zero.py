@@ -209,6 +209,61 @@ class ZeroLayout:
     padding: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
+def _expected_partitions(
+    model: Checkpoint, base: str, files: set[str]
+) -> tuple[int, int | None, int, list[str]] | None:
+    """(stage, dp_world_size, mp_world_size, the files every rank's partition needs) of the
+    ZeRO save in tag folder `base` whose (rank 0) model states are `model`, among `files`
+    (paths of the run or tag folder); None for ZeRO stage 0. Without a recorded
+    dp_world_size only the ranks present are expected."""
+    stage_cfg = _leaf(model, "ds_config", "zero_optimization", "stage")
+    present_optim = {r for r in files if r.startswith(base) and _OPTIM.fullmatch(r)}
+    present_model3 = {r for r in files if r.startswith(base) and _MODEL3.fullmatch(r)}
+    stage: int | None = None
+    if present_model3:
+        stage = 3
+    elif isinstance(stage_cfg, int) and not isinstance(stage_cfg, bool):
+        stage = stage_cfg
+    elif present_optim:
+        stage = 2
+    if not stage:
+        return None
+    dp = _leaf(model, "dp_world_size")
+    mp = _leaf(model, "mp_world_size")
+    dp = dp if isinstance(dp, int) and dp > 0 else None
+    mp = mp if isinstance(mp, int) and mp > 0 else 1
+    if dp is None:
+        found = (
+            _OPTIM.fullmatch(r) or _MODEL3.fullmatch(r) for r in present_optim | present_model3
+        )
+        ranks = sorted({int(m.group(1)) for m in found if m})
+    else:
+        ranks = list(range(dp))
+    # the bf16 optimizer names its files `bf16_zero_pp_rank_...`
+    bf16 = any(r[len(base) :].startswith("bf16_") for r in present_optim)
+    if not present_optim:
+        bf16 = _leaf(model, "ds_config", "bf16", "enabled") is True
+    prefix = "bf16_" if bf16 else ""
+    expected: list[str] = []
+    for r in ranks:
+        for t in range(mp):
+            expected.append(f"{base}{prefix}zero_pp_rank_{r}_mp_rank_{t:02d}_optim_states.pt")
+            if stage == 3:
+                expected.append(f"{base}zero_pp_rank_{r}_mp_rank_{t:02d}_model_states.pt")
+    if stage != 3:
+        expected += [f"{base}mp_rank_{t:02d}_model_states.pt" for t in range(mp)]
+    return stage, dp, mp, expected
+
+
+def missing_partitions(model: Checkpoint, base: str, files: set[str]) -> list[str]:
+    """The partition files of the ZeRO save in tag folder `base` that are not among `files`
+    (paths of the run folder), from its rank-0 model states `model` (dp_world_size,
+    mp_world_size, the stage): what `ckpt latest` checks before calling a DeepSpeed save
+    complete, `verify`'s `missing_partition` without the rebuild."""
+    plan = _expected_partitions(model, base, files)
+    return [] if plan is None else [rel for rel in plan[3] if rel not in files]
+
+
 def zero_partitions(
     source: Source,
     base: str,
@@ -243,27 +298,15 @@ def zero_partitions(
     if model is None:
         return None
     files = set(source.files)
-    stage_cfg = _leaf(model, "ds_config", "zero_optimization", "stage")
-    present_optim = {r for r in files if r.startswith(base) and _OPTIM.fullmatch(r)}
-    stage: int | None = None
-    if model3 or any(_MODEL3.fullmatch(r) for r in files if r.startswith(base)):
-        stage = 3
-    elif isinstance(stage_cfg, int) and not isinstance(stage_cfg, bool):
-        stage = stage_cfg
-    elif present_optim:
-        stage = 2
-    if not stage:
+    plan = _expected_partitions(model, base, files)
+    if plan is None:
         return None  # ZeRO stage 0: the optimizer lives in the model states
-    dp = _leaf(model, "dp_world_size")
-    mp = _leaf(model, "mp_world_size")
-    dp = dp if isinstance(dp, int) and dp > 0 else None
-    mp = mp if isinstance(mp, int) and mp > 0 else 1
+    stage, dp, mp, expected = plan
     where = source.storage.describe(base.rstrip("/") or ".")
     model_file = next(
         (rel for comp, (rel, _) in parts.items() if components.get(comp) is model), "model states"
     )
     problems: list[Problem] = []
-    expected: list[str] = []
     if dp is None:
         problems.append(
             Problem(
@@ -277,18 +320,6 @@ def zero_partitions(
         ranks = sorted({r for r, _ in optim} | {r for r, _ in model3})
     else:
         ranks = list(range(dp))
-    # the bf16 optimizer names its files `bf16_zero_pp_rank_...`
-    bf16 = any(r[len(base) :].startswith("bf16_") for r in present_optim)
-    if not present_optim:
-        bf16 = _leaf(model, "ds_config", "bf16", "enabled") is True
-    prefix = "bf16_" if bf16 else ""
-    for r in ranks:
-        for t in range(mp):
-            expected.append(f"{base}{prefix}zero_pp_rank_{r}_mp_rank_{t:02d}_optim_states.pt")
-            if stage == 3:
-                expected.append(f"{base}zero_pp_rank_{r}_mp_rank_{t:02d}_model_states.pt")
-    if stage != 3:
-        expected += [f"{base}mp_rank_{t:02d}_model_states.pt" for t in range(mp)]
     for rel in expected:
         if rel in files:
             continue

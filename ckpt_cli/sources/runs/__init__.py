@@ -20,7 +20,8 @@ no tensor data): each DCP folder has its `.metadata`, each safetensors index nam
 that exist with valid headers, each safetensors / torch.save file is whole. Layout rules come
 on top: a Trainer folder needs a whole `trainer_state.json` (recent transformers write it
 last), a DeepSpeed `global_stepN/` newer than the step the `latest` file names is unfinished
-(DeepSpeed writes `latest` after every rank is done), and accelerate and plain folders, which
+(DeepSpeed writes `latest` after every rank is done) and one missing a rank's ZeRO partition
+(per the `dp_world_size` its model states record) incomplete, and accelerate and plain folders, which
 have no marker at all, are incomplete when they lack a digit-free file (`optimizer.bin`) that
 at least two other saves of the run all have; a `step-N/` folder of such files (not a DCP) is a
 plain save. In a `ckpt sync` destination (its root holds `.ckpt-sync.json`) a save is whole

@@ -84,6 +84,8 @@ def judge_found(
     problem, entry.formats = _judge_components(run.storage, item, files)
     if problem is None and item.layout == "hf-trainer" and item.is_dir:
         problem = _trainer_state_problem(run.storage, primary, files)
+    if problem is None and item.layout == "deepspeed" and item.is_dir:
+        problem = _zero_partition_problem(run.storage, primary, files)
     if problem is None and run.upload_unfinished(item):
         problem = (
             f"no {CHECKSUM_MANIFEST} yet: `ckpt sync` uploads it after the save's files, so "
@@ -345,6 +347,42 @@ def _trainer_state_problem(storage: Storage, folder: str, files: Mapping[str, in
     except (ValueError, OSError, RecursionError, CkptError) as exc:
         return f"{inside.describe('trainer_state.json')}: not valid JSON, cut short? ({exc})"
     return None
+
+
+def _zero_partition_problem(storage: Storage, folder: str, files: Mapping[str, int]) -> str | None:
+    """A ZeRO partition missing from a DeepSpeed tag folder: every data-parallel rank's
+    optimizer file (and at ZeRO-3 its model states), as many as the rank-0 model states record
+    (`dp_world_size`). Each file alone passes its structural check; a save that lost a rank's
+    partition (a node's disk) cannot be resumed nor its weights rebuilt."""
+    from ...formats import get_format
+    from ..layouts.zero import missing_partitions
+
+    model = next(
+        (
+            rel
+            for rel in (
+                f"{folder}/mp_rank_00_model_states.pt",
+                f"{folder}/zero_pp_rank_0_mp_rank_00_model_states.pt",
+            )
+            if rel in files
+        ),
+        None,
+    )
+    if model is None:
+        return None  # no model states: the component checks said what is wrong
+    try:
+        with get_format("torch").open(_component_source(storage, model, False, files)) as opened:
+            missing = missing_partitions(opened, f"{folder}/", set(files))
+    except CkptError as error:
+        return f"{model.rsplit('/', 1)[-1]}: {error.problem}"
+    if not missing:
+        return None
+    names = ", ".join(rel[len(folder) + 1 :] for rel in missing[:3])
+    more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+    return (
+        f"lacks {names}{more}: every data-parallel rank's ZeRO partition is needed to resume "
+        "or rebuild the weights"
+    )
 
 
 def with_status(entry: RunCheckpoint, status: Status, reason: str) -> RunCheckpoint:
