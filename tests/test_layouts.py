@@ -110,6 +110,14 @@ def test_optimizer_of_another_model_is_a_shape_mismatch(trainer_run: Path, tmp_p
     torch.save(opt.state_dict(), folder / "optimizer.pt")
     problems = training_checks(open_source(str(folder)))
     assert problems and all(p.code == "optimizer_shape_mismatch" for p in problems)
+    # and the verdict says so: not "resumable: yes" above the errors that say it is not
+    result = run_ckpt("verify", "--resumable", folder, "--json")
+    assert result.exit_code == 1
+    training = result.json["result"]["training"]
+    assert training["resumable"] is False
+    assert "optimizer state that fits the weights" in training["missing"]
+    text = run_ckpt("verify", "--resumable", folder).stdout
+    assert "resumable: no (missing: optimizer state that fits the weights)" in text
 
 
 def test_hostile_files_in_a_trainer_folder_are_listed_not_run(

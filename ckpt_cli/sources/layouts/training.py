@@ -506,7 +506,13 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
                 file=where,
             )
         )
-    problems.extend(shape_problems(opened))
+    misfits = shape_problems(opened)
+    if misfits and state.resumable:
+        # the verdict `inspect` gives reads what is present; optimizer state that fits no
+        # weight restores nothing for them, so the resume `verify --resumable` judges fails
+        state.missing.append("optimizer state that fits the weights")
+        state.resumable = state.exact = False
+    problems.extend(misfits)
     return problems
 
 
