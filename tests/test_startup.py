@@ -115,9 +115,8 @@ def test_inspect_of_a_plain_model_imports_no_training_layout_run_scanner_or_othe
 #: `ckpt ARGS` through the console entry point; on stderr, as its last line, what stayed out
 PROBE = (
     "import json, os, sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
-    "from ckpt_cli.__main__ import entry\n"
-    "code = 0\n"
-    "try:\n    entry()\nexcept SystemExit as exit:\n    code = exit.code or 0\n"
+    "from ckpt_cli.__main__ import run\n"
+    "code = run()\n"
     "from ckpt_cli.models import Record\n"
     "def every(cls):\n"
     "    for sub in cls.__subclasses__():\n"
@@ -267,8 +266,8 @@ GC_PROBE = (
     "        if name in ('typer', 'pydantic'):\n"
     "            on[name] = gc.isenabled()\n"
     "sys.meta_path.insert(0, Seen())\n"
-    "from ckpt_cli.__main__ import entry\n"
-    "try:\n    entry()\nexcept SystemExit:\n    pass\n"
+    "from ckpt_cli.__main__ import run\n"
+    "run()\n"
     "print(json.dumps({'on at import': on, 'on at exit': gc.isenabled(),\n"
     "    'frozen': gc.get_freeze_count()}), file=sys.stderr)"
 )
@@ -294,3 +293,35 @@ def test_start_up_runs_without_the_collector_and_the_work_with_it(model: Path) -
     assert seen["on at import"] == {"typer": False, "pydantic": False}
     # the command's work gets the collector back, with the start-up's objects frozen out of it
     assert seen["on at exit"] and seen["frozen"] > 10_000
+
+
+def test_the_console_script_leaves_without_the_interpreters_teardown(model: Path) -> None:
+    """Once a command is over, `ckpt` flushes what it printed and exits at once: the
+    interpreter's teardown (up to a second once torch is imported) is skipped, so no exit
+    handler runs, while the output and the exit status are the command's own."""
+    script = (
+        "import atexit, sys; sys.argv = ['ckpt'] + sys.argv[1:]\n"
+        "atexit.register(lambda: print('teardown ran', file=sys.stderr))\n"
+        "from ckpt_cli.__main__ import entry\n"
+        "entry()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", script, "inspect", str(model), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["result"]["tensors"] == 4
+    assert "teardown ran" not in done.stderr
+    failed = subprocess.run(
+        [sys.executable, "-c", script, "inspect", str(model / "nothing-here"), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert failed.returncode == 3 and json.loads(failed.stdout)["ok"] is False
+    assert "teardown ran" not in failed.stderr
