@@ -17,8 +17,8 @@ _ckpt() {
     diff) opts="--atol --rtol --rename --select --filter -k --filter-out --format-a --format-b --dequantize --ignore-dtype --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     doctor) opts="--before --after --expect --settle --json --quiet -q --verbose -v --help -h" ;;
     merge) opts="--force --json --quiet -q --verbose -v --help -h" ;;
-    protect) opts="--parity --block-size --whole-files --dry-run --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    repair) opts="--dry-run --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    protect) opts="--parity --block-size --whole-files --dry-run -n --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    repair) opts="--dry-run -n --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
   esac
   case "${COMP_WORDS[1]} $prev" in
     inspect\ --filter|inspect\ -k) COMPREPLY=(); return ;;

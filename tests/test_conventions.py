@@ -319,6 +319,19 @@ def test_no_short_flag_means_two_things() -> None:
     assert not double, f"short flags with two meanings: {double}"
 
 
+def test_every_command_that_can_plan_takes_n_for_its_dry_run() -> None:
+    """`-n/--dry-run` means "the plan, nothing written" wherever a command has a dry run
+    (protect and repair took only the long name)."""
+    planners = {
+        command.name: list(option.shorts)
+        for command in describe_app()
+        for option in command.options
+        if "--dry-run" in option.longs
+    }
+    assert {"convert", "reshard", "download", "prune", "protect", "repair"} <= set(planners)
+    assert all(shorts == ["-n"] for shorts in planners.values()), planners
+
+
 def test_every_command_has_quiet_and_verbose_and_real_metavars() -> None:
     for command in describe_app():
         longs = {n for o in command.options for n in o.longs}

@@ -288,6 +288,11 @@ def test_usage_errors(tmp_path: Path) -> None:
     assert both_local.exit_code == 2 and "local run folder" in both_local.stderr
     to_hub = run_ckpt("sync", tmp_path, "hf://org/run")
     assert to_hub.exit_code == 2 and "commit" in to_hub.stderr
+    # an empty policy names the options sync takes, not prune's --incomplete or slimming
+    no_policy = run_ckpt("sync", tmp_path, f"s3://{BUCKET}/run/", "--prune-remote")
+    assert no_policy.exit_code == 2, no_policy.stderr
+    assert "--keep-last N" in no_policy.stderr
+    assert "--incomplete" not in no_policy.stderr and "--slim" not in no_policy.stderr
 
 
 @pytest.mark.slow

@@ -55,7 +55,7 @@ def test_hub_options_fold_into_the_url(
 @pytest.mark.parametrize(
     ("text", "revision", "repo_type", "message"),
     [
-        ("./model", "v1", None, "--revision apply to a Hub location"),
+        ("./model", "v1", None, "--revision applies to a Hub location"),
         ("s3://b/run", "v1", "model", "--revision and --repo-type apply to a Hub location"),
         ("hf://org/model", None, "notebook", "is not a repository type"),
         ("hf://datasets/org/data", None, "space", "--repo-type space contradicts"),

@@ -86,11 +86,12 @@ def with_hub_options(text: str, revision: str | None, repo_type: str | None) -> 
     if revision is None and repo_type is None:
         return text
     if not is_hub_url(text):
-        used = " and ".join(
+        given = [
             o for o, v in (("--revision", revision), ("--repo-type", repo_type)) if v is not None
-        )
+        ]
+        verb = "apply" if len(given) > 1 else "applies"
         raise UsageError(
-            f"{used} apply to a Hub location, and {text!r} is not one",
+            f"{' and '.join(given)} {verb} to a Hub location, and {text!r} is not one",
             fix="Write SRC as hf://org/repo, or leave the option out.",
         )
     if repo_type is not None and repo_type not in _HF_TYPES.values():

@@ -54,7 +54,7 @@ def protect(
     dry_run: Annotated[
         bool,
         typer.Option(
-            "--dry-run", help="Say what the parity would cost and survive; write nothing."
+            "--dry-run", "-n", help="Say what the parity would cost and survive; write nothing."
         ),
     ] = False,
     force: ForceOpt = False,

@@ -20,7 +20,7 @@ def repair(
     src: SrcArg,
     dry_run: Annotated[
         bool,
-        typer.Option("--dry-run", help="Check every block and say what would be rebuilt."),
+        typer.Option("--dry-run", "-n", help="Check every block and say what would be rebuilt."),
     ] = False,
     json_output: JsonOpt = False,
 ) -> None:

@@ -160,11 +160,11 @@ def sync(
         )
 
     def action() -> SyncReport:
-        from ...ops.prune.retention import validate_policy
+        from ...ops.prune.retention import RETENTION_OPTIONS, validate_policy
 
         chosen = policy()
         if chosen is not None:
-            validate_policy(chosen)
+            validate_policy(chosen, RETENTION_OPTIONS)
         request = SyncRequest(
             latest_only=latest,
             settle=settle,

@@ -170,8 +170,21 @@ class WatchReport(Record):
     stopped: Literal["max-iterations", "interrupted"] = "interrupted"
 
 
-def validate_policy(policy: PrunePolicy) -> None:
-    """Refuse a policy that would change nothing, or whose options contradict (UsageError).
+#: the retention options every command that prunes takes (`prune`, `sync --prune-remote`)
+RETENTION_OPTIONS = (
+    "--keep-last N",
+    "--keep-every K",
+    "--keep-best METRIC",
+    "--keep-within 2d",
+    "--keep-every-duration 6h",
+)
+#: the policy options of `ckpt prune`: the retention ones, slimming and the incomplete saves
+PRUNE_OPTIONS = (*RETENTION_OPTIONS, "--slim-older-than N", "--incomplete")
+
+
+def validate_policy(policy: PrunePolicy, offered: tuple[str, ...] = PRUNE_OPTIONS) -> None:
+    """Refuse a policy that would change nothing, or whose options contradict (UsageError);
+    the refusal of an empty one names the `offered` options (those of the command asking).
 
     Slimming is a policy of its own: `--slim-older-than N` alone keeps every checkpoint and
     slims the older ones.
@@ -179,8 +192,7 @@ def validate_policy(policy: PrunePolicy) -> None:
     if not (policy.retains or policy.incomplete or policy.slim_older_than):
         raise UsageError(
             "no policy given: nothing would be deleted",
-            fix="Pass --keep-last N, --keep-every K, --keep-best METRIC, --keep-within 2d, "
-            "--keep-every-duration 6h, --slim-older-than N and/or --incomplete.",
+            fix=f"Pass {', '.join(offered[:-1])} and/or {offered[-1]}.",
         )
     for name, value in (
         ("--keep-last", policy.keep_last),
