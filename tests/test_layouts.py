@@ -533,6 +533,19 @@ def test_torchtitan_step_folder_from_dcp_save(tmp_path: Path, model_keys: str) -
     assert [(p.code, p.severity) for p in problems] == [("missing_rng", "warning")]
     exact = training_checks(open_source(str(tmp_path / "step-5")), exact=True)
     assert [(p.code, p.severity) for p in exact] == [("missing_rng", "error")]
+    # converted to one torch.save file (the data loader's BytesIO left out: ckpt never
+    # unpickles it), it is the same training state; it was "no model weights, not
+    # resumable" when the model's FQNs sit at the top level
+    whole = tmp_path / "step-5.pt"
+    converted = run_ckpt(
+        "convert", tmp_path / "step-5", whole, "--to", "torch", "--filter-out", "dataloader.*"
+    )
+    assert converted.exit_code == 0, converted.stderr
+    again = run_ckpt("inspect", whole, "--json").json["result"]
+    assert again["parameters"] == report["parameters"]
+    assert again["state_elements"] == report["state_elements"]
+    for key in ("layout", "step", "weights", "optimizer", "resumable", "missing", "exact"):
+        assert again["training"][key] == training[key], key
 
 
 def test_check_source_runs_every_component_check(trainer_run: Path, tmp_path: Path) -> None:

@@ -121,7 +121,9 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
     scheduler = _first(keys, _SCHEDULER_KEYS)
     step = _first(keys, _STEP_KEYS)
     folder = _folder_format(manifest)
-    is_titan = folder and "train_state" in keys
+    # torchtitan's save (a DCP folder), or one converted whole to a torch.save file: its
+    # `train_state` beside the model's FQNs, the optimizer, the scheduler...
+    is_titan = "train_state" in keys
     if keys.keys() == _OPTIMIZER_STATE_KEYS:
         return _optimizer_alone(checkpoint, "dcp" if folder else "torch-dict")
     if not (optimizer or scheduler or step or is_titan):
