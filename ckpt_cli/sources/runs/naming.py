@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from ...formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES
+from ...formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, holds_dcp
 from ...storage.output import TMP_MARKER
 from .records import SLIM_RECORD, Found
 
@@ -188,8 +188,6 @@ def collect(entries: Iterable[tuple[str, bool, Callable[[], bool]]]) -> list[Fou
 UNMARKED = ("accelerate", "plain")
 #: layouts named by a step folder whose saves are DCP folders (`.metadata` their commit marker)
 _DCP_STEP_LAYOUTS = ("torchtitan",)
-#: the files that make a folder a DCP save (or one cut short)
-_DCP_FILES = (".metadata", ".distcp")
 
 
 def by_content(item: Found, files: Iterable[str]) -> Found:
@@ -199,7 +197,7 @@ def by_content(item: Found, files: Iterable[str]) -> Found:
     are (compared with the other saves, given its settle time), never trusted as a DCP."""
     if item.layout not in _DCP_STEP_LAYOUTS or not item.is_dir or item.temporary:
         return item
-    if any(rel.endswith(_DCP_FILES) for rel in files):
+    if holds_dcp(files):
         return item
     return dataclasses.replace(item, layout="plain")
 
