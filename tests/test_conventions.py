@@ -332,6 +332,15 @@ def test_every_command_that_can_plan_takes_n_for_its_dry_run() -> None:
     assert all(shorts == ["-n"] for shorts in planners.values()), planners
 
 
+def test_a_negative_settle_time_is_a_usage_error_in_every_command(tmp_path: Path) -> None:
+    """`--settle -5` meant nothing (every save "settled") and was taken silently."""
+    for command in ("latest", "prune", "sync", "doctor"):
+        args = [command, tmp_path, *(["s3://bucket/run/"] if command == "sync" else [])]
+        refused = run_ckpt(*args, "--settle", "-5")
+        assert refused.exit_code == 2, (command, refused.stdout, refused.stderr)
+        assert "--settle" in refused.stderr, command
+
+
 def test_every_command_has_quiet_and_verbose_and_real_metavars() -> None:
     for command in describe_app():
         longs = {n for o in command.options for n in o.longs}
@@ -402,6 +411,16 @@ def test_a_bare_org_repo_that_is_no_path_gets_the_hf_hint(tmp_path: Path) -> Non
     result = run_ckpt_process("inspect", "someorg/somemodel", cwd=tmp_path)
     assert result.exit_code == 3
     assert "did you mean hf://someorg/somemodel?" in result.stderr.lower()
+    # a file missing from a local folder is no Hub repo: `verify --checksums` of a folder
+    # without its manifest said "did you mean hf://model/ckpt-manifest.json?"
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    (tmp_path / "model").mkdir()
+    save_file({"w": np.zeros(2, dtype=np.float32)}, str(tmp_path / "model" / "model.safetensors"))
+    missing = run_ckpt_process("verify", "model", "--checksums", cwd=tmp_path)
+    assert missing.exit_code == 3, missing.stderr
+    assert "ckpt-manifest.json" in missing.stderr and "hf://" not in missing.stderr
 
 
 def test_revision_on_a_local_path_is_refused(world: dict[str, Path]) -> None:

@@ -181,6 +181,8 @@ def hub_hint(text: str) -> str | None:
     if "://" in text or text.startswith(("/", ".", "~")) or os.path.exists(text):
         return None
     parts = text.split("@", 1)[0].split("/")
+    if os.path.exists(parts[0]):
+        return None  # a file missing from a local folder (`model/ckpt-manifest.json`)
     if len(parts) == 2 and all(re.fullmatch(r"[A-Za-z0-9][\w.-]*", p) for p in parts):
         return f"did you mean hf://{text}?"
     return None

@@ -46,6 +46,7 @@ def doctor(
         float,
         typer.Option(
             "--settle",
+            min=0,
             help="Seconds: an incomplete save modified more recently counts as still being written.",
         ),
     ] = 120.0,

@@ -28,6 +28,7 @@ def latest(
         float,
         typer.Option(
             "--settle",
+            min=0,
             help="Seconds: an incomplete save modified more recently counts as still being written.",
         ),
     ] = 120.0,

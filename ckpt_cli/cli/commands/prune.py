@@ -128,6 +128,7 @@ def prune(
         float,
         typer.Option(
             "--settle",
+            min=0,
             help="Seconds: a checkpoint with a file modified more recently is never touched.",
         ),
     ] = 120.0,

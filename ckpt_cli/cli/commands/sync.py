@@ -115,6 +115,7 @@ def sync(
         float,
         typer.Option(
             "--settle",
+            min=0,
             help="Seconds: saves of layouts without a commit marker wait this long unchanged.",
         ),
     ] = 120.0,
