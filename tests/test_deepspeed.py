@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .conftest import run_ckpt
+from .conftest import REPO, run_ckpt
 from .dist_helpers import run_torchrun
 
 pytest.importorskip(
@@ -121,6 +124,20 @@ def test_a_save_that_lost_a_rank_partition_is_never_the_latest_nor_kept_by_prune
     assert by_name["global_step4"]["status"] == "incomplete"
     assert lost.name in by_name["global_step4"]["reason"]
     assert rows["latest"] == str(saved)
+    # judged from the model states' pickle opcodes: `latest` still never imports torch
+    probe = (
+        "import sys; from ckpt_cli.sources.runs import scan_run\n"
+        f"report = scan_run({str(run)!r})\n"
+        "print(report.latest, 'torch' in sys.modules)"
+    )
+    seen = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        check=True,
+    )
+    assert seen.stdout.split() == [str(saved), "False"], seen.stderr
     assert run_ckpt("prune", run, "--keep-last", "1", "--yes").exit_code == 0
     assert saved.is_dir() and run_ckpt("verify", saved).exit_code == 0
 

@@ -133,3 +133,24 @@ def pickle_globals(data: bytes) -> list[str]:
         except (ValueError, EOFError) as exc:
             found.append(f"<not a valid pickle: {exc}>")
     return found
+
+
+_INTS = {"BININT", "BININT1", "BININT2", "LONG1", "INT", "LONG"}
+
+
+def keyed_ints(stream: bytes, keys: frozenset[str]) -> dict[str, int]:
+    """The int that follows each of `keys` where the pickle `stream` (a `data.pkl`) writes it as
+    a dict key and an int as its value, the first time: `dp_world_size` of a DeepSpeed model
+    states file, read by its opcodes alone (nothing built, torch not imported)."""
+    found: dict[str, int] = {}
+    key: str | None = None
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(stream)):
+            if op.name in _PUTS or op.name == "MEMOIZE":
+                continue  # the memo's record of the key: the value comes next
+            if key is not None and op.name in _INTS and isinstance(arg, int):
+                found.setdefault(key, arg)
+            key = arg if op.name in _STRINGS and arg in keys else None
+    except (ValueError, EOFError):
+        pass  # cut short: what was read before it stands
+    return found

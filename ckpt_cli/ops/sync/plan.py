@@ -11,9 +11,10 @@ from typing import Any
 from ...errors import FormatError, NotFoundError
 from ...formats.names import is_commit_marker
 from ...sources.runs import UNMARKED, RunCheckpoint
+from ...sources.runs.records import checksum_manifest_of
 from ...storage import Storage
 from ...storage.output import UPLOAD_BLOCK
-from ..verify.checksums import MANIFEST_NAME, ChecksumManifest
+from ..verify.checksums import ChecksumManifest
 
 #: files written after a checkpoint's data, in this order (the manifest always last)
 _LATE = ("trainer_state.json",)
@@ -44,7 +45,7 @@ def local_files(run_root: Path, c: RunCheckpoint) -> dict[str, Path]:
 
 def manifest_rel_path(c: RunCheckpoint, is_dir: bool) -> str:
     """Where a checkpoint's manifest lives, relative to the run folder."""
-    return f"{c.name}/{MANIFEST_NAME}" if is_dir else f"{c.name}.{MANIFEST_NAME}"
+    return checksum_manifest_of(c.name, is_dir)
 
 
 def uploaded_late(rel: str) -> bool:

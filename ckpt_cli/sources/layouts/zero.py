@@ -209,29 +209,40 @@ class ZeroLayout:
     padding: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
-def _expected_partitions(
-    model: Checkpoint, base: str, files: set[str]
+@dataclass(frozen=True)
+class SavedSizes:
+    """What a ZeRO save's rank-0 model states record of its layout: `dp_world_size`,
+    `mp_world_size`, `ds_config`'s ZeRO stage and bf16 switch (None where not recorded)."""
+
+    dp: int | None = None
+    mp: int | None = None
+    stage: int | None = None
+    bf16: bool | None = None
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def expected_partitions(
+    base: str, files: set[str], saved: SavedSizes
 ) -> tuple[int, int | None, int, list[str]] | None:
     """(stage, dp_world_size, mp_world_size, the files every rank's partition needs) of the
-    ZeRO save in tag folder `base` whose (rank 0) model states are `model`, among `files`
-    (paths of the run or tag folder); None for ZeRO stage 0. Without a recorded
+    ZeRO save in tag folder `base`, among `files` (paths of the run or tag folder), from what
+    its model states record (`saved`); None for ZeRO stage 0. Without a recorded
     dp_world_size only the ranks present are expected."""
-    stage_cfg = _leaf(model, "ds_config", "zero_optimization", "stage")
     present_optim = {r for r in files if r.startswith(base) and _OPTIM.fullmatch(r)}
     present_model3 = {r for r in files if r.startswith(base) and _MODEL3.fullmatch(r)}
     stage: int | None = None
     if present_model3:
         stage = 3
-    elif isinstance(stage_cfg, int) and not isinstance(stage_cfg, bool):
-        stage = stage_cfg
+    elif isinstance(saved.stage, int) and not isinstance(saved.stage, bool):
+        stage = saved.stage
     elif present_optim:
         stage = 2
     if not stage:
         return None
-    dp = _leaf(model, "dp_world_size")
-    mp = _leaf(model, "mp_world_size")
-    dp = dp if isinstance(dp, int) and dp > 0 else None
-    mp = mp if isinstance(mp, int) and mp > 0 else 1
+    dp, mp = _positive(saved.dp), _positive(saved.mp) or 1
     if dp is None:
         found = (
             _OPTIM.fullmatch(r) or _MODEL3.fullmatch(r) for r in present_optim | present_model3
@@ -242,7 +253,7 @@ def _expected_partitions(
     # the bf16 optimizer names its files `bf16_zero_pp_rank_...`
     bf16 = any(r[len(base) :].startswith("bf16_") for r in present_optim)
     if not present_optim:
-        bf16 = _leaf(model, "ds_config", "bf16", "enabled") is True
+        bf16 = saved.bf16 is True
     prefix = "bf16_" if bf16 else ""
     expected: list[str] = []
     for r in ranks:
@@ -255,13 +266,18 @@ def _expected_partitions(
     return stage, dp, mp, expected
 
 
-def missing_partitions(model: Checkpoint, base: str, files: set[str]) -> list[str]:
-    """The partition files of the ZeRO save in tag folder `base` that are not among `files`
-    (paths of the run folder), from its rank-0 model states `model` (dp_world_size,
-    mp_world_size, the stage): what `ckpt latest` checks before calling a DeepSpeed save
-    complete, `verify`'s `missing_partition` without the rebuild."""
-    plan = _expected_partitions(model, base, files)
-    return [] if plan is None else [rel for rel in plan[3] if rel not in files]
+#: the rank-0 model states of a ZeRO-1/2 save and of a ZeRO-3 one, in a tag folder
+RANK0_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+def _saved_sizes(model: Checkpoint) -> SavedSizes:
+    """`SavedSizes` of an opened model-states file."""
+    return SavedSizes(
+        dp=_leaf(model, "dp_world_size"),
+        mp=_leaf(model, "mp_world_size"),
+        stage=_leaf(model, "ds_config", "zero_optimization", "stage"),
+        bf16=_leaf(model, "ds_config", "bf16", "enabled"),
+    )
 
 
 def zero_partitions(
@@ -298,7 +314,7 @@ def zero_partitions(
     if model is None:
         return None
     files = set(source.files)
-    plan = _expected_partitions(model, base, files)
+    plan = expected_partitions(base, files, _saved_sizes(model))
     if plan is None:
         return None  # ZeRO stage 0: the optimizer lives in the model states
     stage, dp, mp, expected = plan

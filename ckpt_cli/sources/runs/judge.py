@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ...budgets import read_member
 from ...errors import CkptError, UsageError
 from ...formats.base import Source
 from ...formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
@@ -352,29 +353,25 @@ def _trainer_state_problem(storage: Storage, folder: str, files: Mapping[str, in
 def _zero_partition_problem(storage: Storage, folder: str, files: Mapping[str, int]) -> str | None:
     """A ZeRO partition missing from a DeepSpeed tag folder: every data-parallel rank's
     optimizer file (and at ZeRO-3 its model states), as many as the rank-0 model states record
-    (`dp_world_size`). Each file alone passes its structural check; a save that lost a rank's
-    partition (a node's disk) cannot be resumed nor its weights rebuilt."""
-    from ...formats import get_format
-    from ..layouts.zero import missing_partitions
+    (`dp_world_size`, read from its pickle's opcodes: nothing unpickled, no torch). Each file
+    alone passes its structural check; a save that lost a rank's partition (a node's disk)
+    cannot be resumed nor its weights rebuilt."""
+    from ...formats.torch.pickle_scan import MAX_SCAN_BYTES, keyed_ints
+    from ..layouts.zero import RANK0_MODEL_STATES, SavedSizes, expected_partitions
 
-    model = next(
-        (
-            rel
-            for rel in (
-                f"{folder}/mp_rank_00_model_states.pt",
-                f"{folder}/zero_pp_rank_0_mp_rank_00_model_states.pt",
-            )
-            if rel in files
-        ),
-        None,
-    )
+    model = next((f"{folder}/{n}" for n in RANK0_MODEL_STATES if f"{folder}/{n}" in files), None)
     if model is None:
         return None  # no model states: the component checks said what is wrong
     try:
-        with get_format("torch").open(_component_source(storage, model, False, files)) as opened:
-            missing = missing_partitions(opened, f"{folder}/", set(files))
-    except CkptError as error:
-        return f"{model.rsplit('/', 1)[-1]}: {error.problem}"
+        with zipfile.ZipFile(_TailFile(storage, model, storage.size(model))) as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+            data = read_member(archive, pickles[0], MAX_SCAN_BYTES, model) if pickles else b""
+    except (zipfile.BadZipFile, OSError, CkptError) as exc:
+        return f"{storage.describe(model)}: truncated or corrupt torch.save file ({exc})"
+    sizes = keyed_ints(data, frozenset({"dp_world_size", "mp_world_size"}))
+    saved = SavedSizes(dp=sizes.get("dp_world_size"), mp=sizes.get("mp_world_size"))
+    plan = expected_partitions(f"{folder}/", set(files), saved)
+    missing = [rel for rel in plan[3] if rel not in files] if plan else []
     if not missing:
         return None
     names = ", ".join(rel[len(folder) + 1 :] for rel in missing[:3])

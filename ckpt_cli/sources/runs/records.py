@@ -27,6 +27,13 @@ CHECKSUM_MANIFEST = "ckpt-manifest.json"
 #: its files, so a save without one is an upload that has not finished
 SYNC_RECORD = ".ckpt-sync.json"
 
+
+def checksum_manifest_of(name: str, is_dir: bool) -> str:
+    """Where the checksum manifest of checkpoint `name` (a path in its run folder) lives:
+    inside its folder, or beside a single file."""
+    return f"{name}/{CHECKSUM_MANIFEST}" if is_dir else f"{name}.{CHECKSUM_MANIFEST}"
+
+
 Status = Literal["complete", "incomplete", "interrupted", "writing"]
 
 

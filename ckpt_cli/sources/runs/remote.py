@@ -17,7 +17,7 @@ from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA, INDEX_SUFFIX
 from ...storage import Storage
 from .naming import SUBFOLDERS, collect
-from .records import CHECKSUM_MANIFEST, SYNC_RECORD, Found
+from .records import SYNC_RECORD, Found, checksum_manifest_of
 from .scan import RunListing
 
 
@@ -97,11 +97,7 @@ class RemoteListing(RunListing):
     def upload_unfinished(self, item: Found) -> bool:
         if SYNC_RECORD not in self.listed:
             return False
-        primary = item.rels[0]
-        manifest = (
-            f"{primary}/{CHECKSUM_MANIFEST}" if item.is_dir else f"{primary}.{CHECKSUM_MANIFEST}"
-        )
-        return manifest not in self.listed
+        return checksum_manifest_of(item.rels[0], item.is_dir) not in self.listed
 
     def root_files(self, items: list[Found]) -> list[str]:
         claimed = {rel for i in items for rel in i.rels}
