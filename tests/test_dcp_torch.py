@@ -579,6 +579,9 @@ def test_nested_dcp_converted_to_torch_nests_as_dcp_to_torch_save_does(tmp_path:
         warnings.simplefilter("ignore")
         dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "torch_own.pt"))
     want = torch.load(tmp_path / "torch_own.pt", weights_only=False)
+    # one difference, on purpose: the optimizer's parameter ids are ints, as the optimizer
+    # saved them (see the test below); torch's converter leaves them strings
+    want["optim"]["state"] = {int(key): value for key, value in want["optim"]["state"].items()}
     result = run_ckpt("convert", tmp_path / "dcp", tmp_path / "ours.pt", "--to", "torch")
     assert result.exit_code == 0, result.stderr
     got = torch.load(tmp_path / "ours.pt", weights_only=True)
@@ -586,6 +589,59 @@ def test_nested_dcp_converted_to_torch_nests_as_dcp_to_torch_save_does(tmp_path:
     model = torch.nn.Linear(4, 3)
     model.load_state_dict(got["model"])
     assert torch.equal(model.weight.detach(), state["model"]["weight"])
+
+
+def test_optimizer_saved_through_dcp_resumes_from_torch_save_with_its_state(
+    tmp_path: Path,
+) -> None:
+    """`dcp.save({"model": ..., "optim": optimizer.state_dict()})`, converted to torch.save
+    and loaded back with `optimizer.load_state_dict`, restores every moment and step. DCP
+    records the int parameter ids as strings; ckpt wrote them as strings too (as
+    `dcp_to_torch_save` does), and `load_state_dict` then took the dict without an error and
+    restored no state: the resumed run started AdamW from zero moments."""
+    state = training_state()
+    dcp_save(state, tmp_path / "dcp")
+    result = run_ckpt("convert", tmp_path / "dcp", tmp_path / "resume.pt", "--to", "torch")
+    assert result.exit_code == 0, result.stderr
+    saved = torch.load(tmp_path / "resume.pt", weights_only=True)
+
+    model = torch.nn.Linear(4, 3)
+    model.load_state_dict(saved["model"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    optimizer.load_state_dict(saved["optim"])
+    want = state["optim"]["state"]
+    for param_id, param in enumerate(model.parameters()):
+        restored = optimizer.state[param]
+        assert restored, f"no state restored for parameter {param_id}"
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(restored[key], want[param_id][key]), (param_id, key)
+
+    # the same through --select, the optimizer alone
+    result = run_ckpt(
+        "convert", tmp_path / "dcp", tmp_path / "optim.pt", "--to", "torch", "--select", "optim"
+    )
+    assert result.exit_code == 0, result.stderr
+    alone = torch.load(tmp_path / "optim.pt", weights_only=True)
+    assert sorted(alone["state"]) == [0, 1]
+
+
+def test_an_optimizer_keyed_by_parameter_names_keeps_its_names(tmp_path: Path) -> None:
+    """`get_optimizer_state_dict` keys the state by parameter name; a name that is all digits
+    (`nn.Sequential`'s "0.weight" is not, but a plain "0" key of a user's own dict is) only
+    becomes an int beside `param_groups`, under `state`."""
+    state = {
+        "optim": {
+            "state": {"layer.weight": {"exp_avg": torch.ones(2)}},
+            "param_groups": [{"lr": 0.1, "params": ["layer.weight"]}],
+        },
+        "counters": {"state": {"0": torch.zeros(1)}},
+    }
+    dcp_save(state, tmp_path / "dcp")
+    result = run_ckpt("convert", tmp_path / "dcp", tmp_path / "out.pt", "--to", "torch")
+    assert result.exit_code == 0, result.stderr
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert list(got["optim"]["state"]) == ["layer.weight"]
+    assert list(got["counters"]["state"]) == ["0"]
 
 
 def test_nested_torch_save_converted_to_dcp_keeps_lists_for_dcp_to_torch_save(

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ...errors import FormatError, NotFoundError
-from ...models import Entry, FileInfo, KeyedEntry, Manifest, Problem
+from ...models import Entry, FileInfo, KeyedEntry, KeyStep, Manifest, Problem
 from ..base import Format, Source, WriteOptions
 from ..details import DcpDetails
 from ..safetensors.format import DCP_HF_SHARD, is_dcp_hf_sharded
@@ -128,12 +128,56 @@ def nested_entries(entries: list[Entry], planner_data: object) -> list[Entry]:
     """`entries`, each one that `planner_data` places below the top level of the saved state
     dict (`optim` -> `param_groups` -> 0 -> `lr`) as a `KeyedEntry` with that key path, so a
     conversion nests it where `dcp.save` found it. A flat state dict's entries (one path
-    component each, what `dcp.save(model.state_dict())` records) stay as they are."""
+    component each, what `dcp.save(model.state_dict())` records) stay as they are.
+
+    An optimizer's `state` is keyed by int parameter ids, which `dcp.save` records as strings.
+    They are ints again here (see `optimizer_ids_restored`): a dict keyed "0" loads into
+    `optimizer.load_state_dict` without an error and restores no state at all."""
     if not isinstance(planner_data, dict):
         return entries
-    nested: list[Entry] = []
+    paths: list[tuple[KeyStep, ...] | None] = []
     for entry in entries:
         path = planner_data.get(entry.name)
-        keys = planner_keys(path, entry.name) if isinstance(path, tuple) and len(path) > 1 else None
-        nested.append(entry if keys is None else KeyedEntry.placed(entry, keys))
-    return nested
+        paths.append(
+            planner_keys(path, entry.name) if isinstance(path, tuple) and len(path) > 1 else None
+        )
+    paths = optimizer_ids_restored(paths)
+    return [
+        entry if keys is None else KeyedEntry.placed(entry, keys)
+        for entry, keys in zip(entries, paths, strict=True)
+    ]
+
+
+def optimizer_ids_restored(
+    paths: list[tuple[KeyStep, ...] | None],
+) -> list[tuple[KeyStep, ...] | None]:
+    """`paths` with the parameter ids of each optimizer state dict as ints: the decimal keys
+    of a `state` dict whose parent also holds `param_groups`, the shape of every
+    `torch.optim.Optimizer.state_dict()`. An optimizer keyed by parameter names
+    (`get_optimizer_state_dict`) has no decimal keys there and is left alone."""
+    optimizers = {
+        keys[:depth]
+        for keys in paths
+        if keys is not None
+        for depth, (_, key) in enumerate(keys)
+        if key == "param_groups"
+    }
+    if not optimizers:
+        return paths
+    restored: list[tuple[KeyStep, ...] | None] = []
+    for keys in paths:
+        if keys is not None:
+            for depth in range(len(keys) - 1):
+                kind, key = keys[depth + 1]
+                if (
+                    keys[depth][1] == "state"
+                    and kind == "dict"
+                    and isinstance(key, str)
+                    and key.isascii()
+                    and key.isdecimal()
+                    and keys[:depth] in optimizers
+                ):
+                    keys = (*keys[: depth + 1], ("dict", int(key)), *keys[depth + 2 :])
+                    break
+        restored.append(keys)
+    return restored
