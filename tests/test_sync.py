@@ -413,6 +413,43 @@ def test_a_save_slimmed_after_its_sync_is_replaced_remotely(
     assert checked.exit_code == 0, checked.stdout
 
 
+def test_a_save_rewritten_at_the_same_size_is_synced_again(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A run restarted from an earlier save writes the same step again: same files, same sizes,
+    other bytes. sync compared names and sizes only, called the old remote copy "present …
+    verified" and never sent the new one. A local file modified after the remote manifest
+    was written now makes the save go up again; its unchanged files are found by their ETag."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    time.sleep(1.1)  # the store lists times to the second
+    weights_file = out / "checkpoint-200" / "model.safetensors"
+    rewritten = bytearray(weights_file.read_bytes())
+    rewritten[-4:] = b"\x01\x02\x03\x04"  # the last float of the last tensor
+    weights_file.write_bytes(bytes(rewritten))
+
+    s3_server.requests.clear()
+    again = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--settle", "0", "--json")
+    assert again.exit_code == 0, again.stdout + again.stderr
+    report = again.json["result"]
+    assert report["transferred"] == ["checkpoint-200"]
+    synced = {c["name"]: c for c in report["checkpoints"]}
+    assert synced["checkpoint-100"]["action"] == "present"
+    assert synced["checkpoint-200"]["files_sent"] == 1  # the rewritten file, nothing else
+    assert report["bytes_sent"] == len(rewritten)
+    remote = fetch_object(s3_server.endpoint, BUCKET, "run/checkpoint-200/model.safetensors")
+    assert remote == bytes(rewritten)
+    checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-200", "--checksums")
+    assert checked.exit_code == 0, checked.stdout
+
+    # and once synced, the save is present again: nothing sent
+    s3_server.requests.clear()
+    third = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--settle", "0", "--json")
+    assert third.json["result"]["transferred"] == []
+    assert s3_server.bytes_uploaded() == 0
+
+
 def test_plain_files_of_one_step_travel_together(s3_server: S3Server, tmp_path: Path) -> None:
     from .run_fixtures import age, weights
 
@@ -575,6 +612,14 @@ def test_a_cut_pull_resumes_keeping_the_files_already_whole(
     assert {k: v for k, v in pulled.items() if k in original} == original
     assert set(pulled) - set(original) <= {"ckpt-manifest.json"}
     assert sorted(p.name for p in fresh.iterdir()) == ["checkpoint-100"]
+    # what the user reads: the bytes came from the bucket to the folder
+    from ckpt_cli.cli.render import stdout
+    from ckpt_cli.cli.render.sync import render_sync
+
+    with stdout.capture() as shown:
+        render_sync(again)
+    assert f"s3://{BUCKET}/run/ → {fresh}" in shown.get()
+    assert "1 file already downloaded" in shown.get()
 
 
 def _is_listing(r: S3Request) -> bool:

@@ -180,7 +180,7 @@ class ObjectUploader:
 
     def list_prefix(self, prefix: str) -> dict[str, dict[str, Any]]:
         """Every object under `prefix` (a folder-like path, `bucket/run`), by path, with its
-        `size` and `ETag`: one ListObjectsV2 request per 1,000 objects (s3fs's `find` asks a
+        `size`, `ETag` and `LastModified`: one ListObjectsV2 request per 1,000 objects (s3fs's `find` asks a
         HEAD and a second listing after a prefix that holds nothing, as a first sync's does).
 
         Raises what the filesystem raises (FileNotFoundError for a missing bucket).
@@ -203,6 +203,7 @@ class ObjectUploader:
                     "type": "file",
                     "size": int(item.get("Size") or 0),
                     "ETag": item.get("ETag"),
+                    "LastModified": item.get("LastModified"),
                 }
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:

@@ -79,7 +79,7 @@ def _read_pool() -> ThreadPoolExecutor:
         return _READ_POOL
 
 
-def _listing_time(info: dict[str, Any]) -> float | None:
+def listing_time(info: dict[str, Any]) -> float | None:
     """A listing entry's modification time: S3's `LastModified`, or `mtime` / `created`."""
     for key in ("LastModified", "last_modified", "mtime", "updated", "created"):
         value = info.get(key)
@@ -159,7 +159,7 @@ class FsspecStorage(Storage):
         }
         self._mtimes = {}
         for name, info in found.items():
-            stamp = _listing_time(info)
+            stamp = listing_time(info)
             if stamp is not None and name.startswith(prefix):
                 self._mtimes[name[len(prefix) :]] = stamp
 

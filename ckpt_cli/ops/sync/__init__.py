@@ -8,7 +8,8 @@ first, then the commit markers (`.metadata`, `*.index.json`, `trainer_state.json
 the checksum manifest `ckpt-manifest.json` (the checkpoint's own when it has one, else one
 computed while uploading; for a single-file checkpoint `NAME.ckpt-manifest.json` beside it).
 The manifest is what makes a remote copy *synced*: a destination holds a checkpoint when its
-manifest is there and every file it lists has the recorded size.
+manifest is there, every file has its local size, and no local file was modified after that
+manifest was written (a save rewritten at the same size is synced again).
 
 The data files of all the round's checkpoints share one pool of `jobs` uploads, oldest save
 first: the next save's data is on its way while this one's markers and manifest follow it.

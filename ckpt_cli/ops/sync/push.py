@@ -20,6 +20,7 @@ from ...storage import remote_failure
 from ...storage.hashing import hasher_factory
 from ...storage.object_upload import ObjectUploader, multipart_etag
 from ...storage.output import UPLOAD_BLOCK
+from ...storage.remote import listing_time
 from ...storage.uri import parse_location
 from ..prune.retention import PrunePolicy
 from ..verify.checksums import ChecksumManifest, FileDigest
@@ -145,10 +146,26 @@ class _Uploader:
             }
         return self._listing
 
-    def holds(self, manifest_rel: str, files: dict[str, int]) -> bool:
-        """Whether the destination has this checkpoint synced: manifest and every file."""
+    def holds(self, manifest_rel: str, files: dict[str, int], changed: float) -> bool:
+        """Whether the destination has this checkpoint synced: its manifest, and every file
+        at its size, with no local file changed (`changed`: the newest local mtime) after the
+        manifest was written there.
+
+        Sizes alone missed a save rewritten at the same size (a run restarted from an earlier
+        save writes the same step again): the remote copy stayed the old one, called
+        "present". The manifest goes up last, after every file of the save, so a local file
+        newer than it changed after that sync; the checkpoint is then synced again, every
+        unchanged file found in place by its ETag rather than sent. A local clock ahead of
+        the store's costs at most one such round: the new manifest is written later still.
+        """
         listing = self.listing()
-        if manifest_rel not in listing:
+        manifest = listing.get(manifest_rel)
+        if manifest is None:
+            return False
+        written = listing_time(manifest)
+        # in whole seconds: S3 lists times to the second, so a file written in the second
+        # the manifest went up is older than it, not newer
+        if written is not None and int(changed) > int(written):
             return False
         return all(
             rel in listing and int(listing[rel].get("size") or 0) == size
@@ -168,6 +185,9 @@ class _Uploader:
             own_manifest = read_manifest(local_manifest)
             del files[manifest_rel]
         stats = {rel: path.stat() for rel, path in files.items()}
+        changed = max((st.st_mtime for st in stats.values()), default=0.0)
+        if own_manifest is not None:
+            changed = max(changed, local_manifest.stat().st_mtime)
         sizes = {rel: st.st_size for rel, st in stats.items()}
         result = SyncedCheckpoint(
             name=c.name,
@@ -177,7 +197,7 @@ class _Uploader:
             bytes=sum(sizes.values()),
             manifest="checkpoint" if own_manifest else "computed",
         )
-        if self.holds(manifest_rel, sizes):
+        if self.holds(manifest_rel, sizes, changed):
             result.action = "present"
             result.verified = True
             return result
