@@ -113,6 +113,11 @@ def test_shards_mode_whole_repo_is_the_source_byte_for_byte(hub: TestHub, tmp_pa
     assert {f["status"] for f in again.json["result"]["files"] if f["kind"] == "weights"} == {
         "cached"
     }
+    # and the summary says where the bytes came from, not just "fetched 0 B"
+    human = run_ckpt("download", "hf://org/model", tmp_path / "third", "--no-extras")
+    assert human.exit_code == 0, human.stderr
+    files = len(list((tmp_path / "src").glob("*.safetensors*")))  # shards and index
+    assert f"in {files} files already in the HF cache" in human.stdout, human.stdout
 
 
 def test_tensors_mode_fetches_only_the_selected_ranges(hub: TestHub, tmp_path: Path) -> None:

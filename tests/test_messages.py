@@ -95,6 +95,19 @@ def test_a_dest_suffix_contradicting_to_is_refused_and_creates_nothing(tmp_path:
     assert ok.exit_code == 0 and (tmp_path / "x.pt").is_file()
 
 
+def test_a_dest_in_a_folder_that_does_not_exist_is_not_found_and_creates_nothing(
+    tmp_path: Path,
+) -> None:
+    """A mistyped parent folder of DEST is a path that does not exist (exit 3, as a missing
+    SRC is), not a usage error (exit 2): the command line itself was well formed."""
+    _model(tmp_path / "m.safetensors")
+    dest = tmp_path / "no-such-folder" / "out.safetensors"
+    result = run_ckpt("convert", tmp_path / "m.safetensors", dest, "--to", "safetensors")
+    assert result.exit_code == 3, result.stderr
+    assert "no-such-folder" in result.stderr and "does not exist" in result.stderr
+    assert not dest.parent.exists()
+
+
 def test_verify_algo_without_a_manifest_operation_is_a_usage_error(tmp_path: Path) -> None:
     _model(tmp_path / "m.safetensors")
     result = run_ckpt("verify", tmp_path / "m.safetensors", "--algo", "sha256", "--json")

@@ -149,7 +149,7 @@ def test_convert_local_to_s3_publishes_marker_last(s3_server: S3Server, tmp_path
     state = _model()
     torch.save(state, tmp_path / "weights.pt")
     missing = run_ckpt("convert", tmp_path / "weights.pt", "s3://ckpts/m", "--to", "safetensors")
-    assert missing.exit_code == 2
+    assert missing.exit_code == 3  # not found, as a missing local parent folder
     assert "bucket 'ckpts' does not exist" in missing.stderr
     make_bucket(s3_server.endpoint, "ckpts")
     s3_server.requests.clear()

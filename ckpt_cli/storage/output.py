@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..errors import DestinationExistsError, HubError, IOFailure, UsageError
+from ..errors import DestinationExistsError, HubError, IOFailure, NotFoundError, UsageError
 from ..faults import interruption, io_failure
 from ..formats.names import is_commit_marker
 from ..progress import NULL_PROGRESS, Progress
@@ -183,7 +183,7 @@ def check_destination(dest: Destination, force: bool) -> None:
             )
         bucket = dest.path.split("/", 1)[0]
         if not _remote_exists(RemoteDest(url=dest.url, fs=dest.fs, path=bucket)):
-            raise UsageError(
+            raise NotFoundError(
                 f"the bucket {bucket!r} does not exist",
                 path=dest.url,
                 fix="Create it first (e.g. `aws s3 mb`), or check the endpoint and credentials.",
@@ -196,7 +196,7 @@ def check_destination(dest: Destination, force: bool) -> None:
             fix="Choose another destination or pass --force to replace it.",
         )
     if not dest.parent.exists():
-        raise UsageError(
+        raise NotFoundError(
             "the parent folder does not exist", path=dest.parent, fix="Create it first."
         )
 

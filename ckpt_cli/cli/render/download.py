@@ -58,12 +58,19 @@ def render_download(report: DownloadReport) -> None:
             + "; nothing was downloaded"
         )
         return
+    cached = [f for f in report.files if f.status == "cached"]
     stdout.print(
         f"  {verb} {human_bytes(report.bytes_transferred)}"
         f" (+{human_bytes(report.metadata_bytes)} of headers and indexes)"
         + (
             f"; {human_bytes(report.bytes_from_cache)} read from the HF cache"
             if report.bytes_from_cache
+            else ""
+        )
+        + (
+            f"; {human_bytes(sum(f.size for f in cached))} in {len(cached)}"
+            f" file{'s' if len(cached) != 1 else ''} already in the HF cache"
+            if cached
             else ""
         )
         + (

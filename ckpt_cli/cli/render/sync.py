@@ -20,8 +20,9 @@ _STYLE = {
 
 def render_sync(report: SyncReport) -> None:
     """Every checkpoint with what the sync did, then the totals and the newest remote save."""
-    arrow = "→" if report.direction == "up" else "←"
-    stdout.print(f"[bold]{report.source}[/] {arrow} [bold]{report.dest}[/]", soft_wrap=True)
+    # the bytes go from SRC to DEST either way (a pull's SRC is the remote)
+    stdout.print(f"[bold]{report.source}[/] → [bold]{report.dest}[/]", soft_wrap=True)
+    done = "uploaded" if report.direction == "up" else "downloaded"
     table = Table(box=None, pad_edge=False, show_edge=False)
     for column in ("checkpoint", "step", "action", "size", "sent", "notes"):
         table.add_column(column, overflow="fold")
@@ -32,7 +33,7 @@ def render_sync(report: SyncReport) -> None:
             notes.append("verified")
         if c.files_reused:
             notes.append(
-                f"{c.files_reused} file{'s' if c.files_reused != 1 else ''} already uploaded"
+                f"{c.files_reused} file{'s' if c.files_reused != 1 else ''} already {done}"
             )
         if c.reason:
             notes.append(c.reason)
