@@ -232,6 +232,12 @@ CODES: dict[str, Code] = _codes(
     Code("missing_step", _EW, "no step or epoch counter"),
     Code("missing_weights", _EW, "no model weights"),
     Code("not_resumable", _E, "no training state at all (weights only)"),
+    Code(
+        "optimizer_ids_as_strings",
+        _E,
+        'optimizer state keyed by the strings "0", "1"… while its param_groups name int ids '
+        "(`optimizer.load_state_dict` restores none of it)",
+    ),
     Code("optimizer_incomplete", _E, "optimizer state does not cover every parameter"),
     Code("optimizer_shape_mismatch", _E, "optimizer state whose shape matches no weight"),
     Code("optimizer_unknown_param", _E, "optimizer state for a parameter the weights do not have"),

@@ -625,6 +625,40 @@ def test_optimizer_saved_through_dcp_resumes_from_torch_save_with_its_state(
     assert sorted(alone["state"]) == [0, 1]
 
 
+def test_verify_resumable_catches_the_string_ids_of_torchs_own_conversion(
+    tmp_path: Path,
+) -> None:
+    """torch's `dcp_to_torch_save` writes the optimizer's ids as strings, and a run resumed
+    from it starts AdamW from zero moments without a word. `verify --resumable` says so (it
+    said `resumable: yes`); ckpt's own conversion of the same save passes."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_save(training_state(), tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "torchs.pt"))
+    theirs = run_ckpt("verify", tmp_path / "torchs.pt", "--resumable", "--json")
+    assert theirs.exit_code == 1, theirs.stdout
+    problems = theirs.json["result"]["problems"]
+    errors = [p for p in problems if p["severity"] == "error"]
+    assert [(p["code"], p["tensor"]) for p in errors] == [
+        ("optimizer_ids_as_strings", "optim.state")
+    ]
+    human = run_ckpt("verify", tmp_path / "torchs.pt", "--resumable")
+    assert "resumable: no (missing: optimizer state keyed as the optimizer loads it)" in (
+        human.stdout
+    )
+    converted = run_ckpt("convert", tmp_path / "dcp", tmp_path / "ours.pt", "--to", "torch")
+    assert converted.exit_code == 0, converted.stderr
+    ours = run_ckpt("verify", tmp_path / "ours.pt", "--resumable")
+    assert ours.exit_code == 0, ours.stdout
+    # the optimizer saved alone, ids as strings, has nothing to fit but still loads nothing
+    alone = torch.load(tmp_path / "torchs.pt", weights_only=False)["optim"]
+    torch.save(alone, tmp_path / "optimizer.pt")
+    lone = run_ckpt("verify", tmp_path / "optimizer.pt", "--resumable", "--json")
+    assert "optimizer_ids_as_strings" in {p["code"] for p in lone.json["result"]["problems"]}
+
+
 def test_an_optimizer_keyed_by_parameter_names_keeps_its_names(tmp_path: Path) -> None:
     """`get_optimizer_state_dict` keys the state by parameter name; a name that is all digits
     (`nn.Sequential`'s "0.weight" is not, but a plain "0" key of a user's own dict is) only

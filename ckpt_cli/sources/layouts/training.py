@@ -123,6 +123,9 @@ class OptimizerView:
     state: OptimizerState
     per_param: dict[str, dict[str, list[int]]]
     by_fqn: bool
+    #: the state is keyed by the strings "0", "1"... while `param_groups` name int ids (what
+    #: torch's `dcp_to_torch_save` writes): `optimizer.load_state_dict` restores none of it
+    ids_as_strings: bool = False
 
 
 def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> OptimizerView | None:
@@ -143,6 +146,7 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> OptimizerView | No
             per_param.setdefault(pid, {})[state_name] = list(e.shape) if e.kind == "tensor" else []
     group_names = [e.name for e in entries if e.name.startswith(groups_prefix)]
     by_fqn = bool(per_param) and not all(pid.isdigit() for pid in per_param)
+    int_ids = False
     params: int | None = None
     group_keys: dict[str, Any] = {}
     listed = [n for n in group_names if n.endswith(".params")]
@@ -154,6 +158,7 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> OptimizerView | No
                 value = value_of(checkpoint, name)
                 if isinstance(value, (list, tuple)):
                     total += len(value)
+                    int_ids = int_ids or any(type(v) is int for v in value)
             key = name.rsplit(".", 1)[-1]
             if key not in group_keys:
                 group_keys[key] = (
@@ -193,7 +198,26 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> OptimizerView | No
         ),
         per_param=per_param,
         by_fqn=by_fqn,
+        ids_as_strings=int_ids and not by_fqn and _state_keys_are_strings(entries, state_prefix),
     )
+
+
+def _state_keys_are_strings(entries: list[Entry], state_prefix: str) -> bool:
+    """Whether the saved keys below `state_prefix` (`optimizer.state.`) are strings where the
+    format keeps real keys (a torch.save file): an int-keyed optimizer's ids written as "0"."""
+    for entry in entries:
+        if not entry.name.startswith(state_prefix):
+            continue
+        keys = entry.keys_as_named()
+        if not keys:
+            return False  # only dotted names known: nothing to tell
+        joined = ""
+        for depth, (_, key) in enumerate(keys[:-1]):
+            joined += f"{key}."
+            if joined == state_prefix:
+                return isinstance(keys[depth + 1][1], str)
+        return False
+    return False
 
 
 def _stateless_sgd(checkpoint: Checkpoint, groups_prefix: str, group_names: list[str]) -> bool:
@@ -510,7 +534,11 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
     if misfits and state.resumable:
         # the verdict `inspect` gives reads what is present; optimizer state that fits no
         # weight restores nothing for them, so the resume `verify --resumable` judges fails
-        state.missing.append("optimizer state that fits the weights")
+        state.missing.append(
+            "optimizer state keyed as the optimizer loads it"
+            if any(p.code == "optimizer_ids_as_strings" for p in misfits)
+            else "optimizer state that fits the weights"
+        )
         state.resumable = state.exact = False
     problems.extend(misfits)
     return problems
@@ -533,11 +561,31 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
     pairs = model_optimizer_pairs(opened.checkpoint.manifest)
     if model_prefix is not None and opt_prefix is not None:
         pairs.insert(0, (model_prefix, opt_prefix))
+    elif opt_prefix is not None:
+        # an optimizer saved alone: no weights to fit, but its keys still decide what loads
+        view = analyse_optimizer(opened.checkpoint, opt_prefix)
+        if view is not None and view.ids_as_strings:
+            where = opened.checkpoint.manifest.location
+            return [ids_problem(where, view, opt_prefix, "optimizer state")]
     several = len(pairs) > 1
     problems: list[Problem] = []
     for model, optimizer in pairs:
         problems += _pair_shape_problems(opened, model, optimizer, named=several)
     return problems
+
+
+def ids_problem(where: str, view: OptimizerView, opt_prefix: str, opt_label: str) -> Problem:
+    """The `optimizer_ids_as_strings` problem of an optimizer whose view says so."""
+    ids = sorted(view.per_param, key=int)
+    shown = ", ".join(repr(p) for p in ids[:3]) + ("…" if len(ids) > 3 else "")
+    return Problem(
+        code="optimizer_ids_as_strings",
+        message=f"{where}: {opt_label} is keyed by the strings {shown} while its param_groups "
+        "name int ids: optimizer.load_state_dict accepts it and restores none of it (torch's "
+        "dcp_to_torch_save writes it so; `ckpt convert` of the DCP save writes int ids)",
+        file=where,
+        tensor=f"{opt_prefix}state",
+    )
 
 
 def model_optimizer_pairs(manifest: Manifest) -> list[tuple[str, str]]:
@@ -581,6 +629,8 @@ def _pair_shape_problems(
         model.update(fused_shapes(model))  # its optimizer keys the fused `wqkv` parameter
     problems: list[Problem] = []
     opt_label = f"{opt_prefix.rstrip('.')} state" if named else "optimizer state"
+    if view.ids_as_strings:
+        return [ids_problem(where, view, opt_prefix, opt_label)]
     weights_label = f"weight of {model_prefix.rstrip('.')}" if named else "model weight"
     lacking = f"{model_prefix.rstrip('.')} lacks" if named else "the weights lack"
 
