@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import uuid
@@ -201,6 +202,25 @@ def check_destination(dest: Destination, force: bool) -> None:
         )
 
 
+#: the signals ckpt turns into an interruption (exit 129, 130, 143)
+_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
+def _hold_stop_signals() -> set[int | signal.Signals] | None:
+    """Block the stop signals for this thread (the main one: where Python runs handlers),
+    returning the mask to restore; None where there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+
+
+def _release_signals(held: set[int | signal.Signals] | None) -> None:
+    """Restore the mask `_hold_stop_signals` returned; a signal that came meanwhile is
+    delivered now and raised at the caller's next step."""
+    if held is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 @contextmanager
 def staged_output(
     dest: Destination,
@@ -222,11 +242,17 @@ def staged_output(
         return
     dest = dest.absolute()
     check_destination(dest, force)
+    # a signal between the staging folder's creation and the `try` that removes it would
+    # leave the folder behind (and say nothing of it): the signals that stop ckpt are held
+    # until the `try` is entered, where the one that came meanwhile is raised
+    held = _hold_stop_signals()
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
     except OSError as exc:
+        _release_signals(held)
         raise io_failure(exc, dest.parent, "creating the staging folder") from None
     try:
+        _release_signals(held)
         # mkdtemp makes the folder 0700; a published output gets what a plain mkdir would
         # give (inside the try: a signal arriving meanwhile still removes the staging)
         apply_umask(staging, directory=True)
@@ -367,11 +393,17 @@ def _staged_remote(
     dest: RemoteDest, *, force: bool, single_file: bool, progress: Progress
 ) -> Iterator[Path]:
     check_destination(dest, force)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}"))
+    held = _hold_stop_signals()  # as in `staged_output`: no signal before the `try`
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}"))
+    except BaseException:
+        _release_signals(held)
+        raise
     # uploads, copies and removals go through the write side of the prefix holding DEST
     store = dest.parent
     tmp_name = f".{dest.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
     try:
+        _release_signals(held)
         yield staging
         files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
         if single_file and len(files) != 1:
