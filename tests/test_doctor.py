@@ -494,3 +494,50 @@ def test_accelerate_saves_named_automatically_number_saves_not_steps(tmp_path: P
         result = run_ckpt("doctor", target, "--json")
         assert result.exit_code == 0, result.stdout
         assert result.json["result"]["causes"] == []
+
+
+def test_a_resume_from_torchs_own_dcp_conversion_is_explained(tmp_path: Path) -> None:
+    """A run saved with `dcp.save`, converted with torch's `dcp_to_torch_save` and resumed
+    from that file: `optimizer.load_state_dict` took the string ids without an error and
+    restored nothing. The doctor called it "restored for other parameters" and advised
+    rebuilding the optimizer; it now names the string ids of the save resumed from."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(8, 4)).pow(2).sum().backward()
+            optimizer.step()
+
+    train(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 4}
+        dcp.save(state, checkpoint_id=str(tmp_path / "dcp-4"))
+        dcp_to_torch_save(str(tmp_path / "dcp-4"), str(tmp_path / "step-4.pt"))
+    saved = torch.load(tmp_path / "step-4.pt", weights_only=False)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optim"])  # no error, nothing restored
+    train(2)
+    after = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 6}
+    torch.save(after, tmp_path / "step-6.pt")
+
+    result = run_ckpt(
+        "doctor", "--before", tmp_path / "step-4.pt", "--after", tmp_path / "step-6.pt", "--json"
+    )
+    assert result.exit_code == 1, result.stdout
+    top = result.json["result"]["causes"][0]
+    assert top["id"] == "optimizer_not_restored"
+    assert any("keyed by the strings '0', '1'" in line for line in top["evidence"])
+    assert "int ids" in top["fix"]
+    ids = {c["id"] for c in result.json["result"]["causes"]}
+    assert "optimizer_mismatch" not in ids

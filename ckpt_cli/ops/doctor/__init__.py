@@ -6,7 +6,7 @@ the state the resumed run saved after. Each family of causes is one module and o
 
 | module | causes |
 |---|---|
-| `optimizer` | optimizer state not restored (step counts restart, exp_avg_sq collapses); restored for other parameters (param groups, shapes) |
+| `optimizer` | optimizer state not restored (step counts restart, exp_avg_sq collapses, or ids saved as strings); restored for other parameters (param groups, shapes) |
 | `schedule` | LR scheduler not restored (`last_epoch` restarts; the logged LR back in warm-up) |
 | `data` | data position not restored (samples / batches / tokens seen, the loader's yielded count, the epoch fraction) |
 | `scaler` | gradient scaler reset (the fp16 loss scale back at its initial value) |

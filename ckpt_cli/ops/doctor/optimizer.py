@@ -9,6 +9,9 @@ from .pair import Pair, counter_restart, fmt
 from .save import Save
 from .tensors import total as tensor_total
 
+#: the `verify` problem of optimizer state that `load_state_dict` restores nothing of
+IDS_AS_STRINGS = "optimizer_ids_as_strings"
+
 
 def second_moment_mean(save: Save) -> float | None:
     """The mean of Adam's `exp_avg_sq` over every parameter (streamed, one tensor at a time)."""
@@ -32,27 +35,40 @@ def check(pair: Pair) -> list[Cause]:
     a, b = pair.before, pair.after
     causes: list[Cause] = []
     found = counter_restart(a.optimizer_step, b.optimizer_step, a.step, pair.elapsed)
-    if found is not None and found.restarted:
-        evidence = [
-            f"optimizer step count {fmt(found.before)} at {a.name}, {fmt(found.after)} at "
-            f"{b.name}: a restored optimizer would count {fmt(found.continued)}, "
-            f"a fresh one {fmt(found.fresh)}"
-        ]
-        before_v, after_v = second_moment_mean(a), second_moment_mean(b)
-        if before_v and after_v is not None:
+    restarted = found is not None and found.restarted
+    # a save whose optimizer ids are strings loads as nothing, whatever the counters say
+    # (the stale entries it leaves in the optimizer are saved again, with their old counts)
+    unloadable = [p for p in shape_problems(a.opened) if p.code == IDS_AS_STRINGS]
+    if restarted or unloadable:
+        evidence = []
+        if found is not None and found.restarted:
             evidence.append(
-                f"mean exp_avg_sq {before_v:.3g} → {after_v:.3g} "
-                f"(×{after_v / before_v:.2f}): the second moments started over"
+                f"optimizer step count {fmt(found.before)} at {a.name}, {fmt(found.after)} at "
+                f"{b.name}: a restored optimizer would count {fmt(found.continued)}, "
+                f"a fresh one {fmt(found.fresh)}"
             )
+            before_v, after_v = second_moment_mean(a), second_moment_mean(b)
+            if before_v and after_v is not None:
+                evidence.append(
+                    f"mean exp_avg_sq {before_v:.3g} → {after_v:.3g} "
+                    f"(×{after_v / before_v:.2f}): the second moments started over"
+                )
+        evidence += [f"{a.name}: {p.message.split(': ', 1)[-1]}" for p in unloadable]
         causes.append(
             Cause(
                 id="optimizer_not_restored",
-                title="the optimizer state was not restored: Adam's step counts started over",
+                title="the optimizer state was not restored: its ids were saved as strings"
+                if unloadable
+                else "the optimizer state was not restored: Adam's step counts started over",
                 score=0.95,
                 before=a.name,
                 after=b.name,
                 evidence=evidence,
-                fix="Load the optimizer's state dict after building the optimizer on the "
+                fix="Re-key the saved optimizer state by int ids before loading it "
+                "(`{int(k): v for k, v in sd['state'].items()}`), or convert the DCP save "
+                "with `ckpt convert SRC OUT.pt --to torch`, which writes int ids."
+                if unloadable
+                else "Load the optimizer's state dict after building the optimizer on the "
                 "resumed model (Trainer: keep optimizer.pt beside the weights; accelerate: "
                 "prepare the optimizer before load_state; DCP: build its state with "
                 "get_state_dict before dcp.load, which loads in place, then set_state_dict; "
@@ -85,6 +101,7 @@ def _mismatch(a: Save, b: Save) -> list[str]:
         )
     before = {p.message for p in shape_problems(a.opened)}
     for problem in shape_problems(b.opened):
-        if problem.message not in before:
+        # string ids restore nothing (`check`'s `optimizer_not_restored`), not other parameters
+        if problem.message not in before and problem.code != IDS_AS_STRINGS:
             evidence.append(problem.message)
     return evidence[:8]
