@@ -180,8 +180,9 @@ class ObjectUploader:
 
     def list_prefix(self, prefix: str) -> dict[str, dict[str, Any]]:
         """Every object under `prefix` (a folder-like path, `bucket/run`), by path, with its
-        `size`, `ETag` and `LastModified`: one ListObjectsV2 request per 1,000 objects (s3fs's `find` asks a
-        HEAD and a second listing after a prefix that holds nothing, as a first sync's does).
+        `size`, `ETag` and `LastModified`: one ListObjectsV2 request per 1,000 objects (s3fs's
+        `find` asks a HEAD and a second listing after a prefix that holds nothing, as a first
+        sync's does).
 
         Raises what the filesystem raises (FileNotFoundError for a missing bucket).
         """

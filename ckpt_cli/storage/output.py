@@ -202,14 +202,19 @@ def check_destination(dest: Destination, force: bool) -> None:
         )
 
 
-#: the signals ckpt turns into an interruption (exit 129, 130, 143)
-_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+#: the signals ckpt turns into an interruption (exit 129, 130, 143), where the OS has them
+_STOP_SIGNALS = frozenset(
+    s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGHUP")) if s is not None
+)
 
 
 def _hold_stop_signals() -> set[int | signal.Signals] | None:
     """Block the stop signals for this thread (the main one: where Python runs handlers),
-    returning the mask to restore; None where there is nothing to hold."""
+    returning the mask to restore; None where there is nothing to hold (another thread, or
+    an OS without signal masks)."""
     if threading.current_thread() is not threading.main_thread():
+        return None
+    if not hasattr(signal, "pthread_sigmask"):
         return None
     return signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
 
