@@ -3,6 +3,7 @@ restored for other parameters (param groups or shapes that no longer fit the wei
 
 from __future__ import annotations
 
+from ...models import Problem
 from ...sources.layouts.training import shape_problems
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
@@ -35,17 +36,18 @@ def check(pair: Pair) -> list[Cause]:
     a, b = pair.before, pair.after
     causes: list[Cause] = []
     found = counter_restart(a.optimizer_step, b.optimizer_step, a.step, pair.elapsed)
-    restarted = found is not None and found.restarted
+    restart = found if found is not None and found.restarted else None
+    misfits_before = shape_problems(a.opened)  # read once: `_mismatch` compares with it
     # a save whose optimizer ids are strings loads as nothing, whatever the counters say
     # (the stale entries it leaves in the optimizer are saved again, with their old counts)
-    unloadable = [p for p in shape_problems(a.opened) if p.code == IDS_AS_STRINGS]
-    if restarted or unloadable:
+    unloadable = [p for p in misfits_before if p.code == IDS_AS_STRINGS]
+    if restart is not None or unloadable:
         evidence = []
-        if found is not None and found.restarted:
+        if restart is not None:
             evidence.append(
-                f"optimizer step count {fmt(found.before)} at {a.name}, {fmt(found.after)} at "
-                f"{b.name}: a restored optimizer would count {fmt(found.continued)}, "
-                f"a fresh one {fmt(found.fresh)}"
+                f"optimizer step count {fmt(restart.before)} at {a.name}, "
+                f"{fmt(restart.after)} at {b.name}: a restored optimizer would count "
+                f"{fmt(restart.continued)}, a fresh one {fmt(restart.fresh)}"
             )
             before_v, after_v = second_moment_mean(a), second_moment_mean(b)
             if before_v and after_v is not None:
@@ -75,7 +77,7 @@ def check(pair: Pair) -> list[Cause]:
                 "torchtitan: keep `optimizer` out of checkpoint.exclude_from_loading).",
             )
         )
-    mismatch = _mismatch(a, b)
+    mismatch = _mismatch(a, b, misfits_before)
     if mismatch:
         causes.append(
             Cause(
@@ -93,13 +95,15 @@ def check(pair: Pair) -> list[Cause]:
     return causes
 
 
-def _mismatch(a: Save, b: Save) -> list[str]:
+def _mismatch(a: Save, b: Save, misfits_before: list[Problem]) -> list[str]:
+    """What shows the optimizer state restored for other parameters: param groups that
+    changed, and problems of `b`'s optimizer that `a` (whose are `misfits_before`) lacked."""
     evidence: list[str] = []
     if a.param_groups and b.param_groups and a.param_groups != b.param_groups:
         evidence.append(
             f"param groups {a.param_groups} parameters at {a.name}, {b.param_groups} at {b.name}"
         )
-    before = {p.message for p in shape_problems(a.opened)}
+    before = {p.message for p in misfits_before}
     for problem in shape_problems(b.opened):
         # string ids restore nothing (`check`'s `optimizer_not_restored`), not other parameters
         if problem.message not in before and problem.code != IDS_AS_STRINGS:

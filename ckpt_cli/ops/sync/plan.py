@@ -11,7 +11,6 @@ from typing import Any
 from ...errors import FormatError, NotFoundError
 from ...formats.names import is_commit_marker
 from ...sources.runs import UNMARKED, RunCheckpoint
-from ...sources.runs.records import checksum_manifest_of
 from ...storage import Storage
 from ...storage.output import UPLOAD_BLOCK
 from ..verify.checksums import ChecksumManifest
@@ -41,11 +40,6 @@ def local_files(run_root: Path, c: RunCheckpoint) -> dict[str, Path]:
                 if not full.is_symlink():
                     out[full.relative_to(run_root).as_posix()] = full
     return out
-
-
-def manifest_rel_path(c: RunCheckpoint, is_dir: bool) -> str:
-    """Where a checkpoint's manifest lives, relative to the run folder."""
-    return checksum_manifest_of(c.name, is_dir)
 
 
 def uploaded_late(rel: str) -> bool:

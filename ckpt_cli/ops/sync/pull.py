@@ -10,12 +10,13 @@ from typing import Any
 
 from ...errors import CkptError, FormatError, NotFoundError, UnsafeInputError
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
+from ...sources.runs.records import checksum_manifest_of
 from ...storage import LocalStorage, Storage
 from ...storage.hashing import hasher_factory
 from ...storage.output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir
 from ..verify.checksums import MANIFEST_NAME, ChecksumManifest
 from .model import RateLimit, SyncedCheckpoint, SyncReport
-from .plan import ROOT_FILES, manifest_rel_path, remote_manifest
+from .plan import ROOT_FILES, remote_manifest
 
 
 def _unsafe_key(rel: str) -> bool:
@@ -251,7 +252,7 @@ def sync_down(
         wanted = wanted[-1:]
     for c in wanted:
         is_dir = c.name not in listing
-        manifest_rel = manifest_rel_path(c, is_dir)
+        manifest_rel = checksum_manifest_of(c.name, is_dir)
         own = {p.removeprefix(remote.run_dir.rstrip("/") + "/") for p in c.paths}
         files = {
             rel: size

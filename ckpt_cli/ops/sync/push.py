@@ -15,7 +15,7 @@ from typing import Any
 from ... import __version__
 from ...errors import CkptError, FormatError, NotFoundError, UsageError
 from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, RunReport, scan_run
-from ...sources.runs.records import CHECKSUM_MANIFEST, SYNC_RECORD
+from ...sources.runs.records import CHECKSUM_MANIFEST, SYNC_RECORD, checksum_manifest_of
 from ...storage import remote_failure
 from ...storage.hashing import hasher_factory
 from ...storage.object_upload import ObjectUploader, multipart_etag
@@ -29,7 +29,6 @@ from .plan import (
     CHECKSUM_PROBE,
     ROOT_FILES,
     local_files,
-    manifest_rel_path,
     remote_etag,
     s3_etag,
     upload_order,
@@ -176,7 +175,7 @@ class _Uploader:
         """What to upload of one complete checkpoint, or `present` when the store has it."""
         files = local_files(self.run_root, c)
         is_dir = Path(c.path).is_dir()
-        manifest_rel = manifest_rel_path(c, is_dir)
+        manifest_rel = checksum_manifest_of(c.name, is_dir)
         own_manifest: ChecksumManifest | None = None
         local_manifest = self.run_root / manifest_rel
         if is_dir and manifest_rel in files:
@@ -566,7 +565,7 @@ def _latest_held(uploader: _Uploader, run: RunReport, report: SyncReport) -> str
     later: set[str] = set()
     known = {*ROOT_FILES, CHECKSUM_PROBE, SYNC_RECORD}
     for c in run.checkpoints:
-        names = {*local_files(root, c), manifest_rel_path(c, Path(c.path).is_dir())}
+        names = {*local_files(root, c), checksum_manifest_of(c.name, Path(c.path).is_dir())}
         known |= names
         if c.order > newest.order:
             later |= names
