@@ -523,14 +523,18 @@ def _wait_for_staging(parent: Path, proc: subprocess.Popen[str]) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("another_thread", [False, True], ids=["one-thread", "threaded"])
 def test_a_signal_just_as_the_staging_folder_is_made_still_removes_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, another_thread: bool
 ) -> None:
     """A Ctrl-C that lands between the staging folder's creation and the cleanup's `try` left
     `.DEST.ckpt-tmp-*` behind and said nothing of a partial output (seen once in CI, under
     load, as a SIGTERM test that lost its "partial output was removed"). The signal is now
-    held over that step and raised inside the cleanup's reach."""
+    held over that step and raised inside the cleanup's reach, also while another thread
+    runs (the OS hands the signal to a thread that does not hold it: a mask on the main
+    thread alone let it through, which CI saw as this very test interrupting pytest)."""
     import tempfile
+    import threading
 
     from ckpt_cli.errors import Interrupted
     from ckpt_cli.storage.output import staged_output
@@ -540,13 +544,22 @@ def test_a_signal_just_as_the_staging_folder_is_made_still_removes_it(
     def mkdtemp_then_ctrl_c(*args: object, **kwargs: object) -> str:
         made = real_mkdtemp(*args, **kwargs)  # type: ignore[call-overload]
         os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # room for the OS to hand the signal to whichever thread takes it
         return str(made)
 
+    done = threading.Event()
+    waiter = threading.Thread(target=done.wait, daemon=True)
+    if another_thread:
+        waiter.start()
     monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_then_ctrl_c)
-    with pytest.raises(Interrupted) as stopped, staged_output(tmp_path / "dest") as staging:
-        (staging / "never.bin").write_bytes(b"x")
+    try:
+        with pytest.raises(Interrupted) as stopped, staged_output(tmp_path / "dest") as staging:
+            (staging / "never.bin").write_bytes(b"x")
+    finally:
+        done.set()
     assert "partial output was removed" in str(stopped.value)
     assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's, put back
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from types import FrameType
 from typing import Any
 
 from ..errors import DestinationExistsError, HubError, IOFailure, NotFoundError, UsageError
@@ -208,22 +209,42 @@ _STOP_SIGNALS = frozenset(
 )
 
 
-def _hold_stop_signals() -> set[int | signal.Signals] | None:
-    """Block the stop signals for this thread (the main one: where Python runs handlers),
-    returning the mask to restore; None where there is nothing to hold (another thread, or
-    an OS without signal masks)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    if not hasattr(signal, "pthread_sigmask"):
-        return None
-    return signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+class _HeldSignals:
+    """The stop signals deferred while a staging folder is made and its cleanup armed.
 
+    A Python-level hold rather than a signal mask: the OS hands a process-directed signal to
+    any thread that does not block it (torch's, an upload pool's, a test server's), and
+    Python then runs the handler in the main thread all the same, so masking the main thread
+    alone held nothing once another thread was running. Here the handlers themselves are
+    swapped for one that notes the signal; `release` puts them back and raises the signal
+    that came meanwhile, so it lands where the caller can clean up. Only the main thread can
+    swap handlers (elsewhere nothing is held: signals are not handled there anyway).
+    """
 
-def _release_signals(held: set[int | signal.Signals] | None) -> None:
-    """Restore the mask `_hold_stop_signals` returned; a signal that came meanwhile is
-    delivered now and raised at the caller's next step."""
-    if held is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    def __init__(self) -> None:
+        self.arrived: int | None = None
+        self.previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers]
+        self.previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in _STOP_SIGNALS:
+            handler = signal.getsignal(signum)
+            if handler is not None:  # None: set outside Python, which could not be put back
+                self.previous[signum] = handler
+                signal.signal(signum, self._note)
+
+    def _note(self, signum: int, _frame: FrameType | None) -> None:
+        if self.arrived is None:
+            self.arrived = signum
+
+    def release(self) -> None:
+        """Put the handlers back; a signal that came meanwhile is raised now, through them."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+        if self.arrived is not None:
+            arrived, self.arrived = self.arrived, None
+            signal.raise_signal(arrived)
 
 
 @contextmanager
@@ -250,14 +271,14 @@ def staged_output(
     # a signal between the staging folder's creation and the `try` that removes it would
     # leave the folder behind (and say nothing of it): the signals that stop ckpt are held
     # until the `try` is entered, where the one that came meanwhile is raised
-    held = _hold_stop_signals()
+    held = _HeldSignals()
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
     except OSError as exc:
-        _release_signals(held)
+        held.release()
         raise io_failure(exc, dest.parent, "creating the staging folder") from None
     try:
-        _release_signals(held)
+        held.release()
         # mkdtemp makes the folder 0700; a published output gets what a plain mkdir would
         # give (inside the try: a signal arriving meanwhile still removes the staging)
         apply_umask(staging, directory=True)
@@ -398,17 +419,17 @@ def _staged_remote(
     dest: RemoteDest, *, force: bool, single_file: bool, progress: Progress
 ) -> Iterator[Path]:
     check_destination(dest, force)
-    held = _hold_stop_signals()  # as in `staged_output`: no signal before the `try`
+    held = _HeldSignals()  # as in `staged_output`: no signal before the `try`
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}"))
     except BaseException:
-        _release_signals(held)
+        held.release()
         raise
     # uploads, copies and removals go through the write side of the prefix holding DEST
     store = dest.parent
     tmp_name = f".{dest.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
     try:
-        _release_signals(held)
+        held.release()
         yield staging
         files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
         if single_file and len(files) != 1:
