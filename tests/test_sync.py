@@ -470,6 +470,87 @@ def test_plain_files_of_one_step_travel_together(s3_server: S3Server, tmp_path: 
     assert local_files(back) == local_files(run)
 
 
+def test_a_save_synced_again_is_pulled_again(s3_server: S3Server, tmp_path: Path) -> None:
+    """The pull side of a rewritten save: a machine that had pulled checkpoint-200 kept its old
+    copy, called "present", after the training machine rewrote that step and synced it again;
+    resuming there was not resuming the run. A remote manifest newer than the one pulled, and
+    different, now brings the new copy in its place."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    back = tmp_path / "back"
+    assert run_ckpt("sync", f"s3://{BUCKET}/run/", back).exit_code == 0
+    time.sleep(1.1)  # the store lists times to the second
+    weights_file = out / "checkpoint-200" / "model.safetensors"
+    rewritten = bytearray(weights_file.read_bytes())
+    rewritten[-4:] = b"\x01\x02\x03\x04"
+    weights_file.write_bytes(bytes(rewritten))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--settle", "0").exit_code == 0
+
+    again = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--json")
+    assert again.exit_code == 0, again.stdout + again.stderr
+    pulled = {c["name"]: c for c in again.json["result"]["checkpoints"]}
+    assert pulled["checkpoint-100"]["action"] == "present"
+    assert pulled["checkpoint-100"]["bytes"] == sum(
+        p.stat().st_size for p in (out / "checkpoint-100").iterdir()
+    )
+    assert pulled["checkpoint-200"]["action"] == "downloaded"
+    assert "local copy was replaced" in pulled["checkpoint-200"]["reason"]
+    assert pulled["checkpoint-200"]["verified"]
+    assert (back / "checkpoint-200" / "model.safetensors").read_bytes() == bytes(rewritten)
+    assert not [p.name for p in back.iterdir() if p.name.startswith(".")]  # nothing set aside
+    assert run_ckpt("verify", back / "checkpoint-200", "--checksums").exit_code == 0
+
+    # pulled once more, nothing changed on either side: present, nothing fetched
+    third = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--json")
+    assert third.json["result"]["transferred"] == [] and third.json["result"]["bytes_sent"] == 0
+    assert {c["action"] for c in third.json["result"]["checkpoints"]} == {"present"}
+
+
+def test_a_pull_follows_deepspeeds_latest_file_to_the_newest_save(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """DeepSpeed names its newest finished save in `latest`, and `load_checkpoint` reads it. A
+    second pull fetched global_step20 but kept the `latest` of the first (global_step10): the
+    new save was judged unfinished and the pull, `ckpt latest` and DeepSpeed all resumed from
+    step 10. The file now follows the store, but never back past a save made here."""
+    from .run_fixtures import age, weights
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = tmp_path / "ds"
+
+    def deepspeed_save(run: Path, step: int) -> None:
+        folder = run / f"global_step{step}"
+        folder.mkdir(parents=True)
+        torch.save({"module": weights(step)}, folder / "mp_rank_00_model_states.pt")
+        (run / "latest").write_text(f"global_step{step}")
+        with open(run / "metrics.jsonl", "a") as log:
+            log.write(json.dumps({"step": step, "loss": 1.0 / step}) + "\n")
+        age(run)
+
+    deepspeed_save(out, 10)
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/ds/").exit_code == 0
+    back = tmp_path / "back"
+    first = run_ckpt("sync", f"s3://{BUCKET}/ds/", back, "--json")
+    assert first.json["result"]["latest"] == str(back / "global_step10")
+
+    deepspeed_save(out, 20)
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/ds/").exit_code == 0
+    second = run_ckpt("sync", f"s3://{BUCKET}/ds/", back, "--json")
+    assert second.exit_code == 0, second.stdout + second.stderr
+    assert (back / "latest").read_text() == "global_step20"
+    assert second.json["result"]["latest"] == str(back / "global_step20")
+    assert run_ckpt("latest", back).stdout.strip() == str(back / "global_step20")
+    assert (back / "metrics.jsonl").read_bytes() == (out / "metrics.jsonl").read_bytes()
+
+    # this machine resumes and saves step 30; a later pull does not point `latest` back at 20
+    deepspeed_save(back, 30)
+    third = run_ckpt("sync", f"s3://{BUCKET}/ds/", back, "--json")
+    assert third.exit_code == 0, third.stdout
+    assert (back / "latest").read_text() == "global_step30"
+    assert len((back / "metrics.jsonl").read_text().splitlines()) == 3  # its own line kept
+
+
 def test_pulled_checkpoints_get_umask_permissions_not_0700(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

@@ -26,7 +26,7 @@ class SyncedCheckpoint(Record):
         action: `uploaded` / `downloaded`; `present` (the other side holds it already);
             `skipped` (not complete, or still being written: `reason` says which);
             `failed` (`reason` says why).
-        reason: why it was skipped or failed.
+        reason: why it was skipped or failed, or why a local copy was replaced.
         files: files of the checkpoint; bytes: their total size.
         files_sent / bytes_sent: files and bytes actually transferred this time.
         files_reused: files an earlier, interrupted sync had already uploaded.

@@ -10,6 +10,7 @@ from typing import Any
 
 from ...errors import CkptError, FormatError, NotFoundError, UnsafeInputError
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
+from ...sources.runs.naming import deepspeed_tag, int_or_none
 from ...sources.runs.records import checksum_manifest_of
 from ...storage import LocalStorage, Storage
 from ...storage.hashing import hasher_factory
@@ -134,8 +135,11 @@ def _download(
     manifest_rel: str,
     dest_root: Path,
     limit: RateLimit,
+    *,
+    replace: bool = False,
 ) -> SyncedCheckpoint:
-    """Stream one remote checkpoint into a staging folder, verified, then publish it."""
+    """Stream one remote checkpoint into a staging folder, verified, then publish it (with
+    `replace`, in place of the local copy of the same name)."""
     is_dir = c.name not in files
     result = SyncedCheckpoint(
         name=c.name,
@@ -202,7 +206,9 @@ def _download(
                 (staging / MANIFEST_NAME).write_bytes(storage.read_all(manifest_rel))
         _drop_leftovers(staging, files, c.name if is_dir else None)
         fsync_dir(staging)
-        if is_dir:
+        if is_dir and replace:
+            _publish_over(staging, final)
+        elif is_dir:
             os.rename(staging, final)
         else:
             # plain files of one step (`model_500.pt`, `optim_500.pt`) land side by side
@@ -224,6 +230,85 @@ def _download(
             return result
     result.verified = manifest is not None
     return result
+
+
+def _resynced_since_pulled(
+    storage: Storage, manifest_rel: str, listing: dict[str, int], local_manifest: Path
+) -> bool:
+    """Whether the remote copy of a checkpoint this machine holds was synced again after this
+    copy was pulled (a run restarted from an earlier save writes the same step anew, and
+    `sync` sends it up again): the remote manifest is newer than the local one, and differs.
+
+    Only a copy with ckpt's manifest beside its files can tell (a pulled folder has one); one
+    without it, the training's own save, stays as it is. The times only decide whether the
+    manifest is read: a local clock behind the store's costs a read, never a wrong copy.
+    """
+    if manifest_rel not in listing or listing[manifest_rel] > 16 << 20:
+        return False
+    try:
+        pulled_at = local_manifest.stat().st_mtime
+    except OSError:
+        return False
+    written = storage.modified(manifest_rel)
+    # in whole seconds: S3 lists times to the second
+    if written is None or int(written) <= int(pulled_at):
+        return False
+    try:
+        return storage.read_all(manifest_rel) != local_manifest.read_bytes()
+    except OSError:
+        return False
+
+
+def _publish_over(staging: Path, final: Path) -> None:
+    """Put the staging folder where `final` is: the old copy is moved aside (hidden; a crash
+    right then leaves it to be judged an interrupted save, and the next pull fetches the
+    checkpoint anew), then removed."""
+    aside = final.parent / f".{final.name}{TMP_MARKER}replaced"
+    shutil.rmtree(aside, ignore_errors=True)
+    os.rename(final, aside)
+    os.rename(staging, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _root_file_newer(name: str, remote: bytes, local: bytes, held: set[str]) -> bool:
+    """Whether the remote copy of a run folder's own file should replace the local one.
+
+    `latest` (DeepSpeed's pointer to its newest finished save): when the save it names is
+    here whole and is not older than the one the local file names; a local run that has
+    moved past the store keeps its own. `metrics.jsonl`: when the remote log has grown from
+    the local one (a log written here since is kept).
+    """
+    if name == "latest":
+        tag = deepspeed_tag(remote.decode(errors="replace"))
+        if tag is None or tag not in held:
+            return False
+        mine = deepspeed_tag(local.decode(errors="replace"))
+        theirs_step = int_or_none(tag.removeprefix("global_step"))
+        mine_step = int_or_none(mine.removeprefix("global_step")) if mine else None
+        return mine_step is None or theirs_step is None or theirs_step >= mine_step
+    return len(remote) > len(local) and remote.startswith(local)
+
+
+def _pull_root_files(
+    storage: Storage, listing: dict[str, int], dest_root: Path, held: set[str]
+) -> None:
+    """Bring the run folder's own files (`ROOT_FILES`) here: written when missing, replaced
+    when the remote one is newer (`_root_file_newer`), through the run folder's write side
+    so that each appears whole or not at all."""
+    run = LocalStorage(dest_root)
+    for name in ROOT_FILES:
+        size = listing.get(name)
+        if size is None or size > 16 << 20:
+            continue
+        local = dest_root / name
+        if not local.exists():
+            run.write_file(name, [storage.read_all(name)])
+            continue
+        if not local.is_file() or (name != "latest" and local.stat().st_size >= size):
+            continue  # an append-only log no longer than ours holds nothing new
+        remote = storage.read_all(name)
+        if _root_file_newer(name, remote, local.read_bytes(), held):
+            run.write_file(name, [remote])
 
 
 def sync_down(
@@ -259,11 +344,23 @@ def sync_down(
             for rel, size in listing.items()
             if (rel.startswith(f"{c.name}/") if is_dir else rel in own) and rel != manifest_rel
         }
+        replace = False
         if (dest_root / c.name).exists():
-            report.checkpoints.append(
-                SyncedCheckpoint(name=c.name, step=c.step, action="present", files=len(files))
+            local_manifest = dest_root / manifest_rel
+            replace = is_dir and _resynced_since_pulled(
+                storage, manifest_rel, listing, local_manifest
             )
-            continue
+            if not replace:
+                report.checkpoints.append(
+                    SyncedCheckpoint(
+                        name=c.name,
+                        step=c.step,
+                        action="present",
+                        files=len(files),
+                        bytes=sum(files.values()),
+                    )
+                )
+                continue
         unsafe = {rel for rel in [c.name, *files] if _unsafe_key(rel)}
         hostile = sorted(unsafe | set(_file_and_folder(files)))
         if hostile:
@@ -282,7 +379,11 @@ def sync_down(
             continue
         manifest = remote_manifest(storage, manifest_rel) if manifest_rel in listing else None
         try:
-            done = _download(storage, c, files, manifest, manifest_rel, dest_root, limit)
+            done = _download(
+                storage, c, files, manifest, manifest_rel, dest_root, limit, replace=replace
+            )
+            if replace and done.action == "downloaded":
+                done.reason = "synced again since it was pulled: the local copy was replaced"
         except CkptError as error:
             done = SyncedCheckpoint(name=c.name, step=c.step, action="failed", reason=str(error))
         if done.action == "failed":
@@ -291,11 +392,8 @@ def sync_down(
         report.bytes_sent += done.bytes_sent
         if done.action == "downloaded":
             report.transferred.append(c.name)
-    run = LocalStorage(dest_root)
-    for name in ROOT_FILES:
-        if name in listing and listing[name] <= 16 << 20 and not (dest_root / name).exists():
-            # through the run folder's write side: `latest` appears whole or not at all
-            run.write_file(name, [storage.read_all(name)])
+    held = {c.name for c in report.checkpoints if c.action in ("present", "downloaded")}
+    _pull_root_files(storage, listing, dest_root, held)
     storage.close()
     local = scan_run(dest_root, settle=0.0, until_latest=True)
     report.latest = local.latest
