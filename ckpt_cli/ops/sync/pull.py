@@ -306,8 +306,8 @@ def _pull_root_files(
             continue
         if not local.is_file() or (name != "latest" and local.stat().st_size >= size):
             continue  # an append-only log no longer than ours holds nothing new
-        remote = storage.read_all(name)
-        if _root_file_newer(name, remote, local.read_bytes(), held):
+        remote, mine = storage.read_all(name), local.read_bytes()
+        if remote != mine and _root_file_newer(name, remote, mine, held):
             run.write_file(name, [remote])
 
 
