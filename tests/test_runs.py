@@ -74,6 +74,22 @@ def test_a_trainer_save_that_lost_a_file_every_other_save_has_is_incomplete(
     assert actions["checkpoint-300"] == "keep", actions
 
 
+def test_a_save_without_ckpts_own_manifest_is_not_missing_a_part(tmp_path: Path) -> None:
+    """ckpt adds `ckpt-manifest.json` to saves after they were made (`verify
+    --write-manifest`, a pull from a bucket); the training's next save has none. That save
+    was "incomplete: lacks ckpt-manifest.json, which every other save of this run has", so
+    `latest` named the one before it and `sync` never sent it."""
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    for step in (100, 200):
+        written = run_ckpt("verify", out / f"checkpoint-{step}", "--write-manifest")
+        assert written.exit_code == 0, written.stdout
+        assert (out / f"checkpoint-{step}" / "ckpt-manifest.json").is_file()
+    age(out)
+    rows = table(out)
+    assert rows["checkpoint-300"]["status"] == "complete", rows["checkpoint-300"]["reason"]
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-300")
+
+
 def test_trainer_table_markers_and_sharded_model(tmp_path: Path) -> None:
     out = trainer_run(tmp_path)
     report = scan_run(out)

@@ -27,7 +27,7 @@ from ckpt_cli.ops.sync import RateLimit, sync
 
 from .conftest import REPO, run_ckpt
 from .hub_server import TestHub
-from .run_fixtures import interrupted_trainer_save, trainer_checkpoint, trainer_run
+from .run_fixtures import age, interrupted_trainer_save, trainer_checkpoint, trainer_run
 from .s3_fixtures import S3Request, S3Server, fetch_object, list_keys, make_bucket
 
 BUCKET = "ckpts"
@@ -451,7 +451,7 @@ def test_a_save_rewritten_at_the_same_size_is_synced_again(
 
 
 def test_plain_files_of_one_step_travel_together(s3_server: S3Server, tmp_path: Path) -> None:
-    from .run_fixtures import age, weights
+    from .run_fixtures import weights
 
     make_bucket(s3_server.endpoint, BUCKET)
     run = tmp_path / "run"
@@ -507,6 +507,40 @@ def test_a_save_synced_again_is_pulled_again(s3_server: S3Server, tmp_path: Path
     assert {c["action"] for c in third.json["result"]["checkpoints"]} == {"present"}
 
 
+def test_a_pulled_run_pushed_back_sends_nothing_it_pulled(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A machine that pulled the run, resumed and syncs its new saves up: the saves it pulled
+    carry the bucket's own manifest but were written here after it, which made sync take
+    them for rewritten ones: each lost its remote manifest (incomplete to every other reader
+    meanwhile), was hashed again whole and its manifest put back. A save whose manifest is
+    the bucket's, with no file newer than that manifest here, is now present as it is."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    time.sleep(1.1)  # the store lists times to the second: the pulled files are newer
+    resumed = tmp_path / "resumed"
+    assert run_ckpt("sync", f"s3://{BUCKET}/run/", resumed).exit_code == 0
+    trainer_checkpoint(resumed / "checkpoint-300", 300)
+    age(resumed / "checkpoint-300")
+
+    s3_server.requests.clear()
+    up = run_ckpt("sync", resumed, f"s3://{BUCKET}/run/", "--json")
+    assert up.exit_code == 0, up.stdout + up.stderr
+    synced = {c["name"]: c["action"] for c in up.json["result"]["checkpoints"]}
+    assert synced == {
+        "checkpoint-100": "present",
+        "checkpoint-200": "present",
+        "checkpoint-300": "uploaded",
+    }
+    assert not [r.path for r in s3_server.requests if r.method == "DELETE" and "manifest" in r.path]
+    assert not [
+        r.path
+        for r in s3_server.requests
+        if r.method == "PUT" and "checkpoint-300" not in r.path and "probe" not in r.path
+    ]
+
+
 def test_a_pull_follows_deepspeeds_latest_file_to_the_newest_save(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -514,7 +548,7 @@ def test_a_pull_follows_deepspeeds_latest_file_to_the_newest_save(
     second pull fetched global_step20 but kept the `latest` of the first (global_step10): the
     new save was judged unfinished and the pull, `ckpt latest` and DeepSpeed all resumed from
     step 10. The file now follows the store, but never back past a save made here."""
-    from .run_fixtures import age, weights
+    from .run_fixtures import weights
 
     make_bucket(s3_server.endpoint, BUCKET)
     out = tmp_path / "ds"
@@ -1097,7 +1131,7 @@ def test_a_save_whose_upload_was_cut_is_never_the_buckets_latest(
     a save whose upload has not finished, since sync leaves a record at the destination's root
     (`.ckpt-sync.json`) that a save is whole once its manifest is there. The bucket's latest
     used to be ck-2, and a pull resumed training from a save without optimizer state."""
-    from .run_fixtures import age, weights
+    from .run_fixtures import weights
 
     make_bucket(s3_server.endpoint, BUCKET)
     run = tmp_path / "run"

@@ -145,10 +145,17 @@ class _Uploader:
             }
         return self._listing
 
-    def holds(self, manifest_rel: str, files: dict[str, int], changed: float) -> bool:
+    def holds(
+        self,
+        manifest_rel: str,
+        files: dict[str, int],
+        changed: float,
+        own_manifest: bytes | None = None,
+    ) -> bool:
         """Whether the destination has this checkpoint synced: its manifest, and every file
         at its size, with no local file changed (`changed`: the newest local mtime) after the
-        manifest was written there.
+        manifest was written there, or the remote manifest the very bytes of the save's own
+        (`own_manifest`, given when no file of the save is newer than it).
 
         Sizes alone missed a save rewritten at the same size (a run restarted from an earlier
         save writes the same step again): the remote copy stayed the old one, called
@@ -156,15 +163,20 @@ class _Uploader:
         newer than it changed after that sync; the checkpoint is then synced again, every
         unchanged file found in place by its ETag rather than sent. A local clock ahead of
         the store's costs at most one such round: the new manifest is written later still.
+
+        A save pulled from the store (or given its manifest by `verify --write-manifest`
+        after its upload) has files newer than the remote manifest without being changed: the
+        same manifest on both sides, none of its files newer than it here, says so.
         """
         listing = self.listing()
         manifest = listing.get(manifest_rel)
         if manifest is None:
             return False
+        same = own_manifest is not None and remote_etag(manifest) == self._put_etag(own_manifest)
         written = listing_time(manifest)
         # in whole seconds: S3 lists times to the second, so a file written in the second
         # the manifest went up is older than it, not newer
-        if written is not None and int(changed) > int(written):
+        if not same and written is not None and int(changed) > int(written):
             return False
         return all(
             rel in listing and int(listing[rel].get("size") or 0) == size
@@ -185,8 +197,12 @@ class _Uploader:
             del files[manifest_rel]
         stats = {rel: path.stat() for rel, path in files.items()}
         changed = max((st.st_mtime for st in stats.values()), default=0.0)
+        own_bytes = None
         if own_manifest is not None:
-            changed = max(changed, local_manifest.stat().st_mtime)
+            manifest_written = local_manifest.stat().st_mtime
+            if int(changed) <= int(manifest_written):  # the manifest still tells the files
+                own_bytes = local_manifest.read_bytes()
+            changed = max(changed, manifest_written)
         sizes = {rel: st.st_size for rel, st in stats.items()}
         result = SyncedCheckpoint(
             name=c.name,
@@ -196,7 +212,7 @@ class _Uploader:
             bytes=sum(sizes.values()),
             manifest="checkpoint" if own_manifest else "computed",
         )
-        if self.holds(manifest_rel, sizes, changed):
+        if self.holds(manifest_rel, sizes, changed, own_bytes):
             result.action = "present"
             result.verified = True
             return result

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ...formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, holds_dcp
 from ...storage.output import TMP_MARKER
-from .records import SLIM_RECORD, Found
+from .records import CHECKSUM_MANIFEST, SLIM_RECORD, Found
 
 if TYPE_CHECKING:
     from ..layouts import Layout
@@ -219,10 +219,18 @@ def part_names(files: Mapping[str, int], folder: str, layout: str | None = None)
     """Names of the files directly in `folder` (of a run listing: path relative to the run ->
     size) without digits (`optimizer.bin`, not `random_states_3.pkl`, whose count follows the
     number of processes). In a Trainer folder, its weight files, one `model.safetensors` or
-    shards with their index, safetensors or `.bin`, are one part: `TRAINER_WEIGHTS`."""
+    shards with their index, safetensors or `.bin`, are one part: `TRAINER_WEIGHTS`.
+
+    ckpt's own checksum manifest is not a part: `verify --write-manifest` and a pull add it
+    to some saves after they were made, and a run resumed on a pulled folder writes its new
+    saves without it (which were "incomplete: lacks ckpt-manifest.json" and never synced)."""
     start = f"{folder}/"
     names = [rel[len(start) :] for rel in files if rel.startswith(start)]
-    parts = {n for n in names if "/" not in n and not any(ch.isdigit() for ch in n)}
+    parts = {
+        n
+        for n in names
+        if "/" not in n and not any(ch.isdigit() for ch in n) and n != CHECKSUM_MANIFEST
+    }
     if layout == "hf-trainer":
         weights = {n for n in names if "/" not in n and _TRAINER_WEIGHT_FILE.match(n)}
         parts = (parts - weights) | ({TRAINER_WEIGHTS} if weights else set())
