@@ -299,22 +299,49 @@ def test_usage_errors(tmp_path: Path) -> None:
 def test_train_sync_lose_the_machine_pull_latest_and_resume_bit_identical(
     s3_server: S3Server, tmp_path: Path, train: ModuleType
 ) -> None:
+    """Two evictions: the second machine pulls the whole run, resumes, saves and syncs its new
+    save up before it is lost too; the third resumes from that save. The pulled saves carry
+    the bucket's manifest and the new one does not: that once made the new save "incomplete"
+    (never synced, never `latest`) and the pulled ones "changed" (re-hashed, their manifests
+    taken down)."""
     # examples/restart_test (the `train` fixture): the straight run is the reference
     make_bucket(s3_server.endpoint, BUCKET)
-    args = ["--steps", "8", "--save-every", "4", "--format", "dcp"]
+    args = ["--steps", "8", "--save-every", "2", "--format", "dcp"]
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert train.main(["--run-dir", str(tmp_path / "straight"), *args]) == 0
-        # the spot machine: trains to step 4, syncs, is evicted (its disk is gone)
+        # the spot machine: trains to step 4 (the warm-up: the same whatever --steps), syncs,
+        # is evicted (its disk is gone)
         spot = tmp_path / "spot"
-        assert train.main(["--run-dir", str(spot), *args[:1], "4", *args[2:]]) == 0
+        assert train.main(["--run-dir", str(spot), "--steps", "4", *args[2:]]) == 0
         assert run_ckpt("sync", spot, f"s3://{BUCKET}/run/").exit_code == 0
         shutil.rmtree(spot)
-        # the next machine: pull the newest complete save, resume from `ckpt latest`
+        # the next machine: pulls the run, resumes from `ckpt latest`, saves step 6, syncs
+        second = tmp_path / "second"
+        assert run_ckpt("sync", f"s3://{BUCKET}/run/", second).exit_code == 0
+        resume = run_ckpt("latest", second).stdout.strip()
+        assert resume == str(second / "step-4")
+        # it trains on and is evicted during step 7: its step-8 save is never made
+        assert train.main(["--run-dir", str(second), *args, "--resume", resume]) == 0
+        shutil.rmtree(second / "step-8")
+        assert run_ckpt("latest", second).stdout.strip() == str(second / "step-6")
+        s3_server.requests.clear()
+        up = run_ckpt("sync", second, f"s3://{BUCKET}/run/", "--settle", "0", "--json")
+        assert up.exit_code == 0, up.stdout + up.stderr
+        actions = {c["name"]: c["action"] for c in up.json["result"]["checkpoints"]}
+        assert actions == {"step-2": "present", "step-4": "present", "step-6": "uploaded"}
+        assert not [
+            r
+            for r in s3_server.requests
+            if r.method == "DELETE" and "step-6" not in r.path and "probe" not in r.path
+        ]
+        shutil.rmtree(second)
+        # the third: pulls only the newest complete save and finishes the run
         fresh = tmp_path / "fresh"
         assert run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--latest").exit_code == 0
         resume = run_ckpt("latest", fresh).stdout.strip()
-        assert resume == str(fresh / "step-4")
+        assert resume == str(fresh / "step-6")
         assert train.main(["--run-dir", str(fresh), *args, "--resume", resume]) == 0
     diff = run_ckpt("diff", tmp_path / "straight" / "step-8", fresh / "step-8", "--json")
     assert diff.exit_code == 0, diff.stdout
