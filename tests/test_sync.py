@@ -28,7 +28,14 @@ from ckpt_cli.ops.sync import RateLimit, sync
 from .conftest import REPO, run_ckpt
 from .hub_server import TestHub
 from .run_fixtures import age, interrupted_trainer_save, trainer_checkpoint, trainer_run
-from .s3_fixtures import S3Request, S3Server, fetch_object, list_keys, make_bucket
+from .s3_fixtures import (
+    S3Request,
+    S3Server,
+    fetch_object,
+    list_keys,
+    make_bucket,
+    upload_folder,
+)
 
 BUCKET = "ckpts"
 
@@ -475,6 +482,44 @@ def test_a_save_rewritten_at_the_same_size_is_synced_again(
     third = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--settle", "0", "--json")
     assert third.json["result"]["transferred"] == []
     assert s3_server.bytes_uploaded() == 0
+
+
+def test_what_a_sync_does_not_carry_is_named(s3_server: S3Server, tmp_path: Path) -> None:
+    """sync moves step checkpoints, `latest` and `metrics.jsonl`. The Trainer's final model at
+    the run's root, its `runs/` logs, a script: these stayed behind and nothing said so; now
+    each is named, both ways, and ckpt's own records are not."""
+    from safetensors.torch import save_file
+
+    from .run_fixtures import weights
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    save_file(weights(200), out / "model.safetensors")  # `trainer.save_model()` at the end
+    (out / "runs").mkdir()
+    (out / "runs" / "events.out.tfevents.1").write_bytes(b"\0" * 16)
+    (out / "metrics.jsonl").write_text('{"step": 200}\n')
+    up = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert up.exit_code == 0, up.stdout + up.stderr
+    assert up.json["result"]["left_out"] == ["model.safetensors", "runs/"]
+    assert "run/metrics.jsonl" in list_keys(s3_server.endpoint, BUCKET)
+    shown = run_ckpt("sync", out, f"s3://{BUCKET}/run/")
+    assert "not synced, part of no step checkpoint: model.safetensors, runs/" in " ".join(
+        shown.stdout.split()
+    )
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "readme.txt").write_text("the run of 3 December")
+    upload_folder(s3_server.endpoint, BUCKET, "run/notes", notes)
+    back = tmp_path / "back"
+    down = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--json")
+    assert down.exit_code == 0, down.stdout + down.stderr
+    assert down.json["result"]["left_out"] == ["notes/"]  # not .ckpt-sync.json, sync's own
+    assert sorted(p.name for p in back.iterdir()) == [
+        "checkpoint-100",
+        "checkpoint-200",
+        "metrics.jsonl",
+    ]
 
 
 def test_plain_files_of_one_step_travel_together(s3_server: S3Server, tmp_path: Path) -> None:

@@ -56,6 +56,14 @@ def render_sync(report: SyncReport) -> None:
     if report.pruned is not None and report.pruned.deleted:
         stdout.print(f"pruned on the remote side: {', '.join(report.pruned.deleted)}")
     stdout.print(f"latest complete: {report.latest or '[red]none[/]'}", soft_wrap=True)
+    if report.left_out:
+        shown = ", ".join(report.left_out[:10])
+        more = f" and {len(report.left_out) - 10} more" if len(report.left_out) > 10 else ""
+        stdout.print(
+            f"not synced, part of no step checkpoint: {shown}{more} (sync carries step "
+            "checkpoints, `latest` and `metrics.jsonl`)",
+            soft_wrap=True,
+        )
     for failure in report.failed:
         stderr.print(f"[red]failed:[/] {failure}", soft_wrap=True)
 

@@ -61,6 +61,9 @@ class SyncReport(Record):
             file names (an empty, `.` or `..` part,
             a backslash, a NUL, or also another key's folder), each refusing the checkpoint it
             lies in (exit 4); the other checkpoints are still pulled.
+        left_out: what of the source's run folder the sync does not carry: entries at its
+            top that are part of no step checkpoint (a final model at the root, logs), folders
+            ending in `/`; `latest` and `metrics.jsonl` travel, ckpt's own records are not named.
         latest: the newest complete checkpoint on the destination after the sync (for a
             pull: its local path, ready for `--resume_from_checkpoint`).
         pruned: the remote retention report of the last round (`--prune-remote`).
@@ -76,6 +79,7 @@ class SyncReport(Record):
     transferred: list[str] = Field(default_factory=list)
     failed: list[str] = Field(default_factory=list)
     refused_keys: list[str] = Field(default_factory=list)
+    left_out: list[str] = Field(default_factory=list)
     latest: str | None = None
     pruned: PruneReport | None = None
     iterations: int = 0

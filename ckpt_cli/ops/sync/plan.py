@@ -10,7 +10,8 @@ from typing import Any
 
 from ...errors import FormatError, NotFoundError
 from ...formats.names import is_commit_marker
-from ...sources.runs import UNMARKED, RunCheckpoint
+from ...sources.runs import RUN_SLIM_RECORD, UNMARKED, RunCheckpoint
+from ...sources.runs.records import SYNC_RECORD, checksum_manifest_of
 from ...storage import Storage
 from ...storage.output import UPLOAD_BLOCK
 from ..verify.checksums import ChecksumManifest
@@ -22,6 +23,25 @@ ROOT_FILES = ("latest", "metrics.jsonl")
 #: the key (in the destination prefix) a sync writes once, with a wrong checksum, to learn
 #: whether the store checks checksums; kept only by a store that does not (and then deleted)
 CHECKSUM_PROBE = ".ckpt-checksum-probe"
+
+
+def left_out(top: dict[str, bool], checkpoints: list[RunCheckpoint], run_dir: str) -> list[str]:
+    """What a sync does not carry of a run folder: the entries at its top (name -> is a
+    folder) that are part of no step checkpoint (a final model saved at the root, logs,
+    scripts), beside `ROOT_FILES` and ckpt's own records; folders end in `/`.
+
+    sync moves whole step saves, each checked against its manifest; a file at the root has
+    no save to be judged complete with (the Trainer's final `save_model` may still be
+    writing it), so it is named here rather than copied or passed over in silence.
+    """
+    prefix = f"{run_dir.rstrip('/')}/"
+    carried = {*ROOT_FILES, SYNC_RECORD, CHECKSUM_PROBE, RUN_SLIM_RECORD}
+    for c in checkpoints:
+        carried.update(path.removeprefix(prefix).split("/", 1)[0] for path in c.paths)
+        carried.add(checksum_manifest_of(c.name, False))  # beside a single-file save
+    return sorted(
+        f"{name}/" if is_dir else name for name, is_dir in top.items() if name not in carried
+    )
 
 
 def local_files(run_root: Path, c: RunCheckpoint) -> dict[str, Path]:

@@ -17,7 +17,7 @@ from ...storage.hashing import hasher_factory
 from ...storage.output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir
 from ..verify.checksums import MANIFEST_NAME, ChecksumManifest
 from .model import RateLimit, SyncedCheckpoint, SyncReport
-from .plan import ROOT_FILES, remote_manifest
+from .plan import ROOT_FILES, left_out, remote_manifest
 
 
 def _unsafe_key(rel: str) -> bool:
@@ -392,6 +392,8 @@ def sync_down(
         report.bytes_sent += done.bytes_sent
         if done.action == "downloaded":
             report.transferred.append(c.name)
+    top = {rel.split("/", 1)[0]: "/" in rel for rel in listing}
+    report.left_out = left_out(top, remote.checkpoints, remote.run_dir)
     held = {c.name for c in report.checkpoints if c.action in ("present", "downloaded")}
     _pull_root_files(storage, listing, dest_root, held)
     storage.close()

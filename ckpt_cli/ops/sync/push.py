@@ -28,6 +28,7 @@ from .model import SYNC_ALGORITHM, RateLimit, SyncedCheckpoint, SyncReport, now_
 from .plan import (
     CHECKSUM_PROBE,
     ROOT_FILES,
+    left_out,
     local_files,
     remote_etag,
     s3_etag,
@@ -537,6 +538,8 @@ def sync_up(
         elif done.action == "failed":
             report.failed.append(f"{done.name}: {done.reason}")
     uploader.copy_root_files([n for n in ROOT_FILES if (run_root / n).is_file()])
+    entries = {p.name: p.is_dir() and not p.is_symlink() for p in Path(run.run_dir).iterdir()}
+    report.left_out = left_out(entries, run.checkpoints, run.run_dir)
     if prune_policy is not None:
         # the remote side has one writer, this sync, which writes each save's markers last:
         # a fresh upload is complete the moment its manifest is there
