@@ -270,43 +270,47 @@ def _publish_over(staging: Path, final: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _root_file_newer(name: str, remote: bytes, local: bytes, held: set[str]) -> bool:
-    """Whether the remote copy of a run folder's own file should replace the local one.
+def _root_file_newer(name: str, remote: bytes, local: bytes | None, held: set[str]) -> bool:
+    """Whether the remote copy of a run folder's own file should be written here (`local`:
+    the file here, None when there is none).
 
     `latest` (DeepSpeed's pointer to its newest finished save): when the save it names is
-    here whole and is not older than the one the local file names; a local run that has
-    moved past the store keeps its own. `metrics.jsonl`: when the remote log has grown from
-    the local one (a log written here since is kept).
+    here whole (a pointer to a save that failed to pull would send `load_checkpoint` to a
+    missing folder) and is not older than the one the local file names; a local run that
+    has moved past the store keeps its own. `metrics.jsonl`: when the remote log has grown
+    from the local one (a log written here since is kept).
     """
     if name == "latest":
         tag = deepspeed_tag(remote.decode(errors="replace"))
         if tag is None or tag not in held:
             return False
+        if local is None:
+            return True
         mine = deepspeed_tag(local.decode(errors="replace"))
         theirs_step = int_or_none(tag.removeprefix("global_step"))
         mine_step = int_or_none(mine.removeprefix("global_step")) if mine else None
         return mine_step is None or theirs_step is None or theirs_step >= mine_step
-    return len(remote) > len(local) and remote.startswith(local)
+    return local is None or (len(remote) > len(local) and remote.startswith(local))
 
 
 def _pull_root_files(
     storage: Storage, listing: dict[str, int], dest_root: Path, held: set[str]
 ) -> None:
-    """Bring the run folder's own files (`ROOT_FILES`) here: written when missing, replaced
-    when the remote one is newer (`_root_file_newer`), through the run folder's write side
-    so that each appears whole or not at all."""
+    """Bring the run folder's own files (`ROOT_FILES`) here when missing or older
+    (`_root_file_newer`), through the run folder's write side so that each appears whole or
+    not at all."""
     run = LocalStorage(dest_root)
     for name in ROOT_FILES:
         size = listing.get(name)
         if size is None or size > 16 << 20:
             continue
         local = dest_root / name
-        if not local.exists():
-            run.write_file(name, [storage.read_all(name)])
-            continue
-        if not local.is_file() or (name != "latest" and local.stat().st_size >= size):
-            continue  # an append-only log no longer than ours holds nothing new
-        remote, mine = storage.read_all(name), local.read_bytes()
+        mine = None
+        if local.exists():
+            if not local.is_file() or (name != "latest" and local.stat().st_size >= size):
+                continue  # an append-only log no longer than ours holds nothing new
+            mine = local.read_bytes()
+        remote = storage.read_all(name)
         if remote != mine and _root_file_newer(name, remote, mine, held):
             run.write_file(name, [remote])
 
