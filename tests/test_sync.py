@@ -211,6 +211,39 @@ def test_pull_latest_is_verified_and_a_damaged_remote_copy_is_refused(
     assert [p.name for p in other.iterdir()] == []  # no staging folder left either
 
 
+def test_a_pull_names_the_remote_saves_it_does_not_fetch(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A push cut short leaves checkpoint-300's files in the bucket without their manifest. A
+    pull fetched 100 and 200 and said nothing of 300; it is now listed as skipped, with why,
+    and with `--latest` only what is newer than the save fetched is named."""
+    import boto3
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    manifest = "run/checkpoint-300/ckpt-manifest.json"
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    boto3.client("s3", endpoint_url=s3_server.endpoint).delete_object(Bucket=BUCKET, Key=manifest)
+    back = tmp_path / "back"
+    pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--json")
+    assert pulled.exit_code == 0, pulled.stdout + pulled.stderr
+    rows = {c["name"]: c for c in pulled.json["result"]["checkpoints"]}
+    assert [c["name"] for c in pulled.json["result"]["checkpoints"]] == [
+        "checkpoint-100",
+        "checkpoint-200",
+        "checkpoint-300",
+    ]
+    assert rows["checkpoint-300"]["action"] == "skipped"
+    assert "no ckpt-manifest.json yet" in rows["checkpoint-300"]["reason"]
+    assert not (back / "checkpoint-300").exists()
+    shown = run_ckpt("sync", f"s3://{BUCKET}/run/", tmp_path / "human")
+    assert "skipped" in shown.stdout and "checkpoint-300" in shown.stdout
+
+    newest = run_ckpt("sync", f"s3://{BUCKET}/run/", tmp_path / "one", "--latest", "--json")
+    names = {c["name"]: c["action"] for c in newest.json["result"]["checkpoints"]}
+    assert names == {"checkpoint-200": "downloaded", "checkpoint-300": "skipped"}
+
+
 def test_prune_remote_applies_retention_on_the_bucket(s3_server: S3Server, tmp_path: Path) -> None:
     make_bucket(s3_server.endpoint, BUCKET)
     out = trainer_run(tmp_path)  # 100..500; the Trainer's best is 200

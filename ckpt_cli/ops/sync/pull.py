@@ -315,6 +315,34 @@ def _pull_root_files(
             run.write_file(name, [remote])
 
 
+def _passed_over(
+    checkpoints: list[RunCheckpoint], wanted: list[RunCheckpoint], latest_only: bool
+) -> list[SyncedCheckpoint]:
+    """The remote checkpoints a pull does not fetch, each `skipped` with why: unfinished
+    (an upload cut short, one still going) or slimmed to its weights (not a save to resume
+    from). With `--latest`, only those newer than the one fetched (the older ones were not
+    asked for)."""
+    newest = wanted[-1].order if latest_only and wanted else None
+    fetched = {c.name for c in wanted}
+    out = []
+    for c in checkpoints:
+        if c.name in fetched or (c.complete and not c.slim):
+            continue
+        if newest is not None and c.order < newest:
+            continue
+        reason = (
+            f"{c.status}: {c.reason}"
+            if not c.complete
+            else "weights only (slimmed by prune --slim-older-than): no save to resume from"
+        )
+        out.append(
+            SyncedCheckpoint(
+                name=c.name, step=c.step, action="skipped", reason=reason, bytes=c.size
+            )
+        )
+    return out
+
+
 def sync_down(
     src: str,
     dest: str,
@@ -339,6 +367,7 @@ def sync_down(
                 fix="`ckpt latest` on it lists every checkpoint and why it is not complete.",
             )
         wanted = wanted[-1:]
+    report.checkpoints += _passed_over(remote.checkpoints, wanted, latest_only)
     for c in wanted:
         is_dir = c.name not in listing
         manifest_rel = checksum_manifest_of(c.name, is_dir)
@@ -396,6 +425,8 @@ def sync_down(
         report.bytes_sent += done.bytes_sent
         if done.action == "downloaded":
             report.transferred.append(c.name)
+    order = {c.name: c.order for c in remote.checkpoints}
+    report.checkpoints.sort(key=lambda done: order[done.name])
     top = {rel.split("/", 1)[0]: "/" in rel for rel in listing}
     report.left_out = left_out(top, remote.checkpoints, remote.run_dir)
     held = {c.name for c in report.checkpoints if c.action in ("present", "downloaded")}
