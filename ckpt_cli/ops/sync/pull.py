@@ -427,8 +427,7 @@ def sync_down(
             report.transferred.append(c.name)
     order = {c.name: c.order for c in remote.checkpoints}
     report.checkpoints.sort(key=lambda done: order[done.name])
-    top = {rel.split("/", 1)[0]: "/" in rel for rel in listing}
-    report.left_out = left_out(top, remote.checkpoints, remote.run_dir)
+    report.left_out = left_out(remote.top_entries, remote.checkpoints, remote.run_dir)
     held = {c.name for c in report.checkpoints if c.action in ("present", "downloaded")}
     _pull_root_files(storage, listing, dest_root, held)
     storage.close()

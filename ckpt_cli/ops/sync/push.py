@@ -538,8 +538,7 @@ def sync_up(
         elif done.action == "failed":
             report.failed.append(f"{done.name}: {done.reason}")
     uploader.copy_root_files([n for n in ROOT_FILES if (run_root / n).is_file()])
-    entries = {p.name: p.is_dir() and not p.is_symlink() for p in Path(run.run_dir).iterdir()}
-    report.left_out = left_out(entries, run.checkpoints, run.run_dir)
+    report.left_out = left_out(run.top_entries, run.checkpoints, run.run_dir)
     if prune_policy is not None:
         # the remote side has one writer, this sync, which writes each save's markers last:
         # a fresh upload is complete the moment its manifest is there

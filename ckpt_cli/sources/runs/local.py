@@ -183,6 +183,9 @@ class LocalListing(RunListing):
             if e.is_file() and e.name.endswith(CHECKPOINT_SUFFIXES) and e.name not in claimed
         )
 
+    def top_entries(self) -> dict[str, bool]:
+        return {p.name: p.is_dir() and not p.is_symlink() for p in self._list(self.root)}
+
     def mark_links(self, checkpoints: list[RunCheckpoint]) -> None:
         """A checkpoint a symlink in the run folder points at (Lightning `last.ckpt`) is in use."""
         real_root = os.path.realpath(self.root)

@@ -99,6 +99,9 @@ class RemoteListing(RunListing):
             return False
         return checksum_manifest_of(item.rels[0], item.is_dir) not in self.listed
 
+    def top_entries(self) -> dict[str, bool]:
+        return {rel.split("/", 1)[0]: "/" in rel for rel in self.listed}
+
     def root_files(self, items: list[Found]) -> list[str]:
         claimed = {rel for i in items for rel in i.rels}
         return sorted(

@@ -75,6 +75,11 @@ class RunListing(ABC):
     def root_files(self, items: list[Found]) -> list[str]:
         """Checkpoint files directly in the run folder that belong to no step checkpoint."""
 
+    @abstractmethod
+    def top_entries(self) -> dict[str, bool]:
+        """Every entry at the run folder's top, name -> whether it is a folder, from the
+        listing the scan has made already."""
+
     def upload_unfinished(self, item: Found) -> bool:
         """Whether the candidate is a save a `ckpt sync` to this folder has not finished
         uploading: the folder holds sync's record (`SYNC_RECORD`) and the save no manifest
@@ -141,6 +146,7 @@ def scan(
         checkpoints=checkpoints,
         settle=settle,
         root_files=run.root_files(items),
+        top_entries=run.top_entries(),
     )
     newest = report.newest_complete
     if newest is not None:
