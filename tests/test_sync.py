@@ -569,10 +569,18 @@ def test_plain_files_of_one_step_travel_together(s3_server: S3Server, tmp_path: 
     assert up.exit_code == 0, up.stdout
     assert "plain/model_20.pt.ckpt-manifest.json" in list_keys(s3_server.endpoint, BUCKET)
     back = tmp_path / "back"
+    time.sleep(1.1)  # the store lists times to the second: a pull's writes come later
     down = run_ckpt("sync", f"s3://{BUCKET}/plain/", back, "--json")
     assert down.exit_code == 0, down.stdout
     assert all(c["verified"] for c in down.json["result"]["checkpoints"])
     assert local_files(back) == local_files(run)
+    # pushed back from the machine that pulled them: in place, nothing taken down or sent
+    s3_server.requests.clear()
+    # (--settle 0: the pulled files carry the time of their upload, seconds ago here)
+    again = run_ckpt("sync", back, f"s3://{BUCKET}/plain/", "--settle", "0", "--json")
+    assert again.exit_code == 0, again.stdout
+    assert {c["action"] for c in again.json["result"]["checkpoints"]} == {"present"}, again.stdout
+    assert [r.path for r in s3_server.requests if r.method in ("PUT", "DELETE")] == []
 
 
 def test_a_save_synced_again_is_pulled_again(s3_server: S3Server, tmp_path: Path) -> None:

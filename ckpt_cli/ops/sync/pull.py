@@ -112,6 +112,20 @@ def _fetch(
     return hasher.hexdigest() if hasher is not None else None
 
 
+def _stamp(target: Path, storage: Storage, rel: str) -> None:
+    """Give a pulled file the time its object was written in the store (as `aws s3 sync`
+    does), where the store says.
+
+    The pull's own clock said nothing true of the save: a pulled save looked just written (a
+    plain-file save held back by `--settle`), and newer than its manifest in the store, so a
+    push from the machine that pulled it took it for a rewritten save. With the store's
+    times the copy is as old as what it copies, and both sides' times come from one clock.
+    """
+    stamp = storage.modified(rel)
+    if stamp is not None:
+        os.utime(target, (stamp, stamp))
+
+
 def _drop_leftovers(staging: Path, files: dict[str, int], folder: str | None) -> None:
     """Remove what an earlier, interrupted pull left in staging that this checkpoint no
     longer holds (a `.part`, a file the remote copy has since dropped): only the listed
@@ -178,8 +192,10 @@ def _download(
                 )
             if _whole(target, size, expected.digest if expected else None, new):
                 result.files_reused += 1
+                _stamp(target, storage, rel)
                 continue
             digest = _fetch(storage, rel, size, target, new, limit)
+            _stamp(target, storage, rel)
             result.files_sent += 1
             result.bytes_sent += size
             if expected is not None and expected.digest != digest:
@@ -204,6 +220,7 @@ def _download(
                 )
             if is_dir:
                 (staging / MANIFEST_NAME).write_bytes(storage.read_all(manifest_rel))
+                _stamp(staging / MANIFEST_NAME, storage, manifest_rel)
         _drop_leftovers(staging, files, c.name if is_dir else None)
         fsync_dir(staging)
         if is_dir and replace:
@@ -240,8 +257,9 @@ def _resynced_since_pulled(
     `sync` sends it up again): the remote manifest is newer than the local one, and differs.
 
     Only a copy with ckpt's manifest beside its files can tell (a pulled folder has one); one
-    without it, the training's own save, stays as it is. The times only decide whether the
-    manifest is read: a local clock behind the store's costs a read, never a wrong copy.
+    without it, the training's own save, stays as it is. Both times are the store's (a pulled
+    manifest carries its object's time, `_stamp`), and they only decide whether the manifest
+    is read: the bytes decide whether the copy is replaced.
     """
     if manifest_rel not in listing or listing[manifest_rel] > 16 << 20:
         return False

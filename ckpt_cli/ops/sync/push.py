@@ -165,8 +165,9 @@ class _Uploader:
         unchanged file found in place by its ETag rather than sent. A local clock ahead of
         the store's costs at most one such round: the new manifest is written later still.
 
-        A save pulled from the store (or given its manifest by `verify --write-manifest`
-        after its upload) has files newer than the remote manifest without being changed: the
+        A save given its manifest by `verify --write-manifest` after its upload, or pulled
+        from a store that reports no times (a pull gives each file its object's time where
+        the store says), has files newer than the remote manifest without being changed: the
         same manifest on both sides, none of its files newer than it here, says so.
         """
         listing = self.listing()
