@@ -19,8 +19,10 @@ import errno
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import PurePath
 from types import FrameType
+from typing import Any
 
 from .errors import HungUp, Interrupted, IOFailure, Terminated
 
@@ -58,14 +60,56 @@ def _handler(signum: int, _frame: FrameType | None) -> None:
         raise Signalled(signum)
 
 
+#: the signals ckpt turns into an interruption (exit 129, 130, 143), where the OS has them
+STOP_SIGNALS = frozenset(
+    s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGHUP")) if s is not None
+)
+
+
+class HeldStopSignals:
+    """The stop signals deferred while a staging folder is made and its cleanup armed.
+
+    A Python-level hold rather than a signal mask: the OS hands a process-directed signal to
+    any thread that does not block it (torch's, an upload pool's, a test server's), and
+    Python then runs the handler in the main thread all the same, so masking the main thread
+    alone held nothing once another thread was running. Here the handlers themselves are
+    swapped for one that notes the signal; `release` puts them back and raises the signal
+    that came meanwhile, so it lands where the caller can clean up. Only the main thread can
+    swap handlers (elsewhere nothing is held: signals are not handled there anyway).
+    """
+
+    def __init__(self) -> None:
+        self.arrived: int | None = None
+        self.previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers]
+        self.previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in STOP_SIGNALS:
+            handler = signal.getsignal(signum)
+            if handler is not None:  # None: set outside Python, which could not be put back
+                self.previous[signum] = handler
+                signal.signal(signum, self._note)
+
+    def _note(self, signum: int, _frame: FrameType | None) -> None:
+        if self.arrived is None:
+            self.arrived = signum
+
+    def release(self) -> None:
+        """Put the handlers back; a signal that came meanwhile is raised now, through them."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+        if self.arrived is not None:
+            arrived, self.arrived = self.arrived, None
+            signal.raise_signal(arrived)
+
+
 def install_handlers() -> None:
     """Handle SIGINT, SIGTERM and SIGHUP in the main thread (no-op elsewhere)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-        signum = getattr(signal, name, None)
-        if signum is not None:
-            signal.signal(signum, _handler)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _handler)
 
 
 def interruption(

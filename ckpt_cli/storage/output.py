@@ -28,7 +28,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import signal
 import tempfile
 import threading
 import uuid
@@ -37,11 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from types import FrameType
 from typing import Any
 
 from ..errors import DestinationExistsError, HubError, IOFailure, NotFoundError, UsageError
-from ..faults import interruption, io_failure
+from ..faults import HeldStopSignals, interruption, io_failure
 from ..formats.names import is_commit_marker
 from ..progress import NULL_PROGRESS, Progress
 from . import remote_failure
@@ -203,50 +201,6 @@ def check_destination(dest: Destination, force: bool) -> None:
         )
 
 
-#: the signals ckpt turns into an interruption (exit 129, 130, 143), where the OS has them
-_STOP_SIGNALS = frozenset(
-    s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGHUP")) if s is not None
-)
-
-
-class _HeldSignals:
-    """The stop signals deferred while a staging folder is made and its cleanup armed.
-
-    A Python-level hold rather than a signal mask: the OS hands a process-directed signal to
-    any thread that does not block it (torch's, an upload pool's, a test server's), and
-    Python then runs the handler in the main thread all the same, so masking the main thread
-    alone held nothing once another thread was running. Here the handlers themselves are
-    swapped for one that notes the signal; `release` puts them back and raises the signal
-    that came meanwhile, so it lands where the caller can clean up. Only the main thread can
-    swap handlers (elsewhere nothing is held: signals are not handled there anyway).
-    """
-
-    def __init__(self) -> None:
-        self.arrived: int | None = None
-        self.previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers]
-        self.previous = {}
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in _STOP_SIGNALS:
-            handler = signal.getsignal(signum)
-            if handler is not None:  # None: set outside Python, which could not be put back
-                self.previous[signum] = handler
-                signal.signal(signum, self._note)
-
-    def _note(self, signum: int, _frame: FrameType | None) -> None:
-        if self.arrived is None:
-            self.arrived = signum
-
-    def release(self) -> None:
-        """Put the handlers back; a signal that came meanwhile is raised now, through them."""
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        self.previous = {}
-        if self.arrived is not None:
-            arrived, self.arrived = self.arrived, None
-            signal.raise_signal(arrived)
-
-
 @contextmanager
 def staged_output(
     dest: Destination,
@@ -271,7 +225,7 @@ def staged_output(
     # a signal between the staging folder's creation and the `try` that removes it would
     # leave the folder behind (and say nothing of it): the signals that stop ckpt are held
     # until the `try` is entered, where the one that came meanwhile is raised
-    held = _HeldSignals()
+    held = HeldStopSignals()
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
     except OSError as exc:
@@ -291,7 +245,7 @@ def staged_output(
         else:
             fsync_dir(staging)
             source = staging
-        _publish(source, dest, force)
+        publish(source, dest, force=force)
         fsync_dir(dest.parent)
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP
         shutil.rmtree(staging, ignore_errors=True)
@@ -374,7 +328,10 @@ def leftover_old_copies(dest: Path) -> list[Path]:
         return []
 
 
-def _publish(source: Path, dest: Path, force: bool) -> None:
+def publish(source: Path, dest: Path, *, force: bool) -> None:
+    """Rename the finished `source` to `dest`; with `force`, in place of what `dest` holds
+    (one atomic exchange where the filesystem has it, else through `.DEST.ckpt-old-PID`,
+    never leaving `dest` missing on a failed rename), the replaced copy then removed."""
     if not (dest.exists() or dest.is_symlink()):
         os.rename(source, dest)
         return
@@ -419,7 +376,7 @@ def _staged_remote(
     dest: RemoteDest, *, force: bool, single_file: bool, progress: Progress
 ) -> Iterator[Path]:
     check_destination(dest, force)
-    held = _HeldSignals()  # as in `staged_output`: no signal before the `try`
+    held = HeldStopSignals()  # as in `staged_output`: no signal before the `try`
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}"))
     except BaseException:

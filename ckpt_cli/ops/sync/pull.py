@@ -10,11 +10,11 @@ from typing import Any
 
 from ...errors import CkptError, FormatError, NotFoundError, UnsafeInputError
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
-from ...sources.runs.naming import deepspeed_tag, int_or_none
+from ...sources.runs.naming import deepspeed_step, deepspeed_tag
 from ...sources.runs.records import checksum_manifest_of
 from ...storage import LocalStorage, Storage
 from ...storage.hashing import hasher_factory
-from ...storage.output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir
+from ...storage.output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir, publish
 from ..verify.checksums import MANIFEST_NAME, ChecksumManifest
 from .model import RateLimit, SyncedCheckpoint, SyncReport
 from .plan import ROOT_FILES, left_out, remote_manifest
@@ -223,10 +223,9 @@ def _download(
                 _stamp(staging / MANIFEST_NAME, storage, manifest_rel)
         _drop_leftovers(staging, files, c.name if is_dir else None)
         fsync_dir(staging)
-        if is_dir and replace:
-            _publish_over(staging, final)
-        elif is_dir:
-            os.rename(staging, final)
+        if is_dir:
+            # over the local copy when it is replaced (`_resynced_since_pulled`)
+            publish(staging, final, force=replace)
         else:
             # plain files of one step (`model_500.pt`, `optim_500.pt`) land side by side
             for rel in files:
@@ -277,17 +276,6 @@ def _resynced_since_pulled(
         return False
 
 
-def _publish_over(staging: Path, final: Path) -> None:
-    """Put the staging folder where `final` is: the old copy is moved aside (hidden; a crash
-    right then leaves it to be judged an interrupted save, and the next pull fetches the
-    checkpoint anew), then removed."""
-    aside = final.parent / f".{final.name}{TMP_MARKER}replaced"
-    shutil.rmtree(aside, ignore_errors=True)
-    os.rename(final, aside)
-    os.rename(staging, final)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
 def _root_file_newer(name: str, remote: bytes, local: bytes | None, held: set[str]) -> bool:
     """Whether the remote copy of a run folder's own file should be written here (`local`:
     the file here, None when there is none).
@@ -304,10 +292,9 @@ def _root_file_newer(name: str, remote: bytes, local: bytes | None, held: set[st
             return False
         if local is None:
             return True
-        mine = deepspeed_tag(local.decode(errors="replace"))
-        theirs_step = int_or_none(tag.removeprefix("global_step"))
-        mine_step = int_or_none(mine.removeprefix("global_step")) if mine else None
-        return mine_step is None or theirs_step is None or theirs_step >= mine_step
+        theirs = deepspeed_step(tag)
+        mine = deepspeed_step(deepspeed_tag(local.decode(errors="replace")))
+        return mine is None or theirs is None or theirs >= mine
     return local is None or (len(remote) > len(local) and remote.startswith(local))
 
 

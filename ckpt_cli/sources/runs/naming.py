@@ -127,6 +127,11 @@ def deepspeed_tag(text: str) -> str | None:
     return tag
 
 
+def deepspeed_step(tag: str | None) -> int | None:
+    """The step of a DeepSpeed tag (`global_step500` -> 500); None for another tag."""
+    return int_or_none(tag.removeprefix("global_step")) if tag else None
+
+
 def step_order(step: int | None, epoch: float | None, mtime: float) -> tuple[float, float, float]:
     """Newest-first order known before judging: step, epoch, then the entry's own time."""
     return (

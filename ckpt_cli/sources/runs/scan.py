@@ -21,8 +21,8 @@ from .judge import best_by_metric, judge_found, newest_trainer_state, read_deeps
 from .naming import (
     COMPARED,
     by_content,
+    deepspeed_step,
     expected_parts,
-    int_or_none,
     part_names,
     step_order,
 )
@@ -128,7 +128,7 @@ def scan(
     now = time.time() if now is None else now
     items = [by_content(item, run.files(item)) for item in run.discover()]
     ds_latest = read_deepspeed_latest(run.storage)
-    ds_step = int_or_none(ds_latest.removeprefix("global_step")) if ds_latest else None
+    ds_step = deepspeed_step(ds_latest)
     expected = expected_parts_of(run, items)
     judged: list[RunCheckpoint] = []
 
