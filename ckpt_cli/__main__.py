@@ -6,6 +6,8 @@ runs (a command module or its operation still importing), `conventions.CkptGroup
 same way: 130, 143, 129, with the message on stderr.
 """
 
+import errno
+import io
 import os
 import signal
 import sys
@@ -14,16 +16,21 @@ from typing import NoReturn
 
 def run() -> int:
     """Install the signal handlers, then import and run the CLI: its exit status."""
-    from . import faults, heap
-
-    faults.install_handlers()
-    heap.pause_start_up()  # until the command's work begins: see `heap`
-    # pydantic looks for plugins (logfire and the like) by reading the entry points of every
-    # installed distribution, on the first model it builds: ~25 ms of a metadata command in a
-    # large environment, for plugins that observe services, not a command line. An explicit
-    # PYDANTIC_DISABLE_PLUGINS (even empty, which loads them all) is left as the user set it.
-    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "1")
+    if sys.stdout is None:  # started with stdout closed (`>&-`): Python leaves None there
+        sys.stdout = _ClosedStream()
     try:
+        # inside the `try`: Ctrl-C while these first modules import is Python's own
+        # KeyboardInterrupt, reported as any other (SIGTERM then still kills at once)
+        from . import faults, heap
+
+        faults.install_handlers()
+        heap.pause_start_up()  # until the command's work begins: see `heap`
+        # pydantic looks for plugins (logfire and the like) by reading the entry points of
+        # every installed distribution, on the first model it builds: ~25 ms of a metadata
+        # command in a large environment, for plugins that observe services, not a command
+        # line. An explicit PYDANTIC_DISABLE_PLUGINS (even empty, which loads them all) is
+        # left as the user set it.
+        os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "1")
         from .cli.app import main
 
         main()
@@ -31,10 +38,28 @@ def run() -> int:
     except SystemExit as exc:  # typer ends every command so, with its exit status
         code = _status(exc.code)
     except KeyboardInterrupt as exc:  # arrived outside a command (imports, argument parsing)
+        from . import faults
+        from .cli.render import emit_early_interruption
+
         error = faults.interruption(exc)
-        sys.stderr.write(f"ckpt: {error.message}\n")
+        emit_early_interruption(error, sys.argv[1:])
         code = error.exit_code
     return code
+
+
+class _ClosedStream(io.TextIOBase):
+    """stdout when the process was started without one: a write fails as a write to a closed
+    descriptor does (EBADF), so a command that prints its result reports it with exit 74
+    instead of printing nowhere and calling that success."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "standard output is closed")
+
+    def isatty(self) -> bool:
+        return False
 
 
 def entry() -> NoReturn:
@@ -64,6 +89,8 @@ def _leave(code: int) -> NoReturn:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # closed when the process started
+            continue
         try:
             stream.flush()
         except BrokenPipeError:  # `ckpt ... | head -1`: the reader is gone, not an error

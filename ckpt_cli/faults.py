@@ -39,6 +39,7 @@ _FIXES = {
     errno.EPERM: "Operation not permitted: check the permissions of the file and its folder.",
     errno.EXDEV: "The rename crossed filesystems: put DEST on the same filesystem as its parent.",
     errno.EMFILE: "Too many open files: raise the limit (ulimit -n) and run again.",
+    errno.EBADF: "The stream is closed (`>&-`?): point it at a file or at /dev/null.",
 }
 
 
@@ -119,11 +120,14 @@ def interruption(
 ) -> Interrupted:
     """The error to report for an interruption: by SIGTERM (143), SIGHUP (129) or Ctrl-C (130)."""
     signum = exc.signum if isinstance(exc, Signalled) else received
+    fix = "Run the command again when ready (partial outputs are removed)."
     if signum == getattr(signal, "SIGTERM", None):
-        return Terminated(problem.replace("interrupted", "terminated (SIGTERM)", 1), path=path)
+        problem = problem.replace("interrupted", "terminated (SIGTERM)", 1)
+        return Terminated(problem, path=path, fix=fix)
     if signum == getattr(signal, "SIGHUP", None):
-        return HungUp(problem.replace("interrupted", "hung up (SIGHUP)", 1), path=path)
-    return Interrupted(problem, path=path)
+        problem = problem.replace("interrupted", "hung up (SIGHUP)", 1)
+        return HungUp(problem, path=path, fix=fix)
+    return Interrupted(problem, path=path, fix=fix)
 
 
 def io_failure(

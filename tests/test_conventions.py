@@ -6,6 +6,7 @@ Each command runs as a real process with stdout/stderr as pipes and as a pseudo-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -108,8 +109,14 @@ def invocations(world: dict[str, Path], tmp: Path) -> dict[str, list[str]]:
 # -- pipes and terminals ----------------------------------------------------------------------
 
 
-def test_piped_output_is_one_record_per_line_never_wrapped(world: dict[str, Path]) -> None:
-    result = run_ckpt_process("inspect", world["model"], "--list", env={"COLUMNS": "40"})
+@pytest.mark.parametrize("colour", [{}, {"FORCE_COLOR": "1"}], ids=["plain", "FORCE_COLOR"])
+def test_piped_output_is_one_record_per_line_never_wrapped(
+    world: dict[str, Path], colour: dict[str, str]
+) -> None:
+    # FORCE_COLOR (common in CI) makes rich call a pipe a terminal: colour is the user's
+    # choice there, but records cut at COLUMNS were not
+    env = {"COLUMNS": "40", **colour}
+    result = run_ckpt_process("inspect", world["model"], "--list", env=env)
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     # `ckpt inspect X -l | grep NAME` finds the whole record on one line
@@ -186,12 +193,22 @@ def test_a_closed_pipe_exits_quietly_with_141(tmp_path: Path) -> None:
     assert stderr == ""  # no traceback, no "Exception ignored", no error message
 
 
-def test_help_into_a_closed_pipe_exits_141_too() -> None:
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["convert", "--help"],
+        ["inspect", "--no-such-option", "--json"],  # the usage error's envelope
+        ["no-such-command", "--json"],
+        [],  # bare `ckpt`: its help
+    ],
+    ids=["help", "usage-error", "no-such-command", "bare"],
+)
+def test_help_and_usage_errors_into_a_closed_pipe_exit_141_too(args: list[str]) -> None:
     # `ckpt --help | true`: the reader is gone before ckpt writes
     reader, writer = os.pipe()
     os.close(reader)
     done = subprocess.run(
-        [sys.executable, "-m", "ckpt_cli", "convert", "--help"],
+        [sys.executable, "-m", "ckpt_cli", *args],
         stdout=writer,
         stderr=subprocess.PIPE,
         env=_env(),
@@ -200,6 +217,39 @@ def test_help_into_a_closed_pipe_exits_141_too() -> None:
     os.close(writer)
     assert done.returncode == 141, done.stderr
     assert b"Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("json_output", [False, True], ids=["human", "json"])
+@pytest.mark.parametrize("stdout", ["full", "closed"])
+def test_a_stdout_that_refuses_the_result_is_an_io_error_not_a_crash(
+    world: dict[str, Path], tmp_path: Path, stdout: str, json_output: bool
+) -> None:
+    """`ckpt inspect X > /dev/full` (or with stdout closed, `>&-`) was a Python traceback and
+    exit 1, which a script reads as "problems found": it is exit 74 naming the errno, as
+    for any other file that cannot be written."""
+    if stdout == "full" and not Path("/dev/full").exists():
+        pytest.skip("this system has no /dev/full")
+    run = trainer_run(tmp_path)
+    for args in (["inspect", str(world["model"]), "--list"], ["latest", str(run)]):
+        args += ["--json"] if json_output else []
+        with contextlib.ExitStack() as stack:
+            target: Any = stack.enter_context(open("/dev/full", "w")) if stdout == "full" else None
+            done = subprocess.run(
+                [sys.executable, "-m", "ckpt_cli", *args],
+                stdout=target,
+                stderr=subprocess.PIPE,
+                env=_env(),
+                timeout=120,
+                # `>&-`: the child starts without a file descriptor 1
+                preexec_fn=None if stdout == "full" else _close_stdout,
+            )
+        assert done.returncode == 74, done.stderr
+        errno_name = "ENOSPC" if stdout == "full" else "EBADF"
+        assert errno_name in done.stderr.decode() and b"Traceback" not in done.stderr
+
+
+def _close_stdout() -> None:
+    os.close(1)
 
 
 # -- terminal escape injection (#19 item 14) ---------------------------------------------------

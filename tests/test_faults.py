@@ -776,3 +776,41 @@ def test_sigterm_and_sighup_during_start_up_exit_143_and_129_with_a_message(
     assert proc.returncode == code, stderr
     name = "terminated (SIGTERM)" if signum == signal.SIGTERM else "hung up (SIGHUP)"
     assert name in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    ("module", "signum", "code"),
+    [
+        # the first module the entry point imports, before any handler: Python's own Ctrl-C
+        # (SIGTERM there kills the process outright, as it does any program)
+        ("ckpt_cli.faults", signal.SIGINT, 130),
+        ("typer", signal.SIGINT, 130),  # the CLI framework, once the handlers are in
+        ("typer", signal.SIGTERM, 143),
+        ("ckpt_cli.ops.inspect", signal.SIGINT, 130),  # imported inside typer's invocation
+        ("ckpt_cli.ops.inspect", signal.SIGTERM, 143),
+    ],
+)
+def test_a_signal_during_start_up_still_gives_the_json_envelope(
+    tmp_path: Path, module: str, signum: int, code: int
+) -> None:
+    """`--json` promises one envelope on every failure, an interruption included: a signal in
+    the start-up (a loaded machine makes it seconds) printed none, and before the handlers
+    were installed a Ctrl-C was a traceback."""
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HELD_IMPORT, module, "inspect", str(src), "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "held", proc.communicate()
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr
+    envelope = json.loads(stdout)  # one envelope, nothing else
+    assert envelope["command"] == "inspect" and envelope["exit_code"] == code
+    assert envelope["error"]["fix"] and "Traceback" not in stderr, stderr

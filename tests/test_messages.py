@@ -119,6 +119,25 @@ def test_verify_algo_without_a_manifest_operation_is_a_usage_error(tmp_path: Pat
     assert written.exit_code == 0, written.stderr
 
 
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (["--manifest", "elsewhere.json"], "--manifest elsewhere.json names the manifest of"),
+        (["--force"], "--force applies to --write-manifest only"),
+    ],
+)
+def test_verify_options_that_would_check_nothing_are_usage_errors(
+    tmp_path: Path, options: list[str], said: str
+) -> None:
+    """`verify --manifest M` without `--checksums` used to check nothing and say OK, exit 0:
+    a false pass for a user who expected the manifest to be checked."""
+    _model(tmp_path / "m.safetensors")
+    result = run_ckpt("verify", tmp_path / "m.safetensors", *options, "--json")
+    assert result.exit_code == 2, result.stdout
+    assert said in result.json["error"]["message"] and result.json["error"]["fix"]
+    assert not (tmp_path / "elsewhere.json").exists()
+
+
 def test_a_rename_rule_that_matches_nothing_warns(tmp_path: Path) -> None:
     from safetensors import safe_open
 
@@ -326,3 +345,23 @@ def test_diff_applies_revision_to_its_hub_side(published: TestHub, tmp_path: Pat
     assert fetched.exit_code == 0, fetched.stderr
     same = run_ckpt("diff", tmp_path / "local", "hf://org/model", "--revision", "main")
     assert same.exit_code == 0, same.stdout + same.stderr
+
+
+def test_a_dry_run_is_refused_where_the_real_run_would_be(tmp_path: Path) -> None:
+    """`convert -n` onto an existing DEST and `protect -n` of a protected checkpoint said
+    "would write" and exited 0, where the real runs are refused (exit 2)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    _model(model / "model.safetensors")
+    dest = tmp_path / "out"
+    assert run_ckpt("convert", model, dest, "--to", "dcp").exit_code == 0
+    before = sorted(p.name for p in dest.iterdir())
+    for command in (["convert", model, dest, "--to", "dcp"], ["protect", model]):
+        real = run_ckpt(*command, "--json")
+        if command[0] == "protect":  # the first one protects, the second is refused
+            assert real.exit_code == 0, real.stdout
+            real = run_ckpt(*command, "--json")
+        dry = run_ckpt(*command, "--dry-run", "--json")
+        assert real.exit_code == dry.exit_code == 2, (real.stdout, dry.stdout)
+        assert dry.json["error"]["code"] == real.json["error"]["code"]
+    assert sorted(p.name for p in dest.iterdir()) == before

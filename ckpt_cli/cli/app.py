@@ -172,6 +172,28 @@ def run_command(
         render.emit_internal_error(command, exc, json_output and _leader())
         raise typer.Exit(70) from None
     code = exit_code(result)
+    try:
+        _render(command, json_output, result, code, render_human, failure, started)
+    except OSError as exc:  # stdout itself: full, closed, or its reader gone
+        render.output_failed(command, exc)
+    if code:
+        raise typer.Exit(code)
+
+
+def _render(
+    command: str,
+    json_output: bool,
+    result: T,
+    code: int,
+    render_human: Callable[[T], None],
+    failure: Callable[[T, int], CkptError] | None,
+    started: float,
+) -> None:
+    """Print a command's result: its envelope, or its human rendering and warnings."""
+    import time
+
+    from . import render
+
     if _leader():  # under torchrun only rank 0 prints the result
         if json_output:
             found: CkptError | None = None
@@ -191,8 +213,6 @@ def run_command(
                 f"ckpt {command}: done in {time.monotonic() - started:.2f} s (exit {code})",
                 highlight=False,
             )
-    if code:
-        raise typer.Exit(code)
 
 
 def _problems_found(command: str, code: int) -> CkptError:

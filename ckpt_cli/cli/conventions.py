@@ -17,7 +17,7 @@ import types
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import PurePath
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import Annotated, Any, ClassVar, NoReturn, TypeVar
 
 import typer
 import typer.core
@@ -270,13 +270,16 @@ def _conventions(function: Callable[..., Any], name: str | None = None) -> Calla
 class CkptGroup(typer.core.TyperGroup):
     """The root command: parser errors as one line (or one JSON envelope), EPIPE as exit 141."""
 
+    #: the command line being run (set by `main`), for what is reported before a command runs
+    argv: ClassVar[list[str]] = []
+
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().make_context(*args, **kwargs)
-        except BrokenPipeError:  # `ckpt --help | head -1`
-            _closed_pipe()
+        except OSError as exc:  # the help on stdout: `ckpt --help | head -1`, `> /dev/full`
+            _output_failed(exc)
         except KeyboardInterrupt as exc:  # a signal while the arguments are parsed
-            raise typer.Exit(_interrupted(exc)) from None
+            raise typer.Exit(_interrupted(exc, self.argv)) from None
 
     def invoke(self, ctx: Any) -> Any:
         try:
@@ -284,7 +287,7 @@ class CkptGroup(typer.core.TyperGroup):
         except BrokenPipeError:  # `ckpt inspect X --list | head -1`
             _closed_pipe()
         except KeyboardInterrupt as exc:  # a signal before `run_command` (modules importing)
-            raise typer.Exit(_interrupted(exc)) from None
+            raise typer.Exit(_interrupted(exc, self.argv)) from None
 
     def main(  # type: ignore[override]
         self,
@@ -301,6 +304,7 @@ class CkptGroup(typer.core.TyperGroup):
         if render is not None:
             render.set_verbosity(0)
         argv = list(sys.argv[1:] if args is None else args)
+        CkptGroup.argv = argv
         try:
             code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except typer.Abort:
@@ -308,25 +312,29 @@ class CkptGroup(typer.core.TyperGroup):
         except Exception as exc:
             if not _is_parser_error(exc):
                 raise
-            code = _report_parser_error(exc, argv)
+            try:
+                code = _report_parser_error(exc, argv)
+            except OSError as failed:  # its envelope or the help on a stdout that refuses
+                _output_failed(failed)
         code = code if isinstance(code, int) else 0
         if standalone_mode:
             sys.exit(code)
         return code
 
 
-def _interrupted(exc: KeyboardInterrupt | None) -> int:
+def _interrupted(exc: KeyboardInterrupt | None, argv: list[str]) -> int:
     """The exit code of a signal that reached typer rather than `run_command`, its message on
-    stderr: 143 for SIGTERM, 129 for SIGHUP, 130 for Ctrl-C.
+    stderr (and with `--json` its envelope): 143 for SIGTERM, 129 for SIGHUP, 130 for Ctrl-C.
 
     A command module or its operation still importing (a loaded machine makes that seconds),
     or arguments being parsed: typer would map every `KeyboardInterrupt`, SIGTERM's and
     SIGHUP's too (`faults.Signalled`), to 130 and say nothing.
     """
     from .. import faults
+    from .render import emit_early_interruption
 
     error = faults.interruption(exc)
-    sys.stderr.write(f"ckpt: {error.message}\n")
+    emit_early_interruption(error, argv)
     return error.exit_code
 
 
@@ -336,18 +344,15 @@ def _closed_pipe() -> NoReturn:
     closed_pipe_exit()
 
 
+def _output_failed(exc: OSError) -> NoReturn:
+    from .render import output_failed
+
+    output_failed("ckpt", exc, what="the help or the usage error")
+
+
 def _is_parser_error(exc: BaseException) -> bool:
     # click's ClickException, recognised by its interface (typer re-exports no base class)
     return isinstance(getattr(exc, "exit_code", None), int) and hasattr(exc, "format_message")
-
-
-def _command_of(argv: list[str]) -> str | None:
-    for token in argv:
-        if token == "--":
-            return None
-        if not token.startswith("-"):
-            return token
-    return None
 
 
 def _report_parser_error(exc: Any, argv: list[str]) -> int:
@@ -359,7 +364,7 @@ def _report_parser_error(exc: Any, argv: list[str]) -> int:
     if ctx is not None and getattr(ctx, "parent", None) is not None:
         command = ctx.info_name or "ckpt"
     elif ctx is None:
-        command = _command_of(argv) or "ckpt"
+        command = render.command_of(argv) or "ckpt"
     message = str(exc.format_message()).strip()
     if type(exc).__name__ == "NoArgsIsHelpError":
         # `ckpt` alone: the help is the message, for people; not an error box
@@ -367,8 +372,7 @@ def _report_parser_error(exc: Any, argv: list[str]) -> int:
         return int(exc.exit_code)
     where = f"ckpt {command}" if command != "ckpt" else "ckpt"
     error = UsageError(message, fix=f"Run '{where} --help' for the options.")
-    json_output = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
-    render.emit_error(command, error, json_output, exit_code=int(exc.exit_code))
+    render.emit_error(command, error, render.json_requested(argv), exit_code=int(exc.exit_code))
     return int(exc.exit_code)
 
 

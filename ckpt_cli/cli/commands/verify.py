@@ -90,23 +90,8 @@ def verify(
     chunk coverage). Exit 0 when all holds, 1 when problems were found, 3/4 when SRC cannot be
     read at all. Never modifies the checkpoint (except writing the manifest when asked).
     """
-    from ...errors import ProblemsFound, UsageError
+    from ...errors import ProblemsFound
     from ...ops.verify.run import VerifyReport, VerifyRequest, verify_with
-
-    if algo is not None and not write_manifest:
-        # checking uses the algorithm the manifest records; --algo would silently do nothing
-        from ..render import emit_error
-
-        emit_error(
-            "verify",
-            UsageError(
-                f"--algo {algo} applies to --write-manifest only (checking uses the algorithm "
-                "the manifest records)",
-                fix="Add --write-manifest to record a manifest with it, or leave --algo out.",
-            ),
-            json_output,
-        )
-        raise typer.Exit(2)
     from ..render.progress import bar
 
     def render(report: VerifyReport) -> None:

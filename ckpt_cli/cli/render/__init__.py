@@ -6,6 +6,7 @@ errors, warnings and progress go to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -52,6 +53,57 @@ def closed_pipe_exit() -> NoReturn:
     except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
         pass  # not a real file descriptor (the in-process test runner)
     raise SystemExit(CLOSED_PIPE_EXIT)
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand named on a command line (its first word that is not an option)."""
+    for token in argv:
+        if token == "--":
+            return None
+        if not token.startswith("-"):
+            return token
+    return None
+
+
+def json_requested(argv: list[str]) -> bool:
+    """Whether a command line asks for the JSON envelope (`--json` before any `--`)."""
+    return "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
+
+
+def emit_early_interruption(error: CkptError, argv: list[str]) -> None:
+    """A signal before any command ran (modules importing, arguments parsed): the message on
+    stderr and, with `--json`, the envelope. Plain writes: rich may be what was importing."""
+    command = command_of(argv) or "ckpt"
+    try:
+        if json_requested(argv):
+            _print_json(envelope(command, None, error.exit_code, error))
+        sys.stderr.write(f"{_prog(command)}: error: {safe_text(error.message)}\n")
+    except (OSError, ValueError, AttributeError):
+        pass  # a stream closed or gone: the exit status still says it
+
+
+def output_failed(
+    command: str, exc: OSError, what: str = "the result (the command itself ran to its end)"
+) -> NoReturn:
+    """Stop after stdout itself refused a write: 141 for a reader gone, else exit 74 with the
+    errno on stderr (`ckpt inspect X > /dev/full`, stdout closed), as for any other file.
+
+    A `--json` envelope cannot be delivered on the stream that failed; the message goes to
+    stderr either way. The result was computed and nothing was written but stdout.
+    """
+    from ... import faults
+
+    if isinstance(exc, BrokenPipeError):
+        closed_pipe_exit()
+    try:  # what is still buffered must not fail again at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass
+    error = faults.io_failure(exc, "standard output", doing=f"writing {what}")
+    with contextlib.suppress(OSError):  # stderr refuses too (`2>/dev/full`): the status says it
+        emit_error(command, error, json_output=False)
+    raise SystemExit(error.exit_code)
 
 
 if TYPE_CHECKING:

@@ -19,8 +19,19 @@ class SafeConsole(Console):
     """
 
     @property
+    def on_terminal(self) -> bool:
+        """Whether the stream really is a terminal. rich's `is_terminal` is also true when
+        FORCE_COLOR or TTY_COMPATIBLE ask for colour (common in CI), and colour into a pipe is
+        the user's choice, but wrapping a record at COLUMNS there is not: width, tables and
+        progress follow the stream itself."""
+        try:
+            return self.file.isatty()
+        except (AttributeError, ValueError, OSError):
+            return False
+
+    @property
     def size(self) -> ConsoleDimensions:
-        if not self.is_terminal:
+        if not self.on_terminal:
             return ConsoleDimensions(UNWRAPPED_WIDTH, 25)
         return super().size
 

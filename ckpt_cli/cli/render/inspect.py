@@ -287,7 +287,7 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
     if show_tensors:
         rows = [_entry_row(e) for e in report.entries]
         stdout.print()
-        if not stdout.is_terminal:
+        if not stdout.on_terminal:
             _print_columns(rows)
             return
         table = Table(box=None, pad_edge=False, show_edge=False)

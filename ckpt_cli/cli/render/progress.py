@@ -47,7 +47,7 @@ def bar(enabled: bool = True) -> Iterator[ProgressSink]:
         return
     from . import stderr
 
-    if not stderr.is_terminal or stderr.quiet:
+    if not stderr.on_terminal or stderr.quiet:
         yield NULL_PROGRESS
         return
     from rich.progress import (

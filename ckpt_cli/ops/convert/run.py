@@ -26,7 +26,7 @@ from ...sizes import parse_size
 from ...sources.layouts import OpenedSource, folder_layout_named, open_source
 from ...sources.layouts.megatron import keep_megatron_layout
 from ...sources.layouts.model_folders import Component
-from ...storage.output import Destination, resolve_destination
+from ...storage.output import Destination, check_destination, resolve_destination
 from ..shared.architecture import (
     ArchitectureReport,
     default_select,
@@ -282,6 +282,10 @@ def convert(
         to, serialization=dcp_serialization, compression=dcp_compression, world_size=world_size
     )
     dest_path = resolve_destination(dest)
+    if dry_run and not match_prefix:
+        # the real run refuses an existing DEST (or a missing parent) before any work: its dry
+        # run says so too. A component's own DEST (under the whole one) is planned, not checked
+        check_destination(dest_path, force)
     shard_size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     check_shard_size(target, shard_size)
     cast = dtypes.parse_user_dtype(dtype) if dtype else None

@@ -260,7 +260,7 @@ def _prepare(
     block = -(-block // BLOCK_ALIGN) * BLOCK_ALIGN
     target = open_parity_target(src)
     storage = target.storage
-    if check and not force and not options.dry_run and read_parity_manifest(target) is not None:
+    if check and not force and read_parity_manifest(target) is not None:
         raise DestinationExistsError(
             "is protected already",
             path=storage.describe(target.manifest_rel),

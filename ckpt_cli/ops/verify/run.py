@@ -175,6 +175,28 @@ def verify_with(
             "--checksums and --write-manifest do not go together",
             fix="Write the manifest once (--write-manifest), then check with --checksums.",
         )
+    # an option that would do nothing is refused, not ignored: `--manifest m.json` alone
+    # checked nothing and said OK
+    alone = [
+        option
+        for option, given in (
+            (f"--algo {algo}", algo is not None),
+            ("--force", force),
+        )
+        if given and not write_manifest
+    ]
+    if alone:
+        raise UsageError(
+            f"{' and '.join(alone)} {'applies' if len(alone) == 1 else 'apply'} to "
+            "--write-manifest only (checking uses the algorithm the manifest records)",
+            fix="Add --write-manifest to record a manifest, or leave them out.",
+        )
+    if manifest is not None and not (checksums or write_manifest):
+        raise UsageError(
+            f"--manifest {manifest} names the manifest of --checksums or --write-manifest, and "
+            "neither was given: nothing would be checked against it",
+            fix="Add --checksums to check against it (or --write-manifest to write it).",
+        )
     if algo is not None and algo not in ALGORITHMS:
         raise UsageError(f"unknown --algo {algo!r}", fix=f"Use one of {', '.join(ALGORITHMS)}.")
     # SRC is resolved once (one listing, one Hub lookup) and opened at most once: every check
