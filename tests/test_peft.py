@@ -51,10 +51,30 @@ def test_convert_and_reshard_keep_the_peft_names(
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
     resharded = tmp_path / "resharded"
-    assert run_ckpt("reshard", lora_adapter, resharded, "--max-shard-size", "1KB").exit_code == 0
-    names = {p.name for p in resharded.iterdir()}
-    assert "adapter_model.safetensors.index.json" in names and "adapter_config.json" in names
-    assert any(n.startswith("adapter_model-00001-of-") for n in names)
+    assert run_ckpt("reshard", lora_adapter, resharded, "--max-shard-size", "1GB").exit_code == 0
+    assert {p.name for p in resharded.iterdir()} >= {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+    }
+    got = _load_peft(tiny_llama, resharded)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_an_adapter_is_never_cut_into_shards_peft_cannot_load(
+    lora_adapter: Path, tmp_path: Path
+) -> None:
+    """peft reads one `adapter_model.safetensors`: `adapter_model-00001-of-00003` plus an index
+    failed in `PeftModel.from_pretrained`, in the Trainer's resume and in `ckpt merge`."""
+    out = tmp_path / "cut"
+    for args in (
+        ["reshard", lora_adapter, out, "--max-shard-size", "1KB"],
+        ["reshard", lora_adapter, out, "--max-shard-size", "1KB", "--dry-run"],
+        ["convert", lora_adapter, out, "--to", "safetensors", "--max-shard-size", "1KB"],
+    ):
+        result = run_ckpt(*args, "--json")
+        assert result.exit_code == 2, result.stdout
+        assert "peft loads them from one file only" in result.json["error"]["message"]
+        assert not out.exists()
 
 
 def test_merge_equals_peft_merge_and_unload(

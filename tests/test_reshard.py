@@ -687,3 +687,38 @@ def test_interrupted_reshard_leaves_no_destination(
     assert not dest.exists()
     assert list(tmp_path.iterdir()) == []
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_reshard_names_every_file_it_does_not_write_and_never_carries_the_source_manifest(
+    tmp_path: Path,
+) -> None:
+    """`reshard --max-shard-size` left out a `.bin` beside the `.safetensors`, a subfolder's
+    file and the like without a line (its `skipped` was always empty), and copied the source's
+    `ckpt-manifest.json` into DEST, where `verify --checksums` then failed on a fresh output."""
+    src = tmp_path / "model"
+    src.mkdir()
+    state = {f"layers.{i}.weight": torch.full((64, 16), float(i)) for i in range(4)}
+    save_torch_state_dict(state, str(src))
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    torch.save(state, src / "pytorch_model.bin")
+    (src / "original").mkdir()
+    torch.save(state, src / "original" / "consolidated.00.pth")
+    assert run_ckpt("verify", src, "--write-manifest").exit_code == 0
+    for command in (
+        ["reshard", src, tmp_path / "resharded", "--max-shard-size", "5KB"],
+        ["convert", src, tmp_path / "converted", "--to", "dcp"],
+    ):
+        result = run_ckpt(*command, "--json")
+        assert result.exit_code == 0, result.stdout
+        out = Path(command[2])
+        assert not (out / "ckpt-manifest.json").exists()
+        skipped = {
+            s.get("path", s.get("name")): s["reason"] for s in result.json["result"]["skipped"]
+        }
+        assert {"pytorch_model.bin", "original/consolidated.00.pth", "ckpt-manifest.json"} <= set(
+            skipped
+        ), skipped
+        assert "--write-manifest" in skipped["ckpt-manifest.json"]
+        # the output gets a manifest of its own, and it checks
+        assert run_ckpt("verify", out, "--write-manifest").exit_code == 0
+        assert run_ckpt("verify", out, "--checksums").exit_code == 0

@@ -242,10 +242,24 @@ def test_convert_and_reshard_carry_the_model_folder_files(
     assert not (bare2 / "config.json").exists()
 
 
-@pytest.mark.parametrize(
-    ("run", "step"),
-    [("real_trainer_run", "checkpoint-4"), ("real_accelerate_run", "step-4")],
-)
+def test_reshard_by_size_of_an_accelerate_save_is_refused_since_accelerate_could_not_load_it(
+    real_accelerate_run: Path, tmp_path: Path
+) -> None:
+    """accelerate's `load_state` reads one `model{_i}.safetensors` per model, never shards
+    with an index: the resharded copy failed to load, and with two prepared models their
+    weights were regrouped into one set of `model-*` shards (`model_1.weight` became
+    `model.weight`) while `verify --resumable` said OK."""
+    src = real_accelerate_run / "straight" / "step-4"
+    out = tmp_path / "resharded"
+    for dry in ([], ["--dry-run"]):
+        result = run_ckpt("reshard", src, out, "--max-shard-size", "10KB", *dry, "--json")
+        assert result.exit_code == 2, result.stdout
+        assert "accelerate loads one file per model" in result.json["error"]["message"]
+        assert "--select model" in result.json["error"]["fix"]
+        assert not out.exists()
+
+
+@pytest.mark.parametrize(("run", "step"), [("real_trainer_run", "checkpoint-4")])
 def test_reshard_of_a_training_folder_carries_every_component(
     request: pytest.FixtureRequest, run: str, step: str, tmp_path: Path
 ) -> None:

@@ -34,6 +34,7 @@ from ..models import Entry, FileInfo, Record
 from ..progress import NULL_PROGRESS, Progress
 from ..sources.layouts.base import open_plain
 from ..sources.layouts.model_folders import read_json
+from ..sources.runs.records import is_checksum_manifest
 from ..storage.output import local_destination, resolve_destination, staged_output
 from ..storage.uri import parse_location
 from .shared.transfer import plan_transfer
@@ -254,6 +255,7 @@ def _companions(source: Source) -> list[str]:
         and not n.endswith(WEIGHT_SUFFIXES)
         and not n.endswith((SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX))
         and not n.startswith(".")
+        and not is_checksum_manifest(n)  # the base's files' digests, not the merged model's
     )
 
 

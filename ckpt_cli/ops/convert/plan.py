@@ -23,6 +23,7 @@ from ...storage.uri import parse_location
 if TYPE_CHECKING:
     from ...quant import QuantAnalysis
     from ...sources.layouts import OpenedSource
+    from ...sources.layouts.model_folders import Naming
     from ...storage import Storage
     from ..shared.transfer import Item, TransferPlan
 
@@ -159,6 +160,29 @@ def planned_files(
         counted = len(held) if fmt.holds_objects else len(tensors)
         files.append(FileInfo(path=f"{stem}{fmt.index_suffix}", entries=counted))
     return files
+
+
+def check_one_file_naming(
+    convention: Naming | None, plan: TransferPlan, options: WriteOptions, path: str
+) -> None:
+    """Refuse a size cut that the library owning the folder's naming could not load: a PEFT
+    adapter in two shards is a folder `PeftModel.from_pretrained`, the Trainer's resume and
+    `ckpt merge` all fail on (peft reads one `adapter_model.safetensors`)."""
+    from ...formats.safetensors.format import plan_shards
+
+    if convention is None or convention.size_shards or options.max_shard_size is None:
+        return
+    held = [i.target for i in plan.items]
+    shards = plan_shards(held, options.max_shard_size)
+    if len(shards) > 1:
+        need = sum(e.nbytes for e in held if e.kind == "tensor")
+        raise UsageError(
+            f"--max-shard-size ({options.max_shard_size:,} bytes) would cut the "
+            f"{convention.library} weights ({convention.stem}) into {len(shards)} shards, and "
+            f"{convention.library} loads them from one file only",
+            path=path,
+            fix=f"Leave --max-shard-size out, or give at least {need:,} bytes.",
+        )
 
 
 def output_warnings(fmt: type[Format], serialization: str) -> list[str]:

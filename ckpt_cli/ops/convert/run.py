@@ -47,6 +47,7 @@ from ..shared.transfer import (
 from ..shared.transfer import write_checkpoint as run_write
 from .plan import (
     NO_COMPRESSION,
+    check_one_file_naming,
     check_shard_size,
     check_target,
     config_in_dtype,
@@ -474,7 +475,8 @@ def convert(
             # keep the source library's file names (adapter_model, diffusion_pytorch_model...)
             from ...sources.layouts.model_folders import apply_naming
 
-            apply_naming(source, to, options)
+            convention = apply_naming(source, to, options)
+            check_one_file_naming(convention, plan, options, src)
         if dry_run:  # after the naming: a dry run lists the files the real run writes
             report = _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
             return _with_origins(report, origins, architecture)

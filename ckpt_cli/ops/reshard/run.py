@@ -33,11 +33,12 @@ from ...formats.names import INDEX_SUFFIX, SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX
 from ...models import FileInfo
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts.base import Layout, OpenedSource, open_plain
+from ...sources.runs.records import is_checksum_manifest
 from ...storage.output import Destination, check_destination
-from ..convert.plan import guard_paths, local_dest, planned_files
-from ..shared.transfer import plan_transfer, write_checkpoint
+from ..convert.plan import check_one_file_naming, guard_paths, local_dest, planned_files
+from ..shared.transfer import TransferPlan, account_files, plan_transfer, write_checkpoint
 from .folder import reshard_folder
-from .report import RankStateAction, RankStateEntry, ReshardReport
+from .report import RankStateAction, RankStateEntry, ReshardReport, SkippedFile
 from .request import ReshardRequest
 from .world import (
     RANK_STATE_CHOICES,
@@ -113,8 +114,10 @@ def regroup(
     force, dry_run, extras = request.force, request.dry_run, request.extras
     assert isinstance(max_shard_size, int)
     text = source.location.raw
+    opened = _training_layout(source, format)
     with open_plain(source, format) as checkpoint:
-        carried, extra = _carried_files(source, checkpoint, format)
+        carried, extra = _carried_files(source, checkpoint, opened)
+        left_out = [] if extras else extra
         if not extras:
             extra = []
         manifest = checkpoint.manifest
@@ -127,11 +130,19 @@ def regroup(
                 fix="For DCP, change the world size with --world-size N.",
             )
         plan = plan_transfer(manifest, keep_objects=fmt.holds_objects)
+        skipped = _skipped_files(checkpoint, plan, [*carried, *extra], left_out, opened)
         options = WriteOptions(
             max_shard_size=max_shard_size,
             metadata=dict(manifest.metadata),
             basename=_basename(checkpoint),
         )
+        if format is None:
+            # keep the source library's file names and companions (PEFT, diffusers variants),
+            # in a dry run too; never a cut that library could not load
+            from ...sources.layouts.model_folders import apply_naming
+
+            convention = apply_naming(source, manifest.format, options)
+            check_one_file_naming(convention, plan, options, text)
         if dry_run:
             tensors = [i.target for i in plan.items if i.target.kind == "tensor"]
             # the files copied beside the weights are listed as the real run lists them
@@ -150,6 +161,7 @@ def regroup(
                 max_shard_size=max_shard_size,
                 verified=False,
                 dry_run=True,
+                skipped=skipped,
             )
         from ...quant import analyse_checkpoint
         from ..convert.plan import keep_quantized
@@ -159,11 +171,6 @@ def regroup(
         if analysis.quantized:
             keep_quantized(plan, analysis)
             options.together = analysis.together()
-        if format is None:
-            # keep the source library's file names and companions (PEFT, diffusers variants)
-            from ...sources.layouts.model_folders import apply_naming
-
-            apply_naming(source, manifest.format, options)
         shares: list[RankShare] = []
         files, written = write_checkpoint(
             checkpoint,
@@ -191,19 +198,61 @@ def regroup(
             max_shard_size=max_shard_size,
             verified=True,
             ranks=shares,
+            skipped=skipped,
         )
 
 
+def _training_layout(source: Source, format: str | None) -> OpenedSource | None:
+    """The training layout of a folder SRC (None for a file, a plain folder, or `-f`), refused
+    where its framework could not load the weights cut by size (accelerate)."""
+    from ...sources.layouts import folder_layout_named, recognise_layout
+
+    if source.target is not None or format is not None:
+        return None
+    opened = recognise_layout(source)
+    if opened is None or opened.training is None:
+        return opened
+    layout = folder_layout_named(opened.training.layout)
+    if layout is not None and not layout.loads_size_shards:
+        opened.checkpoint.close()
+        raise UsageError(
+            f"--max-shard-size would cut the weights of this {layout.name} save into shards, "
+            f"and {layout.name} loads one file per model (`model.safetensors`, "
+            "`model_1.safetensors`...): the copy would not resume",
+            path=source.location.raw,
+            fix="Export the weights cut by size with `ckpt convert SRC DEST --select model "
+            "--max-shard-size SIZE`, or reshard for another world size with --world-size N.",
+        )
+    return opened
+
+
+def _skipped_files(
+    checkpoint: Checkpoint,
+    plan: TransferPlan,
+    copied: list[str],
+    left_out: list[str],
+    opened: OpenedSource | None,
+) -> list[SkippedFile]:
+    """Every file of the source neither resharded nor copied, with why (`account_files`, as
+    `convert` reports them): a second adapter in a subfolder, a `.bin` beside the
+    `.safetensors`, the source's checksum manifest. They used to vanish without a line."""
+    listed = opened.listed_files if opened is not None else None
+    _, skipped = account_files(
+        checkpoint, plan, [*copied, *left_out], single_file=False, listed=listed
+    )
+    return [SkippedFile(path=r, reason="left out (--no-extras)") for r in left_out] + [
+        SkippedFile(path=s.name, reason=s.reason) for s in skipped
+    ]
+
+
 def _carried_files(
-    source: Source, weights: Checkpoint, format: str | None
+    source: Source, weights: Checkpoint, opened: OpenedSource | None
 ) -> tuple[list[str], list[str]]:
     """(training-state files, extra files) of `source` to copy beside its resharded weights."""
-    from ...sources.layouts import recognise_layout
     from ..shared.transfer import extra_files
 
     if weights.source.target is not None:
         return [], []
-    opened = recognise_layout(source) if format is None else None
     if opened is None:
         return [], extra_files(weights)
     with opened.checkpoint as composite:
@@ -217,6 +266,7 @@ def _carried_files(
         if rel not in own
         and rel not in extra
         and not any(part.startswith(".") for part in rel.split("/"))
+        and not is_checksum_manifest(rel)
     ]
     return carried, extra
 

@@ -33,6 +33,7 @@ from ...formats.names import DCP_DATA_SUFFIX, PICKLE_SUFFIX, WEIGHT_SUFFIXES, lo
 from ...models import Entry, FileInfo, Manifest, Record
 from ...progress import NULL_PROGRESS, CountingProgress, Progress
 from ...sources.model_files import EXTRA_SUFFIXES, MAX_EXTRA_BYTES
+from ...sources.runs.records import is_checksum_manifest
 from ...storage import LocalStorage
 from ...storage.fileio import COPY_BLOCK, FileRange
 from ...storage.uri import parse_location
@@ -530,7 +531,7 @@ def extra_files(checkpoint: Checkpoint) -> list[str]:
         name = rel.rsplit("/", 1)[-1]
         if "/" in rel or rel in used or name.startswith("."):
             continue
-        if rel.endswith(CARRIED_NEVER) or _is_weight_index(name):
+        if rel.endswith(CARRIED_NEVER) or _is_weight_index(name) or is_checksum_manifest(rel):
             continue
         if rel.endswith(EXTRA_SUFFIXES) and (size or 0) <= MAX_EXTRA_BYTES:
             out.append(rel)
@@ -595,6 +596,11 @@ def account_files(
             )
         elif base.startswith("."):
             why = "a hidden file: not part of the checkpoint"
+        elif is_checksum_manifest(rel):
+            why = (
+                "the source's checksum manifest, of the source's files: `ckpt verify DEST "
+                "--write-manifest` records the output's"
+            )
         elif single_file and rel.endswith(EXTRA_SUFFIXES):
             why = "a single-file DEST holds entries only: convert to a folder to carry it"
         elif rel.endswith(EXTRA_SUFFIXES) and (source.files.get(rel) or 0) > MAX_EXTRA_BYTES:

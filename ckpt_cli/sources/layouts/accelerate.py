@@ -43,6 +43,7 @@ class Accelerate(Layout):
     """`Accelerator.save_state` folders (see the module docstring for the names)."""
 
     name = "accelerate"
+    loads_size_shards = False  # `load_accelerator_state`: one model{_i}.safetensors / .bin
     step_folder = re.compile(r"checkpoint_(\d+)")
     #: `save_accelerator_state`: `random_states_{process_index}.pkl` at every world size
     rank_files = re.compile(r"random_states_(\d+)\.pkl")

@@ -88,6 +88,10 @@ class Layout(ABC):
         training_files: top-level files the framework writes for the training save, not for
             a model (DeepSpeed's `zero_to_fp32.py`): a copy of the save carries them, an
             export to a framework naming (`convert --to hf`) leaves them out.
+        loads_size_shards: whether the framework's loader reads weights cut into size shards
+            with an index (the Trainer does, `load_sharded_checkpoint`); accelerate's
+            `load_state` reads one `model{_i}.safetensors` per model, so a `--max-shard-size`
+            copy of its folder would not resume.
     """
 
     name: ClassVar[str]
@@ -96,6 +100,7 @@ class Layout(ABC):
     rank_state_world_size: ClassVar[tuple[str, ...]] = ()
     world_size_cut: ClassVar[Literal["dcp", "zero"]] = "dcp"
     training_files: ClassVar[re.Pattern[str] | None] = None
+    loads_size_shards: ClassVar[bool] = True
 
     @abstractmethod
     def recognise(self, source: Source) -> bool:

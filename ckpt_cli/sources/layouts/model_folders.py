@@ -155,12 +155,15 @@ class Naming:
         variant: a diffusers / transformers weight variant (`fp16`), kept in every name.
         library: who owns the convention (`peft`, `diffusers`), None for the default.
         companions: non-weight files of the layout to carry with the weights.
+        size_shards: whether the library loads weights cut into size shards with an index
+            (diffusers does; peft reads one `adapter_model.safetensors`).
     """
 
     stem: str
     variant: str | None = None
     library: str | None = None
     companions: list[str] = field(default_factory=list)
+    size_shards: bool = True
 
     @property
     def basename(self) -> str:
@@ -187,7 +190,7 @@ def naming(source: Source, base: str = "") -> Naming | None:
     names = [n for n in names if "/" not in n]
     if any(n in ("adapter_model.safetensors", "adapter_model.bin") for n in names):
         companions = [c for c in COMPANIONS["peft"] if c in names]
-        return Naming("adapter_model", library="peft", companions=companions)
+        return Naming("adapter_model", library="peft", companions=companions, size_shards=False)
     variants: set[str | None] = set()
     for name in names:
         match = _DIFFUSERS_WEIGHTS.fullmatch(name) or _DIFFUSERS_INDEX.fullmatch(name)

@@ -34,6 +34,14 @@ def checksum_manifest_of(name: str, is_dir: bool) -> str:
     return f"{name}/{CHECKSUM_MANIFEST}" if is_dir else f"{name}.{CHECKSUM_MANIFEST}"
 
 
+def is_checksum_manifest(rel: str) -> bool:
+    """Whether `rel` is a ckpt checksum manifest (its folder's, or a file's beside it): it
+    describes the files it was written for, so a converted or resharded copy never carries it
+    (`ckpt verify DEST --write-manifest` writes the output's own)."""
+    name = rel.rsplit("/", 1)[-1]
+    return name == CHECKSUM_MANIFEST or name.endswith(f".{CHECKSUM_MANIFEST}")
+
+
 Status = Literal["complete", "incomplete", "interrupted", "writing"]
 
 
