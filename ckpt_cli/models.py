@@ -453,6 +453,10 @@ class TrainingState(Record):
         layout: `hf-trainer`, `accelerate`, `torchtitan`, `lightning`, `deepspeed`, `torch-dict`,
             `dcp` ... (how the state was recognised).
         step / epoch: progress counters when recorded.
+        counter: a progress counter of the framework's own that its loader restores, when
+            the training step itself is not recorded (accelerate's gradient-accumulation
+            counter in `random_states_N.pkl`): it counts as progress for the verdict, but it
+            is not the step.
         weights: tensors / parameters / bytes of the model weights.
         optimizer: the optimizer state, if any.
         scheduler: LR scheduler summary (class, last_epoch...), if any.
@@ -477,6 +481,7 @@ class TrainingState(Record):
     layout: str
     step: int | None = None
     epoch: float | None = None
+    counter: str | None = None
     weights: dict[str, int] = Field(default_factory=dict)
     optimizer: OptimizerState | None = None
     scheduler: dict[str, Any] | None = None

@@ -494,6 +494,65 @@ def test_accelerate_saves_named_automatically_number_saves_not_steps(tmp_path: P
         result = run_ckpt("doctor", target, "--json")
         assert result.exit_code == 0, result.stdout
         assert result.json["result"]["causes"] == []
+    # nor is N a step anywhere else: the saves are ordered by it, but no metric row keyed by
+    # step is matched to them (step 2's loss was credited to checkpoint_2, saved at step 6,
+    # and `prune --keep-best` planned to delete checkpoint_0, the real best)
+    listed = run_ckpt("latest", tmp_path / "run", "--settle", "0", "--json")
+    rows = listed.json["result"]["checkpoints"]
+    assert [(r["name"], r["step"], r["save_number"]) for r in rows] == [
+        (f"checkpoints/checkpoint_{n}", None, n) for n in range(3)
+    ]
+    assert (
+        run_ckpt("inspect", saves / "checkpoint_1", "--json").json["result"]["training"]["step"]
+        is None
+    )
+    losses = {2: 1.0, 4: 3.0, 6: 2.0}
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in losses.items())
+    )
+    pruned = run_ckpt(
+        "prune", tmp_path / "run", "--keep-best", "loss", "--settle", "0", "--yes", "--json"
+    )
+    assert pruned.exit_code == 3, pruned.stdout
+    assert "count saves, not steps" in pruned.json["error"]["fix"]
+    assert sorted(p.name for p in saves.iterdir()) == [f"checkpoint_{n}" for n in range(3)]
+
+
+def test_accelerate_steps_come_from_the_folder_names_not_the_accumulation_counter(
+    tmp_path: Path,
+) -> None:
+    """`random_states_0.pkl`'s `step` is accelerate's gradient-accumulation micro-step counter
+    (reset each epoch): `step_4` was reported as step 8, `step_8` as step 0, and doctor saw a
+    resume at step_6 -> step_8 in a run that never stopped."""
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = torch.utils.data.DataLoader(torch.randn(32, 8), batch_size=4)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    step = 0
+    for _epoch in range(2):
+        for batch in data:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                step += 1
+                if step % 2 == 0:
+                    accelerator.save_state(str(tmp_path / "run" / f"step_{step}"))
+    names = sorted((p.name for p in (tmp_path / "run").iterdir()), key=lambda n: int(n[5:]))
+    assert names == [f"step_{n}" for n in (2, 4, 6, 8)]
+    for name in names:
+        training = run_ckpt("inspect", tmp_path / "run" / name, "--json").json["result"]
+        assert training["training"]["step"] == int(name[5:]), name
+    doctor = run_ckpt("doctor", tmp_path / "run", "--json")
+    assert doctor.exit_code == 0, doctor.stdout
+    assert doctor.json["result"]["causes"] == []
+    assert not any(pair["resumed"] for pair in doctor.json["result"]["resume_points"])
 
 
 def test_a_resume_from_torchs_own_dcp_conversion_is_explained(tmp_path: Path) -> None:

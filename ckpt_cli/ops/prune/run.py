@@ -205,14 +205,21 @@ def prune(
     root: Path | str = str(run_dir).rstrip("/") if remote else Path(run_dir)
     run = scan_run(root, metric=policy.keep_best, mode=policy.mode, settle=policy.settle)
     if strict_metric and run.best is not None and run.best.name is None:
+        fix = (
+            "Check the metric name; values come from metrics.jsonl "
+            '({"step": N, "METRIC": value} per line), trainer_state.json log_history, '
+            "or Lightning file names (…-val_loss=0.25.ckpt)."
+        )
+        if any(c.save_number is not None for c in run.checkpoints):
+            fix += (
+                " accelerate's automatic names (checkpoint_N) count saves, not steps, so no "
+                "step-keyed row matches them: name each save after its step "
+                "(save_state(f'checkpoints/step_{step}'))."
+            )
         raise NotFoundError(
             f"no value of {policy.keep_best!r} for any complete checkpoint",
             path=root,
-            fix=(
-                "Check the metric name; values come from metrics.jsonl "
-                '({"step": N, "METRIC": value} per line), trainer_state.json log_history, '
-                "or Lightning file names (…-val_loss=0.25.ckpt)."
-            ),
+            fix=fix,
         )
     decisions = plan(run, policy)
     doomed = [d for d in decisions if d.action == "delete"]

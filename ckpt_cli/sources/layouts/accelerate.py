@@ -45,6 +45,8 @@ class Accelerate(Layout):
     name = "accelerate"
     loads_size_shards = False  # `load_accelerator_state`: one model{_i}.safetensors / .bin
     step_folder = re.compile(r"checkpoint_(\d+)")
+    #: `ProjectConfiguration(automatic_checkpoint_naming=True)`: N is `save_iteration`
+    step_folder_counts_saves = True
     #: `save_accelerator_state`: `random_states_{process_index}.pkl` at every world size
     rank_files = re.compile(r"random_states_(\d+)\.pkl")
 
@@ -97,13 +99,17 @@ class Accelerate(Layout):
         all_models(checkpoint, state)
         per_rank_models(checkpoint, state)
         state.components = component_files(folder)
+        # accelerate records no training step: the `step` in `random_states_N.pkl` counts
+        # gradient-accumulation micro-steps (0 without `accumulate()`, reset each epoch), and
+        # the automatic `checkpoint_N` counts saves. A folder the script named after its step
+        # (`step_500`) says it.
+        folder_name = source.location.raw.rstrip("/").rsplit("/", 1)[-1]
+        match = re.search(r"(\d+)$", folder_name)
+        if state.step is None and match and not self.step_folder.fullmatch(folder_name):
+            state.step = int(match.group(1))
         for name in ("rng", *(c for c in folder.components if c.startswith("rng_"))):
-            step = value_of(checkpoint, f"{name}.step")
-            if isinstance(step, int):
-                state.step = step
+            if isinstance(value_of(checkpoint, f"{name}.step"), int):
+                # what `load_state` restores as `Accelerator.step`
+                state.counter = f"accelerate's gradient-accumulation step ({name})"
                 break
-        if state.step is None:
-            match = re.search(r"(\d+)$", source.location.raw.rstrip("/"))
-            if match:
-                state.step = int(match.group(1))
         return finish(checkpoint, state, folder)

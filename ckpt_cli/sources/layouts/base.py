@@ -88,6 +88,9 @@ class Layout(ABC):
         training_files: top-level files the framework writes for the training save, not for
             a model (DeepSpeed's `zero_to_fp32.py`): a copy of the save carries them, an
             export to a framework naming (`convert --to hf`) leaves them out.
+        step_folder_counts_saves: the number in `step_folder` counts saves, not training
+            steps (accelerate's automatic `checkpoint_N`, one per `save_state`): it orders the
+            run's saves but is never reported, or matched with metrics, as a step.
         loads_size_shards: whether the framework's loader reads weights cut into size shards
             with an index (the Trainer does, `load_sharded_checkpoint`); accelerate's
             `load_state` reads one `model{_i}.safetensors` per model, so a `--max-shard-size`
@@ -100,6 +103,7 @@ class Layout(ABC):
     rank_state_world_size: ClassVar[tuple[str, ...]] = ()
     world_size_cut: ClassVar[Literal["dcp", "zero"]] = "dcp"
     training_files: ClassVar[re.Pattern[str] | None] = None
+    step_folder_counts_saves: ClassVar[bool] = False
     loads_size_shards: ClassVar[bool] = True
 
     @abstractmethod

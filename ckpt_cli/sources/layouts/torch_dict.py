@@ -170,13 +170,12 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
         state.rng = [rng_ranks[min(rng_ranks)]]
     if step:
         state.step = as_int(value_of(checkpoint, step))
-    if state.step is None:
-        # accelerate's `random_states_N.pkl` records the step its save_state was called at
-        for comp in ([rng] if rng else []) + [rng_ranks[r] for r in sorted(rng_ranks)]:
-            found = as_int(value_of(checkpoint, f"{keys[comp].rstrip('.')}.step"))
-            if found is not None:
-                state.step = found
-                break
+    for comp in ([rng] if rng else []) + [rng_ranks[r] for r in sorted(rng_ranks)]:
+        # accelerate's `random_states_N.pkl` (a folder converted whole): its `step` counts
+        # gradient-accumulation micro-steps, restored by `load_state`; not the training step
+        if as_int(value_of(checkpoint, f"{keys[comp].rstrip('.')}.step")) is not None:
+            state.counter = f"accelerate's gradient-accumulation step ({comp})"
+            break
     if is_titan:
         state.step = as_int(value_of(checkpoint, "train_state.step"))
     if "trainer_state" in keys and state.step is None:

@@ -431,7 +431,7 @@ def verdict(state: TrainingState) -> None:
         missing.append("optimizer")
     elif not state.optimizer.complete:
         missing.append("optimizer state for every parameter")
-    counted = state.step is not None or state.epoch is not None
+    counted = state.step is not None or state.epoch is not None or state.counter is not None
     if not counted and not state.scheduler:
         missing.append("step")
     for rel, why in state.unreadable.items():

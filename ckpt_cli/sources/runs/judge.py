@@ -66,6 +66,7 @@ def judge_found(
         layout=item.layout,
         step=item.step,
         epoch=item.epoch,
+        save_number=item.save_number,
         size=0 if link else sum(files.values()),
         mtime=mtime,
         symlink=link is not None,

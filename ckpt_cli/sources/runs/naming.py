@@ -132,12 +132,27 @@ def deepspeed_step(tag: str | None) -> int | None:
     return int_or_none(tag.removeprefix("global_step")) if tag else None
 
 
-def step_order(step: int | None, epoch: float | None, mtime: float) -> tuple[float, float, float]:
-    """Newest-first order known before judging: step, epoch, then the entry's own time."""
+def step_order(
+    step: int | None, epoch: float | None, mtime: float, save_number: int | None = None
+) -> tuple[float, float, float, float]:
+    """Newest-first order known before judging: step, epoch, the number of a name that counts
+    saves (`Found.save_number`), then the entry's own time."""
     return (
         float(step) if step is not None else -math.inf,
         epoch if epoch is not None else -math.inf,
+        float(save_number) if save_number is not None else -math.inf,
         mtime,
+    )
+
+
+def counts_saves(layout: str, name: str) -> bool:
+    """Whether `name` is a layout's step folder whose number counts saves, not steps."""
+    return any(
+        lay.name == layout
+        and lay.step_folder_counts_saves
+        and lay.step_folder is not None
+        and lay.step_folder.fullmatch(name) is not None
+        for lay in _step_layouts()
     )
 
 
@@ -175,7 +190,12 @@ def collect(entries: Iterable[tuple[str, bool, Callable[[], bool]]]) -> list[Fou
         if named is None:
             continue
         layout, step, epoch, temporary = named
-        item = Found(layout, step, epoch, [rel], is_dir, temporary=temporary)
+        save_number = None
+        if step is not None and counts_saves(layout, name):
+            save_number, step = step, None
+        item = Found(
+            layout, step, epoch, [rel], is_dir, temporary=temporary, save_number=save_number
+        )
         if layout == "plain" and not temporary and not is_dir:
             key = (parent, step)
             if key in plain_files:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -70,6 +69,9 @@ class RunCheckpoint(Record):
         metric: the value of the metric asked for, at this checkpoint's step.
         slim: `prune --slim-older-than` removed its optimizer / RNG / data-loader state: it
             holds weights only, is complete but not a resume point (marker `weights-only`).
+        save_number: for a name that counts saves rather than steps (accelerate's automatic
+            `checkpoint_N`), N: it orders the saves; `step` is then None (unknown), so no
+            metric row or `--keep-every` rule is matched to a save by it.
     """
 
     name: str
@@ -89,13 +91,14 @@ class RunCheckpoint(Record):
     markers: list[str] = Field(default_factory=list)
     metric: float | None = None
     slim: bool = False
+    save_number: int | None = None
 
     @property
-    def order(self) -> tuple[float, float, float]:
-        """Sort key: step, then epoch, then time (unknown steps sort first)."""
-        step = float(self.step) if self.step is not None else -math.inf
-        epoch = self.epoch if self.epoch is not None else -math.inf
-        return (step, epoch, self.mtime)
+    def order(self) -> tuple[float, float, float, float]:
+        """Sort key: step, then epoch, then save number, then time (unknown ones sort first)."""
+        from .naming import step_order
+
+        return step_order(self.step, self.epoch, self.mtime, self.save_number)
 
 
 class BestMetric(Record):
@@ -168,6 +171,8 @@ class Found:
             files of one step (`model_500.pt`, `optim_500.pt`).
         is_dir: it is a folder (a link to a folder counts as one).
         temporary: a staging folder or file of a save (or deletion) in progress.
+        save_number: the number of a name that counts saves, not steps (accelerate's
+            automatic `checkpoint_N`); `step` is None then.
     """
 
     layout: str
@@ -176,3 +181,4 @@ class Found:
     rels: list[str]
     is_dir: bool
     temporary: bool = False
+    save_number: int | None = None

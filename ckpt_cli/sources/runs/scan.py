@@ -132,8 +132,8 @@ def scan(
     expected = expected_parts_of(run, items)
     judged: list[RunCheckpoint] = []
 
-    def order(item: Found) -> tuple[float, float, float]:
-        return step_order(item.step, item.epoch, run.entry_time(item))
+    def order(item: Found) -> tuple[float, float, float, float]:
+        return step_order(item.step, item.epoch, run.entry_time(item), item.save_number)
 
     for item in sorted(items, key=order, reverse=True):
         judged.append(judge_found(run, item, now, settle, ds_step, expected.get(id(item))))
