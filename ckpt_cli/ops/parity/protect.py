@@ -403,19 +403,17 @@ def _protect(
             try:
                 pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="ckpt-protect")
 
-                def load(fi: int, bi: int, update: bool) -> bytes:
+                def load(fi: int, bi: int) -> bytes:
                     f = files[fi]
                     lo, hi = layout.extent(f.size, bi)
                     data = reader.read(f.path, lo, hi - lo)
-                    if update:
-                        hashers[fi].update(data)
                     digests[fi][bi] = block_digest(data)
                     progress.advance(len(data))
-                    return pad_block(data, block)
+                    return data
 
-                def submit(stripe: int) -> list[Future[bytes] | None]:
+                def submit(stripe: int) -> list[tuple[Future[bytes], int, bool] | None]:
                     # decided here, in stripe order: whether a block continues its file's sha256
-                    futures: list[Future[bytes] | None] = []
+                    futures: list[tuple[Future[bytes], int, bool] | None] = []
                     for c in range(width):
                         where = layout.block(c, stripe)
                         if where is None:
@@ -424,17 +422,31 @@ def _protect(
                         fi, bi = where
                         update = expected[fi] == bi
                         expected[fi] = expected[fi] + 1 if update else -1
-                        futures.append(pool.submit(load, fi, bi, update))
+                        futures.append((pool.submit(load, fi, bi), fi, update))
                     return futures
+
+                def gather(pending: list[tuple[Future[bytes], int, bool] | None]) -> list[bytes]:
+                    # the file sha256s are fed here, in the calling thread, column by column:
+                    # blocks of one file in one stripe finish in any order in the pool, and a
+                    # hash fed as they finished recorded a wrong digest (repair then refused)
+                    shares = []
+                    for job in pending:
+                        if job is None:
+                            shares.append(zeros)
+                            continue
+                        future, fi, update = job
+                        data = future.result()
+                        if update:
+                            hashers[fi].update(data)
+                        shares.append(pad_block(data, block))
+                    return shares
 
                 zeros = bytes(block)
                 try:
-                    # stripe s+1 is read and hashed in threads while stripe s is encoded; a
-                    # stripe's reads finish before the next stripe's start, so every file's
-                    # sha256 sees its blocks in order
+                    # stripe s+1 is read in threads while stripe s is encoded
                     pending = submit(0)
                     for s in range(stripes):
-                        shares = [zeros if f is None else f.result() for f in pending]
+                        shares = gather(pending)
                         if s + 1 < stripes:
                             pending = submit(s + 1)
                         for j, par in enumerate(codec.encode(shares)):
