@@ -9,6 +9,13 @@ Two ways a few bytes of a checkpoint could choose ckpt's memory, whatever reader
   object takes at least two bytes of the stream, so an index past half of the bytes before it
   (plus `MEMO_SLACK`) names objects that were never memoised. `BudgetedUnpickler` refuses such
   a pickle before loading it: the memo then stays within 8 bytes per byte of pickle.
+* **Hash flooding.** Python's hash of an int is the int modulo 2**61 - 1, the same in every
+  process: 100,000 keys `i * (2**61 - 1)` of one dict all hash to 0, and the unpickler builds
+  that dict in quadratic time (a 1.5 MB `.metadata` took over two minutes of CPU, deaf to
+  SIGTERM inside the C unpickler). The ints that can collide are the large ones, pickled as
+  `LONG1` / `LONG4` (or protocol 0's `INT` / `LONG` text): the walk hashes those and refuses a
+  pickle with more than `MAX_COLLIDING_INTS` distinct ones of one hash. (A string's hash is
+  salted per process; the small ints of optimizer ids and RNG states hash to themselves.)
 * **A zip record's inflated size.** A deflated record may inflate a thousandfold; the size a
   reader allocates is the one the zip directory declares (Python's `zipfile` and torch's miniz
   both stop there). `check_inflated` bounds it against the record's stored bytes, and
@@ -39,6 +46,8 @@ MAX_INFLATE_RATIO = 64
 INFLATE_FLOOR = 1 << 20
 #: bytes read from a zip member per call (a member is never inflated in one piece)
 READ_CHUNK = 1 << 20
+#: distinct large ints of one hash a pickle may hold (a dict of them builds in quadratic time)
+MAX_COLLIDING_INTS = 2048
 
 
 def _opcode_table() -> tuple[list[int | None], list[int | None]]:
@@ -62,6 +71,7 @@ def _opcode_table() -> tuple[list[int | None], list[int | None]]:
 _TWO_LINES = -100
 _FIXED, _VARIABLE = _opcode_table()
 _LONG_BINPUT, _PUT, _STOP = ord("r"), ord("p"), ord(".")
+_LONG1, _LONG4, _INT, _LONG = ord("\x8a"), ord("\x8b"), ord("I"), ord("L")
 
 
 def _plain_run() -> re.Pattern[bytes]:
@@ -126,6 +136,19 @@ def walk_pickle(
     skip = _PLAIN_RUN.match
     n = len(data)
     pos = 0
+    # large ints by hash: a set per hash seen, refused once one holds too many
+    by_hash: dict[int, set[int]] = {}
+
+    def colliding(value: int) -> str | None:
+        same = by_hash.setdefault(hash(value), set())
+        same.add(value)
+        if len(same) <= MAX_COLLIDING_INTS:
+            return None
+        return (
+            f"{len(same):,} distinct integers with the same hash by byte {pos:,}: a dict of them "
+            "would take quadratic time to build (hash flooding)"
+        )
+
     pending = iter(spans)
     stop, stop_end = next(pending, (n, n))
     while pos < n:
@@ -167,6 +190,14 @@ def walk_pickle(
                     return None
                 if index > _memo_budget(pos):
                     return _memo_text(index, pos, n)
+            elif op in (_INT, _LONG) and end - pos > 19:  # past 2**61: may collide
+                try:
+                    value = int(data[pos + 1 : end].rstrip(b"L"))
+                except ValueError:
+                    return None
+                why = colliding(value)
+                if why is not None:
+                    return why
             pos = end + 1
             continue
         width = _COUNT_WIDTH[how]
@@ -183,6 +214,10 @@ def walk_pickle(
                 f"an argument of {length:,} bytes at byte {pos:,}, with {max(n - start, 0):,} "
                 "bytes left"
             )
+        if op in (_LONG1, _LONG4) and 8 <= length <= 4096:  # 8 bytes and more: may collide
+            why = colliding(int.from_bytes(data[start : start + length], "little", signed=True))
+            if why is not None:
+                return why
         pos = start + length
     return None
 

@@ -105,6 +105,11 @@ CODES: dict[str, Code] = _codes(
     Code("overlapping_tensors", _E, "two tensors' bytes overlap in a GGUF file"),
     Code("size_mismatch", _E, "a tensor's byte range does not match its dtype and shape"),
     Code(
+        "split_count_mismatch",
+        _E,
+        "a GGUF split's `split.count` disagrees with the count in its file names",
+    ),
+    Code(
         "split_tensor_count",
         _E,
         "the GGUF splits hold another number of tensors than `split.tensors.count` says",

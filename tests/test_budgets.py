@@ -153,6 +153,39 @@ def test_a_text_put_and_a_length_past_the_end_are_refused_too(tmp_path: Path) ->
     assert_refused(ckpt_limited("inspect", huge), huge, "1,099,511,627,776 bytes")
 
 
+def _colliding_dict(n: int) -> bytes:
+    """A dict of `n` int keys `i * (2**61 - 1)`: all of one hash (0), built in quadratic time."""
+    modulus = (1 << 61) - 1
+
+    def long1(value: int) -> bytes:
+        raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+        return b"\x8a" + bytes([len(raw)]) + raw
+
+    return b"}(" + b"".join(long1(i * modulus) + b"N" for i in range(1, n + 1)) + b"u"
+
+
+def test_a_dict_of_colliding_int_keys_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    """Hash flooding: 60,000 keys of one hash in a 0.8 MB torch file, 120,000 in a 1.5 MB DCP
+    `.metadata` (a dict pushed then popped before the real one), each took minutes of CPU in
+    the C unpickler, which also heard no SIGTERM meanwhile."""
+    import torch.distributed.checkpoint as dcp
+
+    flood = torch_zip_with_pickle(
+        tmp_path / "flood.pt", b"\x80\x02}X\x01\x00\x00\x00a" + _colliding_dict(60_000) + b"s."
+    )
+    assert_refused(ckpt_limited("verify", flood), flood, "hash flooding", exit_code=1)
+    assert_refused(ckpt_limited("inspect", flood), flood, "hash flooding")
+    src = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3, 4)}, checkpoint_id=str(src), no_dist=True)
+    real = (src / ".metadata").read_bytes()
+    (src / ".metadata").write_bytes(real[:2] + _colliding_dict(120_000) + b"0" + real[2:])
+    assert_refused(ckpt_limited("inspect", src), src / ".metadata", "hash flooding")
+    # a real pickle of large ints of distinct hashes (64-bit seeds, byte offsets) still reads
+    seeds = {"seeds": [(1 << 63) - i for i in range(5000)], "w": torch.ones(2)}
+    torch.save(seeds, tmp_path / "seeds.pt")
+    assert ckpt_limited("inspect", tmp_path / "seeds.pt").exit_code == 0
+
+
 def test_memo_indexes_a_real_pickler_writes_are_read_as_before(tmp_path: Path) -> None:
     # 300 tensors: data.pkl memoises past 256 entries, so LONG_BINPUT indexes appear
     state = {f"layer.{i}.weight": torch.full((2,), float(i)) for i in range(300)}

@@ -284,3 +284,30 @@ def test_filter_out_leaves_names_out_as_in_convert(tmp_path: Path) -> None:
         "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--filter-out", "*"
     )
     assert none.exit_code == 3 and "leave no entry" in none.stderr
+
+
+def test_a_component_neither_side_can_read_is_never_called_identical(tmp_path: Path) -> None:
+    """Two Trainer checkpoints whose `optimizer.pt` differ, both unreadable (one truncated, one
+    a hostile pickle): diff left the optimizer out of the comparison without a word and said
+    IDENTICAL, exit 0. It refuses (exit 4, naming the file) unless the component is left out
+    explicitly, and then says what was not compared."""
+    import json
+    import pickle
+    import shutil
+
+    a = tmp_path / "a" / "checkpoint-2"
+    a.mkdir(parents=True)
+    save_file({"w": torch.ones(2, 2)}, a / "model.safetensors")
+    torch.save({"last_epoch": 2}, a / "scheduler.pt")
+    (a / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    b = tmp_path / "b" / "checkpoint-2"
+    shutil.copytree(a, b)
+    (a / "optimizer.pt").write_bytes(b"PK\x03\x04 cut short")
+    (b / "optimizer.pt").write_bytes(pickle.dumps({"x": print}, protocol=2))
+    refused = run_ckpt("diff", a, b, "--json")
+    assert refused.exit_code == 4, refused.stdout
+    assert "optimizer component cannot be read" in refused.json["error"]["message"]
+    left_out = run_ckpt("diff", a, b, "--filter-out", "optimizer*", "--json")
+    assert left_out.exit_code == 0, left_out.stdout
+    notes = left_out.json["result"]["warnings"]
+    assert any("optimizer not compared" in n for n in notes), notes

@@ -107,3 +107,28 @@ def test_convert_writes_unquantized_tensors_and_reports_quantized(
             if expected[name].tensor_type.name == "BF16":
                 want = want.view(torch.bfloat16).reshape(tensor.shape)
             assert tensor.dtype == want.dtype and torch.equal(tensor, want), name
+
+
+def test_a_split_count_from_the_header_cannot_choose_the_work(tmp_path: Path) -> None:
+    """`split.count` came from the header and every split it named was listed: a 176-byte
+    file saying 10**9 took gigabytes and minutes. The file names (five digits) say how many
+    splits there are; a header that disagrees is a problem of its own."""
+    import struct
+
+    def text(value: str) -> bytes:
+        raw = value.encode()
+        return struct.pack("<Q", len(raw)) + raw
+
+    kv = text("general.architecture") + struct.pack("<I", 8) + text("llama")
+    kv += text("split.count") + struct.pack("<I", 4) + struct.pack("<I", 10**9)
+    kv += text("split.no") + struct.pack("<I", 4) + struct.pack("<I", 0)
+    info = text("t") + struct.pack("<I", 1) + struct.pack("<Q", 4) + struct.pack("<IQ", 0, 0)
+    data = b"GGUF" + struct.pack("<IQQ", 3, 1, 3) + kv + info
+    data += b"\0" * (-len(data) % 32) + b"\0" * 16
+    split = tmp_path / "m-00001-of-00002.gguf"
+    split.write_bytes(data)
+    result = run_ckpt("verify", split, "--json")
+    assert result.exit_code == 1, result.stdout
+    codes = [p["code"] for p in result.json["result"]["problems"]]
+    assert codes.count("missing_split") == 1 and "split_count_mismatch" in codes
+    assert run_ckpt("inspect", split, "--json").exit_code == 4

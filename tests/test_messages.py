@@ -4,6 +4,9 @@ checkpoint, options that would do nothing, --dry-run, Hub habits, what "paramete
 from __future__ import annotations
 
 import json
+import os
+import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -365,3 +368,92 @@ def test_a_dry_run_is_refused_where_the_real_run_would_be(tmp_path: Path) -> Non
         assert real.exit_code == dry.exit_code == 2, (real.stdout, dry.stdout)
         assert dry.json["error"]["code"] == real.json["error"]["code"]
     assert sorted(p.name for p in dest.iterdir()) == before
+
+
+#: an integer past Python's 4,300-digit limit (`json.loads` raises a plain ValueError, not a
+#: JSONDecodeError) and a nesting past the recursion limit (RecursionError)
+HUGE_INT = "9" * 5000
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_json_a_parser_refuses_is_a_bad_input_never_a_bug_in_ckpt(tmp_path: Path) -> None:
+    """Every JSON file ckpt reads (headers, indexes, configs, trainer state, metrics) that
+    Python's parser refuses for a huge integer or a deep nesting was "internal error ... a bug
+    in ckpt" (exit 70) in some readers: each is now reported as the bad file it is."""
+    import torch
+    from safetensors.torch import save_file
+
+    header = ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,' + HUGE_INT + "]}}").encode()
+    (tmp_path / "header.safetensors").write_bytes(
+        struct.pack("<Q", len(header)) + header + b"\0" * 8
+    )
+    index = tmp_path / "index"
+    index.mkdir()
+    save_file({"a": torch.ones(2)}, index / "m-00001-of-00001.safetensors")
+    (index / "model.safetensors.index.json").write_text(
+        '{"metadata":{"total_size":'
+        + HUGE_INT
+        + '},"weight_map":{"a":"m-00001-of-00001.safetensors"}}'
+    )
+    adapters = {}
+    for kind, text in (("huge", '{"r":' + HUGE_INT + ',"peft_type":"LORA"}'), ("deep", DEEP)):
+        adapters[kind] = folder = tmp_path / f"adapter-{kind}"
+        folder.mkdir()
+        save_file(
+            {"base_model.model.l.lora_A.weight": torch.ones(2, 2)},
+            folder / "adapter_model.safetensors",
+        )
+        (folder / "adapter_config.json").write_text(text)
+    config = tmp_path / "config-deep"
+    config.mkdir()
+    save_file({"w": torch.ones(2)}, config / "model.safetensors")
+    (config / "config.json").write_text('{"x":' + DEEP + "}")
+    run = tmp_path / "run"
+    for step, global_step in ((2, "2"), (4, HUGE_INT)):
+        save = run / f"checkpoint-{step}"
+        save.mkdir(parents=True)
+        save_file({"w": torch.ones(2)}, save / "model.safetensors")
+        torch.save(
+            {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}, save / "optimizer.pt"
+        )
+        torch.save({"last_epoch": step}, save / "scheduler.pt")
+        (save / "trainer_state.json").write_text('{"global_step":' + global_step + "}")
+        old = time.time() - 1000
+        for f in save.iterdir():
+            os.utime(f, (old, old))
+    (run / "metrics.jsonl").write_text(
+        '{"step":1,"loss":' + HUGE_INT + '}\n{"step":2,"loss":1.0}\n'
+    )
+    for args, codes in (
+        (["verify", tmp_path / "header.safetensors"], (1,)),
+        (["inspect", index], (4,)),
+        (["inspect", adapters["huge"]], (0, 4)),
+        (["inspect", adapters["deep"]], (0, 4)),
+        (["inspect", config], (0, 4)),
+        (["verify", run / "checkpoint-4"], (1, 4)),
+        (["doctor", run], (0, 1, 4)),
+    ):
+        result = run_ckpt(*args, "--json")
+        assert result.exit_code in codes, (args, result.stdout)
+        assert "internal error" not in result.stdout and "Traceback" not in result.stderr
+
+
+def test_a_name_no_utf8_can_hold_is_a_bad_header(tmp_path: Path) -> None:
+    """A tensor named `"\\ud800"` (a lone UTF-16 surrogate, which the safetensors library
+    refuses) passed verify, crashed `inspect -l` and `--json` with tracebacks, and `convert`
+    published a file the safetensors library could not open."""
+    header = b'{"\\ud800":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    src = tmp_path / "s.safetensors"
+    src.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
+    verified = run_ckpt("verify", src, "--json")
+    assert verified.exit_code == 1
+    assert [p["code"] for p in verified.json["result"]["problems"]] == ["bad_header"]
+    for args in (["inspect", src, "--list"], ["convert", src, tmp_path / "out", "--to", "dcp"]):
+        result = run_ckpt(*args, "--json")
+        assert result.exit_code == 4, result.stdout
+        assert "surrogate" in result.json["error"]["message"]
+    assert not (tmp_path / "out").exists()
+    # a surrogate pair (an emoji) is one character, and fine
+    emoji = b'{"\\ud83d\\ude00":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    src.write_bytes(struct.pack("<Q", len(emoji)) + emoji + b"\0" * 8)
+    assert run_ckpt("verify", src).exit_code == 0

@@ -9,6 +9,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -204,6 +205,30 @@ def test_merge_refuses_what_it_cannot_merge(
     assert not (tmp_path / "out").exists()
     result = run_ckpt("merge", tiny_llama, tmp_path, tmp_path / "out2")
     assert result.exit_code == 3 and "adapter_config.json" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"r": 0}, "r must be a whole number >= 1"),  # was a ZeroDivisionError, exit 70
+        ({"r": -2}, "r must be a whole number >= 1"),  # merged with a negative scaling
+        ({"r": "4"}, "r must be a whole number >= 1"),
+        ({"lora_alpha": None}, "lora_alpha must be a finite number"),
+        ({"alpha_pattern": "x"}, "alpha_pattern must map"),  # an AttributeError, exit 70
+        ({"rank_pattern": {"(": 4}}, "is not a regular expression"),
+        ({"r": 2}, "have rank 4, adapter_config.json says r=2"),  # merged, scaled wrong
+    ],
+)
+def test_merge_refuses_an_adapter_config_peft_would_not_build(
+    lora_adapter: Path, tiny_llama: Path, tmp_path: Path, change: dict[str, object], said: str
+) -> None:
+    adapter = shutil.copytree(lora_adapter, tmp_path / "adapter")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    result = run_ckpt("merge", tiny_llama, adapter, tmp_path / "out", "--json")
+    assert result.exit_code == 4, result.stdout
+    assert said in result.json["error"]["message"] and result.json["error"]["fix"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_verify_good_and_damaged_adapter(lora_adapter: Path, tmp_path: Path) -> None:

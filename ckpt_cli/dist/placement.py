@@ -133,7 +133,7 @@ def load_plan(path: Path) -> list[Rule]:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
         raise UsageError("no such plan file", path=where, fix="Check the --plan path.") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise UsageError(
             f"is not a readable JSON plan ({exc})", path=where, fix="Fix the JSON."
         ) from None

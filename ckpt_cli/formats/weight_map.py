@@ -75,7 +75,7 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
         )
     try:
         index = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # too deep: hostile
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # too deep: hostile
         raise FormatError(
             f"is not valid JSON ({exc})", path=where, fix="Write or fetch the index again."
         ) from None

@@ -83,6 +83,51 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
+def _is_rank(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_alpha(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_lora_config(config: dict[str, Any], adapter: str) -> None:
+    """The numbers `scaling = lora_alpha / r` is made of, as peft accepts them: `r: 0` was a
+    ZeroDivisionError (exit 70), a negative `r` merged with a negative scaling, and a pattern
+    that is not a mapping an AttributeError."""
+    where = f"{adapter.rstrip('/')}/adapter_config.json"
+    fix = "Fix adapter_config.json (peft writes r >= 1 and a numeric lora_alpha), or re-save it."
+    if not _is_rank(config.get("r")):
+        raise FormatError(
+            f"r must be a whole number >= 1, not {config.get('r')!r}", path=where, fix=fix
+        )
+    if not _is_alpha(config.get("lora_alpha")):
+        raise FormatError(
+            f"lora_alpha must be a finite number, not {config.get('lora_alpha')!r}",
+            path=where,
+            fix=fix,
+        )
+    for key, valid in (("rank_pattern", _is_rank), ("alpha_pattern", _is_alpha)):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict) or not all(
+            isinstance(k, str) and valid(v) for k, v in patterns.items()
+        ):
+            raise FormatError(
+                f"{key} must map module names to {'ranks' if key == 'rank_pattern' else 'alphas'}",
+                path=where,
+                fix=fix,
+            )
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise FormatError(
+                    f"{key} key {pattern!r} is not a regular expression ({exc})",
+                    path=where,
+                    fix=fix,
+                ) from None
+
+
 class _Update:
     """One base weight's LoRA factors."""
 
@@ -138,6 +183,16 @@ class MergedCheckpoint(Checkpoint):
         alpha = _pattern_value(
             self.config.get("alpha_pattern") or {}, update.module, self.config["lora_alpha"]
         )
+        held = a.shape[0]  # lora_A (and lora_embedding_A) is [r, in]
+        if held != r:
+            # the factors' own rank is what the product has; a config saying another makes
+            # every delta scaled wrong
+            raise FormatError(
+                f"the LoRA factors of {update.module!r} have rank {held}, adapter_config.json "
+                f"says r={r}",
+                path=self.adapter.manifest.location,
+                fix="Use the adapter_config.json saved with these weights.",
+            )
         scaling = alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r
         # peft computes the delta in float32 on CPU
         delta = (b.float() @ a.float()) * scaling
@@ -312,10 +367,7 @@ def merge_with(
             path=adapter,
             fix="Merge it with peft's merge_and_unload.",
         )
-    if not isinstance(config.get("r"), int) or not isinstance(
-        config.get("lora_alpha"), (int, float)
-    ):
-        raise FormatError("adapter_config.json lacks r or lora_alpha", path=adapter)
+    _check_lora_config(config, adapter)
     if config.get("use_dora"):
         raise FormatError(
             "is a DoRA adapter, which `ckpt merge` does not merge",

@@ -187,7 +187,7 @@ def _json(storage: Storage, rel: str) -> dict[str, Any] | None:
         if not storage.exists(rel) or storage.size(rel) > _MAX_CONFIG:
             return None
         doc = json.loads(storage.read_all(rel))
-    except (OSError, ValueError, UnicodeDecodeError, CkptError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError, CkptError):
         return None  # an unreadable config is no config: the headers still tell the scheme
     return doc if isinstance(doc, dict) else None
 

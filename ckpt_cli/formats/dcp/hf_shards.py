@@ -29,7 +29,7 @@ def analyse_hf_shards(source: Source, listing: dict[str, int]) -> Layout:
         header = read_header(storage, name, listing[name])
         try:
             sharding = json.loads(header.metadata.get(SHARDING_INFO_KEY, "{}"))
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             sharding = None
         if not isinstance(sharding, dict):
             layout.problem(

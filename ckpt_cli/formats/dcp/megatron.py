@@ -34,7 +34,7 @@ def read_megatron_common(storage: Storage, listing: dict[str, int], layout: Layo
             doc = json.loads(storage.read_all(MEGATRON_METADATA))
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             layout.problem(
                 "megatron_metadata",
                 f"{MEGATRON_METADATA} is not Megatron-Core's backend description ({exc})",

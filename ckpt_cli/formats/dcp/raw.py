@@ -112,7 +112,7 @@ def _read_embedded_header(
         return None
     try:
         header = json.loads(storage.read(rel, start + 8, header_len))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         header = None
     if not isinstance(header, dict):
         layout.problem(
@@ -124,7 +124,7 @@ def _read_embedded_header(
     if isinstance(meta, dict) and isinstance(meta.get(SHARDING_INFO_KEY), str):
         try:
             sharding = json.loads(meta[SHARDING_INFO_KEY])
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             sharding = {}
     data_start = start + 8 + header_len
     tensors: dict[str, tuple[str, list[int], int, int]] = {}

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     import torch
 
 SUFFIX = ".gguf"
+#: missing split files named one by one; the rest are counted in one problem
+MAX_MISSING_LISTED = 16
 SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 #: GGML types stored as plain element arrays, and their canonical dtypes
 PLAIN = {
@@ -450,19 +452,46 @@ def _split_problems(
     first = SPLIT.match(files[0].rsplit("/", 1)[-1]) if files else None
     if first is None:
         return problems
+    # the file names (five digits: at most 99,999 splits) say how many splits there are; the
+    # header's `split.count` only confirms it: a 176-byte file saying 10**9 built a billion
+    # names (gigabytes, minutes)
     named = int(first.group("count"))
-    expected = count or named
-    folder = files[0].rsplit("/", 1)[0] + "/" if "/" in files[0] else ""
-    for no in range(1, expected + 1):
-        rel = f"{folder}{first.group('stem')}-{no:05d}-of-{expected:05d}.gguf"
-        if rel not in files:
-            problems.append(
-                Problem(
-                    code="missing_split",
-                    message=f"{where}: split file {rel.rsplit('/', 1)[-1]} of {expected} is missing",
-                    file=source.storage.describe(rel),
-                )
+    if count is not None and count != named:
+        problems.append(
+            Problem(
+                code="split_count_mismatch",
+                message=f"{where}: split.count says {count}, the file names say {named}",
+                file=where,
             )
+        )
+    expected = named
+    folder = files[0].rsplit("/", 1)[0] + "/" if "/" in files[0] else ""
+    held = set(files)
+    missing = [
+        rel
+        for rel in (
+            f"{folder}{first.group('stem')}-{no:05d}-of-{expected:05d}.gguf"
+            for no in range(1, expected + 1)
+        )
+        if rel not in held
+    ]
+    for rel in missing[:MAX_MISSING_LISTED]:
+        problems.append(
+            Problem(
+                code="missing_split",
+                message=f"{where}: split file {rel.rsplit('/', 1)[-1]} of {expected} is missing",
+                file=source.storage.describe(rel),
+            )
+        )
+    if len(missing) > MAX_MISSING_LISTED:
+        problems.append(
+            Problem(
+                code="missing_split",
+                message=f"{where}: {len(missing) - MAX_MISSING_LISTED} more of the {expected} "
+                "split files are missing",
+                file=where,
+            )
+        )
     if tensors is not None and not problems and len(entries) != tensors:
         problems.append(
             Problem(

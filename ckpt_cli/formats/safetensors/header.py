@@ -223,7 +223,8 @@ def _json_object(
     """`raw` parsed as a JSON object, or None with a `bad_header` finding."""
     try:
         header = json.loads(raw, object_pairs_hook=pairs_hook)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    # ValueError: JSONDecodeError, and an integer past Python's 4,300 digits
+    except (UnicodeDecodeError, ValueError) as exc:
         findings.add(
             "bad_header",
             f"has a header that is not valid JSON ({exc})",
@@ -244,7 +245,30 @@ def _json_object(
             "bad_header", "has a header that is not a JSON object", file=where, fix=CORRUPT_HEADER
         )
         return None
+    if _SURROGATE_ESCAPE.search(raw) is not None and not _is_utf8(header):
+        # `"\ud800"` parses in Python to a string no UTF-8 can hold: the safetensors library
+        # refuses the header, and such a name broke every output written with it
+        findings.add(
+            "bad_header",
+            "has a header with an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), which is "
+            "not valid UTF-8: the safetensors library refuses it",
+            file=where,
+            fix=CORRUPT_HEADER,
+        )
+        return None
     return header
+
+
+#: a JSON escape of a UTF-16 surrogate; only a header holding one is checked further
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _is_utf8(header: dict[str, Any]) -> bool:
+    try:
+        json.dumps(header, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _keys_accounted(raw: bytes, header: dict[str, Any]) -> bool:

@@ -268,7 +268,7 @@ def dequantized_config(storage: Storage) -> bytes | None:
         return None
     try:
         config = json.loads(storage.read_all("config.json"))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(config, dict):
         return None
@@ -351,7 +351,7 @@ def read_config(spec: str) -> tuple[bytes, str]:
     data = storage.read_all(rel)
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise FormatError(
             f"is not valid JSON ({str(exc).splitlines()[0]})",
             path=where,

@@ -16,7 +16,7 @@ from pydantic import ConfigDict, Field
 from ... import dtypes
 from ...architectures import HF
 from ...dist.command import RankShare
-from ...errors import FormatError, NotFoundError, UsageError
+from ...errors import NotFoundError, UsageError
 from ...formats import find_format, resolve_source
 from ...formats.base import Checkpoint, Format, WriteOptions
 from ...models import FileInfo, Manifest, Record
@@ -34,7 +34,7 @@ from ..shared.architecture import (
     naming_format,
     source_config,
 )
-from ..shared.selection import unmatched_rules
+from ..shared.selection import unmatched_rules, unreadable_left_out
 from ..shared.transfer import (
     SkippedEntry,
     TransferPlan,
@@ -168,47 +168,6 @@ class ConvertReport(Record):
     extras: list[str] = Field(default_factory=list)
     architecture: ArchitectureReport | None = None
     serving_files: list[str] = Field(default_factory=list)
-
-
-def _unreadable_components(
-    unreadable: dict[str, tuple[str, str]],
-    skipped: list[SkippedEntry],
-    select: str | None,
-    include: list[str] | None,
-    exclude: list[str] | None,
-    match_prefix: str = "",
-) -> None:
-    """Fail on a component that cannot be read, unless the user left it out explicitly.
-
-    A truncated or hostile `optimizer.pt` must never vanish from the output with exit 0:
-    it fails the convert (exit 4, naming it) unless `--filter-out` (or `--select` / `--filter`
-    choosing other entries) leaves it out; then it is listed in `skipped` with why.
-    """
-    import fnmatch
-
-    def left_out(comp: str) -> str | None:
-        probes = (f"{match_prefix}{comp}", f"{match_prefix}{comp}.", f"{match_prefix}{comp}.x")
-        if exclude and any(fnmatch.fnmatchcase(p, g) for g in exclude for p in probes):
-            return "left out by --filter-out"
-        if select is not None and comp != select.rstrip(".") and not comp.startswith(select):
-            return "outside --select"
-        if include and not any(fnmatch.fnmatchcase(p, g) for g in include for p in probes):
-            return "not matched by --filter"
-        return None
-
-    for comp, (where, problem) in sorted(unreadable.items()):
-        why = left_out(comp)
-        if why is None:
-            raise FormatError(
-                f"the {comp} component cannot be read, so it cannot be converted: {problem}",
-                path=where,
-                fix=f"Repair or re-save it, or leave it out explicitly with --filter-out '{comp}*'.",
-            )
-        skipped.append(
-            SkippedEntry(
-                name=comp, kind="component", reason=f"unreadable: {where}: {problem}; {why}"
-            )
-        )
 
 
 def convert(
@@ -372,10 +331,12 @@ def convert(
         # a chosen component that cannot be read is the error (exit 4, naming it), before the
         # choice finds nothing under its prefix (exit 3, "no entry under 'model'"); the ones
         # left out are listed as skipped with the plan's own
-        unreadable: list[SkippedEntry] = []
-        _unreadable_components(
-            opened.unreadable, unreadable, select, include, exclude, match_prefix
-        )
+        unreadable = [
+            SkippedEntry(name=comp, kind="component", reason=why)
+            for comp, why in unreadable_left_out(
+                opened.unreadable, "converted", select, include, exclude, match_prefix
+            )
+        ]
         plan = _plan(
             opened,
             manifest,

@@ -24,7 +24,13 @@ from ...formats.base import Checkpoint
 from ...models import Entry, Record
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts import OpenedSource, open_source
-from ..shared.selection import name_chosen, refuse_placeholders, select_entries, unmatched_rules
+from ..shared.selection import (
+    name_chosen,
+    refuse_placeholders,
+    select_entries,
+    unmatched_rules,
+    unreadable_left_out,
+)
 from ..shared.transfer import parse_renames, raw_blocks, rename
 from .compare import error_stats, short_repr, tensor_stats, values_equal
 
@@ -407,6 +413,15 @@ def diff_with(
         warnings = unmatched_rules(
             [*left, *right], filters, excludes, matched="entry of either side"
         )
+        for opened, where in ((opened_a, a), (opened_b, b)):
+            # a component that cannot be read would otherwise vanish from both the comparison
+            # and the verdict: two saves whose optimizers differ were called IDENTICAL
+            warnings += [
+                f"{where}: {comp} not compared: {why}"
+                for comp, why in unreadable_left_out(
+                    opened.unreadable, "compared", select, filters, excludes
+                )
+            ]
         left = _filtered(left, filters or [], excludes)
         right = _filtered(right, filters or [], excludes)
         if select and not (applied_a or applied_b):

@@ -91,7 +91,7 @@ def run_logs(storage: Storage, describe: str) -> list[Series]:
         for line in _text(storage, "metrics.jsonl").splitlines():
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(row, dict) and (rec := _record(row)) is not None:
                 records.append(rec)

@@ -402,7 +402,7 @@ class Save:
             return None
         try:
             return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        except (UnicodeDecodeError, ValueError, RecursionError):
             return None
 
     def file_bytes(self, rel: str, limit: int = 64 << 20) -> bytes | None:

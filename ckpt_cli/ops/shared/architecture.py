@@ -106,7 +106,7 @@ def source_config(storage: Storage) -> dict[str, Any] | None:
         if not storage.exists("config.json") or storage.size("config.json") > 16 << 20:
             return None
         doc = json.loads(storage.read_all("config.json"))
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
 

@@ -143,3 +143,43 @@ def unmatched_rules(
         "check it against `ckpt inspect --list`"
         for option, glob in pending
     ]
+
+
+def unreadable_left_out(
+    unreadable: dict[str, tuple[str, str]],
+    doing: str,
+    select: str | None,
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+    match_prefix: str = "",
+) -> list[tuple[str, str]]:
+    """Fail on a component that cannot be read, unless the user left it out explicitly;
+    (component, why) of each one left out.
+
+    A truncated or hostile `optimizer.pt` must never vanish with exit 0: from a converted
+    output, or from a diff that then calls two checkpoints identical. It fails the command
+    (exit 4, naming it; `doing`: "converted", "compared") unless `--filter-out` (or `--select`
+    / `--filter` choosing other entries) leaves it out.
+    """
+
+    def left_out(comp: str) -> str | None:
+        probes = (f"{match_prefix}{comp}", f"{match_prefix}{comp}.", f"{match_prefix}{comp}.x")
+        if exclude and any(fnmatchcase(p, g) for g in exclude for p in probes):
+            return "left out by --filter-out"
+        if select is not None and comp != select.rstrip(".") and not comp.startswith(select):
+            return "outside --select"
+        if include and not any(fnmatchcase(p, g) for g in include for p in probes):
+            return "not matched by --filter"
+        return None
+
+    kept: list[tuple[str, str]] = []
+    for comp, (where, problem) in sorted(unreadable.items()):
+        why = left_out(comp)
+        if why is None:
+            raise FormatError(
+                f"the {comp} component cannot be read, so it cannot be {doing}: {problem}",
+                path=where,
+                fix=f"Repair or re-save it, or leave it out explicitly with --filter-out '{comp}*'.",
+            )
+        kept.append((comp, f"unreadable: {where}: {problem}; {why}"))
+    return kept

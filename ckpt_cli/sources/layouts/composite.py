@@ -97,7 +97,7 @@ def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
     where = source.storage.describe(rel)
     try:
         doc = json.loads(source.storage.read_all(rel))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError) as exc:
         raise FormatError(f"is not valid JSON ({exc})", path=where) from None
     except RecursionError:
         raise FormatError("nests too deeply to be read", path=where) from None

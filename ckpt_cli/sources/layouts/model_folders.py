@@ -88,7 +88,7 @@ def read_json(source: Source, rel: str) -> Any:
         return None
     try:
         return json.loads(source.storage.read_all(rel))
-    except (UnicodeDecodeError, json.JSONDecodeError, OSError):
+    except (UnicodeDecodeError, ValueError, RecursionError, OSError):
         return None
 
 
