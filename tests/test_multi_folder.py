@@ -362,3 +362,38 @@ def test_filter_rules_match_the_names_inspect_shows(
     )
     assert inner_alone.exit_code == 0, inner_alone.stderr
     assert any("'conv_in*' matches no entry" in w for w in inner_alone.json["result"]["warnings"])
+
+
+def test_a_folder_holding_the_default_weights_and_a_variant_reads_as_the_default(
+    diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    """`save_pretrained(d)` then `save_pretrained(d, variant="fp16")`, as Hub pipelines ship:
+    `inspect`, `convert` and `reshard` of the UNet folder failed with "tensor appears in more
+    than one shard", and `verify` called it a corrupt mix of two saves. The default weights are
+    the checkpoint; the variant is listed as left out, with why."""
+    from diffusers import UNet2DModel
+
+    pipeline = shutil.copytree(diffusers_pipeline, tmp_path / "pipeline")
+    with _quiet():
+        unet = UNet2DModel.from_pretrained(pipeline / "unet")
+        want = unet.state_dict()
+        unet.to(torch.float16).save_pretrained(pipeline / "unet", variant="fp16")
+    assert (pipeline / "unet" / "diffusion_pytorch_model.fp16.safetensors").is_file()
+    assert run_ckpt("verify", pipeline / "unet").exit_code == 0
+    inspected = run_ckpt("inspect", pipeline / "unet", "--json")
+    assert inspected.exit_code == 0, inspected.stdout
+    assert inspected.json["result"]["tensors"] == len(want)
+    for command in (["convert", "--to", "safetensors"], ["reshard", "--max-shard-size", "40KB"]):
+        out = tmp_path / command[0]
+        result = run_ckpt(command[0], pipeline / "unet", out, *command[1:], "--json")
+        assert result.exit_code == 0, result.stdout
+        skipped = {
+            s.get("name", s.get("path")): s["reason"] for s in result.json["result"]["skipped"]
+        }
+        assert "fp16 variant" in skipped["diffusion_pytorch_model.fp16.safetensors"]
+        with _quiet():
+            got = UNet2DModel.from_pretrained(out).state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    whole = run_ckpt("convert", pipeline, tmp_path / "whole", "--to", "safetensors")
+    assert whole.exit_code == 0, whole.stderr

@@ -722,3 +722,41 @@ def test_reshard_names_every_file_it_does_not_write_and_never_carries_the_source
         # the output gets a manifest of its own, and it checks
         assert run_ckpt("verify", out, "--write-manifest").exit_code == 0
         assert run_ckpt("verify", out, "--checksums").exit_code == 0
+
+
+def test_reshard_of_a_trainer_checkpoint_with_bin_weights_cuts_them_and_carries_the_rest(
+    tmp_path: Path,
+) -> None:
+    """A Trainer `checkpoint-N/` whose weights are `pytorch_model.bin` (`save_safetensors=False`)
+    beside `optimizer.pt` and `rng_state.pth`: reshard read every torch file of the folder as
+    one and failed with "no ... torch.save files found". The weights are cut into the shards
+    and index the Trainer's resume reads (`load_sharded_checkpoint`), the rest carried."""
+    pytest.importorskip("transformers", reason="the frameworks extra brings transformers")
+    from transformers.trainer_utils import load_sharded_checkpoint
+
+    src = tmp_path / "checkpoint-4"
+    src.mkdir()
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
+    torch.save(model.state_dict(), src / "pytorch_model.bin")
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 32)).sum().backward()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), src / "optimizer.pt")
+    torch.save({"last_epoch": 4}, src / "scheduler.pt")
+    torch.save({"cpu": torch.get_rng_state()}, src / "rng_state.pth")
+    (src / "trainer_state.json").write_text(json.dumps({"global_step": 4, "log_history": []}))
+    out = tmp_path / "resharded"
+    result = run_ckpt("reshard", src, out, "--max-shard-size", "5KB", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert len(list(out.glob("pytorch_model-*-of-*.bin"))) > 1
+    assert (out / "pytorch_model.bin.index.json").is_file()
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= set(
+        result.json["result"]["carried"]
+    )
+    same = run_ckpt("diff", src, out)
+    assert same.exit_code == 0 and same.stdout.startswith("IDENTICAL"), same.stdout
+    fresh = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
+    load_sharded_checkpoint(fresh, str(out))
+    saved = torch.load(src / "pytorch_model.bin", weights_only=True)
+    for name, value in saved.items():
+        assert torch.equal(fresh.state_dict()[name], value), name

@@ -372,3 +372,47 @@ def test_slimming_lightning_files_rewrites_them_without_optimizer_state(tmp_path
     assert table["latest"] == str(ckpts / names[300])
     # no leftovers: the files, and the record of which ones are slimmed
     assert sorted(p.name for p in ckpts.iterdir()) == sorted([*names.values(), ".ckpt-slim.json"])
+
+
+def test_slimming_drops_every_rank_rng_and_every_models_optimizer(tmp_path: Path) -> None:
+    """A 2-rank Trainer save (`rng_state_0.pth`, `rng_state_1.pth`) and a two-model accelerate
+    save (`optimizer_1.bin`, `random_states_1.pkl`) kept those files when slimmed, while the
+    plan said "drop optimizer, rng": the numbered components were not matched."""
+    from safetensors.torch import save_file
+
+    from .run_fixtures import trainer_checkpoint
+
+    run = tmp_path / "run"
+    for step in (2, 4):
+        save = run / f"checkpoint-{step}"
+        trainer_checkpoint(save, step)
+        (save / "rng_state.pth").unlink()
+        for rank in (0, 1):
+            torch.save({"cpu": torch.random.get_rng_state()}, save / f"rng_state_{rank}.pth")
+        set_mtime(save, time.time() - DAY)
+    accelerate = tmp_path / "accelerate" / "step_2"
+    accelerate.mkdir(parents=True)
+    for suffix in ("", "_1"):
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        save_file(model.state_dict(), accelerate / f"model{suffix}.safetensors")
+        torch.save(optimizer.state_dict(), accelerate / f"optimizer{suffix}.bin")
+    for rank in (0, 1):
+        torch.save(
+            {"step": 0, "torch_manual_seed": torch.get_rng_state()},
+            accelerate / f"random_states_{rank}.pkl",
+        )
+    (accelerate.parent / "step_4").mkdir()
+    for f in accelerate.iterdir():
+        (accelerate.parent / "step_4" / f.name).write_bytes(f.read_bytes())
+    set_mtime(accelerate, time.time() - DAY)
+    for root, old, left in (
+        (run, "checkpoint-2", {"model.safetensors", "scheduler.pt", "trainer_state.json"}),
+        (accelerate.parent, "step_2", {"model.safetensors", "model_1.safetensors"}),
+    ):
+        applied = run_ckpt("prune", root, "--slim-older-than", "1", "--settle", "0", "--yes")
+        assert applied.exit_code == 0, applied.stderr
+        kept = {p.name for p in (root / old).iterdir()} - {"ckpt-slim.json"}
+        assert kept == left, kept

@@ -79,6 +79,35 @@ def is_dcp_hf_sharded(names: list[str]) -> bool:
     )
 
 
+#: a weight variant's file name (`diffusion_pytorch_model.fp16.safetensors`): stem, variant
+_VARIANT = re.compile(r"^(?P<stem>[^.]+)\.(?P<variant>[A-Za-z0-9_-]+)\.safetensors$")
+
+
+def default_weights(names: list[str]) -> list[str]:
+    """The `.safetensors` files among top-level `names` that hold the default weights: a
+    variant (`X.fp16.safetensors`) saved beside its default (`X.safetensors`), as diffusers and
+    transformers save `variant="fp16"` into the same folder, holds the same tensors again and
+    is not part of the default checkpoint (the libraries load one or the other)."""
+    shards = [n for n in names if n.endswith(".safetensors")]
+    present = set(shards)
+    return [n for n in shards if variant_beside_default(n, present) is None]
+
+
+def variant_beside_default(name: str, names: set[str]) -> str | None:
+    """The variant (`fp16`) of weights file `name` when its default (`X.safetensors`) is
+    among `names` too (see `default_weights`), else None."""
+    folder, _, base = name.rpartition("/")
+    match = _VARIANT.match(base)
+    if match is None:
+        return None
+    default = (
+        f"{folder}/{match.group('stem')}.safetensors"
+        if folder
+        else f"{match.group('stem')}.safetensors"
+    )
+    return match.group("variant") if default in names else None
+
+
 def _index_key(source: Source, index_rel: str) -> tuple[str, str, int]:
     """Where `check` leaves the index it read for `open` (`Source.parsed`)."""
     return ("safetensors-index", index_rel, source.files.get(index_rel, -1))
@@ -154,7 +183,7 @@ class SafetensorsFormat(Format):
             shards = [source.target]
             sizes = {source.target: source.files[source.target]}
         else:
-            shards = [n for n in source.top_level() if n.endswith(".safetensors")]
+            shards = default_weights(source.top_level())
             if not shards:
                 raise _no_safetensors(source)
             sizes = {n: source.files[n] for n in shards}
@@ -244,7 +273,7 @@ class SafetensorsFormat(Format):
         elif source.target is not None and index_rel is None:
             shards = [source.target]
         else:
-            shards = [n for n in listing if "/" not in n and n.endswith(".safetensors")]
+            shards = default_weights([n for n in listing if "/" not in n])
             if not shards:
                 findings.error(_no_safetensors(source))
                 return findings.problems

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Literal
@@ -38,6 +39,14 @@ from ...storage.output import TMP_MARKER, fsync_dir
 
 #: training-only components removed by slimming
 DROPPED = ("optimizer", "rng", "dataloader", "sampler")
+
+
+def is_dropped(component: str) -> bool:
+    """Whether slimming removes `component`: one of `DROPPED`, also numbered per model or per
+    rank (`optimizer_1`, `rng_3`, `optimizer_0_rank1`): a multi-model or multi-rank save
+    kept its second optimizer and every rank's RNG but the first while the plan said "drop
+    optimizer, rng"."""
+    return re.sub(r"(_rank\d+|_\d+)+$", "", component) in DROPPED
 
 
 class SlimAction(Record):
@@ -77,7 +86,10 @@ def slim_plan(path: str | Path) -> SlimAction | None:
         training = opened.training
         if training is None:
             return None
-        dropped = [c for c in training.prefixes if c in DROPPED or c.startswith("rng_")]
+        named = list(training.prefixes)
+        if isinstance(checkpoint, CompositeCheckpoint):
+            named += [c for c in checkpoint.components if c not in named]
+        dropped = [c for c in named if is_dropped(c)]
         if not dropped:
             return None
         if isinstance(checkpoint, CompositeCheckpoint):
@@ -103,7 +115,7 @@ def slim_plan(path: str | Path) -> SlimAction | None:
             if len(checkpoint.manifest.files) != 1:
                 return None
             target = target / checkpoint.manifest.files[0].path
-        prefixes = [training.prefixes[c] for c in dropped]
+        prefixes = [training.prefixes[c] for c in dropped if c in training.prefixes]
         entries = [e for e in checkpoint.manifest.entries if e.name.startswith(tuple(prefixes))]
         if not entries:
             return None

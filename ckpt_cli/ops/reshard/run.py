@@ -29,7 +29,12 @@ from ...errors import UsageError
 from ...formats import HF_WEIGHTS, format_of_file, get_format, resolve_source, serializations
 from ...formats.base import Checkpoint, Source, WriteOptions
 from ...formats.details import IndexedDetails
-from ...formats.names import INDEX_SUFFIX, SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX
+from ...formats.names import (
+    INDEX_SUFFIX,
+    SAFETENSORS_INDEX_SUFFIX,
+    TORCH_INDEX_SUFFIX,
+    TORCH_SUFFIXES,
+)
 from ...models import FileInfo
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts.base import Layout, OpenedSource, open_plain
@@ -115,7 +120,7 @@ def regroup(
     assert isinstance(max_shard_size, int)
     text = source.location.raw
     opened = _training_layout(source, format)
-    with open_plain(source, format) as checkpoint:
+    with open_plain(_weights_source(source, opened), format) as checkpoint:
         carried, extra = _carried_files(source, checkpoint, opened)
         left_out = [] if extras else extra
         if not extras:
@@ -245,13 +250,26 @@ def _skipped_files(
     ]
 
 
+def _weights_source(source: Source, opened: OpenedSource | None) -> Source:
+    """What holds the weights of a training folder: its model file when that is a torch.save
+    file (a Trainer `checkpoint-N/` with `pytorch_model.bin`, beside `optimizer.pt` and
+    `rng_state.pth`, which read as one torch folder would be a mix of all of them); else the
+    folder, whose safetensors are its weights."""
+    if opened is None or "model" not in opened.parts:
+        return source
+    main, token = opened.parts["model"]
+    if token != "torch" or "/" in main or not main.endswith(TORCH_SUFFIXES):
+        return source
+    return Source(location=source.location, storage=source.storage, target=main)
+
+
 def _carried_files(
     source: Source, weights: Checkpoint, opened: OpenedSource | None
 ) -> tuple[list[str], list[str]]:
     """(training-state files, extra files) of `source` to copy beside its resharded weights."""
     from ..shared.transfer import extra_files
 
-    if weights.source.target is not None:
+    if source.target is not None:
         return [], []
     if opened is None:
         return [], extra_files(weights)
@@ -262,7 +280,7 @@ def _carried_files(
     own = {f.path for f in weights.manifest.files} | ({index} if index else set())
     carried = [
         rel
-        for rel in sorted(weights.source.files)
+        for rel in sorted(source.files)
         if rel not in own
         and rel not in extra
         and not any(part.startswith(".") for part in rel.split("/"))

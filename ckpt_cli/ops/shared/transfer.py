@@ -30,6 +30,7 @@ from ...formats import find_format, get_format
 from ...formats.base import Checkpoint, Source, WriteOptions, Writer
 from ...formats.details import TorchDetails
 from ...formats.names import DCP_DATA_SUFFIX, PICKLE_SUFFIX, WEIGHT_SUFFIXES, looks_like_index
+from ...formats.safetensors.format import variant_beside_default
 from ...models import Entry, FileInfo, Manifest, Record
 from ...progress import NULL_PROGRESS, CountingProgress, Progress
 from ...sources.model_files import EXTRA_SUFFIXES, MAX_EXTRA_BYTES
@@ -596,6 +597,11 @@ def account_files(
             )
         elif base.startswith("."):
             why = "a hidden file: not part of the checkpoint"
+        elif (variant := variant_beside_default(rel, set(names))) is not None:
+            why = (
+                f"the {variant} variant of the default weights beside it (a library loads one "
+                "or the other): convert that file on its own to keep it"
+            )
         elif is_checksum_manifest(rel):
             why = (
                 "the source's checksum manifest, of the source's files: `ckpt verify DEST "
