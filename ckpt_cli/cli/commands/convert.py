@@ -87,12 +87,12 @@ def convert(
         ),
     ] = None,
     dcp_serialization: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--dcp-serialization",
-            help="How a DCP output stores tensors: torch_save or safetensors.",
+            help="How a DCP output stores tensors: torch_save (default) or safetensors.",
         ),
-    ] = "torch_save",
+    ] = None,
     world_size: Annotated[
         int,
         typer.Option("--world-size", help="Lay a DCP output out for this many ranks (Shard(0))."),

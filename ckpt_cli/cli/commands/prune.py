@@ -54,9 +54,11 @@ def prune(
         ),
     ] = None,
     mode: Annotated[
-        Mode,
-        typer.Option("--mode", help="Whether the best --keep-best value is the min or the max."),
-    ] = Mode.min,
+        Mode | None,
+        typer.Option(
+            "--mode", help="Whether the best --keep-best value is the min (default) or the max."
+        ),
+    ] = None,
     keep: Annotated[
         list[int] | None,
         typer.Option("--keep", help="Never delete the checkpoint of this step (repeatable)."),
@@ -147,7 +149,7 @@ def prune(
     deleted: every checkpoint is listed with keep/delete and the rule that decided.
     """
     from ...errors import ProblemsFound
-    from ...ops.prune.retention import PrunePolicy, parse_duration
+    from ...ops.prune.retention import PrunePolicy, best_mode, parse_duration
     from ...ops.prune.run import exit_code
     from ...ops.prune.run import run as run_prune
     from ..render.prune import render_prune_result, render_watch_round
@@ -157,7 +159,7 @@ def prune(
             keep_last=keep_last,
             keep_every=keep_every,
             keep_best=keep_best,
-            mode=mode.value,
+            mode=best_mode(mode.value if mode else None, keep_best),
             keep=list(keep or []),
             keep_top=keep_top,
             keep_within=parse_duration(keep_within, "--keep-within") if keep_within else None,

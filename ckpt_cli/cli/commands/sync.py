@@ -92,9 +92,11 @@ def sync(
         typer.Option("--keep-top", min=1, help="With --keep-best: keep the N best."),
     ] = None,
     mode: Annotated[
-        Mode,
-        typer.Option("--mode", help="Whether the best --keep-best value is the min or the max."),
-    ] = Mode.min,
+        Mode | None,
+        typer.Option(
+            "--mode", help="Whether the best --keep-best value is the min (default) or the max."
+        ),
+    ] = None,
     keep_within: Annotated[
         str | None,
         typer.Option(
@@ -133,7 +135,7 @@ def sync(
     resumes without sending finished files again. Pulling (SRC remote, DEST local): the
     checkpoints are checked against their manifests and appear in DEST with one rename.
     """
-    from ...ops.prune.retention import PrunePolicy, parse_duration
+    from ...ops.prune.retention import PrunePolicy, best_mode, parse_duration
     from ...ops.sync import SyncReport, SyncRequest, exit_code, sync_with
     from ...sizes import parse_size
     from ..render.sync import render_sync, render_sync_round
@@ -153,7 +155,7 @@ def sync(
             keep_every=keep_every,
             keep_best=keep_best,
             keep_top=keep_top,
-            mode=mode.value,
+            mode=best_mode(mode.value if mode else None, keep_best),
             keep_within=parse_duration(keep_within, "--keep-within") if keep_within else None,
             keep_every_duration=parse_duration(keep_every_duration, "--keep-every-duration")
             if keep_every_duration

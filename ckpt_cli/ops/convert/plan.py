@@ -29,10 +29,12 @@ if TYPE_CHECKING:
 
 #: `--dcp-compression` value that asks for no compression
 NO_COMPRESSION = "none"
+#: how a DCP output stores its tensors unless `--dcp-serialization` says otherwise
+DEFAULT_SERIALIZATION = "torch_save"
 
 
 def check_target(
-    to: str, *, serialization: str, compression: str | None, world_size: int
+    to: str, *, serialization: str | None, compression: str | None, world_size: int
 ) -> type[Format]:
     """The target's `Format` class, after checking the options that depend on it."""
     targets = writable_formats()
@@ -47,10 +49,15 @@ def check_target(
         )
     if compression not in (None, NO_COMPRESSION) and compression not in fmt.compressions:
         raise UsageError("--dcp-compression applies to --to dcp only")
-    if serialization not in serializations():
+    if serialization is not None and serialization not in serializations():
         raise UsageError(
             f"unknown DCP serialization {serialization!r}",
             fix=f"Use --dcp-serialization {' or '.join(serializations())}.",
+        )
+    if serialization is not None and not fmt.shards_by_rank:
+        # it would do nothing: refused as --dcp-compression is
+        raise UsageError(
+            "--dcp-serialization applies to --to dcp only", fix="Leave --dcp-serialization out."
         )
     if world_size < 1:
         raise UsageError("--world-size must be at least 1")

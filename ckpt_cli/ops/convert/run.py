@@ -46,6 +46,7 @@ from ..shared.transfer import (
 )
 from ..shared.transfer import write_checkpoint as run_write
 from .plan import (
+    DEFAULT_SERIALIZATION,
     NO_COMPRESSION,
     check_one_file_naming,
     check_shard_size,
@@ -79,7 +80,7 @@ class ConvertRequest(Record):
     exclude: list[str] | None = None
     renames: list[str] | None = None
     select: str | None = None
-    dcp_serialization: str = "torch_save"
+    dcp_serialization: str | None = None
     dcp_compression: str | None = None
     world_size: int = 1
     force: bool = False
@@ -182,7 +183,7 @@ def convert(
     exclude: list[str] | None = None,
     renames: list[str] | None = None,
     select: str | None = None,
-    dcp_serialization: str = "torch_save",
+    dcp_serialization: str | None = None,
     dcp_compression: str | None = None,
     world_size: int = 1,
     force: bool = False,
@@ -211,7 +212,8 @@ def convert(
         include / exclude: globs on source names choosing the entries.
         renames: `OLD=NEW` prefix renames.
         select: keep only the sub-tree under this prefix (`model`), stripping it.
-        dcp_serialization: `torch_save` or `safetensors` (DCP target only).
+        dcp_serialization: `torch_save` (None: the default) or `safetensors` (DCP target
+            only).
         dcp_compression: `zstd` writes every DCP item through DCP's ZStandard extension.
         world_size: ranks to lay a DCP output out for (DCP target only).
         force: replace an existing `dest` once the new output is complete.
@@ -384,7 +386,7 @@ def convert(
             metadata=target.output_metadata(manifest.metadata, plan.aliases),
             basename=basename,
             single_file=single_file,
-            dcp_serialization=dcp_serialization,
+            dcp_serialization=dcp_serialization or DEFAULT_SERIALIZATION,
             world_size=world_size,
             dcp_compression=None if dcp_compression == NO_COMPRESSION else dcp_compression,
         )
@@ -506,7 +508,7 @@ def convert(
         tied=plan.tied,
         aliases=plan.aliases,
         max_shard_size=shard_size,
-        dcp_serialization=dcp_serialization if target.serializations else None,
+        dcp_serialization=options.dcp_serialization if target.serializations else None,
         world_size=world_size if target.shards_by_rank else None,
         entries=written,
         ranks=shares,
@@ -516,7 +518,7 @@ def convert(
         config_dtype=config_dtype,
         config_source=given_config[1] if given_config is not None else None,
         extras=carried,
-        warnings=warnings + output_warnings(target, dcp_serialization),
+        warnings=warnings + output_warnings(target, options.dcp_serialization),
         architecture=architecture,
         serving_files=serving,
     )

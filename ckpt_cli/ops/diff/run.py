@@ -397,6 +397,12 @@ def diff_with(
         counts: dict[str, int] = {}
         if request.dequantize:
             ca, cb = (_dequantized(c, side, schemes, counts) for c, side in ((ca, "a"), (cb, "b")))
+            if not counts:  # it would do nothing: refused, as `convert --dequantize` is
+                raise UsageError(
+                    "--dequantize: no quantized weight found on either side (FP8, MXFP4, NVFP4)",
+                    path=a,
+                    fix="Drop --dequantize; `ckpt inspect` shows what each checkpoint holds.",
+                )
         chosen_a, applied_a, comp_a = _selected(opened_a, ca, select, None)
         chosen_b, applied_b, comp_b = _selected(
             opened_b, cb, select, [n for _, n in chosen_a] if comp_a else None

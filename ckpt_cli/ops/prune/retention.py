@@ -36,6 +36,17 @@ def parse_duration(text: str, option: str = "duration") -> float:
     return seconds
 
 
+def best_mode(mode: str | None, keep_best: str | None) -> Literal["min", "max"]:
+    """`--mode` as a policy's `mode` (min when not given), refused without `--keep-best`,
+    where it would do nothing."""
+    if mode is not None and keep_best is None:
+        raise UsageError(
+            f"--mode {mode} applies with --keep-best only",
+            fix="Add --keep-best METRIC, or leave --mode out.",
+        )
+    return "max" if mode == "max" else "min"
+
+
 class PrunePolicy(Record):
     """What to keep.
 
