@@ -495,3 +495,44 @@ def test_options_that_would_do_nothing_are_refused_like_their_siblings(tmp_path:
     assert not (tmp_path / "x").exists()
     kept = run_ckpt("prune", run, "--keep-best", "eval_loss", "--mode", "min", "--settle", "0")
     assert kept.exit_code == 0, kept.stderr
+
+
+def test_every_refusal_names_the_choices_and_a_fix(tmp_path: Path) -> None:
+    """Messages that contradicted the help or themselves: `-f nope` listed other tokens than
+    `--help`, `-f gguf` of a safetensors folder and `protect` of an empty folder carried no fix,
+    `--to nope` left out hf / torchtitan / megatron, `--to hf` said a family "has no rule for
+    0 tensor(s)", and a FIFO named `*.safetensors` was "0 bytes long … an empty file"."""
+    model = tmp_path / "model"
+    model.mkdir()
+    _model(model / "model.safetensors")
+    (tmp_path / "empty").mkdir()
+    import torch
+
+    unknown = run_ckpt("inspect", model, "-f", "nope", "--json").json["error"]
+    assert "gguf" in unknown["fix"] and "hub" in unknown["fix"]
+    for args in (["inspect", model, "-f", "gguf"], ["protect", tmp_path / "empty"]):
+        result = run_ckpt(*args, "--json")
+        assert result.exit_code == 3 and result.json["error"]["fix"], result.stdout
+    target = run_ckpt("convert", model, tmp_path / "x", "--to", "nope", "--json").json["error"]
+    assert all(t in target["fix"] for t in ("hf", "torchtitan", "megatron"))
+    llama_like = {
+        f"model.layers.0.{p}.weight": torch.zeros(4, 4)
+        for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    }
+    llama_like |= {
+        "model.embed_tokens.weight": torch.zeros(8, 4),
+        "model.norm.weight": torch.zeros(4),
+        "model.layers.0.input_layernorm.weight": torch.zeros(4),
+        "model.layers.0.post_attention_layernorm.weight": torch.zeros(4),
+        "model.layers.0.mlp.up_proj.weight": torch.zeros(8, 4),
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(4, 8),
+    }
+    from safetensors.torch import save_file
+
+    save_file(llama_like, tmp_path / "no-gate.safetensors")
+    mapped = run_ckpt("convert", tmp_path / "no-gate.safetensors", tmp_path / "hf", "--to", "hf")
+    assert mapped.exit_code == 4 and "gate_proj" in mapped.stderr, mapped.stderr
+    assert "0 tensor(s)" not in mapped.stderr
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    fifo = run_ckpt("inspect", tmp_path / "pipe.safetensors")
+    assert fifo.exit_code == 4 and "FIFO" in fifo.stderr, fifo.stderr

@@ -100,11 +100,24 @@ def unrecognised(names: Sequence[str], target: str, where: str) -> FormatError:
     detail = ""
     if best is not None and best[0][0]:
         _, arch, naming, unknown = best
-        shown = ", ".join(repr(n) for n in unknown[:3])
-        detail = (
-            f"; closest is {arch.title} ({naming} naming), which has no rule for "
-            f"{len(unknown)} tensor(s): {shown}"
-        )
+        if unknown:
+            shown = ", ".join(repr(n) for n in unknown[:3])
+            detail = (
+                f"; closest is {arch.title} ({naming} naming), which has no rule for "
+                f"{len(unknown)} tensor(s): {shown}"
+            )
+        elif lacking := arch.lacking(names, naming):
+            # every name has a rule: the family's own tensors are what is missing
+            shown = ", ".join(repr(p) for p in lacking[:3])
+            detail = (
+                f"; closest is {arch.title} ({naming} naming), whose rules cover every name "
+                f"but which needs tensors this model lacks: {shown}"
+            )
+        else:
+            detail = (
+                f"; closest is {arch.title} ({naming} naming), whose rules cover every name "
+                "but whose marker tensors are not there (the model is a relative of it)"
+            )
     return FormatError(
         f"no known model architecture matches these {len(names)} tensor names, so they "
         f"cannot be mapped to the {target} naming{detail}",

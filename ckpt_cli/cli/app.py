@@ -47,7 +47,8 @@ FormatOpt = Annotated[
     typer.Option(
         "--format",
         "-f",
-        help="Read SRC as this format (safetensors, dcp, torch, hub) instead of detecting it.",
+        help="Read SRC as this format (safetensors, dcp, torch, gguf; hub: an hf:// SRC) "
+        "instead of detecting it.",
     ),
 ]
 ForceOpt = Annotated[

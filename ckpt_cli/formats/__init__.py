@@ -40,7 +40,8 @@ HF_WEIGHTS = "safetensors"
 def get_format(name: str) -> type[Format]:
     """The adapter class for a format token."""
     if name not in REGISTRY:
-        raise UsageError(f"unknown format {name!r}", fix=f"Use one of: {', '.join(REGISTRY)}.")
+        tokens = ", ".join([*REGISTRY, *STORAGE_NAMES])
+        raise UsageError(f"unknown format {name!r}", fix=f"Use one of: {tokens}.")
     module_name, cls_name = REGISTRY[name].split(":")
     try:
         module = importlib.import_module(module_name)

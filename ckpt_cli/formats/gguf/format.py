@@ -290,7 +290,11 @@ class GgufFormat(Format):
         files = _files(source)
         where = source.location.raw
         if not files:
-            raise NotFoundError("holds no .gguf file", path=where)
+            raise NotFoundError(
+                "holds no .gguf file",
+                path=where,
+                fix="Check the path, or leave -f/--format out to detect the format.",
+            )
         problems: list[Problem] = []
         entries: list[Entry] = []
         infos: list[FileInfo] = []

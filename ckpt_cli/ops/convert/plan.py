@@ -39,7 +39,10 @@ def check_target(
     """The target's `Format` class, after checking the options that depend on it."""
     targets = writable_formats()
     if to not in targets:
-        raise UsageError(f"cannot convert to {to!r}", fix=f"Use --to {' | '.join(targets)}.")
+        from ...architectures import NAMING_FORMATS
+
+        every = [*targets, *NAMING_FORMATS]
+        raise UsageError(f"cannot convert to {to!r}", fix=f"Use --to {' | '.join(every)}.")
     fmt = get_format(to)
     known = [c for name in targets for c in get_format(name).compressions]
     if compression not in (None, NO_COMPRESSION, *known):

@@ -77,7 +77,11 @@ def open_parity_target(src: str | Source) -> ParityTarget:
         }
         parity_rel = PARITY_DIR
     if not files:
-        raise NotFoundError("holds no files to protect", path=source.location.raw)
+        raise NotFoundError(
+            "holds no files to protect",
+            path=source.location.raw,
+            fix="Point at the checkpoint folder or file itself.",
+        )
     return ParityTarget(source, storage, files, parity_rel)
 
 
