@@ -10,13 +10,13 @@ _ckpt() {
     verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --exact --force --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --no-extras --dcp-compression --config --flavor --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     reshard) opts="--world-size --max-shard-size --shard-dim --plan --rank-state --dcp-serialization --dry-run -n --no-extras --dcp-compression --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --dry-run -n --watch --max-iterations --settle --json --quiet -q --verbose -v --help -h" ;;
-    latest) opts="--settle --json --quiet -q --verbose -v --help -h" ;;
+    prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --dry-run -n --watch --max-iterations --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    latest) opts="--settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --jobs --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --verify-ranges --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     diff) opts="--atol --rtol --rename --select --filter -k --filter-out --format-a --format-b --dequantize --ignore-dtype --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    doctor) opts="--before --after --expect --settle --json --quiet -q --verbose -v --help -h" ;;
-    merge) opts="--force --json --quiet -q --verbose -v --help -h" ;;
+    doctor) opts="--before --after --expect --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    merge) opts="--force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     protect) opts="--parity --block-size --whole-files --dry-run -n --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     repair) opts="--dry-run -n --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
   esac
@@ -72,7 +72,13 @@ _ckpt() {
     prune\ --watch) COMPREPLY=(); return ;;
     prune\ --max-iterations) COMPREPLY=(); return ;;
     prune\ --settle) COMPREPLY=(); return ;;
+    prune\ --revision) COMPREPLY=(); return ;;
+    prune\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
+    prune\ --token) COMPREPLY=(); return ;;
     latest\ --settle) COMPREPLY=(); return ;;
+    latest\ --revision) COMPREPLY=(); return ;;
+    latest\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
+    latest\ --token) COMPREPLY=(); return ;;
     sync\ --watch) COMPREPLY=(); return ;;
     sync\ --max-iterations) COMPREPLY=(); return ;;
     sync\ --max-rate) COMPREPLY=(); return ;;
@@ -112,6 +118,12 @@ _ckpt() {
     doctor\ --after) COMPREPLY=(); return ;;
     doctor\ --expect) COMPREPLY=(); return ;;
     doctor\ --settle) COMPREPLY=(); return ;;
+    doctor\ --revision) COMPREPLY=(); return ;;
+    doctor\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
+    doctor\ --token) COMPREPLY=(); return ;;
+    merge\ --revision) COMPREPLY=(); return ;;
+    merge\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
+    merge\ --token) COMPREPLY=(); return ;;
     protect\ --parity) COMPREPLY=(); return ;;
     protect\ --block-size) COMPREPLY=(); return ;;
     protect\ --revision) COMPREPLY=(); return ;;

@@ -523,3 +523,25 @@ def test_download_runs_with_pipes_and_with_a_terminal(hub: Any, tmp_path: Path) 
     fetched = run_in_pty("download", "hf://org/model", tmp_path / "real")
     assert fetched.exit_code == 0, fetched.stdout
     assert (tmp_path / "real" / "model.safetensors").is_file()
+
+
+def test_every_command_that_reads_a_hub_location_takes_the_hub_options(tmp_path: Path) -> None:
+    """`prune`, `doctor`, `merge` and `latest` read `hf://` run folders and models but had no
+    `--revision`, `--repo-type` or `--token` (`prune hf://org/run --revision v1` was "No such
+    option"): the location parameters of every command get them."""
+    import typer
+
+    from ckpt_cli.cli.app import get_app
+    from ckpt_cli.cli.conventions import LOCATION_PARAMS
+
+    group = typer.main.get_command(get_app())
+    for name, command in group.commands.items():  # type: ignore[attr-defined]
+        arguments = {p.name for p in command.params if p.param_type_name == "argument"}
+        options = {o for p in command.params for o in p.opts}
+        if arguments & set(LOCATION_PARAMS):
+            assert {"--revision", "--repo-type", "--token"} <= options, name
+    assert {"run_dir", "base", "adapter"} <= set(LOCATION_PARAMS)
+    refused = run_ckpt("prune", tmp_path, "--keep-last", "1", "--revision", "v1", "--json")
+    assert (
+        refused.exit_code == 2 and "applies to a Hub location" in refused.json["error"]["message"]
+    )

@@ -85,7 +85,7 @@ OPTION_VALUES: dict[str, list[str]] = {
 }
 
 #: parameter names whose value is a checkpoint location (they get --revision/--repo-type/--token)
-LOCATION_PARAMS = ("src", "a", "b")
+LOCATION_PARAMS = ("src", "a", "b", "run_dir", "base", "adapter")
 
 QuietOpt = Annotated[
     bool,
