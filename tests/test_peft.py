@@ -134,6 +134,40 @@ def test_merge_into_a_bf16_base_is_bit_identical_to_peft(
     assert all(got[n].dtype == torch.bfloat16 for n in got)
 
 
+def test_merge_of_an_adapter_on_a_tied_lm_head_equals_peft(tmp_path: Path) -> None:
+    """A LoRA on `lm_head` of a base with tied embeddings: `save_pretrained` saves no
+    `lm_head.weight`, and peft merges the update into the one shared tensor, the embedding.
+    `ckpt merge` refused it as "a base weight the base does not have"."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from .framework_fixtures import tiny_config
+
+    torch.manual_seed(3)
+    config = tiny_config()
+    config.tie_word_embeddings = True
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    LlamaForCausalLM(config).save_pretrained(base)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["lm_head", "q_proj"], init_lora_weights=False
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(LlamaForCausalLM.from_pretrained(base), lora).save_pretrained(adapter)
+        merged = PeftModel.from_pretrained(
+            LlamaForCausalLM.from_pretrained(base), adapter
+        ).merge_and_unload()
+        merged.save_pretrained(tmp_path / "peft-merged")
+    result = run_ckpt("merge", base, adapter, tmp_path / "merged")
+    assert result.exit_code == 0, result.stderr
+    want = load_file(tmp_path / "peft-merged" / "model.safetensors")
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert got.keys() == want.keys() and "lm_head.weight" not in got
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+    before = load_file(base / "model.safetensors")["model.embed_tokens.weight"]
+    assert not torch.equal(got["model.embed_tokens.weight"], before)
+
+
 def test_merge_of_an_adapter_on_the_embeddings_equals_peft(
     tiny_llama: Path, tmp_path: Path
 ) -> None:

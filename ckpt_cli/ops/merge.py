@@ -221,19 +221,43 @@ class MergedCheckpoint(Checkpoint):
         self.adapter.close()
 
 
-def _base_name(module: str, suffix: str, names: set[str]) -> str | None:
-    """The base tensor a peft module path addresses (exact, else the one name ending so)."""
+#: input embeddings an output projection is tied to when a model saves no `lm_head.weight`
+_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+
+
+def _tied_names(names: set[str]) -> dict[str, str]:
+    """`lm_head.weight` -> the embedding it is tied to, when the base saves no output
+    projection but one input embedding (`save_pretrained` drops the tied copy): peft's LoRA on
+    `lm_head` then updates that one shared tensor, and `merge_and_unload` changes the
+    embedding with it."""
+    if any(n == "lm_head.weight" or n.endswith(".lm_head.weight") for n in names):
+        return {}
+    embeddings = [n for n in names if n.endswith(_EMBEDDINGS)]
+    return {"lm_head.weight": embeddings[0]} if len(embeddings) == 1 else {}
+
+
+def _base_name(
+    module: str, suffix: str, names: set[str], tied: dict[str, str] | None = None
+) -> str | None:
+    """The base tensor a peft module path addresses (exact, else the one name ending so, else
+    the tensor a tied name shares)."""
     exact = f"{module}.{suffix}"
     if exact in names:
         return exact
     tails = [n for n in names if n.endswith(f".{exact}") or exact.endswith(f".{n}")]
-    return tails[0] if len(tails) == 1 else None
+    if len(tails) == 1:
+        return tails[0]
+    for alias, target in (tied or {}).items():
+        if exact == alias or exact.endswith(f".{alias}"):
+            return target
+    return None
 
 
 def _plan_updates(
     base: Checkpoint, adapter: Checkpoint, config: dict[str, Any]
 ) -> tuple[dict[str, _Update], dict[str, str]]:
     names = {e.name for e in base.manifest.entries if e.kind == "tensor"}
+    tied = _tied_names(names)
     updates: dict[str, _Update] = {}
     replaced: dict[str, str] = {}
     where = adapter.manifest.location
@@ -259,7 +283,7 @@ def _plan_updates(
             # (`save_embedding_layers`: `embed_tokens.base_layer.weight`): the adapter's
             # tensor replaces the base's, and that layer's own LoRA update applies on top
             module, param = key.rsplit(".", 1)[0], key.rsplit(".", 1)[-1]
-            target = _base_name(module.removesuffix(".base_layer"), param, names)
+            target = _base_name(module.removesuffix(".base_layer"), param, names, tied)
             if target is None:
                 raise NotFoundError(
                     f"{entry.name!r} replaces a base weight {key!r} the base does not have",
@@ -276,7 +300,7 @@ def _plan_updates(
                 path=where,
                 fix="Merge convolution LoRA with peft's merge_and_unload.",
             )
-        target = _base_name(module, "weight", names)
+        target = _base_name(module, "weight", names, tied)
         if target is None:
             raise NotFoundError(
                 f"the adapter targets {module!r}, which has no weight in the base",
@@ -284,6 +308,13 @@ def _plan_updates(
                 fix="Check that the adapter was trained on this base model.",
             )
         update = updates.setdefault(target, _Update(module))
+        if update.module != module:  # two LoRA layers on one tied tensor (embedding + lm_head)
+            raise FormatError(
+                f"{update.module!r} and {module!r} both update {target!r} (tied weights), "
+                "which `ckpt merge` does not combine",
+                path=where,
+                fix="Merge it with peft's merge_and_unload.",
+            )
         update.embedding = part.startswith("lora_embedding")
         if part.endswith("A"):
             update.a = entry.name
