@@ -600,3 +600,30 @@ def test_a_resume_from_torchs_own_dcp_conversion_is_explained(tmp_path: Path) ->
     assert "int ids" in top["fix"]
     ids = {c["id"] for c in result.json["result"]["causes"]}
     assert "optimizer_mismatch" not in ids
+
+
+def test_a_resume_from_a_slimmed_save_names_the_fresh_optimizer(tmp_path: Path) -> None:
+    """A Trainer resumed from a save `prune --slim-older-than` had made weights-only starts a
+    fresh optimizer (and scheduler). doctor named only the scheduler: the optimizer's counts
+    could not be compared with a save that holds none."""
+    from .run_fixtures import trainer_checkpoint
+
+    trainer_checkpoint(tmp_path / "run" / "checkpoint-200", 200)
+    slimmed = tmp_path / "run" / "checkpoint-200"
+    (slimmed / "optimizer.pt").unlink()
+    (slimmed / "ckpt-slim.json").write_text("{}")
+    for name, adam_steps in (("resumed", 200), ("straight", 400)):
+        after = tmp_path / name / "checkpoint-400"
+        trainer_checkpoint(after, 400)
+        optimizer = torch.load(after / "optimizer.pt", weights_only=True)
+        for state in optimizer["state"].values():
+            state["step"] = torch.tensor(float(adam_steps))
+        torch.save(optimizer, after / "optimizer.pt")
+        result = run_ckpt("doctor", "--before", slimmed, "--after", after, "--json")
+        causes = {c["id"]: c for c in result.json["result"]["causes"]}
+        if name == "resumed":
+            cause = causes["optimizer_not_restored"]
+            assert "without optimizer state" in cause["title"]
+            assert any("slimmed" in line for line in cause["evidence"])
+        else:
+            assert "optimizer_not_restored" not in causes, causes

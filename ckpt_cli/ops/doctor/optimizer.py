@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...models import Problem
 from ...sources.layouts.training import shape_problems
+from ...sources.runs import SLIM_RECORD
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
 from .save import Save
@@ -77,6 +78,27 @@ def check(pair: Pair) -> list[Cause]:
                 "torchtitan: keep `optimizer` out of checkpoint.exclude_from_loading).",
             )
         )
+    if restart is None and not unloadable and _fresh_after_weights_only(pair):
+        causes.append(
+            Cause(
+                id="optimizer_not_restored",
+                title="the run resumed from a save without optimizer state: the optimizer "
+                "started fresh",
+                score=0.95,
+                before=a.name,
+                after=b.name,
+                evidence=[
+                    f"{a.name} holds no optimizer state (weights only"
+                    + (", slimmed by `ckpt prune`" if SLIM_RECORD in a.source.files else "")
+                    + ")",
+                    f"optimizer step count {fmt(b.optimizer_step)} at {b.name}, "
+                    f"{fmt(pair.elapsed)} steps after {a.name}: a fresh optimizer's count",
+                ],
+                fix="Resume from a save that kept its optimizer state (`ckpt latest RUN` names "
+                "the newest whole one; `prune --slim-older-than` never slims the newest), or "
+                "accept that Adam's moments start over.",
+            )
+        )
     mismatch = _mismatch(a, b, misfits_before)
     if mismatch:
         causes.append(
@@ -109,3 +131,14 @@ def _mismatch(a: Save, b: Save, misfits_before: list[Problem]) -> list[str]:
         if problem.message not in before and problem.code != IDS_AS_STRINGS:
             evidence.append(problem.message)
     return evidence[:8]
+
+
+def _fresh_after_weights_only(pair: Pair) -> bool:
+    """Whether the save before holds no optimizer state while the one after counts no more
+    optimizer steps than the steps between them: a resume from weights only (a slimmed save),
+    whose optimizer could not have been restored."""
+    a, b = pair.before, pair.after
+    if a.prefix("optimizer") is not None or b.optimizer_step is None:
+        return False
+    elapsed = pair.elapsed
+    return a.step is not None and a.step > 0 and elapsed is not None and b.optimizer_step <= elapsed
