@@ -431,9 +431,11 @@ def missing_config_warning(
         return None
     if select is None or select.rstrip(".") != "model":
         return None
+    if "adapter_config.json" in carried:  # a PEFT adapter: peft loads it with its own config
+        return None
     return (
         f"{dest} holds no config.json, so transformers' from_pretrained cannot open it "
         "(AutoModel* needs it; a model class without it builds its default config, not this "
-        f"model): the source ({opened.training.layout}) has none (an FSDP save keeps only the "
-        "sharded state). Pass --config PATH|hf://org/model to carry the model's config.json in."
+        f"model): the source ({opened.training.layout}) has none. Pass --config "
+        "PATH|hf://org/model to carry the model's config.json in."
     )
