@@ -38,5 +38,7 @@ def parse_size(text: str, *, option: str = "--max-shard-size") -> int:
         )
     value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise UsageError(f"{option} {text!r} must be more than 0 bytes")
+        raise UsageError(
+            f"{option} {text!r} must be more than 0 bytes", fix=f"Give a size, e.g. {option} 4GB."
+        )
     return value

@@ -99,7 +99,7 @@ _ckpt() {
     download\ --mode) COMPREPLY=( $(compgen -W "shards tensors" -- "$cur") ); return ;;
     download\ --include) COMPREPLY=(); return ;;
     download\ --exclude) COMPREPLY=(); return ;;
-    download\ --local-dir) COMPREPLY=(); return ;;
+    download\ --local-dir) COMPREPLY=( $(compgen -f -- "$cur") ); return ;;
     download\ --revision) COMPREPLY=(); return ;;
     download\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
     download\ --token) COMPREPLY=(); return ;;

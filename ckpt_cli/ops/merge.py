@@ -383,6 +383,9 @@ def merge_with(
 ) -> MergeReport:
     """`merge` as `request` says (the command's one call)."""
     force = request.force
+    # each side is resolved (listed, its Hub revision pinned) once and read through that; the
+    # base first, so a missing BASE is the error named when both are
+    base_source = resolve_source(base)
     adapter_source = resolve_source(adapter)
     config = read_json(adapter_source, "adapter_config.json")
     if not isinstance(config, dict):
@@ -422,8 +425,6 @@ def merge_with(
     dest_path = local_destination(resolve_destination(dest))
     if dest_path is None:
         raise UsageError("merge writes to a local folder", path=dest)
-    # each side is resolved (listed, its Hub revision pinned) once and read through that
-    base_source = resolve_source(base)
     base_checkpoint = open_plain(base_source)
     try:
         adapter_weights = Source(

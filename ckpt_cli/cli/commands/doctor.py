@@ -27,16 +27,25 @@ def doctor(
     ] = None,
     before: Annotated[
         str | None,
-        typer.Option("--before", help="The save the run resumed from (path, or name in RUN_DIR)."),
+        typer.Option(
+            "--before",
+            metavar="SAVE",
+            help="The save the run resumed from (path, or name in RUN_DIR).",
+        ),
     ] = None,
     after: Annotated[
         str | None,
-        typer.Option("--after", help="A save the resumed run wrote (path, or name in RUN_DIR)."),
+        typer.Option(
+            "--after",
+            metavar="SAVE",
+            help="A save the resumed run wrote (path, or name in RUN_DIR).",
+        ),
     ] = None,
     expect: Annotated[
         list[str] | None,
         typer.Option(
             "--expect",
+            metavar="CHANGE",
             help="A change made on purpose, reported but not ranked (repeatable): batch, "
             "world-size, precision, config, tokenizer, scheduler, optimizer, data, rng, ema, "
             "scaler.",

@@ -76,7 +76,9 @@ def download(
     local_dir: Annotated[
         str | None,
         typer.Option(
-            "--local-dir", help="DEST, spelled as in hf download (give one or the other)."
+            "--local-dir",
+            metavar="DEST",
+            help="DEST, spelled as in hf download (give one or the other).",
         ),
     ] = None,
     no_extras: Annotated[

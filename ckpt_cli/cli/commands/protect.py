@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from ..app import ForceOpt, JsonOpt, SrcArg, app, examples, run_command
+from ..app import JsonOpt, SrcArg, app, examples, run_command
 
 
 @app.command(
@@ -36,6 +36,7 @@ def protect(
         str,
         typer.Option(
             "--block-size",
+            metavar="SIZE",
             help="Bytes per block at most (e.g. 1MiB, 4MiB; smaller for small files): the unit "
             "damage is located and rebuilt in; memory is about 2 x block size x (columns + K), "
             "columns <= 32.",
@@ -57,7 +58,10 @@ def protect(
             "--dry-run", "-n", help="Say what the parity would cost and survive; write nothing."
         ),
     ] = False,
-    force: ForceOpt = False,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Replace the parity a protected checkpoint has already."),
+    ] = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Write parity for SRC into SRC/.ckpt-parity/ (ignored by every loader).

@@ -64,7 +64,7 @@ def sync(
         str | None,
         typer.Option(
             "--max-rate",
-            metavar="BYTES",
+            metavar="SIZE",
             help="Bytes per second at most (200MB, 1GiB), so training keeps its network.",
         ),
     ] = None,

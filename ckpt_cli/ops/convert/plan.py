@@ -63,7 +63,9 @@ def check_target(
             "--dcp-serialization applies to --to dcp only", fix="Leave --dcp-serialization out."
         )
     if world_size < 1:
-        raise UsageError("--world-size must be at least 1")
+        raise UsageError(
+            "--world-size must be at least 1", fix="Give the number of ranks, e.g. --world-size 8."
+        )
     if not fmt.shards_by_rank and world_size != 1:
         raise UsageError("--world-size applies to --to dcp only")
     return fmt

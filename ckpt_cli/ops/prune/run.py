@@ -312,7 +312,10 @@ def run(
             fix="Run without --watch to see the plan first, then add --watch SECONDS --yes.",
         )
     if max_iterations is not None and watch_seconds is None:
-        raise UsageError("--max-iterations only applies with --watch")
+        raise UsageError(
+            "--max-iterations only applies with --watch",
+            fix="Add --watch SECONDS, or leave --max-iterations out.",
+        )
     if watch_seconds is None:
         return prune(run_dir, policy, yes=yes)
     return watch(run_dir, policy, watch_seconds, max_iterations=max_iterations, on_round=on_round)

@@ -384,8 +384,9 @@ def reshard_with(
         ]
         if given:
             raise UsageError(
-                f"{', '.join(given)} only apply with --world-size",
-                fix="Drop them, or reshard a DCP checkpoint with --world-size N.",
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} with "
+                "--world-size only",
+                fix="Leave them out, or reshard a DCP checkpoint with --world-size N.",
             )
         limit = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
         # parsed once: every component below is cut to the same byte count

@@ -162,7 +162,10 @@ def sync_with(
     if prune_policy is not None and down:
         raise UsageError("--prune-remote applies when pushing (SRC local, DEST remote)")
     if max_iterations is not None and watch_seconds is None:
-        raise UsageError("--max-iterations only applies with --watch")
+        raise UsageError(
+            "--max-iterations only applies with --watch",
+            fix="Add --watch SECONDS, or leave --max-iterations out.",
+        )
     if watch_seconds is not None and watch_seconds <= 0:
         raise UsageError(f"--watch needs a positive number of seconds (got {watch_seconds:g})")
     limit = RateLimit(request.max_rate)
