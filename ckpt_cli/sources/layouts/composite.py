@@ -92,6 +92,7 @@ def _flatten_json(doc: dict[str, Any]) -> Iterator[tuple[tuple[tuple[str, Any], 
 def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
     """A JSON file (`trainer_state.json`) as object entries, flattened like a torch.save dict
     (`log_history.0.loss`), each entry remembering its key path for the torch writer."""
+    from ...formats.torch.flatten import MAX_LEAVES
     from ...formats.torch.format import TorchEntry
 
     where = source.storage.describe(rel)
@@ -106,6 +107,14 @@ def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
     entries: list[Entry] = []
     leaves: dict[str, Any] = {}
     for path, value in _flatten_json(doc):
+        if len(entries) >= MAX_LEAVES:
+            # the torch.save flattening's budget: each entry costs ~1 KiB, so a 6.6 MB
+            # `trainer_state.json` of 300,000 log rows took 1.3 GB
+            raise FormatError(
+                f"holds more than {MAX_LEAVES:,} values, past what ckpt reads of one file",
+                path=where,
+                fix="Trim its log_history (or the largest list in it) and run again.",
+            )
         name = ".".join(str(key) for _, key in path)
         base, n = name, 1
         while name in leaves:  # {"a.b": 1, "a": {"b": 2}}
@@ -113,18 +122,20 @@ def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
         leaves[name] = value
         scalar = value is None or isinstance(value, (bool, int, float, str))
         entries.append(
-            TorchEntry.model_construct(
-                name=name,
-                kind="object",
-                dtype=None,
-                shape=[],
-                nbytes=len(json.dumps(value)),
-                file=rel,
-                offset=None,
-                chunks=None,
-                py_type=type(value).__name__,
-                value=value if scalar else None,
-                key_path=path,
+            TorchEntry.of(
+                {
+                    "name": name,
+                    "kind": "object",
+                    "dtype": None,
+                    "shape": [],
+                    "nbytes": len(json.dumps(value)),
+                    "file": rel,
+                    "offset": None,
+                    "chunks": None,
+                    "py_type": type(value).__name__,
+                    "value": value if scalar else None,
+                },
+                path,
             )
         )
     manifest = Manifest(
@@ -192,9 +203,7 @@ class CompositeCheckpoint(Checkpoint):
                     if entry.chunks:
                         fields["chunks"] = [replace(c, file=f"{sub}{c.file}") for c in entry.chunks]
                 # the key path lets the torch writer rebuild {"model": {...}, "optimizer": {...}}
-                entries.append(
-                    TorchEntry.model_construct(**fields, key_path=(("dict", comp), *inner))
-                )
+                entries.append(TorchEntry.of(fields, (("dict", comp), *inner)))
                 self._route[name] = (checkpoint, entry.name)
         files.extend(other_files)
         manifest = Manifest(
