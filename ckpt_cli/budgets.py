@@ -192,10 +192,10 @@ def walk_pickle(
                     return _memo_text(index, pos, n)
             elif op in (_INT, _LONG) and end - pos > 19:  # past 2**61: may collide
                 try:
-                    value = int(data[pos + 1 : end].rstrip(b"L"))
+                    value: int | None = int(data[pos + 1 : end].rstrip(b"L"))
                 except ValueError:
-                    return None
-                why = colliding(value)
+                    value = None  # the unpickler refuses it there; the walk goes on as before
+                why = colliding(value) if value is not None else None
                 if why is not None:
                     return why
             pos = end + 1
