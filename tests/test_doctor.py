@@ -627,3 +627,15 @@ def test_a_resume_from_a_slimmed_save_names_the_fresh_optimizer(tmp_path: Path) 
             assert any("slimmed" in line for line in cause["evidence"])
         else:
             assert "optimizer_not_restored" not in causes, causes
+
+
+def test_doctor_of_weights_only_does_not_call_them_resumable(tmp_path: Path) -> None:
+    """`doctor model/` printed "can resume consistently" above the warning "nothing to resume
+    from"."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+    result = run_ckpt("doctor", tmp_path)
+    assert result.exit_code == 0, result.stderr
+    assert "weights only" in result.stdout and "can resume" not in result.stdout
+    assert "(single: 1 save)" in result.stdout

@@ -42,7 +42,8 @@ def render_doctor(report: DoctorReport) -> None:
     colour = "red" if report.found else "green"
     stdout.print(f"[bold {colour}]{report.verdict}[/]", highlight=False, markup=True)
     stdout.print(
-        f"  {report.run_dir}  ({report.mode}: {len(report.checkpoints)} saves)",
+        f"  {report.run_dir}  ({report.mode}: {len(report.checkpoints)} "
+        f"save{'' if len(report.checkpoints) == 1 else 's'})",
         markup=False,
         highlight=False,
     )

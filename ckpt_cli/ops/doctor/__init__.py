@@ -258,6 +258,9 @@ def _single(path: str, declared: set[str]) -> DoctorReport:
         report.expected = sorted(declared)
         report.causes = rank(consistency.check(save), declared)
         report.verdict = _verdict(report)
+        if save.opened.training is None and not report.causes:
+            # "can resume consistently" beside "nothing to resume from" contradicted itself
+            report.verdict = f"NO CAUSE FOUND: {save.name} holds weights only, no training state"
     finally:
         save.close()
     return report
