@@ -744,6 +744,30 @@ HELD_IMPORT = textwrap.dedent(
 )
 
 
+def _signalled_while_importing(
+    tmp_path: Path, module: str, signum: int, *extra: str, code: int | None = None
+) -> tuple[str, str]:
+    """`ckpt inspect M.safetensors EXTRA` sent `signum` while `module` imports: its (stdout
+    after the "held" line, stderr), its exit status asserted to be `code` when given."""
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HELD_IMPORT, module, "inspect", str(src), *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "held", proc.communicate()
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    if code is not None:
+        assert proc.returncode == code, stderr
+    return stdout, stderr
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 @pytest.mark.parametrize(
     "module",
@@ -758,22 +782,8 @@ HELD_IMPORT = textwrap.dedent(
 def test_sigterm_and_sighup_during_start_up_exit_143_and_129_with_a_message(
     tmp_path: Path, signum: int, code: int, module: str
 ) -> None:
-    src = tmp_path / "m.safetensors"
-    save_file(weights(1), src)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HELD_IMPORT, module, "inspect", str(src)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "held", proc.communicate()
-    proc.send_signal(signum)
-    _, stderr = proc.communicate(timeout=120)
     # a supervisor tells preemption (143) and a hang-up (129) from a user's Ctrl-C (130)
-    assert proc.returncode == code, stderr
+    _, stderr = _signalled_while_importing(tmp_path, module, signum, code=code)
     name = "terminated (SIGTERM)" if signum == signal.SIGTERM else "hung up (SIGHUP)"
     assert name in stderr and "Traceback" not in stderr, stderr
 
@@ -796,21 +806,7 @@ def test_a_signal_during_start_up_still_gives_the_json_envelope(
     """`--json` promises one envelope on every failure, an interruption included: a signal in
     the start-up (a loaded machine makes it seconds) printed none, and before the handlers
     were installed a Ctrl-C was a traceback."""
-    src = tmp_path / "m.safetensors"
-    save_file(weights(1), src)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HELD_IMPORT, module, "inspect", str(src), "--json"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "held", proc.communicate()
-    proc.send_signal(signum)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == code, stderr
+    stdout, stderr = _signalled_while_importing(tmp_path, module, signum, "--json", code=code)
     envelope = json.loads(stdout)  # one envelope, nothing else
     assert envelope["command"] == "inspect" and envelope["exit_code"] == code
     assert envelope["error"]["fix"] and "Traceback" not in stderr, stderr
