@@ -26,14 +26,21 @@ from typing import Any
 
 from ...dist.command import RankShare
 from ...errors import UsageError
-from ...formats import HF_WEIGHTS, format_of_file, get_format, resolve_source, serializations
+from ...formats import (
+    HF_WEIGHTS,
+    find_format,
+    format_of_file,
+    get_format,
+    resolve_source,
+    serializations,
+)
 from ...formats.base import Checkpoint, Source, WriteOptions
 from ...formats.details import IndexedDetails
 from ...formats.names import (
     INDEX_SUFFIX,
     SAFETENSORS_INDEX_SUFFIX,
     TORCH_INDEX_SUFFIX,
-    TORCH_SUFFIXES,
+    is_single_file_weights,
 )
 from ...models import FileInfo
 from ...progress import NULL_PROGRESS, Progress
@@ -258,7 +265,12 @@ def _weights_source(source: Source, opened: OpenedSource | None) -> Source:
     if opened is None or "model" not in opened.parts:
         return source
     main, token = opened.parts["model"]
-    if token != "torch" or "/" in main or not main.endswith(TORCH_SUFFIXES):
+    fmt = find_format(token)
+    # a single-file format holding pickled objects reads a folder as every file of its
+    # suffixes: the model's file alone is the weights
+    if fmt is None or fmt.folder or not fmt.holds_objects:
+        return source
+    if "/" in main or not is_single_file_weights(main):
         return source
     return Source(location=source.location, storage=source.storage, target=main)
 
