@@ -754,3 +754,22 @@ def test_select_of_a_training_component_that_cannot_be_read_names_it(tmp_path: P
         "model.safetensors" in result.stderr and "model component cannot be read" in result.stderr
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("world_size", ["1", "3"])
+def test_a_dcp_dry_run_lists_the_files_and_entries_the_real_run_writes(
+    tmp_path: Path, world_size: str
+) -> None:
+    """`convert --to dcp -n` put every entry on `.metadata` and none on the rank files, the
+    other way round from what the real run reports."""
+    state = {f"layers.{i}.weight": torch.full((4, 2), float(i)) for i in range(3)}
+    state["step"] = torch.tensor(7)
+    state["bias"] = torch.ones(2)  # 2 rows: no chunk for rank 2 of 3
+    save_file(state, tmp_path / "m.safetensors")
+    args = ["convert", tmp_path / "m.safetensors", tmp_path / "dcp", "--to", "dcp"]
+    args += ["--world-size", world_size, "--json"]
+    planned = run_ckpt(*args, "--dry-run").json["result"]["files"]
+    written = run_ckpt(*args).json["result"]["files"]
+    assert [(f["path"], f["entries"]) for f in planned] == [
+        (f["path"], f["entries"]) for f in written
+    ]

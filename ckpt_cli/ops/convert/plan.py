@@ -154,8 +154,25 @@ def planned_files(
 
     held = [i.target for i in plan.items]
     if fmt.shards_by_rank:
-        files = [FileInfo(path=fmt.rank_file(r)) for r in range(options.world_size)]
-        return [*files, FileInfo(path=fmt.commit_marker or "", entries=len(held))]
+        # as the writer reports them: the marker holds no entry; each rank file the entries
+        # it holds a chunk of, cut as the writer cuts them (`Shard(0)`, a chunk offset
+        # recorded once), objects on rank 0
+        from ...dist.placement import shard_dim0_boxes
+
+        counts = [0] * options.world_size
+        for entry in held:
+            if entry.kind != "tensor" or options.world_size == 1:
+                counts[0] += 1
+                continue
+            seen: set[tuple[int, ...]] = set()
+            for rank, box in enumerate(shard_dim0_boxes(list(entry.shape), options.world_size)):
+                if tuple(box.offsets) not in seen:
+                    seen.add(tuple(box.offsets))
+                    counts[rank] += 1
+        files = [
+            FileInfo(path=fmt.rank_file(r), entries=counts[r]) for r in range(options.world_size)
+        ]
+        return [FileInfo(path=fmt.commit_marker or "", entries=0), *files]
     if options.single_file:
         size = fmt.planned_size(held, options.metadata)
         return [FileInfo(path=PurePath(str(dest)).name, size=size, entries=len(held))]
