@@ -32,6 +32,7 @@ import io
 import pickle
 import pickletools
 import re
+import sys
 import zipfile
 from collections.abc import Callable, Iterable
 from typing import IO, Any
@@ -48,6 +49,10 @@ INFLATE_FLOOR = 1 << 20
 READ_CHUNK = 1 << 20
 #: distinct large ints of one hash a pickle may hold (a dict of them builds in quadratic time)
 MAX_COLLIDING_INTS = 2048
+#: distinct ints past Python's hash modulus a pickle may hold at all (64-bit seeds: a few)
+MAX_HUGE_INTS = 100_000
+#: Python hashes an int to itself modulo this (2**61 - 1 on 64-bit builds)
+_HASH_MODULUS = sys.hash_info.modulus
 
 
 def _opcode_table() -> tuple[list[int | None], list[int | None]]:
@@ -138,16 +143,28 @@ def walk_pickle(
     pos = 0
     # large ints by hash: a set per hash seen, refused once one holds too many
     by_hash: dict[int, set[int]] = {}
+    tracked = 0
 
     def colliding(value: int) -> str | None:
+        nonlocal tracked
+        if -_HASH_MODULUS < value < _HASH_MODULUS:
+            return None  # hashes to itself: no other int of its size shares its hash
         same = by_hash.setdefault(hash(value), set())
-        same.add(value)
-        if len(same) <= MAX_COLLIDING_INTS:
+        if value in same:
             return None
-        return (
-            f"{len(same):,} distinct integers with the same hash by byte {pos:,}: a dict of them "
-            "would take quadratic time to build (hash flooding)"
-        )
+        same.add(value)
+        tracked += 1
+        if len(same) > MAX_COLLIDING_INTS:
+            return (
+                f"{len(same):,} distinct integers with the same hash by byte {pos:,}: a dict of "
+                "them would take quadratic time to build (hash flooding)"
+            )
+        if tracked > MAX_HUGE_INTS:  # the walk's own memory stays bounded too
+            return (
+                f"more than {MAX_HUGE_INTS:,} integers past 2**61 by byte {pos:,}, far more than "
+                "any checkpoint holds"
+            )
+        return None
 
     pending = iter(spans)
     stop, stop_end = next(pending, (n, n))

@@ -186,6 +186,18 @@ def test_a_dict_of_colliding_int_keys_is_refused_before_it_is_built(tmp_path: Pa
     assert ckpt_limited("inspect", tmp_path / "seeds.pt").exit_code == 0
 
 
+def test_the_walk_tracks_only_ints_past_the_hash_modulus_and_a_bounded_number_of_them() -> None:
+    """The flooding check keeps each large int it has seen: ints that hash to themselves
+    (every byte offset and size) are never kept, and a pickle of more distinct ints past
+    2**61 than any checkpoint holds is refused rather than tracked without end."""
+    from ckpt_cli import budgets
+
+    offsets = pickle.dumps([(1 << 60) + i for i in range(200_000)], protocol=2)
+    assert budgets.pickle_overreach(offsets) is None
+    seeds = pickle.dumps([(1 << 62) + i for i in range(budgets.MAX_HUGE_INTS + 1)], protocol=2)
+    assert "integers past 2**61" in (budgets.pickle_overreach(seeds) or "")
+
+
 def test_memo_indexes_a_real_pickler_writes_are_read_as_before(tmp_path: Path) -> None:
     # 300 tensors: data.pkl memoises past 256 entries, so LONG_BINPUT indexes appear
     state = {f"layer.{i}.weight": torch.full((2,), float(i)) for i in range(300)}

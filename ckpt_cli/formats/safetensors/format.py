@@ -96,15 +96,11 @@ def default_weights(names: list[str]) -> list[str]:
 def variant_beside_default(name: str, names: set[str]) -> str | None:
     """The variant (`fp16`) of weights file `name` when its default (`X.safetensors`) is
     among `names` too (see `default_weights`), else None."""
-    folder, _, base = name.rpartition("/")
+    folder, slash, base = name.rpartition("/")
     match = _VARIANT.match(base)
     if match is None:
         return None
-    default = (
-        f"{folder}/{match.group('stem')}.safetensors"
-        if folder
-        else f"{match.group('stem')}.safetensors"
-    )
+    default = f"{folder}{slash}{match.group('stem')}.safetensors"
     return match.group("variant") if default in names else None
 
 
