@@ -379,6 +379,15 @@ class Manifest(Record):
         """Entries keyed by name."""
         return {entry.name: entry for entry in self.entries}
 
+    def model_copy(
+        self, *, update: Mapping[str, Any] | None = None, deep: bool = False
+    ) -> Manifest:
+        """`Record.model_copy` without the cached `by_name`: a copy with other entries (a
+        view's, `ckpt merge`'s) indexed the original's, whose raw offsets it then served."""
+        copied = super().model_copy(update=update, deep=deep)
+        copied.__dict__.pop("by_name", None)
+        return copied
+
     @property
     def tensors(self) -> list[Entry]:
         """Tensor entries only."""

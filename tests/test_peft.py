@@ -275,3 +275,79 @@ def test_verify_good_and_damaged_adapter(lora_adapter: Path, tmp_path: Path) -> 
     assert any(
         "adapter_model.safetensors" in (p["file"] or "") for p in result.json["result"]["problems"]
     )
+
+
+def _quantize_q_proj(tiny_llama: Path, folder: Path, scheme: str) -> str:
+    """`tiny_llama` with layer 0's q_proj stored quantized as `scheme` writes it; returns what
+    the refusal names the scheme by."""
+    from safetensors.torch import save_file
+
+    from .test_quant import MODELOPT_CONFIG, quantize_fp8_block, quantize_nvfp4_modelopt
+
+    state = load_file(tiny_llama / "model.safetensors")
+    config = json.loads((tiny_llama / "config.json").read_text())
+    module = "model.layers.0.self_attn.q_proj"
+    weight = state.pop(f"{module}.weight")
+    folder.mkdir()
+    if scheme == "fp8":  # DeepSeek-style block FP8
+        q, scale_inv = quantize_fp8_block(weight, 128)
+        state |= {f"{module}.weight": q, f"{module}.weight_scale_inv": scale_inv}
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+        said = "FP8 block 128x128"
+    elif scheme == "nvfp4":  # ModelOpt
+        state |= {f"{module}.{k}": v for k, v in quantize_nvfp4_modelopt(weight).items()}
+        (folder / "hf_quant_config.json").write_text(json.dumps(MODELOPT_CONFIG))
+        said = "NVFP4"
+    else:  # bitsandbytes LLM.int8: int8 codes, one absmax (SCB) a row
+        scb = weight.abs().amax(dim=1)
+        state |= {
+            f"{module}.weight": torch.round(weight / scb[:, None] * 127).to(torch.int8),
+            f"{module}.SCB": scb,
+        }
+        config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+        said = "int8 (bitsandbytes quantization)"
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
+    return said
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "nvfp4", "int8"])
+def test_merge_refuses_a_base_whose_targeted_weight_is_quantized(
+    lora_adapter: Path, tiny_llama: Path, tmp_path: Path, scheme: str
+) -> None:
+    """The float LoRA delta was added to the int8 codes of an LLM.int8 base (merged silently,
+    wrong values), an FP8 base was an internal error (exit 70) and an NVFP4 one was "not
+    trained on this base": a quantized target is refused, naming the weight, its scheme and
+    the way out, before anything is written."""
+    base = tmp_path / f"base-{scheme}"
+    said = _quantize_q_proj(tiny_llama, base, scheme)
+    out = tmp_path / "merged"
+    result = run_ckpt("merge", base, lora_adapter, out, "--json")
+    assert result.exit_code == 4, result.stdout
+    error = result.json["error"]
+    assert "'model.layers.0.self_attn.q_proj.weight'" in error["message"]
+    assert said in error["message"] and "quantized" in error["message"]
+    assert "Dequantize the base" in error["fix"]
+    assert not out.exists()
+    if scheme == "fp8":
+        # the fix as it says: dequantize, then merge; the result is peft's on that base
+        plain = tmp_path / "dequantized"
+        converted = run_ckpt("convert", base, plain, "--to", "safetensors", "--dequantize")
+        assert converted.exit_code == 0, converted.stderr
+        assert "--dequantize" in error["fix"]
+        assert run_ckpt("merge", plain, lora_adapter, out).exit_code == 0
+        from peft import PeftModel
+        from transformers import LlamaForCausalLM
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reference = PeftModel.from_pretrained(
+                LlamaForCausalLM.from_pretrained(plain), lora_adapter
+            ).merge_and_unload()
+        want, got = reference.state_dict(), load_file(out / "model.safetensors")
+        assert [n for n in got if not torch.equal(got[n], want[n])] == []

@@ -2,11 +2,13 @@
 
 peft's `merge_and_unload` builds the whole model in memory. Here the base checkpoint is read one
 tensor at a time: a weight some LoRA module targets gets `W + scaling · (B @ A)` (transposed for
-`fan_in_fan_out` layers and embeddings), with `scaling = lora_alpha / r` (`/ sqrt(r)` with
-rsLoRA, per-module `rank_pattern` / `alpha_pattern` honoured), computed in float32 and stored
-in the base weight's dtype, as peft does on CPU; weights listed in `modules_to_save` are
+embeddings and transformers' `Conv1D` layers, which peft decides per layer), with
+`scaling = lora_alpha / r` (`/ sqrt(r)` with rsLoRA, per-module `rank_pattern` /
+`alpha_pattern` honoured), computed and rounded into the base weight's dtype exactly as peft's
+`lora.Linear` / `lora.Embedding` merge does on CPU; weights listed in `modules_to_save` are
 replaced by the adapter's copy; every other tensor is copied as raw bytes. Peak memory is one
-base weight plus its two low-rank factors.
+base weight plus its two low-rank factors. A LoRA target whose base weight is quantized is
+refused before anything is written: an update added to quantized codes is wrong data.
 
 The output keeps the base's naming (one `model.safetensors`, or its shard size and index) and
 carries the base's non-weight files (`config.json`, tokenizer, generation config), so it loads
@@ -32,6 +34,7 @@ from ..formats.names import (
 )
 from ..models import Entry, FileInfo, Record
 from ..progress import NULL_PROGRESS, Progress
+from ..quant import QuantAnalysis, analyse_checkpoint, label
 from ..sources.layouts.base import open_plain
 from ..sources.layouts.model_folders import read_json
 from ..sources.runs.records import is_checksum_manifest
@@ -47,6 +50,9 @@ _PEFT_PREFIX = "base_model.model."
 _LORA = re.compile(
     r"(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$"
 )
+#: the weight dtypes peft adds a LoRA update into (an FP8 weight fails in torch; an integer
+#: one holds quantized codes)
+_MERGEABLE = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 class MergeReport(Record):
@@ -253,10 +259,48 @@ def _base_name(
     return None
 
 
+def _not_mergeable(
+    base: Checkpoint, quant: QuantAnalysis, target: str, module: str, names: set[str]
+) -> FormatError | None:
+    """Why `target`, the base weight a LoRA module updates, cannot take the update: quantized
+    by a scheme `quant` recognises (its codes are not values), or held in a dtype peft adds
+    no update into (integer codes such as bitsandbytes' LLM.int8, FP8 without a scale)."""
+    where = base.manifest.location
+    recognised = quant.weights.get(target)
+    if recognised is not None:
+        return FormatError(
+            f"the adapter targets {module!r}, whose base weight {recognised.payload!r} is "
+            f"quantized ({label(recognised.scheme, recognised.block)}): a LoRA update added to "
+            "quantized values is wrong data",
+            path=where,
+            fix="Dequantize the base first (`ckpt convert BASE DEQUANTIZED --to safetensors "
+            "--dequantize`), then merge into DEQUANTIZED.",
+        )
+    dtype = base.manifest.by_name[target].dtype if target in names else None
+    if dtype in _MERGEABLE:
+        return None
+    method = quant.config.method
+    return FormatError(
+        f"the adapter targets {module!r}, whose base weight {target!r} is {dtype}"
+        f"{f' ({method} quantization)' if method else ''}: peft adds a LoRA update only into "
+        "float16, bfloat16, float32 or float64 weights, and added to quantized values it is "
+        "wrong data",
+        path=where,
+        fix="Dequantize the base to float16/bfloat16/float32"
+        f"{f' with {method}' if method else ''} and save it, then merge into that copy.",
+    )
+
+
 def _plan_updates(
-    base: Checkpoint, adapter: Checkpoint, config: dict[str, Any]
+    base: Checkpoint,
+    adapter: Checkpoint,
+    config: dict[str, Any],
+    quant: QuantAnalysis,
 ) -> tuple[dict[str, _Update], dict[str, str]]:
     names = {e.name for e in base.manifest.entries if e.kind == "tensor"}
+    # a quantized weight may be stored under another name (`weight_packed`, `_blocks`): a LoRA
+    # target is looked up among what the base's weights are, to be refused by name
+    known = names | set(quant.weights)
     tied = _tied_names(names)
     updates: dict[str, _Update] = {}
     replaced: dict[str, str] = {}
@@ -283,13 +327,21 @@ def _plan_updates(
             # (`save_embedding_layers`: `embed_tokens.base_layer.weight`): the adapter's
             # tensor replaces the base's, and that layer's own LoRA update applies on top
             module, param = key.rsplit(".", 1)[0], key.rsplit(".", 1)[-1]
-            target = _base_name(module.removesuffix(".base_layer"), param, names, tied)
+            target = _base_name(module.removesuffix(".base_layer"), param, known, tied)
             if target is None:
                 raise NotFoundError(
                     f"{entry.name!r} replaces a base weight {key!r} the base does not have",
                     path=where,
                     fix="Check that the adapter was trained on this base model.",
                 )
+            held = base.manifest.by_name[target].dtype if target in names else None
+            if held != entry.dtype and (
+                held not in _MERGEABLE or target in quant.weights or target not in names
+            ):
+                # a float copy cast into quantized codes, or one written beside them
+                problem = _not_mergeable(base, quant, target, module, names)
+                assert problem is not None
+                raise problem
             replaced[target] = entry.name
             continue
         module, part = match.group("module"), match.group("part")
@@ -300,13 +352,16 @@ def _plan_updates(
                 path=where,
                 fix="Merge convolution LoRA with peft's merge_and_unload.",
             )
-        target = _base_name(module, "weight", names, tied)
+        target = _base_name(module, "weight", known, tied)
         if target is None:
             raise NotFoundError(
                 f"the adapter targets {module!r}, which has no weight in the base",
                 path=where,
                 fix="Check that the adapter was trained on this base model.",
             )
+        problem = _not_mergeable(base, quant, target, module, names)
+        if problem is not None:
+            raise problem
         update = updates.setdefault(target, _Update(module))
         if update.module != module:  # two LoRA layers on one tied tensor (embedding + lm_head)
             raise FormatError(
@@ -437,7 +492,13 @@ def merge_with(
     except BaseException:
         base_checkpoint.close()
         raise
-    updates, replaced = _plan_updates(base_checkpoint, adapter_checkpoint, config)
+    try:
+        quant = analyse_checkpoint(base_checkpoint.manifest, base_checkpoint.storage)
+        updates, replaced = _plan_updates(base_checkpoint, adapter_checkpoint, config, quant)
+    except BaseException:
+        base_checkpoint.close()
+        adapter_checkpoint.close()
+        raise
     merged = MergedCheckpoint(base_checkpoint, adapter_checkpoint, updates, replaced, config)
     companions = _companions(base_source)
     shard = _shard_size(base_checkpoint)
