@@ -351,3 +351,78 @@ def test_merge_refuses_a_base_whose_targeted_weight_is_quantized(
             ).merge_and_unload()
         want, got = reference.state_dict(), load_file(out / "model.safetensors")
         assert [n for n in got if not torch.equal(got[n], want[n])] == []
+
+
+def _gpt2(folder: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(4)
+    config = GPT2Config(
+        vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16, bos_token_id=0
+    )
+    GPT2LMHeadModel(config).save_pretrained(folder)
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_merge_decides_fan_in_fan_out_per_layer_as_peft_does(tmp_path: Path, saved: bool) -> None:
+    """peft sets `fan_in_fan_out` per layer, True for transformers' `Conv1D` (weight stored
+    `[in, out]`) and False for `nn.Linear`, whatever adapter_config.json says; `ckpt merge`
+    applied the config's one value to every layer, so a GPT-2 adapter on c_proj and lm_head
+    merged one of them transposed. The shape decides, and for a square weight (GPT-2's
+    attn.c_proj) the architecture does."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    _gpt2(base)
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["c_attn", "attn.c_proj", "c_fc", "lm_head"],
+        init_lora_weights=False,
+        fan_in_fan_out=True,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(GPT2LMHeadModel.from_pretrained(base), lora).save_pretrained(adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "fan_in_fan_out": saved}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        PeftModel.from_pretrained(
+            GPT2LMHeadModel.from_pretrained(base), adapter
+        ).merge_and_unload().save_pretrained(tmp_path / "peft-merged")
+    result = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert "transformer.h.0.attn.c_proj.weight" in result.json["result"]["merged"]
+    before = load_file(base / "model.safetensors")
+    assert list(before["transformer.h.0.attn.c_proj.weight"].shape) == [16, 16]  # square
+    want = load_file(tmp_path / "peft-merged" / "model.safetensors")
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+    assert not torch.equal(
+        got["transformer.h.0.attn.c_proj.weight"], before["transformer.h.0.attn.c_proj.weight"]
+    )
+
+
+def test_merge_of_a_square_linear_ignores_a_fan_in_fan_out_peft_overrides(
+    lora_adapter: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A Llama's q_proj is an `nn.Linear`: peft merges it untransposed even when
+    adapter_config.json says `fan_in_fan_out: true` (it warns and overrides)."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    adapter = shutil.copytree(lora_adapter, tmp_path / "adapter")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "fan_in_fan_out": True}))
+    result = run_ckpt("merge", tiny_llama, adapter, tmp_path / "merged")
+    assert result.exit_code == 0, result.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = PeftModel.from_pretrained(
+            LlamaForCausalLM.from_pretrained(tiny_llama), adapter
+        ).merge_and_unload()
+    want, got = reference.state_dict(), load_file(tmp_path / "merged" / "model.safetensors")
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []

@@ -53,6 +53,13 @@ _LORA = re.compile(
 #: the weight dtypes peft adds a LoRA update into (an FP8 weight fails in torch; an integer
 #: one holds quantized codes)
 _MERGEABLE = frozenset({"float16", "bfloat16", "float32", "float64"})
+#: `config.json` model types whose `c_attn` / `c_proj` / `c_fc` / `q_attn` are transformers'
+#: `Conv1D` (weight stored `[in, out]`), the one case a square weight's orientation is not
+#: told by its shape (transformers' gpt2, openai, imagegpt, decision_transformer, clvp)
+_CONV1D_MODEL_TYPES = frozenset(
+    {"gpt2", "openai-gpt", "imagegpt", "decision_transformer", "clvp", "clvp_decoder"}
+)
+_CONV1D_MODULES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
 
 
 class MergeReport(Record):
@@ -135,13 +142,20 @@ def _check_lora_config(config: dict[str, Any], adapter: str) -> None:
 
 
 class _Update:
-    """One base weight's LoRA factors."""
+    """One base weight's LoRA factors, and how peft's layer merges them.
+
+    Attributes:
+        embedding: a `lora.Embedding`; else a `lora.Linear`.
+        transposed: the delta is added as `(B @ A).T` (embeddings, and `Conv1D` layers, whose
+            weight is `[in, out]`: peft's per-layer `fan_in_fan_out`).
+    """
 
     def __init__(self, module: str):
         self.module = module
         self.a: str | None = None
         self.b: str | None = None
         self.embedding = False
+        self.transposed = False
 
 
 class MergedCheckpoint(Checkpoint):
@@ -202,9 +216,10 @@ class MergedCheckpoint(Checkpoint):
         scaling = alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r
         # peft computes the delta in float32 on CPU
         delta = (b.float() @ a.float()) * scaling
-        if update.embedding or self.config.get("fan_in_fan_out"):
+        if update.transposed:
             delta = delta.T
         if tuple(delta.shape) != tuple(weight.shape):
+            # the plan checked the base's shape; a `modules_to_save` copy may differ from it
             raise FormatError(
                 f"the LoRA update of {update.module!r} has shape {list(delta.shape)}, "
                 f"the base weight {name!r} is {list(weight.shape)}",
@@ -291,11 +306,41 @@ def _not_mergeable(
     )
 
 
+def _orientation(
+    update: _Update,
+    product: list[int],
+    weight: list[int],
+    model_type: str | None,
+    config: dict[str, Any],
+) -> bool | None:
+    """Whether `B @ A` (shape `product`, `[out, in]`) is added transposed to a base weight of
+    shape `weight`, as peft decides per layer; None when neither way fits.
+
+    An embedding always is (`lora.Embedding`). A linear layer is when its weight is stored
+    `[in, out]`: peft sets `fan_in_fan_out` True for transformers' `Conv1D` and False for
+    `nn.Linear`, whatever adapter_config.json says, so the shape tells; a square weight is
+    told by the base's architecture: in transformers' own models (a `config.json` model type,
+    no remote code) only the GPT-2-style families' `c_attn` / `c_proj` / `c_fc` / `q_attn` are
+    `Conv1D`; for a model of remote code, or none known, adapter_config.json's value holds."""
+    straight, flipped = weight == product, weight == product[::-1]
+    if update.embedding:
+        return True if flipped else None
+    if straight and flipped:
+        if model_type is None:
+            return bool(config.get("fan_in_fan_out"))
+        return (
+            model_type in _CONV1D_MODEL_TYPES
+            and update.module.rsplit(".", 1)[-1] in _CONV1D_MODULES
+        )
+    return False if straight else True if flipped else None
+
+
 def _plan_updates(
     base: Checkpoint,
     adapter: Checkpoint,
     config: dict[str, Any],
     quant: QuantAnalysis,
+    model_type: str | None = None,
 ) -> tuple[dict[str, _Update], dict[str, str]]:
     names = {e.name for e in base.manifest.entries if e.kind == "tensor"}
     # a quantized weight may be stored under another name (`weight_packed`, `_blocks`): a LoRA
@@ -375,13 +420,25 @@ def _plan_updates(
             update.a = entry.name
         else:
             update.b = entry.name
-    for update in updates.values():
+    factors = adapter.manifest.by_name
+    for target, update in updates.items():
         if update.a is None or update.b is None:
             raise FormatError(
                 f"{update.module!r} has only one of its two LoRA factors",
                 path=where,
                 fix="The adapter file is incomplete; save it again.",
             )
+        product = [factors[update.b].shape[0], factors[update.a].shape[1]]
+        weight = list(base.manifest.by_name[target].shape)
+        transposed = _orientation(update, product, weight, model_type, config)
+        if transposed is None:
+            raise FormatError(
+                f"the LoRA update of {update.module!r} has shape {product}, "
+                f"the base weight {target!r} is {weight}",
+                path=where,
+                fix="Check that the adapter was trained on this base model.",
+            )
+        update.transposed = transposed
     return updates, replaced
 
 
@@ -492,9 +549,23 @@ def merge_with(
     except BaseException:
         base_checkpoint.close()
         raise
+    # the architecture that tells a square `Conv1D` weight from an `nn.Linear` one: a
+    # transformers model's type (remote code, `auto_map`, may define its own `Conv1D` layers)
+    base_config = read_json(base_source, "config.json")
+    model_type = (
+        base_config.get("model_type")
+        if isinstance(base_config, dict) and "auto_map" not in base_config
+        else None
+    )
     try:
         quant = analyse_checkpoint(base_checkpoint.manifest, base_checkpoint.storage)
-        updates, replaced = _plan_updates(base_checkpoint, adapter_checkpoint, config, quant)
+        updates, replaced = _plan_updates(
+            base_checkpoint,
+            adapter_checkpoint,
+            config,
+            quant,
+            model_type if isinstance(model_type, str) else None,
+        )
     except BaseException:
         base_checkpoint.close()
         adapter_checkpoint.close()
