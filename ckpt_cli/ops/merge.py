@@ -145,7 +145,8 @@ class _Update:
     """One base weight's LoRA factors, and how peft's layer merges them.
 
     Attributes:
-        embedding: a `lora.Embedding`; else a `lora.Linear`.
+        embedding: a `lora.Embedding` (delta transposed, rounded to the weight's dtype, then
+            added); else a `lora.Linear` (the sum taken in float32, one rounding).
         transposed: the delta is added as `(B @ A).T` (embeddings, and `Conv1D` layers, whose
             weight is `[in, out]`: peft's per-layer `fan_in_fan_out`).
     """
@@ -156,6 +157,15 @@ class _Update:
         self.b: str | None = None
         self.embedding = False
         self.transposed = False
+
+
+def _delta_dtype(weight: torch.dtype) -> torch.dtype:
+    """The dtype peft holds a layer's LoRA factors in, so computes its delta in: the base
+    weight's (`_move_adapter_to_device_of_base_layer`), 16-bit upcast to float32
+    (`autocast_adapter_dtype`, on by default); the adapter file's own dtype is only copied in."""
+    import torch
+
+    return torch.float32 if weight in (torch.float16, torch.bfloat16) else weight
 
 
 class MergedCheckpoint(Checkpoint):
@@ -214,8 +224,8 @@ class MergedCheckpoint(Checkpoint):
                 fix="Use the adapter_config.json saved with these weights.",
             )
         scaling = alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r
-        # peft computes the delta in float32 on CPU
-        delta = (b.float() @ a.float()) * scaling
+        compute = _delta_dtype(weight.dtype)
+        delta = (b.to(compute) @ a.to(compute)) * scaling
         if update.transposed:
             delta = delta.T
         if tuple(delta.shape) != tuple(weight.shape):
@@ -226,12 +236,13 @@ class MergedCheckpoint(Checkpoint):
                 path=self.adapter.manifest.location,
                 fix="Check that the adapter was trained on this base model.",
             )
-        # peft holds an adapter stored in 16 bits as float32 (`autocast_adapter_dtype`, on by
-        # default) and merges with `weight += delta`: one rounding into the weight's dtype,
-        # the sum taken in the wider of the two (a bf16 weight: bf16(w + delta), never
+        if update.embedding:
+            # lora.Embedding.merge: `weight += delta.to(weight.dtype)`, the delta rounded to
+            # the weight's dtype first, then the sum rounded again
+            return torch.add(weight, delta.to(weight.dtype)).contiguous()
+        # lora.Linear.merge: `weight += delta`, one rounding into the weight's dtype, the sum
+        # taken in the wider of the two (a bf16 weight: bf16(w + delta), never
         # w + bf16(delta), which differs by an ulp in about a third of the values)
-        if a.dtype not in (torch.float16, torch.bfloat16):
-            delta = delta.to(a.dtype)
         return torch.add(weight, delta).to(weight.dtype).contiguous()
 
     def read_object(self, name: str) -> Any:
