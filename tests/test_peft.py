@@ -463,3 +463,27 @@ def test_merge_rounds_embedding_and_linear_updates_as_peft_does(
     want, got = reference.state_dict(), load_file(tmp_path / "merged" / "model.safetensors")
     assert got["model.embed_tokens.weight"].dtype == dtype
     assert [n for n in got if not torch.equal(got[n], want[n])] == []
+
+
+def test_merge_refuses_trainable_tokens(tiny_llama: Path, tmp_path: Path) -> None:
+    """An adapter with peft's `trainable_token_indices` was refused as "trained on another
+    base" (exit 3); it is a feature `ckpt merge` does not merge (exit 4), named as such."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    adapter = tmp_path / "adapter"
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[1, 5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(LlamaForCausalLM.from_pretrained(tiny_llama), lora).save_pretrained(adapter)
+    for config_says in (True, False):  # the config names it; else its saved tensors do
+        if not config_says:
+            config = json.loads((adapter / "adapter_config.json").read_text())
+            config["trainable_token_indices"] = None
+            (adapter / "adapter_config.json").write_text(json.dumps(config))
+        result = run_ckpt("merge", tiny_llama, adapter, tmp_path / "merged", "--json")
+        assert result.exit_code == 4, result.stdout
+        error = result.json["error"]
+        assert "trainable_token_indices" in error["message"]
+        assert "merge_and_unload" in error["fix"]
+        assert not (tmp_path / "merged").exists()

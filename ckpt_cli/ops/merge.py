@@ -60,6 +60,8 @@ _CONV1D_MODEL_TYPES = frozenset(
     {"gpt2", "openai-gpt", "imagegpt", "decision_transformer", "clvp", "clvp_decoder"}
 )
 _CONV1D_MODULES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
+#: peft's trainable tokens (`trainable_token_indices`): rows of an embedding replaced
+_TRAINABLE_TOKENS = (".token_adapter.", "trainable_tokens_delta", "trainable_tokens_original")
 
 
 class MergeReport(Record):
@@ -371,6 +373,13 @@ def _plan_updates(
                 path=where,
                 fix="Merge it with peft's merge_and_unload.",
             )
+        if any(part in key for part in _TRAINABLE_TOKENS):
+            raise FormatError(
+                f"holds {entry.name!r}: trainable tokens (trainable_token_indices), which "
+                "`ckpt merge` does not merge",
+                path=where,
+                fix="Merge it with peft's merge_and_unload.",
+            )
         match = _LORA.fullmatch(key)
         if match is None:
             if ".lora_" in key:
@@ -528,6 +537,13 @@ def merge_with(
     if config.get("use_dora"):
         raise FormatError(
             "is a DoRA adapter, which `ckpt merge` does not merge",
+            path=adapter,
+            fix="Merge it with peft's merge_and_unload.",
+        )
+    if config.get("trainable_token_indices"):
+        raise FormatError(
+            "trains tokens of an embedding (trainable_token_indices), which `ckpt merge` "
+            "does not merge",
             path=adapter,
             fix="Merge it with peft's merge_and_unload.",
         )
