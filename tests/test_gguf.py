@@ -132,3 +132,58 @@ def test_a_split_count_from_the_header_cannot_choose_the_work(tmp_path: Path) ->
     codes = [p["code"] for p in result.json["result"]["problems"]]
     assert codes.count("missing_split") == 1 and "split_count_mismatch" in codes
     assert run_ckpt("inspect", split, "--json").exit_code == 4
+
+
+def _write(path: Path, tensors: dict[str, np.ndarray], *, big_endian: bool = False) -> Path:
+    """A GGUF file of `tensors` by gguf's own GGUFWriter (big-endian if asked)."""
+    import gguf
+
+    order = gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=order)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array.copy())  # the writer swaps big-endian data in place
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_big_endian_gguf_is_read_as_its_values(tmp_path: Path) -> None:
+    """A GGUF written big-endian (GGUFWriter(endianess=BIG), as for s390x) was copied as the
+    bytes lie in the file: convert wrote byte-swapped garbage (0.5 became 8.8e-44) and verify
+    said OK. Every command now reads the values GGUFReader reads."""
+    tensors = {
+        "token_embd.weight": np.arange(6, dtype=np.float32).reshape(2, 3) + 0.5,
+        "blk.0.attn_q.weight": (np.arange(8, dtype=np.float16) - 3).reshape(2, 4),
+        "blk.0.ids": np.arange(4, dtype=np.int32) * 1000,
+        "blk.0.big": np.array([1, -2, 1 << 40], dtype=np.int64),
+    }
+    big = _write(tmp_path / "big.gguf", tensors, big_endian=True)
+    little = _write(tmp_path / "little.gguf", tensors)
+    # the ground truth: gguf's own reader of the big-endian file
+    truth = {t.name: np.array(t.data) for t in _reader(big).tensors}
+    for name, array in tensors.items():
+        assert np.array_equal(truth[name].reshape(array.shape), array), name
+
+    out = tmp_path / "out.safetensors"
+    assert run_ckpt("convert", big, out, "--to", "safetensors").exit_code == 0
+    got = load_file(out)
+    for name, array in tensors.items():
+        assert torch.equal(got[name], torch.from_numpy(array)), (name, got[name])
+    pt = tmp_path / "out.pt"
+    assert run_ckpt("convert", big, pt, "--to", "torch").exit_code == 0
+    loaded = torch.load(pt, weights_only=True)
+    for name, array in tensors.items():
+        assert torch.equal(loaded[name], torch.from_numpy(array)), name
+
+    report = run_ckpt("inspect", big, "--json").json["result"]
+    assert report["details"]["byte_order"] == "big"
+    assert run_ckpt("verify", big, "--deep").exit_code == 0
+    same = run_ckpt("diff", big, little)
+    assert same.exit_code == 0, same.stdout
+    assert run_ckpt("diff", big, out).exit_code == 0
+    # a file holding the byte-swapped values (what convert used to write) is not the same
+    swapped = {n: a.byteswap() for n, a in tensors.items()}
+    other = _write(tmp_path / "swapped.gguf", swapped)
+    assert run_ckpt("diff", big, other).exit_code == 1

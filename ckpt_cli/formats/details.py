@@ -135,6 +135,8 @@ class GgufDetails(FormatDetails):
         tensor_types: GGML type name -> tensors of that type.
         metadata: the key-value metadata (large arrays summarised).
         split: `{"count": N, "files": M}` for `-0000k-of-0000n.gguf` splits.
+        byte_order: `big` for files written big-endian (`mixed`: some of the splits); unset
+            for little-endian ones, the usual kind. Tensors are read as their values either way.
     """
 
     formats: ClassVar[tuple[str, ...]] = ("gguf",)
@@ -144,3 +146,4 @@ class GgufDetails(FormatDetails):
     tensor_types: dict[str, int] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
     split: dict[str, int] | None = None
+    byte_order: str | None = None

@@ -9,6 +9,8 @@ first (`ne`); entries use the row-major shape torch and safetensors use (`ne` re
 is what llama.cpp's own converters write. Quantized tensors (Q4_K, Q8_0, IQ...) are listed as
 non-tensor entries named like their tensor, with their quantization type, shape and size:
 `convert` reports them as skipped (ckpt does not dequantize), never drops them silently.
+A big-endian file's tensors are byte-swapped element by element as they stream (never copied
+in the kernel), so every output holds the values `GGUFReader` reads.
 
 Split files are one checkpoint: every `-0000k-of-0000n.gguf` must be present and agree on
 `split.count`, and together hold `split.tensors.count` tensors. Only local files are read
@@ -21,11 +23,14 @@ import itertools
 import os
 import re
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ... import dtypes
 from ...errors import FormatError, NotFoundError
 from ...models import Entry, FileInfo, Manifest, Problem
+from ...storage.fileio import COPY_BLOCK
 from ..base import Checkpoint, Format, Source
 from ..details import GgufDetails
 
@@ -128,11 +133,11 @@ class _Header:
             raise self.error(f"{what} has unknown value type {kind}")
 
 
-def check_header(path: str, where: str) -> None:
+def check_header(path: str, where: str) -> bool:
     """Walk a GGUF file's header (metadata and tensor infos) checking every count and length
     against the bytes left, before the `gguf` package's reader (which would build a 2^40-item
     array from a 51-byte file, or read past the end silently) sees it. FormatError naming
-    `where` on the first that does not fit."""
+    `where` on the first that does not fit. Returns whether the file is big-endian."""
     import mmap
 
     with open(path, "rb") as fh:
@@ -146,13 +151,13 @@ def check_header(path: str, where: str) -> None:
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
             head = _Header(data, where)
             if head.uint(4, "the magic") != int.from_bytes(b"GGUF", "little"):
-                return  # not GGUF: the reader says so
+                return False  # not GGUF: the reader says so
             version = head.uint(4, "the version")
             if version & 0xFFFF == 0:  # written for the other byte order
                 head.order = ">"
                 version = int.from_bytes(version.to_bytes(4, "little"), "big")
             if version < 2:
-                return  # GGUF v1 (32-bit lengths): the reader refuses it
+                return head.order == ">"  # GGUF v1 (32-bit lengths): the reader refuses it
             tensors = head.uint(8, "the tensor count")
             kvs = head.count("the metadata", 8 + 4 + 1)
             for _ in range(kvs):
@@ -166,10 +171,12 @@ def check_header(path: str, where: str) -> None:
                 if dims > _MAX_DIMS:
                     raise head.error(f"a tensor with {dims:,} dimensions")
                 head.take(8 * dims + 4 + 8, "a tensor info")
+            return head.order == ">"
 
 
-def _reader(path: str, where: str | None = None) -> Any:
-    check_header(path, where or path)
+def _reader(path: str, where: str | None = None) -> tuple[Any, bool]:
+    """The `gguf` package's reader of a checked file, and whether the file is big-endian."""
+    big_endian = check_header(path, where or path)
     try:
         from gguf import GGUFReader
     except ImportError:  # pragma: no cover - declared in the gguf extra
@@ -179,7 +186,7 @@ def _reader(path: str, where: str | None = None) -> Any:
             fix="pip install 'ckpt-cli[gguf]'",
         ) from None
     try:
-        return GGUFReader(path, "r")
+        return GGUFReader(path, "r"), big_endian
     except Exception as exc:  # the reader raises bare ValueError / IndexError on bad headers
         raise FormatError(
             f"is not a readable GGUF file ({type(exc).__name__}: {str(exc)[:200]})",
@@ -228,7 +235,24 @@ def _files(source: Source) -> list[str]:
 
 
 class GgufCheckpoint(Checkpoint):
-    """An opened GGUF file or split set; unquantized tensors read as raw byte ranges."""
+    """An opened GGUF file or split set; unquantized tensors read as raw byte ranges.
+
+    A file written big-endian (`GGUFWriter(endianess=BIG)`, for s390x) stores each element
+    byte-swapped: its tensors are still served as raw little-endian C-order bytes (what
+    safetensors and torch hold), swapped element by element as they stream, never copied
+    as they lie in the file.
+    """
+
+    def __init__(self, source: Source, manifest: Manifest, big_endian: frozenset[str]):
+        super().__init__(source, manifest)
+        self.big_endian = big_endian
+
+    def _swapped(self, entry: Entry) -> int:
+        """The element size to byte-swap `entry`'s bytes by (0: stored little-endian)."""
+        if entry.file not in self.big_endian or entry.dtype is None:
+            return 0
+        size = dtypes.itemsize(entry.dtype)
+        return size if size > 1 else 0
 
     def read_tensor(self, name: str) -> torch.Tensor:
         from ...tensors import tensor_from_bytes
@@ -237,14 +261,26 @@ class GgufCheckpoint(Checkpoint):
         if entry is None:
             raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
         if entry.kind != "tensor" or entry.file is None or entry.offset is None:
-            raise FormatError(
-                f"{name!r} is a quantized GGUF tensor ({entry.py_type}); ckpt does not dequantize",
-                path=self.manifest.location,
-                fix="Dequantize with llama.cpp's tools, or leave it out (--filter-out).",
-            )
+            raise _not_dequantized(name, entry, self.manifest.location)
         assert entry.dtype is not None
         data = self.storage.read(entry.file, entry.offset, entry.nbytes)
-        return tensor_from_bytes(data, entry.dtype, entry.shape)
+        size = self._swapped(entry)
+        return tensor_from_bytes(byteswap(data, size) if size else data, entry.dtype, entry.shape)
+
+    def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
+        entry = self.manifest.by_name[name]
+        size = self._swapped(entry)
+        if not size:
+            yield from super().iter_raw(name, block)
+            return
+        # whole elements per block, so each is swapped in one piece
+        for data in super().iter_raw(name, max(block // size, 1) * size):
+            yield byteswap(data, size)
+
+    def local_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        if self._swapped(self.manifest.by_name[name]):
+            return None  # the bytes in the file are not the C-order bytes: never copied as is
+        return super().local_ranges(name)
 
     def read_object(self, name: str) -> Any:
         entry = self.manifest.by_name.get(name)
@@ -252,11 +288,22 @@ class GgufCheckpoint(Checkpoint):
             raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
         if entry.kind == "tensor":
             return self.read_tensor(name)
-        raise FormatError(
-            f"{name!r} is a quantized GGUF tensor ({entry.py_type}); ckpt does not dequantize",
-            path=self.manifest.location,
-            fix="Dequantize with llama.cpp's tools, or leave it out (--filter-out).",
-        )
+        raise _not_dequantized(name, entry, self.manifest.location)
+
+
+def _not_dequantized(name: str, entry: Entry, where: str) -> FormatError:
+    return FormatError(
+        f"{name!r} is a quantized GGUF tensor ({entry.py_type}); ckpt does not dequantize",
+        path=where,
+        fix="Dequantize with llama.cpp's tools, or leave it out (--filter-out).",
+    )
+
+
+def byteswap(data: bytes, size: int) -> bytes:
+    """`data` with each `size`-byte element's bytes reversed (big- <-> little-endian)."""
+    import numpy as np
+
+    return np.frombuffer(data, dtype=f"<u{size}").byteswap().tobytes()
 
 
 def skip_reason(entry: Entry) -> str | None:
@@ -286,7 +333,8 @@ class GgufFormat(Format):
         )
 
     @classmethod
-    def _parse(cls, source: Source) -> tuple[Manifest, list[Problem]]:
+    def _parse(cls, source: Source) -> tuple[Manifest, list[Problem], frozenset[str]]:
+        """The manifest, the problems found, and the files written big-endian."""
         files = _files(source)
         where = source.location.raw
         if not files:
@@ -303,6 +351,7 @@ class GgufFormat(Format):
         split_count: int | None = None
         split_tensors: int | None = None
         version = None
+        big_endian: set[str] = set()
         for rel in files:
             local = source.storage.local_path(rel)
             if local is None:
@@ -310,9 +359,11 @@ class GgufFormat(Format):
                     "GGUF files are read from local disk only", path=source.storage.describe(rel)
                 )
             described = source.storage.describe(rel)
-            reader = _reader(str(local), described)
+            reader, big = _reader(str(local), described)
             size = source.storage.size(rel)
             version = _field(reader, "GGUF.version")
+            if big:
+                big_endian.add(rel)
             for key in reader.fields:
                 if not key.startswith("GGUF.") and key not in kv:
                     kv[key] = _shown(_field(reader, key))
@@ -416,6 +467,8 @@ class GgufFormat(Format):
         )
         if split_count is not None:
             details.split = {"count": split_count, "files": len(files)}
+        if big_endian:
+            details.byte_order = "big" if len(big_endian) == len(files) else "mixed"
         manifest = Manifest(
             format="gguf",
             location=where,
@@ -423,22 +476,22 @@ class GgufFormat(Format):
             entries=entries,
             details=details.as_details(),
         )
-        return manifest, problems
+        return manifest, problems, frozenset(big_endian)
 
     @classmethod
     def open(cls, source: Source) -> GgufCheckpoint:
-        manifest, problems = cls._parse(source)
+        manifest, problems, big_endian = cls._parse(source)
         errors = [p for p in problems if p.code in ("truncated", "missing_split")]
         if errors:
             raise FormatError(errors[0].message, path=errors[0].file)
-        return GgufCheckpoint(source, manifest)
+        return GgufCheckpoint(source, manifest, big_endian)
 
     @classmethod
     def check(cls, source: Source) -> list[Problem]:
         """Headers parse; every tensor lies inside its file, aligned, without overlaps; every
         split file is present and the splits agree."""
         try:
-            _, problems = cls._parse(source)
+            _, problems, _ = cls._parse(source)
         except (FormatError, NotFoundError) as error:
             return [Problem(code=error.code, message=error.message, file=error.path)]
         return problems
