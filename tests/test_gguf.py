@@ -187,3 +187,29 @@ def test_a_big_endian_gguf_is_read_as_its_values(tmp_path: Path) -> None:
     swapped = {n: a.byteswap() for n, a in tensors.items()}
     other = _write(tmp_path / "swapped.gguf", swapped)
     assert run_ckpt("diff", big, other).exit_code == 1
+
+
+def test_one_file_of_a_split_set_names_the_whole_set(gguf_files: Path, tmp_path: Path) -> None:
+    """Pointing at `tiny-00001-of-00002.gguf` said its sibling, right beside it, was missing
+    (inspect and convert exit 4, verify exit 1): the set is read whole, as from its folder."""
+    folder = gguf_files / "split"
+    whole = run_ckpt("inspect", folder, "--json").json["result"]
+    for name in ("tiny-00001-of-00002.gguf", "tiny-00002-of-00002.gguf"):
+        one = folder / name
+        report = run_ckpt("inspect", one, "--json")
+        assert report.exit_code == 0, report.stderr
+        assert len(report.json["result"]["files"]) == 2
+        assert report.json["result"]["entries"] == whole["entries"]
+        checked = run_ckpt("verify", one, "--json")
+        assert checked.exit_code == 0, checked.stdout
+        assert checked.json["result"]["files"] == 2
+        out = tmp_path / f"{one.stem}.safetensors"
+        assert run_ckpt("convert", one, out, "--to", "safetensors").exit_code == 0
+        expected = {t.name for f in sorted(folder.glob("*.gguf")) for t in _reader(f).tensors}
+        assert set(load_file(out)) == expected - {"blk.1.attn_q.weight"}  # the Q8_0 one
+    # a set missing a file is still found wanting, from either file
+    lone = shutil.copytree(folder, tmp_path / "lone")
+    (lone / "tiny-00002-of-00002.gguf").unlink()
+    result = run_ckpt("verify", lone / "tiny-00001-of-00002.gguf", "--json")
+    assert result.exit_code == 1
+    assert [p["code"] for p in result.json["result"]["problems"]] == ["missing_split"]

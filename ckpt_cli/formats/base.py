@@ -54,6 +54,8 @@ class Source:
 
     `origin` holds facts about where the files came from that belong in the manifest's
     `details` (for the Hub: repository, requested revision, resolved commit).
+    `members` lists, when SRC named one file of a set read as one checkpoint (a split GGUF
+    `model-00001-of-00003.gguf`), the files of the set present (`Format.checkpoint_source`).
     `parsed` holds what a format's `check` parsed and found flawless, keyed by the format,
     the file and its size, for the same operation's `open` to take once instead of reading
     it again (`verify` checks SRC, then opens it for its quantization checks), and the
@@ -64,11 +66,15 @@ class Source:
     storage: Storage
     target: str | None = None
     origin: dict[str, Any] = field(default_factory=dict)
+    members: tuple[str, ...] | None = None
     parsed: dict[tuple[str, str, int], Any] = field(default_factory=dict, repr=False, compare=False)
 
     @cached_property
     def files(self) -> dict[str, int]:
-        """Files to consider (relative path -> size): the target alone, or the whole folder."""
+        """Files to consider (relative path -> size): the target alone (with the `members`
+        of its set), or the whole folder."""
+        if self.members is not None:
+            return {name: self.storage.size(name) for name in self.members}
         if self.target is not None:
             return {self.target: self.storage.size(self.target)}
         return self.storage.list_files()
@@ -421,7 +427,8 @@ class Format(ABC):
 
     @classmethod
     def checkpoint_source(cls, source: Source) -> Source:
-        """The source a check reads: the whole folder for a `folder` format named by one file."""
+        """The source a check reads: the whole folder for a `folder` format named by one file
+        (a format reading sets of files named by one of them gives the set as `members`)."""
         if cls.folder and source.target is not None:
             return Source(location=source.location, storage=source.storage, origin=source.origin)
         return source

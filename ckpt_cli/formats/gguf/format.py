@@ -12,8 +12,9 @@ non-tensor entries named like their tensor, with their quantization type, shape 
 A big-endian file's tensors are byte-swapped element by element as they stream (never copied
 in the kernel), so every output holds the values `GGUFReader` reads.
 
-Split files are one checkpoint: every `-0000k-of-0000n.gguf` must be present and agree on
-`split.count`, and together hold `split.tensors.count` tensors. Only local files are read
+Split files are one checkpoint, named by their folder or by any one of them: every
+`-0000k-of-0000n.gguf` must be present and agree on `split.count`, and together hold
+`split.tensors.count` tensors. Only local files are read
 (GGUFReader needs a path).
 """
 
@@ -214,15 +215,23 @@ def _shown(value: Any) -> Any:
     return value
 
 
+def split_set(source: Source, target: str) -> list[str] | None:
+    """The files of the split set `target` (one `-0000k-of-0000n.gguf` file) is part of that
+    lie beside it, in order (a missing one is a problem `_split_problems` reports); None when
+    `target` is no split file."""
+    match = SPLIT.match(target.rsplit("/", 1)[-1])
+    if match is None:
+        return None
+    folder = target.rsplit("/", 1)[0] + "/" if "/" in target else ""
+    stem, count = f"{folder}{match.group('stem')}", int(match.group("count"))
+    names = (f"{stem}-{no:05d}-of-{count:05d}{SUFFIX}" for no in range(1, count + 1))
+    return [n for n in names if n == target or source.storage.exists(n)]
+
+
 def _files(source: Source) -> list[str]:
     """The GGUF file(s) of the source: the target (with its split siblings), or the folder's."""
     if source.target is not None:
-        match = SPLIT.match(source.target.rsplit("/", 1)[-1])
-        if match is None:
-            return [source.target]
-        folder = source.target.rsplit("/", 1)[0] + "/" if "/" in source.target else ""
-        stem = f"{folder}{match.group('stem')}"
-        return sorted(n for n in source.files if SPLIT.match(n) and n.startswith(f"{stem}-"))
+        return split_set(source, source.target) or [source.target]
     names = sorted(n for n in source.top_level() if n.endswith(SUFFIX))
     split = [n for n in names if SPLIT.match(n)]
     if len(names) > 1 and len(split) != len(names):
@@ -330,6 +339,20 @@ class GgufFormat(Format):
         names = source.top_level()
         return any(n.endswith(SUFFIX) for n in names) and not any(
             n.endswith((".safetensors", ".metadata", ".distcp", ".bin", ".pt")) for n in names
+        )
+
+    @classmethod
+    def checkpoint_source(cls, source: Source) -> Source:
+        """One file of a split set names the whole set: every file of it is checked."""
+        members = split_set(source, source.target) if source.target is not None else None
+        if members is None:
+            return source
+        return Source(
+            location=source.location,
+            storage=source.storage,
+            target=source.target,
+            origin=source.origin,
+            members=tuple(members),
         )
 
     @classmethod
