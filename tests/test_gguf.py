@@ -213,3 +213,40 @@ def test_one_file_of_a_split_set_names_the_whole_set(gguf_files: Path, tmp_path:
     result = run_ckpt("verify", lone / "tiny-00001-of-00002.gguf", "--json")
     assert result.exit_code == 1
     assert [p["code"] for p in result.json["result"]["problems"]] == ["missing_split"]
+
+
+def test_a_folder_of_two_split_sets_asks_for_one(tmp_path: Path) -> None:
+    """Two quantizations side by side (`m-Q4-0000k-of-00002.gguf`, `m-Q8-…`) were read as one
+    4-file checkpoint: verify called it corrupt (duplicate tensors), convert blamed
+    --select/--rename. The folder is refused as two plain GGUFs are; each set reads whole."""
+    import gguf
+
+    for stem, value in (("m-Q4", 1.0), ("m-Q8", 2.0)):
+        for index in range(2):
+            path = tmp_path / f"{stem}-{index + 1:05d}-of-00002.gguf"
+            writer = gguf.GGUFWriter(str(path), "llama")
+            writer.add_uint16("split.no", index)
+            writer.add_uint16("split.count", 2)
+            writer.add_int32("split.tensors.count", 2)
+            writer.add_tensor(f"blk.{index}.attn_q.weight", np.full(4, value, np.float32))
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
+    for command in (
+        ["inspect", tmp_path],
+        ["convert", tmp_path, tmp_path.with_suffix(".st"), "--to", "safetensors"],
+    ):
+        result = run_ckpt(*command)
+        assert result.exit_code == 4, result.stderr
+        assert "holds 2 split GGUF sets" in result.stderr, result.stderr
+        assert "m-Q4-*-of-00002.gguf, m-Q8-*-of-00002.gguf" in result.stderr
+        assert "Point at one file of the set" in result.stderr
+    assert run_ckpt("verify", tmp_path).exit_code == 1
+    one = run_ckpt("inspect", tmp_path / "m-Q8-00002-of-00002.gguf", "--json")
+    assert one.exit_code == 0, one.stderr
+    assert [e["name"] for e in one.json["result"]["entries"]] == [
+        "blk.0.attn_q.weight",
+        "blk.1.attn_q.weight",
+    ]
+    assert run_ckpt("verify", tmp_path / "m-Q4-00001-of-00002.gguf").exit_code == 0

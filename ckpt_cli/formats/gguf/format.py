@@ -240,6 +240,19 @@ def _files(source: Source) -> list[str]:
             path=source.location.raw,
             fix=f"Point at one of them, e.g. {source.location.raw.rstrip('/')}/{names[0]}.",
         )
+    sets: dict[tuple[str, str], list[str]] = {}
+    for name in split:
+        match = SPLIT.match(name)
+        assert match is not None
+        sets.setdefault((match.group("stem"), match.group("count")), []).append(name)
+    if len(sets) > 1:
+        stems = ", ".join(f"{stem}-*-of-{count}.gguf" for stem, count in sets)
+        raise FormatError(
+            f"holds {len(sets)} split GGUF sets ({stems}), not one split model",
+            path=source.location.raw,
+            fix="Point at one file of the set you mean, e.g. "
+            f"{source.location.raw.rstrip('/')}/{next(iter(sets.values()))[0]}.",
+        )
     return names
 
 
