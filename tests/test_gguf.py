@@ -250,3 +250,51 @@ def test_a_folder_of_two_split_sets_asks_for_one(tmp_path: Path) -> None:
         "blk.1.attn_q.weight",
     ]
     assert run_ckpt("verify", tmp_path / "m-Q4-00001-of-00002.gguf").exit_code == 0
+
+
+def _quantized(path: Path, *, flip: bool = False, qtype: str = "Q8_0") -> Path:
+    """A GGUF holding a quantized weight (gguf's own quantizer) and an F32 norm; `flip`
+    changes one stored byte of the weight."""
+    import gguf
+    from gguf.quants import quantize
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    q = quantize(x, kind).copy()
+    if flip:
+        q[0, 5] ^= 1
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", q, raw_dtype=kind)
+    writer.add_tensor("output_norm.weight", x[0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_diff_compares_quantized_tensors_by_their_stored_bytes(tmp_path: Path) -> None:
+    """diff of any GGUF holding quantized tensors failed with exit 4, even a file against
+    itself ("ckpt does not dequantize"): a bit-for-bit comparison needs no dequantizing."""
+    a = _quantized(tmp_path / "a.gguf")
+    same = run_ckpt("diff", a, shutil.copy(a, tmp_path / "copy.gguf"), "--json")
+    assert same.exit_code == 0, same.stdout
+    assert same.json["result"]["equal"] == 2
+    b = _quantized(tmp_path / "b.gguf", flip=True)
+    # the ground truth: gguf's reader sees the one stored byte that differs
+    qa, qb = (np.array(_reader(p).tensors[0].data) for p in (a, b))
+    assert int((qa != qb).sum()) == 1
+    result = run_ckpt("diff", a, b, "--json")
+    assert result.exit_code == 1, result.stdout
+    report = result.json["result"]
+    assert report["equal"] == 1
+    (found,) = report["differences"]
+    assert found["name"] == "blk.0.attn_q.weight" and found["status"] == "value"
+    assert found["value_a"].startswith("Q8_0 tensor [4, 64], stored bytes sha256:")
+    assert found["value_a"] != found["value_b"]
+    other = run_ckpt("diff", a, _quantized(tmp_path / "q4.gguf", qtype="Q4_0"), "--json")
+    assert other.exit_code == 1
+    (found,) = other.json["result"]["differences"]
+    assert (found["value_a"], found["value_b"]) == ("Q8_0 tensor [4, 64]", "Q4_0 tensor [4, 64]")
+    human = run_ckpt("diff", a, b)
+    assert "blk.0.attn_q.weight" in human.stdout and "stored bytes" in human.stdout

@@ -152,6 +152,19 @@ class Checkpoint(ABC):
             yield self.storage.read(entry.file, entry.offset + done, n)
             done += n
 
+    def stored_as(self, name: str) -> str | None:
+        """How non-tensor entry `name` is stored when ckpt does not read its value but can hand
+        out its stored bytes (`iter_stored`): a GGUF quantized tensor, `Q8_0 tensor [4, 64]`.
+        Such an entry is compared bit for bit (`diff`) and read whole (`verify --deep`),
+        never through `read_object`. None for every other entry."""
+        return None
+
+    def iter_stored(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
+        """The stored bytes of an entry `stored_as` describes, in blocks of `block` bytes."""
+        raise FormatError(
+            f"entry {name!r} has no stored bytes ckpt hands out", path=self.manifest.location
+        )
+
     def local_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
         """Where the raw C-order bytes of tensor `name` lie in local files, as consecutive
         `(path, offset, length)` segments, when `serves_raw(name)` and every byte is in a local

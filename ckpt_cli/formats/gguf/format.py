@@ -304,6 +304,24 @@ class GgufCheckpoint(Checkpoint):
             return None  # the bytes in the file are not the C-order bytes: never copied as is
         return super().local_ranges(name)
 
+    def stored_as(self, name: str) -> str | None:
+        entry = self.manifest.by_name.get(name)
+        if entry is None or entry.kind == "tensor" or entry.offset is None:
+            return None
+        form = (entry.py_type or "").removeprefix("gguf ")
+        return f"{form}, big-endian" if entry.file in self.big_endian else form
+
+    def iter_stored(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
+        entry = self.manifest.by_name[name]
+        if self.stored_as(name) is None or entry.file is None or entry.offset is None:
+            yield from super().iter_stored(name, block)
+            return
+        done = 0
+        while done < entry.nbytes:
+            n = min(block, entry.nbytes - done)
+            yield self.storage.read(entry.file, entry.offset + done, n)
+            done += n
+
     def read_object(self, name: str) -> Any:
         entry = self.manifest.by_name.get(name)
         if entry is None:
@@ -465,6 +483,7 @@ class GgufFormat(Format):
                             kind="object",
                             nbytes=nbytes,
                             file=rel,
+                            offset=offset,
                             py_type=f"gguf {qtype} tensor {shape}",
                         )
                     )

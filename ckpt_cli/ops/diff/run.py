@@ -233,6 +233,39 @@ def _raw_equal(ca: Checkpoint, cb: Checkpoint, ea: Entry, eb: Entry) -> bool:
     return next(blocks_b, None) is None
 
 
+def _compare_stored(
+    ca: Checkpoint, cb: Checkpoint, ea: Entry, eb: Entry
+) -> tuple[bool, str, str] | None:
+    """Two entries of which one at least is compared by its stored bytes (`stored_as`: a GGUF
+    quantized tensor, which ckpt does not dequantize): (bit-identical, what A holds, what B
+    holds); None when neither is. Stored forms that differ (Q4_K against Q8_0) differ."""
+    form_a, form_b = ca.stored_as(ea.name), cb.stored_as(eb.name)
+    if form_a is None and form_b is None:
+        return None
+    if form_a is None or form_b is None or form_a != form_b or ea.nbytes != eb.nbytes:
+        return False, form_a or str(ea.py_type), form_b or str(eb.py_type)
+    import hashlib
+
+    digest_a, digest_b = hashlib.sha256(), hashlib.sha256()
+    blocks_b = cb.iter_stored(eb.name)
+    same = True
+    for block_a in ca.iter_stored(ea.name):
+        block_b = next(blocks_b, b"")
+        digest_a.update(block_a)
+        digest_b.update(block_b)
+        same = same and bytes(block_a) == bytes(block_b)
+    for block_b in blocks_b:
+        digest_b.update(block_b)
+        same = False
+    if same:
+        return True, form_a, form_b
+    return (
+        False,
+        f"{form_a}, stored bytes sha256:{digest_a.hexdigest()[:16]}",
+        f"{form_b}, stored bytes sha256:{digest_b.hexdigest()[:16]}",
+    )
+
+
 def _read_value(checkpoint: Checkpoint, entry: Entry) -> Any:
     return checkpoint.read_object(entry.name)
 
@@ -282,6 +315,12 @@ def _compare(
     if ea.kind != eb.kind:
         return EntryDiff(status="kind", **base)
     if ea.kind != "tensor":
+        stored = _compare_stored(ca, cb, ea, eb)
+        if stored is not None:
+            same, value_a, value_b = stored
+            if same:
+                return None
+            return EntryDiff(status="value", value_a=value_a, value_b=value_b, **base)
         va, vb = _read_value(ca, ea), _read_value(cb, eb)
         if values_equal(va, vb):
             return None
