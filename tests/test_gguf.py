@@ -298,3 +298,29 @@ def test_diff_compares_quantized_tensors_by_their_stored_bytes(tmp_path: Path) -
     assert (found["value_a"], found["value_b"]) == ("Q8_0 tensor [4, 64]", "Q4_0 tensor [4, 64]")
     human = run_ckpt("diff", a, b)
     assert "blk.0.attn_q.weight" in human.stdout and "stored bytes" in human.stdout
+
+
+def test_verify_deep_reads_quantized_tensors_and_judges_their_values(tmp_path: Path) -> None:
+    """verify --deep of a healthy quantized GGUF exited 1, one "does not deserialise" per
+    Q8_0 tensor. Its blocks are now read whole and decoded block by block (gguf's own
+    dequantization), so a scale turned Inf is found and the healthy file is OK."""
+    good = _quantized(tmp_path / "good.gguf")
+    result = run_ckpt("verify", good, "--deep", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["tensors"] == 2 and result.json["result"]["problems"] == []
+    # the ground truth for the damage: gguf's reader and dequantizer see the Inf
+    from gguf.quants import dequantize
+
+    tensor = _reader(good).tensors[0]
+    data = bytearray(good.read_bytes())
+    data[tensor.data_offset + 34 : tensor.data_offset + 36] = np.float16(np.inf).tobytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    broken = _reader(bad).tensors[0]
+    with np.errstate(all="ignore"):
+        assert np.isinf(dequantize(np.array(broken.data), broken.tensor_type)).sum() > 0
+    assert run_ckpt("verify", bad).exit_code == 0  # the header is fine
+    result = run_ckpt("verify", bad, "--deep", "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert problem["code"] == "nonfinite" and problem["tensor"] == "blk.0.attn_q.weight"

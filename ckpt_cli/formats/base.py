@@ -165,6 +165,13 @@ class Checkpoint(ABC):
             f"entry {name!r} has no stored bytes ckpt hands out", path=self.manifest.location
         )
 
+    def stored_nonfinite(self, name: str) -> tuple[int, int, int, int] | None:
+        """(bytes read, values, NaN count, Inf count) of an entry `stored_as` describes, its
+        stored bytes decoded block by block (`verify --deep`), where the format can decode
+        them without building the whole tensor; None where it cannot (its bytes can then
+        only be read whole)."""
+        return None
+
     def local_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
         """Where the raw C-order bytes of tensor `name` lie in local files, as consecutive
         `(path, offset, length)` segments, when `serves_raw(name)` and every byte is in a local

@@ -53,6 +53,8 @@ PLAIN = {
     "I32": "int32",
     "I64": "int64",
 }
+#: stored bytes of a quantized tensor decoded at a time by `verify --deep`
+_DECODE_BYTES = 1 << 20
 #: longest metadata value inspect shows in full; longer arrays are summarised
 MAX_SHOWN = 16
 
@@ -321,6 +323,38 @@ class GgufCheckpoint(Checkpoint):
             n = min(block, entry.nbytes - done)
             yield self.storage.read(entry.file, entry.offset + done, n)
             done += n
+
+    def stored_nonfinite(self, name: str) -> tuple[int, int, int, int] | None:
+        entry = self.manifest.by_name[name]
+        if self.stored_as(name) is None or entry.file in self.big_endian:
+            return None  # gguf's dequantization reads little-endian blocks only
+        qtype = (entry.py_type or "").split()[1:2]
+        try:
+            import numpy as np
+            from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+            from gguf.quants import dequantize
+
+            kind = GGMLQuantizationType[qtype[0]]
+            _, type_size = GGML_QUANT_SIZES[kind]
+        except (ImportError, KeyError, IndexError):
+            return None
+        read = values = nan = inf = 0
+        # whole blocks at a time, a few MiB of float32 each
+        step = max(_DECODE_BYTES // type_size, 1) * type_size
+        for data in self.iter_stored(name, step):
+            read += len(data)
+            cut = len(data) - len(data) % type_size
+            if not cut:
+                continue
+            try:
+                with np.errstate(all="ignore"):  # NaN and Inf are what is counted
+                    decoded = dequantize(np.frombuffer(data, dtype=np.uint8, count=cut), kind)
+            except NotImplementedError:  # a type gguf's numpy code cannot decode
+                return None
+            values += decoded.size
+            nan += int(np.isnan(decoded).sum())
+            inf += int(np.isinf(decoded).sum())
+        return read, values, nan, inf
 
     def read_object(self, name: str) -> Any:
         entry = self.manifest.by_name.get(name)

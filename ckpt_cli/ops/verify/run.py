@@ -478,6 +478,9 @@ def _deep_entry(
     """Read one entry; record what is wrong with it."""
     where = checkpoint.manifest.location
     file = checkpoint.storage.describe(entry.file) if entry.file else where
+    if entry.kind != "tensor" and checkpoint.stored_as(entry.name) is not None:
+        _deep_stored(report, problems, checkpoint, entry, file, progress)
+        return
     if entry.kind != "tensor":
         try:
             checkpoint.read_object(entry.name)
@@ -532,6 +535,57 @@ def _deep_entry(
     _nonfinite(report, problems, entry, file, nan, inf, tensor.numel())
     del tensor
     progress.advance(entry.nbytes)
+
+
+def _deep_stored(
+    report: VerifyReport,
+    problems: list[Problem],
+    checkpoint: Checkpoint,
+    entry: models.Entry,
+    file: str,
+    progress: Progress,
+) -> None:
+    """A tensor ckpt does not dequantize (`Checkpoint.stored_as`: a GGUF quantized one): its
+    stored bytes read whole, block by block, and counted against the header; its values
+    judged for NaN/Inf where the format decodes them, else a `not_checked` warning."""
+    form = checkpoint.stored_as(entry.name)
+    values: int | None = None
+    nan = inf = 0
+    try:
+        found = checkpoint.stored_nonfinite(entry.name)
+        if found is not None:
+            read, values, nan, inf = found
+        else:
+            read = sum(len(block) for block in checkpoint.iter_stored(entry.name))
+    except Exception as exc:  # any failure to read is the finding itself
+        problems.append(_unreadable(entry.name, file, exc, "tensor"))
+        progress.advance(entry.nbytes)
+        return
+    progress.advance(entry.nbytes)
+    report.tensors += 1
+    if read != entry.nbytes:
+        problems.append(
+            Problem(
+                code="shape_mismatch",
+                message=f"{file}: tensor {entry.name!r} reads as {read:,} bytes, its metadata "
+                f"says {entry.nbytes:,} ({form})",
+                file=file,
+                tensor=entry.name,
+            )
+        )
+    elif values is None:
+        problems.append(
+            Problem(
+                code="not_checked",
+                message=f"{file}: tensor {entry.name!r} is {form}, which ckpt cannot decode; "
+                "its bytes were read whole and checked against the header only",
+                file=file,
+                tensor=entry.name,
+                severity="warning",
+            )
+        )
+    else:
+        _nonfinite(report, problems, entry, file, nan, inf, values)
 
 
 def _nonfinite(
