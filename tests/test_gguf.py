@@ -324,3 +324,34 @@ def test_verify_deep_reads_quantized_tensors_and_judges_their_values(tmp_path: P
     assert result.exit_code == 1, result.stdout
     (problem,) = result.json["result"]["problems"]
     assert problem["code"] == "nonfinite" and problem["tensor"] == "blk.0.attn_q.weight"
+
+
+def test_convert_skips_quantized_tensors_for_every_target(tmp_path: Path) -> None:
+    """`--to safetensors` skipped a GGUF's quantized tensors and said so, while `--to torch`
+    and `--to dcp` failed with exit 4 on the first one. Every target now gets the unquantized
+    tensors and the same report; `--dequantize` says ckpt does not dequantize GGUF blocks
+    (it said "no quantized weight found" of a Q8_0 file)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = _quantized(tmp_path / "m.gguf")
+    norm = torch.from_numpy(np.array(_reader(src).tensors[1].data))
+    for to, dest in (("safetensors", "o.safetensors"), ("torch", "o.pt"), ("dcp", "o_dcp")):
+        result = run_ckpt("convert", src, tmp_path / dest, "--to", to, "--json")
+        assert result.exit_code == 0, result.stdout
+        (skipped,) = result.json["result"]["skipped"]
+        assert skipped["name"] == "blk.0.attn_q.weight" and "Q8_0" in skipped["reason"]
+    assert set(load_file(tmp_path / "o.safetensors")) == {"output_norm.weight"}
+    loaded = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert list(loaded) == ["output_norm.weight"]
+    assert torch.equal(loaded["output_norm.weight"], norm)
+    dcp_to_torch_save(tmp_path / "o_dcp", tmp_path / "from_dcp.pt")
+    loaded = torch.load(tmp_path / "from_dcp.pt", weights_only=True)
+    assert list(loaded) == ["output_norm.weight"]
+    assert torch.equal(loaded["output_norm.weight"], norm)
+
+    result = run_ckpt("convert", src, tmp_path / "deq", "--to", "safetensors", "--dequantize")
+    assert result.exit_code == 4, result.stderr
+    assert "ckpt does not dequantize GGUF block quantization" in result.stderr
+    assert "'blk.0.attn_q.weight'" in result.stderr and "llama-quantize" in result.stderr
+    assert "no quantized weight found" not in result.stderr
+    assert not (tmp_path / "deq").exists()

@@ -41,6 +41,7 @@ from ..shared.transfer import (
     WrittenEntry,
     account_files,
     extra_files,
+    nothing_to_dequantize,
     parse_renames,
     plan_transfer,
 )
@@ -547,11 +548,7 @@ def _readable(
     if not dequantize:
         return base, 0
     if not analysis.quantized:
-        raise UsageError(
-            "--dequantize: no quantized weight found (FP8, MXFP4, NVFP4)",
-            path=src,
-            fix="Drop --dequantize; `ckpt inspect` shows what the checkpoint holds.",
-        )
+        raise nothing_to_dequantize(base.manifest)
     from ...quant import logical_dtype
     from ...quant.dequant import DequantizedCheckpoint
 
@@ -576,6 +573,7 @@ def _plan(
     `restore_aliases`, the names the source records as aliases too (`plan_transfer`)."""
     from ..shared.selection import refuse_placeholders
 
+    source_format = find_format(manifest.format)
     plan = plan_transfer(
         manifest,
         select=select,
@@ -588,19 +586,15 @@ def _plan(
         opened=opened,
         match_prefix=match_prefix,
         restore_aliases=restore_aliases,
+        # the source format's own words for what it cannot hand over (GGUF quantized
+        # tensors), whether or not the target holds objects
+        left_out=source_format.skip_reason if source_format is not None else None,
     )
     if select or include or exclude:
         # ZeRO-3's empty parameters are no weights: never picked out without the rebuilt ones
         # (a whole-folder copy carries them as stored, beside the rebuilt weights)
         names = [i.source.name for i in plan.items]
         refuse_placeholders(opened, names, select, manifest.location)
-    source_format = find_format(manifest.format)
-    if source_format is not None:
-        # the source format's own words for what it cannot hand over (GGUF quantized tensors)
-        for skipped in plan.skipped:
-            reason = source_format.skip_reason(manifest.by_name[skipped.name])
-            if reason:
-                skipped.reason = reason
     return plan
 
 

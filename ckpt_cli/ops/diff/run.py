@@ -31,7 +31,7 @@ from ..shared.selection import (
     unmatched_rules,
     unreadable_left_out,
 )
-from ..shared.transfer import parse_renames, raw_blocks, rename
+from ..shared.transfer import nothing_to_dequantize, parse_renames, raw_blocks, rename
 from .compare import error_stats, short_repr, tensor_stats, values_equal
 
 
@@ -437,6 +437,10 @@ def diff_with(
         if request.dequantize:
             ca, cb = (_dequantized(c, side, schemes, counts) for c, side in ((ca, "a"), (cb, "b")))
             if not counts:  # it would do nothing: refused, as `convert --dequantize` is
+                for side in (base_a, base_b):
+                    refusal = nothing_to_dequantize(side.manifest)
+                    if not isinstance(refusal, UsageError):
+                        raise refusal  # quantized, in a scheme ckpt does not dequantize
                 raise UsageError(
                     "--dequantize: no quantized weight found on either side (FP8, MXFP4, NVFP4)",
                     path=a,

@@ -18,14 +18,14 @@ from __future__ import annotations
 import os
 import time
 import typing
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 from ... import dtypes
 from ...dist.command import CombinedProgress, RankShare, Workers, active, split_output
-from ...errors import FormatError, NotFoundError, UsageError
+from ...errors import CkptError, FormatError, NotFoundError, UsageError
 from ...formats import find_format, get_format
 from ...formats.base import Checkpoint, Source, WriteOptions, Writer
 from ...formats.details import TorchDetails
@@ -185,6 +185,39 @@ def tied_groups(manifest: Manifest, names: Iterable[str] | None = None) -> list[
     return groups
 
 
+def nothing_to_dequantize(manifest: Manifest, flag: str = "--dequantize") -> CkptError:
+    """The error for `--dequantize` of a checkpoint with no weight ckpt dequantizes: the
+    quantized entries its format keeps as they are (`Format.skip_reason`: GGUF's Q4_K, Q8_0…
+    blocks) named as what ckpt does not dequantize (exit 4), else a usage error (exit 2)."""
+    source_format = find_format(manifest.format)
+    held: list[tuple[str, str]] = []
+    title = manifest.format
+    if source_format is not None:
+        title = source_format.title or title
+        for entry in manifest.entries:
+            why = source_format.skip_reason(entry)
+            if why:
+                held.append((entry.name, why))
+    if held:
+        name, why = held[0]
+        more = f", and {len(held) - 1} more" if len(held) > 1 else ""
+        return FormatError(
+            f"{flag}: ckpt does not dequantize {title} block quantization, and the quantized "
+            f"tensors here are of it ({name!r}: {why}{more}); it dequantizes FP8, MXFP4 and "
+            "NVFP4 weights only",
+            path=manifest.location,
+            fix="Dequantize with the format's own tools (for GGUF, llama.cpp's "
+            "`llama-quantize --allow-requantize SRC OUT F16`), or drop --dequantize: `convert` "
+            "then copies the unquantized tensors and lists these as skipped, `diff` compares "
+            "their stored bytes.",
+        )
+    return UsageError(
+        f"{flag}: no quantized weight found (FP8, MXFP4, NVFP4)",
+        path=manifest.location,
+        fix="Drop --dequantize; `ckpt inspect` shows what the checkpoint holds.",
+    )
+
+
 def metadata_aliases(manifest: Manifest) -> dict[str, str]:
     """Names the source stored once and recorded as another tensor in its string metadata
     (alias -> kept): safetensors cannot share storage, so ckpt's `convert`,
@@ -214,6 +247,7 @@ def plan_transfer(
     opened: OpenedSource | None = None,
     match_prefix: str = "",
     restore_aliases: bool = False,
+    left_out: Callable[[Entry], str | None] | None = None,
 ) -> TransferPlan:
     """Decide what to write, from the manifest alone.
 
@@ -233,6 +267,8 @@ def plan_transfer(
             (`metadata_aliases`) are written as entries of their own, read from that tensor
             and tied to it (`TransferPlan.tied`): a target that stores every name gets them
             back; one that dedupes tied tensors records them again (`aliases`).
+        left_out: the source format's reason to leave an entry out whatever the target
+            (`Format.skip_reason`: a GGUF quantized tensor), or None to keep it.
     """
     # a name the source recorded as an alias is an entry like any other here (selected,
     # filtered, renamed), read from the tensor it names: a target that stores every name gets
@@ -277,6 +313,10 @@ def plan_transfer(
                 fix="Adjust --select/--rename so every output name is distinct.",
             )
         seen[new_name] = entry.name
+        why = left_out(entry) if left_out is not None else None
+        if why:
+            plan.skipped.append(SkippedEntry(name=entry.name, kind=entry.kind, reason=why))
+            continue
         if entry.kind != "tensor":
             if not keep_objects:
                 plan.skipped.append(
