@@ -355,3 +355,68 @@ def test_convert_skips_quantized_tensors_for_every_target(tmp_path: Path) -> Non
     assert "'blk.0.attn_q.weight'" in result.stderr and "llama-quantize" in result.stderr
     assert "no quantized weight found" not in result.stderr
     assert not (tmp_path / "deq").exists()
+
+
+def test_a_truncated_gguf_names_the_tensor_past_its_end(tmp_path: Path) -> None:
+    """A GGUF cut short got `bad_checkpoint` quoting numpy's reshape error (gguf's reader
+    maps every tensor first), never the documented `truncated` naming the tensor."""
+    whole = _write(
+        tmp_path / "m.gguf",
+        {"tok_embd.weight": np.ones((4, 8), np.float32), "output_norm.weight": np.ones(8)},
+    )
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:-16])
+    # the ground truth: gguf's own reader cannot read it
+    try:
+        _reader(cut)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("GGUFReader read a truncated file")
+    result = run_ckpt("verify", cut, "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert (problem["code"], problem["tensor"]) == ("truncated", "output_norm.weight")
+    assert f"past the end of the file ({len(data) - 16:,} bytes)" in problem["message"]
+    for command in (["inspect", cut], ["convert", cut, tmp_path / "o", "--to", "safetensors"]):
+        refused = run_ckpt(*command)
+        assert refused.exit_code == 4, refused.stderr
+        assert "'output_norm.weight' ends at byte" in refused.stderr
+        assert "numpy" not in refused.stderr and "reshape" not in refused.stderr
+
+
+def test_an_unreadable_gguf_version_or_alignment_is_named(tmp_path: Path) -> None:
+    """GGUF version 1 or 4 and `general.alignment` 48 were all "truncated or corrupt;
+    download it again", though a fresh download is the same bytes: each is named."""
+    import struct
+
+    import gguf
+
+    ok = _write(tmp_path / "ok.gguf", {"output_norm.weight": np.ones(8, np.float32)})
+    data = bytearray(ok.read_bytes())
+    for version in (1, 4):
+        data[4:8] = struct.pack("<I", version)
+        path = tmp_path / f"v{version}.gguf"
+        path.write_bytes(data)
+        try:  # the ground truth: gguf's reader refuses the version
+            _reader(path)
+        except ValueError as error:
+            assert f"version {version}" in str(error)
+        result = run_ckpt("inspect", path, "--json")
+        assert result.exit_code == 4
+        message = result.json["error"]["message"]
+        assert f"GGUF version {version} file" in message and "download it again" not in message
+    assert "Upgrade the gguf package" in result.json["error"]["fix"]
+    writer = gguf.GGUFWriter(str(tmp_path / "a48.gguf"), "llama")
+    writer.add_uint32("general.alignment", 48)
+    writer.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = run_ckpt("verify", tmp_path / "a48.gguf", "--json")
+    assert result.exit_code == 1
+    (problem,) = result.json["result"]["problems"]
+    assert "general.alignment is 48, not a power of two" in problem["message"]
+    assert "download it again" not in problem["message"]

@@ -25,6 +25,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,11 +137,46 @@ class _Header:
             raise self.error(f"{what} has unknown value type {kind}")
 
 
-def check_header(path: str, where: str) -> bool:
+@dataclass(frozen=True)
+class HeaderFacts:
+    """What `check_header` learned of a GGUF file besides that its header is sound.
+
+    Attributes:
+        big_endian: the file was written big-endian.
+        version: the GGUF version (0 when the file is no GGUF file).
+        past_end: (tensor name, end byte) of each tensor whose data the header places past
+            the end of the file (a truncated download), in header order.
+    """
+
+    big_endian: bool = False
+    version: int = 0
+    past_end: list[tuple[str, int]] = field(default_factory=list)
+
+
+#: GGUF versions the `gguf` package reads (its READER_SUPPORTED_VERSIONS)
+_READ_VERSIONS = (2, 3)
+#: a version above this is no version any writer wrote: the header is corrupt
+_PLAUSIBLE_VERSION = 255
+#: GGUFValueType.UINT32, the type `general.alignment` must have
+_UINT32 = 4
+
+
+def _sizes() -> dict[int, tuple[int, int]]:
+    """GGML type code -> (elements per block, bytes per block), from the gguf package."""
+    try:
+        from gguf import GGML_QUANT_SIZES
+    except ImportError:  # pragma: no cover - declared in the gguf extra
+        return {}
+    return {int(kind): (int(block), int(size)) for kind, (block, size) in GGML_QUANT_SIZES.items()}
+
+
+def check_header(path: str, where: str) -> HeaderFacts:
     """Walk a GGUF file's header (metadata and tensor infos) checking every count and length
     against the bytes left, before the `gguf` package's reader (which would build a 2^40-item
     array from a 51-byte file, or read past the end silently) sees it. FormatError naming
-    `where` on the first that does not fit. Returns whether the file is big-endian."""
+    `where` on the first that does not fit, on a version the reader cannot read and on an
+    invalid `general.alignment`, each in its own words. Returns what else it learned (the
+    byte order; tensors whose data lies past the end, which the reader cannot map)."""
     import mmap
 
     with open(path, "rb") as fh:
@@ -154,32 +190,105 @@ def check_header(path: str, where: str) -> bool:
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
             head = _Header(data, where)
             if head.uint(4, "the magic") != int.from_bytes(b"GGUF", "little"):
-                return False  # not GGUF: the reader says so
+                return HeaderFacts()  # not GGUF: the reader says so
             version = head.uint(4, "the version")
             if version & 0xFFFF == 0:  # written for the other byte order
                 head.order = ">"
                 version = int.from_bytes(version.to_bytes(4, "little"), "big")
-            if version < 2:
-                return head.order == ">"  # GGUF v1 (32-bit lengths): the reader refuses it
+            _check_version(version, head)
             tensors = head.uint(8, "the tensor count")
             kvs = head.count("the metadata", 8 + 4 + 1)
+            alignment = 32
             for _ in range(kvs):
                 key = head.string("a metadata key")
-                head.value(head.uint(4, f"the type of {key!r}"), f"metadata {key!r}")
+                kind = head.uint(4, f"the type of {key!r}")
+                if key == "general.alignment":
+                    alignment = _alignment(kind, head)
+                    continue
+                head.value(kind, f"metadata {key!r}")
             if tensors * (8 + 4 + 4 + 8) > size - head.pos:
                 raise head.error(f"{tensors:,} tensor infos cannot fit in the bytes left")
+            infos: list[tuple[str, int, int, int]] = []
             for _ in range(tensors):
-                head.string("a tensor name")
+                name = head.string("a tensor name")
                 dims = head.uint(4, "a tensor's dimension count")
                 if dims > _MAX_DIMS:
                     raise head.error(f"a tensor with {dims:,} dimensions")
-                head.take(8 * dims + 4 + 8, "a tensor info")
-            return head.order == ">"
+                numel = 1
+                for _ in range(dims):
+                    numel *= head.uint(8, "a tensor's dimension")
+                kind = head.uint(4, "a tensor's type")
+                infos.append((name, numel, kind, head.uint(8, "a tensor's offset")))
+            start = -(-head.pos // alignment) * alignment
+            sizes = _sizes()
+            past_end = []
+            for name, numel, kind, offset in infos:
+                block, nbytes = sizes.get(kind, (0, 0))
+                end = start + offset + (numel // block * nbytes if block else 0)
+                if end > size:
+                    past_end.append((name, end))
+            return HeaderFacts(big_endian=head.order == ">", version=version, past_end=past_end)
 
 
-def _reader(path: str, where: str | None = None) -> tuple[Any, bool]:
-    """The `gguf` package's reader of a checked file, and whether the file is big-endian."""
-    big_endian = check_header(path, where or path)
+def _check_version(version: int, head: _Header) -> None:
+    """FormatError for a GGUF version the `gguf` package cannot read, in its own words."""
+    try:
+        from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+
+        readable = tuple(int(v) for v in READER_SUPPORTED_VERSIONS)
+    except ImportError:  # pragma: no cover - declared in the gguf extra
+        readable = _READ_VERSIONS
+    if version in readable:
+        return
+    where, known = head.where, " and ".join(str(v) for v in readable)
+    if version > _PLAUSIBLE_VERSION:
+        raise head.error(f"its version field reads {version:,}, which no GGUF writer writes")
+    if version < min(readable):
+        raise FormatError(
+            f"is a GGUF version {version} file, an early format ckpt (through the gguf "
+            f"package) cannot read: it reads GGUF versions {known}",
+            path=where,
+            fix="Convert the model again with a current llama.cpp (convert_hf_to_gguf.py "
+            "writes version 3); downloading this file again gives the same bytes.",
+        )
+    raise FormatError(
+        f"is a GGUF version {version} file, newer than the installed gguf package reads "
+        f"(versions {known})",
+        path=where,
+        fix="Upgrade the gguf package (`pip install -U gguf`); a release that reads GGUF "
+        f"version {version} lets ckpt read it.",
+    )
+
+
+def _alignment(kind: int, head: _Header) -> int:
+    """The value of `general.alignment` (at `head`, of value type `kind`): FormatError
+    unless it is a uint32 power of two, which is what llama.cpp and the gguf package read."""
+    if kind != _UINT32:
+        head.value(kind, "metadata 'general.alignment'")
+        raise FormatError(
+            f"is not a valid GGUF file: general.alignment is stored as value type {kind}, "
+            "not the uint32 GGUF requires",
+            path=head.where,
+            fix="The file's writer is broken; convert the model again with a current llama.cpp "
+            "(the tensor data cannot be located without a valid alignment).",
+        )
+    value = head.uint(4, "metadata 'general.alignment'")
+    if value <= 0 or value & (value - 1):
+        raise FormatError(
+            f"is not a valid GGUF file: general.alignment is {value}, not a power of two",
+            path=head.where,
+            fix="The file's writer is broken; convert the model again with a current llama.cpp "
+            "(the tensor data cannot be located without a valid alignment).",
+        )
+    return value
+
+
+def _reader(path: str, where: str | None = None) -> tuple[Any, HeaderFacts]:
+    """The `gguf` package's reader of a checked file (None when tensors lie past its end:
+    the reader cannot map them), and what the header check learned."""
+    facts = check_header(path, where or path)
+    if facts.past_end:
+        return None, facts
     try:
         from gguf import GGUFReader
     except ImportError:  # pragma: no cover - declared in the gguf extra
@@ -189,7 +298,7 @@ def _reader(path: str, where: str | None = None) -> tuple[Any, bool]:
             fix="pip install 'ckpt-cli[gguf]'",
         ) from None
     try:
-        return GGUFReader(path, "r"), big_endian
+        return GGUFReader(path, "r"), facts
     except Exception as exc:  # the reader raises bare ValueError / IndexError on bad headers
         raise FormatError(
             f"is not a readable GGUF file ({type(exc).__name__}: {str(exc)[:200]})",
@@ -447,10 +556,16 @@ class GgufFormat(Format):
                     "GGUF files are read from local disk only", path=source.storage.describe(rel)
                 )
             described = source.storage.describe(rel)
-            reader, big = _reader(str(local), described)
+            reader, facts = _reader(str(local), described)
             size = source.storage.size(rel)
+            if reader is None:  # tensors past the end: the file is cut short
+                version = facts.version
+                for name, end in facts.past_end:
+                    problems.append(_truncated(described, name, end, size))
+                infos.append(FileInfo(path=rel, size=size, entries=0))
+                continue
             version = _field(reader, "GGUF.version")
-            if big:
+            if facts.big_endian:
                 big_endian.add(rel)
             for key in reader.fields:
                 if not key.startswith("GGUF.") and key not in kv:
@@ -487,15 +602,7 @@ class GgufFormat(Format):
                         )
                     )
                 if offset + nbytes > size:
-                    problems.append(
-                        Problem(
-                            code="truncated",
-                            message=f"{described}: tensor {tensor.name!r} ends at byte "
-                            f"{offset + nbytes}, past the end of the file ({size} bytes)",
-                            file=described,
-                            tensor=tensor.name,
-                        )
-                    )
+                    problems.append(_truncated(described, tensor.name, offset + nbytes, size))
                 quant[qtype] += 1
                 dtype = PLAIN.get(qtype)
                 if dtype is not None:
@@ -572,7 +679,14 @@ class GgufFormat(Format):
         manifest, problems, big_endian = cls._parse(source)
         errors = [p for p in problems if p.code in ("truncated", "missing_split")]
         if errors:
-            raise FormatError(errors[0].message, path=errors[0].file)
+            fix = (
+                "The file is cut short; download it again."
+                if errors[0].code == "truncated"
+                else "Fetch the missing split file beside the others."
+            )
+            first = errors[0]
+            message = first.message.removeprefix(f"{first.file}: ")  # the path leads anyway
+            raise FormatError(message, path=first.file, fix=fix)
         return GgufCheckpoint(source, manifest, big_endian)
 
     @classmethod
@@ -584,6 +698,16 @@ class GgufFormat(Format):
         except (FormatError, NotFoundError) as error:
             return [Problem(code=error.code, message=error.message, file=error.path)]
         return problems
+
+
+def _truncated(file: str, name: str, end: int, size: int) -> Problem:
+    return Problem(
+        code="truncated",
+        message=f"{file}: tensor {name!r} ends at byte {end:,}, past the end of the file "
+        f"({size:,} bytes)",
+        file=file,
+        tensor=name,
+    )
 
 
 def _split_problems(
