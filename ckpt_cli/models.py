@@ -149,8 +149,10 @@ class Entry(_LeanRecord):
     Attributes:
         name: the flattened dotted name (`model.layers.0.attn.wq.weight`).
         kind: `tensor` or `object` (bytes, ints, dicts, RNG state...).
-        dtype: canonical dtype token (tensors only).
-        shape: global shape (tensors only; `[]` for 0-dim).
+        dtype: canonical dtype token (tensors only; an object that is a tensor stored in a
+            form ckpt does not decode, a GGUF quantized one, has its format's type: `Q8_0`).
+        shape: global shape (tensors only, and such stored tensors' logical shape; `[]` for
+            0-dim).
         nbytes: size of the data in bytes (for objects: serialized size when known).
         file: the file holding the data (the first one for chunked tensors).
         offset: absolute byte offset of raw data in `file` (raw formats only).

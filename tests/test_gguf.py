@@ -420,3 +420,38 @@ def test_an_unreadable_gguf_version_or_alignment_is_named(tmp_path: Path) -> Non
     (problem,) = result.json["result"]["problems"]
     assert "general.alignment is 48, not a power of two" in problem["message"]
     assert "download it again" not in problem["message"]
+
+
+def test_inspect_counts_quantized_tensors_with_their_logical_shape(tmp_path: Path) -> None:
+    """inspect of a GGUF whose weights are Q8_0 / Q4_0 said "1 tensor, 256 parameters" (the
+    norm alone), and --json gave its quantized entries shape [] and dtype null."""
+    import gguf
+    from gguf.quants import quantize
+
+    x = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, kind in (("blk.0.attn_q.weight", "Q8_0"), ("blk.0.attn_k.weight", "Q4_0")):
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
+    writer.add_tensor("output_norm.weight", x[0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    # the ground truth: gguf's reader (ne is fastest first; row-major is its reverse)
+    truth = {t.name: t for t in _reader(path).tensors}
+    report = run_ckpt("inspect", path, "--json").json["result"]
+    by_name = {e["name"]: e for e in report["entries"]}
+    for name, tensor in truth.items():
+        shape = list(reversed([int(d) for d in tensor.shape]))
+        assert by_name[name]["shape"] == shape, name
+        assert by_name[name]["nbytes"] == tensor.n_bytes
+    assert by_name["blk.0.attn_q.weight"]["dtype"] == "Q8_0"
+    assert by_name["blk.0.attn_k.weight"]["dtype"] == "Q4_0"
+    assert report["tensors"] == 3 and report["objects"] == 0
+    assert report["parameters"] == 2 * 64 * 256 + 256
+    assert report["tensor_bytes"] == sum(int(t.n_bytes) for t in truth.values())
+    assert report["bytes_by_dtype"]["Q8_0"] == truth["blk.0.attn_q.weight"].n_bytes
+    human = run_ckpt("inspect", path).stdout
+    assert "3 tensors, 33.02K parameters" in human and "Q4_0" in human

@@ -32,8 +32,11 @@ class InspectReport(Record):
     Attributes:
         location / format: what was read and as which format.
         files: the checkpoint's files with sizes.
-        tensors / objects: entry counts (after filters).
-        parameters: floating-point element count of the model: in a training checkpoint,
+        tensors / objects: entry counts (after filters); tensors stored in a form ckpt does
+            not decode (GGUF's quantized ones) count as tensors, their bytes under their type
+            in `bytes_by_dtype`.
+        parameters: floating-point element count of the model (quantized weights by their
+            logical shape): in a training checkpoint,
             the model's weights only (optimizer and other state are in `state_elements`).
         state_elements: floating-point element count of each non-model component of a
             training checkpoint (`optimizer`, `rng`...; `other` for the rest), so
@@ -174,16 +177,23 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
         chosen = filters or excludes
         view = manifest.model_copy(update={"entries": entries}) if chosen else manifest
         parameters, state_elements = _split_parameters(view, opened.training)
+        # tensors stored in a form ckpt does not decode (GGUF's Q4_K, Q8_0...) are entries of
+        # their own kind, but weights all the same: counted with their logical shape, their
+        # stored bytes under their type
+        stored = [e for e in entries if e.kind != "tensor" and checkpoint.stored_as(e.name)]
+        by_type = view.bytes_by_dtype()
+        for e in stored:
+            by_type[e.dtype or "stored"] = by_type.get(e.dtype or "stored", 0) + e.nbytes
         return InspectReport(
             location=manifest.location,
             format=manifest.format,
             files=manifest.files,
-            tensors=sum(1 for e in entries if e.kind == "tensor"),
-            objects=sum(1 for e in entries if e.kind == "object"),
-            parameters=parameters,
+            tensors=sum(1 for e in entries if e.kind == "tensor") + len(stored),
+            objects=sum(1 for e in entries if e.kind == "object") - len(stored),
+            parameters=parameters + sum(e.numel for e in stored),
             state_elements=state_elements,
-            tensor_bytes=view.tensor_bytes(),
-            bytes_by_dtype=view.bytes_by_dtype(),
+            tensor_bytes=view.tensor_bytes() + sum(e.nbytes for e in stored),
+            bytes_by_dtype=dict(sorted(by_type.items(), key=lambda kv: -kv[1])),
             metadata=manifest.metadata,
             details=manifest.details,
             training=opened.training,

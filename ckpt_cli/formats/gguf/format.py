@@ -622,6 +622,8 @@ class GgufFormat(Format):
                         Entry(
                             name=tensor.name,
                             kind="object",
+                            dtype=qtype,
+                            shape=shape,
                             nbytes=nbytes,
                             file=rel,
                             offset=offset,
