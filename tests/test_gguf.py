@@ -455,3 +455,61 @@ def test_inspect_counts_quantized_tensors_with_their_logical_shape(tmp_path: Pat
     assert report["bytes_by_dtype"]["Q8_0"] == truth["blk.0.attn_q.weight"].n_bytes
     human = run_ckpt("inspect", path).stdout
     assert "3 tensors, 33.02K parameters" in human and "Q4_0" in human
+
+
+def test_diff_compares_the_gguf_metadata(tmp_path: Path) -> None:
+    """Two GGUF files whose architecture, rope base and tokenizer differ were IDENTICAL: GGUF
+    keeps the model's hyper-parameters and tokenizer in its metadata, which diff ignored."""
+    import gguf
+
+    def write(path: Path, arch: str, base: float, tokens: list[str]) -> Path:
+        writer = gguf.GGUFWriter(str(path), arch)
+        writer.add_rope_freq_base(base)
+        writer.add_token_list(tokens)
+        writer.add_tensor("output_norm.weight", np.ones(8, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    vocab = [f"t{i}" for i in range(1000)]
+    a = write(tmp_path / "a.gguf", "llama", 10000.0, vocab)
+    b = write(tmp_path / "b.gguf", "qwen2", 500000.0, [*vocab[:-1], "changed"])
+    same = write(tmp_path / "same.gguf", "llama", 10000.0, vocab)
+    # the ground truth: gguf's reader sees the keys that differ
+    fields_a, fields_b = _reader(a).fields, _reader(b).fields
+    assert (
+        fields_a["general.architecture"].contents() != fields_b["general.architecture"].contents()
+    )
+    result = run_ckpt("diff", a, b, "--json")
+    assert result.exit_code == 1, result.stdout
+    report = result.json["result"]
+    assert report["equal"] == 1 and not report["differences"]
+    by_key = {m["key"]: m for m in report["metadata"]}
+    assert set(by_key) == {
+        "general.architecture",
+        "llama.rope.freq_base",
+        "qwen2.rope.freq_base",
+        "tokenizer.ggml.tokens",
+    }
+    assert (
+        by_key["general.architecture"]["value_a"],
+        by_key["general.architecture"]["value_b"],
+    ) == (
+        '"llama"',
+        '"qwen2"',
+    )
+    assert by_key["llama.rope.freq_base"]["value_b"] is None
+    # a 1000-token list differing in its last token: a summary and a digest, never the list
+    tokens = by_key["tokenizer.ggml.tokens"]
+    assert (
+        tokens["value_a"].startswith("[1000 × str] sha256:")
+        and tokens["value_a"] != tokens["value_b"]
+    )
+    human = run_ckpt("diff", a, b)
+    assert "metadata key" in human.stdout and "general.architecture" in human.stdout
+    assert run_ckpt("diff", a, same).exit_code == 0
+    # only a part compared: said, not judged
+    part = run_ckpt("diff", a, b, "-k", "output*", "--json")
+    assert part.exit_code == 0 and "not compared" in part.json["result"]["warnings"][0]

@@ -152,6 +152,12 @@ class Checkpoint(ABC):
             yield self.storage.read(entry.file, entry.offset + done, n)
             done += n
 
+    def model_metadata(self) -> dict[str, str] | None:
+        """The metadata that is part of the model rather than of its files (GGUF's key-values:
+        architecture, hyper-parameters, tokenizer), key -> the value as compared text (long
+        values as a summary and a digest), for `diff`; None where the format keeps none."""
+        return None
+
     def stored_as(self, name: str) -> str | None:
         """How non-tensor entry `name` is stored when ckpt does not read its value but can hand
         out its stored bytes (`iter_stored`): a GGUF quantized tensor, `Q8_0 tensor [4, 64]`.

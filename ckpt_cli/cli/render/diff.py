@@ -91,6 +91,14 @@ def render_diff(report: DiffReport) -> None:
             )
         if len(report.quant_errors) > MAX_SHOWN:
             stdout.print(f"  … {len(report.quant_errors) - MAX_SHOWN} more (see --json)")
+    if report.metadata:
+        stdout.print(f"[bold]metadata[/] ({len(report.metadata)} keys differ)")
+        for m in report.metadata[:MAX_SHOWN]:
+            a = "absent" if m.value_a is None else m.value_a
+            b = "absent" if m.value_b is None else m.value_b
+            stdout.print(f"  {m.key}  {a} → {b}", highlight=False, markup=False)
+        if len(report.metadata) > MAX_SHOWN:
+            stdout.print(f"  … {len(report.metadata) - MAX_SHOWN} more (see --json)")
     _names("A", report.only_a)
     _names("B", report.only_b)
     _aliases(report)

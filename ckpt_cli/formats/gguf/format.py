@@ -317,6 +317,35 @@ def _field(reader: Any, key: str) -> Any:
         return None
 
 
+@dataclass(frozen=True)
+class _Parsed:
+    """What an opened GGUF checkpoint keeps besides its manifest: the files written
+    big-endian, and the model's metadata as `diff` compares it (`_comparable`)."""
+
+    big_endian: frozenset[str]
+    metadata: dict[str, str]
+
+
+#: metadata keys about the files, not the model (a split set and its merged file differ there)
+FILE_KEYS = ("split.", "general.alignment")
+#: metadata values longer than this (as JSON) are compared by digest
+MAX_COMPARED = 200
+
+
+def _comparable(value: Any) -> str:
+    """A metadata value as `diff` compares and shows it: its JSON text, or for a long one
+    (a token list) its summary and a digest of the whole, so no difference hides in a
+    summary and no report holds a vocabulary."""
+    import hashlib
+    import json
+
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    if len(text) <= MAX_COMPARED:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{_shown(value)} sha256:{digest}"
+
+
 def _shown(value: Any) -> Any:
     if isinstance(value, list) and len(value) > MAX_SHOWN:
         kind = type(value[0]).__name__ if value else "value"
@@ -376,13 +405,23 @@ class GgufCheckpoint(Checkpoint):
     as they lie in the file.
     """
 
-    def __init__(self, source: Source, manifest: Manifest, big_endian: frozenset[str]):
+    def __init__(
+        self,
+        source: Source,
+        manifest: Manifest,
+        big_endian: frozenset[str],
+        metadata: dict[str, str] | None = None,
+    ):
         super().__init__(source, manifest)
         self.big_endian = big_endian
+        self.metadata = metadata or {}
+
+    def model_metadata(self) -> dict[str, str] | None:
+        return self.metadata
 
     def _swapped(self, entry: Entry) -> int:
         """The element size to byte-swap `entry`'s bytes by (0: stored little-endian)."""
-        if entry.file not in self.big_endian or entry.dtype is None:
+        if entry.file not in self.big_endian or entry.kind != "tensor" or entry.dtype is None:
             return 0
         size = dtypes.itemsize(entry.dtype)
         return size if size > 1 else 0
@@ -530,8 +569,8 @@ class GgufFormat(Format):
         )
 
     @classmethod
-    def _parse(cls, source: Source) -> tuple[Manifest, list[Problem], frozenset[str]]:
-        """The manifest, the problems found, and the files written big-endian."""
+    def _parse(cls, source: Source) -> tuple[Manifest, list[Problem], _Parsed]:
+        """The manifest, the problems found, and what the checkpoint keeps besides."""
         files = _files(source)
         where = source.location.raw
         if not files:
@@ -549,6 +588,7 @@ class GgufFormat(Format):
         split_tensors: int | None = None
         version = None
         big_endian: set[str] = set()
+        compared: dict[str, str] = {}
         for rel in files:
             local = source.storage.local_path(rel)
             if local is None:
@@ -569,7 +609,10 @@ class GgufFormat(Format):
                 big_endian.add(rel)
             for key in reader.fields:
                 if not key.startswith("GGUF.") and key not in kv:
-                    kv[key] = _shown(_field(reader, key))
+                    value = _field(reader, key)
+                    kv[key] = _shown(value)
+                    if not key.startswith(FILE_KEYS):
+                        compared[key] = _comparable(value)
             count = _field(reader, "split.count")
             if isinstance(count, int):
                 split_count = count
@@ -674,11 +717,11 @@ class GgufFormat(Format):
             entries=entries,
             details=details.as_details(),
         )
-        return manifest, problems, frozenset(big_endian)
+        return manifest, problems, _Parsed(frozenset(big_endian), compared)
 
     @classmethod
     def open(cls, source: Source) -> GgufCheckpoint:
-        manifest, problems, big_endian = cls._parse(source)
+        manifest, problems, parsed = cls._parse(source)
         errors = [p for p in problems if p.code in ("truncated", "missing_split")]
         if errors:
             fix = (
@@ -689,7 +732,7 @@ class GgufFormat(Format):
             first = errors[0]
             message = first.message.removeprefix(f"{first.file}: ")  # the path leads anyway
             raise FormatError(message, path=first.file, fix=fix)
-        return GgufCheckpoint(source, manifest, big_endian)
+        return GgufCheckpoint(source, manifest, parsed.big_endian, parsed.metadata)
 
     @classmethod
     def check(cls, source: Source) -> list[Problem]:

@@ -79,6 +79,20 @@ class EntryDiff(Record):
         return self.status != "close"
 
 
+class MetadataDiff(Record):
+    """A key of the model's metadata (GGUF's key-values) that differs between the sides.
+
+    Attributes:
+        key: the metadata key (`general.architecture`, `llama.rope.freq_base`...).
+        value_a / value_b: each side's value as JSON text (a long one as its summary and a
+            sha256 prefix of the whole); None where that side lacks the key.
+    """
+
+    key: str
+    value_a: str | None = None
+    value_b: str | None = None
+
+
 class AliasPair(Record):
     """A tied name: an alias of another tensor (`lm_head.weight` of `transformer.wte.weight`).
 
@@ -140,6 +154,9 @@ class DiffReport(Record):
             `ignore_dtype`).
         aliases: tied names (see `ops.aliases`): a name one side keeps only as a recorded
             alias is compared with the tensor it names there, not counted as missing.
+        metadata: keys of the model's metadata (GGUF's architecture, hyper-parameters and
+            tokenizer) whose values differ, when both sides keep such metadata and the whole
+            checkpoints are compared (no --select / --filter / --filter-out): differences.
         warnings: options that had no effect (a `--filter` glob that matches no entry of
             either side).
     """
@@ -166,6 +183,7 @@ class DiffReport(Record):
     ignore_dtype: bool = False
     dtype_changes: int = 0
     aliases: list[AliasPair] = Field(default_factory=list)
+    metadata: list[MetadataDiff] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
 
 
@@ -501,6 +519,7 @@ def diff_with(
             only_b=[n for n in right if n not in left],
             warnings=warnings,
         )
+        _compare_metadata(report, base_a, base_b, bool(select or filters or excludes))
         extra = _resolve_aliases(
             report, (opened_a, ca, chosen_a), (opened_b, cb, chosen_b), rename_pairs, left, right
         )
@@ -547,9 +566,34 @@ def diff_with(
     for name in [d.name for d in report.differences] + report.only_a + report.only_b:
         top = name.split(".", 1)[0]
         report.components[top] = report.components.get(top, 0) + 1
-    report.identical = not (report.differences or report.only_a or report.only_b)
+    report.identical = not (report.differences or report.only_a or report.only_b or report.metadata)
     report.verdict = _verdict(report)
     return report
+
+
+def _compare_metadata(report: DiffReport, ca: Checkpoint, cb: Checkpoint, part: bool) -> None:
+    """The model metadata of both sides (`Checkpoint.model_metadata`: GGUF's key-values),
+    key by key, into `report.metadata`; a side that keeps none, or a comparison of a part
+    (`part`: --select, --filter), is a warning saying the metadata was not compared."""
+    meta_a, meta_b = ca.model_metadata(), cb.model_metadata()
+    if meta_a is None and meta_b is None:
+        return
+    if meta_a is None or meta_b is None:
+        held, lacks = ("A", "B") if meta_a is not None else ("B", "A")
+        report.warnings.append(
+            f"the model metadata of {held} (GGUF key-values) was not compared: {lacks} keeps none"
+        )
+        return
+    if part:
+        report.warnings.append(
+            "the model metadata (GGUF key-values) was not compared: --select/--filter "
+            "compare a part of each checkpoint"
+        )
+        return
+    for key in sorted(meta_a.keys() | meta_b.keys()):
+        value_a, value_b = meta_a.get(key), meta_b.get(key)
+        if value_a != value_b:
+            report.metadata.append(MetadataDiff(key=key, value_a=value_a, value_b=value_b))
 
 
 _Side = tuple[OpenedSource, Checkpoint, list[tuple[Entry, str]]]
@@ -666,6 +710,11 @@ def _verdict(r: DiffReport) -> str:
     parts = []
     if r.differences:
         parts.append(f"{len(r.differences)} of {r.compared} entries differ")
+    if r.metadata:
+        keys = len(r.metadata)
+        parts.append(
+            f"{keys} metadata key{'s' if keys != 1 else ''} differ{'' if keys != 1 else 's'}"
+        )
     if r.only_a:
         parts.append(f"{len(r.only_a)} only in A")
     if r.only_b:
