@@ -1045,3 +1045,56 @@ def test_nvfp4_missing_global_scale_wrong_grid_and_orphan_input_scale(tmp_path: 
     assert ("missing_scale", f"{q}.weight") in problems
     assert ("scale_grid", f"{d}.weight_scale") in problems
     assert ("orphan_scale", "model.layers.0.mlp.up_proj.input_scale") in problems
+
+
+def _replace_tensor(folder: Path, name: str, value: torch.Tensor) -> None:
+    """Overwrite one tensor of a one-shard checkpoint, as a botched re-export would."""
+    shard = folder / "model-00001-of-00001.safetensors"
+    state = load_file(shard)
+    state[name] = value
+    save_file(state, shard, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("case", ["fp8-oversized", "fp8-undersized", "mxfp4", "nvfp4"])
+def test_dequantize_refuses_a_scale_grid_verify_calls_wrong(tmp_path: Path, case: str) -> None:
+    # a scale of the wrong grid: applied, its values land on other blocks (or do not fit)
+    src = tmp_path / "src"
+    if case.startswith("fp8"):
+        gen = torch.Generator().manual_seed(5)
+        q, _ = quantize_fp8_block(torch.randn(32, 32, generator=gen), BLOCK)
+        grid = (3, 3) if case == "fp8-oversized" else (2, 1)
+        weight, scale = (
+            "model.layers.0.mlp.up_proj.weight",
+            "model.layers.0.mlp.up_proj.weight_scale_inv",
+        )
+        config = {
+            "model_type": "llama",
+            "torch_dtype": "bfloat16",
+            "quantization_config": {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]},
+        }
+        state = {weight: q, scale: torch.rand(*grid) + 0.5, "model.norm.weight": torch.ones(4)}
+        hf_shards(src, [state], config)
+        want, got = "[2, 2]", f"{list(grid)}"
+    elif case == "mxfp4":
+        write_gpt_oss(src)
+        weight = "model.layers.0.mlp.experts.down_proj_blocks"
+        scale = "model.layers.0.mlp.experts.down_proj_scales"  # [2, 16, 1] stored
+        _replace_tensor(src, scale, torch.full((2, 16, 2), 127, dtype=torch.uint8))
+        want, got = "[2, 16, 1]", "[2, 16, 2]"
+    else:
+        write_modelopt(src)
+        weight = "model.layers.0.mlp.down_proj.weight"
+        scale = "model.layers.0.mlp.down_proj.weight_scale"  # [32, 4] stored
+        _replace_tensor(src, scale, torch.ones(32, 3).to(torch.float8_e4m3fn))
+        want, got = "[32, 4]", "[32, 3]"
+    verified = run_ckpt("verify", src, "--json").json["result"]
+    assert ("scale_grid", scale) in _problems(verified)
+
+    out = tmp_path / "out"
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize")
+    assert conv.exit_code == 4, conv.stdout + conv.stderr
+    for text in (weight, scale, want, got):
+        assert text in conv.stderr
+    assert not out.exists()
+    compared = run_ckpt("diff", src, src, "--dequantize")
+    assert compared.exit_code == 4 and scale in compared.stderr

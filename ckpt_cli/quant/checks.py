@@ -12,6 +12,7 @@ from .schemes import (
     FP8,
     SCALE_DTYPES,
     SIDECAR_SUFFIXES,
+    GridMismatch,
     QuantAnalysis,
     QuantConfig,
     QuantWeight,
@@ -52,7 +53,9 @@ class Checks:
             self.out.owner[member] = weight.output
 
     def grid_problem(self, weight: str, sidecar: str, got: list[int], want: str) -> None:
-        """A sidecar whose shape is not the grid the scheme implies."""
+        """A sidecar whose shape is not the grid the scheme implies: a `scale_grid` problem,
+        and a `GridMismatch` dequantization refuses by."""
+        self.out.grids.append(GridMismatch(weight, sidecar, got, want))
         self.add(
             "scale_grid",
             sidecar,

@@ -224,6 +224,17 @@ class DequantizedCheckpoint(Checkpoint):
                     path=base.manifest.location,
                     fix="`ckpt verify` lists every missing sidecar; fetch or re-export them.",
                 )
+        for grid in analysis.grids:
+            # the grid `verify` calls wrong (scale_grid): applied, the scales would land on
+            # other blocks' values, or not fit at all
+            raise FormatError(
+                f"scale {grid.sidecar!r} of quantized weight {grid.weight!r} has shape "
+                f"{grid.got}, but the scheme implies {grid.want}, so the weight cannot be "
+                "dequantized",
+                path=base.manifest.location,
+                fix="The scales belong to another weight or were cut wrong; `ckpt verify` "
+                "lists every such scale (scale_grid). Re-export the checkpoint.",
+            )
         self.base = base
         self.analysis = analysis
         self.dtype = dtype

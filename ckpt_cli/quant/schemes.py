@@ -157,15 +157,34 @@ class QuantSummary(Record):
     orphans: list[str] = Field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class GridMismatch:
+    """A sidecar whose shape is not the grid its scheme implies (a `scale_grid` problem).
+
+    Attributes:
+        weight: the quantized weight's stored name (its payload).
+        sidecar: the scale's stored name.
+        got: the scale's shape.
+        want: the grid the scheme implies, in words (`[2, 2] (ceil(out/16) x ...)`).
+    """
+
+    weight: str
+    sidecar: str
+    got: list[int]
+    want: str
+
+
 @dataclass
 class QuantAnalysis:
-    """Everything recognised: weights by output name, owned names, problems found."""
+    """Everything recognised: weights by output name, owned names, problems found, and the
+    scales whose shape is not their scheme's grid (`grids`, each also a `scale_grid` problem)."""
 
     config: QuantConfig
     weights: dict[str, QuantWeight] = field(default_factory=dict)
     owner: dict[str, str] = field(default_factory=dict)  # stored name -> output name
     orphans: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    grids: list[GridMismatch] = field(default_factory=list)
 
     @property
     def quantized(self) -> bool:
