@@ -93,7 +93,8 @@ def nvfp4_reference(
         [FP4_VALUES[(packed & 0x0F).long()], FP4_VALUES[(packed >> 4).long()]], dim=-1
     )
     values = values.reshape(packed.shape[0], -1)
-    per = (scale.float() * scale_2.float()).repeat_interleave(16, dim=1)
+    # groups of 16 columns, the last one partial when the input size is not a multiple of 16
+    per = (scale.float() * scale_2.float()).repeat_interleave(16, dim=1)[:, : values.shape[1]]
     return values * per
 
 
@@ -1098,3 +1099,39 @@ def test_dequantize_refuses_a_scale_grid_verify_calls_wrong(tmp_path: Path, case
     assert not out.exists()
     compared = run_ckpt("diff", src, src, "--dequantize")
     assert compared.exit_code == 4 and scale in compared.stderr
+
+
+def test_nvfp4_whose_input_size_is_not_a_multiple_of_16_dequantizes_in_groups_of_16(
+    tmp_path: Path,
+) -> None:
+    # in = 24: ModelOpt pads to 32, quantizes, keeps 24 columns; scales [out, ceil(24/16)]
+    gen = torch.Generator().manual_seed(7)
+    w = torch.zeros(8, 32)
+    w[:, :24] = torch.randn(8, 24, generator=gen)
+    w[:, 16:24] *= 20  # the partial group's scale differs from the first's
+    q = quantize_nvfp4_modelopt(w)
+    module = "model.layers.0.mlp.up_proj"
+    state = {
+        f"{module}.weight": q["weight"][:, :12].contiguous(),
+        f"{module}.weight_scale": q["weight_scale"],
+        f"{module}.weight_scale_2": q["weight_scale_2"],
+        "model.norm.weight": torch.ones(8),
+    }
+    src = tmp_path / "nvfp4"
+    hf_shards(src, [state], {"model_type": "llama", "torch_dtype": "float32"})
+    (src / "hf_quant_config.json").write_text(json.dumps(MODELOPT_CONFIG))
+    assert run_ckpt("verify", src).exit_code == 0
+
+    out = tmp_path / "fp32"
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize", "--dtype", "fp32")
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    got = load_file(out / "model.safetensors")[f"{module}.weight"]
+    ref = nvfp4_reference(
+        state[f"{module}.weight"],
+        state[f"{module}.weight_scale"],
+        state[f"{module}.weight_scale_2"],
+    )
+    assert got.shape == (8, 24) and torch.equal(got, ref)
+    assert torch.equal(
+        got, nvfp4_reference(q["weight"], q["weight_scale"], q["weight_scale_2"])[:, :24]
+    )

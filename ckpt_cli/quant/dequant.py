@@ -47,6 +47,8 @@ FP4_VALUES = [
     -4.0,
     -6.0,
 ]
+#: values per NVFP4 group scale (columns of the unpacked weight)
+NVFP4_GROUP = 16
 #: rows per step of the chunked loops (bounds the float32 temporaries)
 ROWS = 1 << 14
 
@@ -153,22 +155,24 @@ def nvfp4(
     """NVFP4: E2M1 values times their FP8 group scale times the global scale.
 
     ModelOpt stores `weight_scale_2` (multiply); compressed-tensors stores
-    `weight_global_scale`, its reciprocal (divide): `reciprocal=True`.
+    `weight_global_scale`, its reciprocal (divide): `reciprocal=True`. A group is 16 columns,
+    the last one partial when the input size is not a multiple of 16 (`scale` is
+    `[out, ceil(in/16)]`).
     """
     import torch
 
     target = _dtype(dtype)
     rows, half = packed.shape
     cols = half * 2
-    groups = scale.shape[1]
     g = global_scale.to(torch.float32).reshape(())
     out = torch.empty(rows, cols, dtype=target)
     for r0 in range(0, rows, ROWS):
         r1 = min(r0 + ROWS, rows)
-        values = unpack_fp4(packed[r0:r1]).reshape(r1 - r0, groups, cols // groups)
+        values = unpack_fp4(packed[r0:r1])
         s = scale[r0:r1].to(torch.float32)
         s = s / g if reciprocal else s * g
-        out[r0:r1] = (values * s.unsqueeze(-1)).reshape(r1 - r0, cols).to(target)
+        per = s.repeat_interleave(NVFP4_GROUP, dim=1)[:, :cols]
+        out[r0:r1] = (values * per).to(target)
     return out
 
 
