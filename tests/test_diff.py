@@ -311,3 +311,56 @@ def test_a_component_neither_side_can_read_is_never_called_identical(tmp_path: P
     assert left_out.exit_code == 0, left_out.stdout
     notes = left_out.json["result"]["warnings"]
     assert any("optimizer not compared" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("tolerance", [(), ("--atol", "0"), ("--rtol", "1e-20"), ("--atol", "0.5")])
+def test_integers_past_2_to_the_53_are_compared_exactly(
+    tmp_path: Path, tolerance: tuple[str, ...]
+) -> None:
+    # token ids / step counters: 2**53 and 2**53 + 1 are one float64, but not one integer
+    save_file({"ids": torch.tensor([2**53, 7], dtype=torch.int64)}, tmp_path / "a.safetensors")
+    save_file({"ids": torch.tensor([2**53 + 1, 7], dtype=torch.int64)}, tmp_path / "b.safetensors")
+    result = run_ckpt("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", *tolerance)
+    assert result.exit_code == 1, result.stdout
+    assert result.stdout.startswith("DIFFERENT")
+    report = run_ckpt(
+        "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", *tolerance, "--json"
+    ).json["result"]
+    (found,) = report["differences"]
+    assert found["status"] == "values" and found["differing"] == 1 and found["max_abs"] == 1.0
+    # a tolerance that covers the difference absorbs it
+    loose = run_ckpt("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--atol", "1")
+    assert loose.exit_code == 0 and "(1 within tolerance)" in loose.stdout
+
+
+def test_packed_f4_tensors_are_compared_by_their_e2m1_values(tmp_path: Path) -> None:
+    # bytes 0x07 -> 0x08: the low nibble's value goes 6.0 -> -0.0 (the byte "moves by 1")
+    def f4(*raw: int) -> torch.Tensor:
+        return torch.tensor(raw, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+
+    save_file({"w": f4(0x07, 0x22)}, tmp_path / "a.safetensors")
+    save_file({"w": f4(0x08, 0x22)}, tmp_path / "b.safetensors")
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    tight = run_ckpt("diff", a, b, "--atol", "1", "--json")
+    assert tight.exit_code == 1, tight.stdout
+    (found,) = tight.json["result"]["differences"]
+    # four E2M1 values, one of them differs by 6
+    assert (found["numel"], found["differing"], found["max_abs"]) == (4, 1, 6.0)
+    assert run_ckpt("diff", a, b, "--atol", "6").exit_code == 0
+    # +0.0 against -0.0 (0x00 -> 0x08) differs in bits, not in value
+    save_file({"w": f4(0x00, 0x22)}, tmp_path / "c.safetensors")
+    assert run_ckpt("diff", tmp_path / "c.safetensors", b).exit_code == 1
+    assert run_ckpt("diff", tmp_path / "c.safetensors", b, "--atol", "0").exit_code == 0
+
+
+def test_ignore_dtype_without_a_tolerance_says_no_tolerance(tmp_path: Path) -> None:
+    save_file({"w": torch.ones(4, dtype=torch.bfloat16)}, tmp_path / "a.safetensors")
+    save_file({"w": torch.ones(4, dtype=torch.float16)}, tmp_path / "b.safetensors")
+    result = run_ckpt(
+        "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--ignore-dtype"
+    )
+    assert result.exit_code == 0
+    assert result.stdout.splitlines()[0] == (
+        "IDENTICAL: 1 entries equal, 1 with a dtype change (ignored)"
+    )
+    assert "tolerance" not in result.stdout

@@ -102,5 +102,5 @@ def render_diff(report: DiffReport) -> None:
     _names("A", report.only_a)
     _names("B", report.only_b)
     _aliases(report)
-    if report.close:
-        stdout.print(f"  {report.close} entries differ within tolerance")
+    if report.differ_within:
+        stdout.print(f"  {report.differ_within} entries differ within tolerance")

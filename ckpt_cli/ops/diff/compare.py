@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import math
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,23 +32,85 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return flat.view(view[flat.element_size()])
 
 
-def _values(t: torch.Tensor) -> torch.Tensor:
+#: E2M1 values by 4-bit code (sign in bit 3): what a packed F4 byte's two nibbles hold
+_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+_LOW32 = 0xFFFFFFFF
+
+
+def per_element(t: torch.Tensor) -> int:
+    """Values a stored element of `t` holds: 2 for packed E2M1 pairs (`float4_e2m1fn_x2`)."""
     import torch
 
-    if t.dtype == getattr(torch, "float4_e2m1fn_x2", None):
-        # packed 4-bit pairs have no conversion kernels: compare (and measure) the raw bytes
-        return t.view(torch.uint8).to(torch.float64)
-    return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
+    return 2 if t.dtype == getattr(torch, "float4_e2m1fn_x2", None) else 1
+
+
+def values_of(t: torch.Tensor) -> int:
+    """How many values `t` holds (its elements, both nibbles of a packed F4 byte counted)."""
+    return t.numel() * per_element(t)
+
+
+def _integer(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex()) and per_element(t) == 1
+
+
+@dataclass
+class _Slice:
+    """One side's values at some positions: `bits` (bit patterns, one row a value), `values`
+    (float64 / complex128) and, for integer dtypes, the exact value as `hi * 2^32 + lo`."""
+
+    bits: torch.Tensor
+    values: torch.Tensor
+    hi: torch.Tensor | None = None
+    lo: torch.Tensor | None = None
+
+
+def _slice(flat: torch.Tensor, start: int, stop: int) -> _Slice:
+    """Values `start:stop` of a flattened tensor (positions count values, not packed bytes)."""
+    import torch
+
+    if per_element(flat) == 2:
+        # packed 4-bit pairs (low nibble first) have no conversion kernels: unpack the codes
+        raw = flat[start // 2 : (stop + 1) // 2].view(torch.uint8)
+        codes = torch.stack([raw & 0x0F, raw >> 4], dim=-1).reshape(-1)[start % 2 :]
+        codes = codes[: stop - start].to(torch.long)
+        values = torch.tensor(_E2M1, dtype=torch.float64)[codes]
+        return _Slice(bits=codes, values=values)
+    part = flat[start:stop]
+    if part.is_complex():
+        return _Slice(bits=_bits(part), values=part.to(torch.complex128))
+    if not _integer(part):
+        return _Slice(bits=_bits(part), values=part.to(torch.float64))
+    # integers: exact as hi * 2^32 + lo (float64 holds only 53 bits: 2**53 + 1 == 2**53)
+    if part.dtype == getattr(torch, "uint64", None):
+        raw = part.view(torch.int64)
+        hi, lo = (raw >> 32) & _LOW32, raw & _LOW32
+    else:
+        wide = part.to(torch.int64)
+        hi, lo = wide >> 32, wide & _LOW32
+    value = hi.to(torch.float64) * 2.0**32 + lo.to(torch.float64)
+    return _Slice(bits=_bits(part), values=value, hi=hi, lo=lo)
+
+
+def _integral_differs(hi: torch.Tensor, lo: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """Exactly where integers (`hi * 2^32 + lo`) differ from float64 values `f`."""
+    import torch
+
+    integral = torch.isfinite(f) & (f == f.trunc()) & (f.abs() < 2.0**63)
+    as_int = torch.where(integral, f, torch.zeros_like(f)).to(torch.int64)
+    return ~(integral & ((as_int >> 32) == hi) & ((as_int & _LOW32) == lo))
 
 
 def tensor_stats(
     a: torch.Tensor, b: torch.Tensor, atol: float | None, rtol: float | None
 ) -> tuple[int, int | None, float, float]:
-    """(differing elements, elements outside tolerance or None, max abs, max rel) of a pair.
+    """(differing values, values outside tolerance or None, max abs, max rel) of a pair.
 
-    `a` and `b` have the same shape. NaNs in the same place count as equal values; a NaN
-    against a number is an infinite difference. Computed over slices of `STATS_SLICE`
-    elements so the float64 copies stay small.
+    `a` and `b` hold as many values (a packed F4 byte counts as its two E2M1 values, compared
+    by value). NaNs in the same place count as equal values; a NaN against a number is an
+    infinite difference. Integers are compared exactly: their difference is the exact integer
+    difference (rounded once to float64 only to report it and to hold it against the
+    tolerance), never the difference of their float64 roundings. Computed over slices of
+    `STATS_SLICE` values so the float64 copies stay small.
     """
     import torch
 
@@ -57,23 +120,48 @@ def tensor_stats(
     outside = 0 if (atol is not None or rtol is not None) else None
     max_abs = 0.0
     max_rel = 0.0
-    for start in range(0, fa.numel(), STATS_SLICE):
-        sa, sb = fa[start : start + STATS_SLICE], fb[start : start + STATS_SLICE]
-        va, vb = _values(sa), _values(sb)
+    for start in range(0, values_of(a), STATS_SLICE):
+        stop = min(start + STATS_SLICE, values_of(a))
+        sa, sb = _slice(fa, start, stop), _slice(fb, start, stop)
+        va, vb = sa.values, sb.values
+        ints = sa.hi is not None and sb.hi is not None
+        # an integer side against a real floating side: compared exactly too
+        mixed = (sa.hi is None) != (sb.hi is None) and not (va.is_complex() or vb.is_complex())
         if same_dtype:
-            neq = _bits(sa) != _bits(sb)
+            neq = sa.bits != sb.bits
             if neq.dim() == 2:
                 neq = neq.any(dim=1)
+        elif sa.hi is not None and sb.hi is not None and sa.lo is not None and sb.lo is not None:
+            neq = (sa.hi != sb.hi) | (sa.lo != sb.lo)
+        elif mixed and sa.hi is not None and sa.lo is not None:
+            neq = _integral_differs(sa.hi, sa.lo, vb)
+        elif mixed and sb.hi is not None and sb.lo is not None:
+            neq = _integral_differs(sb.hi, sb.lo, va)
         else:
             neq = ~((va == vb) | (va.isnan() & vb.isnan()))
         count = int(neq.sum())
         if not count:
             continue
         differing += count
-        diff = (va - vb).abs().to(torch.float64)
+        if (
+            ints
+            and sa.hi is not None
+            and sb.hi is not None
+            and sa.lo is not None
+            and sb.lo is not None
+        ):
+            # the exact difference (hi and lo parts each exact in float64), rounded once
+            diff = (
+                (sa.hi - sb.hi).to(torch.float64) * 2.0**32 + (sa.lo - sb.lo).to(torch.float64)
+            ).abs()
+        else:
+            diff = (va - vb).abs().to(torch.float64)
         both_nan = va.isnan() & vb.isnan()
         diff = torch.where(both_nan, torch.zeros_like(diff), diff)
         diff = torch.where(diff.isnan(), torch.full_like(diff, math.inf), diff)
+        if mixed:
+            # an integer against an integral float past 2^53: differing, by one at least
+            diff = torch.where(neq & (diff == 0) & ~both_nan, torch.ones_like(diff), diff)
         scale = vb.abs().to(torch.float64)
         rel = torch.where(
             diff == 0, torch.zeros_like(diff), diff / torch.where(scale == 0, 0.0, scale)

@@ -32,7 +32,7 @@ from ..shared.selection import (
     unreadable_left_out,
 )
 from ..shared.transfer import nothing_to_dequantize, parse_renames, raw_blocks, rename
-from .compare import error_stats, short_repr, tensor_stats, values_equal
+from .compare import error_stats, short_repr, tensor_stats, values_equal, values_of
 
 
 class EntryDiff(Record):
@@ -51,7 +51,8 @@ class EntryDiff(Record):
         max_abs / max_rel: largest absolute and relative (to |b|) difference.
         value_a / value_b: short representations of differing non-tensor values.
         dtype_changed: the two sides store the tensor in different dtypes (its values were
-            compared after casting both to float64 / complex128, exact for every dtype).
+            compared after casting both to float64 / complex128, exact for every floating
+            dtype; integers are compared exactly).
     """
 
     name: str
@@ -185,6 +186,12 @@ class DiffReport(Record):
     aliases: list[AliasPair] = Field(default_factory=list)
     metadata: list[MetadataDiff] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
+
+    @property
+    def differ_within(self) -> int:
+        """Pairs whose values differ within tolerance (`close` counts, besides them, the
+        pairs `--ignore-dtype` accepted with equal values)."""
+        return sum(1 for d in self.within_tolerance if d.differing)
 
 
 def _selected(
@@ -351,7 +358,7 @@ def _compare(
     ta = ca.read_tensor(ea.name)
     tb = cb.read_tensor(eb.name)
     differing, outside, max_abs, max_rel = tensor_stats(ta, tb, atol, rtol)
-    numel = ta.numel()
+    numel = values_of(ta)
     if quant is not None:
         worst, rel_rms = error_stats(ta, tb)
         quant["errors"].append(
@@ -694,7 +701,9 @@ def _dequantized(
 
 def _verdict(r: DiffReport) -> str:
     if r.identical:
-        how = "bit-identical" if not r.close else f"equal ({r.close} within tolerance)"
+        how = "bit-identical" if not r.close else "equal"
+        if r.differ_within:
+            how += f" ({r.differ_within} within tolerance)"
         if r.dtype_changes:
             how += f", {r.dtype_changes} with a dtype change (ignored)"
         written_once = sum(a.written_once is not None for a in r.aliases)
