@@ -1135,3 +1135,35 @@ def test_nvfp4_whose_input_size_is_not_a_multiple_of_16_dequantizes_in_groups_of
     assert torch.equal(
         got, nvfp4_reference(q["weight"], q["weight_scale"], q["weight_scale_2"])[:, :24]
     )
+
+
+def test_diff_dequantize_compares_static_activation_scales(tmp_path: Path) -> None:
+    # two NVFP4 exports with the same weights but another calibration: every output differs
+    a, b = tmp_path / "a", tmp_path / "b"
+    state = write_modelopt(a)
+    write_modelopt(b)
+    scale = "model.layers.0.mlp.down_proj.input_scale"
+    _replace_tensor(b, scale, torch.tensor(5.0))
+    result = run_ckpt("diff", a, b, "--dequantize", "--json")
+    assert result.exit_code == 1, result.stdout
+    report = result.json["result"]
+    assert [d["name"] for d in report["differences"]] == [scale]
+    assert report["dequantized"] == {"a": 2, "b": 2}
+
+    # against the full-precision weights, which have no activation scales: no difference,
+    # but the scales are said not compared
+    full = tmp_path / "full"
+    plain = {
+        f"{m}.weight": nvfp4_reference(
+            state[f"{m}.weight"], state[f"{m}.weight_scale"], state[f"{m}.weight_scale_2"]
+        )
+        for m in NV_LINEARS
+    }
+    plain["lm_head.weight"] = state["lm_head.weight"]
+    hf_shards(full, [plain], {"model_type": "llama", "torch_dtype": "float32"})
+    against = run_ckpt("diff", a, full, "--dequantize", "--atol", "0")
+    assert against.exit_code == 0, against.stdout + against.stderr
+    assert "2 activation scale(s) of quantized weights not compared" in against.stderr
+    assert "model.layers.0.self_attn.q_proj.input_scale" in against.stderr
+    report = run_ckpt("diff", a, full, "--dequantize", "--atol", "0", "--json").json["result"]
+    assert report["only_a"] == [] and report["identical"] is True

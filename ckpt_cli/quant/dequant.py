@@ -23,7 +23,7 @@ from ..errors import FormatError
 from ..formats.base import Checkpoint
 from ..models import Entry, Manifest, Problem
 from ..storage.fileio import COPY_BLOCK
-from .schemes import QuantAnalysis, QuantWeight
+from .schemes import ACTIVATION, QuantAnalysis, QuantWeight
 
 if TYPE_CHECKING:
     import torch
@@ -197,6 +197,11 @@ def dequantize(weight: QuantWeight, tensors: dict[str, torch.Tensor], dtype: str
     raise ValueError(f"no dequantization for scheme {weight.scheme!r}")
 
 
+def activation_scales(weight: QuantWeight) -> list[str]:
+    """The stored names of `weight`'s activation scales (no part of its dequantized value)."""
+    return [name for role, name in weight.sidecars.items() if role in ACTIVATION]
+
+
 #: sidecars a weight needs before it can be dequantized
 REQUIRED = {
     "fp8-block": ("scale",),
@@ -213,12 +218,22 @@ class DequantizedCheckpoint(Checkpoint):
     """A quantized checkpoint seen as the plain checkpoint it dequantizes to.
 
     Every quantized weight is one entry of `dtype` and its logical shape, in the payload's
-    place; its scales (and activation scales) are gone; every other entry is the source's own,
-    still stored raw where it was. Refuses (FormatError naming the weight) when a weight lacks
-    a scale, since its values could not be right.
+    place; its scales are gone, and its activation scales too unless `keep_activation` (what
+    `diff` compares: they are no part of the weight's value, but a static activation scale
+    changes every output); every other entry is the source's own, still stored raw where it
+    was (`activation` names the activation scales kept). Refuses (FormatError naming the
+    weight) when a weight lacks a scale or has one of the wrong grid, since its values could
+    not be right.
     """
 
-    def __init__(self, base: Checkpoint, analysis: QuantAnalysis, dtype: str):
+    def __init__(
+        self,
+        base: Checkpoint,
+        analysis: QuantAnalysis,
+        dtype: str,
+        *,
+        keep_activation: bool = False,
+    ):
         for weight in analysis.weights.values():
             lacking = [r for r in REQUIRED[weight.scheme] if r not in weight.sidecars]
             if lacking:
@@ -243,6 +258,7 @@ class DequantizedCheckpoint(Checkpoint):
         self.analysis = analysis
         self.dtype = dtype
         self.logical: dict[str, QuantWeight] = {}
+        self.activation: set[str] = set()
         entries: list[Entry] = []
         itemsize = dtypes.itemsize(dtype)
         for entry in base.manifest.entries:
@@ -251,6 +267,10 @@ class DequantizedCheckpoint(Checkpoint):
                 entries.append(entry)
                 continue
             weight = analysis.weights[owner]
+            if keep_activation and entry.name in activation_scales(weight):
+                self.activation.add(entry.name)
+                entries.append(entry)
+                continue
             if entry.name != weight.payload:
                 continue
             self.logical[weight.output] = weight

@@ -39,8 +39,9 @@ SIDECAR_SUFFIXES = (
     ".scale_input",
     "_scales",
 )
-#: activation scales: kept with their weight, dropped once it is dequantized
-ACTIVATION = ("input", "input_global")
+#: sidecar roles of activation scales (`input_scale`, `input_global_scale`, `scale_input`):
+#: kept with their weight, dropped once it is dequantized (`diff --dequantize` compares them)
+ACTIVATION = ("input", "input_global", "input_comfy")
 LABELS = {
     "fp8-block": "FP8 block {block}",
     "fp8-channel": "FP8 per channel",

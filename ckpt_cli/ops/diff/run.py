@@ -424,7 +424,9 @@ def diff(
         filters: globs on the lined-up names: only those matching one are compared.
         excludes: globs on the lined-up names: those matching one are left out.
         dequantize: compare quantized weights (FP8, MXFP4, NVFP4) by their dequantized values
-            (in float32), with per-weight error statistics; their scales are not compared.
+            (in float32), with per-weight error statistics; their weight scales are not
+            compared, their activation scales (`input_scale`) are, as plain tensors, where
+            both sides hold them (a warning names those only one side holds).
         progress: progress sink (bytes of A).
         ignore_dtype: a dtype change is no difference by itself: the pair is judged by its
             values (cast to float64 on both sides), bit-exact or within the tolerances.
@@ -459,8 +461,12 @@ def diff_with(
         ca, cb = base_a, base_b
         schemes: dict[str, str] = {}
         counts: dict[str, int] = {}
+        activation: dict[str, set[str]] = {}
         if request.dequantize:
-            ca, cb = (_dequantized(c, side, schemes, counts) for c, side in ((ca, "a"), (cb, "b")))
+            ca, cb = (
+                _dequantized(c, side, schemes, counts, activation)
+                for c, side in ((ca, "a"), (cb, "b"))
+            )
             if not counts:  # it would do nothing: refused, as `convert --dequantize` is
                 for side in (base_a, base_b):
                     refusal = nothing_to_dequantize(side.manifest)
@@ -498,6 +504,15 @@ def diff_with(
             ]
         left = _filtered(left, filters or [], excludes)
         right = _filtered(right, filters or [], excludes)
+        lone_a = _lone_activation_scales(left, right, activation.get("a", set()))
+        lone_b = _lone_activation_scales(right, left, activation.get("b", set()))
+        for lone, where, other in ((lone_a, a, "B"), (lone_b, b, "A")):
+            if lone:
+                warnings.append(
+                    f"{where}: {len(lone)} activation scale(s) of quantized weights not "
+                    f"compared, {other} has none ({', '.join(lone[:3])}"
+                    f"{', …' if len(lone) > 3 else ''})"
+                )
         if select and not (applied_a or applied_b):
             raise NotFoundError(
                 f"neither checkpoint has entries under {select!r}",
@@ -522,8 +537,8 @@ def diff_with(
             rtol=rtol,
             ignore_dtype=request.ignore_dtype,
             select_applied={"a": applied_a, "b": applied_b} if select else {},
-            only_a=[n for n in left if n not in right],
-            only_b=[n for n in right if n not in left],
+            only_a=[n for n in left if n not in right and n not in lone_a],
+            only_b=[n for n in right if n not in left and n not in lone_b],
             warnings=warnings,
         )
         _compare_metadata(report, base_a, base_b, bool(select or filters or excludes))
@@ -683,20 +698,34 @@ def _lined(raw: str, prefix: str, renames: Sequence[tuple[str, str]]) -> str | N
 
 
 def _dequantized(
-    checkpoint: Checkpoint, side: str, schemes: dict[str, str], counts: dict[str, int]
+    checkpoint: Checkpoint,
+    side: str,
+    schemes: dict[str, str],
+    counts: dict[str, int],
+    activation: dict[str, set[str]],
 ) -> Checkpoint:
-    """`checkpoint` seen dequantized to float32 when it holds quantized weights."""
+    """`checkpoint` seen dequantized to float32 when it holds quantized weights, its
+    activation scales kept as plain tensors (their names in `activation[side]`)."""
     from ...quant import analyse_checkpoint
     from ...quant.dequant import DequantizedCheckpoint
 
     analysis = analyse_checkpoint(checkpoint.manifest, checkpoint.storage)
     if not analysis.quantized:
         return checkpoint
-    wrapped = DequantizedCheckpoint(checkpoint, analysis, "float32")
+    wrapped = DequantizedCheckpoint(checkpoint, analysis, "float32", keep_activation=True)
     for name, weight in wrapped.logical.items():
         schemes[f"{side}:{name}"] = weight.scheme
     counts[side] = len(wrapped.logical)
+    activation[side] = wrapped.activation
     return wrapped
+
+
+def _lone_activation_scales(
+    mine: dict[str, Entry], other: dict[str, Entry], activation: set[str]
+) -> list[str]:
+    """Lined-up names of one side's activation scales that the other side lacks: a
+    full-precision model has none, so they are no difference, but they were not compared."""
+    return [n for n, e in mine.items() if n not in other and e.name in activation]
 
 
 def _verdict(r: DiffReport) -> str:
