@@ -1167,3 +1167,71 @@ def test_diff_dequantize_compares_static_activation_scales(tmp_path: Path) -> No
     assert "model.layers.0.self_attn.q_proj.input_scale" in against.stderr
     report = run_ckpt("diff", a, full, "--dequantize", "--atol", "0", "--json").json["result"]
     assert report["only_a"] == [] and report["identical"] is True
+
+
+# ---------------------------------------------------------------- GPTQ (packed, kept as stored)
+
+
+def write_gptq(folder: Path) -> dict[str, torch.Tensor]:
+    """A GPTQ 4-bit checkpoint as AutoGPTQ / GPTQModel write it: per linear `qweight` int32
+    `[in/8, out]`, `qzeros` int32 `[in/group, out/8]`, `scales` float16 `[in/group, out]`,
+    `g_idx` int32 `[in]`; config.json `quantization_config.quant_method: gptq`."""
+    gen = torch.Generator().manual_seed(3)
+    state: dict[str, torch.Tensor] = {}
+    rows, cols, group = 64, 32, 32  # in, out
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.up_proj"
+        codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.int64)
+        shifts = torch.arange(8, dtype=torch.int64) * 4
+        packed = (codes.reshape(rows // 8, 8, cols) << shifts.reshape(1, 8, 1)).sum(dim=1)
+        state[f"{p}.qweight"] = packed.to(torch.uint32).view(torch.int32)
+        zeros = (torch.full((rows // group, cols), 7, dtype=torch.int64)).reshape(-1, cols // 8, 8)
+        state[f"{p}.qzeros"] = (zeros << shifts).sum(-1).to(torch.uint32).view(torch.int32)
+        # float16 scales a bfloat16 cast rounds (10 mantissa bits against 7)
+        state[f"{p}.scales"] = (torch.rand(rows // group, cols, generator=gen) * 0.01 + 1e-3).half()
+        state[f"{p}.g_idx"] = torch.arange(rows, dtype=torch.int32) // group
+    state["model.norm.weight"] = torch.ones(cols, dtype=torch.float16)
+    state["lm_head.weight"] = torch.randn(16, cols, generator=gen).half()
+    config = {
+        "model_type": "llama",
+        "torch_dtype": "float16",
+        "quantization_config": {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group,
+            "desc_act": False,
+            "sym": True,
+        },
+    }
+    hf_shards(folder, [state], config)
+    return state
+
+
+def test_gptq_weights_and_scales_are_never_cast_and_inspect_calls_them_packed(
+    tmp_path: Path,
+) -> None:
+    src = tmp_path / "gptq"
+    state = write_gptq(src)
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    assert shown["packed"] == ["model.layers.*.mlp.up_proj"]
+    assert "model.layers.*.mlp.up_proj" not in shown["unquantized"]
+    assert "gptq packed" in shown["label"]
+
+    out = tmp_path / "bf16"
+    conv = run_ckpt(
+        "convert", src, out, "--to", "safetensors", "--dtype", "bf16", "--max-shard-size", "2KB"
+    )
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    assert "kept as stored" in conv.stdout
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1
+    for name, shard in index.items():
+        with safe_open(out / shard, framework="pt") as f:
+            got = f.get_tensor(name)
+        if name.startswith("model.layers."):
+            # the packed values and their float16 scales, bit for bit, one shard per module
+            assert got.dtype == state[name].dtype and torch.equal(got, state[name]), name
+            module = name.rsplit(".", 1)[0]
+            assert shard == index[f"{module}.qweight"]
+        else:
+            assert got.dtype == torch.bfloat16, name

@@ -22,6 +22,8 @@ from .checks import (
 )
 from .schemes import (
     FP8,
+    PACKED_SCHEMES,
+    PACKED_SUFFIXES,
     SCALE_DTYPES,
     SIDECAR_SUFFIXES,
     QuantAnalysis,
@@ -66,6 +68,7 @@ def analyse_tensors(
     `scale_dtype`, `orphan_scale`, `config_mismatch`.
     """
     out = QuantAnalysis(config=config)
+    _packed(out, tensors, config)
     families = config_families(config)
     if families is None and not _may_hold_quantized(tensors):
         # every recogniser needs a payload dtype, the orphan check a scale's name, the config
@@ -81,6 +84,19 @@ def analyse_tensors(
     check_orphans(checks)
     check_config(checks, config, families)
     return out
+
+
+def _packed(out: QuantAnalysis, tensors: Mapping[str, TensorFacts], config: QuantConfig) -> None:
+    """Modules of an integer-packed scheme (GPTQ, AWQ): a `.qweight` where the config declares
+    the scheme, or beside its `.qzeros` (no other checkpoint names tensors so)."""
+    declared = PACKED_SCHEMES.get((config.method or "").lower())
+    for name in tensors:
+        if not name.endswith(".qweight"):
+            continue
+        module = name[: -len(".qweight")]
+        suffixes = declared or (PACKED_SUFFIXES if module + ".qzeros" in tensors else None)
+        if suffixes is not None:
+            out.packed[module] = [module + s for s in suffixes if module + s in tensors]
 
 
 def _may_hold_quantized(tensors: Mapping[str, TensorFacts]) -> bool:

@@ -51,6 +51,15 @@ LABELS = {
     "nvfp4": "NVFP4 ModelOpt (groups of 16)",
     "nvfp4-ct": "NVFP4 compressed-tensors (groups of 16)",
 }
+#: integer-packed schemes ckpt recognises but does not dequantize (GPTQ, AWQ): per module, the
+#: name suffixes of its tensors; a `--dtype` cast never touches them (their scales are
+#: float16 by the kernels' contract) and a shard split never separates them
+PACKED_SCHEMES = {
+    "gptq": (".qweight", ".qzeros", ".scales", ".g_idx"),
+    "awq": (".qweight", ".qzeros", ".scales"),
+}
+#: the suffixes of every packed scheme's tensors (the payload `.qweight` first)
+PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 #: config files read next to the weights (small JSON; larger is not a config)
 CONFIG_FILES = ("config.json", "hf_quant_config.json")
 _MAX_CONFIG = 16 << 20
@@ -146,6 +155,8 @@ class QuantSummary(Record):
             other floating tensor; scales excluded).
         stored_bytes: bytes of every tensor as stored.
         unquantized: module patterns holding floating weights that are not quantized.
+        packed: module patterns of an integer-packed scheme ckpt does not dequantize (GPTQ,
+            AWQ: `qweight`, `qzeros`, `scales`, `g_idx`), kept as stored by `convert`.
         orphans: scales whose weight is absent.
     """
 
@@ -155,6 +166,7 @@ class QuantSummary(Record):
     parameters: int = 0
     stored_bytes: int = 0
     unquantized: list[str] = Field(default_factory=list)
+    packed: list[str] = Field(default_factory=list)
     orphans: list[str] = Field(default_factory=list)
 
 
@@ -186,15 +198,35 @@ class QuantAnalysis:
     orphans: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     grids: list[GridMismatch] = field(default_factory=list)
+    #: module -> stored names of an integer-packed scheme ckpt does not dequantize
+    #: (`PACKED_SCHEMES`: GPTQ's qweight, qzeros, scales, g_idx): kept as stored
+    packed: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def quantized(self) -> bool:
-        """Whether any quantized weight was found."""
+        """Whether any quantized weight of a scheme ckpt dequantizes was found."""
         return bool(self.weights)
+
+    def members_of(self, name: str) -> list[str] | None:
+        """The stored names that go with `name` (a quantized weight with its scales, a packed
+        module's tensors), None when it is no part of a quantized weight."""
+        owner = self.owner.get(name)
+        if owner is not None:
+            return self.weights[owner].members
+        for suffix in PACKED_SUFFIXES:
+            if name.endswith(suffix) and name[: -len(suffix)] in self.packed:
+                return self.packed[name[: -len(suffix)]]
+        return None
+
+    def kept_as_stored(self, name: str) -> bool:
+        """Whether `name` is a quantized weight, one of its scales or a packed module's
+        tensor: what a `--dtype` cast never touches."""
+        return self.members_of(name) is not None
 
     def together(self) -> list[list[str]]:
         """Groups of stored names a writer must keep in one shard (weight with its scales)."""
-        return [w.members for w in self.weights.values() if len(w.members) > 1]
+        groups = [w.members for w in self.weights.values() if len(w.members) > 1]
+        return groups + [names for names in self.packed.values() if len(names) > 1]
 
 
 def fold(name: str) -> str:
@@ -384,7 +416,7 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
     unquantized: list[str] = []
     others = 0
     for entry in tensors.values():
-        if entry.name in analysis.owner or entry.name in analysis.orphans:
+        if analysis.kept_as_stored(entry.name) or entry.name in analysis.orphans:
             continue
         if entry.dtype in dtypes.FLOATING:
             others += entry.numel
@@ -392,19 +424,33 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
             pattern = fold(module)
             if pattern not in unquantized:
                 unquantized.append(pattern)
+    packed: list[str] = []
+    bits = analysis.config.raw.get("bits") or analysis.config.raw.get("w_bit") or 4
+    for module in analysis.packed:
+        pattern = fold(module)
+        if pattern not in packed:
+            packed.append(pattern)
+        qweight = tensors.get(module + ".qweight")
+        if qweight is not None and isinstance(bits, int) and 0 < bits <= 32:
+            # int32 words of `32 / bits` values each (GPTQ packs along in, AWQ along out)
+            others += qweight.nbytes * 8 // bits
     parameters = others + sum(g.parameters for g in groups.values())
     stored = sum(e.nbytes for e in tensors.values())
     declared = " ".join(x for x in (analysis.config.method, analysis.config.algo) if x)
-    labels = ", ".join(g.label for g in groups.values()) or (
+    labels = [g.label for g in groups.values()]
+    if packed:
+        labels.append(f"{declared or 'GPTQ/AWQ'} packed (kept as stored, not dequantized)")
+    label_text = ", ".join(labels) or (
         f"{declared} declared, no weight of a scheme ckpt reads" if declared else "not quantized"
     )
     return QuantSummary(
-        label=f"{_count(parameters)} parameters, {labels}, {_bytes(stored)}",
+        label=f"{_count(parameters)} parameters, {label_text}, {_bytes(stored)}",
         config=analysis.config,
         schemes=list(groups.values()),
         parameters=parameters,
         stored_bytes=stored,
         unquantized=unquantized,
+        packed=packed,
         orphans=analysis.orphans,
     )
 

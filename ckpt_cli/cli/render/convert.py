@@ -41,8 +41,9 @@ def render_convert(report: ConvertReport) -> None:
         stdout.print("  " + ", ".join(layout))
     if report.quantized_kept:
         stdout.print(
-            f"  --dtype applies to unquantized tensors: {report.quantized_kept} quantized "
-            "weights and scales kept as stored (use --dequantize to convert them)"
+            f"  --dtype applies to unquantized tensors: {report.quantized_kept} tensors of "
+            "quantized weights (packed values and scales) kept as stored (--dequantize "
+            "converts FP8, MXFP4 and NVFP4 weights)"
         )
     render_architecture(report)
     if (

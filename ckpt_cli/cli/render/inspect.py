@@ -150,6 +150,14 @@ def render_quantization(report: InspectReport) -> None:
             + escape(", ".join(quant.unquantized[:8]))
             + (f" … {more} more" if more > 0 else "")
         )
+    if quant.packed:
+        more = len(quant.packed) - 8
+        stdout.print(
+            "  packed       "
+            + escape(", ".join(quant.packed[:8]))
+            + (f" … {more} more" if more > 0 else "")
+            + " [dim](qweight, qzeros, scales: kept as stored)[/]"
+        )
     if quant.orphans:
         stdout.print(f"  [red]orphan scales[/] {escape(', '.join(quant.orphans[:5]))}")
 

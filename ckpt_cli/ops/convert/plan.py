@@ -250,13 +250,16 @@ def unused_renames(plan: TransferPlan, renames: list[tuple[str, str]]) -> list[s
 def keep_quantized(plan: TransferPlan, analysis: QuantAnalysis) -> int:
     """Never cast a quantized weight or its scales; keep each weight's scales right after it.
 
-    Returns how many tensors a `--dtype` cast would have touched but was kept as stored.
+    Quantized weights are those of a scheme ckpt dequantizes and the tensors of an
+    integer-packed one (GPTQ, AWQ: `qweight`, `qzeros`, `scales`, `g_idx`), whose float16
+    scales a cast would round. Returns how many tensors a `--dtype` cast would have touched
+    but was kept as stored.
     """
-    if not analysis.quantized:
+    if not (analysis.quantized or analysis.packed):
         return 0
     kept = 0
     for item in plan.items:
-        if item.source.name in analysis.owner and item.cast is not None:
+        if analysis.kept_as_stored(item.source.name) and item.cast is not None:
             item.cast = None
             item.target = item.target.model_copy(
                 update={"dtype": item.source.dtype, "nbytes": item.source.nbytes}
@@ -270,8 +273,7 @@ def keep_quantized(plan: TransferPlan, analysis: QuantAnalysis) -> int:
         name = item.source.name
         if name in placed:
             continue
-        owner = analysis.owner.get(name)
-        members = analysis.weights[owner].members if owner is not None else [name]
+        members = analysis.members_of(name) or [name]
         for member in members:
             if member in by_name and member not in placed:
                 ordered.append(by_name[member])

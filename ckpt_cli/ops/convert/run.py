@@ -444,7 +444,7 @@ def convert(
         if dry_run:  # after the naming: a dry run lists the files the real run writes
             report = _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
             return _with_origins(report, origins, architecture)
-        if analysis.quantized and not dequantize:
+        if analysis.together() and not dequantize:
             renamed = {i.source.name: i.target.name for i in plan.items}
             options.together = [
                 [renamed[n] for n in group if n in renamed] for group in analysis.together()

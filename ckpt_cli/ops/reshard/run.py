@@ -180,7 +180,7 @@ def regroup(
 
         # a quantized weight and its scales are never split across shards
         analysis = analyse_checkpoint(manifest, checkpoint.storage)
-        if analysis.quantized:
+        if analysis.quantized or analysis.packed:
             keep_quantized(plan, analysis)
             options.together = analysis.together()
         shares: list[RankShare] = []
