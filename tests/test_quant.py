@@ -1235,3 +1235,48 @@ def test_gptq_weights_and_scales_are_never_cast_and_inspect_calls_them_packed(
             assert shard == index[f"{module}.qweight"]
         else:
             assert got.dtype == torch.bfloat16, name
+
+
+def test_convert_filter_of_a_quantized_weight_brings_its_scales(tmp_path: Path) -> None:
+    src = tmp_path / "fp8"
+    write_fp8_block(src, fp8_source())
+    out = tmp_path / "q_proj"
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "-k", "*.q_proj.weight", "--json")
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    listed = {e["name"] for e in conv.json["result"]["entries"]}
+    want = {
+        f"model.layers.{n}.self_attn.q_proj.{s}"
+        for n in (0, 1)
+        for s in ("weight", "weight_scale_inv")
+    }
+    assert listed == want
+    got = {}
+    for shard in out.glob("*.safetensors"):
+        got.update(load_file(shard))
+    assert set(got) == want
+    assert run_ckpt("verify", out).exit_code == 0
+    # a --filter-out that names a scale explicitly still wins (and verify says what is missing)
+    bare = tmp_path / "bare"
+    made = run_ckpt(
+        "convert",
+        src,
+        bare,
+        "--to",
+        "safetensors",
+        "-k",
+        "*.q_proj.weight",
+        "--filter-out",
+        "*scale_inv",
+    )
+    assert made.exit_code == 0, made.stdout + made.stderr
+    assert "missing_scale" in run_ckpt("verify", bare).stdout
+    # GPTQ: a module's qweight brings its qzeros, scales and g_idx
+    gptq = tmp_path / "gptq"
+    write_gptq(gptq)
+    picked = run_ckpt(
+        "convert", gptq, tmp_path / "up0", "--to", "safetensors", "-k", "*.0.*.qweight", "--json"
+    )
+    assert picked.exit_code == 0, picked.stdout + picked.stderr
+    assert {e["name"] for e in picked.json["result"]["entries"]} == {
+        f"model.layers.0.mlp.up_proj.{s}" for s in ("qweight", "qzeros", "scales", "g_idx")
+    }

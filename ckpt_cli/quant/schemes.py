@@ -478,6 +478,7 @@ _SIDECARS_OF = {
     ),
     ".weight_packed": (".weight_scale", ".weight_global_scale", ".input_global_scale"),
     "_blocks": ("_scales",),
+    ".qweight": (".qzeros", ".scales", ".g_idx"),  # GPTQ / AWQ
 }
 
 

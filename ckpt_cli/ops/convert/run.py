@@ -589,6 +589,7 @@ def _plan(
         # the source format's own words for what it cannot hand over (GGUF quantized
         # tensors), whether or not the target holds objects
         left_out=source_format.skip_reason if source_format is not None else None,
+        with_scales=True,
     )
     if select or include or exclude:
         # ZeRO-3's empty parameters are no weights: never picked out without the rebuilt ones

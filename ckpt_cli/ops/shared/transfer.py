@@ -248,6 +248,7 @@ def plan_transfer(
     match_prefix: str = "",
     restore_aliases: bool = False,
     left_out: Callable[[Entry], str | None] | None = None,
+    with_scales: bool = False,
 ) -> TransferPlan:
     """Decide what to write, from the manifest alone.
 
@@ -269,6 +270,9 @@ def plan_transfer(
             back; one that dedupes tied tensors records them again (`aliases`).
         left_out: the source format's reason to leave an entry out whatever the target
             (`Format.skip_reason`: a GGUF quantized tensor), or None to keep it.
+        with_scales: an `include` glob that picks a quantized weight picks its scales too
+            (`quant.with_sidecars`, as `download --filter` does: a weight written without its
+            `weight_scale_inv` loads off by the scale); an `exclude` glob naming one still wins.
     """
     # a name the source recorded as an alias is an entry like any other here (selected,
     # filtered, renamed), read from the tensor it names: a target that stores every name gets
@@ -286,6 +290,11 @@ def plan_transfer(
     entries = select_globs(
         candidates, list(include or []), list(exclude or []), prefix=match_prefix
     )
+    if with_scales and include:
+        from ...quant import with_sidecars
+
+        allowed = select_globs(candidates, [], list(exclude or []), prefix=match_prefix)
+        entries = with_sidecars(entries, allowed)
     selection: Selection = select_entries(opened, entries, select, manifest)
     chosen = selection.pairs
     if select and not chosen:
