@@ -1280,3 +1280,22 @@ def test_convert_filter_of_a_quantized_weight_brings_its_scales(tmp_path: Path) 
     assert {e["name"] for e in picked.json["result"]["entries"]} == {
         f"model.layers.0.mlp.up_proj.{s}" for s in ("qweight", "qzeros", "scales", "g_idx")
     }
+
+
+def test_dequantized_modelopt_output_leaves_hf_quant_config_out_and_verifies(
+    tmp_path: Path,
+) -> None:
+    src = tmp_path / "nvfp4"
+    write_modelopt(src)
+    out = tmp_path / "plain"
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize", "--json")
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    result = conv.json["result"]
+    assert not (out / "hf_quant_config.json").exists()
+    (left_out,) = [s for s in result["skipped"] if s["name"] == "hf_quant_config.json"]
+    assert "--dequantize" in left_out["reason"]
+    assert "hf_quant_config.json" not in result["extras"]
+    # the plain output declares no quantization, so ckpt's own verify passes it
+    assert run_ckpt("verify", out).exit_code == 0
+    shown = run_ckpt("inspect", out, "--json").json["result"].get("quantization")
+    assert shown is None or not shown["schemes"]

@@ -62,6 +62,9 @@ PACKED_SCHEMES = {
 PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 #: config files read next to the weights (small JSON; larger is not a config)
 CONFIG_FILES = ("config.json", "hf_quant_config.json")
+#: config files that only declare quantization (ModelOpt's): a dequantized output has none,
+#: or loaders (and `verify`) would take its plain weights for quantized ones
+QUANT_ONLY_CONFIG_FILES = CONFIG_FILES[1:]
 _MAX_CONFIG = 16 << 20
 _DIGITS = re.compile(r"\.\d+(?=\.|$)")
 
@@ -463,6 +466,12 @@ def without_quantization(config: dict[str, Any]) -> dict[str, Any]:
     """
     out = {k: v for k, v in config.items() if k != "quantization_config"}
     return out
+
+
+def quantization_only_file(rel: str) -> bool:
+    """Whether the source file `rel` only declares quantization (`hf_quant_config.json`): left
+    out of a dequantized output, whose `config.json` is `without_quantization`."""
+    return rel in QUANT_ONLY_CONFIG_FILES
 
 
 #: a payload's name suffix -> the suffixes of the sidecars that belong to it

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ...sources.layouts import OpenedSource
     from ...sources.layouts.model_folders import Naming
     from ...storage import Storage
-    from ..shared.transfer import Item, TransferPlan
+    from ..shared.transfer import Item, SkippedEntry, TransferPlan
 
 #: `--dcp-compression` value that asks for no compression
 NO_COMPRESSION = "none"
@@ -304,6 +304,26 @@ def dequantized_config(storage: Storage) -> bytes | None:
     if not isinstance(config, dict):
         return None
     return (json.dumps(without_quantization(config), indent=2) + "\n").encode()
+
+
+def dequantized_extras(carried: list[str]) -> tuple[list[str], list[SkippedEntry]]:
+    """The companion files a dequantized output carries, and those it leaves out: a file that
+    only declares quantization (ModelOpt's `hf_quant_config.json`) would make loaders, and
+    `ckpt verify`, take the plain weights for quantized ones."""
+    from ...quant import quantization_only_file
+    from ..shared.transfer import SkippedEntry
+
+    kept = [rel for rel in carried if not quantization_only_file(rel)]
+    left_out = [
+        SkippedEntry(
+            name=rel,
+            kind="file",
+            reason="declares the source's quantization, and --dequantize writes plain weights",
+        )
+        for rel in carried
+        if quantization_only_file(rel)
+    ]
+    return kept, left_out
 
 
 #: the keys a transformers `config.json` declares its weights' dtype under (4.x, 5.x)

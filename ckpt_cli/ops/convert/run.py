@@ -54,6 +54,7 @@ from .plan import (
     check_target,
     config_in_dtype,
     dequantized_config,
+    dequantized_extras,
     guard_paths,
     keep_quantized,
     missing_config_warning,
@@ -410,6 +411,9 @@ def convert(
         if not match_prefix:  # a component's rules are judged over the whole folder
             warnings += unmatched_rules((e.name for e in manifest.entries), include, exclude)
         carried = extra_files(checkpoint) if extras and not single_file else []
+        quant_files: list[SkippedEntry] = []
+        if dequantize:
+            carried, quant_files = dequantized_extras(carried)
         if naming is not None:
             carried = [rel for rel in carried if not is_training_file(opened, rel)]
         if given_config is not None:
@@ -453,7 +457,8 @@ def convert(
         carried += megatron_files  # Megatron's own files, copied unchanged
         # every file of SRC: read into the output, carried, or skipped with why
         # a naming's config.json built on the source's is the source's, carried (rewritten)
-        accounted = [*carried, "config.json"] if config_from_source else carried
+        accounted = [*carried, "config.json"] if config_from_source else list(carried)
+        accounted += [f.name for f in quant_files]  # left out, with their own reason
         read, skipped_files = account_files(
             selected_from, selected, accounted, single_file=single_file, listed=opened.listed_files
         )
@@ -504,7 +509,7 @@ def convert(
         cast=cast,
         casts=sum(1 for w in written if w.how == "cast"),
         renamed=sum(1 for w in written if w.name != w.source),
-        skipped=plan.skipped + skipped_files,
+        skipped=plan.skipped + skipped_files + quant_files,
         read=read,
         tied=plan.tied,
         aliases=plan.aliases,
