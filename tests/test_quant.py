@@ -1299,3 +1299,26 @@ def test_dequantized_modelopt_output_leaves_hf_quant_config_out_and_verifies(
     assert run_ckpt("verify", out).exit_code == 0
     shown = run_ckpt("inspect", out, "--json").json["result"].get("quantization")
     assert shown is None or not shown["schemes"]
+
+
+def test_dequantize_reports_the_file_every_weight_was_read_from(tmp_path: Path) -> None:
+    # every tensor quantized: each output entry is built from the shard's payload and scales
+    src = tmp_path / "fp8"
+    gen = torch.Generator().manual_seed(9)
+    q, s = quantize_fp8_block(torch.randn(32, 32, generator=gen), BLOCK)
+    module = "model.layers.0.mlp.up_proj"
+    config = {
+        "model_type": "llama",
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]},
+    }
+    hf_shards(src, [{f"{module}.weight": q, f"{module}.weight_scale_inv": s}], config)
+    conv = run_ckpt(
+        "convert", src, tmp_path / "out", "--to", "safetensors", "--dequantize", "--json"
+    )
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    result = conv.json["result"]
+    assert result["read"] == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert result["skipped"] == []
+    human = run_ckpt("convert", src, tmp_path / "again", "--to", "safetensors", "--dequantize")
+    assert "not in the output" not in human.stdout + human.stderr

@@ -303,6 +303,13 @@ class DequantizedCheckpoint(Checkpoint):
         stored = {member: self.base.read_tensor(member) for member in weight.members}
         return dequantize(weight, stored, self.dtype)
 
+    def files_of(self, name: str) -> set[str]:
+        """A dequantized weight is read from the files of its payload and scales."""
+        weight = self.logical.get(name)
+        if weight is None:
+            return self.base.files_of(name)
+        return set().union(*(self.base.files_of(member) for member in weight.members))
+
     def read_object(self, name: str) -> Any:
         return self.base.read_object(name)
 
