@@ -1322,3 +1322,57 @@ def test_dequantize_reports_the_file_every_weight_was_read_from(tmp_path: Path) 
     assert result["skipped"] == []
     human = run_ckpt("convert", src, tmp_path / "again", "--to", "safetensors", "--dequantize")
     assert "not in the output" not in human.stdout + human.stderr
+
+
+@pytest.mark.parametrize("config_block", [True, False])
+def test_fp8_block_stacked_experts_dequantize_per_expert_like_torch(
+    tmp_path: Path, config_block: bool
+) -> None:
+    # a 3-D weight [E, out, in] with one scale grid per expert [E, ceil(out/16), ceil(in/16)]
+    gen = torch.Generator().manual_seed(11)
+    name = "model.layers.0.mlp.experts.down_proj.weight"
+    experts = [torch.randn(40, 48, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    quantized = [quantize_fp8_block(w, BLOCK) for w in experts]
+    weight = torch.stack([q for q, _ in quantized])
+    scale = torch.stack([s for _, s in quantized])
+    assert list(scale.shape) == [3, 3, 3]
+    quant_config: dict = {"quant_method": "fp8"}
+    if config_block:
+        quant_config["weight_block_size"] = [BLOCK, BLOCK]
+    config = {"model_type": "llama", "torch_dtype": "bfloat16", "quantization_config": quant_config}
+    src = tmp_path / "fp8"
+    norm = torch.ones(48, dtype=torch.bfloat16)
+    hf_shards(
+        src,
+        [{name: weight, name + "_scale_inv": scale, "model.norm.weight": norm}],
+        config,
+    )
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    (group,) = shown["schemes"]
+    assert group["scheme"] == "fp8-block" and group["example"]["logical_shape"] == [3, 40, 48]
+    assert run_ckpt("verify", src).exit_code == 0
+
+    out = tmp_path / "bf16"
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize", "--dtype", "bf16")
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    got = load_file(out / "model.safetensors")[name]
+    assert got.shape == (3, 40, 48) and got.dtype == torch.bfloat16
+    # torch's reader dequantizes 2-D weights: each expert on its own is the reference
+    for i, (q, s) in enumerate(quantized):
+        one = tmp_path / f"expert{i}"
+        hf_shards(one, [{"w.weight": q, "w.weight_scale_inv": s}], None)
+        (want,) = torch_reader_load(one, {"w.weight": [40, 48]}, BLOCK).values()
+        assert torch.equal(got[i].view(torch.int16), want.view(torch.int16)), i
+
+    full = tmp_path / "full"
+    hf_shards(full, [{name: torch.stack(experts), "model.norm.weight": norm}], None)
+    compared = run_ckpt("diff", src, full, "--dequantize", "--rtol", "0.1", "--atol", "0.05")
+    assert compared.exit_code == 0, compared.stdout + compared.stderr
+    # a grid of the wrong expert count is named, as verify names it
+    hf_shards(
+        src, [{name: weight, name + "_scale_inv": scale[:2], "model.norm.weight": norm}], config
+    )
+    refused = run_ckpt("convert", src, tmp_path / "bad", "--to", "safetensors", "--dequantize")
+    assert refused.exit_code == 4 and "[2, 3, 3]" in refused.stderr
+    implied = "[3, 3, 3] (E x ceil(out/16)" if config_block else "[3, 1, 1] (E x 128x128 blocks)"
+    assert implied in refused.stderr

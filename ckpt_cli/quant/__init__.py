@@ -7,7 +7,7 @@ never torch, so `inspect` and plain `verify` stay metadata-only. The schemes:
 
 | scheme | payload | sidecars (per module) | grid the scheme implies |
 |---|---|---|---|
-| `fp8-block` | `*.weight` F8_E4M3 `[o, i]` | `weight_scale_inv` (DeepSeek/Qwen) or `weight_scale` (compressed-tensors) | `[ceil(o/bo), ceil(i/bi)]`, `weight_block_size` (128x128) |
+| `fp8-block` | `*.weight` F8_E4M3 `[..., o, i]` | `weight_scale_inv` (DeepSeek/Qwen) or `weight_scale` (compressed-tensors) | `[..., ceil(o/bo), ceil(i/bi)]`, `weight_block_size` (128x128) |
 | `fp8-channel` / `fp8-tensor` | `*.weight` F8 | `weight_scale_inv`, `weight_scale` or `scale_weight` (diffusion) | `[o, 1]` / one value |
 | `mxfp4` / `mxfp8` | `*_blocks` U8 (two E2M1 a byte) / F8 `[..., G, B]` | `*_scales` E8M0 (often U8) | `[..., G]`, 32 values a group |
 | `nvfp4` (ModelOpt) | `*.weight` U8 `[o, i/2]` | `weight_scale` F8_E4M3 `[o, i/16]`, `weight_scale_2` F32 | `weight_scale_2` one value |

@@ -112,35 +112,48 @@ def fp8_siblings(tensors: Mapping[str, TensorFacts]) -> bool:
     )
 
 
+#: square block sizes tried, in order, when no config says an FP8 weight's block size
+_BLOCK_SIZES = (128, 64, 32, 16, 256, 512)
+
+
+def block_grid(shape: list[int], block: tuple[int, ...]) -> list[int]:
+    """The scale grid of a block FP8 weight: one scale per `block` of its last two dimensions,
+    leading ones (stacked experts `[E, out, in]`) kept: `[..., ceil(out/bo), ceil(in/bi)]`."""
+    return [*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1])]
+
+
 def fp8_grid(
     shape: list[int], scale: list[int], block: tuple[int, ...] | None
 ) -> tuple[str | None, str]:
     """(scheme, implied grid text) of an FP8 weight's scale; scheme None when the grid is wrong."""
-    if len(shape) == 2 and block is not None:
-        want = [math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])]
+    lead = "E x " * (len(shape) - 2)  # stacked experts: one grid each
+    if len(shape) >= 2 and block is not None:
+        want = block_grid(shape, block)
         if scale == want:
             return "fp8-block", str(want)
-        return None, f"{want} (ceil(out/{block[0]}) x ceil(in/{block[1]}), weight_block_size)"
+        return None, (
+            f"{want} ({lead}ceil(out/{block[0]}) x ceil(in/{block[1]}), weight_block_size)"
+        )
     if dtypes.numel(scale) == 1:
         return "fp8-tensor", "one value"
     if len(shape) >= 1 and scale in ([shape[0]], [shape[0], 1]):
         return "fp8-channel", f"[{shape[0]}, 1]"
-    if len(shape) == 2:
+    if len(shape) >= 2:
         # no config to say the block size: any common square block whose grid fits
-        for size in (128, 64, 32, 16, 256, 512):
-            if scale == [math.ceil(shape[0] / size), math.ceil(shape[1] / size)]:
+        for size in _BLOCK_SIZES:
+            if scale == block_grid(shape, (size, size)):
                 return "fp8-block", f"{size}x{size} blocks"
-        want = [math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)]
-        return None, f"{want} (128x128 blocks), [{shape[0]}, 1] (per channel) or one value"
+        want = block_grid(shape, (128, 128))
+        return None, (f"{want} ({lead}128x128 blocks), [{shape[0]}, 1] (per channel) or one value")
     return None, "one value or one per output channel"
 
 
 def infer_block(shape: list[int], scale: list[int]) -> tuple[int, int]:
     """The block size of an FP8 block weight whose config does not say it."""
-    for size in (128, 64, 32, 16, 256, 512):
-        if scale == [math.ceil(shape[0] / size), math.ceil(shape[1] / size)]:
+    for size in _BLOCK_SIZES:
+        if scale == block_grid(shape, (size, size)):
             return (size, size)
-    return (math.ceil(shape[0] / scale[0]), math.ceil(shape[1] / scale[1]))
+    return (math.ceil(shape[-2] / scale[-2]), math.ceil(shape[-1] / scale[-1]))
 
 
 def check_nvfp4(checks: Checks, weight: QuantWeight) -> None:

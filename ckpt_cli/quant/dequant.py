@@ -62,17 +62,37 @@ def _dtype(name: str) -> torch.dtype:
 def fp8_block(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: str
 ) -> torch.Tensor:
-    """Block-scaled FP8: every `block` of the weight times its scale (`weight_scale_inv`)."""
+    """Block-scaled FP8: every `block` of the weight times its scale (`weight_scale_inv`).
+
+    Leading dimensions (stacked experts `[E, out, in]` with scales `[E, ceil(out/bo),
+    ceil(in/bi)]`) are one `[out, in]` weight each, dequantized as such.
+    """
+    import torch
+
+    *lead, rows, cols = weight.shape
+    out = torch.empty(weight.shape, dtype=_dtype(dtype))
+    if lead:
+        flat_out = out.view(-1, rows, cols)
+        flat_weight = weight.reshape(-1, rows, cols)
+        flat_scale = scale.reshape(-1, *scale.shape[-2:])
+        for i in range(flat_weight.shape[0]):
+            _fp8_block_2d(flat_weight[i], flat_scale[i], block, flat_out[i])
+    else:
+        _fp8_block_2d(weight, scale, block, out)
+    return out
+
+
+def _fp8_block_2d(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out: torch.Tensor
+) -> None:
     import torch
 
     rows, cols = weight.shape
     bo, bi = block
-    out = torch.empty(rows, cols, dtype=_dtype(dtype))
     for b in range(math.ceil(rows / bo)):
         r0, r1 = b * bo, min((b + 1) * bo, rows)
         factor = scale[b].to(torch.float32).repeat_interleave(bi)[:cols]
         out[r0:r1] = (weight[r0:r1].to(torch.float32) * factor).to(out.dtype)
-    return out
 
 
 def fp8_scaled(weight: torch.Tensor, scale: torch.Tensor, dtype: str) -> torch.Tensor:
