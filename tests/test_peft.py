@@ -487,3 +487,27 @@ def test_merge_refuses_trainable_tokens(tiny_llama: Path, tmp_path: Path) -> Non
         assert "trainable_token_indices" in error["message"]
         assert "merge_and_unload" in error["fix"]
         assert not (tmp_path / "merged").exists()
+
+
+def test_merge_never_writes_over_or_into_its_sources(
+    lora_adapter: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    base = shutil.copytree(tiny_llama, tmp_path / "base")
+    adapter = shutil.copytree(lora_adapter, tmp_path / "adapter")
+
+    def snapshot() -> dict[str, bytes]:
+        return {str(p): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+    before = snapshot()
+    for dest, force in (
+        (adapter, ["--force"]),  # used to replace the adapter with the merged model
+        (base, ["--force"]),
+        (base / "merged", []),  # used to write a model inside the base
+        (adapter / "merged", []),
+        (tmp_path, ["--force"]),  # a DEST holding both sources
+    ):
+        result = run_ckpt("merge", base, adapter, dest, *force, "--json")
+        assert result.exit_code == 2, result.stdout
+        assert "DEST overlaps the source" in result.json["error"]["message"]
+    assert snapshot() == before
+    assert run_ckpt("verify", adapter).exit_code == 0

@@ -40,6 +40,7 @@ from ..sources.layouts.model_folders import read_json
 from ..sources.runs.records import is_checksum_manifest
 from ..storage.output import local_destination, resolve_destination, staged_output
 from ..storage.uri import parse_location
+from .convert.plan import guard_paths
 from .shared.transfer import plan_transfer
 from .shared.transfer import write_checkpoint as run_write
 
@@ -564,6 +565,10 @@ def merge_with(
     dest_path = local_destination(resolve_destination(dest))
     if dest_path is None:
         raise UsageError("merge writes to a local folder", path=dest)
+    # neither source is ever modified: a DEST that is, holds or lies inside BASE or ADAPTER
+    # (which `--force` would replace) is refused, as convert and reshard refuse it
+    guard_paths(base, dest_path)
+    guard_paths(adapter, dest_path)
     base_checkpoint = open_plain(base_source)
     try:
         adapter_weights = Source(

@@ -98,7 +98,7 @@ def guard_paths(src: str, dest: Destination) -> None:
             raise UsageError(
                 "DEST overlaps the source checkpoint",
                 path=str(dest),
-                fix="Write the converted checkpoint somewhere outside the source.",
+                fix="Write the output somewhere outside the source.",
             )
 
 
