@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 
 from .conftest import run_ckpt
@@ -416,3 +417,93 @@ def test_slimming_drops_every_rank_rng_and_every_models_optimizer(tmp_path: Path
         assert applied.exit_code == 0, applied.stderr
         kept = {p.name for p in (root / old).iterdir()} - {"ckpt-slim.json"}
         assert kept == left, kept
+
+
+#: `ckpt prune RUN --slim-older-than 1 --yes`, SIGKILLed right after its Nth rename (as the
+#: OOM killer or a preemption could at that instant)
+_SLIM_KILLED_AFTER_RENAME = """
+import os, signal, sys
+real, count, nth = os.rename, [0], int(sys.argv[2])
+def rename(a, b, **kw):
+    real(a, b, **kw)
+    count[0] += 1
+    if count[0] == nth:
+        os.kill(os.getpid(), signal.SIGKILL)
+os.rename = rename
+from ckpt_cli.cli.app import main
+sys.argv = ["ckpt", "prune", sys.argv[1], "--slim-older-than", "1", "--yes"]
+main()
+"""
+
+
+def _slim_killed_after_rename(run: Path, nth: int, env: dict[str, str]) -> int:
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    full = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    cmd = [sys.executable, "-c", _SLIM_KILLED_AFTER_RENAME, str(run), str(nth)]
+    return subprocess.run(cmd, env=full, capture_output=True, timeout=300).returncode
+
+
+def _dcp_run_with_optimizer(run: Path) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    for step in (100, 200):
+        model = weights(step)
+        state = {
+            "model": model,
+            "optimizer": {"state": {k: {"exp_avg": v.clone()} for k, v in model.items()}},
+            "train_state": {"step": step},
+        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=str(run / f"step-{step}"), no_dist=True)
+        set_mtime(run / f"step-{step}", time.time() - DAY)
+    return weights(100)
+
+
+@pytest.mark.parametrize(
+    ("nth", "exchange"), [(1, True), (2, True), (3, True), (2, False), (3, False), (4, False)]
+)
+def test_a_slim_killed_mid_swap_never_loses_the_save(
+    tmp_path: Path, nth: int, exchange: bool
+) -> None:
+    # the rewrite of a DCP save is swapped in by renames; killed between two of them, the old
+    # copy moved aside and the new one not yet in place, a later `prune --incomplete` took both
+    # for the debris of interrupted saves and deleted the step
+    run = tmp_path / "run"
+    original = _dcp_run_with_optimizer(run)
+    env = {} if exchange else {"CKPT_NO_RENAME_EXCHANGE": "1"}
+    assert _slim_killed_after_rename(run, nth, env) == -9  # SIGKILL
+    cleaned = run_ckpt("prune", run, "--incomplete", "--settle", "0", "--yes")
+    assert cleaned.exit_code == 0, cleaned.stdout + cleaned.stderr
+    step = run / "step-100"
+    inspected = run_ckpt("inspect", step, "--json").json["result"]
+    restored = load_model(step, inspected)
+    assert all(torch.equal(restored[k], v) for k, v in original.items())
+    assert run_ckpt("verify", step).exit_code == 0
+    # run again, the slim finishes
+    assert run_ckpt("prune", run, "--slim-older-than", "1", "--yes").exit_code == 0
+    assert (step / "ckpt-slim.json").is_file()
+    restored = load_model(step, run_ckpt("inspect", step, "--json").json["result"])
+    assert all(torch.equal(restored[k], v) for k, v in original.items())
+
+
+def test_a_trainer_slim_killed_between_its_file_removals_is_not_deleted_as_incomplete(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import load_file
+
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    want = load_file(out / "checkpoint-100" / "model.safetensors")
+    assert _slim_killed_after_rename(out, 1, {}) == -9
+    listed = run_ckpt("latest", out, "--json", "--settle", "0").json["result"]["checkpoints"]
+    row = {r["name"]: r for r in listed}["checkpoint-100"]
+    assert row["status"] == "complete" and "weights-only" in row["markers"], row
+    cleaned = run_ckpt("prune", out, "--incomplete", "--settle", "0", "--yes")
+    assert cleaned.exit_code == 0, cleaned.stdout + cleaned.stderr
+    got = load_file(out / "checkpoint-100" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-300")

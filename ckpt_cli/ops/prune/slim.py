@@ -10,7 +10,9 @@ the training-state analysis of `layouts` (headers only). `slim` then removes it:
 * a DCP folder or a single torch.save file (torchtitan `step-N/`, `state.pt`, Lightning
   `.ckpt`): the checkpoint is rewritten without those entries by `ops.convert` into a hidden
   staging sibling (so it passes the format's structural check before it is published), then
-  swapped in with two renames: the old one moves aside first, and is removed last.
+  published with its slim record as `--force` publishes (`storage.output.publish`: one atomic
+  exchange, or the old copy kept as `.NAME.ckpt-old-*`, never debris), the old one removed
+  last.
 
 The scheduler, the step counter and the configuration stay: they are small and say where the
 weights came from. A slimmed save records itself (`ckpt-slim.json` inside a folder, the run
@@ -35,7 +37,7 @@ from ...formats import find_format, get_format
 from ...formats.base import Checkpoint
 from ...models import Record
 from ...sources.runs import DELETING, RUN_SLIM_RECORD, SLIM_RECORD
-from ...storage.output import TMP_MARKER, fsync_dir
+from ...storage.output import TMP_MARKER, fsync_dir, publish
 
 #: training-only components removed by slimming
 DROPPED = ("optimizer", "rng", "dataloader", "sampler")
@@ -153,14 +155,25 @@ def _size(path: Path) -> int:
 def slim(action: SlimAction, checkpoint: str | Path) -> int:
     """Carry out `action` on the checkpoint at `checkpoint`; returns the bytes freed.
 
-    The checkpoint is valid at every moment it carries its real name: removed files go in
-    one rename each before anything is deleted, and a rewrite is published by renames after
-    it passed its structural check. The slim record is written last.
+    The checkpoint is whole at every moment it carries its real name, and never looks
+    interrupted (which `prune --incomplete` would delete): the slim record goes in before any
+    file leaves (a kill mid-way leaves a weights-only save that says so), removed files go in
+    one rename each before anything is deleted, and a rewrite, with its record, is published
+    as `--force` publishes (one atomic exchange, or the old copy kept as `.NAME.ckpt-old-*`).
     """
     root = Path(checkpoint)
     target = Path(action.target)
-    before = _size(root)
+    record: dict[str, object] = {
+        "ckpt_slim": 1,
+        "slimmed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "components": action.components,
+        "files": action.files,
+        "prefixes": action.prefixes,
+        "bytes_freed": action.bytes,
+    }
     if action.how == "remove":
+        before = _size(root)
+        _write_record(root, record)
         hidden = []
         for rel in action.files:
             path = target / rel
@@ -170,18 +183,11 @@ def slim(action: SlimAction, checkpoint: str | Path) -> int:
         fsync_dir(target)
         for aside in hidden:
             aside.unlink(missing_ok=True)
+        freed = max(0, before - _size(root))
+        record["bytes_freed"] = freed
+        _write_record(root, record)
     else:
-        _rewrite(action, target)
-    freed = max(0, before - _size(root))
-    record = {
-        "ckpt_slim": 1,
-        "slimmed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "components": action.components,
-        "files": action.files,
-        "prefixes": action.prefixes,
-        "bytes_freed": freed,
-    }
-    _write_record(root, record)
+        freed = _rewrite(action, root, target, record)
     _refresh_manifest(root)
     return freed
 
@@ -215,8 +221,9 @@ def _refresh_manifest(root: Path) -> None:
     _atomic_json(path, record.model_dump(mode="json"))
 
 
-def _rewrite(action: SlimAction, target: Path) -> None:
-    """Rewrite a DCP folder or torch.save file without the dropped entries; swap it in."""
+def _rewrite(action: SlimAction, root: Path, target: Path, record: dict[str, object]) -> int:
+    """Rewrite a DCP folder or torch.save file without the dropped entries and publish it
+    with its slim record (as `--force` publishes); returns the bytes freed."""
     import shutil
 
     from ..convert.run import convert
@@ -227,27 +234,36 @@ def _rewrite(action: SlimAction, target: Path) -> None:
         # convert writes one file when DEST ends like one (`.pt`, `.ckpt`...)
         staged = staged.with_name(staged.name + target.suffix)
     mode = target.stat().st_mode & 0o7777
-    convert(
-        str(target),
-        str(staged),
-        action.format,
-        format=action.format,
-        exclude=[f"{p}*" for p in action.prefixes],
-    )
-    # the rewrite keeps the permissions the training job gave the save
-    os.chmod(staged, mode)
-    old = _hidden(target, DELETING)
-    os.rename(target, old)
     try:
-        os.rename(staged, target)
+        convert(
+            str(target),
+            str(staged),
+            action.format,
+            format=action.format,
+            exclude=[f"{p}*" for p in action.prefixes],
+        )
+        # the rewrite keeps the permissions the training job gave the save
+        os.chmod(staged, mode)
+        freed = max(0, _size(target) - _size(staged))
+        record["bytes_freed"] = freed
+        # the record is in place before the slimmed save carries its name: never a save that
+        # lacks its optimizer without saying why (`prune --incomplete` would delete it)
+        if target == root and staged.is_dir():
+            _atomic_json(staged / SLIM_RECORD, record)
+            fsync_dir(staged)
+        elif target == root:
+            # keyed by size and mtime, which the publishing rename keeps
+            _write_file_record(root, staged, record)
+        else:
+            _write_record(root, record)
+        publish(staged, target, force=True)
     except BaseException:
-        os.rename(old, target)
+        if staged.is_dir() and not staged.is_symlink():
+            shutil.rmtree(staged, ignore_errors=True)
+        else:
+            staged.unlink(missing_ok=True)
         raise
-    fsync_dir(target.parent)
-    if old.is_dir():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        old.unlink(missing_ok=True)
+    return freed
 
 
 def _write_record(root: Path, record: dict[str, object]) -> None:
@@ -255,6 +271,12 @@ def _write_record(root: Path, record: dict[str, object]) -> None:
     if root.is_dir():
         _atomic_json(root / SLIM_RECORD, record)
         return
+    _write_file_record(root, root, record)
+
+
+def _write_file_record(root: Path, stamped: Path, record: dict[str, object]) -> None:
+    """The run folder's record for the file `root`, keyed by the size and mtime of `stamped`
+    (the file itself, or the rewrite that is about to take its name)."""
     run_record = root.parent / RUN_SLIM_RECORD
     try:
         doc = json.loads(run_record.read_text())
@@ -262,7 +284,7 @@ def _write_record(root: Path, record: dict[str, object]) -> None:
             doc = {}
     except (OSError, ValueError):
         doc = {}
-    st = root.stat()
+    st = stamped.stat()
     doc[root.name] = {**record, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     _atomic_json(run_record, doc)
 
