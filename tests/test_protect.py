@@ -672,3 +672,42 @@ def test_the_recorded_sha256_is_the_files_whatever_order_its_blocks_are_read_in(
     (model / "model.safetensors").write_bytes(data)
     assert run_ckpt("repair", model).exit_code == 0
     assert hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest() == real
+
+
+def test_protect_never_replaces_parity_that_can_rebuild_a_lost_file_nor_blesses_a_broken_one(
+    tmp_path: Path,
+) -> None:
+    model = tmp_path / "model"
+    state = _safetensors_model(model)
+    assert run_ckpt("protect", model).exit_code == 0
+    lost = model / "model-00002-of-00004.safetensors"
+    lost.unlink()
+    parity_before = _digests(model / ".ckpt-parity")
+    # --force used to write parity of the broken checkpoint over the parity that could rebuild it
+    forced = run_ckpt("protect", model, "--force", "--json")
+    assert forced.exit_code == 4, forced.stdout
+    error = forced.json["error"]
+    assert lost.name in error["message"] and "ckpt repair" in error["fix"]
+    assert _digests(model / ".ckpt-parity") == parity_before
+    # verify's advice for a corrupt parity manifest (`protect SRC --force`) does not bless the
+    # broken checkpoint either
+    manifest = model / ".ckpt-parity" / "parity.index.json"
+    good_manifest = manifest.read_bytes()
+    manifest.write_bytes(b"\x00not json")
+    forced = run_ckpt("protect", model, "--force", "--json")
+    assert forced.exit_code == 4, forced.stdout
+    assert "structural check" in forced.json["error"]["message"]
+    assert manifest.read_bytes() == b"\x00not json"
+    manifest.write_bytes(good_manifest)
+    assert run_ckpt("repair", model).exit_code == 0
+    _assert_same(_read_safetensors(model), state)
+    assert run_ckpt("protect", model, "--force").exit_code == 0
+    # never protected: a checkpoint that fails verify's structural check gets no parity
+    other = tmp_path / "other"
+    _safetensors_model(other)
+    shard = other / "model-00003-of-00004.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    refused = run_ckpt("protect", other, "--json")
+    assert refused.exit_code == 4, refused.stdout
+    assert "structural check" in refused.json["error"]["message"]
+    assert not (other / ".ckpt-parity").exists()

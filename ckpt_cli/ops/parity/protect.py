@@ -16,7 +16,7 @@ from pydantic import ConfigDict
 
 from ... import __version__
 from ...dist.command import active
-from ...errors import DestinationExistsError, UsageError
+from ...errors import DestinationExistsError, FormatError, UsageError
 from ...formats import resolve_source
 from ...models import Record
 from ...progress import NULL_PROGRESS, Progress
@@ -42,6 +42,7 @@ from .model import (
     ProtectedFile,
     ProtectReport,
 )
+from .scan import damage_list, scan_parity
 from .target import (
     BlockReader,
     ParityTarget,
@@ -245,6 +246,53 @@ def _protect_split(
     return ProtectReport.model_validate(workers.broadcast(report))
 
 
+def _refuse_broken(target: ParityTarget, force: bool) -> None:
+    """Parity is written for an intact checkpoint only: parity of a broken one would rebuild it
+    broken, and (with `force`) replace the parity that could still rebuild what was lost.
+
+    Raises:
+        FormatError: the existing parity can rebuild a file lost since it was written (repair
+            it first), or the checkpoint fails `verify`'s structural check.
+    """
+    from ..verify.run import structural_errors
+
+    where = target.source.location.raw
+    if force:
+        try:
+            existing = read_parity_manifest(target)
+        except FormatError:
+            existing = None  # a corrupt parity manifest is what --force replaces
+        if existing is not None:
+            scan = scan_parity(target, existing, checksums=False)
+            lost = [
+                d.path
+                for d in damage_list(target, scan)
+                if d.kind == "data" and d.state == "missing" and d.repairable
+            ]
+            if lost:
+                shown = ", ".join(lost[:3]) + (f" (+{len(lost) - 3} more)" if len(lost) > 3 else "")
+                raise FormatError(
+                    f"lost {shown} since `ckpt protect`; the existing parity can rebuild "
+                    f"{'it' if len(lost) == 1 else 'them'}, and new parity would not "
+                    "(--force would replace it)",
+                    path=where,
+                    fix="Rebuild with `ckpt repair SRC` first. If the file was removed on "
+                    f"purpose, delete {target.storage.describe(target.parity_rel)} and protect "
+                    "again.",
+                )
+    errors = structural_errors(target.source)
+    if errors:
+        first = errors[0]
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise FormatError(
+            f"fails the structural check ({first.message}){more}; parity must not bless a "
+            "broken checkpoint (it would rebuild it broken)",
+            path=first.file or where,
+            fix="See `ckpt verify SRC`; restore the checkpoint (`ckpt repair SRC` where it is "
+            "protected, or from a good copy), then protect it.",
+        )
+
+
 def _prepare(
     src: str, options: ProtectRequest, check: bool = True
 ) -> tuple[ParityTarget, ParityManifest]:
@@ -266,6 +314,8 @@ def _prepare(
             path=storage.describe(target.manifest_rel),
             fix="Check it with `ckpt verify SRC`, or pass --force to write new parity.",
         )
+    if check:
+        _refuse_broken(target, force)
     names = list(target.files)
     sizes = [target.files[n] for n in names]
     block = min(block, small_block(max(sizes)))

@@ -263,6 +263,20 @@ def verify_with(
     return report
 
 
+def structural_errors(source: Source) -> list[Problem]:
+    """The errors of `verify`'s structural check of `source` (what `verify SRC` reports first,
+    no bytes hashed): for a command that must not bless a broken checkpoint (`protect`)."""
+    opened = recognise_layout(source)
+    opener = SourceOpener(source, None)
+    try:
+        _name, _source, problems = _structure(source, None, opener, opened)
+    finally:
+        if opened is not None:
+            opened.checkpoint.close()
+        opener.close()
+    return [p for p in problems if p.severity == "error"]
+
+
 @gc_paused()  # builds and walks the manifest (a million DCP chunks), no cycles: see `heap`
 def _structure(
     source: Source, format: str | None, opener: SourceOpener, opened: OpenedSource | None
