@@ -507,3 +507,30 @@ def test_a_trainer_slim_killed_between_its_file_removals_is_not_deleted_as_incom
     got = load_file(out / "checkpoint-100" / "model.safetensors")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-300")
+
+
+def test_slimming_never_blesses_a_file_damaged_before_in_the_checksum_manifest(
+    tmp_path: Path,
+) -> None:
+    out = trainer_run(tmp_path, steps=(100, 200, 300, 400))
+    damaged, clean = out / "checkpoint-100", out / "checkpoint-300"
+    for folder in (damaged, clean):
+        assert run_ckpt("verify", folder, "--write-manifest").exit_code == 0
+    weights_file = damaged / "model.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    data[-5] ^= 0xFF  # bit rot in the weights, after the manifest was written
+    weights_file.write_bytes(bytes(data))
+    for folder in out.iterdir():
+        set_mtime(folder, time.time() - DAY)
+    assert run_ckpt("verify", damaged, "--checksums").exit_code == 1
+    before = sorted(p.name for p in damaged.iterdir())
+    result = run_ckpt("prune", out, "--slim-older-than", "1", "--yes", "--json")
+    assert result.exit_code == 1, result.stdout + result.stderr
+    failed = " ".join(result.json["result"]["failed"])
+    assert "checkpoint-100" in failed and "model.safetensors" in failed
+    # left as it was: the damage is still reported, the resume state still there
+    assert sorted(p.name for p in damaged.iterdir()) == before
+    assert run_ckpt("verify", damaged, "--checksums").exit_code == 1
+    # an intact checkpoint with a manifest is slimmed, and its refreshed manifest checks out
+    assert (clean / "ckpt-slim.json").is_file() and not (clean / "optimizer.pt").exists()
+    assert run_ckpt("verify", clean, "--checksums").exit_code == 0

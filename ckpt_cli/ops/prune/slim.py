@@ -32,7 +32,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ...errors import CkptError
+from ...errors import CkptError, FormatError
 from ...formats import find_format, get_format
 from ...formats.base import Checkpoint
 from ...models import Record
@@ -163,6 +163,7 @@ def slim(action: SlimAction, checkpoint: str | Path) -> int:
     """
     root = Path(checkpoint)
     target = Path(action.target)
+    checked = _check_against_manifest(root, action)
     record: dict[str, object] = {
         "ckpt_slim": 1,
         "slimmed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -188,13 +189,68 @@ def slim(action: SlimAction, checkpoint: str | Path) -> int:
         _write_record(root, record)
     else:
         freed = _rewrite(action, root, target, record)
-    _refresh_manifest(root)
+    _refresh_manifest(root, checked)
     return freed
 
 
-def _refresh_manifest(root: Path) -> None:
+#: a file's identity and state when its digest was checked: (inode, size, mtime_ns)
+_Stamp = tuple[int, int, int]
+
+
+def _stamp(path: Path) -> _Stamp:
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _check_against_manifest(root: Path, action: SlimAction) -> dict[str, tuple[str, _Stamp]]:
+    """The files a slim keeps, checked against the folder's checksum manifest first (rel ->
+    their digest, and the stamp they had when checked); {} without a manifest.
+
+    The manifest is rewritten after slimming: a file damaged before would otherwise be
+    recorded as the checkpoint's content, and `verify --checksums` would call it intact.
+
+    Raises:
+        FormatError: a kept file is missing or no longer matches the manifest (nothing is
+            slimmed).
+    """
+    from ...storage.hashing import hash_files
+    from ..verify.checksums import MANIFEST_NAME, read_manifest
+
+    path = root / MANIFEST_NAME
+    if not root.is_dir() or not path.is_file():
+        return {}
+    old = read_manifest(path)
+    dropped = set(action.files) if action.how == "remove" else set()
+    kept = {rel: d for rel, d in old.files.items() if rel not in dropped}
+    stamps: dict[str, _Stamp] = {}
+    missing: list[str] = []
+    for rel in kept:
+        try:
+            stamps[rel] = _stamp(root / rel)
+        except FileNotFoundError:
+            missing.append(rel)
+    wrong = [rel for rel, st in stamps.items() if st[1] != kept[rel].size]
+    digests = hash_files({rel: root / rel for rel in stamps if rel not in wrong}, old.algorithm)
+    wrong += [rel for rel, digest in digests.items() if digest != kept[rel].digest]
+    if missing or wrong:
+        bad = sorted(wrong) + sorted(missing)
+        shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        raise FormatError(
+            f"{shown} {'is' if len(bad) == 1 else 'are'} missing or no longer "
+            f"{'matches' if len(bad) == 1 else 'match'} {MANIFEST_NAME}; slimming rewrites the "
+            "manifest and would record the damage as the checkpoint's content",
+            path=str(root / bad[0]),
+            fix=f"See `ckpt verify {root} --checksums`; restore the file (`ckpt repair` where "
+            "the checkpoint is protected, or from a good copy), then slim.",
+        )
+    return {rel: (digests[rel], stamps[rel]) for rel in digests}
+
+
+def _refresh_manifest(root: Path, checked: dict[str, tuple[str, _Stamp]]) -> None:
     """A checksum manifest in a slimmed folder is rewritten for what the folder now holds
-    (same algorithm), so `verify --checksums` and `ckpt sync` keep working on it."""
+    (same algorithm), so `verify --checksums` and `ckpt sync` keep working on it. A file
+    `checked` against the old manifest before slimming, and unchanged since, keeps that digest;
+    the others (rewritten, the slim record) are hashed."""
     from ... import __version__
     from ...storage.hashing import hash_files
     from ..verify.checksums import MANIFEST_NAME, ChecksumManifest, FileDigest, read_manifest
@@ -208,7 +264,12 @@ def _refresh_manifest(root: Path) -> None:
         for p in sorted(root.rglob("*"))
         if p.is_file() and not p.is_symlink() and p.name != MANIFEST_NAME
     }
-    digests = hash_files(files, old.algorithm)
+    digests = {
+        rel: checked[rel][0]
+        for rel, p in files.items()
+        if rel in checked and _stamp(p) == checked[rel][1]
+    }
+    digests.update(hash_files({r: p for r, p in files.items() if r not in digests}, old.algorithm))
     record = ChecksumManifest(
         algorithm=old.algorithm,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
