@@ -492,11 +492,68 @@ def test_a_failed_rename_on_publish_exits_74_and_removes_staging(
 
     import ckpt_cli.storage.output
 
+    # a new DEST is published with renameat2(RENAME_NOREPLACE), else a hard link: the plain
+    # rename is what is left once neither is there
+    monkeypatch.setenv("CKPT_NO_RENAME_EXCHANGE", "1")
     monkeypatch.setattr(ckpt_cli.storage.output.os, "rename", failing_rename)
+    monkeypatch.setattr(ckpt_cli.storage.output.os, "link", failing_rename)
     result = run_ckpt("convert", src, out / "dest", "--to", "torch", "--json")
     assert result.exit_code == 74, result.stdout
     assert errno.errorcode[code] in result.json["error"]["message"]
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("to", "exchange"), [("safetensors", True), ("safetensors", False), ("dcp", True)]
+)
+def test_a_dest_another_convert_publishes_at_the_last_moment_is_never_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str, exchange: bool
+) -> None:
+    # two converts into one DEST without --force: both found it free, and the later one's
+    # rename silently replaced the earlier one's published output; both said they wrote it
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    dest = tmp_path / ("out.safetensors" if to == "safetensors" else "out")
+    theirs = weights(2)
+    real_is_symlink = Path.is_symlink
+
+    def the_other_convert_publishes(self: Path) -> bool:
+        answer = real_is_symlink(self)
+        staged = [p for p in tmp_path.iterdir() if p.name.startswith(f".{dest.name}.ckpt-tmp-")]
+        # the output is written; publish has just looked, and DEST was free
+        if self == dest and not dest.exists() and staged and any(staged[0].iterdir()):
+            save_file(theirs, dest)
+        return answer
+
+    if not exchange:
+        monkeypatch.setenv("CKPT_NO_RENAME_EXCHANGE", "1")
+    monkeypatch.setattr(Path, "is_symlink", the_other_convert_publishes)
+    result = run_ckpt("convert", src, dest, "--to", to, "--json")
+    monkeypatch.undo()
+    assert result.exit_code == 2, result.stdout
+    assert "appeared while writing" in result.json["error"]["message"]
+    got = read_safetensors(dest)
+    assert got.keys() == theirs.keys() and all(torch.equal(got[k], v) for k, v in theirs.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m.safetensors", dest.name])
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_force_onto_a_dest_that_cannot_be_replaced_leaves_no_copy_and_says_so(
+    tmp_path: Path, tiny_fs: Path, exchange: bool
+) -> None:
+    # a mount point (a container's volume root) cannot be renamed or exchanged: EBUSY
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    (tiny_fs / "previous-output").write_text("old")
+    env = {} if exchange else {"CKPT_NO_RENAME_EXCHANGE": "1"}
+    result = run_ckpt_process("convert", src, tiny_fs, "--to", "dcp", "--force", "--json", env=env)
+    assert result.exit_code == 74, result.stdout + result.stderr
+    error = json.loads(result.stdout)["error"]
+    assert "EBUSY" in error["message"] and "removed" in error["message"]
+    # the complete new output used to be left as `.tiny.ckpt-old-PID`, which ckpt then
+    # offered to restore as the replaced copy
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "tiny"]
+    assert [p.name for p in tiny_fs.iterdir()] == ["previous-output"]
 
 
 # -- item 13: SIGTERM and SIGHUP are handled like Ctrl-C -------------------------------------

@@ -281,22 +281,19 @@ def apply_umask(path: Path, *, directory: bool) -> None:
 
 #: the marker of an old DEST moved aside by `--force` (never debris: a whole checkpoint)
 OLD_MARKER = ".ckpt-old-"
-#: renameat2 flag: swap two paths atomically (Linux >= 3.15)
+#: renameat2 flags: fail if the target exists / swap two paths atomically (Linux >= 3.15)
+RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap `a` and `b` in one atomic step with renameat2(RENAME_EXCHANGE).
-
-    Returns False where the platform, libc or filesystem cannot (the caller then falls back
-    to two renames); other OS errors are raised.
-    """
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """renameat2(a, b, flags): False where the platform, libc or filesystem cannot (the
+    caller then falls back); other OS errors are raised (EEXIST as FileExistsError)."""
     import ctypes
-    import errno
     import sys
 
-    if not sys.platform.startswith("linux") or os.environ.get("CKPT_NO_RENAME_EXCHANGE"):
+    if not sys.platform.startswith("linux"):
         return False
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
@@ -305,12 +302,61 @@ def _exchange(a: Path, b: Path) -> bool:
     renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
     renameat2.argtypes.append(ctypes.c_uint)
     renameat2.restype = ctypes.c_int
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap `a` and `b` in one atomic step with renameat2(RENAME_EXCHANGE).
+
+    Returns False where the platform, libc or filesystem cannot (the caller then falls back
+    to two renames); other OS errors are raised.
+    """
+    if os.environ.get("CKPT_NO_RENAME_EXCHANGE"):
+        return False
+    return _renameat2(a, b, RENAME_EXCHANGE)
+
+
+def _appeared(dest: Path) -> DestinationExistsError:
+    return DestinationExistsError(
+        "appeared while writing", path=dest, fix="Pass --force to replace it."
+    )
+
+
+def _rename_new(source: Path, dest: Path) -> None:
+    """Rename `source` to `dest`, which must not exist: what another process published there
+    meanwhile is never replaced (renameat2(RENAME_NOREPLACE); else a hard link for a file,
+    which fails on an existing name, then the temporary name removed).
+
+    Raises:
+        DestinationExistsError: `dest` appeared while the output was written.
+    """
+    try:
+        if not os.environ.get("CKPT_NO_RENAME_EXCHANGE") and _renameat2(
+            source, dest, RENAME_NOREPLACE
+        ):
+            return
+    except FileExistsError:
+        raise _appeared(dest) from None
+    if source.is_symlink() or not source.is_dir():
+        try:
+            os.link(source, dest, follow_symlinks=False)
+        except FileExistsError:
+            raise _appeared(dest) from None
+        except OSError as exc:
+            # no hard links here (some network and FUSE filesystems): the plain rename below
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+        else:
+            os.unlink(source)
+            return
+    if dest.exists() or dest.is_symlink():
+        raise _appeared(dest)
+    os.rename(source, dest)
 
 
 def old_copy_name(dest: Path) -> Path:
@@ -331,19 +377,28 @@ def leftover_old_copies(dest: Path) -> list[Path]:
 def publish(source: Path, dest: Path, *, force: bool) -> None:
     """Rename the finished `source` to `dest`; with `force`, in place of what `dest` holds
     (one atomic exchange where the filesystem has it, else through `.DEST.ckpt-old-PID`,
-    never leaving `dest` missing on a failed rename), the replaced copy then removed."""
+    never leaving `dest` missing on a failed rename), the replaced copy then removed.
+
+    Without `force` a `dest` that appeared meanwhile (another process published it) is never
+    replaced. When publishing fails, `dest` is as it was and the new output is back at
+    `source` (for the caller to remove).
+    """
     if not (dest.exists() or dest.is_symlink()):
-        os.rename(source, dest)
+        _rename_new(source, dest)
         return
     if not force:
-        raise DestinationExistsError(
-            "appeared while writing", path=dest, fix="Pass --force to replace it."
-        )
+        raise _appeared(dest)
     old = old_copy_name(dest)
     # the complete new output takes the `.DEST.ckpt-old-PID` name first, so whatever a kill
     # leaves under that name is a whole checkpoint, never debris
     os.rename(source, old)
-    if _exchange(old, dest):
+    try:
+        exchanged = _exchange(old, dest)
+    except BaseException:
+        # DEST could not be exchanged (a mount point: EBUSY): the new output goes back
+        os.rename(old, source)
+        raise
+    if exchanged:
         # one atomic step: DEST is now the new output and `old` holds the replaced one
         pass
     else:
