@@ -266,6 +266,26 @@ def test_a_fifo_in_a_checkpoint_never_hangs(tmp_path: Path, name: str) -> None:
         assert "internal error" not in result.stdout + result.stderr
 
 
+def test_a_fifo_beside_the_weights_is_named_not_hashed_nor_protected(tmp_path: Path) -> None:
+    # `verify --write-manifest` blocked forever opening the FIFO, deaf to SIGTERM and Ctrl-C;
+    # `protect` recorded it as an empty protected file
+    folder = tmp_path / "c"
+    folder.mkdir()
+    save_file(weights(1), folder / "model.safetensors")
+    os.mkfifo(folder / "somepipe")
+    for command in (["verify", "--write-manifest"], ["protect"]):
+        started = time.monotonic()
+        result = run_ckpt_process(*command, folder, "--json", timeout=40)
+        assert time.monotonic() - started < 30
+        assert result.exit_code == 4, result.stdout + result.stderr
+        error = json.loads(result.stdout)["error"]
+        assert "somepipe" in error["path"] and "FIFO" in error["message"]
+    assert not (folder / "ckpt-manifest.json").exists()
+    assert not (folder / ".ckpt-parity").exists()
+    (folder / "somepipe").unlink()
+    assert run_ckpt("protect", folder).exit_code == 0
+
+
 def test_a_fifo_in_a_run_folder_never_hangs(tmp_path: Path) -> None:
     run = tmp_path / "out"
     trainer_checkpoint(run / "checkpoint-100", 100)

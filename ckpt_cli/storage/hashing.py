@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..errors import NotFoundError, UsageError
 from ..progress import NULL_PROGRESS, Progress
 from .fileio import aligned_buffer
+from .local import open_regular
 
 if TYPE_CHECKING:
     from . import Storage
@@ -129,8 +130,10 @@ def hash_file(
     hasher = new()
     view = buffer if buffer is not None else aligned_buffer(BLOCK)
     try:
-        fh = open(path, "rb", buffering=0)
-    except FileNotFoundError:
+        # never blocks: a FIFO (or a socket, a device) is refused, naming it, before it is read;
+        # a blocking open of a FIFO waited for a writer forever, and no signal ended it
+        fh = os.fdopen(open_regular(path), "rb", buffering=0)
+    except NotFoundError:
         raise NotFoundError(
             "disappeared while the checkpoint was being hashed",
             path=path,

@@ -20,6 +20,7 @@ from ...errors import DestinationExistsError, FormatError, UsageError
 from ...formats import resolve_source
 from ...models import Record
 from ...progress import NULL_PROGRESS, Progress
+from ...storage.local import open_regular
 from ...storage.output import Destination, local_destination, staged_output
 from .codec import Codec, block_digest, pad_block
 from .layout import (
@@ -314,6 +315,12 @@ def _prepare(
             path=storage.describe(target.manifest_rel),
             fix="Check it with `ckpt verify SRC`, or pass --force to write new parity.",
         )
+    for name in target.files:
+        local = storage.local_path(name)
+        if local is not None:
+            # a FIFO, socket or device is no data to protect (and reading one may block):
+            # refused, named, without blocking
+            os.close(open_regular(local, storage.describe(name)))
     if check:
         _refuse_broken(target, force)
     names = list(target.files)
