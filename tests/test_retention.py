@@ -419,24 +419,29 @@ def test_slimming_drops_every_rank_rng_and_every_models_optimizer(tmp_path: Path
         assert kept == left, kept
 
 
-#: `ckpt prune RUN --slim-older-than 1 --yes`, SIGKILLed right after its Nth rename (as the
-#: OOM killer or a preemption could at that instant)
+#: `ckpt prune RUN --slim-older-than 1 --yes`, SIGKILLed right after its Nth rename, or just
+#: before the replaced copy is removed (as the OOM killer or a preemption could at that instant)
 _SLIM_KILLED_AFTER_RENAME = """
 import os, signal, sys
-real, count, nth = os.rename, [0], int(sys.argv[2])
+import shutil
+real, real_rmtree, count, nth = os.rename, shutil.rmtree, [0], sys.argv[2]
 def rename(a, b, **kw):
     real(a, b, **kw)
     count[0] += 1
-    if count[0] == nth:
+    if str(count[0]) == nth:
         os.kill(os.getpid(), signal.SIGKILL)
-os.rename = rename
+def rmtree(path, *args, **kw):
+    if nth == "rmtree" and ".ckpt-old-" in str(path):  # swapped, the old copy not yet removed
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_rmtree(path, *args, **kw)
+os.rename, shutil.rmtree = rename, rmtree
 from ckpt_cli.cli.app import main
 sys.argv = ["ckpt", "prune", sys.argv[1], "--slim-older-than", "1", "--yes"]
 main()
 """
 
 
-def _slim_killed_after_rename(run: Path, nth: int, env: dict[str, str]) -> int:
+def _slim_killed_after_rename(run: Path, nth: str, env: dict[str, str]) -> int:
     import subprocess
     import sys
 
@@ -465,10 +470,19 @@ def _dcp_run_with_optimizer(run: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("nth", "exchange"), [(1, True), (2, True), (3, True), (2, False), (3, False), (4, False)]
+    ("nth", "exchange"),
+    [
+        ("1", True),
+        ("rmtree", True),
+        ("1", False),
+        ("2", False),
+        ("3", False),
+        ("4", False),
+        ("rmtree", False),
+    ],
 )
 def test_a_slim_killed_mid_swap_never_loses_the_save(
-    tmp_path: Path, nth: int, exchange: bool
+    tmp_path: Path, nth: str, exchange: bool
 ) -> None:
     # the rewrite of a DCP save is swapped in by renames; killed between two of them, the old
     # copy moved aside and the new one not yet in place, a later `prune --incomplete` took both
@@ -498,7 +512,7 @@ def test_a_trainer_slim_killed_between_its_file_removals_is_not_deleted_as_incom
 
     out = trainer_run(tmp_path, steps=(100, 200, 300))
     want = load_file(out / "checkpoint-100" / "model.safetensors")
-    assert _slim_killed_after_rename(out, 1, {}) == -9
+    assert _slim_killed_after_rename(out, "1", {}) == -9
     listed = run_ckpt("latest", out, "--json", "--settle", "0").json["result"]["checkpoints"]
     row = {r["name"]: r for r in listed}["checkpoint-100"]
     assert row["status"] == "complete" and "weights-only" in row["markers"], row
@@ -534,3 +548,31 @@ def test_slimming_never_blesses_a_file_damaged_before_in_the_checksum_manifest(
     # an intact checkpoint with a manifest is slimmed, and its refreshed manifest checks out
     assert (clean / "ckpt-slim.json").is_file() and not (clean / "optimizer.pt").exists()
     assert run_ckpt("verify", clean, "--checksums").exit_code == 0
+
+
+def test_a_slimmed_protected_save_gets_parity_for_what_it_now_holds(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    save = out / "checkpoint-100"
+    assert run_ckpt("protect", save, "--whole-files").exit_code == 0
+    for folder in out.iterdir():
+        set_mtime(folder, time.time() - DAY)
+    want = load_file(save / "model.safetensors")
+    result = run_ckpt("prune", out, "--slim-older-than", "1", "--yes")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert not (save / "optimizer.pt").exists() and (save / "ckpt-slim.json").is_file()
+    # the old parity listed the dropped files: verify called them lost, repair wrote them back
+    verified = run_ckpt("verify", save, "--checksums", "--json")
+    assert verified.exit_code == 0, verified.stdout
+    assert "parity" in verified.json["result"]["checks"]
+    protected = json.loads((save / ".ckpt-parity" / "parity.index.json").read_text())
+    assert "optimizer.pt" not in {f["path"] for f in protected["files"]}
+    assert protected["whole_files"] is True
+    assert run_ckpt("repair", save, "--dry-run").exit_code == 0
+    # and the new parity rebuilds what the slimmed save keeps
+    (save / "model.safetensors").unlink()
+    assert run_ckpt("repair", save).exit_code == 0
+    got = load_file(save / "model.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not (save / "optimizer.pt").exists()

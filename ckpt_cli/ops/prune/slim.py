@@ -28,16 +28,20 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from ...errors import CkptError, FormatError
+from ...errors import CkptError, FormatError, IOFailure
 from ...formats import find_format, get_format
 from ...formats.base import Checkpoint
 from ...models import Record
 from ...sources.runs import DELETING, RUN_SLIM_RECORD, SLIM_RECORD
+from ...storage.base import is_parity_path
 from ...storage.output import TMP_MARKER, fsync_dir, publish
+
+if TYPE_CHECKING:
+    from ..parity import ParityManifest
 
 #: training-only components removed by slimming
 DROPPED = ("optimizer", "rng", "dataloader", "sampler")
@@ -164,6 +168,7 @@ def slim(action: SlimAction, checkpoint: str | Path) -> int:
     root = Path(checkpoint)
     target = Path(action.target)
     checked = _check_against_manifest(root, action)
+    protected = _parity_of(root)
     record: dict[str, object] = {
         "ckpt_slim": 1,
         "slimmed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -190,7 +195,51 @@ def slim(action: SlimAction, checkpoint: str | Path) -> int:
     else:
         freed = _rewrite(action, root, target, record)
     _refresh_manifest(root, checked)
+    if protected is not None:
+        _protect_again(root, protected)
     return freed
+
+
+def _parity_of(root: Path) -> ParityManifest | None:
+    """The parity manifest of a protected checkpoint (None when it is not protected)."""
+    from ..parity import read_parity_manifest
+    from ..parity.target import open_parity_target
+
+    return read_parity_manifest(open_parity_target(str(root)))
+
+
+def _protect_again(root: Path, old: ParityManifest) -> None:
+    """Parity for what a slimmed checkpoint now holds, as it was protected before (K, block
+    size, whole files). The old parity lists the files slimming dropped: left in place,
+    `verify` called them lost and `repair` wrote them back into the slimmed save.
+
+    Raises:
+        IOFailure: the new parity could not be written (the old one is gone: protect again).
+    """
+    import shutil
+
+    from ..parity import protect
+    from ..parity.target import open_parity_target
+
+    target = open_parity_target(str(root))
+    where = target.storage.local_path(target.parity_rel)
+    try:
+        if where is not None and where.is_dir():
+            shutil.rmtree(where)
+        protect(
+            str(root),
+            parity=old.parity,
+            block_size=old.block_size,
+            whole_files=True if old.whole_files else None,
+        )
+    except (CkptError, OSError) as exc:
+        why = exc.message if isinstance(exc, CkptError) else (exc.strerror or str(exc))
+        raise IOFailure(
+            f"was slimmed, but its parity could not be written again ({why}); the parity of "
+            "the full save was removed",
+            path=str(root),
+            fix=f"Protect it again: `ckpt protect {root}`.",
+        ) from None
 
 
 #: a file's identity and state when its digest was checked: (inode, size, mtime_ns)
@@ -262,7 +311,10 @@ def _refresh_manifest(root: Path, checked: dict[str, tuple[str, _Stamp]]) -> Non
     files = {
         p.relative_to(root).as_posix(): p
         for p in sorted(root.rglob("*"))
-        if p.is_file() and not p.is_symlink() and p.name != MANIFEST_NAME
+        if p.is_file()
+        and not p.is_symlink()
+        and p.name != MANIFEST_NAME
+        and not is_parity_path(p.relative_to(root).as_posix())
     }
     digests = {
         rel: checked[rel][0]
