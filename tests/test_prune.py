@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -462,3 +463,37 @@ def test_a_deepspeed_latest_file_naming_a_path_outside_the_run_marks_nothing(
     assert read_deepspeed_latest(LocalStorage(tmp_path)) is None
     (tmp_path / "latest").write_text("global_step5\n")
     assert read_deepspeed_latest(LocalStorage(tmp_path)) == "global_step5"
+
+
+def test_a_checkpoint_a_file_of_which_cannot_be_removed_is_reported_partly_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    real_unlink = os.unlink
+
+    def immutable(path: Any, *args: Any, **kwargs: Any) -> None:
+        fd = kwargs.get("dir_fd")
+        folder = os.readlink(f"/proc/self/fd/{fd}") if fd is not None else str(path)
+        if os.path.basename(path) == "optimizer.pt" and "checkpoint-100" in folder:
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        real_unlink(path, *args, **kwargs)
+
+    # `chattr +i checkpoint-100/optimizer.pt`: the folder can be renamed, that file not removed
+    monkeypatch.setattr(os, "unlink", immutable)
+    result = run_ckpt("prune", out, "--keep-last", "1", "--yes", "--json")
+    monkeypatch.undo()
+    assert result.exit_code == 1
+    (failure,) = [f for f in result.json["result"]["failed"] if "checkpoint-100" in f]
+    # it used to say "not deleted", naming no file, for a checkpoint already half gone
+    assert "partly deleted" in failure and "optimizer.pt" in failure
+    assert "not deleted" not in failure
+    decision = {d["name"]: d for d in result.json["result"]["decisions"]}["checkpoint-100"]
+    assert decision["deleted"] is False and decision["error"].startswith("partly deleted")
+    assert not (out / "checkpoint-100").exists()
+    (left,) = [p for p in out.iterdir() if p.name.startswith(".checkpoint-100.ckpt-tmp-del-")]
+    assert [p.name for p in left.iterdir()] == ["optimizer.pt"]
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-300")
+    shown = run_ckpt("prune", out, "--keep-last", "1", "--settle", "0")
+    assert ".checkpoint-100.ckpt-tmp-del-" in shown.stdout and "interrupted" in shown.stdout
+    assert run_ckpt("prune", out, "--incomplete", "--settle", "0", "--yes").exit_code == 0
+    assert not left.exists()

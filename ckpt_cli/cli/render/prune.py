@@ -6,7 +6,7 @@ import time
 
 from rich.table import Table
 
-from ...ops.prune.retention import PruneReport, WatchReport
+from ...ops.prune.retention import PARTLY_DELETED, PruneReport, WatchReport
 from ...sources.runs import RunCheckpoint, RunReport
 from . import human_bytes, stderr, stdout
 
@@ -96,7 +96,13 @@ def render_prune(report: PruneReport) -> None:
             freed = d.slim.bytes if d.slim is not None else 0
             d_rule = f"{d.rule}; frees {'' if report.applied else '~'}{human_bytes(freed)}"
         elif report.applied:
-            action = "[red]deleted[/]" if d.deleted else "[yellow]not deleted[/]"
+            action = (
+                "[red]deleted[/]"
+                if d.deleted
+                else "[red]partly deleted[/]"
+                if d.error and d.error.startswith(PARTLY_DELETED)
+                else "[yellow]not deleted[/]"
+            )
         else:
             action = "[red]delete[/]"
         rule = (d_rule if d.action == "slim" else d.rule) + (f" ({d.error})" if d.error else "")
@@ -122,7 +128,7 @@ def render_prune(report: PruneReport) -> None:
                 f" to weights only, freed {human_bytes(report.bytes_slimmed)}"
             )
         for failure in report.failed:
-            stderr.print(f"[yellow]not deleted:[/] {failure}")
+            stderr.print(_failure(failure), soft_wrap=True)
     elif report.to_delete or report.to_slim:
         if report.to_slim:
             stdout.print(
@@ -150,7 +156,14 @@ def render_watch_round(report: PruneReport) -> None:
         elif d.deleted:
             stdout.print(f"{stamp} deleted {d.name} ({d.rule}), freed {human_bytes(d.size)}")
     for failure in report.failed:
-        stderr.print(f"{stamp} [yellow]not deleted:[/] {failure}")
+        stderr.print(f"{stamp} {_failure(failure)}", soft_wrap=True)
+
+
+def _failure(failure: str) -> str:
+    """A line of `PruneReport.failed`: a partly deleted checkpoint says so itself."""
+    if f": {PARTLY_DELETED}:" in failure:
+        return f"[red]{failure}[/]"
+    return f"[yellow]not deleted:[/] {failure}"
 
 
 def render_watch(report: WatchReport) -> None:

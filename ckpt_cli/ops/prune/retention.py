@@ -97,6 +97,10 @@ class PrunePolicy(Record):
         )
 
 
+#: how `PruneDecision.error` begins for a checkpoint that left its names and was partly removed
+PARTLY_DELETED = "partly deleted"
+
+
 class PruneDecision(Record):
     """The fate of one checkpoint.
 
@@ -108,7 +112,8 @@ class PruneDecision(Record):
         rules: every rule that keeps it (empty for a deletion).
         slim: for `slim`: what is removed and the bytes it frees.
         deleted: with `--yes`, whether it is gone (for `slim`: whether it was slimmed).
-        error: why the deletion failed or was skipped.
+        error: why the deletion failed or was skipped; it begins with `PARTLY_DELETED` when
+            the checkpoint is partly removed (what is left is named).
     """
 
     name: str

@@ -16,6 +16,8 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
+from typing import Any
 
 from ...errors import CkptError, NotFoundError, UsageError
 from ...sources.runs import DELETING, is_remote, scan_run
@@ -23,7 +25,15 @@ from ...sources.runs.records import CHECKSUM_MANIFEST
 from ...storage import PARITY_DIR
 from ...storage.output import TMP_MARKER, fsync_dir
 from ...storage.uri import is_hub_url
-from .retention import PruneDecision, PrunePolicy, PruneReport, WatchReport, plan, validate_policy
+from .retention import (
+    PARTLY_DELETED,
+    PruneDecision,
+    PrunePolicy,
+    PruneReport,
+    WatchReport,
+    plan,
+    validate_policy,
+)
 from .slim import slim
 
 #: why a checkpoint was not deleted when something else removed it first
@@ -67,11 +77,17 @@ def remove_checkpoint(paths: list[Path]) -> None:
         and (parity := p.parent / PARITY_DIR / p.name).is_dir()
         and not parity.is_symlink()
     ]
-    for path in paths:
-        tag = f"{TMP_MARKER}{DELETING}{os.getpid()}-{time.time_ns()}"
-        target = path.with_name(f".{path.name}{tag}")
-        os.rename(path, target)
-        hidden.append(target)
+    try:
+        for path in paths:
+            tag = f"{TMP_MARKER}{DELETING}{os.getpid()}-{time.time_ns()}"
+            target = path.with_name(f".{path.name}{tag}")
+            os.rename(path, target)
+            hidden.append(target)
+    except OSError:
+        # nothing removed yet: the paths renamed so far get their names back
+        for path, target in zip(paths, hidden, strict=False):
+            os.rename(target, path)
+        raise
     for folder in {p.parent for p in paths}:
         fsync_dir(folder)
     try:
@@ -81,11 +97,40 @@ def remove_checkpoint(paths: list[Path]) -> None:
         for target in hidden:
             _remove(target)
         raise
+    except OSError as exc:
+        raise PartlyDeleted([t for t in hidden if t.exists() or t.is_symlink()], exc) from None
+
+
+class PartlyDeleted(Exception):
+    """A checkpoint left its names and was partly removed when removing a file failed: what
+    is left (`.NAME.ckpt-tmp-del-*`, an interrupted deletion that `prune --incomplete`
+    removes) and the error, which names the file."""
+
+    def __init__(self, left: list[Path], error: OSError):
+        super().__init__(str(error))
+        self.left = left
+        self.error = error
 
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
+        failed: list[OSError] = []
+
+        def named(
+            _func: Callable[..., Any],
+            name: str,
+            exc_info: tuple[type[BaseException], BaseException, TracebackType],
+        ) -> None:
+            # what can be removed is; the first failure is raised after, naming the file
+            # (rmtree's own error names it relative to its folder, or not at all)
+            err = exc_info[1]
+            if not isinstance(err, OSError):
+                raise err
+            failed.append(OSError(err.errno, err.strerror, name))
+
+        shutil.rmtree(path, onerror=named)
+        if failed:
+            raise failed[0]
     else:
         path.unlink(missing_ok=True)
 
@@ -168,6 +213,14 @@ def _delete_one(run_dir: Path, paths: list[Path], settle: float) -> str | None:
             if not path.is_symlink() and time.time() - _newest_write(path) < settle:
                 return "modified since the plan was made; not deleted"
         remove_checkpoint(paths)
+    except PartlyDeleted as partly:
+        err = partly.error
+        left = ", ".join(p.name for p in partly.left) or "nothing"
+        return (
+            f"{PARTLY_DELETED}: could not remove {err.filename or 'a file'} "
+            f"({err.strerror or err}); left as {left} (no longer a checkpoint: `ckpt prune "
+            "--incomplete` removes it once the file can be removed)"
+        )
     except FileNotFoundError:
         return VANISHED
     except OSError as exc:
