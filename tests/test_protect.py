@@ -6,6 +6,7 @@ torch.save); every repaired checkpoint is judged by the real reader, bit-exact.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -711,3 +712,66 @@ def test_protect_never_replaces_parity_that_can_rebuild_a_lost_file_nor_blesses_
     assert refused.exit_code == 4, refused.stdout
     assert "structural check" in refused.json["error"]["message"]
     assert not (other / ".ckpt-parity").exists()
+
+
+def test_a_folder_where_a_protected_shard_was_is_named_as_the_lost_file(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    state = _safetensors_model(model)
+    assert run_ckpt("protect", model).exit_code == 0
+    shard = model / "model-00003-of-00004.safetensors"
+    shard.unlink()
+    shard.mkdir()  # used to exit 74 "Is a directory", naming no file
+    for args in (["verify"], ["verify", "--checksums"], ["repair", "--dry-run"]):
+        result = run_ckpt(*args, model, "--json")
+        assert result.exit_code == 1, result.stdout
+        found = result.json["result"].get("problems") or result.json["result"]["damaged"]
+        assert any(p.get("file", p.get("path")) == str(shard) for p in found)
+    refused = run_ckpt("repair", model, "--json")
+    assert refused.exit_code == 4, refused.stdout
+    assert (
+        refused.json["error"]["path"] == str(shard) and "folder" in refused.json["error"]["message"]
+    )
+    assert shard.is_dir()
+    shard.rmdir()
+    assert run_ckpt("repair", model).exit_code == 0
+    _assert_same(_read_safetensors(model), state)
+
+
+def test_a_rebuilt_file_keeps_the_permissions_of_the_file_it_replaces(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    _safetensors_model(model)
+    for path in model.iterdir():
+        path.chmod(0o600)
+    assert run_ckpt("protect", model).exit_code == 0
+    damaged, lost = (
+        model / "model-00001-of-00004.safetensors",
+        model / "model-00002-of-00004.safetensors",
+    )
+    _flip(damaged, 500)
+    lost.unlink()
+    assert run_ckpt("repair", model).exit_code == 0
+    # a private shard used to come back world-readable (0644)
+    assert damaged.stat().st_mode & 0o777 == 0o600
+    assert lost.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_full_disk_during_repair_names_the_file_being_rebuilt(tmp_path: Path) -> None:
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(tmp_path)])
+    if done.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        model = tmp_path / "model"
+        model.mkdir()
+        torch.save({"w": torch.randn(96, 1024)}, model / "model.pt")  # 384 KiB
+        (model / "config.json").write_text('{"model_type": "llama"}')
+        assert run_ckpt("protect", model, "--whole-files", "--parity", "1").exit_code == 0
+        (model / "model.pt").unlink()
+        with open(tmp_path / "filler", "wb", buffering=0) as fh, contextlib.suppress(OSError):
+            while True:
+                fh.write(b"\0" * 4096)
+        result = run_ckpt("repair", model, "--json")
+        assert result.exit_code == 74, result.stdout
+        error = result.json["error"]
+        assert "ENOSPC" in error["message"] and "model.pt" in error["message"], error
+    finally:
+        subprocess.run(["umount", "-l", str(tmp_path)], check=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -12,14 +13,15 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from ...errors import FormatError, NotFoundError
+from ...faults import io_failure
 from ...formats.names import is_commit_marker
 from ...progress import NULL_PROGRESS, Progress
 from ...storage import Storage
-from ...storage.output import TMP_MARKER
+from ...storage.output import TMP_MARKER, current_umask
 from .codec import Codec, chunk_size, pad_block, slices
 from .layout import ParityLayout
 from .model import ProtectedFile, RepairReport
-from .scan import ParityScan, damage_list, scan_parity
+from .scan import ParityScan, damage_list, not_a_file, scan_parity
 from .target import (
     BlockReader,
     ParityTarget,
@@ -98,6 +100,14 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
     if request.dry_run:
         report.ok = False  # damage remains until a real run
         return report
+    for f in m.files:
+        if not_a_file(target.storage, f.path):
+            raise FormatError(
+                "is not a regular file (a folder, FIFO or device) where the checkpoint has "
+                "a file; repair does not replace it",
+                path=target.storage.describe(f.path),
+                fix="Move it out of the way, then run `ckpt repair` again to rebuild the file.",
+            )
     with _repair_staging(target) as staging:
         staged = _rebuild(target, scan, staging, progress)
         _publish_repaired(target, staged)
@@ -129,14 +139,43 @@ def _rebuild(
     layout = ParityLayout(m)
     storage = target.storage
     reader = BlockReader(storage)
-    damaged = scan.damaged
     # staged output files, pre-sized; good blocks are copied, bad ones come from the decoder
     staged: dict[tuple[str, int], tuple[str, Path, ProtectedFile, int]] = {}
+    try:
+        return _rebuild_into(target, scan, staging, progress, layout, reader, staged)
+    except OSError as exc:
+        # disk full, EIO...: named by the files being rebuilt and where they were written
+        names = ", ".join(
+            storage.describe(m.files[idx].path if kind == "data" else m.shares[idx].path)
+            for kind, idx in sorted(scan.damaged)
+        )
+        raise io_failure(exc, staging, f"rebuilding {names} (in {staging})") from None
+    finally:
+        for _rel, _path, _f, fd in staged.values():
+            with suppress(OSError):
+                os.close(fd)
+        reader.close()
+
+
+def _rebuild_into(
+    target: ParityTarget,
+    scan: ParityScan,
+    staging: Path,
+    progress: Progress,
+    layout: ParityLayout,
+    reader: BlockReader,
+    staged: dict[tuple[str, int], tuple[str, Path, ProtectedFile, int]],
+) -> list[tuple[str, Path, ProtectedFile]]:
+    m = scan.manifest
+    storage = target.storage
+    damaged = scan.damaged
     for n, (kind, idx) in enumerate(sorted(damaged)):
         f = m.files[idx] if kind == "data" else m.shares[idx]
         rel = f.path if kind == "data" else f"{target.parity_rel}/{f.path}"
         path = staging / f"{n}.part"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # the rebuilt file gets the permissions the file had (a 0600 file stays 0600)
+        os.fchmod(fd, _mode_of(storage, rel, [g.path for g in m.files]))
         os.ftruncate(fd, f.size)
         staged[(kind, idx)] = (rel, path, f, fd)
     fds = {key: fd for key, (_rel, _path, _f, fd) in staged.items()}
@@ -177,12 +216,31 @@ def _rebuild(
         for _rel, _path, _f, fd in staged.values():
             os.fsync(fd)
     finally:
-        for _rel, _path, _f, fd in staged.values():
-            with suppress(OSError):
-                os.close(fd)
-        reader.close()
         progress.finish()
     return _checked(storage, [(rel, path, f) for rel, path, f, _fd in staged.values()])
+
+
+def _mode_of(storage: Storage, rel: str, siblings: list[str]) -> int:
+    """The permissions for the rebuilt `rel`: those of the damaged file where it is still
+    there, else no wider than any surviving file of the checkpoint (the manifest records no
+    modes), else what a plain `open` gives under the umask."""
+    path = storage.local_path(rel)
+    if path is None:
+        return 0o644 & ~current_umask()
+    with suppress(OSError):
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode):
+            return st.st_mode & 0o777
+    mode = 0o666 & ~current_umask()
+    for name in siblings:
+        other = storage.local_path(name)
+        if other is None or other == path:
+            continue
+        with suppress(OSError):
+            st = os.stat(other)
+            if stat.S_ISREG(st.st_mode):
+                mode &= st.st_mode & 0o777
+    return mode
 
 
 def _surviving_shares(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from contextlib import suppress
 from dataclasses import dataclass, field
 
 from ...errors import NotFoundError, UsageError
 from ...formats.base import Source
 from ...progress import NULL_PROGRESS, Progress
+from ...storage import Storage
 from .codec import chunked_digest
 from .layout import ParityLayout
 from .model import DamagedFile, ParityCheck, ParityManifest, ProtectedFile
@@ -58,6 +61,9 @@ def scan_parity(
             present[rel] = storage.size(rel)
         except NotFoundError:
             present[rel] = None
+        # a folder, FIFO or device where the file was: the file is lost (and never opened)
+        if present[rel] is not None and not_a_file(storage, rel):
+            present[rel] = None
     if checksums:
         progress.start(sum(p or 0 for p in present.values()), "checking blocks (xxh3)")
     reader = BlockReader(storage)
@@ -97,6 +103,18 @@ def scan_parity(
         if checksums:
             progress.finish()
     return scan
+
+
+def not_a_file(storage: Storage, rel: str) -> bool:
+    """Whether something other than a regular file (a folder, a FIFO, a device) is at `rel`
+    of a local checkpoint."""
+    path = storage.local_path(rel)
+    if path is None:
+        return False
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _ranges(blocks: set[int], size: int, block_size: int) -> list[tuple[int, int]]:
