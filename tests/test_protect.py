@@ -775,3 +775,34 @@ def test_a_full_disk_during_repair_names_the_file_being_rebuilt(tmp_path: Path) 
         assert "ENOSPC" in error["message"] and "model.pt" in error["message"], error
     finally:
         subprocess.run(["umount", "-l", str(tmp_path)], check=False)
+
+
+def test_a_shard_resaved_after_protect_is_flagged_as_maybe_intended_before_repair_reverts_it(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    state = _safetensors_model(model)
+    assert run_ckpt("protect", model).exit_code == 0
+    shard = model / "model-00002-of-00004.safetensors"
+    save_file({k: v * 0.5 for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
+    later = (model / ".ckpt-parity" / "parity.index.json").stat().st_mtime + 60
+    os.utime(shard, (later, later))
+    verified = run_ckpt("verify", model, "--checksums", "--json")
+    assert verified.exit_code == 1
+    codes = {p["code"] for p in verified.json["result"]["problems"] if p["file"] == str(shard)}
+    # the "modified after protect" hint used to vanish under --checksums
+    assert codes == {"damaged_blocks", "parity_stale"}, codes
+    planned = run_ckpt("repair", model, "--dry-run", "--json")
+    (warning,) = planned.json["result"]["warnings"]
+    assert str(shard) in warning and "would be restored" in warning
+    repaired = run_ckpt("repair", model, "--json")
+    assert repaired.exit_code == 0
+    (warning,) = repaired.json["result"]["warnings"]
+    assert str(shard) in warning and "modified after `ckpt protect`" in warning
+    _assert_same(_read_safetensors(model), state)
+    # a file damaged in place, without a newer time, gets no such warning
+    _flip(shard, 300)
+    os.utime(shard, (later - 3600, later - 3600))
+    assert run_ckpt("repair", model, "--json").json["result"]["warnings"] == []

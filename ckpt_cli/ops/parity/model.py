@@ -152,6 +152,8 @@ class RepairReport(Record):
         rebuilt: files rebuilt and published (verified against the manifest's sha256).
         unrecoverable: files that cannot be rebuilt (more than K losses in a stripe).
         hashed_bytes: bytes read and checked.
+        warnings: what to know about the repair: a damaged file modified after `protect` is
+            restored to its content as of `protect` (a deliberate edit would be undone).
     """
 
     location: str
@@ -161,6 +163,7 @@ class RepairReport(Record):
     rebuilt: list[str] = Field(default_factory=list)
     unrecoverable: list[str] = Field(default_factory=list)
     hashed_bytes: int = 0
+    warnings: list[str] = Field(default_factory=list)
 
 
 #: damaged byte ranges shown per file before the rest are counted

@@ -21,7 +21,7 @@ from ...storage.output import TMP_MARKER, current_umask
 from .codec import Codec, chunk_size, pad_block, slices
 from .layout import ParityLayout
 from .model import ProtectedFile, RepairReport
-from .scan import ParityScan, damage_list, not_a_file, scan_parity
+from .scan import ParityScan, damage_list, newer_than_parity, not_a_file, scan_parity
 from .target import (
     BlockReader,
     ParityTarget,
@@ -93,6 +93,15 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
     )
     if not report.damaged:
         return report
+    newer = set(newer_than_parity(target, m))
+    restored = "would be restored" if request.dry_run else "restored"
+    report.warnings = [
+        f"{d.path}: modified after `ckpt protect` wrote the parity ({m.created}); {restored} to "
+        "its content as of then, which undoes the change if it was intended (then run "
+        "`ckpt protect SRC --force` instead)"
+        for d in report.damaged
+        if d.kind == "data" and d.state != "missing" and d.path in newer
+    ]
     report.unrecoverable = [d.path for d in report.damaged if not d.repairable]
     if report.unrecoverable:
         report.ok = False

@@ -105,6 +105,26 @@ def scan_parity(
     return scan
 
 
+def newer_than_parity(target: ParityTarget, m: ParityManifest) -> list[str]:
+    """The protected files of a local checkpoint modified after the parity manifest was
+    written (as shown to users)."""
+    storage = target.storage
+    manifest_path = storage.local_path(target.manifest_rel)
+    if manifest_path is None:
+        return []
+    try:
+        written = manifest_path.stat().st_mtime
+    except OSError:
+        return []
+    out = []
+    for f in m.files:
+        path = storage.local_path(f.path)
+        with suppress(OSError):
+            if path is not None and path.stat().st_mtime > written:
+                out.append(storage.describe(f.path))
+    return out
+
+
 def not_a_file(storage: Storage, rel: str) -> bool:
     """Whether something other than a regular file (a folder, a FIFO, a device) is at `rel`
     of a local checkpoint."""
@@ -184,16 +204,11 @@ def check_parity(
     recorded = {f.path for f in m.files}
     if target.source.target is None:
         report.unprotected = [storage.describe(n) for n in target.files if n not in recorded]
-    manifest_path = storage.local_path(target.manifest_rel)
-    # with checksums every block was compared: a changed file is damaged, and a newer time
-    # alone (a file touched, copied without its times) says nothing
-    if manifest_path is not None and not checksums:
-        written = manifest_path.stat().st_mtime
-        damaged = {d.path for d in report.damaged}
-        for f in m.files:
-            path = storage.local_path(f.path)
-            where = storage.describe(f.path)
-            with suppress(OSError):
-                if path is not None and path.stat().st_mtime > written and where not in damaged:
-                    report.stale.append(where)
+    newer = newer_than_parity(target, m)
+    damaged = {d.path for d in report.damaged if d.kind == "data" and d.state != "missing"}
+    # without checksums a newer file is all there is to tell; with them every block was
+    # compared, and a time alone (a file touched, copied without its times) says nothing, but
+    # a changed file that is also newer than the parity may be a deliberate edit: said beside
+    # the damage, so that `repair` is not run to undo it unawares
+    report.stale = [w for w in newer if (w in damaged) == checksums]
     return report
