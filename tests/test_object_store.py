@@ -18,7 +18,15 @@ from .conftest import run_ckpt
 from .hub_fixtures import publish_model
 from .hub_server import TestHub
 from .run_fixtures import trainer_checkpoint, weights
-from .s3_fixtures import S3Request, S3Server, fetch_prefix, list_keys, make_bucket, upload_folder
+from .s3_fixtures import (
+    S3Request,
+    S3Server,
+    fetch_object,
+    fetch_prefix,
+    list_keys,
+    make_bucket,
+    upload_folder,
+)
 
 
 def _model(seed: int = 3) -> dict[str, torch.Tensor]:
@@ -129,6 +137,43 @@ def test_verify_checksums_streams_remote_files(
     assert "checksum_mismatch" in codes
 
 
+def test_write_manifest_never_replaces_a_shard_or_another_object_in_the_store(
+    sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server, tmp_path: Path
+) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    client.put_object(Bucket="ckpts", Key="notes.txt", Body=b"my notes, not a manifest\n")
+    shard = next(k for k in list_keys(s3_server.endpoint, "ckpts") if k.endswith(".safetensors"))
+    before = {k: fetch_object(s3_server.endpoint, "ckpts", k) for k in (shard, "notes.txt")}
+    # a shard, spelt plainly or with an empty path part, and an object that is no manifest
+    for target, problem in (
+        (f"s3://ckpts/{shard}", "is a file of the checkpoint"),
+        (f"s3://ckpts//{shard.replace('/', '//')}", "is a file of the checkpoint"),
+        ("s3://ckpts/notes.txt", "is not a ckpt checksum manifest"),
+    ):
+        result = run_ckpt(
+            "verify", "s3://ckpts/run/model", "--write-manifest", "--manifest", target, "--force"
+        )
+        assert result.exit_code == 2, (target, result.stderr)
+        assert problem in result.stderr, result.stderr
+    for key, body in before.items():
+        assert fetch_object(s3_server.endpoint, "ckpts", key) == body, key
+    fetch_prefix(s3_server.endpoint, "ckpts", "run/model", tmp_path / "back")
+    _assert_same(_safetensors(tmp_path / "back"), sharded_on_s3)
+
+    # a manifest is still replaced with --force
+    manifest = "s3://ckpts/manifests/model.json"
+    assert (
+        run_ckpt("verify", "s3://ckpts/run/model", "--write-manifest", "-m", manifest).exit_code
+        == 0
+    )
+    again = run_ckpt(
+        "verify", "s3://ckpts/run/model", "--write-manifest", "-m", manifest, "--force"
+    )
+    assert again.exit_code == 0, again.stderr
+
+
 def test_convert_s3_to_local_dcp_reads_one_tensor_at_a_time(
     sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -208,6 +253,23 @@ def test_convert_s3_to_s3_and_back_through_every_format(
     inside = run_ckpt("convert", "s3://ckpts/run/model", "s3://ckpts/run/model/x", "--to", "dcp")
     assert inside.exit_code == 2
     assert "overlaps the source" in inside.stderr
+
+    # the same prefix spelt with an empty path part is the same objects in the store
+    for spelling in ("s3://ckpts//run/model", "s3://ckpts/run//model/"):
+        over = run_ckpt(
+            "convert",
+            "s3://ckpts/run/model",
+            spelling,
+            "--to",
+            "safetensors",
+            "--dtype",
+            "bf16",
+            "--force",
+        )
+        assert over.exit_code == 2, (spelling, over.stderr)
+        assert "overlaps the source" in over.stderr
+    fetch_prefix(s3_server.endpoint, "ckpts", "run/model", tmp_path / "src-after")
+    _assert_same(_safetensors(tmp_path / "src-after"), sharded_on_s3)
 
 
 def test_reshard_dcp_on_s3_to_another_world_size(s3_server: S3Server, tmp_path: Path) -> None:

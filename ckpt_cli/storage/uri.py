@@ -60,6 +60,16 @@ def parse_location(text: str) -> Location:
     return Location(raw=text, kind="fsspec", url=text, path=Path(rest))
 
 
+def canonical_remote(text: str) -> str:
+    """An object-store URL (`s3://bkt//m/`) or a path inside its filesystem (`bkt//m/`) spelt
+    the one way the store reads it: scheme in lower case, empty path parts collapsed
+    (`s3://bkt/m`, `bkt/m`). s3fs reads `bkt//m` as `bkt/m`, so two spellings that differ
+    only there name the same objects; compare locations through this, never as raw text."""
+    match = _URL.match(text)
+    scheme, rest = (match["scheme"].lower() + "://", match["rest"]) if match else ("", text)
+    return scheme + "/".join(part for part in rest.split("/") if part)
+
+
 def is_hub_url(text: str) -> bool:
     """Whether `text` names the Hugging Face Hub (`hf://…`, the scheme in any case), as
     `parse_location` reads it; nothing is validated or raised."""

@@ -18,7 +18,7 @@ from ...formats import get_format, serializations, writable_formats
 from ...formats.base import Format, WriteOptions
 from ...models import FileInfo
 from ...storage.output import Destination, RemoteDest, local_destination, resolve_destination
-from ...storage.uri import parse_location
+from ...storage.uri import canonical_remote, parse_location
 
 if TYPE_CHECKING:
     from ...quant import QuantAnalysis
@@ -87,8 +87,9 @@ def guard_paths(src: str, dest: Destination) -> None:
     if local is None:
         if loc.kind != "fsspec" or loc.url is None:
             return
-        # same store: compare the URLs as paths (an object store has no links to resolve)
-        source, target, sep = loc.url.rstrip("/"), str(dest), "/"
+        # same store: compare the URLs as paths (an object store has no links to resolve),
+        # spelt the one way the store reads them (`s3://bkt//m` is `s3://bkt/m`)
+        source, target, sep = canonical_remote(loc.url), canonical_remote(str(dest)), "/"
     elif not loc.is_local or loc.path is None:
         return
     else:

@@ -38,7 +38,7 @@ from ...storage.output import (
     resolve_destination,
     staged_output,
 )
-from ...storage.uri import is_hub_url, parse_location
+from ...storage.uri import canonical_remote, is_hub_url, parse_location
 
 if TYPE_CHECKING:
     from .run import VerifyReport
@@ -106,34 +106,48 @@ def _refuse_manifest_over_checkpoint(source: Source, path: Destination) -> None:
     """Refuse to write the manifest over a file of the checkpoint, whatever the flags.
 
     The manifest may replace (`--force`) only a manifest: a path that is one of the
-    checkpoint's files, or any existing file that is not a ckpt manifest, is refused.
+    checkpoint's files, or any existing file that is not a ckpt manifest, is refused, on a
+    local disk and in an object store alike.
     """
     root = source.storage.local_root
     local = local_destination(path)
-    if local is None or root is None:
-        return
-    target = _file_id(local)
-    if target is not None:  # a path that names nothing is no file of the checkpoint
-        listed = set(source.storage.list_files()) | set(source.files)
-        if source.target is not None:
-            # a single shard's siblings (the rest of its checkpoint) count too
-            listed |= set(LocalStorage(root).list_files())
-        for name in sorted(listed):
-            if name != MANIFEST_NAME and _same_file(root / name, local, target):
-                raise UsageError(
-                    "is a file of the checkpoint; writing the manifest there would destroy it",
-                    path=str(path),
-                    fix=f"Name another --manifest path (the default is {root / MANIFEST_NAME}).",
-                )
-    if local.exists() or local.is_symlink():
+    key = remote_key(path)
+    if local is not None and root is not None:
+        target = _file_id(local)
+        if target is not None:  # a path that names nothing is no file of the checkpoint
+            listed = set(source.storage.list_files()) | set(source.files)
+            if source.target is not None:
+                # a single shard's siblings (the rest of its checkpoint) count too
+                listed |= set(LocalStorage(root).list_files())
+            for name in sorted(listed):
+                if name != MANIFEST_NAME and _same_file(root / name, local, target):
+                    _refuse_checkpoint_file(path, root / MANIFEST_NAME)
+    elif key is not None and root is None and source.storage.writable:
+        # the same object store: an object's key, spelt the one way the store reads it (its
+        # listing holds the siblings of a single object too)
+        storage = source.storage
+        wanted = canonical_remote(key)
+        for name in sorted(set(storage.list_files()) | set(source.files)):
+            there = remote_key(storage.destination(name))
+            if name != MANIFEST_NAME and there is not None and canonical_remote(there) == wanted:
+                _refuse_checkpoint_file(path, storage.destination(MANIFEST_NAME))
+    if destination_exists(path) or (local is not None and local.is_symlink()):
         try:
-            ChecksumManifest.model_validate(json.loads(read_destination(local)))
+            ChecksumManifest.model_validate(json.loads(read_destination(path)))
         except (CkptError, OSError, UnicodeDecodeError, ValueError, RecursionError):
             raise UsageError(
                 "exists and is not a ckpt checksum manifest; --force replaces only a manifest",
                 path=str(path),
                 fix="Name another --manifest path, or move that file away yourself.",
             ) from None
+
+
+def _refuse_checkpoint_file(path: Destination, default: Destination) -> None:
+    raise UsageError(
+        "is a file of the checkpoint; writing the manifest there would destroy it",
+        path=str(path),
+        fix=f"Name another --manifest path (the default is {default}).",
+    )
 
 
 def _local_root(source: Source) -> Path:
