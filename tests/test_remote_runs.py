@@ -67,6 +67,42 @@ def test_latest_and_prune_on_an_s3_run_folder(s3_server: S3Server, tmp_path: Pat
     assert run_ckpt("verify", "s3://ckpts/run/checkpoint-400").exit_code == 0
 
 
+def test_a_store_that_fails_to_answer_never_makes_a_complete_checkpoint_incomplete(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    upload_folder(s3_server.endpoint, "ckpts", "run", out)
+    before = list_keys(s3_server.endpoint, "ckpts")
+    for failing in (
+        "checkpoint-300/optimizer.pt",
+        "checkpoint-300/model-00002-of-00002.safetensors",
+    ):
+        # the store answers 403 to every read of one object of the newest, complete save
+        s3_server.refuse = lambda r, f=failing: r.method == "GET" and r.path.endswith(f)
+        latest = run_ckpt("latest", "s3://ckpts/run/", "--json")
+        assert latest.exit_code == 5, latest.stdout
+        assert failing in latest.json["error"]["message"]
+        assert "remote store" in latest.json["error"]["message"]
+        pulled = run_ckpt("sync", "s3://ckpts/run/", tmp_path / "pulled", "--latest")
+        assert pulled.exit_code == 5, pulled.stderr
+        assert not (tmp_path / "pulled" / "checkpoint-200").exists()
+        pruned = run_ckpt(
+            "prune",
+            "s3://ckpts/run",
+            "--incomplete",
+            "--keep-last",
+            "5",
+            "--settle",
+            "0",
+            "--yes",
+        )
+        assert pruned.exit_code == 5, pruned.stderr
+        assert list_keys(s3_server.endpoint, "ckpts") == before  # nothing deleted
+    s3_server.refuse = None
+    latest = run_ckpt("latest", "s3://ckpts/run/")
+    assert latest.stdout.strip() == "s3://ckpts/run/checkpoint-300"
+
+
 def test_a_dcp_run_in_s3_skips_a_save_without_metadata(s3_server: S3Server, tmp_path: Path) -> None:
     from .run_fixtures import dcp_save
 

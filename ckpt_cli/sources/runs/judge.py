@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ...budgets import read_member
-from ...errors import CkptError, UsageError
+from ...errors import CkptError, HubError, UsageError
 from ...formats.base import Source
 from ...formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
 from ...storage import LocalStorage, Storage, StorageRangeFile, is_parity_path
@@ -167,9 +167,16 @@ def _check_with_format(
         if fmt.refused_pickles_may_be_whole and source.target is not None:
             return _pickle_structure(source.storage, source.target)
         problems = fmt.check(source)
+    except HubError:
+        raise  # the store failed to answer: that is no verdict on the file
     except CkptError as error:
         return error.message
     errors = [p for p in problems if p.severity == "error"]
+    # a read the store failed to answer (a 500, a 403, a reset) says nothing about the file:
+    # no verdict of "incomplete" on it, the command fails (exit 5) naming the file
+    unanswered = next((p for p in errors if p.code == HubError.code), None)
+    if unanswered is not None:
+        raise HubError(unanswered.message)
     return errors[0].message if errors else None
 
 
@@ -193,6 +200,8 @@ def _pickle_structure(storage: Storage, rel: str) -> str | None:
             return None  # legacy torch.save format: no cheap structural check
         with zipfile.ZipFile(_TailFile(storage, rel, size)) as archive:
             archive.infolist()
+    except HubError:
+        raise  # the store failed to answer: that is no verdict on the file
     except (zipfile.BadZipFile, OSError, CkptError) as exc:
         return f"{where}: truncated or corrupt torch.save file ({exc})"
     return None
@@ -227,6 +236,8 @@ def _check_torch_index(storage: Storage, rel: str) -> str | None:
     try:
         index = json.loads(storage.read_all(rel))
         shards = set(index["weight_map"].values())
+    except HubError:
+        raise  # the store failed to answer: that is no verdict on the file
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CkptError) as exc:
         return f"{where}: unreadable index ({exc})"
     listing = storage.list_files()
@@ -299,6 +310,8 @@ def _index_shards(storage: Storage, folder: str, name: str) -> set[str]:
             "weight_map", {}
         )
         return {v for v in weight_map.values() if isinstance(v, str)}
+    except HubError:
+        raise  # the store failed to answer: that is no verdict on the file
     except (ValueError, AttributeError, OSError, RecursionError, CkptError):
         return set()
 
@@ -332,6 +345,8 @@ def _is_slim(run: RunListing, item: Found, files: Mapping[str, int]) -> bool:
     parent, _, name = primary.rpartition("/")
     try:
         doc = json.loads(run.storage.read_all(f"{parent}/{RUN_SLIM_RECORD}".lstrip("/")))
+    except HubError:
+        raise  # the store failed to answer: that is no verdict on the file
     except (OSError, ValueError, RecursionError, CkptError):
         return False
     entry = doc.get(name) if isinstance(doc, dict) else None
@@ -346,6 +361,8 @@ def _trainer_state_problem(storage: Storage, folder: str, files: Mapping[str, in
     inside = folder_storage(storage, folder, files)
     try:
         json.loads(inside.read_all("trainer_state.json"))
+    except HubError:
+        raise  # the store failed to answer: that is no verdict on the file
     except (ValueError, OSError, RecursionError, CkptError) as exc:
         return f"{inside.describe('trainer_state.json')}: not valid JSON, cut short? ({exc})"
     return None
@@ -367,6 +384,8 @@ def _zero_partition_problem(storage: Storage, folder: str, files: Mapping[str, i
         with zipfile.ZipFile(_TailFile(storage, model, storage.size(model))) as archive:
             pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
             data = read_member(archive, pickles[0], MAX_SCAN_BYTES, model) if pickles else b""
+    except HubError:
+        raise  # the store failed to answer: that is no verdict on the file
     except (zipfile.BadZipFile, OSError, CkptError) as exc:
         return f"{storage.describe(model)}: truncated or corrupt torch.save file ({exc})"
     sizes = keyed_ints(data, frozenset({"dp_world_size", "mp_world_size"}))
@@ -401,6 +420,8 @@ def read_deepspeed_latest(storage: Storage) -> str | None:
         if storage.size("latest") > 4096:
             return None
         text = storage.read_all("latest").decode()
+    except HubError:
+        raise  # the store failed to answer: that is no verdict on the file
     except (OSError, UnicodeDecodeError, CkptError):
         return None
     return deepspeed_tag(text)
@@ -419,6 +440,8 @@ def newest_trainer_state(
     for _order, rel in [*sorted(candidates, reverse=True)[:1], (0.0, "trainer_state.json")]:
         try:
             doc = json.loads(storage.read_all(rel))
+        except HubError:
+            raise  # the store failed to answer: that is no verdict on the file
         except (OSError, ValueError, UnicodeDecodeError, RecursionError, CkptError):
             continue
         if isinstance(doc, dict):
