@@ -241,6 +241,31 @@ def test_offline_mode_reads_the_local_cache(hub: TestHub, tmp_path: Path) -> Non
     assert missing.exit_code == 5
 
 
+def test_offline_checksums_hash_the_cached_blobs_against_their_addresses(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    from huggingface_hub import snapshot_download
+
+    publish_model(hub, "org/rot", tmp_path / "src", layered_state(1))
+    cache = Path(os.environ["HF_HOME"]) / "hub"
+    snapshot_download("org/rot", endpoint=hub.url, cache_dir=str(cache))
+    offline = {"HF_HUB_OFFLINE": "1"}
+    clean = run_ckpt("verify", "hf://org/rot", "--checksums", "--json", env=offline)
+    assert clean.exit_code == 0, clean.stdout
+    assert "checksums" in clean.json["result"]["checks"]
+    blobs = sorted((cache / "models--org--rot" / "blobs").iterdir(), key=lambda b: b.stat().st_size)
+    shard = blobs[-1]  # the weights: bit rot in the last byte of tensor data
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.chmod(0o644)
+    shard.write_bytes(bytes(data))
+    rotten = run_ckpt("verify", "hf://org/rot", "--checksums", "--json", env=offline)
+    assert rotten.exit_code == 1, rotten.stdout
+    result = rotten.json["result"]
+    assert [p["code"] for p in result["problems"]] == ["checksum_mismatch"]
+    assert result["hashed_bytes"] >= len(data)
+
+
 def test_one_request_names_the_commit_and_lists_it_and_a_mirror_without_sizes_is_listed(
     hub: TestHub, tmp_path: Path
 ) -> None:

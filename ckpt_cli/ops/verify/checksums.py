@@ -170,8 +170,8 @@ def checksum_checks(
     """`verify --checksums` / `--write-manifest`: check the files against their manifest (or
     the Hub's digests), or record them in a new manifest; problems go into `problems`."""
     if not write and source.storage.server_digests() is not None:
-        report.checks.append("checksums")
-        _hub_cache_checksums(report, problems, source, progress)
+        if _hub_cache_checksums(report, problems, source, progress):
+            report.checks.append("checksums")
         return
     if not source.storage.hashes_in_place:
         raise UsageError(
@@ -420,8 +420,14 @@ def _write_manifest(path: Destination, record: ChecksumManifest, force: bool) ->
 
 def _hub_cache_checksums(
     report: VerifyReport, problems: list[Problem], source: Source, progress: Progress
-) -> None:
-    """`verify hf://… --checksums`: the files in the local HF cache against the Hub's digests."""
+) -> bool:
+    """`verify hf://… --checksums`: the files in the local HF cache against the Hub's digests;
+    whether anything was checked.
+
+    Offline (`HF_HUB_OFFLINE=1`) the listing comes from the cache and carries no digests:
+    each cached file is then checked against the name of the blob it links to, its content
+    address (the LFS sha256, or the git blob id), as `verify SNAPSHOT --checksums` does. A
+    file with neither is reported as not checked, never counted as checked."""
     storage = source.storage
     digests = storage.server_digests()
     assert digests is not None, "called for a storage whose server records digests"
@@ -443,10 +449,47 @@ def _hub_cache_checksums(
                 severity="warning",
             )
         )
-        return
-    _compare_with_hub(
-        report, problems, local, {n: remote[n] for n in names}, storage.describe, progress
-    )
+        return False
+    recorded = {n: p for n, p in local.items() if remote[n].sha256 or remote[n].blob_id}
+    addressed: dict[str, Path] = {}
+    addresses: dict[str, RemoteFile] = {}
+    for name, path in local.items():
+        if name in recorded:
+            continue
+        address = Path(os.path.realpath(path)).name
+        if not (_SHA256_NAME.match(address) or _GIT_NAME.match(address)):
+            problems.append(
+                Problem(
+                    code="no_content_address",
+                    message=f"{storage.describe(name)}: no digest to check it against (the "
+                    "listing is the offline cache's, and its cached file is not named by its "
+                    "content); its checksum was not checked",
+                    file=storage.describe(name),
+                    severity="warning",
+                )
+            )
+            continue
+        addressed[name] = path
+        sha = address if len(address) == 64 else None
+        addresses[name] = RemoteFile(
+            path=name, size=remote[name].size, sha256=sha, blob_id=None if sha else address
+        )
+    if recorded:
+        _compare_with_hub(
+            report, problems, recorded, {n: remote[n] for n in recorded}, storage.describe, progress
+        )
+    if addressed:
+        _compare_with_hub(
+            report,
+            problems,
+            addressed,
+            addresses,
+            storage.describe,
+            progress,
+            against="its blob's name (its content address in the HF cache; offline, the Hub's "
+            "digests are not fetched)",
+        )
+    return bool(recorded or addressed)
 
 
 def _cache_snapshot(source: Source) -> Path | None:
