@@ -404,6 +404,31 @@ def test_pull_latest_from_a_hub_repo_of_trainer_checkpoints(hub: TestHub, tmp_pa
     assert run_ckpt("latest", fresh).stdout.strip() == str(fresh / "checkpoint-200")
 
 
+def test_a_damaged_hub_copy_without_manifest_is_never_published(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    import zipfile
+
+    out = trainer_run(tmp_path, steps=(100, 200))
+    optimizer = out / "checkpoint-200" / "optimizer.pt"
+    with zipfile.ZipFile(optimizer) as archive:
+        members = [(info, archive.read(info.filename)) for info in archive.infolist()]
+    with zipfile.ZipFile(optimizer, "w", zipfile.ZIP_STORED) as archive:
+        for info, data in members:  # a whole zip whose pickle is garbage
+            archive.writestr(
+                info, b"\x80\x02garbage" + data[10:] if info.filename.endswith("data.pkl") else data
+            )
+    hub.add_repo("org/run", out)
+    fresh = tmp_path / "fresh"
+    pulled = run_ckpt("sync", "hf://org/run", fresh, "--latest", "--json")
+    assert pulled.exit_code == 1, pulled.stdout
+    done = pulled.json["result"]["checkpoints"][0]
+    assert done["action"] == "failed"
+    assert str(fresh / "checkpoint-200" / "optimizer.pt") in done["reason"]
+    assert [p.name for p in fresh.iterdir()] == []  # nothing published, no staging left
+    assert run_ckpt("latest", fresh).exit_code == 3
+
+
 def test_watch_stops_cleanly_on_ctrl_c(s3_server: S3Server, tmp_path: Path) -> None:
     make_bucket(s3_server.endpoint, BUCKET)
     out = trainer_run(tmp_path, steps=(100,))
@@ -618,6 +643,94 @@ def test_a_save_synced_again_is_pulled_again(s3_server: S3Server, tmp_path: Path
     third = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--json")
     assert third.json["result"]["transferred"] == [] and third.json["result"]["bytes_sent"] == 0
     assert {c["action"] for c in third.json["result"]["checkpoints"]} == {"present"}
+
+
+def test_a_pull_keeps_the_manifest_its_files_were_checked_against(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Another machine syncs checkpoint-200 again while this one pulls it: the copy here must
+    carry the manifest its files were checked against, not the newer one read afterwards."""
+    import boto3
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    key = "run/checkpoint-200/ckpt-manifest.json"
+    first = fetch_object(s3_server.endpoint, BUCKET, key)
+    newer = json.loads(first)
+    newer["files"]["model.safetensors"]["digest"] = "0" * 64
+    size = (out / "checkpoint-200" / "scheduler.pt").stat().st_size
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+
+    def resync_meanwhile(r: S3Request) -> bool:
+        # while the pull fetches scheduler.pt, the store's manifest is replaced
+        if r.path.endswith("checkpoint-200/scheduler.pt") and r.range == f"bytes=0-{size - 1}":
+            client.put_object(Bucket=BUCKET, Key=key, Body=json.dumps(newer).encode())
+        return False
+
+    s3_server.refuse = resync_meanwhile
+    back = tmp_path / "back"
+    pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--latest")
+    s3_server.refuse = None
+    assert pulled.exit_code == 0, pulled.stdout + pulled.stderr
+    assert fetch_object(s3_server.endpoint, BUCKET, key) != first  # the race did happen
+    assert (back / "checkpoint-200" / "ckpt-manifest.json").read_bytes() == first
+    checked = run_ckpt("verify", back / "checkpoint-200", "--checksums")
+    assert checked.exit_code == 0, checked.stdout
+
+
+def test_a_pull_checks_the_sizes_its_manifest_records(s3_server: S3Server, tmp_path: Path) -> None:
+    import boto3
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    key = "run/checkpoint-200/ckpt-manifest.json"
+    manifest = json.loads(fetch_object(s3_server.endpoint, BUCKET, key))
+    manifest["files"]["model.safetensors"]["size"] += 1
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    client.put_object(Bucket=BUCKET, Key=key, Body=json.dumps(manifest).encode())
+    back = tmp_path / "back"
+    pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--latest", "--json")
+    assert pulled.exit_code == 1, pulled.stdout
+    reason = pulled.json["result"]["checkpoints"][0]["reason"]
+    assert "model.safetensors" in reason and "manifest records" in reason
+    assert [p.name for p in back.iterdir()] == []  # nothing published, no staging left
+
+
+def test_a_pull_replaces_an_interrupted_local_save_of_the_same_name(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """This machine was preempted while saving checkpoint-200; the store holds the complete
+    one. The debris is no copy of it: the pull replaces it, and `latest` names it."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    here = tmp_path / "here"
+    here.mkdir()
+    interrupted_trainer_save(here, 200)
+    pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", here, "--latest", "--json")
+    assert pulled.exit_code == 0, pulled.stdout
+    done = pulled.json["result"]["checkpoints"][0]
+    assert done["action"] == "downloaded" and "local copy was incomplete" in done["reason"]
+    assert run_ckpt("latest", here).stdout.strip() == str(here / "checkpoint-200")
+    original = local_files(out / "checkpoint-200")
+    got = local_files(here / "checkpoint-200")
+    assert {k: v for k, v in got.items() if k in original} == original
+    assert not [p.name for p in here.iterdir() if p.name.startswith(".")]
+
+    # a complete local save of that name is never replaced: present, as it was
+    again = run_ckpt("sync", f"s3://{BUCKET}/run/", here, "--latest", "--json")
+    assert again.json["result"]["checkpoints"][0]["action"] == "present"
+    # one being written here (no commit marker layout aside, just modified) is left alone
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    save = interrupted_trainer_save(busy, 200)
+    os.utime(save / "model.safetensors")  # written this very moment
+    kept = run_ckpt("sync", f"s3://{BUCKET}/run/", busy, "--latest", "--json")
+    assert kept.exit_code == 1, kept.stdout
+    assert "being written here" in kept.json["result"]["checkpoints"][0]["reason"]
+    assert not (busy / "checkpoint-200" / "trainer_state.json").exists()
 
 
 def test_a_pulled_run_pushed_back_sends_nothing_it_pulled(

@@ -184,7 +184,7 @@ def sync_with(
         # a push never pulls: its process does not import the pull side
         from .pull import sync_down
 
-        return sync_down(src, dest, latest_only=latest_only, limit=limit)
+        return sync_down(src, dest, latest_only=latest_only, limit=limit, settle=settle)
 
     if watch_seconds is None:
         report = one_round()

@@ -105,12 +105,21 @@ def uploadable(c: RunCheckpoint, settle: float, now: float) -> str | None:
 
 
 def remote_manifest(storage: Storage, rel: str) -> ChecksumManifest | None:
+    """The checkpoint's checksum manifest in the store, or None when there is none."""
+    read = remote_manifest_bytes(storage, rel)
+    return None if read is None else read[0]
+
+
+def remote_manifest_bytes(storage: Storage, rel: str) -> tuple[ChecksumManifest, bytes] | None:
+    """The checkpoint's checksum manifest in the store and the very bytes it was read from
+    (a pull writes those into its copy: a second read could get a newer manifest than the
+    one its files were checked against), or None when there is none."""
     try:
         raw = storage.read_all(rel)
     except NotFoundError:
         return None
     try:
-        return ChecksumManifest.model_validate(json.loads(raw))
+        return ChecksumManifest.model_validate(json.loads(raw)), raw
     except ValueError as exc:
         raise FormatError(
             f"is not a valid ckpt checksum manifest ({str(exc).splitlines()[0]})",

@@ -11,13 +11,13 @@ from typing import Any
 from ...errors import CkptError, FormatError, NotFoundError, UnsafeInputError
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
 from ...sources.runs.naming import deepspeed_step, deepspeed_tag
-from ...sources.runs.records import checksum_manifest_of
+from ...sources.runs.records import DEFAULT_SETTLE, checksum_manifest_of
 from ...storage import LocalStorage, Storage
 from ...storage.hashing import hasher_factory
 from ...storage.output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir, publish
 from ..verify.checksums import MANIFEST_NAME, ChecksumManifest
 from .model import RateLimit, SyncedCheckpoint, SyncReport
-from .plan import ROOT_FILES, left_out, remote_manifest
+from .plan import ROOT_FILES, left_out, remote_manifest_bytes
 
 
 def _unsafe_key(rel: str) -> bool:
@@ -145,15 +145,18 @@ def _download(
     storage: Storage,
     c: RunCheckpoint,
     files: dict[str, int],
-    manifest: ChecksumManifest | None,
+    manifest: tuple[ChecksumManifest, bytes] | None,
     manifest_rel: str,
     dest_root: Path,
     limit: RateLimit,
     *,
     replace: bool = False,
 ) -> SyncedCheckpoint:
-    """Stream one remote checkpoint into a staging folder, verified, then publish it (with
+    """Stream one remote checkpoint into a staging folder, verified (against its manifest, of
+    which `manifest` holds the bytes read, else structurally), then publish it (with
     `replace`, in place of the local copy of the same name)."""
+    manifest_raw = manifest[1] if manifest is not None else None
+    record = manifest[0] if manifest is not None else None
     is_dir = c.name not in files
     result = SyncedCheckpoint(
         name=c.name,
@@ -161,7 +164,7 @@ def _download(
         action="downloaded",
         files=len(files),
         bytes=sum(files.values()),
-        manifest="checkpoint" if manifest else None,
+        manifest="checkpoint" if record else None,
     )
     final = dest_root / c.name
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -174,18 +177,27 @@ def _download(
     if fresh:
         # a plain mkdir: the published checkpoint gets what the umask gives
         apply_umask(staging, directory=True)
-    new = hasher_factory(manifest.algorithm) if manifest else None
+    new = hasher_factory(record.algorithm) if record else None
     damaged = False
     try:
         for rel, size in sorted(files.items()):
             inside = rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
             target = staging / inside
             target.parent.mkdir(parents=True, exist_ok=True)
-            expected = manifest.files.get(inside) if manifest is not None else None
-            if manifest is not None and expected is None:
+            expected = record.files.get(inside) if record is not None else None
+            if record is not None and expected is None:
                 damaged = True
                 raise FormatError(
                     f"{rel} is not listed in the checkpoint's checksum manifest",
+                    path=storage.describe(manifest_rel),
+                    fix="The remote copy is damaged; pull an older checkpoint, or sync "
+                    "it again from a machine that has it whole.",
+                )
+            if expected is not None and expected.size != size:
+                damaged = True
+                raise FormatError(
+                    f"{rel} is {size} bytes in the store, and the checkpoint's checksum "
+                    f"manifest records {expected.size}",
                     path=storage.describe(manifest_rel),
                     fix="The remote copy is damaged; pull an older checkpoint, or sync "
                     "it again from a machine that has it whole.",
@@ -206,8 +218,8 @@ def _download(
                     fix="The remote copy is damaged; pull an older checkpoint, or sync "
                     "it again from a machine that has it whole.",
                 )
-        if manifest is not None:
-            missing = set(manifest.files) - {
+        if record is not None:
+            missing = set(record.files) - {
                 rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
                 for rel in files
             }
@@ -218,11 +230,29 @@ def _download(
                     "which its manifest lists",
                     path=storage.describe(manifest_rel),
                 )
-            if is_dir:
-                (staging / MANIFEST_NAME).write_bytes(storage.read_all(manifest_rel))
+            if is_dir and manifest_raw is not None:
+                # the very manifest the files were checked against, never read again: the
+                # store's could have been replaced by a newer sync meanwhile
+                (staging / MANIFEST_NAME).write_bytes(manifest_raw)
                 _stamp(staging / MANIFEST_NAME, storage, manifest_rel)
         _drop_leftovers(staging, files, c.name if is_dir else None)
         fsync_dir(staging)
+        if record is None:
+            # nothing to check the bytes against: the staged copy is checked structurally,
+            # and published only if it passes
+            problem = _structural_problem(
+                staging if is_dir else staging / c.name.rsplit("/", 1)[-1],
+                staging,
+                final if is_dir else final.parent,
+            )
+            if problem is not None:
+                damaged = True
+                result.action = "failed"
+                result.reason = (
+                    f"no checksum manifest, and the structural check failed: {problem.rstrip('.')}; "
+                    "nothing was published"
+                )
+                return result
         if is_dir:
             # over the local copy when it is replaced (`_resynced_since_pulled`)
             publish(staging, final, force=replace)
@@ -236,16 +266,37 @@ def _download(
         if damaged:
             # nothing of a copy that disagrees with its manifest is worth keeping
             shutil.rmtree(staging, ignore_errors=True)
-    if manifest is None:
-        # nothing to check the bytes against: the structure is checked instead
-        from ..verify.run import verify
-
-        if not verify(str(final)).ok:
-            result.action = "failed"
-            result.reason = "no checksum manifest, and the structural check failed"
-            return result
-    result.verified = manifest is not None
+    result.verified = record is not None
     return result
+
+
+def _structural_problem(staged: Path, staging: Path, shown: Path) -> str | None:
+    """The first error `ckpt verify` finds in a staged copy, or None when it passes; files
+    are named where they would have been published (`shown` for `staging`)."""
+    from ..verify.run import verify
+
+    report = verify(str(staged))
+    if report.ok:
+        return None
+    first = next((p for p in report.problems if p.severity == "error"), None)
+    if first is None:
+        return "verify failed"
+    return first.message.replace(str(staging), str(shown))
+
+
+def _kept_local(mine: RunCheckpoint | None, path: Path) -> str | None:
+    """Why the local thing of a remote checkpoint's name is neither `present` nor replaced
+    by the pull (None: it is one or the other): a save still being written here, a link, or
+    something that is no checkpoint. A complete local copy is never replaced by this rule;
+    an incomplete or interrupted one is (`publish` swaps it out in one rename)."""
+    fix = "Move it away (or wait for the save to finish), then sync again."
+    if mine is None:
+        return f"{path} exists here and is no checkpoint; it was not replaced. {fix}"
+    if mine.symlink:
+        return f"{path} is a link here ({mine.status}); it was not replaced. {fix}"
+    if mine.status == "writing":
+        return f"{path} is being written here ({mine.reason}); it was not replaced. {fix}"
+    return None
 
 
 def _resynced_since_pulled(
@@ -354,6 +405,7 @@ def sync_down(
     *,
     latest_only: bool = False,
     limit: RateLimit | None = None,
+    settle: float = DEFAULT_SETTLE,
 ) -> SyncReport:
     """`ckpt sync s3://… RUN_DIR`: pull the newest (or every missing) complete checkpoint."""
     limit = limit or RateLimit(None)
@@ -373,6 +425,9 @@ def sync_down(
             )
         wanted = wanted[-1:]
     report.checkpoints += _passed_over(remote.checkpoints, wanted, latest_only)
+    # what is here already, judged as `ckpt latest` judges it: a save cut short here is no
+    # copy of the store's complete one
+    here = {c.name: c for c in scan_run(dest_root, settle=settle).checkpoints}
     for c in wanted:
         is_dir = c.name not in listing
         manifest_rel = checksum_manifest_of(c.name, is_dir)
@@ -383,11 +438,30 @@ def sync_down(
             if (rel.startswith(f"{c.name}/") if is_dir else rel in own) and rel != manifest_rel
         }
         replace = False
-        if (dest_root / c.name).exists():
+        replaced_why = "synced again since it was pulled: the local copy was replaced"
+        if (dest_root / c.name).exists() or (dest_root / c.name).is_symlink():
+            mine = here.get(c.name)
+            kept = _kept_local(mine, dest_root / c.name)
+            if kept is not None:
+                report.failed.append(f"{c.name}: {kept}")
+                report.checkpoints.append(
+                    SyncedCheckpoint(
+                        name=c.name, step=c.step, action="failed", reason=kept, files=len(files)
+                    )
+                )
+                continue
+            assert mine is not None  # `_kept_local` keeps what is no checkpoint here
             local_manifest = dest_root / manifest_rel
-            replace = is_dir and _resynced_since_pulled(
-                storage, manifest_rel, listing, local_manifest
-            )
+            if not mine.complete:
+                replace = True
+                replaced_why = (
+                    f"the local copy was {mine.status} ({mine.reason}): replaced by the "
+                    "store's complete copy"
+                )
+            else:
+                replace = is_dir and _resynced_since_pulled(
+                    storage, manifest_rel, listing, local_manifest
+                )
             if not replace:
                 report.checkpoints.append(
                     SyncedCheckpoint(
@@ -415,13 +489,15 @@ def sync_down(
                 )
             )
             continue
-        manifest = remote_manifest(storage, manifest_rel) if manifest_rel in listing else None
         try:
+            manifest = (
+                remote_manifest_bytes(storage, manifest_rel) if manifest_rel in listing else None
+            )
             done = _download(
                 storage, c, files, manifest, manifest_rel, dest_root, limit, replace=replace
             )
             if replace and done.action == "downloaded":
-                done.reason = "synced again since it was pulled: the local copy was replaced"
+                done.reason = replaced_why
         except CkptError as error:
             done = SyncedCheckpoint(name=c.name, step=c.step, action="failed", reason=str(error))
         if done.action == "failed":
