@@ -733,6 +733,28 @@ def test_a_pull_replaces_an_interrupted_local_save_of_the_same_name(
     assert not (busy / "checkpoint-200" / "trainer_state.json").exists()
 
 
+def test_a_url_without_a_bucket_or_a_missing_bucket_is_a_clear_error(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    out = trainer_run(tmp_path, steps=(100,))
+    for args in (
+        ("sync", out, "s3://"),
+        ("sync", "s3://", tmp_path / "pulled"),
+        ("sync", out, "s3:///run"),
+        ("latest", "s3://"),
+        ("inspect", "s3://"),
+        ("prune", "s3://", "--keep-last", "1"),
+    ):
+        result = run_ckpt(*args, "--json")
+        assert result.exit_code == 2, (args, result.stdout)
+        assert "a bucket is needed" in result.json["error"]["message"], args
+    assert not (tmp_path / "pulled").exists() and not Path("s3:").exists()
+    # a bucket that does not exist: exit 3 and what to do, as convert and reshard say it
+    missing = run_ckpt("sync", out, "s3://nobucket/run/", "--json")
+    assert missing.exit_code == 3, missing.stdout
+    assert "bucket 'nobucket' does not exist" in missing.json["error"]["message"]
+
+
 def test_a_pulled_run_pushed_back_sends_nothing_it_pulled(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

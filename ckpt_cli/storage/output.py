@@ -172,6 +172,18 @@ def _remote_exists(dest: RemoteDest) -> bool:
         raise remote_failure(exc, dest.url) from None
 
 
+def require_bucket(dest: RemoteDest) -> None:
+    """Refuse (exit 3) a destination whose bucket does not exist: every command that writes
+    to an object store says so the same way, before any work is done."""
+    bucket = dest.path.split("/", 1)[0]
+    if not _remote_exists(RemoteDest(url=dest.url, fs=dest.fs, path=bucket)):
+        raise NotFoundError(
+            f"the bucket {bucket!r} does not exist",
+            path=dest.url,
+            fix="Create it first (e.g. `aws s3 mb`), or check the endpoint and credentials.",
+        )
+
+
 def check_destination(dest: Destination, force: bool) -> None:
     """Refuse an existing destination without --force, before any work is done."""
     if isinstance(dest, RemoteDest):
@@ -181,13 +193,7 @@ def check_destination(dest: Destination, force: bool) -> None:
                 path=dest.url,
                 fix="Choose another destination or pass --force to replace it.",
             )
-        bucket = dest.path.split("/", 1)[0]
-        if not _remote_exists(RemoteDest(url=dest.url, fs=dest.fs, path=bucket)):
-            raise NotFoundError(
-                f"the bucket {bucket!r} does not exist",
-                path=dest.url,
-                fix="Create it first (e.g. `aws s3 mb`), or check the endpoint and credentials.",
-            )
+        require_bucket(dest)
         return
     if (dest.exists() or dest.is_symlink()) and not force:
         raise DestinationExistsError(

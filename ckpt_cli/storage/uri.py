@@ -11,6 +11,8 @@ from ..errors import UsageError
 
 _URL = re.compile(r"^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*)://(?P<rest>.*)$")
 _HF_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
+#: object stores whose URLs start with a bucket (container): `s3://BUCKET/prefix`
+BUCKET_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,14 @@ def parse_location(text: str) -> Location:
         return Location(raw=text, kind="local", path=Path(rest).expanduser())
     if scheme == "hf":
         return _parse_hf(text, rest)
+    if scheme in BUCKET_SCHEMES and not rest.split("/", 1)[0]:
+        # `s3://` or `s3:///run`: no bucket (the store would be asked to list every bucket,
+        # or a folder named `s3:` looked for on this disk)
+        raise UsageError(
+            "a bucket is needed: the URL names none",
+            path=text,
+            fix=f"Write it as {scheme}://BUCKET/prefix/.",
+        )
     return Location(raw=text, kind="fsspec", url=text, path=Path(rest))
 
 

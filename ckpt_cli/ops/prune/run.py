@@ -24,7 +24,7 @@ from ...sources.runs import DELETING, is_remote, scan_run
 from ...sources.runs.records import CHECKSUM_MANIFEST
 from ...storage import PARITY_DIR
 from ...storage.output import TMP_MARKER, fsync_dir
-from ...storage.uri import is_hub_url
+from ...storage.uri import is_hub_url, parse_location
 from .retention import (
     PARTLY_DELETED,
     PruneDecision,
@@ -255,6 +255,7 @@ def prune(
             fix="Read the plan without --yes, then delete the folders with "
             "`huggingface-cli repo-files REPO delete checkpoint-N/` or HfApi.delete_folder.",
         )
+    parse_location(str(run_dir))  # a URL with no bucket is refused before it is trimmed
     root: Path | str = str(run_dir).rstrip("/") if remote else Path(run_dir)
     run = scan_run(root, metric=policy.keep_best, mode=policy.mode, settle=policy.settle)
     if strict_metric and run.best is not None and run.best.name is None:

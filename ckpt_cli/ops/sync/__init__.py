@@ -49,7 +49,7 @@ from pydantic import ConfigDict
 from ...errors import NotFoundError, UsageError
 from ...models import Record
 from ...sources.runs import DEFAULT_SETTLE, is_remote
-from ...storage.uri import is_hub_url
+from ...storage.uri import is_hub_url, parse_location
 from ..prune.retention import PrunePolicy
 from .model import RateLimit, SyncedCheckpoint, SyncReport
 from .push import DEFAULT_JOBS, sync_up
@@ -141,6 +141,8 @@ def sync_with(
     """`sync` as `request` says (the command's one call); the sinks are `sync`'s."""
     latest_only, settle, prune_policy = request.latest_only, request.settle, request.prune_policy
     watch_seconds, max_iterations = request.watch_seconds, request.max_iterations
+    for side in (src, dest):
+        parse_location(side)  # a URL with no bucket is refused here, before it is trimmed
     up = is_remote(dest) and not is_remote(src)
     down = is_remote(src) and not is_remote(dest)
     if not (up or down):
