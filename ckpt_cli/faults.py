@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import PurePath
 from types import FrameType
 from typing import Any
@@ -103,6 +104,15 @@ class HeldStopSignals:
         if self.arrived is not None:
             arrived, self.arrived = self.arrived, None
             signal.raise_signal(arrived)
+
+
+def close_pool(pool: Executor) -> None:
+    """Shut a worker pool down, its queued work dropped. Once a stop signal has arrived, the
+    threads still inside a request are not waited for: a stalled request would hold Ctrl-C
+    (or SIGTERM) for its timeout and every retry. The CLI ends the process with `os._exit`
+    once its cleanup is done, which joins no thread; otherwise (no signal) the running work
+    finishes first, as before."""
+    pool.shutdown(wait=received is None, cancel_futures=True)
 
 
 def install_handlers() -> None:

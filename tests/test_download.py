@@ -683,3 +683,52 @@ def test_the_index_selection_chooses_what_select_and_with_sidecars_choose(
 
     assert [(e.name, e.file) for e in picked] == [(e.name, e.file) for e in chosen]
     assert [(e.name, e.file) for e in wanted] == [(e.name, e.file) for e in with_scales]
+
+
+def test_ctrl_c_is_honoured_while_a_shard_request_is_stalled(hub: TestHub, tmp_path: Path) -> None:
+    """A Hub that stops answering one shard must not hold Ctrl-C for the request's timeout
+    and retries: the download stops at once, exit 130, with its JSON envelope."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from .conftest import REPO
+
+    _, weight_map = publish(hub, tmp_path)
+    stalled = sorted(set(weight_map.values()))[1]
+    hit = threading.Event()
+
+    class Stall(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            hit.set()
+            return super().wait(timeout)
+
+    gate = hub.hold("org/model", stalled, most=120)
+    stall = Stall()
+    hub._holds[("org/model", stalled)] = stall  # the same hold, telling when it is hit
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for mode in ("shards", "tensors"):
+        hit.clear()
+        args = ["download", "hf://org/model", str(tmp_path / mode), "--mode", mode, "--json"]
+        env["HF_HOME"] = str(tmp_path / f"hf-{mode}")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckpt_cli", *args], env=env, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert hit.wait(120), "the stalled shard was never asked for"
+            time.sleep(0.5)  # the request is now waiting in a worker thread
+            proc.send_signal(signal.SIGINT)
+            sent = time.monotonic()
+            out, _ = proc.communicate(timeout=60)
+            waited = time.monotonic() - sent
+        finally:
+            proc.kill()
+            proc.wait()
+        assert proc.returncode == 130, (mode, out)
+        assert waited < 10, f"{mode}: Ctrl-C took {waited:.1f} s"
+        assert json.loads(out)["exit_code"] == 130
+        assert not (tmp_path / mode).exists()
+    stall.set()
+    gate.set()

@@ -645,6 +645,46 @@ def test_a_save_synced_again_is_pulled_again(s3_server: S3Server, tmp_path: Path
     assert {c["action"] for c in third.json["result"]["checkpoints"]} == {"present"}
 
 
+def test_sigterm_is_honoured_while_an_upload_is_stalled(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A store that stops answering one upload must not hold SIGTERM (a preempted job has
+    seconds): the sync stops at once, exit 143, with its JSON envelope, and resumes later."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    target = "/checkpoint-200/optimizer.pt"
+    s3_server.hold = lambda r: r.method == "PUT" and r.path.endswith(target)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "sync", str(out), f"s3://{BUCKET}/run/", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(r.path.endswith(target) for r in s3_server.requests):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        stdout, _ = proc.communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        proc.kill()
+        proc.wait()
+        s3_server.hold = None
+        s3_server.release.set()
+    assert proc.returncode == 143, stdout
+    assert waited < 10, f"SIGTERM took {waited:.1f} s"
+    assert json.loads(stdout)["exit_code"] == 143
+    s3_server.wait_idle()
+    again = run_ckpt("sync", out, f"s3://{BUCKET}/run/")
+    assert again.exit_code == 0, again.stdout
+    assert remote_checkpoints(s3_server.endpoint) == {"checkpoint-100", "checkpoint-200"}
+
+
 def test_a_pull_keeps_the_manifest_its_files_were_checked_against(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

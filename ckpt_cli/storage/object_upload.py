@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..faults import close_pool
 from .output import UPLOAD_BLOCK
 
 #: files under this size go up in one PUT (S3 recommends multipart uploads from about
@@ -232,7 +233,7 @@ class ObjectUploader:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            close_pool(pool)
         if self._forget is not None:
             self._forget.join()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ...errors import FormatError
+from ...faults import close_pool
 from ...formats.base import Source
 from ...formats.names import SAFETENSORS_SUFFIX
 from ...formats.safetensors.format import SafetensorsFormat
@@ -223,7 +224,7 @@ def fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> in
             if future in done and future.exception() is not None:
                 raise future.exception()  # type: ignore[misc]
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        close_pool(pool)
         progress.finish()
     return received[0]
 

@@ -18,6 +18,7 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 
 from ...errors import FormatError, NotFoundError
+from ...faults import close_pool
 from ...formats.base import Source, WriteOptions
 from ...formats.names import SAFETENSORS_SUFFIX
 from ...formats.safetensors.format import SafetensorsCheckpoint, SafetensorsFormat
@@ -266,7 +267,7 @@ def _ordered_parts(
     finally:
         for future in pending:
             future.cancel()
-        pool.shutdown(wait=True, cancel_futures=True)
+        close_pool(pool)
 
 
 class _Cursor:

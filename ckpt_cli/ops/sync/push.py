@@ -14,6 +14,7 @@ from typing import Any
 
 from ... import __version__
 from ...errors import CkptError, FormatError, NotFoundError, UsageError
+from ...faults import close_pool
 from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, RunReport, scan_run
 from ...sources.runs.records import CHECKSUM_MANIFEST, SYNC_RECORD, checksum_manifest_of
 from ...storage import remote_failure
@@ -635,7 +636,7 @@ def _upload_round(
         return out
     finally:
         # Ctrl-C or a bug: what is queued is dropped, what is being sent ends first
-        pool.shutdown(wait=True, cancel_futures=True)
+        close_pool(pool)
 
 
 def _failed(c: RunCheckpoint, error: CkptError) -> SyncedCheckpoint:
