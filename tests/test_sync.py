@@ -685,6 +685,31 @@ def test_sigterm_is_honoured_while_an_upload_is_stalled(
     assert remote_checkpoints(s3_server.endpoint) == {"checkpoint-100", "checkpoint-200"}
 
 
+def test_staging_debris_inside_a_checkpoint_is_never_uploaded(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """What a killed `protect --force` or `verify --write-manifest --force` leaves inside a
+    checkpoint is no part of it: not uploaded, not in the remote manifest, not pulled back."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    debris = out / "checkpoint-100" / "..ckpt-parity.ckpt-tmp-k1ll3d"
+    debris.mkdir()
+    (debris / "parity-0.bin").write_bytes(os.urandom(4096))
+    (out / "checkpoint-100" / ".ckpt-manifest.json.ckpt-tmp-x1").write_bytes(b"{")
+    age(out)
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    keys = list_keys(s3_server.endpoint, BUCKET, "run/")
+    assert keys and not [k for k in keys if ".ckpt-tmp-" in k]
+    manifest = json.loads(
+        fetch_object(s3_server.endpoint, BUCKET, "run/checkpoint-100/ckpt-manifest.json")
+    )
+    assert not [n for n in manifest["files"] if ".ckpt-tmp-" in n]
+    back = tmp_path / "back"
+    assert run_ckpt("sync", f"s3://{BUCKET}/run/", back).exit_code == 0
+    assert not [p for p in (back / "checkpoint-100").rglob("*") if ".ckpt-tmp-" in p.name]
+    assert run_ckpt("verify", back / "checkpoint-100", "--checksums").exit_code == 0
+
+
 def test_a_pull_keeps_the_manifest_its_files_were_checked_against(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

@@ -12,7 +12,7 @@ from ...errors import FormatError, NotFoundError
 from ...formats.names import is_commit_marker
 from ...sources.runs import RUN_SLIM_RECORD, UNMARKED, RunCheckpoint
 from ...sources.runs.records import SYNC_RECORD, checksum_manifest_of
-from ...storage import Storage
+from ...storage import Storage, is_staging_name
 from ...storage.output import UPLOAD_BLOCK
 from ..verify.checksums import ChecksumManifest
 
@@ -46,7 +46,9 @@ def left_out(top: dict[str, bool], checkpoints: list[RunCheckpoint], run_dir: st
 
 def local_files(run_root: Path, c: RunCheckpoint) -> dict[str, Path]:
     """The files of a local checkpoint, by path relative to the run folder (hidden ones too:
-    the `.ckpt-parity/` folder travels with the checkpoint)."""
+    the `.ckpt-parity/` folder travels with the checkpoint). ckpt's own staging names (what
+    a killed `protect` or `verify --write-manifest` left inside it) are no part of it, as in
+    every listing and manifest."""
     out: dict[str, Path] = {}
     for raw in c.paths:
         path = Path(raw)
@@ -54,8 +56,10 @@ def local_files(run_root: Path, c: RunCheckpoint) -> dict[str, Path]:
             out[path.relative_to(run_root).as_posix()] = path
             continue
         for dirpath, dirs, files in os.walk(path):
-            dirs.sort()
+            dirs[:] = sorted(d for d in dirs if not is_staging_name(d))
             for fname in sorted(files):
+                if is_staging_name(fname):
+                    continue
                 full = Path(dirpath, fname)
                 if not full.is_symlink():
                     out[full.relative_to(run_root).as_posix()] = full
