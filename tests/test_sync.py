@@ -710,6 +710,30 @@ def test_staging_debris_inside_a_checkpoint_is_never_uploaded(
     assert run_ckpt("verify", back / "checkpoint-100", "--checksums").exit_code == 0
 
 
+def test_a_manifest_naming_paths_outside_its_checkpoint_is_refused_as_unsafe(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    import boto3
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    key = "run/checkpoint-200/ckpt-manifest.json"
+    original = json.loads(fetch_object(s3_server.endpoint, BUCKET, key))
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    for hostile in ("../../../../etc/passwd", "/etc/passwd"):
+        manifest = json.loads(json.dumps(original))
+        manifest["files"][hostile] = {"size": 2, "digest": "0" * 64}
+        client.put_object(Bucket=BUCKET, Key=key, Body=json.dumps(manifest).encode())
+        checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-200", "--checksums", "--json")
+        assert checked.exit_code == 4, checked.stdout
+        assert hostile in checked.json["error"]["message"]
+        pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", tmp_path / "pulled", "--latest", "--json")
+        assert pulled.exit_code == 4, pulled.stdout
+        assert hostile in pulled.json["error"]["message"]
+        assert not (tmp_path / "pulled" / "checkpoint-200").exists()
+
+
 def test_a_pull_keeps_the_manifest_its_files_were_checked_against(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

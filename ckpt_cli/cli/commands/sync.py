@@ -185,8 +185,8 @@ def sync(
 
         if report.refused_keys:
             return UnsafeInputError(
-                "the remote listing holds keys that are not safe file names: "
-                + ", ".join(repr(k) for k in report.refused_keys),
+                "the remote listing (or a checkpoint's manifest) names paths that are not "
+                "safe file names: " + ", ".join(repr(k) for k in report.refused_keys),
                 path=src,
                 fix="Delete or rename those objects; every other checkpoint was synced.",
             )

@@ -15,7 +15,7 @@ from ...sources.runs.records import DEFAULT_SETTLE, checksum_manifest_of
 from ...storage import LocalStorage, Storage
 from ...storage.hashing import hasher_factory
 from ...storage.output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir, publish
-from ..verify.checksums import MANIFEST_NAME, ChecksumManifest
+from ..verify.checksums import MANIFEST_NAME, ChecksumManifest, refuse_unsafe_manifest
 from .model import RateLimit, SyncedCheckpoint, SyncReport
 from .plan import ROOT_FILES, left_out, remote_manifest_bytes
 
@@ -493,6 +493,11 @@ def sync_down(
             manifest = (
                 remote_manifest_bytes(storage, manifest_rel) if manifest_rel in listing else None
             )
+            if manifest is not None and manifest[0].unsafe_names():
+                report.refused_keys += [
+                    f"{manifest_rel}: {name}" for name in manifest[0].unsafe_names()
+                ]
+                refuse_unsafe_manifest(manifest[0], storage.describe(manifest_rel))
             done = _download(
                 storage, c, files, manifest, manifest_rel, dest_root, limit, replace=replace
             )

@@ -20,13 +20,20 @@ from typing import TYPE_CHECKING, Any
 
 from ... import __version__
 from ...dist.command import CombinedProgress, RankShare, active
-from ...errors import CkptError, DestinationExistsError, FormatError, NotFoundError, UsageError
+from ...errors import (
+    CkptError,
+    DestinationExistsError,
+    FormatError,
+    NotFoundError,
+    UnsafeInputError,
+    UsageError,
+)
 from ...formats import resolve_source
 from ...formats.base import Source
 from ...models import Problem, Record
 from ...progress import Progress
 from ...sources.runs.records import CHECKSUM_MANIFEST
-from ...storage import LocalStorage, RemoteFile, hf_cache_repo
+from ...storage import LocalStorage, RemoteFile, hf_cache_repo, safe_relpath
 from ...storage.hashing import ALGORITHMS, Hashable, StoredFile, hash_files
 from ...storage.output import (
     Destination,
@@ -73,6 +80,31 @@ class ChecksumManifest(Record):
     tool: str
     format: str | None = None
     files: dict[str, FileDigest]
+
+    def unsafe_names(self) -> list[str]:
+        """The names that are no file inside the checkpoint (`../x`, `/etc/x`, a NUL): a
+        corrupt or hostile manifest, refused as such, never reported as missing files."""
+        out = []
+        for name in self.files:
+            try:
+                safe_relpath(name, source="")
+            except UnsafeInputError:
+                out.append(name)
+        return out
+
+
+def refuse_unsafe_manifest(manifest: ChecksumManifest, where: str) -> None:
+    """Refuse (exit 4) a manifest that names a path outside the checkpoint."""
+    unsafe = manifest.unsafe_names()
+    if unsafe:
+        more = f" and {len(unsafe) - 1} more" if len(unsafe) > 1 else ""
+        raise UnsafeInputError(
+            f"names {unsafe[0]!r}{more}, not a file inside the checkpoint (an absolute path, "
+            "or one that leaves it)",
+            path=where,
+            fix="This manifest is corrupt or hostile; do not use it. Write a new one from a "
+            "known-good copy with `ckpt verify SRC --write-manifest --force`.",
+        )
 
 
 def manifest_exists(path: Destination) -> bool:
@@ -396,6 +428,7 @@ def read_manifest(path: Destination) -> ChecksumManifest:
             path=str(path),
             fix="Write it again with `ckpt verify SRC --write-manifest --force`.",
         ) from None
+    refuse_unsafe_manifest(manifest, str(path))
     if manifest.algorithm not in ALGORITHMS:
         raise FormatError(
             f"records digests of unknown algorithm {manifest.algorithm!r}", path=str(path)
