@@ -196,3 +196,22 @@ def test_one_run_folder_gets_the_same_verdicts_on_disk_and_in_s3(
     assert local[".checkpoint-700.ckpt-tmp-1234"][1] == (
         "staging folder left by an interrupted save"
     )
+
+
+def test_time_rules_on_a_hub_run_folder_without_times_are_refused(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """The Hub lists no modification times: a time rule would judge every save by 1970
+    (`--keep-within 2d` planned to delete a save pushed a minute ago)."""
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    hub.add_repo("org/run", out)
+    for rule in (("--keep-within", "2d"), ("--keep-every-duration", "1h")):
+        plan = run_ckpt("prune", "hf://org/run", *rule, "--json")
+        assert plan.exit_code == 2, plan.stdout
+        message = plan.json["error"]["message"]
+        assert rule[0] in message and "no modification times" in message
+    assert run_ckpt("prune", "hf://org/run", "--keep-last", "1").exit_code == 0
+    table = run_ckpt("latest", "hf://org/run", "--json").json["result"]
+    assert [c["mtime"] for c in table["checkpoints"]] == [None, None, None]
+    shown = run_ckpt("inspect", "hf://org/run")
+    assert "ago" not in shown.stdout and "unknown" in shown.stdout

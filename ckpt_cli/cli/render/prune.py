@@ -25,6 +25,8 @@ def _step(c: RunCheckpoint) -> str:
 
 
 def _age(mtime: float) -> str:
+    if mtime <= 0:
+        return "unknown"  # the listing records no times (a Hub repository)
     seconds = max(0.0, time.time() - mtime)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:

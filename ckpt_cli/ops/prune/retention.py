@@ -283,11 +283,13 @@ def _retention_rules(
             add(c, f"--keep-top {policy.keep_top} (#{rank} {policy.keep_best}={c.metric:g})")
     if policy.keep_within:
         window = policy.keep_within
+        _refuse_without_times(complete, f"--keep-within {_human_duration(window)}")
         for c in complete:
             if now - c.mtime <= window:
                 add(c, f"--keep-within {_human_duration(window)}")
     if policy.keep_every_duration:
         span = policy.keep_every_duration
+        _refuse_without_times(complete, f"--keep-every-duration {_human_duration(span)}")
         first: dict[int, RunCheckpoint] = {}
         for c in complete:
             slot = math.floor(c.mtime / span)
@@ -385,3 +387,16 @@ def _older_than(c: RunCheckpoint, newest: RunCheckpoint) -> bool:
     if c.step is None and c.epoch is None:  # staging folders of unknown step: compare times
         return c.mtime < newest.mtime
     return c.order < newest.order
+
+
+def _refuse_without_times(checkpoints: list[RunCheckpoint], rule: str) -> None:
+    """A time rule over a listing that records no times (a Hub repository) would judge every
+    save by 1970 (`--keep-within` keeping none of them): refused, naming the rule and why."""
+    unknown = next((c for c in checkpoints if not c.mtime_known), None)
+    if unknown is not None:
+        raise UsageError(
+            f"{rule} needs the time each checkpoint was written, and the listing records none "
+            f"for {unknown.name} (a Hub repository records no modification times)",
+            path=unknown.path,
+            fix="Use --keep-last, --keep-every or --keep-best, which need no times.",
+        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_serializer
 
 from ...models import Record
 
@@ -54,7 +54,8 @@ class RunCheckpoint(Record):
         layout: `hf-trainer`, `accelerate`, `torchtitan`, `deepspeed`, `lightning` or `plain`.
         step / epoch: from its name (`epoch` for Lightning names only).
         size: bytes on disk (a symlink counts as 0: deleting it frees nothing).
-        mtime: newest modification time of its files (seconds since the epoch).
+        mtime: newest modification time of its files (seconds since the epoch); 0.0 when the
+            listing records none (a Hub repository), null in JSON.
         status: `complete`; `incomplete` (a marker missing or a structural problem);
             `interrupted` (a staging folder left by a save that stopped); `writing` (incomplete
             or staging, and modified within the settle window).
@@ -92,6 +93,17 @@ class RunCheckpoint(Record):
     metric: float | None = None
     slim: bool = False
     save_number: int | None = None
+
+    @property
+    def mtime_known(self) -> bool:
+        """Whether the listing said when its files were written (a Hub repository does not:
+        `mtime` is then 0.0, shown as unknown, and no time rule may be applied to it)."""
+        return self.mtime > 0
+
+    @field_serializer("mtime")
+    def _unknown_time_is_null(self, mtime: float) -> float | None:
+        # 0.0 is "the listing does not say": null in JSON, never 1970
+        return mtime if mtime > 0 else None
 
     @property
     def order(self) -> tuple[float, float, float, float]:
