@@ -545,3 +545,12 @@ def test_every_command_that_reads_a_hub_location_takes_the_hub_options(tmp_path:
     assert (
         refused.exit_code == 2 and "applies to a Hub location" in refused.json["error"]["message"]
     )
+    # --token too: a token for no Hub location would be silently unused
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(2)}, tmp_path / "l.safetensors")
+    for args in (("inspect", tmp_path / "l.safetensors"), ("prune", tmp_path, "--keep-last", "1")):
+        token = run_ckpt(*args, "--token", "hf_x", "--json")
+        assert token.exit_code == 2, (args, token.stdout)
+        assert "--token applies to a Hub location" in token.json["error"]["message"]

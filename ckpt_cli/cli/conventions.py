@@ -244,6 +244,19 @@ def _conventions(function: Callable[..., Any], name: str | None = None) -> Calla
             hub = [n for n in given if is_hub_url(kwargs[n])] if len(given) > 1 else given
             for location in hub or given[:1]:
                 kwargs[location] = with_hub_options(kwargs[location], revision, repo_type)
+            named = [
+                str(v)
+                for value in kwargs.values()
+                for v in (value if isinstance(value, (list, tuple)) else [value])
+                if isinstance(v, str)
+            ]
+            if token is not None and not any(is_hub_url(v) for v in named):
+                # as --revision is: a token for no Hub location would be silently unused
+                raise UsageError(
+                    "--token applies to a Hub location (hf://…), and this command names none",
+                    fix="Leave --token out (object stores take their credentials from their "
+                    "usual environment and config), or name an hf:// location.",
+                )
         except CkptError as error:
             render.emit_error(command_name, error, json_output)
             raise typer.Exit(error.exit_code) from None
