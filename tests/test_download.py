@@ -328,6 +328,10 @@ def test_a_corrupt_file_in_the_cache_is_caught_by_the_hub_checksum(
         "download", "hf://org/model", "--cache-only", "--filter", "lm_head.*", "--json"
     )
     assert first.exit_code == 0, first.stderr
+    # a DEST with --cache-only would be left unwritten: refused, not silently ignored
+    both = run_ckpt("download", "hf://org/model", tmp_path / "d", "--cache-only", "--json")
+    assert both.exit_code == 2 and "--cache-only writes no DEST" in both.json["error"]["message"]
+    assert not (tmp_path / "d").exists()
     cached = Path(
         next(f["cache_path"] for f in first.json["result"]["files"] if f["path"] == shard)
     )

@@ -135,6 +135,14 @@ def download_with(
             "--verify-ranges applies to --mode tensors (shards are always sha256-checked)",
             fix="Drop --verify-ranges, or use --mode tensors.",
         )
+    if dest is not None and cache_only:
+        # a DEST that --cache-only would leave unwritten, exit 0: refused, as it does nothing
+        raise UsageError(
+            "--cache-only writes no DEST, and a DEST was given",
+            path=str(dest),
+            fix="Drop DEST to fill the Hugging Face cache only, or drop --cache-only to write "
+            "DEST.",
+        )
     if dest is None and not (cache_only or dry_run):
         raise UsageError("DEST is missing", fix="Name the folder to create, or pass --cache-only.")
     out = resolve_destination(dest) if dest is not None else None
