@@ -450,6 +450,25 @@ def tiny_fs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def test_a_full_disk_during_a_sync_pull_exits_74_naming_the_file(
+    tmp_path: Path, tiny_fs: Path, s3_server: object
+) -> None:
+    from .run_fixtures import age
+    from .s3_fixtures import make_bucket
+
+    out = tmp_path / "out"
+    trainer_checkpoint(out / "checkpoint-100", 100)
+    (out / "checkpoint-100" / "extra.bin").write_bytes(os.urandom(3 << 20))  # > the 2 MiB disk
+    age(out)
+    make_bucket(os.environ["AWS_ENDPOINT_URL"], "ckpts")
+    assert run_ckpt("sync", out, "s3://ckpts/run/").exit_code == 0
+    pulled = run_ckpt("sync", "s3://ckpts/run/", tiny_fs / "run", "--latest", "--json")
+    assert pulled.exit_code == 74, pulled.stdout
+    error = pulled.json["error"]
+    assert error["code"] == "io_error" and "ENOSPC" in error["message"]
+    assert "checkpoint-100" in error["message"] and error["path"] is not None
+
+
 @pytest.mark.parametrize("to", ["torch", "safetensors", "dcp"])
 def test_a_full_disk_exits_74_naming_dest_and_errno_and_removes_staging(
     tmp_path: Path, tiny_fs: Path, to: str

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...errors import CkptError, FormatError, NotFoundError, UnsafeInputError
+from ...errors import CkptError, FormatError, IOFailure, NotFoundError, UnsafeInputError
+from ...faults import io_failure
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
 from ...sources.runs.naming import deepspeed_step, deepspeed_tag
 from ...sources.runs.records import DEFAULT_SETTLE, checksum_manifest_of
@@ -89,8 +90,23 @@ def _fetch(
 ) -> str | None:
     """Stream one remote file to `target` (through `target.part`, fsynced, then renamed);
     returns its digest when a manifest gave the algorithm."""
-    hasher = new() if new else None
     part = target.with_name(target.name + ".part")
+    try:
+        return _fetch_into(storage, rel, size, target, part, new, limit)
+    except OSError as exc:  # a full disk, a quota, EIO: exit 74 naming the file written
+        raise io_failure(exc, part, "writing") from None
+
+
+def _fetch_into(
+    storage: Storage,
+    rel: str,
+    size: int,
+    target: Path,
+    part: Path,
+    new: Callable[[], Any] | None,
+    limit: RateLimit,
+) -> str | None:
+    hasher = new() if new else None
     with open(part, "wb") as out:
         offset = 0
         while offset < size:
@@ -503,6 +519,8 @@ def sync_down(
             )
             if replace and done.action == "downloaded":
                 done.reason = replaced_why
+        except IOFailure:
+            raise  # this machine's disk failed, not the checkpoint: exit 74, as elsewhere
         except CkptError as error:
             done = SyncedCheckpoint(name=c.name, step=c.step, action="failed", reason=str(error))
         if done.action == "failed":
