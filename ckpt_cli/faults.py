@@ -127,10 +127,12 @@ def interruption(
     exc: BaseException | None = None,
     problem: str = "interrupted",
     path: str | PurePath | None = None,
+    fix: str | None = None,
 ) -> Interrupted:
-    """The error to report for an interruption: by SIGTERM (143), SIGHUP (129) or Ctrl-C (130)."""
+    """The error to report for an interruption: by SIGTERM (143), SIGHUP (129) or Ctrl-C (130);
+    `fix` where what was left differs from the usual (partial outputs removed)."""
     signum = exc.signum if isinstance(exc, Signalled) else received
-    fix = "Run the command again when ready (partial outputs are removed)."
+    fix = fix or "Run the command again when ready (partial outputs are removed)."
     if signum == getattr(signal, "SIGTERM", None):
         problem = problem.replace("interrupted", "terminated (SIGTERM)", 1)
         return Terminated(problem, path=path, fix=fix)

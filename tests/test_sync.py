@@ -1025,6 +1025,37 @@ def test_data_files_go_up_side_by_side_and_the_markers_after_them(
     assert checked.exit_code == 0, checked.stdout
 
 
+def test_an_interrupted_pull_says_its_staging_is_kept_to_resume(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_cli.ops.sync import pull
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run").exit_code == 0
+    fresh = tmp_path / "fresh"
+    real_fetch = pull._fetch
+    fetched: list[str] = []
+
+    def ctrl_c_after_one(*args: object, **kwargs: object) -> object:
+        if fetched:
+            raise KeyboardInterrupt
+        fetched.append(str(args[1]))
+        return real_fetch(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pull, "_fetch", ctrl_c_after_one)
+    cut = run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--latest", "--json")
+    assert cut.exit_code == 130, cut.stdout
+    staging = fresh / ".checkpoint-100.ckpt-tmp-pull"
+    assert staging.is_dir()
+    message = cut.json["error"]["message"]
+    assert str(staging) in message and "resumes" in message
+    assert "partial outputs are removed" not in message
+    monkeypatch.setattr(pull, "_fetch", real_fetch)
+    again = run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--latest", "--json")
+    assert again.exit_code == 0 and again.json["result"]["checkpoints"][0]["files_reused"] == 1
+
+
 def test_a_cut_pull_resumes_keeping_the_files_already_whole(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,8 +8,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...errors import CkptError, FormatError, IOFailure, NotFoundError, UnsafeInputError
-from ...faults import io_failure
+from ...errors import (
+    CkptError,
+    FormatError,
+    Interrupted,
+    IOFailure,
+    NotFoundError,
+    UnsafeInputError,
+)
+from ...faults import interruption, io_failure
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
 from ...sources.runs.naming import deepspeed_step, deepspeed_tag
 from ...sources.runs.records import DEFAULT_SETTLE, checksum_manifest_of
@@ -278,6 +285,13 @@ def _download(
                 os.rename(staging / rel.rsplit("/", 1)[-1], dest_root / rel)
             shutil.rmtree(staging, ignore_errors=True)
         fsync_dir(final.parent)
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: the staging is kept to resume
+        raise interruption(
+            exc,
+            f"interrupted; the partial pull of {c.name} is kept in {staging}",
+            final,
+            fix="Run the same `ckpt sync` again: it resumes, keeping every file already whole.",
+        ) from None
     finally:
         if damaged:
             # nothing of a copy that disagrees with its manifest is worth keeping
@@ -519,8 +533,8 @@ def sync_down(
             )
             if replace and done.action == "downloaded":
                 done.reason = replaced_why
-        except IOFailure:
-            raise  # this machine's disk failed, not the checkpoint: exit 74, as elsewhere
+        except (IOFailure, Interrupted):
+            raise  # this machine's disk failed, or a signal came: not the checkpoint's fault
         except CkptError as error:
             done = SyncedCheckpoint(name=c.name, step=c.step, action="failed", reason=str(error))
         if done.action == "failed":
