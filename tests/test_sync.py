@@ -841,7 +841,8 @@ def test_a_url_without_a_bucket_or_a_missing_bucket_is_a_clear_error(
     # a bucket that does not exist: exit 3 and what to do, as convert and reshard say it
     missing = run_ckpt("sync", out, "s3://nobucket/run/", "--json")
     assert missing.exit_code == 3, missing.stdout
-    assert "bucket 'nobucket' does not exist" in missing.json["error"]["message"]
+    assert "bucket does not exist" in missing.json["error"]["message"]
+    assert "aws s3 mb" in missing.json["error"]["message"]
 
 
 def test_a_pulled_run_pushed_back_sends_nothing_it_pulled(

@@ -46,6 +46,13 @@ def remote_failure(exc: BaseException, where: str, *, writing: bool = False) -> 
         return exc
     if isinstance(exc, FileNotFoundError) and not writing:
         return NotFoundError("no such remote file", path=where)
+    if isinstance(exc, FileNotFoundError):
+        # an object store has no folders to be missing: a write finds no bucket
+        return NotFoundError(
+            f"cannot write there: the bucket does not exist ({exc})",
+            path=where,
+            fix="Create it first (e.g. `aws s3 mb`), or check the endpoint and credentials.",
+        )
     action = "write to" if writing else "read from"
     return HubError(
         f"cannot {action} the remote store ({type(exc).__name__}: {exc})",

@@ -20,7 +20,7 @@ from ...sources.runs.records import CHECKSUM_MANIFEST, SYNC_RECORD, checksum_man
 from ...storage import remote_failure
 from ...storage.hashing import hasher_factory
 from ...storage.object_upload import ObjectUploader, multipart_etag
-from ...storage.output import UPLOAD_BLOCK, RemoteDest, require_bucket
+from ...storage.output import UPLOAD_BLOCK
 from ...storage.remote import listing_time
 from ...storage.uri import parse_location
 from ..prune.retention import PrunePolicy
@@ -103,7 +103,6 @@ class _Uploader:
                 path=dest,
                 fix="Name a folder-like prefix, e.g. s3://bucket/runs/my-run/.",
             )
-        require_bucket(RemoteDest(url=self.dest, fs=self.fs, path=self.root))
         #: objects are written and removed through the write side of the prefix's storage;
         #: listings and checks read the store's own records (sizes, ETags)
         self.store = FsspecStorage(self.fs, self.root, self.dest)
