@@ -20,12 +20,14 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor
 from pathlib import PurePath
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import HungUp, Interrupted, IOFailure, Terminated
+
+if TYPE_CHECKING:  # a metadata command never imports the pools (tests/test_startup.py)
+    from concurrent.futures import Executor
 
 #: the signal that stopped this process, once one arrived (SIGINT included)
 received: int | None = None
