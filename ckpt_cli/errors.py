@@ -86,6 +86,13 @@ class UnsafeInputError(FormatError):
     code = "unsafe_input"
 
 
+class CorruptDataError(FormatError):
+    """Stored bytes that fail the checksum their own file records for them (a zip member's
+    CRC-32): they changed after they were written (exit 4)."""
+
+    code = "corrupt_data"
+
+
 class DestinationExistsError(UsageError):
     """An output that exists already and `--force` was not given (exit 2)."""
 

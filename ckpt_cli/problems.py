@@ -62,6 +62,13 @@ CODES: dict[str, Code] = _codes(
     # ---- errors (CkptError subclasses; also reported as problems when a check meets one)
     Code("bad_checkpoint", _E, "a file is corrupt, hostile, unsupported or ambiguous", raised=True),
     Code(
+        "corrupt_data",
+        _E,
+        "stored bytes fail the CRC-32 their own file records for them (a torch.save record "
+        "changed after it was written)",
+        raised=True,
+    ),
+    Code(
         "dcp_interrupted",
         _E,
         "a DCP folder with data files but no `.metadata`, or a rank's "

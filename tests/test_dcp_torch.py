@@ -703,3 +703,81 @@ def test_nested_torch_save_converted_to_dcp_keeps_lists_for_dcp_to_torch_save(
         torch.load(tmp_path / "ours.pt", weights_only=False),
         torch.load(tmp_path / "real.pt", weights_only=False),
     )
+
+
+# --- corrupt blobs: refused, never copied under a fresh CRC -------------------------------
+
+
+def _corrupt_blob(folder: Path, fqn: str, at: int, data: bytes) -> None:
+    """Overwrite bytes `at` into the stored blob of `fqn` (as a bad disk or a cut copy would)."""
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == fqn]
+    with open(folder / info.relative_path, "r+b") as fh:
+        fh.seek(info.offset + at)
+        fh.write(data)
+
+
+def test_a_corrupt_scheduler_blob_is_named_as_corruption_and_never_resharded(
+    tmp_path: Path,
+) -> None:
+    """A bit rot in one object blob (its zip CRC-32 fails): reshard used to publish it,
+    'verified before publishing', into an output dcp.load cannot read."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    src = tmp_path / "src"
+    dcp.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+        },
+        checkpoint_id=str(src),
+        no_dist=True,
+    )
+    _corrupt_blob(src, "scheduler.base_lrs", 60, b"\xde\xad\xbe\xef" * 8)
+
+    resharded = run_ckpt("reshard", src, tmp_path / "out", "--world-size", "2")
+    assert resharded.exit_code == 4, resharded.stdout + resharded.stderr
+    assert not (tmp_path / "out").exists()
+    for message in (
+        resharded.stderr,
+        run_ckpt("convert", src, tmp_path / "c", "--to", "dcp").stderr,
+    ):
+        assert "'scheduler.base_lrs'" in message and "corrupt" in message
+        assert "CRC-32" in message and "good copy" in message
+        assert "load it with torch yourself" not in message
+    verify = run_ckpt("verify", src, "--json")
+    assert verify.exit_code == 1
+    (problem,) = verify.json["result"]["problems"]
+    assert problem["code"] == "corrupt_data" and problem["tensor"] == "scheduler.base_lrs"
+    assert "restricted reader" not in problem["message"]
+
+
+def test_a_bit_flip_in_tensor_data_fails_deep_verify_and_every_copy(tmp_path: Path) -> None:
+    """torch.load checks no CRC: the flipped value used to pass `verify --deep` and be copied
+    under a freshly computed, valid CRC (the corruption then undetectable)."""
+    w = torch.arange(64, dtype=torch.float32).view(8, 8)
+    src = tmp_path / "src"
+    dcp.save({"w": w}, checkpoint_id=str(src), no_dist=True)
+    metadata = FileSystemReader(str(src)).read_metadata()
+    (info,) = metadata.storage_data.values()
+    blob = (src / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    _corrupt_blob(src, "w", blob.find(w.numpy().tobytes()[16:24]) + 2, b"\x55")
+
+    deep = run_ckpt("verify", src, "--deep", "--json")
+    assert deep.exit_code == 1, deep.stdout
+    (problem,) = deep.json["result"]["problems"]
+    assert problem["code"] == "corrupt_data" and problem["tensor"] == "w"
+    copies = [
+        ("reshard", src, tmp_path / "r", "--world-size", "2"),
+        ("convert", src, tmp_path / "d", "--to", "dcp"),
+        ("convert", src, tmp_path / "s.safetensors", "--to", "safetensors"),
+        ("convert", src, tmp_path / "t.pt", "--to", "torch"),
+    ]
+    for args in copies:
+        result = run_ckpt(*args)
+        assert result.exit_code == 4, (args, result.stdout + result.stderr)
+        assert "'w'" in result.stderr and "CRC-32" in result.stderr, result.stderr
+        assert not Path(args[2]).exists()

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from ... import dtypes
-from ...errors import CkptError, FormatError, NotFoundError
+from ...errors import CkptError, CorruptDataError, FormatError, NotFoundError
 from ...models import Chunk, Entry, Manifest
 from ...storage import RangeFile
-from ...storage.fileio import COPY_BLOCK
+from ...storage.fileio import COPY_BLOCK, FileRange
 from ..base import Checkpoint, Source
+from ..torch.pickle_scan import archive_corruption
 from ..torch.zip_write import check_zip_budget
 from .megatron import MEGATRON_COMMON
 from .peek import common_leaf
@@ -76,8 +77,12 @@ class DcpCheckpoint(Checkpoint):
         #: kept for every tensor, they grew with the checkpoint (#30)
         self._raw: dict[str, list[Chunk] | None] = {}
         #: (file, offset) of a torch_save blob of that tensor -> its tensor bytes as a raw chunk
-        #: (None: not plain)
-        self._located_at: dict[tuple[str, int], Chunk | None] = {}
+        #: and the CRC-32 the blob records for them (None: not plain)
+        self._located_at: dict[tuple[str, int], tuple[Chunk, int | None] | None] = {}
+        #: the last tensor's raw chunks' recorded CRC-32s, in `_raw`'s order (None: raw bytes)
+        self._raw_crcs: dict[str, list[int | None]] = {}
+        #: (file, offset) of located tensor bytes whose CRC-32 was checked (`local_ranges`)
+        self._crc_checked: set[tuple[str, int]] = set()
         #: (file, offset) -> transform of compressed items (`zstd`); set by `DcpFormat.open`
         self.transforms: dict[tuple[str, int], str] = {}
 
@@ -86,7 +91,9 @@ class DcpCheckpoint(Checkpoint):
         super().release_entries()
         self.planner_data = None
         self._raw.clear()
+        self._raw_crcs.clear()
         self._located_at.clear()
+        self._crc_checked.clear()
 
     def _entry(self, name: str, kind: str) -> Entry:
         entry = self.manifest.by_name.get(name)
@@ -117,8 +124,17 @@ class DcpCheckpoint(Checkpoint):
         if (chunk.file, chunk.byte_offset) not in self.transforms:
             located = self._located(entry, chunk)
             if located is not None:
-                # one plain tensor in the blob: read its bytes, no torch.load
-                return self._read_raw_chunk(entry, located, None)
+                # one plain tensor in the blob: read its bytes, no torch.load; they are
+                # checked against the CRC-32 the blob records (torch.load checks none)
+                from ...storage.crc import crc32_function
+                from ...tensors import tensor_bytes
+
+                value = self._read_raw_chunk(entry, located, None)
+                recorded = self._recorded_crc(chunk)
+                if recorded is not None:
+                    got = crc32_function()(tensor_bytes(value), 0)
+                    self._check_crc(entry, chunk, recorded, got)
+                return value
         import torch
 
         from ...tensors import dtype_name
@@ -277,7 +293,9 @@ class DcpCheckpoint(Checkpoint):
         if name in self._raw:
             return self._raw[name]
         self._raw.clear()
+        self._raw_crcs.clear()
         self._located_at.clear()
+        self._crc_checked.clear()
         ordered = self._raw_order(entry)
         self._raw[name] = ordered
         return ordered
@@ -293,6 +311,17 @@ class DcpCheckpoint(Checkpoint):
             if local is None:
                 return None
             segments.append((local, chunk.byte_offset, chunk.byte_length))
+        # the ranges are copied past any reader (in the kernel, or under a CRC the writer
+        # computes afresh): tensor bytes inside torch_save blobs are checked against the
+        # CRC-32 their blob records first, so corrupt data is refused, not laundered
+        entry = self.manifest.by_name[name]
+        crcs = self._raw_crcs.get(name) or [None] * len(ordered)
+        for chunk, recorded, (local, offset, length) in zip(ordered, crcs, segments, strict=True):
+            key = (chunk.file, chunk.byte_offset)
+            if recorded is None or key in self._crc_checked:
+                continue
+            self._check_crc(entry, chunk, recorded, FileRange(local, offset, length).crc32())
+            self._crc_checked.add(key)
         return segments
 
     def _raw_order(self, entry: Entry) -> list[Chunk] | None:
@@ -309,15 +338,20 @@ class DcpCheckpoint(Checkpoint):
                 return None
             row += chunk.sizes[0] if entry.shape else 1
         located: list[Chunk] = []
+        crcs: list[int | None] = []
         for chunk in ordered:
+            crc = None
             if not chunk.raw:
                 if (chunk.file, chunk.byte_offset) in self.transforms:
                     return None
                 found = self._located(entry, chunk)
                 if found is None:
                     return None
+                crc = self._recorded_crc(chunk)
                 chunk = found
             located.append(chunk)
+            crcs.append(crc)
+        self._raw_crcs[entry.name] = crcs
         return located
 
     def _located(self, entry: Entry, chunk: Chunk) -> Chunk | None:
@@ -327,10 +361,33 @@ class DcpCheckpoint(Checkpoint):
         if key not in self._located_at:
             if len(self._located_at) >= _LOCATED_KEPT:  # reads one tensor after another
                 self._located_at.clear()
+                self._crc_checked.clear()
             self._located_at[key] = locate_chunk(
                 self._reader(chunk.file), chunk, entry.dtype, self.storage.describe(chunk.file)
             )
-        return self._located_at[key]
+        found = self._located_at[key]
+        return None if found is None else found[0]
+
+    def _recorded_crc(self, chunk: Chunk) -> int | None:
+        """The CRC-32 the blob records for the tensor bytes of torch_save `chunk` (located by
+        `_located` just before), or None for raw chunks."""
+        found = self._located_at.get((chunk.file, chunk.byte_offset))
+        return None if found is None else found[1]
+
+    def _check_crc(self, entry: Entry, chunk: Chunk, recorded: int, got: int) -> None:
+        """CorruptDataError when tensor bytes read from a torch_save blob (`chunk`) do not hold
+        the CRC-32 the blob's zip records for them."""
+        if got == recorded:
+            return
+        raise CorruptDataError(
+            f"tensor {entry.name!r}: the chunk at {chunk.offsets} (bytes "
+            f"{chunk.byte_offset}..{chunk.byte_offset + chunk.byte_length}) is corrupt: its "
+            f"bytes have CRC-32 {got:08x}, the blob's zip records {recorded:08x} (bad CRC-32: "
+            "they changed after they were written)",
+            path=self.storage.describe(chunk.file),
+            fix="Restore this file from a good copy of the checkpoint (or download it again); "
+            "ckpt copies no corrupt data",
+        )
 
     def _reader(self, rel: str) -> Callable[[int, int], bytes]:
         """`read(offset, n)` of one data file (what the zip locator reads with)."""
@@ -356,12 +413,23 @@ class DcpCheckpoint(Checkpoint):
                 f"tensor {name!r} is not stored as raw bytes in dim-0 pieces",
                 path=self.manifest.location,
             )
-        for chunk in ordered:
-            done = 0
+        from ...storage.crc import crc32_function
+
+        checksum = crc32_function()
+        entry = self.manifest.by_name[name]
+        crcs = self._raw_crcs.get(name) or [None] * len(ordered)
+        for chunk, recorded in zip(ordered, crcs, strict=True):
+            crc = done = 0
             while done < chunk.byte_length:
                 n = min(block, chunk.byte_length - done)
-                yield self.storage.read(chunk.file, chunk.byte_offset + done, n)
+                piece = self.storage.read(chunk.file, chunk.byte_offset + done, n)
+                if recorded is not None:
+                    crc = checksum(piece, crc)
+                yield piece
                 done += n
+            if recorded is not None:
+                # after the chunk's last block: what took the blocks fails before it finishes
+                self._check_crc(entry, chunk, recorded, crc)
 
     def read_object_bytes(self, name: str) -> bytes:
         """The stored bytes of a non-tensor entry (a `torch.save` blob), without loading it."""
@@ -375,9 +443,22 @@ class DcpCheckpoint(Checkpoint):
             return buffer.getvalue()
         assert entry.file is not None and entry.offset is not None
         data = self.storage.read(entry.file, entry.offset, entry.nbytes)
+        where = self.storage.describe(entry.file)
         if (entry.file, entry.offset) in self.transforms:
             limit = OBJECT_INFLATE_MAX + 64 * entry.nbytes
-            data = inflate(data, limit, self.storage.describe(entry.file), f"object {name!r}")
+            data = inflate(data, limit, where, f"object {name!r}")
+        damage = archive_corruption(data, where)
+        if damage is not None:
+            # checked here, where every reader of the bytes passes: a copy (reshard, convert
+            # to DCP) would otherwise carry the corrupt blob into an output that fails to load
+            raise CorruptDataError(
+                f"object {name!r} (bytes {entry.offset}..{entry.offset + entry.nbytes}) is "
+                f"corrupt: its torch.save archive fails its own check ({damage}); the bytes "
+                "changed after they were written",
+                path=where,
+                fix="Restore this file from a good copy of the checkpoint (or download it "
+                "again); nothing was written from it",
+            )
         return data
 
     def read_object(self, name: str) -> Any:

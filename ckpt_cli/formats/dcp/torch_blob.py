@@ -61,9 +61,12 @@ _DATE = (1980, 1, 1, 0, 0, 0)
 _ARCHIVE = "archive/"
 
 
-def locate_chunk(read: Any, chunk: Chunk, dtype: str, where: str | None = None) -> Chunk | None:
-    """`chunk` (a torch_save blob) pointing at its raw C-order tensor bytes, or None when the
-    blob is not one plain contiguous tensor of exactly the chunk's dtype and sizes.
+def locate_chunk(
+    read: Any, chunk: Chunk, dtype: str, where: str | None = None
+) -> tuple[Chunk, int | None] | None:
+    """`chunk` (a torch_save blob) pointing at its raw C-order tensor bytes, with the CRC-32
+    the blob's zip records for them, or None when the blob is not one plain contiguous tensor
+    of exactly the chunk's dtype and sizes.
 
     `read(offset, n)` reads the chunk's file at absolute offsets; `where` names it in the
     FormatError of a blob over its budget (`budgets`).
@@ -85,7 +88,8 @@ def locate_chunk(read: Any, chunk: Chunk, dtype: str, where: str | None = None) 
         or found.offset + found.length > chunk.byte_offset + chunk.byte_length
     ):
         return None
-    return replace(chunk, byte_offset=found.offset, byte_length=found.length, raw=True)
+    located = replace(chunk, byte_offset=found.offset, byte_length=found.length, raw=True)
+    return located, found.crc32
 
 
 class _Pickler(pickle.Pickler):

@@ -13,8 +13,9 @@ import io
 import pickletools
 import re
 import zipfile
+import zlib
 
-from ...budgets import read_member
+from ...budgets import READ_CHUNK, check_inflated, read_member
 
 #: globals torch's weights_only unpickler admits by default (its own rebuild functions,
 #: storages, dtypes and layouts, and the plain containers)
@@ -76,6 +77,30 @@ def _pickles(data: bytes) -> list[bytes]:
     if data[:1] == b"\x80":
         return [data]
     return []  # raw bytes (an io.BytesIO saved as is): data, not code
+
+
+def archive_corruption(data: bytes, where: str | None = None) -> str | None:
+    """Why a stored object's torch.save archive is corrupt, or None when it is intact (or no
+    zip at all: a bare pickle or raw bytes carry no checksum).
+
+    Every member is read through (in `READ_CHUNK` pieces, after `budgets.check_inflated`),
+    as `zipfile.testzip` does: a member whose bytes fail the CRC-32 the zip records for them,
+    or a zip that does not parse, is corruption (bytes changed after torch.save wrote them),
+    not a pickle ckpt refuses.
+    """
+    if data[:4] != b"PK\x03\x04":
+        return None
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            for info in archive.infolist():
+                # the inflation budget only: the bytes are in memory already
+                check_inflated(info.filename, info.compress_size, info.file_size, 1 << 62, where)
+                with archive.open(info) as member:
+                    while member.read(READ_CHUNK):
+                        pass
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
 
 
 def refused_globals(data: bytes) -> list[str]:

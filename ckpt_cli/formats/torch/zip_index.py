@@ -42,6 +42,8 @@ class ZipRecord:
     name: str
     offset: int
     length: int
+    #: the CRC-32 the zip directory records for the record's bytes (None: not read)
+    crc32: int | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ class LocatedTensor:
     Attributes:
         offset / length: the storage record's data in the file: the tensor's C-order bytes.
         dtype / shape / stride / storage_offset: as data.pkl rebuilds the tensor.
+        crc32: the CRC-32 the zip records for those bytes (a copy compares it with the bytes'
+            own, so corrupt data is refused rather than written under a fresh CRC).
     """
 
     offset: int
@@ -102,6 +106,7 @@ class LocatedTensor:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
+    crc32: int | None = None
 
 
 Read = Callable[[int, int], bytes]
@@ -120,9 +125,9 @@ def _read_exact(read: Read, offset: int, n: int) -> bytes:
 
 def _directory(
     read: Read, start: int, length: int
-) -> tuple[int, dict[str, tuple[int, int, int, int]]]:
+) -> tuple[int, dict[str, tuple[int, int, int, int, int]]]:
     """(offset the zip's own offsets count from, name -> (method, inflated size, local header
-    offset, stored size))."""
+    offset, stored size, CRC-32))."""
     if length < _EOCD.size:
         raise _NotPlain("too short for a zip")
     tail_len = min(length, _EOCD.size + 0xFFFF)
@@ -148,7 +153,7 @@ def _directory(
     if base < 0 or cd_size > MAX_DIRECTORY_BYTES or cd_offset + base + cd_size > length:
         raise _NotPlain("zip directory out of bounds")
     raw = _read_exact(read, start + base + cd_offset, cd_size)
-    names: dict[str, tuple[int, int, int, int]] = {}
+    names: dict[str, tuple[int, int, int, int, int]] = {}
     pos = 0
     for _ in range(count):
         if pos + _CENTRAL.size > len(raw):
@@ -156,14 +161,14 @@ def _directory(
         f = _CENTRAL.unpack_from(raw, pos)
         if f[0] != b"PK\x01\x02":
             raise _NotPlain("bad zip directory entry")
-        method, csize, usize = f[4], f[8], f[9]
+        method, crc, csize, usize = f[4], f[7], f[8], f[9]
         name_len, extra_len, comment_len, local = f[10], f[11], f[12], f[16]
         pos += _CENTRAL.size
         name = raw[pos : pos + name_len].decode("utf-8", "replace")
         extra = raw[pos + name_len : pos + name_len + extra_len]
         pos += name_len + extra_len + comment_len
         usize, csize, local = _zip64_fields(extra, usize, csize, local)
-        names[name] = (method, usize, local, csize)
+        names[name] = (method, usize, local, csize, crc)
     return start + base, names
 
 
@@ -177,7 +182,7 @@ def check_zip_budget(read: Read, start: int, length: int, where: str | None) -> 
         _, names = _directory(read, start, length)
     except (_NotPlain, struct.error, StopIteration):
         return
-    for name, (_, usize, _, csize) in names.items():
+    for name, (_, usize, _, csize, _) in names.items():
         limit = MAX_PICKLE_BYTES if name.endswith("data.pkl") else usize
         check_inflated(name, csize, usize, limit, where)
 
@@ -200,7 +205,9 @@ def _zip64_fields(extra: bytes, usize: int, csize: int, local: int) -> tuple[int
     return usize, csize, local
 
 
-def _record(read: Read, base: int, end: int, name: str, size: int, local: int) -> ZipRecord:
+def _record(
+    read: Read, base: int, end: int, name: str, size: int, local: int, crc: int | None = None
+) -> ZipRecord:
     """Where record `name`'s data starts: after its local header (its own name and extra)."""
     head = _read_exact(read, base + local, _LOCAL.size)
     f = _LOCAL.unpack(head)
@@ -209,7 +216,7 @@ def _record(read: Read, base: int, end: int, name: str, size: int, local: int) -
     offset = base + local + _LOCAL.size + f[9] + f[10]
     if offset + size > end:
         raise _NotPlain(f"record {name} runs past the end")
-    return ZipRecord(name, offset, size)
+    return ZipRecord(name, offset, size, crc)
 
 
 # ---- the restricted read of data.pkl: every global is an inert stand-in of this module
@@ -496,9 +503,9 @@ def _index(read: Read, start: int, length: int, where: str | None) -> tuple[Torc
     if len(pkl) != 1:
         raise _NotPlain("no single data.pkl")
     archive = pkl[0].split("/", 1)[0]
-    if any(method != 0 or csize != usize for method, usize, _, csize in names.values()):
+    if any(method != 0 or csize != usize for method, usize, _, csize, _ in names.values()):
         raise _NotPlain("compressed records")
-    _, size, local, _ = names[pkl[0]]
+    _, size, local, _, _ = names[pkl[0]]
     if size > MAX_PICKLE_BYTES:
         raise _NotPlain("data.pkl too large to read")
     rec = _record(read, base, end, pkl[0], size, local)
@@ -519,7 +526,7 @@ def _index(read: Read, start: int, length: int, where: str | None) -> tuple[Torc
             if found is None:
                 raise _NotPlain(f"no record for storage {t.storage.key}")
             record = records[t.storage.key] = _record(
-                read, base, end, prefix + t.storage.key, found[1], found[2]
+                read, base, end, prefix + t.storage.key, found[1], found[2], found[4]
             )
         tensors[path] = _layout(t, record, little)
     return TorchZipIndex(archive, records, tensors), root
@@ -648,4 +655,5 @@ def locate_single_tensor(
         shape=layout.shape,
         stride=layout.stride,
         storage_offset=layout.storage_offset,
+        crc32=layout.record.crc32,
     )

@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field
 
 from ... import models
 from ...dist.command import CombinedProgress, RankShare, active
-from ...errors import CkptError, UnsafeInputError, UsageError
+from ...errors import CkptError, CorruptDataError, UnsafeInputError, UsageError
 from ...formats import choose_format, get_format, resolve_source
 from ...formats.base import Checkpoint, Source
 from ...heap import gc_paused
@@ -674,6 +674,8 @@ def _deep_streamed(
 
 
 def _unreadable(name: str, file: str, exc: Exception, kind: str) -> Problem:
+    if isinstance(exc, CorruptDataError):  # bytes that fail their recorded CRC-32
+        return Problem(code=exc.code, message=exc.message, file=file, tensor=name)
     text = exc.message if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}"
     return Problem(
         code="unreadable",
@@ -742,8 +744,10 @@ def object_problems(opener: SourceOpener) -> list[Problem]:
         where = checkpoint.storage.describe(entry.file)
         try:
             refused = refused_globals(checkpoint.read_object_bytes(entry.name))
-        except CkptError as error:
-            problems.append(Problem(code=error.code, message=error.message, file=where))
+        except CkptError as error:  # a corrupt blob (`corrupt_data`) among them
+            problems.append(
+                Problem(code=error.code, message=error.message, file=where, tensor=entry.name)
+            )
             continue
         if refused:
             problems.append(
