@@ -103,6 +103,33 @@ def test_verify_good_and_damaged_copies(saved: tuple[Path, dict[str, Any]], tmp_
     assert "dcp_truncated" in {p["code"] for p in result.json["result"]["problems"]}
 
 
+def test_verify_names_a_common_pt_pickle_that_would_run_code(
+    saved: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Plain verify used to say OK for a common.pt that convert and diff refuse."""
+    import os
+    import shutil
+
+    folder, _ = saved
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {marker}",))
+
+    common = torch.load(folder / "common.pt", weights_only=False)
+    torch.save({**common, "args": Evil()}, copy / "common.pt")
+    for deep in ((), ("--deep",)):
+        result = run_ckpt("verify", copy, *deep, "--json")
+        assert result.exit_code == 1, result.stdout
+        flagged = [p for p in result.json["result"]["problems"] if p["severity"] == "error"]
+        assert [p["code"] for p in flagged] == ["unsafe_input"], flagged
+        assert "common.pt" in flagged[0]["file"] and "system" in flagged[0]["message"]
+    assert run_ckpt("convert", copy, tmp_path / "o.pt", "--to", "torch").exit_code == 4
+    assert not marker.exists()
+
+
 def test_convert_reshard_diff_are_bit_exact_against_megatrons_own_load(
     saved: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:

@@ -728,7 +728,8 @@ def object_problems(opener: SourceOpener) -> list[Problem]:
     """Every non-tensor entry stored as its own pickle (`Format.object_bytes`: DCP's BYTE_IO
     items) whose pickle needs a global that ckpt's restricted reader refuses: found by reading
     opcodes (nothing runs, no torch), so plain `verify` names the entry that `convert`, `diff`
-    or `--deep` would refuse. SRC is the one `opener` opens (once for all of verify's checks)."""
+    or `--deep` would refuse. Entries of a whole pickled file (Megatron's `common.pt`) are
+    judged by loading that file once with the restricted reader. SRC is the one `opener` opens (once for all of verify's checks)."""
     from ...formats.torch.pickle_scan import refused_globals
 
     problems: list[Problem] = []
@@ -738,10 +739,23 @@ def object_problems(opener: SourceOpener) -> list[Problem]:
         return [Problem(code=error.code, message=error.message, file=error.path)]
     if not checkpoint.object_bytes:
         return []
+    whole_files: set[str] = set()
     for entry in checkpoint.manifest.entries:
-        if entry.kind != "object" or entry.file is None or entry.offset is None:
+        if entry.kind != "object" or entry.file is None:
             continue
         where = checkpoint.storage.describe(entry.file)
+        if entry.offset is None:
+            # an entry of a whole pickled file (Megatron's common.pt): reading one loads the
+            # file with the restricted reader, which names what it refuses (nothing runs);
+            # once per file, as convert and diff would meet it
+            if entry.file in whole_files:
+                continue
+            whole_files.add(entry.file)
+            try:
+                checkpoint.read_object_bytes(entry.name)
+            except CkptError as error:
+                problems.append(Problem(code=error.code, message=error.message, file=where))
+            continue
         try:
             refused = refused_globals(checkpoint.read_object_bytes(entry.name))
         except CkptError as error:  # a corrupt blob (`corrupt_data`) among them
