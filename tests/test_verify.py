@@ -633,6 +633,38 @@ def test_optimizer_state_with_a_wrong_shape(tmp_path: Path) -> None:
     assert "[3, 3]" in found[0]["message"]
 
 
+def test_every_optimizer_state_of_a_parameter_is_checked_not_only_the_first(
+    tmp_path: Path,
+) -> None:
+    """A wrong exp_avg_sq (after a right exp_avg) used to pass: only the first state tensor of
+    each parameter was compared, though the resume refuses the second just the same."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    folder = trainer_checkpoint(tmp_path / "run")
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    optimizer["state"][0]["exp_avg_sq"] = torch.zeros(3, 3)
+    torch.save(optimizer, folder / "optimizer.pt")
+    code, found = problems(folder, "--resumable")
+    assert code == 1
+    assert [p["code"] for p in found] == ["optimizer_shape_mismatch"]
+    assert "exp_avg_sq is [3, 3]" in found[0]["message"]
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    adam.step()
+    weights, state = get_state_dict(model, adam)
+    state["state"]["0.weight"]["exp_avg_sq"] = state["state"]["0.weight"]["exp_avg_sq"].t()
+    saved = tmp_path / "dcp"
+    dcp.save({"model": weights, "optimizer": state}, checkpoint_id=str(saved), no_dist=True)
+    code, found = problems(saved, "--resumable")
+    assert code == 1
+    (mismatch,) = [p for p in found if p["code"] == "optimizer_shape_mismatch"]
+    assert "'0.weight' (exp_avg_sq) is [4, 3]" in mismatch["message"]
+
+
 def test_hostile_component_of_a_trainer_folder_is_reported_not_run(tmp_path: Path) -> None:
     folder = trainer_checkpoint(tmp_path / "run")
     marker = tmp_path / "pwned"

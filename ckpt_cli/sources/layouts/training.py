@@ -634,13 +634,12 @@ def _pair_shape_problems(
     weights_label = f"weight of {model_prefix.rstrip('.')}" if named else "model weight"
     lacking = f"{model_prefix.rstrip('.')} lacks" if named else "the weights lack"
 
-    def param_shape(states: dict[str, list[int]]) -> list[int] | None:
-        shaped = [s for name, s in states.items() if s and name != "step"]
-        return shaped[0] if shaped else None
+    def shaped(states: dict[str, list[int]]) -> dict[str, list[int]]:
+        # every state with a shape (exp_avg AND exp_avg_sq...), each one a parameter's shape
+        return {name: s for name, s in states.items() if s and name != "step"}
 
     if view.by_fqn:
         for fqn, states in view.per_param.items():
-            shape = param_shape(states)
             if fqn not in model:
                 problems.append(
                     Problem(
@@ -650,23 +649,40 @@ def _pair_shape_problems(
                         tensor=f"{opt_prefix}state.{fqn}",
                     )
                 )
-            elif shape is not None and shape != model[fqn]:
-                problems.append(
-                    Problem(
-                        code="optimizer_shape_mismatch",
-                        message=f"{where}: {opt_label} of {fqn!r} is {shape}, "
-                        f"the {weights_label} is {model[fqn]}",
-                        file=where,
-                        tensor=f"{opt_prefix}state.{fqn}",
+                continue
+            for key, shape in shaped(states).items():
+                if shape != model[fqn]:
+                    problems.append(
+                        Problem(
+                            code="optimizer_shape_mismatch",
+                            message=f"{where}: {opt_label} of {fqn!r} ({key}) is {shape}, "
+                            f"the {weights_label} is {model[fqn]}",
+                            file=where,
+                            tensor=f"{opt_prefix}state.{fqn}.{key}",
+                        )
                     )
-                )
         return problems
     # torch.optim numbers parameters in model.parameters() order, which the saved weights do
     # not record (safetensors sorts names): every state shape must match a distinct weight
     available = Counter(tuple(s) for s in model.values())
     for pid in sorted(view.per_param, key=lambda p: int(p) if p.isdigit() else 0):
-        shape = param_shape(view.per_param[pid])
-        if shape is None:
+        states = shaped(view.per_param[pid])
+        if not states:
+            continue
+        (first, shape), *others = states.items()
+        odd = [(key, s) for key, s in others if s != shape]
+        if odd:
+            # the states of one parameter all have its shape: one that differs is wrong
+            problems.append(
+                Problem(
+                    code="optimizer_shape_mismatch",
+                    message=f"{where}: {opt_label} of parameter {pid}: {first} is {shape} "
+                    f"but {', '.join(f'{key} is {s}' for key, s in odd)} (each state of a "
+                    "parameter has the parameter's shape)",
+                    file=where,
+                    tensor=f"{opt_prefix}state.{pid}.{odd[0][0]}",
+                )
+            )
             continue
         if available[tuple(shape)] > 0:
             available[tuple(shape)] -= 1
