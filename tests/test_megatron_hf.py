@@ -205,6 +205,23 @@ def test_inspect_names_the_megatron_naming_and_dry_run_lists_every_rename_and_sp
     assert text.exit_code == 0 and "megatron" in text.stdout and "split-qkv" in text.stdout
 
 
+def test_the_training_state_finds_the_weights_under_megatrons_own_names(
+    megatron_save: tuple[Path, torch.Tensor],
+) -> None:
+    """The architecture line recognised the save, yet the training state said 'missing:
+    weights' (it looked for a `model` key or torchtitan's keys only)."""
+    folder, _ = megatron_save
+    inspected = run_ckpt("inspect", folder, "--json")
+    training = inspected.json["result"]["training"]
+    assert training["weights"]["tensors"] == len(
+        [e for e in inspected.json["result"]["entries"] if e["kind"] == "tensor"]
+    )
+    assert "weights" not in training["missing"]
+    verified = run_ckpt("verify", folder, "--resumable", "--json")
+    errors = [p["code"] for p in verified.json["result"]["problems"] if p["severity"] == "error"]
+    assert errors == ["missing_optimizer"]  # the script saves the model alone
+
+
 def test_import_to_megatron_loads_in_megatron_continues_training_and_matches_hf(
     hf_model: tuple[Path, torch.Tensor], megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
 ) -> None:

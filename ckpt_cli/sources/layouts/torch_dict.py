@@ -132,6 +132,10 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
     rng_ranks = rank_components(manifest, "rng")
     prefixes: dict[str, str] = {}
     titan_model = titan_model_keys(manifest) if is_titan and not model else []
+    if not model and not titan_model:
+        # Megatron-Core (and any save of a model's own FQNs beside its training state): the
+        # top-level keys whose tensors a model family recognises (`decoder.`, `embedding.`)
+        titan_model = _named_model_keys(manifest, keys)
     if model:
         prefixes["model"] = f"{model}."
     elif titan_model:
@@ -196,3 +200,24 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
         state.components["model"] = f"top-level keys ({', '.join(titan_model)})"
     verdict(state)
     return state
+
+
+#: top-level keys that are training state, never a model's own FQNs
+_STATE_KEYS = frozenset(
+    (*_OPTIMIZER_KEYS, *_SCHEDULER_KEYS, *_STEP_KEYS, *_RNG_KEYS, *_LOADER_KEYS, "train_state")
+)
+
+
+def _named_model_keys(manifest: Manifest, keys: dict[str, str]) -> list[str]:
+    """The top-level keys holding a model's weights under its own names (Megatron-Core's
+    `decoder`, `embedding`, `output_layer`), when a model family (`architectures.recognise`,
+    what inspect's architecture line says) recognises their tensors; else none."""
+    from ...architectures import recognise
+
+    candidates = [k for k in keys if k not in _STATE_KEYS]
+    wanted = set(candidates)
+    tensors = [e for e in manifest.entries if e.kind == "tensor" and e.top_key() in wanted]
+    if not tensors or recognise([e.name for e in tensors]) is None:
+        return []
+    held = {e.top_key() for e in tensors}
+    return [k for k in candidates if k in held]
