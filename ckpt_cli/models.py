@@ -454,7 +454,10 @@ class OptimizerState(Record):
         states: per-parameter state names (`exp_avg`, `exp_avg_sq`, `step`...).
         params: number of parameters the optimizer's param groups cover.
         params_with_state: how many of those have per-parameter state.
-        complete: every parameter has every state.
+        complete: every parameter has every state (but those `pending`).
+        pending: parameters the param groups list that hold no state at all while the
+            others hold all of it: torch keeps none until a parameter's first gradient
+            (frozen, or staged unfreezing), and a resume restores the rest.
         source: where it was found (file or key prefix).
     """
 
@@ -463,6 +466,7 @@ class OptimizerState(Record):
     params: int | None = None
     params_with_state: int | None = None
     complete: bool = True
+    pending: list[str] = Field(default_factory=list)
     source: str | None = None
 
 

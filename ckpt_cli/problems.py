@@ -252,6 +252,12 @@ CODES: dict[str, Code] = _codes(
     ),
     Code("optimizer_incomplete", _E, "optimizer state does not cover every parameter"),
     Code("optimizer_shape_mismatch", _E, "optimizer state whose shape matches no weight"),
+    Code(
+        "optimizer_state_pending",
+        _W,
+        "parameters the optimizer lists hold no state yet (torch keeps none before a "
+        "parameter's first gradient: frozen or staged unfreezing)",
+    ),
     Code("optimizer_unknown_param", _E, "optimizer state for a parameter the weights do not have"),
     Code("unreadable_component", _E, "a component of a training folder cannot be read"),
     Code("zero_partition_mismatch", _E, "ZeRO partitions do not add up to the recorded shapes"),

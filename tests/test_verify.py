@@ -665,6 +665,55 @@ def test_every_optimizer_state_of_a_parameter_is_checked_not_only_the_first(
     assert "'0.weight' (exp_avg_sq) is [4, 3]" in mismatch["message"]
 
 
+def test_parameters_without_a_gradient_yet_are_a_warning_not_an_incomplete_optimizer(
+    tmp_path: Path,
+) -> None:
+    """Staged unfreezing: the optimizer lists every parameter, the frozen ones have had no
+    gradient, and torch keeps no state for them. The resume works; verify used to fail it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        adam = torch.optim.AdamW(model.parameters())
+        model[0].requires_grad_(False)  # the backbone is frozen for the first steps
+        return model, adam
+
+    model, adam = build(0)
+    model(torch.randn(2, 4)).sum().backward()
+    adam.step()
+    weights, state = get_state_dict(model, adam)
+    saved = tmp_path / "step-1"
+    dcp.save(
+        {"model": weights, "optimizer": state, "step": 1}, checkpoint_id=str(saved), no_dist=True
+    )
+    result = run_ckpt("verify", saved, "--resumable", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["training"]["resumable"] is True
+    (pending,) = [p for p in result.json["result"]["problems"] if "optimizer" in p["code"]]
+    assert pending["code"] == "optimizer_state_pending" and pending["severity"] == "warning"
+    assert "'0.weight', '0.bias'" in pending["message"] and "first gradient" in pending["message"]
+    # the resume the warning promises
+    resumed, adam2 = build(1)
+    weights2, state2 = get_state_dict(resumed, adam2)
+    loaded = {"model": weights2, "optimizer": state2}
+    dcp.load(loaded, checkpoint_id=str(saved), no_dist=True)
+    set_state_dict(
+        resumed, adam2, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
+    )
+    assert int(adam2.state[resumed[1].weight]["step"]) == 1
+
+    # a parameter holding part of its state is still an incomplete save
+    del state["state"]["1.bias"]["exp_avg_sq"]
+    partial = tmp_path / "partial"
+    dcp.save(
+        {"model": weights, "optimizer": state, "step": 1}, checkpoint_id=str(partial), no_dist=True
+    )
+    code, found = problems(partial, "--resumable")
+    assert code == 1 and "optimizer_incomplete" in [p["code"] for p in found]
+
+
 def test_hostile_component_of_a_trainer_folder_is_reported_not_run(tmp_path: Path) -> None:
     folder = trainer_checkpoint(tmp_path / "run")
     marker = tmp_path / "pwned"

@@ -149,6 +149,7 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> OptimizerView | No
     int_ids = False
     params: int | None = None
     group_keys: dict[str, Any] = {}
+    ids: list[str] = []  # the parameters param_groups list, as the state keys them
     listed = [n for n in group_names if n.endswith(".params")]
     if listed:
         # param_groups is a list whose `params` name the parameters (ids, or FQNs in DCP)
@@ -159,6 +160,7 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> OptimizerView | No
                 if isinstance(value, (list, tuple)):
                     total += len(value)
                     int_ids = int_ids or any(type(v) is int for v in value)
+                    ids += [str(v) for v in value]
             key = name.rsplit(".", 1)[-1]
             if key not in group_keys:
                 group_keys[key] = (
@@ -168,6 +170,7 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> OptimizerView | No
     elif group_names:
         fqns = {n[len(groups_prefix) :].rsplit(".", 1)[0] for n in group_names}
         params = len(fqns)
+        ids = sorted(fqns)
         for n in group_names:
             if n.endswith(".decoupled_weight_decay"):
                 group_keys["decoupled_weight_decay"] = value_of(checkpoint, n)
@@ -184,6 +187,15 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> OptimizerView | No
     if params is None:
         params = len(per_param)
     complete = params > 0 and with_state == params and len(per_param) == params
+    pending: list[str] = []
+    if not complete and per_param and with_state == len(per_param) and len(ids) == params:
+        # every parameter with state has all of it, the others none: torch keeps no state
+        # for a parameter before its first gradient (frozen, staged unfreezing), and a resume
+        # restores the rest; only state for a parameter no group lists says otherwise
+        pending = [pid for pid in ids if pid not in per_param]
+        complete = len(pending) + len(per_param) == params
+        if not complete:
+            pending = []
     if not per_param and params and _stateless_sgd(checkpoint, groups_prefix, group_names):
         # SGD without momentum keeps no per-parameter state: nothing is missing
         kind, complete = "SGD", True
@@ -194,6 +206,7 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> OptimizerView | No
             params=params,
             params_with_state=with_state,
             complete=complete,
+            pending=pending,
             source=prefix,
         ),
         per_param=per_param,
@@ -365,6 +378,7 @@ def _combined_optimizers(views: list[OptimizerState | None]) -> OptimizerState |
         params=sum(v.params or 0 for v in found),
         params_with_state=sum(v.params_with_state or 0 for v in found),
         complete=len(found) == len(views) and all(v.complete for v in found),
+        pending=[p for v in found for p in v.pending],
         source=", ".join(v.source or "" for v in found),
     )
 
@@ -528,6 +542,20 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
                 message=f"{where}: optimizer state covers {opt.params_with_state} of "
                 f"{opt.params} parameters ({', '.join(opt.states) or 'no state'})",
                 file=where,
+            )
+        )
+    if opt is not None and opt.complete and opt.pending:
+        shown = ", ".join(repr(p) for p in opt.pending[:5])
+        more = f" and {len(opt.pending) - 5} more" if len(opt.pending) > 5 else ""
+        problems.append(
+            Problem(
+                code="optimizer_state_pending",
+                message=f"{where}: the optimizer's param_groups list {len(opt.pending)} "
+                f"parameter(s) with no state ({shown}{more}): torch keeps no optimizer state "
+                "for a parameter until it gets its first gradient (frozen, or not yet "
+                "unfrozen); a resume restores the others' state and starts these fresh",
+                file=where,
+                severity="warning",
             )
         )
     misfits = shape_problems(opened)
