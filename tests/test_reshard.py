@@ -760,3 +760,45 @@ def test_reshard_of_a_trainer_checkpoint_with_bin_weights_cuts_them_and_carries_
     saved = torch.load(src / "pytorch_model.bin", weights_only=True)
     for name, value in saved.items():
         assert torch.equal(fresh.state_dict()[name], value), name
+
+
+def test_a_rule_for_the_weights_saved_name_cuts_its_optimizer_state_the_same_way(
+    tmp_path: Path,
+) -> None:
+    """`*.emb.weight` matches `model.emb.weight` as inspect lists it; its optimizer state is
+    keyed by the bare FQN `emb.weight` and used to be cut on dim 0 regardless."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 4)
+            self.out = torch.nn.Linear(4, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.emb(x))
+
+    torch.manual_seed(0)
+    net = Net()
+    adam = torch.optim.Adam(net.parameters())
+    net(torch.tensor([1, 2])).sum().backward()
+    adam.step()
+    weights, state = get_state_dict(net, adam)
+    src = tmp_path / "src"
+    dcp.save(
+        {"model": weights, "optimizer": state, "step": 1}, checkpoint_id=str(src), no_dist=True
+    )
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"*.out.weight": 1}))
+    out = tmp_path / "out"
+    args = ["--shard-dim", "*.emb.weight=replicate", "--plan", plan]
+    result = run_ckpt("reshard", src, out, "--world-size", "2", *args)
+    assert result.exit_code == 0, result.stdout + result.stderr
+    metadata = FileSystemReader(str(out)).read_metadata().state_dict_metadata
+    for param, boxes in (("emb.weight", [(8, 4)]), ("out.weight", [(6, 2), (6, 2)])):
+        for name in (
+            f"model.{param}",
+            *(f"optimizer.state.{param}.{s}" for s in ("exp_avg", "exp_avg_sq")),
+        ):
+            got = [tuple(c.sizes) for c in metadata[name].chunks]  # type: ignore[union-attr]
+            assert got == boxes, (name, got)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from itertools import pairwise
@@ -175,26 +175,49 @@ def param_name(name: str) -> str | None:
     return None
 
 
-def rule_for(name: str, rules: Iterable[Rule]) -> Rule | None:
-    """The first rule matching `name` or, for optimizer state, its parameter's name."""
+#: a parameter's FQN -> the names its weight is saved under (`param_weights`)
+WeightNames = Callable[[str], list[str]]
+
+
+def param_weights(names: Iterable[str]) -> WeightNames:
+    """For optimizer state: the names a parameter's weight has among `names`, the entries of
+    one checkpoint: its FQN itself or under a top-level key (`emb.weight` -> `model.emb.weight`,
+    as `inspect` lists it), so a rule written for the weight reaches its state too."""
+    held = set(names)
+    tops = sorted({n.split(".", 1)[0] for n in held})
+
+    def lookup(param: str) -> list[str]:
+        return [w for w in (param, *(f"{t}.{param}" for t in tops)) if w in held]
+
+    return lookup
+
+
+def rule_for(name: str, rules: Iterable[Rule], weights: WeightNames | None = None) -> Rule | None:
+    """The first rule matching `name` or, for optimizer state, its parameter's name or (with
+    `weights`, see `param_weights`) the name its parameter's weight is saved under."""
     candidates = [name]
     param = param_name(name)
     if param:
         candidates.append(param)
+        if weights is not None:
+            candidates += weights(param)
     for rule in rules:
         if any(fnmatchcase(c, rule.pattern) for c in candidates):
             return rule
     return None
 
 
-def placement_dim(name: str, shape: Sequence[int], rules: Iterable[Rule]) -> int | None:
+def placement_dim(
+    name: str, shape: Sequence[int], rules: Iterable[Rule], weights: WeightNames | None = None
+) -> int | None:
     """The dim `name` shards on (None: replicated) under `rules`; default dim 0.
 
     0-dim tensors are always replicated. A rule naming a dim the tensor lacks is a UsageError.
+    `weights` (`param_weights`) lets a rule for a weight's saved name reach its optimizer state.
     """
     if not shape:
         return None
-    rule = rule_for(name, rules)
+    rule = rule_for(name, rules, weights)
     if rule is None:
         return 0
     if rule.dim is not None and rule.dim >= len(shape):

@@ -33,6 +33,7 @@ from ...dist.placement import (
     Rule,
     full_box,
     overlaps,
+    param_weights,
     placement_dim,
     rank_of,
     rule_for,
@@ -119,6 +120,7 @@ def plan_world_size(
             entry.model_copy(update={"name": new}) for new in by_source.get(entry.name, [])
         )
     load = [0] * world_size
+    weights = param_weights(e.name for e in wanted if e.kind == "tensor")
     planned: dict[str, Entry] = {}
     sharded: dict[str, int] = {}
     whole: list[Entry] = []
@@ -126,7 +128,7 @@ def plan_world_size(
         if entry.name in rank_state or entry.kind == "object":
             whole.append(entry)
             continue
-        dim = placement_dim(entry.name, entry.shape, rules)
+        dim = placement_dim(entry.name, entry.shape, rules, weights)
         if dim is None:
             whole.append(entry)
             continue
