@@ -206,6 +206,46 @@ class Entry(_LeanRecord):
             start += 1
         return None
 
+    def keys_renamed(self, name: str, new_name: str) -> tuple[KeyStep, ...] | None:
+        """The key path to write this entry at under `new_name`, a prefix rename (`--rename`)
+        of `name` (its name after `--select`): the saved path's tail that spells the part
+        both names share is kept, and the renamed head takes the place of the keys it replaced
+        (`model` -> `net` in (`model`, `0.weight`)), so the nesting survives. None when no path
+        is known or the new head cannot stand where the old keys stood."""
+        keys = (
+            self if name == self.name else self.model_copy(update={"name": name})
+        ).keys_as_named()
+        if not keys:
+            return None
+        # the longest tail of the path whose dotted join ends the new name at a dot
+        cut = len(keys)
+        for start in range(len(keys) - 1, -1, -1):
+            joined = ".".join(str(key) for _, key in keys[start:])
+            if new_name == joined:
+                return keys  # only a select tail differs: the path spells the new name
+            if not new_name.endswith("." + joined):
+                break
+            cut = start
+        tail = keys[cut:]
+        head = keys[:cut]
+        prefix = new_name[: len(new_name) - len(".".join(str(k) for _, k in tail)) - 1]
+        if not tail:
+            prefix = new_name
+        parts = prefix.split(".")
+        if len(head) == 1:
+            return ((head[0][0], prefix), *tail)
+        if len(head) == len(parts) and all(
+            isinstance(k, str) or p.isdigit() for (_, k), p in zip(head, parts, strict=True)
+        ):
+            renamed = tuple(
+                (kind, part if isinstance(key, str) else int(part))
+                for (kind, key), part in zip(head, parts, strict=True)
+            )
+            return (*renamed, *tail)
+        if not head and tail:
+            return (("dict", prefix), *tail) if keys[0][0] == "dict" else None
+        return None
+
     def top_key(self) -> str:
         """The saved object's top-level key this entry sits under (`model`, `optimizer`...): the
         real key when the format keeps key paths (a key may hold dots), else the name's first

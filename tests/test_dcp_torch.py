@@ -781,3 +781,32 @@ def test_a_bit_flip_in_tensor_data_fails_deep_verify_and_every_copy(tmp_path: Pa
         assert result.exit_code == 4, (args, result.stdout + result.stderr)
         assert "'w'" in result.stderr and "CRC-32" in result.stderr, result.stderr
         assert not Path(args[2]).exists()
+
+
+def test_a_renamed_nested_training_checkpoint_keeps_its_nesting(tmp_path: Path) -> None:
+    """`--rename 'model.=net.'` used to flatten the torch output (`net.0.weight` top-level keys)
+    and split the DCP output at every dot (`net` -> `0` -> `weight`)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    src = tmp_path / "src"
+    dcp.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3},
+        checkpoint_id=str(src),
+        no_dist=True,
+    )
+    torch_out, dcp_out = tmp_path / "ren.pt", tmp_path / "ren"
+    for out, to in ((torch_out, "torch"), (dcp_out, "dcp")):
+        result = run_ckpt("convert", src, out, "--to", to, "--rename", "model.=net.")
+        assert result.exit_code == 0, result.stdout + result.stderr
+    dcp_to_torch_save(str(dcp_out), str(tmp_path / "ren_dcp.pt"))
+    for saved in (torch.load(torch_out), torch.load(tmp_path / "ren_dcp.pt", weights_only=False)):
+        assert sorted(saved) == ["net", "optimizer", "step"]
+        assert list(saved["net"]) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+        fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        fresh.load_state_dict(saved["net"])
+        assert all(
+            torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True)
+        )

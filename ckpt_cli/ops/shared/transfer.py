@@ -31,7 +31,7 @@ from ...formats.base import Checkpoint, Source, WriteOptions, Writer
 from ...formats.details import TorchDetails
 from ...formats.names import DCP_DATA_SUFFIX, PICKLE_SUFFIX, WEIGHT_SUFFIXES, looks_like_index
 from ...formats.safetensors.format import variant_beside_default
-from ...models import Entry, FileInfo, Manifest, Record
+from ...models import Entry, FileInfo, KeyedEntry, Manifest, Record
 from ...progress import NULL_PROGRESS, CountingProgress, Progress
 from ...sources.model_files import EXTRA_SUFFIXES, MAX_EXTRA_BYTES
 from ...sources.runs.records import is_checksum_manifest
@@ -144,6 +144,15 @@ def parse_renames(specs: Sequence[str] | None) -> list[tuple[str, str]]:
         old, new = spec.split("=", 1)
         out.append((old, new))
     return out
+
+
+def _renamed_in_place(entry: Entry, name: str, target: Entry) -> Entry:
+    """`target`, the copy of `entry` (named `name` after --select) written as a renamed name,
+    at the key path the rename gives it (`Entry.keys_renamed`): a nested source stays nested."""
+    if target.name == name:
+        return target
+    path = entry.keys_renamed(name, target.name)
+    return KeyedEntry.placed(target, path) if path else target
 
 
 def rename(name: str, renames: Sequence[tuple[str, str]]) -> str:
@@ -339,7 +348,7 @@ def plan_transfer(
             target = entry.model_copy(
                 update={"name": new_name, "file": None, "offset": None, "chunks": None}
             )
-            plan.items.append(Item(entry, target))
+            plan.items.append(Item(entry, _renamed_in_place(entry, name, target)))
             continue
         cast = None
         target_dtype = entry.dtype
@@ -379,7 +388,7 @@ def plan_transfer(
         kept = recorded.get(entry.name)
         if kept is not None:
             restored[new_name] = kept
-        plan.items.append(Item(entry, target, cast, stored_as=kept))
+        plan.items.append(Item(entry, _renamed_in_place(entry, name, target), cast, stored_as=kept))
     renamed = {item.source.name: item.target.name for item in plan.items}
     for group in tied_groups(manifest, renamed):
         plan.tied.append([renamed[n] for n in group])
