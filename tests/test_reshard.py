@@ -802,3 +802,32 @@ def test_a_rule_for_the_weights_saved_name_cuts_its_optimizer_state_the_same_way
         ):
             got = [tuple(c.sizes) for c in metadata[name].chunks]  # type: ignore[union-attr]
             assert got == boxes, (name, got)
+
+
+def test_a_dry_run_lists_each_rank_file_with_the_entries_the_real_run_writes(
+    tmp_path: Path,
+) -> None:
+    """The dry run used to put objects in the source's file and give data bytes as sizes."""
+    from collections import Counter
+
+    src = tmp_path / "src"
+    full = torch.arange(64, dtype=torch.float32).reshape(16, 4)
+    state = {"model": {"w": full}, "step": 5, "sched": {"lr": 0.1, "name": "cos"}}
+    dcp.save(state, checkpoint_id=str(src), no_dist=True)
+    out = tmp_path / "out"
+    dry = run_ckpt("reshard", src, out, "--world-size", "3", "-n", "--json")
+    assert dry.exit_code == 0, dry.stdout + dry.stderr
+    real = run_ckpt("reshard", src, out, "--world-size", "3", "--json")
+    assert real.exit_code == 0, real.stdout + real.stderr
+    written = {f["path"]: f for f in real.json["result"]["files"]}
+    planned = {f["path"]: f for f in dry.json["result"]["files"]}
+    assert planned.keys() == written.keys()
+    stored = Counter(
+        v.relative_path for v in FileSystemReader(str(out)).read_metadata().storage_data.values()
+    )
+    for path, info in planned.items():
+        assert info["entries"] == written[path]["entries"], path
+        if path.endswith(".distcp"):
+            assert info["entries"] == stored[path], path
+        # a size the dry run states is the size written; none is guessed from data bytes
+        assert info["size"] in (None, written[path]["size"]), path

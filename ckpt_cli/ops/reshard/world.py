@@ -617,25 +617,21 @@ def _unused_rules(rules: list[Rule], manifest: Manifest) -> list[str]:
 
 
 def planned_rank_files(fmt: type[Format], plan: list[Entry], world_size: int) -> list[FileInfo]:
-    """`--dry-run` of a world-size reshard: each rank's file and the data bytes it would hold."""
+    """`--dry-run` of a world-size reshard: each rank's file and the entries it would hold, as
+    the writer reports them: a chunk in the rank file it is planned in, every object in rank
+    0's file (where the DCP writer keeps them), the commit marker holding none. Sizes are left
+    unknown: each item's container (a torch.save zip) is only sized as it is written, and the
+    data bytes alone would understate every file."""
     first = fmt.rank_file(0)
-    data: dict[str, int] = {fmt.rank_file(r): 0 for r in range(world_size)}
-    held: dict[str, int] = dict.fromkeys(data, 0)
+    held: dict[str, int] = {fmt.rank_file(r): 0 for r in range(world_size)}
     for entry in plan:
         if entry.kind == "object" or not entry.chunks:
-            held[entry.file or first] = held.get(entry.file or first, 0) + 1
-            data[entry.file or first] += entry.nbytes
+            held[first] += 1
             continue
-        itemsize = entry.nbytes // entry.numel if entry.numel else 0
         for chunk in entry.chunks:
-            numel = 1
-            for size in chunk.sizes:
-                numel *= size
-            data[chunk.file] = data.get(chunk.file, 0) + numel * itemsize
             held[chunk.file] = held.get(chunk.file, 0) + 1
-    files = [FileInfo(path=name, size=size, entries=held[name]) for name, size in data.items()]
-    files.append(FileInfo(path=fmt.commit_marker or "", entries=len(plan)))
-    return files
+    files = [FileInfo(path=name, entries=count) for name, count in held.items()]
+    return [FileInfo(path=fmt.commit_marker or "", entries=0), *files]
 
 
 def _copy_object(checkpoint: Checkpoint, writer: Writer, source: str, name: str) -> None:
