@@ -752,7 +752,7 @@ def object_problems(opener: SourceOpener) -> list[Problem]:
                 continue
             whole_files.add(entry.file)
             try:
-                checkpoint.read_object_bytes(entry.name)
+                checkpoint.read_object(entry.name)  # loaded, never pickled again
             except CkptError as error:
                 problems.append(Problem(code=error.code, message=error.message, file=where))
             continue
