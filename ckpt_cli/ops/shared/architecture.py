@@ -97,7 +97,14 @@ def default_select(opened: OpenedSource, select: str | None) -> str | None:
     framework naming holds model weights only."""
     if select is not None or opened.training is None:
         return select
-    return "model" if "model" in opened.training.prefixes else None
+    training = opened.training
+    prefix = training.prefixes.get("model")
+    # a model at the top level is a component `--select` can take only in torchtitan's
+    # layout; elsewhere (Megatron-Core's `decoder.`, `embedding.`) the naming reads the whole
+    # checkpoint, as it names the model's own keys and reads its args beside them
+    if prefix is None or (prefix == "" and training.layout != "torchtitan"):
+        return None
+    return "model"
 
 
 def source_config(storage: Storage) -> dict[str, Any] | None:
