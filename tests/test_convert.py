@@ -773,3 +773,38 @@ def test_a_dcp_dry_run_lists_the_files_and_entries_the_real_run_writes(
     assert [(f["path"], f["entries"]) for f in planned] == [
         (f["path"], f["entries"]) for f in written
     ]
+
+
+def test_a_dry_run_lists_the_files_written_beside_the_weights(tmp_path: Path) -> None:
+    """Dry runs of convert and reshard used to list the weights alone: no carried config.json /
+    tokenizer.json, no config.json or generation_config.json an `--to hf` export writes."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    src = tmp_path / "src"
+    dcp.save({"w": torch.ones(4, 2)}, checkpoint_id=str(src), no_dist=True)
+    (src / "config.json").write_text('{"a": 1}')
+    (src / "tokenizer.json").write_text("{}")
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    runs = [
+        ("convert", src, tmp_path / "c", "--to", "dcp"),
+        ("reshard", src, tmp_path / "r", "--world-size", "2"),
+        ("convert", tmp_path / "llama", tmp_path / "h", "--to", "hf"),
+    ]
+    for args in runs:
+        dry = run_ckpt(*args, "-n", "--json")
+        assert dry.exit_code == 0, dry.stdout + dry.stderr
+        planned = dry.json["result"]
+        listed = sorted([f["path"] for f in planned["files"]] + planned["extras"])
+        real = run_ckpt(*args, "--json")
+        assert real.exit_code == 0, real.stdout + real.stderr
+        assert listed == sorted(os.listdir(args[2])), args
+        assert planned.get("config_written") == real.json["result"].get("config_written"), args

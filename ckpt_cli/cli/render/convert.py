@@ -116,6 +116,8 @@ def render_plan(report: ConvertReport) -> None:
     for f in report.files:
         size = human_bytes(f.size) if f.size is not None else "size decided when written"
         stdout.print(f"  file  {f.path}  {size}  ({f.entries} entries)", markup=False)
+    if report.extras:
+        stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)
     how = {m.name: m.transform for m in report.architecture.mapped} if report.architecture else {}
     for e in report.entries:
         shape = "[" + ", ".join(str(d) for d in e.shape) + "]"

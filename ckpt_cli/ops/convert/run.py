@@ -445,9 +445,6 @@ def convert(
 
             convention = apply_naming(source, to, options)
             check_one_file_naming(convention, plan, options, src)
-        if dry_run:  # after the naming: a dry run lists the files the real run writes
-            report = _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
-            return _with_origins(report, origins, architecture)
         if analysis.together() and not dequantize:
             renamed = {i.source.name: i.target.name for i in plan.items}
             options.together = [
@@ -482,6 +479,30 @@ def convert(
                 options.companions["config.json"] = retyped
                 carried = [rel for rel in carried if rel != "config.json"]  # written, not copied
                 config_written, config_dtype = str(PurePath(str(dest_path)) / "config.json"), cast
+        if dry_run:  # after every file is worked out: a dry run lists what the real run writes
+            report = _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
+            report = report.model_copy(
+                update={
+                    # the files written beside the weights (a config.json built or retyped...)
+                    "files": [
+                        *report.files,
+                        *(
+                            FileInfo(path=name, size=len(data))
+                            for name, data in options.companions.items()
+                        ),
+                    ],
+                    "extras": carried,
+                    "read": read,
+                    "skipped": plan.skipped + skipped_files + quant_files,
+                    "config_written": config_written,
+                    "config_dtype": config_dtype,
+                    "config_source": given_config[1] if given_config is not None else None,
+                    "dequantized": dequantized,
+                    "quantized_kept": kept,
+                    "serving_files": serving,
+                }
+            )
+            return _with_origins(report, origins, architecture)
         files, written = run_write(
             checkpoint,
             plan,

@@ -366,6 +366,7 @@ def reshard_world_size(
         report.resume = resume_verdict(training, report, notes)
         if dry_run:
             report.files = planned_rank_files(cut.fmt, cut.plan, world_size)
+            report.extras = cut.extras  # copied beside the weights by the real run too
             report.dry_run = True
             return report
         result = write_cuts([cut], out, force, progress)
