@@ -831,3 +831,28 @@ def test_a_dry_run_lists_each_rank_file_with_the_entries_the_real_run_writes(
             assert info["entries"] == stored[path], path
         # a size the dry run states is the size written; none is guessed from data bytes
         assert info["size"] in (None, written[path]["size"]), path
+
+
+def test_a_world_size_reshard_says_why_the_sources_checksum_manifest_is_not_copied(
+    tmp_path: Path,
+) -> None:
+    """The source's `ckpt-manifest.json` used to vanish: not copied, not in `skipped`."""
+    src = tmp_path / "src"
+    dcp.save({"w": torch.ones(4, 2), "step": 1}, checkpoint_id=str(src), no_dist=True)
+    (src / "notes.txt").write_text("hi")
+    assert run_ckpt("verify", src, "--write-manifest").exit_code == 0
+    out = tmp_path / "out"
+    result = run_ckpt("reshard", src, out, "--world-size", "2", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json["result"]
+    (skipped,) = report["skipped"]
+    assert skipped["path"] == "ckpt-manifest.json" and "checksum manifest" in skipped["reason"]
+    assert report["extras"] == ["notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "notes.txt",
+    ]
+    text = run_ckpt("reshard", src, tmp_path / "out2", "--world-size", "2")
+    assert "ckpt-manifest.json" in text.stdout + text.stderr

@@ -52,8 +52,22 @@ from ...sources.layouts.base import open_plain
 from ...sources.layouts.megatron import keep_megatron_layout
 from ...storage.output import check_destination
 from ..convert.plan import NO_COMPRESSION, guard_paths, local_dest, output_warnings
-from ..shared.transfer import check_staged, copy_files, extra_files
-from .report import RankStateAction, RankStateChoice, RankStateEntry, ReshardReport, ResumeVerdict
+from ..shared.transfer import (
+    Item,
+    TransferPlan,
+    account_files,
+    check_staged,
+    copy_files,
+    extra_files,
+)
+from .report import (
+    RankStateAction,
+    RankStateChoice,
+    RankStateEntry,
+    ReshardReport,
+    ResumeVerdict,
+    SkippedFile,
+)
 from .request import ReshardRequest
 
 if TYPE_CHECKING:
@@ -354,6 +368,9 @@ def reshard_world_size(
         )
         report = cut.report
         report.destination = str(out)
+        # every other file of the source, with why it is not in the output (as convert says)
+        left_out = [] if request.extras else extra_files(checkpoint)
+        report.skipped = _skipped_files(checkpoint, cut.extras, left_out)
         training = _training_of(checkpoint) if format is None else None
         notes = []
         recorded = [n for n in recording if n in checkpoint.manifest.by_name]
@@ -614,6 +631,18 @@ def _unused_rules(rules: list[Rule], manifest: Manifest) -> list[str]:
     """The `--shard-dim` / `--plan` rules that match no tensor of the source."""
     return [
         str(r) for r in rules if not any(rule_for(e.name, [r]) for e in manifest.tensors if e.shape)
+    ]
+
+
+def _skipped_files(
+    checkpoint: Checkpoint, carried: list[str], left_out: list[str]
+) -> list[SkippedFile]:
+    """The source's files neither re-cut nor copied, with why (`account_files`, as `convert`
+    reports them): its checksum manifest, a file in a subfolder... They used to vanish."""
+    plan = TransferPlan(items=[Item(e, e) for e in checkpoint.manifest.entries])
+    _, skipped = account_files(checkpoint, plan, [*carried, *left_out], single_file=False)
+    return [SkippedFile(path=r, reason="left out (--no-extras)") for r in left_out] + [
+        SkippedFile(path=s.name, reason=s.reason) for s in skipped
     ]
 
 
