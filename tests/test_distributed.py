@@ -449,3 +449,23 @@ def test_rank_0_draws_one_bar_for_the_bytes_of_every_rank() -> None:
     ranks[1].advance(5)
     ranks[0].advance(0)
     assert bars[0].done == 5
+
+
+@pytest.mark.torchrun
+def test_each_ranks_share_of_a_world_size_reshard_counts_the_bytes_of_its_files(
+    tmp_path: Path,
+) -> None:
+    """The per-rank summary used to count tensor data only: the ranks' bytes did not add up
+    to the files they wrote (the objects and the containers around each chunk were missing)."""
+    src = tmp_path / "src"
+    dcp_save({"w": torch.ones(64, 8), "b": torch.ones(8), "step": 3, "name": "x" * 4000}, src)
+    out = tmp_path / "out"
+    proc = torchrun_ckpt(2, "reshard", src, out, "--world-size", "3", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)["result"]
+    shares = report["ranks"]
+    assert len(shares) == 2
+    for share in shares:
+        assert share["bytes"] == sum((out / rel).stat().st_size for rel in share["files"])
+    data_files = [p for p in out.iterdir() if p.name.endswith(".distcp")]
+    assert sum(s["bytes"] for s in shares) == sum(p.stat().st_size for p in data_files)

@@ -574,7 +574,9 @@ def write_cuts(
         share = RankShare(
             rank=workers.rank,
             files=mine,
-            bytes=counted.done,
+            # the bytes of the files this rank wrote (containers and objects too), not the
+            # tensor data alone: the ranks' shares add up to the output
+            bytes=sum((staging / rel).stat().st_size for rel in mine) if mine else counted.done,
             seconds=time.perf_counter() - started,
         )
         return {"parts": parts, "share": share.model_dump(mode="json")}
