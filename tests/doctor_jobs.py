@@ -574,14 +574,73 @@ def build_torchtitan(out: Path) -> None:
         run(folder, resume, None if case.startswith("clean") else case)
 
 
+# --------------------------------------------------------------------------- Trainer, more runs
+
+#: `trainer_runs` cases: what the doctor must rank first (None: no cause, exit 0)
+TRAINER_RUNS: dict[str, str | None] = {
+    "short_last_batch": None,  # 30 rows in batches of 4: each epoch ends in a batch of 2
+    "short_last_accum": None,  # and an accumulation of 3 that does not divide the 8 batches
+    "batch_then_same": "batch_changed",  # batch 2 → 4 at the resume from checkpoint-4, then kept
+}
+#: the options of the resume from checkpoint-4 of the `TRAINER_RUNS` cases that resume
+_RESUMED_WITH: dict[str, dict[str, int]] = {"batch_then_same": {"bs": 4}}
+
+
+def build_trainer_runs(out: Path) -> None:
+    """Plain Trainer runs (no fault planted in the trainer), one per `TRAINER_RUNS` case."""
+    from transformers import (
+        LlamaForCausalLM,
+        Trainer,
+        TrainingArguments,
+        default_data_collator,
+        set_seed,
+    )
+
+    def run(folder: Path, resume: Path | None, **opts: int) -> None:
+        seed = opts.get("seed", 0)
+        set_seed(seed)
+        args = TrainingArguments(
+            output_dir=str(folder),
+            max_steps=opts.get("max_steps", 8),
+            save_steps=2,
+            per_device_train_batch_size=opts.get("bs", 2),
+            gradient_accumulation_steps=opts.get("ga", 1),
+            learning_rate=1e-2,
+            warmup_steps=2,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            seed=seed,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        trainer = Trainer(
+            model=LlamaForCausalLM(_tiny_llama()),
+            args=args,
+            train_dataset=Rows(opts.get("rows", 16)),
+            data_collator=default_data_collator,
+        )
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+
+    run(out / "short_last_batch", None, rows=30, bs=4, max_steps=12)
+    run(out / "short_last_accum", None, rows=30, bs=4, ga=3, max_steps=12)
+    base = out / "base"
+    run(base, None)
+    for case, opts in _RESUMED_WITH.items():
+        copy_saves(base, out / case, ["checkpoint-2", "checkpoint-4"])
+        run(out / case, out / case / "checkpoint-4", **opts)
+
+
 BUILDERS = {
     "trainer": build_trainer,
     "accelerate": build_accelerate,
     "dcp": build_dcp,
     "torchtitan": build_torchtitan,
+    "trainer_runs": build_trainer_runs,
 }
 
 
 if __name__ == "__main__":
     BUILDERS[sys.argv[1]](Path(sys.argv[2]))
-    (Path(sys.argv[2]) / "cases.json").write_text(json.dumps(CASES[sys.argv[1]]))
+    cases = TRAINER_RUNS if sys.argv[1] == "trainer_runs" else CASES[sys.argv[1]]
+    (Path(sys.argv[2]) / "cases.json").write_text(json.dumps(cases))

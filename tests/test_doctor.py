@@ -16,7 +16,7 @@ import torch
 
 from .conftest import REPO, run_ckpt
 from .dist_helpers import run_torchrun
-from .doctor_jobs import CASES, DECLARED, TORCHRUN_RESUMES, copy_saves
+from .doctor_jobs import CASES, DECLARED, TORCHRUN_RESUMES, TRAINER_RUNS, copy_saves
 from .s3_fixtures import S3Server, upload_folder
 
 _FRAMEWORK = {
@@ -81,6 +81,12 @@ def torchrun_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         copy_saves(out / "base", out / case, ["step-2", "step-4"])
         run_torchrun(DIST_JOB, ranks, out / case, str(per_device), str(lr), "step-4", timeout=600)
     return out
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Plain Trainer runs: one folder per case of `TRAINER_RUNS`."""
+    return _build("trainer_runs", tmp_path_factory.mktemp("doctor_trainer_runs"))
 
 
 def _jobs(request: pytest.FixtureRequest, kind: str) -> Path:
@@ -639,3 +645,27 @@ def test_doctor_of_weights_only_does_not_call_them_resumable(tmp_path: Path) -> 
     assert result.exit_code == 0, result.stderr
     assert "weights only" in result.stdout and "can resume" not in result.stdout
     assert "(single: 1 save)" in result.stdout
+
+
+@pytest.mark.frameworks
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(("case", "want"), list(TRAINER_RUNS.items()))
+def test_trainer_runs_without_a_planted_fault_in_the_trainer(
+    trainer_runs: Path, case: str, want: str | None
+) -> None:
+    # straight runs whose epochs end in a short step are no batch change; a batch changed at a
+    # resume is found at that resume only, not again at the next (unchanged) pair
+    result = run_ckpt("doctor", trainer_runs / case, "--json")
+    report = result.json["result"]
+    if want is None:
+        assert result.exit_code == 0, report["causes"]
+        assert not [p for p in report["resume_points"] if p["resumed"]]
+        return
+    assert [(c["id"], c["before"], c["after"]) for c in report["causes"]] == [
+        (want, "checkpoint-4", "checkpoint-6")
+    ]
+    resumed = [(p["before"], p["after"]) for p in report["resume_points"] if p["resumed"]]
+    assert resumed == [("checkpoint-4", "checkpoint-6")]
+    if want == "batch_changed":
+        evidence = report["causes"][0]["evidence"]
+        assert any("(×2.00): each step now processes more data" in e for e in evidence)

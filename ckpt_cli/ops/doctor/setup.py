@@ -31,6 +31,48 @@ def _global_batch(save: Save, keys: set[str]) -> float:
     return out
 
 
+def _epoch_ends(first: Save | None, last: Save) -> int:
+    """How many epochs ended in the steps after `first` (the run's start when None) up to
+    `last`: each may end in a short step (its last batch, or fewer accumulated micro-batches)."""
+    end = last.value("trainer_state.epoch")
+    start = 0.0 if first is None else first.value("trainer_state.epoch")
+    if not isinstance(end, int | float) or not isinstance(start, int | float):
+        return 0
+    return max(math.floor(end + 1e-6) - math.floor(start + 1e-6), 0)
+
+
+def _pace_range(work: float, steps: int, ends: int) -> tuple[float, float]:
+    """The work of a full step over `steps` steps, `ends` of them possibly short."""
+    high = work / (steps - ends) if steps > ends else math.inf
+    return work / steps, high
+
+
+def _interval_paces(
+    pair: Pair, name: str, after: float
+) -> tuple[tuple[float, float], tuple[float, float], str] | None:
+    """The work per step of work counter `name` over the interval before the pair (from the
+    save before `pair.before`, else from the start) and over the pair's own, and the span of
+    the first (`checkpoint-2 → checkpoint-4`); None when unknown."""
+    a, b = pair.before, pair.after
+    before, n = a.work_counters.get(name), pair.elapsed
+    if before is None or n is None or not a.step:
+        return None
+    prev = pair.earlier[-1] if pair.earlier else None
+    prev_work = prev.work_counters.get(name) if prev is not None else None
+    if prev is not None and prev.step is not None and prev_work is not None and prev.step < a.step:
+        work_a, steps_a, first = before - prev_work, a.step - prev.step, prev
+    else:
+        work_a, steps_a, first = before, a.step, None
+    work_b = after - before
+    if work_a <= 0 or work_b <= 0:
+        return None
+    return (
+        _pace_range(work_a, steps_a, _epoch_ends(first, a)),
+        _pace_range(work_b, n, _epoch_ends(a, b)),
+        f"{first.name} → {a.name}" if first is not None else f"the start → {a.name}",
+    )
+
+
 def check_batch(pair: Pair, notes: list[str]) -> list[Cause]:
     """The batch cause of one pair; changes that are no cause go to `notes`."""
     a, b = pair.before, pair.after
@@ -45,19 +87,26 @@ def check_batch(pair: Pair, notes: list[str]) -> list[Cause]:
                 f"{key.replace('_', ' ')} {fmt(a.settings[key])} at {a.name}, "
                 f"{fmt(b.settings[key])} at {b.name}"
             )
-    n = pair.elapsed
-    for name, before in a.work_counters.items():
-        after = b.work_counters.get(name)
-        if after is None or n is None or not a.step:
+    for name, after in b.work_counters.items():
+        paces = _interval_paces(pair, name, after)
+        if paces is None:
             continue
-        pace_a, pace_b = before / a.step, (after - before) / n
-        if pace_a > 0 and abs(pace_b / pace_a - 1) > _RATIO_TOLERANCE:
-            evidence.append(
-                f"{name} per step {pace_a:.4g} before {a.name}, {pace_b:.4g} after "
-                f"(×{pace_b / pace_a:.2f}): each step now processes that much more data"
-            )
-            if ratio is None or ratio == 1.0:
-                ratio = pace_b / pace_a
+        (low_a, high_a), (low_b, high_b), span = paces
+        # each range holds the pace of a full step: an interval that ends an epoch holds its
+        # short last step (fewer rows, fewer accumulated micro-batches), so its pace is a range
+        if low_b > high_a * (1 + _RATIO_TOLERANCE):
+            pace_a, pace_b = high_a, low_b
+        elif high_b < low_a * (1 - _RATIO_TOLERANCE):
+            pace_a, pace_b = low_a, high_b
+        else:
+            continue
+        evidence.append(
+            f"{name} per step {pace_a:.4g} over {span}, {pace_b:.4g} over {pair.where()} "
+            f"(×{pace_b / pace_a:.2f}): each step now processes "
+            f"{'more' if pace_b > pace_a else 'less'} data"
+        )
+        if ratio is None or ratio == 1.0:
+            ratio = pace_b / pace_a
     if ratio is None:
         return []
     if _close(ratio, 1.0):
