@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -581,6 +582,9 @@ TRAINER_RUNS: dict[str, str | None] = {
     "short_last_batch": None,  # 30 rows in batches of 4: each epoch ends in a batch of 2
     "short_last_accum": None,  # and an accumulation of 3 that does not divide the 8 batches
     "batch_then_same": "batch_changed",  # batch 2 → 4 at the resume from checkpoint-4, then kept
+    # `prune --slim-older-than` slimmed checkpoint-2 and -4 to their weights; checkpoint-6 was
+    # lost, and the run resumed from the slimmed checkpoint-4 (a fresh optimizer)
+    "slimmed": "optimizer_not_restored",
 }
 #: the options of the resume from checkpoint-4 of the `TRAINER_RUNS` cases that resume
 _RESUMED_WITH: dict[str, dict[str, int]] = {"batch_then_same": {"bs": 4}}
@@ -629,6 +633,17 @@ def build_trainer_runs(out: Path) -> None:
     for case, opts in _RESUMED_WITH.items():
         copy_saves(base, out / case, ["checkpoint-2", "checkpoint-4"])
         run(out / case, out / case / "checkpoint-4", **opts)
+    slimmed = out / "slimmed"
+    copy_saves(base, slimmed, ["checkpoint-2", "checkpoint-4", "checkpoint-6"])
+    prune = ["prune", str(slimmed), "--slim-older-than", "1", "--yes"]
+    subprocess.run(
+        [sys.executable, "-m", "ckpt_cli", *prune],
+        check=True,
+        capture_output=True,
+    )
+    assert (slimmed / "checkpoint-4" / "ckpt-slim.json").is_file()
+    shutil.rmtree(slimmed / "checkpoint-6")
+    run(slimmed, slimmed / "checkpoint-4")
 
 
 BUILDERS = {

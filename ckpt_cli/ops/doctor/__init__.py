@@ -105,7 +105,7 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
             return _single(run_dir, declared)
         report = DoctorReport(run_dir=run_dir, mode="run")
         scan = scan_run(run, settle=settle)
-        usable = [c for c in scan.checkpoints if c.complete and not c.slim]
+        usable = [c for c in scan.checkpoints if c.complete]
         for c in scan.checkpoints:
             if not c.complete:
                 report.warnings.append(f"{c.name}: skipped ({c.status}: {c.reason})")
@@ -237,6 +237,9 @@ def _examine(
     explained = {
         c.after for c in causes if c.id in ("optimizer_not_restored", "scheduler_not_restored")
     }
+    for pair, point in zip(pairs, report.resume_points, strict=True):
+        if pair.before.name in explained and not point.resumed:
+            explained.add(pair.after.name)  # the same process carried the lag on
     for save in saves:
         for cause in consistency.check(save):
             if cause.id == "inconsistent_state" and save.name in explained:
