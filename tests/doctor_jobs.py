@@ -585,9 +585,10 @@ TRAINER_RUNS: dict[str, str | None] = {
     # `prune --slim-older-than` slimmed checkpoint-2 and -4 to their weights; checkpoint-6 was
     # lost, and the run resumed from the slimmed checkpoint-4 (a fresh optimizer)
     "slimmed": "optimizer_not_restored",
+    "seed": "seed_changed",  # resumed from checkpoint-4 with seed 7 (was 0)
 }
 #: the options of the resume from checkpoint-4 of the `TRAINER_RUNS` cases that resume
-_RESUMED_WITH: dict[str, dict[str, int]] = {"batch_then_same": {"bs": 4}}
+_RESUMED_WITH: dict[str, dict[str, int]] = {"batch_then_same": {"bs": 4}, "seed": {"seed": 7}}
 
 
 def build_trainer_runs(out: Path) -> None:

@@ -11,7 +11,7 @@ the state the resumed run saved after. Each family of causes is one module and o
 | `data` | data position not restored (samples / batches / tokens seen, the loader's yielded count, the epoch fraction) |
 | `scaler` | gradient scaler reset (the fp16 loss scale back at its initial value) |
 | `weights` | weights partly restored (tensors uncorrelated with the save: fresh), precision changed, EMA not restored |
-| `setup` | global batch changed without the LR rescaled (world size, per-device batch, accumulation); config or tokenizer changed |
+| `setup` | global batch changed without the LR rescaled (world size, per-device batch, accumulation); seed, config or tokenizer changed |
 | `rng` | RNG not restored (the state after the resume is one the run held earlier; torch's CPU generator carries another seed, or fewer draws since its seed: `mt19937`) |
 | `consistency` | one save: step counters that disagree; RNG for fewer ranks than the run had |
 
@@ -206,6 +206,7 @@ _PAIR_CHECKS = (
     rng.check,
     setup.check_config,
     setup.check_tokenizer,
+    setup.check_seed,
 )
 
 

@@ -22,6 +22,7 @@ CAUSE_IDS = (
     "rng_not_restored",
     "config_changed",
     "tokenizer_changed",
+    "seed_changed",
     "inconsistent_state",
     "rng_ranks_missing",
 )

@@ -1,6 +1,6 @@
 """Run-setup causes: the global batch changed (world size, per-device batch or gradient
-accumulation) without the learning rate rescaled with it; the model config or the tokenizer
-changed between the saves."""
+accumulation) without the learning rate rescaled with it; the seed, the model config or the
+tokenizer changed between the saves."""
 
 from __future__ import annotations
 
@@ -246,5 +246,29 @@ def check_tokenizer(pair: Pair) -> list[Cause]:
             evidence=evidence,
             fix="Resume with the tokenizer saved beside the checkpoint (AutoTokenizer."
             "from_pretrained on the checkpoint folder), or declare it with --expect tokenizer.",
+        )
+    ]
+
+
+def check_seed(pair: Pair) -> list[Cause]:
+    """The seed cause of one pair: the Trainer's `seed` (training_args.bin) changed."""
+    a, b = pair.before, pair.after
+    seed_a, seed_b = a.training_args.get("seed"), b.training_args.get("seed")
+    if not isinstance(seed_a, int) or not isinstance(seed_b, int) or seed_a == seed_b:
+        return []
+    return [
+        Cause(
+            id="seed_changed",
+            title="the run was resumed with another seed: another data order and dropout",
+            score=0.7,
+            before=a.name,
+            after=b.name,
+            evidence=[
+                f"seed {seed_a} → {seed_b} at the resume (training_args.bin of {a.name} and "
+                f"{b.name}): the Trainer seeds its sampler's shuffle and the random draws "
+                "from it, so the batches after the resume are not the ones the run would have seen"
+            ],
+            fix="Resume with the seed the run was started with (TrainingArguments.seed, "
+            f"{seed_a} here), or declare the change with --expect seed_changed.",
         )
     ]
