@@ -586,6 +586,8 @@ TRAINER_RUNS: dict[str, str | None] = {
     # lost, and the run resumed from the slimmed checkpoint-4 (a fresh optimizer)
     "slimmed": "optimizer_not_restored",
     "seed": "seed_changed",  # resumed from checkpoint-4 with seed 7 (was 0)
+    # checkpoint-4's optimizer.pt was deleted, and the run resumed from it (a fresh optimizer)
+    "optimizer_deleted": "optimizer_not_restored",
 }
 #: the options of the resume from checkpoint-4 of the `TRAINER_RUNS` cases that resume
 _RESUMED_WITH: dict[str, dict[str, int]] = {"batch_then_same": {"bs": 4}, "seed": {"seed": 7}}
@@ -645,6 +647,12 @@ def build_trainer_runs(out: Path) -> None:
     assert (slimmed / "checkpoint-4" / "ckpt-slim.json").is_file()
     shutil.rmtree(slimmed / "checkpoint-6")
     run(slimmed, slimmed / "checkpoint-4")
+    deleted = out / "optimizer_deleted"
+    copy_saves(base, deleted, ["checkpoint-2", "checkpoint-4"])
+    (deleted / "checkpoint-4" / "optimizer.pt").unlink()
+    stat = (deleted / "checkpoint-4").stat()  # deleted long before the resume
+    os.utime(deleted / "checkpoint-4", (stat.st_atime, stat.st_mtime - DOWN_SECONDS))
+    run(deleted, deleted / "checkpoint-4")
 
 
 BUILDERS = {

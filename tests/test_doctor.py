@@ -655,7 +655,7 @@ def test_trainer_runs_without_a_planted_fault_in_the_trainer(
 ) -> None:
     # straight runs whose epochs end in a short step are no batch change; a batch changed at a
     # resume is found at that resume only, not again at the next (unchanged) pair; a resume
-    # from a slimmed save is examined like any other
+    # from a slimmed save, or from one whose optimizer.pt was deleted, is examined like any other
     result = run_ckpt("doctor", trainer_runs / case, "--json")
     report = result.json["result"]
     if want is None:
@@ -669,6 +669,10 @@ def test_trainer_runs_without_a_planted_fault_in_the_trainer(
     }
     resumed = [(p["before"], p["after"]) for p in report["resume_points"] if p["resumed"]]
     assert resumed == [("checkpoint-4", "checkpoint-6")]
+    if case == "optimizer_deleted":  # examined, and said so
+        assert any(
+            w.startswith("checkpoint-4: incomplete (lacks optimizer.pt") for w in report["warnings"]
+        ), report["warnings"]
     if want == "batch_changed":
         evidence = report["causes"][0]["evidence"]
         assert any("(×2.00): each step now processes more data" in e for e in evidence)

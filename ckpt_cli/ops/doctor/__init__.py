@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pydantic import ConfigDict, Field
 
-from ...errors import NotFoundError, UsageError
+from ...errors import CkptError, NotFoundError, UsageError
 from ...formats import resolve_source
 from ...formats.base import Source
 from ...models import Record
@@ -105,17 +105,27 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
             return _single(run_dir, declared)
         report = DoctorReport(run_dir=run_dir, mode="run")
         scan = scan_run(run, settle=settle)
-        usable = [c for c in scan.checkpoints if c.complete]
-        for c in scan.checkpoints:
-            if not c.complete:
-                report.warnings.append(f"{c.name}: skipped ({c.status}: {c.reason})")
-        if not usable:
+        if not any(c.complete for c in scan.checkpoints):
             raise NotFoundError(
                 "holds no complete checkpoint to examine",
                 path=run_dir,
                 fix="Point at the folder holding the run's step checkpoints.",
             )
-        saves = [_open_run_checkpoint(c) for c in usable]
+        saves = []
+        for c in scan.checkpoints:
+            if c.complete:
+                saves.append(_open_run_checkpoint(c))
+                continue
+            save = _open_incomplete(c)
+            if save is None:
+                report.warnings.append(f"{c.name}: skipped ({c.status}: {c.reason})")
+                continue
+            # a run may have resumed from it all the same: what it lacks was not restored
+            report.warnings.append(
+                f"{c.name}: incomplete ({c.reason}): examined as a save a resume may have "
+                "started from; what it lacks could not be restored from it"
+            )
+            saves.append(save)
         logs = _logs_of(run)
     try:
         _examine(report, saves, logs, declared, pair_mode=report.mode == "pair")
@@ -168,6 +178,21 @@ def _open(path: str, name: str | None = None, step: int | None = None, mtime: fl
 
 def _open_run_checkpoint(checkpoint: RunCheckpoint) -> Save:
     return _open(checkpoint.path, checkpoint.name, checkpoint.step, checkpoint.mtime)
+
+
+def _open_incomplete(checkpoint: RunCheckpoint) -> Save | None:
+    """A settled incomplete save that still opens with its training state (a file of it
+    deleted or lost since), else None: a save still being written, or one that does not open."""
+    if checkpoint.status != "incomplete" or checkpoint.symlink:
+        return None
+    try:
+        save = _open_run_checkpoint(checkpoint)
+    except CkptError:
+        return None
+    if save.opened.training is None or not save.model_tensors:
+        save.close()
+        return None
+    return save
 
 
 def _logs_of(run_dir: str | Source) -> list[Series]:
