@@ -655,16 +655,52 @@ def build_trainer_runs(out: Path) -> None:
     run(deleted, deleted / "checkpoint-4")
 
 
+def build_accelerate_auto(out: Path) -> None:
+    """accelerate with automatic checkpoint naming (`checkpoints/checkpoint_N`, N counts saves):
+    4 steps saving every 2 (`checkpoint_0` at step 2, `checkpoint_1` at step 4), resumed from
+    `checkpoint_1` with a fresh optimizer (its state cleared after `load_state`), to step 8."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+
+    def run(resume: bool) -> None:
+        set_seed(0)
+        config = ProjectConfiguration(project_dir=str(out), automatic_checkpoint_naming=True)
+        accelerator = Accelerator(cpu=True, project_config=config)
+        model = torch.nn.Linear(8, 4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        start = 0
+        if resume:
+            accelerator.load_state(str(out / "checkpoints" / "checkpoint_1"))
+            accelerator.project_configuration.iteration = 2
+            start = 4
+            optimizer.optimizer.state.clear()  # the fault: a fresh optimizer
+        for step in range(start + 1, 9 if resume else 5):
+            model(torch.randn(2, 8)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step % 2 == 0:
+                accelerator.save_state()
+
+    run(resume=False)
+    for path in [*(out / "checkpoints").rglob("*"), *(out / "checkpoints").iterdir()]:
+        stat = path.stat()
+        os.utime(path, (stat.st_atime - DOWN_SECONDS, stat.st_mtime - DOWN_SECONDS))
+    run(resume=True)
+
+
 BUILDERS = {
     "trainer": build_trainer,
     "accelerate": build_accelerate,
     "dcp": build_dcp,
     "torchtitan": build_torchtitan,
     "trainer_runs": build_trainer_runs,
+    "accelerate_auto": build_accelerate_auto,
 }
 
 
 if __name__ == "__main__":
     BUILDERS[sys.argv[1]](Path(sys.argv[2]))
-    cases = TRAINER_RUNS if sys.argv[1] == "trainer_runs" else CASES[sys.argv[1]]
+    cases = TRAINER_RUNS if sys.argv[1] == "trainer_runs" else CASES.get(sys.argv[1], {})
     (Path(sys.argv[2]) / "cases.json").write_text(json.dumps(cases))

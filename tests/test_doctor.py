@@ -16,7 +16,13 @@ import torch
 
 from .conftest import REPO, run_ckpt
 from .dist_helpers import run_torchrun
-from .doctor_jobs import CASES, DECLARED, TORCHRUN_RESUMES, TRAINER_RUNS, copy_saves
+from .doctor_jobs import (
+    CASES,
+    DECLARED,
+    TORCHRUN_RESUMES,
+    TRAINER_RUNS,
+    copy_saves,
+)
 from .s3_fixtures import S3Server, upload_folder
 
 _FRAMEWORK = {
@@ -676,3 +682,26 @@ def test_trainer_runs_without_a_planted_fault_in_the_trainer(
     if want == "batch_changed":
         evidence = report["causes"][0]["evidence"]
         assert any("(×2.00): each step now processes more data" in e for e in evidence)
+
+
+@pytest.mark.frameworks
+@pytest.mark.timeout(600)
+def test_accelerate_automatic_names_are_no_steps(tmp_path: Path) -> None:
+    # `checkpoint_N` counts saves: neither shown as a step nor used as one in the evidence
+    pytest.importorskip("accelerate", reason="the job needs accelerate (the frameworks extra)")
+    out = _build("accelerate_auto", tmp_path / "job")
+    result = run_ckpt("doctor", out / "checkpoints", "--json")
+    report = result.json["result"]
+    top = report["causes"][0]
+    assert (top["id"], top["before"], top["after"]) == (
+        "optimizer_not_restored",
+        "checkpoint_1",
+        "checkpoint_2",
+    )
+    assert top["evidence"][0].startswith(
+        "optimizer step count 4 at checkpoint_1, 2 at checkpoint_2"
+    )
+    assert "would count" not in top["evidence"][0]  # no pace from save numbers
+    assert {p["step_before"] for p in report["resume_points"]} == {None}
+    text = run_ckpt("doctor", out / "checkpoints")
+    assert "checkpoint_1 → checkpoint_2" in text.stdout and "(step" not in text.stdout

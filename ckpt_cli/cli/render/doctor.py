@@ -18,8 +18,14 @@ def _cause(cause: Cause) -> None:
     stdout.print(f"     fix: {cause.fix}", markup=False, highlight=False)
 
 
+def _save(name: str, step: int | None) -> str:
+    """`checkpoint-4 (step 4)`; the name alone when the step is unknown (accelerate's
+    automatic `checkpoint_N` counts saves)."""
+    return name if step is None else f"{name} (step {step})"
+
+
 def _point(point: ResumePoint) -> str:
-    text = f"  {point.before} (step {point.step_before}) → {point.after} (step {point.step_after})"
+    text = f"  {_save(point.before, point.step_before)} → {_save(point.after, point.step_after)}"
     if point.resumed:
         text += f"  resumed ({', '.join(point.how)})"
     log = point.log

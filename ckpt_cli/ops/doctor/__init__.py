@@ -169,14 +169,27 @@ def _open(path: str, name: str | None = None, step: int | None = None, mtime: fl
     opened = open_source(source)
     label = name or path.rstrip("/").rsplit("/", 1)[-1]
     if step is None:
-        from ...sources.runs.naming import classify
+        from ...sources.runs.naming import classify, counts_saves
 
         named = classify(label, source.target is None, lambda: True)
-        step = named[1] if named else None
+        # accelerate's automatic `checkpoint_N` counts saves, not steps (as the run scan says)
+        if named is not None and not counts_saves(named[0], label):
+            step = named[1]
     return Save(name=label, path=path, opened=opened, source=source, folder_step=step, mtime=mtime)
 
 
 def _open_run_checkpoint(checkpoint: RunCheckpoint) -> Save:
+    if checkpoint.step is None and checkpoint.save_number is not None:
+        # a name that counts saves: no step from it (the scan has said so)
+        source = resolve_source(checkpoint.path)
+        return Save(
+            name=checkpoint.name,
+            path=checkpoint.path,
+            opened=open_source(source),
+            source=source,
+            folder_step=None,
+            mtime=checkpoint.mtime,
+        )
     return _open(checkpoint.path, checkpoint.name, checkpoint.step, checkpoint.mtime)
 
 

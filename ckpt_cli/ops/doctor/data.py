@@ -25,7 +25,7 @@ def check(pair: Pair) -> list[Cause]:
             continue  # an epoch ended between the saves, maybe: not proof of a restart
         evidence.append(
             f"{name} {fmt(found.before)} at {a.name}, {fmt(found.after)} at {b.name}: "
-            f"continued it would be {fmt(found.continued)}, started over {fmt(found.fresh)}"
+            + found.outlook("continued it would be", "started over")
         )
     evidence += _new_loaders(pair)
     if not evidence:

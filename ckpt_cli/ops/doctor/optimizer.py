@@ -47,8 +47,8 @@ def check(pair: Pair) -> list[Cause]:
         if restart is not None:
             evidence.append(
                 f"optimizer step count {fmt(restart.before)} at {a.name}, "
-                f"{fmt(restart.after)} at {b.name}: a restored optimizer would count "
-                f"{fmt(restart.continued)}, a fresh one {fmt(restart.fresh)}"
+                f"{fmt(restart.after)} at {b.name}: "
+                + restart.outlook("a restored optimizer would count", "a fresh one")
             )
             before_v, after_v = second_moment_mean(a), second_moment_mean(b)
             if before_v and after_v is not None:

@@ -50,6 +50,14 @@ class Restart:
     after: float
     continued: float
     fresh: float
+    paced: bool = True
+
+    def outlook(self, continued: str, fresh: str) -> str:
+        """`restored it would be 6, started over 2` (`continued` and `fresh` name each way);
+        with the steps between the saves unknown (no pace): that the counter went back."""
+        if not self.paced:
+            return "it went back (the steps between the saves are unknown; carried on, it never goes back)"
+        return f"{continued} {fmt(self.continued)}, {fresh} {fmt(self.fresh)}"
 
     @property
     def restarted(self) -> bool:
@@ -71,7 +79,7 @@ def counter_restart(
         return None
     if step_before is None or step_before <= 0 or elapsed is None:
         if after < before:
-            return Restart(before, after, before, 0.0)
+            return Restart(before, after, before, 0.0, paced=False)
         return None
     rate = before / step_before
     return Restart(before, after, before + rate * elapsed, rate * elapsed)

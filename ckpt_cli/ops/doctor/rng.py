@@ -16,7 +16,7 @@ from ...errors import CkptError
 from ..diff.compare import values_equal
 from . import mt19937
 from .models import Cause
-from .pair import Pair
+from .pair import Pair, fmt
 from .save import Save
 from .tensors import raw_bytes
 
@@ -85,8 +85,8 @@ def _reseeded(pair: Pair, before: dict[str, Any], after: dict[str, Any]) -> list
                 continue
             evidence = (
                 f"{where}: {drawn_a:,} numbers drawn since seed {a.seed} at "
-                f"{pair.before.name} (step {pair.before.step}), {drawn_b:,} at "
-                f"{pair.after.name} (step {pair.after.step}): it was seeded again at the "
+                f"{pair.before.name} (step {fmt(pair.before.step)}), {drawn_b:,} at "
+                f"{pair.after.name} (step {fmt(pair.after.step)}): it was seeded again at the "
                 "resume (a restored generator carries on counting)"
             )
         return [
@@ -140,8 +140,8 @@ def check(pair: Pair) -> list[Cause]:
                 before=pair.before.name,
                 after=pair.after.name,
                 evidence=[
-                    f"the RNG state at {pair.after.name} (step {pair.after.step}) is "
-                    f"bit-identical to the one at {save.name} (step {save.step}) "
+                    f"the RNG state at {pair.after.name} (step {fmt(pair.after.step)}) is "
+                    f"bit-identical to the one at {save.name} (step {fmt(save.step)}) "
                     f"({', '.join(sorted(set(after) & set(earlier)))}), though it had moved on "
                     f"by {pair.before.name} ({', '.join(sorted(advanced))} changed): the run "
                     "was seeded again instead of restored",

@@ -15,7 +15,7 @@ def check(pair: Pair) -> list[Cause]:
         return []
     evidence = [
         f"scheduler last_epoch {fmt(found.before)} at {a.name}, {fmt(found.after)} at {b.name}: "
-        f"restored it would be {fmt(found.continued)}, started over {fmt(found.fresh)}"
+        + found.outlook("restored it would be", "started over")
     ]
     log = pair.log
     if log is not None and log.lr_after is not None and log.lr_before is not None:
