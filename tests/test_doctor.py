@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from .dist_helpers import run_torchrun
 from .doctor_jobs import (
     CASES,
     DECLARED,
+    DOWN_SECONDS,
     TORCHRUN_RESUMES,
     TRAINER_RUNS,
     copy_saves,
@@ -705,3 +707,30 @@ def test_accelerate_automatic_names_are_no_steps(tmp_path: Path) -> None:
     assert {p["step_before"] for p in report["resume_points"]} == {None}
     text = run_ckpt("doctor", out / "checkpoints")
     assert "checkpoint_1 → checkpoint_2" in text.stdout and "(step" not in text.stdout
+
+
+@pytest.mark.frameworks
+@pytest.mark.timeout(1200)
+def test_saves_many_steps_apart_are_no_stop(trainer_runs: Path, tmp_path: Path) -> None:
+    # a straight run whose middle saves were rotated away: 80 s for 8 steps, then 20 s for 2,
+    # the same 10 s a step; the longer gap is no resume
+    run = tmp_path / "rotated"
+    run.mkdir()
+    start = trainer_runs.stat().st_mtime - DOWN_SECONDS
+    for step in (2, 10, 12):
+        save = run / f"checkpoint-{step}"
+        shutil.copytree(trainer_runs / "short_last_batch" / save.name, save)
+        for path in [*save.rglob("*"), save]:
+            os.utime(path, (start + 10 * step, start + 10 * step))
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 0, result.json["result"]["causes"]
+    assert [p["how"] for p in result.json["result"]["resume_points"]] == [[], []]
+
+
+@pytest.mark.frameworks
+@pytest.mark.timeout(1200)
+def test_before_and_after_the_same_save_is_refused(trainer_runs: Path) -> None:
+    run = trainer_runs / "short_last_batch"
+    result = run_ckpt("doctor", run, "--before", "checkpoint-4", "--after", f"{run}/checkpoint-4/")
+    assert result.exit_code == 2
+    assert "--before and --after name the same save" in result.stderr

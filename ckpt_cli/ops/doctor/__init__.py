@@ -93,8 +93,16 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
     if (before is None) != (after is None):
         raise UsageError("--before and --after go together", fix="Give both saves, or neither.")
     if before is not None and after is not None:
+        first, second = _inside(run_dir, before), _inside(run_dir, after)
+        if _same(first, second):
+            raise UsageError(
+                f"--before and --after name the same save ({first}): there is no resume "
+                "between a save and itself",
+                fix="Give the save the run resumed from as --before and a save the resumed "
+                "run wrote as --after.",
+            )
         report = DoctorReport(run_dir=run_dir or str(Path(before).parent), mode="pair")
-        saves = [_open(_inside(run_dir, before)), _open(_inside(run_dir, after))]
+        saves = [_open(first), _open(second)]
         logs = _logs_of(run_dir) if run_dir else []
     else:
         if run_dir is None:
@@ -162,6 +170,13 @@ def _inside(run_dir: str | None, name: str) -> str:
         return f"{run_dir.rstrip('/')}/{name}"
     candidate = Path(run_dir, name)
     return str(candidate) if candidate.exists() else name
+
+
+def _same(first: str, second: str) -> bool:
+    """Whether two save locations are one (local paths resolved, URLs compared as written)."""
+    if is_remote(first) or is_remote(second):
+        return first.rstrip("/") == second.rstrip("/")
+    return Path(first).resolve() == Path(second).resolve()
 
 
 def _open(path: str, name: str | None = None, step: int | None = None, mtime: float = 0.0) -> Save:

@@ -3,7 +3,8 @@
 What says so, each recorded in `ResumePoint.how`: `declared` (--before / --after), `log` (the
 log has a step logged twice, or the steps going back, between the two saves), `steps` (the
 trainer's own step counter went back while the folder names go forward), `time` (the gap
-between the two saves is far longer than the run's other save intervals: the job was down) and
+between the two saves, per step where the steps are known, is far longer than the run's other
+save intervals: the job was down) and
 `state` (a cause was found between them: the saved state itself is discontinuous).
 """
 
@@ -14,13 +15,21 @@ import statistics
 from .models import LogJump, ResumePoint
 from .pair import Pair
 
-#: a gap this many times the run's median save interval (and a second longer) is a stop
+#: a gap this many times the run's median save interval (and a second longer; per step where
+#: the steps are known) is a stop
 _GAP_FACTOR = 3.0
 
 
 def find(pairs: list[Pair], declared: bool) -> list[ResumePoint]:
     """One `ResumePoint` per pair (causes are added later, as `state`)."""
     gaps = [max(p.after.mtime - p.before.mtime, 0.0) for p in pairs]
+    # per step where every pair's steps are known: saves many steps apart (rotated ones
+    # between them) are no stop
+    counts = [p.elapsed for p in pairs]
+    steps = [n for n in counts if n]
+    if len(steps) != len(gaps):
+        steps = [1] * len(gaps)
+    paces = [g / n for g, n in zip(gaps, steps, strict=True)]
     points: list[ResumePoint] = []
     for i, pair in enumerate(pairs):
         how: list[str] = ["declared"] if declared else []
@@ -31,10 +40,10 @@ def find(pairs: list[Pair], declared: bool) -> list[ResumePoint]:
         own_b = pair.after.opened.training.step if pair.after.opened.training else None
         if own_a is not None and own_b is not None and own_b < own_a:
             how.append("steps")
-        others = [g for j, g in enumerate(gaps) if j != i and g > 0]
+        others = [g for j, g in enumerate(paces) if j != i and g > 0]
         if others:
             typical = statistics.median(others)
-            if gaps[i] > _GAP_FACTOR * typical and gaps[i] - typical > 1.0:
+            if paces[i] > _GAP_FACTOR * typical and gaps[i] - typical * steps[i] > 1.0:
                 how.append("time")
         points.append(
             ResumePoint(
