@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import ClassVar
@@ -1026,25 +1027,40 @@ def test_data_files_go_up_side_by_side_and_the_markers_after_them(
     assert checked.exit_code == 0, checked.stdout
 
 
-def test_an_interrupted_pull_says_its_staging_is_kept_to_resume(
-    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _pushed_then_cut_after_one_file(
+    s3_server: S3Server,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cut: Callable[[str], BaseException],
+) -> tuple[Path, Path, Callable[..., object]]:
+    """A Trainer save pushed to the bucket, and the pull's fetch patched to raise `cut(file)`
+    from the second file on; returns the run folder, the pull's DEST and the real fetch."""
     from ckpt_cli.ops.sync import pull
 
     make_bucket(s3_server.endpoint, BUCKET)
     out = trainer_run(tmp_path, steps=(100,))
     assert run_ckpt("sync", out, f"s3://{BUCKET}/run").exit_code == 0
-    fresh = tmp_path / "fresh"
     real_fetch = pull._fetch
     fetched: list[str] = []
 
-    def ctrl_c_after_one(*args: object, **kwargs: object) -> object:
+    def cut_after_one(*args: object, **kwargs: object) -> object:
         if fetched:
-            raise KeyboardInterrupt
+            raise cut(str(args[1]))
         fetched.append(str(args[1]))
         return real_fetch(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pull, "_fetch", ctrl_c_after_one)
+    monkeypatch.setattr(pull, "_fetch", cut_after_one)
+    return out, tmp_path / "fresh", real_fetch
+
+
+def test_an_interrupted_pull_says_its_staging_is_kept_to_resume(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_cli.ops.sync import pull
+
+    _, fresh, real_fetch = _pushed_then_cut_after_one_file(
+        s3_server, tmp_path, monkeypatch, lambda _file: KeyboardInterrupt()
+    )
     cut = run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--latest", "--json")
     assert cut.exit_code == 130, cut.stdout
     staging = fresh / ".checkpoint-100.ckpt-tmp-pull"
@@ -1065,20 +1081,9 @@ def test_a_cut_pull_resumes_keeping_the_files_already_whole(
     from ckpt_cli.errors import HubError
     from ckpt_cli.ops.sync import pull
 
-    make_bucket(s3_server.endpoint, BUCKET)
-    out = trainer_run(tmp_path, steps=(100,))
-    assert run_ckpt("sync", out, f"s3://{BUCKET}/run").exit_code == 0
-    fresh = tmp_path / "fresh"
-    real_fetch = pull._fetch
-    fetched: list[str] = []
-
-    def cut_after_one(*args: object, **kwargs: object) -> object:
-        if fetched:
-            raise HubError("connection reset", path=str(args[1]))
-        fetched.append(str(args[1]))
-        return real_fetch(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(pull, "_fetch", cut_after_one)
+    out, fresh, real_fetch = _pushed_then_cut_after_one_file(
+        s3_server, tmp_path, monkeypatch, lambda file: HubError("connection reset", path=file)
+    )
     first = sync(f"s3://{BUCKET}/run/", str(fresh), latest_only=True)
     assert first.failed and not (fresh / "checkpoint-100").exists()
     assert run_ckpt("latest", fresh).exit_code != 0  # nothing complete there yet

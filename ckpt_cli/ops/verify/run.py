@@ -578,15 +578,7 @@ def _deep_stored(
     progress.advance(entry.nbytes)
     report.tensors += 1
     if read != entry.nbytes:
-        problems.append(
-            Problem(
-                code="shape_mismatch",
-                message=f"{file}: tensor {entry.name!r} reads as {read:,} bytes, its metadata "
-                f"says {entry.nbytes:,} ({form})",
-                file=file,
-                tensor=entry.name,
-            )
-        )
+        problems.append(_short_read(entry, file, read, form or f"{entry.dtype}{entry.shape}"))
     elif values is None:
         problems.append(
             Problem(
@@ -661,16 +653,19 @@ def _deep_streamed(
     got += len(rest)
     report.tensors += 1
     if got != entry.nbytes:
-        problems.append(
-            Problem(
-                code="shape_mismatch",
-                message=f"{file}: tensor {entry.name!r} reads as {got:,} bytes, its metadata "
-                f"says {entry.nbytes:,} ({entry.dtype}{entry.shape})",
-                file=file,
-                tensor=entry.name,
-            )
-        )
+        problems.append(_short_read(entry, file, got, f"{entry.dtype}{entry.shape}"))
     _nonfinite(report, problems, entry, file, nan, inf, got // size)
+
+
+def _short_read(entry: models.Entry, file: str, read: int, form: str) -> Problem:
+    """A tensor whose bytes read as another size than its metadata says."""
+    return Problem(
+        code="shape_mismatch",
+        message=f"{file}: tensor {entry.name!r} reads as {read:,} bytes, its metadata "
+        f"says {entry.nbytes:,} ({form})",
+        file=file,
+        tensor=entry.name,
+    )
 
 
 def _unreadable(name: str, file: str, exc: Exception, kind: str) -> Problem:
