@@ -377,3 +377,54 @@ def test_retention_parity_and_a_damaged_newest_save_passed_over_on_load(tmp_path
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, saved[4][name]), name
     assert fresh_optimizer.state_dict()["state"][0]["step"] == torch.tensor(2.0)
+
+
+EXIT_SCRIPT = """
+import os, signal, sys, threading, time
+from pathlib import Path
+import torch
+from ckpt_cli import Checkpointer
+
+run, marker, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 32)
+torch.save(model.state_dict(), run + ".ref.pt")
+Checkpointer(run).save(1, {"model": model, "step": 1})  # no close(), no wait()
+while not marker.exists():  # the data is written; the checksums and the publish are not
+    time.sleep(0.02)
+
+def go_on() -> None:  # the save carries on once the script has begun to exit
+    time.sleep(0.5)
+    marker.unlink()
+
+threading.Thread(target=go_on, daemon=True).start()
+if mode == "sigterm":  # a handler that exits cleanly, as job schedulers expect
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+raise RuntimeError("the training loop crashed after the save")
+"""
+
+
+@pytest.mark.parametrize("mode", ["raise", "sigterm"])
+def test_a_script_that_ends_while_its_save_is_in_flight_still_publishes_it(
+    tmp_path: Path, mode: str
+) -> None:
+    run = tmp_path / "run"
+    marker = tmp_path / "paused"
+    env = torchrun_env({"CKPT_TEST_PAUSE_AT": "write@1", "CKPT_TEST_PAUSE_FILE": str(marker)})
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, str(run), str(marker), mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == (143 if mode == "sigterm" else 1), proc.stderr
+    assert "save of step 1 failed" not in proc.stderr, proc.stderr
+    assert latest(run) == str(run / "step-1")
+    verdict = run_ckpt("verify", str(run / "step-1"), "--checksums")
+    assert verdict.exit_code == 0, verdict.stdout
+    saved = torch.load(f"{run}.ref.pt")
+    for name, tensor in dcp_model(run / "step-1", saved).items():
+        assert torch.equal(tensor, saved[name]), name

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+# imported first: its exit hook (which refuses new pool work) must be registered before ours
+import concurrent.futures.thread  # noqa: F401
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +30,26 @@ from .tiers import Choice, choose
 
 OnBusy = Literal["wait", "skip"]
 Checks = Literal["checksums", "structure", "none"]
+
+
+#: the live checkpointers, whose save in flight the interpreter waits for at exit
+_LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _finish_pending_saves() -> None:
+    """Let every save in flight finish before the interpreter shuts down.
+
+    A script that ends (or raises, or exits from a signal handler) right after `save` would
+    otherwise lose that save: Python's exit first marks the thread pools shut (the checksum
+    and parity steps use one), and only then joins the save thread, whose next pool job then
+    fails. `threading._register_atexit` hooks run before that join, newest first, so this one
+    (registered after `concurrent.futures.thread`'s) runs while the pools still take work.
+    """
+    for engine in list(_LIVE):
+        engine.wait()
+
+
+threading._register_atexit(_finish_pending_saves)  # type: ignore[attr-defined]
 
 
 class _Writer(FileSystemWriter):
@@ -146,6 +169,7 @@ class Checkpointer:
         self._saves = self._skipped = self._failures = 0
         self._last_error: str | None = None
         self._closed = False
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ public
 
