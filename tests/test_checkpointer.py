@@ -364,9 +364,13 @@ def test_retention_parity_and_a_damaged_newest_save_passed_over_on_load(tmp_path
     ck.close()
 
     # a bit flips in the newest save's data: load_latest checks before loading, takes step 4
-    shard = run / "step-8" / "__0_0.distcp"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(run / "step-8")).read_metadata().storage_data
+    weight = next(info for index, info in storage.items() if index.fqn == "model.weight")
+    shard = run / "step-8" / weight.relative_path
     data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    data[weight.offset + weight.length // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     fresh = torch.nn.Linear(64, 32)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
@@ -428,3 +432,51 @@ def test_a_script_that_ends_while_its_save_is_in_flight_still_publishes_it(
     saved = torch.load(f"{run}.ref.pt")
     for name, tensor in dcp_model(run / "step-1", saved).items():
         assert torch.equal(tensor, saved[name]), name
+
+
+RANK_VALUES_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+torch.manual_seed(1000 + rank)  # each rank draws from its own RNG stream
+saved = {"rng": {"torch": torch.get_rng_state()}, "seen": torch.tensor([rank, 7 * rank]),
+         "samples": 100 + rank, "step": 5}
+with Checkpointer(run) as ck:
+    ck.save(5, {"model": model, **saved})
+torch.manual_seed(0)  # the state the resumed process starts from
+into = {"model": model, "rng": {"torch": torch.get_rng_state()}, "seen": None, "samples": 0,
+        "step": 0}
+loaded = Checkpointer(run).load_latest(into)
+torch.save({"saved": saved, "loaded": {k: into[k] for k in saved}}, f"{out}.rank{rank}.pt")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torchrun
+def test_two_ranks_resume_each_its_own_rng_state_and_counters(tmp_path: Path) -> None:
+    from .dist_helpers import run_torchrun
+
+    script = tmp_path / "rank_values.py"
+    script.write_text(RANK_VALUES_SCRIPT)
+    run_torchrun(script, 2, tmp_path / "run", tmp_path / "out")
+    states = [torch.load(tmp_path / f"out.rank{rank}.pt") for rank in (0, 1)]
+    assert not torch.equal(states[0]["saved"]["rng"]["torch"], states[1]["saved"]["rng"]["torch"])
+    for state in states:
+        saved, loaded = state["saved"], state["loaded"]
+        assert torch.equal(loaded["rng"]["torch"], saved["rng"]["torch"])
+        assert torch.equal(loaded["seen"], saved["seen"])
+        assert (loaded["samples"], loaded["step"]) == (saved["samples"], saved["step"])
+    # one process resuming from the 2-rank save gets rank 0's values
+    from ckpt_cli import Checkpointer
+
+    into: dict[str, Any] = {"rng": {"torch": None}, "samples": 0}
+    Checkpointer(tmp_path / "run").load_latest(into)
+    assert torch.equal(into["rng"]["torch"], states[0]["saved"]["rng"]["torch"])
+    assert into["samples"] == 100

@@ -205,7 +205,7 @@ class Checkpointer:
             record.waited_seconds = time.perf_counter() - start
         items = entries(state)
         staged_from = time.perf_counter()
-        staged, nbytes = self._staging.stage(capture(items))
+        staged, nbytes = self._staging.stage(capture(items, self.rank, self.world_size))
         record.stage_seconds = time.perf_counter() - staged_from
         record.bytes = nbytes
         record.blocked_seconds = time.perf_counter() - start
@@ -279,12 +279,12 @@ class Checkpointer:
             return None
         reader = FileSystemReader(choice.path)
         metadata = reader.read_metadata()
-        template = load_template(items, metadata, choice.path)
+        template = load_template(items, metadata, choice.path, self.rank)
         if self._distributed:
             dcp_load(template, storage_reader=reader, process_group=self._control_group)
         else:
             dcp_load(template, storage_reader=reader, no_dist=True)
-        values = apply(items, template, metadata)
+        values = apply(items, template, metadata, self.rank)
         for key, value in values.items():
             into[key] = value
         self.log.info(

@@ -10,7 +10,14 @@ Every entry of the mapping is one of:
   name and a freshly built optimizer (with no state yet) is loaded whole;
 * any other Stateful object (scheduler, data loader, anything with `state_dict` and
   `load_state_dict`): its `state_dict()`, as `dcp.save` takes it;
-* a plain value (tensors, RNG states, counters, dicts of them): saved as it is.
+* a plain value (tensors, RNG states, counters, dicts of them): saved as it is. Every rank
+  has its own RNG state and counters, and DCP keeps one copy of a key every rank saves, so
+  under torchrun rank 0's values are saved under their own names (as one process saves them)
+  and rank R's under the save's record, `__ckpt__.ranks.rank-R.NAME`; `load_latest` gives
+  each rank the values it saved itself.
+
+The save's own record, the entry `__ckpt__`, also holds its layout version and world size;
+saves without it (older ones) are loaded as they were written, one copy for every rank.
 
 On load, models and optimizers are loaded in place into state dicts of the live objects, as
 DCP does. The other entries are loaded from what the checkpoint holds (its `.metadata` names
@@ -30,6 +37,17 @@ import torch
 from ..errors import FormatError, UsageError
 
 Kind = Literal["model", "optimizer", "stateful", "value"]
+
+#: the save's own record: the layout version and the world size that wrote it
+RECORD_KEY = "__ckpt__"
+#: the layout version the record names (1: plain values keyed by rank)
+LAYOUT = 1
+
+
+def rank_path(rank: int) -> tuple[str, ...]:
+    """Where the plain values of `rank` are saved: their own names for rank 0, else under the
+    record (`__ckpt__.ranks.rank-1.rng.torch`)."""
+    return () if rank == 0 else (RECORD_KEY, "ranks", f"rank-{rank}")
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,11 @@ def entries(state: Mapping[str, Any]) -> list[Entry]:
     out: list[Entry] = []
     for key, value in state.items():
         name = str(key)
+        if name == RECORD_KEY:
+            raise UsageError(
+                f"the state key {name!r} is reserved for the save's own record",
+                fix="Name the entry otherwise.",
+            )
         if "." in name:
             raise UsageError(
                 f"the state key {name!r} contains a dot",
@@ -92,8 +115,9 @@ def _owner(
     )
 
 
-def capture(items: list[Entry]) -> dict[str, Any]:
-    """The state dict `dcp.save` gets: each entry's state, keyed by its name."""
+def capture(items: list[Entry], rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """The state dict `dcp.save` gets: each entry's state, keyed by its name (the plain values
+    of a rank other than 0 under the record: see the module), and the save's record."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -108,26 +132,39 @@ def capture(items: list[Entry]) -> dict[str, Any]:
             out[e.key] = get_optimizer_state_dict(e.model, e.obj)
         elif e.kind == "stateful":
             out[e.key] = e.obj.state_dict()
-        else:
-            out[e.key] = e.obj
+    values = {e.key: e.obj for e in items if e.kind == "value"}
+    record: dict[str, Any] = {"layout": LAYOUT, "world_size": world_size}
+    if rank == 0:
+        out.update(values)
+    elif values:
+        record["ranks"] = {rank_path(rank)[-1]: values}
+    out[RECORD_KEY] = record
     return out
 
 
-def load_template(items: list[Entry], metadata: Any, where: str) -> dict[str, Any]:
+def _models(items: list[Entry]) -> list[Entry]:
+    return [e for e in items if e.kind in ("model", "optimizer")]
+
+
+def load_template(items: list[Entry], metadata: Any, where: str, rank: int = 0) -> dict[str, Any]:
     """What `dcp.load` fills: the live models' and optimizers' state dicts (loaded in place),
-    and, for the other entries, every key the checkpoint holds under them (tensors as empty
-    tensors of the saved size and dtype, objects as placeholders DCP replaces)."""
+    and, for the other entries, every key the checkpoint holds under them (for a plain value,
+    under `rank`), tensors as empty tensors of the saved size and dtype, objects as
+    placeholders DCP replaces."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    template = capture([e for e in items if e.kind in ("model", "optimizer")])
+    template = capture(_models(items))
+    del template[RECORD_KEY]
     paths = metadata.planner_data or {}
+    prefix = rank_path(rank) if has_record(metadata) else ()
     for e in items:
         if e.kind in ("model", "optimizer"):
             continue
         found = False
+        where_values = (*prefix, e.key) if e.kind == "value" else (e.key,)
         for fqn, md in metadata.state_dict_metadata.items():
-            path = paths.get(fqn, (fqn,))
-            if path[0] != e.key:
+            path = tuple(paths.get(fqn, (fqn,)))
+            if path[: len(where_values)] != where_values:
                 continue
             found = True
             if isinstance(md, TensorStorageMetadata):
@@ -135,6 +172,14 @@ def load_template(items: list[Entry], metadata: Any, where: str) -> dict[str, An
             else:
                 template[fqn] = None
         if not found and e.kind == "value":
+            if prefix and not _rank_saved(metadata, prefix):
+                raise FormatError(
+                    f"the checkpoint holds no values of rank {rank} (such as {e.key!r}): "
+                    "it was saved by fewer ranks",
+                    path=where,
+                    fix=f"Resume with the ranks that saved it, or drop {e.key!r} from `into` "
+                    "and set it anew on every rank.",
+                )
             raise FormatError(
                 f"the checkpoint holds no entry {e.key!r}",
                 path=where,
@@ -143,7 +188,23 @@ def load_template(items: list[Entry], metadata: Any, where: str) -> dict[str, An
     return template
 
 
-def apply(items: list[Entry], loaded: dict[str, Any], metadata: Any) -> dict[str, Any]:
+def has_record(metadata: Any) -> bool:
+    """Whether the save holds the record `__ckpt__` (and so each rank's own plain values)."""
+    paths = metadata.planner_data or {}
+    return any(paths.get(fqn, (fqn,))[0] == RECORD_KEY for fqn in metadata.state_dict_metadata)
+
+
+def _rank_saved(metadata: Any, prefix: tuple[str, ...]) -> bool:
+    paths = metadata.planner_data or {}
+    return any(
+        tuple(paths.get(fqn, (fqn,)))[: len(prefix)] == prefix
+        for fqn in metadata.state_dict_metadata
+    )
+
+
+def apply(
+    items: list[Entry], loaded: dict[str, Any], metadata: Any, rank: int = 0
+) -> dict[str, Any]:
     """Hand the loaded state to the live objects; returns the plain values, by entry name."""
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
@@ -151,10 +212,14 @@ def apply(items: list[Entry], loaded: dict[str, Any], metadata: Any) -> dict[str
     )
 
     paths = metadata.planner_data or {}
+    prefix = rank_path(rank) if has_record(metadata) else ()
     rebuilt: dict[str, Any] = {}
     for fqn, value in loaded.items():
-        if fqn in paths and fqn not in {e.key for e in items if e.kind in ("model", "optimizer")}:
-            _set_path(rebuilt, paths[fqn], value)
+        if fqn in paths and fqn not in {e.key for e in _models(items)}:
+            path = tuple(paths[fqn])
+            if prefix and path[: len(prefix)] == prefix:  # this rank's own values
+                path = path[len(prefix) :]
+            _set_path(rebuilt, path, value)
     values: dict[str, Any] = {}
     for e in items:
         if e.kind == "model":
