@@ -104,7 +104,8 @@ def main() -> None:
             out["data"] = loader
         return out
 
-    ck = Checkpointer(args.run_dir, keep_last=args.keep_last, upload=args.upload)
+    # --keep-last 0: no retention
+    ck = Checkpointer(args.run_dir, keep_last=args.keep_last or None, upload=args.upload)
     start, tier = 0, None
     if args.resume:
         into = state(0)

@@ -480,3 +480,69 @@ def test_two_ranks_resume_each_its_own_rng_state_and_counters(tmp_path: Path) ->
     Checkpointer(tmp_path / "run").load_latest(into)
     assert torch.equal(into["rng"]["torch"], states[0]["saved"]["rng"]["torch"])
     assert into["samples"] == 100
+
+
+def _flip_tensor_byte(save: Path, fqn: str) -> None:
+    """Damage one byte of the tensor `fqn` in a saved DCP folder (a bit rot on disk)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(save)).read_metadata().storage_data
+    info = next(info for index, info in storage.items() if index.fqn == fqn)
+    shard = save / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def test_retention_keeps_the_users_folders_and_never_deletes_the_save_just_written(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from ckpt_cli import Checkpointer
+
+    model = torch.nn.Linear(4, 4)
+    run = tmp_path / "run"
+    # folders the user put in the run folder: an HF-style checkpoint and exports, two of them
+    # with higher steps than this run reaches
+    theirs = ("checkpoint-5", "export-step-3", "finetune-step-700")
+    for name in theirs:
+        (run / name).mkdir(parents=True)
+        save_file({"w": torch.ones(2)}, run / name / "model.safetensors")
+        os.utime(run / name, (0, 0))
+    with Checkpointer(run, keep_last=2) as ck:
+        for step in (10, 20, 30):
+            ck.save(step, {"model": model, "step": step})
+            assert (record := ck.wait()) is not None and record.phase == "done", record
+    assert sorted(p.name for p in run.iterdir()) == sorted([*theirs, "step-20", "step-30"])
+    for name in theirs:
+        assert torch.equal(load_file(run / name / "model.safetensors")["w"], torch.ones(2))
+
+    # the newest save rots; the run resumes from step 20 and goes on: its new saves stay
+    _flip_tensor_byte(run / "step-30", "model.weight")
+    ck = Checkpointer(run, keep_last=1)
+    into: dict[str, Any] = {"model": model, "step": 0}
+    loaded = ck.load_latest(into)
+    assert loaded is not None and loaded.step == 20 and into["step"] == 20
+    # (keep_last 1 counts the rotten step-30 as the newest: the new saves are kept as the
+    # save just written, the resume point as what this run resumed from)
+    for step, pruned in ((21, []), (22, ["step-21"])):
+        ck.save(step, {"model": model, "step": step})
+        record = ck.wait()
+        assert record is not None and record.phase == "done", record
+        assert record.pruned == pruned
+    ck.close()
+    assert (run / "step-22").is_dir() and (run / "step-20").is_dir()
+    again = Checkpointer(run).load_latest({"model": model, "step": 0})
+    assert again is not None and again.step == 22
+
+
+def test_the_next_save_removes_the_staging_folder_of_a_killed_save_without_retention(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    train_and_kill_at("write@9", run, tmp_path / "killed", "--keep-last", "0")
+    debris = [p.name for p in run.iterdir() if p.name.startswith(".step-9.ckpt-tmp-")]
+    assert len(debris) == 1
+    train(run, tmp_path / "resumed", "--resume", "--keep-last", "0")
+    assert {p.name for p in run.iterdir()} == {f"step-{s}" for s in (3, 6, 9, 12)}

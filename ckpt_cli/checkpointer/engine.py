@@ -5,12 +5,13 @@ from __future__ import annotations
 # imported first: its exit hook (which refuses new pool work) must be registered before ours
 import concurrent.futures.thread  # noqa: F401
 import logging
+import re
 import threading
 import time
 import weakref
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ..errors import CkptError, FormatError, IOFailure, UsageError
 from ..sources.runs import is_remote
-from ..storage.output import staged_output
+from ..storage.output import TMP_MARKER, staged_output
 from ..storage.uri import is_hub_url
 from .hooks import pause_point
 from .model import SAVE_FORMAT, CheckpointerStatus, LoadedCheckpoint, SaveRecord
@@ -28,7 +29,12 @@ from .staging import HostStaging
 from .state import apply, capture, entries, load_template
 from .tiers import Choice, choose
 
+if TYPE_CHECKING:
+    from ..ops.prune.retention import PrunePolicy
+
 OnBusy = Literal["wait", "skip"]
+#: the folders a Checkpointer writes: its saves, and the staging folders of interrupted ones
+_OWN_SAVE = re.compile(r"step-\d+|\.step-\d+" + re.escape(TMP_MARKER) + r".*")
 Checks = Literal["checksums", "structure", "none"]
 
 
@@ -166,6 +172,8 @@ class Checkpointer:
         self._last: SaveRecord | None = None
         self._complete_step: int | None = None
         self._uploaded_step: int | None = None
+        #: the step `load_latest` resumed from: retention never deletes it
+        self._resumed_step: int | None = None
         self._saves = self._skipped = self._failures = 0
         self._last_error: str | None = None
         self._closed = False
@@ -285,6 +293,7 @@ class Checkpointer:
         else:
             dcp_load(template, storage_reader=reader, no_dist=True)
         values = apply(items, template, metadata, self.rank)
+        self._resumed_step = choice.step
         for key, value in values.items():
             into[key] = value
         self.log.info(
@@ -498,18 +507,46 @@ class Checkpointer:
         pause_point("publish", record.step)
         record.publish_seconds = time.perf_counter() - started
 
-    def _retain(self, record: SaveRecord) -> None:
-        """Local retention after a publish (`ckpt prune` with this checkpointer's policy)."""
-        if self.policy is None:
-            return
-        from ..ops.prune.run import prune
+    def _retention(self, record: SaveRecord) -> PrunePolicy:
+        """This checkpointer's policy (or, without one, the cleaning of interrupted saves only),
+        with the save just written and the one `load_latest` resumed from pinned."""
+        from ..ops.prune.retention import PrunePolicy
 
-        report = prune(self.run_dir, self.policy, yes=True, strict_metric=False)
-        record.pruned.extend(report.deleted)
-        if report.deleted:
-            self.log.info("retention removed %s", ", ".join(report.deleted))
-        for failed in report.failed:
-            self.log.warning("retention could not remove %s", failed)
+        policy = self.policy or PrunePolicy(incomplete=True, settle=0.0)
+        pinned = {record.step} | ({self._resumed_step} if self._resumed_step is not None else set())
+        return policy.model_copy(update={"keep": sorted(pinned)})
+
+    def _retain(self, record: SaveRecord) -> None:
+        """Local retention after a publish: `ckpt prune`'s plan with this checkpointer's
+        policy, over its own saves only (`step-N` and the staging folders of interrupted ones);
+        the save just written and the one resumed from are never deleted."""
+        from ..ops.prune.retention import plan
+        from ..ops.prune.run import VANISHED
+        from ..ops.prune.run import apply as delete_planned
+        from ..sources.runs import scan_run
+
+        policy = self._retention(record)
+        run = scan_run(self.run_dir, settle=0.0)
+        own = [c for c in run.checkpoints if _OWN_SAVE.fullmatch(c.name)]
+        later = [c.name for c in own if c.complete and c.step is not None and c.step > record.step]
+        if later and self.policy is not None and self.policy.retains:
+            self.log.warning(
+                "the run folder holds saves of later steps than step %d (%s): retention counts "
+                "them as the newest; remove them if this run replaces them",
+                record.step,
+                ", ".join(later),
+            )
+        decisions = plan(run.model_copy(update={"checkpoints": own}), policy)
+        if self.policy is None:  # no retention: only the staging folders of interrupted saves go
+            decisions = [d for d in decisions if d.name.startswith(".")]
+        delete_planned(self.run_dir, decisions, policy.settle)
+        deleted = [d.name for d in decisions if d.deleted and d.action == "delete"]
+        record.pruned.extend(deleted)
+        if deleted:
+            self.log.info("retention removed %s", ", ".join(deleted))
+        for d in decisions:
+            if d.error is not None and d.error != VANISHED:
+                self.log.warning("retention could not remove %s: %s", d.name, d.error)
 
     def _upload(self, record: SaveRecord) -> None:
         """`ckpt sync` the run folder to the object store: data first, `.metadata` after,
@@ -527,7 +564,11 @@ class Checkpointer:
                 pause_point("upload", record.step)
 
         report = sync(
-            str(self.run_dir), self.upload, settle=0.0, prune_policy=self.policy, on_file=on_file
+            str(self.run_dir),
+            self.upload,
+            settle=0.0,
+            prune_policy=self._retention(record) if self.policy is not None else None,
+            on_file=on_file,
         )
         record.upload_seconds = time.perf_counter() - started
         if report.pruned is not None:
