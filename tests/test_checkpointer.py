@@ -546,3 +546,34 @@ def test_the_next_save_removes_the_staging_folder_of_a_killed_save_without_reten
     assert len(debris) == 1
     train(run, tmp_path / "resumed", "--resume", "--keep-last", "0")
     assert {p.name for p in run.iterdir()} == {f"step-{s}" for s in (3, 6, 9, 12)}
+
+
+def test_saves_from_two_threads_at_once_each_hold_their_own_tensors(tmp_path: Path) -> None:
+    import threading
+
+    from ckpt_cli import Checkpointer
+
+    models = {step: torch.nn.Linear(512, 512) for step in (1, 2)}
+    for step, model in models.items():
+        with torch.no_grad():
+            model.weight.fill_(step)
+            model.bias.fill_(step)
+    for trial in range(4):
+        run = tmp_path / f"run{trial}"
+        ck = Checkpointer(run, checksums=None)
+        start = threading.Barrier(2)
+
+        def save(step: int, ck: Checkpointer = ck, start: threading.Barrier = start) -> None:
+            start.wait()
+            ck.save(step, {"model": models[step]})
+
+        threads = [threading.Thread(target=save, args=(step,)) for step in (1, 2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        ck.close()
+        for step, model in models.items():
+            like = {k: v.detach() for k, v in model.state_dict().items()}
+            for name, tensor in dcp_model(run / f"step-{step}", like).items():
+                assert torch.equal(tensor, like[name]), (trial, step, name)

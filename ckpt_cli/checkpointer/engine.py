@@ -167,6 +167,8 @@ class Checkpointer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._staging = HostStaging(pin_memory=pin_memory, logger=self.log)
         self._lock = threading.Lock()
+        #: held by `save` from its check for a save in flight to the start of its own
+        self._saving = threading.Lock()
         self._thread: threading.Thread | None = None
         self._current: SaveRecord | None = None
         self._last: SaveRecord | None = None
@@ -186,7 +188,9 @@ class Checkpointer:
 
         The write, fsync, manifest, parity, publish, retention and upload run in a background
         thread. While the previous save is still in flight, this one waits for it or is
-        skipped (`on_busy`), and says so in the log and the returned record. Failures of the
+        skipped (`on_busy`), and says so in the log and the returned record. Calls from
+        several threads are taken one at a time, each then waiting or skipped the same way
+        (they would otherwise share the staging buffer). Failures of the
         background work never raise here: they are logged and reported by `status()` and by
         the record `wait()` returns.
         """
@@ -194,6 +198,10 @@ class Checkpointer:
             raise UsageError("the Checkpointer is closed")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative int (got {step!r})")
+        with self._saving:  # one save at a time: two threads would share the staging buffer
+            return self._save(step, state)
+
+    def _save(self, step: int, state: Mapping[str, Any]) -> SaveRecord:
         start = time.perf_counter()
         record = SaveRecord(step=step, name=f"step-{step}")
         if self._busy():
