@@ -524,15 +524,15 @@ def test_retention_keeps_the_users_folders_and_never_deletes_the_save_just_writt
     into: dict[str, Any] = {"model": model, "step": 0}
     loaded = ck.load_latest(into)
     assert loaded is not None and loaded.step == 20 and into["step"] == 20
-    # (keep_last 1 counts the rotten step-30 as the newest: the new saves are kept as the
-    # save just written, the resume point as what this run resumed from)
-    for step, pruned in ((21, []), (22, ["step-21"])):
+    # (keep_last 1 counts the rotten step-30 as the newest: each new save is kept as the save
+    # just written, and once it is, the one before goes)
+    for step, pruned in ((21, ["step-20"]), (22, ["step-21"])):
         ck.save(step, {"model": model, "step": step})
         record = ck.wait()
         assert record is not None and record.phase == "done", record
         assert record.pruned == pruned
     ck.close()
-    assert (run / "step-22").is_dir() and (run / "step-20").is_dir()
+    assert {p.name for p in run.iterdir()} == {*theirs, "step-22", "step-30"}
     again = Checkpointer(run).load_latest({"model": model, "step": 0})
     assert again is not None and again.step == 22
 
@@ -577,3 +577,57 @@ def test_saves_from_two_threads_at_once_each_hold_their_own_tensors(tmp_path: Pa
             like = {k: v.detach() for k, v in model.state_dict().items()}
             for name, tensor in dcp_model(run / f"step-{step}", like).items():
                 assert torch.equal(tensor, like[name]), (trial, step, name)
+
+
+class _TrainerOptimizer:
+    """A Stateful wrapper around a torch optimizer, as training frameworks have (not an
+    Optimizer itself): its state dict keys the moments by int parameter index."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def test_int_keys_and_empty_dicts_round_trip_and_a_wrapped_adam_resumes_its_moments(
+    tmp_path: Path,
+) -> None:
+    from ckpt_cli import Checkpointer
+
+    def build() -> tuple[torch.nn.Module, _TrainerOptimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        return model, _TrainerOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+
+    model, wrapped = build()
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        wrapped.optimizer.step()
+        wrapped.optimizer.zero_grad()
+    saved_optimizer = wrapped.state_dict()
+    plain = {
+        "cfg": {"lr": 0.1, "extra_metrics": {}},
+        "best": {},
+        "by_layer": {0: "a", 1: torch.tensor([1.5, 2.5]), "2": [3, 4]},
+    }
+    with Checkpointer(tmp_path / "run") as ck:
+        ck.save(3, {"model": model, "trainer_opt": wrapped, **plain})
+        assert (record := ck.wait()) is not None and record.phase == "done", record
+
+    fresh_model, fresh = build()
+    into: dict[str, Any] = {"model": fresh_model, "trainer_opt": fresh, **plain}
+    loaded = Checkpointer(tmp_path / "run").load_latest(into)
+    assert loaded is not None and loaded.step == 3
+    assert into["cfg"] == {"lr": 0.1, "extra_metrics": {}} and into["best"] == {}
+    assert list(into["by_layer"]) == [0, 1, "2"]
+    assert into["by_layer"][0] == "a" and into["by_layer"]["2"] == [3, 4]
+    assert torch.equal(into["by_layer"][1], torch.tensor([1.5, 2.5]))
+    resumed = fresh.optimizer.state_dict()
+    assert sorted(resumed["state"]) == [0, 1]
+    for index, moments in saved_optimizer["state"].items():
+        for name, tensor in moments.items():
+            assert torch.equal(resumed["state"][index][name], tensor), (index, name)

@@ -174,7 +174,7 @@ class Checkpointer:
         self._last: SaveRecord | None = None
         self._complete_step: int | None = None
         self._uploaded_step: int | None = None
-        #: the step `load_latest` resumed from: retention never deletes it
+        #: the step `load_latest` resumed from: retention keeps it until a later step is saved
         self._resumed_step: int | None = None
         self._saves = self._skipped = self._failures = 0
         self._last_error: str | None = None
@@ -300,7 +300,7 @@ class Checkpointer:
             dcp_load(template, storage_reader=reader, process_group=self._control_group)
         else:
             dcp_load(template, storage_reader=reader, no_dist=True)
-        values = apply(items, template, metadata, self.rank)
+        values = apply(items, template, metadata, self.rank, choice.path)
         self._resumed_step = choice.step
         for key, value in values.items():
             into[key] = value
@@ -517,11 +517,15 @@ class Checkpointer:
 
     def _retention(self, record: SaveRecord) -> PrunePolicy:
         """This checkpointer's policy (or, without one, the cleaning of interrupted saves only),
-        with the save just written and the one `load_latest` resumed from pinned."""
+        with the save just written pinned, and the one `load_latest` resumed from while this
+        run's saves have lower steps."""
         from ..ops.prune.retention import PrunePolicy
 
         policy = self.policy or PrunePolicy(incomplete=True, settle=0.0)
-        pinned = {record.step} | ({self._resumed_step} if self._resumed_step is not None else set())
+        pinned = {record.step}
+        resumed = self._resumed_step
+        if resumed is not None and resumed > record.step:  # not passed by this run's saves yet
+            pinned.add(resumed)
         return policy.model_copy(update={"keep": sorted(pinned)})
 
     def _retain(self, record: SaveRecord) -> None:

@@ -16,8 +16,12 @@ Every entry of the mapping is one of:
   and rank R's under the save's record, `__ckpt__.ranks.rank-R.NAME`; `load_latest` gives
   each rank the values it saved itself.
 
-The save's own record, the entry `__ckpt__`, also holds its layout version and world size;
-saves without it (older ones) are loaded as they were written, one copy for every rank.
+The save's own record, the entry `__ckpt__`, also holds its layout version and world size,
+and, for each rank, the shape of every Stateful's state and plain value (`shapes.rank-R`, a JSON
+string): its containers, their int or str keys, empty ones included. DCP names every dict key
+as a string and saves no empty container, so without it `{0: ...}` would come back as
+`{"0": ...}` (a wrapped optimizer's state then silently not restored) and `{}` not at all.
+Saves without the record (older ones) are loaded as they were written, one copy for every rank.
 
 On load, models and optimizers are loaded in place into state dicts of the live objects, as
 DCP does. The other entries are loaded from what the checkpoint holds (its `.metadata` names
@@ -27,7 +31,9 @@ state has other keys mid-epoch than at the start, and DCP loads only the keys of
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -47,7 +53,46 @@ LAYOUT = 1
 def rank_path(rank: int) -> tuple[str, ...]:
     """Where the plain values of `rank` are saved: their own names for rank 0, else under the
     record (`__ckpt__.ranks.rank-1.rng.torch`)."""
-    return () if rank == 0 else (RECORD_KEY, "ranks", f"rank-{rank}")
+    return () if rank == 0 else (RECORD_KEY, "ranks", _rank_name(rank))
+
+
+def _rank_name(rank: int) -> str:
+    return f"rank-{rank}"
+
+
+def _shapes_path(rank: int) -> tuple[str, ...]:
+    """Where the shapes of `rank`'s entries are recorded."""
+    return (RECORD_KEY, "shapes", _rank_name(rank))
+
+
+#: the shape of a value: None for a leaf, {"d": [[key, shape], ...]} for a mapping (an int key
+#: stays an int), {"l": [shape, ...]} for a list
+Shape = Any
+
+
+def _shape(value: Any) -> Shape:
+    from collections.abc import Mapping as AnyMapping
+
+    if isinstance(value, AnyMapping):
+        return {
+            "d": [
+                [k if isinstance(k, int) and not isinstance(k, bool) else str(k), _shape(v)]
+                for k, v in value.items()
+            ]
+        }
+    if isinstance(value, list):
+        return {"l": [_shape(v) for v in value]}
+    return None
+
+
+def _build(shape: Shape, path: tuple[str | int, ...], leaves: dict[Any, Any]) -> Any:
+    """The value of `shape` at `path`, its leaves from `leaves` (keyed by DCP's paths: dict
+    keys as strings, list indices as ints); KeyError when a leaf is missing."""
+    if shape is None or path in leaves:  # DCP saves a list without tensors whole
+        return leaves[path]
+    if "d" in shape:
+        return {k: _build(child, (*path, str(k)), leaves) for k, child in shape["d"]}
+    return [_build(child, (*path, i), leaves) for i, child in enumerate(shape["l"])]
 
 
 @dataclass(frozen=True)
@@ -133,7 +178,16 @@ def capture(items: list[Entry], rank: int = 0, world_size: int = 1) -> dict[str,
         elif e.kind == "stateful":
             out[e.key] = e.obj.state_dict()
     values = {e.key: e.obj for e in items if e.kind == "value"}
-    record: dict[str, Any] = {"layout": LAYOUT, "world_size": world_size}
+    shapes = {
+        e.key: _shape(out[e.key] if e.kind == "stateful" else e.obj)
+        for e in items
+        if e.kind in ("stateful", "value")
+    }
+    record: dict[str, Any] = {
+        "layout": LAYOUT,
+        "world_size": world_size,
+        "shapes": {_rank_name(rank): json.dumps(shapes)},
+    }
     if rank == 0:
         out.update(values)
     elif values:
@@ -157,6 +211,9 @@ def load_template(items: list[Entry], metadata: Any, where: str, rank: int = 0) 
     del template[RECORD_KEY]
     paths = metadata.planner_data or {}
     prefix = rank_path(rank) if has_record(metadata) else ()
+    shapes_fqn = _fqn(metadata, _shapes_path(rank))
+    if shapes_fqn is not None:
+        template[shapes_fqn] = None
     for e in items:
         if e.kind in ("model", "optimizer"):
             continue
@@ -171,7 +228,9 @@ def load_template(items: list[Entry], metadata: Any, where: str, rank: int = 0) 
                 template[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
             else:
                 template[fqn] = None
-        if not found and e.kind == "value":
+        if not found and e.kind == "value" and shapes_fqn is None:
+            # (with the shapes recorded, an entry with no leaves may be an empty container:
+            # `apply` judges it by its shape)
             if prefix and not _rank_saved(metadata, prefix):
                 raise FormatError(
                     f"the checkpoint holds no values of rank {rank} (such as {e.key!r}): "
@@ -186,6 +245,15 @@ def load_template(items: list[Entry], metadata: Any, where: str, rank: int = 0) 
                 fix=f"Drop {e.key!r} from `into`, or load a checkpoint saved with it.",
             )
     return template
+
+
+def _fqn(metadata: Any, path: tuple[str, ...]) -> str | None:
+    """The key DCP saved the value at `path` under, if the save holds one."""
+    paths = metadata.planner_data or {}
+    for fqn in metadata.state_dict_metadata:
+        if tuple(paths.get(fqn, (fqn,))) == path:
+            return str(fqn)
+    return None
 
 
 def has_record(metadata: Any) -> bool:
@@ -203,7 +271,7 @@ def _rank_saved(metadata: Any, prefix: tuple[str, ...]) -> bool:
 
 
 def apply(
-    items: list[Entry], loaded: dict[str, Any], metadata: Any, rank: int = 0
+    items: list[Entry], loaded: dict[str, Any], metadata: Any, rank: int = 0, where: str = ""
 ) -> dict[str, Any]:
     """Hand the loaded state to the live objects; returns the plain values, by entry name."""
     from torch.distributed.checkpoint.state_dict import (
@@ -213,13 +281,31 @@ def apply(
 
     paths = metadata.planner_data or {}
     prefix = rank_path(rank) if has_record(metadata) else ()
+    shapes_fqn = _fqn(metadata, _shapes_path(rank))
+    shapes: dict[str, Shape] = json.loads(loaded[shapes_fqn]) if shapes_fqn is not None else {}
     rebuilt: dict[str, Any] = {}
+    leaves: dict[tuple[str | int, ...], Any] = {}
     for fqn, value in loaded.items():
-        if fqn in paths and fqn not in {e.key for e in _models(items)}:
+        if fqn in paths and fqn not in {e.key for e in _models(items)} and fqn != shapes_fqn:
             path = tuple(paths[fqn])
             if prefix and path[: len(prefix)] == prefix:  # this rank's own values
                 path = path[len(prefix) :]
             _set_path(rebuilt, path, value)
+            leaves[path] = value
+    for e in items:
+        if e.kind not in ("stateful", "value"):
+            continue
+        if e.key in shapes:
+            # the value as it was saved: int keys and empty containers included (should a leaf
+            # be missing, the value stays as DCP names it)
+            with contextlib.suppress(KeyError):
+                rebuilt[e.key] = _build(shapes[e.key], (e.key,), leaves)
+        elif e.kind == "value" and e.key not in rebuilt:
+            raise FormatError(
+                f"the checkpoint holds no entry {e.key!r}",
+                path=where,
+                fix=f"Drop {e.key!r} from `into`, or load a checkpoint saved with it.",
+            )
     values: dict[str, Any] = {}
     for e in items:
         if e.kind == "model":
