@@ -631,3 +631,30 @@ def test_int_keys_and_empty_dicts_round_trip_and_a_wrapped_adam_resumes_its_mome
     for index, moments in saved_optimizer["state"].items():
         for name, tensor in moments.items():
             assert torch.equal(resumed["state"][index][name], tensor), (index, name)
+
+
+def test_loading_into_a_state_that_does_not_match_the_save_raises_a_ckpt_error_naming_it(
+    tmp_path: Path,
+) -> None:
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import FormatError
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with Checkpointer(tmp_path / "run") as ck:
+        ck.save(1, {"model": model, "optimizer": optimizer, "step": 1})
+    fresh = torch.nn.Linear(2, 2)
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(fresh_optimizer, 1)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"model": torch.nn.Linear(2, 3)}, "Size mismatch"),
+        ({"model": fresh, "ema": torch.nn.Linear(2, 2)}, "no entry 'ema' (the model"),
+        ({"model": fresh, "optimizer": fresh_optimizer, "sched": scheduler}, "no entry 'sched'"),
+    ]
+    for into, problem in cases:
+        with pytest.raises(FormatError) as raised:
+            Checkpointer(tmp_path / "run").load_latest(into)
+        assert problem in str(raised.value) and raised.value.fix, str(raised.value)
+    # (StepLR set initial_lr in the optimizer's groups: the saved optimizer has none)
+    with pytest.raises(FormatError, match="initial_lr"):
+        Checkpointer(tmp_path / "run").load_latest({"model": fresh, "optimizer": fresh_optimizer})

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -56,6 +57,16 @@ def _finish_pending_saves() -> None:
 
 
 threading._register_atexit(_finish_pending_saves)  # type: ignore[attr-defined]
+
+
+def _first_failure(error: CheckpointException) -> str:
+    """The first rank's failure of a DCP load, in one line (`ValueError: Size mismatch...`)."""
+    for failure in error.failures.values():
+        # DCP keeps each rank's failure as (exception, stack)
+        cause = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(cause, BaseException):
+            return f"{type(cause).__name__}: {cause}"
+    return type(error).__name__
 
 
 class _Writer(FileSystemWriter):
@@ -296,10 +307,19 @@ class Checkpointer:
         reader = FileSystemReader(choice.path)
         metadata = reader.read_metadata()
         template = load_template(items, metadata, choice.path, self.rank)
-        if self._distributed:
-            dcp_load(template, storage_reader=reader, process_group=self._control_group)
-        else:
-            dcp_load(template, storage_reader=reader, no_dist=True)
+        try:
+            if self._distributed:
+                dcp_load(template, storage_reader=reader, process_group=self._control_group)
+            else:
+                dcp_load(template, storage_reader=reader, no_dist=True)
+        except CheckpointException as error:  # a BaseException: it would pass `except Exception`
+            raise FormatError(
+                f"step {choice.step} does not fit the state of `into`: {_first_failure(error)}",
+                path=choice.path,
+                fix="Build the models and optimizers of `into` as the run that saved it did "
+                "(same shapes, same optimizer settings, the scheduler created as then), or drop "
+                "the entry that differs from `into`.",
+            ) from error
         values = apply(items, template, metadata, self.rank, choice.path)
         self._resumed_step = choice.step
         for key, value in values.items():

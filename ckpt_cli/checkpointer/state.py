@@ -196,6 +196,9 @@ def capture(items: list[Entry], rank: int = 0, world_size: int = 1) -> dict[str,
     return out
 
 
+_KIND_NAMES = {"model": "model", "optimizer": "optimizer", "stateful": "Stateful object"}
+
+
 def _models(items: list[Entry]) -> list[Entry]:
     return [e for e in items if e.kind in ("model", "optimizer")]
 
@@ -214,7 +217,15 @@ def load_template(items: list[Entry], metadata: Any, where: str, rank: int = 0) 
     shapes_fqn = _fqn(metadata, _shapes_path(rank))
     if shapes_fqn is not None:
         template[shapes_fqn] = None
+    saved = {next(iter(paths.get(fqn, (fqn,)))) for fqn in metadata.state_dict_metadata}
     for e in items:
+        if e.kind in ("model", "optimizer", "stateful") and e.key not in saved:
+            raise FormatError(
+                f"the checkpoint holds no entry {e.key!r} (the {_KIND_NAMES[e.kind]} of `into`)",
+                path=where,
+                fix=f"Drop {e.key!r} from `into` (and set it up anew), or load a checkpoint "
+                "saved with it.",
+            )
         if e.kind in ("model", "optimizer"):
             continue
         found = False
