@@ -658,3 +658,66 @@ def test_loading_into_a_state_that_does_not_match_the_save_raises_a_ckpt_error_n
     # (StepLR set initial_lr in the optimizer's groups: the saved optimizer has none)
     with pytest.raises(FormatError, match="initial_lr"):
         Checkpointer(tmp_path / "run").load_latest({"model": fresh, "optimizer": fresh_optimizer})
+
+
+def _save_on_a_full_disk(run: Path) -> tuple[Any, Any]:
+    from ckpt_cli import Checkpointer
+
+    with Checkpointer(run) as ck:
+        ck.save(1, {"model": torch.nn.Linear(1024, 1024)})  # 4 MiB
+    record = ck.wait()
+    assert record is not None and record.phase == "failed"
+    return record, ck.status()
+
+
+def test_a_full_disk_is_reported_as_such_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    run = tmp_path / "run"
+    record, status = _save_on_a_full_disk(run)
+    assert record.error == status.last_error
+    assert record.error.startswith("writing step 1 failed: no space left on the device (")
+    assert record.error.endswith(f"check free space at {run}") and "\n" not in record.error
+    assert not any(p.name.startswith("step-") for p in run.iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_save_larger_than_the_free_space_says_the_disk_is_full(tmp_path: Path) -> None:
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("no tmpfs mount here")
+    try:
+        record, _ = _save_on_a_full_disk(disk / "run")
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    # DCP's own error is a zip writer traceback ("unexpected pos 704 vs 598")
+    assert record.error.startswith("writing step 1 failed: no space left on the device (")
+    assert "MiB free, the save holds 4.0 MiB" in record.error and "\n" not in record.error
+
+
+def test_an_unreachable_upload_target_says_the_save_is_local(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_cli import Checkpointer
+
+    for name in ("AWS_ENDPOINT_URL", "FSSPEC_S3_ENDPOINT_URL"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    run = tmp_path / "run"
+    with Checkpointer(run, upload="s3://bucket/exp") as ck:
+        ck.save(1, {"model": torch.nn.Linear(4, 4)})
+    record = ck.wait()
+    assert record is not None and record.phase == "failed" and record.error is not None
+    assert f"step 1 is saved locally ({run / 'step-1'}) but its upload failed: " in record.error
+    assert ck.status().last_complete_step == 1 and latest(run) == str(run / "step-1")

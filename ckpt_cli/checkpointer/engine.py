@@ -4,8 +4,10 @@ from __future__ import annotations
 
 # imported first: its exit hook (which refuses new pool work) must be registered before ours
 import concurrent.futures.thread  # noqa: F401
+import errno
 import logging
 import re
+import shutil
 import threading
 import time
 import weakref
@@ -57,6 +59,27 @@ def _finish_pending_saves() -> None:
 
 
 threading._register_atexit(_finish_pending_saves)  # type: ignore[attr-defined]
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc` and what caused it, outermost first: the `__cause__` / `__context__` chain, and
+    each rank's failure of a DCP `CheckpointException`."""
+    out: list[BaseException] = []
+    todo: list[BaseException] = [exc]
+    while todo:
+        here = todo.pop(0)
+        if any(here is seen for seen in out):
+            continue
+        out.append(here)
+        if isinstance(here, CheckpointException):
+            for failure in here.failures.values():
+                cause = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(cause, BaseException):
+                    todo.append(cause)
+        for nxt in (here.__cause__, here.__context__):
+            if nxt is not None:
+                todo.append(nxt)
+    return out
 
 
 def _first_failure(error: CheckpointException) -> str:
@@ -393,9 +416,7 @@ class Checkpointer:
             self.log.info("step %d saved: %s", record.step, record.remote or record.path)
         except BaseException as exc:  # a failed save must never take the training down
             record.phase = "failed"
-            record.error = (
-                str(exc) if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}"
-            )
+            record.error = self._failure(exc, record)
             self.log.error(
                 "save of step %d failed: %s",
                 record.step,
@@ -409,6 +430,30 @@ class Checkpointer:
             with self._lock:
                 self._last = record
                 self._current = None
+
+    def _failure(self, exc: BaseException, record: SaveRecord) -> str:
+        """One line for a failed save: ckpt's own message, a full disk said as such (DCP
+        reports it as a traceback of the zip writer, `unexpected pos 704 vs 598`), else the
+        innermost cause."""
+        if isinstance(exc, CkptError):
+            return str(exc)
+        causes = _causes(exc)
+        try:
+            free: int | None = shutil.disk_usage(self.run_dir).free
+        except OSError:
+            free = None
+        no_space = any(
+            isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes
+        )
+        if no_space or (free is not None and free < record.bytes):
+            room = f" ({free / 2**20:.1f} MiB free" if free is not None else " ("
+            return (
+                f"writing step {record.step} failed: no space left on the device{room}, "
+                f"the save holds {record.bytes / 2**20:.1f} MiB); check free space at "
+                f"{self.run_dir}"
+            )
+        cause = causes[-1]
+        return f"{type(cause).__name__}: {cause}"
 
     def _share(self, value: Any) -> Any:
         """Rank 0's `value`, on every rank (over the write group)."""
@@ -595,13 +640,21 @@ class Checkpointer:
             if rel.startswith(prefix):
                 pause_point("upload", record.step)
 
-        report = sync(
-            str(self.run_dir),
-            self.upload,
-            settle=0.0,
-            prune_policy=self._retention(record) if self.policy is not None else None,
-            on_file=on_file,
-        )
+        try:
+            report = sync(
+                str(self.run_dir),
+                self.upload,
+                settle=0.0,
+                prune_policy=self._retention(record) if self.policy is not None else None,
+                on_file=on_file,
+            )
+        except CkptError as error:  # the object store could not be listed or reached
+            raise IOFailure(
+                f"step {record.step} is saved locally ({record.path}) but its upload failed: "
+                f"{error.problem}",
+                path=self.upload,
+                fix=error.fix or "The next save uploads it again (sync resumes what is missing).",
+            ) from error
         record.upload_seconds = time.perf_counter() - started
         if report.pruned is not None:
             record.pruned.extend(f"{self.upload}/{name}" for name in report.pruned.deleted)
