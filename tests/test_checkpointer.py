@@ -721,3 +721,28 @@ def test_an_unreachable_upload_target_says_the_save_is_local(
     assert record is not None and record.phase == "failed" and record.error is not None
     assert f"step 1 is saved locally ({run / 'step-1'}) but its upload failed: " in record.error
     assert ck.status().last_complete_step == 1 and latest(run) == str(run / "step-1")
+
+
+QUIET_SCRIPT = """
+import logging, sys
+import torch
+from ckpt_cli import Checkpointer
+
+logging.disable(logging.CRITICAL)  # the logger is the documented channel
+model = torch.nn.Linear(2, 2)
+with Checkpointer(sys.argv[1]) as ck:
+    ck.save(1, {"model": model, "step": 1})
+assert Checkpointer(sys.argv[1]).load_latest({"model": model, "step": 0}).step == 1
+"""
+
+
+def test_a_single_process_save_and_load_write_nothing_to_stdout_or_stderr(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", QUIET_SCRIPT, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=torchrun_env(),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (proc.stdout, proc.stderr) == ("", "")

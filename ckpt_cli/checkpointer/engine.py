@@ -10,6 +10,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -59,6 +60,17 @@ def _finish_pending_saves() -> None:
 
 
 threading._register_atexit(_finish_pending_saves)  # type: ignore[attr-defined]
+
+# DCP warns on every single-process save and load that it assumes a single process: the one
+# intended here (the library never writes to stderr). The filter is narrow (this message of
+# DCP's utilities), and installed once: `catch_warnings` is not thread-safe, and the saves run
+# in a background thread while the training loop may warn.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+    module="torch.distributed.checkpoint",
+)
 
 
 def _causes(exc: BaseException) -> list[BaseException]:
