@@ -746,3 +746,60 @@ def test_a_single_process_save_and_load_write_nothing_to_stdout_or_stderr(tmp_pa
     )
     assert proc.returncode == 0, proc.stderr
     assert (proc.stdout, proc.stderr) == ("", "")
+
+
+TORCHRUN_EXIT_SCRIPT = """
+import sys, threading, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 256))
+Checkpointer(sys.argv[1]).save(1, {"model": model, "step": 1})  # no close(), no wait()
+if dist.get_rank() == 0:  # the data is written; the checksums and the publish are not
+    marker = Path(sys.argv[2])
+    while not marker.exists():
+        time.sleep(0.02)
+
+    def go_on() -> None:  # the save carries on once the script has begun to exit
+        time.sleep(0.5)
+        marker.unlink()
+
+    threading.Thread(target=go_on, daemon=True).start()
+sys.exit(0)  # the script ends with the save in flight on every rank
+"""
+
+
+@pytest.mark.torchrun
+def test_two_ranks_that_end_while_their_save_is_in_flight_still_publish_it(
+    tmp_path: Path,
+) -> None:
+    require_torchrun_marker()
+    script = tmp_path / "exit.py"
+    script.write_text(TORCHRUN_EXIT_SCRIPT)
+    marker = tmp_path / "paused"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(script),
+            str(tmp_path / "run"),
+            str(marker),
+        ],
+        capture_output=True,
+        text=True,
+        env=torchrun_env({"CKPT_TEST_PAUSE_AT": "write@1", "CKPT_TEST_PAUSE_FILE": str(marker)}),
+        timeout=300,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "save of step 1 failed" not in output, output
+    assert latest(tmp_path / "run") == str(tmp_path / "run" / "step-1")
+    verdict = run_ckpt("verify", str(tmp_path / "run" / "step-1"), "--checksums")
+    assert verdict.exit_code == 0, verdict.stdout
