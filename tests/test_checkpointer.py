@@ -364,7 +364,7 @@ def test_retention_parity_and_a_damaged_newest_save_passed_over_on_load(tmp_path
     ck.close()
 
     # a bit flips in the newest save's data: load_latest checks before loading, takes step 4
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     storage = FileSystemReader(str(run / "step-8")).read_metadata().storage_data
     weight = next(info for index, info in storage.items() if index.fqn == "model.weight")
@@ -484,7 +484,7 @@ def test_two_ranks_resume_each_its_own_rng_state_and_counters(tmp_path: Path) ->
 
 def _flip_tensor_byte(save: Path, fqn: str) -> None:
     """Damage one byte of the tensor `fqn` in a saved DCP folder (a bit rot on disk)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     storage = FileSystemReader(str(save)).read_metadata().storage_data
     info = next(info for index, info in storage.items() if index.fqn == fqn)
