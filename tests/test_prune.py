@@ -156,6 +156,37 @@ def test_keep_best_every_and_pins_on_a_dcp_run_with_metrics_file(tmp_path: Path)
     assert maxed["step-60"] == ("keep", "newest complete")  # also the max, newest wins the rule
 
 
+def test_a_diverged_eval_logging_nan_is_never_the_best(tmp_path: Path) -> None:
+    # step 10's eval diverged and logged NaN (json.dumps writes it, so does the Trainer): the
+    # real best (step 20) must survive --keep-best and --keep-top, the NaN one is unranked
+    run = tmp_path / "titan"
+    losses = {10: float("nan"), 20: 0.4, 30: 0.7, 40: float("inf"), 50: 0.9}
+    for step in losses:
+        dcp_save(run / f"step-{step}", step)
+    (run / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": s, "val_loss": v}) for s, v in losses.items())
+    )
+    age(run)
+    result = run_ckpt("prune", run, "--keep-best", "val_loss", "--json")
+    assert result.json["result"]["best"]["name"] == "step-20"
+    assert decisions(result) == {
+        "step-10": ("delete", "not kept by any rule (val_loss is nan here: treated as no value)"),
+        "step-20": ("keep", "best val_loss (0.4)"),
+        "step-30": ("delete", "not kept by any rule"),
+        "step-40": ("delete", "not kept by any rule (val_loss is inf here: treated as no value)"),
+        "step-50": ("keep", "newest complete"),
+    }
+    top = decisions(run_ckpt("prune", run, "--keep-best", "val_loss", "--keep-top", "2", "--json"))
+    assert top["step-20"][0] == top["step-30"][0] == "keep"
+    assert top["step-10"][0] == top["step-40"][0] == "delete"
+    assert (
+        "val_loss is nan here: treated as no value"
+        in run_ckpt("prune", run, "--keep-best", "val_loss").stdout
+    )
+    assert run_ckpt("prune", run, "--keep-best", "val_loss", "--yes").exit_code == 0
+    assert survivors(run) == ["metrics.jsonl", "step-20", "step-50"]
+
+
 def test_deepspeed_run_keeps_the_save_its_latest_file_names(tmp_path: Path) -> None:
     out = tmp_path / "ds"
     for step in (10, 20, 30):

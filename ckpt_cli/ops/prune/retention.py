@@ -275,7 +275,8 @@ def _retention_rules(
             if number is not None and number % policy.keep_every == 0:
                 add(c, f"--keep-every {policy.keep_every}")
     if policy.keep_top:
-        scored = [c for c in complete if c.metric is not None]
+        # a NaN (or inf) value is no value: never ranked (NaN sorts anywhere)
+        scored = [c for c in complete if c.metric is not None and math.isfinite(c.metric)]
         sign = 1.0 if policy.mode == "min" else -1.0
         # ties go to the newer checkpoint, as for the single best
         ranked = sorted(scored, key=lambda c: (sign * (c.metric or 0.0), [-x for x in c.order]))
@@ -353,7 +354,8 @@ def _decide(
         and not (policy.keep_within or policy.keep_every_duration)
     ):
         return "keep", ["no step or epoch in its name"]
-    return "delete", ["not kept by any rule"]
+    # a complete checkpoint's reason says why a rule could not apply (a NaN metric value)
+    return "delete", ["not kept by any rule" + (f" ({c.reason})" if c.reason else "")]
 
 
 #: markers of checkpoints never slimmed: a resume point, the best, what a pointer names

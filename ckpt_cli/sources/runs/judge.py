@@ -13,6 +13,7 @@ exist on this machine only, and an object store's times come from its listing.
 from __future__ import annotations
 
 import json
+import math
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -519,10 +520,15 @@ def best_by_metric(
     by_step, by_name, source = load_metrics(root, metric, trainer_doc, checkpoints, metrics_file)
     best = BestMetric(metric=metric, mode=mode, source=source)
     for c in checkpoints:
-        if c.name in by_name:
-            c.metric = by_name[c.name]
-        elif c.step is not None and c.step in by_step:
-            c.metric = by_step[c.step]
+        value = by_name.get(c.name)
+        if value is None and c.step is not None:
+            value = by_step.get(c.step)
+        if value is not None and not math.isfinite(value):
+            # a diverged eval logs NaN (or inf): never the best, never ranked
+            note = f"{metric} is {value:g} here: treated as no value"
+            c.reason = f"{c.reason}; {note}" if c.reason else note
+            value = None
+        c.metric = value
     scored = [c for c in checkpoints if c.complete and c.metric is not None]
     if scored:
         sign = 1.0 if mode == "min" else -1.0
