@@ -272,6 +272,27 @@ def test_lightning_best_from_file_names_and_the_last_ckpt_link(tmp_path: Path) -
     assert all(torch.equal(loaded["state_dict"][k], v) for k, v in weights(300).items())
 
 
+def test_lightning_metrics_written_with_an_exponent_are_read_whole(tmp_path: Path) -> None:
+    # ModelCheckpoint(filename="{epoch}-{step}-{val_loss:.2e}") writes val_loss=1.50e+01:
+    # read as 1.5, the worst save would be the best and the real best deleted
+    run = tmp_path / "lightning_logs" / "version_0"
+    ckpts = run / "checkpoints"
+    ckpts.mkdir(parents=True)
+    names = {}
+    for step, loss in ((10, 15.0), (20, 3.0), (30, 9.0), (40, 0.000125)):
+        names[step] = f"epoch=0-step={step}-val_loss={loss:.2e}.ckpt"
+        torch.save({"state_dict": weights(step), "global_step": step}, ckpts / names[step])
+    age(run)
+    result = run_ckpt("prune", run, "--keep-best", "val_loss", "--keep-top", "2", "--json")
+    metrics = {d["step"]: d["metric"] for d in result.json["result"]["decisions"]}
+    assert metrics == {10: 15.0, 20: 3.0, 30: 9.0, 40: 0.000125}
+    assert result.json["result"]["best"]["name"] == f"checkpoints/{names[40]}"
+    assert (
+        run_ckpt("prune", run, "--keep-best", "val_loss", "--keep-top", "2", "--yes").exit_code == 0
+    )
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([names[20], names[40]])
+
+
 def test_unknown_metric_is_an_error_not_a_massacre(tmp_path: Path) -> None:
     out = trainer_run(tmp_path, steps=(100, 200, 300))
     before = tree(out)

@@ -10,8 +10,13 @@ from ...models import TrainingState
 from .base import SingleLayout
 from .training import analyse, as_int, rng_streams, value_of, verdict
 
-#: `NAME=VALUE` pairs in a Lightning file name (`epoch=3-step=400-val_loss=0.25.ckpt`)
-NAME_PAIR = re.compile(r"([A-Za-z_][\w/.]*?)=(-?[\d.]+(?:e-?\d+)?)")
+#: `NAME=VALUE` pairs in a Lightning file name (`epoch=3-step=400-val_loss=0.25.ckpt`): a
+#: value is any number `float()` reads, exponents of either sign included (`{val_loss:.2e}`
+#: writes `1.50e+01`), and `inf` / `nan`
+NAME_PAIR = re.compile(
+    r"([A-Za-z_][\w/.]*?)="
+    r"([-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|(?i:inf(?:inity)?|nan)))"
+)
 
 
 class Lightning(SingleLayout):
