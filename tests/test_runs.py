@@ -275,6 +275,47 @@ def test_accelerate_deepspeed_lightning_and_plain_layouts(tmp_path: Path) -> Non
     ]
 
 
+def lightning_version(version: Path, steps: tuple[int, ...]) -> None:
+    """Lightning's `lightning_logs/version_N/`: ModelCheckpoint saves, logs beside them."""
+    ckpts = version / "checkpoints"
+    ckpts.mkdir(parents=True)
+    for step in steps:
+        torch.save(
+            {"state_dict": weights(step), "global_step": step, "epoch": 0},
+            ckpts / f"epoch=0-step={step}.ckpt",
+        )
+    (version / "hparams.yaml").write_text("lr: 0.1\n")
+
+
+@pytest.mark.parametrize("kind", ["lightning_logs", "sweep"])
+def test_a_folder_of_runs_is_refused_never_pruned_as_one_run(tmp_path: Path, kind: str) -> None:
+    # lightning_logs/version_0, sweep/trial_0: numbered run folders, each holding its own step
+    # checkpoints; read as one run, `latest` printed version_1 and `prune --keep-last 1 --yes`
+    # deleted version_0 with every checkpoint and log in it
+    root = tmp_path / kind
+    runs = ["version_0", "version_1"] if kind == "lightning_logs" else ["trial_0", "trial_1"]
+    for name in runs:
+        if kind == "lightning_logs":
+            lightning_version(root / name, (10, 20))
+        else:
+            for step in (500, 1000):  # each trial's Trainer output_dir
+                trainer_checkpoint(root / name / f"checkpoint-{step}", step)
+    age(root)
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    latest = run_ckpt("latest", root)
+    assert latest.exit_code == 2
+    assert f"holds run folders ({', '.join(runs)})" in latest.stderr
+    assert f"{root}/{runs[-1]}" in latest.stderr  # the fix names one to pass
+    pruned = run_ckpt("prune", root, "--keep-last", "1", "--yes")
+    assert pruned.exit_code == 2
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+    # each run folder on its own is a run, its steps its checkpoints
+    one = root / runs[0]
+    newest = "checkpoints/epoch=0-step=20.ckpt" if kind == "lightning_logs" else "checkpoint-1000"
+    assert run_ckpt("latest", one).stdout.strip() == str(one / newest)
+    assert looks_like_run(root / runs[0])
+
+
 def test_inspect_of_a_run_folder_shows_the_table(tmp_path: Path) -> None:
     out = trainer_run(tmp_path, steps=(100, 200))
     interrupted_trainer_save(out, 300)

@@ -18,7 +18,7 @@ from ...errors import NotFoundError, UsageError
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, is_checkpoint_file
 from ...storage import LocalStorage, Storage, is_parity_path
-from .naming import SUBFOLDERS, collect, match_name
+from .naming import SUBFOLDERS, collect, holds_run, match_name, refuse_run_of_runs
 from .records import DEFAULT_SETTLE, Found, RunCheckpoint, RunReport
 from .remote import RemoteListing, is_remote, looks_like_remote_run
 from .scan import RunListing, scan
@@ -97,7 +97,10 @@ class LocalListing(RunListing):
         return self._listings[folder]
 
     def discover(self) -> list[Found]:
-        return discover_local(self.root, self._list)
+        found = discover_local(self.root, self._list)
+        if not found:
+            refuse_run_of_runs(self.display, nested_runs(self.root, self._list))
+        return found
 
     def files(self, item: Found) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -217,12 +220,35 @@ def _holds_checkpoint(entry: Path) -> bool:
 
 
 def _looks_like_checkpoint_folder(path: Path) -> bool:
-    """A plain `NAME-N/` folder counts only when it holds checkpoint files (not logs)."""
-    for _dirpath, dirs, files in os.walk(path):
+    """A plain `NAME-N/` folder counts only when it holds checkpoint files (not logs), and is
+    no run folder of its own (`naming.holds_run`: Lightning's `version_0/`)."""
+    return _plain_folder_kind(path) == "checkpoint"
+
+
+def _plain_folder_kind(path: Path) -> Literal["checkpoint", "run", "other"]:
+    """What a plain `NAME-N/` folder is: one checkpoint, a run folder of its own, or neither."""
+    inside: list[str] = []
+    holds = False
+    for dirpath, dirs, files in os.walk(path):
         dirs[:] = [d for d in dirs if not is_parity_path(d)]  # `ckpt protect`'s parity
-        if any(is_checkpoint_file(f) for f in files):
-            return True
-    return False
+        holds = holds or any(is_checkpoint_file(f) for f in files)
+        where = Path(dirpath).relative_to(path).as_posix()
+        inside += [name if where == "." else f"{where}/{name}" for name in files]
+    if not holds:
+        return "other"
+    return "run" if holds_run(inside) else "checkpoint"
+
+
+def nested_runs(run_dir: Path, list_dir: Callable[[Path], list[Path]]) -> list[str]:
+    """The plain `NAME-N/` folders at the top of `run_dir` that are run folders of their own."""
+    return [
+        e.name
+        for e in list_dir(run_dir)
+        if e.is_dir()
+        and not e.is_symlink()
+        and (match_name(e.name, True) or ("",))[0] == "plain"
+        and _plain_folder_kind(e) == "run"
+    ]
 
 
 def discover_local(

@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from ...errors import UsageError
 from ...formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, holds_dcp
 from ...storage.output import TMP_MARKER
 from .records import CHECKSUM_MANIFEST, SLIM_RECORD, Found
@@ -63,6 +64,40 @@ def match_name(name: str, is_dir: bool) -> tuple[str, int | None, float | None] 
         if not is_dir and ext is not None and ext.lower() in _PLAIN_EXT:
             return "plain", int(m.group("n")), None
     return None
+
+
+def holds_run(files: Iterable[str]) -> bool:
+    """Whether a folder whose files are `files` (paths relative to it) is a run folder of its
+    own, not one checkpoint: a step checkpoint of a known layout (a `checkpoint-500/` folder, a
+    Lightning `epoch=0-step=10.ckpt`...) lies directly in it or in its checkpoint sub-folders
+    (`SUBFOLDERS`). Lightning's `version_0/`, a sweep's `trial_0/` holding Trainer folders:
+    their number is a version or a trial, not a step. One DeepSpeed tag folder (`global_step5/`)
+    is that save's (as DeepSpeed reads it); several make a run folder."""
+    tags: set[str] = set()
+    for rel in files:
+        parts = rel.split("/")
+        if parts[0] in SUBFOLDERS and len(parts) > 1:
+            parts = parts[1:]
+        matched = match_name(parts[0], len(parts) > 1)
+        if matched is None or matched[0] == "plain":
+            continue
+        if matched[0] != "deepspeed":
+            return True
+        tags.add(parts[0])
+    return len(tags) > 1
+
+
+def refuse_run_of_runs(run_dir: str, runs: list[str]) -> None:
+    """Refuse a folder whose only candidates are run folders of their own (`holds_run`):
+    scanned as one run, each would be a checkpoint, its number a step (UsageError)."""
+    if not runs:
+        return
+    shown = ", ".join(runs[:4]) + (f" and {len(runs) - 4} more" if len(runs) > 4 else "")
+    raise UsageError(
+        f"holds run folders ({shown}), not step checkpoints: point at one",
+        path=run_dir,
+        fix=f"Pass one run folder: {run_dir.rstrip('/')}/{runs[-1]}.",
+    )
 
 
 def int_or_none(text: str | None) -> int | None:

@@ -16,7 +16,7 @@ from ...errors import NotFoundError, UsageError
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA, INDEX_SUFFIX
 from ...storage import Storage
-from .naming import SUBFOLDERS, collect
+from .naming import SUBFOLDERS, collect, holds_run, match_name, refuse_run_of_runs
 from .records import SYNC_RECORD, Found, checksum_manifest_of
 from .scan import RunListing
 
@@ -56,15 +56,29 @@ def _entries(files: dict[str, int]) -> dict[tuple[str, bool], dict[str, int]]:
     return groups
 
 
-def _holds_checkpoint(inside: dict[str, int]) -> bool:
-    return any(f.endswith((*CHECKPOINT_SUFFIXES, DCP_METADATA)) for f in inside)
+def _holds_checkpoint(base: str, inside: dict[str, int]) -> bool:
+    """A plain `NAME-N/` folder holding checkpoint files, and no run folder of its own."""
+    if not any(f.endswith((*CHECKPOINT_SUFFIXES, DCP_METADATA)) for f in inside):
+        return False
+    return not holds_run(rel[len(base) + 1 :] for rel in inside)
 
 
-def _discover(groups: dict[tuple[str, bool], dict[str, int]]) -> list[Found]:
-    return collect(
-        (base, is_dir, partial(_holds_checkpoint, inside))
+def _discover(groups: dict[tuple[str, bool], dict[str, int]], display: str = "") -> list[Found]:
+    found = collect(
+        (base, is_dir, partial(_holds_checkpoint, base, inside))
         for (base, is_dir), inside in sorted(groups.items())
     )
+    if not found and display:
+        runs = [
+            base
+            for (base, is_dir), inside in sorted(groups.items())
+            if is_dir
+            and "/" not in base
+            and (match_name(base, True) or ("",))[0] == "plain"
+            and holds_run(rel[len(base) + 1 :] for rel in inside)
+        ]
+        refuse_run_of_runs(display, runs)
+    return found
 
 
 class RemoteListing(RunListing):
@@ -78,7 +92,7 @@ class RemoteListing(RunListing):
         self.display = text.rstrip("/")
 
     def discover(self) -> list[Found]:
-        return _discover(self._groups)
+        return _discover(self._groups, self.display)
 
     def files(self, item: Found) -> dict[str, int]:
         out: dict[str, int] = {}
