@@ -316,6 +316,35 @@ def test_a_folder_of_runs_is_refused_never_pruned_as_one_run(tmp_path: Path, kin
     assert looks_like_run(root / runs[0])
 
 
+def test_a_stray_numbered_file_beside_trainer_checkpoints_is_no_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # the training script dumped eval predictions into the Trainer's output_dir: named
+    # NAME_N.pt, it was the newest "checkpoint" and took a --keep-last slot
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+    torch.save({"predictions": torch.randn(8, 4)}, out / "eval_preds_1000.pt")
+    age(out)
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-300")
+    report = run_ckpt("latest", out, "--json").json["result"]
+    assert [c["name"] for c in report["checkpoints"]] == [
+        "checkpoint-100",
+        "checkpoint-200",
+        "checkpoint-300",
+    ]
+    assert report["left_out"] == [
+        "eval_preds_1000.pt: a loose file beside the hf-trainer checkpoints, whose saves are "
+        "named otherwise: not a checkpoint of this run"
+    ]
+    pruned = run_ckpt("prune", out, "--keep-last", "2", "--yes")
+    assert pruned.exit_code == 0
+    assert "left out: eval_preds_1000.pt" in pruned.stdout
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoint-200",
+        "checkpoint-300",
+        "eval_preds_1000.pt",
+    ]
+
+
 def test_inspect_of_a_run_folder_shows_the_table(tmp_path: Path) -> None:
     out = trainer_run(tmp_path, steps=(100, 200))
     interrupted_trainer_save(out, 300)

@@ -81,6 +81,8 @@ def render_run(report: RunReport) -> None:
             "(inspect them with --format or by file name)",
             soft_wrap=True,
         )
+    for why in report.left_out:
+        stdout.print(f"left out: {why}", soft_wrap=True, markup=False, highlight=False)
 
 
 def render_prune(report: PruneReport) -> None:
@@ -119,6 +121,8 @@ def render_prune(report: PruneReport) -> None:
     stdout.print(f"[bold]{report.run_dir}[/]", soft_wrap=True)
     if report.decisions:
         stdout.print(table)
+    for why in report.left_out:
+        stdout.print(f"left out: {why}", soft_wrap=True, markup=False, highlight=False)
     if report.applied:
         stdout.print(
             f"deleted {len(report.deleted)} checkpoint{'s' if len(report.deleted) != 1 else ''}, "

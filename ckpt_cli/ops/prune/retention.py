@@ -147,6 +147,8 @@ class PruneReport(Record):
         failed: deletions that failed or were skipped (exit 1).
         latest: the newest complete checkpoint.
         best: best-by-metric, when `--keep-best` was given.
+        left_out: files named like checkpoints that are none of the run's, "PATH: why" each
+            (never deleted: see `RunReport.left_out`).
     """
 
     run_dir: str
@@ -164,6 +166,7 @@ class PruneReport(Record):
     failed: list[str] = Field(default_factory=list)
     latest: str | None = None
     best: BestMetric | None = None
+    left_out: list[str] = Field(default_factory=list)
 
 
 class WatchReport(Record):

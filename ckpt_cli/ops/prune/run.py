@@ -289,6 +289,7 @@ def prune(
         bytes_to_slim=sum(d.slim.bytes for d in slims if d.slim is not None),
         latest=run.latest,
         best=run.best,
+        left_out=run.left_out,
     )
     if yes and remote and doomed:
         apply_remote(str(root), decisions)

@@ -241,6 +241,31 @@ def collect(entries: Iterable[tuple[str, bool, Callable[[], bool]]]) -> list[Fou
     return found
 
 
+def leave_out_strays(items: list[Found]) -> tuple[list[Found], list[str]]:
+    """`items` without the loose plain `NAME_N` files that lie beside step checkpoints of a
+    known layout (`eval_preds_1000.pt` beside a Trainer's `checkpoint-N/`): that layout names
+    its saves otherwise, so such a file is what the training script dumped, not a save (it
+    became the newest "checkpoint" and took a `--keep-last` slot). Returns (the candidates,
+    "PATH: why" for each file left out)."""
+    known: dict[str, str] = {}
+    for item in items:
+        if item.layout != "plain" and not item.temporary:
+            known.setdefault(item.rels[0].rpartition("/")[0], item.layout)
+    kept: list[Found] = []
+    left_out: list[str] = []
+    for item in items:
+        parent = item.rels[0].rpartition("/")[0]
+        if item.layout == "plain" and not item.is_dir and not item.temporary and parent in known:
+            left_out += [
+                f"{rel}: a loose file beside the {known[parent]} checkpoints, whose saves are "
+                "named otherwise: not a checkpoint of this run"
+                for rel in item.rels
+            ]
+            continue
+        kept.append(item)
+    return kept, left_out
+
+
 # --------------------------------------------------------------------------- unmarked layouts
 
 

@@ -146,6 +146,8 @@ class RunReport(Record):
         settle: the settle window used (seconds).
         root_files: checkpoint files directly in the run folder that belong to no step
             checkpoint (the Trainer's final `model.safetensors`, say).
+        left_out: files named like a plain checkpoint (`NAME_N.pt`) that are no checkpoint of
+            the run, each as "PATH: why" (a loose file beside a known layout's step folders).
         top_entries: every entry at the run folder's top, name -> whether it is a folder, as
             the scan listed it (not in `--json`: what `sync` names as not carried).
     """
@@ -161,6 +163,7 @@ class RunReport(Record):
     best: BestMetric | None = None
     settle: float = DEFAULT_SETTLE
     root_files: list[str] = Field(default_factory=list)
+    left_out: list[str] = Field(default_factory=list)
     top_entries: dict[str, bool] = Field(default_factory=dict, exclude=True)
 
     @property

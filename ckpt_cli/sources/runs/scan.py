@@ -23,6 +23,7 @@ from .naming import (
     by_content,
     deepspeed_step,
     expected_parts,
+    leave_out_strays,
     part_names,
     step_order,
 )
@@ -126,7 +127,8 @@ def scan(
 ) -> RunReport:
     """List and judge the checkpoints of `run` (arguments as for `scan_run`)."""
     now = time.time() if now is None else now
-    items = [by_content(item, run.files(item)) for item in run.discover()]
+    candidates, left_out = leave_out_strays(run.discover())
+    items = [by_content(item, run.files(item)) for item in candidates]
     ds_latest = read_deepspeed_latest(run.storage)
     ds_step = deepspeed_step(ds_latest)
     expected = expected_parts_of(run, items)
@@ -145,7 +147,12 @@ def scan(
         layouts=sorted({c.layout for c in checkpoints}),
         checkpoints=checkpoints,
         settle=settle,
-        root_files=run.root_files(items),
+        root_files=[
+            name
+            for name in run.root_files(items)
+            if not any(why.startswith(f"{name}: ") for why in left_out)
+        ],
+        left_out=left_out,
         top_entries=run.top_entries(),
     )
     newest = report.newest_complete
