@@ -187,6 +187,50 @@ def test_a_diverged_eval_logging_nan_is_never_the_best(tmp_path: Path) -> None:
     assert survivors(run) == ["metrics.jsonl", "step-20", "step-50"]
 
 
+def test_keep_last_orders_accelerates_automatically_named_saves_by_their_number(
+    tmp_path: Path,
+) -> None:
+    # accelerate's automatic naming (checkpoints/checkpoint_N) counts saves, not steps: the
+    # saves are ordered by N, so --keep-last deletes the older ones (it kept them all, "no step
+    # or epoch in its name"); --keep-every, a rule on steps, still never matches them
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    run = tmp_path / "run"
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
+    )
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for step in range(1, 9):
+        model(torch.randn(2, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 2 == 0:
+            accelerator.save_state()
+    age(run)
+    saves = run / "checkpoints"
+    plan = decisions(run_ckpt("prune", run, "--keep-last", "2", "--keep-every", "2", "--json"))
+    every = "not kept by any rule (--keep-every does not apply: its name counts saves, not steps)"
+    assert plan == {
+        "checkpoints/checkpoint_0": ("delete", every),
+        "checkpoints/checkpoint_1": ("delete", every),
+        "checkpoints/checkpoint_2": ("keep", "--keep-last 2"),
+        "checkpoints/checkpoint_3": ("keep", "newest complete; --keep-last 2"),
+    }
+    only_every = decisions(run_ckpt("prune", run, "--keep-every", "2", "--json"))
+    assert only_every["checkpoints/checkpoint_0"] == (
+        "keep",
+        "its name counts saves, not steps: only --keep-last and time rules apply",
+    )
+    assert run_ckpt("prune", run, "--keep-last", "2", "--yes").exit_code == 0
+    assert sorted(p.name for p in saves.iterdir()) == ["checkpoint_2", "checkpoint_3"]
+    assert run_ckpt("latest", run).stdout.strip() == str(saves / "checkpoint_3")
+
+
 def test_deepspeed_run_keeps_the_save_its_latest_file_names(tmp_path: Path) -> None:
     out = tmp_path / "ds"
     for step in (10, 20, 30):

@@ -351,14 +351,23 @@ def _decide(
         return "keep", ["complete (no retention policy given)"]
     if metric_missing:
         return "keep", [f"no value of {policy.keep_best} found yet"]
+    counted = c.step is None and c.epoch is None and c.save_number is not None
     if (
         c.step is None
         and c.epoch is None
+        and not (counted and policy.keep_last)  # saves counted by N are ordered by N
         and not (policy.keep_within or policy.keep_every_duration)
     ):
+        if counted:
+            return "keep", [
+                "its name counts saves, not steps: only --keep-last and time rules apply"
+            ]
         return "keep", ["no step or epoch in its name"]
+    notes = [c.reason] if c.reason else []
+    if counted and policy.keep_every:
+        notes.append("--keep-every does not apply: its name counts saves, not steps")
     # a complete checkpoint's reason says why a rule could not apply (a NaN metric value)
-    return "delete", ["not kept by any rule" + (f" ({c.reason})" if c.reason else "")]
+    return "delete", ["not kept by any rule" + (f" ({'; '.join(notes)})" if notes else "")]
 
 
 #: markers of checkpoints never slimmed: a resume point, the best, what a pointer names
