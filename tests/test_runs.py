@@ -177,6 +177,36 @@ def test_a_step_folder_of_plain_files_cut_short_is_incomplete_and_never_the_late
     assert (run / "step-300" / "optim.pt").exists()
 
 
+def test_an_accelerate_save_cut_short_before_its_rng_states_is_incomplete(
+    tmp_path: Path,
+) -> None:
+    # accelerate's save_state writes random_states_0.pkl last; a save killed just before it
+    # lacked only a numbered file, and numbered names were never compared: it was the latest
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+
+    run = tmp_path / "run"
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for step in range(1, 9):
+        model(torch.randn(2, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 2 == 0:
+            accelerator.save_state(str(run / "checkpoints" / f"step_{step}"))
+    (run / "checkpoints" / "step_8" / "random_states_0.pkl").unlink()  # killed before it
+    age(run)
+    rows = table(run)
+    assert [rows[f"checkpoints/step_{s}"]["status"] for s in (2, 4, 6)] == ["complete"] * 3
+    assert rows["checkpoints/step_8"]["status"] == "incomplete"
+    assert (
+        "lacks random_states_*.pkl, which every other save" in rows["checkpoints/step_8"]["reason"]
+    )
+    assert run_ckpt("latest", run).stdout.strip() == str(run / "checkpoints" / "step_6")
+
+
 def test_staging_folders_are_interrupted_or_still_being_written(tmp_path: Path) -> None:
     out = trainer_run(tmp_path, steps=(100, 200))
     # ckpt's own staging name (output.py) and the Trainer's tmp-checkpoint-N, both old

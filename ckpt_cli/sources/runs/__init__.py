@@ -22,7 +22,7 @@ on top: a Trainer folder needs a whole `trainer_state.json` (recent transformers
 last), a DeepSpeed `global_stepN/` newer than the step the `latest` file names is unfinished
 (DeepSpeed writes `latest` after every rank is done) and one missing a rank's ZeRO partition
 (per the `dp_world_size` its model states record) incomplete, and accelerate and plain folders, which
-have no marker at all, are incomplete when they lack a digit-free file (`optimizer.bin`) that
+have no marker at all, are incomplete when they lack a file (`optimizer.bin`, `random_states_*.pkl`: digits compared as `*`) that
 at least two other saves of the run all have; a `step-N/` folder of such files (not a DCP) is a
 plain save. In a `ckpt sync` destination (its root holds `.ckpt-sync.json`) a save is whole
 once its `ckpt-manifest.json` is there, which sync uploads after the save's files. Staging folders of interrupted saves are never

@@ -192,7 +192,7 @@ def counts_saves(layout: str, name: str) -> bool:
 
 
 def expected_parts(names: dict[int, set[str]]) -> dict[int, set[str]]:
-    """For the folders of one unmarked layout (id -> its digit-free top-level file names):
+    """For the folders of one unmarked layout (id -> its top-level file names, digits as `*`: `part_names`):
     the names every *other* full save has (see `scan.expected_parts_of`); empty below three full
     saves. Slimmed saves (`SLIM_RECORD`) lack their optimizer on purpose and say nothing."""
     full = [key for key, have in names.items() if SLIM_RECORD not in have]
@@ -300,10 +300,15 @@ TRAINER_WEIGHTS = "model weights"
 _TRAINER_WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)[.-]")
 
 
+_DIGITS = re.compile(r"\d+")
+
+
 def part_names(files: Mapping[str, int], folder: str, layout: str | None = None) -> set[str]:
     """Names of the files directly in `folder` (of a run listing: path relative to the run ->
-    size) without digits (`optimizer.bin`, not `random_states_3.pkl`, whose count follows the
-    number of processes). In a Trainer folder, its weight files, one `model.safetensors` or
+    size), each run of digits as `*` (`random_states_*.pkl` for `random_states_0.pkl` ...
+    `random_states_3.pkl`, whose count follows the number of processes; `model_*.safetensors`
+    for a second model's): a save cut short before accelerate's last file, its RNG states,
+    lacks a name the others have. In a Trainer folder, its weight files, one `model.safetensors` or
     shards with their index, safetensors or `.bin`, are one part: `TRAINER_WEIGHTS`.
 
     ckpt's own checksum manifest is not a part: `verify --write-manifest` and a pull add it
@@ -311,12 +316,10 @@ def part_names(files: Mapping[str, int], folder: str, layout: str | None = None)
     saves without it (which were "incomplete: lacks ckpt-manifest.json" and never synced)."""
     start = f"{folder}/"
     names = [rel[len(start) :] for rel in files if rel.startswith(start)]
-    parts = {
-        n
-        for n in names
-        if "/" not in n and not any(ch.isdigit() for ch in n) and n != CHECKSUM_MANIFEST
-    }
+    parts = {_DIGITS.sub("*", n) for n in names if "/" not in n and n != CHECKSUM_MANIFEST}
     if layout == "hf-trainer":
-        weights = {n for n in names if "/" not in n and _TRAINER_WEIGHT_FILE.match(n)}
+        weights = {
+            _DIGITS.sub("*", n) for n in names if "/" not in n and _TRAINER_WEIGHT_FILE.match(n)
+        }
         parts = (parts - weights) | ({TRAINER_WEIGHTS} if weights else set())
     return parts
