@@ -271,6 +271,25 @@ def test_plain_files_of_one_step_go_together(tmp_path: Path) -> None:
     assert all(torch.equal(loaded[k], v) for k, v in weights(2000).items())
 
 
+def test_a_plain_step_whose_optimizer_file_never_came_is_incomplete(tmp_path: Path) -> None:
+    # a loop killed between its two torch.save calls leaves model_3000.pt without
+    # optim_3000.pt: it was complete, the latest, and --keep-last 1 deleted every save that
+    # could be resumed from
+    run = tmp_path / "plain"
+    run.mkdir()
+    for step in (1000, 2000, 3000):
+        torch.save(weights(step), run / f"model_{step}.pt")
+        if step != 3000:
+            torch.save({"step": step}, run / f"optim_{step}.pt")
+    age(run)
+    rows = {c["name"]: c for c in run_ckpt("latest", run, "--json").json["result"]["checkpoints"]}
+    assert rows["model_3000.pt"]["status"] == "incomplete"
+    assert "lacks optim_*.pt, which every other save" in rows["model_3000.pt"]["reason"]
+    assert run_ckpt("latest", run).stdout.strip() == str(run / "model_2000.pt")
+    assert run_ckpt("prune", run, "--keep-last", "1", "--yes").exit_code == 0
+    assert survivors(run) == ["model_2000.pt", "model_3000.pt", "optim_2000.pt"]
+
+
 def test_a_multi_file_checkpoint_leaves_its_names_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -27,7 +27,7 @@ from ...storage import LocalStorage, Storage, StorageRangeFile, is_parity_path
 from ...storage.output import TMP_MARKER
 from ...storage.uri import parse_location
 from ...storage.view import FolderView
-from .naming import UNMARKED, deepspeed_tag, lightning_metrics, part_names
+from .naming import UNMARKED, deepspeed_tag, lightning_metrics, save_parts
 from .records import (
     CHECKSUM_MANIFEST,
     DELETING,
@@ -98,7 +98,7 @@ def judge_found(
     if entry.slim:
         entry.markers.append("weights-only")
     if problem is None and expected and not entry.slim:
-        missing = expected - part_names(files, primary, item.layout)
+        missing = expected - save_parts(item, files)
         if missing:
             why = (
                 "no commit marker in this layout: an interrupted save?"

@@ -303,6 +303,16 @@ _TRAINER_WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)[.-]")
 _DIGITS = re.compile(r"\d+")
 
 
+def save_parts(item: Found, files: Mapping[str, int]) -> set[str]:
+    """The part names of one save, compared with its run's other saves: a folder's files
+    (`part_names`); for plain files of one step (`model_300.pt`, `optim_300.pt`) their names,
+    digits as `*` (`model_*.pt`, `optim_*.pt`): a loop killed between its two saves leaves
+    `model_300.pt` alone, which lacks `optim_*.pt`."""
+    if item.is_dir:
+        return part_names(files, item.rels[0], item.layout)
+    return {_DIGITS.sub("*", rel.rsplit("/", 1)[-1]) for rel in item.rels}
+
+
 def part_names(files: Mapping[str, int], folder: str, layout: str | None = None) -> set[str]:
     """Names of the files directly in `folder` (of a run listing: path relative to the run ->
     size), each run of digits as `*` (`random_states_*.pkl` for `random_states_0.pkl` ...

@@ -25,6 +25,7 @@ from .naming import (
     expected_parts,
     leave_out_strays,
     part_names,
+    save_parts,
     step_order,
 )
 from .records import METRICS_FILE, Found, RunCheckpoint, RunReport
@@ -113,6 +114,14 @@ def expected_parts_of(run: RunListing, items: list[Found]) -> dict[int, set[str]
         if len(folders) >= 3:
             names = {id(f): part_names(run.files(f), f.rels[0], layout) for f in folders}
             out.update(expected_parts(names))
+    # plain files of one step (`model_500.pt`, `optim_500.pt`), the saves of each folder
+    file_sets: dict[str, list[Found]] = {}
+    for i in items:
+        if i.layout == "plain" and not i.is_dir and not i.temporary and run.link(i) is None:
+            file_sets.setdefault(i.rels[0].rpartition("/")[0], []).append(i)
+    for saves in file_sets.values():
+        if len(saves) >= 3:
+            out.update(expected_parts({id(f): save_parts(f, {}) for f in saves}))
     return out
 
 
