@@ -290,6 +290,22 @@ def test_a_plain_step_whose_optimizer_file_never_came_is_incomplete(tmp_path: Pa
     assert survivors(run) == ["model_2000.pt", "model_3000.pt", "optim_2000.pt"]
 
 
+def test_two_saves_of_one_step_are_ordered_one_way_by_every_rule(tmp_path: Path) -> None:
+    # checkpoint-00200 and checkpoint-200 (a renamed copy, same time): "newest complete" was
+    # one and --keep-last 1 the other, so --keep-last 1 kept two
+    out = tmp_path / "out"
+    for name, step in (("checkpoint-100", 100), ("checkpoint-00200", 200), ("checkpoint-200", 200)):
+        trainer_checkpoint(out / name, step)
+    age(out)
+    plan = decisions(run_ckpt("prune", out, "--keep-last", "1", "--json"))
+    assert plan == {
+        "checkpoint-100": ("delete", "not kept by any rule"),
+        "checkpoint-00200": ("delete", "not kept by any rule"),
+        "checkpoint-200": ("keep", "newest complete; Trainer best_model_checkpoint; --keep-last 1"),
+    }
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-200")
+
+
 def test_a_multi_file_checkpoint_leaves_its_names_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

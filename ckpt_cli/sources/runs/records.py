@@ -136,7 +136,7 @@ class RunReport(Record):
     Attributes:
         run_dir: the folder scanned.
         layouts: the layouts found.
-        checkpoints: every checkpoint, oldest first (by step, then time).
+        checkpoints: every checkpoint, oldest first (by step, then time, then name).
         latest: path of the newest complete checkpoint (None if there is none).
         trainer_state: the `trainer_state.json` the Trainer markers were read from.
         trainer_best: the Trainer's `best_model_checkpoint` (as a name in the run folder).
@@ -168,9 +168,11 @@ class RunReport(Record):
 
     @property
     def newest_complete(self) -> RunCheckpoint | None:
-        """The newest complete checkpoint a run can resume from (slimmed saves are not)."""
+        """The newest complete checkpoint a run can resume from (slimmed saves are not); of
+        two saves of one step and time, the later by name, as `checkpoints` are ordered (what
+        `--keep-last` counts)."""
         done = [c for c in self.checkpoints if c.complete and not c.slim]
-        return max(done, key=lambda c: c.order) if done else None
+        return max(done, key=lambda c: (c.order, c.name)) if done else None
 
 
 # --------------------------------------------------------------------------- discovery

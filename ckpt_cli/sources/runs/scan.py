@@ -143,14 +143,16 @@ def scan(
     expected = expected_parts_of(run, items)
     judged: list[RunCheckpoint] = []
 
-    def order(item: Found) -> tuple[float, float, float, float]:
-        return step_order(item.step, item.epoch, run.entry_time(item), item.save_number)
+    def order(item: Found) -> tuple[tuple[float, float, float, float], str]:
+        # the name breaks ties (two saves of one step, one time), as in `RunReport`'s order
+        known = step_order(item.step, item.epoch, run.entry_time(item), item.save_number)
+        return known, item.rels[0]
 
     for item in sorted(items, key=order, reverse=True):
         judged.append(judge_found(run, item, now, settle, ds_step, expected.get(id(item))))
         if until_latest and judged[-1].complete and not judged[-1].slim:
             break
-    checkpoints = sorted(judged, key=lambda c: c.order)
+    checkpoints = sorted(judged, key=lambda c: (c.order, c.name))
     report = RunReport(
         run_dir=run.display,
         layouts=sorted({c.layout for c in checkpoints}),
