@@ -541,6 +541,18 @@ def test_usage_errors(tmp_path: Path) -> None:
     assert tree(out) == before
 
 
+def test_watch_with_dry_run_names_that_conflict_not_a_missing_yes(tmp_path: Path) -> None:
+    # --yes was given: "--watch ... needs --yes" sent the user looking for the wrong option
+    out = trainer_run(tmp_path, steps=(100, 200))
+    before = tree(out)
+    args = ["--keep-last", "1", "--yes", "--dry-run", "--watch", "1", "--max-iterations", "1"]
+    result = run_ckpt("prune", out, *args)
+    assert result.exit_code == 2
+    assert "--dry-run and --watch conflict" in result.stderr
+    assert "needs --yes" not in result.stderr
+    assert tree(out) == before
+
+
 def test_watch_in_a_real_process_exits_cleanly_on_sigint(tmp_path: Path) -> None:
     import signal
     import subprocess

@@ -148,8 +148,14 @@ def prune(
     (a symlinked checkpoint is unlinked, its target untouched). Without `--yes` nothing is
     deleted: every checkpoint is listed with keep/delete and the rule that decided.
     """
-    from ...errors import ProblemsFound
-    from ...ops.prune.retention import PrunePolicy, best_mode, parse_duration
+    from ...errors import ProblemsFound, UsageError
+    from ...ops.prune.retention import (
+        PrunePolicy,
+        PruneReport,
+        WatchReport,
+        best_mode,
+        parse_duration,
+    )
     from ...ops.prune.run import exit_code
     from ...ops.prune.run import run as run_prune
     from ..render.prune import render_prune_result, render_watch_round
@@ -171,17 +177,27 @@ def prune(
             settle=settle,
         )
 
-    run_command(
-        "prune",
-        json_output,
-        lambda: run_prune(
+    def prune_run() -> PruneReport | WatchReport:
+        if dry_run and watch is not None:
+            # not "needs --yes": --dry-run wins over --yes, and a watch that deletes nothing
+            # would only repeat the plan
+            raise UsageError(
+                "--dry-run and --watch conflict: --watch deletes as it goes",
+                fix="Leave --watch out to see the plan, or --dry-run out to watch with --yes.",
+            )
+        return run_prune(
             run_dir,
             policy(),
             yes=yes and not dry_run,
             watch_seconds=watch,
             max_iterations=max_iterations,
             on_round=None if json_output else render_watch_round,
-        ),
+        )
+
+    run_command(
+        "prune",
+        json_output,
+        prune_run,
         render_prune_result,
         exit_code,
         failure=lambda _report, _code: ProblemsFound(
