@@ -375,6 +375,49 @@ def test_slimming_lightning_files_rewrites_them_without_optimizer_state(tmp_path
     assert sorted(p.name for p in ckpts.iterdir()) == sorted([*names.values(), ".ckpt-slim.json"])
 
 
+def test_a_slimmed_save_keeps_its_save_time_for_the_time_rules(tmp_path: Path) -> None:
+    # slimming wrote ckpt-slim.json and changed the folder: the old saves looked made "now",
+    # so --keep-within 1d kept the two-day-old slimmed saves and deleted a newer whole one
+    out = trainer_run(tmp_path, steps=(100, 200, 300, 400))
+    stamp = time.time() - 2 * DAY
+    set_mtime(out, stamp)
+    slimmed = run_ckpt("prune", out, "--slim-older-than", "1", "--yes", "--json")
+    # checkpoint-200 is the Trainer's best: never slimmed
+    assert sorted(slimmed.json["result"]["slimmed"]) == ["checkpoint-100", "checkpoint-300"]
+    for name in ("checkpoint-100", "checkpoint-300"):
+        assert (out / name / "ckpt-slim.json").is_file()
+        assert not (out / name / "optimizer.pt").exists()
+    table = run_ckpt("latest", out, "--json").json["result"]["checkpoints"]
+    assert all(abs(c["mtime"] - stamp) < 1 for c in table)  # the save times, not the slimming's
+    within = plan(run_ckpt("prune", out, "--keep-within", "1d", "--settle", "0", "--json"))
+    assert within == {
+        "checkpoint-100": ("delete", []),
+        "checkpoint-200": ("keep", ["Trainer best_model_checkpoint"]),
+        "checkpoint-300": ("delete", []),
+        "checkpoint-400": ("keep", ["newest complete"]),
+    }
+
+
+def test_a_rewritten_single_file_keeps_its_save_time_and_its_slim_record(tmp_path: Path) -> None:
+    run = tmp_path / "plain"
+    run.mkdir()
+    for step in (1, 2, 3):
+        model = {k: v.float() for k, v in weights(step).items()}
+        torch.save(
+            {"model": model, "optimizer": {"state": {}, "param_groups": []}},
+            run / f"state_{step}.pt",
+        )
+    stamp = time.time() - 2 * DAY
+    set_mtime(run, stamp)
+    result = run_ckpt("prune", run, "--slim-older-than", "1", "--yes", "--json")
+    assert sorted(result.json["result"]["slimmed"]) == ["state_1.pt", "state_2.pt"]
+    assert abs((run / "state_1.pt").stat().st_mtime - stamp) < 1
+    table = {c["name"]: c for c in run_ckpt("latest", run, "--json").json["result"]["checkpoints"]}
+    assert "weights-only" in table["state_1.pt"]["markers"]  # the record still matches it
+    within = plan(run_ckpt("prune", run, "--keep-within", "1d", "--settle", "0", "--json"))
+    assert within["state_1.pt"] == ("delete", [])
+
+
 def test_slimming_drops_every_rank_rng_and_every_models_optimizer(tmp_path: Path) -> None:
     """A 2-rank Trainer save (`rng_state_0.pth`, `rng_state_1.pth`) and a two-model accelerate
     save (`optimizer_1.bin`, `random_states_1.pkl`) kept those files when slimmed, while the

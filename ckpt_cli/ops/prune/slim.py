@@ -168,6 +168,7 @@ def slim(action: SlimAction, checkpoint: str | Path) -> int:
     root = Path(checkpoint)
     target = Path(action.target)
     checked = _check_against_manifest(root, action)
+    saved_ns = _newest_ns(root)
     protected = _parity_of(root)
     record: dict[str, object] = {
         "ckpt_slim": 1,
@@ -193,10 +194,11 @@ def slim(action: SlimAction, checkpoint: str | Path) -> int:
         record["bytes_freed"] = freed
         _write_record(root, record)
     else:
-        freed = _rewrite(action, root, target, record)
+        freed = _rewrite(action, root, target, record, saved_ns)
     _refresh_manifest(root, checked)
     if protected is not None:
         _protect_again(root, protected)
+    _keep_time(root, saved_ns)
     return freed
 
 
@@ -240,6 +242,26 @@ def _protect_again(root: Path, old: ParityManifest) -> None:
             path=str(root),
             fix=f"Protect it again: `ckpt protect {root}`.",
         ) from None
+
+
+def _newest_ns(root: Path) -> int:
+    """When the save was made: the newest mtime (ns) of the checkpoint and what it holds."""
+    stamps = [root.lstat().st_mtime_ns]
+    if root.is_dir() and not root.is_symlink():
+        stamps += [p.lstat().st_mtime_ns for p in root.rglob("*")]
+    return max(stamps)
+
+
+def _keep_time(root: Path, saved_ns: int) -> None:
+    """Give back the save's time to what slimming rewrote or added (the rewritten files, the
+    record, the folder whose entries changed): a slimmed save is as old as the save it was,
+    or time rules (`--keep-within`) would keep it over newer whole ones, and the run table
+    would call it new. The folder itself last (touching its files does not change it)."""
+    paths = sorted(root.rglob("*")) if root.is_dir() and not root.is_symlink() else []
+    for path in [*paths, root]:
+        st = path.lstat()
+        if not path.is_symlink() and st.st_mtime_ns > saved_ns:
+            os.utime(path, ns=(st.st_atime_ns, saved_ns))
 
 
 #: a file's identity and state when its digest was checked: (inode, size, mtime_ns)
@@ -334,7 +356,9 @@ def _refresh_manifest(root: Path, checked: dict[str, tuple[str, _Stamp]]) -> Non
     _atomic_json(path, record.model_dump(mode="json"))
 
 
-def _rewrite(action: SlimAction, root: Path, target: Path, record: dict[str, object]) -> int:
+def _rewrite(
+    action: SlimAction, root: Path, target: Path, record: dict[str, object], saved_ns: int
+) -> int:
     """Rewrite a DCP folder or torch.save file without the dropped entries and publish it
     with its slim record (as `--force` publishes); returns the bytes freed."""
     import shutil
@@ -365,7 +389,9 @@ def _rewrite(action: SlimAction, root: Path, target: Path, record: dict[str, obj
             _atomic_json(staged / SLIM_RECORD, record)
             fsync_dir(staged)
         elif target == root:
-            # keyed by size and mtime, which the publishing rename keeps
+            # keyed by size and mtime, which the publishing rename keeps: the save's own time
+            # first (`_keep_time`), so the record matches the file as published
+            _keep_time(staged, saved_ns)
             _write_file_record(root, staged, record)
         else:
             _write_record(root, record)
