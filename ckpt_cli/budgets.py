@@ -34,6 +34,7 @@ import pickletools
 import re
 import sys
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
@@ -46,6 +47,18 @@ MAX_INFLATE_RATIO = 64
 #: ... or to this many bytes, whichever is larger (small records compress well)
 INFLATE_FLOOR = 1 << 20
 #: bytes read from a zip member per call (a member is never inflated in one piece)
+#: what Python's `zipfile` raises on a damaged archive: besides BadZipFile and zlib's errors,
+#: NotImplementedError where a flipped bit names a compression method, version or flag it
+#: does not know, ValueError (UnicodeDecodeError too) for a garbled name or header
+ZIP_READ_ERRORS: tuple[type[Exception], ...] = (
+    zipfile.BadZipFile,
+    zlib.error,
+    OSError,
+    EOFError,
+    ValueError,
+    NotImplementedError,
+)
+
 READ_CHUNK = 1 << 20
 #: distinct large ints of one hash a pickle may hold (a dict of them builds in quadratic time)
 MAX_COLLIDING_INTS = 2048

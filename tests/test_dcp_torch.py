@@ -755,6 +755,36 @@ def test_a_corrupt_scheduler_blob_is_named_as_corruption_and_never_resharded(
     assert "restricted reader" not in problem["message"]
 
 
+@pytest.mark.parametrize(
+    ("field", "at", "data"),
+    [
+        ("compression method", 10, b"\x63\x00"),  # a method zipfile does not know
+        ("version needed", 6, b"\xff\x00"),  # "zip file version 25.5"
+        ("flags", 8, b"\x20\x00"),  # "compressed patched data (flag bit 5)"
+    ],
+)
+def test_a_flipped_zip_header_field_of_an_object_is_corruption_not_a_bug_in_ckpt(
+    tmp_path: Path, field: str, at: int, data: bytes
+) -> None:
+    """Python's zipfile raises NotImplementedError for such a header: verify used to end with
+    exit 70, "a bug in ckpt", on a bit flip in an object blob's central directory."""
+    src = tmp_path / "src"
+    dcp.save({"step": 7, "cfg": {"lr": 0.1}}, checkpoint_id=str(src), no_dist=True)
+    # the field of the blob's first central-directory record, which zipfile trusts
+    metadata = FileSystemReader(str(src)).read_metadata()
+    (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == "cfg.lr"]
+    blob = (src / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    _corrupt_blob(src, "cfg.lr", blob.index(b"PK\x01\x02") + at, data)
+
+    verify = run_ckpt("verify", src, "--json")
+    assert verify.exit_code == 1, (field, verify.stdout)
+    (problem,) = verify.json["result"]["problems"]
+    assert problem["code"] == "corrupt_data" and problem["tensor"] == "cfg.lr"
+    resharded = run_ckpt("reshard", src, tmp_path / "out", "--world-size", "2")
+    assert resharded.exit_code == 4, resharded.stderr
+    assert "corrupt" in resharded.stderr and not (tmp_path / "out").exists()
+
+
 def test_a_bit_flip_in_tensor_data_fails_deep_verify_and_every_copy(tmp_path: Path) -> None:
     """torch.load checks no CRC: the flipped value used to pass `verify --deep` and be copied
     under a freshly computed, valid CRC (the corruption then undetectable)."""

@@ -12,7 +12,7 @@ import io
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from ...budgets import BudgetedUnpickler, read_member
+from ...budgets import ZIP_READ_ERRORS, BudgetedUnpickler, read_member
 from ...dtypes import STORAGE_DTYPES, TORCH_ALIASES
 from ...errors import FormatError
 from .metadata import TORCH_DTYPES, DType
@@ -130,7 +130,7 @@ def peek_saved_object(blob: bytes, where: str | None = None) -> tuple[str | None
             if len(names) != 1:
                 return None, None
             data = read_member(archive, names[0], len(blob) * 4, where)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+    except ZIP_READ_ERRORS:
         return None, None
     unpickler = _PlainUnpickler(data, where)
     try:

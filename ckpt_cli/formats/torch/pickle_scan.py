@@ -13,9 +13,8 @@ import io
 import pickletools
 import re
 import zipfile
-import zlib
 
-from ...budgets import READ_CHUNK, check_inflated, read_member
+from ...budgets import READ_CHUNK, ZIP_READ_ERRORS, check_inflated, read_member
 
 #: globals torch's weights_only unpickler admits by default (its own rebuild functions,
 #: storages, dtypes and layouts, and the plain containers)
@@ -98,7 +97,7 @@ def archive_corruption(data: bytes, where: str | None = None) -> str | None:
                 with archive.open(info) as member:
                     while member.read(READ_CHUNK):
                         pass
-    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError) as exc:
+    except ZIP_READ_ERRORS as exc:
         return str(exc) or type(exc).__name__
     return None
 
@@ -124,7 +123,7 @@ def pickle_globals(data: bytes) -> list[str]:
         return []
     try:
         streams = _pickles(data)
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+    except ZIP_READ_ERRORS as exc:
         return [f"<not a readable torch.save archive: {exc}>"]
     found: list[str] = []
     for stream in streams:
