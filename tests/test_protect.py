@@ -806,3 +806,28 @@ def test_a_shard_resaved_after_protect_is_flagged_as_maybe_intended_before_repai
     _flip(shard, 300)
     os.utime(shard, (later - 3600, later - 3600))
     assert run_ckpt("repair", model, "--json").json["result"]["warnings"] == []
+
+
+def test_a_repair_beyond_the_parity_says_once_that_nothing_was_restored(tmp_path: Path) -> None:
+    """A shard lost and another edited after `protect --parity 1`: more than the parity can
+    rebuild. The warning about the edited shard used to say it was "restored" (nothing was
+    written) and was printed twice on stderr."""
+    model = tmp_path / "model"
+    _safetensors_model(model)
+    assert run_ckpt("protect", model, "--parity", "1").exit_code == 0
+    (model / "model-00001-of-00004.safetensors").unlink()
+    edited = model / "model-00002-of-00004.safetensors"
+    _flip(edited, 300)
+    later = (model / ".ckpt-parity" / "parity.index.json").stat().st_mtime + 60
+    os.utime(edited, (later, later))
+    before = edited.read_bytes()
+
+    result = run_ckpt("repair", model)
+
+    assert result.exit_code == 1
+    assert "cannot be repaired" in result.stdout
+    assert edited.read_bytes() == before  # nothing written
+    warnings = [line for line in result.stderr.splitlines() if "modified after" in line]
+    assert len(warnings) == 1, result.stderr
+    assert str(edited) in warnings[0] and "not restored" in warnings[0]
+    assert "restored to its content" not in result.stderr

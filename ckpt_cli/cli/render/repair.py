@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.markup import escape
 
 from ...ops.parity import RepairReport, damage_text
-from . import human_bytes, stderr, stdout
+from . import human_bytes, stdout
 
 
 def render_repair(report: RepairReport) -> None:
@@ -34,5 +34,4 @@ def render_repair(report: RepairReport) -> None:
         else:
             tag = "[yellow]rebuildable[/]" if report.dry_run or report.unrecoverable else ""
         stdout.print(f"  {tag} {escape(damage_text(d))}", highlight=False, soft_wrap=True)
-    for warning in report.warnings:
-        stderr.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+    # the report's `warnings` go to stderr from `run_command`, as for every command

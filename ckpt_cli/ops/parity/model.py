@@ -153,7 +153,8 @@ class RepairReport(Record):
         unrecoverable: files that cannot be rebuilt (more than K losses in a stripe).
         hashed_bytes: bytes read and checked.
         warnings: what to know about the repair: a damaged file modified after `protect` is
-            restored to its content as of `protect` (a deliberate edit would be undone).
+            restored to its content as of `protect` (a deliberate edit would be undone), or
+            left as it is when the damage is beyond the parity.
     """
 
     location: str

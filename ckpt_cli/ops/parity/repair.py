@@ -94,15 +94,19 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
     if not report.damaged:
         return report
     newer = set(newer_than_parity(target, m))
-    restored = "would be restored" if request.dry_run else "restored"
+    report.unrecoverable = [d.path for d in report.damaged if not d.repairable]
+    if report.unrecoverable:
+        # nothing is written: say so, not what a repair would have done to the file
+        outcome = "not restored (the damage is beyond the parity)"
+    else:
+        outcome = "would be restored" if request.dry_run else "restored"
+        outcome += " to its content as of then, which undoes the change if it was intended"
     report.warnings = [
-        f"{d.path}: modified after `ckpt protect` wrote the parity ({m.created}); {restored} to "
-        "its content as of then, which undoes the change if it was intended (then run "
-        "`ckpt protect SRC --force` instead)"
+        f"{d.path}: modified after `ckpt protect` wrote the parity ({m.created}); {outcome} "
+        "(if the change was intended, run `ckpt protect SRC --force` instead)"
         for d in report.damaged
         if d.kind == "data" and d.state != "missing" and d.path in newer
     ]
-    report.unrecoverable = [d.path for d in report.damaged if not d.repairable]
     if report.unrecoverable:
         report.ok = False
         return report
