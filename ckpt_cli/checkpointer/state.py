@@ -22,6 +22,8 @@ string): its containers, their int or str keys, empty ones included. DCP names e
 as a string and saves no empty container, so without it `{0: ...}` would come back as
 `{"0": ...}` (a wrapped optimizer's state then silently not restored) and `{}` not at all.
 Saves without the record (older ones) are loaded as they were written, one copy for every rank.
+The record's names, and what `ckpt reshard --world-size` does to it, are
+`ckpt_cli.sources.layouts.ckpt_record`'s.
 
 On load, models and optimizers are loaded in place into state dicts of the live objects, as
 DCP does. The other entries are loaded from what the checkpoint holds (its `.metadata` names
@@ -41,28 +43,9 @@ from typing import Any, Literal
 import torch
 
 from ..errors import FormatError, UsageError
+from ..sources.layouts.ckpt_record import LAYOUT, RECORD_KEY, rank_name, rank_path, shapes_path
 
 Kind = Literal["model", "optimizer", "stateful", "value"]
-
-#: the save's own record: the layout version and the world size that wrote it
-RECORD_KEY = "__ckpt__"
-#: the layout version the record names (1: plain values keyed by rank)
-LAYOUT = 1
-
-
-def rank_path(rank: int) -> tuple[str, ...]:
-    """Where the plain values of `rank` are saved: their own names for rank 0, else under the
-    record (`__ckpt__.ranks.rank-1.rng.torch`)."""
-    return () if rank == 0 else (RECORD_KEY, "ranks", _rank_name(rank))
-
-
-def _rank_name(rank: int) -> str:
-    return f"rank-{rank}"
-
-
-def _shapes_path(rank: int) -> tuple[str, ...]:
-    """Where the shapes of `rank`'s entries are recorded."""
-    return (RECORD_KEY, "shapes", _rank_name(rank))
 
 
 #: the shape of a value: None for a leaf, {"d": [[key, shape], ...]} for a mapping (an int key
@@ -186,7 +169,7 @@ def capture(items: list[Entry], rank: int = 0, world_size: int = 1) -> dict[str,
     record: dict[str, Any] = {
         "layout": LAYOUT,
         "world_size": world_size,
-        "shapes": {_rank_name(rank): json.dumps(shapes)},
+        "shapes": {rank_name(rank): json.dumps(shapes)},
     }
     if rank == 0:
         out.update(values)
@@ -214,7 +197,7 @@ def load_template(items: list[Entry], metadata: Any, where: str, rank: int = 0) 
     del template[RECORD_KEY]
     paths = metadata.planner_data or {}
     prefix = rank_path(rank) if has_record(metadata) else ()
-    shapes_fqn = _fqn(metadata, _shapes_path(rank))
+    shapes_fqn = _fqn(metadata, shapes_path(rank))
     if shapes_fqn is not None:
         template[shapes_fqn] = None
     saved = {next(iter(paths.get(fqn, (fqn,)))) for fqn in metadata.state_dict_metadata}
@@ -242,20 +225,28 @@ def load_template(items: list[Entry], metadata: Any, where: str, rank: int = 0) 
         if not found and e.kind == "value" and shapes_fqn is None:
             # (with the shapes recorded, an entry with no leaves may be an empty container:
             # `apply` judges it by its shape)
-            if prefix and not _rank_saved(metadata, prefix):
-                raise FormatError(
-                    f"the checkpoint holds no values of rank {rank} (such as {e.key!r}): "
-                    "it was saved by fewer ranks",
-                    path=where,
-                    fix=f"Resume with the ranks that saved it, or drop {e.key!r} from `into` "
-                    "and set it anew on every rank.",
-                )
-            raise FormatError(
-                f"the checkpoint holds no entry {e.key!r}",
-                path=where,
-                fix=f"Drop {e.key!r} from `into`, or load a checkpoint saved with it.",
-            )
+            raise _no_value(e.key, metadata, prefix, rank, where)
     return template
+
+
+def _no_value(
+    key: str, metadata: Any, prefix: tuple[str, ...], rank: int, where: str
+) -> FormatError:
+    """The plain value `key` of `into` is not in the save (for this rank)."""
+    if prefix and not _rank_saved(metadata, prefix):
+        # a resume on more ranks than saved it (or resharded for more without its values)
+        return FormatError(
+            f"the checkpoint holds no values of rank {rank} (such as {key!r}): "
+            "it was saved by fewer ranks",
+            path=where,
+            fix=f"Resume with the ranks that saved it, or drop {key!r} from `into` "
+            "and set it anew on every rank.",
+        )
+    return FormatError(
+        f"the checkpoint holds no entry {key!r}",
+        path=where,
+        fix=f"Drop {key!r} from `into`, or load a checkpoint saved with it.",
+    )
 
 
 def _fqn(metadata: Any, path: tuple[str, ...]) -> str | None:
@@ -292,7 +283,7 @@ def apply(
 
     paths = metadata.planner_data or {}
     prefix = rank_path(rank) if has_record(metadata) else ()
-    shapes_fqn = _fqn(metadata, _shapes_path(rank))
+    shapes_fqn = _fqn(metadata, shapes_path(rank))
     shapes: dict[str, Shape] = json.loads(loaded[shapes_fqn]) if shapes_fqn is not None else {}
     rebuilt: dict[str, Any] = {}
     leaves: dict[tuple[str | int, ...], Any] = {}
@@ -311,12 +302,10 @@ def apply(
             # be missing, the value stays as DCP names it)
             with contextlib.suppress(KeyError):
                 rebuilt[e.key] = _build(shapes[e.key], (e.key,), leaves)
-        elif e.kind == "value" and e.key not in rebuilt:
-            raise FormatError(
-                f"the checkpoint holds no entry {e.key!r}",
-                path=where,
-                fix=f"Drop {e.key!r} from `into`, or load a checkpoint saved with it.",
-            )
+        if e.kind == "value" and e.key not in rebuilt:
+            # recorded in this rank's shapes but saved for no rank of this number: a save
+            # resharded for more ranks gives the new ones the shapes, not the values
+            raise _no_value(e.key, metadata, prefix, rank, where)
     values: dict[str, Any] = {}
     for e in items:
         if e.kind == "model":

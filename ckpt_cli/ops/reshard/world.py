@@ -48,6 +48,7 @@ from ...formats.details import DcpDetails
 from ...heap import gc_paused
 from ...models import Chunk, Entry, FileInfo, Manifest, TrainingState
 from ...progress import NULL_PROGRESS, CountingProgress, Progress
+from ...sources.layouts import ckpt_record
 from ...sources.layouts.base import open_plain
 from ...sources.layouts.megatron import keep_megatron_layout
 from ...storage.output import check_destination
@@ -93,9 +94,13 @@ def source_world_size(checkpoint: Checkpoint) -> int:
 
 
 def find_rank_state(entries: list[Entry]) -> list[RankStateEntry]:
-    """Per-rank training-state entries (see `placement.rank_of`)."""
+    """Per-rank training-state entries (see `placement.rank_of`); the bookkeeping of ckpt's own
+    record (`ckpt_record`: a Checkpointer save's `__ckpt__.shapes.rank-R`) is not the user's
+    state, and `plan_cut` cuts it for the new world size itself."""
     found = []
     for entry in entries:
+        if ckpt_record.is_bookkeeping(entry.name):
+            continue
         rank = rank_of(entry.name)
         if rank is not None:
             found.append(
@@ -240,6 +245,8 @@ def plan_cut(
     rank_entries = find_rank_state(manifest.entries)
     if not rank_entries:
         action = None
+    names = {e.name for e in manifest.entries}
+    copied_rank: int | None = None  # whose per-rank entries new ranks get copies of
     drop: set[str] = set()
     added: dict[str, str] = {}
     values: dict[str, Any] = {}
@@ -248,19 +255,28 @@ def plan_cut(
     elif action == "replicate":
         drop = {e.name for e in rank_entries if e.rank >= world_size}
         ranks = {e.rank for e in rank_entries}
-        first = min(ranks)
-        names = {e.name for e in manifest.entries}
+        copied_rank = first = min(ranks)
         for entry in (e for e in rank_entries if e.rank == first):
             for rank in range(world_size):
                 new = with_rank(entry.name, rank)
-                if rank not in ranks and new != entry.name and new not in names:
+                if (
+                    rank not in ranks
+                    and new != entry.name
+                    and new not in names
+                    and not ckpt_record.never_read(new)
+                ):
                     added[new] = entry.name
         values = {n: world_size for n in world_size_entries if n in names}
+    # ckpt's own record (a Checkpointer save's): re-derived for the new world size, unasked
+    record = ckpt_record.cut_record(names, world_size, copied_rank)
     for entry in rank_entries:
         if entry.name in drop:
             entry.written = []
         else:
             entry.written = [entry.name, *(n for n, old in added.items() if old == entry.name)]
+    drop |= record.drop
+    added.update(record.added)
+    values.update(record.values)
     rank_of_entry = {e.name: e.rank for e in rank_entries}
     rank_of_entry.update({new: rank_of(new) or 0 for new in added})
     plan, sharded, replicated = plan_world_size(
