@@ -452,3 +452,86 @@ def test_a_run_folder_given_where_a_checkpoint_is_wanted_is_named_as_one(tmp_pat
         assert result.exit_code == 4
         assert "its subfolders do: a run folder" in result.stderr and "ckpt latest" in result.stderr
     assert not (tmp_path / "o").exists()
+
+
+#: root reads every file whatever its mode: without these two capabilities it is refused as any
+#: other user is (a real EACCES from the kernel, not a patched `open`)
+_ROOT_READS_ANYWAY = "-dac_override,-dac_read_search"
+_PROBE = (
+    "import os, sys; p = sys.argv[1]\n"
+    "os.listdir(p) if os.path.isdir(p) else os.close(os.open(p, os.O_RDONLY))"
+)
+
+
+def _as_a_user(denied: Path) -> list[str]:
+    """The command prefix under which ckpt may not read `denied` (made mode 000 by the caller):
+    none for a user; for root, `setpriv` dropping the capabilities that let root read anyway.
+    Skips where neither denies."""
+    import shutil
+    import subprocess
+    import sys
+
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("root reads a mode-000 file, and setpriv is not here to drop that")
+        prefix = [
+            setpriv,
+            f"--bounding-set={_ROOT_READS_ANYWAY}",
+            f"--inh-caps={_ROOT_READS_ANYWAY}",
+        ]
+    probe = subprocess.run(
+        [*prefix, sys.executable, "-c", _PROBE, str(denied)], capture_output=True
+    )
+    if probe.returncode == 0:
+        pytest.skip("mode 000 does not deny reading here")
+    return prefix
+
+
+def _ckpt_as(prefix: list[str], *args: str | os.PathLike[str]) -> tuple[int, dict]:  # type: ignore[type-arg]
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-m", "ckpt_cli", *map(str, args), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize(
+    "denied", ["checkpoint-200/optimizer.pt", "checkpoint-200/trainer_state.json", "checkpoint-200"]
+)
+def test_a_save_ckpt_may_not_read_is_a_permission_error_naming_the_file_never_incomplete(
+    tmp_path: Path, denied: str
+) -> None:
+    """`chmod 000` on one file (or the folder) of the newest save: `latest` and `prune` called it
+    incomplete ("truncated or corrupt torch.save file (Permission denied)"), `latest` printed
+    checkpoint-100 and `prune --incomplete --yes` deleted the newest save. They fail with exit 74
+    (an OS error, docs/safety.md) naming the file and EACCES, and delete nothing."""
+    out = trainer_run(tmp_path, steps=(100, 200))
+    target = out / denied
+    mode = target.stat().st_mode
+    target.chmod(0)
+    try:
+        prefix = _as_a_user(target)
+        for command in (
+            ("latest", out),
+            ("prune", out, "--keep-last", "1", "--incomplete", "--yes"),
+        ):
+            code, doc = _ckpt_as(prefix, *command)
+            assert code == 74, doc
+            error = doc["error"]
+            assert (error["code"], error["path"]) == ("io_error", str(target)), error
+            assert "EACCES" in error["message"] and "permission" in error["fix"].lower()
+    finally:
+        target.chmod(mode)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-100", "checkpoint-200"]
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-200")

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ...budgets import read_member
-from ...errors import CkptError, HubError, UsageError
+from ...errors import CkptError, HubError, IOFailure, UsageError
+from ...faults import io_failure
 from ...formats.base import Source
 from ...formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
 from ...storage import LocalStorage, Storage, StorageRangeFile, is_parity_path
@@ -44,6 +45,19 @@ if TYPE_CHECKING:
     from .scan import RunListing
 
 # --------------------------------------------------------------------------- judging
+
+
+def no_verdict(exc: BaseException) -> None:
+    """Raise `exc` again when a failed read says nothing about the file: the store failed to
+    answer (`HubError`, exit 5) or the operating system refused the read (permission denied,
+    an I/O error: `IOFailure`, exit 74, naming the file and errno). Each handler that would
+    judge a checkpoint by a read that failed asks this first, so a save ckpt could not read is
+    never called incomplete (and `latest` never passes over it for an older one, `prune
+    --incomplete` never deletes it)."""
+    if isinstance(exc, HubError | IOFailure):
+        raise exc
+    if isinstance(exc, PermissionError):
+        raise io_failure(exc) from None
 
 
 def judge_found(
@@ -168,9 +182,8 @@ def _check_with_format(
         if fmt.refused_pickles_may_be_whole and source.target is not None:
             return _pickle_structure(source.storage, source.target)
         problems = fmt.check(source)
-    except HubError:
-        raise  # the store failed to answer: that is no verdict on the file
     except CkptError as error:
+        no_verdict(error)  # the store or the OS refused: no verdict on the file
         return error.message
     errors = [p for p in problems if p.severity == "error"]
     # a read the store failed to answer (a 500, a 403, a reset) says nothing about the file:
@@ -201,9 +214,8 @@ def _pickle_structure(storage: Storage, rel: str) -> str | None:
             return None  # legacy torch.save format: no cheap structural check
         with zipfile.ZipFile(_TailFile(storage, rel, size)) as archive:
             archive.infolist()
-    except HubError:
-        raise  # the store failed to answer: that is no verdict on the file
     except (zipfile.BadZipFile, OSError, CkptError) as exc:
+        no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return f"{where}: truncated or corrupt torch.save file ({exc})"
     return None
 
@@ -237,9 +249,8 @@ def _check_torch_index(storage: Storage, rel: str) -> str | None:
     try:
         index = json.loads(storage.read_all(rel))
         shards = set(index["weight_map"].values())
-    except HubError:
-        raise  # the store failed to answer: that is no verdict on the file
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CkptError) as exc:
+        no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return f"{where}: unreadable index ({exc})"
     listing = storage.list_files()
     folder = rel.rpartition("/")[0]
@@ -311,9 +322,8 @@ def _index_shards(storage: Storage, folder: str, name: str) -> set[str]:
             "weight_map", {}
         )
         return {v for v in weight_map.values() if isinstance(v, str)}
-    except HubError:
-        raise  # the store failed to answer: that is no verdict on the file
-    except (ValueError, AttributeError, OSError, RecursionError, CkptError):
+    except (ValueError, AttributeError, OSError, RecursionError, CkptError) as exc:
+        no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return set()
 
 
@@ -346,9 +356,8 @@ def _is_slim(run: RunListing, item: Found, files: Mapping[str, int]) -> bool:
     parent, _, name = primary.rpartition("/")
     try:
         doc = json.loads(run.storage.read_all(f"{parent}/{RUN_SLIM_RECORD}".lstrip("/")))
-    except HubError:
-        raise  # the store failed to answer: that is no verdict on the file
-    except (OSError, ValueError, RecursionError, CkptError):
+    except (OSError, ValueError, RecursionError, CkptError) as exc:
+        no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return False
     entry = doc.get(name) if isinstance(doc, dict) else None
     # a save written later under the same name is not the slimmed one
@@ -362,9 +371,8 @@ def _trainer_state_problem(storage: Storage, folder: str, files: Mapping[str, in
     inside = folder_storage(storage, folder, files)
     try:
         json.loads(inside.read_all("trainer_state.json"))
-    except HubError:
-        raise  # the store failed to answer: that is no verdict on the file
     except (ValueError, OSError, RecursionError, CkptError) as exc:
+        no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return f"{inside.describe('trainer_state.json')}: not valid JSON, cut short? ({exc})"
     return None
 
@@ -385,9 +393,8 @@ def _zero_partition_problem(storage: Storage, folder: str, files: Mapping[str, i
         with zipfile.ZipFile(_TailFile(storage, model, storage.size(model))) as archive:
             pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
             data = read_member(archive, pickles[0], MAX_SCAN_BYTES, model) if pickles else b""
-    except HubError:
-        raise  # the store failed to answer: that is no verdict on the file
     except (zipfile.BadZipFile, OSError, CkptError) as exc:
+        no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return f"{storage.describe(model)}: truncated or corrupt torch.save file ({exc})"
     sizes = keyed_ints(data, frozenset({"dp_world_size", "mp_world_size"}))
     saved = SavedSizes(dp=sizes.get("dp_world_size"), mp=sizes.get("mp_world_size"))
@@ -421,9 +428,8 @@ def read_deepspeed_latest(storage: Storage) -> str | None:
         if storage.size("latest") > 4096:
             return None
         text = storage.read_all("latest").decode()
-    except HubError:
-        raise  # the store failed to answer: that is no verdict on the file
-    except (OSError, UnicodeDecodeError, CkptError):
+    except (OSError, UnicodeDecodeError, CkptError) as exc:
+        no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return None
     return deepspeed_tag(text)
 
@@ -441,9 +447,8 @@ def newest_trainer_state(
     for _order, rel in [*sorted(candidates, reverse=True)[:1], (0.0, "trainer_state.json")]:
         try:
             doc = json.loads(storage.read_all(rel))
-        except HubError:
-            raise  # the store failed to answer: that is no verdict on the file
-        except (OSError, ValueError, UnicodeDecodeError, RecursionError, CkptError):
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError, CkptError) as exc:
+            no_verdict(exc)  # the store or the OS refused: no verdict on the file
             continue
         if isinstance(doc, dict):
             states.append((float(doc.get("global_step") or 0), rel, doc))
