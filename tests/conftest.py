@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -202,3 +203,50 @@ def train() -> Any:
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(deterministic)
     torch.set_rng_state(rng)
+
+
+#: root reads every file whatever its mode: without these two capabilities it is refused as any
+#: other user is (a real EACCES from the kernel, not a patched `open`)
+_ROOT_READS_ANYWAY = "-dac_override,-dac_read_search"
+_PROBE = (
+    "import os, sys; p = sys.argv[1]\n"
+    "os.listdir(p) if os.path.isdir(p) else os.close(os.open(p, os.O_RDONLY))"
+)
+
+
+def denying_prefix(denied: Path) -> list[str]:
+    """The command prefix under which ckpt may not read `denied` (made mode 000 by the caller):
+    none for a user; for root, `setpriv` dropping the capabilities that let root read anyway.
+    Skips where neither denies."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("root reads a mode-000 file, and setpriv is not here to drop that")
+        prefix = [
+            setpriv,
+            f"--bounding-set={_ROOT_READS_ANYWAY}",
+            f"--inh-caps={_ROOT_READS_ANYWAY}",
+        ]
+    probe = subprocess.run(
+        [*prefix, sys.executable, "-c", _PROBE, str(denied)], capture_output=True
+    )
+    if probe.returncode == 0:
+        pytest.skip("mode 000 does not deny reading here")
+    return prefix
+
+
+def run_ckpt_json_as(
+    prefix: list[str], *args: str | os.PathLike[str]
+) -> tuple[int, dict[str, Any]]:
+    """Run `python -m ckpt_cli ARGS… --json` under `prefix` (`denying_prefix`'s): (exit code,
+    the JSON envelope)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-m", "ckpt_cli", *map(str, args), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    return proc.returncode, json.loads(proc.stdout)

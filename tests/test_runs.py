@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from ckpt_cli.sources.runs import looks_like_run, scan_run
 
-from .conftest import run_ckpt, run_ckpt_process
+from .conftest import denying_prefix, run_ckpt, run_ckpt_json_as, run_ckpt_process
 from .run_fixtures import (
     age,
     dcp_save,
@@ -454,58 +454,6 @@ def test_a_run_folder_given_where_a_checkpoint_is_wanted_is_named_as_one(tmp_pat
     assert not (tmp_path / "o").exists()
 
 
-#: root reads every file whatever its mode: without these two capabilities it is refused as any
-#: other user is (a real EACCES from the kernel, not a patched `open`)
-_ROOT_READS_ANYWAY = "-dac_override,-dac_read_search"
-_PROBE = (
-    "import os, sys; p = sys.argv[1]\n"
-    "os.listdir(p) if os.path.isdir(p) else os.close(os.open(p, os.O_RDONLY))"
-)
-
-
-def _as_a_user(denied: Path) -> list[str]:
-    """The command prefix under which ckpt may not read `denied` (made mode 000 by the caller):
-    none for a user; for root, `setpriv` dropping the capabilities that let root read anyway.
-    Skips where neither denies."""
-    import shutil
-    import subprocess
-    import sys
-
-    prefix: list[str] = []
-    if os.geteuid() == 0:
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            pytest.skip("root reads a mode-000 file, and setpriv is not here to drop that")
-        prefix = [
-            setpriv,
-            f"--bounding-set={_ROOT_READS_ANYWAY}",
-            f"--inh-caps={_ROOT_READS_ANYWAY}",
-        ]
-    probe = subprocess.run(
-        [*prefix, sys.executable, "-c", _PROBE, str(denied)], capture_output=True
-    )
-    if probe.returncode == 0:
-        pytest.skip("mode 000 does not deny reading here")
-    return prefix
-
-
-def _ckpt_as(prefix: list[str], *args: str | os.PathLike[str]) -> tuple[int, dict]:  # type: ignore[type-arg]
-    import subprocess
-    import sys
-
-    from .conftest import REPO
-
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [*prefix, sys.executable, "-m", "ckpt_cli", *map(str, args), "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    return proc.returncode, json.loads(proc.stdout)
-
-
 @pytest.mark.parametrize(
     "denied", ["checkpoint-200/optimizer.pt", "checkpoint-200/trainer_state.json", "checkpoint-200"]
 )
@@ -521,12 +469,12 @@ def test_a_save_ckpt_may_not_read_is_a_permission_error_naming_the_file_never_in
     mode = target.stat().st_mode
     target.chmod(0)
     try:
-        prefix = _as_a_user(target)
+        prefix = denying_prefix(target)
         for command in (
             ("latest", out),
             ("prune", out, "--keep-last", "1", "--incomplete", "--yes"),
         ):
-            code, doc = _ckpt_as(prefix, *command)
+            code, doc = run_ckpt_json_as(prefix, *command)
             assert code == 74, doc
             error = doc["error"]
             assert (error["code"], error["path"]) == ("io_error", str(target)), error

@@ -16,7 +16,13 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .conftest import RecordingProgress, run_ckpt, run_ckpt_process
+from .conftest import (
+    RecordingProgress,
+    denying_prefix,
+    run_ckpt,
+    run_ckpt_json_as,
+    run_ckpt_process,
+)
 
 
 def weights() -> dict[str, torch.Tensor]:
@@ -93,6 +99,25 @@ def test_deep_and_checksums_on_good_checkpoint_modify_nothing(tmp_path: Path) ->
     )
     assert set(report["checks"]) == {"structure", "checksums", "deep"}
     assert snapshot(folder) == before
+
+
+def test_a_file_the_os_will_not_let_ckpt_hash_is_an_io_error_naming_it(tmp_path: Path) -> None:
+    """`verify --write-manifest` of a model whose config.json may not be read said "cannot be
+    read (permission denied)" with exit 2, a usage error; a read the OS refuses is exit 74 (an
+    OS error, docs/safety.md), naming the file and EACCES, and no manifest is written."""
+    folder = sharded(tmp_path / "m")
+    config = folder / "config.json"
+    config.write_text('{"model_type": "llama"}')
+    config.chmod(0)
+    try:
+        prefix = denying_prefix(config)
+        code, doc = run_ckpt_json_as(prefix, "verify", folder, "--write-manifest")
+    finally:
+        config.chmod(0o644)
+    assert code == 74, doc
+    assert (doc["error"]["code"], doc["error"]["path"]) == ("io_error", str(config))
+    assert "EACCES" in doc["error"]["message"]
+    assert not (folder / "ckpt-manifest.json").exists()
 
 
 # ------------------------------------------------------------------ safetensors corruptions

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import NotFoundError, UsageError
+from ..faults import io_failure
 from ..progress import NULL_PROGRESS, Progress
 from .fileio import aligned_buffer
 from .local import open_regular
@@ -139,8 +140,9 @@ def hash_file(
             path=path,
             fix="Something is changing the checkpoint; run again once it is written.",
         ) from None
-    except PermissionError:
-        raise UsageError("cannot be read (permission denied)", path=path) from None
+    except PermissionError as exc:
+        # the OS refused the read: exit 74 as every refused read (nothing wrong with the input)
+        raise io_failure(exc, path, "hashing") from None
     with fh:
         while True:
             n = fh.readinto(view)
