@@ -808,3 +808,36 @@ def test_a_dry_run_lists_the_files_written_beside_the_weights(tmp_path: Path) ->
         assert real.exit_code == 0, real.stdout + real.stderr
         assert listed == sorted(os.listdir(args[2])), args
         assert planned.get("config_written") == real.json["result"].get("config_written"), args
+
+
+def test_a_companion_left_out_on_purpose_says_why_not_that_ckpt_cannot_carry_it(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A user converts a `save_pretrained` folder with `--no-extras`, then with `--config`
+    from another model: the source's `config.json` is reported as left out by that option,
+    not as "nor a companion it carries (config, tokenizer...)", which contradicted itself."""
+    from transformers import LlamaForCausalLM
+
+    bare = run_ckpt("convert", tiny_llama, tmp_path / "bare", "--to", "safetensors", "--no-extras")
+    assert bare.exit_code == 0, bare.stdout + bare.stderr
+    assert sorted(os.listdir(tmp_path / "bare")) == ["model.safetensors"]
+    assert "config.json: left out (--no-extras)" in bare.stderr, bare.stderr
+    assert "nor a companion it carries" not in bare.stderr, bare.stderr
+    again = run_ckpt(
+        "convert", tiny_llama, tmp_path / "b2", "--to", "safetensors", "--no-extras", "--json"
+    )
+    reasons = {s["name"]: s["reason"] for s in again.json["result"]["skipped"]}
+    assert reasons["config.json"] == "left out (--no-extras)", reasons
+    assert reasons["generation_config.json"] == "left out (--no-extras)", reasons
+
+    other = tmp_path / "other.json"
+    other.write_text((tiny_llama / "config.json").read_text())
+    out = tmp_path / "given"
+    given = run_ckpt("convert", tiny_llama, out, "--to", "safetensors", "--config", other, "--json")
+    assert given.exit_code == 0, given.stdout + given.stderr
+    skipped = {s["name"]: s["reason"] for s in given.json["result"]["skipped"]}
+    assert skipped["config.json"] == f"replaced by --config {other}", skipped
+    assert (out / "config.json").read_text() == other.read_text()
+    model = LlamaForCausalLM.from_pretrained(out)
+    want = LlamaForCausalLM.from_pretrained(tiny_llama).state_dict()
+    assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())

@@ -456,8 +456,24 @@ def convert(
         # a naming's config.json built on the source's is the source's, carried (rewritten)
         accounted = [*carried, "config.json"] if config_from_source else list(carried)
         accounted += [f.name for f in quant_files]  # left out, with their own reason
+        listed = dict(opened.listed_files)
+        if not single_file:
+            # a companion not carried says why: it is one ckpt carries, left out on purpose
+            for rel in extra_files(checkpoint):
+                if rel in accounted:
+                    continue
+                if not extras:
+                    listed.setdefault(rel, "left out (--no-extras)")
+                elif rel == "config.json" and given_config is not None:
+                    listed.setdefault(rel, f"replaced by --config {given_config[1]}")
+                elif rel == "config.json" and naming_config is not None:
+                    listed.setdefault(rel, "replaced by the config.json written for the naming")
+                elif naming is not None and is_training_file(opened, rel):
+                    listed.setdefault(
+                        rel, "a file of the training save, not of the model: not exported"
+                    )
         read, skipped_files = account_files(
-            selected_from, selected, accounted, single_file=single_file, listed=opened.listed_files
+            selected_from, selected, accounted, single_file=single_file, listed=listed
         )
         config_written = None
         if given_config is not None or naming_config is not None:
