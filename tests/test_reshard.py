@@ -856,3 +856,21 @@ def test_a_world_size_reshard_says_why_the_sources_checksum_manifest_is_not_copi
     ]
     text = run_ckpt("reshard", src, tmp_path / "out2", "--world-size", "2")
     assert "ckpt-manifest.json" in text.stdout + text.stderr
+
+
+def test_a_model_that_fits_one_shard_is_reported_as_one_file_and_one_tensor(
+    tmp_path: Path,
+) -> None:
+    """A user regroups a small model under a large --max-shard-size: the report and the
+    inspect tree count in English ("in 1 file", "1 tensor"; they said "1 files", "1 tensors")."""
+    weights = {"embed.weight": torch.randn(8, 4), "head.0.weight": torch.randn(2, 4)}
+    (tmp_path / "src").mkdir()
+    save_torch_state_dict(weights, tmp_path / "src", max_shard_size=40)
+    result = run_ckpt("reshard", tmp_path / "src", tmp_path / "one", "--max-shard-size", "1MB")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert "of tensor data in 1 file (" in result.stdout, result.stdout
+    with safe_open(str(tmp_path / "one" / "model.safetensors"), framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in weights.items())
+    torch.save({"step": {"count": torch.tensor(3), "name": "warmup"}}, tmp_path / "state.pt")
+    tree = run_ckpt("inspect", tmp_path / "state.pt")
+    assert "step  1 tensor, 1 object, " in tree.stdout, tree.stdout

@@ -50,7 +50,7 @@ def render_reshard(report: ReshardReport) -> None:
         )
     stdout.print(
         f"  {counted(report.tensors, 'tensor')}, {counted(report.objects, 'object')}, "
-        f"{human_bytes(report.tensor_bytes)} of tensor data in {len(files)} files "
+        f"{human_bytes(report.tensor_bytes)} of tensor data in {counted(len(files), 'file')} "
         # a dry run's DCP files are sized as they are written
         f"({human_bytes(size) if all(f.size is not None for f in files) else 'sizes decided when written'})"
     )
