@@ -20,7 +20,9 @@ MAX_TREE_CHILDREN = 40
 def _label(node: TreeNode) -> str:
     if node.children:
         counts = [
-            counted(n, word) for n, word in ((node.tensors, "tensor"), (node.objects, "object")) if n
+            counted(n, word)
+            for n, word in ((node.tensors, "tensor"), (node.objects, "object"))
+            if n
         ]
         return f"[bold]{node.name}[/]  [dim]{', '.join(counts)}, {human_bytes(node.nbytes)}[/]"
     copies = node.tensors + node.objects
