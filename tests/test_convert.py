@@ -531,6 +531,40 @@ def test_dtype_cast_across_formats_equals_tensor_to(tmp_path: Path) -> None:
     assert {d["status"] for d in close["differences"]} == {"dtype"}
 
 
+def test_dtype_cast_of_a_training_checkpoint_keeps_the_optimizer_step_counters(
+    tmp_path: Path,
+) -> None:
+    """`--dtype bf16` of a training save cast AdamW's `step` counters too: bfloat16 holds 301
+    as 300, and the resumed optimizer (which keeps the loaded counter's dtype) then adds 1 to
+    300 forever. The moments and weights are cast; the counters are kept as saved."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(301):
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    src = tmp_path / "train.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, src)
+    dest = tmp_path / "bf16"
+
+    result = run_ckpt("convert", src, dest, "--to", "torch", "--dtype", "bf16")
+
+    assert result.exit_code == 0, result.stderr
+    (out,) = dest.glob("*.bin")
+    saved = torch.load(out, weights_only=True)
+    for state in saved["optimizer"]["state"].values():
+        assert state["step"].dtype == torch.float32 and state["step"].item() == 301
+        assert state["exp_avg"].dtype == torch.bfloat16
+    resumed_model = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    resumed_model.load_state_dict(saved["model"])
+    resumed = torch.optim.AdamW(resumed_model.parameters())
+    resumed.load_state_dict(saved["optimizer"])
+    resumed_model(torch.randn(2, 8, dtype=torch.bfloat16)).sum().backward()
+    resumed.step()
+    assert {s["step"].item() for s in resumed.state_dict()["state"].values()} == {302}
+
+
 _TORCHRUN_SAVE = """
 import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh

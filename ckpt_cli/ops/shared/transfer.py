@@ -243,6 +243,16 @@ def metadata_aliases(manifest: Manifest) -> dict[str, str]:
     }
 
 
+def is_step_counter(entry: Entry) -> bool:
+    """Whether `entry` is an optimizer's step counter: a one-element floating tensor named
+    `step` (torch's Adam, AdamW, Adagrad... keep `state[param]["step"]` so, in float32).
+
+    A `--dtype` cast leaves it as stored: a counter in bfloat16 holds 1001 as 1000, and a
+    resumed optimizer (which keeps the loaded counter's dtype) then adds 1 to 1000 forever.
+    """
+    return entry.name.rpartition(".")[2] == "step" and entry.numel == 1
+
+
 def plan_transfer(
     manifest: Manifest,
     *,
@@ -267,7 +277,8 @@ def plan_transfer(
             component of `opened` by its layout's own prefix (`ops.selection`).
         include / exclude: globs on the source names (as `ckpt inspect` shows them).
         renames: prefix renames applied after `select`.
-        dtype: cast floating tensors to this canonical dtype; others are untouched.
+        dtype: cast floating tensors to this canonical dtype; others are untouched, and so are
+            optimizer step counters (`is_step_counter`).
         keep_objects: the target can hold non-tensor entries; otherwise they are skipped.
         dedupe_tied: write tensors that share storage once (the others become aliases).
         opened: the opened source, whose layout says what `select` names.
@@ -354,7 +365,12 @@ def plan_transfer(
         target_dtype = entry.dtype
         assert target_dtype is not None
         target_shape = list(entry.shape)
-        if dtype and entry.dtype in dtypes.FLOATING and entry.dtype != dtype:
+        if (
+            dtype
+            and entry.dtype in dtypes.FLOATING
+            and entry.dtype != dtype
+            and not is_step_counter(entry)
+        ):
             cast, target_dtype = dtype, dtype
         elif keep_objects and target_dtype in dtypes.SUB_BYTE:
             # a torch-native target holds what torch holds: F4 as packed pairs, F6 not at all
