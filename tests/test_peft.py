@@ -74,8 +74,17 @@ def test_an_adapter_is_never_cut_into_shards_peft_cannot_load(
     ):
         result = run_ckpt(*args, "--json")
         assert result.exit_code == 2, result.stdout
-        assert "peft loads them from one file only" in result.json["error"]["message"]
+        error = result.json["error"]
+        assert "peft loads them from one file only" in error["message"]
         assert not out.exists()
+        # the fix offered is one the command takes: reshard needs a size (or --world-size)
+        leave_out = "Leave --max-shard-size out" in error["fix"]
+        assert leave_out == (args[0] == "convert"), error["fix"]
+        need = int(error["fix"].split("at least ")[1].split(" bytes")[0].replace(",", ""))
+        assert run_ckpt(*[str(need) if a == "1KB" else a for a in args]).exit_code == 0
+        if out.exists():
+            assert not any("-of-" in p.name for p in out.iterdir())
+            shutil.rmtree(out)
 
 
 def test_merge_equals_peft_merge_and_unload(

@@ -193,11 +193,19 @@ def planned_files(
 
 
 def check_one_file_naming(
-    convention: Naming | None, plan: TransferPlan, options: WriteOptions, path: str
+    convention: Naming | None,
+    plan: TransferPlan,
+    options: WriteOptions,
+    path: str,
+    *,
+    size_optional: bool = True,
 ) -> None:
     """Refuse a size cut that the library owning the folder's naming could not load: a PEFT
     adapter in two shards is a folder `PeftModel.from_pretrained`, the Trainer's resume and
-    `ckpt merge` all fail on (peft reads one `adapter_model.safetensors`)."""
+    `ckpt merge` all fail on (peft reads one `adapter_model.safetensors`).
+
+    `size_optional`: the command runs without --max-shard-size too (`convert`; `reshard`
+    needs it or --world-size), so leaving it out is a fix to offer."""
     from ...formats.safetensors.format import plan_shards
 
     if convention is None or convention.size_shards or options.max_shard_size is None:
@@ -211,7 +219,10 @@ def check_one_file_naming(
             f"{convention.library} weights ({convention.stem}) into {len(shards)} shards, and "
             f"{convention.library} loads them from one file only",
             path=path,
-            fix=f"Leave --max-shard-size out, or give at least {need:,} bytes.",
+            fix=f"Leave --max-shard-size out, or give at least {need:,} bytes."
+            if size_optional
+            else f"Give --max-shard-size at least {need:,} bytes (one file), or copy the "
+            "folder as it is.",
         )
 
 

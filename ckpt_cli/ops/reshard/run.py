@@ -154,7 +154,7 @@ def regroup(
             from ...sources.layouts.model_folders import apply_naming
 
             convention = apply_naming(source, manifest.format, options)
-            check_one_file_naming(convention, plan, options, text)
+            check_one_file_naming(convention, plan, options, text, size_optional=False)
         if dry_run:
             tensors = [i.target for i in plan.items if i.target.kind == "tensor"]
             # the files copied beside the weights are listed as the real run lists them
