@@ -423,7 +423,7 @@ def test_a_dead_rank_of_an_uneven_two_rank_save_is_rebuilt_from_whole_file_parit
     assert planned["largest_file"] == largest
     assert planned["parity_bytes"] >= files[largest]
     assert "any 1 of the 3 files lost whole" in planned["survives"][0]
-    assert planned["does_not_survive"][0] == "more than 1 files lost whole"
+    assert planned["does_not_survive"][0] == "more than 1 file lost whole"
     result = run_ckpt("protect", saved, "--parity", "1")
     assert result.exit_code == 0, result.stderr
     # said on stderr before writing, and in the summary: the overhead and what it survives

@@ -393,15 +393,16 @@ _NAMED = 5
 def _what_it_survives(m: ParityManifest, ranks: int) -> tuple[list[str], list[str]]:
     """What the parity of `m` can rebuild, and what it cannot, in words."""
     k, n = m.parity, len(m.files)
-    blocks = f"any {k} damaged blocks in a stripe of {m.width} (blocks of {m.block_size} bytes)"
-    more_blocks = f"more than {k} damaged blocks in one stripe"
+    block, file = ("block", "file") if k == 1 else ("blocks", "files")
+    blocks = f"any {k} damaged {block} in a stripe of {m.width} (blocks of {m.block_size} bytes)"
+    more_blocks = f"more than {k} damaged {block} in one stripe"
     if m.whole_files:
         lost = f"any {min(k, n)} of the {n} files lost whole"
         if ranks >= 2:
             lost += f" (a dead rank's file is one: {ranks} files here are per-rank)"
         fails = [more_blocks]
         if n > k:
-            fails.insert(0, f"more than {k} files lost whole")
+            fails.insert(0, f"more than {k} {file} lost whole")
         return [lost, blocks], fails
     too_long = [
         f.path
