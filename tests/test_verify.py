@@ -944,3 +944,31 @@ def test_content_checks_report_progress_in_bytes(tmp_path: Path) -> None:
         ("reading tensors", tensor_bytes, tensor_bytes),
         ("hashing (sha256)", size, size),
     ]
+
+
+def test_the_pytorch_tutorial_checkpoint_dict_is_a_resumable_training_save(tmp_path: Path) -> None:
+    """The dict PyTorch's "saving and loading a general checkpoint" recipe saves (`epoch`,
+    `model_state_dict`, `optimizer_state_dict`, `loss`) resumes: its weights and optimizer are
+    found under those keys, and the whole epoch it counted reads as `5`, not `5.0`."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    src = tmp_path / "tutorial.pt"
+    torch.save(
+        {
+            "epoch": 5,
+            "model_state_dict": model.state_dict(),
+            "optimizer_state_dict": optimizer.state_dict(),
+            "loss": 0.25,
+        },
+        src,
+    )
+
+    verified = run_ckpt("verify", src, "--resumable")
+    shown = run_ckpt("inspect", src)
+
+    assert verified.exit_code == 0, verified.stdout
+    assert "resumable: yes" in verified.stdout
+    assert "step / epoch ? / 5\n" in shown.stdout
+    assert "model=model_state_dict, optimizer=optimizer_state_dict" in shown.stdout

@@ -59,7 +59,9 @@ def render_training(report: InspectReport) -> None:
         rows.append(
             (
                 "step / epoch",
-                f"{state.step if state.step is not None else '?'} / {state.epoch if state.epoch is not None else '?'}",
+                # an epoch is a float (the Trainer's 2.5); a whole one reads as the int it was
+                f"{state.step if state.step is not None else '?'} / "
+                f"{f'{state.epoch:g}' if state.epoch is not None else '?'}",
             )
         )
     if state.weights:
