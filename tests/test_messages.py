@@ -562,3 +562,22 @@ def test_a_json_component_past_the_entry_budget_is_refused_naming_it(
     assert result.exit_code == 1, result.stdout
     messages = [p["message"] for p in result.json["result"]["problems"]]
     assert any("trainer_state.json" in m and "more than 1,000 values" in m for m in messages)
+
+
+def test_a_symbolic_link_that_leads_nowhere_says_so(tmp_path: Path) -> None:
+    """A link to a checkpoint that was moved, or two links pointing at each other: the error
+    said "no such file or folder" of a name `ls` shows; it says what the link is."""
+    dangling = tmp_path / "model.safetensors"
+    dangling.symlink_to(tmp_path / "moved" / "model.safetensors")
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+
+    moved = run_ckpt("inspect", dangling, "--json").json["error"]
+    looping = run_ckpt("verify", tmp_path / "a", "--json").json["error"]
+
+    assert moved["code"] == looping["code"] == "not_found"
+    assert moved["problem"] == (
+        f"is a symbolic link to {tmp_path / 'moved' / 'model.safetensors'}, which does not exist"
+    )
+    assert "loops back on itself (ELOOP)" in looping["problem"]
+    assert moved["path"] == str(dangling) and "Repair the link" in moved["fix"]

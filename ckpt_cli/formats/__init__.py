@@ -10,8 +10,10 @@ Operations never compare format names: they ask the registry for the class (`get
 
 from __future__ import annotations
 
+import errno
 import importlib
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -104,6 +106,16 @@ def choose_format(source: Source, format: str | None) -> str:
     return format or detect_format(source)
 
 
+def _broken_link(path: Path) -> str:
+    """Why the symbolic link `path` leads nowhere: a loop, or a target that does not exist."""
+    try:
+        path.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a symbolic link that loops back on itself (ELOOP)"
+    return f"is a symbolic link to {os.readlink(path)}, which does not exist"
+
+
 def resolve_source(location: Location | str) -> Source:
     """Turn a location into a `Source` (storage + optional single target file)."""
     loc = parse_location(location) if isinstance(location, str) else location
@@ -131,6 +143,12 @@ def resolve_source(location: Location | str) -> Source:
                     "`--force` replace had moved aside",
                     path=path,
                     fix=f"Recover it with `mv {old[-1]} {path}`.",
+                )
+            if path.is_symlink():
+                raise NotFoundError(
+                    _broken_link(path),
+                    path=path,
+                    fix="Repair the link, or point at the checkpoint itself.",
                 )
             repo_like = _REPO_ID.match(loc.raw) is not None
             raise NotFoundError(
