@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -1027,6 +1028,105 @@ def test_data_files_go_up_side_by_side_and_the_markers_after_them(
     assert checked.exit_code == 0, checked.stdout
 
 
+def test_a_checkpoints_data_files_go_up_largest_first(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The longest upload (the optimizer state) starts first, the small files beside it; the
+    markers still follow every data file, in the writer's order."""
+    from ckpt_cli.ops.sync import push
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    real_upload = push._Uploader._upload_file
+    order: list[str] = []
+
+    def upload(self: push._Uploader, path: Path, rel: str, size: int, plan: object) -> object:
+        order.append(rel)
+        return real_upload(self, path, rel, size, plan)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(push._Uploader, "_upload_file", upload)
+    report = sync(str(out), f"s3://{BUCKET}/run/", jobs=1)
+    assert report.transferred == ["checkpoint-100"], report.failed
+    data = [rel for rel in order if not push.uploaded_late(rel)]
+    sizes = [(out / rel).stat().st_size for rel in data]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) > 1
+    assert order[len(data) :] == push.upload_order(order[len(data) :])
+    assert order[-1].endswith("trainer_state.json")
+
+
+def test_files_are_read_and_hashed_while_the_store_answers_the_checksum_question(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's checksum question goes out before the first upload and is awaited only
+    where it decides what is sent: the question is answered only once a data file has been
+    hashed (had the uploads waited for the answer first, nothing would be hashed while it
+    waits, and it gives up), and every body is still checked (Content-MD5 and the ETag:
+    moto checks no checksum)."""
+    import threading
+
+    import boto3
+
+    from ckpt_cli.ops.sync import push
+    from ckpt_cli.storage.object_upload import ObjectUploader
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    # sync's record of the destination is there already: the first bytes hashed are data
+    boto3.client("s3", endpoint_url=s3_server.endpoint).put_object(
+        Bucket=BUCKET, Key="run/.ckpt-sync.json", Body=b"{}"
+    )
+    hashing = threading.Event()
+
+    class Hashed:
+        def __init__(self) -> None:
+            self._inner = hashlib.sha256()
+
+        def update(self, data: bytes) -> None:
+            self._inner.update(data)
+            hashing.set()
+
+        def hexdigest(self) -> str:
+            return self._inner.hexdigest()
+
+    real_factory = push.hasher_factory
+    monkeypatch.setattr(
+        push, "hasher_factory", lambda algo: Hashed if algo == "sha256" else real_factory(algo)
+    )
+    answered_after_hashing: list[bool] = []
+    real_ask = ObjectUploader._ask_store
+
+    def ask(self: ObjectUploader) -> bool:
+        # the bound only ends a failing run: a passing one is released by the hashing
+        answered_after_hashing.append(hashing.wait(timeout=30))
+        return real_ask(self)
+
+    monkeypatch.setattr(ObjectUploader, "_ask_store", ask)
+    report = sync(str(out), f"s3://{BUCKET}/run/")
+    assert report.transferred == ["checkpoint-100"] and not report.failed, report.failed
+    assert answered_after_hashing == [True]
+    puts = [r for r in s3_server.requests if r.method == "PUT" and "checkpoint-100/" in r.path]
+    assert puts and all("content-md5" in r.checksums for r in puts)
+    checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-100", "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout
+
+
+def test_a_body_carries_botocores_own_crc32_only_where_botocore_would_add_one(
+    s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where botocore adds a CRC32 to a body sent without a checksum (its default,
+    `when_supported`), sync sends its own instead (ISA-L's, the same value); where the user
+    asked for `when_required` (a store that refuses the header), none is added."""
+    import s3fs
+
+    from ckpt_cli.storage.object_upload import ObjectUploader
+
+    default = s3fs.S3FileSystem(skip_instance_cache=True)
+    assert ObjectUploader(default, 1)._crc32_by_default()
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+    required = s3fs.S3FileSystem(skip_instance_cache=True)
+    assert not ObjectUploader(required, 1)._crc32_by_default()
+
+
 def _pushed_then_cut_after_one_file(
     s3_server: S3Server,
     tmp_path: Path,
@@ -1216,6 +1316,16 @@ def test_a_multipart_upload_cut_midway_is_aborted_and_resent_whole(
     parts = [r for r in s3_server.requests if "partNumber=" in r.query]
     size = (folder / "model.safetensors").stat().st_size
     assert len(parts) == -(-size // UPLOAD_BLOCK) and sum(r.length for r in parts) == size
+    # moto checks no checksum: each part goes with its Content-MD5 (its ETag is compared),
+    # and with the CRC32 botocore would otherwise compute itself, of that part's bytes
+    data = (folder / "model.safetensors").read_bytes()
+    for part in parts:
+        number = int(part.query.split("partNumber=")[1].split("&")[0])
+        block = data[(number - 1) * UPLOAD_BLOCK : number * UPLOAD_BLOCK]
+        assert part.checksums == {
+            "content-md5": _b64(hashlib.md5(block).digest()),
+            "x-amz-checksum-crc32": _b64(zlib.crc32(block).to_bytes(4, "big")),
+        }
     checked = run_ckpt("verify", f"s3://{BUCKET}/big/step-1", "--checksums", "--json")
     assert checked.exit_code == 0, checked.stdout
 

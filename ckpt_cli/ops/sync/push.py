@@ -75,8 +75,8 @@ class _Uploader:
     """Uploads checkpoints of one local run folder into one object-store prefix.
 
     The data files of every checkpoint of a round go through one pool of `jobs` workers,
-    checkpoint after checkpoint, so the next save's data is on its way while this one's
-    markers and manifest follow its data one by one (`finish`). Against S3 each upload is
+    checkpoint after checkpoint (each one's largest first), so the next save's data is on
+    its way while this one's markers and manifest follow its data one by one (`finish`). Against S3 each upload is
     checked by the store's reply (`ObjectUploader`: the store's own check of the SHA-256 /
     CRC32 sent with the body where it makes one, else the ETag): one listing a round, no
     request after an upload; other filesystems stream through `fs.open` and are checked
@@ -239,7 +239,11 @@ class _Uploader:
 
     @staticmethod
     def data_files(plan: _Plan) -> list[str]:
-        return [rel for rel in upload_order(list(plan.files)) if not uploaded_late(rel)]
+        """The checkpoint's data files, largest first: the longest upload (an optimizer
+        state, say) starts at once and the small files go up beside it, instead of it
+        starting last and going up alone while the pool's other workers have nothing left."""
+        rels = [rel for rel in plan.files if not uploaded_late(rel)]
+        return sorted(rels, key=lambda rel: (-plan.sizes[rel], rel))
 
     def send(self, plan: _Plan, rel: str) -> None:
         """Upload one file of a checkpoint (or find it there), checked against its manifest."""
@@ -480,6 +484,10 @@ class _Uploader:
         first upload: from then on whoever judges the destination (`latest`, a pull, a
         prune) reads a save without its manifest as an upload that has not finished, even a
         save of a layout with no commit marker of its own."""
+        if self.objects is not None:
+            # the store's checksum question goes out now (once), answered while the first
+            # files are read and hashed
+            self.objects.ask_early()
         if SYNC_RECORD not in self.listing():
             self._put(SYNC_RECORD, _SYNC_RECORD_TEXT)
             self.listing()[SYNC_RECORD] = {"size": len(_SYNC_RECORD_TEXT)}
