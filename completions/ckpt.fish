@@ -39,7 +39,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from verify' -l revision -r -f -d 'H
 complete -c ckpt -n '__fish_seen_subcommand_from verify' -l repo-type -r -f -a 'model dataset space' -d 'Hub SRC: model (default), dataset or space'
 complete -c ckpt -n '__fish_seen_subcommand_from verify' -l token -r -f -d 'Hub SRC: the access token (default: HF_TOKEN or the saved login)'
 complete -c ckpt -n '__fish_seen_subcommand_from verify' -l help -s h -d 'Show help and exit'
-complete -c ckpt -n '__fish_seen_subcommand_from convert' -l to -r -f -a 'safetensors dcp torch' -d 'Target format: safetensors, dcp or torch; or a framework naming: hf (from_pretrained-ready shards + config.json), torchtitan (a DCP save torchtitan loads) or megatron (a torch_dist save Megatron-Core'\''s dist_checkpointing loads), mapping names and tensors by the model'\''s architecture'
+complete -c ckpt -n '__fish_seen_subcommand_from convert' -l to -r -f -a 'safetensors dcp torch' -d 'Target format: safetensors, dcp or torch; or a framework naming: hf (from_pretrained-ready safetensors + config.json), torchtitan (a DCP save torchtitan loads) or megatron (a torch_dist save Megatron-Core'\''s dist_checkpointing loads), mapping names and tensors by the model'\''s architecture'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l max-shard-size -r -f -d 'Split into shards of at most this size (5GB, 500MB, 2GiB) with an index.json'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l dtype -r -f -a 'bf16 fp16 fp32' -d 'Cast floating tensors to bf16, fp16 or fp32 (ints and bools untouched)'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l filter -s k -r -f -d 'Only entries whose source name matches this glob (repeatable)'

@@ -42,7 +42,7 @@ def convert(
         typer.Option(
             "--to",
             help="Target format: safetensors, dcp or torch; or a framework naming: hf "
-            "(from_pretrained-ready shards + config.json), torchtitan (a DCP save "
+            "(from_pretrained-ready safetensors + config.json), torchtitan (a DCP save "
             "torchtitan loads) or megatron (a torch_dist save Megatron-Core's "
             "dist_checkpointing loads), mapping names and tensors by the model's architecture.",
         ),
