@@ -1,7 +1,7 @@
 """Run under torchrun (2 ranks, gloo, CPU): train a tiny bf16 model with DeepSpeed ZeRO-2 and
 ZeRO-3 for two steps each and save with `engine.save_checkpoint` (DeepSpeed's own writer).
 
-Usage: torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding | --hf]
+Usage: torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding | --hf | --trainer]
 writes OUT_DIR/zero2/ and OUT_DIR/zero3/ (each: `latest`, `global_step2/`, zero_to_fp32.py),
 and OUT_DIR/zero3-subgroups/ (ZeRO-3 with `sub_group_size` 100: two sub-groups).
 
@@ -10,7 +10,8 @@ partition padding may hold one: OUT_DIR/zero3-nan-padding/ has NaN in every padd
 the fp32 partitions (and nowhere else); OUT_DIR/zero3-nan-parameter/ is the same engine saved
 again after one real parameter element was set to NaN.
 
-With `--hf` it trains the suite's tiny Hugging Face Llama with ZeRO-3 instead (`_train_hf`).
+With `--hf` it trains the suite's tiny Hugging Face Llama with ZeRO-3 instead (`_train_hf`);
+with `--trainer`, transformers' `Trainer` trains it with ZeRO-2 (`_train_trainer`).
 """
 
 from __future__ import annotations
@@ -140,9 +141,47 @@ def _train_hf(out: str) -> None:
     dist.barrier()
 
 
+def _train_trainer(out: str) -> None:
+    """The suite's tiny Hugging Face Llama trained by transformers' `Trainer` with DeepSpeed
+    ZeRO-2 in bf16 (its `deepspeed=` config, every value "auto" as the docs show) for 4 steps,
+    saving every 2: OUT/checkpoint-{2,4}/ hold DeepSpeed's `latest` and `global_stepN/` and,
+    beside them, the Trainer's `rng_state_{rank}.pth`, `trainer_state.json`, the bf16
+    `model.safetensors` and its `config.json`."""
+    from framework_fixtures import Rows, tiny_config  # the tests folder is the script's folder
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments, set_seed
+
+    set_seed(0)
+    model = LlamaForCausalLM(tiny_config())
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "zero_optimization": {"stage": 2},
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+    }
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=4,
+        save_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        deepspeed=config,
+        bf16=True,
+    )
+    Trainer(model=model, args=args, train_dataset=Rows()).train()
+
+
 if __name__ == "__main__":
     if "--hf" in sys.argv[2:]:
         _train_hf(sys.argv[1])
+    elif "--trainer" in sys.argv[2:]:
+        _train_trainer(sys.argv[1])
     elif "--nan-padding" in sys.argv[2:]:
         _train(3, f"{sys.argv[1]}/zero3", nan_padding=True)
     else:

@@ -308,8 +308,10 @@ class Folder:
         regex = re.compile(pattern)
         return sorted(n for n in self.names if regex.fullmatch(n))
 
-    def add(self, comp: str, name: str, fmt: str) -> Checkpoint | None:
-        rel = self.rel(name)
+    def add(self, comp: str, name: str, fmt: str, *, root: bool = False) -> Checkpoint | None:
+        """Open file `name` of the folder (under `base`; at the source's top with `root`: a
+        Trainer's `rng_state_0.pth` beside DeepSpeed's `global_stepN/`) as component `comp`."""
+        rel = name if root else self.rel(name)
         self.used.add(rel)
         sub = Source(location=self.source.location, storage=self.source.storage, target=rel)
         try:
@@ -471,12 +473,21 @@ class Folder:
                 index, rank = int(match.group(1) or 0), int(match.group(2))
                 self.add(rank_component(comp, index, rank), name, "torch")
 
-    def add_many(self, comp: str, files: list[str], fmt: str, index: str = r"_(\d+)\.") -> None:
-        """One component per file (`rng_state_0.pth`...): `comp`, or `comp_N` when several."""
+    def add_many(
+        self,
+        comp: str,
+        files: list[str],
+        fmt: str,
+        index: str = r"_(\d+)\.",
+        *,
+        root: bool = False,
+    ) -> None:
+        """One component per file (`rng_state_0.pth`...): `comp`, or `comp_N` when several
+        (`root`: the files are at the source's top, as in `add`)."""
         for name in files:
             match = re.search(index, name)
             key = f"{comp}_{match.group(1)}" if match and len(files) > 1 else comp
-            self.add(key, name, fmt)
+            self.add(key, name, fmt, root=root)
 
     def composite(self, layout: str) -> CompositeCheckpoint:
         other = [
@@ -516,6 +527,23 @@ def component_files(folder: Folder) -> dict[str, str]:
     for rel, why in folder.unreadable.items():
         out[rel] = f"unreadable: {why}"
     return out
+
+
+def trainer_progress(folder: Folder, state: TrainingState) -> None:
+    """Step, epoch and data position from a Hugging Face Trainer's `trainer_state.json` (the
+    folder's `trainer_state` component, if it has one): the Trainer reproduces its data order
+    from the seed and skips `global_step` batches when it resumes."""
+    trainer = folder.components.get("trainer_state")
+    if not isinstance(trainer, ObjectsCheckpoint):
+        return
+    values = trainer.values
+    step, epoch = values.get("global_step"), values.get("epoch")
+    if isinstance(step, int) and not isinstance(step, bool):
+        state.step = step
+    if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
+        state.epoch = float(epoch)
+    if state.step is not None:
+        state.dataloader = {"kind": "replayed", "skips_batches": state.step}
 
 
 def component_prefixes(checkpoint: CompositeCheckpoint) -> dict[str, str]:

@@ -10,7 +10,7 @@ from ...formats.base import Checkpoint, Source
 from ...models import Entry
 from ...storage import safe_relpath
 from .base import Layout, OpenedSource, Placeholder
-from .composite import Folder, component_files, finish
+from .composite import Folder, component_files, finish, trainer_progress
 from .training import analyse, entries_under, value_of
 
 _DS_MODEL = re.compile(r"mp_rank_\d+_model_states\.pt$")
@@ -113,6 +113,14 @@ class DeepSpeed(Layout):
         # eco: tensor-parallel saves have one partition per (dp, mp) rank: name both
         tp = any("_mp_rank_00_" not in name for name in optim)
         folder.add_many("optim_states", optim, "torch", index=_TP_INDEX if tp else r"rank_(\d+)_")
+        if base:
+            # a Hugging Face Trainer's `checkpoint-N/` under DeepSpeed: `latest` and the tag
+            # folder, and beside them the Trainer's per-rank RNG and `trainer_state.json`
+            folder.add_many(
+                "rng", sorted(n for n in top if self.rank_files.fullmatch(n)), "torch", root=True
+            )
+            if "trainer_state.json" in top:
+                folder.add("trainer_state", "trainer_state.json", "json", root=True)
         from .zero import zero_partitions
 
         # ZeRO: every rank's partition must be there; the fp32 weights are rebuilt from them
@@ -141,6 +149,7 @@ class DeepSpeed(Layout):
         step = value_of(checkpoint, "model_states.global_steps")
         if isinstance(step, int):
             state.step = step
+        trainer_progress(folder, state)
         configured = value_of(checkpoint, "model_states.ds_config.optimizer.type")
         if state.optimizer is not None and isinstance(configured, str):
             state.optimizer.kind = configured
@@ -201,6 +210,9 @@ def _prefixes(checkpoint: Checkpoint, components: list[str], rebuilt: bool) -> d
     for key in ("rng", "random_state", "rng_state"):
         if any(n.startswith(f"model_states.{key}.") for n in names):
             prefixes["rng"] = f"model_states.{key}."
+    rng = [c for c in components if c == "rng" or c.startswith("rng_")]
+    if rng and "rng" not in prefixes:
+        prefixes["rng"] = f"{rng[0]}."  # the Trainer's rng_state[_R].pth beside the tag folder
     for key in ("dataloader", "data_loader", "sampler"):
         if any(n.startswith(f"model_states.{key}.") for n in names):
             prefixes["dataloader"] = f"model_states.{key}."

@@ -9,7 +9,14 @@ from typing import Any
 from ...formats.base import Source
 from ...models import Problem, TrainingState
 from .base import Layout, OpenedSource
-from .composite import Folder, component_files, component_prefixes, finish, missing_rank_files
+from .composite import (
+    Folder,
+    component_files,
+    component_prefixes,
+    finish,
+    missing_rank_files,
+    trainer_progress,
+)
 from .training import analyse, per_rank_models
 
 #: files only the Trainer writes; `training_args.bin` is not one of them: scripts built on
@@ -97,16 +104,7 @@ class Trainer(Layout):
         state.components = component_files(folder)
         if model_file is None:
             state.components.pop("model", None)
-        trainer = folder.components.get("trainer_state")
-        if trainer is not None:
-            values = getattr(trainer, "values", {})
-            if isinstance(values.get("global_step"), int):
-                state.step = values["global_step"]
-            if isinstance(values.get("epoch"), (int, float)):
-                state.epoch = float(values["epoch"])
-            # the Trainer reproduces the data order from its seed and skips `global_step` batches
-            if state.step is not None:
-                state.dataloader = {"kind": "replayed", "skips_batches": state.step}
+        trainer_progress(folder, state)
         opened = finish(checkpoint, state, folder)
         opened.problems.extend(_unfinished(source, folder, state))
         return opened
