@@ -559,3 +559,28 @@ def test_a_trainer_checkpoint_under_deepspeed_keeps_the_trainers_rng_and_data_po
         _same_rng(whole[f"rng_{rank}"], saved, f"rng_{rank}")
     assert whole["trainer_state"]["global_step"] == 4
 
+
+@pytest.mark.parametrize(
+    "how", [("--select", "model", "--to", "safetensors"), ("--to", "hf")], ids=["select", "hf"]
+)
+def test_the_model_of_a_trainer_deepspeed_save_loads_as_the_fp32_weights(
+    trainer_zero_run: Path, tmp_path: Path, how: tuple[str, ...]
+) -> None:
+    """`convert checkpoint-4 OUT --select model` (or `--to hf`) writes the fp32 master weights
+    rebuilt from the ZeRO partitions, and the Trainer's `config.json` beside them said bfloat16
+    (the dtype the model trained in): `from_pretrained(OUT)` loaded them cast to bf16. The
+    published config says float32, so transformers loads exactly what `zero_to_fp32` gives."""
+    from transformers import LlamaForCausalLM
+
+    folder = trainer_zero_run / "checkpoint-4"
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    out = tmp_path / "model"
+    result = run_ckpt("convert", folder, out, *how)
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert "config.json says float32, the dtype the weights are written in" in result.stdout
+    expected = _reference(folder)
+    loaded = LlamaForCausalLM.from_pretrained(out).state_dict()
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert loaded[name].dtype == torch.float32, name
+        assert torch.equal(loaded[name], tensor), name

@@ -54,9 +54,8 @@ def render_convert(report: ConvertReport) -> None:
     ):
         stdout.print("  config.json written without its quantization section")
     if report.config_dtype:
-        stdout.print(
-            f"  config.json says {report.config_dtype}, the dtype the weights were cast to"
-        )
+        done = "were cast to" if report.cast else "are written in"
+        stdout.print(f"  config.json says {report.config_dtype}, the dtype the weights {done}")
     stdout.print("  [green]structure checked before publishing[/]")
     if report.extras:
         stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)

@@ -374,6 +374,21 @@ def config_in_dtype(data: bytes, dtype: str) -> bytes | None:
     return (json.dumps(config, indent=2) + "\n").encode()
 
 
+def written_dtype(plan: TransferPlan) -> str | None:
+    """The one floating dtype of every floating tensor `plan` writes (None: none, or several).
+
+    A training checkpoint's weights may be written in another dtype than the `config.json`
+    beside them declares: a DeepSpeed save's `model` is the fp32 master weights rebuilt from
+    the ZeRO partitions, its config the bf16 the model trained in. The published config then
+    says the dtype written, or `from_pretrained` would load the fp32 weights as bf16."""
+    kinds = {
+        item.target.dtype
+        for item in plan.items
+        if item.target.kind == "tensor" and item.target.dtype in dtypes.FLOATING
+    }
+    return kinds.pop() if len(kinds) == 1 else None
+
+
 #: a model's `config.json` is a few KB; anything this large is not one
 MAX_CONFIG_BYTES = 16 << 20
 

@@ -64,6 +64,7 @@ from .plan import (
     read_config,
     read_serving_files,
     unused_renames,
+    written_dtype,
 )
 
 
@@ -126,7 +127,10 @@ class ConvertReport(Record):
             quantization section (`--dequantize`), or the one `--config` named; with
             `config_dtype`, the dtype it declares for the weights set to the cast's.
         config_dtype: the dtype `config.json` now declares (`torch_dtype` / `dtype`): the one
-            `--dtype` cast the weights to (None: its dtype was left as it was, or it has none).
+            `--dtype` cast the weights to, or, without `--dtype`, the one a training
+            checkpoint's weights are written in where its config said another (a DeepSpeed
+            save's fp32 weights, its config bf16); None: its dtype was left as it was, or it
+            has none.
         config_source: where `--config` read that `config.json` (None without it).
         architecture: for `--to hf` / `--to torchtitan`: the model's family, the two namings
             and every tensor's rename and transform.
@@ -485,16 +489,23 @@ def convert(
                 options.companions["config.json"] = rewritten
                 config_written = str(PurePath(str(dest_path)) / "config.json")
         config_dtype = None
-        if cast is not None and not single_file:
-            # the config published says the dtype the weights were cast to
+        declared = cast
+        from_source = "config.json" in carried or (naming_config is not None and not given_config)
+        if declared is None and opened.training is not None and from_source:
+            # a training checkpoint's weights written in another dtype than its config says
+            # (ZeRO's fp32 master weights beside a bf16 config): say the one written
+            declared = written_dtype(plan)
+        if declared is not None and not single_file:
+            # the config published says the dtype the weights were cast to (or written in)
             published = options.companions.get("config.json")
             if published is None and "config.json" in carried:
                 published = checkpoint.source.storage.read_all("config.json")
-            retyped = config_in_dtype(published, cast) if published is not None else None
+            retyped = config_in_dtype(published, declared) if published is not None else None
             if retyped is not None:
                 options.companions["config.json"] = retyped
                 carried = [rel for rel in carried if rel != "config.json"]  # written, not copied
-                config_written, config_dtype = str(PurePath(str(dest_path)) / "config.json"), cast
+                config_written = str(PurePath(str(dest_path)) / "config.json")
+                config_dtype = declared
         if dry_run:  # after every file is worked out: a dry run lists what the real run writes
             report = _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
             report = report.model_copy(
