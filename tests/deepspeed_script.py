@@ -1,9 +1,11 @@
-"""Run under torchrun (2 ranks, gloo, CPU): train a tiny bf16 model with DeepSpeed ZeRO-2 and
-ZeRO-3 for two steps each and save with `engine.save_checkpoint` (DeepSpeed's own writer).
+"""Run under torchrun (2 ranks, gloo, CPU): train a tiny bf16 model with DeepSpeed ZeRO-1, 2
+and 3 for two steps each and save with `engine.save_checkpoint` (DeepSpeed's own writer).
 
-Usage: torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding | --hf | --trainer]
-writes OUT_DIR/zero2/ and OUT_DIR/zero3/ (each: `latest`, `global_step2/`, zero_to_fp32.py),
-and OUT_DIR/zero3-subgroups/ (ZeRO-3 with `sub_group_size` 100: two sub-groups).
+Usage:
+  torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding|--hf|--trainer]
+writes OUT_DIR/zero1/, OUT_DIR/zero2/ and OUT_DIR/zero3/ (each: `latest`, `global_step2/`,
+zero_to_fp32.py), and OUT_DIR/zero3-subgroups/ (ZeRO-3 with `sub_group_size` 100: two
+sub-groups).
 
 With `--nan-padding` it trains ZeRO-3 only and plants NaN where DeepSpeed's uninitialised
 partition padding may hold one: OUT_DIR/zero3-nan-padding/ has NaN in every padding slot of
@@ -185,6 +187,7 @@ if __name__ == "__main__":
     elif "--nan-padding" in sys.argv[2:]:
         _train(3, f"{sys.argv[1]}/zero3", nan_padding=True)
     else:
+        _train(1, f"{sys.argv[1]}/zero1")
         _train(2, f"{sys.argv[1]}/zero2")
         _train(3, f"{sys.argv[1]}/zero3")
         # partitions of [128, 8, 40, 3] elements at 2 ranks: sub-groups [0.weight] and the rest

@@ -33,7 +33,8 @@ SCRIPT = Path(__file__).resolve().parent / "deepspeed_script.py"
 
 @pytest.fixture(scope="session")
 def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`zero2/` and `zero3/` run folders saved by `engine.save_checkpoint` after two bf16 steps."""
+    """`zero1/`, `zero2/` and `zero3/` run folders saved by `engine.save_checkpoint` after two
+    bf16 steps."""
     out = tmp_path_factory.mktemp("deepspeed")
     run_torchrun(SCRIPT, 2, out, timeout=600)
     return out
@@ -47,7 +48,7 @@ def _reference(run: Path) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in state.items()}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_weights_are_rebuilt_bit_exact(zero_runs: Path, stage: int, tmp_path: Path) -> None:
     run = zero_runs / f"zero{stage}"
     expected = _reference(run)
@@ -57,7 +58,8 @@ def test_zero_weights_are_rebuilt_bit_exact(zero_runs: Path, stage: int, tmp_pat
     # 357 trainable parameters (not the empty ZeRO-3 placeholders) plus the 3-element buffer
     assert training["weights"]["tensors"] == len(expected) == 5
     assert training["weights"]["parameters"] == sum(t.numel() for t in expected.values()) == 360
-    assert "rebuilt from 2 ZeRO" in training["components"]["model"]
+    # the stage the save records (a ZeRO-1 save was called ZeRO-2)
+    assert f"rebuilt from 2 ZeRO-{stage} partitions" in training["components"]["model"]
     # the parameters are the rebuilt weights', not those plus the bf16 module's copy of them
     assert report["parameters"] == 360
     assert "model_states" in report["state_elements"]
@@ -71,7 +73,7 @@ def test_zero_weights_are_rebuilt_bit_exact(zero_runs: Path, stage: int, tmp_pat
         assert got[name].dtype == tensor.dtype == torch.float32
         assert torch.equal(got[name].view(torch.int32), tensor.view(torch.int32)), name
     # the fp32 master weights, not the bf16 copies the engine trained with
-    if stage == 2:
+    if stage in (1, 2):
         model_states = torch.load(
             next(run.glob("global_step*/mp_rank_00_model_states.pt")), weights_only=False
         )
@@ -249,15 +251,23 @@ def test_selecting_zero3_placeholders_is_refused_and_points_to_select_model(
 
 RESUME = Path(__file__).resolve().parent / "deepspeed_resume_script.py"
 #: run folder -> how the resume worker builds its engine (ZeRO stage, `-sub_group_size`)
-KINDS = {"zero2": "2", "zero3": "3", "zero3-subgroups": "3-100"}
+KINDS = {"zero1": "1", "zero2": "2", "zero3": "3", "zero3-subgroups": "3-100"}
 #: (run, new world size) of the reshards DeepSpeed resumes
-RESHARDS = [("zero2", 1), ("zero2", 3), ("zero3", 1), ("zero3", 3), ("zero3-subgroups", 1)]
+RESHARDS = [
+    ("zero1", 1),
+    ("zero1", 3),
+    ("zero2", 1),
+    ("zero2", 3),
+    ("zero3", 1),
+    ("zero3", 3),
+    ("zero3-subgroups", 1),
+]
 
 
 @pytest.fixture(scope="session")
 def zero_resharded(zero_runs: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`zero{2,3}-{1,3}/`: each 2-rank run resharded whole by `ckpt reshard --world-size 1 / 3`
-    (the JSON report beside it as `zero{2,3}-{1,3}.json`), and `zero3-subgroups-1/`."""
+    """`zero{1,2,3}-{1,3}/`: each 2-rank run resharded whole by `ckpt reshard --world-size 1 / 3`
+    (the JSON report beside it as `zero{1,2,3}-{1,3}.json`), and `zero3-subgroups-1/`."""
     out = tmp_path_factory.mktemp("zero-resharded")
     for run, world_size in RESHARDS:
         dest = out / f"{run}-{world_size}"

@@ -117,7 +117,7 @@ class ZeroWeights(Checkpoint):
     """The full fp32 weights of a ZeRO checkpoint as virtual entries (see the module docstring).
 
     Attributes:
-        stage: 2 for ZeRO-1/2 partitions, 3 for ZeRO-3.
+        stage: the ZeRO stage the save records (1, 2 or 3; 2 where it records none).
         world_size: the data-parallel ranks whose partitions are gathered.
         mp_world_size: model-parallel ranks; above 1 every mp rank's weights are their own
             state dict under `mp_rank_MM.`.
@@ -194,7 +194,7 @@ class ZeroLayout:
     Attributes:
         weights: the rebuilt fp32 weights, None when a partition is missing or inconsistent.
         problems: missing rank files and inconsistent partitions (plain `verify` reports them).
-        stage / world_size: ZeRO stage (2 covers 1 and 2) and data-parallel ranks.
+        stage / world_size: ZeRO stage (1, 2 or 3) and data-parallel ranks.
         padding: component entry name (`optim_states_1.optimizer_state_dict.fp32_flat_groups.0`)
             -> the flat element ranges `[start, end)` of it that hold no parameter (ZeRO-3
             pads every parameter to a multiple of the world size, ZeRO-2 aligns the groups;
@@ -371,7 +371,7 @@ def zero_partitions(
             )
         )
         return ZeroLayout(None, problems, stage, dp)
-    weights = ZeroWeights(source, where, params, 3 if stage == 3 else 2, world, mp)
+    weights = ZeroWeights(source, where, params, stage, world, mp)
     return ZeroLayout(weights, problems, stage, dp, _padding(params, components))
 
 
