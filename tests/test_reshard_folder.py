@@ -271,6 +271,13 @@ def test_ddp_trainer_checkpoint_gets_the_new_worlds_rng_files(
     rng = _sha(src / "rng_state.pth")
     assert sorted(p.name for p in out.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
     assert _sha(out / "rng_state_0.pth") == _sha(out / "rng_state_1.pth") == rng
+    # the human report says nothing was cut by rank (it said "None serialization")
+    text = run_ckpt(
+        "reshard", src, tmp_path / "text", "--world-size", "2", "--rank-state", "replicate"
+    )
+    assert text.exit_code == 0, text.stderr
+    assert "1 -> 2 ranks (no file is cut by rank" in text.stdout
+    assert "None" not in text.stdout
     # keep: carried as saved, and the verdict says the Trainer on 2 ranks will not find it
     kept = run_ckpt(
         "reshard", src, tmp_path / "kept", "--world-size", "2", "--rank-state", "keep", "--json"

@@ -29,6 +29,13 @@ def render_reshard(report: ReshardReport) -> None:
             "load_checkpoint resumes it "
             "at that size with the same config)"
         )
+    elif report.serialization is None and not report.parts:
+        # a training folder of whole files (accelerate without FSDP, FULL_STATE_DICT): only
+        # its per-rank files change with the world size
+        how = (
+            f"{report.source_world_size} -> {report.world_size} ranks (no file is cut by rank: "
+            "weights and optimizer state are whole files, copied as saved)"
+        )
     else:
         cuts = ", ".join(f"{n} on dim {d}" for d, n in sorted(report.sharded.items()))
         how = (

@@ -336,8 +336,9 @@ def missing_rank_files(
     if not missing:
         return []
     shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
     return [
-        f"at {world_size} ranks the framework looks for {shown}, which the output does not "
+        f"at {ranks} the framework looks for {shown}, which the output does not "
         "hold: those ranks start with fresh RNG state"
     ]
 

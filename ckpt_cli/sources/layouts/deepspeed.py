@@ -55,6 +55,7 @@ class DeepSpeed(Layout):
         accumulation = setting("gradient_accumulation_steps")
         steps = value_of(checkpoint, "model_states.global_steps")
         counted = f"global_steps {steps}" if isinstance(steps, int) else "its step"
+        ranks = "1 rank" if after == 1 else f"{after} ranks"
         if total is not None:
             per_rank = [v for v in (micro, accumulation) if v is not None]
             if (
@@ -66,12 +67,12 @@ class DeepSpeed(Layout):
                 return [
                     f"ds_config sets train_batch_size {total} = train_micro_batch_size_per_gpu "
                     f"{micro} x gradient_accumulation_steps {accumulation} x {before} ranks; at "
-                    f"{after} ranks DeepSpeed refuses that config: drop "
+                    f"{ranks} DeepSpeed refuses that config: drop "
                     "gradient_accumulation_steps (or micro batch) so it derives it"
                 ]
             if total % (math.prod(per_rank) * after):
                 return [
-                    f"ds_config sets train_batch_size {total}, which {after} ranks cannot split "
+                    f"ds_config sets train_batch_size {total}, which {ranks} cannot split "
                     f"(train_micro_batch_size_per_gpu {micro or 'unset'}, "
                     f"gradient_accumulation_steps {accumulation or 'unset'}): DeepSpeed refuses "
                     "that config at the new world size"
@@ -81,7 +82,6 @@ class DeepSpeed(Layout):
             return []
         accumulation = accumulation or 1
         was, now = micro * accumulation * before, micro * accumulation * after
-        ranks = "1 rank" if after == 1 else f"{after} ranks"
         return [
             f"the global batch changes: the data position ({counted}) was counted in global "
             f"batches of {was} samples (ds_config train_micro_batch_size_per_gpu {micro} x "
