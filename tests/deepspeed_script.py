@@ -2,7 +2,7 @@
 and 3 for two steps each and save with `engine.save_checkpoint` (DeepSpeed's own writer).
 
 Usage:
-  torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding|--hf|--trainer]
+  torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding|--hf|--trainer|--tags]
 writes OUT_DIR/zero1/, OUT_DIR/zero2/ and OUT_DIR/zero3/ (each: `latest`, `global_step2/`,
 zero_to_fp32.py), and OUT_DIR/zero3-subgroups/ (ZeRO-3 with `sub_group_size` 100: two
 sub-groups).
@@ -13,7 +13,8 @@ the fp32 partitions (and nowhere else); OUT_DIR/zero3-nan-parameter/ is the same
 again after one real parameter element was set to NaN.
 
 With `--hf` it trains the suite's tiny Hugging Face Llama with ZeRO-3 instead (`_train_hf`);
-with `--trainer`, transformers' `Trainer` trains it with ZeRO-2 (`_train_trainer`).
+with `--trainer`, transformers' `Trainer` trains it with ZeRO-2 (`_train_trainer`); with `--tags`,
+OUT_DIR/tagged/ holds ZeRO-2 saves under tags of the script's own (`_train_tagged`).
 """
 
 from __future__ import annotations
@@ -143,6 +144,18 @@ def _train_hf(out: str) -> None:
     dist.barrier()
 
 
+def _train_tagged(out: str) -> None:
+    """ZeRO-2 of the tiny model for 3 steps, saved after each with a tag of the script's own,
+    `engine.save_checkpoint(OUT, tag=f"step_{n}")`: OUT/step_{1,2,3}/, `latest` naming step_3."""
+    engine = engine_for(2)
+    for step in range(1, 4):
+        x = torch.randn(2, 16, dtype=torch.bfloat16)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        engine.save_checkpoint(out, tag=f"step_{step}")
+
+
 def _train_trainer(out: str) -> None:
     """The suite's tiny Hugging Face Llama trained by transformers' `Trainer` with DeepSpeed
     ZeRO-2 in bf16 (its `deepspeed=` config, every value "auto" as the docs show) for 4 steps,
@@ -184,6 +197,8 @@ if __name__ == "__main__":
         _train_hf(sys.argv[1])
     elif "--trainer" in sys.argv[2:]:
         _train_trainer(sys.argv[1])
+    elif "--tags" in sys.argv[2:]:
+        _train_tagged(f"{sys.argv[1]}/tagged")
     elif "--nan-padding" in sys.argv[2:]:
         _train(3, f"{sys.argv[1]}/zero3", nan_padding=True)
     else:

@@ -594,3 +594,50 @@ def test_the_model_of_a_trainer_deepspeed_save_loads_as_the_fp32_weights(
     for name, tensor in expected.items():
         assert loaded[name].dtype == torch.float32, name
         assert torch.equal(loaded[name], tensor), name
+
+
+@pytest.fixture(scope="session")
+def tagged_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ZeRO-2 saves under the script's own tags: `step_1/`, `step_2/`, `step_3/` and `latest`."""
+    out = tmp_path_factory.mktemp("deepspeed-tags")
+    run_torchrun(SCRIPT, 2, out, "--tags", timeout=600)
+    return out / "tagged"
+
+
+def test_a_run_saved_under_its_own_tags_is_judged_as_deepspeed_saves(
+    tagged_run: Path, tmp_path: Path
+) -> None:
+    """`save_checkpoint(dir, tag=f"step_{n}")` names the saves like plain checkpoints. They are
+    DeepSpeed's all the same: the newest lost rank 1's ZeRO partition (a node's disk), so it
+    is incomplete and `latest` names the one before (it named the broken save, which DeepSpeed
+    cannot load, and `prune --keep-last 1` planned to delete the last good one); a save newer
+    than the one the `latest` file names did not finish."""
+    run = shutil.copytree(tagged_run, tmp_path / "run")
+    assert (run / "latest").read_text().strip() == "step_3"
+    listing = run_ckpt("latest", run, "--json").json["result"]
+    assert {c["name"]: c["layout"] for c in listing["checkpoints"]} == dict.fromkeys(
+        ("step_1", "step_2", "step_3"), "deepspeed"
+    )
+    assert run_ckpt("latest", run).stdout.strip() == str(run / "step_3")
+
+    (run / "step_3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    latest = run_ckpt("latest", run, "--settle", "0")
+    assert latest.exit_code == 0 and latest.stdout.strip() == str(run / "step_2")
+    plan = run_ckpt("prune", run, "--keep-last", "1", "--settle", "0", "--json").json["result"]
+    deleted = {d["name"] for d in plan["decisions"] if d["action"] == "delete"}
+    assert deleted == {"step_1"}, plan
+
+    # a save the `latest` file does not name yet: DeepSpeed writes `latest` when it finished
+    shutil.copytree(run / "step_2", run / "step_4")
+    (run / "step_3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(
+        (tagged_run / "step_3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").read_bytes()
+    )
+    listing = run_ckpt("latest", run, "--settle", "0", "--json").json["result"]
+    status = {c["name"]: c["status"] for c in listing["checkpoints"]}
+    assert status == {
+        "step_1": "complete",
+        "step_2": "complete",
+        "step_3": "complete",
+        "step_4": "incomplete",
+    }
+    assert listing["latest"] == str(run / "step_3")

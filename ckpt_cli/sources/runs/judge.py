@@ -131,7 +131,7 @@ def judge_found(
         and item.step > ds_latest_step
     ):
         problem = (
-            f"newer than global_step{ds_latest_step} named by the `latest` file "
+            f"newer than step {ds_latest_step}, the save the `latest` file names "
             "(DeepSpeed writes it when a save has finished)"
         )
     if problem is None:

@@ -275,14 +275,34 @@ UNMARKED = ("accelerate", "plain")
 _DCP_STEP_LAYOUTS = ("torchtitan",)
 
 
+#: the model states DeepSpeed's `save_checkpoint` writes into every tag folder (ZeRO-1/2 and
+#: stage 0: `mp_rank_MM_…`; ZeRO-3: `zero_pp_rank_R_mp_rank_MM_…`)
+_DEEPSPEED_MODEL_STATES = re.compile(r"(?:zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
+
+
 def by_content(item: Found, files: Iterable[str]) -> Found:
-    """`item`, a plain save when its name is a DCP layout's (`step-N/`, torchtitan's) but its
-    `files` (paths relative to the run) hold no DCP file: a training loop's own folder of
-    safetensors and torch.save files has no commit marker, so it is judged as plain saves
-    are (compared with the other saves, given its settle time), never trusted as a DCP."""
-    if item.layout not in _DCP_STEP_LAYOUTS or not item.is_dir or item.temporary:
+    """`item` with the layout its `files` (paths relative to the run) show, where its name says
+    another:
+
+    - a plain save when its name is a DCP layout's (`step-N/`, torchtitan's) but it holds no
+      DCP file: a training loop's own folder of safetensors and torch.save files has no commit
+      marker, so it is judged as plain saves are (compared with the other saves, given its
+      settle time), never trusted as a DCP;
+    - a DeepSpeed save when a plain `NAME_N/` folder holds DeepSpeed's model states: a tag of
+      the user's own (`save_checkpoint(dir, tag=f"step_{n}")`), judged as a `global_stepN/`
+      is (every rank's ZeRO partition, the `latest` file).
+    """
+    if not item.is_dir or item.temporary:
         return item
-    if holds_dcp(files):
+    if item.layout == "plain":
+        inside = f"{item.rels[0]}/"
+        if any(
+            rel.startswith(inside) and _DEEPSPEED_MODEL_STATES.fullmatch(rel[len(inside) :])
+            for rel in files
+        ):
+            return dataclasses.replace(item, layout="deepspeed")
+        return item
+    if item.layout not in _DCP_STEP_LAYOUTS or holds_dcp(files):
         return item
     return dataclasses.replace(item, layout="plain")
 

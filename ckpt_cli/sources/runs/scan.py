@@ -140,6 +140,12 @@ def scan(
     items = [by_content(item, run.files(item)) for item in candidates]
     ds_latest = read_deepspeed_latest(run.storage)
     ds_step = deepspeed_step(ds_latest)
+    if ds_step is None and ds_latest:
+        # a tag of the user's own (`step_500`): the step of the save it names
+        named = [
+            i.step for i in items if i.layout == "deepspeed" and _base_name(i.rels[0]) == ds_latest
+        ]
+        ds_step = named[0] if named else None
     expected = expected_parts_of(run, items)
     judged: list[RunCheckpoint] = []
 
