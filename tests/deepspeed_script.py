@@ -3,6 +3,7 @@ and 3 for two steps each and save with `engine.save_checkpoint` (DeepSpeed's own
 
 Usage:
   torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding|--hf|--trainer|--tags]
+  torchrun --nproc-per-node N tests/deepspeed_script.py OUT_DIR --trainer-resume CHECKPOINT
 writes OUT_DIR/zero1/, OUT_DIR/zero2/ and OUT_DIR/zero3/ (each: `latest`, `global_step2/`,
 zero_to_fp32.py), and OUT_DIR/zero3-subgroups/ (ZeRO-3 with `sub_group_size` 100: two
 sub-groups).
@@ -156,12 +157,13 @@ def _train_tagged(out: str) -> None:
         engine.save_checkpoint(out, tag=f"step_{step}")
 
 
-def _train_trainer(out: str) -> None:
+def _train_trainer(out: str, resume: str | None = None) -> None:
     """The suite's tiny Hugging Face Llama trained by transformers' `Trainer` with DeepSpeed
     ZeRO-2 in bf16 (its `deepspeed=` config, every value "auto" as the docs show) for 4 steps,
     saving every 2: OUT/checkpoint-{2,4}/ hold DeepSpeed's `latest` and `global_stepN/` and,
     beside them, the Trainer's `rng_state_{rank}.pth`, `trainer_state.json`, the bf16
-    `model.safetensors` and its `config.json`."""
+    `model.safetensors` and its `config.json`. With `resume`, the same run resumed from that
+    checkpoint (`train(resume_from_checkpoint=...)`) trains on to step 6."""
     from framework_fixtures import Rows, tiny_config  # the tests folder is the script's folder
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments, set_seed
 
@@ -177,7 +179,7 @@ def _train_trainer(out: str) -> None:
     }
     args = TrainingArguments(
         output_dir=out,
-        max_steps=4,
+        max_steps=4 if resume is None else 6,
         save_steps=2,
         per_device_train_batch_size=2,
         learning_rate=1e-3,
@@ -189,7 +191,7 @@ def _train_trainer(out: str) -> None:
         deepspeed=config,
         bf16=True,
     )
-    Trainer(model=model, args=args, train_dataset=Rows()).train()
+    Trainer(model=model, args=args, train_dataset=Rows()).train(resume_from_checkpoint=resume)
 
 
 if __name__ == "__main__":
@@ -197,6 +199,8 @@ if __name__ == "__main__":
         _train_hf(sys.argv[1])
     elif "--trainer" in sys.argv[2:]:
         _train_trainer(sys.argv[1])
+    elif "--trainer-resume" in sys.argv[2:]:
+        _train_trainer(sys.argv[1], resume=sys.argv[3])
     elif "--tags" in sys.argv[2:]:
         _train_tagged(f"{sys.argv[1]}/tagged")
     elif "--nan-padding" in sys.argv[2:]:

@@ -641,3 +641,33 @@ def test_a_run_saved_under_its_own_tags_is_judged_as_deepspeed_saves(
         "step_4": "incomplete",
     }
     assert listing["latest"] == str(run / "step_3")
+
+
+def test_a_trainer_deepspeed_save_resharded_to_one_rank_resumes_in_the_trainer(
+    trainer_zero_run: Path, tmp_path: Path
+) -> None:
+    """The Trainer fills ds_config's "auto" batch settings from its own arguments at every
+    launch, so the `train_batch_size` the save records binds nothing: the reshard warned
+    "DeepSpeed refuses that config" though the Trainer resumes the output at 1 rank. The
+    warning is the Trainer's own (its global batch changes), and the Trainer trains on."""
+    out = tmp_path / "checkpoint-4"
+    result = run_ckpt(
+        "reshard",
+        trainer_zero_run / "checkpoint-4",
+        out,
+        "--world-size",
+        "1",
+        "--rank-state",
+        "replicate",
+        "--json",
+    )
+    assert result.exit_code == 0, result.stdout + result.stderr
+    warnings = result.json["result"]["warnings"]
+    assert not any("refuses" in w for w in warnings), warnings
+    assert any("trainer_state.json train_batch_size 2 x 2 ranks" in w for w in warnings)
+    assert (out / "rng_state.pth").is_file() and not (out / "rng_state_1.pth").exists()
+    resumed = tmp_path / "resumed"
+    run_torchrun(SCRIPT, 1, resumed, "--trainer-resume", out, timeout=600)
+    state = json.loads((resumed / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+    assert all(math.isfinite(row["loss"]) for row in state["log_history"] if "loss" in row)

@@ -10,7 +10,7 @@ from ...formats.base import Checkpoint, Source
 from ...models import Entry
 from ...storage import safe_relpath
 from .base import Layout, OpenedSource, Placeholder
-from .composite import Folder, component_files, finish, trainer_progress
+from .composite import CompositeCheckpoint, Folder, component_files, finish, trainer_progress
 from .training import analyse, entries_under, value_of
 
 _DS_MODEL = re.compile(r"mp_rank_\d+_model_states\.pt$")
@@ -40,10 +40,18 @@ class DeepSpeed(Layout):
         """DeepSpeed counts `global_steps` / `global_samples` in global batches of
         `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` x ranks (the
         `ds_config` the model states record); a config that pins `train_batch_size` keeps the
-        global batch at any world size DeepSpeed accepts."""
+        global batch at any world size DeepSpeed accepts.
+
+        Under the Hugging Face Trainer (`trainer_state.json` beside the tag folder) the
+        Trainer fills ds_config's batch settings from its own arguments at every launch: the
+        recorded ones say nothing of what it accepts, and its own note applies."""
         if before == after:
             return []
         checkpoint = opened.checkpoint
+        if isinstance(checkpoint, CompositeCheckpoint) and "trainer_state" in checkpoint.components:
+            from .trainer import Trainer
+
+            return Trainer().batch_notes(opened, before, after)
 
         def setting(key: str) -> int | None:
             value = value_of(checkpoint, f"model_states.ds_config.{key}")
