@@ -72,6 +72,14 @@ def test_zero_weights_are_rebuilt_bit_exact(zero_runs: Path, stage: int, tmp_pat
     for name, tensor in expected.items():
         assert got[name].dtype == tensor.dtype == torch.float32
         assert torch.equal(got[name].view(torch.int32), tensor.view(torch.int32)), name
+    # into a folder, the model is carried without DeepSpeed's tools for the save it left
+    # (`zero_to_fp32.py` beside weights that are no ZeRO partitions), listed as left out
+    folder = tmp_path / "weights"
+    result = run_ckpt("convert", run, folder, "--to", "safetensors", "--select", "model", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert not list(folder.glob("zero_to_*.py"))
+    skipped = {s["name"]: s["reason"] for s in result.json["result"]["skipped"]}
+    assert "not of the model" in skipped["zero_to_fp32.py"], skipped
     # the fp32 master weights, not the bf16 copies the engine trained with
     if stage in (1, 2):
         model_states = torch.load(

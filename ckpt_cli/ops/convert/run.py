@@ -418,7 +418,10 @@ def convert(
         quant_files: list[SkippedEntry] = []
         if dequantize:
             carried, quant_files = dequantized_extras(carried)
-        if naming is not None:
+        # a framework naming, or one component taken out of a training save, is a model, not
+        # the training save: its framework's tools for that save (`zero_to_fp32.py`) stay
+        component_out = naming is not None or (select is not None and opened.training is not None)
+        if component_out:
             carried = [rel for rel in carried if not is_training_file(opened, rel)]
         if given_config is not None:
             carried = [rel for rel in carried if rel != "config.json"]
@@ -472,7 +475,7 @@ def convert(
                     listed.setdefault(rel, f"replaced by --config {given_config[1]}")
                 elif rel == "config.json" and naming_config is not None:
                     listed.setdefault(rel, "replaced by the config.json written for the naming")
-                elif naming is not None and is_training_file(opened, rel):
+                elif component_out and is_training_file(opened, rel):
                     listed.setdefault(
                         rel, "a file of the training save, not of the model: not exported"
                     )
