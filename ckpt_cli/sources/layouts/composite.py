@@ -342,16 +342,18 @@ class Folder:
             )
         )
 
-    def list_training_args(self) -> None:
-        """List `training_args.bin` (when the folder has one) as a component never loaded.
+    def list_training_args(self, *, root: bool = False) -> None:
+        """List `training_args.bin` (when the folder has one; at the source's top with `root`)
+        as a component never loaded.
 
         It is a pickle of transformers' `TrainingArguments` dataclass, which the Trainer saves
         and many accelerate scripts save beside `save_state`'s files: weights_only refuses it
         and nothing else may unpickle it, so it is listed (files, components), never read."""
-        if not self.has("training_args.bin"):
+        rel = "training_args.bin" if root else self.rel("training_args.bin")
+        if rel not in self.source.files:
             return
         self.listed["training_args"] = "training_args.bin (not loaded)"
-        self.listed_files[self.rel("training_args.bin")] = (
+        self.listed_files[rel] = (
             "a pickle of transformers' TrainingArguments: never unpickled (it would run "
             "transformers code) and not needed to resume; copy it by hand if wanted"
         )

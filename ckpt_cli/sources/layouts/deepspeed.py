@@ -129,6 +129,7 @@ class DeepSpeed(Layout):
             )
             if "trainer_state.json" in top:
                 folder.add("trainer_state", "trainer_state.json", "json", root=True)
+            folder.list_training_args(root=True)
         from .zero import zero_partitions
 
         # ZeRO: every rank's partition must be there; the fp32 weights are rebuilt from them
