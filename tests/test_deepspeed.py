@@ -163,6 +163,12 @@ def test_whole_folder_converts_to_dcp_and_torch_identically(
         diff = run_ckpt("diff", run, dest, "--json")
         assert diff.exit_code == 0, diff.stdout
         assert run_ckpt("verify", dest, "--deep").exit_code == 0
+        # one file or a plain DCP of the whole folder holds its optimizer partitions under
+        # names DeepSpeed resumes nothing from: not resumable, and never called "weights only"
+        resumable = run_ckpt("verify", dest, "--resumable", "--json").json["result"]
+        (problem,) = resumable["problems"]
+        assert problem["code"] == "not_resumable" and "weights only" not in problem["message"]
+        assert "laid out as no training framework" in problem["message"]
     # the loss scaler is carried as plain data any weights_only reader loads
     import torch.distributed.checkpoint as dcp
 

@@ -37,6 +37,7 @@ from ...formats import resolve_source
 from ...formats.base import Source
 from ...models import Record
 from ...sources.layouts import open_source
+from ...sources.layouts.training import no_training_state
 from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, is_remote, looks_like_run, scan_run
 from . import consistency, data, optimizer, points, rng, scaler, schedule, setup, weights
 from .logs import Series, from_trainer_state, jump, run_logs
@@ -309,7 +310,8 @@ def _single(path: str, declared: set[str]) -> DoctorReport:
     try:
         if save.opened.training is None:
             report.warnings.append(
-                f"{path}: holds no training state (weights only): nothing to resume from"
+                f"{path}: holds no training state ({no_training_state(save.opened)}): nothing "
+                "to resume from"
             )
         report.checkpoints = [save.name]
         report.expected = sorted(declared)

@@ -490,6 +490,16 @@ def component_problems(opened: OpenedSource) -> list[Problem]:
     return list(opened.problems)
 
 
+def no_training_state(opened: OpenedSource) -> str:
+    """Why a source with no training layout holds no training state, in a few words: weights
+    only, or entries beside them in no arrangement a training framework saves (a DeepSpeed
+    folder converted whole into one file holds its optimizer partitions, in names no loader
+    resumes from)."""
+    if all(e.kind == "tensor" for e in opened.checkpoint.manifest.entries):
+        return "weights only"
+    return "its entries are laid out as no training framework ckpt knows saves them"
+
+
 def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
     """What `verify --resumable` reports: every reason the checkpoint cannot resume the run.
 
@@ -505,7 +515,7 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
         return [
             Problem(
                 code="not_resumable",
-                message=f"{where}: holds no training state (weights only); "
+                message=f"{where}: holds no training state ({no_training_state(opened)}); "
                 "a resumable checkpoint also saves optimizer, scheduler, step, RNG and data-loader state",
                 file=where,
             )
