@@ -554,6 +554,138 @@ def test_export_with_a_torchtitan_flavor_builds_config_json(tmp_path: Path) -> N
     assert r.exit_code == 2 and "debugmodel" in r.stderr
 
 
+@pytest.fixture(scope="module")
+def titan_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One torchtitan Llama 3 run (`run/checkpoint/step-1`: 4 heads over 2 KV heads of 8,
+    an FFN of 64, untied `lm_head`) and its references (`ref/`: its config.json...)."""
+    root = tmp_path_factory.mktemp("arch-llama3-configs")
+    _script("save", "llama3", root / "run", root / "ref")
+    return root
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (
+            {"num_key_value_heads": 4},
+            "layers.0.attention.qkv_linear.wk.weight has 16 rows, where "
+            "num_key_value_heads=4 x head_dim=8 = 32",
+        ),
+        (
+            {"num_attention_heads": 8, "head_dim": 4},
+            "layers.0.attention.qkv_linear.wk.weight has 16 rows, where "
+            "num_key_value_heads=2 x head_dim=4 = 8",
+        ),
+        (
+            {"intermediate_size": 128},
+            "layers.0.feed_forward.w1.weight has 64 rows, where intermediate_size = 128",
+        ),
+    ],
+    ids=["kv-heads", "heads-and-head-dim", "intermediate-size"],
+)
+def test_a_config_json_that_does_not_fit_the_weights_is_refused(
+    titan_llama: Path, tmp_path: Path, change: dict[str, int], named: str
+) -> None:
+    """A user exports a torchtitan Llama with the config.json of another size of it. A
+    Llama's head counts are in no tensor's shape alone, but the rows they imply are: ckpt
+    stops (exit 4) naming the tensor that does not fit, and writes nothing. (It used to
+    write the folder, exit 0, and `from_pretrained` then refused it for size mismatches.)"""
+    step = titan_llama / "run" / "checkpoint" / "step-1"
+    config = json.loads((titan_llama / "ref" / "config.json").read_text())
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({**config, **change}))
+    r = run_ckpt("convert", step, tmp_path / "hf", "--to", "hf", "--config", bad)
+    assert r.exit_code == 4, r.stdout + r.stderr
+    message = " ".join(r.stderr.split())
+    assert "config.json does not fit the weights" in message, message
+    assert named in message, message
+    assert "--config" in message
+    assert not (tmp_path / "hf").exists()
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+@pytest.mark.slow
+def test_a_config_json_of_another_family_is_refused(titan_llama: Path, tmp_path: Path) -> None:
+    """The config.json of a Qwen3 of the very same sizes, given for a torchtitan Llama:
+    transformers would build a Qwen3 whose q/k norms no tensor fills (it warns and
+    initialises them, and the logits are another model's). ckpt refuses it (exit 4) naming
+    both families; the Llama's own config.json exports a model transformers loads whole."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from torchtitan_arch_script import hf_config
+
+    step = titan_llama / "run" / "checkpoint" / "step-1"
+    qwen = tmp_path / "qwen3.json"
+    qwen.write_text(json.dumps(hf_config("qwen3")))
+    r = run_ckpt("convert", step, tmp_path / "hf", "--to", "hf", "--config", qwen)
+    assert r.exit_code == 4, r.stdout + r.stderr
+    message = " ".join(r.stderr.split())
+    assert "config.json is a Qwen3 model's (model_type 'qwen3')" in message, message
+    assert "the weights are a Llama 3 model's" in message
+    assert not (tmp_path / "hf").exists()
+    own = titan_llama / "ref" / "config.json"
+    assert run_ckpt("convert", step, tmp_path / "ok", "--to", "hf", "--config", own).exit_code == 0
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "ok", output_loading_info=True)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not any(info.values()), info
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+@pytest.mark.slow
+def test_a_config_claiming_tied_embeddings_never_drops_a_trained_lm_head(
+    titan_llama: Path, tmp_path: Path
+) -> None:
+    """torchtitan saves both names of a tied model, so an export drops `lm_head` when the
+    config says `tie_word_embeddings`. For a model trained untied that would lose its output
+    projection (the logits of the exported model were off by 36): ckpt refuses (exit 4),
+    naming the two tensors that differ."""
+    step = titan_llama / "run" / "checkpoint" / "step-1"
+    config = json.loads((titan_llama / "ref" / "config.json").read_text())
+    tied = tmp_path / "tied.json"
+    tied.write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    r = run_ckpt("convert", step, tmp_path / "hf", "--to", "hf", "--config", tied)
+    assert r.exit_code == 4, r.stdout + r.stderr
+    message = " ".join(r.stderr.split())
+    assert "'lm_head.weight' differs from 'tok_embeddings.weight'" in message, message
+    assert "tie_word_embeddings: false" in message
+    assert not (tmp_path / "hf").exists()
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+def test_a_tied_transformers_llama_round_trips_through_torchtitan(tmp_path: Path) -> None:
+    """A Llama saved tied by `save_pretrained` (no `lm_head` in its file): the torchtitan
+    import writes `lm_head` as the embedding's copy, and the export back leaves that twin
+    out again (checked equal): `from_pretrained` gets every tensor back bit for bit."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    assert (
+        run_ckpt("convert", tmp_path / "hf", tmp_path / "tt", "--to", "torchtitan").exit_code == 0
+    )
+    r = run_ckpt("convert", tmp_path / "tt", tmp_path / "back", "--to", "hf", "--json")
+    assert r.exit_code == 0, r.stderr
+    skipped = json.loads(r.stdout)["result"]["skipped"]
+    assert {"name": "lm_head.weight", "kind": "tensor"}.items() <= skipped[0].items()
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "back")
+    assert back.config.tie_word_embeddings
+    want, got = model.state_dict(), back.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
 def test_boxes_of_a_chunked_non_raw_tensor_read_only_their_chunks() -> None:
     """A Megatron layer stack stored one torch_save chunk per layer and tensor-parallel rank:
     q, k and v of one query group are cut from one read of their chunk, and nothing larger

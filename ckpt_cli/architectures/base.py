@@ -451,6 +451,9 @@ class ArchitecturePlan:
         tensors: every output tensor, in source order.
         left_out: source tensors not carried, with why (`Ignored` rules).
         args: the model args the mapping used.
+        tied: (output projection, embedding) source names of an export that leaves the
+            output projection out as the embedding's twin (`tie_embeddings`): the caller
+            checks they hold the same values, since only then is nothing lost.
     """
 
     architecture: str
@@ -459,6 +462,7 @@ class ArchitecturePlan:
     tensors: list[MappedTensor]
     left_out: list[tuple[str, str]] = field(default_factory=list)
     args: ModelArgs = field(default_factory=ModelArgs)
+    tied: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -535,6 +539,16 @@ class Architecture(ABC):
     def naming_output(cls, naming: str, args: ModelArgs) -> NamingOutput:
         """What an output in `naming` holds beside the tensors; nothing by default."""
         return NamingOutput()
+
+    @classmethod
+    def shape_conflicts(
+        cls, shapes: Mapping[str, Sequence[int]], naming: str, args: ModelArgs
+    ) -> list[str]:
+        """Where the tensor shapes (in `naming`) contradict `args` (a `config.json`'s, a
+        flavor's): `layers.0...wk.weight has 16 rows, where num_key_value_heads=4 x
+        head_dim=8 = 32`. Head counts the weights cannot tell alone (Llama's) are checked
+        here, against the rows they imply; an empty list when nothing contradicts."""
+        return []
 
     @classmethod
     def namings(cls) -> tuple[str, ...]:
@@ -708,9 +722,10 @@ class Architecture(ABC):
         outputs.sort(key=lambda t: min(order[s] for s in t.sources))
         if direction == "from_hf":
             outputs += cls._fill(outputs, native)
+        tied: list[tuple[str, str]] = []
         if args.tie_embeddings and HF in cls.tied and native in cls.tied:
-            outputs = cls._tie(outputs, direction, native, left_out)
-        return ArchitecturePlan(cls.name, source, target, outputs, left_out, args)
+            outputs = cls._tie(outputs, direction, native, left_out, tied)
+        return ArchitecturePlan(cls.name, source, target, outputs, left_out, args, tied)
 
     @classmethod
     def _tie(
@@ -719,16 +734,21 @@ class Architecture(ABC):
         direction: Direction,
         native: str,
         left_out: list[tuple[str, str]],
+        tied: list[tuple[str, str]],
     ) -> list[MappedTensor]:
-        """Tied embeddings: drop the output projection on the way to HF; rebuild it from
+        """Tied embeddings: drop the output projection on the way to HF (recording it and
+        the embedding in `tied`, for the caller to check they are twins); rebuild it from
         the embedding on the way from HF when the HF files hold none."""
         if direction == "to_hf":
-            _, head = cls.tied[HF]
+            embed, head = cls.tied[HF]
+            embedding = next((t.pieces[0].source for t in outputs if t.name == embed), None)
             for tensor in outputs:
                 if tensor.name == head:
                     left_out.append(
                         (tensor.pieces[0].source, "tied to the embedding (tie_word_embeddings)")
                     )
+                    if embedding is not None:
+                        tied.append((tensor.pieces[0].source, embedding))
             return [t for t in outputs if t.name != head]
         embed, head = cls.tied[native]
         if any(t.name == head for t in outputs):

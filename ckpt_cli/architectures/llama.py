@@ -176,6 +176,40 @@ class _Decoder(Architecture):
         return ModelArgs(**values)
 
     @classmethod
+    def shape_conflicts(
+        cls, shapes: Mapping[str, Sequence[int]], naming: str, args: ModelArgs
+    ) -> list[str]:
+        if naming not in (HF, TITAN):  # Megatron's fused tensors: its args come with it
+            return []
+        heads, dim = args.n_heads, args.dim
+        kv_heads = args.n_kv_heads or heads
+        head_dim = args.head_dim or (dim // heads if dim and heads else None)
+        out: list[str] = []
+
+        def check(pair: tuple[str, str], axis: int, want: int | None, why: str) -> None:
+            name = (pair[0] if naming == HF else pair[1]).format(layer=0, expert=0)
+            shape = shapes.get(name)
+            if want is None or shape is None or len(shape) <= axis or shape[axis] == want:
+                return
+            side = "rows" if axis == 0 else "columns"
+            out.append(f"{name} has {shape[axis]} {side}, where {why} = {want}")
+
+        if heads and head_dim:
+            why = f"num_attention_heads={heads} x head_dim={head_dim}"
+            check(_Q, 0, heads * head_dim, why)
+            check(_COMMON[2], 1, heads * head_dim, why)
+        if kv_heads and head_dim:
+            why = f"num_key_value_heads={kv_heads} x head_dim={head_dim}"
+            check(_K, 0, kv_heads * head_dim, why)
+            check(_COMMON[1], 0, kv_heads * head_dim, why)
+        check(_QK_NORMS[0], 0, head_dim, "head_dim")
+        check(_DENSE_MLP[0], 0, args.ffn_dim, "intermediate_size")
+        if args.moe_ffn_dim is not None:
+            check((_MOE_EXPERTS[0][0], ""), 0, args.moe_ffn_dim, "moe_intermediate_size")
+            check(("", _MOE_EXPERTS[0][1]), 1, args.moe_ffn_dim, "moe_intermediate_size")
+        return out
+
+    @classmethod
     def args_from_source(cls, checkpoint: Checkpoint, naming: str) -> ModelArgs:
         if naming == MEGATRON:
             return megatron_args_from_checkpoint(checkpoint)

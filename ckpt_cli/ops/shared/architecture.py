@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ...architectures import HF, NAMING_FORMATS, get_architecture, recognise
+from ...architectures import HF, NAMING_FORMATS, architectures, get_architecture, recognise
 from ...architectures.base import (
     Architecture,
     ArchitecturePlan,
@@ -133,12 +133,23 @@ def _args(
     if config is None:
         return found.model_copy(update={"dtype": dtype})
     given = arch.args_from_config(config)
-    _agree(found, given, where, "config.json")
+    _agree(arch, shapes, naming, found, given, where, "config.json")
     return found.merged(given).model_copy(update={"dtype": dtype})
 
 
-def _agree(found: ModelArgs, given: ModelArgs, where: str, what: str) -> None:
-    """Refuse args (`config.json`, a flavor) that contradict what the weights tell."""
+def _agree(
+    arch: type[Architecture],
+    shapes: dict[str, list[int]],
+    naming: str,
+    found: ModelArgs,
+    given: ModelArgs,
+    where: str,
+    what: str,
+) -> None:
+    """Refuse args (`config.json`, a flavor) that contradict what the weights tell: the
+    values the shapes give, and the rows the head counts and widths imply (a Llama's head
+    count is in no shape alone, and a config.json that does not fit its tensors is one
+    `from_pretrained` refuses, or builds another model from)."""
     for key in ("dim", "vocab_size", "n_layers", "n_heads", "n_kv_heads", "num_experts"):
         a, b = getattr(found, key), getattr(given, key)
         if a is not None and b is not None and a != b:
@@ -146,6 +157,56 @@ def _agree(found: ModelArgs, given: ModelArgs, where: str, what: str) -> None:
                 f"{what} gives {key}={b}, but the weights have {key}={a}",
                 path=where,
                 fix="Pass the config.json (--config) or the flavor (--flavor) of this model.",
+            )
+    conflicts = arch.shape_conflicts(shapes, naming, given)
+    if conflicts:
+        more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+        raise FormatError(
+            f"{what} does not fit the weights: {conflicts[0]}{more}",
+            path=where,
+            fix="Pass the config.json (--config) or the flavor (--flavor) of this model: its "
+            "head counts, head_dim and intermediate sizes must match the tensors.",
+        )
+
+
+def _same_family(arch: type[Architecture], model_type: object, where: str) -> None:
+    """Refuse a `config.json` of another known family: transformers builds the model its
+    `model_type` names, and these weights are not that model's (a Qwen3 config over Llama
+    weights builds a Qwen3 whose q/k norms no tensor fills)."""
+    if not isinstance(model_type, str) or model_type in arch.hf_model_types:
+        return
+    other = next((a for a in architectures() if model_type in a.hf_model_types), None)
+    if other is None:
+        return
+    raise FormatError(
+        f"config.json is a {other.title} model's (model_type {model_type!r}), but the weights "
+        f"are a {arch.title} model's: transformers would build a {other.title} model from it "
+        "that these tensors do not fill",
+        path=where,
+        fix=f"Pass the config.json of this {arch.title} model (model_type "
+        f"{' / '.join(arch.hf_model_types) or arch.name}) with --config, or its torchtitan "
+        "flavor with --flavor.",
+    )
+
+
+def _check_tied(checkpoint: Checkpoint, pairs: list[tuple[str, str]], where: str) -> None:
+    """An export leaves an output projection out as the embedding's twin only when it is
+    one: torchtitan saves both names of a tied model, but a config.json or flavor claiming
+    `tie_word_embeddings` for an untied model would drop a trained `lm_head` unseen."""
+    import torch
+
+    for head, embedding in pairs:
+        a = checkpoint.read_tensor(head)
+        b = checkpoint.read_tensor(embedding)
+        same = a.shape == b.shape and torch.equal(a, b.to(a.dtype))
+        del a, b
+        if not same:
+            raise FormatError(
+                f"the config says the embeddings are tied (tie_word_embeddings), but {head!r} "
+                f"differs from {embedding!r}: leaving it out would change the model's outputs",
+                path=where,
+                fix="Pass the config.json of this model (tie_word_embeddings: false) with "
+                "--config, or the torchtitan flavor it was trained as with --flavor.",
             )
 
 
@@ -212,12 +273,14 @@ def map_plan(
     dtypes = [i.source.dtype for i in tensors if i.source.dtype]
     # the dtype written: config.json's torch_dtype says what the weights are after --dtype
     dtype = cast or (max(set(dtypes), key=dtypes.count) if dtypes else None)
+    if config is not None:
+        _same_family(arch, model_type, where)
     args = _args(arch, shapes, naming, config, dtype, where, checkpoint)
     if flavor is not None:
         from ...architectures.flavors import flavor_args
 
         known = flavor_args(arch, flavor)
-        _agree(args, known, where, f"--flavor {flavor}")
+        _agree(arch, shapes, naming, args, known, where, f"--flavor {flavor}")
         args = args.merged(known)
     mapping = arch.plan(
         [(i.target.name, list(i.source.shape), i.source.dtype or "") for i in tensors],
@@ -225,6 +288,7 @@ def map_plan(
         target,
         args,
     )
+    _check_tied(checkpoint, [(origin[h], origin[e]) for h, e in mapping.tied], where)
     skipped += [
         SkippedEntry(name=origin[n], kind="tensor", reason=why) for n, why in mapping.left_out
     ]
