@@ -686,6 +686,81 @@ def test_a_tied_transformers_llama_round_trips_through_torchtitan(tmp_path: Path
     assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
+@needs_frameworks
+@pytest.mark.frameworks
+def test_a_refused_llama_names_what_is_extra_and_how_to_leave_it_out(tmp_path: Path) -> None:
+    """Models ckpt cannot map are refused (exit 4) naming the Llama they resemble: a Llama with
+    attention biases (the biases are what no rule maps, not gpt-oss's MLP), and a Llama with
+    a value head (a trl-style `v_head.*`) whose message gives the `--filter-out` that, when
+    followed, exports the Llama and lists nothing as written that was not asked for."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(attention_bias=True, **sizes)).save_pretrained(tmp_path / "bias")
+    r = run_ckpt("convert", tmp_path / "bias", tmp_path / "o1", "--to", "torchtitan")
+    assert r.exit_code == 4
+    message = " ".join(r.stderr.split())
+    assert "closest is Llama 3 (hf naming), which has no rule for 8 tensor(s)" in message, message
+    assert "self_attn.k_proj.bias" in message and "gpt-oss (" not in message
+
+    LlamaForCausalLM(LlamaConfig(**sizes)).save_pretrained(tmp_path / "vh")
+    weights = load_file(tmp_path / "vh" / "model.safetensors")
+    weights["v_head.summary.weight"] = torch.randn(1, 32)
+    weights["v_head.summary.bias"] = torch.randn(1)
+    save_file(weights, tmp_path / "vh" / "model.safetensors", metadata={"format": "pt"})
+    r = run_ckpt("convert", tmp_path / "vh", tmp_path / "o2", "--to", "torchtitan")
+    assert r.exit_code == 4
+    message = " ".join(r.stderr.split())
+    assert "'v_head.summary.bias', 'v_head.summary.weight'" in message
+    assert "leave them out: --filter-out 'v_head.*'" in message, message
+    r = run_ckpt(
+        "convert", tmp_path / "vh", tmp_path / "o2", "--to", "torchtitan",
+        "--filter-out", "v_head.*", "--json",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    entries = json.loads(r.stdout)["result"]["entries"]
+    assert not any(e["source"].startswith("v_head.") for e in entries)
+    assert len(entries) == len(weights) - 2
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+@pytest.mark.slow
+def test_a_nested_torchtitan_state_dict_is_refused_pointing_to_select(
+    titan_llama: Path, tmp_path: Path
+) -> None:
+    """`dcp.save({"model": model.state_dict()})` (a training loop of one's own) puts the
+    torchtitan names under `model.`: the refusal says so and names `--select model`, which
+    then exports torchtitan's own `to_hf` tensors bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    step = titan_llama / "run" / "checkpoint" / "step-1"
+    dcp_to_torch_save(step, tmp_path / "all.pt")
+    saved = torch.load(tmp_path / "all.pt", weights_only=False)
+    model = {k: v for k, v in saved.items() if isinstance(v, torch.Tensor)}
+    dcp.save({"model": model}, checkpoint_id=str(tmp_path / "nested"), no_dist=True)
+    config = titan_llama / "ref" / "config.json"
+    r = run_ckpt("convert", tmp_path / "nested", tmp_path / "hf", "--to", "hf", "--config", config)
+    assert r.exit_code == 4
+    message = " ".join(r.stderr.split())
+    assert "Llama 3's torchtitan names under the prefix 'model.'" in message, message
+    assert "Pass --select model" in message
+    r = run_ckpt(
+        "convert", tmp_path / "nested", tmp_path / "hf", "--to", "hf", "--config", config,
+        "--select", "model",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    want = load_file(titan_llama / "ref" / "to_hf.safetensors")
+    got = _hf_tensors(tmp_path / "hf")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
 def test_boxes_of_a_chunked_non_raw_tensor_read_only_their_chunks() -> None:
     """A Megatron layer stack stored one torch_save chunk per layer and tensor-parallel rank:
     q, k and v of one query group are cut from one read of their chunk, and nothing larger

@@ -89,17 +89,45 @@ def recognise(names: Sequence[str], model_type: str | None = None) -> Recognised
 
 def unrecognised(names: Sequence[str], target: str, where: str) -> FormatError:
     """The error for a model no family claims, naming the closest family's unknown tensors."""
-    best: tuple[tuple[int, bool], type[Architecture], str, list[str]] | None = None
+    fix = (
+        f"Known: {', '.join(REGISTRY)}. Use --select to pick the model's weights, "
+        "--filter-out for tensors that are no weights, or --to safetensors / dcp to keep the "
+        "names as they are."
+    )
+    nested = _nested(names)
+    if nested is not None:
+        prefix, found = nested
+        return FormatError(
+            f"these {len(names)} tensors are {found.architecture.title}'s {found.naming} names "
+            f"under the prefix '{prefix}.' (a state dict saved nested, as "
+            f"`{{'{prefix}': model.state_dict()}}`), so they cannot be mapped to the {target} "
+            "naming as they are",
+            path=where,
+            fix=f"Pass --select {prefix} to take the model's weights from under '{prefix}.'.",
+        )
+    # a family with a rule for every name first, then one whose marker tensors are there
+    # (a Llama with biases is no gpt-oss, though gpt-oss has rules for more of its names),
+    # then the most names known
+    Score = tuple[bool, bool, int]
+    best: tuple[Score, type[Architecture], str, list[str], list[str]] | None = None
     for arch in architectures():
         for naming in arch.namings():
             unknown, known = arch.covers(names, naming)
-            # most names known; a tie goes to the family whose markers are there
-            score = (len(known), arch.marked(names, naming))
+            score = (not unknown, arch.marked(names, naming), len(known))
             if best is None or score > best[0]:
-                best = (score, arch, naming, unknown)
+                best = (score, arch, naming, unknown, known)
     detail = ""
-    if best is not None and best[0][0]:
-        _, arch, naming, unknown = best
+    if best is not None and best[0][2]:
+        _, arch, naming, unknown, known = best
+        # tensors under top-level names the model's own never use (a value head, a
+        # classifier): name the --filter-out that leaves them out
+        tops = sorted({n.split(".", 1)[0] for n in unknown})
+        if unknown and not set(tops) & {n.split(".", 1)[0] for n in known}:
+            globs = " ".join(f"--filter-out '{t}.*'" for t in tops[:3])
+            fix = (
+                f"If they are no weights of the {arch.title} model (a value or classifier "
+                f"head), leave them out: {globs}. {fix}"
+            )
         if unknown:
             shown = ", ".join(repr(n) for n in unknown[:3])
             detail = (
@@ -122,10 +150,18 @@ def unrecognised(names: Sequence[str], target: str, where: str) -> FormatError:
         f"no known model architecture matches these {len(names)} tensor names, so they "
         f"cannot be mapped to the {target} naming{detail}",
         path=where,
-        fix=f"Known: {', '.join(REGISTRY)}. Use --select to pick the model's weights, "
-        "--filter-out for tensors that are no weights, or --to safetensors / dcp to keep the "
-        "names as they are.",
+        fix=fix,
     )
+
+
+def _nested(names: Sequence[str]) -> tuple[str, Recognised] | None:
+    """(prefix, family and naming) when every name sits under one top-level key and the
+    names under it are a known family's: a state dict saved nested (`{'model': ...}`)."""
+    prefix = names[0].split(".", 1)[0] if names else ""
+    if not prefix or not all(n.startswith(prefix + ".") for n in names):
+        return None
+    found = recognise([n[len(prefix) + 1 :] for n in names])
+    return (prefix, found) if found is not None else None
 
 
 class NamingInfo(Record):
