@@ -858,3 +858,31 @@ def test_covers_every_agrees_with_covers(names: list[str]) -> None:
                 arch.__name__,
                 naming,
             )
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+def test_a_relative_ckpt_does_not_know_is_mapped_with_a_warning(tmp_path: Path) -> None:
+    """A Mistral (sliding-window attention) has a Llama's tensor names: it maps to torchtitan
+    and back bit for bit, and both directions warn that its config.json's family is none
+    ckpt knows, so a torchtitan Llama computes the same only if the model is one."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, sliding_window=16,
+    )  # fmt: skip
+    model = MistralForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    for src, dest, to in (("hf", "tt", "torchtitan"), ("tt", "back", "hf")):
+        r = run_ckpt("convert", tmp_path / src, tmp_path / dest, "--to", to, "--json")
+        assert r.exit_code == 0, r.stderr
+        warnings = " ".join(json.loads(r.stdout)["result"]["warnings"])
+        assert "config.json names model_type 'mistral', a family ckpt does not map" in warnings
+        assert "sliding-window attention" in warnings
+    back = MistralForCausalLM.from_pretrained(tmp_path / "back")
+    assert back.config.sliding_window == 16
+    want, got = model.state_dict(), back.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], v) for k, v in want.items())

@@ -361,6 +361,7 @@ def convert(
         architecture: ArchitectureReport | None = None
         naming_config: bytes | None = None
         naming_files: dict[str, bytes] = {}
+        naming_warnings: list[str] = []
         # the source's files are accounted for against its own entries, not a naming's
         selected_from, selected = checkpoint, plan
         config_from_source = False
@@ -384,6 +385,7 @@ def convert(
             checkpoint, plan, origins = mapped.checkpoint, mapped.plan, mapped.origins
             architecture, naming_config = mapped.report, mapped.config
             naming_files = mapped.output.files
+            naming_warnings = mapped.warnings
         kept = 0 if dequantize or naming else keep_quantized(plan, analysis)
         plan.skipped += unreadable
         options = WriteOptions(
@@ -411,7 +413,7 @@ def convert(
                 for i in plan.items
                 if i.target.name == i.source.name and i.source.name in recorded
             }
-        warnings = unused_renames(plan, rename_pairs)
+        warnings = unused_renames(plan, rename_pairs) + naming_warnings
         if not match_prefix:  # a component's rules are judged over the whole folder
             warnings += unmatched_rules((e.name for e in manifest.entries), include, exclude)
         carried = extra_files(checkpoint) if extras and not single_file else []

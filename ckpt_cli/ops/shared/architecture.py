@@ -83,6 +83,9 @@ class MappedSource:
     output: NamingOutput = field(default_factory=NamingOutput)
     #: output name -> the source names it was read from (for the written entries' `source`)
     origins: dict[str, str] = field(default_factory=dict)
+    #: what the user should know about the mapping (a config.json of a family ckpt does not
+    #: know, whose tensors are named as a known one's)
+    warnings: list[str] = field(default_factory=list)
 
 
 def naming_format(to: str) -> tuple[str, str | None]:
@@ -169,15 +172,22 @@ def _agree(
         )
 
 
-def _same_family(arch: type[Architecture], model_type: object, where: str) -> None:
+def _same_family(arch: type[Architecture], model_type: object, where: str) -> list[str]:
     """Refuse a `config.json` of another known family: transformers builds the model its
     `model_type` names, and these weights are not that model's (a Qwen3 config over Llama
-    weights builds a Qwen3 whose q/k norms no tensor fills)."""
+    weights builds a Qwen3 whose q/k norms no tensor fills). A family ckpt does not know
+    whose tensors are named as this one's (a Mistral's are a Llama's) is mapped, with a
+    warning: its names and shapes are this family's, its attention may not be."""
     if not isinstance(model_type, str) or model_type in arch.hf_model_types:
-        return
+        return []
     other = next((a for a in architectures() if model_type in a.hf_model_types), None)
     if other is None:
-        return
+        return [
+            f"{where}: config.json names model_type {model_type!r}, a family ckpt does not "
+            f"map; its tensors are named as {arch.title}'s and were mapped by {arch.title}'s "
+            f"rules, which keeps its outputs only if it is a {arch.title} in all but name (no "
+            "sliding-window attention, no other norms, rotary or scaling)"
+        ]
     raise FormatError(
         f"config.json is a {other.title} model's (model_type {model_type!r}), but the weights "
         f"are a {arch.title} model's: transformers would build a {other.title} model from it "
@@ -273,8 +283,7 @@ def map_plan(
     dtypes = [i.source.dtype for i in tensors if i.source.dtype]
     # the dtype written: config.json's torch_dtype says what the weights are after --dtype
     dtype = cast or (max(set(dtypes), key=dtypes.count) if dtypes else None)
-    if config is not None:
-        _same_family(arch, model_type, where)
+    warnings = _same_family(arch, model_type, where) if config is not None else []
     args = _args(arch, shapes, naming, config, dtype, where, checkpoint)
     if flavor is not None:
         from ...architectures.flavors import flavor_args
@@ -333,7 +342,7 @@ def map_plan(
         transforms=counts,
     )
     origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
-    return MappedSource(mapped, new_plan, report, config_bytes, output, origins)
+    return MappedSource(mapped, new_plan, report, config_bytes, output, origins, warnings)
 
 
 def dim0_chunks(shape: list[int], pieces: int) -> list[Chunk]:
