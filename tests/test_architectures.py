@@ -609,6 +609,28 @@ def test_a_config_json_that_does_not_fit_the_weights_is_refused(
 @needs_frameworks
 @pytest.mark.frameworks
 @pytest.mark.slow
+def test_a_config_json_of_another_width_is_refused_for_every_family(
+    titan_model: tuple[str, Path], tmp_path: Path
+) -> None:
+    """The MLP width is a config.json value too: one that is not the tensors' (a dense FFN,
+    or each MoE expert's) is refused, naming the tensor, for every family."""
+    family, root = titan_model
+    key = "moe_intermediate_size" if family == "qwen3-moe" else "intermediate_size"
+    config = json.loads((root / "ref" / "config.json").read_text())
+    wrong = config[key] * 2
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({**config, key: wrong}))
+    step = root / "run" / "checkpoint" / "step-1"
+    r = run_ckpt("convert", step, tmp_path / "hf", "--to", "hf", "--config", bad)
+    assert r.exit_code == 4, r.stdout + r.stderr
+    message = " ".join(r.stderr.split())
+    assert f"where {key} = {wrong}" in message, message
+    assert not (tmp_path / "hf").exists()
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+@pytest.mark.slow
 def test_a_config_json_of_another_family_is_refused(titan_llama: Path, tmp_path: Path) -> None:
     """The config.json of a Qwen3 of the very same sizes, given for a torchtitan Llama:
     transformers would build a Qwen3 whose q/k norms no tensor fills (it warns and

@@ -191,20 +191,20 @@ class _Decoder(Architecture):
             shape = shapes.get(name)
             if want is None or shape is None or len(shape) <= axis or shape[axis] == want:
                 return
-            side = "rows" if axis == 0 else "columns"
+            side = "rows" if axis == 0 else "columns" if len(shape) == 2 else f"in dim {axis}"
             out.append(f"{name} has {shape[axis]} {side}, where {why} = {want}")
 
         if heads and head_dim:
             why = f"num_attention_heads={heads} x head_dim={head_dim}"
             check(_Q, 0, heads * head_dim, why)
-            check(_COMMON[2], 1, heads * head_dim, why)
+            check(_COMMON[2], 1, heads * head_dim, why)  # o_proj / wo
         if kv_heads and head_dim:
             why = f"num_key_value_heads={kv_heads} x head_dim={head_dim}"
             check(_K, 0, kv_heads * head_dim, why)
-            check(_COMMON[1], 0, kv_heads * head_dim, why)
+            check(_COMMON[1], 0, kv_heads * head_dim, why)  # v_proj / wv
         check(_QK_NORMS[0], 0, head_dim, "head_dim")
         check(_DENSE_MLP[0], 0, args.ffn_dim, "intermediate_size")
-        if args.moe_ffn_dim is not None:
+        if args.moe_ffn_dim is not None:  # one expert's gate rows (HF), the stack's F (torchtitan)
             check((_MOE_EXPERTS[0][0], ""), 0, args.moe_ffn_dim, "moe_intermediate_size")
             check(("", _MOE_EXPERTS[0][1]), 1, args.moe_ffn_dim, "moe_intermediate_size")
         return out
