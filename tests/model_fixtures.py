@@ -95,6 +95,71 @@ def fp16_variant_unet(diffusers_pipeline: Path, tmp_path_factory: pytest.TempPat
 
 
 @pytest.fixture(scope="session")
+def fp16_variant_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny `StableDiffusionPipeline` saved by `save_pretrained(variant="fp16",
+    max_shard_size="20KB")`: diffusers components in variant shards
+    (`unet/diffusion_pytorch_model.safetensors.index.fp16.json`) and a transformers text
+    encoder as `text_encoder/model.fp16.safetensors`, no default weights anywhere."""
+    import json
+
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    torch.manual_seed(0)
+    work = tmp_path_factory.mktemp("sd")
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1, "a</w>": 2, "a": 3}
+    (work / "vocab.json").write_text(json.dumps(vocab))
+    (work / "merges.txt").write_text("#version: 0.2\n")
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=8,
+        norm_num_groups=4,
+        attention_head_dim=2,
+    )
+    vae = AutoencoderKL(
+        latent_channels=4,
+        block_out_channels=(8,),
+        layers_per_block=1,
+        norm_num_groups=4,
+    )
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=4,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=8,
+        )
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=CLIPTokenizer(str(work / "vocab.json"), str(work / "merges.txt")),
+        unet=unet,
+        scheduler=DDIMScheduler(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    path = work / "pipeline"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe.to(torch.float16).save_pretrained(path, variant="fp16", max_shard_size="20KB")
+    return path
+
+
+@pytest.fixture(scope="session")
 def sentence_transformer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A SentenceTransformer (BERT root module, 1_Pooling/, 2_Dense/) saved by `.save`."""
     import torch

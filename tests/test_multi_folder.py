@@ -397,3 +397,59 @@ def test_a_folder_holding_the_default_weights_and_a_variant_reads_as_the_default
         assert all(torch.equal(got[k], want[k]) for k in want)
     whole = run_ckpt("convert", pipeline, tmp_path / "whole", "--to", "safetensors")
     assert whole.exit_code == 0, whole.stderr
+
+
+def _load_fp16(path: Path) -> Any:
+    from diffusers import DiffusionPipeline
+
+    with _quiet():
+        return DiffusionPipeline.from_pretrained(path, variant="fp16", torch_dtype=torch.float16)
+
+
+def test_a_pipeline_saved_as_the_fp16_variant_converts_whole(
+    fp16_variant_pipeline: Path, tmp_path: Path
+) -> None:
+    """`save_pretrained(variant="fp16")` leaves `text_encoder/model.fp16.safetensors` (the
+    transformers spelling) and variant-indexed shards: every command sees every component, and
+    the outputs load in diffusers with `variant="fp16"`, bit-exact."""
+    report = run_ckpt("inspect", fp16_variant_pipeline, "--json").json["result"]
+    by_name = {c["name"]: c for c in report["layout"]["components"]}
+    assert by_name["text_encoder"]["tensors"] > 0
+    assert by_name["unet"]["tensors"] > 0 and by_name["vae"]["tensors"] > 0
+    verified = run_ckpt("verify", fp16_variant_pipeline)
+    assert verified.exit_code == 0, verified.stdout
+    want = _load_fp16(fp16_variant_pipeline)
+    outputs = {
+        "safetensors": ("convert", "--to", "safetensors"),
+        "torch": ("convert", "--to", "torch"),
+        "resharded": ("reshard", "--max-shard-size", "1KB"),
+    }
+    for label, (command, *options) in outputs.items():
+        out = tmp_path / label
+        result = run_ckpt(command, fp16_variant_pipeline, out, *options)
+        assert result.exit_code == 0, result.stderr
+        names = {p.name for p in (out / "text_encoder").iterdir()}
+        assert any(".fp16" in n for n in names), (label, names)
+        got = _load_fp16(out)
+        for component in ("unet", "vae", "text_encoder"):
+            a = getattr(want, component).state_dict()
+            b = getattr(got, component).state_dict()
+            assert a.keys() == b.keys(), (label, component)
+            assert all(torch.equal(a[k], b[k]) for k in a), (label, component)
+        assert run_ckpt("verify", out).exit_code == 0, label
+        assert run_ckpt("diff", fp16_variant_pipeline, out).exit_code == 0, label
+
+
+def test_a_pipeline_refused_for_dcp_suggests_a_component_with_weights(
+    diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    result = run_ckpt("convert", diffusers_pipeline, tmp_path / "d", "--to", "dcp")
+    assert result.exit_code == 2
+    suggested = result.stderr.rsplit("--select ", 1)[1].split(".")[0]
+    assert suggested in ("unet", "vqvae"), result.stderr
+    # the suggestion works as given
+    out = tmp_path / "one"
+    assert (
+        run_ckpt("convert", diffusers_pipeline, out, "--to", "dcp", "--select", suggested).exit_code
+        == 0
+    )

@@ -110,7 +110,8 @@ def find_index(source: Source, suffix: str = INDEX_SUFFIX, kind: str = "safetens
     `suffix=BIN_INDEX_SUFFIX, kind="torch"` finds a torch index, whose shape is the same.
     """
     if source.target is not None:
-        if suffix == INDEX_SUFFIX and VARIANT_INDEX.fullmatch(source.target):
+        # the target may sit in a subfolder (a pipeline's `unet/…safetensors.index.fp16.json`)
+        if suffix == INDEX_SUFFIX and VARIANT_INDEX.fullmatch(source.target.rsplit("/", 1)[-1]):
             return source.target
         return source.target if source.target.endswith(suffix) else None
     indexes = sorted(n for n in source.top_level() if n.endswith(suffix))

@@ -86,10 +86,12 @@ def write_components(
     """
     targets = component_targets()
     if to not in targets:
+        # the example must be a component with weights: a scheduler alone is no checkpoint
+        example = next((c for c in components if c.weights is not None), components[0])
         raise UsageError(
             f"a {layout} folder converts component by component to {' or '.join(targets)}",
             path=src,
-            fix=f"Pick one component for --to {to}, e.g. --select {components[0].name}.",
+            fix=f"Pick one component for --to {to}, e.g. --select {example.name}.",
         )
     lacking = [c for c in components if c.needs and c.weights is None]
     if lacking:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import Field
@@ -38,6 +38,15 @@ _DIFFUSERS_WEIGHTS = re.compile(
 )
 _DIFFUSERS_INDEX = re.compile(
     r"diffusion_pytorch_model\.(?:safetensors|bin)\.index(?:\.(?P<variant>[\w-]+))?\.json$"
+)
+#: transformers spells a variant the same way (`model.fp16.safetensors`,
+#: `model.fp16-00001-of-00002.safetensors`, `model.safetensors.index.fp16.json`): a pipeline's
+#: `text_encoder/` saved with `variant="fp16"` holds only these
+_TRANSFORMERS_WEIGHTS = re.compile(
+    r"(?:model|pytorch_model)(?:\.(?P<variant>\w+))?(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)$"
+)
+_TRANSFORMERS_INDEX = re.compile(
+    r"(?:model|pytorch_model)\.(?:safetensors|bin)\.index(?:\.(?P<variant>[\w-]+))?\.json$"
 )
 
 
@@ -151,9 +160,11 @@ class Naming:
     """The file names an output keeps so its owning library still loads it.
 
     Attributes:
-        stem: weights file stem (`model`, `adapter_model`, `diffusion_pytorch_model`).
+        stem: weights file stem (`model`, `adapter_model`, `diffusion_pytorch_model`); "" for
+            the target format's own (`model` / `pytorch_model`, as transformers names them).
         variant: a diffusers / transformers weight variant (`fp16`), kept in every name.
-        library: who owns the convention (`peft`, `diffusers`), None for the default.
+        library: who owns the convention (`peft`, `diffusers`, `transformers`), None for the
+            default.
         companions: non-weight files of the layout to carry with the weights.
         size_shards: whether the library loads weights cut into size shards with an index
             (diffusers does; peft reads one `adapter_model.safetensors`).
@@ -171,8 +182,9 @@ class Naming:
         return f"{self.stem}.{self.variant}" if self.variant else self.stem
 
     def index_name(self, suffix: str = SAFETENSORS_INDEX_SUFFIX) -> str | None:
-        """diffusers puts the variant before `.json`: `…safetensors.index.fp16.json`."""
-        if self.variant and self.library == "diffusers":
+        """diffusers and transformers put the variant before `.json`:
+        `…safetensors.index.fp16.json`."""
+        if self.variant:
             return f"{self.stem}{suffix.removesuffix('.json')}.{self.variant}.json"
         return None
 
@@ -202,6 +214,14 @@ def naming(source: Source, base: str = "") -> Naming | None:
         return Naming(
             "diffusion_pytorch_model", variant=variant, library="diffusers", companions=companions
         )
+    for name in names:
+        match = _TRANSFORMERS_WEIGHTS.fullmatch(name) or _TRANSFORMERS_INDEX.fullmatch(name)
+        if match:
+            variants.add(match.group("variant"))
+    if len(variants) == 1 and None not in variants:
+        # weights saved as a variant only: the names keep it (`config.json` and the other
+        # files travel as any model folder's do)
+        return Naming("", variant=next(iter(variants)), library="transformers")
     return None
 
 
@@ -224,8 +244,10 @@ def apply_naming(source: Source, to: str, options: Any) -> Naming | None:
     convention = naming(source)
     if convention is None:
         return None
-    options.basename = convention.basename
     target = find_format(to)
+    if not convention.stem:
+        convention = replace(convention, stem=target.default_basename if target else "model")
+    options.basename = convention.basename
     # a format without a shard index never uses the name
     suffix = (target.index_suffix if target else None) or TORCH_INDEX_SUFFIX
     index = convention.index_name(suffix)
@@ -299,8 +321,15 @@ def _weights_in(names: set[str], folder: str) -> str | None:
             if name in local:
                 return f"{prefix}{name}"
     variants = sorted(
-        n for n in local if _DIFFUSERS_INDEX.fullmatch(n) or _DIFFUSERS_WEIGHTS.fullmatch(n)
-    )
+        n
+        for n in local
+        if any(
+            pattern.fullmatch(n)
+            for pattern in (
+                _DIFFUSERS_INDEX, _DIFFUSERS_WEIGHTS, _TRANSFORMERS_INDEX, _TRANSFORMERS_WEIGHTS
+            )
+        )
+    )  # fmt: skip
     indexes = [n for n in variants if n.endswith(".json")]
     if indexes:
         return f"{prefix}{indexes[0]}"
