@@ -453,3 +453,35 @@ def test_a_pipeline_refused_for_dcp_suggests_a_component_with_weights(
         run_ckpt("convert", diffusers_pipeline, out, "--to", "dcp", "--select", suggested).exit_code
         == 0
     )
+
+
+def test_a_pipeline_reshard_names_the_variants_it_leaves_out(
+    diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    """A pipeline holding the default weights and an fp16 variant of its UNet (as Hub
+    pipelines ship): `reshard` of the whole folder wrote the default weights and dropped the
+    variant without a line; the component's own reshard said so. It is listed, with why, and
+    the files copied beside the components are listed as carried."""
+    from diffusers import DiffusionPipeline
+
+    pipeline = shutil.copytree(diffusers_pipeline, tmp_path / "pipeline")
+    with _quiet():
+        original = DiffusionPipeline.from_pretrained(pipeline)
+        original.unet.to(torch.float16).save_pretrained(pipeline / "unet", variant="fp16")
+        original = DiffusionPipeline.from_pretrained(pipeline)
+    out = tmp_path / "out"
+    result = run_ckpt("reshard", pipeline, out, "--max-shard-size", "40KB", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    skipped = {s["path"]: s["reason"] for s in report["skipped"]}
+    assert "fp16 variant" in skipped["unet/diffusion_pytorch_model.fp16.safetensors"]
+    assert {"model_index.json", "unet/config.json", "vqvae/config.json"} <= set(report["extras"])
+    human = run_ckpt("reshard", pipeline, tmp_path / "again", "--max-shard-size", "40KB")
+    assert "unet/diffusion_pytorch_model.fp16.safetensors" in human.stdout + human.stderr
+    with _quiet():
+        got = DiffusionPipeline.from_pretrained(out)
+    for component in ("unet", "vqvae"):
+        want = getattr(original, component).state_dict()
+        have = getattr(got, component).state_dict()
+        assert want.keys() == have.keys()
+        assert all(torch.equal(have[k], want[k]) for k in want), component

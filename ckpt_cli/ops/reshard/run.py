@@ -470,12 +470,27 @@ def _reshard_components(
         src, dest, layout, components, to, one, force=request.force, dry_run=request.dry_run
     )
     assert isinstance(request.max_shard_size, int)
+    # each component's own accounting, named from the root: a variant beside the default
+    # weights (`unet/diffusion_pytorch_model.fp16.safetensors`) is not written, and says so
+    written = [c for c in components if c.weights is not None]
+    skipped: list[SkippedFile] = []
+    extras: list[str] = []
+    own: set[str] = set()
+    for comp, report in zip(written, reports, strict=True):
+        base = f"{comp.path}/" if comp.path else ""
+        skipped += [s.model_copy(update={"path": f"{base}{s.path}"}) for s in report.skipped]
+        extras += [f"{base}{e}" for e in report.extras]
+        own.update(f"{base}{f.path}" for f in report.files)
+    # and the files copied beside them (`model_index.json`, schedulers, tokenizers...)
+    extras += [f.path for f in files if f.path not in own and f.path not in extras]
     return ReshardReport(
         mode="shard-size",
         source=source.location.raw,
         destination=dest,
         format=layout,
         files=files,
+        skipped=skipped,
+        extras=extras,
         tensors=sum(r.tensors for r in reports),
         objects=sum(r.objects for r in reports),
         tensor_bytes=sum(r.tensor_bytes for r in reports),
