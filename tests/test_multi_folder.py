@@ -485,3 +485,21 @@ def test_a_pipeline_reshard_names_the_variants_it_leaves_out(
         have = getattr(got, component).state_dict()
         assert want.keys() == have.keys()
         assert all(torch.equal(have[k], want[k]) for k in want), component
+
+
+def test_a_pipeline_convert_lists_every_file_it_wrote(
+    fp16_variant_pipeline: Path, tmp_path: Path
+) -> None:
+    """The text encoder's `config.json` (written beside its weights by the component's own
+    convert) was missing from `files` and from the count ("9 files" for 10), though a
+    `--dry-run` listed it."""
+    out = tmp_path / "out"
+    result = run_ckpt("convert", fp16_variant_pipeline, out, "--to", "safetensors", "--json")
+    assert result.exit_code == 0, result.stdout
+    on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert {f["path"] for f in result.json["result"]["files"]} == on_disk
+    planned = run_ckpt(
+        "convert", fp16_variant_pipeline, tmp_path / "plan", "--to", "safetensors", "--dry-run",
+        "--json",
+    )  # fmt: skip
+    assert {f["path"] for f in planned.json["result"]["files"]} == on_disk

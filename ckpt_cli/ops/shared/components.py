@@ -133,10 +133,17 @@ def write_components(
                     child.rename(staging / child.name)
                 inner_dest.rmdir()
             files += _under(comp, report.files)
+        listed = {info.path for info in files}
         for rel in sorted(source.files):
-            if rel in weight_files or (staging / rel).exists():
+            if rel in weight_files:
                 continue
             target = staging / rel
+            if target.exists():
+                # a component wrote it beside its weights (a transformers text encoder's
+                # `config.json`, carried as a model-folder file): in DEST all the same
+                if rel not in listed:
+                    files.append(FileInfo(path=rel, size=target.stat().st_size, entries=0))
+                continue
             target.parent.mkdir(parents=True, exist_ok=True)
             data = source.storage.read_all(rel)
             target.write_bytes(data)
