@@ -503,3 +503,20 @@ def test_a_pipeline_convert_lists_every_file_it_wrote(
         "--json",
     )  # fmt: skip
     assert {f["path"] for f in planned.json["result"]["files"]} == on_disk
+
+
+def test_a_pipeline_into_a_file_name_is_refused(diffusers_pipeline: Path, tmp_path: Path) -> None:
+    """`convert PIPELINE pipe.safetensors` wrote a folder of components named
+    `pipe.safetensors` (exit 0), which `safe_open` cannot open; a usage error says what to do,
+    and nothing is written."""
+    for command in (("convert", "--to", "safetensors"), ("reshard", "--max-shard-size", "40KB")):
+        dest = tmp_path / f"{command[0]}.safetensors"
+        result = run_ckpt(command[0], diffusers_pipeline, dest, *command[1:])
+        assert result.exit_code == 2, result.stderr
+        assert "--select unet" in result.stderr
+        assert not dest.exists()
+    one = tmp_path / "unet.safetensors"
+    assert (
+        run_ckpt("convert", diffusers_pipeline, one, "--to", "safetensors", "--select", "unet")
+    ).exit_code == 0
+    assert one.is_file()

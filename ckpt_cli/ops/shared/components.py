@@ -106,6 +106,15 @@ def write_components(
     dest_path = local_destination(resolve_destination(dest))
     if dest_path is None:
         raise UsageError(f"a {layout} folder is written to a local folder", path=dest)
+    if is_single_file_weights(dest_path.name):
+        # a folder named `pipe.safetensors` is no file any loader opens, nor the model's folder
+        example = next((c for c in components if c.weights is not None), components[0])
+        raise UsageError(
+            f"names one weights file, and a {layout} folder is written to a folder of components",
+            path=dest,
+            fix=f"Give DEST a folder name, or pick one component's weights for one file, e.g. "
+            f"--select {example.name}.",
+        )
     source = resolve_source(src)
     jobs, weight_files = _component_jobs(source.files, src.rstrip("/"), components)
     jobs = [(comp, inner_src) for comp, inner_src in jobs if comp.name not in skip]
