@@ -224,7 +224,8 @@ CODES: dict[str, Code] = _codes(
     Code(
         "missing_component",
         _E,
-        "a Trainer checkpoint lacks optimizer or scheduler state it was saved with",
+        "a Trainer checkpoint lacks optimizer or scheduler state it was saved with, or a "
+        "diffusers pipeline a component folder its model_index.json names",
     ),
     Code(
         "missing_component_weights",

@@ -520,3 +520,28 @@ def test_a_pipeline_into_a_file_name_is_refused(diffusers_pipeline: Path, tmp_pa
         run_ckpt("convert", diffusers_pipeline, one, "--to", "safetensors", "--select", "unet")
     ).exit_code == 0
     assert one.is_file()
+
+
+def test_a_pipeline_missing_a_component_folder_fails_verify(
+    diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    """`unet/` deleted whole: verify said OK and convert wrote a pipeline diffusers cannot
+    load. model_index.json names it, so it is missing like a lost shard."""
+    from diffusers import DiffusionPipeline
+
+    pipeline = shutil.copytree(diffusers_pipeline, tmp_path / "pipeline")
+    shutil.rmtree(pipeline / "unet")
+    with _quiet(), pytest.raises(Exception):  # noqa: B017 - whatever diffusers raises
+        DiffusionPipeline.from_pretrained(pipeline)
+    result = run_ckpt("verify", pipeline, "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = result.json["result"]["problems"]
+    assert [p["code"] for p in problems] == ["missing_component"]
+    assert problems[0]["file"].endswith("unet")
+    out = tmp_path / "out"
+    converted = run_ckpt("convert", pipeline, out, "--to", "safetensors")
+    assert converted.exit_code == 4, converted.stderr
+    assert "unet" in converted.stderr and not out.exists()
+    # the components that are there still convert one at a time
+    one = run_ckpt("convert", pipeline, tmp_path / "vq", "--to", "safetensors", "--select", "vqvae")
+    assert one.exit_code == 0, one.stderr

@@ -93,6 +93,16 @@ def write_components(
             path=src,
             fix=f"Pick one component for --to {to}, e.g. --select {example.name}.",
         )
+    absent = [c for c in components if c.absent]
+    if absent:
+        # the output would be a model its library cannot load: nothing is written
+        raise FormatError(
+            f"the {absent[0].name} component named by the folder's index has no folder, so "
+            "the converted model could not be loaded",
+            path=f"{src.rstrip('/')}/{absent[0].path}",
+            fix="Copy or download the folder again (`ckpt verify` lists every one), or "
+            "convert the components that are there one at a time with --select.",
+        )
     lacking = [c for c in components if c.needs and c.weights is None]
     if lacking:
         # the output would be a model its library cannot load: nothing is written

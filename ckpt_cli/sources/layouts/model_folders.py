@@ -278,6 +278,8 @@ class Component:
         needs: for a component that must hold weights (its library saves some for it), the
             file it saves them as, relative to the root; "" when it holds none, or when
             nothing says (a custom module type).
+        absent: its folder is not there at all, though the folder's index names it (a
+            pipeline's `unet/` deleted): the model cannot be loaded.
     """
 
     name: str
@@ -285,6 +287,7 @@ class Component:
     kind: str | None
     weights: str | None
     needs: str = ""
+    absent: bool = False
 
 
 #: the sentence-transformers module classes whose `save` writes weights (`model.safetensors`):
@@ -351,9 +354,13 @@ def multi_folder(source: Source) -> tuple[str, list[Component], dict[str, Any]] 
         for key, value in index.items():
             if key.startswith("_") or not isinstance(value, list) or len(value) != 2:
                 continue
-            if value[0] is None or not any(n.startswith(f"{key}/") for n in names):
+            if value[0] is None:
                 continue  # an optional component saved as null
             kind = f"{value[0]}.{value[1]}"
+            if not any(n.startswith(f"{key}/") for n in names):
+                # `save_pretrained` writes a folder for every component it names
+                components.append(Component(str(key), str(key), kind, None, absent=True))
+                continue
             # a model saves its `config.json` beside its weights; schedulers, tokenizers and
             # feature extractors save other configs and no weights
             model = f"{key}/config.json" in names

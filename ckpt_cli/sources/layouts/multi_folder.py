@@ -52,6 +52,8 @@ class MultiFolder(Layout):
                     info.tensors = sum(1 for e in manifest.entries if e.kind == "tensor")
                     info.parameters = manifest.parameters()
                     info.bytes = manifest.tensor_bytes()
+            elif comp.absent:
+                folder.problems.append(_missing_folder(source, layout, comp))
             elif comp.needs:
                 folder.problems.append(_missing_weights(source, layout, comp))
             infos.append(info)
@@ -83,4 +85,17 @@ def _missing_weights(source: Source, layout: str, comp: Component) -> Problem:
         "its library saves there, and no weights file of it is in the folder; the model "
         "cannot be loaded without them. Copy or download the file again.",
         file=source.storage.describe(comp.needs),
+    )
+
+
+def _missing_folder(source: Source, layout: str, comp: Component) -> Problem:
+    """A component the folder's index names has no folder at all (a deleted `unet/`)."""
+    index = _INDEX.get(layout, "the folder's index")
+    kind = (comp.kind or "").rsplit(".", 1)[-1] or "module"
+    return Problem(
+        code="missing_component",
+        message=f"is missing: {index} names the {comp.name} component ({kind}), and its folder "
+        "is not in the checkpoint; the model cannot be loaded without it. Copy or download the "
+        "folder again.",
+        file=source.storage.describe(comp.path),
     )
