@@ -53,9 +53,9 @@ class MultiFolder(Layout):
                     info.parameters = manifest.parameters()
                     info.bytes = manifest.tensor_bytes()
             elif comp.absent:
-                folder.problems.append(_missing_folder(source, layout, comp))
+                folder.problems.append(_missing(source, layout, comp, folder_gone=True))
             elif comp.needs:
-                folder.problems.append(_missing_weights(source, layout, comp))
+                folder.problems.append(_missing(source, layout, comp, folder_gone=False))
             infos.append(info)
         checkpoint = folder.composite(layout)
         weighted = [i for i in infos if i.tensors]
@@ -75,27 +75,20 @@ class MultiFolder(Layout):
         )
 
 
-def _missing_weights(source: Source, layout: str, comp: Component) -> Problem:
-    """A component that must hold weights has none: the model cannot load, like a lost shard."""
+def _missing(source: Source, layout: str, comp: Component, *, folder_gone: bool) -> Problem:
+    """A component the folder's index names has no folder at all (a deleted `unet/`), or has
+    one without the weights its library saves there: the model cannot load, like a lost
+    shard."""
     index = _INDEX.get(layout, "the folder's index")
     kind = (comp.kind or "").rsplit(".", 1)[-1] or "module"
+    if folder_gone:
+        code, lacking, what = "missing_component", "its folder is not in the checkpoint", "folder"
+    else:
+        code, what = "missing_component_weights", "file"
+        lacking = "no weights file of it is in the folder, where its library saves them"
     return Problem(
-        code="missing_component_weights",
-        message=f"is missing: {index} names the {comp.name} component ({kind}), whose weights "
-        "its library saves there, and no weights file of it is in the folder; the model "
-        "cannot be loaded without them. Copy or download the file again.",
-        file=source.storage.describe(comp.needs),
-    )
-
-
-def _missing_folder(source: Source, layout: str, comp: Component) -> Problem:
-    """A component the folder's index names has no folder at all (a deleted `unet/`)."""
-    index = _INDEX.get(layout, "the folder's index")
-    kind = (comp.kind or "").rsplit(".", 1)[-1] or "module"
-    return Problem(
-        code="missing_component",
-        message=f"is missing: {index} names the {comp.name} component ({kind}), and its folder "
-        "is not in the checkpoint; the model cannot be loaded without it. Copy or download the "
-        "folder again.",
-        file=source.storage.describe(comp.path),
+        code=code,
+        message=f"is missing: {index} names the {comp.name} component ({kind}), and "
+        f"{lacking}; the model cannot be loaded without it. Copy or download the {what} again.",
+        file=source.storage.describe(comp.path if folder_gone else comp.needs),
     )
