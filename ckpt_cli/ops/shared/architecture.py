@@ -17,6 +17,7 @@ as `step-0` (or its `initial_load_path`, model only), with no optimizer state.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -203,14 +204,8 @@ def _check_tied(checkpoint: Checkpoint, pairs: list[tuple[str, str]], where: str
     """An export leaves an output projection out as the embedding's twin only when it is
     one: torchtitan saves both names of a tied model, but a config.json or flavor claiming
     `tie_word_embeddings` for an untied model would drop a trained `lm_head` unseen."""
-    import torch
-
     for head, embedding in pairs:
-        a = checkpoint.read_tensor(head)
-        b = checkpoint.read_tensor(embedding)
-        same = a.shape == b.shape and torch.equal(a, b.to(a.dtype))
-        del a, b
-        if not same:
+        if not _twins(checkpoint, head, embedding):
             raise FormatError(
                 f"the config says the embeddings are tied (tie_word_embeddings), but {head!r} "
                 f"differs from {embedding!r}: leaving it out would change the model's outputs",
@@ -218,6 +213,50 @@ def _check_tied(checkpoint: Checkpoint, pairs: list[tuple[str, str]], where: str
                 fix="Pass the config.json of this model (tie_word_embeddings: false) with "
                 "--config, or the torchtitan flavor it was trained as with --flavor.",
             )
+
+
+def _twins(checkpoint: Checkpoint, a: str, b: str) -> bool:
+    """Whether tensors `a` and `b` hold the same values: compared block by block where both
+    are stored raw in one dtype (an embedding of a large vocabulary is the largest tensor of
+    a model; two of them whole would double the export's peak), else read whole."""
+    entries = checkpoint.manifest.by_name
+    if entries[a].shape != entries[b].shape:
+        return False
+    if (
+        entries[a].dtype == entries[b].dtype
+        and checkpoint.serves_raw(a)
+        and checkpoint.serves_raw(b)
+    ):
+        return _same_stream(checkpoint.iter_raw(a), checkpoint.iter_raw(b))
+    import torch
+
+    x, y = checkpoint.read_tensor(a), checkpoint.read_tensor(b)
+    return bool(torch.equal(x, y.to(x.dtype)))
+
+
+def _same_stream(a: Iterator[bytes], b: Iterator[bytes]) -> bool:
+    """Whether two streams of blocks (cut anywhere, each valid until the next) hold the same
+    bytes."""
+    left, right = bytearray(), bytearray()
+    while True:
+        if not left:
+            left += _next_block(a)
+        if not right:
+            right += _next_block(b)
+        if not left or not right:
+            return not left and not right  # both ended together, or one ended early
+        n = min(len(left), len(right))
+        if left[:n] != right[:n]:
+            return False
+        del left[:n], right[:n]
+
+
+def _next_block(blocks: Iterator[bytes]) -> bytes:
+    """The next non-empty block, or b"" at the end."""
+    for block in blocks:
+        if len(block):
+            return block
+    return b""
 
 
 def map_plan(
