@@ -15,22 +15,14 @@ from pathlib import Path
 from typing import Literal
 
 from ...errors import NotFoundError, UsageError
-from ...faults import io_failure
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, is_checkpoint_file
 from ...storage import LocalStorage, Storage, is_parity_path
+from .judge import no_verdict
 from .naming import SUBFOLDERS, collect, holds_run, match_name, refuse_run_of_runs
 from .records import DEFAULT_SETTLE, Found, RunCheckpoint, RunReport
 from .remote import RemoteListing, is_remote, looks_like_remote_run
 from .scan import RunListing, scan
-
-
-def _unlisted(exc: OSError) -> None:
-    """A file or folder of a checkpoint the OS would not let us see (permission denied) is no
-    verdict on the save: fail naming it (exit 74), never judge the save by the files seen
-    without it (`judge.no_verdict`); one gone since the listing is simply not there."""
-    if isinstance(exc, PermissionError):
-        raise io_failure(exc) from None
 
 
 def scan_run(
@@ -134,13 +126,14 @@ class LocalListing(RunListing):
             found[rel] = st.st_size
             self._mtimes[rel] = st.st_mtime
             return found
-        for dirpath, _dirs, names in os.walk(path, onerror=_unlisted):
+        for dirpath, _dirs, names in os.walk(path, onerror=no_verdict):
             for name in names:
                 full = Path(dirpath, name)
                 try:
                     st = full.lstat()
                 except OSError as exc:
-                    _unlisted(exc)
+                    # refused: no verdict on the save; gone since the listing: not there
+                    no_verdict(exc)
                     continue
                 inner = f"{rel}/{full.relative_to(path).as_posix()}"
                 found[inner] = st.st_size
