@@ -416,7 +416,8 @@ def convert(
         warnings = unused_renames(plan, rename_pairs) + naming_warnings
         if not match_prefix:  # a component's rules are judged over the whole folder
             warnings += unmatched_rules((e.name for e in manifest.entries), include, exclude)
-        carried = extra_files(checkpoint) if extras and not single_file else []
+        companions = [] if single_file else extra_files(checkpoint)
+        carried = companions if extras else []
         quant_files: list[SkippedEntry] = []
         if dequantize:
             carried, quant_files = dequantized_extras(carried)
@@ -466,21 +467,20 @@ def convert(
         accounted = [*carried, "config.json"] if config_from_source else list(carried)
         accounted += [f.name for f in quant_files]  # left out, with their own reason
         listed = dict(opened.listed_files)
-        if not single_file:
-            # a companion not carried says why: it is one ckpt carries, left out on purpose
-            for rel in extra_files(checkpoint):
-                if rel in accounted:
-                    continue
-                if not extras:
-                    listed.setdefault(rel, "left out (--no-extras)")
-                elif rel == "config.json" and given_config is not None:
-                    listed.setdefault(rel, f"replaced by --config {given_config[1]}")
-                elif rel == "config.json" and naming_config is not None:
-                    listed.setdefault(rel, "replaced by the config.json written for the naming")
-                elif component_out and is_training_file(opened, rel):
-                    listed.setdefault(
-                        rel, "a file of the training save, not of the model: not exported"
-                    )
+        # a companion not carried says why: it is one ckpt carries, left out on purpose
+        for rel in companions:
+            if rel in accounted:
+                continue
+            if not extras:
+                listed.setdefault(rel, "left out (--no-extras)")
+            elif rel == "config.json" and given_config is not None:
+                listed.setdefault(rel, f"replaced by --config {given_config[1]}")
+            elif rel == "config.json" and naming_config is not None:
+                listed.setdefault(rel, "replaced by the config.json written for the naming")
+            elif component_out and is_training_file(opened, rel):
+                listed.setdefault(
+                    rel, "a file of the training save, not of the model: not exported"
+                )
         read, skipped_files = account_files(
             selected_from, selected, accounted, single_file=single_file, listed=listed
         )
