@@ -1,4 +1,4 @@
-"""Human sizes on the command line (`--max-shard-size 2GB`).
+"""Human sizes on the command line (`--max-shard-size 2GB`), and counts in messages.
 
 Units follow huggingface_hub's `parse_size_to_int` (which `save_torch_state_dict` and
 transformers' `max_shard_size` use): `KB`, `MB`, `GB`, `TB` are decimal (1 GB = 10^9 bytes),
@@ -42,3 +42,9 @@ def parse_size(text: str, *, option: str = "--max-shard-size") -> int:
             f"{option} {text!r} must be more than 0 bytes", fix=f"Give a size, e.g. {option} 4GB."
         )
     return value
+
+
+def counted(n: int, noun: str) -> str:
+    """(1, 'file') -> '1 file'; (3, 'file') -> '3 files': a count in a message, the library's
+    as the command line's."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

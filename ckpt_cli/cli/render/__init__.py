@@ -286,11 +286,6 @@ def human_bytes(n: int | float | None) -> str:
     return f"{value:.1f} PiB"
 
 
-def counted(n: int, noun: str) -> str:
-    """(1, 'file') -> '1 file'; (3, 'file') -> '3 files'."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def human_count(n: int) -> str:
     """1234567 -> '1.23M'."""
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):

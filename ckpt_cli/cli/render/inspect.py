@@ -11,7 +11,8 @@ from rich.tree import Tree
 from ...models import Entry
 from ...ops.inspect import InspectReport
 from ...ops.shared.tree import TreeNode
-from . import counted, human_bytes, human_count, safe_text, shape_str, stderr, stdout
+from ...sizes import counted
+from . import human_bytes, human_count, safe_text, shape_str, stderr, stdout
 
 #: the tree stops unfolding below this many lines; --list shows everything
 MAX_TREE_CHILDREN = 40

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ...ops.merge import MergeReport
-from . import counted, human_bytes, stdout
+from ...sizes import counted
+from . import human_bytes, stdout
 
 
 def render_merge(report: MergeReport) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from rich.markup import escape
 
 from ...ops.parity import ProtectReport
-from . import counted, human_bytes, stderr, stdout
+from ...sizes import counted
+from . import human_bytes, stderr, stdout
 
 
 def _cost(report: ProtectReport) -> str:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ...ops.reshard.run import ReshardReport
-from . import counted, human_bytes, stderr, stdout
+from ...sizes import counted
+from . import human_bytes, stderr, stdout
 from .ranks import render_ranks
 
 _ACTIONS = {

@@ -5,7 +5,8 @@ from __future__ import annotations
 from rich.markup import escape
 
 from ...ops.verify.run import VerifyReport
-from . import counted, human_bytes, stdout
+from ...sizes import counted
+from . import human_bytes, stdout
 from .ranks import render_ranks
 
 #: problems beyond this many per code are summarised (the JSON output has them all)

@@ -20,6 +20,7 @@ from ...errors import DestinationExistsError, FormatError, UsageError
 from ...formats import resolve_source
 from ...models import Record
 from ...progress import NULL_PROGRESS, Progress
+from ...sizes import counted
 from ...storage.local import open_regular
 from ...storage.output import Destination, local_destination, staged_output
 from .codec import Codec, block_digest, pad_block
@@ -393,16 +394,18 @@ _NAMED = 5
 def _what_it_survives(m: ParityManifest, ranks: int) -> tuple[list[str], list[str]]:
     """What the parity of `m` can rebuild, and what it cannot, in words."""
     k, n = m.parity, len(m.files)
-    block, file = ("block", "file") if k == 1 else ("blocks", "files")
-    blocks = f"any {k} damaged {block} in a stripe of {m.width} (blocks of {m.block_size} bytes)"
-    more_blocks = f"more than {k} damaged {block} in one stripe"
+    blocks = (
+        f"any {counted(k, 'damaged block')} in a stripe of {m.width} "
+        f"(blocks of {m.block_size} bytes)"
+    )
+    more_blocks = f"more than {counted(k, 'damaged block')} in one stripe"
     if m.whole_files:
         lost = f"any {min(k, n)} of the {n} files lost whole"
         if ranks >= 2:
             lost += f" (a dead rank's file is one: {ranks} files here are per-rank)"
         fails = [more_blocks]
         if n > k:
-            fails.insert(0, f"more than {k} {file} lost whole")
+            fails.insert(0, f"more than {counted(k, 'file')} lost whole")
         return [lost, blocks], fails
     too_long = [
         f.path

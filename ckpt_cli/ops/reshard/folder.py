@@ -30,6 +30,7 @@ from ...formats.base import Checkpoint, Source
 from ...formats.names import DCP_DATA_SUFFIX, DCP_METADATA
 from ...models import FileInfo
 from ...progress import NULL_PROGRESS, Progress
+from ...sizes import counted
 from ...sources.layouts.base import Layout, OpenedSource
 from ...storage import safe_relpath
 from ...storage.output import check_destination
@@ -336,7 +337,7 @@ def missing_rank_files(
     if not missing:
         return []
     shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-    ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
+    ranks = counted(world_size, "rank")
     return [
         f"at {ranks} the framework looks for {shown}, which the output does not "
         "hold: those ranks start with fresh RNG state"

@@ -8,6 +8,7 @@ import re
 from ...errors import NotFoundError
 from ...formats.base import Checkpoint, Source
 from ...models import Entry
+from ...sizes import counted
 from ...storage import safe_relpath
 from .base import Layout, OpenedSource, Placeholder
 from .composite import CompositeCheckpoint, Folder, component_files, finish, trainer_progress
@@ -62,8 +63,8 @@ class DeepSpeed(Layout):
         total, micro = setting("train_batch_size"), setting("train_micro_batch_size_per_gpu")
         accumulation = setting("gradient_accumulation_steps")
         steps = value_of(checkpoint, "model_states.global_steps")
-        counted = f"global_steps {steps}" if isinstance(steps, int) else "its step"
-        ranks = "1 rank" if after == 1 else f"{after} ranks"
+        step_count = f"global_steps {steps}" if isinstance(steps, int) else "its step"
+        ranks = counted(after, "rank")
         if total is not None:
             per_rank = [v for v in (micro, accumulation) if v is not None]
             if (
@@ -91,7 +92,7 @@ class DeepSpeed(Layout):
         accumulation = accumulation or 1
         was, now = micro * accumulation * before, micro * accumulation * after
         return [
-            f"the global batch changes: the data position ({counted}) was counted in global "
+            f"the global batch changes: the data position ({step_count}) was counted in global "
             f"batches of {was} samples (ds_config train_micro_batch_size_per_gpu {micro} x "
             f"gradient_accumulation_steps {accumulation} x {before} ranks); at {ranks} the same "
             f"config makes it {now} samples, so a resume that skips data by step sees other "

@@ -8,6 +8,7 @@ from typing import Any
 
 from ...formats.base import Source
 from ...models import Problem, TrainingState
+from ...sizes import counted
 from .base import Layout, OpenedSource
 from .composite import (
     Folder,
@@ -53,7 +54,7 @@ class Trainer(Layout):
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             return []
         steps = f"step {step}" if isinstance(step, int) else "its step"
-        ranks = "1 rank" if after == 1 else f"{after} ranks"
+        ranks = counted(after, "rank")
         return [
             f"the global batch changes: the data position ({steps}) was counted in global "
             f"batches of {batch * before} samples (trainer_state.json train_batch_size {batch} "
