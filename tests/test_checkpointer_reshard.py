@@ -25,6 +25,7 @@ import torch
 
 from .conftest import run_ckpt
 from .dist_helpers import run_torchrun, torchrun_env
+from .torchtitan_writer import flat_state
 
 WORKER = Path(__file__).resolve().parent / "checkpointer_reshard_worker.py"
 
@@ -46,21 +47,9 @@ def _state(out: Path, rank: int = 0) -> dict[str, Any]:
     return state
 
 
-def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested state dict as DCP names its leaves (`optimizer.state.0.weight.exp_avg`)."""
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
-
-
 def assert_same_tensors(got: dict[str, Any], want: dict[str, Any]) -> None:
     """Every tensor of `want` (model and optimizer state dicts), bit for bit, and the rest."""
-    flat_got, flat_want = _flat(got), _flat(want)
+    flat_got, flat_want = flat_state(got), flat_state(want)
     assert flat_got.keys() == flat_want.keys()
     for name, value in flat_want.items():
         if isinstance(value, torch.Tensor):

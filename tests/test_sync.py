@@ -1121,10 +1121,10 @@ def test_a_body_carries_botocores_own_crc32_only_where_botocore_would_add_one(
     from ckpt_cli.storage.object_upload import ObjectUploader
 
     default = s3fs.S3FileSystem(skip_instance_cache=True)
-    assert ObjectUploader(default, 1)._crc32_by_default()
+    assert ObjectUploader(default, 1).crc32_by_default()
     monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
     required = s3fs.S3FileSystem(skip_instance_cache=True)
-    assert not ObjectUploader(required, 1)._crc32_by_default()
+    assert not ObjectUploader(required, 1).crc32_by_default()
 
 
 def _pushed_then_cut_after_one_file(

@@ -137,13 +137,13 @@ def _build(run: Path, seed: int) -> tuple[Any, ...]:
     return model, optimizers, schedulers, loader, train_state, manager
 
 
-def _flat(states: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_state(states: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """`a.b.c` -> value for every leaf (what DCP itself stores per key)."""
     out: dict[str, Any] = {}
     for key, value in states.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(_flat(value, f"{name}."))
+            out.update(flat_state(value, f"{name}."))
         else:
             out[name] = value
     return out
@@ -156,7 +156,9 @@ def _snapshot(manager: Any) -> dict[str, Any]:
     loads with `torch.load(weights_only=True)`; the data loader's pickled bytes are dropped
     (the caller records the next batch instead, which is what that state decides)."""
     states = manager._flattened_model_states_sd()
-    flat = _flat({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in states.items()})
+    flat = flat_state(
+        {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in states.items()}
+    )
     out: dict[str, Any] = {}
     for name, value in flat.items():
         if isinstance(value, torch.Tensor):

@@ -14,7 +14,7 @@ part its CRC32 (cheap: ISA-L's), and the store refuses any body that does not ma
 is computed. A store that does not refuse the wrong checksum (moto, some S3-compatible
 servers) gets `Content-MD5` with each body, and the ETag of its reply (MD5 of the bytes it
 received) is compared with the MD5 of the bytes sent; a part there also carries the CRC32
-botocore would otherwise compute with zlib (`_crc32_by_default`). A file under `SINGLE_PUT_MAX` bytes goes up in one PUT; a larger one as a multipart upload
+botocore would otherwise compute with zlib (`crc32_by_default`). A file under `SINGLE_PUT_MAX` bytes goes up in one PUT; a larger one as a multipart upload
 of `UPLOAD_BLOCK` parts, its parts sent side by side in a shared pool while the file is still
 being read and hashed in order. Memory: the bytes read and not yet sent are bounded by
 `budget` (two `UPLOAD_BLOCK`s per job), whatever the file sizes.
@@ -314,7 +314,7 @@ class ObjectUploader:
             # the manifest's digest, already computed: also what botocore would otherwise
             # spend a CRC32 pass of its own on
             sent["ChecksumSHA256"] = _b64(bytes.fromhex(hasher.hexdigest()))
-        elif checks or self._crc32_by_default():
+        elif checks or self.crc32_by_default():
             sent["ChecksumCRC32"] = _crc32(data)
         md5 = None if checks else hashlib.md5(data).digest()
         if md5 is not None:
@@ -331,7 +331,7 @@ class ObjectUploader:
             checked=checks,
         )
 
-    def _crc32_by_default(self) -> bool:
+    def crc32_by_default(self) -> bool:
         """Whether botocore adds a CRC32 of its own to a body sent without an
         `x-amz-checksum-*` (its default, `request_checksum_calculation = when_supported`;
         not where the user asked for `when_required`): the body then carries ours instead,
@@ -354,7 +354,7 @@ class ObjectUploader:
         extra = {"ChecksumAlgorithm": "CRC32"} if checks else {}
         mpu = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key, **extra)
         upload_id = mpu["UploadId"]
-        crc_anyway = self._crc32_by_default()
+        crc_anyway = self.crc32_by_default()
         futures: list[Future[dict[str, Any]]] = []
         parts: list[bytes] = []
         crcs: list[str] = []
