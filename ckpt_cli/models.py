@@ -59,6 +59,18 @@ class Record(BaseModel):
     model_config = ConfigDict(defer_build=True)
 
 
+class Request(Record):
+    """Base of every operation's options (`ConvertRequest`, `VerifyRequest`, ...): typed, built
+    once by the command or by the operation's function from its keywords, and passed down whole.
+
+    Frozen, so a request cannot change on its way down; a field it does not declare is refused
+    (pydantic's `extra_forbidden`), so a misspelt option (`ConvertRequest(dytpe="bf16")`) is an
+    error rather than a silent default, as it is for the operation's function.
+    """
+
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
+
+
 #: one shared set per distinct combination of set fields (at most 2**fields, a handful in use)
 _FIELDS_SETS: dict[frozenset[str], _SharedFieldsSet] = {}
 

@@ -452,3 +452,59 @@ def test_sync_request_is_every_sync_option() -> None:
     renamed = {"latest": "latest_only", "watch": "watch_seconds"}
     plain = {renamed.get(o, o) for o in cli - policy}
     assert _fields(SyncRequest) == plain | {"prune_policy"}
+
+
+# -- every request -------------------------------------------------------------------------
+
+
+def _every_request() -> list[type[BaseModel]]:
+    """Each operation's request class, imported from where its operation lives."""
+    from ckpt_cli.ops.convert.run import ConvertRequest
+    from ckpt_cli.ops.diff.run import DiffRequest
+    from ckpt_cli.ops.doctor import DoctorRequest
+    from ckpt_cli.ops.download.plan import DownloadRequest
+    from ckpt_cli.ops.inspect import InspectRequest
+    from ckpt_cli.ops.latest import LatestRequest
+    from ckpt_cli.ops.merge import MergeRequest
+    from ckpt_cli.ops.parity.protect import ProtectRequest
+    from ckpt_cli.ops.parity.repair import RepairRequest
+    from ckpt_cli.ops.prune.retention import PrunePolicy
+    from ckpt_cli.ops.reshard.request import ReshardRequest
+    from ckpt_cli.ops.sync import SyncRequest
+    from ckpt_cli.ops.verify.run import VerifyRequest
+
+    return [
+        ConvertRequest,
+        DiffRequest,
+        DoctorRequest,
+        DownloadRequest,
+        InspectRequest,
+        LatestRequest,
+        MergeRequest,
+        ProtectRequest,
+        RepairRequest,
+        PrunePolicy,
+        ReshardRequest,
+        SyncRequest,
+        VerifyRequest,
+    ]
+
+
+@pytest.mark.parametrize("request_class", _every_request(), ids=lambda c: c.__name__)
+def test_a_misspelt_option_in_a_request_is_refused_not_ignored(
+    request_class: type[BaseModel],
+) -> None:
+    """A library user who builds a request by hand with a typo (`ConvertRequest(dytpe=...)`)
+    gets an error naming the field, as the operation's function would with a TypeError, rather
+    than a request that silently runs with the default."""
+    from pydantic import ValidationError
+
+    from ckpt_cli.ops.doctor import DoctorRequest
+
+    required: dict[str, Any] = {}
+    if request_class is DoctorRequest:
+        required = {"before": "run/step-100", "after": "run/step-200"}
+    request_class.model_validate(required)  # the fields it declares are taken
+    with pytest.raises(ValidationError, match="no_such_option"):
+        request_class.model_validate({**required, "no_such_option": 1})
+    assert request_class.model_config.get("frozen") is True

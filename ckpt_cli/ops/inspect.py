@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from ..architectures import NamingInfo
 from ..dtypes import FLOATING
@@ -15,7 +15,7 @@ from ..errors import NotFoundError
 from ..formats import resolve_source
 from ..formats.base import Checkpoint, Source
 from ..formats.names import LIGHTNING_SUFFIX, SAFETENSORS_SUFFIX
-from ..models import Entry, FileInfo, Manifest, Problem, Record, TrainingState
+from ..models import Entry, FileInfo, Manifest, Problem, Record, Request, TrainingState
 from ..quant import QuantSummary, prefetch_config
 from ..sources.layouts import OpenedSource, open_source
 from ..sources.layouts.model_folders import LayoutInfo
@@ -95,7 +95,7 @@ def select(
     return [e for e in entries if name_chosen(prefix + e.name, include, exclude)]
 
 
-class InspectRequest(Record):
+class InspectRequest(Request):
     """The options of `inspect`, typed and frozen (a test holds them to `inspect`'s parameters
     and the command's options; `--list` only chooses what the text output shows).
 
@@ -104,8 +104,6 @@ class InspectRequest(Record):
         filters: globs choosing the entries reported (`unet.*`, `*.weight`).
         excludes: globs leaving entries out of the report (`--filter-out`).
     """
-
-    model_config = ConfigDict(frozen=True)
 
     format: str | None = None
     filters: list[str] | None = None

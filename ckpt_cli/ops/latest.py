@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
-
+from ..models import Request
 from ..sources.runs import DEFAULT_SETTLE, RunReport, scan_run
 
 
-class LatestRequest(BaseModel):
+class LatestRequest(Request):
     """Every option of `latest` but the run folder, typed and frozen: built once (by the
     command, or by `latest` from its keywords) and passed down whole. Its fields are `latest`'s
     keyword parameters: the command's `--settle`, and `full`, which the command derives from
@@ -20,8 +19,6 @@ class LatestRequest(BaseModel):
         full: judge every checkpoint; without it judging stops at the newest complete one
             (older ones are not read).
     """
-
-    model_config = ConfigDict(frozen=True)
 
     settle: float = DEFAULT_SETTLE
     full: bool = True

@@ -22,7 +22,7 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import HF_WEIGHTS, get_format, resolve_source
@@ -32,7 +32,7 @@ from ..formats.names import (
     TORCH_INDEX_SUFFIX,
     WEIGHT_SUFFIXES,
 )
-from ..models import Entry, FileInfo, Record
+from ..models import Entry, FileInfo, Record, Request
 from ..progress import NULL_PROGRESS, Progress
 from ..quant import QuantAnalysis, analyse_checkpoint, label
 from ..sources.layouts.base import open_plain
@@ -478,15 +478,13 @@ def _companions(source: Source) -> list[str]:
     )
 
 
-class MergeRequest(Record):
+class MergeRequest(Request):
     """Every option of `merge` but the locations, typed and frozen (a test holds its fields to
     `merge`'s keyword parameters and the command's options).
 
     Attributes:
         force: replace an existing DEST once the new output is complete.
     """
-
-    model_config = ConfigDict(frozen=True)
 
     force: bool = False
 

@@ -11,7 +11,7 @@ import json
 from pathlib import PurePath
 from typing import Any
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from ... import dtypes
 from ...architectures import HF
@@ -19,7 +19,7 @@ from ...dist.command import RankShare
 from ...errors import NotFoundError, UsageError
 from ...formats import find_format, resolve_source
 from ...formats.base import Checkpoint, Format, WriteOptions
-from ...models import FileInfo, Manifest, Record
+from ...models import FileInfo, Manifest, Record, Request
 from ...progress import NULL_PROGRESS, Progress
 from ...quant import QuantAnalysis
 from ...sizes import parse_size
@@ -68,13 +68,11 @@ from .plan import (
 )
 
 
-class ConvertRequest(Record):
+class ConvertRequest(Request):
     """Every option of `convert` but the locations, frozen: what each component of a
     multi-folder source is converted with (`model_copy(update=...)`), so no option is re-listed
     by hand and none is dropped. Its fields are `convert`'s keyword parameters (a test holds
     the two to each other); `progress` is a sink, not an option, and travels beside it."""
-
-    model_config = ConfigDict(frozen=True)
 
     format: str | None = None
     max_shard_size: str | int | None = None

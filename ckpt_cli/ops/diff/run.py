@@ -17,11 +17,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from ...errors import NotFoundError, UsageError
 from ...formats.base import Checkpoint
-from ...models import Entry, Record
+from ...models import Entry, Record, Request
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts import OpenedSource, open_source
 from ..shared.selection import (
@@ -295,15 +295,13 @@ def _read_value(checkpoint: Checkpoint, entry: Entry) -> Any:
     return checkpoint.read_object(entry.name)
 
 
-class DiffRequest(Record):
+class DiffRequest(Request):
     """Every option of `diff` but the two locations, typed and frozen: validated once by
     `diff_with` and passed whole to each comparison, so no option is re-listed by hand. Its
     fields are `diff`'s keyword parameters (the command's `--rename` / `--filter` /
     `--filter-out` are `renames` / `filters` / `excludes`; a test holds them to each other);
     `progress` is a sink, not an option, and travels beside it. The fields mean what `diff`'s
     arguments say."""
-
-    model_config = ConfigDict(frozen=True)
 
     format_a: str | None = None
     format_b: str | None = None

@@ -30,12 +30,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from ...errors import CkptError, NotFoundError, UsageError
 from ...formats import resolve_source
 from ...formats.base import Source
-from ...models import Record
+from ...models import Request
 from ...sources.layouts import open_source
 from ...sources.layouts.training import no_training_state
 from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, is_remote, looks_like_run, scan_run
@@ -48,12 +48,10 @@ from .save import Save
 __all__ = ["CAUSE_IDS", "EXPECTABLE", "Cause", "DoctorReport", "LogJump", "ResumePoint", "doctor"]
 
 
-class DoctorRequest(Record):
+class DoctorRequest(Request):
     """Every option of `doctor` but the run folder, typed and frozen (a test holds its fields
     to `doctor`'s keyword parameters and the command's options); they mean what `doctor`'s
     arguments say."""
-
-    model_config = ConfigDict(frozen=True)
 
     before: str | None = None
     after: str | None = None

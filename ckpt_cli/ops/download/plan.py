@@ -7,11 +7,11 @@ import fnmatch
 import re
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from ...errors import FormatError, NotFoundError
 from ...formats.names import INDEX_SUFFIX, WEIGHT_SUFFIXES
-from ...models import Entry, Record
+from ...models import Entry, Record, Request
 from ...quant import sidecar_names
 from ...sources.model_files import EXTRA_SUFFIXES
 from ...storage.hub import HubRepo
@@ -34,14 +34,12 @@ PARTS_IN_FLIGHT = 16
 PARTIAL_MARKER = ".ckpt-partial"
 
 
-class DownloadRequest(Record):
+class DownloadRequest(Request):
     """Every option of `download` but the locations, typed and frozen: built once (by the
     command, or by `download` from its keywords) and passed whole to the mode that runs it,
     so no option is re-listed by hand. Its fields are `download`'s keyword parameters less
     the progress sink, and the command's options (a test holds them to each other); they
     mean what `download`'s arguments say."""
-
-    model_config = ConfigDict(frozen=True)
 
     tensors: list[str] | None = None
     exclude: list[str] | None = None

@@ -12,13 +12,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from pydantic import ConfigDict
-
 from ... import __version__
 from ...dist.command import active
 from ...errors import DestinationExistsError, FormatError, UsageError
 from ...formats import resolve_source
-from ...models import Record
+from ...models import Request
 from ...progress import NULL_PROGRESS, Progress
 from ...sizes import counted
 from ...storage.local import open_regular
@@ -100,14 +98,12 @@ def protect(
     return protect_with(src, request, on_plan, progress)
 
 
-class ProtectRequest(Record):
+class ProtectRequest(Request):
     """Every option of `protect` but the location, typed and frozen: built once (by the
     command, or by `protect` from its keywords) and passed down whole, to every rank's share
     under torchrun too. Its fields are `protect`'s keyword parameters less the sinks
     (`on_plan`, `progress`), and the command's options (a test holds them to each other);
     they mean what `protect`'s arguments say."""
-
-    model_config = ConfigDict(frozen=True)
 
     parity: int = DEFAULT_PARITY
     block_size: str | int = DEFAULT_BLOCK_SIZE

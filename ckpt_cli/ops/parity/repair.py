@@ -10,11 +10,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
-
 from ...errors import FormatError, NotFoundError
 from ...faults import io_failure
 from ...formats.names import is_commit_marker
+from ...models import Request
 from ...progress import NULL_PROGRESS, Progress
 from ...storage import Storage
 from ...storage.output import TMP_MARKER, current_umask
@@ -56,13 +55,11 @@ def repair(src: str, *, dry_run: bool = False, progress: Progress = NULL_PROGRES
     return repair_with(src, RepairRequest(dry_run=dry_run), progress)
 
 
-class RepairRequest(BaseModel):
+class RepairRequest(Request):
     """Every option of `repair` but the location, typed and frozen: built once (by the command,
     or by `repair` from its keywords) and passed down whole. Its fields are `repair`'s keyword
     parameters less the progress sink, and the command's options (a test holds them to each
     other); they mean what `repair`'s arguments say."""
-
-    model_config = ConfigDict(frozen=True)
 
     dry_run: bool = False
 

@@ -10,10 +10,10 @@ import re
 import time
 from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from ...errors import UsageError
-from ...models import Record
+from ...models import Record, Request
 from ...sources.runs import DEFAULT_SETTLE, BestMetric, RunCheckpoint, RunReport
 from .slim import SlimAction, slim_plan
 
@@ -47,7 +47,7 @@ def best_mode(mode: str | None, keep_best: str | None) -> Literal["min", "max"]:
     return "max" if mode == "max" else "min"
 
 
-class PrunePolicy(Record):
+class PrunePolicy(Request):
     """What to keep.
 
     Attributes:
@@ -69,7 +69,6 @@ class PrunePolicy(Record):
 
     # `prune`'s request: built once by the command, read by every round of `--watch`, frozen
     # (a test holds its fields and `run`'s keywords to the command's options)
-    model_config = ConfigDict(frozen=True)
 
     keep_last: int | None = None
     keep_every: int | None = None

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import ConfigDict
-
-from ...models import Record
+from ...models import Request
 
 
-class ReshardRequest(Record):
+class ReshardRequest(Request):
     """Every option of `reshard` but the locations, typed and frozen: validated once by
     `reshard_with`, and what each component of a multi-folder model is resharded with
     (`model_copy(update=...)`), so no option is re-listed by hand and none is dropped. Its
@@ -28,8 +26,6 @@ class ReshardRequest(Record):
         dry_run: plan only: read metadata, write nothing, report what would be written.
         extras: carry the source folder's non-weight files (config, tokenizer...).
     """
-
-    model_config = ConfigDict(frozen=True)
 
     world_size: int | None = None
     max_shard_size: str | int | None = None

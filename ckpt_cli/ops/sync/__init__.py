@@ -44,10 +44,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from pydantic import ConfigDict
-
 from ...errors import NotFoundError, UsageError
-from ...models import Record
+from ...models import Request
 from ...sources.runs import DEFAULT_SETTLE, is_remote
 from ...storage.uri import is_hub_url, parse_location
 from ..prune.retention import PrunePolicy
@@ -68,14 +66,12 @@ __all__ = [
 # --------------------------------------------------------------------------- entry point
 
 
-class SyncRequest(Record):
+class SyncRequest(Request):
     """Every option of `sync` but the two sides, typed and frozen: built once (by the command,
     or by `sync` from its keywords) and read by every `--watch` round. Its fields are `sync`'s
     keyword parameters less the sinks (`on_round`, `sleep`, `on_file`), and the command's
     options (`--prune-remote` and `--keep-*` make `prune_policy`; a test holds them to each
     other); they mean what `sync`'s arguments say."""
-
-    model_config = ConfigDict(frozen=True)
 
     latest_only: bool = False
     settle: float = DEFAULT_SETTLE

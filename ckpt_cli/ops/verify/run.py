@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from ... import models
 from ...dist.command import CombinedProgress, RankShare, active
@@ -25,7 +25,7 @@ from ...errors import CkptError, CorruptDataError, UnsafeInputError, UsageError
 from ...formats import choose_format, get_format, resolve_source
 from ...formats.base import Checkpoint, Source
 from ...heap import gc_paused
-from ...models import Problem, Record, TrainingState
+from ...models import Problem, Record, Request, TrainingState
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts import OpenedSource, SourceOpener, check_source, recognise_layout
 from ...storage.hashing import ALGORITHMS
@@ -90,14 +90,12 @@ class VerifyReport(Record):
     parity: ParityCheck | None = None
 
 
-class VerifyRequest(Record):
+class VerifyRequest(Request):
     """Every option of `verify` but the location, typed and frozen: validated once by
     `verify_with` and passed whole to each check, so no option is re-listed by hand. Its
     fields are `verify`'s keyword parameters and the command's options (a test holds them to
     each other); `progress` is a sink, not an option, and travels beside it. The fields mean
     what `verify`'s arguments say."""
-
-    model_config = ConfigDict(frozen=True)
 
     format: str | None = None
     checksums: bool = False
