@@ -660,6 +660,33 @@ def test_a_run_saved_under_its_own_tags_is_judged_as_deepspeed_saves(
     assert listing["latest"] == str(run / "step_3")
 
 
+def test_a_last_save_under_a_tag_with_no_step_is_the_runs_newest(
+    tagged_run: Path, tmp_path: Path
+) -> None:
+    """A loop that ends with `save_checkpoint(dir, tag="final")`: no name rule sees a step in
+    `final/`, so the save went unlisted. `latest` named step_2 where DeepSpeed's own `latest`
+    file (and `load_checkpoint(dir)`) take `final`, and `prune --keep-last 1` planned to keep
+    step_2 alone. It is a DeepSpeed save at the step its model states record."""
+    run = shutil.copytree(tagged_run, tmp_path / "run")
+    (run / "step_3").rename(run / "final")
+    (run / "latest").write_text("final")
+
+    listing = run_ckpt("latest", run, "--settle", "0", "--json").json["result"]
+    steps = {c["name"]: (c["layout"], c["step"], c["status"]) for c in listing["checkpoints"]}
+    assert steps == {
+        "step_1": ("deepspeed", 1, "complete"),
+        "step_2": ("deepspeed", 2, "complete"),
+        "final": ("deepspeed", 3, "complete"),
+    }
+    assert listing["latest"] == str(run / "final")
+    assert listing["deepspeed_latest"] == "final"
+    assert run_ckpt("latest", run, "--settle", "0").stdout.strip() == str(run / "final")
+
+    plan = run_ckpt("prune", run, "--keep-last", "1", "--settle", "0", "--json").json["result"]
+    actions = {d["name"]: d["action"] for d in plan["decisions"]}
+    assert actions == {"step_1": "delete", "step_2": "delete", "final": "keep"}, plan
+
+
 def test_a_trainer_deepspeed_save_resharded_to_one_rank_resumes_in_the_trainer(
     trainer_zero_run: Path, tmp_path: Path
 ) -> None:

@@ -28,7 +28,13 @@ from ...storage import LocalStorage, Storage, StorageRangeFile, is_parity_path
 from ...storage.output import TMP_MARKER
 from ...storage.uri import parse_location
 from ...storage.view import FolderView
-from .naming import UNMARKED, deepspeed_tag, lightning_metrics, save_parts
+from .naming import (
+    UNMARKED,
+    deepspeed_states_in,
+    deepspeed_tag,
+    lightning_metrics,
+    save_parts,
+)
 from .records import (
     CHECKSUM_MANIFEST,
     DELETING,
@@ -432,6 +438,29 @@ def read_deepspeed_latest(storage: Storage) -> str | None:
         no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return None
     return deepspeed_tag(text)
+
+
+def deepspeed_states_step(storage: Storage, tag: str, files: Mapping[str, int]) -> int | None:
+    """The step DeepSpeed recorded in a tag folder's model states (`global_steps`, rank 0's
+    file), read from the pickle's structure (no tensor data, no torch): the step of a save
+    whose tag names none (`save_checkpoint(dir, tag="final")`). None when it holds none or the
+    file cannot be read (the judge then says what is wrong with it)."""
+    from ...formats import get_format
+    from ..layouts.training import value_of
+
+    states = deepspeed_states_in(tag, files)
+    if not states:
+        return None
+    try:
+        checkpoint = get_format("torch").open(_component_source(storage, states[0], False, files))
+        try:
+            step = value_of(checkpoint, "global_steps")
+        finally:
+            checkpoint.close()
+    except CkptError as error:
+        no_verdict(error)  # the store or the OS refused: no verdict on the file
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def newest_trainer_state(

@@ -280,6 +280,23 @@ _DCP_STEP_LAYOUTS = ("torchtitan",)
 _DEEPSPEED_MODEL_STATES = re.compile(r"(?:zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
 
 
+def deepspeed_states_in(folder: str, files: Iterable[str]) -> list[str]:
+    """The model states files DeepSpeed wrote directly in `folder` (a path relative to the run)
+    among a listing's `files` (relative to the run too), sorted: rank 0's first."""
+    inside = f"{folder}/"
+    return sorted(
+        rel
+        for rel in files
+        if rel.startswith(inside) and _DEEPSPEED_MODEL_STATES.fullmatch(rel[len(inside) :])
+    )
+
+
+def holds_deepspeed_states(folder: str, files: Iterable[str]) -> bool:
+    """Whether `folder` of a run is a DeepSpeed tag folder: it holds the model states
+    `save_checkpoint` writes into every tag, whatever the tag's name."""
+    return bool(deepspeed_states_in(folder, files))
+
+
 def by_content(item: Found, files: Iterable[str]) -> Found:
     """`item` with the layout its `files` (paths relative to the run) show, where its name says
     another:
@@ -295,11 +312,7 @@ def by_content(item: Found, files: Iterable[str]) -> Found:
     if not item.is_dir or item.temporary:
         return item
     if item.layout == "plain":
-        inside = f"{item.rels[0]}/"
-        if any(
-            rel.startswith(inside) and _DEEPSPEED_MODEL_STATES.fullmatch(rel[len(inside) :])
-            for rel in files
-        ):
+        if holds_deepspeed_states(item.rels[0], files):
             return dataclasses.replace(item, layout="deepspeed")
         return item
     if item.layout not in _DCP_STEP_LAYOUTS or holds_dcp(files):

@@ -11,18 +11,26 @@ pointer and best-by-metric.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Literal
 
 from ...storage import Storage
-from .judge import best_by_metric, judge_found, newest_trainer_state, read_deepspeed_latest
+from .judge import (
+    best_by_metric,
+    deepspeed_states_step,
+    judge_found,
+    newest_trainer_state,
+    read_deepspeed_latest,
+)
 from .naming import (
     COMPARED,
     by_content,
     deepspeed_step,
     expected_parts,
+    holds_deepspeed_states,
     leave_out_strays,
     part_names,
     save_parts,
@@ -139,6 +147,7 @@ def scan(
     candidates, left_out = leave_out_strays(run.discover())
     items = [by_content(item, run.files(item)) for item in candidates]
     ds_latest = read_deepspeed_latest(run.storage)
+    items += _unnamed_step_tag(run, items, ds_latest)
     ds_step = deepspeed_step(ds_latest)
     if ds_step is None and ds_latest:
         # a tag of the user's own (`step_500`): the step of the save it names
@@ -208,6 +217,20 @@ def scan(
             report.best.source = None
     run.close()
     return report
+
+
+def _unnamed_step_tag(run: RunListing, items: list[Found], tag: str | None) -> list[Found]:
+    """The save DeepSpeed's `latest` file names when its tag holds no step
+    (`save_checkpoint(dir, tag="final")`), as a DeepSpeed save at the step its model states
+    record: no naming rule finds such a folder, so the run's newest save went unlisted, `latest`
+    named an older one and `sync` pushed a `latest` naming a folder it had left behind."""
+    if tag is None or any(_base_name(i.rels[0]) == tag for i in items):
+        return []
+    found = Found("deepspeed", None, None, [tag], True)
+    files = run.files(found)
+    if not holds_deepspeed_states(tag, files):
+        return []
+    return [dataclasses.replace(found, step=deepspeed_states_step(run.storage, tag, files))]
 
 
 def _metrics_file(storage: Storage) -> tuple[str, str]:
