@@ -734,3 +734,156 @@ def test_before_and_after_the_same_save_is_refused(trainer_runs: Path) -> None:
     result = run_ckpt("doctor", run, "--before", "checkpoint-4", "--after", f"{run}/checkpoint-4/")
     assert result.exit_code == 2
     assert "--before and --after name the same save" in result.stderr
+
+
+def _plain_loop(
+    run: Path,
+    resume: int | None,
+    fault: str | None = None,
+    *,
+    until: int,
+    save_scheduler: bool = True,
+) -> None:
+    """A plain training loop that `torch.save`s one dict per save (`run/ckpt_N.pt`: model,
+    optimizer, scheduler, its own `samples_seen` counter and `rng_state` at the top level) every
+    2 steps and appends `metrics.jsonl`; resumed from `ckpt_RESUME.pt` with `fault` planted."""
+    import random
+
+    torch.manual_seed(0)
+    random.seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+    data = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(256, 8, generator=data), torch.randn(256, 1, generator=data)
+    step = samples_seen = 0
+    if resume is not None:
+        saved = torch.load(run / f"ckpt_{resume}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        if "scheduler" in saved:
+            scheduler.load_state_dict(saved["scheduler"])
+        step = saved["step"]
+        if fault != "skip_data":
+            samples_seen = saved["samples_seen"]
+        torch.set_rng_state(saved["rng_state"])
+    run.mkdir(parents=True, exist_ok=True)
+    while step < until:
+        step += 1
+        start = samples_seen % 256
+        loss = torch.nn.functional.mse_loss(model(xs[start : start + 8]), ys[start : start + 8])
+        loss.backward()
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        samples_seen += 8
+        with open(run / "metrics.jsonl", "a") as log:
+            log.write(json.dumps({"step": step, "loss": loss.item(), "lr": lr}) + "\n")
+        if step % 2 == 0:
+            state: dict[str, Any] = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "step": step,
+                "samples_seen": samples_seen,
+                "rng_state": torch.get_rng_state(),
+            }
+            if save_scheduler:
+                state["scheduler"] = scheduler.state_dict()
+            torch.save(state, run / f"ckpt_{step}.pt")
+
+
+def test_a_plain_loop_that_saves_no_scheduler_is_found_from_its_log(tmp_path: Path) -> None:
+    """A plain loop saved its model and optimizer but not its warm-up scheduler: after a crash
+    at step 5 and a resume from `ckpt_4.pt`, the learning rate went back to its step-1 value.
+    The log showed it, and doctor said NO CAUSE FOUND (it looked only at scheduler state)."""
+    run = tmp_path / "run"
+    _plain_loop(run, None, until=5, save_scheduler=False)  # crashed after step 5
+    _plain_loop(run, 4, until=8, save_scheduler=False)
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    top = result.json["result"]["causes"][0]
+    assert top["id"] == "scheduler_not_restored", top
+    assert (top["before"], top["after"]) == ("ckpt_4.pt", "ckpt_6.pt")
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # the restored optimizer carried its last LR into step 5; the fresh scheduler set step 6's
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+    assert logged[6]["lr"] == logged[1]["lr"] != logged[3]["lr"]  # warm-up again, truly
+    assert any(
+        "0.005 at step 6 (the value of step 2: warm-up again)" in line for line in top["evidence"]
+    )
+    assert any("hold no LR scheduler state" in line for line in top["evidence"])
+    assert "scheduler.state_dict()" in top["fix"]
+
+    # the same loop saving and restoring its scheduler: a clean resume, no cause
+    clean = tmp_path / "clean"
+    _plain_loop(clean, None, until=5)
+    _plain_loop(clean, 4, until=8)
+    result = run_ckpt("doctor", clean, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []
+    assert any("log" in p["how"] for p in result.json["result"]["resume_points"])
+
+
+def test_a_plain_loops_own_samples_counter_is_read(tmp_path: Path) -> None:
+    """A plain `torch.save` dict keeps `samples_seen` at its top level; a resume that did not
+    restore it replays the data it saw. doctor read counters only inside a `dataloader` /
+    `train_state`... component and found no cause."""
+    run = tmp_path / "run"
+    _plain_loop(run, None, until=5)
+    _plain_loop(run, 4, "skip_data", until=8)
+    saved = [torch.load(run / f"ckpt_{n}.pt", weights_only=True)["samples_seen"] for n in (4, 6)]
+    assert saved == [32, 16]
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    top = result.json["result"]["causes"][0]
+    assert top["id"] == "data_position_not_restored", top
+    assert (top["before"], top["after"]) == ("ckpt_4.pt", "ckpt_6.pt")
+    assert "samples_seen 32 at ckpt_4.pt, 16 at ckpt_6.pt" in top["evidence"][0]
+
+
+def test_the_checkpointers_rng_value_is_checked(tmp_path: Path) -> None:
+    """The ckpt Checkpointer saved `"rng": torch.get_rng_state()` as one entry `rng`; a resume
+    that seeded again instead of restoring it was not found: doctor read RNG streams only
+    inside an `rng.` component."""
+    from ckpt_cli import Checkpointer
+
+    def train(until: int, restore_rng: bool) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        checkpointer = Checkpointer(tmp_path / "run")
+        into = {"model": model, "optimizer": optimizer, "rng": torch.get_rng_state()}
+        loaded = checkpointer.load_latest(into=into)
+        step = loaded.step if loaded else 0
+        if loaded and restore_rng:
+            torch.set_rng_state(into["rng"])
+        while step < until:
+            step += 1
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step % 2 == 0:
+                state = {"model": model, "optimizer": optimizer, "rng": torch.get_rng_state()}
+                checkpointer.save(step, state)
+        checkpointer.close()
+
+    train(4, restore_rng=True)
+    train(6, restore_rng=False)  # seeded again by `manual_seed(0)`, the saved state unused
+    result = run_ckpt(
+        "doctor", "--before", tmp_path / "run/step-4", "--after", tmp_path / "run/step-6", "--json"
+    )
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [c["id"] for c in causes] == ["rng_not_restored"], causes
+    assert "torch's CPU generator" in causes[0]["evidence"][0]
+
+    # restored, a resume from step-6 carries on: no cause
+    train(8, restore_rng=True)
+    result = run_ckpt(
+        "doctor", "--before", tmp_path / "run/step-6", "--after", tmp_path / "run/step-8", "--json"
+    )
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []

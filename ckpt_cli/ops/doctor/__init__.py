@@ -279,6 +279,7 @@ def _examine(
     report.resume_points = points.find(pairs, declared=pair_mode)
     causes: list[Cause] = []
     for pair, point in zip(pairs, report.resume_points, strict=True):
+        pair.stopped = point.resumed
         found: list[Cause] = []
         for family in _PAIR_CHECKS:
             found += family(pair)

@@ -160,13 +160,35 @@ def jump(series: Series, step_before: int, step_after: int | None) -> LogJump | 
         lr_after=after.lr,
         restarted=restarted,
     )
-    if after.lr is not None and before.lr is not None and not _close(after.lr, before.lr):
-        fresh = after.step - step_before  # where a schedule that started over stands
-        for r in recs[:first]:
-            if r.step == fresh and r.lr is not None and _close(r.lr, after.lr):
-                out.lr_like_step = fresh
-                break
+    if before.lr is not None:
+        _warmup_again(out, recs, first, step_before, step_after, before.lr)
     return out
+
+
+def _warmup_again(
+    out: LogJump,
+    recs: list[Record],
+    first: int,
+    step_before: int,
+    step_after: int | None,
+    lr_before: float,
+) -> None:
+    """Set `out.lr_like_*` when a step after the resume (up to the next save) ran with the
+    learning rate the run had logged as many steps from its start as it stands from the
+    resume (the schedule started over), and not with the one logged at the resume, nor the one
+    logged at that same step before the restart (a continued schedule's)."""
+    earlier: dict[int, float] = {r.step: r.lr for r in recs[:first] if r.lr is not None}
+    for r in recs[first:]:
+        if r.step <= step_before or (step_after is not None and r.step > step_after):
+            break
+        fresh = r.step - step_before  # where a schedule that started over stands
+        if r.lr is None or fresh not in earlier or _close(r.lr, lr_before):
+            continue
+        if r.step in earlier and _close(earlier[r.step], r.lr):
+            continue  # the value the run had at this very step: carried on
+        if _close(earlier[fresh], r.lr):
+            out.lr_like_step, out.lr_like_at, out.lr_like = fresh, r.step, r.lr
+            return
 
 
 def _close(x: float, y: float) -> bool:

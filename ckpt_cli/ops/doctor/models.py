@@ -78,8 +78,12 @@ class LogJump(Record):
         source: the log read (`checkpoint-6/trainer_state.json`, `metrics.jsonl`...).
         step_before / step_after: the last logged step up to the save, the first after it.
         loss_before / loss_after, lr_before / lr_after: the values logged there.
-        lr_like_step: the earlier step whose logged learning rate the resumed step repeats
-            (the scheduler started over: warm-up again), when one does.
+        lr_like_step: the earlier step whose logged learning rate the resumed run repeats
+            (the scheduler started over: warm-up again), when it does.
+        lr_like_at / lr_like: the resumed step that repeats it, and its learning rate: the
+            first step after the resume, or a later one up to the next save (a restored
+            optimizer carries its last learning rate into the first step; a fresh scheduler
+            sets its own from the next).
         restarted: the log itself shows a restart (a step logged twice, or the steps going
             back).
     """
@@ -92,6 +96,8 @@ class LogJump(Record):
     lr_before: float | None = None
     lr_after: float | None = None
     lr_like_step: int | None = None
+    lr_like_at: int | None = None
+    lr_like: float | None = None
     restarted: bool = False
 
 

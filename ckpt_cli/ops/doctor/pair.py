@@ -16,12 +16,15 @@ class Pair:
         before / after: the two saves.
         earlier: the saves older than `before` (the RNG family looks for a state seen before).
         log: the logged loss and LR around the resume step, when a log covers it.
+        stopped: a restart between them was found without the saved state (declared, or in
+            the log, the step numbering or the file times: `points`).
     """
 
     before: Save
     after: Save
     earlier: list[Save] = field(default_factory=list)
     log: LogJump | None = None
+    stopped: bool = False
 
     @property
     def elapsed(self) -> int | None:

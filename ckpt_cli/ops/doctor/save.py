@@ -211,7 +211,11 @@ class Save:
             parts = entry.name.split(".")
             if "log_history" in parts:
                 continue  # the values logged at past steps, not the position now
-            if parts[-1] not in DATA_COUNTERS or not any(
+            if parts[-1] not in DATA_COUNTERS:
+                continue
+            # a counter of its own at the top level (a plain loop's `torch.save` dict), or
+            # inside a data-position component
+            if len(parts) > 1 and not any(
                 parts[0] == home or parts[0].startswith(f"{home}_") for home in _DATA_HOMES
             ):
                 continue
@@ -330,8 +334,10 @@ class Save:
         for entry in self.entries:
             head, _, rest = entry.name.partition(".")
             match = re.fullmatch(r"rng(?:_state)?(?:_(\d+))?", head)
-            if match is None or not rest:
+            if match is None:
                 continue
+            if not rest:
+                rest = head  # one generator's state saved whole (`"rng": torch.get_rng_state()`)
             rank = match.group(1) or "0"
             inner = re.match(r"(?:rank_?|r)(\d+)\.(.+)", rest)
             if inner:

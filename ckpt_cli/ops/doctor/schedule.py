@@ -1,15 +1,32 @@
 """LR scheduler cause: its state was not restored (`last_epoch` counts again from the resume;
-the logged learning rate jumps back into warm-up)."""
+the logged learning rate jumps back into warm-up). A run whose saves hold no scheduler state
+at all is judged by its log alone: at a restart, the learning rate of the step after it is the
+one the run logged at the first steps' distance from its start (`logs.jump`'s `lr_like_step`)."""
 
 from __future__ import annotations
 
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
 
+_FIX = (
+    "Load the scheduler's state dict on resume (Trainer: keep scheduler.pt; "
+    "accelerate: prepare the scheduler before load_state; a plain loop: "
+    "scheduler.load_state_dict; torchtitan: keep `lr_scheduler` out of "
+    "checkpoint.exclude_from_loading), after the optimizer's."
+)
+_FIX_UNSAVED = (
+    "Save the scheduler's state with the checkpoint (a plain loop: put "
+    "scheduler.state_dict() in the saved dict; accelerate: prepare the scheduler, or "
+    "register_for_checkpointing it; the ckpt Checkpointer: pass it in the state) and load it "
+    "on resume, after the optimizer's."
+)
+
 
 def check(pair: Pair) -> list[Cause]:
     """The scheduler cause of one pair of saves."""
     a, b = pair.before, pair.after
+    if a.scheduler_epoch is None or b.scheduler_epoch is None:
+        return _unsaved(pair)
     found = counter_restart(a.scheduler_epoch, b.scheduler_epoch, a.step, pair.elapsed)
     if found is None or not found.restarted:
         return []
@@ -17,15 +34,9 @@ def check(pair: Pair) -> list[Cause]:
         f"scheduler last_epoch {fmt(found.before)} at {a.name}, {fmt(found.after)} at {b.name}: "
         + found.outlook("restored it would be", "started over")
     ]
-    log = pair.log
-    if log is not None and log.lr_after is not None and log.lr_before is not None:
-        line = (
-            f"logged learning rate {log.lr_before:.3g} at step {log.step_before}, "
-            f"{log.lr_after:.3g} at step {log.step_after}"
-        )
-        if log.lr_like_step is not None:
-            line += f" (the value of step {log.lr_like_step}: warm-up again)"
-        evidence.append(line + f" ({log.source})")
+    line = _logged_lr(pair)
+    if line is not None:
+        evidence.append(line)
     return [
         Cause(
             id="scheduler_not_restored",
@@ -34,9 +45,53 @@ def check(pair: Pair) -> list[Cause]:
             before=a.name,
             after=b.name,
             evidence=evidence,
-            fix="Load the scheduler's state dict on resume (Trainer: keep scheduler.pt; "
-            "accelerate: prepare the scheduler before load_state; a plain loop: "
-            "scheduler.load_state_dict; torchtitan: keep `lr_scheduler` out of "
-            "checkpoint.exclude_from_loading), after the optimizer's.",
+            fix=_FIX,
+        )
+    ]
+
+
+def _logged_lr(pair: Pair) -> str | None:
+    log = pair.log
+    if log is None or log.lr_after is None or log.lr_before is None:
+        return None
+    line = (
+        f"logged learning rate {log.lr_before:.3g} at step {log.step_before}, "
+        f"{log.lr_after:.3g} at step {log.step_after}"
+    )
+    if log.lr_like_step is not None and log.lr_like_at == log.step_after:
+        line += f" (the value of step {log.lr_like_step}: warm-up again)"
+    elif log.lr_like_step is not None and log.lr_like is not None:
+        line += (
+            f", {log.lr_like:.3g} at step {log.lr_like_at} (the value of step "
+            f"{log.lr_like_step}: warm-up again)"
+        )
+    return line + f" ({log.source})"
+
+
+def _unsaved(pair: Pair) -> list[Cause]:
+    """Saves without scheduler state on a side: the log's learning rate at a restart, back at
+    the value of the run's first steps, is the only witness."""
+    a, b = pair.before, pair.after
+    log = pair.log
+    if not pair.stopped or log is None or log.lr_like_step is None:
+        return []
+    line = _logged_lr(pair)
+    missing = [s.name for s in (a, b) if s.scheduler_epoch is None]
+    evidence = [line] if line is not None else []
+    evidence.append(
+        f"{' and '.join(missing)} hold{'s' if len(missing) == 1 else ''} no LR scheduler "
+        "state: the resumed run could only build a fresh scheduler"
+        if a.scheduler_epoch is None
+        else f"{b.name} holds no LR scheduler state to compare with {a.name}'s"
+    )
+    return [
+        Cause(
+            id="scheduler_not_restored",
+            title="the LR scheduler was not restored: its schedule started over at the resume",
+            score=0.85,
+            before=a.name,
+            after=b.name,
+            evidence=evidence,
+            fix=_FIX_UNSAVED if a.scheduler_epoch is None else _FIX,
         )
     ]
