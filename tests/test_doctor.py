@@ -762,7 +762,10 @@ def _plain_loop(
     if resume is not None:
         saved = torch.load(run / f"ckpt_{resume}.pt", weights_only=True)
         model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
+        if fault == "optimizer_from_2":  # the optimizer's path built from another step
+            optimizer.load_state_dict(torch.load(run / "ckpt_2.pt")["optimizer"])
+        else:
+            optimizer.load_state_dict(saved["optimizer"])
         if "scheduler" in saved:
             scheduler.load_state_dict(saved["scheduler"])
         step = saved["step"]
@@ -887,3 +890,43 @@ def test_the_checkpointers_rng_value_is_checked(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.stdout
     assert result.json["result"]["causes"] == []
+
+
+def test_an_optimizer_restored_from_another_save_is_named(tmp_path: Path) -> None:
+    """A resume from `ckpt_4.pt` that loaded the optimizer of `ckpt_2.pt` (its path built from
+    another step): doctor said only that the later saves' counters disagree (twice, one per
+    save), not which resume loaded what. It now names the save the optimizer came from."""
+    run = tmp_path / "run"
+    _plain_loop(run, None, until=5)
+    _plain_loop(run, 4, "optimizer_from_2", until=8)
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [c["id"] for c in causes] == ["optimizer_not_restored"], causes
+    top = causes[0]
+    assert (top["before"], top["after"]) == ("ckpt_4.pt", "ckpt_6.pt")
+    assert "ckpt_2.pt's, not ckpt_4.pt's" in top["title"]
+    saved = torch.load(run / "ckpt_6.pt", weights_only=True)["optimizer"]["state"][0]["step"]
+    assert int(saved) == 4  # 2 restored + 2 trained: neither 6 (restored) nor 2 (fresh)
+    assert "resumed with counted 2, the count of ckpt_2.pt (step 2)" in top["evidence"][0]
+
+
+@pytest.mark.parametrize("component", ["optimizer", "model"])
+def test_a_save_holding_an_earlier_saves_state_is_found(tmp_path: Path, component: str) -> None:
+    """`ckpt_6.pt` put together from two saves: its optimizer (or its weights) are
+    `ckpt_4.pt`'s. The weights case was NO CAUSE FOUND; the optimizer case only "the save's
+    step counters disagree" for `ckpt_6.pt`, not where its state came from."""
+    run = tmp_path / "run"
+    _plain_loop(run, None, until=8)
+    mixed = torch.load(run / "ckpt_6.pt", weights_only=True)
+    mixed[component] = torch.load(run / "ckpt_4.pt", weights_only=True)[component]
+    torch.save(mixed, run / "ckpt_6.pt")
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [c["id"] for c in causes] == ["inconsistent_state"], causes
+    top = causes[0]
+    assert (top["before"], top["after"]) == ("ckpt_4.pt", "ckpt_6.pt")
+    what = "weights" if component == "model" else "optimizer state"
+    assert top["title"] == f"ckpt_6.pt holds ckpt_4.pt's {what}: the save mixes state of two saves"
+    assert "resume from ckpt_4.pt" in top["fix"]

@@ -289,7 +289,10 @@ def _examine(
             point.resumed = True
         causes += found
     explained = {
-        c.after for c in causes if c.id in ("optimizer_not_restored", "scheduler_not_restored")
+        c.after
+        for c in causes
+        if c.id in ("optimizer_not_restored", "scheduler_not_restored")
+        or (c.id == "inconsistent_state" and c.before is not None)  # found by its pair
     }
     for pair, point in zip(pairs, report.resume_points, strict=True):
         if pair.before.name in explained and not point.resumed:

@@ -99,6 +99,8 @@ def check(pair: Pair) -> list[Cause]:
                 "accept that Adam's moments start over.",
             )
         )
+    if restart is None and not unloadable and not causes:
+        causes += _restored_from_another_save(pair)
     mismatch = _mismatch(a, b, misfits_before)
     if mismatch:
         causes.append(
@@ -142,3 +144,71 @@ def _fresh_after_weights_only(pair: Pair) -> bool:
         return False
     elapsed = pair.elapsed
     return a.step is not None and a.step > 0 and elapsed is not None and b.optimizer_step <= elapsed
+
+
+def _restored_from_another_save(pair: Pair) -> list[Cause]:
+    """The resume loaded the optimizer state of an earlier save than the one it resumed from
+    (a path built from another step): the save after counts the optimizer steps of that save
+    plus the steps between the two saves. fp16 runs (a grad scaler saved) can skip optimizer
+    steps on overflow, so a count short by whole save intervals proves nothing there."""
+    a, b, elapsed = pair.before, pair.after, pair.elapsed
+    if a.optimizer_step is None or b.optimizer_step is None or elapsed is None:
+        return []
+    if a.scaler is not None or b.scaler is not None:
+        return []
+    resumed_with = b.optimizer_step - elapsed
+    if resumed_with == a.optimizer_step or resumed_with <= 0:
+        return []
+    if b.optimizer_step == a.optimizer_step:
+        moments = second_moment_mean(a)
+        if moments is None or moments == second_moment_mean(b):
+            return _copied(pair)  # not another save's state trained on: the same state
+    other = next((e for e in reversed(pair.earlier) if e.optimizer_step == resumed_with), None)
+    if other is None:
+        return []
+    return [
+        Cause(
+            id="optimizer_not_restored",
+            title=f"the optimizer state restored was {other.name}'s, not {a.name}'s: it "
+            "lags the weights",
+            score=0.9,
+            before=a.name,
+            after=b.name,
+            evidence=[
+                f"optimizer step count {fmt(b.optimizer_step)} at {b.name}, {fmt(elapsed)} "
+                f"steps after {a.name}: the optimizer it resumed with counted "
+                f"{fmt(resumed_with)}, the count of {other.name} (step {fmt(other.step)}); "
+                f"{a.name}'s was {fmt(a.optimizer_step)}",
+            ],
+            fix=f"Load the optimizer state saved with the weights the run resumes from "
+            f"({a.name}), not another save's: build both paths from the same checkpoint. "
+            f"Resume from {a.name} again to train on consistent state.",
+        )
+    ]
+
+
+def _copied(pair: Pair) -> list[Cause]:
+    """The save after holds the very optimizer state of the save before (the same step counts
+    and second moments) though the run took steps between them: its optimizer file comes from
+    the earlier save (two saves mixed), or the loop saved an optimizer that does not step."""
+    a, b = pair.before, pair.after
+    if second_moment_mean(a) is None:
+        return []  # no moments to tell a copy from a state that lags by whole intervals
+    return [
+        Cause(
+            id="inconsistent_state",
+            title=f"{b.name} holds {a.name}'s optimizer state: the save mixes state of two saves",
+            score=0.85,
+            before=a.name,
+            after=b.name,
+            evidence=[
+                f"optimizer step count {fmt(a.optimizer_step)} at {a.name} and at {b.name}, "
+                f"{fmt(pair.elapsed)} steps later, with the same second moments (mean "
+                f"exp_avg_sq {second_moment_mean(a):.6g}): the optimizer state did not move",
+            ],
+            fix=f"{b.name}'s optimizer state was copied from {a.name} (files of two saves "
+            "put together), or the loop saves an optimizer that does not train (one built "
+            f"before the model was wrapped, a copy): resume from {a.name}, and save the "
+            "optimizer that steps.",
+        )
+    ]

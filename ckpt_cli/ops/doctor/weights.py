@@ -15,7 +15,8 @@ import statistics
 from collections import Counter
 
 from .models import Cause
-from .pair import Pair
+from .optimizer import second_moment_mean
+from .pair import Pair, fmt
 from .tensors import moments_against, pair_moments
 
 #: tensors this small carry too little to judge a correlation by
@@ -28,9 +29,13 @@ def check(pair: Pair) -> list[Cause]:
     precision = _precision(pair)
     if precision is not None:
         causes.append(precision)
-    partial = _partial(pair)
+    rows = _changes(pair)
+    partial = _partial(pair, rows)
     if partial is not None:
         causes.append(partial)
+    stale = _unmoved(pair, rows)
+    if stale is not None:
+        causes.append(stale)
     ema = _ema(pair)
     if ema is not None:
         causes.append(ema)
@@ -59,7 +64,8 @@ def _precision(pair: Pair) -> Cause | None:
     )
 
 
-def _partial(pair: Pair) -> Cause | None:
+def _changes(pair: Pair) -> list[tuple[str, float, float]]:
+    """Per weight tensor both saves hold: its name, its change per element, its correlation."""
     a, b = pair.before, pair.after
     rows: list[tuple[str, float, float]] = []  # name, relative change, correlation
     for name, ea in a.model_tensors.items():
@@ -71,6 +77,11 @@ def _partial(pair: Pair) -> Cause | None:
         # one by the run's updates (relative to its norm, a zero-initialised bias would look
         # "changed" by any update)
         rows.append((name, change / math.sqrt(ea.numel or 1), corr))
+    return rows
+
+
+def _partial(pair: Pair, rows: list[tuple[str, float, float]]) -> Cause | None:
+    a, b = pair.before, pair.after
     if len(rows) < 3:
         return None
     moving = [r for _, r, _ in rows if r > 0]
@@ -151,4 +162,36 @@ def _ema(pair: Pair) -> Cause | None:
             "from the weights instead of carrying on",
         ],
         fix="Load the EMA state dict on resume instead of copying the current weights into it.",
+    )
+
+
+def _unmoved(pair: Pair, rows: list[tuple[str, float, float]]) -> Cause | None:
+    """Every weight tensor of the save after bit-identical to the save before's, though the
+    optimizer stepped between them (its step count grew, its moments moved): the weights
+    saved are not the ones trained."""
+    a, b = pair.before, pair.after
+    if not rows or any(change != 0.0 for _, change, _ in rows):
+        return None
+    steps_a, steps_b = a.optimizer_step, b.optimizer_step
+    if steps_a is None or steps_b is None or steps_b <= steps_a:
+        return None
+    moments_a, moments_b = second_moment_mean(a), second_moment_mean(b)
+    if moments_a is None or moments_a == moments_b:
+        return None
+    return Cause(
+        id="inconsistent_state",
+        title=f"{b.name} holds {a.name}'s weights: the save mixes state of two saves",
+        score=0.85,
+        before=a.name,
+        after=b.name,
+        evidence=[
+            f"all {len(rows)} weight tensors compared are bit-identical at {a.name} and "
+            f"{b.name}, though the optimizer took {fmt(steps_b - steps_a)} steps between them "
+            f"(step count {fmt(steps_a)} → {fmt(steps_b)}, mean exp_avg_sq {moments_a:.3g} → "
+            f"{moments_b:.3g}): the weights saved did not train",
+        ],
+        fix=f"{b.name}'s weights were copied from {a.name} (files of two saves put together), "
+        "or the loop saves a model the optimizer does not step (a copy made before training, "
+        f"a module other than the wrapped one): resume from {a.name}, and save the model "
+        "that trains.",
     )
