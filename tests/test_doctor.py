@@ -930,3 +930,54 @@ def test_a_save_holding_an_earlier_saves_state_is_found(tmp_path: Path, componen
     what = "weights" if component == "model" else "optimizer state"
     assert top["title"] == f"ckpt_6.pt holds ckpt_4.pt's {what}: the save mixes state of two saves"
     assert "resume from ckpt_4.pt" in top["fix"]
+
+
+def test_a_lost_rank_rng_file_is_found_against_the_runs_other_saves(tmp_path: Path) -> None:
+    """A 2-rank Trainer run keeps `rng_state_0.pth` and `rng_state_1.pth` in every save; one
+    save lost `rng_state_1.pth`. The Trainer records no world size, so doctor (run or single
+    save) said NO CAUSE FOUND / "can resume consistently". Its neighbours in the same process
+    now say which rank's file is missing; a resume on 1 rank (a restart between the saves) is
+    no finding."""
+    from .run_fixtures import trainer_checkpoint
+
+    def build(run: Path, ranks: dict[int, tuple[int, ...]]) -> None:
+        streams = {r: torch.Generator().manual_seed(r) for r in (0, 1)}
+        for step, kept in ranks.items():
+            folder = run / f"checkpoint-{step}"
+            trainer_checkpoint(folder, step)
+            (folder / "rng_state.pth").unlink()
+            for rank, stream in streams.items():
+                torch.rand(64, generator=stream)  # the steps' draws
+                if rank in kept:
+                    # what the Trainer writes per process (`rng_state_{process_index}.pth`)
+                    torch.save({"cpu": stream.get_state()}, folder / f"rng_state_{rank}.pth")
+
+    lost = tmp_path / "lost"
+    build(lost, {100: (0, 1), 200: (0,), 300: (0, 1)})
+    result = run_ckpt("doctor", lost, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["after"]) for c in causes] == [("rng_ranks_missing", "checkpoint-200")]
+    assert "rank 1 missing (rng_state_1.pth at checkpoint-100)" in causes[0]["evidence"][0]
+    assert "restore rng_state_1.pth" in causes[0]["fix"]
+
+    # the newest save lost it: found against the save before
+    build(newest := tmp_path / "newest", {100: (0, 1), 200: (0, 1), 300: (0,)})
+    causes = run_ckpt("doctor", newest, "--json").json["result"]["causes"]
+    assert [(c["id"], c["after"]) for c in causes] == [("rng_ranks_missing", "checkpoint-300")]
+
+    # every save whole: no cause
+    build(whole := tmp_path / "whole", {100: (0, 1), 200: (0, 1), 300: (0, 1)})
+    result = run_ckpt("doctor", whole, "--json")
+    assert result.exit_code == 0 and result.json["result"]["causes"] == [], result.stdout
+
+    # resumed on 1 rank after a stop (the earlier saves an hour old): fewer states, no loss
+    build(fewer := tmp_path / "fewer", {100: (0, 1), 200: (0, 1), 300: (0,)})
+    for name in ("checkpoint-100", "checkpoint-200"):
+        for path in [*(fewer / name).rglob("*"), fewer / name]:
+            stat = path.stat()
+            os.utime(path, (stat.st_atime - DOWN_SECONDS, stat.st_mtime - DOWN_SECONDS))
+    result = run_ckpt("doctor", fewer, "--json")
+    points = result.json["result"]["resume_points"]
+    assert [p["how"] for p in points] == [[], ["time"]]
+    assert result.exit_code == 0 and result.json["result"]["causes"] == [], result.stdout

@@ -297,8 +297,12 @@ def _examine(
     for pair, point in zip(pairs, report.resume_points, strict=True):
         if pair.before.name in explained and not point.resumed:
             explained.add(pair.after.name)  # the same process carried the lag on
+    lost = consistency.check_ranks_lost(pairs)
+    causes += lost
     for save in saves:
         for cause in consistency.check(save):
+            if cause.id == "rng_ranks_missing" and any(c.after == save.name for c in lost):
+                continue  # one finding per save
             if cause.id == "inconsistent_state" and save.name in explained:
                 continue  # the pair's cause says why its counters disagree
             causes.append(cause)

@@ -7,8 +7,13 @@ from __future__ import annotations
 import math
 
 from .models import Cause
-from .pair import fmt
+from .pair import Pair, fmt
 from .save import INITIAL_SCALE, Save
+
+_RANKS_FIX = (
+    "Save every rank's RNG state (rng_state_N.pth, random_states_N.pkl, one key per rank): "
+    "the ranks without one resume with fresh random numbers."
+)
 
 
 def check(save: Save) -> list[Cause]:
@@ -37,8 +42,7 @@ def check(save: Save) -> list[Cause]:
                 score=0.6,
                 after=save.name,
                 evidence=ranks,
-                fix="Save every rank's RNG state (rng_state_N.pth, random_states_N.pkl, one "
-                "key per rank): the ranks without one resume with fresh random numbers.",
+                fix=_RANKS_FIX,
             )
         )
     return causes
@@ -85,3 +89,49 @@ def _rng_ranks(save: Save) -> list[str]:
     if world is None or have == 0 or have >= world:
         return []
     return [f"world size {fmt(world)} recorded, RNG states for {have} rank(s)"]
+
+
+def _ranks(save: Save) -> str:
+    ranks = sorted(save.rng_groups, key=int)
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}"
+
+
+def check_ranks_lost(pairs: list[Pair]) -> list[Cause]:
+    """Saves holding RNG states for fewer ranks than the save before or after them, the same
+    process between them (no restart found: the world size cannot have changed): a rank's
+    file was lost, or not written. Saves on both sides of a restart are not compared (a run
+    resumed on fewer ranks saves fewer states)."""
+    causes: list[Cause] = []
+    seen: set[str] = set()
+    for pair in pairs:
+        if pair.stopped:
+            continue
+        for short, full in ((pair.after, pair.before), (pair.before, pair.after)):
+            have, want = set(short.rng_groups), set(full.rng_groups)
+            if not have or not have < want or short.name in seen:
+                continue
+            seen.add(short.name)
+            missing = sorted(want - have, key=int)
+            files = sorted(
+                {e.file for r in missing for e in full.rng_groups[r] if e.file is not None}
+            )
+            causes.append(
+                Cause(
+                    id="rng_ranks_missing",
+                    title="the save holds RNG states for fewer ranks than the run had",
+                    score=0.6,
+                    after=short.name,
+                    evidence=[
+                        f"RNG states for {_ranks(full)} at {full.name}, for {_ranks(short)} at "
+                        f"{short.name} (the same run, no restart between them): "
+                        f"rank{'s' if len(missing) > 1 else ''} {', '.join(missing)} missing"
+                        + (f" ({', '.join(files)} at {full.name})" if files else ""),
+                    ],
+                    fix=f"{short.name} lacks what the run's other saves hold: restore "
+                    f"{', '.join(files) or 'the missing RNG files'} from a copy of "
+                    f"{short.name} (its object-store copy, a backup), or resume from a save "
+                    f"that holds every rank's RNG state ({full.name}); resumed from "
+                    f"{short.name} as it is, those ranks draw fresh random numbers.",
+                )
+            )
+    return causes
