@@ -981,3 +981,38 @@ def test_a_lost_rank_rng_file_is_found_against_the_runs_other_saves(tmp_path: Pa
     points = result.json["result"]["resume_points"]
     assert [p["how"] for p in points] == [[], ["time"]]
     assert result.exit_code == 0 and result.json["result"]["causes"] == [], result.stdout
+
+
+@pytest.mark.frameworks
+@pytest.mark.torchrun
+@pytest.mark.timeout(1200)
+def test_deepspeed_scheduler_not_restored(tmp_path: Path) -> None:
+    """A DeepSpeed run resumed with `load_checkpoint(load_lr_scheduler_states=False)`: its
+    WarmupLR counts `last_batch_iteration`, not `last_epoch`, and doctor said NO CAUSE FOUND."""
+    job = Path(__file__).with_name("doctor_deepspeed_job.py")
+    for case in ("clean", "skip_scheduler"):
+        run = tmp_path / case
+        run_torchrun(job, 1, run, "fresh", timeout=600)
+        for path in run.rglob("*"):  # the crashed job's saves, an hour old
+            stat = path.stat()
+            os.utime(path, (stat.st_atime - DOWN_SECONDS, stat.st_mtime - DOWN_SECONDS))
+        run_torchrun(job, 1, run, case, timeout=600)
+        iterations = [
+            torch.load(run / f"global_step{n}/mp_rank_00_model_states.pt", weights_only=False)[
+                "lr_scheduler"
+            ]["last_batch_iteration"]
+            for n in (4, 6)
+        ]
+        result = run_ckpt("doctor", run, "--json")
+        causes = result.json["result"]["causes"]
+        if case == "clean":
+            assert iterations == [3, 5]
+            assert result.exit_code == 0 and causes == [], result.stdout
+            continue
+        assert iterations == [3, 1]  # started over at the resume
+        assert result.exit_code == 1, result.stdout
+        assert [c["id"] for c in causes] == ["scheduler_not_restored"], causes
+        assert (causes[0]["before"], causes[0]["after"]) == ("global_step4", "global_step6")
+        assert causes[0]["evidence"][0].startswith(
+            "scheduler steps (last_batch_iteration + 1) 4 at global_step4, 2 at global_step6"
+        )

@@ -62,9 +62,13 @@ def _disagreeing(save: Save) -> list[str]:
         # a per-epoch scheduler counts epochs, fewer than steps; never more than the steps
         per_step = save.layout == "hf-trainer"
         if sched > step or (per_step and sched != step):
-            evidence.append(f"scheduler last_epoch {fmt(sched)}, trainer step {fmt(step)}")
+            evidence.append(
+                f"scheduler {save.scheduler_counter} {fmt(sched)}, trainer step {fmt(step)}"
+            )
     if opt is not None and sched is not None and save.layout == "hf-trainer" and opt != sched:
-        evidence.append(f"optimizer step count {fmt(opt)}, scheduler last_epoch {fmt(sched)}")
+        evidence.append(
+            f"optimizer step count {fmt(opt)}, scheduler {save.scheduler_counter} {fmt(sched)}"
+        )
     steps = sorted(set(save.optimizer_steps))
     if len(steps) > 1 and steps[-1] - steps[0] > 1:
         evidence.append(f"parameters' optimizer step counts range from {steps[0]} to {steps[-1]}")

@@ -166,9 +166,24 @@ class Save:
 
     @cached_property
     def scheduler_epoch(self) -> int | None:
-        """The LR scheduler's `last_epoch` (the steps it has taken)."""
+        """The LR scheduler's `last_epoch` (the steps it has taken); DeepSpeed's own schedulers
+        (`WarmupLR`, `WarmupDecayLR`, `OneCycle`...) count `last_batch_iteration` from -1."""
         prefix = self.prefix("scheduler") or self.prefix("lr_scheduler")
-        return as_int(self.value(f"{prefix}last_epoch")) if prefix else None
+        if prefix is None:
+            return None
+        epoch = as_int(self.value(f"{prefix}last_epoch"))
+        if epoch is not None:
+            return epoch
+        batch = as_int(self.value(f"{prefix}last_batch_iteration"))
+        return batch + 1 if batch is not None else None
+
+    @property
+    def scheduler_counter(self) -> str:
+        """What `scheduler_epoch` was read from, for evidence lines."""
+        prefix = self.prefix("scheduler") or self.prefix("lr_scheduler")
+        if prefix is not None and as_int(self.value(f"{prefix}last_epoch")) is None:
+            return "steps (last_batch_iteration + 1)"
+        return "last_epoch"
 
     @cached_property
     def base_lr(self) -> float | None:

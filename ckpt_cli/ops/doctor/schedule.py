@@ -31,8 +31,8 @@ def check(pair: Pair) -> list[Cause]:
     if found is None or not found.restarted:
         return []
     evidence = [
-        f"scheduler last_epoch {fmt(found.before)} at {a.name}, {fmt(found.after)} at {b.name}: "
-        + found.outlook("restored it would be", "started over")
+        f"scheduler {a.scheduler_counter} {fmt(found.before)} at {a.name}, {fmt(found.after)} "
+        f"at {b.name}: " + found.outlook("restored it would be", "started over")
     ]
     line = _logged_lr(pair)
     if line is not None:
