@@ -48,6 +48,7 @@ CASES: dict[str, dict[str, str | None]] = {
         "config": "config_changed",
         "tokenizer": "tokenizer_changed",
         "rng": "rng_not_restored",
+        "bf16": "precision_changed",
     },
     "accelerate": {
         "clean": None,
@@ -213,6 +214,7 @@ def build_trainer(out: Path) -> None:
             disable_tqdm=True,
             dataloader_num_workers=0,
             ignore_data_skip=fault == "skip_data",
+            bf16=fault == "bf16",  # resumed under bf16 autocast: the run trained in fp32
         )
         trainer = Faulty(
             model=model,

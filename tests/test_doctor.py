@@ -185,6 +185,28 @@ def test_trainer_batch_change_reads_training_args(trainer_jobs: Path) -> None:
     assert [(c["id"], c["declared"], c["rank"]) for c in causes] == [("batch_changed", True, 0)]
 
 
+@pytest.mark.frameworks
+def test_trainer_resumed_under_bf16_reads_training_args(trainer_jobs: Path) -> None:
+    """The run trained in fp32 and was resumed with `bf16=True`: the weights stay fp32 (the
+    Trainer autocasts), so doctor, which compared weight dtypes only, said NO CAUSE FOUND."""
+    from safetensors import safe_open
+
+    with safe_open(trainer_jobs / "bf16/checkpoint-6/model.safetensors", "pt") as f:
+        names = list(f.keys())
+        assert {f.get_slice(k).get_dtype() for k in names} == {"F32"}
+    result = run_ckpt("doctor", trainer_jobs / "bf16", "--json")
+    assert result.exit_code == 1
+    top = result.json["result"]["causes"][0]
+    assert top["id"] == "precision_changed"
+    assert "another mixed precision" in top["title"]
+    assert top["evidence"] == [
+        "mixed precision fp32 at checkpoint-4, bf16 at checkpoint-6 (TrainingArguments bf16 / "
+        "fp16 in training_args.bin): the resumed run computes in another precision"
+    ]
+    declared = run_ckpt("doctor", trainer_jobs / "bf16", "--expect", "precision", "--json")
+    assert declared.exit_code == 0
+
+
 def test_dcp_clean_world_size_change_is_a_note(dcp_jobs: Path) -> None:
     result = run_ckpt("doctor", dcp_jobs / "clean_world_size", "--json")
     assert result.exit_code == 0

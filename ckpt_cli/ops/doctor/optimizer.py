@@ -156,7 +156,12 @@ def _restored_from_another_save(pair: Pair) -> list[Cause]:
         return []
     if a.scaler is not None or b.scaler is not None:
         return []
-    resumed_with = b.optimizer_step - elapsed
+    if not a.step or a.optimizer_step <= 0:
+        return []
+    # the optimizer's steps per counted step, from the save before (a loop that counts
+    # micro-batches steps its optimizer once per accumulation)
+    taken = elapsed * a.optimizer_step / a.step
+    resumed_with = b.optimizer_step - taken
     if resumed_with == a.optimizer_step or resumed_with <= 0:
         return []
     if b.optimizer_step == a.optimizer_step:
@@ -175,8 +180,8 @@ def _restored_from_another_save(pair: Pair) -> list[Cause]:
             before=a.name,
             after=b.name,
             evidence=[
-                f"optimizer step count {fmt(b.optimizer_step)} at {b.name}, {fmt(elapsed)} "
-                f"steps after {a.name}: the optimizer it resumed with counted "
+                f"optimizer step count {fmt(b.optimizer_step)} at {b.name}, {fmt(taken)} "
+                f"optimizer steps after {a.name}: the optimizer it resumed with counted "
                 f"{fmt(resumed_with)}, the count of {other.name} (step {fmt(other.step)}); "
                 f"{a.name}'s was {fmt(a.optimizer_step)}",
             ],

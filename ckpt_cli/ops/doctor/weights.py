@@ -42,25 +42,43 @@ def check(pair: Pair) -> list[Cause]:
     return causes
 
 
+def _mixed_precision(args: dict[str, object]) -> str | None:
+    """The Trainer's mixed precision from its training arguments (None when not recorded)."""
+    if not isinstance(args.get("bf16"), bool) or not isinstance(args.get("fp16"), bool):
+        return None
+    return "bf16" if args["bf16"] else "fp16" if args["fp16"] else "fp32"
+
+
 def _precision(pair: Pair) -> Cause | None:
     a, b = pair.before.model_tensors, pair.after.model_tensors
     changes = Counter((a[n].dtype, b[n].dtype) for n in a if n in b and a[n].dtype != b[n].dtype)
-    if not changes:
-        return None
     total = sum(1 for n in a if n in b)
     evidence = [
         f"{count} of {total} weight tensors {old} at {pair.before.name}, {new} at {pair.after.name}"
         for (old, new), count in changes.most_common()
     ]
+    mixed_a = _mixed_precision(pair.before.training_args)
+    mixed_b = _mixed_precision(pair.after.training_args)
+    if mixed_a is not None and mixed_b is not None and mixed_a != mixed_b:
+        evidence.append(
+            f"mixed precision {mixed_a} at {pair.before.name}, {mixed_b} at {pair.after.name} "
+            "(TrainingArguments bf16 / fp16 in training_args.bin): the resumed run computes "
+            "in another precision"
+        )
+    if not evidence:
+        return None
     return Cause(
         id="precision_changed",
-        title="the precision changed at the resume: the weights are kept in another dtype",
-        score=0.9,
+        title="the precision changed at the resume: the weights are kept in another dtype"
+        if changes
+        else "the precision changed at the resume: the run computes in another mixed precision",
+        score=0.9 if changes else 0.8,
         before=pair.before.name,
         after=pair.after.name,
         evidence=evidence,
         fix="Resume with the precision the run was saved in (fp32 master weights with bf16 "
-        "autocast, not a model cast to bf16); or declare it with --expect precision.",
+        "autocast, not a model cast to bf16; the Trainer: the same bf16 / fp16 arguments); or "
+        "declare it with --expect precision.",
     )
 
 
