@@ -178,17 +178,21 @@ def _warmup_again(
     resume (the schedule started over), and not with the one logged at the resume, nor the one
     logged at that same step before the restart (a continued schedule's)."""
     earlier: dict[int, float] = {r.step: r.lr for r in recs[:first] if r.lr is not None}
-    for r in recs[first:]:
+    found: tuple[int, int, float] | None = None
+    for i, r in enumerate(recs[first:]):
         if r.step <= step_before or (step_after is not None and r.step > step_after):
             break
         fresh = r.step - step_before  # where a schedule that started over stands
-        if r.lr is None or fresh not in earlier or _close(r.lr, lr_before):
+        if r.lr is None or fresh not in earlier:
             continue
         if r.step in earlier and _close(earlier[r.step], r.lr):
-            continue  # the value the run had at this very step: carried on
-        if _close(earlier[fresh], r.lr):
-            out.lr_like_step, out.lr_like_at, out.lr_like = fresh, r.step, r.lr
-            return
+            if i > 0 and not _close(earlier[fresh], r.lr):
+                return  # past the first step (the restored optimizer's LR): carried on
+            continue
+        if found is None and not _close(r.lr, lr_before) and _close(earlier[fresh], r.lr):
+            found = (fresh, r.step, r.lr)
+    if found is not None:
+        out.lr_like_step, out.lr_like_at, out.lr_like = found
 
 
 def _close(x: float, y: float) -> bool:
