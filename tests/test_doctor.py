@@ -1038,3 +1038,27 @@ def test_deepspeed_scheduler_not_restored(tmp_path: Path) -> None:
         assert causes[0]["evidence"][0].startswith(
             "scheduler steps (last_batch_iteration + 1) 4 at global_step4, 2 at global_step6"
         )
+
+
+def test_before_and_after_given_the_other_way_round_are_refused(tmp_path: Path) -> None:
+    """`--before ckpt_6.pt --after ckpt_4.pt` (swapped by mistake) on a clean run: doctor
+    ranked every counter that "went back" as a cause (optimizer, scheduler...), exit 1. It now refuses
+    the pair (exit 2) and says to swap them; a resumed save whose step counter started over
+    (fewer steps, written later) is still examined."""
+    run = tmp_path / "run"
+    _plain_loop(run, None, until=8)
+    four, six = run / "ckpt_4.pt", run / "ckpt_6.pt"
+    os.utime(four, (four.stat().st_atime - 60, four.stat().st_mtime - 60))
+    result = run_ckpt("doctor", "--before", six, "--after", four, "--json")
+    assert result.exit_code == 2, result.stdout
+    assert result.json["error"]["code"] == "usage"
+    assert result.json["error"]["fix"] == f"Swap them: --before {four} --after {six}."
+    assert run_ckpt("doctor", "--before", four, "--after", six).exit_code == 0
+
+    # the resumed run's own step counter restarted: it saved "step 2" after step 4's save
+    restarted = torch.load(six, weights_only=True)
+    restarted["step"] = 2
+    torch.save(restarted, six)
+    result = run_ckpt("doctor", "--before", four, "--after", six, "--json")
+    assert result.exit_code != 2, result.stdout
+    assert result.json["result"]["resume_points"][0]["step_after"] == 2

@@ -135,11 +135,38 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
             saves.append(save)
         logs = _logs_of(run)
     try:
+        if report.mode == "pair":
+            _check_order(saves[0], saves[1])
         _examine(report, saves, logs, declared, pair_mode=report.mode == "pair")
     finally:
         for save in saves:
             save.close()
     return report
+
+
+def _newest_write(save: Save) -> float | None:
+    """When the save's files were last written, where the storage says (None: unknown)."""
+    stats = save.source.storage.stat_files()
+    times = [stats[rel].mtime for rel in save.source.files if rel in stats]
+    known = [t for t in times if t is not None]
+    return max(known) if known and len(known) == len(times) else None
+
+
+def _check_order(before: Save, after: Save) -> None:
+    """Refuse --before / --after given the other way round: the save after the resume counts
+    fewer steps and was written earlier than the one it resumed from. (A resumed run whose
+    step counter started over counts fewer steps too, but writes its save later.)"""
+    if before.step is None or after.step is None or after.step >= before.step:
+        return
+    written_before, written_after = _newest_write(before), _newest_write(after)
+    if written_before is None or written_after is None or written_after >= written_before:
+        return
+    raise UsageError(
+        f"--after {after.path} (step {after.step}) was written before --before {before.path} "
+        f"(step {before.step}): a save the resumed run wrote comes after the save it resumed "
+        "from",
+        fix=f"Swap them: --before {after.path} --after {before.path}.",
+    )
 
 
 def _expected(expect: Sequence[str]) -> set[str]:
