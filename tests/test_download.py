@@ -736,3 +736,21 @@ def test_ctrl_c_is_honoured_while_a_shard_request_is_stalled(hub: TestHub, tmp_p
         assert not (tmp_path / mode).exists()
     stall.set()
     gate.set()
+
+
+def test_a_shard_the_index_names_but_the_repo_lacks_is_exit_3_with_a_fix(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    # an upload cut short: the index is there, one shard is not
+    state = model_state()
+    publish_model(hub, "org/model", tmp_path / "src", state, max_shard_size=SHARD_LIMIT)
+    index = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())
+    lost = index["weight_map"]["lm_head.weight"]
+    (tmp_path / "src" / lost).unlink()
+    hub.add_repo("org/holed", tmp_path / "src")
+    dest = tmp_path / "d"
+    result = run_ckpt("download", "hf://org/holed", dest, "--json")
+    assert result.exit_code == 3, result.stdout
+    error = result.json["error"]
+    assert error["path"].endswith(lost) and "ckpt verify hf://org/holed" in error["fix"]
+    assert not dest.exists()

@@ -148,3 +148,25 @@ def test_a_corrupt_shard_leaves_the_hf_cache_and_the_rerun_succeeds(
     got = read_all(dest)
     assert all(torch.equal(got[n], t) for n, t in state.items())
     assert json.loads((dest / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+@pytest.mark.parametrize(
+    ("status", "exit_code", "said"),
+    [(404, 3, "HTTP 404"), (403, 5, "refused (HTTP 403)")],
+)
+def test_a_shard_the_server_will_not_serve_is_named_with_its_http_status(
+    hub: TestHub, tmp_path: Path, status: int, exit_code: int, said: str
+) -> None:
+    # a mirror or proxy answers a listed shard with a bare 404 (no X-Error-Code) or a 403:
+    # huggingface_hub reports that as "not in the local cache"; the user must read what the
+    # server said and what to do, not an offline-mode hint, and no DEST is left
+    _, shards = publish(hub, tmp_path)
+    hub.fail(f"/resolve/.*/{shards[1]}$", status, times=100)
+    dest = tmp_path / "d"
+    result = run_ckpt("download", "hf://org/model", dest, "--json")
+    assert result.exit_code == exit_code, result.stdout
+    error = result.json["error"]
+    assert shards[1] in error["path"] and said in error["problem"]
+    assert "HF_HUB_OFFLINE" not in error["message"] and error["fix"]
+    assert not dest.exists()
+    assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]

@@ -112,7 +112,10 @@ class HubStorage(Storage):
             return self.repo.files[rel]
         except KeyError:
             raise NotFoundError(
-                "file not found in the repository", path=self.describe(rel)
+                "file not found in the repository at this revision",
+                path=self.describe(rel),
+                fix=f"`ckpt verify {self.display}` lists what the checkpoint lacks; another "
+                "revision (`@REV`) may hold it.",
             ) from None
 
     def describe(self, rel: str) -> str:

@@ -294,10 +294,17 @@ def _mapped_hub_errors(where: str) -> Iterator[None]:
             fix="Check the part after '@'; `hf://org/repo` reads the default branch.",
         ) from None
     except hf.LocalEntryNotFoundError as exc:
+        # `hf_hub_download` reports a failed metadata request (a bare 404 from a mirror, a 403,
+        # a 5xx, a lost connection) as "not in the local cache", the real answer in
+        # `__cause__`: say what the server said (offline mode is `_offline_misses`' case)
+        cause = exc.__cause__
+        if isinstance(cause, hf.HfHubHTTPError | httpx2.TransportError):
+            with _mapped_hub_errors(where):
+                raise cause from None
         raise HubError(
             f"is not in the local cache and the Hub could not be used ({_first_line(exc)})",
             path=where,
-            fix="Check the connection and HF_ENDPOINT, or unset HF_HUB_OFFLINE.",
+            fix="Check the connection and HF_ENDPOINT.",
         ) from None
     except hf.EntryNotFoundError:
         raise NotFoundError(
@@ -316,7 +323,12 @@ def _mapped_hub_errors(where: str) -> Iterator[None]:
         if status in (401, 403):
             raise HubError(f"was refused (HTTP {status})", path=where, fix=_auth_fix()) from None
         if status == 404:
-            raise NotFoundError("not found on the Hub (HTTP 404)", path=where) from None
+            raise NotFoundError(
+                "not found on the Hub (HTTP 404)",
+                path=where,
+                fix="Check the repository, revision and path; `ckpt inspect hf://org/repo` "
+                "lists the files, and a mirror (HF_ENDPOINT) may lack files the Hub has.",
+            ) from None
         raise HubError(
             f"the Hub answered HTTP {status} ({_first_line(exc)})",
             path=where,
