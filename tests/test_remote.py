@@ -63,3 +63,19 @@ def test_unreachable_store_is_exit_5(monkeypatch: pytest.MonkeyPatch) -> None:
     s3fs.S3FileSystem.clear_instance_cache()
     assert result.exit_code == 5, result.stderr
     assert result.json["error"]["code"] == "hub"
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "latest"])
+def test_a_missing_bucket_is_exit_3_and_named(
+    s3_server: S3Server, tmp_path: Path, command: str
+) -> None:
+    (tmp_path / "m").mkdir()
+    save_torch_state_dict(_model(), tmp_path / "m")
+    upload_folder(s3_server.endpoint, "ckpts", "exists", tmp_path / "m")
+    result = run_ckpt(command, "s3://no-such-bucket/exists", "--json")
+    assert result.exit_code == 3, result.stdout
+    error = result.json["error"]
+    assert "bucket 'no-such-bucket' does not exist" in error["problem"] and error["fix"]
+    # a missing prefix in a bucket that exists is still said to be one
+    prefix = run_ckpt(command, "s3://ckpts/nothing-here", "--json").json["error"]
+    assert prefix["problem"] == "no such object or prefix" and prefix["fix"]

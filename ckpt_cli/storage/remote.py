@@ -444,10 +444,30 @@ def open_fsspec(location: Location) -> tuple[FsspecStorage, str | None]:
         if fs.isfile(path):
             return _one_object(location, fs, path)
     except FileNotFoundError:
-        raise NotFoundError("no such object or prefix", path=location.raw) from None
+        raise _not_found(location, fs, path) from None
     except Exception as exc:  # each filesystem package raises its own network/auth errors
         raise remote_failure(exc, location.raw) from None
-    raise NotFoundError(
+    raise _not_found(location, fs, path)
+
+
+def _not_found(location: Location, fs: Any, path: str) -> NotFoundError:
+    """Nothing at `path`: a bucket that does not exist says so (one more request, on this
+    failure only), as a write to it does; else the object or prefix is missing."""
+    bucket = path.strip("/").split("/", 1)[0]
+    # object stores name the bucket first and have no root folder ("" root marker)
+    if bucket and fs.root_marker == "":
+        try:
+            missing = not fs.exists(bucket)
+        except Exception:  # the answer only words the message
+            missing = False
+        if missing:
+            return NotFoundError(
+                f"the bucket {bucket!r} does not exist",
+                path=location.raw,
+                fix="Check the bucket name, the endpoint (AWS_ENDPOINT_URL for S3) and the "
+                "credentials.",
+            )
+    return NotFoundError(
         "no such object or prefix", path=location.raw, fix="Check the bucket and path."
     )
 
