@@ -301,3 +301,31 @@ def test_hub_inspect_does_not_import_torch(hub: TestHub, tmp_path: Path) -> None
     )
     assert "NO_TORCH 0" in proc.stderr, proc.stderr
     assert json.loads(proc.stdout)["result"]["tensors"] == 3
+
+
+def test_refusals_to_write_the_hub_name_hf_commands_that_exist(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    # writing to the Hub is a commit, which ckpt leaves to huggingface_hub's CLI: the command
+    # each fix names must be one the installed huggingface_hub has (`huggingface-cli` is gone
+    # since huggingface_hub 1.0; `hf` is there from 0.34, the oldest version ckpt supports)
+    import re
+    import shutil
+
+    publish_model(hub, "org/run", tmp_path / "src", {"w": torch.zeros(4)}, extras=False)
+    (tmp_path / "run" / "checkpoint-1").mkdir(parents=True)
+    refusals = [
+        run_ckpt("convert", tmp_path / "src", "hf://org/other", "--to", "safetensors", "--json"),
+        run_ckpt("sync", tmp_path / "run", "hf://org/run", "--json"),
+        run_ckpt("prune", "hf://org/run", "--keep-last", "1", "--yes", "--json"),
+    ]
+    hf = shutil.which("hf") or str(Path(sys.executable).with_name("hf"))
+    for result in refusals:
+        assert result.exit_code == 2, result.stdout
+        fix = result.json["error"]["fix"]
+        assert "huggingface-cli" not in fix
+        named = re.search(r"`hf ([a-z-]+(?: [a-z-]+)?)", fix)
+        assert named is not None, fix
+        words = named.group(1).split()
+        help_run = subprocess.run([hf, *words, "--help"], capture_output=True, text=True)
+        assert help_run.returncode == 0, f"`hf {' '.join(words)}` does not exist: {fix}"

@@ -448,7 +448,7 @@ def test_any_fsspec_filesystem_and_refused_destinations(tmp_path: Path) -> None:
 
     to_hub = run_ckpt("convert", tmp_path / "w.pt", "hf://org/model", "--to", "safetensors")
     assert to_hub.exit_code == 2
-    assert "huggingface-cli upload" in to_hub.stderr
+    assert "hf upload" in to_hub.stderr
     fs.rm("/store", recursive=True)
 
 

@@ -194,7 +194,7 @@ def test_the_hub_is_not_writable_and_protect_says_so(hub: TestHub, tmp_path: Pat
     assert not storage.writable
     with pytest.raises(UsageError, match="cannot write to the Hub"):
         storage.write_file("model.safetensors", [b"x"])
-    with pytest.raises(UsageError, match="huggingface-cli upload"):
+    with pytest.raises(UsageError, match="hf upload"):
         storage.destination("out")
     result = run_ckpt("protect", "hf://org/tiny", "--json")
     assert result.exit_code == 2, result.stderr

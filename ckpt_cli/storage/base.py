@@ -118,7 +118,7 @@ class Storage(ABC):
 
     A storage that is not writable raises UsageError (exit 2) naming `write_refusal`. The Hub
     is not writable: a Hub storage is one pinned commit, and writing to a repository is a new
-    commit of many files at once (`huggingface-cli upload`), not a file at a time.
+    commit of many files at once (`hf upload`), not a file at a time.
     """
 
     #: how the root is shown in messages

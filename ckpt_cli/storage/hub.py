@@ -81,7 +81,7 @@ class HubStorage(Storage):
     #: commit of many files at once, not a file at a time
     write_refusal = (
         "cannot write to the Hub",
-        "Write to a local folder, then publish it with `huggingface-cli upload`.",
+        "Write to a local folder, then publish it with `hf upload`.",
     )
 
     def __init__(self, repo: HubRepo):

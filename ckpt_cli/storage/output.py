@@ -140,7 +140,7 @@ def remote_key(dest: Destination) -> str | None:
 def resolve_destination(dest: str | Path) -> Destination:
     """A DEST argument as an absolute local `Path` or a `RemoteDest` (fsspec URL).
 
-    `hf://` is refused: publishing to the Hub is a commit, which `huggingface-cli upload` does.
+    `hf://` is refused: publishing to the Hub is a commit, which `hf upload` does.
     """
     loc = parse_location(str(dest))
     if loc.kind == "local":
@@ -150,7 +150,7 @@ def resolve_destination(dest: str | Path) -> Destination:
         raise UsageError(
             "cannot write to the Hub",
             path=str(dest),
-            fix="Write to a local folder, then publish it with `huggingface-cli upload`.",
+            fix="Write to a local folder, then publish it with `hf upload`.",
         )
     from . import filesystem_for
 

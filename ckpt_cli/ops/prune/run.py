@@ -252,8 +252,9 @@ def prune(
         raise UsageError(
             "deleting from a Hub repository is a commit, which ckpt does not make",
             path=str(run_dir),
-            fix="Read the plan without --yes, then delete the folders with "
-            "`huggingface-cli repo-files REPO delete checkpoint-N/` or HfApi.delete_folder.",
+            fix="Read the plan without --yes, then delete each folder with "
+            "`hf repos delete-files ORG/REPO 'checkpoint-N/*'` or "
+            "`HfApi().delete_folder('checkpoint-N', repo_id='ORG/REPO')`.",
         )
     parse_location(str(run_dir))  # a URL with no bucket is refused before it is trimmed
     root: Path | str = str(run_dir).rstrip("/") if remote else Path(run_dir)

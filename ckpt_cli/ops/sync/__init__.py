@@ -150,7 +150,7 @@ def sync_with(
         raise UsageError(
             "cannot sync to the Hub: publishing there is a commit",
             path=dest,
-            fix="Use the Trainer's push_to_hub, or `huggingface-cli upload`; sync to an object "
+            fix="Use the Trainer's push_to_hub, or `hf upload`; sync to an object "
             "store (s3://, gs://...) instead.",
         )
     if up and not Path(src).is_dir():
