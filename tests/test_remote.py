@@ -79,3 +79,54 @@ def test_a_missing_bucket_is_exit_3_and_named(
     # a missing prefix in a bucket that exists is still said to be one
     prefix = run_ckpt(command, "s3://ckpts/nothing-here", "--json").json["error"]
     assert prefix["problem"] == "no such object or prefix" and prefix["fix"]
+
+
+def test_a_store_that_stops_answering_fails_with_the_timeouts_the_docs_name(
+    tmp_path: Path,
+) -> None:
+    # a server that accepts connections and never answers: with the settings
+    # docs/object-stores.md suggests, ckpt gives up (exit 5, naming the URL) instead of waiting
+    # out botocore's defaults; the subprocess timeout only guards against a hang
+    import json
+    import socket
+    import threading
+
+    from .conftest import run_ckpt_process
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        result = run_ckpt_process(
+            "inspect",
+            "s3://ckpts/run1/model",
+            "--json",
+            env={
+                "AWS_ENDPOINT_URL": endpoint,
+                "FSSPEC_S3_ENDPOINT_URL": endpoint,
+                "AWS_ACCESS_KEY_ID": "x",
+                "AWS_SECRET_ACCESS_KEY": "x",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_MAX_ATTEMPTS": "1",
+                "FSSPEC_S3_CONFIG_KWARGS": json.dumps({"connect_timeout": 1, "read_timeout": 1}),
+            },
+            timeout=240,
+        )
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+    assert result.exit_code == 5, result.stderr
+    error = result.json["error"]
+    assert error["path"] == "s3://ckpts/run1/model" and "timeout" in error["problem"].lower()
