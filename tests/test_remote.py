@@ -9,7 +9,7 @@ import torch
 from huggingface_hub import save_torch_state_dict
 
 from .conftest import run_ckpt
-from .s3_fixtures import S3Server, upload_folder
+from .s3_fixtures import S3Request, S3Server, upload_folder
 
 
 def _model() -> dict[str, torch.Tensor]:
@@ -130,3 +130,42 @@ def test_a_store_that_stops_answering_fails_with_the_timeouts_the_docs_name(
     assert result.exit_code == 5, result.stderr
     error = result.json["error"]
     assert error["path"] == "s3://ckpts/run1/model" and "timeout" in error["problem"].lower()
+
+
+def test_a_shard_deleted_while_it_is_read_is_named_with_a_fix(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    # another job (a prune of the bucket) deletes a shard after ckpt listed the prefix
+    import threading
+
+    import boto3
+
+    (tmp_path / "model").mkdir()
+    save_torch_state_dict(_model(), tmp_path / "model", max_shard_size=40_000)
+    upload_folder(s3_server.endpoint, "ckpts", "run1/model", tmp_path / "model")
+    shard = sorted(p.name for p in (tmp_path / "model").glob("*.safetensors"))[1]
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    asked = threading.Event()
+
+    def held(request: S3Request) -> bool:
+        if request.method == "GET" and request.path.endswith(shard):
+            asked.set()
+            return True
+        return False
+
+    def prune_meanwhile() -> None:
+        assert asked.wait(timeout=120)
+        client.delete_object(Bucket="ckpts", Key=f"run1/model/{shard}")
+        s3_server.hold = None
+        s3_server.release.set()
+
+    s3_server.hold = held
+    pruner = threading.Thread(target=prune_meanwhile)
+    pruner.start()
+    dest = tmp_path / "out"
+    result = run_ckpt("convert", "s3://ckpts/run1/model", dest, "--to", "dcp", "--json")
+    pruner.join()
+    assert result.exit_code == 3, result.stdout
+    error = result.json["error"]
+    assert error["path"] == f"s3://ckpts/run1/model/{shard}" and error["fix"]
+    assert not dest.exists()

@@ -45,7 +45,13 @@ def remote_failure(exc: BaseException, where: str, *, writing: bool = False) -> 
     if isinstance(exc, CkptError):
         return exc
     if isinstance(exc, FileNotFoundError) and not writing:
-        return NotFoundError("no such remote file", path=where)
+        # listed (or named by the checkpoint) a moment before, gone when read
+        return NotFoundError(
+            "no such object in the store (deleted or replaced since it was listed?)",
+            path=where,
+            fix="Check that no other job (a prune, a sync, the training run) is removing files "
+            "under this prefix, then run the command again.",
+        )
     if isinstance(exc, FileNotFoundError):
         # an object store has no folders to be missing: a write finds no bucket
         return NotFoundError(
