@@ -544,6 +544,43 @@ def test_a_save_rewritten_at_the_same_size_is_synced_again(
     assert s3_server.bytes_uploaded() == 0
 
 
+def test_a_remote_manifest_damaged_in_the_store_is_replaced_by_the_next_sync(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The bucket's manifest of a synced save is damaged (overwritten, cut by a tool): a pull
+    refuses the save, and says to sync it again. That sync called it "present … verified"
+    from the manifest object's mere presence and sent nothing, so the save stayed unpullable.
+    Now the manifest is read: one that is no manifest, or does not list the save's files,
+    does not hold the save; the next sync writes it anew (its files found in place)."""
+    import boto3
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    key = "run/checkpoint-200/ckpt-manifest.json"
+    client.put_object(Bucket=BUCKET, Key=key, Body=b"{not a manifest")
+
+    refused = run_ckpt("sync", f"s3://{BUCKET}/run/", tmp_path / "a", "--latest", "--json")
+    assert refused.exit_code == 1, refused.stdout
+    reason = refused.json["result"]["checkpoints"][0]["reason"]
+    assert "not a valid ckpt checksum manifest" in reason and "sync it again" in reason
+
+    s3_server.requests.clear()
+    again = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert again.exit_code == 0, again.stdout
+    synced = {c["name"]: c for c in again.json["result"]["checkpoints"]}
+    assert synced["checkpoint-100"]["action"] == "present"
+    assert synced["checkpoint-200"]["action"] == "uploaded"
+    assert synced["checkpoint-200"]["files_sent"] == 0  # every data file found in place
+    pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", tmp_path / "b", "--latest")
+    assert pulled.exit_code == 0, pulled.stdout + pulled.stderr
+    assert (
+        local_files(tmp_path / "b" / "checkpoint-200").items()
+        >= local_files(out / "checkpoint-200").items()
+    )
+
+
 def test_what_a_sync_does_not_carry_is_named(s3_server: S3Server, tmp_path: Path) -> None:
     """sync moves step checkpoints, `latest` and `metrics.jsonl`. The Trainer's final model at
     the run's root, its `runs/` logs, a script: these stayed behind and nothing said so; now
@@ -786,6 +823,27 @@ def test_a_pull_checks_the_sizes_its_manifest_records(s3_server: S3Server, tmp_p
     assert pulled.exit_code == 1, pulled.stdout
     reason = pulled.json["result"]["checkpoints"][0]["reason"]
     assert "model.safetensors" in reason and "manifest records" in reason
+    assert [p.name for p in back.iterdir()] == []  # nothing published, no staging left
+
+
+def test_a_pull_of_a_save_that_lost_a_file_its_manifest_lists_says_what_to_do(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    # every save lost the same file in the bucket (a lifecycle rule on *.pt, say): the judge
+    # cannot tell it from the other saves, the manifest can; the reason says what to do
+    import boto3
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    for step in (100, 200):
+        client.delete_object(Bucket=BUCKET, Key=f"run/checkpoint-{step}/scheduler.pt")
+    back = tmp_path / "back"
+    pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--latest", "--json")
+    assert pulled.exit_code == 1, pulled.stdout
+    reason = pulled.json["result"]["checkpoints"][0]["reason"]
+    assert "lacks scheduler.pt" in reason and "sync it again from a machine" in reason
     assert [p.name for p in back.iterdir()] == []  # nothing published, no staging left
 
 

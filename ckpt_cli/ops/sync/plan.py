@@ -128,4 +128,6 @@ def remote_manifest_bytes(storage: Storage, rel: str) -> tuple[ChecksumManifest,
         raise FormatError(
             f"is not a valid ckpt checksum manifest ({str(exc).splitlines()[0]})",
             path=storage.describe(rel),
+            fix="The remote copy is damaged; pull an older checkpoint, or sync it again from a "
+            "machine that has it whole.",
         ) from None

@@ -252,6 +252,8 @@ def _download(
                     f"the remote checkpoint lacks {', '.join(sorted(missing))}, "
                     "which its manifest lists",
                     path=storage.describe(manifest_rel),
+                    fix="The remote copy is damaged; pull an older checkpoint, or sync "
+                    "it again from a machine that has it whole.",
                 )
             if is_dir and manifest_raw is not None:
                 # the very manifest the files were checked against, never read again: the

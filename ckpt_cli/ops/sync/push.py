@@ -118,6 +118,8 @@ class _Uploader:
         )
         self._lock = threading.Lock()
         self._listing: dict[str, dict[str, Any]] | None = None
+        #: (manifest, its ETag) -> whether it lists its save's files (`_manifest_lists`)
+        self._manifests: dict[tuple[str, str], bool] = {}
         #: uploads (through `fs.open`) not yet checked against the store, by file
         self._pending: dict[str, tuple[str, int, str, str, Any]] = {}
 
@@ -153,6 +155,7 @@ class _Uploader:
         files: dict[str, int],
         changed: float,
         own_manifest: bytes | None = None,
+        listed: dict[str, int] | None = None,
     ) -> bool:
         """Whether the destination has this checkpoint synced: its manifest, and every file
         at its size, with no local file changed (`changed`: the newest local mtime) after the
@@ -170,6 +173,11 @@ class _Uploader:
         from a store that reports no times (a pull gives each file its object's time where
         the store says), has files newer than the remote manifest without being changed: the
         same manifest on both sides, none of its files newer than it here, says so.
+
+        A remote manifest other than the save's own is read (once per ETag) and must list
+        `listed` (each file's name inside the checkpoint and size): the object's presence
+        alone called a save "present" whose manifest was damaged in the store, which no pull
+        can use.
         """
         listing = self.listing()
         manifest = listing.get(manifest_rel)
@@ -181,10 +189,33 @@ class _Uploader:
         # the manifest went up is older than it, not newer
         if not same and written is not None and int(changed) > int(written):
             return False
-        return all(
+        if not all(
             rel in listing and int(listing[rel].get("size") or 0) == size
             for rel, size in files.items()
-        )
+        ):
+            return False
+        return same or listed is None or self._manifest_lists(manifest_rel, manifest, listed)
+
+    def _manifest_lists(self, rel: str, info: dict[str, Any], listed: dict[str, int]) -> bool:
+        """Whether the store's manifest `rel` (listed as `info`) is a checksum manifest of
+        exactly these files at these sizes (remembered by its ETag across rounds)."""
+        key = (rel, remote_etag(info) or "")
+        known = self._manifests.get(key)
+        if known is None:
+            try:
+                raw = self.fs.cat_file(f"{self.root}/{rel}")
+            except FileNotFoundError:
+                return False
+            except Exception as exc:  # each filesystem package raises its own errors
+                raise remote_failure(exc, f"{self.dest}/{rel}") from None
+            try:
+                record = ChecksumManifest.model_validate(json.loads(raw))
+            except ValueError:
+                known = False
+            else:
+                known = {name: f.size for name, f in record.files.items()} == listed
+            self._manifests[key] = known
+        return known
 
     def prepare(self, c: RunCheckpoint) -> _Plan | SyncedCheckpoint:
         """What to upload of one complete checkpoint, or `present` when the store has it."""
@@ -215,7 +246,11 @@ class _Uploader:
             bytes=sum(sizes.values()),
             manifest="checkpoint" if own_manifest else "computed",
         )
-        if self.holds(manifest_rel, sizes, changed, own_bytes):
+        listed = {
+            rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]: size
+            for rel, size in sizes.items()
+        }
+        if self.holds(manifest_rel, sizes, changed, own_bytes, listed):
             result.action = "present"
             result.verified = True
             return result
