@@ -46,6 +46,10 @@ _FIXES = {
 }
 
 
+#: errnos that belong to the file written, in an error naming two (a copy, a rename)
+_WRITE_SIDE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
 class Signalled(KeyboardInterrupt):
     """Raised in the main thread when SIGTERM or SIGHUP arrives (a KeyboardInterrupt)."""
 
@@ -144,6 +148,14 @@ def interruption(
     return Interrupted(problem, path=path, fix=fix)
 
 
+def naming(exc: OSError, path: str | PurePath) -> OSError:
+    """`exc` naming `path` when it names no file: a read or write on a descriptor (`pread`,
+    `copy_file_range`) fails with a bare errno, and the file is what the user must check."""
+    if exc.filename is None:
+        exc.filename = str(path)
+    return exc
+
+
 def io_failure(
     exc: OSError, path: str | PurePath | None = None, doing: str | None = None
 ) -> IOFailure:
@@ -152,7 +164,12 @@ def io_failure(
     code = errno.errorcode.get(exc.errno or 0, "E?") if exc.errno is not None else "no errno"
     reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc))
     problem = f"{doing} failed: {reason} ({code})" if doing else f"{reason} ({code})"
-    if exc.filename2 is not None:
-        problem += f" (renaming to {exc.filename2})"
+    if exc.filename2 is not None and exc.errno in _WRITE_SIDE:
+        # a copy or rename that found no room (or a read-only target): the target is where
+        # space must be made, not the file it came from
+        where = exc.filename2
+        problem += f" (from {exc.filename})"
+    elif exc.filename2 is not None:
+        problem += f" (to {exc.filename2})"
     fix = _FIXES.get(exc.errno or 0, "Check the file and the filesystem, then run again.")
     return IOFailure(problem, path=str(where) if where is not None else None, fix=fix)

@@ -906,3 +906,183 @@ def test_a_signal_during_start_up_still_gives_the_json_envelope(
     envelope = json.loads(stdout)  # one envelope, nothing else
     assert envelope["command"] == "inspect" and envelope["exit_code"] == code
     assert envelope["error"]["fix"] and "Traceback" not in stderr, stderr
+
+
+# -- exploratory run (faults): the file named is the one that failed -------------------------
+
+
+def _sha256s(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _eio_reading(monkeypatch: pytest.MonkeyPatch, bad: Path) -> None:
+    """Every read of `bad`'s tensor data (past its safetensors header) fails with EIO, as a
+    bad sector would."""
+    data_start = 8 + int.from_bytes(bad.read_bytes()[:8], "little")
+
+    def hits(fd: int) -> bool:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}") == str(bad)
+        except OSError:
+            return False
+
+    real_preadv, real_pread, real_copy = os.preadv, os.pread, os.copy_file_range
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if hits(fd) and offset >= data_start:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_preadv(fd, buffers, offset)
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        if hits(fd) and offset >= data_start:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_pread(fd, n, offset)
+
+    def copy_file_range(src: int, dst: int, count: int, *args: int) -> int:
+        if hits(src):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_copy(src, dst, count, *args)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range)
+
+
+@pytest.mark.parametrize("command", ["safetensors", "dcp", "torch", "reshard"])
+def test_eio_reading_a_source_shard_names_that_shard_not_dest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    # a bad sector in one shard was reported as "DEST: writing DEST failed: Input/output
+    # error": the user checked the wrong disk
+    src = tmp_path / "src"
+    src.mkdir()
+    state = {f"layer.{i}.weight": torch.randn(128, 256) for i in range(4)}  # 128 KiB each
+    save_torch_state_dict(state, src, max_shard_size="200KB")
+    before = _sha256s(src)
+    bad = sorted(src.glob("model-*.safetensors"))[1]
+    out = tmp_path / "out"
+    out.mkdir()
+    dest = out / "dest"
+    args = (
+        ["reshard", src, dest, "--max-shard-size", "300KB"]
+        if command == "reshard"
+        else ["convert", src, dest, "--to", command]
+    )
+    _eio_reading(monkeypatch, bad)
+    result = run_ckpt(*args, "--json")
+    monkeypatch.undo()
+    assert result.exit_code == 74, result.stdout
+    error = result.json["error"]
+    assert error["path"] == str(bad), error
+    assert "reading" in error["problem"] and "EIO" in error["problem"]
+    assert f"writing {dest}" in error["problem"] and "removed" in error["problem"]
+    assert list(out.iterdir()) == [] and _sha256s(src) == before
+    # the disk answers again: the same command succeeds, and the output is the source's
+    again = run_ckpt(*args)
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert run_ckpt("diff", src, dest).exit_code == 0
+
+
+def test_eio_while_diffing_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    sharded_model(src)
+    copy = tmp_path / "copy.safetensors"
+    assert run_ckpt("convert", src, copy, "--to", "safetensors").exit_code == 0
+    bad = sorted(src.glob("model-*.safetensors"))[0]
+    _eio_reading(monkeypatch, bad)
+    result = run_ckpt("diff", src, copy, "--json")
+    monkeypatch.undo()
+    assert result.exit_code == 74, result.stdout
+    assert result.json["error"]["path"] == str(bad)
+
+
+@pytest.fixture
+def wide_llama_and_lora(tmp_path: Path) -> tuple[Path, Path]:
+    """A 5 MiB Llama (`save_pretrained`) and a LoRA adapter for it (peft): more than the
+    2 MiB `tiny_fs` holds."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from .framework_fixtures import tiny_config
+
+    config = tiny_config()
+    config.hidden_size, config.intermediate_size, config.vocab_size = 256, 512, 1024
+    torch.manual_seed(0)
+    base = tmp_path / "base"
+    LlamaForCausalLM(config).save_pretrained(base)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    adapter = tmp_path / "adapter"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(LlamaForCausalLM.from_pretrained(base), lora).save_pretrained(adapter)
+    return base, adapter
+
+
+def test_merge_on_a_full_disk_or_a_signal_names_dest_not_its_scratch_folder(
+    tmp_path: Path, tiny_fs: Path, wide_llama_and_lora: tuple[Path, Path]
+) -> None:
+    # merge writes its weights into a scratch folder inside its staging: a full disk was
+    # "/x/.merged.ckpt-tmp-k2j4/weights: writing weights failed", a folder that no longer
+    # existed, and so was SIGTERM's "terminated" message
+    base, adapter = wide_llama_and_lora
+    before = _sha256s(base), _sha256s(adapter)
+    dest = tiny_fs / "merged"
+    full = run_ckpt_process("merge", base, adapter, dest, "--json")
+    assert full.exit_code == 74, full.stdout + full.stderr
+    error = json.loads(full.stdout)["error"]
+    assert error["path"] == str(dest) and "ENOSPC" in error["problem"], error
+    assert ".ckpt-tmp-" not in error["message"] and list(tiny_fs.iterdir()) == []
+    roomy = tmp_path / "out" / "merged"
+    roomy.parent.mkdir()
+    proc = _ckpt_popen("merge", base, adapter, roomy, delay=0.3)
+    _wait_for_staging(roomy.parent, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    message = " ".join(stderr.split())
+    assert f"{roomy}: terminated (SIGTERM)" in message and ".ckpt-tmp-" not in message, message
+    assert list(roomy.parent.iterdir()) == []
+    # the rerun succeeds, and the sources never changed
+    assert run_ckpt("merge", base, adapter, roomy).exit_code == 0
+    assert run_ckpt("verify", roomy).exit_code == 0
+    assert (_sha256s(base), _sha256s(adapter)) == before
+
+
+def test_download_onto_a_full_disk_names_dest_and_a_full_cache_names_the_cache(
+    tmp_path: Path, tiny_fs: Path, hub: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from .hub_fixtures import publish_model
+    from .hub_server import TestHub
+
+    assert isinstance(hub, TestHub)
+    state = {f"layer.{i}.weight": torch.randn(256, 1024) for i in range(4)}  # 4 MiB
+    publish_model(hub, "org/wide", tmp_path / "published", state, max_shard_size="1500KB")
+    # DEST on the full disk: the copy out of the HF cache named the cached file (on another,
+    # roomy disk) as the one that failed, "renaming" it into a staging folder
+    dest = tiny_fs / "dl"
+    full = run_ckpt("download", "hf://org/wide", dest, "--json")
+    assert full.exit_code == 74, full.stdout
+    error = full.json["error"]
+    assert error["path"] == str(dest) and "ENOSPC" in error["problem"], error
+    assert "renaming" not in error["message"] and list(tiny_fs.iterdir()) == []
+    # the HF cache on the full disk: a bare "No space left on device" that named no file
+    monkeypatch.setenv("HF_HOME", str(tiny_fs / "hf"))
+    cached = run_ckpt("download", "hf://org/wide", tmp_path / "dl", "--json")
+    assert cached.exit_code == 74, cached.stdout
+    error = cached.json["error"]
+    assert error["path"] == str(tiny_fs / "hf" / "hub") and "ENOSPC" in error["problem"], error
+    assert "HF_HUB_CACHE" in error["fix"] and not (tmp_path / "dl").exists()
+    # room again: the download succeeds and holds the published tensors
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    again = run_ckpt("download", "hf://org/wide", tmp_path / "dl")
+    assert again.exit_code == 0, again.stdout + again.stderr
+    got: dict[str, torch.Tensor] = {}
+    for shard in sorted((tmp_path / "dl").glob("*.safetensors")):
+        got.update(read_safetensors(shard))
+    assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())

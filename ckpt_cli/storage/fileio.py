@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from ..errors import FormatError
+from ..faults import naming
 from .crc import crc32_function
 
 #: raw copies move this many bytes per read/write
@@ -341,7 +342,10 @@ class FileRange(Iterator[bytes]):
                 done = 0
                 while done < length:
                     want = min(len(view), length - done)
-                    got = os.preadv(fd, [view[:want]], offset + done)
+                    try:
+                        got = os.preadv(fd, [view[:want]], offset + done)
+                    except OSError as exc:  # a bad sector: the file read is the one to check
+                        raise naming(exc, path) from None
                     if got <= 0:
                         raise self._truncated(path, offset, length, done)
                     done += got

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from ..errors import FormatError, NotFoundError, UnsafeInputError
+from ..faults import naming
 from .base import TMP_MARKER, FileStat, Storage, is_parity_path, is_staging_name
 
 if TYPE_CHECKING:
@@ -315,6 +316,13 @@ def fsync_dir(path: Path) -> None:
 
 
 def _pread_exact(fd: int, offset: int, length: int, name: str) -> bytes:
+    try:
+        return _pread_all(fd, offset, length, name)
+    except OSError as exc:  # a bad sector: the file read is the one to check
+        raise naming(exc, name) from None
+
+
+def _pread_all(fd: int, offset: int, length: int, name: str) -> bytes:
     data = os.pread(fd, length, offset)
     if len(data) == length:
         return data

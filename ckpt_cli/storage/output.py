@@ -25,6 +25,7 @@ at the price of local disk for one output.
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import os
 import shutil
@@ -53,6 +54,14 @@ from .uri import parse_location
 
 #: files uploaded (and objects copied) at once: object stores scale with connections
 PARALLEL_TRANSFERS = 4
+
+#: the local staging folders open in this context: an output staged inside one of them (a
+#: merge's weights, a training folder's component, a save's parity) is part of that output,
+#: so its failures are reported once, by the outermost `staged_output`, naming the DEST the
+#: user gave rather than a scratch folder that no longer exists
+_OPEN_STAGINGS: contextvars.ContextVar[tuple[Path, ...]] = contextvars.ContextVar(
+    "ckpt_open_stagings", default=()
+)
 
 
 @dataclass(frozen=True)
@@ -231,12 +240,20 @@ def staged_output(
     # a signal between the staging folder's creation and the `try` that removes it would
     # leave the folder behind (and say nothing of it): the signals that stop ckpt are held
     # until the `try` is entered, where the one that came meanwhile is raised
+    nested = any(dest.is_relative_to(outer) for outer in _OPEN_STAGINGS.get())
     held = HeldStopSignals()
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
     except OSError as exc:
         held.release()
-        raise io_failure(exc, dest.parent, "creating the staging folder") from None
+        if nested:
+            raise
+        # mkdtemp names its random folder: the folder it could not write in says more
+        unnamed = OSError(exc.errno, exc.strerror)
+        raise io_failure(
+            unnamed, dest.parent, f"creating the staging folder of {dest.name}"
+        ) from None
+    opened = _OPEN_STAGINGS.set((*_OPEN_STAGINGS.get(), staging))
     try:
         held.release()
         # mkdtemp makes the folder 0700; a published output gets what a plain mkdir would
@@ -255,19 +272,56 @@ def staged_output(
         fsync_dir(dest.parent)
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP
         shutil.rmtree(staging, ignore_errors=True)
+        if nested:
+            raise
         raise interruption(exc, "interrupted; the partial output was removed", dest) from None
     except OSError as exc:  # disk full, EIO, read-only, EACCES, EXDEV: exit 74, staging gone
         shutil.rmtree(staging, ignore_errors=True)
-        failure = io_failure(exc, dest, f"writing {dest.name}")
-        raise IOFailure(
-            failure.problem + "; the partial output was removed", path=failure.path, fix=failure.fix
-        ) from None
+        if nested:
+            raise
+        raise _output_failure(exc, dest, staging) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     else:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        _OPEN_STAGINGS.reset(opened)
+
+
+def _output_failure(exc: OSError, dest: Path, staging: Path) -> IOFailure:
+    """The `IOFailure` for an OS error while `dest` was written through `staging`.
+
+    A name inside the staging folder (removed by now) is reported as DEST. A file outside
+    it, and outside DEST, named alone is a file being read (a source shard with a bad
+    sector): that file leads the message, which says it was read for DEST.
+    """
+
+    def shown(name: Any) -> Any:
+        if name is None:
+            return name
+        path = Path(os.fsdecode(name))
+        return str(dest) if path == staging or path.is_relative_to(staging) else name
+
+    first, second = shown(exc.filename), shown(exc.filename2)
+    read = (
+        first is not None
+        and second is None
+        and first != str(dest)
+        and not Path(first).is_relative_to(dest)
+        and not Path(first).name.startswith(f".{dest.name}{OLD_MARKER}")
+        and first != str(dest.parent)
+    )
+    if first is None or (first == str(dest) and second is None):
+        first = None  # io_failure then names DEST, with what was being done
+    mapped = OSError(exc.errno, exc.strerror, first, None, second)
+    if read:
+        failure = io_failure(mapped, dest, f"reading it while writing {dest}")
+    else:
+        failure = io_failure(mapped, dest, f"writing {dest.name}")
+    problem = failure.problem + "; the partial output was removed"
+    return IOFailure(problem, path=failure.path, fix=failure.fix)
 
 
 def current_umask() -> int:
