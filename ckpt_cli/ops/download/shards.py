@@ -7,11 +7,13 @@ import contextlib
 import json
 import shutil
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
-from ...errors import FormatError
-from ...faults import close_pool
+from ...errors import FormatError, IOFailure
+from ...faults import close_pool, io_failure
 from ...formats.base import Source
 from ...formats.names import SAFETENSORS_SUFFIX
 from ...formats.safetensors.format import SafetensorsFormat
@@ -181,7 +183,7 @@ def fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> in
 
     def fetch(info: DownloadFile) -> None:
         if info.status != "cached":
-            with hub_errors(storage_where(info.path)):
+            with hub_errors(storage_where(info.path)), _cache_failures(repo, info.path):
                 path = hf_hub_download(
                     repo.repo_id,
                     repo.repo_path(info.path),
@@ -227,6 +229,22 @@ def fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> in
         close_pool(pool)
         progress.finish()
     return received[0]
+
+
+@contextmanager
+def _cache_failures(repo: HubRepo, rel: str) -> Iterator[None]:
+    """An OS error while huggingface_hub writes into its cache (a full disk: it names no
+    file) as an `IOFailure` naming the cache folder, and how to put the cache elsewhere."""
+    try:
+        yield
+    except OSError as exc:
+        failure = io_failure(exc, repo.settings.cache_dir, f"fetching {rel} into the HF cache")
+        raise IOFailure(
+            failure.problem,
+            path=failure.path,
+            fix=f"{failure.fix} The cache can live on another filesystem: set HF_HUB_CACHE "
+            "(or HF_HOME).",
+        ) from None
 
 
 def _quarantine(cached: Path) -> list[str]:
