@@ -1086,3 +1086,87 @@ def test_download_onto_a_full_disk_names_dest_and_a_full_cache_names_the_cache(
     for shard in sorted((tmp_path / "dl").glob("*.safetensors")):
         got.update(read_safetensors(shard))
     assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+
+
+class _BadSectorFile:
+    """A file object whose reads fail with EIO (the rest passes through)."""
+
+    def __init__(self, real: object) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+    def __enter__(self) -> _BadSectorFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._real.close()  # type: ignore[attr-defined]
+
+    def read(self, *args: object) -> bytes:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    readinto = read  # type: ignore[assignment]
+
+
+def _eio_opening(monkeypatch: pytest.MonkeyPatch, bad: Path) -> None:
+    """Every read of `bad` through a Python file object (`open`, `os.fdopen`) fails with EIO."""
+    import builtins
+
+    real_open, real_fdopen = builtins.open, os.fdopen
+
+    def is_bad(file: object) -> bool:
+        try:
+            name = os.readlink(f"/proc/self/fd/{file}") if isinstance(file, int) else str(file)
+        except OSError:
+            return False
+        return name == str(bad)
+
+    def opened(file: object, mode: str = "r", *args: object, **kwargs: object) -> object:
+        fh = real_open(file, mode, *args, **kwargs)  # type: ignore[call-overload]
+        return _BadSectorFile(fh) if is_bad(file) and mode == "rb" else fh
+
+    def fdopened(fd: int, mode: str = "r", *args: object, **kwargs: object) -> object:
+        fh = real_fdopen(fd, mode, *args, **kwargs)  # type: ignore[call-overload]
+        return _BadSectorFile(fh) if is_bad(fd) and mode == "rb" else fh
+
+    monkeypatch.setattr(builtins, "open", opened)
+    monkeypatch.setattr(os, "fdopen", fdopened)
+
+
+def test_eio_reading_a_local_file_during_sync_or_verify_names_it_not_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_server: object
+) -> None:
+    # a bad sector in the local save was "s3://…/pad.bin: cannot write to the remote store
+    # (OSError: EIO). Check the network, the endpoint and your credentials", and
+    # `verify --checksums` said a bare "Input/output error (EIO)" naming no file
+    from .run_fixtures import age
+    from .s3_fixtures import make_bucket
+
+    out = tmp_path / "run"
+    for step in (100, 200):
+        trainer_checkpoint(out / f"checkpoint-{step}", step)
+    bad = out / "checkpoint-200" / "extra.bin"
+    bad.write_bytes(os.urandom(1 << 16))
+    age(out)
+    assert run_ckpt("verify", bad.parent, "--write-manifest").exit_code == 0
+    before = {step: _sha256s(out / f"checkpoint-{step}") for step in (100, 200)}
+    make_bucket(os.environ["AWS_ENDPOINT_URL"], "ckpts")
+    _eio_opening(monkeypatch, bad)
+    pushed = run_ckpt("sync", out, "s3://ckpts/run/", "--json")
+    checked = run_ckpt("verify", bad.parent, "--checksums", "--json")
+    monkeypatch.undo()
+    assert pushed.exit_code == 1, pushed.stdout
+    failed = {c["name"]: c for c in pushed.json["result"]["checkpoints"]}["checkpoint-200"]
+    assert failed["action"] == "failed", failed
+    assert f"{bad}: " in failed["reason"] and "EIO" in failed["reason"], failed
+    assert "remote store" not in failed["reason"] and "network" not in failed["reason"]
+    assert run_ckpt("latest", "s3://ckpts/run/").stdout.strip().endswith("checkpoint-100")
+    assert checked.exit_code == 74, checked.stdout
+    assert checked.json["error"]["path"] == str(bad) and "EIO" in checked.json["error"]["message"]
+    # the disk answers again: the sync completes, verified, and nothing local changed
+    again = run_ckpt("sync", out, "s3://ckpts/run/")
+    assert again.exit_code == 0, again.stdout + again.stderr
+    remote = run_ckpt("verify", "s3://ckpts/run/checkpoint-200", "--checksums")
+    assert remote.exit_code == 0, remote.stdout
+    assert {step: _sha256s(out / f"checkpoint-{step}") for step in (100, 200)} == before

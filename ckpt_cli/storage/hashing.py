@@ -145,7 +145,10 @@ def hash_file(
         raise io_failure(exc, path, "hashing") from None
     with fh:
         while True:
-            n = fh.readinto(view)
+            try:
+                n = fh.readinto(view)
+            except OSError as exc:  # a bad sector: this file is the one to check
+                raise io_failure(exc, path, "hashing") from None
             if not n or (stop is not None and stop.is_set()):
                 break
             hasher.update(view[:n])

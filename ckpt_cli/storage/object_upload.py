@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..faults import close_pool
+from ..faults import close_pool, io_failure, naming
 from .crc import crc32_function
 from .output import UPLOAD_BLOCK
 
@@ -102,6 +102,16 @@ def refusal_code(exc: BaseException) -> str | None:
         code = cause.response.get("Error", {}).get("Code")
         return str(code) if code else None
     return None
+
+
+def read_for_upload(src: Any, size: int) -> bytes:
+    """Up to `size` bytes of the local file being uploaded. An OS error there (a bad sector)
+    is that file's, not the store's: an `IOFailure` (exit 74) naming it."""
+    try:
+        data: bytes = src.read(size)
+    except OSError as exc:
+        raise io_failure(naming(exc, src.name), doing="reading it to upload") from None
+    return data
 
 
 class ObjectUploader:
@@ -290,7 +300,7 @@ class ObjectUploader:
                 return self._multipart(src, bucket, key, target, hasher, self.checks_checksums())
             held = self._reserve(size)
             try:
-                data = src.read(size)  # one that grew since is caught by its stamp
+                data = read_for_upload(src, size)  # one that grew since is caught by its stamp
                 return self._put(data, target, hasher, sha256=sha256)
             finally:
                 self._release(held)
@@ -363,7 +373,7 @@ class ObjectUploader:
             while True:
                 held = self._reserve(UPLOAD_BLOCK)
                 try:
-                    block = src.read(UPLOAD_BLOCK)
+                    block = read_for_upload(src, UPLOAD_BLOCK)
                     if not block:
                         self._release(held)
                         break

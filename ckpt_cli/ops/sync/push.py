@@ -19,7 +19,7 @@ from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, RunReport, scan_run
 from ...sources.runs.records import CHECKSUM_MANIFEST, SYNC_RECORD, checksum_manifest_of
 from ...storage import remote_failure
 from ...storage.hashing import hasher_factory
-from ...storage.object_upload import ObjectUploader, multipart_etag
+from ...storage.object_upload import ObjectUploader, multipart_etag, read_for_upload
 from ...storage.output import UPLOAD_BLOCK
 from ...storage.remote import listing_time
 from ...storage.uri import parse_location
@@ -403,7 +403,7 @@ class _Uploader:
 
         def blocks() -> Iterator[bytes]:
             with open(path, "rb") as src:
-                while block := src.read(UPLOAD_BLOCK):
+                while block := read_for_upload(src, UPLOAD_BLOCK):
                     hasher.update(block)
                     parts.append(hashlib.md5(block).digest())
                     yield block
@@ -466,7 +466,7 @@ class _Uploader:
         md5 = hashlib.md5()
         parts = []
         with open(path, "rb") as src:
-            while block := src.read(UPLOAD_BLOCK):
+            while block := read_for_upload(src, UPLOAD_BLOCK):
                 hasher.update(block)
                 if multipart:
                     parts.append(hashlib.md5(block).digest())
