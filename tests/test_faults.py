@@ -1170,3 +1170,31 @@ def test_eio_reading_a_local_file_during_sync_or_verify_names_it_not_the_store(
     remote = run_ckpt("verify", "s3://ckpts/run/checkpoint-200", "--checksums")
     assert remote.exit_code == 0, remote.stdout
     assert {step: _sha256s(out / f"checkpoint-{step}") for step in (100, 200)} == before
+
+
+def test_checkpointer_on_a_read_only_or_full_disk_fails_as_a_ckpt_error_without_a_traceback(
+    tmp_path: Path, tiny_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import IOFailure
+
+    # a full disk: the save fails, logged in one line (it carried DCP's zip-writer traceback,
+    # "unexpected pos 704 vs 598", as if ckpt had a bug), and the run folder holds no step
+    run = tiny_fs / "run"
+    with caplog.at_level(logging.ERROR, logger="ckpt_cli.checkpointer"):
+        with Checkpointer(run) as ck:
+            ck.save(1, {"model": torch.nn.Linear(1024, 1024)})  # 4 MiB on a 2 MiB disk
+        record = ck.wait()
+    assert record is not None and record.phase == "failed"
+    assert "no space left" in (record.error or "")
+    failures = [r for r in caplog.records if r.name == "ckpt_cli.checkpointer"]
+    assert failures and not any(r.exc_info for r in failures), failures
+    assert not [p for p in run.iterdir() if p.name.startswith("step-")]
+    # a read-only disk: the constructor raised a bare OSError, not the CkptError the library
+    # promises for an expected failure
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
+    with pytest.raises(IOFailure) as refused:
+        Checkpointer(tiny_fs / "other")
+    assert refused.value.path == str(tiny_fs / "other") and "EROFS" in str(refused.value)

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ..errors import CkptError, FormatError, IOFailure, UsageError
+from ..faults import io_failure
 from ..sources.runs import is_remote
 from ..storage.output import TMP_MARKER, staged_output
 from ..storage.uri import is_hub_url
@@ -210,7 +211,10 @@ class Checkpointer:
         # own: collectives of two threads must never share one (nor the training's)
         self._write_group: Any = dist.new_group(backend="gloo") if self._distributed else None
         self._control_group: Any = dist.new_group(backend="gloo") if self._distributed else None
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a read-only or full disk: the library's own error (exit 74)
+            raise io_failure(exc, self.run_dir, "creating the run folder") from None
         self._staging = HostStaging(pin_memory=pin_memory, logger=self.log)
         self._lock = threading.Lock()
         #: held by `save` from its check for a save in flight to the start of its own
@@ -428,12 +432,12 @@ class Checkpointer:
             self.log.info("step %d saved: %s", record.step, record.remote or record.path)
         except BaseException as exc:  # a failed save must never take the training down
             record.phase = "failed"
-            record.error = self._failure(exc, record)
+            record.error, expected = self._failure(exc, record)
             self.log.error(
                 "save of step %d failed: %s",
                 record.step,
                 record.error,
-                exc_info=not isinstance(exc, CkptError),
+                exc_info=not expected,  # a traceback only for what may be a bug
             )
             with self._lock:
                 self._failures += 1
@@ -443,12 +447,13 @@ class Checkpointer:
                 self._last = record
                 self._current = None
 
-    def _failure(self, exc: BaseException, record: SaveRecord) -> str:
+    def _failure(self, exc: BaseException, record: SaveRecord) -> tuple[str, bool]:
         """One line for a failed save: ckpt's own message, a full disk said as such (DCP
         reports it as a traceback of the zip writer, `unexpected pos 704 vs 598`), else the
-        innermost cause."""
+        innermost cause; and whether the failure is an expected one (ckpt's own, or the
+        operating system's), which needs no traceback."""
         if isinstance(exc, CkptError):
-            return str(exc)
+            return str(exc), True
         causes = _causes(exc)
         try:
             free: int | None = shutil.disk_usage(self.run_dir).free
@@ -463,9 +468,9 @@ class Checkpointer:
                 f"writing step {record.step} failed: no space left on the device{room}, "
                 f"the save holds {record.bytes / 2**20:.1f} MiB); check free space at "
                 f"{self.run_dir}"
-            )
+            ), True
         cause = causes[-1]
-        return f"{type(cause).__name__}: {cause}"
+        return f"{type(cause).__name__}: {cause}", any(isinstance(c, OSError) for c in causes)
 
     def _share(self, value: Any) -> Any:
         """Rank 0's `value`, on every rank (over the write group)."""
