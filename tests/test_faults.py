@@ -1198,3 +1198,41 @@ def test_checkpointer_on_a_read_only_or_full_disk_fails_as_a_ckpt_error_without_
     with pytest.raises(IOFailure) as refused:
         Checkpointer(tiny_fs / "other")
     assert refused.value.path == str(tiny_fs / "other") and "EROFS" in str(refused.value)
+
+
+def test_repair_on_a_full_or_read_only_disk_names_the_damaged_file_and_changes_nothing(
+    tmp_path: Path, tiny_fs: Path
+) -> None:
+    # the message led with the removed staging folder (".ckpt-parity/.repair.ckpt-tmp-x:
+    # rebuilding … (in …/.repair.ckpt-tmp-x) failed"), and a read-only disk named only that
+    # random folder name
+    src = tiny_fs / "m"
+    src.mkdir()
+    save_file({"w": torch.randn(128, 1024)}, src / "model.safetensors")  # 512 KiB
+    assert run_ckpt("protect", src, "--parity", "1").exit_code == 0
+    good = (src / "model.safetensors").read_bytes()
+    damaged = bytearray(good)
+    damaged[200_000:200_016] = b"X" * 16
+    (src / "model.safetensors").write_bytes(bytes(damaged))
+    filler = tiny_fs / "filler"
+    with contextlib.suppress(OSError), filler.open("wb") as fh:
+        while True:
+            fh.write(b"\0" * 65536)
+    full = run_ckpt("repair", src, "--json")
+    assert full.exit_code == 74, full.stdout
+    error = full.json["error"]
+    assert error["path"] == str(src / "model.safetensors") and "ENOSPC" in error["problem"]
+    assert ".ckpt-tmp-" not in error["message"] and "nothing was changed" in error["problem"]
+    assert (src / "model.safetensors").read_bytes() == bytes(damaged)
+    assert run_ckpt("verify", src, "--checksums").exit_code == 1  # still damaged, said so
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
+    read_only = run_ckpt("repair", src, "--json")
+    assert read_only.exit_code == 74, read_only.stdout
+    error = read_only.json["error"]
+    assert error["path"] == str(src / ".ckpt-parity") and "EROFS" in error["problem"], error
+    # writable and roomy again: the repair restores the file bit-exact
+    subprocess.run(["mount", "-o", "remount,rw", str(tiny_fs)], check=True)
+    filler.unlink()
+    assert run_ckpt("repair", src).exit_code == 0
+    assert (src / "model.safetensors").read_bytes() == good
+    assert not [p for p in (src / ".ckpt-parity").iterdir() if ".ckpt-tmp-" in p.name]

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from ...errors import FormatError, NotFoundError
+from ...errors import FormatError, IOFailure, NotFoundError
 from ...faults import io_failure
 from ...formats.names import is_commit_marker
 from ...models import Request
@@ -132,7 +132,11 @@ def _repair_staging(target: ParityTarget) -> Iterator[Path]:
     root = target.storage.local_root
     if root is not None:
         parent = root / target.parity_rel
-        folder = Path(tempfile.mkdtemp(prefix=f".repair{TMP_MARKER}", dir=parent))
+        try:
+            folder = Path(tempfile.mkdtemp(prefix=f".repair{TMP_MARKER}", dir=parent))
+        except OSError as exc:  # a read-only filesystem: the folder, not the random name
+            unnamed = OSError(exc.errno, exc.strerror)
+            raise io_failure(unnamed, parent, "creating the repair's staging folder") from None
     else:
         folder = Path(tempfile.mkdtemp(prefix=f".ckpt-repair{TMP_MARKER}"))
     try:
@@ -154,12 +158,19 @@ def _rebuild(
     try:
         return _rebuild_into(target, scan, staging, progress, layout, reader, staged)
     except OSError as exc:
-        # disk full, EIO...: named by the files being rebuilt and where they were written
-        names = ", ".join(
+        # disk full, EIO...: named by the files being rebuilt (their filesystem is where the
+        # rebuilt copies are written), or by the file that could not be read; the staging
+        # folder is removed, so its name would point nowhere
+        names = [
             storage.describe(m.files[idx].path if kind == "data" else m.shares[idx].path)
             for kind, idx in sorted(scan.damaged)
-        )
-        raise io_failure(exc, staging, f"rebuilding {names} (in {staging})") from None
+        ]
+        if exc.filename is None or Path(os.fsdecode(exc.filename)).is_relative_to(staging):
+            exc = OSError(exc.errno, exc.strerror)
+        failure = io_failure(exc, names[0], f"rebuilding {', '.join(names)}")
+        raise IOFailure(
+            f"{failure.problem}; nothing was changed", path=failure.path, fix=failure.fix
+        ) from None
     finally:
         for _rel, _path, _f, fd in staged.values():
             with suppress(OSError):
