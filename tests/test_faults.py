@@ -1236,3 +1236,31 @@ def test_repair_on_a_full_or_read_only_disk_names_the_damaged_file_and_changes_n
     assert run_ckpt("repair", src).exit_code == 0
     assert (src / "model.safetensors").read_bytes() == good
     assert not [p for p in (src / ".ckpt-parity").iterdir() if ".ckpt-tmp-" in p.name]
+
+
+def test_a_pull_cut_short_by_a_full_disk_says_where_the_partial_is_and_resumes(
+    tmp_path: Path, tiny_fs: Path, s3_server: object
+) -> None:
+    # ENOSPC kept `.checkpoint-100.ckpt-tmp-pull` (to resume, as documented) without saying
+    # so: the user freeing space was not told that ckpt itself held some of it
+    from .run_fixtures import age
+    from .s3_fixtures import make_bucket
+
+    out = tmp_path / "out"
+    trainer_checkpoint(out / "checkpoint-100", 100)
+    (out / "checkpoint-100" / "extra.bin").write_bytes(os.urandom(3 << 20))  # > the 2 MiB disk
+    age(out)
+    make_bucket(os.environ["AWS_ENDPOINT_URL"], "ckpts")
+    assert run_ckpt("sync", out, "s3://ckpts/run/").exit_code == 0
+    pulled = run_ckpt("sync", "s3://ckpts/run/", tiny_fs / "run", "--latest", "--json")
+    assert pulled.exit_code == 74, pulled.stdout
+    error = pulled.json["error"]
+    kept = tiny_fs / "run" / ".checkpoint-100.ckpt-tmp-pull"
+    assert f"kept in {kept}" in error["problem"] and kept.is_dir(), error
+    assert "resumes" in error["fix"] and "free some space" in error["fix"]
+    assert run_ckpt("latest", tiny_fs / "run").exit_code == 3  # nothing looks complete
+    subprocess.run(["mount", "-o", "remount,size=16m", str(tiny_fs)], check=True)
+    again = run_ckpt("sync", "s3://ckpts/run/", tiny_fs / "run", "--latest")
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert run_ckpt("verify", tiny_fs / "run" / "checkpoint-100", "--checksums").exit_code == 0
+    assert [p.name for p in (tiny_fs / "run").iterdir()] == ["checkpoint-100"]

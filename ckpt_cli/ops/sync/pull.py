@@ -294,6 +294,15 @@ def _download(
             final,
             fix="Run the same `ckpt sync` again: it resumes, keeping every file already whole.",
         ) from None
+    except IOFailure as failure:  # a full disk here: the staging is kept to resume, and said so
+        if damaged or not staging.exists():
+            raise
+        raise IOFailure(
+            f"{failure.problem}; the partial pull of {c.name} is kept in {staging}",
+            path=failure.path,
+            fix=f"{(failure.fix or '').rstrip('.')}, then run the same `ckpt sync` again: it "
+            "resumes, keeping every file already whole (or delete that folder to start over).",
+        ) from None
     finally:
         if damaged:
             # nothing of a copy that disagrees with its manifest is worth keeping
