@@ -1264,3 +1264,58 @@ def test_a_pull_cut_short_by_a_full_disk_says_where_the_partial_is_and_resumes(
     assert again.exit_code == 0, again.stdout + again.stderr
     assert run_ckpt("verify", tiny_fs / "run" / "checkpoint-100", "--checksums").exit_code == 0
     assert [p.name for p in (tiny_fs / "run").iterdir()] == ["checkpoint-100"]
+
+
+def test_a_second_pull_of_the_same_checkpoint_at_once_never_shares_the_first_ones_files(
+    tmp_path: Path, s3_server: object
+) -> None:
+    # the pull's staging folder has one name per checkpoint (to resume): a second `ckpt sync`
+    # pulling the same checkpoint at the same time truncated the first one's `.part` files
+    # under it (a killed second pull left a hole of zeros in the first one's published copy,
+    # which it had called verified)
+    from .run_fixtures import age
+    from .s3_fixtures import S3Request, S3Server, make_bucket
+
+    assert isinstance(s3_server, S3Server)
+    out = tmp_path / "out"
+    trainer_checkpoint(out / "checkpoint-100", 100)
+    (out / "checkpoint-100" / "extra.bin").write_bytes(os.urandom(20 << 20))  # two GETs
+    age(out)
+    make_bucket(s3_server.endpoint, "ckpts")
+    assert run_ckpt("sync", out, "s3://ckpts/run/").exit_code == 0
+    held: list[S3Request] = []
+
+    def second_half_once(request: S3Request) -> bool:
+        hit = request.path.endswith("/extra.bin") and (request.range or "").startswith(
+            f"bytes={16 << 20}-"
+        )
+        if hit and not held:
+            held.append(request)
+            return True
+        return False
+
+    s3_server.hold = second_half_once
+    dest = tmp_path / "pulled"
+    first = _ckpt_popen("sync", "s3://ckpts/run/", dest, "--latest")
+    deadline = time.monotonic() + 120
+    while not held:  # the first pull has 16 MiB of extra.bin.part written, and waits
+        assert first.poll() is None, first.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    part = dest / ".checkpoint-100.ckpt-tmp-pull" / "extra.bin.part"
+    try:
+        second = run_ckpt("sync", "s3://ckpts/run/", dest, "--latest", "--json")
+        size_meanwhile = part.stat().st_size if part.exists() else None
+    finally:
+        s3_server.release.set()
+        _, stderr = first.communicate(timeout=120)
+    assert second.exit_code == 1, second.stdout
+    failed = second.json["result"]["checkpoints"][0]
+    assert failed["action"] == "failed" and "another `ckpt sync`" in failed["reason"], failed
+    assert size_meanwhile == 16 << 20  # the first pull's file, untouched
+    assert first.returncode == 0, stderr
+    checked = run_ckpt("verify", dest / "checkpoint-100", "--checksums")
+    assert checked.exit_code == 0, checked.stdout
+    assert (dest / "checkpoint-100" / "extra.bin").read_bytes() == (
+        out / "checkpoint-100" / "extra.bin"
+    ).read_bytes()

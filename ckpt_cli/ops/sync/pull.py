@@ -10,6 +10,7 @@ from typing import Any
 
 from ...errors import (
     CkptError,
+    DestinationExistsError,
     FormatError,
     Interrupted,
     IOFailure,
@@ -200,6 +201,7 @@ def _download(
     if fresh:
         # a plain mkdir: the published checkpoint gets what the umask gives
         apply_umask(staging, directory=True)
+    claim = _claim(staging, final)
     new = hasher_factory(record.algorithm) if record else None
     damaged = False
     try:
@@ -307,8 +309,37 @@ def _download(
         if damaged:
             # nothing of a copy that disagrees with its manifest is worth keeping
             shutil.rmtree(staging, ignore_errors=True)
+        if claim is not None:
+            os.close(claim)
     result.verified = record is not None
     return result
+
+
+def _claim(staging: Path, final: Path) -> int | None:
+    """Hold the pull's staging folder for this process: an exclusive `flock` on the folder,
+    released when its descriptor closes (by the kernel too, if the process is killed).
+
+    The staging folder has one name per checkpoint, so a pull cut short is resumed; without
+    the lock, a second `ckpt sync` pulling the same checkpoint into the same run folder at
+    the same time wrote into the very files the first was writing (`open(... "wb")` truncates
+    them under it), and the first published a file with a hole of zeros, called verified.
+    Where the platform has no `flock` nothing is held.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DestinationExistsError(
+            f"another `ckpt sync` is pulling it into {staging} now; nothing was written",
+            path=final,
+            fix="Let that sync finish (the checkpoint is then here), or stop it and run again.",
+        ) from None
+    return fd
 
 
 def _structural_problem(staged: Path, staging: Path, shown: Path) -> str | None:
