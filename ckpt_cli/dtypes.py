@@ -195,15 +195,20 @@ def numel(shape: list[int] | tuple[int, ...]) -> int:
 
 #: the largest dimension (and product of dimensions) torch, DCP and safetensors all hold: int64
 MAX_DIM = (1 << 63) - 1
+#: the most dimensions a tensor may have: numpy's limit (torch's own kernels stop at 25), so a
+#: header cannot make a reader walk and hold millions of them
+MAX_NDIM = 64
 
 
 def shape_problem(shape: object) -> str | None:
     """Why `shape` is no tensor shape every format can hold, or None when it is one: a list of
-    plain non-negative ints (not bools), each at most `MAX_DIM`, whose product (a zero counted as
-    one, as torch sizes its strides) is at most `MAX_DIM` too: torch.load refuses a file whose
-    tensor has a dimension of 2^63 even with no elements."""
+    plain non-negative ints (not bools), at most `MAX_NDIM` of them, each at most `MAX_DIM`,
+    whose product (a zero counted as one, as torch sizes its strides) is at most `MAX_DIM` too:
+    torch.load refuses a file whose tensor has a dimension of 2^63 even with no elements."""
     if not isinstance(shape, (list, tuple)):
         return "not a list of dimensions"
+    if len(shape) > MAX_NDIM:
+        return f"{len(shape):,} dimensions, more than the {MAX_NDIM} a tensor may have"
     span = 1
     for dim in shape:
         if type(dim) is not int or dim < 0:

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -387,6 +388,37 @@ def test_a_shape_of_true_is_refused_as_safe_open_refuses_it(tmp_path: Path) -> N
     assert_refused(ckpt_limited("inspect", bad), bad, "invalid shape")
     convert = ckpt_limited("convert", bad, tmp_path / "out", "--to", "torch")
     assert_refused(convert, bad, "invalid shape")
+
+
+def test_a_shape_of_millions_of_dimensions_is_refused_before_it_is_walked(tmp_path: Path) -> None:
+    # a 10 MB header of one tensor [1, 1, ...] (5M dimensions) is within the header budget;
+    # 0.1.x read it (a 63 MB one: inspect 2.9 GB RSS and 40 CPU-s, convert 1.9 GB)
+    bad = _safetensors_with_shape(tmp_path / "dims.safetensors", [1] * 5_000_000, 4)
+    assert_refused(ckpt_limited("inspect", bad), bad, "5,000,000 dimensions")
+    assert_refused(ckpt_limited("verify", bad), bad, "dimensions", exit_code=1)
+    out = tmp_path / "out.pt"
+    assert_refused(ckpt_limited("convert", bad, out, "--to", "torch"), bad, "dimensions")
+    assert not out.exists()
+    # numpy (the safetensors numpy reader) holds 64 dimensions at most; 64 still converts
+    with pytest.raises(ValueError, match="64"):
+        torch.zeros([1] * 65).numpy()
+    at_limit = tmp_path / "d64.safetensors"
+    save_file({"t": torch.ones([1] * 64)}, str(at_limit))
+    assert ckpt_limited("convert", at_limit, out, "--to", "torch").exit_code == 0
+    assert torch.equal(torch.load(out, weights_only=True)["t"], torch.ones([1] * 64))
+
+
+def test_a_torch_tensor_of_millions_of_dimensions_is_refused(tmp_path: Path) -> None:
+    # 0.1.x: a 60 MB torch.save of one tensor of 15M dimensions took inspect 1.3 GB, 18 CPU-s
+    many = tmp_path / "many.pt"
+    torch.save({"w": torch.zeros([1] * 2_000_000)}, many)
+    assert_refused(ckpt_limited("inspect", many), many, "2,000,000 dimensions")
+    # read by torch.load (a strided view is not read without torch; a legacy file neither)
+    for name, legacy in (("strided.pt", False), ("legacy.pt", True)):
+        path = tmp_path / name
+        value = torch.zeros([1] * 100).transpose(0, 1)
+        torch.save({"w": value}, path, _use_new_zipfile_serialization=not legacy)
+        assert_refused(ckpt_limited("inspect", path), path, "100 dimensions")
 
 
 # -- malformed torch.save files: exit 4 naming the file, never 70 ----------------------------

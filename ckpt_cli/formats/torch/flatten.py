@@ -18,9 +18,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ...budgets import check_expanded
+from ...dtypes import MAX_NDIM
 from ...errors import FormatError
 from ...models import KeyedEntry, KeyStep
 from .load import INERT, InertObject
+from .zip_index import too_many_dims
 from .zip_write import TensorLayout
 
 #: longest string an object entry shows as its value
@@ -340,6 +342,8 @@ def build_entries(
                 spot = (-1, leaf.data_offset or 0, leaf.shape, leaf.stride)
                 views.setdefault(spot, []).append(name)
         elif is_tensor(leaf):
+            if leaf.dim() > MAX_NDIM:
+                raise too_many_dims(name, leaf.dim(), where or file)
             dtype = dtype_name(leaf.dtype)
             shape = list(leaf.shape)
             nbytes = leaf.numel() * leaf.element_size()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...budgets import BudgetedUnpickler, check_expanded, check_inflated
-from ...dtypes import STORAGE_DTYPES, is_known, itemsize
+from ...dtypes import MAX_NDIM, STORAGE_DTYPES, is_known, itemsize
 from ...errors import FormatError
 
 #: a data.pkl larger than this is not read (100,000 tensors take ~10 MB)
@@ -292,6 +292,8 @@ def _tensor(
         or len(shape) != len(stride)
     ):
         return _Opaque()
+    if len(shape) > MAX_NDIM:  # torch.load would build it too, at minutes of CPU
+        raise _TooManyDims(len(shape))
     return _Tensor(storage, dtype, offset, shape, stride, bool(meta))
 
 
@@ -428,8 +430,27 @@ class _LayoutUnpickler(BudgetedUnpickler):
         return _Storage(key, kind.dtype, count)
 
 
+class _TooManyDims(Exception):
+    """A tensor recipe names more than `MAX_NDIM` dimensions (args: how many)."""
+
+
 def _read_pickle(data: bytes, where: str | None) -> object:
-    return _LayoutUnpickler(data, where).load()
+    try:
+        return _LayoutUnpickler(data, where).load()
+    except _TooManyDims as exc:
+        raise too_many_dims(None, exc.args[0], where) from None
+
+
+def too_many_dims(name: str | None, ndim: int, where: str | None) -> FormatError:
+    """The error for tensor `name` (None: not known yet) of `ndim` dimensions, more than
+    `dtypes.MAX_NDIM`."""
+    which = "a tensor" if name is None else f"tensor {name!r}"
+    return FormatError(
+        f"{which} has {ndim:,} dimensions, more than the {MAX_NDIM} a tensor may have; "
+        "ckpt refuses it (a hostile or corrupt file)",
+        path=where,
+        fix="Re-save the tensor with its real shape.",
+    )
 
 
 def _tensors(root: object) -> dict[tuple[str | int, ...], _Tensor]:
