@@ -502,3 +502,25 @@ def test_verify_warns_that_torch_load_refuses_a_namespace_naming_it(tmp_path: Pa
     plain = tmp_path / "plain.pt"
     torch.save({"w": torch.ones(2), "step": 3}, plain)
     assert ckpt_limited("verify", plain, "--json").json["result"]["problems"] == []
+
+
+# -- JSON indexes ------------------------------------------------------------------------------
+
+
+def test_an_index_naming_300_000_missing_shards_is_verified_in_linear_time(tmp_path: Path) -> None:
+    # 0.1.x scanned the whole weight map once per missing shard: 300,000 of them (a 9.5 MB
+    # index) ran past a minute of CPU (killed here by RLIMIT_CPU)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"a": torch.ones(2)}, str(folder / "model-00001-of-00001.safetensors"))
+    weight_map = {f"t{i}": f"f{i}.safetensors" for i in range(300_000)}
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    run = ckpt_limited("verify", folder, "--json")
+    assert run.exit_code == 1, run.stderr
+    problems = run.json["result"]["problems"]
+    missing = [p for p in problems if p["code"] == "missing_shard"]
+    assert len(missing) == 300_000
+    assert missing[0]["file"] == str(folder / "f0.safetensors")
+    assert "maps 1 tensors to it (t0)" in missing[0]["message"]
+    assert run.cpu_s < CPU_LIMIT

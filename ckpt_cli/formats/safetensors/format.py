@@ -33,6 +33,7 @@ from ..weight_map import (
     report_bad_index,
     report_missing_shard,
     shards_to_check,
+    tensors_by_shard,
 )
 from .header import (
     SafetensorsHeader,
@@ -286,10 +287,13 @@ class SafetensorsFormat(Format):
             except CkptError as error:
                 own.error(error)
                 parsed[shard] = (None, own.problems)
+        by_shard: dict[str, list[str]] | None = None
         for shard in shards:
             if shard not in listing:
                 assert index_rel is not None and weight_map is not None
-                report_missing_shard(findings, storage, index_rel, weight_map, shard)
+                if by_shard is None:
+                    by_shard = tensors_by_shard(weight_map)
+                report_missing_shard(findings, storage, index_rel, by_shard.get(shard, []), shard)
                 continue
             header, problems = parsed[shard]
             findings.problems.extend(problems)

@@ -44,6 +44,7 @@ from ..weight_map import (
     report_bad_index,
     report_missing_shard,
     shards_to_check,
+    tensors_by_shard,
 )
 from .flatten import TorchEntry, build_entries
 from .load import is_zip, load_torch_file, object_allowlist
@@ -179,9 +180,10 @@ class TorchFormat(Format):
         listing = storage.list_files()
         names, _ = shards_to_check(index_rel, weight_map, listing)
         shards: dict[str, ShardContents] = {}
+        by_shard = tensors_by_shard(weight_map)
         for shard in names:
             if shard not in listing and not storage.exists(shard):
-                report_missing_shard(findings, storage, index_rel, weight_map, shard)
+                report_missing_shard(findings, storage, index_rel, by_shard.get(shard, []), shard)
                 continue
             try:
                 obj, _ = load_torch_file(storage, shard, meta=storage.local_path(shard) is None)
