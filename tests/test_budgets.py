@@ -524,3 +524,21 @@ def test_an_index_naming_300_000_missing_shards_is_verified_in_linear_time(tmp_p
     assert missing[0]["file"] == str(folder / "f0.safetensors")
     assert "maps 1 tensors to it (t0)" in missing[0]["message"]
     assert run.cpu_s < CPU_LIMIT
+
+
+def test_an_index_naming_a_shard_longer_than_any_file_name_is_exit_4(tmp_path: Path) -> None:
+    # 0.1.x tried to open it: exit 74 (an OS error, ENAMETOOLONG) and the whole name, 5 MB of
+    # it, on stderr
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"a": torch.ones(2)}, str(folder / "model-00001-of-00001.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    for shard in ("x" * 300 + ".safetensors", "x" * 5_000_000 + ".safetensors"):
+        index.write_text(json.dumps({"weight_map": {"a": shard}}))
+        for args in (("inspect", folder), ("convert", folder, tmp_path / "out", "--to", "dcp")):
+            run = ckpt_limited(*args)
+            assert_refused(run, index, "longer than any file system holds")
+            assert len(run.stderr) < 2_000, run.stderr[:200]
+        assert not (tmp_path / "out").exists()
+        verify = ckpt_limited("verify", folder)
+        assert_refused(verify, index, "unsafe_input", exit_code=1)
