@@ -483,3 +483,33 @@ def test_a_save_ckpt_may_not_read_is_a_permission_error_naming_the_file_never_in
         target.chmod(mode)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-100", "checkpoint-200"]
     assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-200")
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"global_step": "200", "best_metric": "NaN"},  # strings where numbers belong
+        {"global_step": [200], "best_metric": 10**400},  # a list; an int past a float's range
+    ],
+)
+def test_a_trainer_state_with_values_of_the_wrong_type_is_no_internal_error(
+    tmp_path: Path, state: dict[str, object]
+) -> None:
+    """A hand-edited (or hostile) `trainer_state.json` whose step or metric is no number says
+    nothing of them: `latest`, `prune` and `inspect` judge the run as before (0.1.x: exit 70,
+    "could not convert string to float")."""
+    out = trainer_run(tmp_path, steps=(100, 200))
+    path = out / "checkpoint-200" / "trainer_state.json"
+    doc = json.loads(path.read_text())
+    doc.update(state, best_model_checkpoint=str(out / "checkpoint-100"))
+    doc["log_history"] = [{"step": 100, "eval_loss": 10**400}, {"step": 200, "eval_loss": "x"}]
+    path.write_text(json.dumps(doc))
+    latest = run_ckpt_process("latest", out)
+    assert latest.exit_code == 0, latest.stderr
+    assert latest.stdout == f"{out / 'checkpoint-200'}\n"
+    inspect = run_ckpt("inspect", out, "--json")
+    assert inspect.json["result"]["run"]["trainer_best"] == "checkpoint-100"
+    assert inspect.json["result"]["run"]["trainer_best_metric"] is None
+    prune = run_ckpt("prune", out, "--keep-last", "1", "--keep-best", "eval_loss", "--json")
+    assert prune.exit_code == 3, prune.stdout  # no value of eval_loss is a number
+    assert "no value of 'eval_loss'" in prune.json["error"]["message"]

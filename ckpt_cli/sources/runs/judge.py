@@ -463,6 +463,18 @@ def deepspeed_states_step(storage: Storage, tag: str, files: Mapping[str, int]) 
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+def json_number(value: object) -> float | None:
+    """A number read from JSON a trainer wrote, as a float; None for anything else (a string
+    such as "NaN", a bool, null, an int past a float's range: the file is hand-edited or
+    corrupt, and says nothing of the step or metric)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
 def newest_trainer_state(
     storage: Storage, checkpoints: list[RunCheckpoint]
 ) -> tuple[str, dict[str, Any]] | None:
@@ -480,7 +492,7 @@ def newest_trainer_state(
             no_verdict(exc)  # the store or the OS refused: no verdict on the file
             continue
         if isinstance(doc, dict):
-            states.append((float(doc.get("global_step") or 0), rel, doc))
+            states.append((json_number(doc.get("global_step")) or 0.0, rel, doc))
     if not states:
         return None
     _step, rel, doc = max(states, key=lambda s: s[0])
@@ -519,17 +531,17 @@ def load_metrics(
                     fix='Write one object per line: {"step": 500, "eval_loss": 1.9}.',
                 ) from None
             if isinstance(row, dict) and isinstance(row.get("step"), int):
-                value = row.get(metric)
-                if isinstance(value, int | float):
-                    by_step[row["step"]] = float(value)
+                value = json_number(row.get(metric))
+                if value is not None:
+                    by_step[row["step"]] = value
         if by_step:
             source = str(path)
     if not by_step and trainer_state is not None:
         for row in trainer_state.get("log_history") or []:
             if isinstance(row, dict) and isinstance(row.get("step"), int):
-                value = row.get(metric)
-                if isinstance(value, int | float):
-                    by_step[row["step"]] = float(value)
+                value = json_number(row.get(metric))
+                if value is not None:
+                    by_step[row["step"]] = value
         if by_step:
             source = "trainer_state.json log_history"
     by_name: dict[str, float] = {}

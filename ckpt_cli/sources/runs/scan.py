@@ -21,6 +21,7 @@ from ...storage import Storage
 from .judge import (
     best_by_metric,
     deepspeed_states_step,
+    json_number,
     judge_found,
     newest_trainer_state,
     read_deepspeed_latest,
@@ -202,9 +203,7 @@ def scan(
             report.trainer_best = next(
                 (c.name for c in checkpoints if _base_name(c.name) == base), None
             )
-            best_metric = trainer_doc.get("best_metric")
-            if isinstance(best_metric, int | float):
-                report.trainer_best_metric = float(best_metric)
+            report.trainer_best_metric = json_number(trainer_doc.get("best_metric"))
             for c in checkpoints:
                 if c.name == report.trainer_best:
                     c.markers.append("trainer-best")
