@@ -9,20 +9,21 @@ from . import safe_text
 
 
 def render_latest(report: RunReport) -> None:
-    """Only the path on stdout (for `$(ckpt latest out/)`); the reason for none on stderr."""
+    """Only the path on stdout (for `$(ckpt latest out/)`); the reason for none on stderr,
+    as an error (exit 3): printed with --quiet too."""
     if report.latest is not None:
         # the real path for `$(ckpt latest out/)`; on a terminal, a name cannot drive it
         path = report.latest if not sys.stdout.isatty() else safe_text(report.latest)
         sys.stdout.write(path + "\n")
         sys.stdout.flush()
         return
-    from . import stderr  # rich: only to say why there is none
+    from . import errors  # rich: only to say why there is none
 
     if not report.checkpoints:
-        stderr.print(f"ckpt latest: {report.run_dir}: no step checkpoints found", soft_wrap=True)
+        errors.print(f"ckpt latest: {report.run_dir}: no step checkpoints found", soft_wrap=True)
         return
-    stderr.print(f"ckpt latest: {report.run_dir}: no complete checkpoint", soft_wrap=True)
+    errors.print(f"ckpt latest: {report.run_dir}: no complete checkpoint", soft_wrap=True)
     for c in reversed(report.checkpoints):
-        stderr.print(
+        errors.print(
             f"  {c.name}: {c.status}: {c.reason}", markup=False, highlight=False, soft_wrap=True
         )

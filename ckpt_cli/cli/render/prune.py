@@ -8,7 +8,7 @@ from rich.table import Table
 
 from ...ops.prune.retention import PARTLY_DELETED, PruneReport, WatchReport
 from ...sources.runs import RunCheckpoint, RunReport
-from . import human_bytes, stderr, stdout
+from . import errors, human_bytes, stderr, stdout
 
 _STATUS_STYLE = {
     "complete": "green",
@@ -133,8 +133,8 @@ def render_prune(report: PruneReport) -> None:
                 f"slimmed {len(report.slimmed)} checkpoint{'s' if len(report.slimmed) != 1 else ''}"
                 f" to weights only, freed {human_bytes(report.bytes_slimmed)}"
             )
-        for failure in report.failed:
-            stderr.print(_failure(failure), soft_wrap=True)
+        for failure in report.failed:  # the reason of exit 1: printed with --quiet too
+            errors.print(_failure(failure), soft_wrap=True)
     elif report.to_delete or report.to_slim:
         if report.to_slim:
             stdout.print(
@@ -162,7 +162,7 @@ def render_watch_round(report: PruneReport) -> None:
         elif d.deleted:
             stdout.print(f"{stamp} deleted {d.name} ({d.rule}), freed {human_bytes(d.size)}")
     for failure in report.failed:
-        stderr.print(f"{stamp} {_failure(failure)}", soft_wrap=True)
+        errors.print(f"{stamp} {_failure(failure)}", soft_wrap=True)
 
 
 def _failure(failure: str) -> str:

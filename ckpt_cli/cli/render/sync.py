@@ -7,7 +7,7 @@ import time
 from rich.table import Table
 
 from ...ops.sync import SyncReport
-from . import human_bytes, stderr, stdout
+from . import errors, human_bytes, stdout
 
 _STYLE = {
     "uploaded": "green",
@@ -64,8 +64,8 @@ def render_sync(report: SyncReport) -> None:
             "checkpoints, `latest` and `metrics.jsonl`)",
             soft_wrap=True,
         )
-    for failure in report.failed:
-        stderr.print(f"[red]failed:[/] {failure}", soft_wrap=True)
+    for failure in report.failed:  # the reason of exit 1: printed with --quiet too
+        errors.print(f"[red]failed:[/] {failure}", soft_wrap=True)
 
 
 def render_sync_round(report: SyncReport) -> None:
@@ -75,4 +75,4 @@ def render_sync_round(report: SyncReport) -> None:
         if c.action in ("uploaded", "downloaded"):
             stdout.print(f"{stamp} {c.action} {c.name} ({human_bytes(c.bytes_sent)})")
         elif c.action == "failed":
-            stderr.print(f"{stamp} [red]failed:[/] {c.name}: {c.reason}")
+            errors.print(f"{stamp} [red]failed:[/] {c.name}: {c.reason}")

@@ -1,0 +1,59 @@
+"""ckpt as a shell citizen, found by an exploratory run: `--quiet` keeps the reason of a
+non-zero exit, and an option that has no effect in a combination is refused (exit 2, one
+envelope with `--json`) rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import run_ckpt, run_ckpt_process
+from .run_fixtures import interrupted_trainer_save, trainer_run
+from .s3_fixtures import S3Server, make_bucket
+
+BUCKET = "ckpts"
+
+# -- --quiet silences notes, never the reason of a failure ------------------------------------
+
+
+def test_latest_quiet_still_says_why_there_is_no_complete_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    interrupted_trainer_save(out, 100)
+    for flags in ([], ["-q"]):
+        result = run_ckpt_process("latest", out, *flags)
+        assert result.exit_code == 3 and result.stdout == ""
+        assert "no complete checkpoint" in result.stderr, flags
+        assert "checkpoint-100" in result.stderr, flags
+
+
+def test_prune_quiet_still_names_a_checkpoint_it_could_not_delete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_cli.ops.prune import run as prune_ops
+
+    out = trainer_run(tmp_path, steps=(100, 200, 300))
+
+    def refuses(path: Path, *args: Any, **kwargs: Any) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(prune_ops.shutil, "rmtree", refuses)
+    result = run_ckpt("prune", out, "--keep-last", "1", "--yes", "-q")
+    assert result.exit_code == 1
+    assert "checkpoint-100" in result.stderr and "Input/output error" in result.stderr
+
+
+def test_sync_quiet_still_names_a_checkpoint_it_could_not_upload(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    s3_server.refuse = lambda r: (
+        r.method == "PUT" and r.path.endswith("/checkpoint-200/scheduler.pt")
+    )
+    result = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "-q")
+    assert result.exit_code == 1
+    assert "checkpoint-200" in result.stderr and "scheduler.pt" in result.stderr
