@@ -124,7 +124,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from sync' -l mode -r -f -a 'min max
 complete -c ckpt -n '__fish_seen_subcommand_from sync' -l keep-within -r -f -d 'With --prune-remote: keep every checkpoint uploaded within DURATION (2d)'
 complete -c ckpt -n '__fish_seen_subcommand_from sync' -l keep-every-duration -r -f -d 'With --prune-remote: keep one checkpoint per DURATION window'
 complete -c ckpt -n '__fish_seen_subcommand_from sync' -l settle -r -f -d 'Seconds: saves of layouts without a commit marker wait this long unchanged'
-complete -c ckpt -n '__fish_seen_subcommand_from sync' -l jobs -r -f -d 'Pushing: files of a checkpoint uploaded at once'
+complete -c ckpt -n '__fish_seen_subcommand_from sync' -l jobs -r -f -d 'Pushing: files of a checkpoint uploaded at once (default 8)'
 complete -c ckpt -n '__fish_seen_subcommand_from sync' -l json -d 'Print one JSON document on stdout (the ckpt_json envelope)'
 complete -c ckpt -n '__fish_seen_subcommand_from sync' -l quiet -s q -d 'Print nothing on stderr but errors: no progress, warnings or notes'
 complete -c ckpt -n '__fish_seen_subcommand_from sync' -l verbose -s v -d 'Say more on stderr: the error code and exit status, timings, and the traceback of an internal error'

@@ -57,3 +57,20 @@ def test_sync_quiet_still_names_a_checkpoint_it_could_not_upload(
     result = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "-q")
     assert result.exit_code == 1
     assert "checkpoint-200" in result.stderr and "scheduler.pt" in result.stderr
+
+
+# -- an option that would do nothing is refused -------------------------------------------------
+
+
+def test_sync_refuses_mode_without_prune_remote_and_jobs_when_pulling(tmp_path: Path) -> None:
+    """`sync out/ s3://… --mode max` and `sync s3://… out/ --jobs 2` were accepted and did
+    nothing (the remote side is pruned only with --prune-remote; a pull takes no --jobs)."""
+    out = trainer_run(tmp_path, steps=(100,))
+    for args, option in (
+        ([out, "s3://bucket/run/", "--mode", "max"], "--mode"),
+        (["s3://bucket/run/", tmp_path / "pulled", "--jobs", "2"], "--jobs"),
+    ):
+        result = run_ckpt("sync", *args, "--json")
+        assert result.exit_code == 2, (option, result.stdout)
+        error = result.json["error"]
+        assert option in error["message"] and error["fix"], option

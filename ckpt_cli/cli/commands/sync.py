@@ -122,9 +122,11 @@ def sync(
         ),
     ] = 120.0,
     jobs: Annotated[
-        int,
-        typer.Option("--jobs", min=1, help="Pushing: files of a checkpoint uploaded at once."),
-    ] = 8,
+        int | None,
+        typer.Option(
+            "--jobs", min=1, help="Pushing: files of a checkpoint uploaded at once (default 8)."
+        ),
+    ] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Copy every COMPLETE checkpoint of a run folder that the other side lacks, verified.
@@ -142,11 +144,12 @@ def sync(
 
     def policy() -> PrunePolicy | None:
         if not prune_remote:
-            if any((keep_last, keep_every, keep_best, keep_top, keep_within, keep_every_duration)):
+            given = (keep_last, keep_every, keep_best, keep_top, keep_within, keep_every_duration)
+            if any(given) or mode is not None:
                 from ...errors import UsageError
 
                 raise UsageError(
-                    "--keep-* options apply to the remote side with --prune-remote",
+                    "--keep-* options and --mode apply to the remote side with --prune-remote",
                     fix="Add --prune-remote, or prune the local folder with `ckpt prune`.",
                 )
             return None

@@ -79,7 +79,7 @@ class SyncRequest(Request):
     prune_policy: PrunePolicy | None = None
     watch_seconds: float | None = None
     max_iterations: int | None = None
-    jobs: int = DEFAULT_JOBS
+    jobs: int | None = None
 
 
 def sync(
@@ -95,7 +95,7 @@ def sync(
     on_round: Callable[[SyncReport], None] | None = None,
     sleep: Callable[[float], None] = time.sleep,
     on_file: Callable[[str, int], None] | None = None,
-    jobs: int = DEFAULT_JOBS,
+    jobs: int | None = None,
 ) -> SyncReport:
     """What `ckpt sync SRC DEST` does: one round, or `--watch` rounds until Ctrl-C.
 
@@ -111,7 +111,8 @@ def sync(
         on_file: pushing: called with (path in the run folder, bytes) after each file is
             in place remotely (the library's `Checkpointer` logs upload progress with it).
         jobs: pushing: files (or parts of a large file) uploaded at once (each checkpoint's
-            markers and manifest still go last, one by one, once its data is there).
+            markers and manifest still go last, one by one, once its data is there); None:
+            `DEFAULT_JOBS`. Refused when pulling, where it would do nothing.
     """
     request = SyncRequest(
         latest_only=latest_only,
@@ -156,9 +157,20 @@ def sync_with(
     if up and not Path(src).is_dir():
         raise NotFoundError("no such run folder", path=src, fix="Check the path.")
     if latest_only and up:
-        raise UsageError("--latest applies when pulling (SRC remote, DEST local)")
+        raise UsageError(
+            "--latest applies when pulling (SRC remote, DEST local)",
+            fix="Leave --latest out: a push uploads every complete checkpoint the store lacks.",
+        )
     if prune_policy is not None and down:
-        raise UsageError("--prune-remote applies when pushing (SRC local, DEST remote)")
+        raise UsageError(
+            "--prune-remote applies when pushing (SRC local, DEST remote)",
+            fix="Leave --prune-remote out, or prune the local folder with `ckpt prune`.",
+        )
+    if request.jobs is not None and down:
+        raise UsageError(
+            "--jobs applies when pushing (SRC local, DEST remote); a pull does not use it",
+            fix="Leave --jobs out.",
+        )
     if max_iterations is not None and watch_seconds is None:
         raise UsageError(
             "--max-iterations only applies with --watch",
@@ -177,7 +189,7 @@ def sync_with(
                 limit=limit,
                 prune_policy=prune_policy,
                 on_file=on_file,
-                jobs=request.jobs,
+                jobs=DEFAULT_JOBS if request.jobs is None else request.jobs,
             )
         # a push never pulls: its process does not import the pull side
         from .pull import sync_down
