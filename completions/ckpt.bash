@@ -23,17 +23,17 @@ _ckpt() {
   case "${COMP_WORDS[1]} $prev" in
     inspect\ --filter|inspect\ -k) COMPREPLY=(); return ;;
     inspect\ --filter-out) COMPREPLY=(); return ;;
-    inspect\ --format|inspect\ -f) COMPREPLY=( $(compgen -W "safetensors dcp torch hub" -- "$cur") ); return ;;
+    inspect\ --format|inspect\ -f) COMPREPLY=( $(compgen -W "safetensors dcp torch hub gguf" -- "$cur") ); return ;;
     inspect\ --revision) COMPREPLY=(); return ;;
     inspect\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
     inspect\ --token) COMPREPLY=(); return ;;
     verify\ --manifest|verify\ -m) COMPREPLY=( $(compgen -f -- "$cur") ); return ;;
     verify\ --algo) COMPREPLY=( $(compgen -W "sha256 blake3 xxh3" -- "$cur") ); return ;;
-    verify\ --format|verify\ -f) COMPREPLY=( $(compgen -W "safetensors dcp torch hub" -- "$cur") ); return ;;
+    verify\ --format|verify\ -f) COMPREPLY=( $(compgen -W "safetensors dcp torch hub gguf" -- "$cur") ); return ;;
     verify\ --revision) COMPREPLY=(); return ;;
     verify\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
     verify\ --token) COMPREPLY=(); return ;;
-    convert\ --to) COMPREPLY=( $(compgen -W "safetensors dcp torch" -- "$cur") ); return ;;
+    convert\ --to) COMPREPLY=( $(compgen -W "safetensors dcp torch hf torchtitan megatron" -- "$cur") ); return ;;
     convert\ --max-shard-size) COMPREPLY=(); return ;;
     convert\ --dtype) COMPREPLY=( $(compgen -W "bf16 fp16 fp32" -- "$cur") ); return ;;
     convert\ --filter|convert\ -k) COMPREPLY=(); return ;;
@@ -42,10 +42,10 @@ _ckpt() {
     convert\ --select) COMPREPLY=(); return ;;
     convert\ --dcp-serialization) COMPREPLY=( $(compgen -W "torch_save safetensors" -- "$cur") ); return ;;
     convert\ --world-size) COMPREPLY=(); return ;;
-    convert\ --dcp-compression) COMPREPLY=(); return ;;
+    convert\ --dcp-compression) COMPREPLY=( $(compgen -W "zstd none" -- "$cur") ); return ;;
     convert\ --config) COMPREPLY=(); return ;;
     convert\ --flavor) COMPREPLY=(); return ;;
-    convert\ --format|convert\ -f) COMPREPLY=( $(compgen -W "safetensors dcp torch hub" -- "$cur") ); return ;;
+    convert\ --format|convert\ -f) COMPREPLY=( $(compgen -W "safetensors dcp torch hub gguf" -- "$cur") ); return ;;
     convert\ --revision) COMPREPLY=(); return ;;
     convert\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
     convert\ --token) COMPREPLY=(); return ;;
@@ -55,8 +55,8 @@ _ckpt() {
     reshard\ --plan) COMPREPLY=( $(compgen -f -- "$cur") ); return ;;
     reshard\ --rank-state) COMPREPLY=( $(compgen -W "keep drop replicate" -- "$cur") ); return ;;
     reshard\ --dcp-serialization) COMPREPLY=( $(compgen -W "torch_save safetensors" -- "$cur") ); return ;;
-    reshard\ --dcp-compression) COMPREPLY=(); return ;;
-    reshard\ --format|reshard\ -f) COMPREPLY=( $(compgen -W "safetensors dcp torch hub" -- "$cur") ); return ;;
+    reshard\ --dcp-compression) COMPREPLY=( $(compgen -W "zstd none" -- "$cur") ); return ;;
+    reshard\ --format|reshard\ -f) COMPREPLY=( $(compgen -W "safetensors dcp torch hub gguf" -- "$cur") ); return ;;
     reshard\ --revision) COMPREPLY=(); return ;;
     reshard\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
     reshard\ --token) COMPREPLY=(); return ;;
@@ -109,8 +109,8 @@ _ckpt() {
     diff\ --select) COMPREPLY=(); return ;;
     diff\ --filter|diff\ -k) COMPREPLY=(); return ;;
     diff\ --filter-out) COMPREPLY=(); return ;;
-    diff\ --format-a) COMPREPLY=( $(compgen -W "safetensors dcp torch hub" -- "$cur") ); return ;;
-    diff\ --format-b) COMPREPLY=( $(compgen -W "safetensors dcp torch hub" -- "$cur") ); return ;;
+    diff\ --format-a) COMPREPLY=( $(compgen -W "safetensors dcp torch hub gguf" -- "$cur") ); return ;;
+    diff\ --format-b) COMPREPLY=( $(compgen -W "safetensors dcp torch hub gguf" -- "$cur") ); return ;;
     diff\ --revision) COMPREPLY=(); return ;;
     diff\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
     diff\ --token) COMPREPLY=(); return ;;

@@ -74,3 +74,31 @@ def test_sync_refuses_mode_without_prune_remote_and_jobs_when_pulling(tmp_path: 
         assert result.exit_code == 2, (option, result.stdout)
         error = result.json["error"]
         assert option in error["message"] and error["fix"], option
+
+
+# -- completions offer what the options take ----------------------------------------------------
+
+
+def test_completions_offer_every_value_the_options_take() -> None:
+    """Tab after `convert --to` offered safetensors, dcp and torch, not hf / torchtitan /
+    megatron; after `--format` not gguf; after `--dcp-compression` nothing."""
+    from ckpt_cli.architectures import NAMING_FORMATS
+    from ckpt_cli.cli.completions import describe_app, render_all
+    from ckpt_cli.formats import FORMAT_NAMES, get_format, writable_formats
+    from ckpt_cli.ops.convert.plan import NO_COMPRESSION
+
+    offered = {
+        (command.name, long): set(option.values)
+        for command in describe_app()
+        for option in command.options
+        for long in option.longs
+    }
+    assert offered["convert", "--to"] == {*writable_formats(), *NAMING_FORMATS}
+    for (command, long), values in offered.items():
+        if long in ("--format", "--format-a", "--format-b"):
+            assert values == set(FORMAT_NAMES), (command, long)
+    compressions = {c for name in writable_formats() for c in get_format(name).compressions}
+    for command in ("convert", "reshard"):
+        assert offered[command, "--dcp-compression"] == {*compressions, NO_COMPRESSION}
+    bash = render_all()["ckpt.bash"]
+    assert "torchtitan megatron" in bash and "gguf" in bash

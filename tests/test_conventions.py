@@ -434,7 +434,8 @@ def test_quiet_silences_warnings_and_quiet_with_verbose_is_refused(
 def test_completions_offer_option_values_and_keep_descriptions_intact() -> None:
     scripts = render_all()
     assert (
-        'convert\\ --to) COMPREPLY=( $(compgen -W "safetensors dcp torch"' in scripts["ckpt.bash"]
+        'convert\\ --to) COMPREPLY=( $(compgen -W "safetensors dcp torch hf torchtitan megatron"'
+        in scripts["ckpt.bash"]
     )
     assert 'download\\ --mode) COMPREPLY=( $(compgen -W "shards tensors"' in scripts["ckpt.bash"]
     assert ":ALGO:(sha256 blake3 xxh3)" in scripts["ckpt.zsh"]

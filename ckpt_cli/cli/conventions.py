@@ -72,14 +72,16 @@ METAVARS: dict[str, str] = {
 }
 
 #: values the shell completions offer, by long option name (enums complete their own choices)
+#: (tests/test_cli_shell.py holds them to the format registry and the namings)
 OPTION_VALUES: dict[str, list[str]] = {
-    "--to": ["safetensors", "dcp", "torch"],
-    "--format": ["safetensors", "dcp", "torch", "hub"],
-    "--format-a": ["safetensors", "dcp", "torch", "hub"],
-    "--format-b": ["safetensors", "dcp", "torch", "hub"],
+    "--to": ["safetensors", "dcp", "torch", "hf", "torchtitan", "megatron"],
+    "--format": ["safetensors", "dcp", "torch", "hub", "gguf"],
+    "--format-a": ["safetensors", "dcp", "torch", "hub", "gguf"],
+    "--format-b": ["safetensors", "dcp", "torch", "hub", "gguf"],
     "--dtype": ["bf16", "fp16", "fp32"],
     "--algo": ["sha256", "blake3", "xxh3"],
     "--dcp-serialization": ["torch_save", "safetensors"],
+    "--dcp-compression": ["zstd", "none"],
     "--rank-state": ["keep", "drop", "replicate"],
     "--repo-type": ["model", "dataset", "space"],
 }
