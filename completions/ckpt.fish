@@ -53,7 +53,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from convert' -l dequantize -d 'Writ
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l no-extras -d 'Leave out the source folder'\''s non-weight files (config.json, tokenizer...)'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l dcp-compression -r -f -a 'zstd none' -d 'DCP output compression: zstd (DCP'\''s ZStandard extension) or none (default)'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l config -r -f -d 'Write this config.json into a folder DEST (a file, a model folder or a Hub model): an FSDP Trainer checkpoint has none, and from_pretrained needs it'
-complete -c ckpt -n '__fish_seen_subcommand_from convert' -l flavor -r -f -d 'With --to hf / torchtitan: the torchtitan model flavor (8B, debugmodel...) whose head counts, rotary and norm settings build config.json (needs torchtitan)'
+complete -c ckpt -n '__fish_seen_subcommand_from convert' -l flavor -r -f -d 'With --to hf / torchtitan / megatron: the torchtitan model flavor (8B, debugmodel...) whose head counts, rotary and norm settings complete what the weights tell (hf: config.json; megatron: the fused QKV and its args) when SRC has no config.json (needs torchtitan)'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l format -s f -r -f -a 'safetensors dcp torch hub gguf' -d 'Read SRC as this format (safetensors, dcp, torch, gguf; hub: an hf:// SRC) instead of detecting it'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l force -d 'Replace DEST if it exists (only after the new output is complete)'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l json -d 'Print one JSON document on stdout (the ckpt_json envelope)'

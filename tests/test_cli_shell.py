@@ -102,3 +102,71 @@ def test_completions_offer_every_value_the_options_take() -> None:
         assert offered[command, "--dcp-compression"] == {*compressions, NO_COMPRESSION}
     bash = render_all()["ckpt.bash"]
     assert "torchtitan megatron" in bash and "gguf" in bash
+
+
+# -- convert --flavor ---------------------------------------------------------------------------
+
+
+def _dcp_tensors(folder: Path, scratch: Path) -> dict[str, Any]:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder, scratch)
+    found: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            found[prefix] = value
+        elif isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+
+    walk("", torch.load(scratch, weights_only=False))
+    return found
+
+
+def test_flavor_gives_a_megatron_export_the_head_counts_a_bare_weights_file_lacks(
+    tmp_path: Path,
+) -> None:
+    """`--flavor` was documented (help, docs, its refusal) for --to hf / torchtitan only, yet
+    `--to megatron` takes it too: it gives the head counts Megatron's fused QKV needs when
+    SRC has no config.json. The help, the docs and the refusal now say so."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # torchtitan's llama3 `debugmodel`: dim 256, 6 layers, 16 heads, FFN 768, vocab 2048
+    config = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "hf")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, bare / "model.safetensors"
+    )
+
+    needs = run_ckpt("convert", bare, tmp_path / "no", "--to", "megatron")
+    assert needs.exit_code == 4 and "--flavor" in needs.stderr
+    flavored = run_ckpt(
+        "convert", bare, tmp_path / "flavored", "--to", "megatron", "--flavor", "debugmodel"
+    )
+    assert flavored.exit_code == 0, flavored.stderr
+    configured = run_ckpt("convert", tmp_path / "hf", tmp_path / "configured", "--to", "megatron")
+    assert configured.exit_code == 0, configured.stderr
+    got = _dcp_tensors(tmp_path / "flavored", tmp_path / "a.pt")
+    want = _dcp_tensors(tmp_path / "configured", tmp_path / "b.pt")
+    assert got.keys() == want.keys() and got
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+    help_text = run_ckpt("convert", "--help").stdout
+    assert "megatron" in help_text.split("--flavor")[1].split("--format")[0]
+    refused = run_ckpt("convert", bare, tmp_path / "x", "--to", "dcp", "--flavor", "8B")
+    assert refused.exit_code == 2 and "--to megatron" in refused.stderr

@@ -141,8 +141,10 @@ def convert(
         str | None,
         typer.Option(
             "--flavor",
-            help="With --to hf / torchtitan: the torchtitan model flavor (8B, debugmodel...) "
-            "whose head counts, rotary and norm settings build config.json (needs torchtitan).",
+            help="With --to hf / torchtitan / megatron: the torchtitan model flavor (8B, "
+            "debugmodel...) whose head counts, rotary and norm settings complete what the "
+            "weights tell (hf: config.json; megatron: the fused QKV and its args) when SRC has "
+            "no config.json (needs torchtitan).",
         ),
     ] = None,
     format: FormatOpt = None,

@@ -234,15 +234,15 @@ def convert(
         match_prefix: what `include` / `exclude` see before each source name: a multi-folder
             model's component is converted with `unet.`, so the globs match the names
             `ckpt inspect` shows of the whole folder (`unet.conv_in.weight`).
-        flavor: `--to hf` / `--to torchtitan`: the torchtitan model flavor (`8B`,
+        flavor: `--to hf` / `--to torchtitan` / `--to megatron`: the torchtitan model flavor (`8B`,
             `debugmodel`) whose args (head counts, rotary base and scaling, norm epsilon)
             complete what the weights tell, read from the installed torchtitan's registry.
     """
     to, naming = naming_format(to)
     if flavor is not None and naming is None:
         raise UsageError(
-            "--flavor applies to --to hf and --to torchtitan only",
-            fix="Leave --flavor out, or convert with --to hf.",
+            "--flavor applies to --to hf, --to torchtitan and --to megatron only",
+            fix="Leave --flavor out, or convert with one of those.",
         )
     target = check_target(
         to, serialization=dcp_serialization, compression=dcp_compression, world_size=world_size
