@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from .conftest import run_ckpt, run_ckpt_process
+from .hub_fixtures import publish_model
+from .hub_server import TestHub
 from .run_fixtures import interrupted_trainer_save, trainer_run
 from .s3_fixtures import S3Server, make_bucket
 
@@ -170,3 +172,39 @@ def test_flavor_gives_a_megatron_export_the_head_counts_a_bare_weights_file_lack
     assert "megatron" in help_text.split("--flavor")[1].split("--format")[0]
     refused = run_ckpt("convert", bare, tmp_path / "x", "--to", "dcp", "--flavor", "8B")
     assert refused.exit_code == 2 and "--to megatron" in refused.stderr
+
+
+def test_download_refuses_file_globs_with_no_extras_and_force_with_cache_only(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """`--no-extras --include '*.json'` fetched no file the glob picks, and `--cache-only
+    --force` (there is no DEST to replace) did nothing: both ran as if the option were absent."""
+    import torch
+
+    state = {f"model.layers.{i}.weight": torch.full((4, 4), float(i)) for i in range(2)}
+    publish_model(hub, "org/model", tmp_path / "published", state)
+    for args, option in (
+        ([tmp_path / "a", "--no-extras", "--include", "*.json"], "--include"),
+        ([tmp_path / "b", "--no-extras", "--exclude", "*.md"], "--exclude"),
+        (["--cache-only", "--force"], "--force"),
+    ):
+        result = run_ckpt("download", "hf://org/model", *args, "--json")
+        assert result.exit_code == 2, (option, result.stdout)
+        error = result.json["error"]
+        assert option in error["message"] and error["fix"], option
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_download_dry_run_says_an_existing_dest_would_be_refused(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """As `convert` and `reshard` do: the plan of a run that would stop is that stop."""
+    import torch
+
+    publish_model(hub, "org/model", tmp_path / "published", {"w": torch.ones(3)})
+    dest = tmp_path / "there"
+    dest.mkdir()
+    plan = run_ckpt("download", "hf://org/model", dest, "--dry-run", "--json")
+    assert plan.exit_code == 2, plan.stdout
+    assert "already exists" in plan.json["error"]["message"]
+    assert run_ckpt("download", "hf://org/model", dest, "--dry-run", "--force").exit_code == 0

@@ -145,8 +145,24 @@ def download_with(
         )
     if dest is None and not (cache_only or dry_run):
         raise UsageError("DEST is missing", fix="Name the folder to create, or pass --cache-only.")
+    if force and cache_only:
+        raise UsageError(
+            "--force replaces an existing DEST, and --cache-only writes none",
+            fix="Leave --force out.",
+        )
+    if not request.extras and (include_files or exclude_files):
+        # the file globs choose among the files fetched besides the weights: with
+        # --no-extras there are none, and the globs would silently do nothing
+        option = "--include" if include_files else "--exclude"
+        raise UsageError(
+            f"{option} picks the repository files fetched besides the weights, and "
+            "--no-extras fetches none",
+            fix=f"Leave --no-extras out to fetch the files {option} picks, or leave {option} "
+            "out; tensors are chosen with --filter / --filter-out.",
+        )
     out = resolve_destination(dest) if dest is not None else None
-    if out is not None and not dry_run and not cache_only:
+    if out is not None and not cache_only:
+        # a dry run says that the real run would stop here, as convert's and reshard's do
         check_destination(out, force)
     repo = open_repo(location)
     storage = HubStorage(repo)
