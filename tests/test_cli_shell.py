@@ -208,3 +208,52 @@ def test_download_dry_run_says_an_existing_dest_would_be_refused(
     assert plan.exit_code == 2, plan.stdout
     assert "already exists" in plan.json["error"]["message"]
     assert run_ckpt("download", "hf://org/model", dest, "--dry-run", "--force").exit_code == 0
+
+
+# -- every usage error says the fix -------------------------------------------------------------
+
+
+def test_every_usage_error_in_the_code_names_its_fix() -> None:
+    """Many `UsageError`s said only the problem (`--world-size applies to --to dcp only`,
+    `--atol must be a non-negative number`...): the envelope's `fix` was null."""
+    import ast
+
+    from .conftest import REPO
+
+    bare = []
+    for path in sorted((REPO / "ckpt_cli").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "UsageError"
+                and not any(k.arg == "fix" for k in node.keywords)
+            ):
+                bare.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not bare, bare
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["convert", "M", "OUT.safetensors", "--to", "safetensors", "--world-size", "2"], "--world-size"),
+        (["convert", "M", "OUT.safetensors", "--to", "safetensors", "--dcp-compression", "zstd"], "--dcp-compression"),
+        (["diff", "M", "M", "--atol", "-1"], "--atol"),
+        (["prune", "RUN", "--keep-within", "0h"], "--keep-within"),
+        (["doctor"], "RUN_DIR"),
+    ],
+)  # fmt: skip
+def test_usage_errors_carry_a_fix_in_the_envelope(
+    tmp_path: Path, args: list[str], option: str
+) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    (tmp_path / "run").mkdir()
+    where = {"M": str(tmp_path / "m.safetensors"), "RUN": str(tmp_path / "run")}
+    where["OUT.safetensors"] = str(tmp_path / "out.safetensors")
+    result = run_ckpt(*[where.get(a, a) for a in args], "--json")
+    assert result.exit_code == 2, result.stdout
+    error = result.json["error"]
+    assert option in error["message"] and error["fix"], error

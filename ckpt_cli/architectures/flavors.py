@@ -26,7 +26,10 @@ def flavor_args(arch: type[Architecture], flavor: str) -> ModelArgs:
     """
     module_name = arch.torchtitan_models
     if module_name is None:
-        raise UsageError(f"--flavor: {arch.title} has no torchtitan model registry")
+        raise UsageError(
+            f"--flavor: {arch.title} has no torchtitan model registry",
+            fix="Pass the model's config.json with --config instead.",
+        )
     if importlib.util.find_spec("torchtitan") is None:
         raise UsageError(
             "--flavor reads torchtitan's model registry, and torchtitan is not installed",

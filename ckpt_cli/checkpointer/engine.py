@@ -167,9 +167,15 @@ class Checkpointer:
                 fix='Use format="dcp"; `ckpt convert` turns a save into safetensors afterwards.',
             )
         if on_busy not in ("wait", "skip"):
-            raise UsageError(f'on_busy must be "wait" or "skip" (got {on_busy!r})')
+            raise UsageError(
+                f'on_busy must be "wait" or "skip" (got {on_busy!r})',
+                fix='Pass on_busy="wait" (the default) or on_busy="skip".',
+            )
         if verify not in ("checksums", "structure", "none"):
-            raise UsageError(f'verify must be "checksums", "structure" or "none" (got {verify!r})')
+            raise UsageError(
+                f'verify must be "checksums", "structure" or "none" (got {verify!r})',
+                fix='Pass one of verify="checksums", "structure" or "none".',
+            )
         if checksums is not None and checksums not in ALGORITHMS:
             raise UsageError(
                 f"unknown checksum algorithm {checksums!r}",
@@ -177,9 +183,15 @@ class Checkpointer:
             )
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and value < 1:
-                raise UsageError(f"{name} must be at least 1 (got {value})")
+                raise UsageError(
+                    f"{name} must be at least 1 (got {value})",
+                    fix=f"Pass {name}=1 or more, or None to keep every save.",
+                )
         if protect < 0:
-            raise UsageError(f"protect must be 0 or more parity shares (got {protect})")
+            raise UsageError(
+                f"protect must be 0 or more parity shares (got {protect})",
+                fix="Pass protect=0 (no parity) or the number of parity shares, e.g. 2.",
+            )
         if upload is not None:
             if not is_remote(upload) or is_hub_url(upload):
                 raise UsageError(
@@ -245,9 +257,15 @@ class Checkpointer:
         the record `wait()` returns.
         """
         if self._closed:
-            raise UsageError("the Checkpointer is closed")
+            raise UsageError(
+                "the Checkpointer is closed",
+                fix="Make a new Checkpointer to save again.",
+            )
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise UsageError(f"step must be a non-negative int (got {step!r})")
+            raise UsageError(
+                f"step must be a non-negative int (got {step!r})",
+                fix="Pass the training step as an int, e.g. save(step=1000, state=...).",
+            )
         with self._saving:  # one save at a time: two threads would share the staging buffer
             return self._save(step, state)
 

@@ -152,10 +152,13 @@ def load_plan(path: Path) -> list[Rule]:
                 raise UsageError(
                     f"plan item {item!r} is neither 'GLOB=DIM' nor {{'pattern', 'dim'}}",
                     path=where,
+                    fix='Write each rule as "GLOB=DIM" or {"pattern": GLOB, "dim": DIM}.',
                 )
     else:
         raise UsageError(
-            "must hold an object {GLOB: DIM | 'replicate'} or a list of rules", path=where
+            "must hold an object {GLOB: DIM | 'replicate'} or a list of rules",
+            path=where,
+            fix='Write the plan as {"*.wo.weight": 1, "*.norm.*": "replicate"}.',
         )
     return [parse_rule(item, origin=f"{where}:") for item in items]
 

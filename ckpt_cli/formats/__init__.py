@@ -101,6 +101,8 @@ def choose_format(source: Source, format: str | None) -> str:
             raise UsageError(
                 f"--format {format} needs an {STORAGE_NAMES[format]}://org/repo location",
                 path=source.location.raw,
+                fix=f"Write SRC as {STORAGE_NAMES[format]}://org/repo, or leave --format "
+                f"{format} out.",
             )
         format = None
     return format or detect_format(source)

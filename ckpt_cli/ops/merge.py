@@ -562,7 +562,11 @@ def merge_with(
         )
     dest_path = local_destination(resolve_destination(dest))
     if dest_path is None:
-        raise UsageError("merge writes to a local folder", path=dest)
+        raise UsageError(
+            "merge writes to a local folder",
+            path=dest,
+            fix="Name a local folder as DEST (upload it afterwards, e.g. with `ckpt sync`).",
+        )
     # neither source is ever modified: a DEST that is, holds or lies inside BASE or ADAPTER
     # (which `--force` would replace) is refused, as convert and reshard refuse it
     guard_paths(base, dest_path)

@@ -51,7 +51,10 @@ def check_target(
             fix=f"Use --dcp-compression {' or '.join(known)}.",
         )
     if compression not in (None, NO_COMPRESSION) and compression not in fmt.compressions:
-        raise UsageError("--dcp-compression applies to --to dcp only")
+        raise UsageError(
+            "--dcp-compression applies to --to dcp only",
+            fix="Leave --dcp-compression out, or convert with --to dcp.",
+        )
     if serialization is not None and serialization not in serializations():
         raise UsageError(
             f"unknown DCP serialization {serialization!r}",
@@ -67,7 +70,11 @@ def check_target(
             "--world-size must be at least 1", fix="Give the number of ranks, e.g. --world-size 8."
         )
     if not fmt.shards_by_rank and world_size != 1:
-        raise UsageError("--world-size applies to --to dcp only")
+        raise UsageError(
+            "--world-size applies to --to dcp only",
+            fix="Leave --world-size out (--max-shard-size splits other formats), or convert "
+            "with --to dcp.",
+        )
     return fmt
 
 

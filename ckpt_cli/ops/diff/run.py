@@ -451,7 +451,10 @@ def diff_with(
     atol, rtol, select, filters = request.atol, request.rtol, request.select, request.filters
     for value, flag in ((atol, "--atol"), (rtol, "--rtol")):
         if value is not None and (value < 0 or math.isnan(value)):
-            raise UsageError(f"{flag} must be a non-negative number")
+            raise UsageError(
+                f"{flag} must be a non-negative number",
+                fix=f"Give a tolerance of 0 or more, e.g. {flag} 1e-3.",
+            )
     rename_pairs = parse_renames(request.renames)
     opened_a = open_source(a, request.format_a)
     opened_b = open_source(b, request.format_b)

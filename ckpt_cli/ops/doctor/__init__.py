@@ -105,7 +105,11 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
         logs = _logs_of(run_dir) if run_dir else []
     else:
         if run_dir is None:
-            raise UsageError("give RUN_DIR, or --before and --after")
+            raise UsageError(
+                "give RUN_DIR, or --before and --after",
+                fix="ckpt doctor out/   or   ckpt doctor --before out/checkpoint-400 "
+                "--after out/checkpoint-600",
+            )
         # RUN_DIR is resolved (listed) once: the run check, the scan and the logs read it
         run = resolve_source(run_dir)
         if not looks_like_run(run):

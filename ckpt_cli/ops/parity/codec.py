@@ -45,7 +45,10 @@ class Codec:
         if len(probe) != width + parity or any(
             len(f) != _HEADER + block_size for f in probe
         ):  # pragma: no cover - guards a change of liberasurecode's fragment format
-            raise UsageError(f"pyeclib {ec_type} splits blocks in an unexpected way")
+            raise UsageError(
+                f"pyeclib {ec_type} splits blocks in an unexpected way",
+                fix="Install the pyeclib version ckpt is tested with (see pyproject.toml).",
+            )
         self.headers = [bytes(f[:_HEADER]) for f in probe]
 
     def encode(self, blocks: list[bytes]) -> list[bytes]:

@@ -32,7 +32,10 @@ def parse_duration(text: str, option: str = "duration") -> float:
         )
     seconds = sum(float(n) * _UNITS[u] for n, u in parts)
     if seconds <= 0:
-        raise UsageError(f"{option} must be longer than 0 (got {text!r})")
+        raise UsageError(
+            f"{option} must be longer than 0 (got {text!r})",
+            fix=f"Give a duration such as {option} 6h (units: s, m, h, d, w).",
+        )
     return seconds
 
 
@@ -219,7 +222,10 @@ def validate_policy(policy: PrunePolicy, offered: tuple[str, ...] = PRUNE_OPTION
         ("--slim-older-than", policy.slim_older_than),
     ):
         if value is not None and value < 1:
-            raise UsageError(f"{name} must be at least 1 (got {value})")
+            raise UsageError(
+                f"{name} must be at least 1 (got {value})",
+                fix=f"Give {name} 1 or more, or leave it out.",
+            )
     if policy.keep_top is not None and policy.keep_best is None:
         raise UsageError(
             "--keep-top N keeps the N best by a metric and needs --keep-best METRIC",

@@ -331,7 +331,10 @@ def watch(
     """
     validate_policy(policy)
     if interval <= 0:
-        raise UsageError(f"--watch needs a positive number of seconds (got {interval:g})")
+        raise UsageError(
+            f"--watch needs a positive number of seconds (got {interval:g})",
+            fix="Give the interval in seconds, e.g. --watch 300.",
+        )
     result = WatchReport(run_dir=str(run_dir), policy=policy)
     try:
         while True:

@@ -380,7 +380,8 @@ def reshard_with(
         )
     if dcp_serialization is not None and dcp_serialization not in serializations():
         raise UsageError(
-            f"--dcp-serialization {dcp_serialization!r} is not {' or '.join(serializations())}"
+            f"--dcp-serialization {dcp_serialization!r} is not {' or '.join(serializations())}",
+            fix=f"Use --dcp-serialization {' or '.join(serializations())}.",
         )
     if max_shard_size is not None:
         given = [

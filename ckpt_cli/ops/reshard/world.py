@@ -415,10 +415,14 @@ def check_world_options(world_size: int, compression: str | None) -> None:
     known = known_compressions()
     if compression not in (None, NO_COMPRESSION, *known):
         raise UsageError(
-            f"--dcp-compression {compression!r} is not {' or '.join([*known, NO_COMPRESSION])}"
+            f"--dcp-compression {compression!r} is not {' or '.join([*known, NO_COMPRESSION])}",
+            fix=f"Use --dcp-compression {' or '.join([*known, NO_COMPRESSION])}.",
         )
     if world_size < 1:
-        raise UsageError(f"--world-size must be at least 1, got {world_size}")
+        raise UsageError(
+            f"--world-size must be at least 1, got {world_size}",
+            fix="Give the number of ranks, e.g. --world-size 8.",
+        )
 
 
 def _single_layout(checkpoint: Checkpoint) -> SingleLayout | None:

@@ -283,7 +283,11 @@ def open_zero_save(source: Source, opened: OpenedSource) -> ZeroSave:
         (rel for rel, _ in opened.parts.values() if _MODEL.search(rel.rsplit("/", 1)[-1])), None
     )
     if model_rel is None:
-        raise UsageError("holds no DeepSpeed model states to re-cut", path=src)
+        raise UsageError(
+            "holds no DeepSpeed model states to re-cut",
+            path=src,
+            fix="Point at the global_stepN folder DeepSpeed saved (it holds *_model_states.pt).",
+        )
     base = model_rel.rsplit("/", 1)[0] + "/" if "/" in model_rel else ""
     names = sorted(n[len(base) :] for n in source.files if n.startswith(base))
     names = [n for n in names if "/" not in n]

@@ -115,7 +115,11 @@ def write_components(
         )
     dest_path = local_destination(resolve_destination(dest))
     if dest_path is None:
-        raise UsageError(f"a {layout} folder is written to a local folder", path=dest)
+        raise UsageError(
+            f"a {layout} folder is written to a local folder",
+            path=dest,
+            fix="Name a local folder as DEST, or convert one component with --select.",
+        )
     if is_single_file_weights(dest_path.name):
         # a folder named `pipe.safetensors` is no file any loader opens, nor the model's folder
         example = next((c for c in components if c.weights is not None), components[0])

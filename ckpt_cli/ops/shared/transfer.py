@@ -335,7 +335,11 @@ def plan_transfer(
     for entry, name in chosen:
         new_name = rename(name, renames)
         if not new_name:
-            raise UsageError(f"--rename turns {entry.name!r} into an empty name")
+            raise UsageError(
+                f"--rename turns {entry.name!r} into an empty name",
+                fix="Give each --rename rule a NEW prefix, or leave that entry out with "
+                "--filter-out.",
+            )
         if new_name in seen:
             raise UsageError(
                 f"{entry.name!r} and {seen[new_name]!r} would both be written as {new_name!r}",
@@ -749,7 +753,10 @@ def write_checkpoint(
     """
     fmt = get_format(to)
     if not fmt.writable:
-        raise UsageError(f"writing {to} is not supported in this version")
+        raise UsageError(
+            f"writing {to} is not supported in this version",
+            fix="Write one of the formats `ckpt convert --help` lists for --to.",
+        )
     workers = workers or active()
     writers: list[Writer] = []
 

@@ -177,7 +177,10 @@ def sync_with(
             fix="Add --watch SECONDS, or leave --max-iterations out.",
         )
     if watch_seconds is not None and watch_seconds <= 0:
-        raise UsageError(f"--watch needs a positive number of seconds (got {watch_seconds:g})")
+        raise UsageError(
+            f"--watch needs a positive number of seconds (got {watch_seconds:g})",
+            fix="Give the interval in seconds, e.g. --watch 300.",
+        )
     limit = RateLimit(request.max_rate)
 
     def one_round() -> SyncReport:
