@@ -257,3 +257,19 @@ def test_usage_errors_carry_a_fix_in_the_envelope(
     assert result.exit_code == 2, result.stdout
     error = result.json["error"]
     assert option in error["message"] and error["fix"], error
+
+
+def test_refusals_give_the_reason_that_fits_the_option_and_the_command(tmp_path: Path) -> None:
+    """`verify --force` was refused "(checking uses the algorithm the manifest records)", the
+    reason for --algo; `repair` of an empty folder said it "holds no files to protect"."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    force = run_ckpt("verify", tmp_path / "m.safetensors", "--force", "--json").json["error"]
+    assert "algorithm" not in force["message"] and "replaces" in force["message"]
+    algo = run_ckpt("verify", tmp_path / "m.safetensors", "--algo", "sha256", "--json")
+    assert "algorithm the manifest records" in algo.json["error"]["message"]
+    (tmp_path / "empty").mkdir()
+    repair = run_ckpt("repair", tmp_path / "empty", "--json")
+    assert repair.exit_code == 3 and "repair" in repair.json["error"]["message"]

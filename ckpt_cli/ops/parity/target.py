@@ -78,7 +78,7 @@ def open_parity_target(src: str | Source) -> ParityTarget:
         parity_rel = PARITY_DIR
     if not files:
         raise NotFoundError(
-            "holds no files to protect",
+            "holds no checkpoint files to protect or repair",
             path=source.location.raw,
             fix="Point at the checkpoint folder or file itself.",
         )

@@ -184,10 +184,19 @@ def verify_with(
         if given and not write_manifest
     ]
     if alone:
+        # why each would do nothing: a check reads the algorithm the manifest records, and
+        # there is no manifest to replace unless one is written
+        why = [
+            "checking uses the algorithm the manifest records"
+            if option.startswith("--algo")
+            else "only a manifest being written replaces one"
+            for option in alone
+        ]
         raise UsageError(
             f"{' and '.join(alone)} {'applies' if len(alone) == 1 else 'apply'} to "
-            "--write-manifest only (checking uses the algorithm the manifest records)",
-            fix="Add --write-manifest to record a manifest, or leave them out.",
+            f"--write-manifest only ({'; '.join(why)})",
+            fix=f"Add --write-manifest to record a manifest, or leave "
+            f"{'it' if len(alone) == 1 else 'them'} out.",
         )
     if manifest is not None and not (checksums or write_manifest):
         raise UsageError(
