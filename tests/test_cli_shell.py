@@ -273,3 +273,21 @@ def test_refusals_give_the_reason_that_fits_the_option_and_the_command(tmp_path:
     (tmp_path / "empty").mkdir()
     repair = run_ckpt("repair", tmp_path / "empty", "--json")
     assert repair.exit_code == 3 and "repair" in repair.json["error"]["message"]
+
+
+def test_diff_warns_of_a_rename_rule_that_matches_nothing_as_convert_does(tmp_path: Path) -> None:
+    """`diff A B --rename typo.=model.` compared as if the rule were absent and said nothing;
+    `convert` warns of the same rule. `--rename` means the same in both commands now."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"model.w": torch.ones(2)}, tmp_path / "a.safetensors")
+    save_file({"module.w": torch.ones(2)}, tmp_path / "b.safetensors")
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    typo = run_ckpt("diff", a, b, "--rename", "modle.=module.", "--json")
+    assert typo.exit_code == 1
+    assert any("--rename modle.=module." in w for w in typo.json["result"]["warnings"])
+    human = run_ckpt("diff", a, b, "--rename", "modle.=module.")
+    assert "warning: --rename modle.=module. matches no entry" in human.stderr
+    lined_up = run_ckpt("diff", a, b, "--rename", "model.=module.", "--json")
+    assert lined_up.exit_code == 0 and lined_up.json["result"]["warnings"] == []

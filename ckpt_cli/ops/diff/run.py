@@ -31,7 +31,13 @@ from ..shared.selection import (
     unmatched_rules,
     unreadable_left_out,
 )
-from ..shared.transfer import nothing_to_dequantize, parse_renames, raw_blocks, rename
+from ..shared.transfer import (
+    nothing_to_dequantize,
+    parse_renames,
+    raw_blocks,
+    rename,
+    unused_rename_rules,
+)
 from .compare import error_stats, short_repr, tensor_stats, values_equal, values_of
 
 
@@ -493,6 +499,9 @@ def diff_with(
         excludes = request.excludes or []
         warnings = unmatched_rules(
             [*left, *right], filters, excludes, matched="entry of either side"
+        )
+        warnings += unused_rename_rules(
+            [n for _, n in [*chosen_a, *chosen_b]], rename_pairs, matched="entry of either side"
         )
         for opened, where in ((opened_a, a), (opened_b, b)):
             # a component that cannot be read would otherwise vanish from both the comparison

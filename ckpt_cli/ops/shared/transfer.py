@@ -163,6 +163,25 @@ def rename(name: str, renames: Sequence[tuple[str, str]]) -> str:
     return name
 
 
+def unused_rename_rules(
+    names: Iterable[str], renames: Sequence[tuple[str, str]], *, matched: str = "entry"
+) -> list[str]:
+    """One warning per `--rename` rule that renames none of `names` (first match wins, as
+    `rename` applies them): a rule that has no effect is said, never silently ignored."""
+    used: set[int] = set()
+    for name in names:
+        for n, (old, _new) in enumerate(renames):
+            if name.startswith(old):
+                used.add(n)
+                break
+    return [
+        f"--rename {old}={new} matches no {matched} (names are matched after --select; see "
+        "`ckpt inspect --list`)"
+        for n, (old, new) in enumerate(renames)
+        if n not in used
+    ]
+
+
 def top_level_keys(entries: Iterable[Entry]) -> list[str]:
     """The distinct first dotted components of entry names (for 'did you mean' messages)."""
     return sorted({e.name.split(".", 1)[0] for e in entries})
