@@ -291,3 +291,21 @@ def test_diff_warns_of_a_rename_rule_that_matches_nothing_as_convert_does(tmp_pa
     assert "warning: --rename modle.=module. matches no entry" in human.stderr
     lined_up = run_ckpt("diff", a, b, "--rename", "model.=module.", "--json")
     assert lined_up.exit_code == 0 and lined_up.json["result"]["warnings"] == []
+
+
+def test_megatron_with_safetensors_serialization_is_a_usage_error_not_a_bad_checkpoint(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`convert --to megatron --dcp-serialization safetensors` stopped in the writer with exit
+    4 (`bad_checkpoint`, for a sound checkpoint) telling the user to "plan at most one chunk
+    per tensor per file"; it is an option this naming cannot take (exit 2), said up front, dry
+    run included, and nothing is written."""
+    for extra in ([], ["--dry-run"]):
+        dest = tmp_path / f"mg{len(extra)}"
+        args = ["--to", "megatron", "--dcp-serialization", "safetensors", *extra, "--json"]
+        result = run_ckpt("convert", tiny_llama, dest, *args)
+        assert result.exit_code == 2, result.stdout
+        error = result.json["error"]
+        assert "--dcp-serialization" in error["fix"] and "chunk" in error["message"]
+        assert not dest.exists()
+        assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]

@@ -380,6 +380,17 @@ def convert(
                 dedupe_tied=target.dedupes_tied,
                 flavor=flavor,
             )
+            chunked = sorted(mapped.output.split_dim0)
+            if chunked and (dcp_serialization or DEFAULT_SERIALIZATION) == "safetensors":
+                # the writer would stop at the first stacked tensor with exit 4 ("bad
+                # checkpoint") for what is an option this naming cannot take
+                raise UsageError(
+                    f"--to {naming} stores {chunked[0]}"
+                    f"{f' (and {len(chunked) - 1} more)' if len(chunked) > 1 else ''} as one "
+                    "chunk per layer in one file, which the safetensors serialization cannot "
+                    "hold (it keys chunks by name)",
+                    fix="Leave --dcp-serialization out (torch_save, what Megatron-Core saves).",
+                )
             checkpoint, plan, origins = mapped.checkpoint, mapped.plan, mapped.origins
             architecture, naming_config = mapped.report, mapped.config
             naming_files = mapped.output.files
