@@ -309,3 +309,19 @@ def test_megatron_with_safetensors_serialization_is_a_usage_error_not_a_bad_chec
         assert "--dcp-serialization" in error["fix"] and "chunk" in error["message"]
         assert not dest.exists()
         assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
+
+
+def test_doctor_refuses_settle_where_no_run_folder_is_judged(tmp_path: Path) -> None:
+    """`doctor --before A --after B --settle 5` (and `doctor ONE_CHECKPOINT --settle 5`) took
+    --settle and did nothing with it: it judges a run folder's saves, and neither has one."""
+    import torch
+    from safetensors.torch import save_file
+
+    for name in ("a", "b"):
+        save_file({"w": torch.ones(2)}, tmp_path / f"{name}.safetensors")
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    for args in (["--before", a, "--after", b], [a]):
+        refused = run_ckpt("doctor", *args, "--settle", "5", "--json")
+        assert refused.exit_code == 2, refused.stdout
+        assert "--settle" in refused.json["error"]["message"] and refused.json["error"]["fix"]
+        assert run_ckpt("doctor", *args, "--json").exit_code in (0, 1)

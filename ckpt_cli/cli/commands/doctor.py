@@ -52,13 +52,14 @@ def doctor(
         ),
     ] = None,
     settle: Annotated[
-        float,
+        float | None,
         typer.Option(
             "--settle",
             min=0,
-            help="Seconds: an incomplete save modified more recently counts as still being written.",
+            help="Seconds: an incomplete save of RUN_DIR modified more recently counts as "
+            "still being written (default 120).",
         ),
-    ] = 120.0,
+    ] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Rank the causes of a resumed run's divergence, each with its evidence and the fix.

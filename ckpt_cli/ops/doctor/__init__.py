@@ -56,7 +56,7 @@ class DoctorRequest(Request):
     before: str | None = None
     after: str | None = None
     expect: list[str] = Field(default_factory=list)
-    settle: float = DEFAULT_SETTLE
+    settle: float | None = None
 
 
 def doctor(
@@ -65,7 +65,7 @@ def doctor(
     before: str | None = None,
     after: str | None = None,
     expect: Sequence[str] = (),
-    settle: float = DEFAULT_SETTLE,
+    settle: float | None = None,
 ) -> DoctorReport:
     """Explain why a resumed run diverged, from its saves and logs.
 
@@ -76,7 +76,9 @@ def doctor(
             names inside `run_dir`): only this pair is examined.
         expect: changes made on purpose (`batch`, `world-size`, `precision`, `config`,
             `tokenizer`, ... see `EXPECTABLE`): reported as declared, not ranked.
-        settle: seconds within which an incomplete save counts as still being written.
+        settle: seconds within which an incomplete save counts as still being written
+            (None: `DEFAULT_SETTLE`); it judges a run folder's saves, so it is refused with
+            `before` / `after` or a single checkpoint, where it would do nothing.
 
     Returns:
         The ranked causes (likeliest first), the resume points examined, and the verdict.
@@ -92,6 +94,8 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
     if (before is None) != (after is None):
         raise UsageError("--before and --after go together", fix="Give both saves, or neither.")
     if before is not None and after is not None:
+        if settle is not None:
+            raise _settle_unused("--before and --after name the two saves")
         first, second = _inside(run_dir, before), _inside(run_dir, after)
         if _same(first, second):
             raise UsageError(
@@ -113,9 +117,11 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
         # RUN_DIR is resolved (listed) once: the run check, the scan and the logs read it
         run = resolve_source(run_dir)
         if not looks_like_run(run):
+            if settle is not None:
+                raise _settle_unused(f"{run_dir} is one checkpoint, not a run folder")
             return _single(run_dir, declared)
         report = DoctorReport(run_dir=run_dir, mode="run")
-        scan = scan_run(run, settle=settle)
+        scan = scan_run(run, settle=DEFAULT_SETTLE if settle is None else settle)
         if not any(c.complete for c in scan.checkpoints):
             raise NotFoundError(
                 "holds no complete checkpoint to examine",
@@ -339,6 +345,14 @@ def _examine(
             causes.append(cause)
     report.causes = rank(causes, declared)
     report.verdict = _verdict(report)
+
+
+def _settle_unused(why: str) -> UsageError:
+    """`--settle` where no run folder's saves are judged: it would do nothing."""
+    return UsageError(
+        f"--settle judges the saves of a run folder, and {why}",
+        fix="Leave --settle out, or give the run folder as RUN_DIR without --before/--after.",
+    )
 
 
 def _single(path: str, declared: set[str]) -> DoctorReport:
