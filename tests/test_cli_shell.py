@@ -325,3 +325,49 @@ def test_doctor_refuses_settle_where_no_run_folder_is_judged(tmp_path: Path) -> 
         assert refused.exit_code == 2, refused.stdout
         assert "--settle" in refused.json["error"]["message"] and refused.json["error"]["fix"]
         assert run_ckpt("doctor", *args, "--json").exit_code in (0, 1)
+
+
+# -- the examples of --help run -----------------------------------------------------------------
+
+
+def _help_examples(command: str) -> list[list[str]]:
+    """The `ckpt …` example lines of `ckpt COMMAND --help`, as argument lists (comments off)."""
+    import shlex
+
+    text = run_ckpt(command, "--help").stdout.split("Examples:")[1]
+    return [
+        shlex.split(line.strip(), comments=True)[1:]
+        for line in text.splitlines()
+        if line.strip().startswith("ckpt ")
+    ]
+
+
+def test_every_help_example_parses() -> None:
+    """Each example names options that exist, with values they take."""
+    import typer.main
+
+    from ckpt_cli.cli.app import get_app
+    from ckpt_cli.cli.completions import describe_app
+
+    group = typer.main.get_command(get_app())
+    for command in describe_app():
+        for argv in _help_examples(command.name):
+            name, *rest = argv
+            if "|" in rest:
+                rest = rest[: rest.index("|")]
+            group.commands[name].make_context(name, rest)  # type: ignore[attr-defined]
+
+
+def test_the_reshard_rank_state_example_runs_as_written(tmp_path: Path) -> None:
+    """`ckpt reshard run/checkpoint-500 run-3gpu/checkpoint-500 …` stopped with exit 3 (the
+    parent folder run-3gpu/ does not exist) wherever it was tried as written."""
+    from .run_fixtures import trainer_checkpoint
+
+    trainer_checkpoint(tmp_path / "run" / "checkpoint-500", 500)
+    [example] = [a for a in _help_examples("reshard") if "replicate" in a]
+    result = run_ckpt_process(*example, cwd=tmp_path)
+    assert result.exit_code == 0, result.stderr
+    dest = tmp_path / example[2]
+    assert sorted(p.name for p in dest.glob("rng_state_*.pth")) == [
+        f"rng_state_{r}.pth" for r in range(3)
+    ]

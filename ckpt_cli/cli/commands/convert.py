@@ -22,9 +22,11 @@ from ..app import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_comma
         "--config hf://meta-llama/Llama-3.2-1B   # an FSDP save has no config.json",
         "ckpt convert outputs/checkpoint/step-1000 llama-hf/ --to hf "
         "--config hf://meta-llama/Llama-3.1-8B   # torchtitan -> transformers",
-        "ckpt convert llama-hf/ outputs/checkpoint/step-0 --to torchtitan   # and back",
+        "ckpt convert llama-hf/ outputs/checkpoint/step-0 --to torchtitan   # and back "
+        "(into an existing outputs/checkpoint/)",
         "ckpt convert megatron/iter_0001000 llama-hf/ --to hf   # Megatron-Core GPT -> transformers",
-        "ckpt convert llama-hf/ megatron/iter_0000000 --to megatron   # and back",
+        "ckpt convert llama-hf/ megatron/iter_0000000 --to megatron   # and back "
+        "(into an existing megatron/)",
     )
 )
 def convert(

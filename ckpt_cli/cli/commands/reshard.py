@@ -15,7 +15,7 @@ from ..app import ForceOpt, FormatOpt, JsonOpt, SrcArg, app, examples, run_comma
         "ckpt reshard out/step-1000 out/step-1000-4ranks --world-size 4",
         "ckpt reshard step-1000 step-1000-tp2 --world-size 2 --shard-dim '*.wo.weight=1' --shard-dim '*.norm.*=replicate'",
         "ckpt reshard step-1000 step-1000-8ranks --world-size 8 --rank-state drop",
-        "ckpt reshard run/checkpoint-500 run-3gpu/checkpoint-500 --world-size 3 --rank-state replicate",
+        "ckpt reshard run/checkpoint-500 checkpoint-500-3ranks --world-size 3 --rank-state replicate",
         "ckpt reshard model/ model-2GB/ --max-shard-size 2GB --json",
         "ckpt reshard out/step-1000 out/step-1000-4ranks --world-size 4 --dry-run",
     )
