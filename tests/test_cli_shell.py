@@ -102,6 +102,9 @@ def test_completions_offer_every_value_the_options_take() -> None:
     compressions = {c for name in writable_formats() for c in get_format(name).compressions}
     for command in ("convert", "reshard"):
         assert offered[command, "--dcp-compression"] == {*compressions, NO_COMPRESSION}
+    from ckpt_cli.ops.doctor import EXPECTABLE
+
+    assert offered["doctor", "--expect"] == set(EXPECTABLE)
     bash = render_all()["ckpt.bash"]
     assert "torchtitan megatron" in bash and "gguf" in bash
 
