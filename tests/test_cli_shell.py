@@ -374,3 +374,29 @@ def test_the_reshard_rank_state_example_runs_as_written(tmp_path: Path) -> None:
     assert sorted(p.name for p in dest.glob("rng_state_*.pth")) == [
         f"rng_state_{r}.pth" for r in range(3)
     ]
+
+
+def test_the_completion_ckpt_install_completion_installs_offers_option_values() -> None:
+    """`ckpt --help` offers `--install-completion`: typer's own completion, which asks ckpt at
+    each Tab. It completed commands and option names but no value (`convert --to <Tab>`
+    offered nothing), unlike the scripts of completions/."""
+
+    def complete(words: str) -> list[str]:
+        cword = str(len(words.split()) - (0 if words.endswith(" ") else 1))
+        env = {"_CKPT_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword}
+        result = run_ckpt_process(env=env)
+        assert result.exit_code == 0, result.stderr
+        return result.stdout.split()
+
+    assert complete("ckpt convert a b --to ") == [
+        "safetensors",
+        "dcp",
+        "torch",
+        "hf",
+        "torchtitan",
+        "megatron",
+    ]
+    assert complete("ckpt convert a b --to t") == ["torch", "torchtitan"]
+    assert "gguf" in complete("ckpt inspect a --format ")
+    assert complete("ckpt convert a b --dcp-compression ") == ["zstd", "none"]
+    assert "world-size" in complete("ckpt doctor out --expect ")

@@ -183,8 +183,24 @@ def _with_metavar(name: str, annotation: Any) -> Any:
                 info = copy.copy(info)
                 long = _long_name(info)
                 info.metavar = METAVARS.get(long or "", "") or _fallback_metavar(inner, long, name)
+        if isinstance(info, typer.models.OptionInfo) and info.autocompletion is None:
+            values = OPTION_VALUES.get(_long_name(info) or "")
+            if values:
+                # `ckpt --install-completion` (typer's own, asking ckpt at each Tab) offers
+                # the values the static scripts of completions/ offer
+                info = copy.copy(info)
+                info.autocompletion = _offering(values)
         changed.append(info)
     return Annotated[(base, *changed)]
+
+
+def _offering(values: list[str]) -> Callable[[str], list[str]]:
+    """A typer autocompletion callback offering `values` that start with what was typed."""
+
+    def complete(incomplete: str) -> list[str]:
+        return [v for v in values if v.startswith(incomplete)]
+
+    return complete
 
 
 def hub_hint(text: str) -> str | None:
