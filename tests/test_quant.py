@@ -1376,3 +1376,107 @@ def test_fp8_block_stacked_experts_dequantize_per_expert_like_torch(
     assert refused.exit_code == 4 and "[2, 3, 3]" in refused.stderr
     implied = "[3, 3, 3] (E x ceil(out/16)" if config_block else "[3, 1, 1] (E x 128x128 blocks)"
     assert implied in refused.stderr
+
+
+# ------------------------------------------------- bitsandbytes (packed, kept as stored)
+
+
+def write_bitsandbytes(folder: Path, bits: int) -> dict[str, torch.Tensor]:
+    """A bitsandbytes checkpoint under the names and dtypes transformers' `save_pretrained`
+    gives a `load_in_4bit` / `load_in_8bit` model (bitsandbytes itself needs a GPU to
+    quantize, so the values are drawn, not computed): 4-bit, per linear `weight` uint8
+    `[out*in/2, 1]` (two NF4 codes a byte) with `weight.absmax` float32, `weight.quant_map`
+    float32 `[16]` and `weight.quant_state.bitsandbytes__nf4` (its JSON as uint8); 8-bit,
+    `weight` int8 `[out, in]` with `SCB` float32 `[out]` and `weight_format` uint8."""
+    gen = torch.Generator().manual_seed(5)
+    state: dict[str, torch.Tensor] = {}
+    rows, cols = 32, 64  # out, in
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.up_proj"
+        if bits == 4:
+            state[f"{p}.weight"] = torch.randint(
+                0, 256, (rows * cols // 2, 1), generator=gen, dtype=torch.uint8
+            )
+            # float32 values a bfloat16 cast rounds
+            state[f"{p}.weight.absmax"] = torch.rand(rows * cols // 64, generator=gen) + 0.1
+            state[f"{p}.weight.quant_map"] = torch.linspace(-1, 1, 16) / 3
+            blob = json.dumps(
+                {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [rows, cols]}
+            ).encode()
+            state[f"{p}.weight.quant_state.bitsandbytes__nf4"] = torch.tensor(
+                list(blob), dtype=torch.uint8
+            )
+        else:
+            state[f"{p}.weight"] = torch.randint(
+                -127, 128, (rows, cols), generator=gen, dtype=torch.int8
+            )
+            state[f"{p}.SCB"] = torch.rand(rows, generator=gen) * 3 + 0.1
+            state[f"{p}.weight_format"] = torch.tensor(0, dtype=torch.uint8)
+    state["model.norm.weight"] = torch.rand(cols, generator=gen)
+    state["lm_head.weight"] = torch.randn(16, cols, generator=gen)
+    quant = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"} if bits == 4 else {}
+    config = {
+        "model_type": "llama",
+        "torch_dtype": "float32",
+        "quantization_config": {
+            "quant_method": "bitsandbytes",
+            f"load_in_{bits}bit": True,
+            **quant,
+        },
+    }
+    hf_shards(folder, [state], config)
+    return state
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bitsandbytes_states_are_never_cast_and_inspect_calls_them_packed(
+    tmp_path: Path, bits: int
+) -> None:
+    """`convert --dtype bf16` of a bitsandbytes model cast its float32 `absmax`, `quant_map`
+    and `SCB` to bfloat16 (every dequantized value then off) and `inspect` listed its 4/8-bit
+    weights as `unquantized`."""
+    src = tmp_path / f"bnb{bits}"
+    state = write_bitsandbytes(src, bits)
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    assert shown["packed"] == ["model.layers.*.mlp.up_proj"], shown
+    assert not any(p.startswith("model.layers.*.mlp.up_proj") for p in shown["unquantized"])
+    assert f"bitsandbytes {bits}-bit packed" in shown["label"]
+
+    out = tmp_path / "bf16"
+    conv = run_ckpt(
+        "convert", src, out, "--to", "safetensors", "--dtype", "bf16", "--max-shard-size", "1KB"
+    )
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    assert "kept as stored" in conv.stdout
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1
+    for name, shard in index.items():
+        with safe_open(out / shard, framework="pt") as f:
+            got = f.get_tensor(name)
+        if name.startswith("model.layers."):
+            # the codes and their float32 states, bit for bit, in their weight's shard
+            assert got.dtype == state[name].dtype and torch.equal(got, state[name]), name
+            module = name.split(".weight")[0].removesuffix(".SCB")
+            assert shard == index[f"{module}.weight"], name
+        else:
+            assert got.dtype == torch.bfloat16, name
+
+
+@pytest.mark.parametrize("scheme", ["bnb4", "bnb8", "gptq"])
+def test_dequantize_of_a_scheme_ckpt_keeps_packed_names_it(tmp_path: Path, scheme: str) -> None:
+    """`--dequantize` of a GPTQ or bitsandbytes model said "no quantized weight found" (exit
+    2, a usage error): it holds quantized weights, of a scheme ckpt does not dequantize."""
+    src = tmp_path / scheme
+    if scheme == "gptq":
+        write_gptq(src)
+    else:
+        write_bitsandbytes(src, int(scheme[-1]))
+    named = "gptq" if scheme == "gptq" else f"bitsandbytes {scheme[-1]}-bit"
+    conv = run_ckpt("convert", src, tmp_path / "out", "--to", "safetensors", "--dequantize")
+    assert conv.exit_code == 4, conv.stdout + conv.stderr
+    assert named in conv.stderr and "model.layers.0.mlp.up_proj" in conv.stderr
+    assert "no quantized weight found" not in conv.stderr
+    assert not (tmp_path / "out").exists()
+    compared = run_ckpt("diff", src, src, "--dequantize")
+    assert compared.exit_code == 4, compared.stdout + compared.stderr
+    assert named in compared.stderr

@@ -21,6 +21,11 @@ from .checks import (
     infer_block,
 )
 from .schemes import (
+    BNB_4BIT,
+    BNB_4BIT_STATES,
+    BNB_4BIT_SUFFIXES,
+    BNB_8BIT,
+    BNB_8BIT_SUFFIXES,
     FP8,
     PACKED_SCHEMES,
     PACKED_SUFFIXES,
@@ -87,16 +92,31 @@ def analyse_tensors(
 
 
 def _packed(out: QuantAnalysis, tensors: Mapping[str, TensorFacts], config: QuantConfig) -> None:
-    """Modules of an integer-packed scheme (GPTQ, AWQ): a `.qweight` where the config declares
-    the scheme, or beside its `.qzeros` (no other checkpoint names tensors so)."""
-    declared = PACKED_SCHEMES.get((config.method or "").lower())
+    """Modules of a packed scheme ckpt does not dequantize: GPTQ, AWQ (a `.qweight` where the
+    config declares the scheme, or beside its `.qzeros`: no other checkpoint names tensors
+    so), and bitsandbytes (a `.weight` beside its `quant_state.bitsandbytes__*`, or an int8
+    `.weight` beside its `SCB`)."""
+    method = (config.method or "").lower()
+    declared = PACKED_SCHEMES.get(method)
     for name in tensors:
-        if not name.endswith(".qweight"):
+        if name.endswith(".qweight"):
+            module = name[: -len(".qweight")]
+            suffixes = declared or (PACKED_SUFFIXES if module + ".qzeros" in tensors else None)
+            if suffixes is not None:
+                names = [module + s for s in suffixes if module + s in tensors]
+                out.add_packed(module, method if declared else "GPTQ/AWQ", names)
             continue
-        module = name[: -len(".qweight")]
-        suffixes = declared or (PACKED_SUFFIXES if module + ".qzeros" in tensors else None)
-        if suffixes is not None:
-            out.packed[module] = [module + s for s in suffixes if module + s in tensors]
+        state = next((s for s in BNB_4BIT_STATES if name.endswith(s)), None)
+        if state is not None:
+            module, scheme, suffixes = name[: -len(state)], BNB_4BIT, BNB_4BIT_SUFFIXES
+        elif name.endswith(".SCB"):
+            module, scheme, suffixes = name[: -len(".SCB")], BNB_8BIT, BNB_8BIT_SUFFIXES
+            if tensors.get(module + ".weight", (None,))[DTYPE] != "int8":
+                continue
+        else:
+            continue
+        if module + ".weight" in tensors and module not in out.packed:
+            out.add_packed(module, scheme, [module + s for s in suffixes if module + s in tensors])
 
 
 def _may_hold_quantized(tensors: Mapping[str, TensorFacts]) -> bool:

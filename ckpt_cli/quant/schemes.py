@@ -60,6 +60,26 @@ PACKED_SCHEMES = {
 }
 #: the suffixes of every packed scheme's tensors (the payload `.qweight` first)
 PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
+#: bitsandbytes as transformers saves a `load_in_4bit` / `load_in_8bit` model: the payload is
+#: the module's own `.weight` (uint8, two 4-bit codes a byte; int8), its quantization state
+#: beside it, and the one name no other scheme writes (`quant_state.bitsandbytes__nf4|fp4`,
+#: `SCB`) tells it; ckpt does not dequantize it, so it is kept as stored like GPTQ
+BNB_4BIT_STATES = (
+    ".weight.quant_state.bitsandbytes__nf4",
+    ".weight.quant_state.bitsandbytes__fp4",
+)
+BNB_4BIT_SUFFIXES = (
+    ".weight",
+    ".weight.absmax",
+    ".weight.quant_map",
+    ".weight.nested_absmax",
+    ".weight.nested_quant_map",
+    *BNB_4BIT_STATES,
+)
+BNB_8BIT_SUFFIXES = (".weight", ".SCB", ".weight_format")
+#: how a packed scheme is named where the config declares none
+BNB_4BIT = "bitsandbytes 4-bit"
+BNB_8BIT = "bitsandbytes 8-bit"
 #: config files read next to the weights (small JSON; larger is not a config)
 CONFIG_FILES = ("config.json", "hf_quant_config.json")
 #: config files that only declare quantization (ModelOpt's): a dequantized output has none,
@@ -202,8 +222,20 @@ class QuantAnalysis:
     problems: list[Problem] = field(default_factory=list)
     grids: list[GridMismatch] = field(default_factory=list)
     #: module -> stored names of an integer-packed scheme ckpt does not dequantize
-    #: (`PACKED_SCHEMES`: GPTQ's qweight, qzeros, scales, g_idx): kept as stored
+    #: (`PACKED_SCHEMES`: GPTQ's qweight, qzeros, scales, g_idx; bitsandbytes' weight and its
+    #: state): kept as stored
     packed: dict[str, list[str]] = field(default_factory=dict)
+    #: module -> the packed scheme's name (`gptq`, `GPTQ/AWQ`, `bitsandbytes 4-bit`...)
+    packed_scheme: dict[str, str] = field(default_factory=dict)
+    #: stored name -> the packed module it belongs to
+    packed_owner: dict[str, str] = field(default_factory=dict)
+
+    def add_packed(self, module: str, scheme: str, names: list[str]) -> None:
+        """Record `module` as packed in `scheme`, stored as `names` (its payload first)."""
+        self.packed[module] = names
+        self.packed_scheme[module] = scheme
+        for name in names:
+            self.packed_owner[name] = module
 
     @property
     def quantized(self) -> bool:
@@ -216,10 +248,8 @@ class QuantAnalysis:
         owner = self.owner.get(name)
         if owner is not None:
             return self.weights[owner].members
-        for suffix in PACKED_SUFFIXES:
-            if name.endswith(suffix) and name[: -len(suffix)] in self.packed:
-                return self.packed[name[: -len(suffix)]]
-        return None
+        module = self.packed_owner.get(name)
+        return self.packed[module] if module is not None else None
 
     def kept_as_stored(self, name: str) -> bool:
         """Whether `name` is a quantized weight, one of its scales or a packed module's
@@ -428,21 +458,27 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
             if pattern not in unquantized:
                 unquantized.append(pattern)
     packed: list[str] = []
+    packed_labels: list[str] = []
     bits = analysis.config.raw.get("bits") or analysis.config.raw.get("w_bit") or 4
-    for module in analysis.packed:
+    for module, scheme in analysis.packed_scheme.items():
         pattern = fold(module)
         if pattern not in packed:
             packed.append(pattern)
+        if scheme not in packed_labels:
+            packed_labels.append(scheme)
         qweight = tensors.get(module + ".qweight")
+        codes = tensors.get(module + ".weight")
         if qweight is not None and isinstance(bits, int) and 0 < bits <= 32:
             # int32 words of `32 / bits` values each (GPTQ packs along in, AWQ along out)
             others += qweight.nbytes * 8 // bits
+        elif codes is not None:
+            # bitsandbytes: two 4-bit codes a byte, or one int8 value each
+            others += codes.nbytes * 2 if scheme == BNB_4BIT else codes.numel
     parameters = others + sum(g.parameters for g in groups.values())
     stored = sum(e.nbytes for e in tensors.values())
     declared = " ".join(x for x in (analysis.config.method, analysis.config.algo) if x)
     labels = [g.label for g in groups.values()]
-    if packed:
-        labels.append(f"{declared or 'GPTQ/AWQ'} packed (kept as stored, not dequantized)")
+    labels += [f"{scheme} packed (kept as stored, not dequantized)" for scheme in packed_labels]
     label_text = ", ".join(labels) or (
         f"{declared} declared, no weight of a scheme ckpt reads" if declared else "not quantized"
     )

@@ -161,7 +161,7 @@ def render_quantization(report: InspectReport) -> None:
             "  packed       "
             + escape(", ".join(quant.packed[:8]))
             + (f" … {more} more" if more > 0 else "")
-            + " [dim](qweight, qzeros, scales: kept as stored)[/]"
+            + " [dim](packed values and their scales: kept as stored)[/]"
         )
     if quant.orphans:
         stdout.print(f"  [red]orphan scales[/] {escape(', '.join(quant.orphans[:5]))}")

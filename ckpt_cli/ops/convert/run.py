@@ -615,7 +615,7 @@ def _readable(
     if not dequantize:
         return base, 0
     if not analysis.quantized:
-        raise nothing_to_dequantize(base.manifest)
+        raise nothing_to_dequantize(base.manifest, packed=analysis.packed_scheme)
     from ...quant import logical_dtype
     from ...quant.dequant import DequantizedCheckpoint
 

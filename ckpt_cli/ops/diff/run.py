@@ -475,8 +475,11 @@ def diff_with(
                 for c, side in ((ca, "a"), (cb, "b"))
             )
             if not counts:  # it would do nothing: refused, as `convert --dequantize` is
+                from ...quant import analyse_checkpoint
+
                 for side in (base_a, base_b):
-                    refusal = nothing_to_dequantize(side.manifest)
+                    packed = analyse_checkpoint(side.manifest, side.storage).packed_scheme
+                    refusal = nothing_to_dequantize(side.manifest, packed=packed)
                     if not isinstance(refusal, UsageError):
                         raise refusal  # quantized, in a scheme ckpt does not dequantize
                 raise UsageError(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 import typing
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -213,10 +213,28 @@ def tied_groups(manifest: Manifest, names: Iterable[str] | None = None) -> list[
     return groups
 
 
-def nothing_to_dequantize(manifest: Manifest, flag: str = "--dequantize") -> CkptError:
+def nothing_to_dequantize(
+    manifest: Manifest, flag: str = "--dequantize", packed: Mapping[str, str] | None = None
+) -> CkptError:
     """The error for `--dequantize` of a checkpoint with no weight ckpt dequantizes: the
-    quantized entries its format keeps as they are (`Format.skip_reason`: GGUF's Q4_K, Q8_0…
-    blocks) named as what ckpt does not dequantize (exit 4), else a usage error (exit 2)."""
+    modules of a packed scheme (`packed`: module -> scheme, `QuantAnalysis.packed_scheme`:
+    GPTQ, AWQ, bitsandbytes) or the quantized entries its format keeps as they are
+    (`Format.skip_reason`: GGUF's Q4_K, Q8_0… blocks) named as what ckpt does not dequantize
+    (exit 4), else a usage error (exit 2)."""
+    if packed:
+        module, scheme = next(iter(packed.items()))
+        schemes = ", ".join(dict.fromkeys(packed.values()))
+        more = f", and {len(packed) - 1} more" if len(packed) > 1 else ""
+        return FormatError(
+            f"{flag}: ckpt does not dequantize {schemes} weights, and the quantized weights "
+            f"here are of it ({module!r}: {scheme}{more}); it dequantizes FP8, MXFP4 and NVFP4 "
+            "weights only",
+            path=manifest.location,
+            fix="Dequantize with the quantizing library (for bitsandbytes, transformers' "
+            "`model.dequantize()` then `save_pretrained`), or drop --dequantize: `convert` "
+            "then keeps these weights and their scales as stored, `diff` compares them as "
+            "stored.",
+        )
     source_format = find_format(manifest.format)
     held: list[tuple[str, str]] = []
     title = manifest.format
