@@ -520,3 +520,44 @@ def test_merge_never_writes_over_or_into_its_sources(
         assert "DEST overlaps the source" in result.json["error"]["message"]
     assert snapshot() == before
     assert run_ckpt("verify", adapter).exit_code == 0
+
+
+def test_merge_refuses_a_modules_to_save_copy_shaped_for_another_base(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """An adapter trained on a base with a larger vocabulary, saving `lm_head` whole
+    (`modules_to_save`), merged into a base of the smaller one: `merge` failed mid-write with
+    "tensor 'lm_head.weight' has 4608 bytes, the plan said 4096. This is a bug in ckpt" (exit
+    70). peft cannot load it either (a size mismatch): it is refused before anything is
+    written, naming the tensor, both shapes and the fix."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from .framework_fixtures import tiny_config
+
+    config = tiny_config()
+    config.vocab_size = 72
+    torch.manual_seed(2)
+    adapter = tmp_path / "adapter"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(
+            LlamaForCausalLM(config),
+            LoraConfig(
+                r=4,
+                lora_alpha=8,
+                target_modules=["q_proj"],
+                modules_to_save=["lm_head"],
+                init_lora_weights=False,
+            ),
+        ).save_pretrained(adapter)
+    assert load_file(adapter / "adapter_model.safetensors")[
+        "base_model.model.lm_head.weight"
+    ].shape == (72, 16)
+    result = run_ckpt("merge", tiny_llama, adapter, tmp_path / "out", "--json")
+    assert result.exit_code == 4, result.stdout
+    error = result.json["error"]
+    assert "lm_head.weight" in error["message"] and "[72, 16]" in error["message"]
+    assert "[64, 16]" in error["message"] and "adapter_model.safetensors" in error["message"]
+    assert "trained on this base" in error["fix"]
+    assert not (tmp_path / "out").exists()

@@ -408,6 +408,17 @@ def _plan_updates(
                 problem = _not_mergeable(base, quant, target, module, names)
                 assert problem is not None
                 raise problem
+            held_shape = base.manifest.by_name[target].shape if target in names else None
+            if held_shape is not None and list(entry.shape) != list(held_shape):
+                # a copy saved from a base of another size (a larger vocabulary): the merged
+                # model would not load, and peft cannot load the adapter into this base
+                raise FormatError(
+                    f"{entry.name!r} has shape {list(entry.shape)}, the base weight "
+                    f"{target!r} it replaces is {list(held_shape)}",
+                    path=where,
+                    fix="Check that the adapter was trained on this base model (a resized "
+                    "vocabulary: resize the base's embeddings and save it, then merge).",
+                )
             replaced[target] = entry.name
             continue
         module, part = match.group("module"), match.group("part")
