@@ -831,3 +831,40 @@ def test_a_repair_beyond_the_parity_says_once_that_nothing_was_restored(tmp_path
     assert len(warnings) == 1, result.stderr
     assert str(edited) in warnings[0] and "not restored" in warnings[0]
     assert "restored to its content" not in result.stderr
+
+
+def test_a_single_file_protected_whole_and_then_deleted_is_rebuilt_by_naming_it(
+    tmp_path: Path,
+) -> None:
+    """`protect model.safetensors --whole-files` says it survives the file "lost whole", but
+    once it was deleted `repair model.safetensors` said "no such file or folder ... did you mean
+    hf://…?" (exit 3) and `repair` of its folder "holds no files to protect": the parity beside
+    it (`.ckpt-parity/model.safetensors/`) was never looked at."""
+    state = _state(n=4, size=64, seed=4)
+    path = tmp_path / "model.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(state, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    made = run_ckpt("protect", path, "--whole-files", "--json")
+    assert made.exit_code == 0, made.stdout + made.stderr
+    assert made.json["result"]["whole_files"] is True
+    assert any("lost whole" in line for line in made.json["result"]["survives"])
+    path.unlink()
+    # every other command names the way back
+    checked = run_ckpt("verify", path, "--checksums")
+    assert checked.exit_code == 3 and f"ckpt repair {path}" in checked.stderr
+    assert "hf://" not in checked.stderr
+    dry = run_ckpt("repair", path, "--dry-run", "--json")
+    assert dry.exit_code == 1, dry.stdout + dry.stderr
+    assert not path.exists()
+    fixed = run_ckpt("repair", path, "--json")
+    assert fixed.exit_code == 0, fixed.stdout + fixed.stderr
+    assert [Path(p).name for p in fixed.json["result"]["rebuilt"]] == ["model.safetensors"]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+    with safe_open(path, framework="pt") as f:
+        _assert_same({k: f.get_tensor(k) for k in f.keys()}, state)  # noqa: SIM118
+    # a file never protected is still not found, and protect of a missing file is refused
+    assert run_ckpt("repair", tmp_path / "other.safetensors").exit_code == 3
+    path.unlink()
+    assert run_ckpt("protect", path).exit_code == 3

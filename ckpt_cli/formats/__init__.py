@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from ..errors import FormatError, NotFoundError, UsageError
-from ..storage import LocalStorage
+from ..storage import PARITY_DIR, LocalStorage
 from ..storage.uri import Location, parse_location
 from .base import Checkpoint, Format, Source
 
@@ -151,6 +151,15 @@ def resolve_source(location: Location | str) -> Source:
                     _broken_link(path),
                     path=path,
                     fix="Repair the link, or point at the checkpoint itself.",
+                )
+            if (path.parent / PARITY_DIR / path.name).is_dir():
+                # a protected single file deleted outright: its parity is beside it
+                raise NotFoundError(
+                    "no such file, but the parity `ckpt protect` wrote for it is beside it "
+                    f"({PARITY_DIR}/{path.name}/)",
+                    path=path,
+                    fix=f"Rebuild it with `ckpt repair {loc.raw}` (a file lost whole comes "
+                    "back when it was protected with --whole-files).",
                 )
             repo_like = _REPO_ID.match(loc.raw) is not None
             raise NotFoundError(

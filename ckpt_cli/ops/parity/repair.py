@@ -72,7 +72,7 @@ def repair_with(
 
 
 def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairReport:
-    target = open_parity_target(src)
+    target = open_parity_target(src, rebuilding=True)
     m = read_parity_manifest(target)
     if m is None:
         raise NotFoundError(

@@ -22,11 +22,13 @@ from ...formats.base import Source
 from ...sources.runs.records import CHECKSUM_MANIFEST
 from ...storage import (
     PARITY_DIR,
+    LocalStorage,
     Storage,
     is_parity_path,
     safe_relpath,
 )
 from ...storage.output import TMP_MARKER, Destination
+from ...storage.uri import parse_location
 from .layout import plan_layout, small_block
 from .model import (
     BLOCK_ALIGN,
@@ -57,7 +59,14 @@ class ParityTarget:
         return f"{self.parity_rel}/{MANIFEST_NAME}"
 
 
-def open_parity_target(src: str | Source) -> ParityTarget:
+def open_parity_target(src: str | Source, *, rebuilding: bool = False) -> ParityTarget:
+    """The checkpoint at `src`. `rebuilding` (repair, verify of parity): a single file deleted
+    outright is still its parity's target, found by the parity `protect` wrote beside it."""
+    if rebuilding and isinstance(src, str):
+        lost = lost_single_file(src)
+        if lost is not None:
+            assert lost.target is not None
+            return ParityTarget(lost, lost.storage, {}, f"{PARITY_DIR}/{lost.target}")
     source = src if isinstance(src, Source) else resolve_source(src)
     storage = source.storage
     if not storage.writable:  # the parity is written beside the files (the Hub: one commit)
@@ -83,6 +92,19 @@ def open_parity_target(src: str | Source) -> ParityTarget:
             fix="Point at the checkpoint folder or file itself.",
         )
     return ParityTarget(source, storage, files, parity_rel)
+
+
+def lost_single_file(src: str) -> Source | None:
+    """A local single-file checkpoint that is gone while the parity `protect` wrote for it
+    (`.ckpt-parity/NAME/` beside it) is there: the source of a repair that recreates it (with
+    `--whole-files` parity a file lost whole comes back). None for anything else."""
+    loc = parse_location(src)
+    path = loc.path
+    if loc.kind != "local" or path is None or path.exists() or path.is_symlink():
+        return None
+    if not (path.parent / PARITY_DIR / path.name / MANIFEST_NAME).is_file():
+        return None
+    return Source(location=loc, storage=LocalStorage(path.parent), target=path.name)
 
 
 def parity_dest(target: ParityTarget) -> Destination:
