@@ -364,3 +364,35 @@ def test_ignore_dtype_without_a_tolerance_says_no_tolerance(tmp_path: Path) -> N
         "IDENTICAL: 1 entries equal, 1 with a dtype change (ignored)"
     )
     assert "tolerance" not in result.stdout
+
+
+@pytest.mark.parametrize("weights_first", [True, False])
+def test_select_lines_up_a_plain_dcp_model_save_with_its_hf_weights(
+    tiny_llama: Path, tmp_path: Path, weights_first: bool
+) -> None:
+    """`dcp.save({"model": model.state_dict()})` against the model's `save_pretrained`
+    weights with `--select model`: both sides were stripped of `model.`, so the HF side's own
+    `model.layers…` lost its prefix and `lm_head.weight` was dropped: "20 only in A, 21 only
+    in B", exit 1, for the same weights."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaForCausalLM
+
+    state = {
+        k: v.detach().clone()
+        for k, v in LlamaForCausalLM.from_pretrained(tiny_llama).state_dict().items()
+    }
+    saved = tmp_path / "dcp"
+    dcp.save({"model": state}, checkpoint_id=str(saved), no_dist=True)
+    a, b = (tiny_llama, saved) if weights_first else (saved, tiny_llama)
+    result = run_ckpt("diff", a, b, "--select", "model", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["equal"] == len(state) and not report["only_a"] and not report["only_b"]
+    applied = {"a": not weights_first, "b": weights_first}
+    assert report["select_applied"] == applied
+    # a real difference under the prefix is still one
+    state["model.norm.weight"] = state["model.norm.weight"] + 1
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "changed"), no_dist=True)
+    changed = run_ckpt("diff", tiny_llama, tmp_path / "changed", "--select", "model", "--json")
+    assert changed.exit_code == 1
+    assert [d["name"] for d in changed.json["result"]["differences"]] == ["model.norm.weight"]

@@ -231,6 +231,29 @@ def _selected(
     return chosen, True, False
 
 
+def _line_up(
+    ca: Checkpoint,
+    cb: Checkpoint,
+    chosen_a: list[tuple[Entry, str]],
+    chosen_b: list[tuple[Entry, str]],
+) -> tuple[list[tuple[Entry, str]], bool, list[tuple[Entry, str]], bool]:
+    """Both sides stripped of --select's prefix, or one of them whole: whichever pairing
+    lines up the most names (both stripped on a tie), with whether each side was stripped."""
+    whole_a = [(e, e.name) for e in ca.manifest.entries]
+    whole_b = [(e, e.name) for e in cb.manifest.entries]
+
+    def common(x: list[tuple[Entry, str]], y: list[tuple[Entry, str]]) -> int:
+        return len({n for _, n in x} & {n for _, n in y})
+
+    options = [
+        (common(chosen_a, chosen_b), chosen_a, True, chosen_b, True),
+        (common(whole_a, chosen_b), whole_a, False, chosen_b, True),
+        (common(chosen_a, whole_b), chosen_a, True, whole_b, False),
+    ]
+    best = max(options, key=lambda option: option[0])  # the first of equals: both stripped
+    return best[1], best[2], best[3], best[4]
+
+
 def _filtered(
     aligned: dict[str, Entry], filters: Sequence[str], excludes: Sequence[str] = ()
 ) -> dict[str, Entry]:
@@ -493,6 +516,12 @@ def diff_with(
         )
         if comp_b and not comp_a:
             chosen_a, applied_a, _ = _selected(opened_a, ca, select, [n for _, n in chosen_b])
+        elif applied_a and applied_b and not comp_a:
+            # neither side names PREFIX as a training component (a plain `dcp.save({"model":
+            # ...})`, or two weights files): one of them may be exported weights whose own
+            # names start with it (an HF causal LM's `model.layers…` beside `lm_head`), so
+            # that side is compared whole where that lines up better
+            chosen_a, applied_a, chosen_b, applied_b = _line_up(ca, cb, chosen_a, chosen_b)
         for opened, chosen, where in ((opened_a, chosen_a, a), (opened_b, chosen_b, b)):
             if select:
                 # ZeRO-3's empty parameters would compare equal whatever the weights are
