@@ -975,7 +975,9 @@ def test_a_scheme_ckpt_does_not_dequantize_raises_no_false_problems(tmp_path: Pa
     result = run_ckpt("verify", src, "--json").json["result"]
     assert result["ok"] and result["problems"] == [] and "quantization" in result["checks"]
     shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
-    assert shown["schemes"] == [] and "pack-quantized declared" in shown["label"]
+    assert shown["schemes"] == [] and shown["packed"] == ["model.layers.*.mlp.down_proj"]
+    # 64 x 256 int4 values in int32 words, kept as stored
+    assert "16.4K parameters, compressed-tensors pack-quantized packed" in shown["label"]
 
 
 def test_fp8_llama_dequantized_equals_transformers_and_loads_with_from_pretrained(
@@ -1480,3 +1482,73 @@ def test_dequantize_of_a_scheme_ckpt_keeps_packed_names_it(tmp_path: Path, schem
     compared = run_ckpt("diff", src, src, "--dequantize")
     assert compared.exit_code == 4, compared.stdout + compared.stderr
     assert named in compared.stderr
+
+
+def write_compressed_tensors_int(folder: Path, preset: str) -> dict[str, torch.Tensor]:
+    """Two bfloat16 linears quantized by compressed-tensors' own compressors: `W4A16`
+    (`pack-quantized`: `weight_packed` int32, `weight_scale` bfloat16 per group of 128,
+    `weight_shape`) or `W8A8` (`int-quantized`: `weight` int8, `weight_scale` per channel)."""
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    qscheme = preset_name_to_scheme(preset, ["Linear"])
+    gen = torch.Generator().manual_seed(8)
+    state: dict[str, torch.Tensor] = {}
+    for layer in range(2):
+        w = torch.randn(64, 256, generator=gen).to(torch.bfloat16)
+        groups = w.float().reshape(64, -1, 128 if preset == "W4A16" else 256)
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), qscheme.weights)
+        compressor = (
+            PackedQuantizationCompressor if preset == "W4A16" else IntQuantizationCompressor
+        )
+        packed = compressor.compress(
+            {"weight": w, "weight_scale": scale.to(torch.bfloat16), "weight_zero_point": zero},
+            qscheme,
+        )
+        state.update({f"model.layers.{layer}.mlp.down_proj.{k}": v for k, v in packed.items()})
+    state["model.norm.weight"] = torch.rand(64, generator=gen).to(torch.bfloat16)
+    fmt = "pack-quantized" if preset == "W4A16" else "int-quantized"
+    config = QuantizationConfig(
+        config_groups={"g": qscheme}, format=fmt, quantization_status="compressed"
+    ).model_dump(mode="json")
+    hf_shards(folder, [state], {"torch_dtype": "bfloat16", "quantization_config": config})
+    return state
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "W8A8"])
+def test_compressed_tensors_int_weights_and_scales_are_never_cast(
+    tmp_path: Path, preset: str
+) -> None:
+    """compressed-tensors int4 (`pack-quantized`) and int8 (`int-quantized`) models: `convert
+    --dtype fp16` cast their bfloat16 `weight_scale` to float16 (rounded, every value then
+    off) and `inspect` listed the modules as `unquantized`."""
+    src = tmp_path / preset
+    state = write_compressed_tensors_int(src, preset)
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    assert shown["packed"] == ["model.layers.*.mlp.down_proj"], shown
+    assert "model.layers.*.mlp.down_proj" not in shown["unquantized"]
+    fmt = "pack-quantized" if preset == "W4A16" else "int-quantized"
+    assert f"compressed-tensors {fmt} packed" in shown["label"]
+    assert run_ckpt("verify", src).exit_code == 0
+
+    out = tmp_path / "fp16"
+    conv = run_ckpt(
+        "convert", src, out, "--to", "safetensors", "--dtype", "fp16", "--max-shard-size", "4KB"
+    )
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1
+    payload = "weight_packed" if preset == "W4A16" else "weight"
+    for name, shard in index.items():
+        with safe_open(out / shard, framework="pt") as f:
+            got = f.get_tensor(name)
+        if name.startswith("model.layers."):
+            assert got.dtype == state[name].dtype and torch.equal(got, state[name]), name
+            module = name.rsplit(".", 1)[0]
+            assert shard == index[f"{module}.{payload}"], name
+        else:
+            assert got.dtype == torch.float16, name
+    refused = run_ckpt("convert", src, tmp_path / "dq", "--to", "safetensors", "--dequantize")
+    assert refused.exit_code == 4 and fmt in refused.stderr

@@ -26,6 +26,10 @@ from .schemes import (
     BNB_4BIT_SUFFIXES,
     BNB_8BIT,
     BNB_8BIT_SUFFIXES,
+    CT_INT,
+    CT_INT_SUFFIXES,
+    CT_PACKED,
+    CT_PACKED_SUFFIXES,
     FP8,
     PACKED_SCHEMES,
     PACKED_SUFFIXES,
@@ -107,16 +111,42 @@ def _packed(out: QuantAnalysis, tensors: Mapping[str, TensorFacts], config: Quan
                 out.add_packed(module, method if declared else "GPTQ/AWQ", names)
             continue
         state = next((s for s in BNB_4BIT_STATES if name.endswith(s)), None)
+        payload = ".weight"
         if state is not None:
             module, scheme, suffixes = name[: -len(state)], BNB_4BIT, BNB_4BIT_SUFFIXES
         elif name.endswith(".SCB"):
             module, scheme, suffixes = name[: -len(".SCB")], BNB_8BIT, BNB_8BIT_SUFFIXES
-            if tensors.get(module + ".weight", (None,))[DTYPE] != "int8":
+            if _dtype(tensors, module + ".weight") != "int8":
+                continue
+        elif name.endswith(".weight_packed"):
+            module, scheme, suffixes = name[: -len(".weight_packed")], CT_PACKED, CT_PACKED_SUFFIXES
+            payload = ".weight_packed"
+            if not _ct_int_packed(tensors, module, config):
+                continue
+        elif name.endswith(".weight_scale"):
+            module, scheme, suffixes = name[: -len(".weight_scale")], CT_INT, CT_INT_SUFFIXES
+            if _dtype(tensors, module + ".weight") != "int8":
                 continue
         else:
             continue
-        if module + ".weight" in tensors and module not in out.packed:
+        if module + payload in tensors and module not in out.packed:
             out.add_packed(module, scheme, [module + s for s in suffixes if module + s in tensors])
+
+
+def _dtype(tensors: Mapping[str, TensorFacts], name: str) -> str | None:
+    held = tensors.get(name)
+    return held[DTYPE] if held is not None else None
+
+
+def _ct_int_packed(tensors: Mapping[str, TensorFacts], module: str, config: QuantConfig) -> bool:
+    """Whether `module.weight_packed` is compressed-tensors' int4/int8 packing, not its NVFP4
+    (uint8 codes with an FP8 group scale, or declared `nvfp4-pack-quantized`)."""
+    if _dtype(tensors, module + ".weight_packed") != "uint8":
+        return True
+    if (config.algo or "") == "nvfp4-pack-quantized":
+        return False
+    scale = _dtype(tensors, module + ".weight_scale")
+    return scale is not None and scale not in SCALE_DTYPES["group_scale"]
 
 
 def _may_hold_quantized(tensors: Mapping[str, TensorFacts]) -> bool:

@@ -77,6 +77,26 @@ BNB_4BIT_SUFFIXES = (
     *BNB_4BIT_STATES,
 )
 BNB_8BIT_SUFFIXES = (".weight", ".SCB", ".weight_format")
+#: compressed-tensors' integer formats: int4/int8 `pack-quantized` (`weight_packed` int32
+#: words, or uint8 bytes whose scale is no FP8 group scale) and `int-quantized` (an int8
+#: `weight` beside its `weight_scale`); ckpt does not dequantize them
+CT_PACKED_SUFFIXES = (
+    ".weight_packed",
+    ".weight_scale",
+    ".weight_zero_point",
+    ".weight_g_idx",
+    ".weight_shape",
+)
+CT_INT_SUFFIXES = (
+    ".weight",
+    ".weight_scale",
+    ".weight_zero_point",
+    ".weight_g_idx",
+    ".input_scale",
+    ".input_zero_point",
+)
+CT_PACKED = "compressed-tensors pack-quantized"
+CT_INT = "compressed-tensors int-quantized"
 #: how a packed scheme is named where the config declares none
 BNB_4BIT = "bitsandbytes 4-bit"
 BNB_8BIT = "bitsandbytes 8-bit"
@@ -466,11 +486,12 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
             packed.append(pattern)
         if scheme not in packed_labels:
             packed_labels.append(scheme)
-        qweight = tensors.get(module + ".qweight")
+        qweight = tensors.get(module + ".qweight") or tensors.get(module + ".weight_packed")
         codes = tensors.get(module + ".weight")
-        if qweight is not None and isinstance(bits, int) and 0 < bits <= 32:
-            # int32 words of `32 / bits` values each (GPTQ packs along in, AWQ along out)
-            others += qweight.nbytes * 8 // bits
+        words = _ct_bits(analysis.config.raw) if scheme == CT_PACKED else bits
+        if qweight is not None and isinstance(words, int) and 0 < words <= 32:
+            # words of `32 / bits` values each (GPTQ packs along in, AWQ along out)
+            others += qweight.nbytes * 8 // words
         elif codes is not None:
             # bitsandbytes: two 4-bit codes a byte, or one int8 value each
             others += codes.nbytes * 2 if scheme == BNB_4BIT else codes.numel
@@ -492,6 +513,18 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
         packed=packed,
         orphans=analysis.orphans,
     )
+
+
+def _ct_bits(raw: dict[str, Any]) -> int:
+    """The weights' `num_bits` of a compressed-tensors config (its groups agreeing), else 4."""
+    groups = raw.get("config_groups")
+    found = {
+        g["weights"].get("num_bits")
+        for g in (groups.values() if isinstance(groups, dict) else [])
+        if isinstance(g, dict) and isinstance(g.get("weights"), dict)
+    }
+    bits = found.pop() if len(found) == 1 else None
+    return bits if isinstance(bits, int) and not isinstance(bits, bool) else 4
 
 
 def without_quantization(config: dict[str, Any]) -> dict[str, Any]:
