@@ -1552,3 +1552,27 @@ def test_compressed_tensors_int_weights_and_scales_are_never_cast(
             assert got.dtype == torch.float16, name
     refused = run_ckpt("convert", src, tmp_path / "dq", "--to", "safetensors", "--dequantize")
     assert refused.exit_code == 4 and fmt in refused.stderr
+
+
+@pytest.mark.parametrize("scheme", ["bnb4", "bnb8", "W4A16", "W8A8"])
+def test_convert_filter_of_a_packed_weight_brings_its_state(tmp_path: Path, scheme: str) -> None:
+    """`convert -k '*.0.*.weight'` of a bitsandbytes model wrote the 4/8-bit codes without
+    their `absmax` / `quant_map` / `quant_state` (or `SCB`), and of a compressed-tensors
+    `pack-quantized` one the `weight_packed` without its `weight_shape` / `weight_zero_point`:
+    codes no loader can read."""
+    src = tmp_path / scheme
+    if scheme.startswith("bnb"):
+        state = write_bitsandbytes(src, int(scheme[-1]))
+        module, glob = "model.layers.0.mlp.up_proj", "*.0.*.weight"
+    else:
+        state = write_compressed_tensors_int(src, scheme)
+        module = "model.layers.0.mlp.down_proj"
+        glob = "*.0.*.weight_packed" if scheme == "W4A16" else "*.0.*.weight"
+    out = tmp_path / "picked"
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "-k", glob, "--json")
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    want = {n for n in state if n.startswith(module + ".")}
+    assert len(want) >= 2
+    assert {e["name"] for e in conv.json["result"]["entries"]} == want
+    got = load_file(out / "model.safetensors")
+    assert set(got) == want and all(torch.equal(got[n], state[n]) for n in want)

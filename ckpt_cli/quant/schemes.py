@@ -553,8 +553,19 @@ _SIDECARS_OF = {
         ".input_scale",
         ".input_global_scale",
         ".scale_input",
+        # compressed-tensors int8, bitsandbytes (4-bit states, 8-bit `SCB`)
+        ".weight_zero_point",
+        ".weight_g_idx",
+        ".input_zero_point",
+        *BNB_4BIT_SUFFIXES[1:],
+        *BNB_8BIT_SUFFIXES[1:],
     ),
-    ".weight_packed": (".weight_scale", ".weight_global_scale", ".input_global_scale"),
+    ".weight_packed": (
+        ".weight_scale",
+        ".weight_global_scale",
+        ".input_global_scale",
+        *CT_PACKED_SUFFIXES[1:],
+    ),
     "_blocks": ("_scales",),
     ".qweight": (".qzeros", ".scales", ".g_idx"),  # GPTQ / AWQ
 }
