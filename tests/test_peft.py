@@ -561,3 +561,28 @@ def test_merge_refuses_a_modules_to_save_copy_shaped_for_another_base(
     assert "[64, 16]" in error["message"] and "adapter_model.safetensors" in error["message"]
     assert "trained on this base" in error["fix"]
     assert not (tmp_path / "out").exists()
+
+
+def test_merge_refuses_an_adapter_trained_on_a_shallower_base(
+    lora_adapter: Path, tmp_path: Path
+) -> None:
+    """The 2-layer tiny Llama's adapter (q_proj, v_proj) merged into a 3-layer Llama of the
+    same width: every factor fits a weight, so `merge` wrote a model whose third layer was
+    never adapted, exit 0, where peft warns of missing adapter keys (and, with the adapter's
+    `init_lora_weights: false`, fills them at random). Layers the adapter's own config targets
+    but holds no factors for mean it was trained on another base: refused, exit 4."""
+    from transformers import LlamaForCausalLM
+
+    from .framework_fixtures import tiny_config
+
+    config = tiny_config()
+    config.num_hidden_layers = 3
+    torch.manual_seed(0)
+    deeper = tmp_path / "deeper"
+    LlamaForCausalLM(config).save_pretrained(deeper)
+    result = run_ckpt("merge", deeper, lora_adapter, tmp_path / "out", "--json")
+    assert result.exit_code == 4, result.stdout
+    error = result.json["error"]
+    assert "model.layers.2.self_attn.q_proj" in error["message"]
+    assert "adapter_config.json" in error["message"] and "trained on" in error["fix"]
+    assert not (tmp_path / "out").exists()

@@ -471,7 +471,64 @@ def _plan_updates(
                 fix="Check that the adapter was trained on this base model.",
             )
         update.transposed = transposed
+    _check_coverage(base, config, names, updates, where)
     return updates, replaced
+
+
+def _targeted(module: str, targets: list[str] | str) -> bool:
+    """peft's rule for a `target_modules` list (a module name or a tail of dotted parts) or
+    string (a regular expression the whole module name matches)."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith(f".{t}") for t in targets)
+
+
+def _check_coverage(
+    base: Checkpoint,
+    config: dict[str, Any],
+    names: set[str],
+    updates: dict[str, _Update],
+    where: str,
+) -> None:
+    """Refuse an adapter trained on another base that happens to fit this one's shapes (a
+    shallower model of the same width): a base layer its own `target_modules` selects, holding
+    no LoRA factors. peft warns of the missing keys and leaves (or fills at random) what it
+    never trained. Not judged where the config narrows the targets otherwise
+    (`layers_to_transform`, `exclude_modules`, `target_parameters`, `all-linear`)."""
+    targets = config.get("target_modules")
+    if (
+        not targets
+        or targets == "all-linear"
+        or not isinstance(targets, (str, list))
+        or any(
+            config.get(k) for k in ("layers_to_transform", "exclude_modules", "target_parameters")
+        )
+        or not all(isinstance(t, str) for t in targets)
+    ):
+        return
+    try:
+        lacking = sorted(
+            n
+            for n in names
+            if n.endswith(".weight")
+            and n not in updates
+            and len(base.manifest.by_name[n].shape) == 2
+            and base.manifest.by_name[n].dtype in _MERGEABLE
+            and _targeted(n.removesuffix(".weight"), targets)
+        )
+    except re.error:
+        return  # peft would not build it either; the factors decide
+    if lacking and updates:
+        module = lacking[0].removesuffix(".weight")
+        more = f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else ""
+        raise FormatError(
+            f"adapter_config.json targets {config['target_modules']!r}, which selects the base's "
+            f"{module!r}{more}, but the adapter holds no LoRA factors for it: it was trained "
+            f"on another base ({config.get('base_model_name_or_path') or 'unnamed'})",
+            path=where,
+            fix="Check that the adapter was trained on this base model; merge it into the "
+            "base it was trained on.",
+        )
 
 
 def _companions(source: Source) -> list[str]:
