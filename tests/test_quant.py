@@ -1576,3 +1576,34 @@ def test_convert_filter_of_a_packed_weight_brings_its_state(tmp_path: Path, sche
     assert {e["name"] for e in conv.json["result"]["entries"]} == want
     got = load_file(out / "model.safetensors")
     assert set(got) == want and all(torch.equal(got[n], state[n]) for n in want)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "dropped"),
+    [
+        ("bnb4", "model.layers.0.mlp.up_proj.weight.absmax"),
+        ("bnb4", "model.layers.1.mlp.up_proj.weight.quant_map"),
+        ("W4A16", "model.layers.0.mlp.down_proj.weight_shape"),
+        ("W4A16", "model.layers.1.mlp.down_proj.weight_scale"),
+    ],
+)
+def test_verify_finds_a_packed_weight_without_its_state(
+    tmp_path: Path, scheme: str, dropped: str
+) -> None:
+    """A bitsandbytes model whose `absmax` (or a compressed-tensors int4 one whose
+    `weight_shape`) was lost passed `verify` (exit 0): no loader reads the codes without it."""
+    src = tmp_path / scheme
+    if scheme == "bnb4":
+        state = write_bitsandbytes(src, 4)
+    else:
+        state = write_compressed_tensors_int(src, scheme)
+    assert run_ckpt("verify", src).exit_code == 0
+    del state[dropped]
+    (src / "model.safetensors.index.json").unlink()
+    (src / "model-00001-of-00001.safetensors").unlink()
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    result = run_ckpt("verify", src, "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert problem["code"] == "missing_scale" and dropped in problem["message"]
+    assert "model.safetensors" in problem["message"] or "model.safetensors" in problem["path"]

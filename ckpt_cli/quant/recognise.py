@@ -19,6 +19,7 @@ from .checks import (
     fp8_grid,
     fp8_siblings,
     infer_block,
+    name_files,
 )
 from .schemes import (
     BNB_4BIT,
@@ -31,6 +32,7 @@ from .schemes import (
     CT_PACKED,
     CT_PACKED_SUFFIXES,
     FP8,
+    PACKED_REQUIRED,
     PACKED_SCHEMES,
     PACKED_SUFFIXES,
     SCALE_DTYPES,
@@ -77,14 +79,16 @@ def analyse_tensors(
     `scale_dtype`, `orphan_scale`, `config_mismatch`.
     """
     out = QuantAnalysis(config=config)
+    checks = Checks(where, tensors, out)
     _packed(out, tensors, config)
+    if _packed_states(checks):
+        name_files(out.problems, tensors, where)
     families = config_families(config)
     if families is None and not _may_hold_quantized(tensors):
         # every recogniser needs a payload dtype, the orphan check a scale's name, the config
         # check a declared scheme: none here, so nothing to find (#30: one cheap pass)
         return out
     block: tuple[int, int] | None = (config.block[0], config.block[1]) if config.block else None
-    checks = Checks(where, tensors, out)
     r = _Recognition(checks, config, block, families or set(), fp8_siblings(tensors))
     # --- payloads with their sidecars
     for name, tensor in tensors.items():
@@ -131,6 +135,28 @@ def _packed(out: QuantAnalysis, tensors: Mapping[str, TensorFacts], config: Quan
             continue
         if module + payload in tensors and module not in out.packed:
             out.add_packed(module, scheme, [module + s for s in suffixes if module + s in tensors])
+
+
+def _packed_states(checks: Checks) -> bool:
+    """A `missing_scale` problem for each packed weight that lacks a tensor its codes cannot
+    be read without (`PACKED_REQUIRED`); whether any was found."""
+    out = checks.out
+    found = False
+    for module, scheme in out.packed_scheme.items():
+        names = out.packed[module]
+        required = PACKED_REQUIRED.get(scheme, PACKED_REQUIRED["gptq"])
+        for suffix in required:
+            if module + suffix in names:
+                continue
+            found = True
+            checks.add(
+                "missing_scale",
+                names[0],
+                f"quantized weight {names[0]!r} ({scheme}) has no {module + suffix!r}: its "
+                "codes cannot be read without it",
+                "Fetch or re-export the shard holding it; do not load this checkpoint.",
+            )
+    return found
 
 
 def _dtype(tensors: Mapping[str, TensorFacts], name: str) -> str | None:

@@ -100,6 +100,17 @@ CT_INT = "compressed-tensors int-quantized"
 #: how a packed scheme is named where the config declares none
 BNB_4BIT = "bitsandbytes 4-bit"
 BNB_8BIT = "bitsandbytes 8-bit"
+#: per packed scheme, the tensors beside the payload its codes cannot be read without (the
+#: scales; bitsandbytes' absmax and code book; compressed-tensors' logical shape)
+PACKED_REQUIRED = {
+    "gptq": (".scales",),
+    "awq": (".scales",),
+    "GPTQ/AWQ": (".scales",),
+    BNB_4BIT: (".weight.absmax", ".weight.quant_map"),
+    BNB_8BIT: (".SCB",),
+    CT_PACKED: (".weight_scale", ".weight_shape"),
+    CT_INT: (".weight_scale",),
+}
 #: config files read next to the weights (small JSON; larger is not a config)
 CONFIG_FILES = ("config.json", "hf_quant_config.json")
 #: config files that only declare quantization (ModelOpt's): a dequantized output has none,
