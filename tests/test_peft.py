@@ -586,3 +586,36 @@ def test_merge_refuses_an_adapter_trained_on_a_shallower_base(
     assert "model.layers.2.self_attn.q_proj" in error["message"]
     assert "adapter_config.json" in error["message"] and "trained on" in error["fix"]
     assert not (tmp_path / "out").exists()
+
+
+def test_merge_into_a_gptq_base_names_its_packed_weight(
+    lora_adapter: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """An adapter trained on a GPTQ base (peft trains LoRA on GPTQ layers) merged into it: the
+    refusal was "the adapter targets 'model.layers.0.self_attn.q_proj', which has no weight in
+    the base. Check that the adapter was trained on this base model" (exit 3), a wrong lead:
+    the weight is there, packed as `qweight`. It is refused as quantized (exit 4)."""
+    from safetensors.torch import save_file
+
+    state = load_file(tiny_llama / "model.safetensors")
+    config = json.loads((tiny_llama / "config.json").read_text())
+    module = "model.layers.0.self_attn.q_proj"
+    out_f, in_f = state.pop(f"{module}.weight").shape
+    state |= {
+        f"{module}.qweight": torch.zeros(in_f // 8, out_f, dtype=torch.int32),
+        f"{module}.qzeros": torch.zeros(1, out_f // 8, dtype=torch.int32),
+        f"{module}.scales": torch.ones(1, out_f, dtype=torch.float16),
+        f"{module}.g_idx": torch.zeros(in_f, dtype=torch.int32),
+    }
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": -1}
+    base = tmp_path / "gptq"
+    base.mkdir()
+    save_file(state, base / "model.safetensors", metadata={"format": "pt"})
+    (base / "config.json").write_text(json.dumps(config))
+    result = run_ckpt("merge", base, lora_adapter, tmp_path / "out", "--json")
+    assert result.exit_code == 4, result.stdout
+    error = result.json["error"]
+    assert f"'{module}.weight'" in error["message"] and "gptq" in error["message"]
+    assert f"'{module}.qweight'" in error["message"] and "quantized" in error["message"]
+    assert "Dequantize the base" in error["fix"]
+    assert not (tmp_path / "out").exists()

@@ -305,6 +305,19 @@ def _not_mergeable(
             fix="Dequantize the base first (`ckpt convert BASE DEQUANTIZED --to safetensors "
             "--dequantize`), then merge into DEQUANTIZED.",
         )
+    packed = target.removesuffix(".weight")
+    if target not in names and packed in quant.packed_scheme:
+        # GPTQ / AWQ `qweight`, compressed-tensors `weight_packed`: packed codes under
+        # another name
+        scheme = quant.packed_scheme[packed]
+        return FormatError(
+            f"the adapter targets {module!r}, whose base weight {target!r} is quantized "
+            f"({scheme}, stored packed as {quant.packed[packed][0]!r}): a LoRA update added "
+            "to quantized values is wrong data",
+            path=where,
+            fix=f"Dequantize the base to float16/bfloat16/float32 with {scheme}'s own tools "
+            "and save it, then merge into that copy.",
+        )
     dtype = base.manifest.by_name[target].dtype if target in names else None
     if dtype in _MERGEABLE:
         return None
@@ -359,7 +372,7 @@ def _plan_updates(
     names = {e.name for e in base.manifest.entries if e.kind == "tensor"}
     # a quantized weight may be stored under another name (`weight_packed`, `_blocks`): a LoRA
     # target is looked up among what the base's weights are, to be refused by name
-    known = names | set(quant.weights)
+    known = names | set(quant.weights) | {m + ".weight" for m in quant.packed}
     tied = _tied_names(names)
     updates: dict[str, _Update] = {}
     replaced: dict[str, str] = {}
