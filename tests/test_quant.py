@@ -1607,3 +1607,22 @@ def test_verify_finds_a_packed_weight_without_its_state(
     (problem,) = result.json["result"]["problems"]
     assert problem["code"] == "missing_scale" and dropped in problem["message"]
     assert "model.safetensors" in problem["message"] or "model.safetensors" in problem["path"]
+
+
+def test_a_packed_model_without_its_config_is_still_judged(tmp_path: Path) -> None:
+    """GPTQ tensors (a `qweight` beside its `qzeros`) with no `config.json` beside them:
+    `inspect` showed no quantization at all and `verify` passed a module that had lost its
+    `scales` (exit 0), though the tensors alone tell the scheme."""
+    src = tmp_path / "gptq"
+    state = write_gptq(src)
+    (src / "config.json").unlink()
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    assert shown is not None and shown["packed"] == ["model.layers.*.mlp.up_proj"]
+    assert "GPTQ/AWQ packed" in shown["label"]
+    del state["model.layers.1.mlp.up_proj.scales"]
+    hf_shards(src, [state], None)
+    result = run_ckpt("verify", src, "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert problem["code"] == "missing_scale"
+    assert "model.layers.1.mlp.up_proj.scales" in problem["message"]

@@ -293,7 +293,7 @@ def quantization_of(manifest: Manifest, storage: Storage) -> QuantSummary | None
     from ..quant import analyse_checkpoint, summarise
 
     analysis = analyse_checkpoint(manifest, storage)
-    if not analysis.quantized and analysis.config.method is None:
+    if not (analysis.quantized or analysis.packed) and analysis.config.method is None:
         return None
     return summarise(manifest, analysis)
 

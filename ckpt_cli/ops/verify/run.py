@@ -331,7 +331,7 @@ def _quant_checks(
         except CkptError:
             return  # what stops opening is already a structural problem
         analysis = analyse_checkpoint(checkpoint.manifest, checkpoint.storage)
-    if not analysis.quantized and analysis.config.method is None:
+    if not (analysis.quantized or analysis.packed) and analysis.config.method is None:
         return
     report.checks.append("quantization")
     problems.extend(analysis.problems)
