@@ -619,3 +619,56 @@ def test_merge_into_a_gptq_base_names_its_packed_weight(
     assert f"'{module}.qweight'" in error["message"] and "quantized" in error["message"]
     assert "Dequantize the base" in error["fix"]
     assert not (tmp_path / "out").exists()
+
+
+def test_merge_of_a_modules_to_save_lm_head_on_tied_embeddings_unties_them_as_peft_does(
+    tmp_path: Path,
+) -> None:
+    """`modules_to_save=["lm_head"]` on a base with tied embeddings: peft trains a copy of the
+    output head and leaves the input embedding as it was; `merge_and_unload` and
+    `save_pretrained` write both tensors and `tie_word_embeddings: false`. `ckpt merge` wrote
+    the trained head over the one shared tensor, so the model's input embeddings changed too
+    (wrong data, exit 0)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from .framework_fixtures import tiny_config
+
+    torch.manual_seed(3)
+    config = tiny_config()
+    config.tie_word_embeddings = True
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    LlamaForCausalLM(config).save_pretrained(base)
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj"],
+        modules_to_save=["lm_head"],
+        init_lora_weights=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(LlamaForCausalLM.from_pretrained(base), lora)
+        with torch.no_grad():  # the trained head: no longer the embedding
+            for name, param in model.named_parameters():
+                if "modules_to_save" in name:
+                    param.add_(0.5)
+        model.save_pretrained(adapter)
+        merged = PeftModel.from_pretrained(
+            LlamaForCausalLM.from_pretrained(base), adapter
+        ).merge_and_unload()
+        merged.save_pretrained(tmp_path / "peft-merged")
+    result = run_ckpt("merge", base, adapter, tmp_path / "merged")
+    assert result.exit_code == 0, result.stderr
+    want = load_file(tmp_path / "peft-merged" / "model.safetensors")
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert got.keys() == want.keys() and "lm_head.weight" in got
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+    before = load_file(base / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(got["model.embed_tokens.weight"], before)
+    written = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert written["tie_word_embeddings"] is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    assert all(torch.equal(loaded[n], want[n]) for n in want)

@@ -18,6 +18,7 @@ rename.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import TYPE_CHECKING, Any
@@ -181,6 +182,7 @@ class MergedCheckpoint(Checkpoint):
         updates: dict[str, _Update],
         replaced: dict[str, str],
         config: dict[str, Any],
+        untied: dict[str, tuple[str, str]] | None = None,
     ):
         entries: list[Entry] = []
         for entry in base.manifest.entries:
@@ -188,6 +190,13 @@ class MergedCheckpoint(Checkpoint):
                 # computed on read: never copied as the base's raw bytes
                 entry = entry.model_copy(update={"offset": None})
             entries.append(entry)
+        # an output head the base tied to its embedding, written as its own tensor: the
+        # adapter's `modules_to_save` copy (alias -> (adapter tensor, the embedding))
+        self.untied = untied or {}
+        for alias, (_copy, embedding) in self.untied.items():
+            entries.append(
+                base.manifest.by_name[embedding].model_copy(update={"name": alias, "offset": None})
+            )
         super().__init__(base.source, base.manifest.model_copy(update={"entries": entries}))
         self.base = base
         self.adapter = adapter
@@ -196,6 +205,13 @@ class MergedCheckpoint(Checkpoint):
         self.config = config
 
     def read_tensor(self, name: str) -> torch.Tensor:
+        if name in self.untied:
+            from ..tensors import torch_dtype
+
+            copy, embedding = self.untied[name]
+            dtype = self.base.manifest.by_name[embedding].dtype
+            weight = self.adapter.read_tensor(copy)
+            return weight.to(torch_dtype(dtype)) if dtype else weight
         if name in self.replaced:
             from ..tensors import torch_dtype
 
@@ -368,7 +384,10 @@ def _plan_updates(
     config: dict[str, Any],
     quant: QuantAnalysis,
     model_type: str | None = None,
-) -> tuple[dict[str, _Update], dict[str, str]]:
+) -> tuple[dict[str, _Update], dict[str, str], dict[str, tuple[str, str]]]:
+    """The LoRA updates (base weight -> factors), the `modules_to_save` copies (base weight
+    -> adapter tensor) and the output heads to write untied (name -> (adapter tensor, the
+    embedding the base ties it to))."""
     names = {e.name for e in base.manifest.entries if e.kind == "tensor"}
     # a quantized weight may be stored under another name (`weight_packed`, `_blocks`): a LoRA
     # target is looked up among what the base's weights are, to be refused by name
@@ -376,6 +395,7 @@ def _plan_updates(
     tied = _tied_names(names)
     updates: dict[str, _Update] = {}
     replaced: dict[str, str] = {}
+    untied: dict[str, tuple[str, str]] = {}
     where = adapter.manifest.location
     for entry in adapter.manifest.entries:
         if entry.kind != "tensor":
@@ -406,7 +426,23 @@ def _plan_updates(
             # (`save_embedding_layers`: `embed_tokens.base_layer.weight`): the adapter's
             # tensor replaces the base's, and that layer's own LoRA update applies on top
             module, param = key.rsplit(".", 1)[0], key.rsplit(".", 1)[-1]
-            target = _base_name(module.removesuffix(".base_layer"), param, known, tied)
+            direct = _base_name(module.removesuffix(".base_layer"), param, known)
+            target = direct or _base_name(module.removesuffix(".base_layer"), param, known, tied)
+            if direct is None and target is not None and not module.endswith(".base_layer"):
+                # a `modules_to_save` copy of an output head tied to the embedding: peft
+                # trains the copy alone and leaves the embedding as it was, so merged the two
+                # are separate tensors (`merge_and_unload` unties them)
+                alias = next(a for a, t in tied.items() if t == target)
+                tied_shape = list(base.manifest.by_name[target].shape)
+                if list(entry.shape) != tied_shape:
+                    raise FormatError(
+                        f"{entry.name!r} has shape {list(entry.shape)}, the base weight "
+                        f"{target!r} it stands beside is {tied_shape}",
+                        path=where,
+                        fix="Check that the adapter was trained on this base model.",
+                    )
+                untied[alias] = (entry.name, target)
+                continue
             if target is None:
                 raise NotFoundError(
                     f"{entry.name!r} replaces a base weight {key!r} the base does not have",
@@ -485,7 +521,7 @@ def _plan_updates(
             )
         update.transposed = transposed
     _check_coverage(base, config, names, updates, where)
-    return updates, replaced
+    return updates, replaced, untied
 
 
 def _targeted(module: str, targets: list[str] | str) -> bool:
@@ -674,7 +710,7 @@ def merge_with(
     )
     try:
         quant = analyse_checkpoint(base_checkpoint.manifest, base_checkpoint.storage)
-        updates, replaced = _plan_updates(
+        updates, replaced, untied = _plan_updates(
             base_checkpoint,
             adapter_checkpoint,
             config,
@@ -685,7 +721,9 @@ def merge_with(
         base_checkpoint.close()
         adapter_checkpoint.close()
         raise
-    merged = MergedCheckpoint(base_checkpoint, adapter_checkpoint, updates, replaced, config)
+    merged = MergedCheckpoint(
+        base_checkpoint, adapter_checkpoint, updates, replaced, config, untied
+    )
     companions = _companions(base_source)
     shard = _shard_size(base_checkpoint)
     with merged:
@@ -704,6 +742,10 @@ def merge_with(
             inner.rmdir()
             for rel in companions:
                 data = base_source.storage.read_all(rel)
+                if rel == "config.json" and untied and isinstance(base_config, dict):
+                    # the head is its own tensor now: loaders must not tie it back
+                    untie = {**base_config, "tie_word_embeddings": False}
+                    data = (json.dumps(untie, indent=2, sort_keys=True) + "\n").encode()
                 (staging / rel).write_bytes(data)
                 files.append(FileInfo(path=rel, size=len(data), entries=0))
     return MergeReport(
@@ -715,8 +757,12 @@ def merge_with(
         r=config["r"],
         lora_alpha=config["lora_alpha"],
         merged=sorted(updates),
-        replaced=sorted(replaced),
-        copied=sum(1 for w in written if w.name not in updates and w.name not in replaced),
+        replaced=sorted([*replaced, *untied]),
+        copied=sum(
+            1
+            for w in written
+            if w.name not in updates and w.name not in replaced and w.name not in untied
+        ),
         files=files,
     )
 
