@@ -917,10 +917,10 @@ def _sha256s(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
-def _eio_reading(monkeypatch: pytest.MonkeyPatch, bad: Path) -> None:
-    """Every read of `bad`'s tensor data (past its safetensors header) fails with EIO, as a
-    bad sector would."""
-    data_start = 8 + int.from_bytes(bad.read_bytes()[:8], "little")
+def _eio_reading(monkeypatch: pytest.MonkeyPatch, bad: Path, data_start: int = 0) -> None:
+    """Every read of `bad` from `data_start` on (by default: past its safetensors header, in
+    its tensor data) fails with EIO, as a bad sector would."""
+    data_start = data_start or 8 + int.from_bytes(bad.read_bytes()[:8], "little")
 
     def hits(fd: int) -> bool:
         try:
@@ -983,6 +983,29 @@ def test_eio_reading_a_source_shard_names_that_shard_not_dest(
     again = run_ckpt(*args)
     assert again.exit_code == 0, again.stdout + again.stderr
     assert run_ckpt("diff", src, dest).exit_code == 0
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_eio_reading_a_dcp_data_file_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str
+) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "step-1"
+    state = {f"layer.{i}.weight": torch.randn(256, 256) for i in range(4)}  # 256 KiB each
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(src), no_dist=True)  # torch_save serialization
+    bad = next(src.glob("*.distcp"))
+    dest = tmp_path / "out"
+    _eio_reading(monkeypatch, bad, data_start=64 << 10)  # inside the first tensor's bytes
+    result = run_ckpt("convert", src, dest, "--to", to, "--json")
+    monkeypatch.undo()
+    assert result.exit_code == 74, result.stdout
+    assert result.json["error"]["path"] == str(bad), result.json["error"]
+    assert not dest.exists() and run_ckpt("convert", src, dest, "--to", to).exit_code == 0
 
 
 def test_eio_while_diffing_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

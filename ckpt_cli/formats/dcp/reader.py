@@ -11,6 +11,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 from ... import dtypes
 from ...errors import CkptError, CorruptDataError, FormatError, NotFoundError
+from ...faults import naming
 from ...models import Chunk, Entry, Manifest
 from ...storage import RangeFile
 from ...storage.fileio import COPY_BLOCK, FileRange
@@ -38,7 +39,10 @@ class _FileRange(RangeFile):
         self._fd, self._start = fd, start
 
     def _read_into(self, view: memoryview, position: int) -> int:
-        got = os.preadv(self._fd, [view], self._start + position)
+        try:
+            got = os.preadv(self._fd, [view], self._start + position)
+        except OSError as exc:  # a bad sector: this file is the one to check
+            raise naming(exc, self.name) from None
         if got == 0:
             raise FormatError(
                 f"is truncated: byte {self._start + position} of a stored chunk is past its end",
@@ -393,9 +397,13 @@ class DcpCheckpoint(Checkpoint):
         """`read(offset, n)` of one data file (what the zip locator reads with)."""
         if self.storage.local_root is not None:  # a local folder: one descriptor per file
             fd = self._local_fd(rel)  # one open for the many small reads of each blob
+            name = self.storage.describe(rel)
 
             def pread(offset: int, n: int) -> bytes:
-                return os.pread(fd, n, offset)
+                try:
+                    return os.pread(fd, n, offset)
+                except OSError as exc:  # a bad sector: this file is the one to check
+                    raise naming(exc, name) from None
 
             return pread
 

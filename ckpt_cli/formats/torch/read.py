@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...errors import FormatError, NotFoundError
+from ...faults import naming
 from ...models import Entry, FileInfo, Manifest
 from ...storage import Storage
 from ...storage.fileio import FileRange
@@ -52,11 +53,15 @@ def _read_local_zip(storage: Storage, rel: str, reader: Callable[..., T | None])
     if fd is None:
         return None
     try:
+        name = storage.describe(rel)
 
         def read(at: int, n: int) -> bytes:
-            return os.pread(fd, n, at)
+            try:
+                return os.pread(fd, n, at)
+            except OSError as exc:  # a bad sector: this file is the one to check
+                raise naming(exc, name) from None
 
-        return reader(read, 0, os.fstat(fd).st_size, storage.describe(rel))
+        return reader(read, 0, os.fstat(fd).st_size, name)
     finally:
         os.close(fd)
 
