@@ -1342,3 +1342,30 @@ def test_a_second_pull_of_the_same_checkpoint_at_once_never_shares_the_first_one
     assert (dest / "checkpoint-100" / "extra.bin").read_bytes() == (
         out / "checkpoint-100" / "extra.bin"
     ).read_bytes()
+
+
+def test_an_object_store_dest_with_a_full_local_staging_disk_names_tmpdir(
+    tmp_path: Path, tiny_fs: Path, s3_server: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an s3:// DEST is written on local disk first (TMPDIR): a full /tmp said only "No space
+    # left on device (ENOSPC) … write to another filesystem", naming no file
+    import tempfile
+
+    from .s3_fixtures import list_keys, make_bucket
+
+    src = tmp_path / "big.safetensors"
+    state = {"w": torch.randn(1024, 1024), "b": torch.randn(1024)}  # 4 MiB
+    save_file(state, src)
+    make_bucket(os.environ["AWS_ENDPOINT_URL"], "ckpts")
+    monkeypatch.setattr(tempfile, "tempdir", str(tiny_fs))
+    full = run_ckpt("convert", src, "s3://ckpts/out", "--to", "safetensors", "--json")
+    assert full.exit_code == 74, full.stdout
+    error = full.json["error"]
+    assert error["path"] == str(tiny_fs) and "ENOSPC" in error["problem"], error
+    assert "s3://ckpts/out" in error["problem"] and "TMPDIR" in error["fix"]
+    assert list(tiny_fs.iterdir()) == []
+    assert list_keys(os.environ["AWS_ENDPOINT_URL"], "ckpts") == []
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    again = run_ckpt("convert", src, "s3://ckpts/out", "--to", "safetensors")
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert run_ckpt("diff", src, "s3://ckpts/out").exit_code == 0

@@ -500,6 +500,7 @@ def _staged_remote(
     # uploads, copies and removals go through the write side of the prefix holding DEST
     store = dest.parent
     tmp_name = f".{dest.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+    opened = _OPEN_STAGINGS.set((*_OPEN_STAGINGS.get(), staging))
     try:
         held.release()
         yield staging
@@ -516,12 +517,34 @@ def _staged_remote(
     except KeyboardInterrupt as exc:
         _remove_remote(store, [tmp_name])
         raise interruption(exc, "interrupted; the partial output was removed", dest.url) from None
+    except OSError as exc:  # this machine's side (the store's failures are mapped above)
+        _remove_remote(store, [tmp_name])
+        raise _local_staging_failure(exc, dest, staging) from None
     except BaseException:
         _remove_remote(store, [tmp_name])
         raise
     finally:
+        _OPEN_STAGINGS.reset(opened)
         shutil.rmtree(staging, ignore_errors=True)
     _remove_remote(store, [tmp_name])
+
+
+def _local_staging_failure(exc: OSError, dest: RemoteDest, staging: Path) -> IOFailure:
+    """An OS error while an object-store output was staged on local disk: a file being read
+    (a source shard) is named as such; otherwise the local folder the staging lives in
+    (TMPDIR), which is what is full or read-only, not the store."""
+    if exc.filename is not None and not Path(os.fsdecode(exc.filename)).is_relative_to(staging):
+        failure = io_failure(exc, None, f"reading it while writing {dest.url}")
+        fix = failure.fix
+    else:
+        unnamed = OSError(exc.errno, exc.strerror)
+        failure = io_failure(unnamed, staging.parent, f"staging {dest.url} on local disk")
+        fix = (
+            f"{failure.fix} ckpt writes an object-store output on local disk first: point "
+            "TMPDIR at a filesystem with room for it."
+        )
+    problem = f"{failure.problem}; nothing was uploaded"
+    return IOFailure(problem, path=failure.path, fix=fix)
 
 
 def _in_parallel(work: Callable[[str], None], names: list[str]) -> None:
