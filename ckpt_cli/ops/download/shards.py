@@ -183,7 +183,8 @@ def fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> in
 
     def fetch(info: DownloadFile) -> None:
         if info.status != "cached":
-            with hub_errors(storage_where(info.path)), _cache_failures(repo, info.path):
+            # huggingface_hub's own errors (some are OSErrors) are mapped first, inside
+            with _cache_failures(repo, info.path), hub_errors(storage_where(info.path)):
                 path = hf_hub_download(
                     repo.repo_id,
                     repo.repo_path(info.path),
@@ -238,6 +239,8 @@ def _cache_failures(repo: HubRepo, rel: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
+        if exc.errno is None:  # not the operating system's: a library error of another kind
+            raise
         failure = io_failure(exc, repo.settings.cache_dir, f"fetching {rel} into the HF cache")
         raise IOFailure(
             failure.problem,
