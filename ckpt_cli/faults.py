@@ -43,6 +43,9 @@ _FIXES = {
     errno.EXDEV: "The rename crossed filesystems: put DEST on the same filesystem as its parent.",
     errno.EMFILE: "Too many open files: raise the limit (ulimit -n) and run again.",
     errno.EBADF: "The stream is closed (`>&-`?): point it at a file or at /dev/null.",
+    errno.ENAMETOOLONG: "The name is too long for the filesystem (an output is written under a "
+    "hidden name about 20 characters longer first): choose a shorter name.",
+    errno.ENOTDIR: "A part of the path is a file, not a folder: check the path.",
 }
 
 

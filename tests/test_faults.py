@@ -1369,3 +1369,19 @@ def test_an_object_store_dest_with_a_full_local_staging_disk_names_tmpdir(
     again = run_ckpt("convert", src, "s3://ckpts/out", "--to", "safetensors")
     assert again.exit_code == 0, again.stdout + again.stderr
     assert run_ckpt("diff", src, "s3://ckpts/out").exit_code == 0
+
+
+def test_a_dest_name_too_long_for_the_staging_name_says_to_shorten_it(tmp_path: Path) -> None:
+    # a 245-character DEST is a legal name, but its staging sibling (`.NAME.ckpt-tmp-XXXX`) is
+    # not: the fix said only "Check the file and the filesystem"
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    dest = tmp_path / ("d" * 245)
+    result = run_ckpt("convert", src, dest, "--to", "safetensors", "--json")
+    assert result.exit_code == 74, result.stdout
+    error = result.json["error"]
+    assert "ENAMETOOLONG" in error["problem"] and "shorter name" in error["fix"], error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+    (tmp_path / "notes").write_text("a file")
+    file_parent = run_ckpt("convert", src, tmp_path / "notes" / "out", "--to", "torch", "--json")
+    assert file_parent.exit_code == 74 and "not a folder" in file_parent.json["error"]["fix"]
