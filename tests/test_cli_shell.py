@@ -400,3 +400,62 @@ def test_the_completion_ckpt_install_completion_installs_offers_option_values() 
     assert "gguf" in complete("ckpt inspect a --format ")
     assert complete("ckpt convert a b --dcp-compression ") == ["zstd", "none"]
     assert "world-size" in complete("ckpt doctor out --expect ")
+
+
+# -- brackets in paths and names are text, not markup -------------------------------------------
+
+
+def test_brackets_in_paths_are_printed_as_written_never_a_traceback(tmp_path: Path) -> None:
+    """A run folder named `runs[/x]` made `latest`, `prune`, `inspect`, `convert`, `diff`...
+    die with rich's MarkupError traceback and exit 1 (read by CI as "problems found"), and
+    `runs[exp1]` was printed as `runs`: rich took the brackets for its own markup."""
+    import torch
+    from safetensors.torch import save_file
+
+    for name in ("runs[exp1]", "runs[/x]"):
+        run = tmp_path / name
+        run.mkdir(parents=True)
+        interrupted_trainer_save(run, 100)
+        model = tmp_path / f"{name}.safetensors"
+        save_file({"w": torch.ones(2)}, model)
+        checks = [
+            (["latest", run], 3),
+            (["prune", run, "--keep-last", "1"], 0),
+            (["inspect", model, "--list"], 0),
+            (["diff", model, model], 0),
+            (["verify", model], 0),
+            (["convert", model, tmp_path / f"{name}.out", "--to", "dcp", "--dry-run"], 0),
+        ]
+        for args, code in checks:
+            result = run_ckpt_process(*args)
+            assert result.exit_code == code, (args, result.stderr)
+            assert "Traceback" not in result.stderr and "MarkupError" not in result.stderr
+            assert name in result.stdout + result.stderr, (args, result.stdout, result.stderr)
+
+
+def test_ckpts_own_styles_still_apply_on_a_terminal(tmp_path: Path) -> None:
+    from ckpt_cli.cli.render.console import escape_data_tags
+
+    assert escape_data_tags("[bold]runs[/x][/] [dim](safetensors)[/]") == (
+        "[bold]runs\\[/x][/] [dim](safetensors)[/]"
+    )
+    assert escape_data_tags("[bold red]a[exp1][/]") == "[bold red]a\\[exp1][/]"
+    assert escape_data_tags("already \\[escaped]") == "already \\[escaped]"
+
+
+def test_a_bug_while_printing_the_result_is_exit_70_not_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from ckpt_cli.cli.render import verify as verify_render
+
+    def broken(report: Any) -> None:
+        raise ValueError("a rendering bug")
+
+    monkeypatch.setattr(verify_render, "render_verify", broken)
+    save_file({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    result = run_ckpt("verify", tmp_path / "m.safetensors")
+    assert result.exit_code == 70
+    assert "internal error" in result.stderr and "bug in ckpt" in result.stderr

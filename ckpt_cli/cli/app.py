@@ -177,6 +177,11 @@ def run_command(
         _render(command, json_output, result, code, render_human, failure, started)
     except OSError as exc:  # stdout itself: full, closed, or its reader gone
         render.output_failed(command, exc)
+    except Exception as exc:  # a bug in the rendering: exit 70 as any other, never exit 1
+        if os.environ.get("CKPT_DEBUG"):
+            raise
+        render.emit_internal_error(command, exc, False)
+        raise typer.Exit(70) from None
     if code:
         raise typer.Exit(code)
 

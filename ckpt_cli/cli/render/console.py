@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from rich.console import Console, ConsoleDimensions
 from rich.text import Text
 
 from . import UNWRAPPED_WIDTH, closed_pipe_exit, safe_text
+
+#: the words of ckpt's own markup tags (`[bold]`, `[bold red]`, `[dim]`, `[/]`...)
+STYLE_WORDS = ("bold", "dim", "italic", "underline", "red", "green", "yellow", "cyan", "magenta")
+_OWN_TAG = re.compile(rf"/?(?:(?:{'|'.join(STYLE_WORDS)})(?: (?:{'|'.join(STYLE_WORDS)}))*)?")
+#: what rich's markup parser takes for a tag (`rich.markup.RE_TAGS`)
+_TAG = re.compile(r"(\\*)\[([a-z#/@][^\[]*?)\]")
+
+
+def escape_data_tags(text: str) -> str:
+    """`text` with every bracketed run that is not one of ckpt's own style tags escaped.
+
+    Paths and names come from users and checkpoints: `runs[/x]` made rich raise (a traceback,
+    exit 1) and `runs[exp1]` printed as `runs`. ckpt's own tags (`[bold]`, `[/]`) stay markup;
+    what `rich.markup.escape` escaped already is left as it is.
+    """
+
+    def escaped(match: re.Match[str]) -> str:
+        backslashes, inner = match.group(1), match.group(2)
+        if len(backslashes) % 2 or _OWN_TAG.fullmatch(inner):
+            return match.group(0)
+        return f"{backslashes}\\[{inner}]"
+
+    return _TAG.sub(escaped, text)
 
 
 class SafeConsole(Console):
@@ -46,4 +70,7 @@ class SafeConsole(Console):
         closed_pipe_exit()
 
     def render_str(self, text: str, **kwargs: Any) -> Text:
+        markup = kwargs.get("markup")
+        if markup or (markup is None and self._markup):
+            text = escape_data_tags(text)
         return super().render_str(safe_text(text), **kwargs)
