@@ -459,3 +459,27 @@ def test_a_bug_while_printing_the_result_is_exit_70_not_1(
     result = run_ckpt("verify", tmp_path / "m.safetensors")
     assert result.exit_code == 70
     assert "internal error" in result.stderr and "bug in ckpt" in result.stderr
+
+
+def test_reshard_says_a_rank_state_choice_had_nothing_to_apply_to(tmp_path: Path) -> None:
+    """`reshard DCP OUT --world-size 2 --rank-state drop` on a save with no per-rank state
+    took the choice silently; an unmatched `--shard-dim` rule is warned about, and so is it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from .run_fixtures import trainer_checkpoint
+
+    dcp.save({"w": torch.arange(8.0)}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    result = run_ckpt(
+        "reshard", tmp_path / "plain", tmp_path / "out", "--world-size", "2",
+        "--rank-state", "drop", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stdout
+    assert any("--rank-state drop has no effect" in w for w in result.json["result"]["warnings"])
+    trainer_checkpoint(tmp_path / "run" / "checkpoint-5", 5)
+    used = run_ckpt(
+        "reshard", tmp_path / "run" / "checkpoint-5", tmp_path / "out3", "--world-size", "3",
+        "--rank-state", "replicate", "--json",
+    )  # fmt: skip
+    assert used.exit_code == 0, used.stdout
+    assert not any("--rank-state" in w for w in used.json["result"]["warnings"])

@@ -424,10 +424,22 @@ def reshard_with(
         if folder is not None:
             source, opened, layout = folder
             try:
-                return reshard_folder(source, opened, layout, dest, request, rules, progress)
+                report = reshard_folder(source, opened, layout, dest, request, rules, progress)
             finally:
                 opened.checkpoint.close()
-    return reshard_world_size(source, dest, request, rules, progress)
+            return _rank_state_used(report, rank_state)
+    return _rank_state_used(reshard_world_size(source, dest, request, rules, progress), rank_state)
+
+
+def _rank_state_used(report: ReshardReport, asked: str | None) -> ReshardReport:
+    """A `--rank-state` that found no per-rank state to apply to had no effect: say so, as an
+    unmatched `--shard-dim` rule is said."""
+    if asked is not None and report.rank_state_action is None:
+        report.warnings.append(
+            f"--rank-state {asked} has no effect: {report.source} holds no per-rank RNG or "
+            "data-loader state"
+        )
+    return report
 
 
 def _training_folder(source: Source) -> tuple[Source, OpenedSource, Layout] | None:
