@@ -337,6 +337,21 @@ def test_usage_errors(tmp_path: Path) -> None:
     assert "--incomplete" not in no_policy.stderr and "--slim" not in no_policy.stderr
 
 
+def test_a_pull_into_a_file_is_a_usage_error_and_leaves_the_file(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    # a typo names a file as the run folder: exit 2 saying so, not an OS error (exit 74)
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    target = tmp_path / "notes.txt"
+    target.write_text("mine\n")
+    result = run_ckpt("sync", f"s3://{BUCKET}/run/", target, "--latest", "--json")
+    assert result.exit_code == 2, result.stdout
+    assert "not a folder" in result.json["error"]["problem"] and result.json["error"]["fix"]
+    assert target.read_text() == "mine\n"
+
+
 @pytest.mark.slow
 def test_train_sync_lose_the_machine_pull_latest_and_resume_bit_identical(
     s3_server: S3Server, tmp_path: Path, train: ModuleType

@@ -156,6 +156,12 @@ def sync_with(
         )
     if up and not Path(src).is_dir():
         raise NotFoundError("no such run folder", path=src, fix="Check the path.")
+    if down and (Path(dest).exists() or Path(dest).is_symlink()) and not Path(dest).is_dir():
+        raise UsageError(
+            "DEST is not a folder: a pull writes checkpoints into a run folder",
+            path=dest,
+            fix="Name a folder (it is created if missing).",
+        )
     if latest_only and up:
         raise UsageError(
             "--latest applies when pulling (SRC remote, DEST local)",
