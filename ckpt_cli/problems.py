@@ -213,6 +213,12 @@ CODES: dict[str, Code] = _codes(
     Code("no_local_copy", _W, "no file of the Hub commit is in the local cache to check"),
     Code("not_checked", _W, "checks skipped because of the problems above"),
     Code("size_changed", _E, "a file's size differs from the manifest's"),
+    Code(
+        "rewritten_index",
+        _W,
+        "checked against the Hub: a shard index that is a subset of the Hub's (what `ckpt "
+        "download --filter` writes), each tensor in the shard the Hub's index names",
+    ),
     Code("unlisted_file", _EW, "a file the manifest does not list (a warning for one added since)"),
     # ---- protected checkpoints (`ckpt protect`)
     Code("damaged_blocks", _E, "a protected file's blocks differ from their parity digests"),

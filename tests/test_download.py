@@ -754,3 +754,26 @@ def test_a_shard_the_index_names_but_the_repo_lacks_is_exit_3_with_a_fix(
     error = result.json["error"]
     assert error["path"].endswith(lost) and "ckpt verify hf://org/holed" in error["fix"]
     assert not dest.exists()
+
+
+def test_a_filtered_download_checks_against_the_hub_with_its_rewritten_index(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    # `download --filter` rewrites DEST's index to name just the shards it fetched; checking
+    # that copy against the Hub's digests (as ckpt's own messages suggest) must not call the
+    # index ckpt wrote damaged: it is checked for agreeing with the Hub's index instead
+    _, weight_map = publish(hub, tmp_path)
+    dest = tmp_path / "emb"
+    got = run_ckpt("download", "hf://org/model", dest, "--filter", "model.embed_tokens.*")
+    assert got.exit_code == 0, got.stderr
+    checked = run_ckpt("verify", dest, "--checksums", "--manifest", "hf://org/model", "--json")
+    assert checked.exit_code == 0, checked.stdout
+    codes = {p["code"] for p in checked.json["result"]["problems"]}
+    assert "rewritten_index" in codes and "size_changed" not in codes
+    # an index that names a tensor in another shard than the Hub's index does is still an error
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    other = next(s for s in sorted(set(weight_map.values())) if s != weight_map["lm_head.weight"])
+    index["weight_map"]["lm_head.weight"] = other
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    tampered = run_ckpt("verify", dest, "--checksums", "--manifest", "hf://org/model", "--json")
+    assert tampered.exit_code == 1, tampered.stdout

@@ -30,10 +30,11 @@ from ...errors import (
 )
 from ...formats import resolve_source
 from ...formats.base import Source
+from ...formats.names import is_index_file
 from ...models import Problem, Record
 from ...progress import Progress
 from ...sources.runs.records import CHECKSUM_MANIFEST
-from ...storage import LocalStorage, RemoteFile, hf_cache_repo, safe_relpath
+from ...storage import LocalStorage, RemoteFile, Storage, hf_cache_repo, safe_relpath
 from ...storage.hashing import ALGORITHMS, Hashable, StoredFile, hash_files
 from ...storage.output import (
     Destination,
@@ -628,7 +629,44 @@ def _local_against_hub(
             )
         )
     both = {n: local[n] for n in sorted(set(local) & set(remote))}
+    for name in [n for n in both if is_index_file(n)]:
+        note = _rewritten_index(both[name], storage, name, remote[name].size, set(local))
+        if note is not None:
+            del both[name]
+            problems.append(
+                Problem(
+                    code="rewritten_index",
+                    message=f"{root / name}: {note}",
+                    file=str(root / name),
+                    severity="warning",
+                )
+            )
     _compare_with_hub(report, problems, both, remote, lambda n: str(root / n), progress)
+
+
+def _rewritten_index(
+    path: Path, storage: Storage, name: str, hub_size: int, local: set[str]
+) -> str | None:
+    """What a local shard index that differs from the Hub's is, when it is the subset `ckpt
+    download --filter` writes: every tensor it names in the shard the Hub's index names, every
+    such shard here. None otherwise (it is then compared byte for byte, and fails)."""
+    if path.stat().st_size == hub_size:
+        return None  # the same size: compared by digest like any file
+    try:
+        mine = json.loads(path.read_bytes())["weight_map"]
+        theirs = json.loads(storage.read_all(name))["weight_map"]
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+    if not isinstance(mine, dict) or not isinstance(theirs, dict) or not mine:
+        return None
+    if any(theirs.get(tensor) != shard or shard not in local for tensor, shard in mine.items()):
+        return None
+    shards = len(set(mine.values()))
+    return (
+        f"is not the Hub's index but a subset of it (`ckpt download --filter` writes one): "
+        f"{len(mine)} of its {len(theirs)} tensors, each in the shard the Hub's index names; "
+        f"{shards} shard(s) here"
+    )
 
 
 def _compare_with_hub(
