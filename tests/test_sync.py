@@ -596,6 +596,34 @@ def test_a_remote_manifest_damaged_in_the_store_is_replaced_by_the_next_sync(
     )
 
 
+def test_the_stores_manifests_are_read_side_by_side_once_each(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    # judging saves already synced reads each one's manifest in the store: all at once, so a
+    # run of many saves costs about one round trip, and each manifest once
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200, 300, 400))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    s3_server.requests.clear()
+    asked: list[S3Request] = []
+
+    def all_four_at_once(request: S3Request) -> bool:
+        if request.method == "GET" and request.path.endswith("/ckpt-manifest.json"):
+            asked.append(request)
+            if len(asked) >= 4:  # released only once every manifest is asked for
+                s3_server.release.set()
+            return True
+        return False
+
+    s3_server.hold = all_four_at_once
+    again = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert again.exit_code == 0, again.stdout
+    assert {c["action"] for c in again.json["result"]["checkpoints"]} == {"present"}
+    assert sorted(r.path for r in asked) == sorted(
+        f"/{BUCKET}/run/checkpoint-{step}/ckpt-manifest.json" for step in (100, 200, 300, 400)
+    )
+
+
 def test_what_a_sync_does_not_carry_is_named(s3_server: S3Server, tmp_path: Path) -> None:
     """sync moves step checkpoints, `latest` and `metrics.jsonl`. The Trainer's final model at
     the run's root, its `runs/` logs, a script: these stayed behind and nothing said so; now

@@ -120,6 +120,8 @@ class _Uploader:
         self._listing: dict[str, dict[str, Any]] | None = None
         #: (manifest, its ETag) -> whether it lists its save's files (`_manifest_lists`)
         self._manifests: dict[tuple[str, str], bool] = {}
+        #: manifests fetched ahead by `read_manifests`: bytes, or the failure to read one
+        self._manifest_bytes: dict[str, bytes | Exception] = {}
         #: uploads (through `fs.open`) not yet checked against the store, by file
         self._pending: dict[str, tuple[str, int, str, str, Any]] = {}
 
@@ -202,8 +204,12 @@ class _Uploader:
         key = (rel, remote_etag(info) or "")
         known = self._manifests.get(key)
         if known is None:
+            raw = self._manifest_bytes.pop(rel, None)
             try:
-                raw = self.fs.cat_file(f"{self.root}/{rel}")
+                if raw is None:
+                    raw = self.fs.cat_file(f"{self.root}/{rel}")
+                elif isinstance(raw, Exception):
+                    raise raw
             except FileNotFoundError:
                 return False
             except Exception as exc:  # each filesystem package raises its own errors
@@ -216,6 +222,26 @@ class _Uploader:
                 known = {name: f.size for name, f in record.files.items()} == listed
             self._manifests[key] = known
         return known
+
+    def read_manifests(self, rels: list[str]) -> None:
+        """Fetch the store's manifests among `rels` not yet judged, all in one call (side by
+        side on filesystems that fetch concurrently, s3fs among them), for `_manifest_lists`:
+        a run of many saves costs one round trip, not one per save."""
+        listing = self.listing()
+        todo = [
+            f"{self.root}/{rel}"
+            for rel in rels
+            if rel in listing and (rel, remote_etag(listing[rel]) or "") not in self._manifests
+        ]
+        if len(todo) < 2:
+            return  # one is read when it is judged
+        try:
+            found = self.fs.cat(todo, on_error="return")
+        except Exception as exc:  # each filesystem package raises its own errors
+            raise remote_failure(exc, self.dest) from None
+        prefix = f"{self.root}/"
+        for path, raw in found.items():
+            self._manifest_bytes[path.removeprefix(prefix)] = raw
 
     def prepare(self, c: RunCheckpoint) -> _Plan | SyncedCheckpoint:
         """What to upload of one complete checkpoint, or `present` when the store has it."""
@@ -646,6 +672,13 @@ def _upload_round(
     now = time.time()
     done: list[SyncedCheckpoint | _Plan] = []
     waiting: dict[str, list[Future[None]]] = {}
+    uploader.read_manifests(
+        [
+            checksum_manifest_of(c.name, Path(c.path).is_dir())
+            for c in checkpoints
+            if uploadable(c, settle, now) is None
+        ]
+    )
     pool = ThreadPoolExecutor(max_workers=uploader.jobs, thread_name_prefix="ckpt-sync")
     try:
         for c in checkpoints:
