@@ -337,6 +337,31 @@ def test_usage_errors(tmp_path: Path) -> None:
     assert "--incomplete" not in no_policy.stderr and "--slim" not in no_policy.stderr
 
 
+def test_a_pulled_save_that_lost_a_file_here_is_pulled_again(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    # a pulled Trainer save loses its optimizer.pt here (a cleanup script, a full disk): its
+    # markers still make it look complete, so every later pull called it "present"; the
+    # manifest it was pulled with lists the file, so the next pull restores it
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    back = tmp_path / "back"
+    assert run_ckpt("sync", f"s3://{BUCKET}/run/", back).exit_code == 0
+    (back / "checkpoint-100" / "optimizer.pt").unlink()
+
+    again = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--json")
+    assert again.exit_code == 0, again.stdout
+    synced = again.json["result"]["checkpoints"][0]
+    assert synced["action"] == "downloaded" and "lacks optimizer.pt" in synced["reason"]
+    assert (
+        local_files(back / "checkpoint-100").items() >= local_files(out / "checkpoint-100").items()
+    )
+    # whole again: the next pull has nothing to do
+    third = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--json")
+    assert third.json["result"]["checkpoints"][0]["action"] == "present"
+
+
 def test_a_pull_into_a_file_is_a_usage_error_and_leaves_the_file(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

@@ -21,7 +21,7 @@ from ...faults import interruption, io_failure
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
 from ...sources.runs.naming import deepspeed_step, deepspeed_tag
 from ...sources.runs.records import DEFAULT_SETTLE, checksum_manifest_of
-from ...storage import LocalStorage, Storage
+from ...storage import LocalStorage, Storage, safe_relpath
 from ...storage.hashing import hasher_factory
 from ...storage.output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir, publish
 from ..verify.checksums import MANIFEST_NAME, ChecksumManifest, refuse_unsafe_manifest
@@ -399,6 +399,38 @@ def _resynced_since_pulled(
         return False
 
 
+def _damaged_copy(
+    storage: Storage, manifest_rel: str, listing: dict[str, int], local_manifest: Path
+) -> str | None:
+    """What a pulled copy here lost since (a file its manifest lists deleted, or at another
+    size), when the store still holds that very save (the same manifest bytes); else None.
+
+    `ckpt latest` judges a save by its markers, so a pulled Trainer save without its
+    `optimizer.pt` looks complete, and was called `present` for ever. The check costs a stat
+    per file; the store's manifest is read only when a file is found missing."""
+    try:
+        record = ChecksumManifest.model_validate_json(local_manifest.read_bytes())
+    except (OSError, ValueError):
+        return None
+    folder = local_manifest.parent
+    lost = []
+    for name, entry in sorted(record.files.items()):
+        try:
+            size = (folder / safe_relpath(name, source=str(local_manifest))).stat().st_size
+        except (OSError, CkptError):
+            size = None
+        if size != entry.size:
+            lost.append(f"lacks {name}" if size is None else f"has {name} at {size} bytes")
+    if not lost or manifest_rel not in listing:
+        return None
+    try:
+        if storage.read_all(manifest_rel) != local_manifest.read_bytes():
+            return None  # another save of that name: not a copy of this one
+    except (OSError, NotFoundError):
+        return None
+    return ", ".join(lost[:3]) + (f" (and {len(lost) - 3} more)" if len(lost) > 3 else "")
+
+
 def _root_file_newer(name: str, remote: bytes, local: bytes | None, held: set[str]) -> bool:
     """Whether the remote copy of a run folder's own file should be written here (`local`:
     the file here, None when there is none).
@@ -534,6 +566,17 @@ def sync_down(
                 replace = is_dir and _resynced_since_pulled(
                     storage, manifest_rel, listing, local_manifest
                 )
+                damage = (
+                    None
+                    if replace or not is_dir
+                    else _damaged_copy(storage, manifest_rel, listing, local_manifest)
+                )
+                if damage is not None:
+                    replace = True
+                    replaced_why = (
+                        f"the local copy {damage}, which the manifest it was pulled with "
+                        "lists: replaced by the store's copy"
+                    )
             if not replace:
                 report.checkpoints.append(
                     SyncedCheckpoint(
