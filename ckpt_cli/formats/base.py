@@ -388,6 +388,9 @@ class Format(ABC):
         shards_by_rank: the output is laid out for `--world-size` ranks (one file per rank).
         serializations: how the data files can be encoded (first: the default).
         loader_serializations: those the framework's own loader reads back.
+        chunked_serializations: those that can hold several chunks of one tensor in one file
+            (Megatron's layers stacked along dim 0, one chunk a layer); safetensors keys chunks
+            by name, so it cannot.
         compressions: compression transforms the writer can apply.
         dedupes_tied: tensors that share storage are stored once (the others become aliases).
         string_metadata: a string-to-string metadata map is stored (safetensors
@@ -420,6 +423,7 @@ class Format(ABC):
     shards_by_rank: ClassVar[bool] = False
     serializations: ClassVar[tuple[str, ...]] = ()
     loader_serializations: ClassVar[tuple[str, ...]] = ()
+    chunked_serializations: ClassVar[tuple[str, ...]] = ()
     compressions: ClassVar[tuple[str, ...]] = ()
     dedupes_tied: ClassVar[bool] = False
     string_metadata: ClassVar[bool] = False

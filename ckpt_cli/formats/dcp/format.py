@@ -30,6 +30,7 @@ class DcpFormat(Format):
     shards_by_rank = True
     serializations = SERIALIZATIONS
     loader_serializations = ("torch_save",)  # torch's dcp.load reads only this one
+    chunked_serializations = ("torch_save",)
     compressions = ("zstd",)
     commit_marker = METADATA
     layout_files: ClassVar[dict[str, tuple[str, ...]]] = {MEGATRON_LAYOUT: (MEGATRON_METADATA,)}

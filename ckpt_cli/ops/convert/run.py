@@ -381,7 +381,8 @@ def convert(
                 flavor=flavor,
             )
             chunked = sorted(mapped.output.split_dim0)
-            if chunked and (dcp_serialization or DEFAULT_SERIALIZATION) == "safetensors":
+            serialization = dcp_serialization or DEFAULT_SERIALIZATION
+            if chunked and serialization not in target.chunked_serializations:
                 # the writer would stop at the first stacked tensor with exit 4 ("bad
                 # checkpoint") for what is an option this naming cannot take
                 raise UsageError(
