@@ -604,7 +604,13 @@ def test_tensors_mode_rerun_after_a_new_commit_never_reuses_old_pieces(
     assert not (tmp_path / ".moving.ckpt-partial").exists()
 
 
-def test_tensors_mode_resumes_after_sigkill(hub: TestHub, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", ["SIGKILL", "SIGINT"])
+def test_tensors_mode_resumes_after_sigkill_or_ctrl_c(
+    hub: TestHub, tmp_path: Path, stop: str
+) -> None:
+    """A tensors-mode download killed (or stopped with Ctrl-C) mid-fetch keeps the ranges it
+    fetched, and the next run fetches only the rest. Ctrl-C says where they are kept (it said
+    "partial outputs are removed" over the folder it kept)."""
     import signal
     import subprocess
     import sys
@@ -623,18 +629,30 @@ def test_tensors_mode_resumes_after_sigkill(hub: TestHub, tmp_path: Path) -> Non
     )
     args = ["download", "hf://org/model", str(dest), "--mode", "tensors", "--no-extras"]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", boot, *args], env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", boot, *args, "--json"], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 120
         while len(list(partial.glob("pieces/*/*-*"))) < 10:
             assert proc.poll() is None, "the download ended before it could be killed"
             assert time.monotonic() < deadline, "no range was kept"
             time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(getattr(signal, stop))
+        out, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    if stop == "SIGKILL":
+        assert proc.returncode == -signal.SIGKILL
+    else:
+        assert proc.returncode == 130, out
+        error = json.loads(out)["error"]
+        assert error["problem"].endswith(f"the ranges fetched so far are kept in {partial}")
+        assert error["fix"] == (
+            "Run the same `ckpt download` again: it fetches only the ranges it lacks."
+        )
+        assert partial.is_dir()
     assert not dest.exists()
     hub.latency = 0.0
     hub.reset_counters()

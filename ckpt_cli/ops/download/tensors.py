@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
-from ...errors import FormatError, NotFoundError
+from ...errors import FormatError, Interrupted, NotFoundError
 from ...faults import close_pool
 from ...formats.base import Source, WriteOptions
 from ...formats.names import SAFETENSORS_SUFFIX
@@ -379,57 +379,65 @@ def download_tensors(
     options = WriteOptions(max_shard_size=max_shard, metadata=metadata, basename=basename)
     by_name = manifest.by_name
     digests: dict[str, str] = {}
-    with staged_output(dest, force=force, progress=progress) as staging:
-        writer = SafetensorsFormat.writer(staging, plan, options)
-        progress.start(report.selected_bytes, repo.repo_id)
-        try:
-            with contextlib.closing(_ordered_parts(storage, report.ranges, pieces)) as parts:
-                for request in report.ranges:
-                    count = -(-request.length // PART_SIZE)
-                    cursor = _Cursor(itertools.islice(parts, count))
-                    pos = request.start
-                    for name in request.tensors:
-                        entry = by_name[name]
-                        assert entry.offset is not None
-                        cursor.skip(entry.offset - pos)
-                        blocks = cursor.take(entry.nbytes, name, progress)
-                        if report.verify_ranges:
-                            blocks = _hashed(blocks, name, digests)
-                        writer.write_raw(name, blocks)
-                        pos = entry.offset + entry.nbytes
-        finally:
-            progress.finish()
-        written = writer.finish()
-        if report.verify_ranges:
+    try:
+        with staged_output(dest, force=force, progress=progress) as staging:
+            writer = SafetensorsFormat.writer(staging, plan, options)
+            progress.start(report.selected_bytes, repo.repo_id)
             try:
-                _verify_ranges(storage, repo, plan, digests, progress)
-            except FormatError:
-                pieces.remove()  # which kept range was wrong is unknown: keep none of them
-                raise
-        report.bytes_transferred = storage.bytes_fetched - report.metadata_bytes
-        report.bytes_from_cache = storage.bytes_from_cache - cache_before
-        report.bytes_resumed = pieces.resumed
-        # the output must open as a valid checkpoint before it is published
-        local = Location(raw=str(dest), kind="local", path=staging)
-        SafetensorsFormat.open(Source(location=local, storage=LocalStorage(staging))).close()
-        report.files = [
-            DownloadFile(
-                path=f.path,
-                size=f.size or 0,
-                kind="index" if f.path.endswith(INDEX_SUFFIX) else "weights",
-                status="written",
-                verified=report.verify_ranges,
-                checked="ranges-sha256" if report.verify_ranges else "size-and-position",
-            )
-            for f in written
-        ]
-        if extra_files:
-            extra = report.model_copy(update={"files": planned_files(repo, extra_files, "extra")})
-            report.bytes_transferred += fetch_files(repo, extra, NULL_PROGRESS)
-            for info in extra.files:
-                assert info.cache_path is not None
-                shutil.copyfile(info.cache_path, staging / info.path)
-            report.files.extend(extra.files)
+                with contextlib.closing(_ordered_parts(storage, report.ranges, pieces)) as parts:
+                    for request in report.ranges:
+                        count = -(-request.length // PART_SIZE)
+                        cursor = _Cursor(itertools.islice(parts, count))
+                        pos = request.start
+                        for name in request.tensors:
+                            entry = by_name[name]
+                            assert entry.offset is not None
+                            cursor.skip(entry.offset - pos)
+                            blocks = cursor.take(entry.nbytes, name, progress)
+                            if report.verify_ranges:
+                                blocks = _hashed(blocks, name, digests)
+                            writer.write_raw(name, blocks)
+                            pos = entry.offset + entry.nbytes
+            finally:
+                progress.finish()
+            written = writer.finish()
+            if report.verify_ranges:
+                try:
+                    _verify_ranges(storage, repo, plan, digests, progress)
+                except FormatError:
+                    pieces.remove()  # which kept range was wrong is unknown: keep none of them
+                    raise
+            report.bytes_transferred = storage.bytes_fetched - report.metadata_bytes
+            report.bytes_from_cache = storage.bytes_from_cache - cache_before
+            report.bytes_resumed = pieces.resumed
+            # the output must open as a valid checkpoint before it is published
+            local = Location(raw=str(dest), kind="local", path=staging)
+            SafetensorsFormat.open(Source(location=local, storage=LocalStorage(staging))).close()
+            report.files = [
+                DownloadFile(
+                    path=f.path,
+                    size=f.size or 0,
+                    kind="index" if f.path.endswith(INDEX_SUFFIX) else "weights",
+                    status="written",
+                    verified=report.verify_ranges,
+                    checked="ranges-sha256" if report.verify_ranges else "size-and-position",
+                )
+                for f in written
+            ]
+            if extra_files:
+                extra = report.model_copy(
+                    update={"files": planned_files(repo, extra_files, "extra")}
+                )
+                report.bytes_transferred += fetch_files(repo, extra, NULL_PROGRESS)
+                for info in extra.files:
+                    assert info.cache_path is not None
+                    shutil.copyfile(info.cache_path, staging / info.path)
+                report.files.extend(extra.files)
+    except Interrupted as exc:
+        # the ranges fetched so far stay in the partial folder for the next run, not removed
+        exc.problem = f"{exc.problem}; the ranges fetched so far are kept in {pieces.folder}"
+        exc.fix = "Run the same `ckpt download` again: it fetches only the ranges it lacks."
+        raise
     # DEST is published: the kept ranges have served their purpose
     pieces.remove()
 
