@@ -621,14 +621,17 @@ def test_merge_into_a_gptq_base_names_its_packed_weight(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "saved", [["lm_head"], ["embed_tokens"], ["embed_tokens", "lm_head"]], ids="+".join
+)
 def test_merge_of_a_modules_to_save_lm_head_on_tied_embeddings_unties_them_as_peft_does(
-    tmp_path: Path,
+    tmp_path: Path, saved: list[str]
 ) -> None:
     """`modules_to_save=["lm_head"]` on a base with tied embeddings: peft trains a copy of the
-    output head and leaves the input embedding as it was; `merge_and_unload` and
-    `save_pretrained` write both tensors and `tie_word_embeddings: false`. `ckpt merge` wrote
-    the trained head over the one shared tensor, so the model's input embeddings changed too
-    (wrong data, exit 0)."""
+    output head and leaves the input embedding as it was (and the other way round for
+    `embed_tokens`); `merge_and_unload` and `save_pretrained` write both tensors and
+    `tie_word_embeddings: false`. `ckpt merge` wrote the trained copy over the one shared
+    tensor, so the other side changed too (wrong data, exit 0)."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import LlamaForCausalLM
 
@@ -643,7 +646,7 @@ def test_merge_of_a_modules_to_save_lm_head_on_tied_embeddings_unties_them_as_pe
         r=4,
         lora_alpha=8,
         target_modules=["q_proj"],
-        modules_to_save=["lm_head"],
+        modules_to_save=saved,
         init_lora_weights=False,
     )
     with warnings.catch_warnings():
@@ -665,7 +668,11 @@ def test_merge_of_a_modules_to_save_lm_head_on_tied_embeddings_unties_them_as_pe
     assert got.keys() == want.keys() and "lm_head.weight" in got
     assert [n for n in got if not torch.equal(got[n], want[n])] == []
     before = load_file(base / "model.safetensors")["model.embed_tokens.weight"]
-    assert torch.equal(got["model.embed_tokens.weight"], before)
+    for name, trained in (
+        ("model.embed_tokens.weight", "embed_tokens"),
+        ("lm_head.weight", "lm_head"),
+    ):
+        assert torch.equal(got[name], before) == (trained not in saved), name
     written = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert written["tie_word_embeddings"] is False
     with warnings.catch_warnings():

@@ -182,7 +182,7 @@ class MergedCheckpoint(Checkpoint):
         updates: dict[str, _Update],
         replaced: dict[str, str],
         config: dict[str, Any],
-        untied: dict[str, tuple[str, str]] | None = None,
+        untied: dict[str, tuple[str | None, str]] | None = None,
     ):
         entries: list[Entry] = []
         for entry in base.manifest.entries:
@@ -191,7 +191,8 @@ class MergedCheckpoint(Checkpoint):
                 entry = entry.model_copy(update={"offset": None})
             entries.append(entry)
         # an output head the base tied to its embedding, written as its own tensor: the
-        # adapter's `modules_to_save` copy (alias -> (adapter tensor, the embedding))
+        # adapter's `modules_to_save` copy, or (None) the embedding as the base holds it
+        # (alias -> (adapter tensor or None, the embedding))
         self.untied = untied or {}
         for alias, (_copy, embedding) in self.untied.items():
             entries.append(
@@ -209,6 +210,8 @@ class MergedCheckpoint(Checkpoint):
             from ..tensors import torch_dtype
 
             copy, embedding = self.untied[name]
+            if copy is None:
+                return self.base.read_tensor(embedding)
             dtype = self.base.manifest.by_name[embedding].dtype
             weight = self.adapter.read_tensor(copy)
             return weight.to(torch_dtype(dtype)) if dtype else weight
@@ -384,7 +387,7 @@ def _plan_updates(
     config: dict[str, Any],
     quant: QuantAnalysis,
     model_type: str | None = None,
-) -> tuple[dict[str, _Update], dict[str, str], dict[str, tuple[str, str]]]:
+) -> tuple[dict[str, _Update], dict[str, str], dict[str, tuple[str | None, str]]]:
     """The LoRA updates (base weight -> factors), the `modules_to_save` copies (base weight
     -> adapter tensor) and the output heads to write untied (name -> (adapter tensor, the
     embedding the base ties it to))."""
@@ -395,7 +398,7 @@ def _plan_updates(
     tied = _tied_names(names)
     updates: dict[str, _Update] = {}
     replaced: dict[str, str] = {}
-    untied: dict[str, tuple[str, str]] = {}
+    untied: dict[str, tuple[str | None, str]] = {}
     where = adapter.manifest.location
     for entry in adapter.manifest.entries:
         if entry.kind != "tensor":
@@ -469,6 +472,11 @@ def _plan_updates(
                     "vocabulary: resize the base's embeddings and save it, then merge).",
                 )
             replaced[target] = entry.name
+            if not module.endswith(".base_layer"):
+                # a copy of an embedding the base ties its output head to: peft trains the
+                # copy alone and the head keeps the embedding's original values
+                for alias in (a for a, t in tied.items() if t == target):
+                    untied.setdefault(alias, (None, target))
             continue
         module, part = match.group("module"), match.group("part")
         if len(entry.shape) != 2:
@@ -757,11 +765,13 @@ def merge_with(
         r=config["r"],
         lora_alpha=config["lora_alpha"],
         merged=sorted(updates),
-        replaced=sorted([*replaced, *untied]),
+        replaced=sorted([*replaced, *(a for a, (copy, _) in untied.items() if copy)]),
         copied=sum(
             1
             for w in written
-            if w.name not in updates and w.name not in replaced and w.name not in untied
+            if w.name not in updates
+            and w.name not in replaced
+            and not (w.name in untied and untied[w.name][0])
         ),
         files=files,
     )
