@@ -13,6 +13,12 @@ never torch, so `inspect` and plain `verify` stay metadata-only. The schemes:
 | `nvfp4` (ModelOpt) | `*.weight` U8 `[o, i/2]` | `weight_scale` F8_E4M3 `[o, i/16]`, `weight_scale_2` F32 | `weight_scale_2` one value |
 | `nvfp4-ct` (compressed-tensors) | `*.weight_packed` U8 `[o, i/2]` | `weight_scale` F8_E4M3 `[o, i/16]`, `weight_global_scale` F32 `[1]` | global scale the reciprocal of ModelOpt's |
 
+Packed schemes are recognised but not dequantized, their tensors kept as stored, together and
+never cast (`QuantAnalysis.packed`): GPTQ / AWQ (`qweight`, `qzeros`, `scales`, `g_idx`),
+bitsandbytes (a U8 / I8 `weight` with `weight.absmax`, `weight.quant_map`,
+`weight.quant_state.bitsandbytes__*` / `SCB`) and compressed-tensors' integer formats
+(`weight_packed` I32 with `weight_scale`, `weight_shape`...; an I8 `weight` with `weight_scale`).
+
 The scheme models and config reading live in `quant.schemes`, recognition per scheme family in
 `quant.recognise`, the sidecar, grid and config checks in `quant.checks`; dequantization (torch,
 one weight and its sidecars at a time) in `quant.dequant`.
