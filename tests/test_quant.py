@@ -1626,3 +1626,25 @@ def test_a_packed_model_without_its_config_is_still_judged(tmp_path: Path) -> No
     (problem,) = result.json["result"]["problems"]
     assert problem["code"] == "missing_scale"
     assert "model.layers.1.mlp.up_proj.scales" in problem["message"]
+
+
+@pytest.mark.parametrize("scheme", ["gptq", "bnb4", "bnb8", "W4A16"])
+def test_inspect_counts_packed_weights_by_their_logical_parameters(
+    tmp_path: Path, scheme: str
+) -> None:
+    """The first line of `inspect` counted a GPTQ or bitsandbytes model's parameters as its
+    floating tensors: the scales and `absmax` in, the packed weights out (a third of the model
+    here), where its quantization section gave the logical count."""
+    src = tmp_path / scheme
+    if scheme == "gptq":
+        write_gptq(src)
+        logical = 2 * 64 * 32 + 32 + 16 * 32  # two 64x32 up_proj, the norm and lm_head
+    elif scheme.startswith("bnb"):
+        write_bitsandbytes(src, int(scheme[-1]))
+        logical = 2 * 32 * 64 + 64 + 16 * 64
+    else:
+        write_compressed_tensors_int(src, scheme)
+        logical = 2 * 64 * 256 + 64
+    report = run_ckpt("inspect", src, "--json").json["result"]
+    assert report["quantization"]["parameters"] == logical
+    assert report["parameters"] == logical

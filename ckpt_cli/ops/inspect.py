@@ -182,6 +182,11 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
         by_type = view.bytes_by_dtype()
         for e in stored:
             by_type[e.dtype or "stored"] = by_type.get(e.dtype or "stored", 0) + e.nbytes
+        quantization = quantization_of(checkpoint.manifest, checkpoint.storage)
+        if quantization is not None and quantization.packed and not chosen and not opened.training:
+            # packed weights (GPTQ, bitsandbytes...) are integer codes: counted by their
+            # logical values, their scales not at all, as the quantization section counts
+            parameters = quantization.parameters
         return InspectReport(
             location=manifest.location,
             format=manifest.format,
@@ -199,7 +204,7 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
             entries=entries,
             filters=list(filters or []),
             excludes=list(excludes or []),
-            quantization=quantization_of(checkpoint.manifest, checkpoint.storage),
+            quantization=quantization,
             layout=opened.layout,
             problems=malformed(checkpoint),
             architecture=_naming(opened, entries, manifest),
