@@ -868,3 +868,23 @@ def test_a_single_file_protected_whole_and_then_deleted_is_rebuilt_by_naming_it(
     assert run_ckpt("repair", tmp_path / "other.safetensors").exit_code == 3
     path.unlink()
     assert run_ckpt("protect", path).exit_code == 3
+
+
+def test_a_folder_that_lost_every_file_is_rebuilt_from_its_parity(tmp_path: Path) -> None:
+    """`protect --whole-files` of a two-file model says it survives "any 2 of the 2 files lost
+    whole", but once both were gone `repair` said the folder "holds no files to protect"
+    (exit 3) and rebuilt nothing."""
+    model = tmp_path / "model"
+    state = _safetensors_model(model, shard="1GB")
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    made = run_ckpt("protect", model, "--whole-files", "--json")
+    assert made.exit_code == 0, made.stdout + made.stderr
+    before = _digests(model)
+    assert any("any 2 of the" in line for line in made.json["result"]["survives"])
+    for path in model.iterdir():
+        if path.is_file():
+            path.unlink()
+    fixed = run_ckpt("repair", model)
+    assert fixed.exit_code == 0, fixed.stdout + fixed.stderr
+    assert _digests(model) == before
+    _assert_same(_read_safetensors(model), state)

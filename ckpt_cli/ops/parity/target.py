@@ -85,7 +85,8 @@ def open_parity_target(src: str | Source, *, rebuilding: bool = False) -> Parity
             if name != CHECKSUM_MANIFEST and TMP_MARKER not in name
         }
         parity_rel = PARITY_DIR
-    if not files:
+    if not files and not rebuilding:
+        # (a repair of a folder whose every file was lost reads what its parity lists)
         raise NotFoundError(
             "holds no checkpoint files to protect or repair",
             path=source.location.raw,
