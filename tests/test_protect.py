@@ -881,6 +881,13 @@ def test_a_folder_that_lost_every_file_is_rebuilt_from_its_parity(tmp_path: Path
     assert made.exit_code == 0, made.stdout + made.stderr
     before = _digests(model)
     assert any("any 2 of the" in line for line in made.json["result"]["survives"])
+    for path in model.glob("*.safetensors"):
+        path.unlink()
+    # with its weights gone the folder is no checkpoint any command reads; each says where
+    # they can come back from
+    checked = run_ckpt("verify", model, "--checksums")
+    assert checked.exit_code == 4 and f"ckpt repair {model}" in checked.stderr
+    assert "pass --format" not in checked.stderr
     for path in model.iterdir():
         if path.is_file():
             path.unlink()

@@ -263,6 +263,16 @@ def detect_format(source: Source) -> str:
                 fix="Name one checkpoint inside it (`ckpt latest` on the folder prints the "
                 "newest complete one; `ckpt inspect` lists them all).",
             )
+        root = source.storage.local_root
+        if source.target is None and root is not None and (root / PARITY_DIR).is_dir():
+            # a protected checkpoint whose data files are gone: its parity may rebuild them
+            raise FormatError(
+                "holds no checkpoint files (safetensors, DCP .metadata/.distcp, torch.save), "
+                f"but the parity `ckpt protect` wrote ({PARITY_DIR}/) lists the files it had",
+                path=where,
+                fix=f"Rebuild them with `ckpt repair {where}` (`--dry-run` says what it can "
+                "rebuild).",
+            )
         raise FormatError(
             "is not a checkpoint this tool recognises (no safetensors, DCP .metadata/.distcp "
             "or torch.save files found)",
