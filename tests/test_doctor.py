@@ -1062,3 +1062,52 @@ def test_before_and_after_given_the_other_way_round_are_refused(tmp_path: Path) 
     result = run_ckpt("doctor", "--before", four, "--after", six, "--json")
     assert result.exit_code != 2, result.stdout
     assert result.json["result"]["resume_points"][0]["step_after"] == 2
+
+
+@pytest.mark.frameworks
+@pytest.mark.torchrun
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_deepspeed_world_size_change_reads_the_samples_counted(tmp_path: Path) -> None:
+    """A DeepSpeed run trained on 2 ranks, its newest save resharded to 1 rank (`ckpt reshard
+    --world-size 1`, which records the new world size in it) and resumed there: with the
+    micro-batch kept the global batch halves under the same learning rate, and doctor said NO
+    CAUSE FOUND. DeepSpeed's `global_samples` now gives the work per step; with 2 micro-batches
+    of accumulation the global batch is kept and there is no cause."""
+    job = Path(__file__).with_name("doctor_deepspeed_job.py")
+    base = tmp_path / "base"
+    run_torchrun(job, 2, base, "fresh", timeout=600)
+    resharded = tmp_path / "resharded"
+    result = run_ckpt("reshard", base, resharded, "--world-size", "1", "--json")
+    assert result.exit_code == 0, result.stdout
+    for mode in ("clean", "accum2"):
+        run = tmp_path / mode
+        run.mkdir()
+        shutil.copytree(base / "global_step2", run / "global_step2")
+        shutil.copytree(resharded / "global_step4", run / "global_step4")
+        shutil.copy2(resharded / "latest", run / "latest")
+        for path in [*run.rglob("*")]:  # the stopped job's saves, an hour old
+            stat = path.stat()
+            os.utime(path, (stat.st_atime - DOWN_SECONDS, stat.st_mtime - DOWN_SECONDS))
+        run_torchrun(job, 1, run, mode, timeout=600)
+        samples = [
+            torch.load(run / f"global_step{n}/mp_rank_00_model_states.pt", weights_only=False)[
+                "global_samples"
+            ]
+            for n in (2, 4, 6)
+        ]
+        result = run_ckpt("doctor", run, "--json")
+        causes = result.json["result"]["causes"]
+        if mode == "accum2":
+            assert samples == [8, 16, 24]  # 4 samples a step throughout
+            assert result.exit_code == 0 and causes == [], result.stdout
+            continue
+        assert samples == [8, 16, 20]  # 4 samples a step on 2 ranks, 2 on 1
+        assert result.exit_code == 1, result.stdout
+        assert [c["id"] for c in causes] == ["batch_changed"], causes
+        assert (causes[0]["before"], causes[0]["after"]) == ("global_step4", "global_step6")
+        assert causes[0]["evidence"] == [
+            "model_states.global_samples per step 4 over global_step2 → global_step4, 2 over "
+            "global_step4 → global_step6 (×0.50): each step now processes less data",
+            "global batch ×0.5 but the learning rate ×1 (0.01 → 0.01): not rescaled with it",
+        ]

@@ -188,6 +188,11 @@ class Save:
     @cached_property
     def base_lr(self) -> float | None:
         """The learning rate the run was configured with (before any schedule)."""
+        # DeepSpeed's own config: its schedulers keep no base_lrs, and the optimizer's param
+        # groups hold the warm-up's current learning rate
+        configured = self.value("model_states.ds_config.optimizer.params.lr")
+        if isinstance(configured, int | float) and not isinstance(configured, bool):
+            return float(configured)
         prefix = self.prefix("scheduler") or self.prefix("lr_scheduler")
         if prefix:
             lrs = self.value(f"{prefix}base_lrs")
@@ -327,13 +332,14 @@ class Save:
     @cached_property
     def work_counters(self) -> dict[str, float]:
         """Counters that grow with the work done per step (the Trainer's `total_flos`, the
-        tokens torchtitan's `train_state` counts)."""
+        tokens torchtitan's `train_state` counts, the samples DeepSpeed's engine counts)."""
         out: dict[str, float] = {}
         for name in (
             "trainer_state.total_flos",
             "trainer_state.num_input_tokens_seen",
             "train_state.ntokens_seen",
             "train_state.tokens_seen",
+            "model_states.global_samples",
         ):
             value = self.value(name)
             if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
