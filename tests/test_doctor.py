@@ -765,6 +765,7 @@ def _plain_loop(
     *,
     until: int,
     save_scheduler: bool = True,
+    zero_lr_steps: int = 0,
 ) -> None:
     """A plain training loop that `torch.save`s one dict per save (`run/ckpt_N.pt`: model,
     optimizer, scheduler, its own `samples_seen` counter and `rng_state` at the top level) every
@@ -777,7 +778,9 @@ def _plain_loop(
         torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.0 if s < zero_lr_steps else min(1.0, (s + 1) / 4)
+    )
     data = torch.Generator().manual_seed(7)
     xs, ys = torch.randn(256, 8, generator=data), torch.randn(256, 1, generator=data)
     step = samples_seen = 0
@@ -931,6 +934,18 @@ def test_an_optimizer_restored_from_another_save_is_named(tmp_path: Path) -> Non
     saved = torch.load(run / "ckpt_6.pt", weights_only=True)["optimizer"]["state"][0]["step"]
     assert int(saved) == 4  # 2 restored + 2 trained: neither 6 (restored) nor 2 (fresh)
     assert "resumed with counted 2, the count of ckpt_2.pt (step 2)" in top["evidence"][0]
+
+
+def test_weights_that_adam_steps_at_learning_rate_zero_are_no_mixed_save(tmp_path: Path) -> None:
+    """A run that warms Adam's moments up at learning rate 0 for its first 4 steps saves the
+    same weights at steps 2 and 4 while the optimizer counts on: no save mixed from two."""
+    run = tmp_path / "run"
+    _plain_loop(run, None, until=8, zero_lr_steps=4)
+    weights = [torch.load(run / f"ckpt_{n}.pt", weights_only=True)["model"] for n in (2, 4)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []
 
 
 @pytest.mark.parametrize("component", ["optimizer", "model"])

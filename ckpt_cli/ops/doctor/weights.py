@@ -17,6 +17,7 @@ from collections import Counter
 from .models import Cause
 from .optimizer import second_moment_mean
 from .pair import Pair, fmt
+from .save import Save
 from .tensors import moments_against, pair_moments
 
 #: tensors this small carry too little to judge a correlation by
@@ -196,6 +197,8 @@ def _unmoved(pair: Pair, rows: list[tuple[str, float, float]]) -> Cause | None:
     moments_a, moments_b = second_moment_mean(a), second_moment_mean(b)
     if moments_a is None or moments_a == moments_b:
         return None
+    if any(_zero_lr(save) for save in (a, b)):
+        return None  # Adam stepped at learning rate 0 (a warm-up of its moments): no update
     return Cause(
         id="inconsistent_state",
         title=f"{b.name} holds {a.name}'s weights: the save mixes state of two saves",
@@ -213,3 +216,15 @@ def _unmoved(pair: Pair, rows: list[tuple[str, float, float]]) -> Cause | None:
         f"a module other than the wrapped one): resume from {a.name}, and save the model "
         "that trains.",
     )
+
+
+def _zero_lr(save: Save) -> bool:
+    """Whether the optimizer's learning rate at the save is 0 in some param group."""
+    prefix = save.prefix("optimizer")
+    if prefix is None:
+        return False
+    for i in range(len(save.param_groups) or 1):
+        lr = save.value(f"{prefix}param_groups.{i}.lr")
+        if isinstance(lr, int | float) and not isinstance(lr, bool) and lr == 0:
+            return True
+    return False
