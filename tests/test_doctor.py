@@ -1020,6 +1020,23 @@ def test_a_lost_rank_rng_file_is_found_against_the_runs_other_saves(tmp_path: Pa
     assert result.exit_code == 0 and result.json["result"]["causes"] == [], result.stdout
 
 
+def _overflowed(run: Path, out: Path) -> None:
+    """`run`'s saves as an fp16 run whose loss scale overflowed on both steps after
+    global_step4 writes them: DeepSpeed skips the optimizer and scheduler steps and counts them
+    in `skipped_steps`, so global_step6 holds global_step4's weights and optimizer state. doctor
+    called that an inconsistent save (optimizer step count 4, trainer step 6)."""
+    shutil.copytree(run, out)
+    optim = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shutil.copy2(out / "global_step4" / optim, out / "global_step6" / optim)
+    four = torch.load(out / "global_step4/mp_rank_00_model_states.pt", weights_only=False)
+    six = torch.load(out / "global_step6/mp_rank_00_model_states.pt", weights_only=False)
+    six.update(module=four["module"], lr_scheduler=four["lr_scheduler"], skipped_steps=2)
+    torch.save(six, out / "global_step6/mp_rank_00_model_states.pt")
+    result = run_ckpt("doctor", out, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []
+
+
 @pytest.mark.frameworks
 @pytest.mark.torchrun
 @pytest.mark.timeout(1200)
@@ -1045,6 +1062,7 @@ def test_deepspeed_scheduler_not_restored(tmp_path: Path) -> None:
         if case == "clean":
             assert iterations == [3, 5]
             assert result.exit_code == 0 and causes == [], result.stdout
+            _overflowed(run, tmp_path / "overflowed")
             continue
         assert iterations == [3, 1]  # started over at the resume
         assert result.exit_code == 1, result.stdout

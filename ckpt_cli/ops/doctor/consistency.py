@@ -76,8 +76,13 @@ def _disagreeing(save: Save) -> list[str]:
 
 
 def _max_skipped(save: Save, step: int) -> float:
-    """How many optimizer steps fp16 overflows can have skipped: each halved the loss scale,
-    which grew at most once per `growth_interval` steps from its initial value."""
+    """How many optimizer steps fp16 overflows can have skipped: as many as DeepSpeed counts
+    (`skipped_steps`: its step counter counts them, its optimizer and scheduler do not); for a
+    `GradScaler`, each halved the loss scale, which grew at most once per `growth_interval`
+    steps from its initial value."""
+    skipped = save.value("model_states.skipped_steps")
+    if isinstance(skipped, int) and not isinstance(skipped, bool) and skipped >= 0:
+        return float(skipped)
     scaler = save.scaler
     if scaler is None or scaler["scale"] <= 0:
         return 0.0

@@ -149,12 +149,13 @@ def _fresh_after_weights_only(pair: Pair) -> bool:
 def _restored_from_another_save(pair: Pair) -> list[Cause]:
     """The resume loaded the optimizer state of an earlier save than the one it resumed from
     (a path built from another step): the save after counts the optimizer steps of that save
-    plus the steps between the two saves. fp16 runs (a grad scaler saved) can skip optimizer
-    steps on overflow, so a count short by whole save intervals proves nothing there."""
+    plus the steps between the two saves. fp16 runs (a grad scaler saved, DeepSpeed's loss
+    scaling) can skip optimizer steps on overflow, so a count short by whole save intervals,
+    or one that did not move, proves nothing there."""
     a, b, elapsed = pair.before, pair.after, pair.elapsed
     if a.optimizer_step is None or b.optimizer_step is None or elapsed is None:
         return []
-    if a.scaler is not None or b.scaler is not None:
+    if a.may_skip_steps or b.may_skip_steps:
         return []
     if not a.step or a.optimizer_step <= 0:
         return []

@@ -299,6 +299,17 @@ class Save:
         return out if "scale" in out else None
 
     @cached_property
+    def may_skip_steps(self) -> bool:
+        """Whether the run can skip optimizer steps on fp16 overflow: a grad scaler saved, or
+        DeepSpeed's own loss scaling (fp16 in its config, or steps it counts as skipped)."""
+        if self.scaler is not None:
+            return True
+        skipped = self.value("model_states.skipped_steps")
+        if isinstance(skipped, int) and not isinstance(skipped, bool) and skipped > 0:
+            return True
+        return self.value("model_states.ds_config.fp16.enabled") is True
+
+    @cached_property
     def training_args(self) -> dict[str, Any]:
         """Fields of a Trainer's `training_args.bin`, read from its opcodes (never unpickled)."""
         if self.layout != "hf-trainer" or "training_args.bin" not in self.source.files:
