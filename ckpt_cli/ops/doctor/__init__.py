@@ -6,14 +6,14 @@ the state the resumed run saved after. Each family of causes is one module and o
 
 | module | causes |
 |---|---|
-| `optimizer` | optimizer state not restored (step counts restart, exp_avg_sq collapses, or ids saved as strings); restored for other parameters (param groups, shapes) |
-| `schedule` | LR scheduler not restored (`last_epoch` restarts; the logged LR back in warm-up) |
+| `optimizer` | optimizer state not restored (step counts restart, exp_avg_sq collapses, or ids saved as strings; another save's state restored); restored for other parameters (param groups, shapes); the save before's state saved again (two saves mixed) |
+| `schedule` | LR scheduler not restored (`last_epoch` or DeepSpeed's `last_batch_iteration` restarts; the logged LR back in warm-up, alone where no scheduler state is saved) |
 | `data` | data position not restored (samples / batches / tokens seen, the loader's yielded count, the epoch fraction) |
 | `scaler` | gradient scaler reset (the fp16 loss scale back at its initial value) |
-| `weights` | weights partly restored (tensors uncorrelated with the save: fresh), precision changed, EMA not restored |
+| `weights` | weights partly restored (tensors uncorrelated with the save: fresh), precision changed (dtypes, the Trainer's mixed precision), EMA not restored; the save before's weights saved again (two saves mixed) |
 | `setup` | global batch changed without the LR rescaled (world size, per-device batch, accumulation); seed, config or tokenizer changed |
 | `rng` | RNG not restored (the state after the resume is one the run held earlier; torch's CPU generator carries another seed, or fewer draws since its seed: `mt19937`) |
-| `consistency` | one save: step counters that disagree; RNG for fewer ranks than the run had |
+| `consistency` | one save: step counters that disagree; RNG for fewer ranks than the run had (its record, or its neighbours in the same process) |
 
 `points` finds the resume points (log, step numbering, file times, or --before / --after) and
 `logs` reads the Trainer's log history, Lightning's `metrics.csv` and a `metrics.jsonl` for the
