@@ -592,3 +592,38 @@ def test_chunks_of_a_grid_are_judged_as_before(tmp_path: Path) -> None:
         p["message"] for p in verify.json["result"]["problems"] if p["code"] == "dcp_overlap"
     ]
     assert messages == ["tensor 'w': chunks at [3, 2] and [4, 2] overlap"], messages
+
+
+# -- GGUF headers --------------------------------------------------------------------------------
+
+
+def test_a_gguf_of_millions_of_empty_arrays_is_refused_before_the_gguf_reader_builds_them(
+    tmp_path: Path,
+) -> None:
+    # 0.1.x: an ARRAY of 1,000,000 empty ARRAYs (12 MB) took the gguf reader 1.3 GB and 28
+    # CPU-s; 3,000,000 empty strings (48 MB), past 4 GB
+    n = 1_100_000
+    body = struct.pack("<IQ", 9, n) + struct.pack("<IQ", 0, 0) * n
+    bad = _gguf_with_one_value(tmp_path / "arrays.gguf", 9, body)
+    assert_refused(ckpt_limited("inspect", bad), bad, "more than 1,000,000 metadata keys")
+    assert_refused(ckpt_limited("verify", bad), bad, "gguf reader", exit_code=1)
+
+
+def test_a_gguf_with_a_llama_3_sized_tokenizer_still_reads(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tok.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list([f"tok{i}" for i in range(128_000)])
+    writer.add_token_merges([f"a{i} b{i}" for i in range(280_000)])
+    writer.add_tensor("w", np.arange(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out = tmp_path / "out.safetensors"
+    run = ckpt_limited("convert", path, out, "--to", "safetensors")
+    assert run.exit_code == 0, run.stderr
+    with safe_open(str(out), "pt") as f:
+        assert torch.equal(f.get_tensor("w"), torch.arange(4, dtype=torch.float32))

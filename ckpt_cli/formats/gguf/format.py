@@ -67,6 +67,10 @@ _STRING, _ARRAY = 8, 9
 _MAX_NESTING = 8
 #: dimensions a tensor info may declare (ggml has 4)
 _MAX_DIMS = 8
+#: metadata keys, strings, arrays and tensor infos a header may hold: `GGUFReader` builds about
+#: a kilobyte of objects for each (a Llama 3 tokenizer's 408,000 strings: ~690 MB), so 3,000,000
+#: empty strings in a 48 MB file took it past 4 GB
+MAX_PIECES = 1_000_000
 
 
 class _Header:
@@ -78,6 +82,20 @@ class _Header:
         self.pos = 0
         self.where = where
         self.order = "<"
+        self.pieces = 0
+
+    def piece(self) -> None:
+        """Count one piece the `gguf` reader builds an object for (a key, a string, an array, a
+        tensor info); FormatError past `MAX_PIECES`."""
+        self.pieces += 1
+        if self.pieces > MAX_PIECES:
+            raise FormatError(
+                f"holds more than {MAX_PIECES:,} metadata keys, strings, arrays and tensor infos "
+                "(the gguf reader builds about a kilobyte for each; the largest tokenizers hold "
+                "about 500,000); ckpt refuses it (a hostile or corrupt file)",
+                path=self.where,
+                fix="The file is corrupt or crafted; download it again from its source.",
+            )
 
     def error(self, what: str) -> FormatError:
         return FormatError(
@@ -112,6 +130,7 @@ class _Header:
 
     def string(self, what: str) -> str:
         """Skip a string; returns its first 200 characters (for messages)."""
+        self.piece()
         n = self.uint(8, f"the length of {what}")
         start = self.take(n, what)
         return bytes(self.data[start : start + min(n, 200)]).decode("utf-8", "replace")
@@ -125,6 +144,7 @@ class _Header:
         elif kind == _ARRAY:
             if depth >= _MAX_NESTING:
                 raise self.error(f"{what} nests arrays more than {_MAX_NESTING} deep")
+            self.piece()
             item = self.uint(4, f"the item type of {what}")
             least = _VALUE_SIZES.get(item, 8 if item == _STRING else 12)
             n = self.count(f"the array {what}", least)
@@ -210,6 +230,7 @@ def check_header(path: str, where: str) -> HeaderFacts:
                 raise head.error(f"{tensors:,} tensor infos cannot fit in the bytes left")
             infos: list[tuple[str, int, int, int]] = []
             for _ in range(tensors):
+                head.piece()
                 name = head.string("a tensor name")
                 dims = head.uint(4, "a tensor's dimension count")
                 if dims > _MAX_DIMS:
