@@ -200,6 +200,21 @@ MAX_DIM = (1 << 63) - 1
 MAX_NDIM = 64
 
 
+#: characters of a value read from a header that a message quotes
+SHOWN_CHARS = 120
+
+
+def shown(value: object) -> str:
+    """`repr(value)` for a message, cut short past `SHOWN_CHARS` characters: a list or tuple
+    by its length and first items (a crafted shape may hold millions of dimensions)."""
+    if isinstance(value, (list, tuple)) and len(value) > SHOWN_CHARS:
+        return f"[{len(value):,} items: {repr(list(value[:8]))[1:-1]}, ...]"
+    text = repr(value)
+    return (
+        text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
+    )
+
+
 def shape_problem(shape: object) -> str | None:
     """Why `shape` is no tensor shape every format can hold, or None when it is one: a list of
     plain non-negative ints (not bools), at most `MAX_NDIM` of them, each at most `MAX_DIM`,

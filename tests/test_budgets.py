@@ -627,3 +627,12 @@ def test_a_gguf_with_a_llama_3_sized_tokenizer_still_reads(tmp_path: Path) -> No
     assert run.exit_code == 0, run.stderr
     with safe_open(str(out), "pt") as f:
         assert torch.equal(f.get_tensor("w"), torch.arange(4, dtype=torch.float32))
+
+
+def test_a_dcp_tensor_of_a_million_dimensions_is_refused_in_a_short_message(tmp_path: Path) -> None:
+    # 0.1.x quoted the whole size: a 3 MB error message
+    dims = 1_000_000
+    bad = _dcp_with_chunks(tmp_path / "dims", [1] * dims, [([0] * dims, [1] * dims)])
+    run = ckpt_limited("inspect", bad)
+    assert_refused(run, bad / ".metadata", "1,000,000 dimensions", "save the checkpoint again")
+    assert len(run.stderr) < 1_000, run.stderr[:300]

@@ -295,7 +295,9 @@ class _Items:
         why = "not a list of dimensions" if shape is None else dtypes.shape_problem(shape)
         if shape is None or why is not None:
             raise FormatError(
-                f"tensor {fqn!r} has an invalid size {item.size!r} ({why})", path=where
+                f"tensor {fqn!r} has an invalid size {dtypes.shown(item.size)} ({why})",
+                path=where,
+                fix="The .metadata is corrupt or crafted; save the checkpoint again.",
             )
         if not isinstance(item.chunks, list):
             raise FormatError(f"tensor {fqn!r} has no chunk list", path=where)

@@ -461,18 +461,6 @@ def _check_layout(
         )
 
 
-#: characters of a header value a message quotes (a crafted one may run to megabytes)
-_SHOWN = 120
-
-
-def _shown(value: object) -> str:
-    """`repr(value)`, cut short past `_SHOWN` characters."""
-    if isinstance(value, list) and len(value) > _SHOWN:
-        return f"[{len(value):,} items: {repr(value[:8])[1:-1]}, ...]"
-    text = repr(value)
-    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text):,} characters)"
-
-
 def _unknown_dtype(info: Any, data_size: int) -> TensorInfo | None:
     """(code, shape, begin, end) of a well-formed entry whose dtype code is unknown, else None."""
     if not isinstance(info, dict):
@@ -510,7 +498,7 @@ def _validate_tensor(
     if dtype is None:
         findings.add(
             "unknown_dtype",
-            f"tensor {name!r} has unknown dtype {_shown(code)}",
+            f"tensor {name!r} has unknown dtype {dtypes.shown(code)}",
             file=where,
             tensor=name,
             fix="Upgrade ckpt if this is a new dtype; otherwise the header is corrupt.",
@@ -520,7 +508,7 @@ def _validate_tensor(
     if not isinstance(shape, list) or why is not None:
         findings.add(
             "bad_header",
-            f"tensor {name!r} has an invalid shape {_shown(shape)} ({why})",
+            f"tensor {name!r} has an invalid shape {dtypes.shown(shape)} ({why})",
             file=where,
             tensor=name,
             fix=CORRUPT_HEADER,
@@ -534,7 +522,7 @@ def _validate_tensor(
     ):
         findings.add(
             "bad_header",
-            f"tensor {name!r} has invalid data_offsets {_shown(offsets)}",
+            f"tensor {name!r} has invalid data_offsets {dtypes.shown(offsets)}",
             file=where,
             tensor=name,
             fix=CORRUPT_HEADER,
