@@ -182,3 +182,19 @@ def test_a_manifest_claiming_a_lost_8_gib_file_is_checked_a_chunk_at_a_time(
     # the share was read whole, a chunk at a time: memory is not the manifest's 128 MiB block
     assert run.peak_mib < SMALL_PEAK_MIB, run.peak_mib
     assert run.cpu_s < 60
+
+
+@pytest.mark.parametrize(
+    "command", [["verify", "--checksums"], ["repair", "--dry-run"], ["repair"]]
+)
+def test_a_manifest_nested_past_pythons_limit_is_exit_4_naming_it(
+    tmp_path: Path, command: list[str]
+) -> None:
+    # 0.1.x: exit 70, "internal error: RecursionError"
+    manifest = _protected_2kb_checkpoint(tmp_path / "model")
+    manifest.write_text('{"files": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    run = run_bounded(tmp_path, command[0], tmp_path / "model", *command[1:])
+    assert run.code == 4, run.stdout + run.stderr
+    message = " ".join(run.stderr.split())
+    assert str(manifest) in message and "not a valid ckpt parity manifest" in message
+    assert "internal error" not in message

@@ -122,7 +122,7 @@ def read_parity_manifest(target: ParityTarget) -> ParityManifest | None:
         return None
     try:
         manifest = ParityManifest.model_validate(json.loads(raw))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # too deep: hostile
         raise FormatError(
             f"is not a valid ckpt parity manifest ({str(exc).splitlines()[0]})",
             path=storage.describe(target.manifest_rel),
