@@ -513,3 +513,18 @@ def test_a_trainer_state_with_values_of_the_wrong_type_is_no_internal_error(
     prune = run_ckpt("prune", out, "--keep-last", "1", "--keep-best", "eval_loss", "--json")
     assert prune.exit_code == 3, prune.stdout  # no value of eval_loss is a number
     assert "no value of 'eval_loss'" in prune.json["error"]["message"]
+
+
+def test_a_metrics_line_nested_past_pythons_limit_is_a_usage_error_naming_it(
+    tmp_path: Path,
+) -> None:
+    """0.1.x: `prune --keep-best` of a run whose metrics.jsonl holds a line nested 100,000 deep
+    ended in exit 70 (RecursionError)."""
+    out = trainer_run(tmp_path, steps=(100, 200))
+    (out / "metrics.jsonl").write_text(
+        '{"step": 100, "eval_loss": 1.0}\n' + "[" * 100_000 + "]" * 100_000 + "\n"
+    )
+    result = run_ckpt("prune", out, "--keep-last", "1", "--keep-best", "eval_loss")
+    assert result.exit_code == 2, result.stderr
+    assert "line 2 is not JSON" in result.stderr
+    assert str(out / "metrics.jsonl") in result.stderr

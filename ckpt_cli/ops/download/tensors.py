@@ -135,7 +135,7 @@ class PartialPieces:
     def _load(self) -> None:
         try:
             found = json.loads((self.folder / "journal.json").read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             found = None
         if found != self.journal:
             # another commit (or no journal): nothing here may be reused

@@ -421,7 +421,7 @@ def _write_file_record(root: Path, stamped: Path, record: dict[str, object]) -> 
         doc = json.loads(run_record.read_text())
         if not isinstance(doc, dict):
             doc = {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         doc = {}
     st = stamped.stat()
     doc[root.name] = {**record, "size": st.st_size, "mtime_ns": st.st_mtime_ns}

@@ -124,7 +124,7 @@ def remote_manifest_bytes(storage: Storage, rel: str) -> tuple[ChecksumManifest,
         return None
     try:
         return ChecksumManifest.model_validate(json.loads(raw)), raw
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # too deep: hostile
         raise FormatError(
             f"is not a valid ckpt checksum manifest ({str(exc).splitlines()[0]})",
             path=storage.describe(rel),

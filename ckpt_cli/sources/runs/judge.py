@@ -524,7 +524,7 @@ def load_metrics(
                 continue
             try:
                 row = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # too deep: hostile
                 raise UsageError(
                     f"line {number} is not JSON",
                     path=path,
