@@ -179,3 +179,27 @@ def test_an_index_path_out_of_the_folder_is_unsafe_input_for_both(saved: tuple[s
     assert code == 1
     assert [p["code"] for p in found if p["severity"] == "error"] == ["unsafe_input"]
     assert all("../elsewhere" not in (p["file"] or "") for p in found)
+
+
+def test_a_shard_reached_through_a_linked_folder_out_of_the_checkpoint_is_refused_not_missing(
+    tmp_path: Path,
+) -> None:
+    """An index naming `sub/model.safetensors` where `sub` links to a folder outside: 0.1.x
+    `verify` called the shard missing (`missing_shard`, "fetch it again"), while `inspect`
+    refused the link. Both now say it is a link out of the checkpoint (`unsafe_input`)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    save_file({"a": torch.ones(2)}, str(outside / "model.safetensors"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "sub").symlink_to(outside, target_is_directory=True)
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"a": "sub/model.safetensors"}})
+    )
+    verify = run_ckpt("verify", model, "--json")
+    assert verify.exit_code == 1
+    codes = {p["code"]: p["message"] for p in verify.json["result"]["problems"]}
+    assert "missing_shard" not in codes, codes
+    assert "link that points outside the checkpoint" in codes["unsafe_input"]
+    inspect = run_ckpt("inspect", model)
+    assert inspect.exit_code == 4 and "points outside the checkpoint" in inspect.stderr

@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CkptError, FormatError
+from ..errors import CkptError, FormatError, UnsafeInputError
 from ..problems import Findings
 from ..storage import Storage, safe_relpath
 from .base import Source
@@ -187,7 +187,14 @@ def report_missing_shard(
     findings: Findings, storage: Storage, index_rel: str, names: list[str], shard: str
 ) -> None:
     """A shard the index names is missing (blamed on the shard: that is the file to fetch);
-    `names`: the tensors the index maps to it (`tensors_by_shard`)."""
+    `names`: the tensors the index maps to it (`tensors_by_shard`). One that is there but
+    through a link out of the checkpoint (a linked folder is not listed) is reported as such:
+    it is refused, not missing."""
+    try:
+        storage.local_path(shard)
+    except UnsafeInputError as error:
+        findings.error(error)
+        return
     findings.add(
         "missing_shard",
         f"is missing; the index {index_rel} maps {len(names)} tensors to it ({some(names)})",
