@@ -748,3 +748,26 @@ def test_a_trainer_checkpoint_without_weights_has_no_parameters_from_its_optimiz
     report = run_ckpt("inspect", folder, "--json").json["result"]
     assert report["parameters"] == 0
     assert report["state_elements"]["optimizer"] == whole["state_elements"]["optimizer"]
+
+
+def test_a_deepspeed_latest_naming_a_tag_folder_linked_from_outside_is_refused_not_missing(
+    tmp_path: Path,
+) -> None:
+    """`latest` names `global_step9`, a link to a folder outside the checkpoint: 0.1.x `verify`
+    and `convert` said the tag was missing (exit 3, "the save was interrupted"); the folder is
+    there but out of the checkpoint, so it is refused as a link out (exit 4)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    torch.save({"module": {"w": torch.ones(2)}}, outside / "mp_rank_00_model_states.pt")
+    run = tmp_path / "ds"
+    (run / "global_step1").mkdir(parents=True)
+    torch.save(
+        {"module": {"w": torch.ones(2)}}, run / "global_step1" / "mp_rank_00_model_states.pt"
+    )
+    (run / "global_step9").symlink_to(outside, target_is_directory=True)
+    (run / "latest").write_text("global_step9")
+    for args in (("verify", run), ("convert", run, tmp_path / "out", "--to", "safetensors")):
+        result = run_ckpt(*args)
+        assert result.exit_code == 4, result.stderr
+        assert "'global_step9' is a link that points outside the checkpoint" in result.stderr
+    assert not (tmp_path / "out").exists()

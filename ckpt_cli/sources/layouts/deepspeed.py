@@ -187,6 +187,8 @@ def _tag_base(source: Source) -> str | None:
     if not any(n.startswith(base) for n in source.files):
         if not any(_DS_MODEL.search(n) for n in source.files):
             return None  # some other tool's `latest` file
+        # a tag folder linked from outside is not listed: it is refused, not missing
+        source.storage.local_path(tag)
         raise NotFoundError(
             f"`latest` names {tag!r}, which is missing",
             path=source.storage.describe("latest"),
