@@ -377,6 +377,36 @@ def test_a_pull_into_a_file_is_a_usage_error_and_leaves_the_file(
     assert target.read_text() == "mine\n"
 
 
+def test_a_pull_of_one_checkpoint_or_of_nothing_complete_names_what_to_do_and_writes_nothing(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`sync s3://…/run/checkpoint-200 out` (one save, not its run folder) said "0
+    checkpoints", listed every file as not synced and exited 0; a `--latest` pull of a run with
+    no complete save refused (exit 3) but left an empty DEST behind."""
+    import boto3
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run").exit_code == 0
+
+    one = tmp_path / "one"
+    result = run_ckpt("sync", f"s3://{BUCKET}/run/checkpoint-200", one, "--json")
+    assert result.exit_code == 2, result.stdout
+    error = result.json["error"]
+    assert "one checkpoint, not a run folder" in error["problem"]
+    assert f"ckpt sync s3://{BUCKET}/run {one}" in error["fix"]
+    assert not one.exists()
+
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    for step in (100, 200):  # both saves' uploads cut short: no manifest, nothing complete
+        client.delete_object(Bucket=BUCKET, Key=f"run/checkpoint-{step}/ckpt-manifest.json")
+    fresh = tmp_path / "fresh"
+    result = run_ckpt("sync", f"s3://{BUCKET}/run", fresh, "--latest", "--json")
+    assert result.exit_code == 3, result.stdout
+    assert "no complete checkpoint" in result.json["error"]["problem"]
+    assert not fresh.exists()
+
+
 @pytest.mark.slow
 def test_train_sync_lose_the_machine_pull_latest_and_resume_bit_identical(
     s3_server: S3Server, tmp_path: Path, train: ModuleType
@@ -444,6 +474,16 @@ def test_pull_latest_from_a_hub_repo_of_trainer_checkpoints(hub: TestHub, tmp_pa
     assert done["verified"] is False  # no manifest to check against: structure only
     assert local_files(fresh / "checkpoint-200") == local_files(out / "checkpoint-200")
     assert run_ckpt("latest", fresh).stdout.strip() == str(fresh / "checkpoint-200")
+
+    # one save of the repo, or a repo that is one model: refused, naming what to run instead
+    one = run_ckpt("sync", "hf://org/run/checkpoint-200", tmp_path / "one", "--json")
+    assert one.exit_code == 2, one.stdout
+    assert f"ckpt sync hf://org/run {tmp_path / 'one'}" in one.json["error"]["fix"]
+    hub.add_repo("org/model", out / "checkpoint-200")
+    model = run_ckpt("sync", "hf://org/model", tmp_path / "model", "--json")
+    assert model.exit_code == 2, model.stdout
+    assert f"ckpt convert hf://org/model {tmp_path / 'model'}" in model.json["error"]["fix"]
+    assert not (tmp_path / "one").exists() and not (tmp_path / "model").exists()
 
 
 def test_a_damaged_hub_copy_without_manifest_is_never_published(

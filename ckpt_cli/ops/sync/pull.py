@@ -16,14 +16,17 @@ from ...errors import (
     IOFailure,
     NotFoundError,
     UnsafeInputError,
+    UsageError,
 )
 from ...faults import interruption, io_failure
+from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
 from ...sources.runs.naming import deepspeed_step, deepspeed_tag
 from ...sources.runs.records import DEFAULT_SETTLE, checksum_manifest_of
 from ...storage import LocalStorage, Storage, safe_relpath
 from ...storage.hashing import hasher_factory
 from ...storage.output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir, publish
+from ...storage.uri import parse_location
 from ..verify.checksums import MANIFEST_NAME, ChecksumManifest, refuse_unsafe_manifest
 from .model import RateLimit, SyncedCheckpoint, SyncReport
 from .plan import ROOT_FILES, left_out, remote_manifest_bytes
@@ -503,6 +506,30 @@ def _passed_over(
     return out
 
 
+def _refuse_one_checkpoint(src: str, dest: str, listing: dict[str, int]) -> None:
+    """Refuse a SRC that is one checkpoint (its own weights or DCP files at its top), not a run
+    folder of step checkpoints: every file of it was listed as not synced and the pull said
+    "0 checkpoints", exit 0 (UsageError, naming its run folder)."""
+    top = {rel.split("/", 1)[0] for rel in listing if "/" not in rel}
+    if not any(name.endswith((*CHECKPOINT_SUFFIXES, DCP_METADATA)) for name in top):
+        return
+    location = parse_location(src.rstrip("/"))
+    if location.kind == "hf":
+        at_root = not location.subfolder.strip("/")
+    else:
+        at_root = "/" not in location.raw.partition("://")[2].strip("/")
+    if at_root:
+        # a Hub repo, or a bucket, of its own: there is no run folder above it
+        fix = f"Copy the checkpoint with `ckpt convert {src} {dest}`."
+    else:
+        parent = src.rstrip("/").rpartition("/")[0]
+        fix = (
+            f"Pull its run folder: `ckpt sync {parent} {dest}` (`--latest` for the newest "
+            "complete save only)."
+        )
+    raise UsageError("is one checkpoint, not a run folder of step checkpoints", path=src, fix=fix)
+
+
 def sync_down(
     src: str,
     dest: str,
@@ -516,8 +543,9 @@ def sync_down(
     remote = scan_run(src.rstrip("/"), settle=0.0)
     storage = run_storage(src.rstrip("/"))
     listing = storage.list_files()
+    if not remote.checkpoints:
+        _refuse_one_checkpoint(src, dest, listing)
     dest_root = Path(dest)
-    dest_root.mkdir(parents=True, exist_ok=True)
     report = SyncReport(source=src, dest=dest, direction="down")
     wanted = [c for c in remote.checkpoints if c.complete and not c.slim]
     if latest_only:
@@ -528,6 +556,8 @@ def sync_down(
                 fix="`ckpt latest` on it lists every checkpoint and why it is not complete.",
             )
         wanted = wanted[-1:]
+    # made once there is something to pull into it: a refused pull leaves no empty DEST
+    dest_root.mkdir(parents=True, exist_ok=True)
     report.checkpoints += _passed_over(remote.checkpoints, wanted, latest_only)
     # what is here already, judged as `ckpt latest` judges it: a save cut short here is no
     # copy of the store's complete one
