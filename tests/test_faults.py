@@ -502,6 +502,28 @@ def test_a_read_only_filesystem_exits_74(tmp_path: Path, tiny_fs: Path) -> None:
     assert "EROFS" in result.json["error"]["message"]
 
 
+def test_prune_on_a_read_only_filesystem_names_the_errno_and_what_to_do(tiny_fs: Path) -> None:
+    """`prune --yes` of a run on a file system mounted read-only said only "could not delete:
+    Read-only file system": no errno, no file, nothing to do about it."""
+    from .run_fixtures import age
+
+    run = tiny_fs / "run"
+    for step in (100, 200):
+        trainer_checkpoint(run / f"checkpoint-{step}", step)
+        age(run / f"checkpoint-{step}")
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
+    try:
+        result = run_ckpt("prune", run, "--keep-last", "1", "--yes", "--json")
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(tiny_fs)], check=True)
+    assert result.exit_code == 1, result.stdout
+    reasons = {d["name"]: d["error"] for d in result.json["result"]["decisions"]}
+    refused = reasons["checkpoint-100"]
+    assert "(EROFS)" in refused and str(run / "checkpoint-100") in refused, refused
+    assert "remount it read-write" in refused and "ckpt prune" in refused, refused
+    assert (run / "checkpoint-100").is_dir()
+
+
 def test_eio_on_read_exits_74_naming_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

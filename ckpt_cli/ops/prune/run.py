@@ -11,6 +11,7 @@ half-deleted folder under its real name.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -224,8 +225,25 @@ def _delete_one(run_dir: Path, paths: list[Path], settle: float) -> str | None:
     except FileNotFoundError:
         return VANISHED
     except OSError as exc:
-        return f"could not delete: {exc.strerror or exc}"
+        return _not_deleted(exc, paths[0])
     return None
+
+
+def _not_deleted(exc: OSError, path: Path) -> str:
+    """Why a checkpoint was not deleted, with the errno, the file, and what to do: the write
+    side's fix texts (room to make, a folder to create) say nothing to a deletion."""
+    code = errno.errorcode.get(exc.errno or 0, "no errno")
+    where = exc.filename or path
+    if exc.errno == errno.EROFS:
+        todo = "its file system is mounted read-only: remount it read-write"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        todo = "run as the user who owns the run folder, or give it write permission"
+    else:
+        todo = "check the file and its file system"
+    return (
+        f"could not delete {where}: {exc.strerror or exc} ({code}); nothing of it was removed: "
+        f"{todo}, then run `ckpt prune` again"
+    )
 
 
 def prune(
