@@ -389,20 +389,16 @@ def _zero_partition_problem(storage: Storage, folder: str, files: Mapping[str, i
     (`dp_world_size`, read from its pickle's opcodes: nothing unpickled, no torch). Each file
     alone passes its structural check; a save that lost a rank's partition (a node's disk)
     cannot be resumed nor its weights rebuilt."""
-    from ...formats.torch.pickle_scan import MAX_SCAN_BYTES, keyed_ints
     from ..layouts.zero import RANK0_MODEL_STATES, SavedSizes, expected_partitions
 
     model = next((f"{folder}/{n}" for n in RANK0_MODEL_STATES if f"{folder}/{n}" in files), None)
     if model is None:
         return None  # no model states: the component checks said what is wrong
     try:
-        with zipfile.ZipFile(_TailFile(storage, model, storage.size(model))) as archive:
-            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
-            data = read_member(archive, pickles[0], MAX_SCAN_BYTES, model) if pickles else b""
+        sizes = model_states_ints(storage, model, frozenset({"dp_world_size", "mp_world_size"}))
     except (zipfile.BadZipFile, OSError, CkptError) as exc:
         no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return f"{storage.describe(model)}: truncated or corrupt torch.save file ({exc})"
-    sizes = keyed_ints(data, frozenset({"dp_world_size", "mp_world_size"}))
     saved = SavedSizes(dp=sizes.get("dp_world_size"), mp=sizes.get("mp_world_size"))
     plan = expected_partitions(f"{folder}/", set(files), saved)
     missing = [rel for rel in plan[3] if rel not in files] if plan else []
@@ -440,27 +436,33 @@ def read_deepspeed_latest(storage: Storage) -> str | None:
     return deepspeed_tag(text)
 
 
+def model_states_ints(storage: Storage, rel: str, keys: frozenset[str]) -> dict[str, int]:
+    """The ints a DeepSpeed model states file (a torch.save zip) records under `keys`, read
+    from its `data.pkl`'s opcodes (`pickle_scan.keyed_ints`): nothing unpickled, no torch, no
+    tensor data. Raises what reading the zip raises (BadZipFile, OSError, CkptError)."""
+    from ...formats.torch.pickle_scan import MAX_SCAN_BYTES, keyed_ints
+
+    with zipfile.ZipFile(_TailFile(storage, rel, storage.size(rel))) as archive:
+        pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+        data = read_member(archive, pickles[0], MAX_SCAN_BYTES, rel) if pickles else b""
+    return keyed_ints(data, keys)
+
+
 def deepspeed_states_step(storage: Storage, tag: str, files: Mapping[str, int]) -> int | None:
     """The step DeepSpeed recorded in a tag folder's model states (`global_steps`, rank 0's
-    file), read from the pickle's structure (no tensor data, no torch): the step of a save
-    whose tag names none (`save_checkpoint(dir, tag="final")`). None when it holds none or the
-    file cannot be read (the judge then says what is wrong with it)."""
-    from ...formats import get_format
-    from ..layouts.training import value_of
-
+    file; `model_states_ints`): the step of a save whose tag names none
+    (`save_checkpoint(dir, tag="final")`). None when it holds none or the file cannot be read
+    (the judge then says what is wrong with it)."""
     states = deepspeed_states_in(tag, files)
     if not states:
         return None
     try:
-        checkpoint = get_format("torch").open(_component_source(storage, states[0], False, files))
-        try:
-            step = value_of(checkpoint, "global_steps")
-        finally:
-            checkpoint.close()
-    except CkptError as error:
-        no_verdict(error)  # the store or the OS refused: no verdict on the file
+        return model_states_ints(storage, states[0], frozenset({"global_steps"})).get(
+            "global_steps"
+        )
+    except (zipfile.BadZipFile, OSError, CkptError) as exc:
+        no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def json_number(value: object) -> float | None:
