@@ -47,6 +47,8 @@ from .schemes import (
 
 #: the dtypes of every payload a recogniser claims (FP8, packed FP4 and MX blocks in uint8)
 _PAYLOAD_DTYPES = FP8 | {"uint8"}
+#: the name endings `_packed` looks at: any other name is passed over at C speed (#30)
+_PACKED_ENDINGS = (".qweight", ".SCB", ".weight_packed", ".weight_scale", *BNB_4BIT_STATES)
 #: activation scales a weight may carry (kept with it)
 _ACTIVATION = {"input": ".input_scale", "input_global": ".input_global_scale"}
 
@@ -106,7 +108,7 @@ def _packed(out: QuantAnalysis, tensors: Mapping[str, TensorFacts], config: Quan
     `.weight` beside its `SCB`)."""
     method = (config.method or "").lower()
     declared = PACKED_SCHEMES.get(method)
-    for name in tensors:
+    for name in [name for name in tensors if name.endswith(_PACKED_ENDINGS)]:
         if name.endswith(".qweight"):
             module = name[: -len(".qweight")]
             suffixes = declared or (PACKED_SUFFIXES if module + ".qzeros" in tensors else None)
