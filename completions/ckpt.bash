@@ -10,9 +10,9 @@ _ckpt() {
     verify) opts="--checksums -c --write-manifest --manifest -m --algo --deep --resumable --exact --force --format -f --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     convert) opts="--to --max-shard-size --dtype --filter -k --filter-out --rename --select --dcp-serialization --world-size --dry-run -n --dequantize --no-extras --dcp-compression --config --flavor --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     reshard) opts="--world-size --max-shard-size --shard-dim --plan --rank-state --dcp-serialization --dry-run -n --no-extras --dcp-compression --format -f --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    prune) opts="--keep-last --keep-every --keep-best --mode --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --dry-run -n --watch --max-iterations --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    prune) opts="--keep-last --keep-every --keep-best --higher-is-better --lower-is-better --keep --keep-top --keep-within --keep-every-duration --slim-older-than --incomplete --yes -y --dry-run -n --watch --max-iterations --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     latest) opts="--settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --mode --keep-within --keep-every-duration --settle --jobs --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --keep-last --keep-every --keep-best --keep-top --higher-is-better --lower-is-better --keep-within --keep-every-duration --settle --jobs --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --verify-ranges --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     diff) opts="--atol --rtol --rename --select --filter -k --filter-out --format-a --format-b --dequantize --ignore-dtype --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     doctor) opts="--before --after --expect --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
@@ -63,7 +63,6 @@ _ckpt() {
     prune\ --keep-last) COMPREPLY=(); return ;;
     prune\ --keep-every) COMPREPLY=(); return ;;
     prune\ --keep-best) COMPREPLY=(); return ;;
-    prune\ --mode) COMPREPLY=( $(compgen -W "min max" -- "$cur") ); return ;;
     prune\ --keep) COMPREPLY=(); return ;;
     prune\ --keep-top) COMPREPLY=(); return ;;
     prune\ --keep-within) COMPREPLY=(); return ;;
@@ -86,7 +85,6 @@ _ckpt() {
     sync\ --keep-every) COMPREPLY=(); return ;;
     sync\ --keep-best) COMPREPLY=(); return ;;
     sync\ --keep-top) COMPREPLY=(); return ;;
-    sync\ --mode) COMPREPLY=( $(compgen -W "min max" -- "$cur") ); return ;;
     sync\ --keep-within) COMPREPLY=(); return ;;
     sync\ --keep-every-duration) COMPREPLY=(); return ;;
     sync\ --settle) COMPREPLY=(); return ;;

@@ -65,11 +65,13 @@ def test_sync_quiet_still_names_a_checkpoint_it_could_not_upload(
 
 
 def test_sync_refuses_mode_without_prune_remote_and_jobs_when_pulling(tmp_path: Path) -> None:
-    """`sync out/ s3://… --mode max` and `sync s3://… out/ --jobs 2` were accepted and did
-    nothing (the remote side is pruned only with --prune-remote; a pull takes no --jobs)."""
+    """`sync out/ s3://… --mode max` (now `--higher-is-better`) and `sync s3://… out/ --jobs 2`
+    were accepted and did nothing (the remote side is pruned only with --prune-remote; a pull
+    takes no --jobs)."""
     out = trainer_run(tmp_path, steps=(100,))
     for args, option in (
-        ([out, "s3://bucket/run/", "--mode", "max"], "--mode"),
+        ([out, "s3://bucket/run/", "--higher-is-better"], "--higher-is-better"),
+        ([out, "s3://bucket/run/", "--mode", "max"], "--higher-is-better"),  # deprecated spelling
         (["s3://bucket/run/", tmp_path / "pulled", "--jobs", "2"], "--jobs"),
     ):
         result = run_ckpt("sync", *args, "--json")

@@ -369,6 +369,53 @@ def test_no_short_flag_means_two_things() -> None:
     assert not double, f"short flags with two meanings: {double}"
 
 
+def test_no_long_option_means_two_things() -> None:
+    """`--mode` was how to fetch in `download` (shards|tensors) and which end of the metric is
+    best in `prune` and `sync` (min|max). An option name is declared the same way in every
+    command that takes it: a flag everywhere or a value everywhere, the same metavar, the same
+    closed set of values (enum choices, or what the completions offer), the same short name and
+    the same partner (`--higher-is-better/--lower-is-better`)."""
+    shapes: dict[str, dict[tuple[object, ...], set[str]]] = {}
+    for command in describe_app():
+        for option in command.options:
+            shape = (
+                tuple(option.longs),
+                tuple(option.shorts),
+                option.takes_value,
+                option.metavar if option.takes_value else None,
+                tuple(sorted(option.values)),
+            )
+            for long in option.longs:
+                shapes.setdefault(long, {}).setdefault(shape, set()).add(command.name)
+    double = {name: found for name, found in shapes.items() if len(found) > 1}
+    assert not double, f"option names declared with two meanings: {double}"
+
+
+def test_hidden_options_are_exactly_the_deprecated_spellings_and_say_so() -> None:
+    """A hidden option is an old spelling kept working (it is left out of help and completions,
+    so the vocabulary test above does not see it): each must be registered with what replaces
+    it, and every registered one must exist."""
+    import typer.main
+
+    from ckpt_cli.cli.app import get_app
+    from ckpt_cli.cli.conventions import DEPRECATED_OPTIONS
+
+    group = typer.main.get_command(get_app())
+    hidden = {
+        (name, long)
+        for name, command in group.commands.items()  # type: ignore[attr-defined]
+        for param in command.params
+        if param.param_type_name == "option" and getattr(param, "hidden", False)
+        for long in param.opts
+        if long.startswith("--")
+    }
+    assert hidden == set(DEPRECATED_OPTIONS)
+    visible = {(c.name, n) for c in describe_app() for o in c.options for n in o.longs}
+    for (command, _old), alias in DEPRECATED_OPTIONS.items():
+        # what it points at is a real, visible option of the same command
+        assert {(command, new) for new, _value in alias.replacements.values()} <= visible
+
+
 def test_every_command_that_can_plan_takes_n_for_its_dry_run() -> None:
     """`-n/--dry-run` means "the plan, nothing written" wherever a command has a dry run
     (protect and repair took only the long name)."""

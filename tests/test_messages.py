@@ -464,7 +464,7 @@ def test_a_name_no_utf8_can_hold_is_a_bad_header(tmp_path: Path) -> None:
 
 def test_options_that_would_do_nothing_are_refused_like_their_siblings(tmp_path: Path) -> None:
     """`convert --to safetensors --dcp-serialization X`, `diff --dequantize` of unquantized
-    checkpoints and `prune --mode max` without `--keep-best` were accepted without a word,
+    checkpoints and `prune --mode max` (now `--higher-is-better`) without `--keep-best` were accepted without a word,
     while `--dcp-compression`, `convert --dequantize` and `--keep-top` in the same place are
     usage errors."""
     model = tmp_path / "m.safetensors"
@@ -488,15 +488,15 @@ def test_options_that_would_do_nothing_are_refused_like_their_siblings(tmp_path:
         ),
         (["diff", model, model, "--dequantize"], "no quantized weight found on either side"),
         (
-            ["prune", run, "--keep-last", "1", "--mode", "max"],
-            "--mode max applies with --keep-best",
+            ["prune", run, "--keep-last", "1", "--higher-is-better"],
+            "--higher-is-better applies with --keep-best",
         ),
     ):
         result = run_ckpt(*args, "--json")
         assert result.exit_code == 2, (args, result.stdout)
         assert said in result.json["error"]["message"] and result.json["error"]["fix"]
     assert not (tmp_path / "x").exists()
-    kept = run_ckpt("prune", run, "--keep-best", "eval_loss", "--mode", "min", "--settle", "0")
+    kept = run_ckpt("prune", run, "--keep-best", "eval_loss", "--lower-is-better", "--settle", "0")
     assert kept.exit_code == 0, kept.stderr
 
 

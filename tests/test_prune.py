@@ -101,7 +101,7 @@ POLICIES = [
     ["--keep-last", "1"],
     ["--keep-every", "1000"],
     ["--keep-best", "eval_loss"],
-    ["--keep-best", "eval_loss", "--mode", "max"],
+    ["--keep-best", "eval_loss", "--higher-is-better"],
     ["--incomplete"],
     ["--keep-last", "1", "--keep-every", "7", "--incomplete"],
 ]
@@ -151,7 +151,9 @@ def test_keep_best_every_and_pins_on_a_dcp_run_with_metrics_file(tmp_path: Path)
         dcp.load(state, checkpoint_id=str(run / "step-20"), no_dist=True)
     for name, tensor in weights(20).items():
         assert torch.equal(state["model"][name], tensor)
-    maxed = decisions(run_ckpt("prune", run, "--keep-best", "val_loss", "--mode", "max", "--json"))
+    maxed = decisions(
+        run_ckpt("prune", run, "--keep-best", "val_loss", "--higher-is-better", "--json")
+    )
     assert maxed["step-30"] == ("delete", "not kept by any rule")
     assert maxed["step-60"] == ("keep", "newest complete")  # also the max, newest wins the rule
 
@@ -336,14 +338,19 @@ def test_lightning_best_from_file_names_and_the_last_ckpt_link(tmp_path: Path) -
         torch.save({"state_dict": weights(step), "global_step": step}, ckpts / names[step])
     os.symlink(names[300], ckpts / "last.ckpt")  # save_last="link"
     age(run)
-    plan = decisions(run_ckpt("prune", run, "--keep-best", "val_acc", "--mode", "max", "--json"))
+    plan = decisions(
+        run_ckpt("prune", run, "--keep-best", "val_acc", "--higher-is-better", "--json")
+    )
     assert plan == {
         f"checkpoints/{names[100]}": ("delete", "not kept by any rule"),
         f"checkpoints/{names[200]}": ("keep", "best val_acc (0.93)"),
         f"checkpoints/{names[300]}": ("keep", "a symlink in the run folder points at it"),
         f"checkpoints/{names[400]}": ("keep", "newest complete"),
     }
-    assert run_ckpt("prune", run, "--keep-best", "val_acc", "--mode", "max", "--yes").exit_code == 0
+    assert (
+        run_ckpt("prune", run, "--keep-best", "val_acc", "--higher-is-better", "--yes").exit_code
+        == 0
+    )
     assert sorted(p.name for p in ckpts.iterdir()) == sorted(
         [names[200], names[300], names[400], "last.ckpt"]
     )
@@ -640,3 +647,116 @@ def test_a_checkpoint_a_file_of_which_cannot_be_removed_is_reported_partly_delet
     assert ".checkpoint-100.ckpt-tmp-del-" in shown.stdout and "interrupted" in shown.stdout
     assert run_ckpt("prune", out, "--incomplete", "--settle", "0", "--yes").exit_code == 0
     assert not left.exists()
+
+
+# -- which end of --keep-best's metric is best -------------------------------------------------
+#
+# `prune --mode min|max` said which end of the metric is best while `download --mode` says how
+# to fetch: one option name, two meanings. The flag pair says it in words; `--mode` is kept,
+# hidden, as a deprecated spelling that says so on stderr.
+
+
+@pytest.mark.parametrize(
+    ("flags", "best"),
+    [([], 40), (["--lower-is-better"], 40), (["--higher-is-better"], 20)],
+    ids=["default", "lower", "higher"],
+)
+def test_higher_or_lower_is_better_picks_the_max_or_min_of_metrics_jsonl(
+    tmp_path: Path, flags: list[str], best: int
+) -> None:
+    run = tmp_path / "titan"
+    accuracy = {10: 0.50, 20: 0.90, 30: 0.70, 40: 0.30, 50: 0.60, 60: 0.80}
+    for step in accuracy:
+        dcp_save(run / f"step-{step}", step)
+    (run / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": s, "val_acc": v}) for s, v in accuracy.items())
+    )
+    age(run)
+    result = run_ckpt("prune", run, "--keep-best", "val_acc", *flags, "--yes", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""  # no deprecation for the new spellings
+    reported = result.json["result"]["best"]
+    assert (reported["name"], reported["value"]) == (f"step-{best}", accuracy[best])
+    assert reported["mode"] == ("max" if "--higher-is-better" in flags else "min")
+    assert survivors(run) == sorted(["metrics.jsonl", f"step-{best}", "step-60"])
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {k: torch.zeros_like(v) for k, v in weights(best).items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(run / f"step-{best}"), no_dist=True)
+    for name, tensor in weights(best).items():
+        assert torch.equal(state["model"][name], tensor)
+
+
+def test_higher_is_better_keeps_the_max_of_a_trainer_log_history(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path)  # eval_loss 0.90, 0.40, 0.70, 0.65, 0.60 at steps 100..500
+    higher = run_ckpt("prune", out, "--keep-best", "eval_loss", "--higher-is-better", "--yes")
+    assert higher.exit_code == 0, higher.stderr
+    # 100 is the max; 200 is the Trainer's best_model_checkpoint; 500 the newest
+    assert survivors(out) == ["checkpoint-100", "checkpoint-200", "checkpoint-500"]
+    assert_model(out / "checkpoint-100", 100)
+    lower = run_ckpt("prune", out, "--keep-best", "eval_loss", "--lower-is-better", "--json")
+    assert decisions(lower)["checkpoint-100"] == ("delete", "not kept by any rule")
+    assert decisions(lower)["checkpoint-200"][1].startswith("best eval_loss (0.4)")
+
+
+@pytest.mark.parametrize(
+    ("value", "flag"), [("max", "--higher-is-better"), ("min", "--lower-is-better")]
+)
+def test_the_deprecated_mode_still_works_and_says_so_on_stderr_only(
+    tmp_path: Path, value: str, flag: str
+) -> None:
+    out = trainer_run(tmp_path)
+    new = run_ckpt("prune", out, "--keep-best", "eval_loss", flag, "--json")
+    old = run_ckpt("prune", out, "--keep-best", "eval_loss", "--mode", value, "--json")
+    assert old.exit_code == new.exit_code == 0, old.stderr
+    assert decisions(old) == decisions(new)
+    assert old.json["result"]["best"]["mode"] == value
+    # one line on stderr naming the new flag; stdout is the envelope alone
+    assert "is deprecated" not in old.stdout and "--mode" not in old.stdout
+    [line] = old.stderr.splitlines()
+    assert "--mode" in line and "is deprecated" in line and flag in line
+    human = run_ckpt("prune", out, "--keep-best", "eval_loss", "--mode", value)
+    assert human.exit_code == 0
+    assert "is deprecated" not in human.stdout
+    assert human.stderr.count("is deprecated") == 1 and flag in human.stderr
+    # --quiet: nothing but errors on stderr
+    quiet = run_ckpt("prune", out, "--keep-best", "eval_loss", "--mode", value, "-q")
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+    # agreeing with the new flag is no contradiction
+    both = run_ckpt("prune", out, "--keep-best", "eval_loss", "--mode", value, flag, "--json")
+    assert both.exit_code == 0 and decisions(both) == decisions(new)
+
+
+def test_the_deprecated_mode_contradicting_the_new_flag_is_a_usage_error(tmp_path: Path) -> None:
+    out = trainer_run(tmp_path)
+    before = tree(out)
+    for old, new in (("max", "--lower-is-better"), ("min", "--higher-is-better")):
+        args = ["--keep-best", "eval_loss", "--mode", old, new, "--yes", "--json"]
+        result = run_ckpt("prune", out, *args)
+        assert result.exit_code == 2, result.stdout
+        error = result.json["error"]
+        assert f"--mode {old}" in error["message"] and new in error["message"]
+        assert error["fix"]
+    assert tree(out) == before
+
+
+def test_the_new_flags_are_in_help_and_mode_is_not(tmp_path: Path) -> None:
+    from ckpt_cli.cli.completions import render_all
+
+    for command in ("prune", "sync"):
+        text = run_ckpt(command, "--help").stdout
+        assert "--higher-is-better / --lower-is-better" in text, command
+        assert "--mode" not in text, command
+    bash = render_all()["ckpt.bash"]
+    for command in ("prune", "sync"):
+        words = bash.split(f"    {command}) opts=")[1].split(";;")[0]
+        assert "--higher-is-better" in words and "--lower-is-better" in words
+        assert "--mode" not in words
+        assert f"{command}\\ --mode)" not in bash
+    # without --keep-best the flags would do nothing: refused, naming the flag
+    out = trainer_run(tmp_path)
+    refused = run_ckpt("prune", out, "--keep-last", "1", "--higher-is-better", "--json")
+    assert refused.exit_code == 2
+    assert "--higher-is-better applies with --keep-best" in refused.json["error"]["message"]

@@ -260,6 +260,8 @@ def test_prune_policy_is_every_prune_option() -> None:
     how = _keyword_options(run_prune) - {"on_round"}
     assert how == {"yes", "watch_seconds", "max_iterations"}
     cli = _cli_params("prune") - {"run_dir", "json_output", "dry_run"}
+    # --higher-is-better / --lower-is-better (and the deprecated --mode) set `mode`
+    cli = (cli - {"higher_is_better"}) | {"mode"}
     assert (_fields(PrunePolicy) - {"now"}) | how == (cli - {"watch"}) | {"watch_seconds"}
 
 
@@ -444,9 +446,11 @@ def test_sync_request_is_every_sync_option() -> None:
 
     assert SyncRequest.model_config.get("frozen") is True
     assert _fields(SyncRequest) == _keyword_options(sync) - {"on_round", "sleep", "on_file"}
-    # `--prune-remote` and the `--keep-*` / `--mode` rules are the request's `prune_policy`
+    # `--prune-remote` and the `--keep-*` rules are the request's `prune_policy`
     # (`--settle` is the sync's own: which local saves are still being written)
     cli = _cli_params("sync") - _NOT_OPTIONS
+    # --higher-is-better / --lower-is-better (and the deprecated --mode) set the policy's `mode`
+    cli = (cli - {"higher_is_better"}) | {"mode"}
     rules = set(PrunePolicy.model_fields) - {"settle"}
     policy = {o for o in cli if o == "prune_remote" or o in rules}
     renamed = {"latest": "latest_only", "watch": "watch_seconds"}

@@ -269,6 +269,38 @@ def test_prune_remote_applies_retention_on_the_bucket(s3_server: S3Server, tmp_p
     assert needs.exit_code == 2 and "--prune-remote" in needs.stderr
 
 
+def test_prune_remote_keeps_the_max_with_higher_is_better_and_mode_max_still_works(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`sync --mode min|max` meant what `download --mode` does not: the flag pair says it; the
+    old spelling still works, hidden, with one deprecation line on stderr."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path)  # eval_loss 0.90 (100, the max), 0.40 (200, the min) ...
+    policy = ["--prune-remote", "--keep-best", "eval_loss", "--keep-last", "1", "--json"]
+    higher = run_ckpt("sync", out, f"s3://{BUCKET}/high/", *policy, "--higher-is-better")
+    assert higher.exit_code == 0, higher.stdout
+    assert "is deprecated" not in higher.stderr
+    # 100: the max; 200: the Trainer's best_model_checkpoint; 500: the newest
+    high = {"checkpoint-100", "checkpoint-200", "checkpoint-500"}
+    assert remote_checkpoints(s3_server.endpoint, "high") == high
+    lower = run_ckpt("sync", out, f"s3://{BUCKET}/low/", *policy, "--lower-is-better")
+    assert lower.exit_code == 0, lower.stdout
+    assert remote_checkpoints(s3_server.endpoint, "low") == {"checkpoint-200", "checkpoint-500"}
+    old = run_ckpt("sync", out, f"s3://{BUCKET}/old/", *policy, "--mode", "max")
+    assert old.exit_code == 0, old.stdout
+    assert remote_checkpoints(s3_server.endpoint, "old") == high
+    assert "is deprecated" not in old.stdout and old.json["ok"]
+    [line] = [x for x in old.stderr.splitlines() if "is deprecated" in x]
+    assert "--mode" in line and "--higher-is-better" in line
+    both = run_ckpt(
+        "sync", out, f"s3://{BUCKET}/both/", *policy, "--mode", "max", "--lower-is-better"
+    )
+    assert both.exit_code == 2, both.stdout
+    assert "--mode max" in both.json["error"]["message"]
+    assert "--lower-is-better" in both.json["error"]["message"]
+    assert remote_checkpoints(s3_server.endpoint, "both") == set()
+
+
 def test_watch_uploads_each_new_save_within_one_interval(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

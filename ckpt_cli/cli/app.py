@@ -7,6 +7,7 @@ every failure to the exit codes documented in DESIGN.md.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import os
 import sys
@@ -55,6 +56,33 @@ ForceOpt = Annotated[
     bool,
     typer.Option(
         "--force", help="Replace DEST if it exists (only after the new output is complete)."
+    ),
+]
+HigherIsBetterOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--higher-is-better/--lower-is-better",
+        help="With --keep-best: the best value is the highest (an accuracy) or the lowest "
+        "(a loss; the default).",
+        show_default=False,
+    ),
+]
+
+
+class BestEnd(str, enum.Enum):
+    """The values of the deprecated `--mode` of `prune` and `sync` (conventions.BEST_END_MODE)."""
+
+    min = "min"
+    max = "max"
+
+
+#: `prune` / `sync --mode min|max`, hidden: see conventions.DEPRECATED_OPTIONS
+DeprecatedModeOpt = Annotated[
+    BestEnd | None,
+    typer.Option(
+        "--mode",
+        hidden=True,
+        help="Deprecated: --lower-is-better (min) or --higher-is-better (max).",
     ),
 ]
 SrcArg = Annotated[

@@ -126,7 +126,6 @@ def convert(
         str | None,
         typer.Option(
             "--dcp-compression",
-            metavar="zstd|none",
             help="DCP output compression: zstd (DCP's ZStandard extension) or none (default).",
         ),
     ] = None,

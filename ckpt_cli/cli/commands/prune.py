@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Annotated
 
 import typer
 
-from ..app import JsonOpt, app, examples, run_command
-
-
-class Mode(str, Enum):
-    """Which end of a metric is best."""
-
-    min = "min"
-    max = "max"
+from ..app import DeprecatedModeOpt, HigherIsBetterOpt, JsonOpt, app, examples, run_command
 
 
 @app.command(
@@ -22,6 +14,7 @@ class Mode(str, Enum):
         "ckpt prune out/ --keep-last 3                      # show the plan",
         "ckpt prune out/ --keep-last 2 --keep-best eval_loss --incomplete --yes",
         "ckpt prune out/ --keep-every 1000 --keep 2500 --yes --json",
+        "ckpt prune out/ --keep-best eval_accuracy --higher-is-better --keep-last 1",
         "ckpt prune out/ --keep-last 3 --incomplete --watch 300 --yes   # while training runs",
         "ckpt prune out/ --keep-best eval_loss --keep-top 3 --keep-within 2d "
         "--keep-every-duration 6h",
@@ -53,12 +46,7 @@ def prune(
             "log_history or Lightning file names).",
         ),
     ] = None,
-    mode: Annotated[
-        Mode | None,
-        typer.Option(
-            "--mode", help="Whether the best --keep-best value is the min (default) or the max."
-        ),
-    ] = None,
+    higher_is_better: HigherIsBetterOpt = None,
     keep: Annotated[
         list[int] | None,
         typer.Option("--keep", help="Never delete the checkpoint of this step (repeatable)."),
@@ -135,6 +123,7 @@ def prune(
         ),
     ] = 120.0,
     json_output: JsonOpt = False,
+    mode: DeprecatedModeOpt = None,
 ) -> None:
     """Keep the checkpoints that matter in a run folder and delete the rest.
 
@@ -158,14 +147,16 @@ def prune(
     )
     from ...ops.prune.run import exit_code
     from ...ops.prune.run import run as run_prune
+    from ..conventions import BEST_END_MODE
     from ..render.prune import render_prune_result, render_watch_round
 
     def policy() -> PrunePolicy:
+        higher = BEST_END_MODE.resolve("prune", mode.value if mode else None, higher_is_better)
         return PrunePolicy(
             keep_last=keep_last,
             keep_every=keep_every,
             keep_best=keep_best,
-            mode=best_mode(mode.value if mode else None, keep_best),
+            mode=best_mode(higher, keep_best),
             keep=list(keep or []),
             keep_top=keep_top,
             keep_within=parse_duration(keep_within, "--keep-within") if keep_within else None,

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..app import JsonOpt, app, examples, run_command
+from ..app import DeprecatedModeOpt, HigherIsBetterOpt, JsonOpt, app, examples, run_command
 
 if TYPE_CHECKING:
     from ...errors import CkptError
-
-
-class Mode(str, Enum):
-    """Which end of a metric is best."""
-
-    min = "min"
-    max = "max"
 
 
 @app.command(
@@ -91,12 +83,7 @@ def sync(
         int | None,
         typer.Option("--keep-top", min=1, help="With --keep-best: keep the N best."),
     ] = None,
-    mode: Annotated[
-        Mode | None,
-        typer.Option(
-            "--mode", help="Whether the best --keep-best value is the min (default) or the max."
-        ),
-    ] = None,
+    higher_is_better: HigherIsBetterOpt = None,
     keep_within: Annotated[
         str | None,
         typer.Option(
@@ -128,6 +115,7 @@ def sync(
         ),
     ] = None,
     json_output: JsonOpt = False,
+    mode: DeprecatedModeOpt = None,
 ) -> None:
     """Copy every COMPLETE checkpoint of a run folder that the other side lacks, verified.
 
@@ -140,16 +128,19 @@ def sync(
     from ...ops.prune.retention import PrunePolicy, best_mode, parse_duration
     from ...ops.sync import SyncReport, SyncRequest, exit_code, sync_with
     from ...sizes import parse_size
+    from ..conventions import BEST_END_MODE
     from ..render.sync import render_sync, render_sync_round
 
     def policy() -> PrunePolicy | None:
+        higher = BEST_END_MODE.resolve("sync", mode.value if mode else None, higher_is_better)
         if not prune_remote:
             given = (keep_last, keep_every, keep_best, keep_top, keep_within, keep_every_duration)
-            if any(given) or mode is not None:
+            if any(given) or higher is not None:
                 from ...errors import UsageError
 
                 raise UsageError(
-                    "--keep-* options and --mode apply to the remote side with --prune-remote",
+                    "--keep-* options and --higher-is-better / --lower-is-better apply to the "
+                    "remote side with --prune-remote",
                     fix="Add --prune-remote, or prune the local folder with `ckpt prune`.",
                 )
             return None
@@ -158,7 +149,7 @@ def sync(
             keep_every=keep_every,
             keep_best=keep_best,
             keep_top=keep_top,
-            mode=best_mode(mode.value if mode else None, keep_best),
+            mode=best_mode(higher, keep_best),
             keep_within=parse_duration(keep_within, "--keep-within") if keep_within else None,
             keep_every_duration=parse_duration(keep_every_duration, "--keep-every-duration")
             if keep_every_duration

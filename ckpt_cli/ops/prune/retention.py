@@ -39,15 +39,16 @@ def parse_duration(text: str, option: str = "duration") -> float:
     return seconds
 
 
-def best_mode(mode: str | None, keep_best: str | None) -> Literal["min", "max"]:
-    """`--mode` as a policy's `mode` (min when not given), refused without `--keep-best`,
-    where it would do nothing."""
-    if mode is not None and keep_best is None:
+def best_mode(higher_is_better: bool | None, keep_best: str | None) -> Literal["min", "max"]:
+    """`--higher-is-better` / `--lower-is-better` as a policy's `mode` (min when neither is
+    given), refused without `--keep-best`, where they would do nothing."""
+    if higher_is_better is not None and keep_best is None:
+        flag = "--higher-is-better" if higher_is_better else "--lower-is-better"
         raise UsageError(
-            f"--mode {mode} applies with --keep-best only",
-            fix="Add --keep-best METRIC, or leave --mode out.",
+            f"{flag} applies with --keep-best only",
+            fix=f"Add --keep-best METRIC, or leave {flag} out.",
         )
-    return "max" if mode == "max" else "min"
+    return "max" if higher_is_better else "min"
 
 
 class PrunePolicy(Request):
@@ -57,7 +58,8 @@ class PrunePolicy(Request):
         keep_last: keep the newest N complete checkpoints.
         keep_every: keep checkpoints whose step is divisible by K.
         keep_best: keep the best checkpoint by this metric.
-        mode: `min` or `max`: which end of `keep_best` is best.
+        mode: `min` or `max`: which end of `keep_best` is best (`--lower-is-better`, the
+            default, or `--higher-is-better`).
         keep: steps pinned by the user.
         keep_top: with `keep_best`: keep the N best complete checkpoints by the metric.
         keep_within: seconds: keep every complete checkpoint modified more recently.
@@ -229,7 +231,7 @@ def validate_policy(policy: PrunePolicy, offered: tuple[str, ...] = PRUNE_OPTION
     if policy.keep_top is not None and policy.keep_best is None:
         raise UsageError(
             "--keep-top N keeps the N best by a metric and needs --keep-best METRIC",
-            fix="Add --keep-best eval_loss (and --mode max for metrics where higher is better).",
+            fix="Add --keep-best eval_loss (and --higher-is-better for a metric such as accuracy).",
         )
 
 
