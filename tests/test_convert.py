@@ -790,6 +790,47 @@ def test_select_of_a_training_component_that_cannot_be_read_names_it(tmp_path: P
     assert not (tmp_path / "out").exists()
 
 
+def test_a_filter_written_for_the_selected_names_says_it_matches_the_source_names(
+    tmp_path: Path,
+) -> None:
+    """`--select model --filter 'layers.0.*'` (the glob `diff` takes, on the names after
+    --select) said "no entry is under the prefix 'model'. Top-level keys here: model." (exit 3):
+    the prefix is there; convert's globs match the source names, before --select strips it."""
+    state = {
+        "model.layers.0.weight": torch.full((2, 3), 1.0),
+        "model.layers.1.weight": torch.full((2, 3), 2.0),
+        "optimizer.step": torch.tensor(7),
+    }
+    save_file(state, tmp_path / "ckpt.safetensors")
+    args = ["--to", "safetensors", "--select", "model"]
+    result = run_ckpt(
+        "convert", tmp_path / "ckpt.safetensors", tmp_path / "a.safetensors", *args,
+        "--filter", "layers.0.*", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 3, result.stdout
+    error = result.json["error"]
+    assert "no entry is under the prefix" not in error["message"]
+    assert "--filter" in error["message"] and "'model'" in error["message"]
+    assert "--filter 'model.layers.0.*'" in error["fix"], error["fix"]
+    assert not (tmp_path / "a.safetensors").exists()
+    # the fix, as given, works
+    fixed = run_ckpt(
+        "convert", tmp_path / "ckpt.safetensors", tmp_path / "b.safetensors", *args,
+        "--filter", "model.layers.0.*",
+    )  # fmt: skip
+    assert fixed.exit_code == 0, fixed.stderr
+    with safe_open(tmp_path / "b.safetensors", "pt") as f:
+        assert list(f.keys()) == ["layers.0.weight"]
+        assert torch.equal(f.get_tensor("layers.0.weight"), state["model.layers.0.weight"])
+    # a prefix that really is absent is still named as such
+    absent = run_ckpt(
+        "convert", tmp_path / "ckpt.safetensors", tmp_path / "c.safetensors",
+        "--to", "safetensors", "--select", "ema", "--json",
+    )  # fmt: skip
+    assert absent.exit_code == 3
+    assert "no entry is under the prefix 'ema'" in absent.json["error"]["message"]
+
+
 @pytest.mark.parametrize("world_size", ["1", "3"])
 def test_a_dcp_dry_run_lists_the_files_and_entries_the_real_run_writes(
     tmp_path: Path, world_size: str

@@ -290,6 +290,27 @@ def is_step_counter(entry: Entry) -> bool:
     return entry.name.rpartition(".")[2] == "step" and entry.numel == 1
 
 
+def _source_name_fix(
+    candidates: list[Entry],
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+    stripped: str,
+    match_prefix: str,
+) -> str:
+    """The fix for `--filter` globs written for the names after `--select` (as `diff` takes
+    them): here they match the source names, so the stripped prefix goes in front."""
+    said = "The patterns match the source names, as `ckpt inspect --list` shows them, before "
+    said += "--select strips its prefix"
+    moved = [g if g.startswith(stripped) else stripped + g for g in include or ()]
+    if (
+        stripped
+        and moved
+        and select_globs(candidates, moved, list(exclude or []), prefix=match_prefix)
+    ):
+        return said + ": " + " ".join(f"--filter '{g}'" for g in moved) + "."
+    return said + "; check them against `ckpt inspect --list`."
+
+
 def plan_transfer(
     manifest: Manifest,
     *,
@@ -354,6 +375,16 @@ def plan_transfer(
         entries = with_sidecars(entries, allowed)
     selection: Selection = select_entries(opened, entries, select, manifest)
     chosen = selection.pairs
+    if select and not chosen and (include or exclude):
+        unfiltered = select_entries(opened, candidates, select, manifest)
+        if unfiltered.pairs:  # the prefix is there: the globs left nothing under it
+            raise NotFoundError(
+                f"the --filter/--filter-out patterns leave no entry under the prefix {select!r}",
+                path=manifest.location,
+                fix=_source_name_fix(
+                    candidates, include, exclude, unfiltered.stripped, match_prefix
+                ),
+            )
     if select and not chosen:
         raise NotFoundError(
             f"no entry is under the prefix {select!r}",
