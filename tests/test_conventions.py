@@ -451,6 +451,8 @@ def test_every_command_has_quiet_and_verbose_and_real_metavars() -> None:
             assert bad not in text.split("Examples")[0], (command.name, bad)
         assert "  --json  " in text  # a flag: no value after it
     assert "--max-shard-size SIZE" in run_ckpt("convert", "--help").stdout
+    # the metavar is the letter the help text and docs/commands/protect.md use (it said N)
+    assert "--parity K " in run_ckpt("protect", "--help").stdout
     assert "-k, --filter GLOB" in run_ckpt("inspect", "--help").stdout
     assert "Usage: ckpt convert [OPTIONS] SRC DEST" in run_ckpt("convert", "--help").stdout
 

@@ -72,6 +72,7 @@ METAVARS: dict[str, str] = {
     "--dcp-serialization": "KIND",
     "--dcp-compression": "zstd|none",
     "--rank-state": "POLICY",
+    "--parity": "K",
 }
 
 #: values the shell completions offer, by long option name (enums complete their own choices)
