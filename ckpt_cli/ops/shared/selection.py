@@ -7,8 +7,9 @@ and, in a torchtitan 0.3 save, the model's keys that sit at the top level beside
 `optimizer` / `lr_scheduler` / `dataloader` / `train_state` (prefix "", names unchanged).
 Otherwise NAME is a plain prefix: `NAME` itself and `NAME.*`, stripped.
 
-`--filter` / `--filter-out` are globs on the names `ckpt inspect` shows, in every command that takes
-them: a multi-folder model's component is converted on its own, yet its rules see its entries as
+`--filter` / `--filter-out` are globs on the names `ckpt inspect` shows, in inspect, convert and
+download (`diff` matches the names after `--select` / `--rename`, which line its two sides up):
+a multi-folder model's component is converted on its own, yet its rules see its entries as
 `unet.conv_in.weight`, never `conv_in.weight` (`match_prefix`). A rule that matches no entry
 anywhere is reported (`unmatched_rules`): it is a warning, not an error, since the same
 `--filter-out` is often applied to many checkpoints of which only some hold what it names.
