@@ -90,6 +90,30 @@ def test_select_and_rename_line_up_naming_schemes(tmp_path: Path) -> None:
     assert run_ckpt("diff", a, b, "--select", "optimizer").exit_code == 3
 
 
+def test_a_filter_written_on_the_source_names_says_diff_matches_the_lined_up_names(
+    tmp_path: Path,
+) -> None:
+    """`diff A B --select model --filter 'model.layers.*'` (the glob `convert` takes, on the
+    names `inspect --list` shows) said the patterns leave no entry and to "check the pattern
+    against `ckpt inspect --list`", which lists names the pattern matches. It now says diff
+    matches the names after --select / --rename, and gives the glob to write."""
+    state = tiny_state()
+    save_file({f"model.{k}": v for k, v in state.items()}, tmp_path / "train.safetensors")
+    save_file(state, tmp_path / "weights.safetensors")
+    a, b = tmp_path / "train.safetensors", tmp_path / "weights.safetensors"
+    result = run_ckpt("diff", a, b, "--select", "model", "--filter", "model.layers.*", "--json")
+    assert result.exit_code == 3, result.stdout
+    error = result.json["error"]
+    assert "leave no entry" in error["message"]
+    assert "after --select" in error["fix"] and "--filter 'layers.*'" in error["fix"], error
+    fixed = run_ckpt("diff", a, b, "--select", "model", "--filter", "layers.*", "--json")
+    assert fixed.exit_code == 0 and fixed.json["result"]["compared"] == 8
+    # without --select or --rename the lined-up names are the names inspect shows
+    plain = run_ckpt("diff", a, b, "--filter", "nothing.*", "--json")
+    assert plain.exit_code == 3
+    assert "ckpt inspect --list" in plain.json["error"]["fix"]
+
+
 def test_nan_in_the_same_place_is_equal_and_against_a_number_is_infinite() -> None:
     from ckpt_cli.ops.diff.compare import tensor_stats
 

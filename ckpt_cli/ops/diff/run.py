@@ -264,6 +264,29 @@ def _filtered(
     return {n: e for n, e in aligned.items() if name_chosen(n, filters, excludes)}
 
 
+def _lined_up_fix(
+    lined_up: Sequence[str],
+    filters: Sequence[str],
+    excludes: Sequence[str],
+    select: str | None,
+    renamed: bool,
+) -> str:
+    """The fix for `--filter` globs that leave nothing: with --select or --rename they match
+    the lined-up names, not the source names `ckpt inspect --list` shows (as `convert`'s do),
+    so a glob written with the selected prefix gets it stripped where that matches."""
+    if not select and not renamed:
+        return "Check the pattern against `ckpt inspect --list`."
+    said = (
+        "diff matches the patterns against the names after --select strips its prefix and "
+        "--rename applies (they line the two sides up), not the names `ckpt inspect --list` shows"
+    )
+    prefix = f"{select.rstrip('.')}." if select else ""
+    moved = [g.removeprefix(prefix) if prefix else g for g in filters]
+    if moved != list(filters) and any(name_chosen(n, moved, excludes) for n in lined_up):
+        return said + ": " + " ".join(f"--filter '{g}'" for g in moved) + "."
+    return said + "."
+
+
 def _align(chosen: list[tuple[Entry, str]], renames: Sequence[tuple[str, str]]) -> dict[str, Entry]:
     aligned: dict[str, Entry] = {}
     for entry, name in chosen:
@@ -544,6 +567,7 @@ def diff_with(
                     opened.unreadable, "compared", select, filters, excludes
                 )
             ]
+        lined_up = [*left, *right]
         left = _filtered(left, filters or [], excludes)
         right = _filtered(right, filters or [], excludes)
         lone_a = _lone_activation_scales(left, right, activation.get("a", set()))
@@ -565,7 +589,7 @@ def diff_with(
             raise NotFoundError(
                 "the --filter/--filter-out patterns leave no entry on either side",
                 path=a,
-                fix="Check the pattern against `ckpt inspect --list`.",
+                fix=_lined_up_fix(lined_up, filters or [], excludes, select, bool(rename_pairs)),
             )
         report = DiffReport(
             a=ca.manifest.location,
