@@ -528,3 +528,30 @@ def test_a_metrics_line_nested_past_pythons_limit_is_a_usage_error_naming_it(
     assert result.exit_code == 2, result.stderr
     assert "line 2 is not JSON" in result.stderr
     assert str(out / "metrics.jsonl") in result.stderr
+
+
+def test_every_length_of_time_takes_seconds_or_units(tmp_path: Path) -> None:
+    """`--settle 2m` and `--watch 5m` were refused ("Input should be a valid number") while
+    `--keep-within 2d` took units: every option that is a length of time takes both now."""
+    out = trainer_run(tmp_path, steps=(100, 200))
+    age(out)
+    trainer_checkpoint(out / "checkpoint-300", 300)  # being written right now
+    (out / "checkpoint-300" / "trainer_state.json").unlink()
+
+    def status(*settle: str) -> str:
+        report = run_ckpt("latest", out, *settle, "--json").json["result"]
+        return {c["name"]: c["status"] for c in report["checkpoints"]}["checkpoint-300"]
+
+    assert status("--settle", "2m") == status("--settle", "120") == status() == "writing"
+    assert status("--settle", "0") == status("--settle", "0s") == "incomplete"
+    for command in ("latest", "doctor"):
+        refused = run_ckpt(command, out, "--settle", "soon", "--json")
+        assert refused.exit_code == 2
+        assert "--settle 'soon' is not a duration" in refused.json["error"]["message"]
+    # prune --watch 5m is taken (one round, then --max-iterations ends it); deletes nothing
+    watched = run_ckpt(
+        "prune", out, "--keep-last", "5", "--yes", "--watch", "5m", "--max-iterations", "1"
+    )
+    assert watched.exit_code == 0, watched.stderr
+    assert (out / "checkpoint-100").is_dir() and (out / "checkpoint-200").is_dir()
+    assert run_ckpt("prune", out, "--keep-last", "1", "--yes", "--watch", "0").exit_code == 2

@@ -52,12 +52,11 @@ def doctor(
         ),
     ] = None,
     settle: Annotated[
-        float | None,
+        str | None,
         typer.Option(
             "--settle",
-            min=0,
-            help="Seconds: an incomplete save of RUN_DIR modified more recently counts as "
-            "still being written (default 120).",
+            help="An incomplete save of RUN_DIR modified within this DURATION (seconds, or 2m, "
+            "1h) counts as still being written (default 120).",
         ),
     ] = None,
     json_output: JsonOpt = False,
@@ -69,15 +68,20 @@ def doctor(
     (trainer_state.json, metrics.jsonl, Lightning metrics.csv) give the loss and LR at each
     resume. Exit 0 when no cause is found, 1 when one is.
     """
+    from ...durations import parse_duration
     from ...errors import ProblemsFound
-    from ...ops.doctor import DoctorRequest, doctor_with
+    from ...ops.doctor import DoctorReport, DoctorRequest, doctor_with
     from ..render.doctor import render_doctor
 
-    request = DoctorRequest(before=before, after=after, expect=expect or [], settle=settle)
+    def doctor() -> DoctorReport:
+        seconds = None if settle is None else parse_duration(settle, "--settle", allow_zero=True)
+        request = DoctorRequest(before=before, after=after, expect=expect or [], settle=seconds)
+        return doctor_with(run_dir, request)
+
     run_command(
         "doctor",
         json_output,
-        lambda: doctor_with(run_dir, request),
+        doctor,
         render_doctor,
         exit_code=lambda report: 1 if report.found else 0,
         failure=lambda report, _code: ProblemsFound(

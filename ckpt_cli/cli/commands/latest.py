@@ -25,13 +25,13 @@ def latest(
         ),
     ],
     settle: Annotated[
-        float,
+        str,
         typer.Option(
             "--settle",
-            min=0,
-            help="Seconds: an incomplete save modified more recently counts as still being written.",
+            help="An incomplete save modified within this DURATION (seconds, or 2m, 1h) counts "
+            "as still being written.",
         ),
-    ] = 120.0,
+    ] = "120",
     json_output: JsonOpt = False,
 ) -> None:
     """Print the path of the newest COMPLETE checkpoint in RUN_DIR (exit 3 if there is none).
@@ -39,17 +39,21 @@ def latest(
     Unlike resume logic that takes the highest step, saves that were interrupted or are still
     being written are skipped. `--json` gives the whole table of checkpoints.
     """
+    from ...durations import parse_duration
     from ...errors import NotFoundError
     from ...ops.latest import LatestRequest, exit_code, latest_with
+    from ...sources.runs import RunReport
     from ..render.latest import render_latest
 
     # the table of every checkpoint is judged in full only when it is printed (--json)
-    request = LatestRequest(settle=settle, full=json_output)
+    def latest() -> RunReport:
+        settle_seconds = parse_duration(settle, "--settle", allow_zero=True)
+        return latest_with(run_dir, LatestRequest(settle=settle_seconds, full=json_output))
 
     run_command(
         "latest",
         json_output,
-        lambda: latest_with(run_dir, request),
+        latest,
         render_latest,
         exit_code,
         failure=lambda report, _code: NotFoundError(

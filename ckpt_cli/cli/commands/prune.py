@@ -104,10 +104,11 @@ def prune(
         ),
     ] = False,
     watch: Annotated[
-        float | None,
+        str | None,
         typer.Option(
             "--watch",
-            help="Re-apply the policy every SECONDS while a job runs (needs --yes; Ctrl-C stops).",
+            help="Re-apply the policy every DURATION (seconds, or 30s, 5m, 1h) while a job runs "
+            "(needs --yes; Ctrl-C stops).",
         ),
     ] = None,
     max_iterations: Annotated[
@@ -115,13 +116,13 @@ def prune(
         typer.Option("--max-iterations", min=1, help="With --watch: stop after N rounds."),
     ] = None,
     settle: Annotated[
-        float,
+        str,
         typer.Option(
             "--settle",
-            min=0,
-            help="Seconds: a checkpoint with a file modified more recently is never touched.",
+            help="A checkpoint with a file modified within this DURATION (seconds, or 2m, 1h) "
+            "is never touched.",
         ),
-    ] = 120.0,
+    ] = "120",
     json_output: JsonOpt = False,
     mode: DeprecatedModeOpt = None,
 ) -> None:
@@ -137,13 +138,13 @@ def prune(
     (a symlinked checkpoint is unlinked, its target untouched). Without `--yes` nothing is
     deleted: every checkpoint is listed with keep/delete and the rule that decided.
     """
+    from ...durations import parse_duration
     from ...errors import ProblemsFound, UsageError
     from ...ops.prune.retention import (
         PrunePolicy,
         PruneReport,
         WatchReport,
         best_mode,
-        parse_duration,
     )
     from ...ops.prune.run import exit_code
     from ...ops.prune.run import run as run_prune
@@ -165,7 +166,7 @@ def prune(
             else None,
             slim_older_than=slim_older_than,
             incomplete=incomplete,
-            settle=settle,
+            settle=parse_duration(settle, "--settle", allow_zero=True),
         )
 
     def prune_run() -> PruneReport | WatchReport:
@@ -180,7 +181,7 @@ def prune(
             run_dir,
             policy(),
             yes=yes and not dry_run,
-            watch_seconds=watch,
+            watch_seconds=parse_duration(watch, "--watch") if watch is not None else None,
             max_iterations=max_iterations,
             on_round=None if json_output else render_watch_round,
         )

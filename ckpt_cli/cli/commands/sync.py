@@ -41,11 +41,11 @@ def sync(
         typer.Option("--latest", help="Pulling: only the newest complete checkpoint."),
     ] = False,
     watch: Annotated[
-        float | None,
+        str | None,
         typer.Option(
             "--watch",
-            metavar="SECONDS",
-            help="Sync again every SECONDS while a job trains (Ctrl-C stops).",
+            help="Sync again every DURATION (seconds, or 30s, 5m, 1h) while a job trains "
+            "(Ctrl-C stops).",
         ),
     ] = None,
     max_iterations: Annotated[
@@ -101,13 +101,13 @@ def sync(
         ),
     ] = None,
     settle: Annotated[
-        float,
+        str,
         typer.Option(
             "--settle",
-            min=0,
-            help="Seconds: saves of layouts without a commit marker wait this long unchanged.",
+            help="Saves of layouts without a commit marker wait this DURATION (seconds, or 2m, "
+            "1h) unchanged.",
         ),
-    ] = 120.0,
+    ] = "120",
     jobs: Annotated[
         int | None,
         typer.Option(
@@ -125,7 +125,8 @@ def sync(
     resumes without sending finished files again. Pulling (SRC remote, DEST local): the
     checkpoints are checked against their manifests and appear in DEST with one rename.
     """
-    from ...ops.prune.retention import PrunePolicy, best_mode, parse_duration
+    from ...durations import parse_duration
+    from ...ops.prune.retention import PrunePolicy, best_mode
     from ...ops.sync import SyncReport, SyncRequest, exit_code, sync_with
     from ...sizes import parse_size
     from ..conventions import BEST_END_MODE
@@ -164,10 +165,10 @@ def sync(
             validate_policy(chosen, RETENTION_OPTIONS)
         request = SyncRequest(
             latest_only=latest,
-            settle=settle,
+            settle=parse_duration(settle, "--settle", allow_zero=True),
             max_rate=parse_size(max_rate, option="--max-rate") if max_rate else None,
             prune_policy=chosen,
-            watch_seconds=watch,
+            watch_seconds=parse_duration(watch, "--watch") if watch is not None else None,
             max_iterations=max_iterations,
             jobs=jobs,
         )

@@ -6,37 +6,16 @@ Pure decisions over a scanned run (`runs.RunReport`); `ops.prune` applies them.
 from __future__ import annotations
 
 import math
-import re
 import time
 from typing import Literal
 
 from pydantic import Field
 
+from ...durations import format_duration
 from ...errors import UsageError
 from ...models import Record, Request
 from ...sources.runs import DEFAULT_SETTLE, BestMetric, RunCheckpoint, RunReport
 from .slim import SlimAction, slim_plan
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
-_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-
-
-def parse_duration(text: str, option: str = "duration") -> float:
-    """`90`, `90s`, `30m`, `6h`, `2d`, `1w`, `1d12h` as seconds (UsageError otherwise)."""
-    compact = text.strip().lower().replace(" ", "")
-    parts = _DURATION.findall(compact)
-    if not compact or "".join(n + u for n, u in parts) != compact:
-        raise UsageError(
-            f"{option} {text!r} is not a duration",
-            fix="Write a number with a unit: 90s, 30m, 6h, 2d, 1w (or 1d12h).",
-        )
-    seconds = sum(float(n) * _UNITS[u] for n, u in parts)
-    if seconds <= 0:
-        raise UsageError(
-            f"{option} must be longer than 0 (got {text!r})",
-            fix=f"Give a duration such as {option} 6h (units: s, m, h, d, w).",
-        )
-    return seconds
 
 
 def best_mode(higher_is_better: bool | None, keep_best: str | None) -> Literal["min", "max"]:
@@ -294,13 +273,13 @@ def _retention_rules(
             add(c, f"--keep-top {policy.keep_top} (#{rank} {policy.keep_best}={c.metric:g})")
     if policy.keep_within:
         window = policy.keep_within
-        _refuse_without_times(complete, f"--keep-within {_human_duration(window)}")
+        _refuse_without_times(complete, f"--keep-within {format_duration(window)}")
         for c in complete:
             if now - c.mtime <= window:
-                add(c, f"--keep-within {_human_duration(window)}")
+                add(c, f"--keep-within {format_duration(window)}")
     if policy.keep_every_duration:
         span = policy.keep_every_duration
-        _refuse_without_times(complete, f"--keep-every-duration {_human_duration(span)}")
+        _refuse_without_times(complete, f"--keep-every-duration {format_duration(span)}")
         first: dict[int, RunCheckpoint] = {}
         for c in complete:
             slot = math.floor(c.mtime / span)
@@ -308,16 +287,8 @@ def _retention_rules(
                 first[slot] = c
         for slot, c in first.items():
             start = time.strftime("%Y-%m-%d %H:%M", time.gmtime(slot * span))
-            add(c, f"--keep-every-duration {_human_duration(span)} (window from {start} UTC)")
+            add(c, f"--keep-every-duration {format_duration(span)} (window from {start} UTC)")
     return rules
-
-
-def _human_duration(seconds: float) -> str:
-    for unit in ("w", "d", "h", "m"):
-        size = _UNITS[unit]
-        if seconds >= size and seconds % size == 0:
-            return f"{seconds / size:g}{unit}"
-    return f"{seconds:g}s"
 
 
 def _decide(
