@@ -49,6 +49,31 @@ def test_a_text_file_named_safetensors_is_not_an_absurd_header(tmp_path: Path) -
     assert empty.exit_code == 4 and "it is an empty file" in empty.stderr
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify", "doctor", "convert"])
+def test_a_folder_without_a_checkpoint_says_what_it_holds_not_pass_format(
+    tmp_path: Path, command: str
+) -> None:
+    """An empty folder, or one of notes, is no checkpoint: every command says so, lists what the
+    folder holds and points at a checkpoint folder; `--format` cannot read a folder without its
+    files, so it is not offered."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    notes = tmp_path / "notes"
+    (notes / "logs").mkdir(parents=True)
+    (notes / "README.txt").write_text("run notes\n")
+    (notes / "logs" / "train.log").write_text("loss 1.0\n")
+    for folder, holds in ((empty, "it is empty"), (notes, "it holds README.txt, logs/")):
+        extra = [str(tmp_path / f"out-{folder.name}"), "--to", "torch"]
+        args = [command, str(folder), *(extra if command == "convert" else [])]
+        result = run_ckpt(*args)
+        assert result.exit_code == 4, result.stderr
+        assert f"{folder}: holds no checkpoint files" in result.stderr
+        assert holds in result.stderr
+        assert "Point at the folder the checkpoint was saved to" in result.stderr
+        assert "or pass --format" not in result.stderr
+        assert not (tmp_path / f"out-{folder.name}").exists()
+
+
 @pytest.mark.parametrize(
     "header",
     [

@@ -240,6 +240,21 @@ def _may_detect(name: str, source: Source) -> bool:
     return False
 
 
+#: how many names `folder_contents` lists before counting the rest
+_LISTED_NAMES = 5
+
+
+def folder_contents(files: dict[str, int]) -> str:
+    """What a folder without a checkpoint holds, briefly: `it is empty`, or its first top-level
+    names (subfolders with a trailing `/`) and how many more."""
+    names = sorted({name.split("/", 1)[0] + ("/" if "/" in name else "") for name in files})
+    if not names:
+        return "it is empty"
+    shown = ", ".join(names[:_LISTED_NAMES])
+    more = len(names) - _LISTED_NAMES
+    return f"it holds {shown}" + (f" and {more} more" if more > 0 else "")
+
+
 def detect_format(source: Source) -> str:
     """The one format token whose `detect` accepts the source; FormatError for none or many."""
     matches = [
@@ -272,6 +287,16 @@ def detect_format(source: Source) -> str:
                 path=where,
                 fix=f"Rebuild them with `ckpt repair {where}` (`--dry-run` says what it can "
                 "rebuild).",
+            )
+        if source.target is None:
+            # a folder: --format cannot help (each format reads only its own suffixes there)
+            raise FormatError(
+                f"holds no checkpoint files (safetensors, DCP .metadata/.distcp, torch.save, "
+                f"GGUF): {folder_contents(source.files)}",
+                path=where,
+                fix="Point at the folder the checkpoint was saved to (a model folder, a "
+                "`checkpoint-N/` or `step-N/` save, or a run folder holding them), or at the "
+                "checkpoint file itself (with --format when its suffix is not the format's).",
             )
         raise FormatError(
             "is not a checkpoint this tool recognises (no safetensors, DCP .metadata/.distcp "
