@@ -440,6 +440,50 @@ def test_a_pipeline_saved_as_the_fp16_variant_converts_whole(
         assert run_ckpt("diff", fp16_variant_pipeline, out).exit_code == 0, label
 
 
+def test_a_cast_of_an_fp16_variant_pipeline_is_named_by_its_new_dtype(
+    fp16_variant_pipeline: Path, tmp_path: Path
+) -> None:
+    """`convert --dtype fp32` of a pipeline saved as the `fp16` variant wrote fp32 data under
+    `model.fp16.safetensors` and `….index.fp16.json`: `from_pretrained(out)` found no weights
+    and `variant="fp16"` loaded fp32 under a name that lies. The cast output is named by its
+    dtype: the default weights for fp32, the `bf16` variant for bf16 (as the Hub names one),
+    and each loads in diffusers bit-exact against the source cast the same way."""
+    from diffusers import DiffusionPipeline
+
+    want = _load_fp16(fp16_variant_pipeline)
+    cases = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, "bf16")}
+    for dtype, (torch_dtype, variant) in cases.items():
+        out = tmp_path / dtype
+        result = run_ckpt(
+            "convert", fp16_variant_pipeline, out, "--to", "safetensors", "--dtype", dtype,
+            "--max-shard-size", "20KB", "--json",
+        )  # fmt: skip
+        assert result.exit_code == 0, result.stdout
+        names = [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()]
+        assert not [n for n in names if ".fp16" in n], (dtype, names)
+        weights = [n for n in names if n.endswith((".safetensors", ".json")) and "model" in n]
+        if variant is None:
+            assert "text_encoder/model.safetensors" in names
+            assert "unet/diffusion_pytorch_model.safetensors.index.json" in names
+        else:
+            assert "text_encoder/model.bf16.safetensors" in names
+            assert "unet/diffusion_pytorch_model.safetensors.index.bf16.json" in names
+            assert all(".bf16" in n for n in weights if n.startswith(("unet/", "vae/"))), names
+        notes = [w for w in result.json["result"]["warnings"] if "fp16 variant" in w]
+        assert len(notes) == 1, result.json["result"]["warnings"]
+        assert (f'variant="{variant}"' if variant else "without variant=") in notes[0]
+        with _quiet():
+            got = DiffusionPipeline.from_pretrained(out, variant=variant, torch_dtype=torch_dtype)
+        for component in ("unet", "vae", "text_encoder"):
+            a = getattr(want, component).state_dict()
+            b = getattr(got, component).state_dict()
+            assert a.keys() == b.keys(), (dtype, component)
+            for key, value in a.items():
+                assert b[key].dtype == torch_dtype, (dtype, component, key)
+                assert torch.equal(b[key], value.to(torch_dtype)), (dtype, component, key)
+        assert run_ckpt("verify", out).exit_code == 0, dtype
+
+
 def test_a_pipeline_refused_for_dcp_suggests_a_component_with_weights(
     diffusers_pipeline: Path, tmp_path: Path
 ) -> None:

@@ -461,10 +461,13 @@ def convert(
         megatron_files = [] if naming else keep_megatron_layout(checkpoint, plan, target.name)
         if not single_file and target.shards_by_size and format is None and naming is None:
             # keep the source library's file names (adapter_model, diffusion_pytorch_model...)
-            from ...sources.layouts.model_folders import apply_naming
+            from ...sources.layouts.model_folders import apply_naming, cast_variant_note
 
-            convention = apply_naming(source, to, options)
+            convention = apply_naming(source, to, options, cast)
             check_one_file_naming(convention, plan, options, src)
+            variant_note = cast_variant_note(source, cast)
+            if variant_note is not None:
+                warnings.append(variant_note)
         if analysis.together() and not dequantize:
             renamed = {i.source.name: i.target.name for i in plan.items}
             options.together = [
@@ -793,7 +796,8 @@ def _convert_components(
         dry_run=request.dry_run,
         dequantized=sum(r.dequantized for r in reports),
         quantized_kept=sum(r.quantized_kept for r in reports),
-        warnings=warnings + [w for r in reports for w in r.warnings],
+        # components that share a fact (each one's variant renamed by the cast) say it once
+        warnings=list(dict.fromkeys(warnings + [w for r in reports for w in r.warnings])),
     )
 
 

@@ -230,12 +230,59 @@ def is_diffusers_index(name: str) -> bool:
     return _DIFFUSERS_INDEX.fullmatch(name.rsplit("/", 1)[-1]) is not None
 
 
-def apply_naming(source: Source, to: str, options: Any) -> Naming | None:
+#: the weight variant the Hub names a dtype by (`model.bf16-00001-of-00002.safetensors`,
+#: `diffusion_pytorch_model.fp16.safetensors`); float32 and wider are the default weights
+DTYPE_VARIANTS: dict[str, str] = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+def variant_after_cast(variant: str | None, cast: str | None) -> str | None:
+    """The variant weights saved as `variant` are named by once cast to `cast` (a canonical
+    dtype). A variant that names a dtype (`fp16`, `bf16`, `fp32`) says what the data is in, so
+    the cast data takes the cast's name (`bf16`), or none (float32: the default weights, which
+    `from_pretrained` loads without a variant); any other variant (`ema`) stays."""
+    if variant is None or cast is None:
+        return variant
+    from ...dtypes import parse_user_dtype
+    from ...errors import UsageError
+
+    try:
+        named = parse_user_dtype(variant)
+    except UsageError:
+        return variant  # not a dtype's name
+    if named == cast:
+        return variant
+    return DTYPE_VARIANTS.get(cast)
+
+
+def cast_variant_note(source: Source, cast: str | None) -> str | None:
+    """What a user loading the output must know when a cast renamed the folder's variant
+    (`variant_after_cast`): the variant to load it with now, or none; None when no name changed."""
+    convention = naming(source) if source.target is None else None
+    if convention is None or convention.variant is None:
+        return None
+    variant = variant_after_cast(convention.variant, cast)
+    if variant == convention.variant:
+        return None
+    now = (
+        f'the {variant} variant (load it with variant="{variant}")'
+        if variant
+        else "the default weights (load it without variant=)"
+    )
+    return (
+        f"the weights were saved as the {convention.variant} variant; cast to {cast}, they are "
+        f"written as {now}"
+    )
+
+
+def apply_naming(source: Source, to: str, options: Any, cast: str | None = None) -> Naming | None:
     """Give a folder output `source`'s naming convention and companion files (`WriteOptions`).
 
     The basename (`adapter_model`, `diffusion_pytorch_model.fp16`), the index name where the
     library spells it differently, and the bytes of the companions (small JSON files) to publish
-    with the weights. Returns the naming applied, None when the default names are right.
+    with the weights. With `cast` (the dtype floating tensors are written in), a variant naming
+    a dtype becomes the cast's (`variant_after_cast`): fp16 weights cast to fp32 are the default
+    weights, not an `fp16` variant holding fp32. Returns the naming applied, None when the
+    default names are right.
     """
     from ...formats import find_format
 
@@ -244,6 +291,11 @@ def apply_naming(source: Source, to: str, options: Any) -> Naming | None:
     convention = naming(source)
     if convention is None:
         return None
+    variant = variant_after_cast(convention.variant, cast)
+    if variant != convention.variant:
+        convention = replace(convention, variant=variant)
+        if not convention.stem and not variant:
+            return None  # transformers weights without a variant: the default names
     target = find_format(to)
     if not convention.stem:
         convention = replace(convention, stem=target.default_basename if target else "model")
