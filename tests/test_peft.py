@@ -557,10 +557,87 @@ def test_merge_refuses_a_modules_to_save_copy_shaped_for_another_base(
     result = run_ckpt("merge", tiny_llama, adapter, tmp_path / "out", "--json")
     assert result.exit_code == 4, result.stdout
     error = result.json["error"]
-    assert "lm_head.weight" in error["message"] and "[72, 16]" in error["message"]
-    assert "[64, 16]" in error["message"] and "adapter_model.safetensors" in error["message"]
-    assert "trained on this base" in error["fix"]
+    assert "'lm_head.weight' for 72 tokens, the base holds 64" in error["message"]
+    assert "no 'model.embed_tokens.weight' of that size" in error["message"]
+    assert "adapter_model.safetensors" in error["message"]
+    assert "base the adapter was trained on" in error["fix"]
+    assert "resize_token_embeddings(72)" in error["fix"]
     assert not (tmp_path / "out").exists()
+
+
+#: how an adapter trained on a resized vocabulary holds the embedding and the output head:
+#: `modules_to_save` on both, on the embedding alone, LoRA on both, or neither (peft's
+#: `save_embedding_layers="auto"` saves them whole when the vocabulary differs from the base's)
+_RESIZED = {
+    "modules_to_save": {"target_modules": ["q_proj"], "modules_to_save": ["embed_tokens", "lm_head"]},
+    "modules_to_save_embedding": {"target_modules": ["q_proj"], "modules_to_save": ["embed_tokens"]},
+    "lora_on_both": {"target_modules": ["q_proj", "embed_tokens", "lm_head"]},
+    "saved_embedding_layers": {"target_modules": ["q_proj"]},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("how", "tied"),
+    [(how, tied) for how in _RESIZED for tied in (False, True) if (how, tied) != ("lora_on_both", True)],
+    ids=lambda v: v if isinstance(v, str) else ("tied" if v else "untied"),
+)  # fmt: skip
+def test_merge_of_an_adapter_trained_on_a_resized_vocabulary_equals_peft(
+    tmp_path: Path, how: str, tied: bool
+) -> None:
+    """Tokens added before training (`resize_token_embeddings(72)` on a base of 64), then
+    LoRA: peft saves the embedding and the output head whole (`modules_to_save`, or
+    `save_embedding_layers="auto"` because the vocabulary differs, adding the wrapper's
+    `lm_head.modules_to_save.weight` / `original_module.weight`). `ckpt merge` into the base
+    refused with "replaces a base weight 'lm_head.modules_to_save.weight' the base does not
+    have" (exit 3) or a shape mismatch (exit 4), though the adapter defines every row. It merges,
+    equal to peft's `merge_and_unload` on the resized base, bit for bit, `config.json` saying the
+    new vocabulary, and loads with `from_pretrained`."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from .framework_fixtures import tiny_config
+
+    torch.manual_seed(4)
+    config = tiny_config()
+    config.tie_word_embeddings = tied
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    LlamaForCausalLM(config).save_pretrained(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = LlamaForCausalLM.from_pretrained(base)
+        model.resize_token_embeddings(72)
+        lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **_RESIZED[how])
+        trained = get_peft_model(model, lora)
+        with torch.no_grad():  # the trained copies: no longer the resized base's
+            for name, param in trained.named_parameters():
+                if "modules_to_save" in name:
+                    param.add_(0.5)
+        trained.save_pretrained(adapter)
+        saved = load_file(adapter / "adapter_model.safetensors")
+        assert any(v.shape[0] == 72 for k, v in saved.items() if "lora" not in k), saved.keys()
+        # peft merges into the base resized as training did (the new rows' initial values
+        # differ: the adapter's saved tensors replace them)
+        torch.manual_seed(5)
+        resized = LlamaForCausalLM.from_pretrained(base)
+        resized.resize_token_embeddings(72)
+        PeftModel.from_pretrained(resized, adapter).merge_and_unload().save_pretrained(
+            tmp_path / "peft-merged"
+        )
+    result = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["vocab_size"] == 72
+    want = load_file(tmp_path / "peft-merged" / "model.safetensors")
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+    written = json.loads((tmp_path / "merged" / "config.json").read_text())
+    expected = json.loads((tmp_path / "peft-merged" / "config.json").read_text())
+    assert written["vocab_size"] == expected["vocab_size"] == 72
+    assert written.get("tie_word_embeddings") == expected.get("tie_word_embeddings")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    assert all(torch.equal(loaded[n], want[n]) for n in want)
 
 
 def test_merge_refuses_an_adapter_trained_on_a_shallower_base(

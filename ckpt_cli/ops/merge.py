@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from ..dtypes import itemsize, numel
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import HF_WEIGHTS, get_format, resolve_source
 from ..formats.base import Checkpoint, Source, WriteOptions
@@ -76,6 +77,9 @@ class MergeReport(Record):
         merged: base weights that received a LoRA update.
         replaced: base weights replaced by the adapter's `modules_to_save` copy.
         copied: base tensors written unchanged.
+        vocab_size: the vocabulary the merged model holds when the adapter was trained on a
+            resized one (its saved embedding and output head, of that many rows, replace the
+            base's, and `config.json` says it); None when the base's is kept.
         files: the files written (weights and carried companions).
     """
 
@@ -89,6 +93,7 @@ class MergeReport(Record):
     merged: list[str] = Field(default_factory=list)
     replaced: list[str] = Field(default_factory=list)
     copied: int = 0
+    vocab_size: int | None = None
     files: list[FileInfo] = Field(default_factory=list)
 
 
@@ -183,21 +188,31 @@ class MergedCheckpoint(Checkpoint):
         replaced: dict[str, str],
         config: dict[str, Any],
         untied: dict[str, tuple[str | None, str]] | None = None,
+        resized: dict[str, list[int]] | None = None,
     ):
+        # the shapes of the vocabulary tensors the adapter saved resized (name -> shape)
+        resized = resized or {}
+
+        def computed(entry: Entry, name: str) -> Entry:
+            """`entry` as written under `name`: computed on read, never copied as the base's
+            raw bytes, in the adapter's shape where it resized the vocabulary."""
+            update: dict[str, Any] = {"name": name, "offset": None}
+            if name in resized and entry.dtype is not None:
+                shape = resized[name]
+                update |= {"shape": shape, "nbytes": itemsize(entry.dtype) * numel(shape)}
+            return entry.model_copy(update=update)
+
         entries: list[Entry] = []
         for entry in base.manifest.entries:
             if entry.name in updates or entry.name in replaced:
-                # computed on read: never copied as the base's raw bytes
-                entry = entry.model_copy(update={"offset": None})
+                entry = computed(entry, entry.name)
             entries.append(entry)
         # an output head the base tied to its embedding, written as its own tensor: the
         # adapter's `modules_to_save` copy, or (None) the embedding as the base holds it
         # (alias -> (adapter tensor or None, the embedding))
         self.untied = untied or {}
         for alias, (_copy, embedding) in self.untied.items():
-            entries.append(
-                base.manifest.by_name[embedding].model_copy(update={"name": alias, "offset": None})
-            )
+            entries.append(computed(base.manifest.by_name[embedding], alias))
         super().__init__(base.source, base.manifest.model_copy(update={"entries": entries}))
         self.base = base
         self.adapter = adapter
@@ -387,10 +402,16 @@ def _plan_updates(
     config: dict[str, Any],
     quant: QuantAnalysis,
     model_type: str | None = None,
-) -> tuple[dict[str, _Update], dict[str, str], dict[str, tuple[str | None, str]]]:
+) -> tuple[
+    dict[str, _Update],
+    dict[str, str],
+    dict[str, tuple[str | None, str]],
+    dict[str, list[int]],
+]:
     """The LoRA updates (base weight -> factors), the `modules_to_save` copies (base weight
-    -> adapter tensor) and the output heads to write untied (name -> (adapter tensor, the
-    embedding the base ties it to))."""
+    -> adapter tensor), the output heads to write untied (name -> (adapter tensor, the
+    embedding the base ties it to)) and, for an adapter trained on a resized vocabulary, the
+    shapes its saved embedding and output head give those tensors (`_check_vocabulary`)."""
     names = {e.name for e in base.manifest.entries if e.kind == "tensor"}
     # a quantized weight may be stored under another name (`weight_packed`, `_blocks`): a LoRA
     # target is looked up among what the base's weights are, to be refused by name
@@ -399,11 +420,23 @@ def _plan_updates(
     updates: dict[str, _Update] = {}
     replaced: dict[str, str] = {}
     untied: dict[str, tuple[str | None, str]] = {}
+    resized: dict[str, list[int]] = {}
     where = adapter.manifest.location
+    adapter_keys = {e.name.removeprefix(_PEFT_PREFIX) for e in adapter.manifest.entries}
     for entry in adapter.manifest.entries:
         if entry.kind != "tensor":
             continue
         key = entry.name.removeprefix(_PEFT_PREFIX)
+        if ".original_module." in key:
+            # peft's `save_embedding_layers` saves a `modules_to_save` wrapper whole: the
+            # untrained original, which `merge_and_unload` drops for the trained copy
+            continue
+        if ".modules_to_save." in key:
+            # ... and the trained copy under the wrapper's name, beside the same tensor under
+            # the module's own (`lm_head.weight`), the one read
+            key = key.replace(".modules_to_save.", ".", 1)
+            if key in adapter_keys:
+                continue
         if "lora_magnitude_vector" in key:
             raise FormatError(
                 "is a DoRA adapter (lora_magnitude_vector), which `ckpt merge` does not merge",
@@ -431,13 +464,38 @@ def _plan_updates(
             module, param = key.rsplit(".", 1)[0], key.rsplit(".", 1)[-1]
             direct = _base_name(module.removesuffix(".base_layer"), param, known)
             target = direct or _base_name(module.removesuffix(".base_layer"), param, known, tied)
+            saved_whole = config.get("modules_to_save") or []
+            trained = _targeted(module, saved_whole)
+            if (
+                direct is None
+                and target is not None
+                and not module.endswith(".base_layer")
+                and not trained
+                and not _targeted(target.removesuffix(".weight"), saved_whole)
+            ):
+                # the output head of a tied pair saved whole (`save_embedding_layers`), neither
+                # side a `modules_to_save` copy: the shared tensor itself, and the tie stays
+                tied_shape = list(base.manifest.by_name[target].shape)
+                if _vocabulary_resized(tied_shape, list(entry.shape)):
+                    resized[target] = list(entry.shape)
+                elif list(entry.shape) != tied_shape:
+                    raise FormatError(
+                        f"{entry.name!r} has shape {list(entry.shape)}, the base weight "
+                        f"{target!r} it is tied to is {tied_shape}",
+                        path=where,
+                        fix="Check that the adapter was trained on this base model.",
+                    )
+                replaced.setdefault(target, entry.name)  # the embedding's own copy first
+                continue
             if direct is None and target is not None and not module.endswith(".base_layer"):
                 # a `modules_to_save` copy of an output head tied to the embedding: peft
                 # trains the copy alone and leaves the embedding as it was, so merged the two
                 # are separate tensors (`merge_and_unload` unties them)
                 alias = next(a for a, t in tied.items() if t == target)
                 tied_shape = list(base.manifest.by_name[target].shape)
-                if list(entry.shape) != tied_shape:
+                if _vocabulary_resized(tied_shape, list(entry.shape)):
+                    resized[alias] = list(entry.shape)
+                elif list(entry.shape) != tied_shape:
                     raise FormatError(
                         f"{entry.name!r} has shape {list(entry.shape)}, the base weight "
                         f"{target!r} it stands beside is {tied_shape}",
@@ -461,7 +519,15 @@ def _plan_updates(
                 assert problem is not None
                 raise problem
             held_shape = base.manifest.by_name[target].shape if target in names else None
-            if held_shape is not None and list(entry.shape) != list(held_shape):
+            if (
+                held_shape is not None
+                and target.endswith(_VOCABULARY)
+                and _vocabulary_resized(list(held_shape), list(entry.shape))
+            ):
+                # the embedding or output head of a resized vocabulary, saved whole: it
+                # replaces the base's (`_check_vocabulary` judges the whole model)
+                resized[target] = list(entry.shape)
+            elif held_shape is not None and list(entry.shape) != list(held_shape):
                 # a copy saved from a base of another size (a larger vocabulary): the merged
                 # model would not load, and peft cannot load the adapter into this base
                 raise FormatError(
@@ -472,7 +538,7 @@ def _plan_updates(
                     "vocabulary: resize the base's embeddings and save it, then merge).",
                 )
             replaced[target] = entry.name
-            if not module.endswith(".base_layer"):
+            if trained:
                 # a copy of an embedding the base ties its output head to: peft trains the
                 # copy alone and the head keeps the embedding's original values
                 for alias in (a for a, t in tied.items() if t == target):
@@ -518,7 +584,8 @@ def _plan_updates(
                 fix="The adapter file is incomplete; save it again.",
             )
         product = [factors[update.b].shape[0], factors[update.a].shape[1]]
-        weight = list(base.manifest.by_name[target].shape)
+        # a LoRA layer on an embedding peft saved resized updates the saved one
+        weight = resized.get(target) or list(base.manifest.by_name[target].shape)
         transposed = _orientation(update, product, weight, model_type, config)
         if transposed is None:
             raise FormatError(
@@ -529,7 +596,60 @@ def _plan_updates(
             )
         update.transposed = transposed
     _check_coverage(base, config, names, updates, where)
-    return updates, replaced, untied
+    _check_vocabulary(base, names, tied, untied, resized, where)
+    return updates, replaced, untied, resized
+
+
+#: the tensors whose rows are the vocabulary: the input embeddings and the output head
+_VOCABULARY = (*_EMBEDDINGS, "lm_head.weight")
+
+
+def _vocabulary_resized(held: list[int], saved: list[int]) -> bool:
+    """Whether a saved `[rows, width]` tensor is the base's `held` one of another vocabulary
+    (`resize_token_embeddings`): the same width, other rows."""
+    return len(held) == len(saved) == 2 and held[1] == saved[1] and held[0] != saved[0]
+
+
+def _check_vocabulary(
+    base: Checkpoint,
+    names: set[str],
+    tied: dict[str, str],
+    untied: dict[str, tuple[str | None, str]],
+    resized: dict[str, list[int]],
+    where: str,
+) -> None:
+    """An adapter trained on a resized vocabulary (`resize_token_embeddings`) merges when it
+    saved every tensor of that vocabulary whole (peft's `save_embedding_layers`, or
+    `modules_to_save` on the embedding and the head): those replace the base's, as peft's
+    `merge_and_unload` on the resized base gives. A vocabulary tensor it did not save would
+    need the rows `resize_token_embeddings` added to the base, which this base does not hold:
+    refused, naming both sizes and the fix."""
+    if not resized:
+        return
+    rows = sorted({shape[0] for shape in resized.values()})
+    vocabulary = sorted(n for n in names if n.endswith(_VOCABULARY) and n not in tied.values())
+    vocabulary += sorted(tied.values())
+    vocabulary += sorted(untied)
+    held = base.manifest.by_name
+    first = next(iter(resized))
+    base_rows = (held[first] if first in held else held[untied[first][1]]).shape[0]
+    missing = [n for n in vocabulary if n not in resized]
+    if len(rows) == 1 and not missing:
+        return
+    saved = ", ".join(repr(n) for n in resized)
+    sizes = " and ".join(str(r) for r in rows)
+    lacking = ", ".join(repr(n) for n in missing)
+    raise FormatError(
+        f"was trained on a resized vocabulary: it holds {saved} for {sizes} tokens, the base "
+        f"holds {base_rows}"
+        + (f", and it holds no {lacking} of that size" if missing else "")
+        + ": the merged model would take rows the base does not have",
+        path=where,
+        fix="Merge into the base the adapter was trained on: if that was this base resized, "
+        f"resize it as training did (`model.resize_token_embeddings({rows[-1]})`), save it "
+        "and merge into that folder, or save the adapter again with "
+        "`save_embedding_layers=True` so it holds the embedding and the output head whole.",
+    )
 
 
 def _targeted(module: str, targets: list[str] | str) -> bool:
@@ -718,7 +838,7 @@ def merge_with(
     )
     try:
         quant = analyse_checkpoint(base_checkpoint.manifest, base_checkpoint.storage)
-        updates, replaced, untied = _plan_updates(
+        updates, replaced, untied, resized = _plan_updates(
             base_checkpoint,
             adapter_checkpoint,
             config,
@@ -730,8 +850,10 @@ def merge_with(
         adapter_checkpoint.close()
         raise
     merged = MergedCheckpoint(
-        base_checkpoint, adapter_checkpoint, updates, replaced, config, untied
+        base_checkpoint, adapter_checkpoint, updates, replaced, config, untied, resized
     )
+    # the vocabulary the adapter was trained on, when it resized the base's
+    vocab_size = next((shape[0] for shape in resized.values()), None)
     companions = _companions(base_source)
     shard = _shard_size(base_checkpoint)
     with merged:
@@ -750,10 +872,15 @@ def merge_with(
             inner.rmdir()
             for rel in companions:
                 data = base_source.storage.read_all(rel)
-                if rel == "config.json" and untied and isinstance(base_config, dict):
-                    # the head is its own tensor now: loaders must not tie it back
-                    untie = {**base_config, "tie_word_embeddings": False}
-                    data = (json.dumps(untie, indent=2, sort_keys=True) + "\n").encode()
+                if rel == "config.json" and (untied or resized) and isinstance(base_config, dict):
+                    written_config = dict(base_config)
+                    if untied:
+                        # the head is its own tensor now: loaders must not tie it back
+                        written_config["tie_word_embeddings"] = False
+                    if vocab_size is not None:
+                        # `resize_token_embeddings` sets it so on the model peft merges
+                        written_config["vocab_size"] = vocab_size
+                    data = (json.dumps(written_config, indent=2, sort_keys=True) + "\n").encode()
                 (staging / rel).write_bytes(data)
                 files.append(FileInfo(path=rel, size=len(data), entries=0))
     return MergeReport(
@@ -773,6 +900,7 @@ def merge_with(
             and w.name not in replaced
             and not (w.name in untied and untied[w.name][0])
         ),
+        vocab_size=vocab_size,
         files=files,
     )
 

@@ -21,3 +21,9 @@ def render_merge(report: MergeReport) -> None:
         f"{report.copied} copied unchanged",
         highlight=False,
     )
+    if report.vocab_size is not None:
+        stdout.print(
+            f"  vocabulary resized to {report.vocab_size} tokens: the adapter's saved "
+            "embedding and output head replace the base's (config.json says so)",
+            highlight=False,
+        )
