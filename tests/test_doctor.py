@@ -1144,3 +1144,29 @@ def test_deepspeed_world_size_change_reads_the_samples_counted(tmp_path: Path) -
             "global_step4 → global_step6 (×0.50): each step now processes less data",
             "global batch ×0.5 but the learning rate ×1 (0.01 → 0.01): not rescaled with it",
         ]
+
+
+def test_a_run_whose_saves_are_all_incomplete_names_them_and_a_fix_that_helps(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A Trainer output_dir whose `checkpoint-N/` hold the weights `save_pretrained` wrote but
+    no `trainer_state.json` yet (written last): doctor said "holds no complete checkpoint to
+    examine. Point at the folder holding the run's step checkpoints", which the user had
+    done. It names each save and what it lacks, says to wait while one is being written, and
+    points at `ckpt inspect` and --before/--after."""
+    run = tmp_path / "out"
+    for step in (2, 4):
+        shutil.copytree(tiny_llama, run / f"checkpoint-{step}")
+    fresh = run_ckpt("doctor", run, "--json")
+    assert fresh.exit_code == 3, fresh.stdout
+    error = fresh.json["error"]
+    assert "checkpoint-2: writing" in error["message"]
+    assert "no trainer_state.json" in error["message"]
+    assert "--settle 0" in error["fix"] and f"ckpt inspect {run}" in error["fix"]
+    assert "Point at the folder holding" not in error["fix"]
+    settled = run_ckpt("doctor", run, "--settle", "0", "--json")
+    assert settled.exit_code == 3, settled.stdout
+    error = settled.json["error"]
+    assert "checkpoint-2: incomplete" in error["message"]
+    assert "checkpoint-4: incomplete" in error["message"]
+    assert "--settle" not in error["fix"] and "--before and --after" in error["fix"]

@@ -123,11 +123,7 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
         report = DoctorReport(run_dir=run_dir, mode="run")
         scan = scan_run(run, settle=DEFAULT_SETTLE if settle is None else settle)
         if not any(c.complete for c in scan.checkpoints):
-            raise NotFoundError(
-                "holds no complete checkpoint to examine",
-                path=run_dir,
-                fix="Point at the folder holding the run's step checkpoints.",
-            )
+            raise _no_complete_save(run_dir, scan.checkpoints)
         saves = []
         for c in scan.checkpoints:
             if c.complete:
@@ -345,6 +341,38 @@ def _examine(
             causes.append(cause)
     report.causes = rank(causes, declared)
     report.verdict = _verdict(report)
+
+
+#: how many of a run's incomplete saves the refusal names before counting the rest
+_NAMED_SAVES = 3
+
+
+def _no_complete_save(run_dir: str, checkpoints: Sequence[RunCheckpoint]) -> NotFoundError:
+    """Why a run folder gives doctor nothing to examine: no step checkpoint at all, or each
+    one incomplete (named, with what it lacks), and the fix that helps in that case."""
+    if not checkpoints:
+        return NotFoundError(
+            "holds no complete checkpoint to examine: no step checkpoints in it",
+            path=run_dir,
+            fix="Point at the folder holding the run's step checkpoints (the Trainer's "
+            "output_dir, accelerate's project dir, torchtitan's checkpoint folder).",
+        )
+    named = "; ".join(f"{c.name}: {c.status} ({c.reason})" for c in checkpoints[:_NAMED_SAVES])
+    more = len(checkpoints) - _NAMED_SAVES
+    writing = any(c.status == "writing" for c in checkpoints)
+    return NotFoundError(
+        f"holds no complete checkpoint to examine: {named}"
+        + (f"; and {more} more" if more > 0 else ""),
+        path=run_dir,
+        fix=(
+            "Run doctor again once the save is written (`--settle 0` when nothing writes "
+            "to the run any more); "
+            if writing
+            else ""
+        )
+        + f"`ckpt inspect {run_dir}` lists each save and what it lacks; to compare two saves "
+        "anyway, name them with --before and --after.",
+    )
 
 
 def _settle_unused(why: str) -> UsageError:
