@@ -756,3 +756,51 @@ def test_merge_of_a_modules_to_save_lm_head_on_tied_embeddings_unties_them_as_pe
         warnings.simplefilter("ignore")
         loaded = LlamaForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
     assert all(torch.equal(loaded[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_merge_reads_a_modules_to_save_wrapper_saved_whole_as_peft_does(
+    tmp_path: Path, tied: bool
+) -> None:
+    """`save_pretrained(save_embedding_layers=True)` with `modules_to_save=["lm_head"]` saves
+    the wrapper whole: `lm_head.modules_to_save.weight` and `lm_head.original_module.weight`
+    beside `lm_head.weight`. `merge` refused with "replaces a base weight
+    'lm_head.modules_to_save.weight' the base does not have" (exit 3). The trained copy is the
+    one merged, the untrained original dropped, equal to `merge_and_unload`."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from .framework_fixtures import tiny_config
+
+    torch.manual_seed(6)
+    config = tiny_config()
+    config.tie_word_embeddings = tied
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    LlamaForCausalLM(config).save_pretrained(base)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"],
+        init_lora_weights=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(LlamaForCausalLM.from_pretrained(base), lora)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "modules_to_save" in name:
+                    param.add_(0.5)
+        model.save_pretrained(adapter, save_embedding_layers=True)
+        assert "base_model.model.lm_head.original_module.weight" in load_file(
+            adapter / "adapter_model.safetensors"
+        )
+        PeftModel.from_pretrained(
+            LlamaForCausalLM.from_pretrained(base), adapter
+        ).merge_and_unload().save_pretrained(tmp_path / "peft-merged")
+    result = run_ckpt("merge", base, adapter, tmp_path / "merged")
+    assert result.exit_code == 0, result.stderr
+    want = load_file(tmp_path / "peft-merged" / "model.safetensors")
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+    written = json.loads((tmp_path / "merged" / "config.json").read_text())
+    expected = json.loads((tmp_path / "peft-merged" / "config.json").read_text())
+    assert written.get("tie_word_embeddings") == expected.get("tie_word_embeddings")
