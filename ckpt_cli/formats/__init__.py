@@ -296,7 +296,7 @@ def detect_format(source: Source) -> str:
                 path=where,
                 fix="Point at the folder the checkpoint was saved to (a model folder, a "
                 "`checkpoint-N/` or `step-N/` save, or a run folder holding them), or at the "
-                "checkpoint file itself (with --format when its suffix is not the format's).",
+                "checkpoint file itself.",
             )
         raise FormatError(
             "is not a checkpoint this tool recognises (no safetensors, DCP .metadata/.distcp "
