@@ -74,6 +74,22 @@ def test_a_folder_without_a_checkpoint_says_what_it_holds_not_pass_format(
         assert not (tmp_path / f"out-{folder.name}").exists()
 
 
+def test_a_file_of_another_suffix_names_the_suffixes_and_where_format_helps(
+    tmp_path: Path,
+) -> None:
+    """A safetensors file saved as `weights.bin2`: every command said "pass --format", which
+    doctor and merge do not have. The error lists the suffixes formats are told by and the
+    commands whose --format reads it; inspect --format safetensors does."""
+    _model(tmp_path / "weights.bin2")
+    for args in (["inspect"], ["doctor"]):
+        result = run_ckpt(*args, tmp_path / "weights.bin2")
+        assert result.exit_code == 4, result.stderr
+        assert "none of the suffixes a format is told by (.safetensors" in result.stderr
+        assert "--format where the command has one (inspect, verify" in result.stderr
+    read = run_ckpt("inspect", tmp_path / "weights.bin2", "--format", "safetensors")
+    assert read.exit_code == 0, read.stderr
+
+
 @pytest.mark.parametrize(
     "header",
     [

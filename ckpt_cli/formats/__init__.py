@@ -298,11 +298,20 @@ def detect_format(source: Source) -> str:
                 "`checkpoint-N/` or `step-N/` save, or a run folder holding them), or at the "
                 "checkpoint file itself.",
             )
+        name = source.target or ""
+        suffixed = any(p.fullmatch(name.rsplit("/", 1)[-1]) for p in DETECT_NAMES.values())
         raise FormatError(
-            "is not a checkpoint this tool recognises (no safetensors, DCP .metadata/.distcp "
-            "or torch.save files found)",
+            "is not a checkpoint this tool recognises"
+            + (
+                ""
+                if suffixed
+                else ": its name has none of the suffixes a format is told by (.safetensors, "
+                ".pt, .pth, .bin, .ckpt, .pkl, .gguf, .distcp, .metadata, a shard index)"
+            ),
             path=where,
-            fix="Point at the checkpoint file or folder, or pass --format.",
+            fix="Point at the checkpoint file or folder; a checkpoint under another name is "
+            "read with --format where the command has one (inspect, verify, convert, reshard, "
+            "diff), or renamed with its format's suffix.",
         )
     raise FormatError(
         f"looks like more than one format ({', '.join(matches)})",
