@@ -6,9 +6,11 @@ embeddings and transformers' `Conv1D` layers, which peft decides per layer), wit
 `scaling = lora_alpha / r` (`/ sqrt(r)` with rsLoRA, per-module `rank_pattern` /
 `alpha_pattern` honoured), computed and rounded into the base weight's dtype exactly as peft's
 `lora.Linear` / `lora.Embedding` merge does on CPU; weights listed in `modules_to_save` are
-replaced by the adapter's copy; every other tensor is copied as raw bytes. Peak memory is one
-base weight plus its two low-rank factors. A LoRA target whose base weight is quantized is
-refused before anything is written: an update added to quantized codes is wrong data.
+replaced by the adapter's copy (of a resized vocabulary too, when the adapter holds every
+vocabulary tensor whole: `config.json` then says its `vocab_size`); every other tensor is
+copied as raw bytes. Peak memory is one base weight plus its two low-rank factors. A LoRA
+target whose base weight is quantized is refused before anything is written: an update added
+to quantized codes is wrong data.
 
 The output keeps the base's naming (one `model.safetensors`, or its shard size and index) and
 carries the base's non-weight files (`config.json`, tokenizer, generation config), so it loads
