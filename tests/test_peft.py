@@ -804,3 +804,52 @@ def test_merge_reads_a_modules_to_save_wrapper_saved_whole_as_peft_does(
     written = json.loads((tmp_path / "merged" / "config.json").read_text())
     expected = json.loads((tmp_path / "peft-merged" / "config.json").read_text())
     assert written.get("tie_word_embeddings") == expected.get("tie_word_embeddings")
+
+
+def test_merge_of_a_resized_vocabulary_carries_the_tokenizer_that_holds_the_new_tokens(
+    tmp_path: Path,
+) -> None:
+    """The recipe for new tokens: `tokenizer.add_tokens`, `resize_token_embeddings(len(
+    tokenizer))`, LoRA, then the adapter and the tokenizer saved together. The merged model
+    has the new rows; the base's tokenizer (carried as for any merge) has no tokens for them.
+    The adapter folder's tokenizer is carried instead, so DEST's tokenizer and model agree."""
+    from peft import LoraConfig, get_peft_model
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from .framework_fixtures import tiny_config
+
+    torch.manual_seed(7)
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    LlamaForCausalLM(tiny_config()).save_pretrained(base)
+    vocab = {f"w{i}": i for i in range(63)} | {"<unk>": 63}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>"
+    )
+    tokenizer.save_pretrained(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer.add_tokens([f"new{i}" for i in range(8)])
+        model = LlamaForCausalLM.from_pretrained(base)
+        model.resize_token_embeddings(len(tokenizer))
+        lora = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj"],
+            modules_to_save=["embed_tokens", "lm_head"], init_lora_weights=False,
+        )  # fmt: skip
+        get_peft_model(model, lora).save_pretrained(adapter)
+        tokenizer.save_pretrained(adapter)
+    result = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["vocab_size"] == 72 and "tokenizer.json" in report["tokenizer_from_adapter"]
+    merged_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    assert len(merged_tokenizer) == 72
+    assert merged_tokenizer.convert_tokens_to_ids("new7") == 71
+    assert (tmp_path / "merged" / "tokenizer.json").read_bytes() == (
+        adapter / "tokenizer.json"
+    ).read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path / "merged")
+    assert loaded.get_input_embeddings().weight.shape[0] == len(merged_tokenizer)

@@ -41,10 +41,11 @@ from ..progress import NULL_PROGRESS, Progress
 from ..quant import QuantAnalysis, analyse_checkpoint, label
 from ..sources.layouts.base import open_plain
 from ..sources.layouts.model_folders import read_json
+from ..sources.model_files import MAX_EXTRA_BYTES
 from ..sources.runs.records import is_checksum_manifest
 from ..storage.output import local_destination, resolve_destination, staged_output
 from ..storage.uri import parse_location
-from .convert.plan import guard_paths
+from .convert.plan import SERVING_FILES, guard_paths
 from .shared.transfer import plan_transfer
 from .shared.transfer import write_checkpoint as run_write
 
@@ -82,6 +83,8 @@ class MergeReport(Record):
         vocab_size: the vocabulary the merged model holds when the adapter was trained on a
             resized one (its saved embedding and output head, of that many rows, replace the
             base's, and `config.json` says it); None when the base's is kept.
+        tokenizer_from_adapter: with `vocab_size`, the tokenizer files carried from the adapter
+            folder in place of the base's (the tokenizer that holds the added tokens).
         files: the files written (weights and carried companions).
     """
 
@@ -96,6 +99,7 @@ class MergeReport(Record):
     replaced: list[str] = Field(default_factory=list)
     copied: int = 0
     vocab_size: int | None = None
+    tokenizer_from_adapter: list[str] = Field(default_factory=list)
     files: list[FileInfo] = Field(default_factory=list)
 
 
@@ -857,6 +861,19 @@ def merge_with(
     # the vocabulary the adapter was trained on, when it resized the base's
     vocab_size = next((shape[0] for shape in resized.values()), None)
     companions = _companions(base_source)
+    # a resized vocabulary's tokens are in the tokenizer saved beside the adapter (the recipe:
+    # `tokenizer.add_tokens`, `resize_token_embeddings(len(tokenizer))`, both saved), not
+    # in the base's: the adapter's tokenizer files replace the base's whole set
+    tokenizer_files = frozenset(n for n in SERVING_FILES if n != "generation_config.json")
+    from_adapter = [
+        n
+        for n in sorted(tokenizer_files)
+        if vocab_size is not None
+        and (adapter_source.files.get(n) or 0) <= MAX_EXTRA_BYTES
+        and n in adapter_source.files
+    ]
+    if from_adapter:
+        companions = [c for c in companions if c not in tokenizer_files]
     shard = _shard_size(base_checkpoint)
     with merged:
         # written as Hugging Face libraries save weights, so `from_pretrained(DEST)` loads it
@@ -872,6 +889,10 @@ def merge_with(
             for child in inner.iterdir():
                 child.rename(staging / child.name)
             inner.rmdir()
+            for rel in from_adapter:
+                data = adapter_source.storage.read_all(rel)
+                (staging / rel).write_bytes(data)
+                files.append(FileInfo(path=rel, size=len(data), entries=0))
             for rel in companions:
                 data = base_source.storage.read_all(rel)
                 if rel == "config.json" and (untied or resized) and isinstance(base_config, dict):
@@ -903,6 +924,7 @@ def merge_with(
             and not (w.name in untied and untied[w.name][0])
         ),
         vocab_size=vocab_size,
+        tokenizer_from_adapter=from_adapter,
         files=files,
     )
 

@@ -27,3 +27,8 @@ def render_merge(report: MergeReport) -> None:
             "embedding and output head replace the base's (config.json says so)",
             highlight=False,
         )
+    if report.tokenizer_from_adapter:
+        stdout.print(
+            f"  tokenizer from the adapter folder: {', '.join(report.tokenizer_from_adapter)}",
+            highlight=False,
+        )
