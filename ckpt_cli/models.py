@@ -6,15 +6,15 @@ metadata alone, with where each entry's bytes live.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal, Self, SupportsIndex, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, PrivateAttr, model_validator
 
 from .dtypes import FLOATING, numel
-from .problems import CODES
+from .problems import CODES, Severity
 from .problems import check as check_code
 
 
@@ -496,6 +496,115 @@ class Problem(Record):
     def _known_code(self) -> Problem:
         check_code(self.code, self.severity)
         return self
+
+    @property
+    def stands_for(self) -> int:
+        """How many problems this entry reports: 1, or the count a `ProblemSummary` sums up."""
+        return 1
+
+
+#: problems of one code (and severity) a `ProblemList` lists; the rest are counted, not kept
+MAX_EXAMPLES = 100
+
+
+class ProblemSummary(Problem):
+    """The problems of one code past the first `MAX_EXAMPLES` that a `ProblemList` kept: one
+    entry saying how many more there are (`… and 999,900 more missing_tensor problems`).
+
+    In the JSON output it is an ordinary problem (same code and severity; `file` where all of
+    them name one file); the count is also kept out of band (`stands_for`), so another
+    `ProblemList` the entry is added to adds the count to its own."""
+
+    _omitted: int = PrivateAttr(default=0)
+
+    @property
+    def stands_for(self) -> int:
+        return self._omitted
+
+    def count(self, more: int, file: str | None) -> None:
+        """`more` problems of this code (about `file`) left out besides."""
+        self._omitted += more
+        if self.file is not None and file != self.file:
+            self.file = None
+        self.message = (
+            f"… and {self._omitted:,} more {self.code} problems (the first {MAX_EXAMPLES} are "
+            "listed; a report keeps that many of each code)"
+        )
+
+
+class ProblemList(list[Problem]):
+    """A list of problems that keeps at most `MAX_EXAMPLES` of each code and severity, and
+    one `ProblemSummary` counting the rest: what a check collects and `verify` reports, so a
+    checkpoint crafted with a million bad entries costs ckpt a few hundred problems of memory,
+    not a million (#budgets: no input chooses ckpt's memory).
+
+    Every problem added goes through `append` (`extend`, `+=` and `insert` too); one that is
+    itself a `ProblemSummary` (from another list) adds its count. The verdict is unchanged:
+    every code found is listed, and `stands_for` sums to the number of problems found.
+    """
+
+    def __init__(self, problems: Iterable[Problem] = ()) -> None:
+        super().__init__()
+        self._listed: dict[tuple[str, str], int] = {}
+        self._summaries: dict[tuple[str, str], ProblemSummary] = {}
+        self.extend(problems)
+
+    def full(self, code: str, severity: Severity = "error") -> bool:
+        """Whether a problem of `code` at `severity` would only be counted (so a caller may
+        skip building it: `add_counted`)."""
+        return self._listed.get((code, severity), 0) >= MAX_EXAMPLES
+
+    def add_counted(self, code: str, severity: Severity, file: str | None) -> None:
+        """Count one more problem of `code` at `severity` about `file`, listed or not (for a
+        caller that found `full` true and built no `Problem`)."""
+        key = (code, severity)
+        summary = self._summaries.get(key)
+        if summary is None:
+            summary = ProblemSummary(code=code, message="", file=file, severity=severity)
+            self._summaries[key] = summary
+            super().append(summary)
+        summary.count(1, file)
+
+    def append(self, problem: Problem) -> None:
+        key = (problem.code, problem.severity)
+        if isinstance(problem, ProblemSummary):
+            self._merge(key, problem)
+            return
+        listed = self._listed.get(key, 0)
+        if listed < MAX_EXAMPLES:
+            self._listed[key] = listed + 1
+            super().append(problem)
+        else:
+            self.add_counted(problem.code, problem.severity, problem.file)
+
+    def _merge(self, key: tuple[str, str], summary: ProblemSummary) -> None:
+        mine = self._summaries.get(key)
+        if mine is None:
+            mine = summary.model_copy()
+            mine._omitted = 0
+            self._summaries[key] = mine
+            super().append(mine)
+        mine.count(summary.stands_for, summary.file)
+
+    def extend(self, problems: Iterable[Problem]) -> None:
+        for problem in problems:
+            self.append(problem)
+
+    def __iadd__(self, problems: Iterable[Problem]) -> Self:  # type: ignore[override,misc]
+        self.extend(problems)
+        return self
+
+    def insert(self, index: SupportsIndex, problem: Problem) -> None:
+        if isinstance(problem, ProblemSummary) or self.full(problem.code, problem.severity):
+            self.append(problem)  # counted: the summary keeps its place
+            return
+        key = (problem.code, problem.severity)
+        self._listed[key] = self._listed.get(key, 0) + 1
+        super().insert(index, problem)
+
+    def found(self, severity: Severity) -> int:
+        """How many problems of `severity` were found, listed or counted."""
+        return sum(p.stands_for for p in self if p.severity == severity)
 
 
 class OptimizerState(Record):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 from .errors import CkptError, FormatError
 
 if TYPE_CHECKING:
-    from .models import Problem
+    from .models import Problem, ProblemList
 
 #: how bad a problem is: an error fails `verify` (exit 1); a warning is reported, exit 0
 Severity = Literal["error", "warning"]
@@ -175,7 +175,7 @@ CODES: dict[str, Code] = _codes(
     ),
     Code(
         "megatron_common_clash",
-        _E,
+        _W,
         "a common.pt key is also a sharded entry (the sharded one is read)",
     ),
     Code("megatron_metadata", _E, "Megatron-Core's metadata.json cannot be read"),
@@ -294,8 +294,12 @@ class Findings:
     """
 
     def __init__(self, strict: bool = True):
+        from .models import ProblemList
+
         self.strict = strict
-        self.problems: list[Problem] = []
+        #: at most `models.MAX_EXAMPLES` of each code, the rest counted (a header of a million
+        #: bad entries is a hundred problems and a count, not a million problems)
+        self.problems: ProblemList = ProblemList()
 
     @property
     def thorough(self) -> bool:
@@ -318,6 +322,9 @@ class Findings:
 
         if self.strict:
             raise FormatError(problem, path=file, fix=fix)
+        if self.problems.full(code, severity):  # only counted: nothing to build
+            self.problems.add_counted(code, severity, file)
+            return
         error = FormatError(problem, path=file, fix=fix)
         self.problems.append(
             Problem(code=code, message=error.message, file=file, tensor=tensor, severity=severity)

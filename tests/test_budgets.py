@@ -518,12 +518,89 @@ def test_an_index_naming_300_000_missing_shards_is_verified_in_linear_time(tmp_p
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     run = ckpt_limited("verify", folder, "--json")
     assert run.exit_code == 1, run.stderr
-    problems = run.json["result"]["problems"]
-    missing = [p for p in problems if p["code"] == "missing_shard"]
-    assert len(missing) == 300_000
+    result = run.json["result"]
+    missing = [p for p in result["problems"] if p["code"] == "missing_shard"]
+    # the first 100 listed, the other 299,900 counted in one entry of the same code
+    assert len(missing) == 101
     assert missing[0]["file"] == str(folder / "f0.safetensors")
     assert "maps 1 tensors to it (t0)" in missing[0]["message"]
+    assert "… and 299,900 more missing_shard problems" in missing[-1]["message"]
+    assert result["errors"] == 300_000
     assert run.cpu_s < CPU_LIMIT
+
+
+def _index_naming_missing_tensors(folder: Path, count: int) -> Path:
+    """A real one-shard safetensors save whose index also maps `count` tensors no shard holds."""
+    folder.mkdir()
+    shard = "model-00001-of-00001.safetensors"
+    save_file({"a": torch.ones(2)}, str(folder / shard))
+    index = folder / "model.safetensors.index.json"
+    # streamed: a `ckpt` process forked from a test holding the map counts it in its peak RSS
+    with index.open("w") as out:
+        out.write(f'{{"metadata": {{}}, "weight_map": {{"a": "{shard}"')
+        for i in range(count):
+            out.write(f', "model.layers.{i}.weight": "{shard}"')
+        out.write("}}")
+    return index
+
+
+def test_an_index_naming_200_000_missing_tensors_is_verified_in_bounded_memory(
+    tmp_path: Path,
+) -> None:
+    # verify held one Problem per missing tensor (and --json dumped them all): 200,000 took
+    # ~520 MB of RSS, a million ~1.5 GB; a report keeps 100 of each code and counts the rest
+    index = _index_naming_missing_tensors(tmp_path / "model", 200_000)
+    run = ckpt_limited("verify", tmp_path / "model", "--json")
+    assert run.exit_code == 1, run.stderr
+    doc = run.json
+    assert doc["ok"] is False
+    result = doc["result"]
+    assert result["ok"] is False
+    assert result["errors"] == 200_000
+    missing = [p for p in result["problems"] if p["code"] == "missing_tensor"]
+    assert len(result["problems"]) == len(missing) == 101
+    assert "'model.layers.0.weight'" in missing[0]["message"]
+    summary = missing[-1]
+    assert summary["severity"] == "error"
+    assert summary["file"] == str(index)
+    assert "… and 199,900 more missing_tensor problems" in summary["message"]
+    assert run.peak_rss < 256 << 20, f"peak RSS {run.peak_rss:,}"
+    # the human report says the same: the verdict counts all of them, 50 listed
+    human = ckpt_limited("verify", tmp_path / "model")
+    assert human.exit_code == 1, human.stderr
+    assert "FAILED: 200000 problems" in human.stdout
+    assert "… 199,950 more missing_tensor (--json lists the first 100" in human.stdout
+    assert human.peak_rss < 256 << 20, f"peak RSS {human.peak_rss:,}"
+
+
+def test_a_shard_header_of_200_000_bad_entries_is_verified_in_bounded_memory(
+    tmp_path: Path,
+) -> None:
+    # each entry says 4 bytes of F32[1] and spans 8: a size_mismatch per tensor of one header
+    # (streamed: a `ckpt` process forked from a test holding it counts it in its peak RSS)
+    shard = tmp_path / "model.safetensors"
+    with shard.open("wb") as out:
+        out.write(bytes(8))
+        for i in range(200_000):
+            entry = f'"t{i}": {{"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}}'
+            out.write(("{" if i == 0 else ", ").encode() + entry.encode())
+        out.write(b"}")
+        length = out.tell() - 8
+        out.write(bytes(8))
+        out.seek(0)
+        out.write(struct.pack("<Q", length))
+    run = ckpt_limited("verify", shard, "--json")
+    assert run.exit_code == 1, run.stderr
+    result = run.json["result"]
+    codes: dict[str, list[dict[str, Any]]] = {}
+    for problem in result["problems"]:
+        codes.setdefault(problem["code"], []).append(problem)
+    assert "size_mismatch" in codes
+    for code, listed in codes.items():
+        assert len(listed) <= 101, code
+    assert "more size_mismatch problems" in codes["size_mismatch"][-1]["message"]
+    assert result["errors"] >= 200_000
+    assert run.peak_rss < 256 << 20, f"peak RSS {run.peak_rss:,}"
 
 
 def test_an_index_naming_a_shard_longer_than_any_file_name_is_exit_4(tmp_path: Path) -> None:

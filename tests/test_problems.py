@@ -139,3 +139,33 @@ def test_the_json_schema_documents_the_codes() -> None:
     schema = json.loads((REPO / "schema" / "ckpt-json.schema.json").read_text())
     problem = schema["$defs"]["Problem"]["properties"]["code"]
     assert problem["enum"] == sorted(CODES)
+
+
+def test_a_problem_list_keeps_100_of_each_code_and_counts_the_rest() -> None:
+    # what bounds verify's memory on a checkpoint crafted with a million bad entries
+    from ckpt_cli.models import MAX_EXAMPLES, ProblemList
+
+    def missing(i: int, file: str = "model.safetensors.index.json") -> Problem:
+        return Problem(code="missing_tensor", message=f"t{i} is missing", file=file, tensor=f"t{i}")
+
+    first = ProblemList(missing(i) for i in range(250))
+    first.append(Problem(code="total_size", message="off", severity="warning"))
+    assert [p.code for p in first].count("missing_tensor") == MAX_EXAMPLES + 1
+    summary = first[MAX_EXAMPLES]
+    assert summary.stands_for == 150 and summary.file == "model.safetensors.index.json"
+    assert "… and 150 more missing_tensor problems" in summary.message
+    assert first[-1].code == "total_size"  # other codes are listed after it as before
+    assert first.found("error") == 250 and first.found("warning") == 1
+    # another list takes the examples it has room for and adds the rest to its own count,
+    # whether it gets the first list itself or a plain copy of it
+    second = ProblemList(missing(i, "other.json") for i in range(40))
+    second.extend([p.model_copy() for p in first])
+    assert second.found("error") == 290 and len(second) == MAX_EXAMPLES + 2
+    merged = [p for p in second if p.stands_for != 1]
+    assert len(merged) == 1 and merged[0].stands_for == 190
+    assert merged[0].file == "model.safetensors.index.json"  # all the counted ones name it
+    second.append(missing(999, "third.json"))
+    assert merged[0].file is None  # now they name two files
+    assert "… and 191 more missing_tensor problems" in merged[0].message
+    # the summary is an ordinary problem in JSON: the shape (and schema) is unchanged
+    assert set(json.loads(merged[0].model_dump_json())) == set(Problem.model_fields)

@@ -43,7 +43,12 @@ def render_verify(report: VerifyReport) -> None:
         stdout.print(f"manifest written: {report.manifest}")
     render_ranks(report.ranks, verb="hashed")
     shown: dict[str, int] = {}
+    found: dict[str, int] = {}
     for problem in report.problems:
+        # a summary entry (`ProblemSummary`) stands for the problems of its code --json leaves out
+        found[problem.code] = found.get(problem.code, 0) + problem.stands_for
+        if problem.stands_for != 1:
+            continue
         shown[problem.code] = shown.get(problem.code, 0) + 1
         if shown[problem.code] > MAX_PER_CODE:
             continue
@@ -57,6 +62,12 @@ def render_verify(report: VerifyReport) -> None:
             highlight=False,
             soft_wrap=True,
         )
-    for code, count in shown.items():
+    for code, count in found.items():
         if count > MAX_PER_CODE:
-            stdout.print(f"  [dim]… {count - MAX_PER_CODE} more {code} (see --json)[/]")
+            listed = shown[code]
+            where = (
+                "see --json"
+                if listed == count
+                else f"--json lists the first {listed:,} and counts the rest"
+            )
+            stdout.print(f"  [dim]… {count - MAX_PER_CODE:,} more {code} ({where})[/]")

@@ -9,7 +9,7 @@ from typing import Any
 from ... import dtypes
 from ...errors import FormatError
 from ...heap import gc_paused
-from ...models import Chunk, Entry
+from ...models import Chunk, Entry, ProblemList
 from ...storage import Storage, safe_relpath
 from ..base import Source
 from ..safetensors.format import is_dcp_hf_sharded
@@ -153,7 +153,7 @@ def analysed(source: Source) -> Layout:
     return dataclasses.replace(
         layout,
         entries=list(layout.entries),
-        problems=list(layout.problems),
+        problems=ProblemList(layout.problems),
         serialization=set(layout.serialization),
         transforms=dict(layout.transforms),
     )

@@ -9,7 +9,8 @@ from typing import Any
 
 from ...dist.placement import Box
 from ...errors import FormatError
-from ...models import Chunk, Entry, Problem
+from ...models import Chunk, Entry, Problem, ProblemList
+from ...problems import Severity
 from ..names import DCP_DATA_SUFFIX, DCP_METADATA
 from ..safetensors.format import DCP_HF_SHARD
 
@@ -65,7 +66,8 @@ class Layout:
     """What `.metadata` plus the file listing (plus embedded safetensors headers) say."""
 
     entries: list[Entry] = field(default_factory=list)
-    problems: list[Problem] = field(default_factory=list)
+    #: at most `MAX_EXAMPLES` of each code, the rest counted (see `ProblemList`)
+    problems: list[Problem] = field(default_factory=ProblemList)
     serialization: set[str] = field(default_factory=set)
     files: dict[str, int] = field(default_factory=dict)
     planner_data: Any = None
@@ -76,9 +78,16 @@ class Layout:
     transforms: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def problem(
-        self, code: str, message: str, file: str | None = None, tensor: str | None = None
+        self,
+        code: str,
+        message: str,
+        file: str | None = None,
+        tensor: str | None = None,
+        severity: Severity = "error",
     ) -> None:
-        self.problems.append(Problem(code=code, message=message, file=file, tensor=tensor))
+        self.problems.append(
+            Problem(code=code, message=message, file=file, tensor=tensor, severity=severity)
+        )
 
 
 def is_count(value: Any) -> bool:

@@ -79,8 +79,8 @@ def read_megatron_common(storage: Storage, listing: dict[str, int], layout: Layo
                 f"{MEGATRON_COMMON} key {key!r} is also a sharded entry; the sharded one is read",
                 file=MEGATRON_COMMON,
                 tensor=key,
+                severity="warning",
             )
-            layout.problems[-1] = layout.problems[-1].model_copy(update={"severity": "warning"})
             continue
         layout.entries.append(
             Entry.checked(

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import dtypes
 from ...errors import FormatError, NotFoundError
-from ...models import Entry, FileInfo, Manifest, Problem
+from ...models import Entry, FileInfo, Manifest, Problem, ProblemList
 from ...storage.fileio import COPY_BLOCK
 from ..base import Checkpoint, Format, Source
 from ..details import GgufDetails
@@ -600,7 +600,7 @@ class GgufFormat(Format):
                 path=where,
                 fix="Check the path, or leave -f/--format out to detect the format.",
             )
-        problems: list[Problem] = []
+        problems: list[Problem] = ProblemList()
         entries: list[Entry] = []
         infos: list[FileInfo] = []
         kv: dict[str, Any] = {}

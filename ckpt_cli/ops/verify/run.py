@@ -25,7 +25,7 @@ from ...errors import CkptError, CorruptDataError, UnsafeInputError, UsageError
 from ...formats import choose_format, get_format, resolve_source
 from ...formats.base import Checkpoint, Source
 from ...heap import gc_paused
-from ...models import Problem, Record, Request, TrainingState
+from ...models import Problem, ProblemList, Record, Request, TrainingState
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts import OpenedSource, SourceOpener, check_source, recognise_layout
 from ...storage.hashing import ALGORITHMS
@@ -65,8 +65,9 @@ class VerifyReport(Record):
         manifest_written: `--write-manifest` wrote the manifest (False when problems stopped it).
         nonfinite: tensors holding NaN or Inf (`--deep`).
         training: the training state, when the source is a training checkpoint.
-        problems: every problem found, errors and warnings.
-        errors / warnings: counts by severity.
+        problems: every problem found, errors and warnings; past the first 100 of one code
+            (and severity), one more entry of that code says how many more there are.
+        errors / warnings: counts by severity (of every problem found, listed or not).
         ranks: under torchrun, which files each rank hashed (empty in a single-process run).
     """
 
@@ -264,8 +265,8 @@ def verify_with(
     if parity is not None:
         _parity_problems(report, problems, parity)
     report.problems = problems
-    report.errors = sum(1 for p in problems if p.severity == "error")
-    report.warnings = len(problems) - report.errors
+    report.errors = problems.found("error")
+    report.warnings = problems.found("warning")
     report.ok = report.errors == 0
     return report
 
@@ -287,17 +288,19 @@ def structural_errors(source: Source) -> list[Problem]:
 @gc_paused()  # builds and walks the manifest (a million DCP chunks), no cycles: see `heap`
 def _structure(
     source: Source, format: str | None, opener: SourceOpener, opened: OpenedSource | None
-) -> tuple[str, Source, list[Problem]]:
+) -> tuple[str, Source, ProblemList]:
     """The structural checks: (the format or layout name, the checkpoint's source, problems)."""
     if opened is not None:
         training = opened.training
         name = training.layout if training else opened.checkpoint.manifest.format
-        return name, source, check_source(source, opened=opened)
+        return name, source, ProblemList(check_source(source, opened=opened))
     name = choose_format(source, format)
     fmt = get_format(name)
     # SRC named the .metadata or one .distcp file: the checkpoint is the folder
     source = fmt.checkpoint_source(source)
-    problems = list(fmt.check(source))
+    # at most `MAX_EXAMPLES` of each code, the rest counted: a checkpoint crafted with a
+    # million bad entries is reported in bounded memory, every code still listed
+    problems = ProblemList(fmt.check(source))
     if fmt.object_bytes and not any(p.severity == "error" for p in problems):
         problems.extend(object_problems(opener))
     return name, source, problems
