@@ -198,3 +198,60 @@ def test_a_manifest_nested_past_pythons_limit_is_exit_4_naming_it(
     message = " ".join(run.stderr.split())
     assert str(manifest) in message and "not a valid ckpt parity manifest" in message
     assert "internal error" not in message
+
+
+@pytest.mark.parametrize("command", [["verify", "--checksums"], ["repair", "--dry-run"]])
+def test_a_1_gib_manifest_is_refused_before_it_is_read(tmp_path: Path, command: list[str]) -> None:
+    # the manifest was read whole whatever its size: a sparse 1 GiB file (no disk) took 1 GiB
+    # of memory before json said it was not JSON
+    manifest = _protected_2kb_checkpoint(tmp_path / "model")
+    with open(manifest, "r+b") as fh:
+        fh.truncate(1 << 30)
+    run = run_bounded(tmp_path, command[0], tmp_path / "model", *command[1:])
+    assert run.code == 4, run.stdout + run.stderr
+    message = " ".join(run.stderr.split())
+    assert str(manifest) in message, message
+    assert "1,073,741,824 bytes" in message and "268,435,456" in message, message
+    assert "ckpt protect" in message and "--force" in message, message
+    assert "internal error" not in message
+    assert run.peak_mib < SMALL_PEAK_MIB and run.cpu_s < 30
+
+
+@pytest.mark.parametrize("command", [["verify", "--checksums"], ["repair", "--dry-run"]])
+def test_a_manifest_of_millions_of_empty_lists_is_refused_before_it_is_parsed(
+    tmp_path: Path, command: list[str]
+) -> None:
+    # 15 MB of `[], ` parse to 4 million lists (~400 MB) before pydantic refuses the shape
+    manifest = _protected_2kb_checkpoint(tmp_path / "model")
+    manifest.write_text('{"files": [' + "[], " * 4_000_000 + "[]]}")
+    run = run_bounded(tmp_path, command[0], tmp_path / "model", *command[1:])
+    assert run.code == 4, run.stdout + run.stderr
+    message = " ".join(run.stderr.split())
+    assert str(manifest) in message and "JSON arrays and objects" in message, message
+    assert "ckpt protect" in message and "--force" in message, message
+    assert run.peak_mib < SMALL_PEAK_MIB and run.cpu_s < 30
+
+
+def test_protect_refuses_blocks_so_small_that_repair_would_refuse_the_manifest(
+    tmp_path: Path,
+) -> None:
+    # a 30 GiB tensor (a sparse file: no disk) in 4 KiB blocks is 7.9 million digests, a
+    # manifest over the 256 MiB verify and repair read: refused before a byte is hashed
+    folder = tmp_path / "model"
+    folder.mkdir()
+    size = 30 << 30
+    header = json.dumps({"w": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}})
+    raw = header.encode() + b" " * (-len(header) % 8)
+    shard = folder / "model.safetensors"
+    with open(shard, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little") + raw)
+        fh.truncate(8 + len(raw) + size)
+    run = run_bounded(tmp_path, "protect", folder, "--block-size", "4KiB", "--dry-run")
+    assert run.code == 2, run.stdout + run.stderr
+    message = " ".join(run.stderr.split())
+    assert "parity.index.json" in message and "268,435,456" in message, message
+    assert "--block-size 8KiB" in message, message
+    assert run.cpu_s < 30
+    # what it suggests is taken
+    run = run_bounded(tmp_path, "protect", folder, "--block-size", "8KiB", "--dry-run")
+    assert run.code == 0, run.stdout + run.stderr

@@ -25,6 +25,16 @@ CODEC = "pyeclib"
 EC_TYPE = "isa_l_rs_cauchy"
 #: blocks of the longest file at least (smaller blocks for small files: less padding)
 MIN_BLOCKS_PER_FILE = 64
+#: the largest parity manifest read (as weight-map indexes are capped): a block's digest takes
+#: 36 bytes of it, so this is 7 million blocks (7 TiB of checkpoint in 1 MiB blocks); `protect`
+#: refuses to write a larger one (a larger --block-size makes it smaller)...
+MAX_MANIFEST_BYTES = 256 << 20
+#: ... and the most `[` and `{` it may hold (two per file and per parity share): a JSON of
+#: nested or empty lists parses to ~100 bytes of objects per byte
+MAX_MANIFEST_CONTAINERS = 1_000_000
+#: bytes of the manifest per block digest (`"<32 hex>", `) and at most per file besides
+MANIFEST_BYTES_PER_BLOCK = 36
+MANIFEST_BYTES_PER_FILE = 256
 #: threads reading and hashing the blocks of one stripe (hashlib and xxhash release the GIL)
 HASH_THREADS = min(8, max(2, os.cpu_count() or 2))
 

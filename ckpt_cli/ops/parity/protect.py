@@ -36,7 +36,11 @@ from .model import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_PARITY,
     HASH_THREADS,
+    MANIFEST_BYTES_PER_BLOCK,
+    MANIFEST_BYTES_PER_FILE,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_CONTAINERS,
     MAX_PARITY,
     ParityManifest,
     ProtectedFile,
@@ -350,7 +354,47 @@ def _prepare(
         files=files,
         shares=[],
     )
+    _check_manifest_budget(manifest, storage.describe(target.manifest_rel))
     return target, manifest
+
+
+def manifest_bytes(m: ParityManifest, block_size: int | None = None) -> int:
+    """At most how many bytes `m`'s manifest takes once every digest is in (with blocks of
+    `block_size`, by default its own): what `read_parity_manifest` must accept."""
+    block = block_size or m.block_size
+    blocks = sum(-(-f.size // block) for f in m.files)
+    stripes = -(-blocks // m.width) if block_size else m.stripes
+    # a block digest is 36 bytes; a file's path (JSON-escaped), size, sha256 and keys fit
+    # in MANIFEST_BYTES_PER_FILE besides; the top-level fields in 4 KiB
+    per_file = sum(len(json.dumps(f.path)) + MANIFEST_BYTES_PER_FILE for f in m.files)
+    shares = m.parity * (stripes * MANIFEST_BYTES_PER_BLOCK + MANIFEST_BYTES_PER_FILE)
+    return blocks * MANIFEST_BYTES_PER_BLOCK + per_file + shares + 4096
+
+
+def _check_manifest_budget(m: ParityManifest, where: str) -> None:
+    """Refuse a layout whose manifest `verify` and `repair` would refuse to read (too many
+    blocks or files for `MAX_MANIFEST_BYTES`, `MAX_MANIFEST_CONTAINERS`), before any read."""
+    containers = 1 + 2 * (len(m.files) + m.parity)
+    containers += sum(f.path.count("[") + f.path.count("{") for f in m.files)
+    if containers > MAX_MANIFEST_CONTAINERS:
+        raise UsageError(
+            f"{len(m.files):,} files are more than one parity manifest holds (at most "
+            f"{MAX_MANIFEST_CONTAINERS:,} JSON arrays and objects, two per file)",
+            path=where,
+            fix="Protect the checkpoint's subfolders one at a time.",
+        )
+    need = manifest_bytes(m)
+    if need <= MAX_MANIFEST_BYTES:
+        return
+    block = m.block_size
+    while block < 1 << 30 and manifest_bytes(m, block) > MAX_MANIFEST_BYTES:
+        block *= 2
+    raise UsageError(
+        f"blocks of {m.block_size:,} bytes make a parity manifest of up to {need:,} bytes, "
+        f"more than the {MAX_MANIFEST_BYTES:,} verify and repair read",
+        path=where,
+        fix=f"Use a larger --block-size (--block-size {block >> 10}KiB or more).",
+    )
 
 
 def _report(

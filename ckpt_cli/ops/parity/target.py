@@ -34,6 +34,8 @@ from .model import (
     BLOCK_ALIGN,
     CODEC,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_CONTAINERS,
     MAX_PARITY,
     MAX_WIDTH,
     PARITY_VERSION,
@@ -116,10 +118,32 @@ def parity_dest(target: ParityTarget) -> Destination:
 def read_parity_manifest(target: ParityTarget) -> ParityManifest | None:
     """The parity manifest of the checkpoint, or None when it is not protected."""
     storage = target.storage
+    where = storage.describe(target.manifest_rel)
+    fix = (
+        "The manifest is corrupt or was altered: protect the checkpoint again "
+        "(`ckpt protect SRC --force`) from an intact copy."
+    )
     try:
+        # checked before it is read (a manifest is read whole): no manifest chooses the memory
+        size = storage.size(target.manifest_rel)
+        if size > MAX_MANIFEST_BYTES:
+            raise FormatError(
+                f"is {size:,} bytes, more than the {MAX_MANIFEST_BYTES:,} a parity manifest may "
+                "take (7 million blocks); ckpt refuses it (a hostile or corrupt manifest)",
+                path=where,
+                fix=fix,
+            )
         raw = storage.read_all(target.manifest_rel)
     except NotFoundError:
         return None
+    if raw.count(b"[") + raw.count(b"{") > MAX_MANIFEST_CONTAINERS:
+        raise FormatError(
+            f"holds more than {MAX_MANIFEST_CONTAINERS:,} JSON arrays and objects, which no "
+            "parity manifest needs (two per file); ckpt refuses it (a hostile or corrupt "
+            "manifest)",
+            path=where,
+            fix=fix,
+        )
     try:
         manifest = ParityManifest.model_validate(json.loads(raw))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # too deep: hostile
