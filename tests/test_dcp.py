@@ -743,6 +743,54 @@ def test_rank_file_linked_outside_the_checkpoint_is_refused(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("serialization", SERIALIZATIONS)
+def test_a_rank_file_linked_to_a_small_file_outside_is_refused_not_called_truncated(
+    tmp_path: Path, serialization: str
+) -> None:
+    # the listing followed the link: verify said "bytes 0..N lie past the end of
+    # __0_0.distcp (6 bytes); the file is truncated", the outside file's size, never the link
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(300), "b": torch.ones(10)}, ckpt, serialization)
+    outside = tmp_path / "secret.txt"
+    outside.write_text("secret")
+    (ckpt / "__0_0.distcp").unlink()
+    (ckpt / "__0_0.distcp").symlink_to(outside)
+    verify = run_ckpt("verify", ckpt, "--json")
+    output = verify.stdout + verify.stderr
+    assert verify.exit_code == 1, output
+    problems = verify.json["result"]["problems"]
+    assert [p["code"] for p in problems] == ["unsafe_input"], problems
+    message = problems[0]["message"]
+    assert "'__0_0.distcp' is a link that points outside the checkpoint" in message
+    assert str(outside) in message and "Copy the file into the checkpoint folder" in message
+    assert "truncated" not in output and "6 bytes" not in output
+    for command in ("inspect", "convert"):
+        args = [tmp_path / "out.safetensors", "--to", "safetensors"] if command == "convert" else []
+        result = run_ckpt(command, ckpt, *args, "--json")
+        assert result.exit_code == 4, result.stdout + result.stderr
+        assert result.json["error"]["code"] == "unsafe_input"
+        assert "'__0_0.distcp' is a link that points outside" in result.json["error"]["message"]
+
+
+def test_a_rank_file_linked_within_the_checkpoint_is_read_as_the_file(tmp_path: Path) -> None:
+    # a link that stays inside the checkpoint folder is no escape: read through, bit-exact
+    ckpt = tmp_path / "ckpt"
+    state = {"w": torch.arange(300.0), "b": torch.ones(10)}
+    dcp_save(state, ckpt)
+    (ckpt / "data").mkdir()
+    (ckpt / "__0_0.distcp").rename(ckpt / "data" / "rank0.bin")
+    (ckpt / "__0_0.distcp").symlink_to(Path("data") / "rank0.bin")
+    verify = run_ckpt("verify", ckpt, "--json")
+    assert verify.exit_code == 0, verify.stdout + verify.stderr
+    out = tmp_path / "out.safetensors"
+    converted = run_ckpt("convert", ckpt, out, "--to", "safetensors")
+    assert converted.exit_code == 0, converted.stdout + converted.stderr
+    from safetensors.torch import load_file
+
+    loaded = load_file(out)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("serialization", SERIALIZATIONS)
 def test_read_slice_loads_only_the_chunks_and_rows_it_needs(
     tmp_path: Path, serialization: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

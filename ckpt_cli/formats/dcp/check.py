@@ -178,7 +178,7 @@ def _analyse_unpaused(source: Source) -> Layout:
     sdm = md.state_dict_metadata
     if not isinstance(sdm, dict):
         raise FormatError("has no state_dict_metadata map", path=where, fix="The file is corrupt.")
-    items = _Items(layout, _storage_index(md, where), where)
+    items = _Items(layout, _storage_index(md, where), where, storage)
     # from here on the stand-ins are let go as soon as they are read: with a million chunks
     # they outweigh the manifest built from them (the index holds what storage_data said)
     if isinstance(md.storage_data, dict):
@@ -232,9 +232,14 @@ class _Items:
     """Turns `.metadata` items into entries: checks each storage entry's file name and range."""
 
     def __init__(
-        self, layout: Layout, index: dict[tuple[Any, Any], StorageInfo], where: str
+        self,
+        layout: Layout,
+        index: dict[tuple[Any, Any], StorageInfo],
+        where: str,
+        storage: Storage,
     ) -> None:
         self.layout, self.index, self.where = layout, index, where
+        self.storage = storage
         # resolved file names, checked once each
         self.safe_names: dict[str, str] = {}
 
@@ -244,7 +249,12 @@ class _Items:
         if not isinstance(rel, str):
             raise FormatError(f"entry {name!r} has no file name", path=self.where)
         if rel not in self.safe_names:
-            self.safe_names[rel] = safe_relpath(rel, source=self.where)
+            safe = safe_relpath(rel, source=self.where)
+            # confined before the listing's size of it is judged: a link out of the checkpoint
+            # is refused naming the link and its target (the listing follows links, so its
+            # size is the outside file's: "truncated" would be a lie, and tell that size)
+            self.storage.local_path(safe)
+            self.safe_names[rel] = safe
         offset, length = info.offset, info.length
         if not (is_count(offset) and is_count(length)):
             raise FormatError(f"entry {name!r} has an invalid byte range", path=self.where)
