@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .. import dtypes
 from ..errors import FormatError
 from ..formats.base import Checkpoint
-from ..models import Entry, Manifest, Problem
+from ..models import Entry, Manifest, Problem, ProblemList
 from ..storage.fileio import COPY_BLOCK
 from .schemes import ACTIVATION, QuantAnalysis, QuantWeight
 
@@ -349,7 +349,7 @@ def scale_value_problems(checkpoint: Checkpoint, analysis: QuantAnalysis) -> lis
     """
     import torch
 
-    problems: list[Problem] = []
+    problems: list[Problem] = ProblemList()  # bounded: see `ProblemList`
     where = checkpoint.manifest.location
     for weight in analysis.weights.values():
         for role, name in weight.sidecars.items():

@@ -9,7 +9,7 @@ from typing import Any
 
 from ...errors import CkptError
 from ...formats.base import Checkpoint
-from ...models import Entry, Manifest, OptimizerState, Problem, TrainingState
+from ...models import Entry, Manifest, OptimizerState, Problem, ProblemList, TrainingState
 from .base import REQUIRED, OpenedSource
 
 # --------------------------------------------------------------------------- analysis
@@ -606,7 +606,7 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
             where = opened.checkpoint.manifest.location
             return [ids_problem(where, view, opt_prefix, "optimizer state")]
     several = len(pairs) > 1
-    problems: list[Problem] = []
+    problems: list[Problem] = ProblemList()  # bounded: see `ProblemList`
     for model, optimizer in pairs:
         problems += _pair_shape_problems(opened, model, optimizer, named=several)
     return problems
@@ -665,7 +665,7 @@ def _pair_shape_problems(
         from .torchtitan import fused_shapes
 
         model.update(fused_shapes(model))  # its optimizer keys the fused `wqkv` parameter
-    problems: list[Problem] = []
+    problems: list[Problem] = ProblemList()  # bounded: see `ProblemList`
     opt_label = f"{opt_prefix.rstrip('.')} state" if named else "optimizer state"
     if view.ids_as_strings:
         return [ids_problem(where, view, opt_prefix, opt_label)]

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import FormatError, NotFoundError
 from ...formats.base import Checkpoint, Source
-from ...models import Entry, Manifest, Problem
+from ...models import Entry, Manifest, Problem, ProblemList
 from .details import ZeroDetails
 
 if TYPE_CHECKING:
@@ -322,7 +322,7 @@ def zero_partitions(
     model_file = next(
         (rel for comp, (rel, _) in parts.items() if components.get(comp) is model), "model states"
     )
-    problems: list[Problem] = []
+    problems: list[Problem] = ProblemList()  # bounded: see `ProblemList`
     if dp is None:
         problems.append(
             Problem(
