@@ -16,7 +16,6 @@ import io
 import json
 import os
 import pickle
-import resource
 import struct
 import subprocess
 import sys
@@ -56,32 +55,50 @@ class Run:
         return doc
 
 
-def _limits() -> None:  # runs in the child, before exec
-    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
-    resource.setrlimit(resource.RLIMIT_CPU, (CPU_LIMIT, CPU_LIMIT + 5))
+#: a small launcher between pytest and `ckpt`: at exec Linux folds the forking process's
+#: high-water mark into the child's `ru_maxrss`, and pytest's grows over a run (a test that
+#: built a 300,000-entry index), so `ckpt` is forked from this fresh interpreter instead
+LAUNCHER = """
+import json, os, resource, sys
+
+as_limit, cpu, out, err, argv = (
+    int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
+)
+pid = os.fork()
+if pid == 0:
+    resource.setrlimit(resource.RLIMIT_AS, (as_limit, as_limit))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
+    os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+    os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    os.execv(argv[0], argv)
+_, status, usage = os.wait4(pid, 0)
+print(json.dumps({
+    "code": os.waitstatus_to_exitcode(status),
+    "peak_kib": usage.ru_maxrss,
+    "cpu_s": usage.ru_utime + usage.ru_stime,
+}))
+"""
 
 
 def ckpt_limited(*args: str | os.PathLike[str]) -> Run:
-    """`python -m ckpt_cli ARGS` as a real process under `_limits`, measured by `os.wait4`."""
+    """`python -m ckpt_cli ARGS` as a real process under the address-space and CPU limits,
+    measured by `os.wait4` in `LAUNCHER`."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ckpt_cli", *map(str, args)],
-            env=env,
-            stdout=out,
-            stderr=err,
-            preexec_fn=_limits,
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        argv = [sys.executable, "-m", "ckpt_cli", *map(str, args)]
+        launcher = [sys.executable, "-c", LAUNCHER, str(AS_LIMIT), str(CPU_LIMIT), str(out)]
+        proc = subprocess.run(
+            [*launcher, str(err), *argv], env=env, capture_output=True, text=True, timeout=600
         )
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout)
         return Run(
-            proc.returncode,
-            out.read(),
-            err.read(),
-            usage.ru_maxrss * 1024,
-            usage.ru_utime + usage.ru_stime,
+            result["code"],
+            out.read_text(),
+            err.read_text(),
+            result["peak_kib"] * 1024,
+            result["cpu_s"],
         )
 
 
