@@ -536,11 +536,13 @@ class ProblemList(list[Problem]):
     """A list of problems that keeps at most `MAX_EXAMPLES` of each code and severity, and
     one `ProblemSummary` counting the rest: what a check collects and `verify` reports, so a
     checkpoint crafted with a million bad entries costs ckpt a few hundred problems of memory,
-    not a million (#budgets: no input chooses ckpt's memory).
+    not a million (no input chooses ckpt's memory: docs/safety.md).
 
     Every problem added goes through `append` (`extend`, `+=` and `insert` too); one that is
     itself a `ProblemSummary` (from another list) adds its count. The verdict is unchanged:
-    every code found is listed, and `stands_for` sums to the number of problems found.
+    every code found is listed, and `stands_for` sums to the number of problems found. An item
+    replaced in place (`problems[i] = p.model_copy(...)`) keeps its code; a copy (`copy`,
+    `pickle`) is built again from the items, summaries included.
     """
 
     def __init__(self, problems: Iterable[Problem] = ()) -> None:
@@ -555,8 +557,8 @@ class ProblemList(list[Problem]):
         return self._listed.get((code, severity), 0) >= MAX_EXAMPLES
 
     def add_counted(self, code: str, severity: Severity, file: str | None) -> None:
-        """Count one more problem of `code` at `severity` about `file`, listed or not (for a
-        caller that found `full` true and built no `Problem`)."""
+        """Count one more problem of `code` at `severity` about `file` in its summary, without
+        listing it (for a caller that found `full` true and built no `Problem`)."""
         key = (code, severity)
         summary = self._summaries.get(key)
         if summary is None:
@@ -601,6 +603,9 @@ class ProblemList(list[Problem]):
         key = (problem.code, problem.severity)
         self._listed[key] = self._listed.get(key, 0) + 1
         super().insert(index, problem)
+
+    def __reduce__(self) -> tuple[type[ProblemList], tuple[list[Problem]]]:
+        return type(self), (list(self),)
 
     def found(self, severity: Severity) -> int:
         """How many problems of `severity` were found, listed or counted."""

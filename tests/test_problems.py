@@ -167,5 +167,11 @@ def test_a_problem_list_keeps_100_of_each_code_and_counts_the_rest() -> None:
     second.append(missing(999, "third.json"))
     assert merged[0].file is None  # now they name two files
     assert "… and 191 more missing_tensor problems" in merged[0].message
+    # a copy (pydantic's deep model_copy of a report, pickle) keeps the count
+    import copy
+    import pickle
+
+    for copied in (copy.deepcopy(second), pickle.loads(pickle.dumps(second))):
+        assert type(copied) is ProblemList and copied.found("error") == 291
     # the summary is an ordinary problem in JSON: the shape (and schema) is unchanged
     assert set(json.loads(merged[0].model_dump_json())) == set(Problem.model_fields)
