@@ -32,6 +32,24 @@ if TYPE_CHECKING:  # a metadata command never imports the pools (tests/test_star
 #: the signal that stopped this process, once one arrived (SIGINT included)
 received: int | None = None
 
+#: the outputs a CLI command published complete so far (None outside a command: a library
+#: caller such as a training loop saving for hours keeps no list): an interruption that comes
+#: after them says they are whole, never that they were removed
+published: list[str] | None = None
+
+
+def begin_command() -> None:
+    """Start a command's record of published outputs (`note_published`)."""
+    global published
+    published = []
+
+
+def note_published(path: str | PurePath) -> None:
+    """Record that the output at `path` is published, complete (a no-op outside a command)."""
+    if published is not None:
+        published.append(str(path))
+
+
 #: what the user can do, per errno
 _FIXES = {
     errno.ENOSPC: "The filesystem is full: free some space or write to another filesystem.",
@@ -89,7 +107,10 @@ class HeldStopSignals:
     swap handlers (elsewhere nothing is held: signals are not handled there anyway).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, second_stops: bool = False) -> None:
+        #: with `second_stops`, a second signal stops at once (through the handlers put
+        #: back): a hold over a write to a stdout that blocks must not make ckpt unkillable
+        self.second_stops = second_stops
         self.arrived: int | None = None
         self.previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers]
         self.previous = {}
@@ -104,6 +125,17 @@ class HeldStopSignals:
     def _note(self, signum: int, _frame: FrameType | None) -> None:
         if self.arrived is None:
             self.arrived = signum
+        elif self.second_stops:
+            self.release()
+
+    def restore(self) -> int | None:
+        """Put the handlers back and return the signal that came meanwhile, not raised: for a
+        caller whose work was done when it came (the process ends at once after it)."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+        arrived, self.arrived = self.arrived, None
+        return arrived
 
     def release(self) -> None:
         """Put the handlers back; a signal that came meanwhile is raised now, through them."""
@@ -139,8 +171,18 @@ def interruption(
     fix: str | None = None,
 ) -> Interrupted:
     """The error to report for an interruption: by SIGTERM (143), SIGHUP (129) or Ctrl-C (130);
-    `fix` where what was left differs from the usual (partial outputs removed)."""
+    `fix` where what was left differs from the usual (partial outputs removed). An output the
+    command had already published (`note_published`) is named as complete: it is valid, and
+    running the command again would only find it there."""
     signum = exc.signum if isinstance(exc, Signalled) else received
+    if published:
+        itself = path is not None and published == [str(path)]
+        done = "it" if itself else ", ".join(published)
+        problem += f" after {done} was published complete (it is valid)"
+        fix = (
+            fix
+            or f"{'It' if itself else done} is complete: use it as it is (`ckpt verify` checks it)."
+        )
     fix = fix or "Run the command again when ready (partial outputs are removed)."
     if signum == getattr(signal, "SIGTERM", None):
         problem = problem.replace("interrupted", "terminated (SIGTERM)", 1)

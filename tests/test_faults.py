@@ -1407,3 +1407,100 @@ def test_a_dest_name_too_long_for_the_staging_name_says_to_shorten_it(tmp_path: 
     (tmp_path / "notes").write_text("a file")
     file_parent = run_ckpt("convert", src, tmp_path / "notes" / "out", "--to", "torch", "--json")
     assert file_parent.exit_code == 74 and "not a folder" in file_parent.json["error"]["fix"]
+
+
+# -- a signal once DEST is published (found by an exploratory run) ----------------------------
+
+#: runs `ckpt ARGV…` in a real process that sends itself SIG at a chosen moment: right after
+#: the atomic rename that publishes DEST (`publish`), or once the command's work is done and
+#: only its report is left to print (`report`)
+_SIGNAL_AT = textwrap.dedent(
+    """
+    import os, sys
+    at, signum = sys.argv[1], int(sys.argv[2])
+    if at == "publish":
+        import ckpt_cli.storage.output as module
+        real = module.publish
+        name = "publish"
+    else:
+        import ckpt_cli.cli.app as module
+        real = module._render
+        name = "_render"
+    def wrapped(*args, **kwargs):
+        if at == "publish":
+            real(*args, **kwargs)
+            os.kill(os.getpid(), signum)
+            return None
+        os.kill(os.getpid(), signum)
+        return real(*args, **kwargs)
+    setattr(module, name, wrapped)
+    from ckpt_cli.__main__ import entry
+    sys.argv = ["ckpt", *sys.argv[3:]]
+    entry()
+    """
+)
+
+
+def _signalled_at(at: str, signum: int, *args: str | os.PathLike[str]) -> CkptResult:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_AT, at, str(int(signum)), *[str(a) for a in args]],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    return CkptResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("command", ["convert", "reshard"])
+def test_a_signal_right_after_dest_is_published_says_dest_is_complete(
+    tmp_path: Path, signum: int, code: int, command: str
+) -> None:
+    """A signal that came just after the rename that published DEST was reported as
+    "interrupted; the partial output was removed", although DEST was there, complete: a
+    script would delete or redo a good output. The message now says DEST is complete."""
+    src = tmp_path / "src"
+    state = sharded_model(src)
+    dest = tmp_path / "dest"
+    args = (
+        ["convert", src, dest, "--to", "torch"]
+        if command == "convert"
+        else ["reshard", src, dest, "--max-shard-size", "3KB"]
+    )
+    result = _signalled_at("publish", signum, *args)
+    assert result.exit_code == code, result.stderr
+    message = " ".join(result.stderr.split())
+    assert "Traceback" not in message
+    assert "was removed" not in message and "published complete (it is valid)" in message
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    loaded = run_ckpt("diff", src, dest, "--json")
+    assert loaded.exit_code == 0, loaded.stdout
+    if command == "convert":
+        got = torch.load(dest / "pytorch_model.bin", weights_only=True)
+    else:
+        got = {}
+        for shard in sorted(dest.glob("*.safetensors")):
+            got.update(read_safetensors(shard))
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_report_prints_ends_as_the_command_would_have(
+    tmp_path: Path, signum: int
+) -> None:
+    """A Ctrl-C or SIGTERM once the work was done (DEST published, only the report left to
+    print) turned a complete convert into exit 130/143 with a message saying partial outputs
+    were removed. The report now prints and the command exits 0."""
+    src = tmp_path / "src"
+    state = sharded_model(src)
+    dest = tmp_path / "dest"
+    result = _signalled_at("report", signum, "convert", src, dest, "--to", "torch", "--json")
+    assert result.exit_code == 0, result.stderr
+    envelope = json.loads(result.stdout)
+    assert envelope["ok"] and envelope["exit_code"] == 0
+    assert envelope["result"]["tensors"] == len(state)
+    got = torch.load(dest / "pytorch_model.bin", weights_only=True)
+    assert all(torch.equal(got[k], v) for k, v in state.items())

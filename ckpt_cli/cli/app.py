@@ -7,6 +7,7 @@ every failure to the exit codes documented in DESIGN.md.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import os
@@ -169,8 +170,13 @@ def run_command(
 
     started = time.monotonic()
     end_start_up()  # the collector paused by the entry point runs again, for the work
+    faults.begin_command()
     try:
         result = action()
+        # the outputs are published: a signal while the report prints is held, and the
+        # command ends as it would have (a second one stops the printing). A command that
+        # wrote nothing is stopped as usual
+        reporting = faults.HeldStopSignals(second_stops=True) if faults.published else None
     except NotFoundError as error:
         hint = next((h for h in map(hub_hint, _mentioned(error)) if h), None)
         if hint and (error.fix is None or "hf://" not in error.fix):
@@ -203,6 +209,11 @@ def run_command(
     code = exit_code(result)
     try:
         _render(command, json_output, result, code, render_human, failure, started)
+    except KeyboardInterrupt as exc:  # a signal while the report printed
+        interrupted = faults.interruption(exc, "interrupted while the report printed")
+        with contextlib.suppress(OSError):
+            render.emit_error(command, interrupted, json_output)
+        raise typer.Exit(interrupted.exit_code) from None
     except OSError as exc:  # stdout itself: full, closed, or its reader gone
         render.output_failed(command, exc)
     except Exception as exc:  # a bug in the rendering: exit 70 as any other, never exit 1
@@ -210,6 +221,9 @@ def run_command(
             raise
         render.emit_internal_error(command, exc, False)
         raise typer.Exit(70) from None
+    finally:
+        if reporting is not None:  # the process ends now: a signal held meanwhile changes nothing
+            reporting.restore()
     if code:
         raise typer.Exit(code)
 

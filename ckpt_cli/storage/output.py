@@ -40,7 +40,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import DestinationExistsError, HubError, IOFailure, NotFoundError, UsageError
-from ..faults import HeldStopSignals, interruption, io_failure
+from ..faults import HeldStopSignals, interruption, io_failure, note_published
 from ..formats.names import is_commit_marker
 from ..progress import NULL_PROGRESS, Progress
 from . import remote_failure
@@ -254,6 +254,7 @@ def staged_output(
             unnamed, dest.parent, f"creating the staging folder of {dest.name}"
         ) from None
     opened = _OPEN_STAGINGS.set((*_OPEN_STAGINGS.get(), staging))
+    published = False
     try:
         held.release()
         # mkdtemp makes the folder 0700; a published output gets what a plain mkdir would
@@ -268,12 +269,25 @@ def staged_output(
         else:
             fsync_dir(staging)
             source = staging
-        publish(source, dest, force=force)
+        # from the rename on DEST is complete: a signal meanwhile is held until that is
+        # recorded, so it is never reported as a partial output removed
+        publishing = HeldStopSignals()
+        try:
+            publish(source, dest, force=force)
+        except BaseException:
+            publishing.release()  # a signal that came meanwhile: an interruption, below
+            raise
+        published = True
+        if not nested:
+            note_published(dest)
+        publishing.release()
         fsync_dir(dest.parent)
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP
         shutil.rmtree(staging, ignore_errors=True)
         if nested:
             raise
+        if published:
+            raise interruption(exc, "interrupted", dest) from None
         raise interruption(exc, "interrupted; the partial output was removed", dest) from None
     except OSError as exc:  # disk full, EIO, read-only, EACCES, EXDEV: exit 74, staging gone
         shutil.rmtree(staging, ignore_errors=True)
@@ -491,6 +505,7 @@ def _staged_remote(
     dest: RemoteDest, *, force: bool, single_file: bool, progress: Progress
 ) -> Iterator[Path]:
     check_destination(dest, force)
+    nested = bool(_OPEN_STAGINGS.get())
     held = HeldStopSignals()  # as in `staged_output`: no signal before the `try`
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}"))
@@ -510,6 +525,8 @@ def _staged_remote(
         try:
             _upload(dest, store, staging, files, tmp_name, progress)
             _publish_remote(dest, store, files, tmp_name, single_file, force)
+            if not nested:
+                note_published(dest.url)
         except HubError as exc:  # a write the store refused: named by DEST as the user wrote it
             raise HubError(exc.problem, path=dest.url, fix=exc.fix) from None
         except Exception as exc:
