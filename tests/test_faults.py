@@ -1504,3 +1504,161 @@ def test_a_signal_while_the_report_prints_ends_as_the_command_would_have(
     assert envelope["result"]["tensors"] == len(state)
     got = torch.load(dest / "pytorch_model.bin", weights_only=True)
     assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+# -- SIGKILL: the staging folder of a dead run is removed by the next (exploratory run) ------
+
+#: runs `ckpt ARGV…` in a real process that SIGKILLs itself on entering MODULE.FUNCTION (the
+#: step that would publish its output): what a kill at that moment leaves behind
+_KILLED_AT = textwrap.dedent(
+    """
+    import importlib, os, signal, sys
+    module = importlib.import_module(sys.argv[1])
+    def killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+    setattr(module, sys.argv[2], killed)
+    from ckpt_cli.__main__ import entry
+    sys.argv = ["ckpt", *sys.argv[3:]]
+    entry()
+    """
+)
+
+
+def _killed_at(function: str, *args: str | os.PathLike[str]) -> int:
+    module, name = function.rsplit(".", 1)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_AT, module, name, *[str(a) for a in args]],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    return proc.returncode
+
+
+def _weights_sha256s(folder: Path) -> dict[str, str]:
+    """The sha256 of every file of a checkpoint folder (its parity folder left out)."""
+    return {k: v for k, v in _sha256s_deep(folder).items() if ".ckpt-parity" not in k}
+
+
+def _sha256s_deep(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _hidden(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob(".*ckpt-tmp*"))
+
+
+def test_a_killed_repair_leaves_its_staging_only_until_the_next_repair(tmp_path: Path) -> None:
+    """`ckpt repair` killed with SIGKILL left `.ckpt-parity/.repair.ckpt-tmp-*` (a rebuilt
+    copy of the damaged files) in the checkpoint folder for good: no later run removed it.
+    `verify` still never counts it as part of the checkpoint, and the next repair removes it."""
+    src = tmp_path / "src"
+    sharded_model(src)
+    assert run_ckpt("protect", src).exit_code == 0
+    shard = sorted(src.glob("*.safetensors"))[0]
+    with open(shard, "r+b") as fh:
+        fh.seek(200)
+        fh.write(b"\xff" * 64)
+    damaged = _weights_sha256s(src)
+    code = _killed_at("ckpt_cli.ops.parity.repair._publish_repaired", "repair", src)
+    assert code == -signal.SIGKILL
+    assert [p.split("/")[-1][:17] for p in _hidden(src)] == [".repair.ckpt-tmp-"]
+    assert _weights_sha256s(src) == damaged  # the kill changed nothing of the checkpoint
+    verify = run_ckpt("verify", src, "--checksums", "--json")
+    assert verify.exit_code == 1  # the damage, and nothing else
+    assert {p["code"] for p in verify.json["result"]["problems"]} <= {
+        "damaged_blocks",
+        "parity_stale",
+    }
+    assert "ckpt-tmp" not in verify.stdout
+    repair = run_ckpt("repair", src)
+    assert repair.exit_code == 0, repair.stderr
+    assert _hidden(src) == []
+    assert run_ckpt("verify", src, "--checksums").exit_code == 0
+
+
+def test_a_killed_protect_leaves_its_staging_only_until_the_next_protect(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    sharded_model(src)
+    before = _weights_sha256s(src)
+    assert _killed_at("ckpt_cli.storage.output.publish", "protect", src) == -signal.SIGKILL
+    assert [p[:23] for p in _hidden(src) if "/" not in p] == ["..ckpt-parity.ckpt-tmp-"]
+    assert not (src / ".ckpt-parity").exists()
+    assert run_ckpt("verify", src).exit_code == 0
+    protect = run_ckpt("protect", src)
+    assert protect.exit_code == 0, protect.stderr
+    assert _hidden(src) == [] and _weights_sha256s(src) == before
+    assert run_ckpt("verify", src, "--checksums").exit_code == 0
+
+
+@pytest.mark.parametrize("command", ["convert", "reshard"])
+def test_a_killed_write_leaves_its_staging_only_until_the_next_run(
+    tmp_path: Path, command: str
+) -> None:
+    src = tmp_path / "src"
+    state = sharded_model(src)
+    before = _weights_sha256s(src)
+    dest = tmp_path / "out" / "dest"
+    dest.parent.mkdir()
+    args = (
+        ["convert", src, dest, "--to", "torch"]
+        if command == "convert"
+        else ["reshard", src, dest, "--max-shard-size", "3KB"]
+    )
+    assert _killed_at("ckpt_cli.storage.output.publish", *args) == -signal.SIGKILL
+    assert len(_hidden(dest.parent)) == 1 and not dest.exists()
+    again = run_ckpt(*args)
+    assert again.exit_code == 0, again.stderr
+    assert [p.name for p in dest.parent.iterdir()] == ["dest"]
+    assert _weights_sha256s(src) == before
+    assert run_ckpt("diff", src, dest).exit_code == 0
+    if command == "convert":
+        got = torch.load(dest / "pytorch_model.bin", weights_only=True)
+        assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_a_staging_folder_a_live_run_holds_is_never_taken_for_debris(tmp_path: Path) -> None:
+    """Only the staging folders of a writer that is gone are removed: one a running process
+    holds (its flock) is left alone, whatever its age."""
+    from ckpt_cli.storage.output import new_staging_folder, remove_dead_stagings
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path\n"
+            "from ckpt_cli.storage.output import new_staging_folder\n"
+            "folder, lock = new_staging_folder(Path(sys.argv[1]), 'dest')\n"
+            "print(folder, flush=True); sys.stdin.read()",
+            str(tmp_path),
+        ],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        live = Path(holder.stdout.readline().strip())
+        assert live.is_dir()
+        assert remove_dead_stagings(tmp_path, "dest") == []
+        assert live.is_dir()
+        mine, lock = new_staging_folder(tmp_path, "dest")
+        assert lock is not None
+        (tmp_path / ".dest.ckpt-tmp-del-12-34").mkdir()  # prune's deletion: not a staging
+        assert remove_dead_stagings(tmp_path, "dest") == [] and mine.is_dir()
+        os.close(lock)
+        assert remove_dead_stagings(tmp_path, "dest") == [mine]
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert remove_dead_stagings(tmp_path, "dest") == [live]
+    assert [p.name for p in tmp_path.iterdir()] == [".dest.ckpt-tmp-del-12-34"]

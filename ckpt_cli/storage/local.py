@@ -365,3 +365,79 @@ def _pread_all(fd: int, offset: int, length: int, name: str) -> bytes:
         chunks.append(more)
         got += len(more)
     return b"".join(chunks)
+
+
+# --------------------------------------------------------------------- staging of a process
+#
+# A staging folder is held by the process writing it: an exclusive `flock` on the folder,
+# which the kernel releases when that process ends, however it ends (SIGKILL included). A
+# staging folder nobody holds is the debris of a writer that is gone, and the next run that
+# writes the same output removes it. Where the filesystem has no `flock` nothing is held and
+# nothing is ever taken for debris.
+
+#: what `tempfile.mkdtemp` appends to a prefix: eight characters of its alphabet. Names of
+#: other shapes (`prune`'s `.NAME.ckpt-tmp-del-PID-NS`, a `--force` replace's old copy) are
+#: never taken for a staging folder here
+_MKDTEMP_TAIL = "[a-z0-9_]{8}"
+
+
+def _lock(path: str | Path, *, wait: bool) -> int | None:
+    """A descriptor of `path` holding an exclusive `flock`, or None: held by another process
+    (`wait=False`), gone, a link (never followed), or no locks on this filesystem."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def new_staging_folder(parent: Path, name: str) -> tuple[Path, int | None]:
+    """A fresh `.NAME.ckpt-tmp-XXXXXXXX` folder in `parent`, held by this process: the folder
+    and the descriptor holding it (close it once the folder is published or removed; None
+    where the filesystem has no locks). OSError when the folder cannot be made."""
+    while True:
+        folder = Path(tempfile.mkdtemp(prefix=f".{name}{TMP_MARKER}", dir=parent))
+        fd = _lock(folder, wait=True)
+        if fd is None:
+            return folder, None
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(folder, follow_symlinks=False)):
+                return folder, fd
+        except OSError:
+            pass
+        # another run took it for debris between its creation and the lock: make another
+        os.close(fd)
+
+
+def remove_dead_stagings(parent: Path, name: str) -> list[Path]:
+    """Remove the `.NAME.ckpt-tmp-XXXXXXXX` staging folders in `parent` that no
+    process holds (`new_staging_folder`): those of a writer killed before it could clean up.
+    Returns what was removed; best effort (a folder that cannot be read is left as it is)."""
+    pattern = re.compile(re.escape(f".{name}{TMP_MARKER}") + _MKDTEMP_TAIL)
+    removed: list[Path] = []
+    try:
+        entries = [e.name for e in os.scandir(parent) if pattern.fullmatch(e.name)]
+    except OSError:
+        return removed
+    for entry in sorted(entries):
+        path = parent / entry
+        fd = _lock(path, wait=False)
+        if fd is None:  # a live writer holds it (or it cannot be told): left alone
+            continue
+        try:
+            if stat.S_ISDIR(os.fstat(fd).st_mode):  # a file of that name is no staging folder
+                shutil.rmtree(path, ignore_errors=True)
+                if not path.exists():
+                    removed.append(path)
+        finally:
+            os.close(fd)
+    return removed

@@ -2,7 +2,9 @@
 
 A crash, a SIGKILL or Ctrl-C mid-write leaves at most a `.<name>.ckpt-tmp-*` sibling (which
 `ckpt prune --incomplete` and `ckpt latest` treat as an interrupted save), never a DEST that
-looks complete. An existing DEST is refused unless `force` is given; then it is replaced only
+looks complete. The staging folder is held by its process (`new_staging_folder`: a `flock`
+the kernel drops when the process dies), so the next run writing the same DEST removes those
+of a run that is gone (`remove_dead_stagings`) and never one that is still being written. An existing DEST is refused unless `force` is given; then it is replaced only
 after the new output is complete.
 
 DEST may also be an fsspec URL (`s3://bucket/prefix`, `gs://…`): `resolve_destination` turns
@@ -47,7 +49,9 @@ from . import remote_failure
 from .base import TMP_MARKER as TMP_MARKER
 from .base import Storage, file_chunks
 from .local import fsync_dir as fsync_dir
+from .local import new_staging_folder as new_staging_folder
 from .local import read_regular
+from .local import remove_dead_stagings as remove_dead_stagings
 from .remote import UPLOAD_BLOCK as UPLOAD_BLOCK
 from .remote import FsspecStorage
 from .uri import parse_location
@@ -241,9 +245,11 @@ def staged_output(
     # leave the folder behind (and say nothing of it): the signals that stop ckpt are held
     # until the `try` is entered, where the one that came meanwhile is raised
     nested = any(dest.is_relative_to(outer) for outer in _OPEN_STAGINGS.get())
+    # the staging folders of a run of this output that was killed (SIGKILL, a crash)
+    remove_dead_stagings(dest.parent, dest.name)
     held = HeldStopSignals()
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
+        staging, lock = new_staging_folder(dest.parent, dest.name)
     except OSError as exc:
         held.release()
         if nested:
@@ -302,6 +308,8 @@ def staged_output(
             shutil.rmtree(staging, ignore_errors=True)
     finally:
         _OPEN_STAGINGS.reset(opened)
+        if lock is not None:
+            os.close(lock)
 
 
 def _output_failure(exc: OSError, dest: Path, staging: Path) -> IOFailure:
@@ -506,9 +514,11 @@ def _staged_remote(
 ) -> Iterator[Path]:
     check_destination(dest, force)
     nested = bool(_OPEN_STAGINGS.get())
+    local_tmp = Path(tempfile.gettempdir())
+    remove_dead_stagings(local_tmp, dest.name)  # those of a killed run, on local disk
     held = HeldStopSignals()  # as in `staged_output`: no signal before the `try`
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}"))
+        staging, lock = new_staging_folder(local_tmp, dest.name)
     except BaseException:
         held.release()
         raise
@@ -543,6 +553,8 @@ def _staged_remote(
     finally:
         _OPEN_STAGINGS.reset(opened)
         shutil.rmtree(staging, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
     _remove_remote(store, [tmp_name])
 
 

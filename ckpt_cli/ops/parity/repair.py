@@ -16,7 +16,7 @@ from ...formats.names import is_commit_marker
 from ...models import Request
 from ...progress import NULL_PROGRESS, Progress
 from ...storage import Storage
-from ...storage.output import TMP_MARKER, current_umask
+from ...storage.output import current_umask, new_staging_folder, remove_dead_stagings
 from .codec import Codec, chunk_size, pad_block, slices
 from .layout import ParityLayout
 from .model import ProtectedFile, RepairReport
@@ -132,17 +132,22 @@ def _repair_staging(target: ParityTarget) -> Iterator[Path]:
     root = target.storage.local_root
     if root is not None:
         parent = root / target.parity_rel
-        try:
-            folder = Path(tempfile.mkdtemp(prefix=f".repair{TMP_MARKER}", dir=parent))
-        except OSError as exc:  # a read-only filesystem: the folder, not the random name
-            unnamed = OSError(exc.errno, exc.strerror)
-            raise io_failure(unnamed, parent, "creating the repair's staging folder") from None
+        name = "repair"
     else:
-        folder = Path(tempfile.mkdtemp(prefix=f".ckpt-repair{TMP_MARKER}"))
+        parent, name = Path(tempfile.gettempdir()), "ckpt-repair"
+    # the staging folder of a repair that was killed (SIGKILL, a crash) is removed first
+    remove_dead_stagings(parent, name)
+    try:
+        folder, lock = new_staging_folder(parent, name)
+    except OSError as exc:  # a read-only filesystem: the folder, not the random name
+        unnamed = OSError(exc.errno, exc.strerror)
+        raise io_failure(unnamed, parent, "creating the repair's staging folder") from None
     try:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
 
 
 def _rebuild(
