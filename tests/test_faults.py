@@ -1662,3 +1662,34 @@ def test_a_staging_folder_a_live_run_holds_is_never_taken_for_debris(tmp_path: P
         holder.communicate()
     assert remove_dead_stagings(tmp_path, "dest") == [live]
     assert [p.name for p in tmp_path.iterdir()] == [".dest.ckpt-tmp-del-12-34"]
+
+
+def test_a_prune_killed_midway_is_finished_by_the_next_prune(tmp_path: Path) -> None:
+    """`ckpt prune --yes` killed while deleting left `.checkpoint-N.ckpt-tmp-del-PID-NS`, and
+    the next `prune --yes` kept it ("interrupted (--incomplete removes it)"): a checkpoint the
+    user had already chosen to delete, out of every listing, held its disk for good. The next
+    prune now finishes the deletion; one a running prune is deleting is left to it."""
+    from .run_fixtures import trainer_run
+
+    run = trainer_run(tmp_path / "run", steps=(100, 200, 300, 400))
+    newest = _sha256s_deep(run / "checkpoint-400")
+    code = _killed_at("ckpt_cli.ops.prune.run._remove", "prune", run, "--keep-last", "1", "--yes")
+    assert code == -signal.SIGKILL
+    left = [p.name for p in run.iterdir() if ".ckpt-tmp-del-" in p.name]
+    assert len(left) == 1
+    # a deletion a live process is making (a running process stands for a running prune)
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    busy = run / f".checkpoint-50.ckpt-tmp-del-{other.pid}-1"
+    (run / "checkpoint-300").rename(busy)
+    try:
+        prune = run_ckpt("prune", run, "--keep-last", "1", "--yes", "--json")
+    finally:
+        other.kill()
+        other.wait()
+    assert prune.exit_code == 0, prune.stdout
+    actions = {c["name"]: c["action"] for c in prune.json["result"]["decisions"]}
+    assert actions[left[0]] == "delete" and actions[busy.name] == "keep", actions
+    assert not (run / left[0]).exists() and busy.exists()
+    assert _sha256s_deep(run / "checkpoint-400") == newest

@@ -70,6 +70,7 @@ from .records import (
     RunCheckpoint,
     RunReport,
     Status,
+    deleting_process,
 )
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ __all__ = [
     "RunCheckpoint",
     "RunReport",
     "Status",
+    "deleting_process",
     "is_remote",
     "load_metrics",
     "looks_like_remote_run",

@@ -11,8 +11,19 @@ from ...models import Record
 
 #: files modified within this many seconds mark a checkpoint as possibly still being written
 DEFAULT_SETTLE = 120.0
-#: `prune` renames what it deletes to `.NAME.ckpt-tmp-del-*` first
+#: `prune` renames what it deletes to `.NAME.ckpt-tmp-del-PID-NS` first
 DELETING = "del-"
+
+
+def deleting_process(name: str) -> int | None:
+    """The process id in a `.NAME.ckpt-tmp-del-PID-NS` name (what `prune` was deleting), or
+    None when `name` (its last component) is no such name."""
+    import re
+
+    found = re.search(r"\.ckpt-tmp-del-(\d+)-\d+$", name.rsplit("/", 1)[-1])
+    return int(found.group(1)) if found else None
+
+
 #: metric file read from the run folder
 METRICS_FILE = "metrics.jsonl"
 #: written into a checkpoint folder that `prune --slim-older-than` slimmed to its weights
