@@ -1693,3 +1693,24 @@ def test_a_prune_killed_midway_is_finished_by_the_next_prune(tmp_path: Path) -> 
     assert actions[left[0]] == "delete" and actions[busy.name] == "keep", actions
     assert not (run / left[0]).exists() and busy.exists()
     assert _sha256s_deep(run / "checkpoint-400") == newest
+
+
+def test_a_slim_killed_midway_is_finished_by_the_next_prune(tmp_path: Path) -> None:
+    """`prune --slim-older-than` killed between renaming a save's optimizer aside and
+    removing it left `.optimizer.pt.ckpt-tmp-del-*` inside the slimmed save for good: the slim
+    record was in place, so no later prune slimmed it again, and the disk was never freed.
+    The next `prune --yes` now removes them; the weights are untouched."""
+    from .run_fixtures import trainer_run
+
+    run = trainer_run(tmp_path / "run", steps=(100, 200, 300))
+    weights_before = _sha256s_deep(run / "checkpoint-100")["model.safetensors"]
+    args = ("prune", run, "--slim-older-than", "1", "--yes")
+    assert _killed_at("ckpt_cli.ops.prune.slim.fsync_dir", *args) == -signal.SIGKILL
+    left = [p.name for p in (run / "checkpoint-100").iterdir() if ".ckpt-tmp-del-" in p.name]
+    assert left and all(n.startswith((".optimizer.pt", ".rng_state")) for n in left), left
+    again = run_ckpt(*args, "--settle", "0")
+    assert again.exit_code == 0, again.stdout
+    names = sorted(p.name for p in (run / "checkpoint-100").iterdir())
+    assert not [n for n in names if n.startswith(".")] and "optimizer.pt" not in names
+    assert _sha256s_deep(run / "checkpoint-100")["model.safetensors"] == weights_before
+    assert run_ckpt("verify", run / "checkpoint-100").exit_code == 0

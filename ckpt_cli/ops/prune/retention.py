@@ -14,7 +14,14 @@ from pydantic import Field
 from ...durations import format_duration
 from ...errors import UsageError
 from ...models import Record, Request
-from ...sources.runs import DEFAULT_SETTLE, BestMetric, RunCheckpoint, RunReport, deleting_process
+from ...sources.runs import (
+    DEFAULT_SETTLE,
+    BestMetric,
+    RunCheckpoint,
+    RunReport,
+    deleting_process,
+    still_deleting,
+)
 from .slim import SlimAction, slim_plan
 
 
@@ -291,22 +298,6 @@ def _retention_rules(
     return rules
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs on this machine (one of another user's counts too); not
-    this process: a deletion it started earlier (a `--watch` round) is over, failed."""
-    import os
-
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, owned by someone else
-        return True
-    return True
-
-
 def _decide(
     c: RunCheckpoint,
     policy: PrunePolicy,
@@ -319,7 +310,7 @@ def _decide(
     if deleter is not None and not c.symlink:
         # what a `ckpt prune` killed midway was deleting: already out of every listing and
         # never of use again; this run finishes the deletion, unless that prune still runs
-        if _alive(deleter):
+        if still_deleting(deleter):
             return "keep", [f"being deleted by `ckpt prune` (process {deleter})"]
         return "delete", ["the rest of a deletion a killed `ckpt prune` started"]
     if c.status == "writing":

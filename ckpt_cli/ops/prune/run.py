@@ -35,7 +35,7 @@ from .retention import (
     plan,
     validate_policy,
 )
-from .slim import slim
+from .slim import finish_removal, slim
 
 #: why a checkpoint was not deleted when something else removed it first
 VANISHED = "vanished before it was deleted (removed by someone else)"
@@ -145,6 +145,8 @@ def apply(run_dir: Path, decisions: list[PruneDecision], settle: float) -> None:
         elif d.action == "slim" and d.slim is not None:
             d.error = _slim_one(run_dir, d, settle)
             d.deleted = d.error is None
+        elif d.action == "keep" and _confined(run_dir, Path(d.path)):
+            finish_removal(Path(d.path))  # what a slim killed midway left renamed
 
 
 #: objects of a remote checkpoint deleted first: with them gone it no longer looks complete
@@ -317,7 +319,7 @@ def prune(
         report.failed = [
             f"{d.name}: {d.error}" for d in decisions if d.error not in (None, VANISHED)
         ]
-    elif yes and (doomed or slims):
+    elif yes and not remote:
         assert isinstance(root, Path)
         apply(root, decisions, policy.settle)
         report.deleted = [d.name for d in decisions if d.deleted and d.action == "delete"]

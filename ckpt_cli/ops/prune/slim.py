@@ -27,6 +27,7 @@ import json
 import os
 import re
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -36,7 +37,13 @@ from ...errors import CkptError, FormatError, IOFailure
 from ...formats import find_format, get_format
 from ...formats.base import Checkpoint
 from ...models import Record
-from ...sources.runs import DELETING, RUN_SLIM_RECORD, SLIM_RECORD
+from ...sources.runs import (
+    DELETING,
+    RUN_SLIM_RECORD,
+    SLIM_RECORD,
+    deleting_process,
+    still_deleting,
+)
 from ...storage.base import is_parity_path
 from ...storage.output import TMP_MARKER, fsync_dir, publish
 
@@ -200,6 +207,21 @@ def slim(action: SlimAction, checkpoint: str | Path) -> int:
         _protect_again(root, protected)
     _keep_time(root, saved_ns)
     return freed
+
+
+def finish_removal(root: Path) -> None:
+    """Remove the files a slim killed midway left renamed in the slimmed folder `root`
+    (`.NAME.ckpt-tmp-del-PID-NS`, out of the checkpoint since the rename): the slim record
+    is in place, so the save is never slimmed again and they held their disk for good. Those
+    of a `prune` still running are left to it."""
+    if root.is_symlink() or not (root / SLIM_RECORD).is_file():
+        return
+    for entry in os.scandir(root):
+        pid = deleting_process(entry.name)
+        if pid is None or still_deleting(pid) or not entry.is_file(follow_symlinks=False):
+            continue
+        with suppress(OSError):
+            os.unlink(entry.path)
 
 
 def _parity_of(root: Path) -> ParityManifest | None:

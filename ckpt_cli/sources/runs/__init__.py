@@ -71,6 +71,7 @@ from .records import (
     RunReport,
     Status,
     deleting_process,
+    still_deleting,
 )
 
 if TYPE_CHECKING:
@@ -118,4 +119,5 @@ __all__ = [
     "looks_like_run",
     "run_storage",
     "scan_run",
+    "still_deleting",
 ]

@@ -24,6 +24,23 @@ def deleting_process(name: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def still_deleting(pid: int) -> bool:
+    """Whether the `prune` of process `pid` (`deleting_process`) may still be deleting: it
+    runs on this machine (another user's counts too). Not this process: a deletion it began
+    earlier (a `--watch` round) is over, having failed."""
+    import os
+
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
 #: metric file read from the run folder
 METRICS_FILE = "metrics.jsonl"
 #: written into a checkpoint folder that `prune --slim-older-than` slimmed to its weights
