@@ -1412,16 +1412,19 @@ def test_a_dest_name_too_long_for_the_staging_name_says_to_shorten_it(tmp_path: 
 # -- a signal once DEST is published (found by an exploratory run) ----------------------------
 
 #: runs `ckpt ARGV…` in a real process that sends itself SIG at a chosen moment: right after
-#: the atomic rename that publishes DEST (`publish`), or once the command's work is done and
+#: the atomic rename that publishes DEST (`publish`, or `publish:MODULE` for the `publish`
+#: MODULE imported), or once the command's work is done and
 #: only its report is left to print (`report`)
 _SIGNAL_AT = textwrap.dedent(
     """
     import os, sys
     at, signum = sys.argv[1], int(sys.argv[2])
-    if at == "publish":
-        import ckpt_cli.storage.output as module
+    if at.startswith("publish"):
+        import importlib
+        module = importlib.import_module(at.partition(":")[2] or "ckpt_cli.storage.output")
         real = module.publish
         name = "publish"
+        at = "publish"
     else:
         import ckpt_cli.cli.app as module
         real = module._render
@@ -1714,3 +1717,29 @@ def test_a_slim_killed_midway_is_finished_by_the_next_prune(tmp_path: Path) -> N
     assert not [n for n in names if n.startswith(".")] and "optimizer.pt" not in names
     assert _sha256s_deep(run / "checkpoint-100")["model.safetensors"] == weights_before
     assert run_ckpt("verify", run / "checkpoint-100").exit_code == 0
+
+
+def test_a_signal_right_after_a_pulled_checkpoint_is_published_says_it_is_whole(
+    tmp_path: Path, s3_server: object
+) -> None:
+    """`ckpt sync` pulling: a SIGTERM just after the rename that put a checkpoint in place said
+    "the partial pull of checkpoint-100 is kept in .checkpoint-100.ckpt-tmp-pull", a folder
+    that no longer existed, over a checkpoint that was whole. It now says the checkpoint was
+    published complete."""
+    from .run_fixtures import age
+    from .s3_fixtures import make_bucket
+
+    out = tmp_path / "out"
+    trainer_checkpoint(out / "checkpoint-100", 100)
+    age(out)
+    make_bucket(os.environ["AWS_ENDPOINT_URL"], "ckpts")
+    assert run_ckpt("sync", out, "s3://ckpts/run/").exit_code == 0
+    dest = tmp_path / "pulled"
+    args = ("sync", "s3://ckpts/run/", dest)
+    result = _signalled_at("publish:ckpt_cli.ops.sync.pull", signal.SIGTERM, *args)
+    assert result.exit_code == 143, result.stderr
+    message = " ".join(result.stderr.split())
+    assert "kept in" not in message and "published complete (it is valid)" in message, message
+    assert not [p for p in dest.rglob("*") if ".ckpt-tmp" in p.name]
+    assert run_ckpt("diff", out / "checkpoint-100", dest / "checkpoint-100").exit_code == 0
+    assert run_ckpt("verify", dest / "checkpoint-100").exit_code == 0

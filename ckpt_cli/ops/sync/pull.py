@@ -18,7 +18,7 @@ from ...errors import (
     UnsafeInputError,
     UsageError,
 )
-from ...faults import interruption, io_failure
+from ...faults import HeldStopSignals, interruption, io_failure, note_published
 from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
 from ...sources.runs.naming import deepspeed_step, deepspeed_tag
@@ -207,6 +207,7 @@ def _download(
     claim = _claim(staging, final)
     new = hasher_factory(record.algorithm) if record else None
     damaged = False
+    published = False
     try:
         for rel, size in sorted(files.items()):
             inside = rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
@@ -283,16 +284,34 @@ def _download(
                     "nothing was published"
                 )
                 return result
-        if is_dir:
-            # over the local copy when it is replaced (`_resynced_since_pulled`)
-            publish(staging, final, force=replace)
-        else:
-            # plain files of one step (`model_500.pt`, `optim_500.pt`) land side by side
-            for rel in files:
-                os.rename(staging / rel.rsplit("/", 1)[-1], dest_root / rel)
+        # from the rename on the checkpoint is here, whole: a signal meanwhile is held until
+        # that is recorded, so it is never reported as a partial pull kept to resume
+        publishing = HeldStopSignals()
+        try:
+            if is_dir:
+                # over the local copy when it is replaced (`_resynced_since_pulled`)
+                publish(staging, final, force=replace)
+            else:
+                # plain files of one step (`model_500.pt`, `optim_500.pt`) land side by side
+                for rel in files:
+                    os.rename(staging / rel.rsplit("/", 1)[-1], dest_root / rel)
+        except BaseException:
+            publishing.release()
+            raise
+        published = True
+        note_published(final)
+        publishing.release()
+        if not is_dir:
             shutil.rmtree(staging, ignore_errors=True)
         fsync_dir(final.parent)
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: the staging is kept to resume
+        if published:
+            raise interruption(
+                exc,
+                "interrupted",
+                final,
+                fix="Run the same `ckpt sync` again for the checkpoints not pulled yet.",
+            ) from None
         raise interruption(
             exc,
             f"interrupted; the partial pull of {c.name} is kept in {staging}",
