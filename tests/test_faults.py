@@ -1743,3 +1743,45 @@ def test_a_signal_right_after_a_pulled_checkpoint_is_published_says_it_is_whole(
     assert not [p for p in dest.rglob("*") if ".ckpt-tmp" in p.name]
     assert run_ckpt("diff", out / "checkpoint-100", dest / "checkpoint-100").exit_code == 0
     assert run_ckpt("verify", dest / "checkpoint-100").exit_code == 0
+
+
+def test_prune_never_deletes_the_staging_folder_a_running_save_holds(tmp_path: Path) -> None:
+    """`prune --incomplete` judged a ckpt staging folder by time alone: a save stalled for
+    longer than `--settle` (a slow disk, a paused job) was called interrupted and deleted
+    under its writer. A staging folder its process holds is now `writing`, whatever its age;
+    once that process is gone it is interrupted, and deleted."""
+    from .run_fixtures import age, trainer_run
+
+    run = trainer_run(tmp_path / "run", steps=(100, 200))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path\n"
+            "from ckpt_cli.storage.output import new_staging_folder\n"
+            "folder, lock = new_staging_folder(Path(sys.argv[1]), 'checkpoint-150')\n"
+            "(folder / 'model.safetensors').write_bytes(b'x' * 100)\n"
+            "print(folder, flush=True); sys.stdin.read()",
+            str(run),
+        ],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        staging = Path(holder.stdout.readline().strip())
+        age(staging)
+        os.utime(staging / "model.safetensors", (time.time() - 7200, time.time() - 7200))
+        shown = run_ckpt("latest", run, "--json", "--settle", "0")
+        rows = {r["name"]: r for r in shown.json["result"]["checkpoints"]}
+        assert rows[staging.name]["status"] == "writing", rows[staging.name]
+        pruned = run_ckpt("prune", run, "--incomplete", "--settle", "0", "--yes")
+        assert pruned.exit_code == 0 and staging.is_dir(), pruned.stdout
+    finally:
+        holder.kill()
+        holder.communicate()
+    pruned = run_ckpt("prune", run, "--incomplete", "--settle", "0", "--yes", "--json")
+    assert pruned.exit_code == 0, pruned.stdout
+    assert not staging.exists()

@@ -441,3 +441,25 @@ def remove_dead_stagings(parent: Path, name: str) -> list[Path]:
         finally:
             os.close(fd)
     return removed
+
+
+def staging_held(path: Path) -> bool:
+    """Whether a running process holds the staging folder `path` (`new_staging_folder`): it is
+    being written now, however long ago its last byte was (a save stalled on a slow disk)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # a lock taken here goes with it
+    return False

@@ -52,6 +52,7 @@ from .local import fsync_dir as fsync_dir
 from .local import new_staging_folder as new_staging_folder
 from .local import read_regular
 from .local import remove_dead_stagings as remove_dead_stagings
+from .local import staging_held as staging_held
 from .remote import UPLOAD_BLOCK as UPLOAD_BLOCK
 from .remote import FsspecStorage
 from .uri import parse_location

@@ -35,8 +35,10 @@ hyper-parameters) is whole all the same, and loading is `ckpt verify`'s question
 **Still being written.** Nothing tells a reader that another process is writing, so ckpt uses
 time: an incomplete checkpoint or a staging folder with a file modified within the last
 `settle` seconds (default 120) is `writing`, not `interrupted`; `prune` never touches a
-checkpoint with a file that recent, complete or not. A save that stalls for longer than the
-window without writing a byte would be judged interrupted; raise `--settle` for such jobs.
+checkpoint with a file that recent, complete or not. ckpt's own staging folders say it
+exactly: the process writing one holds it (a `flock`), so a held one is `writing` however long
+it has stalled. Another writer's save that stalls for longer than the window without writing a
+byte would be judged interrupted; raise `--settle` for such jobs.
 
 **Metrics.** Values for best-by-metric come, in this order of preference, from a
 `metrics.jsonl` in the run folder (one JSON object per line with `step` and metric values:

@@ -25,7 +25,7 @@ from ...faults import io_failure
 from ...formats.base import Source
 from ...formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
 from ...storage import LocalStorage, Storage, StorageRangeFile, is_parity_path
-from ...storage.output import TMP_MARKER
+from ...storage.output import TMP_MARKER, staging_held
 from ...storage.uri import parse_location
 from ...storage.view import FolderView
 from .naming import (
@@ -95,9 +95,13 @@ def judge_found(
     )
     if item.temporary:
         what = "deletion" if f"{TMP_MARKER}{DELETING}" in primary.rsplit("/", 1)[-1] else "save"
+        # ckpt's own staging folder is held by the process writing it: being written, however
+        # long since its last byte (a stalled save is never taken for an interrupted one)
+        local = run.storage.local_path(primary)
+        held = local is not None and staging_held(local)
         return with_status(
             entry,
-            "writing" if recent else "interrupted",
+            "writing" if recent or held else "interrupted",
             f"staging folder of a {what} in progress"
             if recent
             else f"staging folder left by an interrupted {what}",
