@@ -640,8 +640,8 @@ class TrainingState(Record):
     """The training state of a resumable checkpoint, and whether it is enough to resume.
 
     Attributes:
-        layout: `hf-trainer`, `accelerate`, `torchtitan`, `lightning`, `deepspeed`, `torch-dict`,
-            `dcp` ... (how the state was recognised).
+        layout: `hf-trainer`, `accelerate`, `torchtitan`, `lightning`, `deepspeed`,
+            `torch-files`, `torch-dict`, `dcp` ... (how the state was recognised).
         step / epoch: progress counters when recorded.
         counter: a progress counter of the framework's own that its loader restores, when
             the training step itself is not recorded (accelerate's gradient-accumulation

@@ -771,3 +771,78 @@ def test_a_deepspeed_latest_naming_a_tag_folder_linked_from_outside_is_refused_n
         assert result.exit_code == 4, result.stderr
         assert "'global_step9' is a link that points outside the checkpoint" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _plain_loop_saves(ckpt: Path, steps: tuple[int, ...]) -> torch.nn.Module:
+    """A training loop of its own: every 100 steps `torch.save` of each state into its own file
+    of `ckpt/step_N/` (model.pt, optimizer.pt, scheduler.pt, rng.pt). Returns the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    for step in range(1, max(steps) + 1):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step in steps:
+            folder = ckpt / f"step_{step}"
+            folder.mkdir(parents=True)
+            torch.save(model.state_dict(), folder / "model.pt")
+            torch.save(opt.state_dict(), folder / "optimizer.pt")
+            torch.save(sched.state_dict(), folder / "scheduler.pt")
+            rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+            torch.save(rng, folder / "rng.pt")
+    return model
+
+
+def test_a_step_folder_of_separate_torch_save_files_is_a_plain_training_save(
+    tmp_path: Path,
+) -> None:
+    """A loop saving `model.pt`, `optimizer.pt`, `scheduler.pt` and `rng.pt` into
+    `ckpt/step_N/` was read as a Hugging Face Trainer checkpoint (for its `optimizer.pt`) with
+    no weights: verify failed on an intact save with `missing_weights` and "trainer_state.json
+    is missing", and inspect showed no model. It is a plain training save of those four
+    components: each listed, none missing, verify passes; a save that lost its model.pt fails
+    verify."""
+    ckpt = tmp_path / "ckpt"
+    model = _plain_loop_saves(ckpt, (100, 200))
+    step = ckpt / "step_200"
+    report = run_ckpt("inspect", step, "--json").json["result"]
+    training = report["training"]
+    assert training["layout"] == "torch-files"
+    assert training["components"] == {
+        "model": "model.pt",
+        "optimizer": "optimizer.pt",
+        "rng": "rng.pt",
+        "scheduler": "scheduler.pt",
+    }
+    assert training["missing"] == [] and training["resumable"] is True
+    assert training["step"] == 200
+    assert training["optimizer"]["kind"] == "AdamW"
+    assert report["parameters"] == sum(p.numel() for p in model.parameters())
+    verified = run_ckpt("verify", step, "--json")
+    assert verified.exit_code == 0, verified.stdout
+    assert verified.json["result"]["problems"] == []
+    assert "(torch-files)" in run_ckpt("verify", step).stdout
+    # the weights are the model component, as saved
+    out = tmp_path / "weights.safetensors"
+    converted = run_ckpt("convert", step, out, "--to", "safetensors", "--select", "model")
+    assert converted.exit_code == 0, converted.stderr
+    saved = torch.load(step / "model.pt", weights_only=True)
+    exported = load_file(out)
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+    # the run's newest save lost its weights: verify says so
+    (step / "model.pt").unlink()
+    broken = run_ckpt("verify", step, "--json")
+    assert broken.exit_code == 1
+    (problem,) = broken.json["result"]["problems"]
+    assert problem["code"] == "missing_weights" and "model.pt" in problem["message"]
+    assert "trainer_state.json" not in problem["message"]
+    # a folder of a lone model.pt is a model, not a training save
+    lone = tmp_path / "exported"
+    lone.mkdir()
+    shutil.copy(ckpt / "step_100" / "model.pt", lone / "model.pt")
+    plain = run_ckpt("inspect", lone, "--json").json["result"]
+    assert plain["format"] == "torch" and plain["training"] is None

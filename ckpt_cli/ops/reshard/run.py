@@ -227,10 +227,11 @@ def _training_layout(source: Source, format: str | None) -> OpenedSource | None:
     layout = folder_layout_named(opened.training.layout)
     if layout is not None and not layout.loads_size_shards:
         opened.checkpoint.close()
+        weights = opened.parts.get("model", ("model.safetensors", ""))[0]
         raise UsageError(
             f"--max-shard-size would cut the weights of this {layout.name} save into shards, "
-            f"and {layout.name} loads one file per model (`model.safetensors`, "
-            "`model_1.safetensors`...): the copy would not resume",
+            f"and {layout.name} loads one file per model (`{weights}` here): the copy would "
+            "not resume",
             path=source.location.raw,
             fix="Export the weights cut by size with `ckpt convert SRC DEST --select model "
             "--max-shard-size SIZE`, or reshard for another world size with --world-size N.",

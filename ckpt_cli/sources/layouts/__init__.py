@@ -10,6 +10,7 @@ Layouts recognised (from file names, then from the keys of the loaded objects):
 |---|---|
 | `hf-trainer` | Hugging Face Trainer `checkpoint-N/`: model weights, `optimizer.pt`, `scheduler.pt`, `rng_state*.pth`, `trainer_state.json`, `training_args.bin` |
 | `accelerate` | `Accelerator.save_state` folders: `model.safetensors`, `optimizer.bin`, `scheduler.bin`, `sampler.bin`, `random_states_N.pkl`, `custom_checkpoint_N.pkl`; FSDP's `pytorch_model_fsdp_N/` + `optimizer_N/` (DCP), `pytorch_model_fsdp.bin`, or per-rank `pytorch_model_fsdp[_N]_rankR.bin` + `optimizer_N_rankR.bin` |
+| `torch-files` | a training loop's step folder of separate torch.save files: `model.pt`, `optimizer.pt`, `scheduler.pt`, `rng.pt`... (`torch_files`) |
 | `deepspeed` | `global_stepN/` (`mp_rank_00_model_states.pt`, `*_optim_states.pt`), or its parent with `latest` |
 | `torchtitan` | DCP folders with `optimizer.` / `lr_scheduler.` / `dataloader.` / `train_state.` keys beside the model's top-level keys (0.3), or `model.` (older) |
 | `diffusers-pipeline` / `sentence-transformers` | `model_index.json` / `modules.json` folders: one composite of their components (`ckpt_cli.sources.layouts.model_folders`) |
@@ -26,7 +27,8 @@ gives each component's prefix (`state_dict.` for the weights inside a Lightning 
 
 Package layout: `base` declares the `Layout` protocol (cheap `recognise`, `open`, step naming,
 completeness) and `OpenedSource`; one module per folder layout (`trainer`, `accelerate`,
-`deepspeed` with its ZeRO rebuild in `zero`, `multi_folder`) registered in `FOLDER_LAYOUTS`;
+`deepspeed` with its ZeRO rebuild in `zero`, `torch_files`, `multi_folder`) registered in
+`FOLDER_LAYOUTS`;
 the single-checkpoint layouts (`SingleLayout`: `Lightning`, `TorchTitan`, `TorchDict`, asked
 in that order from `SINGLE_LAYOUTS`) tell themselves apart by the keys of the one opened
 checkpoint; `composite` builds the one-checkpoint view of a folder (its typed details:
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ...errors import CkptError
@@ -97,6 +100,7 @@ __all__ = [
     "describe_model_folder",
     "folder_layout",
     "folder_layout_named",
+    "folder_layout_of",
     "open_plain",
     "open_source",
     "recognise_layout",
@@ -111,6 +115,8 @@ __all__ = [
 #: superset of it), so a folder of plain model files imports no layout module at all.
 FOLDER_REGISTRY: tuple[tuple[str, str, re.Pattern[str]], ...] = (
     ("deepspeed", "DeepSpeed", re.compile(r"latest|.*mp_rank_\d+_model_states\.pt")),
+    # before the Trainer: its `optimizer.pt` / `scheduler.pt` are a plain loop's names too
+    ("torch_files", "TorchFiles", re.compile(r"[A-Za-z0-9_]+\.pth?")),
     (
         "trainer",
         "Trainer",
@@ -169,22 +175,35 @@ if TYPE_CHECKING:
 # --------------------------------------------------------------------------- entry point
 
 
-def _open_layout(source: Source) -> OpenedSource | None:
-    """The training folder layout of a local, object-store or Hub folder, if it is one (DCP
-    folders excepted): a Trainer pushes `last-checkpoint/` with its optimizer state to the Hub."""
+def _recognised(source: Source) -> Iterator[Layout]:
+    """The folder layouts whose file names `source` has, in registry order (DCP folders and
+    single files have none)."""
     if source.target is not None:
-        return None
-    if DCP_METADATA in set(source.top_level()):
-        return None
+        return
     top = source.top_level()
+    if DCP_METADATA in set(top):
+        return
     for module, cls_name, names in FOLDER_REGISTRY:
         if not any(names.fullmatch(n) for n in top):
             continue
         layout = folder_layout(module, cls_name)
         if layout.recognise(source):
-            opened = layout.open(source)
-            if opened is not None:
-                return opened
+            yield layout
+
+
+def folder_layout_of(source: Source) -> Layout | None:
+    """The folder layout `source`'s file names say it is (nothing is read): what a run's judge
+    asks of a save named by the script (`step_100/`), whose name says no framework."""
+    return next(_recognised(source), None)
+
+
+def _open_layout(source: Source) -> OpenedSource | None:
+    """The training folder layout of a local, object-store or Hub folder, if it is one (DCP
+    folders excepted): a Trainer pushes `last-checkpoint/` with its optimizer state to the Hub."""
+    for layout in _recognised(source):
+        opened = layout.open(source)
+        if opened is not None:
+            return opened
     return None
 
 
