@@ -97,8 +97,11 @@ def test_trainer_without_optimizer_is_not_resumable(trainer_run: Path, tmp_path:
     (folder / "optimizer.pt").unlink()
     training = run_ckpt("inspect", folder, "--json").json["result"]["training"]
     assert training["resumable"] is False and training["missing"] == ["optimizer"]
-    codes = [p.code for p in training_checks(open_source(str(folder)))]
-    assert codes == ["missing_optimizer"]
+    problems = training_checks(open_source(str(folder)))
+    # the Trainer writes optimizer.pt with scheduler.pt and rng_state.pth, both here: the
+    # file is missing (its own problem, what plain verify says), and so is the state
+    assert [p.code for p in problems] == ["missing_component", "missing_optimizer"]
+    assert "optimizer.pt is missing" in problems[0].message
 
 
 def test_optimizer_of_another_model_is_a_shape_mismatch(trainer_run: Path, tmp_path: Path) -> None:
@@ -804,7 +807,7 @@ def test_a_step_folder_of_separate_torch_save_files_is_a_plain_training_save(
     no weights: verify failed on an intact save with `missing_weights` and "trainer_state.json
     is missing", and inspect showed no model. It is a plain training save of those four
     components: each listed, none missing, verify passes; a save that lost its model.pt fails
-    verify."""
+    verify and is never the latest."""
     ckpt = tmp_path / "ckpt"
     model = _plain_loop_saves(ckpt, (100, 200))
     step = ckpt / "step_200"
@@ -833,13 +836,15 @@ def test_a_step_folder_of_separate_torch_save_files_is_a_plain_training_save(
     exported = load_file(out)
     assert exported.keys() == saved.keys()
     assert all(torch.equal(exported[k], saved[k]) for k in saved)
-    # the run's newest save lost its weights: verify says so
+    # the run's newest save lost its weights: verify says so, latest names the one before
     (step / "model.pt").unlink()
     broken = run_ckpt("verify", step, "--json")
     assert broken.exit_code == 1
     (problem,) = broken.json["result"]["problems"]
     assert problem["code"] == "missing_weights" and "model.pt" in problem["message"]
     assert "trainer_state.json" not in problem["message"]
+    latest = run_ckpt("latest", ckpt)
+    assert latest.exit_code == 0 and latest.stdout.strip() == str(ckpt / "step_100")
     # a folder of a lone model.pt is a model, not a training save
     lone = tmp_path / "exported"
     lone.mkdir()

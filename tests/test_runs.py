@@ -65,9 +65,11 @@ def test_a_trainer_save_that_lost_a_file_every_other_save_has_is_incomplete(
     assert [rows[f"checkpoint-{s}"]["status"] for s in (100, 200, 300)] == ["complete"] * 3
     assert rows["checkpoint-400"]["status"] == "incomplete"
     what = "model weights" if lost == "model.safetensors" else lost
-    assert (
-        f"lacks {what}, which every other save of this run has" in rows["checkpoint-400"]["reason"]
-    )
+    reason = rows["checkpoint-400"]["reason"]
+    if lost == "optimizer.pt":  # the Trainer's own layout says so first (its rng_state.pth)
+        assert "optimizer.pt is missing, but the Trainer saves it with" in reason
+    else:
+        assert f"lacks {what}, which every other save of this run has" in reason
     assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-300")
     plan = run_ckpt("prune", out, "--keep-last", "1", "--json").json["result"]
     actions = {d["name"]: d["action"] for d in plan["decisions"]}
@@ -555,3 +557,57 @@ def test_every_length_of_time_takes_seconds_or_units(tmp_path: Path) -> None:
     assert watched.exit_code == 0, watched.stderr
     assert (out / "checkpoint-100").is_dir() and (out / "checkpoint-200").is_dir()
     assert run_ckpt("prune", out, "--keep-last", "1", "--yes", "--watch", "0").exit_code == 2
+
+
+def test_a_real_trainer_save_without_its_optimizer_is_incomplete_in_a_run_of_two(
+    real_trainer_run: Path, tmp_path: Path
+) -> None:
+    """A real Trainer run saved checkpoint-2 and checkpoint-4; checkpoint-4 lost optimizer.pt.
+    Below three saves there was nothing to compare it with, so `latest` named it, complete:
+    a resume from it restarts AdamW from zero. The Trainer's own layout says it writes
+    optimizer.pt with scheduler.pt and rng_state.pth (unless save_only_model), both here:
+    incomplete, whatever the number of saves; `latest` names checkpoint-2."""
+    out = shutil.copytree(real_trainer_run / "straight", tmp_path / "out")
+    (out / "checkpoint-4" / "optimizer.pt").unlink()
+    age(out)
+    rows = table(out)
+    assert rows["checkpoint-2"]["status"] == "complete"
+    assert rows["checkpoint-4"]["status"] == "incomplete"
+    assert "optimizer.pt is missing" in rows["checkpoint-4"]["reason"]
+    latest = run_ckpt_process("latest", out)
+    assert latest.exit_code == 0, latest.stderr
+    assert latest.stdout == f"{out / 'checkpoint-2'}\n"
+    state = torch.load(out / "checkpoint-2" / "optimizer.pt", weights_only=True)
+    assert state["state"], "the save named holds the optimizer's moments"
+    # nothing left saying what a full save holds (no optimizer, scheduler, RNG file, no
+    # training_args.bin, no other save): not called whole silently, the reason says so
+    for name in ("scheduler.pt", "rng_state.pth", "training_args.bin"):
+        (out / "checkpoint-4" / name).unlink()
+    shutil.rmtree(out / "checkpoint-2")
+    age(out)
+    unknown = table(out)["checkpoint-4"]
+    assert unknown["status"] == "complete"
+    assert "no training_args.bin says whether the run saved them" in unknown["reason"]
+    latest = run_ckpt_process("latest", out)
+    assert latest.stdout == f"{out / 'checkpoint-4'}\n"
+    assert "warning" in latest.stderr and "save_only_model" in latest.stderr
+
+
+def test_a_real_accelerate_save_without_its_optimizer_is_incomplete_in_a_run_of_two(
+    real_accelerate_run: Path, tmp_path: Path
+) -> None:
+    """accelerate's `save_state` at step 2 and 4, and step-4's optimizer.bin lost: with two
+    saves nothing compared them and `latest` named step-4. save_state writes the optimizer's
+    state before the scheduler's, and scheduler.bin is here: step-4 is incomplete."""
+    out = shutil.copytree(real_accelerate_run / "straight", tmp_path / "run")
+    assert (out / "step-4" / "scheduler.bin").is_file()
+    (out / "step-4" / "optimizer.bin").unlink()
+    age(out)
+    rows = table(out)
+    assert rows["step-2"]["status"] == "complete"
+    assert rows["step-4"]["status"] == "incomplete"
+    assert "optimizer.bin is missing, but scheduler.bin is here" in rows["step-4"]["reason"]
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "step-2")
+    verified = run_ckpt("verify", out / "step-4", "--json")
+    assert verified.exit_code == 1
+    assert [p["code"] for p in verified.json["result"]["problems"]] == ["missing_component"]

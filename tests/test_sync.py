@@ -385,7 +385,8 @@ def test_a_pulled_save_that_lost_a_file_here_is_pulled_again(
     again = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--json")
     assert again.exit_code == 0, again.stdout
     synced = again.json["result"]["checkpoints"][0]
-    assert synced["action"] == "downloaded" and "lacks optimizer.pt" in synced["reason"]
+    # the Trainer's own layout says so (it writes optimizer.pt with scheduler.pt)
+    assert synced["action"] == "downloaded" and "optimizer.pt is missing" in synced["reason"]
     assert (
         local_files(back / "checkpoint-100").items() >= local_files(out / "checkpoint-100").items()
     )
@@ -969,8 +970,9 @@ def test_a_pull_checks_the_sizes_its_manifest_records(s3_server: S3Server, tmp_p
 def test_a_pull_of_a_save_that_lost_a_file_its_manifest_lists_says_what_to_do(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
-    # every save lost the same file in the bucket (a lifecycle rule on *.pt, say): the judge
-    # cannot tell it from the other saves, the manifest can; the reason says what to do
+    # every save lost the same file in the bucket (a lifecycle rule on *.pth, say): the judge
+    # cannot tell it from the other saves, the manifest can; the reason says what to do (a
+    # lost scheduler.pt the judge tells by itself: the Trainer writes it with optimizer.pt)
     import boto3
 
     make_bucket(s3_server.endpoint, BUCKET)
@@ -978,12 +980,12 @@ def test_a_pull_of_a_save_that_lost_a_file_its_manifest_lists_says_what_to_do(
     assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
     client = boto3.client("s3", endpoint_url=s3_server.endpoint)
     for step in (100, 200):
-        client.delete_object(Bucket=BUCKET, Key=f"run/checkpoint-{step}/scheduler.pt")
+        client.delete_object(Bucket=BUCKET, Key=f"run/checkpoint-{step}/rng_state.pth")
     back = tmp_path / "back"
     pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--latest", "--json")
     assert pulled.exit_code == 1, pulled.stdout
     reason = pulled.json["result"]["checkpoints"][0]["reason"]
-    assert "lacks scheduler.pt" in reason and "sync it again from a machine" in reason
+    assert "lacks rng_state.pth" in reason and "sync it again from a machine" in reason
     assert [p.name for p in back.iterdir()] == []  # nothing published, no staging left
 
 

@@ -64,8 +64,25 @@ class Accelerate(Layout):
         )
 
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
-        """Every rank's file of a per-rank FSDP save (`composite.missing_rank_files`)."""
-        return missing_rank_files(source, folder, self.rank_files)
+        """Every rank's file of a per-rank FSDP save (`composite.missing_rank_files`), and the
+        optimizer state a scheduler's file says was saved (`_missing_optimizer`)."""
+        return _missing_optimizer(source, folder) + missing_rank_files(
+            source, folder, self.rank_files
+        )
+
+    def unknown_state(self, source: Source, folder: Folder) -> str | None:
+        """A save with neither an optimizer's nor a scheduler's state in any shape:
+        `save_state` writes one for every prepared optimizer, and a script may prepare none,
+        so its files cannot tell a model-only save from one whose optimizer file was lost."""
+        if _optimizers(folder) or folder.numbered_files("scheduler", ".bin"):
+            return None
+        if _deepspeed_states(source):
+            return None  # DeepSpeed saved the optimizer in its own folder
+        return (
+            "holds no optimizer state (optimizer.bin) and no scheduler.bin: a save of a run "
+            "that prepared no optimizer, or its optimizer file was lost; nothing in the folder "
+            "tells which (`ckpt verify --resumable` says whether it can resume)"
+        )
 
     def open(self, source: Source) -> OpenedSource | None:
         folder = Folder(source)
@@ -113,3 +130,37 @@ class Accelerate(Layout):
                 state.counter = f"accelerate's gradient-accumulation step ({name})"
                 break
         return finish(checkpoint, state, folder)
+
+
+def _optimizers(folder: Folder) -> bool:
+    """Whether the folder holds an optimizer's state in any of accelerate's shapes."""
+    return bool(
+        folder.matching(_OPTIM)
+        or folder.dirs_matching(r"optimizer_(\d+)")
+        or folder.matching(RANK_OPTIMIZER_FILE.pattern)
+    )
+
+
+def _deepspeed_states(source: Source) -> bool:
+    """Whether DeepSpeed saved the state (`save_checkpoint` into a subfolder of the save)."""
+    return any("/" in n and n.endswith("model_states.pt") for n in source.files)
+
+
+def _missing_optimizer(source: Source, folder: Folder) -> list[Problem]:
+    """`save_state` writes every prepared optimizer's state (`optimizer{_i}.bin`, or its FSDP
+    shapes) before the schedulers' (`scheduler{_i}.bin`), and a scheduler steps an optimizer:
+    a scheduler's file with no optimizer state in any shape says the optimizer's was saved and
+    is gone, whatever the run's other saves hold."""
+    schedulers = folder.numbered_files("scheduler", ".bin")
+    if not schedulers or _optimizers(folder) or _deepspeed_states(source):
+        return []
+    return [
+        Problem(
+            code="missing_component",
+            message=f"{source.location.raw}: optimizer.bin is missing, but {schedulers[0][0]} "
+            "is here and accelerate's save_state writes the optimizer's state before the "
+            "scheduler's; this save cannot resume training where it stopped. Use another "
+            "checkpoint of the run (`ckpt latest` names the newest whole one).",
+            file=source.storage.describe(folder.rel("optimizer.bin")),
+        )
+    ]

@@ -118,6 +118,12 @@ class Layout(ABC):
         """Components this checkpoint should hold but lacks (completeness); none by default."""
         return []
 
+    def unknown_state(self, source: Source, folder: Folder) -> str | None:
+        """Why the checkpoint's own files cannot tell whether it should hold more than it does
+        (the framework records nothing that says so: a weights-only save, or state lost),
+        for a run's judge to say rather than call it whole silently; None when they can."""
+        return None
+
     def rank_file_name(self, rank: int, world_size: int) -> str:
         """The file the framework saves (and at `world_size` ranks loads) rank `rank`'s state in;
         only asked of layouts with `rank_files`."""

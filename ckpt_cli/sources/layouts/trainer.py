@@ -117,6 +117,11 @@ class Trainer(Layout):
             source, folder, self.rank_files
         )
 
+    def unknown_state(self, source: Source, folder: Folder) -> str | None:
+        """A checkpoint with no optimizer / scheduler / RNG file and no `training_args.bin`
+        recording `save_only_model` (see `_state_unknown`)."""
+        return _state_unknown(source, folder)
+
 
 #: what a Trainer saves beside the weights unless `save_only_model` is set
 _TRAINER_STATE_FILES = ("optimizer.pt", "scheduler.pt")
@@ -229,6 +234,35 @@ def _unfinished(source: Source, folder: Folder, state: TrainingState) -> list[Pr
     return problems
 
 
+def _state_unknown(source: Source, folder: Folder) -> str | None:
+    """Why nothing tells whether a Trainer checkpoint should hold optimizer state: it has
+    none of optimizer.pt, scheduler.pt, rng_state*.pth (what `save_only_model` leaves out)
+    and no training_args.bin recording `save_only_model`; None when its files tell."""
+    if (
+        folder.has_dir("optimizer_0")
+        or folder.has("optimizer.bin")
+        or any(n.startswith("global_step") for n in source.files)
+        or _model_only(source, folder)
+        or any(folder.has(n) for n in _TRAINER_STATE_FILES)
+        or folder.matching(_RNG)
+    ):
+        return None
+    from ..runs import SLIM_RECORD
+
+    if folder.has(SLIM_RECORD):
+        return None
+    if (
+        folder.has("training_args.bin")
+        and _save_only_model(source, "training_args.bin") is not None
+    ):
+        return None
+    return (
+        "holds no optimizer.pt, scheduler.pt or rng_state*.pth, and no training_args.bin says "
+        "whether the run saved them (save_only_model): a weights-only save, or its training "
+        "state was lost; `ckpt verify --resumable` says whether it can resume"
+    )
+
+
 def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
     """Optimizer / scheduler files a Trainer checkpoint should have but lacks, when its own
     training arguments (`save_only_model` false) or its sibling checkpoints say so."""
@@ -253,6 +287,16 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
                 reasons[name] = "training_args.bin says save_only_model=False"
         elif only_model is True:
             return []
+    # the Trainer's own layout (`_save_checkpoint`): unless `save_only_model`, it writes
+    # optimizer.pt, then scheduler.pt, then rng_state*.pth, all three or none of them, so one
+    # of them here says the others were saved too, whatever the run's other saves hold
+    saved = [n for n in (*_TRAINER_STATE_FILES, *folder.matching(_RNG)) if folder.has(n)]
+    if saved:
+        for name in missing:
+            reasons.setdefault(
+                name,
+                f"the Trainer saves it with {saved[0]} (save_only_model=False), which is here",
+            )
     loc = source.location
     if loc.is_local and loc.path is not None:
         here = loc.path.resolve()
@@ -270,7 +314,7 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
         Problem(
             code="missing_component",
             message=f"{where}: {name} is missing, but {why}; this checkpoint cannot resume "
-            "training where it stopped",
+            f"training where it stopped. {_OTHER}",
             file=source.storage.describe(name),
         )
         for name, why in reasons.items()

@@ -113,6 +113,13 @@ def judge_found(
         problem = _trainer_state_problem(run.storage, primary, files)
     if problem is None and item.layout == "deepspeed" and item.is_dir:
         problem = _zero_partition_problem(run.storage, primary, files)
+    note = None
+    if problem is None and item.is_dir:
+        lost, note = _layout_problem(run.storage, item, files)
+        if lost is not None:
+            # a file the framework writes before others that are here: lost since the save,
+            # never one still being written, however recent
+            return with_status(entry, "incomplete", lost)
     if problem is None and run.upload_unfinished(item):
         problem = (
             f"no {CHECKSUM_MANIFEST} yet: `ckpt sync` uploads it after the save's files, so "
@@ -145,6 +152,7 @@ def judge_found(
             "(DeepSpeed writes it when a save has finished)"
         )
     if problem is None:
+        entry.reason = note  # complete, but what it should hold is not known: said, not hidden
         return entry
     if recent:
         return with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
@@ -385,6 +393,34 @@ def _trainer_state_problem(storage: Storage, folder: str, files: Mapping[str, in
         no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return f"{inside.describe('trainer_state.json')}: not valid JSON, cut short? ({exc})"
     return None
+
+
+def _layout_problem(
+    storage: Storage, item: Found, files: Mapping[str, int]
+) -> tuple[str | None, str | None]:
+    """(problem, note) of a save by its framework's own layout (`Layout.missing`: a Trainer
+    checkpoint whose `rng_state.pth` says its `optimizer.pt` was saved, an accelerate save with
+    a scheduler's state and no optimizer's), whatever the run's other saves hold; the note says
+    when its files cannot tell what it should hold (`Layout.unknown_state`). Names only, and
+    the few bytes of `training_args.bin` a Trainer checkpoint's `save_only_model` needs."""
+    from ..layouts import folder_layout_named, folder_layout_of
+    from ..layouts.composite import Folder
+
+    try:
+        source = _component_source(storage, item.rels[0], True, files)
+        # a save the script named (`step_100/`): the framework its files say
+        layout = folder_layout_of(source) if item.layout == "plain" else None
+        layout = layout or folder_layout_named(item.layout)
+        if layout is None:
+            return None, None
+        folder = Folder(source)
+        problems = [p for p in layout.missing(source, folder) if p.severity == "error"]
+        if problems:
+            return problems[0].message, None
+        return None, layout.unknown_state(source, folder)
+    except CkptError as error:
+        no_verdict(error)  # the store or the OS refused: no verdict on the file
+        return error.message, None
 
 
 def _zero_partition_problem(storage: Storage, folder: str, files: Mapping[str, int]) -> str | None:
