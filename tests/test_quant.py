@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -1648,3 +1649,53 @@ def test_inspect_counts_packed_weights_by_their_logical_parameters(
     report = run_ckpt("inspect", src, "--json").json["result"]
     assert report["quantization"]["parameters"] == logical
     assert report["parameters"] == logical
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "gptq", "bnb4"])
+def test_parameters_are_counted_by_one_rule_with_a_filter_and_in_a_training_folder(
+    tmp_path: Path, scheme: str
+) -> None:
+    """The quantization section counts logical parameters, scales none. The first line of
+    `inspect` counted FP8 `weight_scale_inv` as parameters, and so did `--filter` and a
+    Trainer checkpoint holding the quantized model for every scheme (their scales and zeros in,
+    GPTQ's and bitsandbytes' packed weights out): one rule everywhere now."""
+    model = tmp_path / "model"
+    if scheme == "fp8":
+        full = fp8_source()
+        write_fp8_block(model, full)
+        logical = sum(t.numel() for t in full.values())
+    elif scheme == "gptq":
+        write_gptq(model)
+        logical = 2 * 64 * 32 + 32 + 16 * 32
+    else:
+        write_bitsandbytes(model, 4)
+        logical = 2 * 32 * 64 + 64 + 16 * 64
+    report = run_ckpt("inspect", model, "--json").json["result"]
+    assert report["quantization"]["parameters"] == logical
+    assert report["parameters"] == logical
+    assert run_ckpt("inspect", model, "--filter", "*", "--json").json["result"]["parameters"] == (
+        logical
+    )
+    # the norm alone: a plain floating tensor, its elements
+    norm = run_ckpt(
+        "inspect", model, "--filter", "*layernorm*", "--filter", "model.norm*", "--json"
+    )
+    expected_norm = 2 * 48 if scheme == "fp8" else 64 if scheme == "bnb4" else 32
+    assert norm.json["result"]["parameters"] == expected_norm
+    # the same weights in a Trainer checkpoint (optimizer, scheduler, RNG, trainer_state.json)
+    folder = shutil.copytree(model, tmp_path / "out" / "checkpoint-10")
+    head = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(head.parameters())
+    head(torch.randn(1, 2)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), folder / "optimizer.pt")
+    torch.save(torch.optim.lr_scheduler.LinearLR(opt).state_dict(), folder / "scheduler.pt")
+    torch.save({"cpu": torch.get_rng_state()}, folder / "rng_state.pth")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 10, "epoch": 1.0}))
+    training = run_ckpt("inspect", folder, "--json").json["result"]
+    assert training["training"]["layout"] == "hf-trainer"
+    assert training["parameters"] == logical
+    assert training["training"]["weights"]["parameters"] == logical
+    assert training["state_elements"]["optimizer"] == 2 * (4 + 2) + 2
+    chosen = run_ckpt("inspect", folder, "--filter", "model.*", "--json").json["result"]
+    assert chosen["parameters"] == logical

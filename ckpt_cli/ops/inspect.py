@@ -5,22 +5,27 @@ from __future__ import annotations
 import gc
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import Field
 
 from ..architectures import NamingInfo
-from ..dtypes import FLOATING
 from ..errors import NotFoundError
 from ..formats import resolve_source
 from ..formats.base import Checkpoint, Source
 from ..formats.names import LIGHTNING_SUFFIX, SAFETENSORS_SUFFIX
 from ..models import Entry, FileInfo, Manifest, Problem, Record, Request, TrainingState
-from ..quant import QuantSummary, prefetch_config
+from ..quant import (
+    QuantAnalysis,
+    QuantSummary,
+    analyse_checkpoint,
+    parameter_counter,
+    prefetch_config,
+)
 from ..sources.layouts import OpenedSource, open_source
 from ..sources.layouts.model_folders import LayoutInfo
 from ..sources.runs.records import RunReport
-from ..storage import Storage
 from ..storage.uri import parse_location
 from .shared.selection import name_chosen
 from .shared.tree import TreeNode, build_tree, collapse_chains
@@ -174,7 +179,10 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
             )
         chosen = filters or excludes
         view = manifest.model_copy(update={"entries": entries}) if chosen else manifest
-        parameters, state_elements = _split_parameters(view, opened.training)
+        # the quantization of the whole checkpoint: a filter's entries are counted by it too
+        analysis = analyse_checkpoint(manifest, checkpoint.storage)
+        count = parameter_counter(manifest, checkpoint.storage, analysis)
+        parameters, state_elements = _split_parameters(view, opened.training, count)
         # tensors stored in a form ckpt does not decode (GGUF's Q4_K, Q8_0...) are entries of
         # their own kind, but weights all the same: counted with their logical shape, their
         # stored bytes under their type
@@ -182,11 +190,9 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
         by_type = view.bytes_by_dtype()
         for e in stored:
             by_type[e.dtype or "stored"] = by_type.get(e.dtype or "stored", 0) + e.nbytes
-        quantization = quantization_of(checkpoint.manifest, checkpoint.storage)
-        if quantization is not None and quantization.packed and not chosen and not opened.training:
-            # packed weights (GPTQ, bitsandbytes...) are integer codes: counted by their
-            # logical values, their scales not at all, as the quantization section counts
-            parameters = quantization.parameters
+        # packed weights (GPTQ, bitsandbytes...) count their logical values and quantized
+        # weights their dequantized ones, scales nothing: the quantization section's count
+        quantization = quantization_summary(manifest, analysis)
         return InspectReport(
             location=manifest.location,
             format=manifest.format,
@@ -261,15 +267,18 @@ def _could_be_run(src: str) -> bool:
 _MODEL_COMPONENT = re.compile(r"model(_\d+)?(_rank\d+)?")
 
 
-def _split_parameters(view: Manifest, training: TrainingState | None) -> tuple[int, dict[str, int]]:
-    """(model parameters, floating elements of every other component) of a checkpoint.
+def _split_parameters(
+    view: Manifest, training: TrainingState | None, count: Callable[[Entry], int]
+) -> tuple[int, dict[str, int]]:
+    """(model parameters, floating elements of every other component) of a checkpoint, each
+    entry counted by `count` (`quant.parameter_counter`: the one rule of every count).
 
     In a training folder entries are named `<component>.<key>`; the model components are
     the parameters, everything else (optimizer moments, RNG, ...) is state of its own. An
     entry under no component is placed by the layout's prefixes (`state_dict.` is a Lightning
     file's model, `optimizer_states.0.` its optimizer).
     """
-    total = view.parameters()
+    total = sum(count(e) for e in view.entries)
     if training is None or not training.components:
         return total, {}
     by_prefix = sorted(
@@ -281,11 +290,12 @@ def _split_parameters(view: Manifest, training: TrainingState | None) -> tuple[i
     whole = next((c for c, prefix in training.prefixes.items() if not prefix), "other")
     per: dict[str, int] = {}
     for e in view.entries:
-        if e.kind == "tensor" and e.dtype in FLOATING:
+        counted = count(e)
+        if counted:
             component = e.name.split(".", 1)[0]
             if component not in training.components:
                 component = next((r for p, r in by_prefix if e.name.startswith(p)), whole)
-            per[component] = per.get(component, 0) + e.numel
+            per[component] = per.get(component, 0) + counted
     model = sum(n for k, n in per.items() if _MODEL_COMPONENT.fullmatch(k))
     if not model and "weights" not in training.missing:
         return total, {}  # a layout whose weights are not under `model*`: all of it is model
@@ -293,11 +303,11 @@ def _split_parameters(view: Manifest, training: TrainingState | None) -> tuple[i
     return model, {k: n for k, n in per.items() if not _MODEL_COMPONENT.fullmatch(k) and n}
 
 
-def quantization_of(manifest: Manifest, storage: Storage) -> QuantSummary | None:
-    """The quantization summary, when the headers or the config files say it is quantized."""
-    from ..quant import analyse_checkpoint, summarise
+def quantization_summary(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary | None:
+    """The quantization summary, when the headers or the config files (the checkpoint's
+    `analysis`) say it is quantized."""
+    from ..quant import summarise
 
-    analysis = analyse_checkpoint(manifest, storage)
     if not (analysis.quantized or analysis.packed) and analysis.config.method is None:
         return None
     return summarise(manifest, analysis)

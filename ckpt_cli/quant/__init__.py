@@ -26,13 +26,14 @@ one weight and its sidecars at a time) in `quant.dequant`.
 
 from __future__ import annotations
 
-from .recognise import analyse, analyse_checkpoint, analyse_tensors
+from .recognise import analyse, analyse_checkpoint, analyse_tensors, parameter_counter
 from .schemes import (
     QuantAnalysis,
     QuantConfig,
     QuantGroup,
     QuantSummary,
     QuantWeight,
+    entry_parameters,
     ignored,
     label,
     logical_dtype,
@@ -54,9 +55,11 @@ __all__ = [
     "analyse",
     "analyse_checkpoint",
     "analyse_tensors",
+    "entry_parameters",
     "ignored",
     "label",
     "logical_dtype",
+    "parameter_counter",
     "prefetch_config",
     "quantization_only_file",
     "read_config",

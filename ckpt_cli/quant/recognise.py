@@ -6,10 +6,10 @@ is wrong with them; `analyse` runs them over every tensor, then the orphan and c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..models import DTYPE, SHAPE, Manifest, TensorFacts
+from ..models import DTYPE, SHAPE, Entry, Manifest, TensorFacts
 from ..storage import Storage
 from .checks import (
     Checks,
@@ -41,6 +41,7 @@ from .schemes import (
     QuantConfig,
     QuantWeight,
     config_families,
+    entry_parameters,
     ignored,
     read_config,
 )
@@ -190,6 +191,24 @@ def analyse_checkpoint(
 ) -> QuantAnalysis:
     """`analyse` with the config files read from the checkpoint's root."""
     return analyse(manifest, read_config(storage), where)
+
+
+def parameter_counter(
+    manifest: Manifest, storage: Storage, analysis: QuantAnalysis | None = None
+) -> Callable[[Entry], int]:
+    """`entry_parameters` of the checkpoint's entries: the parameters each one counts for,
+    its quantization analysed once (`analysis` when the caller holds it already), so any
+    selection of entries (a `--filter`, a training layout's `model.` component) is counted by
+    the same rule as the whole checkpoint."""
+    if analysis is None:
+        analysis = analyse_checkpoint(manifest, storage)
+    tensors = {e.name: e for e in manifest.entries if e.kind == "tensor"}
+    held = analysis
+
+    def count(entry: Entry) -> int:
+        return entry_parameters(entry, held, tensors)
+
+    return count
 
 
 def _recognise(r: _Recognition, name: str, tensor: TensorFacts) -> None:

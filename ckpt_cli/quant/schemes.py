@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
@@ -449,6 +450,47 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
+def entry_parameters(entry: Entry, analysis: QuantAnalysis, tensors: Mapping[str, Entry]) -> int:
+    """The parameters one stored tensor counts for: the one rule of every parameter count
+    (`inspect`'s first line with or without `--filter`, a training layout's weights, the
+    quantization section). A quantized weight's payload counts its logical (dequantized)
+    elements and its scales none; a packed module (GPTQ, AWQ, bitsandbytes...) counts its
+    logical values on its payload (`qweight`, `weight`) and nothing on its scales, zeros and
+    state; a scale whose weight is absent (an orphan) counts nothing; any other floating
+    tensor its elements; integer tensors none. `tensors`: every tensor of the checkpoint by
+    name (a packed payload's count needs its module's)."""
+    if entry.kind != "tensor":
+        return 0
+    owner = analysis.owner.get(entry.name)
+    if owner is not None:
+        weight = analysis.weights[owner]
+        return dtypes.numel(weight.logical_shape) if entry.name == weight.payload else 0
+    module = analysis.packed_owner.get(entry.name)
+    if module is not None:
+        if entry.name != analysis.packed[module][0]:
+            return 0
+        return _packed_parameters(module, analysis, tensors)
+    if entry.name in analysis.orphans:
+        return 0
+    return entry.numel if entry.dtype in dtypes.FLOATING else 0
+
+
+def _packed_parameters(module: str, analysis: QuantAnalysis, tensors: Mapping[str, Entry]) -> int:
+    """The logical values of a packed module, from its payload's stored size."""
+    scheme = analysis.packed_scheme[module]
+    bits = analysis.config.raw.get("bits") or analysis.config.raw.get("w_bit") or 4
+    qweight = tensors.get(module + ".qweight") or tensors.get(module + ".weight_packed")
+    codes = tensors.get(module + ".weight")
+    words = _ct_bits(analysis.config.raw) if scheme == CT_PACKED else bits
+    if qweight is not None and isinstance(words, int) and 0 < words <= 32:
+        # words of `32 / bits` values each (GPTQ packs along in, AWQ along out)
+        return qweight.nbytes * 8 // words
+    if codes is not None:
+        # bitsandbytes: two 4-bit codes a byte, or one int8 value each
+        return codes.nbytes * 2 if scheme == BNB_4BIT else codes.numel
+    return 0
+
+
 def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
     """The per-scheme view `inspect` shows."""
     tensors = {e.name: e for e in manifest.entries if e.kind == "tensor"}
@@ -478,35 +520,23 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
         group.parameters += dtypes.numel(weight.logical_shape)
         group.stored_bytes += sum(tensors[n].nbytes for n in weight.members if n in tensors)
     unquantized: list[str] = []
-    others = 0
     for entry in tensors.values():
         if analysis.kept_as_stored(entry.name) or entry.name in analysis.orphans:
             continue
         if entry.dtype in dtypes.FLOATING:
-            others += entry.numel
             module = entry.name.rsplit(".", 1)[0] if "." in entry.name else entry.name
             pattern = fold(module)
             if pattern not in unquantized:
                 unquantized.append(pattern)
     packed: list[str] = []
     packed_labels: list[str] = []
-    bits = analysis.config.raw.get("bits") or analysis.config.raw.get("w_bit") or 4
     for module, scheme in analysis.packed_scheme.items():
         pattern = fold(module)
         if pattern not in packed:
             packed.append(pattern)
         if scheme not in packed_labels:
             packed_labels.append(scheme)
-        qweight = tensors.get(module + ".qweight") or tensors.get(module + ".weight_packed")
-        codes = tensors.get(module + ".weight")
-        words = _ct_bits(analysis.config.raw) if scheme == CT_PACKED else bits
-        if qweight is not None and isinstance(words, int) and 0 < words <= 32:
-            # words of `32 / bits` values each (GPTQ packs along in, AWQ along out)
-            others += qweight.nbytes * 8 // words
-        elif codes is not None:
-            # bitsandbytes: two 4-bit codes a byte, or one int8 value each
-            others += codes.nbytes * 2 if scheme == BNB_4BIT else codes.numel
-    parameters = others + sum(g.parameters for g in groups.values())
+    parameters = sum(entry_parameters(e, analysis, tensors) for e in tensors.values())
     stored = sum(e.nbytes for e in tensors.values())
     declared = " ".join(x for x in (analysis.config.method, analysis.config.algo) if x)
     labels = [g.label for g in groups.values()]

@@ -158,14 +158,14 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
         all_models(checkpoint, state)  # a whole multi-model accelerate folder, converted
     per_rank_models(checkpoint, state)  # a whole per-rank FSDP save (`model_rank0`...), converted
     if titan_model:
-        view = Manifest(format=manifest.format, location=manifest.location)
-        view.entries = [
-            e for e in model_entries(manifest.entries, titan_model) if e.kind == "tensor"
-        ]
+        from ...quant import parameter_counter
+
+        tensors = [e for e in model_entries(manifest.entries, titan_model) if e.kind == "tensor"]
+        count = parameter_counter(manifest, checkpoint.storage)
         state.weights = {
-            "tensors": len(view.entries),
-            "parameters": view.parameters(),
-            "bytes": view.tensor_bytes(),
+            "tensors": len(tensors),
+            "parameters": sum(count(e) for e in tensors),
+            "bytes": sum(e.nbytes for e in tensors),
         }
     if rng and not state.rng:
         # a stream under an unrecognised key name still counts as RNG state

@@ -94,13 +94,18 @@ def entries_under(manifest: Manifest, prefix: str) -> list[Entry]:
     return [e for e in manifest.entries if e.name.startswith(prefix)]
 
 
-def weights_summary(manifest: Manifest, prefix: str) -> dict[str, int]:
-    view = Manifest(format=manifest.format, location=manifest.location)
-    view.entries = [e for e in entries_under(manifest, prefix) if e.kind == "tensor"]
+def weights_summary(checkpoint: Checkpoint, prefix: str) -> dict[str, int]:
+    """Tensors, parameters and bytes of the weights under `prefix`; parameters by the rule of
+    every parameter count (`quant.entry_parameters`: a quantized weight's scales are none)."""
+    from ...quant import parameter_counter
+
+    manifest = checkpoint.manifest
+    tensors = [e for e in entries_under(manifest, prefix) if e.kind == "tensor"]
+    count = parameter_counter(manifest, checkpoint.storage)
     return {
-        "tensors": len(view.entries),
-        "parameters": view.parameters(),
-        "bytes": view.tensor_bytes(),
+        "tensors": len(tensors),
+        "parameters": sum(count(e) for e in tensors),
+        "bytes": sum(e.nbytes for e in tensors),
     }
 
 
@@ -320,7 +325,7 @@ def analyse(checkpoint: Checkpoint, layout: str, prefixes: dict[str, str]) -> Tr
     manifest = checkpoint.manifest
     state = TrainingState(layout=layout, prefixes=dict(prefixes))
     if "model" in prefixes:
-        state.weights = weights_summary(manifest, prefixes["model"])
+        state.weights = weights_summary(checkpoint, prefixes["model"])
     if "optimizer" in prefixes:
         view = analyse_optimizer(checkpoint, prefixes["optimizer"])
         state.optimizer = view.state if view else None
@@ -352,7 +357,7 @@ def all_models(checkpoint: Checkpoint, state: TrainingState) -> None:
     )
     if len(models) < 2:
         return
-    weights = [weights_summary(checkpoint.manifest, f"{c}.") for c in models]
+    weights = [weights_summary(checkpoint, f"{c}.") for c in models]
     state.weights = {
         k: sum(w.get(k, 0) for w in weights) for k in ("tensors", "parameters", "bytes")
     }
@@ -412,7 +417,7 @@ def per_rank_models(checkpoint: Checkpoint, state: TrainingState) -> None:
     if not models or "model" in state.prefixes:
         return
     summaries = [
-        weights_summary(checkpoint.manifest, prefix)
+        weights_summary(checkpoint, prefix)
         for ranks in models.values()
         for prefix in ranks.values()
     ]
