@@ -611,3 +611,60 @@ def test_a_real_accelerate_save_without_its_optimizer_is_incomplete_in_a_run_of_
     verified = run_ckpt("verify", out / "step-4", "--json")
     assert verified.exit_code == 1
     assert [p["code"] for p in verified.json["result"]["problems"]] == ["missing_component"]
+
+
+def test_a_torchtitan_model_only_final_save_is_a_complete_export(tmp_path: Path) -> None:
+    """torchtitan with `last_save_model_only`: every `step-N/` is a full DCP of the model's
+    FQNs beside `optimizer`, `lr_scheduler`, `dataloader` and `train_state`, except the last,
+    which `_save_last_step` writes as the model's state dict alone, cast to `export_dtype`.
+    That final save is a whole model export: complete (no reason about optimizer state), the
+    newest, and its verify passes; the intermediate saves keep their training state."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    run = tmp_path / "outputs" / "checkpoint"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LinearLR(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in (10, 20):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            sched.step()
+            model_sd, optim_sd = get_state_dict(model, opt)
+            state = {
+                **model_sd,
+                "optimizer": optim_sd,
+                "lr_scheduler": sched.state_dict(),
+                # ParallelAwareDataloader.state_dict: the rank's state pickled, the dp degree
+                "dataloader": {"dp_rank_0": pickle.dumps({"pos": step}), "world_size": 1},
+                "train_state": {"step": step, "ntokens_seen": step * 64},
+            }
+            dcp.save(state, checkpoint_id=str(run / f"step-{step}"), no_dist=True)
+        final = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+        dcp.save(final, checkpoint_id=str(run / "step-30"), no_dist=True)
+    age(run)
+    rows = table(run)
+    assert {name: (row["status"], row["reason"]) for name, row in rows.items()} == {
+        "step-10": ("complete", None),
+        "step-20": ("complete", None),
+        "step-30": ("complete", None),
+    }
+    latest = run_ckpt_process("latest", run)
+    assert latest.stdout == f"{run / 'step-30'}\n" and latest.stderr == ""
+    verified = run_ckpt("verify", run / "step-30", "--json")
+    assert verified.exit_code == 0 and verified.json["result"]["problems"] == []
+    export = run_ckpt("inspect", run / "step-30", "--json").json["result"]
+    assert export["training"] is None  # a model, not a training save missing its optimizer
+    assert export["parameters"] == sum(p.numel() for p in model.parameters())
+    loaded = {k: torch.empty_like(v) for k, v in final.items()}
+    dcp.load(loaded, checkpoint_id=str(run / "step-30"), no_dist=True)
+    assert all(torch.equal(loaded[k], final[k]) for k in final)
+    full = run_ckpt("inspect", run / "step-20", "--json").json["result"]["training"]
+    assert full["layout"] == "torchtitan" and full["resumable"] is True
+    assert full["step"] == 20 and full["optimizer"]["kind"] == "AdamW"
