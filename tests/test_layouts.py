@@ -851,3 +851,27 @@ def test_a_step_folder_of_separate_torch_save_files_is_a_plain_training_save(
     shutil.copy(ckpt / "step_100" / "model.pt", lone / "model.pt")
     plain = run_ckpt("inspect", lone, "--json").json["result"]
     assert plain["format"] == "torch" and plain["training"] is None
+
+
+def test_a_plain_saves_step_is_read_from_its_own_meta_file(tmp_path: Path) -> None:
+    """`model.pth`, `optim.pth` and a `meta.pt` of `{"step": 7, "epoch": 1}` in a folder whose
+    name carries no number: the step and epoch are the meta file's, so the save is resumable
+    (it was "missing: step")."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(1, 3)).sum().backward()
+    opt.step()
+    folder = tmp_path / "last"
+    folder.mkdir()
+    torch.save(model.state_dict(), folder / "model.pth")
+    torch.save(opt.state_dict(), folder / "optim.pth")
+    torch.save({"step": 7, "epoch": 1}, folder / "meta.pt")
+    training = run_ckpt("inspect", folder, "--json").json["result"]["training"]
+    assert training["layout"] == "torch-files"
+    assert training["components"] == {
+        "meta": "meta.pt",
+        "model": "model.pth",
+        "optimizer": "optim.pth",
+    }
+    assert (training["step"], training["epoch"]) == (7, 1.0)
+    assert training["resumable"] is True and training["optimizer"]["kind"] == "SGD"

@@ -32,6 +32,8 @@ FILE_STEMS: dict[str, tuple[str, ...]] = {
     "dataloader": ("dataloader", "data_loader", "sampler", "dataloader_state", "data_state"),
     "scaler": ("scaler", "grad_scaler"),
 }
+#: the keys a file of the loop's own (`meta.pt`) records its step under
+_STEP_KEYS = ("step", "global_step", "iteration", "train_step")
 #: the files of these stems the Hugging Face Trainer writes itself: alone they say nothing
 _TRAINER_FILES = frozenset(("optimizer.pt", "scheduler.pt", "scaler.pt"))
 _SUFFIX = re.compile(r"(?P<stem>[A-Za-z0-9_]+)\.pth?")
@@ -89,7 +91,7 @@ class TorchFiles(Layout):
         ]
 
     def open(self, source: Source) -> OpenedSource | None:
-        from .training import analyse
+        from .training import analyse, as_int, value_of
 
         folder = Folder(source)
         for name in sorted(folder.names):
@@ -106,8 +108,18 @@ class TorchFiles(Layout):
         checkpoint = folder.composite(self.name)
         state = analyse(checkpoint, self.name, component_prefixes(checkpoint))
         state.components = component_files(folder)
-        # a plain loop records its step where it likes: the folder's number (`step_100`)
-        # when no component says it
+        # a plain loop records its step where it likes: a file of its own (`meta.pt`,
+        # `train_state.pt` holding `step`, `epoch`), else the folder's number (`step_100`)
+        others = [c for c in folder.components if c not in FILE_STEMS]
+        for comp in others:
+            for key in _STEP_KEYS:
+                step = as_int(value_of(checkpoint, f"{comp}.{key}"))
+                if state.step is None and step is not None:
+                    state.step = step
+            epoch = value_of(checkpoint, f"{comp}.epoch")
+            numeric = isinstance(epoch, (int, float)) and not isinstance(epoch, bool)
+            if state.epoch is None and numeric:
+                state.epoch = float(epoch)
         folder_name = source.location.raw.rstrip("/").rsplit("/", 1)[-1]
         number = re.search(r"(\d+)$", folder_name)
         if state.step is None and number:
