@@ -9,6 +9,10 @@ from __future__ import annotations
 from pathlib import PurePath
 from typing import ClassVar
 
+#: the fix of a failure no input can cause (a caller skipped the capability check that guards
+#: the call): there is nothing to change in the checkpoint, only a bug to report
+REPORT_BUG = "This is a bug in ckpt: please report it with the command you ran."
+
 
 class CkptError(Exception):
     """Base class of expected failures.

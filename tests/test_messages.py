@@ -622,3 +622,81 @@ def test_a_symbolic_link_that_leads_nowhere_says_so(tmp_path: Path) -> None:
     )
     assert "loops back on itself (ELOOP)" in looping["problem"]
     assert moved["path"] == str(dangling) and "Repair the link" in moved["fix"]
+
+
+# -- corrupt and hostile files: every failure says the fix ------------------------------------
+
+
+def _dcp_with_metadata(folder: Path, change: str) -> None:
+    """A real `dcp.save` whose `.metadata` is then rewritten by torch's own pickler with one
+    flaw (`change`): what a bad copy, a hand edit or another tool leaves behind."""
+    import io
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(4, 4)}, checkpoint_id=folder, no_dist=True)
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    if change == "storage_data":
+        metadata.storage_data = {"w": 1}
+    elif change == "chunks":
+        metadata.state_dict_metadata["w"].chunks = None
+    elif change == "file_name":
+        for info in metadata.storage_data.values():
+            info.relative_path = 7
+    elif change == "key":
+        metadata.state_dict_metadata[3] = metadata.state_dict_metadata.pop("w")
+    buffer = io.BytesIO()
+    if change == "persistent_id":
+
+        class WithIds(pickle.Pickler):
+            def persistent_id(self, obj: object) -> str | None:
+                return "w" if obj == "w" else None
+
+        WithIds(buffer, protocol=2).dump(metadata)
+    else:
+        pickle.dump(metadata, buffer)
+    (folder / ".metadata").write_bytes(buffer.getvalue())
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ("storage_data", "has a malformed storage_data entry"),
+        ("chunks", "tensor 'w' has no chunk list"),
+        ("file_name", "entry 'w' has no file name"),
+        ("key", "has a state_dict_metadata key that is not a string"),
+        ("persistent_id", "is a pickle with persistent ids"),
+    ],
+)
+def test_a_dcp_metadata_that_is_not_what_dcp_writes_says_what_to_do(
+    tmp_path: Path, change: str, problem: str
+) -> None:
+    """A `.metadata` that unpickles but is malformed named the file and the flaw, with no fix
+    (`error.fix` was null in the JSON envelope)."""
+    folder = tmp_path / "step-100"
+    _dcp_with_metadata(folder, change)
+    result = run_ckpt("inspect", folder, "--json")
+    assert result.exit_code == 4
+    error = result.json["error"]
+    assert error["path"] == str(folder / ".metadata")
+    assert error["problem"].startswith(problem)
+    assert isinstance(error["fix"], str) and error["fix"].strip()
+    assert error["fix"] in error["message"]
+
+
+def test_a_shard_index_without_a_weight_map_says_what_to_do(tmp_path: Path) -> None:
+    """`model.safetensors.index.json` whose weight_map is a list: the error had no fix."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2)}, tmp_path / "model-00001-of-00001.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": ["a"]}))
+    result = run_ckpt("inspect", tmp_path, "--json")
+    assert result.exit_code == 4
+    error = result.json["error"]
+    assert error["path"] == str(index)
+    assert "has no valid weight_map" in error["problem"]
+    assert "fetch the index again" in error["fix"]

@@ -49,7 +49,12 @@ def get_format(name: str) -> type[Format]:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name == module_name:
-            raise FormatError(f"the {name} format is not available in this version") from None
+            raise FormatError(
+                f"the {name} format is not available in this version (its module "
+                f"{module_name} is not installed)",
+                fix="Reinstall ckpt (`pip install --force-reinstall ckpt-cli`): the install is "
+                "missing part of the package.",
+            ) from None
         raise
     cls: type[Format] = getattr(module, cls_name)
     return cls

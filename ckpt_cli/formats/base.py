@@ -37,7 +37,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import FormatError
+from ..errors import REPORT_BUG, FormatError
 from ..models import Chunk, Entry, FileInfo, Manifest, Problem, TensorFacts
 from ..storage import Storage
 from ..storage.fileio import COPY_BLOCK
@@ -46,6 +46,11 @@ from .details import FormatDetails, PlainDetails
 
 if TYPE_CHECKING:
     import torch
+
+#: the fix of a read of an entry name the checkpoint does not hold
+NAMES_FIX = "`ckpt inspect` lists the names it holds; use one of those."
+#: the fix of a sharded output written to a single-file destination
+SINGLE_FILE_FIX = "Name a folder as DEST to write shards, or leave out --max-shard-size."
 
 
 @dataclass
@@ -117,6 +122,7 @@ class Checkpoint(ABC):
         raise FormatError(
             f"entry {name!r} is not a readable object in a {self.manifest.format} checkpoint",
             path=self.manifest.location,
+            fix=REPORT_BUG,
         )
 
     def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
@@ -144,7 +150,9 @@ class Checkpoint(ABC):
         entry = self.manifest.by_name[name]
         if not entry.is_raw or entry.file is None or entry.offset is None:
             raise FormatError(
-                f"tensor {name!r} is not stored as raw bytes", path=self.manifest.location
+                f"tensor {name!r} is not stored as raw bytes",
+                path=self.manifest.location,
+                fix=REPORT_BUG,
             )
         done = 0
         while done < entry.nbytes:
@@ -168,7 +176,9 @@ class Checkpoint(ABC):
     def iter_stored(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
         """The stored bytes of an entry `stored_as` describes, in blocks of `block` bytes."""
         raise FormatError(
-            f"entry {name!r} has no stored bytes ckpt hands out", path=self.manifest.location
+            f"entry {name!r} has no stored bytes ckpt hands out",
+            path=self.manifest.location,
+            fix=REPORT_BUG,
         )
 
     def stored_nonfinite(self, name: str) -> tuple[int, int, int, int] | None:
@@ -197,6 +207,7 @@ class Checkpoint(ABC):
             f"a {self.manifest.format} checkpoint does not store tensors as chunks "
             f"(asked for chunk {index} of {name!r})",
             path=self.manifest.location,
+            fix=REPORT_BUG,
         )
 
     def padding(self, name: str) -> list[tuple[int, int]]:
@@ -213,6 +224,7 @@ class Checkpoint(ABC):
         raise FormatError(
             f"a {self.manifest.format} checkpoint does not store entry {name!r} as its own blob",
             path=self.manifest.location,
+            fix=REPORT_BUG,
         )
 
     def release_entries(self) -> None:
@@ -304,15 +316,19 @@ class Writer(ABC):
 
     def write_object(self, name: str, value: Any) -> None:
         """Write a non-tensor entry; formats that cannot hold objects raise FormatError."""
-        raise FormatError(f"{type(self).__name__} cannot store the non-tensor entry {name!r}")
+        raise FormatError(
+            f"{type(self).__name__} cannot store the non-tensor entry {name!r}", fix=REPORT_BUG
+        )
 
     def write_object_bytes(self, name: str, data: bytes) -> None:
         """Write a non-tensor entry from its stored `torch.save` blob (where `object_bytes`)."""
-        raise FormatError(f"{type(self).__name__} cannot store {name!r} from its stored bytes")
+        raise FormatError(
+            f"{type(self).__name__} cannot store {name!r} from its stored bytes", fix=REPORT_BUG
+        )
 
     def chunks_of(self, name: str) -> list[Chunk]:
         """The chunks tensor `name` is written as (where `chunk_writes`)."""
-        raise FormatError(f"{type(self).__name__} does not write tensors as chunks")
+        raise FormatError(f"{type(self).__name__} does not write tensors as chunks", fix=REPORT_BUG)
 
     def owns(self, file: str) -> bool:
         """Whether this writer writes the data file `file` (all of them until `restrict`)."""
@@ -320,7 +336,7 @@ class Writer(ABC):
 
     def write_chunk(self, name: str, chunk_index: int, piece: torch.Tensor) -> None:
         """Write one planned chunk (its box of the global tensor) of tensor `name`."""
-        raise FormatError(f"{type(self).__name__} does not write tensors as chunks")
+        raise FormatError(f"{type(self).__name__} does not write tensors as chunks", fix=REPORT_BUG)
 
     @property
     def accepts_raw(self) -> bool:
@@ -494,7 +510,7 @@ class Format(ABC):
     @classmethod
     def writer(cls, staging: Path, plan: list[Entry], options: WriteOptions) -> Writer:
         """A streaming writer into `staging`."""
-        raise FormatError(f"writing the {cls.name} format is not supported")
+        raise FormatError(f"writing the {cls.name} format is not supported", fix=REPORT_BUG)
 
     @classmethod
     def checked_tensors(cls, source: Source) -> dict[str, TensorFacts] | None:

@@ -82,7 +82,11 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     # JSON object keys are strings; the values are checked at C speed (tens of thousands)
     if not isinstance(weight_map, dict) or set(map(type, weight_map.values())) - {str}:
-        raise FormatError("has no valid weight_map (tensor name -> shard file)", path=where)
+        raise FormatError(
+            "has no valid weight_map (tensor name -> shard file)",
+            path=where,
+            fix="Write or fetch the index again (save_pretrained writes it with the shards).",
+        )
     base = posixpath_dir(rel)
     # thousands of tensors share a few shard names: check each name once
     resolved = {

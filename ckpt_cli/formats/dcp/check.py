@@ -29,6 +29,7 @@ from .layout import (
 )
 from .megatron import read_megatron_common
 from .metadata import (
+    CORRUPT_METADATA_FIX,
     MAX_METADATA_BYTES,
     BytesStorageMetadata,
     Metadata,
@@ -59,7 +60,11 @@ def _read_metadata(source: Source, listing: dict[str, int], layout: Layout) -> M
         where = storage.describe(name)
         md = load_metadata(_read_capped(storage, name, listing), where)
         if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
-            raise FormatError("is missing its state_dict_metadata or storage_data", path=where)
+            raise FormatError(
+                "is missing its state_dict_metadata or storage_data",
+                path=where,
+                fix=CORRUPT_METADATA_FIX,
+            )
         for fqn, item in md.state_dict_metadata.items():
             have = merged.state_dict_metadata.get(fqn)
             if have is None:
@@ -119,13 +124,17 @@ def _read_capped(storage: Storage, name: str, listing: dict[str, int]) -> bytes:
 def _storage_index(md: Metadata, where: str) -> dict[tuple[Any, Any], StorageInfo]:
     storage_data = md.storage_data
     if not isinstance(storage_data, dict):
-        raise FormatError("has no storage_data map", path=where, fix="The file is corrupt.")
+        raise FormatError("has no storage_data map", path=where, fix=CORRUPT_METADATA_FIX)
     index: dict[tuple[Any, Any], StorageInfo] = {}
     for key, info in storage_data.items():
         if not isinstance(key, MetadataIndex) or not isinstance(info, StorageInfo):
-            raise FormatError("has a malformed storage_data entry", path=where)
+            raise FormatError(
+                "has a malformed storage_data entry", path=where, fix=CORRUPT_METADATA_FIX
+            )
         if not isinstance(key.fqn, str):
-            raise FormatError("has a storage_data key without a name", path=where)
+            raise FormatError(
+                "has a storage_data key without a name", path=where, fix=CORRUPT_METADATA_FIX
+            )
         index[key.key()] = info
     return index
 
@@ -177,7 +186,7 @@ def _analyse_unpaused(source: Source) -> Layout:
     md = _read_metadata(source, listing, layout)
     sdm = md.state_dict_metadata
     if not isinstance(sdm, dict):
-        raise FormatError("has no state_dict_metadata map", path=where, fix="The file is corrupt.")
+        raise FormatError("has no state_dict_metadata map", path=where, fix=CORRUPT_METADATA_FIX)
     items = _Items(layout, _storage_index(md, where), where, storage)
     # from here on the stand-ins are let go as soon as they are read: with a million chunks
     # they outweigh the manifest built from them (the index holds what storage_data said)
@@ -188,14 +197,20 @@ def _analyse_unpaused(source: Source) -> Layout:
     pending: list[PendingTensor] = []
     for fqn, item in sdm.items():
         if not isinstance(fqn, str):
-            raise FormatError("has a state_dict_metadata key that is not a string", path=where)
+            raise FormatError(
+                "has a state_dict_metadata key that is not a string",
+                path=where,
+                fix=CORRUPT_METADATA_FIX,
+            )
         if isinstance(item, BytesStorageMetadata):
             items.add_object(fqn)
         elif isinstance(item, TensorStorageMetadata):
             pending.append(items.tensor(fqn, item))
             sdm[fqn] = None  # read into `pending`: its chunk stand-ins are let go
         else:
-            raise FormatError(f"entry {fqn!r} has an unknown storage kind", path=where)
+            raise FormatError(
+                f"entry {fqn!r} has an unknown storage kind", path=where, fix=CORRUPT_METADATA_FIX
+            )
     _add_tensors(layout, pending, locate_raw_chunks(source, layout, pending))
     check_files(layout)
     check_coverage(layout)
@@ -247,7 +262,9 @@ class _Items:
         """(safe file name, offset, length) of one storage entry; records its transform."""
         rel = info.relative_path
         if not isinstance(rel, str):
-            raise FormatError(f"entry {name!r} has no file name", path=self.where)
+            raise FormatError(
+                f"entry {name!r} has no file name", path=self.where, fix=CORRUPT_METADATA_FIX
+            )
         if rel not in self.safe_names:
             safe = safe_relpath(rel, source=self.where)
             # confined before the listing's size of it is judged: a link out of the checkpoint
@@ -257,7 +274,11 @@ class _Items:
             self.safe_names[rel] = safe
         offset, length = info.offset, info.length
         if not (is_count(offset) and is_count(length)):
-            raise FormatError(f"entry {name!r} has an invalid byte range", path=self.where)
+            raise FormatError(
+                f"entry {name!r} has an invalid byte range",
+                path=self.where,
+                fix=CORRUPT_METADATA_FIX,
+            )
         if info.transform_descriptors:
             self.layout.transforms[(self.safe_names[rel], offset)] = transform_of(
                 info.transform_descriptors, name, self.where
@@ -310,15 +331,21 @@ class _Items:
                 fix="The .metadata is corrupt or crafted; save the checkpoint again.",
             )
         if not isinstance(item.chunks, list):
-            raise FormatError(f"tensor {fqn!r} has no chunk list", path=where)
+            raise FormatError(
+                f"tensor {fqn!r} has no chunk list", path=where, fix=CORRUPT_METADATA_FIX
+            )
         chunks: list[PendingChunk] = []
         for chunk in item.chunks:
             offsets = int_list(getattr(chunk, "offsets", None))
             sizes = int_list(getattr(chunk, "sizes", None))
             if offsets is None or sizes is None or len(offsets) != len(shape) != len(sizes):
-                raise FormatError(f"tensor {fqn!r} has a malformed chunk", path=where)
+                raise FormatError(
+                    f"tensor {fqn!r} has a malformed chunk", path=where, fix=CORRUPT_METADATA_FIX
+                )
             if len(sizes) != len(shape):
-                raise FormatError(f"tensor {fqn!r} has a malformed chunk", path=where)
+                raise FormatError(
+                    f"tensor {fqn!r} has a malformed chunk", path=where, fix=CORRUPT_METADATA_FIX
+                )
             # a chunk that is the whole tensor (the usual one of a single-rank save) keeps the
             # tensor's shape and the shared zeros, not two lists of its own (#30)
             if sizes == shape:

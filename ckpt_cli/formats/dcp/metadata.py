@@ -37,6 +37,14 @@ from ...errors import FormatError, UnsafeInputError
 from ...models import KeyStep
 from .lean import block_of, lean_records
 
+#: the fix of a `.metadata` that unpickles but does not hold what DCP writes
+CORRUPT_METADATA_FIX = (
+    "The .metadata is corrupt or was not written by torch.distributed.checkpoint: copy the "
+    "checkpoint again from where it was saved, or use an earlier checkpoint of the run."
+)
+#: the fix of a `.metadata` whose pickle does what no DCP save writes
+HOSTILE_FIX = "This file is corrupt or hostile; do not load it with torch either."
+
 _METADATA_MODULES = (
     "torch.distributed.checkpoint.metadata",
     # torch <= 2.1 kept TensorProperties here; old checkpoints still name it
@@ -491,6 +499,7 @@ class MetadataUnpickler(BudgetedUnpickler):
         raise UnsafeInputError(
             "is a pickle with persistent ids, which DCP metadata never has; it was not loaded",
             path=self.where,
+            fix=HOSTILE_FIX,
         )
 
 
@@ -518,7 +527,9 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     except (UnsafeInputError, FormatError):
         raise
     except RecursionError:
-        raise FormatError("is a pickle nested too deeply to be DCP metadata", path=where) from None
+        raise FormatError(
+            "is a pickle nested too deeply to be DCP metadata", path=where, fix=HOSTILE_FIX
+        ) from None
     except UnknownEnumMember as exc:
         raise unknown_member_error(exc, where) from None
     except Exception as exc:

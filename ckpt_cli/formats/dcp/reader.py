@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from ... import dtypes
-from ...errors import CkptError, CorruptDataError, FormatError, NotFoundError
+from ...errors import REPORT_BUG, CkptError, CorruptDataError, FormatError, NotFoundError
 from ...faults import naming
 from ...models import Chunk, Entry, Manifest
 from ...storage import RangeFile
 from ...storage.fileio import COPY_BLOCK, FileRange
-from ..base import Checkpoint, Source
+from ..base import NAMES_FIX, Checkpoint, Source
 from ..torch.pickle_scan import archive_corruption
 from ..torch.zip_write import check_zip_budget
 from .megatron import MEGATRON_COMMON
@@ -54,6 +54,13 @@ class _FileRange(RangeFile):
     def close(self) -> None:  # the fd belongs to the checkpoint
         super().close()
 
+
+#: the fix of a stored chunk that is not the tensor piece `.metadata` records there
+MISMATCHED_DATA_FIX = (
+    "The .distcp file does not match .metadata (a file of another save, or a corrupt one): "
+    "restore the folder from one save (`ckpt repair` where it was protected), or use an "
+    "earlier checkpoint."
+)
 
 #: how many located torch_save blobs a reader keeps (a tensor's chunks, read again by a slice)
 _LOCATED_KEPT = 4096
@@ -102,12 +109,15 @@ class DcpCheckpoint(Checkpoint):
     def _entry(self, name: str, kind: str) -> Entry:
         entry = self.manifest.by_name.get(name)
         if entry is None:
-            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
+            raise NotFoundError(
+                f"no entry named {name!r}", path=self.manifest.location, fix=NAMES_FIX
+            )
         if entry.kind != kind:
             raise FormatError(
                 f"entry {name!r} is a{'n' if entry.kind == 'object' else ''} {entry.kind}, "
                 f"not a{'n' if kind == 'object' else ''} {kind}",
                 path=self.manifest.location,
+                fix=REPORT_BUG,
             )
         return entry
 
@@ -169,12 +179,14 @@ class DcpCheckpoint(Checkpoint):
                 f"tensor {entry.name!r}: the chunk at {chunk.offsets} holds "
                 f"{type(value).__name__}{list(getattr(value, 'shape', []))}, expected shape {chunk.sizes}",
                 path=where,
+                fix=MISMATCHED_DATA_FIX,
             )
         if dtype_name(value.dtype) != entry.dtype:
             raise FormatError(
                 f"tensor {entry.name!r}: the chunk at {chunk.offsets} is {dtype_name(value.dtype)}, "
                 f".metadata says {entry.dtype}",
                 path=where,
+                fix=MISMATCHED_DATA_FIX,
             )
         return value
 
@@ -211,7 +223,9 @@ class DcpCheckpoint(Checkpoint):
         if fd is None:
             path = self.storage.local_path(rel)
             if path is None:
-                raise FormatError("is not a local file", path=self.storage.describe(rel))
+                raise FormatError(
+                    "is not a local file", path=self.storage.describe(rel), fix=REPORT_BUG
+                )
             fd = self._fds[rel] = os.open(path, os.O_RDONLY)
         return fd
 
@@ -242,6 +256,7 @@ class DcpCheckpoint(Checkpoint):
             raise FormatError(
                 f"box at {offsets} of size {sizes} is not inside tensor {name!r} of shape {shape}",
                 path=self.manifest.location,
+                fix=REPORT_BUG,
             )
         # a box that is exactly one stored chunk: hand out the loaded chunk, no second copy
         for chunk in entry.chunks:
@@ -420,6 +435,7 @@ class DcpCheckpoint(Checkpoint):
             raise FormatError(
                 f"tensor {name!r} is not stored as raw bytes in dim-0 pieces",
                 path=self.manifest.location,
+                fix=REPORT_BUG,
             )
         from ...storage.crc import crc32_function
 
@@ -514,7 +530,10 @@ class DcpCheckpoint(Checkpoint):
             value, _ = load_torch_file(self.storage, MEGATRON_COMMON)
             if not isinstance(value, dict):
                 raise FormatError(
-                    "does not hold a dict", path=self.storage.describe(MEGATRON_COMMON)
+                    "does not hold a dict",
+                    path=self.storage.describe(MEGATRON_COMMON),
+                    fix="Copy common.pt again from the save: it is corrupt or was not written by "
+                    "Megatron-Core.",
                 )
             self._common = value
         return self._common

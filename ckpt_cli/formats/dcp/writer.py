@@ -13,7 +13,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 from ... import dtypes
 from ...dist.placement import shard_dim0_boxes
-from ...errors import FormatError
+from ...errors import REPORT_BUG, FormatError
 from ...models import Chunk, Entry, FileInfo
 from ...storage import safe_relpath
 from ...storage.fileio import FileRange, open_output
@@ -34,6 +34,12 @@ from .torch_metadata import write_metadata
 
 if TYPE_CHECKING:
     import torch
+
+#: the fix when a tensor's raw bytes from the source are more or fewer than its entry says
+SHORT_SOURCE_FIX = (
+    "The source's data changed or is shorter than its header says: run `ckpt verify` on the "
+    "source, restore it if that finds problems, then run the same command again."
+)
 
 
 @dataclass
@@ -92,7 +98,10 @@ class DcpWriter(Writer):
                 fix=f"Use one of: {', '.join(SERIALIZATIONS)}.",
             )
         if options.world_size < 1:
-            raise FormatError(f"world size must be at least 1, not {options.world_size}")
+            raise FormatError(
+                f"world size must be at least 1, not {options.world_size}",
+                fix="Pass a world size of 1 or more (--world-size).",
+            )
         if options.single_file:
             raise FormatError(
                 "a DCP checkpoint is a folder (.metadata + .distcp files), not a single file",
@@ -120,14 +129,18 @@ class DcpWriter(Writer):
         files: dict[str, None] = {rank_file(r): None for r in range(self.world_size)}
         for entry in plan:
             if entry.name in self.entries:
-                raise FormatError(f"entry {entry.name!r} is planned twice")
+                raise FormatError(f"entry {entry.name!r} is planned twice", fix=REPORT_BUG)
             self.entries[entry.name] = entry
             if entry.kind == "object":
                 self._object_file[entry.name] = rank_file(0)
                 self.results[entry.name] = [None]
                 continue
             if entry.dtype is None or not dtypes.is_known(entry.dtype):
-                raise FormatError(f"tensor {entry.name!r} has no supported dtype ({entry.dtype!r})")
+                raise FormatError(
+                    f"tensor {entry.name!r} has no supported dtype ({entry.dtype!r})",
+                    fix="Leave it out with --filter-out, or convert to torch, which keeps any "
+                    "torch dtype.",
+                )
             if self.serialization == "safetensors" and not dtypes.has_safetensors_code(entry.dtype):
                 raise FormatError(
                     f"tensor {entry.name!r} is {entry.dtype}, which the safetensors "
@@ -205,12 +218,14 @@ class DcpWriter(Writer):
         for chunk in entry.chunks:
             if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
                 raise FormatError(
-                    f"tensor {entry.name!r}: planned chunk {chunk.offsets} has the wrong rank"
+                    f"tensor {entry.name!r}: planned chunk {chunk.offsets} has the wrong rank",
+                    fix=REPORT_BUG,
                 )
             rel = safe_relpath(chunk.file, source="the write plan")
             if "/" in rel or not rel.endswith(SUFFIX):
                 raise FormatError(
-                    f"tensor {entry.name!r}: planned file {rel!r} is not a top-level .distcp name"
+                    f"tensor {entry.name!r}: planned file {rel!r} is not a top-level .distcp name",
+                    fix=REPORT_BUG,
                 )
             if rel != chunk.file or chunk.byte_offset or chunk.byte_length or chunk.raw:
                 chunk = replace(chunk, file=rel, byte_offset=0, byte_length=0, raw=False)
@@ -218,13 +233,15 @@ class DcpWriter(Writer):
         if len({tuple(c.offsets) for c in out}) != len(out):
             raise FormatError(
                 f"the write plan for {entry.name!r} has two chunks at the same offsets "
-                "(DCP keys chunks by their offsets)"
+                "(DCP keys chunks by their offsets)",
+                fix=REPORT_BUG,
             )
         probe = Layout(entries=[entry.model_copy(update={"chunks": out})])
         check_coverage(probe)
         if probe.problems:
             raise FormatError(
-                f"the write plan for {entry.name!r} is invalid: {probe.problems[0].message}"
+                f"the write plan for {entry.name!r} is invalid: {probe.problems[0].message}",
+                fix=REPORT_BUG,
             )
         if self.options.dcp_serialization == "safetensors":
             per_file = [c.file for c in out]
@@ -315,11 +332,12 @@ class DcpWriter(Writer):
         """Write the whole tensor `name`, cut into its chunks."""
         chunks = self.layout.get(name)
         if chunks is None:
-            raise FormatError(f"tensor {name!r} is not in the write plan")
+            raise FormatError(f"tensor {name!r} is not in the write plan", fix=REPORT_BUG)
         entry = self.entries[name]
         if list(tensor.shape) != list(entry.shape):
             raise FormatError(
-                f"tensor {name!r} has shape {list(tensor.shape)}, the plan says {entry.shape}"
+                f"tensor {name!r} has shape {list(tensor.shape)}, the plan says {entry.shape}",
+                fix=REPORT_BUG,
             )
         for index, chunk in enumerate(chunks):
             if chunk.file not in self._owned:
@@ -333,16 +351,19 @@ class DcpWriter(Writer):
 
         chunks = self.layout.get(name)
         if chunks is None or not 0 <= chunk_index < len(chunks):
-            raise FormatError(f"tensor {name!r} has no planned chunk {chunk_index}")
+            raise FormatError(f"tensor {name!r} has no planned chunk {chunk_index}", fix=REPORT_BUG)
         chunk = chunks[chunk_index]
         entry = self.entries[name]
         if list(piece.shape) != list(chunk.sizes) or dtype_name(piece.dtype) != entry.dtype:
             raise FormatError(
                 f"tensor {name!r}: chunk {chunk_index} must be {entry.dtype}{chunk.sizes}, "
-                f"got {dtype_name(piece.dtype)}{list(piece.shape)}"
+                f"got {dtype_name(piece.dtype)}{list(piece.shape)}",
+                fix=REPORT_BUG,
             )
         if self.results[name][chunk_index] is not None:
-            raise FormatError(f"tensor {name!r}: chunk {chunk_index} was written twice")
+            raise FormatError(
+                f"tensor {name!r}: chunk {chunk_index} was written twice", fix=REPORT_BUG
+            )
         state = self._state(chunk.file)
         if self.serialization == "safetensors":
             at = self._raw_at[(name, chunk_index)]
@@ -395,7 +416,7 @@ class DcpWriter(Writer):
     def write_raw(self, name: str, blocks: Iterator[bytes]) -> None:
         """Write tensor `name` from its raw C-order bytes (dim-0 chunks; not compressed)."""
         if not self.accepts_raw:
-            raise FormatError("raw writes need dim-0 chunks and no compression")
+            raise FormatError("raw writes need dim-0 chunks and no compression", fix=REPORT_BUG)
         chunks = self.layout[name]
         entry = self.entries[name]
         assert entry.dtype is not None
@@ -450,9 +471,15 @@ class DcpWriter(Writer):
                         view = view[n:]
                         break
                 else:
-                    raise FormatError(f"tensor {name!r}: more raw bytes than its {entry.nbytes}")
+                    raise FormatError(
+                        f"tensor {name!r}: more raw bytes than its {entry.nbytes}",
+                        fix=SHORT_SOURCE_FIX,
+                    )
         if done != entry.nbytes:
-            raise FormatError(f"tensor {name!r}: got {done} raw bytes, expected {entry.nbytes}")
+            raise FormatError(
+                f"tensor {name!r}: got {done} raw bytes, expected {entry.nbytes}",
+                fix=SHORT_SOURCE_FIX,
+            )
 
     def _write_raw_blobs(
         self, name: str, targets: list[tuple[int, int, int]], blocks: Iterator[bytes]
@@ -486,7 +513,8 @@ class DcpWriter(Writer):
         if stream is not None and (stream.done != entry.nbytes or not stream.at_end()):
             raise FormatError(
                 f"tensor {name!r}: got {stream.done}{'+' if not stream.at_end() else ''} raw "
-                f"bytes, expected {entry.nbytes}"
+                f"bytes, expected {entry.nbytes}",
+                fix=SHORT_SOURCE_FIX,
             )
 
     def _append(self, state: _FileState, data: bytes | memoryview) -> tuple[int, int]:
@@ -512,9 +540,9 @@ class DcpWriter(Writer):
         """Write a non-tensor entry from its stored DCP bytes (`DcpCheckpoint.read_object_bytes`)."""
         rel = self._object_file.get(name)
         if rel is None:
-            raise FormatError(f"object {name!r} is not in the write plan")
+            raise FormatError(f"object {name!r} is not in the write plan", fix=REPORT_BUG)
         if self.results[name][0] is not None:
-            raise FormatError(f"object {name!r} was written twice")
+            raise FormatError(f"object {name!r} was written twice", fix=REPORT_BUG)
         state = self._state(rel)
         self.results[name][0] = self._append(state, data)
         state.entries += 1

@@ -33,7 +33,7 @@ from ... import dtypes
 from ...errors import FormatError, NotFoundError
 from ...models import Entry, FileInfo, Manifest, Problem, ProblemList
 from ...storage.fileio import COPY_BLOCK
-from ..base import Checkpoint, Format, Source
+from ..base import NAMES_FIX, Checkpoint, Format, Source
 from ..details import GgufDetails
 
 if TYPE_CHECKING:
@@ -452,7 +452,9 @@ class GgufCheckpoint(Checkpoint):
 
         entry = self.manifest.by_name.get(name)
         if entry is None:
-            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
+            raise NotFoundError(
+                f"no entry named {name!r}", path=self.manifest.location, fix=NAMES_FIX
+            )
         if entry.kind != "tensor" or entry.file is None or entry.offset is None:
             raise _not_dequantized(name, entry, self.manifest.location)
         assert entry.dtype is not None
@@ -528,7 +530,9 @@ class GgufCheckpoint(Checkpoint):
     def read_object(self, name: str) -> Any:
         entry = self.manifest.by_name.get(name)
         if entry is None:
-            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
+            raise NotFoundError(
+                f"no entry named {name!r}", path=self.manifest.location, fix=NAMES_FIX
+            )
         if entry.kind == "tensor":
             return self.read_tensor(name)
         raise _not_dequantized(name, entry, self.manifest.location)
@@ -614,7 +618,10 @@ class GgufFormat(Format):
             local = source.storage.local_path(rel)
             if local is None:
                 raise FormatError(
-                    "GGUF files are read from local disk only", path=source.storage.describe(rel)
+                    "GGUF files are read from local disk only",
+                    path=source.storage.describe(rel),
+                    fix="Copy the file to local disk first (from the Hub: `ckpt download REPO "
+                    "DEST --include '*.gguf'`) and run ckpt on the copy.",
                 )
             described = source.storage.describe(rel)
             reader, facts = _reader(str(local), described)

@@ -21,7 +21,7 @@ from ...errors import CkptError, FormatError, NotFoundError
 from ...models import Entry, FileInfo, Manifest, Problem, TensorFacts
 from ...problems import Findings
 from ...storage.fileio import Durable, FileRange, fsync_soon, open_output
-from ..base import Checkpoint, Format, Source, WriteOptions, Writer
+from ..base import NAMES_FIX, SINGLE_FILE_FIX, Checkpoint, Format, Source, WriteOptions, Writer
 from ..details import SafetensorsDetails
 from ..weight_map import (
     INDEX_SUFFIX,
@@ -451,7 +451,9 @@ class SafetensorsCheckpoint(Checkpoint):
         try:
             return self.manifest.by_name[name]
         except KeyError:
-            raise NotFoundError(f"no tensor named {name!r}", path=self.manifest.location) from None
+            raise NotFoundError(
+                f"no tensor named {name!r}", path=self.manifest.location, fix=NAMES_FIX
+            ) from None
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -524,7 +526,9 @@ class SafetensorsWriter(Writer):
         self.basename = options.basename or "model"
         self.groups = plan_shards(plan, options.max_shard_size, options.together)
         if options.single_file and len(self.groups) > 1:
-            raise FormatError("a single-file destination cannot be split into shards")
+            raise FormatError(
+                "a single-file destination cannot be split into shards", fix=SINGLE_FILE_FIX
+            )
         self.names = shard_names(self.basename, len(self.groups))
         self._where: dict[str, int] = {}
         self._positions: dict[str, int] = {}

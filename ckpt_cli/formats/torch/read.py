@@ -14,12 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ...errors import FormatError, NotFoundError
+from ...errors import REPORT_BUG, FormatError, NotFoundError
 from ...faults import naming
 from ...models import Entry, FileInfo, Manifest
 from ...storage import Storage
 from ...storage.fileio import FileRange
-from ..base import Checkpoint, Source
+from ..base import NAMES_FIX, Checkpoint, Source
 from ..details import TorchDetails
 
 if TYPE_CHECKING:
@@ -192,7 +192,9 @@ class TorchCheckpoint(Checkpoint):
         try:
             return self.leaves[name]
         except KeyError:
-            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location) from None
+            raise NotFoundError(
+                f"no entry named {name!r}", path=self.manifest.location, fix=NAMES_FIX
+            ) from None
 
     def read_tensor(self, name: str) -> torch.Tensor:
         leaf = self._leaf(name)
@@ -200,6 +202,7 @@ class TorchCheckpoint(Checkpoint):
             raise FormatError(
                 f"entry {name!r} is a {type_name(leaf)}, not a tensor",
                 path=self.manifest.location,
+                fix=REPORT_BUG,
             )
         if isinstance(leaf, TensorLayout):
             return self._from_raw(self.manifest.by_name[name].file, leaf)
@@ -220,7 +223,9 @@ class TorchCheckpoint(Checkpoint):
 
         local = self.storage.local_path(file) if file is not None else None
         if local is None:  # layouts are read for local files only
-            raise FormatError("a tensor has no local file", path=self.manifest.location)
+            raise FormatError(
+                "a tensor has no local file", path=self.manifest.location, fix=REPORT_BUG
+            )
         spot = (file, leaf.record.offset)
         known = self._storages.get(spot)
         storage = known() if known is not None else None

@@ -20,7 +20,7 @@ from ...dtypes import torch_layout
 from ...errors import FormatError
 from ...models import Entry, FileInfo, KeyStep
 from ...storage.fileio import FileRange, open_output
-from ..base import WriteOptions, Writer
+from ..base import SINGLE_FILE_FIX, WriteOptions, Writer
 from ..safetensors.format import plan_shards
 from .flatten import TorchEntry, plain_copy
 from .zip_write import Reduced, TorchZipWriter
@@ -122,7 +122,9 @@ class TorchWriter(Writer):
         self.basename = options.basename or "pytorch_model"
         self.groups = plan_shards(plan, options.max_shard_size)
         if options.single_file and len(self.groups) > 1:
-            raise FormatError("a single-file destination cannot be split into shards")
+            raise FormatError(
+                "a single-file destination cannot be split into shards", fix=SINGLE_FILE_FIX
+            )
         self.names = shard_names(self.basename, len(self.groups))
         self._where = {e.name: i for i, group in enumerate(self.groups) for e in group}
         self._entries = {e.name: e for e in plan}
