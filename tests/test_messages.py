@@ -700,3 +700,20 @@ def test_a_shard_index_without_a_weight_map_says_what_to_do(tmp_path: Path) -> N
     assert error["path"] == str(index)
     assert "has no valid weight_map" in error["problem"]
     assert "fetch the index again" in error["fix"]
+
+
+def test_a_checksum_manifest_of_an_unknown_algorithm_says_what_to_do(tmp_path: Path) -> None:
+    """A manifest naming a digest this ckpt does not compute (a newer release's, or an edit):
+    `verify --checksums` named it with no fix."""
+    _model(tmp_path / "model.safetensors")
+    assert run_ckpt("verify", tmp_path, "--write-manifest").exit_code == 0
+    manifest = tmp_path / "ckpt-manifest.json"
+    record = json.loads(manifest.read_text())
+    record["algorithm"] = "sha3_512"
+    manifest.write_text(json.dumps(record))
+    result = run_ckpt("verify", tmp_path, "--checksums", "--json")
+    assert result.exit_code == 4
+    error = result.json["error"]
+    assert error["path"] == str(manifest)
+    assert error["problem"] == "records digests of unknown algorithm 'sha3_512'"
+    assert "sha256" in error["fix"] and "--write-manifest --force" in error["fix"]

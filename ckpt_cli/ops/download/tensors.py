@@ -282,7 +282,10 @@ class _Cursor:
             try:
                 self._buffer = next(self._blocks)
             except StopIteration:
-                raise FormatError(f"the Hub's response ended early while reading {what}") from None
+                raise FormatError(
+                    f"the Hub's response ended early while reading {what}",
+                    fix="Run the same `ckpt download` again: it fetches only the ranges it lacks.",
+                ) from None
         return self._buffer
 
     def skip(self, n: int) -> None:

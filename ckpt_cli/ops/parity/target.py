@@ -299,7 +299,12 @@ class BlockReader:
                 try:
                     fd = os.open(path, os.O_RDONLY)
                 except FileNotFoundError:
-                    raise NotFoundError("file not found", path=str(path)) from None
+                    raise NotFoundError(
+                        "file not found",
+                        path=str(path),
+                        fix="It was moved or deleted while ckpt read the checkpoint: put it back "
+                        "(`ckpt repair` rebuilds a protected one) and run the same command again.",
+                    ) from None
                 self._fds[rel] = fd
         data = os.pread(fd, length, offset)
         if len(data) != length:

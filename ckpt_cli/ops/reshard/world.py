@@ -40,7 +40,7 @@ from ...dist.placement import (
     shard_boxes,
     with_rank,
 )
-from ...errors import FormatError, UsageError
+from ...errors import REPORT_BUG, FormatError, UsageError
 from ...formats import get_format, resolve_source
 from ...formats.base import Checkpoint, Format, Source, WriteOptions, Writer
 from ...formats.dcp import rank_chunk, rank_file
@@ -572,7 +572,8 @@ def write_cuts(
             writer = cut.fmt.writer(folder, cut.plan, cut.options)
             if not writer.chunk_writes:
                 raise FormatError(
-                    f"the {cut.fmt.name} writer of this version cannot write planned chunks"
+                    f"the {cut.fmt.name} writer of this version cannot write planned chunks",
+                    fix=REPORT_BUG,
                 )
             if workers.distributed:
                 sizes = writer.output_files()

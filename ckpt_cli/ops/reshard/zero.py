@@ -96,6 +96,11 @@ _UNIVERSAL = (
     "DeepSpeed's universal checkpoint resizes it: `ds_to_universal.py --input_folder TAG "
     '--output_folder TAG_universal`, then resume with `"checkpoint": {"load_universal": true}`.'
 )
+#: the fix of a save whose files disagree with the layout DeepSpeed writes
+_DAMAGED = (
+    "`ckpt verify` on the tag folder checks the save; restore what it finds damaged from the "
+    f"run's storage. If the save is intact, {_UNIVERSAL}"
+)
 
 
 @dataclass
@@ -371,6 +376,7 @@ def _load(source: Source, rel: str) -> dict[str, Any]:
         raise FormatError(
             "is not a DeepSpeed checkpoint file (no dict at the top)",
             path=source.storage.describe(rel),
+            fix=_DAMAGED,
         )
     return obj
 
@@ -391,7 +397,9 @@ def _index(source: Source, rel: str) -> TorchZipIndex:
 
 def _flat(rel: str, layout: TensorLayout, where: str) -> _Flat:
     if not layout.plain or layout.data_offset is None:
-        raise FormatError("holds a ZeRO partition that is not a plain C-order tensor", path=where)
+        raise FormatError(
+            "holds a ZeRO partition that is not a plain C-order tensor", path=where, fix=_DAMAGED
+        )
     return _Flat(rel, layout.data_offset, math.prod(layout.shape), layout.dtype)
 
 
@@ -413,7 +421,7 @@ def _check_supported(save: ZeroSave, src: str) -> None:
         )
     osd = save.optim[0].get("optimizer_state_dict")
     if not isinstance(osd, dict):
-        raise FormatError("holds no ZeRO optimizer_state_dict", path=src)
+        raise FormatError("holds no ZeRO optimizer_state_dict", path=src, fix=_DAMAGED)
     if save.stage == 2 and not isinstance(osd.get("base_optimizer_state"), dict):
         raise UsageError(
             "is a ZeRO elastic_checkpoint save, which --world-size does not re-cut yet",
@@ -441,7 +449,7 @@ def _shapes(save: ZeroSave, src: str) -> list[list[tuple[str, int]]]:
     """(name, numel) of every partitioned parameter, per group (ZeRO-3: per sub-group)."""
     groups = save.model.get("param_shapes")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise FormatError("the model states record no param_shapes", path=src)
+        raise FormatError("the model states record no param_shapes", path=src, fix=_DAMAGED)
     return [[(str(n), math.prod(s)) for n, s in g.items()] for g in groups]
 
 
@@ -467,7 +475,7 @@ def _flat_tensors(
         top = ("optimizer_state_dict", group_key)
         groups = sorted(int(p[2]) for p in tensors if len(p) == 3 and p[:2] == top)
         if groups != list(range(len(groups))) or not groups:
-            raise FormatError(f"holds no {group_key} partitions 0..N", path=where)
+            raise FormatError(f"holds no {group_key} partitions 0..N", path=where, fix=_DAMAGED)
         fp32.append([_flat(rel, tensors[(*top, g)], where) for g in groups])
         per_group: dict[str, list[_Flat]] = {}
         inner = ("optimizer_state_dict", state_key, "state")
@@ -501,11 +509,14 @@ def _plan_zero2(save: ZeroSave, world_size: int) -> dict[int, dict[str, _Output]
                     f"rank {r}'s fp32 partition of group {g} holds {fp32[r][g].size} elements, "
                     f"not what DeepSpeed's {save.world}-rank layout of {total} gives",
                     path=src,
+                    fix=_DAMAGED,
                 )
         for key in sorted({k for s in states for k in s if k.split(".", 1)[0] == str(g)}):
             tensors = [states[r][key][0] for r in range(save.world)]
             if any(t.size != old_size for t in tensors):
-                raise FormatError(f"optimizer state {key} is not cut like the partitions", path=src)
+                raise FormatError(
+                    f"optimizer state {key} is not cut like the partitions", path=src, fix=_DAMAGED
+                )
         for r in range(world_size):
             start, size, lean = zero2_partition(total, world_size, r)
             plans[r][f"fp32.{g}"] = _Output(
@@ -560,6 +571,7 @@ def _plan_zero3(save: ZeroSave, world_size: int) -> dict[int, dict[str, _Output]
         raise FormatError(
             f"the optimizer holds {len(fp32[0])} ZeRO-3 sub-groups, param_shapes {len(shapes)}",
             path=src,
+            fix=_DAMAGED,
         )
     _check_sub_groups(save, shapes, world_size, src)
     plans: dict[int, dict[str, _Output]] = {r: {} for r in range(world_size)}
@@ -574,6 +586,7 @@ def _plan_zero3(save: ZeroSave, world_size: int) -> dict[int, dict[str, _Output]
                     f"ZeRO-3 sub-group {k} ({name}) is not {expected} elements per rank as "
                     "param_shapes says",
                     path=src,
+                    fix=_DAMAGED,
                 )
             for r in range(world_size):
                 pieces: list[_Piece] = []
@@ -608,7 +621,9 @@ def _check_sub_groups(
     groups = save.optim[0]["optimizer_state_dict"]["optimizer_state_dict"].get("param_groups", [])
     members = [list(g.get("params", [])) for g in groups if isinstance(g, dict)]
     if sorted(i for m in members for i in m) != list(range(len(shapes))):
-        raise FormatError("the ZeRO-3 param_groups do not list every sub-group once", path=src)
+        raise FormatError(
+            "the ZeRO-3 param_groups do not list every sub-group once", path=src, fix=_DAMAGED
+        )
     for ids in members:
         numels = [n for k in ids for _, n in shapes[k]]
         lengths = [len(shapes[k]) for k in ids]
@@ -671,7 +686,7 @@ def _blocks(source: Source, output: _Output, progress: Progress) -> Iterator[byt
     size = itemsize(output.dtype)
     for piece in output.pieces:
         if piece.tensor is not None and piece.tensor.dtype != output.dtype:
-            raise FormatError("ZeRO partitions of one tensor differ in dtype")
+            raise FormatError("ZeRO partitions of one tensor differ in dtype", fix=_DAMAGED)
         for begin in range(0, piece.length, _BLOCK):
             count = min(_BLOCK, piece.length - begin)
             if piece.tensor is None:
@@ -820,7 +835,11 @@ def rewrite_world_size(source: Source, rel: str, world_size: int, target: Path) 
     with handle as raw, zipfile.ZipFile(raw) as archive:
         pickles = [i for i in archive.infolist() if i.filename.endswith("/data.pkl")]
         if len(pickles) != 1:
-            raise FormatError("is not a zip-format torch.save file", path=where)
+            raise FormatError(
+                "is not a zip-format torch.save file",
+                path=where,
+                fix="Re-save it with a current torch (DeepSpeed's own save writes one).",
+            )
         data = archive.read(pickles[0])
         data = _set_world_size(data, world_size, where)
         with target.open("wb") as fh:
@@ -868,6 +887,7 @@ def _set_world_size(data: bytes, world_size: int, where: str) -> bytes:
         raise FormatError(
             f"records dp_world_size {len(spots)} times, not once as DeepSpeed writes it",
             path=where,
+            fix=_DAMAGED,
         )
     op, _arg, pos = ops[spots[0]]
     assert pos is not None

@@ -432,7 +432,11 @@ def read_manifest(path: Destination) -> ChecksumManifest:
     refuse_unsafe_manifest(manifest, str(path))
     if manifest.algorithm not in ALGORITHMS:
         raise FormatError(
-            f"records digests of unknown algorithm {manifest.algorithm!r}", path=str(path)
+            f"records digests of unknown algorithm {manifest.algorithm!r}",
+            path=str(path),
+            fix=f"Update ckpt if a newer release wrote it (this one knows "
+            f"{', '.join(ALGORITHMS)}), or write the manifest again with `ckpt verify SRC "
+            "--write-manifest --force`.",
         )
     return manifest
 
