@@ -356,7 +356,9 @@ class Checkpointer:
             choice, failure = shared
         if failure is not None:
             raise IOFailure(
-                f"choosing the save to load failed on rank 0: {failure}", path=self.run_dir
+                f"choosing the save to load failed on rank 0: {failure}",
+                path=self.run_dir,
+                fix="Rank 0's error, quoted here, says what to do; no rank loaded anything.",
             )
         if choice is None:
             self.log.info("no complete checkpoint in %s%s", self.run_dir, self._remote_note())
@@ -580,7 +582,9 @@ class Checkpointer:
             raise error
         if outcome is not None:
             raise IOFailure(
-                f"rank 0 did not publish step {record.step}: {outcome}", path=self.run_dir
+                f"rank 0 did not publish step {record.step}: {outcome}",
+                path=self.run_dir,
+                fix="The step was not published: rank 0's error (in its log) says why and what to do.",
             )
         record.path = str(self.run_dir / record.name)
         with self._lock:

@@ -178,7 +178,7 @@ class Workers:
         if wanted is not None and wanted.strip() == str(self.rank) and self.distributed:
             from ..errors import FormatError
 
-            raise FormatError(f"injected failure on rank {self.rank} during {where}")
+            raise FormatError(f"injected failure on rank {self.rank} during {where}", fix="Unset CKPT_TEST_FAIL_RANK: only ckpt's tests set it.")
 
 
 def describe(error: BaseException) -> dict[str, Any]:

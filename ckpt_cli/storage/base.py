@@ -77,6 +77,16 @@ class FileStat:
     mtime: float | None = None
 
 
+#: the fix of a file that is not there when it is read: a wrong path, or removed by another job
+FILE_GONE_FIX = (
+    "Check the path. If the file was there when the command started, another job (a prune, a "
+    "sync, the training run) removed it: run the command again once that job is done."
+)
+#: the fix of a stored file shorter than the read its checkpoint's own header asks for
+TRUNCATED_FIX = (
+    "The file is truncated or changed while it was read: check that no other job is writing "
+    "it, run the command again, and if it persists upload the file again from a good copy."
+)
 #: bytes per block when a local file is streamed into a storage (`Storage.put`)
 PUT_BLOCK = 16 << 20
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError
-from .base import RemoteFile, Storage, StorageRangeFile, is_parity_path
+from .base import TRUNCATED_FIX, RemoteFile, Storage, StorageRangeFile, is_parity_path
 from .heads import WHOLE_FILE_MAX, HeadCache, HeadRead
 from .hub_repo import (
     HubRepo,
@@ -131,6 +131,7 @@ class HubStorage(Storage):
             raise FormatError(
                 f"is truncated: wanted {length} bytes at offset {offset}, the file is {size} bytes",
                 path=self.describe(rel),
+                fix=TRUNCATED_FIX,
             )
         if length == 0:
             return b""

@@ -20,7 +20,14 @@ from typing import IO, TYPE_CHECKING
 
 from ..errors import FormatError, NotFoundError, UnsafeInputError
 from ..faults import naming
-from .base import TMP_MARKER, FileStat, Storage, is_parity_path, is_staging_name
+from .base import (
+    FILE_GONE_FIX,
+    TMP_MARKER,
+    FileStat,
+    Storage,
+    is_parity_path,
+    is_staging_name,
+)
 
 if TYPE_CHECKING:
     from .output import Destination
@@ -38,7 +45,7 @@ def open_regular(path: str | os.PathLike[str], where: str | None = None) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise NotFoundError("file not found", path=name) from None
+        raise NotFoundError("file not found", path=name, fix=FILE_GONE_FIX) from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -195,7 +202,9 @@ class LocalStorage(Storage):
         try:
             return self.path(rel).stat().st_size
         except FileNotFoundError:
-            raise NotFoundError("file not found", path=self.describe(rel)) from None
+            raise NotFoundError(
+                "file not found", path=self.describe(rel), fix=FILE_GONE_FIX
+            ) from None
 
     def read(self, rel: str, offset: int, length: int) -> bytes:
         path = self.path(rel)

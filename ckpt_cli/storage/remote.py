@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError, UsageError
-from .base import TMP_MARKER, Storage, file_chunks, is_parity_path
+from .base import FILE_GONE_FIX, TMP_MARKER, TRUNCATED_FIX, Storage, file_chunks, is_parity_path
 from .heads import HEAD_WORKERS, WHOLE_FILE_MAX, HeadCache, HeadRead
 from .local import safe_relpath
 from .uri import Location
@@ -193,7 +193,7 @@ class FsspecStorage(Storage):
         rel = safe_relpath(rel, source=self.display)
         files = self.all_files()
         if rel not in files:
-            raise NotFoundError("file not found", path=self.describe(rel))
+            raise NotFoundError("file not found", path=self.describe(rel), fix=FILE_GONE_FIX)
         return files[rel]
 
     def header_read(self, rel: str, size: int) -> int:
@@ -277,6 +277,7 @@ class FsspecStorage(Storage):
             raise FormatError(
                 f"is truncated: wanted {end - start} bytes at offset {start}, got {len(data)}",
                 path=self.describe(rel),
+                fix=TRUNCATED_FIX,
             )
         return bytes(data)
 

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ...errors import CkptError, FormatError, NotFoundError
+from ...errors import REPORT_BUG, CkptError, FormatError, NotFoundError
 from ...formats import get_format
-from ...formats.base import Checkpoint, Source
+from ...formats.base import NAMES_FIX, Checkpoint, Source
 from ...formats.names import DCP_METADATA, weight_format
 from ...formats.weight_map import INDEX_SUFFIX
 from ...models import Entry, FileInfo, Manifest, Problem, TrainingState
@@ -25,6 +25,12 @@ from .training import verdict
 
 if TYPE_CHECKING:
     import torch
+
+#: the fix of a JSON component (`trainer_state.json`) that does not parse as a JSON object
+_JSON_FIX = (
+    "The file is cut short or corrupt: restore it from a good copy of the checkpoint (the "
+    "training run writes it again at its next save)."
+)
 
 
 class ObjectsCheckpoint(Checkpoint):
@@ -48,11 +54,15 @@ class ObjectsCheckpoint(Checkpoint):
         self.leaves = values if leaves is None else leaves
 
     def read_tensor(self, name: str) -> torch.Tensor:
-        raise FormatError(f"entry {name!r} is not a tensor", path=self.manifest.location)
+        raise FormatError(
+            f"entry {name!r} is not a tensor", path=self.manifest.location, fix=REPORT_BUG
+        )
 
     def read_object(self, name: str) -> Any:
         if name not in self.leaves:
-            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location)
+            raise NotFoundError(
+                f"no entry named {name!r}", path=self.manifest.location, fix=NAMES_FIX
+            )
         return json.loads(json.dumps(self.leaves[name]))  # a copy callers may change
 
 
@@ -99,11 +109,11 @@ def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
     try:
         doc = json.loads(source.storage.read_all(rel))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"is not valid JSON ({exc})", path=where) from None
+        raise FormatError(f"is not valid JSON ({exc})", path=where, fix=_JSON_FIX) from None
     except RecursionError:
-        raise FormatError("nests too deeply to be read", path=where) from None
+        raise FormatError("nests too deeply to be read", path=where, fix=_JSON_FIX) from None
     if not isinstance(doc, dict):
-        raise FormatError("is not a JSON object", path=where)
+        raise FormatError("is not a JSON object", path=where, fix=_JSON_FIX)
     entries: list[Entry] = []
     leaves: dict[str, Any] = {}
     for path, value in _flatten_json(doc):
@@ -219,7 +229,9 @@ class CompositeCheckpoint(Checkpoint):
         try:
             return self._route[name]
         except KeyError:
-            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location) from None
+            raise NotFoundError(
+                f"no entry named {name!r}", path=self.manifest.location, fix=NAMES_FIX
+            ) from None
 
     def read_tensor(self, name: str) -> torch.Tensor:
         checkpoint, inner = self._target(name)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...errors import FormatError, NotFoundError
-from ...formats.base import Checkpoint, Source
+from ...formats.base import NAMES_FIX, Checkpoint, Source
 from ...models import Entry, Manifest, Problem, ProblemList
 from .details import ZeroDetails
 
@@ -160,7 +160,9 @@ class ZeroWeights(Checkpoint):
         try:
             param = self.params[name]
         except KeyError:
-            raise NotFoundError(f"no entry named {name!r}", path=self.manifest.location) from None
+            raise NotFoundError(
+                f"no entry named {name!r}", path=self.manifest.location, fix=NAMES_FIX
+            ) from None
         pieces = [
             s.checkpoint.read_slice(s.name, [s.start], [s.length]).reshape(-1)
             for s in param.slices

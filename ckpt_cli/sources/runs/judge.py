@@ -208,7 +208,10 @@ def _check_with_format(
     # no verdict of "incomplete" on it, the command fails (exit 5) naming the file
     unanswered = next((p for p in errors if p.code == HubError.code), None)
     if unanswered is not None:
-        raise HubError(unanswered.message)
+        raise HubError(
+            unanswered.message,
+            fix="The store did not answer a read, which says nothing about the file: run the same command again once it answers.",
+        )
     return errors[0].message if errors else None
 
 
