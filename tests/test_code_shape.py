@@ -380,3 +380,143 @@ def test_complex_functions_stay_within_the_budget() -> None:
         f"{len(found)} functions over complexity {COMPLEX} in {lines} lines of code "
         f"(budget {budget:.0f}); extract well-named steps from the worst:\n{worst}"
     )
+
+
+# -- every expected failure says the fix ------------------------------------------------------
+#
+# docs/json-output.md and the developer guide promise that a failure names the file, the problem
+# and the fix: `CkptError(problem, path=..., fix=...)`. A `raise` of a CkptError subclass without
+# `fix=` put `"fix": null` in the JSON envelope (93 such sites before this check).
+
+#: raise sites (and error constructions) allowed to pass no `fix=`, as (module, enclosing
+#: function) -> why: only where no fix can be said there and the caller catches the error and
+#: raises it again with one. Empty: every site says its fix.
+RAISES_WITHOUT_A_FIX: dict[tuple[str, str], str] = {}
+
+
+def _called(node: ast.expr) -> str:
+    """The name a call or a base class is spelled with: `FormatError`, `errors.FormatError`."""
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def _passes_fix(call: ast.Call) -> bool:
+    """Whether `call` passes a fix: `fix=` other than a literal None or "" (or `**kwargs`,
+    which may carry one)."""
+    for kw in call.keywords:
+        if kw.arg is None:
+            return True
+        if kw.arg == "fix":
+            return not (isinstance(kw.value, ast.Constant) and kw.value.value in (None, ""))
+    return False
+
+
+def _sets_its_own_fix(node: ast.ClassDef) -> bool:
+    """Whether the class's `__init__` takes no `fix` and passes one to `super().__init__`
+    (`RankFailedError(failures, size)`): a raise of it needs no `fix=`."""
+    for item in node.body:
+        if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+            args = item.args
+            names = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+            calls = [c for c in ast.walk(item) if isinstance(c, ast.Call)]
+            supers = [
+                c
+                for c in calls
+                if isinstance(c.func, ast.Attribute)
+                and c.func.attr == "__init__"
+                and isinstance(c.func.value, ast.Call)
+                and _called(c.func.value.func) == "super"
+            ]
+            return "fix" not in names and bool(supers) and all(map(_passes_fix, supers))
+    return False
+
+
+def ckpt_error_classes(trees: list[ast.Module]) -> set[str]:
+    """The names of `CkptError` and of every class of the package derived from it (by name,
+    through any number of steps), less those whose constructor sets the fix itself."""
+    classes = [node for tree in trees for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    known = {"CkptError"}
+    grown = True
+    while grown:
+        grown = False
+        for node in classes:
+            if node.name not in known and {_called(b) for b in node.bases} & known:
+                known.add(node.name)
+                grown = True
+    return known - {node.name for node in classes if _sets_its_own_fix(node)}
+
+
+def errors_without_a_fix(tree: ast.Module, path: Path, errors: set[str]) -> list[str]:
+    """`module:line function: raise Class(...)` for each raise of one of `errors` in `tree`
+    that passes no fix, and `... Class(...)` for each one built elsewhere (an error a helper
+    returns for its caller to raise); the enclosing function is the allow-list's key."""
+    place = str(path.relative_to(PACKAGE.parent))
+    found: list[str] = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            call = child.exc if isinstance(child, ast.Raise) else child
+            if isinstance(call, ast.Call) and _called(call.func) in errors:
+                allowed = (place, function) in RAISES_WITHOUT_A_FIX
+                if not _passes_fix(call) and not allowed:
+                    verb = "raise " if isinstance(child, ast.Raise) else ""
+                    found.append(
+                        f"{place}:{call.lineno} {function}: {verb}{_called(call.func)}(...)"
+                    )
+                if isinstance(child, ast.Raise):
+                    visit(call, function)  # its arguments (an error built inside one)
+                    continue
+            visit(child, function)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_the_fix_scan_sees_errors_without_a_fix() -> None:
+    source = (
+        "class CkptError(Exception): ...\n"
+        "class FormatError(CkptError): ...\n"
+        "class SelfFixing(FormatError):\n"
+        "    def __init__(self, n):\n"
+        "        super().__init__(f'{n} failed', fix='Run it again.')\n"
+        "def read(kw):\n"
+        "    if kw:\n"
+        "        raise FormatError('bad', path='x', fix='Fetch it again.')\n"
+        "    if kw is None:\n"
+        "        raise errors.FormatError('forwarded', **kw)\n"
+        "    if kw == 1:\n"
+        "        raise SelfFixing(3)\n"
+        "    if kw == 2:\n"
+        "        raise ValueError('not ours')\n"
+        "    if kw == 3:\n"
+        "        raise FormatError('bad', fix=None)\n"
+        "    raise FormatError('bad', path='x')\n"
+        "def too_big(where):\n"
+        "    return FormatError('too big', path=where)\n"
+    )
+    tree = ast.parse(source)
+    errors = ckpt_error_classes([tree])
+    assert errors == {"CkptError", "FormatError"}
+    assert errors_without_a_fix(tree, PACKAGE / "x.py", errors) == [
+        "ckpt_cli/x.py:16 read: raise FormatError(...)",
+        "ckpt_cli/x.py:17 read: raise FormatError(...)",
+        "ckpt_cli/x.py:19 too_big: FormatError(...)",
+    ]
+
+
+def test_every_ckpt_error_says_its_fix() -> None:
+    """Every `raise` of a CkptError subclass (and every one a helper builds for its caller)
+    passes `fix=`: what the user can do (fetch the shard again, pass --format, run `ckpt
+    repair`, report a bug...), never `"fix": null` in the JSON envelope."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    trees = [ast.parse(path.read_text(), str(path)) for path in paths]
+    errors = ckpt_error_classes(trees)
+    assert {"FormatError", "NotFoundError", "UnsafeInputError", "HubError"} <= errors
+    found = [
+        site
+        for path, tree in zip(paths, trees, strict=True)
+        for site in errors_without_a_fix(tree, path, errors)
+    ]
+    assert not found, "CkptErrors without fix=:\n" + "\n".join(found)
