@@ -620,8 +620,8 @@ class GgufFormat(Format):
                 raise FormatError(
                     "GGUF files are read from local disk only",
                     path=source.storage.describe(rel),
-                    fix="Copy the file to local disk first (from the Hub: `ckpt download REPO "
-                    "DEST --include '*.gguf'`) and run ckpt on the copy.",
+                    fix="Copy the file to local disk first (from the Hub: `hf download REPO "
+                    "FILE`; from an object store, its own copy command) and run ckpt on the copy.",
                 )
             described = source.storage.describe(rel)
             reader, facts = _reader(str(local), described)
