@@ -717,3 +717,22 @@ def test_a_checksum_manifest_of_an_unknown_algorithm_says_what_to_do(tmp_path: P
     assert error["path"] == str(manifest)
     assert error["problem"] == "records digests of unknown algorithm 'sha3_512'"
     assert "sha256" in error["fix"] and "--write-manifest --force" in error["fix"]
+
+
+def test_a_shard_index_total_size_that_is_no_byte_count_says_what_to_do(tmp_path: Path) -> None:
+    """`verify` reported `metadata.total_size "abc"` naming the index and the flaw only."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2)}, tmp_path / "model-00001-of-00001.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    weight_map = {"a": "model-00001-of-00001.safetensors"}
+    index.write_text(json.dumps({"metadata": {"total_size": "abc"}, "weight_map": weight_map}))
+    result = run_ckpt("verify", tmp_path, "--json")
+    assert result.exit_code == 1
+    (problem,) = result.json["result"]["problems"]
+    assert problem["code"] == "bad_index" and problem["file"] == str(index)
+    assert problem["message"] == (
+        f"{index}: has metadata.total_size 'abc', which is not a byte count. Write the index "
+        "again (save_pretrained writes the shards' byte count there)."
+    )

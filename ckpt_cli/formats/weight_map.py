@@ -301,6 +301,7 @@ def _check_total_size(
             "bad_index",
             f"has metadata.total_size {total!r}, which is not a byte count",
             file=index_where,
+            fix="Write the index again (save_pretrained writes the shards' byte count there).",
         )
         return
     complete = all(s in shards and not shards[s].rejected for s in set(weight_map.values()))
