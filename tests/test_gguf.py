@@ -379,6 +379,8 @@ def test_a_truncated_gguf_names_the_tensor_past_its_end(tmp_path: Path) -> None:
     (problem,) = result.json["result"]["problems"]
     assert (problem["code"], problem["tensor"]) == ("truncated", "output_norm.weight")
     assert f"past the end of the file ({len(data) - 16:,} bytes)" in problem["message"]
+    # the verify line says the fix too, as the refusal of inspect does (it said none)
+    assert problem["message"].endswith("bytes). The file is cut short; download it again.")
     for command in (["inspect", cut], ["convert", cut, tmp_path / "o", "--to", "safetensors"]):
         refused = run_ckpt(*command)
         assert refused.exit_code == 4, refused.stderr

@@ -54,6 +54,24 @@ PLAIN = {
     "I32": "int32",
     "I64": "int64",
 }
+_CORRUPT_FIX = (
+    "The file is corrupt or its writer is broken: download it again, or convert the model to "
+    "GGUF again."
+)
+_SPLIT_SET_FIX = (
+    "The split files come from different sets or one is cut short: download the whole set "
+    "again into a folder of its own."
+)
+#: the fix of each problem a GGUF header check finds, by its code
+PROBLEM_FIXES = {
+    "truncated": "The file is cut short; download it again.",
+    "missing_split": "Fetch the missing split file beside the others.",
+    "misaligned_tensor": _CORRUPT_FIX,
+    "overlapping_tensors": _CORRUPT_FIX,
+    "duplicate_tensor": _CORRUPT_FIX,
+    "split_count_mismatch": _SPLIT_SET_FIX,
+    "split_tensor_count": _SPLIT_SET_FIX,
+}
 #: stored bytes of a quantized tensor decoded at a time by `verify --deep`
 _DECODE_BYTES = 1 << 20
 #: longest metadata value inspect shows in full; longer arrays are summarised
@@ -752,14 +770,9 @@ class GgufFormat(Format):
         manifest, problems, parsed = cls._parse(source)
         errors = [p for p in problems if p.code in ("truncated", "missing_split")]
         if errors:
-            fix = (
-                "The file is cut short; download it again."
-                if errors[0].code == "truncated"
-                else "Fetch the missing split file beside the others."
-            )
             first = errors[0]
             message = first.message.removeprefix(f"{first.file}: ")  # the path leads anyway
-            raise FormatError(message, path=first.file, fix=fix)
+            raise FormatError(message, path=first.file, fix=PROBLEM_FIXES[first.code])
         return GgufCheckpoint(source, manifest, parsed.big_endian, parsed.metadata)
 
     @classmethod
@@ -770,7 +783,11 @@ class GgufFormat(Format):
             _, problems, _ = cls._parse(source)
         except (FormatError, NotFoundError) as error:
             return [Problem(code=error.code, message=error.message, file=error.path)]
-        return problems
+        # each problem's line says its fix, as an error's message does
+        return [
+            p.model_copy(update={"message": f"{p.message}. {PROBLEM_FIXES[p.code]}"})
+            for p in problems
+        ]
 
 
 def _truncated(file: str, name: str, end: int, size: int) -> Problem:
