@@ -685,7 +685,10 @@ def test_chunks_of_a_grid_are_judged_as_before(tmp_path: Path) -> None:
     messages = [
         p["message"] for p in verify.json["result"]["problems"] if p["code"] == "dcp_overlap"
     ]
-    assert messages == ["tensor 'w': chunks at [3, 2] and [4, 2] overlap"], messages
+    from ckpt_cli.formats.dcp.metadata import CORRUPT_METADATA_FIX
+
+    overlap = "tensor 'w': chunks at [3, 2] and [4, 2] overlap"
+    assert messages == [f"{overlap}. {CORRUPT_METADATA_FIX}"], messages
 
 
 # -- GGUF headers --------------------------------------------------------------------------------

@@ -816,3 +816,14 @@ def test_read_slice_loads_only_the_chunks_and_rows_it_needs(
     assert [offsets for offsets, _ in loads] == [[3, 0], [6, 0]]
     if serialization == "safetensors":  # raw chunks: only the rows needed are read
         assert [rows for _, rows in loads] == [(1, 3), (0, 1)]
+
+
+def test_every_dcp_problem_code_says_its_fix() -> None:
+    """Each DCP and Megatron-Core problem of the code table has the fix `verify` prints after
+    it; the lines named the flaw only ("...; the file is truncated")."""
+    from ckpt_cli.formats.dcp.format import PROBLEM_FIXES
+    from ckpt_cli.problems import CODES
+
+    codes = {code for code in CODES if code.startswith(("dcp_", "megatron_"))}
+    assert codes <= set(PROBLEM_FIXES), codes - set(PROBLEM_FIXES)
+    assert all(fix.endswith(".") for fix in PROBLEM_FIXES.values())

@@ -736,3 +736,21 @@ def test_a_shard_index_total_size_that_is_no_byte_count_says_what_to_do(tmp_path
         f"{index}: has metadata.total_size 'abc', which is not a byte count. Write the index "
         "again (save_pretrained writes the shards' byte count there)."
     )
+
+
+def test_a_truncated_distcp_file_says_what_to_do_in_verify(tmp_path: Path) -> None:
+    """`verify` of a DCP save whose data file was cut short (a copy that stopped): the problem
+    line said "the file is truncated" and no fix."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "step-100"
+    dcp.save({"w": torch.ones(16, 16)}, checkpoint_id=folder, no_dist=True)
+    (data,) = folder.glob("*.distcp")
+    os.truncate(data, data.stat().st_size // 2)
+    result = run_ckpt("verify", folder, "--json")
+    assert result.exit_code == 1
+    (problem,) = result.json["result"]["problems"]
+    assert problem["code"] == "dcp_truncated" and problem["file"] == str(data)
+    assert "the file is truncated. Copy the data file again" in problem["message"]
+    assert "`ckpt repair`" in problem["message"]
