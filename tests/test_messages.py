@@ -754,3 +754,23 @@ def test_a_truncated_distcp_file_says_what_to_do_in_verify(tmp_path: Path) -> No
     assert problem["code"] == "dcp_truncated" and problem["file"] == str(data)
     assert "the file is truncated. Copy the data file again" in problem["message"]
     assert "`ckpt repair`" in problem["message"]
+
+
+def test_a_file_that_no_longer_matches_its_manifest_says_what_to_do(tmp_path: Path) -> None:
+    """`verify --checksums` after a byte of a shard changed, and with a file the manifest does
+    not record: the lines said what differs, not what to do."""
+    _model(tmp_path / "model.safetensors")
+    assert run_ckpt("verify", tmp_path, "--write-manifest").exit_code == 0
+    with open(tmp_path / "model.safetensors", "r+b") as fh:
+        fh.seek(-4, os.SEEK_END)
+        fh.write(b"\xff\xff\xff\xff")
+    (tmp_path / "notes.txt").write_text("added later\n")
+    result = run_ckpt("verify", tmp_path, "--checksums", "--json")
+    assert result.exit_code == 1
+    problems = {p["code"]: p["message"] for p in result.json["result"]["problems"]}
+    assert (
+        "(the content changed or is corrupt). Restore it from a good copy"
+        in (problems["checksum_mismatch"])
+    )
+    assert "`ckpt repair`" in problems["checksum_mismatch"]
+    assert "write the manifest again (`--write-manifest --force`)" in problems["unlisted_file"]

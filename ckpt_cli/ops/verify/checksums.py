@@ -54,6 +54,16 @@ if TYPE_CHECKING:
 #: default manifest file name, inside a checkpoint folder (or beside a single-file checkpoint)
 MANIFEST_NAME = CHECKSUM_MANIFEST
 MANIFEST_VERSION = 1
+#: the fix of a file that no longer matches its manifest record
+_RESTORE_FIX = (
+    "Restore it from a good copy (`ckpt repair` rebuilds it where the checkpoint was "
+    "protected); if the change was meant, write the manifest again (`--write-manifest --force`)."
+)
+#: the fix of a file the manifest does not record
+_UNLISTED_FIX = (
+    "If it belongs to the checkpoint, write the manifest again (`--write-manifest --force`); "
+    "otherwise move it out of the folder."
+)
 
 
 class FileDigest(Record):
@@ -290,7 +300,8 @@ def checksum_checks(
             problems.append(
                 Problem(
                     code="unlisted_file",
-                    message=f"{storage.describe(source.target)}: is not in the manifest {path}",
+                    message=f"{storage.describe(source.target)}: is not in the manifest {path}. "
+                    f"{_UNLISTED_FIX}",
                     file=storage.describe(source.target),
                 )
             )
@@ -302,7 +313,8 @@ def checksum_checks(
             problems.append(
                 Problem(
                     code="missing_file",
-                    message=f"{storage.describe(name)}: is missing (the manifest records {want.size} bytes)",
+                    message=f"{storage.describe(name)}: is missing (the manifest records "
+                    f"{want.size} bytes). {_RESTORE_FIX}",
                     file=storage.describe(name),
                 )
             )
@@ -311,7 +323,8 @@ def checksum_checks(
                 Problem(
                     code="size_changed",
                     message=f"{storage.describe(name)}: is {sizes[name]} bytes, the manifest records "
-                    f"{want.size} (truncated or rewritten since the manifest was written)",
+                    f"{want.size} (truncated or rewritten since the manifest was written). "
+                    f"{_RESTORE_FIX}",
                     file=storage.describe(name),
                 )
             )
@@ -321,7 +334,8 @@ def checksum_checks(
         problems.append(
             Problem(
                 code="unlisted_file",
-                message=f"{storage.describe(name)}: is not in the manifest {path} (added after it was written)",
+                message=f"{storage.describe(name)}: is not in the manifest {path} (added after "
+                f"it was written). {_UNLISTED_FIX}",
                 file=storage.describe(name),
                 severity="warning",
             )
@@ -335,7 +349,7 @@ def checksum_checks(
                     code="checksum_mismatch",
                     message=f"{storage.describe(name)}: {recorded.algorithm} digest {digest[:16]}… differs "
                     f"from the manifest's {recorded.files[name].digest[:16]}… (the content changed "
-                    "or is corrupt)",
+                    f"or is corrupt). {_RESTORE_FIX}",
                     file=storage.describe(name),
                 )
             )
