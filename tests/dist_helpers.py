@@ -10,6 +10,12 @@ Other areas (convert, reshard, verify) import these:
   on CPU (the script reads the rank from the environment); raises with its output on failure.
 * `torchrun_ckpt(nproc, *args)`: `torchrun --standalone -m ckpt_cli ARGS…`; returns the process.
 * `free_port()`: a TCP port on 127.0.0.1 that is free now (for rendezvous and stores).
+* `RANK_TIMEOUT`: the `timeout=` every launched script gives `init_process_group`, so a rank
+  waiting for a dead or stuck peer ends itself instead of waiting torch's default 30 minutes.
+* `Launch(command, env=…)` / `run_launch(command, timeout, env=…)`: a launcher (torchrun) started
+  in a session of its own, its processes tagged; a timeout, or anything else that ends the
+  wait, ends every process it started (SIGTERM, a short grace, SIGKILL) and waits for them,
+  and a timeout fails with their output (`LaunchTimeout`).
 * `DIST_SCRIPT`: `tests/dcp_dist_script.py`, whose `save` and `load` modes save a DTensor
   `Shard(0)` checkpoint and load one back into `Shard(0)` DTensors, recording per rank which
   files it read.
@@ -17,18 +23,29 @@ Other areas (convert, reshard, verify) import these:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
+import time
+import uuid
 import warnings
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 DIST_SCRIPT = Path(__file__).resolve().parent / "dcp_dist_script.py"
+
+#: every launched script's `init_process_group(timeout=...)`: the rendezvous and each collective
+#: fail after this long instead of torch's default 30 minutes (generous for a loaded machine: the
+#: slowest rank between two collectives; far below the launches' own timeouts)
+RANK_TIMEOUT = timedelta(seconds=180)
 
 
 def free_port() -> int:
@@ -113,24 +130,180 @@ def require_torchrun_marker() -> None:
         )
 
 
+#: the environment variable that tags every process of one launch (torchrun starts each rank in a
+#: session of its own, out of reach of the launcher's process group; the environment is inherited)
+LAUNCH_TAG = "CKPT_TEST_LAUNCH"
+#: how long a launch's processes get after SIGTERM before SIGKILL
+KILL_GRACE = 5.0
+#: how long the killed processes may take to disappear
+REAP_WAIT = 30.0
+
+
+class LaunchTimeout(AssertionError):
+    """A launch ran past its timeout; its processes were ended. The message holds its output."""
+
+
+class Launch:
+    """A launcher (torchrun and its ranks) started in a session of its own, every process it
+    starts tagged through the environment (`LAUNCH_TAG`), so all of them can be found and ended,
+    whichever session or process group they moved to and whoever their parent is now."""
+
+    def __init__(
+        self,
+        command: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        stdout: int | IO[str] | None = None,
+        stderr: int | IO[str] | None = None,
+    ) -> None:
+        """`stdout` and `stderr` default to pipes (`wait` returns what they held)."""
+        self.command = command
+        self.tag = uuid.uuid4().hex
+        tagged = dict(os.environ if env is None else env)
+        tagged[LAUNCH_TAG] = self.tag
+        self.proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE if stdout is None else stdout,
+            stderr=subprocess.PIPE if stderr is None else stderr,
+            env=tagged,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        # the pipes are read as the launch runs: the ranks hold them too, so the launcher's
+        # exit is no end of file, and a full pipe would stop a rank mid-write
+        self._chunks: dict[str, list[bytes]] = {"out": [], "err": []}
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, self._chunks[name]), daemon=True)
+            for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr))
+            if stream is not None
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream: IO[bytes], chunks: list[bytes]) -> None:
+        while chunk := os.read(stream.fileno(), 65536):
+            chunks.append(chunk)
+        stream.close()
+
+    def processes(self) -> list[int]:
+        """The live processes of this launch (zombies, which hold nothing, are not counted)."""
+        needle = f"{LAUNCH_TAG}={self.tag}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes()
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:  # gone meanwhile, or another user's
+                continue
+            if needle in environ.split(b"\0") and state not in ("Z", "X"):
+                found.append(int(entry.name))
+        return found
+
+    def _signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def _gone_within(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while True:
+            self.proc.poll()  # reap the launcher as soon as it exits
+            if not self.processes():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL every process of the launch at once (a crash, not a stop); wait until all
+        are gone."""
+        self._signal(signal.SIGKILL)
+        self.proc.wait()
+        if not self._gone_within(REAP_WAIT):
+            raise AssertionError(
+                f"{self.command}: processes {self.processes()} outlived SIGKILL for {REAP_WAIT}s"
+            )
+
+    def end(self) -> None:
+        """End every process of the launch: SIGTERM (torchrun then stops its ranks), a grace
+        of `KILL_GRACE` seconds, SIGKILL to whatever is left; wait until all are gone."""
+        if self.proc.poll() is not None and not self.processes():
+            return
+        self._signal(signal.SIGTERM)
+        if self._gone_within(KILL_GRACE):
+            self.proc.wait()
+            return
+        self.kill()
+
+    def output(self) -> tuple[str, str]:
+        """(stdout, stderr) of the ended launch: all it wrote (what came within `REAP_WAIT`
+        seconds if something outside the launch still holds a pipe)."""
+        for reader in self._readers:
+            reader.join(REAP_WAIT)
+        out, err = (b"".join(self._chunks[name]) for name in ("out", "err"))
+        return out.decode(errors="replace"), err.decode(errors="replace")
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess[str]:
+        """Its result once the launcher exits (not checked), any process it left ended.
+
+        Past `timeout` every process is ended and `LaunchTimeout` raised with their output;
+        an exception while waiting (pytest-timeout, Ctrl-C) ends them too, their output
+        written to stderr (pytest shows it with the failure)."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.end()
+            out, err = self.output()
+            raise LaunchTimeout(
+                f"{' '.join(self.command)} did not finish within {timeout:g}s; its processes "
+                f"were ended. Its output:\n{out}{err}"
+            ) from None
+        except BaseException:
+            self.end()
+            with contextlib.suppress(Exception):
+                out, err = self.output()
+                sys.stderr.write(f"{' '.join(self.command)} was interrupted:\n{out}{err}")
+            raise
+        self.end()  # a rank that outlived its launcher
+        out, err = self.output()
+        return subprocess.CompletedProcess(self.command, self.proc.returncode, out, err)
+
+
+def run_launch(
+    command: list[str],
+    timeout: float,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`Launch(command…).wait(timeout)`: run a launcher to its end; its result (not checked)."""
+    return Launch(command, env=env, cwd=cwd).wait(timeout)
+
+
+def torchrun_command(nproc: int, *target: str | os.PathLike[str]) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node NPROC TARGET…`
+    (`--standalone`: torchrun picks a free port for its rendezvous)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *[str(t) for t in target],
+    ]
+
+
 def _torchrun(
     nproc: int, target: list[str], env: dict[str, str] | None, timeout: int
 ) -> subprocess.CompletedProcess[str]:
     require_torchrun_marker()
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *target,
-        ],
-        capture_output=True,
-        text=True,
-        env=torchrun_env(env),
-        timeout=timeout,
-    )
+    return run_launch(torchrun_command(nproc, *target), timeout, env=torchrun_env(env))
 
 
 #: what a C++ runtime prints when a thread is destroyed still joinable (torch/gloo teardown)

@@ -382,18 +382,11 @@ def torchrun_in(folder: Path, script: str, *args: str, timeout: int = 600) -> No
     """`torchrun --standalone --nproc-per-node 2 tests/SCRIPT ARGS` run in `folder`, so the
     paths the saves record are the relative ones the examples show, whatever the temporary
     folder is called."""
-    from .dist_helpers import require_torchrun_marker, torchrun_env
+    from .dist_helpers import require_torchrun_marker, run_launch, torchrun_command, torchrun_env
 
     require_torchrun_marker()
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    proc = subprocess.run(
-        [*launcher, "--nproc-per-node=2", str(REPO / "tests" / script), *args],
-        cwd=folder,
-        env=torchrun_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = torchrun_command(2, REPO / "tests" / script, *args)
+    proc = run_launch(command, timeout, env=torchrun_env(), cwd=folder)
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun {script} {args} failed:\n{proc.stdout}{proc.stderr}")
 

@@ -16,10 +16,8 @@ The saves are judged by the real readers: `ckpt latest` / `ckpt verify` (the CLI
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -31,7 +29,13 @@ import pytest
 import torch
 
 from .conftest import run_ckpt
-from .dist_helpers import require_torchrun_marker, torchrun_env
+from .dist_helpers import (
+    Launch,
+    require_torchrun_marker,
+    run_launch,
+    torchrun_command,
+    torchrun_env,
+)
 from .s3_fixtures import S3Server, list_keys, make_bucket
 
 WORKER = Path(__file__).resolve().parent / "checkpointer_worker.py"
@@ -44,25 +48,12 @@ def _command(nproc: int, run_dir: Path, out: Path, args: tuple[str, ...]) -> lis
     if nproc == 1:
         return [sys.executable, *target]
     require_torchrun_marker()
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        *target,
-    ]
+    return torchrun_command(nproc, *target)
 
 
 def train(run_dir: Path, out: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess[str]:
     """Train to the end (steps 1..12, a save every 3, keeping 2); fail with its output if it fails."""
-    proc = subprocess.run(
-        _command(nproc, run_dir, out, args),
-        capture_output=True,
-        text=True,
-        env=torchrun_env(),
-        timeout=600,
-    )
+    proc = run_launch(_command(nproc, run_dir, out, args), 600, env=torchrun_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
@@ -75,63 +66,21 @@ def train_and_kill_at(point: str, run_dir: Path, out: Path, *args: str, nproc: i
     env = torchrun_env({"CKPT_TEST_PAUSE_AT": point, "CKPT_TEST_PAUSE_FILE": str(marker)})
     log = run_dir.parent / f"log-{point.replace('@', '-')}.txt"
     with open(log, "w") as err:
-        proc = subprocess.Popen(
-            _command(nproc, run_dir, out, args),
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            env=env,
-            start_new_session=True,
+        launch = Launch(
+            _command(nproc, run_dir, out, args), env=env, stdout=subprocess.DEVNULL, stderr=err
         )
-        deadline = time.monotonic() + REACH_PAUSE
-        while not marker.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"never reached {point}:\n{log.read_text()}")
-            time.sleep(0.05)
-        # torchrun starts each rank in a session of its own: kill the whole tree at once
-        doomed = [proc.pid, *_descendants(proc.pid)]
-        for pid in doomed:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    for pid in doomed[1:]:
-        _reaped(pid)
+        try:
+            deadline = time.monotonic() + REACH_PAUSE
+            while not marker.exists():
+                if launch.proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"never reached {point}:\n{log.read_text()}")
+                time.sleep(0.05)
+        except BaseException:
+            launch.end()
+            raise
+        # every process at once (torchrun starts each rank in a session of its own)
+        launch.kill()
     return log.read_text()
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc (children, their children...)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        parents.setdefault(ppid, []).append(int(entry.name))
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _reaped(pid: int) -> None:
-    """Wait (a bounded while) until a killed process that is not our child is gone."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return
-        if state in ("Z", "X"):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"process {pid} survived SIGKILL")
 
 
 def final_state(out: Path, rank: int = 0) -> dict[str, Any]:
@@ -441,7 +390,9 @@ import torch.distributed as dist
 from ckpt_cli import Checkpointer
 
 run, out = sys.argv[1], sys.argv[2]
-dist.init_process_group("gloo")
+from tests.dist_helpers import RANK_TIMEOUT
+
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
 rank = dist.get_rank()
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
@@ -755,7 +706,9 @@ import torch
 import torch.distributed as dist
 from ckpt_cli import Checkpointer
 
-dist.init_process_group("gloo")
+from tests.dist_helpers import RANK_TIMEOUT
+
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 256))
 Checkpointer(sys.argv[1]).save(1, {"model": model, "step": 1})  # no close(), no wait()
@@ -781,22 +734,9 @@ def test_two_ranks_that_end_while_their_save_is_in_flight_still_publish_it(
     script = tmp_path / "exit.py"
     script.write_text(TORCHRUN_EXIT_SCRIPT)
     marker = tmp_path / "paused"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(script),
-            str(tmp_path / "run"),
-            str(marker),
-        ],
-        capture_output=True,
-        text=True,
-        env=torchrun_env({"CKPT_TEST_PAUSE_AT": "write@1", "CKPT_TEST_PAUSE_FILE": str(marker)}),
-        timeout=300,
-    )
+    command = torchrun_command(2, script, tmp_path / "run", marker)
+    env = torchrun_env({"CKPT_TEST_PAUSE_AT": "write@1", "CKPT_TEST_PAUSE_FILE": str(marker)})
+    proc = run_launch(command, 300, env=env)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert "save of step 1 failed" not in output, output

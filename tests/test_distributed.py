@@ -37,7 +37,9 @@ from .dist_helpers import (
     dcp_save,
     free_port,
     require_torchrun_marker,
+    run_launch,
     torchrun_ckpt,
+    torchrun_command,
     torchrun_env,
     training_state,
 )
@@ -91,22 +93,7 @@ def run_split(tmp_path: Path, nproc: int, commands: list[list[str]]) -> list[lis
     spec.write_text(json.dumps(commands))
     out = tmp_path / "ranks"
     out.mkdir()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(SCRIPT),
-            str(spec),
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        env=torchrun_env(),
-        timeout=300,
-    )
+    proc = run_launch(torchrun_command(nproc, SCRIPT, spec, out), 300, env=torchrun_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from .conftest import run_ckpt
 from .dist_helpers import (
+    Launch,
     dcp_save,
     free_port,
     require_torchrun_marker,
@@ -39,7 +40,7 @@ def two_nodes(tmp_path: Path, name: str, *args: str | Path) -> list[tuple[int, s
     localhost, each with its own scratch folder; (exit code, output) per node, node 0 first."""
     require_torchrun_marker()
     port = free_port()
-    procs = []
+    launches = []
     for node in (0, 1):
         scratch = tmp_path / f"scratch-{name}-node{node}"
         scratch.mkdir()
@@ -62,20 +63,13 @@ def two_nodes(tmp_path: Path, name: str, *args: str | Path) -> list[tuple[int, s
             "ckpt_cli",
             *map(str, args),
         ]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    results = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise
-        results.append((proc.returncode, out))
+        launches.append(Launch(cmd, env=env, stderr=subprocess.STDOUT))
+    try:
+        done = [launch.wait(600) for launch in launches]
+    finally:  # one node failed or timed out: the other waits for it in vain
+        for launch in launches:
+            launch.end()
+    results = [(proc.returncode, proc.stdout) for proc in done]
     for node in (0, 1):
         # node-local scratch: ckpt leaves nothing there (torchrun keeps its own logs folder)
         scratch = tmp_path / f"scratch-{name}-node{node}"
