@@ -42,14 +42,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
 )
 
-from tests.framework_fixtures import tiny_config  # the launcher puts the checkout first
+from tests.dist_helpers import RANK_TIMEOUT  # the launcher puts the checkout first
+from tests.framework_fixtures import tiny_config
 
 
 def _force_fsdp(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
@@ -66,7 +67,11 @@ def _setup(state_dict_type: str) -> tuple[Accelerator, FullyShardedDataParallelP
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, state_dict_type=state_dict_type, cpu_ram_efficient_loading=False
     )
-    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    accelerator = Accelerator(
+        cpu=True,
+        fsdp_plugin=plugin,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=RANK_TIMEOUT)],
+    )
     _force_fsdp(accelerator, plugin)
     parts: list[Any] = []
     for model in (

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from ckpt_cli import Checkpointer, CkptError
+from tests.dist_helpers import RANK_TIMEOUT  # the launcher puts the checkout first
 
 
 class Loader:
@@ -55,7 +56,7 @@ def main() -> None:
     torch.set_num_threads(1)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
     rank = dist.get_rank() if distributed else 0
     model, optimizer, scheduler, loader = build()
     trained: torch.nn.Module = model

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ckpt_cli import Checkpointer
+from tests.dist_helpers import RANK_TIMEOUT  # the launcher puts the checkout first
 
 
 class ShuffledBatches:
@@ -71,7 +72,7 @@ def main() -> None:
     torch.set_num_threads(1)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
     rank = dist.get_rank() if distributed else 0
 
     torch.manual_seed(0)

@@ -33,6 +33,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from tests.dist_helpers import RANK_TIMEOUT  # the launcher puts the checkout first
+
 warnings.filterwarnings("ignore")
 
 
@@ -73,7 +75,7 @@ def placement(tensor: torch.Tensor) -> list:  # type: ignore[type-arg]
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     args = sys.argv[1:]

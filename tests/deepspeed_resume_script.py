@@ -75,6 +75,7 @@ def _resume(stage: int, sub_group_size: int | None, run: str) -> dict[str, objec
 
 
 if __name__ == "__main__":
+    deepspeed_script.init_distributed()
     out = sys.argv[1]
     for index, task in enumerate(sys.argv[2:]):
         kind, run = task.split(":", 1)

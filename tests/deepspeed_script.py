@@ -29,9 +29,18 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed
 import torch
 
+from tests.dist_helpers import RANK_TIMEOUT  # the launcher puts the checkout first
+
 # the shared-memory all-reduce kernel is only a speed-up over gloo, and compiling it takes
 # minutes on a fresh machine: leave it out (everything DeepSpeed saves is unchanged)
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def init_distributed() -> None:
+    """The process group (gloo), with the suite's `RANK_TIMEOUT`: the one `deepspeed.initialize`
+    or the Trainer would start (the Trainer ignores `ddp_timeout` on CPU) waits 30 minutes for
+    a dead or stuck peer."""
+    deepspeed.init_distributed("gloo", timeout=RANK_TIMEOUT)
 
 
 def _plant_nan_in_padding(engine: deepspeed.DeepSpeedEngine) -> int:
@@ -195,6 +204,7 @@ def _train_trainer(out: str, resume: str | None = None) -> None:
 
 
 if __name__ == "__main__":
+    init_distributed()
     if "--hf" in sys.argv[2:]:
         _train_hf(sys.argv[1])
     elif "--trainer" in sys.argv[2:]:

@@ -23,6 +23,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from tests.dist_helpers import RANK_TIMEOUT  # the launcher puts the checkout first
+
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 MP = 2
@@ -92,7 +94,7 @@ def _train(stage: int, out: str, mpu: Mpu) -> None:
 
 
 if __name__ == "__main__":
-    deepspeed.init_distributed("gloo")
+    deepspeed.init_distributed("gloo", timeout=RANK_TIMEOUT)
     mpu = Mpu()
     _train(2, f"{sys.argv[1]}/zero2", mpu)
     _train(3, f"{sys.argv[1]}/zero3", mpu)

@@ -17,12 +17,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ckpt_cli.cli.app import main as ckpt_main
+from tests.dist_helpers import RANK_TIMEOUT  # the launcher puts the checkout first
 
 
 def main() -> None:
     commands = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
     results = []
     for argv in commands:
         buffer = io.StringIO()

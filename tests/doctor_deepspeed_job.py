@@ -67,4 +67,5 @@ def main(run: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
+    deepspeed_script.init_distributed()
     main(sys.argv[1], sys.argv[2])

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from tests.dist_helpers import RANK_TIMEOUT  # the launcher puts the checkout first
+
 #: the model's dimensions (GQA: 4 query heads in 2 groups; head size 8)
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, MAX_POS = 2, 32, 4, 2, 48, 64, 64
 ROTARY_BASE, EPS = 500000.0, 1e-5
@@ -141,12 +143,12 @@ def main() -> None:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
 
     if "LOCAL_RANK" in os.environ:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
         args = sys.argv[1:]
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", sys.argv[-1])
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", rank=0, world_size=1, timeout=RANK_TIMEOUT)
         args = sys.argv[1:-1]
     from megatron.core import dist_checkpointing, parallel_state
 

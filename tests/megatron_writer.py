@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tests.dist_helpers import RANK_TIMEOUT  # the launcher puts the checkout first
+
 torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
 torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
 
@@ -94,13 +96,13 @@ def main() -> None:
 
     launched = "LOCAL_RANK" in os.environ  # under torchrun: the rendezvous is in the env
     if launched:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
         rank, world = dist.get_rank(), dist.get_world_size()
         args = sys.argv[1:]
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", sys.argv[-1])
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", rank=0, world_size=1, timeout=RANK_TIMEOUT)
         rank, world = 0, 1
         args = sys.argv[1:-1]
     from megatron.core import dist_checkpointing

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .conftest import run_ckpt
+from .dist_helpers import torchrun_env
 
 SCRIPT = Path(__file__).with_name("torchtitan_arch_script.py")
 
@@ -323,7 +324,11 @@ needs_frameworks = pytest.mark.skipif(
 
 def _script(*args: str | Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=900
+        [sys.executable, str(SCRIPT), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=torchrun_env(),
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -569,7 +569,9 @@ _TORCHRUN_SAVE = """
 import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-dist.init_process_group("gloo")
+from tests.dist_helpers import RANK_TIMEOUT
+
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 gen = torch.Generator().manual_seed(5)
 full = {"w": torch.randn(10, 6, generator=gen), "b": torch.randn(7, generator=gen).to(torch.bfloat16),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from .conftest import run_ckpt, run_ckpt_process
-from .dist_helpers import dcp_load_flat, free_port
+from .dist_helpers import dcp_load_flat, free_port, torchrun_env
 
 # find_spec, not importorskip: importing megatron.core registers torch safe globals
 # (argparse.Namespace...) process-wide, which would change what other tests' torch.load admits
@@ -40,6 +40,7 @@ def megatron(*args: str | Path) -> None:
         [sys.executable, str(WRITER), *map(str, args), str(free_port())],
         capture_output=True,
         text=True,
+        env=torchrun_env(),
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from .conftest import run_ckpt
-from .dist_helpers import free_port, run_torchrun
+from .dist_helpers import free_port, run_torchrun, torchrun_env
 
 # find_spec, not importorskip: importing megatron.core registers torch safe globals
 # process-wide (see test_megatron.py); this process never imports it
@@ -57,6 +57,7 @@ def megatron_load(folder: Path, out: Path, ranks: int = 1) -> tuple[torch.Tensor
             [sys.executable, str(SCRIPT), "load", str(folder), str(out), str(free_port())],
             capture_output=True,
             text=True,
+            env=torchrun_env(),
             timeout=600,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr

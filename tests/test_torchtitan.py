@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from .conftest import run_ckpt
+from .dist_helpers import torchrun_env
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip(
@@ -46,6 +47,7 @@ def titan(*args: str | Path) -> None:
         [sys.executable, str(WRITER), *map(str, args)],
         capture_output=True,
         text=True,
+        env=torchrun_env(),
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from tests.dist_helpers import RANK_TIMEOUT  # the launcher puts the checkout first
+
 VOCAB, DIM, HEADS, LAYERS, SEQ = 32, 16, 2, 2, 8
 
 
@@ -209,7 +211,7 @@ def _rank() -> int:
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
     if "LOCAL_RANK" in os.environ:  # under torchrun
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
     if sys.argv[1] == "save":
         save(Path(sys.argv[2]), Path(sys.argv[3]))
     else:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.dist_helpers import RANK_TIMEOUT
 from tests.framework_fixtures import Rows, tiny_config
 
 
@@ -150,4 +151,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # the Trainer's own process group ignores `ddp_timeout` on CPU (torch's 30 minutes)
+    dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
     main()
