@@ -14,6 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown  # the checkout is first
+
 
 def save(folder: Path) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -31,14 +33,10 @@ def save(folder: Path) -> None:
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
     save(Path(sys.argv[2]))
     dist.barrier()
-    sys.stdout.flush()
-    # leave without tearing gloo down (see reshard_worker.main)
-    import os
-
-    os._exit(0)
+    leave_without_teardown()
 
 
 if __name__ == "__main__":

@@ -7,11 +7,13 @@ Other areas (convert, reshard, verify) import these:
 * `dcp_save(state, path, serialization)`: `dcp.save` in one process (`no_dist=True`).
 * `many_entries_dcp(path, count)`: a `dcp.save` of `count` tiny tensors (`layer.{i}.w`).
 * `run_torchrun(script, nproc, *args)`: run a script under `torchrun --standalone` with gloo
-  on CPU (the script reads the rank from the environment); raises with its output on failure.
+  on CPU (the script reads the rank from the environment); raises with its output on failure,
+  and past its timeout once every rank is ended (`Launch`).
 * `torchrun_ckpt(nproc, *args)`: `torchrun --standalone -m ckpt_cli ARGS…`; returns the process.
 * `free_port()`: a TCP port on 127.0.0.1 that is free now (for rendezvous and stores).
 * `RANK_TIMEOUT`: the `timeout=` every launched script gives `init_process_group`, so a rank
   waiting for a dead or stuck peer ends itself instead of waiting torch's default 30 minutes.
+* `leave_without_teardown()`: how a launched rank ends once every rank is done (see there).
 * `Launch(command, env=…)` / `run_launch(command, timeout, env=…)`: a launcher (torchrun) started
   in a session of its own, its processes tagged; a timeout, or anything else that ends the
   wait, ends every process it started (SIGTERM, a short grace, SIGKILL) and waits for them,
@@ -35,7 +37,7 @@ import uuid
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import torch
 
@@ -111,6 +113,21 @@ def torchrun_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})
     return env
+
+
+def leave_without_teardown() -> NoReturn:
+    """End a launched rank once every rank is done (after its last collective, a barrier):
+    flush and `os._exit(0)`, without tearing the gloo process group down.
+
+    Tearing it down (`destroy_process_group`, or the interpreter freeing DDP's reducer, which
+    holds the group too) joins gloo's worker thread while holding the GIL; a worker still
+    freeing a finished collective (the barrier and the broadcast it waited for) must take the
+    GIL to release their tensors. On a loaded machine the worker is that late now and then:
+    the rank deadlocks, its peers gone (or, another ordering, aborts with "terminate called
+    without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 #: the pytest item being run, set by conftest's `pytest_runtest_setup` (None outside pytest)
@@ -318,7 +335,8 @@ def run_torchrun(
     A launch whose rank aborted in C++ teardown ("terminate called without an active
     exception": a gloo thread still joinable when the process exits, seen now and then with
     megatron's and accelerate's loaders on a loaded machine) is run once more; any other
-    failure fails the test."""
+    failure fails the test. Past `timeout` every rank is ended and the test fails with their
+    output (`LaunchTimeout`), not run again."""
     proc = _torchrun(nproc, [str(script), *[str(a) for a in args]], None, timeout)
     if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr:
         sys.stderr.write(f"torchrun {script.name}: a rank aborted in teardown; running it again\n")

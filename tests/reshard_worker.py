@@ -16,7 +16,6 @@ writes a JSON summary next to JOBS.json.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -31,6 +30,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown  # the checkout is first
 
 TP_RULES = {"*.wo.weight": 1, "*.norm.*": "replicate"}
 
@@ -190,17 +191,13 @@ def load(jobs_path: Path) -> None:
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
     if sys.argv[1] == "save":
         save(Path(sys.argv[2]))
     else:
         load(Path(sys.argv[2]))
     dist.barrier()
-    # every rank is done: leave without tearing gloo down, whose threads can otherwise abort
-    # a process at exit ("terminate called without an active exception") on a busy machine
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()
 
 
 if __name__ == "__main__":
