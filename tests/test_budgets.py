@@ -638,6 +638,31 @@ def test_an_index_naming_a_shard_longer_than_any_file_name_is_exit_4(tmp_path: P
         assert_refused(verify, index, "unsafe_input", exit_code=1)
 
 
+# -- quantization summaries --------------------------------------------------------------------
+
+
+def test_a_quantized_header_of_many_distinct_names_is_summarised_in_linear_time(
+    tmp_path: Path,
+) -> None:
+    # one FP8 weight beside 60,000 scales whose weights are absent and 60,000 modules of
+    # distinct names: the summary searched a list of the orphans, and one of the module
+    # patterns, for each tensor (40,000 of each: 68 s of CPU; 60,000 past RLIMIT_CPU's minute)
+    tensors = {
+        "a.weight": torch.zeros(16, 16).to(torch.float8_e4m3fn),
+        "a.weight_scale_inv": torch.ones(1, 1),
+    }
+    for i in range(60_000):
+        tensors[f"o{i}.weight_scale_inv"] = torch.ones(1)
+        tensors[f"u{i}x.proj.weight"] = torch.ones(1)
+    shard = tmp_path / "model.safetensors"
+    save_file(tensors, str(shard))
+    run = ckpt_limited("inspect", shard, "--json")
+    assert run.exit_code == 0, run.stderr
+    quantization = run.json["result"]["quantization"]
+    assert quantization["parameters"] == 16 * 16 + 60_000  # the scales count nothing
+    assert len(quantization["unquantized"]) == 60_000
+
+
 # -- DCP chunks ----------------------------------------------------------------------------------
 
 

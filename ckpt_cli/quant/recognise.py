@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ..dtypes import FLOATING
 from ..models import DTYPE, SHAPE, Entry, Manifest, TensorFacts
 from ..storage import Storage
 from .checks import (
@@ -202,13 +203,23 @@ def parameter_counter(
     the same rule as the whole checkpoint."""
     if analysis is None:
         analysis = analyse_checkpoint(manifest, storage)
+    if not (analysis.owner or analysis.packed_owner or analysis.orphans):
+        # nothing quantized (the common case): every floating tensor counts its elements, as
+        # `entry_parameters` would say, without its lookups (#30: per-tensor cost)
+        return _floating_elements
     tensors = {e.name: e for e in manifest.entries if e.kind == "tensor"}
-    held = analysis
+    held, orphans = analysis, frozenset(analysis.orphans)
 
     def count(entry: Entry) -> int:
-        return entry_parameters(entry, held, tensors)
+        return entry_parameters(entry, held, tensors, orphans)
 
     return count
+
+
+def _floating_elements(entry: Entry) -> int:
+    """The elements of a floating tensor entry; 0 for any other (`entry_parameters` of a
+    checkpoint holding nothing quantized)."""
+    return entry.numel if entry.kind == "tensor" and entry.dtype in FLOATING else 0
 
 
 def _recognise(r: _Recognition, name: str, tensor: TensorFacts) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
@@ -450,7 +450,12 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-def entry_parameters(entry: Entry, analysis: QuantAnalysis, tensors: Mapping[str, Entry]) -> int:
+def entry_parameters(
+    entry: Entry,
+    analysis: QuantAnalysis,
+    tensors: Mapping[str, Entry],
+    orphans: Container[str] | None = None,
+) -> int:
     """The parameters one stored tensor counts for: the one rule of every parameter count
     (`inspect`'s first line with or without `--filter`, a training layout's weights, the
     quantization section). A quantized weight's payload counts its logical (dequantized)
@@ -458,7 +463,8 @@ def entry_parameters(entry: Entry, analysis: QuantAnalysis, tensors: Mapping[str
     logical values on its payload (`qweight`, `weight`) and nothing on its scales, zeros and
     state; a scale whose weight is absent (an orphan) counts nothing; any other floating
     tensor its elements; integer tensors none. `tensors`: every tensor of the checkpoint by
-    name (a packed payload's count needs its module's)."""
+    name (a packed payload's count needs its module's); `orphans`: `analysis.orphans` as a set,
+    for a caller counting many entries (a list is searched through for each)."""
     if entry.kind != "tensor":
         return 0
     owner = analysis.owner.get(entry.name)
@@ -470,7 +476,7 @@ def entry_parameters(entry: Entry, analysis: QuantAnalysis, tensors: Mapping[str
         if entry.name != analysis.packed[module][0]:
             return 0
         return _packed_parameters(module, analysis, tensors)
-    if entry.name in analysis.orphans:
+    if entry.name in (analysis.orphans if orphans is None else orphans):
         return 0
     return entry.numel if entry.dtype in dtypes.FLOATING else 0
 
@@ -496,6 +502,9 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
     tensors = {e.name: e for e in manifest.entries if e.kind == "tensor"}
     target = logical_dtype(analysis)
     groups: dict[str, QuantGroup] = {}
+    # ordered sets (dicts) of folded names: a crafted header of 100,000 distinct names made
+    # each list search through all the others, quadratic
+    group_patterns: dict[str, dict[str, None]] = {}
     for weight in analysis.weights.values():
         group = groups.get(weight.scheme)
         if group is None:
@@ -514,29 +523,22 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
                 },
             )
         group.modules += 1
-        pattern = fold(weight.module)
-        if pattern not in group.patterns:
-            group.patterns.append(pattern)
+        group_patterns.setdefault(weight.scheme, {})[fold(weight.module)] = None
         group.parameters += dtypes.numel(weight.logical_shape)
         group.stored_bytes += sum(tensors[n].nbytes for n in weight.members if n in tensors)
-    unquantized: list[str] = []
+    for scheme, patterns in group_patterns.items():
+        groups[scheme].patterns = list(patterns)
+    orphans = set(analysis.orphans)
+    unquantized: dict[str, None] = {}
     for entry in tensors.values():
-        if analysis.kept_as_stored(entry.name) or entry.name in analysis.orphans:
+        if analysis.kept_as_stored(entry.name) or entry.name in orphans:
             continue
         if entry.dtype in dtypes.FLOATING:
             module = entry.name.rsplit(".", 1)[0] if "." in entry.name else entry.name
-            pattern = fold(module)
-            if pattern not in unquantized:
-                unquantized.append(pattern)
-    packed: list[str] = []
-    packed_labels: list[str] = []
-    for module, scheme in analysis.packed_scheme.items():
-        pattern = fold(module)
-        if pattern not in packed:
-            packed.append(pattern)
-        if scheme not in packed_labels:
-            packed_labels.append(scheme)
-    parameters = sum(entry_parameters(e, analysis, tensors) for e in tensors.values())
+            unquantized[fold(module)] = None
+    packed = list(dict.fromkeys(map(fold, analysis.packed_scheme)))
+    packed_labels = list(dict.fromkeys(analysis.packed_scheme.values()))
+    parameters = sum(entry_parameters(e, analysis, tensors, orphans) for e in tensors.values())
     stored = sum(e.nbytes for e in tensors.values())
     declared = " ".join(x for x in (analysis.config.method, analysis.config.algo) if x)
     labels = [g.label for g in groups.values()]
@@ -550,7 +552,7 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
         schemes=list(groups.values()),
         parameters=parameters,
         stored_bytes=stored,
-        unquantized=unquantized,
+        unquantized=list(unquantized),
         packed=packed,
         orphans=analysis.orphans,
     )
