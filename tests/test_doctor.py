@@ -1159,6 +1159,8 @@ def test_a_run_whose_saves_are_all_incomplete_names_them_and_a_fix_that_helps(
     run = tmp_path / "out"
     for step in (2, 4):
         shutil.copytree(tiny_llama, run / f"checkpoint-{step}")
+    for written in run.rglob("*"):
+        os.utime(written)  # written just now (copytree keeps the fixture's older times)
     fresh = run_ckpt("doctor", run, "--json")
     assert fresh.exit_code == 3, fresh.stdout
     error = fresh.json["error"]

@@ -452,6 +452,9 @@ def test_whole_files_on_request_rebuilds_the_file_that_dominates_a_checkpoint(
     state = _state(n=6, size=96, seed=9)
     torch.save(state, model / "pytorch_model.bin")
     (model / "trainer_state.json").write_text(json.dumps({"global_step": 100}))
+    # the Trainer writes its optimizer and scheduler with the RNG states (small here)
+    torch.save({"state": {}, "param_groups": [{"lr": 0.1, "params": []}]}, model / "optimizer.pt")
+    torch.save({"last_epoch": 100}, model / "scheduler.pt")
     # a 2-GPU DDP save: each rank's RNG state beside the one model file rank 0 wrote
     for rank in (0, 1):
         torch.save({"cpu": torch.random.get_rng_state()}, model / f"rng_state_{rank}.pth")

@@ -23,12 +23,22 @@ def test_deleted_optimizer_fails_plain_verify(
     assert len(missing) == 1 and "optimizer.pt" in missing[0]["message"]
     assert "save_only_model=False" in missing[0]["message"]
 
-    # alone, without its training arguments: the sibling checkpoint is the witness
+    # without its training arguments: the scheduler and RNG files the Trainer writes with the
+    # optimizer are the witness
     (run / "checkpoint-2" / "training_args.bin").unlink()
     result = run_ckpt("verify", run / "checkpoint-2", "--json")
     assert result.exit_code == 1
     missing = [p for p in result.json["result"]["problems"] if p["code"] == "missing_component"]
-    assert len(missing) == 1 and "checkpoint-1 has one" in missing[0]["message"]
+    assert len(missing) == 1 and "the Trainer saves it with" in missing[0]["message"]
+
+    # with those gone too, the sibling checkpoint is the witness
+    for lost in (run / "checkpoint-2").glob("rng_state*.pth"):
+        lost.unlink()
+    (run / "checkpoint-2" / "scheduler.pt").unlink()
+    result = run_ckpt("verify", run / "checkpoint-2", "--json")
+    assert result.exit_code == 1
+    missing = [p for p in result.json["result"]["problems"] if p["code"] == "missing_component"]
+    assert missing and "checkpoint-1 has one" in missing[0]["message"]
 
 
 def test_save_only_model_checkpoint_passes(trainer_runs: dict[str, Path]) -> None:

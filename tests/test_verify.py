@@ -640,11 +640,16 @@ def test_trainer_folder_is_resumable_and_deep_reads_every_component(tmp_path: Pa
 def test_trainer_folder_without_optimizer_is_not_resumable(tmp_path: Path) -> None:
     folder = trainer_checkpoint(tmp_path / "run")
     (folder / "optimizer.pt").unlink()
-    assert run_ckpt("verify", folder).exit_code == 0  # intact, just not resumable
+    # the Trainer writes optimizer.pt with the scheduler and RNG files still here: a lost file
+    code, found = problems(folder)
+    assert code == 1
+    assert [p["code"] for p in found] == ["missing_component"]
+    assert "optimizer.pt is missing" in found[0]["message"]
+    # --resumable says the same, and that its own checks wait for the checkpoint to be whole
     code, found = problems(folder, "--resumable")
     assert code == 1
-    assert [p["code"] for p in found] == ["missing_optimizer"]
-    assert "optimizer" in run_ckpt("verify", folder, "--resumable").stdout
+    assert [p["code"] for p in found] == ["missing_component", "not_checked"]
+    assert "optimizer.pt is missing" in run_ckpt("verify", folder, "--resumable").stdout
 
 
 def test_optimizer_state_with_a_wrong_shape(tmp_path: Path) -> None:
