@@ -481,16 +481,8 @@ def _plan_updates(
             ):
                 # the output head of a tied pair saved whole (`save_embedding_layers`), neither
                 # side a `modules_to_save` copy: the shared tensor itself, and the tie stays
-                tied_shape = list(base.manifest.by_name[target].shape)
-                if _vocabulary_resized(tied_shape, list(entry.shape)):
+                if _resized_against(entry, base, target, "it is tied to", where):
                     resized[target] = list(entry.shape)
-                elif list(entry.shape) != tied_shape:
-                    raise FormatError(
-                        f"{entry.name!r} has shape {list(entry.shape)}, the base weight "
-                        f"{target!r} it is tied to is {tied_shape}",
-                        path=where,
-                        fix="Check that the adapter was trained on this base model.",
-                    )
                 replaced.setdefault(target, entry.name)  # the embedding's own copy first
                 continue
             if direct is None and target is not None and not module.endswith(".base_layer"):
@@ -498,16 +490,8 @@ def _plan_updates(
                 # trains the copy alone and leaves the embedding as it was, so merged the two
                 # are separate tensors (`merge_and_unload` unties them)
                 alias = next(a for a, t in tied.items() if t == target)
-                tied_shape = list(base.manifest.by_name[target].shape)
-                if _vocabulary_resized(tied_shape, list(entry.shape)):
+                if _resized_against(entry, base, target, "it stands beside", where):
                     resized[alias] = list(entry.shape)
-                elif list(entry.shape) != tied_shape:
-                    raise FormatError(
-                        f"{entry.name!r} has shape {list(entry.shape)}, the base weight "
-                        f"{target!r} it stands beside is {tied_shape}",
-                        path=where,
-                        fix="Check that the adapter was trained on this base model.",
-                    )
                 untied[alias] = (entry.name, target)
                 continue
             if target is None:
@@ -608,6 +592,25 @@ def _plan_updates(
 
 #: the tensors whose rows are the vocabulary: the input embeddings and the output head
 _VOCABULARY = (*_EMBEDDINGS, "lm_head.weight")
+
+
+def _resized_against(
+    entry: Entry, base: Checkpoint, target: str, relation: str, where: str
+) -> bool:
+    """Whether the adapter's whole copy `entry` of the tied base weight `target` has another
+    vocabulary size (its rows replace the base's); FormatError when it differs otherwise
+    (`relation`: how the two weights are paired, for the message)."""
+    tied_shape = list(base.manifest.by_name[target].shape)
+    if _vocabulary_resized(tied_shape, list(entry.shape)):
+        return True
+    if list(entry.shape) != tied_shape:
+        raise FormatError(
+            f"{entry.name!r} has shape {list(entry.shape)}, the base weight {target!r} "
+            f"{relation} is {tied_shape}",
+            path=where,
+            fix="Check that the adapter was trained on this base model.",
+        )
+    return False
 
 
 def _vocabulary_resized(held: list[int], saved: list[int]) -> bool:

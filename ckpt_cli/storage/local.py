@@ -390,23 +390,32 @@ def _pread_all(fd: int, offset: int, length: int, name: str) -> bytes:
 _MKDTEMP_TAIL = "[a-z0-9_]{8}"
 
 
-def _lock(path: str | Path, *, wait: bool) -> int | None:
-    """A descriptor of `path` holding an exclusive `flock`, or None: held by another process
-    (`wait=False`), gone, a link (never followed), or no locks on this filesystem."""
+def _take_lock(path: str | Path, *, wait: bool) -> tuple[int | None, bool]:
+    """(a descriptor of `path` holding an exclusive `flock`, or None; whether another process
+    holds it). None and False: gone, a link (never followed), or no locks on this filesystem."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX
-        return None
+        return None, False
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except OSError:
-        return None
+        return None, False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None, True
     except OSError:
         os.close(fd)
-        return None
-    return fd
+        return None, False
+    return fd, False
+
+
+def _lock(path: str | Path, *, wait: bool) -> int | None:
+    """A descriptor of `path` holding an exclusive `flock`, or None: held by another process
+    (`wait=False`), gone, a link (never followed), or no locks on this filesystem."""
+    return _take_lock(path, wait=wait)[0]
 
 
 def new_staging_folder(parent: Path, name: str) -> tuple[Path, int | None]:
@@ -455,20 +464,7 @@ def remove_dead_stagings(parent: Path, name: str) -> list[Path]:
 def staging_held(path: Path) -> bool:
     """Whether a running process holds the staging folder `path` (`new_staging_folder`): it is
     being written now, however long ago its last byte was (a save stalled on a slow disk)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)  # a lock taken here goes with it
-    return False
+    fd, held = _take_lock(path, wait=False)
+    if fd is not None:
+        os.close(fd)  # the lock taken here goes with it
+    return held
