@@ -698,7 +698,8 @@ def test_the_stores_manifests_are_read_side_by_side_once_each(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
     # judging saves already synced reads each one's manifest in the store: all at once, so a
-    # run of many saves costs about one round trip, and each manifest once
+    # run of many saves costs about one round trip, and each manifest once, in one request
+    # (s3fs would ask each one's size first, a HEAD: a second round trip)
     make_bucket(s3_server.endpoint, BUCKET)
     out = trainer_run(tmp_path, steps=(100, 200, 300, 400))
     assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
@@ -720,6 +721,7 @@ def test_the_stores_manifests_are_read_side_by_side_once_each(
     assert sorted(r.path for r in asked) == sorted(
         f"/{BUCKET}/run/checkpoint-{step}/ckpt-manifest.json" for step in (100, 200, 300, 400)
     )
+    assert [r.path for r in s3_server.requests if r.method == "HEAD"] == []
 
 
 def test_what_a_sync_does_not_carry_is_named(s3_server: S3Server, tmp_path: Path) -> None:

@@ -207,7 +207,7 @@ class _Uploader:
             raw = self._manifest_bytes.pop(rel, None)
             try:
                 if raw is None:
-                    raw = self.fs.cat_file(f"{self.root}/{rel}")
+                    raw = self.fs.cat_file(f"{self.root}/{rel}", **self._whole_read)
                 elif isinstance(raw, Exception):
                     raise raw
             except FileNotFoundError:
@@ -223,6 +223,14 @@ class _Uploader:
             self._manifests[key] = known
         return known
 
+    @property
+    def _whole_read(self) -> dict[str, int]:
+        """Arguments of a whole small object's read: one GET on S3. s3fs asks a whole read's
+        size first (a HEAD: one more round trip per manifest) to split a large object into
+        ranges read side by side, which a manifest never needs; other filesystems take
+        their defaults."""
+        return {"max_concurrency": 1} if self.objects is not None else {}
+
     def read_manifests(self, rels: list[str]) -> None:
         """Fetch the store's manifests among `rels` not yet judged, all in one call (side by
         side on filesystems that fetch concurrently, s3fs among them), for `_manifest_lists`:
@@ -236,7 +244,7 @@ class _Uploader:
         if len(todo) < 2:
             return  # one is read when it is judged
         try:
-            found = self.fs.cat(todo, on_error="return")
+            found = self.fs.cat(todo, on_error="return", **self._whole_read)
         except Exception as exc:  # each filesystem package raises its own errors
             raise remote_failure(exc, self.dest) from None
         prefix = f"{self.root}/"
