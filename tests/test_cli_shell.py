@@ -404,17 +404,19 @@ def test_the_completion_ckpt_install_completion_installs_offers_option_values() 
     assert "world-size" in complete("ckpt doctor out --expect ")
 
 
-# -- brackets in paths and names are text, not markup -------------------------------------------
+# -- brackets and emoji codes in paths and names are text, not markup -----------------------------
 
 
 def test_brackets_in_paths_are_printed_as_written_never_a_traceback(tmp_path: Path) -> None:
     """A run folder named `runs[/x]` made `latest`, `prune`, `inspect`, `convert`, `diff`...
     die with rich's MarkupError traceback and exit 1 (read by CI as "problems found"), and
-    `runs[exp1]` was printed as `runs`: rich took the brackets for its own markup."""
+    `runs[exp1]` was printed as `runs`: rich took the brackets for its own markup. A name
+    holding an emoji code (`run:cat:2`) was printed with rich's emoji in its place
+    (`run🐱2`), a path that exists nowhere."""
     import torch
     from safetensors.torch import save_file
 
-    for name in ("runs[exp1]", "runs[/x]"):
+    for name in ("runs[exp1]", "runs[/x]", "run:cat:2"):
         run = tmp_path / name
         run.mkdir(parents=True)
         interrupted_trainer_save(run, 100)

@@ -40,7 +40,12 @@ class SafeConsole(Console):
     Off a terminal (pipes, files, CI logs) one record is one line: the console claims a width
     nothing reaches (whatever COLUMNS says), so tables are space-aligned and never folded, and
     text is never wrapped. A closed pipe (`| head -1`) ends the run quietly with 141.
+    Emoji codes are never replaced: a name holding one (`run:cat:2`) is a path, printed as
+    it is written.
     """
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**{"emoji": False, **options})
 
     @property
     def on_terminal(self) -> bool:
