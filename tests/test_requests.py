@@ -452,7 +452,9 @@ def test_sync_request_is_every_sync_option() -> None:
     # --higher-is-better / --lower-is-better (and the deprecated --mode) set the policy's `mode`
     cli = (cli - {"higher_is_better"}) | {"mode"}
     rules = set(PrunePolicy.model_fields) - {"settle"}
-    policy = {o for o in cli if o == "prune_remote" or o in rules}
+    # (`--yes` is the command line's consent to --prune-remote's deletions: a library caller
+    # that passes a policy has given it)
+    policy = {o for o in cli if o in ("prune_remote", "yes") or o in rules}
     renamed = {"latest": "latest_only", "watch": "watch_seconds"}
     plain = {renamed.get(o, o) for o in cli - policy}
     assert _fields(SyncRequest) == plain | {"prune_policy"}

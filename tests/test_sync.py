@@ -250,7 +250,7 @@ def test_prune_remote_applies_retention_on_the_bucket(s3_server: S3Server, tmp_p
     make_bucket(s3_server.endpoint, BUCKET)
     out = trainer_run(tmp_path)  # 100..500; the Trainer's best is 200
     result = run_ckpt(
-        "sync", out, f"s3://{BUCKET}/run/", "--prune-remote", "--keep-last", "2", "--json"
+        "sync", out, f"s3://{BUCKET}/run/", "--prune-remote", "--keep-last", "2", "--yes", "--json"
     )
     assert result.exit_code == 0, result.stdout
     assert sorted(result.json["result"]["pruned"]["deleted"]) == [
@@ -276,7 +276,7 @@ def test_prune_remote_keeps_the_max_with_higher_is_better_and_mode_max_still_wor
     old spelling still works, hidden, with one deprecation line on stderr."""
     make_bucket(s3_server.endpoint, BUCKET)
     out = trainer_run(tmp_path)  # eval_loss 0.90 (100, the max), 0.40 (200, the min) ...
-    policy = ["--prune-remote", "--keep-best", "eval_loss", "--keep-last", "1", "--json"]
+    policy = ["--prune-remote", "--yes", "--keep-best", "eval_loss", "--keep-last", "1", "--json"]
     higher = run_ckpt("sync", out, f"s3://{BUCKET}/high/", *policy, "--higher-is-better")
     assert higher.exit_code == 0, higher.stdout
     assert "is deprecated" not in higher.stderr
@@ -363,7 +363,7 @@ def test_usage_errors(tmp_path: Path) -> None:
     to_hub = run_ckpt("sync", tmp_path, "hf://org/run")
     assert to_hub.exit_code == 2 and "commit" in to_hub.stderr
     # an empty policy names the options sync takes, not prune's --incomplete or slimming
-    no_policy = run_ckpt("sync", tmp_path, f"s3://{BUCKET}/run/", "--prune-remote")
+    no_policy = run_ckpt("sync", tmp_path, f"s3://{BUCKET}/run/", "--prune-remote", "--yes")
     assert no_policy.exit_code == 2, no_policy.stderr
     assert "--keep-last N" in no_policy.stderr
     assert "--incomplete" not in no_policy.stderr and "--slim" not in no_policy.stderr
@@ -1860,3 +1860,116 @@ def test_a_save_whose_upload_was_cut_is_never_the_buckets_latest(
     # the next sync finishes ck-2, which is then the bucket's latest
     assert run_ckpt("sync", run, f"s3://{BUCKET}/run/").exit_code == 0
     assert run_ckpt("latest", f"s3://{BUCKET}/run").stdout.strip() == f"s3://{BUCKET}/run/ck-2"
+
+
+def _schema_errors(doc: dict[str, object]) -> list[str]:
+    """The published JSON schema's complaints about one envelope."""
+    import jsonschema
+
+    schema = json.loads((REPO / "schema" / "ckpt-json.schema.json").read_text())
+    return [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(doc)]
+
+
+def test_prune_remote_deletes_only_with_yes_as_prune_does(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`ckpt prune` deletes nothing without --yes; `sync --prune-remote` deleted remote
+    checkpoints with no --yes at all. Now it is refused up front (nothing uploaded, nothing
+    deleted), naming both fixes; --yes (or -y) deletes, and --dry-run wins over --yes."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path)  # 100..500; the Trainer's best is 200
+    policy = ["--prune-remote", "--keep-last", "2"]
+    fresh = run_ckpt("sync", out, f"s3://{BUCKET}/fresh/", *policy, "--json")
+    assert fresh.exit_code == 2, fresh.stdout + fresh.stderr
+    message = fresh.json["error"]["message"]
+    assert "--yes" in message and "--dry-run" in message
+    assert list_keys(s3_server.endpoint, BUCKET, "fresh/") == []  # refused before any upload
+
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    before = list_keys(s3_server.endpoint, BUCKET, "run/")
+    refused = run_ckpt("sync", out, f"s3://{BUCKET}/run/", *policy)
+    assert refused.exit_code == 2 and "--yes" in refused.stderr
+    planned = run_ckpt("sync", out, f"s3://{BUCKET}/run/", *policy, "--yes", "--dry-run", "--json")
+    assert planned.exit_code == 0, planned.stdout + planned.stderr
+    pruned = planned.json["result"]["pruned"]
+    assert pruned["applied"] is False and pruned["deleted"] == []
+    doomed = sorted(d["name"] for d in pruned["decisions"] if d["action"] == "delete")
+    assert doomed == ["checkpoint-100", "checkpoint-300"]
+    assert list_keys(s3_server.endpoint, BUCKET, "run/") == before
+
+    deleted = run_ckpt("sync", out, f"s3://{BUCKET}/run/", *policy, "-y", "--json")
+    assert deleted.exit_code == 0, deleted.stdout + deleted.stderr
+    assert sorted(deleted.json["result"]["pruned"]["deleted"]) == doomed
+    assert remote_checkpoints(s3_server.endpoint) == {
+        "checkpoint-200",
+        "checkpoint-400",
+        "checkpoint-500",
+    }
+    # --yes alone would do nothing: refused, as the --keep-* options are
+    alone = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--yes")
+    assert alone.exit_code == 2 and "--prune-remote" in alone.stderr
+
+
+def test_sync_dry_run_writes_nothing_on_either_side(s3_server: S3Server, tmp_path: Path) -> None:
+    """A user checks what a sync would send before the first real one, and what a pull would
+    fetch: the bucket and the local folders are byte for byte as they were."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    interrupted_trainer_save(out, 300)
+    local_before = local_files(out)
+    s3_server.requests.clear()
+    up = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--dry-run", "--json")
+    assert up.exit_code == 0, up.stdout + up.stderr
+    assert not _schema_errors(up.json)
+    plan = up.json["result"]
+    assert plan["dry_run"] is True
+    assert plan["transferred"] == ["checkpoint-100", "checkpoint-200"]
+    actions = {c["name"]: c["action"] for c in plan["checkpoints"]}
+    assert actions == {
+        "checkpoint-100": "uploaded",
+        "checkpoint-200": "uploaded",
+        "checkpoint-300": "skipped",
+    }
+    sizes = sum(len(b) for rel, b in local_before.items() if rel.startswith("checkpoint-100/"))
+    assert plan["checkpoints"][0]["bytes"] == sizes == plan["checkpoints"][0]["bytes_sent"]
+    assert list_keys(s3_server.endpoint, BUCKET) == []  # no record, no probe, no object
+    assert not any(r.method in ("PUT", "POST", "DELETE") for r in s3_server.requests)
+    assert local_files(out) == local_before
+    human = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "-n")
+    assert "would upload 2 checkpoints" in human.stdout
+    assert "nothing was written (--dry-run)" in human.stdout
+
+    # the real sync, then a plan of it again: everything is present
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    remote_before = {
+        k: fetch_object(s3_server.endpoint, BUCKET, k)
+        for k in list_keys(s3_server.endpoint, BUCKET)
+    }
+    again = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--dry-run", "--json").json["result"]
+    assert again["transferred"] == [] and again["bytes_sent"] == 0
+
+    # pulling: DEST is not created, an existing DEST is left as it was, no staging folder
+    fresh = tmp_path / "fresh"
+    down = run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--dry-run", "--json")
+    assert down.exit_code == 0, down.stdout + down.stderr
+    assert not _schema_errors(down.json)
+    assert down.json["result"]["transferred"] == ["checkpoint-100", "checkpoint-200"]
+    assert not fresh.exists()
+    half = tmp_path / "half"
+    assert run_ckpt("sync", f"s3://{BUCKET}/run/", half, "--latest").exit_code == 0
+    half_before = {p.relative_to(half).as_posix() for p in half.rglob("*")}
+    pulled_before = local_files(half)
+    pull = run_ckpt("sync", f"s3://{BUCKET}/run/", half, "-n", "--json").json["result"]
+    assert {c["name"]: c["action"] for c in pull["checkpoints"]} == {
+        "checkpoint-100": "downloaded",
+        "checkpoint-200": "present",
+    }
+    assert {p.relative_to(half).as_posix() for p in half.rglob("*")} == half_before
+    assert local_files(half) == pulled_before
+    assert {
+        k: fetch_object(s3_server.endpoint, BUCKET, k)
+        for k in list_keys(s3_server.endpoint, BUCKET)
+    } == remote_before
+    # one round's plan: repeating it every interval would show nothing new
+    watched = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--dry-run", "--watch", "60")
+    assert watched.exit_code == 2 and "--watch" in watched.stderr

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     epilog=examples(
         "ckpt sync out/ s3://bucket/run/                  # upload what the bucket lacks",
         "ckpt sync out/ s3://bucket/run/ --watch 300 --max-rate 200MB   # while training",
-        "ckpt sync out/ s3://bucket/run/ --prune-remote --keep-last 5",
+        "ckpt sync out/ s3://bucket/run/ --prune-remote --keep-last 5 --dry-run   # the plan",
+        "ckpt sync out/ s3://bucket/run/ --prune-remote --keep-last 5 --yes",
         "ckpt sync s3://bucket/run/ out/ --latest         # on a fresh machine",
         'python train.py --resume_from_checkpoint "$(ckpt latest out/)"',
     )
@@ -64,7 +65,26 @@ def sync(
         bool,
         typer.Option(
             "--prune-remote",
-            help="After uploading, apply the --keep-* policy to the remote run folder.",
+            help="After uploading, apply the --keep-* policy to the remote run folder "
+            "(deletes with --yes; --dry-run shows the plan).",
+        ),
+    ] = False,
+    yes: Annotated[
+        bool,
+        typer.Option(
+            "--yes",
+            "-y",
+            help="With --prune-remote: delete what the policy drops (--prune-remote needs it, "
+            "or --dry-run, which wins over it).",
+        ),
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            "-n",
+            help="Show what would be uploaded or pulled (and the --prune-remote plan); write "
+            "nothing.",
         ),
     ] = False,
     keep_last: Annotated[
@@ -124,6 +144,8 @@ def sync(
     manifest last; every object is checked against the bytes sent, and an interrupted sync
     resumes without sending finished files again. Pulling (SRC remote, DEST local): the
     checkpoints are checked against their manifests and appear in DEST with one rename.
+    `--prune-remote` deletes remote checkpoints only with `--yes`, as `ckpt prune` does;
+    `--dry-run` shows one round's plan (and the prune plan) and writes nothing anywhere.
     """
     from ...durations import parse_duration
     from ...ops.prune.retention import PrunePolicy, best_mode
@@ -134,11 +156,24 @@ def sync(
 
     def policy() -> PrunePolicy | None:
         higher = BEST_END_MODE.resolve("sync", mode.value if mode else None, higher_is_better)
+        from ...errors import UsageError
+
+        if prune_remote and not yes and not dry_run:
+            # as `ckpt prune`: nothing is deleted without --yes. Refused rather than run
+            # without pruning, so a script written before --yes existed fails loudly
+            raise UsageError(
+                "--prune-remote deletes remote checkpoints, and needs --yes to delete",
+                fix="Add --yes to delete what the policy drops, or --dry-run to see the plan "
+                "first.",
+            )
+        if yes and not prune_remote:
+            raise UsageError(
+                "--yes applies to --prune-remote (a sync deletes nothing otherwise)",
+                fix="Add --prune-remote with a --keep-* policy, or leave --yes out.",
+            )
         if not prune_remote:
             given = (keep_last, keep_every, keep_best, keep_top, keep_within, keep_every_duration)
             if any(given) or higher is not None:
-                from ...errors import UsageError
-
                 raise UsageError(
                     "--keep-* options and --higher-is-better / --lower-is-better apply to the "
                     "remote side with --prune-remote",
@@ -171,6 +206,7 @@ def sync(
             watch_seconds=parse_duration(watch, "--watch") if watch is not None else None,
             max_iterations=max_iterations,
             jobs=jobs,
+            dry_run=dry_run,
         )
         on_round = None if json_output or watch is None else render_sync_round
         return sync_with(src, dest, request, on_round=on_round)

@@ -37,6 +37,7 @@ RESULT_MODELS: dict[str, list[str]] = {
     "download": ["ckpt_cli.ops.download:DownloadReport"],
     "diff": ["ckpt_cli.ops.diff.run:DiffReport"],
     "doctor": ["ckpt_cli.ops.doctor.models:DoctorReport"],
+    "sync": ["ckpt_cli.ops.sync.model:SyncReport"],
 }
 
 

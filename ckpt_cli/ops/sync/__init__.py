@@ -50,7 +50,7 @@ from ...sources.runs import DEFAULT_SETTLE, is_remote
 from ...storage.uri import is_hub_url, parse_location
 from ..prune.retention import PrunePolicy
 from .model import RateLimit, SyncedCheckpoint, SyncReport
-from .push import DEFAULT_JOBS, sync_up
+from .push import DEFAULT_JOBS, plan_up, sync_up
 
 __all__ = [
     "RateLimit",
@@ -80,6 +80,7 @@ class SyncRequest(Request):
     watch_seconds: float | None = None
     max_iterations: int | None = None
     jobs: int | None = None
+    dry_run: bool = False
 
 
 def sync(
@@ -96,6 +97,7 @@ def sync(
     sleep: Callable[[float], None] = time.sleep,
     on_file: Callable[[str, int], None] | None = None,
     jobs: int | None = None,
+    dry_run: bool = False,
 ) -> SyncReport:
     """What `ckpt sync SRC DEST` does: one round, or `--watch` rounds until Ctrl-C.
 
@@ -113,6 +115,9 @@ def sync(
         jobs: pushing: files (or parts of a large file) uploaded at once (each checkpoint's
             markers and manifest still go last, one by one, once its data is there); None:
             `DEFAULT_JOBS`. Refused when pulling, where it would do nothing.
+        dry_run: one round's plan: what would be uploaded or pulled and, with
+            `prune_policy`, the remote prune plan; nothing is written or removed on either
+            side. Refused with `watch_seconds` (a plan that repeats would show nothing new).
     """
     request = SyncRequest(
         latest_only=latest_only,
@@ -122,6 +127,7 @@ def sync(
         watch_seconds=watch_seconds,
         max_iterations=max_iterations,
         jobs=jobs,
+        dry_run=dry_run,
     )
     return sync_with(src, dest, request, on_round=on_round, sleep=sleep, on_file=on_file)
 
@@ -182,6 +188,12 @@ def sync_with(
             "--max-iterations only applies with --watch",
             fix="Add --watch SECONDS, or leave --max-iterations out.",
         )
+    if request.dry_run and watch_seconds is not None:
+        # as `prune --dry-run --watch`: a plan repeated every interval would show nothing new
+        raise UsageError(
+            "--dry-run and --watch conflict: --dry-run shows one round's plan",
+            fix="Leave --watch out to see the plan, or --dry-run out to sync as the job trains.",
+        )
     if watch_seconds is not None and watch_seconds <= 0:
         raise UsageError(
             f"--watch needs a positive number of seconds (got {watch_seconds:g})",
@@ -190,6 +202,8 @@ def sync_with(
     limit = RateLimit(request.max_rate)
 
     def one_round() -> SyncReport:
+        if up and request.dry_run:
+            return plan_up(src, dest, settle=settle, prune_policy=prune_policy)
         if up:
             return sync_up(
                 src,
@@ -203,7 +217,9 @@ def sync_with(
         # a push never pulls: its process does not import the pull side
         from .pull import sync_down
 
-        return sync_down(src, dest, latest_only=latest_only, limit=limit, settle=settle)
+        return sync_down(
+            src, dest, latest_only=latest_only, limit=limit, settle=settle, dry_run=request.dry_run
+        )
 
     if watch_seconds is None:
         report = one_round()

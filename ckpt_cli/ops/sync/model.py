@@ -69,6 +69,11 @@ class SyncReport(Record):
         pruned: the remote retention report of the last round (`--prune-remote`).
         iterations: rounds run (1 without `--watch`).
         stopped: with `--watch`: `max-iterations` or `interrupted`.
+        dry_run: nothing was written or removed on either side: `checkpoints`, `transferred`
+            and `bytes_sent` are what one round would do, `pruned` the remote prune plan
+            (`applied` false), `latest` the destination's newest complete save as it is now.
+        warnings: what the user should know about the report (a dry run's prune plan that
+            leaves out the checkpoints the round would upload).
     """
 
     source: str
@@ -84,6 +89,8 @@ class SyncReport(Record):
     pruned: PruneReport | None = None
     iterations: int = 0
     stopped: Literal["max-iterations", "interrupted"] | None = None
+    dry_run: bool = False
+    warnings: list[str] = Field(default_factory=list)
 
 
 class RateLimit:

@@ -556,8 +556,14 @@ def sync_down(
     latest_only: bool = False,
     limit: RateLimit | None = None,
     settle: float = DEFAULT_SETTLE,
+    dry_run: bool = False,
 ) -> SyncReport:
-    """`ckpt sync s3://… RUN_DIR`: pull the newest (or every missing) complete checkpoint."""
+    """`ckpt sync s3://… RUN_DIR`: pull the newest (or every missing) complete checkpoint.
+
+    With `dry_run` nothing is written (DEST is not even created, no staging folder is made):
+    each checkpoint the pull would fetch is reported `downloaded` with its files and bytes,
+    judged from the listing, the manifests and the local copies as the pull judges them.
+    """
     limit = limit or RateLimit(None)
     remote = scan_run(src.rstrip("/"), settle=0.0)
     storage = run_storage(src.rstrip("/"))
@@ -565,7 +571,7 @@ def sync_down(
     if not remote.checkpoints:
         _refuse_one_checkpoint(src, dest, listing)
     dest_root = Path(dest)
-    report = SyncReport(source=src, dest=dest, direction="down")
+    report = SyncReport(source=src, dest=dest, direction="down", dry_run=dry_run)
     wanted = [c for c in remote.checkpoints if c.complete and not c.slim]
     if latest_only:
         if not wanted:
@@ -576,11 +582,16 @@ def sync_down(
             )
         wanted = wanted[-1:]
     # made once there is something to pull into it: a refused pull leaves no empty DEST
-    dest_root.mkdir(parents=True, exist_ok=True)
+    if not dry_run:
+        dest_root.mkdir(parents=True, exist_ok=True)
     report.checkpoints += _passed_over(remote.checkpoints, wanted, latest_only)
     # what is here already, judged as `ckpt latest` judges it: a save cut short here is no
     # copy of the store's complete one
-    here = {c.name: c for c in scan_run(dest_root, settle=settle).checkpoints}
+    here = (
+        {c.name: c for c in scan_run(dest_root, settle=settle).checkpoints}
+        if dest_root.is_dir()
+        else {}
+    )
     for c in wanted:
         is_dir = c.name not in listing
         manifest_rel = checksum_manifest_of(c.name, is_dir)
@@ -662,9 +673,21 @@ def sync_down(
                     f"{manifest_rel}: {name}" for name in manifest[0].unsafe_names()
                 ]
                 refuse_unsafe_manifest(manifest[0], storage.describe(manifest_rel))
-            done = _download(
-                storage, c, files, manifest, manifest_rel, dest_root, limit, replace=replace
-            )
+            if dry_run:
+                done = SyncedCheckpoint(
+                    name=c.name,
+                    step=c.step,
+                    action="downloaded",
+                    files=len(files),
+                    bytes=sum(files.values()),
+                    files_sent=len(files),
+                    bytes_sent=sum(files.values()),
+                    manifest="checkpoint" if manifest is not None else None,
+                )
+            else:
+                done = _download(
+                    storage, c, files, manifest, manifest_rel, dest_root, limit, replace=replace
+                )
             if replace and done.action == "downloaded":
                 done.reason = replaced_why
         except (IOFailure, Interrupted):
@@ -680,6 +703,15 @@ def sync_down(
     order = {c.name: c.order for c in remote.checkpoints}
     report.checkpoints.sort(key=lambda done: order[done.name])
     report.left_out = left_out(remote.top_entries, remote.checkpoints, remote.run_dir)
+    if dry_run:
+        storage.close()
+        # as DEST holds it now
+        report.latest = (
+            scan_run(dest_root, settle=0.0, until_latest=True).latest
+            if dest_root.is_dir()
+            else None
+        )
+        return report
     held = {c.name for c in report.checkpoints if c.action in ("present", "downloaded")}
     _pull_root_files(storage, listing, dest_root, held)
     storage.close()

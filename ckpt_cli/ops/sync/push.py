@@ -252,7 +252,17 @@ class _Uploader:
             self._manifest_bytes[path.removeprefix(prefix)] = raw
 
     def prepare(self, c: RunCheckpoint) -> _Plan | SyncedCheckpoint:
-        """What to upload of one complete checkpoint, or `present` when the store has it."""
+        """What to upload of one complete checkpoint, or `present` when the store has it; a
+        copy synced before and changed since loses its remote manifest here (it is not
+        synced while it is replaced)."""
+        plan = self.judge(c)
+        if isinstance(plan, _Plan) and plan.manifest_rel in self.listing():
+            self._remove([plan.manifest_rel])
+        return plan
+
+    def judge(self, c: RunCheckpoint) -> _Plan | SyncedCheckpoint:
+        """What to upload of one complete checkpoint, or `present` when the store has it:
+        reads only (a dry run's plan is this)."""
         files = local_files(self.run_root, c)
         is_dir = Path(c.path).is_dir()
         manifest_rel = checksum_manifest_of(c.name, is_dir)
@@ -288,9 +298,6 @@ class _Uploader:
             result.action = "present"
             result.verified = True
             return result
-        if manifest_rel in self.listing():
-            # synced before, changed since (slimmed, say): not synced while it is replaced
-            self._remove([manifest_rel])
         algo = own_manifest.algorithm if own_manifest else SYNC_ALGORITHM
         return _Plan(
             c=c,
@@ -635,6 +642,87 @@ def sync_up(
         # nothing there yet: every upload of a first round failed
         return report
     report.latest = remote.latest
+    return report
+
+
+def plan_up(
+    src: str,
+    dest: str,
+    *,
+    settle: float = DEFAULT_SETTLE,
+    prune_policy: PrunePolicy | None = None,
+) -> SyncReport:
+    """`ckpt sync RUN_DIR s3://… --dry-run`: what one round would upload (and, with
+    `prune_policy`, the remote prune plan), from the local files and the store's listing and
+    manifests: nothing is written or removed on either side.
+
+    A checkpoint to upload is reported as the round would report it (`uploaded`, its files
+    and bytes); `files_sent` / `bytes_sent` count the files the store lacks at their size, and
+    `files_reused` those it holds at their size (the real round checks their ETag and sends
+    any that differ). `latest` is the destination's newest complete save as it is now.
+    """
+    run = scan_run(Path(src), settle=settle)
+    uploader = _Uploader(Path(run.run_dir), dest, RateLimit(None), None, 1)
+    report = SyncReport(source=src, dest=dest, direction="up", dry_run=True)
+    try:
+        now = time.time()
+        uploader.read_manifests(
+            [
+                checksum_manifest_of(c.name, Path(c.path).is_dir())
+                for c in run.checkpoints
+                if uploadable(c, settle, now) is None
+            ]
+        )
+        listing = uploader.listing()
+        for c in run.checkpoints:
+            why = uploadable(c, settle, now)
+            if why is not None:
+                report.checkpoints.append(
+                    SyncedCheckpoint(name=c.name, step=c.step, action="skipped", reason=why)
+                )
+                continue
+            try:
+                judged = uploader.judge(c)
+            except CkptError as error:
+                report.checkpoints.append(_failed(c, error))
+                report.failed.append(f"{c.name}: {error}")
+                continue
+            if isinstance(judged, SyncedCheckpoint):
+                report.checkpoints.append(judged)
+                continue
+            result = judged.result
+            for rel, size in judged.sizes.items():
+                there = listing.get(rel)
+                if there is not None and int(there.get("size") or 0) == size:
+                    result.files_reused += 1
+                else:
+                    result.files_sent += 1
+                    result.bytes_sent += size
+            if judged.manifest_rel in listing:
+                result.reason = "changed since it was synced: the remote copy would be replaced"
+            report.checkpoints.append(result)
+            report.transferred.append(c.name)
+            report.bytes_sent += result.bytes_sent
+    finally:
+        uploader.close()
+    report.left_out = left_out(run.top_entries, run.checkpoints, run.run_dir)
+    try:
+        remote = scan_run(dest.rstrip("/"), settle=0.0, until_latest=True)
+    except NotFoundError:
+        remote = None  # nothing synced there yet
+    report.latest = remote.latest if remote is not None else None
+    if prune_policy is not None and remote is not None:
+        from ..prune.run import prune  # only a plan that prunes imports the pruning
+
+        policy = prune_policy.model_copy(update={"settle": 0.0})
+        report.pruned = prune(dest.rstrip("/"), policy, yes=False, strict_metric=False)
+    if prune_policy is not None and report.transferred:
+        report.warnings.append(
+            "the remote prune plan judges the destination as it holds now: the "
+            f"{len(report.transferred)} checkpoint(s) this round would upload are not in it, "
+            "so the round itself may delete more (run the dry run again after the upload for "
+            "the exact plan)"
+        )
     return report
 
 
