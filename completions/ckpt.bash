@@ -16,7 +16,7 @@ _ckpt() {
     download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --verify-ranges --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     diff) opts="--atol --rtol --rename --select --filter -k --filter-out --format-a --format-b --dequantize --ignore-dtype --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     doctor) opts="--before --after --expect --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    merge) opts="--force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    merge) opts="--force --dry-run -n --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     protect) opts="--parity --block-size --whole-files --dry-run -n --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     repair) opts="--dry-run -n --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
   esac

@@ -853,3 +853,63 @@ def test_merge_of_a_resized_vocabulary_carries_the_tokenizer_that_holds_the_new_
         warnings.simplefilter("ignore")
         loaded = LlamaForCausalLM.from_pretrained(tmp_path / "merged")
     assert loaded.get_input_embeddings().weight.shape[0] == len(merged_tokenizer)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "bin-shards"])
+def test_merge_dry_run_says_what_it_would_write_and_writes_nothing(
+    lora_adapter: Path, tiny_llama: Path, tmp_path: Path, sharded: bool
+) -> None:
+    """`merge --dry-run` (as convert and reshard take it): the files the real merge writes,
+    at their sizes, the tensor count, bytes and dtypes; DEST is not created."""
+    import jsonschema
+    from safetensors import safe_open
+
+    from .conftest import REPO
+
+    base = tiny_llama
+    if sharded:
+        from huggingface_hub import save_torch_state_dict
+
+        base = tmp_path / "bin-base"
+        base.mkdir()
+        state = load_file(tiny_llama / "model.safetensors")
+        save_torch_state_dict(state, base, safe_serialization=False, max_shard_size="10KB")
+        shutil.copy(tiny_llama / "config.json", base / "config.json")
+    out = tmp_path / "merged"
+    planned = run_ckpt("merge", base, lora_adapter, out, "--dry-run", "--json")
+    assert planned.exit_code == 0, planned.stdout + planned.stderr
+    schema = json.loads((REPO / "schema" / "ckpt-json.schema.json").read_text())
+    assert not list(jsonschema.Draft202012Validator(schema).iter_errors(planned.json))
+    plan = planned.json["result"]
+    assert plan["dry_run"] is True
+    assert not out.exists() and not list(tmp_path.glob(".merged*"))
+    human = run_ckpt("merge", base, lora_adapter, out, "-n")
+    assert human.exit_code == 0 and "nothing was written (--dry-run)" in human.stdout
+    assert not out.exists()
+
+    done = run_ckpt("merge", base, lora_adapter, out, "--json")
+    assert done.exit_code == 0, done.stdout + done.stderr
+    report = done.json["result"]
+    on_disk = {p.name: p.stat().st_size for p in out.iterdir()}
+    assert {f["path"] for f in plan["files"]} == set(on_disk)
+    # exact sizes, but for a shard index's (as convert's dry run: decided when written)
+    sized = {f["path"]: f["size"] for f in plan["files"] if f["size"] is not None}
+    assert sized == {p: on_disk[p] for p in sized}
+    assert set(on_disk) - set(sized) <= {"model.safetensors.index.json"}
+    for key in ("merged", "replaced", "copied", "tensors", "tensor_bytes", "dtypes"):
+        assert plan[key] == report[key], key
+    tensors, nbytes = 0, 0
+    dtypes: dict[str, int] = {}
+    for shard in out.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is no mapping
+                t = f.get_tensor(name)
+                tensors += 1
+                dtype = str(t.dtype).removeprefix("torch.")
+                dtypes[dtype] = dtypes.get(dtype, 0) + 1
+                nbytes += t.numel() * t.element_size()
+    assert plan["tensors"] == tensors and plan["tensor_bytes"] == nbytes
+    assert plan["dtypes"] == dict(sorted(dtypes.items()))
+    # an existing DEST is refused by the dry run as by the real merge
+    again = run_ckpt("merge", base, lora_adapter, out, "--dry-run")
+    assert again.exit_code == 2 and "--force" in again.stderr

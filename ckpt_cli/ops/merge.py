@@ -43,9 +43,14 @@ from ..sources.layouts.base import open_plain
 from ..sources.layouts.model_folders import read_json
 from ..sources.model_files import MAX_EXTRA_BYTES
 from ..sources.runs.records import is_checksum_manifest
-from ..storage.output import local_destination, resolve_destination, staged_output
+from ..storage.output import (
+    check_destination,
+    local_destination,
+    resolve_destination,
+    staged_output,
+)
 from ..storage.uri import parse_location
-from .convert.plan import SERVING_FILES, guard_paths
+from .convert.plan import SERVING_FILES, guard_paths, planned_files
 from .shared.transfer import plan_transfer
 from .shared.transfer import write_checkpoint as run_write
 
@@ -86,6 +91,11 @@ class MergeReport(Record):
         tokenizer_from_adapter: with `vocab_size`, the tokenizer files carried from the adapter
             folder in place of the base's (the tokenizer that holds the added tokens).
         files: the files written (weights and carried companions).
+        tensors / tensor_bytes: tensors written and their bytes.
+        dtypes: dtype -> how many tensors of it are written (the base's dtypes: merged
+            weights are rounded into their base weight's).
+        dry_run: nothing was written: `files` (sizes exact), `tensors`, `dtypes` and the
+            lists above are what would be.
     """
 
     base: str
@@ -101,6 +111,10 @@ class MergeReport(Record):
     vocab_size: int | None = None
     tokenizer_from_adapter: list[str] = Field(default_factory=list)
     files: list[FileInfo] = Field(default_factory=list)
+    tensors: int = 0
+    tensor_bytes: int = 0
+    dtypes: dict[str, int] = Field(default_factory=dict)
+    dry_run: bool = False
 
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
@@ -738,9 +752,11 @@ class MergeRequest(Request):
 
     Attributes:
         force: replace an existing DEST once the new output is complete.
+        dry_run: plan only: read metadata, write nothing, report what would be written.
     """
 
     force: bool = False
+    dry_run: bool = False
 
 
 def merge(
@@ -749,6 +765,7 @@ def merge(
     dest: str,
     *,
     force: bool = False,
+    dry_run: bool = False,
     progress: Progress = NULL_PROGRESS,
 ) -> MergeReport:
     """Merge the LoRA adapter folder `adapter` into the base model `base`, writing `dest`.
@@ -758,9 +775,11 @@ def merge(
         adapter: a PEFT LoRA adapter folder (`adapter_config.json` + `adapter_model.*`).
         dest: the output folder (refused if it exists, unless `force`).
         force: replace an existing `dest` once the new output is complete.
+        dry_run: plan only: the report says what would be written (files and their sizes,
+            tensors, bytes, dtypes); nothing is written, `dest` is not created.
         progress: progress sink (bytes).
     """
-    return merge_with(base, adapter, dest, MergeRequest(force=force), progress)
+    return merge_with(base, adapter, dest, MergeRequest(force=force, dry_run=dry_run), progress)
 
 
 def merge_with(
@@ -825,6 +844,10 @@ def merge_with(
     # (which `--force` would replace) is refused, as convert and reshard refuse it
     guard_paths(base, dest_path)
     guard_paths(adapter, dest_path)
+    if request.dry_run:
+        # the real run refuses an existing DEST (or a missing parent) before any work: its
+        # dry run says so too
+        check_destination(dest_path, force)
     base_checkpoint = open_plain(base_source)
     try:
         adapter_weights = Source(
@@ -886,29 +909,53 @@ def merge_with(
         )
         metadata = target.output_metadata(base_checkpoint.manifest.metadata, plan.aliases)
         options = WriteOptions(max_shard_size=shard, metadata=metadata, basename="model")
-        with staged_output(dest_path, force=force) as staging:
-            inner = staging / "weights"
-            files, written = run_write(merged, plan, inner, target.name, options, progress=progress)
-            for child in inner.iterdir():
-                child.rename(staging / child.name)
-            inner.rmdir()
-            for rel in from_adapter:
-                data = adapter_source.storage.read_all(rel)
-                (staging / rel).write_bytes(data)
-                files.append(FileInfo(path=rel, size=len(data), entries=0))
-            for rel in companions:
-                data = base_source.storage.read_all(rel)
-                if rel == "config.json" and (untied or resized) and isinstance(base_config, dict):
-                    written_config = dict(base_config)
-                    if untied:
-                        # the head is its own tensor now: loaders must not tie it back
-                        written_config["tie_word_embeddings"] = False
-                    if vocab_size is not None:
-                        # `resize_token_embeddings` sets it so on the model peft merges
-                        written_config["vocab_size"] = vocab_size
-                    data = (json.dumps(written_config, indent=2, sort_keys=True) + "\n").encode()
-                (staging / rel).write_bytes(data)
-                files.append(FileInfo(path=rel, size=len(data), entries=0))
+
+        def companion(rel: str) -> bytes:
+            """A file written beside the weights: the adapter's tokenizer file, or the base's
+            companion (its config.json saying an untied head or a resized vocabulary)."""
+            if rel in from_adapter:
+                return adapter_source.storage.read_all(rel)
+            data = base_source.storage.read_all(rel)
+            if rel == "config.json" and (untied or resized) and isinstance(base_config, dict):
+                written_config = dict(base_config)
+                if untied:
+                    # the head is its own tensor now: loaders must not tie it back
+                    written_config["tie_word_embeddings"] = False
+                if vocab_size is not None:
+                    # `resize_token_embeddings` sets it so on the model peft merges
+                    written_config["vocab_size"] = vocab_size
+                data = (json.dumps(written_config, indent=2, sort_keys=True) + "\n").encode()
+            return data
+
+        # counted before the write spends the plan's items
+        tensors = [i.target for i in plan.items if i.target.kind == "tensor"]
+        dtypes: dict[str, int] = {}
+        for entry in tensors:
+            key = entry.dtype or "unknown"
+            dtypes[key] = dtypes.get(key, 0) + 1
+        tensor_bytes = sum(e.nbytes for e in tensors)
+        written_names: list[str]
+        if request.dry_run:
+            files = planned_files(target, plan, dest_path, options)
+            files += [
+                FileInfo(path=rel, size=len(companion(rel)), entries=0)
+                for rel in [*from_adapter, *companions]
+            ]
+            written_names = [i.target.name for i in plan.items]
+        else:
+            with staged_output(dest_path, force=force) as staging:
+                inner = staging / "weights"
+                files, written = run_write(
+                    merged, plan, inner, target.name, options, progress=progress
+                )
+                for child in inner.iterdir():
+                    child.rename(staging / child.name)
+                inner.rmdir()
+                for rel in [*from_adapter, *companions]:
+                    data = companion(rel)
+                    (staging / rel).write_bytes(data)
+                    files.append(FileInfo(path=rel, size=len(data), entries=0))
+            written_names = [w.name for w in written]
     return MergeReport(
         base=base,
         adapter=adapter,
@@ -921,14 +968,18 @@ def merge_with(
         replaced=sorted([*replaced, *(a for a, (copy, _) in untied.items() if copy)]),
         copied=sum(
             1
-            for w in written
-            if w.name not in updates
-            and w.name not in replaced
-            and not (w.name in untied and untied[w.name][0])
+            for name in written_names
+            if name not in updates
+            and name not in replaced
+            and not (name in untied and untied[name][0])
         ),
         vocab_size=vocab_size,
         tokenizer_from_adapter=from_adapter,
         files=files,
+        tensors=len(tensors),
+        tensor_bytes=tensor_bytes,
+        dtypes=dict(sorted(dtypes.items())),
+        dry_run=request.dry_run,
     )
 
 

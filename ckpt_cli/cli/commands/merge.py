@@ -13,6 +13,7 @@ from ..app import JsonOpt, app, examples, run_command
     epilog=examples(
         "ckpt merge meta-llama-3-8b/ my-lora/ merged/",
         "ckpt merge base/ adapter/ merged/ --force --json",
+        "ckpt merge base/ adapter/ merged/ --dry-run      # the files, sizes and dtypes",
     )
 )
 def merge(
@@ -34,6 +35,14 @@ def merge(
         bool,
         typer.Option("--force", help="Replace DEST if it exists (once the new one is complete)."),
     ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            "-n",
+            help="Show the files, sizes and entries that would be written; write nothing.",
+        ),
+    ] = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Merge a LoRA ADAPTER into BASE and write the merged model to DEST.
@@ -48,6 +57,6 @@ def merge(
     run_command(
         "merge",
         json_output,
-        lambda: merge_with(base, adapter, dest, MergeRequest(force=force)),
+        lambda: merge_with(base, adapter, dest, MergeRequest(force=force, dry_run=dry_run)),
         render_merge,
     )

@@ -10,9 +10,10 @@ from . import human_bytes, stdout
 def render_merge(report: MergeReport) -> None:
     """What was merged into what, and the files written."""
     size = sum(f.size or 0 for f in report.files)
+    would = "would write " if report.dry_run else ""
     stdout.print(
-        f"[bold]{report.dest}[/]  ({counted(len(report.files), 'file')}, {human_bytes(size)})"
-        f"  from {report.base} + {report.adapter}",
+        f"[bold]{report.dest}[/]  ({would}{counted(len(report.files), 'file')}, "
+        f"{human_bytes(size)})  from {report.base} + {report.adapter}",
         highlight=False,
     )
     stdout.print(
@@ -32,3 +33,14 @@ def render_merge(report: MergeReport) -> None:
             f"  tokenizer from the adapter folder: {', '.join(report.tokenizer_from_adapter)}",
             highlight=False,
         )
+    if report.dry_run:
+        kinds = ", ".join(f"{n} {dtype}" for dtype, n in report.dtypes.items())
+        stdout.print(
+            f"  {counted(report.tensors, 'tensor')} ({kinds}), "
+            f"{human_bytes(report.tensor_bytes)} of tensor data",
+            highlight=False,
+        )
+        for f in report.files:
+            shown = human_bytes(f.size) if f.size is not None else "size decided when written"
+            stdout.print(f"  file  {f.path}  {shown}  ({f.entries} entries)", markup=False)
+        stdout.print("  nothing was written (--dry-run)")

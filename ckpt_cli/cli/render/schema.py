@@ -38,6 +38,7 @@ RESULT_MODELS: dict[str, list[str]] = {
     "diff": ["ckpt_cli.ops.diff.run:DiffReport"],
     "doctor": ["ckpt_cli.ops.doctor.models:DoctorReport"],
     "sync": ["ckpt_cli.ops.sync.model:SyncReport"],
+    "merge": ["ckpt_cli.ops.merge:MergeReport"],
 }
 
 
