@@ -77,6 +77,15 @@ class NotFoundError(CkptError):
     code = "not_found"
 
 
+class NoCheckpointError(NotFoundError):
+    """A location that exists and holds no checkpoint: an empty folder, or one of other
+    files (exit 3, as for a path that does not exist: what was asked for is not there; 4 is
+    for a checkpoint that is there and bad). Every command that reads a checkpoint or a run
+    folder raises this one for it."""
+
+    code = "no_checkpoint"
+
+
 class FormatError(CkptError):
     """A corrupt, hostile, unsupported, unrecognised or ambiguous checkpoint (exit 4)."""
 

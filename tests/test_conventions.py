@@ -317,9 +317,10 @@ def test_every_command_prints_one_valid_envelope_for_every_outcome(
     # problems found (diff: exit 1) carry an error object
     differ = envelope_of(run_ckpt("diff", world["model"], world["other"], "--json"), validator)
     assert differ["exit_code"] == 1 and differ["error"]["code"] == "problems_found"
-    # `ckpt latest EMPTY --json` is exit 3 with an error, not `error: null`
+    # `ckpt latest EMPTY --json` is exit 3 with an error, not `error: null` (the code every
+    # command gives a folder holding no checkpoint)
     empty = envelope_of(run_ckpt("latest", world["root"] / "empty-run", "--json"), validator)
-    assert empty["exit_code"] == 3 and empty["error"]["code"] == "not_found"
+    assert empty["exit_code"] == 3 and empty["error"]["code"] == "no_checkpoint"
     # parser errors, for every command (later ones included): unknown option, missing argument
     for command in describe_app():
         unknown = run_ckpt_process(command.name, "--no-such-option", "--json")

@@ -66,12 +66,59 @@ def test_a_folder_without_a_checkpoint_says_what_it_holds_not_pass_format(
         extra = [str(tmp_path / f"out-{folder.name}"), "--to", "torch"]
         args = [command, str(folder), *(extra if command == "convert" else [])]
         result = run_ckpt(*args)
-        assert result.exit_code == 4, result.stderr
+        assert result.exit_code == 3, result.stderr  # not found: nothing there to read
         assert f"{folder}: holds no checkpoint files" in result.stderr
         assert holds in result.stderr
         assert "Point at the folder the checkpoint was saved to" in result.stderr
         assert "or pass --format" not in result.stderr
         assert not (tmp_path / f"out-{folder.name}").exists()
+
+
+#: every command that reads a checkpoint, or a run folder it must find one in, with SRC an
+#: empty folder (`{empty}`) and the scratch folder's other paths (`{tmp}`)
+_ON_AN_EMPTY_FOLDER = {
+    "inspect": ["inspect", "{empty}"],
+    "verify": ["verify", "{empty}"],
+    "doctor": ["doctor", "{empty}"],
+    "convert": ["convert", "{empty}", "{tmp}/out", "--to", "safetensors"],
+    "reshard": ["reshard", "{empty}", "{tmp}/out", "--max-shard-size", "1GB"],
+    "diff": ["diff", "{empty}", "{empty}"],
+    "merge": ["merge", "{empty}", "{tmp}/adapter", "{tmp}/out"],
+    "latest": ["latest", "{empty}"],
+    "protect": ["protect", "{empty}"],
+    "repair": ["repair", "{empty}"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(_ON_AN_EMPTY_FOLDER))
+def test_every_command_exits_3_on_an_empty_folder(tmp_path: Path, command: str) -> None:
+    """Readers (inspect, verify...) exited 4 ("bad checkpoint") on an empty folder while
+    protect, repair and latest exited 3: the exit-code table says 3 is "not found" and 4 a
+    checkpoint that is there and bad. A folder holding no checkpoint is the first: every
+    command exits 3 with the one error code `no_checkpoint`, names the folder and writes
+    nothing."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    adapter = tmp_path / "adapter"  # a real adapter's files, so only BASE is missing
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q"]})
+    )
+    import torch
+    from safetensors.torch import save_file
+
+    save_file(
+        {"base_model.model.q.lora_A.weight": torch.zeros(4, 4)},
+        adapter / "adapter_model.safetensors",
+    )
+    args = [a.format(empty=empty, tmp=tmp_path) for a in _ON_AN_EMPTY_FOLDER[command]]
+    result = run_ckpt(*args, "--json")
+    assert result.exit_code == 3, result.stdout + result.stderr
+    error = result.json["error"]
+    assert error["code"] == "no_checkpoint" and error["path"] == str(empty), error
+    assert error["fix"]
+    assert not (tmp_path / "out").exists()
+    assert list(empty.iterdir()) == []
 
 
 def test_a_file_of_another_suffix_names_the_suffixes_and_where_format_helps(

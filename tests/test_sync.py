@@ -1973,3 +1973,25 @@ def test_sync_dry_run_writes_nothing_on_either_side(s3_server: S3Server, tmp_pat
     # one round's plan: repeating it every interval would show nothing new
     watched = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--dry-run", "--watch", "60")
     assert watched.exit_code == 2 and "--watch" in watched.stderr
+
+
+def test_an_empty_run_folder_is_a_run_before_its_first_save(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """docs/safety.md: `prune` and a `sync` push of a run folder that holds no checkpoint yet
+    (a job before its first save, which `--watch` waits through) have nothing to do: exit 0,
+    nothing written or deleted. A pull from a prefix that holds nothing is "not found" (3),
+    and creates no DEST."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    empty = tmp_path / "out"
+    empty.mkdir()
+    pushed = run_ckpt("sync", empty, f"s3://{BUCKET}/run/", "--json")
+    assert pushed.exit_code == 0, pushed.stdout + pushed.stderr
+    assert pushed.json["result"]["transferred"] == []
+    assert list_keys(s3_server.endpoint, BUCKET) == []
+    pruned = run_ckpt("prune", empty, "--keep-last", "1", "--yes", "--json")
+    assert pruned.exit_code == 0 and pruned.json["result"]["deleted"] == []
+    pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", tmp_path / "back", "--json")
+    assert pulled.exit_code == 3, pulled.stdout + pulled.stderr
+    assert not (tmp_path / "back").exists()
+    assert list(empty.iterdir()) == []

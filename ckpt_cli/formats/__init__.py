@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import FormatError, NotFoundError, UsageError
+from ..errors import FormatError, NoCheckpointError, NotFoundError, UsageError
 from ..storage import PARITY_DIR, LocalStorage
 from ..storage.uri import Location, parse_location
 from .base import Checkpoint, Format, Source
@@ -295,7 +295,7 @@ def detect_format(source: Source) -> str:
             )
         if source.target is None:
             # a folder: --format cannot help (each format reads only its own suffixes there)
-            raise FormatError(
+            raise NoCheckpointError(
                 f"holds no checkpoint files (safetensors, DCP .metadata/.distcp, torch.save, "
                 f"GGUF): {folder_contents(source.files)}",
                 path=where,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from ...errors import FormatError, IOFailure, NotFoundError
+from ...errors import FormatError, IOFailure, NoCheckpointError, NotFoundError
 from ...faults import io_failure
 from ...formats.names import is_commit_marker
 from ...models import Request
@@ -74,6 +74,14 @@ def repair_with(
 def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairReport:
     target = open_parity_target(src, rebuilding=True)
     m = read_parity_manifest(target)
+    if m is None and not target.files:
+        # nothing here at all: what every command says of an empty folder
+        raise NoCheckpointError(
+            "holds no checkpoint files, and no parity to repair them from",
+            path=target.source.location.raw,
+            fix="Point at the checkpoint folder or file itself (protected with "
+            "`ckpt protect SRC` while it was intact).",
+        )
     if m is None:
         raise NotFoundError(
             "has no parity to repair from",

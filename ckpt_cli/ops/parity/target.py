@@ -16,7 +16,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from ...dist.command import active
-from ...errors import FormatError, NotFoundError, UsageError
+from ...errors import FormatError, NoCheckpointError, NotFoundError, UsageError
 from ...formats import resolve_source
 from ...formats.base import Source
 from ...sources.runs.records import CHECKSUM_MANIFEST
@@ -89,7 +89,7 @@ def open_parity_target(src: str | Source, *, rebuilding: bool = False) -> Parity
         parity_rel = PARITY_DIR
     if not files and not rebuilding:
         # (a repair of a folder whose every file was lost reads what its parity lists)
-        raise NotFoundError(
+        raise NoCheckpointError(
             "holds no checkpoint files to protect or repair",
             path=source.location.raw,
             fix="Point at the checkpoint folder or file itself.",
