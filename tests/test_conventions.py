@@ -605,3 +605,28 @@ def test_every_command_that_reads_a_hub_location_takes_the_hub_options(tmp_path:
         token = run_ckpt(*args, "--token", "hf_x", "--json")
         assert token.exit_code == 2, (args, token.stdout)
         assert "--token applies to a Hub location" in token.json["error"]["message"]
+
+
+def test_settle_says_one_thing_in_every_command_that_takes_it() -> None:
+    """`--settle` read as three options: "an incomplete save ... counts as still being
+    written" (latest), "a checkpoint with a file modified within ... is never touched"
+    (prune), "saves of layouts without a commit marker wait ..." (sync). It is one judgement
+    (docs/safety.md, conventions): every help opens with it, then says what that command does
+    with such a save."""
+    shared = (
+        "A save modified within this DURATION (seconds, or 2m, 1h) may still be being written: "
+        "an incomplete one counts as writing, not interrupted"
+    )
+    helps = {
+        command.name: option.help
+        for command in describe_app()
+        for option in command.options
+        if "--settle" in option.longs
+    }
+    assert set(helps) == {"latest", "doctor", "prune", "sync"}
+    for name, text in helps.items():
+        assert text.startswith(shared), (name, text)
+    assert "none is touched" in helps["prune"]
+    assert "commit marker" in helps["sync"] and "not replaced" in helps["sync"]
+    safety = (REPO / "docs" / "safety.md").read_text()
+    assert "`--settle DURATION`" in safety and "latest, doctor, prune, sync" in safety

@@ -55,8 +55,9 @@ def doctor(
         str | None,
         typer.Option(
             "--settle",
-            help="An incomplete save of RUN_DIR modified within this DURATION (seconds, or 2m, "
-            "1h) counts as still being written (default 120).",
+            help="A save modified within this DURATION (seconds, or 2m, 1h) may still be being "
+            "written: an incomplete one counts as writing, not interrupted (in RUN_DIR; "
+            "default 120).",
         ),
     ] = None,
     json_output: JsonOpt = False,

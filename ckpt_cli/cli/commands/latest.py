@@ -28,8 +28,8 @@ def latest(
         str,
         typer.Option(
             "--settle",
-            help="An incomplete save modified within this DURATION (seconds, or 2m, 1h) counts "
-            "as still being written.",
+            help="A save modified within this DURATION (seconds, or 2m, 1h) may still be being "
+            "written: an incomplete one counts as writing, not interrupted.",
         ),
     ] = "120",
     json_output: JsonOpt = False,

@@ -119,8 +119,8 @@ def prune(
         str,
         typer.Option(
             "--settle",
-            help="A checkpoint with a file modified within this DURATION (seconds, or 2m, 1h) "
-            "is never touched.",
+            help="A save modified within this DURATION (seconds, or 2m, 1h) may still be being "
+            "written: an incomplete one counts as writing, not interrupted, and none is touched.",
         ),
     ] = "120",
     json_output: JsonOpt = False,

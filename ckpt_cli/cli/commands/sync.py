@@ -124,8 +124,10 @@ def sync(
         str,
         typer.Option(
             "--settle",
-            help="Saves of layouts without a commit marker wait this DURATION (seconds, or 2m, "
-            "1h) unchanged.",
+            help="A save modified within this DURATION (seconds, or 2m, 1h) may still be being "
+            "written: an incomplete one counts as writing, not interrupted; pushing, one of a "
+            "layout without a commit marker (accelerate, plain) waits; pulling, a local "
+            "incomplete one is not replaced.",
         ),
     ] = "120",
     jobs: Annotated[
