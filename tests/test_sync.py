@@ -1884,6 +1884,19 @@ def test_prune_remote_deletes_only_with_yes_as_prune_does(
     message = fresh.json["error"]["message"]
     assert "--yes" in message and "--dry-run" in message
     assert list_keys(s3_server.endpoint, BUCKET, "fresh/") == []  # refused before any upload
+    # the plan of a first round is the round's: judged on the bucket as the uploads leave it
+    first = run_ckpt("sync", out, f"s3://{BUCKET}/fresh/", *policy, "--dry-run", "--json")
+    assert first.exit_code == 0, first.stdout + first.stderr
+    decided = {d["name"]: d["action"] for d in first.json["result"]["pruned"]["decisions"]}
+    assert sorted(n for n, a in decided.items() if a == "delete") == [
+        "checkpoint-100",
+        "checkpoint-300",
+    ]
+    assert decided["checkpoint-200"] == "keep"  # the Trainer's best, as the real round keeps it
+    shown = run_ckpt("sync", out, f"s3://{BUCKET}/fresh/", *policy, "-n")
+    assert "would prune on the remote side: checkpoint-100, checkpoint-300" in shown.stdout
+    assert "nothing was written (--dry-run)" in shown.stdout
+    assert list_keys(s3_server.endpoint, BUCKET, "fresh/") == []
 
     assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
     before = list_keys(s3_server.endpoint, BUCKET, "run/")

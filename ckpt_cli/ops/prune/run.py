@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from ...errors import CkptError, NotFoundError, UsageError
-from ...sources.runs import DELETING, is_remote, scan_run
+from ...sources.runs import DELETING, RunReport, is_remote, scan_run
 from ...sources.runs.records import CHECKSUM_MANIFEST
 from ...storage import PARITY_DIR
 from ...storage.output import TMP_MARKER, fsync_dir
@@ -248,6 +248,28 @@ def _not_deleted(exc: OSError, path: Path) -> str:
     )
 
 
+def plan_report(run: RunReport, policy: PrunePolicy, run_dir: str) -> PruneReport:
+    """The plan of `policy` over a scanned run (nothing deleted, `applied` false): what
+    `prune` reports without `yes`, and what `sync --dry-run` reports of the destination as
+    the round would leave it."""
+    decisions = plan(run, policy)
+    doomed = [d for d in decisions if d.action == "delete"]
+    slims = [d for d in decisions if d.action == "slim"]
+    return PruneReport(
+        run_dir=run_dir,
+        policy=policy,
+        applied=False,
+        decisions=decisions,
+        to_delete=len(doomed),
+        bytes_to_free=sum(d.size for d in doomed),
+        to_slim=len(slims),
+        bytes_to_slim=sum(d.slim.bytes for d in slims if d.slim is not None),
+        latest=run.latest,
+        best=run.best,
+        left_out=run.left_out,
+    )
+
+
 def prune(
     run_dir: str | Path, policy: PrunePolicy, *, yes: bool = False, strict_metric: bool = True
 ) -> PruneReport:
@@ -296,22 +318,10 @@ def prune(
             path=root,
             fix=fix,
         )
-    decisions = plan(run, policy)
+    report = plan_report(run, policy, str(root))
+    report.applied = yes
+    decisions = report.decisions
     doomed = [d for d in decisions if d.action == "delete"]
-    slims = [d for d in decisions if d.action == "slim"]
-    report = PruneReport(
-        run_dir=str(root),
-        policy=policy,
-        applied=yes,
-        decisions=decisions,
-        to_delete=len(doomed),
-        bytes_to_free=sum(d.size for d in doomed),
-        to_slim=len(slims),
-        bytes_to_slim=sum(d.slim.bytes for d in slims if d.slim is not None),
-        latest=run.latest,
-        best=run.best,
-        left_out=run.left_out,
-    )
     if yes and remote and doomed:
         apply_remote(str(root), decisions)
         report.deleted = [d.name for d in decisions if d.deleted]

@@ -71,9 +71,8 @@ class SyncReport(Record):
         stopped: with `--watch`: `max-iterations` or `interrupted`.
         dry_run: nothing was written or removed on either side: `checkpoints`, `transferred`
             and `bytes_sent` are what one round would do, `pruned` the remote prune plan
-            (`applied` false), `latest` the destination's newest complete save as it is now.
-        warnings: what the user should know about the report (a dry run's prune plan that
-            leaves out the checkpoints the round would upload).
+            (`applied` false) judged on the destination as the round would leave it, `latest`
+            the destination's newest complete save as it is now.
     """
 
     source: str
@@ -90,7 +89,6 @@ class SyncReport(Record):
     iterations: int = 0
     stopped: Literal["max-iterations", "interrupted"] | None = None
     dry_run: bool = False
-    warnings: list[str] = Field(default_factory=list)
 
 
 class RateLimit:

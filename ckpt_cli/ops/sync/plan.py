@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from ...errors import FormatError, NotFoundError
 from ...formats.names import is_commit_marker
@@ -103,6 +104,87 @@ def uploadable(c: RunCheckpoint, settle: float, now: float) -> str | None:
     if c.layout in UNMARKED and now - c.mtime < settle:
         return f"modified in the last {settle:g} s (no commit marker in this layout)"
     return None
+
+
+class AfterRound(Storage):
+    """The destination run folder as one upload round would leave it, read without writing:
+    the store's objects, but each checkpoint the round uploads replaced by its local files
+    (and its checksum manifest), the run folder's own files (`ROOT_FILES`) by the local ones,
+    and sync's record at the root. What `sync --dry-run` judges its remote prune plan on: the
+    real round prunes after its uploads, so a plan of the store as it is now would leave out
+    the very saves the round adds.
+
+    Files the round would upload are read from the local run folder (a manifest the round
+    computes while uploading is given as bytes: its presence is what a judge reads) and dated
+    `now` (the store dates an object by its upload); the others are read from the store.
+    """
+
+    def __init__(
+        self,
+        store: Storage | None,
+        display: str,
+        uploads: dict[str, Path | bytes],
+        replaced: list[str],
+        now: float,
+    ):
+        self.display = display
+        self._store = store
+        self._uploads = uploads
+        self._now = now
+        listed = store.list_files() if store is not None else {}
+        gone = tuple(f"{name}/" for name in replaced)
+        self._files = {
+            rel: size
+            for rel, size in listed.items()
+            if rel not in replaced and not rel.startswith(gone)
+        }
+        for rel, held in uploads.items():
+            self._files[rel] = len(held) if isinstance(held, bytes) else held.stat().st_size
+
+    def list_files(self) -> dict[str, int]:
+        return dict(self._files)
+
+    def size(self, rel: str) -> int:
+        if rel not in self._files:
+            raise NotFoundError("no such object", path=self.describe(rel), fix="Check the path.")
+        return self._files[rel]
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        local = self._uploads.get(rel)
+        if local is None:
+            assert self._store is not None  # every listed file is uploaded or in the store
+            self.size(rel)
+            return self._store.read(rel, offset, length)
+        if isinstance(local, bytes):
+            data = local[offset : offset + length]
+        else:
+            with open(local, "rb") as src:
+                src.seek(offset)
+                data = src.read(length)
+        if len(data) != length:
+            raise FormatError(
+                f"ends at byte {offset + len(data)}, before {offset + length}",
+                path=str(local),
+                fix="It changed while it was read; run the dry run again.",
+            )
+        return data
+
+    def open(self, rel: str) -> IO[bytes]:
+        local = self._uploads.get(rel)
+        if local is None:
+            assert self._store is not None
+            self.size(rel)
+            return self._store.open(rel)
+        return io.BytesIO(local) if isinstance(local, bytes) else open(local, "rb")
+
+    def modified(self, rel: str) -> float | None:
+        if rel in self._uploads:
+            return self._now
+        return self._store.modified(rel) if self._store is not None else None
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
 
 
 # --------------------------------------------------------------------------- down

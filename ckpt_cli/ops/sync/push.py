@@ -15,7 +15,7 @@ from typing import Any
 from ... import __version__
 from ...errors import CkptError, FormatError, NotFoundError, UsageError
 from ...faults import close_pool
-from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, RunReport, scan_run
+from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, RunReport, run_storage, scan_run
 from ...sources.runs.records import CHECKSUM_MANIFEST, SYNC_RECORD, checksum_manifest_of
 from ...storage import remote_failure
 from ...storage.hashing import hasher_factory
@@ -23,12 +23,13 @@ from ...storage.object_upload import ObjectUploader, multipart_etag, read_for_up
 from ...storage.output import UPLOAD_BLOCK
 from ...storage.remote import listing_time
 from ...storage.uri import parse_location
-from ..prune.retention import PrunePolicy
+from ..prune.retention import RETENTION_OPTIONS, PrunePolicy, PruneReport
 from ..verify.checksums import ChecksumManifest, FileDigest
 from .model import SYNC_ALGORITHM, RateLimit, SyncedCheckpoint, SyncReport, now_iso
 from .plan import (
     CHECKSUM_PROBE,
     ROOT_FILES,
+    AfterRound,
     left_out,
     local_files,
     remote_etag,
@@ -653,8 +654,9 @@ def plan_up(
     prune_policy: PrunePolicy | None = None,
 ) -> SyncReport:
     """`ckpt sync RUN_DIR s3://… --dry-run`: what one round would upload (and, with
-    `prune_policy`, the remote prune plan), from the local files and the store's listing and
-    manifests: nothing is written or removed on either side.
+    `prune_policy`, the remote prune plan, judged on the destination as the round would leave
+    it), from the local files and the store's listing and manifests: nothing is written or
+    removed on either side.
 
     A checkpoint to upload is reported as the round would report it (`uploaded`, its files
     and bytes); `files_sent` / `bytes_sent` count the files the store lacks at their size, and
@@ -664,6 +666,10 @@ def plan_up(
     run = scan_run(Path(src), settle=settle)
     uploader = _Uploader(Path(run.run_dir), dest, RateLimit(None), None, 1)
     report = SyncReport(source=src, dest=dest, direction="up", dry_run=True)
+    #: what the round would write, relative to DEST: the local file (or the bytes it computes)
+    uploads: dict[str, Path | bytes] = {}
+    #: what of the store those uploads replace (a checkpoint's folder, or its files)
+    replaced: list[str] = []
     try:
         now = time.time()
         uploader.read_manifests(
@@ -700,6 +706,11 @@ def plan_up(
                     result.bytes_sent += size
             if judged.manifest_rel in listing:
                 result.reason = "changed since it was synced: the remote copy would be replaced"
+            uploads.update(judged.files)
+            uploads[judged.manifest_rel] = (
+                judged.local_manifest if judged.own_manifest is not None else b""
+            )
+            replaced += [c.name] if judged.is_dir else list(judged.files)
             report.checkpoints.append(result)
             report.transferred.append(c.name)
             report.bytes_sent += result.bytes_sent
@@ -711,19 +722,46 @@ def plan_up(
     except NotFoundError:
         remote = None  # nothing synced there yet
     report.latest = remote.latest if remote is not None else None
-    if prune_policy is not None and remote is not None:
-        from ..prune.run import prune  # only a plan that prunes imports the pruning
-
-        policy = prune_policy.model_copy(update={"settle": 0.0})
-        report.pruned = prune(dest.rstrip("/"), policy, yes=False, strict_metric=False)
-    if prune_policy is not None and report.transferred:
-        report.warnings.append(
-            "the remote prune plan judges the destination as it holds now: the "
-            f"{len(report.transferred)} checkpoint(s) this round would upload are not in it, "
-            "so the round itself may delete more (run the dry run again after the upload for "
-            "the exact plan)"
-        )
+    if prune_policy is not None:
+        report.pruned = _prune_plan(run, dest, prune_policy, uploads, replaced)
     return report
+
+
+def _prune_plan(
+    run: RunReport,
+    dest: str,
+    prune_policy: PrunePolicy,
+    uploads: dict[str, Path | bytes],
+    replaced: list[str],
+) -> PruneReport:
+    """The remote prune plan of a dry run, judged on the destination as the round would leave
+    it (`AfterRound`): the real round prunes after its uploads and its `latest` and
+    `metrics.jsonl`, so those are in the plan too."""
+    from ...formats.base import Source
+    from ..prune.retention import validate_policy
+    from ..prune.run import plan_report  # only a plan that prunes imports the pruning
+
+    validate_policy(prune_policy, RETENTION_OPTIONS)
+    root = dest.rstrip("/")
+    run_root = Path(run.run_dir)
+    if uploads:
+        uploads[SYNC_RECORD] = _SYNC_RECORD_TEXT
+    for name in ROOT_FILES:
+        path = run_root / name
+        if path.is_file() and path.stat().st_size <= 16 << 20:
+            uploads[name] = path
+    try:
+        store = run_storage(root)
+    except NotFoundError:
+        store = None  # nothing synced there yet: the round's uploads are all there will be
+    view = AfterRound(store, root, uploads, replaced, time.time())
+    try:
+        source = Source(location=parse_location(root), storage=view)
+        policy = prune_policy.model_copy(update={"settle": 0.0})
+        after = scan_run(source, metric=policy.keep_best, mode=policy.mode, settle=0.0)
+        return plan_report(after, policy, root)
+    finally:
+        view.close()
 
 
 def _latest_held(uploader: _Uploader, run: RunReport, report: SyncReport) -> str | None:
