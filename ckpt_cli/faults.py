@@ -38,6 +38,18 @@ received: int | None = None
 published: list[str] | None = None
 
 
+#: where notices of what ckpt tidied up on its own go (an old copy a killed run left, restored
+#: or removed): the CLI points it at stderr for each command; None (a library caller): nowhere
+notice_sink: Callable[[str], None] | None = None
+
+
+def notice(message: str) -> None:
+    """Tell the user of something ckpt did that they did not ask for (the debris of a killed
+    run removed, their old output put back): on stderr under the CLI, nowhere otherwise."""
+    if notice_sink is not None:
+        notice_sink(message)
+
+
 def begin_command() -> None:
     """Start a command's record of published outputs (`note_published`)."""
     global published

@@ -1785,3 +1785,113 @@ def test_prune_never_deletes_the_staging_folder_a_running_save_holds(tmp_path: P
     pruned = run_ckpt("prune", run, "--incomplete", "--settle", "0", "--yes", "--json")
     assert pruned.exit_code == 0, pruned.stdout
     assert not staging.exists()
+
+
+# -- SIGKILL during a `--force` replace: the next run restores or removes the old copy --------
+
+#: runs `ckpt ARGV…` in a real process that SIGKILLs itself at rename number KILL_AT + 1 of
+#: the publish step, or (KILL_AT=rmtree) just before the replaced copy is removed
+_SIGKILLED_PUBLISH = textwrap.dedent(
+    """
+    import os, shutil, signal, sys
+
+    calls = [0]
+    real_rename, real_rmtree = os.rename, shutil.rmtree
+    kill_at = os.environ["KILL_AT"]
+
+    def rename(a, b, *args, **kwargs):
+        calls[0] += 1
+        if kill_at != "rmtree" and calls[0] > int(kill_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_rename(a, b, *args, **kwargs)
+
+    def rmtree(path, *args, **kwargs):
+        if kill_at == "rmtree" and ".ckpt-old-" in str(path):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_rmtree(path, *args, **kwargs)
+
+    import ckpt_cli.storage.output as output
+    output.os.rename = rename
+    output.shutil.rmtree = rmtree
+    from ckpt_cli.__main__ import entry
+    sys.argv = ["ckpt", *sys.argv[1:]]
+    entry()
+    """
+)
+
+
+def _sigkilled_force_convert(src: Path, dest: Path, kill_at: str, exchange: bool) -> int:
+    env = dict(os.environ, PYTHONPATH=str(REPO), KILL_AT=kill_at)
+    if not exchange:
+        env["CKPT_NO_RENAME_EXCHANGE"] = "1"
+    args = ["convert", str(src), str(dest), "--to", "safetensors", "--force"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGKILLED_PUBLISH, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc.returncode
+
+
+def test_the_next_run_restores_a_dest_a_killed_force_replace_had_moved_aside(
+    tmp_path: Path,
+) -> None:
+    old_src, new_src = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    save_file(weights(1), old_src)
+    save_file(weights(2), new_src)
+    dest = tmp_path / "dest"
+    assert run_ckpt("convert", old_src, dest, "--to", "safetensors").exit_code == 0
+    # no renameat2: SIGKILL after the old DEST was moved aside, before the new one took its
+    # place: the user's checkpoint is only in `.dest.ckpt-old-PID`
+    assert _sigkilled_force_convert(new_src, dest, "3", exchange=False) == -signal.SIGKILL
+    assert not dest.exists()
+    (old,) = tmp_path.glob(".dest.ckpt-old-*")
+    # the next run writing DEST (here without --force) puts it back first, says so, and then
+    # refuses to replace it as it refuses any existing DEST
+    again = run_ckpt_process("convert", new_src, dest, "--to", "safetensors")
+    assert again.exit_code == 2, again.stderr
+    assert "restored" in again.stderr and old.name in again.stderr
+    assert not old.exists()
+    got = read_safetensors(next(dest.glob("*.safetensors")))
+    assert got.keys() == weights(1).keys()
+    assert all(torch.equal(got[k], v) for k, v in weights(1).items())
+    # and with --force the replace then goes through, leaving no hidden copy
+    assert run_ckpt("convert", new_src, dest, "--to", "safetensors", "--force").exit_code == 0
+    got = read_safetensors(next(dest.glob("*.safetensors")))
+    assert all(torch.equal(got[k], v) for k, v in weights(2).items())
+    assert not list(tmp_path.glob(".dest.ckpt-*"))
+
+
+def test_the_next_run_removes_the_spare_copy_a_killed_force_replace_left(
+    tmp_path: Path,
+) -> None:
+    old_src, new_src = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    save_file(weights(1), old_src)
+    save_file(weights(2), new_src)
+    dest = tmp_path / "dest"
+    assert run_ckpt("convert", old_src, dest, "--to", "safetensors").exit_code == 0
+    # SIGKILL after the atomic swap, before the replaced copy is removed
+    assert _sigkilled_force_convert(new_src, dest, "rmtree", exchange=True) == -signal.SIGKILL
+    (old,) = tmp_path.glob(".dest.ckpt-old-*")
+    # the next run over DEST removes it (DEST is whole) and says so
+    again = run_ckpt_process("convert", old_src, dest, "--to", "safetensors", "--force")
+    assert again.exit_code == 0, again.stderr
+    assert "removed" in again.stderr and old.name in again.stderr
+    assert not list(tmp_path.glob(".dest.ckpt-*"))
+    got = read_safetensors(next(dest.glob("*.safetensors")))
+    assert all(torch.equal(got[k], v) for k, v in weights(1).items())
+
+
+def test_the_old_copy_of_a_live_force_replace_is_left_alone(tmp_path: Path) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    dest = tmp_path / "dest"
+    # a replace under way in another process (alive: this test's parent) has moved DEST aside
+    held = tmp_path / f".dest.ckpt-old-{os.getppid()}"
+    held.mkdir()
+    (held / "model.safetensors").write_bytes(src.read_bytes())
+    result = run_ckpt_process("convert", src, dest, "--to", "safetensors")
+    assert result.exit_code == 0, result.stderr
+    assert held.exists() and (held / "model.safetensors").read_bytes() == src.read_bytes()

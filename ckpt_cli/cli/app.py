@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import importlib
 import os
 import sys
@@ -171,6 +172,7 @@ def run_command(
     started = time.monotonic()
     end_start_up()  # the collector paused by the entry point runs again, for the work
     faults.begin_command()
+    faults.notice_sink = functools.partial(render.warn, command)
     try:
         result = action()
         # the outputs are published: a signal while the report prints is held, and the

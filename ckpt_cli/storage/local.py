@@ -418,6 +418,13 @@ def _lock(path: str | Path, *, wait: bool) -> int | None:
     return _take_lock(path, wait=wait)[0]
 
 
+def hold(path: Path) -> int | None:
+    """A descriptor of `path` holding an exclusive `flock` (close it to let go), or None: held
+    by another process, gone, a link, or no locks on this filesystem. What this process holds
+    `staging_held` reports as held to every other process, until this one ends."""
+    return _lock(path, wait=False)
+
+
 def new_staging_folder(parent: Path, name: str) -> tuple[Path, int | None]:
     """A fresh `.NAME.ckpt-tmp-XXXXXXXX` folder in `parent`, held by this process: the folder
     and the descriptor holding it (close it once the folder is published or removed; None

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextvars
 import errno
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -42,15 +43,15 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import DestinationExistsError, HubError, IOFailure, NotFoundError, UsageError
-from ..faults import HeldStopSignals, interruption, io_failure, note_published
+from ..faults import HeldStopSignals, interruption, io_failure, note_published, notice
 from ..formats.names import is_commit_marker
 from ..progress import NULL_PROGRESS, Progress
 from . import remote_failure
 from .base import TMP_MARKER as TMP_MARKER
 from .base import Storage, file_chunks
 from .local import fsync_dir as fsync_dir
+from .local import hold, read_regular
 from .local import new_staging_folder as new_staging_folder
-from .local import read_regular
 from .local import remove_dead_stagings as remove_dead_stagings
 from .local import staging_held as staging_held
 from .remote import UPLOAD_BLOCK as UPLOAD_BLOCK
@@ -241,6 +242,10 @@ def staged_output(
             yield s
         return
     dest = dest.absolute()
+    # the old copy a `--force` replace of this DEST left when it was killed: put back where
+    # DEST is missing, else removed (before the check: a DEST put back is refused as any)
+    for note in recover_old_copies(dest):
+        notice(note)
     check_destination(dest, force)
     # a signal between the staging folder's creation and the `try` that removes it would
     # leave the folder behind (and say nothing of it): the signals that stop ckpt are held
@@ -457,6 +462,74 @@ def leftover_old_copies(dest: Path) -> list[Path]:
         return []
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine. This process is not counted (a killed
+    run's number reused by this one, as in containers where every run is PID 1), nor a
+    zombie (killed, not yet reaped: it holds nothing any more); a process of another user is."""
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no /proc (not Linux): the signal's answer stands
+        return True
+    return state not in ("Z", "X")
+
+
+def recover_old_copies(dest: Path) -> list[str]:
+    """Put back or remove the old copies (`.DEST.ckpt-old-PID`) that `--force` replaces of
+    `dest` left when they were killed; returns what was done, for the user.
+
+    A copy is a killed run's when its process is gone (`process_alive`) and nothing holds
+    it (`publish` holds the copy it moves aside with a `flock`, which the kernel drops when
+    the process dies): the copy of a replace still under way is never touched. Where DEST is
+    missing, the killed run had moved the user's DEST aside and died before the new one took
+    its place: the copy (the newest, should there be several) is renamed back to DEST. Where
+    DEST exists it is whole (the old output or the new one), and the spare copy is removed.
+    """
+    prefix = f".{dest.name}{OLD_MARKER}"
+    dead: list[tuple[int, Path, int]] = []
+    for path in leftover_old_copies(dest):
+        tail = path.name[len(prefix) :]
+        if not re.fullmatch(r"[0-9]{1,10}", tail):
+            continue
+        pid = int(tail)
+        if process_alive(pid) or staging_held(path):
+            continue
+        try:
+            dead.append((path.lstat().st_ctime_ns, path, pid))  # a rename sets the ctime
+        except OSError:
+            continue
+    notes: list[str] = []
+    for _, path, pid in sorted(dead, reverse=True):
+        if not (dest.exists() or dest.is_symlink()):
+            try:
+                _rename_new(path, dest)
+            except (OSError, DestinationExistsError):
+                continue  # left as it is: reading DEST names it, with the `mv` that recovers it
+            notes.append(
+                f"restored {dest} from {path.name}: a `--force` replace (process {pid}) had "
+                "moved it there and was killed before publishing its new output"
+            )
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with suppress(OSError):
+                path.unlink()
+        if not (path.exists() or path.is_symlink()):
+            notes.append(
+                f"removed {path.name}, the spare copy of {dest.name} that a killed `--force` "
+                f"replace (process {pid}) had left beside it ({dest.name} itself is whole)"
+            )
+    return notes
+
+
 def publish(source: Path, dest: Path, *, force: bool) -> None:
     """Rename the finished `source` to `dest`; with `force`, in place of what `dest` holds
     (one atomic exchange where the filesystem has it, else through `.DEST.ckpt-old-PID`,
@@ -472,6 +545,18 @@ def publish(source: Path, dest: Path, *, force: bool) -> None:
     if not force:
         raise _appeared(dest)
     old = old_copy_name(dest)
+    # the old DEST is held while it waits as `old`, so no other run takes it for a killed
+    # run's (`recover_old_copies`); the kernel lets go when this process ends
+    guard = hold(dest)
+    try:
+        _replace(source, dest, old)
+    finally:
+        if guard is not None:
+            os.close(guard)
+
+
+def _replace(source: Path, dest: Path, old: Path) -> None:
+    """`publish` with `force` over an existing `dest`, the old one waiting as `old`."""
     # the complete new output takes the `.DEST.ckpt-old-PID` name first, so whatever a kill
     # leaves under that name is a whole checkpoint, never debris
     os.rename(source, old)
