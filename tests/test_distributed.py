@@ -456,3 +456,42 @@ def test_each_ranks_share_of_a_world_size_reshard_counts_the_bytes_of_its_files(
         assert share["bytes"] == sum((out / rel).stat().st_size for rel in share["files"])
     data_files = [p for p in out.iterdir() if p.name.endswith(".distcp")]
     assert sum(s["bytes"] for s in shares) == sum(p.stat().st_size for p in data_files)
+
+
+@pytest.mark.torchrun
+def test_a_rank_that_never_joins_fails_the_launch_within_the_join_timeout(tmp_path: Path) -> None:
+    """Rank 1 of 2 leaves without ever joining (exit 0, so torchrun keeps waiting for rank 0):
+    rank 0 used to wait torch's default 30 minutes in `init_process_group`. It now gives up
+    after `CKPT_DIST_TIMEOUT`, naming the missing rank and the fix, and writes nothing."""
+    require_torchrun_marker()
+    src = tmp_path / "model.safetensors"
+    save_file(model_state(), src)
+    dest = tmp_path / "out"
+    script = Path(__file__).resolve().parent / "dist_early_exit_script.py"
+    args = ["convert", src, dest, "--to", "safetensors", "--json"]
+    env = torchrun_env({"CKPT_DIST_TIMEOUT": "5s"})
+    proc = run_launch(torchrun_command(2, script, "1", *args), 150, env=env)
+    assert proc.returncode != 0
+    envelope = json.loads(proc.stdout)
+    assert envelope["exit_code"] == 5 and envelope["error"]["code"] == "rendezvous"
+    message = envelope["error"]["message"]
+    assert "rank 1 of 2" in message and "5 s" in message, message
+    assert "CKPT_DIST_TIMEOUT" in envelope["error"]["fix"]
+    assert "exitcode  : 5" in proc.stderr  # torchrun's summary of rank 0
+    assert not dest.exists() and not list(tmp_path.glob(".out.ckpt-*"))
+
+
+def test_a_join_timeout_that_is_not_a_duration_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ckpt_cli.dist.command import join_timeout
+    from ckpt_cli.errors import UsageError
+
+    monkeypatch.delenv("CKPT_DIST_TIMEOUT", raising=False)
+    assert join_timeout() == 300.0
+    monkeypatch.setenv("CKPT_DIST_TIMEOUT", "90s")
+    assert join_timeout() == 90.0
+    monkeypatch.setenv("CKPT_DIST_TIMEOUT", "soon")
+    with pytest.raises(UsageError, match="CKPT_DIST_TIMEOUT") as refused:
+        join_timeout()
+    assert refused.value.exit_code == 2

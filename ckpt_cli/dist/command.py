@@ -22,6 +22,10 @@ does not silently turn collective.
 
 Backend: gloo (CPU, no GPU needed) unless `CKPT_DIST_BACKEND` names another
 (`nccl`, `cpu:gloo,cuda:nccl`); a process group the caller already initialised is reused.
+
+Joining is bounded: every rank waits at most `CKPT_DIST_TIMEOUT` (5 minutes by default) for
+all ranks of the launch to join (`join`), then fails with `RendezvousError` naming the ranks
+that never came, instead of torch's default 30 minutes in `init_process_group`.
 """
 
 from __future__ import annotations
@@ -37,18 +41,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
+from ..errors import CkptError, HubError
 from ..models import Record
-
-from ..errors import CkptError
-from .launch import launch_environment
 from ..storage.output import staged_output
+from .launch import launch_environment
 
 T = TypeVar("T")
 
 #: overrides the process-group backend (default gloo)
 BACKEND_ENV = "CKPT_DIST_BACKEND"
+#: how long a rank waits for every rank to join the launch (seconds, or a duration: `10m`)
+TIMEOUT_ENV = "CKPT_DIST_TIMEOUT"
+#: the join timeout when `CKPT_DIST_TIMEOUT` is not set: far longer than ranks take to start
+#: (seconds, even on a loaded node), far shorter than torch's 30 minutes
+DEFAULT_JOIN_TIMEOUT = 300.0
 #: set only by the tests: the rank named here raises inside its part of the work
 FAIL_RANK_ENV = "CKPT_TEST_FAIL_RANK"
 
@@ -76,6 +84,79 @@ class RankFailedError(CkptError):
         self.exit_code = int(first.get("exit_code") or 70)  # type: ignore[misc]
         self.error_code = str(first.get("code") or "internal")
         self.first_rank = first_rank
+
+
+class RendezvousError(HubError):
+    """The ranks of a launch did not all join within `CKPT_DIST_TIMEOUT` (exit 5): a rank
+    died or never started, or the launch's store cannot be reached."""
+
+    code = "rendezvous"
+
+
+def join_timeout() -> float:
+    """Seconds a rank waits for the others to join (`CKPT_DIST_TIMEOUT`; UsageError, exit 2,
+    when it is not a duration)."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_JOIN_TIMEOUT
+    from ..durations import parse_duration
+
+    return parse_duration(text, TIMEOUT_ENV)
+
+
+_JOIN_FIX = (
+    "Check that every rank started and runs the same ckpt command (torchrun's "
+    "--nnodes / --nproc-per-node, each rank's log); set CKPT_DIST_TIMEOUT (e.g. 15m) where "
+    "ranks take longer to start."
+)
+
+
+def join(rank: int, size: int, backend: str) -> None:
+    """Join the launch's process group as `rank` of `size`, waiting at most `join_timeout()`
+    for every rank to arrive (torch's own wait is 30 minutes).
+
+    The launch's store (torchrun's, or rank 0's) is reached with that timeout; each rank then
+    leaves its mark in it and waits for all the others', so a rank that never came is named.
+
+    Raises:
+        RendezvousError: not every rank joined in time, or the store could not be reached.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import PrefixStore
+    from torch.distributed.rendezvous import rendezvous
+
+    seconds = join_timeout()
+    started = time.monotonic()
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    try:
+        store, _, _ = next(rendezvous("env://", rank, size, timeout=timedelta(seconds=seconds)))
+    except Exception as exc:  # rank 0 waited for every client, or the store was unreachable
+        raise RendezvousError(
+            f"rank {rank} of {size}: the launch's ranks did not all meet at its store ({where}) "
+            f"within {seconds:g} s ({CKPT_DIST_TIMEOUT_TEXT}): {exc}",
+            fix=_JOIN_FIX,
+        ) from None
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    marks = PrefixStore(f"ckpt/joined/{restart}/", store)
+    marks.set(str(rank), "1")
+    left = max(1.0, seconds - (time.monotonic() - started))
+    try:
+        marks.wait([str(r) for r in range(size)], timedelta(seconds=left))
+    except Exception:
+        missing = [r for r in range(size) if not marks.check([str(r)])]
+        label = "rank" if len(missing) == 1 else "ranks"
+        raise RendezvousError(
+            f"{label} {', '.join(map(str, missing))} of {size} did not join the launch within "
+            f"{seconds:g} s ({CKPT_DIST_TIMEOUT_TEXT}): it died or never started",
+            fix=_JOIN_FIX,
+        ) from None
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size)
+
+
+#: how the join timeout is named in messages
+CKPT_DIST_TIMEOUT_TEXT = f"{TIMEOUT_ENV}, {DEFAULT_JOIN_TIMEOUT:g} s unless set"
 
 
 @dataclass(frozen=True)
@@ -217,7 +298,7 @@ def active() -> Workers:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group(backend=os.environ.get(BACKEND_ENV) or "gloo")
+        join(pending[0], pending[1], os.environ.get(BACKEND_ENV) or "gloo")
         _CREATED.append(True)
     workers = Workers(rank=dist.get_rank(), size=dist.get_world_size())
     _ACTIVE.set(workers)
