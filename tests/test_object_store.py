@@ -574,3 +574,134 @@ def test_trainer_checkpoint_with_fsdp_dcp_folder_on_the_hub(hub: TestHub, tmp_pa
     converted = run_ckpt("convert", "hf://org/run", out, "--to", "safetensors", "--select", "model")
     assert converted.exit_code == 0, converted.stderr
     _assert_same(_safetensors(out), model)
+
+
+# -- SIGKILL while writing to a store: the next run removes what the dead run left -----------
+
+
+def _uploads(endpoint: str, bucket: str) -> list[str]:
+    """The keys of the multipart uploads begun and neither completed nor aborted."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    return sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+
+def test_the_next_run_removes_the_temporaries_of_a_sigkilled_upload(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`ckpt convert … s3://` killed (SIGKILL) while a 24 MiB shard is going up as a multipart
+    upload leaves its hidden prefix and the unfinished upload in the bucket (billed storage, for
+    ever). The next run writing the same DEST finds them, removes them and says so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import save_file
+
+    from .conftest import REPO
+
+    state = {"big": torch.arange(6 << 20, dtype=torch.float32), "small": torch.ones(3)}
+    save_file(state, tmp_path / "big.safetensors")
+    make_bucket(s3_server.endpoint, "ckpts")
+
+    def part(r: S3Request) -> bool:
+        return r.method == "PUT" and "partNumber=" in r.query and ".ckpt-tmp-" in r.path
+
+    s3_server.hold = part
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    args = [tmp_path / "big.safetensors", "s3://ckpts/exports/model", "--to", "safetensors"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "convert", *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(part(r) for r in list(s3_server.requests)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the multipart upload never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        s3_server.release.set()
+        s3_server.hold = None
+    assert proc.returncode == -signal.SIGKILL
+    s3_server.wait_idle()
+    left = [k for k in list_keys(s3_server.endpoint, "ckpts") if ".ckpt-tmp-" in k]
+    unfinished = _uploads(s3_server.endpoint, "ckpts")
+    assert unfinished and all(".model.ckpt-tmp-" in k for k in unfinished)
+
+    again = run_ckpt("convert", *args)
+    assert again.exit_code == 0, again.stderr
+    assert "removed s3://ckpts/exports/.model.ckpt-tmp-" in again.stderr, again.stderr
+    assert "that was killed" in again.stderr
+    assert "aborted 1 unfinished multipart upload" in again.stderr, again.stderr
+    assert [k for k in list_keys(s3_server.endpoint, "ckpts") if ".ckpt-tmp-" in k] == []
+    assert _uploads(s3_server.endpoint, "ckpts") == []
+    for key in left:  # whatever the dead run had stored is gone with its prefix
+        assert key not in list_keys(s3_server.endpoint, "ckpts")
+    fetch_prefix(s3_server.endpoint, "ckpts", "exports/model", tmp_path / "back")
+    _assert_same(_safetensors(tmp_path / "back"), state)
+
+
+def test_the_temporaries_of_a_live_run_are_left_alone(s3_server: S3Server, tmp_path: Path) -> None:
+    """Two runs writing the same DEST: the other one's hidden prefix and its unfinished
+    multipart upload are kept, whether it runs here (its process alive) or on another machine
+    (its lease renewed within the last minutes)."""
+    import json
+    import os
+
+    import boto3
+
+    from ckpt_cli.storage.object_leases import LEASE_NAME, machine_id
+
+    torch.save(_model(), tmp_path / "w.pt")
+    make_bucket(s3_server.endpoint, "ckpts")
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    here = f"exports/.model.ckpt-tmp-{'a' * 12}"
+    elsewhere = f"exports/.model.ckpt-tmp-{'b' * 12}"
+    leases = {
+        here: {"pid": os.getppid(), "machine": machine_id()},  # alive, on this machine
+        elsewhere: {"pid": 1, "machine": "another-machine"},  # renewed just now
+    }
+    for prefix, lease in leases.items():
+        client.put_object(Bucket="ckpts", Key=f"{prefix}/{LEASE_NAME}", Body=json.dumps(lease))
+        client.put_object(Bucket="ckpts", Key=f"{prefix}/model-00001.safetensors", Body=b"x")
+        client.create_multipart_upload(Bucket="ckpts", Key=f"{prefix}/model-00002.safetensors")
+    before = list_keys(s3_server.endpoint, "ckpts", "exports/.model")
+    result = run_ckpt(
+        "convert", tmp_path / "w.pt", "s3://ckpts/exports/model", "--to", "safetensors"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "killed" not in result.stderr
+    assert list_keys(s3_server.endpoint, "ckpts", "exports/.model") == before
+    assert len(_uploads(s3_server.endpoint, "ckpts")) == 2
+
+
+def test_a_lease_is_dead_once_its_process_is_gone_here_or_its_renewal_too_old() -> None:
+    import os
+
+    from ckpt_cli.storage.object_leases import LEASE_EXPIRY, machine_id, run_is_gone
+
+    here = machine_id()
+    assert here  # Linux: the boot and the pid namespace
+    now = 1_000_000.0
+    dead = {"pid": 2**22 + 12345, "machine": here}  # no such process
+    alive = {"pid": os.getppid(), "machine": here}
+    other = {"pid": os.getppid(), "machine": "another-machine"}
+    assert run_is_gone(dead, now, now=now)
+    assert not run_is_gone(alive, now, now=now)
+    assert not run_is_gone(other, now - LEASE_EXPIRY + 60, now=now)
+    assert run_is_gone(other, now - LEASE_EXPIRY - 60, now=now)
+    # alive here but not renewed for that long: a reused process number, not the run
+    assert run_is_gone(alive, now - LEASE_EXPIRY - 60, now=now)
+    # no lease (a run of an earlier ckpt, or debris): judged by its newest object
+    assert not run_is_gone(None, now - 60, now=now)
+    assert run_is_gone(None, now - LEASE_EXPIRY - 60, now=now)
+    assert not run_is_gone(None, None, now=now)  # nothing dated: never taken for debris

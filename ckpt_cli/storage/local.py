@@ -418,6 +418,25 @@ def _lock(path: str | Path, *, wait: bool) -> int | None:
     return _take_lock(path, wait=wait)[0]
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine. This process is not counted (a killed
+    run's number reused by this one, as in containers where every run is PID 1), nor a
+    zombie (killed, not yet reaped: it holds nothing any more); a process of another user is."""
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no /proc (not Linux): the signal's answer stands
+        return True
+    return state not in ("Z", "X")
+
+
 def hold(path: Path) -> int | None:
     """A descriptor of `path` holding an exclusive `flock` (close it to let go), or None: held
     by another process, gone, a link, or no locks on this filesystem. What this process holds

@@ -50,10 +50,11 @@ from . import remote_failure
 from .base import TMP_MARKER as TMP_MARKER
 from .base import Storage, file_chunks
 from .local import fsync_dir as fsync_dir
-from .local import hold, read_regular
+from .local import hold, process_alive, read_regular
 from .local import new_staging_folder as new_staging_folder
 from .local import remove_dead_stagings as remove_dead_stagings
 from .local import staging_held as staging_held
+from .object_leases import Lease, remove_dead_temporaries
 from .remote import UPLOAD_BLOCK as UPLOAD_BLOCK
 from .remote import FsspecStorage
 from .uri import parse_location
@@ -462,25 +463,6 @@ def leftover_old_copies(dest: Path) -> list[Path]:
         return []
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` runs on this machine. This process is not counted (a killed
-    run's number reused by this one, as in containers where every run is PID 1), nor a
-    zombie (killed, not yet reaped: it holds nothing any more); a process of another user is."""
-    if pid <= 0 or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, under another user
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):  # no /proc (not Linux): the signal's answer stands
-        return True
-    return state not in ("Z", "X")
-
-
 def recover_old_copies(dest: Path) -> list[str]:
     """Put back or remove the old copies (`.DEST.ckpt-old-PID`) that `--force` replaces of
     `dest` left when they were killed; returns what was done, for the user.
@@ -611,9 +593,23 @@ def _staged_remote(
     # uploads, copies and removals go through the write side of the prefix holding DEST
     store = dest.parent
     tmp_name = f".{dest.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+    # this run's lease on its hidden prefix: another run writing DEST leaves it alone while
+    # it is renewed, and removes the prefixes of runs that were killed (`object_leases`)
+    lease = Lease(store, tmp_name)
+
+    def discard() -> None:
+        lease.stop()  # no renewal lands after the removal
+        _remove_remote(store, [tmp_name])
+
     opened = _OPEN_STAGINGS.set((*_OPEN_STAGINGS.get(), staging))
     try:
         held.release()
+        try:
+            lease.start()
+        except HubError as exc:  # the store refused the first write: named by DEST
+            raise HubError(exc.problem, path=dest.url, fix=exc.fix) from None
+        for note in remove_dead_temporaries(store, dest.name, tmp_name):
+            notice(note)
         yield staging
         files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
         if single_file and len(files) != 1:
@@ -628,20 +624,20 @@ def _staged_remote(
         except Exception as exc:
             raise remote_failure(exc, dest.url, writing=True) from None
     except KeyboardInterrupt as exc:
-        _remove_remote(store, [tmp_name])
+        discard()
         raise interruption(exc, "interrupted; the partial output was removed", dest.url) from None
     except OSError as exc:  # this machine's side (the store's failures are mapped above)
-        _remove_remote(store, [tmp_name])
+        discard()
         raise _local_staging_failure(exc, dest, staging) from None
     except BaseException:
-        _remove_remote(store, [tmp_name])
+        discard()
         raise
     finally:
         _OPEN_STAGINGS.reset(opened)
         shutil.rmtree(staging, ignore_errors=True)
         if lock is not None:
             os.close(lock)
-    _remove_remote(store, [tmp_name])
+    discard()
 
 
 def _local_staging_failure(exc: OSError, dest: RemoteDest, staging: Path) -> IOFailure:

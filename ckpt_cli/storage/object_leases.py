@@ -1,0 +1,253 @@
+"""The temporaries of object-store outputs: who holds them, and removing a killed run's.
+
+An output written to an object store goes up under a hidden prefix beside DEST
+(`.NAME.ckpt-tmp-XXXXXXXXXXXX/`, see `output.py`) before it is copied into place. A run killed
+outright (SIGKILL, a lost node) cannot remove it, and its unfinished multipart uploads stay
+in the bucket, billed, for ever. A store has no `flock`, so a run says it is alive with a
+lease: the object `.ckpt-lease` inside its prefix, written before anything else and rewritten
+every `LEASE_REFRESH` seconds by a background thread while the run lasts. The lease names the
+process and the machine (`machine_id`: the boot and the pid namespace, so a container's
+process numbers are never judged from another's).
+
+The next run writing the same DEST (`remove_dead_temporaries`) judges each hidden prefix
+(`run_is_gone`): gone when its lease was written on this machine by a process that no longer
+runs, or when its lease (or, without one, its newest object) is older than `LEASE_EXPIRY` by
+the store's own clock (the time of this run's own lease), wherever it ran. Those prefixes are
+removed and their multipart uploads aborted, and so are unfinished multipart uploads into DEST
+itself (a server-side copy cut short) begun before this run, when no other run holds a lease.
+Everything else is left alone: a live run's temporaries are never touched.
+
+I/O: one listing of the prefixes beside DEST, one listing of each hidden prefix found, and on
+S3 one `ListMultipartUploads` per 1,000 uploads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .base import TMP_MARKER, Storage
+from .local import process_alive
+from .remote import FsspecStorage, listing_time
+
+#: the lease object inside a run's hidden prefix
+LEASE_NAME = ".ckpt-lease"
+#: seconds between two writes of a lease by its run
+LEASE_REFRESH = 60.0
+#: a lease (or a prefix without one) this much older than the store's clock is a dead run's
+LEASE_EXPIRY = 15 * 60.0
+#: the random tail of a hidden prefix (`uuid4().hex[:12]`)
+_TAIL = "[0-9a-f]{12}"
+
+
+def machine_id() -> str | None:
+    """This machine and pid namespace (`BOOT_ID/pid:[INODE]`): two processes with the same id
+    can judge each other's process numbers. None where it cannot be told (not Linux)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        space = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return f"{boot}/{space}" if boot else None
+
+
+def run_is_gone(lease: dict[str, Any] | None, written: float | None, *, now: float) -> bool:
+    """Whether the run whose hidden prefix this is has ended (its temporaries are debris).
+
+    Args:
+        lease: the prefix's lease as read (None: it has none).
+        written: when the lease was last written (without a lease: the prefix's newest
+            object), by the store's clock; None when the store dates nothing.
+        now: the store's time now (when this run wrote its own lease).
+    """
+    here = machine_id()
+    if lease is not None and here is not None and lease.get("machine") == here:
+        pid = lease.get("pid")
+        if isinstance(pid, int) and not process_alive(pid):
+            return True
+    # a process alive under that number, or on another machine: the renewals tell
+    return written is not None and now - written > LEASE_EXPIRY
+
+
+class Lease:
+    """This run's lease on its hidden prefix `tmp_name` in `store`: written by `start`,
+    rewritten every `LEASE_REFRESH` seconds until `stop` (which removes nothing: the prefix
+    goes with it)."""
+
+    def __init__(self, store: Storage, tmp_name: str):
+        self.store = store
+        self.rel = f"{tmp_name}/{LEASE_NAME}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.body = json.dumps(
+            {
+                "written_by": "ckpt",
+                "pid": os.getpid(),
+                "machine": machine_id(),
+                "rule": "the temporaries of a running ckpt; another ckpt writing the same "
+                f"destination removes them once this lease is {LEASE_EXPIRY:g} s old, or at "
+                "once on the same machine when the process is gone",
+            }
+        ).encode()
+
+    def start(self) -> None:
+        """Write the lease, then keep it fresh in the background."""
+        self.store.write_file(self.rel, [self.body])
+        self._thread = threading.Thread(target=self._renew, name="ckpt-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(LEASE_REFRESH):
+            with contextlib.suppress(Exception):  # a missed renewal: the next one may land
+                self.store.write_file(self.rel, [self.body])
+
+    def stop(self) -> None:
+        """Stop renewing (waits for a renewal in flight, so none lands after the removal)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def remove_dead_temporaries(parent: FsspecStorage, name: str, own: str) -> list[str]:
+    """Remove the hidden prefixes `.NAME.ckpt-tmp-*` in `parent` of runs that are gone (see
+    the module docstring) and abort their unfinished multipart uploads, and those into DEST
+    (`parent/NAME`) begun before this run when no other run holds a lease; `own` is this run's
+    prefix, whose lease is written. Returns what was done, for the user. Best effort: what
+    cannot be listed or removed is left as it was."""
+    fs = parent.fs
+    pattern = re.compile(re.escape(f".{name}{TMP_MARKER}") + _TAIL)
+    with contextlib.suppress(Exception):
+        fs.invalidate_cache(parent.root)
+    try:
+        now = listing_time(fs.info(f"{parent.root}/{own}/{LEASE_NAME}")) or time.time()
+        entries = [
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(parent.root, detail=True)
+        ]
+    except Exception:
+        return []
+    gone: list[str] = []
+    alive = False
+    seen = {e for e in entries if pattern.fullmatch(e)}
+    for entry in sorted(seen):
+        if entry == own or not pattern.fullmatch(entry):
+            continue
+        verdict = _judge(parent, entry, now)
+        if verdict is None:
+            continue
+        if verdict:
+            gone.append(entry)
+        else:
+            alive = True
+    notes: list[str] = []
+    for entry in gone:
+        with contextlib.suppress(Exception):
+            parent.remove(entry)
+            notes.append(
+                f"removed {parent.describe(entry)}/, the temporary objects of a run writing "
+                f"{parent.describe(name)} that was killed"
+            )
+    s3 = parent.s3_filesystem()
+    if s3 is not None:
+        aborted = _abort_uploads(parent, name, own, set(gone), seen, dest_too=not alive, now=now)
+        if aborted:
+            notes.append(
+                f"aborted {aborted} unfinished multipart upload{'s' if aborted > 1 else ''} "
+                f"of a killed run writing {parent.describe(name)}"
+            )
+    return notes
+
+
+def _judge(parent: FsspecStorage, entry: str, now: float) -> bool | None:
+    """Whether the run of hidden prefix `entry` is gone (None: it cannot be told)."""
+    fs = parent.fs
+    try:
+        found = fs.find(f"{parent.root}/{entry}", detail=True)
+    except Exception:
+        return None
+    if not found:  # an object of that name rather than a prefix (or gone meanwhile)
+        with contextlib.suppress(Exception):
+            found = {f"{parent.root}/{entry}": fs.info(f"{parent.root}/{entry}")}
+    lease: dict[str, Any] | None = None
+    lease_time: float | None = None
+    newest: float | None = None
+    for path, info in found.items():
+        stamp = listing_time(info)
+        if stamp is not None:
+            newest = stamp if newest is None else max(newest, stamp)
+        if str(path).endswith(f"/{LEASE_NAME}"):
+            lease_time = stamp
+            with contextlib.suppress(Exception):
+                text = json.loads(fs.cat_file(path))
+                lease = text if isinstance(text, dict) else {}
+    return run_is_gone(lease, lease_time if lease is not None else newest, now=now)
+
+
+def _abort_uploads(
+    parent: FsspecStorage,
+    name: str,
+    own: str,
+    gone: set[str],
+    seen: set[str],
+    *,
+    dest_too: bool,
+    now: float,
+) -> int:
+    """Abort the unfinished multipart uploads under the hidden prefixes in `gone`, under one
+    that holds no object (not in `seen`: no lease, which a run writes before any upload)
+    begun more than `LEASE_EXPIRY` ago, and (`dest_too`) into DEST begun before `now`.
+    Returns how many were aborted."""
+    fs = parent.fs
+    bucket, key, _ = fs.split_path(f"{parent.root}/{name}")
+    base = key.rsplit("/", 1)[0] + "/" if "/" in key else ""
+    aborted = 0
+    for prefix in (f"{base}.{name}{TMP_MARKER}", key):
+        try:
+            uploads = _list_uploads(fs, bucket, prefix)
+        except Exception:
+            continue
+        for upload in uploads:
+            target = str(upload.get("Key", ""))
+            started = listing_time({"LastModified": upload.get("Initiated")})
+            if prefix == key:
+                if not (target == key or target.startswith(f"{key}/")):
+                    continue  # another output whose name begins with DEST's
+                doomed = dest_too and started is not None and started < now
+            else:
+                entry = target[len(base) :].split("/", 1)[0]
+                if entry == own:
+                    continue
+                doomed = entry in gone or (
+                    entry not in seen and started is not None and now - started > LEASE_EXPIRY
+                )
+            if not doomed:
+                continue
+            with contextlib.suppress(Exception):
+                fs.call_s3(
+                    "abort_multipart_upload",
+                    Bucket=bucket,
+                    Key=target,
+                    UploadId=upload["UploadId"],
+                )
+                aborted += 1
+    return aborted
+
+
+def _list_uploads(fs: Any, bucket: str, prefix: str) -> list[dict[str, Any]]:
+    """Every unfinished multipart upload whose key begins with `prefix`."""
+    found: list[dict[str, Any]] = []
+    more: dict[str, str] = {}
+    while True:
+        page = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **more)
+        found.extend(page.get("Uploads", []))
+        if not page.get("IsTruncated"):
+            return found
+        more = {
+            "KeyMarker": str(page.get("NextKeyMarker", "")),
+            "UploadIdMarker": str(page.get("NextUploadIdMarker", "")),
+        }
