@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from ckpt_cli.ops.sync import RateLimit, sync
+from ckpt_cli.storage.object_leases import is_lease
 
 from .conftest import REPO, run_ckpt
 from .hub_server import TestHub
@@ -55,8 +56,14 @@ def remote_checkpoints(endpoint: str, prefix: str = "run") -> set[str]:
 
 
 def probe(server: S3Server) -> int:
-    """Bytes of the PUTs with which a sync asks the store whether it checks checksums."""
-    return sum(r.length for r in server.requests if r.path.endswith("/.ckpt-checksum-probe"))
+    """Bytes of the PUTs with which a sync asks the store whether it checks checksums, and of
+    its lease (what says, while it uploads, that it is alive)."""
+    return sum(
+        r.length
+        for r in server.requests
+        if r.method == "PUT"
+        and (r.path.endswith("/.ckpt-checksum-probe") or "/.ckpt-lease-" in r.path)
+    )
 
 
 def fresh_save(out: Path, step: int) -> Path:
@@ -479,7 +486,10 @@ def test_train_sync_lose_the_machine_pull_latest_and_resume_bit_identical(
         assert not [
             r
             for r in s3_server.requests
-            if r.method == "DELETE" and "step-6" not in r.path and "probe" not in r.path
+            if r.method == "DELETE"
+            and "step-6" not in r.path
+            and "probe" not in r.path
+            and not is_lease(r.path)
         ]
         shutil.rmtree(second)
         # the third: pulls only the newest complete save and finishes the run
@@ -1079,7 +1089,10 @@ def test_a_pulled_run_pushed_back_sends_nothing_it_pulled(
     assert not [
         r.path
         for r in s3_server.requests
-        if r.method == "PUT" and "checkpoint-300" not in r.path and "probe" not in r.path
+        if r.method == "PUT"
+        and "checkpoint-300" not in r.path
+        and "probe" not in r.path
+        and not is_lease(r.path)
     ]
 
 
@@ -1414,8 +1427,9 @@ def test_a_cut_pull_resumes_keeping_the_files_already_whole(
 
 
 def _is_listing(r: S3Request) -> bool:
-    """A GET of the bucket itself (ListObjectsV2), not of an object in it."""
-    return r.method == "GET" and r.path.strip("/").count("/") == 0
+    """A GET of the bucket itself (ListObjectsV2), not of an object in it, nor the listing of
+    unfinished multipart uploads (`?uploads`) a round that uploads asks once."""
+    return r.method == "GET" and r.path.strip("/").count("/") == 0 and "uploads" not in r.query
 
 
 def test_each_file_goes_up_in_one_request_checked_by_the_reply(
@@ -1441,7 +1455,9 @@ def test_each_file_goes_up_in_one_request_checked_by_the_reply(
         assert [r.method for r in manifests] == ["PUT"] * len(steps)
         listings[len(steps)] = sum(1 for r in s3_server.requests if _is_listing(r))
         # the newest save is the one just uploaded and checked: `latest` reads nothing back
-        assert not [r for r in s3_server.requests if r.method == "GET" and not _is_listing(r)]
+        reads = [r for r in s3_server.requests if r.method == "GET" and not _is_listing(r)]
+        # but the one listing of unfinished multipart uploads (a sync killed before it)
+        assert [r.query.split("&")[0] for r in reads] == ["uploads"]
         assert report.latest == f"s3://{BUCKET}/run{len(steps)}/checkpoint-{steps[-1]}"
     # the round's listing is one request, for one save as for three, though nothing was
     # synced to either prefix before (no HEAD, no second listing to tell it is empty)
@@ -1483,6 +1499,7 @@ def test_a_refused_upload_publishes_nothing_of_its_checkpoint(
     assert again.transferred == ["checkpoint-200"] and not again.failed
     sent = {r.path.rsplit("/", 1)[-1] for r in s3_server.requests if r.method == "PUT"}
     sent.discard(".ckpt-checksum-probe")
+    sent = {name for name in sent if not is_lease(name)}
     assert sent == {"scheduler.pt", "trainer_state.json", "ckpt-manifest.json"}
 
 
@@ -1580,7 +1597,8 @@ def test_objects_an_older_sync_sent_in_16_mib_parts_are_reused(
     assert done.action == "uploaded" and done.files_reused == 1 and done.bytes_sent == 0
     # the data file is not sent again; the manifest goes up in one checked PUT, after the
     # round's probe of whether the store checks checksums
-    assert sorted(r.path for r in s3_server.requests if r.method == "PUT") == [
+    puts = [r.path for r in s3_server.requests if r.method == "PUT" and not is_lease(r.path)]
+    assert sorted(puts) == [
         f"/{BUCKET}/old/.ckpt-checksum-probe",
         f"/{BUCKET}/old/.ckpt-sync.json",
         f"/{BUCKET}/old/step-1/ckpt-manifest.json",
@@ -1782,7 +1800,7 @@ def test_uploads_do_not_wait_for_the_probe_objects_removal(
     # the removal is held until a data file arrives: had the uploads waited for it, nothing
     # would release it (the sync would fail after the hold's timeout). Which of the two the
     # server hears first is the threads' business: under load the removal may come second
-    deletes = [r for r in s3_server.requests if r.method == "DELETE"]
+    deletes = [r for r in s3_server.requests if r.method == "DELETE" and not is_lease(r.path)]
     assert len(deletes) == 1 and seen
     assert not [k for k in list_keys(s3_server.endpoint, BUCKET) if "probe" in k]
 
@@ -2008,3 +2026,84 @@ def test_an_empty_run_folder_is_a_run_before_its_first_save(
     assert pulled.exit_code == 3, pulled.stdout + pulled.stderr
     assert not (tmp_path / "back").exists()
     assert list(empty.iterdir()) == []
+
+
+def test_the_next_sync_aborts_the_multipart_upload_of_a_sigkilled_one(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`ckpt sync` killed (SIGKILL, a preempted node) while a large file goes up as a multipart
+    upload: the parts it sent stay in the bucket, billed and unlisted, for ever. The next sync
+    to that destination aborts the upload (and removes the dead run's lease), says so, and
+    sends the file whole; the bucket ends with no unfinished upload and no lease."""
+    import boto3
+    from safetensors.torch import save_file
+
+    from ckpt_cli.storage.object_upload import SINGLE_PUT_MAX
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    folder = tmp_path / "run" / "step-1"
+    folder.mkdir(parents=True)
+    big = torch.arange(SINGLE_PUT_MAX // 4 + 10, dtype=torch.float32)
+    save_file({"w": big}, folder / "model.safetensors")
+    os.utime(folder / "model.safetensors", (time.time() - 7200,) * 2)
+    os.utime(folder, (time.time() - 7200,) * 2)  # a plain save: settled, not being written
+
+    def part(r: S3Request) -> bool:
+        return r.method == "PUT" and "partNumber=" in r.query
+
+    s3_server.hold = part
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    args = ["sync", str(tmp_path / "run"), f"s3://{BUCKET}/big/"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(part(r) for r in list(s3_server.requests)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        s3_server.hold = None
+        s3_server.release.set()
+    s3_server.wait_idle()
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    unfinished = client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])
+    assert [u["Key"] for u in unfinished] == ["big/step-1/model.safetensors"]
+    again = run_ckpt(*args)
+    assert again.exit_code == 0, again.stderr
+    assert "aborted 1 unfinished multipart upload" in again.stderr, again.stderr
+    assert "removed the lease of 1 killed run" in again.stderr, again.stderr
+    assert not client.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+    keys = list_keys(s3_server.endpoint, BUCKET, "big/")
+    assert not [k for k in keys if ".ckpt-lease-" in k]
+    assert "big/step-1/ckpt-manifest.json" in keys
+    pulled = tmp_path / "pulled"
+    assert run_ckpt("sync", f"s3://{BUCKET}/big/", pulled).exit_code == 0
+    assert (pulled / "step-1" / "model.safetensors").read_bytes() == (
+        folder / "model.safetensors"
+    ).read_bytes()
+
+
+def test_a_sync_leaves_the_multipart_uploads_of_a_live_one_alone(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Another sync into the same destination is uploading (its lease is fresh): its
+    unfinished multipart upload is kept."""
+    import boto3
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    lease = json.dumps({"pid": 1, "machine": "another-machine"})
+    client.put_object(Bucket=BUCKET, Key="run/.ckpt-lease-cccccccccccc", Body=lease)
+    client.create_multipart_upload(Bucket=BUCKET, Key="run/checkpoint-200/optimizer.pt")
+    result = run_ckpt("sync", out, f"s3://{BUCKET}/run/")
+    assert result.exit_code == 0, result.stderr
+    assert "aborted" not in result.stderr
+    assert len(client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])) == 1
+    assert "run/.ckpt-lease-cccccccccccc" in list_keys(s3_server.endpoint, BUCKET, "run/")

@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .base import TMP_MARKER, Storage
+from .base import TMP_MARKER, is_staging_name
 from .local import process_alive
-from .remote import FsspecStorage, listing_time
+from .remote import FsspecStorage, listing_time, remote_failure
 
 #: the lease object inside a run's hidden prefix
 LEASE_NAME = ".ckpt-lease"
@@ -42,6 +42,9 @@ LEASE_NAME = ".ckpt-lease"
 LEASE_REFRESH = 60.0
 #: a lease (or a prefix without one) this much older than the store's clock is a dead run's
 LEASE_EXPIRY = 15 * 60.0
+#: a run that writes objects in place (`sync` push) keeps its lease at DEST's root under
+#: this name and a random tail
+ROOT_LEASE_PREFIX = ".ckpt-lease-"
 #: the random tail of a hidden prefix (`uuid4().hex[:12]`)
 _TAIL = "[0-9a-f]{12}"
 
@@ -76,13 +79,15 @@ def run_is_gone(lease: dict[str, Any] | None, written: float | None, *, now: flo
 
 
 class Lease:
-    """This run's lease on its hidden prefix `tmp_name` in `store`: written by `start`,
-    rewritten every `LEASE_REFRESH` seconds until `stop` (which removes nothing: the prefix
-    goes with it)."""
+    """This run's lease, the object `rel` of `store`: written by `start`, rewritten every
+    `LEASE_REFRESH` seconds until `stop` (which removes nothing: the caller does, with its
+    prefix). `written_at`: when the store recorded the first write, by the store's clock (the
+    `Date` of its reply, on S3), or None."""
 
-    def __init__(self, store: Storage, tmp_name: str):
+    def __init__(self, store: FsspecStorage, rel: str):
         self.store = store
-        self.rel = f"{tmp_name}/{LEASE_NAME}"
+        self.rel = rel
+        self.written_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.body = json.dumps(
@@ -90,22 +95,36 @@ class Lease:
                 "written_by": "ckpt",
                 "pid": os.getpid(),
                 "machine": machine_id(),
-                "rule": "the temporaries of a running ckpt; another ckpt writing the same "
-                f"destination removes them once this lease is {LEASE_EXPIRY:g} s old, or at "
+                "rule": "the lease of a running ckpt on its temporaries; another ckpt writing "
+                f"the same destination removes them once it is {LEASE_EXPIRY:g} s old, or at "
                 "once on the same machine when the process is gone",
             }
         ).encode()
 
     def start(self) -> None:
         """Write the lease, then keep it fresh in the background."""
-        self.store.write_file(self.rel, [self.body])
+        self._write()
         self._thread = threading.Thread(target=self._renew, name="ckpt-lease", daemon=True)
         self._thread.start()
+
+    def _write(self) -> None:
+        s3 = self.store.s3_filesystem()
+        if s3 is None:
+            self.store.write_file(self.rel, [self.body])
+            return
+        # one PUT whose reply dates it by the store's clock (no HEAD to ask)
+        bucket, key, _ = s3.split_path(f"{self.store.root}/{self.rel}")
+        try:
+            reply = s3.call_s3("put_object", Bucket=bucket, Key=key, Body=self.body)
+        except Exception as exc:
+            raise remote_failure(exc, self.store.describe(self.rel), writing=True) from None
+        if self.written_at is None:
+            self.written_at = _reply_date(reply)
 
     def _renew(self) -> None:
         while not self._stop.wait(LEASE_REFRESH):
             with contextlib.suppress(Exception):  # a missed renewal: the next one may land
-                self.store.write_file(self.rel, [self.body])
+                self._write()
 
     def stop(self) -> None:
         """Stop renewing (waits for a renewal in flight, so none lands after the removal)."""
@@ -113,19 +132,124 @@ class Lease:
         if self._thread is not None:
             self._thread.join()
 
+    def release(self) -> None:
+        """Stop renewing and remove the lease object (best effort: one left behind is judged
+        as any dead run's by the next run)."""
+        self.stop()
+        s3 = self.store.s3_filesystem()
+        with contextlib.suppress(Exception):
+            if s3 is None:
+                self.store.remove(self.rel)
+                return
+            bucket, key, _ = s3.split_path(f"{self.store.root}/{self.rel}")
+            s3.call_s3("delete_object", Bucket=bucket, Key=key)
+            s3.invalidate_cache(f"{self.store.root}/{self.rel}")
 
-def remove_dead_temporaries(parent: FsspecStorage, name: str, own: str) -> list[str]:
+
+def _reply_date(reply: Any) -> float | None:
+    """The store's clock in a botocore reply (its `Date` header), or None."""
+    from email.utils import parsedate_to_datetime
+
+    try:
+        return parsedate_to_datetime(reply["ResponseMetadata"]["HTTPHeaders"]["date"]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def is_lease(rel: str) -> bool:
+    """Whether `rel` (a name under a destination) is a lease: never part of a checkpoint."""
+    last = rel.rsplit("/", 1)[-1]
+    return last == LEASE_NAME or last.startswith(ROOT_LEASE_PREFIX)
+
+
+def root_lease_name() -> str:
+    """A fresh name for the lease of a run that writes objects in place (`sync` push)."""
+    import uuid
+
+    return f"{ROOT_LEASE_PREFIX}{uuid.uuid4().hex[:12]}"
+
+
+def abort_dead_uploads(
+    store: FsspecStorage, listing: dict[str, dict[str, Any]], lease: Lease
+) -> list[str]:
+    """For a run that writes objects in place under `store`'s root (`sync` push), its lease
+    `lease` written: remove the root leases in `listing` (the round's listing of the root,
+    name -> info) of runs that are gone, and, when no other run holds a live one, abort the
+    unfinished multipart uploads under the root begun before this run (those under a hidden
+    `.NAME.ckpt-tmp-*` prefix are another output's, judged by their own leases). S3 only
+    (other stores have no multipart uploads to list). Returns what was done, for the user."""
+    fs = store.s3_filesystem()
+    if fs is None:
+        return []
+    now = lease.written_at or time.time()
+    alive = False
+    removed = 0
+    for rel, info in listing.items():
+        if "/" in rel or not rel.startswith(ROOT_LEASE_PREFIX) or rel == lease.rel:
+            continue
+        body: dict[str, Any] | None = None
+        with contextlib.suppress(Exception):
+            text = json.loads(fs.cat_file(f"{store.root}/{rel}"))
+            body = text if isinstance(text, dict) else {}
+        if not run_is_gone(body, listing_time(info), now=now):
+            alive = True
+            continue
+        bucket, key, _ = fs.split_path(f"{store.root}/{rel}")
+        with contextlib.suppress(Exception):
+            fs.call_s3("delete_object", Bucket=bucket, Key=key)  # one request, no listing
+            removed += 1
+    notes = []
+    if removed:
+        notes.append(
+            f"removed the lease{'s' if removed > 1 else ''} of {removed} killed "
+            f"run{'s' if removed > 1 else ''} writing {store.display}"
+        )
+    if alive:
+        return notes
+    bucket, key, _ = fs.split_path(store.root)
+    aborted = 0
+    try:
+        uploads = _list_uploads(fs, bucket, f"{key}/")
+    except Exception:
+        return notes
+    for upload in uploads:
+        target = str(upload.get("Key", ""))
+        started = listing_time({"LastModified": upload.get("Initiated")})
+        if any(is_staging_name(part) for part in target[len(key) + 1 :].split("/")):
+            continue
+        if started is None or started >= now:
+            continue
+        with contextlib.suppress(Exception):
+            fs.call_s3(
+                "abort_multipart_upload", Bucket=bucket, Key=target, UploadId=upload["UploadId"]
+            )
+            aborted += 1
+    if aborted:
+        notes.append(
+            f"aborted {aborted} unfinished multipart upload{'s' if aborted > 1 else ''} "
+            f"into {store.display} of a run that was killed"
+        )
+    return notes
+
+
+def lease_time(store: FsspecStorage, rel: str) -> float:
+    """When the store recorded the lease `rel`, by its clock (else this machine's)."""
+    return listing_time(store.fs.info(f"{store.root}/{rel}")) or time.time()
+
+
+def remove_dead_temporaries(parent: FsspecStorage, name: str, lease: Lease) -> list[str]:
     """Remove the hidden prefixes `.NAME.ckpt-tmp-*` in `parent` of runs that are gone (see
     the module docstring) and abort their unfinished multipart uploads, and those into DEST
-    (`parent/NAME`) begun before this run when no other run holds a lease; `own` is this run's
-    prefix, whose lease is written. Returns what was done, for the user. Best effort: what
+    (`parent/NAME`) begun before this run when no other run holds a lease; `lease` is this
+    run's, written in its own prefix. Returns what was done, for the user. Best effort: what
     cannot be listed or removed is left as it was."""
     fs = parent.fs
     pattern = re.compile(re.escape(f".{name}{TMP_MARKER}") + _TAIL)
     with contextlib.suppress(Exception):
         fs.invalidate_cache(parent.root)
+    own = lease.rel.split("/", 1)[0]
     try:
-        now = listing_time(fs.info(f"{parent.root}/{own}/{LEASE_NAME}")) or time.time()
+        now = lease.written_at or lease_time(parent, lease.rel)
         entries = [
             str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(parent.root, detail=True)
         ]

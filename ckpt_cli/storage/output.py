@@ -54,7 +54,7 @@ from .local import hold, process_alive, read_regular
 from .local import new_staging_folder as new_staging_folder
 from .local import remove_dead_stagings as remove_dead_stagings
 from .local import staging_held as staging_held
-from .object_leases import Lease, remove_dead_temporaries
+from .object_leases import LEASE_NAME, Lease, remove_dead_temporaries
 from .remote import UPLOAD_BLOCK as UPLOAD_BLOCK
 from .remote import FsspecStorage
 from .uri import parse_location
@@ -595,7 +595,7 @@ def _staged_remote(
     tmp_name = f".{dest.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
     # this run's lease on its hidden prefix: another run writing DEST leaves it alone while
     # it is renewed, and removes the prefixes of runs that were killed (`object_leases`)
-    lease = Lease(store, tmp_name)
+    lease = Lease(store, f"{tmp_name}/{LEASE_NAME}")
 
     def discard() -> None:
         lease.stop()  # no renewal lands after the removal
@@ -608,7 +608,7 @@ def _staged_remote(
             lease.start()
         except HubError as exc:  # the store refused the first write: named by DEST
             raise HubError(exc.problem, path=dest.url, fix=exc.fix) from None
-        for note in remove_dead_temporaries(store, dest.name, tmp_name):
+        for note in remove_dead_temporaries(store, dest.name, lease):
             notice(note)
         yield staging
         files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())

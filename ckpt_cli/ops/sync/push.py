@@ -14,11 +14,12 @@ from typing import Any
 
 from ... import __version__
 from ...errors import CkptError, FormatError, NotFoundError, UsageError
-from ...faults import close_pool
+from ...faults import close_pool, notice
 from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, RunReport, run_storage, scan_run
 from ...sources.runs.records import CHECKSUM_MANIFEST, SYNC_RECORD, checksum_manifest_of
 from ...storage import remote_failure
 from ...storage.hashing import hasher_factory
+from ...storage.object_leases import Lease, abort_dead_uploads, is_lease, root_lease_name
 from ...storage.object_upload import ObjectUploader, multipart_etag, read_for_upload
 from ...storage.output import UPLOAD_BLOCK
 from ...storage.remote import listing_time
@@ -125,10 +126,14 @@ class _Uploader:
         self._manifest_bytes: dict[str, bytes | Exception] = {}
         #: uploads (through `fs.open`) not yet checked against the store, by file
         self._pending: dict[str, tuple[str, int, str, str, Any]] = {}
+        #: this round's lease at the destination's root, once it uploads (`mark_destination`)
+        self.lease: Lease | None = None
 
     def close(self) -> None:
         if self.objects is not None:
             self.objects.close()
+        if self.lease is not None:
+            self.lease.release()
 
     def listing(self) -> dict[str, dict[str, Any]]:
         """Objects under the destination prefix, relative name -> info (one listing a round)."""
@@ -565,6 +570,13 @@ class _Uploader:
             # the store's checksum question goes out now (once), answered while the first
             # files are read and hashed
             self.objects.ask_early()
+            if self.lease is None:
+                # a lease while this round uploads, then the unfinished multipart uploads of
+                # a sync that was killed (SIGKILL) are aborted: never those of one that runs
+                self.lease = Lease(self.store, root_lease_name())
+                self.lease.start()
+                for note in abort_dead_uploads(self.store, self.listing(), self.lease):
+                    notice(note)
         if SYNC_RECORD not in self.listing():
             self._put(SYNC_RECORD, _SYNC_RECORD_TEXT)
             self.listing()[SYNC_RECORD] = {"size": len(_SYNC_RECORD_TEXT)}
@@ -792,7 +804,7 @@ def _latest_held(uploader: _Uploader, run: RunReport, report: SyncReport) -> str
         known |= names
         if c.order > newest.order:
             later |= names
-    listed = set(uploader.listing())
+    listed = {rel for rel in uploader.listing() if not is_lease(rel)}
     if not listed <= known or listed & later:
         return None
     return rel
