@@ -637,13 +637,20 @@ def test_the_next_run_removes_the_temporaries_of_a_sigkilled_upload(
     unfinished = _uploads(s3_server.endpoint, "ckpts")
     assert unfinished and all(".model.ckpt-tmp-" in k for k in unfinished)
 
+    # and a server-side copy into DEST of a part-copied (> 5 GB) object, cut short the same way;
+    # another output whose name merely begins with DEST's is not DEST
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    client.create_multipart_upload(Bucket="ckpts", Key="exports/model/model.safetensors")
+    client.create_multipart_upload(Bucket="ckpts", Key="exports/model-v2/model.safetensors")
     again = run_ckpt("convert", *args)
     assert again.exit_code == 0, again.stderr
     assert "removed s3://ckpts/exports/.model.ckpt-tmp-" in again.stderr, again.stderr
     assert "that was killed" in again.stderr
-    assert "aborted 1 unfinished multipart upload" in again.stderr, again.stderr
+    assert "aborted 2 unfinished multipart uploads" in again.stderr, again.stderr
     assert [k for k in list_keys(s3_server.endpoint, "ckpts") if ".ckpt-tmp-" in k] == []
-    assert _uploads(s3_server.endpoint, "ckpts") == []
+    assert _uploads(s3_server.endpoint, "ckpts") == ["exports/model-v2/model.safetensors"]
     for key in left:  # whatever the dead run had stored is gone with its prefix
         assert key not in list_keys(s3_server.endpoint, "ckpts")
     fetch_prefix(s3_server.endpoint, "ckpts", "exports/model", tmp_path / "back")
@@ -674,6 +681,8 @@ def test_the_temporaries_of_a_live_run_are_left_alone(s3_server: S3Server, tmp_p
         client.put_object(Bucket="ckpts", Key=f"{prefix}/{LEASE_NAME}", Body=json.dumps(lease))
         client.put_object(Bucket="ckpts", Key=f"{prefix}/model-00001.safetensors", Body=b"x")
         client.create_multipart_upload(Bucket="ckpts", Key=f"{prefix}/model-00002.safetensors")
+    # a live run may be copying into DEST itself
+    client.create_multipart_upload(Bucket="ckpts", Key="exports/model/model.safetensors")
     before = list_keys(s3_server.endpoint, "ckpts", "exports/.model")
     result = run_ckpt(
         "convert", tmp_path / "w.pt", "s3://ckpts/exports/model", "--to", "safetensors"
@@ -681,7 +690,7 @@ def test_the_temporaries_of_a_live_run_are_left_alone(s3_server: S3Server, tmp_p
     assert result.exit_code == 0, result.stderr
     assert "killed" not in result.stderr
     assert list_keys(s3_server.endpoint, "ckpts", "exports/.model") == before
-    assert len(_uploads(s3_server.endpoint, "ckpts")) == 2
+    assert len(_uploads(s3_server.endpoint, "ckpts")) == 3
 
 
 def test_a_lease_is_dead_once_its_process_is_gone_here_or_its_renewal_too_old() -> None:

@@ -40,6 +40,8 @@ from .remote import FsspecStorage, listing_time, remote_failure
 LEASE_NAME = ".ckpt-lease"
 #: seconds between two writes of a lease by its run
 LEASE_REFRESH = 60.0
+#: seconds `Lease.stop` waits for a renewal in flight
+LEASE_STOP_WAIT = 10.0
 #: a lease (or a prefix without one) this much older than the store's clock is a dead run's
 LEASE_EXPIRY = 15 * 60.0
 #: a run that writes objects in place (`sync` push) keeps its lease at DEST's root under
@@ -127,10 +129,14 @@ class Lease:
                 self._write()
 
     def stop(self) -> None:
-        """Stop renewing (waits for a renewal in flight, so none lands after the removal)."""
+        """Stop renewing. A renewal in flight is waited for a little (so none lands after the
+        removal), not at all once a stop signal came (a stalled store must not hold Ctrl-C):
+        a lease that lands late is the debris of a gone run, removed by the next one."""
+        from .. import faults
+
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=0 if faults.received is not None else LEASE_STOP_WAIT)
 
     def release(self) -> None:
         """Stop renewing and remove the lease object (best effort: one left behind is judged
@@ -276,6 +282,8 @@ def remove_dead_temporaries(parent: FsspecStorage, name: str, lease: Lease) -> l
                 f"removed {parent.describe(entry)}/, the temporary objects of a run writing "
                 f"{parent.describe(name)} that was killed"
             )
+    with contextlib.suppress(Exception):
+        fs.invalidate_cache(parent.root)  # the listing above must not answer for DEST later
     s3 = parent.s3_filesystem()
     if s3 is not None:
         aborted = _abort_uploads(parent, name, own, set(gone), seen, dest_too=not alive, now=now)
