@@ -21,7 +21,9 @@ it into a `RemoteDest` and `staged_output` then
 Object stores have no rename and no multi-object transaction, so this is as atomic as they
 allow: each object appears whole or not at all, and DEST gets its commit marker only after
 every other file is in place. A failure at any step removes what was uploaded or copied, so
-DEST never holds a marker without its files. Writers stay unchanged (they write local files),
+DEST never holds a marker without its files. A run killed outright cannot remove its temporary prefix: it
+keeps a lease there, and the next run writing DEST removes the prefixes (and aborts the
+multipart uploads) of runs that are gone (`object_leases`). Writers stay unchanged (they write local files),
 at the price of local disk for one output.
 """
 
