@@ -2107,3 +2107,59 @@ def test_a_sync_leaves_the_multipart_uploads_of_a_live_one_alone(
     assert "aborted" not in result.stderr
     assert len(client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])) == 1
     assert "run/.ckpt-lease-cccccccccccc" in list_keys(s3_server.endpoint, BUCKET, "run/")
+
+
+#: runs `ckpt ARGV…` (renameat2 off: two renames) in a real process that SIGKILLs itself as it
+#: renames a pull's staging folder into place, once the old copy was moved aside
+_KILLED_PULL_PUBLISH = """
+import os, signal, sys
+real_rename = os.rename
+def rename(a, b, *args, **kwargs):
+    if str(a).endswith(".ckpt-tmp-pull") and ".ckpt-old-" not in str(b):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_rename(a, b, *args, **kwargs)
+os.rename = rename
+from ckpt_cli.__main__ import entry
+sys.argv = ["ckpt", *sys.argv[1:]]
+entry()
+"""
+
+
+def test_a_pull_killed_while_replacing_a_copy_is_settled_by_the_next_pull(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A pull replacing a save synced again is killed (SIGKILL) after moving the local copy
+    aside and before putting the new one in its place: the local save lived on only in the
+    hidden `.checkpoint-200.ckpt-old-PID`. The next pull puts it back, says so, and then
+    replaces it as it should; nothing is left hidden."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100, 200))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
+    back = tmp_path / "back"
+    assert run_ckpt("sync", f"s3://{BUCKET}/run/", back).exit_code == 0
+    time.sleep(1.1)  # the store lists times to the second
+    weights_file = out / "checkpoint-200" / "model.safetensors"
+    rewritten = bytearray(weights_file.read_bytes())
+    rewritten[-4:] = b"\x01\x02\x03\x04"
+    weights_file.write_bytes(bytes(rewritten))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--settle", "0").exit_code == 0
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), CKPT_NO_RENAME_EXCHANGE="1")
+    args = ["sync", f"s3://{BUCKET}/run/", str(back)]
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_PULL_PUBLISH, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (back / "checkpoint-200").exists()
+    (aside,) = back.glob(".checkpoint-200.ckpt-old-*")
+
+    again = run_ckpt(*args)
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert "restored" in again.stderr and aside.name in again.stderr, again.stderr
+    assert (back / "checkpoint-200" / "model.safetensors").read_bytes() == bytes(rewritten)
+    assert not [p.name for p in back.iterdir() if p.name.startswith(".")]  # nothing hidden
+    assert run_ckpt("verify", back / "checkpoint-200", "--checksums").exit_code == 0

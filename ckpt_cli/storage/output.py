@@ -514,6 +514,20 @@ def recover_old_copies(dest: Path) -> list[str]:
     return notes
 
 
+def recover_old_copies_in(folder: Path) -> list[str]:
+    """`recover_old_copies` for every output of `folder` that has an old copy beside it (a
+    run folder a pull publishes into, each checkpoint a `--force` replace)."""
+    pattern = re.compile(r"\.(?P<name>.+)" + re.escape(OLD_MARKER) + r"[0-9]{1,10}")
+    try:
+        names = {m["name"] for e in os.scandir(folder) if (m := pattern.fullmatch(e.name))}
+    except OSError:
+        return []
+    notes: list[str] = []
+    for name in sorted(names):
+        notes += recover_old_copies(folder / name)
+    return notes
+
+
 def publish(source: Path, dest: Path, *, force: bool) -> None:
     """Rename the finished `source` to `dest`; with `force`, in place of what `dest` holds
     (one atomic exchange where the filesystem has it, else through `.DEST.ckpt-old-PID`,

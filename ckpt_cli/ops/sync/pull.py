@@ -18,14 +18,21 @@ from ...errors import (
     UnsafeInputError,
     UsageError,
 )
-from ...faults import HeldStopSignals, interruption, io_failure, note_published
+from ...faults import HeldStopSignals, interruption, io_failure, note_published, notice
 from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
 from ...sources.runs.naming import deepspeed_step, deepspeed_tag
 from ...sources.runs.records import DEFAULT_SETTLE, checksum_manifest_of
 from ...storage import LocalStorage, Storage, safe_relpath
 from ...storage.hashing import hasher_factory
-from ...storage.output import TMP_MARKER, UPLOAD_BLOCK, apply_umask, fsync_dir, publish
+from ...storage.output import (
+    TMP_MARKER,
+    UPLOAD_BLOCK,
+    apply_umask,
+    fsync_dir,
+    publish,
+    recover_old_copies_in,
+)
 from ...storage.uri import parse_location
 from ..verify.checksums import MANIFEST_NAME, ChecksumManifest, refuse_unsafe_manifest
 from .model import RateLimit, SyncedCheckpoint, SyncReport
@@ -584,6 +591,11 @@ def sync_down(
     # made once there is something to pull into it: a refused pull leaves no empty DEST
     if not dry_run:
         dest_root.mkdir(parents=True, exist_ok=True)
+        # a pull killed while it replaced a save left the local copy aside: put back (then
+        # judged below as any local copy) or, where the new one was published, removed; a
+        # dry run leaves it where it is (it writes nothing)
+        for note in recover_old_copies_in(dest_root):
+            notice(note)
     report.checkpoints += _passed_over(remote.checkpoints, wanted, latest_only)
     # what is here already, judged as `ckpt latest` judges it: a save cut short here is no
     # copy of the store's complete one
