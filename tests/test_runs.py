@@ -668,3 +668,21 @@ def test_a_torchtitan_model_only_final_save_is_a_complete_export(tmp_path: Path)
     full = run_ckpt("inspect", run / "step-20", "--json").json["result"]["training"]
     assert full["layout"] == "torchtitan" and full["resumable"] is True
     assert full["step"] == 20 and full["optimizer"]["kind"] == "AdamW"
+
+
+def test_the_old_copy_a_killed_force_replace_left_is_never_the_latest(tmp_path: Path) -> None:
+    """A replace of checkpoint-100 (a pull of a save synced again, a `--force` convert) killed
+    mid-way leaves the old copy as `.checkpoint-100.ckpt-old-PID`. Its name ends in a number:
+    `ckpt latest` took it for a plain save of step PID (12345 here), newer than every real
+    step, and a resume script resumed from that hidden, replaced copy."""
+    out = trainer_run(tmp_path, steps=(100, 200))
+    shutil.copytree(out / "checkpoint-100", out / ".checkpoint-100.ckpt-old-12345")
+    result = run_ckpt_process("latest", out)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == f"{out / 'checkpoint-200'}\n"
+    rows = table(out)
+    assert sorted(rows) == ["checkpoint-100", "checkpoint-200"]
+    # and `prune --incomplete` never takes it for debris: it holds a whole checkpoint
+    pruned = run_ckpt("prune", out, "--incomplete", "--yes")
+    assert pruned.exit_code == 0, pruned.stderr
+    assert (out / ".checkpoint-100.ckpt-old-12345" / "model.safetensors").is_file()

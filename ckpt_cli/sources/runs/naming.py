@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import UsageError
 from ...formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, holds_dcp
-from ...storage.output import TMP_MARKER
+from ...storage.output import OLD_MARKER, TMP_MARKER
 from .records import CHECKSUM_MANIFEST, SLIM_RECORD, Found
 
 if TYPE_CHECKING:
@@ -134,6 +134,10 @@ def classify(
     `holds_checkpoint` says whether a plain `NAME-N/` folder holds checkpoint files (asked
     only for such folders: a log folder named `eval-3/` is no checkpoint).
     """
+    if name.startswith(".") and OLD_MARKER in name:
+        # `.NAME.ckpt-old-PID`: the copy a `--force` replace set aside, whole but replaced
+        # (the next run writing NAME settles it); its number is a process id, never a step
+        return None
     for pattern in _TEMP_NAMES:
         m = pattern.fullmatch(name)
         if m:
