@@ -21,10 +21,11 @@ from types import TracebackType
 from typing import Any
 
 from ...errors import CkptError, NotFoundError, UsageError
+from ...faults import notice
 from ...sources.runs import DELETING, RunReport, is_remote, scan_run
 from ...sources.runs.records import CHECKSUM_MANIFEST
 from ...storage import PARITY_DIR
-from ...storage.output import TMP_MARKER, fsync_dir
+from ...storage.output import TMP_MARKER, fsync_dir, recover_old_copies_in
 from ...storage.uri import is_hub_url, parse_location
 from .retention import (
     PARTLY_DELETED,
@@ -300,6 +301,11 @@ def prune(
         )
     parse_location(str(run_dir))  # a URL with no bucket is refused before it is trimmed
     root: Path | str = str(run_dir).rstrip("/") if remote else Path(run_dir)
+    if yes and isinstance(root, Path):
+        # a save a killed slim (or `--force` replace) had moved aside, its new copy not yet
+        # in place: put back before the plan, which then judges it as any save
+        for note in recover_old_copies_in(root):
+            notice(note)
     run = scan_run(root, metric=policy.keep_best, mode=policy.mode, settle=policy.settle)
     if strict_metric and run.best is not None and run.best.name is None:
         fix = (
