@@ -913,3 +913,79 @@ def test_merge_dry_run_says_what_it_would_write_and_writes_nothing(
     # an existing DEST is refused by the dry run as by the real merge
     again = run_ckpt("merge", base, lora_adapter, out, "--dry-run")
     assert again.exit_code == 2 and "--force" in again.stderr
+
+
+@pytest.mark.parametrize("tying", [False, True], ids=["own-updates", "ensure_weight_tying"])
+def test_merge_of_lora_on_both_tied_embeddings_is_refused_with_the_untying_fix(
+    tmp_path: Path, tying: bool
+) -> None:
+    """LoRA on `embed_tokens` and `lm_head` of a base that ties them: ckpt refused, saying
+    "Merge it with peft's merge_and_unload", whose result is wrong there: it adds both updates
+    (with `ensure_weight_tying`, the one shared update twice) into the one tensor both layers
+    read, so the merged model's outputs differ from the adapter model's. The refusal says why
+    and gives the fix; following it (untie the base, merge into that) merges exactly: the
+    model computes what the adapter does, and its tensors are `merge_and_unload`'s on the
+    untied base, bit for bit, and load with `from_pretrained`."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from .framework_fixtures import tiny_config
+
+    torch.manual_seed(5)
+    config = tiny_config()
+    config.tie_word_embeddings = True
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    LlamaForCausalLM(config).save_pretrained(base)
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["embed_tokens", "lm_head", "q_proj"],
+        init_lora_weights=False,
+        ensure_weight_tying=tying,
+    )
+    tokens = torch.tensor([[1, 5, 7, 9, 30]])
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        get_peft_model(LlamaForCausalLM.from_pretrained(base), lora).save_pretrained(adapter)
+        model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), adapter)
+        want = model(tokens).logits
+        peft_merged = model.merge_and_unload()(tokens).logits
+    # why it is refused: peft's own merge is not the adapter's model
+    assert not torch.allclose(peft_merged, want, atol=1e-2)
+    refused = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
+    assert refused.exit_code == 4
+    error = refused.json["error"]
+    assert "'model.embed_tokens.weight' (tie_word_embeddings)" in error["message"]
+    assert "would not compute what the adapter does" in error["message"]
+    assert "tie_word_embeddings = False" in error["fix"] and "ckpt merge UNTIED" in error["fix"]
+    assert not (tmp_path / "merged").exists()
+    # the fix, as the message gives it
+    untied = tmp_path / "untied"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = LlamaForCausalLM.from_pretrained(base)
+        m.config.tie_word_embeddings = False
+        m.lm_head.weight = torch.nn.Parameter(m.get_input_embeddings().weight.clone())
+        m.save_pretrained(untied)
+    result = run_ckpt("merge", untied, adapter, tmp_path / "merged")
+    assert result.exit_code == 0, result.stderr
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        PeftModel.from_pretrained(
+            LlamaForCausalLM.from_pretrained(untied), adapter
+        ).merge_and_unload().save_pretrained(tmp_path / "peft-merged")
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path / "merged")
+        got = loaded(tokens).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    expected = load_file(tmp_path / "peft-merged" / "model.safetensors")
+    written = load_file(tmp_path / "merged" / "model.safetensors")
+    assert written.keys() == expected.keys() and "lm_head.weight" in written
+    differ = [n for n in written if not torch.equal(written[n], expected[n])]
+    # with `ensure_weight_tying` peft saves `lm_head`'s factors (the embedding's, transposed)
+    # but drops `lm_head` from target_modules, so on the untied base it merges no update into
+    # the head, which the adapter model did apply: ckpt merges the factors the file holds
+    assert differ == (["lm_head.weight"] if tying else [])
+    if tying:
+        assert torch.allclose(written["lm_head.weight"], written["model.embed_tokens.weight"])
+    state = loaded.state_dict()
+    assert all(torch.equal(state[n], written[n]) for n in written)

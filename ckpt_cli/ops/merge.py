@@ -325,6 +325,26 @@ def _tied_names(names: set[str]) -> dict[str, str]:
     return {"lm_head.weight": embeddings[0]} if len(embeddings) == 1 else {}
 
 
+def _tied_pair_refused(first: str, second: str, target: str, where: str) -> FormatError:
+    """LoRA layers on both the embedding and the output head of a base that ties them: merged
+    into the one tensor both read, each update also changes the other layer. peft's
+    `merge_and_unload` adds both into it all the same (with `ensure_weight_tying`, the one
+    shared update twice), a model that computes what the adapter did not, so no merge is
+    written; untied, each layer takes its own update and the merge is exact."""
+    return FormatError(
+        f"{first!r} and {second!r} both hold LoRA updates, and the base ties the two to one "
+        f"tensor, {target!r} (tie_word_embeddings): merged into it, each update would also "
+        "change the other layer, so the merged model would not compute what the adapter does "
+        "(peft's merge_and_unload adds both into the shared tensor all the same)",
+        path=where,
+        fix="Untie the base, then merge into that: in Python, `m = AutoModelForCausalLM."
+        "from_pretrained(BASE); m.config.tie_word_embeddings = False; m.lm_head.weight = "
+        "torch.nn.Parameter(m.get_input_embeddings().weight.clone()); m.save_pretrained(UNTIED)`"
+        ", then `ckpt merge UNTIED ADAPTER DEST`: the embedding and the output head each take "
+        "their own update.",
+    )
+
+
 def _base_name(
     module: str, suffix: str, names: set[str], tied: dict[str, str] | None = None
 ) -> str | None:
@@ -568,12 +588,7 @@ def _plan_updates(
             raise problem
         update = updates.setdefault(target, _Update(module))
         if update.module != module:  # two LoRA layers on one tied tensor (embedding + lm_head)
-            raise FormatError(
-                f"{update.module!r} and {module!r} both update {target!r} (tied weights), "
-                "which `ckpt merge` does not combine",
-                path=where,
-                fix="Merge it with peft's merge_and_unload.",
-            )
+            raise _tied_pair_refused(update.module, module, target, where)
         update.embedding = part.startswith("lora_embedding")
         if part.endswith("A"):
             update.a = entry.name
