@@ -103,11 +103,66 @@ def interrupted_trainer_save(out: Path, step: int) -> Path:
     return folder
 
 
-def dcp_save(folder: Path, step: int) -> None:
-    """One torchtitan-style DCP step folder, written by `dcp.save` in a single process."""
+#: the states torchtitan's `CheckpointManager` saves beside the model at every step but a
+#: final model-only export (`last_save_model_only`)
+TITAN_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+class _Tiny(torch.nn.Module):
+    """A module whose state dict is `weights(step)` (what the optimizer's FQNs name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(torch.nn.Linear(4, 8, bias=False) for _ in range(2))
+        self.model.embed = torch.nn.Embedding(16, 4, dtype=torch.bfloat16)
+
+
+def titan_states(step: int, nested: bool = True) -> dict[str, object]:
+    """What torchtitan's `CheckpointManager` hands `dcp.save` at an interval save: the model
+    (under `model`, as torchtitan before 0.2 kept it; `nested=False`: its FQNs at the top level,
+    as 0.3 flattens them, `layers.0.weight`...), its AdamW state flattened by FQN (`get_optimizer_state_dict` with
+    `flatten_optimizer_state_dict`, what its `OptimizersContainer` saves), the LR scheduler's
+    state, the data loader's pickled per-rank state and `world_size`, and `train_state`."""
+    import pickle
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    tiny = _Tiny()
+    tiny.load_state_dict(weights(step))
+    # torchtitan 0.3's models hold their layers at the top (`layers.0...`, `tok_embeddings`)
+    module = tiny if nested else tiny.model
+    # lr 0: the moments are real, the weights stay `weights(step)`
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.0)
+    for param in module.parameters():
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
+        for _ in range(step):
+            scheduler.step()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model = module.state_dict()
+    return {
+        **({"model": model} if nested else model),
+        "optimizer": get_optimizer_state_dict(module, optimizer, options=options),
+        "lr_scheduler": scheduler.state_dict(),
+        "dataloader": {"dp_rank_0": pickle.dumps({"sample_idx": step}), "world_size": 1},
+        "train_state": {"step": step, "ntokens_seen": 8 * step},
+    }
+
+
+def dcp_save(
+    folder: Path, step: int, *, states: tuple[str, ...] = TITAN_STATES, nested: bool = True
+) -> None:
+    """One torchtitan DCP step folder, written by `dcp.save` in a single process as its
+    `CheckpointManager` does (`titan_states`); `states`: which of its states it holds (none:
+    a model-only save, torchtitan's seed checkpoint or `last_save_model_only` export)."""
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": weights(step), "train_state": {"step": step}}
+    full = titan_states(step, nested)
+    state = {k: v for k, v in full.items() if k not in TITAN_STATES or k in states}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(folder), no_dist=True)

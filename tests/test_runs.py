@@ -145,6 +145,35 @@ def test_torchtitan_dcp_without_metadata_is_incomplete(tmp_path: Path) -> None:
     assert run_ckpt("latest", tmp_path / "dump").stdout.strip() == str(run / "step-20")
 
 
+def test_a_torchtitan_save_with_train_state_and_no_optimizer_is_incomplete(tmp_path: Path) -> None:
+    """torchtitan's CheckpointManager saves the model with its optimizer, lr_scheduler,
+    dataloader and train_state at every step, and `load` restores them all; only a model-only
+    export (`last_save_model_only`) holds the model alone. A save holding `train_state` but no
+    optimizer state was called complete and named the latest: a resume from it fails (or,
+    with the optimizer excluded from loading, restarts the optimizer)."""
+    run = tmp_path / "dump" / "checkpoint"
+    dcp_save(run / "step-10", 10)
+    dcp_save(run / "step-20", 20, nested=False)  # torchtitan 0.3: model keys at the top
+    dcp_save(run / "step-30", 30, states=("lr_scheduler", "dataloader", "train_state"))
+    age(run)
+    rows = table(tmp_path / "dump")
+    assert rows["checkpoint/step-10"]["status"] == "complete"
+    assert rows["checkpoint/step-20"]["status"] == "complete"
+    row = rows["checkpoint/step-30"]
+    assert row["status"] == "incomplete"
+    assert "no optimizer state" in row["reason"] and "train_state" in row["reason"]
+    assert "CheckpointManager" in row["reason"]
+    assert run_ckpt("latest", tmp_path / "dump").stdout.strip() == str(run / "step-20")
+    # `verify` holds the save to the same rule: exit 1, naming what it lacks
+    result = run_ckpt("verify", run / "step-30")
+    assert result.exit_code == 1
+    assert "missing_optimizer" in result.stdout and "no optimizer state" in result.stdout
+    assert run_ckpt("verify", run / "step-20").exit_code == 0
+    # and the whole save of either torchtitan layout is resumable, as torchtitan resumes it
+    assert run_ckpt("verify", run / "step-10", "--resumable").exit_code == 0
+    assert run_ckpt("verify", run / "step-20", "--resumable").exit_code == 0
+
+
 def step_folder_save(folder: Path, step: int, *, optimizer: bool = True) -> None:
     """What a hand-written training loop saves as `step-N/`: safetensors weights and a
     torch.save optimizer file, with no commit marker (no DCP)."""

@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from .conftest import run_ckpt
 from .dist_helpers import torchrun_env
+from .run_fixtures import TITAN_STATES
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip(
@@ -135,8 +136,8 @@ def test_verify_good_and_damaged_copies(
     result = run_ckpt("verify", gone)
     assert result.exit_code == 1, result.stdout
     assert "__0_0.distcp" in result.stdout
-    # the same step re-saved without its optimizer (what a model-only save looks like):
-    # structurally sound, but not resumable
+    # the same step re-saved without its optimizer, its train_state kept: torchtitan saves
+    # the optimizer with every train_state, so plain verify fails it too, naming the rule
     full: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -146,11 +147,19 @@ def test_verify_good_and_damaged_copies(
         no_opt = {k: v for k, v in full.items() if k != "optimizer"}
         dcp.save(no_opt, checkpoint_id=str(tmp_path / "no_opt" / "step-3"), no_dist=True)
     damaged = tmp_path / "no_opt" / "step-3"
-    assert run_ckpt("verify", damaged).exit_code == 0
+    plain = run_ckpt("verify", damaged)
+    assert plain.exit_code == 1 and "missing_optimizer" in plain.stdout
+    assert "train_state" in plain.stdout and "CheckpointManager" in plain.stdout
     result = run_ckpt("verify", damaged, "--resumable", "--json")
     assert result.exit_code == 1
     codes = [p["code"] for p in result.json["result"]["problems"]]
     assert "missing_optimizer" in codes, codes
+    # a model-only save (the `last_save_model_only` export: the model's keys alone) is whole
+    model_only = {k: v for k, v in full.items() if k not in TITAN_STATES}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(model_only, checkpoint_id=str(tmp_path / "export" / "step-3"), no_dist=True)
+    assert run_ckpt("verify", tmp_path / "export" / "step-3").exit_code == 0
 
 
 def test_convert_select_model_is_bit_exact(

@@ -27,7 +27,13 @@ from ...formats.base import Checkpoint, Source
 from ...heap import gc_paused
 from ...models import Problem, ProblemList, Record, Request, TrainingState
 from ...progress import NULL_PROGRESS, Progress
-from ...sources.layouts import OpenedSource, SourceOpener, check_source, recognise_layout
+from ...sources.layouts import (
+    OpenedSource,
+    SourceOpener,
+    check_source,
+    recognise_layout,
+    single_layout_missing,
+)
 from ...storage.hashing import ALGORITHMS
 from ..parity import ParityCheck, check_parity, damage_text
 from .checksums import MANIFEST_NAME, checksum_checks, manifest_exists, manifest_location
@@ -303,6 +309,9 @@ def _structure(
     problems = ProblemList(fmt.check(source))
     if fmt.object_bytes and not any(p.severity == "error" for p in problems):
         problems.extend(object_problems(opener))
+    if format is None and not any(p.severity == "error" for p in problems):
+        # a training layout's own rule (a torchtitan save with no optimizer state)
+        problems.extend(single_layout_missing(source))
     return name, source, problems
 
 

@@ -101,9 +101,11 @@ __all__ = [
     "folder_layout",
     "folder_layout_named",
     "folder_layout_of",
+    "layout_named",
     "open_plain",
     "open_source",
     "recognise_layout",
+    "single_layout_missing",
     "subfolder_source",
     "training_checks",
 ]
@@ -154,6 +156,15 @@ def folder_layout_named(name: str) -> Layout | None:
         if layout.name == name:
             return layout
     return None
+
+
+def layout_named(name: str) -> Layout | None:
+    """The layout whose token is `name`, a folder layout's (`hf-trainer`) or a single
+    checkpoint's (`torchtitan`): what a run's judge asks of a save its name says is one."""
+    from .torch_dict import SINGLE_LAYOUTS
+
+    found = folder_layout_named(name)
+    return found or next((lay for lay in SINGLE_LAYOUTS if lay.name == name), None)
 
 
 def __getattr__(name: str) -> Any:
@@ -319,6 +330,21 @@ def check_source(
         if owned:
             opened.checkpoint.close()
     return problems
+
+
+def single_layout_missing(source: Source) -> list[Problem]:
+    """What one checkpoint (a DCP folder, a torch.save file) lacks by its training layout's own
+    rule (`Layout.missing`: a torchtitan save holding its `train_state` and no optimizer
+    state); what plain `verify` adds to its format's structural check."""
+    from .composite import Folder
+    from .torch_dict import SINGLE_LAYOUTS
+
+    for layout in SINGLE_LAYOUTS:
+        if layout.recognise(source):
+            found = layout.missing(source, Folder(source))
+            if found:
+                return found
+    return []
 
 
 def recognise_layout(source: Source) -> OpenedSource | None:

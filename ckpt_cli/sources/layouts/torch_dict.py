@@ -4,13 +4,14 @@ and `SINGLE_LAYOUTS`, the registry of the layouts inside one checkpoint."""
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from ...formats import find_format
-from ...formats.base import Checkpoint
-from ...models import Manifest, TrainingState
-from .base import SingleLayout
+from ...formats.base import Checkpoint, Source
+from ...models import Manifest, Problem, TrainingState
+from .base import SingleLayout, open_plain
 from .lightning import Lightning
-from .torchtitan import model_entries, titan_model_keys
+from .torchtitan import missing_states, model_entries, titan_model_keys
 from .training import (
     all_models,
     analyse,
@@ -21,6 +22,9 @@ from .training import (
     value_of,
     verdict,
 )
+
+if TYPE_CHECKING:
+    from .composite import Folder
 
 # --------------------------------------------------------------------------- single files
 
@@ -69,6 +73,17 @@ class TorchTitan(SingleLayout):
 
     def training_state(self, checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState | None:
         return _dict_state(checkpoint, keys)
+
+    def missing(self, source: Source, folder: Folder) -> list[Problem]:
+        """The states a save holding torchtitan's `train_state` lacks by torchtitan's own rule
+        (`torchtitan.missing_states`): its `.metadata` read, no tensor data."""
+        from ..runs import SLIM_RECORD
+
+        if not self.recognise(source) or folder.has(SLIM_RECORD):
+            return []  # slimmed by `ckpt prune --slim-older-than`: weights-only on purpose
+        with open_plain(source) as checkpoint:
+            keys = top_keys(checkpoint.manifest)
+        return missing_states(keys, source.location.raw)
 
 
 class TorchDict(SingleLayout):

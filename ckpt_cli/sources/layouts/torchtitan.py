@@ -6,17 +6,29 @@ folder's `checkpoint/`): the model's FQNs flattened to the top level beside `opt
 and `world_size`) and `train_state` (`step`, `ntokens_seen`). Older releases kept the model
 under `model.`. The fused attention projection is a `wqkv` parameter (which the optimizer's
 state is keyed by) saved split as `wq` / `wk` / `wv` by a state-dict hook.
+
+What a save must hold is torchtitan's own rule (`CheckpointManager._save` / `_save_last_step`
+/ `_states_to_load`): every interval save holds the model with all those states, and its
+`load` restores them all; only a model-only save holds the model alone (the seed checkpoint
+`step-0`, which `load` reads model-only, and the last step's export with
+`last_save_model_only`, the default). A save holding `train_state` (the trainer's own state)
+without the optimizer's is neither: `missing_states` says what it lacks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ...models import Entry, Manifest
+from ...models import Entry, Manifest, Problem
 from .training import top_keys
 
 #: the top-level states torchtitan's CheckpointManager saves beside the model's own keys
 _TITAN_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+#: what every save of torchtitan's that holds its `train_state` holds beside the model: the
+#: optimizer state, without which a resume restarts the optimizer (the scheduler's, the data
+#: loader's are an exact resume's question: `verify --resumable` warns; torchft's manager
+#: keeps the data loader's apart, in its replica folders)
+_SAVED_WITH_TRAIN_STATE = ("optimizer",)
 
 
 def fused_shapes(model: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -47,3 +59,33 @@ def model_entries(entries: Iterable[Entry], keys: list[str]) -> list[Entry]:
     """The entries under the top-level `keys`."""
     wanted = set(keys)
     return [e for e in entries if e.top_key() in wanted]
+
+
+def missing_states(keys: Iterable[str], where: str) -> list[Problem]:
+    """What a torchtitan save with these top-level keys lacks by torchtitan's own rule (see the
+    module docstring): a save holding `train_state` is an interval save, which holds the model
+    with its optimizer state; a model-only save lacks nothing."""
+    held = set(keys)
+    if "train_state" not in held:
+        return []
+    lacks = [s for s in _SAVED_WITH_TRAIN_STATE if s not in held]
+    if not held - set(_TITAN_STATES):
+        lacks.insert(0, "model")
+    if not lacks:
+        return []
+    saved = ", ".join(s for s in _TITAN_STATES if s in held)
+    named = {"model": "the model's weights", "optimizer": "optimizer state"}
+    return [
+        Problem(
+            code="missing_weights" if lack == "model" else "missing_optimizer",
+            message=f"{where}: holds torchtitan's {saved} but no {named[lack]}: torchtitan's "
+            "CheckpointManager saves the model, optimizer, lr_scheduler, dataloader and "
+            "train_state at every step (only a model-only export, `last_save_model_only`, "
+            "holds the model alone), and its `load` restores them all, so a resume from this "
+            "save fails, or with the state in `checkpoint.exclude_from_loading` restarts it "
+            "from scratch. Resume from another save (`ckpt latest` names the newest complete "
+            "one).",
+            file=where,
+        )
+        for lack in lacks
+    ]

@@ -403,17 +403,19 @@ def _layout_problem(
 ) -> tuple[str | None, str | None]:
     """(problem, note) of a save by its framework's own layout (`Layout.missing`: a Trainer
     checkpoint whose `rng_state.pth` says its `optimizer.pt` was saved, an accelerate save with
-    a scheduler's state and no optimizer's), whatever the run's other saves hold; the note says
-    when its files cannot tell what it should hold (`Layout.unknown_state`). Names only, and
-    the few bytes of `training_args.bin` a Trainer checkpoint's `save_only_model` needs."""
-    from ..layouts import folder_layout_named, folder_layout_of
+    a scheduler's state and no optimizer's, a torchtitan save with its `train_state` and no
+    optimizer's), whatever the run's other saves hold; the note says when its files cannot tell
+    what it should hold (`Layout.unknown_state`). Names only, the few bytes of
+    `training_args.bin` a Trainer checkpoint's `save_only_model` needs, and a torchtitan save's
+    `.metadata`."""
+    from ..layouts import folder_layout_of, layout_named
     from ..layouts.composite import Folder
 
     try:
         source = _component_source(storage, item.rels[0], True, files)
         # a save the script named (`step_100/`): the framework its files say
         layout = folder_layout_of(source) if item.layout == "plain" else None
-        layout = layout or folder_layout_named(item.layout)
+        layout = layout or layout_named(item.layout)
         if layout is None:
             return None, None
         folder = Folder(source)
