@@ -853,6 +853,30 @@ def test_a_step_folder_of_separate_torch_save_files_is_a_plain_training_save(
     assert plain["format"] == "torch" and plain["training"] is None
 
 
+def test_a_run_of_torch_files_saves_lists_them_as_torch_files(tmp_path: Path) -> None:
+    """`inspect` of one save said `torch-files`, but the run table (`latest --json`, `inspect
+    RUN_DIR`) listed its saves, and the run, as `plain`: the saves' files say what they are,
+    whatever the script named the folders (`step_N/`)."""
+    from .run_fixtures import age
+
+    ckpt = tmp_path / "ckpt"
+    _plain_loop_saves(ckpt, (100, 200, 300))
+    age(ckpt)
+    report = run_ckpt("latest", ckpt, "--json").json["result"]
+    assert report["layouts"] == ["torch-files"]
+    assert {c["name"]: c["layout"] for c in report["checkpoints"]} == {
+        f"step_{n}": "torch-files" for n in (100, 200, 300)
+    }
+    assert report["latest"] == str(ckpt / "step_300")
+    assert "(run folder: torch-files, 3 checkpoints)" in run_ckpt("inspect", ckpt).stdout
+    # they have no commit marker: a save cut short before its rng.pt is compared with the others
+    (ckpt / "step_300" / "rng.pt").unlink()
+    rows = run_ckpt("latest", ckpt, "--json", "--settle", "0").json["result"]["checkpoints"]
+    row = {c["name"]: c for c in rows}
+    assert row["step_300"]["status"] == "incomplete" and "rng.pt" in row["step_300"]["reason"]
+    assert run_ckpt("latest", ckpt).stdout.strip() == str(ckpt / "step_200")
+
+
 def test_a_plain_saves_step_is_read_from_its_own_meta_file(tmp_path: Path) -> None:
     """`model.pth`, `optim.pth` and a `meta.pt` of `{"step": 7, "epoch": 1}` in a folder whose
     name carries no number: the step and epoch are the meta file's, so the save is resumable

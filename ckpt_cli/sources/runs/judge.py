@@ -48,6 +48,7 @@ from .records import (
 )
 
 if TYPE_CHECKING:
+    from ..layouts import Layout
     from .scan import RunListing
 
 # --------------------------------------------------------------------------- judging
@@ -80,11 +81,15 @@ def judge_found(
     files = run.files(item)
     mtime, newest = run.times(item)
     recent = newest > 0 and now - newest < settle
+    # a save the script named: the run table says what its files are when they are a layout
+    # with no marker of its own (a loop's torch.save files, accelerate's `save_state`); it is
+    # still compared with the run's other plain-named saves (one cut short may not say)
+    own = files_layout(run.storage, item, files)
     entry = RunCheckpoint(
         name=primary,
         path=run.where(primary),
         paths=[run.where(rel) for rel in item.rels],
-        layout=item.layout,
+        layout=own.name if own is not None and own.name in UNMARKED else item.layout,
         step=item.step,
         epoch=item.epoch,
         save_number=item.save_number,
@@ -115,7 +120,7 @@ def judge_found(
         problem = _zero_partition_problem(run.storage, primary, files)
     note = None
     if problem is None and item.is_dir:
-        lost, note = _layout_problem(run.storage, item, files)
+        lost, note = _layout_problem(run.storage, item, files, own)
         if lost is not None:
             # a file the framework writes before others that are here: lost since the save,
             # never one still being written, however recent
@@ -157,6 +162,21 @@ def judge_found(
     if recent:
         return with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
     return with_status(entry, "incomplete", problem)
+
+
+def files_layout(storage: Storage, item: Found, files: Mapping[str, int]) -> Layout | None:
+    """The folder layout the files of a save the script named (`step_100/`: a plain name) say
+    it is (accelerate's `save_state`, a loop's folder of torch.save files...), None for another
+    save. Names only, nothing read."""
+    from ..layouts import folder_layout_of
+
+    if item.layout != "plain" or not item.is_dir or item.temporary:
+        return None
+    try:
+        return folder_layout_of(_component_source(storage, item.rels[0], True, files))
+    except CkptError as error:
+        no_verdict(error)  # the store or the OS refused: the layout check says why
+        return None
 
 
 def folder_storage(storage: Storage, rel: str, files: Mapping[str, int] | None = None) -> Storage:
@@ -399,7 +419,7 @@ def _trainer_state_problem(storage: Storage, folder: str, files: Mapping[str, in
 
 
 def _layout_problem(
-    storage: Storage, item: Found, files: Mapping[str, int]
+    storage: Storage, item: Found, files: Mapping[str, int], own: Layout | None
 ) -> tuple[str | None, str | None]:
     """(problem, note) of a save by its framework's own layout (`Layout.missing`: a Trainer
     checkpoint whose `rng_state.pth` says its `optimizer.pt` was saved, an accelerate save with
@@ -407,15 +427,14 @@ def _layout_problem(
     optimizer's), whatever the run's other saves hold; the note says when its files cannot tell
     what it should hold (`Layout.unknown_state`). Names only, the few bytes of
     `training_args.bin` a Trainer checkpoint's `save_only_model` needs, and a torchtitan save's
-    `.metadata`."""
-    from ..layouts import folder_layout_of, layout_named
+    `.metadata`. `own`: the layout the files of a save the script named say (`files_layout`)."""
+    from ..layouts import layout_named
     from ..layouts.composite import Folder
 
     try:
         source = _component_source(storage, item.rels[0], True, files)
-        # a save the script named (`step_100/`): the framework its files say
-        layout = folder_layout_of(source) if item.layout == "plain" else None
-        layout = layout or layout_named(item.layout)
+        # a save the script named (`step_100/`): the framework its files say (`own`)
+        layout = own or layout_named(item.layout)
         if layout is None:
             return None, None
         folder = Folder(source)

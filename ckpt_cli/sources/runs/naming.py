@@ -274,7 +274,7 @@ def leave_out_strays(items: list[Found]) -> tuple[list[Found], list[str]]:
 
 
 #: layouts with no commit marker of their own: their saves are compared with each other
-UNMARKED = ("accelerate", "plain")
+UNMARKED = ("accelerate", "torch-files", "plain")
 #: layouts named by a step folder whose saves are DCP folders (`.metadata` their commit marker)
 _DCP_STEP_LAYOUTS = ("torchtitan",)
 
