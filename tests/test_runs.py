@@ -172,6 +172,20 @@ def test_a_torchtitan_save_with_train_state_and_no_optimizer_is_incomplete(tmp_p
     # and the whole save of either torchtitan layout is resumable, as torchtitan resumes it
     assert run_ckpt("verify", run / "step-10", "--resumable").exit_code == 0
     assert run_ckpt("verify", run / "step-20", "--resumable").exit_code == 0
+    # a model-only save (the seed step-0; the last step's `last_save_model_only` export) is
+    # whole; the export is no resume point for torchtitan's `load`, which `latest` says
+    dcp_save(run / "step-0", 0, states=(), nested=False)
+    dcp_save(run / "step-50", 50, states=(), nested=False)
+    age(run)
+    rows = table(tmp_path / "dump")
+    assert rows["checkpoint/step-0"]["status"] == "complete"
+    assert rows["checkpoint/step-0"]["reason"] is None
+    assert rows["checkpoint/step-50"]["status"] == "complete"
+    assert "last_save_model_only" in rows["checkpoint/step-50"]["reason"]
+    latest = run_ckpt("latest", tmp_path / "dump")
+    assert latest.stdout.strip() == str(run / "step-50")
+    assert "resume from the full save before it" in latest.stderr
+    assert run_ckpt("verify", run / "step-50").exit_code == 0
 
 
 def step_folder_save(folder: Path, step: int, *, optimizer: bool = True) -> None:

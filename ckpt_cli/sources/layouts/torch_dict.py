@@ -11,7 +11,7 @@ from ...formats.base import Checkpoint, Source
 from ...models import Manifest, Problem, TrainingState
 from .base import SingleLayout, open_plain
 from .lightning import Lightning
-from .torchtitan import missing_states, model_entries, titan_model_keys
+from .torchtitan import missing_states, model_entries, model_only_note, titan_model_keys
 from .training import (
     all_models,
     analyse,
@@ -84,6 +84,20 @@ class TorchTitan(SingleLayout):
         with open_plain(source) as checkpoint:
             keys = top_keys(checkpoint.manifest)
         return missing_states(keys, source.location.raw)
+
+    def unknown_state(self, source: Source, folder: Folder) -> str | None:
+        """A model-only save past step 0 (`torchtitan.model_only_note`): a weights export, which
+        torchtitan's own `load` cannot resume from; its `.metadata` read, no tensor data."""
+        from ..runs import SLIM_RECORD
+
+        if not self.recognise(source) or folder.has(SLIM_RECORD):
+            return None
+        # step-0 is the seed checkpoint, which `load` reads model-only
+        if not self.step_of(source.location.raw.rstrip("/").rsplit("/", 1)[-1]):
+            return None
+        with open_plain(source) as checkpoint:
+            keys = top_keys(checkpoint.manifest)
+        return model_only_note(keys)
 
 
 class TorchDict(SingleLayout):

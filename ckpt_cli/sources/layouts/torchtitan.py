@@ -89,3 +89,18 @@ def missing_states(keys: Iterable[str], where: str) -> list[Problem]:
         )
         for lack in lacks
     ]
+
+
+def model_only_note(keys: Iterable[str]) -> str | None:
+    """What a save of the model's keys alone at a step past 0 is, by torchtitan's own rule: the
+    last step's export (`last_save_model_only`, the default), complete, but no resume point:
+    `CheckpointManager.load` of a step past 0 restores every state and fails on it. None for a
+    save holding any of the other states."""
+    if set(keys) & set(_TITAN_STATES):
+        return None
+    return (
+        "holds the model's weights alone (torchtitan's model-only export at the last step, "
+        "`last_save_model_only`): complete weights, but torchtitan's `load` of a step past 0 "
+        "restores the optimizer, lr_scheduler, dataloader and train_state too and fails on it; "
+        "to continue training, resume from the full save before it (`--checkpoint.load_step`)"
+    )
