@@ -853,6 +853,76 @@ def test_a_step_folder_of_separate_torch_save_files_is_a_plain_training_save(
     assert plain["format"] == "torch" and plain["training"] is None
 
 
+#: accelerate `save_state` of an encoder and a decoder stepped by one AdamW, beside a frozen
+#: teacher with no optimizer (distillation), then `load_state` of the save into fresh objects
+_ACCELERATE_SHARED_OPTIMIZER = """
+import itertools, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+from accelerate import Accelerator
+def build(seed):
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(seed)
+    enc, dec, teacher = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    teacher.requires_grad_(False)
+    opt = torch.optim.AdamW(itertools.chain(enc.parameters(), dec.parameters()))
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    return acc, *acc.prepare(enc, dec, teacher, opt, sched)
+acc, enc, dec, teacher, opt, sched = build(0)
+for _ in range(3):
+    x = torch.randn(2, 4)
+    acc.backward((dec(enc(x)) - teacher(x)).pow(2).sum())
+    opt.step(); sched.step(); opt.zero_grad()
+acc.save_state(sys.argv[1])
+saved = {k: v.clone() for k, v in opt.state_dict()["state"][3].items()}
+acc, *fresh = build(1)
+acc.load_state(sys.argv[1])
+assert all(torch.equal(fresh[3].state_dict()["state"][3][k], v) for k, v in saved.items())
+"""
+
+
+def test_several_models_with_one_optimizer_or_none_are_resumable(tmp_path: Path) -> None:
+    """accelerate numbers prepared models and optimizers apart: one AdamW stepping an encoder
+    and a decoder (`optimizer.bin` beside `model.safetensors` and `model_1.safetensors`), a
+    frozen teacher (`model_2`) with none. `verify --resumable` failed the save ("optimizer
+    state covers 4 of 4 parameters", "which no remaining weight of model has") and `doctor`
+    blamed an optimizer restored for other parameters, though accelerate's `load_state`
+    resumes it. Every optimizer is fitted to the weights of all the models."""
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    save = tmp_path / "step_3"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", _ACCELERATE_SHARED_OPTIMIZER, str(save)]
+    ran = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert {"model.safetensors", "model_2.safetensors", "optimizer.bin"} <= {
+        p.name for p in save.iterdir()
+    }
+    assert not (save / "optimizer_1.bin").exists()
+    training = run_ckpt("inspect", save, "--json").json["result"]["training"]
+    assert training["layout"] == "accelerate"
+    assert training["optimizer"]["complete"] is True and training["resumable"] is True
+    result = run_ckpt("verify", save, "--resumable", "--json")
+    assert result.exit_code == 0, result.stdout
+    errors = [p for p in result.json["result"]["problems"] if p["severity"] == "error"]
+    assert errors == []
+    # an optimizer of weights no model has is still a mismatch, naming the models it was held to
+    other = torch.nn.Linear(7, 9)
+    opt = torch.optim.AdamW(other.parameters())
+    other(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), save / "optimizer.bin")
+    broken = run_ckpt("verify", save, "--resumable", "--json")
+    assert broken.exit_code == 1
+    mismatched = [
+        p for p in broken.json["result"]["problems"] if p["code"] == "optimizer_shape_mismatch"
+    ]
+    assert mismatched and all("model, model_1, model_2" in p["message"] for p in mismatched)
+
+
 def test_a_run_of_torch_files_saves_lists_them_as_torch_files(tmp_path: Path) -> None:
     """`inspect` of one save said `torch-files`, but the run table (`latest --json`, `inspect
     RUN_DIR`) listed its saves, and the run, as `plain`: the saves' files say what they are,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -348,27 +349,41 @@ def analyse(checkpoint: Checkpoint, layout: str, prefixes: dict[str, str]) -> Tr
 def all_models(checkpoint: Checkpoint, state: TrainingState) -> None:
     """With several prepared models (`model`, `model_1`...), the weights and the optimizer
     state of all of them: one training run resumes only with every model and every optimizer.
-    An optimizer whose model was saved but whose own state was not makes the optimizer state
-    incomplete. Components are found by their names (`model_1.`), so a folder converted whole
-    to one file reports what the folder did."""
+    Components are found by their names (`model_1.`), so a folder converted whole to one file
+    reports what the folder did.
+
+    accelerate numbers the prepared models and the prepared optimizers apart (`save_state`):
+    one optimizer may step several models, and a model may have none (a frozen teacher), so
+    the optimizer state is every saved optimizer's, complete when each one is. Under FSDP
+    accelerate saves optimizer i with model i (`save_fsdp_optimizer`, keyed by that model's
+    FQNs): there a model whose optimizer state was not saved makes it incomplete."""
     keys = top_keys(checkpoint.manifest)
-    models = sorted(
-        (k for k in keys if re.fullmatch(r"model(_\d+)?", k)), key=lambda k: int(k[6:] or 0)
-    )
+    models = numbered_keys(keys, "model")
     if len(models) < 2:
         return
     weights = [weights_summary(checkpoint, f"{c}.") for c in models]
     state.weights = {
         k: sum(w.get(k, 0) for w in weights) for k in ("tensors", "parameters", "bytes")
     }
-    views = []
-    for model in models:
-        optimizer = model.replace("model", "optimizer", 1)
-        view = analyse_optimizer(checkpoint, f"{optimizer}.")
-        views.append(view.state if view is not None else None)
+    saved = {o: analyse_optimizer(checkpoint, f"{o}.") for o in numbered_keys(keys, "optimizer")}
+    views: list[OptimizerState | None]
+    if any(v is not None and v.by_fqn for v in saved.values()):
+        views = []
+        for model in models:
+            view = saved.get(model.replace("model", "optimizer", 1))
+            views.append(view.state if view is not None else None)
+    else:
+        views = [v.state for v in saved.values() if v is not None]
     combined = _combined_optimizers(views)
     if combined is not None:
         state.optimizer = combined
+
+
+def numbered_keys(keys: Iterable[str], stem: str) -> list[str]:
+    """The top-level keys accelerate numbers for its i-th prepared object of a kind (`model`,
+    `model_1`, `model_2`...), in that order."""
+    found = [k for k in keys if re.fullmatch(rf"{stem}(_\d+)?", k)]
+    return sorted(found, key=lambda k: int(k[len(stem) + 1 :] or 0))
 
 
 def _combined_optimizers(views: list[OptimizerState | None]) -> OptimizerState | None:
@@ -592,8 +607,9 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
     or whose shape no (remaining) weight has (the optimizer was restored for other parameters).
 
     With several prepared models (accelerate's `model`, `model_1`... beside `optimizer`,
-    `optimizer_1`...), every optimizer is checked against its own model, and each problem
-    names the pair."""
+    `optimizer_1`...), every optimizer's state is fitted to the weights of all of them
+    (accelerate numbers models and optimizers apart: `all_models`), FSDP's per-model
+    optimizers each to its own model; each problem names the optimizer and the models."""
     state = opened.training
     if state is None or state.optimizer is None:
         return []
@@ -601,6 +617,19 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
     opt_prefix = state.prefixes.get("optimizer")
     if opt_prefix is not None and opt_prefix.startswith("optim_states"):
         return []  # DeepSpeed ZeRO state covers flat partitions, not individual weights
+    pooled = _pooled_optimizers(opened.checkpoint)
+    if pooled is not None:
+        models, optimizers = pooled
+        available = Counter(
+            tuple(e.shape)
+            for prefix in models
+            for e in entries_under(opened.checkpoint.manifest, prefix)
+            if e.kind == "tensor"
+        )
+        found: list[Problem] = ProblemList()  # bounded: see `ProblemList`
+        for optimizer in optimizers:
+            found += _pair_shape_problems(opened, models, optimizer, available=available)
+        return found
     pairs = model_optimizer_pairs(opened.checkpoint.manifest)
     if model_prefix is not None and opt_prefix is not None:
         pairs.insert(0, (model_prefix, opt_prefix))
@@ -613,8 +642,24 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
     several = len(pairs) > 1
     problems: list[Problem] = ProblemList()  # bounded: see `ProblemList`
     for model, optimizer in pairs:
-        problems += _pair_shape_problems(opened, model, optimizer, named=several)
+        problems += _pair_shape_problems(opened, [model], optimizer, named=several)
     return problems
+
+
+def _pooled_optimizers(checkpoint: Checkpoint) -> tuple[list[str], list[str]] | None:
+    """(model prefixes, optimizer prefixes) of several prepared models whose optimizers are
+    `torch.optim` state dicts (parameter ids, not FQNs): accelerate numbers models and
+    optimizers apart, so every optimizer's state is fitted to the weights of all the models
+    (`all_models`); None otherwise (one model, or FSDP's per-model optimizers)."""
+    keys = top_keys(checkpoint.manifest)
+    models = numbered_keys(keys, "model")
+    optimizers = numbered_keys(keys, "optimizer")
+    if len(models) < 2 or not optimizers:
+        return None
+    views = [analyse_optimizer(checkpoint, keys[o]) for o in optimizers]
+    if any(v is not None and v.by_fqn for v in views):
+        return None
+    return [keys[m] for m in models], [keys[o] for o in optimizers]
 
 
 def ids_problem(where: str, view: OptimizerView, opt_prefix: str, opt_label: str) -> Problem:
@@ -650,10 +695,16 @@ def model_optimizer_pairs(manifest: Manifest) -> list[tuple[str, str]]:
 
 
 def _pair_shape_problems(
-    opened: OpenedSource, model_prefix: str, opt_prefix: str, *, named: bool
+    opened: OpenedSource,
+    model_prefixes: list[str],
+    opt_prefix: str,
+    *,
+    named: bool = True,
+    available: Counter[tuple[int, ...]] | None = None,
 ) -> list[Problem]:
-    """`shape_problems` of one optimizer against one model; with `named`, each message says
-    which optimizer and which model (`optimizer_1` against `model_1`)."""
+    """`shape_problems` of one optimizer against the weights of one model (or of several,
+    `available` then the shapes the other optimizers left unclaimed); with `named`, each
+    message says which optimizer and which model (`optimizer_1` against `model_1`)."""
     checkpoint = opened.checkpoint
     state = opened.training
     assert state is not None
@@ -662,10 +713,12 @@ def _pair_shape_problems(
         return []
     where = checkpoint.manifest.location
     model = {
-        e.name[len(model_prefix) :]: list(e.shape)
-        for e in entries_under(checkpoint.manifest, model_prefix)
+        e.name[len(prefix) :]: list(e.shape)
+        for prefix in model_prefixes
+        for e in entries_under(checkpoint.manifest, prefix)
         if e.kind == "tensor"
     }
+    model_prefix = ", ".join(p.rstrip(".") for p in model_prefixes)
     if state.layout == "torchtitan":
         from .torchtitan import fused_shapes
 
@@ -674,8 +727,8 @@ def _pair_shape_problems(
     opt_label = f"{opt_prefix.rstrip('.')} state" if named else "optimizer state"
     if view.ids_as_strings:
         return [ids_problem(where, view, opt_prefix, opt_label)]
-    weights_label = f"weight of {model_prefix.rstrip('.')}" if named else "model weight"
-    lacking = f"{model_prefix.rstrip('.')} lacks" if named else "the weights lack"
+    weights_label = f"weight of {model_prefix}" if named else "model weight"
+    lacking = f"{model_prefix} lacks" if named else "the weights lack"
 
     def shaped(states: dict[str, list[int]]) -> dict[str, list[int]]:
         # every state with a shape (exp_avg AND exp_avg_sq...), each one a parameter's shape
@@ -707,7 +760,8 @@ def _pair_shape_problems(
         return problems
     # torch.optim numbers parameters in model.parameters() order, which the saved weights do
     # not record (safetensors sorts names): every state shape must match a distinct weight
-    available = Counter(tuple(s) for s in model.values())
+    if available is None:
+        available = Counter(tuple(s) for s in model.values())
     for pid in sorted(view.per_param, key=lambda p: int(p) if p.isdigit() else 0):
         states = shaped(view.per_param[pid])
         if not states:
