@@ -227,6 +227,13 @@ def test_load_state_restores_what_ckpt_wrote_and_notices_a_lossy_copy(
     assert diffed.exit_code == 1, diffed.stdout
     only_a = diffed.json["result"]["only_a"]
     assert only_a and all(n.startswith("optimizer_1.") for n in only_a)
+    # `verify --resumable` names what is missing ("covers 4 of 4 parameters" said nothing)
+    checked = run_ckpt("verify", missing, "--resumable", "--json")
+    assert checked.exit_code == 1
+    (incomplete,) = [
+        p for p in checked.json["result"]["problems"] if p["code"] == "optimizer_incomplete"
+    ]
+    assert "a model's optimizer state was not saved" in incomplete["message"]
 
 
 def _rank_shards(path: Path) -> dict[str, torch.Tensor]:

@@ -566,13 +566,19 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
             )
     opt = state.optimizer
     if opt is not None and not opt.complete:
-        problems.append(
-            Problem(
-                code="optimizer_incomplete",
-                message=f"{where}: optimizer state covers {opt.params_with_state} of "
-                f"{opt.params} parameters ({', '.join(opt.states) or 'no state'})",
-                file=where,
+        covers = (
+            f"optimizer state covers {opt.params_with_state} of {opt.params} parameters "
+            f"({', '.join(opt.states) or 'no state'})"
+        )
+        if opt.params_with_state == opt.params:
+            # every optimizer saved is whole: what is missing is a model's own optimizer
+            covers = (
+                "a model's optimizer state was not saved (each model saves its own here: "
+                f"FSDP's optimizer_i, a rank's file); the {covers.removeprefix('optimizer ')} "
+                "of the optimizers saved"
             )
+        problems.append(
+            Problem(code="optimizer_incomplete", message=f"{where}: {covers}", file=where)
         )
     if opt is not None and opt.complete and opt.pending:
         shown = ", ".join(repr(p) for p in opt.pending[:5])
