@@ -418,3 +418,109 @@ def test_a_save_with_optimizer_state_exports_the_model_alone(
     result = run_ckpt("convert", save, out, "--to", "hf", "--filter-out", "optimizer.*")
     assert result.exit_code == 0, result.stdout + result.stderr
     assert close(hf_logits(out)[1], truth) <= TOLERANCE
+
+
+def test_a_save_trained_with_llama3_rope_scaling_exports_it_into_config_json(
+    tmp_path: Path,
+) -> None:
+    """A Megatron-LM run trained with `--use-rope-scaling --rope-scaling-factor 8` (Llama
+    3.x's rotary frequencies) records it in its args: the export's config.json says it
+    (`rope_type: llama3` with Megatron-Core's fixed low/high factors and original context),
+    so `from_pretrained` gives Megatron's logits. It used to write `rope_type: default`, and
+    the served model's logits were off by 2e-3."""
+    save = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "save", str(save), str(free_port())],
+        capture_output=True,
+        text=True,
+        env=torchrun_env({"MEGATRON_ROPE_SCALING": "8"}),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    truth = torch.load(f"{save}.logits.pt", weights_only=True)
+    out = tmp_path / "hf"
+    result = run_ckpt("convert", save, out, "--to", "hf")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert rope == {
+        "rope_type": "llama3",
+        "rope_theta": gpt.ROTARY_BASE,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert close(hf_logits(out)[1], truth) <= TOLERANCE
+
+
+def _scaled_llama(folder: Path, rope: dict[str, Any]) -> torch.Tensor:
+    """A LlamaForCausalLM of the GPTModel's dimensions with rope `rope`, saved; its logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=gpt.HIDDEN, intermediate_size=gpt.FFN, num_hidden_layers=gpt.LAYERS,
+        num_attention_heads=gpt.HEADS, num_key_value_heads=gpt.GROUPS, vocab_size=gpt.VOCAB,
+        max_position_embeddings=gpt.MAX_POS, rms_norm_eps=gpt.EPS, tie_word_embeddings=False,
+        rope_parameters={"rope_theta": gpt.ROTARY_BASE, **rope},
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return hf_logits(folder)[1]
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def test_an_import_keeps_llama3_rope_scaling_in_megatrons_args(tmp_path: Path) -> None:
+    """A Llama 3.2 (rope scaling factor 32) imported to Megatron records
+    `use_rope_scaling` / `rope_scaling_factor` in common.pt's args (what Megatron-LM's
+    `--use-checkpoint-args` reads), and the export of that save alone, without the carried
+    config.json, is the same model again. It used to lose the scaling both ways."""
+    truth = _scaled_llama(tmp_path / "hf", LLAMA3_ROPE)
+    there = tmp_path / "megatron"
+    result = run_ckpt("convert", tmp_path / "hf", there, "--to", "megatron")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    args = torch.load(there / "common.pt", weights_only=False)["args"]
+    assert args.use_rope_scaling is True and args.rope_scaling_factor == 32.0
+    (there / "config.json").unlink()
+    back = tmp_path / "back"
+    result = run_ckpt("convert", there, back, "--to", "hf")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    rope = json.loads((back / "config.json").read_text())["rope_parameters"]
+    assert rope == {**LLAMA3_ROPE, "rope_theta": gpt.ROTARY_BASE}
+    assert close(hf_logits(back)[1], truth) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {**LLAMA3_ROPE, "original_max_position_embeddings": 4096},
+    ],
+    ids=["linear", "llama3-other-context"],
+)
+def test_an_import_refuses_rope_scaling_megatron_cannot_apply(
+    tmp_path: Path, rope: dict[str, Any]
+) -> None:
+    """Megatron-Core's rotary applies Llama 3's scaling with fixed low/high factors and an
+    8192 original context, and no other kind: a Llama scaled otherwise would train as another
+    model there. The import is refused (exit 4) naming the scaling, and writes nothing."""
+    _scaled_llama(tmp_path / "hf", rope)
+    result = run_ckpt("convert", tmp_path / "hf", tmp_path / "megatron", "--to", "megatron")
+    assert result.exit_code == 4, result.stdout + result.stderr
+    message = " ".join(result.stderr.split())
+    assert "rope scaling" in message and rope["rope_type"] in message, message
+    assert not (tmp_path / "megatron").exists()

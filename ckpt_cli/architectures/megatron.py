@@ -24,7 +24,9 @@ Llama-style model in a `dist_checkpointing` (torch_dist) save, read from megatro
   no weights; an import writes them empty, as Megatron's load asks for them.
 
 Rotary embeddings: both sides rotate halves (Megatron's default `rotary_interleaved=False`,
-HF Llama's `rotate_half`), so Q and K rows are copied without a permutation.
+HF Llama's `rotate_half`), so Q and K rows are copied without a permutation. Megatron-LM's
+`--use-rope-scaling` is Llama 3's frequency scaling (`rope_type: llama3`, `--rope-scaling-factor`,
+the other values fixed): read from the args on export, written into them on import.
 
 Every output is built from boxes of its sources (`Piece`): a Q projection is its rows of each
 query group of the fused tensor (one box per group, one layer of the stack), so an export
@@ -68,6 +70,14 @@ MEGATRON_METADATA = "metadata.json"
 
 #: what the fused tensor of a rule holds: `[q; k; v]` per group, `[gate; up]`, or one tensor
 Fused = Literal["one", "qkv", "gate_up"]
+
+#: Megatron-Core's Llama 3.x rotary scaling (`RotaryEmbedding._apply_scaling`, enabled by
+#: Megatron-LM's `--use-rope-scaling`): the factor is an argument, these are fixed
+MEGATRON_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 #: the linears whose `_extra_state` Megatron-Core saves (and asks for on load) per layer
 EXTRA_STATE_MODULES = (
@@ -346,6 +356,14 @@ def args_from_megatron(args: Mapping[str, Any], where: str) -> ModelArgs:
         )
     heads = args.get("num_attention_heads")
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
+    scaling = None
+    if args.get("use_rope_scaling"):
+        factor = args.get("rope_scaling_factor")
+        scaling = {
+            "rope_type": "llama3",
+            "factor": float(factor if factor is not None else 8.0),
+            **MEGATRON_LLAMA3_ROPE,
+        }
     dtype = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else None
     theta = args.get("rotary_base")
     return ModelArgs(
@@ -358,10 +376,35 @@ def args_from_megatron(args: Mapping[str, Any], where: str) -> ModelArgs:
         ffn_dim=args.get("ffn_hidden_size"),
         norm_eps=args.get("norm_epsilon"),
         rope_theta=float(theta) if theta is not None else None,
+        rope_scaling=scaling,
         max_position_embeddings=args.get("max_position_embeddings"),
         tie_embeddings=not args.get("untie_embeddings_and_output_weights", False),
         dtype=dtype,
     )
+
+
+def megatron_rope_scaling(scaling: Mapping[str, Any] | None, family: str) -> dict[str, Any]:
+    """Megatron-LM's rope-scaling arguments for a Hugging Face `rope_scaling` (none, or Llama
+    3's with Megatron-Core's fixed low/high factors and original context: the only scaling
+    its `RotaryEmbedding` applies); any other is refused, as the model would train as
+    another one there."""
+    kind = str(scaling.get("rope_type", scaling.get("type", "default"))) if scaling else "default"
+    if scaling is None or kind == "default":
+        return {"use_rope_scaling": False, "rope_scaling_factor": 8.0}
+    fixed = all(
+        isinstance(scaling.get(key), (int, float)) and float(scaling[key]) == value
+        for key, value in MEGATRON_LLAMA3_ROPE.items()
+    )
+    factor = scaling.get("factor")
+    if kind != "llama3" or not fixed or not isinstance(factor, (int, float)):
+        shown = ", ".join(f"{k}={v!r}" for k, v in scaling.items() if k != "rope_theta")
+        raise FormatError(
+            f"the {family} model's rope scaling ({shown}) is not one Megatron-Core applies: its "
+            "rotary scales the Llama 3 way only, with "
+            + ", ".join(f"{k}={v:g}" for k, v in MEGATRON_LLAMA3_ROPE.items()),
+            fix="Keep the Hugging Face names with --to safetensors / dcp.",
+        )
+    return {"use_rope_scaling": True, "rope_scaling_factor": float(factor)}
 
 
 def megatron_args(args: ModelArgs, family: str) -> dict[str, Any]:
@@ -384,6 +427,7 @@ def megatron_args(args: ModelArgs, family: str) -> dict[str, Any]:
         "rotary_base": args.rope_theta if args.rope_theta is not None else 10000.0,
         "rotary_percent": 1.0,
         "rotary_interleaved": False,
+        **megatron_rope_scaling(args.rope_scaling, family),
         "normalization": "RMSNorm",
         "norm_epsilon": args.norm_eps if args.norm_eps is not None else 1e-5,
         "swiglu": True,
