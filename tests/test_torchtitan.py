@@ -177,6 +177,50 @@ def test_convert_select_model_is_bit_exact(
     assert all(torch.equal(got[k], weights[k]) for k in weights)
 
 
+@pytest.mark.parametrize(
+    ("options", "how"),
+    [
+        (("--to", "hf", "--config", "CONFIG"), "--to hf exports the model's weights only"),
+        (("--to", "safetensors", "--select", "model"), "outside --select model"),
+    ],
+    ids=["to-hf", "select-model"],
+)
+def test_an_export_lists_the_training_state_it_leaves_behind(
+    titan_run: tuple[Path, dict[str, Any]], tmp_path: Path, options: tuple[str, ...], how: str
+) -> None:
+    """torchtitan keeps the optimizer, LR scheduler, data loader and train state in the same
+    `.distcp` file as the weights. An export takes the weights alone and says so: each
+    component left behind is listed as skipped with why (in the JSON and on stderr), as a
+    Trainer save's `optimizer.pt` is. They used to vanish from the report without a word."""
+    from transformers import LlamaConfig
+
+    sys.path.insert(0, str(WRITER.parent))
+    from torchtitan_writer import DIM, HEADS, LAYERS, VOCAB
+
+    run, _ = titan_run
+    config = tmp_path / "config.json"
+    LlamaConfig(
+        hidden_size=DIM, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=HEADS, vocab_size=VOCAB, intermediate_size=48,
+        tie_word_embeddings=False,
+    ).to_json_file(config)  # fmt: skip
+    args = [str(config) if o == "CONFIG" else o for o in options]
+    step = run / "checkpoint" / "step-3"
+    result = run_ckpt("convert", step, tmp_path / "out", *args, "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    skipped = {s["name"]: s for s in result.json["result"]["skipped"]}
+    # the four components, and nothing of the model
+    assert skipped.keys() == {"optimizer", "lr_scheduler", "dataloader", "train_state"}
+    for component in ("optimizer", "lr_scheduler", "dataloader", "train_state"):
+        assert skipped[component]["kind"] == "component", skipped
+        assert how in skipped[component]["reason"], skipped[component]
+    human = run_ckpt("convert", step, tmp_path / "human", *args)
+    assert human.exit_code == 0, human.stderr
+    line = next(x for x in human.stderr.splitlines() if "optimizer" in x)
+    assert "skipped 4 components" in line and "lr_scheduler" in line, human.stderr
+    assert "train_state" in line and "dataloader" in line, human.stderr
+
+
 def test_convert_to_dcp_loads_back_in_torchtitan(
     titan_run: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:

@@ -90,12 +90,11 @@ def render_convert(report: ConvertReport) -> None:
             groups.setdefault(parent, []).append(entry.name)
         listed = [f"{name}.* ({len(n)})" if len(n) > 1 else n[0] for name, n in groups.items()]
         more = f", … {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
-        tensors = all(e.kind == "tensor" for e in entries)
-        what = (
-            ("tensor" if tensors else "entry")
-            if len(entries) == 1
-            else ("tensors" if tensors else "entries")
+        kinds = {e.kind for e in entries}
+        noun = (
+            "tensor" if kinds == {"tensor"} else "component" if kinds == {"component"} else "entry"
         )
+        what = noun if len(entries) == 1 else "entries" if noun == "entry" else f"{noun}s"
         stderr.print(
             f"[yellow]skipped {len(entries)} {what}[/] "
             f"({reason}): {', '.join(listed[:MAX_LISTED])}{more}",

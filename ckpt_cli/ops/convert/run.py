@@ -41,6 +41,7 @@ from ..shared.transfer import (
     WrittenEntry,
     account_files,
     extra_files,
+    left_out_components,
     nothing_to_dequantize,
     parse_renames,
     plan_transfer,
@@ -497,6 +498,14 @@ def convert(
         read, skipped_files = account_files(
             selected_from, selected, accounted, single_file=single_file, listed=listed
         )
+        # the training state the selection left in the files it read (torchtitan's optimizer
+        # beside the weights) is listed too, as the files it left are
+        how = (
+            f"--to {naming} exports the model's weights only"
+            if naming is not None
+            else f"outside --select {select}"
+        )
+        skipped_files += left_out_components(selected_from, selected, read, opened, select, how)
         config_written = None
         if given_config is not None or naming_config is not None:
             config_written = str(PurePath(str(dest_path)) / "config.json")

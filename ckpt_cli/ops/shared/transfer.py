@@ -768,6 +768,52 @@ def account_files(
     return sorted(read & set(names)), skipped
 
 
+def left_out_components(
+    checkpoint: Checkpoint,
+    plan: TransferPlan,
+    read: Iterable[str],
+    opened: OpenedSource,
+    select: str | None,
+    why: str,
+) -> list[SkippedEntry]:
+    """The training state a component `--select` left behind in files read into the output:
+    one `SkippedEntry` of kind `component` per top-level key (`optimizer`, `lr_scheduler`...).
+
+    A torchtitan save keeps its optimizer in the `.distcp` files of the weights, a Lightning
+    file its `optimizer_states` beside `state_dict`: those files are read, so `account_files`
+    lists none of them, and what the selection left out would vanish from the report. A
+    component in files of its own (a Trainer's `optimizer.pt`) is listed by its file there.
+    `why` says how the selection came about (`--to hf`, `--select model`).
+    """
+    if opened.training is None or not select:
+        return []
+    manifest = checkpoint.manifest
+    selection = select_entries(opened, manifest.entries, select, manifest)
+    if selection.component is None:
+        return []
+    taken = {entry.name for entry, _ in selection.pairs}
+    taken.update(s.name for s in plan.skipped)
+    read_files = set(read)
+    one_file = checkpoint.source.target is not None
+    counts: dict[str, int] = {}
+    for entry in manifest.entries:
+        if entry.name in taken:
+            continue
+        files = checkpoint.files_of(entry.name)
+        # an entry with no file of its own lives in metadata that was read (DCP's objects)
+        if one_file or not files or files & read_files:
+            top = entry.name.split(".", 1)[0]
+            counts[top] = counts.get(top, 0) + 1
+    return [
+        SkippedEntry(
+            name=top,
+            kind="component",
+            reason=f"training state: {why}",
+        )
+        for top in counts
+    ]
+
+
 def _is_weight_index(name: str) -> bool:
     """A weight index: `*.index.json`, or diffusers' variant spelling `*.index.fp16.json`.
 
