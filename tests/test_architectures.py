@@ -913,3 +913,44 @@ def test_a_relative_ckpt_does_not_know_is_mapped_with_a_warning(tmp_path: Path) 
     want, got = model.state_dict(), back.state_dict()
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize("to", ["hf", "torchtitan"])
+def test_a_config_claiming_an_untied_lm_head_the_weights_lack_is_refused(
+    tmp_path: Path, to: str
+) -> None:
+    """A tied Llama (no `lm_head.weight` in its file, as `save_pretrained` writes one) given the
+    config.json of an untied one: transformers would build a model whose `lm_head` no tensor
+    fills and initialise it at random. It used to export with exit 0 (`from_pretrained` then
+    reported `lm_head.weight` MISSING); it is refused (exit 4) naming the tensor and the key,
+    and nothing is written. Leaving `lm_head` out of an untied model by `--filter-out` is the
+    same model, refused the same way."""
+    from safetensors.torch import load_file, save_file
+
+    _llama_hf(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["lm_head.weight"]
+    save_file(tensors, weights)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(
+        json.dumps({**config, "tie_word_embeddings": True})
+    )
+    untied = tmp_path / "untied.json"
+    untied.write_text(json.dumps(config))
+    r = run_ckpt("convert", tmp_path / "hf", tmp_path / "out", "--to", to, "--config", untied)
+    assert r.exit_code == 4, r.stdout + r.stderr
+    message = " ".join(r.stderr.split())
+    assert "tie_word_embeddings: false" in message and "'lm_head.weight'" in message, message
+    assert not (tmp_path / "out").exists()
+    # the tied model's own config exports it
+    r = run_ckpt("convert", tmp_path / "hf", tmp_path / "ok", "--to", to)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    _llama_hf(tmp_path / "untied")
+    r = run_ckpt(
+        "convert", tmp_path / "untied", tmp_path / "cut", "--to", to,
+        "--filter-out", "lm_head.weight",
+    )  # fmt: skip
+    assert r.exit_code == 4, r.stdout + r.stderr
+    assert "tie_word_embeddings: false" in " ".join(r.stderr.split())
+    assert not (tmp_path / "cut").exists()

@@ -162,6 +162,19 @@ def _agree(
                 path=where,
                 fix="Pass the config.json (--config) or the flavor (--flavor) of this model.",
             )
+    head = arch.tied[HF][1] if HF in arch.tied else None
+    if head and found.tie_embeddings is True and given.tie_embeddings is False:
+        # no output projection in the weights: the model transformers builds from an untied
+        # config would initialise its lm_head at random (from_pretrained: "MISSING")
+        raise FormatError(
+            f"{what} says tie_word_embeddings: false, but the weights hold no output "
+            f"projection (transformers' {head!r}): the model built from it would get a "
+            "random one",
+            path=where,
+            fix="Pass the config.json (--config) or the flavor (--flavor) of this model "
+            "(tie_word_embeddings: true), or keep its output projection (no --filter-out "
+            "for it).",
+        )
     conflicts = arch.shape_conflicts(shapes, naming, given)
     if conflicts:
         more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
