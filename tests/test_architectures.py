@@ -954,3 +954,35 @@ def test_a_config_claiming_an_untied_lm_head_the_weights_lack_is_refused(
     assert r.exit_code == 4, r.stdout + r.stderr
     assert "tie_word_embeddings: false" in " ".join(r.stderr.split())
     assert not (tmp_path / "cut").exists()
+
+
+def test_a_dry_run_says_what_the_export_would_leave_out(tmp_path: Path) -> None:
+    """`--dry-run` is how a user checks an export before running it: it names what the output
+    would not hold (the tied `lm_head` dropped, a file not exported) with the same lines the
+    real run prints. It used to list the files and entries only, so the dropped `lm_head`
+    surfaced after the export."""
+    from safetensors.torch import load_file, save_file
+
+    _llama_hf(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["lm_head.weight"]
+    save_file(tensors, weights)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(
+        json.dumps({**config, "tie_word_embeddings": True})
+    )
+    (tmp_path / "hf" / "notes.dat").write_bytes(b"\0" * 8)  # no file ckpt carries
+    tt = tmp_path / "tt"
+    assert run_ckpt("convert", tmp_path / "hf", tt, "--to", "torchtitan").exit_code == 0
+    shutil.copy(tmp_path / "hf" / "notes.dat", tt / "notes.dat")
+    dry = run_ckpt("convert", tt, tmp_path / "back", "--to", "hf", "--dry-run")
+    assert dry.exit_code == 0, dry.stdout + dry.stderr
+    assert not (tmp_path / "back").exists()
+    real = run_ckpt("convert", tt, tmp_path / "back", "--to", "hf")
+    assert real.exit_code == 0, real.stdout + real.stderr
+    lines = [x for x in real.stderr.splitlines() if x.startswith(("skipped", "not in the output"))]
+    assert any("lm_head.weight" in x and "tied" in x for x in lines), real.stderr
+    assert any("notes.dat" in x for x in lines), real.stderr
+    for line in lines:
+        assert line in dry.stderr.splitlines(), (line, dry.stderr)

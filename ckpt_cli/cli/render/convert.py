@@ -72,6 +72,12 @@ def render_convert(report: ConvertReport) -> None:
         else:
             note = "each name written"
         stdout.print(f"  tied: {', '.join(group)} share storage ({note})", highlight=False)
+    render_skipped(report)
+
+
+def render_skipped(report: ConvertReport) -> None:
+    """What the output does not hold, on stderr: each file, then the entries by reason (a dry
+    run says the same as the run it plans)."""
     left = [s for s in report.skipped if s.kind == "file"]
     for item in left[:MAX_LISTED]:
         stderr.print(f"[yellow]not in the output:[/] {item.name}: {item.reason}", highlight=False)
@@ -126,6 +132,7 @@ def render_plan(report: ConvertReport) -> None:
             markup=False,
         )
     stdout.print("  nothing was written (--dry-run)")
+    render_skipped(report)
 
 
 def render_architecture(report: ConvertReport) -> None:
