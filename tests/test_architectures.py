@@ -986,3 +986,23 @@ def test_a_dry_run_says_what_the_export_would_leave_out(tmp_path: Path) -> None:
     assert any("notes.dat" in x for x in lines), real.stderr
     for line in lines:
         assert line in dry.stderr.splitlines(), (line, dry.stderr)
+
+
+def test_what_the_mapping_lacks_is_named_with_the_checkpoint(tmp_path: Path) -> None:
+    """The weights of an FSDP Trainer save are in a DCP folder with no config.json beside
+    them: `--to hf` cannot know the head count. The error names the checkpoint it is about,
+    as every ckpt error does; it used to start with "the Llama 3 mapping needs n_heads" and
+    name no file (in JSON, `error.path` was null)."""
+    import torch.distributed.checkpoint as dcp
+
+    _llama_hf(tmp_path / "hf")
+    step = tmp_path / "checkpoint-2"
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    dcp.save({"model": weights}, checkpoint_id=step / "pytorch_model_fsdp_0", no_dist=True)
+    (step / "trainer_state.json").write_text(json.dumps({"global_step": 2, "log_history": []}))
+    r = run_ckpt("convert", step, tmp_path / "out", "--to", "hf", "--json")
+    assert r.exit_code == 4, r.stdout + r.stderr
+    error = json.loads(r.stdout)["error"]
+    assert "needs n_heads" in error["problem"] and "--config" in error["fix"]
+    assert error["path"] is not None and str(step) in error["path"], error
+    assert not (tmp_path / "out").exists()

@@ -302,6 +302,41 @@ def map_plan(
         FormatError: no family claims the names (exit 4, naming the closest family's unknown
             tensors), a tensor no rule maps, or an arg the mapping needs is unknown.
     """
+    try:
+        return _map_plan(
+            checkpoint,
+            plan,
+            target,
+            config=config,
+            cast=cast,
+            keep_objects=keep_objects,
+            dedupe_tied=dedupe_tied,
+            architecture=architecture,
+            flavor=flavor,
+        )
+    except FormatError as error:
+        if error.path is not None or type(error) is not FormatError:
+            raise
+        # what a rule or the args found lacking (`ModelArgs.require`, a tensor no rule maps)
+        # is about this checkpoint: name it, as every error does
+        raise FormatError(
+            error.problem, path=checkpoint.manifest.location, fix=error.fix
+        ) from error
+
+
+def _map_plan(
+    checkpoint: Checkpoint,
+    plan: TransferPlan,
+    target: str,
+    *,
+    config: dict[str, Any] | None,
+    cast: str | None,
+    keep_objects: bool,
+    dedupe_tied: bool,
+    architecture: str | None = None,
+    flavor: str | None = None,
+) -> MappedSource:
+    """`map_plan`, whose errors may not name the checkpoint yet."""
     from ...architectures import unrecognised
     from ...architectures.mapped import MappedCheckpoint
 
