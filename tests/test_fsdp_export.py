@@ -188,3 +188,20 @@ def test_a_bad_config_is_refused_and_nothing_written(
     )
     assert one_file.exit_code == 2 and "folder" in one_file.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "empty", "list.json"]
+
+
+def test_the_optimizers_dcp_metadata_is_named_as_the_optimizers(
+    fsdp_checkpoint: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """An export of the weights leaves the optimizer's `optimizer_0/` behind: both of its
+    files are listed with why. Its `.metadata` was listed as "a hidden file: not part of the
+    checkpoint", a wrong reason (it is the optimizer's DCP index, part of the save)."""
+    result = run_ckpt(
+        "convert", fsdp_checkpoint, tmp_path / "hf", "--to", "hf", "--config", tiny_llama,
+        "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stdout
+    reasons = {s["name"]: s["reason"] for s in result.json["result"]["skipped"]}
+    assert "none of its entries was selected" in reasons["optimizer_0/__0_0.distcp"]
+    metadata = reasons["optimizer_0/.metadata"]
+    assert metadata == "the index of the optimizer component, none of whose entries was selected"

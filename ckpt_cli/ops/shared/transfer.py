@@ -707,6 +707,7 @@ def account_files(
     names = [source.target] if source.target is not None else sorted(source.files)
     written = [item.source for item in plan.items]
     read: set[str] = set()
+    indexes: dict[str, str] = {}  # the metadata file of a component not written -> component
     for entry in written:
         if entry.name in checkpoint.manifest.by_name:
             read.update(checkpoint.files_of(entry.name))
@@ -718,9 +719,13 @@ def account_files(
         read = {source.target} if written or not checkpoint.manifest.entries else set()
     elif isinstance(checkpoint, CompositeCheckpoint):
         for comp, part in checkpoint.components.items():
+            sub = checkpoint.subfolders.get(comp, "")
+            index = {f"{sub}{f.path}" for f in part.manifest.files if not f.entries}
             if any(e.name == comp or e.name.startswith(f"{comp}.") for e in written):
-                sub = checkpoint.subfolders.get(comp, "")
-                read.update(f"{sub}{f.path}" for f in part.manifest.files if not f.entries)
+                read.update(index)
+            else:
+                # a component's own metadata (a DCP `.metadata`, an index) left with it
+                indexes.update(dict.fromkeys(index, comp))
     elif written:
         other = {f.path for f in checkpoint.manifest.files if f.entries}
         read.update(f.path for f in checkpoint.manifest.files if f.path not in other)
@@ -741,6 +746,8 @@ def account_files(
                 if not all(e in left_out for e in entries)
                 else "its entries are listed as skipped"
             )
+        elif rel in indexes:
+            why = f"the index of the {indexes[rel]} component, none of whose entries was selected"
         elif base.startswith("."):
             why = "a hidden file: not part of the checkpoint"
         elif (variant := variant_beside_default(rel, set(names))) is not None:
