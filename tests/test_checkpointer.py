@@ -611,6 +611,30 @@ def test_loading_into_a_state_that_does_not_match_the_save_raises_a_ckpt_error_n
         Checkpointer(tmp_path / "run").load_latest({"model": fresh, "optimizer": fresh_optimizer})
 
 
+def test_a_plain_value_that_cannot_be_copied_is_refused_by_save_naming_the_entry(
+    tmp_path: Path,
+) -> None:
+    """A user puts the loop's batch generator into the state: `save` refuses it at once with
+    a CkptError naming the entry and the fix (it was a bare `TypeError: cannot pickle
+    'generator' object`), and the checkpointer goes on saving the corrected state."""
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import UsageError
+
+    model = torch.nn.Linear(4, 4)
+    batches = (torch.randn(2, 4) for _ in range(10))
+    run = tmp_path / "run"
+    with Checkpointer(run) as ck:
+        with pytest.raises(UsageError) as raised:
+            ck.save(1, {"model": model, "progress": {"batches": batches, "epoch": 0}})
+        message = str(raised.value)
+        assert "'progress.batches'" in message and "cannot pickle 'generator' object" in message
+        assert raised.value.fix is not None and "state_dict()" in raised.value.fix
+        assert ck.status().in_flight is None and ck.status().saves == 0
+        ck.save(1, {"model": model, "progress": {"epoch": 0}})
+        assert (record := ck.wait()) is not None and record.phase == "done", record
+    assert latest(run) == str(run / "step-1")
+
+
 def _save_on_a_full_disk(run: Path) -> tuple[Any, Any]:
     from ckpt_cli import Checkpointer
 

@@ -8,6 +8,8 @@ allocates (and pins, when the tensors live on an accelerator), later saves only 
 whose shape, dtype or layout changed gets a new buffer (logged). A `DTensor` is staged as its
 local shard and rewrapped with the same mesh and placements, so DCP plans the same shards.
 Non-tensor leaves (counters, RNG tuples, scheduler settings) are deep-copied: they are small.
+A leaf that cannot be copied (a generator, a lock, an open file) is refused with a `UsageError`
+naming its entry: nothing could save it.
 
 Each buffer has the shape of its tensor and owns its storage (no views into one flat slab):
 DCP's writer clones any tensor whose storage is larger than itself before serialising it, so
@@ -22,6 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from ..errors import UsageError
 
 #: a key in the state dict, as DCP's traversal names it (dict keys, list indices)
 Path = tuple[str | int, ...]
@@ -73,7 +77,16 @@ class HostStaging:
         if isinstance(value, torch.Tensor):
             seen.add(path)
             return self._stage_tensor(path, value, copied)
-        return copy.deepcopy(value)
+        try:
+            return copy.deepcopy(value)
+        except Exception as exc:  # pickling protocols raise TypeError, but also anything else
+            raise UsageError(
+                f"the state entry {'.'.join(map(str, path))!r} cannot be copied for the save "
+                f"({type(exc).__name__}: {exc})",
+                fix="Save plain values (numbers, strings, lists, dicts, tensors, numpy arrays) "
+                "or an object with state_dict() and load_state_dict(), which is saved through its "
+                "state_dict().",
+            ) from exc
 
     def _stage_tensor(self, path: Path, tensor: torch.Tensor, copied: list[int]) -> Any:
         from torch.distributed.tensor import DTensor
