@@ -635,6 +635,25 @@ def test_a_plain_value_that_cannot_be_copied_is_refused_by_save_naming_the_entry
     assert latest(run) == str(run / "step-1")
 
 
+def test_a_save_that_fails_its_check_names_the_unpublished_save_not_its_removed_staging_folder(
+    tmp_path: Path,
+) -> None:
+    """The docs' example with a plain `DataLoader` (not Stateful) as `data`: the save is
+    refused by its check, and the message names `RUN/step-1` and the entry, not a file of the
+    staging folder that the failure removed."""
+    from ckpt_cli import Checkpointer
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)))
+    run = tmp_path / "run"
+    with Checkpointer(run) as ck:
+        ck.save(1, {"model": torch.nn.Linear(4, 4), "data": loader})
+    record = ck.wait()
+    assert record is not None and record.phase == "failed" and record.error is not None
+    assert record.error.startswith(f"{run / 'step-1'}: the save of step 1 failed its check")
+    assert "object entry 'data'" in record.error and ".ckpt-tmp-" not in record.error
+    assert list(run.iterdir()) == []
+
+
 def _save_on_a_full_disk(run: Path) -> tuple[Any, Any]:
     from ckpt_cli import Checkpointer
 

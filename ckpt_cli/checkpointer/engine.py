@@ -608,10 +608,15 @@ class Checkpointer:
                 if first.code == "unloadable_object"
                 else None
             )
+            # the staging folder is removed with this failure: the save's own name is the
+            # path, and the file the problem is in is named inside it
+            where = Path(first.file) if first.file else staging
+            inside = where.relative_to(staging).as_posix() if where.is_relative_to(staging) else ""
             raise FormatError(
                 f"the save of step {record.step} failed its check and was not published: "
-                f"{first.message}",
-                path=first.file or str(staging),
+                + (f"{inside}: " if inside not in ("", ".") else "")
+                + first.message,
+                path=self.run_dir / record.name,
                 fix=fix,
             )
         if self.protect:
