@@ -433,6 +433,72 @@ def test_two_ranks_resume_each_its_own_rng_state_and_counters(tmp_path: Path) ->
     assert into["samples"] == 100
 
 
+ONE_RANK_FAILS_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+model = torch.nn.Linear(8, 8)  # a replica on every rank, as DDP keeps it
+ck = Checkpointer(run)
+saves = []
+for step in (1, 2, 3):
+    with torch.no_grad():
+        model.weight.fill_(step)
+        model.bias.fill_(step)
+    state = {"model": model, "seen": step}
+    if rank == 1 and step == 2:  # this rank's state of step 2 cannot be saved
+        state["batches"] = (i for i in range(3))
+    try:
+        saves.append(ck.save(step, state).model_dump(mode="json"))
+    except Exception as error:  # the loop logs it and trains on
+        saves.append({"step": step, "raised": type(error).__name__})
+ck.close()
+status = ck.status()
+into = {"model": torch.nn.Linear(8, 8), "seen": 0}
+loaded = Checkpointer(run).load_latest(into)
+with open(f"{out}.rank{rank}.json", "w") as f:
+    json.dump({"saves": saves, "failures": status.failures, "loaded": loaded.step,
+               "seen": into["seen"], "weight": into["model"].weight.unique().tolist()}, f)
+dist.barrier()
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_a_rank_whose_save_raises_leaves_that_step_unsaved_on_every_rank_never_torn(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's state of step 2 cannot be staged (its `save` raises, the loop catches it and
+    goes on): no rank writes step 2, and step 3 is whole. It used to leave rank 0's background
+    write of step 2 waiting for rank 1, which then wrote its step 3 into step 2's folder: a
+    step-2 save of rank 0's step 2 and rank 1's step 3 was published (and the job hung)."""
+    import json
+
+    require_torchrun_marker()
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(ONE_RANK_FAILS_SCRIPT)
+    run, out = tmp_path / "run", tmp_path / "out"
+    proc = run_launch(torchrun_command(2, script, run, out), 240, env=torchrun_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[1]["saves"][1] == {"step": 2, "raised": "UsageError"}
+    step2 = ranks[0]["saves"][1]
+    assert step2["phase"] == "failed" and "rank 1 could not stage step 2" in step2["error"]
+    for rank in ranks:  # step 3 was saved whole, and each rank resumes from it
+        assert [s.get("phase") for s in rank["saves"][::2]] == ["staged", "staged"]
+        assert (rank["loaded"], rank["seen"], rank["weight"]) == (3, 3, [3.0])
+    assert ranks[0]["failures"] == 1
+    assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-3"]
+    assert latest(run) == str(run / "step-3")
+    verdict = run_ckpt("verify", str(run / "step-3"), "--checksums")
+    assert verdict.exit_code == 0, verdict.stdout
+
+
 def _flip_tensor_byte(save: Path, fqn: str) -> None:
     """Damage one byte of the tensor `fqn` in a saved DCP folder (a bit rot on disk)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader

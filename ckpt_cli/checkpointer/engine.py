@@ -254,7 +254,9 @@ class Checkpointer:
         several threads are taken one at a time, each then waiting or skipped the same way
         (they would otherwise share the staging buffer). Failures of the
         background work never raise here: they are logged and reported by `status()` and by
-        the record `wait()` returns.
+        the record `wait()` returns. Under torchrun the ranks agree that each staged its
+        state before any writes: a rank whose state cannot be staged raises here, and the
+        others save nothing of that step (their record is `failed`, naming that rank).
         """
         if self._closed:
             raise UsageError(
@@ -287,10 +289,32 @@ class Checkpointer:
             self.log.info("save of step %d waits for %s", step, what)
             self._join()
             record.waited_seconds = time.perf_counter() - start
-        items = entries(state)
         staged_from = time.perf_counter()
-        staged, nbytes = self._staging.stage(capture(items, self.rank, self.world_size))
+        try:
+            items = entries(state)
+            staged, nbytes = self._staging.stage(capture(items, self.rank, self.world_size))
+        except BaseException:
+            # the other ranks must not start a write this rank will never join: theirs would
+            # wait for it, and take its next save's collectives for this one's (a torn save)
+            self._ranks_not_staged(False)
+            raise
+        failed = self._ranks_not_staged(True)
         record.stage_seconds = time.perf_counter() - staged_from
+        if failed:
+            which = ", ".join(map(str, failed))
+            record.phase = "failed"
+            record.error = (
+                f"rank {which} could not stage step {step}: no rank saved it (that rank's save "
+                "raised; its error is in its log or its training loop)"
+            )
+            record.blocked_seconds = time.perf_counter() - start
+            self.log.error("save of step %d failed: %s", step, record.error)
+            with self._lock:
+                self._saves += 1
+                self._failures += 1
+                self._last_error = record.error
+                self._last = record
+            return record
         record.bytes = nbytes
         record.blocked_seconds = time.perf_counter() - start
         self.log.info(
@@ -429,6 +453,15 @@ class Checkpointer:
         flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)
         return bool(flag.item())
+
+    def _ranks_not_staged(self, staged: bool) -> list[int]:
+        """The ranks whose `save` could not stage the state (under torchrun; [] alone)."""
+        if not self._distributed:
+            return []
+        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(self.world_size)]
+        mine = torch.tensor([0 if staged else 1], dtype=torch.int32)
+        dist.all_gather(flags, mine, group=self._control_group)
+        return [rank for rank, flag in enumerate(flags) if flag.item()]
 
     def _join(self) -> None:
         if self._thread is not None:
