@@ -554,6 +554,39 @@ def test_retention_keeps_the_users_folders_and_never_deletes_the_save_just_writt
     assert again is not None and again.step == 22
 
 
+def test_remote_retention_also_keeps_the_users_folders_uploaded_from_the_run_folder(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    """The upload sends the whole run folder, the user's exports too; retention in the bucket
+    judged every folder there: each save deleted `export-step-3` from the bucket (sent again by
+    the next one), and counted `finetune-step-700` as the newest save. It now judges the
+    Checkpointer's own saves only, as it does on the local disk."""
+    from safetensors.torch import load, save_file
+
+    from ckpt_cli import Checkpointer
+
+    from .s3_fixtures import fetch_object
+
+    make_bucket(s3_server.endpoint, "ckpt")
+    run = tmp_path / "run"
+    theirs = ("export-step-3", "finetune-step-700")
+    for name in theirs:
+        (run / name).mkdir(parents=True)
+        save_file({"w": torch.ones(2)}, run / name / "model.safetensors")
+    model = torch.nn.Linear(8, 8)
+    with Checkpointer(run, keep_last=2, upload="s3://ckpt/exp") as ck:
+        for step in (10, 20, 30):
+            ck.save(step, {"model": model, "step": step})
+            assert (record := ck.wait()) is not None and record.phase == "done", record
+            assert not any(name in pruned for pruned in record.pruned for name in theirs)
+    assert record.pruned == ["step-10", "s3://ckpt/exp/step-10"]
+    remote = {key.split("/")[1] for key in list_keys(s3_server.endpoint, "ckpt", "exp/")}
+    assert remote == {".ckpt-sync.json", *theirs, "step-20", "step-30"}
+    for name in theirs:
+        body = fetch_object(s3_server.endpoint, "ckpt", f"exp/{name}/model.safetensors")
+        assert torch.equal(load(body)["w"], torch.ones(2))
+
+
 def test_the_next_save_removes_the_staging_folder_of_a_killed_save_without_retention(
     tmp_path: Path,
 ) -> None:

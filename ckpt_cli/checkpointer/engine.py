@@ -12,7 +12,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -35,7 +35,7 @@ from .state import apply, capture, entries, load_template
 from .tiers import Choice, choose
 
 if TYPE_CHECKING:
-    from ..ops.prune.retention import PrunePolicy
+    from ..ops.prune.retention import PruneDecision, PrunePolicy
 
 OnBusy = Literal["wait", "skip"]
 #: the folders a Checkpointer writes: its saves, and the staging folders of interrupted ones
@@ -674,16 +674,45 @@ class Checkpointer:
         """Local retention after a publish: `ckpt prune`'s plan with this checkpointer's
         policy, over its own saves only (`step-N` and the staging folders of interrupted ones);
         the save just written and the one resumed from are never deleted."""
+        from ..ops.prune.run import apply as delete_planned
+
+        def delete(decisions: list[PruneDecision]) -> None:
+            delete_planned(self.run_dir, decisions, 0.0)
+
+        self._prune_own(record, self.run_dir, delete, warn_later=True)
+
+    def _retain_remote(self, record: SaveRecord) -> None:
+        """Retention in the object store after an upload, judged as on the local disk: the
+        checkpointer's own saves only, never the other folders the run folder's upload sent."""
+        from ..ops.prune.run import apply_remote
+
+        assert self.upload is not None
+        upload = self.upload
+
+        def delete(decisions: list[PruneDecision]) -> None:
+            apply_remote(upload, decisions)
+
+        self._prune_own(record, upload, delete, warn_later=False)
+
+    def _prune_own(
+        self,
+        record: SaveRecord,
+        run_dir: Path | str,
+        delete: Callable[[list[PruneDecision]], None],
+        *,
+        warn_later: bool,
+    ) -> None:
+        """`ckpt prune`'s plan over this checkpointer's own saves in `run_dir` (local or
+        remote), carried out by `delete`; what it removed is added to `record.pruned`."""
         from ..ops.prune.retention import plan
         from ..ops.prune.run import VANISHED
-        from ..ops.prune.run import apply as delete_planned
         from ..sources.runs import scan_run
 
         policy = self._retention(record)
-        run = scan_run(self.run_dir, settle=0.0)
+        run = scan_run(run_dir, settle=0.0)
         own = [c for c in run.checkpoints if _OWN_SAVE.fullmatch(c.name)]
         later = [c.name for c in own if c.complete and c.step is not None and c.step > record.step]
-        if later and self.policy is not None and self.policy.retains:
+        if warn_later and later and self.policy is not None and self.policy.retains:
             self.log.warning(
                 "the run folder holds saves of later steps than step %d (%s): retention counts "
                 "them as the newest; remove them if this run replaces them",
@@ -693,9 +722,10 @@ class Checkpointer:
         decisions = plan(run.model_copy(update={"checkpoints": own}), policy)
         if self.policy is None:  # no retention: only the staging folders of interrupted saves go
             decisions = [d for d in decisions if d.name.startswith(".")]
-        delete_planned(self.run_dir, decisions, policy.settle)
+        delete(decisions)
+        remote = isinstance(run_dir, str)
         deleted = [d.name for d in decisions if d.deleted and d.action == "delete"]
-        record.pruned.extend(deleted)
+        record.pruned.extend(f"{run_dir}/{name}" if remote else name for name in deleted)
         if deleted:
             self.log.info("retention removed %s", ", ".join(deleted))
         for d in decisions:
@@ -718,13 +748,7 @@ class Checkpointer:
                 pause_point("upload", record.step)
 
         try:
-            report = sync(
-                str(self.run_dir),
-                self.upload,
-                settle=0.0,
-                prune_policy=self._retention(record) if self.policy is not None else None,
-                on_file=on_file,
-            )
+            report = sync(str(self.run_dir), self.upload, settle=0.0, on_file=on_file)
         except CkptError as error:  # the object store could not be listed or reached
             raise IOFailure(
                 f"step {record.step} is saved locally ({record.path}) but its upload failed: "
@@ -733,8 +757,6 @@ class Checkpointer:
                 fix=error.fix or "The next save uploads it again (sync resumes what is missing).",
             ) from error
         record.upload_seconds = time.perf_counter() - started
-        if report.pruned is not None:
-            record.pruned.extend(f"{self.upload}/{name}" for name in report.pruned.deleted)
         if report.failed:
             raise IOFailure(
                 f"step {record.step} is saved locally ({record.path}) but its upload failed: "
@@ -745,3 +767,8 @@ class Checkpointer:
         record.remote = f"{self.upload}/{record.name}"
         with self._lock:
             self._uploaded_step = record.step
+        if self.policy is not None:  # only once the save is whole in the object store
+            try:
+                self._retain_remote(record)
+            except CkptError as error:  # the save is uploaded: the next one prunes again
+                self.log.warning("retention in %s failed: %s", self.upload, error)
