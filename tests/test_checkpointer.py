@@ -683,6 +683,46 @@ def test_int_keys_and_empty_dicts_round_trip_and_a_wrapped_adam_resumes_its_mome
             assert torch.equal(resumed["state"][index][name], tensor), (index, name)
 
 
+def test_a_save_before_the_first_optimizer_step_changes_nothing_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    """A loop saves its initial state (step 0) before AdamW has stepped. DCP's state-dict API
+    initialises an empty optimizer with a zero-gradient step: the save used to leave the live
+    optimizer one step ahead (its bias correction then differs: other weights than a run that
+    never saved), and a resume from that save started one step ahead too."""
+    from ckpt_cli import Checkpointer
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        data = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            model(torch.randn(4, 8, generator=data)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return model.weight.detach().clone()
+
+    reference = train(*build())
+    model, optimizer = build()
+    with Checkpointer(tmp_path / "run") as ck:
+        ck.save(0, {"model": model, "optimizer": optimizer})
+        assert (record := ck.wait()) is not None and record.phase == "done", record
+    assert optimizer.state_dict()["state"] == {}  # the live optimizer is as it was
+    assert torch.equal(train(model, optimizer), reference)
+    assert optimizer.state_dict()["state"][0]["step"] == torch.tensor(5.0)
+
+    model, optimizer = build()
+    with torch.no_grad():
+        model.weight.fill_(7.0)  # the resume must bring back the saved weights
+    loaded = Checkpointer(tmp_path / "run").load_latest({"model": model, "optimizer": optimizer})
+    assert loaded is not None and loaded.step == 0
+    assert optimizer.state_dict()["state"] == {}
+    assert torch.equal(train(model, optimizer), reference)
+
+
 def test_loading_into_a_state_that_does_not_match_the_save_raises_a_ckpt_error_naming_it(
     tmp_path: Path,
 ) -> None:

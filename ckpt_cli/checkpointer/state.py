@@ -18,7 +18,11 @@ Every entry of the mapping is one of:
 
 The save's own record, the entry `__ckpt__`, also holds its layout version and world size,
 and, for each rank, the shape of every Stateful's state and plain value (`shapes.rank-R`, a JSON
-string): its containers, their int or str keys, empty ones included. DCP names every dict key
+string): its containers, their int or str keys, empty ones included; and which optimizers had
+not stepped yet. DCP's state-dict API fills such an optimizer by a zero-gradient step (Adam's
+step count then 1) when its state is taken or loaded: `capture` empties the live optimizer
+again after taking it, and `apply` empties the loaded one, so a save before the first step
+changes nothing and resumes exactly. DCP names every dict key
 as a string and saves no empty container, so without it `{0: ...}` would come back as
 `{"0": ...}` (a wrapped optimizer's state then silently not restored) and `{}` not at all.
 Saves without the record (older ones) are loaded as they were written, one copy for every rank.
@@ -51,6 +55,8 @@ Kind = Literal["model", "optimizer", "stateful", "value"]
 #: the shape of a value: None for a leaf, {"d": [[key, shape], ...]} for a mapping (an int key
 #: stays an int), {"l": [shape, ...]} for a list
 Shape = Any
+#: what the shapes record for an optimizer saved before its first step (an empty `state`)
+NOT_STEPPED: Shape = {"optimizer": "not stepped"}
 
 
 def _shape(value: Any) -> Shape:
@@ -152,20 +158,29 @@ def capture(items: list[Entry], rank: int = 0, world_size: int = 1) -> dict[str,
     )
 
     out: dict[str, Any] = {}
+    fresh: list[str] = []
     for e in items:
         if e.kind == "model":
             out[e.key] = get_model_state_dict(e.obj)
         elif e.kind == "optimizer":
             assert e.model is not None
+            empty = not e.obj.state
             out[e.key] = get_optimizer_state_dict(e.model, e.obj)
+            if empty:
+                # DCP fills an optimizer that has not stepped yet by a zero-gradient step; the
+                # live one must stay as it was (its next step is its first: Adam's bias
+                # correction counts it), and the record says so for the load
+                e.obj.state.clear()
+                fresh.append(e.key)
         elif e.kind == "stateful":
             out[e.key] = e.obj.state_dict()
     values = {e.key: e.obj for e in items if e.kind == "value"}
-    shapes = {
+    shapes: dict[str, Shape] = {
         e.key: _shape(out[e.key] if e.kind == "stateful" else e.obj)
         for e in items
         if e.kind in ("stateful", "value")
     }
+    shapes.update(dict.fromkeys(fresh, NOT_STEPPED))
     record: dict[str, Any] = {
         "layout": LAYOUT,
         "world_size": world_size,
@@ -313,6 +328,8 @@ def apply(
         elif e.kind == "optimizer":
             assert e.model is not None
             set_optimizer_state_dict(e.model, e.obj, loaded[e.key])
+            if shapes.get(e.key) == NOT_STEPPED:  # saved before its first step: as it was then
+                e.obj.state.clear()
         elif e.kind == "stateful":
             e.obj.load_state_dict(rebuilt.get(e.key, {}))
         else:
