@@ -723,6 +723,34 @@ def test_a_save_before_the_first_optimizer_step_changes_nothing_and_resumes_exac
     assert torch.equal(train(model, optimizer), reference)
 
 
+def test_a_save_between_the_first_backward_and_the_first_optimizer_step_loads(
+    tmp_path: Path,
+) -> None:
+    """With gradients already there, DCP does not fill the optimizer that has not stepped: the
+    save holds no optimizer state, and `load_latest` refused it ("Missing key in checkpoint
+    state_dict: optimizer.state.weight.step" and a fix telling to rebuild the optimizer as the
+    run did, which it was)."""
+    from ckpt_cli import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()  # the first micro-batch of an accumulation
+    with Checkpointer(tmp_path / "run") as ck:
+        ck.save(0, {"model": model, "optimizer": optimizer})
+        assert (record := ck.wait()) is not None and record.phase == "done", record
+    fresh = torch.nn.Linear(4, 4)
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    loaded = Checkpointer(tmp_path / "run").load_latest(
+        {"model": fresh, "optimizer": fresh_optimizer}
+    )
+    assert loaded is not None and loaded.step == 0
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    assert fresh_optimizer.state_dict()["state"] == {}
+    assert fresh_optimizer.param_groups[0]["lr"] == 0.1
+
+
 def test_loading_into_a_state_that_does_not_match_the_save_raises_a_ckpt_error_naming_it(
     tmp_path: Path,
 ) -> None:

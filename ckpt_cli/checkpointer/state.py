@@ -224,6 +224,13 @@ def load_template(items: list[Entry], metadata: Any, where: str, rank: int = 0) 
                 fix=f"Drop {e.key!r} from `into` (and set it up anew), or load a checkpoint "
                 "saved with it.",
             )
+        if e.kind == "optimizer" and not any(
+            tuple(paths.get(fqn, (fqn,)))[:2] == (e.key, "state")
+            for fqn in metadata.state_dict_metadata
+        ):
+            # saved before its first step, its gradients already there (DCP does not fill it
+            # then): there is no state to load, only the parameter groups
+            template[e.key]["state"] = {}
         if e.kind in ("model", "optimizer"):
             continue
         found = False
