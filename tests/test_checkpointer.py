@@ -751,6 +751,30 @@ def test_a_save_between_the_first_backward_and_the_first_optimizer_step_loads(
     assert fresh_optimizer.param_groups[0]["lr"] == 0.1
 
 
+def test_verify_resumable_reads_the_step_a_checkpointer_save_records(tmp_path: Path) -> None:
+    """A loop saves its model and optimizer and no `step` entry (the step is `save`'s own
+    argument): `load_latest` resumes it at its step, but `ckpt verify --resumable` said
+    "resumable: no (missing: step)", exit 1. The save records its step (`__ckpt__.step`)."""
+    import json
+
+    from ckpt_cli import Checkpointer
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    run = tmp_path / "run"
+    with Checkpointer(run) as ck:
+        ck.save(300, {"model": model, "optimizer": optimizer})
+        assert (record := ck.wait()) is not None and record.phase == "done", record
+    verdict = run_ckpt("verify", str(run / "step-300"), "--resumable", "--json")
+    assert verdict.exit_code == 0, verdict.stdout
+    training = json.loads(verdict.stdout)["result"]["training"]
+    assert training["step"] == 300 and training["resumable"], training
+    loaded = Checkpointer(run).load_latest({"model": model, "optimizer": optimizer})
+    assert loaded is not None and loaded.step == 300
+
+
 def test_loading_into_a_state_that_does_not_match_the_save_raises_a_ckpt_error_naming_it(
     tmp_path: Path,
 ) -> None:

@@ -292,7 +292,7 @@ class Checkpointer:
         staged_from = time.perf_counter()
         try:
             items = entries(state)
-            staged, nbytes = self._staging.stage(capture(items, self.rank, self.world_size))
+            staged, nbytes = self._staging.stage(capture(items, self.rank, self.world_size, step))
         except BaseException:
             # the other ranks must not start a write this rank will never join: theirs would
             # wait for it, and take its next save's collectives for this one's (a torn save)

@@ -16,8 +16,8 @@ Every entry of the mapping is one of:
   and rank R's under the save's record, `__ckpt__.ranks.rank-R.NAME`; `load_latest` gives
   each rank the values it saved itself.
 
-The save's own record, the entry `__ckpt__`, also holds its layout version and world size,
-and, for each rank, the shape of every Stateful's state and plain value (`shapes.rank-R`, a JSON
+The save's own record, the entry `__ckpt__`, also holds its layout version, world size and
+training step, and, for each rank, the shape of every Stateful's state and plain value (`shapes.rank-R`, a JSON
 string): its containers, their int or str keys, empty ones included; and which optimizers had
 not stepped yet. DCP's state-dict API fills such an optimizer by a zero-gradient step (Adam's
 step count then 1) when its state is taken or loaded: `capture` empties the live optimizer
@@ -149,9 +149,12 @@ def _owner(
     )
 
 
-def capture(items: list[Entry], rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+def capture(
+    items: list[Entry], rank: int = 0, world_size: int = 1, step: int | None = None
+) -> dict[str, Any]:
     """The state dict `dcp.save` gets: each entry's state, keyed by its name (the plain values
-    of a rank other than 0 under the record: see the module), and the save's record."""
+    of a rank other than 0 under the record: see the module), and the save's record (with
+    `step`, the training step saved, when given)."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -186,6 +189,8 @@ def capture(items: list[Entry], rank: int = 0, world_size: int = 1) -> dict[str,
         "world_size": world_size,
         "shapes": {rank_name(rank): json.dumps(shapes)},
     }
+    if step is not None:  # `ckpt verify --resumable` reads it: the state may hold no counter
+        record["step"] = step
     if rank == 0:
         out.update(values)
     elif values:

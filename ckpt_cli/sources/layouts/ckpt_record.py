@@ -9,6 +9,7 @@ cuts the bookkeeping for the new world size itself, so a Checkpointer save needs
 |---|---|---|
 | `__ckpt__.layout` | the record's layout version | carried |
 | `__ckpt__.world_size` | the world size the save is laid out for | the new one |
+| `__ckpt__.step` | the training step saved (`save`'s own argument; older saves lack it) | carried |
 | `__ckpt__.shapes.rank-R` | the shapes of rank R's Stateful states and plain values (JSON) | kept for ranks below the new world size; a new rank gets a copy of the shapes of the rank its values are copied from (`--rank-state replicate`), else of the lowest rank's |
 | `__ckpt__.ranks.rank-R.NAME` | rank R's own plain values (RNG states, counters), R >= 1 | the user's per-rank state: as `--rank-state` says |
 
@@ -30,6 +31,8 @@ RECORD_KEY = "__ckpt__"
 LAYOUT = 1
 #: the world size the save is laid out for
 WORLD_SIZE = f"{RECORD_KEY}.world_size"
+#: the training step saved (a loop's state need hold no counter of its own)
+STEP = f"{RECORD_KEY}.step"
 
 _SHAPES = re.compile(rf"^{RECORD_KEY}\.shapes\.rank-(\d+)$")
 _VALUES_PREFIX = f"{RECORD_KEY}.ranks."

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ...formats import find_format
 from ...formats.base import Checkpoint, Source
 from ...models import Manifest, Problem, TrainingState
+from . import ckpt_record
 from .base import SingleLayout, open_plain
 from .lightning import Lightning
 from .torchtitan import missing_states, model_entries, model_only_note, titan_model_keys
@@ -223,6 +224,9 @@ def _dict_state(checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState |
     epoch = value_of(checkpoint, "epoch") if "epoch" in keys else None
     if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
         state.epoch = float(epoch)
+    if state.step is None and ckpt_record.RECORD_KEY in keys:
+        # ckpt's Checkpointer records the step it saved (the state may hold no counter)
+        state.step = as_int(value_of(checkpoint, ckpt_record.STEP))
     state.components = {c: p.rstrip(".") for c, p in prefixes.items()}
     state.components.update({comp: comp for comp in rng_ranks.values()})
     if titan_model:
