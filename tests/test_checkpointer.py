@@ -587,6 +587,38 @@ def test_remote_retention_also_keeps_the_users_folders_uploaded_from_the_run_fol
         assert torch.equal(load(body)["w"], torch.ones(2))
 
 
+def test_a_fresh_node_pulls_the_newest_checkpointer_save_not_another_folder_of_the_bucket(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    """The upload sends the run folder whole, so the bucket also holds the user's
+    `finetune-step-700` (safetensors, no optimizer). `load_latest` on a node with an empty disk
+    chose step-30 but pulled the bucket's newest folder, `finetune-step-700`, then found no
+    step-30 on disk and started from scratch ("no complete checkpoint")."""
+    from safetensors.torch import save_file
+
+    from ckpt_cli import Checkpointer
+
+    make_bucket(s3_server.endpoint, "ckpt")
+    run = tmp_path / "run"
+    (run / "finetune-step-700").mkdir(parents=True)
+    save_file({"w": torch.ones(2)}, run / "finetune-step-700" / "model.safetensors")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    with Checkpointer(run, upload="s3://ckpt/exp") as ck:
+        ck.save(30, {"model": model, "step": 30})
+        assert (record := ck.wait()) is not None and record.phase == "done", record
+    assert latest("s3://ckpt/exp") == "s3://ckpt/exp/finetune-step-700"
+
+    fresh_node = tmp_path / "fresh"
+    into: dict[str, Any] = {"model": torch.nn.Linear(8, 8), "step": 0}
+    loaded = Checkpointer(fresh_node, upload="s3://ckpt/exp").load_latest(into)
+    assert loaded is not None and (loaded.step, loaded.tier) == (30, "remote"), loaded
+    assert loaded.skipped == [] and into["step"] == 30
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(into["model"].state_dict()[name], tensor), name
+    assert sorted(p.name for p in fresh_node.iterdir()) == ["step-30"]
+
+
 def test_the_next_save_removes_the_staging_folder_of_a_killed_save_without_retention(
     tmp_path: Path,
 ) -> None:

@@ -87,10 +87,16 @@ def _from_remote(
     log: logging.Logger,
 ) -> Choice | None:
     """Pull the newest remote save when it is newer than every local one."""
-    from ..ops.sync import sync
+    from ..ops.sync.pull import sync_down
 
     try:
-        remote = _resumable(scan_run(upload.rstrip("/"), settle=0.0, until_latest=True).checkpoints)
+        url = upload.rstrip("/")
+        newest = scan_run(url, settle=0.0, until_latest=True).checkpoints
+        remote = _resumable(newest)
+        if not remote and any(c.complete for c in newest):
+            # the newest complete folder is no save to resume from (an export the upload sent
+            # with the run folder): judge them all
+            remote = _resumable(scan_run(url, settle=0.0).checkpoints)
     except CkptError as error:
         log.warning("object store %s not read, loading from the local tier: %s", upload, error)
         return None
@@ -102,7 +108,9 @@ def _from_remote(
         return None
     log.info("pulling %s from %s (newer than every local save)", best.name, upload)
     try:
-        report = sync(upload.rstrip("/"), str(run_dir), latest_only=True)
+        # that save, not the bucket's newest folder (the upload sends the run folder whole:
+        # the user's exports are there too)
+        report = sync_down(upload.rstrip("/"), str(run_dir), only=best.name, settle=0.0)
     except CkptError as error:
         log.warning("pulling %s failed: %s", best.name, error)
         skipped.append(f"{best.name} (remote): {error}")

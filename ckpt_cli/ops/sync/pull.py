@@ -564,12 +564,16 @@ def sync_down(
     limit: RateLimit | None = None,
     settle: float = DEFAULT_SETTLE,
     dry_run: bool = False,
+    only: str | None = None,
 ) -> SyncReport:
     """`ckpt sync s3://… RUN_DIR`: pull the newest (or every missing) complete checkpoint.
 
     With `dry_run` nothing is written (DEST is not even created, no staging folder is made):
     each checkpoint the pull would fetch is reported `downloaded` with its files and bytes,
     judged from the listing, the manifests and the local copies as the pull judges them.
+
+    `only`: pull that one checkpoint (by name), which must be complete, whatever else the run
+    holds (the Checkpointer's resume picks its own newest save, not the run's newest folder).
     """
     limit = limit or RateLimit(None)
     remote = scan_run(src.rstrip("/"), settle=0.0)
@@ -580,6 +584,14 @@ def sync_down(
     dest_root = Path(dest)
     report = SyncReport(source=src, dest=dest, direction="down", dry_run=dry_run)
     wanted = [c for c in remote.checkpoints if c.complete and not c.slim]
+    if only is not None:
+        wanted = [c for c in wanted if c.name == only]
+        if not wanted:
+            raise NotFoundError(
+                f"no complete checkpoint {only} in the remote run folder",
+                path=src,
+                fix="`ckpt latest` on it lists every checkpoint and why it is not complete.",
+            )
     if latest_only:
         if not wanted:
             raise NotFoundError(
