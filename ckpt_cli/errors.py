@@ -14,6 +14,15 @@ from typing import ClassVar
 REPORT_BUG = "This is a bug in ckpt: please report it with the command you ran."
 
 
+def with_fix(text: str, fix: str | None) -> str:
+    """`text` followed by its fix, as every message reads: `path: problem. fix` (`text` alone
+    when there is no fix). The one spelling of an error's message and of a problem's line."""
+    if not fix:
+        return text
+    text = text.rstrip(".")
+    return f"{text} {fix}" if text.endswith(("?", "!")) else f"{text}. {fix}"
+
+
 class CkptError(Exception):
     """Base class of expected failures.
 
@@ -33,12 +42,15 @@ class CkptError(Exception):
         super().__init__(self.message)
 
     @property
+    def stated(self) -> str:
+        """The message without its fix: `path: problem` (a `Problem` built from this error
+        carries the fix in its own `fix` field)."""
+        return f"{self.path}: {self.problem}" if self.path else self.problem
+
+    @property
     def message(self) -> str:
         """The full human message: `path: problem. fix`."""
-        text = f"{self.path}: {self.problem}" if self.path else self.problem
-        if self.fix:
-            text = f"{text.rstrip('.')}. {self.fix}"
-        return text
+        return with_fix(self.stated, self.fix)
 
     def to_json(self) -> dict[str, str | int | None]:
         """The `error` member of the JSON envelope."""

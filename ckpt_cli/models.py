@@ -474,10 +474,13 @@ _CODE_ENUM: list[JsonValue] = [*sorted(CODES)]
 
 
 class Problem(Record):
-    """One problem found by `verify` or `diff`: a stable code, where, and what is wrong.
+    """One problem found by `verify` or `diff`: a stable code, where, what is wrong, and what
+    to do about it.
 
     `code` and `severity` must be in the table of `ckpt_cli/problems.py` (a code that is not is
-    a bug: the model refuses it, naming the code).
+    a bug: the model refuses it, naming the code). `message` names the file and the flaw;
+    `fix` says what the user can run or do (every problem ckpt reports has one; the human
+    output prints it after the message, as an error's message ends with its fix).
     """
 
     code: str = Field(
@@ -491,6 +494,12 @@ class Problem(Record):
     #: on a checkpoint protected by `ckpt protect`: whether `ckpt repair` can rebuild the file
     #: (None when the checkpoint has no parity or the problem is not about file contents)
     repairable: bool | None = None
+    fix: str | None = Field(
+        default=None,
+        description="What to run or do about it (fetch the shard again, `ckpt repair SRC`, "
+        "resume from the checkpoint `ckpt latest RUN_DIR` names...); a summary entry carries "
+        "the fix of the problems it counts.",
+    )
 
     @model_validator(mode="after")
     def _known_code(self) -> Problem:
@@ -556,13 +565,16 @@ class ProblemList(list[Problem]):
         skip building it: `add_counted`)."""
         return self._listed.get((code, severity), 0) >= MAX_EXAMPLES
 
-    def add_counted(self, code: str, severity: Severity, file: str | None) -> None:
-        """Count one more problem of `code` at `severity` about `file` in its summary, without
-        listing it (for a caller that found `full` true and built no `Problem`)."""
+    def add_counted(
+        self, code: str, severity: Severity, file: str | None, fix: str | None = None
+    ) -> None:
+        """Count one more problem of `code` at `severity` about `file` (whose fix is `fix`) in
+        its summary, without listing it (for a caller that found `full` true and built no
+        `Problem`)."""
         key = (code, severity)
         summary = self._summaries.get(key)
         if summary is None:
-            summary = ProblemSummary(code=code, message="", file=file, severity=severity)
+            summary = ProblemSummary(code=code, message="", file=file, severity=severity, fix=fix)
             self._summaries[key] = summary
             super().append(summary)
         summary.count(1, file)
@@ -577,7 +589,7 @@ class ProblemList(list[Problem]):
             self._listed[key] = listed + 1
             super().append(problem)
         else:
-            self.add_counted(problem.code, problem.severity, problem.file)
+            self.add_counted(problem.code, problem.severity, problem.file, problem.fix)
 
     def _merge(self, key: tuple[str, str], summary: ProblemSummary) -> None:
         mine = self._summaries.get(key)

@@ -314,21 +314,28 @@ class Findings:
         *,
         file: str,
         tensor: str | None = None,
-        fix: str | None = None,
+        fix: str,
         severity: Severity = "error",
     ) -> None:
-        """Record one flaw of `file` (a display path), or raise it when strict."""
-        # models validates codes against this table, so it imports this module, not the reverse
-        from .models import Problem
-
+        """Record one flaw of `file` (a display path) and its fix, or raise it when strict."""
         if self.strict:
             raise FormatError(problem, path=file, fix=fix)
         if self.problems.full(code, severity):  # only counted: nothing to build
-            self.problems.add_counted(code, severity, file)
+            self.problems.add_counted(code, severity, file, fix)
             return
+        # models validates codes against this table, so it imports this module, not the reverse
+        from .models import Problem
+
         error = FormatError(problem, path=file, fix=fix)
         self.problems.append(
-            Problem(code=code, message=error.message, file=file, tensor=tensor, severity=severity)
+            Problem(
+                code=code,
+                message=error.stated,
+                file=file,
+                tensor=tensor,
+                severity=severity,
+                fix=fix,
+            )
         )
 
     def error(self, error: CkptError, code: str | None = None) -> None:
@@ -336,11 +343,38 @@ class Findings:
         self.problems.append(problem_from_error(error, code))
 
 
-def problem_from_error(error: CkptError, code: str | None = None) -> Problem:
-    """A `Problem` carrying what an exception said (as `code`, else the error's own code)."""
+def problem_from_error(
+    error: CkptError,
+    code: str | None = None,
+    *,
+    file: str | None = None,
+    tensor: str | None = None,
+    severity: Severity = "error",
+) -> Problem:
+    """A `Problem` carrying what an exception said (as `code`, else the error's own code):
+    its message (`path: problem`) and its fix, each in its own field; about `file` when
+    given, else the error's path."""
+    # models validates codes against this table, so it imports this module, not the reverse
     from .models import Problem
 
-    return Problem(code=code or error.code, message=error.message, file=error.path)
+    return Problem(
+        code=code or error.code,
+        message=error.stated,
+        file=file if file is not None else error.path,
+        tensor=tensor,
+        severity=severity,
+        fix=error.fix,
+    )
+
+
+def restore_fix(location: str) -> str:
+    """The fix of a file of the checkpoint at `location` whose bytes are lost or wrong: a good
+    copy of it, the parity, or the run's previous checkpoint."""
+    return (
+        "Copy or download the file again from where the checkpoint was saved (`ckpt repair "
+        f"{location}` rebuilds it where the checkpoint was protected), or resume from an "
+        "earlier checkpoint of the run (`ckpt latest RUN_DIR` names the newest complete one)."
+    )
 
 
 class UnknownProblemCode(ValueError):

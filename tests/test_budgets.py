@@ -707,13 +707,15 @@ def test_chunks_of_a_grid_are_judged_as_before(tmp_path: Path) -> None:
     moved = [*grid[:5], ([3, 2], [2, 2]), *grid[6:]]
     bad = _dcp_with_chunks(tmp_path / "moved", [8, 8], moved)
     verify = ckpt_limited("verify", bad, "--json")
-    messages = [
-        p["message"] for p in verify.json["result"]["problems"] if p["code"] == "dcp_overlap"
+    found = [
+        (p["message"], p["fix"])
+        for p in verify.json["result"]["problems"]
+        if p["code"] == "dcp_overlap"
     ]
     from ckpt_cli.formats.dcp.metadata import CORRUPT_METADATA_FIX
 
     overlap = "tensor 'w': chunks at [3, 2] and [4, 2] overlap"
-    assert messages == [f"{overlap}. {CORRUPT_METADATA_FIX}"], messages
+    assert found == [(overlap, CORRUPT_METADATA_FIX)], found
 
 
 # -- GGUF headers --------------------------------------------------------------------------------

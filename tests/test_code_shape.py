@@ -520,3 +520,65 @@ def test_every_ckpt_error_says_its_fix() -> None:
         for site in errors_without_a_fix(tree, path, errors)
     ]
     assert not found, "CkptErrors without fix=:\n" + "\n".join(found)
+
+
+# -- every problem says its fix -------------------------------------------------------------
+#
+# What `verify`, `diff`, `doctor` and the training-state report list is a `models.Problem`, one
+# per flaw: like an error, it names the file, the problem and the fix (its `fix` field, printed
+# after the message). About 55 constructions once gave none.
+
+#: the classes whose construction is a problem a user reads
+PROBLEM_CLASSES = {"Problem", "ProblemSummary"}
+
+
+def problems_without_a_fix(tree: ast.Module, path: Path) -> list[str]:
+    """`module:line function: Problem(...)` for each construction of a problem in `tree` that
+    passes no fix (`fix=` absent, a literal None or "")."""
+    place = str(path.relative_to(PACKAGE.parent))
+    found: list[str] = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            if (
+                isinstance(child, ast.Call)
+                and _called(child.func) in PROBLEM_CLASSES
+                and not _passes_fix(child)
+            ):
+                found.append(f"{place}:{child.lineno} {function}: {_called(child.func)}(...)")
+            visit(child, function)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_the_problem_fix_scan_sees_problems_without_a_fix() -> None:
+    source = (
+        "def check(where, error):\n"
+        "    found = [Problem(code='truncated', message='cut', file=where, fix='Fetch it.')]\n"
+        "    found.append(models.Problem(code='gap', message='gap', file=where))\n"
+        "    found.append(Problem(code='gap', message='gap', fix=None))\n"
+        "    found.append(Problem(code=error.code, message=error.stated, fix=error.fix))\n"
+        "    found.append(ProblemSummary(code='gap', message=''))\n"
+        "    return found + [helper(Problem(code='x', message='y', **extra))]\n"
+    )
+    assert problems_without_a_fix(ast.parse(source), PACKAGE / "x.py") == [
+        "ckpt_cli/x.py:3 check: Problem(...)",
+        "ckpt_cli/x.py:4 check: Problem(...)",
+        "ckpt_cli/x.py:6 check: ProblemSummary(...)",
+    ]
+
+
+def test_every_problem_says_its_fix() -> None:
+    """Every `Problem(...)` (and `ProblemSummary(...)`) built in ckpt_cli passes `fix=`: what
+    the user can run or do (fetch the shard again, `ckpt repair SRC`, resume from the
+    checkpoint `ckpt latest` names...); a problem built from a `CkptError` carries its fix."""
+    found = [
+        site
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for site in problems_without_a_fix(ast.parse(path.read_text(), str(path)), path)
+    ]
+    assert not found, "Problems without fix=:\n" + "\n".join(found)

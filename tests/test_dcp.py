@@ -761,7 +761,8 @@ def test_a_rank_file_linked_to_a_small_file_outside_is_refused_not_called_trunca
     assert [p["code"] for p in problems] == ["unsafe_input"], problems
     message = problems[0]["message"]
     assert "'__0_0.distcp' is a link that points outside the checkpoint" in message
-    assert str(outside) in message and "Copy the file into the checkpoint folder" in message
+    assert str(outside) in message
+    assert "Copy the file into the checkpoint folder" in problems[0]["fix"]
     assert "truncated" not in output and "6 bytes" not in output
     for command in ("inspect", "convert"):
         args = [tmp_path / "out.safetensors", "--to", "safetensors"] if command == "convert" else []
@@ -821,7 +822,7 @@ def test_read_slice_loads_only_the_chunks_and_rows_it_needs(
 def test_every_dcp_problem_code_says_its_fix() -> None:
     """Each DCP and Megatron-Core problem of the code table has the fix `verify` prints after
     it; the lines named the flaw only ("...; the file is truncated")."""
-    from ckpt_cli.formats.dcp.format import PROBLEM_FIXES
+    from ckpt_cli.formats.dcp.layout import PROBLEM_FIXES
     from ckpt_cli.problems import CODES
 
     codes = {code for code in CODES if code.startswith(("dcp_", "megatron_"))}

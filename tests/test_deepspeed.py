@@ -100,6 +100,12 @@ def test_a_missing_rank_partition_fails_plain_verify(zero_runs: Path, tmp_path: 
         missing = [p for p in problems if p["code"] == "missing_partition"]
         assert len(missing) == 1 and lost.name in missing[0]["message"]
         assert "dp_world_size" in missing[0]["message"]
+        # and what to do: the rank's file copied again, or the previous checkpoint resumed
+        fix = missing[0]["fix"]
+        assert f"Copy {lost.name} again" in fix and "`ckpt latest RUN_DIR`" in fix
+        assert f"every rank's partition is needed to rebuild the weights or resume. {fix}" in (
+            run_ckpt("verify", run).stdout
+        )
         # nothing to rebuild the weights from: `--select model` says so instead of inventing
         result = run_ckpt(
             "convert",

@@ -380,7 +380,10 @@ def test_a_truncated_gguf_names_the_tensor_past_its_end(tmp_path: Path) -> None:
     assert (problem["code"], problem["tensor"]) == ("truncated", "output_norm.weight")
     assert f"past the end of the file ({len(data) - 16:,} bytes)" in problem["message"]
     # the verify line says the fix too, as the refusal of inspect does (it said none)
-    assert problem["message"].endswith("bytes). The file is cut short; download it again.")
+    assert problem["message"].endswith("bytes)")
+    assert problem["fix"] == "The file is cut short; download it again."
+    human = run_ckpt("verify", cut)
+    assert "bytes). The file is cut short; download it again." in human.stdout
     for command in (["inspect", cut], ["convert", cut, tmp_path / "o", "--to", "safetensors"]):
         refused = run_ckpt(*command)
         assert refused.exit_code == 4, refused.stderr
@@ -421,7 +424,7 @@ def test_an_unreadable_gguf_version_or_alignment_is_named(tmp_path: Path) -> Non
     assert result.exit_code == 1
     (problem,) = result.json["result"]["problems"]
     assert "general.alignment is 48, not a power of two" in problem["message"]
-    assert "download it again" not in problem["message"]
+    assert problem["fix"] and "download it again" not in problem["message"] + problem["fix"]
 
 
 def test_inspect_counts_quantized_tensors_with_their_logical_shape(tmp_path: Path) -> None:

@@ -779,9 +779,11 @@ def test_a_shard_index_total_size_that_is_no_byte_count_says_what_to_do(tmp_path
     assert result.exit_code == 1
     (problem,) = result.json["result"]["problems"]
     assert problem["code"] == "bad_index" and problem["file"] == str(index)
-    assert problem["message"] == (
-        f"{index}: has metadata.total_size 'abc', which is not a byte count. Write the index "
-        "again (save_pretrained writes the shards' byte count there)."
+    assert (
+        problem["message"] == f"{index}: has metadata.total_size 'abc', which is not a byte count"
+    )
+    assert problem["fix"] == (
+        "Write the index again (save_pretrained writes the shards' byte count there)."
     )
 
 
@@ -799,8 +801,11 @@ def test_a_truncated_distcp_file_says_what_to_do_in_verify(tmp_path: Path) -> No
     assert result.exit_code == 1
     (problem,) = result.json["result"]["problems"]
     assert problem["code"] == "dcp_truncated" and problem["file"] == str(data)
-    assert "the file is truncated. Copy the data file again" in problem["message"]
-    assert "`ckpt repair`" in problem["message"]
+    assert problem["message"].endswith("the file is truncated")
+    assert problem["fix"].startswith("Copy the data file again")
+    assert "`ckpt repair`" in problem["fix"]
+    human = run_ckpt("verify", folder).stdout
+    assert "the file is truncated. Copy the data file again" in human
 
 
 def test_a_file_that_no_longer_matches_its_manifest_says_what_to_do(tmp_path: Path) -> None:
@@ -814,10 +819,10 @@ def test_a_file_that_no_longer_matches_its_manifest_says_what_to_do(tmp_path: Pa
     (tmp_path / "notes.txt").write_text("added later\n")
     result = run_ckpt("verify", tmp_path, "--checksums", "--json")
     assert result.exit_code == 1
-    problems = {p["code"]: p["message"] for p in result.json["result"]["problems"]}
-    assert (
-        "(the content changed or is corrupt). Restore it from a good copy"
-        in (problems["checksum_mismatch"])
-    )
-    assert "`ckpt repair`" in problems["checksum_mismatch"]
-    assert "write the manifest again (`--write-manifest --force`)" in problems["unlisted_file"]
+    found = {p["code"]: p for p in result.json["result"]["problems"]}
+    assert found["checksum_mismatch"]["message"].endswith("(the content changed or is corrupt)")
+    assert found["checksum_mismatch"]["fix"].startswith("Restore it from a good copy")
+    assert "`ckpt repair`" in found["checksum_mismatch"]["fix"]
+    assert "write the manifest again (`--write-manifest --force`)" in found["unlisted_file"]["fix"]
+    human = run_ckpt("verify", tmp_path, "--checksums").stdout
+    assert "(the content changed or is corrupt). Restore it from a good copy" in human

@@ -63,7 +63,7 @@ def test_a_save_latest_skips_is_no_whole_checkpoint_to_plain_verify_either(
     codes = [p["code"] for p in result.json["result"]["problems"]]
     assert (
         codes == ["missing_weights"]
-        and "ckpt latest" in result.json["result"]["problems"][0]["message"]
+        and "ckpt latest" in result.json["result"]["problems"][0]["fix"]
     )
     resumable = run_ckpt("verify", "--resumable", run / "checkpoint-2", "--json")
     errors = [p["code"] for p in resumable.json["result"]["problems"] if p["severity"] == "error"]

@@ -767,7 +767,10 @@ def test_trainer_folder_with_a_truncated_model_is_named(tmp_path: Path) -> None:
     model.write_bytes(model.read_bytes()[:-10])
     code, found = problems(folder)
     assert code == 1
-    assert any(p["file"] == str(model) and "truncated" in p["message"] for p in errors(found))
+    assert any(
+        p["file"] == str(model) and "past its end" in p["message"] and "truncated" in p["fix"]
+        for p in errors(found)
+    )
 
 
 # ------------------------------------------------------------------ the Hub
@@ -888,8 +891,8 @@ def test_a_cache_snapshot_folder_is_checked_against_its_content_addresses(
         ("checksum_mismatch", config.name),
         ("checksum_mismatch", shard.name),
     ]
-    message = next(p["message"] for p in found if shard.name in p["file"])
-    assert "content address" in message and "hf cache rm" in message
+    problem = next(p for p in found if shard.name in p["file"])
+    assert "content address" in problem["message"] and "hf cache rm" in problem["fix"]
     # one file of the snapshot is checked alone too
     alone = run_ckpt("verify", shard, "--checksums")
     assert alone.exit_code == 1 and shard.name in alone.stdout + alone.stderr

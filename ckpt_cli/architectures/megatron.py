@@ -466,7 +466,7 @@ def args_from_checkpoint(checkpoint: Checkpoint) -> ModelArgs:
     save has none or they cannot be read safely: the rules needing them then ask for
     --config. A model that is not Llama-style is refused (`args_from_megatron`)."""
     from ..errors import CkptError
-    from ..formats.dcp.megatron import MEGATRON_COMMON
+    from ..formats.dcp.layout import MEGATRON_COMMON
     from ..formats.torch.load import InertObject, load_torch_file
 
     storage = checkpoint.storage

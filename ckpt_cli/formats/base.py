@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import REPORT_BUG, FormatError
 from ..models import Chunk, Entry, FileInfo, Manifest, Problem, TensorFacts
+from ..problems import problem_from_error
 from ..storage import Storage
 from ..storage.fileio import COPY_BLOCK
 from ..storage.uri import Location
@@ -532,5 +533,5 @@ class Format(ABC):
         try:
             cls.open(source).close()
         except FormatError as error:
-            return [Problem(code=error.code, message=error.message, file=error.path)]
+            return [problem_from_error(error)]
         return []

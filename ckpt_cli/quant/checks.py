@@ -27,10 +27,11 @@ def _problem(
 ) -> Problem:
     return Problem(
         code=code,
-        message=f"{where}: {message}. {fix}",
+        message=f"{where}: {message}",
         file=where,
         tensor=tensor,
         severity="warning" if warn else "error",
+        fix=fix,
     )
 
 

@@ -363,9 +363,10 @@ def scale_value_problems(checkpoint: Checkpoint, analysis: QuantAnalysis) -> lis
                         Problem(
                             code="bad_scale",
                             message=f"{where}: scale {name!r} of {weight.payload!r} holds {bad} "
-                            "NaN exponents (0xFF). Re-export the checkpoint.",
+                            "NaN exponents (0xFF)",
                             file=where,
                             tensor=name,
+                            fix="Re-export the checkpoint.",
                         )
                     )
                 continue
@@ -378,9 +379,10 @@ def scale_value_problems(checkpoint: Checkpoint, analysis: QuantAnalysis) -> lis
                         code="bad_scale",
                         message=f"{where}: scale {name!r} of {weight.payload!r} holds "
                         f"{nonfinite} non-finite and {nonpositive} zero or negative values (of "
-                        f"{values.numel()}). Dequantized, those weights are wrong; re-export.",
+                        f"{values.numel()}). Dequantized, those weights are wrong",
                         file=where,
                         tensor=name,
+                        fix="Re-export the checkpoint.",
                     )
                 )
                 continue
@@ -395,11 +397,11 @@ def scale_value_problems(checkpoint: Checkpoint, analysis: QuantAnalysis) -> lis
                             message=f"{where}: {name!r} is {value:g}, which looks like a "
                             f"{other} (the reciprocal convention): dequantized, "
                             f"{weight.payload!r} would be off by a factor of about "
-                            f"{max(value, 1 / value) ** 2:.3g}. Check how the scale was "
-                            "converted.",
+                            f"{max(value, 1 / value) ** 2:.3g}",
                             file=where,
                             tensor=name,
                             severity="warning",
+                            fix="Check how the scale was converted.",
                         )
                     )
     return problems

@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
+from ...errors import with_fix
 from ...models import Entry
 from ...ops.inspect import InspectReport
 from ...ops.shared.tree import TreeNode
@@ -276,7 +277,7 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
         # on stderr, so the data on stdout stays what the file holds
         stderr.print(
             f"[yellow]ckpt inspect: warning:[/] malformed ({problem.code}): "
-            f"{escape(problem.message)}",
+            f"{escape(with_fix(problem.message, problem.fix))}",
             highlight=False,
             soft_wrap=True,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.markup import escape
 
+from ...errors import with_fix
 from ...ops.verify.run import VerifyReport
 from ...sizes import counted
 from . import human_bytes, stdout
@@ -55,8 +56,10 @@ def render_verify(report: VerifyReport) -> None:
         text = problem.message
         if problem.file and problem.file not in text:
             text = f"{problem.file}: {text}"
+        # the fix follows the flaw, as in an error's message: `file: problem. fix`
+        text = with_fix(text, problem.fix)
         tag = "[red]error[/]" if problem.severity == "error" else "[yellow]warning[/]"
-        # one line per problem, never wrapped, so CI logs can be grepped
+        # one line per problem (fix included), never wrapped, so CI logs can be grepped
         stdout.print(
             f"  {tag} [bold]{problem.code}[/] {escape(text)}",
             highlight=False,

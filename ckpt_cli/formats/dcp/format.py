@@ -7,13 +7,23 @@ from typing import ClassVar
 
 from ...errors import FormatError, NotFoundError
 from ...models import Entry, FileInfo, KeyedEntry, KeyStep, Manifest, Problem
+from ...problems import problem_from_error
 from ..base import Format, Source, WriteOptions
 from ..details import DcpDetails
 from ..safetensors.format import DCP_HF_SHARD, is_dcp_hf_sharded
 from .check import analysed, check_saved_tensors, peek_objects
-from .layout import METADATA, RANK_METADATA, SERIALIZATIONS, SUFFIX, rank_file, world_size
-from .megatron import MEGATRON_COMMON, MEGATRON_LAYOUT, MEGATRON_METADATA
-from .metadata import CORRUPT_METADATA_FIX, planner_keys
+from .layout import (
+    MEGATRON_COMMON,
+    MEGATRON_METADATA,
+    METADATA,
+    RANK_METADATA,
+    SERIALIZATIONS,
+    SUFFIX,
+    rank_file,
+    world_size,
+)
+from .megatron import MEGATRON_LAYOUT
+from .metadata import planner_keys
 from .reader import DcpCheckpoint
 from .writer import DcpWriter
 
@@ -113,9 +123,9 @@ class DcpFormat(Format):
         try:
             layout = analysed(source)
         except (FormatError, NotFoundError) as error:
-            return [Problem(code=error.code, message=error.message, file=error.path)]
+            return [problem_from_error(error)]
         check_saved_tensors(source.storage, layout)
-        return [_with_fix(p, source) for p in layout.problems]
+        return [_described(p, source) for p in layout.problems]
 
     @classmethod
     def writer(cls, staging: Path, plan: list[Entry], options: WriteOptions) -> DcpWriter:
@@ -181,45 +191,8 @@ def optimizer_ids_restored(
     return restored
 
 
-_DATA_FIX = (
-    "Copy the data file again from where the checkpoint was saved (`ckpt repair` rebuilds it "
-    "where the checkpoint was protected), or use an earlier checkpoint of the run."
-)
-_MIXED_FIX = (
-    "The folder mixes files of different saves, or one is corrupt: copy the checkpoint again "
-    "from where it was saved, or use an earlier checkpoint of the run."
-)
-_COMMON_FIX = f"Copy {MEGATRON_COMMON} again from the save."
-#: the fix of each problem a DCP (or Megatron-Core torch_dist) check finds, by its code
-PROBLEM_FIXES = {
-    "dcp_bad_chunk": CORRUPT_METADATA_FIX,
-    "dcp_chunk_out_of_bounds": CORRUPT_METADATA_FIX,
-    "dcp_coverage": CORRUPT_METADATA_FIX,
-    "dcp_hole": CORRUPT_METADATA_FIX,
-    "dcp_overlap": CORRUPT_METADATA_FIX,
-    "dcp_missing_storage": CORRUPT_METADATA_FIX,
-    "dcp_interrupted": "The save did not finish: use the previous complete checkpoint "
-    "(`ckpt latest RUN_DIR` names it), or save again.",
-    "dcp_mismatch": _MIXED_FIX,
-    "dcp_missing_file": _DATA_FIX,
-    "dcp_truncated": _DATA_FIX,
-    "megatron_backend": "Save it with Megatron-Core's torch_dist backend (`--ckpt-format "
-    "torch_dist`), the one ckpt reads.",
-    "megatron_common": _COMMON_FIX,
-    "megatron_common_clash": "Check which value the run meant to keep: ckpt reads and "
-    "converts the sharded one.",
-    "megatron_metadata": f"Copy {MEGATRON_METADATA} again from the save (Megatron-Core "
-    "writes it with the checkpoint).",
-    "megatron_missing_common": _COMMON_FIX,
-}
-
-
-def _with_fix(problem: Problem, source: Source) -> Problem:
-    """`problem` as `check` reports it: its file as the user names it, its fix after the flaw."""
-    update: dict[str, str] = {}
-    if problem.file:
-        update["file"] = source.storage.describe(problem.file)
-    fix = PROBLEM_FIXES.get(problem.code)
-    if fix is not None:
-        update["message"] = f"{problem.message.rstrip('.')}. {fix}"
-    return problem.model_copy(update=update) if update else problem
+def _described(problem: Problem, source: Source) -> Problem:
+    """`problem` as `check` reports it: its file as the user names it."""
+    if not problem.file:
+        return problem
+    return problem.model_copy(update={"file": source.storage.describe(problem.file)})

@@ -13,6 +13,7 @@ from ...models import Chunk, Entry, Problem, ProblemList
 from ...problems import Severity
 from ..names import DCP_DATA_SUFFIX, DCP_METADATA
 from ..safetensors.format import DCP_HF_SHARD
+from .metadata import CORRUPT_METADATA_FIX
 
 METADATA = DCP_METADATA
 SUFFIX = DCP_DATA_SUFFIX
@@ -24,6 +25,41 @@ RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 _MAX_HEADER = 100 << 20
 ZIP_MAGIC = b"PK\x03\x04"
+#: Megatron-Core `dist_checkpointing` (`torch_dist` backend) writes these beside the DCP files
+MEGATRON_COMMON = "common.pt"
+MEGATRON_METADATA = "metadata.json"
+
+_DATA_FIX = (
+    "Copy the data file again from where the checkpoint was saved (`ckpt repair` rebuilds it "
+    "where the checkpoint was protected), or use an earlier checkpoint of the run."
+)
+_MIXED_FIX = (
+    "The folder mixes files of different saves, or one is corrupt: copy the checkpoint again "
+    "from where it was saved, or use an earlier checkpoint of the run."
+)
+_COMMON_FIX = f"Copy {MEGATRON_COMMON} again from the save."
+#: the fix of each problem a DCP (or Megatron-Core torch_dist) check finds, by its code
+PROBLEM_FIXES = {
+    "dcp_bad_chunk": CORRUPT_METADATA_FIX,
+    "dcp_chunk_out_of_bounds": CORRUPT_METADATA_FIX,
+    "dcp_coverage": CORRUPT_METADATA_FIX,
+    "dcp_hole": CORRUPT_METADATA_FIX,
+    "dcp_overlap": CORRUPT_METADATA_FIX,
+    "dcp_missing_storage": CORRUPT_METADATA_FIX,
+    "dcp_interrupted": "The save did not finish: use the previous complete checkpoint "
+    "(`ckpt latest RUN_DIR` names it), or save again.",
+    "dcp_mismatch": _MIXED_FIX,
+    "dcp_missing_file": _DATA_FIX,
+    "dcp_truncated": _DATA_FIX,
+    "megatron_backend": "Save it with Megatron-Core's torch_dist backend (`--ckpt-format "
+    "torch_dist`), the one ckpt reads.",
+    "megatron_common": _COMMON_FIX,
+    "megatron_common_clash": "Check which value the run meant to keep: ckpt reads and "
+    "converts the sharded one.",
+    "megatron_metadata": f"Copy {MEGATRON_METADATA} again from the save (Megatron-Core "
+    "writes it with the checkpoint).",
+    "megatron_missing_common": _COMMON_FIX,
+}
 
 
 @functools.cache
@@ -85,8 +121,16 @@ class Layout:
         tensor: str | None = None,
         severity: Severity = "error",
     ) -> None:
+        """Record one problem, with the fix `PROBLEM_FIXES` gives its code."""
         self.problems.append(
-            Problem(code=code, message=message, file=file, tensor=tensor, severity=severity)
+            Problem(
+                code=code,
+                message=message,
+                file=file,
+                tensor=tensor,
+                severity=severity,
+                fix=PROBLEM_FIXES[code],
+            )
         )
 
 

@@ -7,12 +7,9 @@ from typing import Any
 
 from ...models import Entry
 from ...storage import Storage
-from .layout import Layout
+from .layout import MEGATRON_COMMON, MEGATRON_METADATA, Layout
 from .peek import peek_saved_mapping
 
-#: Megatron-Core `dist_checkpointing` (`torch_dist` backend) writes these beside the DCP files
-MEGATRON_COMMON = "common.pt"
-MEGATRON_METADATA = "metadata.json"
 #: the layout name the DCP details carry for a Megatron-Core torch_dist save
 MEGATRON_LAYOUT = "megatron_torch_dist"
 _MEGATRON_COMMON_MAX = 256 << 20

@@ -18,7 +18,7 @@ from ...storage.fileio import COPY_BLOCK, FileRange
 from ..base import NAMES_FIX, Checkpoint, Source
 from ..torch.pickle_scan import archive_corruption
 from ..torch.zip_write import check_zip_budget
-from .megatron import MEGATRON_COMMON
+from .layout import MEGATRON_COMMON
 from .peek import common_leaf
 from .torch_blob import locate_chunk
 from .transforms import OBJECT_INFLATE_MAX, SAVE_OVERHEAD, inflate

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ... import dtypes
 from ...errors import FormatError, NotFoundError
 from ...models import Entry, FileInfo, Manifest, Problem, ProblemList
+from ...problems import problem_from_error
 from ...storage.fileio import COPY_BLOCK
 from ..base import NAMES_FIX, Checkpoint, Format, Source
 from ..details import GgufDetails
@@ -688,6 +689,7 @@ class GgufFormat(Format):
                             f"not a multiple of the alignment {alignment}",
                             file=described,
                             tensor=tensor.name,
+                            fix=PROBLEM_FIXES["misaligned_tensor"],
                         )
                     )
                 if offset + nbytes > size:
@@ -728,6 +730,7 @@ class GgufFormat(Format):
                             message=f"{described}: tensors {a!r} and {b!r} overlap",
                             file=described,
                             tensor=b,
+                            fix=PROBLEM_FIXES["overlapping_tensors"],
                         )
                     )
             infos.append(FileInfo(path=rel, size=size, entries=len(reader.tensors)))
@@ -742,6 +745,7 @@ class GgufFormat(Format):
                         message=f"{where}: tensor {entry.name!r} is stored twice",
                         file=where,
                         tensor=entry.name,
+                        fix=PROBLEM_FIXES["duplicate_tensor"],
                     )
                 )
             seen.add(entry.name)
@@ -772,7 +776,7 @@ class GgufFormat(Format):
         if errors:
             first = errors[0]
             message = first.message.removeprefix(f"{first.file}: ")  # the path leads anyway
-            raise FormatError(message, path=first.file, fix=PROBLEM_FIXES[first.code])
+            raise FormatError(message, path=first.file, fix=first.fix)
         return GgufCheckpoint(source, manifest, parsed.big_endian, parsed.metadata)
 
     @classmethod
@@ -782,12 +786,8 @@ class GgufFormat(Format):
         try:
             _, problems, _ = cls._parse(source)
         except (FormatError, NotFoundError) as error:
-            return [Problem(code=error.code, message=error.message, file=error.path)]
-        # each problem's line says its fix, as an error's message does
-        return [
-            p.model_copy(update={"message": f"{p.message}. {PROBLEM_FIXES[p.code]}"})
-            for p in problems
-        ]
+            return [problem_from_error(error)]
+        return problems
 
 
 def _truncated(file: str, name: str, end: int, size: int) -> Problem:
@@ -797,6 +797,7 @@ def _truncated(file: str, name: str, end: int, size: int) -> Problem:
         f"({size:,} bytes)",
         file=file,
         tensor=name,
+        fix=PROBLEM_FIXES["truncated"],
     )
 
 
@@ -822,6 +823,7 @@ def _split_problems(
                 code="split_count_mismatch",
                 message=f"{where}: split.count says {count}, the file names say {named}",
                 file=where,
+                fix=PROBLEM_FIXES["split_count_mismatch"],
             )
         )
     expected = named
@@ -841,6 +843,7 @@ def _split_problems(
                 code="missing_split",
                 message=f"{where}: split file {rel.rsplit('/', 1)[-1]} of {expected} is missing",
                 file=source.storage.describe(rel),
+                fix=PROBLEM_FIXES["missing_split"],
             )
         )
     if len(missing) > MAX_MISSING_LISTED:
@@ -850,6 +853,7 @@ def _split_problems(
                 message=f"{where}: {len(missing) - MAX_MISSING_LISTED} more of the {expected} "
                 "split files are missing",
                 file=where,
+                fix=PROBLEM_FIXES["missing_split"],
             )
         )
     if tensors is not None and not problems and len(entries) != tensors:
@@ -859,6 +863,7 @@ def _split_problems(
                 message=f"{where}: the splits hold {len(entries)} tensors, "
                 f"split.tensors.count says {tensors}",
                 file=where,
+                fix=PROBLEM_FIXES["split_tensor_count"],
             )
         )
     return problems

@@ -30,7 +30,7 @@ from typing import Any
 
 from ...errors import CkptError, FormatError, NotFoundError
 from ...models import Entry, Problem
-from ...problems import Findings
+from ...problems import Findings, problem_from_error
 from ...storage import Storage
 from .. import names
 from ..base import Format, Source, WriteOptions, Writer
@@ -168,7 +168,7 @@ class TorchFormat(Format):
                 with cls.open(source) as checkpoint:
                     files = [f.path for f in checkpoint.manifest.files]
             except FormatError as error:
-                return [Problem(code=error.code, message=error.message, file=error.path)]
+                return [problem_from_error(error)]
             return default_loader_warnings(storage, files)
         try:
             weight_map, meta = read_bin_index(storage, index_rel)
@@ -229,9 +229,9 @@ def default_loader_warnings(storage: Storage, files: list[str]) -> list[Problem]
                 file=where,
                 message=f"{where}: PyTorch's default loader, torch.load(weights_only=True), "
                 f"refuses this file: it needs {', '.join(refused[:5])}, which is not on torch's "
-                "allow-list (ckpt reads it as inert data); load it with "
-                f"torch.serialization.safe_globals([{refused[0]}, ...]) if you trust it, or "
-                "re-save it without",
+                "allow-list (ckpt reads it as inert data)",
+                fix=f"Load it with torch.serialization.safe_globals([{refused[0]}, ...]) if "
+                "you trust it, or re-save it without.",
             )
         )
     return problems

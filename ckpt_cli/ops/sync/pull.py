@@ -17,6 +17,7 @@ from ...errors import (
     NotFoundError,
     UnsafeInputError,
     UsageError,
+    with_fix,
 )
 from ...faults import HeldStopSignals, interruption, io_failure, note_published, notice
 from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA
@@ -382,7 +383,7 @@ def _structural_problem(staged: Path, staging: Path, shown: Path) -> str | None:
     first = next((p for p in report.problems if p.severity == "error"), None)
     if first is None:
         return "verify failed"
-    return first.message.replace(str(staging), str(shown))
+    return with_fix(first.message, first.fix).replace(str(staging), str(shown))
 
 
 def _kept_local(mine: RunCheckpoint | None, path: Path) -> str | None:

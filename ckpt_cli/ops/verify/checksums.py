@@ -263,6 +263,8 @@ def checksum_checks(
                     message=f"{path}: not written, because the checkpoint has the problems "
                     "above; a manifest must not bless a broken checkpoint",
                     file=str(path),
+                    fix="Fix the problems above (restore the files they name), then run "
+                    f"`ckpt verify {source.location.raw} --write-manifest` again.",
                 )
             )
             return
@@ -300,9 +302,9 @@ def checksum_checks(
             problems.append(
                 Problem(
                     code="unlisted_file",
-                    message=f"{storage.describe(source.target)}: is not in the manifest {path}. "
-                    f"{_UNLISTED_FIX}",
+                    message=f"{storage.describe(source.target)}: is not in the manifest {path}",
                     file=storage.describe(source.target),
+                    fix=_UNLISTED_FIX,
                 )
             )
             return
@@ -314,8 +316,9 @@ def checksum_checks(
                 Problem(
                     code="missing_file",
                     message=f"{storage.describe(name)}: is missing (the manifest records "
-                    f"{want.size} bytes). {_RESTORE_FIX}",
+                    f"{want.size} bytes)",
                     file=storage.describe(name),
+                    fix=_RESTORE_FIX,
                 )
             )
         elif sizes[name] != want.size:
@@ -323,9 +326,9 @@ def checksum_checks(
                 Problem(
                     code="size_changed",
                     message=f"{storage.describe(name)}: is {sizes[name]} bytes, the manifest records "
-                    f"{want.size} (truncated or rewritten since the manifest was written). "
-                    f"{_RESTORE_FIX}",
+                    f"{want.size} (truncated or rewritten since the manifest was written)",
                     file=storage.describe(name),
+                    fix=_RESTORE_FIX,
                 )
             )
         else:
@@ -335,9 +338,10 @@ def checksum_checks(
             Problem(
                 code="unlisted_file",
                 message=f"{storage.describe(name)}: is not in the manifest {path} (added after "
-                f"it was written). {_UNLISTED_FIX}",
+                f"it was written)",
                 file=storage.describe(name),
                 severity="warning",
+                fix=_UNLISTED_FIX,
             )
         )
     digests = _hash_split(to_hash, recorded.algorithm, progress, report)
@@ -349,8 +353,9 @@ def checksum_checks(
                     code="checksum_mismatch",
                     message=f"{storage.describe(name)}: {recorded.algorithm} digest {digest[:16]}… differs "
                     f"from the manifest's {recorded.files[name].digest[:16]}… (the content changed "
-                    f"or is corrupt). {_RESTORE_FIX}",
+                    f"or is corrupt)",
                     file=storage.describe(name),
+                    fix=_RESTORE_FIX,
                 )
             )
 
@@ -499,6 +504,8 @@ def _hub_cache_checksums(
                 "cache, so there is nothing to check against the Hub's digests",
                 file=storage.display,
                 severity="warning",
+                fix=f"Download it into the cache first (`ckpt download {source.location.raw} "
+                "--cache-only`), then check again.",
             )
         )
         return False
@@ -518,6 +525,8 @@ def _hub_cache_checksums(
                     "content); its checksum was not checked",
                     file=storage.describe(name),
                     severity="warning",
+                    fix="Run the check again online (without HF_HUB_OFFLINE=1): the Hub's "
+                    "listing carries the digests.",
                 )
             )
             continue
@@ -528,7 +537,13 @@ def _hub_cache_checksums(
         )
     if recorded:
         _compare_with_hub(
-            report, problems, recorded, {n: remote[n] for n in recorded}, storage.describe, progress
+            report,
+            problems,
+            recorded,
+            {n: remote[n] for n in recorded},
+            storage.describe,
+            progress,
+            fix=_refetch_fix(source.location.raw),
         )
     if addressed:
         _compare_with_hub(
@@ -540,6 +555,7 @@ def _hub_cache_checksums(
             progress,
             against="its blob's name (its content address in the HF cache; offline, the Hub's "
             "digests are not fetched)",
+            fix=_refetch_fix(source.location.raw),
         )
     return bool(recorded or addressed)
 
@@ -588,6 +604,9 @@ def _cache_against_addresses(
                     "no content address to check (copied into the snapshot by hand?)",
                     file=str(path),
                     severity="warning",
+                    fix="Check the snapshot against the Hub's digests instead (`ckpt verify "
+                    f"{source.location.raw} --checksums --manifest hf://ORG/REPO@REVISION`), or "
+                    "download the file again (`hf download`) so the cache holds it by address.",
                 )
             )
             continue
@@ -605,6 +624,7 @@ def _cache_against_addresses(
         lambda n: str(root / n),
         progress,
         against="its blob's name (its content address in the HF cache)",
+        fix=_refetch_fix("hf://ORG/REPO@REVISION"),
     )
 
 
@@ -635,6 +655,9 @@ def _local_against_hub(
                 f"{remote[name].size} bytes)",
                 file=str(root / name),
                 severity="warning",
+                fix=f"If the copy should hold it, download it again from {hub} (`ckpt download "
+                f"{hub} NEW_DIR`); a copy made with `--filter` or `--include` leaves files out "
+                "on purpose.",
             )
         )
     for name in sorted(set(local) - set(remote)):
@@ -644,6 +667,8 @@ def _local_against_hub(
                 message=f"{root / name}: is not in {storage.display}",
                 file=str(root / name),
                 severity="warning",
+                fix=f"Move it out of the folder if it is not part of {hub}; if it is, check "
+                "that --manifest names the revision the copy was downloaded from.",
             )
         )
     both = {n: local[n] for n in sorted(set(local) & set(remote))}
@@ -657,9 +682,20 @@ def _local_against_hub(
                     message=f"{root / name}: {note}",
                     file=str(root / name),
                     severity="warning",
+                    fix="Nothing to do for a copy `ckpt download --filter` made: the shards it "
+                    "names are checked against the Hub's digests.",
                 )
             )
-    _compare_with_hub(report, problems, both, remote, lambda n: str(root / n), progress)
+    _compare_with_hub(
+        report,
+        problems,
+        both,
+        remote,
+        lambda n: str(root / n),
+        progress,
+        fix=f"Download the file again from {hub} into a new folder (`ckpt download {hub} "
+        "NEW_DIR`) and use that copy.",
+    )
 
 
 def _rewritten_index(
@@ -695,9 +731,12 @@ def _compare_with_hub(
     describe: Any,
     progress: Progress,
     against: str = "the Hub's",
+    *,
+    fix: str,
 ) -> None:
     """Sizes, then the Hub's own digests: LFS sha256 (hashed in parallel), git blob sha1
-    (`against` names where the expected digests come from, for the messages)."""
+    (`against` names where the expected digests come from, for the messages; `fix` is what
+    a file that differs needs)."""
     from ...storage.hub import file_digest
 
     report.algorithm = "sha256 (LFS) / git-sha1"
@@ -712,6 +751,7 @@ def _compare_with_hub(
                     message=f"{describe(name)}: is {sizes[name]} bytes, the Hub records "
                     f"{want.size}",
                     file=describe(name),
+                    fix=fix,
                 )
             )
         elif want.sha256:
@@ -722,32 +762,36 @@ def _compare_with_hub(
             report.hashed_bytes += sizes[name]
             if actual != want.blob_id:
                 problems.append(
-                    _hub_mismatch(describe(name), "git-sha1", actual, want.blob_id, against)
+                    _hub_mismatch(describe(name), "git-sha1", actual, want.blob_id, against, fix)
                 )
     digests = _hash_split(lfs, "sha256", progress, report)
     report.hashed_bytes += sum(sizes[n] for n in lfs)
     for name, digest in digests.items():
         if digest != remote[name].sha256:
             problems.append(
-                _hub_mismatch(describe(name), "sha256", digest, remote[name].sha256, against)
+                _hub_mismatch(describe(name), "sha256", digest, remote[name].sha256, against, fix)
             )
 
 
 def _hub_mismatch(
-    file: str, algo: str, actual: str, expected: str, against: str = "the Hub's"
+    file: str, algo: str, actual: str, expected: str, against: str, fix: str
 ) -> Problem:
     if against == "the Hub's":
         said = f"the Hub's {expected[:16]}… (the local copy is corrupt or from another revision)"
     else:
-        said = (
-            f"{expected[:16]}…, {against}: the blob is corrupt; delete it (`hf cache rm`) and "
-            "download it again"
-        )
+        said = f"{expected[:16]}…, {against}: the blob is corrupt"
     return Problem(
         code="checksum_mismatch",
         message=f"{file}: {algo} {actual[:16]}… differs from {said}",
         file=file,
+        fix=fix,
     )
+
+
+def _refetch_fix(hub: str) -> str:
+    """The fix of a file of the HF cache that differs from what the Hub (or its content
+    address) says: the blob deleted and fetched again."""
+    return f"Delete it (`hf cache rm`) and download it again (`ckpt download {hub} --cache-only`)."
 
 
 # ---------------------------------------------------------------- split across torchrun ranks

@@ -26,6 +26,7 @@ from ...formats import choose_format, get_format, resolve_source
 from ...formats.base import Checkpoint, Source
 from ...heap import gc_paused
 from ...models import Problem, ProblemList, Record, Request, TrainingState
+from ...problems import problem_from_error, restore_fix
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts import (
     OpenedSource,
@@ -361,17 +362,28 @@ def _parity_problems(report: VerifyReport, problems: list[Problem], parity: Pari
     report.hashed_bytes += parity.hashed_bytes
     if report.algorithm is None and parity.hashed_bytes:
         report.algorithm = "xxh3 blocks"
+    src = report.location
+    repair = f"Run `ckpt repair {src}`: it rebuilds the file bit-exact from the parity."
     damaged = {d.path: d for d in parity.damaged}
-    # the problems other checks found in these files get the repair verdict too
+    # the problems other checks found in these files get the repair verdict too, and the
+    # repair as their fix where the parity can rebuild the file
     for problem in problems:
         if problem.file in damaged:
             problem.repairable = damaged[problem.file].repairable
+            if problem.repairable:
+                problem.fix = repair
     for d in parity.damaged:
         verdict = (
-            "repairable: run `ckpt repair`"
+            "repairable"
             if d.repairable
             else f"NOT repairable: more than {parity.parity} losses in a stripe"
         )
+        if d.repairable:
+            fix = repair
+        elif d.kind == "parity":
+            fix = f"The data is intact: write the parity again with `ckpt protect {src} --force`."
+        else:
+            fix = restore_fix(src)
         if d.kind == "parity":
             code, severity = "parity_damaged", "warning"
         elif d.state == "missing":
@@ -385,27 +397,28 @@ def _parity_problems(report: VerifyReport, problems: list[Problem], parity: Pari
                 file=d.path,
                 severity=severity,
                 repairable=d.repairable,
+                fix=fix,
             )
         )
     for name in parity.stale:
         problems.append(
             Problem(
                 code="parity_stale",
-                message=f"{name}: modified after `ckpt protect` wrote the parity; if the change "
-                "was intended run `ckpt protect SRC --force`, else `ckpt repair SRC` restores it "
-                "(check with `ckpt verify SRC --checksums`)",
+                message=f"{name}: modified after `ckpt protect` wrote the parity",
                 file=name,
                 severity="warning",
+                fix=f"If the change was intended run `ckpt protect {src} --force`, else "
+                f"`ckpt repair {src}` restores it (check with `ckpt verify {src} --checksums`).",
             )
         )
     for name in parity.unprotected:
         problems.append(
             Problem(
                 code="unprotected_file",
-                message=f"{name}: added after `ckpt protect` (no parity covers it); run "
-                "`ckpt protect SRC --force` to cover it",
+                message=f"{name}: added after `ckpt protect` (no parity covers it)",
                 file=name,
                 severity="warning",
+                fix=f"Run `ckpt protect {src} --force` to cover it.",
             )
         )
 
@@ -433,6 +446,7 @@ def _open_checks(
                 message=f"{src}: skipped the {skipped} checks because of the problems above",
                 file=src,
                 severity="warning",
+                fix="Fix the problems above, then run the same command again.",
             )
         )
         return
@@ -440,7 +454,7 @@ def _open_checks(
         try:
             opened = opener.get()
         except CkptError as error:
-            problems.append(Problem(code=error.code, message=error.message, file=error.path))
+            problems.append(problem_from_error(error))
             return
     report.training = opened.training
     with opened.checkpoint as checkpoint:
@@ -520,7 +534,7 @@ def _deep_entry(
         except UnsafeInputError:
             pass  # listed on purpose but never unpickled (training_args.bin)
         except Exception as exc:  # any failure to deserialise is the finding itself
-            problems.append(_unreadable(entry.name, file, exc, "object"))
+            problems.append(_unreadable(entry.name, file, exc, "object", where))
         return
     from ... import dtypes
 
@@ -535,6 +549,8 @@ def _deep_entry(
                 file=file,
                 tensor=entry.name,
                 severity="warning",
+                fix=f"Nothing to do if the header checks suffice; its values can be judged only "
+                f"by a reader that decodes {entry.dtype}.",
             )
         )
         progress.advance(entry.nbytes)
@@ -548,7 +564,7 @@ def _deep_entry(
     try:
         tensor = checkpoint.read_tensor(entry.name)
     except Exception as exc:
-        problems.append(_unreadable(entry.name, file, exc, "tensor"))
+        problems.append(_unreadable(entry.name, file, exc, "tensor", where))
         progress.advance(entry.nbytes)
         return
     report.tensors += 1
@@ -561,6 +577,7 @@ def _deep_entry(
                 f"{list(tensor.shape)}, its metadata says {entry.shape}",
                 file=file,
                 tensor=entry.name,
+                fix=restore_fix(where),
             )
         )
     # padding the layout knows is no parameter (ZeRO partitions): uninitialised, not judged
@@ -582,6 +599,7 @@ def _deep_stored(
     stored bytes read whole, block by block, and counted against the header; its values
     judged for NaN/Inf where the format decodes them, else a `not_checked` warning."""
     form = checkpoint.stored_as(entry.name)
+    where = checkpoint.manifest.location
     values: int | None = None
     nan = inf = 0
     try:
@@ -591,13 +609,15 @@ def _deep_stored(
         else:
             read = sum(len(block) for block in checkpoint.iter_stored(entry.name))
     except Exception as exc:  # any failure to read is the finding itself
-        problems.append(_unreadable(entry.name, file, exc, "tensor"))
+        problems.append(_unreadable(entry.name, file, exc, "tensor", where))
         progress.advance(entry.nbytes)
         return
     progress.advance(entry.nbytes)
     report.tensors += 1
     if read != entry.nbytes:
-        problems.append(_short_read(entry, file, read, form or f"{entry.dtype}{entry.shape}"))
+        problems.append(
+            _short_read(entry, file, read, form or f"{entry.dtype}{entry.shape}", where)
+        )
     elif values is None:
         problems.append(
             Problem(
@@ -607,6 +627,8 @@ def _deep_stored(
                 file=file,
                 tensor=entry.name,
                 severity="warning",
+                fix=f"Nothing to do if the byte count suffices; its values can be judged only "
+                f"by a reader that decodes {form} (llama.cpp).",
             )
         )
     else:
@@ -631,6 +653,9 @@ def _nonfinite(
                 f"values (of {numel})",
                 file=file,
                 tensor=entry.name,
+                fix="Resume from an earlier checkpoint of the run, saved before the values "
+                "went bad (`ckpt latest RUN_DIR` lists the complete ones); if this file is a "
+                "copy, compare it with the original (`ckpt diff ORIGINAL COPY`).",
             )
         )
 
@@ -652,6 +677,7 @@ def _deep_streamed(
 
     kind = torch_dtype(dtype)
     size = kind.itemsize
+    where = checkpoint.manifest.location
     nan = inf = got = 0
     rest = b""
     try:
@@ -667,35 +693,41 @@ def _deep_streamed(
                 nan, inf = nan + n, inf + i
                 del values
     except Exception as exc:
-        problems.append(_unreadable(entry.name, file, exc, "tensor"))
+        problems.append(_unreadable(entry.name, file, exc, "tensor", where))
         return
     got += len(rest)
     report.tensors += 1
     if got != entry.nbytes:
-        problems.append(_short_read(entry, file, got, f"{entry.dtype}{entry.shape}"))
+        problems.append(_short_read(entry, file, got, f"{entry.dtype}{entry.shape}", where))
     _nonfinite(report, problems, entry, file, nan, inf, got // size)
 
 
-def _short_read(entry: models.Entry, file: str, read: int, form: str) -> Problem:
-    """A tensor whose bytes read as another size than its metadata says."""
+def _short_read(entry: models.Entry, file: str, read: int, form: str, where: str) -> Problem:
+    """A tensor whose bytes read as another size than its metadata says (of the checkpoint
+    at `where`)."""
     return Problem(
         code="shape_mismatch",
         message=f"{file}: tensor {entry.name!r} reads as {read:,} bytes, its metadata "
         f"says {entry.nbytes:,} ({form})",
         file=file,
         tensor=entry.name,
+        fix=restore_fix(where),
     )
 
 
-def _unreadable(name: str, file: str, exc: Exception, kind: str) -> Problem:
+def _unreadable(name: str, file: str, exc: Exception, kind: str, where: str) -> Problem:
+    """An entry of the checkpoint at `where` that `exc` stopped from deserialising: the
+    error's own fix when it says one, else the file restored."""
     if isinstance(exc, CorruptDataError):  # bytes that fail their recorded CRC-32
-        return Problem(code=exc.code, message=exc.message, file=file, tensor=name)
-    text = exc.message if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}"
+        return problem_from_error(exc, file=file, tensor=name)
+    text = exc.stated if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}"
+    fix = exc.fix if isinstance(exc, CkptError) else None
     return Problem(
         code="unreadable",
         message=f"{file}: {kind} {name!r} does not deserialise ({text})",
         file=file,
         tensor=name,
+        fix=fix or restore_fix(where),
     )
 
 
@@ -750,7 +782,7 @@ def object_problems(opener: SourceOpener) -> list[Problem]:
     try:
         checkpoint = opener.get().checkpoint
     except CkptError as error:
-        return [Problem(code=error.code, message=error.message, file=error.path)]
+        return [problem_from_error(error)]
     if not checkpoint.object_bytes:
         return []
     whole_files: set[str] = set()
@@ -768,14 +800,12 @@ def object_problems(opener: SourceOpener) -> list[Problem]:
             try:
                 checkpoint.read_object(entry.name)  # loaded, never pickled again
             except CkptError as error:
-                problems.append(Problem(code=error.code, message=error.message, file=where))
+                problems.append(problem_from_error(error, file=where))
             continue
         try:
             refused = refused_globals(checkpoint.read_object_bytes(entry.name))
         except CkptError as error:  # a corrupt blob (`corrupt_data`) among them
-            problems.append(
-                Problem(code=error.code, message=error.message, file=where, tensor=entry.name)
-            )
+            problems.append(problem_from_error(error, file=where, tensor=entry.name))
             continue
         if refused:
             problems.append(
@@ -786,6 +816,9 @@ def object_problems(opener: SourceOpener) -> list[Problem]:
                     "(torch.load weights_only) refuses; nothing was executed",
                     file=where,
                     tensor=entry.name,
+                    fix="If you trust the checkpoint, load the entry with torch.load("
+                    "weights_only=False) in Python; otherwise save it again without that "
+                    "object (plain dicts, lists, numbers and tensors load everywhere).",
                 )
             )
     return problems

@@ -53,6 +53,7 @@ from ...formats import detect_format, get_format, resolve_source
 from ...formats.base import Source
 from ...formats.names import DCP_METADATA
 from ...models import Problem
+from ...problems import problem_from_error
 from .base import REQUIRED, Layout, OpenedSource, SingleLayout, open_plain
 from .model_folders import LayoutInfo
 
@@ -312,7 +313,7 @@ def check_source(
             name = format or detect_format(source)
             return list(get_format(name).check(source))
     except CkptError as error:
-        return [Problem(code=error.code, message=error.message, file=error.path or where)]
+        return [problem_from_error(error, file=error.path or where)]
     from .composite import subfolder_source
     from .training import component_problems
 

@@ -159,8 +159,8 @@ def _missing_optimizer(source: Source, folder: Folder) -> list[Problem]:
             code="missing_component",
             message=f"{source.location.raw}: optimizer.bin is missing, but {schedulers[0][0]} "
             "is here and accelerate's save_state writes the optimizer's state before the "
-            "scheduler's; this save cannot resume training where it stopped. Use another "
-            "checkpoint of the run (`ckpt latest` names the newest whole one).",
+            "scheduler's; this save cannot resume training where it stopped",
             file=source.storage.describe(folder.rel("optimizer.bin")),
+            fix="Use another checkpoint of the run (`ckpt latest` names the newest whole one).",
         )
     ]

@@ -349,8 +349,9 @@ class Folder:
         self.problems.append(
             Problem(
                 code="unreadable_component",
-                message=error.message,
+                message=error.stated,
                 file=error.path or self.source.storage.describe(rel),
+                fix=error.fix,
             )
         )
 
@@ -606,9 +607,9 @@ def missing_rank_files(
                     code="missing_rank_file",
                     message=f"is missing: {obj} {index}'s state was saved one file per rank "
                     f"(FSDP, {len(files)} of {world} ranks' files are here) and rank {rank}'s "
-                    "part is in no other file, so the run cannot be resumed. Copy the file "
-                    "again from where the run saved it.",
+                    "part is in no other file, so the run cannot be resumed",
                     file=source.storage.describe(folder.rel(name)),
+                    fix="Copy the file again from where the run saved it.",
                 )
             )
     return problems

@@ -89,6 +89,7 @@ def _missing(source: Source, layout: str, comp: Component, *, folder_gone: bool)
     return Problem(
         code=code,
         message=f"is missing: {index} names the {comp.name} component ({kind}), and "
-        f"{lacking}; the model cannot be loaded without it. Copy or download the {what} again.",
+        f"{lacking}; the model cannot be loaded without it",
         file=source.storage.describe(comp.path if folder_gone else comp.needs),
+        fix=f"Copy or download the {what} again.",
     )

@@ -84,9 +84,9 @@ class TorchFiles(Layout):
             Problem(
                 code="missing_weights",
                 message=f"{source.location.raw}: no model weights (model.pt, model.pth, "
-                f"model.safetensors...) beside {held}: deleted or lost since the save? Use "
-                "another checkpoint of the run (`ckpt latest` names the newest whole one).",
+                f"model.safetensors...) beside {held}: deleted or lost since the save?",
                 file=source.location.raw,
+                fix="Use another checkpoint of the run (`ckpt latest` names the newest whole one).",
             )
         ]
 

@@ -218,8 +218,9 @@ def _unfinished(source: Source, folder: Folder, state: TrainingState) -> list[Pr
             Problem(
                 code="missing_weights",
                 message=f"{where}: no model weights (model.safetensors, pytorch_model.bin or "
-                f"their shards), which a Trainer save writes first: deleted or lost since? {_OTHER}",
+                f"their shards), which a Trainer save writes first: deleted or lost since?",
                 file=where,
+                fix=_OTHER,
             )
         )
     if not folder.has("trainer_state.json") and not folder.has(SLIM_RECORD):
@@ -227,8 +228,9 @@ def _unfinished(source: Source, folder: Folder, state: TrainingState) -> list[Pr
             Problem(
                 code="missing_component",
                 message=f"{where}: trainer_state.json is missing, and the Trainer writes it "
-                f"last: this save did not finish. {_OTHER}",
+                f"last: this save did not finish",
                 file=source.storage.describe("trainer_state.json"),
+                fix=_OTHER,
             )
         )
     return problems
@@ -314,8 +316,9 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
         Problem(
             code="missing_component",
             message=f"{where}: {name} is missing, but {why}; this checkpoint cannot resume "
-            f"training where it stopped. {_OTHER}",
+            f"training where it stopped",
             file=source.storage.describe(name),
+            fix=_OTHER,
         )
         for name, why in reasons.items()
     ]

@@ -538,6 +538,10 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
                 message=f"{where}: holds no training state ({no_training_state(opened)}); "
                 "a resumable checkpoint also saves optimizer, scheduler, step, RNG and data-loader state",
                 file=where,
+                fix="Resume from a checkpoint that saved the training state (`ckpt latest "
+                "RUN_DIR` names the newest complete one), or save the whole state next time "
+                "(Trainer without save_only_model, accelerate save_state, DCP with the "
+                "optimizer's state dict).",
             )
         ]
     problems = component_problems(opened)
@@ -549,11 +553,27 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
         "rng": "no RNG state (dropout and shuffling will differ after a resume)",
         "dataloader": "no data-loader state (the resumed run will see different batches)",
     }
+    #: what a save must include for each item
+    saved = {
+        "weights": "the model's state dict",
+        "optimizer": "the optimizer's state dict",
+        "scheduler": "the LR scheduler's state dict",
+        "step": "the step (or epoch) counter",
+        "rng": "the RNG states (torch, CUDA, numpy, random)",
+        "dataloader": "the data loader's (or sampler's) state",
+    }
     said = {p.code for p in problems}
     for item in REQUIRED:
         if item in state.missing and f"missing_{item}" not in said:
             problems.append(
-                Problem(code=f"missing_{item}", message=f"{where}: {labels[item]}", file=where)
+                Problem(
+                    code=f"missing_{item}",
+                    message=f"{where}: {labels[item]}",
+                    file=where,
+                    fix=f"Resume from a checkpoint of the run that holds it (`ckpt latest "
+                    f"RUN_DIR` names the newest complete one), or save {saved[item]} with the "
+                    "checkpoint next time.",
+                )
             )
         elif item in state.missing_exact:
             problems.append(
@@ -562,6 +582,9 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
                     message=f"{where}: {labels[item]}; resumable, but not exactly",
                     file=where,
                     severity="error" if exact else "warning",
+                    fix=f"For an exact resume, save {saved[item]} with the checkpoint (the "
+                    "Trainer and accelerate's save_state do), or resume from a checkpoint of the "
+                    "run that holds it.",
                 )
             )
     opt = state.optimizer
@@ -578,7 +601,14 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
                 "of the optimizers saved"
             )
         problems.append(
-            Problem(code="optimizer_incomplete", message=f"{where}: {covers}", file=where)
+            Problem(
+                code="optimizer_incomplete",
+                message=f"{where}: {covers}",
+                file=where,
+                fix="Resume from a checkpoint whose optimizer state covers every parameter "
+                "(`ckpt latest RUN_DIR` names the newest complete one); a sharded optimizer "
+                "(FSDP, ZeRO) needs every rank's part in the save.",
+            )
         )
     if opt is not None and opt.complete and opt.pending:
         shown = ", ".join(repr(p) for p in opt.pending[:5])
@@ -592,6 +622,9 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
                 "unfrozen); a resume restores the others' state and starts these fresh",
                 file=where,
                 severity="warning",
+                fix="Nothing to do if those parameters were frozen or not trained yet; if they "
+                "were trained, the optimizer state was saved before their first step: save "
+                "again after it.",
             )
         )
     misfits = shape_problems(opened)
@@ -668,6 +701,14 @@ def _pooled_optimizers(checkpoint: Checkpoint) -> tuple[list[str], list[str]] | 
     return [keys[m] for m in models], [keys[o] for o in optimizers]
 
 
+#: the fix of optimizer state that does not fit the weights saved beside it
+_OTHER_MODEL_FIX = (
+    "The optimizer state was saved for another model (or the model changed since): resume "
+    "with the model it was saved with, or from a checkpoint whose weights and optimizer were "
+    "saved together (`ckpt latest RUN_DIR` names the newest complete one)."
+)
+
+
 def ids_problem(where: str, view: OptimizerView, opt_prefix: str, opt_label: str) -> Problem:
     """The `optimizer_ids_as_strings` problem of an optimizer whose view says so."""
     ids = sorted(view.per_param, key=int)
@@ -676,9 +717,12 @@ def ids_problem(where: str, view: OptimizerView, opt_prefix: str, opt_label: str
         code="optimizer_ids_as_strings",
         message=f"{where}: {opt_label} is keyed by the strings {shown} while its param_groups "
         "name int ids: optimizer.load_state_dict accepts it and restores none of it (torch's "
-        "dcp_to_torch_save writes it so; `ckpt convert` of the DCP save writes int ids)",
+        "dcp_to_torch_save writes it so)",
         file=where,
         tensor=f"{opt_prefix}state",
+        fix="Convert the DCP save with `ckpt convert SRC OUT.pt --to torch`, which writes int "
+        "ids, or re-key the state by int ids before loading it "
+        "(`{int(k): v for k, v in sd['state'].items()}`).",
     )
 
 
@@ -749,6 +793,7 @@ def _pair_shape_problems(
                         message=f"{where}: {opt_label} for {fqn!r}, which {lacking}",
                         file=where,
                         tensor=f"{opt_prefix}state.{fqn}",
+                        fix=_OTHER_MODEL_FIX,
                     )
                 )
                 continue
@@ -761,6 +806,7 @@ def _pair_shape_problems(
                             f"the {weights_label} is {model[fqn]}",
                             file=where,
                             tensor=f"{opt_prefix}state.{fqn}.{key}",
+                            fix=_OTHER_MODEL_FIX,
                         )
                     )
         return problems
@@ -784,6 +830,7 @@ def _pair_shape_problems(
                     "parameter has the parameter's shape)",
                     file=where,
                     tensor=f"{opt_prefix}state.{pid}.{odd[0][0]}",
+                    fix=_OTHER_MODEL_FIX,
                 )
             )
             continue
@@ -797,6 +844,7 @@ def _pair_shape_problems(
                 f"which no remaining {weights_label} has",
                 file=where,
                 tensor=f"{opt_prefix}state.{pid}",
+                fix=_OTHER_MODEL_FIX,
             )
         )
     return problems

@@ -333,6 +333,9 @@ def zero_partitions(
                 "present cannot be checked for completeness",
                 file=source.storage.describe(model_file),
                 severity="warning",
+                fix="Check that every data-parallel rank's zero_pp_rank_* files are here (one "
+                "per rank the run used); a DeepSpeed version that records dp_world_size lets "
+                "ckpt check it.",
             )
         )
         ranks = sorted({r for r, _ in optim} | {r for r, _ in model3})
@@ -348,6 +351,9 @@ def zero_partitions(
                 f"{dp} data-parallel rank(s) (dp_world_size in {model_file[len(base) :]}) and "
                 "every rank's partition is needed to rebuild the weights or resume",
                 file=source.storage.describe(rel),
+                fix=f"Copy {rel[len(base) :]} again from where the run saved it (each rank "
+                "writes its own), or resume from an earlier checkpoint of the run (`ckpt latest "
+                "RUN_DIR` names the newest complete one).",
             )
         )
     if problems and any(p.severity == "error" for p in problems):
@@ -370,6 +376,9 @@ def zero_partitions(
                 code="zero_partition_mismatch",
                 message=f"{where}: {error}",
                 file=where,
+                fix="The partitions come from different saves, or one is corrupt: copy the "
+                "folder again from where the run saved it, or resume from an earlier checkpoint "
+                "of the run (`ckpt latest RUN_DIR` names the newest complete one).",
             )
         )
         return ZeroLayout(None, problems, stage, dp)

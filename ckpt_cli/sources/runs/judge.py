@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ...budgets import read_member
-from ...errors import CkptError, HubError, IOFailure, UsageError
+from ...errors import CkptError, HubError, IOFailure, UsageError, with_fix
 from ...faults import io_failure
 from ...formats.base import Source
 from ...formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
@@ -232,7 +232,8 @@ def _check_with_format(
             unanswered.message,
             fix="The store did not answer a read, which says nothing about the file: run the same command again once it answers.",
         )
-    return errors[0].message if errors else None
+    # the reason `latest` gives says the fix too, as verify's line does
+    return with_fix(errors[0].message, errors[0].fix) if errors else None
 
 
 def _pickle_structure(storage: Storage, rel: str) -> str | None:
@@ -440,7 +441,7 @@ def _layout_problem(
         folder = Folder(source)
         problems = [p for p in layout.missing(source, folder) if p.severity == "error"]
         if problems:
-            return problems[0].message, None
+            return with_fix(problems[0].message, problems[0].fix), None
         return None, layout.unknown_state(source, folder)
     except CkptError as error:
         no_verdict(error)  # the store or the OS refused: no verdict on the file
