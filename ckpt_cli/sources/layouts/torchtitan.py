@@ -83,9 +83,9 @@ def missing_states(keys: Iterable[str], where: str) -> list[Problem]:
             "train_state at every step (only a model-only export, `last_save_model_only`, "
             "holds the model alone), and its `load` restores them all, so a resume from this "
             "save fails, or with the state in `checkpoint.exclude_from_loading` restarts it "
-            "from scratch. Resume from another save (`ckpt latest` names the newest complete "
-            "one).",
+            "from scratch.",
             file=where,
+            fix="Resume from another save (`ckpt latest RUN_DIR` names the newest complete one).",
         )
         for lack in lacks
     ]
