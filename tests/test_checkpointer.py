@@ -333,11 +333,12 @@ def test_retention_parity_and_a_damaged_newest_save_passed_over_on_load(tmp_path
 
 
 EXIT_SCRIPT = """
-import os, signal, sys, threading, time
+import logging, os, signal, sys, threading, time
 from pathlib import Path
 import torch
 from ckpt_cli import Checkpointer
 
+logging.basicConfig(level=logging.INFO)
 run, marker, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
 model = torch.nn.Linear(64, 32)
@@ -375,6 +376,9 @@ def test_a_script_that_ends_while_its_save_is_in_flight_still_publishes_it(
     )
     assert proc.returncode == (143 if mode == "sigterm" else 1), proc.stderr
     assert "save of step 1 failed" not in proc.stderr, proc.stderr
+    # the exit waits for the write, which may take minutes: the log says so, not a silent hang
+    waits = proc.stderr.index("the script is ending: waiting for the save of step 1 in flight")
+    assert waits < proc.stderr.index("step 1 saved"), proc.stderr
     assert latest(run) == str(run / "step-1")
     verdict = run_ckpt("verify", str(run / "step-1"), "--checksums")
     assert verdict.exit_code == 0, verdict.stdout

@@ -57,6 +57,14 @@ def _finish_pending_saves() -> None:
     (registered after `concurrent.futures.thread`'s) runs while the pools still take work.
     """
     for engine in list(_LIVE):
+        with engine._lock:
+            in_flight = engine._current
+        if in_flight is not None:  # the wait may take minutes: say why the exit is held
+            engine.log.info(
+                "the script is ending: waiting for the save of step %d in flight "
+                "(a SIGKILL now leaves it unpublished)",
+                in_flight.step,
+            )
         engine.wait()
 
 
