@@ -735,7 +735,7 @@ class Checkpointer:
         deleted = [d.name for d in decisions if d.deleted and d.action == "delete"]
         record.pruned.extend(f"{run_dir}/{name}" if remote else name for name in deleted)
         if deleted:
-            self.log.info("retention removed %s", ", ".join(deleted))
+            self.log.info("retention removed %s from %s", ", ".join(deleted), run_dir)
         for d in decisions:
             if d.error is not None and d.error != VANISHED:
                 self.log.warning("retention could not remove %s: %s", d.name, d.error)
