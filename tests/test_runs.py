@@ -696,10 +696,15 @@ def test_a_torchtitan_model_only_final_save_is_a_complete_export(tmp_path: Path)
     assert {name: (row["status"], row["reason"]) for name, row in rows.items()} == {
         "step-10": ("complete", None),
         "step-20": ("complete", None),
-        "step-30": ("complete", None),
+        "step-30": ("complete", rows["step-30"]["reason"]),
     }
+    # complete weights, and said to be no resume point (torchtitan's `load` of a step past 0
+    # restores the training state too): never a reason about missing optimizer state
+    export_note = rows["step-30"]["reason"]
+    assert "model-only export" in export_note and "optimizer state" not in export_note
     latest = run_ckpt_process("latest", run)
-    assert latest.stdout == f"{run / 'step-30'}\n" and latest.stderr == ""
+    assert latest.stdout == f"{run / 'step-30'}\n"
+    assert "model-only export" in latest.stderr and "--checkpoint.load_step" in latest.stderr
     verified = run_ckpt("verify", run / "step-30", "--json")
     assert verified.exit_code == 0 and verified.json["result"]["problems"] == []
     export = run_ckpt("inspect", run / "step-30", "--json").json["result"]
@@ -725,7 +730,38 @@ def test_the_old_copy_a_killed_force_replace_left_is_never_the_latest(tmp_path: 
     assert result.stdout == f"{out / 'checkpoint-200'}\n"
     rows = table(out)
     assert sorted(rows) == ["checkpoint-100", "checkpoint-200"]
-    # and `prune --incomplete` never takes it for debris: it holds a whole checkpoint
-    pruned = run_ckpt("prune", out, "--incomplete", "--yes")
-    assert pruned.exit_code == 0, pruned.stderr
+    # and `prune --incomplete` never plans it as debris of the run (`prune --yes` settles it
+    # as every writer of the run does: removed, and said, once checkpoint-100 is whole and
+    # its process is gone; test_faults.py covers that)
+    planned = run_ckpt("prune", out, "--incomplete", "--json")
+    assert planned.exit_code == 0, planned.stdout + planned.stderr
+    assert "ckpt-old" not in json.dumps(planned.json["result"])
     assert (out / ".checkpoint-100.ckpt-old-12345" / "model.safetensors").is_file()
+
+
+def test_a_plain_save_whose_torch_file_is_no_torch_file_is_never_the_latest(
+    tmp_path: Path,
+) -> None:
+    """A plain loop's `step-7/` held only `model.bin`, five bytes of garbage (a copy cut at
+    its start, a file written by something else): `ckpt latest` called it the newest complete
+    save, while `ckpt verify` said it is no torch file, and a resume script resumed from it.
+    Legacy torch.save files (a pickle, no zip) are still whole saves."""
+    run = tmp_path / "run"
+    (run / "step-5").mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, run / "step-5" / "model.bin")
+    (run / "step-6").mkdir()
+    torch.save(
+        {"w": torch.ones(2)}, run / "step-6" / "model.bin", _use_new_zipfile_serialization=False
+    )
+    (run / "step-7").mkdir()
+    (run / "step-7" / "model.bin").write_bytes(b"12345")
+    age(run)
+    rows = table(run)
+    assert rows["step-5"]["status"] == "complete"
+    assert rows["step-6"]["status"] == "complete"
+    assert rows["step-7"]["status"] == "incomplete"
+    assert "not a torch.save file" in rows["step-7"]["reason"]
+    assert "text file" in rows["step-7"]["reason"]  # what it is instead
+    latest = run_ckpt_process("latest", run)
+    assert latest.stdout == f"{run / 'step-6'}\n", latest.stderr
+    assert run_ckpt("verify", run / "step-7").exit_code != 0  # the two commands agree

@@ -28,7 +28,7 @@ def what_is(head: bytes, size: int | None = None) -> str:
         (length,) = struct.unpack("<Q", head[:8])
         if size is None or length <= size:
             return "a safetensors file"
-    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+    if is_pickle(head):
         return "a plain pickle (legacy torch.save or pickle.dump)"
     text = _as_text(head)
     if text is not None:
@@ -36,6 +36,12 @@ def what_is(head: bytes, size: int | None = None) -> str:
         kind = "a JSON file" if text.lstrip().startswith(("{", "[")) else "a text file"
         return f"{kind} (it starts {shown!r})" if shown else kind
     return "binary data of an unknown kind (it starts " + head[:8].hex(" ") + ")"
+
+
+def is_pickle(head: bytes) -> bool:
+    """Whether the bytes start a pickle of protocol 2 to 5 (what the legacy torch.save format,
+    before its zip, and `pickle.dump` write)."""
+    return head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
 
 
 def _as_text(head: bytes) -> str | None:

@@ -24,6 +24,7 @@ from ...errors import CkptError, HubError, IOFailure, UsageError, with_fix
 from ...faults import io_failure
 from ...formats.base import Source
 from ...formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
+from ...formats.sniff import SNIFF_BYTES, is_pickle, what_is
 from ...storage import LocalStorage, Storage, StorageRangeFile, is_parity_path
 from ...storage.output import TMP_MARKER, staging_held
 from ...storage.uri import parse_location
@@ -252,8 +253,13 @@ def _pickle_structure(storage: Storage, rel: str) -> str | None:
             return f"{where}: empty file"
         if rel.endswith(INDEX_SUFFIX):
             return _check_torch_index(storage, rel)
-        if storage.read(rel, 0, min(4, size)) != b"PK\x03\x04":
-            return None  # legacy torch.save format: no cheap structural check
+        head = storage.read(rel, 0, min(SNIFF_BYTES, size))
+        if not head.startswith(b"PK\x03\x04"):
+            if is_pickle(head):
+                return None  # legacy torch.save format: no cheap structural check
+            # neither torch.save's zip nor its legacy pickle: `verify` refuses it, so no
+            # resume may start from it (five bytes of garbage were called complete)
+            return f"{where}: not a torch.save file: it is {what_is(head, size)}"
         with zipfile.ZipFile(_TailFile(storage, rel, size)) as archive:
             archive.infolist()
     except (zipfile.BadZipFile, OSError, CkptError) as exc:
