@@ -46,6 +46,13 @@ def test_save_only_model_checkpoint_passes(trainer_runs: dict[str, Path]) -> Non
     assert not (checkpoint / "optimizer.pt").exists()
     result = run_ckpt("verify", checkpoint, "--json")
     assert result.exit_code == 0, result.stdout
+    # `latest` names it (the run has no other), and says what a resume from it is: the
+    # Trainer restarts the optimizer, scheduler and RNG (it was named with nothing said)
+    latest = run_ckpt("latest", trainer_runs["model_only"])
+    assert latest.exit_code == 0 and latest.stdout.strip() == str(checkpoint)
+    assert "save_only_model=True" in latest.stderr and "fresh optimizer" in latest.stderr
+    full = run_ckpt("latest", trainer_runs["full"])
+    assert full.exit_code == 0 and full.stderr == ""
 
 
 def test_a_save_latest_skips_is_no_whole_checkpoint_to_plain_verify_either(

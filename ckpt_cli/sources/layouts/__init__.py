@@ -336,7 +336,10 @@ def check_source(
 def single_layout_missing(source: Source) -> list[Problem]:
     """What one checkpoint (a DCP folder, a torch.save file) lacks by its training layout's own
     rule (`Layout.missing`: a torchtitan save holding its `train_state` and no optimizer
-    state); what plain `verify` adds to its format's structural check."""
+    state); what plain `verify` adds to its format's structural check. Only a DCP folder's
+    layout has such a rule (torchtitan's): another source imports no layout module."""
+    if source.target is not None or DCP_METADATA not in set(source.top_level()):
+        return []
     from .composite import Folder
     from .torch_dict import SINGLE_LAYOUTS
 

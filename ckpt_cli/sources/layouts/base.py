@@ -120,8 +120,10 @@ class Layout(ABC):
 
     def unknown_state(self, source: Source, folder: Folder) -> str | None:
         """Why the checkpoint's own files cannot tell whether it should hold more than it does
-        (the framework records nothing that says so: a weights-only save, or state lost),
-        for a run's judge to say rather than call it whole silently; None when they can."""
+        (the framework records nothing that says so: a weights-only save, or state lost), or
+        that they say it is a weights-only save no resume continues where training stopped
+        from (`save_only_model`, torchtitan's `last_save_model_only` export), for a run's
+        judge to say rather than call it whole silently; None when it holds its state."""
         return None
 
     def rank_file_name(self, rank: int, world_size: int) -> str:

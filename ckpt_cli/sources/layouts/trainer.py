@@ -119,7 +119,8 @@ class Trainer(Layout):
 
     def unknown_state(self, source: Source, folder: Folder) -> str | None:
         """A checkpoint with no optimizer / scheduler / RNG file and no `training_args.bin`
-        recording `save_only_model` (see `_state_unknown`)."""
+        recording `save_only_model`, or one saved with `save_only_model` (see
+        `_state_unknown`)."""
         return _state_unknown(source, folder)
 
 
@@ -239,7 +240,9 @@ def _unfinished(source: Source, folder: Folder, state: TrainingState) -> list[Pr
 def _state_unknown(source: Source, folder: Folder) -> str | None:
     """Why nothing tells whether a Trainer checkpoint should hold optimizer state: it has
     none of optimizer.pt, scheduler.pt, rng_state*.pth (what `save_only_model` leaves out)
-    and no training_args.bin recording `save_only_model`; None when its files tell."""
+    and no training_args.bin recording `save_only_model`; or, when its training_args.bin
+    records `save_only_model=True`, that it is the weights alone (a resume from it restarts
+    the optimizer); None when its files say it holds its training state."""
     if (
         folder.has_dir("optimizer_0")
         or folder.has("optimizer.bin")
@@ -253,10 +256,16 @@ def _state_unknown(source: Source, folder: Folder) -> str | None:
 
     if folder.has(SLIM_RECORD):
         return None
-    if (
-        folder.has("training_args.bin")
-        and _save_only_model(source, "training_args.bin") is not None
-    ):
+    only_model = (
+        _save_only_model(source, "training_args.bin") if folder.has("training_args.bin") else None
+    )
+    if only_model is True:
+        return (
+            "saved with save_only_model=True (training_args.bin): the weights alone, no "
+            "optimizer, scheduler or RNG state; `resume_from_checkpoint` on it continues from "
+            "its step with a fresh optimizer and scheduler, not where training stopped"
+        )
+    if only_model is False:
         return None
     return (
         "holds no optimizer.pt, scheduler.pt or rng_state*.pth, and no training_args.bin says "
