@@ -90,6 +90,12 @@ CODES: dict[str, Code] = _codes(
     Code("not_found", _E, "a path, tensor, repository or revision does not exist", raised=True),
     Code("problems_found", _E, "the command finished and found problems (exit 1)", raised=True),
     Code("rank_failed", _E, "a rank of a torchrun launch failed", raised=True),
+    Code(
+        "rendezvous",
+        _E,
+        "a rank of a torchrun launch did not join within CKPT_DIST_TIMEOUT (exit 5)",
+        raised=True,
+    ),
     Code("terminated", _E, "stopped by SIGTERM; partial outputs were removed", raised=True),
     Code(
         "unsafe_input", _E, "input that would run code or escape the checkpoint folder", raised=True
