@@ -1013,3 +1013,65 @@ def test_two_ranks_that_end_while_their_save_is_in_flight_still_publish_it(
     assert latest(tmp_path / "run") == str(tmp_path / "run" / "step-1")
     verdict = run_ckpt("verify", str(tmp_path / "run" / "step-1"), "--checksums")
     assert verdict.exit_code == 0, verdict.stdout
+
+
+def test_a_run_whose_every_save_fails_its_checks_raises_never_a_silent_fresh_start(
+    tmp_path: Path,
+) -> None:
+    """Every save of the run damaged (a bit flipped in each one's weights): `load_latest`
+    returned None, which a training script takes for "no save yet", so the run started over
+    from step 0 with only a log line, and its retention then deleted the damaged saves that
+    `ckpt repair` could have rebuilt."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import FormatError
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    run = tmp_path / "run"
+    with Checkpointer(run) as ck:
+        for step in (1, 2):
+            ck.save(step, {"model": model, "step": step})
+            assert (record := ck.wait()) is not None and record.phase == "done", record
+    for step in (1, 2):
+        storage = FileSystemReader(str(run / f"step-{step}")).read_metadata().storage_data
+        weight = next(info for index, info in storage.items() if index.fqn == "model.weight")
+        shard = run / f"step-{step}" / weight.relative_path
+        data = bytearray(shard.read_bytes())
+        data[weight.offset + weight.length // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    fresh = torch.nn.Linear(16, 8)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    into: dict[str, Any] = {"model": fresh, "step": 0}
+    with pytest.raises(FormatError) as raised:
+        Checkpointer(run).load_latest(into)
+    message = str(raised.value)
+    assert "step-1: " in message and "step-2: " in message, message
+    assert "ckpt verify" in (raised.value.fix or "")
+    assert into["step"] == 0  # nothing was loaded
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+    # a run folder with no save at all is still a fresh start
+    assert Checkpointer(tmp_path / "new").load_latest({"model": fresh}) is None
+
+
+def test_a_fresh_node_that_cannot_read_the_bucket_raises_never_starts_from_scratch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node with an empty disk resumes from the bucket; the store did not answer (a network
+    blip at start-up): `load_latest` returned None and the job trained from step 0, uploading
+    its new saves over the run's."""
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import HubError
+
+    for name in ("AWS_ENDPOINT_URL", "FSSPEC_S3_ENDPOINT_URL"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    into: dict[str, Any] = {"model": torch.nn.Linear(4, 4), "step": 0}
+    with pytest.raises(HubError) as raised:
+        Checkpointer(tmp_path / "run", upload="s3://bucket/exp").load_latest(into)
+    assert "s3://bucket/exp" in str(raised.value) and "Run again" in (raised.value.fix or "")
+    assert into["step"] == 0

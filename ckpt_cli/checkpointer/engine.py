@@ -366,7 +366,10 @@ class Checkpointer:
             )
 
     def load_latest(self, into: MutableMapping[str, Any]) -> LoadedCheckpoint | None:
-        """Load the newest complete, verified save of either tier into `into`; None if none.
+        """Load the newest complete, verified save of either tier into `into`; None if neither
+        tier holds a save. Saves that are there but cannot be loaded (each failed its checks, or
+        the store could not be read with none on this machine) raise a `CkptError` naming them:
+        taking that for "no save" would start the run over.
 
         Models, optimizers and other Stateful objects of `into` are loaded in place; the plain
         entries (RNG states, counters) are replaced in `into` by the loaded values and also
@@ -381,6 +384,8 @@ class Checkpointer:
             try:
                 choice = choose(self.run_dir, self.upload, self.verify, self.log)
             except CkptError as error:
+                if not self._distributed:
+                    raise  # its own class and exit code: no other rank to tell
                 failure = str(error)
         if self._distributed:
             shared: list[Any] = [choice, failure]

@@ -7,6 +7,10 @@ taken (no transfer). A remote save newer than every local one is pulled into the
 first with `sync` (staged, checked against its checksum manifest, published with one rename).
 Every candidate is verified before it is chosen (`ckpt verify`, with `--checksums` when it
 carries a manifest or parity); one that fails is passed over, with the reason, for the next.
+When saves are there but none can be loaded (each failed its checks, or the store holding them
+could not be read or pulled from, with none on this machine), the choice is an error, never
+"no save": a training script takes no save for a fresh start, which would silently discard
+the run (and, with retention, later delete its saves in the store).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CkptError
+from ..errors import CkptError, FormatError, HubError
 from ..ops.verify.checksums import MANIFEST_NAME
 from ..sources.runs import RunCheckpoint, scan_run
 from ..storage import PARITY_DIR
@@ -62,10 +66,11 @@ def check(path: str, checks: str) -> tuple[list[str], str | None]:
 def choose(run_dir: Path, upload: str | None, checks: str, log: logging.Logger) -> Choice | None:
     """The newest complete, verified save over both tiers (see the module), or None."""
     skipped: list[str] = []
+    unread: list[str] = []
     local = _resumable(scan_run(run_dir, settle=0.0).checkpoints) if run_dir.is_dir() else []
     newest_local = local[0].step if local else None
     if upload is not None:
-        pulled = _from_remote(run_dir, upload, newest_local, checks, skipped, log)
+        pulled = _from_remote(run_dir, upload, newest_local, checks, skipped, unread, log)
         if pulled is not None:
             return pulled
     for c in local:
@@ -75,6 +80,23 @@ def choose(run_dir: Path, upload: str | None, checks: str, log: logging.Logger) 
             return Choice(path=c.path, step=c.step, tier="local", verified=ran, skipped=skipped)
         log.warning("checkpoint %s failed verification, passed over: %s", c.path, problem)
         skipped.append(f"{c.name}: {problem}")
+    if skipped:
+        raise FormatError(
+            f"no save of the run can be loaded: every one failed its checks ({'; '.join(skipped)})"
+            + (f"; and {'; '.join(unread)}" if unread else ""),
+            path=str(run_dir),
+            fix="`ckpt verify` of each save says what is wrong; `ckpt repair` rebuilds a save "
+            "written with protect=. To start the run over on purpose, move its saves out of the "
+            "run folder (and the bucket).",
+        )
+    if unread:
+        raise HubError(
+            f"no save is on this machine and the object store could not be read: "
+            f"{'; '.join(unread)}",
+            path=upload,
+            fix="Run again once the store answers: a fresh start now would train over the "
+            "run's saves there.",
+        )
     return None
 
 
@@ -84,9 +106,12 @@ def _from_remote(
     newest_local: int | None,
     checks: str,
     skipped: list[str],
+    unread: list[str],
     log: logging.Logger,
 ) -> Choice | None:
-    """Pull the newest remote save when it is newer than every local one."""
+    """Pull the newest remote save when it is newer than every local one. What could not be
+    read or fetched (the store's failures) goes to `unread`; a save that fails its checks, to
+    `skipped`."""
     from ..ops.sync.pull import sync_down
 
     try:
@@ -99,6 +124,7 @@ def _from_remote(
             remote = _resumable(scan_run(url, settle=0.0).checkpoints)
     except CkptError as error:
         log.warning("object store %s not read, loading from the local tier: %s", upload, error)
+        unread.append(str(error))
         return None
     if not remote:
         return None
@@ -113,7 +139,10 @@ def _from_remote(
         report = sync_down(upload.rstrip("/"), str(run_dir), only=best.name, settle=0.0)
     except CkptError as error:
         log.warning("pulling %s failed: %s", best.name, error)
-        skipped.append(f"{best.name} (remote): {error}")
+        # the store's failure says nothing of the save; a refused copy does
+        (unread if isinstance(error, HubError) else skipped).append(
+            f"{best.name} (remote): {error}"
+        )
         return None
     if report.failed:
         skipped.append(f"{best.name} (remote): {report.failed[0]}")
