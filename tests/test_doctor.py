@@ -874,6 +874,98 @@ def test_a_plain_loops_own_samples_counter_is_read(tmp_path: Path) -> None:
     assert "samples_seen 32 at ckpt_4.pt, 16 at ckpt_6.pt" in top["evidence"][0]
 
 
+def _loader_loop(run: Path, key: str, restore: bool, *, pickled: bool = False) -> None:
+    """A plain loop that keeps its loader position under `key` (`dataloader.position`,
+    `dataloader.dp_rank_0.position`: the names ckpt's reshard docs show) in the dict it
+    `torch.save`s every 2 steps, run to step 4 and resumed from `step-4` to step 8; the resume
+    restores model and optimizer, and the scheduler, RNG and loader position only if `restore`."""
+    import pickle
+
+    def build() -> tuple[Any, Any, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 4)
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+        return model, opt, sched
+
+    def nest(position: int) -> dict[str, Any]:
+        *homes, leaf = key.split(".")
+        value: Any = {leaf: position}
+        for i, home in enumerate(reversed(homes)):
+            value = {home: pickle.dumps(value) if pickled and i == 0 else value}
+        return dict(value)
+
+    def train(model: Any, opt: Any, sched: Any, start: int, position: int) -> None:
+        for step in range(start, start + 4):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            position += 4
+            if (step + 1) % 2 == 0:
+                folder = run / f"step-{step + 1}"
+                folder.mkdir(parents=True)
+                state = {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "rng": torch.get_rng_state(),
+                    "step": step + 1,
+                    **nest(position),
+                }
+                torch.save(state, folder / "checkpoint.pt")
+
+    train(*build(), 0, 0)
+    model, opt, sched = build()
+    saved = torch.load(run / "step-4" / "checkpoint.pt", weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    position = 0
+    if restore:
+        sched.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["rng"])
+        position = 16
+    train(model, opt, sched, 4, position)
+
+
+@pytest.mark.parametrize(
+    ("key", "pickled"),
+    [
+        ("dataloader.position", False),
+        ("dataloader.dp_rank_0.position", False),
+        ("data_loader.pos", False),
+        ("loader.index", False),
+        ("dataloader.step", False),
+        ("dataloader.dp_rank_0.position", True),  # torchtitan: the rank's state pickled
+    ],
+)
+def test_a_plain_loops_loader_position_is_read(tmp_path: Path, key: str, pickled: bool) -> None:
+    """A plain loop keeps its loader position as `dataloader.position` (or per rank,
+    `dataloader.dp_rank_0.position`, as ckpt's reshard docs show it); resumed without its
+    scheduler, RNG and loader position, doctor named the scheduler and the RNG but not the
+    replayed data: it read only `samples_seen`-like names. A resume that restored all three
+    is clean."""
+    run = tmp_path / "run"
+    _loader_loop(run, key, restore=False, pickled=pickled)
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = {c["id"]: c for c in result.json["result"]["causes"]}
+    assert {"scheduler_not_restored", "rng_not_restored", "data_position_not_restored"} <= set(
+        causes
+    ), list(causes)
+    data = causes["data_position_not_restored"]
+    assert (data["before"], data["after"]) == ("step-4", "step-6")
+    assert data["evidence"][0].startswith(f"{key} 16 at step-4, 8 at step-6"), data["evidence"]
+
+    clean = tmp_path / "clean"
+    _loader_loop(clean, key, restore=True, pickled=pickled)
+    result = run_ckpt("doctor", clean, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []
+
+
 def test_the_checkpointers_rng_value_is_checked(tmp_path: Path) -> None:
     """The ckpt Checkpointer saved `"rng": torch.get_rng_state()` as one entry `rng`; a resume
     that seeded again instead of restoring it was not found: doctor read RNG streams only

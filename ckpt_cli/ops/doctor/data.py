@@ -6,10 +6,18 @@ from __future__ import annotations
 
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
+from .save import LOADER_POSITIONS
 
-#: counters a loader sets back to 0 at each epoch (a `StatefulDataLoader`'s): crossing an
-#: epoch boundary also lowers them, so only the exact fresh count is a restart
-_PER_EPOCH = {"_num_yielded", "_sampler_iter_yielded", "num_yielded", "samples_yielded"}
+#: counters a loader may set back to 0 at each epoch (a `StatefulDataLoader`'s, a plain
+#: loader's `position`): crossing an epoch boundary also lowers them, so only the exact fresh
+#: count is a restart
+_PER_EPOCH = {
+    "_num_yielded",
+    "_sampler_iter_yielded",
+    "num_yielded",
+    "samples_yielded",
+    *LOADER_POSITIONS,
+}
 
 
 def check(pair: Pair) -> list[Cause]:

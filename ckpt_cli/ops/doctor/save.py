@@ -36,8 +36,22 @@ DATA_COUNTERS = (
     "num_yielded",
     "samples_yielded",
 )
+#: leaf names a loader's own position goes by (`dataloader.position`,
+#: `dataloader.dp_rank_0.position`, torchtitan's pickled `{"pos": ...}`): read only inside a
+#: data-loader component, where they count the data seen (elsewhere `step` / `index` do not)
+LOADER_POSITIONS = ("position", "pos", "step", "index")
 #: the components data counters live in
-_DATA_HOMES = ("dataloader", "sampler", "train_state", "trainer_state", "data", "loader")
+_DATA_HOMES = (
+    "dataloader",
+    "data_loader",
+    "sampler",
+    "train_state",
+    "trainer_state",
+    "data",
+    "loader",
+)
+#: the data-loader components among them (accelerate numbers them: `dataloader_1`)
+_LOADER_HOMES = ("dataloader", "data_loader", "loader")
 #: names an EMA copy of the weights is saved under
 EMA_KEYS = ("ema", "ema_model", "model_ema", "ema_state_dict", "ema_state", "averaged_model")
 #: a fresh `torch.amp.GradScaler`'s scale (`init_scale`)
@@ -231,13 +245,15 @@ class Save:
             parts = entry.name.split(".")
             if "log_history" in parts:
                 continue  # the values logged at past steps, not the position now
-            if parts[-1] not in DATA_COUNTERS:
-                continue
-            # a counter of its own at the top level (a plain loop's `torch.save` dict), or
-            # inside a data-position component
-            if len(parts) > 1 and not any(
-                parts[0] == home or parts[0].startswith(f"{home}_") for home in _DATA_HOMES
-            ):
+            if parts[-1] in LOADER_POSITIONS:
+                counted = self._in_loader(entry.name)
+            else:
+                # a counter of its own at the top level (a plain loop's `torch.save` dict), or
+                # inside a data-position component
+                counted = parts[-1] in DATA_COUNTERS and (
+                    len(parts) == 1 or _under(parts[0], _DATA_HOMES)
+                )
+            if not counted:
                 continue
             if entry.kind == "tensor" and entry.numel != 1:
                 continue
@@ -273,12 +289,25 @@ class Save:
                 if isinstance(value, dict):
                     stack += [(f"{where}.{k}", v) for k, v in value.items() if isinstance(k, str)]
                 elif (
-                    where.rsplit(".", 1)[-1] in DATA_COUNTERS
+                    (
+                        where.rsplit(".", 1)[-1] in DATA_COUNTERS
+                        or (where.rsplit(".", 1)[-1] in LOADER_POSITIONS and self._in_loader(where))
+                    )
                     and isinstance(value, int | float)
                     and not isinstance(value, bool)
                 ):
                     found[where] = float(value)
         return found
+
+    def _in_loader(self, name: str) -> bool:
+        """Whether an entry lies inside a data-loader component: under a `dataloader` /
+        `data_loader` / `loader` key, or the layout's own loader state (DeepSpeed's
+        `model_states.dataloader.`)."""
+        head = name.split(".", 1)[0]
+        if head != name and _under(head, _LOADER_HOMES):
+            return True
+        prefix = self.prefix("dataloader")
+        return prefix is not None and prefix != "" and name.startswith(prefix)
 
     @cached_property
     def scaler(self) -> dict[str, float] | None:
@@ -457,3 +486,8 @@ class Save:
     def close(self) -> None:
         """Close the opened checkpoint."""
         self.opened.checkpoint.close()
+
+
+def _under(head: str, homes: tuple[str, ...]) -> bool:
+    """Whether an entry's first segment names one of `homes` (numbered too: `dataloader_1`)."""
+    return any(head == home or head.startswith(f"{home}_") for home in homes)
