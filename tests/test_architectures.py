@@ -545,6 +545,18 @@ def test_export_with_a_torchtitan_flavor_builds_config_json(tmp_path: Path) -> N
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_attention_heads"] == 16 and config["max_position_embeddings"] == 131072
     assert config["rope_parameters"]["rope_type"] == "llama3"
+    # transformers 4 and llama.cpp's converter read the scaling from the legacy `rope_scaling`
+    # (beside `rope_theta`): the same values, or they would run the model unscaled
+    assert config["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert {**config["rope_scaling"], "rope_theta": config["rope_theta"]} == config[
+        "rope_parameters"
+    ]
     want = load_file(tmp_path / "ref" / "to_hf.safetensors")
     got = _hf_tensors(tmp_path / "hf")
     assert got.keys() == want.keys()
@@ -552,9 +564,19 @@ def test_export_with_a_torchtitan_flavor_builds_config_json(tmp_path: Path) -> N
     reference = torch.load(tmp_path / "ref" / "logits.pt", weights_only=True)
     # the weights are torchtitan's own to_hf bit for bit: what is left is the two forwards'
     # float32 rounding (6 layers, dim 256: measured 1.4e-6 on logits up to 4.2, 3 ulps)
-    assert (_hf_logits(tmp_path / "hf") - reference).abs().max().item() <= 1e-6 * max(
-        1.0, reference.abs().max().item()
-    )
+    limit = 1e-6 * max(1.0, reference.abs().max().item())
+    assert (_hf_logits(tmp_path / "hf") - reference).abs().max().item() <= limit
+    # the config a transformers-4 reader sees (`rope_theta` + `rope_scaling`, no
+    # `rope_parameters`) builds the same model: the installed transformers converts it
+    legacy = tmp_path / "hf-legacy"
+    shutil.copytree(tmp_path / "hf", legacy)
+    del config["rope_parameters"]
+    (legacy / "config.json").write_text(json.dumps(config))
+    assert (_hf_logits(legacy) - reference).abs().max().item() <= limit
+    # unscaled, the logits differ: the check above can tell
+    del config["rope_scaling"]
+    (legacy / "config.json").write_text(json.dumps(config))
+    assert (_hf_logits(legacy) - reference).abs().max().item() > limit
     r = run_ckpt("convert", step, tmp_path / "x", "--to", "hf", "--flavor", "nonesuch")
     assert r.exit_code == 2 and "debugmodel" in r.stderr
 

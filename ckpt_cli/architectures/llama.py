@@ -279,9 +279,21 @@ class _Decoder(Architecture):
             config["intermediate_size"] = args.ffn_dim
         if args.max_position_embeddings is not None:
             config["max_position_embeddings"] = args.max_position_embeddings
+        if args.rope_scaling:
+            # transformers 4 and llama.cpp's converter read the scaling from the legacy key
+            # beside `rope_theta`, and without it run the model unscaled: the same values
+            config["rope_scaling"] = _legacy_rope_scaling(args.rope_scaling)
         if args.dtype is not None:
             config["torch_dtype"] = args.dtype  # canonical tokens are torch's names
         return config
+
+
+def _legacy_rope_scaling(scaling: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 4's `rope_scaling` of a rope scaling: `rope_type` first (named `type`
+    before transformers 4.43), the scaling's own fields, no `rope_theta` (a key of its own)."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    rest = {k: v for k, v in scaling.items() if k not in ("rope_theta", "rope_type", "type")}
+    return {"rope_type": kind, **rest}
 
 
 class Llama3(_Decoder):
