@@ -34,10 +34,13 @@ from tests.dist_helpers import RANK_TIMEOUT  # the launcher puts the checkout fi
 #: the model's dimensions (GQA: 4 query heads in 2 groups; head size 8)
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, MAX_POS = 2, 32, 4, 2, 48, 64, 64
 ROTARY_BASE, EPS = 500000.0, 1e-5
-#: Llama 3.x rope scaling (`--use-rope-scaling --rope-scaling-factor F` in Megatron-LM) when the
-#: environment sets MEGATRON_ROPE_SCALING=F: the model and its saved args both use it
-ROPE_SCALING = float(os.environ.get("MEGATRON_ROPE_SCALING", "0")) or None
 INPUT_IDS = [[3, 17, 5, 60, 2, 41, 9, 33, 12, 0], [7, 7, 1, 58, 30, 22, 11, 4, 63, 19]]
+#: `MEGATRON_ROPE=llama3`: Llama 3.x rope scaling (`--use-rope-scaling`, factor 8, or F with
+#: `MEGATRON_ROPE_SCALING=F`, which alone also asks for it);
+#: `MEGATRON_ROPE=linear`: positions interpolated (`--rotary-seq-len-interpolation-factor 4`)
+_SCALING = os.environ.get("MEGATRON_ROPE_SCALING", "")
+ROPE = os.environ.get("MEGATRON_ROPE", "llama3" if _SCALING else "")
+ROPE_FACTOR, INTERPOLATION = float(_SCALING or 8.0), 4
 
 
 def megatron_args() -> argparse.Namespace:
@@ -67,8 +70,9 @@ def megatron_args() -> argparse.Namespace:
         pipeline_model_parallel_size=1,
         lr=3e-4,
         seed=1234,
-        use_rope_scaling=ROPE_SCALING is not None,
-        rope_scaling_factor=ROPE_SCALING or 8.0,
+        use_rope_scaling=ROPE == "llama3",
+        rope_scaling_factor=ROPE_FACTOR,
+        rotary_seq_len_interpolation_factor=INTERPOLATION if ROPE == "linear" else None,
     )
 
 
@@ -118,8 +122,9 @@ def build_model(seed: int, pipeline: int = 1) -> Any:
         max_sequence_length=MAX_POS,
         position_embedding_type="rope",
         rotary_base=int(ROTARY_BASE),
-        rope_scaling=ROPE_SCALING is not None,
-        rope_scaling_factor=ROPE_SCALING or 8.0,
+        rope_scaling=ROPE == "llama3",
+        rope_scaling_factor=ROPE_FACTOR,
+        seq_len_interpolation_factor=INTERPOLATION if ROPE == "linear" else None,
         share_embeddings_and_output_weights=False,
         parallel_output=False,  # every rank gets the whole vocabulary's logits
         pre_process=stage == 0,

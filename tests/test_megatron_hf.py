@@ -49,15 +49,18 @@ import megatron_gpt_script as gpt  # noqa: E402  (its constants; it imports no m
 TOLERANCE = 1e-6
 
 
-def megatron_load(folder: Path, out: Path, ranks: int = 1) -> tuple[torch.Tensor, dict[str, Any]]:
+def megatron_load(
+    folder: Path, out: Path, ranks: int = 1, rope: str = ""
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """megatron's own `dist_checkpointing.load` of `folder` into a fresh GPTModel (on `ranks`
-    tensor-parallel ranks): its logits on `INPUT_IDS` and what one training step did."""
+    tensor-parallel ranks; its rope scaled as `rope` says): its logits on `INPUT_IDS` and what
+    one training step did."""
     if ranks == 1:
         proc = subprocess.run(
             [sys.executable, str(SCRIPT), "load", str(folder), str(out), str(free_port())],
             capture_output=True,
             text=True,
-            env=torchrun_env(),
+            env={**torchrun_env(), "MEGATRON_ROPE": rope},
             timeout=600,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -161,6 +164,59 @@ def test_export_to_hf_loads_in_transformers_with_megatrons_logits(
     model, logits = hf_logits(out)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert not model.config.mlp_bias and model.lm_head.weight is not model.model.embed_tokens.weight
+    assert close(logits, truth) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("rope", "scaling"),
+    [
+        (
+            "llama3",
+            {
+                "rope_type": "llama3",
+                "factor": gpt.ROPE_FACTOR,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+        ("linear", {"rope_type": "linear", "factor": float(gpt.INTERPOLATION)}),
+    ],
+)
+def test_a_rope_scaled_megatron_model_exports_its_scaling(
+    rope: str, scaling: dict[str, Any], tmp_path: Path
+) -> None:
+    """A GPTModel trained with Llama 3.x rope scaling (`--use-rope-scaling`) or interpolated
+    positions (`--rotary-seq-len-interpolation-factor`) exported to a config.json with no
+    scaling: transformers ran it unscaled, other logits, and nothing said so."""
+    save = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "save", str(save), str(free_port())],
+        capture_output=True,
+        text=True,
+        env={**torchrun_env(), "MEGATRON_ROPE": rope},
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    truth = torch.load(f"{save}.logits.pt", weights_only=True)
+    out = tmp_path / "hf"
+    result = run_ckpt("convert", save, out, "--to", "hf")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    config = json.loads((out / "config.json").read_text())
+    # transformers 5 reads `rope_parameters`; transformers 4 and llama.cpp the legacy key
+    assert config["rope_parameters"] == {**scaling, "rope_theta": gpt.ROTARY_BASE}
+    assert config["rope_scaling"] == scaling
+    assert close(hf_logits(out)[1], truth) <= TOLERANCE
+    # and back: the args ckpt writes in common.pt scale it as the GPTModel's own did
+    back = tmp_path / "megatron"
+    result = run_ckpt("convert", out, back, "--to", "megatron")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        written = vars(torch.load(back / "common.pt", weights_only=True)["args"])
+        saved = vars(torch.load(save / "common.pt", weights_only=True)["args"])
+    keys = ("use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor")
+    assert {k: written[k] for k in keys} == {k: saved[k] for k in keys}
+    logits, _ = megatron_load(back, tmp_path / "loaded", rope=rope)
     assert close(logits, truth) <= TOLERANCE
 
 
@@ -336,6 +392,35 @@ def test_a_megatron_model_that_is_not_llama_style_is_refused(
     assert result.exit_code == 4
     assert "not Llama-style" in result.stderr and "normalization='LayerNorm'" in result.stderr
     assert not (tmp_path / "out").exists()
+    # two rope scalings at once (Llama 3.x's and interpolated positions): no HF config holds both
+    args = vars(gpt.megatron_args()) | {
+        "use_rope_scaling": True,
+        "rotary_seq_len_interpolation_factor": 4,
+    }
+    twice = _with_common(folder, tmp_path / "twice", {"args": argparse.Namespace(**args)})
+    result = run_ckpt("convert", twice, tmp_path / "out", "--to", "hf")
+    assert result.exit_code == 4
+    assert "scales its rotary embeddings twice" in " ".join(result.stderr.split())
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_hf_rope_scaling_megatron_cannot_apply_is_refused_on_import(
+    hf_model: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    """A yarn-scaled Llama imported to Megatron: Megatron-Core applies only Llama 3.x's
+    scaling or linear interpolation, so common.pt's args would run it unscaled."""
+    folder, _ = hf_model
+    yarn = tmp_path / "yarn"
+    shutil.copytree(folder, yarn)
+    config = json.loads((yarn / "config.json").read_text())
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": gpt.ROTARY_BASE}
+    (yarn / "config.json").write_text(json.dumps(config))
+    result = run_ckpt("convert", yarn, tmp_path / "megatron", "--to", "megatron")
+    assert result.exit_code == 4, result.stdout + result.stderr
+    said = " ".join(result.stderr.split())
+    assert "rope scaling" in said and "'yarn'" in said and "Megatron would run it unscaled" in said
+    assert not (tmp_path / "megatron").exists()
 
 
 def test_per_layer_megatron_names_export_the_same_tensors(
@@ -507,17 +592,18 @@ def test_an_import_keeps_llama3_rope_scaling_in_megatrons_args(tmp_path: Path) -
 @pytest.mark.parametrize(
     "rope",
     [
-        {"rope_type": "linear", "factor": 2.0},
         {**LLAMA3_ROPE, "original_max_position_embeddings": 4096},
+        {**LLAMA3_ROPE, "high_freq_factor": 2.0},
     ],
-    ids=["linear", "llama3-other-context"],
+    ids=["llama3-other-context", "llama3-other-high-factor"],
 )
 def test_an_import_refuses_rope_scaling_megatron_cannot_apply(
     tmp_path: Path, rope: dict[str, Any]
 ) -> None:
     """Megatron-Core's rotary applies Llama 3's scaling with fixed low/high factors and an
-    8192 original context, and no other kind: a Llama scaled otherwise would train as another
-    model there. The import is refused (exit 4) naming the scaling, and writes nothing."""
+    8192 original context (or a linear interpolation of positions): a Llama scaled otherwise
+    would train as another model there. The import is refused (exit 4) naming the scaling,
+    and writes nothing."""
     _scaled_llama(tmp_path / "hf", rope)
     result = run_ckpt("convert", tmp_path / "hf", tmp_path / "megatron", "--to", "megatron")
     assert result.exit_code == 4, result.stdout + result.stderr

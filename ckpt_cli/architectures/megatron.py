@@ -356,16 +356,9 @@ def args_from_megatron(args: Mapping[str, Any], where: str) -> ModelArgs:
         )
     heads = args.get("num_attention_heads")
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
-    scaling = None
-    if args.get("use_rope_scaling"):
-        factor = args.get("rope_scaling_factor")
-        scaling = {
-            "rope_type": "llama3",
-            "factor": float(factor if factor is not None else 8.0),
-            **MEGATRON_LLAMA3_ROPE,
-        }
     dtype = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else None
     theta = args.get("rotary_base")
+    scaling = _rope_scaling_of(args, where)
     return ModelArgs(
         dim=args.get("hidden_size"),
         n_layers=args.get("num_layers"),
@@ -383,28 +376,59 @@ def args_from_megatron(args: Mapping[str, Any], where: str) -> ModelArgs:
     )
 
 
-def megatron_rope_scaling(scaling: Mapping[str, Any] | None, family: str) -> dict[str, Any]:
-    """Megatron-LM's rope-scaling arguments for a Hugging Face `rope_scaling` (none, or Llama
-    3's with Megatron-Core's fixed low/high factors and original context: the only scaling
-    its `RotaryEmbedding` applies); any other is refused, as the model would train as
-    another one there."""
-    kind = str(scaling.get("rope_type", scaling.get("type", "default"))) if scaling else "default"
-    if scaling is None or kind == "default":
-        return {"use_rope_scaling": False, "rope_scaling_factor": 8.0}
-    fixed = all(
-        isinstance(scaling.get(key), (int, float)) and float(scaling[key]) == value
-        for key, value in MEGATRON_LLAMA3_ROPE.items()
-    )
-    factor = scaling.get("factor")
-    if kind != "llama3" or not fixed or not isinstance(factor, (int, float)):
-        shown = ", ".join(f"{k}={v!r}" for k, v in scaling.items() if k != "rope_theta")
+def _rope_scaling_of(args: Mapping[str, Any], where: str) -> dict[str, Any] | None:
+    """The Hugging Face rope scaling of Megatron-LM's arguments: Llama 3.x's
+    (`--use-rope-scaling`, `--rope-scaling-factor`), or linear (positions divided by
+    `--rotary-seq-len-interpolation-factor`); None when neither is set."""
+    llama3 = bool(args.get("use_rope_scaling", False))
+    interpolation = args.get("rotary_seq_len_interpolation_factor")
+    positions = float(interpolation) if interpolation is not None else 1.0
+    linear = positions != 1.0
+    if llama3 and linear:
         raise FormatError(
-            f"the {family} model's rope scaling ({shown}) is not one Megatron-Core applies: its "
-            "rotary scales the Llama 3 way only, with "
-            + ", ".join(f"{k}={v:g}" for k, v in MEGATRON_LLAMA3_ROPE.items()),
-            fix="Keep the Hugging Face names with --to safetensors / dcp.",
+            "the Megatron model scales its rotary embeddings twice (use_rope_scaling and "
+            f"rotary_seq_len_interpolation_factor={interpolation!r}): a Hugging Face Llama "
+            "config.json holds one rope scaling",
+            path=where,
+            fix="Export it with --to safetensors / dcp to keep Megatron's own names.",
         )
-    return {"use_rope_scaling": True, "rope_scaling_factor": float(factor)}
+    if llama3:
+        factor = args.get("rope_scaling_factor")
+        return {
+            "rope_type": "llama3",
+            "factor": float(factor) if factor is not None else 8.0,
+            **MEGATRON_LLAMA3_ROPE,
+        }
+    if linear:
+        return {"rope_type": "linear", "factor": positions}
+    return None
+
+
+def _megatron_rope_args(args: ModelArgs, family: str) -> dict[str, Any]:
+    """Megatron-LM's rope-scaling arguments of a model's rope scaling (the inverse of
+    `_rope_scaling_of`); a FormatError for a scaling Megatron-Core cannot apply."""
+    scaling = dict(args.rope_scaling or {})
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    factor = scaling.pop("factor", None)
+    out: dict[str, Any] = {
+        "use_rope_scaling": False,
+        "rope_scaling_factor": 8.0,
+        "rotary_seq_len_interpolation_factor": None,
+    }
+    if kind == "default" and factor is None:
+        return out
+    if kind == "llama3" and isinstance(factor, int | float) and scaling == MEGATRON_LLAMA3_ROPE:
+        return {**out, "use_rope_scaling": True, "rope_scaling_factor": float(factor)}
+    if kind == "linear" and isinstance(factor, int | float) and not scaling:
+        # Megatron-LM parses the interpolation factor as an int
+        whole = float(factor).is_integer()
+        return {**out, "rotary_seq_len_interpolation_factor": int(factor) if whole else factor}
+    raise FormatError(
+        f"the {family} model's rope scaling ({args.rope_scaling!r}) is not one Megatron-Core "
+        "applies (Llama 3.x's with low_freq_factor 1, high_freq_factor 4 and "
+        "original_max_position_embeddings 8192, or linear): Megatron would run it unscaled",
+        fix="Convert it with --to safetensors / dcp instead.",
+    )
 
 
 def megatron_args(args: ModelArgs, family: str) -> dict[str, Any]:
@@ -427,7 +451,6 @@ def megatron_args(args: ModelArgs, family: str) -> dict[str, Any]:
         "rotary_base": args.rope_theta if args.rope_theta is not None else 10000.0,
         "rotary_percent": 1.0,
         "rotary_interleaved": False,
-        **megatron_rope_scaling(args.rope_scaling, family),
         "normalization": "RMSNorm",
         "norm_epsilon": args.norm_eps if args.norm_eps is not None else 1e-5,
         "swiglu": True,
@@ -437,6 +460,7 @@ def megatron_args(args: ModelArgs, family: str) -> dict[str, Any]:
         "untie_embeddings_and_output_weights": not args.tie_embeddings,
         "bf16": args.dtype in ("bfloat16", "bf16"),
         "fp16": args.dtype in ("float16", "fp16"),
+        **_megatron_rope_args(args, family),
     }
 
 
