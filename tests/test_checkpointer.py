@@ -1075,3 +1075,57 @@ def test_a_fresh_node_that_cannot_read_the_bucket_raises_never_starts_from_scrat
         Checkpointer(tmp_path / "run", upload="s3://bucket/exp").load_latest(into)
     assert "s3://bucket/exp" in str(raised.value) and "Run again" in (raised.value.fix or "")
     assert into["step"] == 0
+
+
+def test_a_wait_from_another_thread_never_hides_the_save_started_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A monitoring thread calls `wait()` while the loop saves again: its wait for save 1
+    ended after the loop had started save 2, and then forgot "the save in flight", which was
+    save 2 by then. `close()` returned with save 2 still writing (the staging buffer released
+    under it), and the next save did not see it in flight."""
+    import threading
+
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.checkpointer import engine
+
+    started: list[threading.Thread] = []
+    first_joined = threading.Event()
+    second_started = threading.Event()
+    plain_thread = threading.Thread
+
+    class Thread(plain_thread):
+        """The Checkpointer's save threads, each known to the test."""
+
+        def start(self) -> None:
+            if not self.name.startswith("ckpt-save"):
+                super().start()  # a pool's worker (hashing): not the test's business
+                return
+            started.append(self)
+            super().start()
+            if len(started) == 2:
+                second_started.set()
+
+        def run(self) -> None:
+            if len(started) == 2 and self is started[1]:
+                time.sleep(0.5)  # save 2 is still writing when close() is called
+            super().run()
+
+        def join(self, timeout: float | None = None) -> None:
+            super().join(timeout)
+            if self is started[0] and threading.current_thread().name == "monitor":
+                first_joined.set()
+                second_started.wait(10)  # the loop starts save 2 before this wait returns
+
+    monkeypatch.setattr(engine.threading, "Thread", Thread)
+    model = torch.nn.Linear(4, 4)
+    ck = Checkpointer(tmp_path / "run")
+    ck.save(1, {"model": model, "step": 1})
+    monitor = plain_thread(target=ck.wait, name="monitor")
+    monitor.start()
+    assert first_joined.wait(10)
+    ck.save(2, {"model": model, "step": 2})
+    monitor.join(10)
+    ck.close()
+    assert not started[1].is_alive()  # close waited for save 2
+    assert (tmp_path / "run" / "step-2" / ".metadata").is_file()

@@ -334,10 +334,12 @@ class Checkpointer:
         with self._lock:
             self._current = record
             self._saves += 1
-        self._thread = threading.Thread(
+        thread = threading.Thread(
             target=self._background, args=(record, staged), name=f"ckpt-save-{step}"
         )
-        self._thread.start()
+        with self._lock:
+            self._thread = thread
+        thread.start()
         return record
 
     def wait(self) -> SaveRecord | None:
@@ -477,9 +479,17 @@ class Checkpointer:
         return [rank for rank, flag in enumerate(flags) if flag.item()]
 
     def _join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Wait for the save in flight. Only that save is forgotten once it is over: a wait
+        from another thread (a monitor's `wait()`) may end after this thread started the next
+        save, which must stay the one in flight for `_busy` and `close`."""
+        with self._lock:
+            thread = self._thread
+        if thread is None:
+            return
+        thread.join()
+        with self._lock:
+            if self._thread is thread:
+                self._thread = None
 
     # ------------------------------------------------------------------ the background thread
 
