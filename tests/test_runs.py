@@ -745,7 +745,8 @@ def test_a_plain_save_whose_torch_file_is_no_torch_file_is_never_the_latest(
     """A plain loop's `step-7/` held only `model.bin`, five bytes of garbage (a copy cut at
     its start, a file written by something else): `ckpt latest` called it the newest complete
     save, while `ckpt verify` said it is no torch file, and a resume script resumed from it.
-    Legacy torch.save files (a pickle, no zip) are still whole saves."""
+    Legacy torch.save files (a pickle, no zip) are still whole saves, and a `.bin` that is no
+    torch file beside a save's own files is no part of it."""
     run = tmp_path / "run"
     (run / "step-5").mkdir(parents=True)
     torch.save({"w": torch.ones(2)}, run / "step-5" / "model.bin")
@@ -762,6 +763,14 @@ def test_a_plain_save_whose_torch_file_is_no_torch_file_is_never_the_latest(
     assert rows["step-7"]["status"] == "incomplete"
     assert "not a torch.save file" in rows["step-7"]["reason"]
     assert "text file" in rows["step-7"]["reason"]  # what it is instead
+    # a Trainer save may hold a `.bin` of its own beside its torch.save files (verify passes
+    # it): no part of the save, never a reason to call it incomplete
+    trainer = tmp_path / "trainer"
+    trainer_checkpoint(trainer / "checkpoint-100", 100)
+    (trainer / "checkpoint-100" / "extra.bin").write_bytes(bytes(range(256)) * 64)
+    age(trainer)
+    assert run_ckpt("verify", trainer / "checkpoint-100").exit_code == 0
+    assert table(trainer)["checkpoint-100"]["status"] == "complete"
     latest = run_ckpt_process("latest", run)
     assert latest.stdout == f"{run / 'step-6'}\n", latest.stderr
     assert run_ckpt("verify", run / "step-7").exit_code != 0  # the two commands agree

@@ -237,6 +237,13 @@ def _check_with_format(
     return with_fix(errors[0].message, errors[0].fix) if errors else None
 
 
+class ForeignFile(str):
+    """What `_pickle_structure` says of a file named like a torch.save file (`.bin`, `.pt`)
+    whose bytes are neither torch.save's zip nor a pickle: no part of the save (a Trainer
+    folder may hold a `.bin` of its own), not a damaged one; a save left with no component is
+    incomplete, naming it (five bytes of garbage in `step-7/model.bin` were called complete)."""
+
+
 def _pickle_structure(storage: Storage, rel: str) -> str | None:
     """Whether a torch.save file (or bin index, with its shards) is whole, unpickling nothing.
 
@@ -257,9 +264,8 @@ def _pickle_structure(storage: Storage, rel: str) -> str | None:
         if not head.startswith(b"PK\x03\x04"):
             if is_pickle(head):
                 return None  # legacy torch.save format: no cheap structural check
-            # neither torch.save's zip nor its legacy pickle: `verify` refuses it, so no
-            # resume may start from it (five bytes of garbage were called complete)
-            return f"{where}: not a torch.save file: it is {what_is(head, size)}"
+            # neither torch.save's zip nor its legacy pickle: no component of the save
+            return ForeignFile(f"{where}: not a torch.save file: it is {what_is(head, size)}")
         with zipfile.ZipFile(_TailFile(storage, rel, size)) as archive:
             archive.infolist()
     except (zipfile.BadZipFile, OSError, CkptError) as exc:
@@ -309,7 +315,7 @@ def _check_torch_index(storage: Storage, rel: str) -> str | None:
     for shard in sorted(shards):
         problem = _pickle_structure(storage, f"{folder}/{shard}" if folder else shard)
         if problem:
-            return problem
+            return str(problem)  # a shard the index names: damaged, whatever its bytes are
     return None
 
 
@@ -380,16 +386,21 @@ def _judge_components(
 ) -> tuple[str | None, list[str]]:
     """(first problem or None, formats seen) over every component of a checkpoint."""
     formats: list[str] = []
+    foreign: list[str] = []
     components = _components(storage, item, files)
     for kind, rel, folder in components:
-        if kind not in formats:
-            formats.append(kind)
         # inside a checkpoint folder, its own files are all a view needs to list
         problem = _check_with_format(storage, kind, rel, folder, files if item.is_dir else None)
+        if isinstance(problem, ForeignFile):
+            foreign.append(problem)
+            continue
+        if kind not in formats:
+            formats.append(kind)
         if problem:
             return problem, formats
-    if not components:
-        return "holds no checkpoint files (safetensors, DCP, torch.save)", formats
+    if len(foreign) == len(components):
+        what = "holds no checkpoint files (safetensors, DCP, torch.save)"
+        return (f"{what}: {'; '.join(foreign)}" if foreign else what), formats
     return None, formats
 
 
