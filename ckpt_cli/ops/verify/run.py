@@ -816,9 +816,9 @@ def object_problems(opener: SourceOpener) -> list[Problem]:
                     "(torch.load weights_only) refuses; nothing was executed",
                     file=where,
                     tensor=entry.name,
-                    fix="If you trust the checkpoint, load the entry with torch.load("
-                    "weights_only=False) in Python; otherwise save it again without that "
-                    "object (plain dicts, lists, numbers and tensors load everywhere).",
+                    fix="Save it again without that object, from the code that wrote it "
+                    "(plain dicts, lists, numbers and tensors load everywhere, unpickling "
+                    "nothing).",
                 )
             )
     return problems
