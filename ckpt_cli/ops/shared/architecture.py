@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -302,134 +303,115 @@ def map_plan(
         FormatError: no family claims the names (exit 4, naming the closest family's unknown
             tensors), a tensor no rule maps, or an arg the mapping needs is unknown.
     """
-    try:
-        return _map_plan(
-            checkpoint,
-            plan,
-            target,
-            config=config,
-            cast=cast,
-            keep_objects=keep_objects,
-            dedupe_tied=dedupe_tied,
-            architecture=architecture,
-            flavor=flavor,
-        )
-    except FormatError as error:
-        if error.path is not None or type(error) is not FormatError:
-            raise
-        # what a rule or the args found lacking (`ModelArgs.require`, a tensor no rule maps)
-        # is about this checkpoint: name it, as every error does
-        raise FormatError(
-            error.problem, path=checkpoint.manifest.location, fix=error.fix
-        ) from error
-
-
-def _map_plan(
-    checkpoint: Checkpoint,
-    plan: TransferPlan,
-    target: str,
-    *,
-    config: dict[str, Any] | None,
-    cast: str | None,
-    keep_objects: bool,
-    dedupe_tied: bool,
-    architecture: str | None = None,
-    flavor: str | None = None,
-) -> MappedSource:
-    """`map_plan`, whose errors may not name the checkpoint yet."""
     from ...architectures import unrecognised
     from ...architectures.mapped import MappedCheckpoint
 
-    where = checkpoint.manifest.location
-    tensors = [i for i in plan.items if i.source.kind == "tensor"]
-    skipped = list(plan.skipped)
-    for item in plan.items:
-        if item.source.kind != "tensor":
-            skipped.append(
-                SkippedEntry(
-                    name=item.source.name,
-                    kind=item.source.kind,
-                    reason=f"not a model weight (the {target} naming holds weights only)",
+    with _naming(checkpoint.manifest.location):
+        where = checkpoint.manifest.location
+        tensors = [i for i in plan.items if i.source.kind == "tensor"]
+        skipped = list(plan.skipped)
+        for item in plan.items:
+            if item.source.kind != "tensor":
+                skipped.append(
+                    SkippedEntry(
+                        name=item.source.name,
+                        kind=item.source.kind,
+                        reason=f"not a model weight (the {target} naming holds weights only)",
+                    )
                 )
-            )
-    # the names as selection and renames made them, and what each is read from
-    origin = {i.target.name: i.source.name for i in tensors}
-    names = [i.target.name for i in tensors]
-    model_type = config.get("model_type") if config else None
-    if architecture is not None:
-        arch = get_architecture(architecture)
-        naming = arch.recognise(names)
-        if naming is None:
-            raise unrecognised(names, target, where)
-    else:
-        found = recognise(names, model_type if isinstance(model_type, str) else None)
-        if found is None:
-            raise unrecognised(names, target, where)
-        arch, naming = found.architecture, found.naming
-    shapes = {i.target.name: list(i.source.shape) for i in tensors}
-    dtypes = [i.source.dtype for i in tensors if i.source.dtype]
-    # the dtype written: config.json's torch_dtype says what the weights are after --dtype
-    dtype = cast or (max(set(dtypes), key=dtypes.count) if dtypes else None)
-    warnings = _same_family(arch, model_type, where) if config is not None else []
-    args = _args(arch, shapes, naming, config, dtype, where, checkpoint)
-    if flavor is not None:
-        from ...architectures.flavors import flavor_args
+        # the names as selection and renames made them, and what each is read from
+        origin = {i.target.name: i.source.name for i in tensors}
+        names = [i.target.name for i in tensors]
+        model_type = config.get("model_type") if config else None
+        if architecture is not None:
+            arch = get_architecture(architecture)
+            naming = arch.recognise(names)
+            if naming is None:
+                raise unrecognised(names, target, where)
+        else:
+            found = recognise(names, model_type if isinstance(model_type, str) else None)
+            if found is None:
+                raise unrecognised(names, target, where)
+            arch, naming = found.architecture, found.naming
+        shapes = {i.target.name: list(i.source.shape) for i in tensors}
+        dtypes = [i.source.dtype for i in tensors if i.source.dtype]
+        # the dtype written: config.json's torch_dtype says what the weights are after --dtype
+        dtype = cast or (max(set(dtypes), key=dtypes.count) if dtypes else None)
+        warnings = _same_family(arch, model_type, where) if config is not None else []
+        args = _args(arch, shapes, naming, config, dtype, where, checkpoint)
+        if flavor is not None:
+            from ...architectures.flavors import flavor_args
 
-        known = flavor_args(arch, flavor)
-        _agree(arch, shapes, naming, args, known, where, f"--flavor {flavor}")
-        args = args.merged(known)
-    mapping = arch.plan(
-        [(i.target.name, list(i.source.shape), i.source.dtype or "") for i in tensors],
-        naming,
-        target,
-        args,
-    )
-    _check_tied(checkpoint, [(origin[h], origin[e]) for h, e in mapping.tied], where)
-    skipped += [
-        SkippedEntry(name=origin[n], kind="tensor", reason=why) for n, why in mapping.left_out
-    ]
-    # read every piece from the source checkpoint under its own name
-    sourced = ArchitecturePlan(
-        mapping.architecture,
-        mapping.source,
-        mapping.target,
-        [
-            replace(t, pieces=tuple(replace(p, source=origin[p.source]) for p in t.pieces))
-            for t in mapping.tensors
-        ],
-        mapping.left_out,
-        args,
-    )
-    output = arch.naming_output(target, args)
-    mapped = MappedCheckpoint(checkpoint, sourced, output.objects)
-    new_plan = plan_transfer(
-        mapped.manifest, dtype=cast, keep_objects=keep_objects, dedupe_tied=dedupe_tied
-    )
-    new_plan.skipped = skipped + new_plan.skipped
-    for item in new_plan.items:
-        pieces = output.split_dim0.get(item.target.name)
-        if pieces:
-            item.target = item.target.model_copy(
-                update={"chunks": dim0_chunks(item.target.shape, pieces)}
-            )
-    new_plan.tied = plan.tied
-    config_bytes = None
-    if target == HF:
-        config_bytes = (json.dumps(arch.hf_config(args), indent=2) + "\n").encode()
-    records = [_record(t) for t in sourced.tensors]
-    counts: dict[str, int] = {}
-    for r in records:
-        counts[r.transform] = counts.get(r.transform, 0) + 1
-    report = ArchitectureReport(
-        architecture=arch.name,
-        source_naming=naming,
-        target_naming=target,
-        args=args.model_dump(exclude_none=True, exclude={"config"}),
-        mapped=records,
-        transforms=counts,
-    )
-    origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
-    return MappedSource(mapped, new_plan, report, config_bytes, output, origins, warnings)
+            known = flavor_args(arch, flavor)
+            _agree(arch, shapes, naming, args, known, where, f"--flavor {flavor}")
+            args = args.merged(known)
+        mapping = arch.plan(
+            [(i.target.name, list(i.source.shape), i.source.dtype or "") for i in tensors],
+            naming,
+            target,
+            args,
+        )
+        _check_tied(checkpoint, [(origin[h], origin[e]) for h, e in mapping.tied], where)
+        skipped += [
+            SkippedEntry(name=origin[n], kind="tensor", reason=why) for n, why in mapping.left_out
+        ]
+        # read every piece from the source checkpoint under its own name
+        sourced = ArchitecturePlan(
+            mapping.architecture,
+            mapping.source,
+            mapping.target,
+            [
+                replace(t, pieces=tuple(replace(p, source=origin[p.source]) for p in t.pieces))
+                for t in mapping.tensors
+            ],
+            mapping.left_out,
+            args,
+        )
+        output = arch.naming_output(target, args)
+        mapped = MappedCheckpoint(checkpoint, sourced, output.objects)
+        new_plan = plan_transfer(
+            mapped.manifest, dtype=cast, keep_objects=keep_objects, dedupe_tied=dedupe_tied
+        )
+        new_plan.skipped = skipped + new_plan.skipped
+        for item in new_plan.items:
+            pieces = output.split_dim0.get(item.target.name)
+            if pieces:
+                item.target = item.target.model_copy(
+                    update={"chunks": dim0_chunks(item.target.shape, pieces)}
+                )
+        new_plan.tied = plan.tied
+        config_bytes = None
+        if target == HF:
+            config_bytes = (json.dumps(arch.hf_config(args), indent=2) + "\n").encode()
+        records = [_record(t) for t in sourced.tensors]
+        counts: dict[str, int] = {}
+        for r in records:
+            counts[r.transform] = counts.get(r.transform, 0) + 1
+        report = ArchitectureReport(
+            architecture=arch.name,
+            source_naming=naming,
+            target_naming=target,
+            args=args.model_dump(exclude_none=True, exclude={"config"}),
+            mapped=records,
+            transforms=counts,
+        )
+        origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
+        return MappedSource(mapped, new_plan, report, config_bytes, output, origins, warnings)
+
+
+@contextmanager
+def _naming(where: str) -> Iterator[None]:
+    """Name the checkpoint in a `FormatError` that does not name one yet.
+
+    What a rule or the args found lacking (`ModelArgs.require`, a tensor no rule maps) is
+    about this checkpoint: name it, as every error does.
+    """
+    try:
+        yield
+    except FormatError as error:
+        if error.path is not None or type(error) is not FormatError:
+            raise
+        raise FormatError(error.problem, path=where, fix=error.fix) from error
 
 
 def dim0_chunks(shape: list[int], pieces: int) -> list[Chunk]:
