@@ -19,7 +19,6 @@ world size changes: the Trainer's `train_batch_size` x ranks).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import cast
 
@@ -30,14 +29,13 @@ from ...formats.base import Checkpoint, Source
 from ...formats.names import DCP_DATA_SUFFIX, DCP_METADATA
 from ...models import FileInfo
 from ...progress import NULL_PROGRESS, Progress
-from ...sizes import counted
 from ...sources.layouts.base import Layout, OpenedSource
 from ...storage import safe_relpath
 from ...storage.output import check_destination
 from ..convert.plan import guard_paths, local_dest
+from .rank_files import copy_verbatim, missing_rank_files, rank_file_plan
 from .report import (
     RankFile,
-    RankStateAction,
     RankStateChoice,
     RankStateEntry,
     ReshardedPart,
@@ -291,59 +289,6 @@ def _prefixed(cut: DcpCut) -> list[RankStateEntry]:
     ]
 
 
-def rank_file_plan(
-    layout: Layout, rank_files: dict[str, int], action: RankStateAction | None, world_size: int
-) -> list[RankFile]:
-    """What each per-rank file becomes under `action` (see `reshard_folder`)."""
-    if not rank_files:
-        return []
-    plan = {
-        rel: RankFile(path=rel, rank=rank, action="carried", written=[rel])
-        for rel, rank in rank_files.items()
-    }
-    if action == "drop":
-        for item in plan.values():
-            item.action, item.written = "dropped", []
-    elif action == "replicate":
-        by_rank = {rank: rel for rel, rank in sorted(rank_files.items(), key=lambda kv: kv[1])}
-        first = by_rank[min(by_rank)]
-        for item in plan.values():
-            item.written = []
-        for rank in range(world_size):
-            plan[by_rank.get(rank, first)].written.append(layout.rank_file_name(rank, world_size))
-        for item in plan.values():
-            item.action = (
-                "carried" if item.path in item.written else "copied" if item.written else "dropped"
-            )
-    return list(plan.values())
-
-
-def missing_rank_files(
-    layout: Layout,
-    files_out: list[RankFile],
-    rank_files: dict[str, int],
-    world_size: int,
-    before: int,
-) -> list[str]:
-    """The resume note for the ranks of the new world that find no per-rank file."""
-    if not rank_files or world_size == before:
-        return []
-    written = {n for item in files_out for n in item.written}
-    missing = [
-        layout.rank_file_name(r, world_size)
-        for r in range(world_size)
-        if layout.rank_file_name(r, world_size) not in written
-    ]
-    if not missing:
-        return []
-    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-    ranks = counted(world_size, "rank")
-    return [
-        f"at {ranks} the framework looks for {shown}, which the output does not "
-        "hold: those ranks start with fresh RNG state"
-    ]
-
-
 def _carried(
     source: Source, subfolders: list[str], rank_files: dict[str, int]
 ) -> tuple[list[str], list[SkippedFile]]:
@@ -383,15 +328,3 @@ def _planned(
         for name in item.written
     ]
     return files
-
-
-def copy_verbatim(source: Source, rel: str, target: Path) -> None:
-    """Copy one source file to `target`, a block at a time (a large optimizer.pt of a DDP
-    save never sits in memory whole)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    local = source.storage.local_path(rel)
-    if local is not None:
-        shutil.copyfile(local, target)
-        return
-    with source.storage.open(rel) as src, target.open("wb") as dst:
-        shutil.copyfileobj(src, dst, 8 << 20)

@@ -72,7 +72,7 @@ from ...sources.layouts.base import Layout, OpenedSource
 from ...storage import safe_relpath
 from ...storage.output import check_destination, staged_output
 from ..convert.plan import guard_paths, local_dest
-from .folder import copy_verbatim, missing_rank_files, rank_file_plan
+from .rank_files import copy_verbatim, missing_rank_files, rank_file_plan
 from .report import RankStateChoice, ReshardedPart, ReshardReport, SkippedFile
 from .request import ReshardRequest
 from .world import check_world_options, rank_state_choice, resume_verdict
