@@ -151,7 +151,7 @@ def test_an_rng_state_read_without_torch_holds_what_torch_load_returns(tmp_path:
     import torch
 
     from ckpt_cli.formats.torch.format import object_allowlist
-    from ckpt_cli.formats.torch.zip_write import TensorLayout, read_plain_torch_zip
+    from ckpt_cli.formats.torch.zip_index import TensorLayout, read_plain_torch_zip
 
     random.seed(3)
     np.random.seed(3)

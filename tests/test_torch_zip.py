@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_cli.formats.torch.zip_write import TorchZipWriter, index_torch_zip, locate_single_tensor
+from ckpt_cli.formats.torch.zip_index import index_torch_zip, locate_single_tensor
+from ckpt_cli.formats.torch.zip_write import TorchZipWriter
 
 from .conftest import REPO
 
@@ -277,7 +278,8 @@ def test_raw_write_and_index_read_never_import_torch(tmp_path: Path) -> None:
     out = tmp_path / "o.pt"
     script = f"""
 import sys, struct
-from ckpt_cli.formats.torch.zip_write import TorchZipWriter, index_torch_zip
+from ckpt_cli.formats.torch.zip_write import TorchZipWriter
+from ckpt_cli.formats.torch.zip_index import index_torch_zip
 with open({str(out)!r}, "wb") as fh:
     w = TorchZipWriter(fh, "o")
     w.finish({{"x": w.add_raw("float32", [2], 8, [struct.pack("<2f", 1.0, 2.0)])}})

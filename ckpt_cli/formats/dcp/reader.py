@@ -17,7 +17,7 @@ from ...storage import RangeFile
 from ...storage.fileio import COPY_BLOCK, FileRange
 from ..base import NAMES_FIX, Checkpoint, Source
 from ..torch.pickle_scan import archive_corruption
-from ..torch.zip_write import check_zip_budget
+from ..torch.zip_index import check_zip_budget
 from .layout import MEGATRON_COMMON
 from .peek import common_leaf
 from .torch_blob import locate_chunk

@@ -34,12 +34,12 @@ from typing import IO, Any, cast
 from ... import dtypes
 from ...models import Chunk
 from ...storage.fileio import FileRange
+from ..torch.zip_index import locate_single_tensor
 from ..torch.zip_write import (
     ALIGNMENT,
     PROTOCOL,
     StorageRef,
     c_strides,
-    locate_single_tensor,
     raw_tensor_reduction,
     torch_names,
     write_record,

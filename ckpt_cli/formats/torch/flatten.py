@@ -22,8 +22,7 @@ from ...dtypes import MAX_NDIM
 from ...errors import FormatError
 from ...models import KeyedEntry, KeyStep
 from .load import INERT, InertObject
-from .zip_index import too_many_dims
-from .zip_write import TensorLayout
+from .zip_index import TensorLayout, too_many_dims
 
 #: longest string an object entry shows as its value
 MAX_VALUE_STR = 200

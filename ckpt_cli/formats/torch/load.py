@@ -25,30 +25,9 @@ from typing import Any, ClassVar
 
 from ...errors import CkptError, FormatError, UnsafeInputError
 from ...storage import Storage, StorageRangeFile
+from .zip_index import check_zip_budget, numpy_allowlist
 
 ZIP_MAGIC = b"PK\x03\x04"
-
-
-def numpy_allowlist() -> list[Any]:
-    """numpy globals that only build arrays and scalars from bytes (RNG states hold them).
-
-    transformers and accelerate allow-list the same ones for `rng_state.pth` and
-    `random_states_*.pkl`; none of them can call arbitrary code.
-    """
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy ships with torch wheels
-        return []
-    core = getattr(np, "_core", None) or np.core
-    allow: list[Any] = [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype]
-    # files written under numpy 1.x name the same functions under `numpy.core`
-    allow += [
-        (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
-        (core.multiarray.scalar, "numpy.core.multiarray.scalar"),
-    ]
-    for code in "?bBhHiIlLqQefdgFDGSUV":
-        allow.append(type(np.dtype(code)))
-    return allow
 
 
 def _generator_allowlist() -> list[Any]:
@@ -201,8 +180,6 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
     if not zipped:
         _refuse_non_pickle(storage, rel, where, size)
     else:
-        from .zip_write import check_zip_budget
-
         # torch's reader inflates a record whole: its declared size is checked first
         check_zip_budget(lambda at, n: storage.read(rel, at, n), 0, size, where)
     local = storage.local_path(rel)

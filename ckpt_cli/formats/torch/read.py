@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 from .flatten import build_entries, is_tensor, plain_copy, type_name
 from .load import load_torch_file
-from .zip_write import TensorLayout, index_torch_zip, read_plain_torch_zip
+from .zip_index import TensorLayout, index_torch_zip, read_plain_torch_zip
 
 #: what a `torch_zip` reader returns
 T = TypeVar("T")

@@ -351,11 +351,31 @@ def _latin1_bytes(text: object, encoding: object = "utf-8") -> object:
     return _Opaque()
 
 
+def numpy_allowlist() -> list[Any]:
+    """numpy globals that only build arrays and scalars from bytes (RNG states hold them).
+
+    transformers and accelerate allow-list the same ones for `rng_state.pth` and
+    `random_states_*.pkl`; none of them can call arbitrary code.
+    """
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch wheels
+        return []
+    core = getattr(np, "_core", None) or np.core
+    allow: list[Any] = [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype]
+    # files written under numpy 1.x name the same functions under `numpy.core`
+    allow += [
+        (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+        (core.multiarray.scalar, "numpy.core.multiarray.scalar"),
+    ]
+    for code in "?bBhHiIlLqQefdgFDGSUV":
+        allow.append(type(np.dtype(code)))
+    return allow
+
+
 @functools.cache
 def _numpy_globals() -> dict[str, Any]:
     """The numpy globals an RNG state pickles through, by their pickled names."""
-    from .load import numpy_allowlist
-
     named: dict[str, Any] = {}
     for item in numpy_allowlist():
         obj, name = item if isinstance(item, tuple) else (item, None)
@@ -414,7 +434,7 @@ class _LayoutUnpickler(BudgetedUnpickler):
             return _latin1_bytes  # how protocol 2 spells a bytes object (numpy's raw data)
         if module.startswith("numpy"):
             # an RNG state's arrays: numpy's own array recipe, the globals torch.load is told
-            # to admit for them (`torch_load.numpy_allowlist`); nothing else of numpy
+            # to admit for them (`numpy_allowlist`); nothing else of numpy
             return _numpy_globals().get(f"{module}.{name}", _Opaque)
         return _Opaque
 

@@ -44,33 +44,12 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ...dtypes import STORAGE_DTYPES, is_known, itemsize
 from ...storage.fileio import FileRange
-from .zip_index import (
-    LocatedTensor,
-    TensorLayout,
-    TorchZipIndex,
-    ZipRecord,
-    check_zip_budget,
-    index_torch_zip,
-    locate_single_tensor,
-    read_plain_torch_zip,
-)
 
 if TYPE_CHECKING:
     import torch
 
 #: what `torch.save` aligns storage data to (torch.serialization._get_storage_alignment)
 ALIGNMENT = 64
-__all__ = [
-    "LocatedTensor",
-    "TensorLayout",
-    "TorchZipIndex",
-    "TorchZipWriter",
-    "ZipRecord",
-    "check_zip_budget",
-    "index_torch_zip",
-    "locate_single_tensor",
-    "read_plain_torch_zip",
-]
 _DTYPE_STORAGES = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 #: the pickle protocol torch.save uses by default
 PROTOCOL = 2

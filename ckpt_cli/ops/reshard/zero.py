@@ -58,14 +58,8 @@ from ...dtypes import itemsize
 from ...errors import FormatError, UsageError
 from ...formats.base import Source
 from ...formats.torch.load import InertObject, load_torch_file
-from ...formats.torch.zip_write import (
-    Reduced,
-    TensorLayout,
-    TorchZipIndex,
-    TorchZipWriter,
-    index_torch_zip,
-    write_record,
-)
+from ...formats.torch.zip_index import TensorLayout, TorchZipIndex, index_torch_zip
+from ...formats.torch.zip_write import Reduced, TorchZipWriter, write_record
 from ...models import FileInfo
 from ...progress import NULL_PROGRESS, CountingProgress, Progress
 from ...sources.layouts.base import Layout, OpenedSource
