@@ -28,7 +28,7 @@ from pathlib import Path
 from ...errors import UsageError
 from ...formats.base import Source
 from ...progress import NULL_PROGRESS, Progress
-from ...storage.hub import HubStorage, open_repo
+from ...storage.hub import open_hub
 from ...storage.output import check_destination, resolve_destination
 from ...storage.uri import parse_location
 from .plan import (
@@ -71,7 +71,7 @@ def download(
     """Download the tensors of `src` (an hf:// location) matching `tensors` into `dest`.
 
     Args:
-        src: `hf://org/repo[@revision][/subfolder]`.
+        src: `hf://org/repo[@revision][/subfolder]`, or a location naming one file of it.
         dest: the folder to create, local or an fsspec URL (`s3://bucket/prefix`: staged
             locally, then uploaded and published with the commit marker last); None only with
             `cache_only` or `dry_run`.
@@ -164,9 +164,13 @@ def download_with(
     if out is not None and not cache_only:
         # a dry run says that the real run would stop here, as convert's and reshard's do
         check_destination(out, force)
-    repo = open_repo(location)
-    storage = HubStorage(repo)
-    source = Source(location=location, storage=storage, origin={"hub": repo.details()})
+    # a location may name one file of the repository (`hf://org/repo/unet/x.fp16.safetensors`):
+    # that file is the checkpoint, as for every command that reads SRC
+    storage, target = open_hub(location)
+    repo = storage.repo
+    source = Source(
+        location=location, storage=storage, target=target, origin={"hub": repo.details()}
+    )
     report = DownloadReport(
         source=src,
         repo=repo.repo_id,

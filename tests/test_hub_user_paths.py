@@ -1,0 +1,75 @@
+"""What a user meets on the Hub and in object stores when nothing fails: one file named in an
+`hf://` location, a repository that holds weights of both formats, a commit partly in the HF
+cache. A real HTTP Hub on 127.0.0.1 serves files written by the real writers; results are read
+back with the real readers, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .conftest import run_ckpt
+from .hub_fixtures import CONFIG_JSON
+from .hub_server import TestHub
+
+
+def state(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"blocks.{i}.{part}.weight": torch.randn(32, 16, generator=gen).to(dtype)
+        for i in range(3)
+        for part in ("conv", "norm")
+    }
+
+
+def read_file(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as fh:
+        return {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a
+    )
+
+
+def publish_unet_with_variant(hub: TestHub, tmp_path: Path) -> tuple[dict[str, torch.Tensor], ...]:
+    """A diffusers-style `unet/` with its default weights and an fp16 variant beside them."""
+    folder = tmp_path / "pipe"
+    (folder / "unet").mkdir(parents=True)
+    full, half = state(1), state(1, torch.float16)
+    save_file(full, folder / "unet" / "diffusion_pytorch_model.safetensors")
+    save_file(half, folder / "unet" / "diffusion_pytorch_model.fp16.safetensors")
+    (folder / "unet" / "config.json").write_bytes(CONFIG_JSON)
+    (folder / "model_index.json").write_text('{"_class_name": "LDMPipeline"}\n')
+    hub.add_repo("org/pipe", folder)
+    return full, half
+
+
+def test_download_of_one_file_named_in_the_location_fetches_that_file(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    _, half = publish_unet_with_variant(hub, tmp_path)
+    src = "hf://org/pipe/unet/diffusion_pytorch_model.fp16.safetensors"
+    # inspect reads it: so does download, in both modes
+    assert run_ckpt("inspect", src).exit_code == 0
+    dest = tmp_path / "fp16"
+    result = run_ckpt("download", src, dest, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "config.json",
+        "diffusion_pytorch_model.fp16.safetensors",
+    ]
+    assert (dest / "diffusion_pytorch_model.fp16.safetensors").read_bytes() == (
+        tmp_path / "pipe" / "unet" / "diffusion_pytorch_model.fp16.safetensors"
+    ).read_bytes()
+    assert result.json["result"]["tensors_total"] == len(half)
+
+    picked = tmp_path / "picked"
+    result = run_ckpt("download", src, picked, "--mode", "tensors", "--filter", "blocks.1.*")
+    assert result.exit_code == 0, result.stderr
+    [written] = picked.glob("*.safetensors")
+    assert same(read_file(written), {k: v for k, v in half.items() if k.startswith("blocks.1.")})
