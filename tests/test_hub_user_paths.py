@@ -73,3 +73,37 @@ def test_download_of_one_file_named_in_the_location_fetches_that_file(
     assert result.exit_code == 0, result.stderr
     [written] = picked.glob("*.safetensors")
     assert same(read_file(written), {k: v for k, v in half.items() if k.startswith("blocks.1.")})
+
+
+def test_verify_checksums_of_a_commit_partly_in_the_cache_names_what_it_did_not_check(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    import os
+
+    from huggingface_hub import save_torch_state_dict, snapshot_download
+
+    folder = tmp_path / "src"
+    folder.mkdir()
+    save_torch_state_dict(state(2), folder, max_shard_size=3000)
+    hub.add_repo("org/model", folder)
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) >= 3
+    snapshot_download(
+        "org/model",
+        endpoint=hub.url,
+        cache_dir=str(Path(os.environ["HF_HOME"]) / "hub"),
+        allow_patterns=[shards[0]],
+    )
+    result = run_ckpt("verify", "hf://org/model", "--checksums", "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    assert report["hashed_bytes"] == (folder / shards[0]).stat().st_size
+    unchecked = {
+        Path(p["file"]).name
+        for p in report["problems"]
+        if p["code"] == "missing_file" and p["severity"] == "warning"
+    }
+    # every file of the checkpoint the Hub lists but the cache lacks is named as not checked
+    assert set(shards[1:]) | {"model.safetensors.index.json"} == unchecked
+    text = run_ckpt("verify", "hf://org/model", "--checksums")
+    assert text.exit_code == 0 and shards[1] in text.stdout + text.stderr

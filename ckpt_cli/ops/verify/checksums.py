@@ -509,6 +509,22 @@ def _hub_cache_checksums(
             )
         )
         return False
+    # a commit partly in the cache (a `download --filter`): what is not there is not checked,
+    # and the verdict says so file by file rather than passing it over (a hidden file, such
+    # as `.gitattributes`, is no part of a checkpoint and no download fetches it)
+    for name in names:
+        if name not in local and not name.rsplit("/", 1)[-1].startswith("."):
+            problems.append(
+                Problem(
+                    code="missing_file",
+                    message=f"{storage.describe(name)}: not in the local HF cache, so its "
+                    "checksum was not checked",
+                    file=storage.describe(name),
+                    severity="warning",
+                    fix=f"Download it into the cache first (`ckpt download "
+                    f"{source.location.raw} --cache-only`, or `hf download`), then check again.",
+                )
+            )
     recorded = {n: p for n, p in local.items() if remote[n].sha256 or remote[n].blob_id}
     addressed: dict[str, Path] = {}
     addresses: dict[str, RemoteFile] = {}
