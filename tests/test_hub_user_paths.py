@@ -107,3 +107,91 @@ def test_verify_checksums_of_a_commit_partly_in_the_cache_names_what_it_did_not_
     assert set(shards[1:]) | {"model.safetensors.index.json"} == unchecked
     text = run_ckpt("verify", "hf://org/model", "--checksums")
     assert text.exit_code == 0 and shards[1] in text.stdout + text.stderr
+
+
+def publish_both_formats(hub: TestHub, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """A repository with the same weights twice, as many hold them: `model.safetensors` and
+    `pytorch_model.bin`, with a config, a license and the Hub's `.gitattributes`."""
+    weights = state(3)
+    folder = tmp_path / "both"
+    folder.mkdir()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    torch.save(weights, folder / "pytorch_model.bin")
+    (folder / "config.json").write_bytes(CONFIG_JSON)
+    (folder / "LICENSE").write_text("Apache-2.0\n")
+    hub.add_repo("org/both", folder)
+    return weights
+
+
+def test_a_repo_with_both_formats_downloads_one_and_names_every_file_it_left(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    publish_both_formats(hub, tmp_path)
+    listed = set(hub.repos["model/org/both"].commits[hub.repos["model/org/both"].refs["main"]])
+    for mode in ("shards", "tensors"):
+        for dry_run in ((), ("--dry-run",)):
+            dest = tmp_path / f"{mode}{len(dry_run)}"
+            result = run_ckpt("download", "hf://org/both", dest, "--mode", mode, *dry_run, "--json")
+            assert result.exit_code == 0, result.stderr
+            report = result.json["result"]
+            fetched = {f["path"] for f in report["files"] if f["status"] != "written"}
+            fetched |= {r["file"] for r in report["ranges"]}
+            skipped = {s["name"]: s["reason"] for s in report["skipped"]}
+            # nothing vanishes: every file of the repository is fetched (whole or by ranges)
+            # or skipped with a reason
+            assert fetched | set(skipped) == listed, (mode, dry_run)
+            assert not fetched & set(skipped)
+            assert "pytorch_model.bin" in skipped and "--include" in skipped["pytorch_model.bin"]
+            assert skipped.get("LICENSE")
+    # only one copy of the weights came down
+    assert sorted(p.name for p in (tmp_path / "shards0").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    text = run_ckpt("download", "hf://org/both", tmp_path / "text")
+    assert "pytorch_model.bin" in text.stderr
+
+
+def test_include_fetches_the_other_format_when_asked(hub: TestHub, tmp_path: Path) -> None:
+    weights = publish_both_formats(hub, tmp_path)
+    dest = tmp_path / "out"
+    result = run_ckpt(
+        "download", "hf://org/both", dest, "--include", "*.bin", "--include", "*.json", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "pytorch_model.bin",
+    ]
+    assert same(torch.load(dest / "pytorch_model.bin", weights_only=True), weights)
+    assert same(read_file(dest / "model.safetensors"), weights)
+    assert result.json["result"]["warnings"] == []
+
+
+def test_a_filtered_download_names_the_shards_it_left(hub: TestHub, tmp_path: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    folder = tmp_path / "src"
+    folder.mkdir()
+    save_torch_state_dict(state(4), folder, max_shard_size=3000)
+    hub.add_repo("org/sharded", folder)
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    for mode in ("shards", "tensors"):
+        result = run_ckpt(
+            "download",
+            "hf://org/sharded",
+            tmp_path / mode,
+            "--mode",
+            mode,
+            "--filter",
+            "blocks.0.conv.*",
+            "--no-extras",
+            "--json",
+        )
+        assert result.exit_code == 0, result.stderr
+        report = result.json["result"]
+        skipped = {s["name"]: s["reason"] for s in report["skipped"]}
+        left = [s for s in shards if s in skipped]
+        assert len(left) == len(shards) - 1, (mode, skipped)
+        assert all("selected" in skipped[s] for s in left)

@@ -57,6 +57,7 @@ def render_download(report: DownloadReport) -> None:
             )
             + "; nothing was downloaded"
         )
+        render_skipped(report)
         return
     cached = [f for f in report.files if f.status == "cached"]
     stdout.print(
@@ -83,3 +84,23 @@ def render_download(report: DownloadReport) -> None:
         stdout.print(f"  wrote {report.dest}")
     elif report.cache_only:
         stdout.print("  files are in the Hugging Face cache")
+    render_skipped(report)
+
+
+#: files named per reason on a `not fetched` line; the rest are counted
+NAMED_SKIPPED = 3
+
+
+def render_skipped(report: DownloadReport) -> None:
+    """The repository's files not fetched, on stderr: one line a reason (a filter that leaves
+    160 shards reads as one line, naming a few of them)."""
+    from . import stderr
+
+    by_reason: dict[str, list[str]] = {}
+    for item in report.skipped:
+        by_reason.setdefault(item.reason, []).append(item.name)
+    for reason, names in by_reason.items():
+        shown = ", ".join(names[:NAMED_SKIPPED])
+        if len(names) > NAMED_SKIPPED:
+            shown = f"{len(names)} files ({shown} … +{len(names) - NAMED_SKIPPED})"
+        stderr.print(f"[yellow]not fetched:[/] {shown}: {reason}", highlight=False)

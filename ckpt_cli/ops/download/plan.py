@@ -10,11 +10,12 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ...errors import FormatError, NotFoundError
-from ...formats.names import INDEX_SUFFIX, WEIGHT_SUFFIXES
+from ...formats.names import WEIGHT_SUFFIXES, looks_like_index
 from ...models import Entry, Record, Request
 from ...quant import sidecar_names
 from ...sources.model_files import EXTRA_SUFFIXES
 from ...storage.hub import HubRepo
+from ..shared.transfer import SkippedEntry
 
 Mode = Literal["shards", "tensors"]
 
@@ -137,6 +138,8 @@ class DownloadReport(Record):
         quarantined: shards mode: files ckpt found not to match the Hub's record and removed
             from the HF cache (so no tool reads them and a rerun fetches them again).
         warnings: options that had no effect (a file glob that matches no file).
+        skipped: every other file of the repository (under the location's folder), each with
+            why it was not fetched: nothing of the repository vanishes without a line.
     """
 
     source: str
@@ -163,6 +166,7 @@ class DownloadReport(Record):
     verify_ranges: bool = False
     integrity: str | None = None
     quarantined: list[str] = Field(default_factory=list)
+    skipped: list[SkippedEntry] = Field(default_factory=list)
 
 
 #: what a tensors-mode download can prove without --verify-ranges (report and DEST metadata)
@@ -181,31 +185,86 @@ RANGES_HASHED = (
 
 
 def top_level_extras(
-    repo: HubRepo, weights: set[str], filters: dict[str, list[str]] | None = None
+    repo: HubRepo,
+    weights: set[str],
+    filters: dict[str, list[str]] | None = None,
+    checkpoint: set[str] | None = None,
 ) -> list[str]:
-    """Top-level config/tokenizer/card files (weight files and weight indexes excluded).
+    """The files fetched besides the weights: top-level config/tokenizer/card files (weight
+    files and weight indexes excluded).
 
-    `filters` carries the --include/--exclude file globs: --include picks the other files
-    (any of them), --exclude leaves files out.
+    `filters` carries the --include/--exclude file globs: --include picks the other files (any
+    file of the repository but those of the `checkpoint` read, whose shards follow the tensors
+    chosen: the other format's weights too, when asked for by name), --exclude leaves files out.
     """
     import fnmatch
 
     include = (filters or {}).get("files_include") or []
     exclude = (filters or {}).get("files_exclude") or []
+    own = weights | (checkpoint or set())
     out = []
     for rel in repo.files:
-        if rel in weights or rel.startswith(".") or rel.endswith(WEIGHT_SUFFIXES):
-            continue
-        if rel.endswith(INDEX_SUFFIX):
+        if rel in own:
             continue
         if include:
             if not any(fnmatch.fnmatchcase(rel, g) for g in include):
                 continue
-        elif "/" in rel or not rel.endswith(EXTRA_SUFFIXES):
+        elif (
+            rel.startswith(".")
+            or rel.endswith(WEIGHT_SUFFIXES)
+            or looks_like_index(rel)
+            or "/" in rel
+            or not rel.endswith(EXTRA_SUFFIXES)
+        ):
             continue
         if any(fnmatch.fnmatchcase(rel, g) for g in exclude):
             continue
         out.append(rel)
+    return out
+
+
+def skipped_files(
+    repo: HubRepo, taken: set[str], checkpoint: set[str], request: DownloadRequest
+) -> list[SkippedEntry]:
+    """Every file of the repository (under the location's folder) not in `taken`, with why:
+    nothing vanishes without a line in the report. `checkpoint` holds the files of the
+    checkpoint read (its shards and index): one of them not taken held no selected tensor."""
+    include = request.include_files or []
+    exclude = request.exclude_files or []
+    out = []
+    for rel in repo.files:
+        if rel in taken:
+            continue
+        glob = next((g for g in exclude if fnmatch.fnmatchcase(rel, g)), None)
+        base = rel.rsplit("/", 1)[-1]
+        if rel in checkpoint:
+            why = "holds none of the selected tensors"
+        elif base.startswith(".") and not include:
+            why = "a hidden file: not part of the checkpoint"
+        elif glob is not None:
+            why = f"left out by --exclude {glob!r}"
+        elif not request.extras:
+            why = "left out by --no-extras"
+        elif include:
+            why = "matched by no --include glob"
+        elif rel.endswith(WEIGHT_SUFFIXES) or looks_like_index(base):
+            why = (
+                "weights of another format or variant than those read (a library loads one or "
+                "the other): --include with its name fetches it too"
+            )
+        elif base.startswith("."):
+            why = "a hidden file: not part of the checkpoint"
+        elif "/" in rel:
+            why = (
+                "in a subfolder: hf://ORG/REPO/FOLDER downloads that folder's checkpoint, or "
+                "--include 'FOLDER/*' fetches its files here"
+            )
+        else:
+            why = (
+                "not a weight file nor a companion file (config, tokenizer, model card...): "
+                "--include with its name fetches it"
+            )
+        out.append(SkippedEntry(name=rel, kind="file", reason=why))
     return out
 
 

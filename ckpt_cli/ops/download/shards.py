@@ -34,6 +34,7 @@ from .plan import (
     no_match,
     no_safetensors,
     planned_files,
+    skipped_files,
     top_level_extras,
 )
 
@@ -87,11 +88,16 @@ def download_shards(
     plan: list[tuple[str, Literal["weights", "index", "extra"]]] = [(s, "weights") for s in needed]
     if index_rel is not None and not subset:
         plan.insert(0, (index_rel, "index"))
+    checkpoint = set(all_shards) | ({index_rel} if index_rel is not None else set())
     if extras:
         plan.extend(
             (rel, "extra")
-            for rel in top_level_extras(repo, set(needed) | {index_rel or ""}, report.filters)
+            for rel in top_level_extras(
+                repo, set(needed) | {index_rel or ""}, report.filters, checkpoint
+            )
         )
+    taken = {rel for rel, _ in plan} | ({index_rel} if subset and index_rel else set())
+    report.skipped = skipped_files(repo, taken, checkpoint, asked)
     report.metadata_bytes = storage.bytes_fetched
 
     report.files = [f for rel, kind in plan for f in planned_files(repo, [rel], kind)]

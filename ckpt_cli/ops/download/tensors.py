@@ -49,6 +49,7 @@ from .plan import (
     index_selection,
     no_match,
     planned_files,
+    skipped_files,
     top_level_extras,
 )
 from .shards import fetch_files
@@ -324,7 +325,7 @@ def download_tensors(
             fix="Use --mode shards (torch.save shards are fetched whole).",
         )
     with hub_errors(src):
-        checkpoint, total, max_shard = _open_selected(source, include, exclude)
+        checkpoint, total, max_shard, own = _open_selected(source, include, exclude)
     manifest = checkpoint.manifest
     chosen = select(manifest.tensors, include, exclude)
     if include:
@@ -340,11 +341,15 @@ def download_tensors(
     index_rel = checkpoint.index
     extra_files = (
         top_level_extras(
-            repo, {h.file for h in checkpoint.headers} | {index_rel or ""}, report.filters
+            repo, {h.file for h in checkpoint.headers} | {index_rel or ""}, report.filters, own
         )
         if extras
         else []
     )
+    # the shards ranges are read from, the index that found them, the extras: the rest is named
+    taken = {r.file for r in report.ranges} | set(extra_files)
+    taken |= {index_rel} if index_rel else set()
+    report.skipped = skipped_files(repo, taken, own, asked)
     extra_plan = planned_files(repo, extra_files, "extra")
     report.bytes_planned += sum(f.size for f in extra_plan if f.status == "planned")
     report.metadata_bytes = storage.bytes_fetched
@@ -447,8 +452,9 @@ def download_tensors(
 
 def _open_selected(
     source: Source, include: list[str] | None, exclude: list[str] | None
-) -> tuple[SafetensorsCheckpoint, int, int]:
-    """The checkpoint opened for the selection: (checkpoint, tensors in all, output shard size).
+) -> tuple[SafetensorsCheckpoint, int, int, set[str]]:
+    """The checkpoint opened for the selection: (checkpoint, tensors in all, output shard size,
+    every file of the checkpoint: its index and all its shards).
 
     With an index, only the shards it names for the selected tensors (and their scales) are
     opened: their headers are all that is read, so a filter that picks one expert of a
@@ -460,7 +466,8 @@ def _open_selected(
     index_rel = find_index(source)
     if index_rel is None:
         checkpoint = SafetensorsFormat.open(source)
-        return checkpoint, len(checkpoint.manifest.tensors), DEFAULT_SHARD_SIZE
+        files = {h.file for h in checkpoint.headers}
+        return checkpoint, len(checkpoint.manifest.tensors), DEFAULT_SHARD_SIZE, files
     weight_map, index_meta = read_index(storage, index_rel)
     _, picked = index_selection(weight_map, include, exclude)
     listing = storage.list_files() if source.target is not None else source.files
@@ -487,7 +494,8 @@ def _open_selected(
             path=storage.describe(index_rel),
             fix="The index and the shards disagree; `ckpt verify` lists every problem.",
         )
-    return checkpoint, len(weight_map), max(listing[shard] for shard in shards)
+    own = set(shards) | {index_rel}
+    return checkpoint, len(weight_map), max(listing[shard] for shard in shards), own
 
 
 def _hashed(blocks: Iterator[bytes], name: str, digests: dict[str, str]) -> Iterator[bytes]:
