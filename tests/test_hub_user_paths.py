@@ -195,3 +195,20 @@ def test_a_filtered_download_names_the_shards_it_left(hub: TestHub, tmp_path: Pa
         left = [s for s in shards if s in skipped]
         assert len(left) == len(shards) - 1, (mode, skipped)
         assert all("selected" in skipped[s] for s in left)
+
+
+def test_download_of_a_pipeline_root_names_the_component_folders(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    full, _ = publish_unet_with_variant(hub, tmp_path)
+    for mode in ("shards", "tensors"):
+        result = run_ckpt("download", "hf://org/pipe", tmp_path / mode, "--mode", mode)
+        assert result.exit_code == 4, result.stderr
+        message = " ".join(result.stderr.split())
+        # not "holds no safetensors checkpoint": it names where the weights are, and the fix
+        assert "unet/" in message and "hf://org/pipe/unet" in message, message
+        assert not (tmp_path / mode).exists()
+    # the fix it names works
+    dest = tmp_path / "unet"
+    assert run_ckpt("download", "hf://org/pipe/unet", dest).exit_code == 0
+    assert same(read_file(dest / "diffusion_pytorch_model.safetensors"), full)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ...errors import FormatError, NotFoundError
-from ...formats.names import WEIGHT_SUFFIXES, looks_like_index
+from ...formats.names import SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES, looks_like_index
 from ...models import Entry, Record, Request
 from ...quant import sidecar_names
 from ...sources.model_files import EXTRA_SUFFIXES
@@ -321,9 +321,31 @@ def index_selection(
     return chosen, [named(n, weight_map[n]) for n in names if n in wanted]
 
 
-def no_safetensors(src: str) -> FormatError:
+def no_safetensors(src: str, repo: HubRepo, problem: str | None = None) -> FormatError:
+    """SRC holds no checkpoint download reads at its root. When subfolders hold weights (a
+    diffusers pipeline's `unet/`, `vae/`...), the message names them and the location of each."""
+    folders = sorted(
+        {
+            rel.rsplit("/", 1)[0]
+            for rel in repo.files
+            if "/" in rel and rel.endswith(SAFETENSORS_SUFFIX) and not rel.startswith(".")
+        }
+    )
+    problem = problem or (
+        "holds no safetensors checkpoint (nor a pytorch_model.bin.index.json) at this revision"
+    )
+    if folders:
+        named = ", ".join(f"{f}/" for f in folders[:6]) + (" …" if len(folders) > 6 else "")
+        base = src.rstrip("/")
+        return FormatError(
+            f"{problem}: its weights are in subfolders ({named}), each a checkpoint of its own "
+            "(a diffusers pipeline's components)",
+            path=src,
+            fix=f"Download each folder: `ckpt download {base}/{folders[0]} DEST/{folders[0]}`; "
+            "`hf download` fetches the whole repository.",
+        )
     return FormatError(
-        "holds no safetensors checkpoint (nor a pytorch_model.bin.index.json) at this revision",
+        problem,
         path=src,
         fix="Point at the folder holding the weights (hf://org/repo/subfolder), or use "
         "`hf download` for other files.",

@@ -59,7 +59,7 @@ def download_shards(
         # older repositories: torch.save shards with `pytorch_model.bin.index.json` (same JSON)
         bin_indexes = [n for n in source.top_level() if n.endswith(BIN_INDEX_SUFFIX)]
         if len(bin_indexes) != 1:
-            raise no_safetensors(src)
+            raise no_safetensors(src, repo)
         index_rel = bin_indexes[0]
     if index_rel is not None:
         weight_map, _ = read_index(storage, index_rel)

@@ -23,7 +23,7 @@ from ...formats.base import Source, WriteOptions
 from ...formats.names import SAFETENSORS_SUFFIX
 from ...formats.safetensors.format import SafetensorsCheckpoint, SafetensorsFormat
 from ...formats.safetensors.header import prefetch_headers, read_header
-from ...formats.weight_map import INDEX_SUFFIX, find_index, read_index
+from ...formats.weight_map import BIN_INDEX_SUFFIX, INDEX_SUFFIX, find_index, read_index
 from ...models import Entry
 from ...progress import NULL_PROGRESS, Progress
 from ...quant import with_sidecars
@@ -48,6 +48,7 @@ from .plan import (
     DownloadRequest,
     index_selection,
     no_match,
+    no_safetensors,
     planned_files,
     skipped_files,
     top_level_extras,
@@ -319,10 +320,14 @@ def download_tensors(
     repo = storage.repo
     src = report.source
     if not SafetensorsFormat.detect(source):
-        raise FormatError(
-            "holds no safetensors files: --mode tensors needs raw byte ranges to fetch",
-            path=src,
-            fix="Use --mode shards (torch.save shards are fetched whole).",
+        if any(rel.endswith(BIN_INDEX_SUFFIX) for rel in source.top_level()):
+            raise FormatError(
+                "holds no safetensors files: --mode tensors needs raw byte ranges to fetch",
+                path=src,
+                fix="Use --mode shards (torch.save shards are fetched whole).",
+            )
+        raise no_safetensors(
+            src, repo, "holds no safetensors files: --mode tensors needs raw byte ranges to fetch"
         )
     with hub_errors(src):
         checkpoint, total, max_shard, own = _open_selected(source, include, exclude)
