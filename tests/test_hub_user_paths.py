@@ -212,3 +212,28 @@ def test_download_of_a_pipeline_root_names_the_component_folders(
     dest = tmp_path / "unet"
     assert run_ckpt("download", "hf://org/pipe/unet", dest).exit_code == 0
     assert same(read_file(dest / "diffusion_pytorch_model.safetensors"), full)
+
+
+def test_force_never_replaces_the_folder_the_user_is_in(
+    hub: TestHub, tmp_path: Path, monkeypatch: object
+) -> None:
+    import pytest
+
+    publish_both_formats(hub, tmp_path)
+    work = tmp_path / "work"
+    (work / "notes").mkdir(parents=True)
+    (work / "notes" / "todo.txt").write_text("mine\n")
+    assert isinstance(monkeypatch, pytest.MonkeyPatch)
+    monkeypatch.chdir(work / "notes")
+    # `hf download --local-dir .` adds files to the folder; ckpt replaces DEST whole, so a
+    # DEST that is (or holds) the current folder is refused, with --force too
+    for dest in (".", ".."):
+        for force in ((), ("--force",)):
+            result = run_ckpt("download", "hf://org/both", "--local-dir", dest, *force)
+            assert result.exit_code == 2, result.stdout + result.stderr
+            assert "current folder" in result.stderr and "pass --force" not in result.stderr
+    assert (work / "notes" / "todo.txt").read_text() == "mine\n"
+    assert sorted(p.name for p in work.iterdir()) == ["notes"]
+    # a new folder under it is fine
+    assert run_ckpt("download", "hf://org/both", "--local-dir", "model").exit_code == 0
+    assert (work / "notes" / "model" / "model.safetensors").is_file()

@@ -213,6 +213,15 @@ def check_destination(dest: Destination, force: bool) -> None:
             )
         require_bucket(dest)
         return
+    if dest.exists() and _holds_current_folder(dest):
+        # the output replaces DEST whole: `--local-dir .` (which `hf download` fills in place)
+        # with --force would remove everything else in the folder the user is in
+        raise UsageError(
+            "is the current folder, or holds it: the output replaces DEST whole, so everything "
+            "else in it would be removed",
+            path=dest,
+            fix="Name a new folder for the output (./model, say).",
+        )
     if (dest.exists() or dest.is_symlink()) and not force:
         raise DestinationExistsError(
             "already exists",
@@ -223,6 +232,15 @@ def check_destination(dest: Destination, force: bool) -> None:
         raise NotFoundError(
             "the parent folder does not exist", path=dest.parent, fix="Create it first."
         )
+
+
+def _holds_current_folder(dest: Path) -> bool:
+    """Whether the existing folder `dest` is the working directory or one of its parents."""
+    try:
+        here = os.getcwd()
+    except OSError:  # the working directory was removed: nothing of it to protect
+        return False
+    return Path(here).is_relative_to(os.path.realpath(dest))
 
 
 @contextmanager
