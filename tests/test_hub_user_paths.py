@@ -237,3 +237,41 @@ def test_force_never_replaces_the_folder_the_user_is_in(
     # a new folder under it is fine
     assert run_ckpt("download", "hf://org/both", "--local-dir", "model").exit_code == 0
     assert (work / "notes" / "model" / "model.safetensors").is_file()
+
+
+def test_a_folder_with_both_formats_sharded_reads_as_safetensors_everywhere(
+    hub: TestHub, s3_server: object, tmp_path: Path
+) -> None:
+    """Many Hub repositories (Llama-2 among them) hold `model-*.safetensors` with their index
+    and `pytorch_model-*.bin` with theirs: read as the safetensors, as transformers loads them
+    and as a folder with one file of each is read, locally, on the Hub and in a bucket."""
+    from huggingface_hub import save_torch_state_dict
+
+    from .s3_fixtures import S3Server, upload_folder
+
+    assert isinstance(s3_server, S3Server)
+    weights = state(5)
+    folder = tmp_path / "both"
+    folder.mkdir()
+    save_torch_state_dict(weights, folder, max_shard_size=3000)
+    save_torch_state_dict(weights, folder, max_shard_size=3000, safe_serialization=False)
+    assert (folder / "pytorch_model.bin.index.json").is_file()
+    hub.add_repo("org/both-sharded", folder)
+    upload_folder(s3_server.endpoint, "bucket", "both", folder)
+    for src in (folder, "hf://org/both-sharded", "s3://bucket/both"):
+        result = run_ckpt("inspect", src, "--json")
+        assert result.exit_code == 0, (src, result.stderr)
+        assert result.json["result"]["format"] == "safetensors"
+        # the other is read when asked for
+        asked = run_ckpt("inspect", src, "--format", "torch", "--json")
+        assert asked.exit_code == 0, (src, asked.stderr)
+        assert asked.json["result"]["format"] == "torch"
+    out = tmp_path / "out"
+    result = run_ckpt("convert", "hf://org/both-sharded", out, "--to", "safetensors", "--json")
+    assert result.exit_code == 0, result.stderr
+    skipped = {s["name"] for s in result.json["result"]["skipped"]}
+    assert "pytorch_model.bin.index.json" in skipped
+    assert {p.name for p in folder.glob("pytorch_model-*.bin")} <= skipped
+    [written] = out.glob("*.safetensors")
+    assert same(read_file(written), weights)
+    assert run_ckpt("diff", folder, "hf://org/both-sharded").exit_code == 0

@@ -111,16 +111,22 @@ class TorchFormat(Format):
                 return True
             # accelerate writes torch.save files named `*.pkl`
             return target.endswith(".pkl") and is_zip(source.storage, target)
-        names = source.top_level()
-        if any(n.endswith(BIN_INDEX_SUFFIX) for n in names):
-            return True
+        top = source.top_level()
+        safetensors = any(
+            n.endswith((names.SAFETENSORS_SUFFIX, names.SAFETENSORS_INDEX_SUFFIX)) for n in top
+        )
+        if any(n.endswith(BIN_INDEX_SUFFIX) for n in top):
+            # torch shards beside a safetensors checkpoint (many Hub repositories hold both
+            # formats, each with its index) are the other copy: the safetensors are read, as
+            # transformers loads them and as one `pytorch_model.bin` beside them is left
+            return not safetensors
         # a folder is a torch checkpoint when its one torch file is the model, not a side file
         # of another format's training folder (those are the layouts' business)
-        if ".metadata" in names and "common.pt" in names:
+        if ".metadata" in top and "common.pt" in top:
             # Megatron-Core torch_dist: common.pt is the non-sharded half of that DCP
             return False
         files = _torch_files(source)
-        return len(files) == 1 and not any(n.endswith(".safetensors") for n in names)
+        return len(files) == 1 and not safetensors
 
     @classmethod
     def open(cls, source: Source) -> TorchCheckpoint:
