@@ -275,3 +275,24 @@ def test_a_folder_with_both_formats_sharded_reads_as_safetensors_everywhere(
     [written] = out.glob("*.safetensors")
     assert same(read_file(written), weights)
     assert run_ckpt("diff", folder, "hf://org/both-sharded").exit_code == 0
+
+
+def test_a_repo_with_only_pytorch_model_bin_downloads(hub: TestHub, tmp_path: Path) -> None:
+    """Older repositories hold one `pytorch_model.bin` and no index: shards mode fetches it
+    (the tensors named from its pickle by ranged reads), as it fetches one safetensors file."""
+    weights = state(6)
+    folder = tmp_path / "old"
+    folder.mkdir()
+    torch.save(weights, folder / "pytorch_model.bin")
+    (folder / "config.json").write_bytes(CONFIG_JSON)
+    hub.add_repo("org/old", folder)
+    dest = tmp_path / "out"
+    result = run_ckpt("download", "hf://org/old", dest, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["tensors_total"] == len(weights)
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "pytorch_model.bin"]
+    assert same(torch.load(dest / "pytorch_model.bin", weights_only=True), weights)
+    # a filter that matches nothing is still not found; tensors mode says to use shards mode
+    assert run_ckpt("download", "hf://org/old", tmp_path / "none", "--filter", "x*").exit_code == 3
+    ranged = run_ckpt("download", "hf://org/old", tmp_path / "t", "--mode", "tensors")
+    assert ranged.exit_code == 4 and "--mode shards" in ranged.stderr

@@ -332,7 +332,7 @@ def no_safetensors(src: str, repo: HubRepo, problem: str | None = None) -> Forma
         }
     )
     problem = problem or (
-        "holds no safetensors checkpoint (nor a pytorch_model.bin.index.json) at this revision"
+        "holds no safetensors checkpoint (nor torch.save weights) at this revision"
     )
     if folders:
         named = ", ".join(f"{f}/" for f in folders[:6]) + (" …" if len(folders) > 6 else "")

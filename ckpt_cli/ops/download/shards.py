@@ -18,6 +18,7 @@ from ...formats.base import Source
 from ...formats.names import SAFETENSORS_SUFFIX
 from ...formats.safetensors.format import SafetensorsFormat
 from ...formats.safetensors.header import read_header
+from ...formats.torch.format import TorchFormat
 from ...formats.weight_map import BIN_INDEX_SUFFIX, find_index, read_index
 from ...progress import Progress
 from ...quant import with_sidecars
@@ -55,12 +56,17 @@ def download_shards(
     src = report.source
     index_rel = find_index(source)
     weight_map: dict[str, str] | None = None
+    fmt: type[SafetensorsFormat] | type[TorchFormat] = SafetensorsFormat
     if index_rel is None and not SafetensorsFormat.detect(source):
-        # older repositories: torch.save shards with `pytorch_model.bin.index.json` (same JSON)
+        # older repositories: torch.save shards with `pytorch_model.bin.index.json` (same JSON),
+        # or one `pytorch_model.bin` (its tensors named by ranged reads of its pickle)
         bin_indexes = [n for n in source.top_level() if n.endswith(BIN_INDEX_SUFFIX)]
-        if len(bin_indexes) != 1:
+        if len(bin_indexes) == 1:
+            index_rel = bin_indexes[0]
+        elif not bin_indexes and TorchFormat.detect(source):
+            fmt = TorchFormat
+        else:
             raise no_safetensors(src, repo)
-        index_rel = bin_indexes[0]
     if index_rel is not None:
         weight_map, _ = read_index(storage, index_rel)
         # a weight needs its scales (the second list)
@@ -69,7 +75,9 @@ def download_shards(
         all_shards = sorted(set(weight_map.values()))
     else:
         # no index: the headers (ranged reads) name the tensors
-        entries = SafetensorsFormat.open(source).manifest.tensors
+        opened = fmt.open(source)
+        entries = opened.manifest.tensors
+        opened.close()
         picked = chosen = select(entries, include, exclude)
         if include:
             chosen = with_sidecars(chosen, entries, exclude)

@@ -23,7 +23,8 @@ from ...formats.base import Source, WriteOptions
 from ...formats.names import SAFETENSORS_SUFFIX
 from ...formats.safetensors.format import SafetensorsCheckpoint, SafetensorsFormat
 from ...formats.safetensors.header import prefetch_headers, read_header
-from ...formats.weight_map import BIN_INDEX_SUFFIX, INDEX_SUFFIX, find_index, read_index
+from ...formats.torch.format import TorchFormat
+from ...formats.weight_map import INDEX_SUFFIX, find_index, read_index
 from ...models import Entry
 from ...progress import NULL_PROGRESS, Progress
 from ...quant import with_sidecars
@@ -320,7 +321,7 @@ def download_tensors(
     repo = storage.repo
     src = report.source
     if not SafetensorsFormat.detect(source):
-        if any(rel.endswith(BIN_INDEX_SUFFIX) for rel in source.top_level()):
+        if TorchFormat.detect(source):
             raise FormatError(
                 "holds no safetensors files: --mode tensors needs raw byte ranges to fetch",
                 path=src,
