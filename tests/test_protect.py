@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from .conftest import REPO, run_ckpt, run_ckpt_process
 from .hub_server import TestHub
-from .s3_fixtures import S3Server, fetch_prefix, list_keys, upload_folder
+from .s3_fixtures import S3Request, S3Server, fetch_prefix, list_keys, upload_folder
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -374,6 +374,59 @@ def test_sigkill_during_protect_and_repair_leaves_nothing_that_looks_complete(
     assert result.exit_code == 0, result.stdout + result.stderr
     _assert_same(_read_safetensors(model), state)
     assert run_ckpt("verify", model, "--checksums").exit_code == 0
+
+
+def test_the_next_repair_removes_what_a_sigkilled_repair_left_in_the_store(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    """`ckpt repair s3://…` killed (SIGKILL) while it puts a rebuilt shard in place leaves the
+    rebuilt copy it had uploaded beside the shard (`.NAME.ckpt-tmp-*`), billed, for ever. The
+    repair holds a lease on it, as every write to a store does, so the next repair removes it,
+    says so, and brings the shard back bit-exact."""
+    import boto3
+
+    local = tmp_path / "src"
+    state = _safetensors_model(local)
+    upload_folder(s3_server.endpoint, "ckpts", "run/model", local)
+    url = "s3://ckpts/run/model"
+    assert run_ckpt("protect", url, "--block-size", "4KiB").exit_code == 0
+    lost = "run/model/model-00003-of-00004.safetensors"
+    boto3.client("s3", endpoint_url=s3_server.endpoint).delete_object(Bucket="ckpts", Key=lost)
+
+    def copy_into_place(r: S3Request) -> bool:
+        return r.method == "PUT" and r.path.endswith(f"/{lost}")
+
+    s3_server.requests.clear()
+    s3_server.hold = copy_into_place
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "repair", url],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _kill_when(proc, lambda: any(copy_into_place(r) for r in list(s3_server.requests)))
+    finally:
+        s3_server.refuse = copy_into_place  # the copy never lands: the run died before it
+        s3_server.release.set()
+        s3_server.hold = None
+    s3_server.wait_idle()
+    s3_server.refuse = None
+    left = [k for k in list_keys(s3_server.endpoint, "ckpts") if ".ckpt-tmp-" in k]
+    assert left and all(".model-00003-of-00004.safetensors.ckpt-tmp-" in k for k in left), left
+    assert lost not in list_keys(s3_server.endpoint, "ckpts")
+
+    again = run_ckpt("repair", url)
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert "removed s3://ckpts/run/model/.model-00003-of-00004.safetensors.ckpt-tmp-" in (
+        again.stderr
+    ), again.stderr
+    assert "that was killed" in again.stderr
+    assert [k for k in list_keys(s3_server.endpoint, "ckpts") if ".ckpt-tmp-" in k] == []
+    copy = tmp_path / "copy"
+    fetch_prefix(s3_server.endpoint, "ckpts", "run/model", copy)
+    _assert_same(_read_safetensors(copy), state)
+    assert run_ckpt("verify", url, "--checksums").exit_code == 0
 
 
 @pytest.mark.torchrun

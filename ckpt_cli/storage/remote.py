@@ -6,8 +6,9 @@ endpoints come from each filesystem package's usual environment and config, e.g.
 (`cat_file(start, end)`), so inspecting a checkpoint fetches headers and metadata only.
 
 Writes stream through `fs.open(path, "wb")` (multipart uploads on S3: the object appears whole
-when the upload completes, or not at all); `put` uploads under a hidden temporary key and
-publishes with one server-side copy, so the final key changes in one step. Every write drops
+when the upload completes, or not at all); `put` uploads under a hidden temporary prefix that
+holds the run's lease and publishes with one server-side copy, so the final key changes in one
+step. Every write drops
 the cached listing, so the next listing sees it.
 """
 
@@ -343,16 +344,34 @@ class FsspecStorage(Storage):
         return written
 
     def put(self, rel: str, local: Path, *, move: bool = False) -> None:
-        parent, _, name = rel.rpartition("/")
-        staged = f"{parent}/.{name}" if parent else f".{name}"
-        staged += f"{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+        """The file goes up under a hidden prefix beside `rel` (`.NAME.ckpt-tmp-XXXX/NAME`) that
+        holds this run's lease, then one server-side copy makes the final key change at once,
+        and the prefix is removed. A run killed meanwhile (SIGKILL) leaves the prefix; the next
+        `put` of the same name removes it (and aborts its multipart uploads) once its lease
+        says the run is gone, as for every object-store output (`object_leases`)."""
+        from ..faults import notice
+        from .object_leases import LEASE_NAME, Lease, remove_dead_temporaries
+
+        folder, _, name = rel.rpartition("/")
+        parent = (
+            FsspecStorage(self.fs, self._full(folder), self.describe(folder)) if folder else self
+        )
+        tmp = f".{name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+        lease = Lease(parent, f"{tmp}/{LEASE_NAME}")
         try:
-            # an object appears whole on upload; the copy makes the final key change at once
-            self.write_file(staged, file_chunks(local))
-            self.copy(staged, rel)
+            try:
+                lease.start()
+            except HubError as exc:  # the store refused the first write: named by the file
+                raise HubError(exc.problem, path=self.describe(rel), fix=exc.fix) from None
+            for note in remove_dead_temporaries(parent, name, lease):
+                notice(note)
+            parent.write_file(f"{tmp}/{name}", file_chunks(local))
+            parent.copy(f"{tmp}/{name}", name)
         finally:
+            lease.stop()  # no renewal lands after the removal
             with contextlib.suppress(Exception):
-                self.fs.rm_file(self._full(staged))
+                parent.remove(tmp)
+            self._written(self._full(rel))
 
     def copy(self, src: str, rel: str) -> None:
         full = self._full(rel)
