@@ -170,3 +170,27 @@ def test_a_shard_the_server_will_not_serve_is_named_with_its_http_status(
     assert "HF_HUB_OFFLINE" not in error["message"] and error["fix"]
     assert not dest.exists()
     assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
+
+
+def test_a_wrong_range_under_verify_offers_a_fix_that_verify_can_take(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    # `verify --deep` reads the Hub's shards by ranges; a proxy that shifts every range is
+    # refused. The fix offered must work for verify (which has no `--mode`): the files
+    # fetched whole into the HF cache, each checked against the Hub's sha256, then read there
+    commit = publish_model(
+        hub, "org/model", tmp_path / "src", model_state(), max_shard_size=SHARD_LIMIT
+    )
+    for shard in sorted(p.name for p in (tmp_path / "src").glob("*.safetensors")):
+        hub.corrupt_ranges("org/model", shard, "shift")
+    result = run_ckpt("verify", "hf://org/model", "--deep", "--json")
+    assert result.exit_code == 1, result.stdout
+    wrong = [p for p in result.json["result"]["problems"] if "other bytes" in p["message"]]
+    assert wrong, result.stdout
+    fix = wrong[0]["fix"]
+    assert "--mode" not in fix
+    assert f"ckpt download hf://org/model@{commit} --cache-only" in fix, fix
+    fetched = run_ckpt("download", f"hf://org/model@{commit}", "--cache-only")
+    assert fetched.exit_code == 0, fetched.stdout + fetched.stderr
+    again = run_ckpt("verify", "hf://org/model", "--deep", "--json")
+    assert again.exit_code == 0, again.stdout

@@ -261,8 +261,11 @@ class HubStorage(Storage):
                             raise HubError(
                                 f"the server answered other bytes than asked ({wrong})",
                                 path=where,
-                                fix="The Hub or a proxy/CDN in between returned a wrong range; "
-                                "run again later, or use --mode shards (sha256-checked).",
+                                fix="The Hub or a proxy/CDN in between returned a wrong range: "
+                                "run again later, or fetch the files whole into the local HF "
+                                f"cache (`ckpt download {self.repo.pinned()} --cache-only`, "
+                                "each checked against the Hub's sha256), where ckpt then reads "
+                                "them.",
                             )
                         time.sleep(min(0.2 * 2**failures, 5.0))
                         continue

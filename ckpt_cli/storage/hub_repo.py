@@ -163,6 +163,12 @@ class HubRepo:
         path = self.repo_path(rel) if rel else self.subfolder
         return f"{base}/{path}" if path else base
 
+    def pinned(self) -> str:
+        """The repository (and subfolder) at this commit, as a SRC for another command."""
+        prefix = "" if self.repo_type == "model" else f"{self.repo_type}s/"
+        base = f"hf://{prefix}{self.repo_id}@{self.commit}"
+        return f"{base}/{self.subfolder}" if self.subfolder else base
+
     def cached_path(self, rel: str) -> str | None:
         """The file in the local HF cache for this commit, if it is there."""
         if rel not in self._cached:
