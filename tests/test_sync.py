@@ -2089,6 +2089,53 @@ def test_the_next_sync_aborts_the_multipart_upload_of_a_sigkilled_one(
     ).read_bytes()
 
 
+def test_the_next_sync_removes_what_a_sync_killed_at_its_end_left_at_the_root(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`ckpt sync` killed (SIGKILL) once its checkpoint is up, while it removes the object it
+    asked the store's checksum question with, leaves that object and its lease at the root of
+    the destination. The next sync has nothing to upload, and still removes both and says so."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+
+    def probe_removal(r: S3Request) -> bool:
+        return r.method == "DELETE" and r.path.endswith("/.ckpt-checksum-probe")
+
+    s3_server.hold = probe_removal
+    args = ["sync", str(out), f"s3://{BUCKET}/run/"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", *args],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        manifest = "run/checkpoint-100/ckpt-manifest.json"
+        while manifest not in list_keys(s3_server.endpoint, BUCKET, "run/"):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        s3_server.refuse = probe_removal  # the removal never lands: the run died first
+        s3_server.release.set()
+        s3_server.hold = None
+    s3_server.wait_idle()
+    s3_server.refuse = None
+    left = list_keys(s3_server.endpoint, BUCKET, "run/")
+    assert "run/.ckpt-checksum-probe" in left
+    assert [k for k in left if ".ckpt-lease-" in k]
+    again = run_ckpt(*args, "--json")
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert again.json["result"]["transferred"] == []
+    assert "removed the lease of 1 killed run" in again.stderr, again.stderr
+    assert "removed s3://ckpts/run/.ckpt-checksum-probe" in again.stderr, again.stderr
+    keys = list_keys(s3_server.endpoint, BUCKET, "run/")
+    assert "run/.ckpt-checksum-probe" not in keys
+    assert not [k for k in keys if ".ckpt-lease-" in k], keys
+
+
 def test_a_sync_leaves_the_multipart_uploads_of_a_live_one_alone(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

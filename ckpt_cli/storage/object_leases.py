@@ -29,6 +29,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -176,14 +177,19 @@ def root_lease_name() -> str:
 
 
 def abort_dead_uploads(
-    store: FsspecStorage, listing: dict[str, dict[str, Any]], lease: Lease
+    store: FsspecStorage,
+    listing: dict[str, dict[str, Any]],
+    lease: Lease,
+    debris: Iterable[str] = (),
 ) -> list[str]:
     """For a run that writes objects in place under `store`'s root (`sync` push), its lease
     `lease` written: remove the root leases in `listing` (the round's listing of the root,
-    name -> info) of runs that are gone, and, when no other run holds a live one, abort the
-    unfinished multipart uploads under the root begun before this run (those under a hidden
-    `.NAME.ckpt-tmp-*` prefix are another output's, judged by their own leases). S3 only
-    (other stores have no multipart uploads to list). Returns what was done, for the user."""
+    name -> info) of runs that are gone, and, when no other run holds a live one, remove the
+    objects of `debris` that `listing` holds (what such a run writes and removes again
+    itself: a run killed meanwhile leaves them) and abort the unfinished multipart uploads
+    under the root begun before this run (those under a hidden `.NAME.ckpt-tmp-*` prefix are
+    another output's, judged by their own leases). S3 only (other stores have no multipart
+    uploads to list). Returns what was done, for the user."""
     fs = store.s3_filesystem()
     if fs is None:
         return []
@@ -212,6 +218,13 @@ def abort_dead_uploads(
         )
     if alive:
         return notes
+    for rel in debris:
+        if rel not in listing:
+            continue
+        bucket, key, _ = fs.split_path(f"{store.root}/{rel}")
+        with contextlib.suppress(Exception):
+            fs.call_s3("delete_object", Bucket=bucket, Key=key)
+            notes.append(f"removed {store.describe(rel)}, left by a run that was killed")
     bucket, key, _ = fs.split_path(store.root)
     aborted = 0
     try:

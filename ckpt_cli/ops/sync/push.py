@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -571,15 +572,34 @@ class _Uploader:
             # files are read and hashed
             self.objects.ask_early()
             if self.lease is None:
-                # a lease while this round uploads, then the unfinished multipart uploads of
-                # a sync that was killed (SIGKILL) are aborted: never those of one that runs
-                self.lease = Lease(self.store, root_lease_name())
-                self.lease.start()
-                for note in abort_dead_uploads(self.store, self.listing(), self.lease):
-                    notice(note)
+                self._take_lease()
         if SYNC_RECORD not in self.listing():
             self._put(SYNC_RECORD, _SYNC_RECORD_TEXT)
             self.listing()[SYNC_RECORD] = {"size": len(_SYNC_RECORD_TEXT)}
+
+    def _take_lease(self) -> None:
+        """A lease while this round writes, then what a sync that was killed (SIGKILL) left
+        is removed: its lease, its checksum probe, its unfinished multipart uploads; never
+        what a sync that runs holds."""
+        self.lease = Lease(self.store, root_lease_name())
+        self.lease.start()
+        listing = self.listing()
+        for note in abort_dead_uploads(self.store, listing, self.lease, [CHECKSUM_PROBE]):
+            notice(note)
+
+    def tidy(self) -> None:
+        """For a round that uploaded nothing: what a killed sync left at the root (a lease, a
+        checksum probe) is removed all the same, as `mark_destination` does before uploading,
+        at the cost of this round's own lease; best effort (credentials that may only read
+        leave it)."""
+        if self.objects is None or self.lease is not None:
+            return
+        if not any(
+            rel == CHECKSUM_PROBE or ("/" not in rel and is_lease(rel)) for rel in self.listing()
+        ):
+            return
+        with contextlib.suppress(CkptError):
+            self._take_lease()
 
     def copy_root_files(self, names: list[str]) -> None:
         """The DeepSpeed `latest` pointer and `metrics.jsonl`, after the checkpoints."""
@@ -628,6 +648,7 @@ def sync_up(
     report = SyncReport(source=src, dest=dest, direction="up")
     try:
         report.checkpoints = _upload_round(uploader, run.checkpoints, settle)
+        uploader.tidy()
     finally:
         uploader.close()
     for done in report.checkpoints:
