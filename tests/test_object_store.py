@@ -714,3 +714,32 @@ def test_a_lease_is_dead_once_its_process_is_gone_here_or_its_renewal_too_old() 
     assert not run_is_gone(None, now - 60, now=now)
     assert run_is_gone(None, now - LEASE_EXPIRY - 60, now=now)
     assert not run_is_gone(None, None, now=now)  # nothing dated: never taken for debris
+
+
+@pytest.mark.parametrize("part", [1, 2])
+def test_a_refused_part_aborts_its_multipart_upload(
+    s3_server: S3Server, tmp_path: Path, part: int
+) -> None:
+    """The store refuses a part of a shard going up in parts (a policy, a quota), the first or
+    the last (sent as the file is closed): the command
+    fails naming DEST (exit 5), and neither an object nor the unfinished multipart upload,
+    whose parts the store would bill for ever, is left in the bucket."""
+    from safetensors.torch import save_file
+
+    state = {"big": torch.arange(6 << 20, dtype=torch.float32), "small": torch.ones(3)}
+    save_file(state, tmp_path / "big.safetensors")
+    make_bucket(s3_server.endpoint, "ckpts")
+    s3_server.refuse = lambda r: r.method == "PUT" and f"partNumber={part}" in r.query
+    result = run_ckpt(
+        "convert",
+        tmp_path / "big.safetensors",
+        "s3://ckpts/exports/model",
+        "--to",
+        "safetensors",
+        "--json",
+    )
+    s3_server.refuse = None
+    assert result.exit_code == 5, result.stdout + result.stderr
+    assert "s3://ckpts/exports/model" in result.json["error"]["message"]
+    assert list_keys(s3_server.endpoint, "ckpts") == []
+    assert _uploads(s3_server.endpoint, "ckpts") == []

@@ -333,10 +333,15 @@ class FsspecStorage(Storage):
         full = self._full(rel)
         written = 0
         try:
-            with self.fs.open(full, "wb", block_size=UPLOAD_BLOCK) as out:
+            out = self.fs.open(full, "wb", block_size=UPLOAD_BLOCK)
+            try:
                 for chunk in chunks:
                     out.write(chunk)
                     written += len(chunk)
+                out.close()  # the last part goes up, and the object appears whole
+            except BaseException:
+                abandon_upload(out)
+                raise
         except Exception as exc:
             raise remote_failure(exc, self.describe(rel), writing=True) from None
         finally:
@@ -406,6 +411,21 @@ class FsspecStorage(Storage):
 
         rel = safe_relpath(rel, source=self.display)
         return RemoteDest(url=self.describe(rel), fs=self.fs, path=self._full(rel))
+
+
+def abandon_upload(handle: Any) -> None:
+    """Throw away a file of an fsspec filesystem being written, when what was to go into it
+    failed (a refused part, a source that could not be read, Ctrl-C): its upload is cancelled
+    (`discard`: S3's multipart upload aborted, a GCS resumable upload cancelled, where the
+    store bills what it holds), and the handle is marked closed without being closed, since
+    closing it (which a `with` block or the garbage collector would do) publishes what was
+    written so far as the whole object."""
+    from fsspec.spec import AbstractBufferedFile
+
+    with contextlib.suppress(Exception):
+        handle.discard()
+    if isinstance(handle, AbstractBufferedFile):
+        handle.closed = True
 
 
 def _pool_options(url: str) -> dict[str, Any]:
