@@ -375,7 +375,15 @@ def problem_from_error(
 
 def restore_fix(location: str) -> str:
     """The fix of a file of the checkpoint at `location` whose bytes are lost or wrong: a good
-    copy of it, the parity, or the run's previous checkpoint."""
+    copy of it, the parity, or the run's previous checkpoint. On the Hub, where a repository
+    changes only by commits (no parity is written there, and `repair` refuses it), a good copy
+    uploaded again or another revision."""
+    if location.startswith("hf://"):
+        return (
+            "Upload the file again from a good copy of the checkpoint (a new commit to the "
+            "repository), or read a revision that holds it intact (`hf://org/repo@REVISION`); "
+            "`ckpt repair` does not write to the Hub."
+        )
     return (
         "Copy or download the file again from where the checkpoint was saved (`ckpt repair "
         f"{location}` rebuilds it where the checkpoint was protected), or resume from an "

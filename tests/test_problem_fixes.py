@@ -24,11 +24,15 @@ from .run_fixtures import trainer_checkpoint
 from .test_quant import fp8_source, hf_shards, write_fp8_block
 
 
+def _sharded_state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {f"model.layers.{i}.weight": torch.randn(32, 16, generator=gen) for i in range(6)}
+
+
 def _sharded(folder: Path) -> dict[str, torch.Tensor]:
     """A Hub-style sharded safetensors checkpoint (index + shards), as `save_pretrained`
     writes one."""
-    gen = torch.Generator().manual_seed(0)
-    state = {f"model.layers.{i}.weight": torch.randn(32, 16, generator=gen) for i in range(6)}
+    state = _sharded_state()
     folder.mkdir(parents=True)
     save_torch_state_dict(state, folder, max_shard_size=5000)
     return state
@@ -204,3 +208,23 @@ def test_a_copy_that_differs_from_the_hub_names_the_download_that_replaces_it(
     fresh = tmp_path / "NEW_DIR"
     assert run_ckpt("download", "hf://org/model", fresh).exit_code == 0
     assert run_ckpt("verify", fresh, *args).exit_code == 0
+
+
+def test_a_lost_file_of_a_hub_checkpoint_is_never_sent_to_repair(hub: Any, tmp_path: Path) -> None:
+    """The fix of a file whose bytes are lost or wrong offers `ckpt repair SRC` where the
+    checkpoint may be protected (a folder, an object store). On the Hub nothing is protected
+    and `repair` is refused (exit 2): the fix says what works there instead."""
+    from ckpt_cli.problems import restore_fix
+
+    from .hub_fixtures import publish_model
+
+    publish_model(hub, "org/model", tmp_path / "src", _sharded_state(), max_shard_size=1000)
+    refused = run_ckpt("repair", "hf://org/model")
+    assert refused.exit_code == 2, refused.stdout + refused.stderr
+    assert "protect the copy" not in refused.stderr  # a protected copy repairs nothing here
+    assert "upload a damaged file again from a good copy" in refused.stderr
+    fix = restore_fix("hf://org/model")
+    assert "ckpt repair hf://" not in fix
+    assert "Upload the file again" in fix and "@REVISION" in fix
+    for where in ("s3://ckpts/run/step-100", str(tmp_path / "src")):
+        assert f"`ckpt repair {where}`" in restore_fix(where)

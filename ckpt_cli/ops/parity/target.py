@@ -75,7 +75,10 @@ def open_parity_target(src: str | Source, *, rebuilding: bool = False) -> Parity
         raise UsageError(
             "protect and repair work on local folders and object stores",
             path=source.location.raw,
-            fix="Download the checkpoint first (`ckpt download`), then protect the copy.",
+            fix="A Hub repository changes only by commits, so ckpt keeps no parity there: "
+            "upload a damaged file again from a good copy (a new commit)."
+            if rebuilding
+            else "Download the checkpoint first (`ckpt download`), then protect the copy.",
         )
     if source.target is not None:
         files = {source.target: source.files[source.target]}
