@@ -231,12 +231,14 @@ class TestHub:
         times: int = 1,
         error_code: str | None = None,
         after: int = 0,
+        headers: dict[str, str] | None = None,
     ) -> None:
         """Answer `status` to the next `times` requests whose URL path matches regex `pattern`.
 
-        With `after`, the first `after` matching requests are served normally (a fault midway).
+        With `after`, the first `after` matching requests are served normally (a fault midway);
+        `headers` go with each such answer (`Retry-After` with a 429 or 503).
         """
-        self._fails.append([re.compile(pattern), status, times, error_code, after])
+        self._fails.append([re.compile(pattern), status, times, error_code, after, headers or {}])
 
     def corrupt_ranges(self, repo_id: str, path: str, how: str, times: int = 1_000_000) -> None:
         """Answer the next `times` GETs of `path` (ranges past byte 0, or whole) wrongly.
@@ -314,16 +316,16 @@ class TestHub:
 
     # -- used by the handler -------------------------------------------------------------------
 
-    def _take_fault(self, path: str) -> tuple[int, str | None] | None:
+    def _take_fault(self, path: str) -> tuple[int, str | None, dict[str, str]] | None:
         with self._lock:
             for fault in self._fails:
-                pattern, status, times, code, after = fault
+                pattern, status, times, code, after, headers = fault
                 if times and pattern.search(path):  # type: ignore[attr-defined]
                     if after:
                         fault[4] = int(after) - 1  # type: ignore[call-overload]
                         continue
                     fault[2] = int(times) - 1  # type: ignore[call-overload]
-                    return int(status), code  # type: ignore[call-overload]
+                    return int(status), code, headers  # type: ignore[call-overload,return-value]
         return None
 
     def _take_drop(self, repo_id: str, path: str, length: int) -> int | None:
@@ -469,8 +471,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = unquote(url.path)
         fault = self.server_hub._take_fault(path)
         if fault is not None:
-            status, code = fault
-            self._error(status, code, f"injected HTTP {status}")
+            status, code, headers = fault
+            self._error(status, code, f"injected HTTP {status}", headers)
             return
         if url.path == "/_testhub/bytes_sent":  # counters, for a server run in another process
             with self.server_hub._lock:

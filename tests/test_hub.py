@@ -177,6 +177,73 @@ def test_server_errors_and_unreachable_hub_exit_5(hub: TestHub, tmp_path: Path) 
     assert "reached" in unreachable.stderr
 
 
+@pytest.fixture
+def _short_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the waits between tries are the Hub's business (Retry-After) or seconds of back-off;
+    # a test that counts tries need not sit through them
+    from ckpt_cli.storage import hub_repo
+
+    monkeypatch.setattr(hub_repo, "RETRY_BASE_WAIT", 0.01, raising=False)
+
+
+@pytest.mark.usefixtures("_short_waits")
+def test_a_busy_hub_is_asked_again_as_huggingface_hub_asks_it(hub: TestHub, tmp_path: Path) -> None:
+    """The Hub answers a burst of requests with 429 (rate limit, with Retry-After) or 503 now
+    and then; huggingface_hub's own downloads ask again. So do ckpt's reads: the repository's
+    listing, the index and the shard headers each fail once or twice, and `inspect` and
+    `verify --deep` read the checkpoint all the same."""
+    state = layered_state()
+    publish_model(hub, "org/busy", tmp_path / "src", state, max_shard_size=SHARD_LIMIT)
+    shard = sorted(p.name for p in (tmp_path / "src").glob("*.safetensors"))[0]
+
+    def busy() -> None:
+        hub.fail(r"^/api/models/org/busy", 503, times=2)
+        hub.fail(r"index\.json$", 429, times=1, headers={"Retry-After": "0"})
+        hub.fail(rf"/{shard}$", 500, times=2)
+
+    busy()
+    inspected = run_ckpt("inspect", "hf://org/busy", "--json")
+    assert inspected.exit_code == 0, inspected.stdout + inspected.stderr
+    assert inspected.json["result"]["tensors"] == len(state)
+    busy()
+    verified = run_ckpt("verify", "hf://org/busy", "--deep", "--json")
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+    assert verified.json["result"]["tensors"] == len(state)
+    assert "deep" in verified.json["result"]["checks"]
+
+
+@pytest.mark.usefixtures("_short_waits")
+def test_a_hub_that_stays_busy_fails_after_a_bounded_number_of_tries(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    from ckpt_cli.storage.hub_repo import HUB_RETRIES
+
+    publish_model(hub, "org/down", tmp_path / "src", layered_state(), max_shard_size=SHARD_LIMIT)
+    hub.fail(r"index\.json$", 503, times=1000)
+    result = run_ckpt("inspect", "hf://org/down", "--json")
+    assert result.exit_code == 5, result.stdout
+    error = result.json["error"]
+    assert error["path"].endswith("model.safetensors.index.json")
+    assert "HTTP 503" in error["problem"] and error["fix"]
+    asked = [r for r in hub.log if r.path.endswith("index.json") and r.status == 503]
+    assert len(asked) == HUB_RETRIES + 1
+
+
+def test_a_rate_limit_that_asks_for_a_long_wait_is_reported_at_once(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """A 429 whose Retry-After asks for an hour is not waited for (a command must not sit
+    for as long as a server likes): exit 5 at once, saying how long the Hub asked to wait."""
+    publish_model(hub, "org/limited", tmp_path / "src", {"w": torch.zeros(4, 4)})
+    hub.fail(r"^/api/models/org/limited", 429, times=1000, headers={"Retry-After": "3600"})
+    result = run_ckpt("inspect", "hf://org/limited", "--json")
+    assert result.exit_code == 5, result.stdout
+    error = result.json["error"]
+    assert "HTTP 429" in error["problem"] and "3600 s" in error["problem"], error
+    assert "HF_TOKEN" in error["fix"]
+    assert len([r for r in hub.log if r.path.startswith("/api/models/org/limited")]) == 1
+
+
 def test_a_hub_server_that_stops_answering_fails_the_read_instead_of_hanging(
     hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

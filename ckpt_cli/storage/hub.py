@@ -38,6 +38,7 @@ from .hub_repo import (
     hub_errors,
     hub_mismatch,
     open_repo,
+    retry_wait,
 )
 from .local import safe_relpath
 from .uri import Location
@@ -225,7 +226,7 @@ class HubStorage(Storage):
         from huggingface_hub.utils._headers import build_hf_headers
 
         where = self.describe(rel)
-        pos, failures = start, 0
+        pos, failures, busy = start, 0, 0
         while pos < end:
             # LFS files redirect to a signed CDN URL: once known, ranges go there directly
             # (one round trip instead of two); an expired one falls back to `resolve`
@@ -247,6 +248,13 @@ class HubStorage(Storage):
                     if direct and response.status_code in (401, 403, 404, 410):
                         with self._lock:
                             self._direct.pop(rel, None)
+                        continue
+                    wait = retry_wait(response.status_code, response.headers, busy)
+                    if wait is not None:
+                        # a rate limit or a passing server error: asked again, a bounded
+                        # number of times, as huggingface_hub's own downloads are
+                        busy += 1
+                        time.sleep(wait)
                         continue
                     with hub_errors(where):
                         hf_raise_for_status(response)

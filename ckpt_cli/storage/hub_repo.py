@@ -11,22 +11,37 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import CkptError, HubError, NotFoundError, UsageError
 from .base import RemoteFile
 from .local import LocalStorage, safe_relpath
 from .uri import Location
 
+T = TypeVar("T")
+
 #: bytes per read when hashing local files
 HASH_BLOCK = 8 << 20
 _TRUE = {"1", "true", "yes", "on"}
 #: seconds a Hub request may wait on the server (`HubSettings.timeout`): huggingface_hub's own
 DEFAULT_TIMEOUT = 10.0
+#: answers with which a Hub request is asked again (a rate limit, a server's passing failure),
+#: as huggingface_hub's own downloads ask again (`http_backoff`)
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+#: how many times a request is asked again after such an answer, at most
+HUB_RETRIES = 5
+#: seconds before the first new try without a `Retry-After`; twice as long each time after, up
+#: to `RETRY_MAX_WAIT` (huggingface_hub's back-off: 1, 2, 4, 8, 8 s)
+RETRY_BASE_WAIT = 1.0
+RETRY_MAX_WAIT = 8.0
+#: the longest `Retry-After` waited for: a server asking for more is reported at once (a
+#: command never sits for as long as a server likes)
+RETRY_AFTER_MAX = 60.0
 
 
 @dataclass(frozen=True)
@@ -328,6 +343,16 @@ def _mapped_hub_errors(where: str) -> Iterator[None]:
         status = exc.response.status_code if exc.response is not None else None
         if status in (401, 403):
             raise HubError(f"was refused (HTTP {status})", path=where, fix=_auth_fix()) from None
+        if status == 429:
+            response = exc.response
+            asked = retry_after(response.headers) if response is not None else None
+            wait = "" if asked is None else f"; it asks to wait {asked:.0f} s before the next"
+            raise HubError(
+                f"the Hub answered HTTP 429: too many requests{wait}",
+                path=where,
+                fix="Run the command again after that wait; requests sent with a token "
+                "(HF_TOKEN, or `hf auth login`) get higher rate limits.",
+            ) from None
         if status == 404:
             raise NotFoundError(
                 "not found on the Hub (HTTP 404)",
@@ -346,6 +371,58 @@ def _mapped_hub_errors(where: str) -> Iterator[None]:
             path=where,
             fix="Check the network connection and HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use the cache.",
         ) from None
+
+
+def retry_after(headers: Mapping[str, str]) -> float | None:
+    """The seconds an answer's `Retry-After` asks to wait (a number of seconds, or an HTTP
+    date), or None when it has none that can be read."""
+    value = next((v for k, v in headers.items() if k.lower() == "retry-after"), None)
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    from email.utils import parsedate_to_datetime
+
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def retry_wait(status: int, headers: Mapping[str, str], attempt: int) -> float | None:
+    """Seconds to wait before asking again a request answered `status` (with `headers`) on
+    its try `attempt + 1`; None when it is not asked again: an answer that is no passing
+    failure (`RETRY_STATUSES`), the `HUB_RETRIES` new tries spent, or a `Retry-After` longer
+    than `RETRY_AFTER_MAX`."""
+    if status not in RETRY_STATUSES or attempt >= HUB_RETRIES:
+        return None
+    asked = retry_after(headers)
+    if asked is not None:
+        return asked if asked <= RETRY_AFTER_MAX else None
+    return float(min(RETRY_MAX_WAIT, RETRY_BASE_WAIT * 2.0**attempt))
+
+
+def retrying(call: Callable[[], T]) -> T:
+    """`call()` (a request through huggingface_hub's API), asked again while the Hub answers
+    a rate limit or a passing server error, as `retry_wait` says; the last failure is raised."""
+    from huggingface_hub import errors as hf
+
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except hf.HfHubHTTPError as exc:
+            response = exc.response
+            wait = (
+                None
+                if response is None
+                else retry_wait(response.status_code, response.headers, attempt)
+            )
+            if wait is None:
+                raise
+            attempt += 1
+            time.sleep(wait)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -372,24 +449,28 @@ def open_repo(location: Location, settings: HubSettings | None = None) -> HubRep
     if settings.offline or _is_commit(location.revision):
         with hub_errors(where):
             commit = str(
-                api.resolve_revision(
-                    location.repo_id or "",
-                    repo_type=location.repo_type,
-                    revision=location.revision,
-                    cache_dir=settings.cache_dir,
-                    local_files_only=settings.offline,
+                retrying(
+                    lambda: api.resolve_revision(
+                        location.repo_id or "",
+                        repo_type=location.repo_type,
+                        revision=location.revision,
+                        cache_dir=settings.cache_dir,
+                        local_files_only=settings.offline,
+                    )
                 ).resolved
             )
         if settings.offline:
             return _open_cached(location, settings, commit)
     else:
         with hub_errors(where):
-            info = api.repo_info(
-                location.repo_id or "",
-                repo_type=location.repo_type,
-                revision=location.revision,
-                files_metadata=True,
-                timeout=settings.timeout,
+            info = retrying(
+                lambda: api.repo_info(
+                    location.repo_id or "",
+                    repo_type=location.repo_type,
+                    revision=location.revision,
+                    files_metadata=True,
+                    timeout=settings.timeout,
+                )
             )
         if info.sha is None:
             raise HubError(
@@ -454,26 +535,31 @@ def _list_tree(api: Any, location: Location, commit: str) -> dict[str, RemoteFil
     files: dict[str, RemoteFile] = {}
     prefix = f"{location.subfolder}/" if location.subfolder else ""
     with hub_errors(where):
-        for item in api.list_repo_tree(
-            location.repo_id or "",
-            path_in_repo=location.subfolder or None,
-            recursive=True,
-            revision=commit,
-            repo_type=location.repo_type,
-        ):
-            size = getattr(item, "size", None)
-            if size is None:  # a folder
-                continue
-            if not item.path.startswith(prefix):
-                continue
-            rel = safe_relpath(item.path[len(prefix) :], source=where)
-            lfs = getattr(item, "lfs", None)
-            files[rel] = RemoteFile(
-                path=item.path,
-                size=int(lfs.size if lfs is not None else size),
-                sha256=lfs.sha256 if lfs is not None else None,
-                blob_id=None if lfs is not None else getattr(item, "blob_id", None),
+        items = retrying(
+            lambda: list(
+                api.list_repo_tree(
+                    location.repo_id or "",
+                    path_in_repo=location.subfolder or None,
+                    recursive=True,
+                    revision=commit,
+                    repo_type=location.repo_type,
+                )
             )
+        )
+    for item in items:
+        size = getattr(item, "size", None)
+        if size is None:  # a folder
+            continue
+        if not item.path.startswith(prefix):
+            continue
+        rel = safe_relpath(item.path[len(prefix) :], source=where)
+        lfs = getattr(item, "lfs", None)
+        files[rel] = RemoteFile(
+            path=item.path,
+            size=int(lfs.size if lfs is not None else size),
+            sha256=lfs.sha256 if lfs is not None else None,
+            blob_id=None if lfs is not None else getattr(item, "blob_id", None),
+        )
     return files
 
 
