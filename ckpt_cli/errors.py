@@ -52,6 +52,11 @@ class CkptError(Exception):
         """The full human message: `path: problem. fix`."""
         return with_fix(self.stated, self.fix)
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickled as itself, whatever its constructor takes: another rank of a torchrun
+        launch re-raises the very error (class, exit code, path, problem and fix)."""
+        return (_restored, (type(self), self.args), self.__dict__)
+
     def to_json(self) -> dict[str, str | int | None]:
         """The `error` member of the JSON envelope."""
         return {
@@ -62,6 +67,11 @@ class CkptError(Exception):
             "problem": self.problem,
             "fix": self.fix,
         }
+
+
+def _restored(cls: type[CkptError], args: tuple[object, ...]) -> CkptError:
+    """A pickled `CkptError`, its attributes set by pickle afterwards (no `__init__` call)."""
+    return cls.__new__(cls, *args)
 
 
 class ProblemsFound(CkptError):

@@ -503,6 +503,65 @@ def test_a_rank_whose_save_raises_leaves_that_step_unsaved_on_every_rank_never_t
     assert verdict.exit_code == 0, verdict.stdout
 
 
+DAMAGED_RUN_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+from tests.test_checkpointer import _flip_tensor_byte
+from pathlib import Path
+
+run, out = Path(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 8)
+with Checkpointer(run) as ck:
+    for step in (1, 2):
+        ck.save(step, {"model": model, "seen": step})
+        ck.wait()
+dist.barrier()
+if rank == 0:  # bit rot in the weights of every save of the run
+    for step in (1, 2):
+        _flip_tensor_byte(run / f"step-{step}", "model.weight")
+dist.barrier()
+try:
+    Checkpointer(run).load_latest({"model": torch.nn.Linear(16, 8), "seen": 0})
+    got = {"raised": None}
+except Exception as error:
+    got = {"raised": type(error).__name__, "exit_code": getattr(error, "exit_code", None),
+           "message": str(error), "fix": getattr(error, "fix", None)}
+with open(f"{out}.rank{rank}.json", "w") as f:
+    json.dump(got, f)
+dist.barrier()
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_two_ranks_whose_every_save_is_damaged_raise_the_damage_not_an_io_error(
+    tmp_path: Path,
+) -> None:
+    """Every save of a 2-rank run damaged: `load_latest` raised an `IOFailure` (exit 74, "the
+    operating system refused a read or a write") on every rank, quoting rank 0's message, where
+    one process raises the `FormatError` (exit 4) naming each save: a script that catches the
+    damage (or a job scheduler reading the exit code) took it for a disk fault."""
+    import json
+
+    from .dist_helpers import run_torchrun
+
+    script = tmp_path / "damaged_run.py"
+    script.write_text(DAMAGED_RUN_SCRIPT)
+    run, out = tmp_path / "run", tmp_path / "out"
+    run_torchrun(script, 2, run, out)
+    for rank in (0, 1):
+        got = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert (got["raised"], got["exit_code"]) == ("FormatError", 4), got
+        assert "step-1: " in got["message"] and "step-2: " in got["message"], got
+        assert "ckpt verify" in got["fix"], got
+
+
 def _flip_tensor_byte(save: Path, fqn: str) -> None:
     """Damage one byte of the tensor `fqn` in a saved DCP folder (a bit rot on disk)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader

@@ -23,7 +23,14 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ..errors import CkptError, FormatError, IOFailure, UsageError
+from ..errors import (
+    REPORT_BUG,
+    CkptError,
+    FormatError,
+    Interrupted,
+    IOFailure,
+    UsageError,
+)
 from ..faults import io_failure
 from ..sources.runs import is_remote
 from ..storage.output import TMP_MARKER, staged_output
@@ -111,6 +118,26 @@ def _first_failure(error: CheckpointException) -> str:
         if isinstance(cause, BaseException):
             return f"{type(cause).__name__}: {cause}"
     return type(error).__name__
+
+
+def _for_other_ranks(error: BaseException, run_dir: Path) -> CkptError:
+    """What the other ranks raise for rank 0's failure to choose the save: the same error
+    when it is ckpt's own; an OS error as the I/O failure it is; anything else as a bug."""
+    if isinstance(error, CkptError):
+        return error
+    if isinstance(error, OSError):
+        return io_failure(error, run_dir, "choosing the save to load on rank 0")
+    if isinstance(error, KeyboardInterrupt):
+        return Interrupted(
+            "rank 0 was interrupted while choosing the save to load",
+            path=run_dir,
+            fix="Nothing was loaded on any rank; start the job again.",
+        )
+    return CkptError(
+        f"choosing the save to load failed on rank 0: {type(error).__name__}: {error}",
+        path=run_dir,
+        fix=REPORT_BUG,
+    )
 
 
 class _Writer(FileSystemWriter):
@@ -381,24 +408,21 @@ class Checkpointer:
         self._join()
         items = entries(into)
         choice: Choice | None = None
-        failure: str | None = None
+        failure: CkptError | None = None
         if self.rank == 0:
             try:
                 choice = choose(self.run_dir, self.upload, self.verify, self.log)
-            except CkptError as error:
+            except BaseException as error:
                 if not self._distributed:
-                    raise  # its own class and exit code: no other rank to tell
-                failure = str(error)
+                    raise
+                # every rank raises the same error (its class and exit code: a damaged run is
+                # no disk fault); rank 0 its own, with its traceback
+                self._tell_ranks(None, _for_other_ranks(error, self.run_dir))
+                raise
         if self._distributed:
-            shared: list[Any] = [choice, failure]
-            dist.broadcast_object_list(shared, src=0, group=self._control_group)
-            choice, failure = shared
+            choice, failure = self._tell_ranks(choice, None)
         if failure is not None:
-            raise IOFailure(
-                f"choosing the save to load failed on rank 0: {failure}",
-                path=self.run_dir,
-                fix="Rank 0's error, quoted here, says what to do; no rank loaded anything.",
-            )
+            raise failure
         if choice is None:
             self.log.info("no complete checkpoint in %s%s", self.run_dir, self._remote_note())
             return None
@@ -459,6 +483,14 @@ class Checkpointer:
 
     def _remote_note(self) -> str:
         return f" nor in {self.upload}" if self.upload else ""
+
+    def _tell_ranks(
+        self, choice: Choice | None, failure: CkptError | None
+    ) -> tuple[Choice | None, CkptError | None]:
+        """Rank 0's choice of the save to load (or its failure), on every rank."""
+        shared: list[Any] = [choice, failure]
+        dist.broadcast_object_list(shared, src=0, group=self._control_group)
+        return shared[0], shared[1]
 
     def _busy(self) -> bool:
         """Whether a save is in flight here (or, under torchrun, on any rank: they agree)."""
