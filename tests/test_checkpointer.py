@@ -818,6 +818,86 @@ def test_a_save_before_the_first_optimizer_step_changes_nothing_and_resumes_exac
     assert torch.equal(train(model, optimizer), reference)
 
 
+def test_a_save_and_a_resume_never_run_the_optimizers_step_hooks_nor_touch_the_schedule(
+    tmp_path: Path,
+) -> None:
+    """An EMA of the weights updated by the optimizer's step post-hook, a pre-hook counting
+    steps, a global step hook, and a StepLR schedule. DCP fills an optimizer that has not
+    stepped by calling its `step()`: a save of step 0 ran every hook once (the EMA counted an
+    update that never happened, the step counter read 1), silenced the scheduler's warning of a
+    `scheduler.step()` called before `optimizer.step()`, and every `load_latest` into a fresh
+    optimizer ran its hooks twice more."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.optim.swa_utils import AveragedModel
+
+    from ckpt_cli import Checkpointer
+
+    def build() -> tuple[Any, ...]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        ema = AveragedModel(model)
+        calls = {"pre": 0, "post": 0}
+
+        def pre(*_: Any) -> None:
+            calls["pre"] += 1
+
+        def post(*_: Any) -> None:
+            calls["post"] += 1
+            ema.update_parameters(model)
+
+        optimizer.register_step_pre_hook(pre)
+        optimizer.register_step_post_hook(post)
+        return model, optimizer, scheduler, ema, calls
+
+    def train(model: Any, optimizer: Any, scheduler: Any, steps: int) -> None:
+        data = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            model(torch.randn(4, 8, generator=data)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+
+    every_step = {"n": 0}
+
+    def count(*_: Any) -> None:
+        every_step["n"] += 1
+
+    handle = register_optimizer_step_post_hook(count)
+    try:
+        model, optimizer, scheduler, ema, calls = build()
+        with Checkpointer(tmp_path / "run") as ck:
+            ck.save(0, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "ema": ema})
+            assert (record := ck.wait()) is not None and record.phase == "done", record
+        assert (calls, every_step["n"], int(ema.n_averaged)) == ({"pre": 0, "post": 0}, 0, 0)
+        with pytest.warns(UserWarning, match="before `optimizer.step"):
+            scheduler.step()  # the loop's own mistake: still reported
+
+        for steps in (0, 3):  # the step-0 save, then a save after three steps
+            model, optimizer, scheduler, ema, calls = build()
+            train(model, optimizer, scheduler, steps)
+            with Checkpointer(tmp_path / f"run{steps}") as ck:
+                state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+                ck.save(steps, {**state, "ema": ema})
+                assert (record := ck.wait()) is not None and record.phase == "done", record
+            saved_ema = int(ema.n_averaged)
+            fresh, fresh_optimizer, fresh_scheduler, fresh_ema, fresh_calls = build()
+            before = every_step["n"]
+            into = {"model": fresh, "optimizer": fresh_optimizer, "scheduler": fresh_scheduler}
+            loaded = Checkpointer(tmp_path / f"run{steps}").load_latest({**into, "ema": fresh_ema})
+            assert loaded is not None and loaded.step == steps
+            assert fresh_calls == {"pre": 0, "post": 0} and every_step["n"] == before, steps
+            assert int(fresh_ema.n_averaged) == saved_ema == steps
+            train(model, optimizer, scheduler, 2)
+            train(fresh, fresh_optimizer, fresh_scheduler, 2)
+            assert torch.equal(fresh.weight, model.weight), steps
+            for name, tensor in ema.state_dict().items():
+                assert torch.equal(fresh_ema.state_dict()[name], tensor), (steps, name)
+    finally:
+        handle.remove()
+
+
 def test_a_save_between_the_first_backward_and_the_first_optimizer_step_loads(
     tmp_path: Path,
 ) -> None:

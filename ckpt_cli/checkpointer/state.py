@@ -20,9 +20,10 @@ The save's own record, the entry `__ckpt__`, also holds its layout version, worl
 training step, and, for each rank, the shape of every Stateful's state and plain value (`shapes.rank-R`, a JSON
 string): its containers, their int or str keys, empty ones included; and which optimizers had
 not stepped yet. DCP's state-dict API fills such an optimizer by a zero-gradient step (Adam's
-step count then 1) when its state is taken or loaded: `capture` empties the live optimizer
-again after taking it, and `apply` empties the loaded one, so a save before the first step
-changes nothing and resumes exactly. DCP names every dict key
+step count then 1) when its state is taken or loaded: `fill_quietly` takes that step first
+without the optimizer's step hooks (which DCP's `optimizer.step()` would run), `capture`
+empties the live optimizer again after taking it, and `apply` empties the loaded one, so a
+save before the first step changes nothing and resumes exactly. DCP names every dict key
 as a string and saves no empty container, so without it `{0: ...}` would come back as
 `{"0": ...}` (a wrapped optimizer's state then silently not restored) and `{}` not at all.
 Saves without the record (older ones) are loaded as they were written, one copy for every rank.
@@ -168,6 +169,7 @@ def capture(
         elif e.kind == "optimizer":
             assert e.model is not None
             empty = not e.obj.state
+            fill_quietly(e.obj)
             out[e.key] = get_optimizer_state_dict(e.model, e.obj)
             if empty:
                 # DCP fills an optimizer that has not stepped yet by a zero-gradient step; the
@@ -197,6 +199,42 @@ def capture(
         record["ranks"] = {rank_path(rank)[-1]: values}
     out[RECORD_KEY] = record
     return out
+
+
+def fill_quietly(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has not stepped its state as DCP's state-dict API does (a step
+    on zero gradients at learning rate 0), without what `optimizer.step()` runs around the
+    step: the user's step pre- and post-hooks (an EMA update, a step counter, a logger), the
+    global ones, and an LR scheduler's record that the optimizer stepped. DCP's own fill then
+    finds the state there and calls nothing. The parameters are left as they were (their
+    gradients None again, each learning rate the same object)."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(p.grad is not None for p in params):
+        return  # DCP does not fill an optimizer with gradients either
+    step = type(optimizer).step
+    # torch wraps each optimizer class's step once with the hook runner (marked `hooked`,
+    # the step itself as `__wrapped__`); an instance's own step (a scheduler's wrapper) and
+    # the hooks around it are skipped by calling the class's inner step
+    inner: Any = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    if inner is None:
+        return  # not torch's wrapper as known: DCP's fill runs as it always did
+    filled = [p for p in params if p.requires_grad]
+    lrs = [group.get("lr") for group in optimizer.param_groups]
+    for p in filled:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        inner(optimizer)
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            if "lr" in group:
+                group["lr"] = lr
+        for p in filled:
+            p.grad = None
 
 
 _KIND_NAMES = {"model": "model", "optimizer": "optimizer", "stateful": "Stateful object"}
@@ -339,6 +377,7 @@ def apply(
             set_model_state_dict(e.obj, loaded[e.key])
         elif e.kind == "optimizer":
             assert e.model is not None
+            fill_quietly(e.obj)
             set_optimizer_state_dict(e.model, e.obj, loaded[e.key])
             if shapes.get(e.key) == NOT_STEPPED:  # saved before its first step: as it was then
                 e.obj.state.clear()
