@@ -562,6 +562,93 @@ def test_two_ranks_whose_every_save_is_damaged_raise_the_damage_not_an_io_error(
         assert "ckpt verify" in got["fix"], got
 
 
+SAVE_ON_TWO_RANKS_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 8)
+with Checkpointer(sys.argv[1]) as ck:
+    ck.save(5, {"model": model, "samples": 100 + rank})
+dist.barrier()
+leave_without_teardown()
+"""
+
+LOAD_ON_THREE_RANKS_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer, CkptError
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+got = {}
+for run in sys.argv[2:]:
+    into = {"model": torch.nn.Linear(8, 8), "samples": 0}
+    try:
+        loaded = Checkpointer(run).load_latest(into)
+        got[run] = {"step": loaded.step, "samples": into["samples"]}
+    except CkptError as error:  # the script starts those ranks afresh: none may wait for it
+        got[run] = {"raised": type(error).__name__, "exit_code": error.exit_code,
+                    "message": str(error)}
+with open(f"{sys.argv[1]}.rank{rank}.json", "w") as f:
+    json.dump(got, f)
+dist.barrier()
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_a_two_rank_save_resumed_on_three_ranks_fails_or_loads_on_every_rank_alike(
+    tmp_path: Path,
+) -> None:
+    """A 2-rank save (with each rank's own sample counter) resumed on 3 ranks: rank 2, which
+    has no values of its own, raised the `FormatError`, while ranks 0 and 1 waited in
+    `dcp.load` for it, then failed with gloo's `RuntimeError: Connection closed by peer` once
+    it exited (or waited on, had the script caught the error on rank 2). Resharded with
+    `--rank-state drop`, ranks 1 and 2 raised and rank 0 loaded and trained on alone. Now every
+    rank raises the same error; a save resharded with `--rank-state replicate` loads on all."""
+    import json
+
+    from .dist_helpers import run_torchrun
+
+    save_script, load_script = tmp_path / "save.py", tmp_path / "load.py"
+    save_script.write_text(SAVE_ON_TWO_RANKS_SCRIPT)
+    load_script.write_text(LOAD_ON_THREE_RANKS_SCRIPT)
+    run = tmp_path / "run"
+    run_torchrun(save_script, 2, run)
+    for mode in ("drop", "replicate"):
+        (tmp_path / mode).mkdir()
+        cut = run_ckpt(
+            "reshard",
+            run / "step-5",
+            tmp_path / mode / "step-5",
+            "--world-size",
+            "3",
+            "--rank-state",
+            mode,
+        )
+        assert cut.exit_code == 0, cut.stdout + cut.stderr
+    out = tmp_path / "out"
+    run_torchrun(load_script, 3, out, run, tmp_path / "drop", tmp_path / "replicate")
+    ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in (0, 1, 2)]
+    for rank, got in enumerate(ranks):
+        for where, first in ((run, 2), (tmp_path / "drop", 1)):
+            failed = got[str(where)]
+            assert (failed["raised"], failed["exit_code"]) == ("FormatError", 4), (rank, failed)
+            # a rank without values names itself; the others, the first rank without
+            named = max(rank, first)
+            assert f"holds no values of rank {named} (such as 'samples')" in failed["message"]
+        # rank 2 gets a copy of rank 1's values (rank 0's are saved under their own names)
+        assert got[str(tmp_path / "replicate")] == {"step": 5, "samples": 100 + min(rank, 1)}
+
+
 def _flip_tensor_byte(save: Path, fqn: str) -> None:
     """Damage one byte of the tensor `fqn` in a saved DCP folder (a bit rot on disk)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader

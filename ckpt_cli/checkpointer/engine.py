@@ -38,7 +38,7 @@ from ..storage.uri import is_hub_url
 from .hooks import pause_point
 from .model import SAVE_FORMAT, CheckpointerStatus, LoadedCheckpoint, SaveRecord
 from .staging import HostStaging
-from .state import apply, capture, entries, load_template
+from .state import apply, capture, entries, load_template, rebuild
 from .tiers import Choice, choose
 
 if TYPE_CHECKING:
@@ -120,22 +120,22 @@ def _first_failure(error: CheckpointException) -> str:
     return type(error).__name__
 
 
-def _for_other_ranks(error: BaseException, run_dir: Path) -> CkptError:
-    """What the other ranks raise for rank 0's failure to choose the save: the same error
-    when it is ckpt's own; an OS error as the I/O failure it is; anything else as a bug."""
+def _for_other_ranks(error: BaseException, where: Path, rank: int = 0) -> CkptError:
+    """What the other ranks raise for `rank`'s failure to choose or load the save: the same
+    error when it is ckpt's own; an OS error as the I/O failure it is; anything else as a bug."""
     if isinstance(error, CkptError):
         return error
     if isinstance(error, OSError):
-        return io_failure(error, run_dir, "choosing the save to load on rank 0")
+        return io_failure(error, where, f"loading the save on rank {rank}")
     if isinstance(error, KeyboardInterrupt):
         return Interrupted(
-            "rank 0 was interrupted while choosing the save to load",
-            path=run_dir,
-            fix="Nothing was loaded on any rank; start the job again.",
+            f"rank {rank} was interrupted while loading the save",
+            path=where,
+            fix="The load did not finish on every rank; start the job again.",
         )
     return CkptError(
-        f"choosing the save to load failed on rank 0: {type(error).__name__}: {error}",
-        path=run_dir,
+        f"loading the save failed on rank {rank}: {type(error).__name__}: {error}",
+        path=where,
         fix=REPORT_BUG,
     )
 
@@ -427,8 +427,13 @@ class Checkpointer:
             self.log.info("no complete checkpoint in %s%s", self.run_dir, self._remote_note())
             return None
         reader = FileSystemReader(choice.path)
-        metadata = reader.read_metadata()
-        template = load_template(items, metadata, choice.path, self.rank)
+        try:
+            metadata = reader.read_metadata()
+            template = load_template(items, metadata, choice.path, self.rank)
+        except BaseException as error:
+            self._load_failed(error, choice)
+            raise
+        self._load_failed(None, choice)
         try:
             if self._distributed:
                 dcp_load(template, storage_reader=reader, process_group=self._control_group)
@@ -442,7 +447,13 @@ class Checkpointer:
                 "(same shapes, same optimizer settings, the scheduler created as then), or drop "
                 "the entry that differs from `into`.",
             ) from error
-        values = apply(items, template, metadata, self.rank, choice.path)
+        try:
+            restored = rebuild(items, template, metadata, self.rank, choice.path)
+        except BaseException as error:
+            self._load_failed(error, choice)
+            raise
+        self._load_failed(None, choice)
+        values = apply(items, restored)
         self._resumed_step = choice.step
         for key, value in values.items():
             into[key] = value
@@ -483,6 +494,21 @@ class Checkpointer:
 
     def _remote_note(self) -> str:
         return f" nor in {self.upload}" if self.upload else ""
+
+    def _load_failed(self, error: BaseException | None, choice: Choice) -> None:
+        """Collective under torchrun: when any rank could not load its part of the save (a
+        value saved for no rank of its number: a resume on more ranks), every rank raises the
+        first failing rank's error (before `dcp.load`, or before `into` is handed its values);
+        a rank that failed alone left the others waiting in `dcp.load` for it until it exited
+        (then failing with gloo's "Connection closed by peer"), or training on without it."""
+        if not self._distributed:
+            return
+        mine = None if error is None else _for_other_ranks(error, Path(choice.path), self.rank)
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self._control_group)
+        failed = [(rank, failure) for rank, failure in enumerate(everyone) if failure is not None]
+        if error is None and failed:
+            raise failed[0][1]
 
     def _tell_ranks(
         self, choice: Choice | None, failure: CkptError | None

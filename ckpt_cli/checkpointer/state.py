@@ -302,7 +302,7 @@ def _no_value(
         # a resume on more ranks than saved it (or resharded for more without its values)
         return FormatError(
             f"the checkpoint holds no values of rank {rank} (such as {key!r}): "
-            "it was saved by fewer ranks",
+            "it was saved by fewer ranks, or resharded without them (--rank-state drop)",
             path=where,
             fix=f"Resume with the ranks that saved it, or drop {key!r} from `into` "
             "and set it anew on every rank.",
@@ -337,15 +337,26 @@ def _rank_saved(metadata: Any, prefix: tuple[str, ...]) -> bool:
     )
 
 
-def apply(
-    items: list[Entry], loaded: dict[str, Any], metadata: Any, rank: int = 0, where: str = ""
-) -> dict[str, Any]:
-    """Hand the loaded state to the live objects; returns the plain values, by entry name."""
-    from torch.distributed.checkpoint.state_dict import (
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+@dataclass(frozen=True)
+class Restored:
+    """What `rebuild` made of a loaded save for this rank, before anything is handed over."""
 
+    #: the loaded state dict `dcp.load` filled
+    loaded: dict[str, Any]
+    #: each Stateful's and plain value's recorded shape (empty for a save without a record)
+    shapes: dict[str, Shape]
+    #: the Stateful objects' states and plain values, by entry name
+    rebuilt: dict[str, Any]
+
+
+def rebuild(
+    items: list[Entry], loaded: dict[str, Any], metadata: Any, rank: int = 0, where: str = ""
+) -> Restored:
+    """The loaded values of every Stateful and plain entry, as saved; changes no live object.
+
+    Raises:
+        FormatError: a plain value of `items` is not in the save for `rank`.
+    """
     paths = metadata.planner_data or {}
     prefix = rank_path(rank) if has_record(metadata) else ()
     shapes_fqn = _fqn(metadata, shapes_path(rank))
@@ -371,6 +382,17 @@ def apply(
             # recorded in this rank's shapes but saved for no rank of this number: a save
             # resharded for more ranks gives the new ones the shapes, not the values
             raise _no_value(e.key, metadata, prefix, rank, where)
+    return Restored(loaded=loaded, shapes=shapes, rebuilt=rebuilt)
+
+
+def apply(items: list[Entry], restored: Restored) -> dict[str, Any]:
+    """Hand the loaded state to the live objects; returns the plain values, by entry name."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    loaded, shapes, rebuilt = restored.loaded, restored.shapes, restored.rebuilt
     values: dict[str, Any] = {}
     for e in items:
         if e.kind == "model":
