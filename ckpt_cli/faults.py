@@ -76,6 +76,8 @@ _FIXES = {
     errno.ENAMETOOLONG: "The name is too long for the filesystem (an output is written under a "
     "hidden name about 20 characters longer first): choose a shorter name.",
     errno.ENOTDIR: "A part of the path is a file, not a folder: check the path.",
+    errno.EFBIG: "The file is larger than the filesystem or the process's file size limit "
+    "(ulimit -f) allows: raise the limit or write to another filesystem.",
 }
 
 

@@ -649,6 +649,61 @@ def test_a_two_rank_save_resumed_on_three_ranks_fails_or_loads_on_every_rank_ali
         assert got[str(tmp_path / "replicate")] == {"step": 5, "samples": 100 + min(rank, 1)}
 
 
+ONE_RANK_CANNOT_WRITE_SCRIPT = """
+import json, resource, signal, sys
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(256, 256)  # 257 KiB of weights on each rank
+records = []
+with Checkpointer(run) as ck:
+    for step in (1, 2, 3):
+        if rank == 1 and step == 2:  # this rank's file size limit: its shard cannot be written
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        ck.save(step, {"model": model, "seen": step})
+        records.append(ck.wait().model_dump(mode="json"))
+        if rank == 1 and step == 2:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+with open(f"{out}.rank{rank}.json", "w") as f:
+    json.dump(records, f)
+dist.barrier()
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_a_rank_that_cannot_write_its_shard_is_named_with_its_error_and_fix_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 cannot write its shard of step 2 (its file size limit, `ulimit -f`). Both ranks
+    logged `save of step 2 failed: OSError: [Errno 27] File too large`: rank 0 as if its own
+    write had failed, with no rank, no file and no fix. The other steps are saved whole."""
+    import json
+
+    from .dist_helpers import run_torchrun
+
+    script = tmp_path / "one_rank_cannot_write.py"
+    script.write_text(ONE_RANK_CANNOT_WRITE_SCRIPT)
+    run, out = tmp_path / "run", tmp_path / "out"
+    run_torchrun(script, 2, run, out)
+    for rank in (0, 1):
+        records = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert [r["phase"] for r in records] == ["done", "failed", "done"], records
+        error = records[1]["error"]
+        assert "rank 1 of 2" in error and "step 2" in error, error
+        assert "__1_*.distcp" in error and "File too large (EFBIG)" in error, error
+        assert "ulimit -f" in error, error
+    assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-3"]
+    assert latest(run) == str(run / "step-3")
+
+
 def _flip_tensor_byte(save: Path, fqn: str) -> None:
     """Damage one byte of the tensor `fqn` in a saved DCP folder (a bit rot on disk)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader

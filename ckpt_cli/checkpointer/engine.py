@@ -110,6 +110,14 @@ def _causes(exc: BaseException) -> list[BaseException]:
     return out
 
 
+def _failed_ranks(causes: list[BaseException]) -> list[int]:
+    """The ranks whose part of a DCP save failed (its `CheckpointException` names them)."""
+    for cause in causes:
+        if isinstance(cause, CheckpointException):
+            return sorted(cause.failures)
+    return []
+
+
 def _first_failure(error: CheckpointException) -> str:
     """The first rank's failure of a DCP load, in one line (`ValueError: Size mismatch...`)."""
     for failure in error.failures.values():
@@ -589,6 +597,16 @@ class Checkpointer:
         if isinstance(exc, CkptError):
             return str(exc), True
         causes = _causes(exc)
+        writing = f"writing step {record.step}"
+        ranks = _failed_ranks(causes) if self._distributed else []
+        if ranks:  # DCP hands every rank the failures of all: say whose write failed
+            label = "rank" if len(ranks) == 1 else "ranks"
+            whose = "its" if len(ranks) == 1 else "their"
+            files = ", ".join(f"__{rank}_*.distcp" for rank in ranks)
+            writing = (
+                f"{label} {', '.join(map(str, ranks))} of {self.world_size}: writing {whose} "
+                f"part of step {record.step} ({files})"
+            )
         try:
             free: int | None = shutil.disk_usage(self.run_dir).free
         except OSError:
@@ -599,12 +617,16 @@ class Checkpointer:
         if no_space or (free is not None and free < record.bytes):
             room = f" ({free / 2**20:.1f} MiB free" if free is not None else " ("
             return (
-                f"writing step {record.step} failed: no space left on the device{room}, "
+                f"{writing} failed: no space left on the device{room}, "
                 f"the save holds {record.bytes / 2**20:.1f} MiB); check free space at "
                 f"{self.run_dir}"
             ), True
         cause = causes[-1]
-        return f"{type(cause).__name__}: {cause}", any(isinstance(c, OSError) for c in causes)
+        if isinstance(cause, OSError):  # the file (or the run folder), the errno and a fix
+            return io_failure(cause, self.run_dir, writing).message, True
+        return f"{writing} failed: {type(cause).__name__}: {cause}", any(
+            isinstance(c, OSError) for c in causes
+        )
 
     def _share(self, value: Any) -> Any:
         """Rank 0's `value`, on every rank (over the write group)."""
