@@ -495,3 +495,47 @@ def test_a_join_timeout_that_is_not_a_duration_is_a_usage_error(
     with pytest.raises(UsageError, match="CKPT_DIST_TIMEOUT") as refused:
         join_timeout()
     assert refused.value.exit_code == 2
+
+
+def _no_files_over_4_kib() -> None:
+    """In the rank's process before it starts: a file size limit (`ulimit -f 4`), so its
+    writes fail with EFBIG (the signal the kernel sends with it ignored, as shells do)."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+
+
+@pytest.mark.torchrun
+def test_a_rank_whose_writes_fail_exits_74_naming_dest_and_the_errno_on_every_rank(
+    tmp_path: Path, sources: dict[str, Path]
+) -> None:
+    """Rank 1 cannot write its shards (its file size limit): every rank exited 70 with
+    `rank 1 of 2 failed: internal error OSError: [Errno 27] File too large`, the code of a bug
+    in ckpt and no file or fix, where one process exits 74 naming DEST, EFBIG and the fix."""
+    dest = tmp_path / "converted"
+    env = torchrun_env(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    )
+    command = [sys.executable, "-m", "ckpt_cli", "convert", str(sources["model"]), str(dest)]
+    command += ["--to", "safetensors", "--max-shard-size", "8KB"]
+    procs = [
+        subprocess.Popen(
+            command,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            restore_signals=False,
+            preexec_fn=_no_files_over_4_kib if rank == 1 else None,
+        )
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [74, 74], outputs
+    error = outputs[0][1]
+    assert f"rank 1 of 2 failed: {dest}: writing converted failed: File too large (EFBIG)" in error
+    assert "ulimit -f" in error and "internal error" not in error, error
+    assert not dest.exists()
+    assert no_leftovers(tmp_path) == []

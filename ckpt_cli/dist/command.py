@@ -44,8 +44,9 @@ from typing import Any, TypeVar
 from pydantic import Field
 
 from ..errors import CkptError, HubError
+from ..faults import io_failure
 from ..models import Record
-from ..storage.output import staged_output
+from ..storage.output import output_failure, staged_output
 from .launch import launch_environment
 
 T = TypeVar("T")
@@ -263,7 +264,10 @@ class Workers:
 
 
 def describe(error: BaseException) -> dict[str, Any]:
-    """A JSON-able summary of `error` for the other ranks."""
+    """A JSON-able summary of `error` for the other ranks (an OS error is the I/O failure it
+    is, exit 74, naming its file and errno: never a bug)."""
+    if isinstance(error, OSError):
+        error = io_failure(error)
     if isinstance(error, CkptError):
         return {"code": error.code, "exit_code": error.exit_code, "message": error.message}
     if isinstance(error, KeyboardInterrupt):
@@ -503,12 +507,18 @@ def split_output(
         staging = Path(workers.broadcast(path))
         part: Any = None
         with workers.together():
-            part = work(staging)
+            try:
+                part = work(staging)
+            except OSError as exc:  # named as one process names it: DEST, not the staging
+                raise output_failure(exc, dest, staging) from None
         parts = workers.all_gather(part)
         result = None
         with workers.together():
             if workers.leader:
-                result = commit(staging, parts)
+                try:
+                    result = commit(staging, parts)
+                except OSError as exc:
+                    raise output_failure(exc, dest, staging) from None
                 # the publishing rename: still inside `together`, so if it fails, all fail
                 stack.close()
         return workers.broadcast(result)

@@ -326,7 +326,7 @@ def staged_output(
         shutil.rmtree(staging, ignore_errors=True)
         if nested:
             raise
-        raise _output_failure(exc, dest, staging) from None
+        raise output_failure(exc, dest, staging) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -339,7 +339,7 @@ def staged_output(
             os.close(lock)
 
 
-def _output_failure(exc: OSError, dest: Path, staging: Path) -> IOFailure:
+def output_failure(exc: OSError, dest: Path, staging: Path) -> IOFailure:
     """The `IOFailure` for an OS error while `dest` was written through `staging`.
 
     A name inside the staging folder (removed by now) is reported as DEST. A file outside
