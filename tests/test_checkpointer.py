@@ -704,6 +704,56 @@ def test_a_rank_that_cannot_write_its_shard_is_named_with_its_error_and_fix_on_e
     assert latest(run) == str(run / "step-3")
 
 
+DIFFERENT_STEPS_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer, CkptError
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+model = torch.nn.Linear(4, 4)
+got = {}
+with Checkpointer(run) as ck:
+    try:  # each rank counts its own steps, and they drifted apart
+        got["drifted"] = ck.save(100 + rank, {"model": model, "seen": rank}).phase
+    except CkptError as error:
+        got["drifted"] = {"raised": type(error).__name__, "message": str(error)}
+    ck.save(200, {"model": model, "seen": rank})
+    got["next"] = ck.wait().model_dump(mode="json")
+with open(f"{out}.rank{rank}.json", "w") as f:
+    json.dump(got, f)
+dist.barrier()
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_ranks_that_save_different_steps_are_refused_on_every_rank_and_save_nothing(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 called `save(100, ...)` and rank 1 `save(101, ...)`: one folder `step-100` held
+    both ranks' state, and rank 1 reported `step 101 saved: RUN/step-101`, a folder that was
+    never written. Now every rank raises the same `UsageError` naming both steps, nothing is
+    written, and the next save goes on normally."""
+    import json
+
+    from .dist_helpers import run_torchrun
+
+    script = tmp_path / "different_steps.py"
+    script.write_text(DIFFERENT_STEPS_SCRIPT)
+    run, out = tmp_path / "run", tmp_path / "out"
+    run_torchrun(script, 2, run, out)
+    for rank in (0, 1):
+        got = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert got["drifted"]["raised"] == "UsageError", got
+        assert "different steps (rank 0: 100, rank 1: 101)" in got["drifted"]["message"]
+        assert got["next"]["phase"] == "done" and got["next"]["path"] == str(run / "step-200")
+    assert sorted(p.name for p in run.iterdir()) == ["step-200"]
+
+
 def _flip_tensor_byte(save: Path, fqn: str) -> None:
     """Damage one byte of the tensor `fqn` in a saved DCP folder (a bit rot on disk)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader

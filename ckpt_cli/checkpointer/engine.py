@@ -299,7 +299,8 @@ class Checkpointer:
         background work never raise here: they are logged and reported by `status()` and by
         the record `wait()` returns. Under torchrun the ranks agree that each staged its
         state before any writes: a rank whose state cannot be staged raises here, and the
-        others save nothing of that step (their record is `failed`, naming that rank).
+        others save nothing of that step (their record is `failed`, naming that rank); ranks
+        that pass different steps all raise `UsageError`, and nothing is written.
         """
         if self._closed:
             raise UsageError(
@@ -339,10 +340,20 @@ class Checkpointer:
         except BaseException:
             # the other ranks must not start a write this rank will never join: theirs would
             # wait for it, and take its next save's collectives for this one's (a torn save)
-            self._ranks_not_staged(False)
+            self._ranks_not_staged(False, step)
             raise
-        failed = self._ranks_not_staged(True)
+        failed, steps = self._ranks_not_staged(True, step)
         record.stage_seconds = time.perf_counter() - staged_from
+        if not failed and len(set(steps)) > 1:
+            # one folder for two steps would mix them, and each rank would report its own
+            # step's folder saved; every rank raises, so none waits for the others
+            told = ", ".join(f"rank {rank}: {saved}" for rank, saved in enumerate(steps))
+            raise UsageError(
+                f"the ranks called save with different steps ({told}): no rank saved any",
+                path=self.run_dir,
+                fix="Pass every rank the same step: under torchrun save is collective, called "
+                "at the same point of the loop on every rank.",
+            )
         if failed:
             which = ", ".join(map(str, failed))
             record.phase = "failed"
@@ -535,14 +546,16 @@ class Checkpointer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)
         return bool(flag.item())
 
-    def _ranks_not_staged(self, staged: bool) -> list[int]:
-        """The ranks whose `save` could not stage the state (under torchrun; [] alone)."""
+    def _ranks_not_staged(self, staged: bool, step: int) -> tuple[list[int], list[int]]:
+        """The ranks whose `save` could not stage the state (under torchrun; [] alone), and
+        the step each rank's `save` was called with."""
         if not self._distributed:
-            return []
-        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(self.world_size)]
-        mine = torch.tensor([0 if staged else 1], dtype=torch.int32)
+            return [], [step]
+        flags = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
+        mine = torch.tensor([0 if staged else 1, step], dtype=torch.int64)
         dist.all_gather(flags, mine, group=self._control_group)
-        return [rank for rank, flag in enumerate(flags) if flag.item()]
+        failed = [rank for rank, flag in enumerate(flags) if flag[0].item()]
+        return failed, [int(flag[1].item()) for flag in flags]
 
     def _join(self) -> None:
         """Wait for the save in flight. Only that save is forgotten once it is over: a wait
