@@ -1063,6 +1063,41 @@ def test_a_save_holding_an_earlier_saves_state_is_found(tmp_path: Path, componen
     assert "resume from ckpt_4.pt" in top["fix"]
 
 
+@pytest.mark.frameworks
+def test_a_final_save_holding_the_save_befores_weights_is_found(
+    real_trainer_run: Path, tmp_path: Path
+) -> None:
+    """A Trainer's linear schedule ends at learning rate 0: the optimizer of its last save,
+    `checkpoint-4`, holds LR 0 for the step that never comes. Its weights put together from
+    `checkpoint-2` were NO CAUSE FOUND (the LR 0 saved there was taken for steps taken at LR 0);
+    the steps between the saves ran at the LR `checkpoint-2` holds."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "out"
+    for name in ("checkpoint-2", "checkpoint-4"):
+        shutil.copytree(real_trainer_run / "straight" / name, run / name)
+    lr = torch.load(run / "checkpoint-4" / "optimizer.pt", weights_only=True)["param_groups"]
+    assert lr[0]["lr"] == 0.0  # the schedule's end
+    shutil.copy2(run / "checkpoint-2" / "model.safetensors", run / "checkpoint-4")
+    mixed = load_file(run / "checkpoint-4" / "model.safetensors")
+    real = load_file(real_trainer_run / "straight" / "checkpoint-4" / "model.safetensors")
+    assert any(not torch.equal(mixed[k], real[k]) for k in real)
+
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [c["id"] for c in causes] == ["inconsistent_state"], causes
+    top = causes[0]
+    assert (top["before"], top["after"]) == ("checkpoint-2", "checkpoint-4")
+    assert top["title"] == (
+        "checkpoint-4 holds checkpoint-2's weights: the save mixes state of two saves"
+    )
+    # the straight run is no mixed save
+    clean = run_ckpt("doctor", real_trainer_run / "straight", "--json")
+    assert clean.exit_code == 0, clean.stdout
+    assert clean.json["result"]["causes"] == []
+
+
 def test_a_lost_rank_rng_file_is_found_against_the_runs_other_saves(tmp_path: Path) -> None:
     """A 2-rank Trainer run keeps `rng_state_0.pth` and `rng_state_1.pth` in every save; one
     save lost `rng_state_1.pth`. The Trainer records no world size, so doctor (run or single

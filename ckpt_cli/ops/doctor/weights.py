@@ -197,8 +197,11 @@ def _unmoved(pair: Pair, rows: list[tuple[str, float, float]]) -> Cause | None:
     moments_a, moments_b = second_moment_mean(a), second_moment_mean(b)
     if moments_a is None or moments_a == moments_b:
         return None
-    if any(_zero_lr(save) for save in (a, b)):
-        return None  # Adam stepped at learning rate 0 (a warm-up of its moments): no update
+    if _zero_lr(a):
+        # the LR a save holds is the next step's: the steps after `a` ran at LR 0 (a warm-up
+        # of Adam's moments), no update; `b`'s is for the steps after it (0 at the end of a
+        # schedule that decays to 0, the last save's), which moved nothing between the two
+        return None
     return Cause(
         id="inconsistent_state",
         title=f"{b.name} holds {a.name}'s weights: the save mixes state of two saves",
@@ -219,7 +222,8 @@ def _unmoved(pair: Pair, rows: list[tuple[str, float, float]]) -> Cause | None:
 
 
 def _zero_lr(save: Save) -> bool:
-    """Whether the optimizer's learning rate at the save is 0 in some param group."""
+    """Whether the optimizer's learning rate at the save (the one its next step takes) is 0 in
+    some param group."""
     prefix = save.prefix("optimizer")
     if prefix is None:
         return False
