@@ -48,6 +48,7 @@ CASES: dict[str, dict[str, str | None]] = {
         "config": "config_changed",
         "tokenizer": "tokenizer_changed",
         "rng": "rng_not_restored",
+        "rng_file_lost": "rng_not_restored",
         "bf16": "precision_changed",
     },
     "accelerate": {
@@ -235,6 +236,15 @@ def build_trainer(out: Path) -> None:
             run(folder, folder / "checkpoint-2")
             continue
         copy_saves(base, folder, ["checkpoint-2", "checkpoint-4"])
+        if case == "rng_file_lost":
+            # the save resumed from lost its RNG file since it was written: the Trainer only
+            # logs "Didn't find an RNG file" and goes on from the seed
+            lost = folder / "checkpoint-4"
+            (lost / "rng_state.pth").unlink()
+            written = (lost / "trainer_state.json").stat()
+            os.utime(lost, (written.st_atime, written.st_mtime))
+            run(folder, lost)
+            continue
         run(folder, folder / "checkpoint-4", None if case == "clean" else case)
 
 

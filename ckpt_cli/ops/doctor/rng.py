@@ -5,7 +5,10 @@
   re-seeded and replayed the same draws);
 - torch's CPU generator, whose state carries its seed (`mt19937`): it carries another seed
   after the resume, or has drawn fewer numbers since its seed than it had at the save resumed
-  from (it was seeded again, whatever it drew since).
+  from (it was seeded again, whatever it drew since);
+- the save resumed from holds no RNG state at all (its `rng_state.pth` lost, a loop that did
+  not save it) while the save after does: there was nothing to restore (the Trainer only logs
+  "Didn't find an RNG file" and goes on).
 """
 
 from __future__ import annotations
@@ -103,13 +106,70 @@ def _reseeded(pair: Pair, before: dict[str, Any], after: dict[str, Any]) -> list
     return []
 
 
+def _files(save: Save) -> list[str]:
+    """The files rank 0's RNG states are kept in (`rng_state.pth`), where they are files."""
+    return sorted({e.file for e in save.rng_groups.get("0", []) if e.file is not None})
+
+
+def _nothing_to_restore(pair: Pair, after: dict[str, Any]) -> list[Cause]:
+    """The save before holds no RNG state, the save after does: a resume from it (a restart
+    found, or the state after bit-identical to an earlier save's that the run moved on from)
+    had no RNG state to restore. In one process between them (no restart), the state lost
+    from the save before changed nothing for the run."""
+    a, b = pair.before, pair.after
+    replay = next(
+        (e for e in reversed(pair.earlier) if _same(after, _streams(e))),
+        None,
+    )
+    moved = replay is not None and any(
+        _streams(e) and not _same(_streams(e), _streams(replay))
+        for e in pair.earlier
+        if e is not replay
+    )
+    if not pair.stopped and not moved:
+        return []
+    files = _files(b)
+    evidence = [
+        f"{a.name} holds no RNG state"
+        + (f" (no {', '.join(files)}, which {b.name} holds)" if files else f", {b.name} does")
+        + f": the resume from {a.name} had none to restore"
+    ]
+    if replay is not None:
+        evidence.append(
+            f"the RNG state at {b.name} (step {fmt(b.step)}) is bit-identical to the one "
+            f"{replay.name} (step {fmt(replay.step)}) held "
+            f"({', '.join(sorted(set(after) & set(_streams(replay))))}): the resumed run "
+            "seeded it as the run's start did"
+        )
+    return [
+        Cause(
+            id="rng_not_restored",
+            title=f"the RNG state was not restored: {a.name}, resumed from, holds none",
+            score=0.8 if replay is not None else 0.7,
+            before=a.name,
+            after=b.name,
+            evidence=evidence,
+            fix=f"{a.name} lacks the RNG state the run's saves hold"
+            + (f" ({', '.join(files)})" if files else "")
+            + ": restore it from a copy of the save, or resume from a save that holds it "
+            "(`ckpt latest` passes over a save missing its RNG file); a plain loop must save "
+            "torch.get_rng_state() (and random / numpy's states) with every save. Or declare "
+            "it with --expect rng.",
+        )
+    ]
+
+
 def check(pair: Pair) -> list[Cause]:
     """The RNG cause of one pair of saves."""
     if not pair.after.rng_groups:
         return []
     after = _streams(pair.after)
+    if not after:
+        return []
+    if not pair.before.rng_groups:
+        return _nothing_to_restore(pair, after)
     before = _streams(pair.before)
-    if not after or _same(after, before):
+    if _same(after, before):
         return []
     # a save before the resume that itself replays an earlier state (an earlier resume re-seeded)
     # is followed by the state after that one: a continuation of the same replay, no new cause
