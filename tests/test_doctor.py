@@ -1043,24 +1043,34 @@ def test_weights_that_adam_steps_at_learning_rate_zero_are_no_mixed_save(tmp_pat
 
 
 @pytest.mark.parametrize("component", ["optimizer", "model"])
-def test_a_save_holding_an_earlier_saves_state_is_found(tmp_path: Path, component: str) -> None:
+@pytest.mark.parametrize(("source", "into"), [(4, 6), (2, 4)])
+def test_a_save_holding_an_earlier_saves_state_is_found(
+    tmp_path: Path, component: str, source: int, into: int
+) -> None:
     """`ckpt_6.pt` put together from two saves: its optimizer (or its weights) are
     `ckpt_4.pt`'s. The weights case was NO CAUSE FOUND; the optimizer case only "the save's
-    step counters disagree" for `ckpt_6.pt`, not where its state came from."""
+    step counters disagree" for `ckpt_6.pt`, not where its state came from. `ckpt_4.pt` holding
+    the first save's optimizer, whose count (2) is a fresh optimizer's two steps after it, was
+    "not restored: the second moments started over" at a resume that never was, beside the
+    same second moments (×1.00)."""
     run = tmp_path / "run"
     _plain_loop(run, None, until=8)
-    mixed = torch.load(run / "ckpt_6.pt", weights_only=True)
-    mixed[component] = torch.load(run / "ckpt_4.pt", weights_only=True)[component]
-    torch.save(mixed, run / "ckpt_6.pt")
+    mixed = torch.load(run / f"ckpt_{into}.pt", weights_only=True)
+    mixed[component] = torch.load(run / f"ckpt_{source}.pt", weights_only=True)[component]
+    torch.save(mixed, run / f"ckpt_{into}.pt")
     result = run_ckpt("doctor", run, "--json")
     assert result.exit_code == 1, result.stdout
     causes = result.json["result"]["causes"]
     assert [c["id"] for c in causes] == ["inconsistent_state"], causes
     top = causes[0]
-    assert (top["before"], top["after"]) == ("ckpt_4.pt", "ckpt_6.pt")
+    assert (top["before"], top["after"]) == (f"ckpt_{source}.pt", f"ckpt_{into}.pt")
     what = "weights" if component == "model" else "optimizer state"
-    assert top["title"] == f"ckpt_6.pt holds ckpt_4.pt's {what}: the save mixes state of two saves"
-    assert "resume from ckpt_4.pt" in top["fix"]
+    assert top["title"] == (
+        f"ckpt_{into}.pt holds ckpt_{source}.pt's {what}: the save mixes state of two saves"
+    )
+    assert f"resume from ckpt_{source}.pt" in top["fix"]
+    points = result.json["result"]["resume_points"]
+    assert [p["how"] for p in points if p["after"] != f"ckpt_{into}.pt"] == [[]] * 2
 
 
 @pytest.mark.frameworks

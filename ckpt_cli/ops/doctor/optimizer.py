@@ -16,7 +16,16 @@ IDS_AS_STRINGS = "optimizer_ids_as_strings"
 
 
 def second_moment_mean(save: Save) -> float | None:
-    """The mean of Adam's `exp_avg_sq` over every parameter (streamed, one tensor at a time)."""
+    """The mean of Adam's `exp_avg_sq` over every parameter (streamed, one tensor at a time;
+    once per save, as each pair and check asks again)."""
+    if "exp_avg_sq_mean" in save.memo:
+        known: float | None = save.memo["exp_avg_sq_mean"]
+        return known
+    save.memo["exp_avg_sq_mean"] = mean = _second_moment_mean(save)
+    return mean
+
+
+def _second_moment_mean(save: Save) -> float | None:
     prefix = save.prefix("optimizer")
     if prefix is None:
         return None
@@ -38,6 +47,11 @@ def check(pair: Pair) -> list[Cause]:
     causes: list[Cause] = []
     found = counter_restart(a.optimizer_step, b.optimizer_step, a.step, pair.elapsed)
     restart = found if found is not None and found.restarted else None
+    # the count a fresh optimizer would have, with the very moments of the save before: no
+    # optimizer started over, the save before's state was saved again (two saves mixed)
+    copied = restart is not None and a.optimizer_step == b.optimizer_step and _same_moments(a, b)
+    if copied:
+        restart = None
     misfits_before = shape_problems(a.opened)  # read once: `_mismatch` compares with it
     # a save whose optimizer ids are strings loads as nothing, whatever the counters say
     # (the stale entries it leaves in the optimizer are saved again, with their old counts)
@@ -54,7 +68,8 @@ def check(pair: Pair) -> list[Cause]:
             if before_v and after_v is not None:
                 evidence.append(
                     f"mean exp_avg_sq {before_v:.3g} → {after_v:.3g} "
-                    f"(×{after_v / before_v:.2f}): the second moments started over"
+                    f"(×{after_v / before_v:.2f})"
+                    + (": the second moments started over" if after_v < before_v else "")
                 )
         evidence += [f"{a.name}: {p.message.split(': ', 1)[-1]}" for p in unloadable]
         causes.append(
@@ -100,7 +115,7 @@ def check(pair: Pair) -> list[Cause]:
             )
         )
     if restart is None and not unloadable and not causes:
-        causes += _restored_from_another_save(pair)
+        causes += _copied(pair) if copied else _restored_from_another_save(pair)
     mismatch = _mismatch(a, b, misfits_before)
     if mismatch:
         causes.append(
@@ -165,10 +180,10 @@ def _restored_from_another_save(pair: Pair) -> list[Cause]:
     resumed_with = b.optimizer_step - taken
     if resumed_with == a.optimizer_step or resumed_with <= 0:
         return []
-    if b.optimizer_step == a.optimizer_step:
-        moments = second_moment_mean(a)
-        if moments is None or moments == second_moment_mean(b):
-            return _copied(pair)  # not another save's state trained on: the same state
+    if b.optimizer_step == a.optimizer_step and (
+        second_moment_mean(a) is None or _same_moments(a, b)
+    ):
+        return _copied(pair)  # not another save's state trained on: the same state
     other = next((e for e in reversed(pair.earlier) if e.optimizer_step == resumed_with), None)
     if other is None:
         return []
@@ -191,6 +206,12 @@ def _restored_from_another_save(pair: Pair) -> list[Cause]:
             f"Resume from {a.name} again to train on consistent state.",
         )
     ]
+
+
+def _same_moments(a: Save, b: Save) -> bool:
+    """Whether two saves' optimizers hold the same second moments (mean `exp_avg_sq`)."""
+    moments = second_moment_mean(a)
+    return moments is not None and moments == second_moment_mean(b)
 
 
 def _copied(pair: Pair) -> list[Cause]:
