@@ -1108,6 +1108,45 @@ def test_a_final_save_holding_the_save_befores_weights_is_found(
     assert clean.json["result"]["causes"] == []
 
 
+@pytest.mark.frameworks
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(("source", "into"), [(6, 4), (4, 6)])
+def test_a_trainer_state_of_another_save_is_named(
+    trainer_runs: Path, tmp_path: Path, source: int, into: int
+) -> None:
+    """A Trainer save holding another save's `trainer_state.json` (files of two saves put
+    together): its `global_step` is not the step the Trainer named the save after. doctor took
+    that global_step for the save's step: `checkpoint-4` holding `checkpoint-6`'s was "the
+    global batch changed" (the file's total_flos) and "the optimizer was not restored" at a
+    resume that never was; `checkpoint-6` holding `checkpoint-4`'s was only "counters
+    disagree", the file not named."""
+    run = tmp_path / "out"
+    for name in ("checkpoint-2", "checkpoint-4", "checkpoint-6"):
+        shutil.copytree(trainer_runs / "base" / name, run / name)
+    shutil.copy2(
+        run / f"checkpoint-{source}" / "trainer_state.json",
+        run / f"checkpoint-{into}" / "trainer_state.json",
+    )
+    state = json.loads((run / f"checkpoint-{into}" / "trainer_state.json").read_text())
+    assert state["global_step"] == source
+
+    for target in (run, run / f"checkpoint-{into}"):
+        result = run_ckpt("doctor", target, "--json")
+        assert result.exit_code == 1, result.stdout
+        causes = result.json["result"]["causes"]
+        assert [(c["id"], c["after"]) for c in causes] == [
+            ("inconsistent_state", f"checkpoint-{into}")
+        ], causes
+        top = causes[0]
+        assert top["evidence"][0] == (
+            f"trainer_state.json global_step {source} in checkpoint-{into}, which the Trainer "
+            f"named after its global_step {into}: the file is another save's"
+        )
+        assert f"checkpoint-{into}'s trainer_state.json is another save's" in top["fix"]
+    steps = [(p["step_before"], p["step_after"]) for p in result.json["result"]["resume_points"]]
+    assert steps == [] or steps == [(2, 4), (4, 6)]
+
+
 def test_a_lost_rank_rng_file_is_found_against_the_runs_other_saves(tmp_path: Path) -> None:
     """A 2-rank Trainer run keeps `rng_state_0.pth` and `rng_state_1.pth` in every save; one
     save lost `rng_state_1.pth`. The Trainer records no world size, so doctor (run or single

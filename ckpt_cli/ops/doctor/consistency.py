@@ -28,9 +28,17 @@ def check(save: Save) -> list[Cause]:
                 score=0.6,
                 after=save.name,
                 evidence=counters,
-                fix="The save mixes state from different points of the run (an optimizer or "
-                "scheduler restored from elsewhere, or not restored at the last resume): "
-                "resume from an earlier consistent save, or rebuild the state that lags.",
+                fix=(
+                    f"{save.name}'s trainer_state.json is another save's: put back the one "
+                    f"written with {save.name} (from a copy of the save), or resume from "
+                    "another save; the Trainer resumes at the global_step it reads there, "
+                    "skipping that many batches."
+                    if save.misnamed_trainer_state is not None
+                    else "The save mixes state from different points of the run (an optimizer "
+                    "or scheduler restored from elsewhere, or not restored at the last "
+                    "resume): resume from an earlier consistent save, or rebuild the state "
+                    "that lags."
+                ),
             )
         )
     ranks = _rng_ranks(save)
@@ -51,6 +59,12 @@ def check(save: Save) -> list[Cause]:
 def _disagreeing(save: Save) -> list[str]:
     step, opt, sched = save.counted_step, save.optimizer_step, save.scheduler_epoch
     evidence: list[str] = []
+    foreign = save.misnamed_trainer_state
+    if foreign is not None:
+        evidence.append(
+            f"trainer_state.json global_step {fmt(foreign)} in {save.name}, which the Trainer "
+            f"named after its global_step {fmt(save.folder_step)}: the file is another save's"
+        )
     if (
         step is not None
         and opt is not None

@@ -135,11 +135,13 @@ class Save:
         """The training step: the trainer's own counter, else the one in the folder's name.
 
         accelerate's `step` counts gradient-accumulation micro-steps under `accumulate()` (0
-        without it), so its folder's name wins there.
+        without it), so its folder's name wins there. The Trainer names each save after its
+        `global_step` (`checkpoint-N`), so its name wins there too: a `trainer_state.json`
+        that says otherwise is another save's (`consistency` names it).
         """
         state = self.opened.training
         own = state.step if state is not None else None
-        if self.layout == "accelerate" and self.folder_step is not None:
+        if self.layout in ("accelerate", "hf-trainer") and self.folder_step is not None:
             return self.folder_step
         return own if own is not None and own > 0 else self.folder_step
 
@@ -156,6 +158,17 @@ class Save:
         if self.layout == "accelerate" and Accelerate.step_folder.fullmatch(folder):
             return None
         return self.step
+
+    @cached_property
+    def misnamed_trainer_state(self) -> int | None:
+        """A Trainer save's `trainer_state.json` `global_step` where it is not the step the
+        save is named after (the Trainer names `checkpoint-N` after it): the file is another
+        save's. None when they agree, or either is unknown."""
+        state = self.opened.training
+        own = state.step if state is not None else None
+        if self.layout != "hf-trainer" or self.folder_step is None or own is None:
+            return None
+        return own if own != self.folder_step else None
 
     # ---------------------------------------------------------------- optimizer, scheduler
 
@@ -241,10 +254,13 @@ class Save:
     def data_counters(self) -> dict[str, float]:
         """Data-position counters by entry name (`dataloader.samples_seen`: 24)."""
         found: dict[str, float] = {}
+        foreign = self.misnamed_trainer_state is not None  # another save's counters
         for entry in self.entries:
             parts = entry.name.split(".")
             if "log_history" in parts:
                 continue  # the values logged at past steps, not the position now
+            if foreign and parts[0] == "trainer_state":
+                continue
             if parts[-1] in LOADER_POSITIONS:
                 counted = self._in_loader(entry.name)
             else:
@@ -262,7 +278,7 @@ class Save:
                 found[entry.name] = float(value)
         for name, value in self._pickled_loader_counters().items():
             found.setdefault(name, value)
-        epoch = self.value("trainer_state.epoch")
+        epoch = None if foreign else self.value("trainer_state.epoch")
         if isinstance(epoch, int | float) and not isinstance(epoch, bool):
             found["trainer_state.epoch"] = float(epoch)
         return found
@@ -374,6 +390,7 @@ class Save:
         """Counters that grow with the work done per step (the Trainer's `total_flos`, the
         tokens torchtitan's `train_state` counts, the samples DeepSpeed's engine counts)."""
         out: dict[str, float] = {}
+        foreign = self.misnamed_trainer_state is not None  # another save's counters
         for name in (
             "trainer_state.total_flos",
             "trainer_state.num_input_tokens_seen",
@@ -381,6 +398,8 @@ class Save:
             "train_state.tokens_seen",
             "model_states.global_samples",
         ):
+            if foreign and name.startswith("trainer_state."):
+                continue
             value = self.value(name)
             if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
                 out[name] = float(value)
