@@ -1147,6 +1147,38 @@ def test_a_trainer_state_of_another_save_is_named(
     assert steps == [] or steps == [(2, 4), (4, 6)]
 
 
+@pytest.mark.frameworks
+def test_a_save_whose_optimizer_file_is_unreadable_is_not_called_resumable(
+    real_trainer_run: Path, tmp_path: Path
+) -> None:
+    """`checkpoint-2`'s `optimizer.pt` overwritten with other bytes (a bad disk, a copy cut
+    and padded): `torch.load` of it fails, so a resume from it stops there, and `verify` fails
+    it. `doctor checkpoint-2` said "can resume consistently" and the run "state continuous",
+    neither naming the file: the optimizer was left out of the examination in silence."""
+    run = tmp_path / "out"
+    for name in ("checkpoint-2", "checkpoint-4"):
+        shutil.copytree(real_trainer_run / "straight" / name, run / name, copy_function=shutil.copy)
+    broken = run / "checkpoint-2" / "optimizer.pt"
+    broken.write_bytes(bytes(range(256)) * (broken.stat().st_size // 256 + 1))
+    with pytest.raises(Exception):  # noqa: B017 - whatever torch raises, the resume stops
+        torch.load(broken, weights_only=True)
+
+    single = run_ckpt("doctor", run / "checkpoint-2", "--json")
+    assert single.exit_code == 0, single.stdout
+    report = single.json["result"]
+    assert "can resume consistently" not in report["verdict"]
+    assert "optimizer.pt" in report["verdict"], report["verdict"]
+    assert any(
+        "checkpoint-2/optimizer.pt" in w and "not a torch.save file" in w
+        for w in report["warnings"]
+    ), report["warnings"]
+
+    whole = run_ckpt("doctor", run, "--json")
+    assert whole.exit_code == 0, whole.stdout
+    assert any("checkpoint-2/optimizer.pt" in w for w in whole.json["result"]["warnings"])
+    assert "checkpoint-2/optimizer.pt" in run_ckpt("doctor", run).stderr
+
+
 def test_a_lost_rank_rng_file_is_found_against_the_runs_other_saves(tmp_path: Path) -> None:
     """A 2-rank Trainer run keeps `rng_state_0.pth` and `rng_state_1.pth` in every save; one
     save lost `rng_state_1.pth`. The Trainer records no world size, so doctor (run or single

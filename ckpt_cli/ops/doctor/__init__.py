@@ -140,6 +140,8 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
             )
             saves.append(save)
         logs = _logs_of(run)
+    for save in saves:
+        report.warnings += _unreadable(save)
     try:
         if report.mode == "pair":
             _check_order(saves[0], saves[1])
@@ -383,6 +385,19 @@ def _settle_unused(why: str) -> UsageError:
     )
 
 
+def _unreadable(save: Save) -> list[str]:
+    """The save's components that could not be read, one warning each: left out of the
+    examination (their causes cannot be found), and a resume from the save fails on them."""
+    state = save.opened.training
+    if state is None:
+        return []
+    return [
+        f"{save.name}/{rel}: unreadable ({why}): left out of the examination; a resume from "
+        f"{save.name} fails loading it"
+        for rel, why in state.unreadable.items()
+    ]
+
+
 def _single(path: str, declared: set[str]) -> DoctorReport:
     report = DoctorReport(run_dir=path, mode="single")
     save = _open(path)
@@ -392,6 +407,7 @@ def _single(path: str, declared: set[str]) -> DoctorReport:
                 f"{path}: holds no training state ({no_training_state(save.opened)}): nothing "
                 "to resume from"
             )
+        report.warnings += _unreadable(save)
         report.checkpoints = [save.name]
         report.expected = sorted(declared)
         report.causes = rank(consistency.check(save), declared)
@@ -399,6 +415,13 @@ def _single(path: str, declared: set[str]) -> DoctorReport:
         if save.opened.training is None and not report.causes:
             # "can resume consistently" beside "nothing to resume from" contradicted itself
             report.verdict = f"NO CAUSE FOUND: {save.name} holds weights only, no training state"
+        unreadable = list(save.opened.training.unreadable) if save.opened.training else []
+        if unreadable and not report.causes:
+            # its counters agree, but "can resume consistently" it cannot
+            report.verdict = (
+                f"NO CAUSE FOUND: {save.name}'s readable state is consistent, but it cannot "
+                f"resume: {', '.join(unreadable)} unreadable"
+            )
     finally:
         save.close()
     return report
