@@ -539,3 +539,29 @@ def test_a_rank_whose_writes_fail_exits_74_naming_dest_and_the_errno_on_every_ra
     assert "ulimit -f" in error and "internal error" not in error, error
     assert not dest.exists()
     assert no_leftovers(tmp_path) == []
+
+
+@pytest.mark.torchrun
+def test_an_object_store_dest_is_refused_under_torchrun_before_the_store_is_asked(
+    tmp_path: Path, sources: dict[str, Path]
+) -> None:
+    """`reshard --world-size` to `s3://…` under torchrun asked the store whether DEST existed
+    before refusing the URL (documented: refused in a split run): with the store unreachable
+    or no credentials yet, rank 0 exited 5 (`cannot read from the remote store`), and the
+    refusal came only once the store answered."""
+    unreachable = {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",  # nothing listens there
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_MAX_ATTEMPTS": "1",
+    }
+    proc = torchrun_ckpt(
+        2, "reshard", sources["dcp"], "s3://bucket/resharded", "--world-size", "3",
+        env=unreachable,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert (
+        "s3://bucket/resharded: a run split across torchrun ranks writes to a filesystem every "
+        "rank sees" in proc.stderr
+    ), proc.stderr
+    assert "exitcode  : 2 " in proc.stderr and "remote store" not in proc.stderr, proc.stderr

@@ -467,6 +467,21 @@ class RankShare(Record):
     seconds: float = 0.0
 
 
+def refuse_remote_split(dest: Any) -> None:
+    """Refuse an object-store DEST (a `RemoteDest`) under a launch of more than one rank, up
+    front: the split run writes into a staging folder every rank sees, and the refusal must
+    not wait for the store to answer (or to be reachable at all)."""
+    if isinstance(dest, Path) or not (_PENDING.get() is not None or _ACTIVE.get().distributed):
+        return
+    from ..errors import UsageError
+
+    raise UsageError(
+        "a run split across torchrun ranks writes to a filesystem every rank sees",
+        path=str(dest),
+        fix="Give a DEST on a shared filesystem, or run as one process to write to a URL.",
+    )
+
+
 def split_output(
     workers: Workers,
     dest: Any,

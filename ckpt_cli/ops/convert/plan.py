@@ -13,6 +13,7 @@ from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 from ... import dtypes
+from ...dist.command import refuse_remote_split
 from ...errors import FormatError, UsageError
 from ...formats import get_format, serializations, writable_formats
 from ...formats.base import Format, WriteOptions
@@ -115,7 +116,9 @@ def local_dest(dest: str) -> Destination:
     loc = parse_location(dest)
     if loc.kind == "local" and loc.path is not None:
         return loc.path
-    return resolve_destination(dest)
+    out = resolve_destination(dest)
+    refuse_remote_split(out)
+    return out
 
 
 def _file_format(suffix: str) -> type[Format] | None:

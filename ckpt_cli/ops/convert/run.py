@@ -15,7 +15,7 @@ from pydantic import Field
 
 from ... import dtypes
 from ...architectures import HF
-from ...dist.command import RankShare
+from ...dist.command import RankShare, refuse_remote_split
 from ...errors import NotFoundError, UsageError
 from ...formats import find_format, resolve_source
 from ...formats.base import Checkpoint, Format, WriteOptions
@@ -249,6 +249,7 @@ def convert(
         to, serialization=dcp_serialization, compression=dcp_compression, world_size=world_size
     )
     dest_path = resolve_destination(dest)
+    refuse_remote_split(dest_path)
     if dry_run and not match_prefix:
         # the real run refuses an existing DEST (or a missing parent) before any work: its dry
         # run says so too. A component's own DEST (under the whole one) is planned, not checked
