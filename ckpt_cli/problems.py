@@ -378,7 +378,9 @@ def restore_fix(location: str) -> str:
     copy of it, the parity, or the run's previous checkpoint. On the Hub, where a repository
     changes only by commits (no parity is written there, and `repair` refuses it), a good copy
     uploaded again or another revision."""
-    if location.startswith("hf://"):
+    from .storage.uri import is_hub_url
+
+    if is_hub_url(location):
         return (
             "Upload the file again from a good copy of the checkpoint (a new commit to the "
             "repository), or read a revision that holds it intact (`hf://org/repo@REVISION`); "
