@@ -795,3 +795,40 @@ def test_a_filtered_download_checks_against_the_hub_with_its_rewritten_index(
     (dest / "model.safetensors.index.json").write_text(json.dumps(index))
     tampered = run_ckpt("verify", dest, "--checksums", "--manifest", "hf://org/model", "--json")
     assert tampered.exit_code == 1, tampered.stdout
+
+
+def test_a_filtered_cache_only_download_leaves_a_snapshot_that_reads_true_offline(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """`download --cache-only --filter` fills the HF cache with the shards that hold the
+    tensors asked for. The repository's index goes with them: without it, the cached snapshot
+    (all HF_HUB_OFFLINE=1 reads) held one shard and nothing saying the model had more, and
+    offline `inspect` and `download` took that shard for the whole model (exit 0). Offline,
+    the same selection downloads from the cache alone, bit-exact; the whole model is refused,
+    naming a shard the cache lacks, and nothing is written."""
+    state = model_state()
+    commit = publish_model(hub, "org/model", tmp_path / "src", state, max_shard_size=SHARD_LIMIT)
+    picked = ["--filter", "model.layers.0.*"]
+    cached = run_ckpt("download", "hf://org/model", "--cache-only", *picked, "--json")
+    assert cached.exit_code == 0, cached.stdout
+    shards = {f["path"] for f in cached.json["result"]["files"] if f["kind"] == "weights"}
+    every = {p.name for p in (tmp_path / "src").glob("*.safetensors")}
+    assert shards and shards != every
+
+    offline = {"HF_HUB_OFFLINE": "1"}
+    dest = tmp_path / "whole"
+    for args in (["inspect", "hf://org/model"], ["download", "hf://org/model", dest]):
+        refused = run_ckpt(*args, "--json", env=offline)
+        assert refused.exit_code == 5, refused.stdout
+        error = refused.json["error"]
+        assert Path(error["path"]).name in every - shards
+        assert "HF_HUB_OFFLINE" in error["problem"]
+        assert f"ckpt download hf://org/model@{commit} --cache-only" in error["fix"]
+    assert not dest.exists()
+
+    part = tmp_path / "part"
+    fetched = run_ckpt("download", "hf://org/model", part, *picked, env=offline)
+    assert fetched.exit_code == 0, fetched.stdout + fetched.stderr
+    got = read_all(part)  # whole shards: the ones holding the tensors asked for
+    assert {n for n in state if n.startswith("model.layers.0.")} <= got.keys()
+    assert all(torch.equal(t, state[n]) for n, t in got.items())

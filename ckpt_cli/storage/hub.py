@@ -112,6 +112,15 @@ class HubStorage(Storage):
         try:
             return self.repo.files[rel]
         except KeyError:
+            if self.repo.snapshot is not None:
+                # offline, the listing is the cached snapshot's: the repository may well hold it
+                raise HubError(
+                    "is not in the local cache, and offline mode is on (HF_HUB_OFFLINE=1), so "
+                    "the Hub was not asked",
+                    path=self.describe(rel),
+                    fix="Unset HF_HUB_OFFLINE (or set it to 0) to fetch it, or fetch it once "
+                    f"while online (`ckpt download {self.repo.pinned()} --cache-only`).",
+                ) from None
             raise NotFoundError(
                 "file not found in the repository at this revision",
                 path=self.describe(rel),

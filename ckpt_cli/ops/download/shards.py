@@ -94,7 +94,10 @@ def download_shards(
         storage.remote(shard)  # NotFoundError if the index names a shard the repo lacks
     subset = weight_map is not None and needed != all_shards
     plan: list[tuple[str, Literal["weights", "index", "extra"]]] = [(s, "weights") for s in needed]
-    if index_rel is not None and not subset:
+    if index_rel is not None:
+        # the repository's own index goes into the HF cache even when DEST gets a narrowed
+        # one: without it, the cached snapshot (what HF_HUB_OFFLINE=1 reads) would hold a
+        # shard or two and nothing saying the model has more, and read as a whole model
         plan.insert(0, (index_rel, "index"))
     checkpoint = set(all_shards) | ({index_rel} if index_rel is not None else set())
     if extras:
@@ -110,8 +113,10 @@ def download_shards(
 
     report.files = [f for rel, kind in plan for f in planned_files(repo, [rel], kind)]
     report.bytes_planned = sum(f.size for f in report.files if f.status == "planned")
+    narrowed = subset and not report.cache_only  # DEST gets its own index, not the repo's
     if report.dry_run:
-        if subset:
+        if narrowed:
+            report.files = [f for f in report.files if f.path != index_rel]
             report.files.insert(0, _rewritten_index_info(index_rel, 0, "planned"))
         return
 
@@ -120,6 +125,8 @@ def download_shards(
     if report.cache_only:
         return
     assert dest is not None
+    if narrowed:
+        report.files = [f for f in report.files if f.path != index_rel]
     with staged_output(dest, force=force, progress=progress) as staging:
         for info in report.files:
             assert info.cache_path is not None
