@@ -131,6 +131,9 @@ class TestHub:
         self._idle = threading.Condition()
         #: LFS files answer `resolve` with a 302 to a CDN URL on another host name, as the Hub does
         self.lfs_redirect = True
+        #: tokens the Hub no longer accepts (expired, revoked): a request sending one is
+        #: answered 401 "Invalid credentials in Authorization header", whatever it asks for
+        self.revoked_tokens: set[str] = set()
         #: repo info honours `blobs=true` (files with sizes), as the Hub does; False: a mirror
         #: that lists the names alone
         self.info_blobs = True
@@ -469,6 +472,10 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(self.server_hub.latency)
         url = urlsplit(self.path)
         path = unquote(url.path)
+        sent = self.headers.get("Authorization") or ""
+        if sent.startswith("Bearer ") and sent[7:] in self.server_hub.revoked_tokens:
+            self._error(401, None, "Invalid credentials in Authorization header")
+            return
         fault = self.server_hub._take_fault(path)
         if fault is not None:
             status, code, headers = fault

@@ -229,19 +229,44 @@ def test_a_hub_that_stays_busy_fails_after_a_bounded_number_of_tries(
     assert len(asked) == HUB_RETRIES + 1
 
 
+@pytest.mark.parametrize(
+    "asked",
+    [{"Retry-After": "3600"}, {"RateLimit": '"api";r=0;t=3600'}],
+    ids=["retry-after", "ratelimit"],
+)
 def test_a_rate_limit_that_asks_for_a_long_wait_is_reported_at_once(
-    hub: TestHub, tmp_path: Path
+    hub: TestHub, tmp_path: Path, asked: dict[str, str]
 ) -> None:
-    """A 429 whose Retry-After asks for an hour is not waited for (a command must not sit
-    for as long as a server likes): exit 5 at once, saying how long the Hub asked to wait."""
+    """A 429 that asks to wait an hour (a `Retry-After`, or the Hub's `RateLimit` header with
+    its quota spent) is not waited for (a command must not sit for as long as a server likes):
+    exit 5 at once, saying how long the Hub asked to wait."""
     publish_model(hub, "org/limited", tmp_path / "src", {"w": torch.zeros(4, 4)})
-    hub.fail(r"^/api/models/org/limited", 429, times=1000, headers={"Retry-After": "3600"})
+    hub.fail(r"^/api/models/org/limited", 429, times=1000, headers=asked)
     result = run_ckpt("inspect", "hf://org/limited", "--json")
     assert result.exit_code == 5, result.stdout
     error = result.json["error"]
     assert "HTTP 429" in error["problem"] and "3600 s" in error["problem"], error
     assert "HF_TOKEN" in error["fix"]
     assert len([r for r in hub.log if r.path.startswith("/api/models/org/limited")]) == 1
+
+
+def test_an_expired_token_is_named_as_the_problem_not_the_repository(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """The Hub answers every request that sends a revoked or expired token with 401 "Invalid
+    credentials", public repositories included. The fix is a new token (or none), not the
+    terms of a gated repository; the token itself never appears in the message."""
+    publish_model(hub, "org/public", tmp_path / "src", {"w": torch.zeros(4, 4)})
+    hub.revoked_tokens.add("hf_expired")
+    for args in (["inspect", "hf://org/public"], ["download", "hf://org/public", tmp_path / "d"]):
+        result = run_ckpt(*args, "--json", env={"HF_TOKEN": "hf_expired"})
+        assert result.exit_code == 5, result.stdout
+        error = result.json["error"]
+        assert "HTTP 401" in error["problem"] and "token" in error["problem"], error
+        assert "HF_TOKEN" in error["fix"] and "gated" not in error["fix"], error
+        assert "hf_expired" not in result.stdout + result.stderr
+    assert not (tmp_path / "d").exists()
+    assert run_ckpt("inspect", "hf://org/public", env={"HF_TOKEN": ""}).exit_code == 0
 
 
 def test_a_hub_server_that_stops_answering_fails_the_read_instead_of_hanging(

@@ -239,6 +239,10 @@ def hub_mismatch(path: Path, remote: RemoteFile) -> str | None:
     return None
 
 
+#: what the Hub says (X-Error-Message) when it does not accept the token a request sends
+INVALID_TOKEN = "Invalid credentials in Authorization header"
+
+
 def _auth_fix() -> str:
     return (
         "If the repository is private or gated, accept its terms on the Hub, then set HF_TOKEN "
@@ -341,6 +345,17 @@ def _mapped_hub_errors(where: str) -> Iterator[None]:
         ) from None
     except hf.HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else None
+        said = exc.response.headers.get("X-Error-Message", "") if exc.response is not None else ""
+        if status == 401 and said == INVALID_TOKEN:
+            # the Hub's answer to any request with a token it does not accept (expired,
+            # revoked, mistyped), public repositories included
+            raise HubError(
+                "was refused (HTTP 401): the Hub does not accept the token sent (expired, "
+                "revoked or mistyped)",
+                path=where,
+                fix="Set HF_TOKEN to a valid token, or run `hf auth login` again; a public "
+                "repository needs none (unset HF_TOKEN, or `hf auth logout`).",
+            ) from None
         if status in (401, 403):
             raise HubError(f"was refused (HTTP {status})", path=where, fix=_auth_fix()) from None
         if status == 429:
@@ -374,8 +389,16 @@ def _mapped_hub_errors(where: str) -> Iterator[None]:
 
 
 def retry_after(headers: Mapping[str, str]) -> float | None:
-    """The seconds an answer's `Retry-After` asks to wait (a number of seconds, or an HTTP
-    date), or None when it has none that can be read."""
+    """The seconds an answer asks to wait before the next request: the Hub's `RateLimit`
+    header when its quota is spent (`r=0;t=SECONDS`, read by huggingface_hub's own parser),
+    else a `Retry-After` (a number of seconds, or an HTTP date); None when it says neither."""
+    # `huggingface_hub.utils` re-exports it lazily (mypy --strict sees no export); it is
+    # defined in `utils._http`, as `http_backoff`, which reads the same headers
+    from huggingface_hub.utils._http import parse_ratelimit_headers
+
+    quota = parse_ratelimit_headers(headers)
+    if quota is not None and quota.remaining == 0:
+        return float(quota.reset_in_seconds)
     value = next((v for k, v in headers.items() if k.lower() == "retry-after"), None)
     if value is None:
         return None
