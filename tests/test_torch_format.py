@@ -183,6 +183,36 @@ def test_corrupt_truncated_and_plain_pickle_files_are_exit_4(tmp_path: Path) -> 
         assert name in result.stderr
 
 
+
+def test_a_storage_record_cut_short_inside_an_intact_zip_is_damage_not_data(
+    tmp_path: Path,
+) -> None:
+    """A record rewritten shorter (the zip still whole) is refused as torch.load refuses it:
+    read through mmap, the tensor would take the next record's bytes as its own."""
+    import zipfile
+
+    torch.save({"x": torch.ones(300), "y": torch.zeros(10)}, tmp_path / "good.pt")
+    folder = tmp_path / "damaged"
+    folder.mkdir()
+    with (
+        zipfile.ZipFile(tmp_path / "good.pt") as good,
+        zipfile.ZipFile(folder / "model.pt", "w", zipfile.ZIP_STORED) as cut,
+    ):
+        for info in good.infolist():
+            data = good.read(info.filename)
+            cut.writestr(info, data[:8] if info.filename.endswith("/data/1") else data)
+    with pytest.raises(RuntimeError, match="record size"):
+        torch.load(folder / "model.pt", weights_only=True)
+
+    for args in (("verify", folder, "--deep"), ("inspect", folder)):
+        result = run_ckpt(*args)
+        assert result.exit_code == (1 if args[0] == "verify" else 4), result.stdout
+        said = result.stdout + result.stderr
+        assert "model.pt" in said and "data/1 holds 8 bytes" in said and "truncated" in said
+    result = run_ckpt("convert", folder, tmp_path / "out", "--to", "safetensors")
+    assert result.exit_code == 4 and not (tmp_path / "out").exists()
+    assert run_ckpt("verify", tmp_path / "good.pt", "--deep").exit_code == 0
+
 def test_legacy_non_zip_file_is_read(tmp_path: Path) -> None:
     sd = state_dict()
     torch.save(sd, tmp_path / "old.pt", _use_new_zipfile_serialization=False)

@@ -569,9 +569,25 @@ def _index(read: Read, start: int, length: int, where: str | None) -> tuple[Torc
             record = records[t.storage.key] = _record(
                 read, base, end, prefix + t.storage.key, found[1], found[2], found[4]
             )
+            _check_record_size(t.storage, record, where)
         tensors[path] = _layout(t, record, little)
     return TorchZipIndex(archive, records, tensors), root
 
+
+
+def _check_record_size(storage: _Storage, record: ZipRecord, where: str | None) -> None:
+    """Refuse a storage record whose size is not its storage's: torch.load refuses it too,
+    but torch.load with `mmap=True` (ckpt's reader) does not, and would read the bytes that
+    follow the record (the next record, the zip directory) as the tensor's."""
+    size = 1 if storage.dtype is None else itemsize(storage.dtype)
+    expected = storage.numel * size
+    if record.length != expected:
+        raise FormatError(
+            f"storage record {record.name} holds {record.length:,} bytes, where its storage "
+            f"of {storage.numel:,} elements needs {expected:,}: the file is truncated or corrupt",
+            path=where,
+            fix="Write or fetch the file again from where the checkpoint was saved.",
+        )
 
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray)
 #: containers deeper than this are left to torch (the rebuild below recurses)
