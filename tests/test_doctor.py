@@ -708,6 +708,12 @@ def test_trainer_runs_without_a_planted_fault_in_the_trainer(
     if want == "batch_changed":
         evidence = report["causes"][0]["evidence"]
         assert any("(×2.00): each step now processes more data" in e for e in evidence)
+    if case == "slimmed":  # slimming drops rng_state.pth too: nothing to restore it from
+        rng = [c for c in report["causes"] if c["id"] == "rng_not_restored"]
+        assert [c["evidence"][0] for c in rng] == [
+            "checkpoint-4 holds no RNG state (no rng_state.pth, which checkpoint-6 holds), "
+            "slimmed by `ckpt prune`: the resume from checkpoint-4 had none to restore"
+        ], report["causes"]
 
 
 @pytest.mark.frameworks

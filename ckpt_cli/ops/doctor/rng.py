@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import CkptError
+from ...sources.runs import SLIM_RECORD
 from ..diff.compare import values_equal
 from . import mt19937
 from .models import Cause
@@ -129,9 +130,11 @@ def _nothing_to_restore(pair: Pair, after: dict[str, Any]) -> list[Cause]:
     if not pair.stopped and not moved:
         return []
     files = _files(b)
+    slimmed = SLIM_RECORD in a.source.files
     evidence = [
         f"{a.name} holds no RNG state"
         + (f" (no {', '.join(files)}, which {b.name} holds)" if files else f", {b.name} does")
+        + (", slimmed by `ckpt prune`" if slimmed else "")
         + f": the resume from {a.name} had none to restore"
     ]
     if replay is not None:
