@@ -1185,6 +1185,73 @@ def test_a_save_whose_optimizer_file_is_unreadable_is_not_called_resumable(
     assert "checkpoint-2/optimizer.pt" in run_ckpt("doctor", run).stderr
 
 
+def _accumulating_loop(run: Path, resume: int | None, *, fresh_optimizer: bool = False) -> None:
+    """A plain loop that counts micro-batches (`step`) and steps its optimizer and scheduler
+    once per 4 of them (gradient accumulation), `torch.save`s `ckpt_{step}.pt` every 8 and
+    stops at 32; resumed from `ckpt_{resume}.pt` (with a fresh optimizer: `fresh_optimizer`)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+    data = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(256, 8, generator=data), torch.randn(256, 1, generator=data)
+    step = 0
+    if resume is not None:
+        saved = torch.load(run / f"ckpt_{resume}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        if not fresh_optimizer:
+            optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        step = saved["step"]
+    run.mkdir(parents=True, exist_ok=True)
+    while step < 32:
+        step += 1
+        start = step * 8 % 256
+        loss = torch.nn.functional.mse_loss(model(xs[start : start + 8]), ys[start : start + 8])
+        (loss / 4).backward()
+        if step % 4 == 0:
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if step % 8 == 0:
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+            }
+            torch.save(state, run / f"ckpt_{step}.pt")
+
+
+def test_a_loop_counting_micro_batches_is_no_inconsistent_save(tmp_path: Path) -> None:
+    """A loop whose `step` counts micro-batches, its optimizer stepping once per 4 (gradient
+    accumulation), as the doctor's own "another save's optimizer" check allows for: every
+    save of a straight run was "inconsistent_state: optimizer step count 2, trainer step 8".
+    The same ratio in every save of the run is the loop's counting; a resume that started
+    the optimizer over is still found."""
+    straight = tmp_path / "straight"
+    _accumulating_loop(straight, None)
+    saved = torch.load(straight / "ckpt_16.pt", weights_only=True)
+    assert int(saved["optimizer"]["state"][0]["step"]) == 4 and saved["step"] == 16
+    result = run_ckpt("doctor", straight, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []
+
+    resumed = tmp_path / "resumed"
+    _accumulating_loop(resumed, None)
+    for name in ("ckpt_24.pt", "ckpt_32.pt"):
+        (resumed / name).unlink()
+    _accumulating_loop(resumed, 16, fresh_optimizer=True)
+    result = run_ckpt("doctor", resumed, "--json")
+    assert result.exit_code == 1, result.stdout
+    top = result.json["result"]["causes"][0]
+    assert (top["id"], top["before"], top["after"]) == (
+        "optimizer_not_restored",
+        "ckpt_16.pt",
+        "ckpt_24.pt",
+    ), top
+
+
 def test_a_lost_rank_rng_file_is_found_against_the_runs_other_saves(tmp_path: Path) -> None:
     """A 2-rank Trainer run keeps `rng_state_0.pth` and `rng_state_1.pth` in every save; one
     save lost `rng_state_1.pth`. The Trainer records no world size, so doctor (run or single

@@ -334,8 +334,9 @@ def _examine(
             explained.add(pair.after.name)  # the same process carried the lag on
     lost = consistency.check_ranks_lost(pairs)
     causes += lost
+    per_update = consistency.micro_steps_per_update(saves)
     for save in saves:
-        for cause in consistency.check(save):
+        for cause in consistency.check(save, per_update):
             if cause.id == "rng_ranks_missing" and any(c.after == save.name for c in lost):
                 continue  # one finding per save
             if cause.id == "inconsistent_state" and save.name in explained:

@@ -16,10 +16,30 @@ _RANKS_FIX = (
 )
 
 
-def check(save: Save) -> list[Cause]:
-    """The consistency causes of one save."""
+def micro_steps_per_update(saves: list[Save]) -> int:
+    """How many of the run's counted steps make one optimizer step: a loop that counts
+    micro-batches and steps its optimizer once per accumulation saves `step` = k × the
+    optimizer's count in every save. k when every save holding both counters (two at least)
+    shows the same whole k; else 1 (a resume that restarted the optimizer changes the ratio
+    from that save on, so it is still found)."""
+    ratios: set[int] = set()
+    counted = 0
+    for save in saves:
+        step, opt = save.counted_step, save.optimizer_step
+        if step is None or opt is None or step <= 0 or opt <= 0:
+            continue
+        if step % opt:
+            return 1
+        ratios.add(step // opt)
+        counted += 1
+    return ratios.pop() if counted >= 2 and len(ratios) == 1 else 1
+
+
+def check(save: Save, per_update: int = 1) -> list[Cause]:
+    """The consistency causes of one save; `per_update`: the counted steps per optimizer step
+    (`micro_steps_per_update` of its run)."""
     causes: list[Cause] = []
-    counters = _disagreeing(save)
+    counters = _disagreeing(save, per_update)
     if counters:
         causes.append(
             Cause(
@@ -56,9 +76,11 @@ def check(save: Save) -> list[Cause]:
     return causes
 
 
-def _disagreeing(save: Save) -> list[str]:
+def _disagreeing(save: Save, per_update: int = 1) -> list[str]:
     step, opt, sched = save.counted_step, save.optimizer_step, save.scheduler_epoch
     evidence: list[str] = []
+    # the optimizer steps the counted steps make (a loop counting micro-batches: fewer)
+    updates = step // per_update if step is not None else None
     foreign = save.misnamed_trainer_state
     if foreign is not None:
         evidence.append(
@@ -66,12 +88,19 @@ def _disagreeing(save: Save) -> list[str]:
             f"named after its global_step {fmt(save.folder_step)}: the file is another save's"
         )
     if (
-        step is not None
+        updates is not None
         and opt is not None
-        and step > 0
-        and (opt > step or step - opt > _max_skipped(save, step))
+        and updates > 0
+        and (opt > updates or updates - opt > _max_skipped(save, updates))
     ):
-        evidence.append(f"optimizer step count {fmt(opt)}, trainer step {fmt(step)}")
+        evidence.append(
+            f"optimizer step count {fmt(opt)}, trainer step {fmt(step)}"
+            + (
+                f" ({fmt(updates)} optimizer steps at {per_update} per step)"
+                if per_update > 1
+                else ""
+            )
+        )
     if sched is not None and step is not None and step > 0:
         # a per-epoch scheduler counts epochs, fewer than steps; never more than the steps
         per_step = save.layout == "hf-trainer"
