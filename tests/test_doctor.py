@@ -801,6 +801,9 @@ def _plain_loop(
             optimizer.load_state_dict(saved["optimizer"])
         if "scheduler" in saved:
             scheduler.load_state_dict(saved["scheduler"])
+        if fault == "scheduler_fast_forward":  # "catching up" a scheduler already restored
+            for _ in range(saved["step"]):
+                scheduler.step()
         step = saved["step"]
         if fault != "skip_data":
             samples_seen = saved["samples_seen"]
@@ -1034,6 +1037,36 @@ def test_an_optimizer_restored_from_another_save_is_named(tmp_path: Path) -> Non
     saved = torch.load(run / "ckpt_6.pt", weights_only=True)["optimizer"]["state"][0]["step"]
     assert int(saved) == 4  # 2 restored + 2 trained: neither 6 (restored) nor 2 (fresh)
     assert "resumed with counted 2, the count of ckpt_2.pt (step 2)" in top["evidence"][0]
+
+
+def test_a_scheduler_stepped_again_after_its_restore_is_found_at_the_resume(
+    tmp_path: Path,
+) -> None:
+    """A resume that restored the scheduler and then stepped it as many times as the run had
+    trained, to "catch up": its schedule runs 4 steps ahead from there. doctor said only that
+    `ckpt_6.pt`'s and `ckpt_8.pt`'s counters disagree, twice, with a fix about state restored
+    from elsewhere; not the resume, nor what ran ahead."""
+    run = tmp_path / "run"
+    _plain_loop(run, None, until=5)
+    _plain_loop(run, 4, "scheduler_fast_forward", until=8)
+    saved = torch.load(run / "ckpt_6.pt", weights_only=True)["scheduler"]["last_epoch"]
+    assert saved == 10  # 4 restored + 4 again + 2 trained
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("inconsistent_state", "ckpt_4.pt", "ckpt_6.pt")
+    ], causes
+    top = causes[0]
+    assert (
+        top["title"] == "the LR scheduler ran ahead at the resume: it was stepped more "
+        "often than the run trained"
+    )
+    assert top["evidence"][0] == (
+        "scheduler last_epoch 4 at ckpt_4.pt, 10 at ckpt_6.pt, 2 steps later: restored it "
+        "would be 6; it runs 4 steps ahead of the run (step 6)"
+    )
+    assert "without stepping it again" in top["fix"]
 
 
 def test_weights_that_adam_steps_at_learning_rate_zero_are_no_mixed_save(tmp_path: Path) -> None:

@@ -28,6 +28,8 @@ def check(pair: Pair) -> list[Cause]:
     if a.scheduler_epoch is None or b.scheduler_epoch is None:
         return _unsaved(pair)
     found = counter_restart(a.scheduler_epoch, b.scheduler_epoch, a.step, pair.elapsed)
+    if found is not None and not found.restarted:
+        return _ran_ahead(pair, found.continued)
     if found is None or not found.restarted:
         return []
     evidence = [
@@ -46,6 +48,39 @@ def check(pair: Pair) -> list[Cause]:
             after=b.name,
             evidence=evidence,
             fix=_FIX,
+        )
+    ]
+
+
+def _ran_ahead(pair: Pair, continued: float) -> list[Cause]:
+    """The scheduler counts more steps after the pair than the run took, though it did not
+    before it: stepped again after its restore (to "catch up", or built with `last_epoch=`
+    and loaded too), so its schedule runs ahead from the resume on."""
+    a, b = pair.before, pair.after
+    sched_a, sched_b = a.scheduler_epoch, b.scheduler_epoch
+    step_a, step_b = a.counted_step, b.counted_step
+    if sched_a is None or sched_b is None or step_a is None or step_b is None:
+        return []
+    if sched_a > step_a or sched_b <= step_b or sched_b - continued < 1:
+        return []
+    return [
+        Cause(
+            id="inconsistent_state",
+            title="the LR scheduler ran ahead at the resume: it was stepped more often than "
+            "the run trained",
+            score=0.85,
+            before=a.name,
+            after=b.name,
+            evidence=[
+                f"scheduler {a.scheduler_counter} {fmt(sched_a)} at {a.name}, {fmt(sched_b)} "
+                f"at {b.name}, {fmt(pair.elapsed)} steps later: restored it would be "
+                f"{fmt(continued)}; it runs {fmt(sched_b - continued)} steps ahead of the run "
+                f"(step {fmt(step_b)})"
+            ],
+            fix="A restored scheduler already counts the steps it took: load its state dict "
+            "and step it once per optimizer step from there, without stepping it again to "
+            "catch up (nor building it with last_epoch= as well). Resume from "
+            f"{a.name} again to train on the run's schedule.",
         )
     ]
 
