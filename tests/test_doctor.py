@@ -1148,6 +1148,32 @@ def test_a_final_save_holding_the_save_befores_weights_is_found(
 
 
 @pytest.mark.frameworks
+def test_a_trainer_save_holding_the_save_befores_scheduler_is_found(
+    real_trainer_run: Path, tmp_path: Path
+) -> None:
+    """`checkpoint-4` put together with `checkpoint-2`'s `scheduler.pt`: its count (2) is what
+    a fresh scheduler would count two steps after a resume from `checkpoint-2`, and doctor said
+    "the LR scheduler was not restored: its schedule started over at the resume", though
+    nothing stopped and the Trainer's own log shows the schedule carrying on."""
+    run = tmp_path / "out"
+    for name in ("checkpoint-2", "checkpoint-4"):
+        shutil.copytree(real_trainer_run / "straight" / name, run / name)
+    shutil.copy2(run / "checkpoint-2" / "scheduler.pt", run / "checkpoint-4" / "scheduler.pt")
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("inconsistent_state", "checkpoint-2", "checkpoint-4")
+    ], causes
+    top = causes[0]
+    assert top["title"] == (
+        "checkpoint-4 holds checkpoint-2's scheduler state: the save mixes state of two saves"
+    )
+    assert "no warm-up again" in top["evidence"][0]
+    assert "resume from checkpoint-2" in top["fix"]
+
+
+@pytest.mark.frameworks
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize(("source", "into"), [(6, 4), (4, 6)])
 def test_a_trainer_state_of_another_save_is_named(

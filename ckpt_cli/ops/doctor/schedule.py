@@ -32,6 +32,9 @@ def check(pair: Pair) -> list[Cause]:
         return _ran_ahead(pair, found.continued)
     if found is None or not found.restarted:
         return []
+    copied = _copied(pair, found.before, found.after)
+    if copied:
+        return copied
     evidence = [
         f"scheduler {a.scheduler_counter} {fmt(found.before)} at {a.name}, {fmt(found.after)} "
         f"at {b.name}: " + found.outlook("restored it would be", "started over")
@@ -48,6 +51,39 @@ def check(pair: Pair) -> list[Cause]:
             after=b.name,
             evidence=evidence,
             fix=_FIX,
+        )
+    ]
+
+
+def _copied(pair: Pair, before: float, after: float) -> list[Cause]:
+    """The save after holds the save before's scheduler state (its count did not move) while
+    the run's log shows the schedule carried on between them, and nothing else says the run
+    stopped: no scheduler started over (that one's log goes back to the first steps' LR), the
+    file is the earlier save's, put together with the later one's other files."""
+    a, b, log = pair.before, pair.after, pair.log
+    if pair.stopped or before != after or not pair.elapsed:
+        return []
+    if log is None or log.lr_before is None or log.lr_after is None or log.restarted:
+        return []
+    if log.lr_like_step is not None:
+        return []
+    return [
+        Cause(
+            id="inconsistent_state",
+            title=f"{b.name} holds {a.name}'s scheduler state: the save mixes state of two saves",
+            score=0.85,
+            before=a.name,
+            after=b.name,
+            evidence=[
+                f"scheduler {a.scheduler_counter} {fmt(before)} at {a.name} and at {b.name}, "
+                f"{fmt(pair.elapsed)} steps later, while the logged learning rate carried on "
+                f"({log.lr_before:.3g} at step {log.step_before}, {log.lr_after:.3g} at step "
+                f"{log.step_after}, {log.source}: no warm-up again): the scheduler state "
+                "saved did not move",
+            ],
+            fix=f"{b.name}'s scheduler state was copied from {a.name} (files of two saves put "
+            "together), or the loop saves a scheduler it does not step: resume from "
+            f"{a.name}, and save the scheduler that steps.",
         )
     ]
 
