@@ -91,6 +91,7 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
     """`doctor` of `run_dir` as `request` says (the command's one call)."""
     before, after, settle = request.before, request.after, request.settle
     declared = _expected(request.expect)
+    incomplete: set[str] = set()  # the names of the incomplete saves examined
     if (before is None) != (after is None):
         raise UsageError("--before and --after go together", fix="Give both saves, or neither.")
     if before is not None and after is not None:
@@ -138,10 +139,12 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
                 f"{c.name}: incomplete ({c.reason}): examined as a save a resume may have "
                 "started from; what it lacks could not be restored from it"
             )
+            incomplete.add(c.name)
             saves.append(save)
         logs = _logs_of(run)
     for save in saves:
-        report.warnings += _unreadable(save)
+        if save.name not in incomplete:  # an incomplete save's warning names what it lacks
+            report.warnings += _unreadable(save)
     try:
         if report.mode == "pair":
             _check_order(saves[0], saves[1])
