@@ -296,3 +296,32 @@ def test_a_repo_with_only_pytorch_model_bin_downloads(hub: TestHub, tmp_path: Pa
     assert run_ckpt("download", "hf://org/old", tmp_path / "none", "--filter", "x*").exit_code == 3
     ranged = run_ckpt("download", "hf://org/old", tmp_path / "t", "--mode", "tensors")
     assert ranged.exit_code == 4 and "--mode shards" in ranged.stderr
+
+
+def test_a_pipeline_on_the_hub_converts_component_by_component_as_a_local_one(
+    hub: TestHub, diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    """A diffusers pipeline converted from the Hub keeps its component folders, as one
+    converted from disk does: a flat file beside the pipeline's `model_index.json` is no
+    pipeline diffusers loads (nor one ckpt reads back)."""
+    import warnings
+
+    from diffusers import LDMPipeline
+
+    hub.add_repo("org/ldm", diffusers_pipeline)
+    for command, extra in (
+        ("convert", ("--to", "safetensors")),
+        ("reshard", ("--max-shard-size", "20KB")),
+    ):
+        dest = tmp_path / command
+        result = run_ckpt(command, "hf://org/ldm", dest, *extra)
+        assert result.exit_code == 0, result.stdout + result.stderr
+        assert list((dest / "unet").glob("diffusion_pytorch_model*.safetensors"))
+        assert (dest / "model_index.json").is_file()
+        assert run_ckpt("diff", "hf://org/ldm", dest).exit_code == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = LDMPipeline.from_pretrained(dest)
+            original = LDMPipeline.from_pretrained(diffusers_pipeline)
+        assert same(loaded.unet.state_dict(), original.unet.state_dict())
+        assert same(loaded.vqvae.state_dict(), original.vqvae.state_dict())

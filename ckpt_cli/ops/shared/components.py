@@ -40,9 +40,12 @@ def component_targets() -> list[str]:
 
 
 def components_of(source: Source) -> tuple[str, list[Component]] | None:
-    """(layout, components) when `source` is a local multi-folder model, else None."""
-    if not source.location.is_local or source.target is not None:
-        return None  # multi-folder models are converted from local folders
+    """(layout, components) when `source` is a multi-folder model, else None. A Hub or
+    object-store folder is one too: read flat, its `model_index.json` carried beside one file
+    of every component's tensors would make an output no library loads. `source` is listed
+    already; only its index file (`model_index.json`) is read."""
+    if source.target is not None:
+        return None
     found = multi_folder(source)
     if found is None:
         return None
