@@ -325,3 +325,19 @@ def test_a_pipeline_on_the_hub_converts_component_by_component_as_a_local_one(
             original = LDMPipeline.from_pretrained(diffusers_pipeline)
         assert same(loaded.unet.state_dict(), original.unet.state_dict())
         assert same(loaded.vqvae.state_dict(), original.vqvae.state_dict())
+
+
+def test_weights_in_a_subfolder_are_named_as_in_a_subfolder(hub: TestHub, tmp_path: Path) -> None:
+    """Llama 3 repositories keep Meta's own `original/consolidated.00.pth` beside the
+    transformers weights: not fetched, and said to be in a subfolder (with the location that
+    reads it), not "another format beside those read"."""
+    weights = state(7)
+    folder = tmp_path / "llama"
+    (folder / "original").mkdir(parents=True)
+    save_file(weights, folder / "model.safetensors")
+    torch.save(weights, folder / "original" / "consolidated.00.pth")
+    hub.add_repo("org/llama", folder)
+    result = run_ckpt("download", "hf://org/llama", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.stderr
+    skipped = {s["name"]: s["reason"] for s in result.json["result"]["skipped"]}
+    assert "subfolder" in skipped["original/consolidated.00.pth"]

@@ -247,17 +247,16 @@ def skipped_files(
             why = "left out by --no-extras"
         elif include:
             why = "matched by no --include glob"
+        elif "/" in rel:
+            # before the weights: a subfolder's weights (Llama 3's `original/`) are its own
+            why = (
+                "in a subfolder: hf://ORG/REPO/FOLDER downloads that folder's checkpoint, or "
+                "--include 'FOLDER/*' fetches its files here"
+            )
         elif rel.endswith(WEIGHT_SUFFIXES) or looks_like_index(base):
             why = (
                 "weights of another format or variant than those read (a library loads one or "
                 "the other): --include with its name fetches it too"
-            )
-        elif base.startswith("."):
-            why = "a hidden file: not part of the checkpoint"
-        elif "/" in rel:
-            why = (
-                "in a subfolder: hf://ORG/REPO/FOLDER downloads that folder's checkpoint, or "
-                "--include 'FOLDER/*' fetches its files here"
             )
         else:
             why = (
