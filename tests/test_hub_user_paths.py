@@ -341,3 +341,24 @@ def test_weights_in_a_subfolder_are_named_as_in_a_subfolder(hub: TestHub, tmp_pa
     assert result.exit_code == 0, result.stderr
     skipped = {s["name"]: s["reason"] for s in result.json["result"]["skipped"]}
     assert "subfolder" in skipped["original/consolidated.00.pth"]
+
+
+def test_include_fetches_a_subfolder_in_both_modes(hub: TestHub, tmp_path: Path) -> None:
+    weights = state(8)
+    folder = tmp_path / "llama"
+    (folder / "original").mkdir(parents=True)
+    save_file(weights, folder / "model.safetensors")
+    torch.save(weights, folder / "original" / "consolidated.00.pth")
+    (folder / "original" / "params.json").write_text('{"dim": 16}\n')
+    hub.add_repo("org/llama", folder)
+    for mode in ("shards", "tensors"):
+        dest = tmp_path / mode
+        result = run_ckpt(
+            "download", "hf://org/llama", dest, "--mode", mode, "--include", "original/*"
+        )
+        assert result.exit_code == 0, result.stdout + result.stderr
+        assert (dest / "original" / "params.json").read_text() == '{"dim": 16}\n'
+        pth = dest / "original" / "consolidated.00.pth"
+        assert same(torch.load(pth, weights_only=True), weights)
+        [written] = dest.glob("*.safetensors")
+        assert same(read_file(written), weights)

@@ -445,7 +445,10 @@ def download_tensors(
                 report.bytes_transferred += fetch_files(repo, extra, NULL_PROGRESS)
                 for info in extra.files:
                     assert info.cache_path is not None
-                    shutil.copyfile(info.cache_path, staging / info.path)
+                    target = staging / info.path
+                    # `--include 'original/*'` picks files in subfolders too
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(info.cache_path, target)
                 report.files.extend(extra.files)
     except Interrupted as exc:
         # the ranges fetched so far stay in the partial folder for the next run, not removed
