@@ -362,3 +362,35 @@ def test_include_fetches_a_subfolder_in_both_modes(hub: TestHub, tmp_path: Path)
         assert same(torch.load(pth, weights_only=True), weights)
         [written] = dest.glob("*.safetensors")
         assert same(read_file(written), weights)
+
+
+def test_a_numbered_shard_set_without_its_index_and_with_shards_gone_fails_verify(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """A filtered download fills the HF cache with some shards of a set and no index: the
+    snapshot `org/name` (or any folder holding `model-00002-of-00003.safetensors` alone) is
+    not the whole checkpoint, and `verify` says which shards are gone."""
+    import os
+
+    from huggingface_hub import save_torch_state_dict
+
+    folder = tmp_path / "src"
+    folder.mkdir()
+    save_torch_state_dict(state(9), folder, max_shard_size=3000)
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) >= 3
+    hub.add_repo("org/model", folder)
+    fetched = run_ckpt("download", "hf://org/model", "--cache-only", "--filter", "blocks.2.*")
+    assert fetched.exit_code == 0, fetched.stderr
+    cache = Path(os.environ["HF_HOME"]) / "hub" / "models--org--model" / "snapshots"
+    [snapshot] = cache.iterdir()
+    held = sorted(p.name for p in snapshot.glob("*.safetensors"))
+    assert held and held != shards
+    result = run_ckpt("verify", snapshot, "--json")
+    assert result.exit_code == 1, result.stdout
+    missing = {
+        Path(p["file"]).name
+        for p in result.json["result"]["problems"]
+        if p["code"] == "missing_shard"
+    }
+    assert missing == set(shards) - set(held)

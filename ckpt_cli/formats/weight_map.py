@@ -207,6 +207,29 @@ def report_missing_shard(
     )
 
 
+#: a Hugging Face shard name: `model-00002-of-00003.safetensors` (stem, number, count, suffix)
+_NUMBERED = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?P<suffix>\.[a-z]+)$")
+
+
+def missing_numbered_shards(names: list[str]) -> list[str]:
+    """The shards a numbered set lacks, among `names` of a folder with no index: with
+    `model-00002-of-00003.safetensors` there, `model-00001-of-00003.safetensors` and
+    `model-00003-of-00003.safetensors` are part of the same save. A filtered download leaves
+    such a set (in the HF cache: shards, no index), which reads as a smaller checkpoint."""
+    sets: dict[tuple[str, int, str], set[int]] = {}
+    for name in names:
+        match = _NUMBERED.match(name)
+        if match is not None and 0 < int(match["i"]) <= int(match["n"]):
+            key = (match["stem"], int(match["n"]), match["suffix"])
+            sets.setdefault(key, set()).add(int(match["i"]))
+    return sorted(
+        f"{stem}-{i:05d}-of-{count:05d}{suffix}"
+        for (stem, count, suffix), present in sets.items()
+        for i in range(1, count + 1)
+        if i not in present
+    )
+
+
 def report_bad_index(findings: Findings, error: CkptError) -> None:
     """An index that cannot be read: `bad_index`, or `unsafe_input` for a path out of the root."""
     findings.error(error, None if error.code == "unsafe_input" else "bad_index")

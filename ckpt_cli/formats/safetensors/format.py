@@ -29,6 +29,7 @@ from ..weight_map import (
     check_duplicates,
     check_index,
     find_index,
+    missing_numbered_shards,
     read_index,
     report_bad_index,
     report_missing_shard,
@@ -274,6 +275,15 @@ class SafetensorsFormat(Format):
             if not shards:
                 findings.error(_no_safetensors(source))
                 return findings.problems
+            for gone in missing_numbered_shards(shards):
+                findings.add(
+                    "missing_shard",
+                    "is missing: the shards here are numbered as one save of more files, "
+                    "and no index says which tensors the others held",
+                    file=storage.describe(gone),
+                    fix="Fetch or copy the whole save again (with its index), or point at "
+                    "the shard you mean.",
+                )
         contents: dict[str, ShardContents] = {}
         present = [s for s in shards if s in listing]
         prefetch_headers(storage, present, weight_map)
