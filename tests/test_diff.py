@@ -420,3 +420,40 @@ def test_select_lines_up_a_plain_dcp_model_save_with_its_hf_weights(
     changed = run_ckpt("diff", tiny_llama, tmp_path / "changed", "--select", "model", "--json")
     assert changed.exit_code == 1
     assert [d["name"] for d in changed.json["result"]["differences"]] == ["model.norm.weight"]
+
+
+@pytest.mark.frameworks
+def test_a_filter_naming_a_tied_alias_compares_it_with_the_tensor_it_names(
+    tmp_path: Path,
+) -> None:
+    """`--filter 'lm_head.*'` on a correct conversion of tied weights: the filter matched the
+    alias on A, and left out the tensor B stores it as, so diff called `lm_head.weight` "only
+    in A" (exit 1). The filter chooses the names compared; the alias still resolves to its
+    tensor on the side that stores it once, whatever the filter leaves of that side."""
+    model = _tiny_tied("gpt2")
+    state = model.state_dict()
+    torch.save(state, tmp_path / "shared.pt")
+    out = tmp_path / "out.safetensors"
+    assert run_ckpt("convert", tmp_path / "shared.pt", out, "--to", "safetensors").exit_code == 0
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)  # drops lm_head.weight, reties it from config.json
+    untied = tmp_path / "untied.safetensors"  # lm_head.weight stored as a tensor of its own
+    save_file({k: v.clone().contiguous() for k, v in state.items()}, untied)
+    for a, b in ((tmp_path / "shared.pt", out), (out, tmp_path / "shared.pt"), (saved, untied)):
+        result = run_ckpt("diff", a, b, "--filter", "lm_head.*", "--json")
+        assert result.exit_code == 0, result.stdout
+        report = result.json["result"]
+        assert report["only_a"] == report["only_b"] == [], report
+        assert report["compared"] == report["equal"] == 1
+        assert [x["name"] for x in report["aliases"]] == ["lm_head.weight"]
+    # and a real difference behind the alias is still found through the filter
+    changed = {k: v.clone() for k, v in state.items()}
+    changed["lm_head.weight"][0, 0] += 1.0
+    torch.save(changed, tmp_path / "untied.pt")
+    result = run_ckpt("diff", tmp_path / "untied.pt", out, "-k", "lm_head.*", "--json")
+    assert result.exit_code == 1, result.stdout
+    [changed] = result.json["result"]["differences"]
+    assert changed["name"] == "lm_head.weight" and changed["name_b"] == "transformer.wte.weight"
+    # a filter leaving out the alias compares no alias at all
+    result = run_ckpt("diff", tmp_path / "shared.pt", out, "--filter-out", "lm_head.*", "--json")
+    assert result.exit_code == 0 and result.json["result"]["aliases"] == []

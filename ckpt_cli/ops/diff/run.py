@@ -568,6 +568,7 @@ def diff_with(
                 )
             ]
         lined_up = [*left, *right]
+        whole_left, whole_right = left, right
         left = _filtered(left, filters or [], excludes)
         right = _filtered(right, filters or [], excludes)
         lone_a = _lone_activation_scales(left, right, activation.get("a", set()))
@@ -609,7 +610,12 @@ def diff_with(
         )
         _compare_metadata(report, base_a, base_b, bool(select or filters or excludes))
         extra = _resolve_aliases(
-            report, (opened_a, ca, chosen_a), (opened_b, cb, chosen_b), rename_pairs, left, right
+            report,
+            (opened_a, ca, chosen_a, whole_left),
+            (opened_b, cb, chosen_b, whole_right),
+            rename_pairs,
+            left,
+            right,
         )
         common = [n for n in left if n in right]
         progress.start(sum(left[n].nbytes for n in common if left[n].kind == "tensor"), "diff")
@@ -684,7 +690,9 @@ def _compare_metadata(report: DiffReport, ca: Checkpoint, cb: Checkpoint, part: 
             report.metadata.append(MetadataDiff(key=key, value_a=value_a, value_b=value_b))
 
 
-_Side = tuple[OpenedSource, Checkpoint, list[tuple[Entry, str]]]
+#: one side for alias resolution: opened, checkpoint, (entry, selected name) pairs, and every
+#: lined-up name of it before --filter / --filter-out (the tensors an alias may name)
+_Side = tuple[OpenedSource, Checkpoint, list[tuple[Entry, str]], dict[str, Entry]]
 
 
 def _resolve_aliases(
@@ -700,6 +708,9 @@ def _resolve_aliases(
     Each name in `only_a` that B records as an alias of a tensor B holds is taken out of
     `only_a` and returned as the pair (A's entry, B's target entry) to compare; the same the
     other way. Aliases both sides hold (shared storage) are listed in `report.aliases` only.
+    `--filter` chooses the alias names compared (`left` / `right`), never the tensors they
+    name: `--filter 'lm_head.*'` compares `lm_head.weight` with the `transformer.wte.weight`
+    a side stores it as, which the glob itself leaves out.
     """
     pairs: dict[str, tuple[Entry, Entry]] = {}
     if not (report.only_a or report.only_b) and not any(
@@ -715,7 +726,7 @@ def _resolve_aliases(
         setattr(pair, f"recorded_{label}", how)
         return pair
 
-    for label, (opened, checkpoint, chosen), own, other, missing in (
+    for label, (opened, checkpoint, chosen, whole), own, other, missing in (
         ("b", side_b, right, left, report.only_a),
         ("a", side_a, left, right, report.only_b),
     ):
@@ -726,7 +737,7 @@ def _resolve_aliases(
                 _lined(alias.name, prefix, renames),
                 _lined(alias.target, prefix, renames),
             )
-            if name is None or target is None or target not in own:
+            if name is None or target is None or target not in whole:
                 continue
             if alias.stored:
                 if name in own:
@@ -735,7 +746,7 @@ def _resolve_aliases(
             if name not in missing or name not in other:
                 continue
             missing.remove(name)
-            theirs, mine = other[name], own[target]
+            theirs, mine = other[name], whole[target]
             pairs[name] = (theirs, mine) if label == "b" else (mine, theirs)
             note(name, target, label, alias.recorded).written_once = label
     report.aliases = list(found.values())
