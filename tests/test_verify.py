@@ -980,3 +980,60 @@ def test_the_pytorch_tutorial_checkpoint_dict_is_a_resumable_training_save(tmp_p
     assert "resumable: yes" in verified.stdout
     assert "step / epoch ? / 5\n" in shown.stdout
     assert "model=model_state_dict, optimizer=optimizer_state_dict" in shown.stdout
+
+
+def test_a_file_linked_out_of_the_checkpoint_is_reported_and_never_counted_or_hashed(
+    tmp_path: Path,
+) -> None:
+    """A `notes.txt` linking to a file outside the folder: `verify` said OK, counted the file
+    it leads to in `files` and `bytes`, and `--write-manifest` hashed it (any file the link
+    named, /etc/passwd as well) into the manifest, while `convert` refused the folder. A shard
+    linked out was refused, yet still counted and hashed. A link out is no part of the
+    checkpoint now: one `unsafe_input` error naming it, not counted, read or hashed; a link
+    within the checkpoint is the file it names."""
+    model = sharded(tmp_path / "model")
+    files = {p.name: p.stat().st_size for p in model.iterdir()}
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not part of any checkpoint\n" * 100)
+    (model / "notes.txt").symlink_to(secret)
+    found = run_ckpt("verify", model, "--write-manifest", "--json")
+    assert found.exit_code == 1, found.stdout
+    result = found.json["result"]
+    assert (result["files"], result["bytes"]) == (len(files), sum(files.values()))
+    assert [(p["code"], p["file"]) for p in errors(result["problems"])] == [
+        ("unsafe_input", str(model / "notes.txt")),
+        ("manifest_not_written", str(model / "ckpt-manifest.json")),
+    ]
+    assert str(secret) in result["problems"][0]["message"]
+    assert result["hashed_bytes"] == 0 and not (model / "ckpt-manifest.json").exists()
+    assert run_ckpt("convert", model, tmp_path / "out", "--to", "safetensors").exit_code == 4
+
+    # a manifest written before the link came: the link out is reported, never hashed, and no
+    # "missing" or "added" file besides; the checkpoint's own files are all checked
+    (model / "notes.txt").unlink()
+    assert run_ckpt("verify", model, "--write-manifest").exit_code == 0
+    shard = sorted(model.glob("*.safetensors"))[0]
+    moved = tmp_path / "elsewhere" / shard.name
+    moved.parent.mkdir()
+    shard.rename(moved)
+    shard.symlink_to(moved)
+    found = run_ckpt("verify", model, "--checksums", "--json")
+    assert found.exit_code == 1, found.stdout
+    result = found.json["result"]
+    assert [(p["code"], p["file"]) for p in result["problems"]] == [("unsafe_input", str(shard))]
+    rest = sum(size for name, size in files.items() if name != shard.name)
+    assert (result["files"], result["bytes"], result["hashed_bytes"]) == (
+        len(files) - 1,
+        rest,
+        rest,
+    )
+
+    # linked within the folder, the shard is the file it names: counted once per name
+    shard.unlink()
+    inside = model / "store" / shard.name
+    inside.parent.mkdir()
+    moved.rename(inside)
+    shard.symlink_to(Path("store") / shard.name)
+    found = run_ckpt("verify", model, "--json")
+    assert found.exit_code == 0, found.stdout
+    assert found.json["result"]["files"] == len(files) + 1  # the link and the file it names

@@ -244,6 +244,12 @@ class Storage(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Finish background work (remote read-ahead); the storage stays usable."""
 
+    def links_out(self, rels: Iterable[str]) -> dict[str, str]:
+        """The files among `rels` that are links leading out of the checkpoint (rel -> where
+        they lead): no part of it, so never read (`path` refuses them). Only local folders
+        have links; every other storage has none."""
+        return {}
+
     def describe(self, rel: str) -> str:
         """How to name a file of this storage in messages."""
         return f"{self.display.rstrip('/')}/{rel}"

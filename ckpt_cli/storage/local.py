@@ -174,11 +174,23 @@ class LocalStorage(Storage):
         if real != self._link_root and not real.startswith(self._link_root + os.sep):
             raise UnsafeInputError(
                 f"{rel!r} is a link that points outside the checkpoint ({real})",
-                path=self.display,
+                path=self.describe(rel),
                 fix="Copy the file into the checkpoint folder instead of linking it.",
             )
         self._confined[name] = full
         return full
+
+    def links_out(self, rels: Iterable[str]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for rel in rels:
+            full = self.root / rel
+            # the listing walks no linked folder: a link out is the file itself (one lstat)
+            if not os.path.islink(full):
+                continue
+            real = os.path.realpath(full)
+            if real != self._link_root and not real.startswith(self._link_root + os.sep):
+                out[rel] = real
+        return out
 
     def list_files(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -14,7 +14,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -209,9 +209,12 @@ def checksum_checks(
     algo: str | None,
     force: bool,
     progress: Progress,
+    outside: Collection[str] = (),
 ) -> None:
     """`verify --checksums` / `--write-manifest`: check the files against their manifest (or
-    the Hub's digests), or record them in a new manifest; problems go into `problems`."""
+    the Hub's digests), or record them in a new manifest; problems go into `problems`.
+    `outside`: files linked out of the checkpoint (reported already): never hashed, and no
+    part of what is compared or recorded."""
     if not write and source.storage.server_digests() is not None:
         if _hub_cache_checksums(report, problems, source, progress):
             report.checks.append("checksums")
@@ -228,18 +231,18 @@ def checksum_checks(
         _refuse_hub_manifest(manifest, source)
     if not write and manifest is not None and is_hub_url(manifest):
         report.checks.append("checksums")
-        _local_against_hub(report, problems, source, manifest, progress)
+        _local_against_hub(report, problems, source, manifest, progress, outside)
         return
     if not write and manifest is None:
         cache = _cache_snapshot(source)
         if cache is not None and not manifest_exists(manifest_location(source, None)):
             report.checks.append("checksums")
-            _cache_against_addresses(report, problems, source, cache, progress)
+            _cache_against_addresses(report, problems, source, cache, progress, outside)
             return
     path = manifest_location(source, manifest)
     report.manifest = str(path)
     storage = source.storage
-    files = _files_to_hash(source, path)
+    files = _files_to_hash(source, path, outside)
     if write:
         report.checks.append("write-manifest")
         algorithm = algo or "sha256"
@@ -311,6 +314,8 @@ def checksum_checks(
     sizes = files_size(files)
     to_hash: dict[str, Hashable] = {}
     for name, want in expected.items():
+        if name in outside:
+            continue  # reported as a link out of the checkpoint
         if name not in files:
             problems.append(
                 Problem(
@@ -360,8 +365,11 @@ def checksum_checks(
             )
 
 
-def _files_to_hash(source: Source, manifest: Destination) -> dict[str, Hashable]:
-    """The checkpoint's files (name -> local path or stored file), the manifest excluded."""
+def _files_to_hash(
+    source: Source, manifest: Destination, outside: Collection[str]
+) -> dict[str, Hashable]:
+    """The checkpoint's files (name -> local path or stored file), the manifest and the files
+    linked `outside` it excluded."""
     storage = source.storage
     out: dict[str, Hashable] = {}
     root = storage.local_root
@@ -369,6 +377,8 @@ def _files_to_hash(source: Source, manifest: Destination) -> dict[str, Hashable]
         local = local_destination(manifest)
         skip = _file_id(local) if local is not None else None
         for name in source.files:
+            if name in outside:
+                continue
             path = root / name
             if skip is None or local is None or not _same_file(path, local, skip):
                 out[name] = path
@@ -597,6 +607,7 @@ def _cache_against_addresses(
     source: Source,
     cache: Path,
     progress: Progress,
+    outside: Collection[str],
 ) -> None:
     """`verify SNAPSHOT --checksums`: an HF cache is content-addressed, so each snapshot file
     is checked against the name of the blob it links to (`blobs/<sha256>` for LFS files,
@@ -605,6 +616,7 @@ def _cache_against_addresses(
     root = _local_root(source)
     blobs = cache / "blobs"
     names = [source.target] if source.target is not None else sorted(source.files)
+    names = [n for n in names if n not in outside]
     local: dict[str, Path] = {}
     addresses: dict[str, RemoteFile] = {}
     sizes = files_size({n: root / n for n in names})
@@ -645,7 +657,12 @@ def _cache_against_addresses(
 
 
 def _local_against_hub(
-    report: VerifyReport, problems: list[Problem], source: Source, hub: str, progress: Progress
+    report: VerifyReport,
+    problems: list[Problem],
+    source: Source,
+    hub: str,
+    progress: Progress,
+    outside: Collection[str],
 ) -> None:
     """`verify DIR --checksums --manifest hf://…`: a downloaded copy against the Hub's digests."""
     hub_side = resolve_source(hub)
@@ -658,7 +675,9 @@ def _local_against_hub(
         name: root / name
         for name in source.files
         # huggingface_hub keeps its download bookkeeping there; ckpt its manifest
-        if not name.startswith(".cache/huggingface/") and name != MANIFEST_NAME
+        if not name.startswith(".cache/huggingface/")
+        and name != MANIFEST_NAME
+        and name not in outside
     }
     remote = dict(digests)
     if source.target is not None:

@@ -230,8 +230,15 @@ def verify_with(
         report = VerifyReport(
             location=source.location.raw, format=name, ok=True, checks=["structure"]
         )
+        # a file linked out of the checkpoint is no part of it: reported, never counted, read
+        # or hashed (it counted in `files` and `bytes`, and --write-manifest hashed the file
+        # it leads to, /etc/passwd included, while convert refused the folder)
+        outside = source.storage.links_out(source.files)
+        problems.extend(_links_out(source, outside, problems))
         # the manifest is not part of what it describes
-        considered = {n: size for n, size in source.files.items() if n != MANIFEST_NAME}
+        considered = {
+            n: size for n, size in source.files.items() if n != MANIFEST_NAME and n not in outside
+        }
         report.files = len(considered)
         report.bytes = sum(considered.values())
         report.training = opened.training if opened is not None else None
@@ -268,6 +275,7 @@ def verify_with(
             algo=algo,
             force=force,
             progress=progress,
+            outside=outside,
         )
     if parity is not None:
         _parity_problems(report, problems, parity)
@@ -276,6 +284,25 @@ def verify_with(
     report.warnings = problems.found("warning")
     report.ok = report.errors == 0
     return report
+
+
+def _links_out(source: Source, outside: dict[str, str], found: list[Problem]) -> list[Problem]:
+    """One `unsafe_input` error per file linked out of the checkpoint (`outside`: name -> where
+    it leads) that the structural check did not already report (it does for a file it reads)."""
+    storage = source.storage
+    told = {p.file for p in found if p.code == "unsafe_input"}
+    return [
+        Problem(
+            code="unsafe_input",
+            message=f"{storage.describe(name)}: is a link that points outside the checkpoint "
+            f"({target}): no part of it, so it is not counted, read or hashed",
+            file=storage.describe(name),
+            fix="Copy the file into the checkpoint folder instead of linking it, or remove the "
+            "link if the checkpoint does not need it.",
+        )
+        for name, target in sorted(outside.items())
+        if storage.describe(name) not in told
+    ]
 
 
 def structural_errors(source: Source) -> list[Problem]:
