@@ -457,3 +457,67 @@ def test_a_filter_naming_a_tied_alias_compares_it_with_the_tensor_it_names(
     # a filter leaving out the alias compares no alias at all
     result = run_ckpt("diff", tmp_path / "shared.pt", out, "--filter-out", "lm_head.*", "--json")
     assert result.exit_code == 0 and result.json["result"]["aliases"] == []
+
+
+@pytest.mark.frameworks
+def test_a_changed_config_beside_the_same_weights_is_a_difference(tmp_path: Path) -> None:
+    """Two `save_pretrained` folders with bit-identical weights whose `config.json` differ
+    (another `rms_norm_eps`: another model's outputs) were IDENTICAL, exit 0: diff compared
+    the entries only. The companion files both folders hold are compared key by key now;
+    one written again with other spacing and key order is still identical, and one that only
+    one folder holds is a warning."""
+    import json
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    from .framework_fixtures import tiny_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config())
+    a, b = tmp_path / "a", tmp_path / "b"
+    model.save_pretrained(a)
+    shutil.copytree(a, b)
+    model.config.rms_norm_eps = 0.5
+    model.config.save_pretrained(b)
+    result = run_ckpt("diff", a, b, "--json")
+    assert result.exit_code == 1, result.stdout
+    report = result.json["result"]
+    assert report["differences"] == [] and not report["identical"]
+    assert report["metadata"] == [
+        {"key": "config.json:rms_norm_eps", "value_a": "1e-06", "value_b": "0.5"}
+    ]
+    human = run_ckpt("diff", a, b)
+    assert human.exit_code == 1 and human.stdout.startswith("DIFFERENT: 1 metadata key differs")
+    assert "config.json:rms_norm_eps  1e-06 → 0.5" in human.stdout
+
+    # the same config in another layout of its JSON is no difference
+    config = json.loads((a / "config.json").read_text())
+    (b / "config.json").write_text(json.dumps(dict(reversed(list(config.items())))))
+    result = run_ckpt("diff", a, b, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["warnings"] == []
+    # a companion file one folder lacks is said, not counted
+    (b / "generation_config.json").unlink()
+    result = run_ckpt("diff", a, b, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["warnings"] == [
+        "only A holds generation_config.json: not compared (a companion file of the weights, "
+        "not an entry)"
+    ]
+    # a part compared (--filter) leaves the companion files out, saying so
+    model.config.save_pretrained(b)
+    result = run_ckpt("diff", a, b, "--filter", "model.*", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert any("config.json" in w for w in result.json["result"]["warnings"])
+
+    # the config change `convert --dtype` makes (torch_dtype) is what --ignore-dtype accepts
+    cast = tmp_path / "bf16"
+    converted = run_ckpt("convert", a, cast, "--to", "safetensors", "--dtype", "bfloat16")
+    assert converted.exit_code == 0, converted.stderr
+    declared = json.loads((cast / "config.json").read_text())
+    assert declared.get("torch_dtype", declared.get("dtype")) == "bfloat16"
+    tolerant = ("--atol", "1e-2", "--rtol", "1e-2")
+    result = run_ckpt("diff", a, cast, *tolerant, "--ignore-dtype", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["metadata"] == []

@@ -349,7 +349,7 @@ def dequantized_extras(carried: list[str]) -> tuple[list[str], list[SkippedEntry
 
 
 #: the keys a transformers `config.json` declares its weights' dtype under (4.x, 5.x)
-_DTYPE_KEYS = ("torch_dtype", "dtype")
+CONFIG_DTYPE_KEYS = ("torch_dtype", "dtype")
 
 
 def config_in_dtype(data: bytes, dtype: str) -> bytes | None:
@@ -372,7 +372,7 @@ def config_in_dtype(data: bytes, dtype: str) -> bytes | None:
     def retype(node: dict[str, Any]) -> bool:
         changed = False
         for key, value in node.items():
-            if key in _DTYPE_KEYS and value in dtypes.FLOATING and value != dtype:
+            if key in CONFIG_DTYPE_KEYS and value in dtypes.FLOATING and value != dtype:
                 node[key] = dtype
                 changed = True
             elif isinstance(value, dict):

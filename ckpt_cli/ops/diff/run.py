@@ -87,7 +87,8 @@ class EntryDiff(Record):
 
 
 class MetadataDiff(Record):
-    """A key of the model's metadata (GGUF's key-values) that differs between the sides.
+    """A key of the model's metadata (GGUF's key-values, or a companion file's:
+    `config.json:rms_norm_eps`) that differs between the sides.
 
     Attributes:
         key: the metadata key (`general.architecture`, `llama.rope.freq_base`...).
@@ -162,10 +163,12 @@ class DiffReport(Record):
         aliases: tied names (see `ops.aliases`): a name one side keeps only as a recorded
             alias is compared with the tensor it names there, not counted as missing.
         metadata: keys of the model's metadata (GGUF's architecture, hyper-parameters and
-            tokenizer) whose values differ, when both sides keep such metadata and the whole
-            checkpoints are compared (no --select / --filter / --filter-out): differences.
+            tokenizer; the companion files both folders hold, `config.json:KEY`, or the file
+            name for a file that is no JSON object) whose values differ, when both sides keep
+            such metadata and the whole checkpoints are compared (no --select / --filter /
+            --filter-out): differences.
         warnings: options that had no effect (a `--filter` glob that matches no entry of
-            either side).
+            either side), and what was not compared (a companion file only one side holds).
     """
 
     a: str
@@ -608,7 +611,7 @@ def diff_with(
             only_b=[n for n in right if n not in left and n not in lone_b],
             warnings=warnings,
         )
-        _compare_metadata(report, base_a, base_b, bool(select or filters or excludes))
+        _compare_metadata(report, base_a, base_b, bool(select or filters or excludes), request)
         extra = _resolve_aliases(
             report,
             (opened_a, ca, chosen_a, whole_left),
@@ -665,10 +668,14 @@ def diff_with(
     return report
 
 
-def _compare_metadata(report: DiffReport, ca: Checkpoint, cb: Checkpoint, part: bool) -> None:
+def _compare_metadata(
+    report: DiffReport, ca: Checkpoint, cb: Checkpoint, part: bool, request: DiffRequest
+) -> None:
     """The model metadata of both sides (`Checkpoint.model_metadata`: GGUF's key-values),
     key by key, into `report.metadata`; a side that keeps none, or a comparison of a part
-    (`part`: --select, --filter), is a warning saying the metadata was not compared."""
+    (`part`: --select, --filter), is a warning saying the metadata was not compared. Then
+    the companion files both folders hold (`_compare_companions`)."""
+    _compare_companions(report, ca, cb, part, request)
     meta_a, meta_b = ca.model_metadata(), cb.model_metadata()
     if meta_a is None and meta_b is None:
         return
@@ -692,6 +699,47 @@ def _compare_metadata(report: DiffReport, ca: Checkpoint, cb: Checkpoint, part: 
 
 #: one side for alias resolution: opened, checkpoint, (entry, selected name) pairs, and every
 #: lined-up name of it before --filter / --filter-out (the tensors an alias may name)
+def _compare_companions(
+    report: DiffReport, ca: Checkpoint, cb: Checkpoint, part: bool, request: DiffRequest
+) -> None:
+    """The companion files (`config.json`, tokenizer files...: `companions`) both sides hold,
+    key by key into `report.metadata` (`config.json:rms_norm_eps`): a changed config is a
+    changed model, and was called IDENTICAL. One a folder holds and the other folder lacks is
+    a warning (a single file holds none, so nothing is said); under --select / --filter,
+    which compare a part, those both hold are not compared and a warning says so.
+    `--ignore-dtype` and `--dequantize` accept in the config what they accept in the weights
+    (`companions.companion_values`)."""
+    from .companions import companion_files, companion_values
+
+    dequantize = request.dequantize
+    files_a = companion_files(ca, dequantize=dequantize)
+    files_b = companion_files(cb, dequantize=dequantize)
+    both = [name for name in files_a if name in files_b]
+    if part:
+        if both:
+            report.warnings.append(
+                f"the companion files ({', '.join(both)}) were not compared: --select/--filter "
+                "compare a part of each checkpoint"
+            )
+        return
+    for lone, side, other in ((files_a, "A", cb), (files_b, "B", ca)):
+        missing = [name for name in lone if name not in both]
+        if missing and other.source.target is None:
+            report.warnings.append(
+                f"only {side} holds {', '.join(missing)}: not compared (a companion file of the "
+                "weights, not an entry)"
+            )
+    for name in both:
+        values_a, values_b = (
+            companion_values(c, name, ignore_dtype=request.ignore_dtype, dequantize=dequantize)
+            for c in (ca, cb)
+        )
+        for key in sorted(values_a.keys() | values_b.keys()):
+            value_a, value_b = values_a.get(key), values_b.get(key)
+            if value_a != value_b:
+                report.metadata.append(MetadataDiff(key=key, value_a=value_a, value_b=value_b))
+
+
 _Side = tuple[OpenedSource, Checkpoint, list[tuple[Entry, str]], dict[str, Entry]]
 
 
