@@ -521,3 +521,31 @@ def test_a_changed_config_beside_the_same_weights_is_a_difference(tmp_path: Path
     result = run_ckpt("diff", a, cast, *tolerant, "--ignore-dtype", "--json")
     assert result.exit_code == 0, result.stdout
     assert result.json["result"]["metadata"] == []
+
+
+@pytest.mark.frameworks
+def test_a_pipeline_whose_scheduler_config_changed_is_different(
+    diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    """A diffusers pipeline saved again with another scheduler config (1000 training steps
+    become 500: another sampling) and the same weights was IDENTICAL: the component folders'
+    configs are compared too, as `convert` carries them; its whole-folder copy is identical."""
+    import shutil
+
+    from diffusers import DDIMScheduler
+
+    other = tmp_path / "pipeline"
+    shutil.copytree(diffusers_pipeline, other)
+    DDIMScheduler(num_train_timesteps=500).save_pretrained(other / "scheduler")
+    result = run_ckpt("diff", diffusers_pipeline, other, "--json")
+    assert result.exit_code == 1, result.stdout
+    report = result.json["result"]
+    assert report["differences"] == [] and report["only_a"] == report["only_b"] == []
+    assert [m["key"] for m in report["metadata"]] == [
+        "scheduler/scheduler_config.json:num_train_timesteps"
+    ]
+    converted = tmp_path / "torch"
+    assert run_ckpt("convert", diffusers_pipeline, converted, "--to", "torch").exit_code == 0
+    result = run_ckpt("diff", diffusers_pipeline, converted, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["warnings"] == []

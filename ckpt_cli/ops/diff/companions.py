@@ -1,6 +1,7 @@
 """The companion files `diff` compares besides the entries: `config.json`,
-`generation_config.json`, tokenizer files, custom code: what `convert` carries beside the
-weights (`transfer.extra_files`), read whole (each at most `MAX_EXTRA_BYTES`).
+`generation_config.json`, tokenizer files, custom code, a pipeline's component configs: what
+`convert` carries beside the weights (`transfer.extra_files`), read whole (each at most
+`MAX_EXTRA_BYTES`).
 
 A JSON object is compared key by key at its top level (`config.json:rms_norm_eps`), so a file
 written again with other spacing or key order is no difference, and a changed
@@ -16,7 +17,9 @@ import json
 from typing import Any
 
 from ...formats.base import Checkpoint
+from ...formats.names import looks_like_index
 from ...quant.schemes import quantization_only_file
+from ...sources.model_files import EXTRA_SUFFIXES, MAX_EXTRA_BYTES
 from ..convert.plan import CONFIG_DTYPE_KEYS
 from ..shared.transfer import extra_files
 
@@ -27,13 +30,30 @@ MAX_SHOWN = 200
 
 
 def companion_files(checkpoint: Checkpoint, *, dequantize: bool = False) -> list[str]:
-    """The companion files of `checkpoint` that `diff` compares (none for a single file);
-    with `dequantize`, not those that only declare the quantization (`hf_quant_config.json`,
-    which `convert --dequantize` leaves out)."""
+    """The companion files of `checkpoint` that `diff` compares (none for a single file):
+    those beside the weights, and in the component folders of a multi-folder model (a
+    diffusers pipeline's `unet/config.json`, `scheduler/scheduler_config.json`), which
+    `convert` carries too; never a shard index. With `dequantize`, not those that only
+    declare the quantization (`hf_quant_config.json`, which `convert --dequantize` leaves
+    out)."""
+    source = checkpoint.source
+    names = list(extra_files(checkpoint))
+    if source.target is None:
+        names += [
+            f.path
+            for f in checkpoint.manifest.files
+            if not f.entries
+            and "/" in f.path
+            and f.path.endswith(EXTRA_SUFFIXES)
+            and not any(part.startswith(".") for part in f.path.split("/"))
+            and not looks_like_index(f.path.rsplit("/", 1)[-1])
+            and (source.files.get(f.path) or 0) <= MAX_EXTRA_BYTES
+        ]
     return [
         name
-        for name in extra_files(checkpoint)
-        if not name.lower().endswith(".md") and not (dequantize and quantization_only_file(name))
+        for name in dict.fromkeys(names)
+        if not name.lower().endswith(".md")
+        and not (dequantize and quantization_only_file(name.rsplit("/", 1)[-1]))
     ]
 
 
