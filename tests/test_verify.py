@@ -1037,3 +1037,29 @@ def test_a_file_linked_out_of_the_checkpoint_is_reported_and_never_counted_or_ha
     found = run_ckpt("verify", model, "--json")
     assert found.exit_code == 0, found.stdout
     assert found.json["result"]["files"] == len(files) + 1  # the link and the file it names
+
+
+def test_a_cache_snapshot_whose_weights_blob_is_gone_names_the_broken_link(
+    tmp_path: Path,
+) -> None:
+    """An HF cache snapshot whose weights blob was removed (a cache cleanup, an interrupted
+    download): the listing had no file for the link to nothing, so `verify` said the folder
+    "holds no checkpoint files: it holds config.json", never naming the weights. It names the
+    link, where it leads, and the fix."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "blobs" / ("1" * 40)).write_text('{"model_type": "llama"}')  # a git blob id
+    (snapshot / "config.json").symlink_to(Path("../../blobs") / ("1" * 40))
+    gone = repo / "blobs" / ("2" * 64)  # the LFS sha256 of a weights file removed
+    (snapshot / "model.safetensors").symlink_to(Path("../../blobs") / gone.name)
+    result = run_ckpt("verify", snapshot, "--json")
+    assert result.exit_code == 3, result.stdout
+    error = result.json["error"]
+    assert error["code"] == "not_found"
+    assert (
+        f"model.safetensors is a symbolic link to {gone}, which does not exist"
+        in (error["problem"])
+    )
+    assert "hf download" in error["fix"]

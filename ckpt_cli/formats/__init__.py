@@ -293,6 +293,27 @@ def detect_format(source: Source) -> str:
                 fix=f"Rebuild them with `ckpt repair {where}` (`--dry-run` says what it can "
                 "rebuild).",
             )
+        broken = source.storage.broken_links() if source.target is None else {}
+        named = [
+            f"{name} is a symbolic link to {target}, which does not exist"
+            for name, target in broken.items()
+            if any(p.fullmatch(name) for p in DETECT_NAMES.values())
+        ]
+        if named:
+            # the listing has no file for a link to nothing: "it holds config.json" hid that
+            # the weights are there as links whose files are gone (a cleaned-up HF cache)
+            raise NotFoundError(
+                f"holds no readable checkpoint file: {'; '.join(named[:_LISTED_NAMES])}"
+                + (
+                    f" (and {len(named) - _LISTED_NAMES} more)"
+                    if len(named) > _LISTED_NAMES
+                    else ""
+                ),
+                path=where,
+                fix="Fetch the files again (for a Hugging Face cache snapshot `hf download "
+                "ORG/REPO`, which restores the blobs the links name), or copy them in place of "
+                "the links.",
+            )
         if source.target is None:
             # a folder: --format cannot help (each format reads only its own suffixes there)
             raise NoCheckpointError(

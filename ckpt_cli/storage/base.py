@@ -250,6 +250,12 @@ class Storage(ABC):
         have links; every other storage has none."""
         return {}
 
+    def broken_links(self) -> dict[str, str]:
+        """The top-level names that are links to nothing (name -> where they lead): a Hugging
+        Face cache snapshot whose blobs were removed. The listing leaves them out, having no
+        file to list; only local folders have links."""
+        return {}
+
     def describe(self, rel: str) -> str:
         """How to name a file of this storage in messages."""
         return f"{self.display.rstrip('/')}/{rel}"

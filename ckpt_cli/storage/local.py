@@ -180,6 +180,17 @@ class LocalStorage(Storage):
         self._confined[name] = full
         return full
 
+    def broken_links(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
+            return out
+        for entry in entries:
+            if entry.is_symlink() and not os.path.exists(entry.path):
+                out[entry.name] = os.path.realpath(entry.path)
+        return dict(sorted(out.items()))
+
     def links_out(self, rels: Iterable[str]) -> dict[str, str]:
         out: dict[str, str] = {}
         for rel in rels:
