@@ -213,6 +213,30 @@ def test_a_storage_record_cut_short_inside_an_intact_zip_is_damage_not_data(
     assert result.exit_code == 4 and not (tmp_path / "out").exists()
     assert run_ckpt("verify", tmp_path / "good.pt", "--deep").exit_code == 0
 
+
+def test_a_flipped_byte_in_tensor_data_fails_verify_deep(tmp_path: Path) -> None:
+    """The zip records a CRC-32 per storage record; `--deep` checks it, for a single file and
+    for a Trainer-style folder's optimizer.pt alike."""
+    torch.save({"w": torch.randn(64, 64), "b": torch.randn(3)}, tmp_path / "good.pt")
+    data = bytearray((tmp_path / "good.pt").read_bytes())
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "good.pt") as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    # the record's data begins after its local header (30 bytes, the name, the extra field)
+    extra = int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little")
+    start = info.header_offset + 30 + len(info.filename.encode()) + extra
+    data[start + 100] ^= 4
+    (tmp_path / "bad.pt").write_bytes(bytes(data))
+
+    assert run_ckpt("verify", tmp_path / "good.pt", "--deep").exit_code == 0
+    assert run_ckpt("verify", tmp_path / "bad.pt").exit_code == 0  # structure only: no CRC
+    result = run_ckpt("verify", tmp_path / "bad.pt", "--deep", "--json")
+    assert result.exit_code == 1
+    (problem,) = result.json["result"]["problems"]
+    assert problem["code"] == "corrupt_data" and problem["file"].endswith("bad.pt")
+    assert "/data/0" in problem["message"] and "CRC-32" in problem["message"]
+
 def test_legacy_non_zip_file_is_read(tmp_path: Path) -> None:
     sd = state_dict()
     torch.save(sd, tmp_path / "old.pt", _use_new_zipfile_serialization=False)

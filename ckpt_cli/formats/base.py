@@ -211,6 +211,13 @@ class Checkpoint(ABC):
             fix=REPORT_BUG,
         )
 
+    def recorded_checksum_errors(self) -> Iterator[FormatError]:
+        """`verify --deep`: the stored bytes checked against the checksums their own files
+        record for them (a torch.save zip's CRC-32 of each storage record), one
+        `CorruptDataError` per record whose bytes fail it. Nothing where the format records
+        none, or where its reader checks them on every read (DCP's torch_save blobs)."""
+        return iter(())
+
     def padding(self, name: str) -> list[tuple[int, int]]:
         """Ranges `[start, end)` of tensor `name`'s flat elements that hold no data: padding a
         training layout knows its framework allocates uninitialised (DeepSpeed's ZeRO

@@ -574,7 +574,6 @@ def _index(read: Read, start: int, length: int, where: str | None) -> tuple[Torc
     return TorchZipIndex(archive, records, tensors), root
 
 
-
 def _check_record_size(storage: _Storage, record: ZipRecord, where: str | None) -> None:
     """Refuse a storage record whose size is not its storage's: torch.load refuses it too,
     but torch.load with `mmap=True` (ckpt's reader) does not, and would read the bytes that
@@ -588,6 +587,7 @@ def _check_record_size(storage: _Storage, record: ZipRecord, where: str | None) 
             path=where,
             fix="Write or fetch the file again from where the checkpoint was saved.",
         )
+
 
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray)
 #: containers deeper than this are left to torch (the rebuild below recurses)

@@ -531,6 +531,20 @@ def _deep(
                     report.tensors += part.tensors
                     report.nonfinite.extend(part.nonfinite)
                     problems.extend(part_problems)
+        if workers.leader:  # whole files: one rank's work
+            for error in checkpoint.recorded_checksum_errors():
+                found_problem = problem_from_error(error)
+                if workers.distributed:
+                    found.append(
+                        {
+                            "index": len(entries),
+                            "tensors": 0,
+                            "nonfinite": [],
+                            "problems": [found_problem.model_dump(mode="json")],
+                        }
+                    )
+                else:
+                    problems.append(found_problem)
     finally:
         progress.finish()
     if not workers.distributed:
