@@ -183,7 +183,6 @@ def test_corrupt_truncated_and_plain_pickle_files_are_exit_4(tmp_path: Path) -> 
         assert name in result.stderr
 
 
-
 def test_a_storage_record_cut_short_inside_an_intact_zip_is_damage_not_data(
     tmp_path: Path,
 ) -> None:
@@ -236,6 +235,7 @@ def test_a_flipped_byte_in_tensor_data_fails_verify_deep(tmp_path: Path) -> None
     (problem,) = result.json["result"]["problems"]
     assert problem["code"] == "corrupt_data" and problem["file"].endswith("bad.pt")
     assert "/data/0" in problem["message"] and "CRC-32" in problem["message"]
+
 
 def test_legacy_non_zip_file_is_read(tmp_path: Path) -> None:
     sd = state_dict()
