@@ -308,6 +308,8 @@ class BudgetedUnpickler(pickle.Unpickler):
         if not walked:
             check_pickle(data, where, complete)
         super().__init__(file if file is not None else io.BytesIO(data))
+        #: the file the pickle is read from, for the errors of subclasses' stand-ins
+        self.where = where
 
 
 def inflated_over_budget(stored: int, declared: int, limit: int) -> str | None:

@@ -503,6 +503,110 @@ def test_truncations_of_a_real_torch_file_are_exit_4(tmp_path: Path) -> None:
         assert_refused(ckpt_limited("verify", bad, "--deep"), bad, exit_code=1)
 
 
+# -- calls torch's weights_only loader admits that allocate by a size ----------------------------
+
+#: torch.save's legacy (non-zip) header: magic number, protocol version, system info
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_INFO = {"protocol_version": 1001, "little_endian": True, "type_sizes": {"int": 4}}
+
+
+def _torch_file_with(path: Path, extra: dict[str, Any], *, legacy: bool) -> Path:
+    """A torch.save file of {"w": a float tensor of 2, **extra}, pickled as torch.save pickles
+    it, as a zip or in the legacy (non-zip) layout: `extra`'s values are crafted calls."""
+    storage = object()
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if obj is not storage:
+                return None
+            meta = ("storage", torch.FloatStorage, "0", "cpu", 2)
+            return (*meta, None) if legacy else meta
+
+    rebuild = torch._utils._rebuild_tensor_v2
+    root = {"w": _Reduced(rebuild, (storage, 0, (2,), (1,), False, OrderedDict())), **extra}
+    buffer = io.BytesIO()
+    if not legacy:
+        Pickler(buffer, protocol=2).dump(root)
+        # a strided view next to them: read by torch.load, as a user's optimizer state may be
+        return torch_zip_with_pickle(path, buffer.getvalue())
+    for header in (_LEGACY_MAGIC, 1001, _LEGACY_INFO):
+        pickle.dump(header, buffer, protocol=2)
+    Pickler(buffer, protocol=2).dump(root)
+    pickle.dump(["0"], buffer, protocol=2)
+    buffer.write(struct.pack("<q2f", 2, 1.0, 2.0))
+    path.write_bytes(buffer.getvalue())
+    return path
+
+
+class _ArrayWithState:
+    """Pickles as numpy pickles an array: `_reconstruct(ndarray, (0,), b"b")`, then `state`."""
+
+    def __init__(self, state: tuple[Any, ...]):
+        self.state = state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import numpy as np
+
+        return (np._core.multiarray._reconstruct, (np.ndarray, (0,), b"b"), self.state)
+
+
+_SIZE = 1536 << 20  # past the 1 GiB of RSS `assert_refused` allows
+
+
+@pytest.mark.slow  # every case a fresh process that imports torch
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+@pytest.mark.parametrize(
+    ("name", "value", "words"),
+    [
+        # 0.1.x: inspect took 1.8 GB of RSS for a 380-byte file
+        ("bytearray", _Reduced(bytearray, (_SIZE,)), "bytearray(1,610,612,736)"),
+        # 0.1.x: listed a 1.5 GiB tensor of uninitialised memory, which convert wrote out
+        ("tensor", _Reduced(torch.Tensor, (_SIZE // 4,)), "torch.Tensor(402,653,184)"),
+        ("storage", _Reduced(torch.UntypedStorage, (_SIZE,)), "UntypedStorage(1,610,612,736)"),
+    ],
+)
+def test_a_torch_pickle_that_allocates_by_a_size_is_refused_before_torch_load(
+    tmp_path: Path, legacy: bool, name: str, value: Any, words: str
+) -> None:
+    bad = _torch_file_with(tmp_path / f"{name}.pt", {"x": value}, legacy=legacy)
+    assert bad.stat().st_size < 2000
+    assert_refused(ckpt_limited("inspect", bad), bad, words, "nothing was executed")
+    out = tmp_path / "out"
+    assert_refused(ckpt_limited("convert", bad, out, "--to", "safetensors"), bad, words)
+    assert not out.exists()
+
+
+@pytest.mark.slow  # every case a fresh process that imports torch
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_a_numpy_state_short_of_its_items_is_refused_not_a_crash(
+    tmp_path: Path, legacy: bool
+) -> None:
+    import numpy as np
+
+    # an RNG-state-like object array declaring 10 items and carrying none: numpy 2.x reads
+    # past the list (0.1.x: inspect died of SIGSEGV, exit -11, in ckpt's zip reader and in
+    # torch.load with ckpt's numpy allow-list alike)
+    state = (1, (10,), _Reduced(np.dtype, ("O8", False, True)), False, [])
+    bad = _torch_file_with(tmp_path / "rng.pt", {"rng": _ArrayWithState(state)}, legacy=legacy)
+    assert_refused(ckpt_limited("inspect", bad), bad, "10 Python objects but carries 0")
+    verify = ckpt_limited("verify", bad, "--deep")
+    assert_refused(verify, bad, "10 Python objects", exit_code=1)
+    # numpy's own pickles of the same kinds of arrays still read, in both layouts
+    good = tmp_path / "good.pt"
+    saved = {
+        "w": torch.ones(2).t(),
+        "rng": np.random.get_state(),
+        "raw": bytearray(b"abc"),
+        "set": {1, 2},
+    }
+    torch.save(saved, good, _use_new_zipfile_serialization=not legacy)
+    out = tmp_path / "out.pt"
+    assert ckpt_limited("convert", good, out, "--to", "torch").exit_code == 0
+    back = torch.load(out, weights_only=False)
+    assert back["raw"] == bytearray(b"abc") and back["set"] == {1, 2}
+    assert np.array_equal(back["rng"][1], saved["rng"][1])
+
+
 # -- what PyTorch's default loader refuses ---------------------------------------------------
 
 

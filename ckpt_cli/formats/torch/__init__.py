@@ -1,1 +1,1 @@
-"""torch.save files: the format (`format`), reading without torch (`zip_index`, `pickle_values`, `pickle_scan`), safe loading (`load`), flattening (`flatten`), and the streamed writers (`write`, `zip_write`)."""
+"""torch.save files: the format (`format`), reading without torch (`zip_index`, `pickle_values`, `pickle_scan`), safe loading (`load`, after `preflight`), flattening (`flatten`), and the streamed writers (`write`, `zip_write`)."""

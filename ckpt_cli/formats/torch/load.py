@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 from ...errors import CkptError, FormatError, UnsafeInputError
 from ...storage import Storage, StorageRangeFile
+from .preflight import check_legacy_head, check_zip_pickles
 from .zip_index import check_zip_budget, numpy_allowlist
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -237,6 +238,21 @@ def _torch_load(
     metadata alone (`meta`) of a remote one, else the whole file read."""
     import torch
 
+    where = storage.describe(rel)
+    whole: bytes | None = None
+    # the pickle is read by ckpt's own restricted reader first (`preflight`): torch's admits
+    # calls that allocate by a size argument, and ckpt's numpy allow-list states numpy crashes on
+    if zipped and local is not None:
+        with local.open("rb") as file:
+            check_zip_pickles(file, where)
+    elif zipped:
+        ranged = io.BufferedReader(StorageRangeFile(storage, rel, size), buffer_size=_RANGE_BUF)
+        check_zip_pickles(ranged, where)
+    elif local is not None:
+        check_legacy_head(lambda at, n: storage.read(rel, at, n), size, where)
+    else:
+        whole = storage.read_all(rel)
+        check_legacy_head(lambda at, n: whole[at : at + n], size, where)
     # torch warns about pickle protocols and legacy files on stderr, and logs that a DeviceMesh
     # was unpickled outside a process group (a DTensor's); errors say what matters instead
     with _safe_globals(), warnings.catch_warnings(), _quiet_logger("torch.distributed"):
@@ -246,7 +262,9 @@ def _torch_load(
         if meta and zipped:
             reader = io.BufferedReader(StorageRangeFile(storage, rel, size), buffer_size=_RANGE_BUF)
             return torch.load(reader, weights_only=True, map_location="meta")
-        return torch.load(io.BytesIO(storage.read_all(rel)), weights_only=True, map_location="cpu")
+        if whole is None:
+            whole = storage.read_all(rel)
+        return torch.load(io.BytesIO(whole), weights_only=True, map_location="cpu")
 
 
 @contextmanager

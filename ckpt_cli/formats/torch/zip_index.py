@@ -20,6 +20,7 @@ from typing import Any
 from ...budgets import BudgetedUnpickler, check_expanded, check_inflated
 from ...dtypes import MAX_NDIM, STORAGE_DTYPES, is_known, itemsize
 from ...errors import FormatError
+from .preflight import array_state_refused
 
 #: a data.pkl larger than this is not read (100,000 tensors take ~10 MB)
 MAX_PICKLE_BYTES = 256 << 20
@@ -375,16 +376,39 @@ def numpy_allowlist() -> list[Any]:
 
 @functools.cache
 def _numpy_globals() -> dict[str, Any]:
-    """The numpy globals an RNG state pickles through, by their pickled names."""
+    """The numpy globals an RNG state pickles through, by their pickled names (`_reconstruct`
+    as `_empty_array` takes it, per reader)."""
     named: dict[str, Any] = {}
     for item in numpy_allowlist():
         obj, name = item if isinstance(item, tuple) else (item, None)
-        key = name or f"{obj.__module__}.{obj.__qualname__}"
-        named[key] = _empty_array(obj) if key.endswith("._reconstruct") else obj
+        named[name or f"{obj.__module__}.{obj.__qualname__}"] = obj
     return named
 
 
-def _empty_array(reconstruct: Any) -> Callable[..., object]:
+class _PendingArray:
+    """numpy's `_reconstruct(ndarray, (0,), b'b')`, before its state: the array is built only
+    from a state that carries what it declares (`preflight.array_state_refused`; numpy 2.x
+    crashes on an object array whose item list is short)."""
+
+    def __init__(self, reconstruct: Any, args: tuple[object, ...], where: str | None):
+        self.reconstruct, self.args, self.where = reconstruct, args, where
+        self.array: object = None
+
+    def __setstate__(self, state: Any) -> None:
+        why = array_state_refused(state)
+        if why is not None:
+            raise FormatError(
+                f"holds a pickle that {why}; ckpt refuses it (a hostile or corrupt file)",
+                path=self.where,
+                fix="torch.save never writes this; re-save the checkpoint from its source, and "
+                "do not trust where this file came from.",
+            )
+        array = self.reconstruct(*self.args)
+        array.__setstate__(state)
+        self.array = array
+
+
+def _empty_array(reconstruct: Any, where: str | None) -> Callable[..., object]:
     """numpy's `_reconstruct` as `ndarray.__reduce__` calls it, `(ndarray, (0,), b'b')`, and
     no other way: a pickle asking for a large shape would allocate it before its data is
     checked."""
@@ -393,7 +417,7 @@ def _empty_array(reconstruct: Any) -> Callable[..., object]:
     def build(subtype: object = None, shape: object = None, dtype: object = None) -> object:
         if subtype is not np.ndarray or shape != (0,):
             return _Opaque()
-        return reconstruct(subtype, shape, dtype)
+        return _PendingArray(reconstruct, (subtype, shape, dtype), where)
 
     return build
 
@@ -435,7 +459,8 @@ class _LayoutUnpickler(BudgetedUnpickler):
         if module.startswith("numpy"):
             # an RNG state's arrays: numpy's own array recipe, the globals torch.load is told
             # to admit for them (`numpy_allowlist`); nothing else of numpy
-            return _numpy_globals().get(f"{module}.{name}", _Opaque)
+            found = _numpy_globals().get(f"{module}.{name}", _Opaque)
+            return _empty_array(found, self.where) if name == "_reconstruct" else found
         return _Opaque
 
     def persistent_load(self, pid: Any) -> Any:
@@ -607,6 +632,8 @@ def _plain_tree(root: object, layouts: dict[int, TensorLayout]) -> object:
             return layout
         if type(node) in _PLAIN_LEAVES:
             return node
+        if isinstance(node, _PendingArray):
+            node = node.array  # built from a checked state, or None (no state: not plain)
         if type(node).__module__.startswith("numpy") and _plain_numpy(node):
             return node  # torch.load returns the same array
         done = memo.get(id(node))
