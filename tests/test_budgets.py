@@ -822,6 +822,29 @@ def test_chunks_of_a_grid_are_judged_as_before(tmp_path: Path) -> None:
     assert found == [(overlap, CORRUPT_METADATA_FIX)], found
 
 
+@pytest.mark.slow  # every case a fresh process that imports torch
+@pytest.mark.parametrize("crafted", ["bytearray", "numpy"])
+def test_a_dcp_object_entry_is_checked_before_torch_load(tmp_path: Path, crafted: str) -> None:
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    # dcp.save pickles the object entry as written: the same calls as a hostile .pt's
+    value = (
+        _Reduced(bytearray, (_SIZE,))
+        if crafted == "bytearray"
+        else _ArrayWithState((1, (10,), _Reduced(np.dtype, ("O8", False, True)), False, []))
+    )
+    bad = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3), "rng": value}, checkpoint_id=bad, no_dist=True)
+    words = "bytearray(1,610,612,736)" if crafted == "bytearray" else "10 Python objects"
+    # 0.1.x: 1.8 GB of RSS, or SIGSEGV inside numpy (exit -11)
+    out = tmp_path / "out"
+    assert_refused(ckpt_limited("convert", bad, out, "--to", "torch"), bad, words)
+    assert not out.exists()
+    if crafted == "numpy":  # the bytearray is refused by verify's own scan of the pickle
+        assert_refused(ckpt_limited("verify", bad, "--deep"), bad, words, exit_code=1)
+
+
 # -- GGUF headers --------------------------------------------------------------------------------
 
 

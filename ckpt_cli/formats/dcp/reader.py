@@ -17,6 +17,7 @@ from ...storage import RangeFile
 from ...storage.fileio import COPY_BLOCK, FileRange
 from ..base import NAMES_FIX, Checkpoint, Source
 from ..torch.pickle_scan import archive_corruption
+from ..torch.preflight import check_torch_blob
 from ..torch.zip_index import check_zip_budget
 from .layout import MEGATRON_COMMON
 from .peek import common_leaf
@@ -159,9 +160,13 @@ class DcpCheckpoint(Checkpoint):
             data = inflate(stored, limit, where, f"tensor {entry.name!r} chunk {chunk.offsets}")
             check_zip_budget(lambda at, n: data[at : at + n], 0, len(data), where)
             stored = io.BytesIO(data)
+            stored_len: int | None = len(data)
         else:
+            stored_len = None
             read = self._reader(chunk.file)
             check_zip_budget(read, chunk.byte_offset, chunk.byte_length, where)
+        # the blob's pickle read by ckpt's own restricted reader first (`torch.preflight`)
+        check_torch_blob(stored, chunk.byte_length if stored_len is None else stored_len, where)
         try:
             value = torch.load(stored, map_location="cpu", weights_only=True)
         except CkptError:
@@ -503,6 +508,9 @@ class DcpCheckpoint(Checkpoint):
         data = self.read_object_bytes(name)
         where = self.storage.describe(entry.file or "")
         check_zip_budget(lambda at, n: data[at : at + n], 0, len(data), where)
+        # ckpt's own restricted reader first: no allocation by a size, no numpy state that
+        # crashes numpy (`torch.preflight`)
+        check_torch_blob(io.BytesIO(data), len(data), where)
         try:
             # numpy RNG states and torch.Generator objects, which dcp.load restores too
             with torch.serialization.safe_globals(object_allowlist()):

@@ -329,3 +329,21 @@ def check_zip_pickles(file: IO[bytes], where: str) -> None:
                 except ZIP_READ_ERRORS as exc:
                     raise _unreadable(f"{type(exc).__name__}: {exc}", where) from None
                 check_torch_pickle(data, where)
+
+
+def check_torch_blob(file: IO[bytes], size: int, where: str) -> None:
+    """Check the pickles of the torch.save bytes `file` holds (a seekable file of `size` bytes: a
+    DCP item), zip or legacy, as `check_zip_pickles` / `check_legacy_head` do; `file` is left
+    at its start for torch.load."""
+    file.seek(0)
+    if file.read(4) == b"PK\x03\x04":
+        file.seek(0)
+        check_zip_pickles(file, where)
+    else:
+
+        def read(at: int, n: int) -> bytes:
+            file.seek(at)
+            return file.read(n)
+
+        check_legacy_head(read, size, where)
+    file.seek(0)
