@@ -89,10 +89,11 @@ def read_tensor_from_fd(
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw C-order bytes of a CPU tensor, without copying when already contiguous."""
+    """The raw C-order bytes of a CPU tensor's values, without copying when already contiguous
+    (a conjugate or negative view is materialised: its stored bytes are not its values)."""
     import torch
 
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    flat = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]

@@ -247,6 +247,34 @@ def test_legacy_non_zip_file_is_read(tmp_path: Path) -> None:
         assert torch.equal(checkpoint.read_tensor("layers.2.weight"), sd["layers.2.weight"])
 
 
+def test_conjugate_and_negative_views_convert_as_their_values(tmp_path: Path) -> None:
+    # torch.save keeps `x.conj()` as x's bytes plus a bit; 0.1.x ended convert (to safetensors
+    # or DCP) and diff in "internal error: torch.Tensor.view is not supported for conjugate
+    # view tensors", exit 70
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    src = tmp_path / "conj.pt"
+    torch.save({"conj": x.conj(), "neg": torch.tensor([1.0, -2.0])._neg_view()}, src)
+    expected = {"conj": x.conj().resolve_conj(), "neg": torch.tensor([-1.0, 2.0])}
+    st = tmp_path / "out.safetensors"
+    assert run_ckpt("convert", src, st, "--to", "safetensors").exit_code == 0
+    with safe_open(str(st), "pt") as f:
+        for name, want in expected.items():
+            assert torch.equal(f.get_tensor(name), want), name
+    out = tmp_path / "dcp"
+    assert run_ckpt("convert", src, out, "--to", "dcp").exit_code == 0
+    loaded = {name: torch.zeros_like(want) for name, want in expected.items()}
+    dcp.load(loaded, checkpoint_id=out, no_dist=True)
+    for name, want in expected.items():
+        assert torch.equal(loaded[name], want), name
+    plain = tmp_path / "plain.pt"
+    torch.save(expected, plain)
+    assert run_ckpt("diff", src, plain).exit_code == 0  # the same values
+    assert run_ckpt("diff", src, st).exit_code == 0
+
+
 def test_index_traversal_and_missing_shard(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model-00001-of-00001.bin")
     index = tmp_path / "pytorch_model.bin.index.json"

@@ -208,8 +208,10 @@ class TorchCheckpoint(Checkpoint):
             return self._from_raw(self.manifest.by_name[name].file, leaf)
         if leaf.device.type == "meta":
             leaf = self._real_leaf(name)
-        # memory-mapped: pages are read on first touch, one tensor at a time
-        tensor: torch.Tensor = leaf.detach().contiguous()
+        # memory-mapped: pages are read on first touch, one tensor at a time. A conjugate or
+        # negative view (`x.conj()` saved as is) keeps its stored bytes and a bit: its values
+        # are materialised, so every writer and comparison sees the values torch.load gives
+        tensor: torch.Tensor = leaf.detach().resolve_conj().resolve_neg().contiguous()
         return tensor
 
     def _from_raw(self, file: str | None, leaf: TensorLayout) -> torch.Tensor:
