@@ -31,6 +31,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .hub_server import TestHub
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: address space every run may map (torch's import maps ~0.7 GiB; the attacks wanted 4-16 GiB)
@@ -605,6 +607,21 @@ def test_a_numpy_state_short_of_its_items_is_refused_not_a_crash(
     back = torch.load(out, weights_only=False)
     assert back["raw"] == bytearray(b"abc") and back["set"] == {1, 2}
     assert np.array_equal(back["rng"][1], saved["rng"][1])
+
+
+@pytest.mark.slow  # every case a fresh process that imports torch
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_a_remote_torch_file_is_checked_before_torch_load(
+    hub: TestHub, tmp_path: Path, legacy: bool
+) -> None:
+    # a remote file is never read without torch: torch.load read every one of them unchecked
+    bad = _torch_file_with(tmp_path / "bad.pt", {"x": _Reduced(bytearray, (_SIZE,))}, legacy=legacy)
+    hub.add_repo("org/bad", {"pytorch_model.bin": bad.read_bytes()})
+    run = ckpt_limited("inspect", "hf://org/bad")
+    text = run.stdout + run.stderr
+    assert run.exit_code == 4, text
+    assert "pytorch_model.bin" in text and "bytearray(1,610,612,736)" in text, text
+    assert run.peak_rss < 1 << 30, f"peak RSS {run.peak_rss:,}"
 
 
 # -- what PyTorch's default loader refuses ---------------------------------------------------
