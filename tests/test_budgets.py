@@ -624,6 +624,31 @@ def test_a_remote_torch_file_is_checked_before_torch_load(
     assert run.peak_rss < 1 << 30, f"peak RSS {run.peak_rss:,}"
 
 
+@pytest.mark.slow  # every case a fresh process that imports torch
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_a_value_nested_past_pythons_recursion_is_listed_not_a_crash(
+    tmp_path: Path, legacy: bool
+) -> None:
+    # {"d": [[[...]]]} 200,000 lists deep, written opcode by opcode (Python's pickler recurses)
+    depth = 200_000
+    body = b"\x80\x02}X\x01\x00\x00\x00d" + b"]" * depth + b"a" * (depth - 1) + b"s."
+    bad = tmp_path / "deep.pt"
+    if legacy:
+        head = io.BytesIO()
+        for header in (_LEGACY_MAGIC, 1001, _LEGACY_INFO):
+            pickle.dump(header, head, protocol=2)
+        bad.write_bytes(head.getvalue() + body + pickle.dumps([], protocol=2))
+    else:
+        torch_zip_with_pickle(bad, body)
+    # 0.1.x: inspect ended in "internal error: RecursionError", exit 70
+    run = ckpt_limited("inspect", bad)
+    assert run.exit_code == 0, run.stderr
+    assert "d  object:list" in run.stdout
+    out = tmp_path / "out.pt"
+    assert_refused(ckpt_limited("convert", bad, out, "--to", "torch"), bad, "nested too deeply")
+    assert not out.exists()
+
+
 # -- what PyTorch's default loader refuses ---------------------------------------------------
 
 

@@ -233,8 +233,10 @@ def _jsonable_value(obj: Any) -> tuple[bool, Any]:
     if isinstance(obj, (list, tuple)) and len(obj) <= MAX_VALUE_ITEMS:
         values = []
         for item in obj:
+            if isinstance(item, (list, tuple, dict)):  # before any look inside: it may nest
+                return False, None  # deeper than Python recurses
             ok, value = _jsonable_value(item)
-            if not ok or isinstance(item, (list, tuple, dict)):
+            if not ok:
                 return False, None
             values.append(value)
         return True, values
