@@ -275,6 +275,19 @@ def test_conjugate_and_negative_views_convert_as_their_values(tmp_path: Path) ->
     assert run_ckpt("diff", src, st).exit_code == 0
 
 
+def test_a_fifo_named_like_a_torch_file_is_named_a_fifo(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.pt"
+    os.mkfifo(fifo)
+    # 0.1.x: "is empty. The save was interrupted; write the file again." (a FIFO has no size)
+    result = run_ckpt("inspect", fifo)
+    assert result.exit_code == 4
+    assert f"{fifo}: is a FIFO (named pipe), not a regular file" in result.stderr
+    assert "empty" not in result.stderr
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    assert "is empty" in run_ckpt("inspect", empty).stderr
+
+
 def test_index_traversal_and_missing_shard(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model-00001-of-00001.bin")
     index = tmp_path / "pytorch_model.bin.index.json"

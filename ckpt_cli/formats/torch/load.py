@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import pickle
 import re
 import sys
@@ -25,6 +26,7 @@ from typing import Any, ClassVar
 
 from ...errors import CkptError, FormatError, UnsafeInputError
 from ...storage import Storage, StorageRangeFile
+from ...storage.local import open_regular
 from .preflight import check_legacy_head, check_zip_pickles
 from .zip_index import check_zip_budget, numpy_allowlist
 
@@ -173,6 +175,10 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
 
     where = storage.describe(rel)
     size = storage.size(rel)
+    local = storage.local_path(rel)
+    if size == 0 and local is not None:
+        # a FIFO or a device reports no size either: refused as what it is, never as "empty"
+        os.close(open_regular(local, where))
     if size == 0:
         raise FormatError(
             "is empty", path=where, fix="The save was interrupted; write the file again."
@@ -183,7 +189,6 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
     else:
         # torch's reader inflates a record whole: its declared size is checked first
         check_zip_budget(lambda at, n: storage.read(rel, at, n), 0, size, where)
-    local = storage.local_path(rel)
     try:
         try:
             obj = _torch_load(storage, rel, local, zipped=zipped, meta=meta, size=size)
