@@ -214,7 +214,7 @@ def test_a_lost_file_of_a_hub_checkpoint_is_never_sent_to_repair(hub: Any, tmp_p
     """The fix of a file whose bytes are lost or wrong offers `ckpt repair SRC` where the
     checkpoint may be protected (a folder, an object store). On the Hub nothing is protected
     and `repair` is refused (exit 2): the fix says what works there instead."""
-    from ckpt_cli.problems import restore_fix
+    from ckpt_cli.findings import restore_fix
 
     from .hub_fixtures import publish_model
 

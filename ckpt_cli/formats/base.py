@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import REPORT_BUG, FormatError
+from ..findings import problem_from_error
 from ..models import Chunk, Entry, FileInfo, Manifest, Problem, TensorFacts
-from ..problems import problem_from_error
 from ..storage import Storage
 from ..storage.fileio import COPY_BLOCK
 from ..storage.uri import Location

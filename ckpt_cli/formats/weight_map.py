@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CkptError, FormatError, UnsafeInputError
-from ..problems import Findings
+from ..findings import Findings
 from ..storage import Storage, safe_relpath
 from .base import Source
 from .names import SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX

@@ -316,9 +316,9 @@ def quantization_summary(manifest: Manifest, analysis: QuantAnalysis) -> QuantSu
 def malformed(checkpoint: Checkpoint) -> list[Problem]:
     """The format-rule violations of a local checkpoint's safetensors files that its reader
     tolerates (data not contiguous from offset 0, bytes after the last tensor): headers only."""
+    from ..findings import Findings
     from ..formats.safetensors.format import SafetensorsCheckpoint
     from ..formats.safetensors.header import parse_header
-    from ..problems import Findings
 
     source = checkpoint.source
     if not source.location.is_local:

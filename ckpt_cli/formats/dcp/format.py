@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from ...errors import FormatError, NotFoundError
+from ...findings import problem_from_error
 from ...models import Entry, FileInfo, KeyedEntry, KeyStep, Manifest, Problem
-from ...problems import problem_from_error
 from ..base import Format, Source, WriteOptions
 from ..details import DcpDetails
 from ..safetensors.format import DCP_HF_SHARD, is_dcp_hf_sharded

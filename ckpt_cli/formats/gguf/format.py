@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from ... import dtypes
 from ...errors import FormatError, NotFoundError
+from ...findings import problem_from_error
 from ...models import Entry, FileInfo, Manifest, Problem, ProblemList
-from ...problems import problem_from_error
 from ...storage.fileio import COPY_BLOCK
 from ..base import NAMES_FIX, Checkpoint, Format, Source
 from ..details import GgufDetails

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ... import dtypes
 from ...errors import CkptError, FormatError, NotFoundError
+from ...findings import Findings
 from ...models import Entry, FileInfo, Manifest, Problem, TensorFacts
-from ...problems import Findings
 from ...storage.fileio import Durable, FileRange, fsync_soon, open_output
 from ..base import NAMES_FIX, SINGLE_FILE_FIX, Checkpoint, Format, Source, WriteOptions, Writer
 from ..details import SafetensorsDetails

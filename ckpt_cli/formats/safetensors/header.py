@@ -19,8 +19,8 @@ from typing import Any
 
 from ... import dtypes
 from ...dtypes import MAX_DIM, MAX_NDIM
+from ...findings import Findings
 from ...models import Entry, Problem
-from ...problems import Findings
 from ...storage import Storage
 
 #: no sane header is this large; a bigger length field is corruption or an attack

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CkptError, FormatError, NotFoundError
+from ...findings import Findings, problem_from_error
 from ...models import Entry, Problem
-from ...problems import Findings, problem_from_error
 from ...storage import Storage
 from .. import names
 from ..base import Format, Source, WriteOptions, Writer

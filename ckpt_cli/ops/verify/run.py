@@ -22,11 +22,11 @@ from pydantic import Field
 from ... import models
 from ...dist.command import CombinedProgress, RankShare, active
 from ...errors import CkptError, CorruptDataError, UnsafeInputError, UsageError
+from ...findings import problem_from_error, restore_fix
 from ...formats import choose_format, get_format, resolve_source
 from ...formats.base import Checkpoint, Source
 from ...heap import gc_paused
 from ...models import Problem, ProblemList, Record, Request, TrainingState
-from ...problems import problem_from_error, restore_fix
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts import (
     OpenedSource,

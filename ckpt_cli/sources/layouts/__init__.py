@@ -49,11 +49,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ...errors import CkptError
+from ...findings import problem_from_error
 from ...formats import detect_format, get_format, resolve_source
 from ...formats.base import Source
 from ...formats.names import DCP_METADATA
 from ...models import Problem
-from ...problems import problem_from_error
 from .base import REQUIRED, Layout, OpenedSource, SingleLayout, open_plain
 from .model_folders import LayoutInfo
 
