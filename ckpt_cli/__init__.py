@@ -47,7 +47,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "SaveRecord": ("ckpt_cli.checkpointer", "SaveRecord"),
     # their reports and inputs
     "InspectReport": ("ckpt_cli.ops.inspect", "InspectReport"),
-    "VerifyReport": ("ckpt_cli.ops.verify.run", "VerifyReport"),
+    "VerifyReport": ("ckpt_cli.ops.verify.report", "VerifyReport"),
     "ConvertReport": ("ckpt_cli.ops.convert.run", "ConvertReport"),
     "ReshardReport": ("ckpt_cli.ops.reshard.run", "ReshardReport"),
     "PrunePolicy": ("ckpt_cli.ops.prune.retention", "PrunePolicy"),
@@ -118,7 +118,8 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .ops.reshard.run import ReshardReport
     from .ops.reshard.run import run_reshard as reshard
     from .ops.sync import SyncReport, sync
-    from .ops.verify.run import VerifyReport, verify
+    from .ops.verify.report import VerifyReport
+    from .ops.verify.run import verify
     from .sources.runs import RunReport
 
 

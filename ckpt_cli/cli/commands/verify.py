@@ -91,7 +91,8 @@ def verify(
     read at all. Never modifies the checkpoint (except writing the manifest when asked).
     """
     from ...errors import ProblemsFound
-    from ...ops.verify.run import VerifyReport, VerifyRequest, verify_with
+    from ...ops.verify.report import VerifyReport
+    from ...ops.verify.run import VerifyRequest, verify_with
     from ..render.progress import bar
 
     def render(report: VerifyReport) -> None:

@@ -26,7 +26,7 @@ DEFAULT_PATH = Path("schema") / "ckpt-json.schema.json"
 #: command -> the report model(s) its `result` is, as "module:Class" (one of them)
 RESULT_MODELS: dict[str, list[str]] = {
     "inspect": ["ckpt_cli.ops.inspect:InspectReport"],
-    "verify": ["ckpt_cli.ops.verify.run:VerifyReport"],
+    "verify": ["ckpt_cli.ops.verify.report:VerifyReport"],
     "convert": ["ckpt_cli.ops.convert.run:ConvertReport"],
     "reshard": ["ckpt_cli.ops.reshard.run:ReshardReport"],
     "prune": [

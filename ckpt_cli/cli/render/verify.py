@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.markup import escape
 
 from ...errors import with_fix
-from ...ops.verify.run import VerifyReport
+from ...ops.verify.report import VerifyReport
 from ...sizes import counted
 from . import human_bytes, stdout
 from .ranks import render_ranks

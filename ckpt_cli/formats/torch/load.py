@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 from ...errors import CkptError, FormatError, UnsafeInputError
 from ...storage import Storage, StorageRangeFile
 from ...storage.local import open_regular
-from .preflight import check_legacy_head, check_zip_pickles
-from .zip_index import check_zip_budget, numpy_allowlist
+from .preflight import check_legacy_head, check_zip_pickles, numpy_allowlist
+from .zip_index import check_zip_budget
 
 ZIP_MAGIC = b"PK\x03\x04"
 

@@ -187,11 +187,32 @@ def _reconstruct(subtype: Any = None, shape: Any = None, dtype: Any = None) -> A
     return _ArrayState()
 
 
+def numpy_allowlist() -> list[Any]:
+    """numpy globals that only build arrays and scalars from bytes (RNG states hold them).
+
+    transformers and accelerate allow-list the same ones for `rng_state.pth` and
+    `random_states_*.pkl`; none of them can call arbitrary code.
+    """
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch wheels
+        return []
+    core = getattr(np, "_core", None) or np.core
+    allow: list[Any] = [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype]
+    # files written under numpy 1.x name the same functions under `numpy.core`
+    allow += [
+        (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+        (core.multiarray.scalar, "numpy.core.multiarray.scalar"),
+    ]
+    for code in "?bBhHiIlLqQefdgFDGSUV":
+        allow.append(type(np.dtype(code)))
+    return allow
+
+
 @functools.cache
 def _numpy_globals() -> dict[str, Any]:
-    """The numpy globals ckpt admits (`zip_index.numpy_allowlist`), `_reconstruct` checked; the
+    """The numpy globals ckpt admits (`numpy_allowlist`), `_reconstruct` checked; the
     dtype classes are numpy's own (they only parse a dtype)."""
-    from .zip_index import numpy_allowlist
 
     named: dict[str, Any] = {}
     for item in numpy_allowlist():

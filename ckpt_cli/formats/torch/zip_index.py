@@ -20,7 +20,7 @@ from typing import Any
 from ...budgets import BudgetedUnpickler, check_expanded, check_inflated
 from ...dtypes import MAX_NDIM, STORAGE_DTYPES, is_known, itemsize
 from ...errors import FormatError
-from .preflight import array_state_refused
+from .preflight import array_state_refused, numpy_allowlist
 
 #: a data.pkl larger than this is not read (100,000 tensors take ~10 MB)
 MAX_PICKLE_BYTES = 256 << 20
@@ -350,28 +350,6 @@ def _latin1_bytes(text: object, encoding: object = "utf-8") -> object:
     if isinstance(text, str) and encoding == "latin1":
         return text.encode("latin1")
     return _Opaque()
-
-
-def numpy_allowlist() -> list[Any]:
-    """numpy globals that only build arrays and scalars from bytes (RNG states hold them).
-
-    transformers and accelerate allow-list the same ones for `rng_state.pth` and
-    `random_states_*.pkl`; none of them can call arbitrary code.
-    """
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy ships with torch wheels
-        return []
-    core = getattr(np, "_core", None) or np.core
-    allow: list[Any] = [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype]
-    # files written under numpy 1.x name the same functions under `numpy.core`
-    allow += [
-        (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
-        (core.multiarray.scalar, "numpy.core.multiarray.scalar"),
-    ]
-    for code in "?bBhHiIlLqQefdgFDGSUV":
-        allow.append(type(np.dtype(code)))
-    return allow
 
 
 @functools.cache

@@ -256,7 +256,7 @@ def _refuse_broken(target: ParityTarget, force: bool) -> None:
         FormatError: the existing parity can rebuild a file lost since it was written (repair
             it first), or the checkpoint fails `verify`'s structural check.
     """
-    from ..verify.run import structural_errors
+    from ..verify.structure import structural_errors
 
     where = target.source.location.raw
     if force:

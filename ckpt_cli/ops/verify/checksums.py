@@ -49,7 +49,7 @@ from ...storage.output import (
 from ...storage.uri import canonical_remote, is_hub_url, parse_location
 
 if TYPE_CHECKING:
-    from .run import VerifyReport
+    from .report import VerifyReport
 
 #: default manifest file name, inside a checkpoint folder (or beside a single-file checkpoint)
 MANIFEST_NAME = CHECKSUM_MANIFEST

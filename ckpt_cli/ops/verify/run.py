@@ -17,27 +17,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
-
 from ... import models
-from ...dist.command import CombinedProgress, RankShare, active
+from ...dist.command import CombinedProgress, active
 from ...errors import CkptError, CorruptDataError, UnsafeInputError, UsageError
 from ...findings import problem_from_error, restore_fix
-from ...formats import choose_format, get_format, resolve_source
+from ...formats import get_format, resolve_source
 from ...formats.base import Checkpoint, Source
 from ...heap import gc_paused
-from ...models import Problem, ProblemList, Record, Request, TrainingState
+from ...models import Problem, Request
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts import (
     OpenedSource,
     SourceOpener,
-    check_source,
     recognise_layout,
-    single_layout_missing,
 )
 from ...storage.hashing import ALGORITHMS
 from ..parity import ParityCheck, check_parity, damage_text
 from .checksums import MANIFEST_NAME, checksum_checks, manifest_exists, manifest_location
+from .report import TensorHealth, VerifyReport
+from .structure import structure_checks
 
 if TYPE_CHECKING:
     import torch
@@ -47,55 +45,6 @@ _COUNT_STEP = 1 << 24
 #: a raw-stored tensor larger than this is counted from its bytes a block this size at a time
 #: (`_deep_streamed`), never held whole
 _STREAM_BYTES = 16 << 20
-
-
-class TensorHealth(Record):
-    """Non-finite values found in one tensor by `--deep`."""
-
-    name: str
-    file: str | None = None
-    nan: int = 0
-    inf: int = 0
-
-
-class VerifyReport(Record):
-    """The result of `ckpt verify`.
-
-    Attributes:
-        location / format: what was checked and as which format.
-        ok: no error-level problem was found.
-        checks: which checks ran (`structure`, `resumable`, `checksums`, `deep`, `write-manifest`).
-        files / bytes: files of the checkpoint considered and their total size.
-        tensors: tensor entries checked by `--deep` (0 otherwise).
-        hashed_bytes: bytes hashed for checksums.
-        algorithm / manifest: the hash algorithm and manifest path, for checksum runs.
-        manifest_written: `--write-manifest` wrote the manifest (False when problems stopped it).
-        nonfinite: tensors holding NaN or Inf (`--deep`).
-        training: the training state, when the source is a training checkpoint.
-        problems: every problem found, errors and warnings; past the first 100 of one code
-            (and severity), one more entry of that code says how many more there are.
-        errors / warnings: counts by severity (of every problem found, listed or not).
-        ranks: under torchrun, which files each rank hashed (empty in a single-process run).
-    """
-
-    location: str
-    format: str | None = None
-    ok: bool
-    checks: list[str]
-    files: int = 0
-    bytes: int = 0
-    tensors: int = 0
-    hashed_bytes: int = 0
-    algorithm: str | None = None
-    manifest: str | None = None
-    manifest_written: bool = False
-    nonfinite: list[TensorHealth] = Field(default_factory=list)
-    training: TrainingState | None = None
-    problems: list[Problem] = Field(default_factory=list)
-    errors: int = 0
-    warnings: int = 0
-    ranks: list[RankShare] = Field(default_factory=list)
-    parity: ParityCheck | None = None
 
 
 class VerifyRequest(Request):
@@ -226,7 +175,7 @@ def verify_with(
     opened = recognise_layout(source) if format is None else None
     opener = SourceOpener(resolved, format)
     try:
-        name, source, problems = _structure(source, format, opener, opened)
+        name, source, problems = structure_checks(source, format, opener, opened)
         report = VerifyReport(
             location=source.location.raw, format=name, ok=True, checks=["structure"]
         )
@@ -303,44 +252,6 @@ def _links_out(source: Source, outside: dict[str, str], found: list[Problem]) ->
         for name, target in sorted(outside.items())
         if storage.describe(name) not in told
     ]
-
-
-def structural_errors(source: Source) -> list[Problem]:
-    """The errors of `verify`'s structural check of `source` (what `verify SRC` reports first,
-    no bytes hashed): for a command that must not bless a broken checkpoint (`protect`)."""
-    opened = recognise_layout(source)
-    opener = SourceOpener(source, None)
-    try:
-        _name, _source, problems = _structure(source, None, opener, opened)
-    finally:
-        if opened is not None:
-            opened.checkpoint.close()
-        opener.close()
-    return [p for p in problems if p.severity == "error"]
-
-
-@gc_paused()  # builds and walks the manifest (a million DCP chunks), no cycles: see `heap`
-def _structure(
-    source: Source, format: str | None, opener: SourceOpener, opened: OpenedSource | None
-) -> tuple[str, Source, ProblemList]:
-    """The structural checks: (the format or layout name, the checkpoint's source, problems)."""
-    if opened is not None:
-        training = opened.training
-        name = training.layout if training else opened.checkpoint.manifest.format
-        return name, source, ProblemList(check_source(source, opened=opened))
-    name = choose_format(source, format)
-    fmt = get_format(name)
-    # SRC named the .metadata or one .distcp file: the checkpoint is the folder
-    source = fmt.checkpoint_source(source)
-    # at most `MAX_EXAMPLES` of each code, the rest counted: a checkpoint crafted with a
-    # million bad entries is reported in bounded memory, every code still listed
-    problems = ProblemList(fmt.check(source))
-    if fmt.object_bytes and not any(p.severity == "error" for p in problems):
-        problems.extend(object_problems(opener))
-    if format is None and not any(p.severity == "error" for p in problems):
-        # a training layout's own rule (a torchtitan save with no optimizer state)
-        problems.extend(single_layout_missing(source))
-    return name, source, problems
 
 
 @gc_paused()  # a fact a tensor (100,000), no cycles: see `heap`
@@ -809,57 +720,3 @@ def _judged(numel: int, skip: list[tuple[int, int]]) -> list[tuple[int, int]]:
             pieces.append((start, min(lo, start + _COUNT_STEP)))
         at = max(at, hi)
     return pieces
-
-
-def object_problems(opener: SourceOpener) -> list[Problem]:
-    """Every non-tensor entry stored as its own pickle (`Format.object_bytes`: DCP's BYTE_IO
-    items) whose pickle needs a global that ckpt's restricted reader refuses: found by reading
-    opcodes (nothing runs, no torch), so plain `verify` names the entry that `convert`, `diff`
-    or `--deep` would refuse. Entries of a whole pickled file (Megatron's `common.pt`) are
-    judged by loading that file once with the restricted reader. SRC is the one `opener` opens (once for all of verify's checks)."""
-    from ...formats.torch.pickle_scan import refused_globals
-
-    problems: list[Problem] = []
-    try:
-        checkpoint = opener.get().checkpoint
-    except CkptError as error:
-        return [problem_from_error(error)]
-    if not checkpoint.object_bytes:
-        return []
-    whole_files: set[str] = set()
-    for entry in checkpoint.manifest.entries:
-        if entry.kind != "object" or entry.file is None:
-            continue
-        where = checkpoint.storage.describe(entry.file)
-        if entry.offset is None:
-            # an entry of a whole pickled file (Megatron's common.pt): reading one loads the
-            # file with the restricted reader, which names what it refuses (nothing runs);
-            # once per file, as convert and diff would meet it
-            if entry.file in whole_files:
-                continue
-            whole_files.add(entry.file)
-            try:
-                checkpoint.read_object(entry.name)  # loaded, never pickled again
-            except CkptError as error:
-                problems.append(problem_from_error(error, file=where))
-            continue
-        try:
-            refused = refused_globals(checkpoint.read_object_bytes(entry.name))
-        except CkptError as error:  # a corrupt blob (`corrupt_data`) among them
-            problems.append(problem_from_error(error, file=where, tensor=entry.name))
-            continue
-        if refused:
-            problems.append(
-                Problem(
-                    code="unloadable_object",
-                    message=f"object entry {entry.name!r} needs "
-                    f"{', '.join(refused[:5])}, which ckpt's restricted reader "
-                    "(torch.load weights_only) refuses; nothing was executed",
-                    file=where,
-                    tensor=entry.name,
-                    fix="Save it again without that object, from the code that wrote it "
-                    "(plain dicts, lists, numbers and tensors load everywhere, unpickling "
-                    "nothing).",
-                )
-            )
-    return problems
