@@ -362,18 +362,25 @@ def lightning_version(version: Path, steps: tuple[int, ...]) -> None:
     (version / "hparams.yaml").write_text("lr: 0.1\n")
 
 
-@pytest.mark.parametrize("kind", ["lightning_logs", "sweep"])
+@pytest.mark.parametrize("kind", ["lightning_logs", "sweep", "named"])
 def test_a_folder_of_runs_is_refused_never_pruned_as_one_run(tmp_path: Path, kind: str) -> None:
     # lightning_logs/version_0, sweep/trial_0: numbered run folders, each holding its own step
     # checkpoints; read as one run, `latest` printed version_1 and `prune --keep-last 1 --yes`
-    # deleted version_0 with every checkpoint and log in it
+    # deleted version_0 with every checkpoint and log in it. Run folders of any name
+    # (runs/exp1/checkpoint-500) are refused the same way: `latest` said "no step checkpoints
+    # found" (exit 3) without naming them, and `inspect` / `verify` exited 4 telling the user
+    # to run `ckpt latest` on the folder, which then refused it
     root = tmp_path / kind
-    runs = ["version_0", "version_1"] if kind == "lightning_logs" else ["trial_0", "trial_1"]
+    runs = {
+        "lightning_logs": ["version_0", "version_1"],
+        "sweep": ["trial_0", "trial_1"],
+        "named": ["exp_a", "exp_b"],
+    }[kind]
     for name in runs:
         if kind == "lightning_logs":
             lightning_version(root / name, (10, 20))
         else:
-            for step in (500, 1000):  # each trial's Trainer output_dir
+            for step in (500, 1000):  # each trial's (each experiment's) Trainer output_dir
                 trainer_checkpoint(root / name / f"checkpoint-{step}", step)
     age(root)
     before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
@@ -384,11 +391,60 @@ def test_a_folder_of_runs_is_refused_never_pruned_as_one_run(tmp_path: Path, kin
     pruned = run_ckpt("prune", root, "--keep-last", "1", "--yes")
     assert pruned.exit_code == 2
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+    # every command that reads a checkpoint says the same: a usage error naming the runs
+    for command in ("inspect", "verify", "protect"):
+        refused = run_ckpt(command, root)
+        assert refused.exit_code == 2, (command, refused.stderr)
+        assert f"holds run folders ({', '.join(runs)})" in refused.stderr, refused.stderr
+        assert f"{root}/{runs[-1]}" in refused.stderr
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
     # each run folder on its own is a run, its steps its checkpoints
     one = root / runs[0]
     newest = "checkpoints/epoch=0-step=20.ckpt" if kind == "lightning_logs" else "checkpoint-1000"
     assert run_ckpt("latest", one).stdout.strip() == str(one / newest)
     assert looks_like_run(root / runs[0])
+
+
+def test_a_run_folder_or_a_folder_of_saves_given_for_one_checkpoint_names_what_to_pass(
+    tmp_path: Path,
+) -> None:
+    # `verify out/` (the Trainer's output_dir) or `verify exports/` (final/ and best/ saved with
+    # save_pretrained): no checkpoint of its own, so a usage error (exit 2) naming where the
+    # checkpoints are. It was exit 4 ("bad checkpoint") for both, and for exports/ the fix said
+    # to run `ckpt latest` on it, which finds no step checkpoint there
+    out = trainer_run(tmp_path, steps=(100, 200))
+    refused = run_ckpt("verify", out)
+    assert refused.exit_code == 2, refused.stderr
+    assert "is a run folder (checkpoint-100, checkpoint-200), not one checkpoint" in refused.stderr
+    assert f"ckpt latest {out}" in refused.stderr
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-200")
+
+    exports = tmp_path / "exports"
+    for name in ("best", "final"):
+        (exports / name).mkdir(parents=True)
+        save_file(weights(1), exports / name / "model.safetensors")
+    for command in ("inspect", "verify"):
+        refused = run_ckpt(command, exports, "--json")
+        assert refused.exit_code == 2, refused.stderr
+        message = refused.json["error"]["message"]
+        assert "its subfolders do (best/, final/)" in message, message
+        assert "ckpt latest" not in message
+        assert f"{exports}/final" in refused.json["error"]["fix"]
+    assert run_ckpt("inspect", exports / "final").exit_code == 0
+
+
+def test_a_folder_of_only_an_empty_parity_folder_holds_no_checkpoint(tmp_path: Path) -> None:
+    # a `.ckpt-parity/` with no parity manifest in it can rebuild nothing: the folder holds no
+    # checkpoint (exit 3, as an empty folder), not "the parity lists the files it had" (exit 4)
+    empty = tmp_path / "empty"
+    (empty / ".ckpt-parity").mkdir(parents=True)
+    for command in ("inspect", "verify"):
+        refused = run_ckpt(command, empty, "--json")
+        assert refused.exit_code == 3, refused.stderr
+        assert refused.json["error"]["code"] == "no_checkpoint"
+        assert "lists the files it had" not in refused.json["error"]["message"]
+    assert run_ckpt("latest", empty).exit_code == 3
+    assert run_ckpt("repair", empty).exit_code == 3
 
 
 def test_a_stray_numbered_file_beside_trainer_checkpoints_is_no_checkpoint(
@@ -490,12 +546,14 @@ def test_latest_of_a_dcp_run_does_not_import_torch(tmp_path: Path) -> None:
 
 def test_a_run_folder_given_where_a_checkpoint_is_wanted_is_named_as_one(tmp_path: Path) -> None:
     """`verify` / `convert` of a run folder said it was no checkpoint ckpt recognises, while
-    `inspect` and `latest` read it as a run: it says it is a run folder and how to pick one."""
+    `inspect` and `latest` read it as a run: it says it is a run folder and how to pick one,
+    a usage error (exit 2) as for a folder of run folders."""
     out = trainer_run(tmp_path, steps=(100, 200))
     for command in (("verify", out), ("convert", out, tmp_path / "o", "--to", "torch")):
         result = run_ckpt(*command)
-        assert result.exit_code == 4
-        assert "its subfolders do: a run folder" in result.stderr and "ckpt latest" in result.stderr
+        assert result.exit_code == 2
+        assert "is a run folder (checkpoint-100, checkpoint-200)" in result.stderr
+        assert f"ckpt latest {out}" in result.stderr
     assert not (tmp_path / "o").exists()
 
 

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from ..errors import FormatError, NoCheckpointError, NotFoundError, UsageError
-from ..storage import PARITY_DIR, LocalStorage
+from ..storage import PARITY_DIR, PARITY_MANIFEST, LocalStorage
 from ..storage.uri import Location, parse_location
 from .base import Checkpoint, Format, Source
 
@@ -276,15 +276,14 @@ def detect_format(source: Source) -> str:
             for name in source.files
         )
         if nested:
-            raise FormatError(
-                "holds no checkpoint files itself (safetensors, DCP .metadata/.distcp, "
-                "torch.save), but its subfolders do: a run folder",
-                path=where,
-                fix="Name one checkpoint inside it (`ckpt latest` on the folder prints the "
-                "newest complete one; `ckpt inspect` lists them all).",
-            )
+            # a run folder, a folder of runs, or one of saves (`final/`, `best/`): which to
+            # pass instead, as `latest` and `prune` say it (the run scanner's naming rules)
+            from ..sources.runs.naming import refuse_parent_folder
+
+            refuse_parent_folder(where, source.files)
         root = source.storage.local_root
-        if source.target is None and root is not None and (root / PARITY_DIR).is_dir():
+        parity = root / PARITY_DIR if root is not None and source.target is None else None
+        if parity is not None and (parity / PARITY_MANIFEST).is_file():
             # a protected checkpoint whose data files are gone: its parity may rebuild them
             raise FormatError(
                 "holds no checkpoint files (safetensors, DCP .metadata/.distcp, torch.save), "
@@ -316,9 +315,12 @@ def detect_format(source: Source) -> str:
             )
         if source.target is None:
             # a folder: --format cannot help (each format reads only its own suffixes there)
+            contents = folder_contents(source.files)
+            if parity is not None and parity.is_dir():
+                contents += f" (and a {PARITY_DIR}/ with no parity manifest: nothing to rebuild)"
             raise NoCheckpointError(
                 f"holds no checkpoint files (safetensors, DCP .metadata/.distcp, torch.save, "
-                f"GGUF): {folder_contents(source.files)}",
+                f"GGUF): {contents}",
                 path=where,
                 fix="Point at the folder the checkpoint was saved to (a model folder, a "
                 "`checkpoint-N/` or `step-N/` save, or a run folder holding them), or at the "

@@ -19,6 +19,7 @@ to a local or object-store destination).
 
 from .base import (
     PARITY_DIR,
+    PARITY_MANIFEST,
     STAGING_MARKERS,
     FileStat,
     RangeFile,
@@ -33,6 +34,7 @@ from .remote import FsspecStorage, filesystem_for, remote_failure
 
 __all__ = [
     "PARITY_DIR",
+    "PARITY_MANIFEST",
     "STAGING_MARKERS",
     "FileStat",
     "FsspecStorage",

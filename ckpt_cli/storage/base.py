@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 #: the folder `ckpt protect` writes parity into (inside the checkpoint folder, or beside a
 #: single-file checkpoint); it is never part of the checkpoint's data, so listings skip it
 PARITY_DIR = ".ckpt-parity"
+#: the parity manifest in `PARITY_DIR`, written last: parity without it can rebuild nothing
+PARITY_MANIFEST = "parity.index.json"
 
 
 def is_parity_path(rel: str) -> bool:

@@ -8,10 +8,11 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ...models import Record
+from ...storage import PARITY_MANIFEST
 
 PARITY_VERSION = 1
 #: the parity manifest; its `.index.json` suffix makes object-store uploads publish it last
-MANIFEST_NAME = "parity.index.json"
+MANIFEST_NAME = PARITY_MANIFEST
 DEFAULT_PARITY = 2
 DEFAULT_BLOCK_SIZE = 1 << 20
 #: most data columns per stripe: repair of one block reads this many

@@ -242,16 +242,36 @@ def _plain_folder_kind(path: Path) -> Literal["checkpoint", "run", "other"]:
     return "run" if holds_run(inside) else "checkpoint"
 
 
+#: how deep below a folder `nested_runs` looks for the step checkpoints that make it a run
+#: folder: `exp1/checkpoints/checkpoint_1/model.safetensors` (accelerate), `trial_0/checkpoint/
+#: step-10/.metadata` (torchtitan); never a walk of a whole tree given by mistake (`ckpt latest ~`)
+_RUN_DEPTH = 4
+
+
 def nested_runs(run_dir: Path, list_dir: Callable[[Path], list[Path]]) -> list[str]:
-    """The plain `NAME-N/` folders at the top of `run_dir` that are run folders of their own."""
+    """The folders at the top of `run_dir` that are run folders of their own (`holds_run`):
+    a sweep's `trial_0/`, Lightning's `version_0/`, experiments `exp1/` of any name."""
     return [
         e.name
         for e in list_dir(run_dir)
         if e.is_dir()
         and not e.is_symlink()
-        and (match_name(e.name, True) or ("",))[0] == "plain"
-        and _plain_folder_kind(e) == "run"
+        and not e.name.startswith(".")
+        and holds_run(_files_below(e, _RUN_DEPTH))
     ]
+
+
+def _files_below(folder: Path, depth: int) -> list[str]:
+    """The checkpoint files under `folder` at most `depth` names down, relative to it."""
+    found: list[str] = []
+    for dirpath, dirs, names in os.walk(folder):
+        where = Path(dirpath).relative_to(folder)
+        if len(where.parts) + 1 >= depth:
+            dirs[:] = []
+        else:
+            dirs[:] = [d for d in dirs if not is_parity_path(d)]
+        found += [(where / n).as_posix() for n in names if is_checkpoint_file(n)]
+    return found
 
 
 def discover_local(

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from ...errors import UsageError
-from ...formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, holds_dcp
+from ...formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, holds_dcp, is_checkpoint_file
 from ...storage.output import OLD_MARKER, TMP_MARKER
 from .records import CHECKSUM_MANIFEST, SLIM_RECORD, Found
 
@@ -89,14 +89,56 @@ def holds_run(files: Iterable[str]) -> bool:
 
 def refuse_run_of_runs(run_dir: str, runs: list[str]) -> None:
     """Refuse a folder whose only candidates are run folders of their own (`holds_run`):
-    scanned as one run, each would be a checkpoint, its number a step (UsageError)."""
+    scanned as one run, each would be a checkpoint, its number a step (UsageError). The same
+    refusal for every command, whether it reads a run folder (`latest`, `prune`, `sync`) or
+    one checkpoint (`inspect`, `verify`...)."""
     if not runs:
         return
     shown = ", ".join(runs[:4]) + (f" and {len(runs) - 4} more" if len(runs) > 4 else "")
+    one = f"{run_dir.rstrip('/')}/{runs[-1]}"
     raise UsageError(
         f"holds run folders ({shown}), not step checkpoints: point at one",
         path=run_dir,
-        fix=f"Pass one run folder: {run_dir.rstrip('/')}/{runs[-1]}.",
+        fix=f"Pass one run folder: {one} (`ckpt latest {one}` prints its newest complete save).",
+    )
+
+
+def top_folders(files: Iterable[str]) -> dict[str, list[str]]:
+    """The folders at the top of a listing (`files`: paths relative to it), each with its
+    files relative to that folder; hidden ones (parity, ckpt's staging) are none of them."""
+    out: dict[str, list[str]] = {}
+    for rel in files:
+        top, sep, inner = rel.partition("/")
+        if sep and not top.startswith("."):
+            out.setdefault(top, []).append(inner)
+    return dict(sorted(out.items()))
+
+
+def refuse_parent_folder(where: str, files: Iterable[str]) -> None:
+    """Refuse a folder given for one checkpoint that holds none itself while its subfolders
+    do (`files`: every file under it): a run folder, a folder of run folders, or a folder of
+    saves (`final/`, `best/`). A usage error naming what to pass instead; nothing when no
+    subfolder holds a checkpoint file."""
+    listed = list(files)
+    top = top_folders(listed)
+    saves = [name for name, inner in top.items() if any(is_checkpoint_file(f) for f in inner)]
+    if not saves:
+        return
+    shown = ", ".join(saves[:4]) + (f" and {len(saves) - 4} more" if len(saves) > 4 else "")
+    if holds_run(listed):
+        raise UsageError(
+            f"is a run folder ({shown}), not one checkpoint",
+            path=where,
+            fix=f"Name one checkpoint inside it: `ckpt latest {where}` prints the newest "
+            f"complete one, `ckpt inspect {where}` lists them all.",
+        )
+    refuse_run_of_runs(where, [name for name in saves if holds_run(top[name])])
+    folders = ", ".join(f"{name}/" for name in saves[:4])
+    raise UsageError(
+        "holds no checkpoint files itself, but its subfolders do "
+        f"({folders}{f' and {len(saves) - 4} more' if len(saves) > 4 else ''})",
+        path=where,
+        fix=f"Name one of them: {where.rstrip('/')}/{saves[-1]}.",
     )
 
 

@@ -16,7 +16,7 @@ from ...errors import NotFoundError, UsageError
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA, INDEX_SUFFIX
 from ...storage import Storage
-from .naming import SUBFOLDERS, collect, holds_run, match_name, refuse_run_of_runs
+from .naming import SUBFOLDERS, collect, holds_run, refuse_run_of_runs
 from .records import SYNC_RECORD, Found, checksum_manifest_of
 from .scan import RunListing
 
@@ -74,7 +74,7 @@ def _discover(groups: dict[tuple[str, bool], dict[str, int]], display: str = "")
             for (base, is_dir), inside in sorted(groups.items())
             if is_dir
             and "/" not in base
-            and (match_name(base, True) or ("",))[0] == "plain"
+            and not base.startswith(".")
             and holds_run(rel[len(base) + 1 :] for rel in inside)
         ]
         refuse_run_of_runs(display, runs)
