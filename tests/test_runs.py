@@ -252,6 +252,66 @@ def test_an_accelerate_save_cut_short_before_its_rng_states_is_incomplete(
     assert run_ckpt("latest", run).stdout.strip() == str(run / "checkpoints" / "step_6")
 
 
+@pytest.mark.parametrize("naming", ["automatic", "script"])
+@pytest.mark.parametrize("saves", [1, 2])
+def test_an_accelerate_save_cut_short_before_its_rng_states_is_unfinished_in_a_short_run(
+    tmp_path: Path, naming: str, saves: int
+) -> None:
+    # save_state writes random_states_0.pkl after the model, optimizer and scheduler: a save
+    # killed just before it was complete in a run of one or two saves (the comparison with the
+    # run's other saves needs three), so `latest` named a save with no RNG states to resume.
+    # accelerate's own naming (checkpoints/checkpoint_N) says save_state wrote the folder; a
+    # folder of the script's naming says so when another save of the run holds its RNG states
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    run = tmp_path / "run"
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(
+            project_dir=str(run), automatic_checkpoint_naming=naming == "automatic"
+        ),
+    )
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=4)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    names = []
+    for step in range(1, saves + 1):
+        model(torch.randn(2, 8)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if naming == "automatic":
+            accelerator.save_state()
+            names.append(f"checkpoints/checkpoint_{step - 1}")
+        else:
+            accelerator.save_state(str(run / f"step_{step}"))
+            names.append(f"step_{step}")
+    cut = run / names[-1]
+    (cut / "random_states_0.pkl").unlink()  # killed before it
+    age(run)
+    rows = table(run)
+    latest = run_ckpt("latest", run)
+    if naming == "script" and saves == 1:
+        # nothing says a lone folder of the script's naming was written by save_state
+        assert rows[names[-1]]["status"] == "complete"
+        return
+    assert rows[names[-1]]["status"] == "incomplete", rows[names[-1]]
+    assert "no random_states_0.pkl, which accelerate writes last" in rows[names[-1]]["reason"]
+    if saves == 1:
+        assert latest.exit_code == 3
+        assert "no random_states_0.pkl" in latest.stderr
+    else:
+        assert rows[names[0]]["status"] == "complete"
+        assert latest.stdout.strip() == str(run / names[0])
+        accelerator.load_state(latest.stdout.strip())  # the real reader resumes from it
+    # recent, the same save is one still being written
+    os.utime(cut / "model.safetensors")
+    assert table(run)[names[-1]]["status"] == "writing"
+
+
 def test_staging_folders_are_interrupted_or_still_being_written(tmp_path: Path) -> None:
     out = trainer_run(tmp_path, steps=(100, 200))
     # ckpt's own staging name (output.py) and the Trainer's tmp-checkpoint-N, both old

@@ -49,6 +49,9 @@ class Accelerate(Layout):
     step_folder_counts_saves = True
     #: `save_accelerator_state`: `random_states_{process_index}.pkl` at every world size
     rank_files = re.compile(r"random_states_(\d+)\.pkl")
+    #: `save_accelerator_state` writes every process's RNG states after the model, optimizer,
+    #: scheduler, sampler and scaler (only `custom_checkpoint_N.pkl` come after, when registered)
+    last_file = re.compile(_RNG)
 
     def rank_file_name(self, rank: int, world_size: int) -> str:
         return f"random_states_{rank}.pkl"

@@ -95,6 +95,11 @@ class Layout(ABC):
             with an index (the Trainer does, `load_sharded_checkpoint`); accelerate's
             `load_state` reads one `model{_i}.safetensors` per model, so a `--max-shard-size`
             copy of its folder would not resume.
+        last_file: the top-level file the framework's save writes last, into every save
+            (accelerate's `random_states_N.pkl`, after the model, optimizer, scheduler...); a
+            run's judge calls a save without it unfinished (cut short, or still being written)
+            when the save is named by `step_folder` or another save of the run holds one.
+            None when the layout has no such file (its marker, if any, is judged otherwise).
     """
 
     name: ClassVar[str]
@@ -105,6 +110,7 @@ class Layout(ABC):
     training_files: ClassVar[re.Pattern[str] | None] = None
     step_folder_counts_saves: ClassVar[bool] = False
     loads_size_shards: ClassVar[bool] = True
+    last_file: ClassVar[re.Pattern[str] | None] = None
 
     @abstractmethod
     def recognise(self, source: Source) -> bool:

@@ -50,6 +50,7 @@ from .records import (
 
 if TYPE_CHECKING:
     from ..layouts import Layout
+    from ..layouts.composite import Folder
     from .scan import RunListing
 
 # --------------------------------------------------------------------------- judging
@@ -75,8 +76,13 @@ def judge_found(
     settle: float,
     ds_latest_step: int | None,
     expected: set[str] | None = None,
+    run_files: frozenset[str] = frozenset(),
 ) -> RunCheckpoint:
-    """Complete, incomplete, interrupted or writing (see the package docstring)."""
+    """Complete, incomplete, interrupted or writing (see the package docstring).
+
+    `expected`: the parts every other save of the run has (`scan.expected_parts_of`);
+    `run_files`: the names of the files at the top of the run's saves (`scan.top_file_names`),
+    which say whether the run's saves hold their layout's `last_file`."""
     primary = item.rels[0]
     link = run.link(item)
     files = run.files(item)
@@ -119,9 +125,9 @@ def judge_found(
         problem = _trainer_state_problem(run.storage, primary, files)
     if problem is None and item.layout == "deepspeed" and item.is_dir:
         problem = _zero_partition_problem(run.storage, primary, files)
-    note = None
+    note = unfinished = None
     if problem is None and item.is_dir:
-        lost, note = _layout_problem(run.storage, item, files, own)
+        lost, unfinished, note = _layout_problem(run.storage, item, files, own, run_files)
         if lost is not None:
             # a file the framework writes before others that are here: lost since the save,
             # never one still being written, however recent
@@ -146,6 +152,10 @@ def judge_found(
                 f"lacks {', '.join(sorted(missing))}, which every other save of this run has "
                 f"({why})"
             )
+    if problem is None and unfinished is not None and not entry.slim:
+        # after the comparison, whose message names every missing part; a slimmed save
+        # dropped its RNG states on purpose
+        problem = unfinished
     if (
         problem is None
         and item.layout == "deepspeed"
@@ -437,15 +447,21 @@ def _trainer_state_problem(storage: Storage, folder: str, files: Mapping[str, in
 
 
 def _layout_problem(
-    storage: Storage, item: Found, files: Mapping[str, int], own: Layout | None
-) -> tuple[str | None, str | None]:
-    """(problem, note) of a save by its framework's own layout (`Layout.missing`: a Trainer
-    checkpoint whose `rng_state.pth` says its `optimizer.pt` was saved, an accelerate save with
-    a scheduler's state and no optimizer's, a torchtitan save with its `train_state` and no
-    optimizer's), whatever the run's other saves hold; the note says when its files cannot tell
-    what it should hold (`Layout.unknown_state`). Names only, the few bytes of
-    `training_args.bin` a Trainer checkpoint's `save_only_model` needs, and a torchtitan save's
-    `.metadata`. `own`: the layout the files of a save the script named say (`files_layout`)."""
+    storage: Storage,
+    item: Found,
+    files: Mapping[str, int],
+    own: Layout | None,
+    run_files: frozenset[str],
+) -> tuple[str | None, str | None, str | None]:
+    """(problem, unfinished, note) of a save by its framework's own layout (`Layout.missing`: a
+    Trainer checkpoint whose `rng_state.pth` says its `optimizer.pt` was saved, an accelerate
+    save with a scheduler's state and no optimizer's, a torchtitan save with its `train_state`
+    and no optimizer's), whatever the run's other saves hold; `unfinished` when it lacks the
+    file its framework writes last (`Layout.last_file`: accelerate's RNG states), which a save
+    cut short or still being written lacks; the note says when its files cannot tell what it
+    should hold (`Layout.unknown_state`). Names only, the few bytes of `training_args.bin` a
+    Trainer checkpoint's `save_only_model` needs, and a torchtitan save's `.metadata`. `own`:
+    the layout the files of a save the script named say (`files_layout`)."""
     from ..layouts import layout_named
     from ..layouts.composite import Folder
 
@@ -454,15 +470,39 @@ def _layout_problem(
         # a save the script named (`step_100/`): the framework its files say (`own`)
         layout = own or layout_named(item.layout)
         if layout is None:
-            return None, None
+            return None, None, None
         folder = Folder(source)
         problems = [p for p in layout.missing(source, folder) if p.severity == "error"]
         if problems:
-            return with_fix(problems[0].message, problems[0].fix), None
-        return None, layout.unknown_state(source, folder)
+            return with_fix(problems[0].message, problems[0].fix), None, None
+        return (
+            None,
+            _unfinished(layout, folder, own is None, run_files),
+            (layout.unknown_state(source, folder)),
+        )
     except CkptError as error:
         no_verdict(error)  # the store or the OS refused: no verdict on the file
-        return error.message, None
+        return error.message, None, None
+
+
+def _unfinished(
+    layout: Layout, folder: Folder, named: bool, run_files: frozenset[str]
+) -> str | None:
+    """Why a save lacking its layout's `last_file` is unfinished, else None. Certain when the
+    save is named by the layout's own step naming (accelerate's `checkpoints/checkpoint_N`:
+    `save_state` wrote it); for a folder the script named, whose files only look like the
+    layout's, when another save of the run holds such a file (this one's files are not among
+    `run_files`' matches: it has none), at any number of saves."""
+    last = layout.last_file
+    if last is None or folder.matching(last.pattern):
+        return None
+    if not named and not any(last.fullmatch(name) for name in run_files):
+        return None
+    example = layout.rank_file_name(0, 1) if layout.rank_files is not None else last.pattern
+    return (
+        f"no {example}, which {layout.name} writes last (after the model and optimizer "
+        "state): the save has not finished"
+    )
 
 
 def _zero_partition_problem(storage: Storage, folder: str, files: Mapping[str, int]) -> str | None:

@@ -134,6 +134,22 @@ def expected_parts_of(run: RunListing, items: list[Found]) -> dict[int, set[str]
     return out
 
 
+def top_file_names(run: RunListing, items: list[Found]) -> frozenset[str]:
+    """The names of the files directly in the run's save folders (not staging ones, not
+    links): whether the run's saves hold their layout's `Layout.last_file` (accelerate's RNG
+    states), so that a save lacking it is unfinished at any number of saves. Names only."""
+    names: set[str] = set()
+    for i in items:
+        if i.is_dir and not i.temporary and run.link(i) is None:
+            start = f"{i.rels[0]}/"
+            names.update(
+                rel[len(start) :]
+                for rel in run.files(i)
+                if rel.startswith(start) and "/" not in rel[len(start) :]
+            )
+    return frozenset(names)
+
+
 def scan(
     run: RunListing,
     *,
@@ -157,6 +173,7 @@ def scan(
         ]
         ds_step = named[0] if named else None
     expected = expected_parts_of(run, items)
+    run_files = top_file_names(run, items)
     judged: list[RunCheckpoint] = []
 
     def order(item: Found) -> tuple[tuple[float, float, float, float], str]:
@@ -165,7 +182,9 @@ def scan(
         return known, item.rels[0]
 
     for item in sorted(items, key=order, reverse=True):
-        judged.append(judge_found(run, item, now, settle, ds_step, expected.get(id(item))))
+        judged.append(
+            judge_found(run, item, now, settle, ds_step, expected.get(id(item)), run_files)
+        )
         if until_latest and judged[-1].complete and not judged[-1].slim:
             break
     checkpoints = sorted(judged, key=lambda c: (c.order, c.name))
