@@ -233,6 +233,49 @@ def test_keep_last_orders_accelerates_automatically_named_saves_by_their_number(
     assert run_ckpt("latest", run).stdout.strip() == str(saves / "checkpoint_3")
 
 
+def test_keep_last_never_deletes_the_only_settled_save_for_a_fresh_one_with_no_marker(
+    tmp_path: Path,
+) -> None:
+    # accelerate's save_state writes no commit marker: a save finished a moment ago and one
+    # still being written look the same (`sync` holds such a save back). `prune --keep-last 1
+    # --yes` counted the fresh save as the one kept and deleted checkpoint_0, the run's only
+    # settled save
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    run = tmp_path / "run"
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
+    )
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    saves = run / "checkpoints"
+    for _ in range(2):
+        model(torch.randn(2, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.save_state()
+        if not (saves / "checkpoint_1").exists():
+            age(saves / "checkpoint_0")  # saved long ago; checkpoint_1 just now
+    settled = load_file(saves / "checkpoint_0" / "model.safetensors")
+    result = run_ckpt("prune", run, "--keep-last", "1", "--yes", "--json")
+    assert result.exit_code == 0, result.stderr
+    plan = decisions(result)
+    assert plan["checkpoints/checkpoint_0"][0] == "keep", plan
+    assert "newest settled complete" in plan["checkpoints/checkpoint_0"][1]
+    assert plan["checkpoints/checkpoint_1"] == ("keep", "modified in the last 120 s")
+    assert survivors(saves) == ["checkpoint_0", "checkpoint_1"]
+    kept = load_file(saves / "checkpoint_0" / "model.safetensors")
+    assert all(torch.equal(kept[k], settled[k]) for k in settled)
+    # settled, the newer save is the one --keep-last keeps
+    age(saves / "checkpoint_1", 600)
+    later = decisions(run_ckpt("prune", run, "--keep-last", "1", "--json"))
+    assert later["checkpoints/checkpoint_0"] == ("delete", "not kept by any rule")
+
+
 def test_deepspeed_run_keeps_the_save_its_latest_file_names(tmp_path: Path) -> None:
     out = tmp_path / "ds"
     for step in (10, 20, 30):

@@ -16,6 +16,7 @@ from ...errors import UsageError
 from ...models import Record, Request
 from ...sources.runs import (
     DEFAULT_SETTLE,
+    UNMARKED,
     BestMetric,
     RunCheckpoint,
     RunReport,
@@ -226,7 +227,15 @@ def plan(run: RunReport, policy: PrunePolicy) -> list[PruneDecision]:
     newest = run.newest_complete
     complete = [c for c in run.checkpoints if c.complete]
     now = time.time() if policy.now is None else policy.now
-    kept = _retention_rules(complete, policy, now)
+    # a save with no commit marker written within --settle may still be being written: it is
+    # kept (never touched), but never counted as a save the rules keep, so the settled save
+    # before it is what --keep-last keeps, never deleted for it
+    settled = [c for c in complete if not _unsettled(c, policy)]
+    kept = _retention_rules(settled, policy, now)
+    if len(settled) < len(complete) and settled:
+        kept.setdefault(settled[-1].name, []).insert(
+            0, "newest settled complete (a newer save has no commit marker and is within --settle)"
+        )
     metric_missing = policy.keep_best is not None and (run.best is None or run.best.name is None)
     decisions = []
     for c in run.checkpoints:
@@ -387,6 +396,12 @@ def _plan_slims(run: RunReport, policy: PrunePolicy, decisions: list[PruneDecisi
             f"--slim-older-than {policy.slim_older_than}: drop "
             f"{', '.join(action.components)}; kept by {d.rule}"
         )
+
+
+def _unsettled(c: RunCheckpoint, policy: PrunePolicy) -> bool:
+    """A complete-looking save of a layout with no commit marker (`UNMARKED`) modified within
+    `--settle`: its writer may not have finished (what `sync` holds back)."""
+    return c.layout in UNMARKED and not c.symlink and time.time() - c.mtime < policy.settle
 
 
 def _older_than(c: RunCheckpoint, newest: RunCheckpoint) -> bool:
