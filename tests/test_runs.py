@@ -892,3 +892,21 @@ def test_a_plain_save_whose_torch_file_is_no_torch_file_is_never_the_latest(
     latest = run_ckpt_process("latest", run)
     assert latest.stdout == f"{run / 'step-6'}\n", latest.stderr
     assert run_ckpt("verify", run / "step-7").exit_code != 0  # the two commands agree
+
+
+def test_a_trainer_save_whose_optimizer_file_is_garbage_is_never_the_latest(
+    tmp_path: Path,
+) -> None:
+    """`checkpoint-200/optimizer.pt` overwritten with random bytes (a copy from a failing
+    disk): a file the Trainer saves its state in is part of the save whatever its bytes, so
+    the save is damaged, as `verify` says, and `latest` names the one before."""
+    out = trainer_run(tmp_path, steps=(100, 200))
+    (out / "checkpoint-200" / "optimizer.pt").write_bytes(bytes(range(256)) * 16)
+    age(out)
+    rows = table(out)
+    assert rows["checkpoint-100"]["status"] == "complete"
+    assert rows["checkpoint-200"]["status"] == "incomplete"
+    assert "optimizer.pt: not a torch.save file" in rows["checkpoint-200"]["reason"]
+    latest = run_ckpt_process("latest", out)
+    assert latest.stdout == f"{out / 'checkpoint-100'}\n", latest.stderr
+    assert run_ckpt("verify", out / "checkpoint-200").exit_code != 0  # the two agree

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -251,7 +252,14 @@ class ForeignFile(str):
     """What `_pickle_structure` says of a file named like a torch.save file (`.bin`, `.pt`)
     whose bytes are neither torch.save's zip nor a pickle: no part of the save (a Trainer
     folder may hold a `.bin` of its own), not a damaged one; a save left with no component is
-    incomplete, naming it (five bytes of garbage in `step-7/model.bin` were called complete)."""
+    incomplete, naming it (five bytes of garbage in `step-7/model.bin` were called complete).
+    A file named as a framework's training state (`_STATE_FILE`) is always part of the save."""
+
+
+#: the files training frameworks save their state in (the Trainer's `optimizer.pt`,
+#: accelerate's `optimizer_1.bin`, `scaler.pt`...): garbage there is a damaged save, never a
+#: foreign file beside it
+_STATE_FILE = re.compile(r"(optimizer|scheduler|scaler|sampler|rng_state)(_\d+)?\.(pt|bin|pth)")
 
 
 def _pickle_structure(storage: Storage, rel: str) -> str | None:
@@ -401,7 +409,7 @@ def _judge_components(
     for kind, rel, folder in components:
         # inside a checkpoint folder, its own files are all a view needs to list
         problem = _check_with_format(storage, kind, rel, folder, files if item.is_dir else None)
-        if isinstance(problem, ForeignFile):
+        if isinstance(problem, ForeignFile) and not _STATE_FILE.fullmatch(rel.rpartition("/")[2]):
             foreign.append(problem)
             continue
         if kind not in formats:
