@@ -364,7 +364,13 @@ def build_fp8(dest: Path) -> None:
 
     full = fp8_source()
     write_fp8_block(dest / "DeepSeek-tiny-FP8", full)
-    hf_shards(dest / "full-precision", [full], {"model_type": "deepseek_v3"})
+    # the source's own config: the FP8 one's but for its quantization_config
+    source_config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "torch_dtype": "bfloat16",
+    }
+    hf_shards(dest / "full-precision", [full], source_config)
     broken = dest / "DeepSeek-tiny-FP8-no-scale"
     write_fp8_block(broken, full)
     lost = "model.layers.1.mlp.down_proj.weight_scale_inv"
