@@ -7,7 +7,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, cast
 
 from ... import dtypes
 from ...errors import REPORT_BUG, CkptError, CorruptDataError, FormatError, NotFoundError
@@ -16,13 +16,21 @@ from ...models import Chunk, Entry, Manifest
 from ...storage import RangeFile
 from ...storage.fileio import COPY_BLOCK, FileRange
 from ..base import NAMES_FIX, Checkpoint, Source
-from ..torch.pickle_scan import archive_corruption
-from ..torch.preflight import check_torch_blob
+from ..torch.pickle_scan import read_archive
+from ..torch.preflight import check_torch_blob, check_torch_pickle
 from ..torch.zip_index import check_zip_budget
 from .layout import MEGATRON_COMMON
 from .peek import common_leaf
 from .torch_blob import locate_chunk
 from .transforms import OBJECT_INFLATE_MAX, SAVE_OVERHEAD, inflate
+
+
+class ArchiveBytes(NamedTuple):
+    """An object entry's stored bytes, checked, and its `data.pkl` records (None: not kept)."""
+
+    data: bytes
+    pickles: tuple[bytes, ...] | None
+
 
 if TYPE_CHECKING:
     import torch
@@ -470,13 +478,20 @@ class DcpCheckpoint(Checkpoint):
             buffer = io.BytesIO()
             torch.save(common_leaf(self._megatron_common(), name), buffer)
             return buffer.getvalue()
+        return self._stored_object(entry).data
+
+    def _stored_object(self, entry: Entry) -> ArchiveBytes:
+        """The stored bytes of the object `entry`, read through and checked for corruption,
+        with the `data.pkl` records read on the way (`pickle_scan.read_archive`)."""
+        name = entry.name
         assert entry.file is not None and entry.offset is not None
         data = self.storage.read(entry.file, entry.offset, entry.nbytes)
         where = self.storage.describe(entry.file)
         if (entry.file, entry.offset) in self.transforms:
             limit = OBJECT_INFLATE_MAX + 64 * entry.nbytes
             data = inflate(data, limit, where, f"object {name!r}")
-        damage = archive_corruption(data, where)
+        archive = read_archive(data, where)
+        damage = archive.damage
         if damage is not None:
             # checked here, where every reader of the bytes passes: a copy (reshard, convert
             # to DCP) would otherwise carry the corrupt blob into an output that fails to load
@@ -488,7 +503,7 @@ class DcpCheckpoint(Checkpoint):
                 fix="Restore this file from a good copy of the checkpoint (or download it "
                 "again); nothing was written from it",
             )
-        return data
+        return ArchiveBytes(data, archive.pickles)
 
     def read_object(self, name: str) -> Any:
         """The value of a non-tensor entry, loaded with `torch.load(weights_only=True)`.
@@ -505,12 +520,16 @@ class DcpCheckpoint(Checkpoint):
         entry = self._entry(name, "object")
         if entry.file == MEGATRON_COMMON and entry.offset is None:
             return common_leaf(self._megatron_common(), name)
-        data = self.read_object_bytes(name)
+        stored = self._stored_object(entry)
+        data = stored.data
         where = self.storage.describe(entry.file or "")
         check_zip_budget(lambda at, n: data[at : at + n], 0, len(data), where)
         # ckpt's own restricted reader first: no allocation by a size, no numpy state that
-        # crashes numpy (`torch.preflight`)
-        check_torch_blob(io.BytesIO(data), len(data), where)
+        # crashes numpy (`torch.preflight`); on the records already read, when they were kept
+        if stored.pickles is None:
+            check_torch_blob(io.BytesIO(data), len(data), where)
+        for pickled in stored.pickles or ():
+            check_torch_pickle(pickled, where)
         try:
             # numpy RNG states and torch.Generator objects, which dcp.load restores too
             with torch.serialization.safe_globals(object_allowlist()):

@@ -13,6 +13,7 @@ import io
 import pickletools
 import re
 import zipfile
+from dataclasses import dataclass
 
 from ...budgets import READ_CHUNK, ZIP_READ_ERRORS, check_inflated, read_member
 
@@ -78,9 +79,25 @@ def _pickles(data: bytes) -> list[bytes]:
     return []  # raw bytes (an io.BytesIO saved as is): data, not code
 
 
-def archive_corruption(data: bytes, where: str | None = None) -> str | None:
-    """Why a stored object's torch.save archive is corrupt, or None when it is intact (or no
-    zip at all: a bare pickle or raw bytes carry no checksum).
+@dataclass(frozen=True)
+class ArchiveRead:
+    """What reading a stored object's torch.save archive through found.
+
+    Attributes:
+        damage: why the archive is corrupt, or None when it is intact or no zip at all (a
+            bare pickle or raw bytes carry no checksum).
+        pickles: its `data.pkl` records, kept on the way (each at most `MAX_SCAN_BYTES`), so
+            the pickle check need not open the archive again; None when the bytes are no zip,
+            or a record was too long to keep.
+    """
+
+    damage: str | None
+    pickles: tuple[bytes, ...] | None
+
+
+def read_archive(data: bytes, where: str | None = None) -> ArchiveRead:
+    """Read a stored object's torch.save archive through, keeping its `data.pkl` records: one
+    parse of the zip serves the corruption check and the pickle check.
 
     Every member is read through (in `READ_CHUNK` pieces, after `budgets.check_inflated`),
     as `zipfile.testzip` does: a member whose bytes fail the CRC-32 the zip records for them,
@@ -88,18 +105,27 @@ def archive_corruption(data: bytes, where: str | None = None) -> str | None:
     not a pickle ckpt refuses.
     """
     if data[:4] != b"PK\x03\x04":
-        return None
+        return ArchiveRead(None, None)
+    pickles: list[bytes] | None = []
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             for info in archive.infolist():
                 # the inflation budget only: the bytes are in memory already
                 check_inflated(info.filename, info.compress_size, info.file_size, 1 << 62, where)
+                keep = info.filename.endswith("data.pkl") and pickles is not None
+                if keep and info.file_size > MAX_SCAN_BYTES:
+                    pickles = None  # the pickle check reads it on its own, within its budget
+                    keep = False
+                kept = bytearray()
                 with archive.open(info) as member:
-                    while member.read(READ_CHUNK):
-                        pass
+                    while block := member.read(READ_CHUNK):
+                        if keep:
+                            kept += block
+                if keep and pickles is not None:
+                    pickles.append(bytes(kept))
     except ZIP_READ_ERRORS as exc:
-        return str(exc) or type(exc).__name__
-    return None
+        return ArchiveRead(str(exc) or type(exc).__name__, None)
+    return ArchiveRead(None, None if pickles is None else tuple(pickles))
 
 
 def refused_globals(data: bytes) -> list[str]:
