@@ -48,7 +48,7 @@ from ..weight_map import (
 )
 from .flatten import TorchEntry, build_entries
 from .load import is_zip, load_torch_file, object_allowlist
-from .read import TorchCheckpoint
+from .read import TorchCheckpoint, legacy_load_failures
 from .write import TorchWriter, shard_names
 
 __all__ = [
@@ -216,7 +216,10 @@ def default_loader_warnings(storage: Storage, files: list[str]) -> list[Problem]
     problems: list[Problem] = []
     for rel in files:
         local = storage.local_path(rel)
-        if local is None or not is_zip(storage, rel) or not _names_other_globals(local):
+        if local is not None and not is_zip(storage, rel):
+            problems.extend(_legacy_loader_warning(storage, rel))
+            continue
+        if local is None or not _names_other_globals(local):
             continue
         import torch
 
@@ -241,6 +244,26 @@ def default_loader_warnings(storage: Storage, files: list[str]) -> list[Problem]
             )
         )
     return problems
+
+
+def _legacy_loader_warning(storage: Storage, rel: str) -> list[Problem]:
+    """The warning for a legacy (non-zip) file ckpt reads and torch.load cannot read back."""
+    failures = legacy_load_failures(storage, rel)
+    if not failures:
+        return []
+    where = storage.describe(rel)
+    return [
+        Problem(
+            code="torch_load_refuses",
+            severity="warning",
+            file=where,
+            message=f"{where}: PyTorch's loader, torch.load, cannot read this legacy (non-zip) "
+            f"torch.save file back: its legacy-format reader fails on {', '.join(failures)} "
+            "(ckpt reads it as saved)",
+            fix=f"Re-save it in the zip format: `ckpt convert {where} OUT.pt --to torch` (or "
+            "torch.save without _use_new_zipfile_serialization=False).",
+        )
+    ]
 
 
 def _names_other_globals(path: Path) -> bool:

@@ -27,7 +27,12 @@ if TYPE_CHECKING:
 
 from .flatten import build_entries, is_tensor, plain_copy, type_name
 from .load import load_torch_file
-from .zip_index import TensorLayout, index_torch_zip, read_plain_torch_zip
+from .zip_index import (
+    TensorLayout,
+    index_torch_zip,
+    read_plain_torch_legacy,
+    read_plain_torch_zip,
+)
 
 #: what a `torch_zip` reader returns
 T = TypeVar("T")
@@ -72,10 +77,22 @@ def _layouts(storage: Storage, rel: str) -> dict[tuple[str | int, ...], TensorLa
     return None if index is None else index.tensors
 
 
-def _read_plain(storage: Storage, rel: str) -> object | None:
-    """A local file's object read without torch when it is plain data (`torch_zip`)."""
+def _read_plain(storage: Storage, rel: str) -> tuple[object, bool] | None:
+    """A local file's object read without torch when it is plain data (`torch_zip`), and
+    whether the file is in the legacy (non-zip) format."""
     found = _read_local_zip(storage, rel, read_plain_torch_zip)
-    return None if found is None else found[1]
+    if found is not None:
+        return found[1], False
+    legacy = _read_local_zip(storage, rel, read_plain_torch_legacy)
+    return None if legacy is None else (legacy.root, True)
+
+
+def legacy_load_failures(storage: Storage, rel: str) -> list[str]:
+    """Why `torch.load` cannot read the local legacy (non-zip) torch.save file `rel` back
+    although ckpt reads it (a uint16 tensor, a Generator: see `zip_index`); empty for any
+    other file."""
+    legacy = _read_local_zip(storage, rel, read_plain_torch_legacy)
+    return [] if legacy is None else legacy.torch_fails
 
 
 class TorchCheckpoint(Checkpoint):
@@ -129,7 +146,7 @@ class TorchCheckpoint(Checkpoint):
             # plain state dicts are read without torch; anything else through torch.load
             plain = None if remote else _read_plain(storage, shard)
             if plain is not None:
-                obj, is_legacy, layouts = plain, False, None
+                (obj, is_legacy), layouts = plain, None
                 raw_read = True
             else:
                 obj, is_legacy = load_torch_file(storage, shard, meta=remote)

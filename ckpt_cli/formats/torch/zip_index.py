@@ -11,6 +11,8 @@ is what lets torch.save -> safetensors/DCP run at copy speed. Public through `to
 from __future__ import annotations
 
 import functools
+import io
+import pickle
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
@@ -597,9 +599,14 @@ _PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray)
 _MAX_PLAIN_DEPTH = 200
 
 
-def _plain_tree(root: object, layouts: dict[int, TensorLayout]) -> object:
+def _plain_tree(
+    root: object,
+    layouts: dict[int, TensorLayout],
+    build: Callable[[object], object] | None = None,
+) -> object:
     """`root` with each tensor replaced by its layout; _NotPlain when anything is not plain
-    data (an unknown global, a strided tensor...). Shared sub-objects stay shared."""
+    data (an unknown global, a strided tensor...). Shared sub-objects stay shared. `build`
+    turns a stand-in of another kind into its value (raising _NotPlain when it cannot)."""
     memo: dict[int, object] = {}
 
     def copy(node: object, depth: int) -> object:
@@ -634,6 +641,10 @@ def _plain_tree(root: object, layouts: dict[int, TensorLayout]) -> object:
             built = type(node)(copy(v, depth + 1) for v in node)  # type: ignore[call-arg, attr-defined]
             memo[id(node)] = built
             return built
+        if build is not None:
+            value = build(node)
+            memo[id(node)] = value
+            return value
         raise _NotPlain(f"a {type(node).__name__}")
 
     return copy(root, 0)
@@ -719,3 +730,231 @@ def locate_single_tensor(
         storage_offset=layout.storage_offset,
         crc32=layout.record.crc32,
     )
+
+
+# ---- torch.save's legacy (pre-1.6, non-zip) format
+#
+# A legacy file is five pickles and the storages' bytes: the magic number, the protocol
+# version (1001), a system-info dict, the object (each storage a persistent id
+# ("storage", <class>, key, location, numel, view)), the list of storage keys; then, for each
+# key in that order, the storage's element count (int64, little-endian) and its bytes
+# (little-endian whatever the machine: torch's writer converts them). torch's own loader fails
+# on two kinds of such files torch.save writes: a tensor of a dtype with no legacy storage class
+# (uint16/32/64, float8...) is pickled over an `UntypedStorage`, which its loader asks for a
+# dtype; and a `torch.Generator` is restored from its state tensor before any storage's bytes
+# are read. Read here, both come back as they were saved.
+
+#: the first pickle of a legacy torch.save file
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL = 1001
+#: bytes of a legacy file's head read at first; 16 times more while its pickles run past it
+_LEGACY_WINDOW = 1 << 20
+_COUNT = struct.Struct("<q")
+
+
+@dataclass(frozen=True)
+class _Device:
+    """`torch.device("cpu")` as a legacy pickle names a Generator's device."""
+
+    name: str
+
+
+def _device(name: object = None, *rest: object) -> object:
+    return _Device(name) if isinstance(name, str) and not rest else _Opaque()
+
+
+class _PendingGenerator:
+    """`torch.Generator(device)` before its state (seed, offset, state tensor) is set."""
+
+    def __init__(self, device: object = None, *rest: object):
+        self.device = device if not rest else None
+        self.state: object = None
+
+    def __setstate__(self, state: object) -> None:
+        self.state = state
+
+
+class _LegacyUnpickler(_LayoutUnpickler):
+    """`_LayoutUnpickler` for a legacy file's object: its storage ids carry a sixth field (a
+    view of another storage, which torch.save no longer writes), and a CPU `torch.Generator`
+    is a `_PendingGenerator`. Every storage id read is kept in `storages`."""
+
+    def __init__(self, data: bytes, where: str | None, file: Any, *, complete: bool):
+        super().__init__(data, where, file, complete=complete)
+        self.storages: dict[str, _Storage] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in (("torch._C", "Generator"), ("torch", "Generator")):
+            return _PendingGenerator
+        if (module, name) == ("torch", "device"):
+            return _device
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 6 and pid[5] is None):
+            return _Opaque()
+        found = super().persistent_load(pid[:5])
+        if isinstance(found, _Storage):
+            known = self.storages.setdefault(found.key, found)
+            if known != found:  # one key, two storages: torch keeps the first
+                raise _NotPlain(f"storage {found.key} named twice")
+        return found
+
+
+@dataclass(frozen=True)
+class LegacyRead:
+    """What `read_plain_torch_legacy` read.
+
+    Attributes:
+        index: the storages (as records: their bytes in the file) and the tensors' layouts.
+        root: the saved object, each tensor as its `TensorLayout` (a Generator as itself).
+        torch_fails: why torch.load cannot read the file back (empty when it can), one
+            reason per kind (`a uint16 tensor ('w')`).
+    """
+
+    index: TorchZipIndex
+    root: object
+    torch_fails: list[str]
+
+
+def _legacy_pickles(read: Read, length: int, where: str | None) -> tuple[list[object], int, Any]:
+    """The five pickles at the head of a legacy file, where they end, and the object's
+    unpickler (its storages)."""
+    window = _LEGACY_WINDOW
+    while True:
+        head = read(0, min(length, window))
+        cut = len(head) < length
+        stream = io.BytesIO(head)
+        values: list[object] = []
+        unpickler: Any = None
+        try:
+            for n in range(5):
+                pos = stream.tell()
+                if n == 3:
+                    unpickler = _LegacyUnpickler(head[pos:], where, stream, complete=False)
+                    values.append(unpickler.load())
+                else:
+                    values.append(
+                        _LayoutUnpickler(head[pos:], where, stream, complete=False).load()
+                    )
+        except (EOFError, pickle.UnpicklingError):
+            if cut and window < MAX_PICKLE_BYTES:
+                window *= 16
+                continue
+            raise
+        return values, stream.tell(), unpickler
+
+
+def _legacy_index(read: Read, length: int, where: str | None) -> tuple[TorchZipIndex, object]:
+    if read(0, 1) != b"\x80":
+        raise _NotPlain("not a pickle")
+    try:
+        values, pos, unpickler = _legacy_pickles(read, length, where)
+    except _TooManyDims as exc:
+        raise too_many_dims(None, exc.args[0], where) from None
+    magic, protocol, info, root, keys = values
+    if magic != LEGACY_MAGIC or protocol != _LEGACY_PROTOCOL or not isinstance(info, dict):
+        raise _NotPlain("not a legacy torch.save file")
+    if not isinstance(keys, list) or len(set(keys)) != len(keys):
+        raise _NotPlain("no list of storage keys")
+    check_expanded(root, where)  # before any walk of it
+    records: dict[str, ZipRecord] = {}
+    for key in keys:
+        storage = unpickler.storages.get(key) if isinstance(key, str) else None
+        if storage is None:
+            raise _NotPlain(f"storage key {key!r} names no storage")
+        size = 1 if storage.dtype is None else itemsize(storage.dtype)
+        nbytes = storage.numel * size
+        if pos + _COUNT.size + nbytes > length:
+            raise FormatError(
+                f"storage {key} ({nbytes:,} bytes from byte {pos + _COUNT.size:,}) runs past "
+                f"the end of the file ({length:,} bytes): the file is truncated",
+                path=where,
+                fix="Write or fetch the file again from where the checkpoint was saved.",
+            )
+        (count,) = _COUNT.unpack(_read_exact(read, pos, _COUNT.size))
+        if count != storage.numel:
+            raise FormatError(
+                f"storage {key} records {count:,} elements where its tensors' pickle says "
+                f"{storage.numel:,}: the file is corrupt",
+                path=where,
+                fix="Write or fetch the file again from where the checkpoint was saved.",
+            )
+        records[key] = ZipRecord(f"storage {key}", pos + _COUNT.size, nbytes)
+        pos += _COUNT.size + nbytes
+    tensors: dict[tuple[str | int, ...], TensorLayout] = {}
+    for path, t in _tensors(root).items():
+        record = records.get(t.storage.key)
+        if record is None:
+            raise _NotPlain(f"no bytes for storage {t.storage.key}")
+        tensors[path] = _layout(t, record, True)
+    return TorchZipIndex("", records, tensors), root
+
+
+def _generator(read: Read, records: dict[str, ZipRecord]) -> Callable[[object], object]:
+    """A builder of the CPU Generators of a legacy file, from their state's bytes."""
+
+    def build(node: object) -> object:
+        if not isinstance(node, _PendingGenerator) or node.device != _Device("cpu"):
+            raise _NotPlain("not a CPU Generator")
+        state = node.state
+        if not (isinstance(state, tuple) and len(state) == 3):
+            raise _NotPlain("a Generator without its state")
+        seed, offset, tensor = state
+        record = records.get(tensor.storage.key) if isinstance(tensor, _Tensor) else None
+        if record is None or not isinstance(tensor, _Tensor) or tensor.dtype != "uint8":
+            raise _NotPlain("a Generator state that is no byte tensor")
+        layout = _layout(tensor, record, True)
+        if not layout.plain or layout.data_offset is None:
+            raise _NotPlain("a Generator state that is no plain range")
+        import torch
+
+        data = bytearray(_read_exact(read, layout.data_offset, layout.nbytes))
+        generator = torch.Generator(device="cpu")
+        generator.__setstate__((seed, offset, torch.frombuffer(data, dtype=torch.uint8)))
+        return generator
+
+    return build
+
+
+def _torch_fails(root: object, generators: bool) -> list[str]:
+    """Why torch.load cannot read this legacy file back (see the section's note): each dtype
+    pickled over an untyped storage (with a tensor of it), and a Generator."""
+    untyped: dict[str, str] = {}
+    for path, t in _tensors(root).items():
+        if t.storage.dtype is None:
+            untyped.setdefault(t.dtype, ".".join(map(str, path)) or "tensor")
+    found = [f"a {dtype} tensor ({name!r})" for dtype, name in sorted(untyped.items())]
+    if generators:
+        found.append("a torch.Generator (restored before its state's bytes are read)")
+    return found
+
+
+def read_plain_torch_legacy(
+    read: Read, start: int, length: int, where: str | None = None
+) -> LegacyRead | None:
+    """The object a legacy (non-zip) torch.save file holds, read without torch.load, when it
+    is plain data (as `read_plain_torch_zip`; a CPU `torch.Generator` too, built from its
+    saved state). None when anything in it is not plain, or the bytes are no legacy file:
+    callers then load the file with torch. FormatError naming `where` for a pickle over its
+    budget, or storage bytes cut short or at odds with the pickle."""
+    if start != 0:  # legacy bytes are never embedded (DCP items are zips)
+        return None
+    try:
+        index, root = _legacy_index(read, length, where)
+        layouts: dict[int, TensorLayout] = {}
+        for t, layout in _tensor_layouts(root, index):
+            layouts[id(t)] = layout
+        generators: list[object] = []
+        make = _generator(read, index.records)
+
+        def build(node: object) -> object:
+            generators.append(node)
+            return make(node)
+
+        tree = _plain_tree(root, layouts, build)
+        return LegacyRead(index, tree, _torch_fails(root, bool(generators)))
+    except FormatError:
+        raise
+    except Exception:  # any bytes: whatever this reader cannot follow, torch.load judges
+        return None
