@@ -518,3 +518,49 @@ def test_diff_compares_the_gguf_metadata(tmp_path: Path) -> None:
     # only a part compared: said, not judged
     part = run_ckpt("diff", a, b, "-k", "output*", "--json")
     assert part.exit_code == 0 and "not compared" in part.json["result"]["warnings"][0]
+
+
+def _with_offset_of(path: Path, out: Path, name: str, like: str) -> Path:
+    """`path` with tensor `name`'s info pointing at the bytes of tensor `like` (an exact
+    overlap, as a broken writer or a hand edit leaves)."""
+    import struct
+
+    reader = _reader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    field = tensors[name].field
+    at = field.offset + sum(part.nbytes for part in field.parts[:-1])  # its offset, last
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<Q", data, at, tensors[like].data_offset - reader.data_offset)
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_tensors_sharing_their_bytes_are_refused_by_every_command(tmp_path: Path) -> None:
+    """Two tensor infos pointing at the same bytes: verify said `overlapping_tensors` (exit 1)
+    while convert wrote the file, one tensor as a tied alias of the other (exit 0). llama.cpp's
+    loader refuses such a file (each offset must follow the previous tensor), so every
+    command refuses it now, naming both tensors."""
+    a = np.arange(8, dtype=np.float32)
+    good = _write(tmp_path / "good.gguf", {"a": a, "b": a + 100})
+    bad = _with_offset_of(good, tmp_path / "bad.gguf", "b", like="a")
+    # the ground truth: gguf's reader maps both names onto the same bytes
+    read = {t.name: np.array(t.data) for t in _reader(bad).tensors}
+    assert np.array_equal(read["a"], read["b"])
+
+    result = run_ckpt("verify", bad, "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert problem["code"] == "overlapping_tensors" and problem["tensor"] == "b"
+    out = tmp_path / "out"
+    for command in (
+        ["convert", bad, out, "--to", "safetensors"],
+        ["convert", bad, out, "--to", "torch"],
+        ["inspect", bad],
+        ["diff", bad, good],
+    ):
+        refused = run_ckpt(*command)
+        assert refused.exit_code == 4, (command, refused.stdout)
+        assert "bad.gguf" in refused.stderr and "'a' and 'b' overlap" in refused.stderr
+        assert "llama.cpp" in refused.stderr
+        assert not out.exists()
+    assert run_ckpt("convert", good, out, "--to", "safetensors").exit_code == 0

@@ -73,6 +73,11 @@ PROBLEM_FIXES = {
     "split_count_mismatch": _SPLIT_SET_FIX,
     "split_tensor_count": _SPLIT_SET_FIX,
 }
+#: what `check` finds that `open` refuses too: the tensors' bytes cannot be told apart
+#: (llama.cpp's loader refuses any tensor whose offset is not the end of the previous one,
+#: aligned; the gguf package's reader maps them as they lie)
+_REFUSED = ("truncated", "missing_split", "overlapping_tensors", "misaligned_tensor")
+_LLAMA_REFUSES = "; llama.cpp's loader refuses such a file"
 #: stored bytes of a quantized tensor decoded at a time by `verify --deep`
 _DECODE_BYTES = 1 << 20
 #: longest metadata value inspect shows in full; longer arrays are summarised
@@ -686,7 +691,7 @@ class GgufFormat(Format):
                         Problem(
                             code="misaligned_tensor",
                             message=f"{described}: tensor {tensor.name!r} starts at {offset}, "
-                            f"not a multiple of the alignment {alignment}",
+                            f"not a multiple of the alignment {alignment}{_LLAMA_REFUSES}",
                             file=described,
                             tensor=tensor.name,
                             fix=PROBLEM_FIXES["misaligned_tensor"],
@@ -727,7 +732,8 @@ class GgufFormat(Format):
                     problems.append(
                         Problem(
                             code="overlapping_tensors",
-                            message=f"{described}: tensors {a!r} and {b!r} overlap",
+                            message=f"{described}: tensors {a!r} and {b!r} overlap (both hold "
+                            f"the bytes from offset {start:,}){_LLAMA_REFUSES}",
                             file=described,
                             tensor=b,
                             fix=PROBLEM_FIXES["overlapping_tensors"],
@@ -771,8 +777,11 @@ class GgufFormat(Format):
 
     @classmethod
     def open(cls, source: Source) -> GgufCheckpoint:
+        """The checkpoint; FormatError for what `check` calls a broken layout (a tensor past
+        the end, a missing split, tensors that overlap or break the alignment): llama.cpp's
+        loader refuses those files, and a tensor's bytes there are not its own."""
         manifest, problems, parsed = cls._parse(source)
-        errors = [p for p in problems if p.code in ("truncated", "missing_split")]
+        errors = [p for p in problems if p.code in _REFUSED]
         if errors:
             first = errors[0]
             message = first.message.removeprefix(f"{first.file}: ")  # the path leads anyway
