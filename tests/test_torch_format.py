@@ -550,3 +550,38 @@ def test_safetensors_with_no_tensors_round_trips_through_torch_as_empty(tmp_path
     back = tmp_path / "back.safetensors"
     result = run_ckpt("convert", as_torch, back, "--to", "safetensors", "--json")
     assert result.exit_code == 0 and result.json["result"]["skipped"] == []
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_sparse_and_nested_tensors_are_refused_by_name_not_a_crash(
+    tmp_path: Path, legacy: bool
+) -> None:
+    """A torch.save file holding a sparse (COO, CSR) or nested tensor, which torch.load reads,
+    made inspect, verify and convert exit 70 ("Cannot access storage of SparseTensorImpl: a
+    bug in ckpt"). They are refused naming the entry, its layout and how to re-save it."""
+    dense = torch.eye(3)
+    cases: dict[str, tuple[torch.Tensor, str]] = {
+        "coo": (dense.to_sparse(), "sparse tensor (sparse_coo)"),
+        "csr": (dense.to_sparse_csr(), "sparse tensor (sparse_csr)"),
+        "nested": (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensor"),
+    }
+    for kind, (tensor, words) in cases.items():
+        if legacy and kind != "coo":
+            continue  # torch's legacy writer saves only COO of these
+        path = tmp_path / f"{kind}.pt"
+        torch.save(
+            {"w": torch.ones(2), "s": tensor}, path, _use_new_zipfile_serialization=not legacy
+        )
+        # the ground truth: torch.load reads it
+        assert torch.load(path, weights_only=True)["s"].is_nested == (kind == "nested")
+        out = tmp_path / f"{kind}.safetensors"
+        for command in (["inspect", path], ["convert", path, out, "--to", "safetensors"]):
+            refused = run_ckpt(*command)
+            assert refused.exit_code == 4, (kind, command, refused.stderr)
+            assert f"{kind}.pt: entry 's' is a {words}" in refused.stderr
+            assert "dense" in refused.stderr
+        assert not out.exists()
+        verify = run_ckpt("verify", path, "--json")
+        assert verify.exit_code == 1
+        (problem,) = verify.json["result"]["problems"]
+        assert words in problem["message"]

@@ -343,6 +343,7 @@ def build_entries(
                 spot = (-1, leaf.data_offset or 0, leaf.shape, leaf.stride)
                 views.setdefault(spot, []).append(name)
         elif is_tensor(leaf):
+            _refuse_not_dense(leaf, name, where or file)
             if leaf.dim() > MAX_NDIM:
                 raise too_many_dims(name, leaf.dim(), where or file)
             dtype = dtype_name(leaf.dtype)
@@ -392,6 +393,26 @@ def build_entries(
             )
     shared = [names for names in views.values() if len(names) > 1]
     return entries, leaves, shared
+
+
+def _refuse_not_dense(leaf: Any, name: str, where: str) -> None:
+    """A sparse (COO, CSR...) or nested tensor has no one storage of its elements, which every
+    reader and writer of ckpt works with: refused by name, never a crash."""
+    import torch
+
+    if leaf.is_nested:
+        kind = "a nested tensor"
+        dense = "`torch.nested.to_padded_tensor(t, 0.0)` or its components as separate tensors"
+    elif leaf.layout != torch.strided:
+        kind = f"a sparse tensor ({str(leaf.layout).removeprefix('torch.')})"
+        dense = "`t.to_dense()`, or its indices and values as separate tensors"
+    else:
+        return
+    raise FormatError(
+        f"entry {name!r} is {kind}; ckpt reads dense (strided) tensors only",
+        path=where,
+        fix=f"Re-save the checkpoint with that tensor stored dense: {dense}.",
+    )
 
 
 _MISSING = object()
