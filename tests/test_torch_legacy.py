@@ -144,3 +144,52 @@ def test_a_truncated_legacy_file_names_the_storage_cut_short(tmp_path: Path) -> 
     result = run_ckpt("inspect", legacy)
     assert result.exit_code == 4, result.stderr
     assert "cut.pt" in result.stderr and "past the end of the file" in result.stderr
+
+
+def test_a_sharded_bin_of_legacy_files_verifies_as_it_inspects(tmp_path: Path) -> None:
+    """`inspect` read a sharded `pytorch_model.bin.index.json` of legacy shards holding a
+    uint16 tensor while `verify` called the shard "truncated or corrupt" (its shard check went
+    through torch.load alone)."""
+    import json
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shards = {
+        "pytorch_model-00001-of-00002.bin": {"a": torch.tensor([1, 65535]).to(torch.uint16)},
+        "pytorch_model-00002-of-00002.bin": {"b": torch.ones(2)},
+    }
+    for name, part in shards.items():
+        torch.save(part, folder / name, _use_new_zipfile_serialization=False)
+    index = {
+        "metadata": {"total_size": 12},
+        "weight_map": {key: name for name, part in shards.items() for key in part},
+    }
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    assert run_ckpt("inspect", folder).exit_code == 0
+    verify = run_ckpt("verify", folder, "--deep", "--json")
+    assert verify.exit_code == 0, verify.stdout
+    (warning,) = verify.json["result"]["problems"]
+    assert warning["code"] == "torch_load_refuses"
+    assert "pytorch_model-00001-of-00002.bin" in warning["message"]
+    out = tmp_path / "out.safetensors"
+    assert run_ckpt("convert", folder, out, "--to", "safetensors").exit_code == 0
+    with safe_open(str(out), "pt") as f:
+        assert _same(f.get_tensor("a"), shards["pytorch_model-00001-of-00002.bin"]["a"])
+
+
+def test_a_legacy_file_torch_cannot_read_and_ckpt_cannot_map_says_why(tmp_path: Path) -> None:
+    """A uint16 tensor saved as a strided view (or a Generator beside one) is no plain range
+    ckpt reads itself, and torch.load fails on it: the refusal says so and how to re-save it,
+    where it said "truncated or corrupt; write or fetch it again"."""
+    cases = {
+        "u16": ({"t": torch.arange(4).to(torch.uint16).view(2, 2).t()}, "no legacy storage"),
+        "gen": ({"g": torch.Generator(), "t": torch.ones(4).view(2, 2).t()}, "torch.Generator"),
+    }
+    for name, (saved, words) in cases.items():
+        path = tmp_path / f"{name}.pt"
+        torch.save(saved, path, _use_new_zipfile_serialization=False)
+        refused = run_ckpt("inspect", path)
+        assert refused.exit_code == 4, refused.stderr
+        assert f"{name}.pt: is a legacy (non-zip) torch.save file holding" in refused.stderr
+        assert words in refused.stderr and "zip format" in refused.stderr
+        assert "truncated" not in refused.stderr

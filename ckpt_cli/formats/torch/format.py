@@ -48,7 +48,7 @@ from ..weight_map import (
 )
 from .flatten import TorchEntry, build_entries
 from .load import is_zip, load_torch_file, object_allowlist
-from .read import TorchCheckpoint, legacy_load_failures
+from .read import TorchCheckpoint, legacy_load_failures, read_plain
 from .write import TorchWriter, shard_names
 
 __all__ = [
@@ -192,7 +192,11 @@ class TorchFormat(Format):
                 report_missing_shard(findings, storage, index_rel, by_shard.get(shard, []), shard)
                 continue
             try:
-                obj, _ = load_torch_file(storage, shard, meta=storage.local_path(shard) is None)
+                # as the checkpoint reads it: plain data without torch (a legacy shard of
+                # uint16 tensors torch.load fails on too), anything else through torch.load
+                remote = storage.local_path(shard) is None
+                plain = None if remote else read_plain(storage, shard)
+                obj = plain[0] if plain else load_torch_file(storage, shard, meta=remote)[0]
                 entries, _, _ = build_entries(obj, shard, storage.describe(shard))
             except FormatError as error:
                 findings.error(error)

@@ -224,12 +224,35 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
     except CkptError:
         raise
     except Exception as exc:  # torch.load's error for malformed bytes may be any type
+        legacy_bug = None if zipped else _legacy_loader_bug(exc)
+        if legacy_bug is not None:
+            raise FormatError(
+                f"is a legacy (non-zip) torch.save file holding {legacy_bug}, which torch's "
+                "legacy loader cannot read back; ckpt reads such a file itself only on local "
+                "disk and when its tensors are plain ranges of their storages (not strided "
+                "views)",
+                path=where,
+                fix="Copy it to local disk if it is remote; else re-save it from its source in "
+                "the zip format (torch.save without _use_new_zipfile_serialization=False).",
+            ) from None
         raise FormatError(
             f"is not a readable torch.save file ({_first_line(str(exc))})",
             path=where,
             fix="The file is truncated or corrupt; write or fetch it again.",
         ) from None
     return obj, not zipped
+
+
+def _legacy_loader_bug(exc: Exception) -> str | None:
+    """What a legacy file holds that torch's legacy loader fails on (see `zip_index`'s note),
+    from its error; None for any other error."""
+    text = str(exc)
+    if isinstance(exc, AttributeError) and "UntypedStorage" in text:
+        return "a tensor of a dtype with no legacy storage class (uint16/32/64, float8...)"
+    cause = exc.__cause__ if isinstance(exc, SystemError) else exc
+    if "mt19937" in str(cause):
+        return "a torch.Generator (torch restores it before its state's bytes are read)"
+    return None
 
 
 #: what torch's weights_only loader says of a DTensor before `torch.distributed.tensor` is imported

@@ -77,9 +77,10 @@ def _layouts(storage: Storage, rel: str) -> dict[tuple[str | int, ...], TensorLa
     return None if index is None else index.tensors
 
 
-def _read_plain(storage: Storage, rel: str) -> tuple[object, bool] | None:
+def read_plain(storage: Storage, rel: str) -> tuple[object, bool] | None:
     """A local file's object read without torch when it is plain data (`torch_zip`), and
-    whether the file is in the legacy (non-zip) format."""
+    whether the file is in the legacy (non-zip) format; None for anything else (a remote
+    file, one that needs torch.load)."""
     found = _read_local_zip(storage, rel, read_plain_torch_zip)
     if found is not None:
         return found[1], False
@@ -144,7 +145,7 @@ class TorchCheckpoint(Checkpoint):
             # remote files: metadata only now, one whole file when a tensor of it is read
             remote = storage.local_path(shard) is None
             # plain state dicts are read without torch; anything else through torch.load
-            plain = None if remote else _read_plain(storage, shard)
+            plain = None if remote else read_plain(storage, shard)
             if plain is not None:
                 (obj, is_legacy), layouts = plain, None
                 raw_read = True
