@@ -585,3 +585,31 @@ def test_sparse_and_nested_tensors_are_refused_by_name_not_a_crash(
         assert verify.exit_code == 1
         (problem,) = verify.json["result"]["problems"]
         assert words in problem["message"]
+
+
+def test_a_torch_file_of_a_newer_pickle_protocol_is_named_as_such(tmp_path: Path) -> None:
+    """torch.save(..., pickle_protocol=4) of what ckpt loads through torch.load (a Generator
+    beside the tensors) was "not a torch.save file ... re-save it with torch.save": it is one,
+    and torch's weights_only loader refuses its FRAME opcode. The refusal says so."""
+    path = tmp_path / "p4.pt"
+    saved = {"w": torch.ones(2), "rng": torch.Generator().manual_seed(1)}
+    torch.save(saved, path, pickle_protocol=4)
+    # the ground truth: torch.load refuses it for the opcode
+    with (
+        torch.serialization.safe_globals([(torch.Generator, "torch._C.Generator")]),
+        pytest.raises(Exception, match="Unsupported operand 149"),
+    ):
+        torch.load(path, weights_only=True)
+    refused = run_ckpt("inspect", path)
+    assert refused.exit_code == 4, refused.stderr
+    words = "p4.pt: holds a pickle opcode torch's weights_only loader does not support (FRAME)"
+    assert words in refused.stderr
+    assert "pickle_protocol=3 or higher" in refused.stderr
+    assert "default pickle_protocol (2)" in refused.stderr
+    assert "not a torch.save file" not in refused.stderr
+    # the same protocol with plain data only is read (without torch.load)
+    plain = tmp_path / "plain4.pt"
+    torch.save({"w": torch.arange(3.0)}, plain, pickle_protocol=4)
+    out = tmp_path / "out.pt"
+    assert run_ckpt("convert", plain, out, "--to", "torch").exit_code == 0
+    assert torch.equal(torch.load(out, weights_only=True)["w"], torch.arange(3.0))

@@ -215,6 +215,17 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
                 fix="ckpt never runs code from a checkpoint. If you trust whoever wrote it, "
                 "re-save its tensors and plain values (dicts, lists, numbers, strings) and inspect that.",
             ) from None
+        opcode = _UNSUPPORTED_OPCODE.search(text)
+        if opcode is not None:
+            raise FormatError(
+                f"holds a pickle opcode torch's weights_only loader does not support "
+                f"({_opcode_name(int(opcode.group(1)))}): it was written with "
+                "torch.save(..., pickle_protocol=3 or higher)",
+                path=where,
+                fix="Re-save it with torch.save's default pickle_protocol (2); ckpt reads such "
+                "a file without torch.load only when it is plain data on local disk (tensors "
+                "stored as plain ranges, dicts, lists, numbers, strings).",
+            ) from None
         raise FormatError(
             "is not a torch.save file torch's weights_only loader accepts "
             f"({_first_line(text, 'WeightsUnpickler error:')})",
@@ -241,6 +252,20 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
             fix="The file is truncated or corrupt; write or fetch it again.",
         ) from None
     return obj, not zipped
+
+
+#: torch's weights_only unpickler's error for an opcode it does not implement
+_UNSUPPORTED_OPCODE = re.compile(r"Unsupported operand (\d+)")
+
+
+def _opcode_name(code: int) -> str:
+    """The pickle opcode `code` by its name (`FRAME`), as pickletools names it."""
+    import pickletools
+
+    for op in pickletools.opcodes:
+        if ord(op.code) == code:
+            return op.name
+    return f"opcode {code}"
 
 
 def _legacy_loader_bug(exc: Exception) -> str | None:
