@@ -248,6 +248,12 @@ CODES: dict[str, Code] = _codes(
         _E,
         "a rank's file of a per-rank FSDP save (accelerate `*_rank{N}.bin`) is missing",
     ),
+    Code(
+        "missing_rank_rng",
+        _E,
+        "a process's RNG state file of a multi-process save (accelerate "
+        "`random_states_{N}.pkl`, Trainer `rng_state_{N}.pth`) is missing",
+    ),
     Code("missing_rng", _EW, "no RNG state (an error with `--exact`)"),
     Code("missing_scheduler", _EW, "no LR scheduler state (an error with `--exact`)"),
     Code("missing_step", _EW, "no step or epoch counter"),

@@ -14,11 +14,17 @@ Usage:
       `optimizer_{0,1}_rank{0,1}.bin`, every rank its own, beside the same other files.
       `save_state` has no switch for it: the script binds `use_dcp=False` to the four functions
       `Accelerator` calls (save and load), and everything else is `save_state`'s own code.
+  torchrun --nproc-per-node 2 tests/accelerate_fsdp_script.py save OUT PLAIN
+      the same two models and run without FSDP: accelerate's plain multi-process (DDP, gloo)
+      `save_state`, `model{,_1}.safetensors`, `optimizer{,_1}.bin`, `scheduler{,_1}.bin` from
+      rank 0 and `random_states_{0,1}.pkl`, one per process.
   torchrun --nproc-per-node 2 tests/accelerate_fsdp_script.py load REPORT STATE_DICT_TYPE DIR...
       `Accelerator.load_state` of each DIR into freshly built models; REPORT (JSON, from rank 0)
       lists, for each DIR after the first, every model or optimizer tensor (gathered full),
       scheduler value or RNG stream whose restored value differs, bit for bit, from what the
-      first DIR restored, on any rank (empty: restored the same).
+      first DIR restored, on any rank (empty: restored the same). Each rank draws from its
+      RNGs before every `load_state`, as a fresh process would hold other streams: a DIR
+      whose RNG states `load_state` does not restore shows as an RNG difference.
 
 Forcing the FSDP path on CPU: accelerate turns its FSDP plugin on only for GPU-like
 distributed types (`AcceleratorState.__init__` keeps `MULTI_CPU` and drops the plugin on a gloo
@@ -52,21 +58,31 @@ from torch.distributed.checkpoint.state_dict import (
 from tests.dist_helpers import RANK_TIMEOUT  # the launcher puts the checkout first
 from tests.framework_fixtures import tiny_config
 
+#: the `save` / `load` mode of accelerate's plain multi-process path (DDP, no FSDP)
+PLAIN = "PLAIN"
 
-def _force_fsdp(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
-    """accelerate's FSDP path on a CPU job (see the module docstring)."""
+
+def _force_fsdp(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin | None) -> None:
+    """accelerate's FSDP path on a CPU job (see the module docstring); none in `PLAIN` mode."""
+    if plugin is None:
+        return
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
 
 
-def _setup(state_dict_type: str) -> tuple[Accelerator, FullyShardedDataParallelPlugin, list[Any]]:
-    """Two models, each with its optimizer and scheduler, prepared by accelerate under FSDP2."""
+def _setup(
+    state_dict_type: str,
+) -> tuple[Accelerator, FullyShardedDataParallelPlugin | None, list[Any]]:
+    """Two models, each with its optimizer and scheduler, prepared by accelerate under FSDP2
+    (under DDP in `PLAIN` mode)."""
     from transformers import LlamaForCausalLM
 
     set_seed(0)
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, state_dict_type=state_dict_type, cpu_ram_efficient_loading=False
-    )
+    plugin = None
+    if state_dict_type != PLAIN:
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, state_dict_type=state_dict_type, cpu_ram_efficient_loading=False
+        )
     accelerator = Accelerator(
         cpu=True,
         fsdp_plugin=plugin,
@@ -156,6 +172,19 @@ def _same(a: Any, b: Any, where: str, found: list[str]) -> None:
         found.append(where)
 
 
+def _scramble_rng(rank: int) -> None:
+    """Draw from every RNG `save_state` saves: what `load_state` does not restore then
+    differs from what another load restored."""
+    import random
+
+    import numpy as np
+
+    for _ in range(rank + 1):
+        torch.rand(3)
+        random.random()
+        np.random.rand()
+
+
 #: the `save` mode writing accelerate's per-rank files (`use_dcp=False`)
 RANK_FILES = "RANK_FILES"
 
@@ -186,6 +215,8 @@ def save(out: str, state_dict_type: str) -> None:
     _train(accelerator, parts)
     _force_fsdp(accelerator, plugin)
     accelerator.save_state(out)
+    # plain `save_state` ends without a barrier: rank 0 may still be writing the model
+    accelerator.wait_for_everyone()
     # the truth the tests judge ckpt's outputs by: what `load_state` restores from OUT
     accelerator.load_state(out)
     restored = _restored(parts)
@@ -201,6 +232,7 @@ def load(report: str, state_dict_type: str, folders: list[str]) -> None:
     results: dict[str, list[str]] = {}
     first: dict[str, Any] | None = None
     for folder in folders:
+        _scramble_rng(accelerator.process_index)
         _force_fsdp(accelerator, plugin)
         accelerator.load_state(folder)
         got = _restored(parts)

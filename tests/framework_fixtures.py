@@ -14,6 +14,9 @@
 - `accelerate_fsdp_rank_files`: the same run saved through accelerate's per-rank path
   (`save_fsdp_model` / `save_fsdp_optimizer` with `use_dcp=False`): `pytorch_model_fsdp_{0,1}_rank
   {0,1}.bin` and `optimizer_{0,1}_rank{0,1}.bin`, every rank its own torch.save file.
+- `accelerate_ddp_save`: the same two models and run saved by accelerate's plain multi-process
+  `save_state` (DDP, no FSDP): `model{,_1}.safetensors`, `optimizer{,_1}.bin`,
+  `scheduler{,_1}.bin` from rank 0, `random_states_{0,1}.pkl` one per process.
 - `real_hf_model`: `save_pretrained` of the same tiny Llama with its generation config and a real
   (tokenizers-built) fast tokenizer: the folder `from_pretrained` reads.
 
@@ -216,6 +219,17 @@ def accelerate_fsdp_rank_files(tmp_path_factory: pytest.TempPathFactory) -> Path
 
     out = tmp_path_factory.mktemp("accelerate_fsdp_rank_files") / "save"
     run_torchrun(ACCELERATE_FSDP_SCRIPT, 2, "save", out, "RANK_FILES", timeout=600)
+    return out
+
+
+@pytest.fixture(scope="session")
+def accelerate_ddp_save(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-process accelerate `save_state` without FSDP (DDP on gloo): every process writes its
+    own `random_states_{rank}.pkl`, rank 0 everything else."""
+    from .dist_helpers import run_torchrun
+
+    out = tmp_path_factory.mktemp("accelerate_ddp") / "save"
+    run_torchrun(ACCELERATE_FSDP_SCRIPT, 2, "save", out, "PLAIN", timeout=600)
     return out
 
 

@@ -342,7 +342,8 @@ def test_accelerate_deepspeed_lightning_and_plain_layouts(tmp_path: Path) -> Non
         folder.mkdir(parents=True)
         save_file(weights(i), folder / "model.safetensors")
         torch.save({"state": {}, "param_groups": []}, folder / "optimizer.bin")
-        torch.save({"cpu": torch.random.get_rng_state()}, folder / f"random_states_{i}.pkl")
+        # one process: `save_state` names its RNG file after its rank, 0, in every save
+        torch.save({"cpu": torch.random.get_rng_state()}, folder / "random_states_0.pkl")
     # save_state of step 3 died after the model: nothing marks the end of an accelerate save
     (acc / "checkpoints" / "checkpoint_3").mkdir()
     save_file(weights(3), acc / "checkpoints" / "checkpoint_3" / "model.safetensors")

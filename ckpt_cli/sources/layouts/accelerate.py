@@ -31,6 +31,7 @@ from .composite import (
     component_prefixes,
     finish,
     missing_rank_files,
+    missing_rank_states,
     numbered,
 )
 from .training import all_models, analyse, per_rank_models, value_of
@@ -114,6 +115,7 @@ class Accelerate(Layout):
             folder.add(f"custom_{number}", name, "torch")
         folder.list_training_args()  # what scripts on accelerate often save beside it
         folder.problems.extend(self.missing(source, folder))
+        folder.problems.extend(missing_rank_states(source, folder, self))
         checkpoint = folder.composite("accelerate")
         state = analyse(checkpoint, "accelerate", component_prefixes(checkpoint))
         all_models(checkpoint, state)

@@ -19,7 +19,7 @@ from ...formats.names import DCP_METADATA, weight_format
 from ...formats.weight_map import INDEX_SUFFIX
 from ...models import Entry, FileInfo, Manifest, Problem, TrainingState
 from ...storage.uri import parse_location
-from .base import OpenedSource
+from .base import Layout, OpenedSource
 from .details import CompositeDetails
 from .training import verdict
 
@@ -615,6 +615,84 @@ def missing_rank_files(
     return problems
 
 
+#: files in a save's sub-folders that one rank wrote, the rank in a group: DCP's
+#: `FileSystemWriter` (`__{rank}_{i}.distcp`: FSDP's `pytorch_model_fsdp_0/`, `optimizer_0/`)
+#: and DeepSpeed's ZeRO partitions (`zero_pp_rank_{dp_rank}_mp_rank_{mp}_optim_states.pt`)
+_RANK_DATA_FILE = re.compile(
+    r"__(\d+)_\d+\.distcp|(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt"
+)
+
+
+def saved_world(source: Source, folder: Folder, layout: Layout) -> tuple[int, str]:
+    """The fewest processes a save was made by, and the file of the save that says so.
+
+    Names only, nothing read. A file rank r wrote says there were at least r + 1: the
+    layout's per-rank RNG files (`random_states_1.pkl`), accelerate's per-rank FSDP files
+    (`*_rank1.bin`), a DCP sub-folder's data files (`__1_0.distcp`), DeepSpeed's ZeRO
+    partitions; and a per-rank file named as the framework names it only when several
+    processes save (the Trainer's `rng_state_0.pth`, `rng_state.pth` at one) says 2. Neither
+    accelerate nor the Trainer records the world size itself: a plain multi-process save
+    (DDP) that lost its highest rank's RNG file and nothing else looks like a smaller run's."""
+    world, why = 1, ""
+
+    def saw(ranks: int, name: str, what: str) -> None:
+        nonlocal world, why
+        if ranks > world:
+            world, why = ranks, f"{name} {what}"
+
+    for name in sorted(folder.names):
+        rank = layout.rank_file_rank(name)
+        if rank is not None:
+            saw(rank + 1, name, f"holds rank {rank}'s state")
+            if name != layout.rank_file_name(rank, 1):
+                saw(2, name, "is named as when several processes save")
+        for regex in (RANK_MODEL_FILE, RANK_OPTIMIZER_FILE):
+            match = regex.fullmatch(name)
+            if match:
+                saw(int(match.group(2)) + 1, name, f"holds rank {match.group(2)}'s shard")
+    for rel in sorted(source.files):
+        rest = rel[len(folder.base) :] if rel.startswith(folder.base) else None
+        if rest is None or "/" not in rest:
+            continue
+        match = _RANK_DATA_FILE.fullmatch(rest.rsplit("/", 1)[-1])
+        if match:
+            rank = int(match.group(1) or match.group(2))
+            saw(rank + 1, rest, f"holds rank {rank}'s data")
+    return world, why
+
+
+def missing_rank_states(source: Source, folder: Folder, layout: Layout) -> list[Problem]:
+    """Every process of a multi-process save writes its own RNG states (`Layout.rank_files`:
+    accelerate's `random_states_{r}.pkl`, the Trainer's `rng_state_{r}.pth`): one
+    `missing_rank_rng` problem per rank whose file is not here, as many ranks as the save's
+    own files say it was made by (`saved_world`). Neither framework's loader fails without
+    it: accelerate's `load_state` and the Trainer log a line and go on with the RNG as it
+    is, so the resumed run is silently not the one it continues. None when the save holds
+    no per-rank file at all (no RNG state: what `verify --exact` reports)."""
+    if layout.rank_files is None:
+        return []
+    have = {r for r in map(layout.rank_file_rank, folder.names) if r is not None}
+    if not have:
+        return []
+    world, why = saved_world(source, folder, layout)
+    return [
+        Problem(
+            code="missing_rank_rng",
+            message=f"is missing: the save's own files say {world} processes load it (at "
+            f"least: {why}), each its own RNG states, and {layout.name}'s loader restores none "
+            f"for rank {rank} without this file (it logs a line and goes on), so a resumed run "
+            "silently draws other random numbers (dropout, sampling) than the run it continues",
+            file=source.storage.describe(folder.rel(layout.rank_file_name(rank, world))),
+            fix="Copy the file again from where the run saved it, or resume from another save "
+            "of the run (`ckpt latest RUN_DIR` names the newest whole one); a folder re-cut "
+            "for more ranks by `ckpt reshard --rank-state keep` has none for the new ranks "
+            "(`--rank-state replicate` gives them rank 0's).",
+        )
+        for rank in range(world)
+        if rank not in have
+    ]
+
+
 def finish(
     checkpoint: Checkpoint, state: TrainingState, folder: Folder | None = None
 ) -> OpenedSource:
@@ -626,6 +704,11 @@ def finish(
         # no resume without every rank's part: a missing shard, not an inexact resume
         state.missing.append(f"every rank's file ({len(lost)} missing)")
         state.resumable = state.exact = False
+    rng = [p.file for p in folder.problems if p.code == "missing_rank_rng"] if folder else []
+    if rng:
+        # the loaders go on without a rank's RNG states: resumable, never exactly
+        state.missing_exact.append(f"every rank's RNG states ({len(rng)} missing)")
+        state.exact = False
     if folder is None:
         return OpenedSource(checkpoint=checkpoint, training=state)
     return OpenedSource(

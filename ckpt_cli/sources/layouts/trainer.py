@@ -16,6 +16,7 @@ from .composite import (
     component_prefixes,
     finish,
     missing_rank_files,
+    missing_rank_states,
     trainer_progress,
 )
 from .training import analyse, per_rank_models
@@ -112,9 +113,13 @@ class Trainer(Layout):
 
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
         """Optimizer / scheduler files the Trainer should have saved (see `_trainer_missing`),
-        and every rank's file of a per-rank FSDP save."""
-        return _trainer_missing(source, folder) + missing_rank_files(
-            source, folder, self.rank_files
+        every rank's file of a per-rank FSDP save, and every process's `rng_state_{r}.pth`
+        (`missing_rank_states`: saved before `trainer_state.json`, the Trainer's last file,
+        so one missing beside it was lost, not still being written)."""
+        return (
+            _trainer_missing(source, folder)
+            + missing_rank_files(source, folder, self.rank_files)
+            + missing_rank_states(source, folder, self)
         )
 
     def unknown_state(self, source: Source, folder: Folder) -> str | None:

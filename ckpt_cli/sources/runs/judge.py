@@ -500,9 +500,26 @@ def _unfinished(
     save is named by the layout's own step naming (accelerate's `checkpoints/checkpoint_N`:
     `save_state` wrote it); for a folder the script named, whose files only look like the
     layout's, when another save of the run holds such a file (this one's files are not among
-    `run_files`' matches: it has none), at any number of saves."""
+    `run_files`' matches: it has none), at any number of saves. A save whose per-rank last
+    files (accelerate's `random_states_{r}.pkl`, one per process) are fewer than its own
+    files say processes saved it (`composite.missing_rank_states`) is unfinished too."""
+    from ..layouts.composite import missing_rank_states
+
     last = layout.last_file
-    if last is None or folder.matching(last.pattern):
+    if last is None:
+        return None
+    lost = missing_rank_states(folder.source, folder, layout)
+    if lost:
+        # accelerate: every process writes its RNG states at the end of the save, rank 0's
+        # after the model and optimizer: one not here yet is being written, or was never
+        # written (its process died), or was lost since
+        names = ", ".join(p.file.rsplit("/", 1)[-1] for p in lost if p.file)
+        return (
+            f"no {names}, which every process of a multi-process {layout.name} save writes "
+            "last (its other per-rank files say how many processes saved): the save has not "
+            "finished, or a rank's file was lost"
+        )
+    if folder.matching(last.pattern):
         return None
     if not named and not any(last.fullmatch(name) for name in run_files):
         return None

@@ -1,0 +1,115 @@
+"""A multi-process accelerate save that lost one process's RNG states: a user's story.
+
+Every process of `Accelerator.save_state` writes its own `random_states_{rank}.pkl` (rank 0
+after the model, optimizer and scheduler), and `load_state` restores nothing for a rank whose
+file is missing: it logs a line and goes on, so the resumed run is silently not the run it
+continues. accelerate records the number of processes nowhere, so ckpt takes it from the save's
+own files: a higher rank's RNG file, an FSDP DCP folder's `__{rank}_0.distcp`, a per-rank FSDP
+file. `verify` must fail such a save, naming the file, `inspect` must call it not exact, and
+`latest` must never name it (a save whose rank 0 has not written its RNG states yet is still
+being written). The truth is accelerate's own `load_state` on 2 ranks
+(`tests/accelerate_fsdp_script.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import run_ckpt
+from .dist_helpers import run_torchrun
+from .framework_fixtures import ACCELERATE_FSDP_SCRIPT
+
+# each save and each load is a 2-rank torchrun job building a Llama: minutes on a busy machine
+pytestmark = [pytest.mark.torchrun, pytest.mark.frameworks, pytest.mark.timeout(1200)]
+
+
+def _without(save: Path, name: str, dest: Path) -> Path:
+    """A copy of `save` at `dest` that lost the file `name`."""
+    shutil.copytree(save, dest)
+    (dest / name).unlink()
+    return dest
+
+
+def _restored_differently(mode: str, good: Path, other: Path, tmp_path: Path) -> list[str]:
+    """What accelerate's `load_state` on 2 ranks restores from `other` that differs from what
+    it restores from `good` (`rank R: .path` items; empty: the same, bit for bit)."""
+    report = tmp_path / "load.json"
+    run_torchrun(ACCELERATE_FSDP_SCRIPT, 2, "load", report, mode, good, other, timeout=600)
+    found: dict[str, list[str]] = json.loads(report.read_text())
+    return found[str(other)]
+
+
+def _missing_rank_rng(path: Path) -> list[dict[str, Any]]:
+    result = run_ckpt("verify", path, "--json")
+    assert result.exit_code == 1, result.stdout
+    problems: list[dict[str, Any]] = result.json["result"]["problems"]
+    return [p for p in problems if p["code"] == "missing_rank_rng"]
+
+
+def _age(folder: Path, seconds: float = 3600) -> None:
+    then = time.time() - seconds
+    for path in [*folder.rglob("*"), folder]:
+        os.utime(path, (then, then))
+
+
+def test_a_ddp_save_without_rank_0s_rng_states_fails_verify_and_is_no_latest(
+    accelerate_ddp_save: Path, tmp_path: Path
+) -> None:
+    good = accelerate_ddp_save
+    assert run_ckpt("verify", good).exit_code == 0
+    damaged = _without(good, "random_states_0.pkl", tmp_path / "damaged")
+    # ckpt said "OK": `random_states_1.pkl` says 2 processes saved it
+    found = _missing_rank_rng(damaged)
+    assert [p["file"] for p in found] == [str(damaged / "random_states_0.pkl")]
+    assert "random_states_1.pkl" in found[0]["message"] and "rank 0" in found[0]["message"]
+    assert found[0]["fix"]
+    training = run_ckpt("inspect", damaged, "--json").json["result"]["training"]
+    assert training["resumable"] is True and training["exact"] is False
+    assert any("RNG" in m for m in training["missing_exact"]), training["missing_exact"]
+    # the truth: accelerate's own load_state goes on, and rank 0's RNG is not the saved one
+    differs = _restored_differently("PLAIN", good, damaged, tmp_path)
+    assert differs and {d.split(":")[0] for d in differs} == {"rank 0"}, differs[:5]
+    assert all(d.split(": ")[1].startswith(".rng.") for d in differs), differs[:5]
+
+    # a run whose newest save is so: rank 0 still writing (or killed) after rank 1 wrote its
+    # RNG states; `latest` named it
+    run = tmp_path / "run" / "checkpoints"
+    shutil.copytree(good, run / "checkpoint_0")
+    _age(run / "checkpoint_0")
+    shutil.copytree(damaged, run / "checkpoint_1")
+    result = run_ckpt("latest", run.parent, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["latest"] == str(run / "checkpoint_0")
+    rows = {c["name"]: c for c in result.json["result"]["checkpoints"]}
+    assert rows["checkpoints/checkpoint_1"]["status"] == "writing"
+    assert "random_states_0.pkl" in rows["checkpoints/checkpoint_1"]["reason"]
+    # settled: an incomplete save, never the latest
+    _age(run / "checkpoint_1", 1800)
+    result = run_ckpt("latest", run.parent, "--json")
+    rows = {c["name"]: c for c in result.json["result"]["checkpoints"]}
+    assert rows["checkpoints/checkpoint_1"]["status"] == "incomplete"
+    assert result.json["result"]["latest"] == str(run / "checkpoint_0")
+
+
+def test_an_fsdp_save_without_rank_1s_rng_states_fails_verify(
+    accelerate_fsdp_saves: dict[str, Path], tmp_path: Path
+) -> None:
+    good = accelerate_fsdp_saves["sharded"]
+    damaged = _without(good, "random_states_1.pkl", tmp_path / "damaged")
+    # ckpt said "OK": its DCP folders say rank 1 saved (`__1_0.distcp`)
+    found = _missing_rank_rng(damaged)
+    assert [p["file"] for p in found] == [str(damaged / "random_states_1.pkl")]
+    assert "__1_0.distcp" in found[0]["message"] and "rank 1" in found[0]["message"]
+    training = run_ckpt("inspect", damaged, "--json").json["result"]["training"]
+    assert training["resumable"] is True and training["exact"] is False
+    # the truth: load_state restores everything else and rank 1's RNG is not the saved one
+    differs = _restored_differently("SHARDED_STATE_DICT", good, damaged, tmp_path)
+    assert differs and {d.split(":")[0] for d in differs} == {"rank 1"}, differs[:5]
+    assert all(d.split(": ")[1].startswith(".rng.") for d in differs), differs[:5]
