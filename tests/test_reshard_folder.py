@@ -192,6 +192,13 @@ def test_trainer_fsdp_reshard_asks_what_to_do_with_per_rank_files(
     assert sorted(p.name for p in out.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
     reasons = kept.json["result"]["resume"]["reasons"]
     assert any("rng_state_2.pth" in r for r in reasons), reasons
+    # and `verify` of the kept output names the file rank 2 will not find, and the choice that
+    # gives it one
+    checked = run_ckpt("verify", out, "--json")
+    assert checked.exit_code == 1, checked.stdout
+    lost = [p for p in checked.json["result"]["problems"] if p["code"] == "missing_rank_rng"]
+    assert [p["file"] for p in lost] == [str(out / "rng_state_2.pth")]
+    assert "--rank-state replicate" in lost[0]["fix"]
     # drop: no RNG file at all
     dropped = tmp_path / "dropped"
     result = run_ckpt(
@@ -206,6 +213,30 @@ def test_trainer_fsdp_reshard_asks_what_to_do_with_per_rank_files(
     verdict = same.json["result"]["resume"]
     assert verdict["exact"] is True and verdict["reasons"] == []
     assert not [w for w in same.json["result"]["warnings"] if "global batch" in w]
+
+
+def test_a_trainer_checkpoint_that_lost_a_ranks_rng_state_fails_verify_and_is_no_latest(
+    fsdp_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Each process of a multi-process Trainer writes its own `rng_state_{rank}.pth`, and the
+    Trainer's `_load_rng_state` only logs "Didn't find an RNG file for process 1" and goes on:
+    `verify` said OK and `latest` named the save. The save's own files say 2 processes."""
+    run = shutil.copytree(fsdp_checkpoint.parent, tmp_path / "run")
+    (run / "checkpoint-4" / "rng_state_1.pth").unlink()
+    checked = run_ckpt("verify", run / "checkpoint-4", "--json")
+    assert checked.exit_code == 1, checked.stdout
+    lost = [p for p in checked.json["result"]["problems"] if p["code"] == "missing_rank_rng"]
+    assert [p["file"] for p in lost] == [str(run / "checkpoint-4" / "rng_state_1.pth")]
+    assert "rank 1" in lost[0]["message"] and lost[0]["fix"]
+    training = run_ckpt("inspect", run / "checkpoint-4", "--json").json["result"]["training"]
+    assert training["resumable"] is True and training["exact"] is False
+    # the other processes write their RNG files while rank 0 still saves the weights and the
+    # optimizer, before its trainer_state.json: lost, not still being written
+    latest = run_ckpt("latest", run, "--json")
+    assert latest.json["result"]["latest"] == str(run / "checkpoint-2"), latest.stdout
+    rows = {c["name"]: c for c in latest.json["result"]["checkpoints"]}
+    assert rows["checkpoint-4"]["status"] == "incomplete"
+    assert "rng_state_1.pth" in rows["checkpoint-4"]["reason"]
 
 
 def test_trainer_fsdp_reshard_dry_run_and_hidden_files(

@@ -114,8 +114,9 @@ class Trainer(Layout):
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
         """Optimizer / scheduler files the Trainer should have saved (see `_trainer_missing`),
         every rank's file of a per-rank FSDP save, and every process's `rng_state_{r}.pth`
-        (`missing_rank_states`: saved before `trainer_state.json`, the Trainer's last file,
-        so one missing beside it was lost, not still being written)."""
+        (`missing_rank_states`): every process writes its own while rank 0 still saves the
+        weights and optimizer, before the `trainer_state.json` it writes last, so one missing
+        beside that file was lost (or its process died), not still being written."""
         return (
             _trainer_missing(source, folder)
             + missing_rank_files(source, folder, self.rank_files)

@@ -482,7 +482,14 @@ def _layout_problem(
         folder = Folder(source)
         problems = [p for p in layout.missing(source, folder) if p.severity == "error"]
         if problems:
-            return with_fix(problems[0].message, problems[0].fix), None, None
+            first = problems[0]
+            text = first.message
+            name = first.file.rsplit("/", 1)[-1] if first.file else None
+            if name and name not in text:
+                # a problem's message leaves its file to the line it is shown on ("is missing:
+                # ..."): the reason names it as `verify` does
+                text = f"{name}: {text}"
+            return with_fix(text, first.fix), None, None
         return (
             None,
             _unfinished(layout, folder, own is None, run_files),
