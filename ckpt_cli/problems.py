@@ -232,7 +232,8 @@ CODES: dict[str, Code] = _codes(
     Code(
         "missing_component",
         _E,
-        "a Trainer checkpoint lacks optimizer or scheduler state it was saved with, or a "
+        "a Trainer or accelerate save lacks a model's, optimizer's or scheduler's state it "
+        "was saved with, or a "
         "diffusers pipeline a component folder its model_index.json names",
     ),
     Code(

@@ -24,6 +24,7 @@ from ...formats.base import Source
 from ...models import Problem
 from .base import Layout, OpenedSource
 from .composite import (
+    FSDP_MODEL,
     RANK_MODEL_FILE,
     RANK_OPTIMIZER_FILE,
     Folder,
@@ -33,6 +34,7 @@ from .composite import (
     missing_rank_files,
     missing_rank_states,
     numbered,
+    saved_world,
 )
 from .training import all_models, analyse, per_rank_models, value_of
 
@@ -68,10 +70,13 @@ class Accelerate(Layout):
         )
 
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
-        """Every rank's file of a per-rank FSDP save (`composite.missing_rank_files`), and the
-        optimizer state a scheduler's file says was saved (`_missing_optimizer`)."""
-        return _missing_optimizer(source, folder) + missing_rank_files(
-            source, folder, self.rank_files
+        """Every rank's file of a per-rank FSDP save (`composite.missing_rank_files`), the
+        optimizer state a scheduler's file says was saved (`_missing_optimizer`), and every
+        prepared object's state below the highest one saved (`_missing_objects`)."""
+        return (
+            _missing_optimizer(source, folder)
+            + _missing_objects(source, folder)
+            + missing_rank_files(source, folder, self.rank_files)
         )
 
     def unknown_state(self, source: Source, folder: Folder) -> str | None:
@@ -109,7 +114,9 @@ class Accelerate(Layout):
                     folder.add(numbered(comp, i), name, "torch")
         if folder.has("scaler.pt"):
             folder.add("scaler", "scaler.pt", "torch")
-        folder.add_many("rng", rng, "torch")
+        # one file of a multi-process save keeps its rank's number (`rng_1`)
+        several = saved_world(source, folder, self)[0] > 1
+        folder.add_many("rng", rng, "torch", several=several)
         for name in folder.matching(r"custom_checkpoint_\d+\.pkl"):
             number = re.findall(r"\d+", name)[-1]
             folder.add(f"custom_{number}", name, "torch")
@@ -141,7 +148,7 @@ def _optimizers(folder: Folder) -> bool:
     """Whether the folder holds an optimizer's state in any of accelerate's shapes."""
     return bool(
         folder.matching(_OPTIM)
-        or folder.dirs_matching(r"optimizer_(\d+)")
+        or folder.dcp_dirs_matching(r"optimizer_(\d+)")
         or folder.matching(RANK_OPTIMIZER_FILE.pattern)
     )
 
@@ -169,3 +176,111 @@ def _missing_optimizer(source: Source, folder: Folder) -> list[Problem]:
             fix="Use another checkpoint of the run (`ckpt latest` names the newest whole one).",
         )
     ]
+
+
+#: the shapes of object i's state `save_state` writes, by object: (stem, suffix, whether object 0
+#: drops the `_0`): `model.safetensors`, `model_1.safetensors`; FSDP's `pytorch_model_fsdp_0/`
+_SHAPES: dict[str, tuple[tuple[str, str, bool], ...]] = {
+    "model": (
+        ("model", ".safetensors", True),
+        ("pytorch_model", ".bin", True),
+        (FSDP_MODEL, ".bin", True),
+        (FSDP_MODEL, "/", False),
+    ),
+    "optimizer": (("optimizer", ".bin", True), ("optimizer", "/", False)),
+    "scheduler": (("scheduler", ".bin", True),),
+    "registered object": (("custom_checkpoint", ".pkl", False),),
+}
+
+
+def _shape_name(shape: tuple[str, str, bool], index: int) -> str:
+    stem, suffix, plain_zero = shape
+    return f"{stem}{suffix}" if index == 0 and plain_zero else f"{stem}_{index}{suffix}"
+
+
+def _saved_objects(folder: Folder) -> dict[str, dict[int, str]]:
+    """Object kind -> index -> the file (or `folder/`) holding that object's state, in
+    accelerate's shapes (`_SHAPES`, and per-rank FSDP files, named by their index alone)."""
+    found: dict[str, dict[int, str]] = {kind: {} for kind in _SHAPES}
+    for kind, shapes in _SHAPES.items():
+        for shape in shapes:
+            stem, suffix, plain_zero = shape
+            if suffix == "/":
+                pairs = folder.dcp_dirs_matching(rf"{re.escape(stem)}_(\d+)")
+                for sub, i in pairs:
+                    found[kind].setdefault(i, f"{sub}/")
+            elif plain_zero:
+                for name, i in folder.numbered_files(stem, suffix):
+                    found[kind].setdefault(i, name)
+            else:
+                for name in folder.matching(rf"{re.escape(stem)}_\d+{re.escape(suffix)}"):
+                    found[kind].setdefault(int(re.findall(r"\d+", name)[-1]), name)
+    for kind, regex in (("model", RANK_MODEL_FILE), ("optimizer", RANK_OPTIMIZER_FILE)):
+        for name in folder.matching(regex.pattern):
+            match = regex.fullmatch(name)
+            assert match is not None
+            found[kind].setdefault(int(match.group(1) or 0), name)
+    return found
+
+
+def _missing_objects(source: Source, folder: Folder) -> list[Problem]:
+    """`save_state` writes the state of every prepared model, optimizer and scheduler, and of
+    every registered object, numbered from 0 with no gap (`model.safetensors`,
+    `model_1.safetensors`...; FSDP's `pytorch_model_fsdp_0/`...), all the models first, then the
+    optimizers, then the schedulers: an index below the highest one saved with no file in any
+    shape was lost (a save in progress never leaves one). Under FSDP each optimizer is saved
+    with its own model (`save_fsdp_optimizer(..., self._models[i], ...)`), so an FSDP
+    optimizer's state (`optimizer_{i}/`, `optimizer_{i}_rank{r}.bin`) says model i was saved.
+    The highest object's file lost alone leaves no trace in the folder (accelerate records no
+    count): `latest` compares the run's saves for that. A DeepSpeed save keeps its models'
+    and optimizers' state in its own folders: only its schedulers and objects are checked."""
+    saved = _saved_objects(folder)
+    deepspeed = _deepspeed_states(source)
+    problems: list[Problem] = []
+
+    def lost(kind: str, index: int, name: str, why: str) -> None:
+        where = source.storage.describe(folder.rel(name.rstrip("/")))
+        if any(p.file == where for p in problems):
+            return  # model i: below the highest and its FSDP optimizer's, said once
+        problems.append(
+            Problem(
+                code="missing_component",
+                message=f"is missing: {kind} {index}'s state, which {why}; this save cannot "
+                "resume training where it stopped",
+                file=where,
+                fix="Copy it again from where the run saved it, or use another checkpoint of "
+                "the run (`ckpt latest` names the newest whole one).",
+            )
+        )
+
+    for kind, shapes in _SHAPES.items():
+        present = saved[kind]
+        if not present or (deepspeed and kind in ("model", "optimizer")):
+            continue
+        top = max(present)
+        shape = next(
+            (sh for sh in shapes if _shape_name(sh, top) == present[top]),
+            None,
+        )
+        if shape is None:
+            continue  # only per-rank FSDP files: `missing_rank_files` names what they lack
+        for index in range(top):
+            if index not in present:
+                lost(
+                    kind,
+                    index,
+                    _shape_name(shape, index),
+                    f"accelerate's save_state writes for every {kind} it numbers, and "
+                    f"{present[top]} ({kind} {top}) is here",
+                )
+    if not deepspeed:
+        for index, name in sorted(saved["optimizer"].items()):
+            fsdp = name.endswith("/") or RANK_OPTIMIZER_FILE.fullmatch(name)
+            if fsdp and index not in saved["model"] and name.endswith("/"):
+                lost(
+                    "model",
+                    index,
+                    f"{FSDP_MODEL}_{index}/",
+                    f"accelerate's FSDP save_state writes with its optimizer's, and {name} is here",
+                )
+    return problems

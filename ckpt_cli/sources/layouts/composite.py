@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import REPORT_BUG, CkptError, FormatError, NotFoundError
 from ...formats import get_format
 from ...formats.base import NAMES_FIX, Checkpoint, Source
-from ...formats.names import DCP_METADATA, weight_format
+from ...formats.names import DCP_DATA_SUFFIX, DCP_METADATA, weight_format
 from ...formats.weight_map import INDEX_SUFFIX
 from ...models import Entry, FileInfo, Manifest, Problem, TrainingState
 from ...storage.uri import parse_location
@@ -441,6 +441,22 @@ class Folder:
                 found.add((sub, int(match.group(1))))
         return sorted(found, key=lambda item: item[1])
 
+    def dcp_dirs_matching(self, pattern: str) -> list[tuple[str, int]]:
+        """`dirs_matching` for DCP folders, finished or not: those holding `.metadata`, and
+        those holding data files (`.distcp`) without it, a save that did not finish (DCP
+        writes `.metadata` last), which opening reports rather than leaving unseen."""
+        found = set(self.dirs_matching(pattern))
+        regex = re.compile(pattern)
+        for name in self.source.files:
+            rest = name[len(self.base) :] if name.startswith(self.base) else None
+            if rest is None or rest.count("/") != 1 or not rest.endswith(DCP_DATA_SUFFIX):
+                continue
+            sub = rest.split("/", 1)[0]
+            match = regex.fullmatch(sub)
+            if match:
+                found.add((sub, int(match.group(1))))
+        return sorted(found, key=lambda item: item[1])
+
     def numbered_files(self, stem: str, suffix: str) -> list[tuple[str, int]]:
         """accelerate's numbering of the files of object i: `stem.suffix` for 0, then
         `stem_1.suffix`, `stem_2.suffix`... (`optimizer.bin`, `optimizer_1.bin`)."""
@@ -471,14 +487,15 @@ class Folder:
             taken = comp in self.components or comp in self.unreadable_parts
             return f"fsdp_{comp}" if taken else comp
 
-        added = {rel for rel, _ in self.parts.values()}
-        for sub, i in self.dirs_matching(rf"{FSDP_MODEL}_(\d+)"):
+        # `add_model` may have taken model 0, or found it unreadable (said once)
+        added = {rel for rel, _ in self.parts.values()} | set(self.unreadable)
+        for sub, i in self.dcp_dirs_matching(rf"{FSDP_MODEL}_(\d+)"):
             if f"{self.rel(sub)}/" not in added:  # `add_model` may have taken model 0
                 self.add_dir(free(numbered(model, i)), sub, "dcp", wrapper="model")
         for name, i in self.numbered_files(FSDP_MODEL, ".bin"):
             if self.rel(name) not in added:
                 self.add(free(numbered(model, i)), name, "torch")
-        for sub, i in self.dirs_matching(r"optimizer_(\d+)"):
+        for sub, i in self.dcp_dirs_matching(r"optimizer_(\d+)"):
             if f"{self.rel(sub)}/" not in added:
                 self.add_dir(free(numbered("optimizer", i)), sub, "dcp", wrapper="optimizer")
         for comp, regex in ((model, RANK_MODEL_FILE), ("optimizer", RANK_OPTIMIZER_FILE)):
@@ -496,12 +513,15 @@ class Folder:
         index: str = r"_(\d+)\.",
         *,
         root: bool = False,
+        several: bool = False,
     ) -> None:
-        """One component per file (`rng_state_0.pth`...): `comp`, or `comp_N` when several
-        (`root`: the files are at the source's top, as in `add`)."""
+        """One component per file (`rng_state_0.pth`...): `comp`, or `comp_N` when several,
+        or when `several` says more were saved than are here (a multi-process save that lost
+        all but one rank's file keeps that rank's number: `rng_1`, never `rng`) (`root`: the
+        files are at the source's top, as in `add`)."""
         for name in files:
             match = re.search(index, name)
-            key = f"{comp}_{match.group(1)}" if match and len(files) > 1 else comp
+            key = f"{comp}_{match.group(1)}" if match and (len(files) > 1 or several) else comp
             self.add(key, name, fmt, root=root)
 
     def composite(self, layout: str) -> CompositeCheckpoint:

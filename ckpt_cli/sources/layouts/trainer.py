@@ -17,6 +17,7 @@ from .composite import (
     finish,
     missing_rank_files,
     missing_rank_states,
+    saved_world,
     trainer_progress,
 )
 from .training import analyse, per_rank_models
@@ -95,7 +96,9 @@ class Trainer(Layout):
         folder.add_fsdp()
         if folder.has("scaler.pt"):
             folder.add("scaler", "scaler.pt", "torch")
-        folder.add_many("rng", rng, "torch")
+        # one file of a multi-process save keeps its rank's number (`rng_1`)
+        several = saved_world(source, folder, self)[0] > 1
+        folder.add_many("rng", rng, "torch", several=several)
         if folder.has("trainer_state.json"):
             folder.add("trainer_state", "trainer_state.json", "json")
         folder.list_training_args()

@@ -1,4 +1,4 @@
-"""A multi-process accelerate save that lost one process's RNG states: a user's story.
+"""Multi-process accelerate saves that lost a file: a user's story.
 
 Every process of `Accelerator.save_state` writes its own `random_states_{rank}.pkl` (rank 0
 after the model, optimizer and scheduler), and `load_state` restores nothing for a rank whose
@@ -9,6 +9,13 @@ file. `verify` must fail such a save, naming the file, `inspect` must call it no
 `latest` must never name it (a save whose rank 0 has not written its RNG states yet is still
 being written). The truth is accelerate's own `load_state` on 2 ranks
 (`tests/accelerate_fsdp_script.py`).
+
+The same holds for each prepared object's state: `save_state` numbers models, optimizers,
+schedulers and registered objects from 0 with no gap, and saves an FSDP optimizer with its
+model, so a save holding `pytorch_model_fsdp_1/` and no `pytorch_model_fsdp_0/` (or
+`optimizer_1/` and no `pytorch_model_fsdp_1/`, or `scheduler_1.bin` and no `scheduler.bin`)
+lost one; an FSDP DCP folder with data files and no `.metadata` did not finish. `verify` said
+OK for every one of them.
 """
 
 from __future__ import annotations
@@ -113,3 +120,56 @@ def test_an_fsdp_save_without_rank_1s_rng_states_fails_verify(
     differs = _restored_differently("SHARDED_STATE_DICT", good, damaged, tmp_path)
     assert differs and {d.split(":")[0] for d in differs} == {"rank 1"}, differs[:5]
     assert all(d.split(": ")[1].startswith(".rng.") for d in differs), differs[:5]
+    # `diff` names the lost rank's state and compares rank 0's as rank 0's: the one file left
+    # was read as a one-process save's `rng`, so rank 0's and rank 1's states both differed
+    result = run_ckpt("diff", good, damaged, "--json")
+    assert result.exit_code == 1, result.stdout
+    report = result.json["result"]
+    assert report["components"] == {"rng_1": 4} and report["only_b"] == []
+    assert {name.split(".")[0] for name in report["only_a"]} == {"rng_1"}
+
+
+@pytest.mark.parametrize(
+    ("removed", "blamed", "code", "says"),
+    [
+        ("pytorch_model_fsdp_0", "pytorch_model_fsdp_0", "missing_component", "model 1"),
+        ("optimizer_0", "optimizer_0", "missing_component", "optimizer_1/"),
+        ("pytorch_model_fsdp_1", "pytorch_model_fsdp_1", "missing_component", "optimizer_1/"),
+        ("scheduler.bin", "scheduler.bin", "missing_component", "scheduler_1.bin"),
+        (
+            "pytorch_model_fsdp_1/.metadata",
+            "pytorch_model_fsdp_1",
+            "unreadable_component",
+            "no .metadata",
+        ),
+    ],
+)
+def test_an_fsdp_save_that_lost_an_objects_state_fails_verify_and_is_no_latest(
+    accelerate_fsdp_saves: dict[str, Path],
+    tmp_path: Path,
+    removed: str,
+    blamed: str,
+    code: str,
+    says: str,
+) -> None:
+    good = accelerate_fsdp_saves["sharded"]
+    run = tmp_path / "run"
+    shutil.copytree(good, run / "step_2")
+    _age(run / "step_2")
+    damaged = shutil.copytree(good, run / "step_4")
+    target = damaged / removed
+    if target.is_dir():
+        shutil.rmtree(target)
+    else:
+        target.unlink()
+    result = run_ckpt("verify", damaged, "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = result.json["result"]["problems"]
+    assert [(p["code"], p["file"]) for p in problems] == [(code, str(damaged / blamed))]
+    assert says in problems[0]["message"] and problems[0]["fix"]
+    # `latest` names the save before, the damaged one's reason naming what it lacks
+    result = run_ckpt("latest", run, "--json")
+    assert result.json["result"]["latest"] == str(run / "step_2"), result.stdout
+    rows = {c["name"]: c for c in result.json["result"]["checkpoints"]}
+    assert rows["step_4"]["status"] != "complete"
+    assert blamed in rows["step_4"]["reason"]
