@@ -275,6 +275,12 @@ CODES: dict[str, Code] = _codes(
         "parameter's first gradient: frozen or staged unfreezing)",
     ),
     Code("optimizer_unknown_param", _E, "optimizer state for a parameter the weights do not have"),
+    Code(
+        "trainer_state_mismatch",
+        _E,
+        "a Trainer `checkpoint-N`'s trainer_state.json records another global_step than N "
+        "(another save's file)",
+    ),
     Code("unreadable_component", _E, "a component of a training folder cannot be read"),
     Code("zero_partition_mismatch", _E, "ZeRO partitions do not add up to the recorded shapes"),
     Code(

@@ -98,3 +98,33 @@ def test_the_model_trainer_save_model_writes_is_no_unfinished_checkpoint(
     cut = shutil.copytree(final, tmp_path / "checkpoint-3")
     codes = {p["code"] for p in run_ckpt("verify", cut, "--json").json["result"]["problems"]}
     assert "missing_component" in codes
+
+
+def test_a_checkpoint_holding_another_saves_trainer_state_fails_verify_and_is_no_latest(
+    trainer_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`checkpoint-2` holding `checkpoint-1`'s trainer_state.json (two saves' files put
+    together): the Trainer names a checkpoint after its global_step and resumes at the step
+    the file records, with the folder's optimizer and scheduler. `verify` said OK, `inspect`
+    exact, and `latest` named it."""
+    from transformers import TrainerState
+
+    run = shutil.copytree(trainer_runs["full"], tmp_path / "run")
+    shutil.copy2(run / "checkpoint-1" / "trainer_state.json", run / "checkpoint-2")
+    state = run / "checkpoint-2" / "trainer_state.json"
+    # what `resume_from_checkpoint` reads: step 1, in a folder the Trainer wrote at step 2
+    assert TrainerState.load_from_json(str(state)).global_step == 1
+    result = run_ckpt("verify", run / "checkpoint-2", "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = result.json["result"]["problems"]
+    assert [(p["code"], p["file"]) for p in problems] == [("trainer_state_mismatch", str(state))]
+    assert "global_step 1" in problems[0]["message"] and "checkpoint-2" in problems[0]["message"]
+    latest = run_ckpt("latest", run, "--json")
+    assert latest.json["result"]["latest"] == str(run / "checkpoint-1"), latest.stdout
+    rows = {c["name"]: c for c in latest.json["result"]["checkpoints"]}
+    assert rows["checkpoint-2"]["status"] == "incomplete"
+    assert "trainer_state.json" in rows["checkpoint-2"]["reason"]
+    # its own file back: whole again
+    shutil.copy2(trainer_runs["full"] / "checkpoint-2" / "trainer_state.json", state)
+    assert run_ckpt("verify", run / "checkpoint-2").exit_code == 0
+    assert run_ckpt("latest", run).stdout.strip() == str(run / "checkpoint-2")

@@ -119,11 +119,14 @@ class Trainer(Layout):
         every rank's file of a per-rank FSDP save, and every process's `rng_state_{r}.pth`
         (`missing_rank_states`): every process writes its own while rank 0 still saves the
         weights and optimizer, before the `trainer_state.json` it writes last, so one missing
-        beside that file was lost (or its process died), not still being written."""
+        beside that file was lost (or its process died), not still being written; and a
+        `trainer_state.json` whose `global_step` is not the one the folder is named after
+        (`_foreign_trainer_state`)."""
         return (
             _trainer_missing(source, folder)
             + missing_rank_files(source, folder, self.rank_files)
             + missing_rank_states(source, folder, self)
+            + _foreign_trainer_state(source, folder)
         )
 
     def unknown_state(self, source: Source, folder: Folder) -> str | None:
@@ -339,4 +342,42 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
             fix=_OTHER,
         )
         for name, why in reasons.items()
+    ]
+
+
+def _foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
+    """The Trainer names each checkpoint after the `global_step` its `trainer_state.json`
+    records (`checkpoint-{global_step}`), and `resume_from_checkpoint` restarts at that step,
+    skipping that many batches, with the optimizer and scheduler of the folder's files: a
+    `checkpoint-N` whose file records another step holds another save's file (or the folder
+    was renamed), and no resume from it is the run it continues. A file that does not parse
+    is the component check's to report."""
+    import json
+
+    name = source.location.raw.rstrip("/").rsplit("/", 1)[-1]
+    match = Trainer.step_folder.fullmatch(name)
+    if match is None or not folder.has("trainer_state.json"):
+        return []
+    rel = folder.rel("trainer_state.json")
+    if source.storage.size(rel) > 64 << 20:
+        return []  # past what ckpt reads of a trainer_state.json: the component check says so
+    try:
+        doc = json.loads(source.storage.read_all(rel))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return []
+    step = doc.get("global_step") if isinstance(doc, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step == int(match.group(1)):
+        return []
+    return [
+        Problem(
+            code="trainer_state_mismatch",
+            message=f"records global_step {step}, but the Trainer names a checkpoint after its "
+            f"global_step and this one is {name}: the file is another save's (or the folder "
+            f"was renamed), and `resume_from_checkpoint` would restart at step {step} with "
+            "this folder's optimizer and scheduler state",
+            file=source.storage.describe(rel),
+            fix="Put back the trainer_state.json written with this save (from a copy of the "
+            "checkpoint), or resume from another checkpoint of the run (`ckpt latest RUN_DIR` "
+            "names the newest whole one).",
+        )
     ]
