@@ -592,6 +592,21 @@ def test_a_trainer_checkpoint_under_deepspeed_keeps_the_trainers_rng_and_data_po
         _same_rng(whole[f"rng_{rank}"], saved, f"rng_{rank}")
     assert whole["trainer_state"]["global_step"] == 4
 
+    # a copy that lost rank 1's RNG file: the Trainer logs "Didn't find an RNG file for
+    # process 1" and goes on, and `verify` said OK; its files say 2 processes saved it
+    lost = shutil.copytree(folder, tmp_path / "checkpoint-4")
+    (lost / "rng_state_1.pth").unlink()
+    result = run_ckpt("verify", lost, "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = [p for p in result.json["result"]["problems"] if p["severity"] == "error"]
+    assert [(p["code"], p["file"]) for p in problems] == [
+        ("missing_rank_rng", str(lost / "rng_state_1.pth"))
+    ]
+    assert "hf-trainer's loader restores none for rank 1" in problems[0]["message"]
+    assert "rng_state_0.pth is named as when several processes save" in problems[0]["message"]
+    training = run_ckpt("inspect", lost, "--json").json["result"]["training"]
+    assert training["exact"] is False and training["rng_ranks"] == [0]
+
 
 @pytest.mark.parametrize(
     "how", [("--select", "model", "--to", "safetensors"), ("--to", "hf")], ids=["select", "hf"]

@@ -11,7 +11,15 @@ from ...models import Entry
 from ...sizes import counted
 from ...storage import safe_relpath
 from .base import Layout, OpenedSource, Placeholder
-from .composite import CompositeCheckpoint, Folder, component_files, finish, trainer_progress
+from .composite import (
+    CompositeCheckpoint,
+    Folder,
+    component_files,
+    finish,
+    missing_rank_states,
+    saved_world,
+    trainer_progress,
+)
 from .training import analyse, entries_under, value_of
 
 _DS_MODEL = re.compile(r"mp_rank_\d+_model_states\.pt$")
@@ -125,9 +133,19 @@ class DeepSpeed(Layout):
         if base:
             # a Hugging Face Trainer's `checkpoint-N/` under DeepSpeed: `latest` and the tag
             # folder, and beside them the Trainer's per-rank RNG and `trainer_state.json`
+            # the Trainer's per-process RNG files, as many as the save's files say processes
+            # saved it (`missing_rank_states`: its ZeRO partitions, their own names)
+            from .trainer import Trainer
+
+            root, trainer = Folder(source), Trainer()
             folder.add_many(
-                "rng", sorted(n for n in top if self.rank_files.fullmatch(n)), "torch", root=True
+                "rng",
+                sorted(n for n in top if self.rank_files.fullmatch(n)),
+                "torch",
+                root=True,
+                several=saved_world(source, root, trainer)[0] > 1,
             )
+            folder.problems.extend(missing_rank_states(source, root, trainer))
             if "trainer_state.json" in top:
                 folder.add("trainer_state", "trainer_state.json", "json", root=True)
             folder.list_training_args(root=True)
