@@ -309,6 +309,16 @@ def test_per_rank_files_are_read_checked_for_every_rank_and_converted(
         ("missing_rank_file", "pytorch_model_fsdp_1_rank1.bin")
     ]
     assert _inspect(lossy)["training"]["resumable"] is False
+    # rank 1's RNG states lost: the per-rank files say 2 processes saved it (verify said OK)
+    rng = shutil.copytree(folder, tmp_path / "rng")
+    (rng / "random_states_1.pkl").unlink()
+    result = run_ckpt("verify", rng, "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = result.json["result"]["problems"]
+    assert [(p["code"], Path(p["file"]).name) for p in problems] == [
+        ("missing_rank_rng", "random_states_1.pkl")
+    ]
+    assert "_rank1.bin holds rank 1's shard" in problems[0]["message"]
     # --world-size cannot re-cut one rank's part of every parameter: refused, nothing written
     resharded = run_ckpt(
         "reshard", folder, tmp_path / "ws4", "--world-size", "4", "--rank-state", "keep"
