@@ -20,7 +20,8 @@ Every request is logged (`TestHub.log`), the body bytes sent are counted per fil
 (`TestHub.bytes_sent`), the most requests answered at once is kept (`TestHub.max_in_flight`),
 each request can be made to wait (`TestHub.latency`), one file's bytes held back until a test lets them
 go (`hold`), and faults can be injected: `drop_after` (close the connection after N
-body bytes of a file, once), `fail` (answer a status for a path, N times).
+body bytes of a file, once), `fail` (answer a status for a path, N times), `reset` (reset the
+connection, no answer at all, for a path, N times).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import hashlib
 import json
 import re
 import socket
+import struct
 import threading
 import time
 from collections import Counter
@@ -144,6 +146,7 @@ class TestHub:
         self._sent: Counter[tuple[str, str]] = Counter()
         self._drops: dict[tuple[str, str], int] = {}
         self._fails: list[list[object]] = []
+        self._resets: list[list[object]] = []
         self._corrupt: dict[tuple[str, str], list[object]] = {}
         self._holds: dict[tuple[str, str], threading.Event] = {}
         self._hold_most = 30.0
@@ -243,6 +246,11 @@ class TestHub:
         """
         self._fails.append([re.compile(pattern), status, times, error_code, after, headers or {}])
 
+    def reset(self, pattern: str, times: int = 1) -> None:
+        """Reset the connection (a TCP RST, no answer at all) of the next `times` requests whose
+        URL path matches regex `pattern`: a connection reset by a peer or a proxy on the way."""
+        self._resets.append([re.compile(pattern), times])
+
     def corrupt_ranges(self, repo_id: str, path: str, how: str, times: int = 1_000_000) -> None:
         """Answer the next `times` GETs of `path` (ranges past byte 0, or whole) wrongly.
 
@@ -330,6 +338,15 @@ class TestHub:
                     fault[2] = int(times) - 1  # type: ignore[call-overload]
                     return int(status), code, headers  # type: ignore[call-overload,return-value]
         return None
+
+    def _take_reset(self, path: str) -> bool:
+        with self._lock:
+            for fault in self._resets:
+                pattern, times = fault
+                if times and pattern.search(path):  # type: ignore[attr-defined]
+                    fault[1] = int(times) - 1  # type: ignore[call-overload]
+                    return True
+        return False
 
     def _take_drop(self, repo_id: str, path: str, length: int) -> int | None:
         """The armed drop for this file if this response is long enough to be cut (once)."""
@@ -475,6 +492,12 @@ class _Handler(BaseHTTPRequestHandler):
         sent = self.headers.get("Authorization") or ""
         if sent.startswith("Bearer ") and sent[7:] in self.server_hub.revoked_tokens:
             self._error(401, None, "Invalid credentials in Authorization header")
+            return
+        if self.server_hub._take_reset(path):
+            # SO_LINGER 0: closing sends an RST, the client reads "connection reset by peer"
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            self._record(0)
             return
         fault = self.server_hub._take_fault(path)
         if fault is not None:

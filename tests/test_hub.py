@@ -229,6 +229,43 @@ def test_a_hub_that_stays_busy_fails_after_a_bounded_number_of_tries(
     assert len(asked) == HUB_RETRIES + 1
 
 
+@pytest.mark.usefixtures("_short_waits")
+def test_a_connection_reset_on_an_api_call_is_asked_again_as_reads_are(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy or the network resets the connection of the repository's info request, or of
+    its tree listing (a mirror whose info names the files alone), once or twice: the command
+    asks again, as it does for a file read cut midway, and reads the checkpoint all the same.
+    A connection that keeps breaking fails after the same bounded number of tries, exit 5,
+    naming the repository, what happened and what to do."""
+    from ckpt_cli.storage import hub_repo
+
+    monkeypatch.setattr(hub_repo, "BROKEN_BASE_WAIT", 0.01, raising=False)
+    state = layered_state()
+    publish_model(hub, "org/reset", tmp_path / "src", state, max_shard_size=SHARD_LIMIT)
+
+    hub.reset(r"^/api/models/org/reset", times=2)
+    inspected = run_ckpt("inspect", "hf://org/reset", "--json")
+    assert inspected.exit_code == 0, inspected.stdout + inspected.stderr
+    assert inspected.json["result"]["tensors"] == len(state)
+
+    hub.info_blobs = False  # the listing comes from the tree endpoint
+    hub.reset(r"^/api/models/org/reset/tree/", times=2)
+    verified = run_ckpt("verify", "hf://org/reset", "--json")
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+    assert [r.path for r in hub.log if "/tree/" in r.path and r.status == 0][:2]
+
+    hub.reset_counters()
+    hub.reset(r"^/api/models/org/reset", times=1000)
+    broken = run_ckpt("inspect", "hf://org/reset", "--json")
+    assert broken.exit_code == 5, broken.stdout
+    error = broken.json["error"]
+    assert error["code"] == "hub" and error["path"] == "hf://org/reset"
+    assert "kept breaking" in error["problem"] and "network" in error["fix"]
+    tries = [r for r in hub.log if r.path.startswith("/api/models/org/reset")]
+    assert len(tries) == hub_repo.READ_RETRIES + 1
+
+
 @pytest.mark.parametrize(
     "asked",
     [{"Retry-After": "3600"}, {"RateLimit": '"api";r=0;t=3600'}],

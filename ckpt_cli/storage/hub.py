@@ -32,8 +32,11 @@ from ..errors import CkptError, FormatError, HubError, NotFoundError
 from .base import TRUNCATED_FIX, RemoteFile, Storage, StorageRangeFile, is_parity_path
 from .heads import WHOLE_FILE_MAX, HeadCache, HeadRead
 from .hub_repo import (
+    READ_RETRIES,
     HubRepo,
     HubSettings,
+    broken_connection_errors,
+    broken_wait,
     file_digest,
     hub_errors,
     hub_mismatch,
@@ -43,8 +46,8 @@ from .hub_repo import (
 from .local import safe_relpath
 from .uri import Location
 
-#: a ranged read that breaks mid-transfer is resumed from where it stopped this many times
-READ_RETRIES = 5
+#: a ranged read that breaks mid-transfer is resumed from where it stopped `READ_RETRIES`
+#: times (the policy every Hub request follows: `hub_repo.broken_connection_errors`)
 #: bytes per chunk when streaming a range
 STREAM_CHUNK = 1 << 20
 __all__ = [
@@ -284,7 +287,7 @@ class HubStorage(Storage):
                                 "each checked against the Hub's sha256), where ckpt then reads "
                                 "them.",
                             )
-                        time.sleep(min(0.2 * 2**failures, 5.0))
+                        time.sleep(broken_wait(failures))
                         continue
                     # a 200 carries the whole file (checked above): skip what precedes `pos`
                     skip = pos if response.status_code == 200 else 0
@@ -313,7 +316,7 @@ class HubStorage(Storage):
                         yield block
                         if pos >= end and not drain:
                             break
-            except (httpx2.RemoteProtocolError, httpx2.ReadError, httpx2.TimeoutException) as exc:
+            except broken_connection_errors() as exc:
                 failures += 1
                 if failures > READ_RETRIES:
                     raise HubError(
@@ -321,7 +324,7 @@ class HubStorage(Storage):
                         path=where,
                         fix="Check the network and run the command again.",
                     ) from None
-                time.sleep(min(0.2 * 2**failures, 5.0))
+                time.sleep(broken_wait(failures))
                 continue
             except httpx2.TransportError:
                 with hub_errors(where):

@@ -42,6 +42,14 @@ RETRY_MAX_WAIT = 8.0
 #: the longest `Retry-After` waited for: a server asking for more is reported at once (a
 #: command never sits for as long as a server likes)
 RETRY_AFTER_MAX = 60.0
+#: a request whose connection breaks (reset, closed before or during the answer, no byte for
+#: `HubSettings.timeout` seconds) is asked again this many times: file reads (resumed where
+#: they stopped) and API calls (repo info, tree listings) alike
+READ_RETRIES = 5
+#: seconds before the first new try after a broken connection; twice as long each time after,
+#: up to `BROKEN_MAX_WAIT` (0.4, 0.8, 1.6, 3.2, 5 s)
+BROKEN_BASE_WAIT = 0.2
+BROKEN_MAX_WAIT = 5.0
 
 
 @dataclass(frozen=True)
@@ -426,12 +434,35 @@ def retry_wait(status: int, headers: Mapping[str, str], attempt: int) -> float |
     return float(min(RETRY_MAX_WAIT, RETRY_BASE_WAIT * 2.0**attempt))
 
 
-def retrying(call: Callable[[], T]) -> T:
+def broken_connection_errors() -> tuple[type[BaseException], ...]:
+    """The network failures after which a Hub request is asked again: the connection reset or
+    closed before or during the answer, or silent for `HubSettings.timeout` seconds. A refused
+    connection (nothing listens: a wrong HF_ENDPOINT) is not among them: asking again would
+    only delay its report."""
+    import httpx2
+
+    return (
+        httpx2.RemoteProtocolError,
+        httpx2.ReadError,
+        httpx2.WriteError,
+        httpx2.TimeoutException,
+    )
+
+
+def broken_wait(failures: int) -> float:
+    """Seconds to wait before asking again after the `failures`-th broken connection in a row."""
+    return float(min(BROKEN_MAX_WAIT, BROKEN_BASE_WAIT * 2.0**failures))
+
+
+def retrying(call: Callable[[], T], where: str) -> T:
     """`call()` (a request through huggingface_hub's API), asked again while the Hub answers
-    a rate limit or a passing server error, as `retry_wait` says; the last failure is raised."""
+    a rate limit or a passing server error, as `retry_wait` says, or its connection breaks
+    (`broken_connection_errors`, up to `READ_RETRIES` times, as file reads are); the last
+    answer is raised, a connection that kept breaking as a HubError naming `where`."""
     from huggingface_hub import errors as hf
 
-    attempt = 0
+    broken = broken_connection_errors()
+    attempt = failures = 0
     while True:
         try:
             return call()
@@ -446,6 +477,18 @@ def retrying(call: Callable[[], T]) -> T:
                 raise
             attempt += 1
             time.sleep(wait)
+        except broken as exc:
+            failures += 1
+            if failures > READ_RETRIES:
+                raise HubError(
+                    f"the connection to the Hub kept breaking ({failures} tries; the last: "
+                    f"{type(exc).__name__}: {_first_line(exc)})",
+                    path=where,
+                    fix="Check the network (a proxy, VPN or firewall that cuts connections) "
+                    "and HF_ENDPOINT, then run the command again; HF_HUB_OFFLINE=1 reads what "
+                    "the local HF cache holds.",
+                ) from None
+            time.sleep(broken_wait(failures))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -479,7 +522,8 @@ def open_repo(location: Location, settings: HubSettings | None = None) -> HubRep
                         revision=location.revision,
                         cache_dir=settings.cache_dir,
                         local_files_only=settings.offline,
-                    )
+                    ),
+                    where,
                 ).resolved
             )
         if settings.offline:
@@ -493,7 +537,8 @@ def open_repo(location: Location, settings: HubSettings | None = None) -> HubRep
                     revision=location.revision,
                     files_metadata=True,
                     timeout=settings.timeout,
-                )
+                ),
+                where,
             )
         if info.sha is None:
             raise HubError(
@@ -567,7 +612,8 @@ def _list_tree(api: Any, location: Location, commit: str) -> dict[str, RemoteFil
                     revision=commit,
                     repo_type=location.repo_type,
                 )
-            )
+            ),
+            where,
         )
     for item in items:
         size = getattr(item, "size", None)
