@@ -93,6 +93,48 @@ def test_shards_mode_fetches_only_the_shards_holding_the_selection(
     assert run_ckpt("verify", dest).exit_code == 0
 
 
+@pytest.mark.parametrize("filters", [[], ["--filter", "model.layers.1.mlp.*"]], ids=["all", "some"])
+def test_shards_mode_reads_the_index_from_the_hub_once(
+    hub: TestHub, tmp_path: Path, filters: list[str]
+) -> None:
+    """The index both plans the download and goes into the HF cache (and DEST, whole or
+    narrowed): it is fetched once, checked against the Hub's record, and the plan is read
+    from that copy, not fetched a second time by a ranged read."""
+    state, weight_map = publish(hub, tmp_path)
+    index = "model.safetensors.index.json"
+    dest = tmp_path / "out"
+    result = run_ckpt("download", "hf://org/model", dest, *filters, "--no-extras", "--json")
+    assert result.exit_code == 0, result.stderr
+    reads = [r for r in hub.file_requests("org/model", index) if r.method == "GET"]
+    assert len(reads) == 1 and reads[0].range is None, reads
+    size = (tmp_path / "src" / index).stat().st_size
+    assert hub.bytes_sent("org/model", index) == size
+    report = result.json["result"]
+    # every byte the Hub sent is accounted for once, and the plan named what was fetched
+    assert hub.bytes_sent("org/model") == report["bytes_transferred"] + report["metadata_bytes"]
+    assert report["bytes_planned"] == report["bytes_transferred"]
+    entry = next(f for f in report["files"] if f["path"] == index)
+    got = read_all(dest)
+    if filters:
+        assert entry["status"] == "rewritten"
+        assert set(got) == {"model.layers.1.mlp.weight"} | {
+            n for n, shard in weight_map.items() if shard == weight_map["model.layers.1.mlp.weight"]
+        }
+    else:
+        assert entry["status"] == "fetched" and entry["verified"]
+        assert (dest / index).read_bytes() == (tmp_path / "src" / index).read_bytes()
+        assert got.keys() == state.keys()
+    assert all(torch.equal(t, state[n]) for n, t in got.items())
+    # the repository's own index is in the HF cache, where an offline run plans from it
+    hub.reset_counters()
+    offline = run_ckpt(
+        "download", "hf://org/model", tmp_path / "offline", *filters, "--no-extras",
+        env={"HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert offline.exit_code == 0, offline.stderr
+    assert hub.log == []
+
+
 def test_shards_mode_whole_repo_is_the_source_byte_for_byte(hub: TestHub, tmp_path: Path) -> None:
     state, _ = publish(hub, tmp_path)
     dest = tmp_path / "all"

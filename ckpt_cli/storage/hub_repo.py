@@ -211,6 +211,11 @@ class HubRepo:
                 self._cached[rel] = found if isinstance(found, str) else None
         return self._cached[rel]
 
+    def note_cached(self, rel: str, path: Path) -> None:
+        """`rel` is now in the local HF cache at `path` (fetched there by this run): later
+        reads of it are served from that copy (`cached_path` remembers its first answer)."""
+        self._cached[rel] = str(path)
+
     def details(self) -> dict[str, Any]:
         """What `Manifest.details["hub"]` records."""
         return {

@@ -19,8 +19,8 @@ from ...formats.names import SAFETENSORS_SUFFIX
 from ...formats.safetensors.format import SafetensorsFormat
 from ...formats.safetensors.header import read_header
 from ...formats.torch.format import TorchFormat
-from ...formats.weight_map import BIN_INDEX_SUFFIX, find_index, read_index
-from ...progress import Progress
+from ...formats.weight_map import BIN_INDEX_SUFFIX, MAX_INDEX_BYTES, find_index, read_index
+from ...progress import NULL_PROGRESS, Progress
 from ...quant import with_sidecars
 from ...storage import LocalStorage
 from ...storage.hub import HubRepo, HubStorage, RemoteFile, hub_errors, hub_mismatch
@@ -67,7 +67,11 @@ def download_shards(
             fmt = TorchFormat
         else:
             raise no_safetensors(src, repo)
+    index_file: DownloadFile | None = None
+    index_received = 0
     if index_rel is not None:
+        index_file, index_received = _index_first(repo, index_rel, report)
+        # read from the HF cache when it is there (fetched just now): read once, not twice
         weight_map, _ = read_index(storage, index_rel)
         # a weight needs its scales (the second list)
         picked, chosen = index_selection(weight_map, include, exclude)
@@ -111,8 +115,14 @@ def download_shards(
     report.skipped = skipped_files(repo, taken, checkpoint, asked)
     report.metadata_bytes = storage.bytes_fetched
 
-    report.files = [f for rel, kind in plan for f in planned_files(repo, [rel], kind)]
-    report.bytes_planned = sum(f.size for f in report.files if f.status == "planned")
+    report.files = [
+        f
+        for rel, kind in plan
+        for f in (
+            [index_file] if index_file and rel == index_rel else planned_files(repo, [rel], kind)
+        )
+    ]
+    report.bytes_planned = sum(f.size for f in report.files if f.status in ("planned", "fetched"))
     narrowed = subset and not report.cache_only  # DEST gets its own index, not the repo's
     if report.dry_run:
         if narrowed:
@@ -120,7 +130,7 @@ def download_shards(
             report.files.insert(0, _rewritten_index_info(index_rel, 0, "planned"))
         return
 
-    report.bytes_transferred = fetch_files(repo, report, progress)
+    report.bytes_transferred = index_received + fetch_files(repo, report, progress)
 
     if report.cache_only:
         return
@@ -165,8 +175,25 @@ def _narrowed_index(staging: Path, weight_map: dict[str, str], shards: set[str])
     return (json.dumps(index, indent=2) + "\n").encode()
 
 
+def _index_first(repo: HubRepo, index_rel: str, report: DownloadReport) -> tuple[DownloadFile, int]:
+    """The index's entry of the download, fetched into the HF cache first (checked against
+    the Hub's record, as every file fetched is) when the download will fetch it anyway, so
+    that the plan is read from that copy: the index crosses the network once, not once by a
+    ranged read to plan and once more whole into the cache. Not on a dry run (which fetches
+    nothing into the cache), nor for an index too large for `read_index`, which refuses it
+    unread. Returns the entry and the bytes received for it."""
+    entry = planned_files(repo, [index_rel], "index")[0]
+    if report.dry_run or entry.status != "planned" or entry.size > MAX_INDEX_BYTES:
+        return entry, 0
+    received = fetch_files(repo, report.model_copy(update={"files": [entry]}), NULL_PROGRESS)
+    assert entry.cache_path is not None
+    repo.note_cached(index_rel, Path(entry.cache_path))
+    return entry, received
+
+
 def fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> int:
-    """Fetch every file of `report` not yet in the HF cache, and check each against the Hub.
+    """Fetch every file of `report` not yet in the HF cache, and check each against the Hub;
+    a file fetched (and checked) already is left as it is.
 
     Files are fetched with `hf_hub_download` (pinned to the commit) by `FETCH_WORKERS` threads,
     as `snapshot_download` does; each is hashed as soon as it lands (hashlib releases the GIL,
@@ -203,6 +230,8 @@ def fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> in
     storage_where = repo.display
 
     def fetch(info: DownloadFile) -> None:
+        if info.status == "fetched":
+            return
         if info.status != "cached":
             # huggingface_hub's own errors (some are OSErrors) are mapped first, inside
             with _cache_failures(repo, info.path), hub_errors(storage_where(info.path)):
@@ -239,7 +268,7 @@ def fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> in
         if info.verified:
             info.checked = "sha256" if remote.sha256 else "git-blob"
 
-    progress.start(report.bytes_planned, repo.repo_id)
+    progress.start(sum(f.size for f in report.files if f.status == "planned"), repo.repo_id)
     pool = ThreadPoolExecutor(max_workers=max(1, min(FETCH_WORKERS, len(report.files))))
     try:
         futures = [pool.submit(fetch, info) for info in report.files]
