@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from huggingface_hub import save_torch_state_dict
 
 from ckpt_cli.ops.sync import RateLimit, sync
 from ckpt_cli.storage.object_leases import is_lease
@@ -875,6 +876,70 @@ def test_sigterm_is_honoured_while_an_upload_is_stalled(
     again = run_ckpt("sync", out, f"s3://{BUCKET}/run/")
     assert again.exit_code == 0, again.stdout
     assert remote_checkpoints(s3_server.endpoint) == {"checkpoint-100", "checkpoint-200"}
+
+
+def test_ctrl_c_mid_push_of_many_small_files_says_what_it_kept_and_the_rerun_resumes(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Ctrl-C while a run of saves of many small shards goes up: the sync stops (exit 130),
+    names the save it synced and the one it had begun, whose files uploaded so far stay in
+    the bucket (each whole, no manifest) rather than "partial outputs are removed", which
+    would not be true. The rerun sends only what is missing, and a pull gets every byte."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = tmp_path / "out"
+    for step in (1, 2):
+        folder = out / f"checkpoint-{step}"
+        trainer_checkpoint(folder, step)
+        (folder / "model.safetensors").unlink()
+        state = {f"layer.{i}.w": torch.full((16,), float(i + step)) for i in range(60)}
+        save_torch_state_dict(state, folder, max_shard_size=100)  # one shard per tensor
+    age(out)
+    target = "/checkpoint-2/model-00030-of-00060.safetensors"
+    s3_server.hold = lambda r: r.method == "PUT" and r.path.endswith(target)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "sync", str(out), f"s3://{BUCKET}/run/", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (
+            any(r.path.endswith(target) for r in s3_server.requests)
+            and "run/checkpoint-1/ckpt-manifest.json" in list_keys(s3_server.endpoint, BUCKET)
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+        s3_server.hold = None
+        s3_server.release.set()
+    assert proc.returncode == 130, stdout
+    error = json.loads(stdout)["error"]
+    assert "checkpoint-1 synced" in error["problem"], error
+    assert "checkpoint-2" in error["problem"] and "kept" in error["problem"], error
+    assert "removed" not in error["message"] and "resumes" in error["fix"], error
+    s3_server.wait_idle()
+    keys = list_keys(s3_server.endpoint, BUCKET, "run/")
+    assert "run/checkpoint-2/ckpt-manifest.json" not in keys
+    kept = [k for k in keys if k.startswith("run/checkpoint-2/")]
+    assert kept
+    for key in kept:  # no object is a part of its file
+        assert fetch_object(s3_server.endpoint, BUCKET, key) == (out / key[4:]).read_bytes(), key
+    again = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert again.exit_code == 0, again.stdout
+    second = {c["name"]: c for c in again.json["result"]["checkpoints"]}["checkpoint-2"]
+    assert second["action"] == "uploaded" and second["files_reused"] >= len(kept)
+    pulled = tmp_path / "pulled"
+    assert run_ckpt("sync", f"s3://{BUCKET}/run/", pulled).exit_code == 0
+    for step in (1, 2):
+        name = f"checkpoint-{step}"
+        original = local_files(out / name)
+        assert {k: v for k, v in local_files(pulled / name).items() if k in original} == original
 
 
 def test_staging_debris_inside_a_checkpoint_is_never_uploaded(

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ...errors import NotFoundError, UsageError
+from ...errors import Interrupted, NotFoundError, UsageError
 from ...models import Request
 from ...sources.runs import DEFAULT_SETTLE, is_remote
 from ...storage.uri import is_hub_url, parse_location
@@ -243,7 +243,8 @@ def sync_with(
                 total.stopped = "max-iterations"
                 break
             sleep(watch_seconds)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
+        # a round cut midway keeps what it uploaded (each object whole) for the next
         total.stopped = "interrupted"
     return total
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ... import __version__
-from ...errors import CkptError, FormatError, NotFoundError, UsageError
-from ...faults import close_pool, notice
+from ...errors import CkptError, FormatError, Interrupted, NotFoundError, UsageError
+from ...faults import close_pool, interruption, notice
 from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, RunReport, run_storage, scan_run
 from ...sources.runs.records import CHECKSUM_MANIFEST, SYNC_RECORD, checksum_manifest_of
 from ...storage import remote_failure
@@ -847,6 +847,7 @@ def _upload_round(
         ]
     )
     pool = ThreadPoolExecutor(max_workers=uploader.jobs, thread_name_prefix="ckpt-sync")
+    out: list[SyncedCheckpoint] = []
     try:
         for c in checkpoints:
             why = uploadable(c, settle, now)
@@ -866,7 +867,6 @@ def _upload_round(
                 waiting[c.name] = [
                     pool.submit(uploader.send, plan, rel) for rel in uploader.data_files(plan)
                 ]
-        out: list[SyncedCheckpoint] = []
         for item in done:
             if not isinstance(item, _Plan):
                 out.append(item)
@@ -876,9 +876,42 @@ def _upload_round(
             except CkptError as error:
                 out.append(_failed(item.c, error))
         return out
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: what is up stays, to resume
+        finished = {r.name for r in out}
+        raise _interrupted(
+            exc,
+            uploader.dest,
+            [r.name for r in out if r.action == "uploaded"],
+            [i.c.name for i in done if isinstance(i, _Plan) and i.c.name not in finished],
+        ) from None
     finally:
         # Ctrl-C or a bug: what is queued is dropped, what is being sent ends first
         close_pool(pool)
+
+
+def _interrupted(
+    exc: KeyboardInterrupt, dest: str, synced: list[str], unfinished: list[str]
+) -> Interrupted:
+    """What an interrupted push left, said as it is: the checkpoints it synced (each with its
+    manifest) and those it had begun, whose files uploaded so far stay in the store (each
+    object whole, none with a manifest: no reader counts them as synced) for the next sync
+    to reuse. No partial output is removed, so the usual words would not hold."""
+    problem = "interrupted"
+    if synced:
+        their = "its" if len(synced) == 1 else "their"
+        problem += f"; {', '.join(synced)} synced to {dest} (with {their} manifest)"
+    if unfinished:
+        problem += (
+            f"; the files of {', '.join(unfinished)} uploaded so far are kept in {dest}, "
+            "each whole, without a manifest, so not counted as synced"
+        )
+    return interruption(
+        exc,
+        problem,
+        dest,
+        fix="Run the same `ckpt sync` again: it resumes, sending only the files the store "
+        "does not hold whole already.",
+    )
 
 
 def _failed(c: RunCheckpoint, error: CkptError) -> SyncedCheckpoint:
