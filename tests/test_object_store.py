@@ -743,3 +743,65 @@ def test_a_refused_part_aborts_its_multipart_upload(
     assert "s3://ckpts/exports/model" in result.json["error"]["message"]
     assert list_keys(s3_server.endpoint, "ckpts") == []
     assert _uploads(s3_server.endpoint, "ckpts") == []
+
+
+def test_an_object_replaced_between_listing_and_reading_is_refused_not_mixed(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A training job rewrites `model.safetensors` in the bucket while `convert` reads it:
+    the header ckpt planned from (the old object) says where each tensor lies, the new
+    object has them elsewhere (the same size, another layout). Its bytes are never written
+    as the old tensors: each ranged read names the version listed (its ETag), and a changed
+    object is a clear failure naming it (exit 5), with nothing published."""
+    import threading
+    import time
+
+    import boto3
+    from safetensors.torch import save_file
+
+    old = {"a": torch.arange(8192, dtype=torch.float32), "b": torch.ones(4096)}
+    new = {"a": torch.full((4096,), 7.0), "b": torch.arange(8192, dtype=torch.float32)}
+    save_file(old, tmp_path / "old.safetensors")
+    save_file(new, tmp_path / "new.safetensors")
+    old_bytes = (tmp_path / "old.safetensors").read_bytes()
+    new_bytes = (tmp_path / "new.safetensors").read_bytes()
+    assert len(old_bytes) == len(new_bytes) and old_bytes != new_bytes
+    make_bucket(s3_server.endpoint, "ckpts")
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    key = "ck/model.safetensors"
+    client.put_object(Bucket="ckpts", Key=key, Body=old_bytes)
+
+    def tensor_read(r: S3Request) -> bool:
+        return (
+            r.method == "GET"
+            and r.path.endswith(key)
+            and not (r.range or "").startswith("bytes=0-")
+        )
+
+    s3_server.hold = tensor_read
+
+    def rewrite() -> None:  # the training job, while the read waits
+        while not any(tensor_read(r) for r in s3_server.requests):
+            time.sleep(0.02)
+        s3_server.hold = None
+        client.put_object(Bucket="ckpts", Key=key, Body=new_bytes)
+        s3_server.release.set()
+
+    job = threading.Thread(target=rewrite, daemon=True)
+    job.start()
+    dest = tmp_path / "out"
+    result = run_ckpt("convert", "s3://ckpts/ck", dest, "--to", "safetensors", "--json")
+    job.join(timeout=60)
+    if result.exit_code == 0:  # what it wrote: the old tensors' places, the new bytes
+        got = _safetensors(dest)
+        assert all(torch.equal(got[n], old[n]) for n in old), {n: got[n][:4] for n in got}
+    assert result.exit_code == 5, result.stdout
+    error = result.json["error"]
+    assert error["path"] == f"s3://ckpts/{key}" and "changed" in error["problem"], error
+    assert "again" in error["fix"]
+    assert not dest.exists()
+    # once the job is done, the same command reads the new version whole
+    again = run_ckpt("convert", "s3://ckpts/ck", dest, "--to", "safetensors")
+    assert again.exit_code == 0, again.stderr
+    got = _safetensors(dest)
+    assert all(torch.equal(got[n], new[n]) for n in new)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -136,6 +137,9 @@ class FsspecStorage(Storage):
         self.display = display
         self._sizes: dict[str, int] | None = None
         self._mtimes: dict[str, float] = {}
+        #: the ETag each object had when listed: S3 reads name it (`If-Match`), so every
+        #: byte read comes from the version listed, never from one written since
+        self._etags: dict[str, str] = {}
         self._ahead: dict[str, list[_Ahead]] = {}
         #: per file: where the last read ended, and whether its run had a large read before
         self._runs: dict[str, tuple[int, bool]] = {}
@@ -172,10 +176,16 @@ class FsspecStorage(Storage):
             if info.get("type") != "directory" and name.startswith(prefix)
         }
         self._mtimes = {}
+        self._etags = {}
         for name, info in found.items():
+            if not name.startswith(prefix):
+                continue
             stamp = listing_time(info)
-            if stamp is not None and name.startswith(prefix):
+            if stamp is not None:
                 self._mtimes[name[len(prefix) :]] = stamp
+            etag = info.get("ETag")
+            if isinstance(etag, str) and etag:
+                self._etags[name[len(prefix) :]] = etag
 
     def fs_path(self, rel: str) -> tuple[Any, str] | None:
         return self.fs, f"{self.root}/{rel}"
@@ -270,9 +280,25 @@ class FsspecStorage(Storage):
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _fetch(self, rel: str, start: int, end: int) -> bytes:
+        etag = self._etags.get(safe_relpath(rel, source=self.display))
+        s3 = self.s3_filesystem() if etag else None
         try:
-            data = self.fs.cat_file(self._full(rel), start=start, end=end)
+            if s3 is not None and etag is not None:
+                data = read_pinned(s3, self._full(rel), start, end, etag)
+            else:
+                data = self.fs.cat_file(self._full(rel), start=start, end=end)
         except Exception as exc:
+            from .object_upload import refusal_code
+
+            if refusal_code(exc) == "PreconditionFailed":
+                raise HubError(
+                    f"changed in the store since it was listed (its ETag is no longer {etag}): "
+                    "another job rewrote it while ckpt read it, so its bytes are not read as "
+                    "those of the version listed",
+                    path=self.describe(rel),
+                    fix="Run the command again once the job writing there is done (`ckpt "
+                    "latest` names the newest complete save, never one being written).",
+                ) from None
             raise remote_failure(exc, self.describe(rel)) from None
         if len(data) != end - start:
             raise FormatError(
@@ -326,6 +352,7 @@ class FsspecStorage(Storage):
         """Forget listings that a write to `full` made stale (ours and the filesystem's)."""
         self._sizes = None
         self._mtimes = {}
+        self._etags = {}
         with contextlib.suppress(Exception):
             self.fs.invalidate_cache(full)
 
@@ -411,6 +438,45 @@ class FsspecStorage(Storage):
 
         rel = safe_relpath(rel, source=self.display)
         return RemoteDest(url=self.describe(rel), fs=self.fs, path=self._full(rel))
+
+
+def read_pinned(fs: Any, path: str, start: int, end: int, etag: str) -> bytes:
+    """Bytes `start..end` of the S3 object at `path` (an s3fs filesystem's), from the version
+    whose ETag is `etag` only: the GET names it (`If-Match`), and S3 answers 412
+    PreconditionFailed (raised, as s3fs raises it) once the object was replaced, where a plain
+    ranged read would return the new object's bytes at the old object's offsets. Asked again
+    on the failures s3fs itself asks again (a connection cut mid-body included)."""
+    from fsspec.asyn import sync
+    from s3fs.core import S3_RETRYABLE_ERRORS
+
+    bucket, key, version = fs.split_path(path)
+    extra = {"VersionId": version} if version else {}
+
+    async def read_body(body: Any) -> bytes:
+        try:
+            data: bytes = await body.read()
+            return data
+        finally:
+            body.close()
+
+    tries = max(1, int(getattr(fs, "retries", 1)))
+    for attempt in range(tries):
+        reply = fs.call_s3(
+            "get_object",
+            Bucket=bucket,
+            Key=key,
+            Range=f"bytes={start}-{end - 1}",
+            IfMatch=etag,
+            **extra,
+        )
+        try:
+            data: bytes = sync(fs.loop, read_body, reply["Body"])
+            return data
+        except S3_RETRYABLE_ERRORS:
+            if attempt + 1 >= tries:
+                raise
+            time.sleep(min(0.1 * 1.7**attempt, 15.0))
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def abandon_upload(handle: Any) -> None:
