@@ -172,6 +172,36 @@ def test_a_shard_the_server_will_not_serve_is_named_with_its_http_status(
     assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]
 
 
+def test_a_connection_reset_on_a_files_metadata_request_is_asked_again_in_shards_mode(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards mode fetches each file with `hf_hub_download`, which asks the Hub for the file's
+    metadata first and reports a connection reset there as a failure at once. ckpt asks
+    again, as for its own reads: the index, a shard and a config file each lose a connection
+    once, and the download is the source's bytes all the same. A connection that keeps
+    breaking fails, exit 5, naming the file."""
+    from ckpt_cli.storage import hub_repo
+
+    monkeypatch.setattr(hub_repo, "BROKEN_BASE_WAIT", 0.01)
+    _, shards = publish(hub, tmp_path)
+    for name in ("model.safetensors.index.json", shards[1], "config.json"):
+        hub.reset(f"/resolve/[^/]+/{name}$", times=1)
+    dest = tmp_path / "d"
+    result = run_ckpt("download", "hf://org/model", dest, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert [r for r in hub.log if r.status == 0]  # the resets happened
+    for path in (tmp_path / "src").iterdir():
+        assert (dest / path.name).read_bytes() == path.read_bytes(), path.name
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "fresh-home"))  # nothing cached
+    hub.reset(f"/resolve/[^/]+/{shards[0]}$", times=1000)
+    broken = run_ckpt("download", "hf://org/model", tmp_path / "e", "--json")
+    assert broken.exit_code == 5, broken.stdout
+    error = broken.json["error"]
+    assert error["path"].endswith(shards[0]) and "kept breaking" in error["problem"], error
+    assert not (tmp_path / "e").exists()
+
+
 def test_a_wrong_range_under_verify_offers_a_fix_that_verify_can_take(
     hub: TestHub, tmp_path: Path
 ) -> None:

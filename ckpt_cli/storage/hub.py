@@ -42,6 +42,7 @@ from .hub_repo import (
     hub_mismatch,
     open_repo,
     retry_wait,
+    retrying,
 )
 from .local import safe_relpath
 from .uri import Location
@@ -60,6 +61,7 @@ __all__ = [
     "hub_mismatch",
     "open_hub",
     "open_repo",
+    "retrying",
 ]
 
 

@@ -460,10 +460,12 @@ def broken_wait(failures: int) -> float:
 
 
 def retrying(call: Callable[[], T], where: str) -> T:
-    """`call()` (a request through huggingface_hub's API), asked again while the Hub answers
-    a rate limit or a passing server error, as `retry_wait` says, or its connection breaks
-    (`broken_connection_errors`, up to `READ_RETRIES` times, as file reads are); the last
-    answer is raised, a connection that kept breaking as a HubError naming `where`."""
+    """`call()` (a request through huggingface_hub: its API, or `hf_hub_download`), asked
+    again while the Hub answers a rate limit or a passing server error, as `retry_wait` says,
+    or its connection breaks (`broken_connection_errors`, up to `READ_RETRIES` times, as file
+    reads are); the last answer is raised, a connection that kept breaking as a HubError
+    naming `where`. `hf_hub_download` reports a failed metadata request as a miss of the local
+    cache caused by it: judged by that cause."""
     from huggingface_hub import errors as hf
 
     broken = broken_connection_errors()
@@ -471,23 +473,29 @@ def retrying(call: Callable[[], T], where: str) -> T:
     while True:
         try:
             return call()
-        except hf.HfHubHTTPError as exc:
-            response = exc.response
-            wait = (
-                None
-                if response is None
-                else retry_wait(response.status_code, response.headers, attempt)
-            )
-            if wait is None:
+        except Exception as exc:
+            cause: BaseException | None = exc
+            if isinstance(exc, hf.LocalEntryNotFoundError):
+                cause = exc.__cause__
+            if isinstance(cause, hf.HfHubHTTPError):
+                response = cause.response
+                wait = (
+                    None
+                    if response is None
+                    else retry_wait(response.status_code, response.headers, attempt)
+                )
+                if wait is None:
+                    raise
+                attempt += 1
+                time.sleep(wait)
+                continue
+            if not isinstance(cause, broken):
                 raise
-            attempt += 1
-            time.sleep(wait)
-        except broken as exc:
             failures += 1
             if failures > READ_RETRIES:
                 raise HubError(
                     f"the connection to the Hub kept breaking ({failures} tries; the last: "
-                    f"{type(exc).__name__}: {_first_line(exc)})",
+                    f"{type(cause).__name__}: {_first_line(cause)})",
                     path=where,
                     fix="Check the network (a proxy, VPN or firewall that cuts connections) "
                     "and HF_ENDPOINT, then run the command again; HF_HUB_OFFLINE=1 reads what "

@@ -23,7 +23,7 @@ from ...formats.weight_map import BIN_INDEX_SUFFIX, MAX_INDEX_BYTES, find_index,
 from ...progress import NULL_PROGRESS, Progress
 from ...quant import with_sidecars
 from ...storage import LocalStorage
-from ...storage.hub import HubRepo, HubStorage, RemoteFile, hub_errors, hub_mismatch
+from ...storage.hub import HubRepo, HubStorage, RemoteFile, hub_errors, hub_mismatch, retrying
 from ...storage.output import Destination, staged_output
 from ..inspect import select
 from .plan import (
@@ -234,17 +234,22 @@ def fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> in
             return
         if info.status != "cached":
             # huggingface_hub's own errors (some are OSErrors) are mapped first, inside
-            with _cache_failures(repo, info.path), hub_errors(storage_where(info.path)):
-                path = hf_hub_download(
-                    repo.repo_id,
-                    repo.repo_path(info.path),
-                    repo_type=repo.repo_type,
-                    revision=repo.commit,
-                    cache_dir=repo.settings.cache_dir,
-                    endpoint=repo.settings.endpoint,
-                    token=repo.settings.token or None,
-                    local_files_only=repo.settings.offline,
-                    tqdm_class=_Bar,
+            where = storage_where(info.path)
+            with _cache_failures(repo, info.path), hub_errors(where):
+                # a broken connection or a busy Hub is asked again, as ckpt's own reads are
+                path = retrying(
+                    lambda: hf_hub_download(
+                        repo.repo_id,
+                        repo.repo_path(info.path),
+                        repo_type=repo.repo_type,
+                        revision=repo.commit,
+                        cache_dir=repo.settings.cache_dir,
+                        endpoint=repo.settings.endpoint,
+                        token=repo.settings.token or None,
+                        local_files_only=repo.settings.offline,
+                        tqdm_class=_Bar,
+                    ),
+                    where,
                 )
             info.cache_path = str(path)
             info.status = "fetched"
