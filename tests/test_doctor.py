@@ -176,7 +176,10 @@ def test_trainer_evidence_matches_the_saved_files(trainer_jobs: Path) -> None:
 def test_trainer_batch_change_reads_training_args(trainer_jobs: Path) -> None:
     report = run_ckpt("doctor", trainer_jobs / "grad_accum", "--json").json["result"]
     top = report["causes"][0]
-    assert "grad accum 1 at checkpoint-4, 2 at checkpoint-6" in top["evidence"]
+    assert (
+        "grad accum 1 at checkpoint-4, 2 at checkpoint-6 "
+        "(training_args.bin gradient_accumulation_steps)"
+    ) in top["evidence"]
     assert any("total_flos per step" in line for line in top["evidence"])
     # declared, the same change is reported, not ranked: exit 0
     declared = run_ckpt("doctor", trainer_jobs / "grad_accum", "--expect", "batch", "--json")
@@ -372,7 +375,7 @@ def test_torchrun_world_size_change_declared_or_not(torchrun_jobs: Path) -> None
     run = torchrun_jobs / "lr_not_rescaled"
     top = run_ckpt("doctor", run, "--json").json["result"]["causes"][0]
     assert top["id"] == "batch_changed"
-    assert "world size 2 at step-4, 1 at step-6" in top["evidence"]
+    assert "world size 2 at step-4, 1 at step-6 (train_state.world_size)" in top["evidence"]
     assert any("global batch ×0.5 but the learning rate ×1" in e for e in top["evidence"])
     # the same change declared is reported, not ranked
     declared = run_ckpt("doctor", run, "--expect", "world-size", "--json")

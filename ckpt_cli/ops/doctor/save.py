@@ -365,24 +365,43 @@ class Save:
 
     @cached_property
     def settings(self) -> dict[str, float]:
-        """World size, per-device batch and gradient accumulation, where the save records them."""
-        out: dict[str, float] = {}
+        """World size, per-device batch and gradient accumulation, where the save records them:
+        in a train-state / config / args component, at the top level of a plain loop's
+        `torch.save` dict (`batch_size`), or in the Trainer's `training_args.bin`."""
+        return {key: value for key, (value, _) in self._settings.items()}
+
+    def setting_source(self, key: str) -> str:
+        """Where `settings[key]` was read (`train_state.per_device_batch`, `batch_size`,
+        `training_args.bin per_device_train_batch_size`), for evidence lines."""
+        return self._settings[key][1] if key in self._settings else key
+
+    @cached_property
+    def _settings(self) -> dict[str, tuple[float, str]]:
+        out: dict[str, tuple[float, str]] = {}
         names = {
             "world_size": ("world_size", "dp_world_size", "data_parallel_size"),
-            "per_device_batch": ("per_device_batch", "per_device_batch_size", "micro_batch_size"),
+            "per_device_batch": (
+                "per_device_batch",
+                "per_device_batch_size",
+                "micro_batch_size",
+                "batch_size",
+            ),
             "grad_accum": ("grad_accum", "gradient_accumulation_steps", "grad_accum_steps"),
         }
-        for home in ("train_state", "trainer_state", "config", "args"):
+        for home in ("train_state", "trainer_state", "config", "args", ""):
             for key, candidates in names.items():
                 for candidate in candidates:
-                    value = self.value(f"{home}.{candidate}")
+                    name = f"{home}.{candidate}" if home else candidate
+                    value = self.value(name)
                     if isinstance(value, int) and not isinstance(value, bool) and key not in out:
-                        out[key] = float(value)
+                        out[key] = (float(value), name)
         args = self.training_args
-        if isinstance(args.get("per_device_train_batch_size"), int):
-            out.setdefault("per_device_batch", float(args["per_device_train_batch_size"]))
-        if isinstance(args.get("gradient_accumulation_steps"), int):
-            out.setdefault("grad_accum", float(args["gradient_accumulation_steps"]))
+        for key, arg in (
+            ("per_device_batch", "per_device_train_batch_size"),
+            ("grad_accum", "gradient_accumulation_steps"),
+        ):
+            if isinstance(args.get(arg), int):
+                out.setdefault(key, (float(args[arg]), f"training_args.bin {arg}"))
         return out
 
     @cached_property

@@ -20,6 +20,22 @@ _DTYPE_KEYS = {"torch_dtype", "dtype"}
 _RATIO_TOLERANCE = 0.2
 
 
+#: data counters that count samples or tokens since the run's start (never per epoch): their
+#: growth per step is the global batch
+_CUMULATIVE = (
+    "samples_seen",
+    "num_input_tokens_seen",
+    "tokens_seen",
+    "ntokens_seen",
+    "consumed_samples",
+    "consumed_train_samples",
+)
+
+
+def _grows_with_batch(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in _CUMULATIVE
+
+
 def _close(x: float, y: float, rel: float = 0.05) -> bool:
     return abs(x - y) <= rel * max(abs(x), abs(y))
 
@@ -29,6 +45,17 @@ def _global_batch(save: Save, keys: set[str]) -> float:
     for key in keys:
         out *= save.settings[key]
     return out
+
+
+def _rescaled(lr_ratio: float, ratio: float, possible: tuple[float, float] | None) -> bool:
+    """Whether the learning rate was rescaled with the global batch (linearly or by its square
+    root): with `ratio`, or any ratio in `possible` (the range a short last step allows)."""
+    if _close(lr_ratio, ratio) or _close(lr_ratio, math.sqrt(ratio)):
+        return True
+    if possible is None:
+        return False
+    low, high = possible[0] * 0.95, possible[1] * 1.05
+    return low <= lr_ratio <= high or low <= lr_ratio**2 <= high
 
 
 def _epoch_ends(first: Save | None, last: Save) -> int:
@@ -47,18 +74,25 @@ def _pace_range(work: float, steps: int, ends: int) -> tuple[float, float]:
     return work / steps, high
 
 
+def _counter(save: Save, name: str) -> float | None:
+    """Work counter `name` of `save`, or the data counter of that name."""
+    value = save.work_counters.get(name)
+    return value if value is not None else save.data_counters.get(name)
+
+
 def _interval_paces(
     pair: Pair, name: str, after: float
 ) -> tuple[tuple[float, float], tuple[float, float], str] | None:
     """The work per step of work counter `name` over the interval before the pair (from the
     save before `pair.before`, else from the start) and over the pair's own, and the span of
-    the first (`checkpoint-2 → checkpoint-4`); None when unknown."""
+    the first (`checkpoint-2 → checkpoint-4`); None when unknown. A plain loop's samples
+    counter says nothing of its epochs: each interval may end one, in a short last batch."""
     a, b = pair.before, pair.after
-    before, n = a.work_counters.get(name), pair.elapsed
+    before, n = _counter(a, name), pair.elapsed
     if before is None or n is None or not a.step:
         return None
     prev = pair.earlier[-1] if pair.earlier else None
-    prev_work = prev.work_counters.get(name) if prev is not None else None
+    prev_work = _counter(prev, name) if prev is not None else None
     if prev is not None and prev.step is not None and prev_work is not None and prev.step < a.step:
         work_a, steps_a, first = before - prev_work, a.step - prev.step, prev
     else:
@@ -66,9 +100,10 @@ def _interval_paces(
     work_b = after - before
     if work_a <= 0 or work_b <= 0:
         return None
+    unknown = 0 if name in b.work_counters else 1  # epoch ends the counter cannot tell
     return (
-        _pace_range(work_a, steps_a, _epoch_ends(first, a)),
-        _pace_range(work_b, n, _epoch_ends(a, b)),
+        _pace_range(work_a, steps_a, max(_epoch_ends(first, a), unknown)),
+        _pace_range(work_b, n, max(_epoch_ends(a, b), unknown)),
         f"{first.name} → {a.name}" if first is not None else f"the start → {a.name}",
     )
 
@@ -83,11 +118,21 @@ def check_batch(pair: Pair, notes: list[str]) -> list[Cause]:
     if changed:
         ratio = _global_batch(b, known) / _global_batch(a, known)
         for key in changed:
+            where = sorted({a.setting_source(key), b.setting_source(key)})
             evidence.append(
                 f"{key.replace('_', ' ')} {fmt(a.settings[key])} at {a.name}, "
-                f"{fmt(b.settings[key])} at {b.name}"
+                f"{fmt(b.settings[key])} at {b.name} ({' / '.join(where)})"
             )
-    for name, after in b.work_counters.items():
+    counters = dict(b.work_counters)
+    if not known:
+        # no batch setting recorded on both sides: the samples (tokens) a plain loop counts
+        # seen grow by the global batch per step
+        counters.update(
+            (name, value) for name, value in b.data_counters.items() if _grows_with_batch(name)
+        )
+    # the global batch ratios a short last step leaves possible (None: the settings say)
+    possible: tuple[float, float] | None = None
+    for name, after in counters.items():
         paces = _interval_paces(pair, name, after)
         if paces is None:
             continue
@@ -100,13 +145,19 @@ def check_batch(pair: Pair, notes: list[str]) -> list[Cause]:
             pace_a, pace_b = low_a, high_b
         else:
             continue
+        short = ""
+        if name not in b.work_counters:
+            # a plain loop's counter: its epochs unknown, the paces without a short step
+            pace_a, pace_b = low_a, low_b
+            short = " (a short last batch in each interval allowed for)"
         evidence.append(
             f"{name} per step {pace_a:.4g} over {span}, {pace_b:.4g} over {pair.where()} "
             f"(×{pace_b / pace_a:.2f}): each step now processes "
-            f"{'more' if pace_b > pace_a else 'less'} data"
+            f"{'more' if pace_b > pace_a else 'less'} data{short}"
         )
         if ratio is None or ratio == 1.0:
             ratio = pace_b / pace_a
+            possible = (low_b / high_a, high_b / low_a) if short else None
     if ratio is None:
         return []
     if _close(ratio, 1.0):
@@ -116,7 +167,7 @@ def check_batch(pair: Pair, notes: list[str]) -> list[Cause]:
     lr_a, lr_b = a.base_lr, b.base_lr
     if lr_a and lr_b:
         lr_ratio = lr_b / lr_a
-        if _close(lr_ratio, ratio) or _close(lr_ratio, math.sqrt(ratio)):
+        if _rescaled(lr_ratio, ratio, possible):
             notes.append(
                 "; ".join(evidence) + f": global batch ×{ratio:.3g}, learning rate rescaled "
                 f"×{lr_ratio:.3g} ({fmt(lr_a)} → {fmt(lr_b)})"

@@ -1,0 +1,113 @@
+"""`ckpt doctor` on plain torch training loops (no Trainer): each test trains a tiny model for
+real, saves with `torch.save`, resumes the way people do (or get it wrong), and holds the
+doctor's verdict to what the loop did. A clean resume of the same loop gets no finding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .conftest import run_ckpt
+
+
+def _batch_loop(
+    run: Path, resume: int | None, until: int, batch: int, *, record_batch: bool
+) -> None:
+    """A plain loop: AdamW under a warm-up, `batch` samples per step, its own `samples_seen`
+    counter (and `batch_size` where `record_batch`) at the top level of the dict it
+    `torch.save`s every 4 steps (`ckpt_N.pt`), a `metrics.jsonl` log; resumed from
+    `ckpt_RESUME.pt` with everything restored, at the batch size it is given now."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+    data = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(1024, 8, generator=data), torch.randn(1024, 1, generator=data)
+    step = samples_seen = 0
+    if resume is not None:
+        saved = torch.load(run / f"ckpt_{resume}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        step, samples_seen = saved["step"], saved["samples_seen"]
+        torch.set_rng_state(saved["rng_state"])
+    run.mkdir(parents=True, exist_ok=True)
+    while step < until:
+        step += 1
+        start = samples_seen % 1024
+        rows = slice(start, start + batch)
+        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
+        loss.backward()
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        samples_seen += batch
+        with open(run / "metrics.jsonl", "a") as log:
+            log.write(json.dumps({"step": step, "loss": loss.item(), "lr": lr}) + "\n")
+        if step % 4 == 0:
+            state: dict[str, Any] = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+                "samples_seen": samples_seen,
+                "rng_state": torch.get_rng_state(),
+            }
+            if record_batch:
+                state["batch_size"] = batch
+            torch.save(state, run / f"ckpt_{step}.pt")
+
+
+def _resumed(run: Path, batch_after: int, *, record_batch: bool) -> None:
+    """Trained at batch 8, crashed after step 9, resumed from `ckpt_8.pt` at `batch_after`."""
+    _batch_loop(run, None, 9, 8, record_batch=record_batch)
+    _batch_loop(run, 8, 16, batch_after, record_batch=record_batch)
+
+
+def test_a_plain_loop_resumed_at_another_batch_size_is_found(tmp_path: Path) -> None:
+    """A plain loop keeps `batch_size` (or only its `samples_seen` counter) in the dict it
+    saves; resumed at batch 16 instead of 8 with the learning rate kept, the doctor said NO
+    CAUSE FOUND: it read batch settings only inside a train-state / config / args component
+    and the work per step only from a Trainer's, torchtitan's or DeepSpeed's counters."""
+    for record_batch in (True, False):
+        run = tmp_path / f"recorded_{record_batch}"
+        _resumed(run, 16, record_batch=record_batch)
+        saved = [torch.load(run / f"ckpt_{n}.pt", weights_only=True) for n in (4, 8, 12)]
+        assert [s["samples_seen"] for s in saved] == [32, 64, 128]
+        result = run_ckpt("doctor", run, "--json")
+        assert result.exit_code == 1, result.stdout
+        causes = result.json["result"]["causes"]
+        assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+            ("batch_changed", "ckpt_8.pt", "ckpt_12.pt")
+        ], causes
+        evidence = causes[0]["evidence"]
+        if record_batch:
+            assert evidence[0] == "per device batch 8 at ckpt_8.pt, 16 at ckpt_12.pt (batch_size)"
+        else:
+            assert evidence[0].startswith(
+                "samples_seen per step 8 over ckpt_4.pt → ckpt_8.pt, 16 over ckpt_8.pt → "
+                "ckpt_12.pt (×2.00): each step now processes more data"
+            ), evidence
+        assert "global batch ×2 but the learning rate ×1 (0.01 → 0.01)" in evidence[-1]
+        assert "rescale the learning rate" in causes[0]["fix"]
+
+        declared = run_ckpt("doctor", run, "--expect", "batch", "--json")
+        assert declared.exit_code == 0, declared.stdout
+        assert [c["declared"] for c in declared.json["result"]["causes"]] == [True]
+
+
+def test_a_plain_loop_resumed_at_its_own_batch_size_is_clean(tmp_path: Path) -> None:
+    """The same loop resumed at its own batch size: a resume found (its log repeats step 9),
+    no finding, with or without `batch_size` recorded."""
+    for record_batch in (True, False):
+        run = tmp_path / f"recorded_{record_batch}"
+        _resumed(run, 8, record_batch=record_batch)
+        result = run_ckpt("doctor", run, "--json")
+        assert result.exit_code == 0, result.stdout
+        report = result.json["result"]
+        assert report["causes"] == [] and report["verdict"].startswith("NO CAUSE FOUND")
+        assert [p["resumed"] for p in report["resume_points"]] == [False, True, False]
