@@ -111,3 +111,88 @@ def test_a_plain_loop_resumed_at_its_own_batch_size_is_clean(tmp_path: Path) -> 
         report = result.json["result"]
         assert report["causes"] == [] and report["verdict"].startswith("NO CAUSE FOUND")
         assert [p["resumed"] for p in report["resume_points"]] == [False, True, False]
+
+
+def _short_window_loop(
+    run: Path, resume: int | None, until: int, every: int, *, fresh_optimizer: bool = False
+) -> None:
+    """A loop whose `step` counts micro-batches, accumulating 4 of them per optimizer step
+    (`grad_accum: 4` saved) over epochs of 9: each epoch's last window holds one micro-batch,
+    and the optimizer steps on it (as accelerate's `accumulate()` does at a loader's end).
+    `torch.save`s `ckpt_{step}.pt` every `every` micro-batches."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+    data = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(72, 8, generator=data), torch.randn(72, 1, generator=data)
+    step = 0
+    if resume is not None:
+        saved = torch.load(run / f"ckpt_{resume}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        if not fresh_optimizer:
+            optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        step = saved["step"]
+    run.mkdir(parents=True, exist_ok=True)
+    while step < until:
+        i = step % 9
+        step += 1
+        rows = slice(i * 8, i * 8 + 8)
+        (torch.nn.functional.mse_loss(model(xs[rows]), ys[rows]) / 4).backward()
+        if (i + 1) % 4 == 0 or i == 8:
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if step % every == 0:
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+                "grad_accum": 4,
+            }
+            torch.save(state, run / f"ckpt_{step}.pt")
+
+
+def test_a_window_of_one_micro_batch_is_no_inconsistent_save(tmp_path: Path) -> None:
+    """Gradient accumulation of 4 over epochs of 9 micro-batches: the optimizer steps on a
+    window of one micro-batch at each epoch's end, so a save at micro-batch 24 counts 7
+    optimizer steps, not 6. The doctor took a run's counting from one whole ratio shared by
+    every save, found none, and called every save inconsistent ("optimizer step count 2,
+    trainer step 8"); `ckpt doctor ckpt_24.pt` alone said it could not resume consistently."""
+    run = tmp_path / "run"
+    _short_window_loop(run, None, 32, 8)
+    counts = [
+        (s["step"], int(s["optimizer"]["state"][0]["step"]))
+        for s in (torch.load(run / f"ckpt_{n}.pt", weights_only=True) for n in (8, 16, 24, 32))
+    ]
+    assert counts == [(8, 2), (16, 4), (24, 7), (32, 10)]
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []
+    one = run_ckpt("doctor", run / "ckpt_24.pt", "--json")
+    assert one.exit_code == 0, one.stdout
+    assert one.json["result"]["verdict"] == "NO CAUSE FOUND: ckpt_24.pt can resume consistently"
+
+    # resumed from ckpt_16.pt with a fresh optimizer: still found, at that resume
+    resumed = tmp_path / "resumed"
+    _short_window_loop(resumed, None, 17, 8)
+    _short_window_loop(resumed, 16, 32, 8, fresh_optimizer=True)
+    result = run_ckpt("doctor", resumed, "--json")
+    assert result.exit_code == 1, result.stdout
+    top = result.json["result"]["causes"][0]
+    assert (top["id"], top["before"], top["after"]) == (
+        "optimizer_not_restored",
+        "ckpt_16.pt",
+        "ckpt_24.pt",
+    ), top
+    # a save alone that counts fewer optimizer steps than its windows allow is still named
+    lagging = run_ckpt("doctor", resumed / "ckpt_24.pt", "--json")
+    assert lagging.exit_code == 1, lagging.stdout
+    cause = lagging.json["result"]["causes"][0]
+    assert cause["id"] == "inconsistent_state"
+    assert cause["evidence"] == [
+        "optimizer step count 3, trainer step 24 (at least 6 optimizer steps at up to 4 "
+        "micro-batches each)"
+    ]

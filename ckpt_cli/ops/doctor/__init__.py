@@ -337,7 +337,9 @@ def _examine(
             explained.add(pair.after.name)  # the same process carried the lag on
     lost = consistency.check_ranks_lost(pairs)
     causes += lost
-    per_update = consistency.micro_steps_per_update(saves)
+    # the run's first process: the saves before its first resume point
+    first = next((i + 1 for i, p in enumerate(report.resume_points) if p.resumed), len(saves))
+    per_update = consistency.micro_steps_per_update(saves, first)
     for save in saves:
         for cause in consistency.check(save, per_update):
             if cause.id == "rng_ranks_missing" and any(c.after == save.name for c in lost):

@@ -16,23 +16,39 @@ _RANKS_FIX = (
 )
 
 
-def micro_steps_per_update(saves: list[Save]) -> int:
-    """How many of the run's counted steps make one optimizer step: a loop that counts
-    micro-batches and steps its optimizer once per accumulation saves `step` = k × the
-    optimizer's count in every save. k when every save holding both counters (two at least)
-    shows the same whole k; else 1 (a resume that restarted the optimizer changes the ratio
-    from that save on, so it is still found)."""
-    ratios: set[int] = set()
-    counted = 0
-    for save in saves:
+#: layouts whose own step counter counts optimizer steps, never micro-batches (the Trainer's
+#: and Lightning's `global_step`, DeepSpeed's `global_steps`, torchtitan's `step`)
+_COUNTS_UPDATES = ("hf-trainer", "deepspeed", "lightning", "torchtitan")
+
+
+def micro_steps_per_update(saves: list[Save], first_segment: int | None = None) -> int:
+    """At most how many of the run's counted steps make one optimizer step: a loop that counts
+    micro-batches and steps its optimizer once per accumulation window saves `step` = k × the
+    optimizer's count, or fewer micro-batches per optimizer step where a window closed early
+    (an epoch's last window may hold one micro-batch). The saves of the run's first process
+    (`saves[:first_segment]`, before any resume point: none of them restored anything) show
+    how the loop counts: k is the largest `step / optimizer count` among them, rounded up, when
+    two of them at least hold both counters; else 1 (a resume that restarted the optimizer
+    makes a later save's ratio larger, so it is still found)."""
+    ratios: list[float] = []
+    for save in saves[:first_segment]:
         step, opt = save.counted_step, save.optimizer_step
         if step is None or opt is None or step <= 0 or opt <= 0:
             continue
-        if step % opt:
-            return 1
-        ratios.add(step // opt)
-        counted += 1
-    return ratios.pop() if counted >= 2 and len(ratios) == 1 else 1
+        ratios.append(step / opt)
+    if len(ratios) < 2:
+        return 1
+    return max(1, math.ceil(max(ratios) - 1e-9))
+
+
+def _per_update(save: Save, per_update: int) -> int:
+    """The micro-batches one optimizer step takes at most in `save`: the run's (`per_update`),
+    or the gradient accumulation the save records, where its layout's step may count
+    micro-batches (a plain loop's own `step`)."""
+    recorded = save.settings.get("grad_accum")
+    if recorded is None or save.layout in _COUNTS_UPDATES or recorded < 1:
+        return per_update
+    return max(per_update, int(recorded))
 
 
 def check(save: Save, per_update: int = 1) -> list[Cause]:
@@ -79,7 +95,10 @@ def check(save: Save, per_update: int = 1) -> list[Cause]:
 def _disagreeing(save: Save, per_update: int = 1) -> list[str]:
     step, opt, sched = save.counted_step, save.optimizer_step, save.scheduler_epoch
     evidence: list[str] = []
-    # the optimizer steps the counted steps make (a loop counting micro-batches: fewer)
+    per_update = _per_update(save, per_update)
+    # the fewest optimizer steps the counted steps make (a loop counting micro-batches: fewer,
+    # each window of up to `per_update` of them; a window closed early, or one still open at
+    # the save, makes more or fewer)
     updates = step // per_update if step is not None else None
     foreign = save.misnamed_trainer_state
     if foreign is not None:
@@ -90,13 +109,15 @@ def _disagreeing(save: Save, per_update: int = 1) -> list[str]:
     if (
         updates is not None
         and opt is not None
+        and step is not None
         and updates > 0
-        and (opt > updates or updates - opt > _max_skipped(save, updates))
+        and (opt > step or updates - opt > _max_skipped(save, updates))
     ):
         evidence.append(
             f"optimizer step count {fmt(opt)}, trainer step {fmt(step)}"
             + (
-                f" ({fmt(updates)} optimizer steps at {per_update} per step)"
+                f" (at least {fmt(updates)} optimizer steps at up to {per_update} "
+                "micro-batches each)"
                 if per_update > 1
                 else ""
             )
