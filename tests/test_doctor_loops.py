@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from .conftest import run_ckpt
@@ -196,3 +197,168 @@ def test_a_window_of_one_micro_batch_is_no_inconsistent_save(tmp_path: Path) -> 
         "optimizer step count 3, trainer step 24 (at least 6 optimizer steps at up to 4 "
         "micro-batches each)"
     ]
+
+
+def _stateful_loop(
+    run: Path,
+    resume: int | None,
+    until: int,
+    *,
+    stale: bool = False,
+    shuffle: bool = True,
+    every: int = 2,
+    rows: int = 256,
+) -> None:
+    """A plain loop over a torchdata `StatefulDataLoader` (batches of 8 of `rows` rows) that
+    `torch.save`s model, optimizer, step, RNG and `loader.state_dict()` into `step-N/state.pt`
+    every `every` steps; resumed from `step-RESUME`. `stale`: the loop saves the loader state it
+    read at the resume, not the state of the loader it iterates."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(7)
+    dataset = torch.utils.data.TensorDataset(
+        torch.randn(rows, 8, generator=data), torch.randn(rows, 1, generator=data)
+    )
+    loader = StatefulDataLoader(
+        dataset, batch_size=8, shuffle=shuffle, generator=torch.Generator().manual_seed(1)
+    )
+    step = 0
+    restored = None
+    if resume is not None:
+        saved = torch.load(run / f"step-{resume}" / "state.pt", weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        loader.load_state_dict(saved["dataloader"])
+        torch.set_rng_state(saved["rng"])
+        step, restored = saved["step"], saved["dataloader"]
+    while step < until:
+        for x, y in loader:
+            step += 1
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step % every == 0:
+                folder = run / f"step-{step}"
+                folder.mkdir(parents=True, exist_ok=True)
+                state = {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "rng": torch.get_rng_state(),
+                    "dataloader": restored if stale else loader.state_dict(),
+                }
+                torch.save(state, folder / "state.pt")
+            if step == until:
+                break
+
+
+def test_a_loader_state_saved_stale_is_found(tmp_path: Path) -> None:
+    """A loop resumed from step-4 saves the loader state it read at the resume at every later
+    save: step-6 and step-8 hold step-4's state, bit for bit, though the loader yielded 2 and
+    4 more batches. A resume from either replays them; the doctor said NO CAUSE FOUND (the
+    counters that stood still were neither a restart nor a pace)."""
+    pytest.importorskip("torchdata", reason="the loop iterates a torchdata StatefulDataLoader")
+    run = tmp_path / "run"
+    _stateful_loop(run, None, 5)
+    _stateful_loop(run, 4, 8, stale=True)
+    states = [
+        torch.load(run / f"step-{n}" / "state.pt", weights_only=False)["dataloader"]
+        for n in (4, 6, 8)
+    ]
+    assert states[0]["_num_yielded"] == states[1]["_num_yielded"] == states[2]["_num_yielded"] == 4
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("inconsistent_state", "step-4", "step-6"),
+        ("inconsistent_state", "step-6", "step-8"),
+    ], causes
+    assert causes[1]["title"] == (
+        "step-8 holds step-4's data-loader state: a resume from it replays data"
+    )
+    evidence = causes[0]["evidence"]
+    assert evidence[0] == (
+        "the data-loader state of step-6 (state.pt) is identical to step-4's, entry for entry "
+        "(11 entries), while the run took 2 steps between them"
+    )
+    assert "dataloader._num_yielded 4 at step-4 and at step-6, 2 steps later" in evidence[1]
+    assert "save loader.state_dict() of that loader at each save" in causes[0]["fix"]
+
+    clean = tmp_path / "clean"
+    _stateful_loop(clean, None, 5)
+    _stateful_loop(clean, 4, 8)
+    result = run_ckpt("doctor", clean, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []
+
+
+def test_a_loader_back_at_its_place_a_whole_epoch_later_is_no_copy(tmp_path: Path) -> None:
+    """A loader without shuffling saved once per epoch (4 batches of 32 rows, every 4 steps)
+    holds the same state, bit for bit, at every save: a whole epoch passed between them, no
+    copy."""
+    pytest.importorskip("torchdata", reason="the loop iterates a torchdata StatefulDataLoader")
+    run = tmp_path / "run"
+    _stateful_loop(run, None, 9, shuffle=False, every=4, rows=32)
+    _stateful_loop(run, 8, 16, shuffle=False, every=4, rows=32)
+    states = [
+        torch.load(run / f"step-{n}" / "state.pt", weights_only=False)["dataloader"]
+        for n in (4, 8, 12, 16)
+    ]
+    assert all(s["_num_yielded"] == 4 for s in states)
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []
+
+
+def test_an_accelerate_save_holding_an_older_loader_file_is_found(tmp_path: Path) -> None:
+    """An accelerate run (`save_state` with a stateful data loader) whose step-6 was put
+    together with step-4's `dl_state_dict.bin`: a resume from step-6 replays 2 steps of data.
+    The doctor said NO CAUSE FOUND; the run as it was saved is clean."""
+    pytest.importorskip("torchdata", reason="accelerate's stateful loader is torchdata's")
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    run = tmp_path / "run"
+    accelerator = Accelerator(
+        cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
+    data = torch.Generator().manual_seed(7)
+    dataset = torch.utils.data.TensorDataset(
+        torch.randn(128, 8, generator=data), torch.randn(128, 1, generator=data)
+    )
+    loader = StatefulDataLoader(dataset, batch_size=4, shuffle=True)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for step, (x, y) in enumerate(loader, start=1):
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if step % 2 == 0:
+            accelerator.save_state(str(run / f"step-{step}"))
+        if step == 8:
+            break
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []
+
+    (run / "step-6" / "dl_state_dict.bin").write_bytes(
+        (run / "step-4" / "dl_state_dict.bin").read_bytes()
+    )
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("inconsistent_state", "step-4", "step-6")
+    ], causes
+    assert causes[0]["evidence"][0].startswith(
+        "the data-loader state of step-6 (dl_state_dict.bin) is identical to step-4's"
+    )
+    assert "put back the loader state written with step-6" in causes[0]["fix"]

@@ -8,7 +8,7 @@ the state the resumed run saved after. Each family of causes is one module and o
 |---|---|
 | `optimizer` | optimizer state not restored (step counts restart, exp_avg_sq collapses, or ids saved as strings; another save's state restored); restored for other parameters (param groups, shapes); the save before's state saved again (two saves mixed) |
 | `schedule` | LR scheduler not restored (`last_epoch` or DeepSpeed's `last_batch_iteration` restarts; the logged LR back in warm-up, alone where no scheduler state is saved) |
-| `data` | data position not restored (samples / batches / tokens seen, the loader's yielded count, the epoch fraction) |
+| `data` | data position not restored (samples / batches / tokens seen, the loader's yielded count, the epoch fraction); an earlier save's loader state saved again (two saves mixed) |
 | `scaler` | gradient scaler reset (the fp16 loss scale back at its initial value) |
 | `weights` | weights partly restored (tensors uncorrelated with the save: fresh), precision changed (dtypes, the Trainer's mixed precision), EMA not restored; the save before's weights saved again (two saves mixed) |
 | `setup` | global batch changed without the LR rescaled (world size, per-device batch, accumulation); seed, config or tokenizer changed |

@@ -4,9 +4,14 @@ again from the resume), so the resumed run sees batches it already trained on.""
 
 from __future__ import annotations
 
+from typing import Any
+
+from ...errors import CkptError
+from ..diff.compare import values_equal
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
-from .save import LOADER_POSITIONS
+from .save import DATA_COUNTERS, LOADER_POSITIONS, Save
+from .tensors import raw_bytes
 
 #: counters a loader may set back to 0 at each epoch (a `StatefulDataLoader`'s, a plain
 #: loader's `position`): crossing an epoch boundary also lowers them, so only the exact fresh
@@ -29,15 +34,20 @@ def check(pair: Pair) -> list[Cause]:
         found = counter_restart(before, after, a.step, pair.elapsed)
         if found is None or not found.restarted:
             continue
-        if name.rsplit(".", 1)[-1] in _PER_EPOCH and found.after not in (found.fresh, 0.0):
-            continue  # an epoch ended between the saves, maybe: not proof of a restart
+        if name.rsplit(".", 1)[-1] in _PER_EPOCH:
+            if found.after not in (found.fresh, 0.0):
+                continue  # an epoch ended between the saves, maybe: not proof of a restart
+            if found.after == found.before <= found.fresh:
+                # back at its place: whole epochs (each at least that long) fit in the steps
+                # between, as a loader saved once per epoch shows; not proof either
+                continue
         evidence.append(
             f"{name} {fmt(found.before)} at {a.name}, {fmt(found.after)} at {b.name}: "
             + found.outlook("continued it would be", "started over")
         )
     evidence += _new_loaders(pair)
     if not evidence:
-        return []
+        return _stale_loader(pair)
     return [
         Cause(
             id="data_position_not_restored",
@@ -77,3 +87,133 @@ def _new_loaders(pair: Pair) -> list[str]:
                 f"would be {fmt(found.continued)})"
             )
     return out
+
+
+def _loader_state(save: Save) -> dict[str, Any] | None:
+    """The data loader's state, entry by entry (tensors by their raw bytes), read once per
+    save; None when it holds none, or an entry cannot be read (then no copy can be told)."""
+    if "loader_state" in save.memo:
+        cached: dict[str, Any] | None = save.memo["loader_state"]
+        return cached
+    out: dict[str, Any] | None = {}
+    checkpoint = save.opened.checkpoint
+    try:
+        for entry in save.loader_entries:
+            if entry.kind == "tensor":
+                raw = raw_bytes(checkpoint, entry)
+                value: Any = (
+                    (entry.dtype, tuple(entry.shape), raw)
+                    if raw is not None
+                    else checkpoint.read_tensor(entry.name)
+                )
+            else:
+                value = save.value(entry.name)
+                if value is None:
+                    value = checkpoint.read_object(entry.name)
+            out[entry.name] = value  # type: ignore[index]
+    except CkptError:
+        out = None
+    save.memo["loader_state"] = out or None
+    return save.memo["loader_state"]  # type: ignore[no-any-return]
+
+
+def _loader_positions(save: Save) -> dict[str, float]:
+    """The data counters inside the loader's own state, by name."""
+    names = {e.name for e in save.loader_entries}
+    inside = {n: v for n, v in save.data_counters.items() if n in names}
+    # counters of a pickled loader state (torchtitan's `dataloader.dp_rank_N`) are named
+    # below their entry
+    inside.update(
+        (n, v)
+        for n, v in save.data_counters.items()
+        if n not in inside and any(n.startswith(f"{entry}.") for entry in names)
+    )
+    return inside
+
+
+def _same_state(x: dict[str, Any], y: dict[str, Any]) -> bool:
+    return x.keys() == y.keys() and all(values_equal(x[k], y[k]) for k in x)
+
+
+def _stale_loader(pair: Pair) -> list[Cause]:
+    """The save after holds the loader state of an earlier save, identical entry for entry,
+    though the run took steps between them that moved its position: the loader state saved
+    is not the loader's (a file copied from that save, or a loop that saves the state it read
+    at the resume, not the state of the loader it iterates). A resume from it replays the
+    batches since. A counter of the samples seen since the start can never stand still; one a
+    loader sets back at each epoch (`_num_yielded`) can, over whole epochs: only where the
+    steps between could not have drawn an epoch of that many (at the run's fastest pace of it)
+    is it proof."""
+    a, b = pair.before, pair.after
+    state_b = _loader_state(b)
+    if state_b is None or b.step is None:
+        return []
+    positions = {n: v for n, v in _loader_positions(b).items() if v > 0}
+    if not positions:
+        return []
+    source: tuple[Save, int] | None = None  # the oldest save holding that state, its step
+    for save in (a, *reversed(pair.earlier)):
+        state = _loader_state(save)
+        if state is None or save.step is None or save.step >= b.step:
+            break
+        if not _same_state(state, state_b):
+            break
+        source = (save, save.step)
+    if source is None or a.step is None:
+        return []
+    oldest, oldest_step = source
+    # proof against the save before (the fewest steps between), the state named after the
+    # oldest save that holds it
+    steps = b.step - a.step
+    runs = [*pair.earlier, a, b]
+    proof: list[str] = []
+    for name, value in sorted(positions.items()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in _PER_EPOCH or leaf not in DATA_COUNTERS:
+            # back at the same place after whole epochs: each at least `value` long
+            pace = max(
+                (
+                    s.data_counters[name] / s.step
+                    for s in runs
+                    if name in s.data_counters and s.step
+                ),
+                default=0.0,
+            )
+            if value <= pace * steps:
+                continue
+            proof.append(
+                f"{name} {fmt(value)} at {a.name} and at {b.name}, {fmt(steps)} steps later "
+                f"(at {fmt(pace)} per step it would be {fmt(value + pace * steps)}; an epoch "
+                f"of {fmt(value)} or more cannot pass in {fmt(pace * steps)})"
+            )
+        else:
+            proof.append(
+                f"{name} {fmt(value)} at {a.name} and at {b.name}, {fmt(steps)} steps "
+                "later: a count of the data seen since the start never stands still"
+            )
+    if not proof:
+        return []
+    files = sorted({e.file for e in b.loader_entries if e.file})
+    where = f" ({', '.join(files)})" if files else ""
+    return [
+        Cause(
+            id="inconsistent_state",
+            title=f"{b.name} holds {oldest.name}'s data-loader state: a resume from it replays "
+            "data",
+            score=0.85,
+            before=a.name,
+            after=b.name,
+            evidence=[
+                f"the data-loader state of {b.name}{where} is identical to {oldest.name}'s, "
+                f"entry for entry ({len(state_b)} entries), while the run took "
+                f"{fmt(b.step - oldest_step)} steps between them",
+                *proof,
+            ],
+            fix=f"{b.name}'s data-loader state was copied from {oldest.name} (files of two "
+            "saves put together), or the loop saves a loader state it read once (at the "
+            "resume) instead of the state of the loader it iterates: save loader.state_dict() "
+            f"of that loader at each save. Resumed from {b.name}, the run would replay the "
+            f"batches since {oldest.name}: resume from {oldest.name}, or put back the loader "
+            f"state written with {b.name}.",
+        )
+    ]

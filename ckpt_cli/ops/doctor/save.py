@@ -315,6 +315,17 @@ class Save:
                     found[where] = float(value)
         return found
 
+    @cached_property
+    def loader_entries(self) -> list[Entry]:
+        """The entries of the data loader's own state (`dataloader.`, a numbered
+        `dataloader_1.`, `data_loader.`, `loader.`, `sampler.`; accelerate's `dl_state_dict.bin`
+        and `sampler.bin`; DeepSpeed's `model_states.dataloader.`)."""
+        return [
+            e
+            for e in self.entries
+            if self._in_loader(e.name) or _under(e.name.split(".", 1)[0], ("sampler",))
+        ]
+
     def _in_loader(self, name: str) -> bool:
         """Whether an entry lies inside a data-loader component: under a `dataloader` /
         `data_loader` / `loader` key, or the layout's own loader state (DeepSpeed's
