@@ -362,3 +362,82 @@ def test_an_accelerate_save_holding_an_older_loader_file_is_found(tmp_path: Path
         "the data-loader state of step-6 (dl_state_dict.bin) is identical to step-4's"
     )
     assert "put back the loader state written with step-6" in causes[0]["fix"]
+
+
+def _warmup_loop(run: Path, resume: int | None, until: int, scheduler_from: int | None) -> None:
+    """A plain loop under an 8-step warm-up saving model, optimizer, scheduler, step and RNG
+    every 2 steps (`ckpt_N.pt`) and logging `metrics.jsonl`; resumed from `ckpt_RESUME.pt`, its
+    scheduler state loaded from `ckpt_{scheduler_from}.pt` (a path built from another step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 8))
+    data = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(256, 8, generator=data), torch.randn(256, 1, generator=data)
+    step = 0
+    if resume is not None:
+        saved = torch.load(run / f"ckpt_{resume}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        other = f"ckpt_{scheduler_from or resume}.pt"
+        scheduler.load_state_dict(torch.load(run / other, weights_only=True)["scheduler"])
+        step = saved["step"]
+        torch.set_rng_state(saved["rng_state"])
+    run.mkdir(parents=True, exist_ok=True)
+    while step < until:
+        step += 1
+        rows = slice(step * 8 % 256, step * 8 % 256 + 8)
+        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
+        loss.backward()
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        with open(run / "metrics.jsonl", "a") as log:
+            log.write(json.dumps({"step": step, "loss": loss.item(), "lr": lr}) + "\n")
+        if step % 2 == 0:
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+                "rng_state": torch.get_rng_state(),
+            }
+            torch.save(state, run / f"ckpt_{step}.pt")
+
+
+def test_a_scheduler_restored_from_an_older_save_is_found(tmp_path: Path) -> None:
+    """Resumed from ckpt_4.pt with ckpt_2.pt's scheduler state: the schedule lags the
+    optimizer by 2 steps from there on (step 6 runs with step 4's warm-up LR). Its count moved
+    neither like a restart nor like a restored scheduler, and a plain loop's scheduler may count
+    epochs, so the doctor said NO CAUSE FOUND. The same resume with the right state is clean."""
+    run = tmp_path / "run"
+    _warmup_loop(run, None, 5, None)
+    _warmup_loop(run, 4, 8, 2)
+    saved = [torch.load(run / f"ckpt_{n}.pt", weights_only=True) for n in (4, 6)]
+    assert [s["scheduler"]["last_epoch"] for s in saved] == [4, 4]
+    assert [int(s["optimizer"]["state"][0]["step"]) for s in saved] == [4, 6]
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-3]["step"] == 6 and logged[-3]["lr"] == logged[3]["lr"]  # step 4's LR again
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("scheduler_not_restored", "ckpt_4.pt", "ckpt_6.pt")
+    ], causes
+    assert causes[0]["title"] == (
+        "the LR scheduler state restored was ckpt_2.pt's, not ckpt_4.pt's: it lags the optimizer"
+    )
+    assert causes[0]["evidence"][0] == (
+        "scheduler last_epoch 4 at ckpt_4.pt with the optimizer's step count 4, 4 at ckpt_6.pt "
+        "with 6: restored it would be 6; it lags the optimizer by 2 steps, resumed from 2, the "
+        "count of ckpt_2.pt (step 2)"
+    )
+    assert "not another save's" in causes[0]["fix"]
+
+    clean = tmp_path / "clean"
+    _warmup_loop(clean, None, 5, None)
+    _warmup_loop(clean, 4, 8, None)
+    result = run_ckpt("doctor", clean, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []

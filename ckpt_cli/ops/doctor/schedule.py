@@ -29,7 +29,7 @@ def check(pair: Pair) -> list[Cause]:
         return _unsaved(pair)
     found = counter_restart(a.scheduler_epoch, b.scheduler_epoch, a.step, pair.elapsed)
     if found is not None and not found.restarted:
-        return _ran_ahead(pair, found.continued)
+        return _ran_ahead(pair, found.continued) or _behind(pair)
     if found is None or not found.restarted:
         return []
     copied = _copied(pair, found.before, found.after)
@@ -117,6 +117,61 @@ def _ran_ahead(pair: Pair, continued: float) -> list[Cause]:
             "and step it once per optimizer step from there, without stepping it again to "
             "catch up (nor building it with last_epoch= as well). Resume from "
             f"{a.name} again to train on the run's schedule.",
+        )
+    ]
+
+
+def _behind(pair: Pair) -> list[Cause]:
+    """The scheduler stepped with the optimizer, count for count, up to the save before, and
+    lags it at the save after: the resume loaded another (older) save's scheduler state, so the
+    schedule replays the steps between from there on. Runs that may skip optimizer steps
+    (fp16 overflows) are left out: their scheduler legitimately counts otherwise."""
+    a, b = pair.before, pair.after
+    sched_a, sched_b = a.scheduler_epoch, b.scheduler_epoch
+    ref_a, ref_b = a.optimizer_step, b.optimizer_step
+    if sched_a is None or sched_b is None or ref_a is None or ref_b is None:
+        return []
+    if a.may_skip_steps or b.may_skip_steps or sched_a <= 0 or sched_a != ref_a:
+        return []
+    lag = ref_b - sched_b
+    taken = ref_b - ref_a  # the optimizer steps since the save before
+    if lag <= 0 or taken <= 0:
+        return []
+    if sched_b == sched_a and not pair.stopped:
+        return []  # the save before's scheduler saved again, maybe: no resume between them
+    resumed_with = sched_b - taken
+    other = next((e for e in reversed(pair.earlier) if e.scheduler_epoch == resumed_with), None)
+    counter = a.scheduler_counter
+    evidence = [
+        f"scheduler {counter} {fmt(sched_a)} at {a.name} with the optimizer's step count "
+        f"{fmt(ref_a)}, {fmt(sched_b)} at {b.name} with {fmt(ref_b)}: restored it would be "
+        f"{fmt(ref_b)}; it lags the optimizer by {fmt(lag)} steps"
+        + (
+            f", resumed from {fmt(resumed_with)}, the count of {other.name} (step "
+            f"{fmt(other.step)})"
+            if other is not None
+            else ""
+        )
+    ]
+    line = _logged_lr(pair)
+    if line is not None:
+        evidence.append(line)
+    title = (
+        f"the LR scheduler state restored was {other.name}'s, not {a.name}'s: it lags the optimizer"
+        if other is not None
+        else "the LR scheduler lags the optimizer from the resume on: its state is an older save's"
+    )
+    return [
+        Cause(
+            id="scheduler_not_restored",
+            title=title,
+            score=0.9,
+            before=a.name,
+            after=b.name,
+            evidence=evidence,
+            fix=f"Load the scheduler state saved with the optimizer and weights the run resumes "
+            f"from ({a.name}), not another save's: build every path from the same checkpoint. "
+            f"Resume from {a.name} again to train on the run's schedule.",
         )
     ]
 
