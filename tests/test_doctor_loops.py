@@ -441,3 +441,43 @@ def test_a_scheduler_restored_from_an_older_save_is_found(tmp_path: Path) -> Non
     result = run_ckpt("doctor", clean, "--json")
     assert result.exit_code == 0, result.stdout
     assert result.json["result"]["causes"] == []
+
+
+def test_a_lost_rank_0_rng_file_is_named_and_not_taken_for_rank_0s_stream(tmp_path: Path) -> None:
+    """A 2-rank Trainer run keeps `rng_state_0.pth` and `rng_state_1.pth` in every save; one
+    save lost `rng_state_0.pth`. A save holding one per-rank file names its component without
+    the number, so the doctor took rank 1's generator for rank 0's: two `rng_not_restored`
+    ("seed 0 at checkpoint-100, 1 at checkpoint-200") ranked first, and "rank 1 missing
+    (rng_state_1.pth)", the file that is there. `doctor checkpoint-200` alone said it could
+    resume consistently."""
+    from .run_fixtures import trainer_checkpoint
+
+    run = tmp_path / "run"
+    streams = {r: torch.Generator().manual_seed(r) for r in (0, 1)}
+    for step, kept in {100: (0, 1), 200: (1,), 300: (0, 1)}.items():
+        folder = run / f"checkpoint-{step}"
+        trainer_checkpoint(folder, step)
+        (folder / "rng_state.pth").unlink()
+        for rank, stream in streams.items():
+            torch.rand(64, generator=stream)  # the steps' draws
+            if rank in kept:
+                # what the Trainer writes per process (`rng_state_{process_index}.pth`)
+                torch.save({"cpu": stream.get_state()}, folder / f"rng_state_{rank}.pth")
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["after"]) for c in causes] == [("rng_ranks_missing", "checkpoint-200")]
+    assert "rank 0 missing (rng_state_0.pth at checkpoint-100)" in causes[0]["evidence"][0]
+    assert "restore rng_state_0.pth" in causes[0]["fix"]
+
+    one = run_ckpt("doctor", run / "checkpoint-200", "--json")
+    assert one.exit_code == 1, one.stdout
+    cause = one.json["result"]["causes"][0]
+    assert cause["id"] == "rng_ranks_missing"
+    assert cause["evidence"] == [
+        "RNG states for rank 1 (rng_state_1.pth), none for rank 0: ranks are numbered from 0, "
+        "so the run had 2 at least"
+    ]
+    assert "lost the RNG state of rank 0" in cause["fix"]
+    whole = run_ckpt("doctor", run / "checkpoint-300", "--json")
+    assert whole.exit_code == 0 and whole.json["result"]["causes"] == [], whole.stdout

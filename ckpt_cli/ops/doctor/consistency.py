@@ -77,7 +77,7 @@ def check(save: Save, per_update: int = 1) -> list[Cause]:
                 ),
             )
         )
-    ranks = _rng_ranks(save)
+    ranks, fix = _rng_ranks(save)
     if ranks:
         causes.append(
             Cause(
@@ -86,7 +86,7 @@ def check(save: Save, per_update: int = 1) -> list[Cause]:
                 score=0.6,
                 after=save.name,
                 evidence=ranks,
-                fix=_RANKS_FIX,
+                fix=fix,
             )
         )
     return causes
@@ -156,12 +156,30 @@ def _max_skipped(save: Save, step: int) -> float:
     return max(0.0, math.ceil(halvings))
 
 
-def _rng_ranks(save: Save) -> list[str]:
+def _rng_ranks(save: Save) -> tuple[list[str], str]:
+    """Evidence that the save holds RNG states for fewer ranks than its run had, and the fix."""
     world = save.settings.get("world_size")
     have = save.rng_ranks
-    if world is None or have == 0 or have >= world:
-        return []
-    return [f"world size {fmt(world)} recorded, RNG states for {have} rank(s)"]
+    if world is not None and 0 < have < world:
+        return [f"world size {fmt(world)} recorded, RNG states for {have} rank(s)"], _RANKS_FIX
+    # ranks are numbered from 0: a save holding rank N's state had N + 1 ranks at least
+    ranks = sorted(int(r) for r in save.rng_groups)
+    missing = [r for r in range(ranks[-1] + 1) if r not in ranks] if ranks else []
+    if not missing:
+        return [], _RANKS_FIX
+    files = sorted({e.file for r in ranks for e in save.rng_groups[str(r)] if e.file})
+    lost = ", ".join(str(r) for r in missing)
+    return [
+        f"RNG states for {_ranks(save)}"
+        + (f" ({', '.join(files)})" if files else "")
+        + f", none for rank{'s' if len(missing) > 1 else ''} {lost}: ranks are numbered "
+        f"from 0, so the run had {ranks[-1] + 1} at least"
+    ], (
+        f"{save.name} lost the RNG state of rank{'s' if len(missing) > 1 else ''} {lost} (a "
+        f"file written beside {', '.join(files) or 'the others'}): restore it from a copy of "
+        f"{save.name} (its object-store copy, a backup), or resume from a save that holds "
+        "every rank's RNG state; resumed as it is, those ranks draw fresh random numbers."
+    )
 
 
 def _ranks(save: Save) -> str:

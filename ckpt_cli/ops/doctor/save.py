@@ -448,7 +448,7 @@ class Save:
                 continue
             if not rest:
                 rest = head  # one generator's state saved whole (`"rng": torch.get_rng_state()`)
-            rank = match.group(1) or "0"
+            rank = match.group(1) or _file_rank(entry.file) or "0"
             inner = re.match(r"(?:rank_?|r)(\d+)\.(.+)", rest)
             if inner:
                 rank, rest = inner.group(1), inner.group(2)
@@ -535,6 +535,16 @@ class Save:
     def close(self) -> None:
         """Close the opened checkpoint."""
         self.opened.checkpoint.close()
+
+
+def _file_rank(file: str | None) -> str | None:
+    """The rank a per-rank RNG file is numbered for (`rng_state_1.pth`, `random_states_1.pkl`):
+    a save holding one such file names its component without the number, whichever rank's it
+    is."""
+    if file is None:
+        return None
+    match = re.fullmatch(r"(?:rng_state|random_states)_(\d+)\.\w+", file.rsplit("/", 1)[-1])
+    return match.group(1) if match else None
 
 
 def _under(head: str, homes: tuple[str, ...]) -> bool:
