@@ -1460,3 +1460,83 @@ def test_a_wait_from_another_thread_never_hides_the_save_started_meanwhile(
     ck.close()
     assert not started[1].is_alive()  # close waited for save 2
     assert (tmp_path / "run" / "step-2" / ".metadata").is_file()
+
+
+STALLED_RANK_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from ckpt_cli import Checkpointer, CkptError
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+rank0_done = Path(f"{out}.rank0.json")
+stall = [False]
+write_data = FileSystemWriter.write_data
+
+
+def hung_disk(self, plan, planner):  # rank 1's disk hangs in step 2's write until rank 0 is done
+    deadline = time.monotonic() + 600
+    while rank == 1 and stall[0] and not rank0_done.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return write_data(self, plan, planner)
+
+
+FileSystemWriter.write_data = hung_disk
+model = torch.nn.Linear(4, 4)
+got = {}
+ck = Checkpointer(run, timeout=3)
+ck.save(1, {"model": model})
+got["first"] = ck.wait().model_dump(mode="json")
+stall[0] = True
+ck.save(2, {"model": model})
+got["stalled"] = ck.wait().model_dump(mode="json")
+started = time.monotonic()
+try:
+    ck.save(3, {"model": model})
+    got["next"] = ck.wait().model_dump(mode="json")
+except CkptError as error:
+    got["next"] = {"raised": type(error).__name__, "message": str(error)}
+got["next_seconds"] = time.monotonic() - started
+Path(f"{out}.rank{rank}.part").write_text(json.dumps(got))
+os.rename(f"{out}.rank{rank}.part", f"{out}.rank{rank}.json")
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_a_rank_that_stalls_mid_save_fails_the_save_on_the_other_rank_within_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's disk hangs while it writes its part of step 2. Rank 0 waited in DCP's gather
+    for torch's default 30 minutes (the Checkpointer's own gloo groups ignored every timeout
+    the script gave): here the launch hung past its limit. Now rank 0's save fails after the
+    Checkpointer's `timeout`, naming rank 1 and the save, nothing of step 2 is published
+    (step 1 stays the latest), and the next save raises at once on both ranks: their groups
+    are out of step, so the job must restart."""
+    import json
+
+    require_torchrun_marker()
+    script = tmp_path / "stalled_rank.py"
+    script.write_text(STALLED_RANK_SCRIPT)
+    run, out = tmp_path / "run", tmp_path / "out"
+    proc = run_launch(torchrun_command(2, script, run, out), 150, env=torchrun_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank in (0, 1):
+        assert got[rank]["first"]["phase"] == "done", got[rank]
+        assert got[rank]["stalled"]["phase"] == "failed", got[rank]
+        assert str(run / "step-2") in got[rank]["stalled"]["error"], got[rank]
+        assert got[rank]["next"]["raised"] == "IOFailure", got[rank]
+        assert "restart" in got[rank]["next"]["message"], got[rank]
+        assert got[rank]["next_seconds"] < 2.5, got[rank]  # no further wait for the lost rank
+    error = got[0]["stalled"]["error"]
+    assert "rank 1 did not answer within 3 s" in error, error
+    assert "nothing of it was published" in error, error
+    assert "rank 0" in got[1]["stalled"]["error"], got[1]
+    assert sorted(p.name for p in run.iterdir()) == ["step-1"]
+    assert latest(run) == str(run / "step-1")

@@ -12,7 +12,9 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -48,6 +50,8 @@ OnBusy = Literal["wait", "skip"]
 #: the folders a Checkpointer writes: its saves, and the staging folders of interrupted ones
 _OWN_SAVE = re.compile(r"step-\d+|\.step-\d+" + re.escape(TMP_MARKER) + r".*")
 Checks = Literal["checksums", "structure", "none"]
+#: how long one rank waits for the others at any point of a save or a load, by default
+DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 #: the live checkpointers, whose save in flight the interpreter waits for at exit
@@ -148,12 +152,74 @@ def _for_other_ranks(error: BaseException, where: Path, rank: int = 0) -> CkptEr
     )
 
 
-class _Writer(FileSystemWriter):
-    """DCP's file-system writer, with the test pause point before the commit marker."""
+def _seconds(timeout: timedelta) -> str:
+    return f"{timeout.total_seconds():g} s"
 
-    def __init__(self, path: Path, step: int) -> None:
+
+def _lost_fix(timeout: timedelta) -> str:
+    return (
+        "A rank that stops answering died or stalled (a hung disk or file system, a stopped "
+        "process: its own log says which); the Checkpointer's ranks are out of step and it "
+        "saves no more in this job: restart the job, and `load_latest` resumes from the newest "
+        f"complete save. If that rank was only slow, raise Checkpointer(timeout=...) (now "
+        f"{_seconds(timeout)})."
+    )
+
+
+class _RollCall:
+    """After its own write, every rank reports to rank 0, which waits at most `timeout` for
+    each and names the ranks that did not answer (a hung disk, a dead process): DCP's own
+    gather would wait the group's whole timeout and then say only that a connection closed."""
+
+    def __init__(self, group: Any, rank: int, world_size: int, timeout: timedelta) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+
+    def missing(self) -> list[int] | None:
+        """Rank 0: the ranks that did not report in time; the others: None once reported,
+        [0] when rank 0 could not be reached."""
+        if self.rank != 0:
+            try:
+                dist.send(torch.tensor([self.rank], dtype=torch.int32), dst=0, group=self.group)
+            except RuntimeError:
+                return [0]
+            return None
+        boxes = {r: torch.zeros(1, dtype=torch.int32) for r in range(1, self.world_size)}
+        works = {r: dist.irecv(box, src=r, group=self.group) for r, box in boxes.items()}
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        missing = []
+        for r, work in works.items():
+            assert work is not None  # every rank is in the group
+            try:
+                work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except RuntimeError:  # gloo's timeout, or the peer's closed connection
+                missing.append(r)
+        return missing
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file-system writer, with the test pause point before the commit marker, and
+    (under torchrun) the roll call after every rank's write."""
+
+    def __init__(self, path: Path, step: int, roll_call: _RollCall | None = None) -> None:
         super().__init__(str(path), sync_files=True)
         self.step = step
+        self.roll_call = roll_call
+        #: the ranks the roll call missed (None: every rank answered, or no roll call)
+        self.missing: list[int] | None = None
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            future = super().write_data(plan, planner)
+            future.wait()  # this rank's data is on disk (or its error is raised) before it reports
+        finally:
+            # every rank takes part, its own write failed or not: the others wait for it
+            if self.roll_call is not None:
+                missing = self.roll_call.missing()
+                self.missing = missing or None
+        return future
 
     def finish(self, metadata: Any, results: Any) -> None:
         # runs on the coordinator once every rank's data files are written
@@ -179,6 +245,11 @@ class Checkpointer:
             when the save has one, else the structure), `structure`, or `none`.
         logger: where progress and failures go (default `logging.getLogger("ckpt_cli.checkpointer")`).
         pin_memory: pin the host staging buffer (default: when CUDA is available).
+        timeout: under torchrun, the longest one rank waits for the others (seconds or a
+            `timedelta`; 10 minutes by default): it must cover a rank's write of its shards and
+            rank 0's checksum and parity pass, which the others wait for. Past it the save
+            fails naming the rank that did not answer, nothing of it published, and every later
+            `save` raises `IOFailure` (the ranks are out of step: restart the job).
 
     Under torchrun (a process group initialised), construct it on every rank at the same
     point: it creates two gloo process groups of its own, one for the background writes and
@@ -200,6 +271,7 @@ class Checkpointer:
         verify: Checks = "checksums",
         logger: logging.Logger | None = None,
         pin_memory: bool | None = None,
+        timeout: float | timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         from ..ops.prune.retention import PrunePolicy
         from ..storage.hashing import ALGORITHMS
@@ -230,6 +302,18 @@ class Checkpointer:
                     f"{name} must be at least 1 (got {value})",
                     fix=f"Pass {name}=1 or more, or None to keep every save.",
                 )
+        if not isinstance(timeout, timedelta):
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise UsageError(
+                    f"timeout must be seconds or a timedelta (got {timeout!r})",
+                    fix="Pass e.g. timeout=600 or timeout=datetime.timedelta(minutes=10).",
+                )
+            timeout = timedelta(seconds=timeout)
+        if not timeout.total_seconds() > 0:
+            raise UsageError(
+                f"timeout must be positive (got {timeout.total_seconds():g} s)",
+                fix="Pass the longest a rank may wait for the others, e.g. timeout=600.",
+            )
         if protect < 0:
             raise UsageError(
                 f"protect must be 0 or more parity shares (got {protect})",
@@ -249,6 +333,7 @@ class Checkpointer:
         self.checksums = checksums
         self.on_busy: OnBusy = on_busy
         self.verify: Checks = verify
+        self.timeout = timeout
         self.log = logger or logging.getLogger("ckpt_cli.checkpointer")
         self.policy: PrunePolicy | None = None
         if keep_last or keep_every:
@@ -263,9 +348,15 @@ class Checkpointer:
         self.rank = dist.get_rank() if self._distributed else 0
         self.world_size = dist.get_world_size() if self._distributed else 1
         # the background writes and the main thread's agreements each get a group of their
-        # own: collectives of two threads must never share one (nor the training's)
-        self._write_group: Any = dist.new_group(backend="gloo") if self._distributed else None
-        self._control_group: Any = dist.new_group(backend="gloo") if self._distributed else None
+        # own: collectives of two threads must never share one (nor the training's); each
+        # with the Checkpointer's timeout, not torch's 30 minutes for a new group
+        self._write_group: Any = None
+        self._control_group: Any = None
+        if self._distributed:
+            self._write_group = dist.new_group(backend="gloo", timeout=timeout)
+            self._control_group = dist.new_group(backend="gloo", timeout=timeout)
+        #: why this checkpointer's ranks are out of step (a collective failed): it saves no more
+        self._lost: IOFailure | None = None
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a read-only or full disk: the library's own error (exit 74)
@@ -318,7 +409,12 @@ class Checkpointer:
     def _save(self, step: int, state: Mapping[str, Any]) -> SaveRecord:
         start = time.perf_counter()
         record = SaveRecord(step=step, name=f"step-{step}")
-        if self._busy():
+        lost = self._lost
+        if lost is not None:  # no collective: the ranks are out of step (see `_lose`)
+            raise IOFailure(
+                f"step {step} cannot be saved: {lost.problem}", path=lost.path, fix=lost.fix
+            )
+        if self._busy(step):
             in_flight = self._current
             what = f"step {in_flight.step}" if in_flight is not None else "a save on another rank"
             if self.on_busy == "skip":
@@ -455,7 +551,8 @@ class Checkpointer:
         self._load_failed(None, choice)
         try:
             if self._distributed:
-                dcp_load(template, storage_reader=reader, process_group=self._control_group)
+                with self._together("the save was loaded", Path(choice.path)):
+                    dcp_load(template, storage_reader=reader, process_group=self._control_group)
             else:
                 dcp_load(template, storage_reader=reader, no_dist=True)
         except CheckpointException as error:  # a BaseException: it would pass `except Exception`
@@ -524,7 +621,8 @@ class Checkpointer:
             return
         mine = None if error is None else _for_other_ranks(error, Path(choice.path), self.rank)
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self._control_group)
+        with self._together("the save was loaded", Path(choice.path)):
+            dist.all_gather_object(everyone, mine, group=self._control_group)
         failed = [(rank, failure) for rank, failure in enumerate(everyone) if failure is not None]
         if error is None and failed:
             raise failed[0][1]
@@ -534,16 +632,18 @@ class Checkpointer:
     ) -> tuple[Choice | None, CkptError | None]:
         """Rank 0's choice of the save to load (or its failure), on every rank."""
         shared: list[Any] = [choice, failure]
-        dist.broadcast_object_list(shared, src=0, group=self._control_group)
+        with self._together("the save to load was chosen", self.run_dir):
+            dist.broadcast_object_list(shared, src=0, group=self._control_group)
         return shared[0], shared[1]
 
-    def _busy(self) -> bool:
+    def _busy(self, step: int) -> bool:
         """Whether a save is in flight here (or, under torchrun, on any rank: they agree)."""
         mine = self._thread is not None and self._thread.is_alive()
         if not self._distributed:
             return mine
         flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)
+        with self._together(f"the save of step {step} was agreed on", self.run_dir):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)
         return bool(flag.item())
 
     def _ranks_not_staged(self, staged: bool, step: int) -> tuple[list[int], list[int]]:
@@ -553,9 +653,37 @@ class Checkpointer:
             return [], [step]
         flags = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
         mine = torch.tensor([0 if staged else 1, step], dtype=torch.int64)
-        dist.all_gather(flags, mine, group=self._control_group)
+        with self._together(f"the save of step {step} was agreed on", self.run_dir):
+            dist.all_gather(flags, mine, group=self._control_group)
         failed = [rank for rank, flag in enumerate(flags) if flag[0].item()]
         return failed, [int(flag[1].item()) for flag in flags]
+
+    def _lose(self, who: str, doing: str, where: Path) -> IOFailure:
+        """The error of ranks that lost each other (`who` did not answer while `doing`), kept:
+        a collective that failed leaves the ranks out of step (one waits at a point the others
+        left, its group's connection to them closed), so no collective of this checkpointer
+        can be trusted again, and every later `save` raises it at once, waiting for nobody."""
+        error = IOFailure(
+            f"rank {self.rank} of {self.world_size}: {who} while {doing}",
+            path=where,
+            fix=_lost_fix(self.timeout),
+        )
+        with self._lock:
+            if self._lost is None:
+                self._lost = error
+        return error
+
+    @contextmanager
+    def _together(self, doing: str, where: Path) -> Iterator[None]:
+        """Around a collective: gloo's failure (the group's timeout passed, or a peer's
+        connection closed) as the ranks lost each other (`_lose`); none once they have."""
+        if self._lost is not None:
+            raise self._lost
+        try:
+            yield
+        except RuntimeError as exc:  # gloo's errors (torch's DistError is one)
+            who = f"another rank did not answer within {_seconds(self.timeout)} or ended"
+            raise self._lose(who, doing, where) from exc
 
     def _join(self) -> None:
         """Wait for the save in flight. Only that save is forgotten once it is over: a wait
@@ -646,7 +774,8 @@ class Checkpointer:
         if not self._distributed:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self._write_group)
+        with self._together(self._saving_step(), self._save_dir()):
+            dist.broadcast_object_list(box, src=0, group=self._write_group)
         return box[0]
 
     def _agree(self, ok: bool) -> bool:
@@ -654,20 +783,58 @@ class Checkpointer:
         if not self._distributed:
             return ok
         flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._write_group)
+        with self._together(self._saving_step(), self._save_dir()):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._write_group)
         return not bool(flag.item())
+
+    def _saving_step(self) -> str:
+        """What the background thread is doing, for `_lose` (rank 0 publishes nothing before
+        every rank has agreed; the others cannot tell how far rank 0 got)."""
+        record = self._current
+        step = f"step {record.step}" if record is not None else "a step"
+        if self.rank == 0:
+            return f"{step} was being saved: nothing of it was published"
+        return (
+            f"{step} was being saved: it may not be published (`ckpt latest {self.run_dir}` "
+            "names the newest complete save)"
+        )
+
+    def _save_dir(self) -> Path:
+        record = self._current
+        return self.run_dir / record.name if record is not None else self.run_dir
 
     def _write(self, staging: Path, staged: dict[str, Any], record: SaveRecord) -> None:
         """Every rank writes its shards into the staging folder; rank 0 writes `.metadata`
         last, once all ranks' data is there (DCP gathers the write results first)."""
         record.phase = "writing"
         started = time.perf_counter()
-        writer = _Writer(staging, record.step)
-        if self._distributed:
+        if not self._distributed:
+            dcp_save(staged, storage_writer=_Writer(staging, record.step), no_dist=True)
+            record.write_seconds = time.perf_counter() - started
+            return
+        if self._lost is not None:
+            raise self._lost
+        roll_call = _RollCall(self._write_group, self.rank, self.world_size, self.timeout)
+        writer = _Writer(staging, record.step, roll_call)
+        try:
             dcp_save(staged, storage_writer=writer, process_group=self._write_group)
-        else:
-            dcp_save(staged, storage_writer=writer, no_dist=True)
+        except RuntimeError as exc:  # not a rank's failed write (a CheckpointException): gloo's
+            raise self._lose(
+                self._who(writer.missing), self._saving_step(), self._save_dir()
+            ) from exc
+        if writer.missing is not None:
+            raise self._lose(self._who(writer.missing), self._saving_step(), self._save_dir())
         record.write_seconds = time.perf_counter() - started
+
+    def _who(self, missing: list[int] | None) -> str:
+        """The ranks the roll call missed, in words."""
+        waited = _seconds(self.timeout)
+        if not missing:
+            return f"another rank did not answer within {waited} or ended"
+        if self.rank != 0:
+            return f"rank 0 could not be reached (it ended, or stopped waiting for this rank after {waited})"
+        label = "rank" if len(missing) == 1 else "ranks"
+        return f"{label} {', '.join(map(str, missing))} did not answer within {waited}"
 
     def _write_as_leader(self, record: SaveRecord, staged: dict[str, Any]) -> None:
         """Stage, write, seal and publish `run_dir/step-N`; tell the other ranks how it went.
@@ -699,7 +866,7 @@ class Checkpointer:
                     )
                 self._seal(staging, record)
         except BaseException as exc:
-            if not shared:
+            if not shared and self._lost is None:
                 self._share(None)
                 self._agree(False)
             outcome = exc
@@ -707,7 +874,17 @@ class Checkpointer:
             record.path = str(dest)
             with self._lock:
                 self._complete_step = record.step
-        self._share(None if outcome is None else str(outcome))
+        if self._lost is not None:  # the ranks are out of step: no more collectives
+            if outcome is not None:
+                raise outcome
+            return  # published (the main thread lost the ranks meanwhile: the next save says so)
+        try:
+            self._share(None if outcome is None else str(outcome))
+        except IOFailure as lost:
+            if outcome is None:  # published: the save is whole; the next one raises `lost`
+                self.log.error("after step %d was published: %s", record.step, lost)
+                return
+            raise lost from outcome
         if outcome is not None:
             raise outcome
 
