@@ -247,7 +247,8 @@ class Checkpointer:
         pin_memory: pin the host staging buffer (default: when CUDA is available).
         timeout: under torchrun, the longest one rank waits for the others (seconds or a
             `timedelta`; 10 minutes by default): it must cover a rank's write of its shards and
-            rank 0's checksum and parity pass, which the others wait for. Past it the save
+            what rank 0 does alone while the others wait (the checksum and parity pass of a
+            save; in `load_latest`, the check, and pull, of the save it chose). Past it the save
             fails naming the rank that did not answer, nothing of it published, and every later
             `save` raises `IOFailure` (the ranks are out of step: restart the job).
 
