@@ -1540,3 +1540,38 @@ def test_a_rank_that_stalls_mid_save_fails_the_save_on_the_other_rank_within_the
     assert "rank 0" in got[1]["stalled"]["error"], got[1]
     assert sorted(p.name for p in run.iterdir()) == ["step-1"]
     assert latest(run) == str(run / "step-1")
+
+
+def test_a_save_with_a_train_state_entry_and_no_optimizer_is_the_checkpointers_not_torchtitans(
+    tmp_path: Path,
+) -> None:
+    """A loop that saves its model and a `train_state` dict (no optimizer: a frozen backbone's
+    adapter trained with SGD outside, an EMA copy...) had every save refused: the check before
+    the publish took `step-N` with a `train_state` entry for a torchtitan save lacking its
+    optimizer state, so nothing was ever published. A model-only save got `ckpt latest`'s
+    warning that it is torchtitan's `last_save_model_only` export. A save holding the
+    Checkpointer's own record is judged as the Checkpointer's."""
+    from ckpt_cli import Checkpointer
+
+    model = torch.nn.Linear(4, 4)
+    with_state, model_only = tmp_path / "with-state", tmp_path / "model-only"
+    with Checkpointer(with_state) as ck:
+        for step in (1, 2):
+            ck.save(step, {"model": model, "train_state": {"step": step, "tokens": 100 * step}})
+            record = ck.wait()
+            assert record is not None and record.phase == "done", record
+    with Checkpointer(model_only) as ck:
+        ck.save(1, {"model": model})
+        ck.save(2, {"model": model})
+    for run in (with_state, model_only):
+        result = run_ckpt("latest", str(run))
+        assert result.exit_code == 0, result.stdout + result.stderr
+        assert result.stdout.strip() == str(run / "step-2")
+        assert "torchtitan" not in result.stderr, result.stderr
+        verdict = run_ckpt("verify", str(run / "step-2"), "--checksums")
+        assert verdict.exit_code == 0, verdict.stdout + verdict.stderr
+    state: dict[str, Any] = {"model": torch.nn.Linear(4, 4), "train_state": {}}
+    loaded = Checkpointer(with_state).load_latest(state)
+    assert loaded is not None and loaded.step == 2
+    assert state["train_state"] == {"step": 2, "tokens": 200}
+    assert torch.equal(state["model"].weight, model.weight)

@@ -61,7 +61,11 @@ def _first(keys: dict[str, str], names: tuple[str, ...]) -> str | None:
 
 class TorchTitan(SingleLayout):
     """A torchtitan DCP folder: `train_state` / `optimizer` / `lr_scheduler` / `dataloader`
-    beside the model's keys; its run names the saves `step-N/` (under `checkpoint/`)."""
+    beside the model's keys; its run names the saves `step-N/` (under `checkpoint/`).
+
+    ckpt's own `Checkpointer` names its saves `step-N/` too, and a loop may save an entry it
+    calls `train_state`: a save holding the Checkpointer's record (`ckpt_record.RECORD_KEY`) is
+    the Checkpointer's, never judged by torchtitan's rule of what a save must hold."""
 
     name = "torchtitan"
     step_folder = re.compile(r"step-(\d+)")
@@ -70,7 +74,11 @@ class TorchTitan(SingleLayout):
     rank_state_world_size = ("dataloader.world_size",)
 
     def matches(self, checkpoint: Checkpoint, keys: dict[str, str]) -> bool:
-        return _folder_format(checkpoint.manifest) and "train_state" in keys
+        return (
+            _folder_format(checkpoint.manifest)
+            and "train_state" in keys
+            and ckpt_record.RECORD_KEY not in keys
+        )
 
     def training_state(self, checkpoint: Checkpoint, keys: dict[str, str]) -> TrainingState | None:
         return _dict_state(checkpoint, keys)
@@ -84,6 +92,8 @@ class TorchTitan(SingleLayout):
             return []  # slimmed by `ckpt prune --slim-older-than`: weights-only on purpose
         with open_plain(source) as checkpoint:
             keys = top_keys(checkpoint.manifest)
+        if ckpt_record.RECORD_KEY in keys:  # a Checkpointer save (see the class)
+            return []
         return missing_states(keys, source.location.raw)
 
     def unknown_state(self, source: Source, folder: Folder) -> str | None:
@@ -98,6 +108,8 @@ class TorchTitan(SingleLayout):
             return None
         with open_plain(source) as checkpoint:
             keys = top_keys(checkpoint.manifest)
+        if ckpt_record.RECORD_KEY in keys:  # a Checkpointer save (see the class)
+            return None
         return model_only_note(keys)
 
 
