@@ -1575,3 +1575,76 @@ def test_a_save_with_a_train_state_entry_and_no_optimizer_is_the_checkpointers_n
     assert loaded is not None and loaded.step == 2
     assert state["train_state"] == {"step": 2, "tokens": 200}
     assert torch.equal(state["model"].weight, model.weight)
+
+
+SLOW_SEAL_SCRIPT = """
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+import ckpt_cli.storage.hashing as hashing
+from ckpt_cli import Checkpointer
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+
+
+class SlowFile:  # rank 0's disk reads slowly: its checksum pass takes longer than the timeout
+    def __init__(self, f):
+        self.f = f
+
+    def readinto(self, b):
+        time.sleep(0.25)
+        return self.f.readinto(b)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+class SlowOs:
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def fdopen(self, *args, **kwargs):
+        return SlowFile(os.fdopen(*args, **kwargs))
+
+
+if rank == 0:
+    hashing.os, hashing.BLOCK = SlowOs(), 4096
+model = torch.nn.Linear(128, 128)
+ck = Checkpointer(run, timeout=2)
+started = time.monotonic()
+ck.save(1, {"model": model})
+got = {"save": ck.wait().model_dump(mode="json"), "seconds": time.monotonic() - started}
+with open(f"{out}.rank{rank}.json", "w") as f:
+    json.dump(got, f)
+dist.barrier()
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_the_other_ranks_wait_out_a_checksum_pass_longer_than_the_timeout(tmp_path: Path) -> None:
+    """Rank 0 alone hashes the whole save (and writes parity) while the other ranks wait for
+    its outcome: with the timeout bounding every wait, a pass longer than it failed their
+    save though rank 0 was working. Rank 0 now tells them it is alive while it works, so the
+    timeout bounds only how long a rank may stop answering."""
+    import json
+
+    from .dist_helpers import run_torchrun
+
+    script = tmp_path / "slow_seal.py"
+    script.write_text(SLOW_SEAL_SCRIPT)
+    run, out = tmp_path / "run", tmp_path / "out"
+    run_torchrun(script, 2, run, out)
+    for rank in (0, 1):
+        got = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert got["save"]["phase"] == "done", got
+        assert got["save"]["path"] == str(run / "step-1"), got
+        assert got["seconds"] > 2, got  # the pass did outlast the timeout
+    verdict = run_ckpt("verify", str(run / "step-1"), "--checksums")
+    assert verdict.exit_code == 0, verdict.stdout

@@ -34,6 +34,7 @@ from ..errors import (
     UsageError,
 )
 from ..faults import io_failure
+from ..progress import NULL_PROGRESS, Progress
 from ..sources.runs import is_remote
 from ..storage.output import TMP_MARKER, staged_output
 from ..storage.uri import is_hub_url
@@ -199,6 +200,39 @@ class _RollCall:
         return missing
 
 
+#: what rank 0 sends the waiting ranks while it seals a save alone (never a save's outcome)
+_BEAT = ("ckpt-heartbeat",)
+
+
+class _Heartbeat:
+    """The progress of rank 0's seal (the checksum pass, parity), which tells the other ranks,
+    waiting for its outcome, that it is alive: a beat at most every quarter of the timeout
+    (from the hashing threads, one at a time). Their wait is then bounded by the timeout
+    however long the pass takes, and a rank 0 that stops answering is still noticed."""
+
+    def __init__(self, beat: Callable[[], None], timeout: timedelta) -> None:
+        self._beat = beat
+        self._every = timeout.total_seconds() / 4
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def _maybe(self) -> None:
+        with self._lock:
+            if time.monotonic() - self._last < self._every:
+                return
+            self._beat()
+            self._last = time.monotonic()
+
+    def start(self, total: int, description: str) -> None:
+        self._maybe()
+
+    def advance(self, amount: int) -> None:
+        self._maybe()
+
+    def finish(self) -> None:
+        self._maybe()
+
+
 class _Writer(FileSystemWriter):
     """DCP's file-system writer, with the test pause point before the commit marker, and
     (under torchrun) the roll call after every rank's write."""
@@ -246,9 +280,9 @@ class Checkpointer:
         logger: where progress and failures go (default `logging.getLogger("ckpt_cli.checkpointer")`).
         pin_memory: pin the host staging buffer (default: when CUDA is available).
         timeout: under torchrun, the longest one rank waits for the others (seconds or a
-            `timedelta`; 10 minutes by default): it must cover a rank's write of its shards and
-            what rank 0 does alone while the others wait (the checksum and parity pass of a
-            save; in `load_latest`, the check, and pull, of the save it chose). Past it the save
+            `timedelta`; 10 minutes by default): it must cover a rank's write of its shards and,
+            in `load_latest`, rank 0's check (and pull) of the save it chose, which the others
+            wait for (its checksum and parity pass of a save tells them it is alive). Past it the save
             fails naming the rank that did not answer, nothing of it published, and every later
             `save` raises `IOFailure` (the ranks are out of step: restart the job).
 
@@ -905,6 +939,8 @@ class Checkpointer:
                 error = exc
         self._agree(error is None)
         outcome = self._share(None)
+        while outcome == _BEAT:  # rank 0 is still sealing the save (`_Heartbeat`)
+            outcome = self._share(None)
         if error is not None:
             raise error
         if outcome is not None:
@@ -924,8 +960,15 @@ class Checkpointer:
 
         record.phase = "publishing"
         started = time.perf_counter()
+        # the other ranks wait for the outcome meanwhile (`_write_as_follower`)
+        progress: Progress = NULL_PROGRESS
+        if self._distributed:
+            progress = _Heartbeat(lambda: self._share(_BEAT), self.timeout)
         report = verify(
-            str(staging), write_manifest=self.checksums is not None, algo=self.checksums
+            str(staging),
+            write_manifest=self.checksums is not None,
+            algo=self.checksums,
+            progress=progress,
         )
         if not report.ok:
             first = next(p for p in report.problems if p.severity == "error")
@@ -947,7 +990,7 @@ class Checkpointer:
                 fix=fix,
             )
         if self.protect:
-            protect(str(staging), parity=self.protect)
+            protect(str(staging), parity=self.protect, progress=progress)
         pause_point("publish", record.step)
         record.publish_seconds = time.perf_counter() - started
 
