@@ -1648,3 +1648,16 @@ def test_the_other_ranks_wait_out_a_checksum_pass_longer_than_the_timeout(tmp_pa
         assert got["seconds"] > 2, got  # the pass did outlast the timeout
     verdict = run_ckpt("verify", str(run / "step-1"), "--checksums")
     assert verdict.exit_code == 0, verdict.stdout
+
+
+def test_the_timeout_is_seconds_or_a_timedelta_and_positive(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import UsageError
+
+    for wrong in (0, -5, True, "600", timedelta(0)):
+        with pytest.raises(UsageError, match="timeout must be"):
+            Checkpointer(tmp_path / "run", timeout=wrong)  # type: ignore[arg-type]
+    assert Checkpointer(tmp_path / "run", timeout=90).timeout == timedelta(seconds=90)
+    assert Checkpointer(tmp_path / "run", timeout=timedelta(minutes=2)).timeout.seconds == 120
