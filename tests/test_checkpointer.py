@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -1661,3 +1662,67 @@ def test_the_timeout_is_seconds_or_a_timedelta_and_positive(tmp_path: Path) -> N
             Checkpointer(tmp_path / "run", timeout=wrong)  # type: ignore[arg-type]
     assert Checkpointer(tmp_path / "run", timeout=90).timeout == timedelta(seconds=90)
     assert Checkpointer(tmp_path / "run", timeout=timedelta(minutes=2)).timeout.seconds == 120
+
+
+PREEMPTION_SCRIPT = """
+import signal, sys, time
+import torch
+from ckpt_cli import Checkpointer
+
+model = torch.nn.Linear(64, 64)
+ck = Checkpointer(sys.argv[1])
+step = 0
+
+
+def on_term(signum, frame):  # preemption: save where the loop is, then leave
+    ck.save(step, {"model": model, "step": step})
+    ck.wait()
+    sys.exit(143)
+
+
+signal.signal(signal.SIGTERM, on_term)
+for step in range(1, 1000):
+    with torch.no_grad():
+        model.weight.fill_(step)
+    if step % 2 == 0:
+        ck.save(step, {"model": model, "step": step})  # step 4's waits for step 2's
+    time.sleep(0.05)
+"""
+
+
+def test_a_sigterm_handler_that_saves_while_save_waits_for_the_previous_one_saves_and_exits(
+    tmp_path: Path,
+) -> None:
+    """The preemption pattern: a SIGTERM handler saves and exits. The signal came while the
+    loop's `save` of step 4 waited for step 2's write: the handler's `save` waited for the lock
+    the interrupted `save` of the same thread held, and the process hung until SIGKILL (step 4
+    lost). Now the handler's save runs (the interrupted one had only been waiting), is
+    published, and the script exits with the handler's code."""
+    run, marker = tmp_path / "run", tmp_path / "paused"
+    env = torchrun_env({"CKPT_TEST_PAUSE_AT": "write@2", "CKPT_TEST_PAUSE_FILE": str(marker)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PREEMPTION_SCRIPT, str(run)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + REACH_PAUSE
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        # step 4's save is waiting for step 2's once the loop is past step 4
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        marker.unlink()  # step 2's write goes on
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, err
+    assert latest(run) == str(run / "step-4")
+    weight = dcp_model(run / "step-4", {"weight": torch.zeros(64, 64), "bias": torch.zeros(64)})
+    assert torch.equal(weight["weight"], torch.full((64, 64), 4.0))

@@ -400,6 +400,10 @@ class Checkpointer:
         self._lock = threading.Lock()
         #: held by `save` from its check for a save in flight to the start of its own
         self._saving = threading.Lock()
+        #: the thread inside `save` (holding `_saving`), and whether that save has begun to
+        #: stage its state (before, it only waits for the save in flight)
+        self._save_thread: int | None = None
+        self._save_staging = False
         self._thread: threading.Thread | None = None
         self._current: SaveRecord | None = None
         self._last: SaveRecord | None = None
@@ -438,8 +442,33 @@ class Checkpointer:
                 f"step must be a non-negative int (got {step!r})",
                 fix="Pass the training step as an int, e.g. save(step=1000, state=...).",
             )
+        if self._save_thread == threading.get_ident():
+            return self._reentered(step, state)
         with self._saving:  # one save at a time: two threads would share the staging buffer
+            self._save_thread, self._save_staging = threading.get_ident(), False
+            try:
+                return self._save(step, state)
+            finally:
+                self._save_thread = None
+
+    def _reentered(self, step: int, state: Mapping[str, Any]) -> SaveRecord:
+        """`save` called by this thread inside its own `save`: a signal handler's (the
+        preemption pattern: SIGTERM, save, exit) that interrupted the loop's. Waiting for the
+        lock would wait for this very thread: a hang. While the interrupted save only waits for
+        the one in flight it has touched nothing, so this one runs (the interrupted one then
+        waits for it in turn); once it stages, two saves would share the staging buffer."""
+        if self._save_staging:
+            raise UsageError(
+                f"save of step {step} was called while this thread was copying the state of "
+                "another save (from a signal handler?): it would overwrite that save's copy",
+                path=self.run_dir,
+                fix="Save from the training loop (a handler can set a flag the loop checks), or "
+                "call wait() in the handler: the save under way is published.",
+            )
+        try:
             return self._save(step, state)
+        finally:
+            self._save_staging = False
 
     def _save(self, step: int, state: Mapping[str, Any]) -> SaveRecord:
         start = time.perf_counter()
@@ -463,7 +492,11 @@ class Checkpointer:
                 return record
             self.log.info("save of step %d waits for %s", step, what)
             self._join()
+            # a signal handler's save may have started meanwhile (`_reentered`): wait for it too
+            while self._busy(step):
+                self._join()
             record.waited_seconds = time.perf_counter() - start
+        self._save_staging = True
         staged_from = time.perf_counter()
         try:
             items = entries(state)
