@@ -1028,3 +1028,59 @@ def test_what_the_mapping_lacks_is_named_with_the_checkpoint(tmp_path: Path) -> 
     assert "needs n_heads" in error["problem"] and "--config" in error["fix"]
     assert error["path"] is not None and str(step) in error["path"], error
     assert not (tmp_path / "out").exists()
+
+
+def test_a_layer_lacking_a_tensor_the_others_hold_is_refused(tmp_path: Path) -> None:
+    """A family was claimed when each of its rules matched some tensor, so a model one of whose
+    layers lacked a weight (left out by a `--filter-out`, or by a partial copy) was written
+    with exit 0: `from_pretrained` then reported the weight MISSING and initialised it at
+    random, and a Qwen3-MoE layer short of its last expert was stacked as 3 experts of 4. Each
+    is now refused (exit 4) naming the layer's missing tensor, nothing is written, and a model
+    mixing dense and MoE layers (`mlp_only_layers`) still maps, logits bit-exact."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    _llama_hf(tmp_path / "llama")
+    titan = tmp_path / "llama-tt"
+    assert run_ckpt("convert", tmp_path / "llama", titan, "--to", "torchtitan").exit_code == 0
+    cases = [
+        (tmp_path / "llama", "torchtitan", "model.layers.1.self_attn.k_proj.weight",
+         "layer 1 of the Llama 3 model lacks 'model.layers.1.self_attn.k_proj.weight'"),
+        (tmp_path / "llama", "megatron", "model.layers.0.mlp.up_proj.weight",
+         "layer 0 of the Llama 3 model lacks 'model.layers.0.mlp.up_proj.weight'"),
+        (titan, "hf", "layers.1.attention.wo.weight",
+         "layer 1 of the Llama 3 model lacks 'model.layers.1.self_attn.o_proj.weight'"),
+    ]  # fmt: skip
+
+    sizes = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64,
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    moe = tmp_path / "moe"
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(mlp_only_layers=[1], **sizes)).save_pretrained(moe)
+    cases += [
+        (moe, "torchtitan", "model.layers.2.mlp.experts.3.*",
+         "expert(s) [3] of 4 are missing ('model.layers.2.mlp.experts.3.gate_proj.weight')"),
+        (moe, "torchtitan", "model.layers.0.mlp.gate.weight",
+         "layer 0 of the Qwen3-MoE model lacks 'model.layers.0.mlp.gate.weight'"),
+        (moe, "torchtitan", "model.layers.1.mlp.up_proj.weight",
+         "layer 1 of the Qwen3-MoE model lacks 'model.layers.1.mlp.up_proj.weight'"),
+    ]  # fmt: skip
+    for source, target, left_out, says in cases:
+        dest = tmp_path / f"out-{target}"
+        r = run_ckpt("convert", source, dest, "--to", target, "--filter-out", left_out)
+        assert r.exit_code == 4, (left_out, r.stdout + r.stderr)
+        assert says in " ".join(r.stderr.split()), r.stderr
+        assert not dest.exists()
+
+    # the model mixing a dense layer among MoE ones maps there and back, bit-exact
+    there, back = tmp_path / "moe-tt", tmp_path / "moe-hf"
+    assert run_ckpt("convert", moe, there, "--to", "torchtitan").exit_code == 0
+    r = run_ckpt("convert", there, back, "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    ids = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(moe)(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(back)(ids).logits
+    assert torch.equal(got, want)

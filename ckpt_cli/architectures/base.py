@@ -389,14 +389,17 @@ class Experts(TensorRule):
             key = tuple(sorted((k, v) for k, v in m.groups.items() if k != "expert"))
             by_layer.setdefault(key, {})[m.groups["expert"]] = m
         for key, stack in by_layer.items():
-            count = max(stack) + 1
+            # the model's expert count (its router's rows, config.json's num_experts): a
+            # layer whose last experts are missing is as incomplete as one with a gap
+            count = max(int(args.num_experts or 0), max(stack) + 1)
             missing = [e for e in range(count) if e not in stack]
             if missing:
-                first = next(iter(stack.values()))
+                lacking = self.hf[0].format(**dict(key), expert=missing[0])
                 raise FormatError(
-                    f"expert(s) {missing} of {first.name!r}'s layer are missing, so the layer's "
-                    "experts cannot be stacked",
-                    fix="Convert the complete checkpoint (every shard of it).",
+                    f"expert(s) {missing} of {count} are missing ({lacking!r}), so the "
+                    "layer's experts cannot be stacked",
+                    fix="Convert the complete checkpoint (every shard of it), with every "
+                    "expert (no --filter / --filter-out that leaves one out).",
                 )
             first = stack[0]
             out.append(
@@ -505,6 +508,10 @@ class Architecture(ABC):
             family may lack (Megatron's output layer when tied to the embedding, the dense
             MLP of a model whose every layer is MoE); every other rule must match a tensor
             for `recognise` to claim it.
+        layer_variants: Hugging Face name patterns of the blocks a layer holds one of, whole
+            (a Qwen3-MoE layer is a dense MLP, `mlp_only_layers`, or a router and its
+            experts). Every other `{layer}` pattern of the family's Hugging Face names, but
+            the optional ones, is held by every layer (`check_layers`).
         torchtitan_models: the torchtitan module whose `model_registry(flavor)` builds this
             family (`--flavor`), None when torchtitan has none.
         tied: naming -> (embedding name, output projection name): with `tie_embeddings`, the
@@ -522,6 +529,7 @@ class Architecture(ABC):
     excluders: ClassVar[Mapping[str, Sequence[str]]] = {}
     tied: ClassVar[Mapping[str, tuple[str, str]]] = {}
     optional: ClassVar[Mapping[str, Sequence[str]]] = {}
+    layer_variants: ClassVar[Sequence[Sequence[str]]] = ()
     torchtitan_models: ClassVar[str | None] = None
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
     #: a family with no native naming (gpt-oss): its HF tensor patterns, copied as they are
@@ -726,6 +734,54 @@ class Architecture(ABC):
         if args.tie_embeddings and HF in cls.tied and native in cls.tied:
             outputs = cls._tie(outputs, direction, native, left_out, tied)
         return ArchitecturePlan(cls.name, source, target, outputs, left_out, args, tied)
+
+    @classmethod
+    def check_layers(cls, names: Sequence[str]) -> None:
+        """Refuse a whole model (its tensor `names` in the Hugging Face naming: an import's
+        sources, an export's outputs) one of whose layers lacks a tensor the others hold:
+        `recognise` asks only that each rule match some tensor, and a model written with a
+        hole loads with a weight transformers initialises at random (torchtitan's and
+        Megatron's loads refuse it). `plan` maps any part of a model; this judges the whole.
+
+        Raises:
+            FormatError: naming the layer and the tensors it lacks.
+        """
+        optional = set(cls.optional.get(HF, ())) | {head for _, head in cls.tied.values()}
+        grouped = list(dict.fromkeys(p for group in cls.layer_variants for p in group))
+        every = [
+            p
+            for _, _, p in cls._side(HF)
+            if "{layer}" in p and p not in optional and p not in grouped
+        ]
+        compiled = {p: compile_pattern(p) for p in dict.fromkeys([*every, *grouped])}
+        held: dict[str, set[int]] = {p: set() for p in compiled}
+        for name in names:
+            for pattern, regex in compiled.items():
+                m = regex.match(name)
+                if m:
+                    held[pattern].add(int(m.group("layer")))
+                    break
+        layers = set().union(*held.values())
+        for layer in range(max(layers) + 1 if layers else 0):
+            lacks = [p for p in every if layer not in held[p]]
+            variants = cls.layer_variants
+            if variants and not any(all(layer in held[p] for p in g) for g in variants):
+                closest = max(variants, key=lambda g: sum(layer in held[p] for p in g))
+                lacks += [p for p in closest if layer not in held[p]]
+            if not lacks:
+                continue
+            shown = ", ".join(
+                repr(p.replace("{expert}", "*").format(layer=layer)) for p in lacks[:3]
+            )
+            more = f" and {len(lacks) - 3} more" if len(lacks) > 3 else ""
+            raise FormatError(
+                f"layer {layer} of the {cls.title} model lacks {shown}{more} (in Hugging Face "
+                "names), which other layers of it hold: a model written without it is not the "
+                "one trained (transformers' from_pretrained initialises a missing weight at "
+                "random; torchtitan's and Megatron's loads refuse it)",
+                fix="Convert the complete checkpoint (every shard of it), with every tensor of "
+                "each layer (no --filter / --filter-out that leaves one out).",
+            )
 
     @classmethod
     def _tie(

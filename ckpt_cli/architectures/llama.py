@@ -368,6 +368,11 @@ class Qwen3Moe(_Decoder):
         HF: tuple(hf for hf, _ in _DENSE_MLP),
         TITAN: tuple(native for _, native in _DENSE_MLP),
     }
+    # ...so each layer holds a whole dense MLP or a whole MoE block
+    layer_variants: ClassVar[Sequence[Sequence[str]]] = (
+        tuple(hf for hf, _ in _DENSE_MLP),
+        (_ROUTER[0][0], *(hf for hf, _ in _MOE_EXPERTS)),
+    )
     # torchtitan keeps a load-balancing bias per MoE layer (with load_balance_coeff, the
     # default); CheckpointManager.load wants it, so an import writes its fresh-start zeros
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {

@@ -345,12 +345,16 @@ def map_plan(
             known = flavor_args(arch, flavor)
             _agree(arch, shapes, naming, args, known, where, f"--flavor {flavor}")
             args = args.merged(known)
+        if naming == HF:
+            arch.check_layers(names)
         mapping = arch.plan(
             [(i.target.name, list(i.source.shape), i.source.dtype or "") for i in tensors],
             naming,
             target,
             args,
         )
+        if target == HF != naming:  # the whole model in HF names: no layer short of a tensor
+            arch.check_layers([t.name for t in mapping.tensors])
         _check_tied(checkpoint, [(origin[h], origin[e]) for h, e in mapping.tied], where)
         skipped += [
             SkippedEntry(name=origin[n], kind="tensor", reason=why) for n, why in mapping.left_out
