@@ -29,9 +29,12 @@ def micro_steps_per_update(saves: list[Save], first_segment: int | None = None) 
     (`saves[:first_segment]`, before any resume point: none of them restored anything) show
     how the loop counts: k is the largest `step / optimizer count` among them, rounded up, when
     two of them at least hold both counters; else 1 (a resume that restarted the optimizer
-    makes a later save's ratio larger, so it is still found)."""
+    makes a later save's ratio larger, so it is still found). 1 for layouts whose step counts
+    optimizer steps (the Trainer's `global_step`...)."""
     ratios: list[float] = []
     for save in saves[:first_segment]:
+        if save.layout in _COUNTS_UPDATES:
+            return 1  # its step counts optimizer steps: a gap is no accumulation
         step, opt = save.counted_step, save.optimizer_step
         if step is None or opt is None or step <= 0 or opt <= 0:
             continue
