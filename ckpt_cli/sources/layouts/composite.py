@@ -706,7 +706,8 @@ def missing_rank_states(source: Source, folder: Folder, layout: Layout) -> list[
             fix="Copy the file again from where the run saved it, or resume from another save "
             "of the run (`ckpt latest RUN_DIR` names the newest whole one); a folder re-cut "
             "for more ranks by `ckpt reshard --rank-state keep` has none for the new ranks "
-            "(`--rank-state replicate` gives them rank 0's).",
+            "(`--rank-state replicate` gives them rank 0's); a folder saved with "
+            "`save_on_each_node` on node-local disks holds its own node's ranks' files only.",
         )
         for rank in range(world)
         if rank not in have
