@@ -276,6 +276,12 @@ CODES: dict[str, Code] = _codes(
     ),
     Code("optimizer_unknown_param", _E, "optimizer state for a parameter the weights do not have"),
     Code(
+        "rank_rng_elsewhere",
+        _W,
+        "a process's RNG state file of a multi-process save is not in its folder: lost, or "
+        "on another node's disk (`save_on_each_node`)",
+    ),
+    Code(
         "trainer_state_mismatch",
         _E,
         "a Trainer `checkpoint-N`'s trainer_state.json records another global_step than N "

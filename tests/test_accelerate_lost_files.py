@@ -7,7 +7,9 @@ continues. accelerate records the number of processes nowhere, so ckpt takes it 
 own files: a higher rank's RNG file, an FSDP DCP folder's `__{rank}_0.distcp`, a per-rank FSDP
 file. `verify` must fail such a save, naming the file, `inspect` must call it not exact, and
 `latest` must never name it (a save whose rank 0 has not written its RNG states yet is still
-being written). The truth is accelerate's own `load_state` on 2 ranks
+being written). Where the names cannot tell a lost file from one on another node's disk (a DDP
+save without rank 0's: node 1's folder of a `save_on_each_node` run), `verify` warns and the
+save is complete once settled, so `prune --incomplete` never deletes a node's own saves. The truth is accelerate's own `load_state` on 2 ranks
 (`tests/accelerate_fsdp_script.py`).
 
 The same holds for each prepared object's state: `save_state` numbers models, optimizers,
@@ -66,17 +68,21 @@ def _age(folder: Path, seconds: float = 3600) -> None:
         os.utime(path, (then, then))
 
 
-def test_a_ddp_save_without_rank_0s_rng_states_fails_verify_and_is_no_latest(
+def test_a_ddp_save_without_rank_0s_rng_states_is_warned_of_and_never_pruned(
     accelerate_ddp_save: Path, tmp_path: Path
 ) -> None:
     good = accelerate_ddp_save
     assert run_ckpt("verify", good).exit_code == 0
     damaged = _without(good, "random_states_0.pkl", tmp_path / "damaged")
-    # ckpt said "OK": `random_states_1.pkl` says 2 processes saved it
-    found = _missing_rank_rng(damaged)
+    # ckpt said "OK": `random_states_1.pkl` says 2 processes saved it. Nothing of rank 0 but
+    # its RNG file is per-rank in a DDP save, so the folder is also what node 1 of a
+    # `save_on_each_node` run on node-local disks holds: a warning, not an error
+    result = run_ckpt("verify", damaged, "--json")
+    assert result.exit_code == 0, result.stdout
+    found = [p for p in result.json["result"]["problems"] if p["code"] == "rank_rng_elsewhere"]
     assert [p["file"] for p in found] == [str(damaged / "random_states_0.pkl")]
     assert "random_states_1.pkl" in found[0]["message"] and "rank 0" in found[0]["message"]
-    assert found[0]["fix"]
+    assert "save_on_each_node" in found[0]["message"] and found[0]["fix"]
     training = run_ckpt("inspect", damaged, "--json").json["result"]["training"]
     assert training["resumable"] is True and training["exact"] is False
     assert any("RNG" in m for m in training["missing_exact"]), training["missing_exact"]
@@ -97,12 +103,15 @@ def test_a_ddp_save_without_rank_0s_rng_states_fails_verify_and_is_no_latest(
     rows = {c["name"]: c for c in result.json["result"]["checkpoints"]}
     assert rows["checkpoints/checkpoint_1"]["status"] == "writing"
     assert "random_states_0.pkl" in rows["checkpoints/checkpoint_1"]["reason"]
-    # settled: an incomplete save, never the latest
+    # settled: whole as far as its names tell (a node's own folder), the doubt said; `prune
+    # --incomplete` keeps it
     _age(run / "checkpoint_1", 1800)
     result = run_ckpt("latest", run.parent, "--json")
     rows = {c["name"]: c for c in result.json["result"]["checkpoints"]}
-    assert rows["checkpoints/checkpoint_1"]["status"] == "incomplete"
-    assert result.json["result"]["latest"] == str(run / "checkpoint_0")
+    assert rows["checkpoints/checkpoint_1"]["status"] == "complete"
+    assert "another node's disk" in rows["checkpoints/checkpoint_1"]["reason"]
+    assert run_ckpt("prune", run.parent, "--incomplete", "--yes").exit_code == 0
+    assert (run / "checkpoint_1").is_dir() and (run / "checkpoint_0").is_dir()
 
 
 def test_an_fsdp_save_without_rank_1s_rng_states_fails_verify(

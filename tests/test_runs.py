@@ -312,6 +312,69 @@ def test_an_accelerate_save_cut_short_before_its_rng_states_is_unfinished_in_a_s
     assert table(run)[names[-1]]["status"] == "writing"
 
 
+def test_a_nodes_own_folder_of_a_save_on_each_node_run_is_complete_and_never_pruned(
+    tmp_path: Path,
+) -> None:
+    # accelerate's `save_on_each_node` on node-local disks: each node's local main process
+    # writes the model and optimizer on its own disk, each process its random_states_{rank}.pkl
+    # beside them. Node 1's folder of a 2-node run (one process a node) holds
+    # random_states_1.pkl and no random_states_0.pkl (on node 0's disk): its names cannot tell
+    # it from a save that lost rank 0's file. `latest` called such saves incomplete once
+    # settled, so `prune --incomplete --yes` deleted every save of the node. It is complete,
+    # with the doubt said; `verify` warns (rank_rng_elsewhere). A rank missing between two
+    # that saved theirs here was lost for certain: incomplete, as before.
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    run = tmp_path / "node1"
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
+    )
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    saves = [run / "checkpoints" / f"checkpoint_{i}" for i in range(3)]
+    for save in saves:
+        model(torch.randn(2, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.save_state()
+        # written by process 1 of the run, on node 1's disk
+        (save / "random_states_0.pkl").rename(save / "random_states_1.pkl")
+    age(run)
+    rows = table(run)
+    assert [rows[f"checkpoints/checkpoint_{i}"]["status"] for i in range(3)] == ["complete"] * 3
+    # the doubt, said beside the verdict
+    assert "random_states_0.pkl" in rows["checkpoints/checkpoint_2"]["reason"]
+    assert "another node's disk" in rows["checkpoints/checkpoint_2"]["reason"]
+    latest = run_ckpt("latest", run)
+    assert latest.stdout.strip() == str(saves[2]), latest.stderr
+    pruned = run_ckpt("prune", run, "--incomplete", "--yes", "--json")
+    assert pruned.exit_code == 0, pruned.stderr
+    assert all(save.is_dir() for save in saves)
+    checked = run_ckpt("verify", saves[2], "--json")
+    assert checked.exit_code == 0, checked.stdout
+    warned = [p for p in checked.json["result"]["problems"] if p["code"] == "rank_rng_elsewhere"]
+    assert [p["file"] for p in warned] == [str(saves[2] / "random_states_0.pkl")]
+    assert "save_on_each_node" in warned[0]["message"] and warned[0]["severity"] == "warning"
+    # recent, it may still be being written (rank 0 writes its RNG states last)
+    os.utime(saves[2] / "model.safetensors")
+    assert table(run)["checkpoints/checkpoint_2"]["status"] == "writing"
+
+    # ranks 0 and 2 saved theirs here and rank 1's is gone: lost for certain
+    age(run)
+    shutil.copy(saves[1] / "random_states_1.pkl", saves[1] / "random_states_0.pkl")
+    (saves[1] / "random_states_1.pkl").rename(saves[1] / "random_states_2.pkl")
+    age(run)
+    assert table(run)["checkpoints/checkpoint_1"]["status"] == "incomplete"
+    lost = run_ckpt("verify", saves[1], "--json")
+    assert lost.exit_code == 1, lost.stdout
+    codes = {(p["code"], p["file"]) for p in lost.json["result"]["problems"]}
+    assert ("missing_rank_rng", str(saves[1] / "random_states_1.pkl")) in codes
+
+
 def test_staging_folders_are_interrupted_or_still_being_written(tmp_path: Path) -> None:
     out = trainer_run(tmp_path, steps=(100, 200))
     # ckpt's own staging name (output.py) and the Trainer's tmp-checkpoint-N, both old

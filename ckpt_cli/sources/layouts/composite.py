@@ -10,7 +10,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import REPORT_BUG, CkptError, FormatError, NotFoundError
 from ...formats import get_format
@@ -643,8 +643,25 @@ _RANK_DATA_FILE = re.compile(
 )
 
 
-def saved_world(source: Source, folder: Folder, layout: Layout) -> tuple[int, str]:
-    """The fewest processes a save was made by, and the file of the save that says so.
+class SavedRanks(NamedTuple):
+    """What a save's own file names say of the processes that made it (`saved_world`).
+
+    Attributes:
+        world: the fewest processes it was made by.
+        why: the file that says so, and how.
+        with_data: the ranks whose own data files are here (a per-rank FSDP file, a DCP
+            sub-folder's `__{rank}_0.distcp`, a ZeRO partition): such a rank saved into
+            this folder, so its RNG states belong here too.
+    """
+
+    world: int
+    why: str
+    with_data: frozenset[int]
+
+
+def saved_world(source: Source, folder: Folder, layout: Layout) -> SavedRanks:
+    """The fewest processes a save was made by, the file of the save that says so, and the
+    ranks whose data files are here.
 
     Names only, nothing read. A file rank r wrote says there were at least r + 1: the
     layout's per-rank RNG files (`random_states_1.pkl`), accelerate's per-rank FSDP files
@@ -654,6 +671,7 @@ def saved_world(source: Source, folder: Folder, layout: Layout) -> tuple[int, st
     accelerate nor the Trainer records the world size itself: a plain multi-process save
     (DDP) that lost its highest rank's RNG file and nothing else looks like a smaller run's."""
     world, why = 1, ""
+    with_data: set[int] = set()
 
     def saw(ranks: int, name: str, what: str) -> None:
         nonlocal world, why
@@ -669,6 +687,7 @@ def saved_world(source: Source, folder: Folder, layout: Layout) -> tuple[int, st
         for regex in (RANK_MODEL_FILE, RANK_OPTIMIZER_FILE):
             match = regex.fullmatch(name)
             if match:
+                with_data.add(int(match.group(2)))
                 saw(int(match.group(2)) + 1, name, f"holds rank {match.group(2)}'s shard")
     for rel in sorted(source.files):
         rest = rel[len(folder.base) :] if rel.startswith(folder.base) else None
@@ -677,41 +696,83 @@ def saved_world(source: Source, folder: Folder, layout: Layout) -> tuple[int, st
         match = _RANK_DATA_FILE.fullmatch(rest.rsplit("/", 1)[-1])
         if match:
             rank = int(match.group(1) or match.group(2))
+            with_data.add(rank)
             saw(rank + 1, rest, f"holds rank {rank}'s data")
-    return world, why
+    return SavedRanks(world, why, frozenset(with_data))
+
+
+#: the problem codes of a rank's RNG states file not in a multi-process save
+#: (`missing_rank_states`): lost for certain, or perhaps on another node's disk
+RANK_RNG_CODES = ("missing_rank_rng", "rank_rng_elsewhere")
 
 
 def missing_rank_states(source: Source, folder: Folder, layout: Layout) -> list[Problem]:
     """Every process of a multi-process save writes its own RNG states (`Layout.rank_files`:
-    accelerate's `random_states_{r}.pkl`, the Trainer's `rng_state_{r}.pth`): one
-    `missing_rank_rng` problem per rank whose file is not here, as many ranks as the save's
-    own files say it was made by (`saved_world`). Neither framework's loader fails without
-    it: accelerate's `load_state` and the Trainer log a line and go on with the RNG as it
-    is, so the resumed run is silently not the one it continues. None when the save holds
-    no per-rank file at all (no RNG state: what `verify --exact` reports)."""
+    accelerate's `random_states_{r}.pkl`, the Trainer's `rng_state_{r}.pth`): one problem per
+    rank whose file is not here, as many ranks as the save's own files say it was made by
+    (`saved_world`). Neither framework's loader fails without it: accelerate's `load_state`
+    and the Trainer log a line and go on with the RNG as it is, so the resumed run is
+    silently not the one it continues. None when the save holds no per-rank file at all (no
+    RNG state: what `verify --exact` reports).
+
+    `missing_rank_rng` (an error) when the file was lost for certain: the rank's own data
+    files are here, or ranks on both sides of it saved theirs here. Otherwise
+    `rank_rng_elsewhere` (a warning): a save with `save_on_each_node` on node-local disks
+    holds its own node's ranks' files only (node 1's folder has `random_states_1.pkl` and no
+    `random_states_0.pkl`), which its names cannot tell from a lost file; `prune
+    --incomplete` must never delete such a save."""
     if layout.rank_files is None:
         return []
     have = {r for r in map(layout.rank_file_rank, folder.names) if r is not None}
     if not have:
         return []
-    world, why = saved_world(source, folder, layout)
-    return [
-        Problem(
-            code="missing_rank_rng",
-            message=f"is missing: the save's own files say {world} processes load it (at "
-            f"least: {why}), each its own RNG states, and {layout.name}'s loader restores none "
-            f"for rank {rank} without this file (it logs a line and goes on), so a resumed run "
-            "silently draws other random numbers (dropout, sampling) than the run it continues",
-            file=source.storage.describe(folder.rel(layout.rank_file_name(rank, world))),
-            fix="Copy the file again from where the run saved it, or resume from another save "
-            "of the run (`ckpt latest RUN_DIR` names the newest whole one); a folder re-cut "
-            "for more ranks by `ckpt reshard --rank-state keep` has none for the new ranks "
-            "(`--rank-state replicate` gives them rank 0's); a folder saved with "
-            "`save_on_each_node` on node-local disks holds its own node's ranks' files only.",
+    saved = saved_world(source, folder, layout)
+    problems: list[Problem] = []
+    for rank in range(saved.world):
+        if rank in have:
+            continue
+        file = source.storage.describe(folder.rel(layout.rank_file_name(rank, saved.world)))
+        loss = (
+            f"{layout.name}'s loader restores none for rank {rank} without this file (it logs "
+            "a line and goes on), so a resumed run silently draws other random numbers "
+            "(dropout, sampling) than the run it continues"
         )
-        for rank in range(world)
-        if rank not in have
-    ]
+        if rank in saved.with_data or min(have) < rank < max(have):
+            evidence = (
+                f"rank {rank}'s own data files are here"
+                if rank in saved.with_data
+                else f"ranks {min(have)} and {max(have)} saved theirs here"
+            )
+            problems.append(
+                Problem(
+                    code="missing_rank_rng",
+                    message=f"is missing: the save's own files say {saved.world} processes "
+                    f"load it (at least: {saved.why}), each its own RNG states, and "
+                    f"{evidence}; {loss}",
+                    file=file,
+                    fix="Copy the file again from where the run saved it, or resume from "
+                    "another save of the run (`ckpt latest RUN_DIR` names the newest whole "
+                    "one); a folder re-cut for more ranks by `ckpt reshard --rank-state keep` "
+                    "has none for the new ranks (`--rank-state replicate` gives them rank 0's).",
+                )
+            )
+        else:
+            problems.append(
+                Problem(
+                    code="rank_rng_elsewhere",
+                    severity="warning",
+                    message=f"is not here: the save's own files say {saved.world} processes "
+                    f"load it (at least: {saved.why}), each its own RNG states; this one was "
+                    "lost, or written to another node's disk (a save with `save_on_each_node` "
+                    "on node-local disks holds its own node's ranks' files only), which the "
+                    f"names cannot tell apart. Resumed from this folder alone, {loss}",
+                    file=file,
+                    fix="On node-local disks, resume each node from its own folder; otherwise "
+                    "copy the file again from where the run saved it, or resume from another "
+                    "save of the run.",
+                )
+            )
+    return problems
 
 
 def finish(
@@ -725,7 +786,7 @@ def finish(
         # no resume without every rank's part: a missing shard, not an inexact resume
         state.missing.append(f"every rank's file ({len(lost)} missing)")
         state.resumable = state.exact = False
-    rng = [p.file for p in folder.problems if p.code == "missing_rank_rng"] if folder else []
+    rng = [p.file for p in folder.problems if p.code in RANK_RNG_CODES] if folder else []
     if rng:
         # the loaders go on without a rank's RNG states: resumable, never exactly
         state.missing_exact.append(f"every rank's RNG states ({len(rng)} missing)")

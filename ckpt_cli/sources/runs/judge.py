@@ -18,7 +18,7 @@ import re
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ...budgets import read_member
 from ...errors import CkptError, HubError, IOFailure, UsageError, with_fix
@@ -156,7 +156,10 @@ def judge_found(
     if problem is None and unfinished is not None and not entry.slim:
         # after the comparison, whose message names every missing part; a slimmed save
         # dropped its RNG states on purpose
-        problem = unfinished
+        if unfinished.certain or recent:
+            problem = unfinished.reason
+        else:
+            note = unfinished.reason  # perhaps whole (node-local disks): said, never deleted
     if (
         problem is None
         and item.layout == "deepspeed"
@@ -460,7 +463,7 @@ def _layout_problem(
     files: Mapping[str, int],
     own: Layout | None,
     run_files: frozenset[str],
-) -> tuple[str | None, str | None, str | None]:
+) -> tuple[str | None, Unfinished | None, str | None]:
     """(problem, unfinished, note) of a save by its framework's own layout (`Layout.missing`: a
     Trainer checkpoint whose `rng_state.pth` says its `optimizer.pt` was saved, an accelerate
     save with a scheduler's state and no optimizer's, a torchtitan save with its `train_state`
@@ -500,9 +503,22 @@ def _layout_problem(
         return error.message, None, None
 
 
+class Unfinished(NamedTuple):
+    """Why a save looks unfinished (`_unfinished`).
+
+    Attributes:
+        reason: what it lacks, and why that says so.
+        certain: False when the save may be whole as it is (a per-rank file perhaps on another
+            node's disk): unfinished while recent, then complete with the reason said.
+    """
+
+    reason: str
+    certain: bool = True
+
+
 def _unfinished(
     layout: Layout, folder: Folder, named: bool, run_files: frozenset[str]
-) -> str | None:
+) -> Unfinished | None:
     """Why a save lacking its layout's `last_file` is unfinished, else None. Certain when the
     save is named by the layout's own step naming (accelerate's `checkpoints/checkpoint_N`:
     `save_state` wrote it); for a folder the script named, whose files only look like the
@@ -519,19 +535,23 @@ def _unfinished(
     if lost:
         # accelerate: every process writes its RNG states at the end of the save, rank 0's
         # after the model and optimizer: one not here yet is being written, or was never
-        # written (its process died), or was lost since
+        # written (its process died), or was lost since; or, on node-local disks, it is on
+        # another node's (`rank_rng_elsewhere`): then only while the save is recent
         names = ", ".join(p.file.rsplit("/", 1)[-1] for p in lost if p.file)
-        return (
+        certain = any(p.severity == "error" for p in lost)
+        return Unfinished(
             f"no {names}, which every process of a multi-process {layout.name} save writes "
             "last (its other per-rank files say how many processes saved): the save has not "
             "finished, or a rank's file was lost"
+            + ("" if certain else ", or is on another node's disk (`save_on_each_node`)"),
+            certain=certain,
         )
     if folder.matching(last.pattern):
         return None
     if not named and not any(last.fullmatch(name) for name in run_files):
         return None
     example = layout.rank_file_name(0, 1) if layout.rank_files is not None else last.pattern
-    return (
+    return Unfinished(
         f"no {example}, which {layout.name} writes last (after the model and optimizer "
         "state): the save has not finished"
     )
