@@ -613,3 +613,15 @@ def test_a_torch_file_of_a_newer_pickle_protocol_is_named_as_such(tmp_path: Path
     out = tmp_path / "out.pt"
     assert run_ckpt("convert", plain, out, "--to", "torch").exit_code == 0
     assert torch.equal(torch.load(out, weights_only=True)["w"], torch.arange(3.0))
+
+
+def test_the_inspect_tree_never_drops_an_entry_of_a_folded_node(tmp_path: Path) -> None:
+    """torch.save([t0, {"a": t1}]) has entries `0` and `1.a`: inspect's tree showed one line,
+    `{0..1}.a float32 [1]`, and tensor `0` was on no line."""
+    path = tmp_path / "list.pt"
+    torch.save([torch.tensor([1], dtype=torch.int32), {"a": torch.ones(1)}], path)
+    names = [e["name"] for e in run_ckpt("inspect", path, "--json").json["result"]["entries"]]
+    assert names == ["0", "1.a"]
+    shown = run_ckpt("inspect", path).stdout
+    assert "{0..1}.a" not in shown
+    assert "{0..1}  2 tensors" in shown and "a  float32 [1]" in shown

@@ -124,7 +124,12 @@ def collapse_chains(node: TreeNode) -> TreeNode:
     ):
         only = children[0]
         return only.model_copy(update={"name": f"{node.name}.{only.name}"})
-    if len(children) == 1 and not children[0].children:
+    if (
+        len(children) == 1
+        and not children[0].children
+        and (node.tensors, node.objects) == (children[0].tensors, children[0].objects)
+    ):
+        # a node that holds an entry of its own (`0` beside `1.a`) is never folded away
         only = children[0]
         return only.model_copy(update={"name": f"{node.name}.{only.name}"})
     return node.model_copy(update={"children": children})
