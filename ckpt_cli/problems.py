@@ -195,7 +195,7 @@ CODES: dict[str, Code] = _codes(
         "torch_load_refuses",
         _W,
         "torch.load(weights_only=True) refuses a file ckpt reads (a global off torch's "
-        "allow-list, or a legacy file torch's loader fails on; named)",
+        "allow-list, a pickle protocol above 2, or a legacy file torch's loader fails on; named)",
     ),
     # ---- checksums (`--checksums`, `--write-manifest`)
     Code("checksum_mismatch", _E, "a file's digest differs from the manifest's"),

@@ -613,6 +613,15 @@ def test_a_torch_file_of_a_newer_pickle_protocol_is_named_as_such(tmp_path: Path
     out = tmp_path / "out.pt"
     assert run_ckpt("convert", plain, out, "--to", "torch").exit_code == 0
     assert torch.equal(torch.load(out, weights_only=True)["w"], torch.arange(3.0))
+    # ... and verify warns that torch.load refuses it (it said OK, nothing more)
+    with pytest.raises(Exception, match="Unsupported operand 149"):
+        torch.load(plain, weights_only=True)
+    verify = run_ckpt("verify", plain, "--json")
+    assert verify.exit_code == 0, verify.stdout
+    (warning,) = verify.json["result"]["problems"]
+    assert warning["code"] == "torch_load_refuses" and "FRAME" in warning["message"]
+    assert "--to torch" in warning["fix"]
+    assert run_ckpt("verify", out, "--json").json["result"]["problems"] == []
 
 
 def test_the_inspect_tree_never_drops_an_entry_of_a_folded_node(tmp_path: Path) -> None:

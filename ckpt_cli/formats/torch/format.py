@@ -48,6 +48,7 @@ from ..weight_map import (
 )
 from .flatten import TorchEntry, build_entries
 from .load import is_zip, load_torch_file, object_allowlist
+from .pickle_scan import MAX_SCAN_BYTES, beyond_torch_defaults, opcodes_torch_refuses
 from .read import TorchCheckpoint, legacy_load_failures, read_plain
 from .write import TorchWriter, shard_names
 
@@ -210,7 +211,8 @@ class TorchFormat(Format):
 
 def default_loader_warnings(storage: Storage, files: list[str]) -> list[Problem]:
     """A warning for each local torch.save file that PyTorch's default loader,
-    `torch.load(weights_only=True)`, refuses although ckpt reads it: it names a global (an
+    `torch.load(weights_only=True)`, refuses although ckpt reads it: a legacy file its legacy
+    loader fails on, a pickle of opcodes its unpickler lacks (protocol 3+), or one naming a global (an
     `argparse.Namespace`, a DeepSpeed loss scaler...) that ckpt admits as an inert record but
     torch's allow-list does not. Found by torch's own opcode scan, nothing is run. numpy's
     array globals are left out: the frameworks that save them (RNG states) allow-list them
@@ -223,7 +225,27 @@ def default_loader_warnings(storage: Storage, files: list[str]) -> list[Problem]
         if local is not None and not is_zip(storage, rel):
             problems.extend(_legacy_loader_warning(storage, rel))
             continue
-        if local is None or not _names_other_globals(local):
+        if local is None:
+            continue
+        stream = _data_pkl(local)
+        opcodes = [] if stream is None else opcodes_torch_refuses(stream)
+        if opcodes:
+            where = storage.describe(rel)
+            problems.append(
+                Problem(
+                    code="torch_load_refuses",
+                    severity="warning",
+                    file=where,
+                    message=f"{where}: PyTorch's default loader, torch.load(weights_only=True), "
+                    f"refuses this file: its pickle uses {', '.join(opcodes[:5])}, which torch's "
+                    "weights_only unpickler does not implement (written with a pickle_protocol "
+                    "above 2; ckpt reads it)",
+                    fix=f"Re-save it with the default pickle protocol: `ckpt convert {where} "
+                    "OUT.pt --to torch`.",
+                )
+            )
+            continue
+        if stream is not None and not beyond_torch_defaults(stream):
             continue
         import torch
 
@@ -270,20 +292,18 @@ def _legacy_loader_warning(storage: Storage, rel: str) -> list[Problem]:
     ]
 
 
-def _names_other_globals(path: Path) -> bool:
-    """Whether a local torch.save zip's pickle names a global other than torch's defaults and
-    numpy's arrays; True when it cannot tell (torch's scan then decides)."""
+def _data_pkl(path: Path) -> bytes | None:
+    """The pickle of a local torch.save zip (its `data.pkl`), or None when it cannot be read
+    here (torch's scan then decides)."""
     import zipfile
 
     from ...budgets import read_member
-    from .pickle_scan import MAX_SCAN_BYTES, beyond_torch_defaults
 
     try:
         with zipfile.ZipFile(path) as archive:
             names = [n for n in archive.namelist() if n.endswith("data.pkl")]
             if not names:
-                return True
-            pickle = read_member(archive, names[0], MAX_SCAN_BYTES, None)
+                return None
+            return read_member(archive, names[0], MAX_SCAN_BYTES, None)
     except Exception:
-        return True
-    return beyond_torch_defaults(pickle)
+        return None

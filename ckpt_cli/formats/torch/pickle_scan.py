@@ -204,3 +204,62 @@ def keyed_ints(stream: bytes, keys: frozenset[str]) -> dict[str, int]:
     except (ValueError, EOFError):
         pass  # cut short: what was read before it stands
     return found
+
+
+#: the opcodes torch's weights_only unpickler implements (torch 2.x: what torch.save's default
+#: pickle protocol 2 writes); it refuses a pickle with any other ("Unsupported operand")
+_TORCH_OPCODES = frozenset(
+    [
+        "GLOBAL",
+        "BINUNICODE",
+        "PROTO",
+        "STOP",
+        "NEWOBJ",
+        "REDUCE",
+        "BUILD",
+        "APPEND",
+        "APPENDS",
+        "SETITEM",
+        "SETITEMS",
+        "MARK",
+        "TUPLE",
+        "TUPLE1",
+        "TUPLE2",
+        "TUPLE3",
+        "NONE",
+        "NEWFALSE",
+        "NEWTRUE",
+        "EMPTY_TUPLE",
+        "EMPTY_LIST",
+        "EMPTY_DICT",
+        "EMPTY_SET",
+        "BININT",
+        "BININT1",
+        "BININT2",
+        "BINFLOAT",
+        "SHORT_BINSTRING",
+        "BINPERSID",
+        "BINGET",
+        "LONG_BINGET",
+        "BINPUT",
+        "LONG_BINPUT",
+        "LONG1",
+    ]
+)
+
+
+def opcodes_torch_refuses(stream: bytes) -> list[str]:
+    """The opcodes of the pickle `stream` (a `data.pkl`) that torch's weights_only unpickler
+    does not implement (`FRAME` of pickle protocol 4, `SHORT_BINBYTES` of 3...), in order of
+    first use; empty for one it reads, or one too long or too broken to scan. A pickle that
+    declares protocol 2 or lower (torch.save's default) is not walked: its pickler wrote none."""
+    if len(stream) > MAX_SCAN_BYTES or stream[:1] != b"\x80" or stream[1:2] <= b"\x02":
+        return []
+    found: dict[str, None] = {}
+    try:
+        for op, _, _ in pickletools.genops(io.BytesIO(stream)):
+            if op.name not in _TORCH_OPCODES:
+                found.setdefault(op.name)
+    except (ValueError, EOFError):
+        return []
+    return list(found)
