@@ -564,3 +564,35 @@ def test_tensors_sharing_their_bytes_are_refused_by_every_command(tmp_path: Path
         assert "llama.cpp" in refused.stderr
         assert not out.exists()
     assert run_ckpt("convert", good, out, "--to", "safetensors").exit_code == 0
+
+
+def test_a_misaligned_tensor_is_refused_by_every_command_as_verify_finds_it(
+    tmp_path: Path,
+) -> None:
+    """A tensor whose offset breaks `general.alignment` failed verify (`misaligned_tensor`)
+    while convert copied it with exit 0; llama.cpp's loader refuses the file. Every command
+    refuses it now."""
+    import struct
+
+    good = _write(
+        tmp_path / "good.gguf",
+        {"a": np.arange(8, dtype=np.float32), "c": np.arange(4, dtype=np.float32)},
+    )
+    reader = _reader(good)
+    c = reader.tensors[1]
+    at = c.field.offset + sum(part.nbytes for part in c.field.parts[:-1])
+    data = bytearray(good.read_bytes())
+    moved = c.data_offset - reader.data_offset + 4
+    assert c.data_offset + 4 + c.n_bytes <= len(data)  # still inside the file
+    struct.pack_into("<Q", data, at, moved)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    result = run_ckpt("verify", bad, "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert (problem["code"], problem["tensor"]) == ("misaligned_tensor", "c")
+    out = tmp_path / "out.safetensors"
+    refused = run_ckpt("convert", bad, out, "--to", "safetensors")
+    assert refused.exit_code == 4, refused.stdout
+    assert "bad.gguf: tensor 'c' starts at" in refused.stderr and "llama.cpp" in refused.stderr
+    assert not out.exists()
