@@ -92,10 +92,15 @@ def _new_loaders(pair: Pair) -> list[str]:
 def _loader_state(save: Save) -> dict[str, Any] | None:
     """The data loader's state, entry by entry (tensors by their raw bytes), read once per
     save; None when it holds none, or an entry cannot be read (then no copy can be told)."""
-    if "loader_state" in save.memo:
-        cached: dict[str, Any] | None = save.memo["loader_state"]
-        return cached
-    out: dict[str, Any] | None = {}
+    if "loader_state" not in save.memo:
+        save.memo["loader_state"] = _read_loader_state(save)
+    cached: dict[str, Any] | None = save.memo["loader_state"]
+    return cached
+
+
+def _read_loader_state(save: Save) -> dict[str, Any] | None:
+    """`_loader_state`, read: None when it holds none or an entry cannot be read."""
+    out: dict[str, Any] = {}
     checkpoint = save.opened.checkpoint
     try:
         for entry in save.loader_entries:
@@ -110,11 +115,10 @@ def _loader_state(save: Save) -> dict[str, Any] | None:
                 value = save.value(entry.name)
                 if value is None:
                     value = checkpoint.read_object(entry.name)
-            out[entry.name] = value  # type: ignore[index]
+            out[entry.name] = value
     except CkptError:
-        out = None
-    save.memo["loader_state"] = out or None
-    return save.memo["loader_state"]  # type: ignore[no-any-return]
+        return None
+    return out or None
 
 
 def _loader_positions(save: Save) -> dict[str, float]:
