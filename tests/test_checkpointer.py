@@ -1616,11 +1616,18 @@ class SlowOs:
 
 if rank == 0:
     hashing.os, hashing.BLOCK = SlowOs(), 4096
+torch.manual_seed(0)  # the same model on both ranks (DCP saves one copy of what they share)
 model = torch.nn.Linear(128, 128)
 ck = Checkpointer(run, timeout=2)
 started = time.monotonic()
 ck.save(1, {"model": model})
 got = {"save": ck.wait().model_dump(mode="json"), "seconds": time.monotonic() - started}
+started = time.monotonic()
+fresh = torch.nn.Linear(128, 128)
+loaded = Checkpointer(run, timeout=2).load_latest({"model": fresh})  # rank 0 verifies it first
+got["loaded"] = loaded.step if loaded else None
+got["load_seconds"] = time.monotonic() - started
+got["same"] = torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
 with open(f"{out}.rank{rank}.json", "w") as f:
     json.dump(got, f)
 dist.barrier()
@@ -1631,9 +1638,10 @@ leave_without_teardown()
 @pytest.mark.torchrun
 def test_the_other_ranks_wait_out_a_checksum_pass_longer_than_the_timeout(tmp_path: Path) -> None:
     """Rank 0 alone hashes the whole save (and writes parity) while the other ranks wait for
-    its outcome: with the timeout bounding every wait, a pass longer than it failed their
-    save though rank 0 was working. Rank 0 now tells them it is alive while it works, so the
-    timeout bounds only how long a rank may stop answering."""
+    its outcome, and in `load_latest` verifies the save it chose while they wait for the
+    choice: with the timeout bounding every wait, a pass longer than it failed their save (and
+    their load) though rank 0 was working. Rank 0 now tells them it is alive while it hashes,
+    so the timeout bounds only how long a rank may stop answering."""
     import json
 
     from .dist_helpers import run_torchrun
@@ -1647,6 +1655,8 @@ def test_the_other_ranks_wait_out_a_checksum_pass_longer_than_the_timeout(tmp_pa
         assert got["save"]["phase"] == "done", got
         assert got["save"]["path"] == str(run / "step-1"), got
         assert got["seconds"] > 2, got  # the pass did outlast the timeout
+        assert got["loaded"] == 1 and got["same"], got
+        assert got["load_seconds"] > 2, got
     verdict = run_ckpt("verify", str(run / "step-1"), "--checksums")
     assert verdict.exit_code == 0, verdict.stdout
 

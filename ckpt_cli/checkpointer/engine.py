@@ -210,7 +210,7 @@ class _Heartbeat:
     (from the hashing threads, one at a time). Their wait is then bounded by the timeout
     however long the pass takes, and a rank 0 that stops answering is still noticed."""
 
-    def __init__(self, beat: Callable[[], None], timeout: timedelta) -> None:
+    def __init__(self, beat: Callable[[], object], timeout: timedelta) -> None:
         self._beat = beat
         self._every = timeout.total_seconds() / 4
         self._last = time.monotonic()
@@ -281,8 +281,8 @@ class Checkpointer:
         pin_memory: pin the host staging buffer (default: when CUDA is available).
         timeout: under torchrun, the longest one rank waits for the others (seconds or a
             `timedelta`; 10 minutes by default): it must cover a rank's write of its shards and,
-            in `load_latest`, rank 0's check (and pull) of the save it chose, which the others
-            wait for (its checksum and parity pass of a save tells them it is alive). Past it the save
+            in `load_latest`, rank 0's pull of a save from the object store, which the others
+            wait for (its checksum passes, in a save and before a load, tell them it is alive). Past it the save
             fails naming the rank that did not answer, nothing of it published, and every later
             `save` raises `IOFailure` (the ranks are out of step: restart the job).
 
@@ -594,7 +594,11 @@ class Checkpointer:
         failure: CkptError | None = None
         if self.rank == 0:
             try:
-                choice = choose(self.run_dir, self.upload, self.verify, self.log)
+                # the other ranks wait for the choice meanwhile (`_tell_ranks`)
+                beat: Progress = NULL_PROGRESS
+                if self._distributed:
+                    beat = _Heartbeat(lambda: self._tell_ranks(_BEAT, None), self.timeout)
+                choice = choose(self.run_dir, self.upload, self.verify, self.log, beat)
             except BaseException as error:
                 if not self._distributed:
                     raise
@@ -696,13 +700,16 @@ class Checkpointer:
             raise failed[0][1]
 
     def _tell_ranks(
-        self, choice: Choice | None, failure: CkptError | None
+        self, choice: Choice | tuple[str] | None, failure: CkptError | None
     ) -> tuple[Choice | None, CkptError | None]:
-        """Rank 0's choice of the save to load (or its failure), on every rank."""
-        shared: list[Any] = [choice, failure]
-        with self._together("the save to load was chosen", self.run_dir):
-            dist.broadcast_object_list(shared, src=0, group=self._control_group)
-        return shared[0], shared[1]
+        """Rank 0's choice of the save to load (or its failure), on every rank; the other
+        ranks wait out rank 0's heartbeats (`_BEAT`, sent while it verifies the save)."""
+        while True:
+            shared: list[Any] = [choice, failure]
+            with self._together("the save to load was chosen", self.run_dir):
+                dist.broadcast_object_list(shared, src=0, group=self._control_group)
+            if self.rank == 0 or shared[0] != _BEAT:
+                return shared[0], shared[1]
 
     def _busy(self, step: int) -> bool:
         """Whether a save is in flight here (or, under torchrun, on any rank: they agree)."""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..errors import CkptError, FormatError, HubError
 from ..ops.verify.checksums import MANIFEST_NAME
+from ..progress import NULL_PROGRESS, Progress
 from ..sources.runs import RunCheckpoint, scan_run
 from ..storage import PARITY_DIR
 from .model import SAVE_FORMAT, Tier
@@ -47,8 +48,11 @@ def _resumable(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint]:
     return sorted(done, key=lambda c: c.order, reverse=True)
 
 
-def check(path: str, checks: str) -> tuple[list[str], str | None]:
-    """Verify one local save: (the checks that ran, the first problem or None)."""
+def check(
+    path: str, checks: str, progress: Progress = NULL_PROGRESS
+) -> tuple[list[str], str | None]:
+    """Verify one local save: (the checks that ran, the first problem or None); `progress`
+    receives the checksum pass's."""
     from ..ops.verify.run import verify
 
     if checks == "none":
@@ -56,26 +60,33 @@ def check(path: str, checks: str) -> tuple[list[str], str | None]:
     folder = Path(path)
     digests = (folder / MANIFEST_NAME).is_file() or (folder / PARITY_DIR).is_dir()
     with_sums = checks == "checksums" and digests
-    report = verify(path, checksums=with_sums)
+    report = verify(path, checksums=with_sums, progress=progress)
     if report.ok:
         return report.checks, None
     first = next(p for p in report.problems if p.severity == "error")
     return report.checks, f"{first.file or path}: {first.message}"
 
 
-def choose(run_dir: Path, upload: str | None, checks: str, log: logging.Logger) -> Choice | None:
-    """The newest complete, verified save over both tiers (see the module), or None."""
+def choose(
+    run_dir: Path,
+    upload: str | None,
+    checks: str,
+    log: logging.Logger,
+    progress: Progress = NULL_PROGRESS,
+) -> Choice | None:
+    """The newest complete, verified save over both tiers (see the module), or None;
+    `progress` receives the checks' checksum passes."""
     skipped: list[str] = []
     unread: list[str] = []
     local = _resumable(scan_run(run_dir, settle=0.0).checkpoints) if run_dir.is_dir() else []
     newest_local = local[0].step if local else None
     if upload is not None:
-        pulled = _from_remote(run_dir, upload, newest_local, checks, skipped, unread, log)
+        pulled = _from_remote(run_dir, upload, newest_local, checks, skipped, unread, log, progress)
         if pulled is not None:
             return pulled
     for c in local:
         assert c.step is not None
-        ran, problem = check(c.path, checks)
+        ran, problem = check(c.path, checks, progress)
         if problem is None:
             return Choice(path=c.path, step=c.step, tier="local", verified=ran, skipped=skipped)
         log.warning("checkpoint %s failed verification, passed over: %s", c.path, problem)
@@ -108,6 +119,7 @@ def _from_remote(
     skipped: list[str],
     unread: list[str],
     log: logging.Logger,
+    progress: Progress = NULL_PROGRESS,
 ) -> Choice | None:
     """Pull the newest remote save when it is newer than every local one. What could not be
     read or fetched (the store's failures) goes to `unread`; a save that fails its checks, to
@@ -149,7 +161,7 @@ def _from_remote(
         log.warning("pulling %s failed: %s", best.name, report.failed[0])
         return None
     path = run_dir / best.name
-    ran, problem = check(str(path), checks)
+    ran, problem = check(str(path), checks, progress)
     if problem is not None:
         skipped.append(f"{best.name} (remote): {problem}")
         log.warning("pulled %s failed verification, passed over: %s", path, problem)
