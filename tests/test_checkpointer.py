@@ -1736,3 +1736,60 @@ def test_a_sigterm_handler_that_saves_while_save_waits_for_the_previous_one_save
     assert latest(run) == str(run / "step-4")
     weight = dcp_model(run / "step-4", {"weight": torch.zeros(64, 64), "bias": torch.zeros(64)})
     assert torch.equal(weight["weight"], torch.full((64, 64), 4.0))
+
+
+SLOW_AFTER_PUBLISH_SCRIPT = """
+import json, sys, time
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+retain = Checkpointer._retain
+
+
+def slow_retention(self, record):  # rank 0's work after the publish (retention, the upload)
+    time.sleep(5)
+    retain(self, record)
+
+
+if rank == 0:
+    Checkpointer._retain = slow_retention
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 8)
+ck = Checkpointer(run, timeout=2)
+got = {}
+ck.save(1, {"model": model})
+got["second"] = ck.save(2, {"model": model}).phase  # waits for step 1 on rank 0
+got["load"] = ck.load_latest({"model": torch.nn.Linear(8, 8)}).step  # waits for step 2
+got["saves"] = [ck.status().last.phase, ck.status().failures]
+with open(f"{out}.rank{rank}.json", "w") as f:
+    json.dump(got, f)
+dist.barrier()
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_a_rank_waits_out_rank_0s_work_after_a_publish_longer_than_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """After the publish rank 0 alone prunes and uploads, and the next `save` (or
+    `load_latest`) waits for that on every rank: the other ranks, done at once, waited for rank
+    0 in a collective, so an upload longer than the timeout failed them though rank 0 was
+    working. The ranks now wait each for its own save and agree every quarter of the timeout
+    whether any is still busy."""
+    import json
+
+    from .dist_helpers import run_torchrun
+
+    script = tmp_path / "slow_after_publish.py"
+    script.write_text(SLOW_AFTER_PUBLISH_SCRIPT)
+    run, out = tmp_path / "run", tmp_path / "out"
+    run_torchrun(script, 2, run, out)
+    for rank in (0, 1):
+        got = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert got == {"second": "staged", "load": 2, "saves": ["done", 0]}, got

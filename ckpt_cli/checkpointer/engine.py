@@ -478,7 +478,7 @@ class Checkpointer:
             raise IOFailure(
                 f"step {step} cannot be saved: {lost.problem}", path=lost.path, fix=lost.fix
             )
-        if self._busy(step):
+        if self._busy(f"the save of step {step} was agreed on"):
             in_flight = self._current
             what = f"step {in_flight.step}" if in_flight is not None else "a save on another rank"
             if self.on_busy == "skip":
@@ -491,10 +491,8 @@ class Checkpointer:
                 record.blocked_seconds = time.perf_counter() - start
                 return record
             self.log.info("save of step %d waits for %s", step, what)
-            self._join()
-            # a signal handler's save may have started meanwhile (`_reentered`): wait for it too
-            while self._busy(step):
-                self._join()
+            # (a signal handler's save may start meanwhile, `_reentered`: it is waited for too)
+            self._wait_everywhere(f"the save of step {step} was agreed on")
             record.waited_seconds = time.perf_counter() - start
         self._save_staging = True
         staged_from = time.perf_counter()
@@ -588,7 +586,7 @@ class Checkpointer:
         returned in `LoadedCheckpoint.state`. Under torchrun rank 0 chooses the save (and
         pulls it from the object store if need be) and every rank loads its own shards.
         """
-        self._join()
+        self._wait_everywhere("the save to load was chosen")
         items = entries(into)
         choice: Choice | None = None
         failure: CkptError | None = None
@@ -711,13 +709,35 @@ class Checkpointer:
             if self.rank == 0 or shared[0] != _BEAT:
                 return shared[0], shared[1]
 
-    def _busy(self, step: int) -> bool:
+    def _wait_everywhere(self, doing: str) -> None:
+        """Wait until no rank has a save in flight. Each rank waits for its own, and the ranks
+        agree every quarter of the timeout whether any is still busy: rank 0's work after a
+        publish (retention, the upload) may outlast the timeout, which a rank done at once,
+        waiting for it in one collective, would take for a lost rank."""
+        if not self._distributed:
+            while self._thread is not None:  # (one a signal handler started meanwhile too)
+                self._join()
+            return
+        every = self.timeout.total_seconds() / 4
+        while True:
+            with self._lock:
+                thread = self._thread
+            if thread is not None:
+                thread.join(every)
+                if not thread.is_alive():
+                    with self._lock:
+                        if self._thread is thread:
+                            self._thread = None
+            if not self._busy(doing):
+                return
+
+    def _busy(self, doing: str) -> bool:
         """Whether a save is in flight here (or, under torchrun, on any rank: they agree)."""
         mine = self._thread is not None and self._thread.is_alive()
         if not self._distributed:
             return mine
         flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
-        with self._together(f"the save of step {step} was agreed on", self.run_dir):
+        with self._together(doing, self.run_dir):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)
         return bool(flag.item())
 
