@@ -1793,3 +1793,42 @@ def test_a_rank_waits_out_rank_0s_work_after_a_publish_longer_than_the_timeout(
     for rank in (0, 1):
         got = json.loads(Path(f"{out}.rank{rank}.json").read_text())
         assert got == {"second": "staged", "load": 2, "saves": ["done", 0]}, got
+
+
+def test_a_signal_handlers_save_during_the_copy_of_another_save_is_refused_never_mixed(
+    tmp_path: Path,
+) -> None:
+    """The signal comes while the loop's `save` copies the state into the staging buffer (here
+    the data loader's `state_dict()` is where it lands): the handler's `save` would overwrite
+    that copy. It raises `UsageError` naming the step instead (before, the process hung), the
+    loop's save raises it in turn, and the save before stays the latest, whole."""
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import UsageError
+
+    run = tmp_path / "run"
+    model = torch.nn.Linear(4, 4)
+    ck = Checkpointer(run)
+    ck.save(1, {"model": model})
+    ck.wait()
+
+    class Loader:
+        def state_dict(self) -> dict[str, int]:
+            os.kill(os.getpid(), signal.SIGUSR1)  # delivered before this returns
+            time.sleep(0.1)
+            return {"position": 2}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            pass
+
+    def on_signal(signum: int, frame: Any) -> None:
+        ck.save(2, {"model": model})
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    try:
+        with pytest.raises(UsageError, match="save of step 2 was called while this thread"):
+            ck.save(2, {"model": model, "data": Loader()})
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    ck.close()
+    assert latest(run) == str(run / "step-1")
+    assert sorted(p.name for p in run.iterdir()) == ["step-1"]
