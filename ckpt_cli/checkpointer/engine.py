@@ -200,15 +200,16 @@ class _RollCall:
         return missing
 
 
-#: what rank 0 sends the waiting ranks while it seals a save alone (never a save's outcome)
+#: what rank 0 sends the waiting ranks while it works alone (never an outcome or a choice)
 _BEAT = ("ckpt-heartbeat",)
 
 
 class _Heartbeat:
-    """The progress of rank 0's seal (the checksum pass, parity), which tells the other ranks,
-    waiting for its outcome, that it is alive: a beat at most every quarter of the timeout
-    (from the hashing threads, one at a time). Their wait is then bounded by the timeout
-    however long the pass takes, and a rank 0 that stops answering is still noticed."""
+    """The progress of what rank 0 does alone while the other ranks wait for it (a save's
+    checksum and parity pass; the verification of the save `load_latest` chose), which tells
+    them it is alive: a beat at most every quarter of the timeout (from the hashing threads,
+    one at a time). Their wait is then bounded by the timeout however long the pass takes,
+    and a rank 0 that stops answering is still noticed."""
 
     def __init__(self, beat: Callable[[], object], timeout: timedelta) -> None:
         self._beat = beat
@@ -282,9 +283,10 @@ class Checkpointer:
         timeout: under torchrun, the longest one rank waits for the others (seconds or a
             `timedelta`; 10 minutes by default): it must cover a rank's write of its shards and,
             in `load_latest`, rank 0's pull of a save from the object store, which the others
-            wait for (its checksum passes, in a save and before a load, tell them it is alive). Past it the save
-            fails naming the rank that did not answer, nothing of it published, and every later
-            `save` raises `IOFailure` (the ranks are out of step: restart the job).
+            wait for (its checksum passes, in a save and before a load, tell them it is alive).
+            Past it the save fails naming the rank that did not answer, nothing of it
+            published, and every later `save` raises `IOFailure` (the ranks are out of step:
+            restart the job).
 
     Under torchrun (a process group initialised), construct it on every rank at the same
     point: it creates two gloo process groups of its own, one for the background writes and
