@@ -24,7 +24,7 @@ from pathlib import PurePath
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from .errors import HungUp, Interrupted, IOFailure, Terminated
+from .errors import HubError, HungUp, Interrupted, IOFailure, Terminated
 
 if TYPE_CHECKING:  # a metadata command never imports the pools (tests/test_startup.py)
     from concurrent.futures import Executor
@@ -232,3 +232,16 @@ def io_failure(
         problem += f" (to {exc.filename2})"
     fix = _FIXES.get(exc.errno or 0, "Check the file and the filesystem, then run again.")
     return IOFailure(problem, path=str(where) if where is not None else None, fix=fix)
+
+
+def no_verdict(exc: BaseException) -> None:
+    """Raise `exc` again when a failed read says nothing about the file: the store failed to
+    answer (`HubError`, exit 5) or the operating system refused the read (permission denied,
+    an I/O error: `IOFailure`, exit 74, naming the file and errno). Each handler that would
+    judge a checkpoint by a read that failed asks this first, so a save ckpt could not read is
+    never called incomplete (and `latest` never passes over it for an older one, `prune
+    --incomplete` never deletes it)."""
+    if isinstance(exc, HubError | IOFailure):
+        raise exc
+    if isinstance(exc, PermissionError):
+        raise io_failure(exc) from None

@@ -805,3 +805,31 @@ def test_an_object_replaced_between_listing_and_reading_is_refused_not_mixed(
     assert again.exit_code == 0, again.stderr
     got = _safetensors(dest)
     assert all(torch.equal(got[n], new[n]) for n in new)
+
+
+def test_a_trainer_save_whose_reads_the_store_refuses_is_a_store_failure_not_a_bad_save(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The bucket lists a Trainer save, then refuses every read (403: a policy that allows
+    ListBucket but not GetObject). A refusal says nothing about the files: `inspect` printed
+    "0 tensors" with every component "unreadable" and exit 0, and `convert` said exit 4 "Repair
+    or re-save it". Each now fails exit 5 naming the file and the store's answer, as `latest`
+    does, and writes nothing."""
+    trainer_checkpoint(tmp_path / "save", 200)
+    upload_folder(s3_server.endpoint, "ckpts", "run/checkpoint-200", tmp_path / "save")
+    s3_server.refuse = lambda r: r.method == "GET" and r.range is not None
+    src = "s3://ckpts/run/checkpoint-200"
+    dest = tmp_path / "out"
+    for args in (
+        ["inspect", src],
+        ["verify", src],
+        ["convert", src, dest, "--to", "safetensors"],
+    ):
+        result = run_ckpt(*args, "--json")
+        assert result.exit_code == 5, (args[0], result.stdout)
+        error = result.json["error"]
+        assert error["code"] == "hub" and error["path"].startswith(f"{src}/"), error
+        assert "Access Denied" in error["problem"] and "credentials" in error["fix"], error
+    assert not dest.exists()
+    s3_server.refuse = None
+    assert run_ckpt("inspect", src).exit_code == 0

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import REPORT_BUG, CkptError, FormatError, NotFoundError
+from ...faults import no_verdict
 from ...formats import get_format
 from ...formats.base import NAMES_FIX, Checkpoint, Source
 from ...formats.names import DCP_DATA_SUFFIX, DCP_METADATA, weight_format
@@ -332,6 +333,7 @@ class Folder:
             else:
                 checkpoint = get_format(fmt).open(sub)
         except CkptError as error:
+            no_verdict(error)  # the store or the OS refused the read: no verdict on the file
             self._unreadable(rel, rel, error)
             self.unreadable_parts[comp] = (
                 error.path or self.source.storage.describe(rel),
@@ -387,6 +389,7 @@ class Folder:
             part = subfolder_source(self.source, rel)
             checkpoint = get_format(fmt).open(part)
         except CkptError as error:
+            no_verdict(error)  # the store or the OS refused the read: no verdict on the folder
             self._unreadable(f"{rel}/", rel, error)
             self.unreadable_parts[comp] = (
                 error.path or self.source.storage.describe(rel),

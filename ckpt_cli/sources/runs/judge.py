@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ...budgets import read_member
-from ...errors import CkptError, HubError, IOFailure, UsageError, with_fix
-from ...faults import io_failure
+from ...errors import CkptError, HubError, UsageError, with_fix
+from ...faults import no_verdict
 from ...formats.base import Source
 from ...formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
 from ...formats.sniff import SNIFF_BYTES, is_pickle, what_is
@@ -55,19 +55,6 @@ if TYPE_CHECKING:
     from .scan import RunListing
 
 # --------------------------------------------------------------------------- judging
-
-
-def no_verdict(exc: BaseException) -> None:
-    """Raise `exc` again when a failed read says nothing about the file: the store failed to
-    answer (`HubError`, exit 5) or the operating system refused the read (permission denied,
-    an I/O error: `IOFailure`, exit 74, naming the file and errno). Each handler that would
-    judge a checkpoint by a read that failed asks this first, so a save ckpt could not read is
-    never called incomplete (and `latest` never passes over it for an older one, `prune
-    --incomplete` never deletes it)."""
-    if isinstance(exc, HubError | IOFailure):
-        raise exc
-    if isinstance(exc, PermissionError):
-        raise io_failure(exc) from None
 
 
 def judge_found(

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Literal
 
 from ...errors import NotFoundError, UsageError
+from ...faults import no_verdict
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, is_checkpoint_file
 from ...storage import LocalStorage, Storage, is_parity_path
-from .judge import no_verdict
 from .naming import SUBFOLDERS, collect, holds_run, match_name, refuse_run_of_runs
 from .records import DEFAULT_SETTLE, Found, RunCheckpoint, RunReport
 from .remote import RemoteListing, is_remote, looks_like_remote_run
