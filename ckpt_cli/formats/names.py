@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 SAFETENSORS_SUFFIX = ".safetensors"
+#: the suffix transformers and accelerate give their torch.save files (`pytorch_model.bin`)
+TORCH_BIN_SUFFIX = ".bin"
 #: torch.save files: `.pt`/`.pth` (PyTorch), `.bin` (`pytorch_model.bin`), `.ckpt` (Lightning)
-TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+TORCH_SUFFIXES = (".pt", ".pth", TORCH_BIN_SUFFIX, ".ckpt")
 #: the suffix Lightning's `ModelCheckpoint` gives its torch.save files
 LIGHTNING_SUFFIX = ".ckpt"
 #: a DCP folder's data files (`__0_0.distcp`) and its commit marker, written last
@@ -24,7 +26,7 @@ GGUF_SUFFIX = ".gguf"
 INDEX_SUFFIX = ".index.json"
 SAFETENSORS_INDEX_SUFFIX = SAFETENSORS_SUFFIX + INDEX_SUFFIX
 #: the index of sharded `pytorch_model-0000N-of-0000M.bin` files
-TORCH_INDEX_SUFFIX = ".bin" + INDEX_SUFFIX
+TORCH_INDEX_SUFFIX = TORCH_BIN_SUFFIX + INDEX_SUFFIX
 #: pickles a training save holds beside its tensors (accelerate's `random_states_0.pkl`)
 PICKLE_SUFFIX = ".pkl"
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 
 from ...formats.base import Source
+from ...formats.names import PICKLE_SUFFIX, SAFETENSORS_SUFFIX, TORCH_BIN_SUFFIX
 from ...models import Problem
 from .base import Layout, OpenedSource
 from .composite import (
@@ -182,14 +183,14 @@ def _missing_optimizer(source: Source, folder: Folder) -> list[Problem]:
 #: drops the `_0`): `model.safetensors`, `model_1.safetensors`; FSDP's `pytorch_model_fsdp_0/`
 _SHAPES: dict[str, tuple[tuple[str, str, bool], ...]] = {
     "model": (
-        ("model", ".safetensors", True),
-        ("pytorch_model", ".bin", True),
-        (FSDP_MODEL, ".bin", True),
+        ("model", SAFETENSORS_SUFFIX, True),
+        ("pytorch_model", TORCH_BIN_SUFFIX, True),
+        (FSDP_MODEL, TORCH_BIN_SUFFIX, True),
         (FSDP_MODEL, "/", False),
     ),
-    "optimizer": (("optimizer", ".bin", True), ("optimizer", "/", False)),
-    "scheduler": (("scheduler", ".bin", True),),
-    "registered object": (("custom_checkpoint", ".pkl", False),),
+    "optimizer": (("optimizer", TORCH_BIN_SUFFIX, True), ("optimizer", "/", False)),
+    "scheduler": (("scheduler", TORCH_BIN_SUFFIX, True),),
+    "registered object": (("custom_checkpoint", PICKLE_SUFFIX, False),),
 }
 
 
