@@ -318,7 +318,8 @@ def test_watch_uploads_each_new_save_within_one_interval(
     seen: list[list[str]] = []
 
     def training_goes_on(_seconds: float) -> None:
-        trainer_checkpoint(out / f"checkpoint-{next(steps)}", 0)
+        step = next(steps)
+        trainer_checkpoint(out / f"checkpoint-{step}", step)
 
     report = sync(
         str(out),
