@@ -989,3 +989,26 @@ def test_merge_of_lora_on_both_tied_embeddings_is_refused_with_the_untying_fix(
         assert torch.allclose(written["lm_head.weight"], written["model.embed_tokens.weight"])
     state = loaded.state_dict()
     assert all(torch.equal(state[n], written[n]) for n in written)
+
+
+def test_a_framework_naming_of_an_adapter_points_to_merging_it_first(
+    lora_adapter: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`convert ADAPTER --to hf / torchtitan / megatron` said "no known model architecture
+    matches these 4 tensor names" and offered --select, --filter-out or --to safetensors, none
+    of which makes a LoRA adapter a model. It now says it is an adapter (exit 4, nothing
+    written) and how to get there: merging it first, after which the import works."""
+    for target in ("hf", "torchtitan", "megatron"):
+        dest = tmp_path / target
+        r = run_ckpt("convert", lora_adapter, dest, "--to", target, "--json")
+        assert r.exit_code == 4, r.stdout + r.stderr
+        error = json.loads(r.stdout)["error"]
+        assert error["problem"].startswith("is a LoRA adapter for "), error
+        assert f"cannot be mapped to the {target} naming" in error["problem"]
+        assert f"`ckpt merge BASE {lora_adapter} MERGED`" in error["fix"]
+        assert f"--to {target}" in error["fix"] and error["path"] == str(lora_adapter)
+        assert not dest.exists()
+    merged = tmp_path / "merged"
+    assert run_ckpt("merge", tiny_llama, lora_adapter, merged).exit_code == 0
+    r = run_ckpt("convert", merged, tmp_path / "titan", "--to", "torchtitan")
+    assert r.exit_code == 0, r.stderr

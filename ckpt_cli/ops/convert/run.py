@@ -32,6 +32,7 @@ from ..shared.architecture import (
     default_select,
     map_plan,
     naming_format,
+    refuse_adapter,
     source_config,
 )
 from ..shared.selection import unmatched_rules, unreadable_left_out
@@ -329,6 +330,7 @@ def convert(
         given_config = read_config(config)
     opened = open_source(source, format)
     if naming is not None:
+        refuse_adapter(opened, naming, src)
         select = default_select(opened, select)
     with opened.checkpoint as base:
         from ...quant import analyse_checkpoint

@@ -112,6 +112,33 @@ def default_select(opened: OpenedSource, select: str | None) -> str | None:
     return "model"
 
 
+def refuse_adapter(opened: OpenedSource, target: str, where: str) -> None:
+    """A PEFT adapter's tensors (`lora_A` / `lora_B` beside the names of the modules they
+    adapt) are an update to a base model's weights, not a model: no naming maps them, and the
+    way to a model in another naming is merging it first.
+
+    Raises:
+        FormatError: when `opened` is a PEFT adapter folder.
+    """
+    layout = opened.layout
+    if layout is None or layout.layout != "peft":
+        return
+    details = layout.details or {}
+    lora = str(details.get("peft_type", "")).upper() == "LORA" and not details.get("use_dora")
+    merge = (
+        f"`ckpt merge BASE {where} MERGED`"
+        if lora
+        else "peft's `merge_and_unload()` and `save_pretrained`"
+    )
+    raise FormatError(
+        f"is a {layout.description}: its tensors are an update to the base model's weights, "
+        f"not a model, so they cannot be mapped to the {target} naming",
+        path=where,
+        fix=f"Merge it into its base model first ({merge}), then convert the merged model "
+        f"with --to {target}; or convert the adapter as it is with --to safetensors / torch.",
+    )
+
+
 def source_config(storage: Storage) -> dict[str, Any] | None:
     """The source folder's own `config.json` as a dict, when it has a readable one."""
     try:
