@@ -1084,3 +1084,40 @@ def test_a_layer_lacking_a_tensor_the_others_hold_is_refused(tmp_path: Path) -> 
         want = AutoModelForCausalLM.from_pretrained(moe)(ids).logits
         got = AutoModelForCausalLM.from_pretrained(back)(ids).logits
     assert torch.equal(got, want)
+
+
+def test_a_config_with_biases_the_weights_lack_is_refused(tmp_path: Path) -> None:
+    """A Llama trained with attention biases is refused with a hint to `--filter-out` what is
+    no weight; a user who left the biases out that way got an import and an export (exit 0)
+    whose carried config.json still said `attention_bias: true`, so `from_pretrained` built
+    every bias and reported them MISSING, initialised at random. Both are refused (exit 4),
+    naming the setting, and nothing is written; a config naming none converts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    biased = tmp_path / "biased"
+    LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **sizes)).save_pretrained(
+        biased
+    )
+    _llama_hf(tmp_path / "plain")
+    titan = tmp_path / "titan"
+    assert run_ckpt("convert", tmp_path / "plain", titan, "--to", "torchtitan").exit_code == 0
+    runs = [
+        (biased, "torchtitan", "--filter-out", "*.bias"),
+        (biased, "megatron", "--filter-out", "*.bias"),
+        (titan, "hf", "--config", biased / "config.json"),
+    ]
+    for source, target, *options in runs:
+        dest = tmp_path / f"out-{target}"
+        r = run_ckpt("convert", source, dest, "--to", target, *options)
+        assert r.exit_code == 4, r.stdout + r.stderr
+        message = " ".join(r.stderr.split())
+        assert "config.json says attention_bias: true, mlp_bias: true" in message, message
+        assert "initialised at random" in message
+        assert not dest.exists()
+    r = run_ckpt("convert", titan, tmp_path / "hf", "--to", "hf")
+    assert r.exit_code == 0, r.stderr

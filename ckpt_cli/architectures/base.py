@@ -654,6 +654,13 @@ class Architecture(ABC):
         """The args a Hugging Face `config.json` of this family gives (with `config` set)."""
 
     @classmethod
+    def config_conflicts(cls, config: Mapping[str, Any]) -> list[str]:
+        """The settings of a Hugging Face `config.json` this family's tensors cannot hold
+        (`attention_bias: true` for a family whose rules map no bias): transformers builds
+        weights from them that no tensor fills. Empty when nothing conflicts."""
+        return []
+
+    @classmethod
     @abstractmethod
     def hf_config(cls, args: ModelArgs) -> dict[str, Any]:
         """A Hugging Face `config.json` for a model with `args` (transformers builds the same

@@ -14,6 +14,7 @@ Llama-style is a `LlamaForCausalLM` with fused QKV and gate/up projections.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -220,6 +221,16 @@ class _Decoder(Architecture):
         if naming == MEGATRON:
             return megatron_output(args, cls.title)
         return NamingOutput()
+
+    @classmethod
+    def config_conflicts(cls, config: Mapping[str, Any]) -> list[str]:
+        # the rules map weights only: LlamaForCausalLM builds a bias on every attention
+        # projection (attention_bias) or MLP projection (mlp_bias) when its config says so
+        return [
+            f"{key}: {json.dumps(config[key])}"
+            for key in ("attention_bias", "mlp_bias")
+            if config.get(key) not in (None, False)
+        ]
 
     @classmethod
     def args_from_config(cls, config: Mapping[str, Any]) -> ModelArgs:

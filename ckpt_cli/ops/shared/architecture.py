@@ -164,6 +164,17 @@ def _args(
     found = arch.args_from_shapes(shapes, naming).merged(arch.args_from_source(checkpoint, naming))
     if config is None:
         return found.model_copy(update={"dtype": dtype})
+    conflicts = arch.config_conflicts(config)
+    if conflicts:
+        raise FormatError(
+            f"config.json says {', '.join(conflicts)}, but the weights hold no such "
+            f"tensors (the {arch.title} rules map none): a model built from it gets weights "
+            "no tensor fills, initialised at random",
+            path=where,
+            fix="Pass the config.json of this model with --config; a model trained with "
+            "them is no model ckpt maps (convert it with --to safetensors / dcp to keep its "
+            "names).",
+        )
     given = arch.args_from_config(config)
     _agree(arch, shapes, naming, found, given, where, "config.json")
     return found.merged(given).model_copy(update={"dtype": dtype})
