@@ -589,3 +589,39 @@ def test_a_pipeline_missing_a_component_folder_fails_verify(
     # the components that are there still convert one at a time
     one = run_ckpt("convert", pipeline, tmp_path / "vq", "--to", "safetensors", "--select", "vqvae")
     assert one.exit_code == 0, one.stderr
+
+
+def test_a_pipelines_language_model_component_maps_to_a_framework_naming(
+    diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    """A pipeline whose text encoder is a Llama (as HiDream's is): `--select text_encoder --to
+    torchtitan` took the encoder's tensors out of the whole folder and looked for its
+    config.json at the pipeline's root, so it stopped (exit 4) asking for --config though
+    `text_encoder/config.json` is there. The component is now converted from its own folder,
+    as `--to safetensors` does, and comes back from torchtitan with the same logits."""
+    import json
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    pipeline = tmp_path / "pipeline"
+    shutil.copytree(diffusers_pipeline, pipeline)
+    index = json.loads((pipeline / "model_index.json").read_text())
+    index["text_encoder"] = ["transformers", "LlamaForCausalLM"]
+    (pipeline / "model_index.json").write_text(json.dumps(index))
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(pipeline / "text_encoder")
+
+    titan, back = tmp_path / "titan", tmp_path / "back"
+    r = run_ckpt("convert", pipeline, titan, "--select", "text_encoder", "--to", "torchtitan")
+    assert r.exit_code == 0, r.stderr
+    assert (titan / "config.json").exists() and (titan / ".metadata").exists()
+    assert run_ckpt("convert", titan, back, "--to", "hf").exit_code == 0
+    ids = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(pipeline / "text_encoder")(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(back)(ids).logits
+    assert torch.equal(got, want)

@@ -262,7 +262,8 @@ def convert(
     guard_paths(src, dest_path)
     # SRC is resolved (listed, its Hub revision pinned) once: everything below reads `source`
     source = resolve_source(src)
-    if format is None and naming is None:
+    # a framework naming maps one model: of a multi-folder model, the component --select names
+    if format is None and (naming is None or select):
         from ..shared.components import component_source, components_of
 
         found = components_of(source)
@@ -300,7 +301,7 @@ def convert(
                 # the globs still see the names inspect shows of the whole folder
                 prefix = f"{select.rstrip('.')}."
                 named = request.model_copy(update={"match_prefix": prefix})
-                report = convert_component(sub, dest, to, named, progress)
+                report = convert_component(sub, dest, naming or to, named, progress)
                 if include or exclude:
                     with open_source(sub).checkpoint as part:
                         names = [prefix + e.name for e in part.manifest.entries]
