@@ -1121,3 +1121,47 @@ def test_a_config_with_biases_the_weights_lack_is_refused(tmp_path: Path) -> Non
         assert not dest.exists()
     r = run_ckpt("convert", titan, tmp_path / "hf", "--to", "hf")
     assert r.exit_code == 0, r.stderr
+
+
+def test_a_config_leaving_tie_word_embeddings_out_is_an_untied_one(tmp_path: Path) -> None:
+    """transformers builds an untied `lm_head` when config.json leaves `tie_word_embeddings`
+    out (the default of LlamaConfig and Qwen3Config). An export of weights without an output
+    projection under such a config was written with exit 0 and `from_pretrained` initialised
+    `lm_head` at random (MISSING); an explicit `false` was already refused. Both are now, the
+    message saying which; the same config with the key set to true exports the tied model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    sizes = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    tied = tmp_path / "tied"
+    LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **sizes)).save_pretrained(tied)
+    config = json.loads((tied / "config.json").read_text())
+    del config["tie_word_embeddings"]
+    (tmp_path / "silent.json").write_text(json.dumps(config))
+    titan = tmp_path / "titan"
+    assert run_ckpt("convert", tied, titan, "--to", "torchtitan").exit_code == 0
+
+    r = run_ckpt(
+        "convert", titan, tmp_path / "hf", "--to", "hf", "--config", tmp_path / "silent.json",
+        "--filter-out", "lm_head.weight",
+    )  # fmt: skip
+    assert r.exit_code == 4, r.stdout + r.stderr
+    message = " ".join(r.stderr.split())
+    assert "leaves tie_word_embeddings out (transformers' default: false)" in message, message
+    assert "'lm_head.weight'" in message and not (tmp_path / "hf").exists()
+
+    config["tie_word_embeddings"] = True
+    (tmp_path / "tied.json").write_text(json.dumps(config))
+    r = run_ckpt(
+        "convert", titan, tmp_path / "hf", "--to", "hf", "--config", tmp_path / "tied.json",
+        "--filter-out", "lm_head.weight",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    ids = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tied)(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(ids).logits
+    assert torch.equal(got, want)

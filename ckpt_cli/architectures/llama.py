@@ -250,7 +250,9 @@ class _Decoder(Architecture):
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=config.get("max_position_embeddings"),
-            tie_embeddings=config.get("tie_word_embeddings"),
+            # transformers builds an untied lm_head when config.json leaves the key out
+            # (the default of LlamaConfig, Qwen3Config, Qwen3MoeConfig, MistralConfig)
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             num_experts=config.get("num_experts") or config.get("num_local_experts"),
             experts_per_token=config.get("num_experts_per_tok"),
             moe_ffn_dim=config.get("moe_intermediate_size"),

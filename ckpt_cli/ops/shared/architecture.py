@@ -205,8 +205,13 @@ def _agree(
     if head and found.tie_embeddings is True and given.tie_embeddings is False:
         # no output projection in the weights: the model transformers builds from an untied
         # config would initialise its lm_head at random (from_pretrained: "MISSING")
+        says = (
+            "leaves tie_word_embeddings out (transformers' default: false)"
+            if given.config is not None and "tie_word_embeddings" not in given.config
+            else "says tie_word_embeddings: false"
+        )
         raise FormatError(
-            f"{what} says tie_word_embeddings: false, but the weights hold no output "
+            f"{what} {says}, but the weights hold no output "
             f"projection (transformers' {head!r}): the model built from it would get a "
             "random one",
             path=where,
