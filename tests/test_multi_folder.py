@@ -598,7 +598,9 @@ def test_a_pipelines_language_model_component_maps_to_a_framework_naming(
     torchtitan` took the encoder's tensors out of the whole folder and looked for its
     config.json at the pipeline's root, so it stopped (exit 4) asking for --config though
     `text_encoder/config.json` is there. The component is now converted from its own folder,
-    as `--to safetensors` does, and comes back from torchtitan with the same logits."""
+    as `--to safetensors` does, and comes back from torchtitan with the same logits. Without
+    --select, the whole folder was mapped as one model ("no known model architecture matches
+    these 321 tensor names"): a usage error (exit 2) now says to pick the component."""
     import json
 
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -616,6 +618,11 @@ def test_a_pipelines_language_model_component_maps_to_a_framework_naming(
     LlamaForCausalLM(config).save_pretrained(pipeline / "text_encoder")
 
     titan, back = tmp_path / "titan", tmp_path / "back"
+    r = run_ckpt("convert", pipeline, titan, "--to", "torchtitan", "--json")
+    assert r.exit_code == 2, r.stdout + r.stderr
+    error = r.json["error"]
+    assert "holds several models, and --to torchtitan maps one" in error["problem"], error
+    assert "--select" in error["fix"] and not titan.exists()
     r = run_ckpt("convert", pipeline, titan, "--select", "text_encoder", "--to", "torchtitan")
     assert r.exit_code == 0, r.stderr
     assert (titan / "config.json").exists() and (titan / ".metadata").exists()

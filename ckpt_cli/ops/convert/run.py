@@ -262,11 +262,18 @@ def convert(
     guard_paths(src, dest_path)
     # SRC is resolved (listed, its Hub revision pinned) once: everything below reads `source`
     source = resolve_source(src)
-    # a framework naming maps one model: of a multi-folder model, the component --select names
-    if format is None and (naming is None or select):
+    if format is None:
         from ..shared.components import component_source, components_of
 
         found = components_of(source)
+        if found is not None and naming is not None and not select:
+            # a framework naming maps one model: of a multi-folder one, the component chosen
+            example = next((c for c in found[1] if c.weights is not None), found[1][0])
+            raise UsageError(
+                f"a {found[0]} folder holds several models, and --to {naming} maps one",
+                path=src,
+                fix=f"Pick the component to map with --select, e.g. --select {example.name}.",
+            )
         if found is not None:
             # a diffusers pipeline / sentence-transformers folder: one component, or each,
             # with every option this call was given
