@@ -49,7 +49,9 @@ INFLATE_FLOOR = 1 << 20
 #: bytes read from a zip member per call (a member is never inflated in one piece)
 #: what Python's `zipfile` raises on a damaged archive: besides BadZipFile and zlib's errors,
 #: NotImplementedError where a flipped bit names a compression method, version or flag it
-#: does not know, ValueError (UnicodeDecodeError too) for a garbled name or header
+#: does not know, ValueError (UnicodeDecodeError too) for a garbled name or header,
+#: RuntimeError where a flipped flag bit marks a record encrypted ("password required"), and
+#: OverflowError where a flipped offset or size is past what a read can take
 ZIP_READ_ERRORS: tuple[type[Exception], ...] = (
     zipfile.BadZipFile,
     zlib.error,
@@ -57,6 +59,8 @@ ZIP_READ_ERRORS: tuple[type[Exception], ...] = (
     EOFError,
     ValueError,
     NotImplementedError,
+    RuntimeError,
+    OverflowError,
 )
 
 READ_CHUNK = 1 << 20

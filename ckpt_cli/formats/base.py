@@ -214,8 +214,10 @@ class Checkpoint(ABC):
     def recorded_checksum_errors(self) -> Iterator[FormatError]:
         """`verify --deep`: the stored bytes checked against the checksums their own files
         record for them (a torch.save zip's CRC-32 of each storage record), one
-        `CorruptDataError` per record whose bytes fail it. Nothing where the format records
-        none, or where its reader checks them on every read (DCP's torch_save blobs)."""
+        `CorruptDataError` per record whose bytes fail it; and the containers the format's own
+        loader trusts where ckpt's reads skip them (the zip headers of DCP's torch_save blobs).
+        Nothing where the format records none, or where its reader checks them on every
+        read."""
         return iter(())
 
     def padding(self, name: str) -> list[tuple[int, int]]:

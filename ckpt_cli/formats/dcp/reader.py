@@ -6,6 +6,7 @@ import io
 import os
 import re
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -16,6 +17,7 @@ from ...models import Chunk, Entry, Manifest
 from ...storage import RangeFile
 from ...storage.fileio import COPY_BLOCK, FileRange
 from ..base import NAMES_FIX, Checkpoint, Source
+from ..torch.load import torch_reader_damage
 from ..torch.pickle_scan import read_archive
 from ..torch.preflight import check_torch_blob, check_torch_pickle
 from ..torch.zip_index import check_zip_budget
@@ -166,13 +168,15 @@ class DcpCheckpoint(Checkpoint):
         if (chunk.file, chunk.byte_offset) in self.transforms:
             limit = dtypes.numel(chunk.sizes) * dtypes.itemsize(entry.dtype) + SAVE_OVERHEAD
             data = inflate(stored, limit, where, f"tensor {entry.name!r} chunk {chunk.offsets}")
-            check_zip_budget(lambda at, n: data[at : at + n], 0, len(data), where)
+            with self._blob_of(entry, chunk):
+                check_zip_budget(lambda at, n: data[at : at + n], 0, len(data), where)
             stored = io.BytesIO(data)
             stored_len: int | None = len(data)
         else:
             stored_len = None
             read = self._reader(chunk.file)
-            check_zip_budget(read, chunk.byte_offset, chunk.byte_length, where)
+            with self._blob_of(entry, chunk):
+                check_zip_budget(read, chunk.byte_offset, chunk.byte_length, where)
         # the blob's pickle read by ckpt's own restricted reader first (`torch.preflight`)
         check_torch_blob(stored, chunk.byte_length if stored_len is None else stored_len, where)
         try:
@@ -394,11 +398,27 @@ class DcpCheckpoint(Checkpoint):
             if len(self._located_at) >= _LOCATED_KEPT:  # reads one tensor after another
                 self._located_at.clear()
                 self._crc_checked.clear()
-            self._located_at[key] = locate_chunk(
-                self._reader(chunk.file), chunk, entry.dtype, self.storage.describe(chunk.file)
-            )
+            with self._blob_of(entry, chunk):
+                self._located_at[key] = locate_chunk(
+                    self._reader(chunk.file), chunk, entry.dtype, self.storage.describe(chunk.file)
+                )
         found = self._located_at[key]
         return None if found is None else found[0]
+
+    @contextmanager
+    def _blob_of(self, entry: Entry, chunk: Chunk) -> Iterator[None]:
+        """A CorruptDataError of the zip reader (`zip_index.record_damage`: a header torch's
+        reader misreads) raised in the block names the tensor and chunk."""
+        try:
+            yield
+        except CorruptDataError as error:
+            raise CorruptDataError(
+                f"tensor {entry.name!r}: the chunk at {chunk.offsets} (bytes "
+                f"{chunk.byte_offset}..{chunk.byte_offset + chunk.byte_length}) "
+                f"{error.problem}",
+                path=error.path,
+                fix=error.fix,
+            ) from None
 
     def _recorded_crc(self, chunk: Chunk) -> int | None:
         """The CRC-32 the blob records for the tensor bytes of torch_save `chunk` (located by
@@ -467,6 +487,31 @@ class DcpCheckpoint(Checkpoint):
             if recorded is not None:
                 # after the chunk's last block: what took the blocks fails before it finishes
                 self._check_crc(entry, chunk, recorded, crc)
+
+    def recorded_checksum_errors(self) -> Iterator[FormatError]:
+        """The torch_save blob of every tensor chunk opened as torch.load (`dcp.load`) opens it:
+        torch's own zip reader (miniz) checks headers ckpt's raw reads of the tensor bytes skip
+        (every record's local header, flags, disk numbers, the records torch.load reads besides
+        the data), so a flipped header byte that makes `dcp.load` fail, or read uninitialised
+        memory, is a CorruptDataError naming the tensor (`torch.load.torch_reader_damage`)."""
+        for entry in self.manifest.entries:
+            if entry.kind != "tensor" or not entry.chunks:
+                continue
+            for chunk in entry.chunks:
+                if chunk.raw or (chunk.file, chunk.byte_offset) in self.transforms:
+                    continue
+                blob = self._byte_range(chunk.file, chunk.byte_offset, chunk.byte_length)
+                reason = torch_reader_damage(blob)
+                if reason is not None:
+                    yield CorruptDataError(
+                        f"tensor {entry.name!r}: the chunk at {chunk.offsets} (bytes "
+                        f"{chunk.byte_offset}..{chunk.byte_offset + chunk.byte_length}) is "
+                        f"corrupt: torch's zip reader misreads its torch.save archive "
+                        f"({reason[:200]}); the bytes changed after they were written",
+                        path=self.storage.describe(chunk.file),
+                        fix="Restore this file from a good copy of the checkpoint (or download "
+                        "it again)",
+                    )
 
     def read_object_bytes(self, name: str) -> bytes:
         """The stored bytes of a non-tensor entry (a `torch.save` blob), without loading it."""

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
 from ...errors import CkptError, FormatError, UnsafeInputError
 from ...storage import Storage, StorageRangeFile
@@ -373,3 +373,70 @@ def _first_line(text: str, after: str | None = None) -> str:
         if line.strip():
             return line.strip()[:300]
     return "unknown error"
+
+
+#: records up to this size are read back through torch's zip reader and their CRC-32 compared;
+#: a larger one, and a tensor's data, stored uncompressed, are compared by their offsets, their
+#: bytes left to the reads of them, which check their CRC-32
+CHECKED_RECORD_BYTES = 1 << 20
+
+
+def torch_reader_damage(file: IO[bytes]) -> str | None:
+    """Why torch's own zip reader (miniz, what `torch.load` and `dcp.load` read a torch.save
+    archive with) refuses or misreads the archive `file` (seekable), or None.
+
+    miniz checks what Python's `zipfile` does not (disk numbers, the flags of every record)
+    and trusts what `zipfile` checks (CRC-32s, the names in the local headers): a record it
+    reads from elsewhere than its bytes (a flipped name or extra-field length) loads garbage.
+    So the archive is opened by both: each record's local header as `zipfile` checks it, and
+    as torch's reader finds it: its bytes read back (up to `CHECKED_RECORD_BYTES`) hold the
+    CRC-32 the directory records; a tensor's data (`data/N`) or a larger record, stored
+    uncompressed, starts where its local header says (the reads of those bytes check them).
+    """
+    import struct
+    import zipfile
+    import zlib
+
+    import torch
+
+    from ...budgets import ZIP_READ_ERRORS
+
+    try:
+        file.seek(0)
+        with zipfile.ZipFile(file) as archive:
+            records = {}
+            for info in archive.infolist():
+                with archive.open(info):  # its local header: signature, name, flags, method
+                    pass
+                file.seek(info.header_offset + 26)
+                lengths = file.read(4)
+                if len(lengths) != 4:
+                    return f"the local header of record {info.filename!r} is cut short"
+                name_length, extra_length = struct.unpack("<HH", lengths)
+                start = info.header_offset + 30 + name_length + extra_length
+                records[info.filename] = (info, start)
+        file.seek(0)
+        # `get_record_offset` is torch's own (torch.load uses it) but missing from its stubs
+        reader: Any = torch._C.PyTorchFileReader(file)
+        for name in reader.get_all_records():
+            found = [v for k, v in records.items() if k.endswith("/" + name) or k == name]
+            if len(found) != 1:
+                return f"torch reads a record {name!r} the zip directory does not hold once"
+            info, start = found[0]
+            if info.compress_type == 0 and (
+                name.startswith("data/") or info.file_size > CHECKED_RECORD_BYTES
+            ):
+                if reader.get_record_offset(name) != start:
+                    return f"torch reads record {name!r} from elsewhere than its bytes"
+                continue
+            got = zlib.crc32(reader.get_record(name))
+            if got != info.CRC:
+                return (
+                    f"torch reads record {name!r} with CRC-32 {got:08x}, the zip directory "
+                    f"records {info.CRC:08x}"
+                )
+    except ZIP_READ_ERRORS as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    finally:
+        file.seek(0)
+    return None

@@ -16,6 +16,7 @@ import zipfile
 from dataclasses import dataclass
 
 from ...budgets import READ_CHUNK, ZIP_READ_ERRORS, check_inflated, read_member
+from .zip_index import record_damage
 
 #: globals torch's weights_only unpickler admits by default (its own rebuild functions,
 #: storages, dtypes and layouts, and the plain containers)
@@ -101,8 +102,9 @@ def read_archive(data: bytes, where: str | None = None) -> ArchiveRead:
 
     Every member is read through (in `READ_CHUNK` pieces, after `budgets.check_inflated`),
     as `zipfile.testzip` does: a member whose bytes fail the CRC-32 the zip records for them,
-    or a zip that does not parse, is corruption (bytes changed after torch.save wrote them),
-    not a pickle ckpt refuses.
+    a zip that does not parse, or a member torch's own reader would misread where `zipfile`
+    does not (`zip_index.record_damage`) is corruption (bytes changed after torch.save
+    wrote them), not a pickle ckpt refuses.
     """
     if data[:4] != b"PK\x03\x04":
         return ArchiveRead(None, None)
@@ -110,6 +112,15 @@ def read_archive(data: bytes, where: str | None = None) -> ArchiveRead:
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             for info in archive.infolist():
+                damage = record_damage(
+                    info.filename,
+                    info.external_attr,
+                    info.compress_type,
+                    info.compress_size,
+                    info.file_size,
+                )
+                if damage is not None:
+                    return ArchiveRead(damage, None)
                 # the inflation budget only: the bytes are in memory already
                 check_inflated(info.filename, info.compress_size, info.file_size, 1 << 62, where)
                 keep = info.filename.endswith("data.pkl") and pickles is not None

@@ -21,13 +21,18 @@ from typing import Any
 
 from ...budgets import BudgetedUnpickler, check_expanded, check_inflated
 from ...dtypes import MAX_NDIM, STORAGE_DTYPES, is_known, itemsize
-from ...errors import FormatError
+from ...errors import CorruptDataError, FormatError
 from .preflight import array_state_refused, numpy_allowlist
 
 #: a data.pkl larger than this is not read (100,000 tensors take ~10 MB)
 MAX_PICKLE_BYTES = 256 << 20
 #: a zip directory larger than this is not read (one ~60-byte entry per storage)
 MAX_DIRECTORY_BYTES = 256 << 20
+#: the fix of a torch.save zip whose bytes changed after they were written
+CORRUPT_ZIP_FIX = (
+    "Restore this file from a good copy of the checkpoint (or download it again); nothing "
+    "was written from it"
+)
 #: nodes visited at most walking the read object for its tensors
 _MAX_VISITS = 1_000_000
 
@@ -126,11 +131,43 @@ def _read_exact(read: Read, offset: int, n: int) -> bytes:
     return data
 
 
+#: the MS-DOS directory bit of a zip record's external attributes
+_DOS_DIRECTORY = 0x10
+
+
+def record_damage(name: str, external_attr: int, method: int, stored: int, size: int) -> str | None:
+    """Why torch's own zip reader (miniz) misreads or refuses a torch.save record whose header
+    Python's `zipfile` (and the record's CRC-32) accepts, or None.
+
+    * A record whose name ends in `/` or whose MS-DOS directory bit is set is a folder to
+      torch.load, which reads none of its bytes: the buffer it hands on is uninitialised
+      memory, so `torch.load` and `dcp.load` return garbage, or fail. torch.save writes no
+      folder records: one that holds bytes is corruption.
+    * A record stored uncompressed (method 0) whose inflated size differs from its stored
+      size: miniz refuses the whole archive, `zipfile` reads the stored bytes and checks
+      their CRC-32 only.
+    """
+    if size > 0 and (name.endswith("/") or external_attr & _DOS_DIRECTORY):
+        return (
+            f"record {name!r} holds {size:,} bytes but is marked as a folder, so torch.load "
+            "reads none of them"
+        )
+    if method == 0 and stored != size:
+        return (
+            f"record {name!r} is stored uncompressed but declares {size:,} bytes for its "
+            f"{stored:,} stored bytes, which torch.load refuses"
+        )
+    return None
+
+
 def _directory(
-    read: Read, start: int, length: int
+    read: Read, start: int, length: int, where: str | None = None
 ) -> tuple[int, dict[str, tuple[int, int, int, int, int]]]:
     """(offset the zip's own offsets count from, name -> (method, inflated size, local header
-    offset, stored size, CRC-32))."""
+    offset, stored size, CRC-32)).
+
+    CorruptDataError (naming `where`) for a record torch's reader would misread
+    (`record_damage`)."""
     if length < _EOCD.size:
         raise _NotPlain("too short for a zip")
     tail_len = min(length, _EOCD.size + 0xFFFF)
@@ -171,6 +208,14 @@ def _directory(
         extra = raw[pos + name_len : pos + name_len + extra_len]
         pos += name_len + extra_len + comment_len
         usize, csize, local = _zip64_fields(extra, usize, csize, local)
+        damage = record_damage(name, f[15], method, csize, usize)
+        if damage is not None:
+            raise CorruptDataError(
+                f"is corrupt: its torch.save zip {damage}; the bytes changed after they were "
+                "written",
+                path=where,
+                fix=CORRUPT_ZIP_FIX,
+            )
         names[name] = (method, usize, local, csize, crc)
     return start + base, names
 
@@ -182,7 +227,7 @@ def check_zip_budget(read: Read, start: int, length: int, where: str | None) -> 
     before torch.load, whose reader inflates a record whole. A zip this reader cannot parse is
     left to torch.load to judge."""
     try:
-        _, names = _directory(read, start, length)
+        _, names = _directory(read, start, length, where)
     except (_NotPlain, struct.error, StopIteration):
         return
     for name, (_, usize, _, csize, _) in names.items():
@@ -543,7 +588,7 @@ def _layout(t: _Tensor, record: ZipRecord, little: bool) -> TensorLayout:
 
 
 def _index(read: Read, start: int, length: int, where: str | None) -> tuple[TorchZipIndex, object]:
-    base, names = _directory(read, start, length)
+    base, names = _directory(read, start, length, where)
     end = start + length
     pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkl) != 1:
