@@ -951,3 +951,58 @@ def test_a_folder_that_lost_every_file_is_rebuilt_from_its_parity(tmp_path: Path
     assert fixed.exit_code == 0, fixed.stdout + fixed.stderr
     assert _digests(model) == before
     _assert_same(_read_safetensors(model), state)
+
+
+@pytest.mark.parametrize("field", ["block digest", "size"])
+def test_a_damaged_parity_manifest_never_calls_an_intact_shard_corrupt(
+    tmp_path: Path, field: str
+) -> None:
+    """A digit of one block digest (or the size) of a shard flipped in parity.index.json:
+    `verify --checksums` said the intact shard was corrupt and repairable; `repair` then
+    "rebuilt" it unchanged (and verify still failed), or, for the size, refused with exit 4
+    naming the shard. Now the manifest is what is reported damaged (a warning: the data is
+    intact, its sha256 holds), and repair changes nothing and says why."""
+    model = tmp_path / "model"
+    want = _safetensors_model(model)
+    assert run_ckpt("protect", model, "--block-size", "4KiB").exit_code == 0
+    manifest = model / ".ckpt-parity" / "parity.index.json"
+    doc = json.loads(manifest.read_text())
+    shard = doc["files"][1]
+    if field == "size":
+        shard["size"] -= 1
+    else:
+        digest = shard["blocks"][2]
+        shard["blocks"][2] = ("1" if digest[0] == "0" else "0") + digest[1:]
+    manifest.write_text(json.dumps(doc))
+    before = _digests(model)
+
+    checked = run_ckpt("verify", model, "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout
+    (problem,) = checked.json["result"]["problems"]
+    assert problem["code"] == "parity_damaged" and problem["severity"] == "warning"
+    assert shard["path"] in problem["message"] and "manifest is damaged" in problem["message"]
+    assert f"ckpt protect {model} --force" in problem["fix"]
+    repaired = run_ckpt("repair", model, "--json")
+    assert repaired.exit_code == 0, repaired.stdout + repaired.stderr
+    assert repaired.json["result"]["rebuilt"] == []
+    (warning,) = repaired.json["result"]["warnings"]
+    assert shard["path"] in warning and "--force" in warning
+    assert _digests(model) == before
+    _assert_same(_read_safetensors(model), want)
+
+
+def test_a_file_moved_in_the_parity_manifest_is_named_in_the_refusal(tmp_path: Path) -> None:
+    """The refusal of a manifest whose file starts where protect would not put it said "width
+    4 and 10 stripes, where its files give width 4 and 10 stripes": no difference named."""
+    model = tmp_path / "model"
+    _safetensors_model(model)
+    assert run_ckpt("protect", model, "--block-size", "4KiB").exit_code == 0
+    manifest = model / ".ckpt-parity" / "parity.index.json"
+    doc = json.loads(manifest.read_text())
+    doc["files"][1]["start"] += 1
+    manifest.write_text(json.dumps(doc))
+    result = run_ckpt("verify", model)
+    assert result.exit_code == 4
+    message = " ".join(result.stderr.split())
+    name, start = doc["files"][1]["path"], doc["files"][1]["start"]
+    assert f"{name} starts at block {start}, where protect puts it at block {start - 1}" in message

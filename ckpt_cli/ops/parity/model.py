@@ -207,6 +207,9 @@ class ParityCheck(Record):
         manifest: where the parity manifest is.
         parity / width: K and W of the code.
         damaged: damaged or missing files with their byte ranges and repairability.
+        misrecorded: files the parity manifest misrecords, one line each: their block digests
+            or size in the manifest differ from the file, whose sha256 matches the manifest's
+            (the manifest is damaged; the file is intact and is not reported damaged).
         stale: data files modified after the parity was written.
         unprotected: files added after the parity was written.
     """
@@ -215,6 +218,7 @@ class ParityCheck(Record):
     parity: int
     width: int
     damaged: list[DamagedFile] = Field(default_factory=list)
+    misrecorded: list[str] = Field(default_factory=list)
     stale: list[str] = Field(default_factory=list)
     unprotected: list[str] = Field(default_factory=list)
     hashed_bytes: int = 0

@@ -20,7 +20,14 @@ from ...storage.output import current_umask, new_staging_folder, remove_dead_sta
 from .codec import Codec, chunk_size, pad_block, slices
 from .layout import ParityLayout
 from .model import ProtectedFile, RepairReport
-from .scan import ParityScan, damage_list, newer_than_parity, not_a_file, scan_parity
+from .scan import (
+    ParityScan,
+    damage_list,
+    misrecorded_text,
+    newer_than_parity,
+    not_a_file,
+    scan_parity,
+)
 from .target import (
     BlockReader,
     ParityTarget,
@@ -96,7 +103,13 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
         damaged=damage_list(target, scan),
         hashed_bytes=scan.hashed,
     )
+    # a file the manifest misrecords is intact: nothing to rebuild, the parity to write again
+    misrecorded = [
+        f"{line}; write the parity again with `ckpt protect SRC --force`"
+        for line in misrecorded_text(target, scan)
+    ]
     if not report.damaged:
+        report.warnings = misrecorded
         return report
     newer = set(newer_than_parity(target, m))
     report.unrecoverable = [d.path for d in report.damaged if not d.repairable]
@@ -111,7 +124,7 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
         "(if the change was intended, run `ckpt protect SRC --force` instead)"
         for d in report.damaged
         if d.kind == "data" and d.state != "missing" and d.path in newer
-    ]
+    ] + misrecorded
     if report.unrecoverable:
         report.ok = False
         return report

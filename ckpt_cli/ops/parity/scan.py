@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 from contextlib import suppress
@@ -11,7 +12,7 @@ from ...errors import NotFoundError, UsageError
 from ...formats.base import Source
 from ...progress import NULL_PROGRESS, Progress
 from ...storage import Storage
-from .codec import chunked_digest
+from .codec import chunked_digest, slices
 from .layout import ParityLayout
 from .model import DamagedFile, ParityCheck, ParityManifest, ProtectedFile
 from .target import BlockReader, ParityTarget, open_parity_target, read_parity_manifest
@@ -26,6 +27,9 @@ class ParityScan:
     manifest: ParityManifest
     #: (kind, index) -> state, bad block indexes
     damaged: dict[tuple[str, int], tuple[str, set[int]]] = field(default_factory=dict)
+    #: (kind, index) of the files whose blocks or size differ from the manifest while the
+    #: whole file holds the manifest's sha256: the manifest is damaged, not the file
+    misrecorded: list[tuple[str, int]] = field(default_factory=list)
     hashed: int = 0
 
     def losses(self) -> dict[int, set[int]]:
@@ -96,13 +100,40 @@ def scan_parity(
                     scan.hashed += done
                     if digest != f.blocks[bi]:
                         bad.add(bi)
-            if bad or size != f.size:
+            if (bad or size != f.size) and _sha256(reader, rel, size) == f.sha256:
+                # the file is as it was protected: its block digests or size in the manifest
+                # changed (a damaged manifest); rebuilding the file would change nothing
+                scan.misrecorded.append((kind, i))
+            elif bad or size != f.size:
                 scan.damaged[(kind, i)] = (state, bad)
     finally:
         reader.close()
         if checksums:
             progress.finish()
     return scan
+
+
+def _sha256(reader: BlockReader, rel: str, size: int) -> str:
+    """The sha256 of the `size` bytes of file `rel`, read `CHUNK` at a time."""
+    digest = hashlib.sha256()
+    for offset, length in slices(size):
+        digest.update(reader.read(rel, offset, length))
+    return digest.hexdigest()
+
+
+def misrecorded_text(target: ParityTarget, scan: ParityScan) -> list[str]:
+    """One line per file whose manifest entry is damaged (`ParityScan.misrecorded`)."""
+    m = scan.manifest
+    manifest = target.storage.describe(target.manifest_rel)
+    lines = []
+    for kind, idx in scan.misrecorded:
+        rel = m.files[idx].path if kind == "data" else f"{target.parity_rel}/{m.shares[idx].path}"
+        lines.append(
+            f"{manifest}: its block digests or size of {target.storage.describe(rel)} do not "
+            "match that file, whose sha256 does: the parity manifest is damaged, the file is "
+            "intact"
+        )
+    return lines
 
 
 def newer_than_parity(target: ParityTarget, m: ParityManifest) -> list[str]:
@@ -199,6 +230,7 @@ def check_parity(
         parity=m.parity,
         width=m.width,
         damaged=damage_list(target, scan),
+        misrecorded=misrecorded_text(target, scan),
         hashed_bytes=scan.hashed,
     )
     recorded = {f.path for f in m.files}

@@ -228,11 +228,27 @@ def _check_protect_would_choose(m: ParityManifest, where: str) -> None:
         == (m.width, m.stripes, m.whole_files, starts)
         for plan in plans
     ):
-        plan = plans[0]
+        # the plan of the manifest's own kind (whole files or striped) says what differs
+        plan = plans[1] if m.whole_files else plans[0]
+        if (plan.width, plan.stripes) != (m.width, m.stripes):
+            differs = (
+                f"width {m.width} and {m.stripes} stripes, where its files give width "
+                f"{plan.width} and {plan.stripes} stripes"
+            )
+        else:
+            moved = [
+                (f.path, at, want)
+                for f, at, want in zip(m.files, starts, plan.starts, strict=True)
+                if at != want
+            ]
+            differs = (
+                f"{moved[0][0]} starts at block {moved[0][1]}, where protect puts it at block "
+                f"{moved[0][2]}"
+                if moved
+                else f"whole_files is {m.whole_files}, which its layout is not"
+            )
         raise FormatError(
-            f"is not a ckpt parity manifest protect would write: width {m.width} and "
-            f"{m.stripes} stripes, where its files give width {plan.width} and {plan.stripes} "
-            "stripes",
+            f"is not a ckpt parity manifest protect would write: {differs}",
             path=where,
             fix="The manifest is corrupt or was altered: protect the checkpoint again "
             "(`ckpt protect SRC --force`) from an intact copy.",

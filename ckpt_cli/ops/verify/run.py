@@ -338,6 +338,17 @@ def _parity_problems(report: VerifyReport, problems: list[Problem], parity: Pari
                 fix=fix,
             )
         )
+    for line in parity.misrecorded:
+        problems.append(
+            Problem(
+                code="parity_damaged",
+                message=line,
+                file=parity.manifest,
+                severity="warning",
+                fix=f"The data is intact: write the parity again with `ckpt protect {src} "
+                "--force`.",
+            )
+        )
     for name in parity.stale:
         problems.append(
             Problem(
