@@ -1006,3 +1006,45 @@ def test_a_file_moved_in_the_parity_manifest_is_named_in_the_refusal(tmp_path: P
     message = " ".join(result.stderr.split())
     name, start = doc["files"][1]["path"], doc["files"][1]["start"]
     assert f"{name} starts at block {start}, where protect puts it at block {start - 1}" in message
+
+
+def test_a_repairable_shard_beside_damage_beyond_the_parity_is_not_promised_a_rebuild(
+    tmp_path: Path,
+) -> None:
+    """K=1: two shards damaged in one stripe (beyond the parity), a third in another stripe.
+    verify told the third "Run `ckpt repair`: it rebuilds the file bit-exact", and repair's
+    warning said its damage was beyond the parity; repair changes nothing while any file is
+    beyond it. Now verify says to restore the others first, and then repair does rebuild it."""
+    model = tmp_path / "model"
+    want = _safetensors_model(model)
+    assert run_ckpt("protect", model, "--parity", "1", "--block-size", "4KiB").exit_code == 0
+    good = {p.name: p.read_bytes() for p in model.glob("*.safetensors")}
+    first, second, third = sorted(model.glob("*.safetensors"))[:3]
+    _flip(first, 2 * 4096 + 100)  # block 2 of the first two shards: one stripe
+    _flip(second, 2 * 4096 + 100)
+    _flip(third, 5 * 4096 + 100)  # another stripe: rebuildable on its own
+    before = _digests(model)
+
+    checked = run_ckpt("verify", model, "--checksums", "--json")
+    assert checked.exit_code == 1
+    (alone,) = [
+        p
+        for p in checked.json["result"]["problems"]
+        if p["code"] == "damaged_blocks" and p["file"] == str(third)
+    ]
+    assert alone["repairable"] is True
+    assert "once the files beyond the parity are restored" in alone["message"]
+    assert str(first) in alone["fix"] and str(second) in alone["fix"]
+    assert "changes nothing while a file is beyond the parity" in alone["fix"]
+    repaired = run_ckpt("repair", model, "--json")
+    assert repaired.exit_code == 1
+    (warning,) = [w for w in repaired.json["result"]["warnings"] if str(third) in w]
+    assert "other files are damaged beyond the parity" in warning
+    assert _digests(model) == before
+
+    # the two restored from a good copy: now repair rebuilds the third, bit-exact
+    first.write_bytes(good[first.name])
+    second.write_bytes(good[second.name])
+    assert run_ckpt("repair", model).exit_code == 0
+    assert third.read_bytes() == good[third.name]
+    _assert_same(_read_safetensors(model), want)

@@ -115,13 +115,19 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
     report.unrecoverable = [d.path for d in report.damaged if not d.repairable]
     if report.unrecoverable:
         # nothing is written: say so, not what a repair would have done to the file
-        outcome = "not restored (the damage is beyond the parity)"
+        outcome = {
+            True: "not restored (other files are damaged beyond the parity, and repair "
+            "changes nothing until they are restored)",
+            False: "not restored (the damage is beyond the parity)",
+        }
     else:
-        outcome = "would be restored" if request.dry_run else "restored"
-        outcome += " to its content as of then, which undoes the change if it was intended"
+        restored = "would be restored" if request.dry_run else "restored"
+        restored += " to its content as of then, which undoes the change if it was intended"
+        outcome = {True: restored, False: restored}
     report.warnings = [
-        f"{d.path}: modified after `ckpt protect` wrote the parity ({m.created}); {outcome} "
-        "(if the change was intended, run `ckpt protect SRC --force` instead)"
+        f"{d.path}: modified after `ckpt protect` wrote the parity ({m.created}); "
+        f"{outcome[d.repairable]} (if the change was intended, run `ckpt protect SRC --force` "
+        "instead)"
         for d in report.damaged
         if d.kind == "data" and d.state != "missing" and d.path in newer
     ] + misrecorded

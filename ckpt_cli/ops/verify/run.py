@@ -302,6 +302,14 @@ def _parity_problems(report: VerifyReport, problems: list[Problem], parity: Pari
         report.algorithm = "xxh3 blocks"
     src = report.location
     repair = f"Run `ckpt repair {src}`: it rebuilds the file bit-exact from the parity."
+    beyond = [d.path for d in parity.damaged if not d.repairable]
+    if beyond:
+        # repair is all or nothing: while one file is beyond the parity it changes none
+        shown = ", ".join(beyond[:3]) + (f" and {len(beyond) - 3} more" if len(beyond) > 3 else "")
+        repair = (
+            f"Restore {shown} from a good copy first: `ckpt repair {src}` changes nothing while "
+            "a file is beyond the parity; then it rebuilds this file bit-exact."
+        )
     damaged = {d.path: d for d in parity.damaged}
     # the problems other checks found in these files get the repair verdict too, and the
     # repair as their fix where the parity can rebuild the file
@@ -312,7 +320,7 @@ def _parity_problems(report: VerifyReport, problems: list[Problem], parity: Pari
                 problem.fix = repair
     for d in parity.damaged:
         verdict = (
-            "repairable"
+            ("repairable once the files beyond the parity are restored" if beyond else "repairable")
             if d.repairable
             else f"NOT repairable: more than {parity.parity} losses in a stripe"
         )
