@@ -14,7 +14,7 @@ from ... import dtypes
 from ...errors import REPORT_BUG, CkptError, CorruptDataError, FormatError, NotFoundError
 from ...faults import naming
 from ...models import Chunk, Entry, Manifest
-from ...storage import RangeFile
+from ...storage import RangeFile, Storage
 from ...storage.fileio import COPY_BLOCK, FileRange
 from ..base import NAMES_FIX, Checkpoint, Source
 from ..torch.load import torch_reader_damage
@@ -36,6 +36,11 @@ class ArchiveBytes(NamedTuple):
 
 if TYPE_CHECKING:
     import torch
+
+
+#: a remote torch_save blob up to this size is fetched whole to check its zip headers (one
+#: request); a larger one by ranged reads of its headers only
+_WHOLE_BLOB = 4 << 20
 
 
 class _FileRange(RangeFile):
@@ -64,6 +69,20 @@ class _FileRange(RangeFile):
 
     def close(self) -> None:  # the fd belongs to the checkpoint
         super().close()
+
+
+class _StoredRange(RangeFile):
+    """Bytes [start, start + length) of a file of a (remote) `Storage`, fetched by ranged reads
+    as they are asked for: a zip reader's look at a blob's headers never fetches its data."""
+
+    def __init__(self, storage: Storage, rel: str, start: int, length: int):
+        super().__init__(length, storage.describe(rel))
+        self._storage, self._rel, self._start = storage, rel, start
+
+    def _read_into(self, view: memoryview, position: int) -> int:
+        data = self._storage.read(self._rel, self._start + position, len(view))
+        view[: len(data)] = data
+        return len(data)
 
 
 #: the fix of a stored chunk that is not the tensor piece `.metadata` records there
@@ -500,7 +519,16 @@ class DcpCheckpoint(Checkpoint):
             for chunk in entry.chunks:
                 if chunk.raw or (chunk.file, chunk.byte_offset) in self.transforms:
                     continue
-                blob = self._byte_range(chunk.file, chunk.byte_offset, chunk.byte_length)
+                blob: IO[bytes] = (
+                    self._byte_range(chunk.file, chunk.byte_offset, chunk.byte_length)
+                    if self.storage.local_root is not None or chunk.byte_length <= _WHOLE_BLOB
+                    else cast(
+                        IO[bytes],
+                        _StoredRange(
+                            self.storage, chunk.file, chunk.byte_offset, chunk.byte_length
+                        ),
+                    )
+                )
                 reason = torch_reader_damage(blob)
                 if reason is not None:
                     yield CorruptDataError(
