@@ -1023,6 +1023,9 @@ def test_a_repairable_shard_beside_damage_beyond_the_parity_is_not_promised_a_re
     _flip(first, 2 * 4096 + 100)  # block 2 of the first two shards: one stripe
     _flip(second, 2 * 4096 + 100)
     _flip(third, 5 * 4096 + 100)  # another stripe: rebuildable on its own
+    later = (model / ".ckpt-parity" / "parity.index.json").stat().st_mtime + 10
+    for shard in (first, second, third):  # modified after protect, whatever the clock's grain
+        os.utime(shard, (later, later))
     before = _digests(model)
 
     checked = run_ckpt("verify", model, "--checksums", "--json")
@@ -1036,6 +1039,14 @@ def test_a_repairable_shard_beside_damage_beyond_the_parity_is_not_promised_a_re
     assert "once the files beyond the parity are restored" in alone["message"]
     assert str(first) in alone["fix"] and str(second) in alone["fix"]
     assert "changes nothing while a file is beyond the parity" in alone["fix"]
+    stale = {
+        p["file"]: p["fix"]
+        for p in checked.json["result"]["problems"]
+        if p["code"] == "parity_stale"
+    }
+    assert "restore it from a good copy" in stale[str(first)]
+    assert "ckpt repair" not in stale[str(first)]
+    assert "once the files beyond the parity are" in stale[str(third)]
     repaired = run_ckpt("repair", model, "--json")
     assert repaired.exit_code == 1
     (warning,) = [w for w in repaired.json["result"]["warnings"] if str(third) in w]

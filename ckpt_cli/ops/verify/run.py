@@ -358,6 +358,12 @@ def _parity_problems(report: VerifyReport, problems: list[Problem], parity: Pari
             )
         )
     for name in parity.stale:
+        if name in beyond:  # the parity cannot bring it back: said beside its damage
+            restore = "restore it from a good copy"
+        elif beyond:
+            restore = f"`ckpt repair {src}` restores it once the files beyond the parity are"
+        else:
+            restore = f"`ckpt repair {src}` restores it"
         problems.append(
             Problem(
                 code="parity_stale",
@@ -365,7 +371,7 @@ def _parity_problems(report: VerifyReport, problems: list[Problem], parity: Pari
                 file=name,
                 severity="warning",
                 fix=f"If the change was intended run `ckpt protect {src} --force`, else "
-                f"`ckpt repair {src}` restores it (check with `ckpt verify {src} --checksums`).",
+                f"{restore} (check with `ckpt verify {src} --checksums`).",
             )
         )
     for name in parity.unprotected:
