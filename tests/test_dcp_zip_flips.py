@@ -170,3 +170,32 @@ def test_every_header_flip_of_a_tensor_blob_that_dcp_load_gets_wrong_fails_deep_
     """Before: the data record marked as a folder passed `verify --deep` (ckpt reads the
     tensor's bytes, which match their CRC-32) while dcp.load returned uninitialised memory."""
     _sweep(tmp_path, torch.arange(16, dtype=torch.float32))
+
+
+def test_a_corrupt_tensor_blob_is_reported_against_its_tensor_in_the_json(
+    tmp_path: Path,
+) -> None:
+    """`verify --deep` named the tensor of a chunk torch's zip reader misreads in its message
+    only: the JSON problem's `tensor` field was empty, so a script could not tell which entry
+    to restore. Here the local header of `w`'s blob's `version` record spells its name with
+    one bit flipped: torch's reader refuses the blob (dcp.load fails), ckpt's raw read of
+    the tensor bytes does not see it."""
+    src = tmp_path / "src"
+    places = _save(src, {"w": torch.arange(16, dtype=torch.float32), "b": torch.ones(4)})
+    data = bytearray((src / "__0_0.distcp").read_bytes())
+    start, length = places["w"]
+    flipped = 0
+    at = data.find(b"PK\x03\x04", start, start + length)
+    while at != -1:
+        name_length = int.from_bytes(data[at + 26 : at + 28], "little")
+        if bytes(data[at + 30 : at + 30 + name_length]).endswith(b"/version"):
+            data[at + 30 + name_length - 1] ^= 0x01
+            flipped += 1
+        at = data.find(b"PK\x03\x04", at + 4, start + length)
+    assert flipped == 1
+    (src / "__0_0.distcp").write_bytes(bytes(data))
+    verify = run_ckpt("verify", src, "--deep", "--json")
+    assert verify.exit_code == 1, verify.stdout + verify.stderr
+    corrupt = [p for p in verify.json["result"]["problems"] if p["code"] == "corrupt_data"]
+    assert [p["tensor"] for p in corrupt] == ["w"], corrupt
+    assert corrupt[0]["file"] == str(src / "__0_0.distcp")

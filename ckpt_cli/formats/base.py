@@ -35,9 +35,9 @@ from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from ..errors import REPORT_BUG, FormatError
+from ..errors import REPORT_BUG, CorruptDataError, FormatError
 from ..findings import problem_from_error
 from ..models import Chunk, Entry, FileInfo, Manifest, Problem, TensorFacts
 from ..storage import Storage
@@ -88,6 +88,19 @@ class Source:
     def top_level(self) -> list[str]:
         """File names directly under the root (no subfolders)."""
         return [name for name in self.files if "/" not in name]
+
+
+class RecordedDamage(NamedTuple):
+    """Stored bytes that fail a check their own file records (`recorded_checksum_errors`).
+
+    Attributes:
+        error: what failed, naming the file and the record.
+        tensor: the entry whose bytes they are, where one is (a DCP chunk's tensor); None for
+            a record several entries may view (a torch.save storage).
+    """
+
+    error: CorruptDataError
+    tensor: str | None = None
 
 
 class Checkpoint(ABC):
@@ -211,7 +224,7 @@ class Checkpoint(ABC):
             fix=REPORT_BUG,
         )
 
-    def recorded_checksum_errors(self) -> Iterator[FormatError]:
+    def recorded_checksum_errors(self) -> Iterator[RecordedDamage]:
         """`verify --deep`: the stored bytes checked against the checksums their own files
         record for them (a torch.save zip's CRC-32 of each storage record), one
         `CorruptDataError` per record whose bytes fail it; and the containers the format's own

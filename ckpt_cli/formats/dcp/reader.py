@@ -16,7 +16,7 @@ from ...faults import naming
 from ...models import Chunk, Entry, Manifest
 from ...storage import RangeFile, Storage
 from ...storage.fileio import COPY_BLOCK, FileRange
-from ..base import NAMES_FIX, Checkpoint, Source
+from ..base import NAMES_FIX, Checkpoint, RecordedDamage, Source
 from ..torch.load import torch_reader_damage
 from ..torch.pickle_scan import read_archive
 from ..torch.preflight import check_torch_blob, check_torch_pickle
@@ -507,7 +507,7 @@ class DcpCheckpoint(Checkpoint):
                 # after the chunk's last block: what took the blocks fails before it finishes
                 self._check_crc(entry, chunk, recorded, crc)
 
-    def recorded_checksum_errors(self) -> Iterator[FormatError]:
+    def recorded_checksum_errors(self) -> Iterator[RecordedDamage]:
         """The torch_save blob of every tensor chunk opened as torch.load (`dcp.load`) opens it:
         torch's own zip reader (miniz) checks headers ckpt's raw reads of the tensor bytes skip
         (every record's local header, flags, disk numbers, the records torch.load reads besides
@@ -531,14 +531,17 @@ class DcpCheckpoint(Checkpoint):
                 )
                 reason = torch_reader_damage(blob)
                 if reason is not None:
-                    yield CorruptDataError(
-                        f"tensor {entry.name!r}: the chunk at {chunk.offsets} (bytes "
-                        f"{chunk.byte_offset}..{chunk.byte_offset + chunk.byte_length}) is "
-                        f"corrupt: torch's zip reader misreads its torch.save archive "
-                        f"({reason[:200]}); the bytes changed after they were written",
-                        path=self.storage.describe(chunk.file),
-                        fix="Restore this file from a good copy of the checkpoint (or download "
-                        "it again)",
+                    yield RecordedDamage(
+                        CorruptDataError(
+                            f"tensor {entry.name!r}: the chunk at {chunk.offsets} (bytes "
+                            f"{chunk.byte_offset}..{chunk.byte_offset + chunk.byte_length}) is "
+                            f"corrupt: torch's zip reader misreads its torch.save archive "
+                            f"({reason[:200]}); the bytes changed after they were written",
+                            path=self.storage.describe(chunk.file),
+                            fix="Restore this file from a good copy of the checkpoint (or download "
+                            "it again)",
+                        ),
+                        entry.name,
                     )
 
     def read_object_bytes(self, name: str) -> bytes:

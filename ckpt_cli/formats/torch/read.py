@@ -19,7 +19,7 @@ from ...faults import naming
 from ...models import Entry, FileInfo, Manifest
 from ...storage import Storage
 from ...storage.fileio import FileRange
-from ..base import NAMES_FIX, Checkpoint, Source
+from ..base import NAMES_FIX, Checkpoint, RecordedDamage, Source
 from ..details import TorchDetails
 
 if TYPE_CHECKING:
@@ -268,7 +268,7 @@ class TorchCheckpoint(Checkpoint):
         view = torch.empty(0, dtype=torch_dtype(leaf.dtype))
         return view.set_(storage, leaf.storage_offset, leaf.shape, leaf.stride)
 
-    def recorded_checksum_errors(self) -> Iterator[FormatError]:
+    def recorded_checksum_errors(self) -> Iterator[RecordedDamage]:
         """Each storage record of a local zip file whose bytes fail the CRC-32 its zip
         directory records: `torch.load` with `mmap=True` (and the raw reads) never check it,
         so a flipped data byte would otherwise read as a value. Legacy (non-zip) and remote
@@ -283,13 +283,15 @@ class TorchCheckpoint(Checkpoint):
                     continue
                 got = FileRange(local, record.offset, record.length).crc32()
                 if got != record.crc32:
-                    yield CorruptDataError(
-                        f"storage record {record.name} is corrupt: its bytes have CRC-32 "
-                        f"{got:08x}, the zip records {record.crc32:08x} (they changed after "
-                        "they were written)",
-                        path=self.storage.describe(rel),
-                        fix="Restore this file from a good copy of the checkpoint (or download "
-                        "it again).",
+                    yield RecordedDamage(
+                        CorruptDataError(
+                            f"storage record {record.name} is corrupt: its bytes have CRC-32 "
+                            f"{got:08x}, the zip records {record.crc32:08x} (they changed after "
+                            "they were written)",
+                            path=self.storage.describe(rel),
+                            fix="Restore this file from a good copy of the checkpoint (or download "
+                            "it again).",
+                        )
                     )
 
     def _views_left(self) -> dict[tuple[str | None, int], int]:

@@ -468,8 +468,8 @@ def _deep(
                     report.nonfinite.extend(part.nonfinite)
                     problems.extend(part_problems)
         if workers.leader:  # whole files: one rank's work
-            for error in checkpoint.recorded_checksum_errors():
-                found_problem = problem_from_error(error)
+            for damage in checkpoint.recorded_checksum_errors():
+                found_problem = problem_from_error(damage.error, tensor=damage.tensor)
                 if workers.distributed:
                     found.append(
                         {
