@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -432,31 +432,28 @@ class Folder:
     def dirs_matching(self, pattern: str, marker: str = DCP_METADATA) -> list[tuple[str, int]]:
         """The subfolders (holding `marker`) whose name fully matches `pattern`, with the number
         its group 1 captures, in number order (`optimizer_0`, `optimizer_1`...)."""
-        regex = re.compile(pattern)
-        found: set[tuple[str, int]] = set()
-        for name in self.source.files:
-            rest = name[len(self.base) :] if name.startswith(self.base) else None
-            if rest is None or rest.count("/") != 1 or not rest.endswith(f"/{marker}"):
-                continue
-            sub = rest.split("/", 1)[0]
-            match = regex.fullmatch(sub)
-            if match:
-                found.add((sub, int(match.group(1))))
-        return sorted(found, key=lambda item: item[1])
+        return self._subfolders(pattern, lambda file: file == marker)
 
     def dcp_dirs_matching(self, pattern: str) -> list[tuple[str, int]]:
         """`dirs_matching` for DCP folders, finished or not: those holding `.metadata`, and
         those holding data files (`.distcp`) without it, a save that did not finish (DCP
         writes `.metadata` last), which opening reports rather than leaving unseen."""
-        found = set(self.dirs_matching(pattern))
+        return self._subfolders(
+            pattern, lambda file: file == DCP_METADATA or file.endswith(DCP_DATA_SUFFIX)
+        )
+
+    def _subfolders(self, pattern: str, holds: Callable[[str], bool]) -> list[tuple[str, int]]:
+        """The subfolders one of whose files `holds` says, whose name fully matches `pattern`,
+        with the number its group 1 captures, in number order."""
         regex = re.compile(pattern)
+        found: set[tuple[str, int]] = set()
         for name in self.source.files:
             rest = name[len(self.base) :] if name.startswith(self.base) else None
-            if rest is None or rest.count("/") != 1 or not rest.endswith(DCP_DATA_SUFFIX):
+            if rest is None or rest.count("/") != 1:
                 continue
-            sub = rest.split("/", 1)[0]
+            sub, file = rest.split("/", 1)
             match = regex.fullmatch(sub)
-            if match:
+            if match and holds(file):
                 found.add((sub, int(match.group(1))))
         return sorted(found, key=lambda item: item[1])
 
