@@ -232,11 +232,9 @@ def default_loader_warnings(storage: Storage, files: list[str]) -> list[Problem]
         if opcodes:
             where = storage.describe(rel)
             problems.append(
-                Problem(
-                    code="torch_load_refuses",
-                    severity="warning",
-                    file=where,
-                    message=f"{where}: PyTorch's default loader, torch.load(weights_only=True), "
+                _torch_load_warning(
+                    where,
+                    f"PyTorch's default loader, torch.load(weights_only=True), "
                     f"refuses this file: its pickle uses {', '.join(opcodes[:5])}, which torch's "
                     "weights_only unpickler does not implement (written with a pickle_protocol "
                     "above 2; ckpt reads it)",
@@ -258,11 +256,9 @@ def default_loader_warnings(storage: Storage, files: list[str]) -> list[Problem]
             continue
         where = storage.describe(rel)
         problems.append(
-            Problem(
-                code="torch_load_refuses",
-                severity="warning",
-                file=where,
-                message=f"{where}: PyTorch's default loader, torch.load(weights_only=True), "
+            _torch_load_warning(
+                where,
+                f"PyTorch's default loader, torch.load(weights_only=True), "
                 f"refuses this file: it needs {', '.join(refused[:5])}, which is not on torch's "
                 "allow-list (ckpt reads it as inert data)",
                 fix=f"Load it with torch.serialization.safe_globals([{refused[0]}, ...]) if "
@@ -272,6 +268,17 @@ def default_loader_warnings(storage: Storage, files: list[str]) -> list[Problem]
     return problems
 
 
+def _torch_load_warning(where: str, message: str, fix: str) -> Problem:
+    """A `torch_load_refuses` warning about the file `where` (`default_loader_warnings`)."""
+    return Problem(
+        code="torch_load_refuses",
+        severity="warning",
+        file=where,
+        message=f"{where}: {message}",
+        fix=fix,
+    )
+
+
 def _legacy_loader_warning(storage: Storage, rel: str) -> list[Problem]:
     """The warning for a legacy (non-zip) file ckpt reads and torch.load cannot read back."""
     failures = legacy_load_failures(storage, rel)
@@ -279,11 +286,9 @@ def _legacy_loader_warning(storage: Storage, rel: str) -> list[Problem]:
         return []
     where = storage.describe(rel)
     return [
-        Problem(
-            code="torch_load_refuses",
-            severity="warning",
-            file=where,
-            message=f"{where}: PyTorch's loader, torch.load, cannot read this legacy (non-zip) "
+        _torch_load_warning(
+            where,
+            f"PyTorch's loader, torch.load, cannot read this legacy (non-zip) "
             f"torch.save file back: its legacy-format reader fails on {', '.join(failures)} "
             "(ckpt reads it as saved)",
             fix=f"Re-save it in the zip format: `ckpt convert {where} OUT.pt --to torch` (or "
