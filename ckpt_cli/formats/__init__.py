@@ -260,6 +260,22 @@ def folder_contents(files: dict[str, int]) -> str:
     return f"it holds {shown}" + (f" and {more} more" if more > 0 else "")
 
 
+def holds_only_nested_checkpoints(source: Source) -> bool:
+    """Whether `source` is a folder with no checkpoint file of its own but some in its
+    subfolders: a run folder, a folder of runs, or one of saves (`final/`, `best/`), which the
+    layer that knows runs names (`sources.layouts.format_of`); by file names only."""
+    if source.target is None:
+        on_top = nested = False
+        for name in source.files:
+            if any(p.fullmatch(name.rsplit("/", 1)[-1]) for p in DETECT_NAMES.values()):
+                if "/" in name:
+                    nested = True
+                else:
+                    on_top = True
+        return nested and not on_top
+    return False
+
+
 def detect_format(source: Source) -> str:
     """The one format token whose `detect` accepts the source; FormatError for none or many."""
     matches = [
@@ -271,16 +287,6 @@ def detect_format(source: Source) -> str:
         return matches[0]
     where = source.location.raw
     if not matches:
-        nested = source.target is None and any(
-            "/" in name and any(p.fullmatch(name.rsplit("/", 1)[1]) for p in DETECT_NAMES.values())
-            for name in source.files
-        )
-        if nested:
-            # a run folder, a folder of runs, or one of saves (`final/`, `best/`): which to
-            # pass instead, as `latest` and `prune` say it (the run scanner's naming rules)
-            from ..sources.runs.naming import refuse_parent_folder
-
-            refuse_parent_folder(where, source.files)
         root = source.storage.local_root
         parity = root / PARITY_DIR if root is not None and source.target is None else None
         if parity is not None and (parity / PARITY_MANIFEST).is_file():

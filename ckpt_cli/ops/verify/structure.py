@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...errors import CkptError
 from ...findings import problem_from_error
-from ...formats import choose_format, get_format
+from ...formats import get_format
 from ...formats.base import Source
 from ...heap import gc_paused
 from ...models import Problem, ProblemList
@@ -14,6 +14,7 @@ from ...sources.layouts import (
     OpenedSource,
     SourceOpener,
     check_source,
+    format_of,
     recognise_layout,
     single_layout_missing,
 )
@@ -44,7 +45,7 @@ def structure_checks(
         training = opened.training
         name = training.layout if training else opened.checkpoint.manifest.format
         return name, source, ProblemList(check_source(source, opened=opened))
-    name = choose_format(source, format)
+    name = format_of(source, format)
     fmt = get_format(name)
     # SRC named the .metadata or one .distcp file: the checkpoint is the folder
     source = fmt.checkpoint_source(source)

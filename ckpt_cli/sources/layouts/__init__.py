@@ -50,11 +50,11 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import CkptError
 from ...findings import problem_from_error
-from ...formats import detect_format, get_format, resolve_source
+from ...formats import get_format, resolve_source
 from ...formats.base import Source
 from ...formats.names import DCP_METADATA
 from ...models import Problem
-from .base import REQUIRED, Layout, OpenedSource, SingleLayout, open_plain
+from .base import REQUIRED, Layout, OpenedSource, SingleLayout, format_of, open_plain
 from .model_folders import LayoutInfo
 
 if TYPE_CHECKING:
@@ -102,6 +102,7 @@ __all__ = [
     "folder_layout",
     "folder_layout_named",
     "folder_layout_of",
+    "format_of",
     "layout_named",
     "open_plain",
     "open_source",
@@ -310,7 +311,7 @@ def check_source(
         if opened is None and format is None:
             opened = _open_layout(source)
         if opened is None:
-            name = format or detect_format(source)
+            name = format_of(source, format)
             return list(get_format(name).check(source))
     except CkptError as error:
         return [problem_from_error(error, file=error.path or where)]

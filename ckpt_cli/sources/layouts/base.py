@@ -159,12 +159,26 @@ class Layout(ABC):
         return int(match.group(1)) if match else None
 
 
+def format_of(source: Source, format: str | None = None) -> str:
+    """The format token to read `source` as (`formats.choose_format`: `format`, else the one
+    detected). A folder whose checkpoints are all in subfolders is refused first, as a usage
+    error naming what to pass instead, in the words `latest` and `prune` use (a run folder, a
+    folder of runs, a folder of saves such as `final/` and `best/`)."""
+    from ...formats import STORAGE_NAMES, choose_format, holds_only_nested_checkpoints
+
+    if (format is None or format in STORAGE_NAMES) and holds_only_nested_checkpoints(source):
+        from ..runs.naming import refuse_parent_folder
+
+        refuse_parent_folder(source.location.raw, source.files)
+    return choose_format(source, format)
+
+
 def open_plain(source: Source, format: str | None = None) -> Checkpoint:
     """`formats.open_checkpoint` for a source already resolved: read as one format, `format`
     (a token) overriding detection; no training layout is looked for."""
-    from ...formats import choose_format, get_format
+    from ...formats import get_format
 
-    checkpoint = get_format(choose_format(source, format)).open(source)
+    checkpoint = get_format(format_of(source, format)).open(source)
     if source.origin:
         checkpoint.manifest.details.update(source.origin)
     return checkpoint
