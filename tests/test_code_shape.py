@@ -582,3 +582,67 @@ def test_every_problem_says_its_fix() -> None:
         for site in problems_without_a_fix(ast.parse(path.read_text(), str(path)), path)
     ]
     assert not found, "Problems without fix=:\n" + "\n".join(found)
+
+
+#: what each layer of the house (shared/DESIGN.md's layout) may not import: the face above the
+#: library, the operations above what they operate on, the sources above the formats they read,
+#: the formats above the storage they read through. `formats.names`, the file names every layer
+#: speaks of (it imports nothing), is the one module of a higher layer the storage layer reads.
+SHARED_VOCABULARY = ("ckpt_cli.formats.names",)
+LAYERS_ABOVE = {
+    "ckpt_cli.storage": ("ckpt_cli.formats", "ckpt_cli.sources", "ckpt_cli.ops", "ckpt_cli.cli"),
+    "ckpt_cli.formats": ("ckpt_cli.sources", "ckpt_cli.ops", "ckpt_cli.cli"),
+    "ckpt_cli.quant": ("ckpt_cli.sources", "ckpt_cli.ops", "ckpt_cli.cli"),
+    "ckpt_cli.sources": ("ckpt_cli.ops", "ckpt_cli.cli"),
+    "ckpt_cli.ops": ("ckpt_cli.cli",),
+}
+
+
+def upward_imports(source: str, path: Path) -> list[str]:
+    """Each import in `source` (the module at `path`) of a layer above the module's own, lazy
+    imports inside functions included."""
+    module = _module_name(path)
+    above = next(
+        (
+            banned
+            for layer, banned in LAYERS_ABOVE.items()
+            if (module + ".").startswith(layer + ".")
+        ),
+        (),
+    )
+    place = path.relative_to(PACKAGE.parent)
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.ImportFrom):
+            names = [_imported_from(node, path)]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [
+            f"{place}:{node.lineno}: imports {name}"
+            for name in names
+            if any((name + ".").startswith(layer + ".") for layer in above)
+            and name not in SHARED_VOCABULARY
+        ]
+    return found
+
+
+def test_the_upward_import_scan_sees_lazy_imports() -> None:
+    inner = PACKAGE / "formats" / "__init__.py"
+    code = "def detect():\n    from ..sources.runs.naming import refuse_parent_folder\n"
+    assert upward_imports(code, inner) == [
+        "ckpt_cli/formats/__init__.py:2: imports ckpt_cli.sources.runs.naming"
+    ]
+    assert (
+        upward_imports("from ..formats import get_format\n", PACKAGE / "ops" / "inspect.py") == []
+    )
+
+
+def test_no_layer_imports_a_layer_above_it() -> None:
+    found = [
+        use
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for use in upward_imports(path.read_text(), path)
+    ]
+    assert not found, "a lower layer reaches up (shared/DESIGN.md's layout):\n" + "\n".join(found)

@@ -24,7 +24,6 @@ from ...progress import NULL_PROGRESS, Progress
 from ...quant import QuantAnalysis
 from ...sizes import parse_size
 from ...sources.layouts import OpenedSource, folder_layout_named, open_source
-from ...sources.layouts.megatron import keep_megatron_layout
 from ...sources.layouts.model_folders import Component
 from ...storage.output import Destination, check_destination, resolve_destination
 from ..shared.architecture import (
@@ -35,6 +34,7 @@ from ..shared.architecture import (
     refuse_adapter,
     source_config,
 )
+from ..shared.megatron import keep_megatron_layout
 from ..shared.selection import unmatched_rules, unreadable_left_out
 from ..shared.transfer import (
     SkippedEntry,

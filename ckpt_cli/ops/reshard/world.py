@@ -50,9 +50,9 @@ from ...models import Chunk, Entry, FileInfo, Manifest, TrainingState
 from ...progress import NULL_PROGRESS, CountingProgress, Progress
 from ...sources.layouts import ckpt_record
 from ...sources.layouts.base import open_plain
-from ...sources.layouts.megatron import keep_megatron_layout
 from ...storage.output import check_destination
 from ..convert.plan import NO_COMPRESSION, guard_paths, local_dest, output_warnings
+from ..shared.megatron import keep_megatron_layout
 from ..shared.transfer import (
     Item,
     TransferPlan,

@@ -8,8 +8,8 @@ Megatron-Core's `dist_checkpointing.save` (the `torch_dist` backend) writes a re
 plain DCP those keys would land inside the `.distcp` files and Megatron's own loader fails
 ("no common.pt"); so when the source is a Megatron save and the output is DCP, the common
 entries are left out of the DCP and the source's `common.pt` and `metadata.json` are copied
-unchanged, published atomically with the rest (`keep_megatron_layout` is the hook convert and
-reshard call).
+unchanged, published atomically with the rest (`ops.shared.megatron.keep_megatron_layout` is
+the hook convert and reshard call).
 
 The copy is verbatim because the common state is not sharded: resharding or converting the
 tensors never changes it, and its nested structure (`args` as one dict) is what Megatron's
@@ -27,8 +27,6 @@ from ...formats.details import DcpDetails
 
 if TYPE_CHECKING:
     from ...formats.base import Checkpoint
-    from ...models import Entry
-    from ...ops.shared.transfer import TransferPlan
 
 #: Megatron-Core's own files beside the DCP ones
 MEGATRON_FILES = ("common.pt", "metadata.json")
@@ -47,33 +45,13 @@ def _common_entries(checkpoint: Checkpoint) -> set[str] | None:
     return {e.name for e in manifest.entries if e.file == MEGATRON_FILES[0] and e.offset is None}
 
 
-def keep_megatron_layout(
-    checkpoint: Checkpoint, plan: TransferPlan | list[Entry], to: str
-) -> list[str]:
-    """Keep a Megatron-Core torch_dist source one in a DCP output.
-
-    `plan` is a `TransferPlan` (convert) or a list of entries (reshard). When the source is a
-    Megatron save, the output is DCP and every common entry is kept under its own name, the
-    common entries are removed from `plan` (in place) and the source files to copy into the
-    output (`common.pt`, `metadata.json`) are returned; otherwise `plan` is untouched and the
-    result is empty.
-    """
+def common_entries_to_keep(checkpoint: Checkpoint, to: str) -> set[str]:
+    """The entries of a Megatron-Core save's `common.pt` that an output in format `to` keeps as
+    the source's own files (`MEGATRON_FILES`, copied verbatim): every one when `to` reads the
+    layout back (DCP) and the source is such a save with both of its files, else none."""
     from ...formats import find_format
 
     target = find_format(to)
     if target is None or MEGATRON_LAYOUT not in target.layout_files:  # only DCP reads it back
-        return []
-    common = _common_entries(checkpoint)
-    if not common:
-        return []
-    if isinstance(plan, list):
-        kept = {e.name: e.name for e in plan}
-    else:
-        kept = {i.source.name: i.target.name for i in plan.items}
-    if any(kept.get(name) != name for name in common):
-        return []  # a filter dropped or renamed common state: no faithful common.pt
-    if isinstance(plan, list):
-        plan[:] = [e for e in plan if e.name not in common]
-    else:
-        plan.items = [i for i in plan.items if i.source.name not in common]
-    return list(MEGATRON_FILES)
+        return set()
+    return _common_entries(checkpoint) or set()
