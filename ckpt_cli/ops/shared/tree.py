@@ -117,19 +117,12 @@ def build_tree(entries: list[Entry]) -> list[TreeNode]:
 def collapse_chains(node: TreeNode) -> TreeNode:
     """Join single-child chains (`model` -> `model.embed_tokens.weight`) to save lines."""
     children = [collapse_chains(c) for c in node.children]
-    if (
-        len(children) == 1
-        and children[0].children
-        and (node.tensors, node.objects) == (children[0].tensors, children[0].objects)
+    # a node that holds an entry of its own (`0` beside `1.a`) counts more than its only child,
+    # and is never folded away
+    if len(children) == 1 and (node.tensors, node.objects) == (
+        children[0].tensors,
+        children[0].objects,
     ):
-        only = children[0]
-        return only.model_copy(update={"name": f"{node.name}.{only.name}"})
-    if (
-        len(children) == 1
-        and not children[0].children
-        and (node.tensors, node.objects) == (children[0].tensors, children[0].objects)
-    ):
-        # a node that holds an entry of its own (`0` beside `1.a`) is never folded away
         only = children[0]
         return only.model_copy(update={"name": f"{node.name}.{only.name}"})
     return node.model_copy(update={"children": children})
