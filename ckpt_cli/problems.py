@@ -110,6 +110,11 @@ CODES: dict[str, Code] = _codes(
     Code("misaligned", _E, "a sub-byte (F4/F6) tensor whose bits do not end on a byte boundary"),
     Code("misaligned_tensor", _E, "a GGUF tensor whose offset breaks the file's alignment"),
     Code("missing_split", _E, "a split GGUF file is missing"),
+    Code(
+        "noncontiguous_tensors",
+        _E,
+        "a GGUF file's tensor data out of order or with gaps (llama.cpp's loader refuses it)",
+    ),
     Code("overlap", _E, "two tensors' bytes overlap in a safetensors file"),
     Code("overlapping_tensors", _E, "two tensors' bytes overlap in a GGUF file"),
     Code("size_mismatch", _E, "a tensor's byte range does not match its dtype and shape"),

@@ -596,3 +596,83 @@ def test_a_misaligned_tensor_is_refused_by_every_command_as_verify_finds_it(
     assert refused.exit_code == 4, refused.stdout
     assert "bad.gguf: tensor 'c' starts at" in refused.stderr and "llama.cpp" in refused.stderr
     assert not out.exists()
+
+
+def _offset_at(path: Path, name: str) -> tuple[int, int]:
+    """(where tensor `name`'s data offset lies in the header, the offset): its info's last part."""
+    reader = _reader(path)
+    (tensor,) = [t for t in reader.tensors if t.name == name]
+    at = tensor.field.offset + sum(part.nbytes for part in tensor.field.parts[:-1])
+    return at, int(tensor.data_offset - reader.data_offset)
+
+
+def test_tensors_out_of_order_or_with_gaps_are_reported_as_llama_cpp_refuses_them(
+    tmp_path: Path,
+) -> None:
+    """llama.cpp's loader (ggml's gguf.cpp) refuses a file whose tensor data does not follow
+    the tensor infos' order, each tensor starting where the previous one ends padded to the
+    alignment ("tensor 'b' has offset 0, expected 32"), but `verify` said OK and `inspect`
+    nothing. Every tensor's bytes are still its own (gguf's reader reads them all), so
+    `verify` fails with `noncontiguous_tensors`, `inspect` shows the file with that warning and
+    exits 4 (as for a malformed safetensors file), and `convert` writes the values, saying
+    the source is one llama.cpp refuses."""
+    import struct
+
+    tensors = {
+        "a": np.arange(8, dtype=np.float32),
+        "b": np.arange(8, dtype=np.float32) + 100,
+        "c": np.arange(4, dtype=np.float32) - 7,
+    }
+    good = _write(tmp_path / "good.gguf", tensors)
+    start = _reader(good).data_offset
+    # out of order: a's and b's bytes trade places, and so do their offsets
+    data = bytearray(good.read_bytes())
+    (at_a, off_a), (at_b, off_b) = _offset_at(good, "a"), _offset_at(good, "b")
+    struct.pack_into("<Q", data, at_a, off_b)
+    struct.pack_into("<Q", data, at_b, off_a)
+    bytes_a = data[start + off_a : start + off_a + 32]
+    data[start + off_a : start + off_a + 32] = data[start + off_b : start + off_b + 32]
+    data[start + off_b : start + off_b + 32] = bytes_a
+    swapped = tmp_path / "swapped.gguf"
+    swapped.write_bytes(bytes(data))
+    # a gap: 64 unused bytes before c's data, its offset moved past them
+    data = bytearray(good.read_bytes())
+    at_c, off_c = _offset_at(good, "c")
+    struct.pack_into("<Q", data, at_c, off_c + 64)
+    data[start + off_c : start + off_c] = bytes(64)
+    gapped = tmp_path / "gapped.gguf"
+    gapped.write_bytes(bytes(data))
+
+    for bad, name, found, expected in (
+        (swapped, "a", off_b, 0),
+        (gapped, "c", off_c + 64, off_c),
+    ):
+        # the ground truth: gguf's reader reads every tensor's own values
+        read = {t.name: np.array(t.data) for t in _reader(bad).tensors}
+        for key, array in tensors.items():
+            assert np.array_equal(read[key], array), (bad, key)
+        result = run_ckpt("verify", bad, "--json")
+        assert result.exit_code == 1, result.stdout
+        (problem,) = result.json["result"]["problems"]
+        assert (problem["code"], problem["tensor"]) == ("noncontiguous_tensors", name)
+        assert f"at data offset {found:,}" in problem["message"]
+        assert f"expects {expected:,}" in problem["message"]
+        assert "llama.cpp" in problem["message"] and problem["fix"]
+        seen = run_ckpt("inspect", bad, "--json")
+        assert seen.exit_code == 4, seen.stderr
+        assert len(seen.json["result"]["entries"]) == 3
+        codes = [p["code"] for p in seen.json["result"]["problems"]]
+        assert codes == ["noncontiguous_tensors"]
+        human = run_ckpt("inspect", bad)
+        assert "noncontiguous_tensors" in human.stderr and "llama.cpp" in human.stderr
+        out = tmp_path / f"{bad.stem}.safetensors"
+        converted = run_ckpt("convert", bad, out, "--to", "safetensors", "--json")
+        assert converted.exit_code == 0, converted.stdout
+        (warning,) = converted.json["result"]["warnings"]
+        assert "noncontiguous" not in warning and "llama.cpp's loader expects" in warning
+        got = load_file(out)
+        for key, array in tensors.items():
+            assert torch.equal(got[key], torch.from_numpy(array)), (bad, key)
+    # gguf's writer lays tensors out in order: nothing to say
+    assert run_ckpt("verify", good).exit_code == 0
+    assert run_ckpt("inspect", good, "--json").json["result"]["problems"] == []

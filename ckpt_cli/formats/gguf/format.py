@@ -70,6 +70,9 @@ PROBLEM_FIXES = {
     "misaligned_tensor": _CORRUPT_FIX,
     "overlapping_tensors": _CORRUPT_FIX,
     "duplicate_tensor": _CORRUPT_FIX,
+    "noncontiguous_tensors": "llama.cpp cannot load the file as it is; every tensor is still "
+    "readable: rewrite it in order with the gguf package (`gguf-new-metadata IN.gguf OUT.gguf` "
+    "copies the tensors one after another), or convert the model to GGUF again.",
     "split_count_mismatch": _SPLIT_SET_FIX,
     "split_tensor_count": _SPLIT_SET_FIX,
 }
@@ -365,10 +368,12 @@ def _field(reader: Any, key: str) -> Any:
 @dataclass(frozen=True)
 class _Parsed:
     """What an opened GGUF checkpoint keeps besides its manifest: the files written
-    big-endian, and the model's metadata as `diff` compares it (`_comparable`)."""
+    big-endian, the model's metadata as `diff` compares it (`_comparable`), and the problems
+    found that leave every tensor readable (`GgufCheckpoint.tolerated`)."""
 
     big_endian: frozenset[str]
     metadata: dict[str, str]
+    tolerated: list[Problem] = field(default_factory=list)
 
 
 #: metadata keys about the files, not the model (a split set and its merged file differ there)
@@ -460,6 +465,9 @@ class GgufCheckpoint(Checkpoint):
         super().__init__(source, manifest)
         self.big_endian = big_endian
         self.metadata = metadata or {}
+        #: what `verify` reports that leaves every tensor readable (`noncontiguous_tensors`:
+        #: llama.cpp refuses the file); `inspect` warns of it
+        self.tolerated: list[Problem] = []
 
     def model_metadata(self) -> dict[str, str] | None:
         return self.metadata
@@ -638,6 +646,8 @@ class GgufFormat(Format):
         version = None
         big_endian: set[str] = set()
         compared: dict[str, str] = {}
+        #: what llama.cpp refuses but leaves every tensor's bytes its own (out of order, gaps)
+        tolerated: list[Problem] = []
         for rel in files:
             local = source.storage.local_path(rel)
             if local is None:
@@ -726,6 +736,9 @@ class GgufFormat(Format):
                             py_type=f"gguf {qtype} tensor {shape}",
                         )
                     )
+            broken = any(p.file == described for p in problems)
+            if not broken:  # a tensor past the end or misaligned says more
+                tolerated.extend(_out_of_order(reader, alignment, described))
             spans.sort()
             for (_, end, a), (start, _, b) in itertools.pairwise(spans):
                 if start < end:
@@ -739,6 +752,7 @@ class GgufFormat(Format):
                             fix=PROBLEM_FIXES["overlapping_tensors"],
                         )
                     )
+                    tolerated = [p for p in tolerated if p.file != described]
             infos.append(FileInfo(path=rel, size=size, entries=len(reader.tensors)))
         if split_count is not None or any(SPLIT.match(f.rsplit("/", 1)[-1]) for f in files):
             problems.extend(_split_problems(source, files, split_count, split_tensors, entries))
@@ -773,7 +787,8 @@ class GgufFormat(Format):
             entries=entries,
             details=details.as_details(),
         )
-        return manifest, problems, _Parsed(frozenset(big_endian), compared)
+        problems.extend(tolerated)
+        return manifest, problems, _Parsed(frozenset(big_endian), compared, tolerated)
 
     @classmethod
     def open(cls, source: Source) -> GgufCheckpoint:
@@ -786,7 +801,9 @@ class GgufFormat(Format):
             first = errors[0]
             message = first.message.removeprefix(f"{first.file}: ")  # the path leads anyway
             raise FormatError(message, path=first.file, fix=first.fix)
-        return GgufCheckpoint(source, manifest, parsed.big_endian, parsed.metadata)
+        checkpoint = GgufCheckpoint(source, manifest, parsed.big_endian, parsed.metadata)
+        checkpoint.tolerated = parsed.tolerated
+        return checkpoint
 
     @classmethod
     def check(cls, source: Source) -> list[Problem]:
@@ -797,6 +814,34 @@ class GgufFormat(Format):
         except (FormatError, NotFoundError) as error:
             return [problem_from_error(error)]
         return problems
+
+
+def _out_of_order(reader: Any, alignment: int, where: str) -> list[Problem]:
+    """`noncontiguous_tensors` for the first tensor of a file whose data does not start where
+    llama.cpp's loader expects it: ggml's gguf.cpp requires each tensor's offset (relative to
+    the data section) to be the sum of the sizes, each padded to the alignment, of the tensors
+    listed before it, and refuses the file otherwise ("tensor 'x' has offset N, expected M").
+    Tensors out of order and gaps between them break that rule; overlaps and misalignment,
+    reported on their own, too."""
+    expected = 0
+    for tensor in reader.tensors:
+        offset = int(tensor.data_offset) - int(reader.data_offset)
+        if offset != expected:
+            return [
+                Problem(
+                    code="noncontiguous_tensors",
+                    message=f"{where}: tensor {tensor.name!r} lies at data offset {offset:,}, "
+                    f"where llama.cpp's loader expects {expected:,}: the tensors' data is "
+                    "out of order or has gaps (each tensor must follow the one listed before "
+                    f"it, padded to the alignment {alignment}); "
+                    "llama.cpp's loader refuses such a file, the gguf package reads it",
+                    file=where,
+                    tensor=tensor.name,
+                    fix=PROBLEM_FIXES["noncontiguous_tensors"],
+                )
+            ]
+        expected += -(-int(tensor.n_bytes) // alignment) * alignment
+    return []
 
 
 def _truncated(file: str, name: str, end: int, size: int) -> Problem:
