@@ -676,3 +676,140 @@ def test_tensors_out_of_order_or_with_gaps_are_reported_as_llama_cpp_refuses_the
     # gguf's writer lays tensors out in order: nothing to say
     assert run_ckpt("verify", good).exit_code == 0
     assert run_ckpt("inspect", good, "--json").json["result"]["problems"] == []
+
+
+def _k_blocks(kind: str, rows: int, seed: int) -> np.ndarray:
+    """`rows` rows of 256 values of K-quant `kind` blocks (gguf's numpy code cannot quantize
+    them): random quants and scales with plausible fp16 `d` (and `dmin`) fields."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-2, (rows, 2)).astype("<f2").view(np.uint8)
+    if kind == "Q6_K":
+        blocks[:, 208:210] = scales[:, :2]  # d, last
+    else:
+        blocks[:, 0:4] = scales  # d, dmin, first
+    return blocks
+
+
+def test_a_big_endian_gguf_of_quantized_tensors_is_read_as_llama_cpp_reads_it(
+    tmp_path: Path,
+) -> None:
+    """A big-endian GGUF's quantized blocks hold their fp16 scales big-endian: gguf's
+    gguf_convert_endian.py swaps them (Q4_0, Q8_0, Q4_K, Q6_K) and llama.cpp on s390x reads
+    them natively. `diff` called such a file different from the little-endian one it came from
+    (every quantized tensor), and `verify --deep` could not decode it (`not_checked`). Each
+    block's multi-byte fields are now read as little-endian before they are compared or
+    decoded, so both files are the same model and a damaged scale is found."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    little = tmp_path / "little.gguf"
+    writer = gguf.GGUFWriter(str(little), "llama")
+    for kind in ("Q8_0", "Q4_0"):
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(f"blk.0.{kind}.weight", quantize(x, qtype), raw_dtype=qtype)
+    for seed, kind in enumerate(("Q4_K", "Q6_K")):
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(f"blk.0.{kind}.weight", _k_blocks(kind, 4, seed), raw_dtype=qtype)
+    writer.add_tensor("output_norm.weight", x[0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def to_order(path: Path, order: str) -> Path:
+        """`path` converted in place by gguf's own gguf_convert_endian.py."""
+        proc = subprocess.run(
+            [sys.executable, "-m", "gguf.scripts.gguf_convert_endian", str(path), order],
+            input=b"YES\n",
+            capture_output=True,
+            env=torchrun_env(),
+        )
+        assert proc.returncode == 0, proc.stderr
+        return path
+
+    big = to_order(shutil.copy(little, tmp_path / "big.gguf"), "big")
+    assert big.read_bytes() != little.read_bytes()
+    q8 = _reader(big).tensors[0]
+    assert q8.tensor_type.name == "Q8_0"
+    # the ground truth of the byte order: the Q8_0 scales are stored swapped
+    stored = np.array(q8.data).reshape(-1, 34)[:, :2]
+    original = np.array(_reader(little).tensors[0].data).reshape(-1, 34)[:, :2]
+    assert np.array_equal(stored, original[:, ::-1])
+    # and swapped back by the same tool, the file is the little-endian one again
+    back = to_order(shutil.copy(big, tmp_path / "back.gguf"), "little")
+    assert back.read_bytes() == little.read_bytes()
+
+    same = run_ckpt("diff", little, big, "--json")
+    assert same.exit_code == 0, same.stdout
+    assert same.json["result"]["equal"] == 5
+    deep = run_ckpt("verify", big, "--deep", "--json")
+    assert deep.exit_code == 0, deep.stdout
+    assert deep.json["result"]["problems"] == []
+
+    # a Q8_0 scale turned Inf, written big-endian as llama.cpp on s390x would read it
+    data = bytearray(big.read_bytes())
+    at = q8.data_offset + 34  # the second block's scale
+    data[at : at + 2] = np.array([np.inf], dtype=">f2").tobytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    fixed = to_order(shutil.copy(bad, tmp_path / "bad-little.gguf"), "little")
+    broken = _reader(fixed).tensors[0]
+    with np.errstate(all="ignore"):
+        assert np.isinf(dequantize(np.array(broken.data), broken.tensor_type)).sum() > 0
+    result = run_ckpt("verify", bad, "--deep", "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert (problem["code"], problem["tensor"]) == ("nonfinite", "blk.0.Q8_0.weight")
+    differs = run_ckpt("diff", little, bad, "--json")
+    assert differs.exit_code == 1
+    assert [d["name"] for d in differs.json["result"]["differences"]] == ["blk.0.Q8_0.weight"]
+
+
+def test_a_big_endian_gguf_whose_blocks_were_written_little_endian_is_named(
+    tmp_path: Path,
+) -> None:
+    """gguf's GGUFWriter(endianess=BIG) on a little-endian machine copies quantized blocks as
+    they are: their fp16 scales stay little-endian in a big-endian file, which llama.cpp on a
+    big-endian machine (and gguf_convert_endian.py) reads as NaN and huge values. `verify
+    --deep` says so, and how to write the file instead, rather than "resume from an earlier
+    checkpoint"."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    x = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)
+    q8 = quantize(x, gguf.GGMLQuantizationType.Q8_0)
+    big = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(big), "llama", endianess=gguf.GGUFEndian.BIG)
+    writer.add_tensor("blk.0.attn_q.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    # the ground truth: the blocks are stored as the little-endian quantizer made them, and
+    # gguf's own byte-order tool, reading the file as big-endian, finds NaN in them
+    assert np.array_equal(np.array(_reader(big).tensors[0].data), q8)
+    little = shutil.copy(big, tmp_path / "little.gguf")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gguf.scripts.gguf_convert_endian", str(little), "little"],
+        input=b"YES\n",
+        capture_output=True,
+        env=torchrun_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    tensor = _reader(little).tensors[0]
+    with np.errstate(all="ignore"):
+        assert np.isnan(dequantize(np.array(tensor.data), tensor.tensor_type)).sum() > 32
+
+    result = run_ckpt("verify", big, "--deep", "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert (problem["code"], problem["tensor"]) == ("nonfinite", "blk.0.attn_q.weight")
+    assert "written little-endian into a big-endian file" in problem["message"]
+    assert "GGUFWriter(endianess=BIG)" in problem["message"]
+    assert "gguf-convert-endian" in problem["fix"] and "earlier checkpoint" not in problem["fix"]

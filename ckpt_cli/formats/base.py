@@ -202,6 +202,12 @@ class Checkpoint(ABC):
         only be read whole)."""
         return None
 
+    def stored_nonfinite_cause(self, name: str) -> tuple[str, str] | None:
+        """(what, fix) when the NaN or Inf `stored_nonfinite` found in entry `name` come from
+        how it was written rather than from damaged values (a big-endian GGUF whose blocks
+        were written little-endian); None otherwise. Asked after `stored_nonfinite`."""
+        return None
+
     def local_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
         """Where the raw C-order bytes of tensor `name` lie in local files, as consecutive
         `(path, offset, length)` segments, when `serves_raw(name)` and every byte is in a local

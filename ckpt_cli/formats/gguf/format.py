@@ -10,7 +10,9 @@ is what llama.cpp's own converters write. Quantized tensors (Q4_K, Q8_0, IQ...) 
 non-tensor entries named like their tensor, with their quantization type, shape and size:
 `convert` reports them as skipped (ckpt does not dequantize), never drops them silently.
 A big-endian file's tensors are byte-swapped element by element as they stream (never copied
-in the kernel), so every output holds the values `GGUFReader` reads.
+in the kernel), so every output holds the values `GGUFReader` reads; its quantized blocks are
+served with their multi-byte fields swapped to little-endian (`BLOCK_FIELDS`), as llama.cpp on a
+big-endian machine reads them.
 
 Split files are one checkpoint, named by their folder or by any one of them: every
 `-0000k-of-0000n.gguf` must be present and agree on `split.count`, and together hold
@@ -468,6 +470,9 @@ class GgufCheckpoint(Checkpoint):
         #: what `verify` reports that leaves every tensor readable (`noncontiguous_tensors`:
         #: llama.cpp refuses the file); `inspect` warns of it
         self.tolerated: list[Problem] = []
+        #: quantized tensors of a big-endian file that decode non-finite read big-endian and
+        #: cleanly as stored (`stored_nonfinite_cause`)
+        self._little_endian_blocks: set[str] = set()
 
     def model_metadata(self) -> dict[str, str] | None:
         return self.metadata
@@ -509,28 +514,75 @@ class GgufCheckpoint(Checkpoint):
             return None  # the bytes in the file are not the C-order bytes: never copied as is
         return super().local_ranges(name)
 
+    def _big_endian_blocks(self, entry: Entry) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+        """(block bytes, multi-byte fields) of a quantized tensor of a big-endian file whose
+        block layout ckpt knows (`BLOCK_FIELDS`); None for any other entry."""
+        if entry.file not in self.big_endian or entry.kind == "tensor":
+            return None
+        fields = BLOCK_FIELDS.get(entry.dtype or "")
+        sizes = _sizes_by_name().get(entry.dtype or "")
+        if fields is None or sizes is None:
+            return None
+        return sizes[1], fields
+
     def stored_as(self, name: str) -> str | None:
         entry = self.manifest.by_name.get(name)
         if entry is None or entry.kind == "tensor" or entry.offset is None:
             return None
         form = (entry.py_type or "").removeprefix("gguf ")
-        return f"{form}, big-endian" if entry.file in self.big_endian else form
+        if entry.file not in self.big_endian or self._big_endian_blocks(entry) is not None:
+            return form  # served as little-endian blocks (`iter_stored`)
+        return f"{form}, big-endian"
 
     def iter_stored(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
+        """The stored bytes of a quantized tensor; a big-endian file's blocks with their
+        multi-byte fields (fp16 scales...) swapped to little-endian, as a little-endian file
+        of the same model holds them, where ckpt knows the block layout."""
         entry = self.manifest.by_name[name]
         if self.stored_as(name) is None or entry.file is None or entry.offset is None:
             yield from super().iter_stored(name, block)
             return
-        done = 0
-        while done < entry.nbytes:
-            n = min(block, entry.nbytes - done)
-            yield self.storage.read(entry.file, entry.offset + done, n)
-            done += n
+        layout = self._big_endian_blocks(entry)
+        if layout is not None:
+            block = max(block // layout[0], 1) * layout[0]  # whole blocks, swapped in place
+        for data in self._iter_as_stored(entry, block):
+            yield data if layout is None else swap_block_fields(data, *layout)
 
     def stored_nonfinite(self, name: str) -> tuple[int, int, int, int] | None:
         entry = self.manifest.by_name[name]
-        if self.stored_as(name) is None or entry.file in self.big_endian:
+        if self.stored_as(name) is None:
+            return None
+        if entry.file in self.big_endian and self._big_endian_blocks(entry) is None:
             return None  # gguf's dequantization reads little-endian blocks only
+        found = self._decoded_counts(name, swapped=True)
+        # more than one block's worth of NaN and Inf (damage hits a block; a 16-bit scale
+        # read in the wrong byte order is NaN or Inf in one block of 32), none read as stored
+        per_block = _sizes_by_name().get(entry.dtype or "", (0, 0))[0]
+        if found is not None and found[2] + found[3] > per_block and self._big_endian_blocks(entry):
+            as_stored = self._decoded_counts(name, swapped=False)
+            if as_stored is not None and not (as_stored[2] or as_stored[3]):
+                self._little_endian_blocks.add(name)
+        return found
+
+    def stored_nonfinite_cause(self, name: str) -> tuple[str, str] | None:
+        if name not in self._little_endian_blocks:
+            return None
+        return (
+            "its blocks' scales read big-endian, as llama.cpp on a big-endian machine reads "
+            "this big-endian file; read little-endian they hold no NaN or Inf: the blocks were "
+            "written little-endian into a big-endian file (the gguf package's "
+            "GGUFWriter(endianess=BIG) on a little-endian machine copies quantized blocks as "
+            "they are)",
+            "Write the file little-endian and convert it with gguf's gguf_convert_endian.py "
+            "(`gguf-convert-endian MODEL.gguf big`), which swaps the blocks' scales, or "
+            "quantize on the big-endian machine itself.",
+        )
+
+    def _decoded_counts(self, name: str, *, swapped: bool) -> tuple[int, int, int, int] | None:
+        """(bytes read, values, NaN, Inf) of quantized tensor `name` decoded block by block
+        with gguf's dequantization; a big-endian file's blocks read swapped to little-endian
+        (`iter_stored`) or, with `swapped` False, as they lie in the file."""
+        entry = self.manifest.by_name[name]
         qtype = (entry.py_type or "").split()[1:2]
         try:
             import numpy as np
@@ -544,7 +596,8 @@ class GgufCheckpoint(Checkpoint):
         read = values = nan = inf = 0
         # whole blocks at a time, a few MiB of float32 each
         step = max(_DECODE_BYTES // type_size, 1) * type_size
-        for data in self.iter_stored(name, step):
+        blocks = self.iter_stored(name, step) if swapped else self._iter_as_stored(entry, step)
+        for data in blocks:
             read += len(data)
             cut = len(data) - len(data) % type_size
             if not cut:
@@ -558,6 +611,15 @@ class GgufCheckpoint(Checkpoint):
             nan += int(np.isnan(decoded).sum())
             inf += int(np.isinf(decoded).sum())
         return read, values, nan, inf
+
+    def _iter_as_stored(self, entry: Entry, block: int) -> Iterator[bytes]:
+        """Entry's bytes as they lie in its file, in blocks of `block` bytes."""
+        assert entry.file is not None and entry.offset is not None
+        done = 0
+        while done < entry.nbytes:
+            n = min(block, entry.nbytes - done)
+            yield self.storage.read(entry.file, entry.offset + done, n)
+            done += n
 
     def read_object(self, name: str) -> Any:
         entry = self.manifest.by_name.get(name)
@@ -583,6 +645,50 @@ def byteswap(data: bytes, size: int) -> bytes:
     import numpy as np
 
     return np.frombuffer(data, dtype=f"<u{size}").byteswap().tobytes()
+
+
+#: the multi-byte fields, (offset, bytes), of each quantized block type whose layout ckpt knows
+#: (ggml's `block_q8_0`... structs): a big-endian GGUF holds them big-endian, as llama.cpp on
+#: s390x reads them natively and gguf's gguf_convert_endian.py writes them (it swaps the fp16
+#: fields of Q4_0, Q8_0, Q4_K and Q6_K); the rest of a block is bytes, or packed bits. Q5_0 and
+#: Q5_1 keep their fifth bits as a 32-bit word (ggml copies it with memcpy). A type not here
+#: (IQ2_XS's 16-bit grid indices...) is compared as stored and not decoded.
+BLOCK_FIELDS: dict[str, tuple[tuple[int, int], ...]] = {
+    "Q4_0": ((0, 2),),
+    "Q4_1": ((0, 2), (2, 2)),
+    "Q5_0": ((0, 2), (2, 4)),
+    "Q5_1": ((0, 2), (2, 2), (4, 4)),
+    "Q8_0": ((0, 2),),
+    "Q2_K": ((80, 2), (82, 2)),
+    "Q3_K": ((108, 2),),
+    "Q4_K": ((0, 2), (2, 2)),
+    "Q5_K": ((0, 2), (2, 2)),
+    "Q6_K": ((208, 2),),
+    "MXFP4": (),
+}
+
+
+def _sizes_by_name() -> dict[str, tuple[int, int]]:
+    """GGML type name -> (elements per block, bytes per block), from the gguf package."""
+    try:
+        from gguf import GGML_QUANT_SIZES
+    except ImportError:  # pragma: no cover - declared in the gguf extra
+        return {}
+    return {kind.name: (int(n), int(size)) for kind, (n, size) in GGML_QUANT_SIZES.items()}
+
+
+def swap_block_fields(data: bytes, block: int, fields: tuple[tuple[int, int], ...]) -> bytes:
+    """`data` (whole `block`-byte quantized blocks, a partial one last left as it is) with each
+    block's `fields` byte-reversed (big- <-> little-endian)."""
+    import numpy as np
+
+    whole = len(data) - len(data) % block
+    if not fields or not whole:
+        return data
+    blocks = np.frombuffer(data, dtype=np.uint8, count=whole).reshape(-1, block).copy()
+    for start, size in fields:
+        blocks[:, start : start + size] = blocks[:, start : start + size][:, ::-1]
+    return blocks.tobytes() + data[whole:]
 
 
 def skip_reason(entry: Entry) -> str | None:

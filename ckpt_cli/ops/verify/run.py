@@ -609,7 +609,8 @@ def _deep_stored(
             )
         )
     else:
-        _nonfinite(report, problems, entry, file, nan, inf, values)
+        cause = checkpoint.stored_nonfinite_cause(entry.name) if nan or inf else None
+        _nonfinite(report, problems, entry, file, nan, inf, values, cause)
 
 
 def _nonfinite(
@@ -620,17 +621,22 @@ def _nonfinite(
     nan: int,
     inf: int,
     numel: int,
+    cause: tuple[str, str] | None = None,
 ) -> None:
+    """`nonfinite` for an entry holding NaN or Inf; `cause`, (what, fix), when the format
+    can tell how it was written wrong (`Checkpoint.stored_nonfinite_cause`)."""
     if nan or inf:
         report.nonfinite.append(TensorHealth(name=entry.name, file=file, nan=nan, inf=inf))
         problems.append(
             Problem(
                 code="nonfinite",
                 message=f"{file}: tensor {entry.name!r} holds {nan} NaN and {inf} Inf "
-                f"values (of {numel})",
+                f"values (of {numel})" + (f", {cause[0]}" if cause else ""),
                 file=file,
                 tensor=entry.name,
-                fix="Resume from an earlier checkpoint of the run, saved before the values "
+                fix=cause[1]
+                if cause
+                else "Resume from an earlier checkpoint of the run, saved before the values "
                 "went bad (`ckpt latest RUN_DIR` lists the complete ones); if this file is a "
                 "copy, compare it with the original (`ckpt diff ORIGINAL COPY`).",
             )
