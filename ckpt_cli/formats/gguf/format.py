@@ -96,9 +96,10 @@ _STRING, _ARRAY = 8, 9
 _MAX_NESTING = 8
 #: dimensions a tensor info may declare (ggml has 4)
 _MAX_DIMS = 8
-#: metadata keys, strings, arrays and tensor infos a header may hold: `GGUFReader` builds about
-#: a kilobyte of objects for each (a Llama 3 tokenizer's 408,000 strings: ~690 MB), so 3,000,000
-#: empty strings in a 48 MB file took it past 4 GB
+#: metadata keys, strings, arrays, array items and tensor infos a header may hold: `GGUFReader`
+#: builds about a kilobyte of objects for each (a Llama 3 tokenizer's 408,000 strings: ~690 MB;
+#: with its token types, 536,000 pieces), so 3,000,000 empty strings in a 48 MB file took it past
+#: 4 GB, and 5,000,000 floats in a 20 MB file 3.6 GB and 134 s
 MAX_PIECES = 1_000_000
 
 
@@ -113,15 +114,15 @@ class _Header:
         self.order = "<"
         self.pieces = 0
 
-    def piece(self) -> None:
-        """Count one piece the `gguf` reader builds an object for (a key, a string, an array, a
-        tensor info); FormatError past `MAX_PIECES`."""
-        self.pieces += 1
+    def piece(self, count: int = 1) -> None:
+        """Count `count` pieces the `gguf` reader builds an object for (a key, a string, an
+        array, an array item, a tensor info); FormatError past `MAX_PIECES`."""
+        self.pieces += count
         if self.pieces > MAX_PIECES:
             raise FormatError(
-                f"holds more than {MAX_PIECES:,} metadata keys, strings, arrays and tensor infos "
-                "(the gguf reader builds about a kilobyte for each; the largest tokenizers hold "
-                "about 500,000); ckpt refuses it (a hostile or corrupt file)",
+                f"holds more than {MAX_PIECES:,} metadata keys, strings, arrays, array items and "
+                "tensor infos (the gguf reader builds about a kilobyte for each; the largest "
+                "tokenizers hold about 800,000); ckpt refuses it (a hostile or corrupt file)",
                 path=self.where,
                 fix="The file is corrupt or crafted; download it again from its source.",
             )
@@ -178,6 +179,7 @@ class _Header:
             least = _VALUE_SIZES.get(item, 8 if item == _STRING else 12)
             n = self.count(f"the array {what}", least)
             if item in _VALUE_SIZES:
+                self.piece(n)  # the reader builds a view of each number too
                 self.take(n * _VALUE_SIZES[item], what)
             else:
                 for _ in range(n):
