@@ -124,6 +124,11 @@ CODES: dict[str, Code] = _codes(
         "a GGUF split's `split.count` disagrees with the count in its file names",
     ),
     Code(
+        "split_number_mismatch",
+        _E,
+        "a GGUF split's `split.no` is not its place in the set, as its file name gives it",
+    ),
+    Code(
         "split_tensor_count",
         _E,
         "the GGUF splits hold another number of tensors than `split.tensors.count` says",

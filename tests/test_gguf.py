@@ -813,3 +813,38 @@ def test_a_big_endian_gguf_whose_blocks_were_written_little_endian_is_named(
     assert "written little-endian into a big-endian file" in problem["message"]
     assert "GGUFWriter(endianess=BIG)" in problem["message"]
     assert "gguf-convert-endian" in problem["fix"] and "earlier checkpoint" not in problem["fix"]
+
+
+def test_split_files_whose_split_no_disagrees_with_their_names_are_found(
+    tmp_path: Path,
+) -> None:
+    """Two split files renamed into each other's places passed `verify`, though llama.cpp's
+    loader checks each file's `split.no` against its place in the set ("invalid split file
+    idx: 0 (file: m-00002-of-00002.gguf), expected 1"), and reads the model's metadata from
+    the first file: `split_number_mismatch`, naming both numbers."""
+    import gguf
+
+    for index in range(2):
+        writer = gguf.GGUFWriter(str(tmp_path / f"m-{index + 1:05d}-of-00002.gguf"), "llama")
+        writer.add_uint16("split.no", index)
+        writer.add_uint16("split.count", 2)
+        writer.add_int32("split.tensors.count", 2)
+        writer.add_tensor(f"blk.{index}.w", np.full(4, index, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    assert run_ckpt("verify", tmp_path).exit_code == 0
+    first, second = tmp_path / "m-00001-of-00002.gguf", tmp_path / "m-00002-of-00002.gguf"
+    first.rename(tmp_path / "swap")
+    second.rename(first)
+    (tmp_path / "swap").rename(second)
+    # the ground truth: gguf's reader sees each file's own split.no
+    assert _reader(second).fields["split.no"].contents() == 0
+    result = run_ckpt("verify", tmp_path, "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = result.json["result"]["problems"]
+    assert [p["code"] for p in problems] == ["split_number_mismatch"] * 2
+    assert problems[1]["file"].endswith("m-00002-of-00002.gguf")
+    assert "split.no is 0" in problems[1]["message"] and "split 2" in problems[1]["message"]
+    assert "llama.cpp" in problems[1]["message"] and problems[1]["fix"]

@@ -76,6 +76,9 @@ PROBLEM_FIXES = {
     "readable: rewrite it in order with the gguf package (`gguf-new-metadata IN.gguf OUT.gguf` "
     "copies the tensors one after another), or convert the model to GGUF again.",
     "split_count_mismatch": _SPLIT_SET_FIX,
+    "split_number_mismatch": "The split files were renamed, or come from different sets: give "
+    "each file the name its split.no says (split.no 0 is -00001-of-…), or download the whole set "
+    "again into a folder of its own.",
     "split_tensor_count": _SPLIT_SET_FIX,
 }
 #: what `check` finds that `open` refuses too: the tensors' bytes cannot be told apart
@@ -754,6 +757,7 @@ class GgufFormat(Format):
         version = None
         big_endian: set[str] = set()
         compared: dict[str, str] = {}
+        numbers: dict[str, int | None] = {}  # each file's split.no
         #: what llama.cpp refuses but leaves every tensor's bytes its own (out of order, gaps)
         tolerated: list[Problem] = []
         for rel in files:
@@ -783,6 +787,8 @@ class GgufFormat(Format):
                     kv[key] = _shown(value)
                     if not key.startswith(FILE_KEYS):
                         compared[key] = _comparable(value)
+            number = _field(reader, "split.no")
+            numbers[rel] = number if isinstance(number, int) else None
             count = _field(reader, "split.count")
             if isinstance(count, int):
                 split_count = count
@@ -864,6 +870,7 @@ class GgufFormat(Format):
             infos.append(FileInfo(path=rel, size=size, entries=len(reader.tensors)))
         if split_count is not None or any(SPLIT.match(f.rsplit("/", 1)[-1]) for f in files):
             problems.extend(_split_problems(source, files, split_count, split_tensors, entries))
+            problems.extend(_split_numbers(source, numbers))
         seen: set[str] = set()
         for entry in entries:
             if entry.name in seen:
@@ -961,6 +968,35 @@ def _truncated(file: str, name: str, end: int, size: int) -> Problem:
         tensor=name,
         fix=PROBLEM_FIXES["truncated"],
     )
+
+
+def _split_numbers(source: Source, numbers: dict[str, int | None]) -> list[Problem]:
+    """`split_number_mismatch` for each split file whose `split.no` is not its place in the
+    set, as its name gives it: llama.cpp's loader opens `-0000k-of-` as split k-1, refuses a
+    file whose `split.no` says otherwise ("invalid split file idx"; one with none past the
+    first, "missing key split.no"), and reads the model's metadata from the first file."""
+    problems: list[Problem] = []
+    for rel, number in numbers.items():
+        match = SPLIT.match(rel.rsplit("/", 1)[-1])
+        if match is None:
+            continue
+        place = int(match.group("no"))
+        if number is None and place == 1:
+            continue  # llama.cpp takes a first file without split.no as split 0
+        if number == place - 1:
+            continue
+        where = source.storage.describe(rel)
+        said = "has no split.no" if number is None else f"split.no is {number}"
+        problems.append(
+            Problem(
+                code="split_number_mismatch",
+                message=f"{where}: {said}, but its name makes it split {place} "
+                f"(split.no {place - 1}); llama.cpp's loader refuses the set",
+                file=where,
+                fix=PROBLEM_FIXES["split_number_mismatch"],
+            )
+        )
+    return problems
 
 
 def _split_problems(
