@@ -848,3 +848,42 @@ def test_split_files_whose_split_no_disagrees_with_their_names_are_found(
     assert problems[1]["file"].endswith("m-00002-of-00002.gguf")
     assert "split.no is 0" in problems[1]["message"] and "split 2" in problems[1]["message"]
     assert "llama.cpp" in problems[1]["message"] and problems[1]["fix"]
+
+
+def test_a_tensor_stored_in_two_split_files_is_refused_by_every_command(tmp_path: Path) -> None:
+    """Two split files holding a tensor of the same name failed `verify` (`duplicate_tensor`)
+    while `inspect` counted both and `convert` blamed options never given (exit 2, "adjust
+    --select/--rename"). llama.cpp's loader refuses such a set ("tensor 'blk.w' is
+    duplicated"), and which copy is the tensor cannot be told: every command refuses it, naming
+    the tensor and both files."""
+    import gguf
+
+    for index in range(2):
+        writer = gguf.GGUFWriter(str(tmp_path / f"m-{index + 1:05d}-of-00002.gguf"), "llama")
+        writer.add_uint16("split.no", index)
+        writer.add_uint16("split.count", 2)
+        writer.add_int32("split.tensors.count", 2)
+        writer.add_tensor("blk.w", np.full(4, index, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    # the ground truth: the two files hold different values under one name
+    values = [np.array(_reader(f).tensors[0].data) for f in sorted(tmp_path.glob("*.gguf"))]
+    assert not np.array_equal(*values)
+    result = run_ckpt("verify", tmp_path, "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert (problem["code"], problem["tensor"]) == ("duplicate_tensor", "blk.w")
+    assert "m-00001-of-00002.gguf and m-00002-of-00002.gguf" in problem["message"]
+    out = tmp_path.with_suffix(".safetensors")
+    for command in (
+        ["inspect", tmp_path],
+        ["convert", tmp_path, out, "--to", "safetensors"],
+        ["diff", tmp_path, tmp_path],
+    ):
+        refused = run_ckpt(*command)
+        assert refused.exit_code == 4, (command, refused.stdout, refused.stderr)
+        assert "'blk.w'" in refused.stderr and "llama.cpp" in refused.stderr
+        assert "--select" not in refused.stderr
+    assert not out.exists()

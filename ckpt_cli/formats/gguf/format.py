@@ -83,8 +83,14 @@ PROBLEM_FIXES = {
 }
 #: what `check` finds that `open` refuses too: the tensors' bytes cannot be told apart
 #: (llama.cpp's loader refuses any tensor whose offset is not the end of the previous one,
-#: aligned; the gguf package's reader maps them as they lie)
-_REFUSED = ("truncated", "missing_split", "overlapping_tensors", "misaligned_tensor")
+#: aligned, and a name two split files hold; the gguf package's reader maps them as they lie)
+_REFUSED = (
+    "truncated",
+    "missing_split",
+    "overlapping_tensors",
+    "misaligned_tensor",
+    "duplicate_tensor",
+)
 _LLAMA_REFUSES = "; llama.cpp's loader refuses such a file"
 #: stored bytes of a quantized tensor decoded at a time by `verify --deep`
 _DECODE_BYTES = 1 << 20
@@ -871,19 +877,24 @@ class GgufFormat(Format):
         if split_count is not None or any(SPLIT.match(f.rsplit("/", 1)[-1]) for f in files):
             problems.extend(_split_problems(source, files, split_count, split_tensors, entries))
             problems.extend(_split_numbers(source, numbers))
-        seen: set[str] = set()
+        seen: dict[str, str] = {}  # tensor name -> the file holding it first
         for entry in entries:
-            if entry.name in seen:
+            first = seen.get(entry.name)
+            if first is not None:
+                files_named = (
+                    f"in {first}" if first == entry.file else f"in {first} and {entry.file}"
+                )
                 problems.append(
                     Problem(
                         code="duplicate_tensor",
-                        message=f"{where}: tensor {entry.name!r} is stored twice",
+                        message=f"{where}: tensor {entry.name!r} is stored twice ({files_named}), "
+                        f"which copy is the tensor cannot be told{_LLAMA_REFUSES}",
                         file=where,
                         tensor=entry.name,
                         fix=PROBLEM_FIXES["duplicate_tensor"],
                     )
                 )
-            seen.add(entry.name)
+            seen.setdefault(entry.name, entry.file or where)
         architecture = kv.get("general.architecture")
         details = GgufDetails(
             gguf_version=version,
