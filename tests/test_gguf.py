@@ -887,3 +887,31 @@ def test_a_tensor_stored_in_two_split_files_is_refused_by_every_command(tmp_path
         assert "'blk.w'" in refused.stderr and "llama.cpp" in refused.stderr
         assert "--select" not in refused.stderr
     assert not out.exists()
+
+
+def test_the_first_split_files_split_count_is_checked_as_llama_cpp_reads_it(
+    tmp_path: Path,
+) -> None:
+    """Only the last split file's `split.count` was compared with the file names: a first file
+    saying 3 in a set named `-of-00002` passed `verify`, though llama.cpp takes the count from
+    the first file (and looks for `m-00002-of-00003.gguf`). Each file's count is checked."""
+    import gguf
+
+    for index, count in enumerate((3, 2)):
+        writer = gguf.GGUFWriter(str(tmp_path / f"m-{index + 1:05d}-of-00002.gguf"), "llama")
+        writer.add_uint16("split.no", index)
+        writer.add_uint16("split.count", count)
+        writer.add_int32("split.tensors.count", 2)
+        writer.add_tensor(f"blk.{index}.w", np.full(4, index, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    # the ground truth: gguf's reader sees the first file's count
+    assert _reader(tmp_path / "m-00001-of-00002.gguf").fields["split.count"].contents() == 3
+    result = run_ckpt("verify", tmp_path, "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert problem["code"] == "split_count_mismatch"
+    assert problem["file"].endswith("m-00001-of-00002.gguf")
+    assert "split.count says 3, the file names say 2" in problem["message"]

@@ -764,6 +764,7 @@ class GgufFormat(Format):
         big_endian: set[str] = set()
         compared: dict[str, str] = {}
         numbers: dict[str, int | None] = {}  # each file's split.no
+        counts: dict[str, int] = {}  # each file's split.count
         #: what llama.cpp refuses but leaves every tensor's bytes its own (out of order, gaps)
         tolerated: list[Problem] = []
         for rel in files:
@@ -797,7 +798,9 @@ class GgufFormat(Format):
             numbers[rel] = number if isinstance(number, int) else None
             count = _field(reader, "split.count")
             if isinstance(count, int):
-                split_count = count
+                counts[rel] = count
+                # llama.cpp takes the count from the first file
+                split_count = count if split_count is None else split_count
                 total = _field(reader, "split.tensors.count")
                 split_tensors = total if isinstance(total, int) else split_tensors
             alignment = _field(reader, "general.alignment")
@@ -875,7 +878,7 @@ class GgufFormat(Format):
                     tolerated = [p for p in tolerated if p.file != described]
             infos.append(FileInfo(path=rel, size=size, entries=len(reader.tensors)))
         if split_count is not None or any(SPLIT.match(f.rsplit("/", 1)[-1]) for f in files):
-            problems.extend(_split_problems(source, files, split_count, split_tensors, entries))
+            problems.extend(_split_problems(source, files, counts, split_tensors, entries))
             problems.extend(_split_numbers(source, numbers))
         seen: dict[str, str] = {}  # tensor name -> the file holding it first
         for entry in entries:
@@ -1013,7 +1016,7 @@ def _split_numbers(source: Source, numbers: dict[str, int | None]) -> list[Probl
 def _split_problems(
     source: Source,
     files: list[str],
-    count: int | None,
+    counts: dict[str, int],
     tensors: int | None,
     entries: list[Entry],
 ) -> list[Problem]:
@@ -1026,15 +1029,17 @@ def _split_problems(
     # header's `split.count` only confirms it: a 176-byte file saying 10**9 built a billion
     # names (gigabytes, minutes)
     named = int(first.group("count"))
-    if count is not None and count != named:
-        problems.append(
-            Problem(
-                code="split_count_mismatch",
-                message=f"{where}: split.count says {count}, the file names say {named}",
-                file=where,
-                fix=PROBLEM_FIXES["split_count_mismatch"],
+    for rel, count in counts.items():  # each file's: llama.cpp reads the first file's
+        if count != named:
+            described = source.storage.describe(rel) if len(files) > 1 else where
+            problems.append(
+                Problem(
+                    code="split_count_mismatch",
+                    message=f"{described}: split.count says {count}, the file names say {named}",
+                    file=described,
+                    fix=PROBLEM_FIXES["split_count_mismatch"],
+                )
             )
-        )
     expected = named
     folder = files[0].rsplit("/", 1)[0] + "/" if "/" in files[0] else ""
     held = set(files)
