@@ -915,3 +915,42 @@ def test_the_first_split_files_split_count_is_checked_as_llama_cpp_reads_it(
     assert problem["code"] == "split_count_mismatch"
     assert problem["file"].endswith("m-00001-of-00002.gguf")
     assert "split.count says 3, the file names say 2" in problem["message"]
+
+
+def test_metadata_strings_that_are_not_utf8_are_shown_and_compared(tmp_path: Path) -> None:
+    """A token that is not valid UTF-8 (byte tokens some converters write) made the gguf
+    reader's `contents()` raise, and ckpt showed the whole key as null: two files whose
+    tokenizers differed in such a token were IDENTICAL to `diff`. The bytes are now shown
+    with the undecodable ones escaped, and compared."""
+    import gguf
+
+    def write(path: Path, token: bytes) -> Path:
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_array("tokenizer.ggml.tokens", ["a", token])
+        writer.add_string("general.name", token)
+        writer.add_tensor("output_norm.weight", np.ones(4, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    a = write(tmp_path / "a.gguf", b"\xffa")
+    b = write(tmp_path / "b.gguf", b"\xffb")
+    # the ground truth: the stored bytes differ, and gguf's reader cannot decode them
+    field = _reader(a).fields["general.name"]
+    assert bytes(field.parts[field.data[0]]) == b"\xffa"
+    try:
+        field.contents()
+    except UnicodeDecodeError:
+        pass
+    else:
+        raise AssertionError("gguf decoded invalid UTF-8")
+    metadata = run_ckpt("inspect", a, "--json").json["result"]["details"]["metadata"]
+    assert metadata["general.name"] == "\\xffa"
+    assert metadata["tokenizer.ggml.tokens"] == ["a", "\\xffa"]
+    result = run_ckpt("diff", a, b, "--json")
+    assert result.exit_code == 1, result.stdout
+    keys = {m["key"] for m in result.json["result"]["metadata"]}
+    assert keys == {"general.name", "tokenizer.ggml.tokens"}
+    assert run_ckpt("diff", a, write(tmp_path / "same.gguf", b"\xffa")).exit_code == 0

@@ -374,8 +374,26 @@ def _field(reader: Any, key: str) -> Any:
         return None
     try:
         return field.contents()
+    except UnicodeDecodeError:  # a string (a byte token) that is not UTF-8
+        return _undecodable_strings(field)
     except Exception:
         return None
+
+
+def _undecodable_strings(field: Any) -> Any:
+    """A string field's value, or a string array's, that is not all UTF-8: the bytes decoded
+    with the undecodable ones escaped (`\\xff`), so they are shown and compared, never a
+    null that equals any other; None for another kind of field."""
+    types = [int(t) for t in field.types]
+
+    def text(index: int) -> str:
+        return bytes(field.parts[index]).decode("utf-8", "backslashreplace")
+
+    if types == [_STRING]:
+        return text(int(field.data[0]))
+    if types == [_ARRAY, _STRING]:
+        return [text(int(index)) for index in field.data]
+    return None
 
 
 @dataclass(frozen=True)
