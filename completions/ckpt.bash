@@ -14,7 +14,7 @@ _ckpt() {
     latest) opts="--settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     sync) opts="--latest --watch --max-iterations --max-rate --prune-remote --yes -y --dry-run -n --keep-last --keep-every --keep-best --keep-top --higher-is-better --lower-is-better --keep-within --keep-every-duration --settle --jobs --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     download) opts="--filter -k --filter-out --mode --include --exclude --local-dir --no-extras --cache-only --dry-run -n --verify-ranges --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
-    diff) opts="--atol --rtol --rename --select --filter -k --filter-out --format-a --format-b --dequantize --ignore-dtype --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
+    diff) opts="--atol --rtol --rename --select --filter -k --filter-out --format-a --format-b --dequantize --ignore-dtype --naming --config --flavor --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     doctor) opts="--before --after --expect --settle --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     merge) opts="--force --dry-run -n --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
     protect) opts="--parity --block-size --whole-files --dry-run -n --force --json --quiet -q --verbose -v --revision --repo-type --token --help -h" ;;
@@ -109,6 +109,9 @@ _ckpt() {
     diff\ --filter-out) COMPREPLY=(); return ;;
     diff\ --format-a) COMPREPLY=( $(compgen -W "safetensors dcp torch hub gguf" -- "$cur") ); return ;;
     diff\ --format-b) COMPREPLY=( $(compgen -W "safetensors dcp torch hub gguf" -- "$cur") ); return ;;
+    diff\ --naming) COMPREPLY=( $(compgen -W "auto off hf torchtitan megatron" -- "$cur") ); return ;;
+    diff\ --config) COMPREPLY=(); return ;;
+    diff\ --flavor) COMPREPLY=(); return ;;
     diff\ --revision) COMPREPLY=(); return ;;
     diff\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;
     diff\ --token) COMPREPLY=(); return ;;

@@ -542,6 +542,51 @@ def build_s3(dest: Path) -> dict[str, str]:
     return env
 
 
+def build_llama_hf(dest: Path) -> None:
+    """`llama-hf/`: a tiny Llama in Hugging Face names (2 layers, 4 heads over 2 KV heads of
+    8, seeded random weights) with its `config.json`, as `save_pretrained` lays one out."""
+    import torch
+    from safetensors.torch import save_file
+
+    heads, kv_heads, head_dim, dim, vocab, ffn, layers = 4, 2, 8, 32, 64, 48, 2
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": torch.randn(vocab, dim, generator=gen)}
+    for i in range(layers):
+        shapes = {
+            "self_attn.q_proj.weight": (heads * head_dim, dim),
+            "self_attn.k_proj.weight": (kv_heads * head_dim, dim),
+            "self_attn.v_proj.weight": (kv_heads * head_dim, dim),
+            "self_attn.o_proj.weight": (dim, heads * head_dim),
+            "mlp.gate_proj.weight": (ffn, dim),
+            "mlp.up_proj.weight": (ffn, dim),
+            "mlp.down_proj.weight": (dim, ffn),
+            "input_layernorm.weight": (dim,),
+            "post_attention_layernorm.weight": (dim,),
+        }
+        for name, shape in shapes.items():
+            tensors[f"model.layers.{i}.{name}"] = torch.randn(*shape, generator=gen)
+    tensors["model.norm.weight"] = torch.randn(dim, generator=gen)
+    tensors["lm_head.weight"] = torch.randn(vocab, dim, generator=gen)
+    folder = dest / "llama-hf"
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": dim,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "intermediate_size": ffn,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 FIXTURES: dict[str, Callable[[Path], dict[str, str] | None]] = {
     "demo": build_demo,
     "empty": build_empty,
@@ -556,6 +601,7 @@ FIXTURES: dict[str, Callable[[Path], dict[str, str] | None]] = {
     "lora": build_lora,
     "doctor-trainer": build_doctor_trainer,
     "doctor-dcp": build_doctor_dcp,
+    "llama-hf": build_llama_hf,
 }
 
 

@@ -157,6 +157,59 @@ def test_hf_to_torchtitan_to_hf_is_bit_identical(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "llama"
 
 
+def test_diff_compares_a_torchtitan_import_with_its_hf_source_through_the_mapping(
+    tmp_path: Path,
+) -> None:
+    """A user diffs a torchtitan save against the Hugging Face model it was imported from (or
+    exported to). The two share no tensor name: every tensor was listed as only in A or only
+    in B, and the diff could not say whether the numbers were the same. Now the torchtitan
+    side is read in HF names through Llama 3's mapping (q/k rows permuted back), so the pair
+    is IDENTICAL, a changed element is a difference named in HF names, and `--naming off`
+    compares the names as they are."""
+    _llama_hf(tmp_path / "hf")
+    tt = tmp_path / "tt"
+    assert run_ckpt("convert", tmp_path / "hf", tt, "--to", "torchtitan").exit_code == 0
+    r = run_ckpt("diff", tt, tmp_path / "hf", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert doc["identical"] and doc["compared"] == 21 and not doc["only_a"] and not doc["only_b"]
+    naming = doc["naming"]
+    assert (naming["architecture"], naming["naming_a"], naming["naming_b"]) == (
+        "llama3",
+        "torchtitan",
+        "hf",
+    )
+    assert naming["compared_in"] == "hf"
+    assert naming["transforms_a"] == {"rename": 17, "rotary-permute": 4}
+    assert naming["transforms_b"] == {}
+    r = run_ckpt("diff", tt, tmp_path / "hf")
+    assert "names mapped: A's Llama 3 torchtitan names read as hf names" in r.stdout, r.stdout
+    # one element of one k projection changed in the HF model: found, under its HF name
+    changed = tmp_path / "changed"
+    shutil.copytree(tmp_path / "hf", changed)
+    tensors = load_file(changed / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"][3, 2] += 1
+    save_file(tensors, changed / "model.safetensors")
+    r = run_ckpt("diff", tt, changed, "--json")
+    assert r.exit_code == 1, r.stdout + r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert [d["name"] for d in doc["differences"]] == ["model.layers.1.self_attn.k_proj.weight"]
+    assert doc["differences"][0]["differing"] == 1
+    # compared in torchtitan's names on request, and by names as they are with --naming off
+    r = run_ckpt("diff", tt, tmp_path / "hf", "--naming", "torchtitan", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert doc["naming"]["transforms_b"] == {"rename": 17, "rotary-permute": 4}
+    assert doc["compared"] == 21
+    r = run_ckpt("diff", tt, tmp_path / "hf", "--naming", "off", "--json")
+    assert r.exit_code == 1
+    doc = json.loads(r.stdout)["result"]
+    # lm_head.weight is the one name both namings share
+    assert doc["naming"] is None and len(doc["only_a"]) == len(doc["only_b"]) == 20
+    r = run_ckpt("diff", tt, tmp_path / "hf", "--naming", "nonesuch")
+    assert r.exit_code == 2 and "--naming" in r.stderr
+
+
 def test_torchtitan_import_names_and_permutes_q_k(tmp_path: Path) -> None:
     """The DCP import holds torchtitan's names; q/k rows are in the interleaved layout."""
     import torch.distributed.checkpoint as dcp
@@ -385,6 +438,42 @@ def test_export_equals_torchtitan_to_hf_and_loads_in_transformers(
     # routed experts in another order than torchtitan's grouped matmul (measured 2.6e-5)
     tolerance = 1e-4 if family == "qwen3-moe" else 1e-6
     assert (logits - reference).abs().max().item() <= tolerance
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+@pytest.mark.slow
+def test_diff_proves_an_export_holds_what_torchtitan_saved(
+    titan_model: tuple[str, Path], tmp_path: Path
+) -> None:
+    """Step 4 of the export how-to: `ckpt diff step-1 export/ --select model` against the
+    `--to hf` export of a real torchtitan save. It listed every tensor as one-sided; it now
+    compares each exported tensor with the torchtitan tensor(s) it came from (q/k permuted,
+    experts unstacked), says the names were mapped, and lists what has no HF counterpart."""
+    family, root = titan_model
+    step = root / "run" / "checkpoint" / "step-1"
+    hf = tmp_path / "hf"
+    assert run_ckpt("convert", step, hf, "--to", "hf", "--config", root / "ref" / "config.json")
+    r = run_ckpt("diff", step, hf, "--select", "model", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert doc["identical"] and not doc["only_a"] and not doc["only_b"]
+    assert doc["compared"] == len(load_file(root / "ref" / "to_hf.safetensors"))
+    naming = doc["naming"]
+    assert (naming["architecture"], naming["naming_a"], naming["compared_in"]) == (
+        family,
+        "torchtitan",
+        "hf",
+    )
+    if family == "llama3":
+        assert naming["transforms_a"]["rotary-permute"] == 4
+    if family == "qwen3-moe":
+        assert naming["transforms_a"]["unstack-experts"] == 3 * 4 * 2
+        # torchtitan's load-balancing state has no HF counterpart: named, not compared
+        reasons = {item["reason"] for item in naming["left_out_a"]}
+        assert any("load-balancing" in reason for reason in reasons), naming
+    r = run_ckpt("diff", step, hf, "--select", "model")
+    assert "names mapped: A's" in r.stdout and "torchtitan names read as hf names" in r.stdout
 
 
 @needs_frameworks

@@ -167,6 +167,41 @@ def test_export_to_hf_loads_in_transformers_with_megatrons_logits(
     assert close(logits, truth) <= TOLERANCE
 
 
+def test_diff_compares_a_megatron_save_with_its_hf_export_through_the_mapping(
+    megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    """A user proves an export: `ckpt diff megatron-save hf-export`. The names share nothing,
+    so every tensor was one-sided. Now the Megatron side is read in HF names (fused QKV and
+    gate/up split, the layer stack unstacked), so the export is IDENTICAL, the non-tensor
+    entries are named as not compared, and one changed element of a K projection (a box of
+    the fused QKV) is the one difference, under its HF name."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = megatron_save
+    out = tmp_path / "hf"
+    assert run_ckpt("convert", folder, out, "--to", "hf").exit_code == 0
+    result = run_ckpt("diff", folder, out, "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json["result"]
+    assert report["identical"] and not report["only_a"] and not report["only_b"]
+    naming = report["naming"]
+    assert (naming["naming_a"], naming["naming_b"], naming["compared_in"]) == (
+        "megatron",
+        "hf",
+        "hf",
+    )
+    assert naming["transforms_a"]["split-qkv"] == 3 * gpt.LAYERS
+    left_out = {item["name"] for item in naming["left_out_a"]}
+    assert {"args", "iteration", "decoder.layers.mlp.linear_fc1._extra_state/shard_0_2"} <= left_out
+    name = "model.layers.1.self_attn.k_proj.weight"
+    tensors = load_file(out / "model.safetensors")
+    tensors[name][0, 0] += 0.5
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    result = run_ckpt("diff", folder, out, "--json")
+    assert result.exit_code == 1, result.stdout + result.stderr
+    assert [d["name"] for d in result.json["result"]["differences"]] == [name]
+
+
 @pytest.mark.parametrize(
     ("rope", "scaling"),
     [

@@ -73,6 +73,7 @@ METAVARS: dict[str, str] = {
     "--dcp-compression": "zstd|none",
     "--rank-state": "POLICY",
     "--parity": "K",
+    "--naming": "NAMING",
 }
 
 #: values the shell completions offer, by long option name (enums complete their own choices)
@@ -100,6 +101,7 @@ OPTION_VALUES: dict[str, list[str]] = {
         "scaler",
     ],
     "--rank-state": ["keep", "drop", "replicate"],
+    "--naming": ["auto", "off", "hf", "torchtitan", "megatron"],
     "--repo-type": ["model", "dataset", "space"],
 }
 

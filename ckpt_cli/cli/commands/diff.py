@@ -13,6 +13,7 @@ from ..app import JsonOpt, app, examples, run_command
     epilog=examples(
         "ckpt diff run-a/step-1000 run-b/step-1000",
         "ckpt diff step-1000/ hf-model/ --select model",
+        "ckpt diff outputs/checkpoint/step-1000 llama-hf/ --select model",
         "ckpt diff model.safetensors model-bf16.safetensors --atol 1e-2 --rtol 1e-2 --ignore-dtype",
         "ckpt diff a.pt b.pt --filter 'optimizer.*' --json",
         "ckpt diff model-fp8/ model-bf16/ --dequantize --rtol 0.1",
@@ -77,6 +78,33 @@ def diff(
             help="A dtype change alone is no difference: judge such pairs by their values.",
         ),
     ] = False,
+    naming: Annotated[
+        str,
+        typer.Option(
+            "--naming",
+            help="auto: two namings of one model family (a torchtitan or Megatron save and its "
+            "--to hf export) are compared through its mapping, in hf names; off: names as "
+            "they are; hf / torchtitan / megatron: compare in that naming.",
+        ),
+    ] = "auto",
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config",
+            metavar="PATH|hf://ORG/MODEL",
+            help="The model's config.json (a file, a model folder or a Hub model), for what "
+            "the naming mapping needs and the weights do not tell (head counts), where "
+            "neither side holds one.",
+        ),
+    ] = None,
+    flavor: Annotated[
+        str | None,
+        typer.Option(
+            "--flavor",
+            help="The torchtitan model flavor (8B, debugmodel...), for the same (needs "
+            "torchtitan).",
+        ),
+    ] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Compare two checkpoints: missing names, dtype/shape changes, tensor values, state values.
@@ -105,6 +133,9 @@ def diff(
         excludes=exclude,
         dequantize=dequantize,
         ignore_dtype=ignore_dtype,
+        naming=naming,
+        config=config,
+        flavor=flavor,
     )
     with bar(enabled=not json_output) as progress:
         run_command(

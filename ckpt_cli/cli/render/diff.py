@@ -61,12 +61,44 @@ def _aliases(report: DiffReport) -> None:
         stdout.print(f"    … {len(report.aliases) - MAX_SHOWN} more (see --json)")
 
 
+def _naming(report: DiffReport) -> None:
+    """How names were mapped between two namings, and what has no counterpart."""
+    mapping = report.naming
+    if mapping is None:
+        return
+    for side, naming, transforms in (
+        ("A", mapping.naming_a, mapping.transforms_a),
+        ("B", mapping.naming_b, mapping.transforms_b),
+    ):
+        if transforms:
+            how = ", ".join(f"{n} {t}" for t, n in transforms.items())
+            stdout.print(
+                f"  names mapped: {side}'s {mapping.title} {naming} names read as "
+                f"{mapping.compared_in} names ({how})",
+                highlight=False,
+                markup=False,
+            )
+    for side, left_out in (("A", mapping.left_out_a), ("B", mapping.left_out_b)):
+        by_reason: dict[str, list[str]] = {}
+        for item in left_out:
+            by_reason.setdefault(item.reason, []).append(item.name)
+        for reason, names in by_reason.items():
+            shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+            stdout.print(
+                f"  not compared, no counterpart in the {mapping.compared_in} naming: "
+                f"{side} {len(names)} × {reason} ({shown})",
+                highlight=False,
+                markup=False,
+            )
+
+
 def render_diff(report: DiffReport) -> None:
     """Verdict, the two sides, the largest differences, names on one side only."""
     colour = "green" if report.identical else "red"
     stdout.print(f"[bold {colour}]{report.verdict}[/]")
     stdout.print(f"  A  {report.a}  [dim]({report.format_a})[/]", highlight=False)
     stdout.print(f"  B  {report.b}  [dim]({report.format_b})[/]", highlight=False)
+    _naming(report)
     if report.atol is not None or report.rtol is not None:
         stdout.print(f"  tolerance: atol={report.atol or 0:g}, rtol={report.rtol or 0:g}")
     if report.components:

@@ -39,6 +39,7 @@ from ..shared.transfer import (
     unused_rename_rules,
 )
 from .compare import error_stats, short_repr, tensor_stats, values_equal, values_of
+from .namings import AUTO, NamedSide, NamingMap, check_naming, line_up_namings
 
 
 class EntryDiff(Record):
@@ -162,6 +163,10 @@ class DiffReport(Record):
             `ignore_dtype`).
         aliases: tied names (see `ops.aliases`): a name one side keeps only as a recorded
             alias is compared with the tensor it names there, not counted as missing.
+        naming: when the two sides are one model family in two framework namings (a
+            torchtitan save and its `convert --to hf` export), how their names were mapped to
+            one naming to be compared, and what has no counterpart in it (`ops.diff.namings`);
+            None when names were compared as they are.
         metadata: keys of the model's metadata (GGUF's architecture, hyper-parameters and
             tokenizer; the companion files both folders hold, `config.json:KEY`, or the file
             name for a file that is no JSON object) whose values differ, when both sides keep
@@ -193,6 +198,7 @@ class DiffReport(Record):
     ignore_dtype: bool = False
     dtype_changes: int = 0
     aliases: list[AliasPair] = Field(default_factory=list)
+    naming: NamingMap | None = None
     metadata: list[MetadataDiff] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
 
@@ -346,6 +352,37 @@ def _compare_stored(
     )
 
 
+def _whole(
+    checkpoint: Checkpoint,
+    applied: bool,
+    component: bool,
+    renames: Sequence[tuple[str, str]],
+) -> dict[str, Entry] | None:
+    """Every entry of a side under its own name (renamed), when --select stripped a plain
+    prefix there (no training component of it): an HF model's own names start with `model.`,
+    so a naming is recognised in them whole (None otherwise, or when renames make two names
+    one)."""
+    if not applied or component:
+        return None
+    try:
+        return _align([(e, e.name) for e in checkpoint.manifest.entries], renames)
+    except UsageError:
+        return None
+
+
+def _given_config(spec: str | None) -> dict[str, Any] | None:
+    """`--config`'s `config.json` as a dict (read, and refused, as `convert --config` reads it:
+    a JSON object, a file, a model folder or a Hub model)."""
+    if spec is None:
+        return None
+    import json
+
+    from ..convert.plan import read_config
+
+    doc: dict[str, Any] = json.loads(read_config(spec)[0])
+    return doc
+
+
 def _read_value(checkpoint: Checkpoint, entry: Entry) -> Any:
     return checkpoint.read_object(entry.name)
 
@@ -368,6 +405,9 @@ class DiffRequest(Request):
     excludes: list[str] | None = None
     dequantize: bool = False
     ignore_dtype: bool = False
+    naming: str = AUTO
+    config: str | None = None
+    flavor: str | None = None
 
 
 def _compare(
@@ -463,6 +503,9 @@ def diff(
     progress: Progress = NULL_PROGRESS,
     ignore_dtype: bool = False,
     excludes: list[str] | None = None,
+    naming: str = AUTO,
+    config: str | None = None,
+    flavor: str | None = None,
 ) -> DiffReport:
     """Compare checkpoints `a` and `b` entry by entry.
 
@@ -483,6 +526,14 @@ def diff(
         progress: progress sink (bytes of A).
         ignore_dtype: a dtype change is no difference by itself: the pair is judged by its
             values (cast to float64 on both sides), bit-exact or within the tolerances.
+        naming: `auto`: two sides that are one model family in two framework namings (a
+            torchtitan or Megatron save and its `convert --to hf` export) are compared in
+            Hugging Face's naming, through the family's mapping; `off`: names as they are;
+            `hf` / `torchtitan` / `megatron`: both sides compared in that naming.
+        config: a Hugging Face `config.json` (file, model folder or `hf://org/model`) for what
+            the naming mapping needs and the weights do not tell (a Llama's head counts), where
+            neither side holds one.
+        flavor: the torchtitan flavor of the model, for the same.
     """
     request = DiffRequest(
         format_a=format_a,
@@ -495,6 +546,9 @@ def diff(
         excludes=excludes,
         dequantize=dequantize,
         ignore_dtype=ignore_dtype,
+        naming=naming,
+        config=config,
+        flavor=flavor,
     )
     return diff_with(a, b, request, progress)
 
@@ -511,6 +565,8 @@ def diff_with(
                 fix=f"Give a tolerance of 0 or more, e.g. {flag} 1e-3.",
             )
     rename_pairs = parse_renames(request.renames)
+    check_naming(request.naming)
+    config = _given_config(request.config)
     opened_a = open_source(a, request.format_a)
     opened_b = open_source(b, request.format_b)
     with opened_a.checkpoint as base_a, opened_b.checkpoint as base_b:
@@ -554,6 +610,32 @@ def diff_with(
                 refuse_placeholders(opened, [e.name for e, _ in chosen], select, where)
         left = _align(chosen_a, rename_pairs)
         right = _align(chosen_b, rename_pairs)
+        lined_namings = line_up_namings(
+            NamedSide(
+                ca, left, _whole(ca, applied_a, comp_a, rename_pairs), a, chosen_a, applied_a
+            ),
+            NamedSide(
+                cb, right, _whole(cb, applied_b, comp_b, rename_pairs), b, chosen_b, applied_b
+            ),
+            request.naming,
+            config,
+            request.flavor,
+        )
+        naming_map = None
+        if lined_namings is not None:
+            naming_map, side_a, side_b = lined_namings
+            ca, left, chosen_a, applied_a = (
+                side_a.checkpoint,
+                side_a.aligned,
+                side_a.chosen,
+                side_a.select_applied,
+            )
+            cb, right, chosen_b, applied_b = (
+                side_b.checkpoint,
+                side_b.aligned,
+                side_b.chosen,
+                side_b.select_applied,
+            )
         excludes = request.excludes or []
         warnings = unmatched_rules(
             [*left, *right], filters, excludes, matched="entry of either side"
@@ -609,6 +691,7 @@ def diff_with(
             select_applied={"a": applied_a, "b": applied_b} if select else {},
             only_a=[n for n in left if n not in right and n not in lone_a],
             only_b=[n for n in right if n not in left and n not in lone_b],
+            naming=naming_map,
             warnings=warnings,
         )
         _compare_metadata(report, base_a, base_b, bool(select or filters or excludes), request)

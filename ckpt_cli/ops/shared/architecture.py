@@ -176,11 +176,11 @@ def _args(
             "names).",
         )
     given = arch.args_from_config(config)
-    _agree(arch, shapes, naming, found, given, where, "config.json")
+    agree_args(arch, shapes, naming, found, given, where, "config.json")
     return found.merged(given).model_copy(update={"dtype": dtype})
 
 
-def _agree(
+def agree_args(
     arch: type[Architecture],
     shapes: dict[str, list[int]],
     naming: str,
@@ -386,7 +386,7 @@ def map_plan(
             from ...architectures.flavors import flavor_args
 
             known = flavor_args(arch, flavor)
-            _agree(arch, shapes, naming, args, known, where, f"--flavor {flavor}")
+            agree_args(arch, shapes, naming, args, known, where, f"--flavor {flavor}")
             args = args.merged(known)
         if naming == HF:
             arch.check_layers(names)
