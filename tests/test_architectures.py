@@ -1212,6 +1212,58 @@ def test_a_config_with_biases_the_weights_lack_is_refused(tmp_path: Path) -> Non
     assert r.exit_code == 0, r.stderr
 
 
+def test_a_qwen2_is_never_mapped_without_its_qkv_biases(tmp_path: Path) -> None:
+    """A Qwen2 has a Llama's tensor names plus q/k/v biases, and its config.json has no
+    `attention_bias` key (transformers' Qwen2Attention builds the biases always). Refused for
+    its biases, a user added `--filter-out '*.bias'`: the import (and the export of a torchtitan
+    Llama with the Qwen2's config.json) was written with exit 0 and a warning, a model that
+    runs without its biases. Both are refused (exit 4), by the config.json's model_type and,
+    without a config.json, by the filter leaving out tensors of mapped modules; the refusal
+    of the unfiltered model no longer suggests --filter-out for them."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    qwen2 = tmp_path / "qwen2"
+    Qwen2ForCausalLM(config).save_pretrained(qwen2)
+    assert "attention_bias" not in json.loads((qwen2 / "config.json").read_text())
+    _llama_hf(tmp_path / "plain", layers=2)
+    titan = tmp_path / "titan"
+    assert run_ckpt("convert", tmp_path / "plain", titan, "--to", "torchtitan").exit_code == 0
+    runs = [
+        (qwen2, "torchtitan", "--filter-out", "*.bias"),
+        (qwen2, "megatron", "--filter-out", "*.bias"),
+        (titan, "hf", "--config", qwen2 / "config.json"),
+    ]
+    for source, target, *options in runs:
+        dest = tmp_path / f"out-{target}"
+        r = run_ckpt("convert", source, dest, "--to", target, *options)
+        assert r.exit_code == 4, r.stdout + r.stderr
+        message = " ".join(r.stderr.split())
+        assert 'model_type: "qwen2" (whose q/k/v projections always have biases)' in message
+        assert not dest.exists()
+    # no config.json to tell: the filter left out tensors of the projections it maps
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(qwen2 / "model.safetensors", bare)
+    r = run_ckpt("convert", bare, tmp_path / "out", "--to", "torchtitan", "--filter-out", "*.bias")
+    assert r.exit_code == 4, r.stdout + r.stderr
+    message = " ".join(r.stderr.split())
+    assert "--filter/--filter-out leave out 6 tensor(s) of modules whose weights are mapped" in (
+        message
+    ), message
+    assert "'model.layers.0.self_attn.k_proj.bias'" in message
+    assert not (tmp_path / "out").exists()
+    r = run_ckpt("convert", qwen2, tmp_path / "out", "--to", "torchtitan")
+    assert r.exit_code == 4
+    message = " ".join(r.stderr.split())
+    assert "would give a model that runs without them" in message, message
+    assert "--filter-out for tensors that are no weights" not in message
+
+
 def test_a_config_leaving_tie_word_embeddings_out_is_an_untied_one(tmp_path: Path) -> None:
     """transformers builds an untied `lm_head` when config.json leaves `tie_word_embeddings`
     out (the default of LlamaConfig and Qwen3Config). An export of weights without an output

@@ -128,6 +128,16 @@ def unrecognised(names: Sequence[str], target: str, where: str) -> FormatError:
                 f"If they are no weights of the {arch.title} model (a value or classifier "
                 f"head), leave them out: {globs}. {fix}"
             )
+        # parameters beside a weight the rules map (a projection's bias) are the model's own:
+        # leaving them out gives another model, so --filter-out is no fix for them
+        modules = {n[: -len(".weight")] for n in known if n.endswith(".weight")}
+        beside = [n for n in unknown if n.rpartition(".")[0] in modules]
+        if beside:
+            fix = (
+                f"{arch.title}'s rules map no such tensor, and leaving them out (--filter-out) "
+                "would give a model that runs without them: convert with --to safetensors / "
+                "dcp to keep the names as they are."
+            )
         if unknown:
             shown = ", ".join(repr(n) for n in unknown[:3])
             detail = (

@@ -95,6 +95,13 @@ _TITAN_IGNORED = (
 )
 
 
+#: Hugging Face model types named like a Llama whose attention builds q/k/v biases with no
+#: `attention_bias` in their config.json -> the key that turns them off (None: none does):
+#: transformers' Qwen2Attention always builds them (`bias=True`); Qwen2-MoE's `qkv_bias`
+#: defaults to true. The rules map no bias, so a model without them is not that model.
+_QKV_BIAS_TYPES: dict[str, str | None] = {"qwen2": None, "qwen2_moe": "qkv_bias"}
+
+
 def _renames(pairs: Sequence[tuple[str, str]]) -> list[TensorRule]:
     return [Rename(one(hf), one(native)) for hf, native in pairs]
 
@@ -226,11 +233,22 @@ class _Decoder(Architecture):
     def config_conflicts(cls, config: Mapping[str, Any]) -> list[str]:
         # the rules map weights only: LlamaForCausalLM builds a bias on every attention
         # projection (attention_bias) or MLP projection (mlp_bias) when its config says so
-        return [
+        out = [
             f"{key}: {json.dumps(config[key])}"
             for key in ("attention_bias", "mlp_bias")
             if config.get(key) not in (None, False)
         ]
+        model_type = config.get("model_type")
+        if isinstance(model_type, str) and model_type in _QKV_BIAS_TYPES:
+            switch = _QKV_BIAS_TYPES[model_type]
+            if switch is None or config.get(switch, True) is not False:
+                said = (
+                    "whose q/k/v projections always have biases"
+                    if switch is None
+                    else f"whose q/k/v projections have biases unless {switch} is false"
+                )
+                out.append(f"model_type: {json.dumps(model_type)} ({said})")
+        return out
 
     @classmethod
     def args_from_config(cls, config: Mapping[str, Any]) -> ModelArgs:

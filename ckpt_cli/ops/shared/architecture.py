@@ -390,6 +390,7 @@ def map_plan(
             args = args.merged(known)
         if naming == HF:
             arch.check_layers(names)
+        refuse_filtered_parameters(checkpoint, plan, target)
         mapping = arch.plan(
             [(i.target.name, list(i.source.shape), i.source.dtype or "") for i in tensors],
             naming,
@@ -444,6 +445,39 @@ def map_plan(
         )
         origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
         return MappedSource(mapped, new_plan, report, config_bytes, output, origins, warnings)
+
+
+def refuse_filtered_parameters(checkpoint: Checkpoint, plan: TransferPlan, target: str) -> None:
+    """Refuse a plan that leaves out tensors of the modules it maps: a `q_proj.bias` beside a
+    `q_proj.weight` the plan carries is part of that projection, so the model computes with
+    it (a Qwen2's q/k/v biases, a Llama trained with `attention_bias`). No family's rules map
+    such a tensor, and `--filter-out '*.bias'` got such a model past the refusal of its unknown
+    tensors into an output that runs without them (transformers initialises them at random).
+
+    Raises:
+        FormatError: naming the tensors left out and the modules they belong to.
+    """
+    carried = {i.source.name for i in plan.items if i.source.kind == "tensor"}
+    modules = {name[: -len(".weight")] for name in carried if name.endswith(".weight")}
+    left = [
+        e.name
+        for e in checkpoint.manifest.entries
+        if e.kind == "tensor" and e.name not in carried and e.name.rpartition(".")[0] in modules
+    ]
+    if not left:
+        return
+    shown = ", ".join(repr(n) for n in left[:3])
+    more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+    raise FormatError(
+        f"--filter/--filter-out leave out {len(left)} tensor(s) of modules whose weights are "
+        f"mapped: {shown}{more}; the model computes with them, so a {target} model without "
+        "them is another model (transformers initialises a missing one at random), and no "
+        "family ckpt maps holds them",
+        path=checkpoint.manifest.location,
+        fix="Leave them in (no --filter/--filter-out for them): a model with them is no model "
+        f"ckpt maps to the {target} naming; convert it with --to safetensors / dcp to keep "
+        "its names.",
+    )
 
 
 @contextmanager
