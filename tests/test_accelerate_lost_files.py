@@ -136,6 +136,23 @@ def test_an_fsdp_save_without_rank_1s_rng_states_fails_verify(
     report = result.json["result"]
     assert report["components"] == {"rng_1": 4} and report["only_b"] == []
     assert {name.split(".")[0] for name in report["only_a"]} == {"rng_1"}
+    # `convert` and `reshard` of the whole save wrote an output silently without rank 1's
+    # RNG states: they refuse it (exit 4, the problem named), nothing written
+    out = tmp_path / "out"
+    for command in (
+        ("convert", damaged, out, "--to", "dcp"),
+        ("reshard", damaged, out, "--world-size", "1", "--rank-state", "drop"),
+    ):
+        refused = run_ckpt(*command, "--json")
+        assert refused.exit_code == 4, (command, refused.stdout)
+        error = refused.json["error"]
+        assert error["path"] == str(damaged / "random_states_1.pkl"), error
+        assert "missing_rank_rng" in error["message"] and "rank 1" in error["message"]
+        assert "--select" in error["fix"]
+        assert not out.exists()
+    # what is there still converts, one component at a time
+    model = run_ckpt("convert", damaged, out, "--to", "safetensors", "--select", "model")
+    assert model.exit_code == 0, model.stderr
 
 
 @pytest.mark.parametrize(

@@ -232,3 +232,55 @@ def test_every_file_is_converted_carried_or_skipped_and_diff_sees_every_componen
     assert diffed.exit_code == 1, diffed.stdout
     lost = diffed.json["result"]
     assert lost["identical"] is False and lost["only_a"]
+
+
+@pytest.mark.frameworks
+@pytest.mark.parametrize(
+    ("build", "lost", "component"),
+    [
+        pytest.param(
+            _fixture("real_accelerate_run", "straight", "step-4"),
+            "optimizer.bin",
+            "model",
+            id="accelerate-real",
+        ),
+        pytest.param(
+            _fixture("trainer_runs", "full", "checkpoint-2"),
+            "scheduler.pt",
+            "model",
+            id="trainer-real",
+        ),
+    ],
+)
+def test_a_save_that_lost_a_file_is_not_converted_without_it(
+    request: pytest.FixtureRequest, tmp_path: Path, build: Builder, lost: str, component: str
+) -> None:
+    """A user converts a save whose `verify` fails because a file of it was lost (accelerate's
+    `optimizer.bin` beside its `scheduler.bin`, the Trainer's `scheduler.pt` beside its
+    `optimizer.pt`): convert wrote the rest with exit 0 and not a word, an output that
+    resumes with a fresh optimizer or scheduler. It refuses, naming the file and the problem."""
+    import shutil
+
+    src = shutil.copytree(build(request, tmp_path), tmp_path / "damaged")
+    (src / lost).unlink()
+    checked = run_ckpt("verify", src, "--json")
+    assert checked.exit_code == 1, checked.stdout
+    codes = [(p["code"], p["file"]) for p in checked.json["result"]["problems"]]
+    assert codes == [("missing_component", str(src / lost))]
+    out = tmp_path / "out"
+    refused = run_ckpt("convert", src, out, "--to", "dcp", "--json")
+    assert refused.exit_code == 4, refused.stdout
+    error = refused.json["error"]
+    assert error["path"] == str(src / lost) and "missing_component" in error["message"]
+    assert "--select" in error["fix"]
+    assert not out.exists()
+    # the human form says the same on stderr, nothing on stdout
+    human = run_ckpt("convert", src, out, "--to", "dcp")
+    assert human.exit_code == 4 and not human.stdout and lost in human.stderr
+    assert not out.exists()
+    # what is there converts, one component at a time, judged by torch's own reader
+    taken = run_ckpt("convert", src, out, "--to", "safetensors", "--select", component)
+    assert taken.exit_code == 0, taken.stderr
+    from safetensors.torch import load_file
+
+    assert load_file(next(out.glob("*.safetensors")))

@@ -36,7 +36,7 @@ from ..shared.architecture import (
     source_config,
 )
 from ..shared.megatron import keep_megatron_layout
-from ..shared.selection import unmatched_rules, unreadable_left_out
+from ..shared.selection import refuse_lost_files, unmatched_rules, unreadable_left_out
 from ..shared.transfer import (
     SkippedEntry,
     TransferPlan,
@@ -341,6 +341,8 @@ def convert(
     if naming is not None:
         refuse_adapter(opened, naming, src)
         select = default_select(opened, select)
+    if select is None and naming is None:
+        refuse_lost_files(opened, "converted")
     with opened.checkpoint as base:
         from ...quant import analyse_checkpoint
 

@@ -33,6 +33,7 @@ from ...sources.layouts.base import Layout, OpenedSource
 from ...storage import safe_relpath
 from ...storage.output import check_destination
 from ..convert.plan import guard_paths, local_dest
+from ..shared.selection import refuse_lost_files
 from .rank_files import copy_verbatim, missing_rank_files, rank_file_plan
 from .report import (
     RankFile,
@@ -94,6 +95,7 @@ def reshard_folder(
     force, dry_run, extras = request.force, request.dry_run, request.extras
     src = source.location.raw
     check_world_options(world_size, compression)
+    refuse_lost_files(opened, "re-cut")
     if layout.world_size_cut == "zero":
         if rules or serialization or compression:
             raise UsageError(

@@ -113,6 +113,34 @@ def refuse_placeholders(
     )
 
 
+def refuse_lost_files(opened: OpenedSource | None, doing: str) -> None:
+    """Refuse (exit 4) to write a whole training save again when a file of it was lost
+    (`LOST_FILE_CODES`: a component's state, a rank's RNG states or FSDP part), naming the
+    file and the problem. The frameworks' loaders go on without some of them (a rank's RNG
+    states: they log a line), so an output that silently lacks one is a resume that is not the
+    run it continues; `verify` of the source fails it. `doing`: "converted", "re-cut". A
+    component taken alone (`--select`, an export to a naming) needs none of the lost files: the
+    caller does not ask then."""
+    from ...sources.layouts.composite import LOST_FILE_CODES
+
+    if opened is None:
+        return
+    lost = [p for p in opened.problems if p.severity == "error" and p.code in LOST_FILE_CODES]
+    if not lost:
+        return
+    first = lost[0]
+    more = f" (and {len(lost) - 1} more lost file{'s' if len(lost) > 2 else ''})"
+    raise FormatError(
+        f"{first.code}: {first.message.rstrip('.')}{more if len(lost) > 1 else ''}; the "
+        f"{doing} output would lack it without a word, so nothing is written",
+        path=first.file,
+        fix="Copy it again from where the run saved it (`ckpt verify SRC` lists every lost "
+        "file), or use another save of the run (`ckpt latest RUN_DIR`); to take what is there, "
+        "convert one component at a time with --select COMPONENT (`ckpt inspect SRC` lists "
+        "them).",
+    )
+
+
 def name_chosen(name: str, include: Sequence[str] | None, exclude: Sequence[str] | None) -> bool:
     """Whether `name` matches an `include` glob (`--filter`; any name without one) and no
     `exclude` glob (`--filter-out`): the one rule of every command that takes them."""
