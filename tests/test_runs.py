@@ -312,6 +312,80 @@ def test_an_accelerate_save_cut_short_before_its_rng_states_is_unfinished_in_a_s
     assert table(run)[names[-1]]["status"] == "writing"
 
 
+class _Counter:
+    """An object a script registers with `accelerator.register_for_checkpointing`."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seen = state["seen"]
+
+
+@pytest.mark.parametrize("naming", ["automatic", "script"])
+@pytest.mark.parametrize(("saves", "lost"), [(2, 1), (2, 2), (3, 1)])
+def test_an_accelerate_save_cut_short_before_its_registered_objects_is_unfinished(
+    tmp_path: Path, naming: str, saves: int, lost: int
+) -> None:
+    # save_state writes each `register_for_checkpointing` object's custom_checkpoint_{i}.pkl
+    # after every other file, RNG states included: a save killed before the last ones looked
+    # whole (the comparison of three saves or more sees digits as `*`, and needs three), so
+    # `latest` named a save that accelerate's load_state refuses ("Number of custom
+    # checkpoints ... does not match the number of registered objects")
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    run = tmp_path / "run"
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(
+            project_dir=str(run), automatic_checkpoint_naming=naming == "automatic"
+        ),
+    )
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    counters = [_Counter(), _Counter()]
+    for counter in counters:
+        accelerator.register_for_checkpointing(counter)
+    names = []
+    for step in range(1, saves + 1):
+        model(torch.randn(2, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        for counter in counters:
+            counter.seen += 1
+        if naming == "automatic":
+            accelerator.save_state()
+            names.append(f"checkpoints/checkpoint_{step - 1}")
+        else:
+            accelerator.save_state(str(run / f"step_{step}"))
+            names.append(f"step_{step}")
+    cut = run / names[-1]
+    gone = [f"custom_checkpoint_{i}.pkl" for i in range(2 - lost, 2)]
+    for name in gone:
+        (cut / name).unlink()  # killed before it
+    age(run)
+    rows = table(run)
+    assert rows[names[-1]]["status"] == "incomplete", rows[names[-1]]
+    reason = rows[names[-1]]["reason"]
+    assert f"no {', '.join(gone)}, which the save before it ({names[-2]}) holds" in reason
+    assert all(rows[n]["status"] == "complete" for n in names[:-1])
+    latest = run_ckpt("latest", run)
+    assert latest.stdout.strip() == str(run / names[-2])
+    accelerator.load_state(latest.stdout.strip())  # the real reader resumes from it
+    assert [c.seen for c in counters] == [saves - 1] * 2
+    with pytest.raises(RuntimeError, match="custom checkpoints"):
+        accelerator.load_state(str(cut))  # and refuses the cut one
+    # recent, the same save is one still being written
+    os.utime(cut / "model.safetensors")
+    assert table(run)[names[-1]]["status"] == "writing"
+
+
 def test_a_nodes_own_folder_of_a_save_on_each_node_run_is_complete_and_never_pruned(
     tmp_path: Path,
 ) -> None:

@@ -56,6 +56,9 @@ class Accelerate(Layout):
     #: `save_accelerator_state` writes every process's RNG states after the model, optimizer,
     #: scheduler, sampler and scaler (only `custom_checkpoint_N.pkl` come after, when registered)
     last_file = re.compile(_RNG)
+    #: `Accelerator.save_state` writes each `register_for_checkpointing` object's state after
+    #: `save_accelerator_state` returns (rank 0's RNG states written), in registration order
+    after_last_file = re.compile(r"custom_checkpoint_(\d+)\.pkl")
 
     def rank_file_name(self, rank: int, world_size: int) -> str:
         return f"random_states_{rank}.pkl"

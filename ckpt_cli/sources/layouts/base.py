@@ -100,6 +100,11 @@ class Layout(ABC):
             run's judge calls a save without it unfinished (cut short, or still being written)
             when the save is named by `step_folder` or another save of the run holds one.
             None when the layout has no such file (its marker, if any, is judged otherwise).
+        after_last_file: top-level files the save writes after `last_file` only when the
+            script asked for them, one per object, numbered (accelerate's
+            `custom_checkpoint_{i}.pkl`, one per `register_for_checkpointing` object): a save
+            holding `last_file` but not one of these that the run's save before it holds was
+            cut short after `last_file` (a run's judge). None when the layout writes none.
     """
 
     name: ClassVar[str]
@@ -111,6 +116,7 @@ class Layout(ABC):
     step_folder_counts_saves: ClassVar[bool] = False
     loads_size_shards: ClassVar[bool] = True
     last_file: ClassVar[re.Pattern[str] | None] = None
+    after_last_file: ClassVar[re.Pattern[str] | None] = None
 
     @abstractmethod
     def recognise(self, source: Source) -> bool:

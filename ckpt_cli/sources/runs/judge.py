@@ -65,12 +65,14 @@ def judge_found(
     ds_latest_step: int | None,
     expected: set[str] | None = None,
     run_files: frozenset[str] = frozenset(),
+    before: tuple[str, frozenset[str]] | None = None,
 ) -> RunCheckpoint:
     """Complete, incomplete, interrupted or writing (see the package docstring).
 
     `expected`: the parts every other save of the run has (`scan.expected_parts_of`);
     `run_files`: the names of the files at the top of the run's saves (`scan.top_file_names`),
-    which say whether the run's saves hold their layout's `last_file`."""
+    which say whether the run's saves hold their layout's `last_file`; `before`: the save just
+    older than this one and the names at its top (`scan.save_before`)."""
     primary = item.rels[0]
     link = run.link(item)
     files = run.files(item)
@@ -115,7 +117,7 @@ def judge_found(
         problem = _zero_partition_problem(run.storage, primary, files)
     note = unfinished = None
     if problem is None and item.is_dir:
-        lost, unfinished, note = _layout_problem(run.storage, item, files, own, run_files)
+        lost, unfinished, note = _layout_problem(run.storage, item, files, own, run_files, before)
         if lost is not None:
             # a file the framework writes before others that are here: lost since the save,
             # never one still being written, however recent
@@ -450,6 +452,7 @@ def _layout_problem(
     files: Mapping[str, int],
     own: Layout | None,
     run_files: frozenset[str],
+    before: tuple[str, frozenset[str]] | None = None,
 ) -> tuple[str | None, Unfinished | None, str | None]:
     """(problem, unfinished, note) of a save by its framework's own layout (`Layout.missing`: a
     Trainer checkpoint whose `rng_state.pth` says its `optimizer.pt` was saved, an accelerate
@@ -482,12 +485,35 @@ def _layout_problem(
             return with_fix(text, first.fix), None, None
         return (
             None,
-            _unfinished(layout, folder, own is None, run_files),
+            _unfinished(layout, folder, own is None, run_files, before),
             (layout.unknown_state(source, folder)),
         )
     except CkptError as error:
         no_verdict(error)  # the store or the OS refused: no verdict on the file
         return error.message, None, None
+
+
+def _cut_after_last(
+    layout: Layout, folder: Folder, before: tuple[str, frozenset[str]] | None
+) -> Unfinished | None:
+    """A save holding its layout's `last_file` that lacks a file written after it
+    (`Layout.after_last_file`: accelerate's `custom_checkpoint_{i}.pkl`, one per registered
+    object) which the run's save before it holds: the save stopped before writing it, at any
+    number of saves (the comparison of three or more saves sees no missing
+    `custom_checkpoint_1.pkl` beside a `custom_checkpoint_0.pkl`). A lone save cannot say."""
+    after = layout.after_last_file
+    if after is None or before is None:
+        return None
+    older, names = before
+    lacking = sorted(n for n in names if after.fullmatch(n) and not folder.has(n))
+    if not lacking:
+        return None
+    return Unfinished(
+        f"no {', '.join(lacking)}, which the save before it ({older}) holds: {layout.name} "
+        "writes each registered object's state last, after the RNG states, so the save "
+        "stopped before it (cut short, or still being written); accelerate's load_state "
+        "refuses it (fewer custom checkpoints than registered objects)"
+    )
 
 
 class Unfinished(NamedTuple):
@@ -504,7 +530,11 @@ class Unfinished(NamedTuple):
 
 
 def _unfinished(
-    layout: Layout, folder: Folder, named: bool, run_files: frozenset[str]
+    layout: Layout,
+    folder: Folder,
+    named: bool,
+    run_files: frozenset[str],
+    before: tuple[str, frozenset[str]] | None = None,
 ) -> Unfinished | None:
     """Why a save lacking its layout's `last_file` is unfinished, else None. Certain when the
     save is named by the layout's own step naming (accelerate's `checkpoints/checkpoint_N`:
@@ -534,7 +564,7 @@ def _unfinished(
             certain=certain,
         )
     if folder.matching(last.pattern):
-        return None
+        return _cut_after_last(layout, folder, before)
     if not named and not any(last.fullmatch(name) for name in run_files):
         return None
     example = layout.rank_file_name(0, 1) if layout.rank_files is not None else last.pattern

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from abc import ABC, abstractmethod
+from itertools import pairwise
 from pathlib import Path
 from typing import Literal
 
@@ -150,6 +151,28 @@ def top_file_names(run: RunListing, items: list[Found]) -> frozenset[str]:
     return frozenset(names)
 
 
+def save_before(
+    run: RunListing, items: list[Found], newest_first: list[Found]
+) -> dict[int, tuple[str, frozenset[str]]]:
+    """For each save folder of the run (not staging ones, not links): the save just older than
+    it, by name, and the names of the files at its top (`Layout.after_last_file`: a save
+    lacking a registered object's state that the save before it holds was cut short). Names
+    only, nothing read."""
+    saves = [
+        i for i in reversed(newest_first) if i.is_dir and not i.temporary and run.link(i) is None
+    ]
+    out: dict[int, tuple[str, frozenset[str]]] = {}
+    for older, newer in pairwise(saves):
+        start = f"{older.rels[0]}/"
+        names = frozenset(
+            rel[len(start) :]
+            for rel in run.files(older)
+            if rel.startswith(start) and "/" not in rel[len(start) :]
+        )
+        out[id(newer)] = (older.rels[0], names)
+    return out
+
+
 def scan(
     run: RunListing,
     *,
@@ -181,9 +204,20 @@ def scan(
         known = step_order(item.step, item.epoch, run.entry_time(item), item.save_number)
         return known, item.rels[0]
 
-    for item in sorted(items, key=order, reverse=True):
+    newest_first = sorted(items, key=order, reverse=True)
+    before = save_before(run, items, newest_first)
+    for item in newest_first:
         judged.append(
-            judge_found(run, item, now, settle, ds_step, expected.get(id(item)), run_files)
+            judge_found(
+                run,
+                item,
+                now,
+                settle,
+                ds_step,
+                expected.get(id(item)),
+                run_files,
+                before.get(id(item)),
+            )
         )
         if until_latest and judged[-1].complete and not judged[-1].slim:
             break
