@@ -90,6 +90,18 @@ def test_a_ddp_save_without_rank_0s_rng_states_is_warned_of_and_never_pruned(
     differs = _restored_differently("PLAIN", good, damaged, tmp_path)
     assert differs and {d.split(":")[0] for d in differs} == {"rank 0"}, differs[:5]
     assert all(d.split(": ")[1].startswith(".rng.") for d in differs), differs[:5]
+    # `convert` of it may be a node's own folder: written, and the missing state said (it was
+    # written with exit 0 and not a word)
+    out = tmp_path / "converted"
+    converted = run_ckpt("convert", damaged, out, "--to", "dcp", "--json")
+    assert converted.exit_code == 0, converted.stdout
+    said = [w for w in converted.json["result"]["warnings"] if "random_states_0.pkl" in w]
+    assert len(said) == 1 and "rank_rng_elsewhere" in said[0], converted.json["result"]
+    human = run_ckpt("convert", damaged, tmp_path / "again", "--to", "dcp")
+    assert human.exit_code == 0 and "random_states_0.pkl" in human.stderr
+    recut = run_ckpt("reshard", damaged, tmp_path / "recut", "--world-size", "2", "--json")
+    assert recut.exit_code == 0, recut.stdout
+    assert any("random_states_0.pkl" in w for w in recut.json["result"]["warnings"])
 
     # a run whose newest save is so: rank 0 still writing (or killed) after rank 1 wrote its
     # RNG states; `latest` named it

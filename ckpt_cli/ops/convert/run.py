@@ -36,7 +36,12 @@ from ..shared.architecture import (
     source_config,
 )
 from ..shared.megatron import keep_megatron_layout
-from ..shared.selection import refuse_lost_files, unmatched_rules, unreadable_left_out
+from ..shared.selection import (
+    lost_file_warnings,
+    refuse_lost_files,
+    unmatched_rules,
+    unreadable_left_out,
+)
 from ..shared.transfer import (
     SkippedEntry,
     TransferPlan,
@@ -442,6 +447,8 @@ def convert(
         if isinstance(checkpoint, GgufCheckpoint):
             # the output holds every tensor's values; the source's layout flaw is said anyway
             warnings += [with_fix(p.message, p.fix) for p in checkpoint.tolerated]
+        if select is None and naming is None:
+            warnings += lost_file_warnings(opened)
         if not match_prefix:  # a component's rules are judged over the whole folder
             warnings += unmatched_rules((e.name for e in manifest.entries), include, exclude)
         companions = [] if single_file else extra_files(checkpoint)

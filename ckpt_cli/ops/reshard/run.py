@@ -48,6 +48,7 @@ from ...sources.layouts.base import Layout, OpenedSource, open_plain
 from ...sources.runs.records import is_checksum_manifest
 from ...storage.output import Destination, check_destination
 from ..convert.plan import check_one_file_naming, guard_paths, local_dest, planned_files
+from ..shared.selection import lost_file_warnings
 from ..shared.transfer import TransferPlan, account_files, plan_transfer, write_checkpoint
 from .folder import reshard_folder
 from .report import RankStateAction, RankStateEntry, ReshardReport, SkippedFile
@@ -426,6 +427,7 @@ def reshard_with(
             source, opened, layout = folder
             try:
                 report = reshard_folder(source, opened, layout, dest, request, rules, progress)
+                report.warnings += lost_file_warnings(opened)
             finally:
                 opened.checkpoint.close()
             return _rank_state_used(report, rank_state)

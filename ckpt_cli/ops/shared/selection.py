@@ -141,6 +141,23 @@ def refuse_lost_files(opened: OpenedSource | None, doing: str) -> None:
     )
 
 
+def lost_file_warnings(opened: OpenedSource | None) -> list[str]:
+    """The warnings of an output of the whole training save that lacks what its source lacks
+    and `verify` only warns of (`RANK_RNG_CODES` at severity warning: a rank's RNG states lost,
+    or on another node's disk): said, never written away in silence."""
+    from ...sources.layouts.composite import RANK_RNG_CODES
+
+    if opened is None:
+        return []
+    return [
+        f"{p.file}: not in the source ({p.code}: lost, or on another node's disk), so not in "
+        "the output either; a run resumed from it draws that rank's random numbers afresh "
+        "(`ckpt verify SRC` says more)"
+        for p in opened.problems
+        if p.severity == "warning" and p.code in RANK_RNG_CODES
+    ]
+
+
 def name_chosen(name: str, include: Sequence[str] | None, exclude: Sequence[str] | None) -> bool:
     """Whether `name` matches an `include` glob (`--filter`; any name without one) and no
     `exclude` glob (`--filter-out`): the one rule of every command that takes them."""
