@@ -41,6 +41,30 @@ def test_deleted_optimizer_fails_plain_verify(
     assert missing and "checkpoint-1 has one" in missing[0]["message"]
 
 
+def test_a_checkpoint_that_lost_its_rng_state_fails_verify_and_is_no_latest(
+    trainer_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The Trainer writes `rng_state.pth` with `optimizer.pt` and `scheduler.pt` (unless
+    `save_only_model`), and `_load_rng_state` only logs "Didn't find an RNG file" and goes on
+    without it: a checkpoint that lost it was "OK" to `verify`, `latest` named it and `convert`
+    wrote it, while the resumed run draws other random numbers than the one it continues."""
+    run = shutil.copytree(trainer_runs["full"], tmp_path / "run")
+    (run / "checkpoint-2" / "rng_state.pth").unlink()
+    result = run_ckpt("verify", run / "checkpoint-2", "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = result.json["result"]["problems"]
+    assert [(p["code"], p["file"]) for p in problems] == [
+        ("missing_component", str(run / "checkpoint-2" / "rng_state.pth"))
+    ]
+    assert "save_only_model=False" in problems[0]["message"]
+    assert "random numbers" in problems[0]["message"]
+    latest = run_ckpt("latest", run, "--settle", "0", "--json")
+    assert latest.json["result"]["latest"] == str(run / "checkpoint-1"), latest.stdout
+    out = tmp_path / "out"
+    refused = run_ckpt("convert", run / "checkpoint-2", out, "--to", "dcp")
+    assert refused.exit_code == 4 and "rng_state.pth" in refused.stderr and not out.exists()
+
+
 def test_save_only_model_checkpoint_passes(trainer_runs: dict[str, Path]) -> None:
     checkpoint = trainer_runs["model_only"] / "checkpoint-1"
     assert not (checkpoint / "optimizer.pt").exists()

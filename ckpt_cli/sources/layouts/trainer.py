@@ -296,6 +296,12 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
     ):
         return []  # FSDP or DeepSpeed state: saved in another shape
     missing = [n for n in _TRAINER_STATE_FILES if not folder.has(n)]
+    if not folder.matching(_RNG):
+        # `_save_rng_state` writes `rng_state.pth` (`rng_state_{rank}.pth` from each process
+        # of a multi-process run) with the optimizer and scheduler; `_load_rng_state` only
+        # logs "Didn't find an RNG file" and goes on without it
+        several = saved_world(source, folder, Trainer()).world > 1
+        missing.append("rng_state_0.pth" if several else "rng_state.pth")
     if not missing or _model_only(source, folder):
         return []
     from ..runs import SLIM_RECORD
@@ -336,8 +342,13 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
     return [
         Problem(
             code="missing_component",
-            message=f"{where}: {name} is missing, but {why}; this checkpoint cannot resume "
-            f"training where it stopped",
+            message=f"{where}: {name} is missing, but {why}; "
+            + (
+                "the Trainer resumes without it (it logs a line), so the resumed run draws "
+                "other random numbers (dropout, sampling) than the run it continues"
+                if re.fullmatch(_RNG, name)
+                else "this checkpoint cannot resume training where it stopped"
+            ),
             file=source.storage.describe(name),
             fix=_OTHER,
         )
