@@ -508,6 +508,7 @@ def test_json_a_parser_refuses_is_a_bad_input_never_a_bug_in_ckpt(tmp_path: Path
             {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}, save / "optimizer.pt"
         )
         torch.save({"last_epoch": step}, save / "scheduler.pt")
+        torch.save({"cpu": torch.random.get_rng_state()}, save / "rng_state.pth")
         (save / "trainer_state.json").write_text('{"global_step":' + global_step + "}")
         old = time.time() - 1000
         for f in save.iterdir():
