@@ -1833,3 +1833,68 @@ def test_a_signal_handlers_save_during_the_copy_of_another_save_is_refused_never
     ck.close()
     assert latest(run) == str(run / "step-1")
     assert sorted(p.name for p in run.iterdir()) == ["step-1"]
+
+
+SLOW_PULL_SCRIPT = """
+import json, sys, time
+import torch
+import torch.distributed as dist
+import ckpt_cli.ops.sync.pull as pull
+from ckpt_cli import Checkpointer
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+run, out, bucket = sys.argv[1], sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+pull.UPLOAD_BLOCK = 8192  # many ranged reads, each a round trip to the far-away store
+torch.manual_seed(0)
+model = torch.nn.Linear(256, 256)
+fresh = torch.nn.Linear(256, 256)
+started = time.monotonic()
+got = {}
+try:
+    loaded = Checkpointer(run, upload=bucket, timeout=2).load_latest({"model": fresh})
+    got["loaded"] = [loaded.step, loaded.tier] if loaded else None
+except Exception as error:
+    got["raised"] = f"{type(error).__name__}: {error}"
+got["seconds"] = time.monotonic() - started
+got["same"] = torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+with open(f"{out}.rank{rank}.json", "w") as f:
+    json.dump(got, f)
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_the_other_ranks_wait_out_a_pull_from_the_bucket_longer_than_the_timeout(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    """A fresh node resumes from the bucket under torchrun: rank 0 pulls the save while the
+    other ranks wait for its choice. The pull sent them no sign of life, so one longer than
+    the timeout (a far-away store) failed their `load_latest` ("did not answer within 2 s")
+    though rank 0 was downloading, and the job could not resume at all. Rank 0 now tells them
+    it is alive as the bytes arrive, as it does while it verifies: both ranks load the save."""
+    import json
+
+    from ckpt_cli import Checkpointer
+
+    from .dist_helpers import run_launch
+
+    require_torchrun_marker()
+    make_bucket(s3_server.endpoint, "ckpt")
+    torch.manual_seed(0)
+    with Checkpointer(tmp_path / "first-node", upload="s3://ckpt/exp") as ck:
+        ck.save(5, {"model": torch.nn.Linear(256, 256)})
+        assert (record := ck.wait()) is not None and record.phase == "done", record
+    s3_server.latency = 0.05  # every request: a far-away store
+    script = tmp_path / "slow_pull.py"
+    script.write_text(SLOW_PULL_SCRIPT)
+    run, out = tmp_path / "fresh-node", tmp_path / "out"
+    command = torchrun_command(2, script, run, out, "s3://ckpt/exp")
+    proc = run_launch(command, 300, env=torchrun_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        got = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert got.get("loaded") == [5, "remote"] and got["same"], (rank, got, proc.stderr)
+        assert got["seconds"] > 2, got  # the pull did outlast the timeout
+    assert latest(run) == str(run / "step-5")

@@ -209,13 +209,41 @@ class _Heartbeat:
     checksum and parity pass; the verification of the save `load_latest` chose), which tells
     them it is alive: a beat at most every quarter of the timeout (from the hashing threads,
     one at a time). Their wait is then bounded by the timeout however long the pass takes,
-    and a rank 0 that stops answering is still noticed."""
+    and a rank 0 that stops answering is still noticed. `steady` beats on a clock instead,
+    for the object store's listings and pulls, which report no progress of their own."""
 
     def __init__(self, beat: Callable[[], object], timeout: timedelta) -> None:
         self._beat = beat
         self._every = timeout.total_seconds() / 4
         self._last = time.monotonic()
         self._lock = threading.Lock()
+
+    @contextmanager
+    def steady(self) -> Iterator[None]:
+        """Beat every quarter of the timeout while the block runs, from a thread of its own:
+        around rank 0's listing of the object store and its pull of a save, whose requests
+        report no progress (each is bounded by the store client's own timeouts and retries).
+        A beat that fails (the other ranks are gone) is raised here once the block is over."""
+        stop = threading.Event()
+        failed: list[BaseException] = []
+
+        def beat_until_stopped() -> None:
+            while not stop.wait(self._every):
+                try:
+                    self._maybe()
+                except BaseException as error:  # raised in the caller's thread, below
+                    failed.append(error)
+                    return
+
+        ticker = threading.Thread(target=beat_until_stopped, name="ckpt-heartbeat", daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            ticker.join()
+        if failed:
+            raise failed[0]
 
     def _maybe(self) -> None:
         with self._lock:
@@ -595,10 +623,13 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 # the other ranks wait for the choice meanwhile (`_tell_ranks`)
-                beat: Progress = NULL_PROGRESS
                 if self._distributed:
                     beat = _Heartbeat(lambda: self._tell_ranks(_BEAT, None), self.timeout)
-                choice = choose(self.run_dir, self.upload, self.verify, self.log, beat)
+                    choice = choose(
+                        self.run_dir, self.upload, self.verify, self.log, beat, beat.steady
+                    )
+                else:
+                    choice = choose(self.run_dir, self.upload, self.verify, self.log)
             except BaseException as error:
                 if not self._distributed:
                     raise

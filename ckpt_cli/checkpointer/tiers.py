@@ -16,6 +16,8 @@ the run (and, with retention, later delete its saves in the store).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,15 +75,20 @@ def choose(
     checks: str,
     log: logging.Logger,
     progress: Progress = NULL_PROGRESS,
+    in_store: Callable[[], AbstractContextManager[None]] = nullcontext,
 ) -> Choice | None:
     """The newest complete, verified save over both tiers (see the module), or None;
-    `progress` receives the checks' checksum passes."""
+    `progress` receives the checks' checksum passes, and the listing of the object store and
+    the pull from it run inside `in_store()` (under torchrun, rank 0's heartbeat on a clock:
+    the store's requests report no progress)."""
     skipped: list[str] = []
     unread: list[str] = []
     local = _resumable(scan_run(run_dir, settle=0.0).checkpoints) if run_dir.is_dir() else []
     newest_local = local[0].step if local else None
     if upload is not None:
-        pulled = _from_remote(run_dir, upload, newest_local, checks, skipped, unread, log, progress)
+        pulled = _from_remote(
+            run_dir, upload, newest_local, checks, skipped, unread, log, progress, in_store
+        )
         if pulled is not None:
             return pulled
     for c in local:
@@ -120,20 +127,22 @@ def _from_remote(
     unread: list[str],
     log: logging.Logger,
     progress: Progress = NULL_PROGRESS,
+    in_store: Callable[[], AbstractContextManager[None]] = nullcontext,
 ) -> Choice | None:
     """Pull the newest remote save when it is newer than every local one. What could not be
     read or fetched (the store's failures) goes to `unread`; a save that fails its checks, to
-    `skipped`."""
+    `skipped`. The store's listing and the pull run inside `in_store()`."""
     from ..ops.sync.pull import sync_down
 
     try:
         url = upload.rstrip("/")
-        newest = scan_run(url, settle=0.0, until_latest=True).checkpoints
-        remote = _resumable(newest)
-        if not remote and any(c.complete for c in newest):
-            # the newest complete folder is no save to resume from (an export the upload sent
-            # with the run folder): judge them all
-            remote = _resumable(scan_run(url, settle=0.0).checkpoints)
+        with in_store():
+            newest = scan_run(url, settle=0.0, until_latest=True).checkpoints
+            remote = _resumable(newest)
+            if not remote and any(c.complete for c in newest):
+                # the newest complete folder is no save to resume from (an export the upload
+                # sent with the run folder): judge them all
+                remote = _resumable(scan_run(url, settle=0.0).checkpoints)
     except CkptError as error:
         log.warning("object store %s not read, loading from the local tier: %s", upload, error)
         unread.append(str(error))
@@ -148,7 +157,8 @@ def _from_remote(
     try:
         # that save, not the bucket's newest folder (the upload sends the run folder whole:
         # the user's exports are there too)
-        report = sync_down(upload.rstrip("/"), str(run_dir), only=best.name, settle=0.0)
+        with in_store():
+            report = sync_down(upload.rstrip("/"), str(run_dir), only=best.name, settle=0.0)
     except CkptError as error:
         log.warning("pulling %s failed: %s", best.name, error)
         # the store's failure says nothing of the save; a refused copy does
