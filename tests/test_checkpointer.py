@@ -1898,3 +1898,89 @@ def test_the_other_ranks_wait_out_a_pull_from_the_bucket_longer_than_the_timeout
         assert got.get("loaded") == [5, "remote"] and got["same"], (rank, got, proc.stderr)
         assert got["seconds"] > 2, got  # the pull did outlast the timeout
     assert latest(run) == str(run / "step-5")
+
+
+SIGNAL_MID_SAVE_SCRIPT = """
+import json, os, signal, sys
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 8)
+ck = Checkpointer(run, timeout=3)
+ck.save(1, {"model": model})
+ck.wait()
+step = 2
+
+
+def on_term(signum, frame):  # preemption: save where the loop is, then leave
+    got = {}
+    try:
+        record = ck.save(step, {"model": model})
+        got = (ck.wait() or record).model_dump(mode="json")
+    except Exception as error:
+        got = {"raised": f"{type(error).__name__}: {error}"}
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump(got, f)
+    leave_without_teardown()
+
+
+signal.signal(signal.SIGTERM, on_term)
+armed = [False]
+
+
+def signalled_after(collective):  # rank 1's SIGTERM lands as its first agreement returns
+    def call(*args, **kwargs):
+        result = collective(*args, **kwargs)
+        if armed[0]:
+            armed[0] = False
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+    return call
+
+
+dist.all_reduce = signalled_after(dist.all_reduce)
+dist.all_gather = signalled_after(dist.all_gather)
+if rank == 0:
+    os.kill(os.getpid(), signal.SIGTERM)  # rank 0's lands before the loop's save of step 2
+armed[0] = True
+ck.save(step, {"model": model})
+ck.wait()
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_a_sigterm_on_each_rank_at_another_point_of_the_save_never_leaves_them_out_of_step(
+    tmp_path: Path,
+) -> None:
+    """Preemption under torchrun: each rank's SIGTERM handler saves and leaves, and the signal
+    reaches each rank at its own moment: rank 0's before the loop's `save` of step 2, rank 1's
+    inside it, just after its first agreement with the other ranks. Rank 0's handler-save
+    took rank 1's agreement for its own and went on to the next, while rank 1's handler-save
+    began again from the first: two different collectives met (gloo's failure, or a wait until
+    the timeout), and the ranks were out of step. Now the ranks see that their saves met at
+    different points, and every rank gives that save up at once with the same clear message
+    (nothing published: step 1 stays the latest)."""
+    import json
+
+    require_torchrun_marker()
+    script = tmp_path / "signal_mid_save.py"
+    script.write_text(SIGNAL_MID_SAVE_SCRIPT)
+    run, out = tmp_path / "run", tmp_path / "out"
+    proc = run_launch(torchrun_command(2, script, run, out), 150, env=torchrun_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank in (0, 1):
+        assert got[rank].get("phase") == "failed", (rank, got, proc.stderr)
+        error = got[rank]["error"]
+        assert "out of step" in error and "signal handler" in error, error
+        assert "no rank saved step 2" in error, error
+    assert got[0]["error"] == got[1]["error"]
+    assert sorted(p.name for p in run.iterdir()) == ["step-1"]
+    assert latest(run) == str(run / "step-1")

@@ -13,7 +13,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -198,6 +198,19 @@ class _RollCall:
             except RuntimeError:  # gloo's timeout, or the peer's closed connection
                 missing.append(r)
         return missing
+
+
+#: the agreements of the ranks (`Checkpointer._meet`), and what each rank does at each
+_WAITING, _STAGED, _LOADING = 1, 2, 3
+_MEETINGS = {
+    _WAITING: "waiting for the save in flight",
+    _STAGED: "agreeing its copy of the state",
+    _LOADING: "waiting to choose the save to load",
+}
+
+
+class _OutOfStep(UsageError):
+    """The ranks' `save` calls reached different agreements (`Checkpointer._meet`)."""
 
 
 #: what rank 0 sends the waiting ranks while it works alone (never an outcome or a choice)
@@ -460,7 +473,9 @@ class Checkpointer:
         the record `wait()` returns. Under torchrun the ranks agree that each staged its
         state before any writes: a rank whose state cannot be staged raises here, and the
         others save nothing of that step (their record is `failed`, naming that rank); ranks
-        that pass different steps all raise `UsageError`, and nothing is written.
+        that pass different steps all raise `UsageError`, and nothing is written; ranks whose
+        calls reach different agreements (a signal handler's `save` that interrupted another
+        on one rank) all return a `failed` record saying so, and stay in step.
         """
         if self._closed:
             raise UsageError(
@@ -508,7 +523,26 @@ class Checkpointer:
             raise IOFailure(
                 f"step {step} cannot be saved: {lost.problem}", path=lost.path, fix=lost.fix
             )
-        if self._busy(f"the save of step {step} was agreed on"):
+        try:
+            return self._agree_and_stage(step, state, record, start)
+        except _OutOfStep as error:  # every rank gives this save up alike (`_meet`)
+            record.phase = "failed"
+            record.error = str(error)
+            record.blocked_seconds = time.perf_counter() - start
+            self.log.error("save of step %d failed: %s", step, record.error)
+            with self._lock:
+                self._saves += 1
+                self._failures += 1
+                self._last_error = record.error
+                self._last = record
+            return record
+
+    def _agree_and_stage(
+        self, step: int, state: Mapping[str, Any], record: SaveRecord, start: float
+    ) -> SaveRecord:
+        """The part of `save` in the caller's thread: the ranks agree, the state is staged,
+        the background write starts."""
+        if self._busy(f"the save of step {step} was agreed on", _WAITING, step):
             in_flight = self._current
             what = f"step {in_flight.step}" if in_flight is not None else "a save on another rank"
             if self.on_busy == "skip":
@@ -522,7 +556,7 @@ class Checkpointer:
                 return record
             self.log.info("save of step %d waits for %s", step, what)
             # (a signal handler's save may start meanwhile, `_reentered`: it is waited for too)
-            self._wait_everywhere(f"the save of step {step} was agreed on")
+            self._wait_everywhere(f"the save of step {step} was agreed on", _WAITING, step)
             record.waited_seconds = time.perf_counter() - start
         self._save_staging = True
         staged_from = time.perf_counter()
@@ -532,7 +566,8 @@ class Checkpointer:
         except BaseException:
             # the other ranks must not start a write this rank will never join: theirs would
             # wait for it, and take its next save's collectives for this one's (a torn save)
-            self._ranks_not_staged(False, step)
+            with suppress(_OutOfStep):  # this rank's own failure is the one to raise
+                self._ranks_not_staged(False, step)
             raise
         failed, steps = self._ranks_not_staged(True, step)
         record.stage_seconds = time.perf_counter() - staged_from
@@ -616,7 +651,7 @@ class Checkpointer:
         returned in `LoadedCheckpoint.state`. Under torchrun rank 0 chooses the save (and
         pulls it from the object store if need be) and every rank loads its own shards.
         """
-        self._wait_everywhere("the save to load was chosen")
+        self._wait_everywhere("the save to load was chosen", _LOADING)
         items = entries(into)
         choice: Choice | None = None
         failure: CkptError | None = None
@@ -742,11 +777,12 @@ class Checkpointer:
             if self.rank == 0 or shared[0] != _BEAT:
                 return shared[0], shared[1]
 
-    def _wait_everywhere(self, doing: str) -> None:
+    def _wait_everywhere(self, doing: str, meeting: int = _WAITING, step: int = -1) -> None:
         """Wait until no rank has a save in flight. Each rank waits for its own, and the ranks
         agree every quarter of the timeout whether any is still busy: rank 0's work after a
         publish (retention, the upload) may outlast the timeout, which a rank done at once,
-        waiting for it in one collective, would take for a lost rank."""
+        waiting for it in one collective, would take for a lost rank. `meeting` and `step`:
+        what this rank's agreements are for (`_meet`)."""
         if not self._distributed:
             while self._thread is not None:  # (one a signal handler started meanwhile too)
                 self._join()
@@ -761,30 +797,63 @@ class Checkpointer:
                     with self._lock:
                         if self._thread is thread:
                             self._thread = None
-            if not self._busy(doing):
+            if not self._busy(doing, meeting, step):
                 return
 
-    def _busy(self, doing: str) -> bool:
+    def _busy(self, doing: str, meeting: int = _WAITING, step: int = -1) -> bool:
         """Whether a save is in flight here (or, under torchrun, on any rank: they agree)."""
         mine = self._thread is not None and self._thread.is_alive()
         if not self._distributed:
             return mine
-        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
-        with self._together(doing, self.run_dir):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)
-        return bool(flag.item())
+        return any(flag for _, flag in self._meet(meeting, step, 1 if mine else 0, doing))
 
     def _ranks_not_staged(self, staged: bool, step: int) -> tuple[list[int], list[int]]:
         """The ranks whose `save` could not stage the state (under torchrun; [] alone), and
         the step each rank's `save` was called with."""
         if not self._distributed:
             return [], [step]
-        flags = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
-        mine = torch.tensor([0 if staged else 1, step], dtype=torch.int64)
-        with self._together(f"the save of step {step} was agreed on", self.run_dir):
-            dist.all_gather(flags, mine, group=self._control_group)
-        failed = [rank for rank, flag in enumerate(flags) if flag[0].item()]
-        return failed, [int(flag[1].item()) for flag in flags]
+        met = self._meet(
+            _STAGED, step, 0 if staged else 1, f"the save of step {step} was agreed on"
+        )
+        failed = [rank for rank, (_, flag) in enumerate(met) if flag]
+        return failed, [saved for saved, _ in met]
+
+    def _meet(self, meeting: int, step: int, flag: int, doing: str) -> list[tuple[int, int]]:
+        """One agreement of the ranks' `save` (or `load_latest`): every rank's (step, flag).
+
+        Every agreement is the same collective (an all_gather of the meeting, the step and
+        the flag), so ranks that reach different ones (a `save` called from a signal handler
+        on one rank interrupted that rank's own save between two agreements, while another
+        rank's signal came before its save began) see it, all of them in the same
+        collective: each raises `_OutOfStep` (the same words on every rank), and they are
+        still in step. Two different collectives would have met instead (gloo's failure, or a
+        wait until the timeout: the ranks lost for good)."""
+        rows = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world_size)]
+        mine = torch.tensor([meeting, step, flag], dtype=torch.int64)
+        with self._together(doing, self.run_dir):
+            dist.all_gather(rows, mine, group=self._control_group)
+        met = [(int(row[0].item()), int(row[1].item()), int(row[2].item())) for row in rows]
+        if len({meeting for meeting, _, _ in met}) > 1:
+            told = "; ".join(
+                f"rank {rank}: {_MEETINGS.get(meeting, 'elsewhere')}"
+                + (f" (step {at})" if at >= 0 else "")
+                for rank, (meeting, at, _) in enumerate(met)
+            )
+            steps = sorted({at for _, at, _ in met if at >= 0})
+            lost = (
+                f"no rank saved step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+                if steps
+                else "nothing was saved or loaded"
+            )
+            raise _OutOfStep(
+                f"the ranks' saves met out of step ({told}): a save called from a signal "
+                f"handler interrupted another save on some rank; {lost}",
+                path=self.run_dir,
+                fix="Under torchrun save from the training loop, at the same point on every "
+                "rank: let the signal handler only set a flag, have the loop agree on it every "
+                "step (an all_reduce of the flag), then save that step and exit on every rank.",
+            )
+        return [(at, flag) for _, at, flag in met]
 
     def _lose(self, who: str, doing: str, where: Path) -> IOFailure:
         """The error of ranks that lost each other (`who` did not answer while `doing`), kept:
