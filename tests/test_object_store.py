@@ -533,10 +533,8 @@ def test_ctrl_c_during_the_upload_removes_everything(
 
     from .conftest import REPO
 
-    # the shards' uploads, not the run's lease: a lease PUT the server holds when Ctrl-C comes
-    # lands after the run removed its prefix (the client cannot take back a request the
-    # server has whole), and the next run removes it (`object_leases`); this test interrupts
-    # the data upload itself
+    # the shards' uploads, not the run's lease (a lease PUT in flight when Ctrl-C comes has a
+    # test of its own, below): this test interrupts the data upload itself
     s3_server.slow = lambda r: (
         r.method == "PUT" and ".ckpt-tmp-" in r.path and not r.path.endswith(".ckpt-lease")
     )
@@ -839,3 +837,64 @@ def test_a_trainer_save_whose_reads_the_store_refuses_is_a_store_failure_not_a_b
     assert not dest.exists()
     s3_server.refuse = None
     assert run_ckpt("inspect", src).exit_code == 0
+
+
+def test_ctrl_c_while_the_lease_is_being_written_leaves_no_lease_behind(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Ctrl-C comes while the run's lease PUT is on its way (a slow store): the run removed its
+    hidden prefix at once and exited, and the PUT, which the store had whole, landed after
+    that: a `.ckpt-lease` object was left in the bucket until the next run writing that DEST
+    removed it. The cleanup now waits (a few seconds at most) for the write in flight and
+    removes what it left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import REPO
+
+    torch.save(_model(), tmp_path / "w.pt")
+    make_bucket(s3_server.endpoint, "ckpts")
+
+    def is_lease_put(r: S3Request) -> bool:
+        return r.method == "PUT" and r.path.endswith("/.ckpt-lease")
+
+    s3_server.hold = is_lease_put
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    args = [tmp_path / "w.pt", "s3://ckpts/exports/model", "--to", "safetensors"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "convert", *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(is_lease_put(r) for r in list(s3_server.requests)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the lease was never written"
+            time.sleep(0.05)
+        seen = len(s3_server.requests)
+        proc.send_signal(signal.SIGINT)
+        # the run's cleanup looks for its hidden prefix: only then does the held PUT land
+        while not any(
+            ".ckpt-tmp-" in r.path + r.query and not is_lease_put(r)
+            for r in list(s3_server.requests)[seen:]
+        ):
+            assert proc.poll() is None or time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        s3_server.release.set()
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        s3_server.release.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    s3_server.hold = None
+    s3_server.wait_idle()
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert list_keys(s3_server.endpoint, "ckpts", "exports/") == []

@@ -43,6 +43,8 @@ LEASE_NAME = ".ckpt-lease"
 LEASE_REFRESH = 60.0
 #: seconds `Lease.stop` waits for a renewal in flight
 LEASE_STOP_WAIT = 10.0
+#: seconds the cleanup of an interrupted run waits for a lease write in flight (`Lease.remove_late`)
+LEASE_LATE_WAIT = 5.0
 #: a lease (or a prefix without one) this much older than the store's clock is a dead run's
 LEASE_EXPIRY = 15 * 60.0
 #: a run that writes objects in place (`sync` push) keeps its lease at DEST's root under
@@ -84,8 +86,13 @@ def run_is_gone(lease: dict[str, Any] | None, written: float | None, *, now: flo
 class Lease:
     """This run's lease, the object `rel` of `store`: written by `start`, rewritten every
     `LEASE_REFRESH` seconds until `stop` (which removes nothing: the caller does, with its
-    prefix). `written_at`: when the store recorded the first write, by the store's clock (the
-    `Date` of its reply, on S3), or None."""
+    prefix, then `remove_late`). `written_at`: when the store recorded the first write, by the
+    store's clock (the `Date` of its reply, on S3), or None.
+
+    Every write, the first one too, is made by the lease's own thread: a signal (Ctrl-C) that
+    interrupts the caller's wait for it leaves the request to finish there, where its end is
+    seen (`remove_late`), instead of in the store client's event loop, where it would land
+    unseen after the cleanup."""
 
     def __init__(self, store: FsspecStorage, rel: str):
         self.store = store
@@ -93,6 +100,10 @@ class Lease:
         self.written_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._first_written = threading.Event()
+        self._first_error: BaseException | None = None
+        #: whether a write was in flight when `stop` returned (it may land after the cleanup)
+        self._late = False
         self.body = json.dumps(
             {
                 "written_by": "ckpt",
@@ -105,10 +116,23 @@ class Lease:
         ).encode()
 
     def start(self) -> None:
-        """Write the lease, then keep it fresh in the background."""
-        self._write()
-        self._thread = threading.Thread(target=self._renew, name="ckpt-lease", daemon=True)
+        """Write the lease, then keep it fresh in the background (the first write's failure is
+        raised here)."""
+        self._thread = threading.Thread(target=self._keep, name="ckpt-lease", daemon=True)
         self._thread.start()
+        self._first_written.wait()
+        if self._first_error is not None:
+            raise self._first_error
+
+    def _keep(self) -> None:
+        try:
+            self._write()
+        except BaseException as error:  # raised by `start`, in the caller's thread
+            self._first_error = error
+            return
+        finally:
+            self._first_written.set()
+        self._renew()
 
     def _write(self) -> None:
         s3 = self.store.s3_filesystem()
@@ -131,18 +155,41 @@ class Lease:
 
     def stop(self) -> None:
         """Stop renewing. A renewal in flight is waited for a little (so none lands after the
-        removal), not at all once a stop signal came (a stalled store must not hold Ctrl-C):
-        a lease that lands late is the debris of a gone run, removed by the next one."""
+        removal), not here once a stop signal came (the caller removes its prefix first, then
+        `remove_late` waits a few seconds for it and removes what it wrote; a lease that lands
+        later still is the debris of a gone run, removed by the next one)."""
         from .. import faults
 
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=0 if faults.received is not None else LEASE_STOP_WAIT)
+            self._late = self._thread.is_alive()
+
+    def remove_late(self) -> None:
+        """Once the caller removed its prefix after `stop`: wait `LEASE_LATE_WAIT` seconds at
+        most for the write that was still in flight (a signal came while the store was slow
+        to answer it), and remove the lease it wrote, which would otherwise outlive the run
+        until the next run writing the same destination. Best effort: a write that takes
+        longer is left to that next run."""
+        if not self._late or self._thread is None:
+            return
+        self._thread.join(timeout=LEASE_LATE_WAIT)
+        if self._thread.is_alive():
+            return
+        self._late = False
+        self._delete()
 
     def release(self) -> None:
-        """Stop renewing and remove the lease object (best effort: one left behind is judged
-        as any dead run's by the next run)."""
+        """Stop renewing and remove the lease object, once a write still in flight is over
+        (`remove_late`; best effort: one left behind is judged as any dead run's by the next
+        run)."""
         self.stop()
+        if self._late and self._thread is not None:
+            self._thread.join(timeout=LEASE_LATE_WAIT)
+            self._late = self._thread.is_alive()
+        self._delete()
+
+    def _delete(self) -> None:
         s3 = self.store.s3_filesystem()
         with contextlib.suppress(Exception):
             if s3 is None:

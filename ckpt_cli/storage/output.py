@@ -634,6 +634,7 @@ def _staged_remote(
     def discard() -> None:
         lease.stop()  # no renewal lands after the removal
         _remove_remote(store, [tmp_name])
+        lease.remove_late()  # (a write the store was still answering when a signal came)
 
     opened = _OPEN_STAGINGS.set((*_OPEN_STAGINGS.get(), staging))
     try:

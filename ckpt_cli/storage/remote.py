@@ -403,6 +403,7 @@ class FsspecStorage(Storage):
             lease.stop()  # no renewal lands after the removal
             with contextlib.suppress(Exception):
                 parent.remove(tmp)
+            lease.remove_late()  # (a write the store was still answering when a signal came)
             self._written(self._full(rel))
 
     def copy(self, src: str, rel: str) -> None:
