@@ -1984,3 +1984,45 @@ def test_a_sigterm_on_each_rank_at_another_point_of_the_save_never_leaves_them_o
     assert got[0]["error"] == got[1]["error"]
     assert sorted(p.name for p in run.iterdir()) == ["step-1"]
     assert latest(run) == str(run / "step-1")
+
+
+def test_a_damaged_newest_local_save_is_pulled_whole_from_the_bucket_not_passed_over(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    """A bit flips in the newest save on the local disk, whose upload to the bucket is whole.
+    `load_latest` passed the local copy over for the older local save (step 3), a warning in
+    the log: the run silently went back three steps, though the bucket held step 6 intact
+    (pulled only when newer than every local save). The damaged copy is now replaced by the
+    bucket's, checked, and loaded."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ckpt_cli import Checkpointer
+
+    make_bucket(s3_server.endpoint, "ckpt")
+    run = tmp_path / "run"
+    model = torch.nn.Linear(16, 8)
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(run, upload="s3://ckpt/exp") as ck:
+        for step in (3, 6):
+            with torch.no_grad():
+                model.weight.fill_(float(step))
+            ck.save(step, {"model": model, "step": step})
+            assert (record := ck.wait()) is not None and record.phase == "done", record
+            saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    storage = FileSystemReader(str(run / "step-6")).read_metadata().storage_data
+    weight = next(info for index, info in storage.items() if index.fqn == "model.weight")
+    shard = run / "step-6" / weight.relative_path
+    data = bytearray(shard.read_bytes())
+    data[weight.offset + weight.length // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    fresh = torch.nn.Linear(16, 8)
+    into: dict[str, Any] = {"model": fresh, "step": 0}
+    loaded = Checkpointer(run, upload="s3://ckpt/exp").load_latest(into)
+    assert loaded is not None and (loaded.step, loaded.tier) == (6, "remote"), loaded
+    assert into["step"] == 6
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, saved[6][name]), name
+    assert len(loaded.skipped) == 1 and loaded.skipped[0].startswith("step-6: "), loaded
+    verdict = run_ckpt("verify", str(run / "step-6"), "--checksums")
+    assert verdict.exit_code == 0, verdict.stdout + verdict.stderr

@@ -6,7 +6,9 @@ or a half-uploaded prefix never is). The newest candidate wins; on a tie the loc
 taken (no transfer). A remote save newer than every local one is pulled into the run folder
 first with `sync` (staged, checked against its checksum manifest, published with one rename).
 Every candidate is verified before it is chosen (`ckpt verify`, with `--checksums` when it
-carries a manifest or parity); one that fails is passed over, with the reason, for the next.
+carries a manifest or parity); one that fails is passed over, with the reason, for the next:
+first the object store's copy of that very save when it holds one complete (pulled in place of
+the damaged local copy), then the older saves.
 When saves are there but none can be loaded (each failed its checks, or the store holding them
 could not be read or pulled from, with none on this machine), the choice is an error, never
 "no save": a training script takes no save for a fresh start, which would silently discard
@@ -85,12 +87,15 @@ def choose(
     unread: list[str] = []
     local = _resumable(scan_run(run_dir, settle=0.0).checkpoints) if run_dir.is_dir() else []
     newest_local = local[0].step if local else None
+    remote: list[RunCheckpoint] = []
     if upload is not None:
-        pulled = _from_remote(
-            run_dir, upload, newest_local, checks, skipped, unread, log, progress, in_store
-        )
-        if pulled is not None:
-            return pulled
+        remote = _remote_saves(upload, unread, log, in_store)
+        best = remote[0] if remote else None
+        if best is not None and (newest_local is None or (best.step or 0) > newest_local):
+            log.info("pulling %s from %s (newer than every local save)", best.name, upload)
+            pulled = _pull(run_dir, upload, best, checks, skipped, unread, log, progress, in_store)
+            if pulled is not None:
+                return pulled
     for c in local:
         assert c.step is not None
         ran, problem = check(c.path, checks, progress)
@@ -98,6 +103,15 @@ def choose(
             return Choice(path=c.path, step=c.step, tier="local", verified=ran, skipped=skipped)
         log.warning("checkpoint %s failed verification, passed over: %s", c.path, problem)
         skipped.append(f"{c.name}: {problem}")
+        # the store's copy of this very save, whole, is worth more than an older local one
+        twin = next((r for r in remote if r.name == c.name), None)
+        if upload is not None and twin is not None:
+            log.info("pulling %s from %s in place of the damaged local copy", c.name, upload)
+            pulled = _pull(
+                run_dir, upload, twin, checks, skipped, unread, log, progress, in_store, True
+            )
+            if pulled is not None:
+                return pulled
     if skipped:
         raise FormatError(
             f"no save of the run can be loaded: every one failed its checks ({'; '.join(skipped)})"
@@ -118,22 +132,14 @@ def choose(
     return None
 
 
-def _from_remote(
-    run_dir: Path,
+def _remote_saves(
     upload: str,
-    newest_local: int | None,
-    checks: str,
-    skipped: list[str],
     unread: list[str],
     log: logging.Logger,
-    progress: Progress = NULL_PROGRESS,
     in_store: Callable[[], AbstractContextManager[None]] = nullcontext,
-) -> Choice | None:
-    """Pull the newest remote save when it is newer than every local one. What could not be
-    read or fetched (the store's failures) goes to `unread`; a save that fails its checks, to
-    `skipped`. The store's listing and the pull run inside `in_store()`."""
-    from ..ops.sync.pull import sync_down
-
+) -> list[RunCheckpoint]:
+    """The object store's complete saves, newest first ([] when it cannot be read: the
+    failure goes to `unread`). The listing runs inside `in_store()`."""
     try:
         url = upload.rstrip("/")
         with in_store():
@@ -146,34 +152,55 @@ def _from_remote(
     except CkptError as error:
         log.warning("object store %s not read, loading from the local tier: %s", upload, error)
         unread.append(str(error))
-        return None
-    if not remote:
-        return None
-    best = remote[0]
-    assert best.step is not None
-    if newest_local is not None and best.step <= newest_local:
-        return None
-    log.info("pulling %s from %s (newer than every local save)", best.name, upload)
+        return []
+    return remote
+
+
+def _pull(
+    run_dir: Path,
+    upload: str,
+    save: RunCheckpoint,
+    checks: str,
+    skipped: list[str],
+    unread: list[str],
+    log: logging.Logger,
+    progress: Progress = NULL_PROGRESS,
+    in_store: Callable[[], AbstractContextManager[None]] = nullcontext,
+    replace_local: bool = False,
+) -> Choice | None:
+    """Pull the remote save `save` into the run folder (with `replace_local`, in place of the
+    local copy of that name, which failed its check) and check it. What could not be read or
+    fetched (the store's failures) goes to `unread`; a save that fails its checks, to
+    `skipped`. The pull runs inside `in_store()`."""
+    from ..ops.sync.pull import sync_down
+
+    assert save.step is not None
     try:
         # that save, not the bucket's newest folder (the upload sends the run folder whole:
         # the user's exports are there too)
         with in_store():
-            report = sync_down(upload.rstrip("/"), str(run_dir), only=best.name, settle=0.0)
+            report = sync_down(
+                upload.rstrip("/"),
+                str(run_dir),
+                only=save.name,
+                settle=0.0,
+                replace_local=replace_local,
+            )
     except CkptError as error:
-        log.warning("pulling %s failed: %s", best.name, error)
+        log.warning("pulling %s failed: %s", save.name, error)
         # the store's failure says nothing of the save; a refused copy does
         (unread if isinstance(error, HubError) else skipped).append(
-            f"{best.name} (remote): {error}"
+            f"{save.name} (remote): {error}"
         )
         return None
     if report.failed:
-        skipped.append(f"{best.name} (remote): {report.failed[0]}")
-        log.warning("pulling %s failed: %s", best.name, report.failed[0])
+        skipped.append(f"{save.name} (remote): {report.failed[0]}")
+        log.warning("pulling %s failed: %s", save.name, report.failed[0])
         return None
-    path = run_dir / best.name
+    path = run_dir / save.name
     ran, problem = check(str(path), checks, progress)
     if problem is not None:
-        skipped.append(f"{best.name} (remote): {problem}")
+        skipped.append(f"{save.name} (remote): {problem}")
         log.warning("pulled %s failed verification, passed over: %s", path, problem)
         return None
-    return Choice(path=str(path), step=best.step, tier="remote", verified=ran, skipped=skipped)
+    return Choice(path=str(path), step=save.step, tier="remote", verified=ran, skipped=skipped)

@@ -566,6 +566,7 @@ def sync_down(
     settle: float = DEFAULT_SETTLE,
     dry_run: bool = False,
     only: str | None = None,
+    replace_local: bool = False,
 ) -> SyncReport:
     """`ckpt sync s3://… RUN_DIR`: pull the newest (or every missing) complete checkpoint.
 
@@ -575,6 +576,8 @@ def sync_down(
 
     `only`: pull that one checkpoint (by name), which must be complete, whatever else the run
     holds (the Checkpointer's resume picks its own newest save, not the run's newest folder).
+    With `replace_local` the local copy of that checkpoint is replaced by the store's, whole as
+    it looks (the caller found a flipped bit in it that sizes and markers do not show).
     """
     limit = limit or RateLimit(None)
     remote = scan_run(src.rstrip("/"), settle=0.0)
@@ -641,7 +644,10 @@ def sync_down(
                 continue
             assert mine is not None  # `_kept_local` keeps what is no checkpoint here
             local_manifest = dest_root / manifest_rel
-            if not mine.complete:
+            if replace_local and c.name == only:
+                replace = True
+                replaced_why = "the local copy failed its check: replaced by the store's copy"
+            elif not mine.complete:
                 replace = True
                 replaced_why = (
                     f"the local copy was {mine.status} ({mine.reason}): replaced by the "
