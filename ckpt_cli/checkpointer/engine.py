@@ -846,8 +846,9 @@ class Checkpointer:
                 else "nothing was saved or loaded"
             )
             raise _OutOfStep(
-                f"the ranks' saves met out of step ({told}): a save called from a signal "
-                f"handler interrupted another save on some rank; {lost}",
+                f"the ranks' calls met out of step ({told}): they were not the same call on "
+                "every rank (a save from a signal handler that interrupted another save on one "
+                f"rank, or load_latest on one rank and save on another); {lost}",
                 path=self.run_dir,
                 fix="Under torchrun save from the training loop, at the same point on every "
                 "rank: let the signal handler only set a flag, have the loop agree on it every "
