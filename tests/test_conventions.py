@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors import safe_open
 
 from ckpt_cli.cli.completions import describe_app, render_all
 
@@ -250,6 +251,53 @@ def test_a_stdout_that_refuses_the_result_is_an_io_error_not_a_crash(
 
 def _close_stdout() -> None:
     os.close(1)
+
+
+@pytest.mark.parametrize("stderr", ["full", "reader-gone"])
+def test_a_stderr_that_refuses_messages_never_changes_the_exit_status(
+    world: dict[str, Path], tmp_path: Path, stderr: str
+) -> None:
+    """`ckpt ... 2>>job.log` with the log's disk full: a missing path exited 1 ("problems
+    found") while its `--json` envelope said 3, a usage error 74, and a convert whose DEST was
+    published whole exited 74 because its warning could not be printed. stderr carries only
+    messages: the exit status (and stdout) must be what the command's outcome was; with the
+    log's reader gone (`2> >(head -1)`) the same, not 141 with stdout silenced."""
+    if stderr == "full" and not Path("/dev/full").exists():
+        pytest.skip("this system has no /dev/full")
+    dest = tmp_path / "out.safetensors"
+    cases: list[tuple[list[str], int]] = [
+        (["inspect", str(tmp_path / "missing"), "--json"], 3),
+        (["inspect", str(tmp_path / "missing")], 3),
+        (["inspect", "--no-such-option", "--json"], 2),
+        # published whole, with a warning that `--rename` matched nothing
+        (
+            ["convert", str(world["model"]), str(dest), "--to", "safetensors", "--rename", "x.=y."],
+            0,
+        ),
+        (["convert", str(world["model"]), str(dest), "--to", "safetensors", "--json"], 2),
+    ]
+    for args, expected in cases:
+        with contextlib.ExitStack() as stack:
+            if stderr == "full":
+                target: Any = stack.enter_context(open("/dev/full", "w"))
+            else:
+                reader, target = os.pipe()
+                os.close(reader)
+                stack.callback(os.close, target)
+            done = subprocess.run(
+                [sys.executable, "-m", "ckpt_cli", *args],
+                stdout=subprocess.PIPE,
+                stderr=target,
+                env=_env(),
+                timeout=120,
+            )
+        assert done.returncode == expected, (args, done.returncode)
+        if "--json" in args:
+            assert json.loads(done.stdout)["exit_code"] == expected
+        elif expected == 0:
+            assert str(dest) in done.stdout.decode()  # the report still printed
+    with safe_open(str(dest), "pt") as published:
+        assert EVIL in published.keys()  # noqa: SIM118
 
 
 # -- terminal escape injection (#19 item 14) ---------------------------------------------------

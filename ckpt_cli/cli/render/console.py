@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
-from typing import Any
+from typing import IO, Any, cast
 
 from rich.console import Console, ConsoleDimensions
 from rich.text import Text
@@ -34,6 +36,45 @@ def escape_data_tags(text: str) -> str:
     return _TAG.sub(escaped, text)
 
 
+class MessageStream(io.TextIOBase):
+    """stderr as ckpt's messages see it: a write it refuses is dropped, never raised.
+
+    stderr carries only messages (errors, warnings, progress); the outcome is the exit status
+    and stdout. A stderr that cannot take them (`2>/dev/full`, a log file on a full disk, a
+    log reader gone, a closed descriptor) must not change that outcome: a published DEST
+    reported as exit 74, a missing path as exit 1 while its `--json` envelope says 3.
+    """
+
+    def __init__(self, stream: io.TextIOBase) -> None:
+        super().__init__()
+        self.stream = stream
+
+    @property  # the stream's own: rich picks its characters by it
+    def encoding(self) -> str:  # type: ignore[override]  # an attribute in typeshed
+        return self.stream.encoding
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        try:
+            return self.stream.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError, ValueError):  # refused or closed: the message is lost
+            self.stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.stream.flush()
+
+
 class SafeConsole(Console):
     """A rich Console that escapes control/bidi characters and never wraps off a terminal.
 
@@ -46,6 +87,18 @@ class SafeConsole(Console):
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**{"emoji": False, **options})
+
+    @property
+    def file(self) -> IO[str]:
+        """The stream written to; stderr's as a `MessageStream`, whose refusals are dropped."""
+        stream = super().file
+        if self.stderr and isinstance(stream, io.TextIOBase):
+            return cast("IO[str]", MessageStream(stream))
+        return stream
+
+    @file.setter
+    def file(self, new_file: IO[str]) -> None:
+        self._file = new_file  # what rich's own setter does
 
     @property
     def on_terminal(self) -> bool:
