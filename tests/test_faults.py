@@ -1895,3 +1895,60 @@ def test_the_old_copy_of_a_live_force_replace_is_left_alone(tmp_path: Path) -> N
     result = run_ckpt_process("convert", src, dest, "--to", "safetensors")
     assert result.exit_code == 0, result.stderr
     assert held.exists() and (held / "model.safetensors").read_bytes() == src.read_bytes()
+
+
+# -- a source another job rewrites while ckpt reads it ---------------------------------------
+
+
+def _rewrite_in_place(shard: Path, value: float) -> None:
+    """What a training job saving into the same folder does: the shard written again under
+    its name (safetensors' writer truncates the file in place), same tensors, new values."""
+    with safe_open(str(shard), "pt") as fh:
+        state = {name: torch.full_like(fh.get_tensor(name), value) for name in fh.keys()}  # noqa: SIM118
+    save_file(state, shard, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("command", ["convert", "reshard"])
+def test_a_source_rewritten_while_it_is_read_is_never_published_as_a_mix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """`ckpt convert run/model/ hf-bf16/` while the trainer saved into run/model/ again: the
+    shards' headers were read from the first save and their data, for the shards read later,
+    from the second. The output (exit 0) held tensors of two steps. It is refused, exit 4,
+    naming the shard, and nothing is published."""
+    import ckpt_cli.ops.shared.transfer as transfer
+
+    src = tmp_path / "model"
+    state = sharded_model(src)
+    last = sorted(src.glob("model-*.safetensors"))[-1]
+    copy = transfer.copy_entries
+
+    def copy_while_the_trainer_saves(*args: object, **kwargs: object) -> object:
+        _rewrite_in_place(last, 99.0)  # the headers are read; the data not yet
+        return copy(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(transfer, "copy_entries", copy_while_the_trainer_saves)
+    dest = tmp_path / "out"
+    if command == "convert":
+        args = ["convert", src, dest, "--to", "safetensors", "--dtype", "bf16"]
+    else:
+        args = ["reshard", src, dest, "--max-shard-size", "1KB"]
+    result = run_ckpt(*args, "--json")
+    assert result.exit_code == 4, result.stdout
+    error = result.json["error"]
+    assert error["path"] == str(last) and "changed while ckpt read it" in error["message"]
+    assert not dest.exists() and not list(tmp_path.glob(".out*"))
+    # once the trainer is done, the same command publishes the new save whole
+    monkeypatch.setattr(transfer, "copy_entries", copy)
+    assert run_ckpt(*args).exit_code == 0
+    got: dict[str, torch.Tensor] = {}
+    for shard in dest.glob("*.safetensors"):
+        got.update(read_safetensors(shard))
+    assert got.keys() == state.keys()
+    with safe_open(str(last), "pt") as fh:
+        rewritten = set(fh.keys())
+    for name, tensor in got.items():
+        assert torch.equal(
+            tensor.float(),
+            torch.full((16, 16), 99.0 if name in rewritten else float(name.split(".")[1])),
+        )

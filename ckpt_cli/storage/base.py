@@ -243,6 +243,13 @@ class Storage(ABC):
         storage reports it (object stores do); None when unknown."""
         return None
 
+    def changed_since_read(self) -> list[str]:
+        """The files read so far that another process has rewritten or replaced since ckpt
+        first opened them (named as `describe` names them): what was read of them may mix two
+        versions. Only local files are told apart so; an object store pins what it reads by
+        ETag instead (a rewritten object fails the read itself), and other storages say []."""
+        return []
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Finish background work (remote read-ahead); the storage stays usable."""
 

@@ -150,7 +150,7 @@ class LocalStorage(Storage):
     hashes_in_place = True
     writable = True
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, versions: dict[Path, tuple[int, ...]] | None = None):
         self.root = root
         self.display = str(root)
         self._real_root = os.path.realpath(root)
@@ -160,6 +160,9 @@ class LocalStorage(Storage):
         #: names already confined to the root, with their paths: one copy reads the same file
         #: for every entry it holds (20,000 entries: 80,000 realpath walks)
         self._confined: dict[str, Path] = {}
+        #: each regular file resolved so far -> the version first seen (`changed_since_read`);
+        #: shared with the storages of its subfolders (a training save's components)
+        self._versions: dict[Path, tuple[int, ...]] = {} if versions is None else versions
 
     def path(self, rel: str) -> Path:
         """Absolute path of `rel`, refusing names and symlinks that leave the root (or, in a
@@ -178,7 +181,20 @@ class LocalStorage(Storage):
                 fix="Copy the file into the checkpoint folder instead of linking it.",
             )
         self._confined[name] = full
+        version = _version(full)
+        if version is not None:
+            self._versions.setdefault(full, version)
         return full
+
+    def changed_since_read(self) -> list[str]:
+        changed = []
+        for full, version in self._versions.items():
+            now = _version(full)
+            # a file removed since is not counted: what was read of it was read whole (a
+            # read after the removal fails by itself)
+            if now is not None and now != version:  # rewritten in place, or replaced
+                changed.append(str(full))
+        return changed
 
     def broken_links(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -274,7 +290,7 @@ class LocalStorage(Storage):
         return self.root
 
     def subfolder(self, rel: str) -> Storage:
-        return LocalStorage(self.path(rel))
+        return LocalStorage(self.path(rel), self._versions)
 
     def describe(self, rel: str) -> str:
         return str(self.root / rel)
@@ -349,6 +365,19 @@ class LocalStorage(Storage):
 
     def destination(self, rel: str) -> Destination:
         return self._target(rel)
+
+
+def _version(path: Path) -> tuple[int, ...] | None:
+    """What tells one version of a regular file from the next: the file it is (device and
+    inode: a replace), its size and its modification time (a rewrite in place); None for
+    anything else (a folder, a name no longer there)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _umask_mode(path: Path) -> None:

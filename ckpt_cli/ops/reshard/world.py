@@ -57,6 +57,7 @@ from ..shared.transfer import (
     Item,
     TransferPlan,
     account_files,
+    check_source_unchanged,
     check_staged,
     copy_files,
     extra_files,
@@ -592,6 +593,8 @@ def write_cuts(
             parts = [writer.finish_part() for writer in writers]
         finally:
             counted.finish()
+        for cut in cuts:
+            check_source_unchanged(cut.checkpoint)
         share = RankShare(
             rank=workers.rank,
             files=mine,
@@ -616,6 +619,8 @@ def write_cuts(
             check_staged(cut.fmt.name, folder, single_file=False)
         if carry is not None:
             carry(staging)
+        for cut in cuts:
+            check_source_unchanged(cut.checkpoint)
         return {
             "files": [f.model_dump(mode="json") for f in files],
             "shares": [p["share"] for p in parts] if workers.distributed else [],

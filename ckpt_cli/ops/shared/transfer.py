@@ -839,6 +839,22 @@ def copy_files(checkpoint: Checkpoint, rels: Sequence[str], staging: Path) -> No
         target.write_bytes(checkpoint.source.storage.read_all(rel))
 
 
+def check_source_unchanged(checkpoint: Checkpoint) -> None:
+    """Refuse to publish an output read from source files another process rewrote or replaced
+    while they were read (a training job saving into the folder being converted): the output
+    could hold tensors of two saves. FormatError naming the first such file."""
+    changed = checkpoint.storage.changed_since_read()
+    if changed:
+        others = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise FormatError(
+            f"changed while ckpt read it{others}: another process rewrote or replaced it, so "
+            "the output could mix two versions of the checkpoint; nothing was published",
+            path=changed[0],
+            fix="Run the command again once the job writing the checkpoint has finished "
+            "(`ckpt latest RUN_DIR` names the newest complete save).",
+        )
+
+
 def write_checkpoint(
     checkpoint: Checkpoint,
     plan: TransferPlan,
@@ -916,6 +932,7 @@ def write_checkpoint(
             files = None if part is not None else writer.finish()
         finally:
             counted.finish()
+        check_source_unchanged(checkpoint)
         share = RankShare(
             rank=workers.rank, files=mine, bytes=counted.done, seconds=time.perf_counter() - started
         )
@@ -945,6 +962,7 @@ def write_checkpoint(
             files.append(FileInfo(path=rel, size=len(data), entries=0))
         if extras and not options.single_file:
             copy_files(checkpoint, [rel for rel in extras if rel not in companions], staging)
+            check_source_unchanged(checkpoint)
         order: list[list[Any]] = []
         if workers.distributed:
             # an entry split over several ranks' files is reported once, in plan order
