@@ -1952,3 +1952,36 @@ def test_a_source_rewritten_while_it_is_read_is_never_published_as_a_mix(
             tensor.float(),
             torch.full((16, 16), 99.0 if name in rewritten else float(name.split(".")[1])),
         )
+
+
+def test_protect_refuses_parity_of_a_shard_rewritten_while_it_was_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ckpt protect` while a job rewrote a shard in place (same size): the parity recorded a
+    version the shard no longer held (rewritten mid-file: blocks of both), exit 0. `verify
+    --checksums` then called the new shard damaged, and `repair` would have put the old
+    version's blocks back into it. protect now refuses (exit 4, naming the shard) and writes
+    no parity."""
+    from ckpt_cli.ops.parity import target as parity_target
+
+    src = tmp_path / "model"
+    sharded_model(src)
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    read = parity_target.BlockReader.read
+    rewritten: list[str] = []
+
+    def read_while_a_job_saves(self: object, rel: str, offset: int, length: int) -> bytes:
+        data = read(self, rel, offset, length)  # type: ignore[arg-type]
+        if rel == shard.name and not rewritten:
+            rewritten.append(rel)
+            _rewrite_in_place(shard, 99.0)  # same size: only its time and bytes change
+        return data
+
+    monkeypatch.setattr(parity_target.BlockReader, "read", read_while_a_job_saves)
+    result = run_ckpt("protect", src, "--block-size", "4KiB", "--json")
+    assert rewritten and result.exit_code == 4, result.stdout
+    error = result.json["error"]
+    assert (
+        error["path"] == str(shard) and "changed while it was being protected" in error["message"]
+    )
+    assert not (src / ".ckpt-parity").exists()

@@ -280,8 +280,12 @@ def on_leader(work: Callable[[], M], model: type[M]) -> M:
 
 
 def check_unchanged(target: ParityTarget) -> None:
-    """Refuse to bless parity of files that changed size while they were read."""
+    """Refuse to bless parity of files that changed while they were read: in size, or (a
+    local file) rewritten in place or replaced since ckpt first opened it. Parity of such a
+    file would record blocks of two versions, and `repair` would then "restore" the blocks
+    of the old one into the new."""
     storage = target.storage
+    rewritten = set(storage.changed_since_read())
     # a local file is stat-ed again; an object store answers from its one listing (objects are
     # replaced whole, never rewritten in place)
     for name, size in target.files.items():
@@ -289,7 +293,7 @@ def check_unchanged(target: ParityTarget) -> None:
             now = storage.size(name)
         except NotFoundError:
             now = -1
-        if now != size:
+        if now != size or storage.describe(name) in rewritten:
             raise FormatError(
                 "changed while it was being protected",
                 path=storage.describe(name),
