@@ -898,7 +898,7 @@ def test_a_gguf_of_millions_of_empty_arrays_is_refused_before_the_gguf_reader_bu
     n = 1_100_000
     body = struct.pack("<IQ", 9, n) + struct.pack("<IQ", 0, 0) * n
     bad = _gguf_with_one_value(tmp_path / "arrays.gguf", 9, body)
-    assert_refused(ckpt_limited("inspect", bad), bad, "more than 1,000,000 metadata keys")
+    assert_refused(ckpt_limited("inspect", bad), bad, "more than the 1,000,000 pieces")
     assert_refused(ckpt_limited("verify", bad), bad, "gguf reader", exit_code=1)
 
 
@@ -921,7 +921,36 @@ def test_a_gguf_array_of_millions_of_numbers_is_refused_before_the_gguf_reader_b
     n = 1_500_000
     body = struct.pack("<IQ", 0, n) + bytes(n)  # an ARRAY of UINT8
     bad = _gguf_with_one_value(tmp_path / "bytes.gguf", 9, body)
-    assert_refused(ckpt_limited("inspect", bad), bad, "more than 1,000,000", "array items")
+    assert_refused(ckpt_limited("inspect", bad), bad, "more than the 1,000,000", "array item")
+    assert_refused(ckpt_limited("verify", bad), bad, "gguf reader", exit_code=1)
+    assert ckpt_limited("verify", small).exit_code == 0
+
+
+def test_a_gguf_of_200_000_tensor_infos_is_refused_before_the_gguf_reader_builds_them(
+    tmp_path: Path,
+) -> None:
+    # the gguf reader builds ~5 KB of objects per tensor info (six views, a tensor, its data
+    # view): 200,000 empty tensors (a 7.7 MB file) took `verify` 1.2 GB and 73 s, each counted
+    # as two pieces of the 1,000,000 budget
+    import gguf
+
+    def text(value: str) -> bytes:
+        return struct.pack("<Q", len(value)) + value.encode()
+
+    def infos(n: int) -> bytes:
+        one = struct.pack("<I", 1) + struct.pack("<Q", 0) + struct.pack("<IQ", 0, 0)
+        kv = text("general.architecture") + struct.pack("<I", 8) + text("llama")
+        data = b"GGUF" + struct.pack("<IQQ", 3, n, 1) + kv
+        data += b"".join(text(f"t{i}") + one for i in range(n))
+        return data + b"\0" * (-len(data) % 32) + b"\0" * 32
+
+    small = tmp_path / "small.gguf"
+    small.write_bytes(infos(3))
+    # the ground truth: the reader builds a tensor (and its views) per info
+    assert len(gguf.GGUFReader(str(small)).tensors) == 3
+    bad = tmp_path / "many.gguf"
+    bad.write_bytes(infos(200_000))
+    assert_refused(ckpt_limited("inspect", bad), bad, "tensor info")
     assert_refused(ckpt_limited("verify", bad), bad, "gguf reader", exit_code=1)
     assert ckpt_limited("verify", small).exit_code == 0
 
