@@ -133,6 +133,11 @@ CODES: dict[str, Code] = _codes(
         _E,
         "the GGUF splits hold another number of tensors than `split.tensors.count` says",
     ),
+    Code(
+        "too_many_dims",
+        _E,
+        "a GGUF tensor of more than the 4 dimensions GGUF allows (llama.cpp's loader refuses it)",
+    ),
     Code("trailing_bytes", _E, "bytes after the last tensor's data"),
     Code("truncated", _E, "a file shorter than its header says (data past the end)"),
     Code("unknown_dtype", _E, "a tensor of a dtype ckpt does not know (the rest is still read)"),

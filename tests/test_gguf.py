@@ -954,3 +954,29 @@ def test_metadata_strings_that_are_not_utf8_are_shown_and_compared(tmp_path: Pat
     keys = {m["key"] for m in result.json["result"]["metadata"]}
     assert keys == {"general.name", "tokenizer.ggml.tokens"}
     assert run_ckpt("diff", a, write(tmp_path / "same.gguf", b"\xffa")).exit_code == 0
+
+
+def test_a_tensor_of_more_than_four_dimensions_is_reported_as_llama_cpp_refuses_it(
+    tmp_path: Path,
+) -> None:
+    """GGUF allows at most 4 dimensions (ggml's GGML_MAX_DIMS; llama.cpp's loader refuses a
+    file with more: "tensor 't' has invalid number of dimensions: 5 > 4"), but gguf's writer
+    writes and its reader reads a 5-D tensor, and `verify` said OK. It is now reported
+    (`too_many_dims`), `inspect` warns, and `convert` writes the tensor, saying so."""
+    array = np.arange(8, dtype=np.float32).reshape(1, 2, 1, 2, 2)
+    path = _write(tmp_path / "d5.gguf", {"t": array, "ok": np.ones(4, np.float32)})
+    # the ground truth: gguf's reader reads the five dimensions (fastest first)
+    assert [int(d) for d in _reader(path).tensors[0].shape] == [2, 2, 1, 2, 1]
+    result = run_ckpt("verify", path, "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert (problem["code"], problem["tensor"]) == ("too_many_dims", "t")
+    assert "5 dimensions" in problem["message"] and "llama.cpp" in problem["message"]
+    seen = run_ckpt("inspect", path, "--json")
+    assert seen.exit_code == 4
+    assert [p["code"] for p in seen.json["result"]["problems"]] == ["too_many_dims"]
+    out = tmp_path / "out.safetensors"
+    converted = run_ckpt("convert", path, out, "--to", "safetensors", "--json")
+    assert converted.exit_code == 0, converted.stdout
+    assert "5 dimensions" in converted.json["result"]["warnings"][0]
+    assert torch.equal(load_file(out)["t"], torch.from_numpy(array))

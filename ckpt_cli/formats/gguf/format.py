@@ -72,6 +72,9 @@ PROBLEM_FIXES = {
     "misaligned_tensor": _CORRUPT_FIX,
     "overlapping_tensors": _CORRUPT_FIX,
     "duplicate_tensor": _CORRUPT_FIX,
+    "too_many_dims": "llama.cpp cannot load the file as it is; the tensor is still readable: "
+    "write it with at most 4 dimensions (fold the leading ones together) and keep its shape "
+    "in the metadata, as ComfyUI-GGUF does, or convert it to another format.",
     "noncontiguous_tensors": "llama.cpp cannot load the file as it is; every tensor is still "
     "readable: rewrite it in order with the gguf package (`gguf-new-metadata IN.gguf OUT.gguf` "
     "copies the tensors one after another), or convert the model to GGUF again.",
@@ -103,8 +106,11 @@ _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12
 _STRING, _ARRAY = 8, 9
 #: arrays of arrays nest at most this deep (llama.cpp writes none)
 _MAX_NESTING = 8
-#: dimensions a tensor info may declare (ggml has 4)
+#: dimensions a tensor info may declare before ckpt refuses to read it (the gguf reader reads
+#: any number)
 _MAX_DIMS = 8
+#: dimensions GGUF allows a tensor (ggml's GGML_MAX_DIMS): llama.cpp's loader refuses more
+_GGML_MAX_DIMS = 4
 #: metadata keys, strings, arrays, array items and tensor infos a header may hold: `GGUFReader`
 #: builds about a kilobyte of objects for each (a Llama 3 tokenizer's 408,000 strings: ~690 MB;
 #: with its token types, 536,000 pieces), so 3,000,000 empty strings in a 48 MB file took it past
@@ -501,8 +507,8 @@ class GgufCheckpoint(Checkpoint):
         super().__init__(source, manifest)
         self.big_endian = big_endian
         self.metadata = metadata or {}
-        #: what `verify` reports that leaves every tensor readable (`noncontiguous_tensors`:
-        #: llama.cpp refuses the file); `inspect` warns of it
+        #: what `verify` reports that leaves every tensor readable (`noncontiguous_tensors`,
+        #: `too_many_dims`: llama.cpp refuses the file); `inspect` and `convert` warn of it
         self.tolerated: list[Problem] = []
         #: quantized tensors of a big-endian file that decode non-finite read big-endian and
         #: cleanly as stored (`stored_nonfinite_cause`)
@@ -788,7 +794,7 @@ class GgufFormat(Format):
         compared: dict[str, str] = {}
         numbers: dict[str, int | None] = {}  # each file's split.no
         counts: dict[str, int] = {}  # each file's split.count
-        #: what llama.cpp refuses but leaves every tensor's bytes its own (out of order, gaps)
+        #: what llama.cpp refuses but leaves every tensor readable (out of order, gaps, 5-D)
         tolerated: list[Problem] = []
         for rel in files:
             local = source.storage.local_path(rel)
@@ -880,6 +886,20 @@ class GgufFormat(Format):
                             file=rel,
                             offset=offset,
                             py_type=f"gguf {qtype} tensor {shape}",
+                        )
+                    )
+            for tensor in reader.tensors:
+                dims = len(tensor.shape)
+                if dims > _GGML_MAX_DIMS:
+                    tolerated.append(
+                        Problem(
+                            code="too_many_dims",
+                            message=f"{described}: tensor {tensor.name!r} has {dims} dimensions, "
+                            f"more than the {_GGML_MAX_DIMS} GGUF allows; llama.cpp's loader "
+                            "refuses such a file, the gguf package reads it",
+                            file=described,
+                            tensor=tensor.name,
+                            fix=PROBLEM_FIXES["too_many_dims"],
                         )
                     )
             broken = any(p.file == described for p in problems)
