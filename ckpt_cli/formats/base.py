@@ -174,6 +174,12 @@ class Checkpoint(ABC):
             yield self.storage.read(entry.file, entry.offset + done, n)
             done += n
 
+    def tolerated_problems(self) -> list[Problem]:
+        """The format-rule violations found while opening that leave every entry readable (a
+        GGUF file whose tensors are out of order, which llama.cpp refuses and ckpt reads):
+        `verify` fails them, `inspect` lists them, `convert` warns of them. None by default."""
+        return []
+
     def model_metadata(self) -> dict[str, str] | None:
         """The metadata that is part of the model rather than of its files (GGUF's key-values:
         architecture, hyper-parameters, tokenizer), key -> the value as compared text (long

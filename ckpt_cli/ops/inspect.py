@@ -317,10 +317,9 @@ def malformed(checkpoint: Checkpoint) -> list[Problem]:
     """The format-rule violations of a local checkpoint's safetensors files that its reader
     tolerates (data not contiguous from offset 0, bytes after the last tensor), or of its GGUF
     files (tensors out of order or with gaps, which llama.cpp refuses): headers only."""
-    from ..formats.gguf.format import GgufCheckpoint
-
-    if isinstance(checkpoint, GgufCheckpoint):
-        return list(checkpoint.tolerated)
+    tolerated = checkpoint.tolerated_problems()
+    if tolerated:
+        return tolerated
     from ..findings import Findings
     from ..formats.safetensors.format import SafetensorsCheckpoint
     from ..formats.safetensors.header import parse_header

@@ -514,6 +514,9 @@ class GgufCheckpoint(Checkpoint):
         #: cleanly as stored (`stored_nonfinite_cause`)
         self._little_endian_blocks: set[str] = set()
 
+    def tolerated_problems(self) -> list[Problem]:
+        return list(self.tolerated)
+
     def model_metadata(self) -> dict[str, str] | None:
         return self.metadata
 

@@ -19,7 +19,6 @@ from ...dist.command import RankShare, refuse_remote_split
 from ...errors import NotFoundError, UsageError, with_fix
 from ...formats import find_format, resolve_source
 from ...formats.base import Checkpoint, Format, WriteOptions
-from ...formats.gguf.format import GgufCheckpoint
 from ...models import FileInfo, Manifest, Record, Request
 from ...progress import NULL_PROGRESS, Progress
 from ...quant import QuantAnalysis
@@ -444,9 +443,8 @@ def convert(
                 if i.target.name == i.source.name and i.source.name in recorded
             }
         warnings = unused_renames(plan, rename_pairs) + naming_warnings
-        if isinstance(checkpoint, GgufCheckpoint):
-            # the output holds every tensor's values; the source's layout flaw is said anyway
-            warnings += [with_fix(p.message, p.fix) for p in checkpoint.tolerated]
+        # the output holds every tensor's values; the source's layout flaw is said anyway
+        warnings += [with_fix(p.message, p.fix) for p in checkpoint.tolerated_problems()]
         if select is None and naming is None:
             warnings += lost_file_warnings(opened)
         if not match_prefix:  # a component's rules are judged over the whole folder
