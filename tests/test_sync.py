@@ -1048,22 +1048,26 @@ def test_a_pull_checks_the_sizes_its_manifest_records(s3_server: S3Server, tmp_p
 def test_a_pull_of_a_save_that_lost_a_file_its_manifest_lists_says_what_to_do(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
-    # every save lost the same file in the bucket (a lifecycle rule on *.pth, say): the judge
+    # every save lost the same file in the bucket (a lifecycle rule on *.json, say): the judge
     # cannot tell it from the other saves, the manifest can; the reason says what to do (a
-    # lost scheduler.pt the judge tells by itself: the Trainer writes it with optimizer.pt)
+    # lost scheduler.pt or rng_state.pth the judge tells by itself: the Trainer writes them
+    # with optimizer.pt)
     import boto3
 
     make_bucket(s3_server.endpoint, BUCKET)
     out = trainer_run(tmp_path, steps=(100, 200))
+    for step in (100, 200):
+        (out / f"checkpoint-{step}" / "config.json").write_text('{"model_type": "llama"}')
+    age(out)
     assert run_ckpt("sync", out, f"s3://{BUCKET}/run/").exit_code == 0
     client = boto3.client("s3", endpoint_url=s3_server.endpoint)
     for step in (100, 200):
-        client.delete_object(Bucket=BUCKET, Key=f"run/checkpoint-{step}/rng_state.pth")
+        client.delete_object(Bucket=BUCKET, Key=f"run/checkpoint-{step}/config.json")
     back = tmp_path / "back"
     pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--latest", "--json")
     assert pulled.exit_code == 1, pulled.stdout
     reason = pulled.json["result"]["checkpoints"][0]["reason"]
-    assert "lacks rng_state.pth" in reason and "sync it again from a machine" in reason
+    assert "lacks config.json" in reason and "sync it again from a machine" in reason
     assert [p.name for p in back.iterdir()] == []  # nothing published, no staging left
 
 
