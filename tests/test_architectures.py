@@ -474,6 +474,12 @@ def test_diff_proves_an_export_holds_what_torchtitan_saved(
         assert any("load-balancing" in reason for reason in reasons), naming
     r = run_ckpt("diff", step, hf, "--select", "model")
     assert "names mapped: A's" in r.stdout and "torchtitan names read as hf names" in r.stdout
+    # without --select the save's optimizer and data loader are only in A, and its model is
+    # compared by names as they are: the warning says what lines the two up
+    r = run_ckpt("diff", step, hf, "--json")
+    assert r.exit_code == 1
+    warnings = " ".join(json.loads(r.stdout)["result"]["warnings"])
+    assert "in torchtitan names and B's in hf names: --select model compares them" in warnings
 
 
 @needs_frameworks

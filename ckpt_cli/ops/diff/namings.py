@@ -28,7 +28,9 @@ from ...architectures.base import Architecture, ArchitecturePlan, ModelArgs
 from ...errors import FormatError, UsageError
 from ...formats.base import Checkpoint
 from ...models import Entry, Record
+from ...sources.layouts import OpenedSource
 from ..shared.architecture import agree_args, source_config
+from ..shared.selection import select_entries
 
 #: `--naming` values beside the naming tokens: map when needed, or never
 AUTO, OFF = "auto", "off"
@@ -187,6 +189,33 @@ def line_up_namings(
         left_out_b=left_out[1],
     )
     return report, out[0], out[1]
+
+
+def select_hint(sides: tuple[tuple[OpenedSource, Checkpoint], ...]) -> str | None:
+    """What to say when names were compared as they are and `--select model` would have
+    lined the sides up through a naming mapping: a torchtitan save (model, optimizer, data
+    loader...) against its `--to hf` export is one-sided whole, as names and as families."""
+    found: list[Recognised] = []
+    component = False
+    for opened, checkpoint in sides:
+        entries = checkpoint.manifest.entries
+        names = [e.name for e in entries if e.kind == "tensor"]
+        if opened.training is not None and "model" in opened.training.prefixes:
+            selection = select_entries(opened, entries, "model", checkpoint.manifest)
+            if selection.component is not None:
+                names = [n for e, n in selection.pairs if e.kind == "tensor"]
+                component = True
+        rec = recognise(names) if names else None
+        if rec is None:
+            return None
+        found.append(rec)
+    a, b = found
+    if not component or a.architecture is not b.architecture or a.naming == b.naming:
+        return None
+    return (
+        f"A's model is {a.architecture.title} in {a.naming} names and B's in {b.naming} "
+        "names: --select model compares them through the naming mapping"
+    )
 
 
 def check_naming(naming: str) -> None:

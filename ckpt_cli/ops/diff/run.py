@@ -39,7 +39,7 @@ from ..shared.transfer import (
     unused_rename_rules,
 )
 from .compare import error_stats, short_repr, tensor_stats, values_equal, values_of
-from .namings import AUTO, NamedSide, NamingMap, check_naming, line_up_namings
+from .namings import AUTO, OFF, NamedSide, NamingMap, check_naming, line_up_namings, select_hint
 
 
 class EntryDiff(Record):
@@ -643,6 +643,10 @@ def diff_with(
         warnings += unused_rename_rules(
             [n for _, n in [*chosen_a, *chosen_b]], rename_pairs, matched="entry of either side"
         )
+        if naming_map is None and not select and request.naming != OFF:
+            hint = select_hint(((opened_a, ca), (opened_b, cb)))
+            if hint is not None:
+                warnings.append(hint)
         for opened, where in ((opened_a, a), (opened_b, b)):
             # a component that cannot be read would otherwise vanish from both the comparison
             # and the verdict: two saves whose optimizers differ were called IDENTICAL
