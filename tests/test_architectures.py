@@ -208,6 +208,17 @@ def test_diff_compares_a_torchtitan_import_with_its_hf_source_through_the_mappin
     assert doc["naming"] is None and len(doc["only_a"]) == len(doc["only_b"]) == 20
     r = run_ckpt("diff", tt, tmp_path / "hf", "--naming", "nonesuch")
     assert r.exit_code == 2 and "--naming" in r.stderr
+    # neither side's config.json to tell the head counts the q/k permutation needs: named
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tmp_path / "hf" / "model.safetensors", bare)
+    (tt / "config.json").unlink()
+    r = run_ckpt("diff", tt, bare)
+    assert r.exit_code == 4, r.stdout + r.stderr
+    message = " ".join(r.stderr.split())
+    assert f"{tt}: the Llama 3 mapping needs n_heads" in message and "--config" in message
+    r = run_ckpt("diff", tt, bare, "--config", tmp_path / "hf" / "config.json")
+    assert r.exit_code == 0, r.stdout + r.stderr
 
 
 def test_torchtitan_import_names_and_permutes_q_k(tmp_path: Path) -> None:

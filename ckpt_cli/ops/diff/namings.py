@@ -159,9 +159,15 @@ def line_up_namings(
     transforms: list[dict[str, int]] = []
     left_out: list[list[LeftOut]] = []
     for side, aligned, side_naming in sides:
-        checkpoint, mapped, counts, left = _read_in(
-            side.checkpoint, aligned, arch, side_naming, target, args
-        )
+        try:
+            checkpoint, mapped, counts, left = _read_in(
+                side.checkpoint, aligned, arch, side_naming, target, args
+            )
+        except FormatError as error:
+            # what the mapping found lacking (an arg no side tells) is about this side
+            if error.path is not None or type(error) is not FormatError:
+                raise
+            raise FormatError(error.problem, path=side.where, fix=error.fix) from error
         whole_used = aligned is not side.aligned
         out.append(
             replace(
