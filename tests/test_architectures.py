@@ -1281,6 +1281,47 @@ def test_a_qwen2_is_never_mapped_without_its_qkv_biases(tmp_path: Path) -> None:
     assert "--filter-out for tensors that are no weights" not in message
 
 
+def test_an_fp8_model_maps_to_a_naming_only_dequantized(tmp_path: Path) -> None:
+    """A block-FP8 Llama (each projection's `weight_scale_inv` beside it) refused for its
+    scales, given `--filter-out '*.weight_scale_inv'`: the import wrote the FP8 codes as
+    torchtitan's weights, without their scales (exit 0), another model. It is refused (exit 4)
+    naming the scheme and `--dequantize`, which maps it in full precision; `diff --dequantize`
+    then compares the import with the FP8 model across the namings."""
+    from .test_quant import quantize_fp8_block
+
+    _llama_hf(tmp_path / "hf")
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    stored: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(tmp_path / "hf" / "model.safetensors").items():
+        if name.endswith("_proj.weight"):
+            codes, scale = quantize_fp8_block(tensor.to(torch.bfloat16), 16)
+            stored[name], stored[name.removesuffix("weight") + "weight_scale_inv"] = codes, scale
+        else:
+            stored[name] = tensor.to(torch.bfloat16)
+    save_file(stored, fp8 / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [16, 16],
+    }  # fmt: skip
+    (fp8 / "config.json").write_text(json.dumps(config))
+    for options in (("--filter-out", "*.weight_scale_inv"), ()):
+        r = run_ckpt("convert", fp8, tmp_path / "tt", "--to", "torchtitan", *options)
+        assert r.exit_code == 4, r.stdout + r.stderr
+        message = " ".join(r.stderr.split())
+        assert "holds quantized weights (fp8-block) with their scales" in message, message
+        assert "Pass --dequantize" in message
+        assert not (tmp_path / "tt").exists()
+    r = run_ckpt("convert", fp8, tmp_path / "tt", "--to", "torchtitan", "--dequantize")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    # the import holds the bf16 the weights dequantize to; diff dequantizes to float32
+    r = run_ckpt("diff", tmp_path / "tt", fp8, "--dequantize", "--rtol", "0.01", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert doc["naming"]["naming_a"] == "torchtitan" and doc["compared"] == 21
+
+
 def test_a_config_leaving_tie_word_embeddings_out_is_an_untied_one(tmp_path: Path) -> None:
     """transformers builds an untied `lm_head` when config.json leaves `tie_word_embeddings`
     out (the default of LlamaConfig and Qwen3Config). An export of weights without an output

@@ -32,6 +32,7 @@ from ..shared.architecture import (
     map_plan,
     naming_format,
     refuse_adapter,
+    refuse_quantized_naming,
     source_config,
 )
 from ..shared.megatron import keep_megatron_layout
@@ -351,6 +352,8 @@ def convert(
         from ...quant import analyse_checkpoint
 
         analysis = analyse_checkpoint(base.manifest, base.storage)
+        if naming is not None and not dequantize:
+            refuse_quantized_naming(analysis, naming, src)
         checkpoint, dequantized = _readable(base, analysis, src, dequantize, cast)
         manifest = checkpoint.manifest
         # a chosen component that cannot be read is the error (exit 4, naming it), before the

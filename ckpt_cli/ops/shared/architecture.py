@@ -36,6 +36,7 @@ from .transfer import SkippedEntry, TransferPlan, plan_transfer
 
 if TYPE_CHECKING:
     from ...formats.base import Checkpoint
+    from ...quant.schemes import QuantAnalysis
     from ...sources.layouts.base import OpenedSource
     from ...storage import Storage
 
@@ -445,6 +446,34 @@ def map_plan(
         )
         origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
         return MappedSource(mapped, new_plan, report, config_bytes, output, origins, warnings)
+
+
+def refuse_quantized_naming(analysis: QuantAnalysis, target: str, where: str) -> None:
+    """Refuse to map quantized weights (FP8 with their `weight_scale_inv`, NVFP4, MXFP4...) to
+    a naming without `--dequantize`: no family's rules carry the scales, so the weights were
+    refused as unknown tensors, or, with `--filter-out` on the scales, written as plain
+    weights of the stored codes (another model).
+
+    Raises:
+        FormatError: naming the scheme and `--dequantize`.
+    """
+    schemes = sorted({w.scheme for w in analysis.weights.values()})
+    schemes += sorted(set(analysis.packed_scheme.values()) - set(schemes))
+    if not schemes:
+        return
+    fix = (
+        f"Pass --dequantize: --to {target} then writes the weights in full precision, which "
+        "the naming holds."
+        if analysis.quantized
+        else "Dequantize it with the library that quantized it, then convert the result; or "
+        "convert it with --to safetensors / dcp to keep its names."
+    )
+    raise FormatError(
+        f"holds quantized weights ({', '.join(schemes)}) with their scales, which no {target} "
+        "naming rule carries: mapped without them, the stored codes would be another model",
+        path=where,
+        fix=fix,
+    )
 
 
 def refuse_filtered_parameters(checkpoint: Checkpoint, plan: TransferPlan, target: str) -> None:
