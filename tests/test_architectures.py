@@ -839,6 +839,17 @@ def test_a_tied_transformers_llama_round_trips_through_torchtitan(tmp_path: Path
     want, got = model.state_dict(), back.state_dict()
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], v) for k, v in want.items())
+    # diff across the namings: torchtitan's lm_head is compared with the tensor the tied HF
+    # model stores it as, the embedding (config.json's tie_word_embeddings), in either naming
+    for naming in ("hf", "torchtitan"):
+        r = run_ckpt("diff", tmp_path / "tt", tmp_path / "hf", "--naming", naming, "--json")
+        assert r.exit_code == 0, r.stdout + r.stderr
+        doc = json.loads(r.stdout)["result"]
+        assert doc["compared"] == 21 and not doc["only_a"] and not doc["only_b"]
+        embedding = "model.embed_tokens.weight" if naming == "hf" else "tok_embeddings.weight"
+        assert [(a["name"], a["target"]) for a in doc["aliases"]] == [
+            ("lm_head.weight", embedding)
+        ], doc["aliases"]
 
 
 @needs_frameworks
