@@ -208,6 +208,14 @@ def test_diff_compares_a_torchtitan_import_with_its_hf_source_through_the_mappin
     assert doc["naming"] is None and len(doc["only_a"]) == len(doc["only_b"]) == 20
     r = run_ckpt("diff", tt, tmp_path / "hf", "--naming", "nonesuch")
     assert r.exit_code == 2 and "--naming" in r.stderr
+    # a forced naming for a side of no known family: named, with diff's own way out
+    other = tmp_path / "other.safetensors"
+    save_file({"encoder.weight": torch.zeros(2, 2)}, other)
+    r = run_ckpt("diff", tt, other, "--naming", "hf")
+    assert r.exit_code == 4, r.stdout + r.stderr
+    message = " ".join(r.stderr.split())
+    assert "no known model architecture matches these 1 tensor names" in message, message
+    assert "--naming off" in message and "--to safetensors" not in message
     # neither side's config.json to tell the head counts the q/k permutation needs: named
     bare = tmp_path / "bare"
     bare.mkdir()

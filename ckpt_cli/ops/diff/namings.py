@@ -136,7 +136,13 @@ def line_up_namings(
         for side, rec, aligned in ((a, rec_a, aligned_a), (b, rec_b, aligned_b)):
             if rec is None:
                 tensors = [n for n, e in aligned.items() if e.kind == "tensor"]
-                raise unrecognised(tensors, naming, side.where)
+                found_none = unrecognised(tensors, naming, side.where)
+                raise FormatError(
+                    found_none.problem,
+                    path=side.where,
+                    fix="Pass --select to compare a training save's model, or --naming off to "
+                    "compare the names as they are.",
+                )
         assert rec_a is not None and rec_b is not None
         if rec_a.architecture is not rec_b.architecture:
             raise FormatError(
