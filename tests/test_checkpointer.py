@@ -2026,3 +2026,50 @@ def test_a_damaged_newest_local_save_is_pulled_whole_from_the_bucket_not_passed_
     assert len(loaded.skipped) == 1 and loaded.skipped[0].startswith("step-6: "), loaded
     verdict = run_ckpt("verify", str(run / "step-6"), "--checksums")
     assert verdict.exit_code == 0, verdict.stdout + verdict.stderr
+
+
+def test_when_every_local_save_fails_its_check_an_older_save_in_the_bucket_is_loaded(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    """The disk holds only the newest save (step 6), and a bit flipped in it; the bucket holds
+    step 3 whole, and step 6 without its commit marker (its upload was cut short).
+    `load_latest` raised "no save of the run can be loaded" (the store was looked at only for a
+    save newer than every local one), so the job could not resume at all. The store's older
+    saves are now tried before giving up: step 3 is pulled, checked and loaded."""
+    import boto3
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ckpt_cli import Checkpointer
+
+    make_bucket(s3_server.endpoint, "ckpt")
+    run = tmp_path / "run"
+    model = torch.nn.Linear(16, 8)
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(run, upload="s3://ckpt/exp") as ck:
+        for step in (3, 6):
+            with torch.no_grad():
+                model.weight.fill_(float(step))
+            ck.save(step, {"model": model, "step": step})
+            assert (record := ck.wait()) is not None and record.phase == "done", record
+            saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    import shutil
+
+    shutil.rmtree(run / "step-3")  # the local disk keeps the newest save only
+    boto3.client("s3", endpoint_url=s3_server.endpoint).delete_object(
+        Bucket="ckpt", Key="exp/step-6/.metadata"
+    )
+    storage = FileSystemReader(str(run / "step-6")).read_metadata().storage_data
+    weight = next(info for index, info in storage.items() if index.fqn == "model.weight")
+    shard = run / "step-6" / weight.relative_path
+    data = bytearray(shard.read_bytes())
+    data[weight.offset + weight.length // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    fresh = torch.nn.Linear(16, 8)
+    into: dict[str, Any] = {"model": fresh, "step": 0}
+    loaded = Checkpointer(run, upload="s3://ckpt/exp").load_latest(into)
+    assert loaded is not None and (loaded.step, loaded.tier) == (3, "remote"), loaded
+    assert into["step"] == 3
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, saved[3][name]), name
+    assert [entry.split(":")[0] for entry in loaded.skipped] == ["step-6"], loaded

@@ -8,7 +8,8 @@ first with `sync` (staged, checked against its checksum manifest, published with
 Every candidate is verified before it is chosen (`ckpt verify`, with `--checksums` when it
 carries a manifest or parity); one that fails is passed over, with the reason, for the next:
 first the object store's copy of that very save when it holds one complete (pulled in place of
-the damaged local copy), then the older saves.
+the damaged local copy), then the older saves of both tiers, newest first (once a save has
+failed, the store is listed whole: its first listing judged only its newest save).
 When saves are there but none can be loaded (each failed its checks, or the store holding them
 could not be read or pulled from, with none on this machine), the choice is an error, never
 "no save": a training script takes no save for a fresh start, which would silently discard
@@ -88,30 +89,57 @@ def choose(
     local = _resumable(scan_run(run_dir, settle=0.0).checkpoints) if run_dir.is_dir() else []
     newest_local = local[0].step if local else None
     remote: list[RunCheckpoint] = []
+    #: the store's saves already pulled (or tried)
+    tried: set[str] = set()
+
+    def pull(saves: list[RunCheckpoint], why: str) -> Choice | None:
+        """The first of the store's `saves` not tried yet that pulls and passes its check."""
+        for save in saves:
+            if save.name in tried or upload is None:
+                continue
+            tried.add(save.name)
+            log.info("pulling %s from %s (%s)", save.name, upload, why)
+            replace = (run_dir / save.name).exists()
+            pulled = _pull(
+                run_dir, upload, save, checks, skipped, unread, log, progress, in_store, replace
+            )
+            if pulled is not None:
+                return pulled
+        return None
+
     if upload is not None:
         remote = _remote_saves(upload, unread, log, in_store)
         best = remote[0] if remote else None
         if best is not None and (newest_local is None or (best.step or 0) > newest_local):
-            log.info("pulling %s from %s (newer than every local save)", best.name, upload)
-            pulled = _pull(run_dir, upload, best, checks, skipped, unread, log, progress, in_store)
+            pulled = pull([best], "newer than every local save")
             if pulled is not None:
                 return pulled
+    every_remote: list[RunCheckpoint] | None = None
     for c in local:
         assert c.step is not None
+        if skipped and upload is not None and not unread:
+            # a newer save failed: the store's saves between it and this one come first (the
+            # listing above judged only the store's newest)
+            if every_remote is None:
+                every_remote = _remote_saves(upload, unread, log, in_store, every=True)
+            newer = [r for r in every_remote if (r.step or 0) > c.step]
+            if (pulled := pull(newer, "newer than every local save that passes")) is not None:
+                return pulled
         ran, problem = check(c.path, checks, progress)
         if problem is None:
             return Choice(path=c.path, step=c.step, tier="local", verified=ran, skipped=skipped)
         log.warning("checkpoint %s failed verification, passed over: %s", c.path, problem)
         skipped.append(f"{c.name}: {problem}")
         # the store's copy of this very save, whole, is worth more than an older local one
-        twin = next((r for r in remote if r.name == c.name), None)
-        if upload is not None and twin is not None:
-            log.info("pulling %s from %s in place of the damaged local copy", c.name, upload)
-            pulled = _pull(
-                run_dir, upload, twin, checks, skipped, unread, log, progress, in_store, True
-            )
-            if pulled is not None:
-                return pulled
+        twin = [r for r in every_remote or remote if r.name == c.name]
+        if (pulled := pull(twin, "in place of the damaged local copy")) is not None:
+            return pulled
+    if skipped and upload is not None and not unread:
+        # every local save failed: the store's older saves before giving up
+        if every_remote is None:
+            every_remote = _remote_saves(upload, unread, log, in_store, every=True)
+        if (pulled := pull(every_remote, "every local save failed its check")) is not None:
+            return pulled
     if skipped:
         raise FormatError(
             f"no save of the run can be loaded: every one failed its checks ({'; '.join(skipped)})"
@@ -137,13 +165,16 @@ def _remote_saves(
     unread: list[str],
     log: logging.Logger,
     in_store: Callable[[], AbstractContextManager[None]] = nullcontext,
+    *,
+    every: bool = False,
 ) -> list[RunCheckpoint]:
-    """The object store's complete saves, newest first ([] when it cannot be read: the
-    failure goes to `unread`). The listing runs inside `in_store()`."""
+    """The object store's complete saves, newest first: its newest only, unless `every`
+    ([] when it cannot be read: the failure goes to `unread`). The listing runs inside
+    `in_store()`."""
     try:
         url = upload.rstrip("/")
         with in_store():
-            newest = scan_run(url, settle=0.0, until_latest=True).checkpoints
+            newest = scan_run(url, settle=0.0, until_latest=not every).checkpoints
             remote = _resumable(newest)
             if not remote and any(c.complete for c in newest):
                 # the newest complete folder is no save to resume from (an export the upload
