@@ -833,11 +833,11 @@ class Checkpointer:
         with self._together(doing, self.run_dir):
             dist.all_gather(rows, mine, group=self._control_group)
         met = [(int(row[0].item()), int(row[1].item()), int(row[2].item())) for row in rows]
-        if len({meeting for meeting, _, _ in met}) > 1:
+        if len({point for point, _, _ in met}) > 1:
             told = "; ".join(
-                f"rank {rank}: {_MEETINGS.get(meeting, 'elsewhere')}"
+                f"rank {rank}: {_MEETINGS.get(point, 'elsewhere')}"
                 + (f" (step {at})" if at >= 0 else "")
-                for rank, (meeting, at, _) in enumerate(met)
+                for rank, (point, at, _) in enumerate(met)
             )
             steps = sorted({at for _, at, _ in met if at >= 0})
             lost = (
