@@ -214,7 +214,12 @@ CODES: dict[str, Code] = _codes(
     ),
     # ---- checksums (`--checksums`, `--write-manifest`)
     Code("checksum_mismatch", _E, "a file's digest differs from the manifest's"),
-    Code("manifest_not_written", _E, "`--write-manifest` refused: the checkpoint has problems"),
+    Code(
+        "manifest_not_written",
+        _E,
+        "`--write-manifest` refused: the checkpoint has problems, or a file changed while it "
+        "was hashed",
+    ),
     Code(
         "missing_file",
         _EW,

@@ -1985,3 +1985,35 @@ def test_protect_refuses_parity_of_a_shard_rewritten_while_it_was_read(
         error["path"] == str(shard) and "changed while it was being protected" in error["message"]
     )
     assert not (src / ".ckpt-parity").exists()
+
+
+def test_write_manifest_refuses_a_file_rewritten_while_it_was_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`verify --write-manifest` while a job saved a shard again: the manifest recorded the
+    digest of the version hashed and the size of the next, exit 0, and the next `verify
+    --checksums` called the new shard changed or corrupt. The manifest is not written
+    (`manifest_not_written`, exit 1, naming the shard); written again once the save is done,
+    it checks clean."""
+    from ckpt_cli.ops.verify import checksums
+
+    src = tmp_path / "model"
+    sharded_model(src)
+    shard = sorted(src.glob("model-*.safetensors"))[1]
+    hash_files = checksums.hash_files
+
+    def hash_while_a_job_saves(*args: object, **kwargs: object) -> object:
+        digests = hash_files(*args, **kwargs)  # type: ignore[arg-type]
+        _rewrite_in_place(shard, 99.0)
+        return digests
+
+    monkeypatch.setattr(checksums, "hash_files", hash_while_a_job_saves)
+    result = run_ckpt("verify", src, "--write-manifest", "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = [p for p in result.json["result"]["problems"] if p["severity"] == "error"]
+    assert problem["code"] == "manifest_not_written"
+    assert str(shard) in problem["message"] and "changed while it was hashed" in problem["message"]
+    assert not (src / "ckpt-manifest.json").exists()
+    monkeypatch.setattr(checksums, "hash_files", hash_files)
+    assert run_ckpt("verify", src, "--write-manifest").exit_code == 0
+    assert run_ckpt("verify", src, "--checksums").exit_code == 0

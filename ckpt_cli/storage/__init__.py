@@ -29,7 +29,14 @@ from .base import (
     is_parity_path,
     is_staging_name,
 )
-from .local import LocalStorage, hf_cache_repo, open_regular, read_regular, safe_relpath
+from .local import (
+    LocalStorage,
+    file_version,
+    hf_cache_repo,
+    open_regular,
+    read_regular,
+    safe_relpath,
+)
 from .remote import FsspecStorage, filesystem_for, remote_failure
 
 __all__ = [
@@ -43,6 +50,7 @@ __all__ = [
     "RemoteFile",
     "Storage",
     "StorageRangeFile",
+    "file_version",
     "filesystem_for",
     "hf_cache_repo",
     "is_parity_path",

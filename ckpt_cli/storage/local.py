@@ -181,7 +181,7 @@ class LocalStorage(Storage):
                 fix="Copy the file into the checkpoint folder instead of linking it.",
             )
         self._confined[name] = full
-        version = _version(full)
+        version = file_version(full)
         if version is not None:
             self._versions.setdefault(full, version)
         return full
@@ -189,7 +189,7 @@ class LocalStorage(Storage):
     def changed_since_read(self) -> list[str]:
         changed = []
         for full, version in self._versions.items():
-            now = _version(full)
+            now = file_version(full)
             # a file removed since is not counted: what was read of it was read whole (a
             # read after the removal fails by itself)
             if now is not None and now != version:  # rewritten in place, or replaced
@@ -367,7 +367,7 @@ class LocalStorage(Storage):
         return self._target(rel)
 
 
-def _version(path: Path) -> tuple[int, ...] | None:
+def file_version(path: Path) -> tuple[int, ...] | None:
     """What tells one version of a regular file from the next: the file it is (device and
     inode: a replace), its size and its modification time (a rewrite in place); None for
     anything else (a folder, a name no longer there)."""

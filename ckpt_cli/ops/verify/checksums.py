@@ -34,7 +34,14 @@ from ...formats.names import is_index_file
 from ...models import Problem, Record
 from ...progress import Progress
 from ...sources.runs.records import CHECKSUM_MANIFEST
-from ...storage import LocalStorage, RemoteFile, Storage, hf_cache_repo, safe_relpath
+from ...storage import (
+    LocalStorage,
+    RemoteFile,
+    Storage,
+    file_version,
+    hf_cache_repo,
+    safe_relpath,
+)
 from ...storage.hashing import ALGORITHMS, Hashable, StoredFile, hash_files
 from ...storage.output import (
     Destination,
@@ -271,8 +278,25 @@ def checksum_checks(
                 )
             )
             return
+        # a file another job rewrites while it is hashed would be recorded as no version of it
+        local = {n: p for n, p in files.items() if isinstance(p, Path)}
+        versions = {n: file_version(p) for n, p in local.items()}
         digests = _hash_split(files, algorithm, progress, report)
         sizes = files_size(files)
+        changed = [n for n, p in local.items() if file_version(p) != versions[n]]
+        if changed:
+            problems.append(
+                Problem(
+                    code="manifest_not_written",
+                    message=f"{path}: not written, because {storage.describe(changed[0])}"
+                    + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "")
+                    + " changed while it was hashed (another process rewrote or replaced it): "
+                    "a manifest must record the files as they are",
+                    file=str(path),
+                    fix="Run the command again once the job writing the checkpoint has finished.",
+                )
+            )
+            return
         report.hashed_bytes = sum(sizes.values())
         record = ChecksumManifest(
             algorithm=algorithm,
