@@ -325,6 +325,50 @@ def test_control_and_bidi_characters_in_names_are_escaped_in_human_output(
 
 
 # -- one JSON envelope per outcome -------------------------------------------------------------
+@pytest.mark.parametrize("signals", [1, 2], ids=["one-signal", "a-second-signal"])
+def test_a_signal_while_the_envelope_prints_leaves_exactly_one(
+    tmp_path: Path, signals: int
+) -> None:
+    """`ckpt inspect BIG --json | slow-reader`, Ctrl-C while the envelope was being written:
+    stdout held the first envelope cut short with a second one (exit 130) glued to it, which
+    no JSON parser reads. The work is done once the envelope prints: the signal is held, the
+    envelope is written whole (none of it dropped by Python's text layer, which loses what
+    a signal-interrupted write left unwritten) and the command ends as it would have. A second
+    signal stops the printing: what is on stdout stays the only envelope, the interruption is
+    said on stderr, exit 130."""
+    import signal
+    import time
+
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "many.safetensors"
+    save_file({f"model.layers.{i}.mlp.weight": torch.zeros(1) for i in range(20_000)}, model)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "inspect", str(model), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    # the envelope (megabytes) has begun: the command is printing, and cannot finish until read
+    first = proc.stdout.read(4096)
+    time.sleep(1)  # let it block on the full pipe, where the lost-bytes case lives
+    proc.send_signal(signal.SIGINT)
+    if signals == 2:
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+    out = first + proc.stdout.read()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert out.count(b'"ckpt_json"') == 1, out[-300:]
+    if signals == 1:
+        assert proc.returncode == 0, err
+        doc = json.loads(out)
+        assert doc["exit_code"] == 0 and len(doc["result"]["entries"]) == 20_000
+    else:
+        assert proc.returncode == 130, err
+        assert "interrupted while the report printed" in err
 
 
 @pytest.fixture(scope="module")

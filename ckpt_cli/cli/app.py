@@ -173,12 +173,14 @@ def run_command(
     end_start_up()  # the collector paused by the entry point runs again, for the work
     faults.begin_command()
     faults.notice_sink = functools.partial(render.warn, command)
+    render.envelope_started = False
     try:
         result = action()
-        # the outputs are published: a signal while the report prints is held, and the
-        # command ends as it would have (a second one stops the printing). A command that
-        # wrote nothing is stopped as usual
-        reporting = faults.HeldStopSignals(second_stops=True) if faults.published else None
+        # the outputs are published, or the result is one `--json` envelope: a signal while
+        # the report prints is held, and the command ends as it would have (a second one stops
+        # the printing). A command that wrote nothing stops as usual while it prints for people
+        held = bool(faults.published) or json_output
+        reporting = faults.HeldStopSignals(second_stops=True) if held else None
     except NotFoundError as error:
         hint = next((h for h in map(hub_hint, _mentioned(error)) if h), None)
         if hint and (error.fix is None or "hf://" not in error.fix):
@@ -213,8 +215,8 @@ def run_command(
         _render(command, json_output, result, code, render_human, failure, started)
     except KeyboardInterrupt as exc:  # a signal while the report printed
         interrupted = faults.interruption(exc, "interrupted while the report printed")
-        with contextlib.suppress(OSError):
-            render.emit_error(command, interrupted, json_output)
+        with contextlib.suppress(OSError):  # stdout holds part of an envelope: stderr alone
+            render.emit_error(command, interrupted, json_output and not render.envelope_started)
         raise typer.Exit(interrupted.exit_code) from None
     except OSError as exc:  # stdout itself: full, closed, or its reader gone
         render.output_failed(command, exc)

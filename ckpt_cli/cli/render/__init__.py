@@ -202,11 +202,38 @@ def _error_json(error: CkptError, exit_code: int) -> dict[str, Any]:
     return doc
 
 
+#: whether this command began writing its `--json` envelope: stdout holds (part of) one, so
+#: an interruption from then on is said on stderr only (a second document would not parse)
+envelope_started = False
+
+
+def write_whole(text: str) -> None:
+    """Write `text` to stdout, all of it.
+
+    A signal that is handled (not raised: one held while an envelope prints) while a write
+    blocks on a full pipe makes the binary layer return a partial count, and Python's text
+    layer drops the rest without a word: an envelope cut short, exit 0. The bytes are written
+    here until every one is out.
+    """
+    stream = sys.stdout
+    if not isinstance(stream, io.TextIOWrapper):  # stdout closed at start (`_ClosedStream`)
+        stream.write(text)
+        stream.flush()
+        return
+    stream.flush()
+    data = memoryview(text.encode(stream.encoding, stream.errors or "strict"))
+    while data:
+        data = data[stream.buffer.write(data) :]
+    stream.buffer.flush()
+
+
 def _print_json(doc: dict[str, Any]) -> None:
+    global envelope_started
     # indented for people at a terminal; compact for pipes, where the C encoder is much faster
     indent = 2 if sys.stdout.isatty() else None
-    sys.stdout.write(json.dumps(doc, indent=indent, default=str) + "\n")
-    sys.stdout.flush()
+    text = json.dumps(doc, indent=indent, default=str) + "\n"
+    envelope_started = True
+    write_whole(text)
 
 
 def emit_json(command: str, result: Any, exit_code: int, error: CkptError | None = None) -> None:
@@ -216,6 +243,7 @@ def emit_json(command: str, result: Any, exit_code: int, error: CkptError | None
     spliced into the envelope: no intermediate tree of Python dicts (on 100,000 tensors that
     tree and its encoding were most of `inspect --json`'s time).
     """
+    global envelope_started
     from pydantic import BaseModel
 
     if sys.stdout.isatty() or not isinstance(result, BaseModel):
@@ -226,10 +254,10 @@ def emit_json(command: str, result: Any, exit_code: int, error: CkptError | None
     head = json.dumps({k: doc[k] for k in ("ckpt_json", "command", "ok", "exit_code")})
     tail = json.dumps(doc["error"], default=str)
     # written in three pieces: the result's text (~120 bytes per DCP chunk) is not copied again
-    sys.stdout.write(f'{head[:-1]}, "result": ')
-    sys.stdout.write(result.model_dump_json())
-    sys.stdout.write(f', "error": {tail}}}\n')
-    sys.stdout.flush()
+    envelope_started = True
+    write_whole(f'{head[:-1]}, "result": ')
+    write_whole(result.model_dump_json())
+    write_whole(f', "error": {tail}}}\n')
 
 
 def emit_error(
