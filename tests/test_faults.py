@@ -2017,3 +2017,36 @@ def test_write_manifest_refuses_a_file_rewritten_while_it_was_hashed(
     monkeypatch.setattr(checksums, "hash_files", hash_files)
     assert run_ckpt("verify", src, "--write-manifest").exit_code == 0
     assert run_ckpt("verify", src, "--checksums").exit_code == 0
+
+
+def _descriptor_limit_400() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (400, 400))
+
+
+def test_a_checkpoint_of_more_shards_than_ulimit_n_converts_with_a_cast(tmp_path: Path) -> None:
+    """`ckpt convert` with `--dtype` of a safetensors checkpoint of more shards than the
+    process may open (`ulimit -n`, 1,024 by default) kept every shard open and failed with
+    EMFILE (exit 74), leaving its staging folder while saying it was removed. The shards
+    beyond the ones kept open are opened for each read: it converts, exact."""
+    src = tmp_path / "model"
+    src.mkdir()
+    state = {f"w{i}": torch.full((64,), float(i)) for i in range(450)}
+    save_torch_state_dict(state, src, max_shard_size=300)  # one shard per tensor
+    assert len(list(src.glob("*.safetensors"))) == 450
+    dest = tmp_path / "bf16"
+    args = ["convert", str(src), str(dest), "--to", "safetensors", "--dtype", "bf16", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "ckpt_cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        preexec_fn=_descriptor_limit_400,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = read_safetensors(dest / "model.safetensors")
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in state.items())
+    assert not list(tmp_path.glob(".bf16*"))

@@ -13,6 +13,7 @@ import json
 import os
 import re
 from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -124,6 +125,11 @@ def _no_safetensors(source: Source) -> FormatError:
         path=source.location.raw,
         fix="Leave out --format to let ckpt detect the format, or name the right folder.",
     )
+
+
+#: shards whose read descriptor a checkpoint keeps open between reads: a quarter of the usual
+#: `ulimit -n` (1,024), leaving room for the output, the DCP reader and the rest
+KEPT_OPEN = 256
 
 
 class SafetensorsFormat(Format):
@@ -417,12 +423,10 @@ class SafetensorsCheckpoint(Checkpoint):
         storage = self.storage
         local = storage.local_path(entry.file) if storage.local_root is not None else None
         if local is not None:  # a local folder: one descriptor per file, reads into the tensor
-            fd = self._fds.get(entry.file)
-            if fd is None:
-                fd = self._fds[entry.file] = os.open(local, os.O_RDONLY)
-            return read_tensor_from_fd(
-                fd, entry.offset, entry.dtype, entry.shape, storage.describe(entry.file)
-            )
+            with self._descriptor(entry.file, local) as fd:
+                return read_tensor_from_fd(
+                    fd, entry.offset, entry.dtype, entry.shape, storage.describe(entry.file)
+                )
         data = storage.read(entry.file, entry.offset, entry.nbytes)
         return tensor_from_bytes(data, entry.dtype, entry.shape)
 
@@ -448,14 +452,31 @@ class SafetensorsCheckpoint(Checkpoint):
         storage = self.storage
         local = storage.local_path(entry.file) if storage.local_root is not None else None
         if local is not None:  # a local folder: one descriptor per file, reads into the tensor
-            fd = self._fds.get(entry.file)
-            if fd is None:
-                fd = self._fds[entry.file] = os.open(local, os.O_RDONLY)
-            return read_tensor_from_fd(
-                fd, start, entry.dtype, list(sizes), storage.describe(entry.file)
-            )
+            with self._descriptor(entry.file, local) as fd:
+                return read_tensor_from_fd(
+                    fd, start, entry.dtype, list(sizes), storage.describe(entry.file)
+                )
         data = storage.read(entry.file, start, sizes[0] * row)
         return tensor_from_bytes(data, entry.dtype, list(sizes))
+
+    @contextmanager
+    def _descriptor(self, rel: str, local: Path) -> Iterator[int]:
+        """A read descriptor of shard `rel`: kept open for the checkpoint's later reads, up to
+        `KEPT_OPEN` shards; past them opened for this read alone. A checkpoint of more shards
+        than `ulimit -n` (1,024 by default) must not run the process out of descriptors."""
+        fd = self._fds.get(rel)
+        if fd is not None:
+            yield fd
+            return
+        fd = os.open(local, os.O_RDONLY)
+        if len(self._fds) < KEPT_OPEN:
+            self._fds[rel] = fd
+            yield fd
+            return
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def _entry(self, name: str) -> Entry:
         try:
