@@ -2050,3 +2050,34 @@ def test_a_checkpoint_of_more_shards_than_ulimit_n_converts_with_a_cast(tmp_path
     assert got.keys() == state.keys()
     assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in state.items())
     assert not list(tmp_path.glob(".bf16*"))
+
+
+def test_a_dcp_save_of_more_ranks_than_ulimit_n_converts_and_verifies(tmp_path: Path) -> None:
+    """A DCP save of more ranks than the process may open files (a 2,048-GPU job, `ulimit -n`
+    1,024): the reader kept every `__r_0.distcp` open, and `convert` and `verify --deep` failed
+    with EMFILE (exit 74). It keeps the most recent 256 open, each closed only once no read
+    holds it."""
+    src = tmp_path / "model.safetensors"
+    state = {
+        f"w{i}": torch.arange(450 * 4, dtype=torch.float32).reshape(450, 4) + i for i in range(3)
+    }
+    save_file(state, src)
+    save = tmp_path / "step-1"
+    assert run_ckpt("convert", src, save, "--to", "dcp", "--world-size", "450").exit_code == 0
+    assert len(list(save.glob("*.distcp"))) == 450
+    dest = tmp_path / "out.safetensors"
+    for args in (
+        ["convert", str(save), str(dest), "--to", "safetensors", "--dtype", "bf16"],
+        ["verify", str(save), "--deep"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "ckpt_cli", *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            preexec_fn=_descriptor_limit_400,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    got = read_safetensors(dest)
+    assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in state.items())

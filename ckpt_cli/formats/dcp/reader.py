@@ -5,8 +5,9 @@ from __future__ import annotations
 import io
 import os
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -43,6 +44,24 @@ if TYPE_CHECKING:
 _WHOLE_BLOB = 4 << 20
 
 
+#: data files whose read descriptor a checkpoint keeps open between reads: a quarter of the
+#: usual `ulimit -n` (1,024); a save of more ranks than that must not run the process out
+KEPT_OPEN = 256
+
+
+class _Descriptor:
+    """One open read descriptor of a data file, closed when nothing holds it any more: the
+    checkpoint's cache of recent files, or a reader still using it (a `_FileRange` torch.load
+    reads from, a zip locator's `pread`), so leaving the cache never closes it under a read."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __del__(self) -> None:
+        with suppress(OSError):
+            os.close(self.fd)
+
+
 class _FileRange(RangeFile):
     """Bytes [start, start + length) of an open file, read with `os.preadv` (no copy of the range).
 
@@ -50,9 +69,10 @@ class _FileRange(RangeFile):
     so loading a torch_save chunk needs the chunk's size in memory once, not twice.
     """
 
-    def __init__(self, fd: int, start: int, length: int, name: str):
+    def __init__(self, handle: _Descriptor, start: int, length: int, name: str):
         super().__init__(length, name)
-        self._fd, self._start = fd, start
+        self._handle = handle  # kept open while this range is read
+        self._fd, self._start = handle.fd, start
 
     def _read_into(self, view: memoryview, position: int) -> int:
         try:
@@ -111,7 +131,8 @@ class DcpCheckpoint(Checkpoint):
     def __init__(self, source: Source, manifest: Manifest, planner_data: Any = None):
         super().__init__(source, manifest)
         self.planner_data = planner_data
-        self._fds: dict[str, int] = {}
+        #: the data files read most recently -> their descriptors (`KEPT_OPEN` at most)
+        self._fds: OrderedDict[str, _Descriptor] = OrderedDict()
         self._common: dict[str, Any] | None = None
         #: the last tensor asked about -> its raw chunks in order (None: not raw); a copy asks
         #: `serves_raw`, then `local_ranges`, of one tensor after the other, so one is kept:
@@ -240,30 +261,35 @@ class DcpCheckpoint(Checkpoint):
             offset += rows[0] * row_bytes
             sizes[0] = rows[1] - rows[0]
         if self.storage.local_root is not None:  # a local folder: one descriptor per file
-            fd = self._local_fd(chunk.file)
+            handle = self._local_fd(chunk.file)
             where = self.storage.describe(chunk.file)
-            return read_tensor_from_fd(fd, offset, entry.dtype, sizes, where)
+            return read_tensor_from_fd(handle.fd, offset, entry.dtype, sizes, where)
         nbytes = dtypes.numel(sizes) * dtypes.itemsize(entry.dtype)
         return tensor_from_bytes(self.storage.read(chunk.file, offset, nbytes), entry.dtype, sizes)
 
     def _byte_range(self, rel: str, offset: int, length: int) -> IO[bytes]:
         """A seekable file object over one stored range (torch.load reads from it directly)."""
         if self.storage.local_root is not None:  # a local folder: one descriptor per file
-            fd = self._local_fd(rel)
-            return cast(IO[bytes], _FileRange(fd, offset, length, self.storage.describe(rel)))
+            handle = self._local_fd(rel)
+            return cast(IO[bytes], _FileRange(handle, offset, length, self.storage.describe(rel)))
         return io.BytesIO(self.storage.read(rel, offset, length))
 
-    def _local_fd(self, rel: str) -> int:
-        """A read descriptor of local data file `rel`, opened once for the checkpoint."""
-        fd = self._fds.get(rel)
-        if fd is None:
-            path = self.storage.local_path(rel)
-            if path is None:
-                raise FormatError(
-                    "is not a local file", path=self.storage.describe(rel), fix=REPORT_BUG
-                )
-            fd = self._fds[rel] = os.open(path, os.O_RDONLY)
-        return fd
+    def _local_fd(self, rel: str) -> _Descriptor:
+        """A read descriptor of local data file `rel`: kept for the checkpoint's next reads
+        among the `KEPT_OPEN` files read most recently."""
+        handle = self._fds.get(rel)
+        if handle is not None:
+            self._fds.move_to_end(rel)
+            return handle
+        path = self.storage.local_path(rel)
+        if path is None:
+            raise FormatError(
+                "is not a local file", path=self.storage.describe(rel), fix=REPORT_BUG
+            )
+        handle = self._fds[rel] = _Descriptor(path)
+        while len(self._fds) > KEPT_OPEN:
+            self._fds.popitem(last=False)  # closed once no read holds it
+        return handle
 
     def read_tensor(self, name: str) -> torch.Tensor:
         entry = self._entry(name, "tensor")
@@ -463,12 +489,12 @@ class DcpCheckpoint(Checkpoint):
     def _reader(self, rel: str) -> Callable[[int, int], bytes]:
         """`read(offset, n)` of one data file (what the zip locator reads with)."""
         if self.storage.local_root is not None:  # a local folder: one descriptor per file
-            fd = self._local_fd(rel)  # one open for the many small reads of each blob
+            handle = self._local_fd(rel)  # one open for the many small reads of each blob
             name = self.storage.describe(rel)
 
             def pread(offset: int, n: int) -> bytes:
                 try:
-                    return os.pread(fd, n, offset)
+                    return os.pread(handle.fd, n, offset)
                 except OSError as exc:  # a bad sector: this file is the one to check
                     raise naming(exc, name) from None
 
@@ -642,9 +668,7 @@ class DcpCheckpoint(Checkpoint):
         return self._common
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._fds.clear()  # each descriptor closes once no read holds it
 
 
 def _weights_only_reason(exc: Exception) -> str:
