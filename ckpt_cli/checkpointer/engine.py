@@ -526,16 +526,20 @@ class Checkpointer:
         try:
             return self._agree_and_stage(step, state, record, start)
         except _OutOfStep as error:  # every rank gives this save up alike (`_meet`)
-            record.phase = "failed"
-            record.error = str(error)
-            record.blocked_seconds = time.perf_counter() - start
-            self.log.error("save of step %d failed: %s", step, record.error)
-            with self._lock:
-                self._saves += 1
-                self._failures += 1
-                self._last_error = record.error
-                self._last = record
-            return record
+            return self._failed(record, str(error), start)
+
+    def _failed(self, record: SaveRecord, error: str, start: float) -> SaveRecord:
+        """`record` as a save every rank gave up (`error`, logged), counted as a failure."""
+        record.phase = "failed"
+        record.error = error
+        record.blocked_seconds = time.perf_counter() - start
+        self.log.error("save of step %d failed: %s", record.step, error)
+        with self._lock:
+            self._saves += 1
+            self._failures += 1
+            self._last_error = error
+            self._last = record
+        return record
 
     def _agree_and_stage(
         self, step: int, state: Mapping[str, Any], record: SaveRecord, start: float
@@ -583,19 +587,12 @@ class Checkpointer:
             )
         if failed:
             which = ", ".join(map(str, failed))
-            record.phase = "failed"
-            record.error = (
+            return self._failed(
+                record,
                 f"rank {which} could not stage step {step}: no rank saved it (that rank's save "
-                "raised; its error is in its log or its training loop)"
+                "raised; its error is in its log or its training loop)",
+                start,
             )
-            record.blocked_seconds = time.perf_counter() - start
-            self.log.error("save of step %d failed: %s", step, record.error)
-            with self._lock:
-                self._saves += 1
-                self._failures += 1
-                self._last_error = record.error
-                self._last = record
-            return record
         record.bytes = nbytes
         record.blocked_seconds = time.perf_counter() - start
         self.log.info(
