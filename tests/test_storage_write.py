@@ -201,3 +201,39 @@ def test_the_hub_is_not_writable_and_protect_says_so(hub: TestHub, tmp_path: Pat
     assert "protect and repair work on local folders and object stores" in result.stderr + str(
         result.json
     )
+
+
+def test_a_failed_output_whose_staging_cannot_be_removed_says_where_it_is_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails for an OS reason (disk full) removes its staging folder and says so.
+    When that removal fails too (seen at a tiny `ulimit -n`: the failed write still held the
+    descriptors the removal needs), the message said "the partial output was removed" of a
+    folder still there; it now says where the folder is and who removes it."""
+    import errno
+    import shutil
+
+    from ckpt_cli.errors import IOFailure
+    from ckpt_cli.storage import output
+
+    dest = tmp_path / "out"
+    kept: list[Path] = []
+    # the usual case first: gone, and said so
+    with pytest.raises(IOFailure) as removed, staged_output(dest) as staging:
+        kept.append(staging)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert "the partial output was removed" in str(removed.value)
+    assert not kept[0].exists() and not dest.exists()
+
+    # the removal fails as it does when the failed write left no descriptor to open the folder
+    monkeypatch.setattr(output.shutil, "rmtree", lambda *args, **kwargs: None)
+    with pytest.raises(IOFailure) as left, staged_output(dest) as staging:
+        kept.append(staging)
+        (staging / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    message = str(left.value)
+    assert "was removed" not in message, message
+    assert f"is left at {kept[1]}" in message and kept[1].exists(), message
+    assert not dest.exists()
+    monkeypatch.undo()
+    shutil.rmtree(kept[1])

@@ -321,12 +321,12 @@ def staged_output(
             raise
         if published:
             raise interruption(exc, "interrupted", dest) from None
-        raise interruption(exc, "interrupted; the partial output was removed", dest) from None
+        raise interruption(exc, f"interrupted; {partial_output(dest, staging)}", dest) from None
     except OSError as exc:  # disk full, EIO, read-only, EACCES, EXDEV: exit 74, staging gone
         shutil.rmtree(staging, ignore_errors=True)
         if nested:
             raise
-        raise output_failure(exc, dest, staging) from None
+        raise output_failure(exc, dest, staging, removed=not staging.exists()) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -339,10 +339,25 @@ def staged_output(
             os.close(lock)
 
 
-def output_failure(exc: OSError, dest: Path, staging: Path) -> IOFailure:
-    """The `IOFailure` for an OS error while `dest` was written through `staging`.
+def partial_output(dest: Path, staging: Path, removed: bool | None = None) -> str:
+    """What became of a failed output's staging folder, as the message says it: removed, or
+    (`removed` False; None: looked at now) left where it is, for the next run to remove."""
+    if removed is None:
+        removed = not staging.exists()
+    if removed:
+        return "the partial output was removed"
+    return (
+        f"the partial output could not be removed and is left at {staging} (the next run "
+        f"writing {dest.name} removes it, or remove it yourself)"
+    )
 
-    A name inside the staging folder (removed by now) is reported as DEST. A file outside
+
+def output_failure(exc: OSError, dest: Path, staging: Path, *, removed: bool = True) -> IOFailure:
+    """The `IOFailure` for an OS error while `dest` was written through `staging`; `removed`:
+    whether the staging folder is gone by the time the message is read (False: the removal
+    itself failed, and the message says where the folder is).
+
+    A name inside the staging folder is reported as DEST. A file outside
     it, and outside DEST, named alone is a file being read (a source shard with a bad
     sector): that file leads the message, which says it was read for DEST.
     """
@@ -369,7 +384,7 @@ def output_failure(exc: OSError, dest: Path, staging: Path) -> IOFailure:
         failure = io_failure(mapped, dest, f"reading it while writing {dest}")
     else:
         failure = io_failure(mapped, dest, f"writing {dest.name}")
-    problem = failure.problem + "; the partial output was removed"
+    problem = f"{failure.problem}; {partial_output(dest, staging, removed)}"
     return IOFailure(problem, path=failure.path, fix=failure.fix)
 
 
