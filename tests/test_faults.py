@@ -1954,6 +1954,40 @@ def test_a_source_rewritten_while_it_is_read_is_never_published_as_a_mix(
         )
 
 
+def test_a_diff_of_a_source_rewritten_while_it_is_compared_gives_no_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ckpt diff run/model/ ref/` while the trainer saved into run/model/ again: the shards
+    compared late were the new save's, so the verdict (exit 0 IDENTICAL, or a list of
+    differences) was about a mix of two saves, neither of which the user has. It is refused,
+    exit 4, naming the shard; once the save is done, diff compares the new one."""
+    import ckpt_cli.ops.diff.run as diff_run
+
+    src, ref = tmp_path / "model", tmp_path / "ref"
+    sharded_model(src)
+    sharded_model(ref)
+    last = sorted(src.glob("model-*.safetensors"))[-1]
+    compare = diff_run._compare
+    rewritten: list[Path] = []
+
+    def compare_while_the_trainer_saves(*args: object, **kwargs: object) -> object:
+        if not rewritten:  # the headers are read, the first pair not yet compared
+            _rewrite_in_place(last, 99.0)
+            rewritten.append(last)
+        return compare(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(diff_run, "_compare", compare_while_the_trainer_saves)
+    result = run_ckpt("diff", src, ref, "--json")
+    assert result.exit_code == 4, result.stdout
+    error = result.json["error"]
+    assert error["path"] == str(last), error
+    assert "changed while ckpt read it" in error["message"]
+    assert "no verdict is given" in error["message"]
+    monkeypatch.setattr(diff_run, "_compare", compare)
+    after = run_ckpt("diff", src, ref, "--json")
+    assert after.exit_code == 1 and after.json["result"]["differences"], after.stdout
+
+
 def test_protect_refuses_parity_of_a_shard_rewritten_while_it_was_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -32,6 +32,7 @@ from ..shared.selection import (
     unreadable_left_out,
 )
 from ..shared.transfer import (
+    check_source_unchanged,
     nothing_to_dequantize,
     parse_renames,
     raw_blocks,
@@ -744,6 +745,11 @@ def diff_with(
                     report.within_tolerance.append(found)
         finally:
             progress.finish()
+        for side in (base_a, base_b):
+            # a save written into either side meanwhile: the values compared may be two saves'
+            check_source_unchanged(
+                side, "the comparison could have read two versions of it; no verdict is given"
+            )
     report.quant_errors.sort(key=lambda e: -e.rel_rms)
     report.differences.sort(key=_order)
     report.within_tolerance.sort(key=_order)

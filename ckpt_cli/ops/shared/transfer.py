@@ -839,16 +839,20 @@ def copy_files(checkpoint: Checkpoint, rels: Sequence[str], staging: Path) -> No
         target.write_bytes(checkpoint.source.storage.read_all(rel))
 
 
-def check_source_unchanged(checkpoint: Checkpoint) -> None:
-    """Refuse to publish an output read from source files another process rewrote or replaced
-    while they were read (a training job saving into the folder being converted): the output
-    could hold tensors of two saves. FormatError naming the first such file."""
+#: what `check_source_unchanged` says of a command that writes an output
+NOTHING_PUBLISHED = "the output could mix two versions of the checkpoint; nothing was published"
+
+
+def check_source_unchanged(checkpoint: Checkpoint, consequence: str = NOTHING_PUBLISHED) -> None:
+    """Refuse a result read from source files another process rewrote or replaced while they
+    were read (a training job saving into the folder being converted or compared): it could
+    hold tensors of two saves. FormatError naming the first such file and `consequence`."""
     changed = checkpoint.storage.changed_since_read()
     if changed:
         others = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
         raise FormatError(
             f"changed while ckpt read it{others}: another process rewrote or replaced it, so "
-            "the output could mix two versions of the checkpoint; nothing was published",
+            f"{consequence}",
             path=changed[0],
             fix="Run the command again once the job writing the checkpoint has finished "
             "(`ckpt latest RUN_DIR` names the newest complete save).",
