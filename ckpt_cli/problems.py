@@ -198,6 +198,12 @@ CODES: dict[str, Code] = _codes(
     Code("megatron_metadata", _E, "Megatron-Core's metadata.json cannot be read"),
     Code("megatron_missing_common", _E, "Megatron-Core's common.pt is missing"),
     # ---- content (`--deep`)
+    Code(
+        "changed_while_read",
+        _E,
+        "a file was rewritten or replaced by another process while `--deep` read it: what was "
+        "read may be two versions",
+    ),
     Code("nonfinite", _E, "a tensor holds NaN or Inf values"),
     Code("shape_mismatch", _E, "a tensor read back has another shape or dtype than its metadata"),
     Code(

@@ -1988,6 +1988,35 @@ def test_a_diff_of_a_source_rewritten_while_it_is_compared_gives_no_verdict(
     assert after.exit_code == 1 and after.json["result"]["differences"], after.stdout
 
 
+def test_verify_deep_of_a_source_rewritten_while_it_is_read_gives_no_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ckpt verify --deep run/model/` while the trainer saved into it again said OK (exit 0)
+    of values read from two saves. The rewritten shard is now `changed_while_read` (exit 1,
+    naming it); verified again once the save is done, the checkpoint is OK."""
+    import ckpt_cli.ops.verify.run as verify_run
+
+    src = tmp_path / "model"
+    sharded_model(src)
+    last = sorted(src.glob("model-*.safetensors"))[-1]
+    read_entry = verify_run._deep_entry
+    rewritten: list[Path] = []
+
+    def read_while_the_trainer_saves(*args: object, **kwargs: object) -> None:
+        if not rewritten:  # the headers are read, no tensor yet
+            _rewrite_in_place(last, 99.0)
+            rewritten.append(last)
+        read_entry(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(verify_run, "_deep_entry", read_while_the_trainer_saves)
+    result = run_ckpt("verify", src, "--deep", "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = result.json["result"]["problems"]
+    assert [(p["code"], p["file"]) for p in problems] == [("changed_while_read", str(last))]
+    monkeypatch.setattr(verify_run, "_deep_entry", read_entry)
+    assert run_ckpt("verify", src, "--deep").exit_code == 0
+
+
 def test_protect_refuses_parity_of_a_shard_rewritten_while_it_was_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

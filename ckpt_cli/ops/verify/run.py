@@ -467,6 +467,30 @@ def _deep(
                     report.tensors += part.tensors
                     report.nonfinite.extend(part.nonfinite)
                     problems.extend(part_problems)
+        changed = checkpoint.storage.changed_since_read()
+        if changed:
+            # a save written into the folder meanwhile: the verdict would be about a mix
+            rewritten = Problem(
+                code="changed_while_read",
+                message=f"{changed[0]}: changed while ckpt read it"
+                + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "")
+                + ": another process rewrote or replaced it, so what --deep read could be two "
+                "versions of the checkpoint, and no verdict of its content is given",
+                file=changed[0],
+                fix="Run verify again once the job writing the checkpoint has finished "
+                "(`ckpt latest RUN_DIR` names the newest complete save).",
+            )
+            if workers.distributed:  # each rank that saw it: told once, after the merge
+                found.append(
+                    {
+                        "index": len(entries) + 1,
+                        "tensors": 0,
+                        "nonfinite": [],
+                        "problems": [rewritten.model_dump(mode="json")],
+                    }
+                )
+            else:
+                problems.append(rewritten)
         if workers.leader:  # whole files: one rank's work
             for damage in checkpoint.recorded_checksum_errors():
                 found_problem = problem_from_error(damage.error, tensor=damage.tensor)
@@ -486,10 +510,16 @@ def _deep(
     if not workers.distributed:
         return
     merged = sorted((f for got in workers.all_gather(found) for f in got), key=lambda f: f["index"])
+    told_rewritten: set[str | None] = set()
     for f in merged:
         report.tensors += f["tensors"]
         report.nonfinite.extend(TensorHealth.model_validate(h) for h in f["nonfinite"])
-        problems.extend(Problem.model_validate(p) for p in f["problems"])
+        for p in map(Problem.model_validate, f["problems"]):
+            if p.code == "changed_while_read":
+                if p.file in told_rewritten:  # several ranks read one file: told once
+                    continue
+                told_rewritten.add(p.file)
+            problems.append(p)
 
 
 def _deep_entry(
