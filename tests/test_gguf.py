@@ -329,8 +329,7 @@ def test_verify_deep_reads_quantized_tensors_and_judges_their_values(tmp_path: P
 def test_convert_skips_quantized_tensors_for_every_target(tmp_path: Path) -> None:
     """`--to safetensors` skipped a GGUF's quantized tensors and said so, while `--to torch`
     and `--to dcp` failed with exit 4 on the first one. Every target now gets the unquantized
-    tensors and the same report; `--dequantize` says ckpt does not dequantize GGUF blocks
-    (it said "no quantized weight found" of a Q8_0 file)."""
+    tensors and the same report; `--dequantize` writes the quantized one too."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     src = _quantized(tmp_path / "m.gguf")
@@ -349,12 +348,11 @@ def test_convert_skips_quantized_tensors_for_every_target(tmp_path: Path) -> Non
     assert list(loaded) == ["output_norm.weight"]
     assert torch.equal(loaded["output_norm.weight"], norm)
 
+    # with --dequantize, the weight is written too (what gguf decodes, in bfloat16)
     result = run_ckpt("convert", src, tmp_path / "deq", "--to", "safetensors", "--dequantize")
-    assert result.exit_code == 4, result.stderr
-    assert "ckpt does not dequantize GGUF block quantization" in result.stderr
-    assert "'blk.0.attn_q.weight'" in result.stderr and "llama-quantize" in result.stderr
-    assert "no quantized weight found" not in result.stderr
-    assert not (tmp_path / "deq").exists()
+    assert result.exit_code == 0, result.stderr
+    written = load_file(tmp_path / "deq" / "model.safetensors")
+    assert set(written) == {"blk.0.attn_q.weight", "output_norm.weight"}
 
 
 def test_a_truncated_gguf_names_the_tensor_past_its_end(tmp_path: Path) -> None:
@@ -980,3 +978,190 @@ def test_a_tensor_of_more_than_four_dimensions_is_reported_as_llama_cpp_refuses_
     assert converted.exit_code == 0, converted.stdout
     assert "5 dimensions" in converted.json["result"]["warnings"][0]
     assert torch.equal(load_file(out)["t"], torch.from_numpy(array))
+
+
+#: the block types gguf's gguf_convert_endian.py can write big-endian
+CONVERT_ENDIAN_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
+
+
+def _every_block_type(path: Path, *, endian: str = "little") -> Path:
+    """A GGUF of one tensor per legacy and K block type (legacy quants by gguf's own
+    quantizer, K-quants as random blocks with plausible scales), a stacked 3-D Q8_0 tensor, an
+    F32 norm and an F16 embedding. With `endian` big: only the types gguf's
+    gguf_convert_endian.py can swap, converted by it, as llama.cpp on s390x reads them."""
+    import gguf
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    wanted = CONVERT_ENDIAN_TYPES if endian == "big" else None
+    for kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        if wanted and kind not in wanted:
+            continue
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(f"blk.0.{kind}.weight", quantize(x, qtype), raw_dtype=qtype)
+    for seed, kind in enumerate(("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")):
+        if wanted and kind not in wanted:
+            continue
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(f"blk.0.{kind}.weight", _k_blocks(kind, 4, seed), raw_dtype=qtype)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    stacked = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", quantize(stacked, q8), raw_dtype=q8)
+    writer.add_tensor("output_norm.weight", x[0])
+    writer.add_tensor("token_embd.weight", x[:2].astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if endian == "big":
+        proc = subprocess.run(
+            [sys.executable, "-m", "gguf.scripts.gguf_convert_endian", str(path), "big"],
+            input=b"YES\n",
+            capture_output=True,
+            env=torchrun_env(),
+        )
+        assert proc.returncode == 0, proc.stderr
+    return path
+
+
+def _reference(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a little-endian GGUF as gguf itself reads it: quantized ones through
+    `gguf.quants.dequantize` (float32), in torch's row-major shape."""
+    from gguf.quants import dequantize
+
+    values = {}
+    for tensor in _reader(path).tensors:
+        shape = [int(n) for n in reversed(tensor.shape.tolist())]
+        data = np.array(tensor.data)
+        if tensor.tensor_type.name in ("F32", "F16"):
+            values[tensor.name] = torch.from_numpy(data.copy()).reshape(shape)
+        else:
+            decoded = dequantize(data, tensor.tensor_type)
+            values[tensor.name] = torch.from_numpy(decoded.copy()).reshape(shape)
+    return values
+
+
+def test_convert_dequantize_writes_a_gguf_as_gguf_decodes_it(tmp_path: Path) -> None:
+    """`convert model.gguf out --dequantize` refused every GGUF block type ("ckpt does not
+    dequantize GGUF block quantization"), so a GGUF could not become a model to fine-tune. Each
+    quantized tensor is now written as gguf's own `gguf.quants.dequantize` decodes it, cast
+    as `tensor.to(dtype)` casts (default bfloat16, as for FP8; `--dtype fp32` keeps the
+    decoded values), one tensor at a time; the unquantized tensors are copied as they are."""
+    src = _every_block_type(tmp_path / "m.gguf")
+    want = _reference(src)
+    quantized = {n for n, e in _types(src).items() if e not in ("F32", "F16")}
+    assert len(quantized) == 11
+
+    result = run_ckpt("convert", src, tmp_path / "bf16", "--to", "safetensors", "--dequantize")
+    assert result.exit_code == 0, result.stderr
+    assert "11 quantized weights dequantized" in result.stdout
+    got = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert set(got) == set(want)
+    for name, tensor in got.items():
+        expected = want[name].to(torch.bfloat16) if name in quantized else want[name]
+        assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), name
+    assert got["blk.0.ffn_gate_exps.weight"].shape == (2, 3, 64)
+
+    exact = run_ckpt(
+        "convert", src, tmp_path / "f32", "--to", "safetensors", "--dequantize", "--dtype", "fp32"
+    )
+    assert exact.exit_code == 0, exact.stderr
+    got = load_file(tmp_path / "f32" / "model.safetensors")
+    for name, tensor in got.items():
+        expected = want[name].float()  # --dtype casts the F16 embedding too
+        assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), name
+
+
+def _types(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in _reader(path).tensors}
+
+
+def test_convert_dequantize_reads_a_big_endian_gguf_as_llama_cpp_does(tmp_path: Path) -> None:
+    """A big-endian GGUF (gguf_convert_endian.py's, as llama.cpp on s390x reads it: each
+    block's fp16 scales big-endian) dequantizes to the values of the little-endian file it
+    came from, bit for bit, and its big-endian F32/F16 tensors are swapped as they stream."""
+    big = _every_block_type(tmp_path / "big.gguf", endian="big")
+    assert set(_types(big).values()) == {*CONVERT_ENDIAN_TYPES, "F32", "F16"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gguf.scripts.gguf_convert_endian", str(big), "little"],
+        input=b"YES\n",
+        capture_output=True,
+        env=torchrun_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    little = shutil.copy(big, tmp_path / "little.gguf")
+    _every_block_type(big, endian="big")  # big again, for ckpt to read
+    assert big.read_bytes() != little.read_bytes()
+    want = _reference(little)
+    result = run_ckpt(
+        "convert", big, tmp_path / "out", "--to", "safetensors", "--dequantize", "--dtype", "fp32"
+    )
+    assert result.exit_code == 0, result.stderr
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(got) == set(want)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name].float()), name
+
+
+def test_convert_dequantize_refuses_a_gguf_type_gguf_cannot_decode(tmp_path: Path) -> None:
+    """A block type gguf's numpy code does not decode (Q8_K) cannot be written right: refused
+    before anything is written (exit 4), naming the tensor and the type."""
+    import gguf
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    q8k = gguf.GGMLQuantizationType.Q8_K
+    blocks = np.zeros((2, gguf.GGML_QUANT_SIZES[q8k][1]), dtype=np.uint8)
+    writer.add_tensor("blk.0.attn_q.weight", blocks, raw_dtype=q8k)
+    writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = run_ckpt("convert", path, tmp_path / "out", "--to", "safetensors", "--dequantize")
+    assert result.exit_code == 4, result.stderr
+    assert "'blk.0.attn_q.weight'" in result.stderr and "Q8_K" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_diff_dequantize_compares_a_gguf_with_its_dequantized_safetensors(
+    tmp_path: Path,
+) -> None:
+    """`diff --dequantize` of a GGUF against a full-precision model refused the GGUF; it now
+    compares the decoded values: bit-identical to its own `convert --dequantize --dtype fp32`,
+    within a tolerance of the bfloat16 one, and different where one block differs."""
+    src = _every_block_type(tmp_path / "m.gguf")
+    for dtype in ("fp32", "bf16"):
+        run_ckpt(
+            "convert",
+            src,
+            tmp_path / dtype,
+            "--to",
+            "safetensors",
+            "--dequantize",
+            "--dtype",
+            dtype,
+        )
+    # --ignore-dtype: --dtype fp32 cast the F16 embedding too
+    same = run_ckpt("diff", src, tmp_path / "fp32", "--dequantize", "--ignore-dtype", "--json")
+    assert same.exit_code == 0, same.stdout
+    report = same.json["result"]
+    assert report["dequantized"] == {"a": 11} and report["identical"]
+    near = run_ckpt(
+        "diff", src, tmp_path / "bf16", "--dequantize", "--ignore-dtype", "--rtol", "0.01"
+    )
+    assert near.exit_code == 0, near.stdout
+    assert "gguf-Q4_K" in near.stdout
+    values = load_file(tmp_path / "fp32" / "model.safetensors")
+    values["blk.0.Q8_0.weight"][0, 0] += 1.0
+    from safetensors.torch import save_file
+
+    save_file(values, tmp_path / "changed.safetensors")
+    differs = run_ckpt(
+        "diff", src, tmp_path / "changed.safetensors", "--dequantize", "--ignore-dtype", "--json"
+    )
+    assert differs.exit_code == 1, differs.stdout
+    names = [d["name"] for d in differs.json["result"]["differences"]]
+    assert names == ["blk.0.Q8_0.weight"]

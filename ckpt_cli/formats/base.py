@@ -208,6 +208,21 @@ class Checkpoint(ABC):
         only be read whole)."""
         return None
 
+    def block_quantized(self) -> dict[str, str | None]:
+        """The entries stored in the format's own block quantization (a GGUF's Q4_K, Q8_0...
+        tensors), name -> why `read_dequantized` cannot decode it (None: it can). `convert
+        --dequantize` and `diff --dequantize` read them dequantized; none by default."""
+        return {}
+
+    def read_dequantized(self, name: str) -> torch.Tensor:
+        """The float32 values of block-quantized entry `name` (`block_quantized`), decoded as
+        the format's reference decoder does, one tensor in memory at a time."""
+        raise FormatError(
+            f"entry {name!r} is not block-quantized",
+            path=self.manifest.location,
+            fix=REPORT_BUG,
+        )
+
     def stored_nonfinite_cause(self, name: str) -> tuple[str, str] | None:
         """(what, fix) when the NaN or Inf `stored_nonfinite` found in entry `name` come from
         how it was written rather than from damaged values (a big-endian GGUF whose blocks

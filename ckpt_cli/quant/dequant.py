@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import dtypes
@@ -335,6 +336,89 @@ class DequantizedCheckpoint(Checkpoint):
 
     def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
         return self.base.iter_raw(name, block)
+
+    def close(self) -> None:
+        self.base.close()
+
+
+class BlockDequantizedCheckpoint(Checkpoint):
+    """A checkpoint of a format's own block quantization (a GGUF's Q4_K, Q8_0... tensors,
+    `Checkpoint.block_quantized`) seen as the plain checkpoint it dequantizes to.
+
+    Each such entry becomes a tensor of `dtype` and its shape, read with the format's decoder
+    (`read_dequantized`: float32, bit for bit gguf's `gguf.quants.dequantize`) and cast as
+    `tensor.to(dtype)` casts; every other entry is the source's own. Refuses (FormatError
+    naming the tensor and why) when one cannot be decoded, before anything is written.
+    """
+
+    def __init__(self, base: Checkpoint, dtype: str):
+        blocks = base.block_quantized()
+        refused = [(name, why) for name, why in blocks.items() if why is not None]
+        if refused:
+            name, why = refused[0]
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+            raise FormatError(
+                f"--dequantize: quantized tensor {name!r}{more} cannot be dequantized: {why}",
+                path=base.manifest.location,
+                fix="Leave it out (--filter-out), or dequantize with the format's own tools "
+                "(for GGUF, llama.cpp's `llama-quantize --allow-requantize SRC OUT F16`).",
+            )
+        self.base = base
+        self.dtype = dtype
+        #: dequantized entry -> its scheme (`gguf-Q4_K`), as `diff` reports it
+        self.logical: dict[str, str] = {}
+        itemsize = dtypes.itemsize(dtype)
+        entries: list[Entry] = []
+        for entry in base.manifest.entries:
+            if entry.name not in blocks:
+                entries.append(entry)
+                continue
+            self.logical[entry.name] = f"{base.manifest.format}-{entry.dtype}"
+            entries.append(
+                Entry(
+                    name=entry.name,
+                    kind="tensor",
+                    dtype=dtype,
+                    shape=list(entry.shape),
+                    nbytes=dtypes.numel(entry.shape) * itemsize,
+                )
+            )
+        manifest = base.manifest
+        super().__init__(
+            base.source,
+            Manifest(
+                format=manifest.format,
+                location=manifest.location,
+                files=manifest.files,
+                entries=entries,
+                metadata=manifest.metadata,
+                details={**manifest.details, "dequantized": len(self.logical)},
+            ),
+        )
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        if name not in self.logical:
+            return self.base.read_tensor(name)
+        values = self.base.read_dequantized(name)
+        return values.to(_dtype(self.dtype))
+
+    def files_of(self, name: str) -> set[str]:
+        return self.base.files_of(name)
+
+    def read_object(self, name: str) -> Any:
+        return self.base.read_object(name)
+
+    def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
+        return self.base.iter_raw(name, block)
+
+    def local_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        return None if name in self.logical else self.base.local_ranges(name)
+
+    def model_metadata(self) -> dict[str, str] | None:
+        return self.base.model_metadata()
+
+    def tolerated_problems(self) -> list[Problem]:
+        return self.base.tolerated_problems()
 
     def close(self) -> None:
         self.base.close()

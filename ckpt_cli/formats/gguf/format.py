@@ -8,7 +8,8 @@ entry: `convert` copies its bytes straight into safetensors. GGUF lists dimensio
 first (`ne`); entries use the row-major shape torch and safetensors use (`ne` reversed), which
 is what llama.cpp's own converters write. Quantized tensors (Q4_K, Q8_0, IQ...) are listed as
 non-tensor entries named like their tensor, with their quantization type, shape and size:
-`convert` reports them as skipped (ckpt does not dequantize), never drops them silently.
+`convert` reports them as skipped, never drops them silently; with `--dequantize` they are
+written as gguf's `gguf.quants.dequantize` decodes them (`read_dequantized`).
 A big-endian file's tensors are byte-swapped element by element as they stream (never copied
 in the kernel), so every output holds the values `GGUFReader` reads; its quantized blocks are
 served with their multi-byte fields swapped to little-endian (`BLOCK_FIELDS`), as llama.cpp on a
@@ -22,6 +23,7 @@ Split files are one checkpoint, named by their folder or by any one of them: eve
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -513,6 +515,8 @@ class GgufCheckpoint(Checkpoint):
         #: quantized tensors of a big-endian file that decode non-finite read big-endian and
         #: cleanly as stored (`stored_nonfinite_cause`)
         self._little_endian_blocks: set[str] = set()
+        #: `block_quantized`, once `read_dequantized` has asked
+        self._block_quantized: dict[str, str | None] | None = None
 
     def tolerated_problems(self) -> list[Problem]:
         return list(self.tolerated)
@@ -621,6 +625,62 @@ class GgufCheckpoint(Checkpoint):
             "quantize on the big-endian machine itself.",
         )
 
+    def block_quantized(self) -> dict[str, str | None]:
+        """Every quantized tensor, and why gguf's dequantization cannot decode it: a type the
+        installed gguf package does not decode (Q8_K...), or a big-endian file's blocks of a
+        layout ckpt cannot swap (`BLOCK_FIELDS`), which would decode to wrong values."""
+        found: dict[str, str | None] = {}
+        for entry in self.manifest.entries:
+            if entry.kind == "tensor" or not (entry.py_type or "").startswith("gguf "):
+                continue
+            qtype = entry.dtype or ""
+            why = _undecodable(qtype)
+            if why is None and (self.stored_as(entry.name) or "").endswith(", big-endian"):
+                why = (
+                    f"its {qtype} blocks are stored big-endian in a layout ckpt cannot swap "
+                    "to the little-endian one gguf decodes"
+                )
+            found[entry.name] = why
+        return found
+
+    def read_dequantized(self, name: str) -> torch.Tensor:
+        """The float32 values gguf's `gguf.quants.dequantize` gives for the tensor's blocks
+        (a big-endian file's read little-endian, `iter_stored`), decoded a few MiB of blocks
+        at a time into the one output tensor."""
+        import numpy as np
+        import torch
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        entry = self.manifest.by_name.get(name)
+        if self._block_quantized is None:
+            self._block_quantized = self.block_quantized()
+        why = self._block_quantized.get(name, "it is no quantized tensor")
+        if entry is None or why is not None:
+            raise FormatError(
+                f"{name!r} cannot be dequantized: {why}",
+                path=self.manifest.location,
+                fix="Leave it out (--filter-out), or dequantize with llama.cpp's tools "
+                "(`llama-quantize --allow-requantize SRC OUT F16`).",
+            )
+        kind = GGMLQuantizationType[entry.dtype or ""]
+        per_block, type_size = GGML_QUANT_SIZES[kind]
+        out = np.empty(dtypes.numel(entry.shape), dtype=np.float32)
+        step = max(_DECODE_BYTES // type_size, 1) * type_size
+        done = 0
+        for data in self.iter_stored(name, step):
+            if len(data) % type_size:
+                raise FormatError(
+                    f"{name!r} ({entry.dtype}) ends inside a block",
+                    path=self.manifest.location,
+                    fix=PROBLEM_FIXES["truncated"],
+                )
+            blocks = np.frombuffer(data, dtype=np.uint8)
+            count = len(data) // type_size * per_block
+            out[done : done + count] = dequantize(blocks, kind)
+            done += count
+        return torch.from_numpy(out).reshape(entry.shape)
+
     def _decoded_counts(self, name: str, *, swapped: bool) -> tuple[int, int, int, int] | None:
         """(bytes read, values, NaN, Inf) of quantized tensor `name` decoded block by block
         with gguf's dequantization; a big-endian file's blocks read swapped to little-endian
@@ -677,9 +737,9 @@ class GgufCheckpoint(Checkpoint):
 
 def _not_dequantized(name: str, entry: Entry, where: str) -> FormatError:
     return FormatError(
-        f"{name!r} is a quantized GGUF tensor ({entry.py_type}); ckpt does not dequantize",
+        f"{name!r} is a quantized GGUF tensor ({entry.py_type}), read only dequantized",
         path=where,
-        fix="Dequantize with llama.cpp's tools, or leave it out (--filter-out).",
+        fix="Pass --dequantize (convert, diff), or leave it out (--filter-out).",
     )
 
 
@@ -734,10 +794,29 @@ def swap_block_fields(data: bytes, block: int, fields: tuple[tuple[int, int], ..
     return blocks.tobytes() + data[whole:]
 
 
+@functools.cache
+def _undecodable(qtype: str) -> str | None:
+    """Why gguf's dequantization cannot decode GGML type `qtype` (None: it can)."""
+    try:
+        import numpy as np
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import dequantize
+    except ImportError:  # pragma: no cover - declared in the gguf extra
+        return "the gguf package is not installed"
+    kind = GGMLQuantizationType.__members__.get(qtype)
+    if kind is None:
+        return f"the installed gguf package does not know the type {qtype}"
+    try:
+        dequantize(np.zeros(GGML_QUANT_SIZES[kind][1], dtype=np.uint8), kind)
+    except NotImplementedError:
+        return f"the installed gguf package does not dequantize {qtype}"
+    return None
+
+
 def skip_reason(entry: Entry) -> str | None:
     """Why convert leaves a GGUF entry out (quantized tensors), for its report."""
     if entry.py_type and entry.py_type.startswith("gguf "):
-        return f"{entry.py_type.removeprefix('gguf ')}: quantized, ckpt does not dequantize"
+        return f"{entry.py_type.removeprefix('gguf ')}: quantized; --dequantize writes it"
     return None
 
 

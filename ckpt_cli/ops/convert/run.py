@@ -229,8 +229,8 @@ def convert(
         dcp_compression: `zstd` writes every DCP item through DCP's ZStandard extension.
         world_size: ranks to lay a DCP output out for (DCP target only).
         force: replace an existing `dest` once the new output is complete.
-        dequantize: write quantized weights (FP8, MXFP4, NVFP4) dequantized to `dtype` (or the
-            model's dtype) and drop their scales; without it quantized weights and their
+        dequantize: write quantized weights (FP8, MXFP4, NVFP4, GGUF blocks) dequantized to
+            `dtype` (or the model's dtype) and drop their scales; without it quantized weights and their
             scales are copied as stored, in one shard, and never cast.
         progress: progress sink (bytes).
         dry_run: plan only: read metadata, write nothing, report what would be written.
@@ -652,10 +652,15 @@ def _readable(
     entries (a `DequantizedCheckpoint` over `base`)."""
     if not dequantize:
         return base, 0
+    from ...quant import logical_dtype
+    from ...quant.dequant import BlockDequantizedCheckpoint, DequantizedCheckpoint
+
+    if not analysis.quantized and base.block_quantized():
+        # a format's own blocks (GGUF): the same default dtype as the other schemes
+        blocks = BlockDequantizedCheckpoint(base, logical_dtype(analysis, cast))
+        return blocks, len(blocks.logical)
     if not analysis.quantized:
         raise nothing_to_dequantize(base.manifest, packed=analysis.packed_scheme)
-    from ...quant import logical_dtype
-    from ...quant.dequant import DequantizedCheckpoint
 
     plain = DequantizedCheckpoint(base, analysis, logical_dtype(analysis, cast))
     return plain, len(plain.logical)

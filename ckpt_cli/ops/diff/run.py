@@ -520,8 +520,8 @@ def diff(
             checkpoint up with a weights-only file).
         filters: globs on the lined-up names: only those matching one are compared.
         excludes: globs on the lined-up names: those matching one are left out.
-        dequantize: compare quantized weights (FP8, MXFP4, NVFP4) by their dequantized values
-            (in float32), with per-weight error statistics; their weight scales are not
+        dequantize: compare quantized weights (FP8, MXFP4, NVFP4, GGUF blocks) by their
+            dequantized values (in float32), with per-weight error statistics; their weight scales are not
             compared, their activation scales (`input_scale`) are, as plain tensors, where
             both sides hold them (a warning names those only one side holds).
         progress: progress sink (bytes of A).
@@ -589,7 +589,8 @@ def diff_with(
                     if not isinstance(refusal, UsageError):
                         raise refusal  # quantized, in a scheme ckpt does not dequantize
                 raise UsageError(
-                    "--dequantize: no quantized weight found on either side (FP8, MXFP4, NVFP4)",
+                    "--dequantize: no quantized weight found on either side (FP8, MXFP4, NVFP4, "
+                    "GGUF blocks)",
                     path=a,
                     fix="Drop --dequantize; `ckpt inspect` shows what each checkpoint holds.",
                 )
@@ -925,9 +926,16 @@ def _dequantized(
     """`checkpoint` seen dequantized to float32 when it holds quantized weights, its
     activation scales kept as plain tensors (their names in `activation[side]`)."""
     from ...quant import analyse_checkpoint
-    from ...quant.dequant import DequantizedCheckpoint
+    from ...quant.dequant import BlockDequantizedCheckpoint, DequantizedCheckpoint
 
     analysis = analyse_checkpoint(checkpoint.manifest, checkpoint.storage)
+    if not analysis.quantized and checkpoint.block_quantized():
+        blocks = BlockDequantizedCheckpoint(checkpoint, "float32")  # a GGUF's Q4_K...
+        for name, scheme in blocks.logical.items():
+            schemes[f"{side}:{name}"] = scheme
+        counts[side] = len(blocks.logical)
+        activation[side] = set()
+        return blocks
     if not analysis.quantized:
         return checkpoint
     wrapped = DequantizedCheckpoint(checkpoint, analysis, "float32", keep_activation=True)

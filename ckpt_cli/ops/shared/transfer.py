@@ -228,7 +228,7 @@ def nothing_to_dequantize(
         return FormatError(
             f"{flag}: ckpt does not dequantize {schemes} weights, and the quantized weights "
             f"here are of it ({module!r}: {scheme}{more}); it dequantizes FP8, MXFP4 and NVFP4 "
-            "weights only",
+            "weights and GGUF blocks only",
             path=manifest.location,
             fix="Dequantize with the quantizing library (for bitsandbytes, transformers' "
             "`model.dequantize()` then `save_pretrained`), or drop --dequantize: `convert` "
@@ -258,7 +258,7 @@ def nothing_to_dequantize(
             "their stored bytes.",
         )
     return UsageError(
-        f"{flag}: no quantized weight found (FP8, MXFP4, NVFP4)",
+        f"{flag}: no quantized weight found (FP8, MXFP4, NVFP4, GGUF blocks)",
         path=manifest.location,
         fix="Drop --dequantize; `ckpt inspect` shows what the checkpoint holds.",
     )
