@@ -1165,3 +1165,14 @@ def test_diff_dequantize_compares_a_gguf_with_its_dequantized_safetensors(
     assert differs.exit_code == 1, differs.stdout
     names = [d["name"] for d in differs.json["result"]["differences"]]
     assert names == ["blk.0.Q8_0.weight"]
+
+
+def test_convert_dequantize_counts_the_weights_it_wrote(tmp_path: Path) -> None:
+    """`convert --dequantize -k` of one weight said every quantized weight of the source was
+    dequantized (11); the report counts the ones the output holds."""
+    src = _every_block_type(tmp_path / "m.gguf")
+    args = ("--to", "safetensors", "--dequantize", "-k", "blk.0.Q4_K.*", "--json")
+    result = run_ckpt("convert", src, tmp_path / "out", *args)
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["dequantized"] == 1
+    assert set(load_file(tmp_path / "out" / "model.safetensors")) == {"blk.0.Q4_K.weight"}

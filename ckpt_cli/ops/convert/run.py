@@ -354,7 +354,7 @@ def convert(
         analysis = analyse_checkpoint(base.manifest, base.storage)
         if naming is not None and not dequantize:
             refuse_quantized_naming(analysis, naming, src)
-        checkpoint, dequantized = _readable(base, analysis, src, dequantize, cast)
+        checkpoint, dequantizable = _readable(base, analysis, src, dequantize, cast)
         manifest = checkpoint.manifest
         # a chosen component that cannot be read is the error (exit 4, naming it), before the
         # choice finds nothing under its prefix (exit 3, "no entry under 'model'"); the ones
@@ -377,6 +377,8 @@ def convert(
             match_prefix,
             restore_aliases=naming is None,
         )
+        # the dequantized weights the output holds, not all the source has (-k picks some)
+        dequantized = sum(1 for item in plan.items if item.source.name in dequantizable)
         origins: dict[str, str] = {}
         architecture: ArchitectureReport | None = None
         naming_config: bytes | None = None
@@ -388,7 +390,7 @@ def convert(
         if naming is not None:
             known = json.loads(given_config[0]) if given_config else source_config(base.storage)
             config_from_source = given_config is None and known is not None
-            if dequantized and known is not None:
+            if dequantizable and known is not None:
                 from ...quant import without_quantization
 
                 known = without_quantization(known)  # the written weights are plain
@@ -647,23 +649,23 @@ def _with_origins(
 
 def _readable(
     base: Checkpoint, analysis: QuantAnalysis, src: str, dequantize: bool, cast: str | None
-) -> tuple[Checkpoint, int]:
-    """The checkpoint to copy from, and how many weights `--dequantize` turned into plain
-    entries (a `DequantizedCheckpoint` over `base`)."""
+) -> tuple[Checkpoint, set[str]]:
+    """The checkpoint to copy from, and the names of the weights `--dequantize` turned into
+    plain entries (a `DequantizedCheckpoint` or `BlockDequantizedCheckpoint` over `base`)."""
     if not dequantize:
-        return base, 0
+        return base, set()
     from ...quant import logical_dtype
     from ...quant.dequant import BlockDequantizedCheckpoint, DequantizedCheckpoint
 
     if not analysis.quantized and base.block_quantized():
         # a format's own blocks (GGUF): the same default dtype as the other schemes
         blocks = BlockDequantizedCheckpoint(base, logical_dtype(analysis, cast))
-        return blocks, len(blocks.logical)
+        return blocks, set(blocks.logical)
     if not analysis.quantized:
         raise nothing_to_dequantize(base.manifest, packed=analysis.packed_scheme)
 
     plain = DequantizedCheckpoint(base, analysis, logical_dtype(analysis, cast))
-    return plain, len(plain.logical)
+    return plain, set(plain.logical)
 
 
 def _plan(
