@@ -1176,3 +1176,30 @@ def test_convert_dequantize_counts_the_weights_it_wrote(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.stdout
     assert result.json["result"]["dequantized"] == 1
     assert set(load_file(tmp_path / "out" / "model.safetensors")) == {"blk.0.Q4_K.weight"}
+
+
+def test_convert_dequantize_refuses_little_endian_blocks_in_a_big_endian_gguf(
+    tmp_path: Path,
+) -> None:
+    """GGUFWriter(endianess=BIG) on a little-endian machine leaves the blocks' fp16 scales
+    little-endian; read as llama.cpp on s390x reads the file they decode to NaN and huge
+    values, which `convert --dequantize` wrote out with exit 0. It now refuses (exit 4),
+    naming the tensor and how to write the file, and publishes nothing."""
+    import gguf
+    from gguf.quants import quantize
+
+    x = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)
+    big = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(big), "llama", endianess=gguf.GGUFEndian.BIG)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor("blk.0.attn_q.weight", quantize(x, q8), raw_dtype=q8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = run_ckpt("convert", big, tmp_path / "out", "--to", "safetensors", "--dequantize")
+    assert result.exit_code == 4, result.stdout
+    assert "'blk.0.attn_q.weight'" in result.stderr
+    assert "written little-endian into a big-endian file" in result.stderr
+    assert "gguf-convert-endian" in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -677,9 +677,30 @@ class GgufCheckpoint(Checkpoint):
                 )
             blocks = np.frombuffer(data, dtype=np.uint8)
             count = len(data) // type_size * per_block
-            out[done : done + count] = dequantize(blocks, kind)
+            with np.errstate(all="ignore"):  # NaN and Inf are judged below
+                out[done : done + count] = dequantize(blocks, kind)
             done += count
+        if entry.file in self.big_endian:
+            self._refuse_little_endian_blocks(name, int((~np.isfinite(out)).sum()), per_block)
         return torch.from_numpy(out).reshape(entry.shape)
+
+    def _refuse_little_endian_blocks(self, name: str, nonfinite: int, per_block: int) -> None:
+        """Refuse the values of a big-endian file's tensor whose blocks were written
+        little-endian (`stored_nonfinite_cause`): more than one block's worth of NaN and Inf
+        read big-endian, none read as stored. Written out, they would be garbage."""
+        if nonfinite <= per_block:
+            return
+        as_stored = self._decoded_counts(name, swapped=False)
+        if as_stored is None or as_stored[2] or as_stored[3]:
+            return  # damaged either way: the values are what the file holds
+        self._little_endian_blocks.add(name)
+        cause = self.stored_nonfinite_cause(name)
+        assert cause is not None
+        raise FormatError(
+            f"{name!r} decodes to {nonfinite} NaN and Inf values: {cause[0]}",
+            path=self.manifest.location,
+            fix=cause[1],
+        )
 
     def _decoded_counts(self, name: str, *, swapped: bool) -> tuple[int, int, int, int] | None:
         """(bytes read, values, NaN, Inf) of quantized tensor `name` decoded block by block
