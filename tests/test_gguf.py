@@ -1203,3 +1203,25 @@ def test_convert_dequantize_refuses_little_endian_blocks_in_a_big_endian_gguf(
     assert "written little-endian into a big-endian file" in result.stderr
     assert "gguf-convert-endian" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_dequantize_refuses_big_endian_blocks_of_a_layout_it_cannot_swap(
+    tmp_path: Path,
+) -> None:
+    """A big-endian file's IQ4_NL blocks (a layout ckpt does not know how to swap,
+    `BLOCK_FIELDS`) would decode to wrong values: refused before anything is written."""
+    import gguf
+
+    iq4 = gguf.GGMLQuantizationType.IQ4_NL
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
+    blocks = np.zeros((2, gguf.GGML_QUANT_SIZES[iq4][1]), dtype=np.uint8)
+    writer.add_tensor("blk.0.attn_k.weight", blocks, raw_dtype=iq4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = run_ckpt("convert", path, tmp_path / "out", "--to", "safetensors", "--dequantize")
+    assert result.exit_code == 4, result.stdout
+    assert "'blk.0.attn_k.weight'" in result.stderr and "big-endian" in result.stderr
+    assert not (tmp_path / "out").exists()
