@@ -1225,3 +1225,43 @@ def test_convert_dequantize_refuses_big_endian_blocks_of_a_layout_it_cannot_swap
     assert result.exit_code == 4, result.stdout
     assert "'blk.0.attn_k.weight'" in result.stderr and "big-endian" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_dequantize_decodes_every_block_type_gguf_decodes(tmp_path: Path) -> None:
+    """Every quantized type gguf's `gguf.quants.dequantize` decodes (IQ…, TQ…, MXFP4 and NVFP4
+    too), random blocks: `--dequantize --dtype fp32` writes its values bit for bit (NaN and
+    Inf of random scales included, compared as bits)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    plain = {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"}
+    rng = np.random.default_rng(3)
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    want: dict[str, torch.Tensor] = {}
+    for kind, (per_block, size) in gguf.GGML_QUANT_SIZES.items():
+        if kind.name in plain:
+            continue
+        blocks = rng.integers(0, 256, (2, 2 * size), dtype=np.uint8)  # 2 rows of 2 blocks
+        try:
+            with np.errstate(all="ignore"):
+                values = dequantize(blocks, kind)
+        except NotImplementedError:
+            continue  # Q8_K...: refused, see the test above
+        name = f"blk.0.{kind.name}.weight"
+        writer.add_tensor(name, blocks, raw_dtype=kind)
+        want[name] = torch.from_numpy(values.copy()).reshape(2, 2 * per_block)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert {"IQ2_XXS", "IQ4_XS", "TQ1_0", "MXFP4", "Q6_K"} <= {n.split(".")[2] for n in want}
+
+    result = run_ckpt(
+        "convert", path, tmp_path / "out", "--to", "safetensors", "--dequantize", "--dtype", "fp32"
+    )
+    assert result.exit_code == 0, result.stderr
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(got) == set(want)
+    for name, tensor in got.items():
+        assert torch.equal(tensor.view(torch.int32), want[name].view(torch.int32)), name
