@@ -218,9 +218,9 @@ def nothing_to_dequantize(
 ) -> CkptError:
     """The error for `--dequantize` of a checkpoint with no weight ckpt dequantizes: the
     modules of a packed scheme (`packed`: module -> scheme, `QuantAnalysis.packed_scheme`:
-    GPTQ, AWQ, bitsandbytes) or the quantized entries its format keeps as they are
-    (`Format.skip_reason`: GGUF's Q4_K, Q8_0… blocks) named as what ckpt does not dequantize
-    (exit 4), else a usage error (exit 2)."""
+    GPTQ, AWQ, bitsandbytes) named as what ckpt does not dequantize (exit 4), else a usage
+    error (exit 2). A format's own block quantization (GGUF) is dequantized, or refused by
+    name, before this is asked (`Checkpoint.block_quantized`)."""
     if packed:
         module, scheme = next(iter(packed.items()))
         schemes = ", ".join(dict.fromkeys(packed.values()))
@@ -234,28 +234,6 @@ def nothing_to_dequantize(
             "`model.dequantize()` then `save_pretrained`), or drop --dequantize: `convert` "
             "then keeps these weights and their scales as stored, `diff` compares them as "
             "stored.",
-        )
-    source_format = find_format(manifest.format)
-    held: list[tuple[str, str]] = []
-    title = manifest.format
-    if source_format is not None:
-        title = source_format.title or title
-        for entry in manifest.entries:
-            why = source_format.skip_reason(entry)
-            if why:
-                held.append((entry.name, why))
-    if held:
-        name, why = held[0]
-        more = f", and {len(held) - 1} more" if len(held) > 1 else ""
-        return FormatError(
-            f"{flag}: ckpt does not dequantize {title} block quantization, and the quantized "
-            f"tensors here are of it ({name!r}: {why}{more}); it dequantizes FP8, MXFP4 and "
-            "NVFP4 weights only",
-            path=manifest.location,
-            fix="Dequantize with the format's own tools (for GGUF, llama.cpp's "
-            "`llama-quantize --allow-requantize SRC OUT F16`), or drop --dequantize: `convert` "
-            "then copies the unquantized tensors and lists these as skipped, `diff` compares "
-            "their stored bytes.",
         )
     return UsageError(
         f"{flag}: no quantized weight found (FP8, MXFP4, NVFP4, GGUF blocks)",
