@@ -481,3 +481,82 @@ def test_a_lost_rank_0_rng_file_is_named_and_not_taken_for_rank_0s_stream(tmp_pa
     assert "lost the RNG state of rank 0" in cause["fix"]
     whole = run_ckpt("doctor", run / "checkpoint-300", "--json")
     assert whole.exit_code == 0 and whole.json["result"]["causes"] == [], whole.stdout
+
+
+class _Mlp(torch.nn.Module):
+    """An MLP block whose projections are registered up then down (`down_first`: the other
+    way round, what a refactor of its `__init__` does): the names, and so the weights loaded
+    by name, are the same; `model.parameters()`, which numbers the optimizer's state, is not."""
+
+    def __init__(self, *, down_first: bool) -> None:
+        super().__init__()
+        if down_first:
+            self.down = torch.nn.Linear(32, 8, bias=False)
+            self.up = torch.nn.Linear(8, 32, bias=False)
+        else:
+            self.up = torch.nn.Linear(8, 32, bias=False)
+            self.down = torch.nn.Linear(32, 8, bias=False)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(torch.relu(self.up(x))))
+
+
+def _reordered_loop(run: Path, resume: int | None, until: int, *, down_first: bool) -> None:
+    """A plain loop with fused AdamW (nanoGPT's choice), saving every 4 steps; resumed from
+    `ckpt_RESUME.pt` with every state restored into a model built as `down_first` says."""
+    torch.manual_seed(0)
+    model = _Mlp(down_first=down_first)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    data = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(256, 8, generator=data), torch.randn(256, 1, generator=data)
+    step = 0
+    if resume is not None:
+        saved = torch.load(run / f"ckpt_{resume}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+    run.mkdir(parents=True, exist_ok=True)
+    while step < until:
+        step += 1
+        rows = slice(step * 8 % 256, step * 8 % 256 + 8)
+        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 4 == 0:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            torch.save(state, run / f"ckpt_{step}.pt")
+
+
+def test_optimizer_state_restored_under_another_parameter_order_is_found(tmp_path: Path) -> None:
+    """The resumed model registers `down` before `up`: the weights load by name, but the saved
+    optimizer state, keyed by parameter number, puts `up`'s moments ([32, 8]) on `down`
+    ([8, 32]); fused AdamW steps on without a word (same element count). Every shape the
+    optimizer holds is still some weight's, so the doctor said NO CAUSE FOUND. The same resume
+    into the model as it was built is clean."""
+    run = tmp_path / "run"
+    _reordered_loop(run, None, 9, down_first=False)
+    _reordered_loop(run, 8, 12, down_first=True)
+    after = torch.load(run / "ckpt_12.pt", weights_only=True)
+    assert list(after["model"])[:2] == ["down.weight", "up.weight"]
+    assert after["optimizer"]["state"][0]["exp_avg"].shape == (32, 8)  # up's, on down
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("optimizer_mismatch", "ckpt_8.pt", "ckpt_12.pt")
+    ], causes
+    assert causes[0]["evidence"][0] == (
+        "optimizer state of parameter 0 (exp_avg) is [32, 8] at ckpt_12.pt, while the model's "
+        "parameter 0 there is 'down.weight' [8, 32]; at ckpt_8.pt parameter 0 was 'up.weight' "
+        "[32, 8]: the parameters were reordered at the resume and the state applied to others"
+    ), causes[0]["evidence"]
+    assert "same order" in causes[0]["fix"]
+
+    clean = tmp_path / "clean"
+    _reordered_loop(clean, None, 9, down_first=False)
+    _reordered_loop(clean, 8, 12, down_first=False)
+    result = run_ckpt("doctor", clean, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []

@@ -4,7 +4,7 @@ restored for other parameters (param groups or shapes that no longer fit the wei
 from __future__ import annotations
 
 from ...models import Problem
-from ...sources.layouts.training import shape_problems
+from ...sources.layouts.training import analyse_optimizer, shape_problems
 from ...sources.runs import SLIM_RECORD
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
@@ -137,7 +137,7 @@ def check(pair: Pair) -> list[Cause]:
 def _mismatch(a: Save, b: Save, misfits_before: list[Problem]) -> list[str]:
     """What shows the optimizer state restored for other parameters: param groups that
     changed, and problems of `b`'s optimizer that `a` (whose are `misfits_before`) lacked."""
-    evidence: list[str] = []
+    evidence: list[str] = _reordered(a, b)
     if a.param_groups and b.param_groups and a.param_groups != b.param_groups:
         evidence.append(
             f"param groups {a.param_groups} parameters at {a.name}, {b.param_groups} at {b.name}"
@@ -148,6 +148,73 @@ def _mismatch(a: Save, b: Save, misfits_before: list[Problem]) -> list[str]:
         if problem.message not in before and problem.code != IDS_AS_STRINGS:
             evidence.append(problem.message)
     return evidence[:8]
+
+
+def _reordered(a: Save, b: Save) -> list[str]:
+    """Optimizer state at `b` numbered for another parameter order than `b`'s model: where the
+    saves number the optimizer's parameters as their model's tensors come (`a`'s state, id for
+    id, has the shapes of `a`'s model in its saved order: a plain loop's `torch.save` of
+    `model.state_dict()` with the optimizer over `model.parameters()`), a state of `b` whose
+    shape is not that of `b`'s parameter of the same number was loaded by number into a model
+    whose parameters come in another order (a refactored `__init__`): `load_state_dict` maps
+    state by position, and fused Adam steps a state of another shape with the same element
+    count without a word. Each shape-fitting multiset (what `shape_problems` checks) misses it."""
+    before, after = _by_position(a), _by_position(b)
+    if before is None or after is None or len(before) != len(after):
+        return []
+    if any(_misfits(states, shape) for _, _, shape, states in before):
+        return []  # `a` does not number its state by the model's order: nothing to hold `b` to
+    evidence: list[str] = []
+    for (pid, name, shape, states), (_, old_name, old_shape, _) in zip(after, before, strict=True):
+        wrong = _misfits(states, shape)
+        if wrong is None:
+            continue
+        key, state_shape = wrong
+        evidence.append(
+            f"optimizer state of parameter {pid} ({key}) is {state_shape} at {b.name}, while the "
+            f"model's parameter {pid} there is {name!r} {shape}; at {a.name} parameter {pid} was "
+            f"{old_name!r} {old_shape}: "
+            + (
+                "the parameters were reordered at the resume and the state applied to others"
+                if name != old_name
+                else "the state was applied to a parameter of another shape"
+            )
+        )
+    return evidence
+
+
+def _by_position(save: Save) -> list[tuple[str, str, list[int], dict[str, list[int]]]] | None:
+    """(optimizer id, model tensor name, its shape, the id's state shapes) for each id of the
+    save's param groups in order, against the model's tensors in their saved order; None where
+    the counts differ (buffers saved among the weights, a partial optimizer) or the state is
+    not keyed by int ids."""
+    prefix = save.prefix("optimizer")
+    if prefix is None or not save.model_tensors:
+        return None
+    view = analyse_optimizer(save.opened.checkpoint, prefix)
+    if view is None or view.by_fqn or view.ids_as_strings:
+        return None
+    ids: list[str] = []
+    for i in range(1024):
+        params = save.value(f"{prefix}param_groups.{i}.params")
+        if not isinstance(params, list | tuple):
+            break
+        ids += [str(p) for p in params]
+    model = list(save.model_tensors.items())
+    if not ids or len(ids) != len(model):
+        return None
+    return [
+        (pid, name, list(entry.shape), view.per_param.get(pid, {}))
+        for pid, (name, entry) in zip(ids, model, strict=True)
+    ]
+
+
+def _misfits(states: dict[str, list[int]], shape: list[int]) -> tuple[str, list[int]] | None:
+    """The first state of a parameter (`exp_avg`) whose shape is not the parameter's."""
+    for key, state_shape in states.items():
+        if state_shape and key != "step" and state_shape != shape:
+            return key, state_shape
+    return None
 
 
 def _fresh_after_weights_only(pair: Pair) -> bool:
