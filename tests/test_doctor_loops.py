@@ -560,3 +560,78 @@ def test_optimizer_state_restored_under_another_parameter_order_is_found(tmp_pat
     result = run_ckpt("doctor", clean, "--json")
     assert result.exit_code == 0, result.stdout
     assert result.json["result"]["causes"] == []
+
+
+def _epoch_loop(run: Path, resume: int | None, until: int, *, restore_epoch: bool) -> None:
+    """A plain loop over a `DataLoader` with a `DistributedSampler` (shuffled per epoch by
+    `set_epoch`), 4 batches an epoch, saving `epoch` and `step` with the states every 4 steps;
+    resumed from `ckpt_RESUME.pt` with its epoch restored, or left at 0 (`restore_epoch`)."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(7)
+    dataset = TensorDataset(torch.randn(64, 8, generator=data), torch.randn(64, 1, generator=data))
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=16, sampler=sampler)
+    step = epoch = 0
+    if resume is not None:
+        saved = torch.load(run / f"ckpt_{resume}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+        if restore_epoch:
+            epoch = saved["epoch"]
+    run.mkdir(parents=True, exist_ok=True)
+    while step < until:
+        sampler.set_epoch(epoch)
+        for xs, ys in loader:
+            step += 1
+            loss = torch.nn.functional.mse_loss(model(xs), ys)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with open(run / "metrics.jsonl", "a") as log:
+                log.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+            if step % 4 == 0:
+                state = {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "epoch": epoch + 1,  # the epochs done: the one to run next
+                }
+                torch.save(state, run / f"ckpt_{step}.pt")
+            if step >= until:
+                break
+        epoch += 1
+
+
+def test_a_sampler_epoch_not_restored_is_found(tmp_path: Path) -> None:
+    """Resumed from ckpt_8.pt (2 epochs done) with the loop's epoch left at 0: the sampler
+    shuffles as epoch 0 did, and the run trains on epoch 0's order again. The loop saves
+    `epoch` at the top of its dict; the doctor read no epoch counter and said NO CAUSE FOUND.
+    The same resume with the epoch restored is clean."""
+    run = tmp_path / "run"
+    _epoch_loop(run, None, 10, restore_epoch=True)
+    _epoch_loop(run, 8, 16, restore_epoch=False)
+    saved = [torch.load(run / f"ckpt_{n}.pt", weights_only=True) for n in (8, 12)]
+    assert [s["epoch"] for s in saved] == [2, 1]
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("data_position_not_restored", "ckpt_8.pt", "ckpt_12.pt")
+    ], causes
+    assert causes[0]["evidence"] == [
+        "epoch 2 at ckpt_8.pt, 1 at ckpt_12.pt: it went back (carried on, an epoch count never "
+        "does): the sampler shuffles as the epochs already trained did (set_epoch)"
+    ]
+    assert "set_epoch" in causes[0]["fix"]
+
+    clean = tmp_path / "clean"
+    _epoch_loop(clean, None, 10, restore_epoch=True)
+    _epoch_loop(clean, 8, 16, restore_epoch=True)
+    result = run_ckpt("doctor", clean, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []

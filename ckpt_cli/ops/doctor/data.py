@@ -45,6 +45,7 @@ def check(pair: Pair) -> list[Cause]:
             f"{name} {fmt(found.before)} at {a.name}, {fmt(found.after)} at {b.name}: "
             + found.outlook("continued it would be", "started over")
         )
+    evidence += _epochs_back(pair)
     evidence += _new_loaders(pair)
     if not evidence:
         return _stale_loader(pair)
@@ -59,10 +60,31 @@ def check(pair: Pair) -> list[Cause]:
             fix="Restore the loader's position on resume: the Trainer skips the batches it "
             "trained on unless ignore_data_skip is set; a StatefulDataLoader's state_dict must "
             "be loaded into the loader the run iterates (prepared before load_state); a plain "
-            "loop must restore its sampler / samples-seen counter; torchtitan: keep "
+            "loop must restore its sampler / samples-seen counter, and the epoch it hands "
+            "`sampler.set_epoch`; torchtitan: keep "
             "`dataloader` out of checkpoint.exclude_from_loading.",
         )
     ]
+
+
+def _epochs_back(pair: Pair) -> list[str]:
+    """Epoch numbers that went back between the saves: a loop that did not restore its epoch
+    hands `sampler.set_epoch` an epoch it trained, and the sampler shuffles as it did then. An
+    epoch number counts on slowly (one per many steps, an interval may not move it at all),
+    so only one that went back is proof: carried on, it never does."""
+    a, b = pair.before, pair.after
+    if pair.elapsed is None:
+        return []
+    out: list[str] = []
+    for name, before in a.epoch_counters.items():
+        after = b.epoch_counters.get(name)
+        if after is not None and after < before:
+            out.append(
+                f"{name} {fmt(before)} at {a.name}, {fmt(after)} at {b.name}: it went back "
+                "(carried on, an epoch count never does): the sampler shuffles as the epochs "
+                "already trained did (set_epoch)"
+            )
+    return out
 
 
 def _new_loaders(pair: Pair) -> list[str]:

@@ -283,6 +283,26 @@ class Save:
             found["trainer_state.epoch"] = float(epoch)
         return found
 
+    @cached_property
+    def epoch_counters(self) -> dict[str, float]:
+        """Epoch numbers by entry name: an `epoch` at the top level of a plain loop's
+        `torch.save` dict (what it hands `sampler.set_epoch`), or in a data-position component
+        (`sampler.epoch`, `train_state.epoch`); not the Trainer's epoch fraction, which
+        `data_counters` holds."""
+        found: dict[str, float] = {}
+        for entry in self.entries:
+            parts = entry.name.split(".")
+            if parts[-1] != "epoch" or "log_history" in parts or parts[0] == "trainer_state":
+                continue
+            if len(parts) > 2 or (len(parts) == 2 and not _under(parts[0], _DATA_HOMES)):
+                continue
+            if entry.kind == "tensor" and entry.numel != 1:
+                continue
+            value = self.value(entry.name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                found[entry.name] = float(value)
+        return found
+
     def _pickled_loader_counters(self) -> dict[str, float]:
         """Counters inside a data loader state kept as pickled bytes (torchtitan's
         `dataloader.dp_rank_N`: `pickle.dumps` of the `StatefulDataLoader` state), read with
