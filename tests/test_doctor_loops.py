@@ -635,3 +635,74 @@ def test_a_sampler_epoch_not_restored_is_found(tmp_path: Path) -> None:
     result = run_ckpt("doctor", clean, "--json")
     assert result.exit_code == 0, result.stdout
     assert result.json["result"]["causes"] == []
+
+
+def _scaled_loop(run: Path, resume: int | None, until: int, *, restore_scaler: bool) -> None:
+    """A plain loop under `torch.amp.GradScaler` at its defaults (growth every 2000 good
+    steps), saving its state with the others every 4 steps; resumed from `ckpt_RESUME.pt`,
+    with or without `scaler.load_state_dict`."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    data = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(256, 8, generator=data), torch.randn(256, 1, generator=data)
+    step = 0
+    if resume is not None:
+        saved = torch.load(run / f"ckpt_{resume}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        if restore_scaler:
+            scaler.load_state_dict(saved["scaler"])
+        step = saved["step"]
+    run.mkdir(parents=True, exist_ok=True)
+    while step < until:
+        step += 1
+        rows = slice(step * 8 % 256, step * 8 % 256 + 8)
+        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        if step % 4 == 0:
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict(),
+                "step": step,
+            }
+            torch.save(state, run / f"ckpt_{step}.pt")
+
+
+def test_a_scaler_reset_the_scale_cannot_show_is_told_by_its_growth_tracker(
+    tmp_path: Path,
+) -> None:
+    """Resumed without the GradScaler's state, 2000 steps from any growth: the loss scale is
+    65536 either way, only the growth tracker counted again from the resume. The doctor found
+    it, but its evidence led with the scale ("continued it would be 65536, a fresh scaler
+    reaches 65536"), which proves nothing, and gave the tracker without what it should be."""
+    run = tmp_path / "run"
+    _scaled_loop(run, None, 9, restore_scaler=True)
+    _scaled_loop(run, 8, 12, restore_scaler=False)
+    saved = [torch.load(run / f"ckpt_{n}.pt", weights_only=True)["scaler"] for n in (8, 12)]
+    assert [(s["scale"], s["_growth_tracker"]) for s in saved] == [(65536.0, 8), (65536.0, 4)]
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("grad_scaler_reset", "ckpt_8.pt", "ckpt_12.pt")
+    ], causes
+    assert causes[0]["title"] == (
+        "the gradient scaler was reset: its growth tracker counted again from the resume"
+    )
+    assert causes[0]["evidence"] == [
+        "growth tracker 8 at ckpt_8.pt, 4 at ckpt_12.pt: continued it would be 12, a fresh "
+        "scaler counts 4 (the loss scale, 65536 at both, grows only every 2000 good steps)"
+    ]
+
+    clean = tmp_path / "clean"
+    _scaled_loop(clean, None, 9, restore_scaler=True)
+    _scaled_loop(clean, 8, 12, restore_scaler=True)
+    result = run_ckpt("doctor", clean, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []

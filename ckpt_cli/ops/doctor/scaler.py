@@ -24,26 +24,39 @@ def check(pair: Pair) -> list[Cause]:
     continued = _grown(a["scale"], tracker_a, n, factor, interval)
     fresh = _grown(INITIAL_SCALE, 0.0, n, factor, interval)
     scale = b["scale"]
-    reset = False
+    reset = by_tracker = False
+    expected = (tracker_a + n) % max(interval, 1.0)
     if continued != fresh and abs(scale - fresh) < abs(scale - continued):
         reset = scale >= a["scale"] * 0.5**n or scale == fresh  # not explained by back-offs
     elif continued == fresh and tracker_b is not None:
         # the scale cannot tell: the growth tracker counted from the resume
-        expected = (tracker_a + n) % max(interval, 1.0)
-        reset = tracker_b != expected and tracker_b == n % max(interval, 1.0)
+        by_tracker = reset = tracker_b != expected and tracker_b == n % max(interval, 1.0)
     if not reset:
         return []
-    evidence = [
-        f"loss scale {fmt(a['scale'])} at {pair.before.name}, {fmt(scale)} at "
-        f"{pair.after.name}: continued it would be {fmt(continued)}, a fresh scaler "
-        f"(init {fmt(INITIAL_SCALE)}) reaches {fmt(fresh)} in {n} steps"
-    ]
-    if tracker_b is not None:
-        evidence.append(f"growth tracker {fmt(tracker_a)} → {fmt(tracker_b)}")
+    if by_tracker and tracker_b is not None:
+        scales = (
+            f"{fmt(scale)} at both" if scale == a["scale"] else f"{fmt(a['scale'])} → {fmt(scale)}"
+        )
+        title = "the gradient scaler was reset: its growth tracker counted again from the resume"
+        evidence = [
+            f"growth tracker {fmt(tracker_a)} at {pair.before.name}, {fmt(tracker_b)} at "
+            f"{pair.after.name}: continued it would be {fmt(expected)}, a fresh scaler counts "
+            f"{fmt(n % max(interval, 1.0))} (the loss scale, {scales}, grows only "
+            f"every {fmt(interval)} good steps)"
+        ]
+    else:
+        title = "the gradient scaler was reset: the fp16 loss scale started over"
+        evidence = [
+            f"loss scale {fmt(a['scale'])} at {pair.before.name}, {fmt(scale)} at "
+            f"{pair.after.name}: continued it would be {fmt(continued)}, a fresh scaler "
+            f"(init {fmt(INITIAL_SCALE)}) reaches {fmt(fresh)} in {n} steps"
+        ]
+        if tracker_b is not None:
+            evidence.append(f"growth tracker {fmt(tracker_a)} → {fmt(tracker_b)}")
     return [
         Cause(
             id="grad_scaler_reset",
-            title="the gradient scaler was reset: the fp16 loss scale started over",
+            title=title,
             score=0.9,
             before=pair.before.name,
             after=pair.after.name,
