@@ -488,13 +488,13 @@ class _Mlp(torch.nn.Module):
     way round, what a refactor of its `__init__` does): the names, and so the weights loaded
     by name, are the same; `model.parameters()`, which numbers the optimizer's state, is not."""
 
-    def __init__(self, *, down_first: bool) -> None:
+    def __init__(self, *, down_first: bool, up_bias: bool = False) -> None:
         super().__init__()
         if down_first:
             self.down = torch.nn.Linear(32, 8, bias=False)
-            self.up = torch.nn.Linear(8, 32, bias=False)
+            self.up = torch.nn.Linear(8, 32, bias=up_bias)
         else:
-            self.up = torch.nn.Linear(8, 32, bias=False)
+            self.up = torch.nn.Linear(8, 32, bias=up_bias)
             self.down = torch.nn.Linear(32, 8, bias=False)
         self.head = torch.nn.Linear(8, 1)
 
@@ -502,12 +502,23 @@ class _Mlp(torch.nn.Module):
         return self.head(self.down(torch.relu(self.up(x))))
 
 
-def _reordered_loop(run: Path, resume: int | None, until: int, *, down_first: bool) -> None:
+def _reordered_loop(
+    run: Path, resume: int | None, until: int, *, down_first: bool, split_groups: bool = False
+) -> None:
     """A plain loop with fused AdamW (nanoGPT's choice), saving every 4 steps; resumed from
-    `ckpt_RESUME.pt` with every state restored into a model built as `down_first` says."""
+    `ckpt_RESUME.pt` with every state restored into a model built as `down_first` says.
+    `split_groups`: `up` has a bias, and the parameters go into two param groups as nanoGPT's
+    `configure_optimizers` puts them (matrices decay, vectors do not)."""
     torch.manual_seed(0)
-    model = _Mlp(down_first=down_first)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    model = _Mlp(down_first=down_first, up_bias=split_groups)
+    params: Any = model.parameters()
+    if split_groups:
+        named = list(model.named_parameters())
+        params = [
+            {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+        ]
+    optimizer = torch.optim.AdamW(params, lr=0.01, fused=True)
     data = torch.Generator().manual_seed(7)
     xs, ys = torch.randn(256, 8, generator=data), torch.randn(256, 1, generator=data)
     step = 0
@@ -557,6 +568,38 @@ def test_optimizer_state_restored_under_another_parameter_order_is_found(tmp_pat
     clean = tmp_path / "clean"
     _reordered_loop(clean, None, 9, down_first=False)
     _reordered_loop(clean, 8, 12, down_first=False)
+    result = run_ckpt("doctor", clean, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []
+
+
+def test_state_reordered_within_nanogpt_param_groups_is_found(tmp_path: Path) -> None:
+    """The same refactor under nanoGPT's two param groups (matrices, then vectors): the ids
+    no longer follow the saved model's order (group 0 takes `up.weight`, `down.weight`,
+    `head.weight`; group 1 `up.bias`, `head.bias`), so the check by position could not judge,
+    and the doctor said NO CAUSE FOUND. Each group still follows the model's order at
+    ckpt_8.pt, and no order of ckpt_12.pt's. The same resume without the refactor is clean."""
+    run = tmp_path / "run"
+    _reordered_loop(run, None, 9, down_first=False, split_groups=True)
+    _reordered_loop(run, 8, 12, down_first=True, split_groups=True)
+    after = torch.load(run / "ckpt_12.pt", weights_only=True)
+    assert after["optimizer"]["state"][0]["exp_avg"].shape == (32, 8)  # up's, on down
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("optimizer_mismatch", "ckpt_8.pt", "ckpt_12.pt")
+    ], causes
+    assert causes[0]["evidence"] == [
+        "param group 0 numbers its optimizer state in the model's order: 'up.weight', "
+        "'down.weight' at ckpt_8.pt, but ckpt_12.pt's model comes 'down.weight', 'up.weight': "
+        "the parameters were reordered at the resume and the state of each applied to another "
+        "(its shapes fit no order of the weights at ckpt_12.pt)"
+    ], causes[0]["evidence"]
+
+    clean = tmp_path / "clean"
+    _reordered_loop(clean, None, 9, down_first=False, split_groups=True)
+    _reordered_loop(clean, 8, 12, down_first=False, split_groups=True)
     result = run_ckpt("doctor", clean, "--json")
     assert result.exit_code == 0, result.stdout
     assert result.json["result"]["causes"] == []

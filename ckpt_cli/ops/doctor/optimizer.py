@@ -161,9 +161,10 @@ def _reordered(a: Save, b: Save) -> list[str]:
     count without a word. Each shape-fitting multiset (what `shape_problems` checks) misses it."""
     before, after = _by_position(a), _by_position(b)
     if before is None or after is None or len(before) != len(after):
-        return []
+        return _grouped_reorder(a, b)
     if any(_misfits(states, shape) for _, _, shape, states in before):
-        return []  # `a` does not number its state by the model's order: nothing to hold `b` to
+        # `a` does not number its state by the model's order as one list: param groups may
+        return _grouped_reorder(a, b)
     evidence: list[str] = []
     for (pid, name, shape, states), (_, old_name, old_shape, _) in zip(after, before, strict=True):
         wrong = _misfits(states, shape)
@@ -181,6 +182,70 @@ def _reordered(a: Save, b: Save) -> list[str]:
             )
         )
     return evidence
+
+
+def _grouped_reorder(a: Save, b: Save) -> list[str]:
+    """`_reordered` where the param groups split the model (weights to decay in one group,
+    biases and norms in another, nanoGPT's): each group numbers its parameters in the model's
+    order, which `a` shows (each group's states fit its model's tensors in their saved order)
+    and `b` does not (a group's state shapes follow no order of `b`'s tensors)."""
+    fitted = _group_order(a)
+    if fitted is None or _group_order(b) is not None:
+        return []
+    positions = {name: i for i, name in enumerate(b.model_tensors)}
+    for group, names in enumerate(fitted):
+        if not all(name in positions for name in names):
+            return []  # tensors renamed or gone: not a reorder this can show
+        now = sorted(names, key=positions.__getitem__)
+        moved = next((k for k, (x, y) in enumerate(zip(names, now, strict=True)) if x != y), None)
+        if moved is None:
+            continue
+        shown = slice(moved, moved + 2)
+        return [
+            f"param group {group} numbers its optimizer state in the model's order: "
+            f"{', '.join(map(repr, names[shown]))} at {a.name}, but {b.name}'s model comes "
+            f"{', '.join(map(repr, now[shown]))}: the parameters were reordered at the resume "
+            "and the state of each applied to another (its shapes fit no order of the "
+            f"weights at {b.name})"
+        ]
+    return []
+
+
+def _group_order(save: Save) -> list[list[str]] | None:
+    """Each param group's parameters as model tensor names, matched in the model's saved
+    order by the shapes of their states (a parameter without state matches none: it is left
+    out); None where a group's states do not fit its model's tensors in that order."""
+    prefix = save.prefix("optimizer")
+    if prefix is None or not save.model_tensors:
+        return None
+    view = analyse_optimizer(save.opened.checkpoint, prefix)
+    if view is None or view.by_fqn or view.ids_as_strings:
+        return None
+    model = [(name, list(entry.shape)) for name, entry in save.model_tensors.items()]
+    groups: list[list[str]] = []
+    for i in range(1024):
+        params = save.value(f"{prefix}param_groups.{i}.params")
+        if not isinstance(params, list | tuple):
+            break
+        names: list[str] = []
+        at = 0
+        for pid in params:
+            shapes = {
+                tuple(s) for k, s in view.per_param.get(str(pid), {}).items() if s and k != "step"
+            }
+            if not shapes:
+                continue
+            if len(shapes) > 1:
+                return None
+            (shape,) = shapes
+            while at < len(model) and tuple(model[at][1]) != shape:
+                at += 1
+            if at == len(model):
+                return None
+            names.append(model[at][0])
+            at += 1
+        groups.append(names)
+    return groups if any(groups) else None
 
 
 def _by_position(save: Save) -> list[tuple[str, str, list[int], dict[str, list[int]]]] | None:
