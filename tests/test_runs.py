@@ -450,6 +450,64 @@ def test_a_nodes_own_folder_of_a_save_on_each_node_run_is_complete_and_never_pru
     assert ("missing_rank_rng", str(saves[1] / "random_states_1.pkl")) in codes
 
 
+@pytest.mark.parametrize("saves", [2, 3])
+def test_a_ddp_save_that_lost_its_highest_ranks_rng_states_is_no_latest(
+    tmp_path: Path, saves: int
+) -> None:
+    # a 2-process DDP `save_state`: rank 0 writes the model, optimizer and its
+    # random_states_0.pkl, rank 1 its random_states_1.pkl and nothing else. A save that lost
+    # rank 1's file (killed, a node's disk) looks like a 1-process save on its own: nothing in
+    # it records the world size, so `latest` named it and `prune --incomplete` kept it, and
+    # accelerate's load_state on 2 ranks goes on with rank 1's RNG as it is. The save before
+    # it holds both files: the newest lost one
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    run = tmp_path / "run"
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
+    )
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    folders = [run / "checkpoints" / f"checkpoint_{i}" for i in range(saves)]
+    for save in folders:
+        model(torch.randn(2, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.save_state()
+        # what process 1 of the run writes beside rank 0's files
+        shutil.copy(save / "random_states_0.pkl", save / "random_states_1.pkl")
+    (folders[-1] / "random_states_1.pkl").unlink()
+    age(run)
+    rows = table(run)
+    newest = f"checkpoints/checkpoint_{saves - 1}"
+    before = f"checkpoints/checkpoint_{saves - 2}"
+    assert rows[newest]["status"] == "incomplete", rows[newest]
+    reason = rows[newest]["reason"]
+    assert f"no random_states_1.pkl, which the save before it ({before}) holds" in reason
+    assert all(
+        rows[f"checkpoints/checkpoint_{i}"]["status"] == "complete" for i in range(saves - 1)
+    )
+    latest = run_ckpt("latest", run)
+    assert latest.stdout.strip() == str(folders[-2]), latest.stderr
+    # recent, it may be rank 1 still writing its file
+    os.utime(folders[-1] / "model.safetensors")
+    assert table(run)[newest]["status"] == "writing"
+    # the run saves again, whole: `prune --incomplete` deletes the one that lost its file
+    accelerator.save_state()
+    whole = run / "checkpoints" / f"checkpoint_{saves}"
+    shutil.copy(whole / "random_states_0.pkl", whole / "random_states_1.pkl")
+    age(run)
+    age(whole, 1800)  # written after the others
+    assert run_ckpt("latest", run).stdout.strip() == str(whole)
+    pruned = run_ckpt("prune", run, "--incomplete", "--yes")
+    assert pruned.exit_code == 0, pruned.stderr
+    assert not folders[-1].exists() and all(f.is_dir() for f in [*folders[:-1], whole])
+
+
 def test_staging_folders_are_interrupted_or_still_being_written(tmp_path: Path) -> None:
     out = trainer_run(tmp_path, steps=(100, 200))
     # ckpt's own staging name (output.py) and the Trainer's tmp-checkpoint-N, both old

@@ -516,6 +516,36 @@ def _cut_after_last(
     )
 
 
+def _ranks_dropped_since(
+    layout: Layout, folder: Folder, before: tuple[str, frozenset[str]] | None
+) -> Unfinished | None:
+    """A save lacking per-rank files (`Layout.rank_files`: accelerate's `random_states_{r}.pkl`)
+    of ranks above the highest its own files name, which the run's save before it holds: a
+    plain multi-process save (DDP) that lost its highest rank's RNG states looks like a
+    smaller run's on its own (nothing in it records the world size), but the run saved with
+    more processes. Ranks below are `composite.missing_rank_states`' to judge. A save with
+    none of its own is `_unfinished`'s (no `last_file`)."""
+    from ..layouts.composite import saved_world
+
+    if layout.rank_files is None or before is None:
+        return None
+    have = {r for r in map(layout.rank_file_rank, folder.names) if r is not None}
+    if not have:
+        return None
+    world = saved_world(folder.source, folder, layout).world
+    older, names = before
+    ranks = sorted(r for r in map(layout.rank_file_rank, names) if r is not None and r >= world)
+    if not ranks:
+        return None
+    lacking = ", ".join(layout.rank_file_name(r, ranks[-1] + 1) for r in ranks)
+    return Unfinished(
+        f"no {lacking}, which the save before it ({older}) holds: every process of a "
+        f"multi-process {layout.name} save writes its own RNG states, and this run saved with "
+        f"{ranks[-1] + 1} processes, so the save has not finished or a rank's file was lost "
+        f"(its loader goes on without it: a resumed run silently draws other random numbers)"
+    )
+
+
 class Unfinished(NamedTuple):
     """Why a save looks unfinished (`_unfinished`).
 
@@ -549,6 +579,12 @@ def _unfinished(
     if last is None:
         return None
     lost = missing_rank_states(folder.source, folder, layout)
+    if not any(p.severity == "error" for p in lost):
+        # a rank above every rank this save's files name (a DDP save's highest): the save
+        # before it says how many processes the run has
+        dropped = _ranks_dropped_since(layout, folder, before)
+        if dropped is not None:
+            return dropped
     if lost:
         # accelerate: every process writes its RNG states at the end of the save, rank 0's
         # after the model and optimizer: one not here yet is being written, or was never
