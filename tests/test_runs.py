@@ -508,6 +508,65 @@ def test_a_ddp_save_that_lost_its_highest_ranks_rng_states_is_no_latest(
     assert not folders[-1].exists() and all(f.is_dir() for f in [*folders[:-1], whole])
 
 
+@pytest.mark.parametrize("naming", ["automatic", "script"])
+def test_verify_of_an_accelerate_save_that_lost_a_file_its_save_before_holds_fails(
+    tmp_path: Path, naming: str
+) -> None:
+    # one save given to `verify`: it lost its last registered object's
+    # custom_checkpoint_1.pkl (load_state refuses it) or its highest rank's
+    # random_states_1.pkl (load_state goes on without it), which nothing in the save itself
+    # says were written. verify said OK; the save before it in the same folder holds them,
+    # as the Trainer's sibling checkpoints say what a checkpoint-N lacks
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    run = tmp_path / "run"
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(
+            project_dir=str(run), automatic_checkpoint_naming=naming == "automatic"
+        ),
+    )
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    counters = [_Counter(), _Counter()]
+    for counter in counters:
+        accelerator.register_for_checkpointing(counter)
+    folders = []
+    for step in (5, 10, 15):
+        model(torch.randn(2, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if naming == "automatic":
+            accelerator.save_state()
+            folders.append(run / "checkpoints" / f"checkpoint_{len(folders)}")
+        else:
+            accelerator.save_state(str(run / f"step_{step}"))
+            folders.append(run / f"step_{step}")
+        # a 2-process save: process 1 writes its own RNG states
+        shutil.copy(folders[-1] / "random_states_0.pkl", folders[-1] / "random_states_1.pkl")
+    assert all(run_ckpt("verify", f).exit_code == 0 for f in folders)
+    (folders[1] / "custom_checkpoint_1.pkl").unlink()
+    (folders[2] / "random_states_1.pkl").unlink()
+    with pytest.raises(RuntimeError, match="custom checkpoints"):
+        accelerator.load_state(str(folders[1]))  # the real reader refuses it
+
+    result = run_ckpt("verify", folders[1], "--json")
+    assert result.exit_code == 1, result.stdout
+    found = {(p["code"], p["file"]): p for p in result.json["result"]["problems"]}
+    lost = found[("missing_component", str(folders[1] / "custom_checkpoint_1.pkl"))]
+    assert folders[0].name in lost["message"] and lost["fix"], lost
+    result = run_ckpt("verify", folders[2], "--json")
+    assert result.exit_code == 1, result.stdout
+    found = {(p["code"], p["file"]): p for p in result.json["result"]["problems"]}
+    lost = found[("missing_rank_rng", str(folders[2] / "random_states_1.pkl"))]
+    assert folders[1].name in lost["message"] and lost["fix"], lost
+    # the first save has no save before it: nothing to compare, OK as before
+    assert run_ckpt("verify", folders[0]).exit_code == 0
+
+
 def test_staging_folders_are_interrupted_or_still_being_written(tmp_path: Path) -> None:
     out = trainer_run(tmp_path, steps=(100, 200))
     # ckpt's own staging name (output.py) and the Trainer's tmp-checkpoint-N, both old

@@ -19,6 +19,7 @@ names (the FQNs inside differ only by what the model calls its parameters).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from ...formats.base import Source
 from ...formats.names import PICKLE_SUFFIX, SAFETENSORS_SUFFIX, TORCH_BIN_SUFFIX
@@ -127,6 +128,7 @@ class Accelerate(Layout):
         folder.list_training_args()  # what scripts on accelerate often save beside it
         folder.problems.extend(self.missing(source, folder))
         folder.problems.extend(missing_rank_states(source, folder, self))
+        folder.problems.extend(_lost_since_save_before(source, folder, self))
         checkpoint = folder.composite("accelerate")
         state = analyse(checkpoint, "accelerate", component_prefixes(checkpoint))
         all_models(checkpoint, state)
@@ -146,6 +148,86 @@ class Accelerate(Layout):
                 state.counter = f"accelerate's gradient-accumulation step ({name})"
                 break
         return finish(checkpoint, state, folder)
+
+
+def _save_before(source: Source) -> Path | None:
+    """The save just before this one in its folder, on this machine: the sibling folder named
+    as it is but for a lower trailing number (`checkpoint_1` before `checkpoint_2`, `step_500`
+    before `step_1000`), the highest such. None elsewhere, or when there is none."""
+    loc = source.location
+    if not loc.is_local or loc.path is None:
+        return None
+    here = loc.path.resolve()
+    match = re.fullmatch(r"(.*?)(\d+)", here.name)
+    if match is None:
+        return None
+    named = re.compile(re.escape(match.group(1)) + r"(\d+)")
+    older: list[tuple[int, Path]] = []
+    try:
+        for sibling in here.parent.iterdir():
+            number = named.fullmatch(sibling.name)
+            if number and int(number.group(1)) < int(match.group(2)) and sibling.is_dir():
+                older.append((int(number.group(1)), sibling))
+    except OSError:
+        return None  # an unreadable parent: nothing to compare with
+    return max(older)[1] if older else None
+
+
+def _lost_since_save_before(source: Source, folder: Folder, layout: Layout) -> list[Problem]:
+    """Files the run's save before this one holds (`_save_before`) that accelerate writes at
+    every save and this one lacks, which nothing in this save says were written: a registered
+    object's `custom_checkpoint_{i}.pkl` (load_state refuses a save with fewer than the
+    objects registered) and the RNG states of a rank above the highest this save's own files
+    name (a DDP save that lost its highest rank's file looks like a smaller run's). The run
+    judge compares a save with the one before it the same way (`runs.judge`). A script that
+    registers fewer objects, or a run resumed with fewer processes, has its first save after
+    the change so reported."""
+    before = _save_before(source)
+    if before is None:
+        return []
+    try:
+        names = {p.name for p in before.iterdir() if p.is_file()}
+    except OSError:
+        return []  # an unreadable sibling says nothing
+    problems: list[Problem] = []
+    fix = (
+        "Copy it again from where the run saved it, or use another checkpoint of the run "
+        "(`ckpt latest` names the newest whole one)."
+    )
+    for name in sorted(
+        n
+        for n in names
+        if layout.after_last_file is not None and layout.after_last_file.fullmatch(n)
+    ):
+        if not folder.has(name):
+            problems.append(
+                Problem(
+                    code="missing_component",
+                    message=f"is missing: a registered object's state, which the save before "
+                    f"it ({before.name}) holds; accelerate's load_state refuses a save with "
+                    "fewer custom checkpoints than registered objects",
+                    file=source.storage.describe(folder.rel(name)),
+                    fix=fix,
+                )
+            )
+    have = {r for r in map(layout.rank_file_rank, folder.names) if r is not None}
+    if have:
+        world = saved_world(source, folder, layout).world
+        ranks = sorted(r for r in map(layout.rank_file_rank, names) if r is not None and r >= world)
+        for rank in ranks:
+            problems.append(
+                Problem(
+                    code="missing_rank_rng",
+                    message=f"is missing: rank {rank}'s RNG states, which the save before it "
+                    f"({before.name}) holds: the run saved with {ranks[-1] + 1} processes, "
+                    "each its own; accelerate's load_state restores none for the rank without "
+                    "it (it logs a line and goes on), so a resumed run silently draws other "
+                    "random numbers than the run it continues",
+                    file=source.storage.describe(folder.rel(layout.rank_file_name(rank, world))),
+                    fix=fix,
+                )
+            )
+    return problems
 
 
 def _optimizers(folder: Folder) -> bool:
