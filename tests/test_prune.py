@@ -803,3 +803,48 @@ def test_the_new_flags_are_in_help_and_mode_is_not(tmp_path: Path) -> None:
     refused = run_ckpt("prune", out, "--keep-last", "1", "--higher-is-better", "--json")
     assert refused.exit_code == 2
     assert "--higher-is-better applies with --keep-best" in refused.json["error"]["message"]
+
+
+def test_prune_incomplete_orders_accelerate_saves_by_their_number_as_latest_does(
+    tmp_path: Path,
+) -> None:
+    # accelerate's automatic `checkpoints/checkpoint_N` record no step: N counts saves, and
+    # `latest` orders them by it. `prune --incomplete` ordered them by modification time
+    # instead, so in a run folder copied without times (`cp -r`, a download) a save cut
+    # short after the newest whole one was deleted (the rule keeps those), and one cut short
+    # before it was kept
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    run = tmp_path / "run"
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
+    )
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    saves = [run / "checkpoints" / f"checkpoint_{i}" for i in range(4)]
+    for _ in saves:
+        model(torch.randn(2, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.save_state()
+    # checkpoint_1 and checkpoint_3 cut short before their RNG states (written last)
+    for cut in (saves[1], saves[3]):
+        (cut / "random_states_0.pkl").unlink()
+    # copied in another order than saved: checkpoint_3 got the oldest time, checkpoint_1 a
+    # newer one than checkpoint_2
+    for save, hours in zip(saves, (4, 2, 3, 5), strict=True):
+        age(save, hours * 3600)
+    assert run_ckpt("latest", run).stdout.strip() == str(saves[2])
+    result = run_ckpt("prune", run, "--incomplete", "--yes", "--json")
+    assert result.exit_code == 0, result.stderr
+    rules = {d["name"]: (d["action"], d["rule"]) for d in result.json["result"]["decisions"]}
+    assert rules["checkpoints/checkpoint_1"][0] == "delete", rules
+    assert rules["checkpoints/checkpoint_3"] == (
+        "keep",
+        "incomplete, newer than the newest complete checkpoint",
+    ), rules
+    assert [s.is_dir() for s in saves] == [True, False, True, True]

@@ -405,7 +405,11 @@ def _unsettled(c: RunCheckpoint, policy: PrunePolicy) -> bool:
 
 
 def _older_than(c: RunCheckpoint, newest: RunCheckpoint) -> bool:
-    if c.step is None and c.epoch is None:  # staging folders of unknown step: compare times
+    """Whether `c` was saved before `newest`, in the order `latest` judges them
+    (`RunCheckpoint.order`: step, epoch, then the number of a name that counts saves, such as
+    accelerate's `checkpoint_N`); by time only for a save none of these name (a staging
+    folder of unknown step), whose times are all there is."""
+    if c.step is None and c.epoch is None and c.save_number is None:
         return c.mtime < newest.mtime
     return c.order < newest.order
 
