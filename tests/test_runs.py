@@ -567,6 +567,29 @@ def test_verify_of_an_accelerate_save_that_lost_a_file_its_save_before_holds_fai
     assert run_ckpt("verify", folders[0]).exit_code == 0
 
 
+def test_a_trainer_save_that_lost_its_highest_ranks_rng_state_is_no_latest(tmp_path: Path) -> None:
+    # a 3-process Trainer run writes rng_state_0.pth, rng_state_1.pth and rng_state_2.pth in
+    # each checkpoint-N. One that lost rng_state_2.pth looks like a 2-process save on its own,
+    # so `latest` named it (the Trainer resumes without it, logging a line); the checkpoint
+    # before it holds it
+    out = tmp_path / "out"
+    for step in (100, 200):
+        trainer_checkpoint(out / f"checkpoint-{step}", step)
+        rng = out / f"checkpoint-{step}" / "rng_state.pth"
+        for rank in range(3):
+            shutil.copy(rng, rng.with_name(f"rng_state_{rank}.pth"))
+        rng.unlink()
+    (out / "checkpoint-200" / "rng_state_2.pth").unlink()
+    age(out)
+    rows = table(out)
+    assert rows["checkpoint-200"]["status"] == "incomplete", rows["checkpoint-200"]
+    assert (
+        "no rng_state_2.pth, which the save before it (checkpoint-100) holds"
+        in (rows["checkpoint-200"]["reason"])
+    )
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-100")
+
+
 def test_staging_folders_are_interrupted_or_still_being_written(tmp_path: Path) -> None:
     out = trainer_run(tmp_path, steps=(100, 200))
     # ckpt's own staging name (output.py) and the Trainer's tmp-checkpoint-N, both old

@@ -572,12 +572,11 @@ def _unfinished(
     layout's, when another save of the run holds such a file (this one's files are not among
     `run_files`' matches: it has none), at any number of saves. A save whose per-rank last
     files (accelerate's `random_states_{r}.pkl`, one per process) are fewer than its own
-    files say processes saved it (`composite.missing_rank_states`) is unfinished too."""
+    files say processes saved it (`composite.missing_rank_states`) is unfinished too, and in
+    any layout with per-rank files (the Trainer's `rng_state_{r}.pth` too) one lacking a rank
+    above its own highest that the save before it holds (`_ranks_dropped_since`)."""
     from ..layouts.composite import missing_rank_states
 
-    last = layout.last_file
-    if last is None:
-        return None
     lost = missing_rank_states(folder.source, folder, layout)
     if not any(p.severity == "error" for p in lost):
         # a rank above every rank this save's files name (a DDP save's highest): the save
@@ -585,6 +584,9 @@ def _unfinished(
         dropped = _ranks_dropped_since(layout, folder, before)
         if dropped is not None:
             return dropped
+    last = layout.last_file
+    if last is None:
+        return None
     if lost:
         # accelerate: every process writes its RNG states at the end of the save, rank 0's
         # after the model and optimizer: one not here yet is being written, or was never
