@@ -588,6 +588,14 @@ def test_a_trainer_save_that_lost_its_highest_ranks_rng_state_is_no_latest(tmp_p
         in (rows["checkpoint-200"]["reason"])
     )
     assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-100")
+    # `verify` of the one checkpoint says so too, as its sibling checkpoints say a lost
+    # optimizer.pt
+    result = run_ckpt("verify", out / "checkpoint-200", "--json")
+    assert result.exit_code == 1, result.stdout
+    found = {(p["code"], p["file"]): p for p in result.json["result"]["problems"]}
+    lost = found[("missing_rank_rng", str(out / "checkpoint-200" / "rng_state_2.pth"))]
+    assert "checkpoint-100" in lost["message"] and lost["fix"], lost
+    assert run_ckpt("verify", out / "checkpoint-100").exit_code == 0
 
 
 def test_staging_folders_are_interrupted_or_still_being_written(tmp_path: Path) -> None:

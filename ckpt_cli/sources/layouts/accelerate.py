@@ -36,6 +36,7 @@ from .composite import (
     missing_rank_files,
     missing_rank_states,
     numbered,
+    ranks_lost_since,
     saved_world,
 )
 from .training import all_models, analyse, per_rank_models, value_of
@@ -210,23 +211,7 @@ def _lost_since_save_before(source: Source, folder: Folder, layout: Layout) -> l
                     fix=fix,
                 )
             )
-    have = {r for r in map(layout.rank_file_rank, folder.names) if r is not None}
-    if have:
-        world = saved_world(source, folder, layout).world
-        ranks = sorted(r for r in map(layout.rank_file_rank, names) if r is not None and r >= world)
-        for rank in ranks:
-            problems.append(
-                Problem(
-                    code="missing_rank_rng",
-                    message=f"is missing: rank {rank}'s RNG states, which the save before it "
-                    f"({before.name}) holds: the run saved with {ranks[-1] + 1} processes, "
-                    "each its own; accelerate's load_state restores none for the rank without "
-                    "it (it logs a line and goes on), so a resumed run silently draws other "
-                    "random numbers than the run it continues",
-                    file=source.storage.describe(folder.rel(layout.rank_file_name(rank, world))),
-                    fix=fix,
-                )
-            )
+    problems.extend(ranks_lost_since(source, folder, layout, before.name, names))
     return problems
 
 

@@ -781,6 +781,40 @@ def missing_rank_states(source: Source, folder: Folder, layout: Layout) -> list[
     return problems
 
 
+def ranks_lost_since(
+    source: Source, folder: Folder, layout: Layout, older: str, older_names: set[str]
+) -> list[Problem]:
+    """`missing_rank_rng` for each per-rank RNG file (`Layout.rank_files`) of a rank above the
+    highest this save's own files name (`saved_world`) that the run's save before it (`older`,
+    holding the files `older_names`) holds: a plain multi-process save (DDP) that lost its
+    highest rank's file looks like a smaller run's on its own, since neither accelerate nor
+    the Trainer records the number of processes. None when this save holds no per-rank file
+    (no RNG state at all: `verify --exact` says so). A run resumed with fewer processes has
+    its first save after the change so reported."""
+    if layout.rank_files is None:
+        return []
+    if not any(layout.rank_file_rank(name) is not None for name in folder.names):
+        return []
+    world = saved_world(source, folder, layout).world
+    ranks = sorted(
+        r for r in map(layout.rank_file_rank, older_names) if r is not None and r >= world
+    )
+    return [
+        Problem(
+            code="missing_rank_rng",
+            message=f"is missing: rank {rank}'s RNG states, which the save before it "
+            f"({older}) holds: the run saved with {ranks[-1] + 1} processes, each its own; "
+            f"{layout.name}'s loader restores none for the rank without it (it logs a line "
+            "and goes on), so a resumed run silently draws other random numbers than the "
+            "run it continues",
+            file=source.storage.describe(folder.rel(layout.rank_file_name(rank, ranks[-1] + 1))),
+            fix="Copy it again from where the run saved it, or use another checkpoint of the "
+            "run (`ckpt latest` names the newest whole one).",
+        )
+        for rank in ranks
+    ]
+
+
 def finish(
     checkpoint: Checkpoint, state: TrainingState, folder: Folder | None = None
 ) -> OpenedSource:
