@@ -809,7 +809,9 @@ def ranks_lost_since(
             "run it continues",
             file=source.storage.describe(folder.rel(layout.rank_file_name(rank, ranks[-1] + 1))),
             fix="Copy it again from where the run saved it, or use another checkpoint of the "
-            "run (`ckpt latest` names the newest whole one).",
+            "run (`ckpt latest` names the newest whole one). If the run was resumed with "
+            "fewer processes before this save, the save is whole (nothing records the number "
+            "of processes; the run's next save is judged against this one).",
         )
         for rank in ranks
     ]

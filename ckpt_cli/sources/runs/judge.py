@@ -542,7 +542,9 @@ def _ranks_dropped_since(
         f"no {lacking}, which the save before it ({older}) holds: every process of a "
         f"multi-process {layout.name} save writes its own RNG states, and this run saved with "
         f"{ranks[-1] + 1} processes, so the save has not finished or a rank's file was lost "
-        f"(its loader goes on without it: a resumed run silently draws other random numbers)"
+        f"(its loader goes on without it: a resumed run silently draws other random numbers); "
+        "only a run resumed with fewer processes before this save makes it whole, which "
+        "nothing in the files records"
     )
 
 
