@@ -15,6 +15,7 @@ stream a quantized checkpoint through their usual one-tensor-at-a-time pipelines
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -235,8 +236,64 @@ REQUIRED = {
 }
 
 
-class DequantizedCheckpoint(Checkpoint):
-    """A quantized checkpoint seen as the plain checkpoint it dequantizes to.
+class DequantizedView(Checkpoint):
+    """A checkpoint seen as the plain checkpoint it dequantizes to: the entries a subclass
+    names in `logical` are tensors of `dtype`, read dequantized by its `read_tensor`; every
+    other entry is the base's own, read, copied and described by the base."""
+
+    def __init__(self, base: Checkpoint, dtype: str, entries: list[Entry], dequantized: int):
+        self.base = base
+        self.dtype = dtype
+        manifest = base.manifest
+        super().__init__(
+            base.source,
+            Manifest(
+                format=manifest.format,
+                location=manifest.location,
+                files=manifest.files,
+                entries=entries,
+                metadata=manifest.metadata,
+                details={**manifest.details, "dequantized": dequantized},
+            ),
+        )
+
+    @abstractmethod
+    def dequantizes(self, name: str) -> bool:
+        """Whether entry `name` is read dequantized (not the base's own)."""
+
+    def read_object(self, name: str) -> Any:
+        return self.base.read_object(name)
+
+    def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
+        return self.base.iter_raw(name, block)
+
+    def local_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        return None if self.dequantizes(name) else self.base.local_ranges(name)
+
+    def model_metadata(self) -> dict[str, str] | None:
+        return self.base.model_metadata()
+
+    def tolerated_problems(self) -> list[Problem]:
+        return self.base.tolerated_problems()
+
+    def close(self) -> None:
+        self.base.close()
+
+
+def dequantized_entry(name: str, shape: list[int] | tuple[int, ...], dtype: str) -> Entry:
+    """The entry of a weight read dequantized: a tensor of `dtype` and its logical shape."""
+    return Entry(
+        name=name,
+        kind="tensor",
+        dtype=dtype,
+        shape=list(shape),
+        nbytes=dtypes.numel(shape) * dtypes.itemsize(dtype),
+    )
+
+
+class DequantizedCheckpoint(DequantizedView):
+    """A quantized checkpoint (FP8, MXFP4, NVFP4 weights with their scales) seen as the plain
+    checkpoint it dequantizes to.
 
     Every quantized weight is one entry of `dtype` and its logical shape, in the payload's
     place; its scales are gone, and its activation scales too unless `keep_activation` (what
@@ -275,13 +332,10 @@ class DequantizedCheckpoint(Checkpoint):
                 fix="The scales belong to another weight or were cut wrong; `ckpt verify` "
                 "lists every such scale (scale_grid). Re-export the checkpoint.",
             )
-        self.base = base
         self.analysis = analysis
-        self.dtype = dtype
         self.logical: dict[str, QuantWeight] = {}
         self.activation: set[str] = set()
         entries: list[Entry] = []
-        itemsize = dtypes.itemsize(dtype)
         for entry in base.manifest.entries:
             owner = analysis.owner.get(entry.name)
             if owner is None:
@@ -295,27 +349,11 @@ class DequantizedCheckpoint(Checkpoint):
             if entry.name != weight.payload:
                 continue
             self.logical[weight.output] = weight
-            entries.append(
-                Entry(
-                    name=weight.output,
-                    kind="tensor",
-                    dtype=dtype,
-                    shape=list(weight.logical_shape),
-                    nbytes=dtypes.numel(weight.logical_shape) * itemsize,
-                )
-            )
-        manifest = base.manifest
-        super().__init__(
-            base.source,
-            Manifest(
-                format=manifest.format,
-                location=manifest.location,
-                files=manifest.files,
-                entries=entries,
-                metadata=manifest.metadata,
-                details={**manifest.details, "dequantized": len(self.logical)},
-            ),
-        )
+            entries.append(dequantized_entry(weight.output, weight.logical_shape, dtype))
+        super().__init__(base, dtype, entries, len(self.logical))
+
+    def dequantizes(self, name: str) -> bool:
+        return name in self.logical
 
     def read_tensor(self, name: str) -> torch.Tensor:
         weight = self.logical.get(name)
@@ -331,17 +369,8 @@ class DequantizedCheckpoint(Checkpoint):
             return self.base.files_of(name)
         return set().union(*(self.base.files_of(member) for member in weight.members))
 
-    def read_object(self, name: str) -> Any:
-        return self.base.read_object(name)
 
-    def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
-        return self.base.iter_raw(name, block)
-
-    def close(self) -> None:
-        self.base.close()
-
-
-class BlockDequantizedCheckpoint(Checkpoint):
+class BlockDequantizedCheckpoint(DequantizedView):
     """A checkpoint of a format's own block quantization (a GGUF's Q4_K, Q8_0... tensors,
     `Checkpoint.block_quantized`) seen as the plain checkpoint it dequantizes to.
 
@@ -363,38 +392,19 @@ class BlockDequantizedCheckpoint(Checkpoint):
                 fix="Leave it out (--filter-out), or dequantize with the format's own tools "
                 "(for GGUF, llama.cpp's `llama-quantize --allow-requantize SRC OUT F16`).",
             )
-        self.base = base
-        self.dtype = dtype
         #: dequantized entry -> its scheme (`gguf-Q4_K`), as `diff` reports it
         self.logical: dict[str, str] = {}
-        itemsize = dtypes.itemsize(dtype)
         entries: list[Entry] = []
         for entry in base.manifest.entries:
             if entry.name not in blocks:
                 entries.append(entry)
                 continue
             self.logical[entry.name] = f"{base.manifest.format}-{entry.dtype}"
-            entries.append(
-                Entry(
-                    name=entry.name,
-                    kind="tensor",
-                    dtype=dtype,
-                    shape=list(entry.shape),
-                    nbytes=dtypes.numel(entry.shape) * itemsize,
-                )
-            )
-        manifest = base.manifest
-        super().__init__(
-            base.source,
-            Manifest(
-                format=manifest.format,
-                location=manifest.location,
-                files=manifest.files,
-                entries=entries,
-                metadata=manifest.metadata,
-                details={**manifest.details, "dequantized": len(self.logical)},
-            ),
-        )
+            entries.append(dequantized_entry(entry.name, entry.shape, dtype))
+        super().__init__(base, dtype, entries, len(self.logical))
+
+    def dequantizes(self, name: str) -> bool:
+        return name in self.logical
 
     def read_tensor(self, name: str) -> torch.Tensor:
         if name not in self.logical:
@@ -404,24 +414,6 @@ class BlockDequantizedCheckpoint(Checkpoint):
 
     def files_of(self, name: str) -> set[str]:
         return self.base.files_of(name)
-
-    def read_object(self, name: str) -> Any:
-        return self.base.read_object(name)
-
-    def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
-        return self.base.iter_raw(name, block)
-
-    def local_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
-        return None if name in self.logical else self.base.local_ranges(name)
-
-    def model_metadata(self) -> dict[str, str] | None:
-        return self.base.model_metadata()
-
-    def tolerated_problems(self) -> list[Problem]:
-        return self.base.tolerated_problems()
-
-    def close(self) -> None:
-        self.base.close()
 
 
 def scale_value_problems(checkpoint: Checkpoint, analysis: QuantAnalysis) -> list[Problem]:
