@@ -102,18 +102,16 @@ def test_a_legacy_file_of_uint_and_float8_tensors_is_read_bit_exact(tmp_path: Pa
 
 def test_a_legacy_file_holding_a_generator_keeps_its_rng_state(tmp_path: Path) -> None:
     """torch restores a legacy file's Generator before its state bytes are read (the data
-    follows the pickle): torch.load fails ("Invalid mt19937 state") and ckpt called the file
-    truncated or corrupt. ckpt reads the state the Generator was saved with."""
+    follows the pickle), from whatever the fresh storage's memory holds: torch.load fails
+    ("Invalid mt19937 state"), or, when that memory passes torch's check (a freed buffer
+    reused), returns a generator in a state nobody saved; ckpt called the file truncated or
+    corrupt. ckpt reads the state the Generator was saved with. (torch's own outcome depends on
+    the allocator, so it is not asserted here.)"""
     gen = torch.Generator().manual_seed(1234)
     torch.rand(5, generator=gen)  # a state past the seed
     saved = {"w": torch.randn(3), "rng": gen, "epoch": 2}
     legacy = tmp_path / "rng.pt"
     torch.save(saved, legacy, _use_new_zipfile_serialization=False)
-    with (
-        torch.serialization.safe_globals([(torch.Generator, "torch._C.Generator")]),
-        pytest.raises(Exception, match=r"mt19937|exception set"),
-    ):
-        torch.load(legacy, weights_only=True)
 
     report = run_ckpt("inspect", legacy, "--json")
     assert report.exit_code == 0, report.stderr
