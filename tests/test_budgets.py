@@ -184,6 +184,7 @@ def _colliding_dict(n: int) -> bytes:
     return b"}(" + b"".join(long1(i * modulus) + b"N" for i in range(1, n + 1)) + b"u"
 
 
+@pytest.mark.slow
 def test_a_dict_of_colliding_int_keys_is_refused_before_it_is_built(tmp_path: Path) -> None:
     """Hash flooding: 60,000 keys of one hash in a 0.8 MB torch file, 120,000 in a 1.5 MB DCP
     `.metadata` (a dict pushed then popped before the real one), each took minutes of CPU in
@@ -409,6 +410,7 @@ def test_a_shape_of_true_is_refused_as_safe_open_refuses_it(tmp_path: Path) -> N
     assert_refused(convert, bad, "invalid shape")
 
 
+@pytest.mark.slow
 def test_a_shape_of_millions_of_dimensions_is_refused_before_it_is_walked(tmp_path: Path) -> None:
     # a 10 MB header of one tensor [1, 1, ...] (5M dimensions) is within the header budget;
     # 0.1.x read it (a 63 MB one: inspect 2.9 GB RSS and 40 CPU-s, convert 1.9 GB)
@@ -427,6 +429,7 @@ def test_a_shape_of_millions_of_dimensions_is_refused_before_it_is_walked(tmp_pa
     assert torch.equal(torch.load(out, weights_only=True)["t"], torch.ones([1] * 64))
 
 
+@pytest.mark.slow
 def test_a_torch_tensor_of_millions_of_dimensions_is_refused(tmp_path: Path) -> None:
     # 0.1.x: a 60 MB torch.save of one tensor of 15M dimensions took inspect 1.3 GB, 18 CPU-s
     many = tmp_path / "many.pt"
@@ -652,6 +655,7 @@ def test_a_value_nested_past_pythons_recursion_is_listed_not_a_crash(
 # -- what PyTorch's default loader refuses ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_verify_warns_that_torch_load_refuses_a_namespace_naming_it(tmp_path: Path) -> None:
     saved = tmp_path / "hparams.pt"
     torch.save({"w": torch.ones(2), "args": argparse.Namespace(seed=7)}, saved)
@@ -670,6 +674,7 @@ def test_verify_warns_that_torch_load_refuses_a_namespace_naming_it(tmp_path: Pa
 # -- JSON indexes ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_index_naming_300_000_missing_shards_is_verified_in_linear_time(tmp_path: Path) -> None:
     # 0.1.x scanned the whole weight map once per missing shard: 300,000 of them (a 9.5 MB
     # index) ran past a minute of CPU (killed here by RLIMIT_CPU)
@@ -707,6 +712,7 @@ def _index_naming_missing_tensors(folder: Path, count: int) -> Path:
     return index
 
 
+@pytest.mark.slow
 def test_an_index_naming_200_000_missing_tensors_is_verified_in_bounded_memory(
     tmp_path: Path,
 ) -> None:
@@ -736,6 +742,7 @@ def test_an_index_naming_200_000_missing_tensors_is_verified_in_bounded_memory(
     assert human.peak_rss < 256 << 20, f"peak RSS {human.peak_rss:,}"
 
 
+@pytest.mark.slow
 def test_a_shard_header_of_200_000_bad_entries_is_verified_in_bounded_memory(
     tmp_path: Path,
 ) -> None:
@@ -766,6 +773,7 @@ def test_a_shard_header_of_200_000_bad_entries_is_verified_in_bounded_memory(
     assert run.peak_rss < 256 << 20, f"peak RSS {run.peak_rss:,}"
 
 
+@pytest.mark.slow
 def test_an_index_naming_a_shard_longer_than_any_file_name_is_exit_4(tmp_path: Path) -> None:
     # 0.1.x tried to open it: exit 74 (an OS error, ENAMETOOLONG) and the whole name, 5 MB of
     # it, on stderr
@@ -787,6 +795,7 @@ def test_an_index_naming_a_shard_longer_than_any_file_name_is_exit_4(tmp_path: P
 # -- quantization summaries --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_quantized_header_of_many_distinct_names_is_summarised_in_linear_time(
     tmp_path: Path,
 ) -> None:
@@ -834,6 +843,7 @@ def _dcp_with_chunks(
     return path
 
 
+@pytest.mark.slow
 def test_300_000_chunks_claiming_the_same_range_are_refused_in_linear_time(tmp_path: Path) -> None:
     # 0.1.x compared every chunk with every chunk still open along dim 0: 10,000 took 33
     # CPU-s, these hours
@@ -890,6 +900,7 @@ def test_a_dcp_object_entry_is_checked_before_torch_load(tmp_path: Path, crafted
 # -- GGUF headers --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_gguf_of_millions_of_empty_arrays_is_refused_before_the_gguf_reader_builds_them(
     tmp_path: Path,
 ) -> None:
@@ -926,6 +937,7 @@ def test_a_gguf_array_of_millions_of_numbers_is_refused_before_the_gguf_reader_b
     assert ckpt_limited("verify", small).exit_code == 0
 
 
+@pytest.mark.slow
 def test_a_gguf_of_200_000_tensor_infos_is_refused_before_the_gguf_reader_builds_them(
     tmp_path: Path,
 ) -> None:
@@ -955,6 +967,7 @@ def test_a_gguf_of_200_000_tensor_infos_is_refused_before_the_gguf_reader_builds
     assert ckpt_limited("verify", small).exit_code == 0
 
 
+@pytest.mark.slow
 def test_a_gguf_with_a_llama_3_sized_tokenizer_still_reads(tmp_path: Path) -> None:
     import gguf
     import numpy as np

@@ -141,6 +141,7 @@ def test_a_manifest_with_1_gib_blocks_on_a_2_kb_checkpoint_is_refused_before_any
 
 
 @pytest.mark.parametrize("command", [["verify", "--checksums"], ["repair", "--dry-run"]])
+@pytest.mark.slow
 def test_a_manifest_claiming_a_lost_8_gib_file_is_checked_a_chunk_at_a_time(
     tmp_path: Path, command: list[str]
 ) -> None:

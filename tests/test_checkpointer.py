@@ -362,6 +362,7 @@ raise RuntimeError("the training loop crashed after the save")
 
 
 @pytest.mark.parametrize("mode", ["raise", "sigterm"])
+@pytest.mark.slow
 def test_a_script_that_ends_while_its_save_is_in_flight_still_publishes_it(
     tmp_path: Path, mode: str
 ) -> None:
@@ -810,6 +811,7 @@ def test_retention_keeps_the_users_folders_and_never_deletes_the_save_just_writt
     assert again is not None and again.step == 22
 
 
+@pytest.mark.slow
 def test_remote_retention_also_keeps_the_users_folders_uploaded_from_the_run_folder(
     tmp_path: Path, s3_server: S3Server
 ) -> None:
@@ -875,6 +877,7 @@ def test_a_fresh_node_pulls_the_newest_checkpointer_save_not_another_folder_of_t
     assert sorted(p.name for p in fresh_node.iterdir()) == ["step-30"]
 
 
+@pytest.mark.slow
 def test_the_next_save_removes_the_staging_folder_of_a_killed_save_without_retention(
     tmp_path: Path,
 ) -> None:
@@ -1257,6 +1260,7 @@ def test_a_save_larger_than_the_free_space_says_the_disk_is_full(tmp_path: Path)
     assert "MiB free, the save holds 4.0 MiB" in record.error and "\n" not in record.error
 
 
+@pytest.mark.slow
 def test_an_unreachable_upload_target_says_the_save_is_local(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1289,6 +1293,7 @@ assert Checkpointer(sys.argv[1]).load_latest({"model": model, "step": 0}).step =
 """
 
 
+@pytest.mark.slow
 def test_a_single_process_save_and_load_write_nothing_to_stdout_or_stderr(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", QUIET_SCRIPT, str(tmp_path / "run")],
@@ -1387,6 +1392,7 @@ def test_a_run_whose_every_save_fails_its_checks_raises_never_a_silent_fresh_sta
     assert Checkpointer(tmp_path / "new").load_latest({"model": fresh}) is None
 
 
+@pytest.mark.slow
 def test_a_fresh_node_that_cannot_read_the_bucket_raises_never_starts_from_scratch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1701,6 +1707,7 @@ for step in range(1, 1000):
 """
 
 
+@pytest.mark.slow
 def test_a_sigterm_handler_that_saves_while_save_waits_for_the_previous_one_saves_and_exits(
     tmp_path: Path,
 ) -> None:

@@ -82,6 +82,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
     return root / "run" / "step-3", _state(root / "saved")
 
 
+@pytest.mark.slow
 def test_a_one_process_save_reshards_for_two_ranks_without_rank_state_and_resumes(
     saved: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:

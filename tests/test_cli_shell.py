@@ -407,6 +407,7 @@ def test_the_completion_ckpt_install_completion_installs_offers_option_values() 
 # -- brackets and emoji codes in paths and names are text, not markup -----------------------------
 
 
+@pytest.mark.slow
 def test_brackets_in_paths_are_printed_as_written_never_a_traceback(tmp_path: Path) -> None:
     """A run folder named `runs[/x]` made `latest`, `prune`, `inspect`, `convert`, `diff`...
     die with rich's MarkupError traceback and exit 1 (read by CI as "problems found"), and

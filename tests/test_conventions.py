@@ -303,6 +303,7 @@ def test_a_stderr_that_refuses_messages_never_changes_the_exit_status(
 # -- terminal escape injection (#19 item 14) ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_control_and_bidi_characters_in_names_are_escaped_in_human_output(
     world: dict[str, Path],
 ) -> None:
@@ -326,6 +327,7 @@ def test_control_and_bidi_characters_in_names_are_escaped_in_human_output(
 
 # -- one JSON envelope per outcome -------------------------------------------------------------
 @pytest.mark.parametrize("signals", [1, 2], ids=["one-signal", "a-second-signal"])
+@pytest.mark.slow
 def test_a_signal_while_the_envelope_prints_leaves_exactly_one(
     tmp_path: Path, signals: int
 ) -> None:
@@ -400,6 +402,7 @@ def test_the_published_schema_is_current() -> None:
     assert committed == render_schema(), "schema is stale: run `make completions`"
 
 
+@pytest.mark.slow
 def test_every_command_prints_one_valid_envelope_for_every_outcome(
     world: dict[str, Path], tmp_path: Path, validator: Any
 ) -> None:
@@ -647,6 +650,7 @@ def test_verbose_shows_the_traceback_of_a_bug(
     assert "Traceback" in loud.stderr and "RuntimeError: a bug in the library" in loud.stderr
 
 
+@pytest.mark.slow
 def test_download_runs_with_pipes_and_with_a_terminal(hub: Any, tmp_path: Path) -> None:
     import torch
 

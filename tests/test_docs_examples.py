@@ -80,6 +80,7 @@ def test_the_docs_have_console_examples() -> None:
 
 
 @pytest.mark.parametrize("example", example_params())
+@pytest.mark.slow
 def test_console_example(
     example: Example,
     built_fixtures: dict[str, Path],

@@ -122,6 +122,7 @@ def _resume_save(kind: str) -> tuple[str, str]:
 # the torchrun kind): minutes on a loaded 2-core machine, more than the suite's default timeout
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize(("kind", "case", "want"), _params())
+@pytest.mark.slow
 def test_the_planted_cause_is_ranked_first(
     request: pytest.FixtureRequest, kind: str, case: str, want: str | None
 ) -> None:

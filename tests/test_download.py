@@ -278,6 +278,7 @@ def test_tensors_mode_output_is_sharded_with_an_index_when_large(
     assert (dest / "config.json").read_bytes() == CONFIG_JSON
 
 
+@pytest.mark.slow
 def test_dropped_connection_mid_file_resumes(hub: TestHub, tmp_path: Path) -> None:
     state, weight_map = publish(hub, tmp_path)
     shard = weight_map["model.layers.2.mlp.weight"]
@@ -647,6 +648,7 @@ def test_tensors_mode_rerun_after_a_new_commit_never_reuses_old_pieces(
 
 
 @pytest.mark.parametrize("stop", ["SIGKILL", "SIGINT"])
+@pytest.mark.slow
 def test_tensors_mode_resumes_after_sigkill_or_ctrl_c(
     hub: TestHub, tmp_path: Path, stop: str
 ) -> None:
@@ -749,6 +751,7 @@ def test_the_index_selection_chooses_what_select_and_with_sidecars_choose(
     assert [(e.name, e.file) for e in wanted] == [(e.name, e.file) for e in with_scales]
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_honoured_while_a_shard_request_is_stalled(hub: TestHub, tmp_path: Path) -> None:
     """A Hub that stops answering one shard must not hold Ctrl-C for the request's timeout
     and retries: the download stops at once, exit 130, with its JSON envelope."""

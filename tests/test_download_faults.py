@@ -202,6 +202,7 @@ def test_a_connection_reset_on_a_files_metadata_request_is_asked_again_in_shards
     assert not (tmp_path / "e").exists()
 
 
+@pytest.mark.slow
 def test_a_wrong_range_under_verify_offers_a_fix_that_verify_can_take(
     hub: TestHub, tmp_path: Path
 ) -> None:

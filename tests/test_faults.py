@@ -254,6 +254,7 @@ def TMP_NOT_IN(name: str) -> bool:
     "name",
     [".metadata", "model.safetensors.index.json", "model.safetensors", "model.pt", "config.json"],
 )
+@pytest.mark.slow
 def test_a_fifo_in_a_checkpoint_never_hangs(tmp_path: Path, name: str) -> None:
     folder = tmp_path / "c"
     folder.mkdir()
@@ -406,6 +407,7 @@ def _bounded(*args: str | os.PathLike[str]) -> CkptResult:
 # -- item 10: run-folder and shard discovery is linear ---------------------------------------
 
 
+@pytest.mark.slow
 def test_a_folder_of_10000_numbered_files_is_inspected_in_bounded_time(tmp_path: Path) -> None:
     # 0.1.0 listed the whole folder once per file (3,000 files: 300 s; 10,000: hours)
     run = tmp_path / "files"
@@ -1179,6 +1181,7 @@ def _eio_opening(monkeypatch: pytest.MonkeyPatch, bad: Path) -> None:
     monkeypatch.setattr(os, "fdopen", fdopened)
 
 
+@pytest.mark.slow
 def test_eio_reading_a_local_file_during_sync_or_verify_names_it_not_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_server: object
 ) -> None:
@@ -1311,6 +1314,7 @@ def test_a_pull_cut_short_by_a_full_disk_says_where_the_partial_is_and_resumes(
     assert [p.name for p in (tiny_fs / "run").iterdir()] == ["checkpoint-100"]
 
 
+@pytest.mark.slow
 def test_a_second_pull_of_the_same_checkpoint_at_once_never_shares_the_first_ones_files(
     tmp_path: Path, s3_server: object
 ) -> None:
@@ -2088,6 +2092,7 @@ def _descriptor_limit_400() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (400, 400))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_more_shards_than_ulimit_n_converts_with_a_cast(tmp_path: Path) -> None:
     """`ckpt convert` with `--dtype` of a safetensors checkpoint of more shards than the
     process may open (`ulimit -n`, 1,024 by default) kept every shard open and failed with
@@ -2115,6 +2120,7 @@ def test_a_checkpoint_of_more_shards_than_ulimit_n_converts_with_a_cast(tmp_path
     assert not list(tmp_path.glob(".bf16*"))
 
 
+@pytest.mark.slow
 def test_a_dcp_save_of_more_ranks_than_ulimit_n_converts_and_verifies(tmp_path: Path) -> None:
     """A DCP save of more ranks than the process may open files (a 2,048-GPU job, `ulimit -n`
     1,024): the reader kept every `__r_0.distcp` open, and `convert` and `verify --deep` failed

@@ -230,6 +230,7 @@ def test_a_hub_that_stays_busy_fails_after_a_bounded_number_of_tries(
 
 
 @pytest.mark.usefixtures("_short_waits")
+@pytest.mark.slow
 def test_a_connection_reset_on_an_api_call_is_asked_again_as_reads_are(
     hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -306,6 +307,7 @@ def test_an_expired_token_is_named_as_the_problem_not_the_repository(
     assert run_ckpt("inspect", "hf://org/public", env={"HF_TOKEN": ""}).exit_code == 0
 
 
+@pytest.mark.slow
 def test_a_hub_server_that_stops_answering_fails_the_read_instead_of_hanging(
     hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -74,6 +74,7 @@ def _assert_gone(*groups: int) -> None:
     assert left == [], f"process groups {left} survived the launch"
 
 
+@pytest.mark.slow
 def test_a_launch_past_its_timeout_fails_with_its_output_and_leaves_no_process(
     tmp_path: Path,
 ) -> None:
@@ -93,6 +94,7 @@ def test_a_launch_past_its_timeout_fails_with_its_output_and_leaves_no_process(
     assert launch.processes() == []
 
 
+@pytest.mark.slow
 def test_a_launcher_that_exits_leaves_no_process_behind(tmp_path: Path) -> None:
     """A rank that outlives its launcher (its own session, its parent gone) is ended too."""
     pids = tmp_path / "pids"
@@ -108,6 +110,7 @@ class _Interrupted(Exception):
     """What pytest-timeout raises from its signal handler when a test runs past its timeout."""
 
 
+@pytest.mark.slow
 def test_an_interrupted_wait_ends_every_process_and_shows_the_output(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -224,6 +224,7 @@ def test_convert_local_to_s3_publishes_marker_last(s3_server: S3Server, tmp_path
     assert puts[-1].endswith("model.safetensors.index.json")
 
 
+@pytest.mark.slow
 def test_convert_s3_to_s3_and_back_through_every_format(
     sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -361,6 +362,7 @@ def test_failure_mid_upload_leaves_no_committed_destination(
     assert list_keys(s3_server.endpoint, "ckpts", "failed/") == []
 
 
+@pytest.mark.slow
 def test_trainer_checkpoint_with_fsdp_dcp_folder_on_s3(s3_server: S3Server, tmp_path: Path) -> None:
     """A Trainer `checkpoint-N/` whose model is an FSDP DCP subfolder, read from the store."""
     folder = tmp_path / "checkpoint-200"
@@ -387,6 +389,7 @@ def test_trainer_checkpoint_with_fsdp_dcp_folder_on_s3(s3_server: S3Server, tmp_
     _assert_same(_safetensors(out), model)
 
 
+@pytest.mark.slow
 def test_hub_to_s3_convert_and_diff(hub: TestHub, s3_server: S3Server, tmp_path: Path) -> None:
     """hf:// (huggingface_hub's own filesystem) as SRC for convert and diff, DEST in S3."""
     state = _model()
@@ -467,6 +470,7 @@ def test_file_urls_read_and_write_like_local_paths(tmp_path: Path) -> None:
     assert again.exit_code == 2, again.stderr
 
 
+@pytest.mark.slow
 def test_sequential_reads_are_served_by_the_read_ahead(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -591,6 +595,7 @@ def _uploads(endpoint: str, bucket: str) -> list[str]:
     return sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
 
 
+@pytest.mark.slow
 def test_the_next_run_removes_the_temporaries_of_a_sigkilled_upload(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

@@ -280,6 +280,7 @@ def test_prune_deletes_a_checkpoint_file_with_its_parity(tmp_path: Path) -> None
     assert list((run / ".ckpt-parity").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_protect_and_repair_in_an_object_store(tmp_path: Path, s3_server: S3Server) -> None:
     local = tmp_path / "src"
     state = _safetensors_model(local)
@@ -376,6 +377,7 @@ def test_sigkill_during_protect_and_repair_leaves_nothing_that_looks_complete(
     assert run_ckpt("verify", model, "--checksums").exit_code == 0
 
 
+@pytest.mark.slow
 def test_the_next_repair_removes_what_a_sigkilled_repair_left_in_the_store(
     tmp_path: Path, s3_server: S3Server
 ) -> None:

@@ -81,6 +81,7 @@ def test_a_missing_bucket_is_exit_3_and_named(
     assert prefix["problem"] == "no such object or prefix" and prefix["fix"]
 
 
+@pytest.mark.slow
 def test_a_store_that_stops_answering_fails_with_the_timeouts_the_docs_name(
     tmp_path: Path,
 ) -> None:

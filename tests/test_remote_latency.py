@@ -263,6 +263,7 @@ def test_s3_reads_every_header_at_once_in_one_request_each(
     assert len(listings) == 1, [r.query for r in listings]
 
 
+@pytest.mark.slow
 def test_the_latency_proxy_adds_a_round_trip_per_request_and_per_connection(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from .conftest import run_ckpt
@@ -17,6 +18,7 @@ def _data_files(keys: list[str]) -> list[str]:
     return [k for k in keys if k.endswith((".safetensors", ".pt", ".pth"))]
 
 
+@pytest.mark.slow
 def test_latest_and_prune_on_an_s3_run_folder(s3_server: S3Server, tmp_path: Path) -> None:
     out = trainer_run(tmp_path)  # checkpoint-100 ... -500; the Trainer's best is 200
     interrupted_trainer_save(out, 600)  # preempted: model cut short, no trainer_state.json
@@ -103,6 +105,7 @@ def test_a_store_that_fails_to_answer_never_makes_a_complete_checkpoint_incomple
     assert latest.stdout.strip() == "s3://ckpts/run/checkpoint-300"
 
 
+@pytest.mark.slow
 def test_a_dcp_run_in_s3_skips_a_save_without_metadata(s3_server: S3Server, tmp_path: Path) -> None:
     from .run_fixtures import dcp_save
 
@@ -147,6 +150,7 @@ def test_latest_and_prune_plan_on_a_hub_repo_of_checkpoints(hub: TestHub, tmp_pa
     assert torch  # torch is the writer of the fixtures' optimizer files
 
 
+@pytest.mark.slow
 def test_one_run_folder_gets_the_same_verdicts_on_disk_and_in_s3(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

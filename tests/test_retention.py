@@ -527,6 +527,7 @@ def _dcp_run_with_optimizer(run: Path) -> dict[str, torch.Tensor]:
         ("rmtree", False),
     ],
 )
+@pytest.mark.slow
 def test_a_slim_killed_mid_swap_never_loses_the_save(
     tmp_path: Path, nth: str, exchange: bool
 ) -> None:

@@ -75,6 +75,7 @@ def fresh_save(out: Path, step: int) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_sync_uploads_complete_saves_only_verified_and_once(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -121,6 +122,7 @@ def test_sync_uploads_complete_saves_only_verified_and_once(
     assert "uploaded 0 checkpoints" in human.stdout and "present" in human.stdout
 
 
+@pytest.mark.slow
 def test_a_killed_upload_resumes_without_resending_finished_files(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -221,6 +223,7 @@ def test_pull_latest_is_verified_and_a_damaged_remote_copy_is_refused(
     assert [p.name for p in other.iterdir()] == []  # no staging folder left either
 
 
+@pytest.mark.slow
 def test_a_pull_names_the_remote_saves_it_does_not_fetch(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -254,6 +257,7 @@ def test_a_pull_names_the_remote_saves_it_does_not_fetch(
     assert names == {"checkpoint-200": "downloaded", "checkpoint-300": "skipped"}
 
 
+@pytest.mark.slow
 def test_prune_remote_applies_retention_on_the_bucket(s3_server: S3Server, tmp_path: Path) -> None:
     make_bucket(s3_server.endpoint, BUCKET)
     out = trainer_run(tmp_path)  # 100..500; the Trainer's best is 200
@@ -277,6 +281,7 @@ def test_prune_remote_applies_retention_on_the_bucket(s3_server: S3Server, tmp_p
     assert needs.exit_code == 2 and "--prune-remote" in needs.stderr
 
 
+@pytest.mark.slow
 def test_prune_remote_keeps_the_max_with_higher_is_better_and_mode_max_still_works(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -378,6 +383,7 @@ def test_usage_errors(tmp_path: Path) -> None:
     assert "--incomplete" not in no_policy.stderr and "--slim" not in no_policy.stderr
 
 
+@pytest.mark.slow
 def test_a_pulled_save_that_lost_a_file_here_is_pulled_again(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -568,6 +574,7 @@ def test_watch_stops_cleanly_on_ctrl_c(s3_server: S3Server, tmp_path: Path) -> N
     assert report.transferred == ["checkpoint-100"] and not report.failed
 
 
+@pytest.mark.slow
 def test_multipart_uploads_are_checked_by_etag_and_reused_on_resume(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -608,6 +615,7 @@ def test_multipart_uploads_are_checked_by_etag_and_reused_on_resume(
     assert s3_server.bytes_uploaded() < 4096  # only the manifest
 
 
+@pytest.mark.slow
 def test_a_save_slimmed_after_its_sync_is_replaced_remotely(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -632,6 +640,7 @@ def test_a_save_slimmed_after_its_sync_is_replaced_remotely(
     assert checked.exit_code == 0, checked.stdout
 
 
+@pytest.mark.slow
 def test_a_save_rewritten_at_the_same_size_is_synced_again(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -706,6 +715,7 @@ def test_a_remote_manifest_damaged_in_the_store_is_replaced_by_the_next_sync(
     )
 
 
+@pytest.mark.slow
 def test_the_stores_manifests_are_read_side_by_side_once_each(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -774,6 +784,7 @@ def test_what_a_sync_does_not_carry_is_named(s3_server: S3Server, tmp_path: Path
     ]
 
 
+@pytest.mark.slow
 def test_plain_files_of_one_step_travel_together(s3_server: S3Server, tmp_path: Path) -> None:
     from .run_fixtures import weights
 
@@ -802,6 +813,7 @@ def test_plain_files_of_one_step_travel_together(s3_server: S3Server, tmp_path: 
     assert [r.path for r in s3_server.requests if r.method in ("PUT", "DELETE")] == []
 
 
+@pytest.mark.slow
 def test_a_save_synced_again_is_pulled_again(s3_server: S3Server, tmp_path: Path) -> None:
     """The pull side of a rewritten save: a machine that had pulled checkpoint-200 kept its old
     copy, called "present", after the training machine rewrote that step and synced it again;
@@ -839,6 +851,7 @@ def test_a_save_synced_again_is_pulled_again(s3_server: S3Server, tmp_path: Path
     assert {c["action"] for c in third.json["result"]["checkpoints"]} == {"present"}
 
 
+@pytest.mark.slow
 def test_sigterm_is_honoured_while_an_upload_is_stalled(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -879,6 +892,7 @@ def test_sigterm_is_honoured_while_an_upload_is_stalled(
     assert remote_checkpoints(s3_server.endpoint) == {"checkpoint-100", "checkpoint-200"}
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_push_of_many_small_files_says_what_it_kept_and_the_rerun_resumes(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -968,6 +982,7 @@ def test_staging_debris_inside_a_checkpoint_is_never_uploaded(
     assert run_ckpt("verify", back / "checkpoint-100", "--checksums").exit_code == 0
 
 
+@pytest.mark.slow
 def test_a_manifest_naming_paths_outside_its_checkpoint_is_refused_as_unsafe(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -1129,6 +1144,7 @@ def test_a_url_without_a_bucket_or_a_missing_bucket_is_a_clear_error(
     assert "aws s3 mb" in missing.json["error"]["message"]
 
 
+@pytest.mark.slow
 def test_a_pulled_run_pushed_back_sends_nothing_it_pulled(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -1242,6 +1258,7 @@ def test_pulled_checkpoints_get_umask_permissions_not_0700(
         "checkpoint-200/model.safetensors/x",  # a file of the checkpoint, and a folder too
     ],
 )
+@pytest.mark.slow
 def test_a_hostile_key_in_the_bucket_fails_its_checkpoint_only_with_exit_4(
     s3_server: S3Server, tmp_path: Path, junk: str
 ) -> None:
@@ -1279,6 +1296,7 @@ def test_a_hostile_key_in_the_bucket_fails_its_checkpoint_only_with_exit_4(
     assert human.exit_code == 4 and junk in human.stdout + human.stderr
 
 
+@pytest.mark.slow
 def test_data_files_go_up_side_by_side_and_the_markers_after_them(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1502,6 +1520,7 @@ def _is_listing(r: S3Request) -> bool:
     return r.method == "GET" and r.path.strip("/").count("/") == 0 and "uploads" not in r.query
 
 
+@pytest.mark.slow
 def test_each_file_goes_up_in_one_request_checked_by_the_reply(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -1573,6 +1592,7 @@ def test_a_refused_upload_publishes_nothing_of_its_checkpoint(
     assert sent == {"scheduler.pt", "trainer_state.json", "ckpt-manifest.json"}
 
 
+@pytest.mark.slow
 def test_a_multipart_upload_cut_midway_is_aborted_and_resent_whole(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -1896,6 +1916,7 @@ def test_a_manifest_damaged_on_the_way_is_caught_and_not_left_behind(
     assert checked.exit_code == 0, checked.stdout
 
 
+@pytest.mark.slow
 def test_a_save_whose_upload_was_cut_is_never_the_buckets_latest(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -1958,6 +1979,7 @@ def _schema_errors(doc: dict[str, object]) -> list[str]:
     return [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(doc)]
 
 
+@pytest.mark.slow
 def test_prune_remote_deletes_only_with_yes_as_prune_does(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -2011,6 +2033,7 @@ def test_prune_remote_deletes_only_with_yes_as_prune_does(
     assert alone.exit_code == 2 and "--prune-remote" in alone.stderr
 
 
+@pytest.mark.slow
 def test_sync_dry_run_writes_nothing_on_either_side(s3_server: S3Server, tmp_path: Path) -> None:
     """A user checks what a sync would send before the first real one, and what a pull would
     fetch: the bucket and the local folders are byte for byte as they were."""
@@ -2098,6 +2121,7 @@ def test_an_empty_run_folder_is_a_run_before_its_first_save(
     assert list(empty.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_the_next_sync_aborts_the_multipart_upload_of_a_sigkilled_one(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -2242,6 +2266,7 @@ entry()
 """
 
 
+@pytest.mark.slow
 def test_a_pull_killed_while_replacing_a_copy_is_settled_by_the_next_pull(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

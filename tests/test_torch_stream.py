@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from .conftest import REPO, run_ckpt
@@ -171,6 +172,7 @@ def _sparse_safetensors(path: Path, tensors: int, mib: int) -> None:
         fh.truncate(8 + len(raw) + offset)
 
 
+@pytest.mark.slow
 def test_convert_to_torch_peak_memory_follows_the_largest_tensor(tmp_path: Path) -> None:
     # a 640 MiB model of 32 MiB tensors: holding the output (as torch.save of the whole dict
     # does) would take 640 MiB on top of python + torch; streaming takes about one tensor
@@ -265,6 +267,7 @@ def _zero_torch_file(path: Path, tensors: int, mib: int) -> None:
         writer.finish(obj)
 
 
+@pytest.mark.slow
 def test_convert_from_torch_peak_memory_follows_the_largest_tensor(tmp_path: Path) -> None:
     # a 640 MiB torch.save model of 32 MiB tensors: reading the tensors through torch's
     # memory map keeps every touched page resident (the whole model by the end); raw range
