@@ -4,7 +4,7 @@ restored for other parameters (param groups or shapes that no longer fit the wei
 from __future__ import annotations
 
 from ...models import Problem
-from ...sources.layouts.training import analyse_optimizer, shape_problems
+from ...sources.layouts.training import OptimizerView, analyse_optimizer, shape_problems
 from ...sources.runs import SLIM_RECORD
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
@@ -211,22 +211,35 @@ def _grouped_reorder(a: Save, b: Save) -> list[str]:
     return []
 
 
-def _group_order(save: Save) -> list[list[str]] | None:
-    """Each param group's parameters as model tensor names, matched in the model's saved
-    order by the shapes of their states (a parameter without state matches none: it is left
-    out); None where a group's states do not fit its model's tensors in that order."""
+def _int_keyed_groups(save: Save) -> tuple[OptimizerView, list[list[object]]] | None:
+    """The save's optimizer state (keyed by int parameter ids) and its param groups' id lists,
+    in order; None where the save holds no model tensors or no such state."""
     prefix = save.prefix("optimizer")
     if prefix is None or not save.model_tensors:
         return None
     view = analyse_optimizer(save.opened.checkpoint, prefix)
     if view is None or view.by_fqn or view.ids_as_strings:
         return None
-    model = [(name, list(entry.shape)) for name, entry in save.model_tensors.items()]
-    groups: list[list[str]] = []
+    groups: list[list[object]] = []
     for i in range(1024):
         params = save.value(f"{prefix}param_groups.{i}.params")
         if not isinstance(params, list | tuple):
             break
+        groups.append(list(params))
+    return view, groups
+
+
+def _group_order(save: Save) -> list[list[str]] | None:
+    """Each param group's parameters as model tensor names, matched in the model's saved
+    order by the shapes of their states (a parameter without state matches none: it is left
+    out); None where a group's states do not fit its model's tensors in that order."""
+    keyed = _int_keyed_groups(save)
+    if keyed is None:
+        return None
+    view, param_groups = keyed
+    model = [(name, list(entry.shape)) for name, entry in save.model_tensors.items()]
+    groups: list[list[str]] = []
+    for params in param_groups:
         names: list[str] = []
         at = 0
         for pid in params:
@@ -253,18 +266,11 @@ def _by_position(save: Save) -> list[tuple[str, str, list[int], dict[str, list[i
     save's param groups in order, against the model's tensors in their saved order; None where
     the counts differ (buffers saved among the weights, a partial optimizer) or the state is
     not keyed by int ids."""
-    prefix = save.prefix("optimizer")
-    if prefix is None or not save.model_tensors:
+    keyed = _int_keyed_groups(save)
+    if keyed is None:
         return None
-    view = analyse_optimizer(save.opened.checkpoint, prefix)
-    if view is None or view.by_fqn or view.ids_as_strings:
-        return None
-    ids: list[str] = []
-    for i in range(1024):
-        params = save.value(f"{prefix}param_groups.{i}.params")
-        if not isinstance(params, list | tuple):
-            break
-        ids += [str(p) for p in params]
+    view, param_groups = keyed
+    ids = [str(p) for params in param_groups for p in params]
     model = list(save.model_tensors.items())
     if not ids or len(ids) != len(model):
         return None
