@@ -35,8 +35,8 @@ from .local import (
     hf_cache_repo,
     open_regular,
     read_regular,
-    safe_relpath,
 )
+from .relpath import safe_relpath
 from .remote import FsspecStorage, filesystem_for, remote_failure
 
 __all__ = [

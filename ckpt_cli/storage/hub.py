@@ -44,7 +44,7 @@ from .hub_repo import (
     retry_wait,
     retrying,
 )
-from .local import safe_relpath
+from .relpath import safe_relpath
 from .uri import Location
 
 #: a ranged read that breaks mid-transfer is resumed from where it stopped `READ_RETRIES`

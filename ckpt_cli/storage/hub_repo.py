@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 
 from ..errors import CkptError, HubError, NotFoundError, UsageError
 from .base import RemoteFile
-from .local import LocalStorage, safe_relpath
+from .local import LocalStorage
+from .relpath import safe_relpath
 from .uri import Location
 
 T = TypeVar("T")

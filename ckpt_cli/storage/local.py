@@ -1,4 +1,4 @@
-"""Folders on this machine: path confinement (`safe_relpath`), regular-file opening, `LocalStorage`.
+"""Folders on this machine: regular-file opening, `LocalStorage`, staging folders and their locks.
 
 Writes (`LocalStorage.write_file`, `put`) go to a hidden `.NAME.ckpt-tmp-*` sibling in the
 target's folder, are fsynced, and are published with one `os.replace`, so a reader or a crash
@@ -28,9 +28,10 @@ from .base import (
     is_parity_path,
     is_staging_name,
 )
+from .relpath import safe_relpath
 
 if TYPE_CHECKING:
-    from .output import Destination
+    from .destination import Destination
 
 
 def open_regular(path: str | os.PathLike[str], where: str | None = None) -> int:
@@ -81,55 +82,6 @@ def read_regular(path: str | os.PathLike[str], where: str | None = None) -> byte
 
 #: the longest file name (one path component, in bytes) and path (characters) a file name read
 #: from an input may have: Linux's NAME_MAX and PATH_MAX
-MAX_NAME = 255
-MAX_PATH = 4096
-
-
-def _quoted(name: str, limit: int = 120) -> str:
-    """`repr(name)`, cut short past `limit` characters (a crafted name may run to megabytes)."""
-    return repr(name) if len(name) <= limit else f"{name[:limit]!r}..."
-
-
-def safe_relpath(name: str, *, source: str) -> str:
-    """Normalise a file name read from an input and refuse anything that leaves the root.
-
-    Args:
-        name: the file name as written in the input.
-        source: the file that named it, for the error message.
-    """
-    if not name or "\x00" in name:
-        raise UnsafeInputError(
-            f"names an empty or invalid file name {_quoted(name)}",
-            path=source,
-            fix="This file is corrupt or hostile; do not use it.",
-        )
-    too_long = len(name) > MAX_PATH or any(
-        len(part.encode("utf-8", "surrogatepass")) > MAX_NAME for part in name.split("/")
-    )
-    if too_long:
-        # no file system holds it (the open would fail with ENAMETOOLONG: an OS error, exit 74)
-        raise UnsafeInputError(
-            f"names a file name of {len(name):,} characters {_quoted(name)}, longer than any file "
-            f"system holds ({MAX_NAME} bytes a name, {MAX_PATH:,} a path)",
-            path=source,
-            fix="This file is corrupt or hostile; do not use it.",
-        )
-    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":") or "\\" in name:
-        raise UnsafeInputError(
-            f"names the absolute path {name!r}; checkpoint files must be relative to the checkpoint",
-            path=source,
-            fix="This file is corrupt or hostile; do not use it.",
-        )
-    norm = posixpath.normpath(name)
-    if norm == ".." or norm.startswith("../") or "/../" in f"/{name}/":
-        raise UnsafeInputError(
-            f"names {name!r}, a path outside the checkpoint",
-            path=source,
-            fix="This file is corrupt or hostile; do not use it.",
-        )
-    return norm
-
-
 #: a Hugging Face cache repository folder: `models--org--name` (also datasets--, spaces--)
 _HF_CACHE_REPO = re.compile(r"^(models|datasets|spaces)--[^/]+$")
 

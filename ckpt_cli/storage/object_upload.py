@@ -39,7 +39,7 @@ from typing import Any
 
 from ..faults import close_pool, io_failure, naming
 from .crc import crc32_function
-from .output import UPLOAD_BLOCK
+from .remote import UPLOAD_BLOCK, refusal_code
 
 #: files under this size go up in one PUT (S3 recommends multipart uploads from about
 #: 100 MB; one PUT costs the store a third of the work of parts it must join, measured
@@ -91,17 +91,6 @@ def _crc32(data: bytes) -> str:
     """The `x-amz-checksum-crc32` value of `data` (ISA-L's CRC-32 where it is installed: the
     same numbers as botocore's zlib pass, a fifth of its CPU)."""
     return _b64(crc32_function()(data, 0).to_bytes(4, "big"))
-
-
-def refusal_code(exc: BaseException) -> str | None:
-    """The S3 error code of a failed call (s3fs raises its own error, caused by botocore's)."""
-    from botocore.exceptions import ClientError
-
-    cause = exc if isinstance(exc, ClientError) else exc.__cause__
-    if isinstance(cause, ClientError):
-        code = cause.response.get("Error", {}).get("Code")
-        return str(code) if code else None
-    return None
 
 
 def read_for_upload(src: Any, size: int) -> bytes:

@@ -40,8 +40,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from ..errors import DestinationExistsError, HubError, IOFailure, NotFoundError, UsageError
@@ -51,6 +50,9 @@ from ..progress import NULL_PROGRESS, Progress
 from . import remote_failure
 from .base import TMP_MARKER as TMP_MARKER
 from .base import Storage, file_chunks
+from .destination import Destination as Destination
+from .destination import RemoteDest as RemoteDest
+from .destination import local_destination as local_destination
 from .local import fsync_dir as fsync_dir
 from .local import hold, process_alive, read_regular
 from .local import new_staging_folder as new_staging_folder
@@ -73,57 +75,10 @@ _OPEN_STAGINGS: contextvars.ContextVar[tuple[Path, ...]] = contextvars.ContextVa
 )
 
 
-@dataclass(frozen=True)
-class RemoteDest:
-    """A destination in an fsspec filesystem (an object-store prefix or object).
-
-    Attributes:
-        url: the URL as the user wrote it (trailing slashes dropped).
-        fs: the fsspec filesystem (credentials and endpoint from its usual env/config).
-        path: the path inside `fs` (`bucket/prefix/name`).
-    """
-
-    url: str
-    fs: Any
-    path: str
-
-    @property
-    def name(self) -> str:
-        """The last component (the folder or file name)."""
-        return PurePosixPath(self.path).name
-
-    @property
-    def suffix(self) -> str:
-        """The file suffix of `name` (`.safetensors`), as `Path.suffix`."""
-        return PurePosixPath(self.path).suffix
-
-    @property
-    def stem(self) -> str:
-        """`name` without its suffix, as `Path.stem`."""
-        return PurePosixPath(self.path).stem
-
-    def absolute(self) -> RemoteDest:
-        """Itself (a URL is absolute); lets callers treat a DEST like a `Path`."""
-        return self
-
-    @property
-    def parent(self) -> FsspecStorage:
-        """The (writable) storage of the prefix that holds DEST: uploads, copies and removals
-        go through its write side."""
-        return FsspecStorage(self.fs, self.path.rsplit("/", 1)[0], self.url.rsplit("/", 1)[0])
-
-    def __str__(self) -> str:
-        return self.url
-
-
-Destination = Path | RemoteDest
-
-
-def local_destination(dest: Destination) -> Path | None:
-    """`dest` as an absolute path on this machine, or None when it is not on a local disk (an
-    object store): for outputs that must be written locally. Destinations are told apart here,
-    in the storage layer, and nowhere else."""
-    return None if isinstance(dest, RemoteDest) else dest.absolute()
+def prefix_storage(dest: RemoteDest) -> FsspecStorage:
+    """The (writable) storage of the prefix that holds `dest`: uploads, copies and removals
+    go through its write side."""
+    return FsspecStorage(dest.fs, dest.path.rsplit("/", 1)[0], dest.url.rsplit("/", 1)[0])
 
 
 def destination_exists(dest: Destination) -> bool:
@@ -640,7 +595,7 @@ def _staged_remote(
         held.release()
         raise
     # uploads, copies and removals go through the write side of the prefix holding DEST
-    store = dest.parent
+    store = prefix_storage(dest)
     tmp_name = f".{dest.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
     # this run's lease on its hidden prefix: another run writing DEST leaves it alone while
     # it is renewed, and removes the prefixes of runs that were killed (`object_leases`)

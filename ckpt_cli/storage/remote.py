@@ -26,8 +26,9 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError, UsageError
 from .base import FILE_GONE_FIX, TMP_MARKER, TRUNCATED_FIX, Storage, file_chunks, is_parity_path
+from .destination import Destination, RemoteDest
 from .heads import HEAD_WORKERS, WHOLE_FILE_MAX, HeadCache, HeadRead
-from .local import safe_relpath
+from .relpath import safe_relpath
 from .uri import Location
 
 if TYPE_CHECKING:
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
     # (with `logging`) is a measurable part of a metadata command's start-up
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    from .output import Destination
 
 #: bytes per write when streaming into an object store (and the part size asked of
 #: filesystems that upload in parts; S3 needs at least 5 MiB)
@@ -68,6 +68,17 @@ def remote_failure(exc: BaseException, where: str, *, writing: bool = False) -> 
         fix="Check the network, the endpoint and your credentials"
         + (" (and that they allow writing here)." if writing else "."),
     )
+
+
+def refusal_code(exc: BaseException) -> str | None:
+    """The S3 error code of a failed call (s3fs raises its own error, caused by botocore's)."""
+    from botocore.exceptions import ClientError
+
+    cause = exc if isinstance(exc, ClientError) else exc.__cause__
+    if isinstance(cause, ClientError):
+        code = cause.response.get("Error", {}).get("Code")
+        return str(code) if code else None
+    return None
 
 
 @dataclass
@@ -288,8 +299,6 @@ class FsspecStorage(Storage):
             else:
                 data = self.fs.cat_file(self._full(rel), start=start, end=end)
         except Exception as exc:
-            from .object_upload import refusal_code
-
             if refusal_code(exc) == "PreconditionFailed":
                 raise HubError(
                     f"changed in the store since it was listed (its ETag is no longer {etag}): "
@@ -435,8 +444,6 @@ class FsspecStorage(Storage):
         self._written(full)
 
     def destination(self, rel: str) -> Destination:
-        from .output import RemoteDest
-
         rel = safe_relpath(rel, source=self.display)
         return RemoteDest(url=self.describe(rel), fs=self.fs, path=self._full(rel))
 

@@ -10,7 +10,7 @@ from typing import IO, Any, cast
 from rich.console import Console, ConsoleDimensions
 from rich.text import Text
 
-from . import UNWRAPPED_WIDTH, closed_pipe_exit, safe_text
+from .terminal import UNWRAPPED_WIDTH, closed_pipe_exit, safe_text
 
 #: the words of ckpt's own markup tags (`[bold]`, `[bold red]`, `[dim]`, `[/]`...)
 STYLE_WORDS = ("bold", "dim", "italic", "underline", "red", "green", "yellow", "cyan", "magenta")

@@ -27,9 +27,9 @@ from ...formats.base import Source
 from ...formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
 from ...formats.sniff import SNIFF_BYTES, is_pickle, what_is
 from ...storage import LocalStorage, Storage, StorageRangeFile, is_parity_path
+from ...storage.base import FolderView
 from ...storage.output import TMP_MARKER, staging_held
 from ...storage.uri import parse_location
-from ...storage.view import FolderView
 from .naming import (
     UNMARKED,
     deepspeed_states_in,

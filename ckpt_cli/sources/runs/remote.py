@@ -4,7 +4,7 @@ A run folder in an object store (`s3://bucket/run/`) or on the Hub (`hf://org/re
 subfolders are `checkpoint-N/` as the Trainer's `push_to_hub(hub_strategy="all_checkpoints")`
 writes) is listed once (names, sizes and, for object stores, modification times); its
 candidates are named by the local rules (`naming.collect`), and the judge reads metadata only,
-through views of that one listing (`storage.view.FolderView`).
+through views of that one listing (`storage.base.FolderView`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,46 @@
+"""What reaches a terminal: names made safe to print, the width at which nothing wraps, and
+the quiet exit when stdout's reader is gone. Beneath both the renderers and their consoles."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import sys
+from typing import NoReturn
+
+#: the width a console claims when it is not a terminal: wide enough that nothing wraps
+UNWRAPPED_WIDTH = 1_000_000
+
+# C0 controls but newline, DEL, C1 controls, and the bidi / direction marks and overrides
+# (U+061C, U+200E-F, U+202A-E, U+2066-9): characters a name must never send to a terminal
+_UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def safe_text(text: str) -> str:
+    """`text` with control and bidi characters written as visible escapes (`\\x1b`, `\\u202e`).
+
+    Names come from checkpoints, i.e. from anyone: `ESC[2J` must not clear the user's screen,
+    and U+202E must not make `gpj.exe` read as `exe.jpg`. JSON output keeps the real names.
+    """
+    return _UNSAFE.sub(_escape_char, text)
+
+
+#: the status of a run whose reader went away: 128 + SIGPIPE, what a shell reports for `yes | head`
+CLOSED_PIPE_EXIT = 141
+
+
+def closed_pipe_exit() -> NoReturn:
+    """Stop quietly with 141 after stdout's reader went away (`| head -1`)."""
+    try:
+        # later flushes (at exit too) must not raise again: point stdout at /dev/null
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # not a real file descriptor (the in-process test runner)
+    raise SystemExit(CLOSED_PIPE_EXIT)
